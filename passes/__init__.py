@@ -1,0 +1,1 @@
+"""fxkfac.passes: GraphModule -> GraphModule transforms for K-FAC and pipelining."""
