@@ -1,0 +1,57 @@
+"""A real, deterministic text corpus that ships with Python: the CPython standard library's source.
+
+Byte-level tokens (0..255) plus a [MASK] token; masked-language-model batches with a fixed
+generator, and a train/validation split by file, so every run sees the same data without downloads.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = ["MASK_TOKEN", "VOCAB_SIZE", "IGNORE_INDEX", "stdlib_corpus", "MaskedLMData"]
+
+MASK_TOKEN = 256
+VOCAB_SIZE = 257
+IGNORE_INDEX = -100
+
+
+def stdlib_corpus(max_bytes: int = 2_000_000, *, root: str | None = None) -> tuple[bytes, bytes]:
+    """(train, validation) bytes from the stdlib's top-level .py files, sorted by name; every 10th file validates."""
+    base = Path(root or sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in base.glob("*.py") if p.is_file())
+    if not files:
+        raise FileNotFoundError(f"no .py files under {base}; pass root= to a directory of Python sources")
+    train, val = bytearray(), bytearray()
+    for i, path in enumerate(files):
+        target = val if i % 10 == 9 else train
+        if len(target) < max_bytes:
+            target += path.read_bytes()[: max_bytes - len(target)]
+    return bytes(train), bytes(val)
+
+
+@dataclass
+class MaskedLMData:
+    """Fixed-length windows of a byte corpus with BERT-style masking (15%, all masked to [MASK])."""
+
+    data: bytes
+    seq_len: int = 64
+    mask_prob: float = 0.15
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self._tokens = torch.frombuffer(bytearray(self.data), dtype=torch.uint8).long()
+        self._gen = torch.Generator().manual_seed(self.seed)
+
+    def batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A random batch: (input ids with masks, targets with IGNORE_INDEX where not masked)."""
+        starts = torch.randint(0, len(self._tokens) - self.seq_len, (batch_size,), generator=self._gen)
+        windows = torch.stack([self._tokens[s : s + self.seq_len] for s in starts.tolist()])
+        masked = torch.rand(windows.shape, generator=self._gen) < self.mask_prob
+        masked[:, 0] |= ~masked.any(dim=1)  # every row predicts at least one token
+        inputs = windows.masked_fill(masked, MASK_TOKEN)
+        targets = windows.masked_fill(~masked, IGNORE_INDEX)
+        return inputs, targets
