@@ -1,0 +1,178 @@
+"""Damped inverses of a layer's Kronecker factors: damping split, Cholesky with fallbacks, eigendecomposition."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+from fxkfac.errors import CheckpointError, ConfigError
+
+__all__ = ["Inverse", "damping_split", "invert"]
+
+log = logging.getLogger(__name__)
+
+_CHOLESKY_KEYS = ("a_inv", "b_inv")
+_EIGEN_KEYS = ("q_a", "l_a", "q_b", "l_b", "damping")
+
+
+@dataclass(frozen=True, eq=False)
+class Inverse:
+    """The preconditioner of one layer.
+
+    Cholesky form: ``a_inv = (A + gamma_A I)^-1``, ``b_inv = (B + gamma_B I)^-1``, applied as
+    ``b_inv @ G @ a_inv``. Eigen form: ``A = q_a diag(l_a) q_a^T`` and ``B = q_b diag(l_b) q_b^T``
+    (eigenvalues clamped at 0), applied as ``q_b ((q_b^T G q_a) / (l_b l_a^T + damping)) q_a^T``.
+    With pi-damping the eigen form stores ``l_a + gamma_A``, ``l_b + gamma_B`` and ``damping = 0``,
+    which is the same operator as the Cholesky form.
+    """
+
+    method: Literal["cholesky", "eigen"]
+    a_inv: Tensor | None = None
+    b_inv: Tensor | None = None
+    q_a: Tensor | None = None
+    l_a: Tensor | None = None
+    q_b: Tensor | None = None
+    l_b: Tensor | None = None
+    damping: float = 0.0
+
+    def to_dict(self) -> dict[str, Tensor]:
+        """Flat dict of tensors (for a state_dict); the keys present tell the method."""
+        if self.method == "cholesky":
+            return {"a_inv": self.a_inv, "b_inv": self.b_inv}
+        out = {"q_a": self.q_a, "l_a": self.l_a, "q_b": self.q_b, "l_b": self.l_b}
+        out["damping"] = torch.tensor(self.damping, dtype=torch.float64)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Tensor]) -> Inverse:
+        """Inverse of `to_dict`; raises CheckpointError when the keys are neither form's."""
+        keys = set(d)
+        if keys == set(_CHOLESKY_KEYS):
+            return cls("cholesky", a_inv=d["a_inv"], b_inv=d["b_inv"])
+        if keys == set(_EIGEN_KEYS):
+            return cls("eigen", q_a=d["q_a"], l_a=d["l_a"], q_b=d["q_b"], l_b=d["l_b"], damping=float(d["damping"]))
+        raise CheckpointError(
+            f"an inverse in the checkpoint has keys {sorted(keys)}; expected {list(_CHOLESKY_KEYS)} (cholesky) "
+            f"or {list(_EIGEN_KEYS)} (eigen): the checkpoint is corrupt or from another version"
+        )
+
+
+def damping_split(A: Tensor, B: Tensor, damping: float, pi_damping: bool) -> tuple[float, float]:
+    """``(gamma_A, gamma_B)``: ``sqrt(gamma)`` each, or with pi-damping ``pi*sqrt(gamma)`` and ``sqrt(gamma)/pi``.
+
+    ``pi = sqrt((tr A / d_A) / (tr B / d_B))`` balances the damping to the factors' average eigenvalues.
+    When either mean trace is not a positive finite number pi is undefined and 1 is used (plain split).
+    """
+    root = math.sqrt(damping)
+    if not pi_damping:
+        return root, root
+    mean_a = float(torch.trace(A)) / A.shape[0]
+    mean_b = float(torch.trace(B)) / B.shape[0]
+    if not (math.isfinite(mean_a) and math.isfinite(mean_b) and mean_a > 0 and mean_b > 0):
+        return root, root
+    pi = math.sqrt(mean_a / mean_b)
+    return pi * root, root / pi
+
+
+def invert(
+    A: Tensor,
+    B: Tensor,
+    *,
+    damping: float,
+    method: Literal["cholesky", "eigen"] = "cholesky",
+    pi_damping: bool = False,
+    max_retries: int = 3,
+    previous: Inverse | None = None,
+    name: str = "",
+) -> Inverse | None:
+    """The damped inverse of the factors ``A`` (input side) and ``B`` (output side), never with a NaN.
+
+    Cholesky: each damped factor is inverted in its own dtype; on failure (not positive definite, or a
+    non-finite result) its damping is multiplied by 10, up to ``max_retries`` times, then the last damping
+    is tried in float64 (the result is cast back). Eigen: ``eigh`` in the factors' dtype, then float64.
+    A non-finite factor cannot be repaired by damping and skips straight to the last resort, as does
+    a failure that survives every retry: ``previous`` is returned (possibly None: the layer then goes
+    unpreconditioned) with a warning naming ``name``.
+    """
+    if not damping > 0:
+        raise ConfigError(f"damping must be > 0, got {damping!r}")
+    if method not in ("cholesky", "eigen"):
+        raise ConfigError(f"method must be 'cholesky' or 'eigen', got {method!r}")
+    label = name or "<unnamed layer>"
+    for side, f in (("A", A), ("B", B)):
+        if not bool(torch.isfinite(f).all()):
+            log.warning("K-FAC %s: factor %s has NaN/Inf; keeping the previous inverse (%s)",
+                        label, side, "none" if previous is None else "kept")
+            return previous
+    gamma_a, gamma_b = damping_split(A, B, damping, pi_damping)
+    if method == "cholesky":
+        a_inv = _damped_inverse(A, gamma_a, max_retries, label, "A")
+        b_inv = _damped_inverse(B, gamma_b, max_retries, label, "B")
+        result = None if a_inv is None or b_inv is None else Inverse("cholesky", a_inv=a_inv, b_inv=b_inv)
+    else:
+        result = _eigen_inverse(A, B, damping, (gamma_a, gamma_b) if pi_damping else None, label)
+    if result is None:
+        log.warning("K-FAC %s: inversion failed after all retries; %s", label,
+                    "keeping the previous inverse" if previous is not None else "layer stays unpreconditioned")
+        return previous
+    return result
+
+
+def _damped_inverse(f: Tensor, gamma: float, max_retries: int, label: str, side: str) -> Tensor | None:
+    """``(f + gamma I)^-1`` by Cholesky: 10x damping per retry, then float64 at the last damping; None if all fail."""
+    attempts = [(f.dtype, gamma * 10.0**i) for i in range(max_retries + 1)]
+    if f.dtype != torch.float64:
+        attempts.append((torch.float64, attempts[-1][1]))
+    for i, (dtype, g) in enumerate(attempts):
+        inv = _try_cholesky_inverse(f.to(dtype), g)
+        if inv is not None:
+            inv = inv.to(f.dtype)
+            if bool(torch.isfinite(inv).all()):
+                if i > 0:
+                    log.warning("K-FAC %s: Cholesky of factor %s needed damping %.3g in %s (asked %.3g)",
+                                label, side, g, dtype, gamma)
+                return inv
+    return None
+
+
+def _try_cholesky_inverse(f: Tensor, gamma: float) -> Tensor | None:
+    """``(f + gamma I)^-1`` via Cholesky, or None when the matrix is not numerically positive definite."""
+    damped = f + gamma * torch.eye(f.shape[0], dtype=f.dtype, device=f.device)
+    chol, info = torch.linalg.cholesky_ex(damped)
+    if int(info) != 0:
+        return None
+    inv = torch.cholesky_inverse(chol)
+    return inv if bool(torch.isfinite(inv).all()) else None
+
+
+def _eigen_inverse(
+    A: Tensor, B: Tensor, damping: float, split: tuple[float, float] | None, label: str
+) -> Inverse | None:
+    """Eigen form; with ``split`` (pi-damping) the per-factor dampings are folded into the eigenvalues."""
+    eig_a = _eigh(A, label, "A")
+    eig_b = _eigh(B, label, "B")
+    if eig_a is None or eig_b is None:
+        return None
+    (l_a, q_a), (l_b, q_b) = eig_a, eig_b
+    if split is not None:
+        return Inverse("eigen", q_a=q_a, l_a=l_a + split[0], q_b=q_b, l_b=l_b + split[1], damping=0.0)
+    return Inverse("eigen", q_a=q_a, l_a=l_a, q_b=q_b, l_b=l_b, damping=damping)
+
+
+def _eigh(f: Tensor, label: str, side: str) -> tuple[Tensor, Tensor] | None:
+    """Eigenvalues (clamped at 0: a Fisher factor is PSD) and eigenvectors, in f's dtype then float64."""
+    for dtype in dict.fromkeys((f.dtype, torch.float64)):
+        try:
+            vals, vecs = torch.linalg.eigh(f.to(dtype))
+        except torch.linalg.LinAlgError:
+            log.warning("K-FAC %s: eigh of factor %s failed in %s", label, side, dtype)
+            continue
+        vals, vecs = vals.clamp(min=0).to(f.dtype), vecs.to(f.dtype)
+        if bool(torch.isfinite(vals).all()) and bool(torch.isfinite(vecs).all()):
+            return vals, vecs
+    return None

@@ -1,0 +1,85 @@
+"""Natural gradient of one layer, P = B^-1 G A^-1 (or the eigen form), and the KL-clip scale over all layers."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from fxkfac.errors import ConfigError
+from fxkfac.kfac.inverse import Inverse
+from fxkfac.passes.layers import KFACLayer
+
+__all__ = ["grad_matrix", "split_grad", "precondition", "kl_clip_scale"]
+
+
+def grad_matrix(layer: KFACLayer, weight_grad: Tensor, bias_grad: Tensor | None) -> Tensor:
+    """The layer's gradient as ``G: [d_out, a_dim]``: weight (conv reshaped to ``[C_out, C_in*kh*kw]``), bias last.
+
+    A layer with a bias whose gradient is None (e.g. a frozen bias) gets a zero bias column, so G keeps
+    the shape of the factors.
+    """
+    g = weight_grad.reshape(layer.d_out, -1)
+    if g.shape[1] != layer.d_in:
+        raise ConfigError(
+            f"layer {layer.name!r}: weight gradient {tuple(weight_grad.shape)} does not give "
+            f"[d_out={layer.d_out}, d_in={layer.d_in}]"
+        )
+    if layer.bias is None:
+        if bias_grad is not None:
+            raise ConfigError(f"layer {layer.name!r} has no bias but a bias gradient was given")
+        return g
+    col = g.new_zeros(layer.d_out) if bias_grad is None else bias_grad.reshape(layer.d_out).to(g.dtype)
+    return torch.cat([g, col.unsqueeze(1)], dim=1)
+
+
+def split_grad(layer: KFACLayer, P: Tensor) -> tuple[Tensor, Tensor | None]:
+    """Inverse of `grad_matrix`: ``(weight-shaped, bias-shaped or None)``.
+
+    The weight comes back as ``[d_out, d_in]`` (Linear) or ``[C_out, C_in, kh, kw]`` (Conv2d).
+    """
+    if tuple(P.shape) != (layer.d_out, layer.a_dim):
+        raise ConfigError(f"layer {layer.name!r}: expected [{layer.d_out}, {layer.a_dim}], got {tuple(P.shape)}")
+    w = P[:, : layer.d_in]
+    if layer.kind == "conv2d":
+        if layer.conv is None:
+            raise ConfigError(f"layer {layer.name!r} is a conv2d without a ConvSpec")
+        kh, kw = layer.conv.kernel_size
+        w = w.reshape(layer.d_out, layer.d_in // (kh * kw), kh, kw)
+    bias = P[:, layer.d_in].contiguous() if layer.bias is not None else None
+    return w.contiguous(), bias
+
+
+def precondition(G: Tensor, inv: Inverse | None) -> Tensor:
+    """``P`` for gradient matrix ``G``; ``inv is None`` (no inverse yet, or none could be made) returns G itself.
+
+    Computed in the inverse's dtype, returned in G's dtype.
+    """
+    if inv is None:
+        return G
+    g = G.to(_dtype_of(inv))
+    if inv.method == "cholesky":
+        p = inv.b_inv @ g @ inv.a_inv
+    else:
+        rotated = inv.q_b.t() @ g @ inv.q_a
+        scaled = rotated / (torch.outer(inv.l_b, inv.l_a) + inv.damping)
+        p = inv.q_b @ scaled @ inv.q_a.t()
+    return p.to(G.dtype)
+
+
+def kl_clip_scale(dot_sum: float, lr: float, kappa: float | None) -> float:
+    """``nu = min(1, sqrt(kappa / (lr^2 * dot_sum)))``, with ``dot_sum = sum_l <P_l, G_l>`` over all layers.
+
+    Returns 1 (no clipping) when ``kappa`` is None, or when ``dot_sum <= 0``, ``lr == 0`` or ``dot_sum``
+    is NaN: the bound is then vacuous or undefined. An infinite ``dot_sum`` gives 0.
+    """
+    if kappa is None or lr == 0 or math.isnan(dot_sum) or dot_sum <= 0:
+        return 1.0
+    return min(1.0, math.sqrt(kappa / (lr * lr * dot_sum)))
+
+
+def _dtype_of(inv: Inverse) -> torch.dtype:
+    """dtype of the inverse's tensors."""
+    t = inv.a_inv if inv.method == "cholesky" else inv.q_a
+    return t.dtype
