@@ -54,11 +54,14 @@ def e_rows(e: Tensor, layer: KFACLayer, n: int) -> Tensor:
     return rows * n
 
 
-def factor(rows: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:
-    """``rows^T rows / rows.shape[0]`` computed in ``dtype`` (float32 by default, whatever the rows' dtype)."""
+def factor(rows: Tensor, dtype: torch.dtype | str = torch.float32) -> Tensor:
+    """``rows^T rows / rows.shape[0]`` computed in ``dtype`` (float32 by default, whatever the rows' dtype).
+
+    ``dtype`` may be a name such as ``KFACConfig.factor_dtype`` ("float32", "float64").
+    """
     if rows.dim() != 2 or rows.shape[0] == 0:
         raise ConfigError(f"factor() needs a non-empty [rows, dim] matrix, got shape {tuple(rows.shape)}")
-    r = rows.to(dtype)
+    r = rows.to(_as_dtype(dtype))
     return (r.t() @ r) / r.shape[0]
 
 
@@ -67,6 +70,14 @@ def running_average(old: Tensor | None, new: Tensor, decay: float) -> Tensor:
     if old is None:
         return new
     return old * decay + new * (1.0 - decay)
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch floating dtype from itself or its name."""
+    resolved = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ConfigError(f"factor dtype must be a floating dtype such as 'float32', got {dtype!r}")
+    return resolved
 
 
 def _im2col(a: Tensor, layer: KFACLayer) -> Tensor:

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from fxkfac.errors import CheckpointError, ConfigError
 
-__all__ = ["Inverse", "damping_split", "invert"]
+__all__ = ["Inverse", "FactorInverse", "damping_split", "invert", "invert_factor", "combine"]
 
 log = logging.getLogger(__name__)
 
@@ -92,35 +92,79 @@ def invert(
 ) -> Inverse | None:
     """The damped inverse of the factors ``A`` (input side) and ``B`` (output side), never with a NaN.
 
-    Cholesky: each damped factor is inverted in its own dtype; on failure (not positive definite, or a
-    non-finite result) its damping is multiplied by 10, up to ``max_retries`` times, then the last damping
-    is tried in float64 (the result is cast back). Eigen: ``eigh`` in the factors' dtype, then float64.
-    A non-finite factor cannot be repaired by damping and skips straight to the last resort, as does
-    a failure that survives every retry: ``previous`` is returned (possibly None: the layer then goes
-    unpreconditioned) with a warning naming ``name``.
+    Cholesky: ``(A + gamma_A I)^-1`` and ``(B + gamma_B I)^-1`` (see `invert_factor` for the retries).
+    Eigen: without pi-damping ``gamma`` is added to the product of eigenvalues, ``(A kron B + gamma I)^-1``;
+    with pi-damping each factor is damped (``gamma_A``, ``gamma_B``), the only form in which pi means
+    anything, and the operator equals the Cholesky one. When either factor cannot be inverted (NaN/Inf in
+    it, or every retry failed) ``previous`` is returned (possibly None: the layer then goes
+    unpreconditioned) and a warning names ``name``.
     """
     if not damping > 0:
         raise ConfigError(f"damping must be > 0, got {damping!r}")
     if method not in ("cholesky", "eigen"):
         raise ConfigError(f"method must be 'cholesky' or 'eigen', got {method!r}")
     label = name or "<unnamed layer>"
-    for side, f in (("A", A), ("B", B)):
-        if not bool(torch.isfinite(f).all()):
-            log.warning("K-FAC %s: factor %s has NaN/Inf; keeping the previous inverse (%s)",
-                        label, side, "none" if previous is None else "kept")
-            return previous
     gamma_a, gamma_b = damping_split(A, B, damping, pi_damping)
-    if method == "cholesky":
-        a_inv = _damped_inverse(A, gamma_a, max_retries, label, "A")
-        b_inv = _damped_inverse(B, gamma_b, max_retries, label, "B")
-        result = None if a_inv is None or b_inv is None else Inverse("cholesky", a_inv=a_inv, b_inv=b_inv)
-    else:
-        result = _eigen_inverse(A, B, damping, (gamma_a, gamma_b) if pi_damping else None, label)
-    if result is None:
-        log.warning("K-FAC %s: inversion failed after all retries; %s", label,
+    shift = 0.0
+    if method == "eigen" and not pi_damping:
+        gamma_a, gamma_b, shift = 0.0, 0.0, damping
+    part_a = invert_factor(A, gamma_a, method=method, max_retries=max_retries, name=label, side="A")
+    part_b = invert_factor(B, gamma_b, method=method, max_retries=max_retries, name=label, side="B")
+    if part_a is None or part_b is None:
+        log.warning("K-FAC %s: no inverse could be made; %s", label,
                     "keeping the previous inverse" if previous is not None else "layer stays unpreconditioned")
         return previous
-    return result
+    return combine(part_a, part_b, shift)
+
+
+@dataclass(frozen=True, eq=False)
+class FactorInverse:
+    """One factor's half of an `Inverse`, so that A and B can be inverted on different ranks.
+
+    Cholesky: ``inv = (f + gamma I)^-1``. Eigen: eigenvectors ``q`` of f and ``l = max(eigenvalues, 0) + gamma``
+    (the damping folded into the eigenvalues; gamma = 0 keeps them undamped).
+    """
+
+    method: Literal["cholesky", "eigen"]
+    inv: Tensor | None = None
+    q: Tensor | None = None
+    l: Tensor | None = None  # noqa: E741 - the paper's lambda
+
+
+def invert_factor(
+    f: Tensor,
+    gamma: float,
+    *,
+    method: Literal["cholesky", "eigen"] = "cholesky",
+    max_retries: int = 3,
+    name: str = "",
+    side: str = "A",
+) -> FactorInverse | None:
+    """Invert one factor with damping ``gamma``; None when it cannot be done without NaN/Inf.
+
+    A factor holding NaN/Inf is hopeless and returns None at once. Cholesky works in f's dtype; when the
+    damped factor is not positive definite (or its inverse is not finite) the damping is multiplied by 10,
+    up to ``max_retries`` times, then the last damping is tried in float64 (the result is cast back).
+    Eigen: ``eigh`` in f's dtype, then in float64; eigenvalues are clamped at 0 (a Fisher factor is PSD).
+    """
+    label = name or "<unnamed layer>"
+    if not bool(torch.isfinite(f).all()):
+        log.warning("K-FAC %s: factor %s has NaN/Inf and cannot be inverted", label, side)
+        return None
+    if method == "cholesky":
+        inv = _damped_inverse(f, gamma, max_retries, label, side)
+        return None if inv is None else FactorInverse("cholesky", inv=inv)
+    eig = _eigh(f, label, side)
+    return None if eig is None else FactorInverse("eigen", q=eig[1], l=eig[0] + gamma)
+
+
+def combine(a: FactorInverse, b: FactorInverse, damping: float = 0.0) -> Inverse:
+    """The layer's `Inverse` from its two halves; ``damping`` is the eigen form's shift of ``l_b l_a^T``."""
+    if a.method != b.method:
+        raise ConfigError(f"cannot combine a {a.method} inverse of A with a {b.method} inverse of B")
+    if a.method == "cholesky":
+        return Inverse("cholesky", a_inv=a.inv, b_inv=b.inv)
+    return Inverse("eigen", q_a=a.q, l_a=a.l, q_b=b.q, l_b=b.l, damping=damping)
 
 
 def _damped_inverse(f: Tensor, gamma: float, max_retries: int, label: str, side: str) -> Tensor | None:
@@ -137,6 +181,8 @@ def _damped_inverse(f: Tensor, gamma: float, max_retries: int, label: str, side:
                     log.warning("K-FAC %s: Cholesky of factor %s needed damping %.3g in %s (asked %.3g)",
                                 label, side, g, dtype, gamma)
                 return inv
+    log.warning("K-FAC %s: Cholesky of factor %s failed up to damping %.3g, also in float64", label, side,
+                attempts[-1][1])
     return None
 
 
@@ -148,20 +194,6 @@ def _try_cholesky_inverse(f: Tensor, gamma: float) -> Tensor | None:
         return None
     inv = torch.cholesky_inverse(chol)
     return inv if bool(torch.isfinite(inv).all()) else None
-
-
-def _eigen_inverse(
-    A: Tensor, B: Tensor, damping: float, split: tuple[float, float] | None, label: str
-) -> Inverse | None:
-    """Eigen form; with ``split`` (pi-damping) the per-factor dampings are folded into the eigenvalues."""
-    eig_a = _eigh(A, label, "A")
-    eig_b = _eigh(B, label, "B")
-    if eig_a is None or eig_b is None:
-        return None
-    (l_a, q_a), (l_b, q_b) = eig_a, eig_b
-    if split is not None:
-        return Inverse("eigen", q_a=q_a, l_a=l_a + split[0], q_b=q_b, l_b=l_b + split[1], damping=0.0)
-    return Inverse("eigen", q_a=q_a, l_a=l_a, q_b=q_b, l_b=l_b, damping=damping)
 
 
 def _eigh(f: Tensor, label: str, side: str) -> tuple[Tensor, Tensor] | None:

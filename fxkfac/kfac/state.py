@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from fxkfac.config import KFACConfig
 from fxkfac.errors import CheckpointError, ConfigError
 from fxkfac.kfac.factors import running_average
-from fxkfac.kfac.inverse import Inverse
+from fxkfac.kfac.inverse import Inverse, invert
 
 __all__ = ["LayerState"]
 
@@ -76,6 +77,19 @@ class LayerState:
                 f"inverse activation steps must not decrease: {active_from} after {self.pending[-1][0]}"
             )
         self.pending.append((active_from, inverse))
+
+    def invert_pending(self, cfg: KFACConfig, active_from: int, name: str = "") -> Inverse | None:
+        """Invert the running factors with ``cfg``'s damping, method and retries, and queue the result.
+
+        On failure `invert` falls back to the newest inverse, which is not queued again. Returns what
+        `invert` returned.
+        """
+        if self.A is None or self.B is None:
+            raise AssertionError(f"invert_pending() for {name or 'a layer'} before its first finish_refresh()")
+        inverse = invert(self.A, self.B, damping=cfg.damping, method=cfg.inverse, pi_damping=cfg.pi_damping,
+                         max_retries=cfg.max_cholesky_retries, previous=self.latest, name=name)
+        self.set_pending(inverse, active_from)
+        return inverse
 
     def activate(self, step: int) -> bool:
         """Promote the newest pending inverse whose activation step is ``<= step``; True if `active` changed."""

@@ -99,3 +99,12 @@ def test_shape_mismatches_name_the_layer() -> None:
         e_rows(torch.randn(2, 4), layer, 2)
     with pytest.raises(ConfigError, match="conv2d"):
         a_rows(torch.randn(2, 3, 4), layer_of(nn.Conv2d(3, 2, 2)))
+
+
+def test_factor_dtype_by_name() -> None:
+    rows = torch.randn(10, 3)
+    assert factor(rows, "float64").dtype == torch.float64
+    with pytest.raises(ConfigError, match="floating"):
+        factor(rows, "int32")
+    with pytest.raises(ConfigError, match="floating"):
+        factor(rows, "float17")

@@ -7,6 +7,7 @@ import io
 import pytest
 import torch
 
+from fxkfac.config import KFACConfig
 from fxkfac.errors import CheckpointError, ConfigError
 from fxkfac.kfac import LayerState, invert, precondition
 
@@ -138,3 +139,22 @@ def test_corrupt_state_dict_raises_checkpoint_error() -> None:
         LayerState(a_dim=4, b_dim=2).load_state_dict(sd)
     with pytest.raises(CheckpointError):
         LayerState().load_state_dict({"A": torch.eye(2)})
+
+
+def test_invert_pending_follows_the_config_and_falls_back_to_latest() -> None:
+    cfg = KFACConfig(damping=1e-2, inverse="eigen", pi_damping=True)
+    s = LayerState()
+    s.add_a(_sym(3, 0)), s.add_b(_sym(2, 1))
+    s.finish_refresh(cfg.factor_decay)
+    inv = s.invert_pending(cfg, active_from=1, name="fc")
+    expected = invert(s.A, s.B, damping=1e-2, method="eigen", pi_damping=True)
+    G = torch.randn(2, 3)
+    torch.testing.assert_close(precondition(G, inv), precondition(G, expected), rtol=0, atol=0)
+    s.add_a(torch.full((3, 3), float("nan"))), s.add_b(_sym(2, 1))
+    s.finish_refresh(cfg.factor_decay)
+    assert s.invert_pending(cfg, active_from=2, name="fc") is inv and s.pending == [(1, inv)]
+
+
+def test_invert_pending_before_any_refresh_is_an_internal_error() -> None:
+    with pytest.raises(AssertionError, match="finish_refresh"):
+        LayerState().invert_pending(KFACConfig(), active_from=0)
