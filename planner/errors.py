@@ -8,6 +8,9 @@ __all__ = [
     "PlanFormatError",
     "PlanMismatchError",
     "InfeasibleBudgetError",
+    "ScheduleError",
+    "DeadlockError",
+    "CostModelError",
 ]
 
 
@@ -33,3 +36,15 @@ class InfeasibleBudgetError(PlanError):
     def __init__(self, message: str, needed_bytes: int | None = None) -> None:
         super().__init__(message)
         self.needed_bytes = needed_bytes
+
+
+class ScheduleError(PlanError, ValueError):
+    """A pipeline schedule was asked for with stages/micro-batches/virtual stages it cannot run."""
+
+
+class DeadlockError(PlanError):
+    """Simulated programs stop making progress: some rank waits for an op that never comes."""
+
+
+class CostModelError(PlannerError, ValueError):
+    """A cost input (cost table, profile CSV, hardware spec, model preset) is invalid or unknown."""

@@ -1,0 +1,107 @@
+"""Op text round-trips, program golden-file format, and the planner's torch-free import."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, strategies as st
+
+from fxkfac.planner.errors import PlanFormatError
+from fxkfac.planner.ir import (
+    LayerTiming,
+    Op,
+    OpKind,
+    format_program,
+    format_programs,
+    parse_program,
+    parse_programs,
+)
+
+EXAMPLES = {
+    "F s1 m0": Op(OpKind.FWD, 1, 0),
+    "B s3 m2 p1": Op(OpKind.BWD, 3, 2, pipe=1),
+    "SEND_ACT s1 m0 >r2": Op(OpKind.SEND_ACT, 1, 0, peer=2),
+    "RECV_GRAD s1 m0 <r2": Op(OpKind.RECV_GRAD, 1, 0, peer=2),
+    "CURV s1 m3 A bert.encoder.layer.0.output.dense": Op(
+        OpKind.CURV, 1, 3, layer="bert.encoder.layer.0.output.dense", factor="A"
+    ),
+    "SYNC_CURV s1 B fc1": Op(OpKind.SYNC_CURV, 1, layer="fc1", factor="B"),
+    "INV s1 A 0": Op(OpKind.INV, 1, layer="0", factor="A"),
+    "BCAST_INV s1 A @r3 fc": Op(OpKind.BCAST_INV, 1, layer="fc", factor="A", peer=3),
+    "PREC s1": Op(OpKind.PREC, 1),
+    "ALLREDUCE_GRAD s1": Op(OpKind.ALLREDUCE_GRAD, 1),
+    "OPT_STEP": Op(OpKind.OPT_STEP),
+}
+
+
+@pytest.mark.parametrize("text", sorted(EXAMPLES))
+def test_documented_spellings(text: str) -> None:
+    assert str(EXAMPLES[text]) == text
+    assert Op.parse(text) == EXAMPLES[text]
+
+
+def test_ambiguous_layer_names_are_quoted() -> None:
+    for layer in ("A", "s1", "m0", "p2", ">r1", "has space", 'quo"te', "ünï"):
+        op = Op(OpKind.CURV, 0, 1, layer=layer, factor="B")
+        assert Op.parse(str(op)) == op
+        assert str(op).endswith(json.dumps(layer))
+
+
+ops = st.builds(
+    Op,
+    kind=st.sampled_from(list(OpKind)),
+    stage=st.none() | st.integers(0, 200),
+    mb=st.none() | st.integers(0, 200),
+    pipe=st.integers(0, 3),
+    layer=st.none() | st.text(min_size=1, max_size=12),
+    factor=st.sampled_from([None, "A", "B"]),
+    peer=st.none() | st.integers(0, 99),
+)
+
+
+@given(ops)
+def test_round_trip(op: Op) -> None:
+    assert Op.parse(str(op)) == op
+    assert "\n" not in str(op)
+
+
+@given(st.dictionaries(st.integers(0, 7), st.lists(st.lists(ops, max_size=4), min_size=1, max_size=3), max_size=4))
+def test_programs_round_trip(programs: dict[int, list[list[Op]]]) -> None:
+    assert parse_programs(format_programs(programs)) == programs
+    for program in programs.values():
+        assert parse_program(format_program(program)) == program
+
+
+@pytest.mark.parametrize(
+    "text", ["X s1", "F s1 two words", "F s1 m0 <r2", "F s1 m0 bad name!", 'INV s0 A "unterminated', "SEND_ACT s0 <r1"]
+)
+def test_bad_text_is_refused(text: str) -> None:
+    with pytest.raises(PlanFormatError):
+        Op.parse(text)
+
+
+def test_bad_fields_are_refused() -> None:
+    with pytest.raises(PlanFormatError):
+        Op(OpKind.FWD, -1, 0)
+    with pytest.raises(PlanFormatError):
+        Op(OpKind.CURV, 0, 0, factor="C")
+    with pytest.raises(PlanFormatError):
+        parse_programs("F s0 m0\n")
+
+
+def test_layer_timing_fields() -> None:
+    assert LayerTiming(period=3, curv_step=1, use_offset=2, capture="deferred").period == 3
+
+
+def test_planner_does_not_import_torch() -> None:
+    code = (
+        "import sys, importlib, pkgutil, fxkfac.planner as p\n"
+        "for m in pkgutil.iter_modules(p.__path__):\n"
+        "    importlib.import_module('fxkfac.planner.' + m.name)\n"
+        "bad = [m for m in sys.modules if m == 'torch' or m.startswith('torch.')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
