@@ -14,9 +14,11 @@ __all__ = [
     "PipelineTimeoutError",
     "CheckpointError",
     "NonFiniteError",
+    "CostModelError",
 ]
 
 from fxkfac.planner.errors import (  # the planner is torch-free; its errors are ours too
+    CostModelError,
     InfeasibleBudgetError,
     PlanError,
     PlanFormatError,

@@ -1,0 +1,401 @@
+"""Cost tables: what each stage and K-FAC layer costs in seconds and bytes (+ JSON, + PipeFisher CSV)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+from fxkfac.planner.errors import CostModelError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "LayerCost",
+    "StageCost",
+    "CostTable",
+    "PIPEFISHER_COLUMNS",
+    "cost_table_from_pipefisher_csv",
+    "load_cost_table",
+]
+
+SCHEMA_VERSION = 1
+"""Version of the cost-table JSON layout; `CostTable.from_json` refuses any other."""
+
+PIPEFISHER_COLUMNS = (
+    "bs", "time_f", "time_b", "time_kron", "time_inv", "time_prec",
+    "mem_param", "mem_act", "mem_peak_err", "mem_save_err", "mem_kron",
+)  # fmt: skip
+"""Columns of ../shared/data/pipefisher-profiles/*.csv (ms and MiB per Transformer block)."""
+
+_MS = 1e-3
+_MIB = 1 << 20
+
+
+def _check_number(owner: str, field: str, value: Any, *, integer: bool) -> None:
+    """Refuse a negative, non-finite or wrongly typed cost, naming where it sits."""
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        want = "an int (bytes)" if integer else "a number (seconds)"
+        raise CostModelError(f"{owner}: {field} must be {want}, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise CostModelError(f"{owner}: {field} must be finite and >= 0, got {value!r}")
+
+
+def _check_fields(obj: Any, owner: str, byte_fields: frozenset[str], skip: frozenset[str]) -> None:
+    for f in fields(obj):
+        if f.name not in skip:
+            _check_number(owner, f.name, getattr(obj, f.name), integer=f.name in byte_fields)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCost:
+    """What one K-FAC layer costs.
+
+    curv_a/curv_b: seconds to build A_m / B_m from one micro-batch; inv_a/inv_b: seconds to invert
+    one factor; prec: seconds of B^-1 G A^-1 per step. a_bytes/e_bytes: what a *deferred* capture
+    keeps per micro-batch (the rows of a and of e); factor_a_bytes/factor_b_bytes: one factor
+    (its inverse has the same size).
+    """
+
+    name: str
+    curv_a: float
+    curv_b: float
+    inv_a: float
+    inv_b: float
+    prec: float
+    a_bytes: int
+    e_bytes: int
+    factor_a_bytes: int
+    factor_b_bytes: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise CostModelError(f"LayerCost.name must be a non-empty string, got {self.name!r}")
+        byte_fields = frozenset({"a_bytes", "e_bytes", "factor_a_bytes", "factor_b_bytes"})
+        _check_fields(self, f"layer {self.name!r}", byte_fields, frozenset({"name"}))
+
+    @property
+    def curv(self) -> float:
+        """Seconds of curvature (A and B) per micro-batch."""
+        return self.curv_a + self.curv_b
+
+    @property
+    def inv(self) -> float:
+        """Seconds to invert both factors."""
+        return self.inv_a + self.inv_b
+
+    @property
+    def factor_bytes(self) -> int:
+        """Bytes of both factors (the same again for both inverses)."""
+        return self.factor_a_bytes + self.factor_b_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    """What one pipeline stage costs: per-micro-batch forward/backward, memory, and its K-FAC layers.
+
+    act_bytes is kept per in-flight micro-batch (from its forward until its backward);
+    peak_err_bytes is the transient peak of errors inside one backward (counted once).
+    """
+
+    fwd: float
+    bwd: float
+    param_bytes: int
+    act_bytes: int
+    layers: tuple[LayerCost, ...]
+    peak_err_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layers, tuple) or not all(isinstance(x, LayerCost) for x in self.layers):
+            raise CostModelError("StageCost.layers must be a tuple of LayerCost")
+        byte_fields = frozenset({"param_bytes", "act_bytes", "peak_err_bytes"})
+        _check_fields(self, "stage", byte_fields, frozenset({"layers"}))
+
+    @property
+    def curv(self) -> float:
+        """Seconds of curvature of all layers for one micro-batch (T_curv of the paper)."""
+        return sum(layer.curv for layer in self.layers)
+
+    @property
+    def inv(self) -> float:
+        """Seconds to invert every factor of the stage (T_inv)."""
+        return sum(layer.inv for layer in self.layers)
+
+    @property
+    def prec(self) -> float:
+        """Seconds of preconditioning per step (T_prec)."""
+        return sum(layer.prec for layer in self.layers)
+
+    @property
+    def factor_bytes(self) -> int:
+        """Bytes of all factors of the stage (M_curv; the inverses M_inv are as large)."""
+        return sum(layer.factor_bytes for layer in self.layers)
+
+    @property
+    def deferred_bytes(self) -> int:
+        """Bytes one micro-batch keeps when every layer defers its capture (a and e)."""
+        return sum(layer.a_bytes + layer.e_bytes for layer in self.layers)
+
+
+@dataclass(frozen=True, slots=True)
+class CostTable:
+    """Costs of every stage of one model at one micro-batch size, and where they came from."""
+
+    stages: tuple[StageCost, ...]
+    micro_batch_size: int
+    source: str
+    """How the numbers were made, e.g. "pipefisher-csv:bert-base_time_memory_p100.csv"."""
+    hardware: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stages, tuple) or not self.stages:
+            raise CostModelError("CostTable.stages must be a non-empty tuple of StageCost")
+        if not all(isinstance(s, StageCost) for s in self.stages):
+            raise CostModelError("CostTable.stages must hold StageCost objects")
+        mbs = self.micro_batch_size
+        if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1:
+            raise CostModelError(f"CostTable.micro_batch_size must be an int >= 1, got {mbs!r}")
+        names = [layer.name for s in self.stages for layer in s.layers]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise CostModelError(f"CostTable: layer names must be unique across stages; repeated: {dupes}")
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        """Every K-FAC layer name, stage by stage."""
+        return tuple(layer.name for s in self.stages for layer in s.layers)
+
+    def stage_of(self, layer: str) -> int:
+        """Index of the stage that holds `layer`."""
+        for i, s in enumerate(self.stages):
+            if any(x.name == layer for x in s.layers):
+                return i
+        raise CostModelError(f"no layer {layer!r} in the cost table; known: {list(self.layer_names)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able form with the schema version."""
+        body = asdict(self)
+        return {"schema_version": SCHEMA_VERSION, **body}
+
+    def to_json(self, *, indent: int | None = 1) -> str:
+        """JSON text (`from_json` reads it back to an equal table)."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CostTable:
+        """Build from `to_dict` output; every malformed piece raises CostModelError saying which."""
+        if not isinstance(data, dict):
+            raise CostModelError(f"a cost table must be a JSON object, got {type(data).__name__}")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise CostModelError(
+                f"cost table schema_version {version!r} is not supported (expected {SCHEMA_VERSION}); "
+                "re-create it with this version of fxkfac"
+            )
+        try:
+            stages = tuple(_stage_from_dict(s) for s in data["stages"])
+            return cls(stages, data["micro_batch_size"], data["source"], data["hardware"])
+        except KeyError as e:
+            raise CostModelError(f"cost table is missing the key {e.args[0]!r}") from e
+        except TypeError as e:
+            raise CostModelError(f"cost table has a malformed entry: {e}") from e
+
+    @classmethod
+    def from_json(cls, text: str) -> CostTable:
+        """Parse `to_json` output."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CostModelError(f"cost table is not valid JSON: {e}") from e
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        """Write the JSON form to `path`."""
+        Path(path).write_text(self.to_json())
+
+    def scale_times(self, factor: float) -> CostTable:
+        """Every time multiplied by `factor` (a faster or slower device); bytes unchanged."""
+        _check_number("scale_times", "factor", factor, integer=False)
+        return replace(self, stages=tuple(_scale_stage(s, factor, factor, 1.0) for s in self.stages))
+
+    def with_micro_batch_size(self, micro_batch_size: int) -> CostTable:
+        """Costs at another micro-batch size, assuming per-micro-batch costs grow linearly with it.
+
+        fwd, bwd, curvature, kept activations, a/e and the error peak scale by new/old; inversion,
+        preconditioning, parameters and factors do not depend on the micro-batch size.
+        """
+        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise CostModelError(f"micro_batch_size must be an int >= 1, got {micro_batch_size!r}")
+        r = micro_batch_size / self.micro_batch_size
+        stages = tuple(_scale_stage(s, r, 1.0, r) for s in self.stages)
+        return replace(self, stages=stages, micro_batch_size=micro_batch_size)
+
+
+def _stage_from_dict(data: dict[str, Any]) -> StageCost:
+    layers = tuple(LayerCost(**layer) for layer in data["layers"])
+    return StageCost(**{**data, "layers": layers})
+
+
+def _scale_stage(s: StageCost, per_mb: float, fixed: float, mem: float) -> StageCost:
+    """Scale per-micro-batch times by per_mb, per-step times by fixed, per-micro-batch bytes by mem."""
+    layers = tuple(
+        replace(
+            x,
+            curv_a=x.curv_a * per_mb,
+            curv_b=x.curv_b * per_mb,
+            inv_a=x.inv_a * fixed,
+            inv_b=x.inv_b * fixed,
+            prec=x.prec * fixed,
+            a_bytes=round(x.a_bytes * mem),
+            e_bytes=round(x.e_bytes * mem),
+        )
+        for x in s.layers
+    )
+    return replace(
+        s,
+        fwd=s.fwd * per_mb,
+        bwd=s.bwd * per_mb,
+        act_bytes=round(s.act_bytes * mem),
+        peak_err_bytes=round(s.peak_err_bytes * mem),
+        layers=layers,
+    )
+
+
+def _read_pipefisher_rows(path: Path) -> dict[int, dict[str, float]]:
+    """Rows of a PipeFisher profile CSV by micro-batch size."""
+    try:
+        with path.open(newline="") as f:
+            reader = csv.DictReader(f)
+            missing = [c for c in PIPEFISHER_COLUMNS if c not in (reader.fieldnames or [])]
+            if missing:
+                raise CostModelError(f"{path}: not a PipeFisher profile CSV, missing columns {missing}")
+            rows = {int(float(r["bs"])): {c: float(r[c]) for c in PIPEFISHER_COLUMNS} for r in reader}
+    except (ValueError, TypeError) as e:
+        raise CostModelError(f"{path}: a value is not a number ({e})") from e
+    except OSError as e:
+        raise CostModelError(f"cannot read profile CSV {path}: {e}") from e
+    if not rows:
+        raise CostModelError(f"{path}: the profile CSV has no rows")
+    return rows
+
+
+def _row_at(rows: dict[int, dict[str, float]], bs: int, path: Path) -> dict[str, float]:
+    """The row for micro-batch size bs, linearly interpolated between the nearest measured sizes."""
+    if bs in rows:
+        return rows[bs]
+    sizes = sorted(rows)
+    if not sizes[0] < bs < sizes[-1]:
+        raise CostModelError(
+            f"{path}: micro-batch size {bs} is outside the measured sizes {sizes}; "
+            "pick one in that range (sizes in between are interpolated)"
+        )
+    lo = max(s for s in sizes if s < bs)
+    hi = min(s for s in sizes if s > bs)
+    w = (bs - lo) / (hi - lo)
+    return {c: rows[lo][c] * (1 - w) + rows[hi][c] * w for c in PIPEFISHER_COLUMNS}
+
+
+def _blocks_per_stage(blocks_per_stage: Sequence[int] | int, n_stages: int | None) -> list[int]:
+    if isinstance(blocks_per_stage, int):
+        if n_stages is None:
+            raise CostModelError("blocks_per_stage given as an int needs n_stages (how many stages)")
+        counts = [blocks_per_stage] * n_stages
+    else:
+        counts = list(blocks_per_stage)
+    if not counts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+        raise CostModelError(f"blocks_per_stage must be positive ints, got {blocks_per_stage!r}")
+    return counts
+
+
+def _block_layer(row: dict[str, float], name: str) -> LayerCost:
+    half_kron = row["mem_kron"] * _MIB / 2
+    return LayerCost(
+        name=name,
+        curv_a=row["time_kron"] * _MS / 2,
+        curv_b=row["time_kron"] * _MS / 2,
+        inv_a=row["time_inv"] * _MS / 2,
+        inv_b=row["time_inv"] * _MS / 2,
+        prec=row["time_prec"] * _MS,
+        a_bytes=round(row["mem_save_err"] * _MIB),
+        e_bytes=round(row["mem_save_err"] * _MIB),
+        factor_a_bytes=round(half_kron),
+        factor_b_bytes=round(half_kron),
+    )
+
+
+def cost_table_from_pipefisher_csv(
+    path: str | Path,
+    *,
+    blocks_per_stage: Sequence[int] | int,
+    micro_batch_size: int,
+    n_stages: int | None = None,
+    hardware: str | None = None,
+) -> CostTable:
+    """A CostTable from a PipeFisher per-Transformer-block profile (ms and MiB per block).
+
+    Every Transformer block is one K-FAC "layer" named ``block{i}`` (i counts blocks over the
+    whole model) of its stage; a stage with k blocks costs k times a block. Mapping:
+
+    - time_f, time_b -> fwd, bwd (per micro-batch); time_prec -> prec of the block.
+    - time_kron -> curv_a + curv_b, split 50/50; time_inv -> inv_a + inv_b, split 50/50. The split
+      follows from the factor dims of the blocks profiled (BERT, OPT, T5): the six Linears map
+      d -> d (q, k, v, o), d -> f and f -> d, so the A sides {d,d,d,d,d,f} and the B sides
+      {d,d,d,d,f,d} are the same multiset: sum d_in^2 = sum d_out^2 (curvature, rows * d^2) and
+      sum d_in^3 = sum d_out^3 (inversion) exactly.
+    - mem_kron -> factor_a_bytes + factor_b_bytes, split 50/50 (it equals 4 bytes * sum of the
+      twelve d^2 without bias columns: 94.5 MiB for d=768, f=3072).
+    - mem_save_err -> e_bytes (errors a deferred B capture keeps per micro-batch); a_bytes is set
+      to the same value since sum of d_in * tokens = sum of d_out * tokens by the same symmetry.
+    - mem_param -> param_bytes, mem_act -> act_bytes (summed over the blocks of the stage),
+      mem_peak_err -> peak_err_bytes (the largest block peak: one backward is transient).
+
+    A micro-batch size not in the file is linearly interpolated between the nearest measured
+    sizes; one outside the measured range raises CostModelError. blocks_per_stage is a list (one
+    count per stage) or an int with n_stages.
+    """
+    path = Path(path)
+    row = _row_at(_read_pipefisher_rows(path), micro_batch_size, path)
+    counts = _blocks_per_stage(blocks_per_stage, n_stages)
+    stages, first = [], 0
+    for k in counts:
+        layers = tuple(_block_layer(row, f"block{first + j}") for j in range(k))
+        stages.append(
+            StageCost(
+                fwd=k * row["time_f"] * _MS,
+                bwd=k * row["time_b"] * _MS,
+                param_bytes=round(k * row["mem_param"] * _MIB),
+                act_bytes=round(k * row["mem_act"] * _MIB),
+                layers=layers,
+                peak_err_bytes=round(row["mem_peak_err"] * _MIB),
+            )
+        )
+        first += k
+    hw = hardware if hardware is not None else _hardware_from_name(path.stem)
+    return CostTable(tuple(stages), micro_batch_size, f"pipefisher-csv:{path.name}", hw)
+
+
+def _hardware_from_name(stem: str) -> str:
+    """'bert-base_time_memory_p100' -> 'p100' (the files' naming); 'unknown' otherwise."""
+    parts = stem.rsplit("_", 1)
+    return parts[1] if len(parts) == 2 and "_time_memory" in stem else "unknown"
+
+
+def load_cost_table(path: str | Path, **csv_options: Any) -> CostTable:
+    """Load a cost table from .json (CostTable.to_json) or .csv (PipeFisher profile; pass the
+    keyword arguments of `cost_table_from_pipefisher_csv`)."""
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix == ".csv":
+        return cost_table_from_pipefisher_csv(path, **csv_options)
+    if suffix == ".json":
+        if csv_options:
+            raise CostModelError(f"options {sorted(csv_options)} apply to .csv profiles, not to {path.name}")
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise CostModelError(f"cannot read cost table {path}: {e}") from e
+        return CostTable.from_json(text)
+    raise CostModelError(f"{path}: unknown cost file type {suffix!r}; use .json (a cost table) or .csv (a profile)")

@@ -1,0 +1,173 @@
+"""Cost tables: the PipeFisher CSV loader against the raw file, JSON round trips, and clear errors."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fxkfac.planner.costs import (
+    CostTable,
+    LayerCost,
+    StageCost,
+    cost_table_from_pipefisher_csv,
+    load_cost_table,
+)
+from fxkfac.planner.errors import CostModelError
+from fxkfac.planner.presets import preset
+
+PROFILES = Path(__file__).resolve().parents[3] / "shared" / "data" / "pipefisher-profiles"
+BERT_P100 = PROFILES / "bert-base_time_memory_p100.csv"
+MIB = 2**20
+
+
+def _raw_rows(path: Path) -> dict[int, dict[str, float]]:
+    """The file read by hand (split on commas), the independent reference for the loader."""
+    header, *lines = path.read_text().split()
+    names = header.split(",")
+    rows = [dict(zip(names, map(float, line.split(",")))) for line in lines]
+    return {int(r["bs"]): r for r in rows}
+
+
+def test_csv_loader_reproduces_every_number_of_the_file_in_seconds_and_bytes() -> None:
+    raw = _raw_rows(BERT_P100)[32]
+    table = cost_table_from_pipefisher_csv(BERT_P100, blocks_per_stage=[3, 3, 3, 3], micro_batch_size=32)
+    assert table.micro_batch_size == 32 and table.hardware == "p100"
+    assert [len(s.layers) for s in table.stages] == [3, 3, 3, 3]
+    assert table.layer_names == tuple(f"block{i}" for i in range(12))
+    assert table.stage_of("block7") == 2
+    for stage in table.stages:
+        assert stage.fwd == pytest.approx(3 * raw["time_f"] / 1000, rel=1e-12)
+        assert stage.bwd == pytest.approx(3 * raw["time_b"] / 1000, rel=1e-12)
+        assert stage.act_bytes == round(3 * raw["mem_act"] * MIB)
+        assert stage.param_bytes == round(3 * raw["mem_param"] * MIB)
+        assert stage.peak_err_bytes == round(raw["mem_peak_err"] * MIB)
+        for layer in stage.layers:
+            assert layer.curv == pytest.approx(raw["time_kron"] / 1000, rel=1e-12)
+            assert layer.inv == pytest.approx(raw["time_inv"] / 1000, rel=1e-12)
+            assert layer.prec == pytest.approx(raw["time_prec"] / 1000, rel=1e-12)
+            assert layer.factor_bytes == raw["mem_kron"] * MIB
+            assert layer.e_bytes == raw["mem_save_err"] * MIB
+        assert stage.curv == pytest.approx(3 * raw["time_kron"] / 1000, rel=1e-12)
+
+
+def test_every_profile_file_and_row_loads_with_its_hardware() -> None:
+    files = sorted(PROFILES.glob("*_time_memory_*.csv"))
+    assert len(files) == 18
+    for path in files:
+        for bs, raw in _raw_rows(path).items():
+            table = cost_table_from_pipefisher_csv(path, blocks_per_stage=2, n_stages=3, micro_batch_size=bs)
+            assert table.hardware == path.stem.rsplit("_", 1)[1]
+            assert table.stages[2].fwd == pytest.approx(2 * raw["time_f"] / 1000, rel=1e-12)
+            assert table.stages[0].layers[1].inv_b == pytest.approx(raw["time_inv"] / 2000, rel=1e-12)
+
+
+def test_fifty_fifty_split_follows_from_the_factor_dims_of_a_bert_block() -> None:
+    """The loader's docstring claims sum d_in^k == sum d_out^k per block and mem_kron = 4 B * sum d^2."""
+    block = preset("bert-base").blocks[0]
+    dims_in = [x.d_in for x in block.linears]
+    dims_out = [x.d_out for x in block.linears]
+    for k in (1, 2, 3):
+        assert sum(d**k for d in dims_in) == sum(d**k for d in dims_out)
+    mem_kron = _raw_rows(BERT_P100)[32]["mem_kron"]
+    assert 4 * sum(d * d for d in dims_in + dims_out) == mem_kron * MIB
+    save_err = _raw_rows(BERT_P100)[32]["mem_save_err"]  # errors of 32 x 128 tokens, fp32
+    assert 4 * 32 * 128 * sum(dims_out) == save_err * MIB
+
+
+def test_micro_batch_between_measured_sizes_is_interpolated_and_outside_is_refused() -> None:
+    rows = _raw_rows(BERT_P100)
+    mid = cost_table_from_pipefisher_csv(BERT_P100, blocks_per_stage=[1], micro_batch_size=24)
+    assert mid.stages[0].fwd == pytest.approx((rows[16]["time_f"] + rows[32]["time_f"]) / 2000, rel=1e-12)
+    with pytest.raises(CostModelError, match=r"outside the measured sizes \[1, 2, 4, 8, 16, 32, 64\]"):
+        cost_table_from_pipefisher_csv(BERT_P100, blocks_per_stage=[1], micro_batch_size=128)
+
+
+def test_csv_errors_name_the_problem(tmp_path: Path) -> None:
+    bad = tmp_path / "x.csv"
+    bad.write_text("bs,time_f\n1,2\n")
+    with pytest.raises(CostModelError, match="missing columns"):
+        cost_table_from_pipefisher_csv(bad, blocks_per_stage=[1], micro_batch_size=1)
+    with pytest.raises(CostModelError, match="needs n_stages"):
+        cost_table_from_pipefisher_csv(BERT_P100, blocks_per_stage=3, micro_batch_size=32)
+    with pytest.raises(CostModelError, match="positive ints"):
+        cost_table_from_pipefisher_csv(BERT_P100, blocks_per_stage=[3, 0], micro_batch_size=32)
+    with pytest.raises(CostModelError, match="cannot read"):
+        cost_table_from_pipefisher_csv(tmp_path / "missing.csv", blocks_per_stage=[1], micro_batch_size=1)
+
+
+def test_json_round_trip_and_load_dispatch(tmp_path: Path) -> None:
+    table = cost_table_from_pipefisher_csv(BERT_P100, blocks_per_stage=[2, 1], micro_batch_size=8)
+    assert CostTable.from_json(table.to_json()) == table
+    path = tmp_path / "costs.json"
+    table.save(path)
+    assert load_cost_table(path) == table
+    assert load_cost_table(BERT_P100, blocks_per_stage=[2, 1], micro_batch_size=8) == table
+    with pytest.raises(CostModelError, match="unknown cost file type"):
+        load_cost_table(tmp_path / "costs.yaml")
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d.update(schema_version=99), "schema_version 99 is not supported"),
+        (lambda d: d.pop("stages"), "missing the key 'stages'"),
+        (lambda d: d["stages"][0]["layers"][0].update(curv_a=-1.0), "curv_a must be finite and >= 0"),
+        (lambda d: d["stages"][0]["layers"][0].update(a_bytes=1.5), "a_bytes must be an int"),
+        (lambda d: d["stages"][0].update(fwd=float("nan")), "fwd must be finite"),
+        (lambda d: d["stages"][0].update(bogus=1), "malformed entry"),
+        (lambda d: d["stages"][1]["layers"][0].update(name="block0"), "repeated: \\['block0'\\]"),
+        (lambda d: d.update(micro_batch_size=0), "micro_batch_size must be an int >= 1"),
+    ],
+)
+def test_bad_json_is_refused_with_a_clear_error(mutate: Callable[[dict[str, Any]], object], message: str) -> None:
+    data = cost_table_from_pipefisher_csv(BERT_P100, blocks_per_stage=[1, 1], micro_batch_size=8).to_dict()
+    mutate(data)
+    with pytest.raises(CostModelError, match=message):
+        CostTable.from_dict(data)
+
+
+def test_not_json_is_refused() -> None:
+    with pytest.raises(CostModelError, match="not valid JSON"):
+        CostTable.from_json("{stages:")
+
+
+def test_scaling_helpers() -> None:
+    table = cost_table_from_pipefisher_csv(BERT_P100, blocks_per_stage=[1, 2], micro_batch_size=16)
+    double = table.with_micro_batch_size(32)
+    s0, s1 = table.stages[1], double.stages[1]
+    assert double.micro_batch_size == 32
+    assert s1.fwd == pytest.approx(2 * s0.fwd) and s1.curv == pytest.approx(2 * s0.curv)
+    assert s1.act_bytes == 2 * s0.act_bytes and s1.deferred_bytes == 2 * s0.deferred_bytes
+    assert s1.inv == s0.inv and s1.prec == s0.prec and s1.factor_bytes == s0.factor_bytes
+    slow = table.scale_times(2.5)
+    assert slow.stages[0].inv == pytest.approx(2.5 * table.stages[0].inv)
+    assert slow.stages[0].bwd == pytest.approx(2.5 * table.stages[0].bwd)
+    assert slow.stages[0].act_bytes == table.stages[0].act_bytes
+
+
+_seconds = st.floats(min_value=0, max_value=10, allow_nan=False)
+_bytes = st.integers(min_value=0, max_value=2**40)
+_layer = st.builds(LayerCost, st.just("x"), *([_seconds] * 5), *([_bytes] * 4))
+
+
+@st.composite
+def _tables(draw: st.DrawFn) -> CostTable:
+    stages = []
+    for i in range(draw(st.integers(1, 4))):
+        layers = draw(st.lists(_layer, max_size=3))
+        named = tuple(LayerCost(f"s{i}.l{j}", *[getattr(x, f) for f in x.__slots__[1:]]) for j, x in enumerate(layers))
+        stages.append(StageCost(draw(_seconds), draw(_seconds), draw(_bytes), draw(_bytes), named, draw(_bytes)))
+    return CostTable(tuple(stages), draw(st.integers(1, 512)), "test", "cpu")
+
+
+@settings(max_examples=60, deadline=None)
+@given(_tables())
+def test_any_table_round_trips_through_json_exactly(table: CostTable) -> None:
+    back = CostTable.from_json(table.to_json())
+    assert back == table
+    assert math.isclose(back.stages[0].curv, table.stages[0].curv)
