@@ -1,0 +1,168 @@
+"""The simulator against the Chimera note's timeline, an independent longest-path reference, and hand cases."""
+
+from __future__ import annotations
+
+import functools
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from fxkfac.planner.errors import DeadlockError
+from fxkfac.planner.ir import Op, OpKind
+from fxkfac.planner.schedules import schedule_programs, stage_rank
+from fxkfac.planner.simulate import simulate
+
+
+def fb(tf: float, tb: float):
+    return lambda rank, op: tf if op.kind is OpKind.FWD else tb if op.kind is OpKind.BWD else 0.0
+
+
+# notes/chimera.md §2: D=4, N=4, T_f=T_b=1, each op as early as possible ("·" = bubble).
+CHIMERA_GRID = [
+    "F↓0 F↓1  ·  F↑2 B↑2 F↑3 B↑3 B↓0  ·  B↓1",
+    " ·  F↓0 F↑2 F↓1 F↑3 B↑2 B↓0 B↑3 B↓1  · ",
+    " ·  F↑2 F↓0 F↑3 F↓1 B↓0 B↑2 B↓1 B↑3  · ",
+    "F↑2 F↑3  ·  F↓0 B↓0 F↓1 B↓1 B↑2  ·  B↑3",
+]
+
+
+def test_chimera_timeline_matches_the_note() -> None:
+    timeline = simulate(schedule_programs("chimera", 4, 4), fb(1, 1))
+    for rank, row in enumerate(CHIMERA_GRID):
+        expect = {}
+        for t, token in enumerate(row.split()):
+            if token != "·":
+                pipe = 0 if token[1] == "↓" else 1
+                stage = rank if pipe == 0 else 3 - rank
+                expect[Op(OpKind.FWD if token[0] == "F" else OpKind.BWD, stage, int(token[2:]), pipe)] = t
+        got = {iv.op: iv.start for iv in timeline.of_rank(rank) if iv.op.kind in (OpKind.FWD, OpKind.BWD)}
+        assert got == expect
+        assert timeline.bubbles(rank) in ([(2.0, 3.0), (8.0, 9.0)], [(0.0, 1.0), (9.0, 10.0)])
+    assert timeline.makespan == 10
+
+
+def _longest_path_starts(programs: dict[int, list[Op]], dur, comm: float, S: dict[int, int]) -> dict:
+    """Independent reference: earliest starts as a longest path over program-order and data edges."""
+    index = {(r, op): i for r, ops in programs.items() for i, op in enumerate(ops)}
+    rank_of = {op: r for r, ops in programs.items() for op in ops}
+
+    @functools.cache
+    def start(r: int, i: int) -> float:
+        op = programs[r][i]
+        t = end(r, i - 1) if i else 0.0
+        deps = []
+        if op.kind is OpKind.FWD and op.stage:
+            deps.append(Op(OpKind.FWD, op.stage - 1, op.mb, op.pipe))
+        if op.kind is OpKind.BWD:
+            deps.append(Op(OpKind.BWD, op.stage + 1, op.mb, op.pipe) if op.stage + 1 < S[op.pipe]
+                        else Op(OpKind.FWD, op.stage, op.mb, op.pipe))
+        for dep in deps:
+            q = rank_of[dep]
+            t = max(t, end(q, index[q, dep]) + (comm if q != r else 0.0))
+        return t
+
+    def end(r: int, i: int) -> float:
+        return start(r, i) + dur(r, programs[r][i])
+
+    return {(r, op): start(r, i) for r, ops in programs.items() for i, op in enumerate(ops)}
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.sampled_from([("gpipe", 3, 4, 1), ("1f1b", 4, 6, 1), ("interleaved", 2, 4, 2), ("chimera", 4, 8, 1),
+                     ("chimera", 6, 6, 1), ("1f1b", 5, 3, 1)]),
+    st.integers(0, 10**6),
+    st.sampled_from([0.0, 0.3]),
+)
+def test_matches_longest_path_reference(case: tuple, seed: int, comm: float) -> None:
+    kind, D, N, v = case
+    programs = {r: [op for op in ops if op.kind in (OpKind.FWD, OpKind.BWD)]
+                for r, ops in schedule_programs(kind, D, N, v=v).items()}
+    rng = random.Random(seed)
+    table = {(r, op): rng.choice([0.5, 1.0, 1.5, 2.0, 3.25]) for r, ops in programs.items() for op in ops}
+    dur = lambda r, op: table[r, op]  # noqa: E731
+    S = {p: max(op.stage for ops in programs.values() for op in ops if op.pipe == p) + 1
+         for p in {op.pipe for ops in programs.values() for op in ops}}
+    reference = _longest_path_starts(programs, dur, comm, S)
+    timeline = simulate(programs, dur, comm=comm)
+    assert {(iv.rank, iv.op): iv.start for iv in timeline.intervals} == pytest.approx(reference)
+
+
+def test_gpipe_two_ranks_by_hand() -> None:
+    timeline = simulate(schedule_programs("gpipe", 2, 2), fb(1, 2))
+    # r0: F0 0-1, F1 1-2, idle 2-4? r1: F0 1-2, F1 2-3, B0 3-5, B1 5-7; r0: B0 5-7, B1 7-9.
+    assert [(str(iv.op), iv.start, iv.end) for iv in timeline.of_rank(0) if iv.op.kind in (OpKind.FWD, OpKind.BWD)] \
+        == [("F s0 m0", 0, 1), ("F s0 m1", 1, 2), ("B s0 m0", 5, 7), ("B s0 m1", 7, 9)]
+    assert timeline.makespan == 9
+    assert timeline.bubbles(0) == [(2, 5)]
+    assert timeline.bubbles(1) == [(0, 1), (7, 9)]
+    assert timeline.busy(0) == 6 and timeline.utilization() == pytest.approx(6 / 9)
+    assert timeline.step_time == 9
+
+
+@pytest.mark.parametrize("kind,D,N", [("gpipe", 3, 5), ("1f1b", 4, 4), ("chimera", 4, 8)])
+def test_several_steps_repeat_the_flushed_step(kind: str, D: int, N: int) -> None:
+    one = simulate(schedule_programs(kind, D, N), fb(1, 2))
+    three = simulate(schedule_programs(kind, D, N), fb(1, 2), steps=3)
+    assert three.step_time == pytest.approx(one.makespan)
+    assert three.makespan == pytest.approx(3 * one.makespan)
+    assert {iv.step for iv in three.intervals} == {0, 1, 2}
+
+
+def test_collectives_start_together_after_every_member_arrives() -> None:
+    timeline = simulate(schedule_programs("chimera", 4, 4), lambda r, op: 0.5 if op.kind is OpKind.ALLREDUCE_GRAD
+                        else fb(1, 2)(r, op))
+    syncs: dict[int, set] = {}
+    for iv in timeline.intervals:
+        if iv.op.kind is OpKind.ALLREDUCE_GRAD:
+            syncs.setdefault(iv.op.stage, set()).add((iv.rank, iv.start, iv.end))
+    for stage, members in syncs.items():
+        assert {r for r, _, _ in members} == {stage, 3 - stage}
+        assert len({(s, e) for _, s, e in members}) == 1
+        last_b = max(iv.end for iv in timeline.intervals if iv.op.kind is OpKind.BWD and iv.op.stage == stage)
+        assert next(iter(members))[1] >= last_b
+
+
+def test_k_fac_ops_follow_program_order_and_group_by_stage() -> None:
+    programs = {
+        r: [Op(OpKind.FWD, 0, 0), Op(OpKind.CURV, 0, 0, layer="fc", factor="A"), Op(OpKind.BWD, 0, 0),
+            Op(OpKind.CURV, 0, 0, layer="fc", factor="B"), Op(OpKind.SYNC_CURV, 0, layer="fc", factor="A"),
+            *( [Op(OpKind.INV, 0, layer="fc", factor="A")] if r == 1 else []),
+            Op(OpKind.BCAST_INV, 0, layer="fc", factor="A", peer=1), Op(OpKind.ALLREDUCE_GRAD, 0),
+            Op(OpKind.PREC, 0), Op(OpKind.OPT_STEP)]
+        for r in (0, 1)
+    }
+    dur = {OpKind.FWD: 1, OpKind.BWD: 2, OpKind.CURV: 0.5, OpKind.SYNC_CURV: 0.25, OpKind.INV: 3,
+           OpKind.BCAST_INV: 0.25, OpKind.PREC: 1, OpKind.ALLREDUCE_GRAD: 0.5}
+    timeline = simulate(programs, lambda r, op: 4 * dur.get(op.kind, 0) if r == 0 and op.kind is OpKind.BWD
+                        else dur.get(op.kind, 0))
+    at = {(iv.rank, iv.op.kind): (iv.start, iv.end) for iv in timeline.intervals}
+    # rank 0: F 0-1, CURV A 1-1.5, slow B 1.5-9.5, CURV B 9.5-10; rank 1 is done at 4 and waits.
+    assert at[0, OpKind.SYNC_CURV] == at[1, OpKind.SYNC_CURV] == (10, 10.25)
+    assert at[1, OpKind.INV] == (10.25, 13.25)
+    assert at[0, OpKind.BCAST_INV] == at[1, OpKind.BCAST_INV] == (13.25, 13.5)
+    assert at[0, OpKind.PREC] == (14, 15)
+
+
+def test_deadlock_names_the_blocked_ops() -> None:
+    programs = {0: [Op(OpKind.BWD, 0, 0), Op(OpKind.FWD, 0, 0)], 1: [Op(OpKind.FWD, 1, 0), Op(OpKind.BWD, 1, 0)]}
+    with pytest.raises(DeadlockError, match=r"rank 0: B s0 m0 \(step 0\) waits for B s1 m0 on rank 1") as info:
+        simulate(programs, fb(1, 1))
+    assert "rank 1: F s1 m0 (step 0) waits for F s0 m0 on rank 0" in str(info.value)
+
+
+def test_unmatched_receive_and_missing_collective_member_deadlock() -> None:
+    with pytest.raises(DeadlockError, match="matching send on rank 1"):
+        simulate({0: [Op(OpKind.RECV_ACT, 1, 0, peer=1)], 1: [Op(OpKind.FWD, 0, 0)]}, fb(1, 1))
+    with pytest.raises(DeadlockError, match=r"ranks \[1\] to reach it"):
+        simulate({0: [Op(OpKind.ALLREDUCE_GRAD, 0)], 1: [Op(OpKind.BWD, 0, 0, pipe=1), Op(OpKind.FWD, 0, 0, pipe=1),
+                                                         Op(OpKind.ALLREDUCE_GRAD, 0)]}, fb(1, 1))
+
+
+def test_stage_rank_agrees_with_where_the_schedule_puts_ops() -> None:
+    programs = schedule_programs("chimera", 6, 6)
+    for r, ops in programs.items():
+        for op in ops:
+            if op.kind is OpKind.FWD:
+                assert stage_rank("chimera", 6, op.stage, op.pipe) == r
