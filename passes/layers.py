@@ -36,6 +36,8 @@ class KFACLayer:
     tokens_per_sample: int = 1
     """Rows each sample contributes to the factors (tokens; conv: output positions)."""
     conv: ConvSpec | None = None
+    weight_transposed: bool = False
+    """The weight is stored ``[d_in, d_out]`` (Hugging Face Conv1D, e.g. GPT-2), not ``[d_out, d_in]``."""
 
     @property
     def a_dim(self) -> int:

@@ -1,0 +1,228 @@
+"""Factor capture in the graph: the fxkfac::tap_a / fxkfac::tap_e custom ops and the insert_factor_capture pass.
+
+[Note: factor scaling] The ops never see ``n`` (samples in the global mini-batch). With ``a`` the layer
+input and ``g`` the raw gradient of the layer output that reaches the tap (the gradient of whatever
+loss the caller backpropagates), both flattened to rows as in ``fxkfac.kfac.factors``:
+- fused A: ``A_m = a_rows^T a_rows / rows`` (bias column included): already the K-FAC ``A_m``;
+- fused B: ``g_rows^T g_rows / rows``: the caller multiplies by ``n**2`` to get ``B_m``
+  (``e_rows`` multiplies the rows by ``n``);
+- deferred A: the layer input itself (as the layer sees it); the caller applies ``a_rows``/``factor``;
+- deferred B: ``g`` itself (the output's shape); the caller applies ``e_rows(g, layer, n)``/``factor``.
+Fused factors are float32 for half/bfloat16 inputs and in the input's dtype otherwise.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, fx
+
+from fxkfac.passes.find_layers import layer_input
+from fxkfac.passes.layers import KFACLayer
+from fxkfac.passes.meta import LAYER, NN_MODULE_STACK, TAP
+
+__all__ = ["FactorTaps", "insert_factor_capture", "tap_a", "tap_e", "probe_shape"]
+
+_MODES = ("fused", "deferred")
+
+
+def _factor_dtype(t: Tensor) -> torch.dtype:
+    """float32 for low-precision tensors, else the tensor's own dtype."""
+    return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
+
+
+def _a_rows(x: Tensor, bias: bool, kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int],
+            dilation: Sequence[int]) -> Tensor:
+    """Rows of A's sum: tokens flattened, or conv im2col (``kernel`` non-empty); bias column of ones last."""
+    if kernel:
+        cols = F.unfold(x, list(kernel), dilation=list(dilation), padding=list(padding), stride=list(stride))
+        rows = cols.transpose(1, 2).reshape(-1, cols.shape[1])
+    else:
+        rows = x.reshape(-1, x.shape[-1])
+    rows = rows.to(_factor_dtype(x))
+    if bias:
+        rows = torch.cat([rows, rows.new_ones(rows.shape[0], 1)], dim=1)
+    return rows
+
+
+def _gram(rows: Tensor) -> Tensor:
+    """``rows^T rows / rows``."""
+    return (rows.t() @ rows) / rows.shape[0]
+
+
+@torch.library.custom_op("fxkfac::tap_a", mutates_args=())
+def tap_a(x: Tensor, mode: str, bias: bool, kernel: list[int], stride: list[int], padding: list[int],
+          dilation: list[int]) -> Tensor:
+    """Capture of a layer input ``x``: ``A_m`` (fused) or a copy of ``x`` (deferred); see [Note: factor scaling].
+
+    ``kernel`` empty means a Linear; otherwise the Conv2d geometry used for im2col.
+    """
+    if mode == "deferred":
+        return x.clone()
+    return _gram(_a_rows(x, bias, kernel, stride, padding, dilation))
+
+
+@tap_a.register_fake
+def _tap_a_fake(x: Tensor, mode: str, bias: bool, kernel: list[int], stride: list[int], padding: list[int],
+                dilation: list[int]) -> Tensor:
+    if mode == "deferred":
+        return torch.empty_like(x)
+    d = (x.shape[1] * kernel[0] * kernel[1] if kernel else x.shape[-1]) + int(bias)
+    return x.new_empty((d, d), dtype=_factor_dtype(x))
+
+
+def _tap_a_backward(ctx: Any, grad: Tensor) -> tuple[None, ...]:
+    """The capture carries no gradient back to the activation."""
+    return (None,) * 7
+
+
+tap_a.register_autograd(_tap_a_backward)
+
+
+@torch.library.custom_op("fxkfac::tap_e", mutates_args=())
+def tap_e(y: Tensor, probe: Tensor, mode: str, channels_first: bool) -> Tensor:
+    """Identity on the layer output ``y`` (a copy: custom ops may not alias); the capture happens in backward.
+
+    Backward passes ``grad_y`` through and returns, as the gradient of ``probe``, ``g^T g / rows``
+    (fused) or ``g`` itself (deferred); ``channels_first`` marks a conv output ``[N, C, H, W]``.
+    """
+    return y.clone()
+
+
+@tap_e.register_fake
+def _tap_e_fake(y: Tensor, probe: Tensor, mode: str, channels_first: bool) -> Tensor:
+    return torch.empty_like(y)
+
+
+def _tap_e_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
+    ctx.mode, ctx.channels_first = inputs[2], inputs[3]
+
+
+def _tap_e_backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
+    if ctx.mode == "deferred":
+        return grad, grad.clone(), None, None
+    rows = grad.permute(0, 2, 3, 1).reshape(-1, grad.shape[1]) if ctx.channels_first else grad.reshape(
+        -1, grad.shape[-1])
+    return grad, _gram(rows.to(_factor_dtype(grad))), None, None
+
+
+tap_e.register_autograd(_tap_e_backward, setup_context=_tap_e_setup)
+
+
+@dataclass(frozen=True)
+class FactorTaps:
+    """A graph with factor capture, and which of its extra inputs/outputs belong to which layer.
+
+    Call ``gm(*user_inputs, *probes)`` with one probe per entry of ``probes`` (in that order), each a
+    zero tensor of ``probe_shapes[name]`` with ``requires_grad=True``. Outputs: the ``n_outputs`` user
+    outputs, then the A-side captures at ``a_outputs[name]``. After backward, ``probe.grad`` is the
+    B-side capture. Values as in [Note: factor scaling].
+    """
+
+    gm: fx.GraphModule
+    layers: tuple[KFACLayer, ...]
+    modes: Mapping[str, str]
+    n_outputs: int
+    a_outputs: Mapping[str, int]
+    probes: Mapping[str, int]
+    """Layer name -> position of its probe among the probes (after the user inputs)."""
+    probe_shapes: Mapping[str, tuple[int, ...]]
+
+
+def probe_shape(layer: KFACLayer, mode: str, output_shape: Sequence[int]) -> tuple[int, ...]:
+    """Shape of ``layer``'s probe: ``[d_out, d_out]`` when fused, the layer output's shape when deferred."""
+    return (layer.d_out, layer.d_out) if mode == "fused" else tuple(int(s) for s in output_shape)
+
+
+def insert_factor_capture(gm: fx.GraphModule, layers: Sequence[KFACLayer], modes: Mapping[str, str]) -> FactorTaps:
+    """A copy of ``gm`` with a ``tap_a`` on the input and a ``tap_e`` on the output of each layer in ``modes``.
+
+    ``gm`` must have a plain (flat) codegen whose output node returns a tuple/list, as
+    ``fxkfac.capture`` makes it; ``gm`` itself is not changed. Layers not in ``modes`` are left alone.
+    Reads ``node.meta[LAYER]`` (from `find_kfac_layers`) and ``node.meta["val"]``; writes
+    ``node.meta[LAYER]``, ``node.meta[TAP] = ("a" | "e", mode)`` and ``nn_module_stack`` on the taps
+    and probe placeholders.
+    """
+    bad = {name: mode for name, mode in modes.items() if mode not in _MODES}
+    if bad:
+        raise ValueError(f"capture modes must be 'fused' or 'deferred', got {bad}")
+    graph = fx.Graph()
+    graph._codegen = copy.copy(gm.graph._codegen)
+    outputs = graph.graph_copy(gm.graph, {})
+    if not isinstance(outputs, (tuple, list)):
+        raise AssertionError("insert_factor_capture needs a flat graph whose output is a tuple/list")
+    n_outputs = len(outputs)
+    out_node = graph.output(tuple(outputs))
+    a_caps: list[fx.Node] = []
+    by_name = {layer.name: layer for layer in layers}
+    targets = [n for n in _layer_nodes(graph) if n.meta[LAYER].name in modes and n.meta[LAYER].name in by_name]
+    missing = set(modes) - {n.meta[LAYER].name for n in targets}
+    if missing:
+        raise ValueError(f"no layer node in the graph for {sorted(missing)}; run find_kfac_layers first")
+    last_input = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    a_outputs: dict[str, int] = {}
+    probes: dict[str, int] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for node in targets:
+        layer: KFACLayer = node.meta[LAYER]
+        mode = modes[layer.name]
+        a_caps.append(_insert_tap_a(graph, node, layer, mode))
+        a_outputs[layer.name] = n_outputs + len(a_caps) - 1
+        with graph.inserting_after(last_input):
+            probe = graph.placeholder(f"probe_{len(probes)}")
+        probe.meta.update({LAYER: layer, TAP: ("e", mode)})
+        last_input = probe
+        probes[layer.name] = len(probes)
+        shapes[layer.name] = probe_shape(layer, mode, node.meta["val"].shape)
+        _insert_tap_e(graph, node, probe, layer, mode)
+    out_node.args = (tuple(out_node.args[0]) + tuple(a_caps),)
+    graph.lint()
+    new_gm = fx.GraphModule(gm, graph)
+    return FactorTaps(new_gm, tuple(by_name[n.meta[LAYER].name] for n in targets), dict(modes), n_outputs,
+                      a_outputs, probes, shapes)
+
+
+def _layer_nodes(graph: fx.Graph) -> list[fx.Node]:
+    """Layer nodes of a bare graph (see `layer_nodes`)."""
+    return [n for n in graph.nodes if n.op == "call_function" and LAYER in n.meta]
+
+
+def _conv_args(layer: KFACLayer) -> tuple[list[int], list[int], list[int], list[int]]:
+    """(kernel, stride, padding, dilation) lists for tap_a; all empty for a Linear."""
+    if layer.conv is None:
+        return [], [], [], []
+    c = layer.conv
+    return list(c.kernel_size), list(c.stride), list(c.padding), list(c.dilation)
+
+
+def _insert_tap_a(graph: fx.Graph, node: fx.Node, layer: KFACLayer, mode: str) -> fx.Node:
+    """``tap_a(a, ...)`` right before the layer node; returns the tap node."""
+    with graph.inserting_before(node):
+        tap = graph.call_function(torch.ops.fxkfac.tap_a.default,
+                                  (layer_input(node), mode, layer.bias is not None, *_conv_args(layer)))
+    _annotate(tap, node, layer, ("a", mode))
+    return tap
+
+
+def _insert_tap_e(graph: fx.Graph, node: fx.Node, probe: fx.Node, layer: KFACLayer, mode: str) -> fx.Node:
+    """``tap_e(y, probe, ...)`` right after the layer node, taking over all of its uses."""
+    with graph.inserting_after(node):
+        tap = graph.call_function(torch.ops.fxkfac.tap_e.default, (node, probe, mode, layer.kind == "conv2d"))
+    node.replace_all_uses_with(tap, delete_user_cb=lambda user: user is not tap)
+    _annotate(tap, node, layer, ("e", mode))
+    if "val" in node.meta:
+        tap.meta["val"] = node.meta["val"]
+    return tap
+
+
+def _annotate(tap: fx.Node, node: fx.Node, layer: KFACLayer, tag: tuple[str, str]) -> None:
+    """Copy the layer node's module stack onto a tap and record its layer and role."""
+    tap.meta[LAYER] = layer
+    tap.meta[TAP] = tag
+    if NN_MODULE_STACK in node.meta:
+        tap.meta[NN_MODULE_STACK] = node.meta[NN_MODULE_STACK]
