@@ -1,0 +1,260 @@
+"""The `fxkfac` console script: `fxkfac plan` (cost, plan, draw, export) and `fxkfac show`."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import re
+import sys
+from pathlib import Path
+from typing import NoReturn, Sequence
+
+from rich.console import Console
+
+from fxkfac.planner.costs import CostTable, load_cost_table
+from fxkfac.planner.errors import PlannerError
+from fxkfac.planner.schedules import (
+    ScheduleKind,
+    num_stages,
+    schedule_programs,
+    stage_rank,
+    validate_schedule_args,
+)
+from fxkfac.planner.simulate import Timeline, simulate
+
+__all__ = ["main", "build_parser", "parse_bytes", "parse_fraction"]
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+class CliError(PlannerError):
+    """Bad command-line input; printed as one line."""
+
+
+def parse_bytes(text: str) -> int:
+    """'16GiB', '512 MiB', '1.5e9', '8GB' -> bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+    if match is None or match.group(2).lower() not in _UNITS:
+        raise CliError(f"cannot read the memory size {text!r}; write e.g. 16GiB, 512MiB, 8GB or 1.5e9")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def parse_fraction(text: str) -> float:
+    """'5%' -> 0.05, '0.05' -> 0.05."""
+    body = text.strip()
+    try:
+        value = float(body[:-1]) / 100 if body.endswith("%") else float(body)
+    except ValueError:
+        raise CliError(f"cannot read the overhead {text!r}; write e.g. 5% or 0.05") from None
+    if value < 0:
+        raise CliError(f"the overhead must be >= 0, got {text!r}")
+    return value
+
+
+def _arg_type(parse):  # type: ignore[no-untyped-def]
+    """An argparse type that reports a CliError's message as the usage error."""
+
+    def convert(text: str):  # type: ignore[no-untyped-def]
+        try:
+            return parse(text)
+        except CliError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"fxkfac: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of `fxkfac` (subcommands plan and show)."""
+    parser = _Parser(prog="fxkfac", description="Plan K-FAC work into pipeline bubbles; draw plans.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    plan = sub.add_parser("plan", help="cost a model, plan K-FAC into the schedule's bubbles, draw or export it")
+    plan.add_argument("target", help="a preset (bert-base, bert-large, gpt2, opt-125m, opt-350m, t5-base) "
+                                     "or path.py:factory returning (model, example_inputs)")
+    plan.add_argument("--stages", "-D", type=int, required=True, help="pipeline stages D (pp ranks)")
+    plan.add_argument("--microbatches", "-N", type=int, required=True, help="micro-batches N per replica")
+    plan.add_argument("--schedule", choices=[k.value for k in ScheduleKind], default="1f1b")
+    plan.add_argument("--dp", type=int, default=1, help="data-parallel replicas W")
+    plan.add_argument("--virtual-stages", "-v", type=int, default=1, help="stages per rank (interleaved)")
+    plan.add_argument("--hardware", default="p100", help="p100, v100, a100, h100 or cpu (analytic costs)")
+    plan.add_argument("--costs", type=Path, help="a cost table (.json) or a PipeFisher profile (.csv)")
+    plan.add_argument("--micro-batch-size", type=int, default=32)
+    plan.add_argument("--seq-len", type=int, help="sequence length (default: the preset's)")
+    plan.add_argument("--memory", type=_arg_type(parse_bytes), help="memory budget per device, e.g. 16GiB")
+    plan.add_argument("--max-overhead", type=_arg_type(parse_fraction), default=0.0, help="allowed step-time growth, e.g. 5%%")
+    plan.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds")
+    plan.add_argument("--show", action="store_true", help="draw the plan, one row per device")
+    plan.add_argument("--explain", action="store_true", help="print the performance model with these numbers")
+    plan.add_argument("--export", type=Path, help="write the plan as JSON")
+    plan.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of the planned period")
+    show = sub.add_parser("show", help="draw a saved plan")
+    show.add_argument("plan", type=Path)
+    show.add_argument("--measured", type=Path, help="a Chrome trace recorded by the runtime, drawn below")
+    return parser
+
+
+def _blocks(target: str) -> int:
+    from fxkfac.planner.presets import preset
+
+    return len(preset(target).blocks)
+
+
+def cost_table(args: argparse.Namespace, S: int) -> CostTable:
+    """The cost table the plan uses: --costs file, a preset's analytic model, or a captured factory."""
+    if args.costs is not None:
+        if args.costs.suffix.lower() == ".csv":
+            blocks = _blocks(args.target)
+            if blocks % S:
+                raise CliError(f"{args.target} has {blocks} blocks, not divisible into {S} stages; pick another -D")
+            table = load_cost_table(args.costs, blocks_per_stage=blocks // S, n_stages=S,
+                                    micro_batch_size=args.micro_batch_size)
+        else:
+            table = load_cost_table(args.costs)
+    elif ":" in args.target and args.target.split(":", 1)[0].endswith(".py"):
+        table = _factory_costs(args, S)
+    else:
+        from fxkfac.planner.analytic import analytic_cost_table
+
+        table = analytic_cost_table(args.target, S, args.micro_batch_size, args.seq_len, args.hardware)
+    if len(table.stages) != S:
+        raise CliError(f"the cost table has {len(table.stages)} stages but the schedule needs {S}")
+    return table
+
+
+def _factory_costs(args: argparse.Namespace, S: int) -> CostTable:
+    """Capture the model a `path.py:factory` makes (this path imports torch) and cost its layers."""
+    path_text, factory_name = args.target.split(":", 1)
+    path = Path(path_text)
+    if not path.is_file():
+        raise CliError(f"no file {path} (TARGET path.py:factory)")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    factory = getattr(module, factory_name, None)
+    if not callable(factory):
+        raise CliError(f"{path} has no callable {factory_name!r}")
+    made = factory()
+    if not (isinstance(made, tuple) and len(made) == 2):
+        raise CliError(f"{factory_name}() must return (model, example_inputs)")
+    from fxkfac.capture import capture
+    from fxkfac.planner.analytic import analytic_cost_table
+    from fxkfac.planner.presets import model_spec_from_layers
+
+    layers = capture(*made).layers
+    if len(layers) < S:
+        raise CliError(f"the model has {len(layers)} K-FAC layers, fewer than {S} stages")
+    bounds = [round(i * len(layers) / S) for i in range(S + 1)]
+    spec_stages = [[(x.name, x.d_in, x.d_out, x.tokens_per_sample, x.bias is not None)
+                    for x in layers[bounds[i]:bounds[i + 1]]] for i in range(S)]
+    model_spec = model_spec_from_layers(spec_stages, name=path.stem)
+    return analytic_cost_table(model_spec, [range(i, i + 1) for i in range(S)], args.micro_batch_size, 1,
+                               args.hardware)
+
+
+def base_timeline(kind: str, D: int, N: int, v: int, costs: CostTable) -> Timeline:
+    """The plain pipeline's simulated step with the table's F/B times."""
+    from fxkfac.show import cost_durations
+
+    return simulate(schedule_programs(kind, D, N, v=v), cost_durations(costs))
+
+
+def _stage_means(costs: CostTable) -> dict[str, float]:
+    """Per-stage means of the table, as values of the performance model's symbols."""
+    n = len(costs.stages)
+    mean = lambda f: sum(f(s) for s in costs.stages) / n  # noqa: E731
+    return {"T_f": mean(lambda s: s.fwd), "T_b": mean(lambda s: s.bwd), "T_curv": mean(lambda s: s.curv),
+            "T_inv": mean(lambda s: s.inv), "T_prec": mean(lambda s: s.prec),
+            "M_theta": mean(lambda s: s.param_bytes), "M_act": mean(lambda s: s.act_bytes),
+            "M_err_peak": mean(lambda s: s.peak_err_bytes), "M_curv": mean(lambda s: s.factor_bytes),
+            "M_inv": mean(lambda s: s.factor_bytes), "M_err_save": mean(lambda s: s.deferred_bytes)}
+
+
+def _explain(args: argparse.Namespace, costs: CostTable, console: Console) -> None:
+    from fxkfac.planner.perf_model import evaluate, explain, perf_model
+    from fxkfac.show import format_bytes
+
+    console.print(explain(args.schedule), markup=False, highlight=False)
+    model = perf_model(args.schedule)
+    values = {"D": args.stages, "N": args.microbatches, "v": args.virtual_stages, **_stage_means(costs)}
+    console.print(f"With these costs (stage means, {costs.source}):", markup=False)
+    for name in ("T_pipe", "T_bubble", "T_kfac"):
+        console.print(f"  {name} = {evaluate(getattr(model, name), values) * 1e3:.2f} ms", markup=False)
+    for name in ("M_pipe", "M_kfac"):
+        console.print(f"  {name} = {format_bytes(evaluate(getattr(model, name), values))}", markup=False)
+    console.print(f"  ratio = {evaluate(model.ratio, values):.2f} steps per refresh", markup=False)
+
+
+def _base_summary(args: argparse.Namespace, costs: CostTable, base: Timeline) -> list[tuple[str, str]]:
+    from fxkfac.show import format_bytes
+
+    rows = [("model costs", f"{costs.source} ({costs.hardware}, micro-batch {costs.micro_batch_size})"),
+            ("schedule", f"{args.schedule}  D={args.stages} N={args.microbatches} W={args.dp}"
+                         + (f" v={args.virtual_stages}" if args.schedule == "interleaved" else "")),
+            ("step time (plain pipeline)", f"{base.step_time * 1e3:.2f} ms"),
+            ("utilization (plain pipeline)", f"{base.utilization():.1%}")]
+    bounds = []
+    for s, stage in enumerate(costs.stages):
+        bubble = base.bubble_time(stage_rank(args.schedule, args.stages, s, v=args.virtual_stages))
+        work = args.microbatches * stage.curv + stage.inv
+        bounds.append("-" if bubble <= 0 else str(max(1, math.ceil(work / bubble))))
+    rows.append(("refresh lower bound per stage", " ".join(f"{b:>3}" for b in bounds)))
+    rows.append(("parameters per stage", " ".join(format_bytes(s.param_bytes) for s in costs.stages)))
+    return rows
+
+
+def run_plan(args: argparse.Namespace, console: Console) -> int:
+    """`fxkfac plan`: cost the model, simulate the pipeline, and draw/export what was asked."""
+    from fxkfac.show import chrome_trace, render_summary, render_timeline
+
+    S = _check(args)
+    costs = cost_table(args, S)
+    base = base_timeline(args.schedule, args.stages, args.microbatches, args.virtual_stages, costs)
+    console.print(render_summary(f"fxkfac plan {args.target}", _base_summary(args, costs, base)))
+    if args.explain:
+        _explain(args, costs, console)
+    if args.show:
+        console.print(render_timeline(base, width=console.width, title="plain pipeline, one step"))
+    if args.trace is not None:
+        chrome_trace(base, args.trace)
+        console.print(f"wrote {args.trace}", markup=False)
+    return 0
+
+
+def run_show(args: argparse.Namespace, console: Console) -> int:
+    """`fxkfac show`: draw a saved plan (and a measured trace below it)."""
+    from fxkfac.show import render_timeline, timeline_from_trace
+
+    if args.measured is not None:
+        measured = timeline_from_trace(json.loads(args.measured.read_text()))
+        console.print(render_timeline(measured, width=console.width, title=f"measured: {args.measured}"))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    console = Console()
+    try:
+        return run_plan(args, console) if args.command == "plan" else run_show(args, console)
+    except (PlannerError, OSError, json.JSONDecodeError) as e:
+        print(f"fxkfac: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("fxkfac: interrupted", file=sys.stderr)
+        return 130
+
+
+def _check(args: argparse.Namespace) -> int:
+    """Validate the schedule arguments; the number of (virtual) stages."""
+    validate_schedule_args(args.schedule, args.stages, args.microbatches, args.virtual_stages)
+    if args.dp < 1:
+        raise CliError(f"--dp must be >= 1, got {args.dp}")
+    return num_stages(args.schedule, args.stages, args.virtual_stages)
