@@ -232,6 +232,11 @@ def run_show(args: argparse.Namespace, console: Console) -> int:
     """`fxkfac show`: draw a saved plan (and a measured trace below it)."""
     from fxkfac.show import render_timeline, timeline_from_trace
 
+    if importlib.util.find_spec("fxkfac.planner.plan") is None:
+        if args.measured is None:
+            raise CliError("drawing a saved plan needs fxkfac.planner.plan (Plan.load), not in this build; "
+                           "use --measured TRACE to draw a recorded run")
+        console.print(f"(plan {args.plan} not drawn: fxkfac.planner.plan is not in this build)", markup=False)
     if args.measured is not None:
         measured = timeline_from_trace(json.loads(args.measured.read_text()))
         console.print(render_timeline(measured, width=console.width, title=f"measured: {args.measured}"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -64,6 +65,9 @@ def test_trace_round_trips_and_show_draws_it(tmp_path, monkeypatch, capsys) -> N
     plan_file.write_text("{}")
     assert main(["show", str(plan_file), "--measured", str(trace_path)]) == 0
     assert "r3 " in capsys.readouterr().out
+    if importlib.util.find_spec("fxkfac.planner.plan") is None:
+        assert main(["show", str(plan_file)]) == 2
+        assert "Plan.load" in _one_line_error(capsys)
 
 
 def _step_ms(out: str) -> str:
