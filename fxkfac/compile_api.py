@@ -1,0 +1,62 @@
+"""fxkfac.compile: a model, a mesh (or None) and K-FAC settings in, a Trainer out."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch import Tensor, nn
+
+from fxkfac.config import KFACConfig
+from fxkfac.errors import ConfigError
+from fxkfac.planner.ir import LayerTiming
+from fxkfac.single import SingleDeviceTrainer
+from fxkfac.trainer import OptimizerFactory, Trainer
+
+__all__ = ["compile"]
+
+
+def compile(  # noqa: A001 - the public name the design card gives
+    model: nn.Module,
+    mesh: Any = None,
+    plan: Any = "auto",
+    *,
+    example_inputs: Any,
+    loss_fn: Callable[[Any, Any], Tensor],
+    optimizer: OptimizerFactory | None = None,
+    kfac: KFACConfig | None = KFACConfig(),
+    schedule: str = "1f1b",
+    microbatches: int = 1,
+    backend: str | None = "inductor",
+    layer_timing: Mapping[str, LayerTiming] | None = None,
+    **kw: Any,
+) -> Trainer:
+    """Capture ``model``, insert K-FAC into its graph and return a Trainer.
+
+    ``mesh=None`` trains on one device (`SingleDeviceTrainer`); a DeviceMesh goes to the pipelined
+    ``fxkfac.runtime.trainer.PipelineTrainer`` with the same arguments. ``optimizer`` is a factory
+    ``params -> torch.optim.Optimizer`` (default AdamW, lr 1e-3); ``kfac=None`` trains with it alone.
+    ``backend`` is a torch.compile backend ("inductor", "eager", ...) or None for no compilation.
+    ``layer_timing`` sets the refresh timing per layer (the planner's output); on one device a
+    ``plan`` object with a ``layers`` mapping of LayerTiming supplies it too.
+    """
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ConfigError(f"microbatches must be an int >= 1, got {microbatches!r}")
+    if mesh is not None:
+        from fxkfac.runtime.trainer import PipelineTrainer
+
+        return PipelineTrainer(model, mesh, plan, example_inputs=example_inputs, loss_fn=loss_fn,
+                               optimizer=optimizer, kfac=kfac, schedule=schedule, microbatches=microbatches,
+                               backend=backend, layer_timing=layer_timing, **kw)
+    if kw:
+        raise ConfigError(f"unknown arguments for a single-device compile: {sorted(kw)}")
+    single_plan = None if plan in (None, "auto") else plan
+    if single_plan is not None:
+        if isinstance(single_plan, str):
+            from fxkfac.planner.plan import Plan
+
+            single_plan = Plan.load(single_plan)
+        layer_timing = {**dict(getattr(single_plan, "layers", {})), **dict(layer_timing or {})}
+    return SingleDeviceTrainer(model, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
+                               kfac=kfac, microbatches=microbatches, backend=backend,
+                               layer_timing=layer_timing, plan=single_plan)
