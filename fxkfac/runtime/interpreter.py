@@ -1,0 +1,178 @@
+"""The per-rank program interpreter: a dispatch table keyed by OpKind over a step's context.
+
+The core handlers (FWD, BWD, SEND/RECV of activations and gradients, ALLREDUCE_GRAD, OPT_STEP)
+are registered here; K-FAC ops (CURV, SYNC_CURV, INV, BCAST_INV, PREC) plug in with
+`Interpreter.register(kind, handler)` without touching the loop. A handler takes the
+`StepContext` and the `Op`; what it needs beyond the core fields goes into `ctx.extras`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from fxkfac.errors import PipelineError
+from fxkfac.planner.ir import Op, OpKind
+from fxkfac.runtime.p2p import Transport
+from fxkfac.runtime.stage import StageRunner
+from fxkfac.runtime.sync import GradSync
+from fxkfac.runtime.timeline import Timeline
+
+__all__ = ["StepContext", "Handler", "Interpreter", "CORE_HANDLERS"]
+
+Key = tuple[int, int, int]  # (stage, pipe, micro-batch)
+
+
+@dataclass
+class StepContext:
+    """Everything one training step's instructions read and write on one rank."""
+
+    rank: int
+    step: int
+    runners: dict[tuple[int, int], StageRunner]
+    transport: Transport
+    sync: GradSync
+    optimizer: torch.optim.Optimizer
+    inputs: Sequence[Sequence[torch.Tensor]]
+    """Flat model inputs per micro-batch (used by stage 0)."""
+    targets: Sequence[Any]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    out_spec: pytree.TreeSpec | None
+    scale: float
+    """1 / (N * W): each micro-batch's share of the step loss."""
+    acts: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
+    """Inputs waiting for FWD (stage, pipe, mb)."""
+    grads: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
+    """Output gradients waiting for BWD (stage, pipe, mb)."""
+    to_send: dict[tuple[str, Key], list[torch.Tensor]] = field(default_factory=dict)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def runner(self, op: Op) -> StageRunner:
+        """The local stage copy `op` runs on."""
+        try:
+            return self.runners[(op.stage, op.pipe)]  # type: ignore[index]
+        except KeyError:
+            raise PipelineError(f"rank {self.rank} got '{op}' but holds only stages "
+                                f"{sorted(self.runners)} (stage, pipe): the program was made for another layout") from None
+
+
+Handler = Callable[[StepContext, Op], None]
+
+
+def _key(op: Op) -> Key:
+    return (op.stage, op.pipe, op.mb)  # type: ignore[return-value]
+
+
+def _take(store: dict, key: Any, op: Op, missing: str) -> Any:
+    if key not in store:
+        raise AssertionError(f"'{op}': {missing} (the program orders its instructions wrongly)")
+    return store.pop(key)
+
+
+def _fwd(ctx: StepContext, op: Op) -> None:
+    runner = ctx.runner(op)
+    stage, pipe, mb = _key(op)
+    ins = ctx.inputs[mb] if stage == 0 else _take(ctx.acts, _key(op), op, "its input was not received")
+    outs = runner.forward(mb, ins, needs_grad=stage > 0)
+    if runner.is_last:
+        model_out = pytree.tree_unflatten(list(outs), ctx.out_spec) if ctx.out_spec is not None else outs[0]
+        loss = ctx.loss_fn(model_out, ctx.targets[mb]) * ctx.scale
+        runner.keep_loss(mb, loss)
+        ctx.losses.append(loss.detach())
+    elif (stage + 1, pipe) in ctx.runners:  # next stage is local: hand over without a message
+        ctx.acts[(stage + 1, pipe, mb)] = [o.detach() for o in outs]
+    else:
+        ctx.to_send[("act", _key(op))] = list(outs)
+
+
+def _bwd(ctx: StepContext, op: Op) -> None:
+    runner = ctx.runner(op)
+    stage, pipe, mb = _key(op)
+    out_grads = None if runner.is_last else _take(ctx.grads, _key(op), op, "its output gradient was not received")
+    in_grads = runner.backward(mb, out_grads)
+    if stage == 0:
+        return
+    if (stage - 1, pipe) in ctx.runners:
+        ctx.grads[(stage - 1, pipe, mb)] = in_grads
+    else:
+        ctx.to_send[("grad", _key(op))] = in_grads
+
+
+def _send_act(ctx: StepContext, op: Op) -> None:
+    tensors = _take(ctx.to_send, ("act", _key(op)), op, "its FWD has not run")
+    ctx.transport.send(tensors, op.peer, False, op.stage, op.pipe, op.mb, str(op))  # type: ignore[arg-type]
+
+
+def _recv_act(ctx: StepContext, op: Op) -> None:
+    specs = ctx.runner(op).graph.inputs
+    ctx.acts[_key(op)] = ctx.transport.recv(specs, op.peer, False, op.stage - 1, op.pipe, op.mb, str(op))  # type: ignore[arg-type, operator]
+
+
+def _send_grad(ctx: StepContext, op: Op) -> None:
+    tensors = _take(ctx.to_send, ("grad", _key(op)), op, "its BWD has not run")
+    ctx.transport.send(tensors, op.peer, True, op.stage - 1, op.pipe, op.mb, str(op))  # type: ignore[arg-type, operator]
+
+
+def _recv_grad(ctx: StepContext, op: Op) -> None:
+    specs = [s for s in ctx.runner(op).graph.outputs if s.is_float]
+    ctx.grads[_key(op)] = ctx.transport.recv(specs, op.peer, True, op.stage, op.pipe, op.mb, str(op))  # type: ignore[arg-type]
+
+
+def _allreduce_grad(ctx: StepContext, op: Op) -> None:
+    if op.stage is None:
+        for stage, _ in sorted(ctx.runners):
+            ctx.sync.stage(stage, ctx.transport, str(op))
+    else:
+        ctx.sync.stage(op.stage, ctx.transport, str(op))
+
+
+def _opt_step(ctx: StepContext, op: Op) -> None:
+    ctx.sync.shared_params(ctx.transport, str(op))
+    ctx.optimizer.step()
+    ctx.optimizer.zero_grad(set_to_none=True)
+    ctx.transport.flush()
+
+
+CORE_HANDLERS: Mapping[OpKind, Handler] = {
+    OpKind.FWD: _fwd,
+    OpKind.BWD: _bwd,
+    OpKind.SEND_ACT: _send_act,
+    OpKind.RECV_ACT: _recv_act,
+    OpKind.SEND_GRAD: _send_grad,
+    OpKind.RECV_GRAD: _recv_grad,
+    OpKind.ALLREDUCE_GRAD: _allreduce_grad,
+    OpKind.OPT_STEP: _opt_step,
+}
+
+
+class Interpreter:
+    """Runs a list of ops through a dispatch table, recording each into a Timeline."""
+
+    def __init__(self, handlers: Mapping[OpKind, Handler] | None = None) -> None:
+        self.handlers: dict[OpKind, Handler] = dict(CORE_HANDLERS if handlers is None else handlers)
+
+    def register(self, kind: OpKind, handler: Handler) -> None:
+        """Install (or replace) the handler of `kind`."""
+        self.handlers[kind] = handler
+
+    def run(self, ops: Sequence[Op], ctx: StepContext, timeline: Timeline | None = None) -> None:
+        """Execute `ops` in order on `ctx`."""
+        for op in ops:
+            handler = self.handlers.get(op.kind)
+            if handler is None:
+                raise PipelineError(
+                    f"rank {ctx.rank} has no handler for '{op}'; register one with "
+                    f"Interpreter.register(OpKind.{op.kind.name}, fn) (K-FAC ops need the K-FAC runtime)")
+            start = Timeline.now()
+            handler(ctx, op)
+            if timeline is not None:
+                timeline.record(str(op), op.kind.value, ctx.step, start, Timeline.now())
+        leftovers = [r for r in ctx.runners.values() if r.pending()]
+        if leftovers or ctx.acts or ctx.grads or ctx.to_send:
+            raise AssertionError(f"rank {ctx.rank}: step {ctx.step} ended with unconsumed state "
+                                 f"(acts {list(ctx.acts)}, grads {list(ctx.grads)}, sends {list(ctx.to_send)})")

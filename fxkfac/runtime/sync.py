@@ -1,0 +1,113 @@
+"""Gradient and weight synchronization over every copy of a parameter (dp replicas, Chimera pipes, tied weights).
+
+One rule covers the three cases: a parameter's gradient is the *sum* of the partial gradients of
+all its copies, wherever they live (another replica, the other Chimera pipeline, another stage
+that uses the same tied weight). Each parameter has a holder set (global ranks); parameters with
+the same holder set share one process group and one flattened all-reduce.
+
+Deadlock freedom: groups are created by every rank in one sorted order; within one sync call a
+rank visits its groups in that global order, so no two ranks wait on each other in a cycle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fxkfac.runtime.p2p import Transport
+from fxkfac.runtime.stage import StageRunner
+
+__all__ = ["GradSync", "holder_sets"]
+
+Holders = tuple[int, ...]
+
+
+def holder_sets(stage_params: Sequence[Sequence[str]], ranks_of_stage: Mapping[int, Iterable[int]]) -> dict[str, Holders]:
+    """Parameter name -> the sorted global ranks holding a copy of it."""
+    holders: dict[str, set[int]] = {}
+    for stage, names in enumerate(stage_params):
+        for name in names:
+            holders.setdefault(name, set()).update(ranks_of_stage[stage])
+    return {name: tuple(sorted(ranks)) for name, ranks in holders.items()}
+
+
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    return p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def _scatter(flat: torch.Tensor, copies: Sequence[Sequence[torch.Tensor]], grad: bool) -> None:
+    """Write consecutive chunks of `flat` into every copy of each parameter (grad or value)."""
+    offset = 0
+    for same in copies:
+        chunk = flat[offset:offset + same[0].numel()].view_as(same[0])
+        offset += same[0].numel()
+        for t in same:
+            if grad:
+                t.grad = chunk.clone()
+            else:
+                with torch.no_grad():
+                    t.copy_(chunk)
+
+
+@dataclass
+class GradSync:
+    """Sums gradients (and broadcasts initial weights) over each parameter's copies."""
+
+    rank: int
+    holders: dict[str, Holders]
+    shared: frozenset[str]
+    groups: dict[Holders, dist.ProcessGroup | None]
+    runners: Sequence[StageRunner]
+
+    @classmethod
+    def build(cls, rank: int, holders: dict[str, Holders], shared: Iterable[str],
+              runners: Sequence[StageRunner]) -> GradSync:
+        """Create the process groups of every holder set; collective: every rank must call it."""
+        groups: dict[Holders, dist.ProcessGroup | None] = {}
+        world = dist.get_world_size()
+        for ranks in sorted(set(holders.values())):
+            if len(ranks) > 1:
+                group = None if len(ranks) == world else dist.new_group(list(ranks))
+                if rank in ranks:
+                    groups[ranks] = group
+        return cls(rank, holders, frozenset(shared), groups, runners)
+
+    def _copies(self, name: str) -> list[torch.Tensor]:
+        return [r.param(name) for r in self.runners if name in r.graph.params]
+
+    def _buckets(self, names: Iterable[str]) -> list[tuple[Holders, list[str]]]:
+        by_group: dict[Holders, list[str]] = {}
+        for name in sorted(names):
+            by_group.setdefault(self.holders[name], []).append(name)
+        return sorted(by_group.items())
+
+    def _reduce(self, names: Iterable[str], transport: Transport, what: str) -> None:
+        for ranks, bucket in self._buckets(names):
+            copies = [self._copies(n) for n in bucket]
+            flat = torch.cat([sum(_grad(p) for p in c).reshape(-1) for c in copies])  # local copies summed
+            if len(ranks) > 1:
+                transport.all_reduce(flat, self.groups[ranks], f"{what} over ranks {list(ranks)}")
+            _scatter(flat, copies, grad=True)
+
+    def stage(self, stage: int, transport: Transport, what: str) -> None:
+        """Sum the gradients of stage `stage`'s own (not shared) parameters over their copies."""
+        runner = next(r for r in self.runners if r.stage == stage)
+        self._reduce([n for n in runner.graph.params if n not in self.shared], transport, what)
+
+    def shared_params(self, transport: Transport, what: str) -> None:
+        """Sum the gradients of parameters used by several stages (tied weights) over all copies."""
+        local = {n for r in self.runners for n in r.graph.params if n in self.shared}
+        self._reduce(local, transport, what)
+
+    def broadcast_weights(self, transport: Transport) -> None:
+        """Make every copy start from the value on its lowest holder rank (collective)."""
+        local = {n for r in self.runners for n in r.graph.params}
+        for ranks, bucket in self._buckets(local):
+            copies = [self._copies(n) for n in bucket]
+            flat = torch.cat([c[0].detach().reshape(-1) for c in copies])
+            if len(ranks) > 1:
+                transport.broadcast(flat, ranks[0], self.groups[ranks], f"initial weights over {list(ranks)}")
+            _scatter(flat, copies, grad=False)

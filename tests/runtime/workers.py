@@ -1,0 +1,126 @@
+"""Rank functions and single-process references for the pipeline runtime tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fxkfac.runtime.trainer import PipelineTrainer
+from tests.support import models
+
+__all__ = ["Config", "make_model", "make_batches", "make_optimizer", "loss_for", "reference_params",
+           "parity_worker", "failure_worker"]
+
+STEPS = 3
+
+
+@dataclass(frozen=True)
+class Config:
+    """One pipelined run: schedule, D stages, N micro-batches, W replicas, model and optimizer names."""
+
+    schedule: str
+    D: int
+    N: int
+    W: int
+    model: str
+    opt: str
+    v: int = 1
+
+    @property
+    def batch(self) -> int:
+        """Global batch: one sample per micro-batch per replica, twice."""
+        return 2 * self.N * self.W
+
+
+def make_model(name: str) -> torch.nn.Module:
+    """A fresh model (fixed seed) by name: mlp, mlp6 (6 Linear blocks), bert, gpt2."""
+    if name == "mlp":
+        return models.mlp()
+    if name == "mlp6":
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(12, 12) if i % 2 == 0 else torch.nn.Tanh() for i in range(11)]
+        return torch.nn.Sequential(*layers, torch.nn.Linear(12, 5))
+    model = models.tiny_bert(layers=2) if name == "bert" else models.tiny_gpt2(layers=2)
+    model.config.use_cache = False
+    return model
+
+
+def make_batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """STEPS global mini-batches for the model of `cfg`."""
+    g = torch.Generator().manual_seed(1234)
+    out = []
+    for step in range(STEPS):
+        if cfg.model.startswith("mlp"):
+            out.append((torch.randn(cfg.batch, 12, generator=g), torch.randint(0, 5, (cfg.batch,), generator=g)))
+        else:
+            out.append(models.token_batch(cfg.batch, seed=step))
+    return out
+
+
+def loss_for(model: str):
+    """The loss function of `model`: cross-entropy over classes or over the vocabulary per token."""
+    if model.startswith("mlp"):
+        return lambda out, y: F.cross_entropy(out, y)
+    return lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+
+def make_optimizer(name: str):
+    """An optimizer factory: SGD with momentum or AdamW.
+
+    AdamW uses eps=1e-6: attention key biases have a mathematically zero gradient (softmax is
+    shift-invariant), so their float gradient is pure rounding noise of ~1e-10, which eps=1e-8
+    would amplify into O(lr) updates that no two summation orders reproduce.
+    """
+    if name == "sgd":
+        return lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, eps=1e-6)
+
+
+def reference_params(cfg: Config) -> dict[str, torch.Tensor]:
+    """Plain single-process training of the eager model on the same mini-batches."""
+    model = make_model(cfg.model)
+    opt = make_optimizer(cfg.opt)(list(model.parameters()))
+    loss_fn = loss_for(cfg.model)
+    for x, y in make_batches(cfg):
+        loss_fn(model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def parity_worker(rank: int, world: int, configs: list[Config]) -> list[dict]:
+    """Run each config whose mesh fits `world`; return per config this rank's params and losses."""
+    results = []
+    for cfg in configs:
+        assert cfg.D * cfg.W == world
+        batches = make_batches(cfg)
+        trainer = PipelineTrainer(make_model(cfg.model), (cfg.D, cfg.W), example_inputs=(batches[0][0],),
+                                  loss_fn=loss_for(cfg.model), optimizer=make_optimizer(cfg.opt),
+                                  schedule=cfg.schedule, microbatches=cfg.N, virtual_stages=cfg.v, timeout=60)
+        losses = [trainer.step(x, y) for x, y in batches]
+        params = {n: p.detach().clone() for n, p in trainer.named_parameters()}
+        results.append({"params": params, "losses": losses, "aliases": trainer.split.param_aliases})
+        dist.barrier()
+    return results
+
+
+def failure_worker(rank: int, world: int, mode: str, victim: int) -> str:
+    """Train a 2-stage 1F1B MLP; on step 1 the victim rank dies (os._exit) or stalls (sleeps)."""
+    cfg = Config("1f1b", world, 2, 1, "mlp", "sgd")
+    batches = make_batches(cfg)
+    trainer = PipelineTrainer(make_model("mlp"), (world,), example_inputs=(batches[0][0],),
+                              loss_fn=loss_for("mlp"), optimizer=make_optimizer("sgd"),
+                              schedule="1f1b", microbatches=2, timeout=5)
+    trainer.step(*batches[0])
+    if rank == victim:
+        if mode == "die":
+            os._exit(3)
+        time.sleep(30)
+        return "stalled"
+    trainer.step(*batches[1])
+    return "finished"

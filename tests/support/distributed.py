@@ -1,0 +1,98 @@
+"""Multi-process test launcher: one spawned process per rank over gloo on 127.0.0.1, results back to the test."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+__all__ = ["RankResult", "run_distributed", "free_port"]
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """What one rank ended with: a value, or an error (type name, message, traceback), and its exit code."""
+
+    rank: int
+    value: Any = None
+    error_type: str | None = None
+    error: str | None = None
+    traceback: str | None = None
+    exitcode: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        """The worker returned normally."""
+        return self.error_type is None and self.exitcode in (0, None)
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, pg_timeout: float, args: tuple,
+            results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=pg_timeout))
+        value = fn(rank, world, *args)
+        results.put((rank, pickle.dumps(RankResult(rank, value))))
+    except BaseException as e:  # reported to the test, which decides
+        results.put((rank, pickle.dumps(RankResult(rank, None, type(e).__name__, str(e), traceback.format_exc()))))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0,
+                    pg_timeout: float = 60.0) -> list[RankResult]:
+    """Run `fn(rank, world, *args)` in `world` spawned processes; return each rank's RankResult.
+
+    `fn` must be importable (module level). A rank that exits without reporting (e.g. os._exit)
+    gets a RankResult with its exit code and no value. Processes still alive after `timeout`
+    seconds are killed and reported with error_type "LauncherTimeout".
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, pg_timeout, args, results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    got: dict[int, RankResult] = {}
+    while len(got) < world and time.monotonic() < deadline:
+        try:
+            rank, blob = results.get(timeout=0.5)
+            got[rank] = pickle.loads(blob)
+        except queue.Empty:
+            if all(not p.is_alive() for p in procs) and results.empty():
+                break
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    out = []
+    for r, p in enumerate(procs):
+        if p.is_alive():
+            p.kill()
+            p.join()
+            out.append(RankResult(r, None, "LauncherTimeout", f"rank {r} still running after {timeout}s"))
+            continue
+        res = got.get(r, RankResult(r))
+        out.append(RankResult(res.rank, res.value, res.error_type, res.error, res.traceback, p.exitcode))
+    return out
