@@ -169,9 +169,13 @@ def _explain_export_failure(model: nn.Module, exc: Exception) -> str:
 def _user_frame(exc: BaseException) -> str:
     """``file:line in function`` of the innermost traceback frame outside torch (the user's code)."""
     frames = traceback.extract_tb(exc.__traceback__)
-    outside = [f for f in frames if not f.filename.startswith((_TORCH_DIR, _OWN_DIR))]
+    outside = [f for f in frames if not f.filename.startswith((_TORCH_DIR, _OWN_DIR, "<"))]
     if not outside:
-        return "an unknown location (inside torch)"
+        inside = [f for f in frames if f.filename.startswith(_TORCH_DIR) and "/nn/modules/" in f.filename]
+        if not inside:
+            return "an unknown location inside torch"
+        f = inside[-1]
+        return f"torch code {os.path.relpath(f.filename, _TORCH_DIR)}:{f.lineno} in {f.name} (an nn module of the model)"
     f = outside[-1]
     code = f" `{f.line.strip()}`" if f.line else ""
     return f"{f.filename}:{f.lineno} in {f.name}{code}"

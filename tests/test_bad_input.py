@@ -1,0 +1,147 @@
+"""Bad input gets a clear fxkfac error, a warning, or a skipped step, and never NaN parameters."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import fxkfac
+from fxkfac.capture import capture
+from fxkfac.config import KFACConfig
+from fxkfac.errors import CaptureError, ConfigError
+from tests.support.models import mlp, tiny_bert, token_batch
+
+
+class _DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.lin(x)
+        if h.sum() > 0:
+            return h * 2
+        return h
+
+
+class _Opaque:
+    def __init__(self, t: Tensor) -> None:
+        self.t = t
+
+
+class _ReturnsObject(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> _Opaque:
+        return _Opaque(self.lin(x))
+
+
+class _NoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((5,), 0.5))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(x * self.scale)
+
+
+def _mse(out: Tensor, y: Tensor) -> Tensor:
+    return F.mse_loss(out, y)
+
+
+def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def test_data_dependent_control_flow_names_the_line_and_the_fix() -> None:
+    with pytest.raises(CaptureError) as info:
+        capture(_DataDependent(), (torch.randn(2, 4),), None)
+    msg = str(info.value)
+    assert "if h.sum() > 0:" in msg and "test_bad_input.py" in msg
+    assert "data-dependent control flow" in msg and "torch.cond" in msg
+
+
+def test_unflattenable_output_says_what_to_return() -> None:
+    with pytest.raises(CaptureError, match="register_pytree_node"):
+        capture(_ReturnsObject(), (torch.randn(2, 4),), None)
+
+
+@pytest.mark.parametrize("inputs, expected", [
+    ((torch.randn(2, 12), torch.randn(2, 12)), r"forward\(input\)"),  # arity
+    ((torch.randn(2, 7),), r"\(2, 7\).*linear.py.*mat1 and mat2.*shapes and dtypes"),           # shape
+])
+def test_wrong_example_inputs(inputs: tuple[Tensor, ...], expected: str) -> None:
+    with pytest.raises(CaptureError, match=expected):
+        fxkfac.compile(mlp(), None, example_inputs=inputs, loss_fn=_mse, backend=None)
+
+
+def test_wrong_dtype_example_inputs_for_bert() -> None:
+    ids, _ = token_batch(2)
+    with pytest.warns(UserWarning), pytest.raises(CaptureError, match="integer token ids"):
+        capture(tiny_bert(), (ids.float(),), None)
+
+
+def test_model_without_layers_trains_with_base_optimizer_and_warns() -> None:
+    model = _NoLayers()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(4, 5), torch.randn(4, 5)
+    with pytest.warns(UserWarning, match="no Linear/Conv2d"):
+        trainer = fxkfac.compile(model, None, example_inputs=(x,), loss_fn=_mse, optimizer=_sgd, backend=None)
+    opt = _sgd(list(ref.parameters()))
+    for _ in range(3):
+        trainer.step(x, y)
+        opt.zero_grad()
+        _mse(ref(x), y).backward()
+        opt.step()
+    torch.testing.assert_close(model.scale, ref.scale)
+    assert not torch.equal(ref.scale, torch.full((5,), 0.5))
+
+
+def test_microbatches_must_divide_the_batch() -> None:
+    x, y = torch.randn(6, 12), torch.randn(6, 5)
+    trainer = fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, microbatches=4, backend=None)
+    with pytest.raises(ConfigError, match="microbatches=4 does not divide the mini-batch of 6"):
+        trainer.step(x, y)
+    with pytest.raises(ConfigError, match="microbatches"):
+        fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, microbatches=0, backend=None)
+
+
+@pytest.mark.parametrize("poison", [float("nan"), -1e6])
+def test_nan_or_indefinite_factor_falls_back_to_previous_inverse(poison: float) -> None:
+    x, y = torch.randn(8, 12), torch.randn(8, 5)
+    cfg = KFACConfig(damping=1e-3, factor_decay=0.5)
+    trainer = fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, optimizer=_sgd, kfac=cfg, backend=None)
+    trainer.step(x, y)
+    name = trainer.layers[0].name
+    state = trainer.kfac_states[name]
+    before = state.active
+    state.A = state.A + poison * torch.eye(state.A.shape[0])  # NaN, or hugely indefinite after averaging
+    trainer.step(x, y)
+    assert state.active is before, "the failed inversion must keep the previous inverse"
+    assert all(torch.isfinite(p).all() for _, p in trainer.named_parameters())
+    assert trainer.skipped_steps == 0
+
+
+def test_nan_gradients_skip_the_step_and_leave_state_untouched() -> None:
+    x, y = torch.randn(8, 12), torch.randn(8, 5)
+    trainer = fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, optimizer=_sgd,
+                             kfac=KFACConfig(damping=1e-2), backend=None)
+    trainer.step(x, y)
+    params = {name: p.detach().clone() for name, p in trainer.named_parameters()}
+    factors = {name: s.A.clone() for name, s in trainer.kfac_states.items()}
+    bad = y.clone()
+    bad[0, 0] = float("nan")
+    trainer.step(x, bad)
+    assert trainer.skipped_steps == 1 and trainer.step_count == 1
+    for name, p in trainer.named_parameters():
+        assert torch.equal(p, params[name]) and p.grad is None
+    for name, s in trainer.kfac_states.items():
+        assert torch.equal(s.A, factors[name]) and s.refreshes == 1 and s.a_sum is None
+    trainer.step(x, y)
+    assert trainer.step_count == 2 and all(s.refreshes == 2 for s in trainer.kfac_states.values())
