@@ -27,6 +27,7 @@ __all__ = [
     "kernel_time_expression",
     "explain",
     "KernelCost",
+    "BlockCost",
     "linear_kernels",
     "block_kernels",
     "analytic_cost_table",
@@ -195,7 +196,9 @@ def _precision(hw: HardwareSpec, precision: str) -> tuple[float, int]:
 
 
 @dataclass(frozen=True, slots=True)
-class _PartCost:
+class BlockCost:
+    """Seconds (fwd, bwd per micro-batch) and memory of one block, and its K-FAC layers' costs."""
+
     fwd: float
     bwd: float
     params: int
@@ -206,7 +209,7 @@ class _PartCost:
 
 def block_kernels(
     block: BlockSpec, spec: ModelSpec, *, batch: int, seq_len: int, hw: HardwareSpec, precision: str, inverse: str
-) -> _PartCost:
+) -> BlockCost:
     """Sum of a block's Linears, attention cores and elementwise traffic, and its memory."""
     peak, bpe = _precision(hw, precision)
     kernels = [
@@ -226,7 +229,7 @@ def block_kernels(
         scores = bpe * batch * spec.heads * seq_len * seq_len
     elementwise = 2 * bpe * block.elementwise_per_token * batch * seq_len / hw.mem_bandwidth
     widest = max((x.d_out for x in block.linears), default=0)
-    return _PartCost(
+    return BlockCost(
         fwd=fwd + elementwise,
         bwd=bwd + 2 * elementwise,
         params=block.params,
