@@ -117,7 +117,8 @@ def _check_arity(model: nn.Module, args: tuple[Any, ...]) -> None:
     try:
         inspect.signature(model.forward).bind(*args)
     except TypeError as exc:
-        raise CaptureError(f"example_inputs do not fit {type(model).__name__}.forward{inspect.signature(model.forward)}: "
+        forward = f"{type(model).__name__}.forward{inspect.signature(model.forward)}"
+        raise CaptureError(f"example_inputs do not fit {forward}: "
                            f"{exc}; pass a tuple with one entry per positional argument") from exc
     except ValueError:  # no signature (builtins); export will tell
         return
@@ -150,7 +151,8 @@ def _explain_export_failure(model: nn.Module, exc: Exception) -> str:
     """An actionable message for an export failure: the construct, where it is, and what to do."""
     msg = str(exc)
     where = _user_frame(exc)
-    head = f"torch.export could not capture {type(model).__name__} at {where}: {type(exc).__name__}: {_first_line(exc)}."
+    head = (f"torch.export could not capture {type(model).__name__} at {where}: "
+            f"{type(exc).__name__}: {_first_line(exc)}.")
     if "data-dependent" in msg or "GuardOnDataDependent" in type(exc).__name__ or "Could not guard" in msg:
         fix = ("This is data-dependent control flow (a Python branch or size that depends on tensor values). "
                "Make it static, express it with torch.cond / torch.where, or move it out of forward()")
@@ -175,7 +177,8 @@ def _user_frame(exc: BaseException) -> str:
         if not inside:
             return "an unknown location inside torch"
         f = inside[-1]
-        return f"torch code {os.path.relpath(f.filename, _TORCH_DIR)}:{f.lineno} in {f.name} (an nn module of the model)"
+        where = os.path.relpath(f.filename, _TORCH_DIR)
+        return f"torch code {where}:{f.lineno} in {f.name} (an nn module of the model)"
     f = outside[-1]
     code = f" `{f.line.strip()}`" if f.line else ""
     return f"{f.filename}:{f.lineno} in {f.name}{code}"

@@ -198,7 +198,7 @@ class SingleDeviceTrainer:
 
 
 def _first_microbatch(args: tuple[Any, ...], microbatches: int) -> tuple[Any, ...]:
-    """The first micro-batch of the example inputs (the shape steps run at), or the inputs when N does not divide them."""
+    """The first micro-batch of the example inputs (the shape steps run at); the inputs if N does not divide them."""
     try:
         return split_microbatches(args, None, microbatches)[1][0][0]
     except ConfigError:

@@ -64,7 +64,7 @@ def _batch_size(leaves: Sequence[Any]) -> int:
 
 
 def split_microbatches(inputs: Sequence[Any], targets: Any, n: int) -> tuple[int, list[tuple[tuple[Any, ...], Any]]]:
-    """``(global batch size, [(inputs_m, targets_m)] * n)``: every tensor with the batch as dim 0 split in n equal parts.
+    """``(global batch size, [(inputs_m, targets_m)] * n)``: tensors with the batch as dim 0 split in n equal parts.
 
     Non-tensor leaves (and tensors whose dim 0 is not the batch) are passed to every micro-batch unchanged.
     Raises ConfigError when ``n`` does not divide the batch.
@@ -99,7 +99,8 @@ def layer_timings(layers: Iterable[KFACLayer], cfg: KFACConfig,
     out = {}
     for name in names:
         t = given.get(name, LayerTiming(cfg.refresh_every, 0, 0, cfg.capture))
-        if t.period < 1 or not 0 <= t.curv_step < t.period or t.use_offset < 0 or t.capture not in ("fused", "deferred"):
+        bad_capture = t.capture not in ("fused", "deferred")
+        if t.period < 1 or not 0 <= t.curv_step < t.period or t.use_offset < 0 or bad_capture:
             raise ConfigError(f"invalid LayerTiming for {name}: {t} (need period >= 1, 0 <= curv_step < period, "
                               "use_offset >= 0, capture 'fused' or 'deferred')")
         out[name] = t

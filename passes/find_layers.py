@@ -1,4 +1,4 @@
-"""K-FAC layer discovery on a captured ATen graph: Linear / Conv1D / Conv2d nodes, named by module FQN, with skip rules."""
+"""K-FAC layer discovery on a captured ATen graph: Linear / Conv1D / Conv2d nodes named by module FQN, skip rules."""
 
 from __future__ import annotations
 

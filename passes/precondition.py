@@ -1,4 +1,4 @@
-"""The precondition step of a group of K-FAC layers: gradients by parameter name -> natural gradients, and sum <P, G>."""
+"""Precondition a group of K-FAC layers: gradients by parameter name -> natural gradients, and sum <P, G>."""
 
 from __future__ import annotations
 
