@@ -12,7 +12,7 @@ from torch import Tensor
 
 from fxkfac.errors import CheckpointError, ConfigError
 
-__all__ = ["Inverse", "FactorInverse", "damping_split", "invert", "invert_factor", "combine"]
+__all__ = ["Inverse", "FactorInverse", "damping_split", "factor_dampings", "invert", "invert_factor", "combine"]
 
 log = logging.getLogger(__name__)
 
@@ -104,10 +104,7 @@ def invert(
     if method not in ("cholesky", "eigen"):
         raise ConfigError(f"method must be 'cholesky' or 'eigen', got {method!r}")
     label = name or "<unnamed layer>"
-    gamma_a, gamma_b = damping_split(A, B, damping, pi_damping)
-    shift = 0.0
-    if method == "eigen" and not pi_damping:
-        gamma_a, gamma_b, shift = 0.0, 0.0, damping
+    gamma_a, gamma_b, shift = factor_dampings(A, B, damping=damping, method=method, pi_damping=pi_damping)
     part_a = invert_factor(A, gamma_a, method=method, max_retries=max_retries, name=label, side="A")
     part_b = invert_factor(B, gamma_b, method=method, max_retries=max_retries, name=label, side="B")
     if part_a is None or part_b is None:
@@ -115,6 +112,20 @@ def invert(
                     "keeping the previous inverse" if previous is not None else "layer stays unpreconditioned")
         return previous
     return combine(part_a, part_b, shift)
+
+
+def factor_dampings(
+    A: Tensor, B: Tensor, *, damping: float, method: Literal["cholesky", "eigen"], pi_damping: bool
+) -> tuple[float, float, float]:
+    """``(gamma_A, gamma_B, shift)``: what `invert_factor` gets for each factor and what `combine` gets.
+
+    Cholesky, and eigen with pi-damping: the `damping_split` per factor, shift 0. Eigen without
+    pi-damping: factors undamped, ``shift = damping`` added to the products of eigenvalues.
+    """
+    if method == "eigen" and not pi_damping:
+        return 0.0, 0.0, damping
+    gamma_a, gamma_b = damping_split(A, B, damping, pi_damping)
+    return gamma_a, gamma_b, 0.0
 
 
 @dataclass(frozen=True, eq=False)

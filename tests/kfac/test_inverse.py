@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxkfac.errors import CheckpointError, ConfigError
-from fxkfac.kfac import Inverse, combine, damping_split, invert, invert_factor, precondition
+from fxkfac.kfac import Inverse, combine, damping_split, factor_dampings, invert, invert_factor, precondition
 
 
 def _spd(d: int, seed: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -132,10 +132,11 @@ def test_invert_rejects_bad_arguments() -> None:
 def test_factor_halves_combine_to_the_whole_inverse(method: str, pi: bool) -> None:
     """What the runtime does when INV l,A and INV l,B run on different ranks: the same operator as invert()."""
     A, B, G = _spd(4, 0), _spd(3, 1), torch.randn(3, 4, dtype=torch.float64)
-    gamma_a, gamma_b = damping_split(A, B, 1e-2, pi)
-    shift = 1e-2 if method == "eigen" and not pi else 0.0
-    if shift:
-        gamma_a = gamma_b = 0.0
+    gamma_a, gamma_b, shift = factor_dampings(A, B, damping=1e-2, method=method, pi_damping=pi)
+    if method == "eigen" and not pi:
+        assert (gamma_a, gamma_b, shift) == (0.0, 0.0, 1e-2)
+    else:
+        assert (gamma_a, gamma_b, shift) == (*damping_split(A, B, 1e-2, pi), 0.0)
     halves = combine(invert_factor(A, gamma_a, method=method), invert_factor(B, gamma_b, method=method), shift)
     whole = invert(A, B, damping=1e-2, method=method, pi_damping=pi)
     torch.testing.assert_close(precondition(G, halves), precondition(G, whole), rtol=1e-12, atol=0)
