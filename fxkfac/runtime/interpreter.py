@@ -36,7 +36,7 @@ class StepContext:
     runners: dict[tuple[int, int], StageRunner]
     transport: Transport
     sync: GradSync
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None
     inputs: Sequence[Sequence[torch.Tensor]]
     """Flat model inputs per micro-batch (used by stage 0)."""
     targets: Sequence[Any]
@@ -133,8 +133,9 @@ def _allreduce_grad(ctx: StepContext, op: Op) -> None:
 
 def _opt_step(ctx: StepContext, op: Op) -> None:
     ctx.sync.shared_params(ctx.transport, str(op))
-    ctx.optimizer.step()
-    ctx.optimizer.zero_grad(set_to_none=True)
+    if ctx.optimizer is not None:
+        ctx.optimizer.step()
+        ctx.optimizer.zero_grad(set_to_none=True)
     ctx.transport.flush()
 
 

@@ -92,7 +92,8 @@ class PipelineTrainer:
         self.sync = GradSync.build(self.layout.rank, self._holders(), self.split.shared_params,
                                    list(self.runners.values()))
         self.sync.broadcast_weights(self.transport)
-        self.optimizer = optimizer([p for r in self.runners.values() for p in r.module.parameters()])
+        params = [p for r in self.runners.values() for p in r.module.parameters()]
+        self.optimizer = optimizer(params) if params else None  # a stage of only activations holds none
         self.interpreter = Interpreter()
         self.timeline = Timeline(self.layout.rank, enabled=record_timeline)
         self.steps = 0
@@ -138,7 +139,8 @@ class PipelineTrainer:
     def state_dict(self) -> dict[str, Any]:
         """This rank's parameters, optimizer state and step count."""
         return {"model": {n: p.detach().clone() for n, p in self.named_parameters()},
-                "optimizer": self.optimizer.state_dict(), "step": self.steps}
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
+                "step": self.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict` returned (on the same layout)."""
@@ -146,7 +148,8 @@ class PipelineTrainer:
             for name, param in runner.module.named_parameters():
                 with torch.no_grad():
                     param.copy_(state["model"][name])
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.steps = int(state["step"])
 
     def trace(self, path: str | None = None) -> dict | None:
