@@ -14,7 +14,7 @@ from fxkfac.runtime.trainer import PipelineTrainer
 from tests.support import models
 
 __all__ = ["Config", "make_model", "make_batches", "make_optimizer", "loss_for", "reference_params",
-           "parity_worker", "failure_worker"]
+           "parity_worker", "failure_worker", "timeline_worker"]
 
 STEPS = 3
 
@@ -120,7 +120,25 @@ def failure_worker(rank: int, world: int, mode: str, victim: int) -> str:
     if rank == victim:
         if mode == "die":
             os._exit(3)
-        time.sleep(30)
+        time.sleep(8)  # longer than the peers' 5 s timeout
         return "stalled"
     trainer.step(*batches[1])
     return "finished"
+
+
+def timeline_worker(rank: int, world: int, path: str) -> dict:
+    """Two recorded 1F1B steps on a 2-stage MLP; rank 0 writes the merged Chrome trace to `path`."""
+    from fxkfac.runtime.timeline import gather_timelines, utilization
+
+    cfg = Config("1f1b", world, 4, 1, "mlp", "sgd")
+    batches = make_batches(cfg)
+    trainer = PipelineTrainer(make_model("mlp"), (world,), example_inputs=(batches[0][0],),
+                              loss_fn=loss_for("mlp"), optimizer=make_optimizer("sgd"),
+                              schedule="1f1b", microbatches=4, record_timeline=True)
+    for x, y in batches[:2]:
+        trainer.step(x, y)
+    local = [(e.op, e.step, e.start_ns, e.end_ns) for e in trainer.timeline.events]
+    events = gather_timelines(trainer.timeline)
+    trainer.trace(path if rank == 0 else None)
+    return {"local": local, "program": [str(op) for op in trainer.programs[rank][0]],
+            "utilization": utilization(events) if events is not None else None}
