@@ -1,0 +1,84 @@
+"""Plans the runtime runs: plan="auto" | a plan file | a Plan, checked against the graph; and naive K-FAC programs."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from fxkfac.planner.ir import LayerTiming, Op, OpKind
+from fxkfac.planner.lowering import add_send_recv, expand_dp
+from fxkfac.planner.schedules import ScheduleKind, num_stages, schedule_programs, stage_rank
+
+__all__ = ["naive_programs", "kfac_tail", "ranks_of_stages"]
+
+
+def ranks_of_stages(kind: ScheduleKind | str, D: int, W: int, S: int, v: int = 1) -> dict[int, tuple[int, ...]]:
+    """Stage -> the sorted global ranks holding a copy of it (dp replicas, both Chimera pipelines)."""
+    kind = ScheduleKind(kind)
+    pipes = (0, 1) if kind is ScheduleKind.CHIMERA else (0,)
+    return {s: tuple(sorted({stage_rank(kind, D, s, p, v=v) * W + w for p in pipes for w in range(W)}))
+            for s in range(S)}
+
+
+def _refreshing(timings: Mapping[str, LayerTiming], names: Sequence[str], step: int) -> list[str]:
+    return [n for n in names if step % timings[n].period == timings[n].curv_step]
+
+
+def kfac_tail(rank: int, copies: Sequence[tuple[int, int]], step: int, timings: Mapping[str, LayerTiming],
+              stage_layers: Mapping[int, Sequence[str]], holders: Mapping[int, tuple[int, ...]]) -> list[Op]:
+    """The K-FAC ops a rank runs between its last ALLREDUCE_GRAD and OPT_STEP at one step of the period.
+
+    Every collective is emitted in (stage, layer, factor) order by every holder, so no two ranks wait
+    on each other; the inversions of a stage are dealt round-robin over its holders (inversion
+    parallelism) and broadcast from there. `copies` are the (stage, pipe) pairs the rank holds.
+    """
+    stages = sorted({s for s, _ in copies})
+    syncs: list[Op] = []
+    invs: list[Op] = []
+    bcasts: list[Op] = []
+    for s in stages:
+        ranks = holders[s]
+        for i, name in enumerate(_refreshing(timings, stage_layers[s], step)):
+            if len(ranks) > 1:
+                syncs.append(Op(OpKind.SYNC_CURV, stage=s, layer=name))
+            for j, side in enumerate(("A", "B")):
+                root = ranks[(2 * i + j) % len(ranks)]
+                if root == rank:
+                    invs.append(Op(OpKind.INV, stage=s, factor=side, layer=name))
+                if len(ranks) > 1:
+                    bcasts.append(Op(OpKind.BCAST_INV, stage=s, factor=side, peer=root, layer=name))
+    precs = [Op(OpKind.PREC, stage=s, pipe=p) for s, p in sorted(set(copies))]
+    return syncs + invs + bcasts + precs
+
+
+def naive_programs(kind: ScheduleKind | str, D: int, N: int, W: int, timings: Mapping[str, LayerTiming],
+                   stage_layers: Mapping[int, Sequence[str]], *, v: int = 1) -> dict[int, list[list[Op]]]:
+    """K-FAC on the critical path: the base schedule with curvature right after each BWD of a refreshing
+    layer, and sync, inversion, broadcast and precondition before OPT_STEP.
+
+    One list per step of the period (the lcm of the layers' periods). With refresh period 1 this is
+    "naive K-FAC" of the PipeFisher paper; with period k it is "K-FAC+skip". The correctness of a plan
+    does not depend on where its ops sit, so this is also the reference layout for tests.
+    """
+    kind = ScheduleKind(kind)
+    S = num_stages(kind, D, v)
+    base = expand_dp(add_send_recv(schedule_programs(kind, D, N, v=v), kind, D, v), W)
+    holders = ranks_of_stages(kind, D, W, S, v)
+    period = math.lcm(*(t.period for t in timings.values())) if timings else 1
+    out: dict[int, list[list[Op]]] = {}
+    for rank, ops in base.items():
+        copies = sorted({(op.stage, op.pipe) for op in ops if op.kind is OpKind.FWD})
+        steps = []
+        for step in range(period):
+            body: list[Op] = []
+            for op in ops:
+                if op.kind is OpKind.OPT_STEP:
+                    body.extend(kfac_tail(rank, copies, step, timings, stage_layers, holders))
+                body.append(op)
+                if op.kind is OpKind.BWD:
+                    for name in _refreshing(timings, stage_layers[op.stage], step):  # type: ignore[index]
+                        body.extend(Op(OpKind.CURV, stage=op.stage, mb=op.mb, pipe=op.pipe, factor=side, layer=name)
+                                    for side in ("A", "B"))
+            steps.append(body)
+        out[rank] = steps
+    return out

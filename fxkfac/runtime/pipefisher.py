@@ -1,0 +1,107 @@
+"""PipeFisherTrainer: the pipelined runtime with K-FAC ops (curvature, inversion, precondition) in its programs."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from fxkfac.autoplan import naive_programs, ranks_of_stages
+from fxkfac.capture import capture
+from fxkfac.config import KFACConfig
+from fxkfac.errors import ConfigError
+from fxkfac.passes.find_layers import find_kfac_layers
+from fxkfac.passes.layers import KFACLayer
+from fxkfac.planner.ir import LayerTiming, Op
+from fxkfac.runtime.kfac_ops import KFACRuntime, StageGroup, TappedRunner
+from fxkfac.runtime.trainer import PipelineTrainer, shard_microbatches
+from fxkfac.trainer import layer_timings
+
+__all__ = ["PipeFisherTrainer", "vocab_size_of"]
+
+log = logging.getLogger(__name__)
+
+
+def vocab_size_of(model: nn.Module, cfg: KFACConfig) -> int | None:
+    """The vocabulary size for the LM-head skip rule: the config's, else the largest nn.Embedding."""
+    if cfg.vocab_size is not None:
+        return cfg.vocab_size
+    sizes = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    return max(sizes) if sizes else None
+
+
+def _stage_layer_names(gm: torch.fx.GraphModule, cfg: KFACConfig, vocab: int | None,
+                       known: Mapping[str, KFACLayer]) -> list[str]:
+    """Names of the model's K-FAC layers found in one stage graph (writes node.meta[LAYER] there)."""
+    found, _ = find_kfac_layers(gm, skip=cfg.skip_layers, skip_vocab_head=cfg.skip_vocab_head, vocab_size=vocab)
+    return [layer.name for layer in found if layer.name in known]
+
+
+class PipeFisherTrainer(PipelineTrainer):
+    """Pipeline-parallel K-FAC: every rank runs its plan program with the K-FAC handlers installed.
+
+    Same interface as PipelineTrainer. `plan` is a Plan (its `programs` and `layers` are used as they
+    are) or None; then `layer_timing` (default: `KFACConfig.refresh_every` for every layer) and
+    `programs` (default: `fxkfac.autoplan.naive_programs`, all K-FAC work on the critical path) apply.
+    `kfac_states` holds this rank's layers' LayerState (by layer name), as the single-device trainer's.
+    """
+
+    def __init__(self, model: nn.Module, mesh: Any, *, kfac: KFACConfig, example_inputs: Sequence[Any],
+                 loss_fn: Callable[[Any, Any], torch.Tensor], plan: Any = None,
+                 layer_timing: Mapping[str, LayerTiming] | None = None,
+                 programs: Mapping[int, list[list[Op]]] | None = None, backend: str | None = None,
+                 **kw: Any) -> None:
+        if not isinstance(kfac, KFACConfig):
+            raise ConfigError(f"kfac must be a KFACConfig, got {type(kfac).__name__}")
+        super().__init__(model, mesh, plan=None, example_inputs=example_inputs, loss_fn=loss_fn, kfac=None,
+                         backend=backend, **kw)
+        W, D = self.layout.W, self.layout.D
+        example = tuple(example_inputs)
+        micro = tuple(shard_microbatches(example, W, 0, self.N)[0])
+        self.layers: list[KFACLayer] = capture(model, micro, kfac).layers
+        known = {layer.name: layer for layer in self.layers}
+        vocab = vocab_size_of(model, kfac)
+        self.stage_layers = {st.index: _stage_layer_names(st.gm, kfac, vocab, known) for st in self.split.stages}
+        stage_of = {name: s for s, names in self.stage_layers.items() for name in names}
+        missing = sorted(set(known) - set(stage_of))
+        if missing:
+            raise AssertionError(f"K-FAC layers {missing} were found in the model but in no stage graph")
+        given = dict(plan.layers) if plan is not None else dict(layer_timing or {})
+        self.timings = layer_timings(self.layers, kfac, given)
+        self.holders = ranks_of_stages(self.kind, D, W, self.S, self.v)
+        local = sorted({s for s, _ in self.runners})
+        groups = {s: self._group(self.holders[s]) for s in local}
+        local_layers = {n: known[n] for s in local for n in self.stage_layers[s]}
+        for key, runner in list(self.runners.items()):
+            mine = {n: known[n] for n in _stage_layer_names(runner.module, kfac, vocab, known)}
+            self.runners[key] = TappedRunner.wrap(runner, mine, backend)
+        self.kfac = kfac
+        self.kfac_runtime = KFACRuntime(kfac, local_layers, {n: stage_of[n] for n in local_layers}, self.timings,
+                                        groups, self.layout.rank, self.N * W, self.global_batch)
+        self.kfac_runtime.install(self.interpreter)
+        self.kfac_states = self.kfac_runtime.states
+        if plan is not None:
+            self.plan, self.programs = plan, plan.programs
+        else:
+            self.programs = dict(programs) if programs is not None else naive_programs(
+                self.kind, D, self.N, W, self.timings, self.stage_layers, v=self.v)
+        log.info("rank %d: K-FAC on %d local layers, program period %d", self.layout.rank, len(local_layers),
+                 len(self.programs[self.layout.rank]))
+
+    def _group(self, ranks: tuple[int, ...]) -> StageGroup:
+        if len(ranks) <= 1:
+            return StageGroup(ranks, None)
+        if ranks not in self.sync.groups:
+            raise AssertionError(f"no process group for the stage holders {ranks} on rank {self.layout.rank}")
+        return StageGroup(ranks, self.sync.groups[ranks])
+
+    def step(self, inputs: Any, targets: Any) -> float:
+        """One optimizer step; the layers refreshing at this step are tapped in their stages."""
+        self.kfac_runtime.open_refreshes(self.steps)
+        for runner in self.runners.values():
+            if isinstance(runner, TappedRunner):
+                runner.modes = self.kfac_runtime.modes_at(self.steps, list(runner.layers))
+        return super().step(inputs, targets)

@@ -1,0 +1,62 @@
+"""PipeFisher end to end: pipelined K-FAC over gloo ranks equals the single-device trainer given the same timings."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.e2e import workers as w
+from tests.support.distributed import run_distributed
+
+pytestmark = pytest.mark.multiproc
+
+WORLD2 = [w.Case("gpipe", 2, 2, 1), w.Case("1f1b", 2, 2, 1), w.Case("chimera", 2, 2, 1)]
+WORLD4 = [w.Case("1f1b", 2, 2, 2), w.Case("chimera", 2, 2, 2), w.Case("gpipe", 4, 4, 1), w.Case("1f1b", 4, 4, 1)]
+
+
+def _run(cases: list[w.Case], world: int) -> list:
+    results = run_distributed(w.pipefisher_worker, world, cases, timeout=400)
+    failed = [f"rank {r.rank}: {r.error_type}: {r.error}\n{r.traceback}" for r in results if not r.ok]
+    assert not failed, "\n".join(failed)
+    return results
+
+
+def _check(cases: list[w.Case], results: list) -> None:
+    for i, case in enumerate(cases):
+        names = w._layer_names(case, w.batches(case))
+        timings = w.timings_for(names)
+        want = w.reference_params(case, timings)
+        covered: set[str] = set()
+        for r in results:
+            params, losses = r.value[i]
+            assert all(abs(loss - results[0].value[i][1][k]) < 1e-6 for k, loss in enumerate(losses)), case
+            bad = w.compare(params, want)
+            assert not bad, f"{case} rank {r.rank}: {bad[:4]} differ from the single-device trainer by > 1e-5"
+            covered |= set(params)
+        assert covered == set(want), f"{case}: parameters {sorted(set(want) - covered)} are on no rank"
+
+
+@pytest.fixture(scope="module")
+def sensitivity() -> dict[str, float]:
+    """How far K-FAC and its staleness move the parameters: the 1e-5 equality must be able to fail."""
+    case = WORLD2[0]
+    names = w._layer_names(case, w.batches(case))
+    base = w.reference_params(case, w.timings_for(names))
+    fresh = w.reference_params(case, {n: w.LayerTiming(1, 0, 0, "fused") for n in names})
+    return {n: float((base[n] - fresh[n]).abs().max()) for n in base}
+
+
+def test_sensitivity(sensitivity: dict[str, float]) -> None:
+    """The timings under test give other parameters than refreshing every step (so staleness is tested)."""
+    assert max(sensitivity.values()) > 1e-3
+
+
+def test_two_ranks_gpipe_1f1b_chimera() -> None:
+    """D=2, W=1 for GPipe, 1F1B and Chimera, 2 refresh periods (fused and deferred, use_offset 0 and 1)."""
+    _check(WORLD2, _run(WORLD2, 2))
+
+
+def test_four_ranks_dp_and_deep() -> None:
+    """D=2 W=2 (1F1B, Chimera: curvature all-reduce, split inversion + broadcast) and D=4 W=1 (GPipe, 1F1B)."""
+    torch.set_num_threads(1)
+    _check(WORLD4, _run(WORLD4, 4))

@@ -1,0 +1,104 @@
+"""Rank functions and single-device references for the PipeFisher end-to-end tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from fxkfac.config import KFACConfig
+from fxkfac.planner.ir import LayerTiming
+from fxkfac.single import SingleDeviceTrainer
+from tests.support import models
+
+__all__ = ["Case", "KFAC", "timings_for", "batches", "loss_fn", "optimizer", "reference_params",
+           "pipefisher_worker", "compare"]
+
+KFAC = KFACConfig(damping=1e-2, factor_decay=0.9, kl_clip=1e-2)
+PERIOD = 2
+STEPS = 2 * PERIOD  # two refresh periods
+
+
+@dataclass(frozen=True)
+class Case:
+    """One pipelined PipeFisher run: schedule, D stages, N micro-batches per replica, W replicas."""
+
+    schedule: str
+    D: int
+    N: int
+    W: int
+
+    @property
+    def batch(self) -> int:
+        """Global mini-batch: two samples per micro-batch per replica."""
+        return 2 * self.N * self.W
+
+
+def make_model() -> torch.nn.Module:
+    """The small Hugging Face BERT (fixed seed) every run starts from."""
+    model = models.tiny_bert(layers=2)
+    model.config.use_cache = False
+    return model
+
+
+def timings_for(names: list[str]) -> dict[str, LayerTiming]:
+    """Mixed timings that exercise the plan semantics: fused at step 0 used at once, deferred at step 1 used a step later."""
+    return {name: LayerTiming(PERIOD, 0, 0, "fused") if i % 2 == 0 else LayerTiming(PERIOD, 1, 1, "deferred")
+            for i, name in enumerate(names)}
+
+
+def batches(case: Case) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """STEPS deterministic global mini-batches of token ids and targets."""
+    return [models.token_batch(case.batch, seed=100 + step) for step in range(STEPS)]
+
+
+def loss_fn(out, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the vocabulary per token."""
+    return F.cross_entropy(out.logits.flatten(0, 1), y.flatten())
+
+
+def optimizer(params):
+    """SGD with momentum: sensitive to every bit of the preconditioned gradient."""
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def reference_params(case: Case, timings: dict[str, LayerTiming]) -> dict[str, torch.Tensor]:
+    """The single-device trainer (the oracle) on the same mini-batches, N*W micro-batches, the same timings."""
+    torch.manual_seed(0)
+    data = batches(case)
+    trainer = SingleDeviceTrainer(make_model(), example_inputs=(data[0][0],), loss_fn=loss_fn, optimizer=optimizer,
+                                  kfac=KFAC, microbatches=case.N * case.W, backend=None, layer_timing=timings)
+    for ids, y in data:
+        trainer.step((ids,), y)
+    return {n: p.detach().clone() for n, p in trainer.named_parameters()}
+
+
+def pipefisher_worker(rank: int, world: int, cases: list[Case]) -> dict:
+    """Run each case on this rank's share of the mesh; return {case index: (params, losses)}."""
+    from fxkfac.runtime.pipefisher import PipeFisherTrainer
+
+    out = {}
+    for i, case in enumerate(cases):
+        if case.D * case.W != world:
+            raise ValueError(f"case {case} needs {case.D * case.W} ranks, got {world}")
+        data = batches(case)
+        names = _layer_names(case, data)
+        trainer = PipeFisherTrainer(make_model(), (case.D, case.W), kfac=KFAC, example_inputs=(data[0][0],),
+                                    loss_fn=loss_fn, optimizer=optimizer, schedule=case.schedule,
+                                    microbatches=case.N, layer_timing=timings_for(names), timeout=60.0)
+        losses = [trainer.step((ids,), y) for ids, y in data]
+        out[i] = ({n: p.detach().clone() for n, p in trainer.named_parameters()}, losses)
+    return out
+
+
+def _layer_names(case: Case, data) -> list[str]:
+    from fxkfac.capture import capture
+
+    micro = data[0][0][: case.batch // (case.N * case.W)]
+    return [layer.name for layer in capture(make_model(), (micro,), KFAC).layers]
+
+
+def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float = 1e-5) -> list[str]:
+    """Names of parameters (present on the rank) that differ from the reference by more than atol."""
+    return [n for n, p in got.items() if not torch.allclose(p, want[n], atol=atol, rtol=0)]
