@@ -1,0 +1,269 @@
+"""The CP-SAT model that places K-FAC work into the bubbles of a k-step window (the only ortools user).
+
+One stage group at a time (groups share no device, so they are independent): for k from the lower
+bound up, `_build` makes a modulo-scheduling model of the window (planner.window): every task is an
+interval at position `pos` in [0, L) with `late` telling whether it runs in the next window's early
+bubbles (absolute start = pos + late*L); NoOverlap per device with the fixed F/B work; optional
+intervals choose the inversion's device; a cumulative per device holds activations and the a/e kept
+by deferred curvature under the budget. The first k that is feasible is the refresh period (every
+smaller k proven infeasible: optimal); at that k the objective is the staleness, sum of use offsets.
+The model stays inside this module: solutions come out as `planner.window.GroupSolution`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+from ortools.sat.python import cp_model
+
+from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, refresh_lower_bound
+from fxkfac.planner.window import GroupSolution, Window, build_window, use_offsets
+
+__all__ = ["solve_window", "solve_group"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Vars:
+    """The model and its variables, by task index / PREC slot index."""
+
+    model: cp_model.CpModel
+    start: list[cp_model.IntVar] = field(default_factory=list)
+    pos: list[cp_model.IntVar] = field(default_factory=list)
+    late: list[cp_model.IntVar] = field(default_factory=list)
+    present: list[dict[int, cp_model.IntVar]] = field(default_factory=list)
+    prec: list[cp_model.IntVar] = field(default_factory=list)
+    intervals_of_device: dict[int, list[cp_model.IntervalVar]] = field(default_factory=dict)
+
+
+def _modular(v: _Vars, name: str, lo: int, hi: int, ticks: int, length: int) -> tuple[cp_model.IntVar, ...]:
+    """An absolute start in [lo, hi] that lies, with its length, inside one window: (start, pos, late)."""
+    m = v.model
+    start = m.new_int_var(lo, max(lo, hi), f"start_{name}")
+    pos = m.new_int_var(0, length - ticks, f"pos_{name}")
+    late = m.new_bool_var(f"late_{name}")
+    m.add(start == pos + length * late)
+    return start, pos, late
+
+
+def _add_tasks(v: _Vars, w: Window) -> None:
+    L = w.length
+    for i, task in enumerate(w.tasks):
+        lo = max(w.earliest(task, d) for d in task.devices) if task.kind != "inv" else \
+            min(w.earliest(task, d) for d in task.devices)
+        start, pos, late = _modular(v, task.name, lo, 2 * L - task.ticks, task.ticks, L)
+        v.start.append(start), v.pos.append(pos), v.late.append(late)
+        present: dict[int, cp_model.IntVar] = {}
+        if task.kind == "inv":
+            for d in task.devices:
+                present[d] = v.model.new_bool_var(f"on_r{d}_{task.name}")
+                iv = v.model.new_optional_fixed_size_interval_var(pos, task.ticks, present[d], f"{task.name}_r{d}")
+                v.intervals_of_device[d].append(iv)
+                v.model.add(start >= w.earliest(task, d)).only_enforce_if(present[d])
+            v.model.add_exactly_one(present.values())
+        else:
+            iv = v.model.new_fixed_size_interval_var(pos, task.ticks, task.name)
+            for d in task.devices:
+                v.intervals_of_device[d].append(iv)
+        v.present.append(present)
+
+
+def _add_precedences(v: _Vars, w: Window) -> None:
+    """sync after every curvature of its factor, inversion after sync (or curvature), broadcast after
+    inversion; the next refresh (L later) must find the factor's buffers free and its a/e consumed."""
+    L, m = w.length, v.model
+    by_factor: dict[tuple[str, str], dict[str, list[int]]] = {}
+    for i, task in enumerate(w.tasks):
+        for f in task.factors:
+            by_factor.setdefault(f, {}).setdefault(task.kind, []).append(i)
+    for i, task in enumerate(w.tasks):
+        if task.kind == "curv":
+            m.add(v.start[i] + task.ticks <= task.release + L)
+    for kinds in by_factor.values():
+        chain = [kinds[k] for k in ("curv", "sync", "inv", "bcast") if k in kinds]
+        for before, after in zip(chain, chain[1:]):
+            for b in before:
+                for a in after:
+                    m.add(v.start[a] >= v.start[b] + w.tasks[b].ticks)
+        inv = kinds["inv"][0]
+        for c in kinds.get("curv", []):
+            m.add(v.start[inv] + w.tasks[inv].ticks <= v.start[c] + L)
+        for b in kinds.get("bcast", []):
+            m.add(v.start[b] + 1 <= v.start[inv] + L)
+
+
+def _add_precs(v: _Vars, w: Window) -> None:
+    for slot in w.precs:
+        name = f"prec_s{slot.stage}_r{slot.device}_j{slot.step}"
+        start, pos, _ = _modular(v, name, slot.release, slot.deadline - slot.ticks, slot.ticks, w.length)
+        v.prec.append(start)
+        v.intervals_of_device[slot.device].append(v.model.new_fixed_size_interval_var(pos, slot.ticks, name))
+
+
+def _add_memory(v: _Vars, w: Window) -> None:
+    """Per device: activations (fixed) + a/e kept from F/B end to the curvature's end <= capacity."""
+    caps = [c for c in w.capacity.values() if c is not None]
+    if not caps:
+        return
+    unit = max(1, math.ceil(max(caps) / 2**30))
+    L, m = w.length, v.model
+    for d in w.group.devices:
+        cap = w.capacity[d]
+        if cap is None:
+            continue
+        intervals, demands = [], []
+        for s, e, nbytes in w.acts[d]:
+            intervals.append(m.new_fixed_size_interval_var(s, e - s, f"act_r{d}_{s}"))
+            demands.append(math.ceil(nbytes / unit))
+        for i, task in enumerate(w.tasks):
+            if task.kind != "curv" or task.devices[0] != d or task.keep_bytes == 0:
+                continue
+            t0 = task.release % L
+            room = L - t0
+            held = m.new_int_var(task.ticks, L, f"held_{task.name}")
+            m.add(held == v.start[i] + task.ticks - task.release)
+            first = m.new_int_var(0, room, f"keep1_{task.name}")
+            second = m.new_int_var(0, L, f"keep2_{task.name}")
+            m.add_min_equality(first, [held, room])
+            m.add_max_equality(second, [held - room, 0])
+            intervals.append(m.new_interval_var(t0, first, t0 + first, f"keep_{task.name}"))
+            intervals.append(m.new_interval_var(0, second, second, f"keep_wrap_{task.name}"))
+            demands += [math.ceil(task.keep_bytes / unit)] * 2
+        m.add_cumulative(intervals, demands, max(0, cap // unit))
+
+
+def _add_staleness(v: _Vars, w: Window) -> list[cp_model.IntVar]:
+    """use_offset(layer) = number of the window's steps whose PREC comes before the inverse is ready."""
+    m, k, L = v.model, w.k, w.length
+    ends: dict[str, list[cp_model.LinearExpr]] = {}
+    for i, task in enumerate(w.tasks):
+        if task.kind in ("inv", "bcast"):
+            for layer, _ in task.factors:
+                ends.setdefault(layer, []).append(v.start[i] + task.ticks)
+    not_ready = []
+    for layer, items in ends.items():
+        stage = w.problem.costs.stage_of(layer)
+        flags = [m.new_bool_var(f"ready_{layer}_j{j}") for j in range(2 * k)]
+        for j, flag in enumerate(flags):
+            for n, slot in enumerate(w.precs):
+                if slot.stage == stage and slot.step == j % k:
+                    for end in items:
+                        m.add(end <= v.prec[n] + L * (j // k)).only_enforce_if(flag)
+            if j + 1 < len(flags):
+                m.add_implication(flag, flags[j + 1])
+        not_ready += [~flag for flag in flags]
+    return not_ready
+
+
+def _build(w: Window, optimize: bool) -> _Vars:
+    v = _Vars(cp_model.CpModel(), intervals_of_device={d: [] for d in w.group.devices})
+    for d in w.group.devices:
+        for s, e in w.fixed[d]:
+            v.intervals_of_device[d].append(v.model.new_fixed_size_interval_var(s, e - s, f"fixed_r{d}_{s}"))
+    _add_tasks(v, w)
+    _add_precedences(v, w)
+    _add_precs(v, w)
+    for d, intervals in v.intervals_of_device.items():
+        v.model.add_no_overlap(intervals)
+    _add_memory(v, w)
+    if optimize:
+        v.model.minimize(sum(_add_staleness(v, w)))
+    return v
+
+
+def _hint(v: _Vars, w: Window, hint: GroupSolution) -> None:
+    L = w.length
+    for i, (start, device) in enumerate(zip(hint.starts, hint.devices)):
+        v.model.add_hint(v.start[i], start)
+        v.model.add_hint(v.pos[i], start % L)
+        v.model.add_hint(v.late[i], start // L)
+        for d, flag in v.present[i].items():
+            v.model.add_hint(flag, d == device)
+    for n, start in enumerate(hint.prec_starts):
+        v.model.add_hint(v.prec[n], start)
+
+
+def solve_window(w: Window, config: SolverConfig, time_limit: float, hint: GroupSolution | None = None,
+                 *, optimize: bool = True) -> tuple[str, GroupSolution | None]:
+    """Solve one window (optimize: least staleness, else any feasible placement): (status, solution)."""
+    if any(t.ticks > w.length for t in w.tasks) or any(p.deadline - p.release < p.ticks for p in w.precs):
+        return "INFEASIBLE", None
+    v = _build(w, optimize)
+    if hint is not None and hint.window.k == w.k:
+        _hint(v, w, hint)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = max(0.05, time_limit)
+    solver.parameters.num_workers = config.num_workers
+    solver.parameters.random_seed = config.seed
+    status = solver.solve(v.model)
+    name = solver.status_name(status)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return name, None
+    starts = tuple(solver.value(x) for x in v.start)
+    devices = []
+    for i, task in enumerate(w.tasks):
+        chosen = [d for d, flag in v.present[i].items() if solver.boolean_value(flag)]
+        devices.append(chosen[0] if chosen else task.devices[0])
+    _root_broadcasts(w, devices)
+    precs = tuple(solver.value(x) for x in v.prec)
+    solution = GroupSolution(w, starts, tuple(devices), precs, use_offsets(w, starts, precs), "cpsat", name, 1,
+                             solver.wall_time)
+    return name, solution
+
+
+def _root_broadcasts(w: Window, devices: list[int]) -> None:
+    """A broadcast's device is the root: the device of its factor's inversion."""
+    inv_device = {task.factors[0]: devices[i] for i, task in enumerate(w.tasks) if task.kind == "inv"}
+    for i, task in enumerate(w.tasks):
+        if task.kind == "bcast":
+            devices[i] = inv_device[task.factors[0]]
+
+
+def solve_group(problem: Problem, group: StageGroup, fused: frozenset[str], config: SolverConfig,
+                time_limit: float, greedy: GroupSolution | None = None, *, aggregate: bool = False,
+                min_k: int = 1) -> GroupSolution | None:
+    """The smallest refresh period >= min_k for `group` (from the lower bound; never above greedy's),
+    then the least staleness. None when no k up to max_period is found feasible in time (and no greedy)."""
+    began = time.perf_counter()
+    if greedy is not None and greedy.window.k < min_k:
+        greedy = None
+    lower = max(min_k, refresh_lower_bound(problem, group, fused))
+    proven = lower
+    top = min(problem.max_period, greedy.window.k if greedy is not None else problem.max_period)
+    for k in range(lower, top + 1):
+        left = time_limit - (time.perf_counter() - began)
+        if left <= 0:
+            break
+        if greedy is not None and greedy.window.k == k:
+            hint: GroupSolution | None = greedy
+        else:
+            w = build_window(problem, group, k, fused, aggregate=aggregate, resolution=config.time_resolution)
+            status, hint = solve_window(w, config, left, optimize=False)
+            log.info("stages %s k=%d: %s", list(group.stages), k, status)
+            if status == "INFEASIBLE" and proven == k:
+                proven = k + 1
+            if hint is None:
+                continue
+        left = max(0.05, time_limit - (time.perf_counter() - began))
+        status, best = solve_window(hint.window, config, left, hint if config.use_greedy_hint or hint is not greedy
+                                    else None)
+        if best is None or _staleness(hint) < _staleness(best):
+            best = hint
+        optimal = proven == k and (status == "OPTIMAL" or _staleness(best) == 0)
+        return _finish(best, "OPTIMAL" if optimal else "FEASIBLE", proven, began)
+    if greedy is not None:
+        return _finish(greedy, "GREEDY", proven, began)
+    return None
+
+
+def _staleness(solution: GroupSolution) -> int:
+    return sum(solution.use_offset.values())
+
+
+def _finish(solution: GroupSolution, status: str, proven: int, began: float) -> GroupSolution:
+    return GroupSolution(solution.window, solution.starts, solution.devices, solution.prec_starts,
+                         solution.use_offset, solution.method, status, proven, time.perf_counter() - began)

@@ -1,0 +1,126 @@
+"""The PipeFisher paper's greedy first-fit of K-FAC work into bubbles: the baseline and warm start.
+
+As in pipe-fisher's `assign_workloads_to_bubbles` (notes/anchors.md §1): per device, tasks in
+priority order (curvature A, curvature B, sync, inversion; broadcasts after their inversion) go into
+the first gap between pipeline ops where `duration * 1.05` fits, after their dependencies; when
+something does not fit the window grows by one pipeline step and everything is placed again. The
+number of steps is the refresh period. Each stage's inversions go to its copies round-robin by
+layer (the paper's fixed partition), PREC stays right after the gradient all-reduce, and memory is
+not considered (the paper's rule; the planner validates the result).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from fxkfac.planner.errors import PlanError
+from fxkfac.planner.problem import Problem, StageGroup, copies_of_stage
+from fxkfac.planner.window import GroupSolution, Task, Window, build_window, use_offsets
+
+__all__ = ["MARGIN", "greedy_group", "greedy_window"]
+
+MARGIN = 0.05
+"""pipe-fisher's margin_ratio: a task needs duration * (1 + MARGIN) of free gap."""
+
+_ORDER = {("curv", "A"): 0, ("curv", "B"): 1, ("sync", "A"): 2, ("sync", "B"): 3, ("inv", "A"): 4,
+          ("inv", "B"): 5, ("bcast", "A"): 6, ("bcast", "B"): 7}
+
+
+class _Gaps:
+    """Free time of one device inside [0, length) as sorted [start, end) gaps."""
+
+    def __init__(self, busy: tuple[tuple[int, int], ...], length: int) -> None:
+        self.gaps: list[list[int]] = []
+        cursor = 0
+        for s, e in sorted(busy):
+            if s > cursor:
+                self.gaps.append([cursor, s])
+            cursor = max(cursor, e)
+        if cursor < length:
+            self.gaps.append([cursor, length])
+
+    def first_fit(self, earliest: int, need: int) -> int | None:
+        """The earliest start >= `earliest` with `need` free ticks, or None."""
+        for s, e in self.gaps:
+            t = max(s, earliest)
+            if t + need <= e:
+                return t
+        return None
+
+    def occupy(self, start: int, ticks: int) -> None:
+        """Mark [start, start + ticks) busy (it lies inside one gap)."""
+        for i, (s, e) in enumerate(self.gaps):
+            if s <= start and start + ticks <= e:
+                pieces = [[s, start]] if start > s else []
+                pieces += [[start + ticks, e]] if start + ticks < e else []
+                self.gaps[i:i + 1] = pieces
+                return
+        raise AssertionError(f"[{start}, {start + ticks}) is not free")
+
+
+def _fit_together(gaps: list[_Gaps], earliest: int, need: int) -> int | None:
+    """The earliest start where every device in `gaps` has `need` free ticks at once."""
+    t = earliest
+    while True:
+        starts = [g.first_fit(t, need) for g in gaps]
+        if any(s is None for s in starts):
+            return None
+        latest = max(starts)  # type: ignore[type-var]
+        if latest == t:
+            return t
+        t = latest
+
+
+def _inv_device(window: Window, task: Task) -> int:
+    copies = copies_of_stage(window.problem, task.stage)
+    names = [x.name for x in window.problem.costs.stages[task.stage].layers]
+    return copies[names.index(task.factors[0][0]) % len(copies)]
+
+
+def greedy_window(window: Window) -> GroupSolution | None:
+    """Place every task of `window` first-fit in priority order; None when something does not fit."""
+    gaps = {d: _Gaps(window.fixed[d] + tuple((p.reference, p.reference + p.ticks) for p in window.precs
+                                              if p.device == d), window.length) for d in window.group.devices}
+    order = sorted(range(len(window.tasks)), key=lambda i: (_ORDER[window.tasks[i].kind, window.tasks[i].side],
+                                                           window.tasks[i].release, i))
+    starts, devices = [0] * len(window.tasks), [0] * len(window.tasks)
+    done: dict[tuple[str, str], int] = {}   # factor -> end of its latest placed task
+    inv_device: dict[tuple[str, str], int] = {}
+    for i in order:
+        task = window.tasks[i]
+        key = task.factors[0]
+        after = 0 if task.kind == "curv" else max((done.get(f, 0) for f in task.factors), default=0)
+        members = [_inv_device(window, task)] if task.kind == "inv" else list(task.devices)
+        earliest = max([after] + [window.earliest(task, d) for d in members])
+        need = math.ceil(task.ticks * (1 + MARGIN))
+        start = _fit_together([gaps[d] for d in members], earliest, need)
+        if start is None:
+            return None
+        for d in members:
+            gaps[d].occupy(start, task.ticks)
+        starts[i] = start
+        devices[i] = members[0] if task.kind != "bcast" else inv_device[key]
+        if task.kind == "inv":
+            inv_device[key] = members[0]
+        for f in task.factors:
+            done[f] = max(done.get(f, 0), start + task.ticks)
+    precs = tuple(p.reference for p in window.precs)
+    offsets = use_offsets(window, tuple(starts), precs)
+    return GroupSolution(window, tuple(starts), tuple(devices), precs, offsets, "greedy", "FEASIBLE", 1)
+
+
+def greedy_group(problem: Problem, group: StageGroup, fused: frozenset[str] = frozenset(), *,
+                 aggregate: bool = False, resolution: int = 100_000,
+                 min_k: int = 1) -> GroupSolution:
+    """The paper's rule for one stage group: the smallest k >= min_k (up to problem.max_period) where
+    first-fit places everything. Raises PlanError when no k does (a task longer than every bubble)."""
+    began = time.perf_counter()
+    for k in range(min_k, problem.max_period + 1):
+        window = build_window(problem, group, k, fused, aggregate=aggregate, resolution=resolution)
+        solution = greedy_window(window)
+        if solution is not None:
+            return GroupSolution(window, solution.starts, solution.devices, solution.prec_starts,
+                                 solution.use_offset, "greedy", "FEASIBLE", 1, time.perf_counter() - began)
+    raise PlanError(f"the greedy rule cannot place the K-FAC work of stages {list(group.stages)} within "
+                    f"{problem.max_period} steps: some curvature or inversion is longer than every bubble; "
+                    "raise max_period, split the layer, or allow fused curvature")

@@ -1,0 +1,365 @@
+"""The planning problem: schedule, mesh, costs, budget; its base timeline, bubbles and memory."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any, Callable, Mapping
+
+from fxkfac.planner.costs import CostTable, StageCost
+from fxkfac.planner.errors import PlanError, PlanFormatError
+from fxkfac.planner.ir import Op, OpKind
+from fxkfac.planner.lowering import add_send_recv, expand_dp
+from fxkfac.planner.schedules import ScheduleKind, num_stages, schedule_programs, validate_schedule_args
+from fxkfac.planner.simulate import Timeline, simulate
+
+__all__ = [
+    "Problem",
+    "SolverConfig",
+    "StepTimeline",
+    "StageGroup",
+    "base_programs",
+    "reference_programs",
+    "step_timeline",
+    "plain_step_time",
+    "reference_step_time",
+    "stage_groups",
+    "copies_of_stage",
+    "stages_on_device",
+    "static_bytes",
+    "activation_peak",
+    "min_memory_bytes",
+    "refresh_lower_bound",
+    "format_bytes",
+]
+
+_FIXED_KINDS = frozenset({OpKind.FWD, OpKind.BWD})
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What to plan: the pipeline, the costs, the device memory and the step-time tolerance.
+
+    schedule/D/N/W/v: the pipeline (pp size D, dp size W, N micro-batches per replica, v virtual
+    stages for "interleaved"). costs: one StageCost per (virtual) stage. memory_budget: bytes per
+    device, None for unlimited. max_overhead: how much the step may grow over the plain pipeline
+    with preconditioning (0.0: only bubbles are used). fingerprint: the graph the plan is for
+    (opaque here). max_period: the longest refresh period the planner may choose.
+    """
+
+    schedule: str
+    D: int
+    N: int
+    costs: CostTable
+    W: int = 1
+    v: int = 1
+    memory_budget: int | None = None
+    max_overhead: float = 0.0
+    hardware: str = ""
+    fingerprint: str = ""
+    max_period: int = 32
+
+    def __post_init__(self) -> None:
+        kind = validate_schedule_args(self.schedule, self.D, self.N, self.v)
+        object.__setattr__(self, "schedule", kind.value)
+        if not self.hardware:
+            object.__setattr__(self, "hardware", self.costs.hardware)
+        if not isinstance(self.W, int) or self.W < 1:
+            raise PlanError(f"the data-parallel size W must be an int >= 1, got {self.W!r}")
+        S = num_stages(kind, self.D, self.v)
+        if len(self.costs.stages) != S:
+            raise PlanError(f"the cost table has {len(self.costs.stages)} stages but {kind} with D={self.D}, "
+                            f"v={self.v} has {S}; make the cost table for {S} stages")
+        budget = self.memory_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+            raise PlanError(f"memory_budget must be a positive int (bytes) or None, got {budget!r}")
+        if not (isinstance(self.max_overhead, (int, float)) and 0 <= self.max_overhead < 10):
+            raise PlanError(f"max_overhead is a fraction in [0, 10), got {self.max_overhead!r}")
+        if not isinstance(self.max_period, int) or self.max_period < 1:
+            raise PlanError(f"max_period must be an int >= 1, got {self.max_period!r}")
+
+    @property
+    def kind(self) -> ScheduleKind:
+        """The schedule as an enum."""
+        return ScheduleKind(self.schedule)
+
+    @property
+    def num_stages(self) -> int:
+        """S, the number of (virtual) stages."""
+        return len(self.costs.stages)
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """Global ranks 0..D*W-1 (rank = pp * W + dp)."""
+        return tuple(range(self.D * self.W))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able form (the cost table nested in its own schema)."""
+        return {"schedule": self.schedule, "D": self.D, "N": self.N, "W": self.W, "v": self.v,
+                "costs": self.costs.to_dict(), "memory_budget": self.memory_budget,
+                "max_overhead": self.max_overhead, "hardware": self.hardware,
+                "fingerprint": self.fingerprint, "max_period": self.max_period}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Problem:
+        """Inverse of `to_dict`; a malformed entry raises PlanFormatError."""
+        try:
+            return cls(**{**data, "costs": CostTable.from_dict(data["costs"])})
+        except (KeyError, TypeError) as e:
+            raise PlanFormatError(f"the plan's problem is malformed: {e}") from e
+
+
+@dataclass(frozen=True)
+class SolverConfig:
+    """How hard the CP-SAT planner works: a time limit, workers, seed, and the greedy warm start.
+
+    aggregate: one CURV task per (device, micro-batch, side) for all layers of a stage instead of one
+    per layer; None decides by size (more than `aggregate_above` per-layer CURV tasks in a group).
+    """
+
+    time_limit_s: float = 10.0
+    num_workers: int = 2
+    seed: int = 0
+    use_greedy_hint: bool = True
+    aggregate: bool | None = None
+    aggregate_above: int = 256
+    time_resolution: int = 100_000
+    """Ticks per step when times are not exact in a decimal unit (see `planner.window`)."""
+
+
+@dataclass(frozen=True)
+class StepTimeline:
+    """One step of the pipeline, per device: fixed F/B intervals and the points the K-FAC work uses.
+
+    ops: (op, start, end) of every op of the step in program order (RECV intervals include waits);
+    allreduce_end[(device, stage)]: end of ALLREDUCE_GRAD(stage); first_start[device]: start of the
+    device's first F/B; length: the step time.
+    """
+
+    ops: Mapping[int, tuple[tuple[Op, float, float], ...]]
+    allreduce_end: Mapping[tuple[int, int], float]
+    first_start: Mapping[int, float]
+    length: float
+
+    def fixed(self, device: int) -> list[tuple[Op, float, float]]:
+        """The device's F/B ops with their times."""
+        return [item for item in self.ops[device] if item[0].kind in _FIXED_KINDS]
+
+    def end_of(self, device: int, op: Op) -> float:
+        """End time of `op` on `device` (AssertionError when absent)."""
+        for item, _, end in self.ops[device]:
+            if item == op:
+                return end
+        raise AssertionError(f"{op} is not on device {device}")
+
+
+@lru_cache(maxsize=64)
+def base_programs(problem: Problem) -> dict[int, list[Op]]:
+    """Per global rank, one step of the plain pipeline with its transfers and collectives."""
+    kind, D, v = problem.kind, problem.D, problem.v
+    return expand_dp(add_send_recv(schedule_programs(kind, D, problem.N, v=v), kind, D, v), problem.W)
+
+
+@lru_cache(maxsize=64)
+def reference_programs(problem: Problem) -> dict[int, list[Op]]:
+    """The base programs with PREC(s) right after each ALLREDUCE_GRAD(s): the paper's K-FAC step."""
+    out = {}
+    for rank, ops in base_programs(problem).items():
+        body: list[Op] = []
+        for op in ops:
+            body.append(op)
+            if op.kind is OpKind.ALLREDUCE_GRAD:
+                body.append(Op(OpKind.PREC, op.stage))
+        out[rank] = body
+    return out
+
+
+def _duration(problem: Problem, fused: frozenset[str]) -> Callable[[int, Op], float]:
+    """Op durations in seconds: F/B from the costs (plus fused curvature), PREC, nothing else."""
+    stages = problem.costs.stages
+
+    def fused_curv(stage: StageCost, side: str) -> float:
+        return sum(layer.curv_a if side == "A" else layer.curv_b for layer in stage.layers if layer.name in fused)
+
+    fwd = [s.fwd + fused_curv(s, "A") for s in stages]
+    bwd = [s.bwd + fused_curv(s, "B") for s in stages]
+    prec = [s.prec for s in stages]
+
+    def duration(rank: int, op: Op) -> float:
+        if op.kind is OpKind.FWD:
+            return fwd[op.stage]  # type: ignore[index]
+        if op.kind is OpKind.BWD:
+            return bwd[op.stage]  # type: ignore[index]
+        if op.kind is OpKind.PREC:
+            return prec[op.stage]  # type: ignore[index]
+        return 0.0
+
+    return duration
+
+
+@lru_cache(maxsize=256)
+def step_timeline(problem: Problem, fused: frozenset[str] = frozenset(), with_prec: bool = True) -> StepTimeline:
+    """One simulated step (plain or with PREC; fused layers' curvature inside F/B).
+
+    The pipeline flushes every step, so a steady run repeats this step every `length` seconds
+    (checked against a two-step simulation).
+    """
+    programs = reference_programs(problem) if with_prec else base_programs(problem)
+    duration = _duration(problem, fused)
+    one = simulate(programs, duration, steps=1)
+    two = simulate(programs, duration, steps=2)
+    length = one.makespan
+    if abs(two.step_time - length) > 1e-9 * max(1.0, length):
+        raise AssertionError(f"steady step {two.step_time} differs from a flushed step {length}")
+    return _step_from(one, length)
+
+
+def _step_from(timeline: Timeline, length: float) -> StepTimeline:
+    ops: dict[int, tuple[tuple[Op, float, float], ...]] = {}
+    allreduce: dict[tuple[int, int], float] = {}
+    first: dict[int, float] = {}
+    for rank in timeline.ranks:
+        items = tuple((iv.op, iv.start, iv.end) for iv in timeline.of_rank(rank))
+        ops[rank] = items
+        first[rank] = min((s for op, s, _ in items if op.kind in _FIXED_KINDS), default=0.0)
+        for op, _, end in items:
+            if op.kind is OpKind.ALLREDUCE_GRAD:
+                allreduce[rank, op.stage] = end  # type: ignore[index]
+    return StepTimeline(ops, allreduce, first, length)
+
+
+def plain_step_time(problem: Problem) -> float:
+    """T0: the step time of the plain pipeline (no K-FAC)."""
+    return step_timeline(problem, frozenset(), False).length
+
+
+def reference_step_time(problem: Problem) -> float:
+    """T_ref: the plain pipeline with each stage's PREC right after its gradient all-reduce."""
+    return step_timeline(problem).length
+
+
+@dataclass(frozen=True)
+class StageGroup:
+    """Stages that share devices (Chimera's stage pairs, interleaved chunks) and those devices.
+
+    A group has one refresh period: its devices' K-FAC work repeats with it.
+    """
+
+    stages: tuple[int, ...]
+    devices: tuple[int, ...]
+
+
+@lru_cache(maxsize=64)
+def _holders(problem: Problem) -> dict[int, tuple[int, ...]]:
+    held: dict[int, set[int]] = {s: set() for s in range(problem.num_stages)}
+    for rank, ops in base_programs(problem).items():
+        for op in ops:
+            if op.kind in _FIXED_KINDS:
+                held[op.stage].add(rank)  # type: ignore[index]
+    return {s: tuple(sorted(r)) for s, r in held.items()}
+
+
+def copies_of_stage(problem: Problem, stage: int) -> tuple[int, ...]:
+    """The global ranks that run `stage` (dp replicas; both Chimera pipelines)."""
+    return _holders(problem)[stage]
+
+
+def stages_on_device(problem: Problem, device: int) -> tuple[int, ...]:
+    """The stages whose F/B run on `device`, ascending."""
+    return tuple(s for s, ranks in _holders(problem).items() if device in ranks)
+
+
+@lru_cache(maxsize=64)
+def stage_groups(problem: Problem) -> tuple[StageGroup, ...]:
+    """The connected components of 'stage runs on device', ordered by their first stage."""
+    parent = list(range(problem.num_stages))
+
+    def root(s: int) -> int:
+        while parent[s] != s:
+            parent[s] = parent[parent[s]]
+            s = parent[s]
+        return s
+
+    for device in problem.devices:
+        held = stages_on_device(problem, device)
+        for s in held[1:]:
+            parent[root(s)] = root(held[0])
+    members: dict[int, list[int]] = {}
+    for s in range(problem.num_stages):
+        members.setdefault(root(s), []).append(s)
+    groups = []
+    for stages in members.values():
+        devices = sorted({d for s in stages for d in copies_of_stage(problem, s)})
+        groups.append(StageGroup(tuple(stages), tuple(devices)))
+    return tuple(sorted(groups, key=lambda g: g.stages[0]))
+
+
+def static_bytes(problem: Problem, device: int) -> int:
+    """Memory held all step on `device`: parameters and gradients (2x), factors and inverses (2x),
+    and the largest transient error peak of one backward."""
+    stages = [problem.costs.stages[s] for s in stages_on_device(problem, device)]
+    return (sum(2 * s.param_bytes + 2 * s.factor_bytes for s in stages)
+            + max((s.peak_err_bytes for s in stages), default=0))
+
+
+def activation_intervals(problem: Problem, device: int, step: StepTimeline) -> list[tuple[float, float, int]]:
+    """(start, end, bytes) of each micro-batch's activations on `device`: from F start to B end."""
+    starts = {}
+    out = []
+    for op, start, end in step.ops[device]:
+        key = (op.stage, op.mb, op.pipe)
+        if op.kind is OpKind.FWD:
+            starts[key] = start
+        elif op.kind is OpKind.BWD:
+            out.append((starts[key], end, problem.costs.stages[op.stage].act_bytes))  # type: ignore[index]
+    return out
+
+
+def activation_peak(problem: Problem, device: int, fused: frozenset[str] = frozenset()) -> int:
+    """The peak of activations in flight on `device` over one step."""
+    events = []
+    for start, end, nbytes in activation_intervals(problem, device, step_timeline(problem, fused)):
+        events += [(start, nbytes), (end, -nbytes)]
+    peak = level = 0
+    for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
+        level += delta
+        peak = max(peak, level)
+    return peak
+
+
+def min_memory_bytes(problem: Problem) -> int:
+    """The least per-device memory any plan needs: static bytes plus the activation peak with every
+    layer's curvature fused (nothing kept for later)."""
+    fused = frozenset(problem.costs.layer_names)
+    return max(static_bytes(problem, d) + activation_peak(problem, d, fused) for d in problem.devices)
+
+
+def refresh_lower_bound(problem: Problem, group: StageGroup, fused: frozenset[str] = frozenset()) -> int:
+    """ceil(K-FAC work of the group / its bubble time per step): curvature of every micro-batch on
+    every copy (unfused layers) plus all inversions, over the idle time of the reference step."""
+    step = step_timeline(problem, fused)
+    work = 0.0
+    for device in group.devices:
+        for op, _, _ in step.fixed(device):
+            layers = problem.costs.stages[op.stage].layers  # type: ignore[index]
+            side = "a" if op.kind is OpKind.FWD else "b"
+            work += sum(getattr(x, f"curv_{side}") for x in layers if x.name not in fused)
+    work += sum(problem.costs.stages[s].inv for s in group.stages)
+    busy = sum(end - start for d in group.devices for op, start, end in step.ops[d]
+               if op.kind in _FIXED_KINDS or op.kind is OpKind.PREC)
+    bubble = step.length * len(group.devices) - busy
+    if work <= 0:
+        return 1
+    if bubble <= 0:
+        return problem.max_period + 1
+    return max(1, math.ceil(work / bubble - 1e-9))
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in human units (GiB, MiB, KiB)."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+

@@ -1,0 +1,360 @@
+"""Checks a plan against its problem, independently of the solvers: every constraint, in seconds.
+
+It recomputes what the plan must contain from the problem alone (the simulated step timelines, the
+cost table) and shares no code with planner.window, greedy or cpsat. Times may be off by the plan's
+`metrics.time_quantum` (the planner's time grid, see [Note: time grid] in planner/window.py).
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from fxkfac.planner.errors import DeadlockError, PlanError
+from fxkfac.planner.ir import Op, OpKind
+from fxkfac.planner.problem import (
+    Problem,
+    StepTimeline,
+    activation_intervals,
+    copies_of_stage,
+    stage_groups,
+    static_bytes,
+    step_timeline,
+)
+from fxkfac.planner.simulate import simulate
+
+if TYPE_CHECKING:
+    from fxkfac.planner.plan import Plan
+
+__all__ = ["validate", "check_plan"]
+
+_KFAC = frozenset({OpKind.CURV, OpKind.SYNC_CURV, OpKind.INV, OpKind.BCAST_INV, OpKind.PREC})
+_COMPUTE = (OpKind.FWD, OpKind.BWD)
+
+
+@dataclass
+class _Ctx:
+    problem: Problem
+    plan: Plan
+    tol: float
+    fused: frozenset[str]
+    refresh: StepTimeline
+    normal: StepTimeline
+    errors: list[str]
+
+    def period(self, stage: int) -> int:
+        return self.plan.layers[self.problem.costs.stages[stage].layers[0].name].period
+
+    def length(self, k: int) -> float:
+        return self.refresh.length + (k - 1) * self.normal.length
+
+    def base(self, j: int, k: int) -> float:
+        """Absolute start of window step j (0..2k)."""
+        within = j % k
+        start = 0.0 if within == 0 else self.refresh.length + (within - 1) * self.normal.length
+        return start + self.length(k) * (j // k)
+
+    def step_start(self, device: int, j: int, k: int) -> float:
+        """When window step j begins on `device`: at its first F/B of that step."""
+        return self.base(j, k) + self.timeline(j, k).first_start[device]
+
+    def timeline(self, j: int, k: int) -> StepTimeline:
+        return self.refresh if j % k == 0 else self.normal
+
+
+def _key(op: Op) -> Op:
+    return replace(op, peer=None)
+
+
+def _expected(c: _Ctx) -> Counter:
+    """(op, device) of every K-FAC op the plan must place, with multiplicity (INV: on one copy)."""
+    want: Counter = Counter()
+    for s, stage in enumerate(c.problem.costs.stages):
+        copies = copies_of_stage(c.problem, s)
+        for d in copies:
+            for op, _, _ in c.refresh.fixed(d):
+                if op.stage != s:
+                    continue
+                side = "A" if op.kind is OpKind.FWD else "B"
+                for x in stage.layers:
+                    if x.name not in c.fused:
+                        want[Op(OpKind.CURV, s, op.mb, op.pipe, layer=x.name, factor=side), d] += 1
+            for j in range(c.period(s)):
+                want[Op(OpKind.PREC, s), d, j] += 1
+        for x in stage.layers:
+            for side in "AB":
+                want[Op(OpKind.INV, s, layer=x.name, factor=side), None] += 1
+                for kind in (OpKind.SYNC_CURV, OpKind.BCAST_INV) if len(copies) > 1 else ():
+                    for d in copies:
+                        want[Op(kind, s, layer=x.name, factor=side), d] += 1
+    return want
+
+
+def _check_layers(c: _Ctx) -> None:
+    p = c.problem
+    names = set(p.costs.layer_names)
+    if set(c.plan.layers) != names:
+        c.errors.append(f"layers timed {sorted(c.plan.layers)} differ from the cost table's {sorted(names)}")
+        return
+    for group in stage_groups(p):
+        periods = {c.plan.layers[x.name].period for s in group.stages for x in p.costs.stages[s].layers}
+        if len(periods) != 1:
+            c.errors.append(f"stages {group.stages} share devices but have refresh periods {sorted(periods)}")
+    for name, t in c.plan.layers.items():
+        if not 1 <= t.period <= p.max_period or t.curv_step != 0 or t.capture not in ("fused", "deferred"):
+            c.errors.append(f"layer {name}: bad timing {t}")
+    if c.fused and len({t.period for t in c.plan.layers.values()}) != 1:
+        c.errors.append("with fused curvature every layer must share one refresh period")
+
+
+def _duration(c: _Ctx, op: Op) -> float:
+    stage = c.problem.costs.stages[op.stage]  # type: ignore[index]
+    if op.kind is OpKind.PREC:
+        return stage.prec
+    if op.kind in (OpKind.SYNC_CURV, OpKind.BCAST_INV):
+        return 0.0
+    layer = next(x for x in stage.layers if x.name == op.layer)
+    attr = ("curv_" if op.kind is OpKind.CURV else "inv_") + op.factor.lower()  # type: ignore[union-attr]
+    return getattr(layer, attr)
+
+
+def _check_placed_once(c: _Ctx) -> None:
+    got: Counter = Counter()
+    for p in c.plan.placements:
+        if p.op.kind is OpKind.PREC:
+            got[_key(p.op), p.device, p.step] += 1
+        else:
+            got[_key(p.op), None if p.op.kind is OpKind.INV else p.device] += 1
+        if abs(p.end - p.start - _duration(c, p.op)) > c.tol + 1e-9 * max(1.0, p.end):
+            c.errors.append(f"{p.op} on r{p.device}: lasts {p.end - p.start:.6g} s, costs {_duration(c, p.op):.6g} s")
+        k = c.period(p.op.stage)
+        if not 0 <= p.step < 2 * k or not c.step_start(p.device, p.step, k) - c.tol <= p.start \
+                <= c.step_start(p.device, p.step + 1, k) + c.tol:
+            c.errors.append(f"{p.op} on r{p.device} at {p.start:.6g} s is not in window step {p.step} (k={k})")
+        if p.op.kind is OpKind.INV and p.device not in copies_of_stage(c.problem, p.op.stage):  # type: ignore[arg-type]
+            c.errors.append(f"{p.op} runs on r{p.device}, which does not hold stage {p.op.stage}")
+    want = _expected(c)
+    for item in sorted(set(want) | set(got), key=str):
+        if want[item] != got[item]:
+            c.errors.append(f"{item[0]} on {item[1:]} placed {got[item]} times, expected {want[item]}")
+
+
+def _fixed_intervals(c: _Ctx, device: int, k: int) -> list[tuple[float, float, str]]:
+    out = []
+    for j in range(k):
+        for op, a, b in c.timeline(j, k).fixed(device):
+            out.append((c.base(j, k) + a, c.base(j, k) + b, f"{op} (step {j})"))
+    return out
+
+
+def _mod(start: float, end: float, length: float) -> list[tuple[float, float]]:
+    s = start % length
+    if length - s < 1e-12:
+        s = 0.0
+    e = s + (end - start)
+    return [(s, e)] if e <= length + 1e-12 else [(s, length), (0.0, e - length)]
+
+
+def _check_overlap(c: _Ctx) -> None:
+    by_device = defaultdict(list)
+    for p in c.plan.placements:
+        by_device[p.device].append(p)
+    for d in c.problem.devices:
+        ks = {c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s)}
+        k = max(ks)
+        L = c.length(k)
+        items = [(s, e, name) for a, b, name in _fixed_intervals(c, d, k) for s, e in _mod(a, b, L)]
+        items += [(s, e, f"{p.op}") for p in by_device[d] for s, e in _mod(p.start, p.end, L)]
+        items.sort()
+        for i, (s1, e1, n1) in enumerate(items):
+            for s2, e2, n2 in items[i + 1:]:
+                if s2 >= max(e1, s1 + c.tol) - c.tol:
+                    break
+                if min(e1, e2) - s2 > c.tol or (s1 + c.tol < s2 < e1 - c.tol):
+                    c.errors.append(f"r{d}: {n1} [{s1:.6g}, {e1:.6g}) overlaps {n2} [{s2:.6g}, {e2:.6g}) (mod {L:.6g})")
+
+
+def _end_of(timeline: StepTimeline, device: int, kind: OpKind, stage: int, mb: int, pipe: int) -> float:
+    return next(b for op, _, b in timeline.ops[device] if op.kind is kind and (op.stage, op.mb, op.pipe) == (stage, mb, pipe))
+
+
+def _check_dependencies(c: _Ctx) -> None:
+    factor_tasks = defaultdict(lambda: defaultdict(list))
+    for p in c.plan.placements:
+        if p.op.kind is OpKind.CURV:
+            kind = OpKind.FWD if p.op.factor == "A" else OpKind.BWD
+            ready = _end_of(c.refresh, p.device, kind, p.op.stage, p.op.mb, p.op.pipe)  # type: ignore[arg-type]
+            if p.start < ready - c.tol:
+                c.errors.append(f"{p.op} on r{p.device} starts at {p.start:.6g} before its {kind} ends ({ready:.6g})")
+            if p.end > ready + c.length(c.period(p.op.stage)) + c.tol:  # type: ignore[arg-type]
+                c.errors.append(f"{p.op} on r{p.device} keeps its a/e longer than one window")
+        if p.op.kind is not OpKind.PREC:
+            factor_tasks[p.op.layer, p.op.factor][p.op.kind].append(p)
+    for (layer, side), kinds in factor_tasks.items():
+        _check_factor(c, layer, side, kinds)
+
+
+def _check_factor(c: _Ctx, layer: str, side: str, kinds: dict) -> None:
+    stage = c.problem.costs.stage_of(layer)
+    L = c.length(c.period(stage))
+    copies = copies_of_stage(c.problem, stage)
+    curv, sync, inv, bcast = (kinds.get(k, []) for k in (OpKind.CURV, OpKind.SYNC_CURV, OpKind.INV, OpKind.BCAST_INV))
+    if layer in c.fused:
+        kind = OpKind.FWD if side == "A" else OpKind.BWD
+        ready = max(b for d in copies for op, _, b in c.refresh.fixed(d) if op.stage == stage and op.kind is kind)
+    else:
+        ready = max((p.end for p in curv), default=0.0)
+    for group in (sync, bcast):
+        if group and max(p.start for p in group) - min(p.start for p in group) > c.tol:
+            c.errors.append(f"{group[0].op}: the copies start it at different times")
+    chain = [x for x in (sync, inv, bcast) if x]
+    for x in chain:
+        if min(p.start for p in x) < ready - c.tol:
+            c.errors.append(f"{x[0].op} starts before the work it depends on ends ({ready:.6g})")
+        ready = max(p.end for p in x)
+    if inv:
+        if any(p.op.peer != inv[0].device for p in bcast):
+            c.errors.append(f"broadcast of {layer} {side} does not come from r{inv[0].device}, where it was inverted")
+        if any(inv[0].end > p.start + L + c.tol for p in curv):
+            c.errors.append(f"INV {layer} {side} ends after the next refresh starts its curvature")
+        if any(p.end > inv[0].start + L + c.tol for p in bcast):
+            c.errors.append(f"BCAST_INV {layer} {side} ends after the next refresh's inversion starts")
+
+
+def _check_precs_and_offsets(c: _Ctx) -> None:
+    prec = {(p.op.stage, p.device, p.step): p for p in c.plan.placements if p.op.kind is OpKind.PREC}
+    for (s, d, j), p in prec.items():
+        k = c.period(s)
+        st, nxt = c.timeline(j, k), c.timeline(j + 1, k)
+        lo, hi = c.base(j, k) + st.allreduce_end[d, s], c.base(j + 1, k) + nxt.first_start[d]
+        if p.start < lo - c.tol or p.end > hi + c.tol:
+            c.errors.append(f"PREC s{s} step {j} on r{d} [{p.start:.6g}, {p.end:.6g}) is outside [{lo:.6g}, {hi:.6g})")
+    ready: dict[str, float] = defaultdict(float)
+    for p in c.plan.placements:
+        if p.op.kind in (OpKind.INV, OpKind.BCAST_INV):
+            ready[p.op.layer] = max(ready[p.op.layer], p.end)  # type: ignore[index]
+    for layer, t in ready.items():
+        s, k = c.problem.costs.stage_of(layer), c.period(c.problem.costs.stage_of(layer))
+        L = c.length(k)
+        u = next((u for u in range(2 * k + 1) if all(
+            (prec[s, d, u % k].start if (s, d, u % k) in prec else 0.0) + L * (u // k) >= t - c.tol
+            for d in copies_of_stage(c.problem, s))), 2 * k + 1)
+        claimed = c.plan.layers[layer].use_offset
+        if claimed != u:
+            c.errors.append(f"layer {layer}: use_offset {claimed} claimed, but its inverse is first usable at step {u}")
+
+
+def _check_memory(c: _Ctx) -> None:
+    budget = c.problem.memory_budget
+    keeps = defaultdict(list)
+    for p in c.plan.placements:
+        if p.op.kind is OpKind.CURV:
+            x = next(x for x in c.problem.costs.stages[p.op.stage].layers if x.name == p.op.layer)  # type: ignore[index]
+            kind = OpKind.FWD if p.op.factor == "A" else OpKind.BWD
+            since = _end_of(c.refresh, p.device, kind, p.op.stage, p.op.mb, p.op.pipe)  # type: ignore[arg-type]
+            keeps[p.device].append((since, p.end, x.a_bytes if p.op.factor == "A" else x.e_bytes))
+    for d in c.problem.devices:
+        k = max(c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s))
+        L = c.length(k)
+        spans = [(c.base(j, k) + a, c.base(j, k) + b, n) for j in range(k)
+                 for a, b, n in activation_intervals(c.problem, d, c.timeline(j, k))] + keeps[d]
+        events = []
+        for a, b, n in spans:
+            for s, e in _mod(a, b, L):
+                if e - s > 2 * c.tol:
+                    events += [(s + c.tol, n), (e - c.tol, -n)]
+        level, peak = 0, 0
+        for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
+            level += delta
+            peak = max(peak, level)
+        total = static_bytes(c.problem, d) + peak
+        if budget is not None and total > budget:
+            c.errors.append(f"r{d}: memory peaks at {total} bytes, over the budget of {budget}")
+        claimed = c.plan.metrics.peak_memory.get(d)
+        if c.tol == 0 and claimed != total:
+            c.errors.append(f"r{d}: peak memory {claimed} claimed, {total} found")
+
+
+def _check_step_time(c: _Ctx) -> None:
+    periods = {t.period for t in c.plan.layers.values()}
+    step = max(c.length(k) / k for k in periods)
+    allowed = c.normal.length * (1 + c.problem.max_overhead)
+    if step > allowed + c.tol:
+        c.errors.append(f"step time {step:.6g} s exceeds {allowed:.6g} s (reference {c.normal.length:.6g} s, "
+                        f"max_overhead {c.problem.max_overhead:g})")
+    if abs(c.plan.metrics.step_time - step) > c.tol + 1e-9 * step:
+        c.errors.append(f"step time {c.plan.metrics.step_time:.6g} s claimed, {step:.6g} s found")
+
+
+def _check_programs(c: _Ctx, run: bool) -> None:
+    plan = c.plan
+    for d in c.problem.devices:
+        prog = plan.programs.get(d)
+        k = max(c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s))
+        if prog is None or len(prog) != k:
+            c.errors.append(f"r{d}: the program must have {k} steps")
+            continue
+        for j, ops in enumerate(prog):
+            want = [op for op, _, _ in c.timeline(j, k).ops[d] if op.kind not in _KFAC]
+            if [op for op in ops if op.kind not in _KFAC] != want:
+                c.errors.append(f"r{d} step {j}: the pipeline ops differ from the schedule's")
+        placed = sorted((p.step % k, p.start - c.length(k) * (p.step // k), str(p.op)) for p in plan.placements if p.device == d)
+        listed = [(j, str(op)) for j, ops in enumerate(prog) for op in ops if op.kind in _KFAC]
+        if sorted(listed) != sorted((j, op) for j, _, op in placed):
+            c.errors.append(f"r{d}: the program's K-FAC ops differ from the placements")
+        elif [op for _, op in listed] != [op for _, _, op in placed]:
+            c.errors.append(f"r{d}: the program's K-FAC ops are not in time order")
+    if run:
+        _check_runs(c)
+
+
+def _check_runs(c: _Ctx) -> None:
+    """Simulate the programs (ops in program order, as soon as possible): no deadlock, and the run is
+    no slower than planned (the durations of a non-refresh step are used: exact when nothing is fused)."""
+    stages = c.problem.costs.stages
+
+    def duration(rank: int, op: Op) -> float:
+        if op.kind is OpKind.FWD:
+            return stages[op.stage].fwd  # type: ignore[index]
+        if op.kind is OpKind.BWD:
+            return stages[op.stage].bwd  # type: ignore[index]
+        return _duration(c, op) if op.kind in _KFAC else 0.0
+
+    periods = [len(p) for p in c.plan.programs.values()]
+    steps = max(periods) * 2
+    try:
+        timeline = simulate(c.plan.programs, duration, steps=steps)
+    except DeadlockError as e:
+        c.errors.append(f"the programs deadlock: {e}")
+        return
+    if not c.fused:
+        limit = c.plan.metrics.step_time * steps + max(c.length(k) for k in set(periods))
+        if timeline.makespan > limit + c.tol * steps:
+            c.errors.append(f"the simulated programs take {timeline.makespan:.6g} s for {steps} steps, over {limit:.6g}")
+
+
+def validate(problem: Problem, plan: Plan, *, run: bool = True) -> list[str]:
+    """Every way `plan` breaks `problem`'s constraints, as readable lines (empty: valid). `run` also
+    simulates the programs (deadlock, speed)."""
+    fused = frozenset(n for n, t in plan.layers.items() if t.capture == "fused")
+    tol = plan.metrics.time_quantum + 1e-9 * step_timeline(problem).length
+    c = _Ctx(problem, plan, tol, fused, step_timeline(problem, fused), step_timeline(problem), [])
+    if plan.problem != problem:
+        c.errors.append("the plan was made for another problem")
+    _check_layers(c)
+    if c.errors:
+        return c.errors
+    for check in (_check_placed_once, _check_overlap, _check_dependencies, _check_precs_and_offsets,
+                  _check_memory, _check_step_time):
+        check(c)
+    _check_programs(c, run)
+    return c.errors
+
+
+def check_plan(problem: Problem, plan: Plan, *, run: bool = True) -> None:
+    """Raise PlanError listing every violation of `validate`."""
+    errors = validate(problem, plan, run=run)
+    if errors:
+        shown = "\n  ".join(errors[:20]) + (f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else "")
+        raise PlanError(f"the plan is not valid for its problem ({len(errors)} violations):\n  {shown}")

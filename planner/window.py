@@ -1,0 +1,382 @@
+"""A refresh window of k steps on an integer time grid, the K-FAC tasks in it, and their placements.
+
+[Note: time grid] Times become integer ticks. When every op time and duration of the problem is a
+whole number of 10^-e seconds (e <= 6, at most 10^7 ticks per step) the grid is exact; otherwise a
+step is `SolverConfig.time_resolution` ticks, fixed times round to the nearest tick and task
+durations round up, so a plan is off by at most one tick (`Window.tick` seconds) anywhere; the
+validator allows that much. Zero-duration collectives (SYNC_CURV, BCAST_INV: the cost table has no
+communication times) take one tick on every member, so they never fall inside another op, and the
+gradient all-reduce point blocks the tick before it for the same reason.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable, Mapping
+
+from fxkfac.planner.costs import LayerCost
+from fxkfac.planner.ir import Op, OpKind
+from fxkfac.planner.problem import (
+    Problem,
+    StageGroup,
+    StepTimeline,
+    activation_intervals,
+    copies_of_stage,
+    stages_on_device,
+    static_bytes,
+    step_timeline,
+)
+
+__all__ = ["Task", "PrecSlot", "Window", "Placement", "GroupSolution", "build_window", "wrap",
+           "placements_of", "use_offsets", "prec_steps_ready", "longest_gaps", "too_long"]
+
+Interval = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One piece of K-FAC work: ops run back to back for `ticks` on one of `devices`.
+
+    kind: "curv" (on its device, after `release`: the end of its F/B), "sync"/"bcast" (collective:
+    on every device of `devices` at once), "inv" (on exactly one of `devices`). `factors` are the
+    (layer, side) pairs it serves; keep_bytes is held from `release` until the task ends (deferred).
+    """
+
+    name: str
+    kind: str
+    stage: int
+    side: str
+    ops: tuple[Op, ...]
+    seconds: tuple[float, ...]
+    ticks: int
+    devices: tuple[int, ...]
+    release: int
+    factors: tuple[tuple[str, str], ...]
+    keep_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class PrecSlot:
+    """PREC(stage) of window step `step` on `device`: within [release, deadline) (absolute ticks);
+    `reference` is where the plain K-FAC step puts it (right after the all-reduce)."""
+
+    device: int
+    stage: int
+    step: int
+    release: int
+    deadline: int
+    reference: int
+    ticks: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Window:
+    """k steps of the pipeline for one stage group, fixed work wrapped modulo the window length.
+
+    fixed[d]: merged busy intervals of F/B in [0, length); acts[d]: (start, end, bytes) activation
+    pieces; capacity[d]: bytes left for activations and kept a/e (None: unlimited); offsets[j]: start
+    of step j (offsets[k] == length). Tasks of a refresh may run until 2*length (the next window's
+    early bubbles): their occupation is taken modulo `length`.
+    """
+
+    problem: Problem
+    group: StageGroup
+    k: int
+    fused: frozenset[str]
+    scale: float
+    exact: bool
+    offsets: tuple[int, ...]
+    fixed: Mapping[int, tuple[Interval, ...]]
+    acts: Mapping[int, tuple[tuple[int, int, int], ...]]
+    capacity: Mapping[int, int | None]
+    tasks: tuple[Task, ...]
+    precs: tuple[PrecSlot, ...]
+    first: Mapping[int, tuple[int, ...]]
+    """Per device, the tick (relative to the step's offset) of its first F/B in each step."""
+
+    @property
+    def length(self) -> int:
+        """L, the window length in ticks."""
+        return self.offsets[-1]
+
+    @property
+    def tick(self) -> float:
+        """Seconds per tick."""
+        return 1.0 / self.scale
+
+    def seconds(self, ticks: float) -> float:
+        """Ticks to seconds."""
+        return ticks / self.scale
+
+    def step_of(self, device: int, t: int) -> int:
+        """The window step (0..2k-1) whose program holds an op starting at absolute tick t on device:
+        a device's step begins at its first F/B of that step."""
+        for j in range(2 * self.k - 1, 0, -1):
+            if t >= self.step_start(device, j):
+                return j
+        return 0
+
+    def step_start(self, device: int, j: int) -> int:
+        """Absolute tick at which window step j (0..2k) begins on `device`."""
+        return self.offsets[j % self.k] + self.length * (j // self.k) + self.first[device][j % self.k]
+
+    def earliest(self, task: Task, device: int) -> int:
+        """The earliest start of `task` on `device`: its release, and not before the refresh step
+        began there (so every op sits in a step of the refresh's own window)."""
+        return max(task.release, self.step_start(device, 0))
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one K-FAC op runs: `device`, from `start` to `end` seconds after the refresh step
+    began; `step` in 0..2k-1 is the step of the window (k.. : the next window's early bubbles)."""
+
+    op: Op
+    device: int
+    step: int
+    start: float
+    end: float
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-able form."""
+        return {"op": str(self.op), "device": self.device, "step": self.step, "start": self.start, "end": self.end}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, object]) -> Placement:
+        """Inverse of `to_dict`."""
+        return cls(Op.parse(str(data["op"])), int(data["device"]), int(data["step"]),  # type: ignore[call-overload]
+                   float(data["start"]), float(data["end"]))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class GroupSolution:
+    """A solution for one window: task starts (absolute ticks) and devices, PREC starts, use offsets,
+    and how it was found (method "greedy"/"cpsat", status, objective, proven lower bound on k)."""
+
+    window: Window
+    starts: tuple[int, ...]
+    devices: tuple[int, ...]
+    prec_starts: tuple[int, ...]
+    use_offset: Mapping[str, int]
+    method: str
+    status: str
+    k_lower_bound: int
+    wall_time: float = 0.0
+
+
+def _scale(times: Iterable[float], period: float, resolution: int) -> tuple[float, bool]:
+    values = [t for t in times if t > 0]
+    for e in range(7):
+        m = 10.0**e
+        if period * m > 1e7:
+            break
+        if all(abs(t * m - round(t * m)) <= 1e-6 * max(1.0, t * m) for t in values):
+            return m, True
+    return resolution / period, False
+
+
+def wrap(start: int, end: int, length: int) -> list[Interval]:
+    """[start, end) taken modulo `length`, as pieces inside [0, length)."""
+    if end - start >= length:
+        return [(0, length)]
+    s, e = start % length, start % length + (end - start)
+    return [(s, e)] if e <= length else [(s, length), (0, e - length)]
+
+
+def _merge(intervals: Iterable[Interval]) -> tuple[Interval, ...]:
+    out: list[list[int]] = []
+    for s, e in sorted(intervals):
+        if e <= s:
+            continue
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return tuple((s, e) for s, e in out)
+
+
+@dataclass
+class _Grid:
+    scale: float
+
+    def at(self, t: float) -> int:
+        return round(t * self.scale)
+
+    def up(self, t: float) -> int:
+        return math.ceil(t * self.scale - 1e-6)
+
+    def span(self, d: float) -> int:
+        return max(1, self.up(d))
+
+
+def build_window(problem: Problem, group: StageGroup, k: int, fused: frozenset[str] = frozenset(),
+                 *, aggregate: bool = False, resolution: int = 100_000) -> Window:
+    """The window of `k` steps for `group` (step 0 is the refresh step, F/B grown by fused curvature)."""
+    refresh, normal = step_timeline(problem, fused), step_timeline(problem)
+    layers = [x for s in group.stages for x in problem.costs.stages[s].layers]
+    durations = [x.curv_a for x in layers] + [x.curv_b for x in layers] + [x.inv_a for x in layers]
+    durations += [x.inv_b for x in layers] + [problem.costs.stages[s].prec for s in group.stages]
+    times = [t for st in (refresh, normal) for items in st.ops.values() for _, a, b in items for t in (a, b)]
+    scale, exact = _scale(times + durations, normal.length, resolution)
+    grid = _Grid(scale)
+    steps = [refresh] + [normal] * (k - 1)
+    offsets = [0]
+    for st in steps:
+        offsets.append(offsets[-1] + grid.at(st.length))
+    length = offsets[-1]
+    fixed, acts, capacity, first = {}, {}, {}, {}
+    for d in group.devices:
+        busy: list[Interval] = []
+        pieces: list[tuple[int, int, int]] = []
+        for j, st in enumerate(steps):
+            off = offsets[j]
+            for op, a, b in st.fixed(d):
+                busy += wrap(off + grid.at(a), off + grid.at(b), length)
+            for s in stages_on_device(problem, d):
+                point = off + grid.at(st.allreduce_end[d, s])
+                busy += wrap(point - 1, point, length) if point >= 1 else []
+            for a, b, nbytes in activation_intervals(problem, d, st):
+                pieces += [(s, e, nbytes) for s, e in wrap(off + grid.at(a), off + grid.at(b), length)]
+        fixed[d], acts[d] = _merge(busy), tuple(pieces)
+        budget = problem.memory_budget
+        capacity[d] = None if budget is None else budget - static_bytes(problem, d)
+        first[d] = tuple(grid.at(st.first_start[d]) for st in steps)
+    precs = _prec_slots(problem, group, steps, offsets, grid)
+    tasks = _tasks(problem, group, refresh, fused, aggregate, grid)
+    return Window(problem, group, k, fused, scale, exact, tuple(offsets), fixed, acts, capacity, tasks, precs, first)
+
+
+def _prec_slots(problem: Problem, group: StageGroup, steps: list[StepTimeline], offsets: list[int],
+                grid: _Grid) -> tuple[PrecSlot, ...]:
+    slots = []
+    k = len(steps)
+    for d in group.devices:
+        for s in stages_on_device(problem, d):
+            seconds = problem.costs.stages[s].prec
+            for j, st in enumerate(steps):
+                nxt = steps[(j + 1) % k]
+                release = offsets[j] + grid.at(st.allreduce_end[d, s])
+                deadline = offsets[j + 1] + grid.at(nxt.first_start[d])
+                reference = offsets[j] + grid.at(st.end_of(d, Op(OpKind.PREC, s)) - seconds)
+                ticks = min(grid.span(seconds), deadline - release)
+                slots.append(PrecSlot(d, s, j, release, deadline, max(release, reference), ticks, seconds))
+    return tuple(slots)
+
+
+def _curv_tasks(problem: Problem, stage: int, refresh: StepTimeline, deferred: list[LayerCost], aggregate: bool,
+                grid: _Grid) -> list[Task]:
+    tasks = []
+    for d in copies_of_stage(problem, stage):
+        for op, _, end in refresh.fixed(d):
+            if op.stage != stage:
+                continue
+            side = "A" if op.kind is OpKind.FWD else "B"
+            chunks = [deferred] if aggregate else [[x] for x in deferred]
+            for chunk in chunks:
+                if not chunk:
+                    continue
+                secs = tuple(x.curv_a if side == "A" else x.curv_b for x in chunk)
+                ops = tuple(Op(OpKind.CURV, stage, op.mb, op.pipe, layer=x.name, factor=side) for x in chunk)
+                keep = sum(x.a_bytes if side == "A" else x.e_bytes for x in chunk)
+                label = "all" if aggregate else chunk[0].name
+                tasks.append(Task(f"curv_{side}_s{stage}_m{op.mb}_p{op.pipe}_r{d}_{label}", "curv", stage, side,
+                                  ops, secs, grid.span(sum(secs)), (d,), grid.up(end),
+                                  tuple((x.name, side) for x in chunk), keep))
+    return tasks
+
+
+def _tasks(problem: Problem, group: StageGroup, refresh: StepTimeline, fused: frozenset[str], aggregate: bool,
+           grid: _Grid) -> tuple[Task, ...]:
+    tasks: list[Task] = []
+    for s in group.stages:
+        layers = problem.costs.stages[s].layers
+        tasks += _curv_tasks(problem, s, refresh, [x for x in layers if x.name not in fused], aggregate, grid)
+    for s in group.stages:
+        copies = copies_of_stage(problem, s)
+        for x in problem.costs.stages[s].layers:
+            for side in ("A", "B"):
+                ready = 0
+                if x.name in fused:
+                    kind = OpKind.FWD if side == "A" else OpKind.BWD
+                    ready = max(grid.up(e) for d in copies for op, _, e in refresh.fixed(d)
+                                if op.stage == s and op.kind is kind)
+                key = ((x.name, side),)
+                if len(copies) > 1:
+                    tasks.append(Task(f"sync_{side}_{x.name}", "sync", s, side, (Op(OpKind.SYNC_CURV, s, layer=x.name,
+                                      factor=side),), (0.0,), 1, copies, ready, key))
+                inv = x.inv_a if side == "A" else x.inv_b
+                tasks.append(Task(f"inv_{side}_{x.name}", "inv", s, side, (Op(OpKind.INV, s, layer=x.name, factor=side),),
+                                  (inv,), grid.span(inv), copies, ready, key))
+                if len(copies) > 1:
+                    tasks.append(Task(f"bcast_{side}_{x.name}", "bcast", s, side, (Op(OpKind.BCAST_INV, s, layer=x.name,
+                                      factor=side),), (0.0,), 1, copies, 0, key))
+    return tuple(tasks)
+
+
+def prec_steps_ready(window: Window, prec_starts: tuple[int, ...], stage: int, ready: int) -> int:
+    """The first step u (0..2k) whose PREC(stage) starts, on every copy, at or after tick `ready`."""
+    k, L = window.k, window.length
+    for u in range(2 * k + 1):
+        base = L * (u // k)
+        if all(base + prec_starts[i] >= ready for i, slot in enumerate(window.precs)
+               if slot.stage == stage and slot.step == u % k):
+            return u
+    return 2 * k + 1
+
+
+def use_offsets(window: Window, starts: tuple[int, ...], prec_starts: tuple[int, ...]) -> dict[str, int]:
+    """Per layer, the step offset from which its new inverse preconditions: the first PREC after both
+    factors' inverses (and broadcasts) are done."""
+    ready: dict[str, int] = {}
+    for task, start in zip(window.tasks, starts):
+        if task.kind in ("inv", "bcast"):
+            for layer, _ in task.factors:
+                ready[layer] = max(ready.get(layer, 0), start + task.ticks)
+    return {layer: prec_steps_ready(window, prec_starts, window.problem.costs.stage_of(layer), t)
+            for layer, t in ready.items()}
+
+
+def placements_of(solution: GroupSolution) -> list[Placement]:
+    """The solution's ops with device, window step and times in seconds (collectives on every member)."""
+    w = solution.window
+    out: list[Placement] = []
+    for task, start, device in zip(w.tasks, solution.starts, solution.devices):
+        members = task.devices if task.kind in ("sync", "bcast") else (device,)
+        for member in members:
+            t = w.seconds(start)
+            for op, secs in zip(task.ops, task.seconds):
+                if task.kind == "bcast":
+                    op = Op(op.kind, op.stage, layer=op.layer, factor=op.factor, peer=device)
+                out.append(Placement(op, member, w.step_of(member, start), t, t + secs))
+                t += secs
+    for slot, start in zip(w.precs, solution.prec_starts):
+        t = w.seconds(start)
+        out.append(Placement(Op(OpKind.PREC, slot.stage), slot.device, slot.step, t, t + slot.seconds))
+    return out
+
+
+def longest_gaps(window: Window) -> dict[int, int]:
+    """Per device, the longest free stretch (ticks) between fixed work, cyclically, PREC ignored."""
+    out = {}
+    for d, busy in window.fixed.items():
+        if not busy:
+            out[d] = window.length
+            continue
+        gaps = [s2 - e1 for (_, e1), (s2, _) in zip(busy, busy[1:])]
+        gaps.append(window.length - busy[-1][1] + busy[0][0])
+        out[d] = max(gaps)
+    return out
+
+
+def too_long(window: Window) -> list[str]:
+    """Tasks longer than every bubble of their devices (no refresh period can place them)."""
+    gaps = longest_gaps(window)
+    out = []
+    for task in window.tasks:
+        room = max(gaps[d] for d in task.devices) if task.kind == "inv" else min(gaps[d] for d in task.devices)
+        if task.ticks > room:
+            out.append(f"{task.name} takes {window.seconds(task.ticks):.4g} s but the longest bubble on ranks "
+                       f"{list(task.devices)} is {window.seconds(room):.4g} s")
+    return out
