@@ -18,14 +18,16 @@ def grad_matrix(layer: KFACLayer, weight_grad: Tensor, bias_grad: Tensor | None)
     """The layer's gradient as ``G: [d_out, a_dim]``: weight (conv reshaped to ``[C_out, C_in*kh*kw]``), bias last.
 
     A layer with a bias whose gradient is None (e.g. a frozen bias) gets a zero bias column, so G keeps
-    the shape of the factors.
+    the shape of the factors. A weight stored transposed (``layer.weight_transposed``, HF Conv1D) is
+    passed as ``weight.grad.t()``: this function takes the ``[d_out, ...]`` layout only.
     """
-    g = weight_grad.reshape(layer.d_out, -1)
-    if g.shape[1] != layer.d_in:
+    if weight_grad.dim() < 2 or weight_grad.shape[0] != layer.d_out or weight_grad[0].numel() != layer.d_in:
+        hint = " (a transposed weight must be passed as weight.grad.t())" if layer.weight_transposed else ""
         raise ConfigError(
-            f"layer {layer.name!r}: weight gradient {tuple(weight_grad.shape)} does not give "
-            f"[d_out={layer.d_out}, d_in={layer.d_in}]"
+            f"layer {layer.name!r}: weight gradient {tuple(weight_grad.shape)} is not "
+            f"[d_out={layer.d_out}, d_in={layer.d_in}] (conv: [C_out, C_in, kh, kw]){hint}"
         )
+    g = weight_grad.reshape(layer.d_out, layer.d_in)
     if layer.bias is None:
         if bias_grad is not None:
             raise ConfigError(f"layer {layer.name!r} has no bias but a bias gradient was given")
@@ -37,7 +39,8 @@ def grad_matrix(layer: KFACLayer, weight_grad: Tensor, bias_grad: Tensor | None)
 def split_grad(layer: KFACLayer, P: Tensor) -> tuple[Tensor, Tensor | None]:
     """Inverse of `grad_matrix`: ``(weight-shaped, bias-shaped or None)``.
 
-    The weight comes back as ``[d_out, d_in]`` (Linear) or ``[C_out, C_in, kh, kw]`` (Conv2d).
+    The weight comes back as ``[d_out, d_in]`` (Linear) or ``[C_out, C_in, kh, kw]`` (Conv2d); a weight
+    stored transposed (``layer.weight_transposed``) is transposed back by the caller.
     """
     if tuple(P.shape) != (layer.d_out, layer.a_dim):
         raise ConfigError(f"layer {layer.name!r}: expected [{layer.d_out}, {layer.a_dim}], got {tuple(P.shape)}")

@@ -8,7 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from fxkfac.errors import ConfigError
 from fxkfac.kfac import a_rows, e_rows, factor, grad_matrix, invert, kl_clip_scale, precondition, split_grad
+from fxkfac.passes.layers import KFACLayer
 from tests.kfac.helpers import capture_a_e, dense_kron_solve, layer_of, vec, unvec
 
 DAMPING = 3e-2
@@ -168,3 +170,13 @@ def test_kl_clipped_update_respects_the_trust_region(kappa: float) -> None:
         assert kl == pytest.approx(kappa, rel=1e-9)
     else:
         assert lr**2 * dot_sum <= kappa
+
+
+def test_grad_matrix_rejects_a_weight_in_the_wrong_layout() -> None:
+    """An HF Conv1D weight is [d_in, d_out]; passing its raw gradient must fail, not be silently reshaped."""
+    layer = KFACLayer("c_fc", "linear", "c_fc.weight", "c_fc.bias", 6, 4, weight_transposed=True)
+    raw = torch.randn(6, 4)
+    with pytest.raises(ConfigError, match=r"weight.grad.t\(\)"):
+        grad_matrix(layer, raw, torch.randn(4))
+    G = grad_matrix(layer, raw.t(), torch.randn(4))
+    assert G.shape == (4, 7) and torch.equal(G[:, :6], raw.t())
