@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from ortools.sat.python import cp_model
 
 from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, refresh_lower_bound
-from fxkfac.planner.window import GroupSolution, Window, build_window, use_offsets
+from fxkfac.planner.window import GroupSolution, Window, build_window, fits_memory, use_offsets
 
 __all__ = ["solve_window", "solve_group"]
 
@@ -231,33 +231,41 @@ def solve_group(problem: Problem, group: StageGroup, fused: frozenset[str], conf
     began = time.perf_counter()
     if greedy is not None and greedy.window.k < min_k:
         greedy = None
+    fallback = greedy if greedy is not None and fits_memory(greedy) else None
     lower = max(min_k, refresh_lower_bound(problem, group, fused))
     proven = lower
-    top = min(problem.max_period, greedy.window.k if greedy is not None else problem.max_period)
+    top = fallback.window.k if fallback is not None else problem.max_period
     for k in range(lower, top + 1):
         left = time_limit - (time.perf_counter() - began)
         if left <= 0:
             break
-        if greedy is not None and greedy.window.k == k:
-            hint: GroupSolution | None = greedy
+        if fallback is not None and fallback.window.k == k:
+            found: GroupSolution | None = fallback
         else:
-            w = build_window(problem, group, k, fused, aggregate=aggregate, resolution=config.time_resolution)
-            status, hint = solve_window(w, config, left, optimize=False)
+            same_k = greedy is not None and greedy.window.k == k
+            w = greedy.window if same_k else build_window(problem, group, k, fused, aggregate=aggregate,  # type: ignore[union-attr]
+                                                          resolution=config.time_resolution)
+            status, found = solve_window(w, config, left, greedy if same_k and config.use_greedy_hint else None,
+                                         optimize=False)
             log.info("stages %s k=%d: %s", list(group.stages), k, status)
             if status == "INFEASIBLE" and proven == k:
                 proven = k + 1
-            if hint is None:
+            if found is None:
                 continue
-        left = max(0.05, time_limit - (time.perf_counter() - began))
-        status, best = solve_window(hint.window, config, left, hint if config.use_greedy_hint or hint is not greedy
-                                    else None)
-        if best is None or _staleness(hint) < _staleness(best):
-            best = hint
-        optimal = proven == k and (status == "OPTIMAL" or _staleness(best) == 0)
-        return _finish(best, "OPTIMAL" if optimal else "FEASIBLE", proven, began)
-    if greedy is not None:
-        return _finish(greedy, "GREEDY", proven, began)
+        return _least_stale(found, config, time_limit - (time.perf_counter() - began), proven, began)
+    if fallback is not None:
+        return _finish(fallback, "GREEDY", proven, began)
     return None
+
+
+def _least_stale(found: GroupSolution, config: SolverConfig, left: float, proven: int, began: float) -> GroupSolution:
+    """Minimize staleness at the found k, warm-started by `found` (kept when the solver does worse)."""
+    hint = found if config.use_greedy_hint or found.method != "greedy" else None
+    status, best = solve_window(found.window, config, max(0.05, left), hint)
+    if best is None or _staleness(found) < _staleness(best):
+        best = found
+    optimal = proven == found.window.k and (status == "OPTIMAL" or _staleness(best) == 0)
+    return _finish(best, "OPTIMAL" if optimal else "FEASIBLE", proven, began)
 
 
 def _staleness(solution: GroupSolution) -> int:

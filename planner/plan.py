@@ -30,10 +30,18 @@ from fxkfac.planner.problem import (
     plain_step_time,
     refresh_lower_bound,
     stage_groups,
-    static_bytes,
     step_timeline,
 )
-from fxkfac.planner.window import GroupSolution, Placement, Window, build_window, placements_of, too_long, wrap
+from fxkfac.planner.window import (
+    GroupSolution,
+    Placement,
+    Window,
+    build_window,
+    fits_memory,
+    peak_bytes,
+    placements_of,
+    too_long,
+)
 
 __all__ = ["SCHEMA_VERSION", "SolverStats", "PlanMetrics", "Plan", "solve"]
 
@@ -224,7 +232,7 @@ def _solve_groups(problem: Problem, fused: frozenset[str], config: SolverConfig,
             g = None
         greedy.append(g)
         if method == "greedy":
-            solutions.append(g)
+            solutions.append(g if g is not None and fits_memory(g) else None)
             continue
         from fxkfac.planner.cpsat import solve_group
 
@@ -273,8 +281,9 @@ def solve(problem: Problem, config: SolverConfig = SolverConfig(), method: str =
                             f"({method}): some task is longer than every bubble, or the time limit was too short")
         nxt = _next_fused(problem, attempt, fused)
         if nxt is None:
-            raise InfeasibleBudgetError(f"no plan fits the memory budget {format_bytes(problem.memory_budget)}",
-                                        min_memory_bytes(problem))
+            bad = [g.stages for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
+            raise PlanError(f"no placement found for stages {bad} even with all their curvature fused: the time "
+                            f"limit ({config.time_limit_s:g} s) ran out; raise SolverConfig.time_limit_s")
         log.info("fusing curvature of %s to fit the memory budget", sorted(nxt - fused))
         fused = nxt
     return _assemble(problem, attempt, fused, time.perf_counter() - began)
@@ -317,22 +326,6 @@ def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) 
     return [[op for _, op in sorted(items, key=lambda item: item[0])] + [Op(OpKind.OPT_STEP)] for items in steps]
 
 
-def _peak_memory(problem: Problem, w: Window, solution: GroupSolution, device: int) -> int:
-    """Static bytes plus the peak of activations and kept a/e over the (modular) window."""
-    events: list[tuple[int, int]] = []
-    for s, e, nbytes in w.acts[device]:
-        events += [(s, nbytes), (e, -nbytes)]
-    for task, start in zip(w.tasks, solution.starts):
-        if task.kind == "curv" and task.devices[0] == device and task.keep_bytes:
-            for s, e in wrap(task.release, start + task.ticks, w.length):
-                events += [(s, task.keep_bytes), (e, -task.keep_bytes)]
-    level = peak = 0
-    for _, delta in sorted(events):
-        level += delta
-        peak = max(peak, level)
-    return static_bytes(problem, device) + peak
-
-
 def _utilization(problem: Problem, w: Window, placed: list[Placement], device: int) -> float:
     timelines = [step_timeline(problem, w.fused)] + [step_timeline(problem)] * (w.k - 1)
     busy = sum(b - a for st in timelines for _, a, b in st.fixed(device))
@@ -354,7 +347,7 @@ def _assemble(problem: Problem, attempt: _Attempt, fused: frozenset[str], wall: 
         placements += placed
         for d in group.devices:
             programs[d] = _program(problem, w, d, [p for p in placed if p.device == d])
-            peak[d] = _peak_memory(problem, w, sol, d)
+            peak[d] = peak_bytes(w, sol.starts, d)
             utilization[d] = _utilization(problem, w, placed, d)
         for s in group.stages:
             refresh[s], bound[s] = w.k, max(sol.k_lower_bound, refresh_lower_bound(problem, group, fused))

@@ -29,7 +29,8 @@ from fxkfac.planner.problem import (
 )
 
 __all__ = ["Task", "PrecSlot", "Window", "Placement", "GroupSolution", "build_window", "wrap",
-           "placements_of", "use_offsets", "prec_steps_ready", "longest_gaps", "too_long"]
+           "placements_of", "use_offsets", "prec_steps_ready", "longest_gaps", "too_long", "peak_bytes",
+           "fits_memory"]
 
 Interval = tuple[int, int]
 
@@ -355,6 +356,29 @@ def placements_of(solution: GroupSolution) -> list[Placement]:
         t = w.seconds(start)
         out.append(Placement(Op(OpKind.PREC, slot.stage), slot.device, slot.step, t, t + slot.seconds))
     return out
+
+
+def peak_bytes(window: Window, starts: tuple[int, ...], device: int) -> int:
+    """Static bytes plus the peak of activations and kept a/e on `device` over the (modular) window."""
+    events: list[tuple[int, int]] = []
+    for s, e, nbytes in window.acts[device]:
+        events += [(s, nbytes), (e, -nbytes)]
+    for task, start in zip(window.tasks, starts):
+        if task.kind == "curv" and task.devices[0] == device and task.keep_bytes:
+            for s, e in wrap(task.release, start + task.ticks, window.length):
+                events += [(s, task.keep_bytes), (e, -task.keep_bytes)]
+    level = peak = 0
+    for _, delta in sorted(events):
+        level += delta
+        peak = max(peak, level)
+    return static_bytes(window.problem, device) + peak
+
+
+def fits_memory(solution: GroupSolution) -> bool:
+    """Whether the solution stays within the memory budget on every device of its group."""
+    w = solution.window
+    budget = w.problem.memory_budget
+    return budget is None or all(peak_bytes(w, solution.starts, d) <= budget for d in w.group.devices)
 
 
 def longest_gaps(window: Window) -> dict[int, int]:

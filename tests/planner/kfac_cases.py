@@ -1,0 +1,60 @@
+"""Small planning problems for the planner tests: hand-sized cost tables and a hypothesis strategy."""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+
+from fxkfac.planner.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.problem import Problem
+from fxkfac.planner.schedules import num_stages
+
+__all__ = ["layer", "table", "problem", "problems"]
+
+
+def layer(name: str, curv: float = 0.5, inv: float = 1.0, prec: float = 0.25, keep: int = 10,
+          factor: int = 100) -> LayerCost:
+    """A layer with the same cost for both sides (curv/inv per factor, keep = a_bytes = e_bytes)."""
+    return LayerCost(name, curv, curv, inv, inv, prec, keep, keep, factor, factor)
+
+
+def table(stages: int, fwd: float = 1.0, bwd: float = 2.0, layers: int = 1, act: int = 50, params: int = 1000,
+          **layer_kw: float) -> CostTable:
+    """Uniform stages with `layers` identical layers each (names l{stage}_{i})."""
+    return CostTable(tuple(StageCost(fwd, bwd, params, act, tuple(layer(f"l{s}_{i}", **layer_kw)  # type: ignore[arg-type]
+                                                                  for i in range(layers)))
+                           for s in range(stages)), 1, "test", "cpu")
+
+
+def problem(schedule: str, D: int, N: int, W: int = 1, v: int = 1, **kw: object) -> Problem:
+    """A Problem over a uniform `table` (keyword arguments of `table` and of Problem mixed)."""
+    table_kw = {k: kw.pop(k) for k in list(kw) if k in ("fwd", "bwd", "layers", "act", "params", "curv", "inv",
+                                                       "prec", "keep", "factor")}
+    return Problem(schedule, D, N, table(num_stages(schedule, D, v), **table_kw), W=W, v=v, **kw)  # type: ignore[arg-type]
+
+
+@st.composite
+def problems(draw: st.DrawFn) -> Problem:
+    """Random small problems: any schedule, D in {2, 4}, small N, a few layers with random costs, W in
+    {1, 2}, sometimes a memory budget. Times are multiples of 0.25 s (an exact time grid)."""
+    schedule = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "chimera"]))
+    D = draw(st.sampled_from([2, 4]))
+    v = 2 if schedule == "interleaved" else 1
+    N = D * draw(st.integers(1, 2)) if schedule in ("interleaved", "chimera") else draw(st.integers(1, 4))
+    W = draw(st.sampled_from([1, 2]))
+    quarter = st.integers(1, 8).map(lambda q: q / 4)
+    stages = []
+    for s in range(num_stages(schedule, D, v)):
+        layers = tuple(LayerCost(f"s{s}.l{i}", draw(quarter) / 8, draw(quarter) / 8, draw(quarter) / 4,
+                                 draw(quarter) / 4, draw(quarter) / 8, draw(st.integers(0, 40)),
+                                 draw(st.integers(0, 40)), 100, 100)
+                       for i in range(draw(st.integers(1, 2))))
+        stages.append(StageCost(draw(quarter), draw(quarter) * 2, 1000, draw(st.integers(10, 60)), layers))
+    costs = CostTable(tuple(stages), 1, "hypothesis", "cpu")
+    base = Problem(schedule, D, N, costs, W=W, v=v, max_period=12)
+    budget = draw(st.one_of(st.none(), st.integers(0, 400)))
+    if budget is None:
+        return base
+    from fxkfac.planner.problem import min_memory_bytes
+
+    return Problem(schedule, D, N, costs, W=W, v=v, max_period=12, memory_budget=min_memory_bytes(base) + budget,
+                   max_overhead=draw(st.sampled_from([0.0, 0.5])))

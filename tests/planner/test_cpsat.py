@@ -1,0 +1,183 @@
+"""The CP-SAT planner: valid on random problems, never worse than greedy, optimal against brute force,
+memory budgets refused with the number or met by fusing curvature."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from fxkfac.planner.errors import InfeasibleBudgetError, PlanError
+from fxkfac.planner.ir import OpKind
+from fxkfac.planner.plan import solve
+from fxkfac.planner.problem import Problem, SolverConfig, min_memory_bytes, step_timeline
+from fxkfac.planner.validate import validate
+from tests.planner.kfac_cases import problem, problems
+
+FAST = SolverConfig(time_limit_s=4.0, num_workers=2)
+
+
+def _greedy_steps(p: Problem) -> tuple[int, ...] | None:
+    try:
+        return solve(p, FAST, method="greedy").metrics.refresh_steps
+    except PlanError:
+        return None
+
+
+@settings(max_examples=14, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_random_plans_are_valid_and_never_worse_than_greedy(p: Problem) -> None:
+    try:
+        plan = solve(p, FAST)
+    except InfeasibleBudgetError:
+        assert p.memory_budget is not None  # only a budget can make it infeasible this way
+        greedy = _greedy_steps(p)
+        assert greedy is None or p.max_overhead == 0.0
+        return
+    except PlanError:
+        assert _greedy_steps(p) is None, "CP-SAT gave up where greedy found a plan"
+        return
+    assert validate(p, plan) == []
+    greedy = _greedy_steps(p)
+    if greedy is not None:
+        assert all(c <= g for c, g in zip(plan.metrics.refresh_steps, greedy)), (plan.metrics.refresh_steps, greedy)
+    assert all(lb <= k for lb, k in zip(plan.metrics.lower_bound_steps, plan.metrics.refresh_steps))
+
+
+def _fits(occupied: list[bool], start: int, length: int) -> bool:
+    L = len(occupied)
+    return start % L + length <= L and not any(occupied[(start + t) % L] for t in range(length))
+
+
+def _mark(occupied: list[bool], start: int, length: int, value: bool) -> None:
+    for t in range(length):
+        occupied[(start + t) % len(occupied)] = value
+
+
+def _brute_feasible(p: Problem, stage: int, k: int) -> bool:
+    """Exhaustive search on the integer time grid (all costs are whole seconds) for one stage on one
+    device: curvature after its F/B and within one window of it, inversions after all curvature of
+    their factor and before the next refresh's curvature, PREC inside its gap every step, nothing on
+    the fixed F/B (taken modulo the window), no task across the window boundary."""
+    st_ = step_timeline(p)
+    P, L, d = round(st_.length), round(st_.length) * k, stage
+    occupied = [False] * L
+    for j in range(k):
+        for _, a, b in st_.fixed(d):
+            _mark(occupied, round(a) + j * P, round(b - a), True)
+    layer = p.costs.stages[stage].layers[0]
+    fixed_end = {(op.kind, op.mb): round(b) for op, _, b in st_.fixed(d)}
+    precs = [(round(st_.allreduce_end[d, stage]) + j * P, (j + 1) * P + round(st_.first_start[d]))
+             for j in range(k)]
+    curv = {side: [fixed_end[kind, m] for m in range(p.N)] for side, kind in (("A", OpKind.FWD), ("B", OpKind.BWD))}
+    dur = {"A": (round(layer.curv_a), round(layer.inv_a)), "B": (round(layer.curv_b), round(layer.inv_b))}
+    prec = round(layer.prec)
+    jobs = [("prec", lo, hi) for lo, hi in precs] + [("curv", side, rel) for side in "AB" for rel in curv[side]]
+    jobs += [("inv", "A", 0), ("inv", "B", 0)]
+    starts: dict[str, list[int]] = {"A": [], "B": []}
+    work = k * prec + p.N * (dur["A"][0] + dur["B"][0]) + dur["A"][1] + dur["B"][1]
+    if work > occupied.count(False):
+        return False
+
+    def place(i: int) -> bool:
+        if i == len(jobs):
+            return True
+        kind, a, b = jobs[i]
+        if kind == "prec":
+            choices, length = range(a, b - prec + 1), prec
+        elif kind == "curv":
+            length = dur[a][0]
+            choices = range(b, min(2 * L, b + L) - length + 1)
+        else:
+            length = dur[a][1]
+            ready = max(s + dur[a][0] for s in starts[a])
+            choices = range(ready, min(2 * L, L + min(starts[a])) - length + 1)
+        for s in choices:
+            if _fits(occupied, s, length):
+                _mark(occupied, s, length, True)
+                if kind == "curv":
+                    starts[a].append(s)
+                if place(i + 1):
+                    return True
+                if kind == "curv":
+                    starts[a].pop()
+                _mark(occupied, s, length, False)
+        return False
+
+    return place(0)
+
+
+def _brute_period(p: Problem, stage: int) -> int:
+    return next(k for k in range(1, p.max_period + 1) if _brute_feasible(p, stage, k))
+
+
+@pytest.mark.parametrize("schedule,N,fwd,bwd,curv,inv", [
+    ("1f1b", 1, 1, 2, 1, 2), ("1f1b", 2, 1, 1, 1, 1), ("gpipe", 2, 1, 2, 1, 3), ("gpipe", 1, 2, 2, 1, 2),
+    ("1f1b", 2, 2, 3, 1, 3),
+])
+def test_refresh_period_is_optimal_by_brute_force(schedule: str, N: int, fwd: int, bwd: int, curv: int,
+                                                  inv: int) -> None:
+    p = problem(schedule, 2, N, fwd=fwd, bwd=bwd, curv=curv, inv=inv, prec=1, max_period=6)
+    plan = solve(p, FAST)
+    assert validate(p, plan) == []
+    assert plan.metrics.refresh_steps == tuple(_brute_period(p, s) for s in range(2))
+    assert plan.metrics.solver.gap == 0.0
+
+
+def test_cpsat_refreshes_more_often_than_greedy_where_gaps_are_tight() -> None:
+    # Chimera D=4 with W=2: each inversion exactly fills a bubble; greedy's 5% margin cannot use it.
+    p = problem("chimera", 4, 4, W=2, fwd=1.0, bwd=2.0, curv=0.5, inv=1.0, prec=0.25, layers=2)
+    plan = solve(p, FAST)
+    greedy = solve(p, FAST, method="greedy")
+    assert validate(p, plan) == [] and validate(p, greedy) == []
+    assert all(c <= g for c, g in zip(plan.metrics.refresh_steps, greedy.metrics.refresh_steps))
+    assert sum(plan.metrics.refresh_steps) < sum(greedy.metrics.refresh_steps)
+
+
+def test_lower_bound_is_curvature_and_inversion_over_the_bubble() -> None:
+    p = problem("1f1b", 4, 4, fwd=1.0, bwd=2.0, curv=0.5, inv=1.0, prec=0.25)
+    plan = solve(p, FAST)
+    step = step_timeline(p)
+    for s, stage in enumerate(p.costs.stages):
+        busy = sum(b - a for op, a, b in step.ops[s] if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.PREC))
+        bubble = step.length - busy
+        assert plan.metrics.lower_bound_steps[s] == math.ceil((p.N * stage.curv + stage.inv) / bubble)
+        assert plan.metrics.refresh_steps[s] >= plan.metrics.lower_bound_steps[s]
+
+
+def test_budget_below_the_need_is_refused_with_the_number() -> None:
+    base = problem("1f1b", 4, 4, keep=1000)
+    need = min_memory_bytes(base)
+    # independent count for rank 0 (the worst: 4 micro-batches in flight): 2*params + 2*factors + 4 acts
+    assert need == 2 * 1000 + 2 * 200 + 4 * 50
+    tight = Problem("1f1b", 4, 4, base.costs, memory_budget=need - 1)
+    with pytest.raises(InfeasibleBudgetError, match=f"{need} bytes") as info:
+        solve(tight, FAST)
+    assert info.value.needed_bytes == need
+
+
+def test_budget_that_forbids_deferring_makes_the_planner_fuse() -> None:
+    base = problem("1f1b", 4, 4, keep=1000, curv=0.5, inv=1.0)
+    roomy = solve(base, FAST)
+    assert all(t.capture == "deferred" for t in roomy.layers.values())
+    assert max(roomy.metrics.peak_memory.values()) > min_memory_bytes(base) + 1000
+    budget = min_memory_bytes(base) + 500  # less than one micro-batch's kept a (1000 bytes)
+    with pytest.raises(InfeasibleBudgetError, match="max_overhead"):
+        solve(Problem("1f1b", 4, 4, base.costs, memory_budget=budget), FAST)
+    p = Problem("1f1b", 4, 4, base.costs, memory_budget=budget, max_overhead=0.5)
+    plan = solve(p, FAST)
+    assert validate(p, plan) == []
+    assert all(t.capture == "fused" for t in plan.layers.values())
+    assert not any(pl.op.kind is OpKind.CURV for pl in plan.placements)
+    assert max(plan.metrics.peak_memory.values()) <= budget
+    assert plan.metrics.step_time > plan.metrics.step_time_reference  # fused curvature costs step time
+
+
+@given(st.sampled_from(["gpipe", "1f1b"]))
+@settings(max_examples=2, deadline=None, database=None)
+def test_max_overhead_zero_keeps_the_reference_step_time(schedule: str) -> None:
+    p = problem(schedule, 4, 4, layers=2)
+    plan = solve(p, FAST)
+    assert plan.metrics.step_time == pytest.approx(plan.metrics.step_time_reference)
+    assert plan.metrics.step_time_reference == pytest.approx(plan.metrics.step_time_baseline + 2 * 0.25)
