@@ -118,9 +118,12 @@ def _send_grad(ctx: StepContext, op: Op) -> None:
     ctx.transport.send(tensors, op.peer, True, op.stage - 1, op.pipe, op.mb, str(op))  # type: ignore[arg-type, operator]
 
 
+def _grad_specs(ctx: StepContext, op: Op) -> list:
+    return [s for s in ctx.runner(op).graph.outputs if s.is_float]
+
+
 def _recv_grad(ctx: StepContext, op: Op) -> None:
-    specs = [s for s in ctx.runner(op).graph.outputs if s.is_float]
-    ctx.grads[_key(op)] = ctx.transport.recv(specs, op.peer, True, op.stage, op.pipe, op.mb, str(op))  # type: ignore[arg-type]
+    ctx.grads[_key(op)] = ctx.transport.recv(_grad_specs(ctx, op), op.peer, True, op.stage, op.pipe, op.mb, str(op))  # type: ignore[arg-type]
 
 
 def _allreduce_grad(ctx: StepContext, op: Op) -> None:
@@ -162,7 +165,12 @@ class Interpreter:
         self.handlers[kind] = handler
 
     def run(self, ops: Sequence[Op], ctx: StepContext, timeline: Timeline | None = None) -> None:
-        """Execute `ops` in order on `ctx`."""
+        """Execute `ops` in order on `ctx` (every receive of the step is posted up front)."""
+        for op in ops:
+            if op.kind is OpKind.RECV_ACT:
+                ctx.transport.post_recv(ctx.runner(op).graph.inputs, op.peer, False, op.stage - 1, op.pipe, op.mb)  # type: ignore[arg-type, operator]
+            elif op.kind is OpKind.RECV_GRAD:
+                ctx.transport.post_recv(_grad_specs(ctx, op), op.peer, True, op.stage, op.pipe, op.mb)  # type: ignore[arg-type]
         for op in ops:
             handler = self.handlers.get(op.kind)
             if handler is None:

@@ -43,6 +43,7 @@ class Transport:
     timeout: timedelta
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _pending: list[tuple[dist.Work, str]] = field(default_factory=list)
+    _posted: dict[tuple, tuple[list[torch.Tensor], list[dist.Work]]] = field(default_factory=dict)
 
     def _wait(self, work: dist.Work, what: str) -> None:
         try:
@@ -63,12 +64,23 @@ class Transport:
             work = dist.isend(tensor.detach().contiguous(), dst=peer, tag=tag)
             self._pending.append((work, what))
 
-    def recv(self, specs: Sequence[TensorSpec], peer: int, grad: bool, stage: int, pipe: int, mb: int,
-             what: str) -> list[torch.Tensor]:
-        """Receive one tensor per spec from `peer` (all posted first, then awaited)."""
+    def post_recv(self, specs: Sequence[TensorSpec], peer: int, grad: bool, stage: int, pipe: int, mb: int) -> None:
+        """Post the receives of one transfer now, so the data lands while this rank computes."""
+        key = (peer, grad, stage, pipe, mb)
+        if key in self._posted:
+            raise AssertionError(f"receive {key} posted twice")
         buffers = [torch.empty(spec.shape, dtype=spec.dtype, device=self.device) for spec in specs]
         works = [dist.irecv(buf, src=peer, tag=self.tags.tag(grad, stage, pipe, mb, i))
                  for i, buf in enumerate(buffers)]
+        self._posted[key] = (buffers, works)
+
+    def recv(self, specs: Sequence[TensorSpec], peer: int, grad: bool, stage: int, pipe: int, mb: int,
+             what: str) -> list[torch.Tensor]:
+        """Receive one tensor per spec from `peer` (using the posted receive when there is one)."""
+        key = (peer, grad, stage, pipe, mb)
+        if key not in self._posted:
+            self.post_recv(specs, peer, grad, stage, pipe, mb)
+        buffers, works = self._posted.pop(key)
         for work in works:
             self._wait(work, what)
         return buffers

@@ -87,6 +87,8 @@ class GradSync:
     def _reduce(self, names: Iterable[str], transport: Transport, what: str) -> None:
         for ranks, bucket in self._buckets(names):
             copies = [self._copies(n) for n in bucket]
+            if len(ranks) == 1 and all(len(c) == 1 for c in copies):
+                continue  # the only copy: nothing to sum
             flat = torch.cat([sum(_grad(p) for p in c).reshape(-1) for c in copies])  # local copies summed
             if len(ranks) > 1:
                 transport.all_reduce(flat, self.groups[ranks], f"{what} over ranks {list(ranks)}")
