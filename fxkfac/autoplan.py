@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
+from fxkfac.planner.costs import CostTable
+from fxkfac.planner.errors import PlanFormatError, PlanMismatchError
 from fxkfac.planner.ir import LayerTiming, Op, OpKind
 from fxkfac.planner.lowering import add_send_recv, expand_dp
 from fxkfac.planner.schedules import ScheduleKind, num_stages, schedule_programs, stage_rank
 
-__all__ = ["naive_programs", "kfac_tail", "ranks_of_stages"]
+__all__ = ["naive_programs", "kfac_tail", "ranks_of_stages", "Target", "solve_for", "check_matches", "load_plan",
+           "share_plan"]
 
 
 def ranks_of_stages(kind: ScheduleKind | str, D: int, W: int, S: int, v: int = 1) -> dict[int, tuple[int, ...]]:
@@ -82,3 +87,67 @@ def naive_programs(kind: ScheduleKind | str, D: int, N: int, W: int, timings: Ma
             steps.append(body)
         out[rank] = steps
     return out
+
+
+class Target:
+    """What a plan must be made for: the graph fingerprint, schedule, D, N, W and v of the run."""
+
+    def __init__(self, fingerprint: str, schedule: str, D: int, N: int, W: int, v: int = 1) -> None:
+        self.fingerprint, self.schedule = fingerprint, str(ScheduleKind(schedule).value)
+        self.D, self.N, self.W, self.v = D, N, W, v
+
+    def describe(self) -> str:
+        """The run in words, for error messages."""
+        return f"{self.schedule} D={self.D} N={self.N} W={self.W} v={self.v}, graph {self.fingerprint}"
+
+
+def solve_for(target: Target, costs: CostTable, *, memory_budget: int | None = None, max_overhead: float = 0.0,
+              time_limit_s: float = 10.0) -> Any:
+    """Plan `target` with CP-SAT over `costs` (the planner's `solve`), stamped with the target's fingerprint."""
+    from fxkfac.planner.plan import solve
+    from fxkfac.planner.problem import Problem, SolverConfig
+
+    problem = Problem(target.schedule, target.D, target.N, costs, W=target.W, v=target.v,
+                      memory_budget=memory_budget, max_overhead=max_overhead, fingerprint=target.fingerprint)
+    return solve(problem, SolverConfig(time_limit_s=time_limit_s))
+
+
+def check_matches(plan: Any, target: Target, where: str = "the plan") -> None:
+    """PlanMismatchError unless `plan` was made for `target` (mesh and schedule first: the clearer message)."""
+    p = plan.problem
+    made = (str(p.schedule), p.D, p.N, p.W, p.v)
+    want = (target.schedule, target.D, target.N, target.W, target.v)
+    if made != want:
+        raise PlanMismatchError(f"{where} was made for {made[0]} D={made[1]} N={made[2]} W={made[3]} v={made[4]}, "
+                                f"but this run is {target.describe()}; make a plan for this mesh and schedule "
+                                "(fxkfac plan ... --export) or pass plan='auto'")
+    if plan.fingerprint != target.fingerprint:
+        raise PlanMismatchError(f"{where} was made for graph {plan.fingerprint!r}, not this model's "
+                                f"{target.fingerprint!r} (other layers, widths or stage split); make a new plan "
+                                "for this model or pass plan='auto'")
+
+
+def load_plan(path: str | Path, target: Target) -> Any:
+    """Read a plan file, refuse one made for another graph/mesh/schedule, then validate it (Plan.load)."""
+    from fxkfac.planner.plan import Plan
+
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise PlanFormatError(f"cannot read the plan file {path}: {e}") from e
+    check_matches(Plan.from_json(text), target, str(path))
+    return Plan.load(path, expect_fingerprint=target.fingerprint)
+
+
+def share_plan(plan: Any, src: int = 0) -> Any:
+    """Every rank gets rank `src`'s plan (its JSON broadcast over the default group; collective)."""
+    import torch.distributed as dist
+
+    from fxkfac.planner.plan import Plan
+
+    box = [plan.to_json(indent=None) if dist.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    text = box[0]
+    if not isinstance(text, str):
+        raise AssertionError("plan broadcast delivered no JSON text")
+    return Plan.from_json(text)

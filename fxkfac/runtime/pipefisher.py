@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from fxkfac.autoplan import naive_programs, ranks_of_stages
+from fxkfac.autoplan import Target, load_plan, naive_programs, ranks_of_stages, share_plan, solve_for, check_matches
 from fxkfac.capture import capture
+from fxkfac.fingerprint import graph_fingerprint
 from fxkfac.config import KFACConfig
 from fxkfac.errors import ConfigError
 from fxkfac.passes.find_layers import find_kfac_layers
@@ -40,11 +42,18 @@ def _stage_layer_names(gm: torch.fx.GraphModule, cfg: KFACConfig, vocab: int | N
     return [layer.name for layer in found if layer.name in known]
 
 
+def _surrogate_loss(outputs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """A scalar of the last stage's outputs for profiling its backward (no targets are known yet)."""
+    return sum(o.float().mean() for o in outputs if o.is_floating_point())  # type: ignore[return-value]
+
+
 class PipeFisherTrainer(PipelineTrainer):
     """Pipeline-parallel K-FAC: every rank runs its plan program with the K-FAC handlers installed.
 
-    Same interface as PipelineTrainer. `plan` is a Plan (its `programs` and `layers` are used as they
-    are) or None; then `layer_timing` (default: `KFACConfig.refresh_every` for every layer) and
+    Same interface as PipelineTrainer. `plan` is "auto" (rank 0 profiles the split model, solves, and
+    broadcasts the plan), a plan file path or a Plan (refused with PlanMismatchError when made for
+    another graph, mesh or schedule; see `fxkfac.fingerprint`), whose `programs` and `layers` run as
+    they are; `plan_options` go to the planner (memory_budget, max_overhead, time_limit_s). Or None; then `layer_timing` (default: `KFACConfig.refresh_every` for every layer) and
     `programs` (default: `fxkfac.autoplan.naive_programs`, all K-FAC work on the critical path) apply.
     `kfac_states` holds this rank's layers' LayerState (by layer name), as the single-device trainer's.
     """
@@ -53,7 +62,7 @@ class PipeFisherTrainer(PipelineTrainer):
                  loss_fn: Callable[[Any, Any], torch.Tensor], plan: Any = None,
                  layer_timing: Mapping[str, LayerTiming] | None = None,
                  programs: Mapping[int, list[list[Op]]] | None = None, backend: str | None = None,
-                 **kw: Any) -> None:
+                 plan_options: Mapping[str, Any] | None = None, **kw: Any) -> None:
         if not isinstance(kfac, KFACConfig):
             raise ConfigError(f"kfac must be a KFACConfig, got {type(kfac).__name__}")
         super().__init__(model, mesh, plan=None, example_inputs=example_inputs, loss_fn=loss_fn, kfac=None,
@@ -69,6 +78,10 @@ class PipeFisherTrainer(PipelineTrainer):
         missing = sorted(set(known) - set(stage_of))
         if missing:
             raise AssertionError(f"K-FAC layers {missing} were found in the model but in no stage graph")
+        self.target = Target(graph_fingerprint(self.layers, self.stage_layers, schedule=self.kind.value, D=D, N=self.N,
+                                               W=W, v=self.v, micro_batch_size=int(micro[0].shape[0])),
+                             self.kind.value, D, self.N, W, self.v)
+        plan = self._resolve(plan, micro, kfac, known, plan_options or {})
         given = dict(plan.layers) if plan is not None else dict(layer_timing or {})
         self.timings = layer_timings(self.layers, kfac, given)
         self.holders = ranks_of_stages(self.kind, D, W, self.S, self.v)
@@ -90,6 +103,25 @@ class PipeFisherTrainer(PipelineTrainer):
                 self.kind, D, self.N, W, self.timings, self.stage_layers, v=self.v)
         log.info("rank %d: K-FAC on %d local layers, program period %d", self.layout.rank, len(local_layers),
                  len(self.programs[self.layout.rank]))
+
+    def _resolve(self, plan: Any, micro: tuple, kfac: KFACConfig, known: Mapping[str, KFACLayer],
+                 options: Mapping[str, Any]) -> Any:
+        """The Plan every rank runs: None, a checked Plan, a loaded file, or the auto plan shared by rank 0."""
+        if plan is None:
+            return None
+        if isinstance(plan, str) and plan == "auto":
+            made = None
+            if self.layout.rank == 0:
+                from fxkfac.profiler import profile
+
+                flat = [x for x in micro if isinstance(x, torch.Tensor)]
+                costs = profile(self.split, self.stage_layers, known, flat, _surrogate_loss, kfac)
+                made = solve_for(self.target, costs, **options)
+            return share_plan(made)
+        if isinstance(plan, (str, Path)):
+            return load_plan(plan, self.target)
+        check_matches(plan, self.target)
+        return plan
 
     def _group(self, ranks: tuple[int, ...]) -> StageGroup:
         if len(ranks) <= 1:

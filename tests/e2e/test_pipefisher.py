@@ -60,3 +60,21 @@ def test_four_ranks_dp_and_deep() -> None:
     """D=2 W=2 (1F1B, Chimera: curvature all-reduce, split inversion + broadcast) and D=4 W=1 (GPipe, 1F1B)."""
     torch.set_num_threads(1)
     _check(WORLD4, _run(WORLD4, 4))
+
+
+def test_auto_plan_export_load_train_and_refuse_other_model(tmp_path) -> None:
+    """plan="auto" (profile + CP-SAT on rank 0, broadcast) saves a plan; loading it trains exactly like the
+    single-device trainer given the plan's timings; the same file is refused for a 3-layer BERT."""
+    case = w.Case("1f1b", 2, 2, 1)
+    path = str(tmp_path / "plan.json")
+    results = run_distributed(w.auto_worker, 2, case, path, timeout=400)
+    failed = [f"rank {r.rank}: {r.error_type}: {r.error}\n{r.traceback}" for r in results if not r.ok]
+    assert not failed, "\n".join(failed)
+    first = results[0].value
+    assert first["same_programs"], "the loaded plan differs from the exported one"
+    assert first["kfac_ops"] > 0, "the plan has no K-FAC ops"
+    want = w.reference_for_plan(case, first["layers"], first["steps"])
+    for r in results:
+        assert r.value["layers"] == first["layers"], "ranks run different plans"
+        assert not w.compare(r.value["params"], want), f"rank {r.rank} differs from the single-device trainer"
+        assert r.value["refused"] is not None and "made for graph" in r.value["refused"]

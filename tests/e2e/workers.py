@@ -102,3 +102,45 @@ def _layer_names(case: Case, data) -> list[str]:
 def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float = 1e-5) -> list[str]:
     """Names of parameters (present on the rank) that differ from the reference by more than atol."""
     return [n for n, p in got.items() if not torch.allclose(p, want[n], atol=atol, rtol=0)]
+
+
+def auto_worker(rank: int, world: int, case: Case, path: str) -> dict:
+    """plan="auto" (profile, solve on rank 0, broadcast), save it; then train from the saved file and from the
+    Plan object; also try a plan for another model. Returns params, losses, the plan's layers and the refusal."""
+    import torch.distributed as dist
+
+    from fxkfac.errors import PlanMismatchError
+    from fxkfac.runtime.pipefisher import PipeFisherTrainer
+
+    data = batches(case)
+    common = dict(kfac=KFAC, example_inputs=(data[0][0],), loss_fn=loss_fn, optimizer=optimizer,
+                  schedule=case.schedule, microbatches=case.N, timeout=60.0)
+    auto = PipeFisherTrainer(make_model(), (case.D, case.W), plan="auto",
+                             plan_options={"time_limit_s": 5.0}, **common)
+    if rank == 0:
+        auto.plan.save(path)
+    dist.barrier()
+    loaded = PipeFisherTrainer(make_model(), (case.D, case.W), plan=path, **common)
+    steps = 2 * max(t.period for t in loaded.plan.layers.values())
+    losses = [loaded.step((ids,), y) for ids, y in (batches(case) * steps)[:steps]]
+    refused = None
+    try:
+        other = models.tiny_bert(layers=3)
+        other.config.use_cache = False
+        PipeFisherTrainer(other, (case.D, case.W), plan=path, **common)
+    except PlanMismatchError as e:
+        refused = str(e)
+    return {"params": {n: p.detach().clone() for n, p in loaded.named_parameters()}, "losses": losses,
+            "layers": dict(loaded.plan.layers), "steps": steps, "refused": refused,
+            "same_programs": auto.plan.programs == loaded.plan.programs,
+            "kfac_ops": sum(op.kind.value in ("CURV", "INV", "PREC") for st in loaded.programs[rank] for op in st)}
+
+
+def reference_for_plan(case: Case, layers: dict[str, LayerTiming], steps: int) -> dict[str, torch.Tensor]:
+    """The single-device trainer given the plan's timings on the batches `auto_worker` trains on."""
+    data = (batches(case) * steps)[:steps]
+    trainer = SingleDeviceTrainer(make_model(), example_inputs=(data[0][0],), loss_fn=loss_fn, optimizer=optimizer,
+                                  kfac=KFAC, microbatches=case.N * case.W, backend=None, layer_timing=layers)
+    for ids, y in data:
+        trainer.step((ids,), y)
+    return {n: p.detach().clone() for n, p in trainer.named_parameters()}

@@ -1,0 +1,130 @@
+"""Measures the planner's CostTable on the device it runs on: stage forward/backward, K-FAC kernels, bytes."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from fxkfac.config import KFACConfig
+from fxkfac.kfac.factors import factor
+from fxkfac.kfac.inverse import combine, invert_factor
+from fxkfac.kfac.precondition import precondition
+from fxkfac.passes.layers import KFACLayer
+from fxkfac.passes.split_stages import SplitResult
+from fxkfac.planner.costs import CostTable, LayerCost, StageCost
+
+__all__ = ["profile", "time_call"]
+
+log = logging.getLogger(__name__)
+
+
+def time_call(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 3) -> float:
+    """Median seconds of `fn()` over `repeats` runs after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(max(1, repeats)):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
+
+
+def _nbytes(t: Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _spd(dim: int, rows: int) -> Tensor:
+    x = torch.randn(max(rows, dim), dim)
+    return x.t() @ x / x.shape[0]
+
+
+def _layer_cost(layer: KFACLayer, rows: int, cfg: KFACConfig, warmup: int, repeats: int) -> LayerCost:
+    """Curvature of one micro-batch (rows of a and of e), inversion per factor and precondition, timed."""
+    dtype = getattr(torch, cfg.factor_dtype)
+    a = torch.randn(rows, layer.a_dim)
+    e = torch.randn(rows, layer.b_dim)
+    A, B = _spd(layer.a_dim, rows), _spd(layer.b_dim, rows)
+    gamma = cfg.damping ** 0.5
+    inv_a = invert_factor(A, gamma, method=cfg.inverse)
+    inv_b = invert_factor(B, gamma, method=cfg.inverse)
+    if inv_a is None or inv_b is None:
+        raise AssertionError("a well-conditioned random factor could not be inverted")
+    inverse = combine(inv_a, inv_b, 0.0 if cfg.inverse == "cholesky" else cfg.damping)
+    G = torch.randn(layer.b_dim, layer.a_dim)
+    item = torch.finfo(dtype).bits // 8
+    return LayerCost(
+        name=layer.name,
+        curv_a=time_call(lambda: factor(a, dtype), warmup=warmup, repeats=repeats),
+        curv_b=time_call(lambda: factor(e, dtype), warmup=warmup, repeats=repeats),
+        inv_a=time_call(lambda: invert_factor(A, gamma, method=cfg.inverse), warmup=warmup, repeats=repeats),
+        inv_b=time_call(lambda: invert_factor(B, gamma, method=cfg.inverse), warmup=warmup, repeats=repeats),
+        prec=time_call(lambda: precondition(G, inverse), warmup=warmup, repeats=repeats),
+        a_bytes=rows * layer.d_in * 4, e_bytes=rows * layer.d_out * 4,
+        factor_a_bytes=layer.a_dim ** 2 * item, factor_b_bytes=layer.b_dim ** 2 * item)
+
+
+def _act_bytes(gm: torch.fx.GraphModule) -> int:
+    """Bytes of every intermediate value of a stage graph: an upper bound of what its backward keeps."""
+    total = 0
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if node.op == "call_function" and isinstance(val, Tensor):
+            total += _nbytes(val)
+    return total
+
+
+def _stage_times(gm: torch.fx.GraphModule, inputs: Sequence[Tensor], loss: Callable[[Sequence[Tensor]], Tensor] | None,
+                 warmup: int, repeats: int) -> tuple[float, float, list[Tensor]]:
+    """Forward and backward seconds of one stage on one micro-batch, and its (detached) outputs."""
+    def leaves() -> list[Tensor]:
+        return [x.detach().requires_grad_(True) if x.is_floating_point() else x for x in inputs]
+
+    def fwd() -> tuple[Tensor, ...]:
+        return tuple(gm(*leaves()))
+
+    fwd_s = time_call(fwd, warmup=warmup, repeats=repeats)
+    outs = fwd()
+
+    def bwd_once() -> None:
+        out = tuple(gm(*leaves()))
+        if loss is not None:
+            loss(out).backward()
+        else:
+            pairs = [(o, torch.ones_like(o)) for o in out if o.requires_grad]
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+    both = time_call(bwd_once, warmup=warmup, repeats=repeats)
+    gm.zero_grad(set_to_none=True)
+    return fwd_s, max(both - fwd_s, 0.0), [o.detach() for o in outs]
+
+
+def profile(split: SplitResult, stage_layers: Mapping[int, Sequence[str]], layers: Mapping[str, KFACLayer],
+            micro_inputs: Sequence[Tensor], loss: Callable[[Sequence[Tensor]], Tensor], cfg: KFACConfig, *,
+            warmup: int = 1, repeats: int = 3, hardware: str = "cpu") -> CostTable:
+    """The CostTable of the split model at the micro-batch of `micro_inputs`, measured here, stage by stage.
+
+    The stages are chained in this one process (rank 0 profiles all: every stage copy is the same
+    graph). `loss(flat_outputs)` is the last stage's scalar loss for one micro-batch. Forward is the
+    median over `repeats`; backward is (forward + backward) minus forward. K-FAC kernels are timed on
+    random rows of the layer's real shape (micro-batch x tokens per sample).
+    """
+    batch = int(micro_inputs[0].shape[0])
+    inputs = list(micro_inputs)
+    stages = []
+    last = len(split.stages) - 1
+    for st in split.stages:
+        fwd_s, bwd_s, inputs_next = _stage_times(st.gm, inputs, loss if st.index == last else None, warmup, repeats)
+        costs = tuple(_layer_cost(layers[n], batch * layers[n].tokens_per_sample, cfg, warmup, repeats)
+                      for n in stage_layers.get(st.index, ()))
+        params = {n: p for n, p in st.gm.named_parameters()}
+        stages.append(StageCost(fwd=fwd_s, bwd=bwd_s, param_bytes=sum(_nbytes(p) for p in params.values()),
+                                act_bytes=_act_bytes(st.gm), layers=costs))
+        log.info("profiled stage %d: fwd %.2f ms, bwd %.2f ms, %d K-FAC layers", st.index, fwd_s * 1e3,
+                 bwd_s * 1e3, len(costs))
+        inputs = inputs_next
+    return CostTable(tuple(stages), batch, f"measured:{hardware}", hardware)
