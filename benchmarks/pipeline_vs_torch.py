@@ -1,0 +1,181 @@
+"""Throughput of fxkfac's pipeline runtime vs torch.distributed.pipelining (GPipe, 1F1B), 2 ranks, 1 thread each.
+
+Both run the same stage GraphModules (fxkfac's split of the same captured model), the same
+micro-batches and the same SGD step, side by side in one run (alternating rounds). Also prints
+fxkfac's measured bubble fraction per rank against the schedule's: the planner's simulation of
+the same program with the measured mean op durations, and the closed form (D-1)/(N+D-1).
+
+Run: python benchmarks/pipeline_vs_torch.py [--width 512] [--depth 8] [--batch 128] [--microbatches 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from fxkfac.planner.ir import OpKind
+from fxkfac.planner.simulate import simulate
+from fxkfac.runtime.timeline import utilization
+from fxkfac.runtime.trainer import PipelineTrainer, rank_programs, shard_microbatches
+
+D = 2
+BUSY = ("FWD", "BWD", "OPT_STEP")
+
+
+def make_model(width: int, depth: int, classes: int = 10) -> nn.Module:
+    """A deep MLP: `depth` blocks of Linear + GELU, then a classifier."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(depth)]
+    return nn.Sequential(*blocks, nn.Linear(width, classes))
+
+
+class _Unwrap(nn.Module):
+    """A stage GraphModule returning a single tensor instead of a 1-tuple (torch pipelining passes tensors)."""
+
+    def __init__(self, gm: nn.Module) -> None:
+        super().__init__()
+        self.gm = gm
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        out = self.gm(*args)
+        return out[0] if len(out) == 1 else out
+
+
+def _torch_runner(trainer: PipelineTrainer, schedule: str, N: int):
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    rank = dist.get_rank()
+    module = _Unwrap(copy.deepcopy(trainer.split.stages[rank].gm))
+    stage = PipelineStage(module, rank, D, torch.device("cpu"))
+    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
+    sched = cls(stage, N, loss_fn=lambda out, y: F.cross_entropy(out, y))
+    opt = torch.optim.SGD(module.parameters(), lr=0.01)
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        if rank == 0:
+            sched.step(x)
+        else:
+            sched.step(target=y, losses=[])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def _time(step, batch, warmup: int, iters: int) -> list[float]:
+    x, y = batch
+    for _ in range(warmup):
+        step(x, y)
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        t0 = time.perf_counter()
+        step(x, y)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def _theory(schedule: str, N: int, events) -> dict[int, float]:
+    """Bubble per rank of the planner's simulation of this program with the measured mean durations."""
+    mean: dict[tuple[int, str, int | None], list[float]] = {}
+    for e in events:
+        kind = e.kind
+        stage = int(e.op.split()[1][1:]) if kind in ("FWD", "BWD") else None
+        mean.setdefault((e.rank, kind, stage), []).append((e.end_ns - e.start_ns) / 1e9)
+    avg = {k: statistics.fmean(v) for k, v in mean.items()}
+
+    def duration(rank: int, op) -> float:
+        if op.kind in (OpKind.FWD, OpKind.BWD):
+            return avg[(rank, op.kind.value, op.stage)]
+        return avg.get((rank, op.kind.value, None), 0.0) if op.kind is OpKind.OPT_STEP else 0.0
+    tl = simulate(rank_programs(schedule, D, N, 1), duration)
+    return {r: 1.0 - tl.utilization(r) for r in range(D)}
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=D,
+                            timeout=timedelta(seconds=120))
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(args.batch, args.width, generator=g), torch.randint(0, 10, (args.batch,), generator=g))
+    rows = []
+    for schedule in ("gpipe", "1f1b"):
+        trainer = PipelineTrainer(make_model(args.width, args.depth), (D,), example_inputs=(batch[0],),
+                                  loss_fn=lambda out, y: F.cross_entropy(out, y),
+                                  optimizer=lambda p: torch.optim.SGD(p, lr=0.01), schedule=schedule,
+                                  microbatches=args.microbatches, record_timeline=True)
+        ours_step = lambda x, y: trainer.step(x, y)  # noqa: E731
+        theirs_step = _torch_runner(trainer, schedule, args.microbatches)
+        ours, theirs = [], []
+        for _ in range(args.rounds):  # alternate so that drift in machine load hits both
+            trainer.timeline.clear()
+            ours += _time(ours_step, batch, args.warmup, args.iters)
+            theirs += _time(theirs_step, batch, args.warmup, args.iters)
+        events = [e for e in trainer.timeline.events]
+        gathered = [None] * D
+        dist.all_gather_object(gathered, events)
+        events = [e for part in gathered for e in part if e.step >= args.warmup]
+        measured = {r: 1.0 - u for r, u in utilization(events, BUSY).items()}
+        rows.append({"schedule": schedule, "fxkfac_step_s": statistics.median(ours),
+                     "torch_step_s": statistics.median(theirs),
+                     "ratio": statistics.median(theirs) / statistics.median(ours),
+                     "bubble_measured": measured, "bubble_sim": _theory(schedule, args.microbatches, events),
+                     "bubble_formula": (D - 1) / (args.microbatches + D - 1)})
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+def _report(rows: list[dict], args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"fxkfac vs torch.distributed.pipelining (D={D}, N={args.microbatches}, "
+                        f"MLP {args.depth}x{args.width}, batch {args.batch}, 1 thread/rank)")
+    for col in ("schedule", "fxkfac s/step", "torch s/step", "throughput ratio", "bubble measured (r0, r1)",
+                "bubble simulated (r0, r1)", "(D-1)/(N+D-1)"):
+        table.add_column(col)
+    for r in rows:
+        fmt = lambda d: ", ".join(f"{d[k]:.3f}" for k in sorted(d, key=int))  # noqa: E731
+        table.add_row(r["schedule"], f"{r['fxkfac_step_s']:.4f}", f"{r['torch_step_s']:.4f}", f"{r['ratio']:.3f}",
+                      fmt(r["bubble_measured"]), fmt(r["bubble_sim"]), f"{r['bubble_formula']:.3f}")
+    Console().print(table)
+    print(json.dumps({"benchmark": "pipeline_vs_torch", "args": vars(args), "results": rows}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=128)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args()
+    import socket
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out_path = os.path.join(tempfile.mkdtemp(), "rows.json")
+    mp.spawn(_worker, args=(args, port, out_path), nprocs=D, join=True)
+    with open(out_path) as f:
+        _report(json.load(f), args)
+
+
+if __name__ == "__main__":
+    main()
