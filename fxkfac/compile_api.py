@@ -11,7 +11,7 @@ from fxkfac.config import KFACConfig
 from fxkfac.errors import ConfigError
 from fxkfac.planner.ir import LayerTiming
 from fxkfac.single import SingleDeviceTrainer
-from fxkfac.trainer import OptimizerFactory, Trainer
+from fxkfac.trainer import OptimizerFactory, Trainer, default_optimizer
 
 __all__ = ["compile"]
 
@@ -33,9 +33,13 @@ def compile(  # noqa: A001 - the public name the design card gives
 ) -> Trainer:
     """Capture ``model``, insert K-FAC into its graph and return a Trainer.
 
-    ``mesh=None`` trains on one device (`SingleDeviceTrainer`); a DeviceMesh goes to the pipelined
-    ``fxkfac.runtime.trainer.PipelineTrainer`` with the same arguments. ``optimizer`` is a factory
-    ``params -> torch.optim.Optimizer`` (default AdamW, lr 1e-3); ``kfac=None`` trains with it alone.
+    ``mesh=None`` trains on one device (`SingleDeviceTrainer`). A DeviceMesh with dims ("pp", "dp")
+    (or a ``(D, W)`` tuple, with torch.distributed initialized) trains pipelined: with ``kfac`` the
+    PipeFisher runtime (`fxkfac.runtime.pipefisher.PipeFisherTrainer`: ``plan="auto"`` profiles and
+    solves, a path or a Plan is checked and used), with ``kfac=None`` the plain pipeline. Extra
+    keywords (``timeout``, ``virtual_stages``, ``split_points``, ``record_timeline``, ``plan_options``)
+    go to it. ``optimizer`` is a factory ``params -> torch.optim.Optimizer`` (default AdamW, lr 1e-3);
+    ``kfac=None`` trains with it alone.
     ``backend`` is a torch.compile backend ("inductor", "eager", ...) or None for no compilation.
     ``layer_timing`` sets the refresh timing per layer (the planner's output); on one device a
     ``plan`` object with a ``layers`` mapping of LayerTiming supplies it too.
@@ -43,11 +47,17 @@ def compile(  # noqa: A001 - the public name the design card gives
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ConfigError(f"microbatches must be an int >= 1, got {microbatches!r}")
     if mesh is not None:
-        from fxkfac.runtime.trainer import PipelineTrainer
+        common = dict(example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer or default_optimizer,
+                      schedule=schedule, microbatches=microbatches, backend=backend, **kw)
+        if kfac is None:
+            from fxkfac.runtime.trainer import PipelineTrainer
 
-        return PipelineTrainer(model, mesh, plan, example_inputs=example_inputs, loss_fn=loss_fn,
-                               optimizer=optimizer, kfac=kfac, schedule=schedule, microbatches=microbatches,
-                               backend=backend, layer_timing=layer_timing, **kw)
+            if plan not in (None, "auto"):
+                raise ConfigError("kfac=None trains the plain pipeline, which takes no plan; pass plan=None")
+            return PipelineTrainer(model, mesh, **common)
+        from fxkfac.runtime.pipefisher import PipeFisherTrainer
+
+        return PipeFisherTrainer(model, mesh, plan=plan, kfac=kfac, layer_timing=layer_timing, **common)
     if kw:
         raise ConfigError(f"unknown arguments for a single-device compile: {sorted(kw)}")
     single_plan = None if plan in (None, "auto") else plan

@@ -68,8 +68,8 @@ class PipelineTrainer:
                  virtual_stages: int = 1, split_points: Sequence[str] | None = None,
                  stage_cost: Any = "flops", timeout: float = 120.0, record_timeline: bool = False) -> None:
         if kfac is not None:
-            raise ConfigError("K-FAC inside the pipeline runtime is not available yet: pass kfac=None "
-                              "(plain base optimizer) or mesh=None (single device)")
+            raise ConfigError("PipelineTrainer is the plain pipeline: pass kfac=None, or use fxkfac.compile "
+                              "(or fxkfac.runtime.pipefisher.PipeFisherTrainer) for K-FAC in the pipeline")
         self.layout = MeshLayout.from_mesh(mesh)
         self.kind = ScheduleKind(schedule)
         self.N, self.v = microbatches, virtual_stages
