@@ -312,17 +312,16 @@ def _fusing_refused(problem: Problem, fused: frozenset[str]) -> InfeasibleBudget
 
 def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) -> Program:
     """The device's ops per step of the period, in time order: an op placed in a bubble goes after
-    every fixed op that ends by its start (so a RECV still waiting stays after it)."""
-    steps: list[list[tuple[tuple[float, int, int], Op]]] = [[] for _ in range(w.k)]
+    every fixed op that ends by its start (so a RECV still waiting stays after it). Compared in
+    ticks: in seconds, float rounding could put a PREC before the backward it follows."""
+    steps: list[list[tuple[tuple[int, int, int], Op]]] = [[] for _ in range(w.k)]
     timelines = [step_timeline(problem, w.fused)] + [step_timeline(problem)] * (w.k - 1)
     for j, st in enumerate(timelines):
-        offset = w.seconds(w.offsets[j])
         for seq, (op, _, end) in enumerate(st.ops[device]):
             if op.kind not in (OpKind.PREC, OpKind.OPT_STEP):
-                steps[j].append(((offset + end, 0, seq), op))
-    period = w.seconds(w.length)
+                steps[j].append(((w.offsets[j] + round(end * w.scale), 0, seq), op))
     for n, p in enumerate(sorted(placed, key=lambda p: (p.start, p.end))):
-        steps[p.step % w.k].append(((p.start - period * (p.step // w.k), 1, n), p.op))
+        steps[p.step % w.k].append(((round(p.start * w.scale) - w.length * (p.step // w.k), 1, n), p.op))
     return [[op for _, op in sorted(items, key=lambda item: item[0])] + [Op(OpKind.OPT_STEP)] for items in steps]
 
 
