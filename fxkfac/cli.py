@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import re
 import sys
 from pathlib import Path
@@ -14,15 +13,9 @@ from typing import NoReturn, Sequence
 from rich.console import Console
 
 from fxkfac.planner.costs import CostTable, load_cost_table
-from fxkfac.planner.errors import PlannerError
-from fxkfac.planner.schedules import (
-    ScheduleKind,
-    num_stages,
-    schedule_programs,
-    stage_rank,
-    validate_schedule_args,
-)
-from fxkfac.planner.simulate import Timeline, simulate
+from fxkfac.planner.errors import PlanFormatError, PlannerError
+from fxkfac.planner.problem import Problem, SolverConfig
+from fxkfac.planner.schedules import ScheduleKind, num_stages, validate_schedule_args
 
 __all__ = ["main", "build_parser", "parse_bytes", "parse_fraction"]
 
@@ -91,11 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--memory", type=_arg_type(parse_bytes), help="memory budget per device, e.g. 16GiB")
     plan.add_argument("--max-overhead", type=_arg_type(parse_fraction), default=0.0, help="allowed step-time growth, e.g. 5%%")
     plan.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds")
+    plan.add_argument("--method", choices=["cpsat", "greedy"], default="cpsat",
+                      help="cpsat (optimal placement) or greedy (the paper's first-fit)")
     plan.add_argument("--show", action="store_true", help="draw the plan, one row per device")
     plan.add_argument("--explain", action="store_true", help="print the performance model with these numbers")
     plan.add_argument("--export", type=Path, help="write the plan as JSON")
     plan.add_argument("--trace", type=Path, help="write a Chrome/Perfetto trace of the planned period")
-    show = sub.add_parser("show", help="draw a saved plan")
+    show = sub.add_parser("show", help="draw a saved plan (validated), and a measured run below it")
     show.add_argument("plan", type=Path)
     show.add_argument("--measured", type=Path, help="a Chrome trace recorded by the runtime, drawn below")
     return parser
@@ -136,12 +131,20 @@ def _factory_costs(args: argparse.Namespace, S: int) -> CostTable:
     if not path.is_file():
         raise CliError(f"no file {path} (TARGET path.py:factory)")
     spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    if spec is None or spec.loader is None:
+        raise CliError(f"cannot import {path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # the user's file: report what it raised, in one line
+        raise CliError(f"importing {path} failed: {type(e).__name__}: {e}") from None
     factory = getattr(module, factory_name, None)
     if not callable(factory):
         raise CliError(f"{path} has no callable {factory_name!r}")
-    made = factory()
+    try:
+        made = factory()
+    except Exception as e:
+        raise CliError(f"{path}:{factory_name}() failed: {type(e).__name__}: {e}") from None
     if not (isinstance(made, tuple) and len(made) == 2):
         raise CliError(f"{factory_name}() must return (model, example_inputs)")
     from fxkfac.capture import capture
@@ -157,13 +160,6 @@ def _factory_costs(args: argparse.Namespace, S: int) -> CostTable:
     model_spec = model_spec_from_layers(spec_stages, name=path.stem)
     return analytic_cost_table(model_spec, [range(i, i + 1) for i in range(S)], args.micro_batch_size, 1,
                                args.hardware)
-
-
-def base_timeline(kind: str, D: int, N: int, v: int, costs: CostTable) -> Timeline:
-    """The plain pipeline's simulated step with the table's F/B times."""
-    from fxkfac.show import cost_durations
-
-    return simulate(schedule_programs(kind, D, N, v=v), cost_durations(costs))
 
 
 def _stage_means(costs: CostTable) -> dict[str, float]:
@@ -192,55 +188,81 @@ def _explain(args: argparse.Namespace, costs: CostTable, console: Console) -> No
     console.print(f"  ratio = {evaluate(model.ratio, values):.2f} steps per refresh", markup=False)
 
 
-def _base_summary(args: argparse.Namespace, costs: CostTable, base: Timeline) -> list[tuple[str, str]]:
-    from fxkfac.show import format_bytes
-
-    rows = [("model costs", f"{costs.source} ({costs.hardware}, micro-batch {costs.micro_batch_size})"),
-            ("schedule", f"{args.schedule}  D={args.stages} N={args.microbatches} W={args.dp}"
-                         + (f" v={args.virtual_stages}" if args.schedule == "interleaved" else "")),
-            ("step time (plain pipeline)", f"{base.step_time * 1e3:.2f} ms"),
-            ("utilization (plain pipeline)", f"{base.utilization():.1%}")]
-    bounds = []
-    for s, stage in enumerate(costs.stages):
-        bubble = base.bubble_time(stage_rank(args.schedule, args.stages, s, v=args.virtual_stages))
-        work = args.microbatches * stage.curv + stage.inv
-        bounds.append("-" if bubble <= 0 else str(max(1, math.ceil(work / bubble))))
-    rows.append(("refresh lower bound per stage", " ".join(f"{b:>3}" for b in bounds)))
-    rows.append(("parameters per stage", " ".join(format_bytes(s.param_bytes) for s in costs.stages)))
-    return rows
+def problem_of(args: argparse.Namespace, costs: CostTable) -> Problem:
+    """The planning problem the command line describes."""
+    return Problem(args.schedule, args.stages, args.microbatches, costs, W=args.dp, v=args.virtual_stages,
+                   memory_budget=args.memory, max_overhead=args.max_overhead)
 
 
 def run_plan(args: argparse.Namespace, console: Console) -> int:
-    """`fxkfac plan`: cost the model, simulate the pipeline, and draw/export what was asked."""
-    from fxkfac.show import chrome_trace, render_summary, render_timeline
+    """`fxkfac plan`: cost the model, plan K-FAC into the bubbles, and draw/export what was asked.
+
+    Nothing is written unless planning succeeded (the export is atomic: Plan.save)."""
+    from fxkfac.plan_view import planned_view, render_plan
+    from fxkfac.planner.plan import solve
+    from fxkfac.show import chrome_trace
 
     S = _check(args)
+    if args.time_limit <= 0:
+        raise CliError(f"--time-limit must be > 0 seconds, got {args.time_limit:g}")
     costs = cost_table(args, S)
-    base = base_timeline(args.schedule, args.stages, args.microbatches, args.virtual_stages, costs)
-    console.print(render_summary(f"fxkfac plan {args.target}", _base_summary(args, costs, base)))
+    problem = problem_of(args, costs)
+    plan = solve(problem, SolverConfig(time_limit_s=args.time_limit), method=args.method)
     if args.explain:
         _explain(args, costs, console)
     if args.show:
-        console.print(render_timeline(base, width=console.width, title="plain pipeline, one step"))
+        console.print(render_plan(plan, width=console.width, title=f"fxkfac plan {args.target} ({args.method})"))
+    else:
+        from fxkfac.plan_view import plan_rows
+        from fxkfac.show import render_summary
+
+        console.print(render_summary(f"fxkfac plan {args.target} ({args.method})", plan_rows(plan)))
+    if args.export is not None:
+        plan.save(args.export)
+        console.print(f"wrote {args.export}", markup=False)
     if args.trace is not None:
-        chrome_trace(base, args.trace)
+        chrome_trace(planned_view(plan).timeline, args.trace)
         console.print(f"wrote {args.trace}", markup=False)
     return 0
 
 
 def run_show(args: argparse.Namespace, console: Console) -> int:
-    """`fxkfac show`: draw a saved plan (and a measured trace below it)."""
-    from fxkfac.show import render_timeline, timeline_from_trace
+    """`fxkfac show`: draw a saved plan (validated on load), and a measured trace below it."""
+    from fxkfac.plan_view import busy_utilization, planned_utilization, render_plan
+    from fxkfac.planner.plan import Plan
+    from fxkfac.show import render_summary, render_timeline, timeline_from_trace
 
-    if importlib.util.find_spec("fxkfac.planner.plan") is None:
-        if args.measured is None:
-            raise CliError("drawing a saved plan needs fxkfac.planner.plan (Plan.load), not in this build; "
-                           "use --measured TRACE to draw a recorded run")
-        console.print(f"(plan {args.plan} not drawn: fxkfac.planner.plan is not in this build)", markup=False)
+    plan = Plan.load(args.plan)
+    measured = None
     if args.measured is not None:
-        measured = timeline_from_trace(json.loads(args.measured.read_text()))
-        console.print(render_timeline(measured, width=console.width, title=f"measured: {args.measured}"))
+        measured = timeline_from_trace(_read_json(args.measured, "trace"))
+    console.print(render_plan(plan, width=console.width, title=f"fxkfac show {args.plan}"))
+    if measured is None:
+        return 0
+    console.print(render_timeline(measured, width=console.width, title=f"measured: {args.measured}"))
+    planned = planned_utilization(plan)
+    ran = busy_utilization(measured, 0.0, measured.makespan)
+    rows = [(f"r{r}", f"{planned[r]:.1%}" if r in planned else "-", f"{ran[r]:.1%}" if r in ran else "-")
+            for r in sorted(set(planned) | set(ran))]
+    console.print(render_summary("utilization per rank: planned | measured",
+                                 [(name, f"{a} | {b}") for name, a, b in rows]))
     return 0
+
+
+def _read_json(path: Path, what: str) -> object:
+    try:
+        return json.loads(path.read_text())
+    except OSError as e:
+        raise CliError(f"cannot read the {what} {path}: {e.strerror or e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise PlanFormatError(f"the {what} {path} is not valid JSON (corrupt or truncated?): {e}") from None
+
+
+_COMMANDS = {"plan": run_plan, "show": run_show}
+
+
+def _one_line(error: BaseException) -> str:
+    return "; ".join(line.strip() for line in str(error).splitlines() if line.strip())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -248,9 +270,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
     try:
-        return run_plan(args, console) if args.command == "plan" else run_show(args, console)
-    except (PlannerError, OSError, json.JSONDecodeError) as e:
-        print(f"fxkfac: error: {e}", file=sys.stderr)
+        return _COMMANDS[args.command](args, console)
+    except (PlannerError, OSError) as e:
+        print(f"fxkfac: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("fxkfac: interrupted", file=sys.stderr)

@@ -1,0 +1,176 @@
+"""A plan as a timeline and a terminal view: planned per-device timeline, utilization, summary; torch-free.
+
+[Note: planned timeline] The timeline is taken from the plan's placements, not from re-simulating
+its programs: F/B come from the problem's simulated step (the refresh step with its fused curvature,
+then plain steps), and every K-FAC op sits exactly where the planner put it (seconds after the
+refresh window began), so the drawing shows the plan itself, to the planner's time grid
+(`metrics.time_quantum`). A simulation of the programs would start each K-FAC op as soon as the op
+before it ends, which is never later but not where the plan says. Windows repeat: an op placed in
+the next window's early bubbles (step >= k) is drawn there and, one period earlier, in this window.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from rich.console import Group, RenderableType
+
+from fxkfac.planner.ir import Op, OpKind
+from fxkfac.planner.plan import Plan
+from fxkfac.planner.problem import StepTimeline, copies_of_stage, step_timeline
+from fxkfac.planner.simulate import Interval, Timeline
+from fxkfac.show import format_bytes, render_summary, render_timeline
+
+__all__ = ["BUSY_KINDS", "PlannedView", "planned_view", "planned_utilization", "plan_rows", "render_plan",
+           "busy_utilization"]
+
+BUSY_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.CURV, OpKind.INV, OpKind.PREC})
+"""What counts as busy in utilization, planned and measured (communication does not)."""
+
+_DRAWN_FIXED = frozenset({OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD})
+_MIN_CELLS_PER_STEP = 20
+
+
+@dataclass(frozen=True)
+class PlannedView:
+    """`steps` pipeline steps of a plan from a refresh step on, as a Timeline over [0, end) seconds."""
+
+    timeline: Timeline
+    steps: int
+    end: float
+
+
+def _periods(plan: Plan) -> dict[int, int]:
+    """Refresh period k of each device (the period of the stages it holds)."""
+    problem = plan.problem
+    out: dict[int, int] = {}
+    for s, stage in enumerate(problem.costs.stages):
+        k = plan.layers[stage.layers[0].name].period
+        for d in copies_of_stage(problem, s):
+            out[d] = max(out.get(d, 1), k)
+    return out
+
+
+@dataclass(frozen=True)
+class _Steps:
+    """Step timelines of a plan and the absolute start of each step of a window of k."""
+
+    refresh: StepTimeline
+    normal: StepTimeline
+
+    def length(self, k: int) -> float:
+        return self.refresh.length + (k - 1) * self.normal.length
+
+    def base(self, j: int, k: int) -> float:
+        within = j % k
+        start = 0.0 if within == 0 else self.refresh.length + (within - 1) * self.normal.length
+        return start + self.length(k) * (j // k)
+
+    def of(self, j: int, k: int) -> StepTimeline:
+        return self.refresh if j % k == 0 else self.normal
+
+
+def _steps(plan: Plan) -> _Steps:
+    fused = frozenset(n for n, t in plan.layers.items() if t.capture == "fused")
+    return _Steps(step_timeline(plan.problem, fused), step_timeline(plan.problem))
+
+
+def _fixed(steps: _Steps, device: int, k: int, count: int) -> list[Interval]:
+    out = []
+    for j in range(count):
+        base = steps.base(j, k)
+        for op, a, b in steps.of(j, k).ops[device]:
+            if op.kind in _DRAWN_FIXED:
+                out.append(Interval(device, j, op, base + a, base + b))
+    return out
+
+
+def _kfac(plan: Plan, device: int, k: int, period: float, end: float) -> list[Interval]:
+    """The device's placements repeated every `period` seconds, wherever they overlap [0, end)."""
+    out = []
+    for p in plan.placements:
+        if p.device != device:
+            continue
+        for n in range(-1, math.ceil(end / period) + 1):
+            start, stop = p.start + n * period, p.end + n * period
+            if stop > 0 and start < end or (start == stop and 0 <= start < end):
+                out.append(Interval(device, p.step + n * k, p.op, start, stop))
+    return out
+
+
+def planned_view(plan: Plan, steps: int | None = None) -> PlannedView:
+    """The plan's timeline over `steps` steps from a refresh step (default: the longest period)."""
+    periods = _periods(plan)
+    count = max(periods.values()) if steps is None else steps
+    if count < 1:
+        raise ValueError(f"steps must be >= 1, got {count}")
+    st = _steps(plan)
+    k_view = max(periods.values())
+    end = st.base(count, k_view) if count <= k_view else st.length(k_view) + (count - k_view) * st.normal.length
+    intervals: list[Interval] = []
+    for d, k in sorted(periods.items()):
+        intervals += _fixed(st, d, k, count)
+        intervals += _kfac(plan, d, k, st.length(k), end)
+    ordered = tuple(sorted(intervals, key=lambda iv: (iv.start, iv.rank, str(iv.op))))
+    return PlannedView(Timeline(ordered, tuple(sorted(periods)), count), count, end)
+
+
+def busy_utilization(timeline: Timeline, start: float, end: float) -> dict[int, float]:
+    """Per rank: time in BUSY_KINDS inside [start, end) over (end - start)."""
+    span = end - start
+    out = {}
+    for rank in timeline.ranks:
+        busy = sum(max(0.0, min(iv.end, end) - max(iv.start, start)) for iv in timeline.of_rank(rank)
+                   if iv.op.kind in BUSY_KINDS)
+        out[rank] = busy / span if span > 0 else 0.0
+    return out
+
+
+def planned_utilization(plan: Plan) -> dict[int, float]:
+    """Per device: busy share of its own refresh period, as planned."""
+    out = {}
+    for d, k in sorted(_periods(plan).items()):
+        view = planned_view(plan, k)
+        out[d] = busy_utilization(Timeline(tuple(view.timeline.of_rank(d)), (d,), k), 0.0, view.end)[d]
+    return out
+
+
+def _per_stage(values: tuple[int | None, ...]) -> str:
+    return " ".join("-" if v is None else str(v) for v in values)
+
+
+def plan_rows(plan: Plan) -> list[tuple[str, str]]:
+    """The summary of a plan: schedule, solver, step time, utilization, refresh periods, memory."""
+    p, m = plan.problem, plan.metrics
+    costs = p.costs
+    budget = "unlimited" if p.memory_budget is None else format_bytes(p.memory_budget)
+    added = (m.step_time / m.step_time_baseline - 1) if m.step_time_baseline > 0 else 0.0
+    return [
+        ("model costs", f"{costs.source} ({costs.hardware}, micro-batch {costs.micro_batch_size})"),
+        ("schedule", f"{p.schedule}  D={p.D} N={p.N} W={p.W}" + (f" v={p.v}" if p.schedule == "interleaved" else "")),
+        ("memory budget / max overhead", f"{budget} per device / {p.max_overhead:.1%}"),
+        ("solver", f"{m.solver.status}, {m.solver.wall_time:.1f} s, gap to bound {m.solver.gap:.1%}"),
+        ("step time before -> after", f"{m.step_time_baseline * 1e3:.2f} ms -> {m.step_time * 1e3:.2f} ms "
+                                      f"(+{added:.1%}; K-FAC reference {m.step_time_reference * 1e3:.2f} ms)"),
+        ("utilization before -> after", f"{m.utilization_baseline:.1%} -> {m.utilization:.1%}"),
+        ("refresh steps per stage", _per_stage(m.refresh_steps)),
+        ("  lower bound", _per_stage(m.lower_bound_steps)),
+        ("  greedy (paper)", _per_stage(m.greedy_refresh_steps)),
+        ("peak memory per device", "  ".join(f"r{d} {format_bytes(b)}" for d, b in m.peak_memory.items())),
+    ]
+
+
+def render_plan(plan: Plan, *, width: int = 80, title: str = "") -> RenderableType:
+    """Summary table and the planned timeline, one row per device, fitted to `width` columns."""
+    periods = _periods(plan)
+    k = max(periods.values())
+    fit = max(1, (width - 8) // _MIN_CELLS_PER_STEP)
+    shown = min(k, fit)
+    view = planned_view(plan, shown)
+    what = f"all {k} steps of the refresh window" if shown == k else f"steps 1-{shown} of the {k}-step refresh window"
+    ks = sorted(set(periods.values()))
+    label = f"planned: {what} (step 1 refreshes; k = {', '.join(map(str, ks))})"
+    timeline = render_timeline(view.timeline, width=width, title=label, window=(0.0, view.end))
+    summary = render_summary(title or "fxkfac plan", plan_rows(plan))
+    return Group(summary, timeline)
