@@ -13,8 +13,8 @@ from fxkfac.planner.ir import LayerTiming, Op, OpKind
 from fxkfac.planner.lowering import add_send_recv, expand_dp
 from fxkfac.planner.schedules import ScheduleKind, num_stages, schedule_programs, stage_rank
 
-__all__ = ["naive_programs", "kfac_tail", "ranks_of_stages", "Target", "solve_for", "check_matches", "load_plan",
-           "share_plan"]
+__all__ = ["naive_programs", "kfac_tail", "ranks_of_stages", "Target", "solve_for", "check_matches", "check_costs",
+           "load_plan", "share_plan"]
 
 
 def ranks_of_stages(kind: ScheduleKind | str, D: int, W: int, S: int, v: int = 1) -> dict[int, tuple[int, ...]]:
@@ -125,6 +125,18 @@ def check_matches(plan: Any, target: Target, where: str = "the plan") -> None:
         raise PlanMismatchError(f"{where} was made for graph {plan.fingerprint!r}, not this model's "
                                 f"{target.fingerprint!r} (other layers, widths or stage split); make a new plan "
                                 "for this model or pass plan='auto'")
+
+
+def check_costs(costs: CostTable, stage_layers: Mapping[int, Sequence[str]]) -> None:
+    """PlanMismatchError unless `costs` has one stage per stage graph with exactly that stage's K-FAC layers."""
+    if len(costs.stages) != len(stage_layers):
+        raise PlanMismatchError(f"the cost table has {len(costs.stages)} stages, the split model has "
+                                f"{len(stage_layers)}; make the cost table for this split")
+    for s, stage in enumerate(costs.stages):
+        have, want = sorted(x.name for x in stage.layers), sorted(stage_layers[s])
+        if have != want:
+            raise PlanMismatchError(f"stage {s} of the cost table has K-FAC layers {have}, the split model "
+                                    f"{want}; make the cost table for this model and split")
 
 
 def load_plan(path: str | Path, target: Target) -> Any:

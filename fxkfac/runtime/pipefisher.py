@@ -3,20 +3,22 @@
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from fxkfac.autoplan import Target, load_plan, naive_programs, ranks_of_stages, share_plan, solve_for, check_matches
+from fxkfac.autoplan import (Target, check_costs, check_matches, load_plan, naive_programs, ranks_of_stages, share_plan,
+                             solve_for)
 from fxkfac.capture import capture
-from fxkfac.fingerprint import graph_fingerprint
 from fxkfac.config import KFACConfig
 from fxkfac.errors import ConfigError
+from fxkfac.fingerprint import graph_fingerprint
 from fxkfac.passes.find_layers import find_kfac_layers
 from fxkfac.passes.layers import KFACLayer
+from fxkfac.planner.costs import CostTable, load_cost_table
 from fxkfac.planner.ir import LayerTiming, Op
 from fxkfac.runtime.kfac_ops import KFACRuntime, StageGroup, TappedRunner
 from fxkfac.runtime.trainer import PipelineTrainer, shard_microbatches
@@ -53,7 +55,9 @@ class PipeFisherTrainer(PipelineTrainer):
     Same interface as PipelineTrainer. `plan` is "auto" (rank 0 profiles the split model, solves, and
     broadcasts the plan), a plan file path or a Plan (refused with PlanMismatchError when made for
     another graph, mesh or schedule; see `fxkfac.fingerprint`), whose `programs` and `layers` run as
-    they are; `plan_options` go to the planner (memory_budget, max_overhead, time_limit_s). Or None; then `layer_timing` (default: `KFACConfig.refresh_every` for every layer) and
+    they are. `plan_options` go to the planner (memory_budget, max_overhead, time_limit_s) and may name
+    the cost table to plan with (`costs`: a CostTable, a file, or a callable; default: profile here).
+    Or None; then `layer_timing` (default: `KFACConfig.refresh_every` for every layer) and
     `programs` (default: `fxkfac.autoplan.naive_programs`, all K-FAC work on the critical path) apply.
     `kfac_states` holds this rank's layers' LayerState (by layer name), as the single-device trainer's.
     """
@@ -110,18 +114,37 @@ class PipeFisherTrainer(PipelineTrainer):
         if plan is None:
             return None
         if isinstance(plan, str) and plan == "auto":
+            options = dict(options)
+            source = options.pop("costs", None)
             made = None
             if self.layout.rank == 0:
-                from fxkfac.profiler import profile
-
-                flat = [x for x in micro if isinstance(x, torch.Tensor)]
-                costs = profile(self.split, self.stage_layers, known, flat, _surrogate_loss, kfac)
+                costs = self._costs(source, micro, kfac, known)
                 made = solve_for(self.target, costs, **options)
             return share_plan(made)
         if isinstance(plan, (str, Path)):
             return load_plan(plan, self.target)
         check_matches(plan, self.target)
         return plan
+
+    def _costs(self, source: Any, micro: tuple, kfac: KFACConfig, known: Mapping[str, KFACLayer]) -> CostTable:
+        """The cost table to plan with: profiled here (None), a CostTable, a .json/.csv file, or
+        `source(stage_layers, layers)` for a cost model of the caller's; checked against the split."""
+        if source is None:
+            from fxkfac.profiler import profile
+
+            flat = [x for x in micro if isinstance(x, torch.Tensor)]
+            return profile(self.split, self.stage_layers, known, flat, _surrogate_loss, kfac)
+        if isinstance(source, (str, Path)):
+            costs = load_cost_table(source)
+        elif isinstance(source, CostTable):
+            costs = source
+        elif callable(source):
+            costs = source(self.stage_layers, known)
+        else:
+            raise ConfigError(f"plan_options['costs'] must be a CostTable, a cost file or a callable, got "
+                              f"{type(source).__name__}")
+        check_costs(costs, self.stage_layers)
+        return costs
 
     def _group(self, ranks: tuple[int, ...]) -> StageGroup:
         if len(ranks) <= 1:

@@ -13,7 +13,7 @@ from fxkfac.single import SingleDeviceTrainer
 from tests.support import models
 
 __all__ = ["Case", "KFAC", "timings_for", "batches", "loss_fn", "optimizer", "reference_params",
-           "pipefisher_worker", "compare"]
+           "pipefisher_worker", "compare", "auto_worker", "reference_for_plan", "synthetic_costs", "max_overhead", "planned_worker"]
 
 KFAC = KFACConfig(damping=1e-2, factor_decay=0.9, kl_clip=1e-2)
 PERIOD = 2
@@ -144,3 +144,47 @@ def reference_for_plan(case: Case, layers: dict[str, LayerTiming], steps: int) -
     for ids, y in data:
         trainer.step((ids,), y)
     return {n: p.detach().clone() for n, p in trainer.named_parameters()}
+
+
+def synthetic_costs(stage_layers, layers):
+    """A fixed cost table for the split (1 ms forward, 2 ms backward per micro-batch; K-FAC work about
+    one and a half bubbles per stage), so that the planner's plans refresh every 2-3 steps and put
+    curvature and inversion into the bubbles whatever this machine's speed."""
+    from fxkfac.planner.costs import CostTable, LayerCost, StageCost
+
+    ms = 1e-3
+    stages = []
+    for s in sorted(stage_layers):
+        costs = tuple(LayerCost(name, curv_a=0.1 * ms, curv_b=0.1 * ms, inv_a=0.25 * ms, inv_b=0.2 * ms,
+                                prec=0.01 * ms, a_bytes=4096, e_bytes=4096,
+                                factor_a_bytes=layers[name].a_dim ** 2 * 4, factor_b_bytes=layers[name].b_dim ** 2 * 4)
+                      for name in stage_layers[s])
+        stages.append(StageCost(fwd=1 * ms, bwd=2 * ms, param_bytes=1 << 20, act_bytes=1 << 16, layers=costs))
+    return CostTable(tuple(stages), 2, "synthetic:e2e", "cpu")
+
+
+def max_overhead(case: Case) -> float:
+    """Chimera with D=2 has no bubble: its plan must stretch the step (the allowance); others use bubbles only."""
+    return 1.0 if case.schedule == "chimera" and case.D == 2 else 0.0
+
+
+def planned_worker(rank: int, world: int, cases: list[Case]) -> dict:
+    """Each case with a CP-SAT plan (rank 0 solves over `synthetic_costs`, every rank runs it) for two
+    refresh periods. Returns {case index: (params, losses, plan layers, steps, K-FAC ops on this rank)}."""
+    from fxkfac.runtime.pipefisher import PipeFisherTrainer
+
+    out = {}
+    for i, case in enumerate(cases):
+        if case.D * case.W != world:
+            raise ValueError(f"case {case} needs {case.D * case.W} ranks, got {world}")
+        data = batches(case)
+        options = {"costs": synthetic_costs, "time_limit_s": 3.0, "max_overhead": max_overhead(case)}
+        trainer = PipeFisherTrainer(make_model(), (case.D, case.W), kfac=KFAC, example_inputs=(data[0][0],),
+                                    loss_fn=loss_fn, optimizer=optimizer, schedule=case.schedule,
+                                    microbatches=case.N, plan="auto", timeout=60.0, plan_options=options)
+        steps = 2 * max(t.period for t in trainer.plan.layers.values())
+        losses = [trainer.step((ids,), y) for ids, y in (data * steps)[:steps]]
+        kfac_ops = sum(op.kind.value in ("CURV", "INV") for st in trainer.programs[rank] for op in st)
+        out[i] = ({n: p.detach().clone() for n, p in trainer.named_parameters()}, losses,
+                  dict(trainer.plan.layers), steps, kfac_ops)
+    return out
