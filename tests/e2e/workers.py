@@ -13,7 +13,7 @@ from fxkfac.single import SingleDeviceTrainer
 from tests.support import models
 
 __all__ = ["Case", "KFAC", "timings_for", "batches", "loss_fn", "optimizer", "reference_params",
-           "pipefisher_worker", "compare", "auto_worker", "reference_for_plan", "synthetic_costs", "max_overhead", "planned_worker"]
+           "pipefisher_worker", "compare", "auto_worker", "reference_for_plan", "synthetic_costs", "max_overhead", "planned_worker", "compile_api_worker"]
 
 KFAC = KFACConfig(damping=1e-2, factor_decay=0.9, kl_clip=1e-2)
 PERIOD = 2
@@ -188,3 +188,22 @@ def planned_worker(rank: int, world: int, cases: list[Case]) -> dict:
         out[i] = ({n: p.detach().clone() for n, p in trainer.named_parameters()}, losses,
                   dict(trainer.plan.layers), steps, kfac_ops)
     return out
+
+
+def compile_api_worker(rank: int, world: int, case: Case, backend: str | None) -> dict:
+    """`fxkfac.compile(model, mesh, plan="auto")` over a ("pp", "dp") DeviceMesh with a torch.compile backend;
+    returns params, losses, the plan's layers and steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import fxkfac
+
+    mesh = init_device_mesh("cpu", (case.D, case.W), mesh_dim_names=("pp", "dp"))
+    data = batches(case)
+    trainer = fxkfac.compile(make_model(), mesh, plan="auto", example_inputs=(data[0][0],), loss_fn=loss_fn,
+                             optimizer=optimizer, kfac=KFAC, schedule=case.schedule, microbatches=case.N,
+                             backend=backend, timeout=120.0,
+                             plan_options={"costs": synthetic_costs, "time_limit_s": 3.0})
+    steps = 2 * max(t.period for t in trainer.plan.layers.values())
+    losses = [trainer.step((ids,), y) for ids, y in (data * steps)[:steps]]
+    return {"params": {n: p.detach().clone() for n, p in trainer.named_parameters()}, "losses": losses,
+            "layers": dict(trainer.plan.layers), "steps": steps}
