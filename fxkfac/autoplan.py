@@ -14,7 +14,7 @@ from fxkfac.planner.lowering import add_send_recv, expand_dp
 from fxkfac.planner.schedules import ScheduleKind, num_stages, schedule_programs, stage_rank
 
 __all__ = ["naive_programs", "kfac_tail", "ranks_of_stages", "Target", "solve_for", "check_matches", "check_costs",
-           "load_plan", "share_plan"]
+           "load_plan", "share_plan", "startup_program"]
 
 
 def ranks_of_stages(kind: ScheduleKind | str, D: int, W: int, S: int, v: int = 1) -> dict[int, tuple[int, ...]]:
@@ -163,3 +163,20 @@ def share_plan(plan: Any, src: int = 0) -> Any:
     if not isinstance(text, str):
         raise AssertionError("plan broadcast delivered no JSON text")
     return Plan.from_json(text)
+
+
+_REFRESH_KINDS = (OpKind.CURV, OpKind.SYNC_CURV, OpKind.INV, OpKind.BCAST_INV)
+
+
+def startup_program(plan: Any, rank: int, step: int) -> list[Op] | None:
+    """Global step `step`'s program on `rank` without the K-FAC work of refreshes from before step 0.
+
+    A plan is a modulo schedule: in steady state, step t also runs the late curvature and inversions
+    of the refresh of step t - s (a placement's window step s may reach 2k - 1). In the first steps
+    that refresh never happened, so its ops have nothing to consume. Returns None when `step` drops
+    nothing (every step from the longest placement step on)."""
+    program = plan.programs[rank]
+    unborn = {p.op for p in plan.placements if p.device == rank and p.step > step and p.op.kind in _REFRESH_KINDS}
+    if not unborn:
+        return None
+    return [op for op in program[step % len(program)] if op not in unborn]

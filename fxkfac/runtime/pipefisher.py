@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fxkfac.autoplan import (Target, check_costs, check_matches, load_plan, naive_programs, ranks_of_stages, share_plan,
-                             solve_for)
+                             solve_for, startup_program)
 from fxkfac.capture import capture
 from fxkfac.config import KFACConfig
 from fxkfac.errors import ConfigError
@@ -159,4 +159,11 @@ class PipeFisherTrainer(PipelineTrainer):
         for runner in self.runners.values():
             if isinstance(runner, TappedRunner):
                 runner.modes = self.kfac_runtime.modes_at(self.steps, list(runner.layers))
-        return super().step(inputs, targets)
+        first = startup_program(self.plan, self.layout.rank, self.steps) if self.plan is not None else None
+        if first is None:
+            return super().step(inputs, targets)
+        steady, self.programs = self.programs, {**self.programs, self.layout.rank: [first]}
+        try:
+            return super().step(inputs, targets)
+        finally:
+            self.programs = steady
