@@ -1,0 +1,350 @@
+"""`fxkfac demo`: PipeFisher against the plain AdamW pipeline on the embedded default, over local processes."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from fxkfac.config import KFACConfig
+from fxkfac.errors import ConfigError
+from fxkfac.launch import RankContext, launch
+from fxkfac.models import TinyBertConfig
+
+__all__ = ["RunSpec", "DemoConfig", "Curve", "DemoResult", "default_runs", "run_demo", "render_result",
+           "plan_view", "reach"]
+
+log = logging.getLogger(__name__)
+
+DEMO_KFAC = KFACConfig(damping=1e-2, factor_decay=0.95, kl_clip=1e-2)
+"""K-FAC settings of the demo (documented in benchmarks/pipefisher_convergence.py, which tunes them)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunSpec:
+    """One training run: a name, the base optimizer and its learning rate, and K-FAC (None: the plain pipeline)."""
+
+    name: str
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    """AdamW (betas 0.9/0.999, weight decay 0.01) or SGD with momentum 0.9."""
+    lr: float = 1e-3
+    kfac: KFACConfig | None = None
+    """K-FAC hyperparameters; the run plans with plan="auto" (profile on rank 0, CP-SAT) when set."""
+
+    def make_optimizer(self) -> Callable[[list[Any]], Any]:
+        """The optimizer factory `fxkfac.compile` takes."""
+        import torch
+
+        lr, kind = self.lr, self.optimizer
+        if kind == "adamw":
+            return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+        return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DemoConfig:
+    """Sizes of a demo or benchmark run; every rank derives the same data and models from it."""
+
+    stages: int = 2
+    """Pipeline stages D (processes per replica)."""
+    dp: int = 1
+    """Data-parallel replicas W; D * W local processes are launched."""
+    schedule: str = "1f1b"
+    microbatches: int = 4
+    """Micro-batches N per replica per step."""
+    steps: int = 150
+    """Optimizer steps per run (an upper bound when `seconds` is set)."""
+    seconds: float | None = None
+    """Train each run for this much wall time (rank 0's clock, evaluation excluded) instead of `steps`."""
+    batch_size: int = 32
+    """Global mini-batch (sequences); divisible by N * W."""
+    seq_len: int = 64
+    model: TinyBertConfig = field(default_factory=lambda: TinyBertConfig(max_len=64))
+    corpus_bytes: int = 2_000_000
+    eval_every: int = 25
+    """Validation loss every this many steps (and after the last)."""
+    eval_batches: int = 4
+    """Validation batches of `batch_size` sequences (fixed masks), the same for every run."""
+    seed: int = 0
+    plan_time_limit_s: float = 10.0
+    timeout_s: float = 900.0
+    runs: tuple[RunSpec, ...] = ()
+    """What to train, in order; `default_runs()` when empty."""
+
+    def __post_init__(self) -> None:
+        if self.stages < 2 or self.dp < 1:
+            raise ConfigError(f"the demo needs stages >= 2 and dp >= 1, got stages={self.stages}, dp={self.dp}")
+        if self.steps < 1 or self.microbatches < 1 or self.eval_every < 1:
+            raise ConfigError("steps, microbatches and eval_every must be >= 1")
+        if self.batch_size % (self.microbatches * self.dp):
+            raise ConfigError(f"batch size {self.batch_size} is not divisible by microbatches x dp = "
+                              f"{self.microbatches} x {self.dp}; pick --batch-size as a multiple of it")
+        if self.seq_len > self.model.max_len:
+            raise ConfigError(f"seq_len {self.seq_len} exceeds the model's max_len {self.model.max_len}")
+        if self.seconds is not None and not self.seconds > 0:
+            raise ConfigError(f"seconds must be > 0, got {self.seconds}")
+
+    @property
+    def world(self) -> int:
+        """Processes to launch: D * W."""
+        return self.stages * self.dp
+
+    def run_specs(self) -> tuple[RunSpec, ...]:
+        """The runs to train (the defaults when none are given)."""
+        return self.runs or default_runs()
+
+
+def default_runs() -> tuple[RunSpec, ...]:
+    """PipeFisher (K-FAC in the bubbles, over AdamW) and the plain AdamW pipeline at the same learning rate."""
+    return (RunSpec(name="PipeFisher", optimizer="adamw", lr=1e-3, kfac=DEMO_KFAC),
+            RunSpec(name="AdamW", optimizer="adamw", lr=1e-3))
+
+
+@dataclass(frozen=True)
+class Curve:
+    """What one run did: evaluation points (step, train seconds, validation loss), the train losses, totals."""
+
+    name: str
+    points: tuple[tuple[int, float, float], ...]
+    train_losses: tuple[float, ...]
+    seconds: float
+    plan_json: str | None = None
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps taken."""
+        return len(self.train_losses)
+
+    @property
+    def final_val(self) -> float:
+        """Validation loss after the last step."""
+        return self.points[-1][2]
+
+    @property
+    def step_time(self) -> float:
+        """Mean seconds per step."""
+        return self.seconds / max(1, self.steps)
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    """The curves of every run (in the order of the config's runs) and the plan PipeFisher used."""
+
+    curves: tuple[Curve, ...]
+
+    def curve(self, name: str) -> Curve:
+        """The curve of the run called `name`."""
+        return next(c for c in self.curves if c.name == name)
+
+
+def reach(curve: Curve, target: float) -> tuple[int, float] | None:
+    """(steps, train seconds) at the first evaluation with validation loss <= target, or None."""
+    return next(((s, t) for s, t, v in curve.points if v <= target), None)
+
+
+# ---------------------------------------------------------------- what each rank runs
+
+
+def _validation(cfg: DemoConfig) -> list[tuple[Any, Any]]:
+    """The fixed validation batches (the corpus' held-out files, fixed masks)."""
+    from fxkfac.data import MaskedLMData, stdlib_corpus
+
+    _, val = stdlib_corpus(cfg.corpus_bytes)
+    data = MaskedLMData(val, seq_len=cfg.seq_len, seed=10_000 + cfg.seed)
+    return [data.batch(cfg.batch_size) for _ in range(cfg.eval_batches)]
+
+
+def _evaluate(trainer: Any, cfg: DemoConfig, batches: Sequence[tuple[Any, Any]]) -> float | None:
+    """Mean validation loss of the pipelined model: parameters gathered to rank 0, evaluated there (collective)."""
+    import torch
+    import torch.distributed as dist
+
+    from fxkfac.models import TinyBertMLM, mlm_loss
+
+    mine = {n: p.detach().clone() for n, p in trainer.named_parameters()}
+    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
+    dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    state = {n: t for part in gathered for n, t in part.items()}
+    model = TinyBertMLM(cfg.model)
+    model.load_state_dict(state, strict=True)
+    model.eval()
+    with torch.no_grad():
+        return sum(float(mlm_loss(model(x), y)) for x, y in batches) / len(batches)
+
+
+def _should_stop(cfg: DemoConfig, step: int, elapsed: float) -> bool:
+    """Rank 0's decision (shared by broadcast in `seconds` mode) whether the run is over after `step` steps."""
+    if step >= cfg.steps or cfg.seconds is None:
+        return step >= cfg.steps
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([float(elapsed >= cfg.seconds)])
+    dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+def _train_run(ctx: RankContext, cfg: DemoConfig, spec: RunSpec, val: Sequence[tuple[Any, Any]]) -> Curve:
+    """Compile one run over the (pp, dp) mesh, train it, evaluate every `eval_every` steps; rank 0 reports."""
+    import torch
+
+    import fxkfac
+    from fxkfac.data import MaskedLMData, stdlib_corpus
+    from fxkfac.models import TinyBertMLM, mlm_loss
+
+    train, _ = stdlib_corpus(cfg.corpus_bytes)
+    data = MaskedLMData(train, seq_len=cfg.seq_len, seed=cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = TinyBertMLM(cfg.model)
+    inputs, targets = data.batch(cfg.batch_size)
+    trainer = fxkfac.compile(model, (cfg.stages, cfg.dp), "auto" if spec.kfac else None, example_inputs=(inputs,),
+                             loss_fn=mlm_loss, optimizer=spec.make_optimizer(), kfac=spec.kfac,
+                             schedule=cfg.schedule, microbatches=cfg.microbatches, backend=None,
+                             timeout=cfg.timeout_s, **({"plan_options": {"time_limit_s": cfg.plan_time_limit_s}}
+                                                      if spec.kfac else {}))
+    plan_json = trainer.plan.to_json(indent=None) if spec.kfac is not None and ctx.rank == 0 else None
+    if plan_json is not None:
+        ctx.report(("plan", spec.name, plan_json))
+    points = [(0, 0.0, _evaluate(trainer, cfg, val))]
+    losses: list[float] = []
+    elapsed, step = 0.0, 0
+    while True:
+        began = time.perf_counter()
+        losses.append(trainer.step((inputs,), targets))
+        elapsed += time.perf_counter() - began
+        step += 1
+        stop = _should_stop(cfg, step, elapsed)
+        if ctx.rank == 0:
+            ctx.report(("step", spec.name, step, losses[-1], elapsed))
+        if stop or step % cfg.eval_every == 0:
+            points.append((step, elapsed, _evaluate(trainer, cfg, val)))
+            if ctx.rank == 0:
+                ctx.report(("eval", spec.name, step, elapsed, points[-1][2]))
+        if stop:
+            break
+        inputs, targets = data.batch(cfg.batch_size)
+    return Curve(spec.name, tuple(points), tuple(losses), elapsed, plan_json)
+
+
+def demo_rank(ctx: RankContext, cfg: DemoConfig) -> tuple[Curve, ...] | None:
+    """The body of every launched rank: train each run in turn; rank 0 returns the curves."""
+    import warnings
+
+    warnings.filterwarnings("ignore")  # torch.export chatter; errors still raise
+    val = _validation(cfg)
+    curves = tuple(_train_run(ctx, cfg, spec, val) for spec in cfg.run_specs())
+    return curves if ctx.rank == 0 else None
+
+
+# ---------------------------------------------------------------- the launching process
+
+
+class _Display:
+    """Rich progress bars per run, and the plan view when rank 0 reports the plan."""
+
+    def __init__(self, cfg: DemoConfig, console: Console, show_plan: bool) -> None:
+        self.cfg, self.console, self.show_plan = cfg, console, show_plan
+        self.progress = Progress(TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
+                                 transient=False)
+        self.tasks: dict[str, Any] = {}
+        self.last_val: dict[str, float] = {}
+
+    def _task(self, name: str) -> Any:
+        if name not in self.tasks:
+            total = self.cfg.steps if self.cfg.seconds is None else math.ceil(self.cfg.seconds)
+            self.tasks[name] = self.progress.add_task(name, total=total, info="compiling")
+        return self.tasks[name]
+
+    def __call__(self, rank: int, event: Any) -> None:
+        kind, name, *rest = event
+        if kind == "plan":
+            self._task(name)
+            if self.show_plan:
+                self.progress.console.print(plan_view(rest[0], self.console.width))
+            return
+        task = self._task(name)
+        if kind == "step":
+            step, loss, elapsed = rest
+            done = step if self.cfg.seconds is None else min(elapsed, self.cfg.seconds)
+            val = self.last_val.get(name)
+            info = f"loss {loss:.3f}" + ("" if val is None else f"  val {val:.3f}") + f"  {elapsed:.1f}s train"
+            self.progress.update(task, completed=done, info=info)
+        elif kind == "eval":
+            self.last_val[name] = rest[2]
+
+
+def run_demo(cfg: DemoConfig, console: Console | None = None, *, show_plan: bool = True) -> DemoResult:
+    """Launch D * W local processes, train every run, and return the curves (progress drawn on `console`)."""
+    console = console or Console()
+    display = _Display(cfg, console, show_plan)
+    with display.progress:
+        values = launch(demo_rank, cfg.world, cfg, timeout=cfg.timeout_s, on_event=display)
+    curves = values[0]
+    if curves is None:
+        raise AssertionError("rank 0 returned no curves")
+    return DemoResult(tuple(curves))
+
+
+def plan_view(plan_json: str, width: int = 100) -> Any:
+    """How the plan is shown: fxkfac.show's plan drawing when it offers one, else the plan's metrics as a table."""
+    from fxkfac import show
+    from fxkfac.planner.plan import Plan
+
+    plan = Plan.from_json(plan_json)
+    draw = getattr(show, "render_plan", None)
+    if callable(draw):
+        return draw(plan, width=width)
+    return _metrics_table(plan)
+
+
+def _metrics_table(plan: Any) -> Table:
+    """The plan's metrics (utilization, refresh periods, step times, memory, solver) as a rich table."""
+    from fxkfac.show import format_bytes
+
+    m, p = plan.metrics, plan.problem
+    table = Table(title=f"plan: {p.schedule} D={p.D} N={p.N} W={p.W}", show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    rows = [
+        ("utilization", f"{m.utilization_baseline:.1%} plain pipeline -> {m.utilization:.1%} with K-FAC in bubbles"),
+        ("refresh every (steps) per stage", " ".join(map(str, m.refresh_steps))
+         + f"   (lower bound {' '.join(map(str, m.lower_bound_steps))}, greedy "
+         + " ".join("-" if k is None else str(k) for k in m.greedy_refresh_steps) + ")"),
+        ("step time", f"{m.step_time_baseline * 1e3:.2f} ms plain, {m.step_time * 1e3:.2f} ms planned, "
+                      f"{m.step_time_reference * 1e3:.2f} ms K-FAC on the critical path"),
+        ("peak memory per device", "  ".join(f"r{d}: {format_bytes(b)}" for d, b in sorted(m.peak_memory.items()))),
+        ("K-FAC ops placed", str(len(plan.placements))),
+        ("solver", f"{m.solver.status} in {m.solver.wall_time:.2f} s"),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    return table
+
+
+def render_result(result: DemoResult, cfg: DemoConfig) -> Table:
+    """PipeFisher against AdamW: validation loss, steps, wall time, time per step, and time to the baseline's loss."""
+    baseline = next((c for c in result.curves if c.plan_json is None), result.curves[-1])
+    table = Table(title=f"{cfg.schedule} D={cfg.stages} W={cfg.dp} N={cfg.microbatches}, batch {cfg.batch_size} x "
+                        f"{cfg.seq_len} tokens: validation loss (stdlib held-out files)", title_justify="left")
+    for col in ("run", "val loss", "steps", "train wall s", "ms / step", f"to {baseline.name}'s final loss"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    for c in result.curves:
+        got = reach(c, baseline.final_val)
+        to = "-" if got is None else f"{got[0]} steps, {got[1]:.1f} s"
+        table.add_row(c.name, f"{c.final_val:.4f}", str(c.steps), f"{c.seconds:.1f}", f"{c.step_time * 1e3:.1f}", to)
+    return table
+
+
+def config_from(base: DemoConfig, **overrides: Any) -> DemoConfig:
+    """`base` with the given fields replaced (None values are ignored), validated."""
+    return replace(base, **{k: v for k, v in overrides.items() if v is not None})
