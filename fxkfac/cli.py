@@ -93,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     show = sub.add_parser("show", help="draw a saved plan (validated), and a measured run below it")
     show.add_argument("plan", type=Path)
     show.add_argument("--measured", type=Path, help="a Chrome trace recorded by the runtime, drawn below")
+    demo = sub.add_parser("demo", help="train the embedded BERT-style MLM with PipeFisher and with AdamW, compare")
+    demo.add_argument("--stages", "-D", type=int, default=2, help="pipeline stages (local processes per replica)")
+    demo.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
+    demo.add_argument("--schedule", choices=[k.value for k in ScheduleKind], default="1f1b")
+    demo.add_argument("--microbatches", "-N", type=int, default=4, help="micro-batches per replica")
+    demo.add_argument("--steps", type=int, help="optimizer steps per run (default 150)")
+    demo.add_argument("--seconds", type=float, help="train each run for this wall time instead of --steps")
     return parser
 
 
@@ -258,7 +265,13 @@ def _read_json(path: Path, what: str) -> object:
         raise PlanFormatError(f"the {what} {path} is not valid JSON (corrupt or truncated?): {e}") from None
 
 
-_COMMANDS = {"plan": run_plan, "show": run_show}
+def _run_demo(args: argparse.Namespace, console: Console) -> int:
+    from fxkfac.demo import main as demo_main  # imports torch: only when asked
+
+    return demo_main(args, console)
+
+
+_COMMANDS = {"plan": run_plan, "show": run_show, "demo": _run_demo}
 
 
 def _one_line(error: BaseException) -> str:
