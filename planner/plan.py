@@ -153,13 +153,15 @@ def _timing_dict(t: LayerTiming) -> dict[str, Any]:
 
 
 def _plan_from_dict(data: Any) -> Plan:
+    from fxkfac.planner.plan_check import check_structure
+
     if not isinstance(data, dict):
         raise PlanFormatError(f"a plan must be a JSON object, got {type(data).__name__}")
     version = data.get("schema_version")
-    if isinstance(version, int) and version > SCHEMA_VERSION:
+    if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
         raise PlanFormatError(f"the plan has schema_version {version}, newer than this fxkfac reads "
                               f"({SCHEMA_VERSION}); upgrade fxkfac to load it")
-    if version != SCHEMA_VERSION:
+    if version != SCHEMA_VERSION or not isinstance(version, int) or isinstance(version, bool):
         raise PlanFormatError(f"unknown plan schema_version {version!r} (expected {SCHEMA_VERSION})")
     try:
         m = data["metrics"]
@@ -174,10 +176,12 @@ def _plan_from_dict(data: Any) -> Plan:
         layers = {name: LayerTiming(**t) for name, t in data["layers"].items()}
         placements = tuple(Placement.from_dict(p) for p in data["placements"])
         problem = Problem.from_dict(data["problem"])
-        return Plan(problem, programs, layers, placements, metrics, data["fingerprint"], version)
+        plan = Plan(problem, programs, layers, placements, metrics, data["fingerprint"], version)
+        check_structure(plan)
+        return plan
     except PlanFormatError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise PlanFormatError(f"the plan file is malformed (missing or bad entry: {e})") from e
 
 
