@@ -54,17 +54,27 @@ def _periods(plan: Plan) -> dict[int, int]:
 
 @dataclass(frozen=True)
 class _Steps:
-    """Step timelines of a plan and the absolute start of each step of a window of k."""
+    """Step timelines of a plan and the absolute start of each step of a window of k; every step ends
+    with `stretch` idle seconds ([Note: stretch] in planner/window.py)."""
 
     refresh: StepTimeline
     normal: StepTimeline
+    stretch: float
+
+    @property
+    def first(self) -> float:
+        return self.refresh.length + self.stretch
+
+    @property
+    def other(self) -> float:
+        return self.normal.length + self.stretch
 
     def length(self, k: int) -> float:
-        return self.refresh.length + (k - 1) * self.normal.length
+        return self.first + (k - 1) * self.other
 
     def base(self, j: int, k: int) -> float:
         within = j % k
-        start = 0.0 if within == 0 else self.refresh.length + (within - 1) * self.normal.length
+        start = 0.0 if within == 0 else self.first + (within - 1) * self.other
         return start + self.length(k) * (j // k)
 
     def of(self, j: int, k: int) -> StepTimeline:
@@ -73,7 +83,8 @@ class _Steps:
 
 def _steps(plan: Plan) -> _Steps:
     fused = frozenset(n for n, t in plan.layers.items() if t.capture == "fused")
-    return _Steps(step_timeline(plan.problem, fused), step_timeline(plan.problem))
+    stretch = float(getattr(plan.metrics, "stretch", 0.0))
+    return _Steps(step_timeline(plan.problem, fused), step_timeline(plan.problem), stretch)
 
 
 def _fixed(steps: _Steps, device: int, k: int, count: int) -> list[Interval]:
@@ -107,7 +118,7 @@ def planned_view(plan: Plan, steps: int | None = None) -> PlannedView:
         raise ValueError(f"steps must be >= 1, got {count}")
     st = _steps(plan)
     k_view = max(periods.values())
-    end = st.base(count, k_view) if count <= k_view else st.length(k_view) + (count - k_view) * st.normal.length
+    end = st.base(count, k_view) if count <= k_view else st.length(k_view) + (count - k_view) * st.other
     intervals: list[Interval] = []
     for d, k in sorted(periods.items()):
         intervals += _fixed(st, d, k, count)

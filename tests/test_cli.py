@@ -1,22 +1,43 @@
-"""The `fxkfac` CLI: plan/show output at 80 and wide columns, traces, one-line errors, no torch import."""
+"""The `fxkfac` CLI: plans drawn at 80 and 200 columns, export/show round trip, traces, one-line errors."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
+from functools import lru_cache
+from pathlib import Path
 
 import pytest
 from rich.console import Console
 
 from fxkfac.cli import main, parse_bytes, parse_fraction
+from fxkfac.plan_view import planned_utilization, planned_view, render_plan
 from fxkfac.planner.errors import PlannerError
 from fxkfac.planner.ir import Op, OpKind
+from fxkfac.planner.plan import SCHEMA_VERSION, Plan, solve
+from fxkfac.planner.problem import min_memory_bytes
 from fxkfac.planner.simulate import Interval, Timeline
 from fxkfac.show import chrome_trace, render_timeline, timeline_from_trace
+from tests.planner.kfac_cases import problem
 
-PLAN = ["plan", "bert-base", "--stages", "4", "--microbatches", "4", "--schedule", "1f1b", "--hardware", "p100"]
+PLAN = ["plan", "bert-base", "--stages", "4", "--microbatches", "4", "--schedule", "1f1b", "--hardware", "p100",
+        "--method", "greedy"]
+KFAC_KINDS = (OpKind.CURV, OpKind.SYNC_CURV, OpKind.INV, OpKind.BCAST_INV, OpKind.PREC)
+
+
+@lru_cache(maxsize=None)
+def _plan(schedule: str = "1f1b", W: int = 2) -> Plan:
+    """A small plan with every kind of K-FAC op (W=2 or Chimera: curvature sync and inverse broadcast)."""
+    D = 4 if schedule == "chimera" else 2
+    return solve(problem(schedule, D, 4, W=W, layers=2, curv=0.25, inv=0.5), method="greedy")
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+    return err
 
 
 def test_parse_units() -> None:
@@ -33,46 +54,99 @@ def test_parse_units() -> None:
         parse_fraction("five")
 
 
-@pytest.mark.parametrize("columns", [80, 200])
-def test_plan_show_fits_the_terminal(columns: int, monkeypatch, capsys) -> None:
-    monkeypatch.setenv("COLUMNS", str(columns))
-    assert main(PLAN + ["--show", "--explain"]) == 0
+@pytest.mark.parametrize("width", [80, 200])
+@pytest.mark.parametrize("schedule", ["1f1b", "chimera"])
+def test_plan_view_fits_the_terminal(width: int, schedule: str) -> None:
+    plan = _plan(schedule, 1 if schedule == "chimera" else 2)
+    console = Console(width=width, record=True, color_system=None)
+    console.print(render_plan(plan, width=width))
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= width
+    rows = [line for line in text.splitlines() if line.startswith(tuple(f"r{d} " for d in plan.problem.devices))
+            and "│" in line]
+    rows = [row for row in rows if row.endswith("│")]
+    assert len(rows) == len(plan.problem.devices) and all(len(row) == width for row in rows)
+    for word in ("forward", "backward", "curvature", "inversion", "sync", "precondition", "idle",
+                 "utilization before -> after", "refresh steps per stage", "lower bound", "greedy",
+                 "step time before -> after", "peak memory per device", "refresh window"):
+        assert word in text, word
+    cells = "".join(row[3:] for row in rows)
+    assert "c" in cells and "P" in cells
+
+
+def test_planned_view_holds_each_placement_once_and_nothing_overlaps() -> None:
+    plan = _plan()
+    for d in plan.problem.devices:
+        k = len(plan.programs[d])  # the device's refresh period
+        view = planned_view(plan, k)
+        mine = view.timeline.of_rank(d)
+        busy = sorted((iv.start, iv.end, str(iv.op)) for iv in mine if iv.end > iv.start)
+        for (s1, e1, a), (s2, e2, b) in zip(busy, busy[1:]):
+            assert s2 >= e1 - 1e-9, f"r{d}: {a} [{s1}, {e1}) overlaps {b} [{s2}, {e2})"
+        drawn = sorted((str(iv.op), round(iv.start % view.end, 9)) for iv in mine if iv.op.kind in KFAC_KINDS
+                       and 0 <= iv.start < view.end)
+        placed = sorted((str(p.op), round(p.start % view.end, 9)) for p in plan.placements if p.device == d)
+        assert drawn == placed
+        fb = [iv for iv in mine if iv.op.kind in (OpKind.FWD, OpKind.BWD)]
+        assert len(fb) == k * 2 * plan.problem.N  # every F and B of each step (1F1B: one stage per rank)
+
+
+def test_planned_utilization_agrees_with_the_plan_metrics() -> None:
+    for plan in (_plan(), _plan("chimera", 1)):
+        per_device = planned_utilization(plan)
+        assert sum(per_device.values()) / len(per_device) == pytest.approx(plan.metrics.utilization, rel=1e-9)
+
+
+def test_plan_export_show_and_trace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    export, trace_path = tmp_path / "plan.json", tmp_path / "trace.json"
+    assert main(PLAN + ["--show", "--explain", "--export", str(export), "--trace", str(trace_path)]) == 0
     out = capsys.readouterr().out
-    lines = out.splitlines()
-    assert max(len(line) for line in lines) <= columns
-    rows = [line for line in lines if line.startswith(("r0 ", "r1 ", "r2 ", "r3 "))]
-    assert len(rows) == 4 and all(len(row) == len(rows[0]) for row in rows)
-    assert len(rows[0]) >= columns - 2  # the time axis is scaled to the width
-    for word in ("forward", "backward", "curvature", "inversion", "precondition", "idle", "T_bubble ="):
-        assert word in out
-
-
-def test_trace_round_trips_and_show_draws_it(tmp_path, monkeypatch, capsys) -> None:
-    monkeypatch.setenv("COLUMNS", "100")
-    trace_path = tmp_path / "trace.json"
-    assert main(PLAN + ["--trace", str(trace_path)]) == 0
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert "T_bubble =" in out and "refresh steps per stage" in out
+    plan = Plan.load(export)
+    refresh = " ".join(map(str, plan.metrics.refresh_steps))
+    assert refresh in out
     trace = json.loads(trace_path.read_text())
-    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
-    assert names == {"rank 0", "rank 1", "rank 2", "rank 3"}
+    assert {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"} == {f"rank {r}" for r in range(4)}
+    kinds = {Op.parse(e["name"]).kind for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {OpKind.FWD, OpKind.BWD, OpKind.CURV, OpKind.INV, OpKind.PREC} <= kinds
     timeline = timeline_from_trace(trace)
-    fb = [iv for iv in timeline.intervals if iv.op.kind in (OpKind.FWD, OpKind.BWD)]
-    assert len(fb) == 4 * 4 * 2
     again = timeline_from_trace(chrome_trace(timeline))
     assert [(iv.rank, iv.op) for iv in again.intervals] == [(iv.rank, iv.op) for iv in timeline.intervals]
-    assert [iv.end for iv in again.intervals] == pytest.approx([iv.end for iv in timeline.intervals])
-    assert timeline.makespan * 1e3 == pytest.approx(float(_step_ms(capsys.readouterr().out)), abs=0.01)
-    plan_file = tmp_path / "unused.json"
-    plan_file.write_text("{}")
-    assert main(["show", str(plan_file), "--measured", str(trace_path)]) == 0
-    assert "r3 " in capsys.readouterr().out
-    if importlib.util.find_spec("fxkfac.planner.plan") is None:
-        assert main(["show", str(plan_file)]) == 2
-        assert "Plan.load" in _one_line_error(capsys)
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["show", str(export)]) == 0
+    shown = capsys.readouterr().out
+    assert refresh in shown and max(len(line) for line in shown.splitlines()) <= 200
 
 
-def _step_ms(out: str) -> str:
-    line = next(line for line in out.splitlines() if "step time" in line)
-    return line.split("│")[2].split("ms")[0].strip()
+def test_show_measured_prints_utilization_per_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    from fxkfac.runtime.timeline import Event, chrome_trace as runtime_trace
+
+    monkeypatch.setenv("COLUMNS", "100")
+    plan_path, run_path = tmp_path / "plan.json", tmp_path / "run.json"
+    _plan().save(plan_path)
+    ms = 1_000_000
+    events = [Event(0, "F s0 m0", "FWD", 0, 0, 2 * ms), Event(0, "B s0 m0", "BWD", 0, 6 * ms, 8 * ms),
+              Event(1, "F s1 m0", "FWD", 0, 2 * ms, 3 * ms), Event(1, "B s1 m0", "BWD", 0, 3 * ms, 6 * ms),
+              Event(1, "CURV s1 m0 A l1_0", "CURV", 0, 6 * ms, 7 * ms)]
+    runtime_trace(events, run_path)
+    assert main(["show", str(plan_path), "--measured", str(run_path)]) == 0
+    out = capsys.readouterr().out
+    assert "measured:" in out
+    planned = planned_utilization(_plan())
+    # busy / makespan (8 ms): r0 4/8, r1 5/8, ranks 2 and 3 ran nothing here
+    assert _row(out, "r0") == (f"{planned[0]:.1%}", "50.0%")
+    assert _row(out, "r1") == (f"{planned[1]:.1%}", "62.5%")
+    assert _row(out, "r3") == (f"{planned[3]:.1%}", "-")
+
+
+def _row(out: str, name: str) -> tuple[str, str]:
+    line = next(line for line in out.splitlines() if line.strip("│ ").startswith(name + " ") and "|" in line)
+    planned, measured = line.split("│")[2].split("|")
+    return planned.strip(), measured.strip()
 
 
 def test_render_scales_boxes_by_hand() -> None:
@@ -85,30 +159,26 @@ def test_render_scales_boxes_by_hand() -> None:
     assert rows == ["r0 │00····0000│", "r1 │··0000IIII│"]  # 10 cells of 0.5 s
 
 
-def _one_line_error(capsys) -> str:
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    assert len(err.strip().splitlines()) == 1
-    return err
-
-
 @pytest.mark.parametrize("argv,needle", [
     (["plan", "bert-huge", "-D", "4", "-N", "4"], "unknown model preset"),
     (["plan", "bert-base", "-D", "4", "-N", "4", "--hardware", "tpu"], "unknown hardware"),
     (["plan", "bert-base", "-D", "3", "-N", "4", "--schedule", "chimera"], "even"),
     (["plan", "nofile.py:make", "-D", "2", "-N", "2"], "no file"),
     (["plan", "bert-base", "-D", "4", "-N", "4", "--costs", "missing.json"], "missing.json"),
+    (["show", "missing-plan.json"], "missing-plan.json"),
 ])
-def test_bad_input_is_one_line(argv, needle, capsys) -> None:
+def test_bad_input_is_one_line(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     assert needle in _one_line_error(capsys)
 
 
-def test_missing_factory_and_bad_units_are_one_line(tmp_path, capsys) -> None:
+def test_missing_factory_and_bad_units_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     script = tmp_path / "m.py"
-    script.write_text("x = 1\n")
+    script.write_text("x = 1\ndef broken():\n    raise RuntimeError('no model today')\n")
     assert main(["plan", f"{script}:make", "-D", "2", "-N", "2"]) == 2
     assert "no callable 'make'" in _one_line_error(capsys)
+    assert main(["plan", f"{script}:broken", "-D", "2", "-N", "2"]) == 2
+    assert "no model today" in _one_line_error(capsys)
     for flag, value in (("--memory", "12XB"), ("--max-overhead", "lots")):
         with pytest.raises(SystemExit) as info:
             main(PLAN + [flag, value])
@@ -116,7 +186,40 @@ def test_missing_factory_and_bad_units_are_one_line(tmp_path, capsys) -> None:
         assert value in _one_line_error(capsys)
 
 
-def test_plan_path_does_not_import_torch(tmp_path) -> None:
+@pytest.mark.parametrize("damage,needle", [
+    (lambda text: text[: len(text) // 2], "not valid JSON"),
+    (lambda text: "\x00garbage" + text, "not valid JSON"),
+    (lambda text: json.dumps({**json.loads(text), "schema_version": SCHEMA_VERSION + 1}), "upgrade fxkfac"),
+    (lambda text: json.dumps({**json.loads(text), "layers": {}}), "malformed"),
+])
+def test_show_refuses_damaged_plans_in_one_line(damage, needle: str, tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text(damage(_plan().to_json()))
+    before = path.read_bytes()
+    assert main(["show", str(path)]) == 2
+    assert needle in _one_line_error(capsys)
+    assert path.read_bytes() == before
+
+
+def test_infeasible_budget_says_the_least_memory_and_writes_nothing(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    from fxkfac.cli import cost_table, problem_of
+    from fxkfac.cli import build_parser
+
+    args = build_parser().parse_args(PLAN)
+    need = min_memory_bytes(problem_of(args, cost_table(args, 4)))
+    export, trace = tmp_path / "plan.json", tmp_path / "trace.json"
+    export.write_text("keep me")
+    assert main(PLAN + ["--memory", str(need - 1), "--export", str(export), "--trace", str(trace)]) == 2
+    err = _one_line_error(capsys)
+    assert f"{need} bytes" in err and "least any plan needs" in err
+    assert export.read_text() == "keep me" and not trace.exists()
+    assert main(PLAN + ["--memory", str(need * 4), "--export", str(export)]) == 0
+    assert Plan.load(export).problem.memory_budget == need * 4
+
+
+def test_plan_path_does_not_import_torch(tmp_path: Path) -> None:
     code = (
         "import sys\nfrom fxkfac.cli import main\n"
         f"assert main({PLAN + ['--show', '--explain', '--trace', str(tmp_path / 't.json')]!r}) == 0\n"
