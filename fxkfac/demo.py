@@ -74,6 +74,8 @@ class DemoConfig:
     """Validation batches of `batch_size` sequences (fixed masks), the same for every run."""
     seed: int = 0
     plan_time_limit_s: float = 10.0
+    plan_max_overhead: float = 0.0
+    """How much the planner may stretch the step for K-FAC work that fits no bubble (0: bubbles only)."""
     timeout_s: float = 900.0
     runs: tuple[RunSpec, ...] = ()
     """What to train, in order; `default_runs()` when empty."""
@@ -85,7 +87,7 @@ class DemoConfig:
             raise ConfigError("steps, microbatches and eval_every must be >= 1")
         if self.batch_size % (self.microbatches * self.dp):
             raise ConfigError(f"batch size {self.batch_size} is not divisible by microbatches x dp = "
-                              f"{self.microbatches} x {self.dp}; pick --batch-size as a multiple of it")
+                              f"{self.microbatches} x {self.dp}; pick microbatches and dp whose product divides it")
         if self.seq_len > self.model.max_len:
             raise ConfigError(f"seq_len {self.seq_len} exceeds the model's max_len {self.model.max_len}")
         if self.seconds is not None and not self.seconds > 0:
@@ -209,7 +211,8 @@ def _train_run(ctx: RankContext, cfg: DemoConfig, spec: RunSpec, val: Sequence[t
     trainer = fxkfac.compile(model, (cfg.stages, cfg.dp), "auto" if spec.kfac else None, example_inputs=(inputs,),
                              loss_fn=mlm_loss, optimizer=spec.make_optimizer(), kfac=spec.kfac,
                              schedule=cfg.schedule, microbatches=cfg.microbatches, backend=None,
-                             timeout=cfg.timeout_s, **({"plan_options": {"time_limit_s": cfg.plan_time_limit_s}}
+                             timeout=cfg.timeout_s, **({"plan_options": {"time_limit_s": cfg.plan_time_limit_s,
+                                                                       "max_overhead": cfg.plan_max_overhead}}
                                                       if spec.kfac else {}))
     plan_json = trainer.plan.to_json(indent=None) if spec.kfac is not None and ctx.rank == 0 else None
     if plan_json is not None:
@@ -296,15 +299,17 @@ def run_demo(cfg: DemoConfig, console: Console | None = None, *, show_plan: bool
 
 
 def plan_view(plan_json: str, width: int = 100) -> Any:
-    """How the plan is shown: fxkfac.show's plan drawing when it offers one, else the plan's metrics as a table."""
-    from fxkfac import show
+    """How the plan is shown: `fxkfac.plan_view.render_plan` (summary and planned timeline) when this build
+    has it, else the plan's metrics as a table."""
     from fxkfac.planner.plan import Plan
 
     plan = Plan.from_json(plan_json)
-    draw = getattr(show, "render_plan", None)
-    if callable(draw):
-        return draw(plan, width=width)
-    return _metrics_table(plan)
+    try:
+        from fxkfac.plan_view import render_plan
+    except ImportError:
+        return _metrics_table(plan)
+    return render_plan(plan, width=width, title=f"plan='auto': {plan.problem.schedule} D={plan.problem.D} "
+                                                f"N={plan.problem.N} W={plan.problem.W}")
 
 
 def _metrics_table(plan: Any) -> Table:
@@ -348,3 +353,17 @@ def render_result(result: DemoResult, cfg: DemoConfig) -> Table:
 def config_from(base: DemoConfig, **overrides: Any) -> DemoConfig:
     """`base` with the given fields replaced (None values are ignored), validated."""
     return replace(base, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def main(args: Any, console: Console) -> int:
+    """`fxkfac demo`: plan, train PipeFisher and AdamW over local processes, print the comparison."""
+    cfg = config_from(DemoConfig(), stages=args.stages, dp=args.dp, schedule=args.schedule,
+                      microbatches=args.microbatches, steps=args.steps, seconds=args.seconds)
+    if cfg.seconds is not None and args.steps is None:
+        cfg = replace(cfg, steps=1_000_000)
+    console.print(f"fxkfac demo: TinyBert MLM ({cfg.model.layers} blocks, hidden {cfg.model.hidden}) on the CPython "
+                  f"stdlib source, {cfg.world} local processes ({cfg.schedule}, D={cfg.stages}, W={cfg.dp}, "
+                  f"N={cfg.microbatches}); planning K-FAC into the bubbles (plan='auto')", highlight=False)
+    result = run_demo(cfg, console)
+    console.print(render_result(result, cfg))
+    return 0

@@ -1,0 +1,129 @@
+"""PipeFisher vs the plain AdamW pipeline: wall time for PipeFisher to reach AdamW's final validation loss.
+
+The embedded default (fxkfac.models.TinyBertMLM: 4 post-LN encoder blocks, hidden 64, byte vocabulary) is
+trained as a masked LM on the CPython standard library's own source (fxkfac.data: every 10th file held out
+for validation, fixed masks), over 2 pipeline stages (2 local processes over gloo, one thread each, 1F1B,
+4 micro-batches of 8 sequences x 64 bytes). All runs start from the same initialization and see the same
+mini-batches, in one launch, side by side:
+
+- AdamW (weight decay 0.01) with a small learning-rate sweep, ADAMW_LRS; the target is the lowest final
+  validation loss of the sweep, and the AdamW time is that run's train wall time to first reach it;
+- PipeFisher: K-FAC planned into the bubbles (plan="auto": rank 0 profiles, CP-SAT places curvature and
+  inversions), preconditioning AdamW's gradients (K-FAC hyperparameters in PIPEFISHER_RUNS).
+
+Wall time is rank 0's train time (the step loop; evaluation excluded). Prints a rich table and one JSON
+line; saves the validation-loss-vs-time plot as PNG (matplotlib, Agg) under out/ or at --png.
+
+    python benchmarks/pipefisher_convergence.py [--steps 800] [--png out/pipefisher_convergence.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from fxkfac.config import KFACConfig
+from fxkfac.demo import Curve, DemoConfig, DemoResult, RunSpec, reach, run_demo
+
+STEPS = 800
+EVAL_EVERY = 25
+ADAMW_LRS = (5e-4, 1e-3, 2e-3)
+PIPEFISHER_RUNS = (
+    # K-FAC over AdamW at AdamW's best lr: damping 1e-2 (Tikhonov, split sqrt between A and B), running
+    # average 0.95, KL-clip 1e-2 (bounds lr^2 * sum <P, G>); the plan chooses the refresh period per stage.
+    RunSpec(name="PipeFisher lr 1e-3", optimizer="adamw", lr=1e-3,
+            kfac=KFACConfig(damping=1e-2, factor_decay=0.95, kl_clip=1e-2)),
+    RunSpec(name="PipeFisher lr 2e-3", optimizer="adamw", lr=2e-3,
+            kfac=KFACConfig(damping=1e-2, factor_decay=0.95, kl_clip=1e-2)),
+)
+TARGET_RATIO = 0.6
+
+
+def runs() -> tuple[RunSpec, ...]:
+    """The AdamW sweep, then the PipeFisher runs."""
+    adamw = tuple(RunSpec(name=f"AdamW lr {lr:g}", optimizer="adamw", lr=lr) for lr in ADAMW_LRS)
+    return adamw + PIPEFISHER_RUNS
+
+
+def summarize(result: DemoResult) -> dict:
+    """The target (best final AdamW validation loss), AdamW's time to it, each PipeFisher run's, the ratios."""
+    adamw = [c for c in result.curves if c.plan_json is None]
+    best = min(adamw, key=lambda c: c.final_val)
+    target = best.final_val
+    base = reach(best, target)
+    assert base is not None  # the best run reaches its own final loss by its last evaluation
+    out: dict = {"target_val_loss": target, "adamw_run": best.name, "adamw_steps": base[0],
+                 "adamw_seconds": base[1], "runs": {}}
+    for c in result.curves:
+        got = reach(c, target)
+        out["runs"][c.name] = {
+            "final_val_loss": c.final_val, "steps": c.steps, "seconds": c.seconds, "ms_per_step": c.step_time * 1e3,
+            "steps_to_target": None if got is None else got[0], "seconds_to_target": None if got is None else got[1],
+            "time_ratio": None if got is None else got[1] / base[1]}
+    pf = [r for name, r in out["runs"].items() if not name.startswith("AdamW") and r["time_ratio"] is not None]
+    out["best_pipefisher_ratio"] = min((r["time_ratio"] for r in pf), default=None)
+    out["target_ratio"] = TARGET_RATIO
+    return out
+
+
+def report(summary: dict, console: Console) -> None:
+    """One row per run: final loss, steps, time per step, steps and seconds to the target, ratio to AdamW."""
+    table = Table(title=f"stdlib MLM, 2 stages 1F1B: time to AdamW's best final validation loss "
+                        f"{summary['target_val_loss']:.4f} ({summary['adamw_run']})", title_justify="left")
+    for col in ("run", "final val", "steps", "ms/step", "steps to target", "s to target", "time / AdamW"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    for name, r in summary["runs"].items():
+        dash = lambda v, f: "-" if v is None else f.format(v)  # noqa: E731
+        table.add_row(name, f"{r['final_val_loss']:.4f}", str(r["steps"]), f"{r['ms_per_step']:.1f}",
+                      dash(r["steps_to_target"], "{}"), dash(r["seconds_to_target"], "{:.1f}"),
+                      dash(r["time_ratio"], "{:.2f}"))
+    console.print(table)
+    ratio = summary["best_pipefisher_ratio"]
+    console.print(f"best PipeFisher / AdamW wall time to the target: {'n/a' if ratio is None else f'{ratio:.2f}'} "
+                  f"(goal <= {TARGET_RATIO})", highlight=False)
+
+
+def plot(curves: tuple[Curve, ...], target: float, path: Path) -> None:
+    """Validation loss against train wall time, one line per run, the target dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for c in curves:
+        ax.plot([t for _, t, _ in c.points], [v for _, _, v in c.points], marker=".", label=c.name,
+                linestyle="-" if c.plan_json else "--")
+    ax.axhline(target, color="gray", linewidth=0.8, linestyle=":", label=f"target {target:.3f}")
+    ax.set_xlabel("train wall time (s, rank 0)")
+    ax.set_ylabel("validation loss (masked bytes)")
+    ax.set_title("PipeFisher vs AdamW, TinyBert MLM on the CPython stdlib, 2 stages 1F1B")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--eval-every", type=int, default=EVAL_EVERY)
+    parser.add_argument("--png", type=Path, default=Path("out/pipefisher_convergence.png"))
+    args = parser.parse_args()
+    console = Console()
+    cfg = DemoConfig(steps=args.steps, eval_every=args.eval_every, runs=runs(), timeout_s=3600.0)
+    result = run_demo(cfg, console)
+    summary = summarize(result)
+    report(summary, console)
+    plot(result.curves, summary["target_val_loss"], args.png)
+    console.print(f"wrote {args.png}", highlight=False)
+    print(json.dumps({"benchmark": "pipefisher_convergence", "steps": args.steps, **summary}))
+
+
+if __name__ == "__main__":
+    main()
