@@ -8,9 +8,9 @@ are registered here; K-FAC ops (CURV, SYNC_CURV, INV, BCAST_INV, PREC) plug in w
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils import _pytree as pytree
@@ -22,7 +22,7 @@ from fxkfac.runtime.stage import StageRunner
 from fxkfac.runtime.sync import GradSync
 from fxkfac.runtime.timeline import Timeline
 
-__all__ = ["StepContext", "Handler", "Interpreter", "CORE_HANDLERS"]
+__all__ = ["StepContext", "Handler", "StepListener", "Interpreter", "CORE_HANDLERS", "local_nonfinite"]
 
 Key = tuple[int, int, int]  # (stage, pipe, micro-batch)
 
@@ -51,6 +51,8 @@ class StepContext:
     to_send: dict[tuple[str, Key], list[torch.Tensor]] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
     extras: dict[str, Any] = field(default_factory=dict)
+    skipped: bool | None = None
+    """Set at OPT_STEP by a world all-reduce: True when some rank saw NaN/Inf loss or gradients."""
 
     def runner(self, op: Op) -> StageRunner:
         """The local stage copy `op` runs on."""
@@ -134,10 +136,28 @@ def _allreduce_grad(ctx: StepContext, op: Op) -> None:
         ctx.sync.stage(op.stage, ctx.transport, str(op))
 
 
+def _nonfinite(tensors: Iterable[torch.Tensor]) -> bool:
+    """True when any tensor holds NaN/Inf (one float64 sum per tensor, one host sync in all)."""
+    sums = [t.detach().double().sum() for t in tensors]
+    return bool(sums) and not bool(torch.isfinite(torch.stack(sums).sum()))
+
+
+def local_nonfinite(ctx: StepContext) -> bool:
+    """This rank's losses or gradients (of every local stage copy) hold NaN/Inf."""
+    grads = [p.grad for r in ctx.runners.values() for p in r.module.parameters() if p.grad is not None]
+    return _nonfinite([*ctx.losses, *grads])
+
+
 def _opt_step(ctx: StepContext, op: Op) -> None:
+    """Sum tied gradients, agree on skipping the step (world all-reduce of the NaN/Inf flag), step or not."""
     ctx.sync.shared_params(ctx.transport, str(op))
+    if ctx.skipped is None:
+        flag = torch.tensor([float(local_nonfinite(ctx))])
+        ctx.transport.all_reduce(flag, None, f"{op} (non-finite check all-reduce)")
+        ctx.skipped = bool(flag[0] > 0)
     if ctx.optimizer is not None:
-        ctx.optimizer.step()
+        if not ctx.skipped:
+            ctx.optimizer.step()
         ctx.optimizer.zero_grad(set_to_none=True)
     ctx.transport.flush()
 
@@ -154,11 +174,26 @@ CORE_HANDLERS: Mapping[OpKind, Handler] = {
 }
 
 
+class StepListener(Protocol):
+    """State outside the core (K-FAC) that must survive a skipped step unchanged."""
+
+    def begin_step(self, ctx: StepContext) -> None: ...
+
+    def abort_step(self, ctx: StepContext) -> None: ...
+
+
 class Interpreter:
     """Runs a list of ops through a dispatch table, recording each into a Timeline."""
 
     def __init__(self, handlers: Mapping[OpKind, Handler] | None = None) -> None:
         self.handlers: dict[OpKind, Handler] = dict(CORE_HANDLERS if handlers is None else handlers)
+        self.listeners: list[StepListener] = []
+        """Told when a step begins and when it is skipped (`abort`), to restore their state."""
+
+    def abort(self, ctx: StepContext) -> None:
+        """The step of `ctx` is skipped: every listener restores the state it had when the step began."""
+        for listener in self.listeners:
+            listener.abort_step(ctx)
 
     def register(self, kind: OpKind, handler: Handler) -> None:
         """Install (or replace) the handler of `kind`."""
@@ -166,6 +201,8 @@ class Interpreter:
 
     def run(self, ops: Sequence[Op], ctx: StepContext, timeline: Timeline | None = None) -> None:
         """Execute `ops` in order on `ctx` (every receive of the step is posted up front)."""
+        for listener in self.listeners:
+            listener.begin_step(ctx)
         for op in ops:
             if op.kind is OpKind.RECV_ACT:
                 ctx.transport.post_recv(ctx.runner(op).graph.inputs, op.peer, False, op.stage - 1, op.pipe, op.mb)  # type: ignore[arg-type, operator]

@@ -15,11 +15,16 @@ exactly, whatever step or rank a plan puts each op on:
 - ``PREC s`` activates due inverses and preconditions the stage's gradients; an inverse that is due but
   missing is a plan error (PipelineError), never a silent use of an older one;
 - OPT_STEP is wrapped: the KL-clip's ``sum <P, G>`` is all-reduced over all ranks (each stage's share
-  divided by its number of copies), the K-FAC gradients are scaled by nu, then the core OPT_STEP runs.
+  divided by its number of copies) together with the NaN/Inf flag of the step, the K-FAC gradients are
+  scaled by nu, then the core OPT_STEP runs.
+- a skipped step (NaN/Inf loss or gradients on some rank) leaves no trace: the runtime is an
+  interpreter listener, and ``abort_step`` restores the layer states, refresh records, inverse outbox
+  and captures as they were when the step began (the single-device trainer's skip, exactly).
 """
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +34,7 @@ import torch
 from torch import Tensor
 
 from fxkfac.config import KFACConfig
-from fxkfac.errors import PipelineError
+from fxkfac.errors import CheckpointError, PipelineError
 from fxkfac.kfac.factors import a_rows, e_rows, factor, running_average
 from fxkfac.kfac.inverse import FactorInverse, combine, damping_split, invert_factor
 from fxkfac.kfac.precondition import kl_clip_scale
@@ -38,7 +43,7 @@ from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.passes.precondition import make_preconditioner
 from fxkfac.planner.ir import LayerTiming, Op, OpKind
-from fxkfac.runtime.interpreter import CORE_HANDLERS, Interpreter, StepContext
+from fxkfac.runtime.interpreter import CORE_HANDLERS, Interpreter, StepContext, local_nonfinite
 from fxkfac.runtime.stage import StageRunner
 
 __all__ = ["TappedRunner", "StageGroup", "KFACRuntime"]
@@ -102,6 +107,22 @@ class TappedRunner(StageRunner):
             self.captures.setdefault((name, "B", mb), deque()).append(value)
         return grads
 
+    def captures_state(self) -> list[list[Any]]:
+        """The captures waiting for CURV ops: ``[[layer, side, mb, [tensors, oldest first]], ...]``."""
+        return [[layer, side, mb, list(queue)] for (layer, side, mb), queue in sorted(self.captures.items()) if queue]
+
+    def parse_captures(self, saved: Any) -> dict[tuple[str, str, int], deque[Tensor]]:
+        """`captures_state` output as capture FIFOs of this stage's layers; CheckpointError when malformed."""
+        try:
+            out = {(str(layer), str(side), int(mb)): deque(tensors) for layer, side, mb, tensors in saved}
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"captures of stage {self.stage} are malformed ({e!r})") from e
+        strange = sorted({k[0] for k in out if k[0] not in self.layers or k[1] not in FACTORS})
+        if strange or not all(isinstance(t, Tensor) for q in out.values() for t in q):
+            raise CheckpointError(f"captures of stage {self.stage} name layers it does not hold ({strange}) "
+                                  "or hold no tensors; the checkpoint was written for another split")
+        return out
+
     def take(self, layer: str, side: str, mb: int, op: Op) -> Tensor:
         """The oldest capture of (layer, side, mb); PipelineError when the plan consumes one never made."""
         queue = self.captures.get((layer, side, mb))
@@ -155,6 +176,8 @@ class KFACRuntime:
         self._scaled: list[tuple[int, dict[str, Tensor]]] = []
         self._outbox: dict[tuple[str, str], deque[FactorInverse | None]] = {}
         """Halves this rank inverted for a stage with several copies, waiting for their BCAST_INV."""
+        self._at_begin: Any = None
+        """The state `begin_step` remembered, restored by `abort_step`."""
 
     def install(self, interpreter: Interpreter) -> None:
         """Register the K-FAC handlers and the KL-clipping OPT_STEP on `interpreter`."""
@@ -164,6 +187,7 @@ class KFACRuntime:
         interpreter.register(OpKind.BCAST_INV, self.bcast_inv)
         interpreter.register(OpKind.PREC, self.prec)
         interpreter.register(OpKind.OPT_STEP, self.opt_step)
+        interpreter.listeners.append(self)
 
     def modes_at(self, step: int, layer_names: Sequence[str]) -> dict[str, str]:
         """The layers among `layer_names` that step `step` taps, with their capture mode."""
@@ -171,9 +195,12 @@ class KFACRuntime:
                 if step % self.timings[n].period == self.timings[n].curv_step}
 
     def open_refreshes(self, step: int) -> None:
-        """Open a refresh record at `step` for every local layer that refreshes then."""
+        """Open a refresh record at `step` for every local layer that refreshes then (once: a step retried
+        after a skip finds its records open)."""
         for name in self.modes_at(step, list(self.layers)):
-            self.refreshes[name].append(_Refresh(step))
+            queue = self.refreshes[name]
+            if not queue or queue[-1].step != step:
+                queue.append(_Refresh(step))
 
     # --- handlers -------------------------------------------------------------------------------
 
@@ -319,16 +346,108 @@ class KFACRuntime:
         self._scaled.append((op.stage, grads))  # type: ignore[arg-type]
 
     def opt_step(self, ctx: StepContext, op: Op) -> None:
-        """KL-clip over all stages (a world all-reduce of sum <P, G>), then the core OPT_STEP."""
-        if self.cfg.kl_clip is not None:
-            total = self._dot.clone()
-            ctx.transport.all_reduce(total, None, "KL-clip <P, G> all-reduce")
-            nu = kl_clip_scale(float(total), float(ctx.optimizer.param_groups[0]["lr"]), self.cfg.kl_clip)
+        """One world all-reduce of sum <P, G> (KL-clip over all stages) and the NaN/Inf flag; then the core
+        OPT_STEP, which steps unless some rank's loss or gradients were non-finite."""
+        both = torch.stack([self._dot, torch.tensor(float(local_nonfinite(ctx)), dtype=torch.float64)])
+        ctx.transport.all_reduce(both, None, f"{op} (KL-clip <P, G> and non-finite check all-reduce)")
+        ctx.skipped = bool(both[1] > 0)
+        if self.cfg.kl_clip is not None and not ctx.skipped:
+            nu = kl_clip_scale(float(both[0]), float(ctx.optimizer.param_groups[0]["lr"]), self.cfg.kl_clip)
             for stage, grads in self._scaled:
                 self._preconditioners[stage].scale(grads, nu)
         self._dot = torch.zeros((), dtype=torch.float64)
         self._scaled = []
         CORE_HANDLERS[OpKind.OPT_STEP](ctx, op)
+
+
+    # --- skipped steps and checkpoints ------------------------------------------------------------
+
+    def begin_step(self, ctx: StepContext) -> None:
+        """Remember the K-FAC state and the runners' captures as the step begins (see `abort_step`)."""
+        captures = {key: {k: deque(q) for k, q in r.captures.items()} for key, r in ctx.runners.items()
+                    if isinstance(r, TappedRunner)}
+        self._at_begin = (self._copy(), captures)
+
+    def abort_step(self, ctx: StepContext) -> None:
+        """Restore what `begin_step` remembered: a skipped step leaves no factor, inverse or capture behind."""
+        (states, refreshes, outbox), captures = self._at_begin
+        self._install(states, refreshes, outbox)
+        for key, saved in captures.items():
+            ctx.runners[key].captures = saved  # type: ignore[attr-defined]
+        self._dot = torch.zeros((), dtype=torch.float64)
+        self._scaled = []
+
+    def _copy(self) -> tuple[dict[str, LayerState], dict[str, deque[_Refresh]], dict]:
+        states = {}
+        for name, state in self.states.items():
+            states[name] = copy.copy(state)
+            states[name].pending = list(state.pending)
+        refreshes = {n: deque(_Refresh(r.step, dict(r.sums), dict(r.counts), set(r.folded), dict(r.halves))
+                              for r in q) for n, q in self.refreshes.items()}
+        return states, refreshes, {k: deque(q) for k, q in self._outbox.items()}
+
+    def _install(self, states: Mapping[str, LayerState], refreshes: Mapping[str, deque[_Refresh]],
+                 outbox: Mapping[tuple[str, str], deque[FactorInverse | None]]) -> None:
+        """Take over the given state, keeping the LayerState objects others hold (the trainer's kfac_states)."""
+        for name, state in states.items():
+            vars(self.states[name]).update(vars(state))
+        self.refreshes = {n: deque(refreshes.get(n, ())) for n in self.layers}
+        self._outbox = dict(outbox)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"kfac": {layer: LayerState.state_dict()}, "inflight": {...}}``: the layer states (alike on every
+        copy of a stage) and this rank's work in flight: open refreshes and inverses waiting for BCAST_INV."""
+        refreshes = {n: [{"step": r.step, "sums": dict(r.sums), "counts": dict(r.counts), "folded": sorted(r.folded),
+                          "halves": {side: _half_state(h) for side, h in r.halves.items()}} for r in q]
+                     for n, q in self.refreshes.items() if q}
+        outbox = [[n, side, [_half_state(h) for h in q]] for (n, side), q in sorted(self._outbox.items()) if q]
+        return {"kfac": {n: s.state_dict() for n, s in self.states.items()},
+                "inflight": {"refreshes": refreshes, "outbox": outbox}}
+
+    def parse_state(self, state: Mapping[str, Any]) -> tuple:
+        """`state_dict` output as new layer states, refresh records and outbox, checked against this rank's
+        layers; CheckpointError when it names other layers or is malformed. Changes nothing (see `load_parsed`)."""
+        saved, inflight = state.get("kfac"), state.get("inflight")
+        if not isinstance(saved, Mapping) or set(saved) != set(self.layers) or not isinstance(inflight, Mapping):
+            raise CheckpointError(f"checkpoint K-FAC layers {sorted(saved or {})[:6]} differ from this rank's "
+                                  f"{sorted(self.layers)[:6]}; it was written for another model, split or plan")
+        states = {}
+        for name, layer in self.layers.items():
+            states[name] = LayerState(layer.a_dim, layer.b_dim)
+            states[name].load_state_dict(dict(saved[name]))
+        try:
+            refreshes = {n: deque(_Refresh(int(r["step"]), dict(r["sums"]), {k: int(v) for k, v in r["counts"].items()},
+                                           set(r["folded"]), {k: _half(h) for k, h in r["halves"].items()})
+                                  for r in records) for n, records in inflight["refreshes"].items()}
+            outbox = {(str(n), str(side)): deque(_half(h) for h in halves) for n, side, halves in inflight["outbox"]}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"K-FAC work in flight is malformed in the checkpoint ({e!r})") from e
+        unknown = sorted((set(refreshes) | {n for n, _ in outbox}) - set(self.layers))
+        if unknown:
+            raise CheckpointError(f"checkpoint has K-FAC work in flight for layers {unknown} this rank does not hold")
+        return states, refreshes, outbox
+
+    def load_parsed(self, parsed: tuple) -> None:
+        """Install what `parse_state` returned."""
+        self._install(*parsed)
+
+
+def _half_state(half: FactorInverse | None) -> dict[str, Any] | None:
+    if half is None:
+        return None
+    if half.method == "cholesky":
+        return {"method": "cholesky", "inv": half.inv}
+    return {"method": "eigen", "q": half.q, "l": half.l}
+
+
+def _half(saved: Any) -> FactorInverse | None:
+    if saved is None:
+        return None
+    if saved["method"] == "cholesky" and isinstance(saved["inv"], Tensor):
+        return FactorInverse("cholesky", inv=saved["inv"])
+    if saved["method"] == "eigen" and isinstance(saved["q"], Tensor) and isinstance(saved["l"], Tensor):
+        return FactorInverse("eigen", q=saved["q"], l=saved["l"])
+    raise ValueError(f"an inverse half has method {saved['method']!r} or lacks its tensors")
 
 
 def _pack(half: FactorInverse | None, dim: int, cfg: KFACConfig) -> Tensor:

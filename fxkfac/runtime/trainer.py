@@ -11,13 +11,15 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from fxkfac.errors import ConfigError
+from fxkfac.errors import CheckpointError, ConfigError, NonFiniteError
 from fxkfac.passes.split_stages import SplitResult, split_stages
 from fxkfac.planner.ir import Op
 from fxkfac.planner.lowering import add_send_recv, expand_dp
 from fxkfac.planner.schedules import ScheduleKind, num_stages, schedule_programs, stage_rank, stages_of_rank
 from fxkfac.runtime.interpreter import Interpreter, StepContext
 from fxkfac.runtime.mesh import MeshLayout
+from fxkfac.runtime.param_state import (check_model_state, load_model_state, optimizer_state, param_names,
+                                        parse_optimizer_state)
 from fxkfac.runtime.p2p import TagSpace, Transport
 from fxkfac.runtime.stage import StageRunner
 from fxkfac.runtime.sync import GradSync, holder_sets
@@ -59,6 +61,10 @@ class PipelineTrainer:
 
     `example_inputs` is a global mini-batch (dim 0 divisible by N*W); the model is captured
     at the micro-batch shape, so every `step` must get the same global batch size.
+
+    A step whose loss or gradients are NaN/Inf on any rank is skipped on every rank (a world
+    all-reduce at OPT_STEP): parameters, optimizer and step counter stay as they were, and
+    `skipped_steps` counts it; more than `max_skipped_steps` skips in a row raise NonFiniteError.
     """
 
     def __init__(self, model: torch.nn.Module, mesh: Any, *, plan: Any = None, example_inputs: Sequence[Any],
@@ -66,7 +72,8 @@ class PipelineTrainer:
                  optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
                  kfac: Any = None, schedule: str = "1f1b", microbatches: int = 4, backend: str | None = None,
                  virtual_stages: int = 1, split_points: Sequence[str] | None = None,
-                 stage_cost: Any = "flops", timeout: float = 120.0, record_timeline: bool = False) -> None:
+                 stage_cost: Any = "flops", timeout: float = 120.0, record_timeline: bool = False,
+                 max_skipped_steps: int | None = 10) -> None:
         if kfac is not None:
             raise ConfigError("PipelineTrainer is the plain pipeline: pass kfac=None, or use fxkfac.compile "
                               "(or fxkfac.runtime.pipefisher.PipeFisherTrainer) for K-FAC in the pipeline")
@@ -97,6 +104,9 @@ class PipelineTrainer:
         self.interpreter = Interpreter()
         self.timeline = Timeline(self.layout.rank, enabled=record_timeline)
         self.steps = 0
+        self.skipped_steps = 0
+        self.max_skipped_steps = max_skipped_steps
+        self._skips_in_a_row = 0
         log.info("rank %d: stages %s of %s (D=%d, W=%d, N=%d)", self.layout.rank, sorted(self.runners),
                  self.kind, D, W, self.N)
 
@@ -124,7 +134,20 @@ class PipelineTrainer:
         self.interpreter.run(program[self.steps % len(program)], ctx, self.timeline)
         loss = torch.stack(ctx.losses).sum() if ctx.losses else torch.zeros(())
         self.transport.all_reduce(loss, None, "loss all-reduce")
-        self.steps += 1
+        if ctx.skipped:
+            self.interpreter.abort(ctx)
+            self.skipped_steps += 1
+            self._skips_in_a_row += 1
+            log.warning("rank %d: step %d skipped: loss or gradients are NaN/Inf on some rank (%d skipped so far)",
+                        self.layout.rank, self.steps, self.skipped_steps)
+            if self.max_skipped_steps is not None and self._skips_in_a_row > self.max_skipped_steps:
+                raise NonFiniteError(f"{self._skips_in_a_row} steps in a row had NaN/Inf loss or gradients "
+                                     f"(max_skipped_steps={self.max_skipped_steps}); the state is that of step "
+                                     f"{self.steps}: lower the learning rate, check the data, or raise "
+                                     "max_skipped_steps")
+        else:
+            self._skips_in_a_row = 0
+            self.steps += 1
         return float(loss)
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
@@ -137,20 +160,38 @@ class PipelineTrainer:
                     yield name, param
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's parameters, optimizer state and step count."""
-        return {"model": {n: p.detach().clone() for n, p in self.named_parameters()},
-                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else {},
-                "step": self.steps}
+        """This rank's parameters (one copy per FQN, detached, not copied), optimizer state by parameter
+        FQN, the step and skip counters."""
+        return {"model": {n: p.detach() for n, p in self.named_parameters()},
+                "optimizer": optimizer_state(self.optimizer, param_names(self.runners.values())),
+                "step": self.steps, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned (on the same layout)."""
-        for runner in self.runners.values():
-            for name, param in runner.module.named_parameters():
-                with torch.no_grad():
-                    param.copy_(state["model"][name])
+        """Restore what `state_dict` returned (on the same layout); CheckpointError, with nothing changed,
+        when it holds other parameters or lacks a part."""
+        missing = sorted({"model", "optimizer", "step"} - set(state))
+        if missing:
+            raise CheckpointError(f"trainer state lacks {missing}; it was not written by state_dict()")
+        check_model_state(self.runners.values(), state["model"])
+        optim = parse_optimizer_state(self.optimizer, param_names(self.runners.values()), state["optimizer"])
+        load_model_state(self.runners.values(), state["model"])
         if self.optimizer is not None:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer.load_state_dict(optim)
         self.steps = int(state["step"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self._skips_in_a_row = 0
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write a checkpoint directory (collective; see `fxkfac.checkpoint.save`)."""
+        from fxkfac import checkpoint
+
+        checkpoint.save(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Resume from a checkpoint directory (collective; see `fxkfac.checkpoint.load`)."""
+        from fxkfac import checkpoint
+
+        checkpoint.load(self, path)
 
     def trace(self, path: str | None = None) -> dict | None:
         """Gather every rank's recorded timeline to rank 0 and return (and write) a Chrome trace."""

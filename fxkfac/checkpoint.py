@@ -1,0 +1,499 @@
+"""Checkpoints of every trainer: tensors through torch.distributed.checkpoint, the rest JSON, written atomically.
+
+[Note: checkpoint format] A checkpoint is one directory:
+
+- ``fxkfac.json``: the header (format, version, step, world size, and `describe_run` of the trainer
+  that wrote it: kind, mesh, schedule, micro-batches, parameter shapes, graph fingerprint, plan and
+  layer timings). Written last: a directory without it is incomplete.
+- ``rank-<r>.json``: rank r's state skeleton: the trainer's ``state_dict()`` with every tensor replaced
+  by ``{"__tensor__": key}`` (ints, floats, bools, strings stay as they are).
+- ``__<r>_0.distcp`` and ``.metadata.json``: the tensors, written by `torch.distributed.checkpoint`
+  (DCP) with a JSON metadata file in place of DCP's pickled ``.metadata``. Keys of state that every
+  holder has alike are shared: ``model/<fqn>``, ``optimizer/state/<fqn>/<name>``,
+  ``kfac/<layer fqn>/<name>``; DCP writes each once. Per-rank state (K-FAC work in flight, the RNG)
+  is keyed ``rank<r>/...``.
+
+Nothing is unpickled on load: JSON, and tensor files through ``torch.load(weights_only=True)``.
+`save` writes into ``<dir>.tmp-<step>`` and rank 0 moves it into place after a barrier; an existing
+checkpoint at ``<dir>`` is first renamed to ``<dir>.old-<step>`` and removed only once the new one
+is in place, so a crash at any moment leaves a complete checkpoint on disk. `load` refuses (with
+CheckpointError) a checkpoint made for another model, mesh, schedule or plan before touching the trainer.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
+                                                   TensorProperties, TensorStorageMetadata)
+
+from fxkfac.errors import CheckpointError
+
+__all__ = ["save", "load", "describe_run", "split_tensors", "join_tensors", "FORMAT", "VERSION"]
+
+log = logging.getLogger(__name__)
+
+FORMAT = "fxkfac-checkpoint"
+VERSION = 1
+HEADER = "fxkfac.json"
+DCP_METADATA = ".metadata.json"
+LOCAL_SECTIONS = frozenset({"inflight", "rng"})
+"""Top-level state sections that differ between ranks holding the same stage (keyed per rank)."""
+_TENSOR = "__tensor__"
+_ITEMS = "__items__"
+
+
+# --- state <-> (JSON skeleton, tensors) ----------------------------------------------------------------
+
+
+def split_tensors(state: Mapping[str, Any], rank: int) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """``(skeleton, tensors)``: the JSON-able skeleton of ``state`` and its tensors by DCP key.
+
+    Dict keys are strings (or ints, kept as ``{"__items__": [[key, value], ...]}``); tuples become lists.
+    Sections in LOCAL_SECTIONS get keys under ``rank<r>/``.
+    """
+    tensors: dict[str, Tensor] = {}
+
+    def walk(value: Any, key: str) -> Any:
+        if isinstance(value, Tensor):
+            tensors[key] = value.detach()
+            return {_TENSOR: key}
+        if isinstance(value, Mapping):
+            if all(isinstance(k, str) for k in value):
+                return {k: walk(v, f"{key}/{k}") for k, v in value.items()}
+            if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in value):
+                raise AssertionError(f"state keys under {key!r} must be str or int: {list(value)[:4]}")
+            return {_ITEMS: [[k, walk(v, f"{key}/{k}")] for k, v in value.items()]}
+        if isinstance(value, (list, tuple)):
+            return [walk(v, f"{key}/{i}") for i, v in enumerate(value)]
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        raise AssertionError(f"state at {key!r} holds a {type(value).__name__}, which a checkpoint cannot store")
+
+    skeleton = {section: walk(value, f"rank{rank}/{section}" if section in LOCAL_SECTIONS else section)
+                for section, value in state.items()}
+    return skeleton, tensors
+
+
+def join_tensors(skeleton: Any, tensors: Mapping[str, Tensor]) -> Any:
+    """Inverse of `split_tensors`: the skeleton with its tensor placeholders filled from ``tensors``."""
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {_TENSOR}:
+            return tensors[skeleton[_TENSOR]]
+        if set(skeleton) == {_ITEMS}:
+            return {k: join_tensors(v, tensors) for k, v in skeleton[_ITEMS]}
+        return {k: join_tensors(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [join_tensors(v, tensors) for v in skeleton]
+    return skeleton
+
+
+def _tensor_keys(skeleton: Any) -> list[str]:
+    """Every DCP key a skeleton refers to."""
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {_TENSOR}:
+            return [skeleton[_TENSOR]]
+        values = [v for _, v in skeleton[_ITEMS]] if set(skeleton) == {_ITEMS} else list(skeleton.values())
+        return [k for v in values for k in _tensor_keys(v)]
+    if isinstance(skeleton, list):
+        return [k for v in skeleton for k in _tensor_keys(v)]
+    return []
+
+
+# --- what a checkpoint is made for ---------------------------------------------------------------------
+
+
+def _digest(obj: Any) -> str:
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _param_shapes(trainer: Any) -> dict[str, list[int]]:
+    """Every parameter of the whole model (all stages) by FQN, with its shape."""
+    split = getattr(trainer, "split", None)
+    modules = [st.gm for st in split.stages] if split is not None else [trainer.model]
+    return {n: list(p.shape) for m in modules for n, p in m.named_parameters()}
+
+
+def describe_run(trainer: Any) -> dict[str, Any]:
+    """What a checkpoint of ``trainer`` is made for (JSON): compared field by field on load."""
+    from fxkfac.runtime.pipefisher import PipeFisherTrainer
+    from fxkfac.runtime.trainer import PipelineTrainer
+
+    timings = {n: [t.period, t.curv_step, t.use_offset, t.capture] for n, t in sorted(getattr(trainer, "timings",
+                                                                                             {}).items())}
+    plan = getattr(trainer, "plan", None)
+    run: dict[str, Any] = {"params": _param_shapes(trainer), "timings": timings,
+                           "plan": None if plan is None else f"{plan.fingerprint}#{_digest(plan.to_dict())}"}
+    if isinstance(trainer, PipelineTrainer):
+        layout = trainer.layout
+        run.update(trainer="pipefisher" if isinstance(trainer, PipeFisherTrainer) else "pipeline",
+                   mesh=[layout.D, layout.W], schedule=trainer.kind.value, microbatches=trainer.N,
+                   virtual_stages=trainer.v, global_batch=trainer.global_batch,
+                   stages=[list(st.params) for st in trainer.split.stages],
+                   graph=trainer.target.fingerprint if isinstance(trainer, PipeFisherTrainer) else None,
+                   programs=_digest({str(r): [[str(op) for op in ops] for ops in p]
+                                     for r, p in sorted(trainer.programs.items())}))
+    else:
+        layers = [[layer.name, layer.kind, layer.d_in, layer.d_out, layer.bias is not None]
+                  for layer in trainer.layers]
+        run.update(trainer="single", mesh=None, schedule=None, microbatches=trainer.microbatches,
+                   virtual_stages=None, global_batch=None, stages=None, graph=f"layers-{_digest(layers)}",
+                   programs=None)
+    return run
+
+
+def _layout_words(run: Mapping[str, Any]) -> str:
+    if run.get("mesh") is None:
+        return f"{run.get('trainer')} on one device (mesh=None), {run.get('microbatches')} micro-batches"
+    D, W = run["mesh"]
+    return (f"{run['trainer']} {run['schedule']} D={D} W={W} N={run['microbatches']} v={run['virtual_stages']} "
+            f"global batch {run['global_batch']}")
+
+
+def _params_words(saved: Mapping[str, list[int]], mine: Mapping[str, list[int]]) -> str:
+    only_saved, only_mine = sorted(set(saved) - set(mine)), sorted(set(mine) - set(saved))
+    reshaped = sorted(n for n in set(saved) & set(mine) if saved[n] != mine[n])
+    parts = [f"parameters only in the checkpoint {only_saved[:3]}" if only_saved else "",
+             f"parameters only in this run {only_mine[:3]}" if only_mine else "",
+             f"shapes differ for {[(n, saved[n], mine[n]) for n in reshaped[:3]]}" if reshaped else ""]
+    return "; ".join(p for p in parts if p)
+
+
+def check_run(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
+    """CheckpointError "checkpoint made for <...>, this run is <...>" at the first field that differs.
+
+    Order: trainer kind and mesh, the model's parameters, schedule and batch, then split, graph and plan.
+    """
+    for fields in (("trainer", "mesh"), ("params",), ("schedule", "microbatches", "virtual_stages", "global_batch")):
+        if all(saved.get(k) == mine.get(k) for k in fields):
+            continue
+        if fields == ("params",):
+            raise CheckpointError(f"checkpoint made for another model, this run is {len(mine['params'])} parameters "
+                                  f"({_params_words(saved.get('params') or {}, mine['params'])}); "
+                                  "load it into the model it was written for")
+        raise CheckpointError(f"checkpoint made for {_layout_words(saved)}, this run is {_layout_words(mine)}; "
+                              "resume with the same trainer, mesh, schedule and batch (resharding is not supported)")
+    for key, what in (("stages", "stage split"), ("graph", "K-FAC graph"), ("plan", "plan"),
+                      ("timings", "layer timings"), ("programs", "rank programs")):
+        if saved.get(key) != mine.get(key):
+            detail = ""
+            if key == "timings":
+                a, b = saved.get(key) or {}, mine.get(key) or {}
+                detail = f" (differ for {sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n))[:4]})"
+            raise CheckpointError(f"checkpoint made for {what} {_short(saved.get(key))}, this run is "
+                                  f"{_short(mine.get(key))}{detail}; resume with the plan (or layer_timing) "
+                                  "and split it was written with")
+
+
+def _short(value: Any) -> str:
+    return value if isinstance(value, str) or value is None else _digest(value)
+
+
+# --- DCP with JSON metadata ---------------------------------------------------------------------------
+
+
+def _metadata_to_json(md: Metadata) -> dict[str, Any]:
+    tensors = {}
+    for key, item in md.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            raise AssertionError(f"checkpoint entry {key!r} is not a tensor; non-tensor state goes to JSON")
+        tensors[key] = {"dtype": str(item.properties.dtype).removeprefix("torch."), "size": list(item.size),
+                        "chunks": [[list(c.offsets), list(c.sizes)] for c in item.chunks]}
+    storage = [{"fqn": idx.fqn, "offset": list(idx.offset or []), "index": idx.index, "path": info.relative_path,
+                "start": info.offset, "length": info.length, "transforms": list(info.transform_descriptors or [])}
+               for idx, info in md.storage_data.items()]
+    return {"version": md.version, "tensors": tensors, "storage": storage}
+
+
+def _dtype(name: Any) -> torch.dtype:
+    value = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return value
+
+
+def _safe_file(name: Any) -> str:
+    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
+        raise ValueError(f"storage file {name!r} is not a plain file name")
+    return name
+
+
+def _metadata_from_json(data: Any) -> Metadata:
+    """DCP Metadata from `_metadata_to_json`'s output; ValueError/KeyError/TypeError when malformed."""
+    tensors = {key: TensorStorageMetadata(TensorProperties(dtype=_dtype(t["dtype"])), torch.Size(t["size"]),
+                                          [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in t["chunks"]])
+               for key, t in data["tensors"].items()}
+    storage = {MetadataIndex(s["fqn"], s["offset"], s["index"]):
+               _StorageInfo(_safe_file(s["path"]), int(s["start"]), int(s["length"]), list(s["transforms"]) or None)
+               for s in data["storage"]}
+    return Metadata(tensors, planner_data=None, storage_data=storage, storage_meta=StorageMeta(),
+                    version=data.get("version"))
+
+
+class _JsonMetadataWriter(FileSystemWriter):
+    """DCP's file writer with the global metadata written as JSON (``.metadata.json``) instead of a pickle."""
+
+    def finish(self, metadata: Metadata, results: list) -> None:
+        metadata.storage_data = {wr.index: wr.storage_data for wr_list in results for wr in wr_list}
+        _write_json(Path(self.path) / DCP_METADATA, _metadata_to_json(metadata))
+
+
+class _JsonMetadataReader(FileSystemReader):
+    """DCP's file reader taking the metadata from ``.metadata.json`` (tensor files: torch.load(weights_only=True))."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return read_tensor_metadata(Path(self.path))
+
+
+def read_tensor_metadata(path: Path) -> Metadata:
+    """The DCP metadata of checkpoint ``path``; CheckpointError when it is missing or corrupt."""
+    data = _read_json(path / DCP_METADATA, "tensor metadata")
+    try:
+        return _metadata_from_json(data)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"the tensor metadata {path / DCP_METADATA} is corrupt ({e!r}); "
+                              "restore the checkpoint from a copy or resume from an older one") from e
+
+
+# --- files, barriers, agreement -------------------------------------------------------------------------
+
+
+def _write_json(path: Path, data: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(data, f, separators=(",", ":"))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path} is missing: {_where_is_it(path.parent)}") from e
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"the {what} {path} is unreadable or corrupt ({e}); restore the checkpoint from a "
+                              "copy or resume from an older one") from e
+
+
+def _where_is_it(path: Path) -> str:
+    """Why a checkpoint directory lacks a file, and where a complete one may be."""
+    if not path.is_dir():
+        older = sorted(path.parent.glob(f"{path.name}.old-*"))
+        if older:
+            return (f"no checkpoint at {path}, but a save into it was interrupted after the previous checkpoint "
+                    f"was moved to {older[-1]}: load that one")
+        return f"no checkpoint directory at {path}"
+    return (f"{path} is not a complete fxkfac checkpoint (a save was interrupted, or it was written by "
+            "another tool); load a directory that save() finished")
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _timeout(trainer: Any) -> timedelta:
+    transport = getattr(trainer, "transport", None)
+    return transport.timeout if transport is not None else timedelta(seconds=600)
+
+
+def _barrier(trainer: Any, what: str) -> None:
+    """Wait for every rank; a rank that does not arrive within the trainer's timeout is named in the error."""
+    if _rank_world()[1] == 1:
+        return
+    try:
+        if dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=_timeout(trainer))
+        else:
+            dist.barrier()
+    except RuntimeError as e:
+        raise CheckpointError(f"rank {dist.get_rank()}: {what}: not every rank arrived ({e})") from e
+
+
+def _agree(error: str | None) -> None:
+    """Raise the same CheckpointError on every rank when any rank found one (before any collective load)."""
+    rank, world = _rank_world()
+    if world == 1:
+        errors = [error]
+    else:
+        errors = [None] * world
+        dist.all_gather_object(errors, error)
+    found = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if found:
+        r, e = found[0]
+        raise CheckpointError(e if r == rank or world == 1 else f"rank {r}: {e}")
+
+
+def _cause(e: BaseException) -> str:
+    """A one-line account of a failure; DCP's CheckpointException as each failing rank's exception."""
+    if isinstance(e, dcp.CheckpointException):
+        return "; ".join(f"rank {r}: {type(exc).__name__}: {exc}" for r, (exc, _) in sorted(e.failures.items()))
+    return f"{type(e).__name__}: {e}"
+
+
+@contextmanager
+def _one_process_quietly() -> Iterator[None]:
+    """DCP warns that it assumes one process when torch.distributed is not initialized: that is the intent here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _step_of(trainer: Any) -> int:
+    return int(getattr(trainer, "steps", getattr(trainer, "step_count", 0)))
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _move_into_place(tmp: Path, path: Path, step: int) -> None:
+    """Put the finished ``tmp`` at ``path``; an older checkpoint there survives until the new one is in place."""
+    old = path.with_name(f"{path.name}.old-{step}")
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+    os.rename(tmp, path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# --- save / load ----------------------------------------------------------------------------------------
+
+
+def save(trainer: Any, path: str | os.PathLike) -> Path:
+    """Write ``trainer``'s full state (model, optimizer, K-FAC, step, plan, RNG) to directory ``path``.
+
+    Collective: every rank of a pipelined run calls it at the same step. Atomic: the files go to
+    ``<path>.tmp-<step>``, which rank 0 renames to ``path`` once every rank has finished writing.
+    """
+    path = Path(path)
+    rank, world = _rank_world()
+    step = _step_of(trainer)
+    state = dict(trainer.state_dict())
+    state["rng"] = torch.get_rng_state()
+    skeleton, tensors = split_tensors(state, rank)
+    tmp = path.with_name(f"{path.name}.tmp-{step}")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier(trainer, f"saving checkpoint {path}")
+    try:
+        with _one_process_quietly():
+            dcp.save(tensors, storage_writer=_JsonMetadataWriter(tmp), no_dist=world == 1,
+                     planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+        _write_json(tmp / f"rank-{rank}.json", {"rank": rank, "state": skeleton})
+    except (OSError, RuntimeError, dcp.CheckpointException) as e:
+        raise CheckpointError(f"rank {rank}: writing checkpoint {tmp} failed ({_cause(e)}); the checkpoint at "
+                              f"{path}, if any, is untouched") from e
+    _barrier(trainer, f"saving checkpoint {path}")
+    if rank == 0:
+        header = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world,
+                  "torch": torch.__version__, "run": describe_run(trainer)}
+        _write_json(tmp / HEADER, header)
+        _move_into_place(tmp, path, step)
+    _barrier(trainer, f"moving checkpoint {path} into place")
+    log.info("rank %d: checkpoint of step %d saved to %s", rank, step, path)
+    return path
+
+
+def _read_header(path: Path) -> dict[str, Any]:
+    header = _read_json(path / HEADER, "checkpoint header")
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise CheckpointError(f"{path / HEADER} is not an fxkfac checkpoint header")
+    if header.get("version") != VERSION:
+        raise CheckpointError(f"checkpoint {path} has format version {header.get('version')!r}; this fxkfac "
+                              f"reads version {VERSION}")
+    return header
+
+
+def _check_sections(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
+    """The saved skeleton holds exactly the state this rank has (nothing would be dropped or left unset)."""
+    for section in ("model", "kfac", "inflight"):
+        a, b = saved.get(section), mine.get(section)
+        if isinstance(a, dict) and isinstance(b, dict) and section != "inflight" and set(a) != set(b):
+            raise CheckpointError(f"checkpoint {section} state names {sorted(set(a) ^ set(b))[:4]}, which this rank "
+                                  "does not hold alike; it was written for another model or layout")
+        if (a is None) != (b is None):
+            raise CheckpointError(f"checkpoint {'lacks' if a is None else 'has'} {section} state, this run "
+                                  f"{'has' if b is not None else 'has none'}; it was written by another trainer")
+
+
+def _prepare(trainer: Any, path: Path, rank: int, world: int) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """This rank's saved skeleton and empty tensors to load into, after every check (CheckpointError)."""
+    header = _read_header(path)
+    check_run(header.get("run") or {}, describe_run(trainer))
+    if header.get("world_size") != world:
+        raise CheckpointError(f"checkpoint made for {header.get('world_size')} ranks, this run is {world} ranks "
+                              f"({_layout_words(describe_run(trainer))})")
+    data = _read_json(path / f"rank-{rank}.json", f"state of rank {rank}")
+    skeleton = data.get("state") if isinstance(data, dict) else None
+    if not isinstance(skeleton, dict) or data.get("rank") != rank:
+        raise CheckpointError(f"{path / f'rank-{rank}.json'} is corrupt (no state of rank {rank})")
+    _check_sections(skeleton, split_tensors(trainer.state_dict(), rank)[0])
+    metadata = read_tensor_metadata(path).state_dict_metadata
+    keys = _tensor_keys(skeleton)
+    missing = [k for k in keys if k not in metadata]
+    if missing:
+        raise CheckpointError(f"checkpoint {path} lacks the tensors {missing[:4]} its rank-{rank} state names; "
+                              "it is corrupt or incomplete")
+    empty = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype) for k in keys}  # type: ignore[union-attr]
+    return skeleton, empty
+
+
+def load(trainer: Any, path: str | os.PathLike) -> None:
+    """Restore ``trainer`` (and this rank's RNG) from the checkpoint directory ``path``; collective.
+
+    Every check runs on every rank before anything changes: a checkpoint that is incomplete, corrupt,
+    or made for another model, mesh, schedule or plan raises CheckpointError on all ranks and leaves
+    the trainer as it was.
+    """
+    path = Path(path)
+    rank, world = _rank_world()
+    error, prepared = None, None
+    try:
+        prepared = _prepare(trainer, path, rank, world)
+    except CheckpointError as e:
+        error = str(e)
+    _agree(error)
+    skeleton, tensors = prepared  # type: ignore[misc]
+    try:
+        with _one_process_quietly():
+            dcp.load(tensors, storage_reader=_JsonMetadataReader(path), no_dist=world == 1,
+                     planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+    except (OSError, RuntimeError, ValueError, dcp.CheckpointException) as e:
+        raise CheckpointError(f"rank {rank}: reading the tensors of checkpoint {path} failed ({_cause(e)}); it is "
+                              "corrupt or incomplete") from e
+    state = join_tensors(skeleton, tensors)
+    rng = state.pop("rng")
+    error = None
+    try:
+        trainer.load_state_dict(state)
+    except CheckpointError as e:
+        error = str(e)
+    _agree(error)
+    torch.set_rng_state(rng)
+    log.info("rank %d: resumed from %s at step %d", rank, path, _step_of(trainer))

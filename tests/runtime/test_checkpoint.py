@@ -1,0 +1,185 @@
+"""Checkpoints: exact resume after a killed rank, refusals that change nothing, atomic saves, NaN steps skipped."""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxkfac import checkpoint
+from fxkfac.capture import capture
+from fxkfac.errors import CheckpointError
+from fxkfac.kfac.inverse import FactorInverse, Inverse
+from fxkfac.planner.ir import LayerTiming
+from fxkfac.runtime.kfac_ops import KFACRuntime, StageGroup
+from tests.runtime import checkpoint_workers as cw
+from tests.support import models
+from tests.support.distributed import run_distributed
+
+
+def _ok(results: list) -> list:
+    failed = [f"rank {r.rank}: {r.error_type}: {r.error}\n{r.traceback}" for r in results if not r.ok]
+    assert not failed, "\n".join(failed)
+    return results
+
+
+def test_single_device_checkpoint_resumes_bit_for_bit_without_pickle(tmp_path: Path) -> None:
+    data = cw.mlp_batches(5)
+    a = cw.mlp_single(period=2)
+    for x, y in data[:2]:
+        a.step(x, y)
+    a.save_checkpoint(str(tmp_path / "ckpt"))
+    for x, y in data[2:]:
+        a.step(x, y)
+    b = cw.mlp_single(period=2)
+    b.load_checkpoint(str(tmp_path / "ckpt"))
+    assert b.step_count == 2
+    for x, y in data[2:]:
+        b.step(x, y)
+    assert cw.same_snapshot(cw.snapshot(a), cw.snapshot(b)) == []
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert files == [".metadata.json", "__0_0.distcp", "fxkfac.json", "rank-0.json"]  # no pickled .metadata
+    header = json.loads((tmp_path / "ckpt" / "fxkfac.json").read_text())
+    assert header["step"] == 2 and header["run"]["trainer"] == "single" and header["run"]["mesh"] is None
+
+
+def test_failed_save_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save that dies after writing tensors leaves the old directory byte for byte; a crash between the two
+    renames of the swap leaves it at <dir>.old-<step>, which the error names."""
+    path = tmp_path / "ckpt"
+    trainer = cw.mlp_single()
+    data = cw.mlp_batches(3)
+    trainer.step(*data[0])
+    trainer.save_checkpoint(str(path))
+    saved = cw.snapshot(trainer)
+    before = {f.name: f.read_bytes() for f in path.iterdir()}
+    write = checkpoint._JsonMetadataWriter.write_data
+
+    def failing_write(self, plan, planner):  # type: ignore[no-untyped-def]
+        write(self, plan, planner)
+        raise OSError("disk full (injected)")
+
+    monkeypatch.setattr(checkpoint._JsonMetadataWriter, "write_data", failing_write)
+    trainer.step(*data[1])
+    with pytest.raises(CheckpointError, match=r"writing checkpoint .*ckpt.tmp-2 failed .*untouched"):
+        trainer.save_checkpoint(str(path))
+    monkeypatch.undo()
+    assert {f.name: f.read_bytes() for f in path.iterdir()} == before
+    fresh = cw.mlp_single()
+    fresh.load_checkpoint(str(path))
+    assert cw.same_snapshot(saved, cw.snapshot(fresh)) == []
+    path.rename(tmp_path / "ckpt.old-2")  # as if the process died between the renames
+    with pytest.raises(CheckpointError, match=r"moved to .*ckpt.old-2: load that one"):
+        fresh.load_checkpoint(str(path))
+    fresh.load_checkpoint(str(tmp_path / "ckpt.old-2"))
+
+
+def test_state_split_into_json_and_tensors_round_trips() -> None:
+    state = {"model": {"w": torch.ones(2)}, "optimizer": {"state": {0: {"step": torch.tensor(3.0), "n": 4}},
+                                                          "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]},
+             "inflight": {"outbox": [["l", "A", [None, {"method": "cholesky", "inv": torch.eye(2)}]]]}}
+    skeleton, tensors = checkpoint.split_tensors(state, 3)
+    assert set(tensors) == {"model/w", "optimizer/state/0/step", "rank3/inflight/outbox/0/2/1/inv"}
+    back = checkpoint.join_tensors(json.loads(json.dumps(skeleton)), tensors)
+    assert back["optimizer"]["state"][0]["n"] == 4 and torch.equal(back["optimizer"]["state"][0]["step"],
+                                                                      torch.tensor(3.0))
+    assert back["inflight"]["outbox"][0][2][0] is None and back["optimizer"]["param_groups"][0]["betas"] == [0.9, 0.99]
+
+
+def _runtime() -> KFACRuntime:
+    x = cw.mlp_batches(1)[0][0]
+    layers = {layer.name: layer for layer in capture(models.mlp(), (x[:4],), cw.KFAC).layers}
+    timings = {n: LayerTiming(2, 0, 1, "deferred") for n in layers}
+    return KFACRuntime(cw.KFAC, layers, {n: 0 for n in layers}, timings, {0: StageGroup((0,), None)}, 0, 2, 8)
+
+
+def test_kfac_work_in_flight_round_trips_through_a_checkpoint_state() -> None:
+    """Open refreshes (partial sums, folded sides, inverse halves), the BCAST_INV outbox and pending inverses."""
+    g = torch.Generator().manual_seed(0)
+    rt = _runtime()
+    rt.open_refreshes(0)
+    name, other = sorted(rt.layers)[:2]
+    d = rt.layers[name].a_dim
+    record = rt.refreshes[name][0]
+    record.sums["A"], record.counts["A"] = torch.randn(d, d, generator=g), 1
+    record.folded.add("B")
+    record.halves["B"] = FactorInverse("eigen", q=torch.randn(3, 3, generator=g), l=torch.rand(3, generator=g))
+    rt._outbox[(other, "A")] = deque([None, FactorInverse("cholesky", inv=torch.randn(2, 2, generator=g))])
+    d_other = rt.layers[other].a_dim
+    rt.states[other].A = torch.randn(d_other, d_other, generator=g)
+    rt.states[other].set_pending(Inverse("cholesky", a_inv=torch.eye(2), b_inv=torch.eye(3)), 3)
+    skeleton, tensors = checkpoint.split_tensors(rt.state_dict(), 0)
+    restored = _runtime()
+    restored.load_parsed(restored.parse_state(checkpoint.join_tensors(json.loads(json.dumps(skeleton)), tensors)))
+    again, again_tensors = checkpoint.split_tensors(restored.state_dict(), 0)
+    assert again == skeleton and set(again_tensors) == set(tensors)
+    assert all(torch.equal(again_tensors[k], tensors[k]) for k in tensors)
+    restored.open_refreshes(0)  # a step retried after a skip finds its refresh open: no second record
+    assert [r.step for r in restored.refreshes[name]] == [0]
+    bad = checkpoint.join_tensors(skeleton, tensors)
+    bad["inflight"]["refreshes"]["not.a.layer"] = bad["inflight"]["refreshes"].pop(name)
+    with pytest.raises(CheckpointError, match=r"in flight for layers \['not.a.layer'\]"):
+        restored.parse_state(bad)
+
+
+@pytest.mark.multiproc
+def test_killed_rank_fails_the_job_and_a_fresh_launch_resumes_exactly(tmp_path: Path) -> None:
+    """2-rank PipeFisher BERT: checkpoint at step 2, rank 1 SIGKILLed after step 3 -> rank 0 fails naming itself
+    and the instruction; a fresh launch resumes from step 2 and ends bit for bit where the uninterrupted run did.
+    The fresh launch first refuses bad checkpoints (nothing changes), and a save that fails half way keeps the
+    checkpoint it was replacing."""
+    ckpt, mlp_ckpt, single_ckpt = (str(tmp_path / n) for n in ("bert", "mlp", "single"))
+    crash = run_distributed(cw.crash_worker, 2, ckpt, mlp_ckpt, timeout=300)
+    assert crash[1].exitcode == -9 and crash[1].value is None, crash[1]
+    survivor = crash[0]
+    assert survivor.ok, survivor.traceback
+    kind, message = survivor.value["error"]
+    assert kind in ("PipelineError", "PipelineTimeoutError") and "rank 0" in message, message
+    assert any(op in message for op in ("RECV_", "SEND_", "OPT_STEP", "all-reduce")), message
+    assert survivor.value["resumed_loss"] == survivor.value["losses"][cw.SAVE_AT]  # resumed in place, same loss
+
+    single = cw.mlp_single()
+    single.step(*cw.mlp_batches(1)[0])
+    single.save_checkpoint(single_ckpt)
+    (tmp_path / "scratch").mkdir()
+    results = _ok(run_distributed(cw.resume_worker, 2, ckpt, mlp_ckpt, single_ckpt, str(tmp_path / "scratch"),
+                                  timeout=300))
+    for r in results:
+        v = r.value
+        assert v["loaded_step"] == cw.SAVE_AT
+        assert v["losses"] == survivor.value["losses"][cw.SAVE_AT:]
+        if r.rank == 0:  # rank 1 of the first launch was killed before it could report its reference
+            assert cw.same_snapshot(survivor.value["reference"], v["final"]) == []
+        _check_refusals(v["refusals"])
+        kind, message = v["failed_save"]
+        assert kind == "CheckpointError" and "failed" in message, v["failed_save"]
+        assert v["unchanged"] and v["reloaded"] == []
+        assert v["leftovers"] and all(".tmp-" in name for name in v["leftovers"])
+
+
+EXPECTED_REFUSALS = {
+    "another model": r"checkpoint made for another model, this run is \d+ parameters \(parameters only in the "
+                     r"checkpoint \['0.bias'",
+    "truncated_metadata": r"tensor metadata .*\.metadata\.json is unreadable or corrupt",
+    "truncated_header": r"checkpoint header .*fxkfac\.json is unreadable or corrupt",
+    "missing_tensors": r"reading the tensors of checkpoint .* failed",
+    "no checkpoint": r"no checkpoint directory at .*nothing",
+    "another plan": r"checkpoint made for layer timings \w+, this run is \w+ \(differ for \['0', '2', '4'\]\)",
+    "another schedule": r"checkpoint made for pipefisher 1f1b D=2 W=1 N=2 v=1 global batch 8, this run is "
+                        r"pipefisher gpipe D=2 W=1 N=2 v=1",
+    "one-device checkpoint": r"checkpoint made for single on one device \(mesh=None\), 2 micro-batches, this run "
+                             r"is pipefisher gpipe D=2 W=1 N=2",
+}
+
+
+def _check_refusals(refusals: dict) -> None:
+    import re
+
+    assert set(refusals) == set(EXPECTED_REFUSALS)
+    for name, (kind, message, changed) in refusals.items():
+        assert kind == "CheckpointError", (name, kind, message)
+        assert re.search(EXPECTED_REFUSALS[name], message), (name, message)
+        assert changed == [], (name, changed)
