@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from fxkfac.capture import Captured, capture, input_signature, normalize_inputs
 from fxkfac.config import KFACConfig
-from fxkfac.errors import CaptureError, CheckpointError, ConfigError
+from fxkfac.errors import CaptureError, CheckpointError, ConfigError, NonFiniteError
 from fxkfac.kfac.factors import a_rows, e_rows, factor
 from fxkfac.kfac.precondition import kl_clip_scale
 from fxkfac.kfac.state import LayerState
@@ -48,13 +48,14 @@ class SingleDeviceTrainer:
     are finite, fold the factors into the running averages, invert what refreshed, activate due
     inverses, precondition, KL-clip, and step the base optimizer. Otherwise the step is skipped and
     counted (``skipped_steps``), with parameters, optimizer and K-FAC state untouched and the step
-    counter not advanced.
+    counter not advanced; more than ``max_skipped_steps`` skips in a row raise NonFiniteError.
     """
 
     def __init__(self, model: nn.Module, *, example_inputs: Any, loss_fn: Callable[[Any, Any], Tensor],
                  optimizer: OptimizerFactory | None = None, kfac: KFACConfig | None = KFACConfig(),
                  microbatches: int = 1, backend: str | None = "inductor",
-                 layer_timing: Mapping[str, LayerTiming] | None = None, plan: Any = None) -> None:
+                 layer_timing: Mapping[str, LayerTiming] | None = None, plan: Any = None,
+                 max_skipped_steps: int | None = 10) -> None:
         self.model = model
         self.loss_fn = loss_fn
         self.kfac = kfac
@@ -76,6 +77,8 @@ class SingleDeviceTrainer:
         self.optimizer = (optimizer or default_optimizer)(self._params)
         self.step_count = 0
         self.skipped_steps = 0
+        self.max_skipped_steps = max_skipped_steps
+        self._skips_in_a_row = 0
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """The model's parameters under their FQNs (the captured graph uses the same tensors)."""
@@ -98,7 +101,14 @@ class SingleDeviceTrainer:
             self.optimizer.zero_grad(set_to_none=True)
             log.warning("step %d skipped: loss or gradients are NaN/Inf (%d skipped so far)",
                         self.step_count, self.skipped_steps)
+            self._skips_in_a_row += 1
+            if self.max_skipped_steps is not None and self._skips_in_a_row > self.max_skipped_steps:
+                raise NonFiniteError(f"{self._skips_in_a_row} steps in a row had NaN/Inf loss or gradients "
+                                     f"(max_skipped_steps={self.max_skipped_steps}); the state is that of step "
+                                     f"{self.step_count}: lower the learning rate, check the data, or raise "
+                                     "max_skipped_steps")
             return loss
+        self._skips_in_a_row = 0
         if self.kfac is not None and self.layers:
             self._update_curvature(collected)
             self._precondition()
@@ -195,6 +205,19 @@ class SingleDeviceTrainer:
             self.kfac_states[name].load_state_dict(layer_state)
         self.step_count = int(state["step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
+        self._skips_in_a_row = 0
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write a checkpoint directory (the pipelined trainers' format; see `fxkfac.checkpoint.save`)."""
+        from fxkfac import checkpoint
+
+        checkpoint.save(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Resume from a checkpoint directory (see `fxkfac.checkpoint.load`)."""
+        from fxkfac import checkpoint
+
+        checkpoint.load(self, path)
 
 
 def _first_microbatch(args: tuple[Any, ...], microbatches: int) -> tuple[Any, ...]:

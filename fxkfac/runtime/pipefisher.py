@@ -14,7 +14,7 @@ from fxkfac.autoplan import (Target, check_costs, check_matches, load_plan, naiv
                              solve_for, startup_program)
 from fxkfac.capture import capture
 from fxkfac.config import KFACConfig
-from fxkfac.errors import ConfigError
+from fxkfac.errors import CheckpointError, ConfigError
 from fxkfac.fingerprint import graph_fingerprint
 from fxkfac.passes.find_layers import find_kfac_layers
 from fxkfac.passes.layers import KFACLayer
@@ -167,3 +167,26 @@ class PipeFisherTrainer(PipelineTrainer):
             return super().step(inputs, targets)
         finally:
             self.programs = steady
+
+    def state_dict(self) -> dict[str, Any]:
+        """PipelineTrainer's state plus ``kfac`` (this rank's LayerStates by layer FQN) and ``inflight``
+        (refreshes, inverse halves and captures this rank holds between steps; see KFACRuntime.state_dict)."""
+        state = super().state_dict()
+        state.update(self.kfac_runtime.state_dict())
+        state["inflight"]["captures"] = {f"{s}.{p}": r.captures_state() for (s, p), r in sorted(self.runners.items())
+                                         if isinstance(r, TappedRunner)}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict` output; every part is checked (CheckpointError) before anything changes."""
+        parsed = self.kfac_runtime.parse_state(state)
+        saved = state["inflight"].get("captures")
+        tapped = {f"{s}.{p}": r for (s, p), r in self.runners.items() if isinstance(r, TappedRunner)}
+        if not isinstance(saved, dict) or set(saved) != set(tapped):
+            raise CheckpointError(f"checkpoint captures are for stage copies {sorted(saved or {})}, this rank holds "
+                                  f"{sorted(tapped)}; it was written for another layout")
+        captures = {key: r.parse_captures(saved[key]) for key, r in tapped.items()}
+        super().load_state_dict(state)
+        self.kfac_runtime.load_parsed(parsed)
+        for key, r in tapped.items():
+            r.captures = captures[key]
