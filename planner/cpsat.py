@@ -19,12 +19,19 @@ from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
 
+from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, refresh_lower_bound
 from fxkfac.planner.window import GroupSolution, Window, build_window, fits_memory, use_offsets
 
 __all__ = ["solve_window", "solve_group"]
 
 log = logging.getLogger(__name__)
+
+_FEW_WORKER_SUBSOLVERS = ("quick_restart_no_lp", "default_lp")
+"""With 2 workers CP-SAT runs one full-problem subsolver (default_lp), which often finds no window
+placement within seconds where quick_restart_no_lp (in the 8-worker portfolio) finds one in well under
+a second (benchmarks/paper_configs.py, Chimera), and proves the least staleness 5x sooner
+(benchmarks/planner_scaling.py, D=8): with few workers, it comes first."""
 
 
 @dataclass
@@ -159,6 +166,24 @@ def _add_staleness(v: _Vars, w: Window) -> list[cp_model.IntVar]:
     return not_ready
 
 
+def _break_layer_symmetry(v: _Vars, w: Window) -> None:
+    """Layers of one stage with equal costs (BERT's blocks; q, k, v) are interchangeable: relabeling all
+    their tasks maps a placement to an equally good one, so their inversions of A start in layer order."""
+    inv_a = {task.factors[0][0]: i for i, task in enumerate(w.tasks) if task.kind == "inv" and task.side == "A"}
+    for s in w.group.stages:
+        layers = w.problem.costs.stages[s].layers
+        for a, b in zip(layers, layers[1:]):
+            if a.name in inv_a and b.name in inv_a and _interchangeable(a, b, w.fused):
+                v.model.add(v.start[inv_a[a.name]] <= v.start[inv_a[b.name]])
+
+
+def _interchangeable(a: LayerCost, b: LayerCost, fused: frozenset[str]) -> bool:
+    def key(x: LayerCost) -> tuple[object, ...]:
+        return (x.curv_a, x.curv_b, x.inv_a, x.inv_b, x.prec, x.a_bytes, x.e_bytes, x.name in fused)
+
+    return key(a) == key(b)
+
+
 def _build(w: Window, optimize: bool) -> _Vars:
     v = _Vars(cp_model.CpModel(), intervals_of_device={d: [] for d in w.group.devices})
     for d in w.group.devices:
@@ -170,6 +195,7 @@ def _build(w: Window, optimize: bool) -> _Vars:
     for d, intervals in v.intervals_of_device.items():
         v.model.add_no_overlap(intervals)
     _add_memory(v, w)
+    _break_layer_symmetry(v, w)
     if optimize:
         v.model.minimize(sum(_add_staleness(v, w)))
     return v
@@ -199,6 +225,8 @@ def solve_window(w: Window, config: SolverConfig, time_limit: float, hint: Group
     solver.parameters.max_time_in_seconds = max(0.05, time_limit)
     solver.parameters.num_workers = config.num_workers
     solver.parameters.random_seed = config.seed
+    if config.num_workers <= 2:
+        solver.parameters.subsolvers.extend(_FEW_WORKER_SUBSOLVERS)
     status = solver.solve(v.model)
     name = solver.status_name(status)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -245,7 +273,8 @@ def solve_group(problem: Problem, group: StageGroup, fused: frozenset[str], conf
             same_k = greedy is not None and greedy.window.k == k
             w = greedy.window if same_k else build_window(problem, group, k, fused, aggregate=aggregate,  # type: ignore[union-attr]
                                                           resolution=config.time_resolution)
-            status, found = solve_window(w, config, left, greedy if same_k and config.use_greedy_hint else None,
+            share = left / (top - k + 1)  # an undecided small k must not take the time of the larger ones
+            status, found = solve_window(w, config, share, greedy if same_k and config.use_greedy_hint else None,
                                          optimize=False)
             log.info("stages %s k=%d: %s", list(group.stages), k, status)
             if status == "INFEASIBLE" and proven == k:
