@@ -85,12 +85,16 @@ def cost_durations(costs: CostTable) -> Callable[[int, Op], float]:
 
 def _cells(intervals: Sequence[Interval], t0: float, t1: float, width: int) -> list[tuple[str, Op | None]]:
     """Per cell of [t0, t1) split into `width` cells, the category covering most of it and its
-    longest op there (idle when work covers less than half the cell)."""
+    longest op there (idle when work covers less than half the cell). Collectives without duration
+    (the cost tables have no communication times) mark an otherwise idle cell as sync."""
     span = (t1 - t0) / width
     cover: list[dict[str, float]] = [{} for _ in range(width)]
     longest: list[tuple[float, Op | None]] = [(0.0, None)] * width
+    instants: dict[int, Op] = {}
     for iv in intervals:
         name = category(iv.op)
+        if name == "sync" and iv.end <= iv.start and t0 <= iv.start < t1:
+            instants.setdefault(int((iv.start - t0) / span), iv.op)
         if name == "idle" or iv.end <= iv.start:
             continue
         first = max(0, int((iv.start - t0) / span))
@@ -100,9 +104,11 @@ def _cells(intervals: Sequence[Interval], t0: float, t1: float, width: int) -> l
                 cover[cell][name] = cover[cell].get(name, 0.0) + overlap
                 longest[cell] = max(longest[cell], (overlap, iv.op), key=lambda x: x[0])
     cells: list[tuple[str, Op | None]] = []
-    for c, (_, op) in zip(cover, longest):
+    for n, (c, (_, op)) in enumerate(zip(cover, longest)):
         if c and sum(c.values()) >= span / 2:
             cells.append((max(c, key=c.__getitem__), op))
+        elif n in instants:
+            cells.append(("sync", instants[n]))
         else:
             cells.append(("idle", None))
     return cells

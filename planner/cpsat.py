@@ -7,6 +7,9 @@ bubbles (absolute start = pos + late*L); NoOverlap per device with the fixed F/B
 intervals choose the inversion's device; a cumulative per device holds activations and the a/e kept
 by deferred curvature under the budget. The first k that is feasible is the refresh period (every
 smaller k proven infeasible: optimal); at that k the objective is the staleness, sum of use offsets.
+Where the problem allows a stretch ([Note: stretch] in planner/window.py), each k is tried with the
+whole allowance, then the least stretch at the found k is bisected (one feasibility model per probe:
+the window's fixed work moves with the stretch), and the staleness is minimized at that stretch.
 The model stays inside this module: solutions come out as `planner.window.GroupSolution`.
 """
 
@@ -21,9 +24,10 @@ from ortools.sat.python import cp_model
 
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, refresh_lower_bound
-from fxkfac.planner.window import GroupSolution, Window, build_window, fits_memory, use_offsets
+from fxkfac.planner.stretch import Allowance, least_stretch, restretch, stretch_lower_bound
+from fxkfac.planner.window import GroupSolution, Window, fits_memory, too_long, use_offsets
 
-__all__ = ["solve_window", "solve_group"]
+__all__ = ["solve_window", "solve_group", "refine_stretch"]
 
 log = logging.getLogger(__name__)
 
@@ -253,14 +257,16 @@ def _root_broadcasts(w: Window, devices: list[int]) -> None:
 
 def solve_group(problem: Problem, group: StageGroup, fused: frozenset[str], config: SolverConfig,
                 time_limit: float, greedy: GroupSolution | None = None, *, aggregate: bool = False,
-                min_k: int = 1) -> GroupSolution | None:
-    """The smallest refresh period >= min_k for `group` (from the lower bound; never above greedy's),
-    then the least staleness. None when no k up to max_period is found feasible in time (and no greedy)."""
+                min_k: int = 1, allowance: Allowance | None = None) -> GroupSolution | None:
+    """The smallest refresh period >= min_k for `group` (from the lower bound; never above greedy's)
+    with the whole `allowance` of stretch, then the least stretch, then the least staleness. None when
+    no k up to max_period is found feasible in time (and no greedy)."""
     began = time.perf_counter()
+    allowance = allowance if allowance is not None else Allowance(problem, fused, None)
     if greedy is not None and greedy.window.k < min_k:
         greedy = None
     fallback = greedy if greedy is not None and fits_memory(greedy) else None
-    lower = max(min_k, refresh_lower_bound(problem, group, fused))
+    lower = max(min_k, refresh_lower_bound(problem, group, fused, stretch=allowance.enabled))
     proven = lower
     top = fallback.window.k if fallback is not None else problem.max_period
     for k in range(lower, top + 1):
@@ -271,29 +277,62 @@ def solve_group(problem: Problem, group: StageGroup, fused: frozenset[str], conf
             found: GroupSolution | None = fallback
         else:
             same_k = greedy is not None and greedy.window.k == k
-            w = greedy.window if same_k else build_window(problem, group, k, fused, aggregate=aggregate,  # type: ignore[union-attr]
-                                                          resolution=config.time_resolution)
+            hint = restretch(greedy, allowance.ticks(k)) if same_k else None  # type: ignore[arg-type]
+            w = hint.window if hint is not None else allowance.window(group, k, allowance.ticks(k), aggregate=aggregate,
+                                                                      resolution=config.time_resolution)
             share = left / (top - k + 1)  # an undecided small k must not take the time of the larger ones
-            status, found = solve_window(w, config, share, greedy if same_k and config.use_greedy_hint else None,
-                                         optimize=False)
-            log.info("stages %s k=%d: %s", list(group.stages), k, status)
+            status, found = solve_window(w, config, share, hint if config.use_greedy_hint else None, optimize=False)
+            log.info("stages %s k=%d stretch=%d: %s", list(group.stages), k, w.stretch, status)
             if status == "INFEASIBLE" and proven == k:
                 proven = k + 1
             if found is None:
                 continue
-        return _least_stale(found, config, time_limit - (time.perf_counter() - began), proven, began)
+        least = True
+        if found.window.stretch > 0:
+            found, least = _least_stretch(found, allowance, config, began + time_limit)
+        return _least_stale(found, config, time_limit - (time.perf_counter() - began), proven, began, least)
     if fallback is not None:
         return _finish(fallback, "GREEDY", proven, began)
     return None
 
 
-def _least_stale(found: GroupSolution, config: SolverConfig, left: float, proven: int, began: float) -> GroupSolution:
-    """Minimize staleness at the found k, warm-started by `found` (kept when the solver does worse)."""
+def refine_stretch(found: GroupSolution, allowance: Allowance, config: SolverConfig,
+                   time_limit: float) -> tuple[GroupSolution, bool]:
+    """The least stretch at found's k (bisected, CP-SAT feasibility), and whether it is proven least;
+    `allowance` gives the grid (for errors that say what max_overhead to ask for)."""
+    return _least_stretch(found, allowance, config, time.perf_counter() + 2 * time_limit)
+
+
+def _least_stretch(found: GroupSolution, allowance: Allowance, config: SolverConfig,
+                   deadline: float) -> tuple[GroupSolution, bool]:
+    """Bisect the least stretch at found's k, spending at most half the time left on the probes."""
+    w = found.window
+    until = time.perf_counter() + (deadline - time.perf_counter()) / 2
+
+    def probe(stretch: int) -> tuple[str, GroupSolution | None]:
+        window = allowance.window(w.group, w.k, stretch, aggregate=w.aggregate, resolution=config.time_resolution)
+        if too_long(window):
+            return "INFEASIBLE", None
+        left = until - time.perf_counter()
+        if left <= 0:
+            return "UNKNOWN", None
+        return solve_window(window, config, left / max(1, math.ceil(math.log2(stretch + 2))), optimize=False)
+
+    best, least = least_stretch(found, probe, stretch_lower_bound(w))
+    log.info("stages %s k=%d: least stretch %d ticks (%s)", list(w.group.stages), w.k, best.window.stretch,
+             "proven" if least else "not proven")
+    return best, least
+
+
+def _least_stale(found: GroupSolution, config: SolverConfig, left: float, proven: int, began: float,
+                 stretch_proven: bool = True) -> GroupSolution:
+    """Minimize staleness at the found k and stretch, warm-started by `found` (kept when the solver
+    does worse)."""
     hint = found if config.use_greedy_hint or found.method != "greedy" else None
     status, best = solve_window(found.window, config, max(0.05, left), hint)
     if best is None or _staleness(found) < _staleness(best):
         best = found
-    optimal = proven == found.window.k and (status == "OPTIMAL" or _staleness(best) == 0)
+    optimal = stretch_proven and proven == found.window.k and (status == "OPTIMAL" or _staleness(best) == 0)
     return _finish(best, "OPTIMAL" if optimal else "FEASIBLE", proven, began)
 
 

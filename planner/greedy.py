@@ -6,7 +6,10 @@ the first gap between pipeline ops where `duration * 1.05` fits, after their dep
 something does not fit the window grows by one pipeline step and everything is placed again. The
 number of steps is the refresh period. Each stage's inversions go to its copies round-robin by
 layer (the paper's fixed partition), PREC stays right after the gradient all-reduce, and memory is
-not considered (the paper's rule; the planner validates the result).
+not considered (the paper's rule; the planner validates the result). Where the problem allows a
+stretch ([Note: stretch] in planner/window.py), each k is tried with the whole allowance and the least
+stretch first-fit still places everything with is then bisected (first-fit is not monotone in the
+stretch, so that one is feasible, not proven least).
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ from __future__ import annotations
 import math
 import time
 from fxkfac.planner.errors import PlanError
-from fxkfac.planner.problem import Problem, StageGroup, copies_of_stage
-from fxkfac.planner.window import GroupSolution, Task, Window, build_window, use_offsets
+from fxkfac.planner.problem import Problem, StageGroup, copies_of_stage, step_timeline
+from fxkfac.planner.stretch import Allowance, least_stretch, stretch_lower_bound
+from fxkfac.planner.window import GroupSolution, Task, Window, use_offsets
 
-__all__ = ["MARGIN", "greedy_group", "greedy_window"]
+__all__ = ["MARGIN", "greedy_group", "greedy_window", "greedy_overhead"]
 
 MARGIN = 0.05
 """pipe-fisher's margin_ratio: a task needs duration * (1 + MARGIN) of free gap."""
@@ -110,17 +114,59 @@ def greedy_window(window: Window) -> GroupSolution | None:
 
 
 def greedy_group(problem: Problem, group: StageGroup, fused: frozenset[str] = frozenset(), *,
-                 aggregate: bool = False, resolution: int = 100_000,
-                 min_k: int = 1) -> GroupSolution:
+                 aggregate: bool = False, resolution: int = 100_000, min_k: int = 1,
+                 allowance: Allowance | None = None) -> GroupSolution:
     """The paper's rule for one stage group: the smallest k >= min_k (up to problem.max_period) where
-    first-fit places everything. Raises PlanError when no k does (a task longer than every bubble)."""
+    first-fit places everything, with the whole `allowance` of stretch, then the least stretch found.
+    Raises PlanError when no k does (a task longer than every bubble)."""
     began = time.perf_counter()
+    allowance = allowance if allowance is not None else Allowance(problem, fused, None)
     for k in range(min_k, problem.max_period + 1):
-        window = build_window(problem, group, k, fused, aggregate=aggregate, resolution=resolution)
+        cap = allowance.ticks(k)
+        window = allowance.window(group, k, cap, aggregate=aggregate, resolution=resolution)
         solution = greedy_window(window)
         if solution is not None:
-            return GroupSolution(window, solution.starts, solution.devices, solution.prec_starts,
+            if cap > 0:
+                solution = _least_stretch(solution, stretch_lower_bound(window), allowance, aggregate, resolution)
+            return GroupSolution(solution.window, solution.starts, solution.devices, solution.prec_starts,
                                  solution.use_offset, "greedy", "FEASIBLE", 1, time.perf_counter() - began)
     raise PlanError(f"the greedy rule cannot place the K-FAC work of stages {list(group.stages)} within "
                     f"{problem.max_period} steps: some curvature or inversion is longer than every bubble; "
-                    "raise max_period, split the layer, or allow fused curvature")
+                    "raise max_period or max_overhead, split the layer, or allow fused curvature")
+
+
+def _least_stretch(found: GroupSolution, lower: int, allowance: Allowance, aggregate: bool,
+                           resolution: int) -> GroupSolution:
+    """Bisect with first-fit between `lower` and found's stretch (the least one it finds)."""
+    w = found.window
+
+    def probe(stretch: int) -> tuple[str, GroupSolution | None]:
+        solution = greedy_window(allowance.window(w.group, w.k, stretch, aggregate=aggregate, resolution=resolution))
+        return ("FEASIBLE", solution) if solution is not None else ("UNKNOWN", None)
+
+    return least_stretch(found, probe, lower)[0]
+
+
+def greedy_overhead(problem: Problem, group: StageGroup, allowance: Allowance, *, aggregate: bool = False,
+                    resolution: int = 100_000, limit: float = 10.0) -> tuple[int, GroupSolution | None]:
+    """The stretch the group's work needs at the longest refresh period (problem.max_period), whatever
+    max_overhead says: (ticks any plan needs, the first-fit solution with the least stretch found, or
+    None when no stretch up to `limit` reference steps places it). For errors that tell the user what
+    max_overhead to ask for; `allowance` gives the grid (its own ticks are not used)."""
+    scale = allowance.scale
+    if scale is None:
+        raise AssertionError("greedy_overhead needs an allowance with a grid")
+    k = problem.max_period
+    most = math.floor(limit * step_timeline(problem).length * scale[0])
+
+    def window(ticks: int) -> Window:
+        return allowance.window(group, k, ticks, aggregate=aggregate, resolution=resolution)
+
+    lower = stretch_lower_bound(window(0))
+    failed, ticks = lower - 1, lower
+    while ticks <= most:
+        found = greedy_window(window(ticks))
+        if found is not None:
+            return lower, _least_stretch(found, failed + 1, allowance, aggregate, resolution)
+        failed, ticks = ticks, max(ticks + 1, math.ceil(ticks * 1.25))
+    return lower, None

@@ -3,7 +3,8 @@
 `solve(problem, config, method)` is the planner's single entry point: it refuses a budget below the
 least memory any plan needs, solves every stage group (greedy, then CP-SAT warm-started by it),
 fuses the curvature of the layers that do not fit the budget deferred (largest kept bytes first,
-when max_overhead allows the time they add), and assembles the Plan.
+when max_overhead allows the time they add), gives every group the same stretch of the step (the
+largest any group needs, [Note: stretch] in planner/window.py), and assembles the Plan.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -32,12 +33,13 @@ from fxkfac.planner.problem import (
     stage_groups,
     step_timeline,
 )
+from fxkfac.planner.stretch import Allowance, allowance, restretch
 from fxkfac.planner.window import (
     GroupSolution,
     Placement,
     Window,
-    build_window,
     fits_memory,
+    grid_scale,
     peak_bytes,
     placements_of,
     too_long,
@@ -68,7 +70,9 @@ class PlanMetrics:
     """What a plan achieves: utilization before/after (busy / device time, mean over devices),
     refresh period and lower bound per stage, step times (plain pipeline, with preconditioning as
     planned, the reference with PREC after the all-reduce), peak memory per device, the greedy
-    periods, and `time_quantum`: the planner's time grid in seconds (see [Note: time grid])."""
+    periods, `time_quantum`: the planner's time grid in seconds (see [Note: time grid]), and
+    `stretch`: the idle seconds appended to every step ([Note: stretch]; left out of the JSON when 0,
+    so files from before it load as 0)."""
 
     utilization_baseline: float
     utilization: float
@@ -81,6 +85,7 @@ class PlanMetrics:
     solver: SolverStats
     greedy_refresh_steps: tuple[int | None, ...]
     time_quantum: float
+    stretch: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -100,6 +105,8 @@ class Plan:
         """Plain JSON-able form (programs in the IR's text format, one string per step)."""
         metrics = asdict(self.metrics)
         metrics["peak_memory"] = {str(d): b for d, b in self.metrics.peak_memory.items()}
+        if not self.metrics.stretch:
+            del metrics["stretch"]
         return {"schema_version": self.schema_version, "fingerprint": self.fingerprint,
                 "problem": self.problem.to_dict(),
                 "programs": {str(r): [format_program([step]) for step in prog] for r, prog in self.programs.items()},
@@ -212,6 +219,7 @@ class _Attempt:
 
     solutions: list[GroupSolution | None]
     greedy: list[GroupSolution | None]
+    allowance: Allowance
 
 
 def _solve_groups(problem: Problem, fused: frozenset[str], config: SolverConfig, method: str,
@@ -221,17 +229,20 @@ def _solve_groups(problem: Problem, fused: frozenset[str], config: SolverConfig,
     groups = stage_groups(problem)
     solutions: list[GroupSolution | None] = []
     greedy: list[GroupSolution | None] = []
+    allowed = allowance(problem, fused, config)
     for n, group in enumerate(groups):
         aggregate = _aggregate(problem, group, config)
-        long = too_long(build_window(problem, group, max(2, min_k), fused, aggregate=aggregate,
-                                     resolution=config.time_resolution))
+        long = too_long(allowed.window(group, max(2, min_k), allowed.ticks(problem.max_period), aggregate=aggregate,
+                                       resolution=config.time_resolution))
         if long:
-            raise PlanError("some K-FAC work cannot fit any bubble, whatever the refresh period: "
-                            + "; ".join(long[:5]) + ". Use more micro-batches or stages (longer bubbles), split "
-                            "the layer, or fuse its curvature (max_overhead > 0 with a memory budget)")
+            raise PlanError("some K-FAC work cannot fit any bubble, whatever the refresh period"
+                            + (f", even with the step stretched by max_overhead={problem.max_overhead:g}"
+                               if allowed.enabled else "") + ": " + "; ".join(long[:5]) + ". "
+                            + _overhead_hint(problem, fused, config, method) + "; or use more micro-batches or stages "
+                            "(longer bubbles), or split the layer")
         try:
             g = greedy_group(problem, group, fused, aggregate=aggregate, resolution=config.time_resolution,
-                             min_k=min_k)
+                             min_k=min_k, allowance=allowed)
         except PlanError:
             g = None
         greedy.append(g)
@@ -241,8 +252,67 @@ def _solve_groups(problem: Problem, fused: frozenset[str], config: SolverConfig,
         from fxkfac.planner.cpsat import solve_group
 
         share = max(0.1, (deadline - time.perf_counter()) / (len(groups) - n))
-        solutions.append(solve_group(problem, group, fused, config, share, g, aggregate=aggregate, min_k=min_k))
-    return _Attempt(solutions, greedy)
+        solutions.append(solve_group(problem, group, fused, config, share, g, aggregate=aggregate, min_k=min_k,
+                                     allowance=allowed))
+    return _Attempt(_same_stretch(solutions), greedy, allowed)
+
+
+def _same_stretch(solutions: list[GroupSolution | None]) -> list[GroupSolution | None]:
+    """Every group at the largest stretch any needs: the step is one for all ranks ([Note: stretch]).
+    A group moved to a longer stretch keeps its staleness, which the longer one might better: no
+    longer proven optimal (unless it is 0)."""
+    if not all(solutions):
+        return solutions
+    stretch = max(s.window.stretch for s in solutions)  # type: ignore[union-attr]
+    out: list[GroupSolution | None] = []
+    for s in solutions:
+        moved = restretch(s, stretch)  # type: ignore[arg-type]
+        if moved is not s and moved.status == "OPTIMAL" and any(moved.use_offset.values()):
+            moved = replace(moved, status="FEASIBLE")
+        out.append(moved)
+    return out
+
+
+def _overhead_hint(problem: Problem, fused: frozenset[str], config: SolverConfig, method: str = "cpsat") -> str:
+    """What max_overhead would place the work by stretching the step (the least, where the solver
+    proves it within a few seconds), for error messages."""
+    from fxkfac.planner.greedy import greedy_overhead
+
+    if not config.stretch:
+        return "Stretching the step is off (SolverConfig.stretch=False)"
+    grid = Allowance(problem, fused, grid_scale(problem, range(problem.num_stages), fused, config.time_resolution))
+    k = problem.max_period
+    lower = upper = 0
+    proven = True
+    for group in stage_groups(problem):
+        low, found = greedy_overhead(problem, group, grid, aggregate=_aggregate(problem, group, config),
+                                     resolution=config.time_resolution)
+        if found is None:
+            return ("Raising max_overhead cannot help: no stretch up to 10 reference steps places the work "
+                    f"(it needs at least {_up(_overhead(problem, fused, k, low, grid))})")
+        least = found.window.stretch <= low
+        if method == "cpsat" and not least:
+            from fxkfac.planner.cpsat import refine_stretch
+
+            found, least = refine_stretch(found, grid, config, min(5.0, config.time_limit_s))
+        lower, upper, proven = max(lower, low), max(upper, found.window.stretch), proven and least
+    need = _up(_overhead(problem, fused, k, upper, grid))
+    where = f"(refresh every {k} steps, the longest max_period allows)"
+    if proven:
+        return f"The least max_overhead that places it is {need} {where}"
+    return (f"Raise max_overhead to {need}, which places it {where}; less than "
+            f"{_up(_overhead(problem, fused, k, lower, grid))} cannot")
+
+
+def _overhead(problem: Problem, fused: frozenset[str], k: int, ticks: int, grid: Allowance) -> float:
+    """max_overhead that a stretch of `ticks` per step at period k needs, fused curvature included."""
+    normal = step_timeline(problem).length
+    return (ticks / grid.scale[0] + (step_timeline(problem, fused).length - normal) / k) / normal  # type: ignore[index]
+
+
+def _up(fraction: float) -> float:
+    """A fraction rounded up to 4 decimals (a value to type that is never short)."""
+    return math.ceil(fraction * 1e4 - 1e-9) / 1e4
 
 
 def _next_fused(problem: Problem, attempt: _Attempt, fused: frozenset[str]) -> frozenset[str] | None:
@@ -282,7 +352,8 @@ def solve(problem: Problem, config: SolverConfig = SolverConfig(), method: str =
         if problem.memory_budget is None or method == "greedy":
             bad = [g.stages for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
             raise PlanError(f"no placement of the K-FAC work of stages {bad} within {problem.max_period} steps "
-                            f"({method}): some task is longer than every bubble, or the time limit was too short")
+                            f"({method}{_stretched(problem, config)}): the bubbles are too short, or the time limit "
+                            f"({config.time_limit_s:g} s) was. {_overhead_hint(problem, fused, config, method)}")
         nxt = _next_fused(problem, attempt, fused)
         if nxt is None:
             bad = [g.stages for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
@@ -291,6 +362,11 @@ def solve(problem: Problem, config: SolverConfig = SolverConfig(), method: str =
         log.info("fusing curvature of %s to fit the memory budget", sorted(nxt - fused))
         fused = nxt
     return _assemble(problem, attempt, fused, time.perf_counter() - began)
+
+
+def _stretched(problem: Problem, config: SolverConfig) -> str:
+    return f", the step stretched by up to max_overhead={problem.max_overhead:g}" \
+        if config.stretch and problem.max_overhead > 0 else ""
 
 
 def _check_budget(problem: Problem) -> None:
@@ -353,7 +429,8 @@ def _assemble(problem: Problem, attempt: _Attempt, fused: frozenset[str], wall: 
             peak[d] = peak_bytes(w, sol.starts, d)
             utilization[d] = _utilization(problem, w, placed, d)
         for s in group.stages:
-            refresh[s], bound[s] = w.k, max(sol.k_lower_bound, refresh_lower_bound(problem, group, fused))
+            lower = refresh_lower_bound(problem, group, fused, stretch=attempt.allowance.enabled)
+            refresh[s], bound[s] = w.k, max(sol.k_lower_bound, lower)
             greedy_k[s] = g.window.k if g is not None else None  # type: ignore[call-overload]
             for x in problem.costs.stages[s].layers:
                 layers[x.name] = LayerTiming(w.k, 0, sol.use_offset[x.name], "fused" if x.name in fused else "deferred")
@@ -371,5 +448,6 @@ def _assemble(problem: Problem, attempt: _Attempt, fused: frozenset[str], wall: 
         step_time=max(s.window.seconds(s.window.length) / s.window.k for s in sols),
         step_time_reference=step_timeline(problem).length, peak_memory=dict(sorted(peak.items())),
         lower_bound_steps=tuple(bound), solver=stats, greedy_refresh_steps=tuple(greedy_k),
-        time_quantum=0.0 if all(s.window.exact for s in sols) else max(s.window.tick for s in sols))
+        time_quantum=0.0 if all(s.window.exact for s in sols) else max(s.window.tick for s in sols),
+        stretch=max(s.window.seconds(s.window.stretch) for s in sols))
     return Plan(problem, dict(sorted(programs.items())), layers, tuple(placements), metrics, problem.fingerprint)

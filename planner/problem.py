@@ -31,6 +31,7 @@ __all__ = [
     "activation_peak",
     "min_memory_bytes",
     "refresh_lower_bound",
+    "stretch_allowance",
     "format_bytes",
 ]
 
@@ -44,7 +45,9 @@ class Problem:
     schedule/D/N/W/v: the pipeline (pp size D, dp size W, N micro-batches per replica, v virtual
     stages for "interleaved"). costs: one StageCost per (virtual) stage. memory_budget: bytes per
     device, None for unlimited. max_overhead: how much the step may grow over the plain pipeline
-    with preconditioning (0.0: only bubbles are used). fingerprint: the graph the plan is for
+    with preconditioning, as a fraction of that reference step (0.0: only bubbles are used); fused
+    curvature and idle time appended to every step (see [Note: stretch] in planner/window.py) share
+    it. fingerprint: the graph the plan is for
     (opaque here). max_period: the longest refresh period the planner may choose.
     """
 
@@ -126,6 +129,9 @@ class SolverConfig:
     aggregate_above: int = 256
     time_resolution: int = 100_000
     """Ticks per step when times are not exact in a decimal unit (see `planner.window`)."""
+    stretch: bool = True
+    """Let the step grow within `Problem.max_overhead` to make room for K-FAC work ([Note: stretch] in
+    planner/window.py); False: max_overhead only pays for fused curvature (bubbles alone)."""
 
 
 @dataclass(frozen=True)
@@ -335,9 +341,22 @@ def min_memory_bytes(problem: Problem) -> int:
     return max(static_bytes(problem, d) + activation_peak(problem, d, fused) for d in problem.devices)
 
 
-def refresh_lower_bound(problem: Problem, group: StageGroup, fused: frozenset[str] = frozenset()) -> int:
+def stretch_allowance(problem: Problem, fused: frozenset[str], k: int) -> float:
+    """Seconds of idle time the planner may append to every step at refresh period k: max_overhead of
+    the reference step, less what the refresh step's fused curvature adds per step of the window."""
+    normal = step_timeline(problem).length
+    extra = step_timeline(problem, fused).length - normal
+    return max(0.0, problem.max_overhead * normal - extra / k)
+
+
+def refresh_lower_bound(problem: Problem, group: StageGroup, fused: frozenset[str] = frozenset(),
+                        stretch: bool = False) -> int:
     """ceil(K-FAC work of the group / its bubble time per step): curvature of every micro-batch on
-    every copy (unfused layers) plus all inversions, over the idle time of the reference step."""
+    every copy (unfused layers) plus all inversions, over the idle time of the reference step.
+
+    stretch: the idle time appended to every step within max_overhead (`stretch_allowance`) counts as
+    bubble on every device of the group: the least k whose k steps hold the work.
+    """
     step = step_timeline(problem, fused)
     work = 0.0
     for device in group.devices:
@@ -351,6 +370,11 @@ def refresh_lower_bound(problem: Problem, group: StageGroup, fused: frozenset[st
     bubble = step.length * len(group.devices) - busy
     if work <= 0:
         return 1
+    if stretch:
+        for k in range(1, problem.max_period + 1):
+            if work <= k * (bubble + len(group.devices) * stretch_allowance(problem, fused, k)) * (1 + 1e-9):
+                return k
+        return problem.max_period + 1
     if bubble <= 0:
         return problem.max_period + 1
     return max(1, math.ceil(work / bubble - 1e-9))

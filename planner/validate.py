@@ -2,11 +2,14 @@
 
 It recomputes what the plan must contain from the problem alone (the simulated step timelines, the
 cost table) and shares no code with planner.window, greedy or cpsat. Times may be off by the plan's
-`metrics.time_quantum` (the planner's time grid, see [Note: time grid] in planner/window.py).
+`metrics.time_quantum` (the planner's time grid, see [Note: time grid] in planner/window.py). Every
+step is followed by `metrics.stretch` idle seconds ([Note: stretch]); the step time, stretch included,
+must stay within the problem's max_overhead.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -42,18 +45,19 @@ class _Ctx:
     refresh: StepTimeline
     normal: StepTimeline
     errors: list[str]
+    stretch: float = 0.0
 
     def period(self, stage: int) -> int:
         return self.plan.layers[self.problem.costs.stages[stage].layers[0].name].period
 
     def length(self, k: int) -> float:
-        return self.refresh.length + (k - 1) * self.normal.length
+        return self.refresh.length + (k - 1) * self.normal.length + k * self.stretch
 
     def base(self, j: int, k: int) -> float:
         """Absolute start of window step j (0..2k)."""
         within = j % k
         start = 0.0 if within == 0 else self.refresh.length + (within - 1) * self.normal.length
-        return start + self.length(k) * (j // k)
+        return start + within * self.stretch + self.length(k) * (j // k)
 
     def step_start(self, device: int, j: int, k: int) -> float:
         """When window step j begins on `device`: at its first F/B of that step."""
@@ -282,7 +286,7 @@ def _check_step_time(c: _Ctx) -> None:
     allowed = c.normal.length * (1 + c.problem.max_overhead)
     if step > allowed + c.tol:
         c.errors.append(f"step time {step:.6g} s exceeds {allowed:.6g} s (reference {c.normal.length:.6g} s, "
-                        f"max_overhead {c.problem.max_overhead:g})")
+                        f"max_overhead {c.problem.max_overhead:g}, stretch {c.stretch:.6g} s per step)")
     if abs(c.plan.metrics.step_time - step) > c.tol + 1e-9 * step:
         c.errors.append(f"step time {c.plan.metrics.step_time:.6g} s claimed, {step:.6g} s found")
 
@@ -339,9 +343,13 @@ def validate(problem: Problem, plan: Plan, *, run: bool = True) -> list[str]:
     simulates the programs (deadlock, speed)."""
     fused = frozenset(n for n, t in plan.layers.items() if t.capture == "fused")
     tol = plan.metrics.time_quantum + 1e-9 * step_timeline(problem).length
-    c = _Ctx(problem, plan, tol, fused, step_timeline(problem, fused), step_timeline(problem), [])
+    stretch = plan.metrics.stretch
+    c = _Ctx(problem, plan, tol, fused, step_timeline(problem, fused), step_timeline(problem), [],
+             stretch if isinstance(stretch, (int, float)) and 0 <= stretch < math.inf else 0.0)
     if plan.problem != problem:
         c.errors.append("the plan was made for another problem")
+    if c.stretch != stretch:
+        c.errors.append(f"the step stretch must be a finite number of seconds >= 0, got {stretch!r}")
     _check_layers(c)
     if c.errors:
         return c.errors

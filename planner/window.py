@@ -7,6 +7,14 @@ durations round up, so a plan is off by at most one tick (`Window.tick` seconds)
 validator allows that much. Zero-duration collectives (SYNC_CURV, BCAST_INV: the cost table has no
 communication times) take one tick on every member, so they never fall inside another op, and the
 gradient all-reduce point blocks the tick before it for the same reason.
+
+[Note: stretch] With `Problem.max_overhead > 0` the planner may append `Window.stretch` idle ticks to
+the end of every step of the window, on every device: the runtime ends each step with a global loss
+all-reduce, so steps are synchronous and work placed there delays the next step on every rank. Step j
+then starts at `offsets[j] = sum over i < j of (length of step i + stretch)`; the F/B work keeps its
+times inside its step. Every stage group of a plan uses the same stretch (the step is one for all
+ranks), on one time grid. The added step time (stretch, plus what fused curvature adds per step) is
+at most `max_overhead` times the reference step; planner/stretch.py searches the least stretch.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from fxkfac.planner.problem import (
     step_timeline,
 )
 
-__all__ = ["Task", "PrecSlot", "Window", "Placement", "GroupSolution", "build_window", "wrap",
+__all__ = ["Task", "PrecSlot", "Window", "Placement", "GroupSolution", "build_window", "grid_scale", "wrap",
            "placements_of", "use_offsets", "prec_steps_ready", "longest_gaps", "too_long", "peak_bytes",
            "fits_memory"]
 
@@ -79,7 +87,8 @@ class Window:
     fixed[d]: merged busy intervals of F/B in [0, length); acts[d]: (start, end, bytes) activation
     pieces; capacity[d]: bytes left for activations and kept a/e (None: unlimited); offsets[j]: start
     of step j (offsets[k] == length). Tasks of a refresh may run until 2*length (the next window's
-    early bubbles): their occupation is taken modulo `length`.
+    early bubbles): their occupation is taken modulo `length`. stretch: idle ticks appended to every
+    step ([Note: stretch]); aggregate: one CURV task per F/B for all layers (see SolverConfig).
     """
 
     problem: Problem
@@ -96,6 +105,8 @@ class Window:
     precs: tuple[PrecSlot, ...]
     first: Mapping[int, tuple[int, ...]]
     """Per device, the tick (relative to the step's offset) of its first F/B in each step."""
+    stretch: int = 0
+    aggregate: bool = False
 
     @property
     def length(self) -> int:
@@ -212,20 +223,32 @@ class _Grid:
         return max(1, self.up(d))
 
 
-def build_window(problem: Problem, group: StageGroup, k: int, fused: frozenset[str] = frozenset(),
-                 *, aggregate: bool = False, resolution: int = 100_000) -> Window:
-    """The window of `k` steps for `group` (step 0 is the refresh step, F/B grown by fused curvature)."""
+def grid_scale(problem: Problem, stages: Iterable[int], fused: frozenset[str], resolution: int) -> tuple[float, bool]:
+    """Ticks per second for windows of `stages` and whether the grid is exact ([Note: time grid])."""
     refresh, normal = step_timeline(problem, fused), step_timeline(problem)
-    layers = [x for s in group.stages for x in problem.costs.stages[s].layers]
+    stages = list(stages)
+    layers = [x for s in stages for x in problem.costs.stages[s].layers]
     durations = [x.curv_a for x in layers] + [x.curv_b for x in layers] + [x.inv_a for x in layers]
-    durations += [x.inv_b for x in layers] + [problem.costs.stages[s].prec for s in group.stages]
+    durations += [x.inv_b for x in layers] + [problem.costs.stages[s].prec for s in stages]
     times = [t for st in (refresh, normal) for items in st.ops.values() for _, a, b in items for t in (a, b)]
-    scale, exact = _scale(times + durations, normal.length, resolution)
+    return _scale(times + durations, normal.length, resolution)
+
+
+def build_window(problem: Problem, group: StageGroup, k: int, fused: frozenset[str] = frozenset(),
+                 *, aggregate: bool = False, resolution: int = 100_000, stretch: int = 0,
+                 scale: tuple[float, bool] | None = None) -> Window:
+    """The window of `k` steps for `group` (step 0 is the refresh step, F/B grown by fused curvature),
+    each step followed by `stretch` idle ticks; `scale`: a (ticks per second, exact) grid to use instead
+    of the group's own (`grid_scale`), so that windows of several groups share one."""
+    if stretch < 0:
+        raise AssertionError(f"negative stretch {stretch}")
+    refresh, normal = step_timeline(problem, fused), step_timeline(problem)
+    scale, exact = scale if scale is not None else grid_scale(problem, group.stages, fused, resolution)
     grid = _Grid(scale)
     steps = [refresh] + [normal] * (k - 1)
     offsets = [0]
     for st in steps:
-        offsets.append(offsets[-1] + grid.at(st.length))
+        offsets.append(offsets[-1] + grid.at(st.length) + stretch)
     length = offsets[-1]
     fixed, acts, capacity, first = {}, {}, {}, {}
     for d in group.devices:
@@ -246,7 +269,8 @@ def build_window(problem: Problem, group: StageGroup, k: int, fused: frozenset[s
         first[d] = tuple(grid.at(st.first_start[d]) for st in steps)
     precs = _prec_slots(problem, group, steps, offsets, grid)
     tasks = _tasks(problem, group, refresh, fused, aggregate, grid)
-    return Window(problem, group, k, fused, scale, exact, tuple(offsets), fixed, acts, capacity, tasks, precs, first)
+    return Window(problem, group, k, fused, scale, exact, tuple(offsets), fixed, acts, capacity, tasks, precs, first,
+                  stretch, aggregate)
 
 
 def _prec_slots(problem: Problem, group: StageGroup, steps: list[StepTimeline], offsets: list[int],
