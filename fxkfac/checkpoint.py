@@ -197,7 +197,8 @@ def check_run(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
             detail = ""
             if key == "timings":
                 a, b = saved.get(key) or {}, mine.get(key) or {}
-                detail = f" (differ for {sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n))[:4]})"
+                differ = sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n))
+                detail = f" (differ for {differ[:4]}; {differ[0]}: {a.get(differ[0])} vs {b.get(differ[0])})"
             raise CheckpointError(f"checkpoint made for {what} {_short(saved.get(key))}, this run is "
                                   f"{_short(mine.get(key))}{detail}; resume with the plan (or layer_timing) "
                                   "and split it was written with")
@@ -337,10 +338,11 @@ def _agree(error: str | None) -> None:
     else:
         errors = [None] * world
         dist.all_gather_object(errors, error)
+    if errors[rank] is not None:
+        raise CheckpointError(errors[rank])
     found = [(r, e) for r, e in enumerate(errors) if e is not None]
     if found:
-        r, e = found[0]
-        raise CheckpointError(e if r == rank or world == 1 else f"rank {r}: {e}")
+        raise CheckpointError(f"rank {found[0][0]}: {found[0][1]}")
 
 
 def _cause(e: BaseException) -> str:

@@ -371,6 +371,9 @@ class KFACRuntime:
     def abort_step(self, ctx: StepContext) -> None:
         """Restore what `begin_step` remembered: a skipped step leaves no factor, inverse or capture behind."""
         (states, refreshes, outbox), captures = self._at_begin
+        for queue in refreshes.values():  # opened by this step before it began: as yet untouched
+            if queue and queue[-1].step == ctx.step:
+                queue.pop()
         self._install(states, refreshes, outbox)
         for key, saved in captures.items():
             ctx.runners[key].captures = saved  # type: ignore[attr-defined]

@@ -17,7 +17,7 @@ from fxkfac.planner.ir import LayerTiming
 from tests.support import models
 
 __all__ = ["KFAC", "bert_batches", "mlp_batches", "bert_trainer", "mlp_trainer", "mlp_single", "snapshot",
-           "same_snapshot", "crash_worker", "resume_worker", "nan_worker", "collective_death_worker"]
+           "same_snapshot", "crash_worker", "resume_worker", "nan_run", "collective_death_worker"]
 
 KFAC = KFACConfig(damping=1e-2, factor_decay=0.9, kl_clip=1e-2)
 BERT_STEPS = 5
@@ -79,6 +79,7 @@ def mlp_loss(out: torch.Tensor, target: tuple[torch.Tensor, torch.Tensor]) -> to
 
 
 MLP_LAYERS = ["0", "2", "4"]
+NAN_AT, NAN_STEPS = (2,), 5  # step 2 refreshes the factors (period 2): its NaN captures must not land
 
 
 def mlp_trainer(schedule: str = "1f1b", period: int = 1, **kw: Any) -> Any:
@@ -120,7 +121,8 @@ def _error(e: BaseException) -> tuple[str, str]:
 
 
 def crash_worker(rank: int, world: int, ckpt: str, mlp_ckpt: str) -> dict:
-    """Save at step 2, train to the end (the reference), resume in place, then rank 1 is SIGKILLed after step 3."""
+    """Save at step 2, train to the end (the reference, also written to ``<ckpt>.reference-<rank>.pt``), resume
+    in place, then rank 1 is SIGKILLed after step 3."""
     from fxkfac.errors import PipelineError
 
     mlp = mlp_trainer()
@@ -133,9 +135,10 @@ def crash_worker(rank: int, world: int, ckpt: str, mlp_ckpt: str) -> dict:
     trainer.save_checkpoint(ckpt)
     losses += [trainer.step((ids,), y) for ids, y in data[SAVE_AT:]]
     reference = snapshot(trainer)
+    torch.save(reference, f"{ckpt}.reference-{rank}.pt")
     trainer.load_checkpoint(ckpt)
     resumed_loss = trainer.step((data[SAVE_AT][0],), data[SAVE_AT][1])
-    out = {"reference": reference, "losses": losses, "resumed_loss": resumed_loss, "error": None}
+    out = {"losses": losses, "resumed_loss": resumed_loss, "error": None}
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
     try:
@@ -222,36 +225,13 @@ def resume_worker(rank: int, world: int, ckpt: str, mlp_ckpt: str, single_ckpt: 
     trainer.load_checkpoint(again)
     reloaded = same_snapshot(saved, snapshot(trainer))
     return {"refusals": refusals, "loaded_step": loaded_step, "losses": losses, "final": final,
-            "failed_save": failed_save, "unchanged": unchanged, "leftovers": leftovers, "reloaded": reloaded}
+            "failed_save": failed_save, "unchanged": unchanged, "leftovers": leftovers, "reloaded": reloaded,
+            "nan": nan_run(NAN_AT, NAN_STEPS)}
 
 
-def kill_during_save_worker(rank: int, world: int, path: str) -> dict:
-    """Save the MLP run at step 1, then rank 1 is SIGKILLed after writing its tensors of the step-2 save."""
-    import fxkfac.checkpoint as checkpoint
-
-    trainer = mlp_trainer(timeout=10.0)
-    batches = mlp_batches(2)
-    trainer.step(*batches[0])
-    trainer.save_checkpoint(path)
-    trainer.step(*batches[1])
-    write = checkpoint._JsonMetadataWriter.write_data
-
-    def dying_write(self: Any, plan: Any, planner: Any) -> Any:
-        write(self, plan, planner)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    if rank == 1:
-        checkpoint._JsonMetadataWriter.write_data = dying_write  # type: ignore[method-assign]
-    try:
-        trainer.save_checkpoint(path)
-    except Exception as e:  # the test checks the type and message
-        return {"error": _error(e)}
-    return {"error": None}
-
-
-def nan_worker(rank: int, world: int, nan_at: tuple[int, ...], steps: int) -> dict:
-    """MLP PipeFisher run with NaN losses at the steps in ``nan_at``: per step the skip count and the state;
-    then a run with max_skipped_steps=1 fed two NaN steps in a row."""
+def nan_run(nan_at: tuple[int, ...], steps: int) -> dict:
+    """MLP PipeFisher run with NaN losses at the steps in ``nan_at``: the state after every step; then a run with
+    max_skipped_steps=1 fed two NaN steps in a row."""
     from fxkfac.errors import NonFiniteError
 
     trainer = mlp_trainer(period=2)

@@ -151,13 +151,46 @@ def test_killed_rank_fails_the_job_and_a_fresh_launch_resumes_exactly(tmp_path: 
         v = r.value
         assert v["loaded_step"] == cw.SAVE_AT
         assert v["losses"] == survivor.value["losses"][cw.SAVE_AT:]
-        if r.rank == 0:  # rank 1 of the first launch was killed before it could report its reference
-            assert cw.same_snapshot(survivor.value["reference"], v["final"]) == []
+        reference = torch.load(f"{ckpt}.reference-{r.rank}.pt", weights_only=True)
+        assert cw.same_snapshot(reference, v["final"]) == [], f"rank {r.rank} did not resume exactly"
         _check_refusals(v["refusals"])
         kind, message = v["failed_save"]
         assert kind == "CheckpointError" and "failed" in message, v["failed_save"]
         assert v["unchanged"] and v["reloaded"] == []
         assert v["leftovers"] and all(".tmp-" in name for name in v["leftovers"])
+        _check_nan_run(v["nan"])
+
+
+def _check_nan_run(v: dict) -> None:
+    """The NaN step is skipped and counted on every rank, leaves parameters, optimizer and K-FAC state as they
+    were, and the run ends where the single-device trainer (which skips it too) ends."""
+    assert v["skipped"] == 1 and v["steps"] == cw.NAN_STEPS - 1
+    assert all(torch.isnan(torch.tensor(v["losses"][i])) for i in cw.NAN_AT)
+    before, after = v["states"][cw.NAN_AT[0]], v["states"][cw.NAN_AT[0] + 1]
+    assert after[0]["skipped_steps"] == 1 and before[0]["skipped_steps"] == 0
+    assert cw.same_snapshot(({**before[0], "skipped_steps": 1}, before[1]), after) == []
+    assert any(k.startswith("kfac/") for k in after[1]), "the snapshot holds no K-FAC state"
+    single = cw.mlp_single(period=2)
+    for x, y in cw.mlp_batches(cw.NAN_STEPS, nan_at=cw.NAN_AT):
+        single.step(x, y)
+    assert single.skipped_steps == 1
+    want = dict(single.named_parameters())
+    bad = [n for n, p in v["params"].items() if not torch.allclose(p, want[n], atol=1e-5, rtol=0)]
+    assert not bad, f"pipelined parameters {bad} differ from the single-device trainer's"
+    assert [kind for kind, _ in v["strict_errors"]] == ["NonFiniteError"]
+    assert "2 steps in a row had NaN/Inf loss or gradients (max_skipped_steps=1)" in v["strict_errors"][0][1]
+    assert v["strict_skipped"] == 2 and v["strict_steps"] == 1
+
+
+@pytest.mark.multiproc
+def test_rank_dying_at_a_kfac_collective_fails_its_peer_with_the_instruction() -> None:
+    """Chimera on 2 ranks (both hold every stage): rank 1 dies instead of its SYNC_CURV; rank 0 fails there."""
+    results = run_distributed(cw.collective_death_worker, 2, "SYNC_CURV", timeout=120)
+    assert results[1].exitcode == -9, results[1]
+    assert results[0].ok, results[0].traceback
+    kind, message = results[0].value["error"]
+    assert kind in ("PipelineError", "PipelineTimeoutError") and "rank 0" in message, message
+    assert "SYNC_CURV" in message and "peer" in message, message
 
 
 EXPECTED_REFUSALS = {
@@ -167,7 +200,8 @@ EXPECTED_REFUSALS = {
     "truncated_header": r"checkpoint header .*fxkfac\.json is unreadable or corrupt",
     "missing_tensors": r"reading the tensors of checkpoint .* failed",
     "no checkpoint": r"no checkpoint directory at .*nothing",
-    "another plan": r"checkpoint made for layer timings \w+, this run is \w+ \(differ for \['0', '2', '4'\]\)",
+    "another plan": r"checkpoint made for layer timings \w+, this run is \w+ \(differ for \['0', '2', '4'\]; "
+                    r"0: \[1, 0, 0, 'fused'\] vs \[2, 0, 0, 'fused'\]\)",
     "another schedule": r"checkpoint made for pipefisher 1f1b D=2 W=1 N=2 v=1 global batch 8, this run is "
                         r"pipefisher gpipe D=2 W=1 N=2 v=1",
     "one-device checkpoint": r"checkpoint made for single on one device \(mesh=None\), 2 micro-batches, this run "
