@@ -38,7 +38,8 @@ def compile(  # noqa: A001 - the public name the design card gives
     PipeFisher runtime (`fxkfac.runtime.pipefisher.PipeFisherTrainer`: ``plan="auto"`` profiles and
     solves, a path or a Plan is checked and used), with ``kfac=None`` the plain pipeline. Extra
     keywords (``timeout``, ``virtual_stages``, ``split_points``, ``record_timeline``, ``plan_options``)
-    go to it. ``optimizer`` is a factory ``params -> torch.optim.Optimizer`` (default AdamW, lr 1e-3);
+    go to it; ``max_skipped_steps`` (NaN/Inf steps skipped in a row before NonFiniteError) to every
+    trainer. ``optimizer`` is a factory ``params -> torch.optim.Optimizer`` (default AdamW, lr 1e-3);
     ``kfac=None`` trains with it alone.
     ``backend`` is a torch.compile backend ("inductor", "eager", ...) or None for no compilation.
     ``layer_timing`` sets the refresh timing per layer (the planner's output); on one device a
@@ -58,6 +59,7 @@ def compile(  # noqa: A001 - the public name the design card gives
         from fxkfac.runtime.pipefisher import PipeFisherTrainer
 
         return PipeFisherTrainer(model, mesh, plan=plan, kfac=kfac, layer_timing=layer_timing, **common)
+    single_kw = {k: kw.pop(k) for k in ("max_skipped_steps",) if k in kw}
     if kw:
         raise ConfigError(f"unknown arguments for a single-device compile: {sorted(kw)}")
     single_plan = None if plan in (None, "auto") else plan
@@ -69,4 +71,4 @@ def compile(  # noqa: A001 - the public name the design card gives
         layer_timing = {**dict(getattr(single_plan, "layers", {})), **dict(layer_timing or {})}
     return SingleDeviceTrainer(model, example_inputs=example_inputs, loss_fn=loss_fn, optimizer=optimizer,
                                kfac=kfac, microbatches=microbatches, backend=backend,
-                               layer_timing=layer_timing, plan=single_plan)
+                               layer_timing=layer_timing, plan=single_plan, **single_kw)

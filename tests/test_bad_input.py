@@ -12,7 +12,8 @@ from torch import Tensor, nn
 import fxkfac
 from fxkfac.capture import capture
 from fxkfac.config import KFACConfig
-from fxkfac.errors import CaptureError, ConfigError
+import fxkfac.trainer
+from fxkfac.errors import CaptureError, CheckpointError, ConfigError, NonFiniteError
 from tests.support.models import mlp, tiny_bert, token_batch
 
 
@@ -145,3 +146,56 @@ def test_nan_gradients_skip_the_step_and_leave_state_untouched() -> None:
         assert torch.equal(s.A, factors[name]) and s.refreshes == 1 and s.a_sum is None
     trainer.step(x, y)
     assert trainer.step_count == 2 and all(s.refreshes == 2 for s in trainer.kfac_states.values())
+
+
+def _state(trainer: fxkfac.trainer.Trainer) -> dict[str, Tensor]:
+    return {f"{name}": p.detach().clone() for name, p in trainer.named_parameters()}
+
+
+def _trained_mlp_checkpoint(path: str) -> None:
+    x, y = torch.randn(8, 12), torch.randn(8, 5)
+    trainer = fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, optimizer=_sgd,
+                             kfac=KFACConfig(damping=1e-2), backend=None)
+    trainer.step(x, y)
+    trainer.save_checkpoint(path)
+
+
+def test_checkpoint_of_another_model_is_refused_and_changes_nothing(tmp_path) -> None:
+    _trained_mlp_checkpoint(str(tmp_path / "mlp"))
+    x = torch.randn(4, 12)
+    other = fxkfac.compile(mlp(hidden=8), None, example_inputs=(x,), loss_fn=_mse, optimizer=_sgd,
+                           kfac=KFACConfig(damping=1e-2), backend=None)
+    before = _state(other)
+    with pytest.raises(CheckpointError, match=r"checkpoint made for another model, this run is 5 parameters "
+                                              r"\(shapes differ for \[\('0.bias', \[16\], \[8\]\)"):
+        other.load_checkpoint(str(tmp_path / "mlp"))
+    assert all(torch.equal(p, before[n]) for n, p in _state(other).items()) and other.step_count == 0
+
+
+def test_corrupt_checkpoint_metadata_is_refused_and_changes_nothing(tmp_path) -> None:
+    path = tmp_path / "mlp"
+    _trained_mlp_checkpoint(str(path))
+    metadata = path / ".metadata.json"
+    metadata.write_bytes(metadata.read_bytes()[:100])  # truncated
+    x = torch.randn(8, 12)
+    trainer = fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, optimizer=_sgd,
+                             kfac=KFACConfig(damping=1e-2), backend=None)
+    before = _state(trainer)
+    with pytest.raises(CheckpointError, match=r"tensor metadata .*\.metadata\.json is unreadable or corrupt"):
+        trainer.load_checkpoint(str(path))
+    assert all(torch.equal(p, before[n]) for n, p in _state(trainer).items()) and trainer.step_count == 0
+    assert all(s.A is None for s in trainer.kfac_states.values())
+
+
+def test_repeated_nan_steps_stop_with_nonfinite_error() -> None:
+    x, y = torch.randn(8, 12), torch.randn(8, 5)
+    trainer = fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, optimizer=_sgd, backend=None,
+                             kfac=KFACConfig(damping=1e-2), max_skipped_steps=2)
+    bad = torch.full_like(y, float("nan"))
+    trainer.step(x, bad)
+    trainer.step(x, bad)
+    with pytest.raises(NonFiniteError, match=r"3 steps in a row had NaN/Inf .*max_skipped_steps=2"):
+        trainer.step(x, bad)
+    assert trainer.skipped_steps == 3 and trainer.step_count == 0
+    trainer.step(x, y)
+    assert trainer.step_count == 1

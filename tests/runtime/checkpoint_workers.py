@@ -178,8 +178,32 @@ def _files(path: str) -> dict[str, bytes]:
     return {f.name: f.read_bytes() for f in sorted(Path(path).iterdir())}
 
 
-def resume_worker(rank: int, world: int, ckpt: str, mlp_ckpt: str, single_ckpt: str, scratch: str) -> dict:
-    """Bad checkpoints are refused with nothing changed; the step-2 checkpoint resumes; interrupted saves."""
+def _bad_construction(plan_path: str) -> dict:
+    """Micro-batches that do not divide the batch, and a plan made for another mesh: the errors, and whether
+    the model handed in and the plan file stayed as they were."""
+    from fxkfac.errors import FxkfacError
+    from fxkfac.runtime.pipefisher import PipeFisherTrainer
+
+    model = models.mlp()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    plan_bytes = Path(plan_path).read_bytes()
+    out: dict[str, Any] = {}
+    for name, kw in (("microbatches", {"microbatches": 3}), ("plan for another mesh", {"plan": plan_path})):
+        try:
+            PipeFisherTrainer(model, (2, 1), kfac=KFAC, example_inputs=(mlp_batches(1)[0][0],), loss_fn=mlp_loss,
+                              optimizer=_sgd, schedule="1f1b", **{"microbatches": 2, **kw})
+            out[name] = ("no error", "")
+        except FxkfacError as e:
+            out[name] = _error(e)
+    out["untouched"] = (all(torch.equal(p, params[n]) for n, p in model.named_parameters())
+                        and Path(plan_path).read_bytes() == plan_bytes)
+    return out
+
+
+def resume_worker(rank: int, world: int, ckpt: str, mlp_ckpt: str, single_ckpt: str, plan_path: str,
+                  scratch: str) -> dict:
+    """Bad checkpoints are refused with nothing changed; the step-2 checkpoint resumes; interrupted saves;
+    bad constructor input; a NaN step (`nan_run`)."""
     import fxkfac.checkpoint as checkpoint
 
     trainer = bert_trainer()
@@ -199,6 +223,13 @@ def resume_worker(rank: int, world: int, ckpt: str, mlp_ckpt: str, single_ckpt: 
     gpipe = mlp_trainer(schedule="gpipe")
     refusals["another schedule"] = _expect_refusal(gpipe, mlp_ckpt, snapshot(gpipe))
     refusals["one-device checkpoint"] = _expect_refusal(gpipe, single_ckpt, snapshot(gpipe))
+    before = snapshot(gpipe)
+    x, y = mlp_batches(1)[0]
+    try:
+        gpipe.step(x[:6], (y[0][:6], y[1][:6]))
+        other_batch = ("no error", "", [])
+    except Exception as e:  # the test checks the type and message
+        other_batch = (*_error(e), same_snapshot(before, snapshot(gpipe)))
 
     # A save that fails half way (rank 1's tensor write raises) keeps the checkpoint it was replacing.
     again = str(Path(scratch) / "again")
@@ -226,7 +257,8 @@ def resume_worker(rank: int, world: int, ckpt: str, mlp_ckpt: str, single_ckpt: 
     reloaded = same_snapshot(saved, snapshot(trainer))
     return {"refusals": refusals, "loaded_step": loaded_step, "losses": losses, "final": final,
             "failed_save": failed_save, "unchanged": unchanged, "leftovers": leftovers, "reloaded": reloaded,
-            "nan": nan_run(NAN_AT, NAN_STEPS)}
+            "nan": nan_run(NAN_AT, NAN_STEPS), "other_batch": other_batch,
+            "construction": _bad_construction(plan_path)}
 
 
 def nan_run(nan_at: tuple[int, ...], steps: int) -> dict:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import deque
 from pathlib import Path
 
@@ -145,8 +146,10 @@ def test_killed_rank_fails_the_job_and_a_fresh_launch_resumes_exactly(tmp_path: 
     single.step(*cw.mlp_batches(1)[0])
     single.save_checkpoint(single_ckpt)
     (tmp_path / "scratch").mkdir()
-    results = _ok(run_distributed(cw.resume_worker, 2, ckpt, mlp_ckpt, single_ckpt, str(tmp_path / "scratch"),
-                                  timeout=300))
+    plan_path = str(tmp_path / "plan-2x2.json")
+    _plan_for_a_2x2_mesh().save(plan_path)
+    results = _ok(run_distributed(cw.resume_worker, 2, ckpt, mlp_ckpt, single_ckpt, plan_path,
+                                  str(tmp_path / "scratch"), timeout=300))
     for r in results:
         v = r.value
         assert v["loaded_step"] == cw.SAVE_AT
@@ -159,6 +162,27 @@ def test_killed_rank_fails_the_job_and_a_fresh_launch_resumes_exactly(tmp_path: 
         assert v["unchanged"] and v["reloaded"] == []
         assert v["leftovers"] and all(".tmp-" in name for name in v["leftovers"])
         _check_nan_run(v["nan"])
+        kind, message, changed = v["other_batch"]
+        assert kind == "ConfigError" and "global batch size 6 differs from the example's 8" in message
+        assert changed == []
+        built = v["construction"]
+        assert built["untouched"], "a failed construction changed the model or the plan file"
+        assert built["microbatches"][0] == "ConfigError"
+        assert "batch dimension 8 is not divisible by W*N = 1*3" in built["microbatches"][1]
+        assert built["plan for another mesh"][0] == "PlanMismatchError"
+        assert re.search(r"was made for 1f1b D=2 N=2 W=2 v=1, but this run is 1f1b D=2 N=2 W=1 v=1",
+                         built["plan for another mesh"][1]), built["plan for another mesh"]
+
+
+def _plan_for_a_2x2_mesh():  # type: ignore[no-untyped-def]
+    """A plan (the paper's greedy placement on analytic costs) for 1F1B on a 2x2 mesh."""
+    from fxkfac.planner.analytic import analytic_cost_table
+    from fxkfac.planner.plan import solve
+    from fxkfac.planner.problem import Problem, SolverConfig
+
+    problem = Problem("1f1b", 2, 2, analytic_cost_table("bert-base", 2, 2, 128), W=2, max_overhead=1.0,
+                      fingerprint="fx1-0000000000000000")
+    return solve(problem, SolverConfig(time_limit_s=2), method="greedy")
 
 
 def _check_nan_run(v: dict) -> None:
@@ -210,8 +234,6 @@ EXPECTED_REFUSALS = {
 
 
 def _check_refusals(refusals: dict) -> None:
-    import re
-
     assert set(refusals) == set(EXPECTED_REFUSALS)
     for name, (kind, message, changed) in refusals.items():
         assert kind == "CheckpointError", (name, kind, message)
