@@ -298,6 +298,9 @@ def _overhead_hint(problem: Problem, fused: frozenset[str], config: SolverConfig
         lower, upper, proven = max(lower, low), max(upper, found.window.stretch), proven and least
     need = _up(_overhead(problem, fused, k, upper, grid))
     where = f"(refresh every {k} steps, the longest max_period allows)"
+    if need <= problem.max_overhead:
+        return (f"max_overhead={problem.max_overhead:g} is enough ({need} places it {where}) but the {method} "
+                "search did not find a placement: raise SolverConfig.time_limit_s (or use method 'cpsat')")
     if proven:
         return f"The least max_overhead that places it is {need} {where}"
     return (f"Raise max_overhead to {need}, which places it {where}; less than "
