@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from rich.console import Group, RenderableType
 
-from fxkfac.planner.ir import Op, OpKind
+from fxkfac.planner.ir import OpKind
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import StepTimeline, copies_of_stage, step_timeline
 from fxkfac.planner.simulate import Interval, Timeline

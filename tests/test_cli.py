@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from fxkfac.cli import main, parse_bytes, parse_fraction
+from fxkfac.cli import build_parser, cost_table, main, parse_bytes, parse_fraction, problem_of
 from fxkfac.plan_view import planned_utilization, planned_view, render_plan
 from fxkfac.planner.errors import PlannerError
 from fxkfac.planner.ir import Op, OpKind
@@ -204,9 +204,6 @@ def test_show_refuses_damaged_plans_in_one_line(damage, needle: str, tmp_path: P
 
 def test_infeasible_budget_says_the_least_memory_and_writes_nothing(tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture[str]) -> None:
-    from fxkfac.cli import cost_table, problem_of
-    from fxkfac.cli import build_parser
-
     args = build_parser().parse_args(PLAN)
     need = min_memory_bytes(problem_of(args, cost_table(args, 4)))
     export, trace = tmp_path / "plan.json", tmp_path / "trace.json"

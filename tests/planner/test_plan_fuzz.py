@@ -18,7 +18,7 @@ from fxkfac.planner.plan import SCHEMA_VERSION, Plan, solve
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import problem
 
-Path_ = tuple[Any, ...]
+TreePath = tuple[Any, ...]
 
 
 @lru_cache(maxsize=1)
@@ -28,7 +28,7 @@ def _valid_text() -> str:
     return plan.to_json()
 
 
-def _paths(node: Any, here: Path_ = ()) -> list[Path_]:
+def _paths(node: Any, here: TreePath = ()) -> list[TreePath]:
     """Every path into the JSON tree (the root excluded)."""
     out = []
     items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
@@ -38,17 +38,17 @@ def _paths(node: Any, here: Path_ = ()) -> list[Path_]:
     return out
 
 
-def _get(tree: Any, path: Path_) -> Any:
+def _get(tree: Any, path: TreePath) -> Any:
     for key in path:
         tree = tree[key]
     return tree
 
 
-def _set(tree: Any, path: Path_, value: Any) -> None:
+def _set(tree: Any, path: TreePath, value: Any) -> None:
     _get(tree, path[:-1])[path[-1]] = value
 
 
-def _delete(tree: Any, path: Path_) -> None:
+def _delete(tree: Any, path: TreePath) -> None:
     del _get(tree, path[:-1])[path[-1]]
 
 
