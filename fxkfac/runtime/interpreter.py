@@ -62,6 +62,14 @@ class StepContext:
             raise PipelineError(f"rank {self.rank} got '{op}' but holds only stages "
                                 f"{sorted(self.runners)} (stage, pipe): the program was made for another layout") from None
 
+    def stage_runner(self, stage: int) -> StageRunner:
+        """This rank's copy of `stage`, whatever its pipe (PREC names a stage, not a Chimera pipe)."""
+        held = [runner for (s, _), runner in self.runners.items() if s == stage]
+        if len(held) != 1:
+            raise PipelineError(f"rank {self.rank} holds {len(held)} copies of stage {stage} (stages "
+                                f"{sorted(self.runners)} (stage, pipe)); the program was made for another layout")
+        return held[0]
+
 
 Handler = Callable[[StepContext, Op], None]
 

@@ -332,7 +332,7 @@ class KFACRuntime:
 
     def prec(self, ctx: StepContext, op: Op) -> None:
         """Activate due inverses and precondition stage `op.stage`'s gradients; add its share of <P, G>."""
-        runner = ctx.runner(op)
+        runner = ctx.stage_runner(op.stage)  # type: ignore[arg-type]
         names = [layer.name for layer in self._by_stage.get(op.stage, [])]  # type: ignore[arg-type]
         for name in names:
             late = [r.step for r in self.refreshes[name] if r.step + self.timings[name].use_offset <= ctx.step]
