@@ -195,12 +195,9 @@ class KFACRuntime:
                 if step % self.timings[n].period == self.timings[n].curv_step}
 
     def open_refreshes(self, step: int) -> None:
-        """Open a refresh record at `step` for every local layer that refreshes then (once: a step retried
-        after a skip finds its records open)."""
+        """Open a refresh record at `step` for every local layer that refreshes then."""
         for name in self.modes_at(step, list(self.layers)):
-            queue = self.refreshes[name]
-            if not queue or queue[-1].step != step:
-                queue.append(_Refresh(step))
+            self.refreshes[name].append(_Refresh(step))
 
     # --- handlers -------------------------------------------------------------------------------
 
@@ -363,17 +360,15 @@ class KFACRuntime:
     # --- skipped steps and checkpoints ------------------------------------------------------------
 
     def begin_step(self, ctx: StepContext) -> None:
-        """Remember the K-FAC state and the runners' captures as the step begins (see `abort_step`)."""
+        """Remember the K-FAC state and the runners' captures (see `abort_step`), then open the step's refreshes."""
         captures = {key: {k: deque(q) for k, q in r.captures.items()} for key, r in ctx.runners.items()
                     if isinstance(r, TappedRunner)}
         self._at_begin = (self._copy(), captures)
+        self.open_refreshes(ctx.step)
 
     def abort_step(self, ctx: StepContext) -> None:
         """Restore what `begin_step` remembered: a skipped step leaves no factor, inverse or capture behind."""
         (states, refreshes, outbox), captures = self._at_begin
-        for queue in refreshes.values():  # opened by this step before it began: as yet untouched
-            if queue and queue[-1].step == ctx.step:
-                queue.pop()
         self._install(states, refreshes, outbox)
         for key, saved in captures.items():
             ctx.runners[key].captures = saved  # type: ignore[attr-defined]

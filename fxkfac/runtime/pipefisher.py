@@ -154,8 +154,8 @@ class PipeFisherTrainer(PipelineTrainer):
         return StageGroup(ranks, self.sync.groups[ranks])
 
     def step(self, inputs: Any, targets: Any) -> float:
-        """One optimizer step; the layers refreshing at this step are tapped in their stages."""
-        self.kfac_runtime.open_refreshes(self.steps)
+        """One optimizer step; the layers refreshing at this step are tapped in their stages (their refresh
+        records are opened by the K-FAC runtime when the step's program begins)."""
         for runner in self.runners.values():
             if isinstance(runner, TappedRunner):
                 runner.modes = self.kfac_runtime.modes_at(self.steps, list(runner.layers))

@@ -109,10 +109,19 @@ def snapshot(trainer: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     return skeleton, {k: t.clone() for k, t in tensors.items()}
 
 
+def _json_diff(a: Any, b: Any, path: str = "") -> list[str]:
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b), key=str) for d in _json_diff(a.get(k), b.get(k), f"{path}/{k}")]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b)) for d in _json_diff(x, y, f"{path}/{i}")]
+    return [] if a == b else [f"{path}: {a!r} != {b!r}"[:300]]
+
+
 def same_snapshot(a: tuple[Any, dict], b: tuple[Any, dict]) -> list[str]:
     """What differs between two snapshots (bit for bit): [] when equal."""
-    if a[0] != b[0]:
-        return ["the JSON part (structure, step counters, integers)"]
+    differ = _json_diff(a[0], b[0])
+    if differ:
+        return differ
     return [k for k in a[1] if not (a[1][k].dtype == b[1][k].dtype and torch.equal(a[1][k], b[1][k]))]
 
 

@@ -118,8 +118,6 @@ def test_kfac_work_in_flight_round_trips_through_a_checkpoint_state() -> None:
     again, again_tensors = checkpoint.split_tensors(restored.state_dict(), 0)
     assert again == skeleton and set(again_tensors) == set(tensors)
     assert all(torch.equal(again_tensors[k], tensors[k]) for k in tensors)
-    restored.open_refreshes(0)  # a step retried after a skip finds its refresh open: no second record
-    assert [r.step for r in restored.refreshes[name]] == [0]
     bad = checkpoint.join_tensors(skeleton, tensors)
     bad["inflight"]["refreshes"]["not.a.layer"] = bad["inflight"]["refreshes"].pop(name)
     with pytest.raises(CheckpointError, match=r"in flight for layers \['not.a.layer'\]"):
