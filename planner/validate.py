@@ -60,8 +60,9 @@ class _Ctx:
         return start + within * self.stretch + self.length(k) * (j // k)
 
     def step_start(self, device: int, j: int, k: int) -> float:
-        """When window step j begins on `device`: at its first F/B of that step."""
-        return self.base(j, k) + self.timeline(j, k).first_start[device]
+        """When window step j begins on `device`: at the step's start on every device (each step ends
+        with collectives over all ranks: the KL-clip's and the loss all-reduce)."""
+        return self.base(j, k)
 
     def timeline(self, j: int, k: int) -> StepTimeline:
         return self.refresh if j % k == 0 else self.normal
@@ -134,8 +135,9 @@ def _check_placed_once(c: _Ctx) -> None:
             c.errors.append(f"{p.op} on r{p.device}: lasts {p.end - p.start:.6g} s, costs {_duration(c, p.op):.6g} s")
         k = c.period(p.op.stage)
         if not 0 <= p.step < 2 * k or not c.step_start(p.device, p.step, k) - c.tol <= p.start \
-                <= c.step_start(p.device, p.step + 1, k) + c.tol:
-            c.errors.append(f"{p.op} on r{p.device} at {p.start:.6g} s is not in window step {p.step} (k={k})")
+                or p.end > c.step_start(p.device, p.step + 1, k) + c.tol:
+            c.errors.append(f"{p.op} on r{p.device} at [{p.start:.6g}, {p.end:.6g}) s is not within window step "
+                            f"{p.step} (k={k})")
         if p.op.kind is OpKind.INV and p.device not in copies_of_stage(c.problem, p.op.stage):  # type: ignore[arg-type]
             c.errors.append(f"{p.op} runs on r{p.device}, which does not hold stage {p.op.stage}")
     want = _expected(c)
@@ -230,8 +232,7 @@ def _check_precs_and_offsets(c: _Ctx) -> None:
     prec = {(p.op.stage, p.device, p.step): p for p in c.plan.placements if p.op.kind is OpKind.PREC}
     for (s, d, j), p in prec.items():
         k = c.period(s)
-        st, nxt = c.timeline(j, k), c.timeline(j + 1, k)
-        lo, hi = c.base(j, k) + st.allreduce_end[d, s], c.base(j + 1, k) + nxt.first_start[d]
+        lo, hi = c.base(j, k) + c.timeline(j, k).allreduce_end[d, s], c.base(j + 1, k)
         if p.start < lo - c.tol or p.end > hi + c.tol:
             c.errors.append(f"PREC s{s} step {j} on r{d} [{p.start:.6g}, {p.end:.6g}) is outside [{lo:.6g}, {hi:.6g})")
     ready: dict[str, float] = defaultdict(float)

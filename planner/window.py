@@ -15,6 +15,13 @@ then starts at `offsets[j] = sum over i < j of (length of step i + stretch)`; th
 times inside its step. Every stage group of a plan uses the same stretch (the step is one for all
 ranks), on one time grid. The added step time (stretch, plus what fused curvature adds per step) is
 at most `max_overhead` times the reference step; planner/stretch.py searches the least stretch.
+
+[Note: step barrier] Every step ends with collectives over all ranks (the KL-clip's <P, G> in OPT_STEP
+and the loss all-reduce), so step j+1 begins at `offsets[j+1]` on every device, also on one whose first
+F/B comes later. An op placed in such a device's early bubble belongs to step j+1's program (it runs
+after the barrier, while the device waits for its first input); PREC of step j ends by `offsets[j+1]`
+(before OPT_STEP); and the first tick of every step is blocked on every device, so no task spans a
+boundary (it would hold the barrier up on every rank).
 """
 
 from __future__ import annotations
@@ -124,15 +131,15 @@ class Window:
 
     def step_of(self, device: int, t: int) -> int:
         """The window step (0..2k-1) whose program holds an op starting at absolute tick t on device:
-        a device's step begins at its first F/B of that step."""
+        steps begin at their offsets on every device ([Note: step barrier])."""
         for j in range(2 * self.k - 1, 0, -1):
             if t >= self.step_start(device, j):
                 return j
         return 0
 
     def step_start(self, device: int, j: int) -> int:
-        """Absolute tick at which window step j (0..2k) begins on `device`."""
-        return self.offsets[j % self.k] + self.length * (j // self.k) + self.first[device][j % self.k]
+        """Absolute tick at which window step j (0..2k) begins on `device` (the same on every device)."""
+        return self.offsets[j % self.k] + self.length * (j // self.k)
 
     def earliest(self, task: Task, device: int) -> int:
         """The earliest start of `task` on `device`: its release, and not before the refresh step
@@ -261,6 +268,7 @@ def build_window(problem: Problem, group: StageGroup, k: int, fused: frozenset[s
             for s in stages_on_device(problem, d):
                 point = off + grid.at(st.allreduce_end[d, s])
                 busy += wrap(point - 1, point, length) if point >= 1 else []
+            busy += wrap(off, off + 1, length)  # no task spans a step boundary ([Note: step barrier])
             for a, b, nbytes in activation_intervals(problem, d, st):
                 pieces += [(s, e, nbytes) for s, e in wrap(off + grid.at(a), off + grid.at(b), length)]
         fixed[d], acts[d] = _merge(busy), tuple(pieces)
@@ -276,14 +284,12 @@ def build_window(problem: Problem, group: StageGroup, k: int, fused: frozenset[s
 def _prec_slots(problem: Problem, group: StageGroup, steps: list[StepTimeline], offsets: list[int],
                 grid: _Grid) -> tuple[PrecSlot, ...]:
     slots = []
-    k = len(steps)
     for d in group.devices:
         for s in stages_on_device(problem, d):
             seconds = problem.costs.stages[s].prec
             for j, st in enumerate(steps):
-                nxt = steps[(j + 1) % k]
                 release = offsets[j] + grid.at(st.allreduce_end[d, s])
-                deadline = offsets[j + 1] + grid.at(nxt.first_start[d])
+                deadline = offsets[j + 1]  # before the step's OPT_STEP ([Note: step barrier])
                 reference = offsets[j] + grid.at(st.end_of(d, Op(OpKind.PREC, s)) - seconds)
                 ticks = min(grid.span(seconds), deadline - release)
                 slots.append(PrecSlot(d, s, j, release, deadline, max(release, reference), ticks, seconds))
