@@ -480,6 +480,8 @@ def load(trainer: Any, path: str | os.PathLike) -> None:
         prepared = _prepare(trainer, path, rank, world)
     except CheckpointError as e:
         error = str(e)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # a skeleton that is JSON but not ours
+        error = f"checkpoint {path} is malformed for rank {rank} ({e!r}); it is corrupt or from another tool"
     _agree(error)
     skeleton, tensors = prepared  # type: ignore[misc]
     try:
