@@ -7,6 +7,7 @@
   layer timings). Written last: a directory without it is incomplete.
 - ``rank-<r>.json``: rank r's state skeleton: the trainer's ``state_dict()`` with every tensor replaced
   by ``{"__tensor__": key}`` (ints, floats, bools, strings stay as they are).
+- ``plan.json``: the plan in use, when there is one (``Plan.load`` reads it back; the header holds its digest).
 - ``__<r>_0.distcp`` and ``.metadata.json``: the tensors, written by `torch.distributed.checkpoint`
   (DCP) with a JSON metadata file in place of DCP's pickled ``.metadata``. Keys of state that every
   holder has alike are shared: ``model/<fqn>``, ``optimizer/state/<fqn>/<name>``,
@@ -53,6 +54,7 @@ log = logging.getLogger(__name__)
 FORMAT = "fxkfac-checkpoint"
 VERSION = 1
 HEADER = "fxkfac.json"
+PLAN = "plan.json"
 DCP_METADATA = ".metadata.json"
 LOCAL_SECTIONS = frozenset({"inflight", "rng"})
 """Top-level state sections that differ between ranks holding the same stage (keyed per rank)."""
@@ -415,6 +417,9 @@ def save(trainer: Any, path: str | os.PathLike) -> Path:
     if rank == 0:
         header = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world,
                   "torch": torch.__version__, "run": describe_run(trainer)}
+        plan = getattr(trainer, "plan", None)
+        if plan is not None and hasattr(plan, "to_json"):
+            (tmp / PLAN).write_text(plan.to_json())
         _write_json(tmp / HEADER, header)
         _move_into_place(tmp, path, step)
     _barrier(trainer, f"moving checkpoint {path} into place")
