@@ -1,0 +1,247 @@
+"""PipeFisher's step-time overhead over the plain pipeline, against naive K-FAC, 2 ranks, 1 thread each.
+
+Four variants train the same model on the same mini-batches with the same schedule, side by side in
+one run (rounds interleaved, so drift in machine load hits all alike):
+
+(a) the plain pipeline with AdamW (``kfac=None``);
+(b) PipeFisher: ``plan="auto"``, rank 0 profiles the split model and CP-SAT places curvature and
+    inversion into the pipeline's bubbles;
+(c) naive K-FAC: curvature and inversion every step, on the critical path
+    (`fxkfac.autoplan.naive_programs`, refresh period 1);
+(d) K-FAC+skip: the naive programs, refreshing only every k steps, k = the period (b)'s plan chose
+    for the layer.
+
+The paper's claim (PipeFisher, Table 3: about 6.5% over the pipeline) is b/a <= 1.10 and b < d < c.
+Each round times a block of whole refresh periods per variant; the step time is the median over
+rounds of the block's mean (a refresh step and the steps between weigh as they do in training).
+Utilization per rank is measured from the recorded timeline (time in F, B, CURV, INV and PREC over
+the step span, waiting counts as idle) and printed beside the plan's prediction (its programs
+simulated with the profiled costs).
+
+Model size: the embedded BERT-style MLM (`fxkfac.models`) on the stdlib corpus, by default hidden
+128, FFN 512, 4 blocks, 64 tokens, micro-batches of 16 sequences (1024 rows per Linear). At that
+size one CPU thread spends ~10 ms per stage F, curvature of one micro-batch costs about as much as
+its F+B (the 512-wide FFN factors: rows x 512^2), and inverting a 513x513 factor ~10 ms, so K-FAC
+work is ~1.5x the pipeline's compute per refresh, what the bubbles (1/(N+1) of the step at D=2)
+must absorb over a few steps, while the per-step preconditioning (two d^3 products per layer) stays
+a few percent of the step, as in the paper. Smaller widths make interpreter overhead dominate;
+larger ones make a run take many minutes on 2 cores.
+
+Run: python benchmarks/pipefisher_overhead.py [--schedule 1f1b] [--hidden 128] [--ffn 512] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fxkfac.config import KFACConfig
+from fxkfac.data import MaskedLMData, stdlib_corpus
+from fxkfac.models import TinyBertConfig, TinyBertMLM, mlm_loss
+from fxkfac.planner.ir import LayerTiming, OpKind
+from fxkfac.planner.simulate import simulate
+from fxkfac.runtime.pipefisher import PipeFisherTrainer
+from fxkfac.runtime.timeline import Event, utilization
+from fxkfac.runtime.trainer import PipelineTrainer, rank_programs
+from fxkfac.show import cost_durations
+
+__all__ = ["main"]
+
+D = 2
+VARIANTS = ("a", "b", "c", "d")
+NAMES = {"a": "pipeline + AdamW", "b": "PipeFisher (plan=auto)", "c": "naive K-FAC (every step)",
+         "d": "K-FAC+skip (plan's period)"}
+BUSY = ("FWD", "BWD", "CURV", "INV", "PREC")
+KFAC = KFACConfig(damping=1e-3, factor_decay=0.95, kl_clip=1e-3)
+
+
+def _optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def _model(args: argparse.Namespace) -> TinyBertMLM:
+    torch.manual_seed(0)
+    return TinyBertMLM(TinyBertConfig(hidden=args.hidden, ffn=args.ffn, layers=args.layers, heads=args.heads,
+                                      max_len=args.seq))
+
+
+def _build(args: argparse.Namespace, example: torch.Tensor) -> dict[str, Any]:
+    """The four trainers (collective: every rank builds them in the same order)."""
+    common = dict(example_inputs=(example,), loss_fn=mlm_loss, optimizer=_optimizer, schedule=args.schedule,
+                  microbatches=args.microbatches, record_timeline=True, timeout=600.0)
+    plain = PipelineTrainer(_model(args), (D,), **common)
+    auto = PipeFisherTrainer(_model(args), (D,), kfac=KFAC, plan="auto",
+                             plan_options={"time_limit_s": args.time_limit}, **common)
+    every = {n: LayerTiming(1, 0, 0, KFAC.capture) for n in auto.plan.layers}
+    skip = {n: LayerTiming(t.period, 0, 0, KFAC.capture) for n, t in auto.plan.layers.items()}
+    naive = PipeFisherTrainer(_model(args), (D,), kfac=KFAC, plan=None, layer_timing=every, **common)
+    skipping = PipeFisherTrainer(_model(args), (D,), kfac=KFAC, plan=None, layer_timing=skip, **common)
+    return {"a": plain, "b": auto, "c": naive, "d": skipping}
+
+
+def _block(trainer: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int) -> float:
+    """Mean seconds per step over `steps` steps, between two barriers."""
+    dist.barrier()
+    start = time.perf_counter()
+    for i in range(steps):
+        x, y = batches[(trainer.steps + i) % len(batches)]
+        trainer.step(x, y)
+    dist.barrier()
+    return (time.perf_counter() - start) / steps
+
+
+def _gather(events: list[Event]) -> list[Event]:
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, events)
+    return [e for part in parts for e in part]
+
+
+def _kind_seconds(events: list[Event], steps: int) -> dict[int, dict[str, float]]:
+    """Per rank, seconds per step spent in each instruction kind (measured)."""
+    out: dict[int, dict[str, float]] = {}
+    for e in events:
+        row = out.setdefault(e.rank, {})
+        row[e.kind] = row.get(e.kind, 0.0) + (e.end_ns - e.start_ns) / 1e9 / steps
+    return out
+
+
+def _planned(trainer: PipeFisherTrainer) -> dict[str, Any]:
+    """The plan's prediction: its programs simulated with its own cost table, per rank."""
+    plan = trainer.plan
+    k = len(plan.programs[0])
+    duration = cost_durations(plan.problem.costs)
+    timeline = simulate(plan.programs, duration, steps=2 * k)
+    kinds = [OpKind(x) for x in BUSY]
+    plain = simulate(rank_programs(plan.problem.schedule, D, plan.problem.N, 1), duration, steps=1)
+    kind_s = {r: {kind.value: sum(iv.end - iv.start for iv in timeline.of_rank(r) if iv.op.kind is kind) / (2 * k)
+                  for kind in kinds} for r in timeline.ranks}
+    return {"utilization": {r: timeline.utilization(r, kinds) for r in timeline.ranks},
+            "utilization_plain": {r: plain.utilization(r, kinds) for r in plain.ranks},
+            "step_s": timeline.makespan / (2 * k), "plain_step_s": plain.makespan,
+            "kind_s": kind_s, "metrics_utilization": plan.metrics.utilization,
+            "refresh_steps": list(plan.metrics.refresh_steps), "solver": plan.metrics.solver.status}
+
+
+def _measure(args: argparse.Namespace, trainers: Mapping[str, Any],
+             batches: list[tuple[torch.Tensor, torch.Tensor]], block: int) -> dict[str, Any]:
+    """Warm up, then time interleaved rounds; gather each variant's timeline of the timed steps."""
+    for trainer in trainers.values():
+        _block(trainer, batches, block * args.warmup_periods)
+        trainer.timeline.clear()
+    times: dict[str, list[float]] = {v: [] for v in trainers}
+    for _ in range(args.rounds):
+        for v, trainer in trainers.items():
+            times[v].append(_block(trainer, batches, block))
+    events = {v: _gather(t.timeline.events) for v, t in trainers.items()}
+    steps = args.rounds * block
+    return {"times": times, "events": events,
+            "utilization": {v: utilization(events[v], BUSY) for v in ("a", "b")},
+            "kind_s": {v: _kind_seconds(events[v], steps) for v in trainers}}
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=D,
+                            timeout=timedelta(seconds=600))
+    data = MaskedLMData(stdlib_corpus()[0], seq_len=args.seq, seed=0)
+    batch = args.batch
+    batches = [data.batch(batch) for _ in range(8)]
+    built = time.perf_counter()
+    trainers = _build(args, batches[0][0])
+    build_s = time.perf_counter() - built
+    periods = [t.period for t in trainers["b"].plan.layers.values()]
+    block = math.lcm(*periods) * args.periods_per_round
+    result = _measure(args, trainers, batches, block)
+    if rank == 0:
+        planned = _planned(trainers["b"])
+        summary = {v: statistics.median(result["times"][v]) for v in VARIANTS}
+        row = {"step_s": summary, "rounds_s": result["times"], "ratio_to_a": {v: summary[v] / summary["a"]
+                                                                             for v in VARIANTS},
+               "utilization_measured": result["utilization"], "planned": planned, "kind_s": result["kind_s"],
+               "block_steps": block, "build_s": build_s, "periods": sorted(set(periods))}
+        with open(out_path, "w") as f:
+            json.dump(row, f)
+    dist.destroy_process_group()
+
+
+def _fmt_ranks(values: Mapping[Any, float]) -> str:
+    return ", ".join(f"{values[k]:.2f}" for k in sorted(values, key=int))
+
+
+def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=140)
+    planned = row["planned"]
+    title = (f"PipeFisher overhead ({args.schedule}, D={D}, N={args.microbatches}, BERT-MLM h{args.hidden} "
+             f"ffn{args.ffn} x{args.layers}, batch {args.batch}x{args.seq}, 1 thread/rank; refresh period "
+             f"{row['periods']}, {row['block_steps']} steps x {args.rounds} rounds)")
+    table = Table(title=title)
+    for col in ("variant", "s/step (median of rounds)", "ratio to (a)", "utilization measured (r0, r1)",
+                "utilization planned (r0, r1)"):
+        table.add_column(col)
+    plan_util = {"a": planned["utilization_plain"], "b": planned["utilization"]}
+    for v in VARIANTS:
+        measured = row["utilization_measured"].get(v)
+        table.add_row(f"({v}) {NAMES[v]}", f"{row['step_s'][v]:.4f}", f"{row['ratio_to_a'][v]:.3f}",
+                      _fmt_ranks(measured) if measured else "-",
+                      _fmt_ranks(plan_util[v]) if v in plan_util else "-")
+    console.print(table)
+    kinds = ("FWD", "BWD", "CURV", "INV", "PREC", "OPT_STEP", "RECV_ACT", "RECV_GRAD", "SYNC_CURV", "BCAST_INV")
+    where = Table(title="where a step's time goes, ms per step and rank (measured; (b) planned in brackets)")
+    where.add_column("variant / rank")
+    for k in kinds:
+        where.add_column(k)
+    for v in VARIANTS:
+        for r, secs in sorted(row["kind_s"][v].items(), key=lambda item: int(item[0])):
+            plan = planned["kind_s"].get(r, planned["kind_s"].get(int(r), {})) if v == "b" else {}
+            where.add_row(f"({v}) r{r}", *(f"{secs.get(k, 0) * 1e3:.1f}" + (f" [{plan[k] * 1e3:.1f}]" if k in plan
+                                                                            else "") for k in kinds))
+    console.print(where)
+    b_a, b, c, d = row["ratio_to_a"]["b"], row["step_s"]["b"], row["step_s"]["c"], row["step_s"]["d"]
+    console.print(f"targets: b/a = {b_a:.3f} <= 1.10: {b_a <= 1.10}; b < d < c: {b < d < c}; plan predicts "
+                  f"{planned['step_s'] / planned['plain_step_s']:.3f} ({planned['solver']})", markup=False)
+    print(json.dumps({"benchmark": "pipefisher_overhead", "args": vars(args), **row}))
+
+
+def main() -> None:
+    """Spawn the two ranks, then print the table and the JSON line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--ffn", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=64, help="global mini-batch (sequences)")
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--periods-per-round", type=int, default=1)
+    parser.add_argument("--warmup-periods", type=int, default=1)
+    parser.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit (s)")
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out_path = os.path.join(tempfile.mkdtemp(), "row.json")
+    mp.spawn(_worker, args=(args, port, out_path), nprocs=D, join=True)
+    with open(out_path) as f:
+        _report(json.load(f), args)
+
+
+if __name__ == "__main__":
+    main()
