@@ -458,7 +458,7 @@ def _prepare(trainer: Any, path: Path, rank: int, world: int) -> tuple[dict[str,
                               f"({_layout_words(describe_run(trainer))})")
     data = _read_json(path / f"rank-{rank}.json", f"state of rank {rank}")
     skeleton = data.get("state") if isinstance(data, dict) else None
-    if not isinstance(skeleton, dict) or data.get("rank") != rank:
+    if not isinstance(skeleton, dict) or data.get("rank") != rank or "rng" not in skeleton:
         raise CheckpointError(f"{path / f'rank-{rank}.json'} is corrupt (no state of rank {rank})")
     _check_sections(skeleton, split_tensors(trainer.state_dict(), rank)[0])
     metadata = read_tensor_metadata(path).state_dict_metadata
@@ -467,7 +467,8 @@ def _prepare(trainer: Any, path: Path, rank: int, world: int) -> tuple[dict[str,
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks the tensors {missing[:4]} its rank-{rank} state names; "
                               "it is corrupt or incomplete")
-    empty = {k: torch.empty(metadata[k].size, dtype=metadata[k].properties.dtype) for k in keys}  # type: ignore[union-attr]
+    specs = {k: metadata[k] for k in keys}
+    empty = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in specs.items()}  # type: ignore[union-attr]
     return skeleton, empty
 
 
