@@ -147,19 +147,20 @@ def reference_for_plan(case: Case, layers: dict[str, LayerTiming], steps: int) -
 
 
 def synthetic_costs(stage_layers, layers):
-    """A fixed cost table for the split (1 ms forward, 2 ms backward per micro-batch; K-FAC work about
-    one and a half bubbles per stage), so that the planner's plans refresh every 2-3 steps and put
-    curvature and inversion into the bubbles whatever this machine's speed."""
+    """A fixed cost table for the split (1 ms forward, 2 ms backward per micro-batch; K-FAC work a little
+    over one bubble per stage: it grows with the stage count as the bubbles do), so that the planner's
+    plans refresh every 2-3 steps and put curvature and inversion into the bubbles whatever this
+    machine's speed."""
     from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 
-    ms = 1e-3
+    ms = 1e-3 * (len(stage_layers) - 1)
     stages = []
     for s in sorted(stage_layers):
-        costs = tuple(LayerCost(name, curv_a=0.1 * ms, curv_b=0.1 * ms, inv_a=0.25 * ms, inv_b=0.2 * ms,
+        costs = tuple(LayerCost(name, curv_a=0.12 * ms, curv_b=0.12 * ms, inv_a=0.25 * ms, inv_b=0.2 * ms,
                                 prec=0.01 * ms, a_bytes=4096, e_bytes=4096,
                                 factor_a_bytes=layers[name].a_dim ** 2 * 4, factor_b_bytes=layers[name].b_dim ** 2 * 4)
                       for name in stage_layers[s])
-        stages.append(StageCost(fwd=1 * ms, bwd=2 * ms, param_bytes=1 << 20, act_bytes=1 << 16, layers=costs))
+        stages.append(StageCost(fwd=1e-3, bwd=2e-3, param_bytes=1 << 20, act_bytes=1 << 16, layers=costs))
     return CostTable(tuple(stages), 2, "synthetic:e2e", "cpu")
 
 
