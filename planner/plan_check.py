@@ -95,6 +95,7 @@ def _check_placements(plan: Plan) -> None:
 def _check_programs(plan: Plan) -> None:
     devices = set(plan.problem.devices)
     _need(set(plan.programs) == devices, f"programs for ranks {sorted(plan.programs)}, the mesh has {sorted(devices)}")
+    _need(all(len(steps) >= 1 for steps in plan.programs.values()), "every rank's program needs at least one step")
 
 
 def _check_metrics(plan: Plan) -> None:
