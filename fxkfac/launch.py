@@ -53,6 +53,7 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, pg_timeout
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=pg_timeout))
+        dist.barrier()  # every rank has its connections before any can finish and close them
         value = fn(RankContext(rank, world, channel), *args)
         channel.put((_RESULT, rank, pickle.dumps(value)))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the launcher, which raises it
