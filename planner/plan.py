@@ -40,6 +40,7 @@ from fxkfac.planner.window import (
     Window,
     fits_memory,
     grid_scale,
+    longest_gaps,
     peak_bytes,
     placements_of,
     too_long,
@@ -192,12 +193,19 @@ def _plan_from_dict(data: Any) -> Plan:
         raise PlanFormatError(f"the plan file is malformed (missing or bad entry: {e})") from e
 
 
-def _aggregate(problem: Problem, group: StageGroup, config: SolverConfig) -> bool:
+def _aggregate(problem: Problem, group: StageGroup, config: SolverConfig, allowed: Allowance) -> bool:
+    """One CURV task per F/B for all layers when the group has many (config.aggregate decides when set),
+    unless such a task is longer than every bubble the allowance leaves (per-layer tasks may still fit)."""
     if config.aggregate is not None:
         return config.aggregate
     per_layer = sum(len(copies_of_stage(problem, s)) * 2 * problem.N * len(problem.costs.stages[s].layers)
                     for s in group.stages)
-    return per_layer > config.aggregate_above
+    if per_layer <= config.aggregate_above:
+        return False
+    window = allowed.window(group, 2, allowed.ticks(problem.max_period), aggregate=True,
+                            resolution=config.time_resolution)
+    gaps = longest_gaps(window)
+    return all(t.ticks <= gaps[t.devices[0]] for t in window.tasks if t.kind == "curv")
 
 
 def _overhead_period(problem: Problem, fused: frozenset[str]) -> int:
@@ -231,7 +239,7 @@ def _solve_groups(problem: Problem, fused: frozenset[str], config: SolverConfig,
     greedy: list[GroupSolution | None] = []
     allowed = allowance(problem, fused, config)
     for n, group in enumerate(groups):
-        aggregate = _aggregate(problem, group, config)
+        aggregate = _aggregate(problem, group, config, allowed)
         long = too_long(allowed.window(group, max(2, min_k), allowed.ticks(problem.max_period), aggregate=aggregate,
                                        resolution=config.time_resolution))
         if long:
@@ -285,7 +293,7 @@ def _overhead_hint(problem: Problem, fused: frozenset[str], config: SolverConfig
     lower = upper = 0
     proven = True
     for group in stage_groups(problem):
-        low, found = greedy_overhead(problem, group, grid, aggregate=_aggregate(problem, group, config),
+        low, found = greedy_overhead(problem, group, grid, aggregate=_aggregate(problem, group, config, grid),
                                      resolution=config.time_resolution)
         if found is None:
             return ("Raising max_overhead cannot help: no stretch up to 10 reference steps places the work "
