@@ -310,8 +310,41 @@ def _check_programs(c: _Ctx, run: bool) -> None:
             c.errors.append(f"r{d}: the program's K-FAC ops differ from the placements")
         elif [op for _, op in listed] != [op for _, _, op in placed]:
             c.errors.append(f"r{d}: the program's K-FAC ops are not in time order")
+        else:
+            _check_interleaving(c, d, k, prog)
     if run:
         _check_runs(c)
+
+
+def _check_interleaving(c: _Ctx, device: int, k: int, prog: list[list[Op]]) -> None:
+    """Within each step, a K-FAC op comes after every pipeline op that ended before it was placed and
+    before every pipeline op that ends after its start (a RECV still waiting included); PREC follows
+    its stage's backwards and gradient all-reduce; OPT_STEP ends the step. The runtime executes the
+    program in order, so a program that disagrees with its placements runs other semantics."""
+    starts = {(p.step % k, str(p.op)): p.start - c.base(p.step, k) for p in c.plan.placements if p.device == device}
+    for j, ops in enumerate(prog):
+        fixed = iter(c.timeline(j, k).ops[device])
+        times: list[tuple[Op, float, float] | None] = []
+        for op in ops:
+            times.append(None if op.kind in _KFAC else next((x for x in fixed if x[0].kind not in _KFAC), None))
+        for i, op in enumerate(ops):
+            if op.kind is OpKind.OPT_STEP and i != len(ops) - 1:
+                c.errors.append(f"r{device} step {j}: OPT_STEP is not the last op")
+            if op.kind not in _KFAC:
+                continue
+            t = starts[(j, str(op))]
+            for n, item in enumerate(times):
+                if item is None or item[0].kind is OpKind.OPT_STEP:
+                    continue  # OPT_STEP ends the step (the barrier): work placed in the stretch runs before it
+                other, a, b = item
+                before = b <= t + c.tol and a < t - c.tol
+                if (n > i and before) or (n < i and b > t + c.tol):
+                    c.errors.append(f"r{device} step {j}: '{op}' (placed at {t:.6g} s) and '{other}' ({a:.6g}-{b:.6g} s)"
+                                    " are in the wrong order in the program")
+            if op.kind is OpKind.PREC:
+                after = [o for o in ops[i + 1:] if o.stage == op.stage and o.kind in (OpKind.BWD, OpKind.ALLREDUCE_GRAD)]
+                if after:
+                    c.errors.append(f"r{device} step {j}: '{op}' comes before '{after[0]}' of its stage")
 
 
 def _check_runs(c: _Ctx) -> None:

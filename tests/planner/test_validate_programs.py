@@ -1,0 +1,49 @@
+"""The validator checks the order of each program, which the runtime executes as written."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from fxkfac.planner.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.ir import OpKind
+from fxkfac.planner.plan import Plan, solve
+from fxkfac.planner.problem import Problem, SolverConfig
+from fxkfac.planner.validate import validate
+
+MS = 1e-3
+
+
+def _plan() -> Plan:
+    stages = tuple(StageCost(1 * MS, 2 * MS, 1 << 20, 1 << 16, tuple(
+        LayerCost(f"s{s}.l{i}", .1 * MS, .1 * MS, .25 * MS, .2 * MS, .01 * MS, 4096, 4096, 4096, 4096)
+        for i in range(3))) for s in range(2))
+    problem = Problem("gpipe", 2, 2, CostTable(stages, 2, "test", "cpu"))
+    return solve(problem, SolverConfig(time_limit_s=2))
+
+
+def _moved(plan: Plan, rank: int, kind: OpKind, before: OpKind) -> Plan:
+    """The plan with rank's first `kind` op of step 0 moved just before the step's last `before` op."""
+    step = list(plan.programs[rank][0])
+    op = next(o for o in step if o.kind is kind)
+    step.remove(op)
+    at = max(i for i, o in enumerate(step) if o.kind is before)
+    step.insert(at, op)
+    programs = {**plan.programs, rank: [step, *plan.programs[rank][1:]]}
+    return replace(plan, programs=programs)
+
+
+def test_solved_plan_is_valid() -> None:
+    plan = _plan()
+    assert validate(plan.problem, plan) == []
+
+
+def test_prec_before_the_last_backward_is_refused() -> None:
+    plan = _plan()
+    errors = validate(plan.problem, _moved(plan, 0, OpKind.PREC, OpKind.BWD))
+    assert any("PREC s0" in e and ("wrong order" in e or "comes before" in e) for e in errors), errors
+
+
+def test_curvature_before_its_forward_ends_is_refused() -> None:
+    plan = _plan()
+    errors = validate(plan.problem, _moved(plan, 0, OpKind.CURV, OpKind.FWD))
+    assert any("CURV" in e and "wrong order" in e for e in errors), errors
