@@ -134,6 +134,9 @@ class Plan:
         try:
             with os.fdopen(fd, "w") as f:
                 f.write(self.to_json())
+            umask = os.umask(0)
+            os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a plan is shared like any file
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
