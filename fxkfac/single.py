@@ -22,8 +22,8 @@ from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.passes.precondition import make_preconditioner
 from fxkfac.planner.ir import LayerTiming
-from fxkfac.trainer import (OptimizerFactory, base_lr, default_optimizer, grads_finite, layer_timings, refreshing,
-                            split_microbatches)
+from fxkfac.trainer import (Checkpointing, OptimizerFactory, base_lr, default_optimizer, grads_finite, layer_timings,
+                            refreshing, split_microbatches)
 
 __all__ = ["SingleDeviceTrainer"]
 
@@ -39,7 +39,7 @@ class _Variant:
     fn: Callable[..., Any]
 
 
-class SingleDeviceTrainer:
+class SingleDeviceTrainer(Checkpointing):
     """K-FAC (or the base optimizer alone) on one device, with the semantics of docs/ARCHITECTURE.md.
 
     A step: split the mini-batch into ``microbatches`` equal parts; per micro-batch run the captured
@@ -207,17 +207,6 @@ class SingleDeviceTrainer:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self._skips_in_a_row = 0
 
-    def save_checkpoint(self, path: str) -> None:
-        """Write a checkpoint directory (the pipelined trainers' format; see `fxkfac.checkpoint.save`)."""
-        from fxkfac import checkpoint
-
-        checkpoint.save(self, path)
-
-    def load_checkpoint(self, path: str) -> None:
-        """Resume from a checkpoint directory (see `fxkfac.checkpoint.load`)."""
-        from fxkfac import checkpoint
-
-        checkpoint.load(self, path)
 
 
 def _first_microbatch(args: tuple[Any, ...], microbatches: int) -> tuple[Any, ...]:

@@ -16,6 +16,7 @@ from fxkfac.planner.ir import LayerTiming
 
 __all__ = [
     "Trainer",
+    "Checkpointing",
     "OptimizerFactory",
     "default_optimizer",
     "split_microbatches",
@@ -26,6 +27,22 @@ __all__ = [
 ]
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+
+
+class Checkpointing:
+    """`save_checkpoint` / `load_checkpoint` for every trainer: one directory format (`fxkfac.checkpoint`)."""
+
+    def save_checkpoint(self, path: str) -> None:
+        """Write a checkpoint directory (collective when pipelined; see `fxkfac.checkpoint.save`)."""
+        from fxkfac import checkpoint
+
+        checkpoint.save(self, path)
+
+    def load_checkpoint(self, path: str) -> None:
+        """Resume from a checkpoint directory (collective when pipelined; see `fxkfac.checkpoint.load`)."""
+        from fxkfac import checkpoint
+
+        checkpoint.load(self, path)
 
 
 @runtime_checkable

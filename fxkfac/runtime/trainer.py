@@ -24,6 +24,7 @@ from fxkfac.runtime.p2p import TagSpace, Transport
 from fxkfac.runtime.stage import StageRunner
 from fxkfac.runtime.sync import GradSync, holder_sets
 from fxkfac.runtime.timeline import Timeline, chrome_trace, gather_timelines
+from fxkfac.trainer import Checkpointing
 
 __all__ = ["PipelineTrainer", "rank_programs", "shard_microbatches"]
 
@@ -53,7 +54,7 @@ def _capture(model: torch.nn.Module, example: tuple) -> tuple[fx.GraphModule, py
     return gm, getattr(gm, "_out_spec", None)
 
 
-class PipelineTrainer:
+class PipelineTrainer(Checkpointing):
     """Pipeline-parallel (and data-parallel) training over a ("pp", "dp") mesh.
 
     Same interface as the single-device trainer: `step(inputs, targets) -> float`,
@@ -181,17 +182,6 @@ class PipelineTrainer:
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self._skips_in_a_row = 0
 
-    def save_checkpoint(self, path: str) -> None:
-        """Write a checkpoint directory (collective; see `fxkfac.checkpoint.save`)."""
-        from fxkfac import checkpoint
-
-        checkpoint.save(self, path)
-
-    def load_checkpoint(self, path: str) -> None:
-        """Resume from a checkpoint directory (collective; see `fxkfac.checkpoint.load`)."""
-        from fxkfac import checkpoint
-
-        checkpoint.load(self, path)
 
     def trace(self, path: str | None = None) -> dict | None:
         """Gather every rank's recorded timeline to rank 0 and return (and write) a Chrome trace."""

@@ -14,6 +14,7 @@ from fxkfac.planner.ir import OpKind
 from fxkfac.planner.plan import Plan, solve
 from fxkfac.planner.problem import Problem, SolverConfig, copies_of_stage, step_timeline
 from fxkfac.planner.validate import validate
+from tests.planner.brute_force import brute_feasible
 from tests.planner.kfac_cases import problem, problems
 
 FAST = SolverConfig(time_limit_s=4.0, num_workers=2)
@@ -56,70 +57,6 @@ def test_chimera_d2_has_no_bubble_and_plans_with_the_least_stretch() -> None:
     assert kfac and all(pl.end <= 2 * plan.metrics.step_time + 1e-12 for pl in kfac)
 
 
-def _fits(occupied: list[bool], start: int, length: int) -> bool:
-    L = len(occupied)
-    return start % L + length <= L and not any(occupied[(start + t) % L] for t in range(length))
-
-
-def _mark(occupied: list[bool], start: int, length: int, value: bool) -> None:
-    for t in range(length):
-        occupied[(start + t) % len(occupied)] = value
-
-
-def _brute_feasible(p: Problem, stage: int, k: int, stretch: int) -> bool:
-    """Exhaustive search on the integer time grid (whole seconds) for one stage on one device, every
-    step followed by `stretch` idle seconds: curvature after its F/B and within one window of it,
-    inversions after all curvature of their factor and before the next refresh's curvature, PREC
-    between the all-reduce and the step's end, nothing on the fixed F/B or on the first unit of a
-    step (steps end with a barrier over all ranks), no task across the window boundary."""
-    st_ = step_timeline(p)
-    P = round(st_.length) + stretch
-    L, d = P * k, stage
-    occupied = [False] * L
-    for j in range(k):
-        for _, a, b in st_.fixed(d):
-            _mark(occupied, round(a) + j * P, round(b - a), True)
-        occupied[j * P] = True
-    layer = p.costs.stages[stage].layers[0]
-    fixed_end = {(op.kind, op.mb): round(b) for op, _, b in st_.fixed(d)}
-    precs = [(round(st_.allreduce_end[d, stage]) + j * P, (j + 1) * P) for j in range(k)]
-    curv = {side: [fixed_end[kind, m] for m in range(p.N)] for side, kind in (("A", OpKind.FWD), ("B", OpKind.BWD))}
-    dur = {"A": (round(layer.curv_a), round(layer.inv_a)), "B": (round(layer.curv_b), round(layer.inv_b))}
-    prec = round(layer.prec)
-    jobs = [("prec", lo, hi) for lo, hi in precs] + [("curv", side, rel) for side in "AB" for rel in curv[side]]
-    jobs += [("inv", "A", 0), ("inv", "B", 0)]
-    starts: dict[str, list[int]] = {"A": [], "B": []}
-    if k * prec + p.N * (dur["A"][0] + dur["B"][0]) + dur["A"][1] + dur["B"][1] > occupied.count(False):
-        return False
-
-    def place(i: int) -> bool:
-        if i == len(jobs):
-            return True
-        kind, a, b = jobs[i]
-        if kind == "prec":
-            choices, length = range(a, b - prec + 1), prec
-        elif kind == "curv":
-            length = dur[a][0]
-            choices = range(b, min(2 * L, b + L) - length + 1)
-        else:
-            length = dur[a][1]
-            ready = max(s + dur[a][0] for s in starts[a])
-            choices = range(ready, min(2 * L, L + min(starts[a])) - length + 1)
-        for s in choices:
-            if _fits(occupied, s, length):
-                _mark(occupied, s, length, True)
-                if kind == "curv":
-                    starts[a].append(s)
-                if place(i + 1):
-                    return True
-                if kind == "curv":
-                    starts[a].pop()
-                _mark(occupied, s, length, False)
-        return False
-
-    return place(0)
-
-
 @pytest.mark.parametrize("schedule,N,curv,inv,overhead", [
     ("1f1b", 2, 1, 3, 0.3), ("1f1b", 1, 2, 4, 0.6), ("1f1b", 1, 1, 5, 1.0), ("gpipe", 1, 2, 4, 0.8),
     ("gpipe", 1, 1, 5, 1.0),
@@ -131,8 +68,8 @@ def test_a_layer_longer_than_every_bubble_plans_with_the_least_stretch_by_brute_
     with pytest.raises(PlanError, match="least max_overhead"):  # bubbles alone cannot hold the inversion
         solve(dataclasses.replace(p, max_overhead=0.0), FAST)
     cap = int(overhead * reference + 1e-9)
-    periods = [next(k for k in range(1, p.max_period + 1) if _brute_feasible(p, s, k, cap)) for s in range(2)]
-    least = max(next(x for x in range(cap + 1) if _brute_feasible(p, s, k, x)) for s, k in enumerate(periods))
+    periods = [next(k for k in range(1, p.max_period + 1) if brute_feasible(p, s, k, cap)) for s in range(2)]
+    least = max(next(x for x in range(cap + 1) if brute_feasible(p, s, k, x)) for s, k in enumerate(periods))
     plan = solve(p, FAST)
     assert validate(p, plan) == []
     assert plan.metrics.refresh_steps == tuple(periods)
@@ -146,7 +83,7 @@ def test_the_error_names_the_least_max_overhead_that_places_the_work() -> None:
         solve(p, FAST)
     need = float(info.value.args[0].split("places it is ")[1].split()[0])
     # brute force: stage 0 needs 4 s of stretch per 7 s step (3 s, what 0.5 allows, is not enough)
-    assert not any(_brute_feasible(p, 0, k, 3) for k in (1, 2)) and _brute_feasible(p, 0, 2, 4)
+    assert not any(brute_feasible(p, 0, k, 3) for k in (1, 2)) and brute_feasible(p, 0, 2, 4)
     assert need == pytest.approx(4 / 7, abs=1e-4) and need >= 4 / 7
     plan = solve(dataclasses.replace(p, max_overhead=need), FAST)
     assert validate(plan.problem, plan) == [] and plan.metrics.stretch == 4
