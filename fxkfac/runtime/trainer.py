@@ -182,7 +182,6 @@ class PipelineTrainer(Checkpointing):
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self._skips_in_a_row = 0
 
-
     def trace(self, path: str | None = None) -> dict | None:
         """Gather every rank's recorded timeline to rank 0 and return (and write) a Chrome trace."""
         events = gather_timelines(self.timeline)
