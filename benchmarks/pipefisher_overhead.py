@@ -54,7 +54,7 @@ from fxkfac.models import TinyBertConfig, TinyBertMLM, mlm_loss
 from fxkfac.planner.ir import LayerTiming, OpKind
 from fxkfac.planner.simulate import simulate
 from fxkfac.runtime.pipefisher import PipeFisherTrainer
-from fxkfac.runtime.timeline import Event, utilization
+from fxkfac.runtime.timeline import Event, chrome_trace, utilization
 from fxkfac.runtime.trainer import PipelineTrainer, rank_programs
 from fxkfac.show import cost_durations
 
@@ -164,14 +164,21 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
     build_s = time.perf_counter() - built
     periods = [t.period for t in trainers["b"].plan.layers.values()]
     block = math.lcm(*periods) * args.periods_per_round
+    load_before = os.getloadavg()[0]
     result = _measure(args, trainers, batches, block)
     if rank == 0:
+        if args.save_plan:
+            trainers["b"].plan.save(args.save_plan)
+        if args.trace_dir:
+            for v, events in result["events"].items():
+                chrome_trace(events, os.path.join(args.trace_dir, f"pipefisher_overhead_{v}.json"))
         planned = _planned(trainers["b"])
         summary = {v: statistics.median(result["times"][v]) for v in VARIANTS}
         row = {"step_s": summary, "rounds_s": result["times"], "ratio_to_a": {v: summary[v] / summary["a"]
                                                                              for v in VARIANTS},
                "utilization_measured": result["utilization"], "planned": planned, "kind_s": result["kind_s"],
-               "block_steps": block, "build_s": build_s, "periods": sorted(set(periods))}
+               "block_steps": block, "build_s": build_s, "periods": sorted(set(periods)),
+               "loadavg_1min": [load_before, os.getloadavg()[0]]}
         with open(out_path, "w") as f:
             json.dump(row, f)
     dist.destroy_process_group()
@@ -213,6 +220,8 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
                                                                             else "") for k in kinds))
     console.print(where)
     b_a, b, c, d = row["ratio_to_a"]["b"], row["step_s"]["b"], row["step_s"]["c"], row["step_s"]["d"]
+    console.print(f"machine load (1-min average) before/after timing: {row['loadavg_1min'][0]:.1f} / "
+                  f"{row['loadavg_1min'][1]:.1f} on {os.cpu_count()} cores", markup=False)
     console.print(f"targets: b/a = {b_a:.3f} <= 1.10: {b_a <= 1.10}; b < d < c: {b < d < c}; plan predicts "
                   f"{planned['step_s'] / planned['plain_step_s']:.3f} ({planned['solver']})", markup=False)
     print(json.dumps({"benchmark": "pipefisher_overhead", "args": vars(args), **row}))
@@ -233,6 +242,8 @@ def main() -> None:
     parser.add_argument("--periods-per-round", type=int, default=1)
     parser.add_argument("--warmup-periods", type=int, default=1)
     parser.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit (s)")
+    parser.add_argument("--save-plan", default=None, help="write (b)'s plan JSON here")
+    parser.add_argument("--trace-dir", default=None, help="write each variant's measured Chrome trace here")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

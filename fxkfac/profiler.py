@@ -10,10 +10,11 @@ import torch
 from torch import Tensor
 
 from fxkfac.config import KFACConfig
-from fxkfac.kfac.factors import factor
-from fxkfac.kfac.inverse import combine, invert_factor
-from fxkfac.kfac.precondition import precondition
+from fxkfac.kfac.factors import a_rows, e_rows, factor
+from fxkfac.kfac.inverse import Inverse, combine, invert_factor
+from fxkfac.kfac.state import LayerState
 from fxkfac.passes.layers import KFACLayer
+from fxkfac.passes.precondition import make_preconditioner
 from fxkfac.passes.split_stages import SplitResult
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 
@@ -43,11 +44,45 @@ def _spd(dim: int, rows: int) -> Tensor:
     return x.t() @ x / x.shape[0]
 
 
+def _curv_calls(layer: KFACLayer, rows: int, dtype: torch.dtype) -> tuple[Callable[[], object], Callable[[], object]]:
+    """The runtime's deferred CURV of one micro-batch (fxkfac.runtime.kfac_ops): rows of the captured a / e
+    (bias column, scaling by n) and their factor; conv2d: the factor of rows of the final width (im2col
+    needs the input's geometry)."""
+    if layer.kind == "conv2d":
+        a, e = torch.randn(rows, layer.a_dim), torch.randn(rows, layer.b_dim)
+        return (lambda: factor(a, dtype)), (lambda: factor(e, dtype))
+    a_in, e_out = torch.randn(rows, layer.d_in), torch.randn(rows, layer.d_out)
+    return (lambda: factor(a_rows(a_in, layer), dtype)), (lambda: factor(e_rows(e_out, layer, 1), dtype))
+
+
+def _weight_shape(layer: KFACLayer) -> tuple[int, ...]:
+    if layer.kind == "conv2d" and layer.conv is not None:
+        kh, kw = layer.conv.kernel_size
+        return (layer.d_out, layer.d_in // (kh * kw), kh, kw)
+    return (layer.d_in, layer.d_out) if layer.weight_transposed else (layer.d_out, layer.d_in)
+
+
+def _prec_call(layer: KFACLayer, inverse: Inverse) -> Callable[[], object]:
+    """The runtime's PREC of one layer (passes.precondition): gradient matrix with the bias column,
+    P = B^-1 G A^-1, <P, G>, and P written back into the gradients."""
+    state = LayerState(layer.a_dim, layer.b_dim)
+    state.active = inverse
+    weight, bias = torch.randn(_weight_shape(layer)), torch.randn(layer.d_out)
+    run = make_preconditioner([layer])
+
+    def call() -> object:
+        grads = {layer.weight: weight.clone()}
+        if layer.bias is not None:
+            grads[layer.bias] = bias.clone()
+        return run(grads, {layer.name: state})
+    return call
+
+
 def _layer_cost(layer: KFACLayer, rows: int, cfg: KFACConfig, warmup: int, repeats: int) -> LayerCost:
-    """Curvature of one micro-batch (rows of a and of e), inversion per factor and precondition, timed."""
+    """Curvature of one micro-batch (rows of a and of e), inversion per factor and precondition, timed
+    on the code paths the runtime's CURV, INV and PREC handlers run."""
     dtype = getattr(torch, cfg.factor_dtype)
-    a = torch.randn(rows, layer.a_dim)
-    e = torch.randn(rows, layer.b_dim)
+    curv_a, curv_b = _curv_calls(layer, rows, dtype)
     A, B = _spd(layer.a_dim, rows), _spd(layer.b_dim, rows)
     gamma = cfg.damping ** 0.5
     inv_a = invert_factor(A, gamma, method=cfg.inverse)
@@ -55,15 +90,14 @@ def _layer_cost(layer: KFACLayer, rows: int, cfg: KFACConfig, warmup: int, repea
     if inv_a is None or inv_b is None:
         raise AssertionError("a well-conditioned random factor could not be inverted")
     inverse = combine(inv_a, inv_b, 0.0 if cfg.inverse == "cholesky" else cfg.damping)
-    G = torch.randn(layer.b_dim, layer.a_dim)
     item = torch.finfo(dtype).bits // 8
     return LayerCost(
         name=layer.name,
-        curv_a=time_call(lambda: factor(a, dtype), warmup=warmup, repeats=repeats),
-        curv_b=time_call(lambda: factor(e, dtype), warmup=warmup, repeats=repeats),
+        curv_a=time_call(curv_a, warmup=warmup, repeats=repeats),
+        curv_b=time_call(curv_b, warmup=warmup, repeats=repeats),
         inv_a=time_call(lambda: invert_factor(A, gamma, method=cfg.inverse), warmup=warmup, repeats=repeats),
         inv_b=time_call(lambda: invert_factor(B, gamma, method=cfg.inverse), warmup=warmup, repeats=repeats),
-        prec=time_call(lambda: precondition(G, inverse), warmup=warmup, repeats=repeats),
+        prec=time_call(_prec_call(layer, inverse), warmup=warmup, repeats=repeats),
         a_bytes=rows * layer.d_in * 4, e_bytes=rows * layer.d_out * 4,
         factor_a_bytes=layer.a_dim ** 2 * item, factor_b_bytes=layer.b_dim ** 2 * item)
 
@@ -105,13 +139,14 @@ def _stage_times(gm: torch.fx.GraphModule, inputs: Sequence[Tensor], loss: Calla
 
 def profile(split: SplitResult, stage_layers: Mapping[int, Sequence[str]], layers: Mapping[str, KFACLayer],
             micro_inputs: Sequence[Tensor], loss: Callable[[Sequence[Tensor]], Tensor], cfg: KFACConfig, *,
-            warmup: int = 1, repeats: int = 3, hardware: str = "cpu") -> CostTable:
+            warmup: int = 2, repeats: int = 5, hardware: str = "cpu") -> CostTable:
     """The CostTable of the split model at the micro-batch of `micro_inputs`, measured here, stage by stage.
 
     The stages are chained in this one process (rank 0 profiles all: every stage copy is the same
     graph). `loss(flat_outputs)` is the last stage's scalar loss for one micro-batch. Forward is the
     median over `repeats`; backward is (forward + backward) minus forward. K-FAC kernels are timed on
-    random rows of the layer's real shape (micro-batch x tokens per sample).
+    random rows of the layer's real shape (micro-batch x tokens per sample), through the functions the
+    runtime's CURV, INV and PREC handlers call.
     """
     batch = int(micro_inputs[0].shape[0])
     inputs = list(micro_inputs)
