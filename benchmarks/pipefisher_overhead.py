@@ -53,7 +53,7 @@ from fxkfac.data import MaskedLMData, stdlib_corpus
 from fxkfac.models import TinyBertConfig, TinyBertMLM, mlm_loss
 from fxkfac.planner.ir import LayerTiming, OpKind
 from fxkfac.planner.simulate import simulate
-from fxkfac.runtime.pipefisher import PipeFisherTrainer
+from fxkfac.runtime.pipefisher import PROFILE_MARGIN, PipeFisherTrainer
 from fxkfac.runtime.timeline import Event, chrome_trace, utilization
 from fxkfac.runtime.trainer import PipelineTrainer, rank_programs
 from fxkfac.show import cost_durations
@@ -84,7 +84,7 @@ def _build(args: argparse.Namespace, example: torch.Tensor) -> dict[str, Any]:
                   microbatches=args.microbatches, record_timeline=True, timeout=600.0)
     plain = PipelineTrainer(_model(args), (D,), **common)
     auto = PipeFisherTrainer(_model(args), (D,), kfac=KFAC, plan="auto",
-                             plan_options={"time_limit_s": args.time_limit}, **common)
+                             plan_options={"time_limit_s": args.time_limit, "kfac_margin": args.kfac_margin}, **common)
     every = {n: LayerTiming(1, 0, 0, KFAC.capture) for n in auto.plan.layers}
     skip = {n: LayerTiming(t.period, 0, 0, KFAC.capture) for n, t in auto.plan.layers.items()}
     naive = PipeFisherTrainer(_model(args), (D,), kfac=KFAC, plan=None, layer_timing=every, **common)
@@ -242,6 +242,8 @@ def main() -> None:
     parser.add_argument("--periods-per-round", type=int, default=1)
     parser.add_argument("--warmup-periods", type=int, default=1)
     parser.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit (s)")
+    parser.add_argument("--kfac-margin", type=float, default=PROFILE_MARGIN,
+                        help="profiled K-FAC times are planned this much longer (plan_options['kfac_margin'])")
     parser.add_argument("--save-plan", default=None, help="write (b)'s plan JSON here")
     parser.add_argument("--trace-dir", default=None, help="write each variant's measured Chrome trace here")
     args = parser.parse_args()

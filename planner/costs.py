@@ -221,6 +221,19 @@ class CostTable:
         _check_number("scale_times", "factor", factor, integer=False)
         return replace(self, stages=tuple(_scale_stage(s, factor, factor, 1.0) for s in self.stages))
 
+    def scale_kfac_times(self, factor: float) -> CostTable:
+        """Curvature, inversion and preconditioning times multiplied by `factor`; F/B and bytes unchanged.
+
+        A planning margin: K-FAC kernels timed alone run slower when every rank computes at once
+        (shared memory bandwidth), and a bubble planned full spills the excess onto the critical path.
+        """
+        _check_number("scale_kfac_times", "factor", factor, integer=False)
+        stages = tuple(replace(s, layers=tuple(replace(x, curv_a=x.curv_a * factor, curv_b=x.curv_b * factor,
+                                                       inv_a=x.inv_a * factor, inv_b=x.inv_b * factor,
+                                                       prec=x.prec * factor) for x in s.layers))
+                       for s in self.stages)
+        return replace(self, stages=stages)
+
     def with_micro_batch_size(self, micro_batch_size: int) -> CostTable:
         """Costs at another micro-batch size, assuming per-micro-batch costs grow linearly with it.
 
