@@ -39,6 +39,10 @@ PIPEFISHER_RUNS = (
             kfac=KFACConfig(damping=1e-2, factor_decay=0.95, kl_clip=1e-2)),
     RunSpec(name="PipeFisher lr 2e-3", optimizer="adamw", lr=2e-3,
             kfac=KFACConfig(damping=1e-2, factor_decay=0.95, kl_clip=1e-2)),
+    RunSpec(name="PipeFisher lr 4e-3", optimizer="adamw", lr=4e-3,
+            kfac=KFACConfig(damping=1e-2, factor_decay=0.95, kl_clip=1e-2)),
+    RunSpec(name="PipeFisher lr 2e-3 damping 1e-3", optimizer="adamw", lr=2e-3,
+            kfac=KFACConfig(damping=1e-3, factor_decay=0.95, kl_clip=1e-2)),
 )
 TARGET_RATIO = 0.6
 

@@ -36,11 +36,10 @@ import argparse
 import json
 import math
 import os
-import socket
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -50,6 +49,7 @@ import torch.multiprocessing as mp
 
 from fxkfac.config import KFACConfig
 from fxkfac.data import MaskedLMData, stdlib_corpus
+from fxkfac.launch import free_port
 from fxkfac.models import TinyBertConfig, TinyBertMLM, mlm_loss
 from fxkfac.planner.ir import LayerTiming, OpKind
 from fxkfac.planner.simulate import simulate
@@ -247,9 +247,7 @@ def main() -> None:
     parser.add_argument("--save-plan", default=None, help="write (b)'s plan JSON here")
     parser.add_argument("--trace-dir", default=None, help="write each variant's measured Chrome trace here")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out_path = os.path.join(tempfile.mkdtemp(), "row.json")
     mp.spawn(_worker, args=(args, port, out_path), nprocs=D, join=True)
     with open(out_path) as f:

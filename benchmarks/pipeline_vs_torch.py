@@ -15,6 +15,7 @@ import copy
 import json
 import os
 import statistics
+import tempfile
 import time
 from datetime import timedelta
 
@@ -24,10 +25,11 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from fxkfac.launch import free_port
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.simulate import simulate
 from fxkfac.runtime.timeline import utilization
-from fxkfac.runtime.trainer import PipelineTrainer, rank_programs, shard_microbatches
+from fxkfac.runtime.trainer import PipelineTrainer, rank_programs
 
 D = 2
 BUSY = ("FWD", "BWD")  # OPT_STEP holds the world NaN/Inf-flag all-reduce: it waits for the peer
@@ -165,12 +167,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args()
-    import socket
-    import tempfile
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out_path = os.path.join(tempfile.mkdtemp(), "rows.json")
     mp.spawn(_worker, args=(args, port, out_path), nprocs=D, join=True)
     with open(out_path) as f:
