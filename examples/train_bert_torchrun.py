@@ -129,4 +129,5 @@ if master:
         losses = [float(mlm_loss(evaluated(x), y)) for x, y in (val_data.batch(args.batch)
                                                                  for _ in range(args.val_batches))]
     print(f"validation loss {sum(losses) / len(losses):.4f} over {args.val_batches} batches of held-out files")
+dist.barrier()  # no rank tears its connections down while a peer still uses them
 dist.destroy_process_group()
