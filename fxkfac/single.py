@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from fxkfac.capture import Captured, capture, input_signature, normalize_inputs
 from fxkfac.config import KFACConfig
-from fxkfac.errors import CaptureError, CheckpointError, ConfigError, NonFiniteError
+from fxkfac.errors import CaptureError, CheckpointError, ConfigError
 from fxkfac.kfac.factors import a_rows, e_rows, factor
 from fxkfac.kfac.precondition import kl_clip_scale
 from fxkfac.kfac.state import LayerState
@@ -22,8 +22,8 @@ from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.passes.precondition import make_preconditioner
 from fxkfac.planner.ir import LayerTiming
-from fxkfac.trainer import (Checkpointing, OptimizerFactory, base_lr, default_optimizer, grads_finite, layer_timings,
-                            refreshing, split_microbatches)
+from fxkfac.trainer import (Checkpointing, OptimizerFactory, base_lr, check_skip_streak, default_optimizer,
+                            grads_finite, layer_timings, refreshing, split_microbatches)
 
 __all__ = ["SingleDeviceTrainer"]
 
@@ -102,11 +102,7 @@ class SingleDeviceTrainer(Checkpointing):
             log.warning("step %d skipped: loss or gradients are NaN/Inf (%d skipped so far)",
                         self.step_count, self.skipped_steps)
             self._skips_in_a_row += 1
-            if self.max_skipped_steps is not None and self._skips_in_a_row > self.max_skipped_steps:
-                raise NonFiniteError(f"{self._skips_in_a_row} steps in a row had NaN/Inf loss or gradients "
-                                     f"(max_skipped_steps={self.max_skipped_steps}); the state is that of step "
-                                     f"{self.step_count}: lower the learning rate, check the data, or raise "
-                                     "max_skipped_steps")
+            check_skip_streak(self._skips_in_a_row, self.max_skipped_steps, self.step_count)
             return loss
         self._skips_in_a_row = 0
         if self.kfac is not None and self.layers:
@@ -206,7 +202,6 @@ class SingleDeviceTrainer(Checkpointing):
         self.step_count = int(state["step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self._skips_in_a_row = 0
-
 
 
 def _first_microbatch(args: tuple[Any, ...], microbatches: int) -> tuple[Any, ...]:

@@ -10,13 +10,14 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from fxkfac.config import KFACConfig
-from fxkfac.errors import ConfigError
+from fxkfac.errors import ConfigError, NonFiniteError
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.ir import LayerTiming
 
 __all__ = [
     "Trainer",
     "Checkpointing",
+    "check_skip_streak",
     "OptimizerFactory",
     "default_optimizer",
     "split_microbatches",
@@ -43,6 +44,14 @@ class Checkpointing:
         from fxkfac import checkpoint
 
         checkpoint.load(self, path)
+
+
+def check_skip_streak(in_a_row: int, limit: int | None, step: int) -> None:
+    """NonFiniteError when `in_a_row` NaN/Inf steps were skipped in a row, more than `limit` allows."""
+    if limit is not None and in_a_row > limit:
+        raise NonFiniteError(f"{in_a_row} steps in a row had NaN/Inf loss or gradients (max_skipped_steps={limit}); "
+                             f"the state is that of step {step}: lower the learning rate, check the data, or raise "
+                             "max_skipped_steps")
 
 
 @runtime_checkable

@@ -356,7 +356,6 @@ class KFACRuntime:
         self._scaled = []
         CORE_HANDLERS[OpKind.OPT_STEP](ctx, op)
 
-
     # --- skipped steps and checkpoints ------------------------------------------------------------
 
     def begin_step(self, ctx: StepContext) -> None:

@@ -49,6 +49,15 @@ def _surrogate_loss(outputs: Sequence[torch.Tensor]) -> torch.Tensor:
     return sum(o.float().mean() for o in outputs if o.is_floating_point())  # type: ignore[return-value]
 
 
+def _startup_programs(plan: Any, rank: int) -> dict[int, list[Op]]:
+    """The first steps' programs that differ from the steady state (`startup_program`), computed once."""
+    if plan is None:
+        return {}
+    last = max((p.step for p in plan.placements if p.device == rank), default=0)
+    firsts = {t: startup_program(plan, rank, t) for t in range(last)}
+    return {t: ops for t, ops in firsts.items() if ops is not None}
+
+
 PROFILE_MARGIN = 1.2
 """Profiled K-FAC times are planned 20% longer: timed on rank 0 alone they ran 10-20% faster than in
 training, where every rank computes at once (benchmarks/pipefisher_overhead.py), and a bubble planned
@@ -112,6 +121,7 @@ class PipeFisherTrainer(PipelineTrainer):
         else:
             self.programs = dict(programs) if programs is not None else naive_programs(
                 self.kind, D, self.N, W, self.timings, self.stage_layers, v=self.v)
+        self._startup = _startup_programs(plan, self.layout.rank)
         log.info("rank %d: K-FAC on %d local layers, program period %d", self.layout.rank, len(local_layers),
                  len(self.programs[self.layout.rank]))
 
@@ -169,14 +179,11 @@ class PipeFisherTrainer(PipelineTrainer):
         for runner in self.runners.values():
             if isinstance(runner, TappedRunner):
                 runner.modes = self.kfac_runtime.modes_at(self.steps, list(runner.layers))
-        first = startup_program(self.plan, self.layout.rank, self.steps) if self.plan is not None else None
-        if first is None:
-            return super().step(inputs, targets)
-        steady, self.programs = self.programs, {**self.programs, self.layout.rank: [first]}
-        try:
-            return super().step(inputs, targets)
-        finally:
-            self.programs = steady
+        return super().step(inputs, targets)
+
+    def _ops_at(self, step: int) -> list[Op]:
+        """The plan's ops, without the work of refreshes before step 0 in the first steps."""
+        return self._startup[step] if step in self._startup else super()._ops_at(step)
 
     def state_dict(self) -> dict[str, Any]:
         """PipelineTrainer's state plus ``kfac`` (this rank's LayerStates by layer FQN) and ``inflight``

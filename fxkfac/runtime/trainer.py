@@ -11,7 +11,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from fxkfac.errors import CheckpointError, ConfigError, NonFiniteError
+from fxkfac.errors import CheckpointError, ConfigError
 from fxkfac.passes.split_stages import SplitResult, split_stages
 from fxkfac.planner.ir import Op
 from fxkfac.planner.lowering import add_send_recv, expand_dp
@@ -24,7 +24,7 @@ from fxkfac.runtime.p2p import TagSpace, Transport
 from fxkfac.runtime.stage import StageRunner
 from fxkfac.runtime.sync import GradSync, holder_sets
 from fxkfac.runtime.timeline import Timeline, chrome_trace, gather_timelines
-from fxkfac.trainer import Checkpointing
+from fxkfac.trainer import Checkpointing, check_skip_streak
 
 __all__ = ["PipelineTrainer", "rank_programs", "shard_microbatches"]
 
@@ -125,14 +125,13 @@ class PipelineTrainer(Checkpointing):
             raise ConfigError(f"global batch size {inputs[0].shape[0]} differs from the example's "
                               f"{self.global_batch}; the pipeline was captured for that size")
         W, dp = self.layout.W, self.layout.dp
-        program = self.programs[self.layout.rank]
         ctx = StepContext(
             rank=self.layout.rank, step=self.steps, runners=self.runners, transport=self.transport,
             sync=self.sync, optimizer=self.optimizer,
             inputs=[list(mb) for mb in shard_microbatches(inputs, W, dp, self.N)],
             targets=shard_microbatches(targets, W, dp, self.N), loss_fn=self.loss_fn,
             out_spec=self.out_spec, scale=1.0 / (self.N * W))
-        self.interpreter.run(program[self.steps % len(program)], ctx, self.timeline)
+        self.interpreter.run(self._ops_at(self.steps), ctx, self.timeline)
         loss = torch.stack(ctx.losses).sum() if ctx.losses else torch.zeros(())
         self.transport.all_reduce(loss, None, "loss all-reduce")
         if ctx.skipped:
@@ -141,15 +140,16 @@ class PipelineTrainer(Checkpointing):
             self._skips_in_a_row += 1
             log.warning("rank %d: step %d skipped: loss or gradients are NaN/Inf on some rank (%d skipped so far)",
                         self.layout.rank, self.steps, self.skipped_steps)
-            if self.max_skipped_steps is not None and self._skips_in_a_row > self.max_skipped_steps:
-                raise NonFiniteError(f"{self._skips_in_a_row} steps in a row had NaN/Inf loss or gradients "
-                                     f"(max_skipped_steps={self.max_skipped_steps}); the state is that of step "
-                                     f"{self.steps}: lower the learning rate, check the data, or raise "
-                                     "max_skipped_steps")
+            check_skip_streak(self._skips_in_a_row, self.max_skipped_steps, self.steps)
         else:
             self._skips_in_a_row = 0
             self.steps += 1
         return float(loss)
+
+    def _ops_at(self, step: int) -> list[Op]:
+        """This rank's ops for global step `step` (its program cycles with the plan's period)."""
+        program = self.programs[self.layout.rank]
+        return program[step % len(program)]
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """This rank's parameters by canonical FQN (one copy each)."""
