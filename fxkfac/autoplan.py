@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from fxkfac.planner.costs import CostTable
-from fxkfac.planner.errors import PlanFormatError, PlanMismatchError
+from fxkfac.planner.errors import PlanMismatchError
 from fxkfac.planner.ir import LayerTiming, Op, OpKind
 from fxkfac.planner.lowering import add_send_recv, expand_dp
 from fxkfac.planner.schedules import ScheduleKind, num_stages, schedule_programs, stage_rank
@@ -140,15 +140,14 @@ def check_costs(costs: CostTable, stage_layers: Mapping[int, Sequence[str]]) -> 
 
 
 def load_plan(path: str | Path, target: Target) -> Any:
-    """Read a plan file, refuse one made for another graph/mesh/schedule, then validate it (Plan.load)."""
+    """Read a plan file once, refuse one made for another graph/mesh/schedule, then validate it."""
     from fxkfac.planner.plan import Plan
+    from fxkfac.planner.validate import check_plan
 
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise PlanFormatError(f"cannot read the plan file {path}: {e}") from e
-    check_matches(Plan.from_json(text), target, str(path))
-    return Plan.load(path, expect_fingerprint=target.fingerprint)
+    plan = Plan.read(path)
+    check_matches(plan, target, str(path))
+    check_plan(plan.problem, plan)
+    return plan
 
 
 def share_plan(plan: Any, src: int = 0) -> Any:

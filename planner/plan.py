@@ -143,15 +143,20 @@ class Plan:
             raise
 
     @classmethod
-    def load(cls, path: str | Path, *, expect_fingerprint: str | None = None) -> Plan:
-        """Read and validate a plan; PlanMismatchError when made for another graph."""
-        from fxkfac.planner.validate import check_plan
-
+    def read(cls, path: str | Path) -> Plan:
+        """Read and parse a plan file, not yet validated against its problem (see `load`)."""
         try:
             text = Path(path).read_text()
         except OSError as e:
             raise PlanFormatError(f"cannot read the plan file {path}: {e}") from e
-        plan = cls.from_json(text)
+        return cls.from_json(text)
+
+    @classmethod
+    def load(cls, path: str | Path, *, expect_fingerprint: str | None = None) -> Plan:
+        """Read and validate a plan; PlanMismatchError when made for another graph."""
+        from fxkfac.planner.validate import check_plan
+
+        plan = cls.read(path)
         if expect_fingerprint is not None and plan.fingerprint != expect_fingerprint:
             raise PlanMismatchError(f"{path} was made for graph {plan.fingerprint!r}, not {expect_fingerprint!r}; "
                                     "make a new plan for this model, mesh and schedule (fxkfac plan ... --export)")
@@ -169,10 +174,10 @@ def _plan_from_dict(data: Any) -> Plan:
     if not isinstance(data, dict):
         raise PlanFormatError(f"a plan must be a JSON object, got {type(data).__name__}")
     version = data.get("schema_version")
-    if isinstance(version, int) and not isinstance(version, bool) and version > SCHEMA_VERSION:
+    if type(version) is int and version > SCHEMA_VERSION:  # not bool: true is not a version
         raise PlanFormatError(f"the plan has schema_version {version}, newer than this fxkfac reads "
                               f"({SCHEMA_VERSION}); upgrade fxkfac to load it")
-    if version != SCHEMA_VERSION or not isinstance(version, int) or isinstance(version, bool):
+    if type(version) is not int or version != SCHEMA_VERSION:
         raise PlanFormatError(f"unknown plan schema_version {version!r} (expected {SCHEMA_VERSION})")
     try:
         m = data["metrics"]
