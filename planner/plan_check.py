@@ -96,6 +96,10 @@ def _check_programs(plan: Plan) -> None:
     devices = set(plan.problem.devices)
     _need(set(plan.programs) == devices, f"programs for ranks {sorted(plan.programs)}, the mesh has {sorted(devices)}")
     _need(all(len(steps) >= 1 for steps in plan.programs.values()), "every rank's program needs at least one step")
+    fixed = _fixed_ops(plan.problem)
+    for device, steps in plan.programs.items():
+        for op in (op for ops in steps for op in ops if op.kind in _KFAC_KINDS):
+            _check_op(plan.problem, op, device, fixed)  # the same rules as a placed op's
 
 
 def _check_metrics(plan: Plan) -> None:

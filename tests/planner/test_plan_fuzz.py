@@ -117,6 +117,20 @@ def test_the_unmutated_plan_loads_and_is_valid(tmp_path: Path) -> None:
     assert plan.to_json() == _valid_text()
 
 
+def test_a_program_op_naming_a_layer_its_stage_lacks_is_refused(tmp_path: Path) -> None:
+    """Found by the fuzz: a program's CURV of an unknown layer reached the validator's simulation."""
+    tree = json.loads(_valid_text())
+    steps = tree["programs"]["0"]
+    lines = steps[0].split("\n")
+    i = next(i for i, line in enumerate(lines) if line.startswith("CURV "))
+    lines[i] = lines[i].rsplit(" ", 1)[0] + " BOGUS"
+    steps[0] = "\n".join(lines)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(tree))
+    with pytest.raises(PlanFormatError, match="BOGUS"):
+        Plan.load(path)
+
+
 @settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow,
                                                                                   HealthCheck.function_scoped_fixture])
 @given(_mutated_texts())
