@@ -15,7 +15,7 @@ __all__ = ["TinyBertConfig", "TinyBertMLM", "mlm_loss"]
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TinyBertConfig:
-    """Sizes of the default model (byte vocabulary, a few post-LayerNorm encoder blocks)."""
+    """Sizes of the default model (byte vocabulary, a few encoder blocks)."""
 
     vocab_size: int = VOCAB_SIZE
     hidden: int = 64
@@ -23,12 +23,16 @@ class TinyBertConfig:
     ffn: int = 256
     layers: int = 4
     max_len: int = 128
+    pre_norm: bool = True
+    """LayerNorm before attention and FFN (GPT-2 style; trains without the long plateau of post-LN at this
+    size) or after the residual sums, as in the original BERT."""
 
 
 class _Block(nn.Module):
     def __init__(self, cfg: TinyBertConfig) -> None:
         super().__init__()
         self.heads = cfg.heads
+        self.pre_norm = cfg.pre_norm
         self.query = nn.Linear(cfg.hidden, cfg.hidden)
         self.key = nn.Linear(cfg.hidden, cfg.hidden)
         self.value = nn.Linear(cfg.hidden, cfg.hidden)
@@ -42,11 +46,19 @@ class _Block(nn.Module):
         b, s, h = x.shape
         return x.view(b, s, self.heads, h // self.heads).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _attention(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self._split(self.query(x)), self._split(self.key(x)), self._split(self.value(x))
-        attn = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(x.shape)
-        x = self.norm1(x + self.attn_out(attn))
-        return self.norm2(x + self.output(F.gelu(self.intermediate(x))))
+        return self.attn_out(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(x.shape))
+
+    def _ffn(self, x: torch.Tensor) -> torch.Tensor:
+        return self.output(F.gelu(self.intermediate(x)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.pre_norm:
+            x = x + self._attention(self.norm1(x))
+            return x + self._ffn(self.norm2(x))
+        x = self.norm1(x + self._attention(x))
+        return self.norm2(x + self._ffn(x))
 
 
 class TinyBertMLM(nn.Module):
