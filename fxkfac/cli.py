@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     demo.add_argument("--schedule", choices=[k.value for k in ScheduleKind], default="1f1b")
     demo.add_argument("--microbatches", "-N", type=int, default=4, help="micro-batches per replica")
-    demo.add_argument("--steps", type=int, help="optimizer steps per run (default 150)")
+    demo.add_argument("--steps", type=int, help="optimizer steps per run (default 200)")
     demo.add_argument("--seconds", type=float, help="train each run for this wall time instead of --steps")
     return parser
 
