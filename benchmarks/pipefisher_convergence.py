@@ -41,6 +41,8 @@ refresh period per stage. Chosen by a single-process sweep (README): damping 3e-
 and refreshing every step were no better."""
 PIPEFISHER_LRS = (4e-3, 8e-3)
 TARGET_RATIO = 0.6
+HORIZONS = (0.25, 0.5)
+"""Fractions of the run at which the comparison is repeated as if AdamW had stopped there."""
 
 
 def runs() -> tuple[RunSpec, ...]:
@@ -68,7 +70,23 @@ def summarize(result: DemoResult) -> dict:
     pf = [r for name, r in out["runs"].items() if not name.startswith("AdamW") and r["time_ratio"] is not None]
     out["best_pipefisher_ratio"] = min((r["time_ratio"] for r in pf), default=None)
     out["target_ratio"] = TARGET_RATIO
+    out["horizons"] = [horizon(result.curves, h) for h in HORIZONS]
     return out
+
+
+def horizon(curves: tuple[Curve, ...], fraction: float) -> dict:
+    """The same comparison had AdamW stopped after `fraction` of the steps: the best AdamW validation loss at
+    that evaluation, AdamW's time to it, and the best PipeFisher time to it (how the ratio depends on the budget)."""
+    adamw = [c for c in curves if c.plan_json is None]
+    stop = min(adamw[0].points, key=lambda p: abs(p[0] - fraction * adamw[0].steps))[0]
+    at_stop = {c.name: next(v for s, _, v in c.points if s == stop) for c in adamw}
+    best = min(adamw, key=lambda c: at_stop[c.name])
+    target = at_stop[best.name]
+    base = reach(best, target)
+    assert base is not None  # reached at `stop` at the latest
+    times = [got[1] for c in curves if c.plan_json is not None and (got := reach(c, target)) is not None]
+    return {"adamw_steps": stop, "target_val_loss": target, "adamw_run": best.name, "adamw_seconds": base[1],
+            "best_pipefisher_ratio": min(times) / base[1] if times else None}
 
 
 def report(summary: dict, console: Console) -> None:
@@ -86,6 +104,10 @@ def report(summary: dict, console: Console) -> None:
     ratio = summary["best_pipefisher_ratio"]
     console.print(f"best PipeFisher / AdamW wall time to the target: {'n/a' if ratio is None else f'{ratio:.2f}'} "
                   f"(goal <= {TARGET_RATIO})", highlight=False)
+    for h in summary["horizons"]:
+        r = h["best_pipefisher_ratio"]
+        console.print(f"  had AdamW stopped at step {h['adamw_steps']}: target {h['target_val_loss']:.4f} "
+                      f"({h['adamw_run']}), PipeFisher / AdamW {'n/a' if r is None else f'{r:.2f}'}", highlight=False)
 
 
 def plot(curves: tuple[Curve, ...], target: float, path: Path) -> None:
