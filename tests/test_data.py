@@ -31,3 +31,32 @@ def test_default_model_loss_starts_near_uniform() -> None:
     x, y = MaskedLMData(stdlib_corpus(50_000)[0], seq_len=16).batch(4)
     loss = mlm_loss(TinyBertMLM(cfg)(x), y)
     assert abs(loss.item() - torch.log(torch.tensor(float(cfg.vocab_size))).item()) < 1.0
+
+
+def _reference_block(block: torch.nn.Module, x: torch.Tensor, pre_norm: bool) -> torch.Tensor:
+    """The encoder block written out: multi-head attention, then the GELU FFN, each with a residual; LayerNorm
+    before each (pre-LN) or after each residual sum (post-LN, the original BERT)."""
+    def attention(h: torch.Tensor) -> torch.Tensor:
+        b, s, d = h.shape
+        heads = block.heads
+        q, k, v = (lin(h).view(b, s, heads, d // heads).transpose(1, 2)
+                   for lin in (block.query, block.key, block.value))
+        weights = torch.softmax(q @ k.transpose(-1, -2) / (d // heads) ** 0.5, dim=-1)
+        return block.attn_out((weights @ v).transpose(1, 2).reshape(b, s, d))
+
+    def ffn(h: torch.Tensor) -> torch.Tensor:
+        return block.output(torch.nn.functional.gelu(block.intermediate(h)))
+
+    if pre_norm:
+        x = x + attention(block.norm1(x))
+        return x + ffn(block.norm2(x))
+    x = block.norm1(x + attention(x))
+    return block.norm2(x + ffn(x))
+
+
+def test_blocks_compute_pre_and_post_layernorm_as_written() -> None:
+    x = torch.randn(2, 8, 64)
+    for pre_norm in (True, False):
+        torch.manual_seed(0)
+        block = TinyBertMLM(TinyBertConfig(layers=1, pre_norm=pre_norm)).blocks[0]
+        torch.testing.assert_close(block(x), _reference_block(block, x, pre_norm), rtol=1e-5, atol=1e-5)
