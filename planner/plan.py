@@ -48,7 +48,9 @@ from fxkfac.planner.window import (
 
 __all__ = ["SCHEMA_VERSION", "SolverStats", "PlanMetrics", "Plan", "solve"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2: every step ends with a barrier (the KL-clip and loss all-reduces), so no K-FAC task spans a step
+boundary; version-1 plans may place work across it and are refused with a hint to re-plan."""
 """Version of the plan JSON layout; a newer file asks the user to upgrade fxkfac."""
 
 log = logging.getLogger(__name__)
@@ -177,6 +179,10 @@ def _plan_from_dict(data: Any) -> Plan:
     if type(version) is int and version > SCHEMA_VERSION:  # not bool: true is not a version
         raise PlanFormatError(f"the plan has schema_version {version}, newer than this fxkfac reads "
                               f"({SCHEMA_VERSION}); upgrade fxkfac to load it")
+    if type(version) is int and 1 <= version < SCHEMA_VERSION:
+        raise PlanFormatError(f"the plan has schema_version {version}, older than this fxkfac's ({SCHEMA_VERSION}): "
+                              "it may place K-FAC work across a step's closing barrier; re-plan it "
+                              "(fxkfac plan ... --export plan.json, or plan='auto')")
     if type(version) is not int or version != SCHEMA_VERSION:
         raise PlanFormatError(f"unknown plan schema_version {version!r} (expected {SCHEMA_VERSION})")
     try:

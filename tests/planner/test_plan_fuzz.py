@@ -146,7 +146,8 @@ def test_mutated_plans_load_valid_or_fail_with_an_fxkfac_error(tmp_path: Path, t
     assert all(math.isfinite(t) for t in (plan.metrics.step_time, plan.metrics.utilization))
 
 
-@pytest.mark.parametrize("version,needle", [(SCHEMA_VERSION + 1, "upgrade fxkfac"), ("1", "schema_version"),
+@pytest.mark.parametrize("version,needle", [(SCHEMA_VERSION + 1, "upgrade fxkfac"), (SCHEMA_VERSION - 1, "re-plan"),
+                                            ("1", "schema_version"),
                                             (True, "schema_version"), (None, "schema_version")])
 def test_versions_other_than_ours_are_refused(tmp_path: Path, version: Any, needle: str) -> None:
     tree = json.loads(_valid_text())
