@@ -30,12 +30,10 @@ SEQ_LEN = 64
 MICROBATCHES = 4
 
 
-def train(args: argparse.Namespace, lr: float, kfac: KFACConfig | None) -> list[tuple[int, float]]:
-    """(step, validation loss) of one run."""
-    train_bytes, val_bytes = stdlib_corpus(2_000_000)
+def train(args: argparse.Namespace, lr: float, kfac: KFACConfig | None, train_bytes: bytes,
+          val: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[int, float]]:
+    """(step, validation loss) of one run; every run draws the same batches (a fresh generator, seed 0)."""
     data = MaskedLMData(train_bytes, seq_len=SEQ_LEN, seed=0)
-    val_data = MaskedLMData(val_bytes, seq_len=SEQ_LEN, seed=10_000)
-    val = [val_data.batch(32) for _ in range(4)]
     torch.manual_seed(0)
     model = TinyBertMLM(TinyBertConfig(max_len=SEQ_LEN, pre_norm=not args.post_norm))
     inputs, targets = data.batch(args.batch)
@@ -77,7 +75,10 @@ def main() -> None:
     kfac = KFACConfig(damping=args.damping, factor_decay=0.95, kl_clip=args.kl_clip, refresh_every=args.refresh,
                       skip_vocab_head=args.skip_head)
     runs = [(f"AdamW lr {lr:g}", lr, None) for lr in args.adamw] + [(f"K-FAC lr {lr:g}", lr, kfac) for lr in args.kfac]
-    curves = {name: train(args, lr, cfg) for name, lr, cfg in runs}
+    train_bytes, val_bytes = stdlib_corpus(2_000_000)
+    val_data = MaskedLMData(val_bytes, seq_len=SEQ_LEN, seed=10_000)
+    val = [val_data.batch(32) for _ in range(4)]
+    curves = {name: train(args, lr, cfg, train_bytes, val) for name, lr, cfg in runs}
     table = Table(title=f"validation loss, batch {args.batch}, one process", title_justify="left")
     table.add_column("run")
     steps = [s for s, _ in next(iter(curves.values()))]

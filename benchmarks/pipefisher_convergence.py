@@ -54,29 +54,26 @@ def runs() -> tuple[RunSpec, ...]:
 
 def summarize(result: DemoResult) -> dict:
     """The target (best final AdamW validation loss), AdamW's time to it, each PipeFisher run's, the ratios."""
-    adamw = [c for c in result.curves if c.plan_json is None]
-    best = min(adamw, key=lambda c: c.final_val)
-    target = best.final_val
-    base = reach(best, target)
-    assert base is not None  # the best run reaches its own final loss by its last evaluation
-    out: dict = {"target_val_loss": target, "adamw_run": best.name, "adamw_steps": base[0],
-                 "adamw_seconds": base[1], "runs": {}}
+    final = horizon(result.curves, 1.0)
+    target, base_seconds = final["target_val_loss"], final["adamw_seconds"]
+    out: dict = {"target_val_loss": target, "adamw_run": final["adamw_run"], "adamw_steps": final["adamw_steps"],
+                 "adamw_seconds": base_seconds, "runs": {}}
     for c in result.curves:
         got = reach(c, target)
         out["runs"][c.name] = {
             "final_val_loss": c.final_val, "steps": c.steps, "seconds": c.seconds, "ms_per_step": c.step_time * 1e3,
             "steps_to_target": None if got is None else got[0], "seconds_to_target": None if got is None else got[1],
-            "time_ratio": None if got is None else got[1] / base[1]}
-    pf = [r for name, r in out["runs"].items() if not name.startswith("AdamW") and r["time_ratio"] is not None]
-    out["best_pipefisher_ratio"] = min((r["time_ratio"] for r in pf), default=None)
+            "time_ratio": None if got is None else got[1] / base_seconds}
+    out["best_pipefisher_ratio"] = final["best_pipefisher_ratio"]
     out["target_ratio"] = TARGET_RATIO
     out["horizons"] = [horizon(result.curves, h) for h in HORIZONS]
     return out
 
 
 def horizon(curves: tuple[Curve, ...], fraction: float) -> dict:
-    """The same comparison had AdamW stopped after `fraction` of the steps: the best AdamW validation loss at
-    that evaluation, AdamW's time to it, and the best PipeFisher time to it (how the ratio depends on the budget)."""
+    """The comparison had AdamW stopped at the evaluation nearest `fraction` of its steps (1.0: the last):
+    the best AdamW validation loss there, AdamW's steps and time to first reach it, and the best PipeFisher
+    time to it over AdamW's (how the ratio depends on the budget)."""
     adamw = [c for c in curves if c.plan_json is None]
     stop = min(adamw[0].points, key=lambda p: abs(p[0] - fraction * adamw[0].steps))[0]
     at_stop = {c.name: next(v for s, _, v in c.points if s == stop) for c in adamw}
@@ -85,8 +82,8 @@ def horizon(curves: tuple[Curve, ...], fraction: float) -> dict:
     base = reach(best, target)
     assert base is not None  # reached at `stop` at the latest
     times = [got[1] for c in curves if c.plan_json is not None and (got := reach(c, target)) is not None]
-    return {"adamw_steps": stop, "target_val_loss": target, "adamw_run": best.name, "adamw_seconds": base[1],
-            "best_pipefisher_ratio": min(times) / base[1] if times else None}
+    return {"stop_step": stop, "target_val_loss": target, "adamw_run": best.name, "adamw_steps": base[0],
+            "adamw_seconds": base[1], "best_pipefisher_ratio": min(times) / base[1] if times else None}
 
 
 def report(summary: dict, console: Console) -> None:
@@ -106,7 +103,7 @@ def report(summary: dict, console: Console) -> None:
                   f"(goal <= {TARGET_RATIO})", highlight=False)
     for h in summary["horizons"]:
         r = h["best_pipefisher_ratio"]
-        console.print(f"  had AdamW stopped at step {h['adamw_steps']}: target {h['target_val_loss']:.4f} "
+        console.print(f"  had AdamW stopped at step {h['stop_step']}: target {h['target_val_loss']:.4f} "
                       f"({h['adamw_run']}), PipeFisher / AdamW {'n/a' if r is None else f'{r:.2f}'}", highlight=False)
 
 
