@@ -12,7 +12,7 @@ from typing import NoReturn, Sequence
 
 from rich.console import Console
 
-from fxkfac.planner.costs import CostTable, load_cost_table
+from fxkfac.planner.costs import CostTable, is_profile, load_cost_table
 from fxkfac.planner.errors import PlanFormatError, PlannerError
 from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.schedules import ScheduleKind, num_stages, validate_schedule_args
@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--dp", type=int, default=1, help="data-parallel replicas W")
     plan.add_argument("--virtual-stages", "-v", type=int, default=1, help="stages per rank (interleaved)")
     plan.add_argument("--hardware", default="p100", help="p100, v100, a100, h100 or cpu (analytic costs)")
-    plan.add_argument("--costs", type=Path, help="a cost table (.json) or a PipeFisher profile (.csv)")
+    plan.add_argument("--costs", type=Path, help="a cost table (.json), a PipeFisher profile (.csv), or a shipped "
+                                                 "one of the paper: paper:<model>/<hardware>, e.g. paper:bert-base/p100")
     plan.add_argument("--micro-batch-size", type=int, default=32)
     plan.add_argument("--seq-len", type=int, help="sequence length (default: the preset's)")
     plan.add_argument("--memory", type=_arg_type(parse_bytes), help="memory budget per device, e.g. 16GiB")
@@ -112,7 +113,7 @@ def _blocks(target: str) -> int:
 def cost_table(args: argparse.Namespace, S: int) -> CostTable:
     """The cost table the plan uses: --costs file, a preset's analytic model, or a captured factory."""
     if args.costs is not None:
-        if args.costs.suffix.lower() == ".csv":
+        if is_profile(args.costs):
             blocks = _blocks(args.target)
             if blocks % S:
                 raise CliError(f"{args.target} has {blocks} blocks, not divisible into {S} stages; pick another -D")
@@ -155,16 +156,18 @@ def _factory_costs(args: argparse.Namespace, S: int) -> CostTable:
     if not (isinstance(made, tuple) and len(made) == 2):
         raise CliError(f"{factory_name}() must return (model, example_inputs)")
     from fxkfac.capture import capture
+    from fxkfac.config import KFACConfig
     from fxkfac.planner.analytic import analytic_cost_table
     from fxkfac.planner.presets import model_spec_from_layers
 
-    layers = capture(*made).layers
+    layers = capture(*made, KFACConfig()).layers  # the K-FAC layers fxkfac.compile finds by default
     if len(layers) < S:
-        raise CliError(f"the model has {len(layers)} K-FAC layers, fewer than {S} stages")
+        raise CliError(f"{path}:{factory_name}() makes a model with {len(layers)} K-FAC layers (Linear/Conv2d "
+                       f"that the default KFACConfig keeps), fewer than the {S} stages asked for; use fewer stages")
     bounds = [round(i * len(layers) / S) for i in range(S + 1)]
     spec_stages = [[(x.name, x.d_in, x.d_out, x.tokens_per_sample, x.bias is not None)
                     for x in layers[bounds[i]:bounds[i + 1]]] for i in range(S)]
-    model_spec = model_spec_from_layers(spec_stages, name=path.stem)
+    model_spec = model_spec_from_layers(spec_stages, name=f"{path.stem}.{factory_name}")
     return analytic_cost_table(model_spec, [range(i, i + 1) for i in range(S)], args.micro_batch_size, 1,
                                args.hardware)
 

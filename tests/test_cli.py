@@ -223,3 +223,23 @@ def test_plan_path_does_not_import_torch(tmp_path: Path) -> None:
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+EXAMPLE_FACTORIES = Path(__file__).resolve().parents[1] / "examples" / "plan_factory.py"
+GPT2_LAYERS = [f"transformer.h.{b}.{name}" for b in range(2)
+               for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+
+
+@pytest.mark.parametrize("factory,layers", [("mlp", ["0", "2", "4", "6"]), ("gpt2", GPT2_LAYERS)])
+def test_factory_targets_plan_the_layers_compile_finds(factory: str, layers: list[str], tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """examples/plan_factory.py plans from the CLI: every Linear but GPT-2's (tied) LM head, split in
+    order over the 2 stages."""
+    export = tmp_path / "plan.json"
+    argv = ["plan", f"{EXAMPLE_FACTORIES}:{factory}", "--stages", "2", "--microbatches", "4", "--hardware", "cpu",
+            "--method", "greedy", "--export", str(export)]
+    assert main(argv) == 0
+    assert "refresh steps per stage" in capsys.readouterr().out
+    costs = Plan.load(export).problem.costs
+    assert [[x.name for x in stage.layers] for stage in costs.stages] == [layers[:len(layers) // 2],
+                                                                           layers[len(layers) // 2:]]
