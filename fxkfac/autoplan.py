@@ -1,122 +1,104 @@
-"""Plans the runtime runs: plan="auto" | a plan file | a Plan, checked against the graph; and naive K-FAC programs."""
+"""The plan a run uses: plan="auto" (profile, solve, share) | a plan file | a Plan, checked against the graph."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fxkfac.planner.costs import CostTable
+from fxkfac.config import PlanOptions
+from fxkfac.errors import ConfigError
+from fxkfac.passes.layers import KFACLayer
+from fxkfac.planner.costs import CostTable, load_cost_table
 from fxkfac.planner.errors import PlanMismatchError
-from fxkfac.planner.ir import LayerTiming, Op, OpKind
-from fxkfac.planner.lowering import add_send_recv, expand_dp
-from fxkfac.planner.schedules import ScheduleKind, num_stages, schedule_programs, stage_rank
+from fxkfac.planner.plan import Plan
+from fxkfac.planner.schedules import ScheduleKind
 
-__all__ = ["naive_programs", "kfac_tail", "ranks_of_stages", "Target", "solve_for", "check_matches", "check_costs",
-           "load_plan", "share_plan", "startup_program"]
+__all__ = ["Target", "resolve_plan", "solve_for", "check_matches", "check_costs", "load_plan", "share_plan"]
 
 
-def ranks_of_stages(kind: ScheduleKind | str, D: int, W: int, S: int, v: int = 1) -> dict[int, tuple[int, ...]]:
-    """Stage -> the sorted global ranks holding a copy of it (dp replicas, both Chimera pipelines)."""
-    kind = ScheduleKind(kind)
-    pipes = (0, 1) if kind is ScheduleKind.CHIMERA else (0,)
-    return {s: tuple(sorted({stage_rank(kind, D, s, p, v=v) * W + w for p in pipes for w in range(W)}))
-            for s in range(S)}
+log = logging.getLogger(__name__)
 
 
-def _refreshing(timings: Mapping[str, LayerTiming], names: Sequence[str], step: int) -> list[str]:
-    return [n for n in names if step % timings[n].period == timings[n].curv_step]
-
-
-def kfac_tail(rank: int, copies: Sequence[tuple[int, int]], step: int, timings: Mapping[str, LayerTiming],
-              stage_layers: Mapping[int, Sequence[str]], holders: Mapping[int, tuple[int, ...]]) -> list[Op]:
-    """The K-FAC ops a rank runs between its last ALLREDUCE_GRAD and OPT_STEP at one step of the period.
-
-    Every collective is emitted in (stage, layer, factor) order by every holder, so no two ranks wait
-    on each other; the inversions of a stage are dealt round-robin over its holders (inversion
-    parallelism) and broadcast from there. `copies` are the (stage, pipe) pairs the rank holds.
-    """
-    stages = sorted({s for s, _ in copies})
-    syncs: list[Op] = []
-    invs: list[Op] = []
-    bcasts: list[Op] = []
-    for s in stages:
-        ranks = holders[s]
-        for i, name in enumerate(_refreshing(timings, stage_layers[s], step)):
-            if len(ranks) > 1:
-                syncs.append(Op(OpKind.SYNC_CURV, stage=s, layer=name))
-            for j, side in enumerate(("A", "B")):
-                root = ranks[(2 * i + j) % len(ranks)]
-                if root == rank:
-                    invs.append(Op(OpKind.INV, stage=s, factor=side, layer=name))
-                if len(ranks) > 1:
-                    bcasts.append(Op(OpKind.BCAST_INV, stage=s, factor=side, peer=root, layer=name))
-    precs = [Op(OpKind.PREC, stage=s, pipe=p) for s, p in sorted(set(copies))]
-    return syncs + invs + bcasts + precs
-
-
-def naive_programs(kind: ScheduleKind | str, D: int, N: int, W: int, timings: Mapping[str, LayerTiming],
-                   stage_layers: Mapping[int, Sequence[str]], *, v: int = 1) -> dict[int, list[list[Op]]]:
-    """K-FAC on the critical path: the base schedule with curvature right after each BWD of a refreshing
-    layer, and sync, inversion, broadcast and precondition before OPT_STEP.
-
-    One list per step of the period (the lcm of the layers' periods). With refresh period 1 this is
-    "naive K-FAC" of the PipeFisher paper; with period k it is "K-FAC+skip". The correctness of a plan
-    does not depend on where its ops sit, so this is also the reference layout for tests.
-    """
-    kind = ScheduleKind(kind)
-    S = num_stages(kind, D, v)
-    base = expand_dp(add_send_recv(schedule_programs(kind, D, N, v=v), kind, D, v), W)
-    holders = ranks_of_stages(kind, D, W, S, v)
-    period = math.lcm(*(t.period for t in timings.values())) if timings else 1
-    out: dict[int, list[list[Op]]] = {}
-    for rank, ops in base.items():
-        copies = sorted({(op.stage, op.pipe) for op in ops if op.kind is OpKind.FWD})
-        steps = []
-        for step in range(period):
-            body: list[Op] = []
-            for op in ops:
-                if op.kind is OpKind.OPT_STEP:
-                    body.extend(kfac_tail(rank, copies, step, timings, stage_layers, holders))
-                body.append(op)
-                if op.kind is OpKind.BWD:
-                    for name in _refreshing(timings, stage_layers[op.stage], step):  # type: ignore[index]
-                        body.extend(Op(OpKind.CURV, stage=op.stage, mb=op.mb, pipe=op.pipe, factor=side, layer=name)
-                                    for side in ("A", "B"))
-            steps.append(body)
-        out[rank] = steps
-    return out
-
-
+@dataclass(frozen=True)
 class Target:
     """What a plan must be made for: the graph fingerprint, schedule, D, N, W and v of the run."""
 
-    def __init__(self, fingerprint: str, schedule: str, D: int, N: int, W: int, v: int = 1) -> None:
-        self.fingerprint, self.schedule = fingerprint, str(ScheduleKind(schedule).value)
-        self.D, self.N, self.W, self.v = D, N, W, v
+    fingerprint: str
+    schedule: ScheduleKind
+    D: int
+    N: int
+    W: int
+    v: int = 1
 
     def describe(self) -> str:
         """The run in words, for error messages."""
-        return f"{self.schedule} D={self.D} N={self.N} W={self.W} v={self.v}, graph {self.fingerprint}"
+        return f"{self.schedule.value} D={self.D} N={self.N} W={self.W} v={self.v}, graph {self.fingerprint}"
 
 
-def solve_for(target: Target, costs: CostTable, *, memory_budget: int | None = None, max_overhead: float = 0.0,
-              time_limit_s: float = 10.0) -> Any:
+def resolve_plan(plan: Any, target: Target, options: PlanOptions, *, rank: int, world: int,
+                 profile: Callable[[], CostTable], stage_layers: Mapping[int, Sequence[str]],
+                 layers: Mapping[str, KFACLayer]) -> Plan | None:
+    """The Plan every rank runs: None, a checked Plan, a loaded file, or the auto plan rank 0 makes and shares.
+
+    `plan="auto"` plans with `options.costs` (a CostTable, a cost file, or a callable
+    ``(stage_layers, layers) -> CostTable``), or with `profile()` times scaled by `options.kfac_margin`.
+    """
+    if plan is None:
+        return None
+    if isinstance(plan, str) and plan == "auto":
+        made = None
+        if rank == 0:
+            costs = _costs(options, profile, stage_layers, layers)
+            made = solve_for(target, costs, options)
+        return made if world == 1 else share_plan(made)
+    if isinstance(plan, (str, Path)):
+        return load_plan(plan, target)
+    if isinstance(plan, Plan):
+        check_matches(plan, target)
+        return plan
+    raise ConfigError(f"plan must be 'auto', None, a plan file path or a fxkfac.Plan, got {type(plan).__name__}")
+
+
+def _costs(options: PlanOptions, profile: Callable[[], CostTable], stage_layers: Mapping[int, Sequence[str]],
+           layers: Mapping[str, KFACLayer]) -> CostTable:
+    """The cost table to plan with (see `resolve_plan`), checked against the split."""
+    source = options.costs
+    if source is None:
+        log.info("profiling the stages to plan K-FAC (K-FAC times planned %.0f%% longer)", 100 * (options.kfac_margin - 1))
+        return profile().scale_kfac_times(options.kfac_margin)
+    if isinstance(source, (str, Path)):
+        costs = load_cost_table(source)
+    elif isinstance(source, CostTable):
+        costs = source
+    elif callable(source):
+        costs = source(stage_layers, layers)
+    else:
+        raise ConfigError(f"PlanOptions.costs must be a CostTable, a cost file or a callable, got "
+                          f"{type(source).__name__}")
+    check_costs(costs, stage_layers)
+    return costs
+
+
+def solve_for(target: Target, costs: CostTable, options: PlanOptions) -> Plan:
     """Plan `target` with CP-SAT over `costs` (the planner's `solve`), stamped with the target's fingerprint."""
     from fxkfac.planner.plan import solve
     from fxkfac.planner.problem import Problem, SolverConfig
 
-    problem = Problem(target.schedule, target.D, target.N, costs, W=target.W, v=target.v,
-                      memory_budget=memory_budget, max_overhead=max_overhead, fingerprint=target.fingerprint)
-    return solve(problem, SolverConfig(time_limit_s=time_limit_s))
+    problem = Problem(target.schedule.value, target.D, target.N, costs, W=target.W, v=target.v,
+                      memory_budget=options.memory_budget, max_overhead=options.max_overhead,
+                      fingerprint=target.fingerprint)
+    log.info("solving the plan of %s", target.describe())
+    return solve(problem, SolverConfig(time_limit_s=options.time_limit_s))
 
 
 def check_matches(plan: Any, target: Target, where: str = "the plan") -> None:
     """PlanMismatchError unless `plan` was made for `target` (mesh and schedule first: the clearer message)."""
     p = plan.problem
     made = (str(p.schedule), p.D, p.N, p.W, p.v)
-    want = (target.schedule, target.D, target.N, target.W, target.v)
+    want = (target.schedule.value, target.D, target.N, target.W, target.v)
     if made != want:
         raise PlanMismatchError(f"{where} was made for {made[0]} D={made[1]} N={made[2]} W={made[3]} v={made[4]}, "
                                 f"but this run is {target.describe()}; make a plan for this mesh and schedule "
@@ -162,20 +144,3 @@ def share_plan(plan: Any, src: int = 0) -> Any:
     if not isinstance(text, str):
         raise AssertionError("plan broadcast delivered no JSON text")
     return Plan.from_json(text)
-
-
-_REFRESH_KINDS = (OpKind.CURV, OpKind.SYNC_CURV, OpKind.INV, OpKind.BCAST_INV)
-
-
-def startup_program(plan: Any, rank: int, step: int) -> list[Op] | None:
-    """Global step `step`'s program on `rank` without the K-FAC work of refreshes from before step 0.
-
-    A plan is a modulo schedule: in steady state, step t also runs the late curvature and inversions
-    of the refresh of step t - s (a placement's window step s may reach 2k - 1). In the first steps
-    that refresh never happened, so its ops have nothing to consume. Returns None when `step` drops
-    nothing (every step from the longest placement step on)."""
-    program = plan.programs[rank]
-    unborn = {p.op for p in plan.placements if p.device == rank and p.step > step and p.op.kind in _REFRESH_KINDS}
-    if not unborn:
-        return None
-    return [op for op in program[step % len(program)] if op not in unborn]

@@ -33,7 +33,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,8 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 
 from fxkfac.errors import CheckpointError
 
-__all__ = ["save", "load", "describe_run", "split_tensors", "join_tensors", "FORMAT", "VERSION"]
+__all__ = ["Checkpointable", "Checkpointing", "save", "load", "digest", "split_tensors", "join_tensors", "FORMAT",
+           "VERSION"]
 
 log = logging.getLogger(__name__)
 
@@ -122,50 +123,43 @@ def _tensor_keys(skeleton: Any) -> list[str]:
 # --- what a checkpoint is made for ---------------------------------------------------------------------
 
 
-def _digest(obj: Any) -> str:
+class Checkpointable(Protocol):
+    """What a trainer offers checkpoints: its state, its step, its plan, how to describe its run, a timeout."""
+
+    steps: int
+    plan: Any
+
+    @property
+    def timeout(self) -> timedelta: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+    def describe_run(self) -> dict[str, Any]: ...
+
+
+class Checkpointing:
+    """`save_checkpoint` / `load_checkpoint` for a Checkpointable trainer (collective when pipelined)."""
+
+    def save_checkpoint(self: Checkpointable, path: str) -> None:
+        """Write a checkpoint directory (see `save`)."""
+        save(self, path)
+
+    def load_checkpoint(self: Checkpointable, path: str) -> None:
+        """Resume from a checkpoint directory (see `load`)."""
+        load(self, path)
+
+
+def digest(obj: Any) -> str:
+    """A short stable digest of a JSON-able value."""
     text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _param_shapes(trainer: Any) -> dict[str, list[int]]:
-    """Every parameter of the whole model (all stages) by FQN, with its shape."""
-    split = getattr(trainer, "split", None)
-    modules = [st.gm for st in split.stages] if split is not None else [trainer.model]
-    return {n: list(p.shape) for m in modules for n, p in m.named_parameters()}
-
-
-def describe_run(trainer: Any) -> dict[str, Any]:
-    """What a checkpoint of ``trainer`` is made for (JSON): compared field by field on load."""
-    from fxkfac.runtime.pipefisher import PipeFisherTrainer
-    from fxkfac.runtime.trainer import PipelineTrainer
-
-    timings = {n: [t.period, t.curv_step, t.use_offset, t.capture] for n, t in sorted(getattr(trainer, "timings",
-                                                                                             {}).items())}
-    plan = getattr(trainer, "plan", None)
-    run: dict[str, Any] = {"params": _param_shapes(trainer), "timings": timings,
-                           "plan": None if plan is None else f"{plan.fingerprint}#{_digest(plan.to_dict())}"}
-    if isinstance(trainer, PipelineTrainer):
-        layout = trainer.layout
-        run.update(trainer="pipefisher" if isinstance(trainer, PipeFisherTrainer) else "pipeline",
-                   mesh=[layout.D, layout.W], schedule=trainer.kind.value, microbatches=trainer.N,
-                   virtual_stages=trainer.v, global_batch=trainer.global_batch,
-                   stages=[list(st.params) for st in trainer.split.stages],
-                   graph=trainer.target.fingerprint if isinstance(trainer, PipeFisherTrainer) else None,
-                   programs=_digest({str(r): [[str(op) for op in ops] for ops in p]
-                                     for r, p in sorted(trainer.programs.items())}))
-    else:
-        layers = [[layer.name, layer.kind, layer.d_in, layer.d_out, layer.bias is not None]
-                  for layer in trainer.layers]
-        run.update(trainer="single", mesh=None, schedule=None, microbatches=trainer.microbatches,
-                   virtual_stages=None, global_batch=None, stages=None, graph=f"layers-{_digest(layers)}",
-                   programs=None)
-    return run
-
-
 def _layout_words(run: Mapping[str, Any]) -> str:
-    if run.get("mesh") is None:
-        return f"{run.get('trainer')} on one device (mesh=None), {run.get('microbatches')} micro-batches"
-    D, W = run["mesh"]
+    """A run's layout as the user wrote it."""
+    D, W = run.get("mesh") or (None, None)
     return (f"{run['trainer']} {run['schedule']} D={D} W={W} N={run['microbatches']} v={run['virtual_stages']} "
             f"global batch {run['global_batch']}")
 
@@ -207,7 +201,7 @@ def check_run(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
 
 
 def _short(value: Any) -> str:
-    return value if isinstance(value, str) or value is None else _digest(value)
+    return value if isinstance(value, str) or value is None else digest(value)
 
 
 # --- DCP with JSON metadata ---------------------------------------------------------------------------
@@ -314,18 +308,13 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _timeout(trainer: Any) -> timedelta:
-    transport = getattr(trainer, "transport", None)
-    return transport.timeout if transport is not None else timedelta(seconds=600)
-
-
-def _barrier(trainer: Any, what: str) -> None:
+def _barrier(trainer: Checkpointable, what: str) -> None:
     """Wait for every rank; a rank that does not arrive within the trainer's timeout is named in the error."""
     if _rank_world()[1] == 1:
         return
     try:
         if dist.get_backend() == "gloo":
-            dist.monitored_barrier(timeout=_timeout(trainer))
+            dist.monitored_barrier(timeout=trainer.timeout)
         else:
             dist.barrier()
     except RuntimeError as e:
@@ -362,10 +351,6 @@ def _one_process_quietly() -> Iterator[None]:
         yield
 
 
-def _step_of(trainer: Any) -> int:
-    return int(getattr(trainer, "steps", getattr(trainer, "step_count", 0)))
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -388,7 +373,7 @@ def _move_into_place(tmp: Path, path: Path, step: int) -> None:
 # --- save / load ----------------------------------------------------------------------------------------
 
 
-def save(trainer: Any, path: str | os.PathLike) -> Path:
+def save(trainer: Checkpointable, path: str | os.PathLike) -> Path:
     """Write ``trainer``'s full state (model, optimizer, K-FAC, step, plan, RNG) to directory ``path``.
 
     Collective: every rank of a pipelined run calls it at the same step. Atomic: the files go to
@@ -396,7 +381,7 @@ def save(trainer: Any, path: str | os.PathLike) -> Path:
     """
     path = Path(path)
     rank, world = _rank_world()
-    step = _step_of(trainer)
+    step = trainer.steps
     state = dict(trainer.state_dict())
     state["rng"] = torch.get_rng_state()
     skeleton, tensors = split_tensors(state, rank)
@@ -416,10 +401,9 @@ def save(trainer: Any, path: str | os.PathLike) -> Path:
     _barrier(trainer, f"saving checkpoint {path}")
     if rank == 0:
         header = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world,
-                  "torch": torch.__version__, "run": describe_run(trainer)}
-        plan = getattr(trainer, "plan", None)
-        if plan is not None and hasattr(plan, "to_json"):
-            (tmp / PLAN).write_text(plan.to_json())
+                  "torch": torch.__version__, "run": trainer.describe_run()}
+        if trainer.plan is not None:
+            (tmp / PLAN).write_text(trainer.plan.to_json())
         _write_json(tmp / HEADER, header)
         _move_into_place(tmp, path, step)
     _barrier(trainer, f"moving checkpoint {path} into place")
@@ -449,13 +433,13 @@ def _check_sections(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
                                   f"{'has' if b is not None else 'has none'}; it was written by another trainer")
 
 
-def _prepare(trainer: Any, path: Path, rank: int, world: int) -> tuple[dict[str, Any], dict[str, Tensor]]:
+def _prepare(trainer: Checkpointable, path: Path, rank: int, world: int) -> tuple[dict[str, Any], dict[str, Tensor]]:
     """This rank's saved skeleton and empty tensors to load into, after every check (CheckpointError)."""
     header = _read_header(path)
-    check_run(header.get("run") or {}, describe_run(trainer))
+    check_run(header.get("run") or {}, trainer.describe_run())
     if header.get("world_size") != world:
         raise CheckpointError(f"checkpoint made for {header.get('world_size')} ranks, this run is {world} ranks "
-                              f"({_layout_words(describe_run(trainer))})")
+                              f"({_layout_words(trainer.describe_run())})")
     data = _read_json(path / f"rank-{rank}.json", f"state of rank {rank}")
     skeleton = data.get("state") if isinstance(data, dict) else None
     if not isinstance(skeleton, dict) or data.get("rank") != rank or "rng" not in skeleton:
@@ -472,7 +456,7 @@ def _prepare(trainer: Any, path: Path, rank: int, world: int) -> tuple[dict[str,
     return skeleton, empty
 
 
-def load(trainer: Any, path: str | os.PathLike) -> None:
+def load(trainer: Checkpointable, path: str | os.PathLike) -> None:
     """Restore ``trainer`` (and this rank's RNG) from the checkpoint directory ``path``; collective.
 
     Every check runs on every rank before anything changes: a checkpoint that is incomplete, corrupt,
@@ -506,4 +490,4 @@ def load(trainer: Any, path: str | os.PathLike) -> None:
         error = str(e)
     _agree(error)
     torch.set_rng_state(rng)
-    log.info("rank %d: resumed from %s at step %d", rank, path, _step_of(trainer))
+    log.info("rank %d: resumed from %s at step %d", rank, path, trainer.steps)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from fxkfac.errors import ConfigError
 
-__all__ = ["KFACConfig"]
+__all__ = ["KFACConfig", "PipelineOptions", "PlanOptions", "PROFILE_MARGIN"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,3 +52,60 @@ class KFACConfig:
             raise ConfigError(f"KFACConfig.capture must be 'fused' or 'deferred', got {self.capture!r}")
         if not (isinstance(self.refresh_every, int) and self.refresh_every >= 1):
             raise ConfigError(f"KFACConfig.refresh_every must be an int >= 1, got {self.refresh_every!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PipelineOptions:
+    """How a mesh runs the model: stage split, virtual stages, timeouts, timeline, NaN/Inf tolerance."""
+
+    virtual_stages: int = 1
+    """Stages per pipeline rank for the interleaved schedule (v)."""
+    split_points: tuple[str, ...] | None = None
+    """Module FQNs where stages 1.. begin; None balances the stages by estimated FLOPs."""
+    timeout: float = 120.0
+    """Seconds any rank waits for a peer before the run fails with an error naming the instruction."""
+    record_timeline: bool = False
+    """Record every instruction's start and end (`trainer.trace(path)` writes a Chrome trace)."""
+    max_skipped_steps: int | None = 10
+    """NaN/Inf steps skipped in a row before NonFiniteError (None: never raise)."""
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.virtual_stages, int) and self.virtual_stages >= 1):
+            raise ConfigError(f"PipelineOptions.virtual_stages must be an int >= 1, got {self.virtual_stages!r}")
+        if not self.timeout > 0:
+            raise ConfigError(f"PipelineOptions.timeout must be > 0 seconds, got {self.timeout!r}")
+        if self.max_skipped_steps is not None and self.max_skipped_steps < 0:
+            raise ConfigError(f"PipelineOptions.max_skipped_steps must be >= 0 or None, got {self.max_skipped_steps!r}")
+
+
+PROFILE_MARGIN = 1.2
+"""Profiled K-FAC times are planned 20% longer: timed on rank 0 alone they ran 10-20% faster than in
+training, where every rank computes at once (benchmarks/pipefisher_overhead.py), and a bubble planned
+full spills every excess onto the critical path."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PlanOptions:
+    """What `plan="auto"` plans with: a cost source, the step-time allowance, memory and solver limits."""
+
+    costs: Any = None
+    """None (profile the stages here), a CostTable, a cost file (.json, .csv, `paper:<model>/<hw>`), or a
+    callable `(stage_layers, layers) -> CostTable`."""
+    max_overhead: float = 0.0
+    """How much the step may grow over the plain pipeline to make room for K-FAC (0: bubbles only)."""
+    kfac_margin: float = PROFILE_MARGIN
+    """Factor on profiled K-FAC times (only when the costs are profiled here)."""
+    memory_budget: int | None = None
+    """Bytes per device; None: unlimited."""
+    time_limit_s: float = 10.0
+    """Wall-clock limit of the solver."""
+
+    def __post_init__(self) -> None:
+        if not self.max_overhead >= 0:
+            raise ConfigError(f"PlanOptions.max_overhead must be >= 0, got {self.max_overhead!r}")
+        if not self.kfac_margin > 0:
+            raise ConfigError(f"PlanOptions.kfac_margin must be > 0, got {self.kfac_margin!r}")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ConfigError(f"PlanOptions.memory_budget must be > 0 bytes or None, got {self.memory_budget!r}")
+        if not self.time_limit_s > 0:
+            raise ConfigError(f"PlanOptions.time_limit_s must be > 0, got {self.time_limit_s!r}")

@@ -14,7 +14,7 @@ from fxkfac.kfac.factors import a_rows, e_rows, factor
 from fxkfac.kfac.inverse import Inverse, combine, invert_factor
 from fxkfac.kfac.state import LayerState
 from fxkfac.passes.layers import KFACLayer
-from fxkfac.passes.precondition import make_preconditioner
+from fxkfac.kfac.precondition import Preconditioner
 from fxkfac.passes.split_stages import SplitResult
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 
@@ -63,12 +63,12 @@ def _weight_shape(layer: KFACLayer) -> tuple[int, ...]:
 
 
 def _prec_call(layer: KFACLayer, inverse: Inverse) -> Callable[[], object]:
-    """The runtime's PREC of one layer (passes.precondition): gradient matrix with the bias column,
+    """The runtime's PREC of one layer (fxkfac.kfac.precondition.Preconditioner): gradient matrix with the bias column,
     P = B^-1 G A^-1, <P, G>, and P written back into the gradients."""
     state = LayerState(layer.a_dim, layer.b_dim)
     state.active = inverse
     weight, bias = torch.randn(_weight_shape(layer)), torch.randn(layer.d_out)
-    run = make_preconditioner([layer])
+    run = Preconditioner([layer])
 
     def call() -> object:
         grads = {layer.weight: weight.clone()}

@@ -20,6 +20,7 @@ __all__ = [
     "SEND_KINDS",
     "RECV_KINDS",
     "as_programs",
+    "ops_at",
     "format_program",
     "parse_program",
     "format_programs",
@@ -178,6 +179,15 @@ def as_programs(ops_by_rank: Mapping[int, Sequence[Op]] | Mapping[int, Program])
         else:
             result[rank] = [list(step) for step in items]  # type: ignore[arg-type]
     return result
+
+
+def ops_at(programs: Mapping[int, Program], startup: Mapping[int, Program], rank: int, step: int) -> list[Op]:
+    """What `rank` executes at global step `step`: its start-up steps while they last, then its period."""
+    first = startup.get(rank, [])
+    if step < len(first):
+        return first[step]
+    program = programs[rank]
+    return program[step % len(program)]
 
 
 _STEP_MARK = "---"

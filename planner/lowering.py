@@ -1,14 +1,20 @@
-"""Pure program -> program passes: point-to-point transfers, data-parallel expansion."""
+"""Pure program -> program passes: transfers, data-parallel expansion, K-FAC on the critical path, start-up steps.
+
+Every program a rank runs comes from here or from the planner's placements (planner/plan.py): the
+runtime only interprets them.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Mapping, Sequence, TypeVar
 
-from fxkfac.planner.ir import Op, OpKind, Program
-from fxkfac.planner.schedules import ScheduleKind, num_stages, stage_rank
+from fxkfac.planner.ir import LayerTiming, Op, OpKind, Program, Programs
+from fxkfac.planner.schedules import ScheduleKind, num_stages, schedule_programs, stage_rank
 
-__all__ = ["add_send_recv", "expand_dp"]
+__all__ = ["add_send_recv", "expand_dp", "rank_programs", "ranks_of_stages", "refreshing", "kfac_tail",
+           "naive_programs", "startup_programs"]
 
 P = TypeVar("P", Sequence[Op], Program)
 
@@ -88,3 +94,99 @@ def expand_dp(programs_by_pp_rank: Mapping[int, P], W: int) -> dict[int, P]:
             else:
                 result[pp * W + dp] = [_remap(op, W, dp) for op in body]  # type: ignore[assignment]
     return result
+
+
+def rank_programs(kind: ScheduleKind | str, D: int, N: int, W: int, v: int = 1) -> dict[int, list[Op]]:
+    """One step of the plain pipeline per global rank: the schedule, its transfers, its dp replicas."""
+    return expand_dp(add_send_recv(schedule_programs(kind, D, N, v=v), kind, D, v), W)
+
+
+def ranks_of_stages(kind: ScheduleKind | str, D: int, W: int, v: int = 1) -> dict[int, tuple[int, ...]]:
+    """Stage -> the sorted global ranks holding a copy of it (dp replicas, both Chimera pipelines)."""
+    kind = ScheduleKind(kind)
+    pipes = (0, 1) if kind is ScheduleKind.CHIMERA else (0,)
+    return {s: tuple(sorted({stage_rank(kind, D, s, p, v=v) * W + w for p in pipes for w in range(W)}))
+            for s in range(num_stages(kind, D, v))}
+
+
+def refreshing(timings: Mapping[str, LayerTiming], names: Sequence[str], step: int) -> list[str]:
+    """The layers among `names` whose factors global step `step` refreshes (`t % period == curv_step`)."""
+    return [n for n in names if step % timings[n].period == timings[n].curv_step]
+
+
+def kfac_tail(rank: int, copies: Sequence[tuple[int, int]], step: int, timings: Mapping[str, LayerTiming],
+              stage_layers: Mapping[int, Sequence[str]], holders: Mapping[int, tuple[int, ...]]) -> list[Op]:
+    """The K-FAC ops a rank runs between its last ALLREDUCE_GRAD and OPT_STEP at one step of the period.
+
+    Every collective is emitted in (stage, layer, factor) order by every holder, so no two ranks wait
+    on each other; the inversions of a stage are dealt round-robin over its holders (inversion
+    parallelism) and broadcast from there. `copies` are the (stage, pipe) pairs the rank holds.
+    """
+    syncs: list[Op] = []
+    invs: list[Op] = []
+    bcasts: list[Op] = []
+    for s in sorted({s for s, _ in copies}):
+        ranks = holders[s]
+        for i, name in enumerate(refreshing(timings, stage_layers[s], step)):
+            if len(ranks) > 1:
+                syncs.append(Op(OpKind.SYNC_CURV, stage=s, layer=name))
+            for j, side in enumerate(("A", "B")):
+                root = ranks[(2 * i + j) % len(ranks)]
+                if root == rank:
+                    invs.append(Op(OpKind.INV, stage=s, factor=side, layer=name))
+                if len(ranks) > 1:
+                    bcasts.append(Op(OpKind.BCAST_INV, stage=s, factor=side, peer=root, layer=name))
+    precs = [Op(OpKind.PREC, stage=s, pipe=p) for s, p in sorted(set(copies))]
+    return syncs + invs + bcasts + precs
+
+
+def _with_kfac(ops: Sequence[Op], rank: int, step: int, timings: Mapping[str, LayerTiming],
+               stage_layers: Mapping[int, Sequence[str]], holders: Mapping[int, tuple[int, ...]]) -> list[Op]:
+    """One step of a rank's plain program with curvature after each BWD and the K-FAC tail before OPT_STEP."""
+    copies = sorted({(op.stage, op.pipe) for op in ops if op.kind is OpKind.FWD and op.stage is not None})
+    body: list[Op] = []
+    for op in ops:
+        if op.kind is OpKind.OPT_STEP:
+            body.extend(kfac_tail(rank, copies, step, timings, stage_layers, holders))
+        body.append(op)
+        if op.kind is OpKind.BWD and op.stage is not None:
+            body.extend(Op(OpKind.CURV, stage=op.stage, mb=op.mb, pipe=op.pipe, factor=side, layer=name)
+                        for name in refreshing(timings, stage_layers[op.stage], step) for side in ("A", "B"))
+    return body
+
+
+def naive_programs(kind: ScheduleKind | str, D: int, N: int, W: int, timings: Mapping[str, LayerTiming],
+                   stage_layers: Mapping[int, Sequence[str]], *, v: int = 1) -> Programs:
+    """K-FAC on the critical path: the plain pipeline with curvature right after each BWD of a refreshing
+    layer, and sync, inversion, broadcast and precondition before OPT_STEP.
+
+    One list per step of the period (the lcm of the layers' periods). With refresh period 1 this is
+    "naive K-FAC" of the PipeFisher paper; with period k it is "K-FAC+skip". With no timings it is the
+    plain pipeline (period 1, no K-FAC op). Every refresh finishes within its own step, so these
+    programs need no start-up steps.
+    """
+    holders = ranks_of_stages(kind, D, W, v)
+    period = math.lcm(*(t.period for t in timings.values())) if timings else 1
+    with_prec = bool(timings)
+    out: Programs = {}
+    for rank, ops in rank_programs(kind, D, N, W, v).items():
+        out[rank] = [_with_kfac(ops, rank, step, timings, stage_layers, holders) if with_prec else list(ops)
+                     for step in range(period)]
+    return out
+
+
+def startup_programs(programs: Mapping[int, Program], born: Mapping[int, Mapping[Op, int]]) -> Programs:
+    """Each rank's first steps, without the K-FAC work of refreshes from before step 0.
+
+    A planned program is a modulo schedule: in steady state, step t also runs the late curvature and
+    inversions of the refresh of step t - s (a placement's window step s may reach 2k - 1). In the
+    first steps that refresh never happened, so its ops have nothing to consume. `born[rank][op]` is
+    the latest window step that places `op` on `rank`; step t keeps `op` once t reaches it. A rank's
+    list is empty when its steady program runs from step 0.
+    """
+    out: Programs = {}
+    for rank, program in programs.items():
+        late = born.get(rank, {})
+        last = max(late.values(), default=0)
+        out[rank] = [[op for op in program[t % len(program)] if late.get(op, 0) <= t] for t in range(last)]
+    return out

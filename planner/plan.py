@@ -15,12 +15,13 @@ import math
 import os
 import tempfile
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
 from fxkfac.planner.errors import InfeasibleBudgetError, PlanError, PlanFormatError, PlanMismatchError
 from fxkfac.planner.ir import LayerTiming, Op, OpKind, Program, format_program, parse_program
+from fxkfac.planner.lowering import startup_programs
 from fxkfac.planner.problem import (
     Problem,
     SolverConfig,
@@ -37,6 +38,7 @@ from fxkfac.planner.stretch import Allowance, allowance, restretch
 from fxkfac.planner.window import (
     GroupSolution,
     Placement,
+    born_steps,
     Window,
     fits_memory,
     grid_scale,
@@ -48,10 +50,10 @@ from fxkfac.planner.window import (
 
 __all__ = ["SCHEMA_VERSION", "SolverStats", "PlanMetrics", "Plan", "solve"]
 
-SCHEMA_VERSION = 2
-"""2: every step ends with a barrier (the KL-clip and loss all-reduces), so no K-FAC task spans a step
-boundary; version-1 plans may place work across it and are refused with a hint to re-plan."""
-"""Version of the plan JSON layout; a newer file asks the user to upgrade fxkfac."""
+SCHEMA_VERSION = 3
+"""Version of the plan JSON layout; a newer file asks the user to upgrade fxkfac, an older one to re-plan.
+2: every step ends with a barrier (the KL-clip and loss all-reduces), so no K-FAC task spans a step boundary.
+3: the plan holds its start-up steps (`Plan.startup`), so it lists every op every rank runs."""
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +96,11 @@ class PlanMetrics:
 @dataclass(frozen=True)
 class Plan:
     """A placement of K-FAC work: per global rank one op list per step of its period, when each layer
-    refreshes (`layers`), where every K-FAC op runs (`placements`), and the metrics."""
+    refreshes (`layers`), where every K-FAC op runs (`placements`), and the metrics.
+
+    `startup[rank]` lists the rank's first steps, which run once before its steady `programs` take
+    over (global step t runs `startup[rank][t]` while t is in range, else `programs[rank][t % period]`):
+    see `planner.lowering.startup_programs`. Together they are every op a rank executes."""
 
     problem: Problem
     programs: Mapping[int, Program]
@@ -103,6 +109,7 @@ class Plan:
     metrics: PlanMetrics
     fingerprint: str
     schema_version: int = SCHEMA_VERSION
+    startup: Mapping[int, Program] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able form (programs in the IR's text format, one string per step)."""
@@ -112,7 +119,7 @@ class Plan:
             del metrics["stretch"]
         return {"schema_version": self.schema_version, "fingerprint": self.fingerprint,
                 "problem": self.problem.to_dict(),
-                "programs": {str(r): [format_program([step]) for step in prog] for r, prog in self.programs.items()},
+                "programs": _programs_dict(self.programs), "startup": _programs_dict(self.startup),
                 "layers": {name: _timing_dict(t) for name, t in self.layers.items()},
                 "placements": [p.to_dict() for p in self.placements], "metrics": metrics}
 
@@ -166,6 +173,16 @@ class Plan:
         return plan
 
 
+def _programs_dict(programs: Mapping[int, Program]) -> dict[str, list[str]]:
+    """Programs in the IR's text format, one string per step."""
+    return {str(r): [format_program([step]) for step in prog] for r, prog in programs.items()}
+
+
+def _programs_of(data: Mapping[str, Any]) -> dict[int, Program]:
+    """Inverse of `_programs_dict`."""
+    return {int(r): [parse_program(text)[0] if text.strip() else [] for text in steps] for r, steps in data.items()}
+
+
 def _timing_dict(t: LayerTiming) -> dict[str, Any]:
     return {"period": t.period, "curv_step": t.curv_step, "use_offset": t.use_offset, "capture": t.capture}
 
@@ -181,8 +198,9 @@ def _plan_from_dict(data: Any) -> Plan:
                               f"({SCHEMA_VERSION}); upgrade fxkfac to load it")
     if type(version) is int and 1 <= version < SCHEMA_VERSION:
         raise PlanFormatError(f"the plan has schema_version {version}, older than this fxkfac's ({SCHEMA_VERSION}): "
-                              "it may place K-FAC work across a step's closing barrier; re-plan it "
-                              "(fxkfac plan ... --export plan.json, or plan='auto')")
+                              "it may place K-FAC work across a step's closing barrier (version 1) or lack its "
+                              "start-up steps (version 2); re-plan it (fxkfac plan ... --export plan.json, or "
+                              "plan='auto')")
     if type(version) is not int or version != SCHEMA_VERSION:
         raise PlanFormatError(f"unknown plan schema_version {version!r} (expected {SCHEMA_VERSION})")
     try:
@@ -193,12 +211,12 @@ def _plan_from_dict(data: Any) -> Plan:
                                  "lower_bound_steps": tuple(m["lower_bound_steps"]),
                                  "greedy_refresh_steps": tuple(m["greedy_refresh_steps"]),
                                  "peak_memory": {int(d): b for d, b in m["peak_memory"].items()}})
-        programs = {int(r): [parse_program(text)[0] if text.strip() else [] for text in steps]
-                    for r, steps in data["programs"].items()}
+        programs = _programs_of(data["programs"])
         layers = {name: LayerTiming(**t) for name, t in data["layers"].items()}
         placements = tuple(Placement.from_dict(p) for p in data["placements"])
         problem = Problem.from_dict(data["problem"])
-        plan = Plan(problem, programs, layers, placements, metrics, data["fingerprint"], version)
+        plan = Plan(problem, programs, layers, placements, metrics, data["fingerprint"], version,
+                    _programs_of(data["startup"]))
         check_structure(plan)
         return plan
     except PlanFormatError:
@@ -475,4 +493,7 @@ def _assemble(problem: Problem, attempt: _Attempt, fused: frozenset[str], wall: 
         lower_bound_steps=tuple(bound), solver=stats, greedy_refresh_steps=tuple(greedy_k),
         time_quantum=0.0 if all(s.window.exact for s in sols) else max(s.window.tick for s in sols),
         stretch=max(s.window.seconds(s.window.stretch) for s in sols))
-    return Plan(problem, dict(sorted(programs.items())), layers, tuple(placements), metrics, problem.fingerprint)
+    programs = dict(sorted(programs.items()))
+    return Plan(problem, programs, layers, tuple(placements), metrics, problem.fingerprint,
+                startup=startup_programs(programs, born_steps(placements)))
+

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 from fxkfac.planner.errors import PlanFormatError
 from fxkfac.planner.ir import Op, OpKind
+from fxkfac.planner.lowering import startup_programs
 from fxkfac.planner.problem import Problem, base_programs, copies_of_stage
+from fxkfac.planner.window import born_steps
 
 if TYPE_CHECKING:
     from fxkfac.planner.plan import Plan
@@ -128,4 +130,6 @@ def check_structure(plan: Plan) -> None:
     _check_layers(plan)
     _check_programs(plan)
     _check_placements(plan)
+    _need(plan.startup == startup_programs(plan.programs, born_steps(plan.placements)),
+          "the start-up steps are not the programs' first steps without the refreshes from before step 0")
     _check_metrics(plan)

@@ -44,7 +44,7 @@ from fxkfac.planner.problem import (
 )
 
 __all__ = ["Task", "PrecSlot", "Window", "Placement", "GroupSolution", "build_window", "grid_scale", "wrap",
-           "placements_of", "use_offsets", "prec_steps_ready", "longest_gaps", "too_long", "peak_bytes",
+           "placements_of", "born_steps", "use_offsets", "prec_steps_ready", "longest_gaps", "too_long", "peak_bytes",
            "fits_memory"]
 
 Interval = tuple[int, int]
@@ -434,3 +434,17 @@ def too_long(window: Window) -> list[str]:
             out.append(f"{task.name} takes {window.seconds(task.ticks):.4g} s but the longest bubble on ranks "
                        f"{list(task.devices)} is {window.seconds(room):.4g} s")
     return out
+
+
+_REFRESH_KINDS = frozenset({OpKind.CURV, OpKind.SYNC_CURV, OpKind.INV, OpKind.BCAST_INV})
+
+
+def born_steps(placements: Iterable[Placement]) -> dict[int, dict[Op, int]]:
+    """Per device, each refresh op's latest window step: from that global step on its refresh exists
+    (see `planner.lowering.startup_programs`)."""
+    born: dict[int, dict[Op, int]] = {}
+    for p in placements:
+        if p.op.kind in _REFRESH_KINDS:
+            mine = born.setdefault(p.device, {})
+            mine[p.op] = max(mine.get(p.op, 0), p.step)
+    return born

@@ -11,9 +11,9 @@ from torch import Tensor, nn
 
 import fxkfac
 from fxkfac.capture import capture
-from fxkfac.config import KFACConfig
-import fxkfac.trainer
+from fxkfac.config import KFACConfig, PipelineOptions
 from fxkfac.errors import CaptureError, CheckpointError, ConfigError, NonFiniteError
+from fxkfac.runtime.trainer import Trainer
 from tests.support.models import mlp, tiny_bert, token_batch
 
 
@@ -106,9 +106,11 @@ def test_model_without_layers_trains_with_base_optimizer_and_warns() -> None:
 
 def test_microbatches_must_divide_the_batch() -> None:
     x, y = torch.randn(6, 12), torch.randn(6, 5)
-    trainer = fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, microbatches=4, backend=None)
-    with pytest.raises(ConfigError, match="microbatches=4 does not divide the mini-batch of 6"):
-        trainer.step(x, y)
+    with pytest.raises(ConfigError, match=r"microbatches=4 x 1 replica\(s\) does not divide the mini-batch of 6"):
+        fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, microbatches=4, backend=None)
+    trainer = fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, microbatches=2, backend=None)
+    with pytest.raises(ConfigError, match=r"inputs have shapes/dtypes \[4, 12\] float32, but the model was compiled"):
+        trainer.step(x[:4], y[:4])
     with pytest.raises(ConfigError, match="microbatches"):
         fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, microbatches=0, backend=None)
 
@@ -139,16 +141,16 @@ def test_nan_gradients_skip_the_step_and_leave_state_untouched() -> None:
     bad = y.clone()
     bad[0, 0] = float("nan")
     trainer.step(x, bad)
-    assert trainer.skipped_steps == 1 and trainer.step_count == 1
+    assert trainer.skipped_steps == 1 and trainer.steps == 1
     for name, p in trainer.named_parameters():
         assert torch.equal(p, params[name]) and p.grad is None
     for name, s in trainer.kfac_states.items():
-        assert torch.equal(s.A, factors[name]) and s.refreshes == 1 and s.a_sum is None
+        assert torch.equal(s.A, factors[name]) and s.refreshes == 1
     trainer.step(x, y)
-    assert trainer.step_count == 2 and all(s.refreshes == 2 for s in trainer.kfac_states.values())
+    assert trainer.steps == 2 and all(s.refreshes == 2 for s in trainer.kfac_states.values())
 
 
-def _state(trainer: fxkfac.trainer.Trainer) -> dict[str, Tensor]:
+def _state(trainer: Trainer) -> dict[str, Tensor]:
     return {f"{name}": p.detach().clone() for name, p in trainer.named_parameters()}
 
 
@@ -169,7 +171,7 @@ def test_checkpoint_of_another_model_is_refused_and_changes_nothing(tmp_path) ->
     with pytest.raises(CheckpointError, match=r"checkpoint made for another model, this run is 5 parameters "
                                               r"\(shapes differ for \[\('0.bias', \[16\], \[8\]\)"):
         other.load_checkpoint(str(tmp_path / "mlp"))
-    assert all(torch.equal(p, before[n]) for n, p in _state(other).items()) and other.step_count == 0
+    assert all(torch.equal(p, before[n]) for n, p in _state(other).items()) and other.steps == 0
 
 
 def test_corrupt_checkpoint_metadata_is_refused_and_changes_nothing(tmp_path) -> None:
@@ -183,19 +185,19 @@ def test_corrupt_checkpoint_metadata_is_refused_and_changes_nothing(tmp_path) ->
     before = _state(trainer)
     with pytest.raises(CheckpointError, match=r"tensor metadata .*\.metadata\.json is unreadable or corrupt"):
         trainer.load_checkpoint(str(path))
-    assert all(torch.equal(p, before[n]) for n, p in _state(trainer).items()) and trainer.step_count == 0
+    assert all(torch.equal(p, before[n]) for n, p in _state(trainer).items()) and trainer.steps == 0
     assert all(s.A is None for s in trainer.kfac_states.values())
 
 
 def test_repeated_nan_steps_stop_with_nonfinite_error() -> None:
     x, y = torch.randn(8, 12), torch.randn(8, 5)
     trainer = fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, optimizer=_sgd, backend=None,
-                             kfac=KFACConfig(damping=1e-2), max_skipped_steps=2)
+                             kfac=KFACConfig(damping=1e-2), pipeline=PipelineOptions(max_skipped_steps=2))
     bad = torch.full_like(y, float("nan"))
     trainer.step(x, bad)
     trainer.step(x, bad)
     with pytest.raises(NonFiniteError, match=r"3 steps in a row had NaN/Inf .*max_skipped_steps=2"):
         trainer.step(x, bad)
-    assert trainer.skipped_steps == 3 and trainer.step_count == 0
+    assert trainer.skipped_steps == 3 and trainer.steps == 0
     trainer.step(x, y)
-    assert trainer.step_count == 1
+    assert trainer.steps == 1

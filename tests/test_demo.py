@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 from rich.console import Console
 
-from fxkfac.autoplan import startup_program
 from fxkfac.demo import DemoConfig, render_result, run_demo
 from fxkfac.errors import ConfigError, PipelineError
 from fxkfac.launch import RankContext, launch
@@ -58,15 +56,3 @@ def test_launch_reports_the_failing_rank_in_one_line() -> None:
 def test_demo_config_refuses_a_batch_the_mesh_cannot_split() -> None:
     with pytest.raises(ConfigError, match="not divisible"):
         DemoConfig(batch_size=30, microbatches=4)
-
-
-def test_startup_program_drops_work_of_refreshes_before_step_zero() -> None:
-    late = Op(OpKind.CURV, stage=0, mb=1, factor="B", layer="l")
-    early = Op(OpKind.CURV, stage=0, mb=0, factor="A", layer="l")
-    prec = Op(OpKind.PREC, stage=0)
-    body = [late, Op(OpKind.FWD, stage=0, mb=0), early, prec, Op(OpKind.OPT_STEP)]
-    placements = (SimpleNamespace(op=late, device=0, step=1), SimpleNamespace(op=early, device=0, step=0),
-                  SimpleNamespace(op=prec, device=0, step=1), SimpleNamespace(op=late, device=1, step=5))
-    plan = SimpleNamespace(programs={0: [body]}, placements=placements)
-    assert startup_program(plan, 0, 0) == [body[1], early, prec, body[4]]
-    assert startup_program(plan, 0, 1) is None

@@ -17,6 +17,7 @@ from fxkfac.kfac.inverse import Inverse, invert
 from fxkfac.kfac.precondition import grad_matrix, kl_clip_scale, precondition, split_grad
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.ir import LayerTiming
+from fxkfac.runtime.trainer import Trainer
 from tests.passes.reference import hook_factors
 from tests.support.models import cnn, image_batch, mlp, tiny_gpt2, token_batch
 
@@ -98,7 +99,7 @@ class _Reference:
 
 def _compare(make: Callable[[], nn.Module], batches: list[tuple[Tensor, Tensor]], loss_fn, *,
              cfg: KFACConfig | None, microbatches: int = 1, backend: str | None = None,
-             layer_timing: dict[str, LayerTiming] | None = None, rtol: float = 1e-4) -> fxkfac.single.SingleDeviceTrainer:
+             layer_timing: dict[str, LayerTiming] | None = None, rtol: float = 1e-4) -> Trainer:
     model = make()
     ref_model = copy.deepcopy(model)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
@@ -169,7 +170,7 @@ def test_state_dict_round_trip_continues_identically() -> None:
     b = fxkfac.compile(mlp(seed=7), None, example_inputs=(batches[0][0],), loss_fn=_mse, optimizer=_sgd, kfac=cfg,
                        backend=None)
     b.load_state_dict(copy.deepcopy(a.state_dict()))
-    assert b.step_count == 3 and set(b.state_dict()["kfac"]) == {layer.name for layer in a.layers}
+    assert b.steps == 3 and set(b.state_dict()["kfac"]) == {layer.name for layer in a.layers}
     x, y = batches[3]
     assert a.step(x, y) == b.step(x, y)
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):

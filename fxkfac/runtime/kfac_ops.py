@@ -41,7 +41,7 @@ from fxkfac.kfac.precondition import kl_clip_scale
 from fxkfac.kfac.state import LayerState
 from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture
 from fxkfac.passes.layers import KFACLayer
-from fxkfac.passes.precondition import make_preconditioner
+from fxkfac.kfac.precondition import Preconditioner
 from fxkfac.planner.ir import LayerTiming, Op, OpKind
 from fxkfac.runtime.interpreter import CORE_HANDLERS, Interpreter, StepContext, local_nonfinite
 from fxkfac.runtime.stage import StageRunner
@@ -171,7 +171,7 @@ class KFACRuntime:
         self.states = {name: LayerState(layer.a_dim, layer.b_dim) for name, layer in self.layers.items()}
         self.refreshes: dict[str, deque[_Refresh]] = {name: deque() for name in self.layers}
         self._by_stage = {s: [self.layers[n] for n in self.layers if self.stage_of[n] == s] for s in groups}
-        self._preconditioners = {s: make_preconditioner(ls) for s, ls in self._by_stage.items()}
+        self._preconditioners = {s: Preconditioner(ls) for s, ls in self._by_stage.items()}
         self._dot = torch.zeros((), dtype=torch.float64)
         self._scaled: list[tuple[int, dict[str, Tensor]]] = []
         self._outbox: dict[tuple[str, str], deque[FactorInverse | None]] = {}

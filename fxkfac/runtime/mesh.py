@@ -46,6 +46,11 @@ class MeshLayout:
         return pp * self.W + dp
 
     @classmethod
+    def local(cls) -> MeshLayout:
+        """One device: a 1x1 layout that needs no process group."""
+        return cls(1, 1, 0)
+
+    @classmethod
     def from_mesh(cls, mesh: Any) -> MeshLayout:
         """From a torch DeviceMesh with dims ("pp", "dp") or ("pp",), or a (D,) / (D, W) tuple.
 

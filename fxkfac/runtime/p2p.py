@@ -36,9 +36,13 @@ def _is_timeout(error: BaseException) -> bool:
 
 @dataclass
 class Transport:
-    """Sends, receives and all-reduces of one rank; every wait is bounded by `timeout`."""
+    """Sends, receives and collectives of one rank; every wait is bounded by `timeout`.
+
+    In a world of one rank (one device, no process group) the collectives have nothing to do.
+    """
 
     rank: int
+    world: int
     tags: TagSpace
     timeout: timedelta
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
@@ -87,11 +91,15 @@ class Transport:
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> None:
         """Sum `tensor` in place over `group` (None: the world)."""
+        if self.world == 1:
+            return
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
         self._wait(work, what)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None, what: str) -> None:
         """Broadcast `tensor` in place from global rank `src` over `group`."""
+        if self.world == 1:
+            return
         work = dist.broadcast(tensor, src=src, group=group, async_op=True)
         self._wait(work, what)
 

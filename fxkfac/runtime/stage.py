@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import copy
+from copy import deepcopy
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,9 +34,14 @@ class StageRunner:
     _outputs: dict[int, Any] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, graph: StageGraph, pipe: int, is_last: bool, backend: str | None) -> StageRunner:
-        """A runner with a deep copy of the stage module, compiled when `backend` is set."""
-        module: fx.GraphModule = copy.deepcopy(graph.gm)
+    def build(cls, graph: StageGraph, pipe: int, is_last: bool, backend: str | None, *, copy: bool) -> StageRunner:
+        """A runner of the stage module, compiled when `backend` is set.
+
+        With `copy` it runs on a deep copy: needed when the rank holds several stage copies, which may
+        share a parameter (tied weights) that must have one tensor per copy. Without it the stage shares
+        its parameters with the captured model, so training updates the user's model in place.
+        """
+        module: fx.GraphModule = deepcopy(graph.gm) if copy else graph.gm
         for param in module.parameters():
             param.requires_grad_(True)
         fn = module if backend is None else torch.compile(module, backend=backend, dynamic=False)

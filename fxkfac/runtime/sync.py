@@ -63,17 +63,24 @@ class GradSync:
     runners: Sequence[StageRunner]
 
     @classmethod
-    def build(cls, rank: int, holders: dict[str, Holders], shared: Iterable[str],
+    def build(cls, rank: int, world: int, holders: dict[str, Holders], shared: Iterable[str],
               runners: Sequence[StageRunner]) -> GradSync:
         """Create the process groups of every holder set; collective: every rank must call it."""
         groups: dict[Holders, dist.ProcessGroup | None] = {}
-        world = dist.get_world_size()
         for ranks in sorted(set(holders.values())):
             if len(ranks) > 1:
                 group = None if len(ranks) == world else dist.new_group(list(ranks))
                 if rank in ranks:
                     groups[ranks] = group
         return cls(rank, holders, frozenset(shared), groups, runners)
+
+    def group_of(self, ranks: Holders) -> dist.ProcessGroup | None:
+        """The process group of holder set `ranks` (None: the world, or a single rank)."""
+        if len(ranks) <= 1:
+            return None
+        if ranks not in self.groups:
+            raise AssertionError(f"no process group for the holders {ranks} on rank {self.rank}")
+        return self.groups[ranks]
 
     def _copies(self, name: str) -> list[torch.Tensor]:
         return [r.param(name) for r in self.runners if name in r.graph.params]

@@ -50,8 +50,10 @@ class Timeline:
         self.events.clear()
 
 
-def gather_timelines(timeline: Timeline, dst: int = 0) -> list[Event] | None:
-    """Every rank's events on rank `dst` (collective); None on the other ranks."""
+def gather_timelines(timeline: Timeline, world: int, dst: int = 0) -> list[Event] | None:
+    """Every rank's events on rank `dst` (collective over `world` ranks); None on the other ranks."""
+    if world == 1:
+        return list(timeline.events)
     records = [asdict(e) for e in timeline.events]
     gathered: list[object] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
     dist.gather_object(records, gathered, dst=dst)

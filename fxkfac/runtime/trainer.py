@@ -1,157 +1,212 @@
-"""PipelineTrainer: split the captured model into stages, place them on ranks, interpret each rank's program."""
+"""Trainer: one rank's part of a compiled run: its stage copies, its program, and the K-FAC state its ops act on.
+
+One class serves one device (`mesh=None`: a 1x1 layout, no process group) and every mesh. A step
+shards the global mini-batch over the replicas and micro-batches, then the interpreter runs the ops the
+plan gives this rank for that step (`Trainer.ops_at`); K-FAC ops act on the K-FAC runtime. Nothing here
+decides what runs: `fxkfac.compile` resolved the programs (planner/lowering.py, planner/plan.py).
+"""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
-from torch import fx
+from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from fxkfac.errors import CheckpointError, ConfigError
-from fxkfac.passes.split_stages import SplitResult, split_stages
-from fxkfac.planner.ir import Op
-from fxkfac.planner.lowering import add_send_recv, expand_dp
-from fxkfac.planner.schedules import ScheduleKind, num_stages, schedule_programs, stage_rank, stages_of_rank
+from fxkfac.capture import Captured, input_signature, normalize_inputs
+from fxkfac.checkpoint import Checkpointing, digest
+from fxkfac.config import KFACConfig, PipelineOptions
+from fxkfac.errors import CheckpointError, ConfigError, NonFiniteError
+from fxkfac.passes.layers import KFACLayer
+from fxkfac.passes.split_stages import SplitResult
+from fxkfac.planner.ir import LayerTiming, Op, Programs, ops_at
+from fxkfac.planner.lowering import ranks_of_stages
+from fxkfac.planner.plan import Plan
+from fxkfac.planner.schedules import ScheduleKind, stages_of_rank
 from fxkfac.runtime.interpreter import Interpreter, StepContext
+from fxkfac.runtime.kfac_ops import KFACRuntime, StageGroup, TappedRunner
 from fxkfac.runtime.mesh import MeshLayout
+from fxkfac.runtime.p2p import TagSpace, Transport
 from fxkfac.runtime.param_state import (check_model_state, load_model_state, optimizer_state, param_names,
                                         parse_optimizer_state)
-from fxkfac.runtime.p2p import TagSpace, Transport
 from fxkfac.runtime.stage import StageRunner
 from fxkfac.runtime.sync import GradSync, holder_sets
 from fxkfac.runtime.timeline import Timeline, chrome_trace, gather_timelines
-from fxkfac.trainer import Checkpointing, check_skip_streak
 
-__all__ = ["PipelineTrainer", "rank_programs", "shard_microbatches"]
+__all__ = ["RunSpec", "Trainer", "OptimizerFactory", "default_optimizer", "shard_microbatches"]
 
 log = logging.getLogger(__name__)
 
-
-def rank_programs(kind: str, D: int, N: int, W: int, v: int = 1) -> dict[int, list[Op]]:
-    """Per global rank, one step of the schedule with its transfers (planner lowering)."""
-    return expand_dp(add_send_recv(schedule_programs(kind, D, N, v=v), kind, D, v), W)
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 
 
-def shard_microbatches(tree: Any, W: int, dp: int, N: int) -> list[Any]:
-    """Replica `dp`'s contiguous shard of the global batch, split into N micro-batches (dim 0)."""
+def default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """AdamW with lr 1e-3: the base optimizer when none is given."""
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def shard_microbatches(tree: Any, batch: int, W: int, dp: int, N: int) -> list[Any]:
+    """Replica `dp`'s contiguous shard of the global batch, split into N micro-batches along dim 0.
+
+    Tensors whose dim 0 is the global `batch` are split; other leaves go to every micro-batch unchanged.
+    """
+    if batch % (W * N):
+        raise ConfigError(f"microbatches={N} x {W} replica(s) does not divide the mini-batch of {batch} samples; "
+                          f"use a batch size that is a multiple of {W * N} or another number of micro-batches")
+    size = batch // (W * N)
     leaves, spec = pytree.tree_flatten(tree)
-    per_mb = []
-    for leaf in leaves:
-        if leaf.shape[0] % (W * N):
-            raise ConfigError(f"batch dimension {leaf.shape[0]} is not divisible by W*N = {W}*{N}")
-        shard = leaf.chunk(W, dim=0)[dp]
-        per_mb.append(shard.chunk(N, dim=0))
-    return [pytree.tree_unflatten([chunks[m] for chunks in per_mb], spec) for m in range(N)]
+    start = dp * N * size
+    parts = []
+    for m in range(N):
+        lo = start + m * size
+        chunk = [leaf[lo:lo + size] if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] == batch
+                 else leaf for leaf in leaves]
+        parts.append(pytree.tree_unflatten(chunk, spec))
+    return parts
 
 
-def _capture(model: torch.nn.Module, example: tuple) -> tuple[fx.GraphModule, pytree.TreeSpec | None]:
-    """The trainable graph of `model` at micro-batch shape, and its output structure."""
-    gm = torch.export.export(model, example, strict=False).module()
-    return gm, getattr(gm, "_out_spec", None)
+@dataclass(frozen=True)
+class RunSpec:
+    """What `fxkfac.compile` resolved for a run, the same on every rank: layout, split, programs, K-FAC timing."""
+
+    layout: MeshLayout
+    kind: ScheduleKind
+    N: int
+    v: int
+    captured: Captured
+    """The model captured once at the micro-batch shape (its layers, input structure and output spec)."""
+    split: SplitResult
+    global_batch: int
+    signature: tuple
+    """Shapes and dtypes of the global mini-batch's tensors: every step must match them."""
+    programs: Programs
+    startup: Programs
+    plan: Plan | None
+    kfac: KFACConfig | None
+    timings: Mapping[str, LayerTiming]
+    fingerprint: str
 
 
-class PipelineTrainer(Checkpointing):
-    """Pipeline-parallel (and data-parallel) training over a ("pp", "dp") mesh.
+class Trainer(Checkpointing):
+    """One rank of a run: `step(inputs, targets) -> loss` over the global mini-batch, state dicts, traces.
 
-    Same interface as the single-device trainer: `step(inputs, targets) -> float`,
-    `named_parameters()`, `state_dict()`, `load_state_dict()`, `plan`.
-
-    `example_inputs` is a global mini-batch (dim 0 divisible by N*W); the model is captured
-    at the micro-batch shape, so every `step` must get the same global batch size.
-
-    A step whose loss or gradients are NaN/Inf on any rank is skipped on every rank (a world
-    all-reduce at OPT_STEP): parameters, optimizer and step counter stay as they were, and
-    `skipped_steps` counts it; more than `max_skipped_steps` skips in a row raise NonFiniteError.
+    The step loss is the mean over all N*W micro-batches of ``loss_fn(outputs_m, targets_m)`` (the same on
+    every rank). A step whose loss or gradients are NaN/Inf on any rank is skipped on every rank:
+    parameters, optimizer, K-FAC state and the step counter stay as they were, and `skipped_steps`
+    counts it; more than `max_skipped_steps` skips in a row raise NonFiniteError.
     """
 
-    def __init__(self, model: torch.nn.Module, mesh: Any, *, plan: Any = None, example_inputs: Sequence[Any],
-                 loss_fn: Callable[[Any, Any], torch.Tensor],
-                 optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
-                 kfac: Any = None, schedule: str = "1f1b", microbatches: int = 4, backend: str | None = None,
-                 virtual_stages: int = 1, split_points: Sequence[str] | None = None,
-                 stage_cost: Any = "flops", timeout: float = 120.0, record_timeline: bool = False,
-                 max_skipped_steps: int | None = 10) -> None:
-        if kfac is not None:
-            raise ConfigError("PipelineTrainer is the plain pipeline: pass kfac=None, or use fxkfac.compile "
-                              "(or fxkfac.runtime.pipefisher.PipeFisherTrainer) for K-FAC in the pipeline")
-        self.layout = MeshLayout.from_mesh(mesh)
-        self.kind = ScheduleKind(schedule)
-        self.N, self.v = microbatches, virtual_stages
-        self.plan = plan
+    def __init__(self, spec: RunSpec, *, loss_fn: Callable[[Any, Any], Tensor], optimizer: OptimizerFactory,
+                 options: PipelineOptions, backend: str | None) -> None:
+        self.spec = spec
+        self.layout = spec.layout
+        self.plan = spec.plan
         self.loss_fn = loss_fn
-        D, W = self.layout.D, self.layout.W
-        self.S = num_stages(self.kind, D, self.v)
-        example = tuple(example_inputs)
-        self.global_batch = int(example[0].shape[0])
-        micro = tuple(shard_microbatches(example, W, 0, self.N)[0])
-        gm, self.out_spec = _capture(model, micro)
-        self.split: SplitResult = split_stages(gm, self.S, split_points=split_points, cost=stage_cost)
-        self.programs = plan.programs if plan is not None else {
-            r: [ops] for r, ops in rank_programs(self.kind, D, self.N, W, self.v).items()}
-        self.pipes = (0, 1) if self.kind is ScheduleKind.CHIMERA else (0,)
-        held = stages_of_rank(self.kind, D, self.layout.pp, v=self.v)
-        self.runners = {(s, p): StageRunner.build(self.split.stages[s], p, s == self.S - 1, backend) for s, p in held}
-        max_tensors = max(len(s.inputs) + len(s.outputs) for s in self.split.stages)
-        self.transport = Transport(self.layout.rank, TagSpace(self.S, self.N, max_tensors), timedelta(seconds=timeout))
-        self.sync = GradSync.build(self.layout.rank, self._holders(), self.split.shared_params,
-                                   list(self.runners.values()))
+        self.options = options
+        self.layers: list[KFACLayer] = list(spec.captured.layers) if spec.kfac is not None else []
+        self.timings = dict(spec.timings)
+        held = stages_of_rank(spec.kind, self.layout.D, self.layout.pp, v=spec.v)
+        S = len(spec.split.stages)
+        self.runners = {(s, p): StageRunner.build(spec.split.stages[s], p, s == S - 1, backend, copy=len(held) > 1)
+                        for s, p in held}
+        max_tensors = max(len(s.inputs) + len(s.outputs) for s in spec.split.stages)
+        self.transport = Transport(self.layout.rank, self.layout.world_size, TagSpace(S, spec.N, max_tensors),
+                                   timedelta(seconds=options.timeout))
+        holders = ranks_of_stages(spec.kind, self.layout.D, self.layout.W, spec.v)
+        self.sync = GradSync.build(self.layout.rank, self.layout.world_size,
+                                   holder_sets([st.params for st in spec.split.stages], holders),
+                                   spec.split.shared_params, list(self.runners.values()))
         self.sync.broadcast_weights(self.transport)
+        self.interpreter = Interpreter()
+        self.kfac_runtime = self._kfac_runtime(holders, backend) if self.layers else None
         params = [p for r in self.runners.values() for p in r.module.parameters()]
         self.optimizer = optimizer(params) if params else None  # a stage of only activations holds none
-        self.interpreter = Interpreter()
-        self.timeline = Timeline(self.layout.rank, enabled=record_timeline)
+        self.timeline = Timeline(self.layout.rank, enabled=options.record_timeline)
         self.steps = 0
         self.skipped_steps = 0
-        self.max_skipped_steps = max_skipped_steps
         self._skips_in_a_row = 0
-        log.info("rank %d: stages %s of %s (D=%d, W=%d, N=%d)", self.layout.rank, sorted(self.runners),
-                 self.kind, D, W, self.N)
+        log.info("rank %d: stages %s of %s (D=%d, W=%d, N=%d), %d K-FAC layers here, program period %d",
+                 self.layout.rank, sorted(self.runners), spec.kind.value, self.layout.D, self.layout.W, spec.N,
+                 len(self.kfac_states), len(spec.programs[self.layout.rank]))
 
-    def _holders(self) -> dict[str, tuple[int, ...]]:
-        ranks_of_stage = {
-            s: {self.layout.global_rank(stage_rank(self.kind, self.layout.D, s, p, v=self.v), w)
-                for p in self.pipes for w in range(self.layout.W)}
-            for s in range(self.S)}
-        return holder_sets([st.params for st in self.split.stages], ranks_of_stage)
+    def _kfac_runtime(self, holders: Mapping[int, tuple[int, ...]], backend: str | None) -> KFACRuntime:
+        """Tap this rank's stage copies and install the K-FAC handlers on the interpreter."""
+        spec = self.spec
+        if spec.kfac is None:
+            raise AssertionError("K-FAC runtime without a KFACConfig")
+        known = {layer.name: layer for layer in spec.captured.layers}
+        stage_of = {name: st.index for st in spec.split.stages for name in st.layers}
+        local = sorted({s for s, _ in self.runners})
+        for key, runner in list(self.runners.items()):
+            self.runners[key] = TappedRunner.wrap(runner, {n: known[n] for n in runner.graph.layers}, backend)
+        groups = {s: StageGroup(holders[s], self.sync.group_of(holders[s])) for s in local}
+        mine = {n: known[n] for s in local for n in spec.split.stages[s].layers}
+        runtime = KFACRuntime(spec.kfac, mine, {n: stage_of[n] for n in mine}, self.timings, groups,
+                              self.layout.rank, spec.N * self.layout.W, spec.global_batch)
+        runtime.install(self.interpreter)
+        return runtime
+
+    @property
+    def kfac_states(self) -> dict[str, Any]:
+        """This rank's K-FAC layer states by layer name (empty without K-FAC)."""
+        return self.kfac_runtime.states if self.kfac_runtime is not None else {}
+
+    def ops_at(self, step: int) -> list[Op]:
+        """The ops this rank runs at global step `step`: its start-up steps, then its program's period."""
+        return ops_at(self.spec.programs, self.spec.startup, self.layout.rank, step)
+
+    def _check_inputs(self, inputs: tuple[Any, ...]) -> None:
+        """ConfigError unless the mini-batch has the example's shapes and dtypes (the graph is specialized to them)."""
+        got = input_signature(inputs)
+        if got != self.spec.signature:
+            raise ConfigError(f"inputs have shapes/dtypes {_words(got)}, but the model was compiled for "
+                              f"example_inputs of {_words(self.spec.signature)}; pass mini-batches shaped like "
+                              "example_inputs (pad or bucket variable lengths), or compile once per shape")
 
     def step(self, inputs: Any, targets: Any) -> float:
-        """One optimizer step over one global mini-batch; returns the step loss (same on all ranks)."""
-        inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        if int(inputs[0].shape[0]) != self.global_batch:
-            raise ConfigError(f"global batch size {inputs[0].shape[0]} differs from the example's "
-                              f"{self.global_batch}; the pipeline was captured for that size")
-        W, dp = self.layout.W, self.layout.dp
+        """One optimizer step over one global mini-batch; returns the step loss (the same on every rank)."""
+        inputs = normalize_inputs(inputs)
+        self._check_inputs(inputs)
+        spec, W, dp = self.spec, self.layout.W, self.layout.dp
+        shards = shard_microbatches((inputs, targets), spec.global_batch, W, dp, spec.N)
+        if self.kfac_runtime is not None:
+            for runner in self.runners.values():
+                if isinstance(runner, TappedRunner):
+                    runner.modes = self.kfac_runtime.modes_at(self.steps, list(runner.layers))
         ctx = StepContext(
-            rank=self.layout.rank, step=self.steps, runners=self.runners, transport=self.transport,
-            sync=self.sync, optimizer=self.optimizer,
-            inputs=[list(mb) for mb in shard_microbatches(inputs, W, dp, self.N)],
-            targets=shard_microbatches(targets, W, dp, self.N), loss_fn=self.loss_fn,
-            out_spec=self.out_spec, scale=1.0 / (self.N * W))
-        self.interpreter.run(self._ops_at(self.steps), ctx, self.timeline)
+            rank=self.layout.rank, step=self.steps, runners=self.runners, transport=self.transport, sync=self.sync,
+            optimizer=self.optimizer, inputs=[spec.captured.flat_inputs(args) for args, _ in shards],
+            targets=[t for _, t in shards], loss_fn=self.loss_fn, out_spec=spec.captured.out_spec,
+            scale=1.0 / (spec.N * W))
+        self.interpreter.run(self.ops_at(self.steps), ctx, self.timeline)
         loss = torch.stack(ctx.losses).sum() if ctx.losses else torch.zeros(())
         self.transport.all_reduce(loss, None, "loss all-reduce")
         if ctx.skipped:
             self.interpreter.abort(ctx)
-            self.skipped_steps += 1
-            self._skips_in_a_row += 1
-            log.warning("rank %d: step %d skipped: loss or gradients are NaN/Inf on some rank (%d skipped so far)",
-                        self.layout.rank, self.steps, self.skipped_steps)
-            check_skip_streak(self._skips_in_a_row, self.max_skipped_steps, self.steps)
+            self._skip()
         else:
             self._skips_in_a_row = 0
             self.steps += 1
         return float(loss)
 
-    def _ops_at(self, step: int) -> list[Op]:
-        """This rank's ops for global step `step` (its program cycles with the plan's period)."""
-        program = self.programs[self.layout.rank]
-        return program[step % len(program)]
+    def _skip(self) -> None:
+        """Count a skipped step; NonFiniteError when more than `max_skipped_steps` were skipped in a row."""
+        self.skipped_steps += 1
+        self._skips_in_a_row += 1
+        log.warning("rank %d: step %d skipped: loss or gradients are NaN/Inf on some rank (%d skipped so far)",
+                    self.layout.rank, self.steps, self.skipped_steps)
+        limit = self.options.max_skipped_steps
+        if limit is not None and self._skips_in_a_row > limit:
+            raise NonFiniteError(f"{self._skips_in_a_row} steps in a row had NaN/Inf loss or gradients "
+                                 f"(max_skipped_steps={limit}); the state is that of step {self.steps}: lower the "
+                                 "learning rate, check the data, or raise max_skipped_steps")
 
-    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters by canonical FQN (one copy each)."""
         seen: set[str] = set()
         for key in sorted(self.runners):
@@ -160,29 +215,79 @@ class PipelineTrainer(Checkpointing):
                     seen.add(name)
                     yield name, param
 
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's parameters (one copy per FQN, detached, not copied), optimizer state by parameter
-        FQN, the step and skip counters."""
-        return {"model": {n: p.detach() for n, p in self.named_parameters()},
-                "optimizer": optimizer_state(self.optimizer, param_names(self.runners.values())),
-                "step": self.steps, "skipped_steps": self.skipped_steps}
+    # --- checkpoints ---------------------------------------------------------------------------------
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict` returned (on the same layout); CheckpointError, with nothing changed,
-        when it holds other parameters or lacks a part."""
+    @property
+    def timeout(self) -> timedelta:
+        """How long a checkpoint barrier waits for the other ranks."""
+        return self.transport.timeout
+
+    def state_dict(self) -> dict[str, Any]:
+        """Parameters (one copy per FQN, detached), optimizer state by parameter FQN, counters; with K-FAC also
+        ``kfac`` (layer states by layer FQN) and ``inflight`` (refreshes, inverse halves and captures held here)."""
+        state: dict[str, Any] = {"model": {n: p.detach() for n, p in self.named_parameters()},
+                                 "optimizer": optimizer_state(self.optimizer, param_names(self.runners.values())),
+                                 "step": self.steps, "skipped_steps": self.skipped_steps}
+        if self.kfac_runtime is not None:
+            state.update(self.kfac_runtime.state_dict())
+            state["inflight"]["captures"] = {f"{s}.{p}": r.captures_state() for (s, p), r in sorted(self.runners.items())
+                                             if isinstance(r, TappedRunner)}
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore `state_dict` output; every part is checked (CheckpointError) before anything changes."""
         missing = sorted({"model", "optimizer", "step"} - set(state))
         if missing:
             raise CheckpointError(f"trainer state lacks {missing}; it was not written by state_dict()")
         check_model_state(self.runners.values(), state["model"])
         optim = parse_optimizer_state(self.optimizer, param_names(self.runners.values()), state["optimizer"])
+        restore_kfac = self._parse_kfac(state) if self.kfac_runtime is not None else None
         load_model_state(self.runners.values(), state["model"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(optim)
+        if restore_kfac is not None:
+            restore_kfac()
         self.steps = int(state["step"])
         self.skipped_steps = int(state.get("skipped_steps", 0))
         self._skips_in_a_row = 0
 
+    def _parse_kfac(self, state: Mapping[str, Any]) -> Callable[[], None]:
+        """Check the K-FAC part of `state`; returns what installs it."""
+        runtime = self.kfac_runtime
+        if runtime is None:
+            raise AssertionError("K-FAC state parsed without a K-FAC runtime")
+        parsed = runtime.parse_state(state)
+        saved = state["inflight"].get("captures")
+        tapped = {f"{s}.{p}": r for (s, p), r in self.runners.items() if isinstance(r, TappedRunner)}
+        if not isinstance(saved, dict) or set(saved) != set(tapped):
+            raise CheckpointError(f"checkpoint captures are for stage copies {sorted(saved or {})}, this rank holds "
+                                  f"{sorted(tapped)}; it was written for another layout")
+        captures = {key: r.parse_captures(saved[key]) for key, r in tapped.items()}
+
+        def install() -> None:
+            runtime.load_parsed(parsed)
+            for key, r in tapped.items():
+                r.captures = captures[key]
+        return install
+
+    def describe_run(self) -> dict[str, Any]:
+        """What a checkpoint of this run is made for (JSON), compared field by field on load."""
+        spec, layout = self.spec, self.layout
+        programs = {str(r): [[str(op) for op in ops] for ops in p] for r, p in sorted(spec.programs.items())}
+        return {"params": {n: list(p.shape) for st in spec.split.stages for n, p in st.gm.named_parameters()},
+                "timings": {n: [t.period, t.curv_step, t.use_offset, t.capture] for n, t in sorted(self.timings.items())},
+                "plan": None if spec.plan is None else f"{spec.plan.fingerprint}#{digest(spec.plan.to_dict())}",
+                "trainer": "kfac" if self.layers else "plain", "mesh": [layout.D, layout.W],
+                "schedule": spec.kind.value, "microbatches": spec.N, "virtual_stages": spec.v,
+                "global_batch": spec.global_batch, "stages": [list(st.params) for st in spec.split.stages],
+                "graph": spec.fingerprint, "programs": digest(programs)}
+
     def trace(self, path: str | None = None) -> dict | None:
         """Gather every rank's recorded timeline to rank 0 and return (and write) a Chrome trace."""
-        events = gather_timelines(self.timeline)
+        events = gather_timelines(self.timeline, self.layout.world_size)
         return None if events is None else chrome_trace(events, path)
+
+
+def _words(signature: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> str:
+    """Shapes and dtypes as a user writes them."""
+    return ", ".join(f"{list(shape)} {str(dtype).removeprefix('torch.')}" for shape, dtype in signature) or "no tensors"

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from fxkfac.config import KFACConfig
 from fxkfac.planner.ir import LayerTiming
-from fxkfac.single import SingleDeviceTrainer
+import fxkfac
+from fxkfac.config import PipelineOptions, PlanOptions
 from tests.support import models
 
 __all__ = ["Case", "KFAC", "timings_for", "batches", "loss_fn", "optimizer", "reference_params",
@@ -37,9 +38,7 @@ class Case:
 
 def make_model() -> torch.nn.Module:
     """The small Hugging Face BERT (fixed seed) every run starts from."""
-    model = models.tiny_bert(layers=2)
-    model.config.use_cache = False
-    return model
+    return models.tiny_bert(layers=2)  # default config (use_cache=True): capture turns the cache off
 
 
 def timings_for(names: list[str]) -> dict[str, LayerTiming]:
@@ -67,8 +66,8 @@ def reference_params(case: Case, timings: dict[str, LayerTiming]) -> dict[str, t
     """The single-device trainer (the oracle) on the same mini-batches, N*W micro-batches, the same timings."""
     torch.manual_seed(0)
     data = batches(case)
-    trainer = SingleDeviceTrainer(make_model(), example_inputs=(data[0][0],), loss_fn=loss_fn, optimizer=optimizer,
-                                  kfac=KFAC, microbatches=case.N * case.W, backend=None, layer_timing=timings)
+    trainer = fxkfac.compile(make_model(), None, example_inputs=(data[0][0],), loss_fn=loss_fn, optimizer=optimizer,
+                             kfac=KFAC, microbatches=case.N * case.W, backend=None, layer_timing=timings)
     for ids, y in data:
         trainer.step((ids,), y)
     return {n: p.detach().clone() for n, p in trainer.named_parameters()}
@@ -76,17 +75,16 @@ def reference_params(case: Case, timings: dict[str, LayerTiming]) -> dict[str, t
 
 def pipefisher_worker(rank: int, world: int, cases: list[Case]) -> dict:
     """Run each case on this rank's share of the mesh; return {case index: (params, losses)}."""
-    from fxkfac.runtime.pipefisher import PipeFisherTrainer
-
     out = {}
     for i, case in enumerate(cases):
         if case.D * case.W != world:
             raise ValueError(f"case {case} needs {case.D * case.W} ranks, got {world}")
         data = batches(case)
         names = _layer_names(case, data)
-        trainer = PipeFisherTrainer(make_model(), (case.D, case.W), kfac=KFAC, example_inputs=(data[0][0],),
-                                    loss_fn=loss_fn, optimizer=optimizer, schedule=case.schedule,
-                                    microbatches=case.N, layer_timing=timings_for(names), timeout=60.0)
+        trainer = fxkfac.compile(make_model(), (case.D, case.W), None, kfac=KFAC, example_inputs=(data[0][0],),
+                                 loss_fn=loss_fn, optimizer=optimizer, schedule=case.schedule, backend=None,
+                                 microbatches=case.N, layer_timing=timings_for(names),
+                                 pipeline=PipelineOptions(timeout=60.0))
         losses = [trainer.step((ids,), y) for ids, y in data]
         out[i] = ({n: p.detach().clone() for n, p in trainer.named_parameters()}, losses)
     return out
@@ -110,37 +108,34 @@ def auto_worker(rank: int, world: int, case: Case, path: str) -> dict:
     import torch.distributed as dist
 
     from fxkfac.errors import PlanMismatchError
-    from fxkfac.runtime.pipefisher import PipeFisherTrainer
 
     data = batches(case)
-    common = dict(kfac=KFAC, example_inputs=(data[0][0],), loss_fn=loss_fn, optimizer=optimizer,
-                  schedule=case.schedule, microbatches=case.N, timeout=60.0)
-    auto = PipeFisherTrainer(make_model(), (case.D, case.W), plan="auto",
-                             plan_options={"time_limit_s": 5.0}, **common)
+    common = dict(kfac=KFAC, example_inputs=(data[0][0],), loss_fn=loss_fn, optimizer=optimizer, backend=None,
+                  schedule=case.schedule, microbatches=case.N, pipeline=PipelineOptions(timeout=60.0))
+    auto = fxkfac.compile(make_model(), (case.D, case.W), "auto", plan_options=PlanOptions(time_limit_s=5.0),
+                          **common)
     if rank == 0:
         auto.plan.save(path)
     dist.barrier()
-    loaded = PipeFisherTrainer(make_model(), (case.D, case.W), plan=path, **common)
+    loaded = fxkfac.compile(make_model(), (case.D, case.W), path, **common)
     steps = 2 * max(t.period for t in loaded.plan.layers.values())
     losses = [loaded.step((ids,), y) for ids, y in (batches(case) * steps)[:steps]]
     refused = None
     try:
-        other = models.tiny_bert(layers=3)
-        other.config.use_cache = False
-        PipeFisherTrainer(other, (case.D, case.W), plan=path, **common)
+        fxkfac.compile(models.tiny_bert(layers=3), (case.D, case.W), path, **common)
     except PlanMismatchError as e:
         refused = str(e)
     return {"params": {n: p.detach().clone() for n, p in loaded.named_parameters()}, "losses": losses,
             "layers": dict(loaded.plan.layers), "steps": steps, "refused": refused,
             "same_programs": auto.plan.programs == loaded.plan.programs,
-            "kfac_ops": sum(op.kind.value in ("CURV", "INV", "PREC") for st in loaded.programs[rank] for op in st)}
+            "kfac_ops": sum(op.kind.value in ("CURV", "INV", "PREC") for st in loaded.plan.programs[rank] for op in st)}
 
 
 def reference_for_plan(case: Case, layers: dict[str, LayerTiming], steps: int) -> dict[str, torch.Tensor]:
     """The single-device trainer given the plan's timings on the batches `auto_worker` trains on."""
     data = (batches(case) * steps)[:steps]
-    trainer = SingleDeviceTrainer(make_model(), example_inputs=(data[0][0],), loss_fn=loss_fn, optimizer=optimizer,
-                                  kfac=KFAC, microbatches=case.N * case.W, backend=None, layer_timing=layers)
+    trainer = fxkfac.compile(make_model(), None, example_inputs=(data[0][0],), loss_fn=loss_fn, optimizer=optimizer,
+                             kfac=KFAC, microbatches=case.N * case.W, backend=None, layer_timing=layers)
     for ids, y in data:
         trainer.step((ids,), y)
     return {n: p.detach().clone() for n, p in trainer.named_parameters()}
@@ -172,20 +167,18 @@ def max_overhead(case: Case) -> float:
 def planned_worker(rank: int, world: int, cases: list[Case]) -> dict:
     """Each case with a CP-SAT plan (rank 0 solves over `synthetic_costs`, every rank runs it) for two
     refresh periods. Returns {case index: (params, losses, plan layers, steps, K-FAC ops on this rank)}."""
-    from fxkfac.runtime.pipefisher import PipeFisherTrainer
-
     out = {}
     for i, case in enumerate(cases):
         if case.D * case.W != world:
             raise ValueError(f"case {case} needs {case.D * case.W} ranks, got {world}")
         data = batches(case)
-        options = {"costs": synthetic_costs, "time_limit_s": 3.0, "max_overhead": max_overhead(case)}
-        trainer = PipeFisherTrainer(make_model(), (case.D, case.W), kfac=KFAC, example_inputs=(data[0][0],),
-                                    loss_fn=loss_fn, optimizer=optimizer, schedule=case.schedule,
-                                    microbatches=case.N, plan="auto", timeout=60.0, plan_options=options)
+        options = PlanOptions(costs=synthetic_costs, time_limit_s=3.0, max_overhead=max_overhead(case))
+        trainer = fxkfac.compile(make_model(), (case.D, case.W), "auto", kfac=KFAC, example_inputs=(data[0][0],),
+                                 loss_fn=loss_fn, optimizer=optimizer, schedule=case.schedule, backend=None,
+                                 microbatches=case.N, pipeline=PipelineOptions(timeout=60.0), plan_options=options)
         steps = 2 * max(t.period for t in trainer.plan.layers.values())
         losses = [trainer.step((ids,), y) for ids, y in (data * steps)[:steps]]
-        kfac_ops = sum(op.kind.value in ("CURV", "INV") for st in trainer.programs[rank] for op in st)
+        kfac_ops = sum(op.kind.value in ("CURV", "INV") for st in trainer.plan.programs[rank] for op in st)
         out[i] = ({n: p.detach().clone() for n, p in trainer.named_parameters()}, losses,
                   dict(trainer.plan.layers), steps, kfac_ops)
     return out
@@ -196,14 +189,12 @@ def compile_api_worker(rank: int, world: int, case: Case, backend: str | None) -
     returns params, losses, the plan's layers and steps."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    import fxkfac
-
     mesh = init_device_mesh("cpu", (case.D, case.W), mesh_dim_names=("pp", "dp"))
     data = batches(case)
     trainer = fxkfac.compile(make_model(), mesh, plan="auto", example_inputs=(data[0][0],), loss_fn=loss_fn,
                              optimizer=optimizer, kfac=KFAC, schedule=case.schedule, microbatches=case.N,
-                             backend=backend, timeout=120.0,
-                             plan_options={"costs": synthetic_costs, "time_limit_s": 3.0})
+                             backend=backend, pipeline=PipelineOptions(timeout=120.0),
+                             plan_options=PlanOptions(costs=synthetic_costs, time_limit_s=3.0))
     steps = 2 * max(t.period for t in trainer.plan.layers.values())
     losses = [trainer.step((ids,), y) for ids, y in (data * steps)[:steps]]
     return {"params": {n: p.detach().clone() for n, p in trainer.named_parameters()}, "losses": losses,

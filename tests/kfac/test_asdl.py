@@ -31,6 +31,7 @@ from asdl import KfacGradientMaker, PreconditioningConfig
 from torch import nn
 
 from fxkfac.kfac import LayerState, a_rows, e_rows, factor, grad_matrix, invert, precondition, split_grad
+from fxkfac.kfac.factors import running_average
 from tests.kfac.helpers import capture_a_e, layer_of
 from tests.support.models import image_batch, mlp
 
@@ -74,9 +75,9 @@ def _our_step(model: nn.Module, x: torch.Tensor, t: torch.Tensor, states: dict[s
         view = dataclasses.replace(layer_of(mod, name), bias=None)  # ASDL's A: no bias column
         positions = e.shape[2] * e.shape[3] if e.dim() == 4 else 1
         state = states[name]
-        state.add_a(factor(a_rows(a, view), torch.float64))
-        state.add_b(factor(e_rows(e, view, N), torch.float64) * positions)  # ASDL's conv B sums positions
-        state.finish_refresh(decay)
+        state.A = running_average(state.A, factor(a_rows(a, view), torch.float64), decay)
+        b_new = factor(e_rows(e, view, N), torch.float64) * positions  # ASDL's conv B sums positions
+        state.B = running_average(state.B, b_new, decay)
         inv = invert(state.A, state.B, damping=DAMPING, pi_damping=True)
         weight, _ = split_grad(view, precondition(grad_matrix(view, mod.weight.grad, None), inv))
         bias = None if mod.bias is None else inv.b_inv @ mod.bias.grad

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from fxkfac.planner.ir import Op, OpKind
-from fxkfac.planner.lowering import add_send_recv, expand_dp
+from fxkfac.planner.ir import Op, OpKind, ops_at
+from fxkfac.planner.lowering import add_send_recv, expand_dp, startup_programs
 from fxkfac.planner.schedules import schedule_programs
 from fxkfac.planner.simulate import COMPUTE_KINDS, simulate
+from fxkfac.planner.window import born_steps
 
 
 def _ops(lines: str) -> list[Op]:
@@ -90,3 +93,17 @@ def test_lowered_programs_are_deadlock_free_and_keep_the_timeline(kind: str, D: 
     sends = sum(op.kind.name.startswith("SEND") for ops in lowered.values() for op in ops)
     recvs = sum(op.kind.name.startswith("RECV") for ops in lowered.values() for op in ops)
     assert sends == recvs
+
+
+def test_startup_drops_the_work_of_refreshes_from_before_step_zero() -> None:
+    """A refresh op placed at window step s first runs at global step s; PREC and F/B run from step 0."""
+    late = Op(OpKind.CURV, stage=0, mb=1, factor="B", layer="l")
+    early = Op(OpKind.CURV, stage=0, mb=0, factor="A", layer="l")
+    prec = Op(OpKind.PREC, stage=0)
+    body = [late, Op(OpKind.FWD, stage=0, mb=0), early, prec, Op(OpKind.OPT_STEP)]
+    placements = (SimpleNamespace(op=late, device=0, step=1), SimpleNamespace(op=early, device=0, step=0),
+                  SimpleNamespace(op=prec, device=0, step=1), SimpleNamespace(op=late, device=1, step=5))
+    startup = startup_programs({0: [body], 1: [body]}, born_steps(placements))
+    assert startup[0] == [[body[1], early, prec, body[4]]]
+    assert len(startup[1]) == 5 and all(late not in step for step in startup[1])
+    assert ops_at({0: [body]}, startup, 0, 0) == startup[0][0] and ops_at({0: [body]}, startup, 0, 1) == body

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fxkfac.config import KFACConfig
+import fxkfac
+from fxkfac.config import KFACConfig, PipelineOptions
 from fxkfac.planner.ir import LayerTiming
 from tests.support import models
 
@@ -26,9 +27,7 @@ MLP_BATCH = 8
 
 
 def _bert() -> torch.nn.Module:
-    model = models.tiny_bert(layers=2)
-    model.config.use_cache = False
-    return model
+    return models.tiny_bert(layers=2)
 
 
 def bert_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -53,12 +52,12 @@ def _mixed_timings(names: list[str]) -> dict[str, LayerTiming]:
 def bert_trainer(timeout: float = 20.0) -> Any:
     """A 2-rank PipeFisher run of the tiny BERT (1F1B, N=2) with mixed refresh timings."""
     from fxkfac.capture import capture
-    from fxkfac.runtime.pipefisher import PipeFisherTrainer
 
     ids = bert_batches()[0][0]
     names = [layer.name for layer in capture(_bert(), (ids[:2],), KFAC).layers]
-    return PipeFisherTrainer(_bert(), (2, 1), kfac=KFAC, example_inputs=(ids,), loss_fn=_bert_loss, optimizer=_sgd,
-                             schedule="1f1b", microbatches=2, layer_timing=_mixed_timings(names), timeout=timeout)
+    return fxkfac.compile(_bert(), (2, 1), None, kfac=KFAC, example_inputs=(ids,), loss_fn=_bert_loss, optimizer=_sgd,
+                          schedule="1f1b", microbatches=2, layer_timing=_mixed_timings(names), backend=None,
+                          pipeline=PipelineOptions(timeout=timeout))
 
 
 def mlp_batches(steps: int, *, nan_at: tuple[int, ...] = ()) -> list[tuple[torch.Tensor, Any]]:
@@ -84,21 +83,19 @@ NAN_AT, NAN_STEPS = (2,), 5  # step 2 refreshes the factors (period 2): its NaN 
 
 def mlp_trainer(schedule: str = "1f1b", period: int = 1, **kw: Any) -> Any:
     """A 2-rank PipeFisher run of the 3-layer MLP (N=2)."""
-    from fxkfac.runtime.pipefisher import PipeFisherTrainer
-
     timings = {n: LayerTiming(period, 0, 0, "fused") for n in MLP_LAYERS}
-    return PipeFisherTrainer(models.mlp(), (2, 1), kfac=KFAC, example_inputs=(mlp_batches(1)[0][0],),
-                             loss_fn=mlp_loss, optimizer=_sgd, schedule=schedule, microbatches=2,
-                             layer_timing=timings, timeout=kw.pop("timeout", 20.0), **kw)
+    options = PipelineOptions(timeout=kw.pop("timeout", 20.0), **kw)
+    return fxkfac.compile(models.mlp(), (2, 1), None, kfac=KFAC, example_inputs=(mlp_batches(1)[0][0],),
+                          loss_fn=mlp_loss, optimizer=_sgd, schedule=schedule, microbatches=2, backend=None,
+                          layer_timing=timings, pipeline=options)
 
 
 def mlp_single(period: int = 1, **kw: Any) -> Any:
     """The single-device trainer of the pipelined MLP run (N*W = 2 micro-batches, the same timings)."""
-    from fxkfac.single import SingleDeviceTrainer
-
     timings = {n: LayerTiming(period, 0, 0, "fused") for n in MLP_LAYERS}
-    return SingleDeviceTrainer(models.mlp(), example_inputs=(mlp_batches(1)[0][0],), loss_fn=mlp_loss,
-                               optimizer=_sgd, kfac=KFAC, microbatches=2, backend=None, layer_timing=timings, **kw)
+    return fxkfac.compile(models.mlp(), None, example_inputs=(mlp_batches(1)[0][0],), loss_fn=mlp_loss,
+                          optimizer=_sgd, kfac=KFAC, microbatches=2, backend=None, layer_timing=timings,
+                          pipeline=PipelineOptions(**kw))
 
 
 def snapshot(trainer: Any) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -191,7 +188,6 @@ def _bad_construction(plan_path: str) -> dict:
     """Micro-batches that do not divide the batch, and a plan made for another mesh: the errors, and whether
     the model handed in and the plan file stayed as they were."""
     from fxkfac.errors import FxkfacError
-    from fxkfac.runtime.pipefisher import PipeFisherTrainer
 
     model = models.mlp()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -199,8 +195,8 @@ def _bad_construction(plan_path: str) -> dict:
     out: dict[str, Any] = {}
     for name, kw in (("microbatches", {"microbatches": 3}), ("plan for another mesh", {"plan": plan_path})):
         try:
-            PipeFisherTrainer(model, (2, 1), kfac=KFAC, example_inputs=(mlp_batches(1)[0][0],), loss_fn=mlp_loss,
-                              optimizer=_sgd, schedule="1f1b", **{"microbatches": 2, **kw})
+            fxkfac.compile(model, (2, 1), kfac=KFAC, example_inputs=(mlp_batches(1)[0][0],), loss_fn=mlp_loss,
+                           optimizer=_sgd, schedule="1f1b", backend=None, **{"plan": None, "microbatches": 2, **kw})
             out[name] = ("no error", "")
         except FxkfacError as e:
             out[name] = _error(e)

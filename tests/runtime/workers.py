@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fxkfac.runtime.trainer import PipelineTrainer
+import fxkfac
+from fxkfac.config import PipelineOptions
 from tests.support import models
 
 __all__ = ["Config", "make_model", "make_batches", "make_optimizer", "loss_for", "reference_params",
@@ -45,9 +46,7 @@ def make_model(name: str) -> torch.nn.Module:
         torch.manual_seed(0)
         layers = [torch.nn.Linear(12, 12) if i % 2 == 0 else torch.nn.Tanh() for i in range(11)]
         return torch.nn.Sequential(*layers, torch.nn.Linear(12, 5))
-    model = models.tiny_bert(layers=2) if name == "bert" else models.tiny_gpt2(layers=2)
-    model.config.use_cache = False
-    return model
+    return models.tiny_bert(layers=2) if name == "bert" else models.tiny_gpt2(layers=2)  # default configs
 
 
 def make_batches(cfg: Config) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -99,9 +98,10 @@ def parity_worker(rank: int, world: int, configs: list[Config]) -> list[dict]:
     for cfg in configs:
         assert cfg.D * cfg.W == world
         batches = make_batches(cfg)
-        trainer = PipelineTrainer(make_model(cfg.model), (cfg.D, cfg.W), example_inputs=(batches[0][0],),
-                                  loss_fn=loss_for(cfg.model), optimizer=make_optimizer(cfg.opt),
-                                  schedule=cfg.schedule, microbatches=cfg.N, virtual_stages=cfg.v, timeout=60)
+        trainer = fxkfac.compile(make_model(cfg.model), (cfg.D, cfg.W), None, example_inputs=(batches[0][0],),
+                                 loss_fn=loss_for(cfg.model), optimizer=make_optimizer(cfg.opt), kfac=None,
+                                 schedule=cfg.schedule, microbatches=cfg.N, backend=None,
+                                 pipeline=PipelineOptions(virtual_stages=cfg.v, timeout=60))
         losses = [trainer.step(x, y) for x, y in batches]
         params = {n: p.detach().clone() for n, p in trainer.named_parameters()}
         results.append({"params": params, "losses": losses, "aliases": trainer.split.param_aliases})
@@ -113,9 +113,9 @@ def failure_worker(rank: int, world: int, mode: str, victim: int) -> str:
     """Train a 2-stage 1F1B MLP; on step 1 the victim rank dies (os._exit) or stalls (sleeps)."""
     cfg = Config("1f1b", world, 2, 1, "mlp", "sgd")
     batches = make_batches(cfg)
-    trainer = PipelineTrainer(make_model("mlp"), (world,), example_inputs=(batches[0][0],),
-                              loss_fn=loss_for("mlp"), optimizer=make_optimizer("sgd"),
-                              schedule="1f1b", microbatches=2, timeout=5)
+    trainer = fxkfac.compile(make_model("mlp"), (world,), None, example_inputs=(batches[0][0],),
+                             loss_fn=loss_for("mlp"), optimizer=make_optimizer("sgd"), kfac=None, backend=None,
+                             schedule="1f1b", microbatches=2, pipeline=PipelineOptions(timeout=5))
     trainer.step(*batches[0])
     if rank == victim:
         if mode == "die":
@@ -132,9 +132,9 @@ def timeline_worker(rank: int, world: int, path: str) -> dict:
 
     cfg = Config("1f1b", world, 4, 1, "mlp", "sgd")
     batches = make_batches(cfg)
-    trainer = PipelineTrainer(make_model("mlp"), (world,), example_inputs=(batches[0][0],),
-                              loss_fn=loss_for("mlp"), optimizer=make_optimizer("sgd"),
-                              schedule="1f1b", microbatches=4, record_timeline=True)
+    trainer = fxkfac.compile(make_model("mlp"), (world,), None, example_inputs=(batches[0][0],),
+                             loss_fn=loss_for("mlp"), optimizer=make_optimizer("sgd"), kfac=None, backend=None,
+                             schedule="1f1b", microbatches=4, pipeline=PipelineOptions(record_timeline=True))
     for x, y in batches[:2]:
         trainer.step(x, y)
     local = [(e.op, e.step, e.start_ns, e.end_ns) for e in trainer.timeline.events]

@@ -1,4 +1,4 @@
-"""make_preconditioner: natural gradients by parameter name equal a dense Kronecker solve, and <P, G> is returned."""
+"""Preconditioner: natural gradients by parameter name equal a dense Kronecker solve, and <P, G> is returned."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from fxkfac.kfac.inverse import invert
 from fxkfac.kfac.state import LayerState
 from fxkfac.passes.layers import ConvSpec, KFACLayer
-from fxkfac.passes.precondition import make_preconditioner
+from fxkfac.kfac.precondition import Preconditioner
 
 GAMMA = 0.1
 
@@ -50,7 +50,7 @@ def test_linear_conv1d_conv2d_and_untouched_parameters() -> None:
             state.set_pending(invert(state.A, state.B, damping=GAMMA), 0)
             state.activate(0)
         states[layer.name] = state
-    dot = make_preconditioner(layers)(grads, states)
+    dot = Preconditioner(layers)(grads, states)
 
     G_fc = torch.cat([original["fc.weight"], original["fc.bias"][:, None]], 1)
     P_fc = _dense_natural_gradient(states["fc"].A, states["fc"].B, G_fc)
@@ -68,7 +68,7 @@ def test_linear_conv1d_conv2d_and_untouched_parameters() -> None:
                    [(P_fc, G_fc), (P_c1d, G_c1d), (P_conv, G_conv), (original["fresh.weight"],) * 2])
     assert abs(float(dot) - expected) < 1e-9 * abs(expected)
 
-    pre = make_preconditioner(layers)
+    pre = Preconditioner(layers)
     before = {k: v.clone() for k, v in grads.items()}
     pre.scale(grads, 0.25)
     torch.testing.assert_close(grads["conv.bias"], before["conv.bias"] * 0.25)
