@@ -2,10 +2,11 @@
 
 Run: python benchmarks/paper_configs.py [--time-limit 10] [--max-overhead 0]
 
-Costs are ../shared/data/pipefisher-profiles/*_p100.csv (per Transformer block, micro-batch 32,
-3 blocks per stage). The paper's profiles include the embeddings and the heads (on the first and
-last stages) and real P2P gaps; these CSVs are Transformer blocks only, so its figures are shown
-beside ours for orientation, not as the same measurement. Prints a rich table and one JSON line.
+Costs are the profiles shipped as paper:<model>/p100 (planner/data/pipefisher_profiles/; per
+Transformer block, micro-batch 32, 3 blocks per stage). The paper's profiles include the embeddings
+and the heads (on the first and last stages) and real P2P gaps; these CSVs are Transformer blocks
+only, so its figures are shown beside ours for orientation, not as the same measurement. Prints a
+rich table and one JSON line.
 
 Per configuration: the plain pipeline (simulated here, independently of the planner), then
 planner.plan.solve with the paper's greedy rule and with CP-SAT (no memory budget, the given
@@ -20,21 +21,18 @@ import argparse
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from fxkfac.planner.costs import CostTable, cost_table_from_pipefisher_csv
+from fxkfac.planner.costs import CostTable, load_cost_table
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.plan import Plan, solve
 from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.schedules import schedule_programs, stages_of_rank
 from fxkfac.planner.simulate import Timeline, simulate
-
-PROFILES = Path(__file__).resolve().parents[2] / "shared" / "data" / "pipefisher-profiles"
 
 
 @dataclass(frozen=True)
@@ -65,10 +63,10 @@ PAPER = {  # PipeFisher (Osawa et al. 2023): utilization before -> after, refres
 
 
 def costs_of(cfg: Config) -> CostTable:
-    """The measured P100 cost table of the configuration."""
-    path = PROFILES / f"{cfg.model}_time_memory_p100.csv"
-    return cost_table_from_pipefisher_csv(
-        path, blocks_per_stage=cfg.blocks_per_stage, n_stages=cfg.D, micro_batch_size=cfg.micro_batch_size
+    """The measured P100 cost table of the configuration (the profile shipped with fxkfac)."""
+    return load_cost_table(
+        f"paper:{cfg.model}/p100", blocks_per_stage=cfg.blocks_per_stage, n_stages=cfg.D,
+        micro_batch_size=cfg.micro_batch_size,
     )
 
 

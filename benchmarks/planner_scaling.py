@@ -2,9 +2,9 @@
 
 Run: python benchmarks/planner_scaling.py [--time-limit 60] [--depths 4 8 16 32 64]
 
-Costs: the measured BERT-Large P100 block costs (../shared/data/pipefisher-profiles/
-bert-large_time_memory_p100.csv, micro-batch 32), 3 blocks per stage, so the model is 3*D blocks
-deep (the CSV's per-block costs repeated: a BERT-Large-like model scaled in depth with the pipeline).
+Costs: the measured BERT-Large P100 block costs (the shipped profile paper:bert-large/p100,
+micro-batch 32), 3 blocks per stage, so the model is 3*D blocks deep (the CSV's per-block costs
+repeated: a BERT-Large-like model scaled in depth with the pipeline).
 Per D: the paper's greedy rule and CP-SAT (planner.plan.solve, the given time limit, 2 workers),
 CP-SAT's status, the gap of its refresh periods to the per-stage lower bounds, and the independent
 validator's verdict on the CP-SAT plan. Targets: D=8 solved to optimality in under 10 s; D=64 a plan
@@ -16,25 +16,24 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from fxkfac.planner.costs import cost_table_from_pipefisher_csv
+from fxkfac.planner.costs import load_cost_table
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.plan import solve
 from fxkfac.planner.validate import validate
 
-PROFILE = Path(__file__).resolve().parents[2] / "shared" / "data" / "pipefisher-profiles" / "bert-large_time_memory_p100.csv"
+PROFILE = "paper:bert-large/p100"
 BLOCKS_PER_STAGE = 3
 
 
 def problem_of(D: int) -> Problem:
     """1F1B over D stages of 3 BERT-Large blocks, N = D micro-batches of 32."""
-    costs = cost_table_from_pipefisher_csv(PROFILE, blocks_per_stage=BLOCKS_PER_STAGE, n_stages=D, micro_batch_size=32)
+    costs = load_cost_table(PROFILE, blocks_per_stage=BLOCKS_PER_STAGE, n_stages=D, micro_batch_size=32)
     return Problem("1f1b", D, D, costs)
 
 

@@ -1,15 +1,24 @@
-"""Cost tables: what each stage and K-FAC layer costs in seconds and bytes (+ JSON, + PipeFisher CSV)."""
+"""Cost tables: what each stage and K-FAC layer costs in seconds and bytes (+ JSON, + PipeFisher CSV).
+
+The PipeFisher paper's measured profiles ship in planner/data/pipefisher_profiles/ and are named
+without a path as `paper:<model>/<hardware>` (`paper_profile_names()`) wherever a profile CSV is taken.
+"""
 
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 from dataclasses import asdict, dataclass, fields, replace
-from pathlib import Path
-from typing import Any, Sequence
+from importlib.resources import files
+from pathlib import Path, PurePath
+from typing import TYPE_CHECKING, Any, Sequence
 
 from fxkfac.planner.errors import CostModelError
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -17,6 +26,9 @@ __all__ = [
     "StageCost",
     "CostTable",
     "PIPEFISHER_COLUMNS",
+    "PAPER_PREFIX",
+    "paper_profile_names",
+    "is_profile",
     "cost_table_from_pipefisher_csv",
     "load_cost_table",
 ]
@@ -28,7 +40,13 @@ PIPEFISHER_COLUMNS = (
     "bs", "time_f", "time_b", "time_kron", "time_inv", "time_prec",
     "mem_param", "mem_act", "mem_peak_err", "mem_save_err", "mem_kron",
 )  # fmt: skip
-"""Columns of ../shared/data/pipefisher-profiles/*.csv (ms and MiB per Transformer block)."""
+"""Columns of the PipeFisher profiles (planner/data/pipefisher_profiles/*.csv; ms and MiB per Transformer block)."""
+
+PAPER_PREFIX = "paper:"
+"""`paper:<model>/<hardware>` names a profile shipped in planner/data/pipefisher_profiles/."""
+
+_PROFILE_MARK = "_time_memory_"  # the shipped files are <model>_time_memory_<hardware>.csv
+_PROFILE_OPTIONS = ("blocks_per_stage", "micro_batch_size")
 
 _MS = 1e-3
 _MIB = 1 << 20
@@ -277,32 +295,80 @@ def _scale_stage(s: StageCost, per_mb: float, fixed: float, mem: float) -> Stage
     )
 
 
-def _read_pipefisher_rows(path: Path) -> dict[int, dict[str, float]]:
-    """Rows of a PipeFisher profile CSV by micro-batch size."""
+def _profiles_folder() -> Traversable:
+    """planner/data/pipefisher_profiles, read through importlib.resources (package data when installed)."""
+    return files("fxkfac.planner") / "data" / "pipefisher_profiles"
+
+
+def _paper_files() -> dict[str, str]:
+    """Shipped profile file names by their `paper:<model>/<hardware>` name, sorted by name."""
+    names = {}
+    for entry in _profiles_folder().iterdir():
+        stem = PurePath(entry.name).stem
+        if entry.name.endswith(".csv") and _PROFILE_MARK in stem:
+            model, hardware = stem.split(_PROFILE_MARK, 1)
+            names[f"{PAPER_PREFIX}{model}/{hardware}"] = entry.name
+    return dict(sorted(names.items()))
+
+
+def paper_profile_names() -> tuple[str, ...]:
+    """Every `paper:<model>/<hardware>` name of a profile shipped with fxkfac (the PipeFisher paper's)."""
+    return tuple(_paper_files())
+
+
+def _is_paper_name(source: str | Path) -> bool:
+    return str(source).startswith(PAPER_PREFIX)
+
+
+def _paper_file(name: str) -> str:
+    """The shipped file a `paper:` name stands for; CostModelError listing the names when unknown."""
+    known = _paper_files()
+    if name not in known:
+        raise CostModelError(f"no shipped PipeFisher profile {name!r}; available: {', '.join(known)}")
+    return known[name]
+
+
+def is_profile(source: str | Path) -> bool:
+    """Whether `source` is a PipeFisher per-block profile (a .csv path or a `paper:` name), which needs
+    blocks_per_stage and micro_batch_size to become a cost table."""
+    return _is_paper_name(source) or Path(source).suffix.lower() == ".csv"
+
+
+def _profile_text(source: str | Path) -> tuple[str, str]:
+    """The CSV text and file name of a profile: a shipped one by `paper:` name, or a file by path."""
+    if _is_paper_name(source):
+        name = _paper_file(str(source))
+        return (_profiles_folder() / name).read_text(), name
+    path = Path(source)
     try:
-        with path.open(newline="") as f:
-            reader = csv.DictReader(f)
-            missing = [c for c in PIPEFISHER_COLUMNS if c not in (reader.fieldnames or [])]
-            if missing:
-                raise CostModelError(f"{path}: not a PipeFisher profile CSV, missing columns {missing}")
-            rows = {int(float(r["bs"])): {c: float(r[c]) for c in PIPEFISHER_COLUMNS} for r in reader}
-    except (ValueError, TypeError) as e:
-        raise CostModelError(f"{path}: a value is not a number ({e})") from e
+        return path.read_text(), path.name
     except OSError as e:
         raise CostModelError(f"cannot read profile CSV {path}: {e}") from e
+
+
+def _read_pipefisher_rows(text: str, where: str) -> dict[int, dict[str, float]]:
+    """Rows of a PipeFisher profile CSV by micro-batch size (`where` names it in errors)."""
+    reader = csv.DictReader(io.StringIO(text))
+    missing = [c for c in PIPEFISHER_COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        raise CostModelError(f"{where}: not a PipeFisher profile CSV, missing columns {missing}")
+    try:
+        rows = {int(float(r["bs"])): {c: float(r[c]) for c in PIPEFISHER_COLUMNS} for r in reader}
+    except (ValueError, TypeError) as e:
+        raise CostModelError(f"{where}: a value is not a number ({e})") from e
     if not rows:
-        raise CostModelError(f"{path}: the profile CSV has no rows")
+        raise CostModelError(f"{where}: the profile CSV has no rows")
     return rows
 
 
-def _row_at(rows: dict[int, dict[str, float]], bs: int, path: Path) -> dict[str, float]:
+def _row_at(rows: dict[int, dict[str, float]], bs: int, where: str) -> dict[str, float]:
     """The row for micro-batch size bs, linearly interpolated between the nearest measured sizes."""
     if bs in rows:
         return rows[bs]
     sizes = sorted(rows)
     if not sizes[0] < bs < sizes[-1]:
         raise CostModelError(
-            f"{path}: micro-batch size {bs} is outside the measured sizes {sizes}; "
+            f"{where}: micro-batch size {bs} is outside the measured sizes {sizes}; "
             "pick one in that range (sizes in between are interpolated)"
         )
     lo = max(s for s in sizes if s < bs)
@@ -365,12 +431,13 @@ def cost_table_from_pipefisher_csv(
     - mem_param -> param_bytes, mem_act -> act_bytes (summed over the blocks of the stage),
       mem_peak_err -> peak_err_bytes (the largest block peak: one backward is transient).
 
-    A micro-batch size not in the file is linearly interpolated between the nearest measured
-    sizes; one outside the measured range raises CostModelError. blocks_per_stage is a list (one
-    count per stage) or an int with n_stages.
+    path is a profile CSV, or `paper:<model>/<hardware>` for one shipped with fxkfac
+    (`paper_profile_names()`). A micro-batch size not in the file is linearly interpolated between
+    the nearest measured sizes; one outside the measured range raises CostModelError.
+    blocks_per_stage is a list (one count per stage) or an int with n_stages.
     """
-    path = Path(path)
-    row = _row_at(_read_pipefisher_rows(path), micro_batch_size, path)
+    text, file_name = _profile_text(path)
+    row = _row_at(_read_pipefisher_rows(text, str(path)), micro_batch_size, str(path))
     counts = _blocks_per_stage(blocks_per_stage, n_stages)
     stages, first = [], 0
     for k in counts:
@@ -386,8 +453,8 @@ def cost_table_from_pipefisher_csv(
             )
         )
         first += k
-    hw = hardware if hardware is not None else _hardware_from_name(path.stem)
-    return CostTable(tuple(stages), micro_batch_size, f"pipefisher-csv:{path.name}", hw)
+    hw = hardware if hardware is not None else _hardware_from_name(PurePath(file_name).stem)
+    return CostTable(tuple(stages), micro_batch_size, f"pipefisher-csv:{file_name}", hw)
 
 
 def _hardware_from_name(stem: str) -> str:
@@ -397,13 +464,20 @@ def _hardware_from_name(stem: str) -> str:
 
 
 def load_cost_table(path: str | Path, **csv_options: Any) -> CostTable:
-    """Load a cost table from .json (CostTable.to_json) or .csv (PipeFisher profile; pass the
-    keyword arguments of `cost_table_from_pipefisher_csv`)."""
-    path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix == ".csv":
+    """Load a cost table from .json (CostTable.to_json), or from a PipeFisher profile: a .csv path or a
+    shipped `paper:<model>/<hardware>` name (pass the keyword arguments of `cost_table_from_pipefisher_csv`)."""
+    if is_profile(path):
+        if _is_paper_name(path):
+            _paper_file(str(path))  # an unknown name is the first thing to fix
+        missing = [k for k in _PROFILE_OPTIONS if k not in csv_options]
+        if missing:
+            raise CostModelError(
+                f"{path} is a per-Transformer-block profile: pass {missing} to load_cost_table "
+                "(blocks per stage, micro-batch size) and plan with the CostTable it returns"
+            )
         return cost_table_from_pipefisher_csv(path, **csv_options)
-    if suffix == ".json":
+    path = Path(path)
+    if path.suffix.lower() == ".json":
         if csv_options:
             raise CostModelError(f"options {sorted(csv_options)} apply to .csv profiles, not to {path.name}")
         try:
@@ -411,4 +485,7 @@ def load_cost_table(path: str | Path, **csv_options: Any) -> CostTable:
         except OSError as e:
             raise CostModelError(f"cannot read cost table {path}: {e}") from e
         return CostTable.from_json(text)
-    raise CostModelError(f"{path}: unknown cost file type {suffix!r}; use .json (a cost table) or .csv (a profile)")
+    raise CostModelError(
+        f"{path}: unknown cost file type {path.suffix.lower()!r}; use .json (a cost table), .csv (a profile) "
+        f"or a shipped profile name such as {PAPER_PREFIX}bert-base/p100"
+    )

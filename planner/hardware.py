@@ -40,7 +40,7 @@ class HardwareSpec:
                 raise CostModelError(f"HardwareSpec {self.name!r}: {field} must be in (0, 1]")
 
 
-# factorization_efficiency 0.1 on GPUs: calibrated from ../shared/data/pipefisher-profiles, where
+# factorization_efficiency 0.1 on GPUs: calibrated from planner/data/pipefisher_profiles, where
 # Cholesky + cholesky_inverse of a BERT-Base block's factors (d^3 FLOPs each: 10 of d=768, 2 of
 # 3072, 62.5 GFLOP) takes 71.7 ms on a P100 (8% of peak), BERT-Large's (148 GFLOP) 126.7 ms (11%),
 # and 49 ms on a V100 (8%): batched-free small factorizations are latency bound.

@@ -22,7 +22,7 @@ from fxkfac.planner.errors import CostModelError
 from fxkfac.planner.hardware import HARDWARE, HardwareSpec, hardware
 from fxkfac.planner.presets import LinearSpec, model_spec_from_layers, preset
 
-PROFILES = Path(__file__).resolve().parents[3] / "shared" / "data" / "pipefisher-profiles"
+PROFILES = Path(__file__).resolve().parents[2] / "planner" / "data" / "pipefisher_profiles"  # shipped with fxkfac
 
 
 def _num(expr, **values: float) -> float:  # type: ignore[no-untyped-def]

@@ -16,11 +16,13 @@ from fxkfac.planner.costs import (
     StageCost,
     cost_table_from_pipefisher_csv,
     load_cost_table,
+    paper_profile_names,
 )
 from fxkfac.planner.errors import CostModelError
 from fxkfac.planner.presets import preset
 
-PROFILES = Path(__file__).resolve().parents[3] / "shared" / "data" / "pipefisher-profiles"
+REPO = Path(__file__).resolve().parents[2]
+PROFILES = REPO / "planner" / "data" / "pipefisher_profiles"  # the shipped copy, read here by path
 BERT_P100 = PROFILES / "bert-base_time_memory_p100.csv"
 MIB = 2**20
 
@@ -66,6 +68,51 @@ def test_every_profile_file_and_row_loads_with_its_hardware() -> None:
             assert table.stages[0].layers[1].inv_b == pytest.approx(raw["time_inv"] / 2000, rel=1e-12)
 
 
+def test_paper_names_are_the_shipped_files() -> None:
+    model_hw = (path.stem.split("_time_memory_") for path in PROFILES.glob("*.csv"))
+    assert paper_profile_names() == tuple(sorted(f"paper:{model}/{hw}" for model, hw in model_hw))
+    assert len(paper_profile_names()) == 18 and "paper:t5-large/rtx3090" in paper_profile_names()
+
+
+def test_paper_name_loads_the_shipped_csv_like_its_path() -> None:
+    options = dict(blocks_per_stage=3, n_stages=4, micro_batch_size=32)
+    by_name = load_cost_table("paper:bert-base/p100", **options)
+    assert by_name == load_cost_table(BERT_P100, **options)
+    assert by_name == cost_table_from_pipefisher_csv("paper:bert-base/p100", **options)
+    assert by_name.source == "pipefisher-csv:bert-base_time_memory_p100.csv" and by_name.hardware == "p100"
+    assert by_name.stages[3].fwd == pytest.approx(3 * _raw_rows(BERT_P100)[32]["time_f"] / 1000, rel=1e-12)
+    large = load_cost_table("paper:bert-large/v100", blocks_per_stage=[1], micro_batch_size=8)
+    assert large.stages[0].bwd == pytest.approx(_raw_rows(PROFILES / "bert-large_time_memory_v100.csv")[8]["time_b"] / 1000)
+
+
+def test_unknown_paper_name_lists_the_available_ones() -> None:
+    listing = r"available: paper:bert-base/p100, paper:bert-base/rtx3090, .*paper:t5-large/v100$"
+    with pytest.raises(CostModelError, match=r"no shipped PipeFisher profile 'paper:bert-base/a100'; " + listing):
+        load_cost_table("paper:bert-base/a100", blocks_per_stage=3, n_stages=4, micro_batch_size=32)
+    with pytest.raises(CostModelError, match="no shipped PipeFisher profile 'paper:gpt2'"):
+        load_cost_table("paper:gpt2")  # the unknown name is reported before the missing options
+    with pytest.raises(CostModelError, match="no shipped PipeFisher profile 'paper:bert-base/p100.csv'"):
+        cost_table_from_pipefisher_csv("paper:bert-base/p100.csv", blocks_per_stage=[1], micro_batch_size=1)
+
+
+def test_a_profile_without_its_sizes_says_what_to_pass() -> None:
+    for source in ("paper:bert-base/p100", BERT_P100):
+        with pytest.raises(CostModelError, match=r"per-Transformer-block profile: pass \['blocks_per_stage', "
+                                                 r"'micro_batch_size'\]"):
+            load_cost_table(source)
+
+
+def test_the_profiles_are_package_data() -> None:
+    """Every shipped file matches a package-data pattern of fxkfac.planner, so an installed fxkfac has it."""
+    tomllib = pytest.importorskip("tomllib")
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    planner_dir = REPO / setuptools["package-dir"]["fxkfac.planner"]
+    patterns = setuptools["package-data"]["fxkfac.planner"]
+    shipped = {p for p in PROFILES.iterdir() if p.is_file()}
+    assert {p for pattern in patterns for p in planner_dir.glob(pattern)} == shipped
+    assert (PROFILES / "README.md") in shipped
+
+
 def test_fifty_fifty_split_follows_from_the_factor_dims_of_a_bert_block() -> None:
     """The loader's docstring claims sum d_in^k == sum d_out^k per block and mem_kron = 4 B * sum d^2."""
     block = preset("bert-base").blocks[0]
@@ -107,7 +154,7 @@ def test_json_round_trip_and_load_dispatch(tmp_path: Path) -> None:
     table.save(path)
     assert load_cost_table(path) == table
     assert load_cost_table(BERT_P100, blocks_per_stage=[2, 1], micro_batch_size=8) == table
-    with pytest.raises(CostModelError, match="unknown cost file type"):
+    with pytest.raises(CostModelError, match="unknown cost file type '.yaml'.* such as paper:bert-base/p100"):
         load_cost_table(tmp_path / "costs.yaml")
 
 
