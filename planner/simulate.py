@@ -9,10 +9,14 @@ from typing import Callable, Iterable, Mapping, Sequence
 from fxkfac.planner.errors import DeadlockError
 from fxkfac.planner.ir import COLLECTIVE_KINDS, RECV_KINDS, SEND_KINDS, Op, OpKind, Program, as_programs
 
-__all__ = ["Interval", "Timeline", "simulate", "COMPUTE_KINDS"]
+__all__ = ["Interval", "Timeline", "simulate", "COMPUTE_KINDS", "SYNCHRONIZING_KINDS"]
 
 COMPUTE_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.CURV, OpKind.INV, OpKind.PREC, OpKind.OPT_STEP})
 """What counts as busy by default: work on the device, not waiting and not communication."""
+
+SYNCHRONIZING_KINDS = COLLECTIVE_KINDS | {OpKind.OPT_STEP}
+"""Ops that start together on every rank holding them: the collectives, and OPT_STEP, which the runtime
+runs with a world all-reduce (KL-clip <P, G> and the non-finite flag), so every step ends with a barrier."""
 
 Duration = Callable[[int, Op], float]
 
@@ -174,7 +178,7 @@ class _Sim:
         members: dict[Op, set[int]] = defaultdict(set)
         for r, ops in flat.ops.items():
             for i, (_, op) in enumerate(ops):
-                if op.kind in COLLECTIVE_KINDS:
+                if op.kind in SYNCHRONIZING_KINDS:
                     self.keys[r, i] = _collective_key(op)
                     members[self.keys[r, i]].add(r)
         self.groups = {key: sorted(ranks) for key, ranks in members.items()}
@@ -229,7 +233,7 @@ class _Sim:
         """Run the rank's ops as far as inputs allow; returns what blocks it ('' when done)."""
         while self.pos[rank] < len(self.flat.ops[rank]):
             step, op = self.flat.ops[rank][self.pos[rank]]
-            if op.kind in COLLECTIVE_KINDS:
+            if op.kind in SYNCHRONIZING_KINDS:
                 blocked = self.try_collective(rank, op)
                 if blocked:
                     return f"rank {rank}: {op} (step {step}) waits for {blocked}"
@@ -256,8 +260,9 @@ def simulate(
     there. Without SEND/RECV ops, FWD waits for the previous stage's FWD of the same (mb, pipe)
     and BWD for the next stage's BWD (`comm` later when on another rank; with several copies the
     one in the same replica). With SEND/RECV ops, only RECVs wait: for the matching SEND's end
-    plus `comm` (sends never block). Collectives (ALLREDUCE_GRAD, SYNC_CURV, BCAST_INV) start
-    together once every rank holding them reaches them; other K-FAC ops follow program order.
+    plus `comm` (sends never block). Collectives (ALLREDUCE_GRAD, SYNC_CURV, BCAST_INV) and OPT_STEP
+    start together once every rank holding them reaches them (`SYNCHRONIZING_KINDS`: OPT_STEP is the
+    runtime's end-of-step barrier); other K-FAC ops follow program order.
     Step j runs the period's step j % period. Raises DeadlockError naming the blocked ops.
     """
     if steps < 1:

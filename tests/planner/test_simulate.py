@@ -124,6 +124,19 @@ def test_collectives_start_together_after_every_member_arrives() -> None:
         assert next(iter(members))[1] >= last_b
 
 
+def test_opt_step_is_a_barrier_over_all_ranks() -> None:
+    """The runtime's OPT_STEP all-reduces over the world: rank 0 starts step 1 only after rank 1's long PREC."""
+    programs = {0: [Op(OpKind.FWD, 0, 0), Op(OpKind.OPT_STEP)],
+                1: [Op(OpKind.FWD, 1, 0), Op(OpKind.PREC, 1), Op(OpKind.OPT_STEP)]}
+    dur = {OpKind.FWD: 1.0, OpKind.PREC: 5.0}
+    timeline = simulate(programs, lambda r, op: dur.get(op.kind, 0.0), steps=2)
+    at = {(iv.rank, iv.step, iv.op.kind): (iv.start, iv.end) for iv in timeline.intervals}
+    # step 0: F s0 0-1, F s1 1-2, PREC 2-7; every OPT_STEP at 7; step 1 is step 0 moved by 7
+    assert at[0, 0, OpKind.OPT_STEP] == at[1, 0, OpKind.OPT_STEP] == (7, 7)
+    assert at[0, 1, OpKind.FWD] == (7, 8) and at[1, 1, OpKind.FWD] == (8, 9)
+    assert timeline.makespan == 14 and timeline.step_time == 7
+
+
 def test_k_fac_ops_follow_program_order_and_group_by_stage() -> None:
     programs = {
         r: [Op(OpKind.FWD, 0, 0), Op(OpKind.CURV, 0, 0, layer="fc", factor="A"), Op(OpKind.BWD, 0, 0),
