@@ -1,7 +1,7 @@
 """Step efficiency of K-FAC over AdamW against AdamW alone on the embedded MLM, in one process (no pipeline).
 
 A quick way to choose the learning rates and K-FAC settings the pipelined convergence benchmark runs:
-the single-device trainer (`fxkfac.single`, the same K-FAC semantics as the pipeline) trains the default
+`fxkfac.compile(model, None, ...)` (one device, the same K-FAC semantics as the pipeline) trains the default
 TinyBert MLM on the stdlib corpus for each grid point, refreshing curvature and inverses every
 `--refresh` steps (about what the plans choose), from the same initialization on the same batches.
 Validation loss (4 fixed batches of 32 held-out sequences) every `--eval-every` steps.
@@ -21,10 +21,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+import fxkfac
 from fxkfac.config import KFACConfig
 from fxkfac.data import MaskedLMData, stdlib_corpus
 from fxkfac.models import TinyBertConfig, TinyBertMLM, mlm_loss
-from fxkfac.single import SingleDeviceTrainer
 
 SEQ_LEN = 64
 MICROBATCHES = 4
@@ -37,9 +37,9 @@ def train(args: argparse.Namespace, lr: float, kfac: KFACConfig | None, train_by
     torch.manual_seed(0)
     model = TinyBertMLM(TinyBertConfig(max_len=SEQ_LEN, pre_norm=not args.post_norm))
     inputs, targets = data.batch(args.batch)
-    trainer = SingleDeviceTrainer(model, example_inputs=(inputs,), loss_fn=mlm_loss, kfac=kfac,
-                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.01),
-                                  microbatches=MICROBATCHES, backend=None)
+    trainer = fxkfac.compile(model, None, None, example_inputs=(inputs,), loss_fn=mlm_loss, kfac=kfac,
+                             optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.01),
+                             microbatches=MICROBATCHES, backend=None)
 
     def evaluate() -> float:
         model.eval()

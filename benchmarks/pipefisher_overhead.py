@@ -7,7 +7,7 @@ one run (rounds interleaved, so drift in machine load hits all alike):
 (b) PipeFisher: ``plan="auto"``, rank 0 profiles the split model and CP-SAT places curvature and
     inversion into the pipeline's bubbles;
 (c) naive K-FAC: curvature and inversion every step, on the critical path
-    (`fxkfac.autoplan.naive_programs`, refresh period 1);
+    (`fxkfac.planner.lowering.naive_programs`, refresh period 1);
 (d) K-FAC+skip: the naive programs, refreshing only every k steps, k = the period (b)'s plan chose
     for the layer.
 
@@ -47,15 +47,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from fxkfac.config import KFACConfig
+import fxkfac
+from fxkfac.config import PROFILE_MARGIN, KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.data import MaskedLMData, stdlib_corpus
 from fxkfac.launch import free_port
 from fxkfac.models import TinyBertConfig, TinyBertMLM, mlm_loss
 from fxkfac.planner.ir import LayerTiming, OpKind
+from fxkfac.planner.lowering import rank_programs
 from fxkfac.planner.simulate import simulate
-from fxkfac.runtime.pipefisher import PROFILE_MARGIN, PipeFisherTrainer
 from fxkfac.runtime.timeline import Event, chrome_trace, utilization
-from fxkfac.runtime.trainer import PipelineTrainer, rank_programs
+from fxkfac.runtime.trainer import Trainer
 from fxkfac.show import cost_durations
 
 __all__ = ["main"]
@@ -78,21 +79,29 @@ def _model(args: argparse.Namespace) -> TinyBertMLM:
                                       max_len=args.seq))
 
 
-def _build(args: argparse.Namespace, example: torch.Tensor) -> dict[str, Any]:
+def _compile(args: argparse.Namespace, example: torch.Tensor, kfac: KFACConfig | None, plan: str | None, *,
+             layer_timing: Mapping[str, LayerTiming] | None = None,
+             plan_options: PlanOptions = PlanOptions()) -> Trainer:
+    """One variant on the (D, 1) mesh, alike but for K-FAC and its plan: eager stages, AdamW, timeline recorded."""
+    return fxkfac.compile(_model(args), (D, 1), plan, example_inputs=(example,), loss_fn=mlm_loss,
+                          optimizer=_optimizer, kfac=kfac, schedule=args.schedule, microbatches=args.microbatches,
+                          backend=None, layer_timing=layer_timing, plan_options=plan_options,
+                          pipeline=PipelineOptions(record_timeline=True, timeout=600.0))
+
+
+def _build(args: argparse.Namespace, example: torch.Tensor) -> dict[str, Trainer]:
     """The four trainers (collective: every rank builds them in the same order)."""
-    common = dict(example_inputs=(example,), loss_fn=mlm_loss, optimizer=_optimizer, schedule=args.schedule,
-                  microbatches=args.microbatches, record_timeline=True, timeout=600.0)
-    plain = PipelineTrainer(_model(args), (D,), **common)
-    auto = PipeFisherTrainer(_model(args), (D,), kfac=KFAC, plan="auto",
-                             plan_options={"time_limit_s": args.time_limit, "kfac_margin": args.kfac_margin}, **common)
+    plain = _compile(args, example, None, None)
+    auto = _compile(args, example, KFAC, "auto",
+                    plan_options=PlanOptions(time_limit_s=args.time_limit, kfac_margin=args.kfac_margin))
     every = {n: LayerTiming(1, 0, 0, KFAC.capture) for n in auto.plan.layers}
     skip = {n: LayerTiming(t.period, 0, 0, KFAC.capture) for n, t in auto.plan.layers.items()}
-    naive = PipeFisherTrainer(_model(args), (D,), kfac=KFAC, plan=None, layer_timing=every, **common)
-    skipping = PipeFisherTrainer(_model(args), (D,), kfac=KFAC, plan=None, layer_timing=skip, **common)
+    naive = _compile(args, example, KFAC, None, layer_timing=every)
+    skipping = _compile(args, example, KFAC, None, layer_timing=skip)
     return {"a": plain, "b": auto, "c": naive, "d": skipping}
 
 
-def _block(trainer: Any, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int) -> float:
+def _block(trainer: Trainer, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int) -> float:
     """Mean seconds per step over `steps` steps, between two barriers."""
     dist.barrier()
     start = time.perf_counter()
@@ -118,7 +127,7 @@ def _kind_seconds(events: list[Event], steps: int) -> dict[int, dict[str, float]
     return out
 
 
-def _planned(trainer: PipeFisherTrainer) -> dict[str, Any]:
+def _planned(trainer: Trainer) -> dict[str, Any]:
     """The plan's prediction: its programs simulated with its own cost table, per rank."""
     plan = trainer.plan
     k = len(plan.programs[0])
@@ -135,7 +144,7 @@ def _planned(trainer: PipeFisherTrainer) -> dict[str, Any]:
             "refresh_steps": list(plan.metrics.refresh_steps), "solver": plan.metrics.solver.status}
 
 
-def _measure(args: argparse.Namespace, trainers: Mapping[str, Any],
+def _measure(args: argparse.Namespace, trainers: Mapping[str, Trainer],
              batches: list[tuple[torch.Tensor, torch.Tensor]], block: int) -> dict[str, Any]:
     """Warm up, then time interleaved rounds; gather each variant's timeline of the timed steps."""
     for trainer in trainers.values():
@@ -243,7 +252,7 @@ def main() -> None:
     parser.add_argument("--warmup-periods", type=int, default=1)
     parser.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit (s)")
     parser.add_argument("--kfac-margin", type=float, default=PROFILE_MARGIN,
-                        help="profiled K-FAC times are planned this much longer (plan_options['kfac_margin'])")
+                        help="profiled K-FAC times are planned this much longer (PlanOptions.kfac_margin)")
     parser.add_argument("--save-plan", default=None, help="write (b)'s plan JSON here")
     parser.add_argument("--trace-dir", default=None, help="write each variant's measured Chrome trace here")
     args = parser.parse_args()

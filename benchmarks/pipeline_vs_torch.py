@@ -25,11 +25,14 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+import fxkfac
+from fxkfac.config import PipelineOptions
 from fxkfac.launch import free_port
 from fxkfac.planner.ir import OpKind
+from fxkfac.planner.lowering import rank_programs
 from fxkfac.planner.simulate import simulate
 from fxkfac.runtime.timeline import utilization
-from fxkfac.runtime.trainer import PipelineTrainer, rank_programs
+from fxkfac.runtime.trainer import Trainer
 
 D = 2
 BUSY = ("FWD", "BWD")  # OPT_STEP holds the world NaN/Inf-flag all-reduce: it waits for the peer
@@ -54,11 +57,11 @@ class _Unwrap(nn.Module):
         return out[0] if len(out) == 1 else out
 
 
-def _torch_runner(trainer: PipelineTrainer, schedule: str, N: int):
+def _torch_runner(trainer: Trainer, schedule: str, N: int):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     rank = dist.get_rank()
-    module = _Unwrap(copy.deepcopy(trainer.split.stages[rank].gm))
+    module = _Unwrap(copy.deepcopy(trainer.spec.split.stages[rank].gm))
     stage = PipelineStage(module, rank, D, torch.device("cpu"))
     cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
     sched = cls(stage, N, loss_fn=lambda out, y: F.cross_entropy(out, y))
@@ -105,6 +108,15 @@ def _theory(schedule: str, N: int, events) -> dict[int, float]:
     return {r: 1.0 - tl.utilization(r) for r in range(D)}
 
 
+def _fxkfac_trainer(args: argparse.Namespace, schedule: str, example: torch.Tensor) -> Trainer:
+    """fxkfac's plain pipeline (no K-FAC, eager stages, SGD), recording its timeline for the bubble columns."""
+    return fxkfac.compile(make_model(args.width, args.depth), (D, 1), None, example_inputs=(example,),
+                          loss_fn=lambda out, y: F.cross_entropy(out, y),
+                          optimizer=lambda p: torch.optim.SGD(p, lr=0.01), kfac=None, schedule=schedule,
+                          microbatches=args.microbatches, backend=None,
+                          pipeline=PipelineOptions(record_timeline=True))
+
+
 def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=D,
@@ -113,10 +125,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
     batch = (torch.randn(args.batch, args.width, generator=g), torch.randint(0, 10, (args.batch,), generator=g))
     rows = []
     for schedule in ("gpipe", "1f1b"):
-        trainer = PipelineTrainer(make_model(args.width, args.depth), (D,), example_inputs=(batch[0],),
-                                  loss_fn=lambda out, y: F.cross_entropy(out, y),
-                                  optimizer=lambda p: torch.optim.SGD(p, lr=0.01), schedule=schedule,
-                                  microbatches=args.microbatches, record_timeline=True)
+        trainer = _fxkfac_trainer(args, schedule, batch[0])
         ours_step = lambda x, y: trainer.step(x, y)  # noqa: E731
         theirs_step = _torch_runner(trainer, schedule, args.microbatches)
         ours, theirs = [], []

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import fxkfac
+from fxkfac.config import PlanOptions
 from fxkfac.data import MaskedLMData, stdlib_corpus
 from fxkfac.models import TinyBertConfig, TinyBertMLM, mlm_loss
 
@@ -84,7 +85,6 @@ config = TinyBertConfig(hidden=args.hidden, ffn=args.ffn, layers=args.layers, ma
 model = TinyBertMLM(config)
 kfac = None if args.kfac == "none" else fxkfac.KFACConfig(damping=args.damping, factor_decay=0.95,
                                                            kl_clip=args.kl_clip)
-extra = {} if kfac is None else {"plan_options": {"time_limit_s": args.plan_time, "max_overhead": args.max_overhead}}
 started = time.perf_counter()
 trainer = fxkfac.compile(
     model, mesh, plan="auto" if kfac is not None else None,
@@ -92,7 +92,7 @@ trainer = fxkfac.compile(
     optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
     kfac=kfac, schedule=args.schedule, microbatches=args.microbatches,
     backend=None,  # eager stage functions; "inductor" compiles them (slow to start on a small CPU)
-    **extra,
+    plan_options=PlanOptions(time_limit_s=args.plan_time, max_overhead=args.max_overhead),
 )
 log(f"compiled in {time.perf_counter() - started:.1f} s: {args.pp} stages x {world // args.pp} replicas, "
     f"{args.schedule}, {args.microbatches} micro-batches, K-FAC {'off' if kfac is None else 'on'}")

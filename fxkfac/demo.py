@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from fxkfac.config import KFACConfig
+from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.errors import ConfigError
 from fxkfac.launch import RankContext, launch
 from fxkfac.models import TinyBertConfig
@@ -214,9 +214,9 @@ def _train_run(ctx: RankContext, cfg: DemoConfig, spec: RunSpec, val: Sequence[t
     trainer = fxkfac.compile(model, (cfg.stages, cfg.dp), "auto" if spec.kfac else None, example_inputs=(inputs,),
                              loss_fn=mlm_loss, optimizer=spec.make_optimizer(), kfac=spec.kfac,
                              schedule=cfg.schedule, microbatches=cfg.microbatches, backend=None,
-                             timeout=cfg.timeout_s, **({"plan_options": {"time_limit_s": cfg.plan_time_limit_s,
-                                                                       "max_overhead": cfg.plan_max_overhead}}
-                                                      if spec.kfac else {}))
+                             pipeline=PipelineOptions(timeout=cfg.timeout_s),
+                             plan_options=PlanOptions(time_limit_s=cfg.plan_time_limit_s,
+                                                      max_overhead=cfg.plan_max_overhead))
     plan_json = trainer.plan.to_json(indent=None) if spec.kfac is not None and ctx.rank == 0 else None
     if plan_json is not None:
         ctx.report(("plan", spec.name, plan_json))
