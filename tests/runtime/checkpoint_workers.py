@@ -248,14 +248,14 @@ def resume_worker(rank: int, world: int, ckpt: str, mlp_ckpt: str, single_ckpt: 
         raise OSError("disk full (injected)")
 
     if rank == 1:
-        checkpoint._JsonMetadataWriter.write_data = failing_write  # type: ignore[method-assign]
+        checkpoint._JsonMetadataWriter.write_data = failing_write  # type: ignore[method-assign]  # the test injects a failing write
     trainer.step((data[0][0],), data[0][1])
     failed_save = None
     try:
         trainer.save_checkpoint(again)
     except Exception as e:  # the test checks the type and message
         failed_save = _error(e)
-    checkpoint._JsonMetadataWriter.write_data = write  # type: ignore[method-assign]
+    checkpoint._JsonMetadataWriter.write_data = write  # type: ignore[method-assign]  # the test restores the original write
     unchanged = _files(again) == files
     leftovers = sorted(p.name for p in Path(scratch).iterdir() if p.name.startswith("again."))
     trainer.load_checkpoint(again)

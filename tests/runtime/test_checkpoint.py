@@ -37,14 +37,14 @@ def test_single_device_checkpoint_resumes_bit_for_bit_without_pickle(tmp_path: P
         a.step(x, y)
     b = cw.mlp_single(period=2)
     b.load_checkpoint(str(tmp_path / "ckpt"))
-    assert b.step_count == 2
+    assert b.steps == 2
     for x, y in data[2:]:
         b.step(x, y)
     assert cw.same_snapshot(cw.snapshot(a), cw.snapshot(b)) == []
     files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert files == [".metadata.json", "__0_0.distcp", "fxkfac.json", "rank-0.json"]  # no pickled .metadata
     header = json.loads((tmp_path / "ckpt" / "fxkfac.json").read_text())
-    assert header["step"] == 2 and header["run"]["trainer"] == "single" and header["run"]["mesh"] is None
+    assert header["step"] == 2 and header["run"]["trainer"] == "kfac" and header["run"]["mesh"] == [1, 1]
 
 
 def test_failed_save_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -161,12 +161,12 @@ def test_killed_rank_fails_the_job_and_a_fresh_launch_resumes_exactly(tmp_path: 
         assert v["leftovers"] and all(".tmp-" in name for name in v["leftovers"])
         _check_nan_run(v["nan"])
         kind, message, changed = v["other_batch"]
-        assert kind == "ConfigError" and "global batch size 6 differs from the example's 8" in message
+        assert kind == "ConfigError" and "inputs have shapes/dtypes [6, 12] float32, but the model was compiled for example_inputs of [8, 12]" in message
         assert changed == []
         built = v["construction"]
         assert built["untouched"], "a failed construction changed the model or the plan file"
         assert built["microbatches"][0] == "ConfigError"
-        assert "batch dimension 8 is not divisible by W*N = 1*3" in built["microbatches"][1]
+        assert "microbatches=3 x 1 replica(s) does not divide the mini-batch of 8" in built["microbatches"][1]
         assert built["plan for another mesh"][0] == "PlanMismatchError"
         assert re.search(r"was made for 1f1b D=2 N=2 W=2 v=1, but this run is 1f1b D=2 N=2 W=1 v=1",
                          built["plan for another mesh"][1]), built["plan for another mesh"]
@@ -224,10 +224,10 @@ EXPECTED_REFUSALS = {
     "no checkpoint": r"no checkpoint directory at .*nothing",
     "another plan": r"checkpoint made for layer timings \w+, this run is \w+ \(differ for \['0', '2', '4'\]; "
                     r"0: \[1, 0, 0, 'fused'\] vs \[2, 0, 0, 'fused'\]\)",
-    "another schedule": r"checkpoint made for pipefisher 1f1b D=2 W=1 N=2 v=1 global batch 8, this run is "
-                        r"pipefisher gpipe D=2 W=1 N=2 v=1",
-    "one-device checkpoint": r"checkpoint made for single on one device \(mesh=None\), 2 micro-batches, this run "
-                             r"is pipefisher gpipe D=2 W=1 N=2",
+    "another schedule": r"checkpoint made for kfac 1f1b D=2 W=1 N=2 v=1 global batch 8, this run is "
+                        r"kfac gpipe D=2 W=1 N=2 v=1",
+    "one-device checkpoint": r"checkpoint made for kfac 1f1b D=1 W=1 N=2 v=1 global batch 8, this run "
+                             r"is kfac gpipe D=2 W=1 N=2",
 }
 
 

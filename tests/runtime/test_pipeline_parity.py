@@ -61,7 +61,7 @@ def _check(configs: list[Config], world: int) -> None:
             run = r.value[index]
             for name, value in run["params"].items():
                 torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-5,
-                                           msg=lambda m, n=name: f"{cfg} rank {r.rank} {n}: {m}")
+                                           msg=lambda m, n=name, c=cfg, k=r.rank: f"{c} rank {k} {n}: {m}")
                 covered.add(name)
         expected = {run["aliases"].get(n, n) for n in reference}
         assert covered == expected, f"{cfg}: parameters no rank reported: {expected - covered}"

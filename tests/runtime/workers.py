@@ -104,7 +104,7 @@ def parity_worker(rank: int, world: int, configs: list[Config]) -> list[dict]:
                                  pipeline=PipelineOptions(virtual_stages=cfg.v, timeout=60))
         losses = [trainer.step(x, y) for x, y in batches]
         params = {n: p.detach().clone() for n, p in trainer.named_parameters()}
-        results.append({"params": params, "losses": losses, "aliases": trainer.split.param_aliases})
+        results.append({"params": params, "losses": losses, "aliases": trainer.spec.split.param_aliases})
         dist.barrier()
     return results
 
@@ -138,7 +138,7 @@ def timeline_worker(rank: int, world: int, path: str) -> dict:
     for x, y in batches[:2]:
         trainer.step(x, y)
     local = [(e.op, e.step, e.start_ns, e.end_ns) for e in trainer.timeline.events]
-    events = gather_timelines(trainer.timeline)
+    events = gather_timelines(trainer.timeline, world)
     trainer.trace(path if rank == 0 else None)
-    return {"local": local, "program": [str(op) for op in trainer.programs[rank][0]],
+    return {"local": local, "program": [str(op) for op in trainer.ops_at(0)],
             "utilization": utilization(events) if events is not None else None}
