@@ -89,6 +89,8 @@ def capture(model: nn.Module, example_inputs: Any, kfac: KFACConfig | None = Non
     except Exception as exc:  # torch.export raises many unrelated types; all become one actionable error
         raise CaptureError(_explain_export_failure(model, exc)) from exc
     gm, in_spec, out_spec = _flat_module(ep.module())
+    layers: list[KFACLayer]
+    skipped: dict[str, str]
     if kfac is None:
         layers, skipped = [], {}
     else:
@@ -102,7 +104,7 @@ def capture(model: nn.Module, example_inputs: Any, kfac: KFACConfig | None = Non
 
 def _flat_module(gm: fx.GraphModule) -> tuple[fx.GraphModule, pytree.TreeSpec, pytree.TreeSpec]:
     """A GraphModule with plain codegen (flat inputs, tuple of flat outputs) and the pytree specs it dropped."""
-    info = gm.graph._codegen.pytree_info
+    info = gm.graph._codegen.pytree_info  # type: ignore[attr-defined]  # an exported graph has a _PyTreeCodeGen
     graph = gm.graph
     graph._codegen = fx.graph.CodeGen()
     out_node = next(n for n in graph.nodes if n.op == "output")
@@ -127,7 +129,7 @@ def _check_arity(model: nn.Module, args: tuple[Any, ...]) -> None:
 def _disable_hf_cache(model: nn.Module) -> None:
     """Turn off a Hugging Face model's KV cache: training does not use it and its cache object does not export."""
     config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
+    if config is not None and getattr(config, "use_cache", False):
         warnings.warn(f"{type(model).__name__}.config.use_cache set to False for training (the KV cache is not "
                       "used by training and does not export)", stacklevel=3)
         config.use_cache = False

@@ -42,8 +42,15 @@ from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from fxkfac.errors import CheckpointError
 
@@ -200,7 +207,7 @@ def check_run(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
                                   "and split it was written with")
 
 
-def _short(value: Any) -> str:
+def _short(value: Any) -> str | None:
     return value if isinstance(value, str) or value is None else digest(value)
 
 
@@ -235,6 +242,7 @@ def _safe_file(name: Any) -> str:
 
 def _metadata_from_json(data: Any) -> Metadata:
     """DCP Metadata from `_metadata_to_json`'s output; ValueError/KeyError/TypeError when malformed."""
+    tensors: dict[str, TensorStorageMetadata | BytesStorageMetadata]
     tensors = {key: TensorStorageMetadata(TensorProperties(dtype=_dtype(t["dtype"])), torch.Size(t["size"]),
                                           [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in t["chunks"]])
                for key, t in data["tensors"].items()}
@@ -452,7 +460,7 @@ def _prepare(trainer: Checkpointable, path: Path, rank: int, world: int) -> tupl
         raise CheckpointError(f"checkpoint {path} lacks the tensors {missing[:4]} its rank-{rank} state names; "
                               "it is corrupt or incomplete")
     specs = {k: metadata[k] for k in keys}
-    empty = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in specs.items()}  # type: ignore[union-attr]
+    empty = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in specs.items()}  # type: ignore[union-attr]  # keys name tensors: only their entries are read
     return skeleton, empty
 
 
@@ -473,7 +481,7 @@ def load(trainer: Checkpointable, path: str | os.PathLike) -> None:
     except (KeyError, TypeError, ValueError, AttributeError) as e:  # a skeleton that is JSON but not ours
         error = f"checkpoint {path} is malformed for rank {rank} ({e!r}); it is corrupt or from another tool"
     _agree(error)
-    skeleton, tensors = prepared  # type: ignore[misc]
+    skeleton, tensors = prepared  # type: ignore[misc]  # _agree raised if any rank, this one included, could not prepare
     try:
         with _one_process_quietly():
             dcp.load(tensors, storage_reader=_JsonMetadataReader(path), no_dist=world == 1,

@@ -8,7 +8,7 @@ rank's runtime. One device (`mesh=None`) takes the same path as a mesh: a 1x1 la
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from fxkfac.capture import capture, input_signature, normalize_inputs
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.errors import ConfigError
 from fxkfac.fingerprint import graph_fingerprint
+from fxkfac.kfac.family import KFACFamily
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.passes.split_stages import SplitResult, split_stages
 from fxkfac.planner.costs import CostTable
@@ -27,6 +28,7 @@ from fxkfac.planner.ir import LayerTiming
 from fxkfac.planner.lowering import naive_programs
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.schedules import ScheduleKind, num_stages
+from fxkfac.preconditioner import Family
 from fxkfac.runtime.mesh import MeshLayout
 from fxkfac.runtime.trainer import OptimizerFactory, RunSpec, Trainer, default_optimizer, shard_microbatches
 
@@ -48,6 +50,7 @@ def compile(  # noqa: A001 - the public name the design card gives
     layer_timing: Mapping[str, LayerTiming] | None = None,
     pipeline: PipelineOptions = PipelineOptions(),
     plan_options: PlanOptions = PlanOptions(),
+    preconditioner: Family | None = None,
 ) -> Trainer:
     """Capture ``model``, insert K-FAC into its graph and return the Trainer of this rank.
 
@@ -57,21 +60,23 @@ def compile(  # noqa: A001 - the public name the design card gives
     plan), a plan file or a ``fxkfac.Plan`` (refused when made for another graph, mesh or schedule), or
     None (K-FAC on the critical path, every layer refreshed by ``layer_timing`` or
     ``kfac.refresh_every``). On one device a plan supplies its layer timings. ``kfac=None`` trains with
-    the base ``optimizer`` alone (default AdamW, lr 1e-3). ``backend`` is a torch.compile backend, or
-    None for eager stages.
+    the base ``optimizer`` alone (default AdamW, lr 1e-3). ``preconditioner`` is any
+    `fxkfac.preconditioner.Family` in place of K-FAC (then ``kfac`` is ignored). ``backend`` is a
+    torch.compile backend, or None for eager stages.
     """
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ConfigError(f"microbatches must be an int >= 1, got {microbatches!r}")
     if kfac is not None and not isinstance(kfac, KFACConfig):
         raise ConfigError(f"kfac must be a KFACConfig or None, got {type(kfac).__name__}")
+    family = preconditioner if preconditioner is not None else KFACFamily(kfac) if kfac is not None else None
     layout = MeshLayout.local() if mesh is None else MeshLayout.from_mesh(mesh)
     kind = ScheduleKind.ONE_F_ONE_B if mesh is None else ScheduleKind(schedule)
     N, v = microbatches, pipeline.virtual_stages
     example = normalize_inputs(example_inputs)
     batch = _batch_size(example)
     micro = shard_microbatches(example, batch, layout.W, 0, N)[0]
-    captured = capture(model, micro, kfac)
-    if kfac is not None and not captured.layers:
+    captured = capture(model, micro, kfac if family is None or isinstance(family, KFACFamily) else KFACConfig())
+    if family is not None and not captured.layers:
         warnings.warn(f"{type(model).__name__} has no Linear/Conv2d layer K-FAC can precondition; it trains with "
                       "the base optimizer alone", stacklevel=2)
     split = split_stages(captured.gm, num_stages(kind, layout.D, v), split_points=pipeline.split_points,
@@ -81,26 +86,26 @@ def compile(  # noqa: A001 - the public name the design card gives
     target = Target(graph_fingerprint(captured.layers, stage_layers, schedule=kind.value, D=layout.D, N=N,
                                       W=layout.W, v=v, micro_batch_size=micro_batch), kind, layout.D, N, layout.W, v)
     known = {layer.name: layer for layer in captured.layers}
-    resolved = _resolve(plan, mesh is None, kfac, target, plan_options, layout, split, stage_layers, known, micro)
+    resolved = _resolve(plan, mesh is None, family, target, plan_options, layout, split, stage_layers, known, micro)
     given = dict(resolved.layers) if resolved is not None else {}
     if mesh is None and isinstance(plan, (str, Path, Plan)) and plan != "auto":
         given = dict(_plan_of(plan).layers)
-    timings = layer_timings(captured.layers, kfac, {**given, **dict(layer_timing or {})}) if kfac is not None else {}
+    timings = layer_timings(captured.layers, family, {**given, **dict(layer_timing or {})}) if family else {}
     if resolved is not None and layer_timing:
         raise ConfigError("layer_timing and a plan both set the layer timings on a mesh; pass one of them")
     programs = resolved.programs if resolved is not None else naive_programs(kind, layout.D, N, layout.W, timings,
                                                                            stage_layers, v=v)
     spec = RunSpec(layout, kind, N, v, captured, split, batch, input_signature(example), dict(programs),
-                   dict(resolved.startup) if resolved is not None else {}, resolved, kfac, timings, target.fingerprint)
+                   dict(resolved.startup) if resolved is not None else {}, resolved, family, timings, target.fingerprint)
     return Trainer(spec, loss_fn=loss_fn, optimizer=optimizer or default_optimizer, options=pipeline,
                    backend=backend)
 
 
-def _resolve(plan: Any, single: bool, kfac: KFACConfig | None, target: Target, options: PlanOptions,
+def _resolve(plan: Any, single: bool, family: Family | None, target: Target, options: PlanOptions,
              layout: MeshLayout, split: SplitResult, stage_layers: Mapping[int, list[str]],
              known: Mapping[str, KFACLayer], micro: tuple[Any, ...]) -> Plan | None:
-    """The plan whose programs the ranks run: none on one device or without K-FAC layers."""
-    if kfac is None:
+    """The plan whose programs the ranks run: none on one device or without preconditioned layers."""
+    if family is None:
         if plan not in (None, "auto"):
             raise ConfigError("kfac=None trains the plain pipeline, which takes no plan; pass plan=None")
         return None
@@ -110,8 +115,12 @@ def _resolve(plan: Any, single: bool, kfac: KFACConfig | None, target: Target, o
     def profile() -> CostTable:
         from fxkfac.profiler import profile as measure
 
+        if not isinstance(family, KFACFamily):
+            raise ConfigError(f"plan='auto' profiles K-FAC's costs only; for {family.name} pass "
+                              "PlanOptions(costs=...) or plan=None")
+
         flat = [x for x in micro if isinstance(x, Tensor)]
-        costs = measure(split, stage_layers, known, flat, _surrogate_loss, kfac)
+        costs = measure(split, stage_layers, known, flat, _surrogate_loss, family.cfg)
         for st in split.stages:  # profiling ran backward on the parameters the runners will train
             for p in st.gm.parameters():
                 p.grad = None
@@ -126,7 +135,7 @@ def _plan_of(plan: str | Path | Plan) -> Plan:
     return plan if isinstance(plan, Plan) else Plan.load(plan)
 
 
-def _surrogate_loss(outputs: tuple[Tensor, ...]) -> Tensor:
+def _surrogate_loss(outputs: Sequence[Tensor]) -> Tensor:
     """A scalar of the last stage's outputs for profiling its backward (no targets are known yet)."""
     return torch.stack([o.float().mean() for o in outputs if o.is_floating_point()]).sum()
 
@@ -139,8 +148,8 @@ def _batch_size(example: tuple[Any, ...]) -> int:
     raise ConfigError("example_inputs contain no tensor with a batch dimension to split into micro-batches")
 
 
-def layer_timings(layers: list[KFACLayer], cfg: KFACConfig, given: Mapping[str, LayerTiming]) -> dict[str, LayerTiming]:
-    """Each layer's timing: ``given`` where it names the layer, else ``LayerTiming(refresh_every, 0, 0, cfg.capture)``.
+def layer_timings(layers: list[KFACLayer], family: Family, given: Mapping[str, LayerTiming]) -> dict[str, LayerTiming]:
+    """Each layer's timing: ``given`` where it names it, else ``LayerTiming(refresh_every, 0, 0, capture)`` of the family.
 
     ConfigError for timings of unknown layers or with invalid fields.
     """
@@ -151,8 +160,9 @@ def layer_timings(layers: list[KFACLayer], cfg: KFACConfig, given: Mapping[str, 
                           f"the K-FAC layers are {names}")
     out = {}
     for name in names:
-        t = given.get(name, LayerTiming(cfg.refresh_every, 0, 0, cfg.capture))
-        if t.period < 1 or not 0 <= t.curv_step < t.period or t.use_offset < 0 or t.capture not in ("fused", "deferred"):
+        t = given.get(name, LayerTiming(family.refresh_every, 0, 0, family.capture))
+        if (t.period < 1 or not 0 <= t.curv_step < t.period or t.use_offset < 0
+                or t.capture not in ("fused", "deferred")):
             raise ConfigError(f"invalid LayerTiming for {name}: {t} (need period >= 1, 0 <= curv_step < period, "
                               "use_offset >= 0, capture 'fused' or 'deferred')")
         out[name] = t

@@ -23,6 +23,8 @@ from fxkfac.planner.errors import (  # the planner is torch-free; its errors are
     PlanError,
     PlanFormatError,
     PlanMismatchError,
+)
+from fxkfac.planner.errors import (
     PlannerError as FxkfacError,
 )
 

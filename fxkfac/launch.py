@@ -1,4 +1,5 @@
-"""A small local launcher: one spawned process per rank over gloo on 127.0.0.1, results and errors back to the caller."""
+"""A small local launcher: one spawned process per rank over gloo on 127.0.0.1, results and errors back
+to the caller."""
 
 from __future__ import annotations
 
@@ -101,7 +102,8 @@ def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 600.
 
 
 def _stop(procs: list[Any], answered: set[int], grace: float = 10.0) -> list[int]:
-    """Let answered ranks exit (`grace` seconds), kill what still runs; the ranks that never answered and were killed."""
+    """Let answered ranks exit (`grace` seconds), kill what still runs; the ranks that never answered and
+    were killed."""
     deadline = time.monotonic() + grace
     killed = []
     for r, p in enumerate(procs):
@@ -140,7 +142,7 @@ def _outcome(procs: list[Any], values: dict[int, Any], errors: dict[int, tuple[s
     if errors:
         rank, (name, message, trace) = _first_cause(errors)
         err = PipelineError(f"rank {rank} failed: {name}: {message}")
-        err.details = trace  # type: ignore[attr-defined]
+        err.details = trace  # type: ignore[attr-defined]  # the remote traceback, for callers that want it
         raise err
     silent = [r for r in range(len(procs)) if r not in values and r not in killed]
     if silent:

@@ -12,9 +12,9 @@ from torch import Tensor
 from fxkfac.config import KFACConfig
 from fxkfac.kfac.factors import a_rows, e_rows, factor
 from fxkfac.kfac.inverse import Inverse, combine, invert_factor
+from fxkfac.kfac.precondition import Preconditioner
 from fxkfac.kfac.state import LayerState
 from fxkfac.passes.layers import KFACLayer
-from fxkfac.kfac.precondition import Preconditioner
 from fxkfac.passes.split_stages import SplitResult
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 

@@ -40,7 +40,7 @@ def _a_rows(x: Tensor, bias: bool, kernel: Sequence[int], stride: Sequence[int],
             dilation: Sequence[int]) -> Tensor:
     """Rows of A's sum: tokens flattened, or conv im2col (``kernel`` non-empty); bias column of ones last."""
     if kernel:
-        cols = F.unfold(x, list(kernel), dilation=list(dilation), padding=list(padding), stride=list(stride))
+        cols = F.unfold(x, tuple(kernel), dilation=tuple(dilation), padding=tuple(padding), stride=tuple(stride))
         rows = cols.transpose(1, 2).reshape(-1, cols.shape[1])
     else:
         rows = x.reshape(-1, x.shape[-1])

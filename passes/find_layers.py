@@ -62,7 +62,10 @@ def find_kfac_layers(
         cand.node.meta.pop(LAYER, None)
         name = cand.layer.name if cand.layer is not None else _node_name(cand.node)
         vocab_head = skip_vocab_head and cand.node in heads and vocab is not None
-        reason = cand.reason or _skip_reason(cand.layer, gm, uses, patterns, vocab if vocab_head else None)
+        if cand.layer is None:
+            reason = cand.reason
+        else:
+            reason = cand.reason or _skip_reason(cand.layer, gm, uses, patterns, vocab if vocab_head else None)
         if reason is not None:
             skipped[name] = reason
             continue
@@ -70,6 +73,7 @@ def find_kfac_layers(
             skipped[name] = "the module is called more than once (shared weights)"
             layers = [existing for existing in layers if existing.name != name]
             continue
+        assert cand.layer is not None, "a candidate without a layer has a reason"
         cand.node.meta[LAYER] = cand.layer
         layers.append(cand.layer)
     for node in layer_nodes(gm):

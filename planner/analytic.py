@@ -8,15 +8,17 @@ n a factor's side, p bytes per activation element (4 fp32, 2 bf16); factors are 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Callable, Literal, Sequence
+from typing import Literal
 
 import sympy
 
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.errors import CostModelError
-from fxkfac.planner.hardware import HardwareSpec, hardware as get_hardware
+from fxkfac.planner.hardware import HardwareSpec
+from fxkfac.planner.hardware import hardware as get_hardware
 from fxkfac.planner.presets import BlockSpec, LinearSpec, ModelSpec, preset
 
 __all__ = [
@@ -218,7 +220,7 @@ def block_kernels(
     ]
     fwd = sum(k.fwd for k in kernels)
     bwd = sum(k.bwd for k in kernels)
-    act = block.saved_per_token * bpe * batch * seq_len + block.saved_mask_bytes_per_token * batch * seq_len
+    act: float = block.saved_per_token * bpe * batch * seq_len + block.saved_mask_bytes_per_token * batch * seq_len
     scores = 0.0
     if block.attention:
         a = _eval("attention", b=batch, s=seq_len, h=spec.heads, d_h=spec.hidden / spec.heads, p=bpe)
@@ -267,6 +269,7 @@ def balanced_stages(costs: Sequence[float], n_stages: int) -> list[range]:
 def _stage_ranges(stages: int | Sequence[range | tuple[int, int]], block_costs: list[float]) -> list[range]:
     if isinstance(stages, int) and not isinstance(stages, bool):
         return balanced_stages(block_costs, stages)
+    assert not isinstance(stages, bool), "stages is an int or block ranges, not a bool"
     ranges = [r if isinstance(r, range) else range(*r) for r in stages]
     expected = 0
     for r in ranges:
@@ -303,9 +306,12 @@ def analytic_cost_table(
     seq = spec.seq_len if seq_len is None else seq_len
     if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
         raise CostModelError(f"seq_len must be an int >= 1, got {seq!r}")
-    kw = dict(batch=micro_batch_size, seq_len=seq, hw=hw, precision=precision, inverse=inverse)
-    parts = [block_kernels(x, spec, **kw) for x in spec.blocks]
-    embed, head = block_kernels(spec.embed, spec, **kw), block_kernels(spec.head, spec, **kw)
+    def kernels(block: BlockSpec) -> BlockCost:
+        return block_kernels(block, spec, batch=micro_batch_size, seq_len=seq, hw=hw, precision=precision,
+                             inverse=inverse)
+
+    parts = [kernels(x) for x in spec.blocks]
+    embed, head = kernels(spec.embed), kernels(spec.head)
     costs = [x.fwd + x.bwd for x in parts]
     costs[0] += embed.fwd + embed.bwd
     costs[-1] += head.fwd + head.bwd

@@ -10,10 +10,11 @@ import csv
 import io
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from importlib.resources import files
 from pathlib import Path, PurePath
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from fxkfac.planner.errors import CostModelError
 

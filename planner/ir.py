@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from fxkfac.planner.errors import PlanFormatError
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
 
 __all__ = [
     "OpKind",
@@ -134,7 +138,7 @@ class Op:
         if head not in _BY_NAME:
             raise PlanFormatError(f"unknown op kind {head!r} in {text!r}; kinds: {sorted(_BY_NAME)}")
         kind = _BY_NAME[head]
-        fields: dict[str, object] = {}
+        fields: dict[str, Any] = {}  # int or str by name; Op.__post_init__ checks each
         rest = rest.strip()
         for name, pattern in _FIELD_TOKENS:
             token, _, tail = rest.partition(" ")
@@ -147,7 +151,7 @@ class Op:
             rest = tail.strip()
         if rest:
             fields["layer"] = _parse_layer(rest, text)
-        return cls(kind, **fields)  # type: ignore[arg-type]
+        return cls(kind, **fields)
 
 
 def _parse_layer(rest: str, text: str) -> str:
@@ -169,15 +173,20 @@ Programs = dict[int, Program]
 """Programs by rank."""
 
 
+def _is_step(body: Sequence[Op] | Program) -> TypeIs[Sequence[Op]]:
+    """One step's ops rather than a period program; an empty body is an (empty) program."""
+    items = list(body)
+    return bool(items) and isinstance(items[0], Op)
+
+
 def as_programs(ops_by_rank: Mapping[int, Sequence[Op]] | Mapping[int, Program]) -> Programs:
     """Programs from either `{rank: [Op, ...]}` (a period of one step) or `{rank: [[Op, ...], ...]}`."""
     result: Programs = {}
     for rank, body in ops_by_rank.items():
-        items = list(body)
-        if items and isinstance(items[0], Op):
-            result[rank] = [list(items)]  # type: ignore[list-item]
+        if _is_step(body):
+            result[rank] = [list(body)]
         else:
-            result[rank] = [list(step) for step in items]  # type: ignore[arg-type]
+            result[rank] = [list(step) for step in body]
     return result
 
 

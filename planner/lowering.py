@@ -7,20 +7,25 @@ runtime only interprets them.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Mapping, Sequence, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from fxkfac.planner.ir import LayerTiming, Op, OpKind, Program, Programs
 from fxkfac.planner.schedules import ScheduleKind, num_stages, schedule_programs, stage_rank
 
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
 __all__ = ["add_send_recv", "expand_dp", "rank_programs", "ranks_of_stages", "refreshing", "kfac_tail",
            "naive_programs", "startup_programs"]
 
-P = TypeVar("P", Sequence[Op], Program)
+P = TypeVar("P", list[Op], Program)
 
 
-def _is_program(body: object) -> bool:
-    items = list(body)  # type: ignore[call-overload]
+def _is_program(body: Sequence[Op] | Program) -> TypeIs[Program]:
+    """A period program (steps of ops) rather than one step's ops; an empty body is one (empty) step."""
+    items = list(body)
     return bool(items) and not isinstance(items[0], Op)
 
 
@@ -32,17 +37,17 @@ def _transfers(op: Op, kind: ScheduleKind, D: int, v: int, rank: int) -> tuple[l
     before, after = [], []
     prev_rank = stage_rank(kind, D, op.stage - 1, op.pipe, v=v) if op.stage > 0 else None
     next_rank = stage_rank(kind, D, op.stage + 1, op.pipe, v=v) if op.stage + 1 < S else None
-    fields = {"stage": op.stage, "mb": op.mb, "pipe": op.pipe}
+    stage, mb, pipe = op.stage, op.mb, op.pipe
     if op.kind is OpKind.FWD:
         if prev_rank is not None and prev_rank != rank:
-            before.append(Op(OpKind.RECV_ACT, peer=prev_rank, **fields))
+            before.append(Op(OpKind.RECV_ACT, stage=stage, mb=mb, pipe=pipe, peer=prev_rank))
         if next_rank is not None and next_rank != rank:
-            after.append(Op(OpKind.SEND_ACT, peer=next_rank, **fields))
+            after.append(Op(OpKind.SEND_ACT, stage=stage, mb=mb, pipe=pipe, peer=next_rank))
     else:
         if next_rank is not None and next_rank != rank:
-            before.append(Op(OpKind.RECV_GRAD, peer=next_rank, **fields))
+            before.append(Op(OpKind.RECV_GRAD, stage=stage, mb=mb, pipe=pipe, peer=next_rank))
         if prev_rank is not None and prev_rank != rank:
-            after.append(Op(OpKind.SEND_GRAD, peer=prev_rank, **fields))
+            after.append(Op(OpKind.SEND_GRAD, stage=stage, mb=mb, pipe=pipe, peer=prev_rank))
     return before, after
 
 
@@ -68,9 +73,9 @@ def add_send_recv(
     result: dict[int, P] = {}
     for rank, body in programs.items():
         if _is_program(body):
-            result[rank] = [_lower_step(step, kind, D, v, rank) for step in body]  # type: ignore[assignment]
+            result[rank] = [_lower_step(step, kind, D, v, rank) for step in body]
         else:
-            result[rank] = _lower_step(body, kind, D, v, rank)  # type: ignore[arg-type, assignment]
+            result[rank] = _lower_step(body, kind, D, v, rank)
     return result
 
 
@@ -90,9 +95,9 @@ def expand_dp(programs_by_pp_rank: Mapping[int, P], W: int) -> dict[int, P]:
     for pp, body in programs_by_pp_rank.items():
         for dp in range(W):
             if _is_program(body):
-                result[pp * W + dp] = [[_remap(op, W, dp) for op in step] for step in body]  # type: ignore[assignment]
+                result[pp * W + dp] = [[_remap(op, W, dp) for op in step] for step in body]
             else:
-                result[pp * W + dp] = [_remap(op, W, dp) for op in body]  # type: ignore[assignment]
+                result[pp * W + dp] = [_remap(op, W, dp) for op in body]
     return result
 
 

@@ -52,7 +52,8 @@ def _check_problem(problem: Problem) -> None:
     try:
         hash(problem)
     except TypeError as e:
-        raise PlanFormatError(f"the plan file is malformed: the problem holds a value of the wrong type ({e})") from None
+        raise PlanFormatError(f"the plan file is malformed: the problem holds a value of the wrong type ({e})"
+                              ) from None
 
 
 def _check_layers(plan: Plan) -> None:
@@ -72,6 +73,7 @@ def _fixed_ops(problem: Problem) -> dict[int, set[tuple[OpKind, int | None, int 
 def _check_op(problem: Problem, op: Op, device: int, fixed: dict[int, set]) -> None:
     _need(op.kind in _KFAC_KINDS, f"placement of {op}: only K-FAC ops are placed")
     _need(op.stage is not None and op.stage < problem.num_stages, f"placement of {op}: no such stage")
+    assert op.stage is not None  # _need raised otherwise
     _need(device in copies_of_stage(problem, op.stage), f"{op} is placed on r{device}, which does not run its stage")
     if op.kind in _LAYER_KINDS:
         names = {x.name for x in problem.costs.stages[op.stage].layers}

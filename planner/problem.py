@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from fxkfac.planner.costs import CostTable, StageCost
 from fxkfac.planner.errors import PlanError, PlanFormatError
@@ -194,11 +195,11 @@ def _duration(problem: Problem, fused: frozenset[str]) -> Callable[[int, Op], fl
 
     def duration(rank: int, op: Op) -> float:
         if op.kind is OpKind.FWD:
-            return fwd[op.stage]  # type: ignore[index]
+            return fwd[op.stage]  # type: ignore[index]  # a FWD names its stage
         if op.kind is OpKind.BWD:
-            return bwd[op.stage]  # type: ignore[index]
+            return bwd[op.stage]  # type: ignore[index]  # a BWD names its stage
         if op.kind is OpKind.PREC:
-            return prec[op.stage]  # type: ignore[index]
+            return prec[op.stage]  # type: ignore[index]  # a PREC names its stage
         return 0.0
 
     return duration
@@ -228,7 +229,7 @@ def _step_from(timeline: Timeline, length: float) -> StepTimeline:
         first[rank] = min((s for op, s, _ in items if op.kind in _FIXED_KINDS), default=0.0)
         for op, _, end in items:
             if op.kind is OpKind.ALLREDUCE_GRAD:
-                allreduce[rank, op.stage] = end  # type: ignore[index]
+                allreduce[rank, op.stage] = end  # type: ignore[index]  # an ALLREDUCE_GRAD names its stage
     return StepTimeline(ops, allreduce, first, length)
 
 
@@ -259,7 +260,7 @@ def _holders(problem: Problem) -> dict[int, tuple[int, ...]]:
     for rank, ops in base_programs(problem).items():
         for op in ops:
             if op.kind in _FIXED_KINDS:
-                held[op.stage].add(rank)  # type: ignore[index]
+                held[op.stage].add(rank)  # type: ignore[index]  # FWD and BWD name their stage
     return {s: tuple(sorted(r)) for s, r in held.items()}
 
 
@@ -315,7 +316,7 @@ def activation_intervals(problem: Problem, device: int, step: StepTimeline) -> l
         if op.kind is OpKind.FWD:
             starts[key] = start
         elif op.kind is OpKind.BWD:
-            out.append((starts[key], end, problem.costs.stages[op.stage].act_bytes))  # type: ignore[index]
+            out.append((starts[key], end, problem.costs.stages[op.stage].act_bytes))  # type: ignore[index]  # a BWD names its stage
     return out
 
 
@@ -358,7 +359,7 @@ def refresh_lower_bound(problem: Problem, group: StageGroup, fused: frozenset[st
     work = 0.0
     for device in group.devices:
         for op, _, _ in step.fixed(device):
-            layers = problem.costs.stages[op.stage].layers  # type: ignore[index]
+            layers = problem.costs.stages[op.stage].layers  # type: ignore[index]  # K-FAC ops name their stage
             side = "a" if op.kind is OpKind.FWD else "b"
             work += sum(getattr(x, f"curv_{side}") for x in layers if x.name not in fused)
     work += sum(problem.costs.stages[s].inv for s in group.stages)

@@ -98,7 +98,7 @@ def schedule_programs(kind: ScheduleKind | str, D: int, N: int, *, v: int = 1) -
     programs = {}
     for r in range(D):
         ops = make(r)
-        held = sorted({op.stage for op in ops}, reverse=True)
+        held = sorted({op.stage for op in ops if op.stage is not None}, reverse=True)  # every op made here has one
         programs[r] = ops + [Op(OpKind.ALLREDUCE_GRAD, s) for s in held] + [Op(OpKind.OPT_STEP)]
     return programs
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping, Sequence
 
 from fxkfac.planner.errors import DeadlockError
 from fxkfac.planner.ir import COLLECTIVE_KINDS, RECV_KINDS, SEND_KINDS, Op, OpKind, Program, as_programs
@@ -51,7 +51,7 @@ class Timeline:
         the step before; for steps=1 the makespan (one step of a flushed pipeline)."""
         if self.steps == 1:
             return self.makespan
-        first = {}
+        first: dict[int, float] = {}
         for iv in self.of_rank(self.ranks[0]):
             first.setdefault(iv.step, iv.start)
         return first[self.steps - 1] - first[self.steps - 2]
@@ -152,9 +152,9 @@ def _producer_rank(rank: int, op: Op, producer: Op, flat: _Flat) -> int:
 def _message_key(src: int, dst: int, op: Op) -> tuple:
     """Matches a SEND on src with the RECV on dst of the same tensor (by consumer stage)."""
     if op.kind is OpKind.SEND_ACT:
-        return (src, dst, "act", op.stage + 1, op.mb, op.pipe)  # type: ignore[operator]
+        return (src, dst, "act", op.stage + 1, op.mb, op.pipe)  # type: ignore[operator]  # a transfer names its stage
     if op.kind is OpKind.SEND_GRAD:
-        return (src, dst, "grad", op.stage - 1, op.mb, op.pipe)  # type: ignore[operator]
+        return (src, dst, "grad", op.stage - 1, op.mb, op.pipe)  # type: ignore[operator]  # a transfer names its stage
     return (src, dst, "act" if op.kind is OpKind.RECV_ACT else "grad", op.stage, op.mb, op.pipe)
 
 
@@ -187,7 +187,7 @@ class _Sim:
     def ready_time(self, rank: int, op: Op) -> tuple[float | None, str]:
         """When `op`'s inputs are there (None: not yet known) and, if unknown, what it waits for."""
         if op.kind in RECV_KINDS:
-            key = _message_key(op.peer, rank, op)  # type: ignore[arg-type]
+            key = _message_key(op.peer, rank, op)  # type: ignore[arg-type]  # a transfer names its peer
             arrivals = self.sent[key]
             n = self.recv_count[key]
             return (arrivals[n], "") if n < len(arrivals) else (None, f"a matching send on rank {op.peer}")
@@ -209,9 +209,9 @@ class _Sim:
         self.ends[rank, self.pos[rank]] = end
         self.free[rank] = end
         if op.kind in SEND_KINDS:
-            self.sent[_message_key(rank, op.peer, op)].append(end + self.comm)  # type: ignore[arg-type]
+            self.sent[_message_key(rank, op.peer, op)].append(end + self.comm)  # type: ignore[arg-type]  # a transfer names its peer
         if op.kind in RECV_KINDS:
-            self.recv_count[_message_key(op.peer, rank, op)] += 1  # type: ignore[arg-type]
+            self.recv_count[_message_key(op.peer, rank, op)] += 1  # type: ignore[arg-type]  # a transfer names its peer
         self.pos[rank] += 1
 
     def try_collective(self, rank: int, op: Op) -> str:

@@ -29,6 +29,7 @@ from fxkfac.planner.simulate import simulate
 
 if TYPE_CHECKING:
     from fxkfac.planner.plan import Plan
+    from fxkfac.planner.window import Placement
 
 __all__ = ["validate", "check_plan"]
 
@@ -114,13 +115,13 @@ def _check_layers(c: _Ctx) -> None:
 
 
 def _duration(c: _Ctx, op: Op) -> float:
-    stage = c.problem.costs.stages[op.stage]  # type: ignore[index]
+    stage = c.problem.costs.stages[op.stage]  # type: ignore[index]  # K-FAC ops name their stage
     if op.kind is OpKind.PREC:
         return stage.prec
     if op.kind in (OpKind.SYNC_CURV, OpKind.BCAST_INV):
         return 0.0
     layer = next(x for x in stage.layers if x.name == op.layer)
-    attr = ("curv_" if op.kind is OpKind.CURV else "inv_") + op.factor.lower()  # type: ignore[union-attr]
+    attr = ("curv_" if op.kind is OpKind.CURV else "inv_") + op.factor.lower()  # type: ignore[union-attr]  # CURV and INV name their factor
     return getattr(layer, attr)
 
 
@@ -133,12 +134,12 @@ def _check_placed_once(c: _Ctx) -> None:
             got[_key(p.op), None if p.op.kind is OpKind.INV else p.device] += 1
         if abs(p.end - p.start - _duration(c, p.op)) > c.tol + 1e-9 * max(1.0, p.end):
             c.errors.append(f"{p.op} on r{p.device}: lasts {p.end - p.start:.6g} s, costs {_duration(c, p.op):.6g} s")
-        k = c.period(p.op.stage)
+        k = c.period(p.op.stage)  # type: ignore[arg-type]  # a placed op is K-FAC work on a stage
         if not 0 <= p.step < 2 * k or not c.step_start(p.device, p.step, k) - c.tol <= p.start \
                 or p.end > c.step_start(p.device, p.step + 1, k) + c.tol:
             c.errors.append(f"{p.op} on r{p.device} at [{p.start:.6g}, {p.end:.6g}) s is not within window step "
                             f"{p.step} (k={k})")
-        if p.op.kind is OpKind.INV and p.device not in copies_of_stage(c.problem, p.op.stage):  # type: ignore[arg-type]
+        if p.op.kind is OpKind.INV and p.device not in copies_of_stage(c.problem, p.op.stage):  # type: ignore[arg-type]  # an INV names its stage
             c.errors.append(f"{p.op} runs on r{p.device}, which does not hold stage {p.op.stage}")
     want = _expected(c)
     for item in sorted(set(want) | set(got), key=str):
@@ -182,26 +183,29 @@ def _check_overlap(c: _Ctx) -> None:
 
 
 def _end_of(timeline: StepTimeline, device: int, kind: OpKind, stage: int, mb: int, pipe: int) -> float:
-    return next(b for op, _, b in timeline.ops[device] if op.kind is kind and (op.stage, op.mb, op.pipe) == (stage, mb, pipe))
+    return next(b for op, _, b in timeline.ops[device]
+                if op.kind is kind and (op.stage, op.mb, op.pipe) == (stage, mb, pipe))
 
 
 def _check_dependencies(c: _Ctx) -> None:
-    factor_tasks = defaultdict(lambda: defaultdict(list))
+    factor_tasks: defaultdict[tuple[str, str | None], defaultdict[OpKind, list[Placement]]] = \
+        defaultdict(lambda: defaultdict(list))
     for p in c.plan.placements:
         if p.op.kind is OpKind.CURV:
             kind = OpKind.FWD if p.op.factor == "A" else OpKind.BWD
-            ready = _end_of(c.refresh, p.device, kind, p.op.stage, p.op.mb, p.op.pipe)  # type: ignore[arg-type]
+            ready = _end_of(c.refresh, p.device, kind, p.op.stage, p.op.mb, p.op.pipe)  # type: ignore[arg-type]  # a CURV names its stage and micro-batch
             if p.start < ready - c.tol:
                 c.errors.append(f"{p.op} on r{p.device} starts at {p.start:.6g} before its {kind} ends ({ready:.6g})")
-            if p.end > ready + c.length(c.period(p.op.stage)) + c.tol:  # type: ignore[arg-type]
+            if p.end > ready + c.length(c.period(p.op.stage)) + c.tol:  # type: ignore[arg-type]  # a CURV names its stage
                 c.errors.append(f"{p.op} on r{p.device} keeps its a/e longer than one window")
         if p.op.kind is not OpKind.PREC:
-            factor_tasks[p.op.layer, p.op.factor][p.op.kind].append(p)
+            # CURV, SYNC_CURV (no factor), INV and BCAST_INV name their layer
+            factor_tasks[p.op.layer, p.op.factor][p.op.kind].append(p)  # type: ignore[index]  # see above
     for (layer, side), kinds in factor_tasks.items():
         _check_factor(c, layer, side, kinds)
 
 
-def _check_factor(c: _Ctx, layer: str, side: str, kinds: dict) -> None:
+def _check_factor(c: _Ctx, layer: str, side: str | None, kinds: dict) -> None:
     stage = c.problem.costs.stage_of(layer)
     L = c.length(c.period(stage))
     copies = copies_of_stage(c.problem, stage)
@@ -229,7 +233,9 @@ def _check_factor(c: _Ctx, layer: str, side: str, kinds: dict) -> None:
 
 
 def _check_precs_and_offsets(c: _Ctx) -> None:
-    prec = {(p.op.stage, p.device, p.step): p for p in c.plan.placements if p.op.kind is OpKind.PREC}
+    prec: dict[tuple[int, int, int], Placement] = {
+        (p.op.stage, p.device, p.step): p  # type: ignore[misc]  # a PREC op has a stage
+        for p in c.plan.placements if p.op.kind is OpKind.PREC}
     for (s, d, j), p in prec.items():
         k = c.period(s)
         lo, hi = c.base(j, k) + c.timeline(j, k).allreduce_end[d, s], c.base(j + 1, k)
@@ -238,7 +244,7 @@ def _check_precs_and_offsets(c: _Ctx) -> None:
     ready: dict[str, float] = defaultdict(float)
     for p in c.plan.placements:
         if p.op.kind in (OpKind.INV, OpKind.BCAST_INV):
-            ready[p.op.layer] = max(ready[p.op.layer], p.end)  # type: ignore[index]
+            ready[p.op.layer] = max(ready[p.op.layer], p.end)  # type: ignore[index]  # INV and BCAST_INV name their layer
     for layer, t in ready.items():
         s, k = c.problem.costs.stage_of(layer), c.period(c.problem.costs.stage_of(layer))
         L = c.length(k)
@@ -255,9 +261,9 @@ def _check_memory(c: _Ctx) -> None:
     keeps = defaultdict(list)
     for p in c.plan.placements:
         if p.op.kind is OpKind.CURV:
-            x = next(x for x in c.problem.costs.stages[p.op.stage].layers if x.name == p.op.layer)  # type: ignore[index]
+            x = next(x for x in c.problem.costs.stages[p.op.stage].layers if x.name == p.op.layer)  # type: ignore[index]  # a CURV names its stage
             kind = OpKind.FWD if p.op.factor == "A" else OpKind.BWD
-            since = _end_of(c.refresh, p.device, kind, p.op.stage, p.op.mb, p.op.pipe)  # type: ignore[arg-type]
+            since = _end_of(c.refresh, p.device, kind, p.op.stage, p.op.mb, p.op.pipe)  # type: ignore[arg-type]  # a CURV names its stage and micro-batch
             keeps[p.device].append((since, p.end, x.a_bytes if p.op.factor == "A" else x.e_bytes))
     for d in c.problem.devices:
         k = max(c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s))
@@ -304,7 +310,8 @@ def _check_programs(c: _Ctx, run: bool) -> None:
             want = [op for op, _, _ in c.timeline(j, k).ops[d] if op.kind not in _KFAC]
             if [op for op in ops if op.kind not in _KFAC] != want:
                 c.errors.append(f"r{d} step {j}: the pipeline ops differ from the schedule's")
-        placed = sorted((p.step % k, p.start - c.length(k) * (p.step // k), str(p.op)) for p in plan.placements if p.device == d)
+        placed = sorted((p.step % k, p.start - c.length(k) * (p.step // k), str(p.op))
+                        for p in plan.placements if p.device == d)
         listed = [(j, str(op)) for j, ops in enumerate(prog) for op in ops if op.kind in _KFAC]
         if sorted(listed) != sorted((j, op) for j, _, op in placed):
             c.errors.append(f"r{d}: the program's K-FAC ops differ from the placements")
@@ -339,10 +346,12 @@ def _check_interleaving(c: _Ctx, device: int, k: int, prog: list[list[Op]]) -> N
                 other, a, b = item
                 before = b <= t + c.tol and a < t - c.tol
                 if (n > i and before) or (n < i and b > t + c.tol):
-                    c.errors.append(f"r{device} step {j}: '{op}' (placed at {t:.6g} s) and '{other}' ({a:.6g}-{b:.6g} s)"
+                    c.errors.append(f"r{device} step {j}: '{op}' (placed at {t:.6g} s) and "
+                                    f"'{other}' ({a:.6g}-{b:.6g} s)"
                                     " are in the wrong order in the program")
             if op.kind is OpKind.PREC:
-                after = [o for o in ops[i + 1:] if o.stage == op.stage and o.kind in (OpKind.BWD, OpKind.ALLREDUCE_GRAD)]
+                after = [o for o in ops[i + 1:]
+                         if o.stage == op.stage and o.kind in (OpKind.BWD, OpKind.ALLREDUCE_GRAD)]
                 if after:
                     c.errors.append(f"r{device} step {j}: '{op}' comes before '{after[0]}' of its stage")
 
@@ -354,9 +363,9 @@ def _check_runs(c: _Ctx) -> None:
 
     def duration(rank: int, op: Op) -> float:
         if op.kind is OpKind.FWD:
-            return stages[op.stage].fwd  # type: ignore[index]
+            return stages[op.stage].fwd  # type: ignore[index]  # a FWD names its stage
         if op.kind is OpKind.BWD:
-            return stages[op.stage].bwd  # type: ignore[index]
+            return stages[op.stage].bwd  # type: ignore[index]  # a BWD names its stage
         return _duration(c, op) if op.kind in _KFAC else 0.0
 
     periods = [len(p) for p in c.plan.programs.values()]
@@ -369,7 +378,8 @@ def _check_runs(c: _Ctx) -> None:
     if not c.fused:
         limit = c.plan.metrics.step_time * steps + max(c.length(k) for k in set(periods))
         if timeline.makespan > limit + c.tol * steps:
-            c.errors.append(f"the simulated programs take {timeline.makespan:.6g} s for {steps} steps, over {limit:.6g}")
+            c.errors.append(f"the simulated programs take {timeline.makespan:.6g} s for {steps} steps, "
+                            f"over {limit:.6g}")
 
 
 def validate(problem: Problem, plan: Plan, *, run: bool = True) -> list[str]:

@@ -27,8 +27,9 @@ boundary (it would hold the barrier up on every rank).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Iterable, Mapping
+from typing import Any
 
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.ir import Op, OpKind
@@ -163,10 +164,10 @@ class Placement:
         return {"op": str(self.op), "device": self.device, "step": self.step, "start": self.start, "end": self.end}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, object]) -> Placement:
+    def from_dict(cls, data: Mapping[str, Any]) -> Placement:
         """Inverse of `to_dict`."""
-        return cls(Op.parse(str(data["op"])), int(data["device"]), int(data["step"]),  # type: ignore[call-overload]
-                   float(data["start"]), float(data["end"]))  # type: ignore[arg-type]
+        return cls(Op.parse(str(data["op"])), int(data["device"]), int(data["step"]),
+                   float(data["start"]), float(data["end"]))
 
 
 @dataclass(frozen=True)
@@ -250,8 +251,8 @@ def build_window(problem: Problem, group: StageGroup, k: int, fused: frozenset[s
     if stretch < 0:
         raise AssertionError(f"negative stretch {stretch}")
     refresh, normal = step_timeline(problem, fused), step_timeline(problem)
-    scale, exact = scale if scale is not None else grid_scale(problem, group.stages, fused, resolution)
-    grid = _Grid(scale)
+    ticks_per_s, exact = scale if scale is not None else grid_scale(problem, group.stages, fused, resolution)
+    grid = _Grid(ticks_per_s)
     steps = [refresh] + [normal] * (k - 1)
     offsets = [0]
     for st in steps:
@@ -263,7 +264,7 @@ def build_window(problem: Problem, group: StageGroup, k: int, fused: frozenset[s
         pieces: list[tuple[int, int, int]] = []
         for j, st in enumerate(steps):
             off = offsets[j]
-            for op, a, b in st.fixed(d):
+            for _op, a, b in st.fixed(d):
                 busy += wrap(off + grid.at(a), off + grid.at(b), length)
             for s in stages_on_device(problem, d):
                 point = off + grid.at(st.allreduce_end[d, s])
@@ -277,8 +278,8 @@ def build_window(problem: Problem, group: StageGroup, k: int, fused: frozenset[s
         first[d] = tuple(grid.at(st.first_start[d]) for st in steps)
     precs = _prec_slots(problem, group, steps, offsets, grid)
     tasks = _tasks(problem, group, refresh, fused, aggregate, grid)
-    return Window(problem, group, k, fused, scale, exact, tuple(offsets), fixed, acts, capacity, tasks, precs, first,
-                  stretch, aggregate)
+    return Window(problem, group, k, fused, ticks_per_s, exact, tuple(offsets), fixed, acts, capacity, tasks, precs,
+                  first, stretch, aggregate)
 
 
 def _prec_slots(problem: Problem, group: StageGroup, steps: list[StepTimeline], offsets: list[int],
@@ -338,7 +339,8 @@ def _tasks(problem: Problem, group: StageGroup, refresh: StepTimeline, fused: fr
                     tasks.append(Task(f"sync_{side}_{x.name}", "sync", s, side, (Op(OpKind.SYNC_CURV, s, layer=x.name,
                                       factor=side),), (0.0,), 1, copies, ready, key))
                 inv = x.inv_a if side == "A" else x.inv_b
-                tasks.append(Task(f"inv_{side}_{x.name}", "inv", s, side, (Op(OpKind.INV, s, layer=x.name, factor=side),),
+                tasks.append(Task(f"inv_{side}_{x.name}", "inv", s, side,
+                                  (Op(OpKind.INV, s, layer=x.name, factor=side),),
                                   (inv,), grid.span(inv), copies, ready, key))
                 if len(copies) > 1:
                     tasks.append(Task(f"bcast_{side}_{x.name}", "bcast", s, side, (Op(OpKind.BCAST_INV, s, layer=x.name,

@@ -11,7 +11,7 @@ from fxkfac.demo import DemoConfig, render_result, run_demo
 from fxkfac.errors import ConfigError, PipelineError
 from fxkfac.launch import RankContext, launch
 from fxkfac.models import TinyBertConfig
-from fxkfac.planner.ir import Op, OpKind
+from fxkfac.planner.ir import OpKind
 from fxkfac.planner.plan import Plan
 
 TINY = DemoConfig(steps=3, eval_every=2, batch_size=8, seq_len=16, microbatches=2, eval_batches=1,

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from fxkfac.kfac.factors import a_rows, e_rows, factor, running_average
-from fxkfac.kfac.inverse import (FactorInverse, Inverse, combine, damping_split, factor_dampings, invert,
-                                 invert_factor)
+from fxkfac.kfac.inverse import FactorInverse, Inverse, combine, damping_split, factor_dampings, invert, invert_factor
 from fxkfac.kfac.precondition import grad_matrix, kl_clip_scale, precondition, split_grad
 from fxkfac.kfac.state import LayerState
 

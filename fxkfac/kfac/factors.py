@@ -1,4 +1,5 @@
-"""Kronecker factors of one layer: rows of a and e (tokens flattened, conv im2col, bias column), A = rows^T rows / rows."""
+"""Kronecker factors of one layer: rows of a and e (tokens flattened, conv im2col, bias column),
+A = rows^T rows / rows."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def e_rows(e: Tensor, layer: KFACLayer, n: int) -> Tensor:
     """
     if layer.kind == "conv2d":
         if e.dim() != 4:
-            raise ConfigError(f"layer {layer.name!r}: conv2d output gradient must be [N, C, H, W], got {tuple(e.shape)}")
+            raise ConfigError(f"layer {layer.name!r}: conv2d output gradient must be [N, C, H, W], "
+                              f"got {tuple(e.shape)}")
         rows = e.permute(0, 2, 3, 1).reshape(-1, e.shape[1])
     else:
         rows = e.reshape(-1, e.shape[-1])

@@ -43,7 +43,10 @@ class Inverse:
     def to_dict(self) -> dict[str, Tensor]:
         """Flat dict of tensors (for a state_dict); the keys present tell the method."""
         if self.method == "cholesky":
+            assert self.a_inv is not None and self.b_inv is not None, "the cholesky form holds a_inv and b_inv"
             return {"a_inv": self.a_inv, "b_inv": self.b_inv}
+        assert self.q_a is not None and self.l_a is not None and self.q_b is not None and self.l_b is not None, \
+            "the eigen form holds q_a, l_a, q_b and l_b"
         out = {"q_a": self.q_a, "l_a": self.l_a, "q_b": self.q_b, "l_b": self.l_b}
         out["damping"] = torch.tensor(self.damping, dtype=torch.float64)
         return out

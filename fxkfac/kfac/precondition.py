@@ -65,8 +65,11 @@ def precondition(G: Tensor, inv: Inverse | None) -> Tensor:
         return G
     g = G.to(_dtype_of(inv))
     if inv.method == "cholesky":
+        assert inv.a_inv is not None and inv.b_inv is not None, "the cholesky form holds a_inv and b_inv"
         p = inv.b_inv @ g @ inv.a_inv
     else:
+        assert inv.q_a is not None and inv.l_a is not None and inv.q_b is not None and inv.l_b is not None, \
+            "the eigen form holds q_a, l_a, q_b and l_b"
         rotated = inv.q_b.t() @ g @ inv.q_a
         scaled = rotated / (torch.outer(inv.l_b, inv.l_a) + inv.damping)
         p = inv.q_b @ scaled @ inv.q_a.t()
@@ -87,6 +90,7 @@ def kl_clip_scale(dot_sum: float, lr: float, kappa: float | None) -> float:
 def _dtype_of(inv: Inverse) -> torch.dtype:
     """dtype of the inverse's tensors."""
     t = inv.a_inv if inv.method == "cholesky" else inv.q_a
+    assert t is not None, "an Inverse holds the tensors of its form"
     return t.dtype
 
 

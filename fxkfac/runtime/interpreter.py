@@ -57,10 +57,11 @@ class StepContext:
     def runner(self, op: Op) -> StageRunner:
         """The local stage copy `op` runs on."""
         try:
-            return self.runners[(op.stage, op.pipe)]  # type: ignore[index]
+            return self.runners[(op.stage, op.pipe)]  # type: ignore[index]  # an op run on a stage names its stage
         except KeyError:
             raise PipelineError(f"rank {self.rank} got '{op}' but holds only stages "
-                                f"{sorted(self.runners)} (stage, pipe): the program was made for another layout") from None
+                                f"{sorted(self.runners)} (stage, pipe): the program was made for another layout"
+                                ) from None
 
     def stage_runner(self, stage: int) -> StageRunner:
         """This rank's copy of `stage`, whatever its pipe (PREC names a stage, not a Chimera pipe)."""
@@ -75,7 +76,7 @@ Handler = Callable[[StepContext, Op], None]
 
 
 def _key(op: Op) -> Key:
-    return (op.stage, op.pipe, op.mb)  # type: ignore[return-value]
+    return (op.stage, op.pipe, op.mb)  # type: ignore[return-value]  # FWD, BWD and transfers name their stage and micro-batch
 
 
 def _take(store: dict, key: Any, op: Op, missing: str) -> Any:
@@ -115,17 +116,17 @@ def _bwd(ctx: StepContext, op: Op) -> None:
 
 def _send_act(ctx: StepContext, op: Op) -> None:
     tensors = _take(ctx.to_send, ("act", _key(op)), op, "its FWD has not run")
-    ctx.transport.send(tensors, op.peer, False, op.stage, op.pipe, op.mb, str(op))  # type: ignore[arg-type]
+    ctx.transport.send(tensors, op.peer, False, op.stage, op.pipe, op.mb, str(op))  # type: ignore[arg-type]  # a transfer names its peer, stage and micro-batch (planner/lowering.py)
 
 
 def _recv_act(ctx: StepContext, op: Op) -> None:
     specs = ctx.runner(op).graph.inputs
-    ctx.acts[_key(op)] = ctx.transport.recv(specs, op.peer, False, op.stage - 1, op.pipe, op.mb, str(op))  # type: ignore[arg-type, operator]
+    ctx.acts[_key(op)] = ctx.transport.recv(specs, op.peer, False, op.stage - 1, op.pipe, op.mb, str(op))  # type: ignore[arg-type, operator]  # a transfer names its peer, stage and micro-batch (planner/lowering.py)
 
 
 def _send_grad(ctx: StepContext, op: Op) -> None:
     tensors = _take(ctx.to_send, ("grad", _key(op)), op, "its BWD has not run")
-    ctx.transport.send(tensors, op.peer, True, op.stage - 1, op.pipe, op.mb, str(op))  # type: ignore[arg-type, operator]
+    ctx.transport.send(tensors, op.peer, True, op.stage - 1, op.pipe, op.mb, str(op))  # type: ignore[arg-type, operator]  # a transfer names its peer, stage and micro-batch (planner/lowering.py)
 
 
 def _grad_specs(ctx: StepContext, op: Op) -> list:
@@ -133,7 +134,7 @@ def _grad_specs(ctx: StepContext, op: Op) -> list:
 
 
 def _recv_grad(ctx: StepContext, op: Op) -> None:
-    ctx.grads[_key(op)] = ctx.transport.recv(_grad_specs(ctx, op), op.peer, True, op.stage, op.pipe, op.mb, str(op))  # type: ignore[arg-type]
+    ctx.grads[_key(op)] = ctx.transport.recv(_grad_specs(ctx, op), op.peer, True, op.stage, op.pipe, op.mb, str(op))  # type: ignore[arg-type]  # a transfer names its peer, stage and micro-batch (planner/lowering.py)
 
 
 def _allreduce_grad(ctx: StepContext, op: Op) -> None:
@@ -217,9 +218,9 @@ class Interpreter:
             listener.begin_step(ctx)
         for op in ops:
             if op.kind is OpKind.RECV_ACT:
-                ctx.transport.post_recv(ctx.runner(op).graph.inputs, op.peer, False, op.stage - 1, op.pipe, op.mb)  # type: ignore[arg-type, operator]
+                ctx.transport.post_recv(ctx.runner(op).graph.inputs, op.peer, False, op.stage - 1, op.pipe, op.mb)  # type: ignore[arg-type, operator]  # a transfer names its peer, stage and micro-batch (planner/lowering.py)
             elif op.kind is OpKind.RECV_GRAD:
-                ctx.transport.post_recv(_grad_specs(ctx, op), op.peer, True, op.stage, op.pipe, op.mb)  # type: ignore[arg-type]
+                ctx.transport.post_recv(_grad_specs(ctx, op), op.peer, True, op.stage, op.pipe, op.mb)  # type: ignore[arg-type]  # a transfer names its peer, stage and micro-batch (planner/lowering.py)
         for op in ops:
             handler = self.handlers.get(op.kind)
             if handler is None:

@@ -66,6 +66,7 @@ class Transport:
         for index, tensor in enumerate(tensors):
             tag = self.tags.tag(grad, stage, pipe, mb, index)
             work = dist.isend(tensor.detach().contiguous(), dst=peer, tag=tag)
+            assert work is not None, "isend on the default group, of which this rank is a member, returns a Work"
             self._pending.append((work, what))
 
     def post_recv(self, specs: Sequence[TensorSpec], peer: int, grad: bool, stage: int, pipe: int, mb: int) -> None:
@@ -74,8 +75,11 @@ class Transport:
         if key in self._posted:
             raise AssertionError(f"receive {key} posted twice")
         buffers = [torch.empty(spec.shape, dtype=spec.dtype, device=self.device) for spec in specs]
-        works = [dist.irecv(buf, src=peer, tag=self.tags.tag(grad, stage, pipe, mb, i))
-                 for i, buf in enumerate(buffers)]
+        works: list[dist.Work] = []
+        for i, buf in enumerate(buffers):
+            work = dist.irecv(buf, src=peer, tag=self.tags.tag(grad, stage, pipe, mb, i))
+            assert work is not None, "irecv on the default group, of which this rank is a member, returns a Work"
+            works.append(work)
         self._posted[key] = (buffers, works)
 
     def recv(self, specs: Sequence[TensorSpec], peer: int, grad: bool, stage: int, pipe: int, mb: int,

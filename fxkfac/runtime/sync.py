@@ -25,7 +25,8 @@ __all__ = ["GradSync", "holder_sets"]
 Holders = tuple[int, ...]
 
 
-def holder_sets(stage_params: Sequence[Sequence[str]], ranks_of_stage: Mapping[int, Iterable[int]]) -> dict[str, Holders]:
+def holder_sets(stage_params: Sequence[Sequence[str]],
+                ranks_of_stage: Mapping[int, Iterable[int]]) -> dict[str, Holders]:
     """Parameter name -> the sorted global ranks holding a copy of it."""
     holders: dict[str, set[int]] = {}
     for stage, names in enumerate(stage_params):
@@ -96,7 +97,9 @@ class GradSync:
             copies = [self._copies(n) for n in bucket]
             if len(ranks) == 1 and all(len(c) == 1 for c in copies):
                 continue  # the only copy: nothing to sum
-            flat = torch.cat([sum(_grad(p) for p in c).reshape(-1) for c in copies])  # local copies summed
+            # local copies summed
+            flat = torch.cat([sum(_grad(p) for p in c).reshape(-1)  # type: ignore[union-attr]  # c is never empty
+                              for c in copies])
             if len(ranks) > 1:
                 transport.all_reduce(flat, self.groups[ranks], f"{what} over ranks {list(ranks)}")
             _scatter(flat, copies, grad=True)

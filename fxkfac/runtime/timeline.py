@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -55,11 +56,11 @@ def gather_timelines(timeline: Timeline, world: int, dst: int = 0) -> list[Event
     if world == 1:
         return list(timeline.events)
     records = [asdict(e) for e in timeline.events]
-    gathered: list[object] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == dst else None
     dist.gather_object(records, gathered, dst=dst)
     if gathered is None:
         return None
-    return [Event(**e) for part in gathered for e in part]  # type: ignore[union-attr]
+    return [Event(**e) for part in gathered for e in part]
 
 
 def chrome_trace(events: Iterable[Event], path: str | Path | None = None) -> dict:

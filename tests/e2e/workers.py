@@ -7,14 +7,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fxkfac.config import KFACConfig
-from fxkfac.planner.ir import LayerTiming
 import fxkfac
-from fxkfac.config import PipelineOptions, PlanOptions
+from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
+from fxkfac.planner.ir import LayerTiming
 from tests.support import models
 
 __all__ = ["Case", "KFAC", "timings_for", "batches", "loss_fn", "optimizer", "reference_params",
-           "pipefisher_worker", "compare", "auto_worker", "reference_for_plan", "synthetic_costs", "max_overhead", "planned_worker", "compile_api_worker"]
+           "pipefisher_worker", "compare", "auto_worker", "reference_for_plan", "synthetic_costs", "max_overhead",
+           "planned_worker", "compile_api_worker"]
 
 KFAC = KFACConfig(damping=1e-2, factor_decay=0.9, kl_clip=1e-2)
 PERIOD = 2
@@ -42,7 +42,8 @@ def make_model() -> torch.nn.Module:
 
 
 def timings_for(names: list[str]) -> dict[str, LayerTiming]:
-    """Mixed timings that exercise the plan semantics: fused at step 0 used at once, deferred at step 1 used a step later."""
+    """Mixed timings that exercise the plan semantics: fused at step 0 used at once, deferred at step 1 used
+    a step later."""
     return {name: LayerTiming(PERIOD, 0, 0, "fused") if i % 2 == 0 else LayerTiming(PERIOD, 1, 1, "deferred")
             for i, name in enumerate(names)}
 

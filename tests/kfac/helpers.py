@@ -22,7 +22,8 @@ def layer_of(module: nn.Module, name: str = "layer") -> KFACLayer:
     return KFACLayer(name, "linear", f"{name}.weight", bias, module.in_features, module.out_features)
 
 
-def capture_a_e(model: nn.Module, modules: dict[str, nn.Module], run: Callable[[], Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+def capture_a_e(model: nn.Module, modules: dict[str, nn.Module],
+                run: Callable[[], Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
     """``{name: (a, dL/dy)}`` for each module, from a forward-pre hook and a full-backward hook around ``run()``.
 
     ``run`` computes the loss; its backward is done here.

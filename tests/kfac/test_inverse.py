@@ -125,7 +125,7 @@ def test_invert_rejects_bad_arguments() -> None:
     with pytest.raises(ConfigError, match="damping"):
         invert(torch.eye(2), torch.eye(2), damping=0.0)
     with pytest.raises(ConfigError, match="method"):
-        invert(torch.eye(2), torch.eye(2), damping=1e-3, method="svd")  # type: ignore[arg-type]
+        invert(torch.eye(2), torch.eye(2), damping=1e-3, method="svd")  # type: ignore[arg-type]  # a wrong value on purpose: the test checks the error
 
 
 @pytest.mark.parametrize(("method", "pi"), [("cholesky", False), ("cholesky", True), ("eigen", False), ("eigen", True)])

@@ -11,7 +11,7 @@ from torch import nn
 from fxkfac.errors import ConfigError
 from fxkfac.kfac import a_rows, e_rows, factor, grad_matrix, invert, kl_clip_scale, precondition, split_grad
 from fxkfac.passes.layers import KFACLayer
-from tests.kfac.helpers import capture_a_e, dense_kron_solve, layer_of, vec, unvec
+from tests.kfac.helpers import capture_a_e, dense_kron_solve, layer_of, unvec, vec
 
 DAMPING = 3e-2
 N = 6

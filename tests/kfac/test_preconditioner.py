@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from fxkfac.kfac.inverse import invert
+from fxkfac.kfac.precondition import Preconditioner
 from fxkfac.kfac.state import LayerState
 from fxkfac.passes.layers import ConvSpec, KFACLayer
-from fxkfac.kfac.precondition import Preconditioner
 
 GAMMA = 0.1
 

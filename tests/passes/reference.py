@@ -13,7 +13,8 @@ from fxkfac.passes.layers import KFACLayer
 __all__ = ["hook_a_e", "hook_factors"]
 
 
-def hook_a_e(model: nn.Module, layers: Sequence[KFACLayer], run: Callable[[], Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+def hook_a_e(model: nn.Module, layers: Sequence[KFACLayer],
+             run: Callable[[], Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
     """``{layer: (input a, dL/dy)}`` captured by module hooks around ``run()`` (which returns the loss to backprop)."""
     a: dict[str, Tensor] = {}
     e: dict[str, Tensor] = {}

@@ -118,7 +118,8 @@ def test_pass_leaves_input_graph_alone_and_marks_taps(captured) -> None:
     tagged = [(n.meta[LAYER].name, n.meta[TAP]) for n in taps.gm.graph.nodes if TAP in n.meta]
     name0, name1 = cap.layers[0].name, cap.layers[1].name
     assert sorted(tagged) == sorted([(name0, ("a", "fused")), (name0, ("e", "fused")), (name0, ("e", "fused")),
-                                     (name1, ("a", "deferred")), (name1, ("e", "deferred")), (name1, ("e", "deferred"))])
+                                     (name1, ("a", "deferred")), (name1, ("e", "deferred")),
+                                     (name1, ("e", "deferred"))])
     assert taps.probe_shapes[name0] == (cap.layers[0].d_out, cap.layers[0].d_out)
     # untapped graph computes the same outputs
     torch.testing.assert_close(taps.gm(*cap.flat_inputs((x,)), torch.zeros(taps.probe_shapes[name0]),

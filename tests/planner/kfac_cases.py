@@ -20,7 +20,7 @@ def layer(name: str, curv: float = 0.5, inv: float = 1.0, prec: float = 0.25, ke
 def table(stages: int, fwd: float = 1.0, bwd: float = 2.0, layers: int = 1, act: int = 50, params: int = 1000,
           **layer_kw: float) -> CostTable:
     """Uniform stages with `layers` identical layers each (names l{stage}_{i})."""
-    return CostTable(tuple(StageCost(fwd, bwd, params, act, tuple(layer(f"l{s}_{i}", **layer_kw)  # type: ignore[arg-type]
+    return CostTable(tuple(StageCost(fwd, bwd, params, act, tuple(layer(f"l{s}_{i}", **layer_kw)  # type: ignore[arg-type]  # layer_kw are float costs of layer(); a test helper
                                                                   for i in range(layers)))
                            for s in range(stages)), 1, "test", "cpu")
 
@@ -29,7 +29,7 @@ def problem(schedule: str, D: int, N: int, W: int = 1, v: int = 1, **kw: object)
     """A Problem over a uniform `table` (keyword arguments of `table` and of Problem mixed)."""
     table_kw = {k: kw.pop(k) for k in list(kw) if k in ("fwd", "bwd", "layers", "act", "params", "curv", "inv",
                                                        "prec", "keep", "factor")}
-    return Problem(schedule, D, N, table(num_stages(schedule, D, v), **table_kw), W=W, v=v, **kw)  # type: ignore[arg-type]
+    return Problem(schedule, D, N, table(num_stages(schedule, D, v), **table_kw), W=W, v=v, **kw)  # type: ignore[arg-type]  # kw mixes Problem's keyword arguments; a test helper
 
 
 @st.composite

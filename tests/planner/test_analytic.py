@@ -25,7 +25,7 @@ from fxkfac.planner.presets import LinearSpec, model_spec_from_layers, preset
 PROFILES = Path(__file__).resolve().parents[2] / "planner" / "data" / "pipefisher_profiles"  # shipped with fxkfac
 
 
-def _num(expr, **values: float) -> float:  # type: ignore[no-untyped-def]
+def _num(expr, **values: float) -> float:  # type: ignore[no-untyped-def]  # expr is a sympy expression (untyped)
     return float(expr.subs({SYMBOLS[k]: v for k, v in values.items()}))
 
 
@@ -50,24 +50,29 @@ def test_bert_block_flops_equal_hand_derived_counts() -> None:
     attention = 2 * (2 * b * h * s * s * (d // h))  # Q K^T and A V
     expected_fwd = linears + attention
     block = transformer_block_expressions()
-    assert _num(block["fwd_flops"], b=b, s=s, d=d, f=f, h=h) == expected_fwd == 59_592_671_232  # 57,982,058,496 + 1,610,612,736
+    # 57,982,058,496 + 1,610,612,736
+    assert _num(block["fwd_flops"], b=b, s=s, d=d, f=f, h=h) == expected_fwd == 59_592_671_232
     assert _num(block["bwd_flops"], b=b, s=s, d=d, f=f, h=h) == 2 * expected_fwd
     assert _num(block["inv_flops"], d=d, f=f) == 10 * d**3 + 2 * f**3
     # the preset's Linears summed through the per-Linear expressions give the same GEMM count
     e = linear_expressions()
     spec_sum = sum(
-        _num(e["fwd_flops"], b=b, s=s, d_in=x.d_in, d_out=x.d_out, beta=1) for x in preset("bert-base").blocks[3].linears
+        _num(e["fwd_flops"], b=b, s=s, d_in=x.d_in, d_out=x.d_out, beta=1)
+        for x in preset("bert-base").blocks[3].linears
     )
     assert spec_sum == linears
 
 
 def test_kernel_time_is_a_roofline() -> None:
     hw = hardware("p100")
-    big = linear_kernels(LinearSpec("big", 4096, 4096), batch=8, seq_len=512, hw=hw, precision="fp32", inverse="cholesky")
+    big = linear_kernels(LinearSpec("big", 4096, 4096), batch=8, seq_len=512, hw=hw, precision="fp32",
+                         inverse="cholesky")
     assert big.fwd == pytest.approx(2 * 8 * 512 * 4096**2 / (hw.peak_flops * hw.matmul_efficiency))
-    thin = linear_kernels(LinearSpec("thin", 1, 1, bias=False), batch=64, seq_len=4096, hw=hw, precision="fp32", inverse="cholesky")
+    thin = linear_kernels(LinearSpec("thin", 1, 1, bias=False), batch=64, seq_len=4096, hw=hw, precision="fp32",
+                          inverse="cholesky")
     assert thin.fwd == pytest.approx(4 * (2 * 64 * 4096 + 1) / hw.mem_bandwidth)  # memory bound
-    skipped = linear_kernels(LinearSpec("head", 8, 100, kfac=False), batch=1, seq_len=1, hw=hw, precision="fp32", inverse="cholesky")
+    skipped = linear_kernels(LinearSpec("head", 8, 100, kfac=False), batch=1, seq_len=1, hw=hw, precision="fp32",
+                             inverse="cholesky")
     assert skipped.layer is None
 
 
@@ -92,8 +97,10 @@ def test_cost_table_names_layers_by_hugging_face_fqn_and_puts_embeddings_and_hea
     table = analytic_cost_table("bert-base", [(0, 3), (3, 6), (6, 9), (9, 12)], 32, hardware="p100")
     first, last = table.stages[0], table.stages[-1]
     assert first.layers[0].name == "bert.encoder.layer.0.attention.self.query"
-    assert [x.name for x in first.layers[-2:]] == ["bert.encoder.layer.2.intermediate.dense", "bert.encoder.layer.2.output.dense"]
-    assert [x.name for x in last.layers[-3:]] == ["bert.pooler.dense", "cls.predictions.transform.dense", "cls.seq_relationship"]
+    assert [x.name for x in first.layers[-2:]] == ["bert.encoder.layer.2.intermediate.dense",
+                                                   "bert.encoder.layer.2.output.dense"]
+    assert [x.name for x in last.layers[-3:]] == ["bert.pooler.dense", "cls.predictions.transform.dense",
+                                                  "cls.seq_relationship"]
     assert "cls.predictions.decoder" not in table.layer_names  # the vocabulary head is not a K-FAC layer
     middle = table.stages[1]
     assert first.fwd > middle.fwd and last.fwd > middle.fwd  # embeddings, and the 30522-wide head
@@ -133,7 +140,8 @@ def test_user_model_from_layers_is_costed_per_layer() -> None:
     conv = table.stages[1].layers[0]
     hw = hardware("cpu")
     curv_b_flops = 2 * (10 * 64) * 8 * 8
-    assert conv.curv_b == pytest.approx(max(curv_b_flops / (hw.peak_flops * hw.matmul_efficiency), (4 * 640 * 8 + 4 * 64) / hw.mem_bandwidth))
+    assert conv.curv_b == pytest.approx(max(curv_b_flops / (hw.peak_flops * hw.matmul_efficiency),
+                                            (4 * 640 * 8 + 4 * 64) / hw.mem_bandwidth))
     assert table.stages[0].layers[1].factor_a_bytes == 4 * 16 * 16  # no bias column
     assert conv.e_bytes == 4 * 10 * 64 * 8
     with pytest.raises(CostModelError, match="expected \\(name, d_in, d_out, tokens"):
@@ -152,9 +160,9 @@ def test_bad_arguments_get_clear_errors() -> None:
     with pytest.raises(CostModelError, match="unknown hardware 'tpu'; known: a100, cpu, h100, p100, v100"):
         analytic_cost_table("bert-base", 4, 32, hardware="tpu")
     with pytest.raises(CostModelError, match="precision"):
-        analytic_cost_table("bert-base", 4, 32, precision="fp8")  # type: ignore[arg-type]
+        analytic_cost_table("bert-base", 4, 32, precision="fp8")  # type: ignore[arg-type]  # a wrong value on purpose: the test checks the error
     with pytest.raises(CostModelError, match="inverse must be"):
-        linear_expressions("lu")  # type: ignore[arg-type]
+        linear_expressions("lu")  # type: ignore[arg-type]  # a wrong value on purpose: the test checks the error
     with pytest.raises(CostModelError, match="matmul_efficiency"):
         HardwareSpec("x", 1.0, 1.0, 1.0, 1, matmul_efficiency=1.5)
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -82,7 +83,8 @@ def test_paper_name_loads_the_shipped_csv_like_its_path() -> None:
     assert by_name.source == "pipefisher-csv:bert-base_time_memory_p100.csv" and by_name.hardware == "p100"
     assert by_name.stages[3].fwd == pytest.approx(3 * _raw_rows(BERT_P100)[32]["time_f"] / 1000, rel=1e-12)
     large = load_cost_table("paper:bert-large/v100", blocks_per_stage=[1], micro_batch_size=8)
-    assert large.stages[0].bwd == pytest.approx(_raw_rows(PROFILES / "bert-large_time_memory_v100.csv")[8]["time_b"] / 1000)
+    large_rows = _raw_rows(PROFILES / "bert-large_time_memory_v100.csv")
+    assert large.stages[0].bwd == pytest.approx(large_rows[8]["time_b"] / 1000)
 
 
 def test_unknown_paper_name_lists_the_available_ones() -> None:

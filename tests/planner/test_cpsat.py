@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fxkfac.planner.errors import InfeasibleBudgetError, PlanError
 from fxkfac.planner.ir import OpKind

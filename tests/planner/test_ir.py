@@ -7,7 +7,8 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fxkfac.planner.errors import PlanFormatError
 from fxkfac.planner.ir import (

@@ -6,7 +6,8 @@ import functools
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fxkfac.planner.errors import DeadlockError
 from fxkfac.planner.ir import Op, OpKind

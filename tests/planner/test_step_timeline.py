@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 from hypothesis import given, settings
@@ -38,7 +38,7 @@ def _costs(times: list[tuple[float, float, float]]) -> CostTable:
 def _durations(times: list[tuple[float, float, float]]) -> Callable[[int, Op], float]:
     """Op durations read straight from the drawn numbers (F, B, PREC; everything else takes no time)."""
     index = {OpKind.FWD: 0, OpKind.BWD: 1, OpKind.PREC: 2}
-    return lambda rank, op: times[op.stage][index[op.kind]] if op.kind in index else 0.0  # type: ignore[index]
+    return lambda rank, op: times[op.stage][index[op.kind]] if op.kind in index else 0.0  # type: ignore[index]  # FWD and BWD name their stage
 
 
 def _step(run: Timeline, rank: int, j: int, shift: float) -> list[tuple[Op, float, float]]:
