@@ -121,14 +121,27 @@ def check_costs(costs: CostTable, stage_layers: Mapping[int, Sequence[str]]) -> 
                                     f"{want}; make the cost table for this model and split")
 
 
-def load_plan(path: str | Path, target: Target) -> Any:
-    """Read a plan file once, refuse one made for another graph/mesh/schedule, then validate it."""
+def load_plan(path: str | Path, target: Target, stage_layers: Mapping[int, Sequence[str]] | None = None) -> Any:
+    """Read a plan file once, refuse one made for another graph/mesh/schedule or (given the split model's
+    `stage_layers`) for other K-FAC layers, then validate it; every error names the file."""
+    from fxkfac.planner.errors import PlanError
     from fxkfac.planner.plan import Plan
     from fxkfac.planner.validate import check_plan
 
     plan = Plan.read(path)
-    check_matches(plan, target, str(path))
-    check_plan(plan.problem, plan)
+    check_matches(plan, target, f"the plan file {path}")
+    if stage_layers is not None:
+        have = {s: sorted(x.name for x in stage.layers) for s, stage in enumerate(plan.problem.costs.stages)}
+        want = {s: sorted(names) for s, names in stage_layers.items()}
+        if have != want:
+            wrong = sorted(set().union(*have.values()) - set().union(*want.values()))
+            raise PlanMismatchError(f"the plan file {path} times K-FAC layers per stage {have}, but this model's "
+                                    f"are {want}" + (f" (it has no layers {wrong})" if wrong else "")
+                                    + "; make a new plan for this model (fxkfac plan ... --export) or pass plan='auto'")
+    try:
+        check_plan(plan.problem, plan)
+    except PlanError as e:
+        raise PlanError(f"the plan file {path}: {e}") from e
     return plan
 
 

@@ -7,13 +7,16 @@ import importlib.util
 import json
 import re
 import sys
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import NoReturn, Sequence
 
 from rich.console import Console
 
 from fxkfac.planner.costs import CostTable, is_profile, load_cost_table
-from fxkfac.planner.errors import PlanFormatError, PlannerError
+from fxkfac.planner.errors import Knob, PlanError, PlanFormatError, PlannerError, Suggestion
+from fxkfac.planner.hardware import HARDWARE, hardware
 from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.schedules import ScheduleKind, num_stages, validate_schedule_args
 
@@ -27,6 +30,10 @@ class CliError(PlannerError):
     """Bad command-line input; printed as one line."""
 
 
+class RefusedPlan(PlannerError):
+    """The planner's refusal in the command line's words: the values it solved with as flags."""
+
+
 def parse_bytes(text: str) -> int:
     """'16GiB', '512 MiB', '1.5e9', '8GB' -> bytes."""
     match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
@@ -36,11 +43,12 @@ def parse_bytes(text: str) -> int:
 
 
 def parse_fraction(text: str) -> float:
-    """'5%' -> 0.05, '0.05' -> 0.05."""
+    """'5%' -> 0.05, '0.05' -> 0.05 (decimal arithmetic: '5.23%' is exactly the float 0.0523, the value a
+    refusal names)."""
     body = text.strip()
     try:
-        value = float(body[:-1]) / 100 if body.endswith("%") else float(body)
-    except ValueError:
+        value = float(Decimal(body[:-1]) / 100 if body.endswith("%") else Decimal(body))
+    except InvalidOperation:
         raise CliError(f"cannot read the overhead {text!r}; write e.g. 5% or 0.05") from None
     if value < 0:
         raise CliError(f"the overhead must be >= 0, got {text!r}")
@@ -77,14 +85,17 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--schedule", choices=[k.value for k in ScheduleKind], default="1f1b")
     plan.add_argument("--dp", type=int, default=1, help="data-parallel replicas W")
     plan.add_argument("--virtual-stages", "-v", type=int, default=1, help="stages per rank (interleaved)")
-    plan.add_argument("--hardware", default="p100", help="p100, v100, a100, h100 or cpu (analytic costs)")
+    plan.add_argument("--hardware", help="p100 (default), v100, a100, h100 or cpu: the analytic costs' device, "
+                                         "whose memory is the default --memory")
     plan.add_argument("--costs", type=Path, help="a cost table (.json), a PipeFisher profile (.csv), or a shipped "
                                                  "one of the paper: paper:<model>/<hardware>, e.g. paper:bert-base/p100")
     plan.add_argument("--micro-batch-size", type=int, default=32)
     plan.add_argument("--seq-len", type=int, help="sequence length (default: the preset's)")
-    plan.add_argument("--memory", type=_arg_type(parse_bytes), help="memory budget per device, e.g. 16GiB")
+    plan.add_argument("--memory", type=_arg_type(parse_bytes),
+                      help="memory budget per device, e.g. 16GiB (default: the device's memory, where known)")
     plan.add_argument("--max-overhead", type=_arg_type(parse_fraction), default=0.0, help="allowed step-time growth, e.g. 5%%")
-    plan.add_argument("--time-limit", type=float, default=10.0, help="solver time limit in seconds")
+    plan.add_argument("--time-limit", type=float, default=10.0,
+                      help="seconds for the whole planning (a refusal may take 3 s more to check what it suggests)")
     plan.add_argument("--method", choices=["cpsat", "greedy"], default="cpsat",
                       help="cpsat (optimal placement) or greedy (the paper's first-fit)")
     plan.add_argument("--show", action="store_true", help="draw the plan, one row per device")
@@ -126,7 +137,7 @@ def cost_table(args: argparse.Namespace, S: int) -> CostTable:
     else:
         from fxkfac.planner.analytic import analytic_cost_table
 
-        table = analytic_cost_table(args.target, S, args.micro_batch_size, args.seq_len, args.hardware)
+        table = analytic_cost_table(args.target, S, args.micro_batch_size, args.seq_len, _device(args))
     if len(table.stages) != S:
         raise CliError(f"the cost table has {len(table.stages)} stages but the schedule needs {S}")
     return table
@@ -169,7 +180,31 @@ def _factory_costs(args: argparse.Namespace, S: int) -> CostTable:
                     for x in layers[bounds[i]:bounds[i + 1]]] for i in range(S)]
     model_spec = model_spec_from_layers(spec_stages, name=f"{path.stem}.{factory_name}")
     return analytic_cost_table(model_spec, [range(i, i + 1) for i in range(S)], args.micro_batch_size, 1,
-                               args.hardware)
+                               _device(args))
+
+
+def _device(args: argparse.Namespace) -> str:
+    """The device the analytic costs are for."""
+    return args.hardware or "p100"
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The memory budget per device (None: unlimited) and where it comes from, in words."""
+
+    bytes: int | None
+    source: str
+
+
+def memory_budget(args: argparse.Namespace, costs: CostTable) -> Budget:
+    """--memory, else the memory of the device the costs are for (--hardware, or a cost table's known
+    hardware), else none: a plan never needs more than the device has unless asked to."""
+    if args.memory is not None:
+        return Budget(args.memory, "--memory")
+    name = (args.hardware or costs.hardware).lower()
+    if name not in HARDWARE:
+        return Budget(None, f"unlimited: the cost table's hardware {costs.hardware!r} is not a known device")
+    return Budget(hardware(name).memory_bytes, f"the {name}'s device memory (--memory sets another)")
 
 
 def _stage_means(costs: CostTable) -> dict[str, float]:
@@ -183,8 +218,16 @@ def _stage_means(costs: CostTable) -> dict[str, float]:
             "M_inv": mean(lambda s: s.factor_bytes), "M_err_save": mean(lambda s: s.deferred_bytes)}
 
 
-def _explain(args: argparse.Namespace, costs: CostTable, console: Console) -> None:
-    from fxkfac.planner.perf_model import evaluate, explain, perf_model
+def _slowest_stage(costs: CostTable) -> dict[str, float]:
+    """The slowest stage's forward and backward (the pace of a pipeline of unequal stages)."""
+    slowest = max(costs.stages, key=lambda s: s.fwd + s.bwd)
+    return {"T_f": slowest.fwd, "T_b": slowest.bwd}
+
+
+def _explain(args: argparse.Namespace, costs: CostTable, simulated: float, console: Console) -> None:
+    """The performance model with these costs, and how its T_pipe relates to the simulated step time
+    (`simulated`, the plan's step time before K-FAC)."""
+    from fxkfac.planner.perf_model import evaluate, explain, pipe_gap, perf_model
     from fxkfac.show import format_bytes
 
     console.print(explain(args.schedule), markup=False, highlight=False)
@@ -196,12 +239,47 @@ def _explain(args: argparse.Namespace, costs: CostTable, console: Console) -> No
     for name in ("M_pipe", "M_kfac"):
         console.print(f"  {name} = {format_bytes(evaluate(getattr(model, name), values))}", markup=False)
     console.print(f"  ratio = {evaluate(model.ratio, values):.2f} steps per refresh", markup=False)
+    slowest = evaluate(model.T_pipe, {**values, **_slowest_stage(costs)})
+    console.print(pipe_gap(evaluate(model.T_pipe, values), slowest, simulated), markup=False)
 
 
 def problem_of(args: argparse.Namespace, costs: CostTable) -> Problem:
-    """The planning problem the command line describes."""
+    """The planning problem the command line describes (the budget: `memory_budget`)."""
     return Problem(args.schedule, args.stages, args.microbatches, costs, W=args.dp, v=args.virtual_stages,
-                   memory_budget=args.memory, max_overhead=args.max_overhead)
+                   memory_budget=memory_budget(args, costs).bytes, max_overhead=args.max_overhead)
+
+
+def _flags(suggestion: Suggestion) -> str:
+    """The command-line flags that set a suggestion's values (each read back to exactly that value)."""
+    return " ".join(_flag(knob, value) for knob, value in suggestion.changes)
+
+
+def _flag(knob: Knob, value: float | int) -> str:
+    if knob is Knob.MAX_OVERHEAD:
+        percent = Decimal(repr(value)) * 100
+        return f"--max-overhead {format(percent.normalize(), 'f')}%"
+    if knob is Knob.MEMORY_BUDGET:
+        return f"--memory {_memory_text(int(value))}"
+    return f"--microbatches {value}"
+
+
+def _memory_text(n: int) -> str:
+    """Bytes as '84.46GiB' where parse_bytes reads that back to exactly `n`, else the plain number."""
+    for unit in ("GiB", "MiB", "KiB"):
+        text = f"{n / _UNITS[unit.lower()]:.2f}{unit}"
+        if n >= _UNITS[unit.lower()] and parse_bytes(text) == n:
+            return text
+    return str(n)
+
+
+def _refused(error: PlanError, budget: Budget) -> RefusedPlan:
+    """The planner's refusal with the flags of what it solved with, and where the budget came from."""
+    text = str(error)
+    if error.suggestions:
+        text += "; try " + " or ".join(_flags(s) for s in error.suggestions)
+    if budget.bytes is not None and budget.source != "--memory":
+        text += f"; the memory budget is {budget.source}"
+    return RefusedPlan(text)
 
 
 def run_plan(args: argparse.Namespace, console: Console) -> int:
@@ -217,16 +295,23 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         raise CliError(f"--time-limit must be > 0 seconds, got {args.time_limit:g}")
     costs = cost_table(args, S)
     problem = problem_of(args, costs)
-    plan = solve(problem, SolverConfig(time_limit_s=args.time_limit), method=args.method)
+    budget = memory_budget(args, costs)
+    try:
+        plan = solve(problem, SolverConfig(time_limit_s=args.time_limit), method=args.method)
+    except PlanError as e:
+        raise _refused(e, budget) from None
     if args.explain:
-        _explain(args, costs, console)
+        _explain(args, costs, plan.metrics.step_time_baseline, console)
+    title = f"fxkfac plan {args.target} ({args.method}, time limit {args.time_limit:g} s)"
     if args.show:
-        console.print(render_plan(plan, width=console.width, title=f"fxkfac plan {args.target} ({args.method})"))
+        console.print(render_plan(plan, width=console.width, title=title))
     else:
         from fxkfac.plan_view import plan_rows
         from fxkfac.show import render_summary
 
-        console.print(render_summary(f"fxkfac plan {args.target} ({args.method})", plan_rows(plan)))
+        console.print(render_summary(title, plan_rows(plan)))
+    if budget.bytes is not None and budget.source != "--memory":
+        console.print(f"memory budget: {budget.source}", markup=False)
     if args.export is not None:
         plan.save(args.export)
         console.print(f"wrote {args.export}", markup=False)
@@ -237,12 +322,17 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
 
 
 def run_show(args: argparse.Namespace, console: Console) -> int:
-    """`fxkfac show`: draw a saved plan (validated on load), and a measured trace below it."""
-    from fxkfac.plan_view import busy_utilization, planned_utilization, render_plan
+    """`fxkfac show`: draw a saved plan (validated on load, its summary checked against its placements),
+    and a measured trace below it."""
+    from fxkfac.plan_view import busy_utilization, planned_utilization, render_plan, summary_errors
     from fxkfac.planner.plan import Plan
     from fxkfac.show import render_summary, render_timeline, timeline_from_trace
 
     plan = Plan.load(args.plan)
+    wrong = summary_errors(plan)
+    if wrong:
+        raise PlanFormatError(f"plan file {args.plan}: its summary contradicts its placements: {'; '.join(wrong)}; "
+                              "make the plan again (fxkfac plan ... --export)")
     measured = None
     if args.measured is not None:
         measured = timeline_from_trace(_read_json(args.measured, "trace"))

@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Iterable
 
 from rich.console import Group, RenderableType
 
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import StepTimeline, copies_of_stage, step_timeline
+from fxkfac.planner.problem import StepTimeline, copies_of_stage, plain_step_time, static_bytes, step_timeline
 from fxkfac.planner.simulate import Interval, Timeline
 from fxkfac.show import format_bytes, render_summary, render_timeline
 
-__all__ = ["BUSY_KINDS", "PlannedView", "planned_view", "planned_utilization", "plan_rows", "render_plan",
-           "busy_utilization"]
+__all__ = ["BUSY_KINDS", "PlannedView", "planned_view", "planned_utilization", "plan_rows", "summary_errors",
+           "render_plan", "busy_utilization"]
 
 BUSY_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.CURV, OpKind.INV, OpKind.PREC})
 """What counts as busy in utilization, planned and measured (communication does not)."""
@@ -98,14 +99,17 @@ def _fixed(steps: _Steps, device: int, k: int, count: int) -> list[Interval]:
 
 
 def _kfac(plan: Plan, device: int, k: int, period: float, end: float) -> list[Interval]:
-    """The device's placements repeated every `period` seconds, wherever they overlap [0, end)."""
+    """The device's placements repeated every `period` seconds, wherever they overlap [0, end). An op
+    of the window before that ends within the time grid (`metrics.time_quantum`) after 0 ended before
+    it: durations round up to the grid ([Note: time grid]), and no op spans a step boundary."""
     out = []
+    grid = plan.metrics.time_quantum
     for p in plan.placements:
         if p.device != device:
             continue
         for n in range(-1, math.ceil(end / period) + 1):
             start, stop = p.start + n * period, p.end + n * period
-            if stop > 0 and start < end or (start == stop and 0 <= start < end):
+            if stop > 0 and start < end and (start >= 0 or stop > grid) or (start == stop and 0 <= start < end):
                 out.append(Interval(device, p.step + n * k, p.op, start, stop))
     return out
 
@@ -151,6 +155,10 @@ def _per_stage(values: tuple[int | None, ...]) -> str:
     return " ".join("-" if v is None else str(v) for v in values)
 
 
+_VERDICTS = {"OPTIMAL": "proven optimal", "FEASIBLE": "not proven optimal", "GREEDY": "first-fit, not optimized"}
+"""What each solver status says about optimality, in words."""
+
+
 def plan_rows(plan: Plan) -> list[tuple[str, str]]:
     """The summary of a plan: schedule, solver, step time, utilization, refresh periods, memory."""
     p, m = plan.problem, plan.metrics
@@ -160,8 +168,9 @@ def plan_rows(plan: Plan) -> list[tuple[str, str]]:
     return [
         ("model costs", f"{costs.source} ({costs.hardware}, micro-batch {costs.micro_batch_size})"),
         ("schedule", f"{p.schedule}  D={p.D} N={p.N} W={p.W}" + (f" v={p.v}" if p.schedule == "interleaved" else "")),
-        ("memory budget / max overhead", f"{budget} per device / {p.max_overhead:.1%}"),
-        ("solver", f"{m.solver.status}, {m.solver.wall_time:.1f} s, gap to bound {m.solver.gap:.1%}"),
+        ("memory budget / max overhead", f"{budget} per device / {p.max_overhead * 100:.3g}%"),
+        ("solver", f"{m.solver.status} ({_VERDICTS.get(m.solver.status, 'unknown status')}), "
+                   f"{m.solver.wall_time:.1f} s, gap to bound {m.solver.gap:.1%}"),
         ("step time before -> after", f"{m.step_time_baseline * 1e3:.2f} ms -> {m.step_time * 1e3:.2f} ms "
                                       f"(+{added:.1%}; K-FAC reference {m.step_time_reference * 1e3:.2f} ms)"),
         ("utilization before -> after", f"{m.utilization_baseline:.1%} -> {m.utilization:.1%}"),
@@ -170,6 +179,38 @@ def plan_rows(plan: Plan) -> list[tuple[str, str]]:
         ("  greedy (paper)", _per_stage(m.greedy_refresh_steps)),
         ("peak memory per device", "  ".join(f"r{d} {format_bytes(b)}" for d, b in m.peak_memory.items())),
     ]
+
+
+def summary_errors(plan: Plan) -> list[str]:
+    """Every number of `plan_rows` that the plan's problem and placements contradict (the validator checks
+    the placements themselves, not these metrics): what `fxkfac show` refuses to draw."""
+    p, m = plan.problem, plan.metrics
+    errors = []
+    periods = tuple(max(plan.layers[x.name].period for x in stage.layers) for stage in p.costs.stages)
+    if tuple(m.refresh_steps) != periods:
+        errors.append(f"refresh steps per stage {list(m.refresh_steps)}, but its layers refresh every {list(periods)}")
+    if any(not 1 <= b <= k for b, k in zip(m.lower_bound_steps, periods)) or len(m.lower_bound_steps) != len(periods):
+        errors.append(f"lower bounds {list(m.lower_bound_steps)} are not between 1 and the refresh steps")
+    for name, claimed, found in (("step time before", m.step_time_baseline, plain_step_time(p)),
+                                 ("K-FAC reference step time", m.step_time_reference, step_timeline(p).length),
+                                 ("utilization", m.utilization, _mean(planned_utilization(plan).values())),
+                                 ("utilization before", m.utilization_baseline, _baseline_utilization(plan))):
+        if abs(claimed - found) > 1e-6 * max(1.0, abs(found)) + m.time_quantum:
+            errors.append(f"{name} {claimed:.6g}, but its problem and placements give {found:.6g}")
+    if set(m.peak_memory) != set(p.devices) or any(m.peak_memory[d] < static_bytes(p, d) for d in p.devices):
+        errors.append("peak memory per device is missing devices or below their parameters, gradients and factors")
+    return errors
+
+
+def _mean(values: Iterable[float]) -> float:
+    items = list(values)
+    return sum(items) / len(items)
+
+
+def _baseline_utilization(plan: Plan) -> float:
+    """Busy share of the plain pipeline's step (no K-FAC), mean over devices."""
+    base = step_timeline(plan.problem, frozenset(), False)
+    return _mean(sum(b - a for _, a, b in base.fixed(d)) / base.length for d in plan.problem.devices)
 
 
 def render_plan(plan: Plan, *, width: int = 80, title: str = "") -> RenderableType:

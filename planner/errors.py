@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from enum import Enum
+
 __all__ = [
+    "Knob",
+    "Suggestion",
     "PlannerError",
     "PlanError",
     "PlanFormatError",
@@ -18,8 +23,34 @@ class PlannerError(Exception):
     """Base of every fxkfac error (named FxkfacError in `fxkfac.errors`)."""
 
 
+class Knob(Enum):
+    """A setting a refused plan may be made with instead; the value is the Problem field it sets."""
+
+    MAX_OVERHEAD = "max_overhead"
+    MEMORY_BUDGET = "memory_budget"
+    MICROBATCHES = "N"
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """Values of one knob, or of a few together (`changes`), that the planner has solved the refused
+    problem with, everything else unchanged; `least`: the (one) value is proven the least that plans."""
+
+    changes: tuple[tuple[Knob, float | int], ...]
+    least: bool = False
+
+    def fields(self) -> dict[str, float | int]:
+        """The changes as Problem fields, for dataclasses.replace(problem, **suggestion.fields())."""
+        return {knob.value: value for knob, value in self.changes}
+
+
 class PlanError(PlannerError):
-    """A plan could not be made, or a plan is not valid for its problem."""
+    """A plan could not be made, or a plan is not valid for its problem. `suggestions`: values the
+    planner solved the same problem with (see `Suggestion`), best first; empty when none was found."""
+
+    def __init__(self, message: str, *, suggestions: tuple[Suggestion, ...] = ()) -> None:
+        super().__init__(message)
+        self.suggestions = suggestions
 
 
 class PlanFormatError(PlanError):
@@ -33,8 +64,9 @@ class PlanMismatchError(PlanError):
 class InfeasibleBudgetError(PlanError):
     """No placement fits the memory budget; `needed_bytes` is the least that would."""
 
-    def __init__(self, message: str, needed_bytes: int | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, needed_bytes: int | None = None, *,
+                 suggestions: tuple[Suggestion, ...] = ()) -> None:
+        super().__init__(message, suggestions=suggestions)
         self.needed_bytes = needed_bytes
 
 

@@ -9,7 +9,7 @@ import sympy as sp
 
 from fxkfac.planner.schedules import ScheduleKind
 
-__all__ = ["SYMBOLS", "PerfModel", "perf_model", "explain", "evaluate"]
+__all__ = ["SYMBOLS", "PerfModel", "perf_model", "explain", "evaluate", "pipe_gap"]
 
 T_f, T_b = sp.symbols("T_f T_b", positive=True)
 D, N, v, W = sp.symbols("D N v W", positive=True, integer=True)
@@ -134,3 +134,14 @@ def explain(kind: ScheduleKind | str) -> str:
 def _backward_slower(expr: sp.Expr) -> sp.Expr:
     """`expr` with Min/Max/Abs of T_f, T_b resolved for T_b >= T_f."""
     return expr.subs({sp.Max(T_f, T_b): T_b, sp.Min(T_f, T_b): T_f, sp.Abs(T_b - T_f): T_b - T_f})
+
+
+def pipe_gap(at_means: float, at_slowest: float, simulated: float) -> str:
+    """How T_pipe, written for equal stages, relates to the simulated step of the actual stages (seconds
+    each: T_pipe at the stage means, T_pipe with every stage as slow as the slowest, the simulation), in
+    words for `--explain`."""
+    if abs(simulated - at_means) <= 1e-3 * simulated:
+        return f"  T_pipe agrees with the simulated step before K-FAC ({simulated * 1e3:.2f} ms, the plan's step time)"
+    return (f"  T_pipe is written for equal stages; the plan's step time before K-FAC ({simulated * 1e3:.2f} ms) is "
+            f"simulated with each stage's own costs, {(simulated - at_means) * 1e3:+.2f} ms from T_pipe at the stage "
+            f"means because the stages differ (every stage as slow as the slowest: T_pipe = {at_slowest * 1e3:.2f} ms)")

@@ -5,6 +5,11 @@ least memory any plan needs, solves every stage group (greedy, then CP-SAT warm-
 fuses the curvature of the layers that do not fit the budget deferred (largest kept bytes first,
 when max_overhead allows the time they add), gives every group the same stretch of the step (the
 largest any group needs, [Note: stretch] in planner/window.py), and assembles the Plan.
+
+[Note: time limit] CP-SAT stops at config.time_limit_s; greedy placement (and fusing by greedy's
+memory excess) goes on for at most OVERTIME / 2 more. A refusal then searches, until OVERTIME past
+the limit, for values of max_overhead, the memory budget or N that plan the same problem, and names
+only those it has solved with (`PlanError.suggestions`).
 """
 
 from __future__ import annotations
@@ -16,10 +21,20 @@ import os
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
+from decimal import ROUND_CEILING, Decimal
+from enum import Enum
 from pathlib import Path
 from typing import Any, Mapping
 
-from fxkfac.planner.errors import InfeasibleBudgetError, PlanError, PlanFormatError, PlanMismatchError
+from fxkfac.planner.errors import (
+    InfeasibleBudgetError,
+    Knob,
+    PlanError,
+    PlanFormatError,
+    PlanMismatchError,
+    ScheduleError,
+    Suggestion,
+)
 from fxkfac.planner.ir import LayerTiming, Op, OpKind, Program, format_program, parse_program
 from fxkfac.planner.lowering import startup_programs
 from fxkfac.planner.problem import (
@@ -48,7 +63,7 @@ from fxkfac.planner.window import (
     too_long,
 )
 
-__all__ = ["SCHEMA_VERSION", "SolverStats", "PlanMetrics", "Plan", "solve"]
+__all__ = ["SCHEMA_VERSION", "OVERTIME", "Method", "SolverStats", "PlanMetrics", "Plan", "solve"]
 
 SCHEMA_VERSION = 3
 """Version of the plan JSON layout; a newer file asks the user to upgrade fxkfac, an older one to re-plan.
@@ -153,12 +168,15 @@ class Plan:
 
     @classmethod
     def read(cls, path: str | Path) -> Plan:
-        """Read and parse a plan file, not yet validated against its problem (see `load`)."""
+        """Read and parse a plan file, not yet validated against its problem (see `load`); errors name the file."""
         try:
             text = Path(path).read_text()
         except OSError as e:
             raise PlanFormatError(f"cannot read the plan file {path}: {e}") from e
-        return cls.from_json(text)
+        try:
+            return cls.from_json(text)
+        except PlanFormatError as e:
+            raise PlanFormatError(f"plan file {path}: {e}") from e
 
     @classmethod
     def load(cls, path: str | Path, *, expect_fingerprint: str | None = None) -> Plan:
@@ -169,7 +187,10 @@ class Plan:
         if expect_fingerprint is not None and plan.fingerprint != expect_fingerprint:
             raise PlanMismatchError(f"{path} was made for graph {plan.fingerprint!r}, not {expect_fingerprint!r}; "
                                     "make a new plan for this model, mesh and schedule (fxkfac plan ... --export)")
-        check_plan(plan.problem, plan)
+        try:
+            check_plan(plan.problem, plan)
+        except PlanError as e:
+            raise PlanError(f"plan file {path}: {e}") from e
         return plan
 
 
@@ -225,6 +246,47 @@ def _plan_from_dict(data: Any) -> Plan:
         raise PlanFormatError(f"the plan file is malformed (missing or bad entry: {e})") from e
 
 
+class Method(str, Enum):
+    """How the K-FAC work is placed: CP-SAT (least refresh periods, then staleness; warm-started by
+    greedy, whose plan it keeps when it finds none better) or the PipeFisher paper's greedy first-fit."""
+
+    CPSAT = "cpsat"
+    GREEDY = "greedy"
+
+
+OVERTIME = 3.0
+"""Seconds planning may run past SolverConfig.time_limit_s: greedy placement once CP-SAT's time is up
+(fusing curvature to fit a memory budget) may take half; a refusal then solves with the values it would
+suggest until OVERTIME past the limit. A single greedy placement is not interrupted, so `solve` ends
+within time_limit_s + OVERTIME plus at most that."""
+
+
+@dataclass(frozen=True)
+class _Clock:
+    """`deadline`: when CP-SAT stops (greedy placement goes on); `cutoff`: when planning gives up; both
+    in time.perf_counter() seconds."""
+
+    deadline: float
+    cutoff: float
+
+    def solver_time(self) -> float:
+        """Seconds CP-SAT has left (<= 0: place greedily)."""
+        return self.deadline - time.perf_counter()
+
+    def out(self) -> bool:
+        """Whether planning must give up now."""
+        return time.perf_counter() >= self.cutoff
+
+
+class _Refused(Exception):
+    """A refusal before suggestions: the error for the user, the knobs that may lift it (searched in
+    this order), and the layers fused by then."""
+
+    def __init__(self, error: PlanError, knobs: tuple[Knob, ...], fused: frozenset[str] = frozenset()) -> None:
+        super().__init__(str(error))
+        self.error, self.knobs, self.fused = error, knobs, fused
+
+
 def _aggregate(problem: Problem, group: StageGroup, config: SolverConfig, allowed: Allowance) -> bool:
     """One CURV task per F/B for all layers when the group has many (config.aggregate decides when set),
     unless such a task is longer than every bubble the allowance leaves (per-layer tasks may still fit)."""
@@ -262,8 +324,10 @@ class _Attempt:
     allowance: Allowance
 
 
-def _solve_groups(problem: Problem, fused: frozenset[str], config: SolverConfig, method: str,
-                  min_k: int, deadline: float) -> _Attempt:
+def _solve_groups(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
+                  min_k: int, clock: _Clock) -> _Attempt:
+    """Every stage group's solution at refresh periods >= min_k: greedy, then CP-SAT warm-started by it
+    while the clock leaves CP-SAT time (greedy's alone after that, where it fits the budget)."""
     from fxkfac.planner.greedy import greedy_group
 
     groups = stage_groups(problem)
@@ -275,23 +339,27 @@ def _solve_groups(problem: Problem, fused: frozenset[str], config: SolverConfig,
         long = too_long(allowed.window(group, max(2, min_k), allowed.ticks(problem.max_period), aggregate=aggregate,
                                        resolution=config.time_resolution))
         if long:
-            raise PlanError("some K-FAC work cannot fit any bubble, whatever the refresh period"
-                            + (f", even with the step stretched by max_overhead={problem.max_overhead:g}"
-                               if allowed.enabled else "") + ": " + "; ".join(long[:5]) + ". "
-                            + _overhead_hint(problem, fused, config, method) + "; or use more micro-batches or stages "
-                            "(longer bubbles), or split the layer")
+            raise _Refused(PlanError(
+                "some K-FAC work cannot fit any bubble, whatever the refresh period"
+                + (f", even with the step stretched by max_overhead={problem.max_overhead:g}" if allowed.enabled else "")
+                + ": " + "; ".join(long[:5])
+                + ("" if config.stretch else ". Stretching the step is off (SolverConfig.stretch=False)")),
+                (Knob.MAX_OVERHEAD, Knob.MICROBATCHES) if config.stretch else (Knob.MICROBATCHES,), fused)
         try:
             g = greedy_group(problem, group, fused, aggregate=aggregate, resolution=config.time_resolution,
                              min_k=min_k, allowance=allowed)
         except PlanError:
             g = None
         greedy.append(g)
-        if method == "greedy":
+        left = clock.solver_time()
+        if method is Method.GREEDY or left <= 0:
             solutions.append(g if g is not None and fits_memory(g) else None)
             continue
         from fxkfac.planner.cpsat import solve_group
 
-        share = max(0.1, (deadline - time.perf_counter()) / (len(groups) - n))
+        if problem.memory_budget is not None:
+            left /= 2  # leave time for the rounds that fuse more curvature if this one finds no fit
+        share = max(0.1, left / (len(groups) - n))
         solutions.append(solve_group(problem, group, fused, config, share, g, aggregate=aggregate, min_k=min_k,
                                      allowance=allowed))
     return _Attempt(_same_stretch(solutions), greedy, allowed)
@@ -313,38 +381,31 @@ def _same_stretch(solutions: list[GroupSolution | None]) -> list[GroupSolution |
     return out
 
 
-def _overhead_hint(problem: Problem, fused: frozenset[str], config: SolverConfig, method: str = "cpsat") -> str:
-    """What max_overhead would place the work by stretching the step (the least, where the solver
-    proves it within a few seconds), for error messages."""
+def _overhead_estimate(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
+                       until: float) -> tuple[float | None, bool]:
+    """The max_overhead that stretching the step needs at the longest refresh period (rounded up to 3
+    digits), and whether it is proven least (CP-SAT refines greedy's stretch while time is left); None
+    when stretching is off or no stretch up to 10 reference steps places the work."""
     from fxkfac.planner.greedy import greedy_overhead
 
     if not config.stretch:
-        return "Stretching the step is off (SolverConfig.stretch=False)"
+        return None, False
     grid = Allowance(problem, fused, grid_scale(problem, range(problem.num_stages), fused, config.time_resolution))
-    k = problem.max_period
-    lower = upper = 0
-    proven = True
+    upper, proven = 0, True
     for group in stage_groups(problem):
         low, found = greedy_overhead(problem, group, grid, aggregate=_aggregate(problem, group, config, grid),
                                      resolution=config.time_resolution)
         if found is None:
-            return ("Raising max_overhead cannot help: no stretch up to 10 reference steps places the work "
-                    f"(it needs at least {_up(_overhead(problem, fused, k, low, grid))})")
+            return None, False
         least = found.window.stretch <= low
-        if method == "cpsat" and not least:
+        left = until - time.perf_counter()
+        if method is Method.CPSAT and not least and left > 0:
             from fxkfac.planner.cpsat import refine_stretch
 
-            found, least = refine_stretch(found, grid, config, min(5.0, config.time_limit_s))
-        lower, upper, proven = max(lower, low), max(upper, found.window.stretch), proven and least
-    need = _up(_overhead(problem, fused, k, upper, grid))
-    where = f"(refresh every {k} steps, the longest max_period allows)"
-    if need <= problem.max_overhead:
-        return (f"max_overhead={problem.max_overhead:g} is enough ({need} places it {where}) but the {method} "
-                "search did not find a placement: raise SolverConfig.time_limit_s (or use method 'cpsat')")
-    if proven:
-        return f"The least max_overhead that places it is {need} {where}"
-    return (f"Raise max_overhead to {need}, which places it {where}; less than "
-            f"{_up(_overhead(problem, fused, k, lower, grid))} cannot")
+            found, least = refine_stretch(found, grid, config, min(5.0, config.time_limit_s, left / 2))
+        upper, proven = max(upper, found.window.stretch), proven and least
+    need = _overhead(problem, fused, problem.max_period, upper, grid)
+    return (_sig_up(need) if need > 0 else None), proven
 
 
 def _overhead(problem: Problem, fused: frozenset[str], k: int, ticks: int, grid: Allowance) -> float:
@@ -353,58 +414,125 @@ def _overhead(problem: Problem, fused: frozenset[str], k: int, ticks: int, grid:
     return (ticks / grid.scale[0] + (step_timeline(problem, fused).length - normal) / k) / normal  # type: ignore[index]
 
 
-def _up(fraction: float) -> float:
-    """A fraction rounded up to 4 decimals (a value to type that is never short)."""
-    return math.ceil(fraction * 1e4 - 1e-9) / 1e4
+def _sig_up(x: float, digits: int = 3) -> float:
+    """`x` > 0 rounded up to `digits` significant digits: a value to type that is never short (its
+    shortest decimal text is what `f"{x:g}"` prints and float() reads back)."""
+    quantum = Decimal(1).scaleb(math.floor(math.log10(x)) - digits + 1)
+    return float((Decimal(repr(x)) / quantum).to_integral_value(rounding=ROUND_CEILING) * quantum)
 
 
-def _next_fused(problem: Problem, attempt: _Attempt, fused: frozenset[str]) -> frozenset[str] | None:
-    """Fuse one more layer (largest kept bytes) in every group that found no plan; None if none is left."""
+_BYTE_UNITS = ((1 << 30), (1 << 20), (1 << 10))
+
+
+def _bytes_up(n: float) -> int:
+    """`n` bytes rounded up to two decimals of GiB, MiB or KiB (whole bytes below 1 KiB), as the CLI
+    reads '84.47GiB': int(float('84.47') * 2**30)."""
+    for unit in _BYTE_UNITS:
+        if n >= unit:
+            hundredths = math.ceil(n * 100 / unit - 1e-6)
+            while int(float(f"{hundredths / 100:.2f}") * unit) < n:
+                hundredths += 1
+            return int(float(f"{hundredths / 100:.2f}") * unit)
+    return math.ceil(n)
+
+
+def _next_fused(problem: Problem, attempt: _Attempt, fused: frozenset[str], *, by_excess: bool) -> frozenset[str] | None:
+    """Fuse more layers (largest kept bytes first) in every group that found no plan: one, or with
+    `by_excess` as many as the greedy placement's bytes over the budget call for (a layer saves at most
+    its a and e of every micro-batch, so this never fuses more than that placement needs); None if none
+    is left."""
     groups = stage_groups(problem)
     more = set(fused)
-    for group, solution in zip(groups, attempt.solutions):
+    for group, solution, first in zip(groups, attempt.solutions, attempt.greedy):
         if solution is not None:
             continue
-        candidates = [x for s in group.stages for x in problem.costs.stages[s].layers if x.name not in fused]
+        candidates = sorted((x for s in group.stages for x in problem.costs.stages[s].layers if x.name not in fused),
+                            key=lambda x: (x.a_bytes + x.e_bytes, x.name), reverse=True)
         if not candidates:
             return None
-        more.add(max(candidates, key=lambda x: (x.a_bytes + x.e_bytes, x.name)).name)
+        excess = _excess(problem, first) if by_excess and first is not None else 0
+        saved = 0
+        for x in candidates:
+            more.add(x.name)
+            saved += (x.a_bytes + x.e_bytes) * problem.N * 2  # both Chimera pipelines at most
+            if saved >= excess:
+                break
     return frozenset(more)
 
 
-def solve(problem: Problem, config: SolverConfig = SolverConfig(), method: str = "cpsat") -> Plan:
-    """Plan the K-FAC work of `problem` ("cpsat": optimal placement warm-started by greedy; "greedy":
-    the paper's rule). Raises InfeasibleBudgetError when the budget is below what any plan needs, and
-    PlanError when some work cannot be placed within problem.max_period steps."""
-    if method not in ("cpsat", "greedy"):
-        raise PlanError(f"unknown planning method {method!r}; use 'cpsat' or 'greedy'")
+def _excess(problem: Problem, solution: GroupSolution) -> int:
+    """Bytes the solution's worst device holds over the memory budget."""
+    budget = problem.memory_budget or 0
+    return max(peak_bytes(solution.window, solution.starts, d) - budget for d in solution.window.group.devices)
+
+
+def solve(problem: Problem, config: SolverConfig = SolverConfig(), method: Method | str = Method.CPSAT) -> Plan:
+    """Plan the K-FAC work of `problem` (Method.CPSAT: optimal placement warm-started by greedy; GREEDY:
+    the paper's rule) within config.time_limit_s plus OVERTIME. Raises InfeasibleBudgetError when the
+    memory budget cannot be met and PlanError when the work cannot be placed within problem.max_period
+    steps; the error's message and `suggestions` name values of max_overhead, the budget or N that the
+    planner has solved this problem with (the rest unchanged), or say that none was found in time."""
+    how = _method(method)
     began = time.perf_counter()
+    deadline = began + config.time_limit_s
+    try:
+        return _attempt(problem, config, how, _Clock(deadline, deadline + OVERTIME / 2), began)
+    except _Refused as refused:
+        until = max(deadline + OVERTIME, time.perf_counter() + OVERTIME / 2)
+        raise _suggesting(refused, problem, config, how, until) from None
+
+
+def _method(method: Method | str) -> Method:
+    try:
+        return Method(method)
+    except ValueError:
+        raise PlanError(f"unknown planning method {method!r}; use 'cpsat' or 'greedy'") from None
+
+
+def _attempt(problem: Problem, config: SolverConfig, method: Method, clock: _Clock, began: float) -> Plan:
+    """One planning run as `solve` describes it, without suggestions: _Refused when it makes no plan."""
     _check_budget(problem)
     fused: frozenset[str] = frozenset()
-    deadline = began + config.time_limit_s
     while True:
         min_k = _overhead_period(problem, fused)
         if min_k > problem.max_period:
-            raise _fusing_refused(problem, fused)
-        attempt = _solve_groups(problem, fused, config, method, min_k, deadline)
+            raise _Refused(_fusing_refused(problem, fused), (Knob.MEMORY_BUDGET, Knob.MAX_OVERHEAD), fused)
+        attempt = _solve_groups(problem, fused, config, method, min_k, clock)
         while fused and all(attempt.solutions) and len({s.window.k for s in attempt.solutions}) > 1:  # type: ignore[union-attr]
             common = max(s.window.k for s in attempt.solutions)  # type: ignore[union-attr]
-            attempt = _solve_groups(problem, fused, config, method, common, deadline)
+            attempt = _solve_groups(problem, fused, config, method, common, clock)
         if all(attempt.solutions):
-            break
-        if problem.memory_budget is None or method == "greedy":
+            return _assemble(problem, attempt, fused, time.perf_counter() - began)
+        if problem.memory_budget is None or method is Method.GREEDY:
+            raise _unplaced(problem, attempt, fused, config, method)
+        nxt = _next_fused(problem, attempt, fused, by_excess=clock.solver_time() <= 0)
+        if nxt is None or clock.out():
             bad = [g.stages for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
-            raise PlanError(f"no placement of the K-FAC work of stages {bad} within {problem.max_period} steps "
-                            f"({method}{_stretched(problem, config)}): the bubbles are too short, or the time limit "
-                            f"({config.time_limit_s:g} s) was. {_overhead_hint(problem, fused, config, method)}")
-        nxt = _next_fused(problem, attempt, fused)
-        if nxt is None:
-            bad = [g.stages for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
-            raise PlanError(f"no placement found for stages {bad} even with all their curvature fused: the time "
-                            f"limit ({config.time_limit_s:g} s) ran out; raise SolverConfig.time_limit_s")
+            why = "even with all their curvature fused" if nxt is None else \
+                f"before the time limit ({config.time_limit_s:g} s + {OVERTIME / 2:g} s) ran out, {len(fused)} layers fused"
+            raise _Refused(InfeasibleBudgetError(
+                f"no placement of stages {bad} within the memory budget {format_bytes(problem.memory_budget)} "
+                f"per device was found {why}"), (Knob.MEMORY_BUDGET, Knob.MAX_OVERHEAD), fused)
         log.info("fusing curvature of %s to fit the memory budget", sorted(nxt - fused))
         fused = nxt
-    return _assemble(problem, attempt, fused, time.perf_counter() - began)
+
+
+def _unplaced(problem: Problem, attempt: _Attempt, fused: frozenset[str], config: SolverConfig,
+              method: Method) -> _Refused:
+    """The refusal when some group has no placement (no budget, or the greedy method)."""
+    groups = stage_groups(problem)
+    bad = [g.stages for g, s in zip(groups, attempt.solutions) if s is None]
+    heavy = [g.stages for g, s, first in zip(groups, attempt.solutions, attempt.greedy)
+             if s is None and first is not None and not fits_memory(first)]
+    if heavy:
+        return _Refused(InfeasibleBudgetError(
+            f"the greedy placement of stages {heavy} needs more than the memory budget "
+            f"{format_bytes(problem.memory_budget or 0)} per device (the greedy rule neither places by memory nor "
+            "fuses curvature)"), (Knob.MEMORY_BUDGET, Knob.MAX_OVERHEAD), fused)
+    timed = f", or the time limit ({config.time_limit_s:g} s) was" if method is Method.CPSAT else ""
+    return _Refused(PlanError(f"no placement of the K-FAC work of stages {bad} within {problem.max_period} steps "
+                              f"({method.value}{_stretched(problem, config)}): the bubbles are too short{timed}"),
+                    (Knob.MAX_OVERHEAD, Knob.MICROBATCHES), fused)
 
 
 def _stretched(problem: Problem, config: SolverConfig) -> str:
@@ -417,20 +545,205 @@ def _check_budget(problem: Problem) -> None:
         return
     need = min_memory_bytes(problem)
     if problem.memory_budget < need:
-        raise InfeasibleBudgetError(
+        raise _Refused(InfeasibleBudgetError(
             f"memory budget {problem.memory_budget} bytes ({format_bytes(problem.memory_budget)}) per device is below "
             f"the least any plan needs: {need} bytes ({format_bytes(need)}) = parameters and gradients, factors and "
-            "inverses, and the activation peak with all curvature fused; raise the budget or use more stages",
-            need)
+            "inverses, and the activation peak with all curvature fused (which max_overhead must pay for)",
+            need), (Knob.MEMORY_BUDGET,))
 
 
 def _fusing_refused(problem: Problem, fused: frozenset[str]) -> InfeasibleBudgetError:
     extra = step_timeline(problem, fused).length - step_timeline(problem).length
+    names = sorted(fused)
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return InfeasibleBudgetError(
-        f"the memory budget {format_bytes(problem.memory_budget or 0)} does not fit the a/e kept by deferred "
-        f"curvature; fusing {sorted(fused)} adds {extra:.4g} s to each refresh step, more than max_overhead="
-        f"{problem.max_overhead:g} allows within {problem.max_period} steps; raise max_overhead (e.g. "
-        f"{extra / (problem.max_period * step_timeline(problem).length):.2%}) or the memory budget", None)
+        f"the memory budget {format_bytes(problem.memory_budget or 0)} per device does not fit the a and e kept "
+        f"for deferred curvature; fusing the curvature of {len(names)} layers ({shown}) adds {extra:.4g} s to each "
+        f"refresh step, more than max_overhead={problem.max_overhead:g} allows within {problem.max_period} steps")
+
+
+# Suggestions: each refusal searches the knobs that may lift it, upward from the refused value, and
+# names only values it has solved the problem with (everything else unchanged).
+
+
+def _suggesting(refused: _Refused, problem: Problem, config: SolverConfig, method: Method,
+                until: float) -> PlanError:
+    """The refusal's error with the values that plan, searched until `until`: each knob alone; where
+    none does and a budget is set, max_overhead and the budget together; then more micro-batches."""
+    found: list[Suggestion] = []
+    searched: list[str] = []
+    stages = [(knob,) for knob in refused.knobs if knob is not Knob.MICROBATCHES]
+    if problem.memory_budget is not None and {Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET} & set(refused.knobs):
+        stages.append((Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET))
+    if Knob.MICROBATCHES in refused.knobs:
+        stages.append((Knob.MICROBATCHES,))
+    for knobs in stages:
+        if time.perf_counter() >= until or (len(knobs) > 1 or knobs == (Knob.MICROBATCHES,)) and found:
+            break
+        searched.append(_SEARCHED[knobs].format(N=4 * problem.N))
+        search = _search_together if len(knobs) > 1 else _SEARCHES[knobs[0]]
+        suggestion = search(problem, refused.fused, config, method, until)
+        if suggestion is not None:
+            found.append(suggestion)
+    text = f"{refused.error}. {_suggestion_text(problem, config, found, searched, time.perf_counter() >= until)}"
+    error = refused.error
+    if isinstance(error, InfeasibleBudgetError):
+        return InfeasibleBudgetError(text, error.needed_bytes, suggestions=tuple(found))
+    return PlanError(text, suggestions=tuple(found))
+
+
+def _suggestion_text(problem: Problem, config: SolverConfig, found: list[Suggestion], searched: list[str],
+                     timed_out: bool) -> str:
+    if found:
+        return "Solved with: " + "; or ".join(_describe(problem, s) for s in found)
+    if timed_out:
+        return (f"Nothing that plans it was found before the time ran out ({config.time_limit_s:g} s + {OVERTIME:g} s): "
+                f"searched {'; '.join(searched) or 'nothing'}; a longer time limit searches further")
+    return f"Nothing plans it: no {'; no '.join(searched)}"
+
+
+_SEARCHED = {(Knob.MAX_OVERHEAD,): "max_overhead below 10",
+             (Knob.MEMORY_BUDGET,): "memory budget from the peak of a plan made without one",
+             (Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET): "max_overhead with a memory budget",
+             (Knob.MICROBATCHES,): "number of micro-batches from 1 to {N}"}
+"""What each search tries, for the message that says none of it plans."""
+
+
+def _describe(problem: Problem, s: Suggestion) -> str:
+    """A suggestion in words: every value as `field=value`."""
+    words = []
+    for knob, value in s.changes:
+        if knob is Knob.MAX_OVERHEAD:
+            words.append(f"max_overhead={value:g}")
+        elif knob is Knob.MEMORY_BUDGET:
+            words.append(f"memory_budget={value} bytes ({format_bytes(value)})")
+        else:
+            words.append(f"N={value} micro-batches (of the same size)")
+    text = " with ".join(words)
+    if s.least:
+        text += f", the least max_overhead that places it (rounded up to 3 digits; refresh every {problem.max_period} steps)"
+    if [knob for knob, _ in s.changes] == [Knob.MEMORY_BUDGET]:
+        text += f" at max_overhead={problem.max_overhead:g}"
+    return text
+
+
+def _plans(problem: Problem, config: SolverConfig, method: Method, until: float, *, thorough: bool = False) -> bool:
+    """Whether `solve` makes a plan of `problem`: with greedy placement first (CP-SAT keeps any greedy
+    placement that fits the budget, and after its time fuses curvature as this does), then, `thorough`
+    or with a budget (which CP-SAT places by and greedy does not), with CP-SAT itself within the time left."""
+    thorough = thorough or problem.memory_budget is not None
+    return _plan_or_none(problem, config, method, until, thorough=thorough) is not None
+
+
+def _plan_or_none(problem: Problem, config: SolverConfig, method: Method, until: float, *,
+                  thorough: bool = False) -> Plan | None:
+    now = time.perf_counter()
+    tries = [now] + ([min(until, now + config.time_limit_s)] if thorough and method is Method.CPSAT else [])
+    for deadline in tries:
+        if time.perf_counter() >= until:
+            return None
+        try:
+            return _attempt(problem, config, method, _Clock(deadline, until), time.perf_counter())
+        except _Refused:
+            continue
+    return None
+
+
+def _search_overhead(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
+                     until: float) -> Suggestion | None:
+    """A max_overhead that plans: from greedy's stretch estimate doubling; then, while time is left, CP-SAT's
+    least stretch (checked by CP-SAT, named least where proven) or a few bisection probes below it."""
+    estimate, proven = _overhead_estimate(problem, fused, config, Method.GREEDY, until)
+    failed = problem.max_overhead
+    for candidate in _ladder(max(estimate or 0.0, failed * 1.01, 1e-4), failed):
+        if _plans(replace(problem, max_overhead=candidate), config, method, until):
+            break
+        if time.perf_counter() >= until:
+            return None
+        failed = candidate
+    else:
+        return None
+    if proven and candidate == estimate:
+        return Suggestion(((Knob.MAX_OVERHEAD, candidate),), least=True)
+    if method is Method.CPSAT:
+        least, proven = _overhead_estimate(problem, fused, config, method, until)
+        if least is not None and failed < least < candidate and \
+                _plans(replace(problem, max_overhead=least), config, method, until, thorough=True):
+            return Suggestion(((Knob.MAX_OVERHEAD, least),), least=proven)
+    return Suggestion(((Knob.MAX_OVERHEAD, _bisect_down(problem, config, method, until, failed, candidate)),))
+
+
+def _ladder(start: float, above: float) -> list[float]:
+    """max_overhead values to try: `start` doubling, 3 significant digits, above `above` and below 10."""
+    values, x = [], _sig_up(start)
+    while x < 10:
+        if x > above:
+            values.append(x)
+        x = _sig_up(x * 2)
+    return values
+
+
+def _bisect_down(problem: Problem, config: SolverConfig, method: Method, until: float, failed: float,
+                 works: float) -> float:
+    """A smaller max_overhead than `works` that still plans (a few probes between it and `failed`)."""
+    for _ in range(4):
+        middle = _sig_up((failed + works) / 2)
+        if not failed < middle < works:
+            break
+        if _plans(replace(problem, max_overhead=middle), config, method, until):
+            works = middle
+        elif time.perf_counter() >= until:
+            break
+        else:
+            failed = middle
+    return works
+
+
+def _search_memory(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
+                   until: float) -> Suggestion | None:
+    """A memory budget that plans at the problem's max_overhead: the peak of the plan made without a
+    budget, rounded up (raised by a quarter while it does not plan)."""
+    free = _plan_or_none(replace(problem, memory_budget=None), config, method, until)
+    if free is None:
+        return None
+    budget = _bytes_up(max(max(free.metrics.peak_memory.values()), min_memory_bytes(problem),
+                           (problem.memory_budget or 0) + 1))
+    for _ in range(4):
+        if _plans(replace(problem, memory_budget=budget), config, method, until):
+            return Suggestion(((Knob.MEMORY_BUDGET, budget),))
+        budget = _bytes_up(budget * 1.25)
+    return None
+
+
+def _search_microbatches(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
+                         until: float) -> Suggestion | None:
+    """The nearest N (valid for the schedule) that plans: fewer first (less curvature per step for the
+    same bubbles), then more, up to 4 times this one."""
+    for n in [*range(problem.N - 1, 0, -1), *range(problem.N + 1, 4 * problem.N + 1)]:
+        try:
+            candidate = replace(problem, N=n)
+        except ScheduleError:
+            continue
+        if _plans(candidate, config, method, until):
+            return Suggestion(((Knob.MICROBATCHES, n),))
+        if time.perf_counter() >= until:
+            return None
+    return None
+
+
+def _search_together(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
+                     until: float) -> Suggestion | None:
+    """A max_overhead that plans without the budget, and a budget that plans at it."""
+    overhead = _search_overhead(replace(problem, memory_budget=None), frozenset(), config, method, until)
+    if overhead is None:
+        return None
+    value = overhead.fields()["max_overhead"]
+    memory = _search_memory(replace(problem, max_overhead=value), fused, config, method, until)
+    return None if memory is None else Suggestion(((Knob.MAX_OVERHEAD, value),) + memory.changes)
+
+
+_SEARCHES = {Knob.MAX_OVERHEAD: _search_overhead, Knob.MEMORY_BUDGET: _search_memory,
+             Knob.MICROBATCHES: _search_microbatches}
 
 
 def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) -> Program:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import re
 import subprocess
 import sys
 from functools import lru_cache
@@ -19,7 +21,7 @@ from fxkfac.planner.plan import SCHEMA_VERSION, Plan, solve
 from fxkfac.planner.problem import min_memory_bytes
 from fxkfac.planner.simulate import Interval, Timeline
 from fxkfac.show import chrome_trace, render_timeline, timeline_from_trace
-from tests.planner.kfac_cases import problem
+from tests.planner.kfac_cases import problem, table
 
 PLAN = ["plan", "bert-base", "--stages", "4", "--microbatches", "4", "--schedule", "1f1b", "--hardware", "p100",
         "--method", "greedy"]
@@ -243,3 +245,102 @@ def test_factory_targets_plan_the_layers_compile_finds(factory: str, layers: lis
     costs = Plan.load(export).problem.costs
     assert [[x.name for x in stage.layers] for stage in costs.stages] == [layers[:len(layers) // 2],
                                                                            layers[len(layers) // 2:]]
+
+
+GPT2_A100 = ["plan", "gpt2", "--stages", "4", "--microbatches", "8", "--hardware", "a100", "--method", "greedy"]
+
+
+def test_the_device_memory_is_the_default_budget_and_a_refusal_names_the_least_that_fits(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """GPT-2 on 4 A100s (80 GiB) peaks at 84.5 GiB: refused without --memory, with a budget that plans."""
+    args = build_parser().parse_args(GPT2_A100)
+    unlimited = solve(dataclasses.replace(problem_of(args, cost_table(args, 4)), memory_budget=None), method="greedy")
+    peak = max(unlimited.metrics.peak_memory.values())
+    assert peak > 80 * 2**30  # the reference: greedy's plan without a budget does not fit the device
+    assert main(GPT2_A100) == 2
+    err = _one_line_error(capsys)
+    assert "a100's device memory" in err and "80.00 GiB" in err
+    flag = re.search(r"--memory ([0-9.]+[KMG]iB|[0-9]+)", err)
+    assert flag is not None and peak <= parse_bytes(flag.group(1)) < peak + 2**30 // 100, err
+    assert main(GPT2_A100 + ["--memory", flag.group(1)]) == 0  # the hint plans
+    assert main(GPT2_A100 + ["--memory", "100GiB"]) == 0  # an explicit budget overrides the device's
+    assert "100.0 GiB per device" in capsys.readouterr().out
+
+
+def test_plan_says_whether_the_result_is_optimal(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(PLAN[:-2] + ["--time-limit", "1"]) == 0
+    solver = next(line for line in capsys.readouterr().out.splitlines() if "solver" in line)
+    assert re.search(r"(OPTIMAL \(proven optimal\)|FEASIBLE \(not proven optimal\)|GREEDY \(first-fit)", solver), solver
+
+
+def test_trace_timestamps_are_never_negative(tmp_path: Path) -> None:
+    """Chimera's greedy plan has a PREC whose grid-rounded end lies a tick past the window: it was drawn
+    (and traced) one window early as well, at a negative time, as step -1."""
+    trace = tmp_path / "trace.json"
+    assert main(["plan", "bert-base", "-D", "4", "-N", "4", "--schedule", "chimera", "--method", "greedy",
+                 "--trace", str(trace)]) == 0
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert events and min(e["ts"] for e in events) >= 0 and min(e["args"]["step"] for e in events) >= 0
+
+
+def test_explain_names_why_t_pipe_differs_from_the_step_time(tmp_path: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(PLAN + ["--explain"]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # words, whatever the console wrapped
+    before = re.search(r"step time before -> after\s*│\s*([0-9.]+) ms", out)
+    assert before is not None and f"step time before K-FAC ({before.group(1)} ms)" in out
+    assert "written for equal stages" in out
+    uniform = tmp_path / "uniform.json"  # 4 equal stages: F 1 s, B 2 s, N=4, D=4: (N + D - 1)(F + B) = 21 s
+    uniform.write_text(json.dumps(table(4, layers=2).to_dict()))
+    assert main(["plan", "uniform", "-D", "4", "-N", "4", "--costs", str(uniform), "--method", "greedy",
+                 "--explain"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "T_pipe = 21000.00 ms" in out and "T_pipe agrees with the simulated step" in out
+
+
+def _renamed(text: str, old: str, new: str) -> str:
+    """A plan file with one layer renamed everywhere (a consistent edit the validator cannot catch)."""
+    return text.replace(old, new)
+
+
+def test_plan_file_errors_name_the_file(tmp_path: Path) -> None:
+    from fxkfac.autoplan import Target, load_plan
+    from fxkfac.planner.errors import PlanMismatchError
+    from fxkfac.planner.schedules import ScheduleKind
+
+    plan = _plan()
+    layers = {s: [x.name for x in stage.layers] for s, stage in enumerate(plan.problem.costs.stages)}
+    path = tmp_path / "edited.json"
+    path.write_text(_renamed(plan.to_json(), "l1_0", "l1_renamed"))
+    target = Target(plan.fingerprint, ScheduleKind(plan.problem.schedule), plan.problem.D, plan.problem.N,
+                    plan.problem.W)
+    assert Plan.load(path).layers.keys() != plan.layers.keys()  # valid by itself: only the model knows
+    with pytest.raises(PlanMismatchError, match=rf"plan file {re.escape(str(path))}.*l1_renamed"):
+        load_plan(path, target, layers)
+    assert load_plan(_saved(plan, tmp_path), target, layers).layers == plan.layers
+    truncated = tmp_path / "truncated.json"
+    truncated.write_text(plan.to_json()[:100])
+    with pytest.raises(PlannerError, match=re.escape(str(truncated))):
+        load_plan(truncated, target, layers)
+
+
+def _saved(plan: Plan, folder: Path) -> Path:
+    path = folder / "plan.json"
+    plan.save(path)
+    return path
+
+
+@pytest.mark.parametrize("field,edit,needle", [
+    ("refresh_steps", lambda steps: [k + 1 for k in steps], "refresh steps per stage"),
+    ("utilization", lambda _: 0.99, "utilization 0.99"),
+    ("step_time_baseline", lambda _: 123.0, "step time before 123"),
+])
+def test_show_refuses_a_summary_its_placements_contradict(field: str, edit, needle: str, tmp_path: Path,  # type: ignore[no-untyped-def]
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    data = json.loads(_plan().to_json())
+    data["metrics"][field] = edit(data["metrics"][field])
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(data))
+    assert main(["show", str(path)]) == 2
+    err = _one_line_error(capsys)
+    assert str(path) in err and needle in err and "contradicts" in err
