@@ -14,7 +14,7 @@ one run (rounds interleaved, so drift in machine load hits all alike):
 The paper's claim (PipeFisher, Table 3: about 6.5% over the pipeline) is b/a <= 1.10 and b < d < c.
 Each round times a block of whole refresh periods per variant; the step time is the median over
 rounds of the block's mean (a refresh step and the steps between weigh as they do in training).
-Utilization per rank is measured from the recorded timeline (time in F, B, CURV, INV and PREC over
+Utilization per rank is measured from the recorded timeline (time in F, B, STATS, DECOMP and APPLY over
 the step span, waiting counts as idle) and printed beside the plan's prediction (its programs
 simulated with the profiled costs).
 
@@ -65,7 +65,7 @@ D = 2
 VARIANTS = ("a", "b", "c", "d")
 NAMES = {"a": "pipeline + AdamW", "b": "PipeFisher (plan=auto)", "c": "naive K-FAC (every step)",
          "d": "K-FAC+skip (plan's period)"}
-BUSY = ("FWD", "BWD", "CURV", "INV", "PREC")
+BUSY = ("FWD", "BWD", "STATS", "DECOMP", "APPLY")
 KFAC = KFACConfig(damping=1e-3, factor_decay=0.95, kl_clip=1e-3)
 
 
@@ -217,7 +217,7 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
                       _fmt_ranks(measured) if measured else "-",
                       _fmt_ranks(plan_util[v]) if v in plan_util else "-")
     console.print(table)
-    kinds = ("FWD", "BWD", "CURV", "INV", "PREC", "OPT_STEP", "RECV_ACT", "RECV_GRAD", "SYNC_CURV", "BCAST_INV")
+    kinds = ("FWD", "BWD", "STATS", "DECOMP", "APPLY", "OPT_STEP", "RECV_ACT", "RECV_GRAD", "SYNC_STATS", "BCAST")
     where = Table(title="where a step's time goes, ms per step and rank (measured; (b) planned in brackets)")
     where.add_column("variant / rank")
     for k in kinds:

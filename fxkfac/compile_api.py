@@ -93,10 +93,12 @@ def compile(  # noqa: A001 - the public name the design card gives
     timings = layer_timings(captured.layers, family, {**given, **dict(layer_timing or {})}) if family else {}
     if resolved is not None and layer_timing:
         raise ConfigError("layer_timing and a plan both set the layer timings on a mesh; pass one of them")
+    parts = family.parts if family is not None else ()
     programs = resolved.programs if resolved is not None else naive_programs(kind, layout.D, N, layout.W, timings,
-                                                                           stage_layers, v=v)
-    spec = RunSpec(layout, kind, N, v, captured, split, batch, input_signature(example), dict(programs),
-                   dict(resolved.startup) if resolved is not None else {}, resolved, family, timings, target.fingerprint)
+                                                                           stage_layers, v=v, parts=parts)
+    startup = dict(resolved.startup) if resolved is not None else {}
+    spec = RunSpec(layout, kind, N, v, captured, split, batch, input_signature(example), dict(programs), startup,
+                   resolved, family, timings, target.fingerprint)
     return Trainer(spec, loss_fn=loss_fn, optimizer=optimizer or default_optimizer, options=pipeline,
                    backend=backend)
 
@@ -149,7 +151,8 @@ def _batch_size(example: tuple[Any, ...]) -> int:
 
 
 def layer_timings(layers: list[KFACLayer], family: Family, given: Mapping[str, LayerTiming]) -> dict[str, LayerTiming]:
-    """Each layer's timing: ``given`` where it names it, else ``LayerTiming(refresh_every, 0, 0, capture)`` of the family.
+    """Each layer's timing: ``given`` where it names it, else ``LayerTiming(refresh_every, 0, 0, capture)``
+    with the family's defaults.
 
     ConfigError for timings of unknown layers or with invalid fields.
     """

@@ -26,7 +26,7 @@ from fxkfac.show import format_bytes, render_summary, render_timeline
 __all__ = ["BUSY_KINDS", "PlannedView", "planned_view", "planned_utilization", "plan_rows", "summary_errors",
            "render_plan", "busy_utilization"]
 
-BUSY_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.CURV, OpKind.INV, OpKind.PREC})
+BUSY_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.STATS, OpKind.DECOMP, OpKind.APPLY})
 """What counts as busy in utilization, planned and measured (communication does not)."""
 
 _DRAWN_FIXED = frozenset({OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD})

@@ -45,7 +45,7 @@ def _spd(dim: int, rows: int) -> Tensor:
 
 
 def _curv_calls(layer: KFACLayer, rows: int, dtype: torch.dtype) -> tuple[Callable[[], object], Callable[[], object]]:
-    """The runtime's deferred CURV of one micro-batch (fxkfac.runtime.kfac_ops): rows of the captured a / e
+    """The runtime's deferred STATS of one micro-batch (fxkfac.runtime.kfac_ops): rows of the captured a / e
     (bias column, scaling by n) and their factor; conv2d: the factor of rows of the final width (im2col
     needs the input's geometry)."""
     if layer.kind == "conv2d":
@@ -63,7 +63,7 @@ def _weight_shape(layer: KFACLayer) -> tuple[int, ...]:
 
 
 def _prec_call(layer: KFACLayer, inverse: Inverse) -> Callable[[], object]:
-    """The runtime's PREC of one layer (fxkfac.kfac.precondition.Preconditioner): gradient matrix with the bias column,
+    """The runtime's APPLY of one layer (fxkfac.kfac.precondition.Preconditioner): gradient matrix with the bias column,
     P = B^-1 G A^-1, <P, G>, and P written back into the gradients."""
     state = LayerState(layer.a_dim, layer.b_dim)
     state.active = inverse
@@ -80,7 +80,7 @@ def _prec_call(layer: KFACLayer, inverse: Inverse) -> Callable[[], object]:
 
 def _layer_cost(layer: KFACLayer, rows: int, cfg: KFACConfig, warmup: int, repeats: int) -> LayerCost:
     """Curvature of one micro-batch (rows of a and of e), inversion per factor and precondition, timed
-    on the code paths the runtime's CURV, INV and PREC handlers run."""
+    on the code paths the runtime's STATS, DECOMP and APPLY handlers run."""
     dtype = getattr(torch, cfg.factor_dtype)
     curv_a, curv_b = _curv_calls(layer, rows, dtype)
     A, B = _spd(layer.a_dim, rows), _spd(layer.b_dim, rows)
@@ -146,7 +146,7 @@ def profile(split: SplitResult, stage_layers: Mapping[int, Sequence[str]], layer
     graph). `loss(flat_outputs)` is the last stage's scalar loss for one micro-batch. Forward is the
     median over `repeats`; backward is (forward + backward) minus forward. K-FAC kernels are timed on
     random rows of the layer's real shape (micro-batch x tokens per sample), through the functions the
-    runtime's CURV, INV and PREC handlers call.
+    runtime's STATS, DECOMP and APPLY handlers call.
     """
     batch = int(micro_inputs[0].shape[0])
     inputs = list(micro_inputs)

@@ -50,12 +50,12 @@ CATEGORIES: dict[str, Category] = {
 _CATEGORY_OF = {
     OpKind.FWD: "fwd",
     OpKind.BWD: "bwd",
-    OpKind.CURV: "curv",
-    OpKind.INV: "inv",
-    OpKind.SYNC_CURV: "sync",
-    OpKind.BCAST_INV: "sync",
+    OpKind.STATS: "curv",
+    OpKind.DECOMP: "inv",
+    OpKind.SYNC_STATS: "sync",
+    OpKind.BCAST: "sync",
     OpKind.ALLREDUCE_GRAD: "sync",
-    OpKind.PREC: "prec",
+    OpKind.APPLY: "prec",
 }
 
 
@@ -70,14 +70,14 @@ def cost_durations(costs: CostTable) -> Callable[[int, Op], float]:
     layers = {layer.name: layer for stage in costs.stages for layer in stage.layers}
 
     def duration(rank: int, op: Op) -> float:
-        if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.PREC):
+        if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.APPLY):
             stage = costs.stages[op.stage]  # type: ignore[index]
-            return {OpKind.FWD: stage.fwd, OpKind.BWD: stage.bwd, OpKind.PREC: stage.prec}[op.kind]
-        if op.kind in (OpKind.CURV, OpKind.INV):
+            return {OpKind.FWD: stage.fwd, OpKind.BWD: stage.bwd, OpKind.APPLY: stage.prec}[op.kind]
+        if op.kind in (OpKind.STATS, OpKind.DECOMP):
             layer = layers[op.layer]  # type: ignore[index]
-            if op.kind is OpKind.CURV:
-                return layer.curv_a if op.factor == "A" else layer.curv_b
-            return layer.inv_a if op.factor == "A" else layer.inv_b
+            if op.kind is OpKind.STATS:
+                return layer.curv_a if op.part == "A" else layer.curv_b
+            return layer.inv_a if op.part == "A" else layer.inv_b
         return 0.0
 
     return duration

@@ -40,7 +40,7 @@ a second (benchmarks/paper_configs.py, Chimera), and proves the least staleness 
 
 @dataclass
 class _Vars:
-    """The model and its variables, by task index / PREC slot index."""
+    """The model and its variables, by task index / APPLY slot index."""
 
     model: cp_model.CpModel
     start: list[cp_model.IntVar] = field(default_factory=list)
@@ -148,7 +148,7 @@ def _add_memory(v: _Vars, w: Window) -> None:
 
 
 def _add_staleness(v: _Vars, w: Window) -> list[cp_model.IntVar]:
-    """use_offset(layer) = number of the window's steps whose PREC comes before the inverse is ready."""
+    """use_offset(layer) = number of the window's steps whose APPLY comes before the inverse is ready."""
     m, k, L = v.model, w.k, w.length
     ends: dict[str, list[cp_model.LinearExpr]] = {}
     for i, task in enumerate(w.tasks):

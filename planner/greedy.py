@@ -5,7 +5,7 @@ priority order (curvature A, curvature B, sync, inversion; broadcasts after thei
 the first gap between pipeline ops where `duration * 1.05` fits, after their dependencies; when
 something does not fit the window grows by one pipeline step and everything is placed again. The
 number of steps is the refresh period. Each stage's inversions go to its copies round-robin by
-layer (the paper's fixed partition), PREC stays right after the gradient all-reduce, and memory is
+layer (the paper's fixed partition), APPLY stays right after the gradient all-reduce, and memory is
 not considered (the paper's rule; the planner validates the result). Where the problem allows a
 stretch ([Note: stretch] in planner/window.py), each k is tried with the whole allowance and the least
 stretch first-fit still places everything with is then bisected (first-fit is not monotone in the

@@ -23,6 +23,7 @@ __all__ = [
     "COLLECTIVE_KINDS",
     "SEND_KINDS",
     "RECV_KINDS",
+    "OP_FIELDS",
     "as_programs",
     "ops_at",
     "format_program",
@@ -42,17 +43,17 @@ class OpKind(StrEnum):
     SEND_GRAD = "SEND_GRAD"
     RECV_GRAD = "RECV_GRAD"
     ALLREDUCE_GRAD = "ALLREDUCE_GRAD"
-    CURV = "CURV"
-    SYNC_CURV = "SYNC_CURV"
-    INV = "INV"
-    BCAST_INV = "BCAST_INV"
-    PREC = "PREC"
+    STATS = "STATS"
+    SYNC_STATS = "SYNC_STATS"
+    DECOMP = "DECOMP"
+    BCAST = "BCAST"
+    APPLY = "APPLY"
     OPT_STEP = "OPT_STEP"
 
 
 SEND_KINDS = frozenset({OpKind.SEND_ACT, OpKind.SEND_GRAD})
 RECV_KINDS = frozenset({OpKind.RECV_ACT, OpKind.RECV_GRAD})
-COLLECTIVE_KINDS = frozenset({OpKind.ALLREDUCE_GRAD, OpKind.SYNC_CURV, OpKind.BCAST_INV})
+COLLECTIVE_KINDS = frozenset({OpKind.ALLREDUCE_GRAD, OpKind.SYNC_STATS, OpKind.BCAST})
 
 _SHORT = {OpKind.FWD: "F", OpKind.BWD: "B"}
 _BY_NAME = {**{k.value: k for k in OpKind}, **{v: k for k, v in _SHORT.items()}}
@@ -61,9 +62,29 @@ _FIELD_TOKENS = (
     ("stage", re.compile(r"s(\d+)")),
     ("mb", re.compile(r"m(\d+)")),
     ("pipe", re.compile(r"p(\d+)")),
-    ("factor", re.compile(r"(A|B)")),
-    ("peer", re.compile(r"[<>@]r(\d+)")),
+    ("part", re.compile(r"([A-Z])")),
+    ("peer", re.compile(r"[<>]r(\d+)")),
+    ("root", re.compile(r"@r(\d+)")),
 )
+
+_STAGE, _MB, _PIPE, _LAYER, _PART, _PEER, _ROOT = "stage", "mb", "pipe", "layer", "part", "peer", "root"
+OP_FIELDS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
+    # kind: (required, also allowed)
+    OpKind.FWD: (frozenset({_STAGE, _MB}), frozenset({_PIPE})),
+    OpKind.BWD: (frozenset({_STAGE, _MB}), frozenset({_PIPE})),
+    **{k: (frozenset({_STAGE, _MB, _PEER}), frozenset({_PIPE}))
+       for k in (OpKind.SEND_ACT, OpKind.RECV_ACT, OpKind.SEND_GRAD, OpKind.RECV_GRAD)},
+    OpKind.ALLREDUCE_GRAD: (frozenset(), frozenset({_STAGE})),
+    OpKind.STATS: (frozenset({_STAGE, _MB}), frozenset({_PIPE, _LAYER, _PART})),
+    OpKind.SYNC_STATS: (frozenset({_STAGE}), frozenset({_LAYER, _PART})),
+    OpKind.DECOMP: (frozenset({_STAGE}), frozenset({_LAYER, _PART})),
+    OpKind.BCAST: (frozenset({_STAGE, _ROOT}), frozenset({_LAYER, _PART})),
+    OpKind.APPLY: (frozenset({_STAGE}), frozenset({_PIPE})),
+    OpKind.OPT_STEP: (frozenset(), frozenset()),
+}
+"""The fields each kind of op must have and may have. A preconditioner's ops name a `layer` (all layers of the
+stage when absent) and a `part` of it (every part when absent); `peer` is the other end of a transfer, `root`
+the rank a broadcast comes from."""
 _RAW_LAYER = re.compile(r"[A-Za-z0-9_.:/\-\[\]]+")
 
 
@@ -76,21 +97,18 @@ def _layer_text(layer: str) -> str:
 
 
 def _peer_prefix(kind: OpKind) -> str:
-    if kind in SEND_KINDS:
-        return ">"
-    if kind in RECV_KINDS:
-        return "<"
-    return "@"
+    """How a transfer writes its peer: ">rN" to send to, "<rN" to receive from."""
+    return ">" if kind in SEND_KINDS else "<"
 
 
 @dataclass(frozen=True, slots=True)
 class Op:
     """One instruction: `kind` on global (virtual) `stage`, micro-batch `mb` of pipeline `pipe`.
 
-    `layer`/`factor` name K-FAC work ("A" or "B"); `peer` is the other rank of a SEND/RECV
-    (for other kinds, a rank the op refers to, e.g. the root of a broadcast).
-    `str(op)` is compact ("F s1 m0", "SEND_ACT s1 m0 >r2", "CURV s1 m3 A layer") and
-    `Op.parse(str(op)) == op`.
+    `layer`/`part` name a preconditioner's work (a part is one capital letter: K-FAC's "A" or "B");
+    `peer` is the other rank of a SEND/RECV, `root` the rank a BCAST comes from; each kind has its
+    required and allowed fields (`OP_FIELDS`). `str(op)` is compact ("F s1 m0", "SEND_ACT s1 m0 >r2",
+    "STATS s1 m3 A layer", "BCAST s1 A @r2 layer") and `Op.parse(str(op)) == op`.
     """
 
     kind: OpKind
@@ -98,22 +116,29 @@ class Op:
     mb: int | None = None
     pipe: int = 0
     layer: str | None = None
-    factor: str | None = None
+    part: str | None = None
     peer: int | None = None
+    root: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, OpKind):
             object.__setattr__(self, "kind", OpKind(self.kind))
-        for name in ("stage", "mb", "peer"):
+        for name in (_STAGE, _MB, _PEER, _ROOT):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 0):
                 raise PlanFormatError(f"Op.{name} must be a non-negative int or None, got {value!r}")
         if not isinstance(self.pipe, int) or self.pipe < 0:
             raise PlanFormatError(f"Op.pipe must be a non-negative int, got {self.pipe!r}")
-        if self.factor not in (None, "A", "B"):
-            raise PlanFormatError(f"Op.factor must be 'A', 'B' or None, got {self.factor!r}")
+        if self.part is not None and not (isinstance(self.part, str) and re.fullmatch("[A-Z]", self.part)):
+            raise PlanFormatError(f"Op.part must be one capital letter or None, got {self.part!r}")
         if self.layer is not None and (not isinstance(self.layer, str) or not self.layer):
             raise PlanFormatError(f"Op.layer must be a non-empty str or None, got {self.layer!r}")
+        required, allowed = OP_FIELDS[self.kind]
+        present = {name for name in (_STAGE, _MB, _LAYER, _PART, _PEER, _ROOT) if getattr(self, name) is not None}
+        present |= {_PIPE} if self.pipe else set()
+        if not required <= present or not present <= required | allowed:
+            raise PlanFormatError(f"{self.kind.value} needs {sorted(required)} and may have {sorted(allowed)}, got "
+                                  f"{sorted(present)}")
 
     def __str__(self) -> str:
         parts = [_SHORT.get(self.kind, self.kind.value)]
@@ -123,10 +148,12 @@ class Op:
             parts.append(f"m{self.mb}")
         if self.pipe:
             parts.append(f"p{self.pipe}")
-        if self.factor is not None:
-            parts.append(self.factor)
+        if self.part is not None:
+            parts.append(self.part)
         if self.peer is not None:
             parts.append(f"{_peer_prefix(self.kind)}r{self.peer}")
+        if self.root is not None:
+            parts.append(f"@r{self.root}")
         if self.layer is not None:
             parts.append(_layer_text(self.layer))
         return " ".join(parts)
@@ -145,7 +172,7 @@ class Op:
             match = pattern.fullmatch(token) if token else None
             if match is None:
                 continue
-            fields[name] = match.group(1) if name == "factor" else int(match.group(1))
+            fields[name] = match.group(1) if name == _PART else int(match.group(1))
             if name == "peer" and token[0] != _peer_prefix(kind):
                 raise PlanFormatError(f"peer of {kind} must be written {_peer_prefix(kind)}rN in {text!r}")
             rest = tail.strip()

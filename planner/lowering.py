@@ -22,6 +22,9 @@ __all__ = ["add_send_recv", "expand_dp", "rank_programs", "ranks_of_stages", "re
 
 P = TypeVar("P", list[Op], Program)
 
+KFAC_PARTS = ("A", "B")
+"""K-FAC's parts: the input-side factor A and the output-side factor B (another family names its own)."""
+
 
 def _is_program(body: Sequence[Op] | Program) -> TypeIs[Program]:
     """A period program (steps of ops) rather than one step's ops; an empty body is one (empty) step."""
@@ -120,12 +123,14 @@ def refreshing(timings: Mapping[str, LayerTiming], names: Sequence[str], step: i
 
 
 def kfac_tail(rank: int, copies: Sequence[tuple[int, int]], step: int, timings: Mapping[str, LayerTiming],
-              stage_layers: Mapping[int, Sequence[str]], holders: Mapping[int, tuple[int, ...]]) -> list[Op]:
+              stage_layers: Mapping[int, Sequence[str]], holders: Mapping[int, tuple[int, ...]],
+              parts: Sequence[str] = KFAC_PARTS) -> list[Op]:
     """The K-FAC ops a rank runs between its last ALLREDUCE_GRAD and OPT_STEP at one step of the period.
 
     Every collective is emitted in (stage, layer, factor) order by every holder, so no two ranks wait
     on each other; the inversions of a stage are dealt round-robin over its holders (inversion
-    parallelism) and broadcast from there. `copies` are the (stage, pipe) pairs the rank holds.
+    parallelism) and broadcast from there. `copies` are the (stage, pipe) pairs the rank holds; `parts`
+    the preconditioner family's parts of every layer (K-FAC: A and B).
     """
     syncs: list[Op] = []
     invs: list[Op] = []
@@ -134,34 +139,36 @@ def kfac_tail(rank: int, copies: Sequence[tuple[int, int]], step: int, timings: 
         ranks = holders[s]
         for i, name in enumerate(refreshing(timings, stage_layers[s], step)):
             if len(ranks) > 1:
-                syncs.append(Op(OpKind.SYNC_CURV, stage=s, layer=name))
-            for j, side in enumerate(("A", "B")):
-                root = ranks[(2 * i + j) % len(ranks)]
+                syncs.append(Op(OpKind.SYNC_STATS, stage=s, layer=name))
+            for j, side in enumerate(parts):
+                root = ranks[(len(parts) * i + j) % len(ranks)]
                 if root == rank:
-                    invs.append(Op(OpKind.INV, stage=s, factor=side, layer=name))
+                    invs.append(Op(OpKind.DECOMP, stage=s, part=side, layer=name))
                 if len(ranks) > 1:
-                    bcasts.append(Op(OpKind.BCAST_INV, stage=s, factor=side, peer=root, layer=name))
-    precs = [Op(OpKind.PREC, stage=s, pipe=p) for s, p in sorted(set(copies))]
+                    bcasts.append(Op(OpKind.BCAST, stage=s, part=side, root=root, layer=name))
+    precs = [Op(OpKind.APPLY, stage=s, pipe=p) for s, p in sorted(set(copies))]
     return syncs + invs + bcasts + precs
 
 
 def _with_kfac(ops: Sequence[Op], rank: int, step: int, timings: Mapping[str, LayerTiming],
-               stage_layers: Mapping[int, Sequence[str]], holders: Mapping[int, tuple[int, ...]]) -> list[Op]:
+               stage_layers: Mapping[int, Sequence[str]], holders: Mapping[int, tuple[int, ...]],
+               parts: Sequence[str]) -> list[Op]:
     """One step of a rank's plain program with curvature after each BWD and the K-FAC tail before OPT_STEP."""
     copies = sorted({(op.stage, op.pipe) for op in ops if op.kind is OpKind.FWD and op.stage is not None})
     body: list[Op] = []
     for op in ops:
         if op.kind is OpKind.OPT_STEP:
-            body.extend(kfac_tail(rank, copies, step, timings, stage_layers, holders))
+            body.extend(kfac_tail(rank, copies, step, timings, stage_layers, holders, parts))
         body.append(op)
         if op.kind is OpKind.BWD and op.stage is not None:
-            body.extend(Op(OpKind.CURV, stage=op.stage, mb=op.mb, pipe=op.pipe, factor=side, layer=name)
-                        for name in refreshing(timings, stage_layers[op.stage], step) for side in ("A", "B"))
+            body.extend(Op(OpKind.STATS, stage=op.stage, mb=op.mb, pipe=op.pipe, part=side, layer=name)
+                        for name in refreshing(timings, stage_layers[op.stage], step) for side in parts)
     return body
 
 
 def naive_programs(kind: ScheduleKind | str, D: int, N: int, W: int, timings: Mapping[str, LayerTiming],
-                   stage_layers: Mapping[int, Sequence[str]], *, v: int = 1) -> Programs:
+                   stage_layers: Mapping[int, Sequence[str]], *, v: int = 1,
+                   parts: Sequence[str] = KFAC_PARTS) -> Programs:
     """K-FAC on the critical path: the plain pipeline with curvature right after each BWD of a refreshing
     layer, and sync, inversion, broadcast and precondition before OPT_STEP.
 
@@ -175,7 +182,7 @@ def naive_programs(kind: ScheduleKind | str, D: int, N: int, W: int, timings: Ma
     with_prec = bool(timings)
     out: Programs = {}
     for rank, ops in rank_programs(kind, D, N, W, v).items():
-        out[rank] = [_with_kfac(ops, rank, step, timings, stage_layers, holders) if with_prec else list(ops)
+        out[rank] = [_with_kfac(ops, rank, step, timings, stage_layers, holders, parts) if with_prec else list(ops)
                      for step in range(period)]
     return out
 

@@ -89,7 +89,7 @@ class SolverStats:
 class PlanMetrics:
     """What a plan achieves: utilization before/after (busy / device time, mean over devices),
     refresh period and lower bound per stage, step times (plain pipeline, with preconditioning as
-    planned, the reference with PREC after the all-reduce), peak memory per device, the greedy
+    planned, the reference with APPLY after the all-reduce), peak memory per device, the greedy
     periods, `time_quantum`: the planner's time grid in seconds (see [Note: time grid]), and
     `stretch`: the idle seconds appended to every step ([Note: stretch]; left out of the JSON when 0,
     so files from before it load as 0)."""
@@ -288,7 +288,7 @@ class _Refused(Exception):
 
 
 def _aggregate(problem: Problem, group: StageGroup, config: SolverConfig, allowed: Allowance) -> bool:
-    """One CURV task per F/B for all layers when the group has many (config.aggregate decides when set),
+    """One STATS task per F/B for all layers when the group has many (config.aggregate decides when set),
     unless such a task is longer than every bubble the allowance leaves (per-layer tasks may still fit)."""
     if config.aggregate is not None:
         return config.aggregate
@@ -749,12 +749,12 @@ _SEARCHES = {Knob.MAX_OVERHEAD: _search_overhead, Knob.MEMORY_BUDGET: _search_me
 def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) -> Program:
     """The device's ops per step of the period, in time order: an op placed in a bubble goes after
     every fixed op that ends by its start (so a RECV still waiting stays after it). Compared in
-    ticks: in seconds, float rounding could put a PREC before the backward it follows."""
+    ticks: in seconds, float rounding could put a APPLY before the backward it follows."""
     steps: list[list[tuple[tuple[int, int, int], Op]]] = [[] for _ in range(w.k)]
     timelines = [step_timeline(problem, w.fused)] + [step_timeline(problem)] * (w.k - 1)
     for j, st in enumerate(timelines):
         for seq, (op, _, end) in enumerate(st.ops[device]):
-            if op.kind not in (OpKind.PREC, OpKind.OPT_STEP):
+            if op.kind not in (OpKind.APPLY, OpKind.OPT_STEP):
                 steps[j].append(((w.offsets[j] + round(end * w.scale), 0, seq), op))
     for n, p in enumerate(sorted(placed, key=lambda p: (p.start, p.end))):
         steps[p.step % w.k].append(((round(p.start * w.scale) - w.length * (p.step // w.k), 1, n), p.op))
@@ -764,7 +764,7 @@ def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) 
 def _utilization(problem: Problem, w: Window, placed: list[Placement], device: int) -> float:
     timelines = [step_timeline(problem, w.fused)] + [step_timeline(problem)] * (w.k - 1)
     busy = sum(b - a for st in timelines for _, a, b in st.fixed(device))
-    busy += sum(p.end - p.start for p in placed if p.device == device and p.op.kind in (OpKind.CURV, OpKind.INV, OpKind.PREC))
+    busy += sum(p.end - p.start for p in placed if p.device == device and p.op.kind in (OpKind.STATS, OpKind.DECOMP, OpKind.APPLY))
     return busy / w.seconds(w.length)
 
 

@@ -28,8 +28,8 @@ MAX_QUANTUM_SHARE = 0.01
 """The coarsest time grid a file may claim, as a share of the step (the planner's is 1e-5 or exact):
 the validator's tolerance is the grid, so a coarse claimed grid would let overlaps pass."""
 
-_KFAC_KINDS = frozenset({OpKind.CURV, OpKind.SYNC_CURV, OpKind.INV, OpKind.BCAST_INV, OpKind.PREC})
-_LAYER_KINDS = frozenset({OpKind.CURV, OpKind.SYNC_CURV, OpKind.INV, OpKind.BCAST_INV})
+_KFAC_KINDS = frozenset({OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST, OpKind.APPLY})
+_LAYER_KINDS = frozenset({OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST})
 
 
 def _is_int(value: Any) -> bool:
@@ -77,10 +77,10 @@ def _check_op(problem: Problem, op: Op, device: int, fixed: dict[int, set]) -> N
     _need(device in copies_of_stage(problem, op.stage), f"{op} is placed on r{device}, which does not run its stage")
     if op.kind in _LAYER_KINDS:
         names = {x.name for x in problem.costs.stages[op.stage].layers}
-        _need(op.layer in names and op.factor in ("A", "B"), f"{op}: stage {op.stage} has no layer {op.layer!r} "
+        _need(op.layer in names and op.part in ("A", "B"), f"{op}: stage {op.stage} has no layer {op.layer!r} "
               "or the factor is missing")
-    if op.kind is OpKind.CURV:
-        kind = OpKind.FWD if op.factor == "A" else OpKind.BWD
+    if op.kind is OpKind.STATS:
+        kind = OpKind.FWD if op.part == "A" else OpKind.BWD
         _need((kind, op.stage, op.mb, op.pipe) in fixed[device], f"{op} on r{device}: r{device} runs no such "
               "micro-batch of the stage")
 

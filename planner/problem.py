@@ -118,8 +118,8 @@ class Problem:
 class SolverConfig:
     """How hard the CP-SAT planner works: a time limit, workers, seed, and the greedy warm start.
 
-    aggregate: one CURV task per (device, micro-batch, side) for all layers of a stage instead of one
-    per layer; None decides by size (more than `aggregate_above` per-layer CURV tasks in a group).
+    aggregate: one STATS task per (device, micro-batch, side) for all layers of a stage instead of one
+    per layer; None decides by size (more than `aggregate_above` per-layer STATS tasks in a group).
     """
 
     time_limit_s: float = 10.0
@@ -170,20 +170,20 @@ def base_programs(problem: Problem) -> dict[int, list[Op]]:
 
 @lru_cache(maxsize=64)
 def reference_programs(problem: Problem) -> dict[int, list[Op]]:
-    """The base programs with PREC(s) right after each ALLREDUCE_GRAD(s): the paper's K-FAC step."""
+    """The base programs with APPLY(s) right after each ALLREDUCE_GRAD(s): the paper's K-FAC step."""
     out = {}
     for rank, ops in base_programs(problem).items():
         body: list[Op] = []
         for op in ops:
             body.append(op)
             if op.kind is OpKind.ALLREDUCE_GRAD:
-                body.append(Op(OpKind.PREC, op.stage))
+                body.append(Op(OpKind.APPLY, op.stage))
         out[rank] = body
     return out
 
 
 def _duration(problem: Problem, fused: frozenset[str]) -> Callable[[int, Op], float]:
-    """Op durations in seconds: F/B from the costs (plus fused curvature), PREC, nothing else."""
+    """Op durations in seconds: F/B from the costs (plus fused curvature), APPLY, nothing else."""
     stages = problem.costs.stages
 
     def fused_curv(stage: StageCost, side: str) -> float:
@@ -198,8 +198,8 @@ def _duration(problem: Problem, fused: frozenset[str]) -> Callable[[int, Op], fl
             return fwd[op.stage]  # type: ignore[index]  # a FWD names its stage
         if op.kind is OpKind.BWD:
             return bwd[op.stage]  # type: ignore[index]  # a BWD names its stage
-        if op.kind is OpKind.PREC:
-            return prec[op.stage]  # type: ignore[index]  # a PREC names its stage
+        if op.kind is OpKind.APPLY:
+            return prec[op.stage]  # type: ignore[index]  # a APPLY names its stage
         return 0.0
 
     return duration
@@ -207,7 +207,7 @@ def _duration(problem: Problem, fused: frozenset[str]) -> Callable[[int, Op], fl
 
 @lru_cache(maxsize=256)
 def step_timeline(problem: Problem, fused: frozenset[str] = frozenset(), with_prec: bool = True) -> StepTimeline:
-    """One simulated step (plain or with PREC; fused layers' curvature inside F/B): the step a steady run repeats.
+    """One simulated step (plain or with APPLY; fused layers' curvature inside F/B): the step a steady run repeats.
 
     Every step ends with OPT_STEP, a barrier over all ranks (the runtime's KL-clip and non-finite
     all-reduce; the simulator runs it as one), so the next step begins with every rank idle and no
@@ -239,7 +239,7 @@ def plain_step_time(problem: Problem) -> float:
 
 
 def reference_step_time(problem: Problem) -> float:
-    """T_ref: the plain pipeline with each stage's PREC right after its gradient all-reduce."""
+    """T_ref: the plain pipeline with each stage's APPLY right after its gradient all-reduce."""
     return step_timeline(problem).length
 
 
@@ -364,7 +364,7 @@ def refresh_lower_bound(problem: Problem, group: StageGroup, fused: frozenset[st
             work += sum(getattr(x, f"curv_{side}") for x in layers if x.name not in fused)
     work += sum(problem.costs.stages[s].inv for s in group.stages)
     busy = sum(end - start for d in group.devices for op, start, end in step.ops[d]
-               if op.kind in _FIXED_KINDS or op.kind is OpKind.PREC)
+               if op.kind in _FIXED_KINDS or op.kind is OpKind.APPLY)
     bubble = step.length * len(group.devices) - busy
     if work <= 0:
         return 1

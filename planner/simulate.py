@@ -11,7 +11,7 @@ from fxkfac.planner.ir import COLLECTIVE_KINDS, RECV_KINDS, SEND_KINDS, Op, OpKi
 
 __all__ = ["Interval", "Timeline", "simulate", "COMPUTE_KINDS", "SYNCHRONIZING_KINDS"]
 
-COMPUTE_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.CURV, OpKind.INV, OpKind.PREC, OpKind.OPT_STEP})
+COMPUTE_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.STATS, OpKind.DECOMP, OpKind.APPLY, OpKind.OPT_STEP})
 """What counts as busy by default: work on the device, not waiting and not communication."""
 
 SYNCHRONIZING_KINDS = COLLECTIVE_KINDS | {OpKind.OPT_STEP}
@@ -120,10 +120,6 @@ def _flatten(programs: Mapping[int, Program], steps: int) -> _Flat:
     return _Flat(ops, occurrence, where, {op: sorted(r) for op, r in holders.items()})
 
 
-def _collective_key(op: Op) -> Op:
-    return Op(op.kind, op.stage, layer=op.layer, factor=op.factor)
-
-
 def _producer(rank: int, op: Op, flat: _Flat, num_stages: Mapping[int, int]) -> Op | None:
     """The op whose result `op` consumes from another stage (inferred mode: no SEND/RECV ops)."""
     if op.kind is OpKind.FWD and op.stage:
@@ -179,7 +175,7 @@ class _Sim:
         for r, ops in flat.ops.items():
             for i, (_, op) in enumerate(ops):
                 if op.kind in SYNCHRONIZING_KINDS:
-                    self.keys[r, i] = _collective_key(op)
+                    self.keys[r, i] = op  # every member runs the same op
                     members[self.keys[r, i]].add(r)
         self.groups = {key: sorted(ranks) for key, ranks in members.items()}
         self.intervals: list[Interval] = []
@@ -260,7 +256,7 @@ def simulate(
     there. Without SEND/RECV ops, FWD waits for the previous stage's FWD of the same (mb, pipe)
     and BWD for the next stage's BWD (`comm` later when on another rank; with several copies the
     one in the same replica). With SEND/RECV ops, only RECVs wait: for the matching SEND's end
-    plus `comm` (sends never block). Collectives (ALLREDUCE_GRAD, SYNC_CURV, BCAST_INV) and OPT_STEP
+    plus `comm` (sends never block). Collectives (ALLREDUCE_GRAD, SYNC_STATS, BCAST) and OPT_STEP
     start together once every rank holding them reaches them (`SYNCHRONIZING_KINDS`: OPT_STEP is the
     runtime's end-of-step barrier); other K-FAC ops follow program order.
     Step j runs the period's step j % period. Raises DeadlockError naming the blocked ops.

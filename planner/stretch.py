@@ -105,7 +105,7 @@ def _boundary_gaps(window: Window, device: int) -> tuple[int, int]:
 def stretch_lower_bound(window: Window) -> int:
     """Ticks per step any placement of `window`'s work needs (computed at the window's stretch, valid
     for every stretch): each task must fit one free stretch of its device(s), and all the work (tasks
-    and PREC) must fit the free time of the window's devices."""
+    and APPLY) must fit the free time of the window's devices."""
     x, k, n = window.stretch, window.k, len(window.group.devices)
     gaps = {d: _boundary_gaps(window, d) for d in window.group.devices}
     need = 0

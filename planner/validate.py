@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["validate", "check_plan"]
 
-_KFAC = frozenset({OpKind.CURV, OpKind.SYNC_CURV, OpKind.INV, OpKind.BCAST_INV, OpKind.PREC})
+_KFAC = frozenset({OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST, OpKind.APPLY})
 _COMPUTE = (OpKind.FWD, OpKind.BWD)
 
 
@@ -70,11 +70,12 @@ class _Ctx:
 
 
 def _key(op: Op) -> Op:
-    return replace(op, peer=None)
+    """An op without the root of its broadcast (which `_check_chains` checks against the inversion)."""
+    return replace(op, root=0) if op.kind is OpKind.BCAST else op
 
 
 def _expected(c: _Ctx) -> Counter:
-    """(op, device) of every K-FAC op the plan must place, with multiplicity (INV: on one copy)."""
+    """(op, device) of every K-FAC op the plan must place, with multiplicity (DECOMP: on one copy)."""
     want: Counter = Counter()
     for s, stage in enumerate(c.problem.costs.stages):
         copies = copies_of_stage(c.problem, s)
@@ -85,15 +86,16 @@ def _expected(c: _Ctx) -> Counter:
                 side = "A" if op.kind is OpKind.FWD else "B"
                 for x in stage.layers:
                     if x.name not in c.fused:
-                        want[Op(OpKind.CURV, s, op.mb, op.pipe, layer=x.name, factor=side), d] += 1
+                        want[Op(OpKind.STATS, s, op.mb, op.pipe, layer=x.name, part=side), d] += 1
             for j in range(c.period(s)):
-                want[Op(OpKind.PREC, s), d, j] += 1
+                want[Op(OpKind.APPLY, s), d, j] += 1
         for x in stage.layers:
             for side in "AB":
-                want[Op(OpKind.INV, s, layer=x.name, factor=side), None] += 1
-                for kind in (OpKind.SYNC_CURV, OpKind.BCAST_INV) if len(copies) > 1 else ():
+                want[Op(OpKind.DECOMP, s, layer=x.name, part=side), None] += 1
+                for kind in (OpKind.SYNC_STATS, OpKind.BCAST) if len(copies) > 1 else ():
                     for d in copies:
-                        want[Op(kind, s, layer=x.name, factor=side), d] += 1
+                        want[_key(Op(kind, s, layer=x.name, part=side, root=0 if kind is OpKind.BCAST else None)),
+                             d] += 1
     return want
 
 
@@ -116,22 +118,22 @@ def _check_layers(c: _Ctx) -> None:
 
 def _duration(c: _Ctx, op: Op) -> float:
     stage = c.problem.costs.stages[op.stage]  # type: ignore[index]  # K-FAC ops name their stage
-    if op.kind is OpKind.PREC:
+    if op.kind is OpKind.APPLY:
         return stage.prec
-    if op.kind in (OpKind.SYNC_CURV, OpKind.BCAST_INV):
+    if op.kind in (OpKind.SYNC_STATS, OpKind.BCAST):
         return 0.0
     layer = next(x for x in stage.layers if x.name == op.layer)
-    attr = ("curv_" if op.kind is OpKind.CURV else "inv_") + op.factor.lower()  # type: ignore[union-attr]  # CURV and INV name their factor
+    attr = ("curv_" if op.kind is OpKind.STATS else "inv_") + op.part.lower()  # type: ignore[union-attr]  # STATS and DECOMP name their factor
     return getattr(layer, attr)
 
 
 def _check_placed_once(c: _Ctx) -> None:
     got: Counter = Counter()
     for p in c.plan.placements:
-        if p.op.kind is OpKind.PREC:
+        if p.op.kind is OpKind.APPLY:
             got[_key(p.op), p.device, p.step] += 1
         else:
-            got[_key(p.op), None if p.op.kind is OpKind.INV else p.device] += 1
+            got[_key(p.op), None if p.op.kind is OpKind.DECOMP else p.device] += 1
         if abs(p.end - p.start - _duration(c, p.op)) > c.tol + 1e-9 * max(1.0, p.end):
             c.errors.append(f"{p.op} on r{p.device}: lasts {p.end - p.start:.6g} s, costs {_duration(c, p.op):.6g} s")
         k = c.period(p.op.stage)  # type: ignore[arg-type]  # a placed op is K-FAC work on a stage
@@ -139,7 +141,7 @@ def _check_placed_once(c: _Ctx) -> None:
                 or p.end > c.step_start(p.device, p.step + 1, k) + c.tol:
             c.errors.append(f"{p.op} on r{p.device} at [{p.start:.6g}, {p.end:.6g}) s is not within window step "
                             f"{p.step} (k={k})")
-        if p.op.kind is OpKind.INV and p.device not in copies_of_stage(c.problem, p.op.stage):  # type: ignore[arg-type]  # an INV names its stage
+        if p.op.kind is OpKind.DECOMP and p.device not in copies_of_stage(c.problem, p.op.stage):  # type: ignore[arg-type]  # an DECOMP names its stage
             c.errors.append(f"{p.op} runs on r{p.device}, which does not hold stage {p.op.stage}")
     want = _expected(c)
     for item in sorted(set(want) | set(got), key=str):
@@ -191,16 +193,16 @@ def _check_dependencies(c: _Ctx) -> None:
     factor_tasks: defaultdict[tuple[str, str | None], defaultdict[OpKind, list[Placement]]] = \
         defaultdict(lambda: defaultdict(list))
     for p in c.plan.placements:
-        if p.op.kind is OpKind.CURV:
-            kind = OpKind.FWD if p.op.factor == "A" else OpKind.BWD
-            ready = _end_of(c.refresh, p.device, kind, p.op.stage, p.op.mb, p.op.pipe)  # type: ignore[arg-type]  # a CURV names its stage and micro-batch
+        if p.op.kind is OpKind.STATS:
+            kind = OpKind.FWD if p.op.part == "A" else OpKind.BWD
+            ready = _end_of(c.refresh, p.device, kind, p.op.stage, p.op.mb, p.op.pipe)  # type: ignore[arg-type]  # a STATS names its stage and micro-batch
             if p.start < ready - c.tol:
                 c.errors.append(f"{p.op} on r{p.device} starts at {p.start:.6g} before its {kind} ends ({ready:.6g})")
-            if p.end > ready + c.length(c.period(p.op.stage)) + c.tol:  # type: ignore[arg-type]  # a CURV names its stage
+            if p.end > ready + c.length(c.period(p.op.stage)) + c.tol:  # type: ignore[arg-type]  # a STATS names its stage
                 c.errors.append(f"{p.op} on r{p.device} keeps its a/e longer than one window")
-        if p.op.kind is not OpKind.PREC:
-            # CURV, SYNC_CURV (no factor), INV and BCAST_INV name their layer
-            factor_tasks[p.op.layer, p.op.factor][p.op.kind].append(p)  # type: ignore[index]  # see above
+        if p.op.kind is not OpKind.APPLY:
+            # STATS, SYNC_STATS (no factor), DECOMP and BCAST name their layer
+            factor_tasks[p.op.layer, p.op.part][p.op.kind].append(p)  # type: ignore[index]  # see above
     for (layer, side), kinds in factor_tasks.items():
         _check_factor(c, layer, side, kinds)
 
@@ -209,7 +211,7 @@ def _check_factor(c: _Ctx, layer: str, side: str | None, kinds: dict) -> None:
     stage = c.problem.costs.stage_of(layer)
     L = c.length(c.period(stage))
     copies = copies_of_stage(c.problem, stage)
-    curv, sync, inv, bcast = (kinds.get(k, []) for k in (OpKind.CURV, OpKind.SYNC_CURV, OpKind.INV, OpKind.BCAST_INV))
+    curv, sync, inv, bcast = (kinds.get(k, []) for k in (OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST))
     if layer in c.fused:
         kind = OpKind.FWD if side == "A" else OpKind.BWD
         ready = max(b for d in copies for op, _, b in c.refresh.fixed(d) if op.stage == stage and op.kind is kind)
@@ -224,27 +226,27 @@ def _check_factor(c: _Ctx, layer: str, side: str | None, kinds: dict) -> None:
             c.errors.append(f"{x[0].op} starts before the work it depends on ends ({ready:.6g})")
         ready = max(p.end for p in x)
     if inv:
-        if any(p.op.peer != inv[0].device for p in bcast):
+        if any(p.op.root != inv[0].device for p in bcast):
             c.errors.append(f"broadcast of {layer} {side} does not come from r{inv[0].device}, where it was inverted")
         if any(inv[0].end > p.start + L + c.tol for p in curv):
-            c.errors.append(f"INV {layer} {side} ends after the next refresh starts its curvature")
+            c.errors.append(f"DECOMP {layer} {side} ends after the next refresh starts its curvature")
         if any(p.end > inv[0].start + L + c.tol for p in bcast):
-            c.errors.append(f"BCAST_INV {layer} {side} ends after the next refresh's inversion starts")
+            c.errors.append(f"BCAST {layer} {side} ends after the next refresh's inversion starts")
 
 
 def _check_precs_and_offsets(c: _Ctx) -> None:
     prec: dict[tuple[int, int, int], Placement] = {
-        (p.op.stage, p.device, p.step): p  # type: ignore[misc]  # a PREC op has a stage
-        for p in c.plan.placements if p.op.kind is OpKind.PREC}
+        (p.op.stage, p.device, p.step): p  # type: ignore[misc]  # a APPLY op has a stage
+        for p in c.plan.placements if p.op.kind is OpKind.APPLY}
     for (s, d, j), p in prec.items():
         k = c.period(s)
         lo, hi = c.base(j, k) + c.timeline(j, k).allreduce_end[d, s], c.base(j + 1, k)
         if p.start < lo - c.tol or p.end > hi + c.tol:
-            c.errors.append(f"PREC s{s} step {j} on r{d} [{p.start:.6g}, {p.end:.6g}) is outside [{lo:.6g}, {hi:.6g})")
+            c.errors.append(f"APPLY s{s} step {j} on r{d} [{p.start:.6g}, {p.end:.6g}) is outside [{lo:.6g}, {hi:.6g})")
     ready: dict[str, float] = defaultdict(float)
     for p in c.plan.placements:
-        if p.op.kind in (OpKind.INV, OpKind.BCAST_INV):
-            ready[p.op.layer] = max(ready[p.op.layer], p.end)  # type: ignore[index]  # INV and BCAST_INV name their layer
+        if p.op.kind in (OpKind.DECOMP, OpKind.BCAST):
+            ready[p.op.layer] = max(ready[p.op.layer], p.end)  # type: ignore[index]  # DECOMP and BCAST name their layer
     for layer, t in ready.items():
         s, k = c.problem.costs.stage_of(layer), c.period(c.problem.costs.stage_of(layer))
         L = c.length(k)
@@ -260,11 +262,11 @@ def _check_memory(c: _Ctx) -> None:
     budget = c.problem.memory_budget
     keeps = defaultdict(list)
     for p in c.plan.placements:
-        if p.op.kind is OpKind.CURV:
-            x = next(x for x in c.problem.costs.stages[p.op.stage].layers if x.name == p.op.layer)  # type: ignore[index]  # a CURV names its stage
-            kind = OpKind.FWD if p.op.factor == "A" else OpKind.BWD
-            since = _end_of(c.refresh, p.device, kind, p.op.stage, p.op.mb, p.op.pipe)  # type: ignore[arg-type]  # a CURV names its stage and micro-batch
-            keeps[p.device].append((since, p.end, x.a_bytes if p.op.factor == "A" else x.e_bytes))
+        if p.op.kind is OpKind.STATS:
+            x = next(x for x in c.problem.costs.stages[p.op.stage].layers if x.name == p.op.layer)  # type: ignore[index]  # a STATS names its stage
+            kind = OpKind.FWD if p.op.part == "A" else OpKind.BWD
+            since = _end_of(c.refresh, p.device, kind, p.op.stage, p.op.mb, p.op.pipe)  # type: ignore[arg-type]  # a STATS names its stage and micro-batch
+            keeps[p.device].append((since, p.end, x.a_bytes if p.op.part == "A" else x.e_bytes))
     for d in c.problem.devices:
         k = max(c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s))
         L = c.length(k)
@@ -325,7 +327,7 @@ def _check_programs(c: _Ctx, run: bool) -> None:
 
 def _check_interleaving(c: _Ctx, device: int, k: int, prog: list[list[Op]]) -> None:
     """Within each step, a K-FAC op comes after every pipeline op that ended before it was placed and
-    before every pipeline op that ends after its start (a RECV still waiting included); PREC follows
+    before every pipeline op that ends after its start (a RECV still waiting included); APPLY follows
     its stage's backwards and gradient all-reduce; OPT_STEP ends the step. The runtime executes the
     program in order, so a program that disagrees with its placements runs other semantics."""
     starts = {(p.step % k, str(p.op)): p.start - c.base(p.step, k) for p in c.plan.placements if p.device == device}
@@ -349,7 +351,7 @@ def _check_interleaving(c: _Ctx, device: int, k: int, prog: list[list[Op]]) -> N
                     c.errors.append(f"r{device} step {j}: '{op}' (placed at {t:.6g} s) and "
                                     f"'{other}' ({a:.6g}-{b:.6g} s)"
                                     " are in the wrong order in the program")
-            if op.kind is OpKind.PREC:
+            if op.kind is OpKind.APPLY:
                 after = [o for o in ops[i + 1:]
                          if o.stage == op.stage and o.kind in (OpKind.BWD, OpKind.ALLREDUCE_GRAD)]
                 if after:

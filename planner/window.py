@@ -4,7 +4,7 @@
 whole number of 10^-e seconds (e <= 6, at most 10^7 ticks per step) the grid is exact; otherwise a
 step is `SolverConfig.time_resolution` ticks, fixed times round to the nearest tick and task
 durations round up, so a plan is off by at most one tick (`Window.tick` seconds) anywhere; the
-validator allows that much. Zero-duration collectives (SYNC_CURV, BCAST_INV: the cost table has no
+validator allows that much. Zero-duration collectives (SYNC_STATS, BCAST: the cost table has no
 communication times) take one tick on every member, so they never fall inside another op, and the
 gradient all-reduce point blocks the tick before it for the same reason.
 
@@ -19,7 +19,7 @@ at most `max_overhead` times the reference step; planner/stretch.py searches the
 [Note: step barrier] Every step ends with collectives over all ranks (the KL-clip's <P, G> in OPT_STEP
 and the loss all-reduce), so step j+1 begins at `offsets[j+1]` on every device, also on one whose first
 F/B comes later. An op placed in such a device's early bubble belongs to step j+1's program (it runs
-after the barrier, while the device waits for its first input); PREC of step j ends by `offsets[j+1]`
+after the barrier, while the device waits for its first input); APPLY of step j ends by `offsets[j+1]`
 (before OPT_STEP); and the first tick of every step is blocked on every device, so no task spans a
 boundary (it would hold the barrier up on every rank).
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fxkfac.planner.costs import LayerCost
@@ -75,7 +75,7 @@ class Task:
 
 @dataclass(frozen=True)
 class PrecSlot:
-    """PREC(stage) of window step `step` on `device`: within [release, deadline) (absolute ticks);
+    """APPLY(stage) of window step `step` on `device`: within [release, deadline) (absolute ticks);
     `reference` is where the plain K-FAC step puts it (right after the all-reduce)."""
 
     device: int
@@ -96,7 +96,7 @@ class Window:
     pieces; capacity[d]: bytes left for activations and kept a/e (None: unlimited); offsets[j]: start
     of step j (offsets[k] == length). Tasks of a refresh may run until 2*length (the next window's
     early bubbles): their occupation is taken modulo `length`. stretch: idle ticks appended to every
-    step ([Note: stretch]); aggregate: one CURV task per F/B for all layers (see SolverConfig).
+    step ([Note: stretch]); aggregate: one STATS task per F/B for all layers (see SolverConfig).
     """
 
     problem: Problem
@@ -172,7 +172,7 @@ class Placement:
 
 @dataclass(frozen=True)
 class GroupSolution:
-    """A solution for one window: task starts (absolute ticks) and devices, PREC starts, use offsets,
+    """A solution for one window: task starts (absolute ticks) and devices, APPLY starts, use offsets,
     and how it was found (method "greedy"/"cpsat", status, objective, proven lower bound on k)."""
 
     window: Window
@@ -291,7 +291,7 @@ def _prec_slots(problem: Problem, group: StageGroup, steps: list[StepTimeline], 
             for j, st in enumerate(steps):
                 release = offsets[j] + grid.at(st.allreduce_end[d, s])
                 deadline = offsets[j + 1]  # before the step's OPT_STEP ([Note: step barrier])
-                reference = offsets[j] + grid.at(st.end_of(d, Op(OpKind.PREC, s)) - seconds)
+                reference = offsets[j] + grid.at(st.end_of(d, Op(OpKind.APPLY, s)) - seconds)
                 ticks = min(grid.span(seconds), deadline - release)
                 slots.append(PrecSlot(d, s, j, release, deadline, max(release, reference), ticks, seconds))
     return tuple(slots)
@@ -310,7 +310,7 @@ def _curv_tasks(problem: Problem, stage: int, refresh: StepTimeline, deferred: l
                 if not chunk:
                     continue
                 secs = tuple(x.curv_a if side == "A" else x.curv_b for x in chunk)
-                ops = tuple(Op(OpKind.CURV, stage, op.mb, op.pipe, layer=x.name, factor=side) for x in chunk)
+                ops = tuple(Op(OpKind.STATS, stage, op.mb, op.pipe, layer=x.name, part=side) for x in chunk)
                 keep = sum(x.a_bytes if side == "A" else x.e_bytes for x in chunk)
                 label = "all" if aggregate else chunk[0].name
                 tasks.append(Task(f"curv_{side}_s{stage}_m{op.mb}_p{op.pipe}_r{d}_{label}", "curv", stage, side,
@@ -336,20 +336,20 @@ def _tasks(problem: Problem, group: StageGroup, refresh: StepTimeline, fused: fr
                                 if op.stage == s and op.kind is kind)
                 key = ((x.name, side),)
                 if len(copies) > 1:
-                    tasks.append(Task(f"sync_{side}_{x.name}", "sync", s, side, (Op(OpKind.SYNC_CURV, s, layer=x.name,
-                                      factor=side),), (0.0,), 1, copies, ready, key))
+                    tasks.append(Task(f"sync_{side}_{x.name}", "sync", s, side, (Op(OpKind.SYNC_STATS, s, layer=x.name,
+                                      part=side),), (0.0,), 1, copies, ready, key))
                 inv = x.inv_a if side == "A" else x.inv_b
                 tasks.append(Task(f"inv_{side}_{x.name}", "inv", s, side,
-                                  (Op(OpKind.INV, s, layer=x.name, factor=side),),
+                                  (Op(OpKind.DECOMP, s, layer=x.name, part=side),),
                                   (inv,), grid.span(inv), copies, ready, key))
                 if len(copies) > 1:
-                    tasks.append(Task(f"bcast_{side}_{x.name}", "bcast", s, side, (Op(OpKind.BCAST_INV, s, layer=x.name,
-                                      factor=side),), (0.0,), 1, copies, 0, key))
+                    tasks.append(Task(f"bcast_{side}_{x.name}", "bcast", s, side, (Op(OpKind.BCAST, s, layer=x.name,
+                                      part=side, root=copies[0]),), (0.0,), 1, copies, 0, key))
     return tuple(tasks)
 
 
 def prec_steps_ready(window: Window, prec_starts: tuple[int, ...], stage: int, ready: int) -> int:
-    """The first step u (0..2k) whose PREC(stage) starts, on every copy, at or after tick `ready`."""
+    """The first step u (0..2k) whose APPLY(stage) starts, on every copy, at or after tick `ready`."""
     k, L = window.k, window.length
     for u in range(2 * k + 1):
         base = L * (u // k)
@@ -360,7 +360,7 @@ def prec_steps_ready(window: Window, prec_starts: tuple[int, ...], stage: int, r
 
 
 def use_offsets(window: Window, starts: tuple[int, ...], prec_starts: tuple[int, ...]) -> dict[str, int]:
-    """Per layer, the step offset from which its new inverse preconditions: the first PREC after both
+    """Per layer, the step offset from which its new inverse preconditions: the first APPLY after both
     factors' inverses (and broadcasts) are done."""
     ready: dict[str, int] = {}
     for task, start in zip(window.tasks, starts):
@@ -381,12 +381,12 @@ def placements_of(solution: GroupSolution) -> list[Placement]:
             t = w.seconds(start)
             for op, secs in zip(task.ops, task.seconds):
                 if task.kind == "bcast":
-                    op = Op(op.kind, op.stage, layer=op.layer, factor=op.factor, peer=device)
+                    op = replace(op, root=device)  # from where the solver put the inversion
                 out.append(Placement(op, member, w.step_of(member, start), t, t + secs))
                 t += secs
     for slot, start in zip(w.precs, solution.prec_starts):
         t = w.seconds(start)
-        out.append(Placement(Op(OpKind.PREC, slot.stage), slot.device, slot.step, t, t + slot.seconds))
+        out.append(Placement(Op(OpKind.APPLY, slot.stage), slot.device, slot.step, t, t + slot.seconds))
     return out
 
 
@@ -414,7 +414,7 @@ def fits_memory(solution: GroupSolution) -> bool:
 
 
 def longest_gaps(window: Window) -> dict[int, int]:
-    """Per device, the longest free stretch (ticks) between fixed work, cyclically, PREC ignored."""
+    """Per device, the longest free stretch (ticks) between fixed work, cyclically, APPLY ignored."""
     out = {}
     for d, busy in window.fixed.items():
         if not busy:
@@ -438,7 +438,7 @@ def too_long(window: Window) -> list[str]:
     return out
 
 
-_REFRESH_KINDS = frozenset({OpKind.CURV, OpKind.SYNC_CURV, OpKind.INV, OpKind.BCAST_INV})
+_REFRESH_KINDS = frozenset({OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST})
 
 
 def born_steps(placements: Iterable[Placement]) -> dict[int, dict[Op, int]]:

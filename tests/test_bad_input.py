@@ -122,7 +122,7 @@ def test_nan_or_indefinite_factor_falls_back_to_previous_inverse(poison: float) 
     trainer = fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, optimizer=_sgd, kfac=cfg, backend=None)
     trainer.step(x, y)
     name = trainer.layers[0].name
-    state = trainer.kfac_states[name]
+    state = trainer.layer_states[name]
     before = state.active
     state.A = state.A + poison * torch.eye(state.A.shape[0])  # NaN, or hugely indefinite after averaging
     trainer.step(x, y)
@@ -137,17 +137,17 @@ def test_nan_gradients_skip_the_step_and_leave_state_untouched() -> None:
                              kfac=KFACConfig(damping=1e-2), backend=None)
     trainer.step(x, y)
     params = {name: p.detach().clone() for name, p in trainer.named_parameters()}
-    factors = {name: s.A.clone() for name, s in trainer.kfac_states.items()}
+    factors = {name: s.A.clone() for name, s in trainer.layer_states.items()}
     bad = y.clone()
     bad[0, 0] = float("nan")
     trainer.step(x, bad)
     assert trainer.skipped_steps == 1 and trainer.steps == 1
     for name, p in trainer.named_parameters():
         assert torch.equal(p, params[name]) and p.grad is None
-    for name, s in trainer.kfac_states.items():
+    for name, s in trainer.layer_states.items():
         assert torch.equal(s.A, factors[name]) and s.refreshes == 1
     trainer.step(x, y)
-    assert trainer.steps == 2 and all(s.refreshes == 2 for s in trainer.kfac_states.values())
+    assert trainer.steps == 2 and all(s.refreshes == 2 for s in trainer.layer_states.values())
 
 
 def _state(trainer: Trainer) -> dict[str, Tensor]:
@@ -186,7 +186,7 @@ def test_corrupt_checkpoint_metadata_is_refused_and_changes_nothing(tmp_path) ->
     with pytest.raises(CheckpointError, match=r"tensor metadata .*\.metadata\.json is unreadable or corrupt"):
         trainer.load_checkpoint(str(path))
     assert all(torch.equal(p, before[n]) for n, p in _state(trainer).items()) and trainer.steps == 0
-    assert all(s.A is None for s in trainer.kfac_states.values())
+    assert all(s.A is None for s in trainer.layer_states.values())
 
 
 def test_repeated_nan_steps_stop_with_nonfinite_error() -> None:

@@ -25,7 +25,7 @@ from tests.planner.kfac_cases import problem, table
 
 PLAN = ["plan", "bert-base", "--stages", "4", "--microbatches", "4", "--schedule", "1f1b", "--hardware", "p100",
         "--method", "greedy"]
-KFAC_KINDS = (OpKind.CURV, OpKind.SYNC_CURV, OpKind.INV, OpKind.BCAST_INV, OpKind.PREC)
+KFAC_KINDS = (OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST, OpKind.APPLY)
 
 
 @lru_cache(maxsize=None)
@@ -113,7 +113,7 @@ def test_plan_export_show_and_trace(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     trace = json.loads(trace_path.read_text())
     assert {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"} == {f"rank {r}" for r in range(4)}
     kinds = {Op.parse(e["name"]).kind for e in trace["traceEvents"] if e["ph"] == "X"}
-    assert {OpKind.FWD, OpKind.BWD, OpKind.CURV, OpKind.INV, OpKind.PREC} <= kinds
+    assert {OpKind.FWD, OpKind.BWD, OpKind.STATS, OpKind.DECOMP, OpKind.APPLY} <= kinds
     timeline = timeline_from_trace(trace)
     again = timeline_from_trace(chrome_trace(timeline))
     assert [(iv.rank, iv.op) for iv in again.intervals] == [(iv.rank, iv.op) for iv in timeline.intervals]
@@ -133,7 +133,7 @@ def test_show_measured_prints_utilization_per_rank(tmp_path: Path, monkeypatch: 
     ms = 1_000_000
     events = [Event(0, "F s0 m0", "FWD", 0, 0, 2 * ms), Event(0, "B s0 m0", "BWD", 0, 6 * ms, 8 * ms),
               Event(1, "F s1 m0", "FWD", 0, 2 * ms, 3 * ms), Event(1, "B s1 m0", "BWD", 0, 3 * ms, 6 * ms),
-              Event(1, "CURV s1 m0 A l1_0", "CURV", 0, 6 * ms, 7 * ms)]
+              Event(1, "STATS s1 m0 A l1_0", "STATS", 0, 6 * ms, 7 * ms)]
     runtime_trace(events, run_path)
     assert main(["show", str(plan_path), "--measured", str(run_path)]) == 0
     out = capsys.readouterr().out
@@ -154,7 +154,7 @@ def _row(out: str, name: str) -> tuple[str, str]:
 def test_render_scales_boxes_by_hand() -> None:
     ops = [Interval(0, 0, Op(OpKind.FWD, 0, 0), 0.0, 1.0), Interval(0, 0, Op(OpKind.BWD, 0, 0), 3.0, 5.0),
            Interval(1, 0, Op(OpKind.FWD, 1, 0), 1.0, 2.0), Interval(1, 0, Op(OpKind.BWD, 1, 0), 2.0, 3.0),
-           Interval(1, 0, Op(OpKind.INV, 1, layer="fc", factor="A"), 3.0, 5.0)]
+           Interval(1, 0, Op(OpKind.DECOMP, 1, layer="fc", part="A"), 3.0, 5.0)]
     console = Console(width=15, record=True, color_system=None)
     console.print(render_timeline(Timeline(tuple(ops), (0, 1), 1), width=15))
     rows = [line for line in console.export_text().splitlines() if line.startswith(("r0 ", "r1 "))]
@@ -274,7 +274,7 @@ def test_plan_says_whether_the_result_is_optimal(capsys: pytest.CaptureFixture[s
 
 
 def test_trace_timestamps_are_never_negative(tmp_path: Path) -> None:
-    """Chimera's greedy plan has a PREC whose grid-rounded end lies a tick past the window: it was drawn
+    """Chimera's greedy plan has a APPLY whose grid-rounded end lies a tick past the window: it was drawn
     (and traced) one window early as well, at a negative time, as step -1."""
     trace = tmp_path / "trace.json"
     assert main(["plan", "bert-base", "-D", "4", "-N", "4", "--schedule", "chimera", "--method", "greedy",

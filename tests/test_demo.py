@@ -39,7 +39,7 @@ def test_demo_trains_both_runs_and_plans_kfac_ops() -> None:
     assert adamw.plan_json is None
     plan = Plan.from_json(pipefisher.plan_json)
     kinds = {op.kind for program in plan.programs.values() for step in program for op in step}
-    assert {OpKind.CURV, OpKind.INV, OpKind.PREC} <= kinds
+    assert {OpKind.STATS, OpKind.DECOMP, OpKind.APPLY} <= kinds
     assert sorted(plan.programs) == [0, 1]
     # both runs start from the same weights on the same data: their losses before any step agree
     assert pipefisher.points[0][2] == pytest.approx(adamw.points[0][2], abs=1e-6)

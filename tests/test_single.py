@@ -134,7 +134,7 @@ def _mlp_batches(k: int) -> list[tuple[Tensor, Tensor]]:
 def test_mlp_kfac_two_microbatches_refresh_every_two() -> None:
     cfg = KFACConfig(damping=1e-2, refresh_every=2, factor_decay=0.9)
     trainer = _compare(mlp, _mlp_batches(5), _mse, cfg=cfg, microbatches=2)
-    assert all(state.refreshes == 3 for state in trainer.kfac_states.values())
+    assert all(state.refreshes == 3 for state in trainer.layer_states.values())
 
 
 def test_cnn_kfac_deferred_with_staggered_timing() -> None:
@@ -151,7 +151,7 @@ def test_gpt2_kfac_conv1d_layers() -> None:
 
 def test_kfac_none_equals_plain_training() -> None:
     trainer = _compare(cnn, _image_batches(3), _ce, cfg=None, microbatches=2)
-    assert trainer.layers == [] and trainer.kfac_states == {}
+    assert trainer.layers == [] and trainer.layer_states == {}
 
 
 @pytest.mark.compile

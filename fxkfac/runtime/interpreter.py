@@ -1,7 +1,7 @@
 """The per-rank program interpreter: a dispatch table keyed by OpKind over a step's context.
 
 The core handlers (FWD, BWD, SEND/RECV of activations and gradients, ALLREDUCE_GRAD, OPT_STEP)
-are registered here; K-FAC ops (CURV, SYNC_CURV, INV, BCAST_INV, PREC) plug in with
+are registered here; K-FAC ops (STATS, SYNC_STATS, DECOMP, BCAST, APPLY) plug in with
 `Interpreter.register(kind, handler)` without touching the loop. A handler takes the
 `StepContext` and the `Op`; what it needs beyond the core fields goes into `ctx.extras`.
 """
@@ -64,7 +64,7 @@ class StepContext:
                                 ) from None
 
     def stage_runner(self, stage: int) -> StageRunner:
-        """This rank's copy of `stage`, whatever its pipe (PREC names a stage, not a Chimera pipe)."""
+        """This rank's copy of `stage`, whatever its pipe (APPLY names a stage, not a Chimera pipe)."""
         held = [runner for (s, _), runner in self.runners.items() if s == stage]
         if len(held) != 1:
             raise PipelineError(f"rank {self.rank} holds {len(held)} copies of stage {stage} (stages "

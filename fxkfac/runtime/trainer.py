@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 
 from fxkfac.capture import Captured, input_signature, normalize_inputs
 from fxkfac.checkpoint import Checkpointing, digest
-from fxkfac.config import KFACConfig, PipelineOptions
+from fxkfac.config import PipelineOptions
 from fxkfac.errors import CheckpointError, ConfigError, NonFiniteError
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.passes.split_stages import SplitResult
@@ -28,12 +28,18 @@ from fxkfac.planner.ir import LayerTiming, Op, Programs, ops_at
 from fxkfac.planner.lowering import ranks_of_stages
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.schedules import ScheduleKind, stages_of_rank
+from fxkfac.preconditioner import Family, RefreshState
 from fxkfac.runtime.interpreter import Interpreter, StepContext
-from fxkfac.runtime.kfac_ops import KFACRuntime, StageGroup, TappedRunner
 from fxkfac.runtime.mesh import MeshLayout
 from fxkfac.runtime.p2p import TagSpace, Transport
-from fxkfac.runtime.param_state import (check_model_state, load_model_state, optimizer_state, param_names,
-                                        parse_optimizer_state)
+from fxkfac.runtime.param_state import (
+    check_model_state,
+    load_model_state,
+    optimizer_state,
+    param_names,
+    parse_optimizer_state,
+)
+from fxkfac.runtime.preconditioning import PreconditionerRuntime, StageCopies, TappedRunner
 from fxkfac.runtime.stage import StageRunner
 from fxkfac.runtime.sync import GradSync, holder_sets
 from fxkfac.runtime.timeline import Timeline, chrome_trace, gather_timelines
@@ -87,7 +93,8 @@ class RunSpec:
     programs: Programs
     startup: Programs
     plan: Plan | None
-    kfac: KFACConfig | None
+    family: Family | None
+    """The preconditioner family (None: the base optimizer alone)."""
     timings: Mapping[str, LayerTiming]
     fingerprint: str
 
@@ -108,7 +115,7 @@ class Trainer(Checkpointing):
         self.plan = spec.plan
         self.loss_fn = loss_fn
         self.options = options
-        self.layers: list[KFACLayer] = list(spec.captured.layers) if spec.kfac is not None else []
+        self.layers: list[KFACLayer] = list(spec.captured.layers) if spec.family is not None else []
         self.timings = dict(spec.timings)
         held = stages_of_rank(spec.kind, self.layout.D, self.layout.pp, v=spec.v)
         S = len(spec.split.stages)
@@ -123,7 +130,7 @@ class Trainer(Checkpointing):
                                    spec.split.shared_params, list(self.runners.values()))
         self.sync.broadcast_weights(self.transport)
         self.interpreter = Interpreter()
-        self.kfac_runtime = self._kfac_runtime(holders, backend) if self.layers else None
+        self.preconditioning = self._preconditioning(holders, backend) if self.layers else None
         params = [p for r in self.runners.values() for p in r.module.parameters()]
         self.optimizer = optimizer(params) if params else None  # a stage of only activations holds none
         self.timeline = Timeline(self.layout.rank, enabled=options.record_timeline)
@@ -132,29 +139,30 @@ class Trainer(Checkpointing):
         self._skips_in_a_row = 0
         log.info("rank %d: stages %s of %s (D=%d, W=%d, N=%d), %d K-FAC layers here, program period %d",
                  self.layout.rank, sorted(self.runners), spec.kind.value, self.layout.D, self.layout.W, spec.N,
-                 len(self.kfac_states), len(spec.programs[self.layout.rank]))
+                 len(self.layer_states), len(spec.programs[self.layout.rank]))
 
-    def _kfac_runtime(self, holders: Mapping[int, tuple[int, ...]], backend: str | None) -> KFACRuntime:
-        """Tap this rank's stage copies and install the K-FAC handlers on the interpreter."""
+    def _preconditioning(self, holders: Mapping[int, tuple[int, ...]], backend: str | None) -> PreconditionerRuntime:
+        """Tap this rank's stage copies and install the family's handlers on the interpreter."""
         spec = self.spec
-        if spec.kfac is None:
-            raise AssertionError("K-FAC runtime without a KFACConfig")
+        if spec.family is None:
+            raise AssertionError("a preconditioner runtime without a family")
         known = {layer.name: layer for layer in spec.captured.layers}
         stage_of = {name: st.index for st in spec.split.stages for name in st.layers}
         local = sorted({s for s, _ in self.runners})
         for key, runner in list(self.runners.items()):
-            self.runners[key] = TappedRunner.wrap(runner, {n: known[n] for n in runner.graph.layers}, backend)
-        groups = {s: StageGroup(holders[s], self.sync.group_of(holders[s])) for s in local}
+            held = {n: known[n] for n in runner.graph.layers}
+            self.runners[key] = TappedRunner.wrap(runner, held, spec.family, backend)
+        groups = {s: StageCopies(holders[s], self.sync.group_of(holders[s])) for s in local}
         mine = {n: known[n] for s in local for n in spec.split.stages[s].layers}
-        runtime = KFACRuntime(spec.kfac, mine, {n: stage_of[n] for n in mine}, self.timings, groups,
+        runtime = PreconditionerRuntime(spec.family, mine, {n: stage_of[n] for n in mine}, self.timings, groups,
                               self.layout.rank, spec.N * self.layout.W, spec.global_batch)
         runtime.install(self.interpreter)
         return runtime
 
     @property
-    def kfac_states(self) -> dict[str, Any]:
-        """This rank's K-FAC layer states by layer name (empty without K-FAC)."""
-        return self.kfac_runtime.states if self.kfac_runtime is not None else {}
+    def layer_states(self) -> dict[str, RefreshState]:
+        """This rank's layer states of the family by layer name (empty without a preconditioner)."""
+        return self.preconditioning.states if self.preconditioning is not None else {}
 
     def ops_at(self, step: int) -> list[Op]:
         """The ops this rank runs at global step `step`: its start-up steps, then its program's period."""
@@ -174,10 +182,10 @@ class Trainer(Checkpointing):
         self._check_inputs(inputs)
         spec, W, dp = self.spec, self.layout.W, self.layout.dp
         shards = shard_microbatches((inputs, targets), spec.global_batch, W, dp, spec.N)
-        if self.kfac_runtime is not None:
+        if self.preconditioning is not None:
             for runner in self.runners.values():
                 if isinstance(runner, TappedRunner):
-                    runner.modes = self.kfac_runtime.modes_at(self.steps, list(runner.layers))
+                    runner.modes = self.preconditioning.modes_at(self.steps, list(runner.layers))
         ctx = StepContext(
             rank=self.layout.rank, step=self.steps, runners=self.runners, transport=self.transport, sync=self.sync,
             optimizer=self.optimizer, inputs=[spec.captured.flat_inputs(args) for args, _ in shards],
@@ -228,9 +236,10 @@ class Trainer(Checkpointing):
         state: dict[str, Any] = {"model": {n: p.detach() for n, p in self.named_parameters()},
                                  "optimizer": optimizer_state(self.optimizer, param_names(self.runners.values())),
                                  "step": self.steps, "skipped_steps": self.skipped_steps}
-        if self.kfac_runtime is not None:
-            state.update(self.kfac_runtime.state_dict())
-            state["inflight"]["captures"] = {f"{s}.{p}": r.captures_state() for (s, p), r in sorted(self.runners.items())
+        if self.preconditioning is not None:
+            state.update(self.preconditioning.state_dict())
+            state["inflight"]["captures"] = {f"{s}.{p}": r.captures_state()
+                                             for (s, p), r in sorted(self.runners.items())
                                              if isinstance(r, TappedRunner)}
         return state
 
@@ -241,9 +250,10 @@ class Trainer(Checkpointing):
             raise CheckpointError(f"trainer state lacks {missing}; it was not written by state_dict()")
         check_model_state(self.runners.values(), state["model"])
         optim = parse_optimizer_state(self.optimizer, param_names(self.runners.values()), state["optimizer"])
-        restore_kfac = self._parse_kfac(state) if self.kfac_runtime is not None else None
+        restore_kfac = self._parse_kfac(state) if self.preconditioning is not None else None
         load_model_state(self.runners.values(), state["model"])
         if self.optimizer is not None:
+            assert optim is not None, "parse_optimizer_state returns a state for an optimizer"
             self.optimizer.load_state_dict(optim)
         if restore_kfac is not None:
             restore_kfac()
@@ -253,7 +263,7 @@ class Trainer(Checkpointing):
 
     def _parse_kfac(self, state: Mapping[str, Any]) -> Callable[[], None]:
         """Check the K-FAC part of `state`; returns what installs it."""
-        runtime = self.kfac_runtime
+        runtime = self.preconditioning
         if runtime is None:
             raise AssertionError("K-FAC state parsed without a K-FAC runtime")
         parsed = runtime.parse_state(state)
@@ -275,9 +285,10 @@ class Trainer(Checkpointing):
         spec, layout = self.spec, self.layout
         programs = {str(r): [[str(op) for op in ops] for ops in p] for r, p in sorted(spec.programs.items())}
         return {"params": {n: list(p.shape) for st in spec.split.stages for n, p in st.gm.named_parameters()},
-                "timings": {n: [t.period, t.curv_step, t.use_offset, t.capture] for n, t in sorted(self.timings.items())},
+                "timings": {n: [t.period, t.curv_step, t.use_offset, t.capture]
+                            for n, t in sorted(self.timings.items())},
                 "plan": None if spec.plan is None else f"{spec.plan.fingerprint}#{digest(spec.plan.to_dict())}",
-                "trainer": "kfac" if self.layers else "plain", "mesh": [layout.D, layout.W],
+                "trainer": spec.family.name if self.layers and spec.family else "plain", "mesh": [layout.D, layout.W],
                 "schedule": spec.kind.value, "microbatches": spec.N, "virtual_stages": spec.v,
                 "global_batch": spec.global_batch, "stages": [list(st.params) for st in spec.split.stages],
                 "graph": spec.fingerprint, "programs": digest(programs)}

@@ -129,7 +129,7 @@ def auto_worker(rank: int, world: int, case: Case, path: str) -> dict:
     return {"params": {n: p.detach().clone() for n, p in loaded.named_parameters()}, "losses": losses,
             "layers": dict(loaded.plan.layers), "steps": steps, "refused": refused,
             "same_programs": auto.plan.programs == loaded.plan.programs,
-            "kfac_ops": sum(op.kind.value in ("CURV", "INV", "PREC") for st in loaded.plan.programs[rank] for op in st)}
+            "kfac_ops": sum(op.kind.value in ("STATS", "DECOMP", "APPLY") for st in loaded.plan.programs[rank] for op in st)}
 
 
 def reference_for_plan(case: Case, layers: dict[str, LayerTiming], steps: int) -> dict[str, torch.Tensor]:
@@ -179,7 +179,7 @@ def planned_worker(rank: int, world: int, cases: list[Case]) -> dict:
                                  microbatches=case.N, pipeline=PipelineOptions(timeout=60.0), plan_options=options)
         steps = 2 * max(t.period for t in trainer.plan.layers.values())
         losses = [trainer.step((ids,), y) for ids, y in (data * steps)[:steps]]
-        kfac_ops = sum(op.kind.value in ("CURV", "INV") for st in trainer.plan.programs[rank] for op in st)
+        kfac_ops = sum(op.kind.value in ("STATS", "DECOMP") for st in trainer.plan.programs[rank] for op in st)
         out[i] = ({n: p.detach().clone() for n, p in trainer.named_parameters()}, losses,
                   dict(trainer.plan.layers), steps, kfac_ops)
     return out

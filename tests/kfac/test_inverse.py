@@ -130,7 +130,7 @@ def test_invert_rejects_bad_arguments() -> None:
 
 @pytest.mark.parametrize(("method", "pi"), [("cholesky", False), ("cholesky", True), ("eigen", False), ("eigen", True)])
 def test_factor_halves_combine_to_the_whole_inverse(method: str, pi: bool) -> None:
-    """What the runtime does when INV l,A and INV l,B run on different ranks: the same operator as invert()."""
+    """What the runtime does when DECOMP l,A and DECOMP l,B run on different ranks: the same operator as invert()."""
     A, B, G = _spd(4, 0), _spd(3, 1), torch.randn(3, 4, dtype=torch.float64)
     gamma_a, gamma_b, shift = factor_dampings(A, B, damping=1e-2, method=method, pi_damping=pi)
     if method == "eigen" and not pi:

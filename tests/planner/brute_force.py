@@ -24,7 +24,7 @@ def _mark(occupied: list[bool], start: int, length: int, value: bool) -> None:
 def brute_feasible(p: Problem, stage: int, k: int, stretch: int = 0) -> bool:
     """Exhaustive search on the integer time grid (whole seconds) for one stage on one device, every
     step followed by `stretch` idle seconds: curvature after its F/B and within one window of it,
-    inversions after all curvature of their factor and before the next refresh's curvature, PREC
+    inversions after all curvature of their factor and before the next refresh's curvature, APPLY
     between the all-reduce and the step's end, nothing on the fixed F/B or on the first unit of a
     step (steps end with a barrier over all ranks), no task across the window boundary."""
     st_ = step_timeline(p)

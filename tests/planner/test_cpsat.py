@@ -79,7 +79,7 @@ def test_lower_bound_is_curvature_and_inversion_over_the_bubble() -> None:
     plan = solve(p, FAST)
     step = step_timeline(p)
     for s, stage in enumerate(p.costs.stages):
-        busy = sum(b - a for op, a, b in step.ops[s] if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.PREC))
+        busy = sum(b - a for op, a, b in step.ops[s] if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.APPLY))
         bubble = step.length - busy
         assert plan.metrics.lower_bound_steps[s] == math.ceil((p.N * stage.curv + stage.inv) / bubble)
         assert plan.metrics.refresh_steps[s] >= plan.metrics.lower_bound_steps[s]
@@ -108,7 +108,7 @@ def test_budget_that_forbids_deferring_makes_the_planner_fuse() -> None:
     plan = solve(p, FAST)
     assert validate(p, plan) == []
     assert all(t.capture == "fused" for t in plan.layers.values())
-    assert not any(pl.op.kind is OpKind.CURV for pl in plan.placements)
+    assert not any(pl.op.kind is OpKind.STATS for pl in plan.placements)
     assert max(plan.metrics.peak_memory.values()) <= budget
     assert plan.metrics.step_time > plan.metrics.step_time_reference  # fused curvature costs step time
 

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from fxkfac.planner.errors import PlanFormatError
 from fxkfac.planner.ir import (
+    OP_FIELDS,
     LayerTiming,
     Op,
     OpKind,
@@ -26,13 +27,13 @@ EXAMPLES = {
     "B s3 m2 p1": Op(OpKind.BWD, 3, 2, pipe=1),
     "SEND_ACT s1 m0 >r2": Op(OpKind.SEND_ACT, 1, 0, peer=2),
     "RECV_GRAD s1 m0 <r2": Op(OpKind.RECV_GRAD, 1, 0, peer=2),
-    "CURV s1 m3 A bert.encoder.layer.0.output.dense": Op(
-        OpKind.CURV, 1, 3, layer="bert.encoder.layer.0.output.dense", factor="A"
+    "STATS s1 m3 A bert.encoder.layer.0.output.dense": Op(
+        OpKind.STATS, 1, 3, layer="bert.encoder.layer.0.output.dense", part="A"
     ),
-    "SYNC_CURV s1 B fc1": Op(OpKind.SYNC_CURV, 1, layer="fc1", factor="B"),
-    "INV s1 A 0": Op(OpKind.INV, 1, layer="0", factor="A"),
-    "BCAST_INV s1 A @r3 fc": Op(OpKind.BCAST_INV, 1, layer="fc", factor="A", peer=3),
-    "PREC s1": Op(OpKind.PREC, 1),
+    "SYNC_STATS s1 B fc1": Op(OpKind.SYNC_STATS, 1, layer="fc1", part="B"),
+    "DECOMP s1 A 0": Op(OpKind.DECOMP, 1, layer="0", part="A"),
+    "BCAST s1 A @r3 fc": Op(OpKind.BCAST, 1, layer="fc", part="A", root=3),
+    "APPLY s1": Op(OpKind.APPLY, 1),
     "ALLREDUCE_GRAD s1": Op(OpKind.ALLREDUCE_GRAD, 1),
     "OPT_STEP": Op(OpKind.OPT_STEP),
 }
@@ -46,30 +47,33 @@ def test_documented_spellings(text: str) -> None:
 
 def test_ambiguous_layer_names_are_quoted() -> None:
     for layer in ("A", "s1", "m0", "p2", ">r1", "has space", 'quo"te', "ünï"):
-        op = Op(OpKind.CURV, 0, 1, layer=layer, factor="B")
+        op = Op(OpKind.STATS, 0, 1, layer=layer, part="B")
         assert Op.parse(str(op)) == op
         assert str(op).endswith(json.dumps(layer))
 
 
-ops = st.builds(
-    Op,
-    kind=st.sampled_from(list(OpKind)),
-    stage=st.none() | st.integers(0, 200),
-    mb=st.none() | st.integers(0, 200),
-    pipe=st.integers(0, 3),
-    layer=st.none() | st.text(min_size=1, max_size=12),
-    factor=st.sampled_from([None, "A", "B"]),
-    peer=st.none() | st.integers(0, 99),
-)
+_VALUES = {"stage": st.integers(0, 200), "mb": st.integers(0, 200), "pipe": st.integers(1, 3),
+           "layer": st.text(min_size=1, max_size=12), "part": st.sampled_from("ABDLR"),
+           "peer": st.integers(0, 99), "root": st.integers(0, 99)}
 
 
-@given(ops)
+@st.composite
+def ops(draw: st.DrawFn) -> Op:
+    """Any op its kind allows: every required field, and each allowed one or not."""
+    kind = draw(st.sampled_from(list(OpKind)))
+    required, allowed = OP_FIELDS[kind]
+    fields = {name: draw(_VALUES[name]) for name in sorted(required)}
+    fields.update({name: draw(_VALUES[name]) for name in sorted(allowed) if draw(st.booleans())})
+    return Op(kind, **fields)
+
+
+@given(ops())
 def test_round_trip(op: Op) -> None:
     assert Op.parse(str(op)) == op
     assert "\n" not in str(op)
 
 
-@given(st.dictionaries(st.integers(0, 7), st.lists(st.lists(ops, max_size=4), min_size=1, max_size=3), max_size=4))
+@given(st.dictionaries(st.integers(0, 7), st.lists(st.lists(ops(), max_size=4), min_size=1, max_size=3), max_size=4))
 def test_programs_round_trip(programs: dict[int, list[list[Op]]]) -> None:
     assert parse_programs(format_programs(programs)) == programs
     for program in programs.values():
@@ -77,7 +81,8 @@ def test_programs_round_trip(programs: dict[int, list[list[Op]]]) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["X s1", "F s1 two words", "F s1 m0 <r2", "F s1 m0 bad name!", 'INV s0 A "unterminated', "SEND_ACT s0 <r1"]
+    "text",
+    ["X s1", "F s1 two words", "F s1 m0 <r2", "F s1 m0 bad name!", 'DECOMP s0 A "unterminated', "SEND_ACT s0 <r1"],
 )
 def test_bad_text_is_refused(text: str) -> None:
     with pytest.raises(PlanFormatError):
@@ -87,8 +92,12 @@ def test_bad_text_is_refused(text: str) -> None:
 def test_bad_fields_are_refused() -> None:
     with pytest.raises(PlanFormatError):
         Op(OpKind.FWD, -1, 0)
-    with pytest.raises(PlanFormatError):
-        Op(OpKind.CURV, 0, 0, factor="C")
+    with pytest.raises(PlanFormatError, match="one capital letter"):
+        Op(OpKind.STATS, 0, 0, part="ab")
+    with pytest.raises(PlanFormatError, match=r"BCAST needs \['root', 'stage'\]"):
+        Op(OpKind.BCAST, 0, part="A")
+    with pytest.raises(PlanFormatError, match="F.*may have \\['pipe'\\], got \\['mb', 'root', 'stage'\\]"):
+        Op(OpKind.FWD, 0, 0, root=1)
     with pytest.raises(PlanFormatError):
         parse_programs("F s0 m0\n")
 

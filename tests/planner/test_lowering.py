@@ -48,10 +48,10 @@ def test_interleaved_same_rank_neighbours_need_no_transfer() -> None:
 
 
 def test_period_programs_keep_their_shape_and_k_fac_ops_pass_through() -> None:
-    step = _ops("F s1 m0\nCURV s1 m0 A fc\nB s1 m0\nPREC s1")
+    step = _ops("F s1 m0\nSTATS s1 m0 A fc\nB s1 m0\nAPPLY s1")
     lowered = add_send_recv({1: [step, step]}, "gpipe", 3)
-    expect = _ops("RECV_ACT s1 m0 <r0\nF s1 m0\nSEND_ACT s1 m0 >r2\nCURV s1 m0 A fc\n"
-                  "RECV_GRAD s1 m0 <r2\nB s1 m0\nSEND_GRAD s1 m0 >r0\nPREC s1")
+    expect = _ops("RECV_ACT s1 m0 <r0\nF s1 m0\nSEND_ACT s1 m0 >r2\nSTATS s1 m0 A fc\n"
+                  "RECV_GRAD s1 m0 <r2\nB s1 m0\nSEND_GRAD s1 m0 >r0\nAPPLY s1")
     assert lowered == {1: [expect, expect]}
 
 
@@ -96,10 +96,10 @@ def test_lowered_programs_are_deadlock_free_and_keep_the_timeline(kind: str, D: 
 
 
 def test_startup_drops_the_work_of_refreshes_from_before_step_zero() -> None:
-    """A refresh op placed at window step s first runs at global step s; PREC and F/B run from step 0."""
-    late = Op(OpKind.CURV, stage=0, mb=1, factor="B", layer="l")
-    early = Op(OpKind.CURV, stage=0, mb=0, factor="A", layer="l")
-    prec = Op(OpKind.PREC, stage=0)
+    """A refresh op placed at window step s first runs at global step s; APPLY and F/B run from step 0."""
+    late = Op(OpKind.STATS, stage=0, mb=1, part="B", layer="l")
+    early = Op(OpKind.STATS, stage=0, mb=0, part="A", layer="l")
+    prec = Op(OpKind.APPLY, stage=0)
     body = [late, Op(OpKind.FWD, stage=0, mb=0), early, prec, Op(OpKind.OPT_STEP)]
     placements = (SimpleNamespace(op=late, device=0, step=1), SimpleNamespace(op=early, device=0, step=0),
                   SimpleNamespace(op=prec, device=0, step=1), SimpleNamespace(op=late, device=1, step=5))

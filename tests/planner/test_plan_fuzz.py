@@ -90,8 +90,8 @@ def _mutate(tree: Any, draw: st.DrawFn) -> str:
         texts = [p for p in paths if isinstance(_get(tree, p), str) and _get(tree, p).strip()]
         path = draw(st.sampled_from(texts))
         value = _get(tree, path)
-        replacement = draw(st.sampled_from(["CURV s0 m0 A nolayer", "INV s9 A l0_0", "F s0 m0", "BOGUS", "\n---\n",
-                                            "PREC s1", "CURV s0 m7 B l0_0", "BCAST_INV s0 A @r7 l0_0"]))
+        replacement = draw(st.sampled_from(["STATS s0 m0 A nolayer", "DECOMP s9 A l0_0", "F s0 m0", "BOGUS", "\n---\n",
+                                            "APPLY s1", "STATS s0 m7 B l0_0", "BCAST s0 A @r7 l0_0"]))
         cut = draw(st.integers(0, len(value)))
         _set(tree, path, value[:cut] + replacement + value[cut:])
     return how
@@ -119,11 +119,11 @@ def test_the_unmutated_plan_loads_and_is_valid(tmp_path: Path) -> None:
 
 
 def test_a_program_op_naming_a_layer_its_stage_lacks_is_refused(tmp_path: Path) -> None:
-    """Found by the fuzz: a program's CURV of an unknown layer reached the validator's simulation."""
+    """Found by the fuzz: a program's STATS of an unknown layer reached the validator's simulation."""
     tree = json.loads(_valid_text())
     steps = tree["programs"]["0"]
     lines = steps[0].split("\n")
-    i = next(i for i, line in enumerate(lines) if line.startswith("CURV "))
+    i = next(i for i, line in enumerate(lines) if line.startswith("STATS "))
     lines[i] = lines[i].rsplit(" ", 1)[0] + " BOGUS"
     steps[0] = "\n".join(lines)
     path = tmp_path / "plan.json"

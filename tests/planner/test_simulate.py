@@ -126,13 +126,13 @@ def test_collectives_start_together_after_every_member_arrives() -> None:
 
 
 def test_opt_step_is_a_barrier_over_all_ranks() -> None:
-    """The runtime's OPT_STEP all-reduces over the world: rank 0 starts step 1 only after rank 1's long PREC."""
+    """The runtime's OPT_STEP all-reduces over the world: rank 0 starts step 1 only after rank 1's long APPLY."""
     programs = {0: [Op(OpKind.FWD, 0, 0), Op(OpKind.OPT_STEP)],
-                1: [Op(OpKind.FWD, 1, 0), Op(OpKind.PREC, 1), Op(OpKind.OPT_STEP)]}
-    dur = {OpKind.FWD: 1.0, OpKind.PREC: 5.0}
+                1: [Op(OpKind.FWD, 1, 0), Op(OpKind.APPLY, 1), Op(OpKind.OPT_STEP)]}
+    dur = {OpKind.FWD: 1.0, OpKind.APPLY: 5.0}
     timeline = simulate(programs, lambda r, op: dur.get(op.kind, 0.0), steps=2)
     at = {(iv.rank, iv.step, iv.op.kind): (iv.start, iv.end) for iv in timeline.intervals}
-    # step 0: F s0 0-1, F s1 1-2, PREC 2-7; every OPT_STEP at 7; step 1 is step 0 moved by 7
+    # step 0: F s0 0-1, F s1 1-2, APPLY 2-7; every OPT_STEP at 7; step 1 is step 0 moved by 7
     assert at[0, 0, OpKind.OPT_STEP] == at[1, 0, OpKind.OPT_STEP] == (7, 7)
     assert at[0, 1, OpKind.FWD] == (7, 8) and at[1, 1, OpKind.FWD] == (8, 9)
     assert timeline.makespan == 14 and timeline.step_time == 7
@@ -140,23 +140,23 @@ def test_opt_step_is_a_barrier_over_all_ranks() -> None:
 
 def test_k_fac_ops_follow_program_order_and_group_by_stage() -> None:
     programs = {
-        r: [Op(OpKind.FWD, 0, 0), Op(OpKind.CURV, 0, 0, layer="fc", factor="A"), Op(OpKind.BWD, 0, 0),
-            Op(OpKind.CURV, 0, 0, layer="fc", factor="B"), Op(OpKind.SYNC_CURV, 0, layer="fc", factor="A"),
-            *( [Op(OpKind.INV, 0, layer="fc", factor="A")] if r == 1 else []),
-            Op(OpKind.BCAST_INV, 0, layer="fc", factor="A", peer=1), Op(OpKind.ALLREDUCE_GRAD, 0),
-            Op(OpKind.PREC, 0), Op(OpKind.OPT_STEP)]
+        r: [Op(OpKind.FWD, 0, 0), Op(OpKind.STATS, 0, 0, layer="fc", part="A"), Op(OpKind.BWD, 0, 0),
+            Op(OpKind.STATS, 0, 0, layer="fc", part="B"), Op(OpKind.SYNC_STATS, 0, layer="fc", part="A"),
+            *( [Op(OpKind.DECOMP, 0, layer="fc", part="A")] if r == 1 else []),
+            Op(OpKind.BCAST, 0, layer="fc", part="A", root=1), Op(OpKind.ALLREDUCE_GRAD, 0),
+            Op(OpKind.APPLY, 0), Op(OpKind.OPT_STEP)]
         for r in (0, 1)
     }
-    dur = {OpKind.FWD: 1, OpKind.BWD: 2, OpKind.CURV: 0.5, OpKind.SYNC_CURV: 0.25, OpKind.INV: 3,
-           OpKind.BCAST_INV: 0.25, OpKind.PREC: 1, OpKind.ALLREDUCE_GRAD: 0.5}
+    dur = {OpKind.FWD: 1, OpKind.BWD: 2, OpKind.STATS: 0.5, OpKind.SYNC_STATS: 0.25, OpKind.DECOMP: 3,
+           OpKind.BCAST: 0.25, OpKind.APPLY: 1, OpKind.ALLREDUCE_GRAD: 0.5}
     timeline = simulate(programs, lambda r, op: 4 * dur.get(op.kind, 0) if r == 0 and op.kind is OpKind.BWD
                         else dur.get(op.kind, 0))
     at = {(iv.rank, iv.op.kind): (iv.start, iv.end) for iv in timeline.intervals}
-    # rank 0: F 0-1, CURV A 1-1.5, slow B 1.5-9.5, CURV B 9.5-10; rank 1 is done at 4 and waits.
-    assert at[0, OpKind.SYNC_CURV] == at[1, OpKind.SYNC_CURV] == (10, 10.25)
-    assert at[1, OpKind.INV] == (10.25, 13.25)
-    assert at[0, OpKind.BCAST_INV] == at[1, OpKind.BCAST_INV] == (13.25, 13.5)
-    assert at[0, OpKind.PREC] == (14, 15)
+    # rank 0: F 0-1, STATS A 1-1.5, slow B 1.5-9.5, STATS B 9.5-10; rank 1 is done at 4 and waits.
+    assert at[0, OpKind.SYNC_STATS] == at[1, OpKind.SYNC_STATS] == (10, 10.25)
+    assert at[1, OpKind.DECOMP] == (10.25, 13.25)
+    assert at[0, OpKind.BCAST] == at[1, OpKind.BCAST] == (13.25, 13.5)
+    assert at[0, OpKind.APPLY] == (14, 15)
 
 
 def test_deadlock_names_the_blocked_ops() -> None:

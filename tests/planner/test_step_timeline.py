@@ -25,19 +25,19 @@ SHAPES = [("gpipe", 1, lambda D: D + 1), ("1f1b", 1, lambda D: 2 * D), ("interle
           ("chimera", 1, lambda D: D)]
 
 SECONDS = st.one_of(st.just(0.0), st.floats(1e-9, 1e-5), st.floats(1e-3, 0.1), st.floats(0.5, 5.0))
-"""Zero, near zero, and milliseconds to seconds: stages and PREC up to 10^9 times apart."""
+"""Zero, near zero, and milliseconds to seconds: stages and APPLY up to 10^9 times apart."""
 
 
 def _costs(times: list[tuple[float, float, float]]) -> CostTable:
-    """One stage per (fwd, bwd, prec), each with one K-FAC layer that carries the PREC time."""
+    """One stage per (fwd, bwd, prec), each with one K-FAC layer that carries the APPLY time."""
     stages = tuple(StageCost(f, b, 0, 0, (LayerCost(f"layer{s}", 0.0, 0.0, 0.0, 0.0, p, 0, 0, 0, 0),))
                    for s, (f, b, p) in enumerate(times))
     return CostTable(stages, 1, "test", "test")
 
 
 def _durations(times: list[tuple[float, float, float]]) -> Callable[[int, Op], float]:
-    """Op durations read straight from the drawn numbers (F, B, PREC; everything else takes no time)."""
-    index = {OpKind.FWD: 0, OpKind.BWD: 1, OpKind.PREC: 2}
+    """Op durations read straight from the drawn numbers (F, B, APPLY; everything else takes no time)."""
+    index = {OpKind.FWD: 0, OpKind.BWD: 1, OpKind.APPLY: 2}
     return lambda rank, op: times[op.stage][index[op.kind]] if op.kind in index else 0.0  # type: ignore[index]  # FWD and BWD name their stage
 
 
@@ -83,13 +83,13 @@ def test_step_timeline_is_every_step_of_a_multi_step_simulation(shape: tuple, D:
 
 
 UNEVEN = [(0.015, 0.0, 0.0003), (0.057, 0.0, 2.0)]
-"""Two stages, forwards of 15 ms and 57 ms, no backward time, PREC of 0.3 ms and 2 s (it crashed step_timeline)."""
+"""Two stages, forwards of 15 ms and 57 ms, no backward time, APPLY of 0.3 ms and 2 s (it crashed step_timeline)."""
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_uneven_stages_with_a_long_prec_regression(schedule: str) -> None:
     problem = Problem(schedule, 2, 4, _costs(UNEVEN))
-    # by hand: stage 1 runs its 4 forwards back to back once stage 0's first is done, then its PREC
+    # by hand: stage 1 runs its 4 forwards back to back once stage 0's first is done, then its APPLY
     plain = 0.015 + 4 * 0.057
     assert plain_step_time(problem) == pytest.approx(plain)
     assert reference_step_time(problem) == pytest.approx(plain + 2.0)

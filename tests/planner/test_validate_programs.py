@@ -39,11 +39,11 @@ def test_solved_plan_is_valid() -> None:
 
 def test_prec_before_the_last_backward_is_refused() -> None:
     plan = _plan()
-    errors = validate(plan.problem, _moved(plan, 0, OpKind.PREC, OpKind.BWD))
-    assert any("PREC s0" in e and ("wrong order" in e or "comes before" in e) for e in errors), errors
+    errors = validate(plan.problem, _moved(plan, 0, OpKind.APPLY, OpKind.BWD))
+    assert any("APPLY s0" in e and ("wrong order" in e or "comes before" in e) for e in errors), errors
 
 
 def test_curvature_before_its_forward_ends_is_refused() -> None:
     plan = _plan()
-    errors = validate(plan.problem, _moved(plan, 0, OpKind.CURV, OpKind.FWD))
-    assert any("CURV" in e and "wrong order" in e for e in errors), errors
+    errors = validate(plan.problem, _moved(plan, 0, OpKind.STATS, OpKind.FWD))
+    assert any("STATS" in e and "wrong order" in e for e in errors), errors

@@ -292,7 +292,7 @@ def nan_run(nan_at: tuple[int, ...], steps: int) -> dict:
 def collective_death_worker(rank: int, world: int, where: str) -> dict:
     """Chimera MLP (both ranks hold every stage): rank 1 dies just before a K-FAC collective of step 1."""
     from fxkfac.errors import PipelineError
-    from fxkfac.runtime import kfac_ops
+    from fxkfac.planner.ir import OpKind
 
     trainer = mlp_trainer(schedule="chimera", timeout=10.0)
     batches = mlp_batches(2)
@@ -301,7 +301,7 @@ def collective_death_worker(rank: int, world: int, where: str) -> dict:
         def die(*args: Any) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
-        trainer.interpreter.register(getattr(kfac_ops.OpKind, where), die)
+        trainer.interpreter.register(OpKind[where], die)
     try:
         trainer.step(*batches[1])
     except PipelineError as e:

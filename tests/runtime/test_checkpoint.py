@@ -13,9 +13,10 @@ import torch
 from fxkfac import checkpoint
 from fxkfac.capture import capture
 from fxkfac.errors import CheckpointError
+from fxkfac.kfac.family import KFACFamily
 from fxkfac.kfac.inverse import FactorInverse, Inverse
 from fxkfac.planner.ir import LayerTiming
-from fxkfac.runtime.kfac_ops import KFACRuntime, StageGroup
+from fxkfac.runtime.preconditioning import PreconditionerRuntime, StageCopies
 from tests.runtime import checkpoint_workers as cw
 from tests.support import models
 from tests.support.distributed import run_distributed
@@ -90,15 +91,16 @@ def test_state_split_into_json_and_tensors_round_trips() -> None:
     assert back["inflight"]["outbox"][0][2][0] is None and back["optimizer"]["param_groups"][0]["betas"] == [0.9, 0.99]
 
 
-def _runtime() -> KFACRuntime:
+def _runtime() -> PreconditionerRuntime:
     x = cw.mlp_batches(1)[0][0]
     layers = {layer.name: layer for layer in capture(models.mlp(), (x[:4],), cw.KFAC).layers}
     timings = {n: LayerTiming(2, 0, 1, "deferred") for n in layers}
-    return KFACRuntime(cw.KFAC, layers, {n: 0 for n in layers}, timings, {0: StageGroup((0,), None)}, 0, 2, 8)
+    copies = {0: StageCopies((0,), None)}
+    return PreconditionerRuntime(KFACFamily(cw.KFAC), layers, {n: 0 for n in layers}, timings, copies, 0, 2, 8)
 
 
 def test_kfac_work_in_flight_round_trips_through_a_checkpoint_state() -> None:
-    """Open refreshes (partial sums, folded sides, inverse halves), the BCAST_INV outbox and pending inverses."""
+    """Open refreshes (partial sums, folded sides, inverse halves), the BCAST outbox and pending inverses."""
     g = torch.Generator().manual_seed(0)
     rt = _runtime()
     rt.open_refreshes(0)
@@ -161,7 +163,8 @@ def test_killed_rank_fails_the_job_and_a_fresh_launch_resumes_exactly(tmp_path: 
         assert v["leftovers"] and all(".tmp-" in name for name in v["leftovers"])
         _check_nan_run(v["nan"])
         kind, message, changed = v["other_batch"]
-        assert kind == "ConfigError" and "inputs have shapes/dtypes [6, 12] float32, but the model was compiled for example_inputs of [8, 12]" in message
+        assert kind == "ConfigError" and ("inputs have shapes/dtypes [6, 12] float32, but the model was compiled "
+                                          "for example_inputs of [8, 12]") in message
         assert changed == []
         built = v["construction"]
         assert built["untouched"], "a failed construction changed the model or the plan file"
@@ -206,13 +209,13 @@ def _check_nan_run(v: dict) -> None:
 
 @pytest.mark.multiproc
 def test_rank_dying_at_a_kfac_collective_fails_its_peer_with_the_instruction() -> None:
-    """Chimera on 2 ranks (both hold every stage): rank 1 dies instead of its SYNC_CURV; rank 0 fails there."""
-    results = run_distributed(cw.collective_death_worker, 2, "SYNC_CURV", timeout=120)
+    """Chimera on 2 ranks (both hold every stage): rank 1 dies instead of its SYNC_STATS; rank 0 fails there."""
+    results = run_distributed(cw.collective_death_worker, 2, "SYNC_STATS", timeout=120)
     assert results[1].exitcode == -9, results[1]
     assert results[0].ok, results[0].traceback
     kind, message = results[0].value["error"]
     assert kind in ("PipelineError", "PipelineTimeoutError") and "rank 0" in message, message
-    assert "SYNC_CURV" in message and "peer" in message, message
+    assert "SYNC_STATS" in message and "peer" in message, message
 
 
 EXPECTED_REFUSALS = {

@@ -1,0 +1,147 @@
+"""K-FAC as a preconditioner family: parts A (layer input) and B (output gradient), damped inverses, KL-clip."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fxkfac.config import KFACConfig
+from fxkfac.kfac.factors import a_rows, e_rows, factor, running_average
+from fxkfac.kfac.inverse import FactorInverse, Inverse, combine, factor_dampings, invert_factor
+from fxkfac.kfac.precondition import Preconditioner
+from fxkfac.kfac.state import LayerState
+from fxkfac.passes.layers import KFACLayer
+from fxkfac.preconditioner import RefreshState, Source
+
+__all__ = ["KFACFamily"]
+
+
+class KFACFamily:
+    """The `fxkfac.preconditioner.Family` of K-FAC with `KFACConfig` (semantics: docs/ARCHITECTURE.md)."""
+
+    name = "kfac"
+    parts: tuple[str, ...] = ("A", "B")
+
+    def __init__(self, cfg: KFACConfig) -> None:
+        self.cfg = cfg
+        self.kl_clip = cfg.kl_clip
+        self.stats_dtype = cfg.factor_dtype
+        self.refresh_every = cfg.refresh_every
+        self.capture: str = cfg.capture
+
+    def source(self, part: str) -> Source:
+        """A from the layer's input, B from its output gradient."""
+        return Source.INPUT if part == "A" else Source.OUTPUT_GRAD
+
+    def new_state(self, layer: KFACLayer) -> LayerState:
+        """No factors, no inverse."""
+        return LayerState(layer.a_dim, layer.b_dim)
+
+    def stats_shape(self, layer: KFACLayer, part: str) -> tuple[int, int]:
+        """A is a_dim x a_dim (bias column included), B is b_dim x b_dim."""
+        dim = layer.a_dim if part == "A" else layer.b_dim
+        return (dim, dim)
+
+    def statistic(self, layer: KFACLayer, part: str, mode: str, raw: Tensor, n: int) -> Tensor:
+        """A_m or B_m: fused captures are the factor already (B scaled by n^2), deferred ones rows to square."""
+        dtype = getattr(torch, self.cfg.factor_dtype)
+        if mode == "fused":
+            return raw.to(dtype) if part == "A" else (raw * (n * n)).to(dtype)
+        rows = a_rows(raw, layer) if part == "A" else e_rows(raw, layer, n)
+        return factor(rows, dtype)
+
+    def fold(self, state: RefreshState, part: str, mean: Tensor) -> None:
+        """Running average of the factor: the first refresh takes the mean as it is."""
+        if not isinstance(state, LayerState):
+            raise AssertionError("a K-FAC part folded into another family's state")
+        if part == "A":
+            state.A = running_average(state.A, mean, self.cfg.factor_decay)
+        else:
+            state.B = running_average(state.B, mean, self.cfg.factor_decay)
+
+    def decompose(self, layer: KFACLayer, state: RefreshState, part: str) -> FactorInverse | None:
+        """One factor's damped inverse (ValueError when pi-damping lacks the other factor)."""
+        if not isinstance(state, LayerState):
+            raise AssertionError("a K-FAC part decomposed from another family's state")
+        if self.cfg.pi_damping and (state.A is None or state.B is None):
+            raise ValueError(f"pi-damping needs both factors of {layer.name} folded before either is inverted; "
+                             "put both SYNC_STATS ops before the DECOMP ops")
+        f = state.A if part == "A" else state.B
+        if f is None:
+            raise ValueError(f"factor {part} of {layer.name} is inverted before it was ever folded")
+        gamma = self._gammas(state)[0 if part == "A" else 1]
+        return invert_factor(f, gamma, method=self.cfg.inverse, max_retries=self.cfg.max_cholesky_retries,
+                             name=layer.name, side=part)
+
+    def _gammas(self, state: LayerState) -> tuple[float, float, float]:
+        """(gamma_A, gamma_B, shift) of `factor_dampings` (pi-damping reads both factors)."""
+        if self.cfg.pi_damping and state.A is not None and state.B is not None:
+            return factor_dampings(state.A, state.B, damping=self.cfg.damping, method=self.cfg.inverse,
+                                   pi_damping=True)
+        eye = torch.eye(1)
+        return factor_dampings(eye, eye, damping=self.cfg.damping, method=self.cfg.inverse, pi_damping=False)
+
+    def combine(self, layer: KFACLayer, state: RefreshState, halves: Mapping[str, Any]) -> Inverse | None:
+        """The layer's Inverse from both halves; None when either failed (the previous one stays)."""
+        a, b = halves["A"], halves["B"]
+        if a is None or b is None or not isinstance(state, LayerState):
+            return None
+        return combine(a, b, self._gammas(state)[2])
+
+    def packed_size(self, layer: KFACLayer, part: str) -> int:
+        """[ok, inverse] (Cholesky) or [ok, eigenvectors, eigenvalues] (eigen)."""
+        dim = self.stats_shape(layer, part)[0]
+        return 1 + dim * dim + (dim if self.cfg.inverse == "eigen" else 0)
+
+    def pack(self, layer: KFACLayer, part: str, half: FactorInverse | None) -> Tensor:
+        """``[ok, payload]``; ok=0 for a failed inversion."""
+        dim = self.stats_shape(layer, part)[0]
+        out = torch.zeros(self.packed_size(layer, part), dtype=getattr(torch, self.cfg.factor_dtype))
+        if half is None:
+            return out
+        out[0] = 1.0
+        if half.inv is not None:
+            out[1:] = half.inv.reshape(-1)
+        elif half.q is not None and half.l is not None:
+            out[1:1 + dim * dim] = half.q.reshape(-1)
+            out[1 + dim * dim:] = half.l
+        return out
+
+    def unpack(self, layer: KFACLayer, part: str, flat: Tensor) -> FactorInverse | None:
+        """Inverse of `pack`."""
+        if float(flat[0]) == 0.0:
+            return None
+        dim = self.stats_shape(layer, part)[0]
+        if self.cfg.inverse == "cholesky":
+            return FactorInverse("cholesky", inv=flat[1:].view(dim, dim).clone())
+        return FactorInverse("eigen", q=flat[1:1 + dim * dim].view(dim, dim).clone(), l=flat[1 + dim * dim:].clone())
+
+    def precondition(self, layers: Sequence[KFACLayer], grads: MutableMapping[str, Tensor],
+                     states: Mapping[str, RefreshState]) -> Tensor:
+        """P = B^-1 G A^-1 per layer in place (G where no inverse is active yet); returns sum <P, G>."""
+        return Preconditioner(layers)(grads, states)  # type: ignore[arg-type]  # K-FAC states are LayerStates
+
+    def scale(self, layers: Sequence[KFACLayer], grads: MutableMapping[str, Tensor], nu: float) -> None:
+        """The KL-clip factor on the layers' gradients."""
+        Preconditioner(layers).scale(grads, nu)
+
+    def half_to_state(self, half: FactorInverse | None) -> dict[str, Any] | None:
+        """Method and tensors of one inverted factor."""
+        if half is None:
+            return None
+        if half.method == "cholesky":
+            return {"method": "cholesky", "inv": half.inv}
+        return {"method": "eigen", "q": half.q, "l": half.l}
+
+    def half_from_state(self, saved: Any) -> FactorInverse | None:
+        """Inverse of `half_to_state`; ValueError when malformed."""
+        if saved is None:
+            return None
+        if saved["method"] == "cholesky" and isinstance(saved["inv"], Tensor):
+            return FactorInverse("cholesky", inv=saved["inv"])
+        if saved["method"] == "eigen" and isinstance(saved["q"], Tensor) and isinstance(saved["l"], Tensor):
+            return FactorInverse("eigen", q=saved["q"], l=saved["l"])
+        raise ValueError(f"an inverse half has method {saved['method']!r} or lacks its tensors")

@@ -1,0 +1,430 @@
+"""The runtime of a preconditioner family: tapped stage runners and the STATS, SYNC_STATS, DECOMP, BCAST, APPLY
+handlers, on one device and on every mesh. The family (`fxkfac.preconditioner.Family`; K-FAC:
+fxkfac/kfac/family.py) supplies the math of its parts; this module owns their life cycle.
+
+[Note: refresh semantics in the runtime] The handlers implement docs/ARCHITECTURE.md's semantics (there
+for K-FAC, whose parts are A and B) exactly, whatever step or rank a plan puts each op on (one device runs
+the same handlers, with every collective a no-op):
+- at step t every local layer with ``t % period == curv_step`` is tapped (fused or deferred) in its
+  stage's forward/backward, and a *refresh record* for step t is opened;
+- ``STATS s m F layer`` turns micro-batch m's capture into ``A_m`` / ``B_m`` and adds it to the oldest
+  open record of the layer (captures wait in FIFOs, so a plan may run curvature steps later);
+- ``SYNC_STATS s [F] layer`` sums the record's factor over every copy of the stage (dp replicas and
+  Chimera's two pipelines) and folds the mean into the running average (a stage held once folds at
+  its first DECOMP instead);
+- ``DECOMP s F layer`` inverts one factor (damping split as `fxkfac.kfac.inverse.invert` does);
+  ``BCAST s F @rR layer`` broadcasts it from rank R to the stage's other copies; once both halves
+  are there the layer's inverse is queued to become active at ``t + use_offset``;
+- ``APPLY s`` activates due inverses and preconditions the stage's gradients; an inverse that is due but
+  missing is a plan error (PipelineError), never a silent use of an older one;
+- OPT_STEP is wrapped: the KL-clip's ``sum <P, G>`` is all-reduced over all ranks (each stage's share
+  divided by its number of copies) together with the NaN/Inf flag of the step, the K-FAC gradients are
+  scaled by nu, then the core OPT_STEP runs.
+- a skipped step (NaN/Inf loss or gradients on some rank) leaves no trace: the runtime is an
+  interpreter listener, and ``abort_step`` restores the layer states, refresh records, inverse outbox
+  and captures as they were when the step began (the single-device trainer's skip, exactly).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, fx
+
+from fxkfac.errors import CheckpointError, PipelineError
+from fxkfac.kfac.precondition import kl_clip_scale
+from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture
+from fxkfac.passes.layers import KFACLayer
+from fxkfac.planner.ir import LayerTiming, Op, OpKind
+from fxkfac.preconditioner import Family, RefreshState, Source
+from fxkfac.runtime.interpreter import CORE_HANDLERS, Interpreter, StepContext, local_nonfinite
+from fxkfac.runtime.stage import StageRunner
+
+__all__ = ["TappedRunner", "StageCopies", "PreconditionerRuntime"]
+
+
+@dataclass
+class TappedRunner(StageRunner):
+    """A StageRunner whose forward/backward also capture the layers in `modes` for a family's parts.
+
+    `modes` (layer -> "fused" | "deferred") is set by the trainer before each step; with no modes the
+    plain stage function runs. The input capture feeds the parts `sources[Source.INPUT]`, the output-gradient
+    capture `sources[Source.OUTPUT_GRAD]`; captures wait in `captures[(layer, part, mb)]` FIFOs for STATS ops.
+    """
+
+    layers: dict[str, KFACLayer] = field(default_factory=dict)
+    sources: dict[Source, tuple[str, ...]] = field(default_factory=dict)
+    backend: str | None = None
+    modes: dict[str, str] = field(default_factory=dict)
+    captures: dict[tuple[str, str, int], deque[Tensor]] = field(default_factory=dict)
+    _variants: dict[tuple, tuple[FactorTaps, Any]] = field(default_factory=dict)
+    _probes: dict[int, dict[str, Tensor]] = field(default_factory=dict)
+
+    @classmethod
+    def wrap(cls, runner: StageRunner, layers: Mapping[str, KFACLayer], family: Family,
+             backend: str | None) -> TappedRunner:
+        """The same stage copy (same module and parameters) capturing `layers` for `family`'s parts."""
+        sources = {src: tuple(p for p in family.parts if family.source(p) is src) for src in Source}
+        return cls(runner.graph, runner.pipe, runner.module, runner.fn, runner.is_last,
+                   layers=dict(layers), sources=sources, backend=backend)
+
+    def _keep(self, name: str, source: Source, mb: int, value: Tensor) -> None:
+        """Queue a capture for every part it feeds (none: the family does not use that side)."""
+        for part in self.sources.get(source, ()):
+            self.captures.setdefault((name, part, mb), deque()).append(value)
+
+    def _variant(self) -> tuple[FactorTaps, Any]:
+        key = tuple(sorted(self.modes.items()))
+        if key not in self._variants:
+            assert isinstance(self.module, fx.GraphModule), "a stage runner's module is the split's GraphModule"
+            taps = insert_factor_capture(self.module, list(self.layers.values()), self.modes)
+            fn = taps.gm if self.backend is None else torch.compile(taps.gm, backend=self.backend, dynamic=False)
+            self._variants[key] = (taps, fn)
+        return self._variants[key]
+
+    def forward(self, mb: int, inputs: Sequence[Tensor], needs_grad: bool) -> tuple[Tensor, ...]:
+        """Run the stage on micro-batch `mb`, keeping the input captures and the output-gradient probes."""
+        if not self.modes:
+            return super().forward(mb, inputs, needs_grad)
+        taps, fn = self._variant()
+        order = sorted(taps.probes, key=taps.probes.__getitem__)
+        device = inputs[0].device if inputs else torch.device("cpu")
+        probes = [torch.zeros(taps.probe_shapes[n], device=device, requires_grad=True) for n in order]
+        leaves = [x.requires_grad_(True) if needs_grad and x.is_floating_point() else x for x in inputs]
+        outs = tuple(fn(*leaves, *probes))
+        user = outs[:taps.n_outputs]
+        self._inputs[mb] = leaves
+        self._outputs[mb] = user
+        for name, index in taps.a_outputs.items():
+            self._keep(name, Source.INPUT, mb, outs[index].detach())
+        self._probes[mb] = dict(zip(order, probes))
+        return user
+
+    def backward(self, mb: int, output_grads: Sequence[Tensor] | None) -> list[Tensor]:
+        """Backpropagate `mb`; the probes' gradients are the output-gradient captures."""
+        probes = self._probes.pop(mb, {})
+        grads = super().backward(mb, output_grads)
+        for name, probe in probes.items():
+            value = probe.grad if probe.grad is not None else torch.zeros_like(probe)
+            self._keep(name, Source.OUTPUT_GRAD, mb, value)
+        return grads
+
+    def captures_state(self) -> list[list[Any]]:
+        """The captures waiting for STATS ops: ``[[layer, part, mb, [tensors, oldest first]], ...]``."""
+        return [[layer, part, mb, list(queue)] for (layer, part, mb), queue in sorted(self.captures.items()) if queue]
+
+    def parse_captures(self, saved: Any) -> dict[tuple[str, str, int], deque[Tensor]]:
+        """`captures_state` output as capture FIFOs of this stage's layers; CheckpointError when malformed."""
+        try:
+            out = {(str(layer), str(part), int(mb)): deque(tensors) for layer, part, mb, tensors in saved}
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"captures of stage {self.stage} are malformed ({e!r})") from e
+        parts = {p for ps in self.sources.values() for p in ps}
+        strange = sorted({k[0] for k in out if k[0] not in self.layers or k[1] not in parts})
+        if strange or not all(isinstance(t, Tensor) for q in out.values() for t in q):
+            raise CheckpointError(f"captures of stage {self.stage} name layers it does not hold ({strange}) "
+                                  "or hold no tensors; the checkpoint was written for another split")
+        return out
+
+    def take(self, layer: str, part: str, mb: int, op: Op) -> Tensor:
+        """The oldest capture of (layer, part, mb); PipelineError when the plan consumes one never made."""
+        queue = self.captures.get((layer, part, mb))
+        if not queue:
+            raise PipelineError(f"'{op}': no capture of {part} for micro-batch {mb} (the layer was not tapped "
+                                "or its FWD/BWD has not run): the plan orders STATS wrongly for its LayerTiming")
+        value = queue.popleft()
+        if not queue:
+            del self.captures[(layer, part, mb)]
+        return value
+
+
+@dataclass(frozen=True)
+class StageCopies:
+    """Every copy of one stage: the holder ranks and their process group (None: the world or alone)."""
+
+    ranks: tuple[int, ...]
+    group: Any
+
+
+@dataclass
+class _Refresh:
+    """One refresh of one layer in flight: statistic sums and counts per part, which parts are folded, and the
+    decompositions of the parts (one per part, made here or received by broadcast)."""
+
+    step: int
+    sums: dict[str, Tensor] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    folded: set[str] = field(default_factory=set)
+    halves: dict[str, Any] = field(default_factory=dict)
+
+    def copy(self) -> _Refresh:
+        """A copy whose containers later handlers do not change."""
+        return _Refresh(self.step, dict(self.sums), dict(self.counts), set(self.folded), dict(self.halves))
+
+
+class PreconditionerRuntime:
+    """A family's state on one rank's stages and the handlers that act on it (see [Note: refresh semantics in
+    the runtime])."""
+
+    def __init__(self, family: Family, layers: Mapping[str, KFACLayer], stage_of: Mapping[str, int],
+                 timings: Mapping[str, LayerTiming], groups: Mapping[int, StageCopies], rank: int,
+                 microbatches_total: int, global_batch: int) -> None:
+        self.family = family
+        self.layers = dict(layers)
+        self.stage_of = dict(stage_of)
+        self.timings = dict(timings)
+        self.groups = dict(groups)
+        self.rank = rank
+        self.total = microbatches_total
+        self.n = global_batch
+        self.states = {name: family.new_state(layer) for name, layer in self.layers.items()}
+        self.refreshes: dict[str, deque[_Refresh]] = {name: deque() for name in self.layers}
+        self._by_stage = {s: [self.layers[n] for n in self.layers if self.stage_of[n] == s] for s in groups}
+        self._dot = torch.zeros((), dtype=torch.float64)
+        self._scaled: list[tuple[int, dict[str, Tensor]]] = []
+        self._outbox: dict[tuple[str, str], deque[Any]] = {}
+        """Decompositions this rank made for a stage with several copies, waiting for their BCAST."""
+        self._at_begin: Any = None
+        """The state `begin_step` remembered, restored by `abort_step`."""
+
+    def install(self, interpreter: Interpreter) -> None:
+        """Register the refresh handlers and the KL-clipping OPT_STEP on `interpreter`."""
+        interpreter.register(OpKind.STATS, self.curv)
+        interpreter.register(OpKind.SYNC_STATS, self.sync_curv)
+        interpreter.register(OpKind.DECOMP, self.inv)
+        interpreter.register(OpKind.BCAST, self.bcast_inv)
+        interpreter.register(OpKind.APPLY, self.prec)
+        interpreter.register(OpKind.OPT_STEP, self.opt_step)
+        interpreter.listeners.append(self)
+
+    def modes_at(self, step: int, layer_names: Sequence[str]) -> dict[str, str]:
+        """The layers among `layer_names` that step `step` taps, with their capture mode."""
+        return {n: self.timings[n].capture for n in layer_names
+                if step % self.timings[n].period == self.timings[n].curv_step}
+
+    def open_refreshes(self, step: int) -> None:
+        """Open a refresh record at `step` for every local layer that refreshes then."""
+        for name in self.modes_at(step, list(self.layers)):
+            self.refreshes[name].append(_Refresh(step, counts=dict.fromkeys(self.family.parts, 0)))
+
+    # --- handlers -------------------------------------------------------------------------------
+
+    def _layers_of(self, op: Op) -> list[str]:
+        if op.layer is not None:
+            if op.layer not in self.layers:
+                raise PipelineError(f"rank {self.rank}: '{op}' names a layer this rank does not hold; the plan "
+                                    f"was made for another graph or split (local layers: {sorted(self.layers)})")
+            return [op.layer]
+        return [layer.name for layer in self._by_stage.get(op.stage, [])] if op.stage is not None else []
+
+    def _parts_of(self, op: Op) -> tuple[str, ...]:
+        if op.part is None:
+            return self.family.parts
+        if op.part not in self.family.parts:
+            raise PipelineError(f"rank {self.rank}: '{op}' names part {op.part}, but {self.family.name} has parts "
+                                f"{self.family.parts}: the plan was made for another preconditioner")
+        return (op.part,)
+
+    def _record(self, name: str, op: Op, ready: Any) -> _Refresh:
+        for record in self.refreshes[name]:
+            if ready(record):
+                return record
+        raise PipelineError(f"rank {self.rank}: '{op}' has no refresh of {name} to act on: the plan "
+                            f"does not match the layer's timing {self.timings[name]}")
+
+    def curv(self, ctx: StepContext, op: Op) -> None:
+        """Add micro-batch `op.mb`'s statistic of the part(s) to the layer's open refresh."""
+        runner = ctx.runner(op)
+        if not isinstance(runner, TappedRunner) or op.mb is None:
+            raise AssertionError("STATS on a runner without captures, or without a micro-batch")
+        for name in self._layers_of(op):
+            layer, mode = self.layers[name], self.timings[name].capture
+            for part in self._parts_of(op):
+                raw = runner.take(name, part, op.mb, op)
+                value = self.family.statistic(layer, part, mode, raw, self.n)
+                record = self._record(name, op, lambda r, p=part: p not in r.folded)
+                record.sums[part] = value if part not in record.sums else record.sums[part] + value
+                record.counts[part] += 1
+
+    def sync_curv(self, ctx: StepContext, op: Op) -> None:
+        """Sum the refresh's statistic(s) over every copy of the stage, then fold them into the running ones."""
+        for name in self._layers_of(op):
+            group = self.groups[self.stage_of[name]]
+            for part in self._parts_of(op):
+                record = self._record(name, op, lambda r, p=part: p not in r.folded)
+                shape = self.family.stats_shape(self.layers[name], part)
+                local = record.sums.get(part)
+                flat = torch.zeros(math.prod(shape) + 1, dtype=getattr(torch, self.family.stats_dtype))
+                if local is not None:
+                    flat[:-1] = local.reshape(-1)
+                flat[-1] = record.counts[part]
+                if len(group.ranks) > 1:
+                    ctx.transport.all_reduce(flat, group.group, str(op))
+                record.sums[part] = flat[:-1].view(shape)
+                record.counts[part] = int(round(float(flat[-1])))
+                self._fold(name, part, record, op)
+
+    def _fold(self, name: str, part: str, record: _Refresh, op: Op) -> None:
+        if record.counts[part] != self.total:
+            raise PipelineError(f"rank {self.rank}: '{op}' folds {part} of {name} from {record.counts[part]} "
+                                f"micro-batches, expected {self.total}: the plan lacks STATS or SYNC_STATS ops")
+        self.family.fold(self.states[name], part, record.sums.pop(part) / record.counts[part])
+        record.folded.add(part)
+        if record.folded == set(self.family.parts):
+            self.states[name].refreshes += 1
+
+    def inv(self, ctx: StepContext, op: Op) -> None:
+        """Decompose one part (folding it first when the stage has a single copy)."""
+        for name in self._layers_of(op):
+            for part in self._parts_of(op):
+                record = self._record(name, op, lambda r, p=part: p not in r.halves)
+                if part not in record.folded:
+                    self._fold(name, part, record, op)
+                try:
+                    half = self.family.decompose(self.layers[name], self.states[name], part)
+                except ValueError as e:
+                    raise PipelineError(f"rank {self.rank}: '{op}': {e}") from e
+                record.halves[part] = half
+                if len(self.groups[self.stage_of[name]].ranks) > 1:
+                    self._outbox.setdefault((name, part), deque()).append(half)
+                self._maybe_combine(name)
+
+    def bcast_inv(self, ctx: StepContext, op: Op) -> None:
+        """Broadcast one part's decomposition from rank `op.root` to every copy of the stage."""
+        if op.root is None:
+            raise PipelineError(f"'{op}' needs the root rank (@rN)")
+        for name in self._layers_of(op):
+            group, layer = self.groups[self.stage_of[name]], self.layers[name]
+            for part in self._parts_of(op):
+                if op.root == self.rank:
+                    outbox = self._outbox.get((name, part))
+                    if not outbox:
+                        raise PipelineError(f"rank {self.rank}: '{op}' broadcasts a decomposition this rank has not "
+                                            "computed: the plan lacks the DECOMP before it")
+                    flat = self.family.pack(layer, part, outbox.popleft())
+                else:
+                    flat = self.family.pack(layer, part, None)
+                if len(group.ranks) > 1:
+                    ctx.transport.broadcast(flat, op.root, group.group, str(op))
+                if op.root != self.rank:
+                    record = self._record(name, op, lambda r, p=part: p not in r.halves)
+                    record.halves[part] = self.family.unpack(layer, part, flat)
+                    self._maybe_combine(name)
+
+    def _maybe_combine(self, name: str) -> None:
+        """Queue the layer's preconditioner once every part of its oldest refresh is decomposed."""
+        queue = self.refreshes[name]
+        while queue and set(queue[0].halves) == set(self.family.parts):
+            record = queue.popleft()
+            made = self.family.combine(self.layers[name], self.states[name], record.halves)
+            self.states[name].set_pending(made, record.step + self.timings[name].use_offset)
+
+    def prec(self, ctx: StepContext, op: Op) -> None:
+        """Activate due preconditioners and precondition stage `op.stage`'s gradients; add its share of <P, G>."""
+        if op.stage is None:
+            raise AssertionError("APPLY without a stage")
+        runner = ctx.stage_runner(op.stage)
+        layers = self._by_stage.get(op.stage, [])
+        for layer in layers:
+            late = [r.step for r in self.refreshes[layer.name]
+                    if r.step + self.timings[layer.name].use_offset <= ctx.step]
+            if late:
+                raise PipelineError(f"rank {self.rank}: '{op}' at step {ctx.step} needs the preconditioner of "
+                                    f"{layer.name} refreshed at step {late[0]}, which the plan has not made yet")
+            self.states[layer.name].activate(ctx.step)
+        grads = {n: p.grad for n, p in runner.module.named_parameters() if p.grad is not None}
+        dot = self.family.precondition(layers, grads, self.states)
+        self._dot = self._dot + dot / len(self.groups[op.stage].ranks)
+        self._scaled.append((op.stage, grads))
+
+    def opt_step(self, ctx: StepContext, op: Op) -> None:
+        """One world all-reduce of sum <P, G> (KL-clip over all stages) and the NaN/Inf flag; then the core
+        OPT_STEP, which steps unless some rank's loss or gradients were non-finite."""
+        both = torch.stack([self._dot, torch.tensor(float(local_nonfinite(ctx)), dtype=torch.float64)])
+        ctx.transport.all_reduce(both, None, f"{op} (KL-clip <P, G> and non-finite check all-reduce)")
+        ctx.skipped = bool(both[1] > 0)
+        kl_clip = self.family.kl_clip
+        if kl_clip is not None and not ctx.skipped and ctx.optimizer is not None:
+            nu = kl_clip_scale(float(both[0]), float(ctx.optimizer.param_groups[0]["lr"]), kl_clip)
+            for stage, grads in self._scaled:
+                self.family.scale(self._by_stage[stage], grads, nu)
+        self._dot = torch.zeros((), dtype=torch.float64)
+        self._scaled = []
+        CORE_HANDLERS[OpKind.OPT_STEP](ctx, op)
+
+    # --- skipped steps and checkpoints ------------------------------------------------------------
+
+    def begin_step(self, ctx: StepContext) -> None:
+        """Remember the state and the runners' captures (see `abort_step`), then open the step's refreshes."""
+        captures = {key: {k: deque(q) for k, q in r.captures.items()} for key, r in ctx.runners.items()
+                    if isinstance(r, TappedRunner)}
+        self._at_begin = (self._copy(), captures)
+        self.open_refreshes(ctx.step)
+
+    def abort_step(self, ctx: StepContext) -> None:
+        """Restore what `begin_step` remembered: a skipped step leaves no statistic, decomposition or capture."""
+        (states, refreshes, outbox), captures = self._at_begin
+        self._install(states, refreshes, outbox)
+        for key, saved in captures.items():
+            runner = ctx.runners[key]
+            if isinstance(runner, TappedRunner):
+                runner.captures = saved
+        self._dot = torch.zeros((), dtype=torch.float64)
+        self._scaled = []
+
+    def _copy(self) -> tuple[dict[str, RefreshState], dict[str, deque[_Refresh]], dict[tuple[str, str], deque[Any]]]:
+        states = {name: state.snapshot() for name, state in self.states.items()}
+        refreshes = {n: deque(r.copy() for r in q) for n, q in self.refreshes.items()}
+        return states, refreshes, {k: deque(q) for k, q in self._outbox.items()}
+
+    def _install(self, states: Mapping[str, RefreshState], refreshes: Mapping[str, deque[_Refresh]],
+                 outbox: Mapping[tuple[str, str], deque[Any]]) -> None:
+        """Take over the given state, keeping the state objects others hold (the trainer's states)."""
+        for name, state in states.items():
+            vars(self.states[name]).update(vars(state))
+        self.refreshes = {n: deque(refreshes.get(n, ())) for n in self.layers}
+        self._outbox = dict(outbox)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"kfac": {layer: state.state_dict()}, "inflight": {...}}``: the layer states (alike on every copy of
+        a stage) and this rank's work in flight: open refreshes and decompositions waiting for BCAST."""
+        half = self.family.half_to_state
+        refreshes = {n: [{"step": r.step, "sums": dict(r.sums), "counts": dict(r.counts), "folded": sorted(r.folded),
+                          "halves": {part: half(h) for part, h in r.halves.items()}} for r in q]
+                     for n, q in self.refreshes.items() if q}
+        outbox = [[n, part, [half(h) for h in q]] for (n, part), q in sorted(self._outbox.items()) if q]
+        return {"kfac": {n: s.state_dict() for n, s in self.states.items()},
+                "inflight": {"refreshes": refreshes, "outbox": outbox}}
+
+    def parse_state(self, state: Mapping[str, Any]) -> tuple:
+        """`state_dict` output as new layer states, refresh records and outbox, checked against this rank's
+        layers; CheckpointError when it names other layers or is malformed. Changes nothing (see `load_parsed`)."""
+        saved, inflight = state.get("kfac"), state.get("inflight")
+        if not isinstance(saved, Mapping) or set(saved) != set(self.layers) or not isinstance(inflight, Mapping):
+            raise CheckpointError(f"checkpoint layers {sorted(saved or {})[:6]} differ from this rank's "
+                                  f"{sorted(self.layers)[:6]}; it was written for another model, split or plan")
+        states = {}
+        for name, layer in self.layers.items():
+            states[name] = self.family.new_state(layer)
+            states[name].load_state_dict(dict(saved[name]))
+        half = self.family.half_from_state
+        try:
+            refreshes = {n: deque(_Refresh(int(r["step"]), dict(r["sums"]), {k: int(v) for k, v in r["counts"].items()},
+                                           set(r["folded"]), {k: half(h) for k, h in r["halves"].items()})
+                                  for r in records) for n, records in inflight["refreshes"].items()}
+            outbox = {(str(n), str(part)): deque(half(h) for h in halves) for n, part, halves in inflight["outbox"]}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"work in flight is malformed in the checkpoint ({e!r})") from e
+        unknown = sorted((set(refreshes) | {n for n, _ in outbox}) - set(self.layers))
+        if unknown:
+            raise CheckpointError(f"checkpoint has work in flight for layers {unknown} this rank does not hold")
+        return states, refreshes, outbox
+
+    def load_parsed(self, parsed: tuple) -> None:
+        """Install what `parse_state` returned."""
+        self._install(*parsed)
