@@ -7,10 +7,11 @@ import importlib.util
 import json
 import re
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import NoReturn, Sequence
+from typing import Any, NoReturn, TypeVar
 
 from rich.console import Console
 
@@ -21,6 +22,8 @@ from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.schedules import ScheduleKind, num_stages, validate_schedule_args
 
 __all__ = ["main", "build_parser", "parse_bytes", "parse_fraction"]
+
+T = TypeVar("T")
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -55,10 +58,10 @@ def parse_fraction(text: str) -> float:
     return value
 
 
-def _arg_type(parse):  # type: ignore[no-untyped-def]
+def _arg_type(parse: Callable[[str], T]) -> Callable[[str], T]:
     """An argparse type that reports a CliError's message as the usage error."""
 
-    def convert(text: str):  # type: ignore[no-untyped-def]
+    def convert(text: str) -> T:
         try:
             return parse(text)
         except CliError as e:
@@ -87,13 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--virtual-stages", "-v", type=int, default=1, help="stages per rank (interleaved)")
     plan.add_argument("--hardware", help="p100 (default), v100, a100, h100 or cpu: the analytic costs' device, "
                                          "whose memory is the default --memory")
-    plan.add_argument("--costs", type=Path, help="a cost table (.json), a PipeFisher profile (.csv), or a shipped "
-                                                 "one of the paper: paper:<model>/<hardware>, e.g. paper:bert-base/p100")
+    plan.add_argument("--costs", type=Path,
+                      help="a cost table (.json), a PipeFisher profile (.csv), or a shipped one of the paper: "
+                           "paper:<model>/<hardware>, e.g. paper:bert-base/p100")
     plan.add_argument("--micro-batch-size", type=int, default=32)
     plan.add_argument("--seq-len", type=int, help="sequence length (default: the preset's)")
     plan.add_argument("--memory", type=_arg_type(parse_bytes),
                       help="memory budget per device, e.g. 16GiB (default: the device's memory, where known)")
-    plan.add_argument("--max-overhead", type=_arg_type(parse_fraction), default=0.0, help="allowed step-time growth, e.g. 5%%")
+    plan.add_argument("--max-overhead", type=_arg_type(parse_fraction), default=0.0,
+                      help="allowed step-time growth, e.g. 5%%")
     plan.add_argument("--time-limit", type=float, default=10.0,
                       help="seconds for the whole planning (a refusal may take 3 s more to check what it suggests)")
     plan.add_argument("--method", choices=["cpsat", "greedy"], default="cpsat",
@@ -227,7 +232,7 @@ def _slowest_stage(costs: CostTable) -> dict[str, float]:
 def _explain(args: argparse.Namespace, costs: CostTable, simulated: float, console: Console) -> None:
     """The performance model with these costs, and how its T_pipe relates to the simulated step time
     (`simulated`, the plan's step time before K-FAC)."""
-    from fxkfac.planner.perf_model import evaluate, explain, pipe_gap, perf_model
+    from fxkfac.planner.perf_model import evaluate, explain, perf_model, pipe_gap
     from fxkfac.show import format_bytes
 
     console.print(explain(args.schedule), markup=False, highlight=False)
@@ -349,7 +354,7 @@ def run_show(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
-def _read_json(path: Path, what: str) -> object:
+def _read_json(path: Path, what: str) -> Any:
     try:
         return json.loads(path.read_text())
     except OSError as e:

@@ -12,8 +12,8 @@ the next window's early bubbles (step >= k) is drawn there and, one period earli
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 from rich.console import Group, RenderableType
 

@@ -20,11 +20,12 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from decimal import ROUND_CEILING, Decimal
 from enum import Enum
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 from fxkfac.planner.errors import (
     InfeasibleBudgetError,
@@ -53,8 +54,8 @@ from fxkfac.planner.stretch import Allowance, allowance, restretch
 from fxkfac.planner.window import (
     GroupSolution,
     Placement,
-    born_steps,
     Window,
+    born_steps,
     fits_memory,
     grid_scale,
     longest_gaps,
@@ -341,7 +342,8 @@ def _solve_groups(problem: Problem, fused: frozenset[str], config: SolverConfig,
         if long:
             raise _Refused(PlanError(
                 "some K-FAC work cannot fit any bubble, whatever the refresh period"
-                + (f", even with the step stretched by max_overhead={problem.max_overhead:g}" if allowed.enabled else "")
+                + (f", even with the step stretched by max_overhead={problem.max_overhead:g}"
+                   if allowed.enabled else "")
                 + ": " + "; ".join(long[:5])
                 + ("" if config.stretch else ". Stretching the step is off (SolverConfig.stretch=False)")),
                 (Knob.MAX_OVERHEAD, Knob.MICROBATCHES) if config.stretch else (Knob.MICROBATCHES,), fused)
@@ -436,7 +438,8 @@ def _bytes_up(n: float) -> int:
     return math.ceil(n)
 
 
-def _next_fused(problem: Problem, attempt: _Attempt, fused: frozenset[str], *, by_excess: bool) -> frozenset[str] | None:
+def _next_fused(problem: Problem, attempt: _Attempt, fused: frozenset[str], *,
+                by_excess: bool) -> frozenset[str] | None:
     """Fuse more layers (largest kept bytes first) in every group that found no plan: one, or with
     `by_excess` as many as the greedy placement's bytes over the budget call for (a layer saves at most
     its a and e of every micro-batch, so this never fuses more than that placement needs); None if none
@@ -508,8 +511,9 @@ def _attempt(problem: Problem, config: SolverConfig, method: Method, clock: _Clo
         nxt = _next_fused(problem, attempt, fused, by_excess=clock.solver_time() <= 0)
         if nxt is None or clock.out():
             bad = [g.stages for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
-            why = "even with all their curvature fused" if nxt is None else \
-                f"before the time limit ({config.time_limit_s:g} s + {OVERTIME / 2:g} s) ran out, {len(fused)} layers fused"
+            why = "even with all their curvature fused" if nxt is None else (
+                f"before the time limit ({config.time_limit_s:g} s + {OVERTIME / 2:g} s) ran out, "
+                f"{len(fused)} layers fused")
             raise _Refused(InfeasibleBudgetError(
                 f"no placement of stages {bad} within the memory budget {format_bytes(problem.memory_budget)} "
                 f"per device was found {why}"), (Knob.MEMORY_BUDGET, Knob.MAX_OVERHEAD), fused)
@@ -572,7 +576,7 @@ def _suggesting(refused: _Refused, problem: Problem, config: SolverConfig, metho
     none does and a budget is set, max_overhead and the budget together; then more micro-batches."""
     found: list[Suggestion] = []
     searched: list[str] = []
-    stages = [(knob,) for knob in refused.knobs if knob is not Knob.MICROBATCHES]
+    stages: list[tuple[Knob, ...]] = [(knob,) for knob in refused.knobs if knob is not Knob.MICROBATCHES]
     if problem.memory_budget is not None and {Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET} & set(refused.knobs):
         stages.append((Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET))
     if Knob.MICROBATCHES in refused.knobs:
@@ -597,7 +601,8 @@ def _suggestion_text(problem: Problem, config: SolverConfig, found: list[Suggest
     if found:
         return "Solved with: " + "; or ".join(_describe(problem, s) for s in found)
     if timed_out:
-        return (f"Nothing that plans it was found before the time ran out ({config.time_limit_s:g} s + {OVERTIME:g} s): "
+        return (f"Nothing that plans it was found before the time ran out ({config.time_limit_s:g} s + "
+                f"{OVERTIME:g} s): "
                 f"searched {'; '.join(searched) or 'nothing'}; a longer time limit searches further")
     return f"Nothing plans it: no {'; no '.join(searched)}"
 
@@ -621,7 +626,8 @@ def _describe(problem: Problem, s: Suggestion) -> str:
             words.append(f"N={value} micro-batches (of the same size)")
     text = " with ".join(words)
     if s.least:
-        text += f", the least max_overhead that places it (rounded up to 3 digits; refresh every {problem.max_period} steps)"
+        text += (", the least max_overhead that places it (rounded up to 3 digits; refresh every "
+                 f"{problem.max_period} steps)")
     if [knob for knob, _ in s.changes] == [Knob.MEMORY_BUDGET]:
         text += f" at max_overhead={problem.max_overhead:g}"
     return text
@@ -764,7 +770,8 @@ def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) 
 def _utilization(problem: Problem, w: Window, placed: list[Placement], device: int) -> float:
     timelines = [step_timeline(problem, w.fused)] + [step_timeline(problem)] * (w.k - 1)
     busy = sum(b - a for st in timelines for _, a, b in st.fixed(device))
-    busy += sum(p.end - p.start for p in placed if p.device == device and p.op.kind in (OpKind.STATS, OpKind.DECOMP, OpKind.APPLY))
+    busy += sum(p.end - p.start for p in placed
+                if p.device == device and p.op.kind in (OpKind.STATS, OpKind.DECOMP, OpKind.APPLY))
     return busy / w.seconds(w.length)
 
 
@@ -775,7 +782,8 @@ def _assemble(problem: Problem, attempt: _Attempt, fused: frozenset[str], wall: 
     placements: list[Placement] = []
     peak: dict[int, int] = {}
     utilization: dict[int, float] = {}
-    refresh, bound, greedy_k = [0] * problem.num_stages, [0] * problem.num_stages, [None] * problem.num_stages
+    refresh, bound = [0] * problem.num_stages, [0] * problem.num_stages
+    greedy_k: list[int | None] = [None] * problem.num_stages
     for group, sol, g in zip(groups, attempt.solutions, attempt.greedy):
         assert sol is not None
         w, placed = sol.window, placements_of(sol)
@@ -787,12 +795,13 @@ def _assemble(problem: Problem, attempt: _Attempt, fused: frozenset[str], wall: 
         for s in group.stages:
             lower = refresh_lower_bound(problem, group, fused, stretch=attempt.allowance.enabled)
             refresh[s], bound[s] = w.k, max(sol.k_lower_bound, lower)
-            greedy_k[s] = g.window.k if g is not None else None  # type: ignore[call-overload]
+            greedy_k[s] = g.window.k if g is not None else None
             for x in problem.costs.stages[s].layers:
                 layers[x.name] = LayerTiming(w.k, 0, sol.use_offset[x.name], "fused" if x.name in fused else "deferred")
     sols = [s for s in attempt.solutions if s is not None]
     statuses = {s.status for s in sols}
-    status = "GREEDY" if all(s.method == "greedy" for s in sols) else "OPTIMAL" if statuses == {"OPTIMAL"} else "FEASIBLE"
+    status = "GREEDY" if all(s.method == "greedy" for s in sols) else \
+        "OPTIMAL" if statuses == {"OPTIMAL"} else "FEASIBLE"
     base = step_timeline(problem, frozenset(), False)
     stats = SolverStats(status, wall, (sum(refresh), sum(t.use_offset for t in layers.values())),
                         (sum(refresh) - sum(bound)) / max(1, sum(refresh)))

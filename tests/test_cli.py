@@ -7,7 +7,7 @@ import json
 import re
 import subprocess
 import sys
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -28,7 +28,7 @@ PLAN = ["plan", "bert-base", "--stages", "4", "--microbatches", "4", "--schedule
 KFAC_KINDS = (OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST, OpKind.APPLY)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _plan(schedule: str = "1f1b", W: int = 2) -> Plan:
     """A small plan with every kind of K-FAC op (W=2 or Chimera: curvature sync and inverse broadcast)."""
     D = 4 if schedule == "chimera" else 2
@@ -125,7 +125,8 @@ def test_plan_export_show_and_trace(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 def test_show_measured_prints_utilization_per_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    from fxkfac.runtime.timeline import Event, chrome_trace as runtime_trace
+    from fxkfac.runtime.timeline import Event
+    from fxkfac.runtime.timeline import chrome_trace as runtime_trace
 
     monkeypatch.setenv("COLUMNS", "100")
     plan_path, run_path = tmp_path / "plan.json", tmp_path / "run.json"

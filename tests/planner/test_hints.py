@@ -11,7 +11,8 @@ from collections import Counter
 from decimal import Decimal
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.errors import InfeasibleBudgetError, Knob, PlanError, Suggestion

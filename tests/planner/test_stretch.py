@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.errors import Knob, PlanError
