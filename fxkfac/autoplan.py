@@ -8,8 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from fxkfac import errors
 from fxkfac.config import PlanOptions
-from fxkfac.errors import ConfigError
+from fxkfac.errors import ConfigError, FxkfacError
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.costs import CostTable, load_cost_table
 from fxkfac.planner.errors import PlanMismatchError
@@ -49,11 +50,15 @@ def resolve_plan(plan: Any, target: Target, options: PlanOptions, *, rank: int, 
     if plan is None:
         return None
     if isinstance(plan, str) and plan == "auto":
-        made = None
+        if world == 1:
+            return solve_for(target, _costs(options, profile, stage_layers, layers), options)
+        made: Plan | FxkfacError | None = None
         if rank == 0:
-            costs = _costs(options, profile, stage_layers, layers)
-            made = solve_for(target, costs, options)
-        return made if world == 1 else share_plan(made)
+            try:
+                made = solve_for(target, _costs(options, profile, stage_layers, layers), options)
+            except FxkfacError as e:  # every rank raises it, instead of waiting for a plan that never comes
+                made = e
+        return share_plan(made)
     if isinstance(plan, (str, Path)):
         return load_plan(plan, target)
     if isinstance(plan, Plan):
@@ -67,7 +72,8 @@ def _costs(options: PlanOptions, profile: Callable[[], CostTable], stage_layers:
     """The cost table to plan with (see `resolve_plan`), checked against the split."""
     source = options.costs
     if source is None:
-        log.info("profiling the stages to plan K-FAC (K-FAC times planned %.0f%% longer)", 100 * (options.kfac_margin - 1))
+        log.info("profiling the stages to plan K-FAC (K-FAC times planned %.0f%% longer)",
+                 100 * (options.kfac_margin - 1))
         return profile().scale_kfac_times(options.kfac_margin)
     if isinstance(source, (str, Path)):
         costs = load_cost_table(source)
@@ -145,15 +151,19 @@ def load_plan(path: str | Path, target: Target, stage_layers: Mapping[int, Seque
     return plan
 
 
-def share_plan(plan: Any, src: int = 0) -> Any:
-    """Every rank gets rank `src`'s plan (its JSON broadcast over the default group; collective)."""
+def share_plan(plan: Plan | FxkfacError | None, src: int = 0) -> Plan:
+    """Every rank gets rank `src`'s plan (its JSON broadcast over the default group; collective), or raises the
+    error rank `src` met making it (same type and message on every rank)."""
     import torch.distributed as dist
 
-    from fxkfac.planner.plan import Plan
-
-    box = [plan.to_json(indent=None) if dist.get_rank() == src else None]
+    box: list[Any] = [None]
+    if dist.get_rank() == src:
+        box = [plan.to_json(indent=None) if isinstance(plan, Plan) else [type(plan).__name__, str(plan)]]
     dist.broadcast_object_list(box, src=src)
     text = box[0]
+    if isinstance(text, list):
+        kind = getattr(errors, str(text[0]), FxkfacError)
+        raise kind(f"rank {src} could not plan: {text[1]}")
     if not isinstance(text, str):
         raise AssertionError("plan broadcast delivered no JSON text")
     return Plan.from_json(text)

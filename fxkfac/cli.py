@@ -18,7 +18,7 @@ from rich.console import Console
 from fxkfac.planner.costs import CostTable, is_profile, load_cost_table
 from fxkfac.planner.errors import Knob, PlanError, PlanFormatError, PlannerError, Suggestion
 from fxkfac.planner.hardware import HARDWARE, hardware
-from fxkfac.planner.problem import Problem, SolverConfig
+from fxkfac.planner.problem import Problem, SolverConfig, plain_step_time
 from fxkfac.planner.schedules import ScheduleKind, num_stages, validate_schedule_args
 
 __all__ = ["main", "build_parser", "parse_bytes", "parse_fraction"]
@@ -231,7 +231,7 @@ def _slowest_stage(costs: CostTable) -> dict[str, float]:
 
 def _explain(args: argparse.Namespace, costs: CostTable, simulated: float, console: Console) -> None:
     """The performance model with these costs, and how its T_pipe relates to the simulated step time
-    (`simulated`, the plan's step time before K-FAC)."""
+    (`simulated`, the step time before K-FAC that the plan's summary shows)."""
     from fxkfac.planner.perf_model import evaluate, explain, perf_model, pipe_gap
     from fxkfac.show import format_bytes
 
@@ -301,12 +301,12 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     costs = cost_table(args, S)
     problem = problem_of(args, costs)
     budget = memory_budget(args, costs)
+    if args.explain:  # before solving: the model explains a refusal too
+        _explain(args, costs, plain_step_time(problem), console)
     try:
         plan = solve(problem, SolverConfig(time_limit_s=args.time_limit), method=args.method)
     except PlanError as e:
         raise _refused(e, budget) from None
-    if args.explain:
-        _explain(args, costs, plan.metrics.step_time_baseline, console)
     title = f"fxkfac plan {args.target} ({args.method}, time limit {args.time_limit:g} s)"
     if args.show:
         console.print(render_plan(plan, width=console.width, title=title))

@@ -91,8 +91,7 @@ def _layer_cost(layer: KFACLayer, rows: int, cfg: KFACConfig, warmup: int, repea
         raise AssertionError("a well-conditioned random factor could not be inverted")
     inverse = combine(inv_a, inv_b, 0.0 if cfg.inverse == "cholesky" else cfg.damping)
     item = torch.finfo(dtype).bits // 8
-    return LayerCost(
-        name=layer.name,
+    return LayerCost.kfac(layer.name,
         curv_a=time_call(curv_a, warmup=warmup, repeats=repeats),
         curv_b=time_call(curv_b, warmup=warmup, repeats=repeats),
         inv_a=time_call(lambda: invert_factor(A, gamma, method=cfg.inverse), warmup=warmup, repeats=repeats),

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -75,9 +76,8 @@ def cost_durations(costs: CostTable) -> Callable[[int, Op], float]:
             return {OpKind.FWD: stage.fwd, OpKind.BWD: stage.bwd, OpKind.APPLY: stage.prec}[op.kind]
         if op.kind in (OpKind.STATS, OpKind.DECOMP):
             layer = layers[op.layer]  # type: ignore[index]
-            if op.kind is OpKind.STATS:
-                return layer.curv_a if op.part == "A" else layer.curv_b
-            return layer.inv_a if op.part == "A" else layer.inv_b
+            part = layer.part(op.part)  # type: ignore[arg-type]  # STATS and DECOMP name their part
+            return part.stats if op.kind is OpKind.STATS else part.decomp
         return 0.0
 
     return duration
@@ -206,4 +206,5 @@ def timeline_from_trace(trace: Mapping[str, Any]) -> Timeline:
     start = min((iv.start for iv in intervals), default=0.0)
     shifted = tuple(sorted((Interval(iv.rank, iv.step, iv.op, iv.start - start, iv.end - start)
                             for iv in intervals), key=lambda iv: (iv.start, iv.rank)))
-    return Timeline(shifted, tuple(sorted({iv.rank for iv in shifted})), 1 + max((iv.step for iv in shifted), default=0))
+    ranks = tuple(sorted({iv.rank for iv in shifted}))
+    return Timeline(shifted, ranks, 1 + max((iv.step for iv in shifted), default=0))

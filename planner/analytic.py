@@ -174,8 +174,7 @@ def linear_kernels(
         v = _eval("linear", inverse, n=side)
         return _t(hw, v["inv_flops"], v["inv_bytes"], fp32, hw.factorization_efficiency)
 
-    layer = LayerCost(
-        name=lin.name,
+    layer = LayerCost.kfac(lin.name,
         curv_a=_t(hw, e["curv_a_flops"], e["curv_a_bytes"], fp32, eff),
         curv_b=_t(hw, e["curv_b_flops"], e["curv_b_bytes"], fp32, eff),
         inv_a=inv(lin.d_in + int(lin.bias)),

@@ -17,11 +17,13 @@ from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
 from fxkfac.planner.errors import CostModelError
+from fxkfac.planner.ir import OpKind
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
 __all__ = [
+    "PartCost",
     "SCHEMA_VERSION",
     "LayerCost",
     "StageCost",
@@ -70,46 +72,83 @@ def _check_fields(obj: Any, owner: str, byte_fields: frozenset[str], skip: froze
 
 
 @dataclass(frozen=True, slots=True)
-class LayerCost:
-    """What one K-FAC layer costs.
+class PartCost:
+    """What one part of a layer's preconditioner costs per refresh (K-FAC's parts: the factors A and B).
 
-    curv_a/curv_b: seconds to build A_m / B_m from one micro-batch; inv_a/inv_b: seconds to invert
-    one factor; prec: seconds of B^-1 G A^-1 per step. a_bytes/e_bytes: what a *deferred* capture
-    keeps per micro-batch (the rows of a and of e); factor_a_bytes/factor_b_bytes: one factor
-    (its inverse has the same size).
+    after: the op whose end makes the part's capture (FWD: the layer input; BWD: its output gradient);
+    stats: seconds to turn one micro-batch's capture into its statistic; decomp: seconds to decompose
+    (invert) the statistic; capture_bytes: what a *deferred* capture keeps per micro-batch;
+    state_bytes: the statistic (its decomposition is as large).
     """
 
+    part: str
+    after: OpKind
+    stats: float
+    decomp: float
+    capture_bytes: int
+    state_bytes: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.part, str) or len(self.part) != 1 or not self.part.isupper():
+            raise CostModelError(f"PartCost.part must be one capital letter, got {self.part!r}")
+        if self.after not in (OpKind.FWD, OpKind.BWD):
+            raise CostModelError(f"PartCost.after must be FWD or BWD, got {self.after!r}")
+        _check_fields(self, f"part {self.part!r}", frozenset({"capture_bytes", "state_bytes"}),
+                      frozenset({"part", "after"}))
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCost:
+    """What one preconditioned layer costs: its parts, and `prec` seconds to apply its preconditioner per step."""
+
     name: str
-    curv_a: float
-    curv_b: float
-    inv_a: float
-    inv_b: float
+    parts: tuple[PartCost, ...]
     prec: float
-    a_bytes: int
-    e_bytes: int
-    factor_a_bytes: int
-    factor_b_bytes: int
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise CostModelError(f"LayerCost.name must be a non-empty string, got {self.name!r}")
-        byte_fields = frozenset({"a_bytes", "e_bytes", "factor_a_bytes", "factor_b_bytes"})
-        _check_fields(self, f"layer {self.name!r}", byte_fields, frozenset({"name"}))
+        if not isinstance(self.parts, tuple) or not self.parts or not all(isinstance(p, PartCost) for p in self.parts):
+            raise CostModelError(f"layer {self.name!r}: parts must be a non-empty tuple of PartCost")
+        if len({p.part for p in self.parts}) != len(self.parts):
+            raise CostModelError(f"layer {self.name!r}: parts {[p.part for p in self.parts]} repeat a name")
+        _check_number(f"layer {self.name!r}", "prec", self.prec, integer=False)
+
+    @classmethod
+    def kfac(cls, name: str, curv_a: float, curv_b: float, inv_a: float, inv_b: float, prec: float,
+             a_bytes: int, e_bytes: int, factor_a_bytes: int, factor_b_bytes: int) -> LayerCost:
+        """A K-FAC layer: A_m / B_m from one micro-batch in curv_a / curv_b seconds, each factor inverted in
+        inv_a / inv_b, B^-1 G A^-1 in prec; a deferred capture keeps a_bytes / e_bytes (the rows of a and of e)
+        per micro-batch; each factor takes factor_a_bytes / factor_b_bytes."""
+        return cls(name, (PartCost("A", OpKind.FWD, curv_a, inv_a, a_bytes, factor_a_bytes),
+                          PartCost("B", OpKind.BWD, curv_b, inv_b, e_bytes, factor_b_bytes)), prec)
+
+    def part(self, name: str) -> PartCost:
+        """The cost of part `name`; CostModelError when the layer has none such."""
+        for p in self.parts:
+            if p.part == name:
+                return p
+        raise CostModelError(f"layer {self.name!r} has parts {[p.part for p in self.parts]}, not {name!r}")
 
     @property
     def curv(self) -> float:
-        """Seconds of curvature (A and B) per micro-batch."""
-        return self.curv_a + self.curv_b
+        """Seconds of the statistics of every part per micro-batch."""
+        return sum(p.stats for p in self.parts)
 
     @property
     def inv(self) -> float:
-        """Seconds to invert both factors."""
-        return self.inv_a + self.inv_b
+        """Seconds to decompose every part."""
+        return sum(p.decomp for p in self.parts)
 
     @property
     def factor_bytes(self) -> int:
-        """Bytes of both factors (the same again for both inverses)."""
-        return self.factor_a_bytes + self.factor_b_bytes
+        """Bytes of every part's statistic (the same again for the decompositions)."""
+        return sum(p.state_bytes for p in self.parts)
+
+    @property
+    def capture_bytes(self) -> int:
+        """Bytes one micro-batch keeps when the layer defers its captures."""
+        return sum(p.capture_bytes for p in self.parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,7 +195,7 @@ class StageCost:
     @property
     def deferred_bytes(self) -> int:
         """Bytes one micro-batch keeps when every layer defers its capture (a and e)."""
-        return sum(layer.a_bytes + layer.e_bytes for layer in self.layers)
+        return sum(layer.capture_bytes for layer in self.layers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +225,10 @@ class CostTable:
     def layer_names(self) -> tuple[str, ...]:
         """Every K-FAC layer name, stage by stage."""
         return tuple(layer.name for s in self.stages for layer in s.layers)
+
+    def layer(self, name: str) -> LayerCost:
+        """The cost of layer `name`."""
+        return next(x for x in self.stages[self.stage_of(name)].layers if x.name == name)
 
     def stage_of(self, layer: str) -> int:
         """Index of the stage that holds `layer`."""
@@ -247,9 +290,7 @@ class CostTable:
         (shared memory bandwidth), and a bubble planned full spills the excess onto the critical path.
         """
         _check_number("scale_kfac_times", "factor", factor, integer=False)
-        stages = tuple(replace(s, layers=tuple(replace(x, curv_a=x.curv_a * factor, curv_b=x.curv_b * factor,
-                                                       inv_a=x.inv_a * factor, inv_b=x.inv_b * factor,
-                                                       prec=x.prec * factor) for x in s.layers))
+        stages = tuple(replace(s, layers=tuple(_scale_layer(x, factor, factor, 1.0) for x in s.layers))
                        for s in self.stages)
         return replace(self, stages=stages)
 
@@ -266,26 +307,29 @@ class CostTable:
         return replace(self, stages=stages, micro_batch_size=micro_batch_size)
 
 
+def _layer_from_dict(data: dict[str, Any]) -> LayerCost:
+    """A layer of `CostTable.to_dict`; the K-FAC fields of cost files from before parts read as K-FAC's parts."""
+    if "parts" not in data:
+        return LayerCost.kfac(**data)
+    parts = tuple(PartCost(**{**p, "after": OpKind(p["after"])}) for p in data["parts"])
+    return LayerCost(data["name"], parts, data["prec"])
+
+
 def _stage_from_dict(data: dict[str, Any]) -> StageCost:
-    layers = tuple(LayerCost(**layer) for layer in data["layers"])
+    layers = tuple(_layer_from_dict(layer) for layer in data["layers"])
     return StageCost(**{**data, "layers": layers})
+
+
+def _scale_layer(x: LayerCost, per_mb: float, fixed: float, mem: float) -> LayerCost:
+    """Statistics times by per_mb, decompositions and preconditioning by fixed, captured bytes by mem."""
+    parts = tuple(replace(p, stats=p.stats * per_mb, decomp=p.decomp * fixed,
+                          capture_bytes=round(p.capture_bytes * mem)) for p in x.parts)
+    return replace(x, parts=parts, prec=x.prec * fixed)
 
 
 def _scale_stage(s: StageCost, per_mb: float, fixed: float, mem: float) -> StageCost:
     """Scale per-micro-batch times by per_mb, per-step times by fixed, per-micro-batch bytes by mem."""
-    layers = tuple(
-        replace(
-            x,
-            curv_a=x.curv_a * per_mb,
-            curv_b=x.curv_b * per_mb,
-            inv_a=x.inv_a * fixed,
-            inv_b=x.inv_b * fixed,
-            prec=x.prec * fixed,
-            a_bytes=round(x.a_bytes * mem),
-            e_bytes=round(x.e_bytes * mem),
-        )
-        for x in s.layers
-    )
+    layers = tuple(_scale_layer(x, per_mb, fixed, mem) for x in s.layers)
     return replace(
         s,
         fwd=s.fwd * per_mb,
@@ -392,8 +436,8 @@ def _blocks_per_stage(blocks_per_stage: Sequence[int] | int, n_stages: int | Non
 
 def _block_layer(row: dict[str, float], name: str) -> LayerCost:
     half_kron = row["mem_kron"] * _MIB / 2
-    return LayerCost(
-        name=name,
+    return LayerCost.kfac(
+        name,
         curv_a=row["time_kron"] * _MS / 2,
         curv_b=row["time_kron"] * _MS / 2,
         inv_a=row["time_inv"] * _MS / 2,

@@ -63,7 +63,7 @@ def _modular(v: _Vars, name: str, lo: int, hi: int, ticks: int, length: int) -> 
 
 def _add_tasks(v: _Vars, w: Window) -> None:
     L = w.length
-    for i, task in enumerate(w.tasks):
+    for task in w.tasks:
         lo = max(w.earliest(task, d) for d in task.devices) if task.kind != "inv" else \
             min(w.earliest(task, d) for d in task.devices)
         start, pos, late = _modular(v, task.name, lo, 2 * L - task.ticks, task.ticks, L)
@@ -172,8 +172,11 @@ def _add_staleness(v: _Vars, w: Window) -> list[cp_model.IntVar]:
 
 def _break_layer_symmetry(v: _Vars, w: Window) -> None:
     """Layers of one stage with equal costs (BERT's blocks; q, k, v) are interchangeable: relabeling all
-    their tasks maps a placement to an equally good one, so their inversions of A start in layer order."""
-    inv_a = {task.factors[0][0]: i for i, task in enumerate(w.tasks) if task.kind == "inv" and task.side == "A"}
+    their tasks maps a placement to an equally good one, so the decompositions of their first part start in layer
+    order."""
+    first = {x.name: x.parts[0].part for s in w.group.stages for x in w.problem.costs.stages[s].layers}
+    inv_a = {task.factors[0][0]: i for i, task in enumerate(w.tasks)
+             if task.kind == "inv" and task.side == first[task.factors[0][0]]}
     for s in w.group.stages:
         layers = w.problem.costs.stages[s].layers
         for a, b in zip(layers, layers[1:]):
@@ -183,7 +186,7 @@ def _break_layer_symmetry(v: _Vars, w: Window) -> None:
 
 def _interchangeable(a: LayerCost, b: LayerCost, fused: frozenset[str]) -> bool:
     def key(x: LayerCost) -> tuple[object, ...]:
-        return (x.curv_a, x.curv_b, x.inv_a, x.inv_b, x.prec, x.a_bytes, x.e_bytes, x.name in fused)
+        return (x.parts, x.prec, x.name in fused)
 
     return key(a) == key(b)
 
@@ -196,7 +199,7 @@ def _build(w: Window, optimize: bool) -> _Vars:
     _add_tasks(v, w)
     _add_precedences(v, w)
     _add_precs(v, w)
-    for d, intervals in v.intervals_of_device.items():
+    for intervals in v.intervals_of_device.values():
         v.model.add_no_overlap(intervals)
     _add_memory(v, w)
     _break_layer_symmetry(v, w)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import time
+
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.problem import Problem, StageGroup, copies_of_stage, step_timeline
 from fxkfac.planner.stretch import Allowance, least_stretch, stretch_lower_bound
@@ -26,8 +27,8 @@ __all__ = ["MARGIN", "greedy_group", "greedy_window", "greedy_overhead"]
 MARGIN = 0.05
 """pipe-fisher's margin_ratio: a task needs duration * (1 + MARGIN) of free gap."""
 
-_ORDER = {("curv", "A"): 0, ("curv", "B"): 1, ("sync", "A"): 2, ("sync", "B"): 3, ("inv", "A"): 4,
-          ("inv", "B"): 5, ("bcast", "A"): 6, ("bcast", "B"): 7}
+_ORDER = {"curv": 0, "sync": 1, "inv": 2, "bcast": 3}
+"""Priority of a task kind (then a layer's parts in their order: K-FAC's curvature A, B, sync A, B, ...)."""
 
 
 class _Gaps:
@@ -85,7 +86,9 @@ def greedy_window(window: Window) -> GroupSolution | None:
     """Place every task of `window` first-fit in priority order; None when something does not fit."""
     gaps = {d: _Gaps(window.fixed[d] + tuple((p.reference, p.reference + p.ticks) for p in window.precs
                                               if p.device == d), window.length) for d in window.group.devices}
-    order = sorted(range(len(window.tasks)), key=lambda i: (_ORDER[window.tasks[i].kind, window.tasks[i].side],
+    rank = {p.part: j for s in window.group.stages for x in window.problem.costs.stages[s].layers
+            for j, p in enumerate(x.parts)}
+    order = sorted(range(len(window.tasks)), key=lambda i: (_ORDER[window.tasks[i].kind], rank[window.tasks[i].side],
                                                            window.tasks[i].release, i))
     starts, devices = [0] * len(window.tasks), [0] * len(window.tasks)
     done: dict[tuple[str, str], int] = {}   # factor -> end of its latest placed task

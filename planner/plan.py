@@ -450,14 +450,14 @@ def _next_fused(problem: Problem, attempt: _Attempt, fused: frozenset[str], *,
         if solution is not None:
             continue
         candidates = sorted((x for s in group.stages for x in problem.costs.stages[s].layers if x.name not in fused),
-                            key=lambda x: (x.a_bytes + x.e_bytes, x.name), reverse=True)
+                            key=lambda x: (x.capture_bytes, x.name), reverse=True)
         if not candidates:
             return None
         excess = _excess(problem, first) if by_excess and first is not None else 0
         saved = 0
         for x in candidates:
             more.add(x.name)
-            saved += (x.a_bytes + x.e_bytes) * problem.N * 2  # both Chimera pipelines at most
+            saved += x.capture_bytes * problem.N * 2  # both Chimera pipelines at most
             if saved >= excess:
                 break
     return frozenset(more)

@@ -77,10 +77,11 @@ def _check_op(problem: Problem, op: Op, device: int, fixed: dict[int, set]) -> N
     _need(device in copies_of_stage(problem, op.stage), f"{op} is placed on r{device}, which does not run its stage")
     if op.kind in _LAYER_KINDS:
         names = {x.name for x in problem.costs.stages[op.stage].layers}
-        _need(op.layer in names and op.part in ("A", "B"), f"{op}: stage {op.stage} has no layer {op.layer!r} "
-              "or the factor is missing")
+        parts = {p.part for x in problem.costs.stages[op.stage].layers if x.name == op.layer for p in x.parts}
+        _need(op.layer in names and op.part in parts, f"{op}: stage {op.stage} has no layer {op.layer!r} "
+              "or the layer has no such part")
     if op.kind is OpKind.STATS:
-        kind = OpKind.FWD if op.part == "A" else OpKind.BWD
+        kind = problem.costs.layer(op.layer).part(op.part).after  # type: ignore[arg-type]  # checked just above
         _need((kind, op.stage, op.mb, op.pipe) in fixed[device], f"{op} on r{device}: r{device} runs no such "
               "micro-batch of the stage")
 

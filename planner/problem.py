@@ -186,11 +186,11 @@ def _duration(problem: Problem, fused: frozenset[str]) -> Callable[[int, Op], fl
     """Op durations in seconds: F/B from the costs (plus fused curvature), APPLY, nothing else."""
     stages = problem.costs.stages
 
-    def fused_curv(stage: StageCost, side: str) -> float:
-        return sum(layer.curv_a if side == "A" else layer.curv_b for layer in stage.layers if layer.name in fused)
+    def fused_curv(stage: StageCost, after: OpKind) -> float:
+        return sum(p.stats for x in stage.layers if x.name in fused for p in x.parts if p.after is after)
 
-    fwd = [s.fwd + fused_curv(s, "A") for s in stages]
-    bwd = [s.bwd + fused_curv(s, "B") for s in stages]
+    fwd = [s.fwd + fused_curv(s, OpKind.FWD) for s in stages]
+    bwd = [s.bwd + fused_curv(s, OpKind.BWD) for s in stages]
     prec = [s.prec for s in stages]
 
     def duration(rank: int, op: Op) -> float:
@@ -360,8 +360,7 @@ def refresh_lower_bound(problem: Problem, group: StageGroup, fused: frozenset[st
     for device in group.devices:
         for op, _, _ in step.fixed(device):
             layers = problem.costs.stages[op.stage].layers  # type: ignore[index]  # K-FAC ops name their stage
-            side = "a" if op.kind is OpKind.FWD else "b"
-            work += sum(getattr(x, f"curv_{side}") for x in layers if x.name not in fused)
+            work += sum(p.stats for x in layers if x.name not in fused for p in x.parts if p.after is op.kind)
     work += sum(problem.costs.stages[s].inv for s in group.stages)
     busy = sum(end - start for d in group.devices for op, start, end in step.ops[d]
                if op.kind in _FIXED_KINDS or op.kind is OpKind.APPLY)

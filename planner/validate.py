@@ -83,14 +83,14 @@ def _expected(c: _Ctx) -> Counter:
             for op, _, _ in c.refresh.fixed(d):
                 if op.stage != s:
                     continue
-                side = "A" if op.kind is OpKind.FWD else "B"
                 for x in stage.layers:
-                    if x.name not in c.fused:
-                        want[Op(OpKind.STATS, s, op.mb, op.pipe, layer=x.name, part=side), d] += 1
+                    for side in (p.part for p in x.parts if p.after is op.kind):
+                        if x.name not in c.fused:
+                            want[Op(OpKind.STATS, s, op.mb, op.pipe, layer=x.name, part=side), d] += 1
             for j in range(c.period(s)):
                 want[Op(OpKind.APPLY, s), d, j] += 1
         for x in stage.layers:
-            for side in "AB":
+            for side in (p.part for p in x.parts):
                 want[Op(OpKind.DECOMP, s, layer=x.name, part=side), None] += 1
                 for kind in (OpKind.SYNC_STATS, OpKind.BCAST) if len(copies) > 1 else ():
                     for d in copies:
@@ -122,9 +122,8 @@ def _duration(c: _Ctx, op: Op) -> float:
         return stage.prec
     if op.kind in (OpKind.SYNC_STATS, OpKind.BCAST):
         return 0.0
-    layer = next(x for x in stage.layers if x.name == op.layer)
-    attr = ("curv_" if op.kind is OpKind.STATS else "inv_") + op.part.lower()  # type: ignore[union-attr]  # STATS and DECOMP name their factor
-    return getattr(layer, attr)
+    part = c.problem.costs.layer(op.layer).part(op.part)  # type: ignore[arg-type]  # STATS and DECOMP name both
+    return part.stats if op.kind is OpKind.STATS else part.decomp
 
 
 def _check_placed_once(c: _Ctx) -> None:
@@ -189,12 +188,17 @@ def _end_of(timeline: StepTimeline, device: int, kind: OpKind, stage: int, mb: i
                 if op.kind is kind and (op.stage, op.mb, op.pipe) == (stage, mb, pipe))
 
 
+def _after(c: _Ctx, op: Op) -> OpKind:
+    """The op (FWD or BWD) whose end makes the capture a STATS op consumes."""
+    return c.problem.costs.layer(op.layer).part(op.part).after  # type: ignore[arg-type]  # a STATS names both
+
+
 def _check_dependencies(c: _Ctx) -> None:
     factor_tasks: defaultdict[tuple[str, str | None], defaultdict[OpKind, list[Placement]]] = \
         defaultdict(lambda: defaultdict(list))
     for p in c.plan.placements:
         if p.op.kind is OpKind.STATS:
-            kind = OpKind.FWD if p.op.part == "A" else OpKind.BWD
+            kind = _after(c, p.op)
             ready = _end_of(c.refresh, p.device, kind, p.op.stage, p.op.mb, p.op.pipe)  # type: ignore[arg-type]  # a STATS names its stage and micro-batch
             if p.start < ready - c.tol:
                 c.errors.append(f"{p.op} on r{p.device} starts at {p.start:.6g} before its {kind} ends ({ready:.6g})")
@@ -213,7 +217,7 @@ def _check_factor(c: _Ctx, layer: str, side: str | None, kinds: dict) -> None:
     copies = copies_of_stage(c.problem, stage)
     curv, sync, inv, bcast = (kinds.get(k, []) for k in (OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST))
     if layer in c.fused:
-        kind = OpKind.FWD if side == "A" else OpKind.BWD
+        kind = c.problem.costs.layer(layer).part(side).after  # type: ignore[arg-type]  # fused: per part
         ready = max(b for d in copies for op, _, b in c.refresh.fixed(d) if op.stage == stage and op.kind is kind)
     else:
         ready = max((p.end for p in curv), default=0.0)
@@ -263,10 +267,9 @@ def _check_memory(c: _Ctx) -> None:
     keeps = defaultdict(list)
     for p in c.plan.placements:
         if p.op.kind is OpKind.STATS:
-            x = next(x for x in c.problem.costs.stages[p.op.stage].layers if x.name == p.op.layer)  # type: ignore[index]  # a STATS names its stage
-            kind = OpKind.FWD if p.op.part == "A" else OpKind.BWD
-            since = _end_of(c.refresh, p.device, kind, p.op.stage, p.op.mb, p.op.pipe)  # type: ignore[arg-type]  # a STATS names its stage and micro-batch
-            keeps[p.device].append((since, p.end, x.a_bytes if p.op.part == "A" else x.e_bytes))
+            part = c.problem.costs.layer(p.op.layer).part(p.op.part)  # type: ignore[arg-type]  # a STATS names both
+            since = _end_of(c.refresh, p.device, part.after, p.op.stage, p.op.mb, p.op.pipe)  # type: ignore[arg-type]  # a STATS names its stage and micro-batch
+            keeps[p.device].append((since, p.end, part.capture_bytes))
     for d in c.problem.devices:
         k = max(c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s))
         L = c.length(k)

@@ -236,8 +236,8 @@ def grid_scale(problem: Problem, stages: Iterable[int], fused: frozenset[str], r
     refresh, normal = step_timeline(problem, fused), step_timeline(problem)
     stages = list(stages)
     layers = [x for s in stages for x in problem.costs.stages[s].layers]
-    durations = [x.curv_a for x in layers] + [x.curv_b for x in layers] + [x.inv_a for x in layers]
-    durations += [x.inv_b for x in layers] + [problem.costs.stages[s].prec for s in stages]
+    durations = [t for x in layers for p in x.parts for t in (p.stats, p.decomp)]
+    durations += [problem.costs.stages[s].prec for s in stages]
     times = [t for st in (refresh, normal) for items in st.ops.values() for _, a, b in items for t in (a, b)]
     return _scale(times + durations, normal.length, resolution)
 
@@ -297,6 +297,11 @@ def _prec_slots(problem: Problem, group: StageGroup, steps: list[StepTimeline], 
     return tuple(slots)
 
 
+def parts_after(layers: Iterable[LayerCost], kind: OpKind) -> list[str]:
+    """The parts of `layers` whose capture the end of a `kind` op (FWD or BWD) makes, in the layers' order."""
+    return list(dict.fromkeys(p.part for x in layers for p in x.parts if p.after is kind))
+
+
 def _curv_tasks(problem: Problem, stage: int, refresh: StepTimeline, deferred: list[LayerCost], aggregate: bool,
                 grid: _Grid) -> list[Task]:
     tasks = []
@@ -304,18 +309,18 @@ def _curv_tasks(problem: Problem, stage: int, refresh: StepTimeline, deferred: l
         for op, _, end in refresh.fixed(d):
             if op.stage != stage:
                 continue
-            side = "A" if op.kind is OpKind.FWD else "B"
             chunks = [deferred] if aggregate else [[x] for x in deferred]
-            for chunk in chunks:
-                if not chunk:
-                    continue
-                secs = tuple(x.curv_a if side == "A" else x.curv_b for x in chunk)
-                ops = tuple(Op(OpKind.STATS, stage, op.mb, op.pipe, layer=x.name, part=side) for x in chunk)
-                keep = sum(x.a_bytes if side == "A" else x.e_bytes for x in chunk)
-                label = "all" if aggregate else chunk[0].name
-                tasks.append(Task(f"curv_{side}_s{stage}_m{op.mb}_p{op.pipe}_r{d}_{label}", "curv", stage, side,
-                                  ops, secs, grid.span(sum(secs)), (d,), grid.up(end),
-                                  tuple((x.name, side) for x in chunk), keep))
+            for side in parts_after(deferred, op.kind):
+                for chunk in chunks:
+                    if not chunk:
+                        continue
+                    secs = tuple(x.part(side).stats for x in chunk)
+                    ops = tuple(Op(OpKind.STATS, stage, op.mb, op.pipe, layer=x.name, part=side) for x in chunk)
+                    keep = sum(x.part(side).capture_bytes for x in chunk)
+                    label = "all" if aggregate else chunk[0].name
+                    tasks.append(Task(f"curv_{side}_s{stage}_m{op.mb}_p{op.pipe}_r{d}_{label}", "curv", stage, side,
+                                      ops, secs, grid.span(sum(secs)), (d,), grid.up(end),
+                                      tuple((x.name, side) for x in chunk), keep))
     return tasks
 
 
@@ -328,17 +333,17 @@ def _tasks(problem: Problem, group: StageGroup, refresh: StepTimeline, fused: fr
     for s in group.stages:
         copies = copies_of_stage(problem, s)
         for x in problem.costs.stages[s].layers:
-            for side in ("A", "B"):
+            for side in (p.part for p in x.parts):
                 ready = 0
                 if x.name in fused:
-                    kind = OpKind.FWD if side == "A" else OpKind.BWD
+                    kind = x.part(side).after
                     ready = max(grid.up(e) for d in copies for op, _, e in refresh.fixed(d)
                                 if op.stage == s and op.kind is kind)
                 key = ((x.name, side),)
                 if len(copies) > 1:
                     tasks.append(Task(f"sync_{side}_{x.name}", "sync", s, side, (Op(OpKind.SYNC_STATS, s, layer=x.name,
                                       part=side),), (0.0,), 1, copies, ready, key))
-                inv = x.inv_a if side == "A" else x.inv_b
+                inv = x.part(side).decomp
                 tasks.append(Task(f"inv_{side}_{x.name}", "inv", s, side,
                                   (Op(OpKind.DECOMP, s, layer=x.name, part=side),),
                                   (inv,), grid.span(inv), copies, ready, key))

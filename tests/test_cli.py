@@ -297,6 +297,8 @@ def test_explain_names_why_t_pipe_differs_from_the_step_time(tmp_path: Path,
                  "--explain"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "T_pipe = 21000.00 ms" in out and "T_pipe agrees with the simulated step" in out
+    assert main(PLAN + ["--explain", "--memory", "1"]) == 2  # refused: the model is printed all the same
+    assert "written for equal stages" in " ".join(capsys.readouterr().out.split())
 
 
 def _renamed(text: str, old: str, new: str) -> str:

@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import fxkfac
-from fxkfac.config import PipelineOptions
+from fxkfac.config import PipelineOptions, PlanOptions
 from fxkfac.kfac.factors import e_rows, running_average
-from fxkfac.planner.ir import LayerTiming
+from fxkfac.planner.costs import CostTable, LayerCost, PartCost, StageCost
+from fxkfac.planner.ir import LayerTiming, OpKind
 from tests.passes.reference import hook_a_e
 from tests.support.diagonal import DiagonalFamily
 from tests.support.distributed import run_distributed
@@ -137,3 +138,45 @@ def test_diagonal_family_pipelined_equals_one_device() -> None:
             for name, p in params.items():
                 torch.testing.assert_close(p, want[name].detach(), rtol=0, atol=1e-5,
                                            msg=f"{case} rank {r.rank} {name}")
+
+
+def diagonal_costs(stage_layers: dict[int, list[str]], layers: dict) -> CostTable:
+    """The diagonal family's costs for the split: one part D per layer, made after BWD; F 1 ms, B 2 ms, and
+    decompositions long enough that the plan must refresh less often than every step."""
+    stages = tuple(StageCost(1e-3, 2e-3, 1 << 20, 1 << 16, tuple(
+        LayerCost(name, (PartCost("D", OpKind.BWD, 2e-4, 1e-3, 64, 64),), 1e-5) for name in stage_layers[s]))
+        for s in sorted(stage_layers))
+    return CostTable(stages, 4, "test:diagonal", "cpu")
+
+
+def _planned_worker(rank: int, world: int) -> dict:
+    """plan="auto" places the diagonal family's work (CP-SAT over `diagonal_costs`) and the ranks run it."""
+    batches = _batches() * 2
+    trainer = fxkfac.compile(mlp(), (2, 1), "auto", example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
+                             optimizer=_sgd, backend=None, schedule="1f1b", microbatches=N,
+                             preconditioner=DiagonalFamily(), pipeline=PipelineOptions(timeout=60.0),
+                             plan_options=PlanOptions(costs=diagonal_costs, time_limit_s=3.0))
+    for x, y in batches:
+        trainer.step(x, y)
+    assert trainer.plan is not None
+    placed = {p.op.kind.value for p in trainer.plan.placements}
+    return {"params": {n: copy.deepcopy(p.detach()) for n, p in trainer.named_parameters()},
+            "layers": dict(trainer.plan.layers), "placed": placed}
+
+
+@pytest.mark.multiproc
+def test_the_planner_places_the_diagonal_family_and_the_runtime_runs_its_plan() -> None:
+    results = run_distributed(_planned_worker, 2, timeout=300)
+    assert all(r.ok for r in results), [r.traceback for r in results if not r.ok]
+    layers = results[0].value["layers"]
+    assert {"STATS", "DECOMP", "APPLY"} <= results[0].value["placed"] | results[1].value["placed"]
+    assert max(t.period for t in layers.values()) > 1, "the plan should refresh less often than every step"
+    batches = _batches() * 2
+    single = fxkfac.compile(mlp(), None, None, example_inputs=(batches[0][0],), loss_fn=F.mse_loss, optimizer=_sgd,
+                            backend=None, microbatches=N, preconditioner=DiagonalFamily(), layer_timing=layers)
+    for x, y in batches:
+        single.step(x, y)
+    want = dict(single.named_parameters())
+    for r in results:
+        for name, p in r.value["params"].items():
+            torch.testing.assert_close(p, want[name].detach(), rtol=0, atol=1e-5, msg=f"rank {r.rank} {name}")

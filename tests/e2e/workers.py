@@ -152,7 +152,7 @@ def synthetic_costs(stage_layers, layers):
     ms = 1e-3 * (len(stage_layers) - 1)
     stages = []
     for s in sorted(stage_layers):
-        costs = tuple(LayerCost(name, curv_a=0.12 * ms, curv_b=0.12 * ms, inv_a=0.25 * ms, inv_b=0.2 * ms,
+        costs = tuple(LayerCost.kfac(name, curv_a=0.12 * ms, curv_b=0.12 * ms, inv_a=0.25 * ms, inv_b=0.2 * ms,
                                 prec=0.01 * ms, a_bytes=4096, e_bytes=4096,
                                 factor_a_bytes=layers[name].a_dim ** 2 * 4, factor_b_bytes=layers[name].b_dim ** 2 * 4)
                       for name in stage_layers[s])

@@ -14,7 +14,7 @@ __all__ = ["layer", "table", "problem", "problems"]
 def layer(name: str, curv: float = 0.5, inv: float = 1.0, prec: float = 0.25, keep: int = 10,
           factor: int = 100) -> LayerCost:
     """A layer with the same cost for both sides (curv/inv per factor, keep = a_bytes = e_bytes)."""
-    return LayerCost(name, curv, curv, inv, inv, prec, keep, keep, factor, factor)
+    return LayerCost.kfac(name, curv, curv, inv, inv, prec, keep, keep, factor, factor)
 
 
 def table(stages: int, fwd: float = 1.0, bwd: float = 2.0, layers: int = 1, act: int = 50, params: int = 1000,
@@ -44,7 +44,7 @@ def problems(draw: st.DrawFn) -> Problem:
     quarter = st.integers(1, 8).map(lambda q: q / 4)
     stages = []
     for s in range(num_stages(schedule, D, v)):
-        layers = tuple(LayerCost(f"s{s}.l{i}", draw(quarter) / 8, draw(quarter) / 8, draw(quarter) / 4,
+        layers = tuple(LayerCost.kfac(f"s{s}.l{i}", draw(quarter) / 8, draw(quarter) / 8, draw(quarter) / 4,
                                  draw(quarter) / 4, draw(quarter) / 8, draw(st.integers(0, 40)),
                                  draw(st.integers(0, 40)), 100, 100)
                        for i in range(draw(st.integers(1, 2))))

@@ -89,7 +89,7 @@ def test_analytic_block_times_are_within_3x_of_the_measured_pipefisher_profiles(
             ratio = getattr(mid, key) / getattr(measured, key)
             assert 1 / 3 < ratio < 3, (model, hw, key, ratio)
         assert mid.factor_bytes == pytest.approx(measured.factor_bytes, rel=0.01)  # bias columns only
-        assert mid.deferred_bytes == pytest.approx(2 * measured.layers[0].e_bytes, rel=1e-9)
+        assert mid.deferred_bytes == pytest.approx(2 * measured.layers[0].part("B").capture_bytes, rel=1e-9)
         assert mid.act_bytes == pytest.approx(measured.act_bytes, rel=0.1)
 
 
@@ -140,10 +140,10 @@ def test_user_model_from_layers_is_costed_per_layer() -> None:
     conv = table.stages[1].layers[0]
     hw = hardware("cpu")
     curv_b_flops = 2 * (10 * 64) * 8 * 8
-    assert conv.curv_b == pytest.approx(max(curv_b_flops / (hw.peak_flops * hw.matmul_efficiency),
+    assert conv.part("B").stats == pytest.approx(max(curv_b_flops / (hw.peak_flops * hw.matmul_efficiency),
                                             (4 * 640 * 8 + 4 * 64) / hw.mem_bandwidth))
-    assert table.stages[0].layers[1].factor_a_bytes == 4 * 16 * 16  # no bias column
-    assert conv.e_bytes == 4 * 10 * 64 * 8
+    assert table.stages[0].layers[1].part("A").state_bytes == 4 * 16 * 16  # no bias column
+    assert conv.part("B").capture_bytes == 4 * 10 * 64 * 8
     with pytest.raises(CostModelError, match="expected \\(name, d_in, d_out, tokens"):
         model_spec_from_layers([[("fc1", 12, 16)]])
     with pytest.raises(CostModelError, match="stage 1 has no layers"):

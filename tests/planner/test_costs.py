@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ def test_csv_loader_reproduces_every_number_of_the_file_in_seconds_and_bytes() -
             assert layer.inv == pytest.approx(raw["time_inv"] / 1000, rel=1e-12)
             assert layer.prec == pytest.approx(raw["time_prec"] / 1000, rel=1e-12)
             assert layer.factor_bytes == raw["mem_kron"] * MIB
-            assert layer.e_bytes == raw["mem_save_err"] * MIB
+            assert layer.part("B").capture_bytes == raw["mem_save_err"] * MIB
         assert stage.curv == pytest.approx(3 * raw["time_kron"] / 1000, rel=1e-12)
 
 
@@ -66,7 +67,7 @@ def test_every_profile_file_and_row_loads_with_its_hardware() -> None:
             table = cost_table_from_pipefisher_csv(path, blocks_per_stage=2, n_stages=3, micro_batch_size=bs)
             assert table.hardware == path.stem.rsplit("_", 1)[1]
             assert table.stages[2].fwd == pytest.approx(2 * raw["time_f"] / 1000, rel=1e-12)
-            assert table.stages[0].layers[1].inv_b == pytest.approx(raw["time_inv"] / 2000, rel=1e-12)
+            assert table.stages[0].layers[1].part("B").decomp == pytest.approx(raw["time_inv"] / 2000, rel=1e-12)
 
 
 def test_paper_names_are_the_shipped_files() -> None:
@@ -160,13 +161,30 @@ def test_json_round_trip_and_load_dispatch(tmp_path: Path) -> None:
         load_cost_table(tmp_path / "costs.yaml")
 
 
+def test_cost_files_from_before_parts_read_as_kfac_parts() -> None:
+    """A layer written with K-FAC's fields (curv_a, ..., factor_b_bytes) is K-FAC's parts A and B."""
+    table = cost_table_from_pipefisher_csv(BERT_P100, blocks_per_stage=[1, 1], micro_batch_size=8)
+    data = table.to_dict()
+    for stage in data["stages"]:
+        stage["layers"] = [{"name": x["name"], "prec": x["prec"],
+                            **{f"{k}_{side}": p[v] for side, p in zip("ab", x["parts"])
+                               for k, v in (("curv", "stats"), ("inv", "decomp"))},
+                            "a_bytes": x["parts"][0]["capture_bytes"], "e_bytes": x["parts"][1]["capture_bytes"],
+                            "factor_a_bytes": x["parts"][0]["state_bytes"],
+                            "factor_b_bytes": x["parts"][1]["state_bytes"]}
+                           for x in stage["layers"]]
+    assert CostTable.from_dict(data) == table
+
+
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
         (lambda d: d.update(schema_version=99), "schema_version 99 is not supported"),
         (lambda d: d.pop("stages"), "missing the key 'stages'"),
-        (lambda d: d["stages"][0]["layers"][0].update(curv_a=-1.0), "curv_a must be finite and >= 0"),
-        (lambda d: d["stages"][0]["layers"][0].update(a_bytes=1.5), "a_bytes must be an int"),
+        (lambda d: d["stages"][0]["layers"][0]["parts"][0].update(stats=-1.0), "stats must be finite and >= 0"),
+        (lambda d: d["stages"][0]["layers"][0]["parts"][1].update(capture_bytes=1.5), "capture_bytes must be an int"),
+        (lambda d: d["stages"][0]["layers"][0]["parts"][1].update(after="OPT_STEP"), "after must be FWD or BWD"),
+        (lambda d: d["stages"][0]["layers"][0]["parts"][1].update(part="A"), "repeat a name"),
         (lambda d: d["stages"][0].update(fwd=float("nan")), "fwd must be finite"),
         (lambda d: d["stages"][0].update(bogus=1), "malformed entry"),
         (lambda d: d["stages"][1]["layers"][0].update(name="block0"), "repeated: \\['block0'\\]"),
@@ -201,7 +219,7 @@ def test_scaling_helpers() -> None:
 
 _seconds = st.floats(min_value=0, max_value=10, allow_nan=False)
 _bytes = st.integers(min_value=0, max_value=2**40)
-_layer = st.builds(LayerCost, st.just("x"), *([_seconds] * 5), *([_bytes] * 4))
+_layer = st.builds(LayerCost.kfac, st.just("x"), *([_seconds] * 5), *([_bytes] * 4))
 
 
 @st.composite
@@ -209,7 +227,7 @@ def _tables(draw: st.DrawFn) -> CostTable:
     stages = []
     for i in range(draw(st.integers(1, 4))):
         layers = draw(st.lists(_layer, max_size=3))
-        named = tuple(LayerCost(f"s{i}.l{j}", *[getattr(x, f) for f in x.__slots__[1:]]) for j, x in enumerate(layers))
+        named = tuple(replace(x, name=f"s{i}.l{j}") for j, x in enumerate(layers))
         stages.append(StageCost(draw(_seconds), draw(_seconds), draw(_bytes), draw(_bytes), named, draw(_bytes)))
     return CostTable(tuple(stages), draw(st.integers(1, 512)), "test", "cpu")
 

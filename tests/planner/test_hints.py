@@ -41,7 +41,7 @@ def cases(draw: st.DrawFn) -> tuple[Problem, Method, SolverConfig]:
     quarter = st.integers(1, 8).map(lambda q: q / 4)
     stages = []
     for s in range(num_stages(schedule, 2, v)):
-        layers = tuple(LayerCost(f"s{s}.l{i}", draw(quarter) / 4, draw(quarter) / 4, draw(quarter),
+        layers = tuple(LayerCost.kfac(f"s{s}.l{i}", draw(quarter) / 4, draw(quarter) / 4, draw(quarter),
                                  draw(quarter), draw(quarter) / 8, draw(st.integers(0, 40)), draw(st.integers(0, 40)),
                                  100, 100) for i in range(draw(st.integers(1, 2))))
         stages.append(StageCost(draw(quarter), 2 * draw(quarter), 1000, draw(st.integers(10, 60)), layers))
@@ -108,7 +108,7 @@ def test_every_suggestion_plans_with_the_same_method(case: tuple[Problem, Method
 
 
 def test_a_refused_budget_names_the_least_bound_and_a_budget_that_plans_at_this_max_overhead() -> None:
-    stages = tuple(StageCost(1.0, 2.0, 1000, 50, (LayerCost(f"l{s}", 0.25, 0.25, 1.0, 1.0, 0.1, 40, 40, 100, 100),))
+    stages = tuple(StageCost(1.0, 2.0, 1000, 50, (LayerCost.kfac(f"l{s}", 0.25, 0.25, 1.0, 1.0, 0.1, 40, 40, 100, 100),))
                    for s in range(2))
     problem = Problem("1f1b", 2, 2, CostTable(stages, 1, "test", "cpu"), memory_budget=1)
     with pytest.raises(InfeasibleBudgetError) as info:

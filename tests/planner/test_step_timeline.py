@@ -30,7 +30,7 @@ SECONDS = st.one_of(st.just(0.0), st.floats(1e-9, 1e-5), st.floats(1e-3, 0.1), s
 
 def _costs(times: list[tuple[float, float, float]]) -> CostTable:
     """One stage per (fwd, bwd, prec), each with one K-FAC layer that carries the APPLY time."""
-    stages = tuple(StageCost(f, b, 0, 0, (LayerCost(f"layer{s}", 0.0, 0.0, 0.0, 0.0, p, 0, 0, 0, 0),))
+    stages = tuple(StageCost(f, b, 0, 0, (LayerCost.kfac(f"layer{s}", 0.0, 0.0, 0.0, 0.0, p, 0, 0, 0, 0),))
                    for s, (f, b, p) in enumerate(times))
     return CostTable(stages, 1, "test", "test")
 

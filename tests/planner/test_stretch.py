@@ -25,7 +25,7 @@ MS = 1e-3
 def _chimera_costs(layers: int = 6) -> CostTable:
     """The brief's Chimera D=2 case: 1/2 ms F/B per stage, 0.1 ms curvature, 0.25/0.2 ms inversions."""
     return CostTable(tuple(StageCost(1 * MS, 2 * MS, 1 << 20, 1 << 16, tuple(
-        LayerCost(f"l{s}_{i}", .1 * MS, .1 * MS, .25 * MS, .2 * MS, .01 * MS, 4096, 4096, 4096, 4096)
+        LayerCost.kfac(f"l{s}_{i}", .1 * MS, .1 * MS, .25 * MS, .2 * MS, .01 * MS, 4096, 4096, 4096, 4096)
         for i in range(layers))) for s in range(2)), 2, "synthetic", "cpu")
 
 
