@@ -651,10 +651,8 @@ def _describe(problem: Problem, s: Suggestion) -> str:
 
 
 def _plans(problem: Problem, config: SolverConfig, method: Method, until: float, *, thorough: bool = False) -> bool:
-    """Whether `solve` makes a plan of `problem`: with greedy placement first (CP-SAT keeps any greedy
-    placement that fits the budget, and after its time fuses curvature as this does), then, `thorough`
-    or with a budget (which CP-SAT places by and greedy does not), with CP-SAT itself within the time left."""
-    thorough = thorough or problem.memory_budget is not None
+    """Whether `solve` makes a plan of `problem`: with greedy placement first (CP-SAT's first pass, whose
+    plan it keeps), then, `thorough` and with method CP-SAT, with CP-SAT itself within the time left."""
     return _plan_or_none(problem, config, method, until, thorough=thorough) is not None
 
 
@@ -674,16 +672,22 @@ def _plan_or_none(problem: Problem, config: SolverConfig, method: Method, until:
 
 def _search_overhead(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
                      until: float) -> Suggestion | None:
-    """A max_overhead that plans: from greedy's stretch estimate doubling; then, while time is left, CP-SAT's
-    least stretch (checked by CP-SAT, named least where proven) or a few bisection probes below it."""
+    """A max_overhead that plans: from greedy's stretch estimate doubling, checked by greedy placement (then,
+    with CP-SAT, by CP-SAT itself); then, while time is left, CP-SAT's least stretch (checked by CP-SAT,
+    named least where proven) or a few bisection probes below it."""
     estimate, proven = _overhead_estimate(problem, fused, config, Method.GREEDY, until)
-    failed = problem.max_overhead
-    for candidate in _ladder(max(estimate or 0.0, failed * 1.01, 1e-4), failed):
-        if _plans(replace(problem, max_overhead=candidate), config, method, until):
-            break
-        if time.perf_counter() >= until:
-            return None
-        failed = candidate
+    ladder = _ladder(max(estimate or 0.0, problem.max_overhead * 1.01, 1e-4), problem.max_overhead)
+    for thorough in (False, True) if method is Method.CPSAT else (False,):
+        failed = problem.max_overhead
+        for candidate in ladder:
+            if _plans(replace(problem, max_overhead=candidate), config, method, until, thorough=thorough):
+                break
+            if time.perf_counter() >= until:
+                return None
+            failed = candidate
+        else:
+            continue
+        break
     else:
         return None
     if proven and candidate == estimate:
