@@ -55,9 +55,9 @@ from fxkfac.models import TinyBertConfig, TinyBertMLM, mlm_loss
 from fxkfac.planner.ir import LayerTiming, OpKind
 from fxkfac.planner.lowering import rank_programs
 from fxkfac.planner.simulate import simulate
-from fxkfac.runtime.timeline import Event, chrome_trace, utilization
+from fxkfac.runtime.timeline import Event, as_timeline, utilization
 from fxkfac.runtime.trainer import Trainer
-from fxkfac.show import cost_durations
+from fxkfac.show import chrome_trace, cost_durations
 
 __all__ = ["main"]
 
@@ -180,7 +180,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
             trainers["b"].plan.save(args.save_plan)
         if args.trace_dir:
             for v, events in result["events"].items():
-                chrome_trace(events, os.path.join(args.trace_dir, f"pipefisher_overhead_{v}.json"))
+                chrome_trace(as_timeline(events), os.path.join(args.trace_dir, f"pipefisher_overhead_{v}.json"))
         planned = _planned(trainers["b"])
         summary = {v: statistics.median(result["times"][v]) for v in VARIANTS}
         row = {"step_s": summary, "rounds_s": result["times"], "ratio_to_a": {v: summary[v] / summary["a"]

@@ -48,8 +48,9 @@ parser.add_argument("--kl-clip", type=float, default=1e-2)
 parser.add_argument("--log-every", type=int, default=10)
 parser.add_argument("--val-batches", type=int, default=8)
 parser.add_argument("--plan-time", type=float, default=5.0, help="CP-SAT time limit (s) of plan='auto'")
-parser.add_argument("--max-overhead", type=float, default=0.0,
-                    help="how much longer than the plain pipeline a step may get to make room for K-FAC (0: bubbles only)")
+parser.add_argument("--max-overhead", type=float, default=None,
+                    help="how much longer than the plain pipeline a step may get to make room for K-FAC (0: bubbles "
+                         "only; default: bubbles when they hold the work, else the least that places it)")
 parser.add_argument("--save-plan", default=None, help="rank 0 writes the plan JSON here")
 args = parser.parse_args()
 

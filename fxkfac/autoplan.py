@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +13,7 @@ from fxkfac.config import PlanOptions
 from fxkfac.errors import ConfigError, FxkfacError
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.costs import CostTable, load_cost_table
-from fxkfac.planner.errors import PlanMismatchError
+from fxkfac.planner.errors import Knob, PlanError, PlanMismatchError
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.schedules import ScheduleKind
 
@@ -89,15 +89,31 @@ def _costs(options: PlanOptions, profile: Callable[[], CostTable], stage_layers:
 
 
 def solve_for(target: Target, costs: CostTable, options: PlanOptions) -> Plan:
-    """Plan `target` with CP-SAT over `costs` (the planner's `solve`), stamped with the target's fingerprint."""
+    """Plan `target` with CP-SAT over `costs` (the planner's `solve`), stamped with the target's fingerprint.
+
+    With `options.max_overhead` None the bubbles are tried alone first; when they cannot hold the work, the
+    least max_overhead the planner found to place it is used (its refusal names that value), and logged.
+    """
     from fxkfac.planner.plan import solve
     from fxkfac.planner.problem import Problem, SolverConfig
 
+    strict = options.max_overhead is not None
     problem = Problem(target.schedule.value, target.D, target.N, costs, W=target.W, v=target.v,
-                      memory_budget=options.memory_budget, max_overhead=options.max_overhead,
+                      memory_budget=options.memory_budget, max_overhead=options.max_overhead or 0.0,
                       fingerprint=target.fingerprint)
+    config = SolverConfig(time_limit_s=options.time_limit_s)
     log.info("solving the plan of %s", target.describe())
-    return solve(problem, SolverConfig(time_limit_s=options.time_limit_s))
+    try:
+        return solve(problem, config)
+    except PlanError as e:
+        relaxed = [s for s in e.suggestions if {knob for knob, _ in s.changes} == {Knob.MAX_OVERHEAD}]
+        if strict or not relaxed:
+            raise
+        value = float(relaxed[0].changes[0][1])
+        log.warning("plan='auto': the bubbles alone cannot hold the K-FAC work (%s); planning with "
+                    "max_overhead=%.4g, the least the planner found that places it (pass PlanOptions(max_overhead="
+                    "...) to decide yourself)", str(e).split(". ")[0], value)
+        return solve(replace(problem, max_overhead=value), config)
 
 
 def check_matches(plan: Any, target: Target, where: str = "the plan") -> None:

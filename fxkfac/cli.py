@@ -233,7 +233,7 @@ def _explain(args: argparse.Namespace, costs: CostTable, simulated: float, conso
     """The performance model with these costs, and how its T_pipe relates to the simulated step time
     (`simulated`, the step time before K-FAC that the plan's summary shows)."""
     from fxkfac.planner.perf_model import evaluate, explain, perf_model, pipe_gap
-    from fxkfac.show import format_bytes
+    from fxkfac.planner.problem import format_bytes
 
     console.print(explain(args.schedule), markup=False, highlight=False)
     model = perf_model(args.schedule)

@@ -91,8 +91,10 @@ class PlanOptions:
     costs: Any = None
     """None (profile the stages here), a CostTable, a cost file (.json, .csv, `paper:<model>/<hw>`), or a
     callable `(stage_layers, layers) -> CostTable`."""
-    max_overhead: float = 0.0
-    """How much the step may grow over the plain pipeline to make room for K-FAC (0: bubbles only)."""
+    max_overhead: float | None = None
+    """How much the step may grow over the plain pipeline to make room for K-FAC (0: bubbles only). None: the
+    bubbles alone when they hold the work, else the least growth the planner finds that places it (logged);
+    a number is kept to strictly."""
     kfac_margin: float = PROFILE_MARGIN
     """Factor on profiled K-FAC times (only when the costs are profiled here)."""
     memory_budget: int | None = None
@@ -101,7 +103,7 @@ class PlanOptions:
     """Wall-clock limit of the solver."""
 
     def __post_init__(self) -> None:
-        if not self.max_overhead >= 0:
+        if self.max_overhead is not None and not self.max_overhead >= 0:
             raise ConfigError(f"PlanOptions.max_overhead must be >= 0, got {self.max_overhead!r}")
         if not self.kfac_margin > 0:
             raise ConfigError(f"PlanOptions.kfac_margin must be > 0, got {self.kfac_margin!r}")

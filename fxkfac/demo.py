@@ -77,8 +77,9 @@ class DemoConfig:
     """Validation batches of `batch_size` sequences (fixed masks), the same for every run."""
     seed: int = 0
     plan_time_limit_s: float = 10.0
-    plan_max_overhead: float = 0.0
-    """How much the planner may stretch the step for K-FAC work that fits no bubble (0: bubbles only)."""
+    plan_max_overhead: float | None = None
+    """How much the planner may stretch the step for K-FAC work that fits no bubble (0: bubbles only; None: the
+    bubbles when they hold the work, else the least stretch that places it)."""
     timeout_s: float = 900.0
     runs: tuple[RunSpec, ...] = ()
     """What to train, in order; `default_runs()` when empty."""
@@ -317,7 +318,7 @@ def plan_view(plan_json: str, width: int = 100) -> Any:
 
 def _metrics_table(plan: Any) -> Table:
     """The plan's metrics (utilization, refresh periods, step times, memory, solver) as a rich table."""
-    from fxkfac.show import format_bytes
+    from fxkfac.planner.problem import format_bytes
 
     m, p = plan.metrics, plan.problem
     table = Table(title=f"plan: {p.schedule} D={p.D} N={p.N} W={p.W}", show_header=False, title_justify="left")

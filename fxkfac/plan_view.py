@@ -19,9 +19,16 @@ from rich.console import Group, RenderableType
 
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import StepTimeline, copies_of_stage, plain_step_time, static_bytes, step_timeline
+from fxkfac.planner.problem import (
+    StepTimeline,
+    copies_of_stage,
+    format_bytes,
+    plain_step_time,
+    static_bytes,
+    step_timeline,
+)
 from fxkfac.planner.simulate import Interval, Timeline
-from fxkfac.show import format_bytes, render_summary, render_timeline
+from fxkfac.show import render_summary, render_timeline
 
 __all__ = ["BUSY_KINDS", "PlannedView", "planned_view", "planned_utilization", "plan_rows", "summary_errors",
            "render_plan", "busy_utilization"]

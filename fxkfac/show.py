@@ -25,7 +25,6 @@ __all__ = [
     "render_summary",
     "chrome_trace",
     "timeline_from_trace",
-    "format_bytes",
 ]
 
 
@@ -156,15 +155,6 @@ def _legend(width: int) -> Text:
         legend.append(f" {cat.label}  ")
         used += len(entry)
     return legend
-
-
-def format_bytes(n: float) -> str:
-    """Human-readable bytes (binary units)."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def render_summary(title: str, rows: Iterable[tuple[str, str]]) -> Table:

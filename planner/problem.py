@@ -24,7 +24,6 @@ __all__ = [
     "reference_programs",
     "step_timeline",
     "plain_step_time",
-    "reference_step_time",
     "stage_groups",
     "copies_of_stage",
     "stages_on_device",
@@ -140,13 +139,11 @@ class StepTimeline:
     """One step of the pipeline, per device: fixed F/B intervals and the points the K-FAC work uses.
 
     ops: (op, start, end) of every op of the step in program order (RECV intervals include waits);
-    allreduce_end[(device, stage)]: end of ALLREDUCE_GRAD(stage); first_start[device]: start of the
-    device's first F/B; length: the step time.
+    allreduce_end[(device, stage)]: end of ALLREDUCE_GRAD(stage); length: the step time.
     """
 
     ops: Mapping[int, tuple[tuple[Op, float, float], ...]]
     allreduce_end: Mapping[tuple[int, int], float]
-    first_start: Mapping[int, float]
     length: float
 
     def fixed(self, device: int) -> list[tuple[Op, float, float]]:
@@ -222,25 +219,18 @@ def step_timeline(problem: Problem, fused: frozenset[str] = frozenset(), with_pr
 def _step_from(timeline: Timeline, length: float) -> StepTimeline:
     ops: dict[int, tuple[tuple[Op, float, float], ...]] = {}
     allreduce: dict[tuple[int, int], float] = {}
-    first: dict[int, float] = {}
     for rank in timeline.ranks:
         items = tuple((iv.op, iv.start, iv.end) for iv in timeline.of_rank(rank))
         ops[rank] = items
-        first[rank] = min((s for op, s, _ in items if op.kind in _FIXED_KINDS), default=0.0)
         for op, _, end in items:
             if op.kind is OpKind.ALLREDUCE_GRAD:
                 allreduce[rank, op.stage] = end  # type: ignore[index]  # an ALLREDUCE_GRAD names its stage
-    return StepTimeline(ops, allreduce, first, length)
+    return StepTimeline(ops, allreduce, length)
 
 
 def plain_step_time(problem: Problem) -> float:
     """T0: the step time of the plain pipeline (no K-FAC)."""
     return step_timeline(problem, frozenset(), False).length
-
-
-def reference_step_time(problem: Problem) -> float:
-    """T_ref: the plain pipeline with each stage's APPLY right after its gradient all-reduce."""
-    return step_timeline(problem).length
 
 
 @dataclass(frozen=True)
@@ -378,9 +368,10 @@ def refresh_lower_bound(problem: Problem, group: StageGroup, fused: frozenset[st
 
 
 def format_bytes(n: float) -> str:
-    """Bytes in human units (GiB, MiB, KiB)."""
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
+    """Bytes in binary units with one decimal (whole bytes below 1 KiB): the one spelling of every message and view."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
 

@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 __all__ = ["validate", "check_plan"]
 
 _KFAC = frozenset({OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST, OpKind.APPLY})
-_COMPUTE = (OpKind.FWD, OpKind.BWD)
 
 
 @dataclass

@@ -111,8 +111,6 @@ class Window:
     capacity: Mapping[int, int | None]
     tasks: tuple[Task, ...]
     precs: tuple[PrecSlot, ...]
-    first: Mapping[int, tuple[int, ...]]
-    """Per device, the tick (relative to the step's offset) of its first F/B in each step."""
     stretch: int = 0
     aggregate: bool = False
 
@@ -258,7 +256,7 @@ def build_window(problem: Problem, group: StageGroup, k: int, fused: frozenset[s
     for st in steps:
         offsets.append(offsets[-1] + grid.at(st.length) + stretch)
     length = offsets[-1]
-    fixed, acts, capacity, first = {}, {}, {}, {}
+    fixed, acts, capacity = {}, {}, {}
     for d in group.devices:
         busy: list[Interval] = []
         pieces: list[tuple[int, int, int]] = []
@@ -275,11 +273,10 @@ def build_window(problem: Problem, group: StageGroup, k: int, fused: frozenset[s
         fixed[d], acts[d] = _merge(busy), tuple(pieces)
         budget = problem.memory_budget
         capacity[d] = None if budget is None else budget - static_bytes(problem, d)
-        first[d] = tuple(grid.at(st.first_start[d]) for st in steps)
     precs = _prec_slots(problem, group, steps, offsets, grid)
     tasks = _tasks(problem, group, refresh, fused, aggregate, grid)
     return Window(problem, group, k, fused, ticks_per_s, exact, tuple(offsets), fixed, acts, capacity, tasks, precs,
-                  first, stretch, aggregate)
+                  stretch, aggregate)
 
 
 def _prec_slots(problem: Problem, group: StageGroup, steps: list[StepTimeline], offsets: list[int],

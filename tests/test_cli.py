@@ -125,8 +125,7 @@ def test_plan_export_show_and_trace(tmp_path: Path, monkeypatch: pytest.MonkeyPa
 
 def test_show_measured_prints_utilization_per_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
-    from fxkfac.runtime.timeline import Event
-    from fxkfac.runtime.timeline import chrome_trace as runtime_trace
+    from fxkfac.runtime.timeline import Event, as_timeline
 
     monkeypatch.setenv("COLUMNS", "100")
     plan_path, run_path = tmp_path / "plan.json", tmp_path / "run.json"
@@ -135,7 +134,7 @@ def test_show_measured_prints_utilization_per_rank(tmp_path: Path, monkeypatch: 
     events = [Event(0, "F s0 m0", "FWD", 0, 0, 2 * ms), Event(0, "B s0 m0", "BWD", 0, 6 * ms, 8 * ms),
               Event(1, "F s1 m0", "FWD", 0, 2 * ms, 3 * ms), Event(1, "B s1 m0", "BWD", 0, 3 * ms, 6 * ms),
               Event(1, "STATS s1 m0 A l1_0", "STATS", 0, 6 * ms, 7 * ms)]
-    runtime_trace(events, run_path)
+    chrome_trace(as_timeline(events), run_path)
     assert main(["show", str(plan_path), "--measured", str(run_path)]) == 0
     out = capsys.readouterr().out
     assert "measured:" in out

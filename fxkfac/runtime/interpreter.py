@@ -3,7 +3,7 @@
 The core handlers (FWD, BWD, SEND/RECV of activations and gradients, ALLREDUCE_GRAD, OPT_STEP)
 are registered here; K-FAC ops (STATS, SYNC_STATS, DECOMP, BCAST, APPLY) plug in with
 `Interpreter.register(kind, handler)` without touching the loop. A handler takes the
-`StepContext` and the `Op`; what it needs beyond the core fields goes into `ctx.extras`.
+`StepContext` and the `Op`; state of its own lives in the object that registered it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from fxkfac.planner.ir import Op, OpKind
 from fxkfac.runtime.p2p import Transport
 from fxkfac.runtime.stage import StageRunner
 from fxkfac.runtime.sync import GradSync
-from fxkfac.runtime.timeline import Timeline
+from fxkfac.runtime.timeline import Recorder
 
 __all__ = ["StepContext", "Handler", "StepListener", "Interpreter", "CORE_HANDLERS", "local_nonfinite"]
 
@@ -50,7 +50,6 @@ class StepContext:
     """Output gradients waiting for BWD (stage, pipe, mb)."""
     to_send: dict[tuple[str, Key], list[torch.Tensor]] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
-    extras: dict[str, Any] = field(default_factory=dict)
     skipped: bool | None = None
     """Set at OPT_STEP by a world all-reduce: True when some rank saw NaN/Inf loss or gradients."""
 
@@ -196,7 +195,7 @@ class StepListener(Protocol):
 
 
 class Interpreter:
-    """Runs a list of ops through a dispatch table, recording each into a Timeline."""
+    """Runs a list of ops through a dispatch table, recording each into a Recorder."""
 
     def __init__(self, handlers: Mapping[OpKind, Handler] | None = None) -> None:
         self.handlers: dict[OpKind, Handler] = dict(CORE_HANDLERS if handlers is None else handlers)
@@ -212,7 +211,7 @@ class Interpreter:
         """Install (or replace) the handler of `kind`."""
         self.handlers[kind] = handler
 
-    def run(self, ops: Sequence[Op], ctx: StepContext, timeline: Timeline | None = None) -> None:
+    def run(self, ops: Sequence[Op], ctx: StepContext, timeline: Recorder | None = None) -> None:
         """Execute `ops` in order on `ctx` (every receive of the step is posted up front)."""
         for listener in self.listeners:
             listener.begin_step(ctx)
@@ -227,10 +226,10 @@ class Interpreter:
                 raise PipelineError(
                     f"rank {ctx.rank} has no handler for '{op}'; register one with "
                     f"Interpreter.register(OpKind.{op.kind.name}, fn) (K-FAC ops need the K-FAC runtime)")
-            start = Timeline.now()
+            start = Recorder.now()
             handler(ctx, op)
             if timeline is not None:
-                timeline.record(str(op), op.kind.value, ctx.step, start, Timeline.now())
+                timeline.record(str(op), op.kind.value, ctx.step, start, Recorder.now())
         leftovers = [r for r in ctx.runners.values() if r.pending()]
         if leftovers or ctx.acts or ctx.grads or ctx.to_send:
             raise AssertionError(f"rank {ctx.rank}: step {ctx.step} ended with unconsumed state "

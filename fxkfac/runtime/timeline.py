@@ -1,19 +1,21 @@
-"""Measured timeline: start/end of every instruction per rank, Chrome/Perfetto traces, utilization."""
+"""Measured timeline: every instruction per rank, gathered to rank 0, as a planner Timeline; utilization."""
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["Event", "Timeline", "chrome_trace", "utilization", "bubble_fraction", "gather_timelines"]
+from fxkfac.planner.ir import Op
+from fxkfac.planner.simulate import Interval, Timeline
 
-COMPUTE_KINDS = ("FWD", "BWD")
+__all__ = ["Event", "Recorder", "as_timeline", "utilization", "gather_timelines"]
+
+PIPELINE_KINDS = ("FWD", "BWD")
+"""What measured utilization counts: the pipeline's own work."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,8 +31,8 @@ class Event:
 
 
 @dataclass
-class Timeline:
-    """What one rank did; `enabled=False` records nothing (no cost)."""
+class Recorder:
+    """What one rank did, instruction by instruction; `enabled=False` records nothing (no cost)."""
 
     rank: int
     enabled: bool = True
@@ -51,7 +53,7 @@ class Timeline:
         self.events.clear()
 
 
-def gather_timelines(timeline: Timeline, world: int, dst: int = 0) -> list[Event] | None:
+def gather_timelines(timeline: Recorder, world: int, dst: int = 0) -> list[Event] | None:
     """Every rank's events on rank `dst` (collective over `world` ranks); None on the other ranks."""
     if world == 1:
         return list(timeline.events)
@@ -63,19 +65,14 @@ def gather_timelines(timeline: Timeline, world: int, dst: int = 0) -> list[Event
     return [Event(**e) for part in gathered for e in part]
 
 
-def chrome_trace(events: Iterable[Event], path: str | Path | None = None) -> dict:
-    """A Chrome/Perfetto trace (one track per rank); written to `path` when given."""
+def as_timeline(events: Iterable[Event]) -> Timeline:
+    """Measured events as the planner's `Timeline` (seconds from the first start), so one view and one Chrome trace
+    format (`fxkfac.show`) serve plans, simulations and runs."""
     events = list(events)
     t0 = min((e.start_ns for e in events), default=0)
-    trace = {"traceEvents": [
-        {"name": e.op, "cat": e.kind, "ph": "X", "pid": 0, "tid": e.rank,
-         "ts": (e.start_ns - t0) / 1e3, "dur": (e.end_ns - e.start_ns) / 1e3, "args": {"step": e.step}}
-        for e in events
-    ] + [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
-         for r in sorted({e.rank for e in events})]}
-    if path is not None:
-        Path(path).write_text(json.dumps(trace))
-    return trace
+    intervals = tuple(Interval(e.rank, e.step, Op.parse(e.op), (e.start_ns - t0) / 1e9, (e.end_ns - t0) / 1e9)
+                      for e in events)
+    return Timeline(intervals, tuple(sorted({e.rank for e in events})), 1 + max((e.step for e in events), default=0))
 
 
 def _by_rank_step(events: Iterable[Event]) -> dict[int, dict[int, list[Event]]]:
@@ -85,7 +82,7 @@ def _by_rank_step(events: Iterable[Event]) -> dict[int, dict[int, list[Event]]]:
     return table
 
 
-def utilization(events: Iterable[Event], kinds: Sequence[str] = COMPUTE_KINDS) -> dict[int, float]:
+def utilization(events: Iterable[Event], kinds: Sequence[str] = PIPELINE_KINDS) -> dict[int, float]:
     """Per rank: time in `kinds` / the step span, summed over steps.
 
     The span of a step is the same for every rank: from the earliest start to the latest end
@@ -101,15 +98,3 @@ def utilization(events: Iterable[Event], kinds: Sequence[str] = COMPUTE_KINDS) -
     return {rank: sum(e.end_ns - e.start_ns for evs in steps.values() for e in evs if e.kind in kinds) / total
             for rank, steps in sorted(table.items())}
 
-
-def bubble_fraction(events: Iterable[Event]) -> dict[int, float]:
-    """Per rank: 1 - utilization (the share of the step spent not computing FWD/BWD)."""
-    return {rank: 1.0 - u for rank, u in utilization(events).items()}
-
-
-def summarize(events: Iterable[Event]) -> Mapping[str, float]:
-    """Mean duration in seconds per instruction kind."""
-    sums: dict[str, list[float]] = {}
-    for e in events:
-        sums.setdefault(e.kind, []).append((e.end_ns - e.start_ns) / 1e9)
-    return {k: sum(v) / len(v) for k, v in sums.items()}

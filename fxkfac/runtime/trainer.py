@@ -42,7 +42,8 @@ from fxkfac.runtime.param_state import (
 from fxkfac.runtime.preconditioning import PreconditionerRuntime, StageCopies, TappedRunner
 from fxkfac.runtime.stage import StageRunner
 from fxkfac.runtime.sync import GradSync, holder_sets
-from fxkfac.runtime.timeline import Timeline, chrome_trace, gather_timelines
+from fxkfac.runtime.timeline import Recorder, as_timeline, gather_timelines
+from fxkfac.show import chrome_trace
 
 __all__ = ["RunSpec", "Trainer", "OptimizerFactory", "default_optimizer", "shard_microbatches"]
 
@@ -133,7 +134,7 @@ class Trainer(Checkpointing):
         self.preconditioning = self._preconditioning(holders, backend) if self.layers else None
         params = [p for r in self.runners.values() for p in r.module.parameters()]
         self.optimizer = optimizer(params) if params else None  # a stage of only activations holds none
-        self.timeline = Timeline(self.layout.rank, enabled=options.record_timeline)
+        self.timeline = Recorder(self.layout.rank, enabled=options.record_timeline)
         self.steps = 0
         self.skipped_steps = 0
         self._skips_in_a_row = 0
@@ -296,7 +297,7 @@ class Trainer(Checkpointing):
     def trace(self, path: str | None = None) -> dict | None:
         """Gather every rank's recorded timeline to rank 0 and return (and write) a Chrome trace."""
         events = gather_timelines(self.timeline, self.layout.world_size)
-        return None if events is None else chrome_trace(events, path)
+        return None if events is None else chrome_trace(as_timeline(events), path)
 
 
 def _words(signature: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> str:
