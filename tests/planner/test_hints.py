@@ -74,7 +74,7 @@ def _just_below(value: float) -> float:
     return float(d - Decimal(1).scaleb(d.adjusted() - 2))
 
 
-@settings(max_examples=50, deadline=None, database=None, derandomize=True,
+@settings(max_examples=30, deadline=None, database=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_every_suggestion_plans_with_the_same_method(case: tuple[Problem, Method, SolverConfig]) -> None:
