@@ -506,7 +506,8 @@ def _attempt(problem: Problem, config: SolverConfig, method: Method, clock: _Clo
     try:
         return _placed(problem, config, method, _Clock(clock.deadline, clock.deadline), began)
     except _Refused:
-        return fallback
+        solver = replace(fallback.metrics.solver, wall_time=time.perf_counter() - began)  # CP-SAT's time too
+        return replace(fallback, metrics=replace(fallback.metrics, solver=solver))
 
 
 def _placed(problem: Problem, config: SolverConfig, method: Method, clock: _Clock, began: float) -> Plan:
