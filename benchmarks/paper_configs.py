@@ -1,4 +1,4 @@
-"""The PipeFisher paper's configurations on its measured P100 profiles: utilization and refresh period, greedy vs CP-SAT.
+"""The PipeFisher paper's configurations on its measured P100 profiles: utilization and refresh, greedy vs CP-SAT.
 
 Run: python benchmarks/paper_configs.py [--time-limit 10] [--max-overhead 0]
 

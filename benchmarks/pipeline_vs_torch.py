@@ -126,7 +126,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
     rows = []
     for schedule in ("gpipe", "1f1b"):
         trainer = _fxkfac_trainer(args, schedule, batch[0])
-        ours_step = lambda x, y: trainer.step(x, y)  # noqa: E731
+        ours_step = trainer.step
         theirs_step = _torch_runner(trainer, schedule, args.microbatches)
         ours, theirs = [], []
         for _ in range(args.rounds):  # alternate so that drift in machine load hits both

@@ -23,8 +23,8 @@ from rich.table import Table
 
 from fxkfac.planner.costs import load_cost_table
 from fxkfac.planner.errors import PlanError
-from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.plan import solve
+from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.validate import validate
 
 PROFILE = "paper:bert-large/p100"

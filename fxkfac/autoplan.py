@@ -14,8 +14,10 @@ from fxkfac.errors import ConfigError, FxkfacError
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.costs import CostTable, load_cost_table
 from fxkfac.planner.errors import Knob, PlanError, PlanMismatchError
-from fxkfac.planner.plan import Plan
+from fxkfac.planner.plan import Plan, solve
+from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.schedules import ScheduleKind
+from fxkfac.planner.validate import check_plan
 
 __all__ = ["Target", "resolve_plan", "solve_for", "check_matches", "check_costs", "load_plan", "share_plan"]
 
@@ -60,7 +62,7 @@ def resolve_plan(plan: Any, target: Target, options: PlanOptions, *, rank: int, 
                 made = e
         return share_plan(made)
     if isinstance(plan, (str, Path)):
-        return load_plan(plan, target)
+        return load_plan(plan, target, stage_layers)
     if isinstance(plan, Plan):
         check_matches(plan, target)
         return plan
@@ -94,9 +96,6 @@ def solve_for(target: Target, costs: CostTable, options: PlanOptions) -> Plan:
     With `options.max_overhead` None the bubbles are tried alone first; when they cannot hold the work, the
     least max_overhead the planner found to place it is used (its refusal names that value), and logged.
     """
-    from fxkfac.planner.plan import solve
-    from fxkfac.planner.problem import Problem, SolverConfig
-
     strict = options.max_overhead is not None
     problem = Problem(target.schedule.value, target.D, target.N, costs, W=target.W, v=target.v,
                       memory_budget=options.memory_budget, max_overhead=options.max_overhead or 0.0,
@@ -143,23 +142,18 @@ def check_costs(costs: CostTable, stage_layers: Mapping[int, Sequence[str]]) -> 
                                     f"{want}; make the cost table for this model and split")
 
 
-def load_plan(path: str | Path, target: Target, stage_layers: Mapping[int, Sequence[str]] | None = None) -> Any:
-    """Read a plan file once, refuse one made for another graph/mesh/schedule or (given the split model's
-    `stage_layers`) for other K-FAC layers, then validate it; every error names the file."""
-    from fxkfac.planner.errors import PlanError
-    from fxkfac.planner.plan import Plan
-    from fxkfac.planner.validate import check_plan
-
+def load_plan(path: str | Path, target: Target, stage_layers: Mapping[int, Sequence[str]]) -> Plan:
+    """Read a plan file once, refuse one made for another graph/mesh/schedule or for other K-FAC layers than
+    the split model's `stage_layers`, then validate it; every error names the file."""
     plan = Plan.read(path)
     check_matches(plan, target, f"the plan file {path}")
-    if stage_layers is not None:
-        have = {s: sorted(x.name for x in stage.layers) for s, stage in enumerate(plan.problem.costs.stages)}
-        want = {s: sorted(names) for s, names in stage_layers.items()}
-        if have != want:
-            wrong = sorted(set().union(*have.values()) - set().union(*want.values()))
-            raise PlanMismatchError(f"the plan file {path} times K-FAC layers per stage {have}, but this model's "
-                                    f"are {want}" + (f" (it has no layers {wrong})" if wrong else "")
-                                    + "; make a new plan for this model (fxkfac plan ... --export) or pass plan='auto'")
+    have = {s: sorted(x.name for x in stage.layers) for s, stage in enumerate(plan.problem.costs.stages)}
+    want = {s: sorted(names) for s, names in stage_layers.items()}
+    if have != want:
+        wrong = sorted(set().union(*have.values()) - set().union(*want.values()))
+        raise PlanMismatchError(f"the plan file {path} times K-FAC layers per stage {have}, but this model's "
+                                f"are {want}" + (f" (it has no layers {wrong})" if wrong else "")
+                                + "; make a new plan for this model (fxkfac plan ... --export) or pass plan='auto'")
     try:
         check_plan(plan.problem, plan)
     except PlanError as e:

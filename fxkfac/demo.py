@@ -167,8 +167,9 @@ def _validation(cfg: DemoConfig) -> list[tuple[Any, Any]]:
     return [data.batch(cfg.batch_size) for _ in range(cfg.eval_batches)]
 
 
-def _evaluate(trainer: Any, cfg: DemoConfig, batches: Sequence[tuple[Any, Any]]) -> float | None:
-    """Mean validation loss of the pipelined model: parameters gathered to rank 0, evaluated there (collective)."""
+def _evaluate(trainer: Any, cfg: DemoConfig, batches: Sequence[tuple[Any, Any]]) -> float:
+    """Mean validation loss of the pipelined model: parameters gathered to rank 0, evaluated there (collective);
+    NaN on the other ranks, whose curves are not reported."""
     import torch
     import torch.distributed as dist
 
@@ -178,7 +179,7 @@ def _evaluate(trainer: Any, cfg: DemoConfig, batches: Sequence[tuple[Any, Any]])
     gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
     dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
     if dist.get_rank() != 0:
-        return None
+        return float("nan")
     state = {n: t for part in gathered for n, t in part.items()}
     model = TinyBertMLM(cfg.model)
     model.load_state_dict(state, strict=True)

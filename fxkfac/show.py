@@ -71,10 +71,10 @@ def cost_durations(costs: CostTable) -> Callable[[int, Op], float]:
 
     def duration(rank: int, op: Op) -> float:
         if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.APPLY):
-            stage = costs.stages[op.stage]  # type: ignore[index]
+            stage = costs.stages[op.stage]  # type: ignore[index]  # F, B and APPLY name their stage
             return {OpKind.FWD: stage.fwd, OpKind.BWD: stage.bwd, OpKind.APPLY: stage.prec}[op.kind]
         if op.kind in (OpKind.STATS, OpKind.DECOMP):
-            layer = layers[op.layer]  # type: ignore[index]
+            layer = layers[op.layer]  # type: ignore[index]  # STATS and DECOMP name their layer
             part = layer.part(op.part)  # type: ignore[arg-type]  # STATS and DECOMP name their part
             return part.stats if op.kind is OpKind.STATS else part.decomp
         return 0.0

@@ -19,6 +19,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from ortools.sat.python import cp_model
 
@@ -67,7 +68,9 @@ def _add_tasks(v: _Vars, w: Window) -> None:
         lo = max(w.earliest(task, d) for d in task.devices) if task.kind != "inv" else \
             min(w.earliest(task, d) for d in task.devices)
         start, pos, late = _modular(v, task.name, lo, 2 * L - task.ticks, task.ticks, L)
-        v.start.append(start), v.pos.append(pos), v.late.append(late)
+        v.start.append(start)
+        v.pos.append(pos)
+        v.late.append(late)
         present: dict[int, cp_model.IntVar] = {}
         if task.kind == "inv":
             for d in task.devices:
@@ -155,7 +158,7 @@ def _add_staleness(v: _Vars, w: Window) -> list[cp_model.IntVar]:
         if task.kind in ("inv", "bcast"):
             for layer, _ in task.factors:
                 ends.setdefault(layer, []).append(v.start[i] + task.ticks)
-    not_ready = []
+    not_ready: list[Any] = []  # negated bool vars
     for layer, items in ends.items():
         stage = w.problem.costs.stage_of(layer)
         flags = [m.new_bool_var(f"ready_{layer}_j{j}") for j in range(2 * k)]
@@ -279,8 +282,7 @@ def solve_group(problem: Problem, group: StageGroup, fused: frozenset[str], conf
         if fallback is not None and fallback.window.k == k:
             found: GroupSolution | None = fallback
         else:
-            same_k = greedy is not None and greedy.window.k == k
-            hint = restretch(greedy, allowance.ticks(k)) if same_k else None  # type: ignore[arg-type]
+            hint = restretch(greedy, allowance.ticks(k)) if greedy is not None and greedy.window.k == k else None
             w = hint.window if hint is not None else allowance.window(group, k, allowance.ticks(k), aggregate=aggregate,
                                                                       resolution=config.time_resolution)
             share = left / (top - k + 1)  # an undecided small k must not take the time of the larger ones
@@ -288,8 +290,8 @@ def solve_group(problem: Problem, group: StageGroup, fused: frozenset[str], conf
             log.info("stages %s k=%d stretch=%d: %s", list(group.stages), k, w.stretch, status)
             if status == "INFEASIBLE" and proven == k:
                 proven = k + 1
-            if found is None:
-                continue
+        if found is None:
+            continue
         least = True
         if found.window.stretch > 0:
             found, least = _least_stretch(found, allowance, config, began + time_limit)

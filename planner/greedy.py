@@ -67,10 +67,11 @@ def _fit_together(gaps: list[_Gaps], earliest: int, need: int) -> int | None:
     """The earliest start where every device in `gaps` has `need` free ticks at once."""
     t = earliest
     while True:
-        starts = [g.first_fit(t, need) for g in gaps]
-        if any(s is None for s in starts):
+        fits = [g.first_fit(t, need) for g in gaps]
+        starts = [s for s in fits if s is not None]
+        if len(starts) < len(fits):
             return None
-        latest = max(starts)  # type: ignore[type-var]
+        latest = max(starts)
         if latest == t:
             return t
         t = latest

@@ -373,10 +373,10 @@ def _same_stretch(solutions: list[GroupSolution | None]) -> list[GroupSolution |
     longer proven optimal (unless it is 0)."""
     if not all(solutions):
         return solutions
-    stretch = max(s.window.stretch for s in solutions)  # type: ignore[union-attr]
+    stretch = max(s.window.stretch for s in solutions)  # type: ignore[union-attr]  # all() above: none is None
     out: list[GroupSolution | None] = []
     for s in solutions:
-        moved = restretch(s, stretch)  # type: ignore[arg-type]
+        moved = restretch(s, stretch)  # type: ignore[arg-type]  # all() above: none is None
         if moved is not s and moved.status == "OPTIMAL" and any(moved.use_offset.values()):
             moved = replace(moved, status="FEASIBLE")
         out.append(moved)
@@ -413,7 +413,7 @@ def _overhead_estimate(problem: Problem, fused: frozenset[str], config: SolverCo
 def _overhead(problem: Problem, fused: frozenset[str], k: int, ticks: int, grid: Allowance) -> float:
     """max_overhead that a stretch of `ticks` per step at period k needs, fused curvature included."""
     normal = step_timeline(problem).length
-    return (ticks / grid.scale[0] + (step_timeline(problem, fused).length - normal) / k) / normal  # type: ignore[index]
+    return (ticks / grid.scale[0] + (step_timeline(problem, fused).length - normal) / k) / normal  # type: ignore[index]  # the allowance has a grid
 
 
 def _sig_up(x: float, digits: int = 3) -> float:
@@ -519,8 +519,8 @@ def _placed(problem: Problem, config: SolverConfig, method: Method, clock: _Cloc
         if min_k > problem.max_period:
             raise _Refused(_fusing_refused(problem, fused), (Knob.MEMORY_BUDGET, Knob.MAX_OVERHEAD), fused)
         attempt = _solve_groups(problem, fused, config, method, min_k, clock)
-        while fused and all(attempt.solutions) and len({s.window.k for s in attempt.solutions}) > 1:  # type: ignore[union-attr]
-            common = max(s.window.k for s in attempt.solutions)  # type: ignore[union-attr]
+        while fused and all(attempt.solutions) and len({s.window.k for s in attempt.solutions}) > 1:  # type: ignore[union-attr]  # all() first
+            common = max(s.window.k for s in attempt.solutions)  # type: ignore[union-attr]  # all() above
             attempt = _solve_groups(problem, fused, config, method, common, clock)
         if all(attempt.solutions):
             return _assemble(problem, attempt, fused, time.perf_counter() - began)

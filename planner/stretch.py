@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, stretch_allowance
 from fxkfac.planner.window import GroupSolution, Window, build_window, grid_scale, use_offsets

@@ -337,7 +337,7 @@ def _saved(plan: Plan, folder: Path) -> Path:
     ("utilization", lambda _: 0.99, "utilization 0.99"),
     ("step_time_baseline", lambda _: 123.0, "step time before 123"),
 ])
-def test_show_refuses_a_summary_its_placements_contradict(field: str, edit, needle: str, tmp_path: Path,  # type: ignore[no-untyped-def]
+def test_show_refuses_a_summary_its_placements_contradict(field: str, edit, needle: str, tmp_path: Path,  # type: ignore[no-untyped-def]  # `edit` is a lambda of the parametrization
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     data = json.loads(_plan().to_json())
     data["metrics"][field] = edit(data["metrics"][field])

@@ -129,7 +129,8 @@ def auto_worker(rank: int, world: int, case: Case, path: str) -> dict:
     return {"params": {n: p.detach().clone() for n, p in loaded.named_parameters()}, "losses": losses,
             "layers": dict(loaded.plan.layers), "steps": steps, "refused": refused,
             "same_programs": auto.plan.programs == loaded.plan.programs,
-            "kfac_ops": sum(op.kind.value in ("STATS", "DECOMP", "APPLY") for st in loaded.plan.programs[rank] for op in st)}
+            "kfac_ops": sum(op.kind.value in ("STATS", "DECOMP", "APPLY")
+                            for st in loaded.plan.programs[rank] for op in st)}
 
 
 def reference_for_plan(case: Case, layers: dict[str, LayerTiming], steps: int) -> dict[str, torch.Tensor]:

@@ -108,7 +108,8 @@ def test_every_suggestion_plans_with_the_same_method(case: tuple[Problem, Method
 
 
 def test_a_refused_budget_names_the_least_bound_and_a_budget_that_plans_at_this_max_overhead() -> None:
-    stages = tuple(StageCost(1.0, 2.0, 1000, 50, (LayerCost.kfac(f"l{s}", 0.25, 0.25, 1.0, 1.0, 0.1, 40, 40, 100, 100),))
+    stages = tuple(StageCost(1.0, 2.0, 1000, 50,
+                             (LayerCost.kfac(f"l{s}", 0.25, 0.25, 1.0, 1.0, 0.1, 40, 40, 100, 100),))
                    for s in range(2))
     problem = Problem("1f1b", 2, 2, CostTable(stages, 1, "test", "cpu"), memory_budget=1)
     with pytest.raises(InfeasibleBudgetError) as info:

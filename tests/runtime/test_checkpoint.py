@@ -16,6 +16,7 @@ from fxkfac.errors import CheckpointError
 from fxkfac.kfac.family import KFACFamily
 from fxkfac.kfac.inverse import FactorInverse, Inverse
 from fxkfac.planner.ir import LayerTiming
+from fxkfac.planner.plan import Plan, solve
 from fxkfac.runtime.preconditioning import PreconditionerRuntime, StageCopies
 from tests.runtime import checkpoint_workers as cw
 from tests.support import models
@@ -60,7 +61,7 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: 
     before = {f.name: f.read_bytes() for f in path.iterdir()}
     write = checkpoint._JsonMetadataWriter.write_data
 
-    def failing_write(self, plan, planner):  # type: ignore[no-untyped-def]
+    def failing_write(self, plan, planner):  # type: ignore[no-untyped-def]  # DCP's private writer signature
         write(self, plan, planner)
         raise OSError("disk full (injected)")
 
@@ -175,10 +176,9 @@ def test_killed_rank_fails_the_job_and_a_fresh_launch_resumes_exactly(tmp_path: 
                          built["plan for another mesh"][1]), built["plan for another mesh"]
 
 
-def _plan_for_a_2x2_mesh():  # type: ignore[no-untyped-def]
+def _plan_for_a_2x2_mesh() -> Plan:
     """A plan (the paper's greedy placement on analytic costs) for 1F1B on a 2x2 mesh."""
     from fxkfac.planner.analytic import analytic_cost_table
-    from fxkfac.planner.plan import solve
     from fxkfac.planner.problem import Problem, SolverConfig
 
     problem = Problem("1f1b", 2, 2, analytic_cost_table("bert-base", 2, 2, 128), W=2, max_overhead=1.0,
