@@ -126,6 +126,19 @@ def _check_metrics(plan: Plan) -> None:
     _need(m.utilization <= 1 + 1e-9 and m.utilization_baseline <= 1 + 1e-9, "utilization above 100%")
 
 
+def _check_startup(plan: Plan) -> None:
+    """The start-up steps are what `startup_programs` derives; their count is compared first, so a placement
+    claiming a huge window step is refused without building that many steps."""
+    born = born_steps(plan.placements)
+    _need(set(plan.startup) <= set(plan.programs), "start-up steps for ranks that have no program")
+    for rank in plan.programs:
+        last = max(born.get(rank, {}).values(), default=0)
+        _need(len(plan.startup.get(rank, [])) == last, f"rank {rank} has {len(plan.startup.get(rank, []))} "
+              f"start-up steps, its placements call for {last}")
+    _need(dict(plan.startup) == {r: s for r, s in startup_programs(plan.programs, born).items()},
+          "the start-up steps are not the programs' first steps without the refreshes from before step 0")
+
+
 def check_structure(plan: Plan) -> None:
     """Raise PlanFormatError unless `plan` is well formed for its own problem (see the module doc)."""
     _check_problem(plan.problem)
@@ -133,6 +146,5 @@ def check_structure(plan: Plan) -> None:
     _check_layers(plan)
     _check_programs(plan)
     _check_placements(plan)
-    _need(plan.startup == startup_programs(plan.programs, born_steps(plan.placements)),
-          "the start-up steps are not the programs' first steps without the refreshes from before step 0")
+    _check_startup(plan)
     _check_metrics(plan)
