@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from decimal import ROUND_CEILING, Decimal
-from enum import Enum
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -247,7 +247,7 @@ def _plan_from_dict(data: Any) -> Plan:
         raise PlanFormatError(f"the plan file is malformed (missing or bad entry: {e})") from e
 
 
-class Method(str, Enum):
+class Method(StrEnum):
     """How the K-FAC work is placed: CP-SAT (least refresh periods, then staleness; warm-started by
     greedy, whose plan it keeps when it finds none better) or the PipeFisher paper's greedy first-fit."""
 
