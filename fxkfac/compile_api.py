@@ -82,17 +82,17 @@ def compile(  # noqa: A001 - the public name the design card gives
     split = split_stages(captured.gm, num_stages(kind, layout.D, v), split_points=pipeline.split_points,
                          layers=captured.layers)
     stage_layers = {st.index: list(st.layers) for st in split.stages}
-    micro_batch = int(micro[0].shape[0]) if isinstance(micro[0], Tensor) else batch // (N * layout.W)
     target = Target(graph_fingerprint(captured.layers, stage_layers, schedule=kind.value, D=layout.D, N=N,
-                                      W=layout.W, v=v, micro_batch_size=micro_batch), kind, layout.D, N, layout.W, v)
+                                      W=layout.W, v=v, micro_batch_size=batch // (N * layout.W)),
+                    kind, layout.D, N, layout.W, v)
     known = {layer.name: layer for layer in captured.layers}
     resolved = _resolve(plan, mesh is None, family, target, plan_options, layout, split, stage_layers, known, micro)
-    given = dict(resolved.layers) if resolved is not None else {}
-    if mesh is None and isinstance(plan, (str, Path, Plan)) and plan != "auto":
-        given = dict(_plan_of(plan).layers)
-    timings = layer_timings(captured.layers, family, {**given, **dict(layer_timing or {})}) if family else {}
     if resolved is not None and layer_timing:
         raise ConfigError("layer_timing and a plan both set the layer timings on a mesh; pass one of them")
+    on_one_device = mesh is None and isinstance(plan, (str, Path, Plan)) and plan != "auto"
+    timed_by = _plan_of(plan) if on_one_device else resolved  # one device takes a plan's layer timings only
+    given = dict(timed_by.layers) if timed_by is not None else {}
+    timings = layer_timings(captured.layers, family, {**given, **dict(layer_timing or {})}) if family else {}
     parts = family.parts if family is not None else ()
     programs = resolved.programs if resolved is not None else naive_programs(kind, layout.D, N, layout.W, timings,
                                                                            stage_layers, v=v, parts=parts)
