@@ -1,10 +1,13 @@
 """The preconditioner interface: what a second-order family declares so that the runtime runs its refreshes.
 
-A family preconditions the gradients of layers found in the graph. Each layer has *parts* (K-FAC: the
-input-side factor A and the output-side factor B); a refresh of a layer accumulates, per micro-batch, a
-statistic of each part from a capture of the layer (`Source`), folds the mean into the running statistic,
-decomposes each part (possibly on another rank, then broadcast), combines the parts into the layer's new
-preconditioner, and applies it to the gradients from a later step on. The runtime
+A family preconditions the gradients of *units* it finds in the captured graph (K-FAC: Linear/Conv2d
+layers; Shampoo and SOAP: parameters). Each unit has *parts* (K-FAC: the input-side factor A and the
+output-side factor B; Shampoo: the row and column statistics L and R). A part's statistic comes from a
+capture of the layer (`Source.INPUT`, `Source.OUTPUT_GRAD`: accumulated per micro-batch at refresh steps,
+summed over the stage's copies, then folded) or from the unit's complete gradient (`Source.GRADIENT`:
+folded at every step, after the stage's gradient all-reduce and before its APPLY). A refresh decomposes
+each part as folded at its refresh step (possibly on another rank, then broadcast), combines the parts into
+the unit's new preconditioner, and applies it to the gradients from a later step on. The runtime
 (fxkfac/runtime/preconditioning.py) owns the refresh records, collectives, staleness and checkpoints of
 that life cycle; a family owns only the math. K-FAC (fxkfac/kfac/family.py) is the first family; a new one
 is a class with these methods, with no edit to the interpreter, the runtime or the planner's solver.
@@ -18,7 +21,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from enum import StrEnum
 from typing import Any, Protocol
 
-from torch import Tensor
+from torch import Tensor, fx
 
 from fxkfac.passes.layers import KFACLayer
 
@@ -26,10 +29,17 @@ __all__ = ["Source", "RefreshState", "Family"]
 
 
 class Source(StrEnum):
-    """Which capture of a layer feeds a part's statistic: its input (after FWD) or its output gradient (after BWD)."""
+    """What feeds a part's statistic: a layer's input (after FWD), its output gradient (after BWD), or the
+    unit's complete gradient (every step, after the stage's gradient all-reduce)."""
 
     INPUT = "a"
     OUTPUT_GRAD = "e"
+    GRADIENT = "g"
+
+    @property
+    def captured(self) -> bool:
+        """True for the sources a stage's forward/backward must tap (per micro-batch, at refresh steps)."""
+        return self is not Source.GRADIENT
 
 
 class RefreshState(ABC):
@@ -83,7 +93,11 @@ class RefreshState(ABC):
 
 
 class Family(Protocol):
-    """The math of one preconditioner family (see the module doc). Parts are single capital letters."""
+    """The math of one preconditioner family (see the module doc). Parts are single capital letters.
+
+    A *unit* is the family's own object naming what it preconditions (`unit.name` is unique in the model;
+    K-FAC: `KFACLayer`); the runtime hands units back to the family's methods and reads only their names.
+    """
 
     name: str
     parts: tuple[str, ...]
@@ -94,52 +108,65 @@ class Family(Protocol):
     refresh_every: int
     """The refresh period of every layer when no plan or layer timing sets it."""
     capture: str
-    """The capture mode ("fused" | "deferred") when no plan or layer timing sets it."""
+    """The capture mode ("fused" | "deferred") when no plan or layer timing sets it (unused by GRADIENT parts)."""
+    refresh_phase: int
+    full_direction: bool
+    """True when `precondition` yields the whole update direction (Shampoo, SOAP: grafting, momentum and weight
+    decay included), so the base optimizer must be plain SGD; False when the base optimizer adds its own."""
+    """Refreshes happen at steps t with ``t % refresh_every == refresh_phase`` when no plan sets the timing."""
+
+    def units(self, gm: fx.GraphModule, layers: Sequence[KFACLayer]) -> list[Any]:
+        """The units this family preconditions in the captured graph `gm` (whose K-FAC layers are `layers`)."""
+        ...
 
     def source(self, part: str) -> Source:
         """The capture that feeds `part`."""
         ...
 
-    def new_state(self, layer: KFACLayer) -> RefreshState:
-        """A layer's empty state."""
+    def new_state(self, unit: Any) -> RefreshState:
+        """A unit's empty state."""
         ...
 
-    def stats_shape(self, layer: KFACLayer, part: str) -> tuple[int, ...]:
-        """Shape of the statistic of `part` (what SYNC all-reduces)."""
+    def stats_shape(self, unit: Any, part: str) -> tuple[int, ...]:
+        """Shape of the statistic of `part` (what SYNC all-reduces; GRADIENT parts are never synced)."""
         ...
 
-    def statistic(self, layer: KFACLayer, part: str, mode: str, raw: Tensor, n: int) -> Tensor:
-        """One micro-batch's statistic of `part` from its capture (`mode`: the tap's "fused" or "deferred";
-        `n`: samples in the global mini-batch)."""
+    def statistic(self, unit: Any, part: str, mode: str, raw: Tensor, n: int) -> Tensor:
+        """The statistic of `part`: for a captured part, one micro-batch's from its capture `raw` (`mode`: the
+        tap's "fused" or "deferred"); for a GRADIENT part, the step's from `raw`, the unit's parameter with its
+        complete `.grad` (`mode` "gradient"). `n`: samples in the global mini-batch."""
         ...
 
     def fold(self, state: RefreshState, part: str, mean: Tensor) -> None:
-        """Fold a refresh's mean statistic of `part` into the running statistic in `state`."""
+        """Fold a refresh's mean statistic of `part` (a GRADIENT part: the step's) into the running statistic in
+        `state`, replacing its tensors (never mutating them: `RefreshState.snapshot` relies on it)."""
         ...
 
-    def decompose(self, layer: KFACLayer, state: RefreshState, part: str) -> Any:
-        """The decomposition of `part`'s running statistic, None when it failed (ValueError: not ready)."""
+    def decompose(self, unit: Any, state: RefreshState, part: str) -> Any:
+        """The decomposition of `part`'s running statistic in `state` (for a GRADIENT part, a snapshot taken at
+        its refresh step), None when it failed or is not wanted yet (ValueError: not ready)."""
         ...
 
-    def pack(self, layer: KFACLayer, part: str, half: Any) -> Tensor:
-        """A decomposition (or None) as one flat tensor of a size fixed per (layer, part), for a broadcast."""
+    def pack(self, unit: Any, part: str, half: Any) -> Tensor:
+        """A decomposition (or None) as one flat tensor of a size fixed per (unit, part), for a broadcast."""
         ...
 
-    def unpack(self, layer: KFACLayer, part: str, flat: Tensor) -> Any:
+    def unpack(self, unit: Any, part: str, flat: Tensor) -> Any:
         """Inverse of `pack`."""
         ...
 
-    def combine(self, layer: KFACLayer, state: RefreshState, halves: Mapping[str, Any]) -> Any:
-        """The layer's preconditioner from the decompositions of all its parts (None: keep the previous)."""
+    def combine(self, unit: Any, state: RefreshState, halves: Mapping[str, Any]) -> Any:
+        """The unit's preconditioner from the decompositions of all its parts (None: keep the previous)."""
         ...
 
-    def precondition(self, layers: Sequence[KFACLayer], grads: MutableMapping[str, Tensor],
-                     states: Mapping[str, RefreshState]) -> Tensor:
-        """Precondition `grads` (parameter FQN -> gradient) of `layers` in place; returns sum <P, G> (float64)."""
+    def precondition(self, units: Sequence[Any], grads: MutableMapping[str, Tensor],
+                     states: Mapping[str, RefreshState], params: Mapping[str, Tensor]) -> Tensor:
+        """Turn `grads` (parameter FQN -> gradient) of `units` in place into the direction the base optimizer
+        steps along (`params`: the parameters by FQN, read-only); returns sum <P, G> (float64)."""
         ...
 
-    def scale(self, layers: Sequence[KFACLayer], grads: MutableMapping[str, Tensor], nu: float) -> None:
-        """Multiply the layers' gradients by the KL-clip factor `nu` in place."""
+    def scale(self, units: Sequence[Any], grads: MutableMapping[str, Tensor], nu: float) -> None:
+        """Multiply the units' gradients by the KL-clip factor `nu` in place."""
         ...
 
     def half_to_state(self, half: Any) -> dict[str, Any] | None:

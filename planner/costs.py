@@ -75,10 +75,12 @@ def _check_fields(obj: Any, owner: str, byte_fields: frozenset[str], skip: froze
 class PartCost:
     """What one part of a layer's preconditioner costs per refresh (K-FAC's parts: the factors A and B).
 
-    after: the op whose end makes the part's capture (FWD: the layer input; BWD: its output gradient);
-    stats: seconds to turn one micro-batch's capture into its statistic; decomp: seconds to decompose
-    (invert) the statistic; capture_bytes: what a *deferred* capture keeps per micro-batch;
-    state_bytes: the statistic (its decomposition is as large).
+    after: the op whose end makes the part's capture (FWD: the layer input; BWD: its output gradient;
+    ALLREDUCE_GRAD: the stage's reduced gradient, a statistic taken at every step before APPLY);
+    stats: seconds to turn one micro-batch's capture (a gradient part: one step's gradient) into its
+    statistic; decomp: seconds to decompose (invert) the statistic; capture_bytes: what a *deferred*
+    capture keeps per micro-batch (0 for a gradient part); state_bytes: the statistic (its decomposition
+    is as large).
     """
 
     part: str
@@ -91,19 +93,22 @@ class PartCost:
     def __post_init__(self) -> None:
         if not isinstance(self.part, str) or len(self.part) != 1 or not self.part.isupper():
             raise CostModelError(f"PartCost.part must be one capital letter, got {self.part!r}")
-        if self.after not in (OpKind.FWD, OpKind.BWD):
-            raise CostModelError(f"PartCost.after must be FWD or BWD, got {self.after!r}")
+        if self.after not in (OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD):
+            raise CostModelError(f"PartCost.after must be FWD, BWD or ALLREDUCE_GRAD, got {self.after!r}")
         _check_fields(self, f"part {self.part!r}", frozenset({"capture_bytes", "state_bytes"}),
                       frozenset({"part", "after"}))
 
 
 @dataclass(frozen=True, slots=True)
 class LayerCost:
-    """What one preconditioned layer costs: its parts, and `prec` seconds to apply its preconditioner per step."""
+    """What one preconditioned layer costs: its parts, `prec` seconds to apply its preconditioner per step, and
+    `state_bytes` of per-step optimizer state besides the parts' statistics (Shampoo's graft state and
+    momentum, SOAP's Adam moments), held for the whole run."""
 
     name: str
     parts: tuple[PartCost, ...]
     prec: float
+    state_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -113,6 +118,7 @@ class LayerCost:
         if len({p.part for p in self.parts}) != len(self.parts):
             raise CostModelError(f"layer {self.name!r}: parts {[p.part for p in self.parts]} repeat a name")
         _check_number(f"layer {self.name!r}", "prec", self.prec, integer=False)
+        _check_number(f"layer {self.name!r}", "state_bytes", self.state_bytes, integer=True)
 
     @classmethod
     def kfac(cls, name: str, curv_a: float, curv_b: float, inv_a: float, inv_b: float, prec: float,
@@ -312,7 +318,7 @@ def _layer_from_dict(data: dict[str, Any]) -> LayerCost:
     if "parts" not in data:
         return LayerCost.kfac(**data)
     parts = tuple(PartCost(**{**p, "after": OpKind(p["after"])}) for p in data["parts"])
-    return LayerCost(data["name"], parts, data["prec"])
+    return LayerCost(data["name"], parts, data["prec"], data.get("state_bytes", 0))
 
 
 def _stage_from_dict(data: dict[str, Any]) -> StageCost:

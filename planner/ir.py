@@ -75,7 +75,7 @@ OP_FIELDS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
     **{k: (frozenset({_STAGE, _MB, _PEER}), frozenset({_PIPE}))
        for k in (OpKind.SEND_ACT, OpKind.RECV_ACT, OpKind.SEND_GRAD, OpKind.RECV_GRAD)},
     OpKind.ALLREDUCE_GRAD: (frozenset(), frozenset({_STAGE})),
-    OpKind.STATS: (frozenset({_STAGE, _MB}), frozenset({_PIPE, _LAYER, _PART})),
+    OpKind.STATS: (frozenset({_STAGE}), frozenset({_MB, _PIPE, _LAYER, _PART})),
     OpKind.SYNC_STATS: (frozenset({_STAGE}), frozenset({_LAYER, _PART})),
     OpKind.DECOMP: (frozenset({_STAGE}), frozenset({_LAYER, _PART})),
     OpKind.BCAST: (frozenset({_STAGE, _ROOT}), frozenset({_LAYER, _PART})),
@@ -83,8 +83,9 @@ OP_FIELDS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
     OpKind.OPT_STEP: (frozenset(), frozenset()),
 }
 """The fields each kind of op must have and may have. A preconditioner's ops name a `layer` (all layers of the
-stage when absent) and a `part` of it (every part when absent); `peer` is the other end of a transfer, `root`
-the rank a broadcast comes from."""
+stage when absent) and a `part` of it (every part when absent); STATS names a micro-batch for a part fed by a
+capture and none for a part fed by the reduced gradient; `peer` is the other end of a transfer, `root` the
+rank a broadcast comes from."""
 _RAW_LAYER = re.compile(r"[A-Za-z0-9_.:/\-\[\]]+")
 
 

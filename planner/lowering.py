@@ -124,22 +124,28 @@ def refreshing(timings: Mapping[str, LayerTiming], names: Sequence[str], step: i
 
 def kfac_tail(rank: int, copies: Sequence[tuple[int, int]], step: int, timings: Mapping[str, LayerTiming],
               stage_layers: Mapping[int, Sequence[str]], holders: Mapping[int, tuple[int, ...]],
-              parts: Sequence[str] = KFAC_PARTS) -> list[Op]:
-    """The K-FAC ops a rank runs between its last ALLREDUCE_GRAD and OPT_STEP at one step of the period.
+              parts: Sequence[str] = KFAC_PARTS, gradient_parts: frozenset[str] = frozenset()) -> list[Op]:
+    """The preconditioner ops a rank runs between its last ALLREDUCE_GRAD and OPT_STEP at one step of the period.
 
     Every collective is emitted in (stage, layer, factor) order by every holder, so no two ranks wait
     on each other; the inversions of a stage are dealt round-robin over its holders (inversion
     parallelism) and broadcast from there. `copies` are the (stage, pipe) pairs the rank holds; `parts`
-    the preconditioner family's parts of every layer (K-FAC: A and B).
+    the preconditioner family's parts of every layer (K-FAC: A and B). The `gradient_parts` among them
+    take their statistic from the reduced gradient: one STATS per layer and part at every step, first
+    (every copy folds the same gradient, so they are never synced).
     """
+    stats = [Op(OpKind.STATS, stage=s, part=part, layer=name) for s in sorted({s for s, _ in copies})
+             for name in stage_layers[s] for part in parts if part in gradient_parts]
+    captured = [part for part in parts if part not in gradient_parts]
     syncs: list[Op] = []
     invs: list[Op] = []
     bcasts: list[Op] = []
     for s in sorted({s for s, _ in copies}):
         ranks = holders[s]
         for i, name in enumerate(refreshing(timings, stage_layers[s], step)):
-            if len(ranks) > 1:
-                syncs.append(Op(OpKind.SYNC_STATS, stage=s, layer=name))
+            if len(ranks) > 1 and captured:
+                syncs.extend([Op(OpKind.SYNC_STATS, stage=s, layer=name)] if not gradient_parts else
+                             [Op(OpKind.SYNC_STATS, stage=s, part=part, layer=name) for part in captured])
             for j, side in enumerate(parts):
                 root = ranks[(len(parts) * i + j) % len(ranks)]
                 if root == rank:
@@ -147,30 +153,31 @@ def kfac_tail(rank: int, copies: Sequence[tuple[int, int]], step: int, timings: 
                 if len(ranks) > 1:
                     bcasts.append(Op(OpKind.BCAST, stage=s, part=side, root=root, layer=name))
     precs = [Op(OpKind.APPLY, stage=s, pipe=p) for s, p in sorted(set(copies))]
-    return syncs + invs + bcasts + precs
+    return stats + syncs + invs + bcasts + precs
 
 
 def _with_kfac(ops: Sequence[Op], rank: int, step: int, timings: Mapping[str, LayerTiming],
                stage_layers: Mapping[int, Sequence[str]], holders: Mapping[int, tuple[int, ...]],
-               parts: Sequence[str]) -> list[Op]:
+               parts: Sequence[str], gradient_parts: frozenset[str]) -> list[Op]:
     """One step of a rank's plain program with curvature after each BWD and the K-FAC tail before OPT_STEP."""
     copies = sorted({(op.stage, op.pipe) for op in ops if op.kind is OpKind.FWD and op.stage is not None})
     body: list[Op] = []
     for op in ops:
         if op.kind is OpKind.OPT_STEP:
-            body.extend(kfac_tail(rank, copies, step, timings, stage_layers, holders, parts))
+            body.extend(kfac_tail(rank, copies, step, timings, stage_layers, holders, parts, gradient_parts))
         body.append(op)
         if op.kind is OpKind.BWD and op.stage is not None:
             body.extend(Op(OpKind.STATS, stage=op.stage, mb=op.mb, pipe=op.pipe, part=side, layer=name)
-                        for name in refreshing(timings, stage_layers[op.stage], step) for side in parts)
+                        for name in refreshing(timings, stage_layers[op.stage], step)
+                        for side in parts if side not in gradient_parts)
     return body
 
 
 def naive_programs(kind: ScheduleKind | str, D: int, N: int, W: int, timings: Mapping[str, LayerTiming],
                    stage_layers: Mapping[int, Sequence[str]], *, v: int = 1,
-                   parts: Sequence[str] = KFAC_PARTS) -> Programs:
-    """K-FAC on the critical path: the plain pipeline with curvature right after each BWD of a refreshing
-    layer, and sync, inversion, broadcast and precondition before OPT_STEP.
+                   parts: Sequence[str] = KFAC_PARTS, gradient_parts: frozenset[str] = frozenset()) -> Programs:
+    """The preconditioner on the critical path: the plain pipeline with curvature right after each BWD of a
+    refreshing layer, and gradient statistics, sync, inversion, broadcast and precondition before OPT_STEP.
 
     One list per step of the period (the lcm of the layers' periods). With refresh period 1 this is
     "naive K-FAC" of the PipeFisher paper; with period k it is "K-FAC+skip". With no timings it is the
@@ -182,7 +189,8 @@ def naive_programs(kind: ScheduleKind | str, D: int, N: int, W: int, timings: Ma
     with_prec = bool(timings)
     out: Programs = {}
     for rank, ops in rank_programs(kind, D, N, W, v).items():
-        out[rank] = [_with_kfac(ops, rank, step, timings, stage_layers, holders, parts) if with_prec else list(ops)
+        out[rank] = [_with_kfac(ops, rank, step, timings, stage_layers, holders, parts, gradient_parts)
+                     if with_prec else list(ops)
                      for step in range(period)]
     return out
 

@@ -6,7 +6,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, fx
 
 from fxkfac.config import KFACConfig
 from fxkfac.kfac.factors import a_rows, e_rows, factor, running_average
@@ -24,6 +24,8 @@ class KFACFamily:
 
     name = "kfac"
     parts: tuple[str, ...] = ("A", "B")
+    refresh_phase = 0
+    full_direction = False
 
     def __init__(self, cfg: KFACConfig) -> None:
         self.cfg = cfg
@@ -35,6 +37,10 @@ class KFACFamily:
     def source(self, part: str) -> Source:
         """A from the layer's input, B from its output gradient."""
         return Source.INPUT if part == "A" else Source.OUTPUT_GRAD
+
+    def units(self, gm: fx.GraphModule, layers: Sequence[KFACLayer]) -> list[KFACLayer]:
+        """The K-FAC layers capture found."""
+        return list(layers)
 
     def new_state(self, layer: KFACLayer) -> LayerState:
         """No factors, no inverse."""
@@ -120,7 +126,7 @@ class KFACFamily:
         return FactorInverse("eigen", q=flat[1:1 + dim * dim].view(dim, dim).clone(), l=flat[1 + dim * dim:].clone())
 
     def precondition(self, layers: Sequence[KFACLayer], grads: MutableMapping[str, Tensor],
-                     states: Mapping[str, RefreshState]) -> Tensor:
+                     states: Mapping[str, RefreshState], params: Mapping[str, Tensor]) -> Tensor:
         """P = B^-1 G A^-1 per layer in place (G where no inverse is active yet); returns sum <P, G>."""
         return Preconditioner(layers)(grads, states)  # type: ignore[arg-type]  # K-FAC states are LayerStates
 

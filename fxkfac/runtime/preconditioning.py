@@ -337,8 +337,9 @@ class PreconditionerRuntime:
                 raise PipelineError(f"rank {self.rank}: '{op}' at step {ctx.step} needs the preconditioner of "
                                     f"{layer.name} refreshed at step {late[0]}, which the plan has not made yet")
             self.states[layer.name].activate(ctx.step)
-        grads = {n: p.grad for n, p in runner.module.named_parameters() if p.grad is not None}
-        dot = self.family.precondition(layers, grads, self.states)
+        params = dict(runner.module.named_parameters())
+        grads = {n: p.grad for n, p in params.items() if p.grad is not None}
+        dot = self.family.precondition(layers, grads, self.states, params)
         self._dot = self._dot + dot / len(self.groups[op.stage].ranks)
         self._scaled.append((op.stage, grads))
 

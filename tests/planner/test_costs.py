@@ -183,7 +183,7 @@ def test_cost_files_from_before_parts_read_as_kfac_parts() -> None:
         (lambda d: d.pop("stages"), "missing the key 'stages'"),
         (lambda d: d["stages"][0]["layers"][0]["parts"][0].update(stats=-1.0), "stats must be finite and >= 0"),
         (lambda d: d["stages"][0]["layers"][0]["parts"][1].update(capture_bytes=1.5), "capture_bytes must be an int"),
-        (lambda d: d["stages"][0]["layers"][0]["parts"][1].update(after="OPT_STEP"), "after must be FWD or BWD"),
+        (lambda d: d["stages"][0]["layers"][0]["parts"][1].update(after="OPT_STEP"), "after must be FWD, BWD or ALLREDUCE_GRAD"),
         (lambda d: d["stages"][0]["layers"][0]["parts"][1].update(part="A"), "repeat a name"),
         (lambda d: d["stages"][0].update(fwd=float("nan")), "fwd must be finite"),
         (lambda d: d["stages"][0].update(bogus=1), "malformed entry"),

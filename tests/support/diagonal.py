@@ -11,7 +11,7 @@ from collections.abc import Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, fx
 
 from fxkfac.kfac.factors import e_rows, running_average
 from fxkfac.passes.layers import KFACLayer
@@ -62,6 +62,8 @@ class DiagonalFamily:
     parts: tuple[str, ...] = ("D",)
     stats_dtype = "float32"
     capture: str = "deferred"
+    refresh_phase = 0
+    full_direction = False
 
     def __init__(self, eps: float = 1e-2, decay: float = 0.9, refresh_every: int = 1,
                  kl_clip: float | None = None) -> None:
@@ -70,6 +72,10 @@ class DiagonalFamily:
     def source(self, part: str) -> Source:
         """The output gradient."""
         return Source.OUTPUT_GRAD
+
+    def units(self, gm: fx.GraphModule, layers: Sequence[KFACLayer]) -> list[KFACLayer]:
+        """The layers K-FAC would precondition."""
+        return list(layers)
 
     def new_state(self, layer: KFACLayer) -> DiagonalState:
         """Nothing seen yet."""
@@ -112,7 +118,7 @@ class DiagonalFamily:
         return halves["D"]
 
     def precondition(self, layers: Sequence[KFACLayer], grads: MutableMapping[str, Tensor],
-                     states: Mapping[str, RefreshState]) -> Tensor:
+                     states: Mapping[str, RefreshState], params: Mapping[str, Tensor]) -> Tensor:
         """Rows scaled by the active (D + eps)^-1/2; layers without one keep G."""
         dot = torch.zeros((), dtype=torch.float64)
         for layer in layers:
