@@ -19,20 +19,20 @@ from fxkfac.autoplan import Target, resolve_plan
 from fxkfac.capture import capture, input_signature, normalize_inputs
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.errors import ConfigError
+from fxkfac.families import family_of
 from fxkfac.fingerprint import graph_fingerprint
 from fxkfac.kfac.family import KFACFamily
-from fxkfac.passes.layers import KFACLayer
 from fxkfac.passes.split_stages import SplitResult, split_stages
 from fxkfac.planner.costs import CostTable
 from fxkfac.planner.ir import LayerTiming
 from fxkfac.planner.lowering import naive_programs
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.schedules import ScheduleKind, num_stages
-from fxkfac.preconditioner import Family
+from fxkfac.preconditioner import Family, Source
 from fxkfac.runtime.mesh import MeshLayout
-from fxkfac.runtime.trainer import OptimizerFactory, RunSpec, Trainer, default_optimizer, shard_microbatches
+from fxkfac.runtime.trainer import OptimizerFactory, RunSpec, Trainer, default_optimizer, plain_sgd, shard_microbatches
 
-__all__ = ["compile", "layer_timings"]
+__all__ = ["compile", "layer_timings", "stage_units"]
 
 
 def compile(  # noqa: A001 - the public name the design card gives
@@ -50,7 +50,7 @@ def compile(  # noqa: A001 - the public name the design card gives
     layer_timing: Mapping[str, LayerTiming] | None = None,
     pipeline: PipelineOptions = PipelineOptions(),
     plan_options: PlanOptions = PlanOptions(),
-    preconditioner: Family | None = None,
+    preconditioner: Any = None,
 ) -> Trainer:
     """Capture ``model``, insert K-FAC into its graph and return the Trainer of this rank.
 
@@ -60,52 +60,57 @@ def compile(  # noqa: A001 - the public name the design card gives
     plan), a plan file or a ``fxkfac.Plan`` (refused when made for another graph, mesh or schedule), or
     None (K-FAC on the critical path, every layer refreshed by ``layer_timing`` or
     ``kfac.refresh_every``). On one device a plan supplies its layer timings. ``kfac=None`` trains with
-    the base ``optimizer`` alone (default AdamW, lr 1e-3). ``preconditioner`` is any
-    `fxkfac.preconditioner.Family` in place of K-FAC (then ``kfac`` is ignored). ``backend`` is a
-    torch.compile backend, or None for eager stages.
+    the base ``optimizer`` alone (default AdamW, lr 1e-3). ``preconditioner`` chooses the family in
+    place of ``kfac`` (then ``kfac`` is ignored): a KFACConfig, ShampooConfig or SOAPConfig, or any
+    `fxkfac.preconditioner.Family`. Shampoo and SOAP make the whole update direction, so their base
+    optimizer is plain SGD (default lr 1e-3). ``backend`` is a torch.compile backend, or None for eager
+    stages.
     """
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ConfigError(f"microbatches must be an int >= 1, got {microbatches!r}")
     if kfac is not None and not isinstance(kfac, KFACConfig):
         raise ConfigError(f"kfac must be a KFACConfig or None, got {type(kfac).__name__}")
-    family = preconditioner if preconditioner is not None else KFACFamily(kfac) if kfac is not None else None
+    family = family_of(preconditioner) if preconditioner is not None else KFACFamily(kfac) if kfac is not None else None
     layout = MeshLayout.local() if mesh is None else MeshLayout.from_mesh(mesh)
     kind = ScheduleKind.ONE_F_ONE_B if mesh is None else ScheduleKind(schedule)
     N, v = microbatches, pipeline.virtual_stages
     example = normalize_inputs(example_inputs)
     batch = _batch_size(example)
     micro = shard_microbatches(example, batch, layout.W, 0, N)[0]
-    captured = capture(model, micro, kfac if family is None or isinstance(family, KFACFamily) else KFACConfig())
-    if family is not None and not captured.layers:
-        warnings.warn(f"{type(model).__name__} has no Linear/Conv2d layer K-FAC can precondition; it trains with "
-                      "the base optimizer alone", stacklevel=2)
+    captured = capture(model, micro, family.cfg if isinstance(family, KFACFamily) else kfac or KFACConfig())
+    units = family.units(captured.gm, captured.layers) if family is not None else []
+    if family is not None and not units:
+        warnings.warn(f"{type(model).__name__} has nothing {family.name} can precondition (K-FAC: no Linear/Conv2d "
+                      "layer); it trains with the base optimizer alone", stacklevel=2)
     split = split_stages(captured.gm, num_stages(kind, layout.D, v), split_points=pipeline.split_points,
                          layers=captured.layers)
-    stage_layers = {st.index: list(st.layers) for st in split.stages}
-    target = Target(graph_fingerprint(captured.layers, stage_layers, schedule=kind.value, D=layout.D, N=N,
+    stage_layers = stage_units(split, units)
+    target = Target(graph_fingerprint(units, stage_layers, schedule=kind.value, D=layout.D, N=N,
                                       W=layout.W, v=v, micro_batch_size=batch // (N * layout.W)),
                     kind, layout.D, N, layout.W, v)
-    known = {layer.name: layer for layer in captured.layers}
+    known = {unit.name: unit for unit in units}
     resolved = _resolve(plan, mesh is None, family, target, plan_options, layout, split, stage_layers, known, micro)
     if resolved is not None and layer_timing:
         raise ConfigError("layer_timing and a plan both set the layer timings on a mesh; pass one of them")
     on_one_device = mesh is None and isinstance(plan, (str, Path, Plan)) and plan != "auto"
     timed_by = _plan_of(plan) if on_one_device else resolved  # one device takes a plan's layer timings only
     given = dict(timed_by.layers) if timed_by is not None else {}
-    timings = layer_timings(captured.layers, family, {**given, **dict(layer_timing or {})}) if family else {}
+    timings = layer_timings(units, family, {**given, **dict(layer_timing or {})}) if family else {}
     parts = family.parts if family is not None else ()
-    programs = resolved.programs if resolved is not None else naive_programs(kind, layout.D, N, layout.W, timings,
-                                                                           stage_layers, v=v, parts=parts)
+    gradient_parts = frozenset(p for p in parts if family is not None and family.source(p) is Source.GRADIENT)
+    programs = resolved.programs if resolved is not None else naive_programs(
+        kind, layout.D, N, layout.W, timings, stage_layers, v=v, parts=parts, gradient_parts=gradient_parts)
     startup = dict(resolved.startup) if resolved is not None else {}
     spec = RunSpec(layout, kind, N, v, captured, split, batch, input_signature(example), dict(programs), startup,
-                   resolved, family, timings, target.fingerprint)
-    return Trainer(spec, loss_fn=loss_fn, optimizer=optimizer or default_optimizer, options=pipeline,
-                   backend=backend)
+                   resolved, family, known, {s: tuple(names) for s, names in stage_layers.items()}, timings,
+                   target.fingerprint)
+    base = optimizer or (plain_sgd if family is not None and family.full_direction else default_optimizer)
+    return Trainer(spec, loss_fn=loss_fn, optimizer=base, options=pipeline, backend=backend)
 
 
 def _resolve(plan: Any, single: bool, family: Family | None, target: Target, options: PlanOptions,
              layout: MeshLayout, split: SplitResult, stage_layers: Mapping[int, list[str]],
-             known: Mapping[str, KFACLayer], micro: tuple[Any, ...]) -> Plan | None:
+             known: Mapping[str, Any], micro: tuple[Any, ...]) -> Plan | None:
     """The plan whose programs the ranks run: none on one device or without preconditioned layers."""
     if family is None:
         if plan not in (None, "auto"):
@@ -150,20 +155,31 @@ def _batch_size(example: tuple[Any, ...]) -> int:
     raise ConfigError("example_inputs contain no tensor with a batch dimension to split into micro-batches")
 
 
-def layer_timings(layers: list[KFACLayer], family: Family, given: Mapping[str, LayerTiming]) -> dict[str, LayerTiming]:
-    """Each layer's timing: ``given`` where it names it, else ``LayerTiming(refresh_every, 0, 0, capture)``
-    with the family's defaults.
+def stage_units(split: SplitResult, units: Sequence[Any]) -> dict[int, list[str]]:
+    """The names of the units each stage preconditions: a layer on the stage its split tags name, a parameter
+    on the stage that holds it. ConfigError for a parameter several stages share (tied weights)."""
+    shared = sorted(u.name for u in units if u.name in split.shared_params)
+    if shared:
+        raise ConfigError(f"parameters {shared[:4]} are used by several stages (tied weights); a parameter-wise "
+                          "preconditioner keeps each parameter's state on one stage: untie them, or put the stages "
+                          "that use them together with PipelineOptions(split_points=...)")
+    return {st.index: [u.name for u in units if u.name in st.layers or u.name in st.params] for st in split.stages}
 
-    ConfigError for timings of unknown layers or with invalid fields.
+
+def layer_timings(units: Sequence[Any], family: Family, given: Mapping[str, LayerTiming]) -> dict[str, LayerTiming]:
+    """Each unit's timing: ``given`` where it names it, else ``LayerTiming(refresh_every, refresh_phase, 0,
+    capture)`` with the family's defaults.
+
+    ConfigError for timings of unknown units or with invalid fields.
     """
-    names = [layer.name for layer in layers]
+    names = [unit.name for unit in units]
     unknown = sorted(set(given) - set(names))
     if unknown:
-        raise ConfigError(f"layer_timing names layers that are not K-FAC layers of this model: {unknown}; "
-                          f"the K-FAC layers are {names}")
+        raise ConfigError(f"layer_timing names layers that {family.name} does not precondition in this model: "
+                          f"{unknown}; its units are {names}")
     out = {}
     for name in names:
-        t = given.get(name, LayerTiming(family.refresh_every, 0, 0, family.capture))
+        t = given.get(name, LayerTiming(family.refresh_every, family.refresh_phase, 0, family.capture))
         if (t.period < 1 or not 0 <= t.curv_step < t.period or t.use_offset < 0
                 or t.capture not in ("fused", "deferred")):
             raise ConfigError(f"invalid LayerTiming for {name}: {t} (need period >= 1, 0 <= curv_step < period, "

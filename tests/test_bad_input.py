@@ -121,7 +121,7 @@ def test_nan_or_indefinite_factor_falls_back_to_previous_inverse(poison: float) 
     cfg = KFACConfig(damping=1e-3, factor_decay=0.5)
     trainer = fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, optimizer=_sgd, kfac=cfg, backend=None)
     trainer.step(x, y)
-    name = trainer.layers[0].name
+    name = trainer.units[0].name
     state = trainer.layer_states[name]
     before = state.active
     state.A = state.A + poison * torch.eye(state.A.shape[0])  # NaN, or hugely indefinite after averaging

@@ -45,7 +45,7 @@ def _reference(batches: list[tuple[Tensor, Tensor]], family: DiagonalFamily) -> 
     opt = _sgd(list(model.parameters()))
     timings = _timings()
     layers = {name: fxkfac.compile(mlp(), None, None, example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
-                                   backend=None, microbatches=N, preconditioner=family).layers
+                                   backend=None, microbatches=N, preconditioner=family).units
               for name in ("all",)}["all"]
     D: dict[str, Tensor | None] = {layer.name: None for layer in layers}
     queue: dict[str, list[tuple[int, Tensor]]] = {layer.name: [] for layer in layers}

@@ -106,7 +106,7 @@ def _compare(make: Callable[[], nn.Module], batches: list[tuple[Tensor, Tensor]]
     trainer = fxkfac.compile(model, None, example_inputs=(batches[0][0],), loss_fn=loss_fn, optimizer=_sgd,
                              kfac=cfg, microbatches=microbatches, backend=backend, layer_timing=layer_timing)
     timings = dict(trainer.timings)
-    ref = _Reference(ref_model, trainer.layers, cfg, loss_fn, microbatches, timings)
+    ref = _Reference(ref_model, trainer.units, cfg, loss_fn, microbatches, timings)
     for t, (x, y) in enumerate(batches):
         loss = trainer.step(x, y)
         with torch.no_grad():
@@ -151,7 +151,7 @@ def test_gpt2_kfac_conv1d_layers() -> None:
 
 def test_kfac_none_equals_plain_training() -> None:
     trainer = _compare(cnn, _image_batches(3), _ce, cfg=None, microbatches=2)
-    assert trainer.layers == [] and trainer.layer_states == {}
+    assert trainer.units == [] and trainer.layer_states == {}
 
 
 @pytest.mark.compile
@@ -170,7 +170,7 @@ def test_state_dict_round_trip_continues_identically() -> None:
     b = fxkfac.compile(mlp(seed=7), None, example_inputs=(batches[0][0],), loss_fn=_mse, optimizer=_sgd, kfac=cfg,
                        backend=None)
     b.load_state_dict(copy.deepcopy(a.state_dict()))
-    assert b.steps == 3 and set(b.state_dict()["kfac"]) == {layer.name for layer in a.layers}
+    assert b.steps == 3 and set(b.state_dict()["kfac"]) == {layer.name for layer in a.units}
     x, y = batches[3]
     assert a.step(x, y) == b.step(x, y)
     for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):

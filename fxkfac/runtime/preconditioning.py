@@ -9,6 +9,9 @@ the same handlers, with every collective a no-op):
   stage's forward/backward, and a *refresh record* for step t is opened;
 - ``STATS s m F layer`` turns micro-batch m's capture into ``A_m`` / ``B_m`` and adds it to the oldest
   open record of the layer (captures wait in FIFOs, so a plan may run curvature steps later);
+- ``STATS s F unit`` (no micro-batch) of a part fed by the reduced gradient (Shampoo's L and R) folds the
+  step's statistic at *every* step, after the stage's gradient is complete and before its APPLY; at a
+  refresh step it also snapshots the folded state into the step's record, which DECOMP decomposes later;
 - ``SYNC_STATS s [F] layer`` sums the record's factor over every copy of the stage (dp replicas and
   Chimera's two pipelines) and folds the mean into the running average (a stage held once folds at
   its first DECOMP instead);
@@ -39,7 +42,6 @@ from torch import Tensor, fx
 from fxkfac.errors import CheckpointError, PipelineError
 from fxkfac.kfac.precondition import kl_clip_scale
 from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture
-from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.ir import LayerTiming, Op, OpKind
 from fxkfac.preconditioner import Family, RefreshState, Source
 from fxkfac.runtime.interpreter import CORE_HANDLERS, Interpreter, StepContext, local_nonfinite
@@ -50,14 +52,14 @@ __all__ = ["TappedRunner", "StageCopies", "PreconditionerRuntime"]
 
 @dataclass
 class TappedRunner(StageRunner):
-    """A StageRunner whose forward/backward also capture the layers in `modes` for a family's parts.
+    """A StageRunner whose forward/backward also capture the layers in `modes` for a family's captured parts.
 
     `modes` (layer -> "fused" | "deferred") is set by the trainer before each step; with no modes the
     plain stage function runs. The input capture feeds the parts `sources[Source.INPUT]`, the output-gradient
     capture `sources[Source.OUTPUT_GRAD]`; captures wait in `captures[(layer, part, mb)]` FIFOs for STATS ops.
     """
 
-    layers: dict[str, KFACLayer] = field(default_factory=dict)
+    layers: dict[str, Any] = field(default_factory=dict)
     sources: dict[Source, tuple[str, ...]] = field(default_factory=dict)
     backend: str | None = None
     modes: dict[str, str] = field(default_factory=dict)
@@ -66,7 +68,7 @@ class TappedRunner(StageRunner):
     _probes: dict[int, dict[str, Tensor]] = field(default_factory=dict)
 
     @classmethod
-    def wrap(cls, runner: StageRunner, layers: Mapping[str, KFACLayer], family: Family,
+    def wrap(cls, runner: StageRunner, layers: Mapping[str, Any], family: Family,
              backend: str | None) -> TappedRunner:
         """The same stage copy (same module and parameters) capturing `layers` for `family`'s parts."""
         sources = {src: tuple(p for p in family.parts if family.source(p) is src) for src in Source}
@@ -153,25 +155,28 @@ class StageCopies:
 
 @dataclass
 class _Refresh:
-    """One refresh of one layer in flight: statistic sums and counts per part, which parts are folded, and the
-    decompositions of the parts (one per part, made here or received by broadcast)."""
+    """One refresh of one layer in flight: statistic sums and counts per part, which parts are folded, the
+    decompositions of the parts (one per part, made here or received by broadcast), and for gradient-fed
+    parts the state as folded at the refresh step (what DECOMP decomposes, whenever it runs)."""
 
     step: int
     sums: dict[str, Tensor] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
     folded: set[str] = field(default_factory=set)
     halves: dict[str, Any] = field(default_factory=dict)
+    snapshots: dict[str, RefreshState] = field(default_factory=dict)
 
     def copy(self) -> _Refresh:
         """A copy whose containers later handlers do not change."""
-        return _Refresh(self.step, dict(self.sums), dict(self.counts), set(self.folded), dict(self.halves))
+        return _Refresh(self.step, dict(self.sums), dict(self.counts), set(self.folded), dict(self.halves),
+                        dict(self.snapshots))
 
 
 class PreconditionerRuntime:
     """A family's state on one rank's stages and the handlers that act on it (see [Note: refresh semantics in
     the runtime])."""
 
-    def __init__(self, family: Family, layers: Mapping[str, KFACLayer], stage_of: Mapping[str, int],
+    def __init__(self, family: Family, layers: Mapping[str, Any], stage_of: Mapping[str, int],
                  timings: Mapping[str, LayerTiming], groups: Mapping[int, StageCopies], rank: int,
                  microbatches_total: int, global_batch: int) -> None:
         self.family = family
@@ -183,6 +188,7 @@ class PreconditionerRuntime:
         self.total = microbatches_total
         self.n = global_batch
         self.states = {name: family.new_state(layer) for name, layer in self.layers.items()}
+        self.gradient_parts = frozenset(p for p in family.parts if family.source(p) is Source.GRADIENT)
         self.refreshes: dict[str, deque[_Refresh]] = {name: deque() for name in self.layers}
         self._by_stage = {s: [self.layers[n] for n in self.layers if self.stage_of[n] == s] for s in groups}
         self._dot = torch.zeros((), dtype=torch.float64)
@@ -203,7 +209,10 @@ class PreconditionerRuntime:
         interpreter.listeners.append(self)
 
     def modes_at(self, step: int, layer_names: Sequence[str]) -> dict[str, str]:
-        """The layers among `layer_names` that step `step` taps, with their capture mode."""
+        """The layers among `layer_names` that step `step` taps, with their capture mode (none when every part
+        is fed by the gradient)."""
+        if self.gradient_parts == set(self.family.parts):
+            return {}
         return {n: self.timings[n].capture for n in layer_names
                 if step % self.timings[n].period == self.timings[n].curv_step}
 
@@ -238,18 +247,46 @@ class PreconditionerRuntime:
                             f"does not match the layer's timing {self.timings[name]}")
 
     def curv(self, ctx: StepContext, op: Op) -> None:
-        """Add micro-batch `op.mb`'s statistic of the part(s) to the layer's open refresh."""
+        """Add micro-batch `op.mb`'s statistic of the part(s) to the layer's open refresh; without a micro-batch,
+        fold the step's statistic of gradient-fed parts."""
+        if op.mb is None:
+            self._gradient_stats(ctx, op)
+            return
         runner = ctx.runner(op)
-        if not isinstance(runner, TappedRunner) or op.mb is None:
-            raise AssertionError("STATS on a runner without captures, or without a micro-batch")
+        if not isinstance(runner, TappedRunner):
+            raise AssertionError("STATS of a micro-batch on a runner without captures")
         for name in self._layers_of(op):
             layer, mode = self.layers[name], self.timings[name].capture
             for part in self._parts_of(op):
+                if part in self.gradient_parts:
+                    raise PipelineError(f"rank {self.rank}: '{op}' names micro-batch {op.mb}, but part {part} "
+                                        "is fed by the reduced gradient: its STATS takes no micro-batch")
                 raw = runner.take(name, part, op.mb, op)
                 value = self.family.statistic(layer, part, mode, raw, self.n)
                 record = self._record(name, op, lambda r, p=part: p not in r.folded)
                 record.sums[part] = value if part not in record.sums else record.sums[part] + value
                 record.counts[part] += 1
+
+    def _gradient_stats(self, ctx: StepContext, op: Op) -> None:
+        """Fold the step's gradient statistic of each gradient-fed part; at a refresh step, snapshot the state
+        into the step's record for its DECOMP."""
+        runner = ctx.stage_runner(op.stage) if op.stage is not None else None
+        if runner is None:
+            raise AssertionError("STATS without a stage")
+        for name in self._layers_of(op):
+            for part in self._parts_of(op):
+                if part not in self.gradient_parts:
+                    raise PipelineError(f"rank {self.rank}: '{op}' names no micro-batch, but part {part} of "
+                                        f"{self.family.name} is fed by a capture per micro-batch")
+                state = self.states[name]
+                self.family.fold(state, part, self.family.statistic(self.layers[name], part, "gradient",
+                                                                    runner.param(name), self.n))
+                record = next((r for r in self.refreshes[name] if r.step == ctx.step), None)
+                if record is not None:
+                    record.folded.add(part)
+                    record.snapshots[part] = state.snapshot()
+                    if record.folded == set(self.family.parts):
+                        state.refreshes += 1
 
     def sync_curv(self, ctx: StepContext, op: Op) -> None:
         """Sum the refresh's statistic(s) over every copy of the stage, then fold them into the running ones."""
@@ -283,10 +320,15 @@ class PreconditionerRuntime:
         for name in self._layers_of(op):
             for part in self._parts_of(op):
                 record = self._record(name, op, lambda r, p=part: p not in r.halves)
+                if part in self.gradient_parts and part not in record.folded:
+                    raise PipelineError(f"rank {self.rank}: '{op}' decomposes {part} of {name} refreshed at step "
+                                        f"{record.step} before that step's STATS folded it: the plan orders them "
+                                        "wrongly")
                 if part not in record.folded:
                     self._fold(name, part, record, op)
                 try:
-                    half = self.family.decompose(self.layers[name], self.states[name], part)
+                    half = self.family.decompose(self.layers[name], record.snapshots.get(part, self.states[name]),
+                                                 part)
                 except ValueError as e:
                     raise PipelineError(f"rank {self.rank}: '{op}': {e}") from e
                 record.halves[part] = half
@@ -396,7 +438,8 @@ class PreconditionerRuntime:
         a stage) and this rank's work in flight: open refreshes and decompositions waiting for BCAST."""
         half = self.family.half_to_state
         refreshes = {n: [{"step": r.step, "sums": dict(r.sums), "counts": dict(r.counts), "folded": sorted(r.folded),
-                          "halves": {part: half(h) for part, h in r.halves.items()}} for r in q]
+                          "halves": {part: half(h) for part, h in r.halves.items()},
+                          "snapshots": {part: snap.state_dict() for part, snap in r.snapshots.items()}} for r in q]
                      for n, q in self.refreshes.items() if q}
         outbox = [[n, part, [half(h) for h in q]] for (n, part), q in sorted(self._outbox.items()) if q]
         return {"kfac": {n: s.state_dict() for n, s in self.states.items()},
@@ -414,9 +457,16 @@ class PreconditionerRuntime:
             states[name] = self.family.new_state(layer)
             states[name].load_state_dict(dict(saved[name]))
         half = self.family.half_from_state
+
+        def snapshot(name: str, saved: Any) -> RefreshState:
+            state = self.family.new_state(self.layers[name])
+            state.load_state_dict(dict(saved))
+            return state
+
         try:
             refreshes = {n: deque(_Refresh(int(r["step"]), dict(r["sums"]), {k: int(v) for k, v in r["counts"].items()},
-                                           set(r["folded"]), {k: half(h) for k, h in r["halves"].items()})
+                                           set(r["folded"]), {k: half(h) for k, h in r["halves"].items()},
+                                           {k: snapshot(n, v) for k, v in r.get("snapshots", {}).items()})
                                   for r in records) for n, records in inflight["refreshes"].items()}
             outbox = {(str(n), str(part)): deque(half(h) for h in halves) for n, part, halves in inflight["outbox"]}
         except (KeyError, TypeError, ValueError, AttributeError) as e:

@@ -22,7 +22,6 @@ from fxkfac.capture import Captured, input_signature, normalize_inputs
 from fxkfac.checkpoint import Checkpointing, digest
 from fxkfac.config import PipelineOptions
 from fxkfac.errors import CheckpointError, ConfigError, NonFiniteError
-from fxkfac.passes.layers import KFACLayer
 from fxkfac.passes.split_stages import SplitResult
 from fxkfac.planner.ir import LayerTiming, Op, Programs, ops_at
 from fxkfac.planner.lowering import ranks_of_stages
@@ -45,7 +44,7 @@ from fxkfac.runtime.sync import GradSync, holder_sets
 from fxkfac.runtime.timeline import Recorder, as_timeline, gather_timelines
 from fxkfac.show import chrome_trace
 
-__all__ = ["RunSpec", "Trainer", "OptimizerFactory", "default_optimizer", "shard_microbatches"]
+__all__ = ["RunSpec", "Trainer", "OptimizerFactory", "default_optimizer", "plain_sgd", "shard_microbatches"]
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +54,23 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 def default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     """AdamW with lr 1e-3: the base optimizer when none is given."""
     return torch.optim.AdamW(params, lr=1e-3)
+
+
+def plain_sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """SGD with lr 1e-3 and nothing else: the base optimizer of a family that makes the whole direction."""
+    return torch.optim.SGD(params, lr=1e-3)
+
+
+def _check_base(optimizer: torch.optim.Optimizer | None, family: Family | None) -> None:
+    """ConfigError when a family that makes the whole update direction would get momentum or weight decay twice."""
+    if optimizer is None or family is None or not family.full_direction:
+        return
+    extra = [f"{key}={group[key]}" for group in optimizer.param_groups for key in ("momentum", "weight_decay")
+             if group.get(key)]
+    if type(optimizer) is not torch.optim.SGD or extra:
+        raise ConfigError(f"{family.name} makes the whole update direction (grafting, momentum and weight decay "
+                          f"included), so its base optimizer must be torch.optim.SGD(params, lr) without momentum "
+                          f"or weight decay; got {type(optimizer).__name__} {' '.join(extra)}".rstrip())
 
 
 def shard_microbatches(tree: Any, batch: int, W: int, dp: int, N: int) -> list[Any]:
@@ -96,6 +112,10 @@ class RunSpec:
     plan: Plan | None
     family: Family | None
     """The preconditioner family (None: the base optimizer alone)."""
+    units: Mapping[str, Any]
+    """The family's units by name (K-FAC: its layers; Shampoo: parameters)."""
+    stage_units: Mapping[int, tuple[str, ...]]
+    """The names of the units each stage preconditions."""
     timings: Mapping[str, LayerTiming]
     fingerprint: str
 
@@ -116,7 +136,8 @@ class Trainer(Checkpointing):
         self.plan = spec.plan
         self.loss_fn = loss_fn
         self.options = options
-        self.layers: list[KFACLayer] = list(spec.captured.layers) if spec.family is not None else []
+        self.units: list[Any] = list(spec.units.values())
+        """The units the family preconditions (K-FAC: its layers; Shampoo: parameters); empty without one."""
         self.timings = dict(spec.timings)
         held = stages_of_rank(spec.kind, self.layout.D, self.layout.pp, v=spec.v)
         S = len(spec.split.stages)
@@ -131,9 +152,10 @@ class Trainer(Checkpointing):
                                    spec.split.shared_params, list(self.runners.values()))
         self.sync.broadcast_weights(self.transport)
         self.interpreter = Interpreter()
-        self.preconditioning = self._preconditioning(holders, backend) if self.layers else None
+        self.preconditioning = self._preconditioning(holders, backend) if spec.units else None
         params = [p for r in self.runners.values() for p in r.module.parameters()]
         self.optimizer = optimizer(params) if params else None  # a stage of only activations holds none
+        _check_base(self.optimizer, spec.family if spec.units else None)
         self.timeline = Recorder(self.layout.rank, enabled=options.record_timeline)
         self.steps = 0
         self.skipped_steps = 0
@@ -147,14 +169,14 @@ class Trainer(Checkpointing):
         spec = self.spec
         if spec.family is None:
             raise AssertionError("a preconditioner runtime without a family")
-        known = {layer.name: layer for layer in spec.captured.layers}
-        stage_of = {name: st.index for st in spec.split.stages for name in st.layers}
+        stage_of = {name: s for s, names in spec.stage_units.items() for name in names}
         local = sorted({s for s, _ in self.runners})
-        for key, runner in list(self.runners.items()):
-            held = {n: known[n] for n in runner.graph.layers}
-            self.runners[key] = TappedRunner.wrap(runner, held, spec.family, backend)
+        if any(spec.family.source(part).captured for part in spec.family.parts):
+            for key, runner in list(self.runners.items()):
+                held = {n: spec.units[n] for n in spec.stage_units[runner.stage]}
+                self.runners[key] = TappedRunner.wrap(runner, held, spec.family, backend)
         groups = {s: StageCopies(holders[s], self.sync.group_of(holders[s])) for s in local}
-        mine = {n: known[n] for s in local for n in spec.split.stages[s].layers}
+        mine = {n: spec.units[n] for s in local for n in spec.stage_units[s]}
         runtime = PreconditionerRuntime(spec.family, mine, {n: stage_of[n] for n in mine}, self.timings, groups,
                               self.layout.rank, spec.N * self.layout.W, spec.global_batch)
         runtime.install(self.interpreter)
@@ -289,7 +311,7 @@ class Trainer(Checkpointing):
                 "timings": {n: [t.period, t.curv_step, t.use_offset, t.capture]
                             for n, t in sorted(self.timings.items())},
                 "plan": None if spec.plan is None else f"{spec.plan.fingerprint}#{digest(spec.plan.to_dict())}",
-                "trainer": spec.family.name if self.layers and spec.family else "plain", "mesh": [layout.D, layout.W],
+                "trainer": spec.family.name if spec.units and spec.family else "plain", "mesh": [layout.D, layout.W],
                 "schedule": spec.kind.value, "microbatches": spec.N, "virtual_stages": spec.v,
                 "global_batch": spec.global_batch, "stages": [list(st.params) for st in spec.split.stages],
                 "graph": spec.fingerprint, "programs": digest(programs)}
