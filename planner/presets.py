@@ -2,12 +2,26 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fxkfac.planner.errors import CostModelError
 
-__all__ = ["LinearSpec", "BlockSpec", "ModelSpec", "PRESETS", "preset", "model_spec_from_layers"]
+__all__ = ["TensorSpec", "LinearSpec", "BlockSpec", "ModelSpec", "PRESETS", "preset", "model_spec_from_layers"]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One parameter tensor: its FQN as `named_parameters()` gives it, and its shape."""
+
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the tensor."""
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,11 +39,23 @@ class LinearSpec:
     """False for layers K-FAC skips (a vocabulary head): costed in fwd/bwd, no curvature work."""
     tied: bool = False
     """The weight is another module's (tied to the embedding): not counted again as parameters."""
+    transposed: bool = False
+    """The weight is stored [d_in, d_out] (GPT-2's Conv1D), not [d_out, d_in]."""
+    bias_name: str | None = None
+    """FQN of the bias parameter when it is not `<name>.bias` (BERT's decoder bias is `cls.predictions.bias`)."""
 
     @property
     def params(self) -> int:
         """Parameters this module owns."""
-        return (0 if self.tied else self.d_in * self.d_out) + (self.d_out if self.bias else 0)
+        return sum(t.numel for t in self.tensors)
+
+    @property
+    def tensors(self) -> tuple[TensorSpec, ...]:
+        """The parameters this module owns: its weight unless tied, its bias if any."""
+        shape = (self.d_in, self.d_out) if self.transposed else (self.d_out, self.d_in)
+        weight = TensorSpec(f"{self.name}.weight", shape)
+        bias = TensorSpec(self.bias_name or f"{self.name}.bias", (self.d_out,))
+        return (() if self.tied else (weight,)) + ((bias,) if self.bias else ())
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,13 +74,18 @@ class BlockSpec:
     """Activation elements per token kept from forward to backward (besides attention scores)."""
     saved_mask_bytes_per_token: int = 0
     """1-byte dropout masks kept per token (besides the attention-probability mask)."""
-    other_params: int = 0
+    tensors: tuple[TensorSpec, ...] = ()
     """Parameters outside the Linears: norms, embedding tables, relative position bias, ..."""
+
+    @property
+    def parameters(self) -> tuple[TensorSpec, ...]:
+        """Every parameter of the block: the Linears' (weights unless tied, biases), then `tensors`."""
+        return tuple(t for x in self.linears for t in x.tensors) + self.tensors
 
     @property
     def params(self) -> int:
         """Parameters of the block."""
-        return self.other_params + sum(x.params for x in self.linears)
+        return sum(t.numel for t in self.parameters)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,9 +116,22 @@ class ModelSpec:
         parts = (self.embed, *self.blocks, self.head)
         return tuple(x for part in parts for x in part.linears)
 
+    @property
+    def parameters(self) -> tuple[TensorSpec, ...]:
+        """Every parameter (tied weights once) in order: embeddings, blocks, head."""
+        return tuple(t for part in (self.embed, *self.blocks, self.head) for t in part.parameters)
 
-def _lin(prefix: str, rows: Sequence[tuple[str, int, int]], bias: bool = True) -> tuple[LinearSpec, ...]:
-    return tuple(LinearSpec(f"{prefix}.{name}", d_in, d_out, bias) for name, d_in, d_out in rows)
+
+def _lin(prefix: str, rows: Sequence[tuple[str, int, int]], bias: bool = True,
+         transposed: bool = False) -> tuple[LinearSpec, ...]:
+    return tuple(LinearSpec(f"{prefix}.{name}", d_in, d_out, bias, transposed=transposed)
+                 for name, d_in, d_out in rows)
+
+
+def _norms(names: Sequence[str], width: int, bias: bool = True) -> tuple[TensorSpec, ...]:
+    """The weight (and bias) of each norm module in `names` (LayerNorm; T5's RMS norms have no bias)."""
+    kinds = ("weight", "bias") if bias else ("weight",)
+    return tuple(TensorSpec(f"{name}.{kind}", (width,)) for name in names for kind in kinds)
 
 
 def _transformer_block(
@@ -97,10 +141,10 @@ def _transformer_block(
     hidden: int,
     ffn: int,
     attention: int = 1,
-    norm_params: int,
-    other_params: int = 0,
+    tensors: tuple[TensorSpec, ...],
 ) -> BlockSpec:
-    """A block with `attention` attention sub-layers and one MLP, each wrapped in norm + residual.
+    """A block with `attention` attention sub-layers and one MLP, each wrapped in norm + residual;
+    `tensors` are its parameters outside the Linears (the norms, ...).
 
     Saved activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
     Transformer Models", sec. 4.1): per attention sub-layer 5h elements + an h mask, the MLP
@@ -116,67 +160,74 @@ def _transformer_block(
         elementwise_per_token=3 * hidden * sublayers + ffn,
         saved_per_token=5 * hidden * attention + hidden + 2 * ffn + hidden * sublayers,
         saved_mask_bytes_per_token=hidden * sublayers,
-        other_params=norm_params + other_params,
+        tensors=tensors,
     )
 
 
 def _bert(name: str, hidden: int, layers: int, heads: int, ffn: int) -> ModelSpec:
     """BertForPreTraining (MLM + NSP heads, decoder tied to the word embedding), vocab 30522."""
-    vocab, h, ln = 30522, hidden, 2 * hidden
+    vocab, h, pre = 30522, hidden, "bert.embeddings"
     blocks = tuple(
         _transformer_block(
             p := f"bert.encoder.layer.{i}",
             _lin(p, [("attention.self.query", h, h), ("attention.self.key", h, h), ("attention.self.value", h, h),
                      ("attention.output.dense", h, h), ("intermediate.dense", h, ffn), ("output.dense", ffn, h)]),
-            hidden=h, ffn=ffn, norm_params=2 * ln,
+            hidden=h, ffn=ffn, tensors=_norms([f"{p}.attention.output.LayerNorm", f"{p}.output.LayerNorm"], h),
         )  # fmt: skip
         for i in range(layers)
     )
-    embed = BlockSpec("bert.embeddings", elementwise_per_token=6 * h, other_params=(vocab + 512 + 2) * h + ln)
+    tables = (TensorSpec(f"{pre}.word_embeddings.weight", (vocab, h)),
+              TensorSpec(f"{pre}.position_embeddings.weight", (512, h)),
+              TensorSpec(f"{pre}.token_type_embeddings.weight", (2, h)))
+    embed = BlockSpec(pre, elementwise_per_token=6 * h, tensors=tables + _norms([f"{pre}.LayerNorm"], h))
     head = BlockSpec(
         "cls",
         linears=(
             LinearSpec("bert.pooler.dense", h, h, tokens=1),
             LinearSpec("cls.predictions.transform.dense", h, h),
-            LinearSpec("cls.predictions.decoder", h, vocab, kfac=False, tied=True),
+            LinearSpec("cls.predictions.decoder", h, vocab, kfac=False, tied=True, bias_name="cls.predictions.bias"),
             LinearSpec("cls.seq_relationship", h, 2, tokens=1),
         ),
         elementwise_per_token=2 * h + vocab,
-        other_params=ln,
+        tensors=_norms(["cls.predictions.transform.LayerNorm"], h),
     )
     return ModelSpec(name, h, ffn, heads, vocab, 128, blocks, embed, head)
 
 
 def _gpt2() -> ModelSpec:
-    """GPT2LMHeadModel (124M): Conv1D layers costed as Linears, lm_head tied to wte."""
-    vocab, h, ffn, ln = 50257, 768, 3072, 2 * 768
+    """GPT2LMHeadModel (124M): Conv1D layers (weights stored [d_in, d_out]) costed as Linears, lm_head tied
+    to wte."""
+    vocab, h, ffn = 50257, 768, 3072
     blocks = tuple(
         _transformer_block(
             p := f"transformer.h.{i}",
-            _lin(p, [("attn.c_attn", h, 3 * h), ("attn.c_proj", h, h), ("mlp.c_fc", h, ffn), ("mlp.c_proj", ffn, h)]),
-            hidden=h, ffn=ffn, norm_params=2 * ln,
+            _lin(p, [("attn.c_attn", h, 3 * h), ("attn.c_proj", h, h), ("mlp.c_fc", h, ffn), ("mlp.c_proj", ffn, h)],
+                 transposed=True),
+            hidden=h, ffn=ffn, tensors=_norms([f"{p}.ln_1", f"{p}.ln_2"], h),
         )  # fmt: skip
         for i in range(12)
     )
-    embed = BlockSpec("transformer", elementwise_per_token=3 * h, other_params=(vocab + 1024) * h)
+    embed = BlockSpec("transformer", elementwise_per_token=3 * h,
+                      tensors=(TensorSpec("transformer.wte.weight", (vocab, h)),
+                               TensorSpec("transformer.wpe.weight", (1024, h))))
     head = BlockSpec(
         "lm_head",
         linears=(LinearSpec("lm_head", h, vocab, bias=False, kfac=False, tied=True),),
         elementwise_per_token=h + vocab,
-        other_params=ln,
+        tensors=_norms(["transformer.ln_f"], h),
     )
     return ModelSpec("gpt2", h, ffn, 12, vocab, 1024, blocks, embed, head)
 
 
 def _opt(name: str, hidden: int, layers: int, heads: int, ffn: int, proj: int) -> ModelSpec:
     """OPTForCausalLM; OPT-350m projects a 512-wide embedding in and out and has no final norm."""
-    vocab, h, ln, pre = 50272, hidden, 2 * hidden, "model.decoder"
+    vocab, h, pre = 50272, hidden, "model.decoder"
     blocks = tuple(
         _transformer_block(
             p := f"{pre}.layers.{i}",
             _lin(p, [("self_attn.q_proj", h, h), ("self_attn.k_proj", h, h), ("self_attn.v_proj", h, h),
                      ("self_attn.out_proj", h, h), ("fc1", h, ffn), ("fc2", ffn, h)]),
-            hidden=h, ffn=ffn, norm_params=2 * ln,
+            hidden=h, ffn=ffn, tensors=_norms([f"{p}.self_attn_layer_norm", f"{p}.final_layer_norm"], h),
         )  # fmt: skip
         for i in range(layers)
     )
@@ -185,7 +236,8 @@ def _opt(name: str, hidden: int, layers: int, heads: int, ffn: int, proj: int) -
         pre,
         linears=(LinearSpec(f"{pre}.project_in", proj, h, bias=False),) if projected else (),
         elementwise_per_token=3 * h,
-        other_params=vocab * proj + (2048 + 2) * h,  # learned positions carry an offset of 2
+        tensors=(TensorSpec(f"{pre}.embed_tokens.weight", (vocab, proj)),
+                 TensorSpec(f"{pre}.embed_positions.weight", (2048 + 2, h))),  # learned positions: an offset of 2
     )
     head = BlockSpec(
         "lm_head",
@@ -194,7 +246,7 @@ def _opt(name: str, hidden: int, layers: int, heads: int, ffn: int, proj: int) -
             LinearSpec("lm_head", proj, vocab, bias=False, kfac=False, tied=True),
         ),
         elementwise_per_token=h + vocab,
-        other_params=0 if projected else ln,  # OPT-350m (post-norm) drops the final layer norm
+        tensors=() if projected else _norms([f"{pre}.final_layer_norm"], h),  # OPT-350m (post-norm) has none
     )
     return ModelSpec(name, h, ffn, heads, vocab, 2048, blocks, embed, head)
 
@@ -207,7 +259,6 @@ def _t5_base() -> ModelSpec:
     the encoder length, and the relative position bias lives in block 0 of each stack.
     """
     vocab, h, ffn, heads = 32128, 768, 3072, 12
-    rel_bias = 32 * heads
 
     def attn(p: str, kind: str) -> list[tuple[str, int, int]]:
         return [(f"{p}.{kind}.{w}", h, h) for w in "qkvo"]
@@ -215,23 +266,26 @@ def _t5_base() -> ModelSpec:
     blocks = []
     for stack, n_sub in (("encoder", 2), ("decoder", 3)):
         for i in range(12):
+            p = f"{stack}.block.{i}"
             rows = attn("layer.0", "SelfAttention")
             if stack == "decoder":
                 rows += attn("layer.1", "EncDecAttention")
             mlp = f"layer.{n_sub - 1}.DenseReluDense"
             rows += [(f"{mlp}.wi", h, ffn), (f"{mlp}.wo", ffn, h)]
+            bias = (TensorSpec(f"{p}.layer.0.SelfAttention.relative_attention_bias.weight", (32, heads)),)
+            norms = _norms([f"{p}.layer.{j}.layer_norm" for j in range(n_sub)], h, bias=False)
             blocks.append(
                 _transformer_block(
-                    p := f"{stack}.block.{i}", _lin(p, rows, bias=False), hidden=h, ffn=ffn,
-                    attention=n_sub - 1, norm_params=n_sub * h, other_params=rel_bias if i == 0 else 0,
+                    p, _lin(p, rows, bias=False), hidden=h, ffn=ffn, attention=n_sub - 1,
+                    tensors=(bias if i == 0 else ()) + norms,
                 )  # fmt: skip
             )
-    embed = BlockSpec("shared", elementwise_per_token=2 * h, other_params=vocab * h)
+    embed = BlockSpec("shared", elementwise_per_token=2 * h, tensors=(TensorSpec("shared.weight", (vocab, h)),))
     head = BlockSpec(
         "lm_head",
         linears=(LinearSpec("lm_head", h, vocab, bias=False, kfac=False, tied=True),),
         elementwise_per_token=2 * h + vocab,
-        other_params=2 * h,  # encoder.final_layer_norm and decoder.final_layer_norm
+        tensors=_norms(["encoder.final_layer_norm", "decoder.final_layer_norm"], h, bias=False),
     )
     return ModelSpec("t5-base", h, ffn, heads, vocab, 512, tuple(blocks), embed, head)
 

@@ -66,12 +66,16 @@ def _gemm_modules(model: Any) -> dict[str, tuple[int, int, bool]]:
 
 
 def test_presets_match_hugging_face_models_exactly() -> None:
-    """Parameter counts, and every Linear's FQN and widths, equal the transformers model's."""
+    """Parameter counts, every Linear's FQN and widths, and every parameter's FQN and shape (what Shampoo
+    preconditions) equal the transformers model's."""
     for name, model in _hf_models().items():
         spec = preset(name)
         assert spec.params == sum(p.numel() for p in model.parameters()), name
         ours = {x.name: (x.d_in, x.d_out, x.bias) for x in spec.linears}
         assert ours == _gemm_modules(model), name
+        tensors = {t.name: t.shape for t in spec.parameters}
+        assert len(tensors) == len(spec.parameters), f"{name}: a parameter is listed twice"
+        assert tensors == {n: tuple(p.shape) for n, p in model.named_parameters()}, name
 
 
 def test_preset_shapes() -> None:
