@@ -120,14 +120,19 @@ def _resolve(plan: Any, single: bool, family: Family | None, target: Target, opt
         return None
 
     def profile() -> CostTable:
+        from fxkfac.profiler import gradient_unit_cost, kfac_unit_cost
         from fxkfac.profiler import profile as measure
 
-        if not isinstance(family, KFACFamily):
-            raise ConfigError(f"plan='auto' profiles K-FAC's costs only; for {family.name} pass "
+        if isinstance(family, KFACFamily):
+            unit_cost = kfac_unit_cost(known, family.cfg)
+        elif all(family.source(part) is Source.GRADIENT for part in family.parts):
+            params = {n: p for st in split.stages for n, p in st.gm.named_parameters()}
+            unit_cost = gradient_unit_cost(family, known, params)
+        else:
+            raise ConfigError(f"plan='auto' cannot profile {family.name}, whose parts are fed by captures: pass "
                               "PlanOptions(costs=...) or plan=None")
-
         flat = [x for x in micro if isinstance(x, Tensor)]
-        costs = measure(split, stage_layers, known, flat, _surrogate_loss, family.cfg)
+        costs = measure(split, stage_layers, unit_cost, flat, _surrogate_loss)
         for st in split.stages:  # profiling ran backward on the parameters the runners will train
             for p in st.gm.parameters():
                 p.grad = None

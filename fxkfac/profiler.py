@@ -1,10 +1,16 @@
-"""Measures the planner's CostTable on the device it runs on: stage forward/backward, K-FAC kernels, bytes."""
+"""Measures the planner's CostTable on the device it runs on: stage forward/backward, a family's kernels, bytes.
+
+A unit's costs come from a `UnitCost` function: K-FAC's layers are timed on random captures of their real
+shape (`kfac_unit_cost`); a family fed by the gradient (Shampoo, SOAP) is timed through its own methods on a
+random gradient of the parameter's shape (`gradient_unit_cost`).
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -16,9 +22,14 @@ from fxkfac.kfac.precondition import Preconditioner
 from fxkfac.kfac.state import LayerState
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.passes.split_stages import SplitResult
-from fxkfac.planner.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.costs import CostTable, LayerCost, PartCost, StageCost
+from fxkfac.planner.ir import OpKind
+from fxkfac.preconditioner import Family, Source
 
-__all__ = ["profile", "time_call"]
+__all__ = ["profile", "time_call", "UnitCost", "kfac_unit_cost", "gradient_unit_cost"]
+
+UnitCost = Callable[[str, int], LayerCost]
+"""(unit name, rows of one micro-batch) -> the unit's measured LayerCost."""
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +87,51 @@ def _prec_call(layer: KFACLayer, inverse: Inverse) -> Callable[[], object]:
             grads[layer.bias] = bias.clone()
         return run(grads, {layer.name: state})
     return call
+
+
+def kfac_unit_cost(layers: Mapping[str, KFACLayer], cfg: KFACConfig, *, warmup: int = 2,
+                   repeats: int = 5) -> UnitCost:
+    """K-FAC's UnitCost: each layer timed by `_layer_cost`."""
+    return lambda name, rows: _layer_cost(layers[name], rows * layers[name].tokens_per_sample, cfg, warmup, repeats)
+
+
+def _state_bytes(state: Any) -> int:
+    """Bytes of every tensor in a state's `state_dict()`."""
+    return sum(_nbytes(v) for v in state.state_dict().values() if isinstance(v, Tensor))
+
+
+def gradient_unit_cost(family: Family, units: Mapping[str, Any], params: Mapping[str, Tensor], *,
+                       warmup: int = 2, repeats: int = 5) -> UnitCost:
+    """The UnitCost of a family whose parts are all fed by the gradient: its statistic, decomposition and
+    preconditioning of one unit, timed through the family's own methods on a random gradient of the
+    parameter's shape (a decomposition the family declines, e.g. before its start step, times as 0)."""
+    if any(family.source(part) is not Source.GRADIENT for part in family.parts):
+        raise AssertionError(f"{family.name} has parts fed by captures: time them with their own UnitCost")
+
+    def cost(name: str, rows: int) -> LayerCost:
+        unit = units[name]
+        p = params[name].detach().clone().requires_grad_(True)
+        p.grad = torch.randn_like(p)
+        state = family.new_state(unit)
+        stats = {}
+        for part in family.parts:
+            stats[part] = time_call(lambda part=part: family.statistic(unit, part, "gradient", p, rows),
+                                    warmup=warmup, repeats=repeats)
+            family.fold(state, part, family.statistic(unit, part, "gradient", p, rows))
+        snap = state.snapshot()
+        halves = {part: family.decompose(unit, snap, part) for part in family.parts}
+        decomp = {part: time_call(lambda part=part: family.decompose(unit, snap, part), warmup=warmup,
+                                  repeats=repeats) for part in family.parts}
+        state.set_pending(family.combine(unit, state, halves), 0)
+        state.activate(0)
+        folded = {part: _nbytes(family.statistic(unit, part, "gradient", p, rows)) for part in family.parts}
+        prec = time_call(lambda: family.precondition([unit], {name: p.grad.clone()}, {name: state}, {name: p}),
+                         warmup=warmup, repeats=repeats)
+        parts = tuple(PartCost(part, OpKind.ALLREDUCE_GRAD, stats[part], decomp[part], 0, folded[part])
+                      for part in family.parts)
+        extra = max(0, _state_bytes(state) - 2 * sum(folded.values()))
+        return LayerCost(name, parts, prec, extra)
+    return cost
 
 
 def _layer_cost(layer: KFACLayer, rows: int, cfg: KFACConfig, warmup: int, repeats: int) -> LayerCost:
@@ -136,16 +192,16 @@ def _stage_times(gm: torch.fx.GraphModule, inputs: Sequence[Tensor], loss: Calla
     return fwd_s, max(both - fwd_s, 0.0), [o.detach() for o in outs]
 
 
-def profile(split: SplitResult, stage_layers: Mapping[int, Sequence[str]], layers: Mapping[str, KFACLayer],
-            micro_inputs: Sequence[Tensor], loss: Callable[[Sequence[Tensor]], Tensor], cfg: KFACConfig, *,
+def profile(split: SplitResult, stage_layers: Mapping[int, Sequence[str]], unit_cost: UnitCost,
+            micro_inputs: Sequence[Tensor], loss: Callable[[Sequence[Tensor]], Tensor], *,
             warmup: int = 2, repeats: int = 5, hardware: str = "cpu") -> CostTable:
     """The CostTable of the split model at the micro-batch of `micro_inputs`, measured here, stage by stage.
 
     The stages are chained in this one process (rank 0 profiles all: every stage copy is the same
     graph). `loss(flat_outputs)` is the last stage's scalar loss for one micro-batch. Forward is the
-    median over `repeats`; backward is (forward + backward) minus forward. K-FAC kernels are timed on
-    random rows of the layer's real shape (micro-batch x tokens per sample), through the functions the
-    runtime's STATS, DECOMP and APPLY handlers call.
+    median over `repeats`; backward is (forward + backward) minus forward. Each preconditioned unit of a
+    stage is timed by `unit_cost` (with the micro-batch's rows) through the functions the runtime's STATS,
+    DECOMP and APPLY handlers call.
     """
     batch = int(micro_inputs[0].shape[0])
     inputs = list(micro_inputs)
@@ -153,12 +209,11 @@ def profile(split: SplitResult, stage_layers: Mapping[int, Sequence[str]], layer
     last = len(split.stages) - 1
     for st in split.stages:
         fwd_s, bwd_s, inputs_next = _stage_times(st.gm, inputs, loss if st.index == last else None, warmup, repeats)
-        costs = tuple(_layer_cost(layers[n], batch * layers[n].tokens_per_sample, cfg, warmup, repeats)
-                      for n in stage_layers.get(st.index, ()))
+        costs = tuple(unit_cost(n, batch) for n in stage_layers.get(st.index, ()))
         params = {n: p for n, p in st.gm.named_parameters()}
         stages.append(StageCost(fwd=fwd_s, bwd=bwd_s, param_bytes=sum(_nbytes(p) for p in params.values()),
                                 act_bytes=_act_bytes(st.gm), layers=costs))
-        log.info("profiled stage %d: fwd %.2f ms, bwd %.2f ms, %d K-FAC layers", st.index, fwd_s * 1e3,
+        log.info("profiled stage %d: fwd %.2f ms, bwd %.2f ms, %d preconditioned units", st.index, fwd_s * 1e3,
                  bwd_s * 1e3, len(costs))
         inputs = inputs_next
     return CostTable(tuple(stages), batch, f"measured:{hardware}", hardware)
