@@ -1,0 +1,137 @@
+"""What Shampoo and SOAP share as `fxkfac.preconditioner.Family`s: units (trainable parameters), the gradient-fed
+parts L and R, their statistics and running sums, the step count, broadcast packing and checkpoint halves."""
+
+from __future__ import annotations
+
+from collections.abc import MutableMapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, fx
+
+from fxkfac.errors import ConfigError
+from fxkfac.passes.layers import KFACLayer
+from fxkfac.preconditioner import RefreshState, Source
+from fxkfac.shampoo.layout import PARTS, Layout, ParamUnit, running_sum, side_statistic
+from fxkfac.shampoo.state import BlockState
+
+__all__ = ["BlockFamily", "block_side"]
+
+
+def block_side(max_preconditioner_dim: int | str, max_dim: int | None, default: int) -> int:
+    """The block side: the config's int, else (for "auto") the planner's `max_dim`, else `default`."""
+    if max_preconditioner_dim == "auto":
+        return default if max_dim is None else max_dim
+    if max_dim is not None and max_dim != max_preconditioner_dim:
+        raise ConfigError(f"max_dim={max_dim} was given for a config whose max_preconditioner_dim is "
+                          f"{max_preconditioner_dim}; set max_preconditioner_dim='auto' to let the planner choose")
+    return int(max_preconditioner_dim)
+
+
+class BlockFamily:
+    """The shared half of Shampoo and SOAP. Subclasses set `name`, build `_make_layout`, `_new_state`, and the
+    refresh math (decompose, combine, precondition). Refreshes happen at t = start (mod frequency)."""
+
+    name: str
+    parts: tuple[str, ...] = PARTS
+    kl_clip: float | None = None
+    capture: str = "fused"
+    full_direction: bool = True
+
+    def __init__(self, *, dtype: str, frequency: int, start: int, stat_beta: float) -> None:
+        self.stats_dtype = dtype
+        self.refresh_every = frequency
+        self.refresh_phase = start % frequency
+        self.start = start
+        self.stat_beta = stat_beta
+        self._layouts: dict[str, Layout] = {}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The torch dtype of statistics, roots and bases."""
+        dtype: torch.dtype = getattr(torch, self.stats_dtype)
+        return dtype
+
+    def layout(self, unit: ParamUnit) -> Layout:
+        """The unit's layout (made once per unit)."""
+        if unit.name not in self._layouts:
+            self._layouts[unit.name] = self._make_layout(unit)
+        return self._layouts[unit.name]
+
+    def _make_layout(self, unit: ParamUnit) -> Layout:
+        raise NotImplementedError
+
+    def _new_state(self, layout: Layout) -> BlockState:
+        raise NotImplementedError
+
+    def source(self, part: str) -> Source:
+        """Both parts come from the parameter's complete gradient."""
+        return Source.GRADIENT
+
+    def units(self, gm: fx.GraphModule, layers: Sequence[KFACLayer]) -> list[ParamUnit]:
+        """One unit per trainable parameter of `gm`, by FQN."""
+        return [ParamUnit(n, tuple(p.shape)) for n, p in gm.named_parameters() if p.requires_grad]
+
+    def new_state(self, unit: ParamUnit) -> BlockState:
+        """Nothing folded, no roots or bases."""
+        return self._new_state(self.layout(unit))
+
+    def stats_shape(self, unit: ParamUnit, part: str) -> tuple[int, ...]:
+        """The flat statistic of the part (all its blocks' factors, see fxkfac/shampoo/layout.py)."""
+        return (self.layout(unit).size(part),)
+
+    def gradient(self, unit: ParamUnit, grad: Tensor | None, param: Tensor) -> Tensor:
+        """The gradient the statistics see, in the view shape (a missing one is zero); Shampoo adds L2 decay."""
+        g = torch.zeros_like(param) if grad is None else grad
+        return g.detach().reshape(self.layout(unit).view)
+
+    def statistic(self, unit: ParamUnit, part: str, mode: str, raw: Tensor, n: int) -> Tensor:
+        """The step's flat statistic of `part` from the parameter `raw` and its complete `.grad`."""
+        grad = self.gradient(unit, raw.grad, raw.detach())
+        return side_statistic(self.layout(unit), part, grad.to(self.dtype))
+
+    def fold(self, state: RefreshState, part: str, mean: Tensor) -> None:
+        """Running sum of the part (EMA with the family's beta, plain sum at 1); folding L counts the step."""
+        if not isinstance(state, BlockState):
+            raise AssertionError(f"a {self.name} part folded into another family's state")
+        if part == "L":
+            state.count += 1
+            state.L = running_sum(state.L, mean, self.stat_beta)
+        else:
+            state.R = running_sum(state.R, mean, self.stat_beta)
+
+    def before_start(self, state: RefreshState) -> bool:
+        """True when `state` (a snapshot) was taken at a step before start_preconditioning_step."""
+        if not isinstance(state, BlockState):
+            raise AssertionError(f"a {self.name} part decomposed from another family's state")
+        return state.count - 1 < self.start
+
+    def pack(self, unit: ParamUnit, part: str, half: Tensor | None) -> Tensor:
+        """``[ok, flat]`` of the part's layout size; ok=0 for a failed or unwanted decomposition."""
+        out = torch.zeros(1 + self.layout(unit).size(part), dtype=self.dtype)
+        if half is not None:
+            out[0], out[1:] = 1.0, half
+        return out
+
+    def unpack(self, unit: ParamUnit, part: str, flat: Tensor) -> Tensor | None:
+        """Inverse of `pack`."""
+        return flat[1:].clone() if float(flat[0]) != 0.0 else None
+
+    def scale(self, units: Sequence[Any], grads: MutableMapping[str, Tensor], nu: float) -> None:
+        """Multiply the directions by `nu` (unused: these families have no KL-clip)."""
+        for unit in units:
+            if grads.get(unit.name) is not None:
+                grads[unit.name].mul_(nu)
+
+    def half_to_state(self, half: Tensor | None) -> dict[str, Any] | None:
+        """The flat roots or bases of one part."""
+        return None if half is None else {"flat": half}
+
+    def half_from_state(self, saved: Any) -> Tensor | None:
+        """Inverse of `half_to_state`; ValueError when malformed."""
+        if saved is None:
+            return None
+        if not isinstance(saved, dict) or not isinstance(saved.get("flat"), Tensor):
+            raise ValueError(f"a {self.name} decomposition must be {{'flat': tensor}}, got {type(saved).__name__}")
+        return saved["flat"]
+

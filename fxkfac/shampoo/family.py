@@ -1,0 +1,189 @@
+"""Distributed Shampoo (Shi et al., Alg. 2) as a `fxkfac.preconditioner.Family` with `ShampooConfig`.
+
+Per parameter, seen as a 1-D or 2-D view cut into blocks (fxkfac.planner.blocking), each step t (from 0):
+  1. G <- G + lambda W when weight decay is coupled (L2); it feeds everything below.
+  2. (fold, every step) L <- beta2 L + (1 - beta2) G_b G_b^T and R <- ... G_b^T G_b per block (from zero;
+     beta2 = 1: plain sums); a side longer than b under DIAGONAL keeps the diagonal only.
+  3. The graft accumulator takes G (fxkfac/shampoo/graft.py).
+  4. (refresh, t = start mod precondition_frequency, decomposed at or after the step) the inverse roots
+     L^(-eta/p), R^(-eta/p) of L / (1 - beta2^(t+1)) (bias correction, beta2 < 1), p = exponent_override or
+     2 * order of the view, by shifted eigh (eps added after shifting the spectrum to >= 0; protected: retry
+     in float64, then keep the previous roots) or coupled Newton ((L + eps I)^(-1/p); if it does not reach
+     the tolerance within newton_max_iterations, protected eigh instead). A snapshot taken before
+     start_preconditioning_step decomposes to None, so the first roots come from the first refresh step >= start
+     (the paper's gap when start is not a multiple of the frequency); a failure in any block keeps the previous
+     roots of the whole parameter.
+  5. G~ <- beta1 G~ + (1 - beta1) G (beta1 > 0, from zero), G^ = G~ / (1 - beta1^(t+1)) with bias correction.
+  6. The graft direction P_g of G^.
+  7. Per block with roots: P_b = ||P_g,b||_F * S_b / ||S_b||_F, S_b = L^ G^_b R^ (0 when S_b = 0); blocks
+     without factors (ADAGRAD on a large view) and every block before the first roots: P_b = P_g,b.
+  8. P += lambda W when weight decay is decoupled.
+  9. M <- mu M + P; P = mu M + P (Nesterov) or M.
+The base optimizer is SGD(lr) without momentum or weight decay: W <- W - lr P (the paper's signs are
+inconsistent; this is its intended descent step). Parameters with fewer than 2 dimensions are not decayed when
+use_weight_decay_on_bias_and_norm_params is False. All per-step state is kept in preconditioner_dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fxkfac.planner.blocking import DEFAULT_MAX_DIM, FactorKind
+from fxkfac.preconditioner import RefreshState
+from fxkfac.shampoo import graft
+from fxkfac.shampoo.base import BlockFamily, block_side
+from fxkfac.shampoo.config import RootInvMethod, ShampooConfig
+from fxkfac.shampoo.layout import Factor, Layout, ParamUnit, make_layout, running_sum
+from fxkfac.shampoo.roots import diagonal_root_inverse, newton_root_inverse, protected_eigh_root_inverse
+from fxkfac.shampoo.state import ShampooState, Sides
+
+__all__ = ["ShampooFamily"]
+
+
+class ShampooFamily(BlockFamily):
+    """The `Family` of Shampoo (see the module doc). `max_dim`: the planner's block side for a config whose
+    max_preconditioner_dim is "auto" (default DEFAULT_MAX_DIM)."""
+
+    name = "shampoo"
+
+    def __init__(self, cfg: ShampooConfig, *, max_dim: int | None = None) -> None:
+        super().__init__(dtype=cfg.preconditioner_dtype, frequency=cfg.precondition_frequency,
+                         start=cfg.start_preconditioning_step, stat_beta=cfg.betas[1])
+        self.cfg = cfg
+        self.max_dim = block_side(cfg.max_preconditioner_dim, max_dim, DEFAULT_MAX_DIM)
+
+    def _make_layout(self, unit: ParamUnit) -> Layout:
+        return make_layout(unit.shape, self.max_dim, self.cfg.large_dim_method, self.cfg.use_merge_dims, FactorKind)
+
+    def _new_state(self, layout: Layout) -> ShampooState:
+        return ShampooState((layout.size("L"), layout.size("R")), layout.view)
+
+    def decays(self, unit: ParamUnit) -> bool:
+        """Whether weight decay applies to the unit (not to < 2-D ones unless configured)."""
+        cfg = self.cfg
+        return cfg.weight_decay > 0 and (cfg.use_weight_decay_on_bias_and_norm_params or len(unit.shape) >= 2)
+
+    def gradient(self, unit: ParamUnit, grad: Tensor | None, param: Tensor) -> Tensor:
+        """The view-shaped gradient with L2 weight decay when it is coupled."""
+        g = super().gradient(unit, grad, param)
+        if self.decays(unit) and not self.cfg.use_decoupled_weight_decay:
+            g = g + self.cfg.weight_decay * param.detach().reshape(g.shape)
+        return g
+
+    # --- refresh ------------------------------------------------------------------------------------
+
+    def decompose(self, unit: ParamUnit, state: RefreshState, part: str) -> Tensor | None:
+        """The part's inverse roots, flat in its layout; None before start or on a (protected) failure."""
+        if self.before_start(state):
+            return None
+        assert isinstance(state, ShampooState)
+        stats = state.L if part == "L" else state.R
+        if stats is None:
+            raise ValueError(f"part {part} of {unit.name} is decomposed before it was ever folded")
+        beta2 = self.cfg.betas[1]
+        if self.cfg.use_bias_correction and beta2 < 1.0:
+            stats = stats / (1.0 - beta2**state.count)
+        layout = self.layout(unit)
+        roots = []
+        for factor in layout.factors[part]:
+            root = self._root(unit, part, factor, factor.take(stats), self.root_of(layout))
+            if root is None:
+                return None
+            roots.append(root.reshape(-1))
+        return torch.cat(roots) if roots else stats.new_zeros(0)
+
+    def root_of(self, layout: Layout) -> int:
+        """p: the exponent override, else 2 * order of the view."""
+        return self.cfg.exponent_override or 2 * len(layout.view)
+
+    def _root(self, unit: ParamUnit, part: str, factor: Factor, stat: Tensor, p: int) -> Tensor | None:
+        """One factor's inverse root (see the module doc); ValueError when it fails and eigh is unprotected."""
+        cfg = self.cfg
+        exponent = cfg.exponent_multiplier / p
+        if factor.kind is FactorKind.DIAGONAL:
+            root = diagonal_root_inverse(stat, exponent, cfg.epsilon)
+        else:
+            root = None
+            if cfg.root_inv_method is RootInvMethod.NEWTON:
+                root = newton_root_inverse(stat, p, cfg.epsilon, cfg.newton_tolerance, cfg.newton_max_iterations)
+            if root is None:
+                root = protected_eigh_root_inverse(stat, exponent, cfg.epsilon, cfg.use_protected_eigh)
+        if root is None and not cfg.use_protected_eigh:
+            raise ValueError(f"the inverse root of factor {part} of block {factor.block} of {unit.name} failed in "
+                             f"{self.stats_dtype}; set ShampooConfig.use_protected_eigh=True (retry in float64, "
+                             "else keep the previous roots) or preconditioner_dtype='float64'")
+        return root
+
+    def combine(self, unit: ParamUnit, state: RefreshState, halves: Mapping[str, Any]) -> Sides | None:
+        """Both parts' roots; None (keep the previous) when either is missing."""
+        left, right = halves["L"], halves["R"]
+        return None if left is None or right is None else Sides(left, right)
+
+    # --- every step -----------------------------------------------------------------------------------
+
+    def precondition(self, units: Sequence[Any], grads: MutableMapping[str, Tensor],
+                     states: Mapping[str, RefreshState], params: Mapping[str, Tensor]) -> Tensor:
+        """Replace each unit's gradient by its search direction P (module doc, steps 5-9); returns sum <P, G>."""
+        dot = torch.zeros((), dtype=torch.float64)
+        for unit in units:
+            grad = grads.get(unit.name)
+            state = states[unit.name]
+            if grad is None:
+                continue
+            assert isinstance(state, ShampooState)
+            p = self._direction(unit, state, grad, params[unit.name]).reshape(grad.shape)
+            dot = dot + (p.double() * grad.double()).sum()
+            grad.copy_(p)
+        return dot
+
+    def _direction(self, unit: ParamUnit, state: ShampooState, grad: Tensor, param: Tensor) -> Tensor:
+        """P of one parameter, in its view shape; replaces the state's per-step tensors."""
+        cfg, layout = self.cfg, self.layout(unit)
+        g = self.gradient(unit, grad, param).to(self.dtype, copy=True)  # never an alias of `grad`, overwritten last
+        state.graft = graft.accumulate(cfg.grafting_type, state.graft, g, cfg.grafting_beta2)
+        g_hat = self._filtered(state, g)
+        p_graft = graft.direction(cfg.grafting_type, state.graft, g_hat, state.count, eps=cfg.grafting_epsilon,
+                                  beta2=cfg.grafting_beta2, bias_correction=cfg.use_bias_correction)
+        p = p_graft if state.active is None else self._grafted(layout, state.active, g_hat, p_graft)
+        if self.decays(unit) and cfg.use_decoupled_weight_decay:
+            p = p + cfg.weight_decay * param.detach().reshape(layout.view).to(self.dtype)
+        if cfg.momentum > 0:
+            state.momentum = p if state.momentum is None else cfg.momentum * state.momentum + p
+            p = cfg.momentum * state.momentum + p if cfg.use_nesterov else state.momentum
+        return p
+
+    def _filtered(self, state: ShampooState, g: Tensor) -> Tensor:
+        """G^: the beta1-filtered gradient, bias-corrected (G itself when beta1 = 0)."""
+        beta1 = self.cfg.betas[0]
+        if beta1 == 0.0:
+            return g
+        state.filtered = running_sum(state.filtered, g, beta1)
+        return state.filtered / (1.0 - beta1**state.count) if self.cfg.use_bias_correction else state.filtered
+
+    def _grafted(self, layout: Layout, roots: Sides, g_hat: Tensor, p_graft: Tensor) -> Tensor:
+        """Per block: the Shampoo direction with the graft direction's Frobenius norm (the graft itself for a
+        block without factors)."""
+        out = p_graft.clone()
+        for index, (left, right) in enumerate(layout.sides):
+            if left is None and right is None:
+                continue
+            region = layout.region(index)
+            s = _kron_apply(g_hat[region], left, right, roots)
+            norm = float(torch.linalg.vector_norm(s))
+            out[region] = s * (float(torch.linalg.vector_norm(p_graft[region])) / norm) if norm > 0 else 0.0
+        return out
+
+
+def _kron_apply(g: Tensor, left: Factor | None, right: Factor | None, roots: Sides) -> Tensor:
+    """L^ g R^ for one block (1-D: L^ g), a diagonal root scaling rows or columns."""
+    if left is not None:
+        root = left.take(roots.L)
+        g = root @ g if left.kind is FactorKind.DENSE else root.view(-1, *([1] * (g.dim() - 1))) * g
+    if right is not None:
+        root = right.take(roots.R)
+        g = g @ root if right.kind is FactorKind.DENSE else g * root
+    return g

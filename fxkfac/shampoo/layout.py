@@ -1,0 +1,107 @@
+"""A parameter as Shampoo and SOAP see it: its 1-D/2-D view, its blocks, and the factors of parts L and R.
+
+The statistic of a part is one flat tensor: the factors of that side of every block, concatenated in block
+order (dense: G_b G_b^T for L, G_b^T G_b for R, row-major; diagonal: the row or column sums of G_b^2).
+Roots (Shampoo) and bases (SOAP) of a part use the same flat layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fxkfac.planner.blocking import Block, FactorKind, LargeDimMethod, partition
+
+__all__ = ["PARTS", "ParamUnit", "Factor", "Layout", "make_layout", "side_statistic", "running_sum"]
+
+PARTS: tuple[str, str] = ("L", "R")
+"""Part L is side 0 (rows) of every block, R side 1 (columns; 1-D blocks have none)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParamUnit:
+    """What Shampoo and SOAP precondition: one trainable parameter, by FQN, with its shape."""
+
+    name: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Factor:
+    """One side of one block: its kind, its side length and where it lies in its part's flat tensor."""
+
+    block: int
+    kind: FactorKind
+    dim: int
+    offset: int
+
+    @property
+    def size(self) -> int:
+        """Elements in the flat layout: dim^2 (dense) or dim (diagonal)."""
+        return self.dim * self.dim if self.kind is FactorKind.DENSE else self.dim
+
+    def take(self, flat: Tensor) -> Tensor:
+        """This factor's tensor (a view) in a part's flat tensor: dim x dim or dim."""
+        piece = flat[self.offset:self.offset + self.size]
+        return piece.view(self.dim, self.dim) if self.kind is FactorKind.DENSE else piece
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """A parameter's view shape, blocks, and per part the factors of its blocks (`sides[block]`: L and R
+    factor of the block, None where it has none)."""
+
+    view: tuple[int, ...]
+    blocks: tuple[Block, ...]
+    factors: dict[str, tuple[Factor, ...]]
+    sides: tuple[tuple[Factor | None, Factor | None], ...]
+
+    def size(self, part: str) -> int:
+        """Elements of the part's flat statistic (0: the part is trivial)."""
+        return sum(f.size for f in self.factors[part])
+
+    def region(self, block: int) -> tuple[slice, ...]:
+        """Index of a block in a tensor of the view shape."""
+        return tuple(slice(start, end) for start, end in self.blocks[block].ranges)
+
+
+def make_layout(shape: tuple[int, ...], max_dim: int, method: LargeDimMethod, merge: bool,
+                kept: Iterable[FactorKind]) -> Layout:
+    """The layout of a parameter of `shape`; factor kinds not in `kept` get no factor (SOAP: identity basis)."""
+    keep = frozenset(kept)
+    view, blocks = partition(shape, max_dim, method, merge)
+    factors: dict[str, list[Factor]] = {part: [] for part in PARTS}
+    offsets = dict.fromkeys(PARTS, 0)
+    sides: list[tuple[Factor | None, Factor | None]] = []
+    for index, block in enumerate(blocks):
+        pair: list[Factor | None] = [None, None]
+        for side, (kind, dim) in enumerate(zip(block.kinds, block.shape)):
+            if kind in keep:
+                part = PARTS[side]
+                factor = Factor(index, kind, dim, offsets[part])
+                pair[side] = factor
+                factors[part].append(factor)
+                offsets[part] += factor.size
+        sides.append((pair[0], pair[1]))
+    return Layout(view, tuple(blocks), {p: tuple(fs) for p, fs in factors.items()}, tuple(sides))
+
+
+def side_statistic(layout: Layout, part: str, grad: Tensor) -> Tensor:
+    """The flat statistic of `part` from `grad` (view shape, already in the statistics dtype)."""
+    side = PARTS.index(part)
+    pieces = []
+    for f in layout.factors[part]:
+        g = grad[layout.region(f.block)]
+        g = g.reshape(-1, 1) if g.dim() == 1 else (g if side == 0 else g.t())
+        pieces.append((g @ g.t()).reshape(-1) if f.kind is FactorKind.DENSE else (g * g).sum(1))
+    return torch.cat(pieces) if pieces else grad.new_zeros(0)
+
+
+def running_sum(old: Tensor | None, new: Tensor, beta: float) -> Tensor:
+    """beta * old + (1 - beta) * new (from zero), or old + new when beta is 1: a new tensor, never in place."""
+    if beta == 1.0:
+        return new.clone() if old is None else old + new
+    return (1.0 - beta) * new if old is None else beta * old + (1.0 - beta) * new

@@ -1,0 +1,180 @@
+"""SOAP (Vyas et al., "SOAP: Improving and Stabilizing Shampoo using Adam") as a `Family` with `SOAPConfig`.
+
+Per parameter, seen as a 1-D or 2-D view cut into blocks like Shampoo's (fxkfac.planner.blocking), step t:
+  1. (fold, every step) L <- b L + (1 - b) G_b G_b^T, R <- b R + (1 - b) G_b^T G_b per block, b = shampoo_beta
+     (from zero; b = 1: sums).
+  2. (refresh, t = start mod precondition_frequency, t >= start; earlier snapshots decompose to None) the
+     eigenbasis Q of each factor: eigh (retried in float64), or with BasisMethod.QR one power iteration from
+     the previous basis (the newest pending or active one when the state was snapshot; eigh when there is
+     none): columns sorted by descending diag(Q^T L Q), then Q <- qr(L Q). A failure in any block keeps the
+     previous bases of the whole parameter.
+  3. When a new basis becomes active, Adam's moments move into it. With O = Q_old^T Q_new per side (Q_old = I
+     before the first basis): the first moment exactly, m <- O_L^T m O_R; the second moment, which is not
+     linear in the basis, as the diagonal of the rotated covariance of independent coordinates:
+     v <- (O_L o O_L)^T v (O_R o O_R) (o: elementwise). This is exact for permutations and sign flips of the
+     basis (eigh's ordering), keeps v >= 0 and its sum, and is the identity when the basis is unchanged.
+  4. G' = Q_L^T G_b Q_R per block; m <- beta1 m + (1 - beta1) G', v <- beta2 v + (1 - beta2) G'^2 (from zero);
+     N' = m_hat / (sqrt(v_hat) + eps) (bias-corrected with t + 1 when use_bias_correction);
+     P_b = Q_L N'_b Q_R^T; then P += lambda W (decoupled, AdamW), on every parameter.
+Before the first basis is active (and for blocks without factors) the basis is the identity: plain AdamW.
+A side that has no factor keeps the identity basis: under DIAGONAL a side longer than b (SOAP's own rule for
+large dimensions), under ADAGRAD every side of a large view, and both sides of a 1-D view unless
+precondition_1d. The base optimizer is SGD(lr): W <- W - lr P. Moments are kept in preconditioner_dtype.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from fxkfac.planner.blocking import DEFAULT_MAX_DIM, FactorKind, matrix_view
+from fxkfac.preconditioner import RefreshState
+from fxkfac.shampoo.base import BlockFamily, block_side
+from fxkfac.shampoo.config import BasisMethod, SOAPConfig
+from fxkfac.shampoo.layout import Factor, Layout, ParamUnit, make_layout, running_sum
+from fxkfac.shampoo.state import Sides, SOAPState
+
+__all__ = ["SOAPFamily", "eigh_basis", "qr_basis"]
+
+
+def eigh_basis(a: Tensor) -> Tensor | None:
+    """The eigenvectors of `a` (columns), retried in float64; None when eigh fails or is not finite."""
+    for x in (a, a.double()):
+        try:
+            q = torch.linalg.eigh(x)[1].to(a.dtype)
+        except torch.linalg.LinAlgError:
+            continue
+        if bool(torch.isfinite(q).all()):
+            return q
+    return None
+
+
+def qr_basis(a: Tensor, previous: Tensor) -> Tensor | None:
+    """One power iteration from `previous`: its columns by descending estimated eigenvalue, then qr(a Q)."""
+    order = torch.argsort(torch.diagonal(previous.t() @ a @ previous), descending=True)
+    q = torch.linalg.qr(a @ previous[:, order])[0]
+    return q if bool(torch.isfinite(q).all()) else None
+
+
+Side = Callable[[Factor], Tensor]
+"""The matrix applied on one side of a block, given the block's factor on that side."""
+
+
+def _blockwise(layout: Layout, x: Tensor, left: Side, right: Side) -> Tensor:
+    """x with every block that has factors replaced by left(L-factor) @ x_b @ right(R-factor) (a side without a
+    factor: the identity)."""
+    out = x.clone()
+    for index, (lf, rf) in enumerate(layout.sides):
+        if lf is None and rf is None:
+            continue
+        region = layout.region(index)
+        xb = x[region]
+        if lf is not None:
+            xb = left(lf) @ xb
+        if rf is not None:
+            xb = xb @ right(rf)
+        out[region] = xb
+    return out
+
+
+class SOAPFamily(BlockFamily):
+    """The `Family` of SOAP (see the module doc). `max_dim`: the planner's block side for a config whose
+    max_preconditioner_dim is "auto" (default DEFAULT_MAX_DIM)."""
+
+    name = "soap"
+
+    def __init__(self, cfg: SOAPConfig, *, max_dim: int | None = None) -> None:
+        super().__init__(dtype=cfg.preconditioner_dtype, frequency=cfg.precondition_frequency,
+                         start=cfg.start_preconditioning_step, stat_beta=cfg.shampoo_beta)
+        self.cfg = cfg
+        self.max_dim = block_side(cfg.max_preconditioner_dim, max_dim, DEFAULT_MAX_DIM)
+
+    def _make_layout(self, unit: ParamUnit) -> Layout:
+        cfg = self.cfg
+        one_d = len(matrix_view(unit.shape, self.max_dim, cfg.use_merge_dims)) == 1
+        kept = () if one_d and not cfg.precondition_1d else (FactorKind.DENSE,)
+        return make_layout(unit.shape, self.max_dim, cfg.large_dim_method, cfg.use_merge_dims, kept)
+
+    def _new_state(self, layout: Layout) -> SOAPState:
+        return SOAPState((layout.size("L"), layout.size("R")), layout.view)
+
+    # --- refresh ------------------------------------------------------------------------------------
+
+    def decompose(self, unit: ParamUnit, state: RefreshState, part: str) -> Tensor | None:
+        """The part's eigenbases, flat in its layout; None before start or when any block fails."""
+        if self.before_start(state):
+            return None
+        assert isinstance(state, SOAPState)
+        stats = state.L if part == "L" else state.R
+        if stats is None:
+            raise ValueError(f"part {part} of {unit.name} is decomposed before it was ever folded")
+        latest = state.latest
+        previous = None if latest is None or self.cfg.basis_method is BasisMethod.EIGH else getattr(latest, part)
+        bases = []
+        for factor in self.layout(unit).factors[part]:
+            stat = factor.take(stats)
+            q = eigh_basis(stat) if previous is None else qr_basis(stat, factor.take(previous))
+            if q is None:
+                return None
+            bases.append(q.reshape(-1))
+        return torch.cat(bases) if bases else stats.new_zeros(0)
+
+    def combine(self, unit: ParamUnit, state: RefreshState, halves: Mapping[str, Any]) -> Sides | None:
+        """Both parts' bases; None (keep the previous) when either is missing."""
+        left, right = halves["L"], halves["R"]
+        return None if left is None or right is None else Sides(left, right)
+
+    # --- every step -----------------------------------------------------------------------------------
+
+    def precondition(self, units: Sequence[Any], grads: MutableMapping[str, Tensor],
+                     states: Mapping[str, RefreshState], params: Mapping[str, Tensor]) -> Tensor:
+        """Move moments into newly active bases, then replace each gradient by its AdamW direction in its bases;
+        returns sum <P, G>."""
+        dot = torch.zeros((), dtype=torch.float64)
+        for unit in units:
+            state = states[unit.name]
+            assert isinstance(state, SOAPState)
+            if state.moments_basis is not state.active:
+                self._move_moments(self.layout(unit), state)
+            grad = grads.get(unit.name)
+            if grad is None:
+                continue
+            p = self._direction(unit, state, grad, params[unit.name]).reshape(grad.shape)
+            dot = dot + (p.double() * grad.double()).sum()
+            grad.copy_(p)
+        return dot
+
+    def _move_moments(self, layout: Layout, state: SOAPState) -> None:
+        """Express the moments in the active bases (module doc, step 3)."""
+        new, old = state.active, state.moments_basis
+        assert new is not None, "bases are replaced, never removed"
+        if state.exp_avg is not None and state.exp_avg_sq is not None:
+            def overlap(f: Factor, part: str) -> Tensor:
+                q_new = f.take(getattr(new, part))
+                return q_new if old is None else f.take(getattr(old, part)).t() @ q_new
+
+            state.exp_avg = _blockwise(layout, state.exp_avg, lambda f: overlap(f, "L").t(),
+                                       lambda f: overlap(f, "R"))
+            state.exp_avg_sq = _blockwise(layout, state.exp_avg_sq, lambda f: overlap(f, "L").square().t(),
+                                          lambda f: overlap(f, "R").square())
+        state.moments_basis = new
+
+    def _direction(self, unit: ParamUnit, state: SOAPState, grad: Tensor, param: Tensor) -> Tensor:
+        """P of one parameter in its view shape; replaces the moments."""
+        cfg, layout = self.cfg, self.layout(unit)
+        (beta1, beta2), bases = cfg.betas, state.active
+        g = grad.detach().reshape(layout.view).to(self.dtype)
+        if bases is not None:
+            g = _blockwise(layout, g, lambda f: f.take(bases.L).t(), lambda f: f.take(bases.R))
+        state.exp_avg = running_sum(state.exp_avg, g, beta1)
+        state.exp_avg_sq = running_sum(state.exp_avg_sq, g * g, beta2)
+        m, v = state.exp_avg, state.exp_avg_sq
+        if cfg.use_bias_correction:
+            m, v = m / (1.0 - beta1**state.count), v / (1.0 - beta2**state.count)
+        n = m / (v.sqrt() + cfg.epsilon)
+        if bases is not None:
+            n = _blockwise(layout, n, lambda f: f.take(bases.L), lambda f: f.take(bases.R).t())
+        return n + cfg.weight_decay * param.detach().reshape(layout.view).to(self.dtype)
