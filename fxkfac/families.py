@@ -8,15 +8,21 @@ from fxkfac.config import KFACConfig
 from fxkfac.errors import ConfigError
 from fxkfac.kfac.family import KFACFamily
 from fxkfac.preconditioner import Family
+from fxkfac.shampoo import ShampooConfig, ShampooFamily, SOAPConfig, SOAPFamily
 
 __all__ = ["family_of"]
 
 
 def family_of(choice: Any) -> Family:
-    """The Family of a KFACConfig, or `choice` itself when it already is one; ConfigError otherwise."""
+    """The Family of a KFACConfig, ShampooConfig or SOAPConfig, or `choice` itself when it already is one;
+    ConfigError otherwise."""
     if isinstance(choice, KFACConfig):
         return KFACFamily(choice)
+    if isinstance(choice, ShampooConfig):
+        return ShampooFamily(choice)
+    if isinstance(choice, SOAPConfig):
+        return SOAPFamily(choice)
     if all(hasattr(choice, attr) for attr in ("parts", "source", "new_state", "decompose", "precondition")):
         return choice  # type: ignore[no-any-return]  # a Family object, checked structurally
-    raise ConfigError(f"preconditioner must be a KFACConfig or a fxkfac.preconditioner.Family, got "
-                      f"{type(choice).__name__}")
+    raise ConfigError(f"preconditioner must be a KFACConfig, ShampooConfig, SOAPConfig or a "
+                      f"fxkfac.preconditioner.Family, got {type(choice).__name__}")

@@ -208,17 +208,20 @@ class PreconditionerRuntime:
         interpreter.register(OpKind.OPT_STEP, self.opt_step)
         interpreter.listeners.append(self)
 
+    def _refreshing(self, step: int, layer_names: Sequence[str]) -> list[str]:
+        """The layers among `layer_names` whose refresh step `step` is."""
+        return [n for n in layer_names if step % self.timings[n].period == self.timings[n].curv_step]
+
     def modes_at(self, step: int, layer_names: Sequence[str]) -> dict[str, str]:
         """The layers among `layer_names` that step `step` taps, with their capture mode (none when every part
         is fed by the gradient)."""
         if self.gradient_parts == set(self.family.parts):
             return {}
-        return {n: self.timings[n].capture for n in layer_names
-                if step % self.timings[n].period == self.timings[n].curv_step}
+        return {n: self.timings[n].capture for n in self._refreshing(step, layer_names)}
 
     def open_refreshes(self, step: int) -> None:
         """Open a refresh record at `step` for every local layer that refreshes then."""
-        for name in self.modes_at(step, list(self.layers)):
+        for name in self._refreshing(step, list(self.layers)):
             self.refreshes[name].append(_Refresh(step, counts=dict.fromkeys(self.family.parts, 0)))
 
     # --- handlers -------------------------------------------------------------------------------

@@ -1,0 +1,107 @@
+"""Shampoo and SOAP through fxkfac.compile: pipelined runs (GPipe, 1F1B, Chimera, W=2) equal one device given
+the same timing, a checkpoint resumes exactly, and a bad base optimizer is refused."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import fxkfac
+from fxkfac.config import PipelineOptions
+from fxkfac.errors import ConfigError
+from fxkfac.planner.ir import LayerTiming
+from fxkfac.shampoo import GraftType, ShampooConfig, SOAPConfig
+from tests.support.distributed import run_distributed
+from tests.support.models import mlp
+
+N, STEPS, LR = 2, 6, 0.05
+SHAMPOO = ShampooConfig(precondition_frequency=2, max_preconditioner_dim=8, grafting_type=GraftType.ADAM,
+                        betas=(0.9, 0.99), epsilon=1e-4, momentum=0.5, preconditioner_dtype="float64")
+SOAP = SOAPConfig(precondition_frequency=2, max_preconditioner_dim=8, preconditioner_dtype="float64")
+FAMILIES = {"shampoo": SHAMPOO, "soap": SOAP}
+
+
+def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR)
+
+
+def _batches() -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randn(8, 12, generator=g), torch.randn(8, 5, generator=g)) for _ in range(STEPS)]
+
+
+def _timings() -> dict[str, LayerTiming]:
+    """The first layer's roots are used a step after their refresh (a planned run's staleness); the rest at once."""
+    return {"0.weight": LayerTiming(2, 0, 1, "fused"), "0.bias": LayerTiming(2, 1, 1, "fused")}
+
+
+def _compile(family: str, mesh: tuple[int, int] | None, schedule: str = "1f1b", seed: int = 0) -> fxkfac.Trainer:
+    W = 1 if mesh is None else mesh[1]
+    return fxkfac.compile(mlp(seed=seed), mesh, None, example_inputs=(_batches()[0][0],), loss_fn=F.mse_loss,
+                          optimizer=_sgd, backend=None, schedule=schedule, microbatches=N // W,
+                          preconditioner=FAMILIES[family], layer_timing=_timings(),
+                          pipeline=PipelineOptions(timeout=60.0))
+
+
+def _one_device(family: str) -> dict[str, Tensor]:
+    trainer = _compile(family, None)
+    for x, y in _batches():
+        trainer.step(x, y)
+    return {n: p.detach().clone() for n, p in trainer.named_parameters()}
+
+
+def _pipelined_worker(rank: int, world: int, cases: list[tuple[str, int, int, str]]) -> list[dict[str, Tensor]]:
+    out = []
+    for family, D, W, schedule in cases:
+        trainer = _compile(family, (D, W), schedule)
+        for x, y in _batches():
+            trainer.step(x, y)
+        out.append({n: copy.deepcopy(p.detach()) for n, p in trainer.named_parameters()})
+        dist.barrier()
+    return out
+
+
+@pytest.mark.multiproc
+def test_shampoo_and_soap_pipelined_equal_one_device() -> None:
+    cases = [(family, D, W, schedule) for family in FAMILIES
+             for D, W, schedule in ((2, 1, "gpipe"), (2, 1, "1f1b"), (2, 1, "chimera"), (1, 2, "gpipe"))]
+    results = run_distributed(_pipelined_worker, 2, cases, timeout=600)
+    assert all(r.ok for r in results), [r.traceback for r in results if not r.ok]
+    want = {family: _one_device(family) for family in FAMILIES}
+    start = dict(mlp().named_parameters())
+    for family in FAMILIES:
+        moved = max(float((want[family][n] - p.detach()).abs().max()) for n, p in start.items())
+        assert moved > 1e-3, f"{family} did not move the parameters: the comparison would be vacuous"
+    for r in results:
+        for case, params in zip(cases, r.value):
+            for name, p in params.items():
+                torch.testing.assert_close(p, want[case[0]][name], rtol=0, atol=1e-5,
+                                           msg=f"{case} rank {r.rank} {name}")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_checkpoint_resumes_exactly_with_roots_pending(family: str, tmp_path) -> None:
+    """Stopped after step 3, the first layer's root from step 2 is still pending (used from step 3 on)."""
+    batches = _batches()
+    a = _compile(family, None)
+    for x, y in batches[:3]:
+        a.step(x, y)
+    assert a.layer_states["0.weight"].pending, "the test must checkpoint a pending root"
+    a.save_checkpoint(str(tmp_path / "ckpt"))
+    b = _compile(family, None, seed=5)
+    b.load_checkpoint(str(tmp_path / "ckpt"))
+    for x, y in batches[3:]:
+        assert a.step(x, y) == b.step(x, y)
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_a_base_optimizer_with_momentum_is_refused() -> None:
+    with pytest.raises(ConfigError, match="base optimizer must be torch.optim.SGD"):
+        fxkfac.compile(mlp(), None, None, example_inputs=(_batches()[0][0],), loss_fn=F.mse_loss, backend=None,
+                       optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), preconditioner=SHAMPOO)
