@@ -26,7 +26,7 @@ from ortools.sat.python import cp_model
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, refresh_lower_bound
 from fxkfac.planner.stretch import Allowance, least_stretch, restretch, stretch_lower_bound
-from fxkfac.planner.window import GroupSolution, Window, fits_memory, too_long, use_offsets
+from fxkfac.planner.window import GroupSolution, TaskKind, Window, fits_memory, too_long, use_offsets
 
 __all__ = ["solve_window", "solve_group", "refine_stretch"]
 
@@ -65,14 +65,14 @@ def _modular(v: _Vars, name: str, lo: int, hi: int, ticks: int, length: int) -> 
 def _add_tasks(v: _Vars, w: Window) -> None:
     L = w.length
     for task in w.tasks:
-        lo = max(w.earliest(task, d) for d in task.devices) if task.kind != "inv" else \
+        lo = max(w.earliest(task, d) for d in task.devices) if task.kind is not TaskKind.INV else \
             min(w.earliest(task, d) for d in task.devices)
         start, pos, late = _modular(v, task.name, lo, 2 * L - task.ticks, task.ticks, L)
         v.start.append(start)
         v.pos.append(pos)
         v.late.append(late)
         present: dict[int, cp_model.IntVar] = {}
-        if task.kind == "inv":
+        if task.kind is TaskKind.INV:
             for d in task.devices:
                 present[d] = v.model.new_bool_var(f"on_r{d}_{task.name}")
                 iv = v.model.new_optional_fixed_size_interval_var(pos, task.ticks, present[d], f"{task.name}_r{d}")
@@ -90,23 +90,23 @@ def _add_precedences(v: _Vars, w: Window) -> None:
     """sync after every curvature of its factor, inversion after sync (or curvature), broadcast after
     inversion; the next refresh (L later) must find the factor's buffers free and its a/e consumed."""
     L, m = w.length, v.model
-    by_factor: dict[tuple[str, str], dict[str, list[int]]] = {}
+    by_factor: dict[tuple[str, str], dict[TaskKind, list[int]]] = {}
     for i, task in enumerate(w.tasks):
         for f in task.factors:
             by_factor.setdefault(f, {}).setdefault(task.kind, []).append(i)
     for i, task in enumerate(w.tasks):
-        if task.kind == "curv":
+        if task.kind is TaskKind.CURV:
             m.add(v.start[i] + task.ticks <= task.release + L)
     for kinds in by_factor.values():
-        chain = [kinds[k] for k in ("curv", "sync", "inv", "bcast") if k in kinds]
+        chain = [kinds[k] for k in TaskKind if k in kinds]  # curv, sync, inv, bcast
         for before, after in zip(chain, chain[1:]):
             for b in before:
                 for a in after:
                     m.add(v.start[a] >= v.start[b] + w.tasks[b].ticks)
-        inv = kinds["inv"][0]
-        for c in kinds.get("curv", []):
+        inv = kinds[TaskKind.INV][0]
+        for c in kinds.get(TaskKind.CURV, []):
             m.add(v.start[inv] + w.tasks[inv].ticks <= v.start[c] + L)
-        for b in kinds.get("bcast", []):
+        for b in kinds.get(TaskKind.BCAST, []):
             m.add(v.start[b] + 1 <= v.start[inv] + L)
 
 
@@ -116,6 +116,16 @@ def _add_precs(v: _Vars, w: Window) -> None:
         start, pos, _ = _modular(v, name, slot.release, slot.deadline - slot.ticks, slot.ticks, w.length)
         v.prec.append(start)
         v.intervals_of_device[slot.device].append(v.model.new_fixed_size_interval_var(pos, slot.ticks, name))
+
+
+def _add_slot_releases(v: _Vars, w: Window) -> None:
+    """A decomposition of a gradient-fed part starts after the refresh step's APPLY slot of its stage on the
+    device it runs on, whose STATS snapshot its statistic ([Note: gradient parts] in planner/window.py)."""
+    for i, task in enumerate(w.tasks):
+        if task.after_slot:
+            for d, present in v.present[i].items():
+                n = w.refresh_slot(d, task.stage)
+                v.model.add(v.start[i] >= v.prec[n] + w.precs[n].ticks).only_enforce_if(present)
 
 
 def _add_memory(v: _Vars, w: Window) -> None:
@@ -134,7 +144,7 @@ def _add_memory(v: _Vars, w: Window) -> None:
             intervals.append(m.new_fixed_size_interval_var(s, e - s, f"act_r{d}_{s}"))
             demands.append(math.ceil(nbytes / unit))
         for i, task in enumerate(w.tasks):
-            if task.kind != "curv" or task.devices[0] != d or task.keep_bytes == 0:
+            if task.kind is not TaskKind.CURV or task.devices[0] != d or task.keep_bytes == 0:
                 continue
             t0 = task.release % L
             room = L - t0
@@ -155,7 +165,7 @@ def _add_staleness(v: _Vars, w: Window) -> list[cp_model.IntVar]:
     m, k, L = v.model, w.k, w.length
     ends: dict[str, list[cp_model.LinearExpr]] = {}
     for i, task in enumerate(w.tasks):
-        if task.kind in ("inv", "bcast"):
+        if task.kind in (TaskKind.INV, TaskKind.BCAST):
             for layer, _ in task.factors:
                 ends.setdefault(layer, []).append(v.start[i] + task.ticks)
     not_ready: list[Any] = []  # negated bool vars
@@ -179,7 +189,7 @@ def _break_layer_symmetry(v: _Vars, w: Window) -> None:
     order."""
     first = {x.name: x.parts[0].part for s in w.group.stages for x in w.problem.costs.stages[s].layers}
     inv_a = {task.factors[0][0]: i for i, task in enumerate(w.tasks)
-             if task.kind == "inv" and task.side == first[task.factors[0][0]]}
+             if task.kind is TaskKind.INV and task.side == first[task.factors[0][0]]}
     for s in w.group.stages:
         layers = w.problem.costs.stages[s].layers
         for a, b in zip(layers, layers[1:]):
@@ -202,6 +212,7 @@ def _build(w: Window, optimize: bool) -> _Vars:
     _add_tasks(v, w)
     _add_precedences(v, w)
     _add_precs(v, w)
+    _add_slot_releases(v, w)
     for intervals in v.intervals_of_device.values():
         v.model.add_no_overlap(intervals)
     _add_memory(v, w)
@@ -255,9 +266,9 @@ def solve_window(w: Window, config: SolverConfig, time_limit: float, hint: Group
 
 def _root_broadcasts(w: Window, devices: list[int]) -> None:
     """A broadcast's device is the root: the device of its factor's inversion."""
-    inv_device = {task.factors[0]: devices[i] for i, task in enumerate(w.tasks) if task.kind == "inv"}
+    inv_device = {task.factors[0]: devices[i] for i, task in enumerate(w.tasks) if task.kind is TaskKind.INV}
     for i, task in enumerate(w.tasks):
-        if task.kind == "bcast":
+        if task.kind is TaskKind.BCAST:
             devices[i] = inv_device[task.factors[0]]
 
 

@@ -20,14 +20,14 @@ import time
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.problem import Problem, StageGroup, copies_of_stage, step_timeline
 from fxkfac.planner.stretch import Allowance, least_stretch, stretch_lower_bound
-from fxkfac.planner.window import GroupSolution, Task, Window, use_offsets
+from fxkfac.planner.window import GroupSolution, Task, TaskKind, Window, use_offsets
 
 __all__ = ["MARGIN", "greedy_group", "greedy_window", "greedy_overhead"]
 
 MARGIN = 0.05
 """pipe-fisher's margin_ratio: a task needs duration * (1 + MARGIN) of free gap."""
 
-_ORDER = {"curv": 0, "sync": 1, "inv": 2, "bcast": 3}
+_ORDER = {kind: n for n, kind in enumerate(TaskKind)}
 """Priority of a task kind (then a layer's parts in their order: K-FAC's curvature A, B, sync A, B, ...)."""
 
 
@@ -83,6 +83,15 @@ def _inv_device(window: Window, task: Task) -> int:
     return copies[names.index(task.factors[0][0]) % len(copies)]
 
 
+def _slot_release(window: Window, task: Task, device: int) -> int:
+    """For a decomposition of a gradient-fed part, the end of its stage's refresh-step APPLY slot on `device`
+    (where greedy leaves it: the reference place); 0 for other tasks."""
+    if not task.after_slot:
+        return 0
+    slot = window.precs[window.refresh_slot(device, task.stage)]
+    return slot.reference + slot.ticks
+
+
 def greedy_window(window: Window) -> GroupSolution | None:
     """Place every task of `window` first-fit in priority order; None when something does not fit."""
     gaps = {d: _Gaps(window.fixed[d] + tuple((p.reference, p.reference + p.ticks) for p in window.precs
@@ -97,9 +106,9 @@ def greedy_window(window: Window) -> GroupSolution | None:
     for i in order:
         task = window.tasks[i]
         key = task.factors[0]
-        after = 0 if task.kind == "curv" else max((done.get(f, 0) for f in task.factors), default=0)
-        members = [_inv_device(window, task)] if task.kind == "inv" else list(task.devices)
-        earliest = max([after] + [window.earliest(task, d) for d in members])
+        after = 0 if task.kind is TaskKind.CURV else max((done.get(f, 0) for f in task.factors), default=0)
+        members = [_inv_device(window, task)] if task.kind is TaskKind.INV else list(task.devices)
+        earliest = max([after, _slot_release(window, task, members[0])] + [window.earliest(task, d) for d in members])
         need = math.ceil(task.ticks * (1 + MARGIN))
         start = _fit_together([gaps[d] for d in members], earliest, need)
         if start is None:
@@ -107,8 +116,8 @@ def greedy_window(window: Window) -> GroupSolution | None:
         for d in members:
             gaps[d].occupy(start, task.ticks)
         starts[i] = start
-        devices[i] = members[0] if task.kind != "bcast" else inv_device[key]
-        if task.kind == "inv":
+        devices[i] = members[0] if task.kind is not TaskKind.BCAST else inv_device[key]
+        if task.kind is TaskKind.INV:
             inv_device[key] = members[0]
         for f in task.factors:
             done[f] = max(done.get(f, 0), start + task.ticks)

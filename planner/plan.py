@@ -27,6 +27,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.errors import (
     InfeasibleBudgetError,
     Knob,
@@ -54,6 +55,7 @@ from fxkfac.planner.stretch import Allowance, allowance, restretch
 from fxkfac.planner.window import (
     GroupSolution,
     Placement,
+    TaskKind,
     Window,
     born_steps,
     fits_memory,
@@ -300,7 +302,7 @@ def _aggregate(problem: Problem, group: StageGroup, config: SolverConfig, allowe
     window = allowed.window(group, 2, allowed.ticks(problem.max_period), aggregate=True,
                             resolution=config.time_resolution)
     gaps = longest_gaps(window)
-    return all(t.ticks <= gaps[t.devices[0]] for t in window.tasks if t.kind == "curv")
+    return all(t.ticks <= gaps[t.devices[0]] for t in window.tasks if t.kind is TaskKind.CURV)
 
 
 def _overhead_period(problem: Problem, fused: frozenset[str]) -> int:
@@ -449,7 +451,8 @@ def _next_fused(problem: Problem, attempt: _Attempt, fused: frozenset[str], *,
     for group, solution, first in zip(groups, attempt.solutions, attempt.greedy):
         if solution is not None:
             continue
-        candidates = sorted((x for s in group.stages for x in problem.costs.stages[s].layers if x.name not in fused),
+        candidates = sorted((x for s in group.stages for x in problem.costs.stages[s].layers
+                             if x.name not in fused and _captures(x)),
                             key=lambda x: (x.capture_bytes, x.name), reverse=True)
         if not candidates:
             return None
@@ -461,6 +464,12 @@ def _next_fused(problem: Problem, attempt: _Attempt, fused: frozenset[str], *,
             if saved >= excess:
                 break
     return frozenset(more)
+
+
+def _captures(layer: LayerCost) -> bool:
+    """Whether the layer has a part fed by a capture of its F/B (only those can be fused; a gradient-fed part
+    keeps nothing per micro-batch)."""
+    return any(p.after is not OpKind.ALLREDUCE_GRAD for p in layer.parts)
 
 
 def _excess(problem: Problem, solution: GroupSolution) -> int:
@@ -570,7 +579,8 @@ def _check_budget(problem: Problem) -> None:
         raise _Refused(InfeasibleBudgetError(
             f"memory budget {problem.memory_budget} bytes ({format_bytes(problem.memory_budget)}) per device is below "
             f"the least any plan needs: {need} bytes ({format_bytes(need)}) = parameters and gradients, factors and "
-            "inverses, and the activation peak with all curvature fused (which max_overhead must pay for)",
+            "inverses, the optimizer state of the preconditioned layers, and the activation peak with all curvature "
+            "fused (which max_overhead must pay for)",
             need), (Knob.MEMORY_BUDGET,))
 
 
@@ -774,6 +784,10 @@ _SEARCHES = {Knob.MAX_OVERHEAD: _search_overhead, Knob.MEMORY_BUDGET: _search_me
              Knob.MICROBATCHES: _search_microbatches}
 
 
+_PLACED_KINDS = frozenset({OpKind.STATS, OpKind.APPLY, OpKind.OPT_STEP})
+"""Ops of the reference step that a plan places itself (gradient STATS and APPLY) or appends (OPT_STEP)."""
+
+
 def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) -> Program:
     """The device's ops per step of the period, in time order: an op placed in a bubble goes after
     every fixed op that ends by its start (so a RECV still waiting stays after it). Compared in
@@ -782,7 +796,7 @@ def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) 
     timelines = [step_timeline(problem, w.fused)] + [step_timeline(problem)] * (w.k - 1)
     for j, st in enumerate(timelines):
         for seq, (op, _, end) in enumerate(st.ops[device]):
-            if op.kind not in (OpKind.APPLY, OpKind.OPT_STEP):
+            if op.kind not in _PLACED_KINDS:
                 steps[j].append(((w.offsets[j] + round(end * w.scale), 0, seq), op))
     for n, p in enumerate(sorted(placed, key=lambda p: (p.start, p.end))):
         steps[p.step % w.k].append(((round(p.start * w.scale) - w.length * (p.step // w.k), 1, n), p.op))

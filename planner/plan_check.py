@@ -82,8 +82,13 @@ def _check_op(problem: Problem, op: Op, device: int, fixed: dict[int, set]) -> N
               "or the layer has no such part")
     if op.kind is OpKind.STATS:
         kind = problem.costs.layer(op.layer).part(op.part).after  # type: ignore[arg-type]  # checked just above
-        _need((kind, op.stage, op.mb, op.pipe) in fixed[device], f"{op} on r{device}: r{device} runs no such "
-              "micro-batch of the stage")
+        if kind is OpKind.ALLREDUCE_GRAD:
+            _need(op.mb is None and op.pipe == 0, f"{op}: part {op.part} is fed by the reduced gradient, so its "
+                  "STATS names no micro-batch and no pipe (one per step and copy of the stage)")
+        else:
+            _need(op.mb is not None, f"{op}: part {op.part} is fed by a capture, so its STATS names a micro-batch")
+            _need((kind, op.stage, op.mb, op.pipe) in fixed[device], f"{op} on r{device}: r{device} runs no such "
+                  "micro-batch of the stage")
 
 
 def _check_placements(plan: Plan) -> None:

@@ -33,6 +33,7 @@ __all__ = [
     "refresh_lower_bound",
     "stretch_allowance",
     "format_bytes",
+    "gradient_stats",
 ]
 
 _FIXED_KINDS = frozenset({OpKind.FWD, OpKind.BWD})
@@ -138,7 +139,8 @@ class SolverConfig:
 class StepTimeline:
     """One step of the pipeline, per device: fixed F/B intervals and the points the K-FAC work uses.
 
-    ops: (op, start, end) of every op of the step in program order (RECV intervals include waits);
+    ops: (op, start, end) of every op of the step in program order (RECV intervals include waits; with
+    preconditioning, each stage's gradient STATS and APPLY right after its all-reduce);
     allreduce_end[(device, stage)]: end of ALLREDUCE_GRAD(stage); length: the step time.
     """
 
@@ -165,23 +167,35 @@ def base_programs(problem: Problem) -> dict[int, list[Op]]:
     return expand_dp(add_send_recv(schedule_programs(kind, D, problem.N, v=v), kind, D, v), problem.W)
 
 
+def gradient_stats(stage: StageCost, index: int) -> list[tuple[Op, float]]:
+    """The STATS ops (with their seconds) of stage `index`'s parts fed by the reduced gradient, in the order every
+    step runs them: layer by layer, each layer's parts in their order, right before the stage's APPLY."""
+    return [(Op(OpKind.STATS, index, layer=x.name, part=p.part), p.stats)
+            for x in stage.layers for p in x.parts if p.after is OpKind.ALLREDUCE_GRAD]
+
+
 @lru_cache(maxsize=64)
 def reference_programs(problem: Problem) -> dict[int, list[Op]]:
-    """The base programs with APPLY(s) right after each ALLREDUCE_GRAD(s): the paper's K-FAC step."""
+    """The base programs with the gradient statistics and APPLY(s) right after each ALLREDUCE_GRAD(s): the
+    paper's K-FAC step (per-step preconditioner work on the critical path, refresh work nowhere)."""
     out = {}
     for rank, ops in base_programs(problem).items():
         body: list[Op] = []
         for op in ops:
             body.append(op)
             if op.kind is OpKind.ALLREDUCE_GRAD:
-                body.append(Op(OpKind.APPLY, op.stage))
+                s = op.stage
+                assert s is not None, "the schedules' ALLREDUCE_GRAD names its stage"
+                body += [stats for stats, _ in gradient_stats(problem.costs.stages[s], s)] + [Op(OpKind.APPLY, s)]
         out[rank] = body
     return out
 
 
 def _duration(problem: Problem, fused: frozenset[str]) -> Callable[[int, Op], float]:
-    """Op durations in seconds: F/B from the costs (plus fused curvature), APPLY, nothing else."""
+    """Op durations in seconds: F/B from the costs (plus fused curvature), gradient statistics, APPLY, nothing
+    else."""
     stages = problem.costs.stages
+    stats = {(op.layer, op.part): secs for s, stage in enumerate(stages) for op, secs in gradient_stats(stage, s)}
 
     def fused_curv(stage: StageCost, after: OpKind) -> float:
         return sum(p.stats for x in stage.layers if x.name in fused for p in x.parts if p.after is after)
@@ -197,6 +211,8 @@ def _duration(problem: Problem, fused: frozenset[str]) -> Callable[[int, Op], fl
             return bwd[op.stage]  # type: ignore[index]  # a BWD names its stage
         if op.kind is OpKind.APPLY:
             return prec[op.stage]  # type: ignore[index]  # a APPLY names its stage
+        if op.kind is OpKind.STATS:
+            return stats[op.layer, op.part]
         return 0.0
 
     return duration
@@ -290,10 +306,11 @@ def stage_groups(problem: Problem) -> tuple[StageGroup, ...]:
 
 
 def static_bytes(problem: Problem, device: int) -> int:
-    """Memory held all step on `device`: parameters and gradients (2x), factors and inverses (2x),
+    """Memory held all step on `device`: parameters and gradients (2x), factors and inverses (2x), the
+    layers' optimizer state besides the factors (`LayerCost.state_bytes`: grafting, momentum, Adam moments),
     and the largest transient error peak of one backward."""
     stages = [problem.costs.stages[s] for s in stages_on_device(problem, device)]
-    return (sum(2 * s.param_bytes + 2 * s.factor_bytes for s in stages)
+    return (sum(2 * s.param_bytes + 2 * s.factor_bytes + sum(x.state_bytes for x in s.layers) for s in stages)
             + max((s.peak_err_bytes for s in stages), default=0))
 
 
@@ -340,7 +357,8 @@ def stretch_allowance(problem: Problem, fused: frozenset[str], k: int) -> float:
 def refresh_lower_bound(problem: Problem, group: StageGroup, fused: frozenset[str] = frozenset(),
                         stretch: bool = False) -> int:
     """ceil(K-FAC work of the group / its bubble time per step): curvature of every micro-batch on
-    every copy (unfused layers) plus all inversions, over the idle time of the reference step.
+    every copy (unfused layers) plus all inversions, over the idle time of the reference step (whose F/B,
+    gradient statistics and APPLY are busy).
 
     stretch: the idle time appended to every step within max_overhead (`stretch_allowance`) counts as
     bubble on every device of the group: the least k whose k steps hold the work.
@@ -353,7 +371,7 @@ def refresh_lower_bound(problem: Problem, group: StageGroup, fused: frozenset[st
             work += sum(p.stats for x in layers if x.name not in fused for p in x.parts if p.after is op.kind)
     work += sum(problem.costs.stages[s].inv for s in group.stages)
     busy = sum(end - start for d in group.devices for op, start, end in step.ops[d]
-               if op.kind in _FIXED_KINDS or op.kind is OpKind.APPLY)
+               if op.kind in _FIXED_KINDS or op.kind in (OpKind.APPLY, OpKind.STATS))
     bubble = step.length * len(group.devices) - busy
     if work <= 0:
         return 1

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, stretch_allowance
-from fxkfac.planner.window import GroupSolution, Window, build_window, grid_scale, use_offsets
+from fxkfac.planner.window import GroupSolution, TaskKind, Window, build_window, grid_scale, use_offsets
 
 __all__ = ["Allowance", "allowance", "restretch", "stretch_lower_bound", "least_stretch", "Probe"]
 
@@ -111,8 +111,8 @@ def stretch_lower_bound(window: Window) -> int:
     need = 0
     for task in window.tasks:
         per_device = [0 if task.ticks <= gaps[d][0] else task.ticks - (gaps[d][1] - x) for d in task.devices]
-        need = max(need, min(per_device) if task.kind == "inv" else max(per_device))
-    work = sum(t.ticks * (len(t.devices) if t.kind in ("sync", "bcast") else 1) for t in window.tasks)
+        need = max(need, min(per_device) if task.kind is TaskKind.INV else max(per_device))
+    work = sum(t.ticks * (len(t.devices) if t.kind.collective else 1) for t in window.tasks)
     work += sum(p.ticks for p in window.precs)
     free = n * window.length - sum(e - s for d in window.group.devices for s, e in window.fixed[d])
     return max(need, x + math.ceil((work - free) / (k * n)), 0)

@@ -4,13 +4,17 @@ It recomputes what the plan must contain from the problem alone (the simulated s
 cost table) and shares no code with planner.window, greedy or cpsat. Times may be off by the plan's
 `metrics.time_quantum` (the planner's time grid, see [Note: time grid] in planner/window.py). Every
 step is followed by `metrics.stretch` idle seconds ([Note: stretch]); the step time, stretch included,
-must stay within the problem's max_overhead.
+must stay within the problem's max_overhead. A part fed by the reduced gradient (`PartCost.after`
+ALLREDUCE_GRAD) has a STATS without micro-batch at every step on every copy of its stage, between the
+stage's gradient all-reduce and its APPLY, and no SYNC_STATS; its DECOMP follows the refresh step's STATS
+on the deciding rank.
 """
 
 from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -73,6 +77,17 @@ def _key(op: Op) -> Op:
     return replace(op, root=0) if op.kind is OpKind.BCAST else op
 
 
+def _per_step(op: Op) -> bool:
+    """Whether `op` runs at every step of the period (APPLY, a gradient STATS) rather than once per refresh."""
+    return op.kind is OpKind.APPLY or (op.kind is OpKind.STATS and op.mb is None)
+
+
+def _gradient_parts(c: _Ctx, stage: int) -> list[tuple[str, str]]:
+    """(layer, part) of the stage's parts fed by the reduced gradient."""
+    return [(x.name, p.part) for x in c.problem.costs.stages[stage].layers for p in x.parts
+            if p.after is OpKind.ALLREDUCE_GRAD]
+
+
 def _expected(c: _Ctx) -> Counter:
     """(op, device) of every K-FAC op the plan must place, with multiplicity (DECOMP: on one copy)."""
     want: Counter = Counter()
@@ -88,10 +103,13 @@ def _expected(c: _Ctx) -> Counter:
                             want[Op(OpKind.STATS, s, op.mb, op.pipe, layer=x.name, part=side), d] += 1
             for j in range(c.period(s)):
                 want[Op(OpKind.APPLY, s), d, j] += 1
+                for layer, part in _gradient_parts(c, s):
+                    want[Op(OpKind.STATS, s, layer=layer, part=part), d, j] += 1
         for x in stage.layers:
-            for side in (p.part for p in x.parts):
+            for side, after in ((p.part, p.after) for p in x.parts):
                 want[Op(OpKind.DECOMP, s, layer=x.name, part=side), None] += 1
-                for kind in (OpKind.SYNC_STATS, OpKind.BCAST) if len(copies) > 1 else ():
+                synced = (OpKind.BCAST,) if after is OpKind.ALLREDUCE_GRAD else (OpKind.SYNC_STATS, OpKind.BCAST)
+                for kind in synced if len(copies) > 1 else ():
                     for d in copies:
                         want[_key(Op(kind, s, layer=x.name, part=side, root=0 if kind is OpKind.BCAST else None)),
                              d] += 1
@@ -128,7 +146,7 @@ def _duration(c: _Ctx, op: Op) -> float:
 def _check_placed_once(c: _Ctx) -> None:
     got: Counter = Counter()
     for p in c.plan.placements:
-        if p.op.kind is OpKind.APPLY:
+        if _per_step(p.op):
             got[_key(p.op), p.device, p.step] += 1
         else:
             got[_key(p.op), None if p.op.kind is OpKind.DECOMP else p.device] += 1
@@ -195,8 +213,11 @@ def _after(c: _Ctx, op: Op) -> OpKind:
 def _check_dependencies(c: _Ctx) -> None:
     factor_tasks: defaultdict[tuple[str, str | None], defaultdict[OpKind, list[Placement]]] = \
         defaultdict(lambda: defaultdict(list))
+    applies = {(p.op.stage, p.device, p.step): p.start for p in c.plan.placements if p.op.kind is OpKind.APPLY}
     for p in c.plan.placements:
-        if p.op.kind is OpKind.STATS:
+        if p.op.kind is OpKind.STATS and p.op.mb is None:
+            _check_gradient_stats(c, p, applies)
+        elif p.op.kind is OpKind.STATS:
             kind = _after(c, p.op)
             ready = _end_of(c.refresh, p.device, kind, p.op.stage, p.op.mb, p.op.pipe)  # type: ignore[arg-type]  # a STATS names its stage and micro-batch
             if p.start < ready - c.tol:
@@ -210,11 +231,33 @@ def _check_dependencies(c: _Ctx) -> None:
         _check_factor(c, layer, side, kinds)
 
 
+def _check_gradient_stats(c: _Ctx, p: Placement, applies: Mapping[tuple[int | None, int, int], float]) -> None:
+    """A gradient STATS of window step j starts after its stage's gradient all-reduce of that step on its device
+    and ends by the start of the stage's APPLY there (`applies`: APPLY starts by stage, device and step), which
+    overwrites the gradient."""
+    s = p.op.stage
+    assert s is not None, "a STATS names its stage (Op checks it)"
+    k = c.period(s)
+    if (p.device, s) not in c.refresh.allreduce_end or not 0 <= p.step < k:
+        return  # _check_placed_once says where it should be
+    ready = c.base(p.step, k) + c.timeline(p.step, k).allreduce_end[p.device, s]
+    if p.start < ready - c.tol:
+        c.errors.append(f"{p.op} on r{p.device} at step {p.step} starts at {p.start:.6g} before the stage's "
+                        f"gradient is reduced ({ready:.6g})")
+    apply = applies.get((s, p.device, p.step))
+    if apply is not None and p.end > apply + c.tol:
+        c.errors.append(f"{p.op} on r{p.device} at step {p.step} ends at {p.end:.6g}, after APPLY s{s} starts "
+                        f"({apply:.6g})")
+
+
 def _check_factor(c: _Ctx, layer: str, side: str | None, kinds: dict) -> None:
     stage = c.problem.costs.stage_of(layer)
     L = c.length(c.period(stage))
     copies = copies_of_stage(c.problem, stage)
     curv, sync, inv, bcast = (kinds.get(k, []) for k in (OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST))
+    if (layer, side) in _gradient_parts(c, stage):
+        _check_gradient_refresh(c, layer, side, L, curv, inv + bcast)
+        return
     if layer in c.fused:
         kind = c.problem.costs.layer(layer).part(side).after  # type: ignore[arg-type]  # fused: per part
         ready = max(b for d in copies for op, _, b in c.refresh.fixed(d) if op.stage == stage and op.kind is kind)
@@ -235,6 +278,32 @@ def _check_factor(c: _Ctx, layer: str, side: str | None, kinds: dict) -> None:
             c.errors.append(f"DECOMP {layer} {side} ends after the next refresh starts its curvature")
         if any(p.end > inv[0].start + L + c.tol for p in bcast):
             c.errors.append(f"BCAST {layer} {side} ends after the next refresh's inversion starts")
+
+
+def _check_gradient_refresh(c: _Ctx, layer: str, side: str | None, L: float, stats: list[Placement],
+                            refresh: list[Placement]) -> None:
+    """A gradient-fed part's DECOMP starts after the refresh step's STATS of the part on its rank (which
+    snapshots the statistic), its BCASTs after the DECOMP, together, from the DECOMP's rank, and before the next
+    refresh's DECOMP (`L`: the window's length)."""
+    decomps = [p for p in refresh if p.op.kind is OpKind.DECOMP]
+    bcasts = [p for p in refresh if p.op.kind is OpKind.BCAST]
+    if len(decomps) != 1:
+        return  # _check_placed_once counts them
+    decomp = decomps[0]
+    snapshot = [p for p in stats if (p.device, p.step) == (decomp.device, 0)]
+    if not snapshot:
+        c.errors.append(f"{decomp.op} on r{decomp.device}: no STATS of the refresh step on r{decomp.device}")
+    elif decomp.start < snapshot[0].end - c.tol:
+        c.errors.append(f"{decomp.op} starts at {decomp.start:.6g}, before the refresh step's {snapshot[0].op} "
+                        f"on r{decomp.device} ends ({snapshot[0].end:.6g})")
+    if bcasts and max(p.start for p in bcasts) - min(p.start for p in bcasts) > c.tol:
+        c.errors.append(f"{bcasts[0].op}: the copies start it at different times")
+    if any(p.start < decomp.end - c.tol for p in bcasts):
+        c.errors.append(f"{bcasts[0].op} starts before the work it depends on ends ({decomp.end:.6g})")
+    if any(p.op.root != decomp.device for p in bcasts):
+        c.errors.append(f"broadcast of {layer} {side} does not come from r{decomp.device}, where it was decomposed")
+    if any(p.end > decomp.start + L + c.tol for p in bcasts):
+        c.errors.append(f"BCAST {layer} {side} ends after the next refresh's DECOMP starts")
 
 
 def _check_precs_and_offsets(c: _Ctx) -> None:
@@ -265,7 +334,7 @@ def _check_memory(c: _Ctx) -> None:
     budget = c.problem.memory_budget
     keeps = defaultdict(list)
     for p in c.plan.placements:
-        if p.op.kind is OpKind.STATS:
+        if p.op.kind is OpKind.STATS and p.op.mb is not None:
             part = c.problem.costs.layer(p.op.layer).part(p.op.part)  # type: ignore[arg-type]  # a STATS names both
             since = _end_of(c.refresh, p.device, part.after, p.op.stage, p.op.mb, p.op.pipe)  # type: ignore[arg-type]  # a STATS names its stage and micro-batch
             keeps[p.device].append((since, p.end, part.capture_bytes))
@@ -314,12 +383,12 @@ def _check_programs(c: _Ctx, run: bool) -> None:
             want = [op for op, _, _ in c.timeline(j, k).ops[d] if op.kind not in _KFAC]
             if [op for op in ops if op.kind not in _KFAC] != want:
                 c.errors.append(f"r{d} step {j}: the pipeline ops differ from the schedule's")
-        placed = sorted((p.step % k, p.start - c.length(k) * (p.step // k), str(p.op))
-                        for p in plan.placements if p.device == d)
+        times = {(p.step % k, str(p.op)): (p.start - c.length(k) * (p.step // k), p.end - c.length(k) * (p.step // k))
+                 for p in plan.placements if p.device == d}
         listed = [(j, str(op)) for j, ops in enumerate(prog) for op in ops if op.kind in _KFAC]
-        if sorted(listed) != sorted((j, op) for j, _, op in placed):
+        if sorted(listed) != sorted(times):
             c.errors.append(f"r{d}: the program's K-FAC ops differ from the placements")
-        elif [op for _, op in listed] != [op for _, _, op in placed]:
+        elif any(a[0] == b[0] and times[a] > times[b] for a, b in zip(listed, listed[1:])):
             c.errors.append(f"r{d}: the program's K-FAC ops are not in time order")
         else:
             _check_interleaving(c, d, k, prog)
@@ -353,11 +422,19 @@ def _check_interleaving(c: _Ctx, device: int, k: int, prog: list[list[Op]]) -> N
                     c.errors.append(f"r{device} step {j}: '{op}' (placed at {t:.6g} s) and "
                                     f"'{other}' ({a:.6g}-{b:.6g} s)"
                                     " are in the wrong order in the program")
-            if op.kind is OpKind.APPLY:
-                after = [o for o in ops[i + 1:]
-                         if o.stage == op.stage and o.kind in (OpKind.BWD, OpKind.ALLREDUCE_GRAD)]
-                if after:
-                    c.errors.append(f"r{device} step {j}: '{op}' comes before '{after[0]}' of its stage")
+            if _per_step(op):
+                _check_gradient_order(c, device, j, ops, i)
+
+
+def _check_gradient_order(c: _Ctx, device: int, j: int, ops: list[Op], i: int) -> None:
+    """An APPLY or gradient STATS (ops[i]) comes after every BWD and ALLREDUCE_GRAD of its stage in the step (the
+    gradient is complete); a gradient STATS also before its stage's APPLY (which overwrites the gradient)."""
+    op = ops[i]
+    after = [o for o in ops[i + 1:] if o.stage == op.stage and o.kind in (OpKind.BWD, OpKind.ALLREDUCE_GRAD)]
+    if after:
+        c.errors.append(f"r{device} step {j}: '{op}' comes before '{after[0]}' of its stage")
+    if op.kind is OpKind.STATS and not any(o.kind is OpKind.APPLY and o.stage == op.stage for o in ops[i + 1:]):
+        c.errors.append(f"r{device} step {j}: '{op}' does not come before the APPLY of its stage")
 
 
 def _check_runs(c: _Ctx) -> None:

@@ -22,6 +22,22 @@ F/B comes later. An op placed in such a device's early bubble belongs to step j+
 after the barrier, while the device waits for its first input); APPLY of step j ends by `offsets[j+1]`
 (before OPT_STEP); and the first tick of every step is blocked on every device, so no task spans a
 boundary (it would hold the barrier up on every rank).
+
+[Note: gradient parts] A part fed by the reduced gradient (`PartCost.after` ALLREDUCE_GRAD: Shampoo's and
+SOAP's L and R) takes its statistic at *every* step, on every copy of its stage (each folds the same
+reduced gradient, so there is no SYNC_STATS), after the stage's gradient all-reduce and before its APPLY
+(which overwrites the gradient). That work is per step like APPLY, so it is modelled as APPLY is: the
+stage's gradient STATS run back to back at the head of its APPLY slot (`PrecSlot.ops`: STATS of every
+layer and part, then APPLY; the slot's ticks cover them all), which CP-SAT places inside [gradient ready,
+step end), in the end-of-step bubble; the reference step (`planner.problem.reference_programs`) runs them
+right after the all-reduce, as it runs APPLY, so max_overhead is measured against a step that holds them.
+A refresh snapshots the statistic at the refresh step's STATS, so the part's DECOMP task (and its BCAST)
+is released by the refresh step's slot of its stage on the device that decomposes it (`Task.after_slot`:
+a precedence on the slot's start in CP-SAT, the slot's reference place in greedy); it may run in any
+later bubble, like K-FAC's deferred inversions. The snapshot the runtime keeps until DECOMP is, like
+K-FAC's statistic sums in flight, not counted in memory; `LayerCost.state_bytes` (optimizer state held
+for the whole run) is, in `planner.problem.static_bytes`. Layers mixing captured and gradient parts plan
+each part by its own rule (not tuned for them, but correct).
 """
 
 from __future__ import annotations
@@ -29,6 +45,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
+from enum import StrEnum
 from typing import Any
 
 from fxkfac.planner.costs import LayerCost
@@ -39,29 +56,46 @@ from fxkfac.planner.problem import (
     StepTimeline,
     activation_intervals,
     copies_of_stage,
+    gradient_stats,
     stages_on_device,
     static_bytes,
     step_timeline,
 )
 
-__all__ = ["Task", "PrecSlot", "Window", "Placement", "GroupSolution", "build_window", "grid_scale", "wrap",
-           "placements_of", "born_steps", "use_offsets", "prec_steps_ready", "longest_gaps", "too_long", "peak_bytes",
-           "fits_memory"]
+__all__ = ["TaskKind", "Task", "PrecSlot", "Window", "Placement", "GroupSolution", "build_window", "grid_scale", "wrap",
+           "placements_of", "is_refresh_op", "born_steps", "use_offsets", "prec_steps_ready", "longest_gaps",
+           "too_long", "peak_bytes", "fits_memory"]
 
 Interval = tuple[int, int]
 
 
+class TaskKind(StrEnum):
+    """What a window task does: CURV (statistics of captures, on its device after `release`: the end of its
+    F/B), SYNC and BCAST (collectives on every device of the task at once), INV (a decomposition, on exactly
+    one of the task's devices)."""
+
+    CURV = "curv"
+    SYNC = "sync"
+    INV = "inv"
+    BCAST = "bcast"
+
+    @property
+    def collective(self) -> bool:
+        """Whether the task runs on every one of its devices at once."""
+        return self in (TaskKind.SYNC, TaskKind.BCAST)
+
+
 @dataclass(frozen=True)
 class Task:
-    """One piece of K-FAC work: ops run back to back for `ticks` on one of `devices`.
+    """One piece of K-FAC work: ops run back to back for `ticks` on one of `devices` (see `TaskKind`).
 
-    kind: "curv" (on its device, after `release`: the end of its F/B), "sync"/"bcast" (collective:
-    on every device of `devices` at once), "inv" (on exactly one of `devices`). `factors` are the
-    (layer, side) pairs it serves; keep_bytes is held from `release` until the task ends (deferred).
+    `factors` are the (layer, side) pairs it serves; keep_bytes is held from `release` until the task ends
+    (deferred). after_slot: an INV of a part fed by the reduced gradient, which starts after the refresh
+    step's APPLY slot of its stage on the device that runs it ([Note: gradient parts]).
     """
 
     name: str
-    kind: str
+    kind: TaskKind
     stage: int
     side: str
     ops: tuple[Op, ...]
@@ -71,12 +105,14 @@ class Task:
     release: int
     factors: tuple[tuple[str, str], ...]
     keep_bytes: int = 0
+    after_slot: bool = False
 
 
 @dataclass(frozen=True)
 class PrecSlot:
-    """APPLY(stage) of window step `step` on `device`: within [release, deadline) (absolute ticks);
-    `reference` is where the plain K-FAC step puts it (right after the all-reduce)."""
+    """APPLY(stage) of window step `step` on `device`, after the stage's gradient STATS: `ops` (STATS..., APPLY)
+    run back to back for `durations` seconds within [release, deadline) (absolute ticks); `reference` is
+    where the plain K-FAC step puts them (right after the all-reduce)."""
 
     device: int
     stage: int
@@ -85,7 +121,13 @@ class PrecSlot:
     deadline: int
     reference: int
     ticks: int
-    seconds: float
+    ops: tuple[Op, ...]
+    durations: tuple[float, ...]
+
+    @property
+    def seconds(self) -> float:
+        """Seconds of the slot's ops together."""
+        return sum(self.durations)
 
 
 @dataclass(frozen=True)
@@ -144,6 +186,10 @@ class Window:
         """The earliest start of `task` on `device`: its release, and not before the refresh step
         began there (so every op sits in a step of the refresh's own window)."""
         return max(task.release, self.step_start(device, 0))
+
+    def refresh_slot(self, device: int, stage: int) -> int:
+        """The index in `precs` of stage's APPLY slot on `device` at the refresh step (window step 0)."""
+        return next(n for n, p in enumerate(self.precs) if (p.device, p.stage, p.step) == (device, stage, 0))
 
 
 @dataclass(frozen=True)
@@ -274,23 +320,26 @@ def build_window(problem: Problem, group: StageGroup, k: int, fused: frozenset[s
         budget = problem.memory_budget
         capacity[d] = None if budget is None else budget - static_bytes(problem, d)
     precs = _prec_slots(problem, group, steps, offsets, grid)
-    tasks = _tasks(problem, group, refresh, fused, aggregate, grid)
+    tasks = _tasks(problem, group, refresh, fused, aggregate, grid, precs)
     return Window(problem, group, k, fused, ticks_per_s, exact, tuple(offsets), fixed, acts, capacity, tasks, precs,
                   stretch, aggregate)
 
 
 def _prec_slots(problem: Problem, group: StageGroup, steps: list[StepTimeline], offsets: list[int],
                 grid: _Grid) -> tuple[PrecSlot, ...]:
+    """Every (device, stage, step)'s slot: the stage's gradient STATS, then its APPLY ([Note: gradient parts])."""
     slots = []
     for d in group.devices:
         for s in stages_on_device(problem, d):
-            seconds = problem.costs.stages[s].prec
+            work = gradient_stats(problem.costs.stages[s], s) + [(Op(OpKind.APPLY, s), problem.costs.stages[s].prec)]
+            ops, durations = tuple(op for op, _ in work), tuple(secs for _, secs in work)
+            seconds = sum(durations)
             for j, st in enumerate(steps):
                 release = offsets[j] + grid.at(st.allreduce_end[d, s])
                 deadline = offsets[j + 1]  # before the step's OPT_STEP ([Note: step barrier])
                 reference = offsets[j] + grid.at(st.end_of(d, Op(OpKind.APPLY, s)) - seconds)
                 ticks = min(grid.span(seconds), deadline - release)
-                slots.append(PrecSlot(d, s, j, release, deadline, max(release, reference), ticks, seconds))
+                slots.append(PrecSlot(d, s, j, release, deadline, max(release, reference), ticks, ops, durations))
     return tuple(slots)
 
 
@@ -315,14 +364,14 @@ def _curv_tasks(problem: Problem, stage: int, refresh: StepTimeline, deferred: l
                     ops = tuple(Op(OpKind.STATS, stage, op.mb, op.pipe, layer=x.name, part=side) for x in chunk)
                     keep = sum(x.part(side).capture_bytes for x in chunk)
                     label = "all" if aggregate else chunk[0].name
-                    tasks.append(Task(f"curv_{side}_s{stage}_m{op.mb}_p{op.pipe}_r{d}_{label}", "curv", stage, side,
-                                      ops, secs, grid.span(sum(secs)), (d,), grid.up(end),
+                    tasks.append(Task(f"curv_{side}_s{stage}_m{op.mb}_p{op.pipe}_r{d}_{label}", TaskKind.CURV, stage,
+                                      side, ops, secs, grid.span(sum(secs)), (d,), grid.up(end),
                                       tuple((x.name, side) for x in chunk), keep))
     return tasks
 
 
 def _tasks(problem: Problem, group: StageGroup, refresh: StepTimeline, fused: frozenset[str], aggregate: bool,
-           grid: _Grid) -> tuple[Task, ...]:
+           grid: _Grid, precs: tuple[PrecSlot, ...]) -> tuple[Task, ...]:
     tasks: list[Task] = []
     for s in group.stages:
         layers = problem.costs.stages[s].layers
@@ -330,24 +379,37 @@ def _tasks(problem: Problem, group: StageGroup, refresh: StepTimeline, fused: fr
     for s in group.stages:
         copies = copies_of_stage(problem, s)
         for x in problem.costs.stages[s].layers:
-            for side in (p.part for p in x.parts):
+            for p in x.parts:
+                if p.after is OpKind.ALLREDUCE_GRAD:
+                    ready = min(slot.release + slot.ticks for slot in precs if (slot.stage, slot.step) == (s, 0))
+                    tasks += _refresh_tasks(s, x.name, p.part, p.decomp, copies, ready, True, grid)
+                    continue
                 ready = 0
                 if x.name in fused:
-                    kind = x.part(side).after
                     ready = max(grid.up(e) for d in copies for op, _, e in refresh.fixed(d)
-                                if op.stage == s and op.kind is kind)
-                key = ((x.name, side),)
-                if len(copies) > 1:
-                    tasks.append(Task(f"sync_{side}_{x.name}", "sync", s, side, (Op(OpKind.SYNC_STATS, s, layer=x.name,
-                                      part=side),), (0.0,), 1, copies, ready, key))
-                inv = x.part(side).decomp
-                tasks.append(Task(f"inv_{side}_{x.name}", "inv", s, side,
-                                  (Op(OpKind.DECOMP, s, layer=x.name, part=side),),
-                                  (inv,), grid.span(inv), copies, ready, key))
-                if len(copies) > 1:
-                    tasks.append(Task(f"bcast_{side}_{x.name}", "bcast", s, side, (Op(OpKind.BCAST, s, layer=x.name,
-                                      part=side, root=copies[0]),), (0.0,), 1, copies, 0, key))
+                                if op.stage == s and op.kind is p.after)
+                tasks += _refresh_tasks(s, x.name, p.part, p.decomp, copies, ready, False, grid)
     return tuple(tasks)
+
+
+def _refresh_tasks(stage: int, layer: str, side: str, decomp: float, copies: tuple[int, ...], ready: int,
+                   gradient: bool, grid: _Grid) -> list[Task]:
+    """A part's refresh after its statistics: SYNC over the stage's copies (a captured part held more than once),
+    DECOMP on one copy, BCAST to the others; `ready`: the earliest tick the statistic is complete anywhere;
+    `gradient`: the part is fed by the reduced gradient ([Note: gradient parts])."""
+    key = ((layer, side),)
+    tasks = []
+    if len(copies) > 1 and not gradient:
+        tasks.append(Task(f"sync_{side}_{layer}", TaskKind.SYNC, stage, side,
+                          (Op(OpKind.SYNC_STATS, stage, layer=layer, part=side),), (0.0,), 1, copies, ready, key))
+    tasks.append(Task(f"inv_{side}_{layer}", TaskKind.INV, stage, side,
+                      (Op(OpKind.DECOMP, stage, layer=layer, part=side),), (decomp,), grid.span(decomp), copies, ready,
+                      key, after_slot=gradient))
+    if len(copies) > 1:
+        tasks.append(Task(f"bcast_{side}_{layer}", TaskKind.BCAST, stage, side,
+                          (Op(OpKind.BCAST, stage, layer=layer, part=side, root=copies[0]),), (0.0,), 1, copies, 0,
+                          key))
+    return tasks
 
 
 def prec_steps_ready(window: Window, prec_starts: tuple[int, ...], stage: int, ready: int) -> int:
@@ -366,7 +428,7 @@ def use_offsets(window: Window, starts: tuple[int, ...], prec_starts: tuple[int,
     factors' inverses (and broadcasts) are done."""
     ready: dict[str, int] = {}
     for task, start in zip(window.tasks, starts):
-        if task.kind in ("inv", "bcast"):
+        if task.kind in (TaskKind.INV, TaskKind.BCAST):
             for layer, _ in task.factors:
                 ready[layer] = max(ready.get(layer, 0), start + task.ticks)
     return {layer: prec_steps_ready(window, prec_starts, window.problem.costs.stage_of(layer), t)
@@ -374,21 +436,27 @@ def use_offsets(window: Window, starts: tuple[int, ...], prec_starts: tuple[int,
 
 
 def placements_of(solution: GroupSolution) -> list[Placement]:
-    """The solution's ops with device, window step and times in seconds (collectives on every member)."""
+    """The solution's ops with device, window step and times in seconds (collectives on every member; each
+    APPLY slot's gradient STATS back to back before its APPLY)."""
     w = solution.window
     out: list[Placement] = []
     for task, start, device in zip(w.tasks, solution.starts, solution.devices):
-        members = task.devices if task.kind in ("sync", "bcast") else (device,)
+        members = task.devices if task.kind.collective else (device,)
+        ops = tuple(replace(op, root=device) if task.kind is TaskKind.BCAST else op  # from where it was decomposed
+                    for op in task.ops)
         for member in members:
-            t = w.seconds(start)
-            for op, secs in zip(task.ops, task.seconds):
-                if task.kind == "bcast":
-                    op = replace(op, root=device)  # from where the solver put the inversion
-                out.append(Placement(op, member, w.step_of(member, start), t, t + secs))
-                t += secs
+            out += _back_to_back(ops, task.seconds, member, w.step_of(member, start), w.seconds(start))
     for slot, start in zip(w.precs, solution.prec_starts):
-        t = w.seconds(start)
-        out.append(Placement(Op(OpKind.APPLY, slot.stage), slot.device, slot.step, t, t + slot.seconds))
+        out += _back_to_back(slot.ops, slot.durations, slot.device, slot.step, w.seconds(start))
+    return out
+
+
+def _back_to_back(ops: Iterable[Op], durations: Iterable[float], device: int, step: int, t: float) -> list[Placement]:
+    """`ops` placed one after another on `device` from `t` seconds, each for its duration."""
+    out = []
+    for op, secs in zip(ops, durations):
+        out.append(Placement(op, device, step, t, t + secs))
+        t += secs
     return out
 
 
@@ -398,7 +466,7 @@ def peak_bytes(window: Window, starts: tuple[int, ...], device: int) -> int:
     for s, e, nbytes in window.acts[device]:
         events += [(s, nbytes), (e, -nbytes)]
     for task, start in zip(window.tasks, starts):
-        if task.kind == "curv" and task.devices[0] == device and task.keep_bytes:
+        if task.kind is TaskKind.CURV and task.devices[0] == device and task.keep_bytes:
             for s, e in wrap(task.release, start + task.ticks, window.length):
                 events += [(s, task.keep_bytes), (e, -task.keep_bytes)]
     level = peak = 0
@@ -433,7 +501,7 @@ def too_long(window: Window) -> list[str]:
     gaps = longest_gaps(window)
     out = []
     for task in window.tasks:
-        room = max(gaps[d] for d in task.devices) if task.kind == "inv" else min(gaps[d] for d in task.devices)
+        room = max(gaps[d] for d in task.devices) if task.kind is TaskKind.INV else min(gaps[d] for d in task.devices)
         if task.ticks > room:
             out.append(f"{task.name} takes {window.seconds(task.ticks):.4g} s but the longest bubble on ranks "
                        f"{list(task.devices)} is {window.seconds(room):.4g} s")
@@ -443,12 +511,17 @@ def too_long(window: Window) -> list[str]:
 _REFRESH_KINDS = frozenset({OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST})
 
 
+def is_refresh_op(op: Op) -> bool:
+    """Whether `op` works for one refresh (not a gradient STATS or an APPLY, which run at every step from step 0)."""
+    return op.kind in _REFRESH_KINDS and not (op.kind is OpKind.STATS and op.mb is None)
+
+
 def born_steps(placements: Iterable[Placement]) -> dict[int, dict[Op, int]]:
     """Per device, each refresh op's latest window step: from that global step on its refresh exists
-    (see `planner.lowering.startup_programs`)."""
+    (see `planner.lowering.startup_programs`); per-step ops are not listed (they run from step 0)."""
     born: dict[int, dict[Op, int]] = {}
     for p in placements:
-        if p.op.kind in _REFRESH_KINDS:
+        if is_refresh_op(p.op):
             mine = born.setdefault(p.device, {})
             mine[p.op] = max(mine.get(p.op, 0), p.step)
     return born
