@@ -1,6 +1,6 @@
 """fxkfac.compile: the one path from a model to a Trainer.
 
-capture (once, with its checks) -> K-FAC layers (found once, in the captured graph) -> split into stages
+capture (once, with its checks) -> the family's units (found once, in the captured graph) -> split into stages
 (the layers' tags travel with their nodes) -> resolve the plan -> lower to per-rank programs -> build the
 rank's runtime. One device (`mesh=None`) takes the same path as a mesh: a 1x1 layout.
 """
@@ -52,7 +52,7 @@ def compile(  # noqa: A001 - the public name the design card gives
     plan_options: PlanOptions = PlanOptions(),
     preconditioner: Any = None,
 ) -> Trainer:
-    """Capture ``model``, insert K-FAC into its graph and return the Trainer of this rank.
+    """Capture ``model``, insert the preconditioner (K-FAC by default) into its graph and return this rank's Trainer.
 
     ``mesh=None`` trains on one device; a DeviceMesh with dims ("pp", "dp") (or a ``(D, W)`` tuple, with
     torch.distributed initialized) trains pipelined with ``schedule`` and ``microbatches`` per replica.

@@ -1,7 +1,7 @@
 """The per-rank program interpreter: a dispatch table keyed by OpKind over a step's context.
 
 The core handlers (FWD, BWD, SEND/RECV of activations and gradients, ALLREDUCE_GRAD, OPT_STEP)
-are registered here; K-FAC ops (STATS, SYNC_STATS, DECOMP, BCAST, APPLY) plug in with
+are registered here; a preconditioner's ops (STATS, SYNC_STATS, DECOMP, BCAST, APPLY) plug in with
 `Interpreter.register(kind, handler)` without touching the loop. A handler takes the
 `StepContext` and the `Op`; state of its own lives in the object that registered it.
 """
@@ -187,7 +187,7 @@ CORE_HANDLERS: Mapping[OpKind, Handler] = {
 
 
 class StepListener(Protocol):
-    """State outside the core (K-FAC) that must survive a skipped step unchanged."""
+    """State outside the core (the preconditioner's) that must survive a skipped step unchanged."""
 
     def begin_step(self, ctx: StepContext) -> None: ...
 
@@ -225,7 +225,7 @@ class Interpreter:
             if handler is None:
                 raise PipelineError(
                     f"rank {ctx.rank} has no handler for '{op}'; register one with "
-                    f"Interpreter.register(OpKind.{op.kind.name}, fn) (K-FAC ops need the K-FAC runtime)")
+                    f"Interpreter.register(OpKind.{op.kind.name}, fn) (preconditioner ops need the family's runtime)")
             start = Recorder.now()
             handler(ctx, op)
             if timeline is not None:

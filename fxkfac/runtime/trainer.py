@@ -1,8 +1,9 @@
-"""Trainer: one rank's part of a compiled run: its stage copies, its program, and the K-FAC state its ops act on.
+"""Trainer: one rank's part of a compiled run: its stage copies, its program, and the preconditioner state its ops
+act on.
 
 One class serves one device (`mesh=None`: a 1x1 layout, no process group) and every mesh. A step
 shards the global mini-batch over the replicas and micro-batches, then the interpreter runs the ops the
-plan gives this rank for that step (`Trainer.ops_at`); K-FAC ops act on the K-FAC runtime. Nothing here
+plan gives this rank for that step (`Trainer.ops_at`); preconditioner ops act on the family's runtime. Nothing here
 decides what runs: `fxkfac.compile` resolved the programs (planner/lowering.py, planner/plan.py).
 """
 
@@ -95,7 +96,7 @@ def shard_microbatches(tree: Any, batch: int, W: int, dp: int, N: int) -> list[A
 
 @dataclass(frozen=True)
 class RunSpec:
-    """What `fxkfac.compile` resolved for a run, the same on every rank: layout, split, programs, K-FAC timing."""
+    """What `fxkfac.compile` resolved for a run, the same on every rank: layout, split, programs, family."""
 
     layout: MeshLayout
     kind: ScheduleKind
@@ -125,7 +126,7 @@ class Trainer(Checkpointing):
 
     The step loss is the mean over all N*W micro-batches of ``loss_fn(outputs_m, targets_m)`` (the same on
     every rank). A step whose loss or gradients are NaN/Inf on any rank is skipped on every rank:
-    parameters, optimizer, K-FAC state and the step counter stay as they were, and `skipped_steps`
+    parameters, optimizer, preconditioner state and the step counter stay as they were, and `skipped_steps`
     counts it; more than `max_skipped_steps` skips in a row raise NonFiniteError.
     """
 
@@ -160,7 +161,7 @@ class Trainer(Checkpointing):
         self.steps = 0
         self.skipped_steps = 0
         self._skips_in_a_row = 0
-        log.info("rank %d: stages %s of %s (D=%d, W=%d, N=%d), %d K-FAC layers here, program period %d",
+        log.info("rank %d: stages %s of %s (D=%d, W=%d, N=%d), %d preconditioned units here, program period %d",
                  self.layout.rank, sorted(self.runners), spec.kind.value, self.layout.D, self.layout.W, spec.N,
                  len(self.layer_states), len(spec.programs[self.layout.rank]))
 
@@ -254,8 +255,9 @@ class Trainer(Checkpointing):
         return self.transport.timeout
 
     def state_dict(self) -> dict[str, Any]:
-        """Parameters (one copy per FQN, detached), optimizer state by parameter FQN, counters; with K-FAC also
-        ``kfac`` (layer states by layer FQN) and ``inflight`` (refreshes, inverse halves and captures held here)."""
+        """Parameters (one copy per FQN, detached), optimizer state by parameter FQN, counters; with a
+        preconditioner also ``kfac`` (unit states by unit name) and ``inflight`` (refreshes, decompositions and
+        captures held here)."""
         state: dict[str, Any] = {"model": {n: p.detach() for n, p in self.named_parameters()},
                                  "optimizer": optimizer_state(self.optimizer, param_names(self.runners.values())),
                                  "step": self.steps, "skipped_steps": self.skipped_steps}
@@ -285,10 +287,10 @@ class Trainer(Checkpointing):
         self._skips_in_a_row = 0
 
     def _parse_kfac(self, state: Mapping[str, Any]) -> Callable[[], None]:
-        """Check the K-FAC part of `state`; returns what installs it."""
+        """Check the preconditioner part of `state`; returns what installs it."""
         runtime = self.preconditioning
         if runtime is None:
-            raise AssertionError("K-FAC state parsed without a K-FAC runtime")
+            raise AssertionError("preconditioner state parsed without a preconditioner runtime")
         parsed = runtime.parse_state(state)
         saved = state["inflight"].get("captures")
         tapped = {f"{s}.{p}": r for (s, p), r in self.runners.items() if isinstance(r, TappedRunner)}
