@@ -11,17 +11,26 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar
 
 from rich.console import Console
 
-from fxkfac.planner.costs import CostTable, is_profile, load_cost_table
+from fxkfac.planner.costs import CostTable, StageCost, is_profile, load_cost_table
 from fxkfac.planner.errors import Knob, PlanError, PlanFormatError, PlannerError, Suggestion
 from fxkfac.planner.hardware import HARDWARE, hardware
+from fxkfac.planner.ir import OpKind
+from fxkfac.planner.preconditioners import WORDS, PreconditionerKind, kind_of, words_of
 from fxkfac.planner.problem import Problem, SolverConfig, plain_step_time
 from fxkfac.planner.schedules import ScheduleKind, num_stages, validate_schedule_args
 
-__all__ = ["main", "build_parser", "parse_bytes", "parse_fraction"]
+if TYPE_CHECKING:
+    from fxkfac.planner.block_size import BlockChoice
+    from fxkfac.planner.plan import Plan
+
+__all__ = ["main", "build_parser", "parse_bytes", "parse_fraction", "parse_block_size", "AUTO"]
+
+AUTO: Literal["auto"] = "auto"
+"""--max-preconditioner-dim auto: the planner chooses the block side (planner.block_size.choose_block_size)."""
 
 T = TypeVar("T")
 
@@ -58,6 +67,23 @@ def parse_fraction(text: str) -> float:
     return value
 
 
+def parse_block_size(text: str) -> int | Literal["auto"]:
+    """'auto' or a block side >= 1 ('1024')."""
+    body = text.strip().lower()
+    if body == AUTO:
+        return AUTO
+    if not body.isdigit() or int(body) < 1:
+        raise CliError(f"cannot read the block size {text!r}; write a side >= 1 such as 1024, or auto")
+    return int(body)
+
+
+def _positive(text: str) -> int:
+    """An int >= 1 ('50')."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise CliError(f"expected a whole number >= 1, got {text!r}")
+    return int(text)
+
+
 def _arg_type(parse: Callable[[str], T]) -> Callable[[str], T]:
     """An argparse type that reports a CliError's message as the usage error."""
 
@@ -78,13 +104,23 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of `fxkfac` (subcommands plan and show)."""
-    parser = _Parser(prog="fxkfac", description="Plan K-FAC work into pipeline bubbles; draw plans.")
+    parser = _Parser(prog="fxkfac", description="Plan a preconditioner's work (K-FAC, Shampoo, SOAP) into pipeline "
+                                                "bubbles; draw plans.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    plan = sub.add_parser("plan", help="cost a model, plan K-FAC into the schedule's bubbles, draw or export it")
+    plan = sub.add_parser("plan", help="cost a model, plan its preconditioner into the schedule's bubbles, draw or "
+                                       "export it")
     plan.add_argument("target", help="a preset (bert-base, bert-large, gpt2, opt-125m, opt-350m, t5-base) "
                                      "or path.py:factory returning (model, example_inputs)")
-    plan.add_argument("--stages", "-D", type=int, required=True, help="pipeline stages D (pp ranks)")
-    plan.add_argument("--microbatches", "-N", type=int, required=True, help="micro-batches N per replica")
+    plan.add_argument("--stages", "-D", type=int, default=4, help="pipeline stages D (pp ranks; default 4)")
+    plan.add_argument("--microbatches", "-N", type=int, default=4, help="micro-batches N per replica (default 4)")
+    plan.add_argument("--preconditioner", choices=[k.value for k in PreconditionerKind],
+                      default=PreconditionerKind.KFAC.value,
+                      help="the family planned: kfac (layers' curvature), shampoo or soap (every parameter)")
+    plan.add_argument("--max-preconditioner-dim", type=_arg_type(parse_block_size), default=AUTO,
+                      help="Shampoo/SOAP block side b, or auto (default): the largest side whose plan fits the bubbles")
+    plan.add_argument("--precondition-frequency", type=_arg_type(_positive),
+                      help="refresh at least every F steps: the longest refresh period the planner may choose "
+                           "(default 32; it picks the shortest that fits)")
     plan.add_argument("--schedule", choices=[k.value for k in ScheduleKind], default="1f1b")
     plan.add_argument("--dp", type=int, default=1, help="data-parallel replicas W")
     plan.add_argument("--virtual-stages", "-v", type=int, default=1, help="stages per rank (interleaved)")
@@ -126,8 +162,20 @@ def _blocks(target: str) -> int:
     return len(preset(target).blocks)
 
 
-def cost_table(args: argparse.Namespace, S: int) -> CostTable:
-    """The cost table the plan uses: --costs file, a preset's analytic model, or a captured factory."""
+def _kind(args: argparse.Namespace) -> PreconditionerKind:
+    return PreconditionerKind(args.preconditioner)
+
+
+def _is_factory(target: str) -> bool:
+    return ":" in target and target.split(":", 1)[0].endswith(".py")
+
+
+def cost_table(args: argparse.Namespace, S: int, max_dim: int | None = None) -> CostTable:
+    """The cost table the plan uses: --costs file, a preset's analytic model (Shampoo/SOAP: with blocks of side
+    `max_dim`, None for none, when --max-preconditioner-dim is auto), or a captured factory (K-FAC)."""
+    kind = _kind(args)
+    if kind is not PreconditionerKind.KFAC:
+        _check_gradient_family(args, kind)
     if args.costs is not None:
         if is_profile(args.costs):
             blocks = _blocks(args.target)
@@ -137,15 +185,39 @@ def cost_table(args: argparse.Namespace, S: int) -> CostTable:
                                     micro_batch_size=args.micro_batch_size)
         else:
             table = load_cost_table(args.costs)
-    elif ":" in args.target and args.target.split(":", 1)[0].endswith(".py"):
+        if kind_of(table) is not kind:
+            raise CliError(f"{args.costs} is a cost table of {WORDS[kind_of(table)].name}, not of "
+                           f"{WORDS[kind].name}; pass --preconditioner {kind_of(table).value}")
+    elif _is_factory(args.target):
         table = _factory_costs(args, S)
-    else:
+    elif kind is PreconditionerKind.KFAC:
         from fxkfac.planner.analytic import analytic_cost_table
 
         table = analytic_cost_table(args.target, S, args.micro_batch_size, args.seq_len, _device(args))
+    else:
+        from fxkfac.planner.shampoo_costs import gradient_cost_table
+
+        side = max_dim if args.max_preconditioner_dim == AUTO else args.max_preconditioner_dim
+        table = gradient_cost_table(args.target, S, args.micro_batch_size, args.seq_len, _device(args), kind=kind,
+                                    max_dim=side)
     if len(table.stages) != S:
         raise CliError(f"the cost table has {len(table.stages)} stages but the schedule needs {S}")
     return table
+
+
+def _check_gradient_family(args: argparse.Namespace, kind: PreconditionerKind) -> None:
+    """What Shampoo/SOAP plan: a preset's analytic costs, or a .json cost table of their parameters (whose
+    blocks it fixes); a K-FAC profile or a factory target (costed as K-FAC layers) is refused."""
+    name = WORDS[kind].name
+    if _is_factory(args.target) and args.costs is None:
+        raise CliError(f"--preconditioner {kind.value}: a factory target is costed as K-FAC layers only; plan "
+                       f"{name} on a preset (analytic costs of every parameter) or pass --costs TABLE.json "
+                       f"(a {name} cost table, e.g. profiled by plan='auto')")
+    if args.costs is not None and is_profile(args.costs):
+        raise CliError(f"--costs {args.costs} is a K-FAC per-block profile; {name} plans with a preset's analytic "
+                       f"costs or a {name} cost table (.json)")
+    if args.costs is not None and args.max_preconditioner_dim != AUTO:
+        raise CliError(f"--costs {args.costs} fixes the blocks of every parameter; drop --max-preconditioner-dim")
 
 
 def _factory_costs(args: argparse.Namespace, S: int) -> CostTable:
@@ -201,14 +273,14 @@ class Budget:
     source: str
 
 
-def memory_budget(args: argparse.Namespace, costs: CostTable) -> Budget:
-    """--memory, else the memory of the device the costs are for (--hardware, or a cost table's known
+def memory_budget(args: argparse.Namespace, device: str) -> Budget:
+    """--memory, else the memory of the device the costs are for (--hardware, or `device`: a cost table's
     hardware), else none: a plan never needs more than the device has unless asked to."""
     if args.memory is not None:
         return Budget(args.memory, "--memory")
-    name = (args.hardware or costs.hardware).lower()
+    name = (args.hardware or device).lower()
     if name not in HARDWARE:
-        return Budget(None, f"unlimited: the cost table's hardware {costs.hardware!r} is not a known device")
+        return Budget(None, f"unlimited: the cost table's hardware {device!r} is not a known device")
     return Budget(hardware(name).memory_bytes, f"the {name}'s device memory (--memory sets another)")
 
 
@@ -216,7 +288,13 @@ def _stage_means(costs: CostTable) -> dict[str, float]:
     """Per-stage means of the table, as values of the performance model's symbols."""
     n = len(costs.stages)
     mean = lambda f: sum(f(s) for s in costs.stages) / n  # noqa: E731
-    return {"T_f": mean(lambda s: s.fwd), "T_b": mean(lambda s: s.bwd), "T_curv": mean(lambda s: s.curv),
+
+    def stats(stage: StageCost, from_gradient: bool) -> float:
+        gradient = OpKind.ALLREDUCE_GRAD
+        return sum(p.stats for x in stage.layers for p in x.parts if (p.after is gradient) == from_gradient)
+
+    return {"T_f": mean(lambda s: s.fwd), "T_b": mean(lambda s: s.bwd), "T_curv": mean(lambda s: stats(s, False)),
+            "T_gstat": mean(lambda s: stats(s, True)),
             "T_inv": mean(lambda s: s.inv), "T_prec": mean(lambda s: s.prec),
             "M_theta": mean(lambda s: s.param_bytes), "M_act": mean(lambda s: s.act_bytes),
             "M_err_peak": mean(lambda s: s.peak_err_bytes), "M_curv": mean(lambda s: s.factor_bytes),
@@ -231,11 +309,11 @@ def _slowest_stage(costs: CostTable) -> dict[str, float]:
 
 def _explain(args: argparse.Namespace, costs: CostTable, simulated: float, console: Console) -> None:
     """The performance model with these costs, and how its T_pipe relates to the simulated step time
-    (`simulated`, the step time before K-FAC that the plan's summary shows)."""
+    (`simulated`, the step time before preconditioning that the plan's summary shows)."""
     from fxkfac.planner.perf_model import evaluate, explain, perf_model, pipe_gap
     from fxkfac.planner.problem import format_bytes
 
-    console.print(explain(args.schedule), markup=False, highlight=False)
+    console.print(explain(args.schedule, WORDS[kind_of(costs)]), markup=False, highlight=False)
     model = perf_model(args.schedule)
     values = {"D": args.stages, "N": args.microbatches, "v": args.virtual_stages, **_stage_means(costs)}
     console.print(f"With these costs (stage means, {costs.source}):", markup=False)
@@ -250,8 +328,9 @@ def _explain(args: argparse.Namespace, costs: CostTable, simulated: float, conso
 
 def problem_of(args: argparse.Namespace, costs: CostTable) -> Problem:
     """The planning problem the command line describes (the budget: `memory_budget`)."""
+    period = {} if args.precondition_frequency is None else {"max_period": args.precondition_frequency}
     return Problem(args.schedule, args.stages, args.microbatches, costs, W=args.dp, v=args.virtual_stages,
-                   memory_budget=memory_budget(args, costs).bytes, max_overhead=args.max_overhead)
+                   memory_budget=memory_budget(args, costs.hardware).bytes, max_overhead=args.max_overhead, **period)
 
 
 def _flags(suggestion: Suggestion) -> str:
@@ -287,26 +366,68 @@ def _refused(error: PlanError, budget: Budget) -> RefusedPlan:
     return RefusedPlan(text)
 
 
+def _searches_block_size(args: argparse.Namespace) -> bool:
+    """Whether the planner chooses Shampoo's/SOAP's block side: auto on a preset's analytic costs."""
+    return _kind(args) is not PreconditionerKind.KFAC and args.max_preconditioner_dim == AUTO and args.costs is None
+
+
+def _auto_block(args: argparse.Namespace, S: int, config: SolverConfig) -> BlockChoice:
+    """The plan at the block side the planner chooses (`planner.block_size.choose_block_size`) for a preset."""
+    from fxkfac.planner.block_size import block_candidates, choose_block_size
+    from fxkfac.planner.presets import preset
+    from fxkfac.planner.shampoo_costs import largest_dim
+
+    candidates = block_candidates(largest_dim(preset(args.target)))
+    return choose_block_size(lambda side: problem_of(args, cost_table(args, S, side)), candidates, config,
+                             args.method)
+
+
+def _explain_choice(choice: BlockChoice, console: Console) -> None:
+    """Why the block side is what it is: every side tried, largest first, and what it came to."""
+    console.print("Block sides tried (max_preconditioner_dim auto), largest first:", markup=False)
+    for side, outcome in choice.tried:
+        console.print(f"  {side}: {outcome}", markup=False)
+
+
+def _solved(args: argparse.Namespace, S: int, console: Console) -> Plan:
+    """The plan of the command line: solved, or found by the block-size search (its choice printed as one
+    line, and with --explain every side tried). --explain prints the model before solving (it explains a
+    refusal too), after the search when there is one."""
+    from fxkfac.planner.plan import solve
+
+    config = SolverConfig(time_limit_s=args.time_limit)
+    if _searches_block_size(args):
+        try:
+            choice = _auto_block(args, S, config)
+        except PlanError as e:
+            raise _refused(e, memory_budget(args, _device(args))) from None
+        console.print(f"max_preconditioner_dim auto: {choice.reason}", markup=False)
+        if args.explain:
+            _explain(args, choice.plan.problem.costs, plain_step_time(choice.plan.problem), console)
+            _explain_choice(choice, console)
+        return choice.plan
+    costs = cost_table(args, S)
+    problem = problem_of(args, costs)
+    if args.explain:
+        _explain(args, costs, plain_step_time(problem), console)
+    try:
+        return solve(problem, config, method=args.method)
+    except PlanError as e:
+        raise _refused(e, memory_budget(args, costs.hardware)) from None
+
+
 def run_plan(args: argparse.Namespace, console: Console) -> int:
-    """`fxkfac plan`: cost the model, plan K-FAC into the bubbles, and draw/export what was asked.
+    """`fxkfac plan`: cost the model, plan its preconditioner into the bubbles, and draw/export what was asked.
 
     Nothing is written unless planning succeeded (the export is atomic: Plan.save)."""
     from fxkfac.plan_view import planned_view, render_plan
-    from fxkfac.planner.plan import solve
     from fxkfac.show import chrome_trace
 
     S = _check(args)
     if args.time_limit <= 0:
         raise CliError(f"--time-limit must be > 0 seconds, got {args.time_limit:g}")
-    costs = cost_table(args, S)
-    problem = problem_of(args, costs)
-    budget = memory_budget(args, costs)
-    if args.explain:  # before solving: the model explains a refusal too
-        _explain(args, costs, plain_step_time(problem), console)
-    try:
-        plan = solve(problem, SolverConfig(time_limit_s=args.time_limit), method=args.method)
-    except PlanError as e:
-        raise _refused(e, budget) from None
+    plan = _solved(args, S, console)
+    budget = memory_budget(args, plan.problem.costs.hardware)
     title = f"fxkfac plan {args.target} ({args.method}, time limit {args.time_limit:g} s)"
     if args.show:
         console.print(render_plan(plan, width=console.width, title=title))
@@ -321,7 +442,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         plan.save(args.export)
         console.print(f"wrote {args.export}", markup=False)
     if args.trace is not None:
-        chrome_trace(planned_view(plan).timeline, args.trace)
+        chrome_trace(planned_view(plan).timeline, args.trace, words_of(plan.problem.costs))
         console.print(f"wrote {args.trace}", markup=False)
     return 0
 
@@ -344,7 +465,8 @@ def run_show(args: argparse.Namespace, console: Console) -> int:
     console.print(render_plan(plan, width=console.width, title=f"fxkfac show {args.plan}"))
     if measured is None:
         return 0
-    console.print(render_timeline(measured, width=console.width, title=f"measured: {args.measured}"))
+    console.print(render_timeline(measured, width=console.width, title=f"measured: {args.measured}",
+                                  words=words_of(plan.problem.costs)))
     planned = planned_utilization(plan)
     ran = busy_utilization(measured, 0.0, measured.makespan)
     rows = [(f"r{r}", f"{planned[r]:.1%}" if r in planned else "-", f"{ran[r]:.1%}" if r in ran else "-")

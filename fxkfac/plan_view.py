@@ -19,6 +19,7 @@ from rich.console import Group, RenderableType
 
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.plan import Plan
+from fxkfac.planner.preconditioners import words_of
 from fxkfac.planner.problem import (
     StepTimeline,
     copies_of_stage,
@@ -172,6 +173,7 @@ def plan_rows(plan: Plan) -> list[tuple[str, str]]:
     costs = p.costs
     budget = "unlimited" if p.memory_budget is None else format_bytes(p.memory_budget)
     added = (m.step_time / m.step_time_baseline - 1) if m.step_time_baseline > 0 else 0.0
+    name = words_of(costs).name
     return [
         ("model costs", f"{costs.source} ({costs.hardware}, micro-batch {costs.micro_batch_size})"),
         ("schedule", f"{p.schedule}  D={p.D} N={p.N} W={p.W}" + (f" v={p.v}" if p.schedule == "interleaved" else "")),
@@ -179,7 +181,7 @@ def plan_rows(plan: Plan) -> list[tuple[str, str]]:
         ("solver", f"{m.solver.status} ({_VERDICTS.get(m.solver.status, 'unknown status')}), "
                    f"{m.solver.wall_time:.1f} s, gap to bound {m.solver.gap:.1%}"),
         ("step time before -> after", f"{m.step_time_baseline * 1e3:.2f} ms -> {m.step_time * 1e3:.2f} ms "
-                                      f"(+{added:.1%}; K-FAC reference {m.step_time_reference * 1e3:.2f} ms)"),
+                                      f"(+{added:.1%}; {name} reference {m.step_time_reference * 1e3:.2f} ms)"),
         ("utilization before -> after", f"{m.utilization_baseline:.1%} -> {m.utilization:.1%}"),
         ("refresh steps per stage", _per_stage(m.refresh_steps)),
         ("  lower bound", _per_stage(m.lower_bound_steps)),
@@ -230,6 +232,7 @@ def render_plan(plan: Plan, *, width: int = 80, title: str = "") -> RenderableTy
     what = f"all {k} steps of the refresh window" if shown == k else f"steps 1-{shown} of the {k}-step refresh window"
     ks = sorted(set(periods.values()))
     label = f"planned: {what} (step 1 refreshes; k = {', '.join(map(str, ks))})"
-    timeline = render_timeline(view.timeline, width=width, title=label, window=(0.0, view.end))
+    timeline = render_timeline(view.timeline, width=width, title=label, window=(0.0, view.end),
+                               words=words_of(plan.problem.costs))
     summary = render_summary(title or "fxkfac plan", plan_rows(plan))
     return Group(summary, timeline)

@@ -15,10 +15,12 @@ from rich.text import Text
 from fxkfac.planner.costs import CostTable
 from fxkfac.planner.errors import PlanFormatError
 from fxkfac.planner.ir import Op, OpKind
+from fxkfac.planner.preconditioners import WORDS, PreconditionerKind, TaskWords
 from fxkfac.planner.simulate import Interval, Timeline
 
 __all__ = [
     "CATEGORIES",
+    "categories",
     "category",
     "cost_durations",
     "render_timeline",
@@ -37,15 +39,21 @@ class Category:
     label: str
 
 
-CATEGORIES: dict[str, Category] = {
-    "fwd": Category("F", "bold white on blue", "forward (digit: micro-batch)"),
-    "bwd": Category("B", "bold white on green", "backward"),
-    "curv": Category("c", "black on yellow", "curvature"),
-    "inv": Category("I", "bold white on magenta", "inversion"),
-    "sync": Category("s", "black on cyan", "sync (grad/curv/inverse)"),
-    "prec": Category("P", "bold white on red", "precondition"),
-    "idle": Category("·", "dim", "idle"),
-}
+def categories(words: TaskWords = WORDS[PreconditionerKind.KFAC]) -> dict[str, Category]:
+    """Every drawing category, the preconditioner's tasks labelled in its family's `words`."""
+    return {
+        "fwd": Category("F", "bold white on blue", "forward (digit: micro-batch)"),
+        "bwd": Category("B", "bold white on green", "backward"),
+        "curv": Category("c", "black on yellow", words.stats),
+        "inv": Category("I", "bold white on magenta", words.decomp),
+        "sync": Category("s", "black on cyan", f"sync ({words.synced})"),
+        "prec": Category("P", "bold white on red", words.apply),
+        "idle": Category("·", "dim", "idle"),
+    }
+
+
+CATEGORIES: dict[str, Category] = categories()
+"""The categories in K-FAC's words (chars and styles are the same for every family)."""
 
 _CATEGORY_OF = {
     OpKind.FWD: "fwd",
@@ -121,9 +129,11 @@ def _char(name: str, op: Op | None) -> str:
 
 
 def render_timeline(
-    timeline: Timeline, *, width: int = 80, title: str = "", window: tuple[float, float] | None = None
+    timeline: Timeline, *, width: int = 80, title: str = "", window: tuple[float, float] | None = None,
+    words: TaskWords = WORDS[PreconditionerKind.KFAC],
 ) -> RenderableType:
-    """One row per rank across `window` (default: the whole run), scaled to `width` columns, and a legend."""
+    """One row per rank across `window` (default: the whole run), scaled to `width` columns, and a legend that
+    names the preconditioner's tasks in its family's `words`."""
     t0, t1 = window if window is not None else (0.0, timeline.makespan)
     label_width = len(f"r{max(timeline.ranks, default=0)}") + 1
     cells = max(8, width - label_width - 2)
@@ -139,14 +149,14 @@ def render_timeline(
             row.append(_char(name, op), style=CATEGORIES[name].style)
         row.append("│")
         lines.append(row)
-    lines.append(_legend(width))
+    lines.append(_legend(width, words))
     return Group(*lines)
 
 
-def _legend(width: int) -> Text:
+def _legend(width: int, words: TaskWords) -> Text:
     legend = Text()
     used = 0
-    for cat in CATEGORIES.values():
+    for cat in categories(words).values():
         entry = f" {cat.char} {cat.label}  "
         if used + len(entry) > width:
             legend.append("\n")
@@ -167,11 +177,15 @@ def render_summary(title: str, rows: Iterable[tuple[str, str]]) -> Table:
     return table
 
 
-def chrome_trace(timeline: Timeline, path: str | Path | None = None) -> dict[str, Any]:
-    """A Chrome/Perfetto trace (one track per rank, µs), the runtime's format; written to `path` if given."""
+def chrome_trace(timeline: Timeline, path: str | Path | None = None,
+                 words: TaskWords = WORDS[PreconditionerKind.KFAC]) -> dict[str, Any]:
+    """A Chrome/Perfetto trace (one track per rank, µs), the runtime's format; written to `path` if given. Each
+    event's args name its task in the family's `words` ("task": "root inverse"); its name is the op."""
+    labels = categories(words)
     events: list[dict[str, Any]] = [
         {"name": str(iv.op), "cat": iv.op.kind.value, "ph": "X", "pid": 0, "tid": iv.rank,
-         "ts": iv.start * 1e6, "dur": (iv.end - iv.start) * 1e6, "args": {"step": iv.step}}
+         "ts": iv.start * 1e6, "dur": (iv.end - iv.start) * 1e6,
+         "args": {"step": iv.step, "task": labels[category(iv.op)].label}}
         for iv in timeline.intervals
     ]
     events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}

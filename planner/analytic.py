@@ -34,6 +34,8 @@ __all__ = [
     "block_kernels",
     "analytic_cost_table",
     "balanced_stages",
+    "roofline",
+    "EIGH_FLOPS",
 ]
 
 b, s, d_in, d_out, beta, h, d_h, n, p = sympy.symbols("b s d_in d_out beta h d_h n p", positive=True)
@@ -42,6 +44,11 @@ SYMBOLS = {x.name: x for x in (b, s, d_in, d_out, beta, h, d_h, n, p, d, f)}
 """The symbols the expressions use, by name."""
 
 _FACTOR_BYTES = 4  # factors, inverses and curvature kernels are fp32
+
+EIGH_FLOPS = 9
+"""FLOPs of a symmetric eigendecomposition with eigenvectors, per n^3: ~9n^3 for the symmetric QR algorithm
+(Golub & Van Loan, Matrix Computations, 4th ed., sec. 8.3.6; tridiagonal reduction 4n^3/3, QR sweeps and
+accumulating Q the rest). LAPACK/cuSOLVER syevd (divide and conquer) does no more than this."""
 
 
 @cache
@@ -56,7 +63,7 @@ def linear_expressions(inverse: Literal["cholesky", "eigen"] = "cholesky") -> di
         raise CostModelError(f"inverse must be 'cholesky' or 'eigen', got {inverse!r}")
     d_a = d_in + beta
     rows = b * s
-    inv_flops = n**3 if inverse == "cholesky" else 9 * n**3
+    inv_flops = n**3 if inverse == "cholesky" else EIGH_FLOPS * n**3
     fb = _FACTOR_BYTES
     return {
         "fwd_flops": 2 * rows * d_in * d_out,
@@ -151,7 +158,8 @@ class KernelCost:
     """None for a layer K-FAC skips."""
 
 
-def _t(hw: HardwareSpec, flops: float, nbytes: float, peak: float, eff: float) -> float:
+def roofline(hw: HardwareSpec, flops: float, nbytes: float, peak: float, eff: float) -> float:
+    """Seconds of one kernel: max(flops / (peak * eff), nbytes / memory bandwidth)."""
     return max(flops / (peak * eff), nbytes / hw.mem_bandwidth)
 
 
@@ -164,22 +172,22 @@ def linear_kernels(
     base = dict(b=batch, s=tokens, d_in=lin.d_in, d_out=lin.d_out, beta=int(lin.bias), p=bpe)
     e = _eval("linear", inverse, **base)
     eff = hw.matmul_efficiency
-    fwd = _t(hw, e["fwd_flops"], e["fwd_bytes"], peak, eff)
-    bwd = _t(hw, e["bwd_flops"], e["bwd_bytes"], peak, eff)
+    fwd = roofline(hw, e["fwd_flops"], e["fwd_bytes"], peak, eff)
+    bwd = roofline(hw, e["bwd_flops"], e["bwd_bytes"], peak, eff)
     if not lin.kfac:
         return KernelCost(fwd, bwd, None)
     fp32 = hw.peak_flops
 
     def inv(side: int) -> float:
         v = _eval("linear", inverse, n=side)
-        return _t(hw, v["inv_flops"], v["inv_bytes"], fp32, hw.factorization_efficiency)
+        return roofline(hw, v["inv_flops"], v["inv_bytes"], fp32, hw.factorization_efficiency)
 
     layer = LayerCost.kfac(lin.name,
-        curv_a=_t(hw, e["curv_a_flops"], e["curv_a_bytes"], fp32, eff),
-        curv_b=_t(hw, e["curv_b_flops"], e["curv_b_bytes"], fp32, eff),
+        curv_a=roofline(hw, e["curv_a_flops"], e["curv_a_bytes"], fp32, eff),
+        curv_b=roofline(hw, e["curv_b_flops"], e["curv_b_bytes"], fp32, eff),
         inv_a=inv(lin.d_in + int(lin.bias)),
         inv_b=inv(lin.d_out),
-        prec=_t(hw, e["prec_flops"], e["prec_bytes"], fp32, eff),
+        prec=roofline(hw, e["prec_flops"], e["prec_bytes"], fp32, eff),
         a_bytes=round(e["a_bytes"]),
         e_bytes=round(e["e_bytes"]),
         factor_a_bytes=round(e["factor_a_bytes"]),
@@ -224,8 +232,9 @@ def block_kernels(
     if block.attention:
         a = _eval("attention", b=batch, s=seq_len, h=spec.heads, d_h=spec.hidden / spec.heads, p=bpe)
         ew = block.attention * a["elementwise_bytes"] / hw.mem_bandwidth
-        fwd += block.attention * _t(hw, a["fwd_flops"] / 2, a["fwd_bytes"] / 2, peak, hw.matmul_efficiency) * 2 + ew
-        bwd += block.attention * _t(hw, a["bwd_flops"] / 2, a["bwd_bytes"] / 2, peak, hw.matmul_efficiency) * 2 + 2 * ew
+        eff = hw.matmul_efficiency
+        fwd += block.attention * roofline(hw, a["fwd_flops"] / 2, a["fwd_bytes"] / 2, peak, eff) * 2 + ew
+        bwd += block.attention * roofline(hw, a["bwd_flops"] / 2, a["bwd_bytes"] / 2, peak, eff) * 2 + 2 * ew
         act += block.attention * a["saved_bytes"]
         scores = bpe * batch * spec.heads * seq_len * seq_len
     elementwise = 2 * bpe * block.elementwise_per_token * batch * seq_len / hw.mem_bandwidth
@@ -291,12 +300,15 @@ def analytic_cost_table(
     *,
     precision: Literal["fp32", "bf16"] = "fp32",
     inverse: Literal["cholesky", "eigen"] = "cholesky",
+    units: Callable[[BlockSpec], tuple[LayerCost, ...]] | None = None,
 ) -> CostTable:
     """A CostTable from the analytic model, one LayerCost per K-FAC Linear (Hugging Face FQNs).
 
     stages: an int (balanced contiguous split by fwd+bwd time) or block ranges per stage
     (e.g. [range(0, 3), range(3, 6)] or [(0, 3), (3, 6)]). The embeddings are costed on the
     first stage and the head on the last. Parameters count fp32 master weights (4 bytes).
+    units: the preconditioned units of a block (another family's, e.g. Shampoo's parameters) in place
+    of its K-FAC Linears; the pipeline's costs and split are the same either way.
     """
     spec = preset(model_spec) if isinstance(model_spec, str) else model_spec
     hw = get_hardware(hardware)
@@ -317,14 +329,17 @@ def analytic_cost_table(
     ranges = _stage_ranges(stages, costs)
     out = []
     for i, r in enumerate(ranges):
-        members = ([embed] if i == 0 else []) + [parts[j] for j in r] + ([head] if i == len(ranges) - 1 else [])
+        first, last = i == 0, i == len(ranges) - 1
+        members = ([embed] if first else []) + [parts[j] for j in r] + ([head] if last else [])
+        owners = ([spec.embed] if first else []) + [spec.blocks[j] for j in r] + ([spec.head] if last else [])
         out.append(
             StageCost(
                 fwd=sum(x.fwd for x in members),
                 bwd=sum(x.bwd for x in members),
                 param_bytes=4 * sum(x.params for x in members),
                 act_bytes=sum(x.act_bytes for x in members),
-                layers=tuple(layer for x in members for layer in x.layers),
+                layers=tuple(layer for x in members for layer in x.layers) if units is None else
+                tuple(layer for block in owners for layer in units(block)),
                 peak_err_bytes=max(x.peak_err_bytes for x in members),
             )
         )

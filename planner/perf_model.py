@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 
 import sympy as sp
 
+from fxkfac.planner.preconditioners import WORDS, PreconditionerKind, TaskWords
 from fxkfac.planner.schedules import ScheduleKind
 
 __all__ = ["SYMBOLS", "PerfModel", "perf_model", "explain", "evaluate", "pipe_gap"]
@@ -16,22 +17,25 @@ D, N, v, W = sp.symbols("D N v W", positive=True, integer=True)
 M_theta, M_act, M_err_peak, M_err_save, M_curv, M_inv = sp.symbols(
     "M_theta M_act M_err_peak M_err_save M_curv M_inv", nonnegative=True
 )
-T_curv, T_inv, T_prec = sp.symbols("T_curv T_inv T_prec", nonnegative=True)
+T_curv, T_inv, T_prec, T_gstat = sp.symbols("T_curv T_inv T_prec T_gstat", nonnegative=True)
 
 SYMBOLS: dict[str, sp.Symbol] = {
     s.name: s
-    for s in (T_f, T_b, D, N, v, W, M_theta, M_act, M_err_peak, M_err_save, M_curv, M_inv, T_curv, T_inv, T_prec)
+    for s in (T_f, T_b, D, N, v, W, M_theta, M_act, M_err_peak, M_err_save, M_curv, M_inv, T_curv, T_inv, T_prec,
+              T_gstat)
 }
 """Every symbol by name. Times and memories are per (virtual) stage: T_f/T_b per micro-batch,
-T_curv per micro-batch, T_inv/T_prec/M_curv/M_inv per stage, M_act/M_err_* per micro-batch."""
+T_curv per micro-batch, T_inv/T_prec/M_curv/M_inv per stage, M_act/M_err_* per micro-batch; T_gstat per stage
+and step: the statistics a gradient-fed family (Shampoo, SOAP) takes from the reduced gradient at every step
+(0 for K-FAC)."""
 
 _DESCRIPTIONS = {
     "T_pipe": "time of one pipeline step (all F and B of the step, critical path)",
     "T_bubble": "idle time per device in one step (the same on every device for these schedules)",
     "M_pipe": "worst-device memory: parameters+gradients of its stages, in-flight activations, peak errors",
-    "T_kfac": "K-FAC work per device: curvature and inversion (to fit in bubbles) plus preconditioning",
-    "M_kfac": "K-FAC memory per device: factors, inverses, errors kept for deferred curvature",
-    "ratio": "(curvature + inversion) / bubble: pipeline steps needed per refresh",
+    "T_kfac": "{name} work per device: {stats} and {decomp} (to fit in bubbles) plus {apply}",
+    "M_kfac": "{name} memory per device: {stats} and {decomp} results, errors kept for deferred {stats}",
+    "ratio": "({stats} + {decomp}) / bubble left by per-step {stats}: pipeline steps needed per refresh",
 }
 
 
@@ -93,9 +97,9 @@ def perf_model(kind: ScheduleKind | str) -> PerfModel:
         T_pipe=T_pipe,
         T_bubble=T_bubble,
         M_pipe=2 * per_device * M_theta + inflight * M_act + M_err_peak,
-        T_kfac=fill + per_device * T_prec,
+        T_kfac=fill + per_device * (T_gstat + T_prec),
         M_kfac=per_device * (M_curv + M_inv) + mbs * M_err_save,
-        ratio=fill / T_bubble,
+        ratio=fill / (T_bubble - per_device * T_gstat),
         stages_per_device=per_device,
         microbatches_per_device=mbs,
         peak_inflight=inflight,
@@ -103,7 +107,9 @@ def perf_model(kind: ScheduleKind | str) -> PerfModel:
 
 
 def evaluate(expr: sp.Expr, values: Mapping[str, float]) -> float:
-    """`expr` as a float with symbols substituted by name (e.g. {"T_f": 1.0, "D": 4, ...})."""
+    """`expr` as a float with symbols substituted by name (e.g. {"T_f": 1.0, "D": 4, ...}); T_gstat is 0 unless
+    given (K-FAC takes no statistics from the gradient)."""
+    values = {"T_gstat": 0.0, **values}
     unknown = set(values) - set(SYMBOLS)
     if unknown:
         raise KeyError(f"unknown symbols {sorted(unknown)}; known: {sorted(SYMBOLS)}")
@@ -114,8 +120,9 @@ def evaluate(expr: sp.Expr, values: Mapping[str, float]) -> float:
     return float(result)
 
 
-def explain(kind: ScheduleKind | str) -> str:
-    """Printable expressions of the model for `kind` (for `fxkfac plan --explain`)."""
+def explain(kind: ScheduleKind | str, words: TaskWords = WORDS[PreconditionerKind.KFAC]) -> str:
+    """Printable expressions of the model for `kind` (for `fxkfac plan --explain`), the work named in the
+    preconditioner family's `words`."""
     model = perf_model(kind)
     lines = [f"Performance model for {model.kind} (PipeFisher §3.3; times per micro-batch, per stage):"]
     lines.append(f"  C_f = {model.C_f},  C_b = {model.C_b}"
@@ -123,7 +130,8 @@ def explain(kind: ScheduleKind | str) -> str:
     for f in fields(model):
         if f.name in _DESCRIPTIONS:
             lines.append(f"  {f.name} = {sp.sstr(getattr(model, f.name))}")
-            lines.append(f"      {_DESCRIPTIONS[f.name]}")
+            lines.append("      " + _DESCRIPTIONS[f.name].format(name=words.name, stats=words.stats,
+                                                                  decomp=words.decomp, apply=words.apply))
     if model.kind is ScheduleKind.CHIMERA:
         lines.append("  for T_b >= T_f (the usual case):")
         for name in ("T_pipe", "T_bubble", "ratio"):
