@@ -63,7 +63,7 @@ def backward(net: nn.Module, batch: tuple[Tensor, Tensor]) -> None:
 
 
 def train(family: Family, net: nn.Module, data: list[tuple[Tensor, Tensor]], lr: float, *, first_step: int = 0,
-          states: dict[str, RefreshState] | None = None, use_offset: int = 0) -> dict[str, RefreshState]:
+          states: Mapping[str, RefreshState] | None = None, use_offset: int = 0) -> Mapping[str, RefreshState]:
     """Steps `first_step`, `first_step + 1`, ... over `data` as the runtime runs them; returns the states."""
     units = family.units(net, [])  # type: ignore[arg-type]  # a plain module: units read only its parameters
     states = {u.name: family.new_state(u) for u in units} if states is None else states
