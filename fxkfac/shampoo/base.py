@@ -91,20 +91,20 @@ class BlockFamily:
         return side_statistic(self.layout(unit), part, grad.to(self.dtype))
 
     def fold(self, state: RefreshState, part: str, mean: Tensor) -> None:
-        """Running sum of the part (EMA with the family's beta, plain sum at 1); folding L counts the step."""
+        """Running sum of the part (EMA with the family's beta, plain sum at 1), counted per part."""
         if not isinstance(state, BlockState):
             raise AssertionError(f"a {self.name} part folded into another family's state")
+        state.folds = {**state.folds, part: state.folds[part] + 1}
         if part == "L":
-            state.count += 1
             state.L = running_sum(state.L, mean, self.stat_beta)
         else:
             state.R = running_sum(state.R, mean, self.stat_beta)
 
-    def before_start(self, state: RefreshState) -> bool:
-        """True when `state` (a snapshot) was taken at a step before start_preconditioning_step."""
+    def before_start(self, state: RefreshState, part: str) -> bool:
+        """True when `state` (a snapshot after `part`'s fold) was taken at a step before start_preconditioning_step."""
         if not isinstance(state, BlockState):
             raise AssertionError(f"a {self.name} part decomposed from another family's state")
-        return state.count - 1 < self.start
+        return state.folds[part] - 1 < self.start
 
     def pack(self, unit: ParamUnit, part: str, half: Tensor | None) -> Tensor:
         """``[ok, flat]`` of the part's layout size; ok=0 for a failed or unwanted decomposition."""

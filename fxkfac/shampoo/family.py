@@ -78,7 +78,7 @@ class ShampooFamily(BlockFamily):
 
     def decompose(self, unit: ParamUnit, state: RefreshState, part: str) -> Tensor | None:
         """The part's inverse roots, flat in its layout; None before start or on a (protected) failure."""
-        if self.before_start(state):
+        if self.before_start(state, part):
             return None
         assert isinstance(state, ShampooState)
         stats = state.L if part == "L" else state.R
@@ -86,7 +86,7 @@ class ShampooFamily(BlockFamily):
             raise ValueError(f"part {part} of {unit.name} is decomposed before it was ever folded")
         beta2 = self.cfg.betas[1]
         if self.cfg.use_bias_correction and beta2 < 1.0:
-            stats = stats / (1.0 - beta2**state.count)
+            stats = stats / (1.0 - beta2 ** state.folds[part])
         layout = self.layout(unit)
         roots = []
         for factor in layout.factors[part]:
@@ -173,8 +173,9 @@ class ShampooFamily(BlockFamily):
                 continue
             region = layout.region(index)
             s = _kron_apply(g_hat[region], left, right, roots)
-            norm = float(torch.linalg.vector_norm(s))
-            out[region] = s * (float(torch.linalg.vector_norm(p_graft[region])) / norm) if norm > 0 else 0.0
+            norm = torch.linalg.vector_norm(s)  # tensors throughout: no host sync per block on an accelerator
+            ratio = torch.linalg.vector_norm(p_graft[region]) / norm
+            out[region] = s * torch.where(norm > 0, ratio, torch.zeros_like(ratio))
         return out
 
 

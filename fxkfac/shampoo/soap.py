@@ -105,7 +105,7 @@ class SOAPFamily(BlockFamily):
 
     def decompose(self, unit: ParamUnit, state: RefreshState, part: str) -> Tensor | None:
         """The part's eigenbases, flat in its layout; None before start or when any block fails."""
-        if self.before_start(state):
+        if self.before_start(state, part):
             return None
         assert isinstance(state, SOAPState)
         stats = state.L if part == "L" else state.R

@@ -28,22 +28,29 @@ class Sides:
 
 
 class BlockState(RefreshState):
-    """What Shampoo and SOAP share: `count` (steps folded, t + 1 after step t's folds), the running factors `L`
-    and `R` (flat, see fxkfac/shampoo/layout.py), and the `Sides` pending and active. `sizes`: the flat sizes
-    of L and R (also those of a `Sides` part); `view`: the shape of the other tensors (checked on load)."""
+    """What Shampoo and SOAP share: `folds` (per part, the steps folded: t + 1 after step t's fold, whichever
+    part a plan folds first), the running factors `L` and `R` (flat, see fxkfac/shampoo/layout.py), and the
+    `Sides` pending and active. `sizes`: the flat sizes of L and R (also those of a `Sides` part); `view`: the
+    shape of the other tensors (checked on load)."""
 
     TENSORS: ClassVar[tuple[str, ...]] = ("L", "R")
 
     def __init__(self, sizes: tuple[int, int], view: tuple[int, ...]) -> None:
         super().__init__()
         self.shapes = {k: view for k in self.TENSORS} | {"L": (sizes[0],), "R": (sizes[1],)}
-        self.count = 0
+        self.folds = {"L": 0, "R": 0}
         self.L: Tensor | None = None
         self.R: Tensor | None = None
 
+    @property
+    def count(self) -> int:
+        """Steps seen (t + 1 during step t's preconditioning, which follows both folds)."""
+        return self.folds["L"]
+
     def state_dict(self) -> dict[str, Any]:
-        """``refreshes``, ``count``, the tensors present, ``active.L/R`` and ``pending.<i>.step/L/R``."""
-        out: dict[str, Any] = {"refreshes": self.refreshes, "count": self.count, "pending_count": len(self.pending)}
+        """``refreshes``, ``folds.L/R``, the tensors present, ``active.L/R`` and ``pending.<i>.step/L/R``."""
+        out: dict[str, Any] = {"refreshes": self.refreshes, "folds.L": self.folds["L"], "folds.R": self.folds["R"],
+                               "pending_count": len(self.pending)}
         out.update({k: getattr(self, k) for k in self.TENSORS if getattr(self, k) is not None})
         if self.active is not None:
             out.update({"active.L": self.active.L, "active.R": self.active.R})
@@ -54,14 +61,14 @@ class BlockState(RefreshState):
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         """Restore `state_dict` output; CheckpointError names the missing or malformed entry."""
         try:
-            counts = [int(sd[k]) for k in ("refreshes", "count", "pending_count")]
+            counts = [int(sd[k]) for k in ("refreshes", "folds.L", "folds.R", "pending_count")]
             tensors = {k: self._tensor(sd, k, k) for k in self.TENSORS if sd.get(k) is not None}
             active = self._sides(sd, "active.") if "active.L" in sd else None
-            pending = [(int(sd[f"pending.{i}.step"]), self._sides(sd, f"pending.{i}.")) for i in range(counts[2])]
+            pending = [(int(sd[f"pending.{i}.step"]), self._sides(sd, f"pending.{i}.")) for i in range(counts[3])]
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{type(self).__name__} is incomplete or malformed ({exc!r}); the checkpoint is "
                                   "corrupt or was written for another model or configuration") from exc
-        self.refreshes, self.count = counts[0], counts[1]
+        self.refreshes, self.folds = counts[0], {"L": counts[1], "R": counts[2]}
         for k in self.TENSORS:
             setattr(self, k, tensors.get(k))
         self.active, self.pending = active, pending

@@ -174,6 +174,25 @@ def test_a_failed_root_keeps_the_previous_one() -> None:
         unprotected.decompose(unit, state.snapshot(), "L")
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_order_of_the_folds_does_not_matter(name: str) -> None:
+    """A plan may fold R before L: each part counts its own folds (bias correction, start)."""
+    family, net = FAMILIES[name](), model()
+    states = train(family, net, batches(3), 0.05)
+    backward(net, batches(4)[3])
+    params = dict(net.named_parameters())
+    for unit in family.units(net, []):  # type: ignore[arg-type]  # a plain module
+        halves = []
+        for order in (("L", "R"), ("R", "L")):
+            state = states[unit.name].snapshot()
+            snaps = {}
+            for part in order:
+                family.fold(state, part, family.statistic(unit, part, "gradient", params[unit.name], 8))
+                snaps[part] = state.snapshot()
+            halves.append([family.decompose(unit, snaps[p], p) for p in ("L", "R")])
+        assert all(torch.equal(a, b) for a, b in zip(*halves))
+
+
 def test_decompositions_before_start_are_none() -> None:
     family, net = ShampooFamily(replace(SHAMPOO, start_preconditioning_step=3)), model()
     states = train(family, net, batches(3), 0.05)           # steps 0, 1, 2: all before start
@@ -225,8 +244,8 @@ def test_a_malformed_checkpoint_names_what_is_wrong() -> None:
     states = train(family, net, batches(4), 0.05)
     good = _saved(states)["lin1.weight"]
     state = family.new_state(ParamUnit("lin1.weight", (5, 6)))
-    with pytest.raises(CheckpointError, match="count"):
-        state.load_state_dict({k: v for k, v in good.items() if k != "count"})
+    with pytest.raises(CheckpointError, match="folds.R"):
+        state.load_state_dict({k: v for k, v in good.items() if k != "folds.R"})
     with pytest.raises(CheckpointError, match="exp_avg must be a tensor of shape"):
         state.load_state_dict({**good, "exp_avg": torch.zeros(3)})
     bad = copy.copy(good)
