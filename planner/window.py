@@ -37,7 +37,10 @@ a precedence on the slot's start in CP-SAT, the slot's reference place in greedy
 later bubble, like K-FAC's deferred inversions. The snapshot the runtime keeps until DECOMP is, like
 K-FAC's statistic sums in flight, not counted in memory; `LayerCost.state_bytes` (optimizer state held
 for the whole run) is, in `planner.problem.static_bytes`. Layers mixing captured and gradient parts plan
-each part by its own rule (not tuned for them, but correct).
+each part by its own rule (not tuned for them, but correct). Known cost: where a device holds several
+stages (Chimera, interleaved) the reference step runs the second stage's all-reduce right after the first
+stage's slot, and the tick blocked before that all-reduce ([Note: time grid]) keeps CP-SAT from ending the
+slot there, so both slots go after it; with large gradient statistics the step may then need max_overhead.
 """
 
 from __future__ import annotations

@@ -4,17 +4,28 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from fxkfac.planner.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.costs import CostTable, LayerCost, PartCost, StageCost
+from fxkfac.planner.ir import OpKind
 from fxkfac.planner.problem import Problem
 from fxkfac.planner.schedules import num_stages
 
-__all__ = ["layer", "table", "problem", "problems"]
+__all__ = ["layer", "gradient_layer", "table", "problem", "problems"]
 
 
 def layer(name: str, curv: float = 0.5, inv: float = 1.0, prec: float = 0.25, keep: int = 10,
           factor: int = 100) -> LayerCost:
     """A layer with the same cost for both sides (curv/inv per factor, keep = a_bytes = e_bytes)."""
     return LayerCost.kfac(name, curv, curv, inv, inv, prec, keep, keep, factor, factor)
+
+
+def gradient_layer(name: str, stats: float = 0.25, decomp: float = 1.0, prec: float = 0.25, factor: int = 100,
+                   optimizer: int = 0, captured: bool = False) -> LayerCost:
+    """A Shampoo-like layer: parts L and R fed by the reduced gradient (stats per step, decomp per refresh,
+    `factor` bytes each) and `optimizer` bytes of other optimizer state; `captured` adds K-FAC's B (fed by BWD)."""
+    parts = tuple(PartCost(side, OpKind.ALLREDUCE_GRAD, stats, decomp, 0, factor) for side in "LR")
+    if captured:
+        parts += (PartCost("B", OpKind.BWD, stats, decomp, 10, factor),)
+    return LayerCost(name, parts, prec, optimizer)
 
 
 def table(stages: int, fwd: float = 1.0, bwd: float = 2.0, layers: int = 1, act: int = 50, params: int = 1000,
