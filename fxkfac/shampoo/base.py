@@ -3,6 +3,7 @@ parts L and R, their statistics and running sums, the step count, broadcast pack
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import MutableMapping, Sequence
 from typing import Any
 
@@ -28,7 +29,7 @@ def block_side(max_preconditioner_dim: int | str, max_dim: int | None, default: 
     return int(max_preconditioner_dim)
 
 
-class BlockFamily:
+class BlockFamily(ABC):
     """The shared half of Shampoo and SOAP. Subclasses set `name`, build `_make_layout`, `_new_state`, and the
     refresh math (decompose, combine, precondition). Refreshes happen at t = start (mod frequency)."""
 
@@ -58,11 +59,13 @@ class BlockFamily:
             self._layouts[unit.name] = self._make_layout(unit)
         return self._layouts[unit.name]
 
+    @abstractmethod
     def _make_layout(self, unit: ParamUnit) -> Layout:
-        raise NotImplementedError
+        """The unit's view, blocks and factors under the family's config."""
 
+    @abstractmethod
     def _new_state(self, layout: Layout) -> BlockState:
-        raise NotImplementedError
+        """An empty state of the family's kind for a unit of this layout."""
 
     def source(self, part: str) -> Source:
         """Both parts come from the parameter's complete gradient."""

@@ -57,9 +57,11 @@ class ShampooFamily(BlockFamily):
         self.max_dim = block_side(cfg.max_preconditioner_dim, max_dim, DEFAULT_MAX_DIM)
 
     def _make_layout(self, unit: ParamUnit) -> Layout:
+        """Every factor kind: dense, or diagonal for sides above b under DIAGONAL."""
         return make_layout(unit.shape, self.max_dim, self.cfg.large_dim_method, self.cfg.use_merge_dims, FactorKind)
 
     def _new_state(self, layout: Layout) -> ShampooState:
+        """No statistics, roots, graft, filtered gradient or momentum yet."""
         return ShampooState((layout.size("L"), layout.size("R")), layout.view)
 
     def decays(self, unit: ParamUnit) -> bool:

@@ -93,12 +93,14 @@ class SOAPFamily(BlockFamily):
         self.max_dim = block_side(cfg.max_preconditioner_dim, max_dim, DEFAULT_MAX_DIM)
 
     def _make_layout(self, unit: ParamUnit) -> Layout:
+        """Dense factors only (a diagonal side keeps the identity basis); none on a 1-D view unless precondition_1d."""
         cfg = self.cfg
         one_d = len(matrix_view(unit.shape, self.max_dim, cfg.use_merge_dims)) == 1
         kept = () if one_d and not cfg.precondition_1d else (FactorKind.DENSE,)
         return make_layout(unit.shape, self.max_dim, cfg.large_dim_method, cfg.use_merge_dims, kept)
 
     def _new_state(self, layout: Layout) -> SOAPState:
+        """No statistics, bases or moments yet."""
         return SOAPState((layout.size("L"), layout.size("R")), layout.view)
 
     # --- refresh ------------------------------------------------------------------------------------
