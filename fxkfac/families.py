@@ -23,6 +23,6 @@ def family_of(choice: Any) -> Family:
     if isinstance(choice, SOAPConfig):
         return SOAPFamily(choice)
     if all(hasattr(choice, attr) for attr in ("parts", "source", "new_state", "decompose", "precondition")):
-        return choice  # type: ignore[no-any-return]  # a Family object, checked structurally
+        return choice  # a Family object, checked structurally
     raise ConfigError(f"preconditioner must be a KFACConfig, ShampooConfig, SOAPConfig or a "
                       f"fxkfac.preconditioner.Family, got {type(choice).__name__}")

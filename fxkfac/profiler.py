@@ -111,21 +111,25 @@ def gradient_unit_cost(family: Family, units: Mapping[str, Any], params: Mapping
     def cost(name: str, rows: int) -> LayerCost:
         unit = units[name]
         p = params[name].detach().clone().requires_grad_(True)
-        p.grad = torch.randn_like(p)
+        grad = torch.randn_like(p)
+        p.grad = grad
         state = family.new_state(unit)
-        stats = {}
+        stats, decomp, folded = {}, {}, {}
         for part in family.parts:
-            stats[part] = time_call(lambda part=part: family.statistic(unit, part, "gradient", p, rows),
-                                    warmup=warmup, repeats=repeats)
-            family.fold(state, part, family.statistic(unit, part, "gradient", p, rows))
+            def statistic(part: str = part) -> Tensor:
+                return family.statistic(unit, part, "gradient", p, rows)
+            stats[part] = time_call(statistic, warmup=warmup, repeats=repeats)
+            folded[part] = _nbytes(statistic())
+            family.fold(state, part, statistic())
         snap = state.snapshot()
-        halves = {part: family.decompose(unit, snap, part) for part in family.parts}
-        decomp = {part: time_call(lambda part=part: family.decompose(unit, snap, part), warmup=warmup,
-                                  repeats=repeats) for part in family.parts}
-        state.set_pending(family.combine(unit, state, halves), 0)
+        for part in family.parts:
+            def decompose(part: str = part) -> object:
+                return family.decompose(unit, snap, part)
+            decomp[part] = time_call(decompose, warmup=warmup, repeats=repeats)
+        state.set_pending(family.combine(unit, state, {part: family.decompose(unit, snap, part)
+                                                       for part in family.parts}), 0)
         state.activate(0)
-        folded = {part: _nbytes(family.statistic(unit, part, "gradient", p, rows)) for part in family.parts}
-        prec = time_call(lambda: family.precondition([unit], {name: p.grad.clone()}, {name: state}, {name: p}),
+        prec = time_call(lambda: family.precondition([unit], {name: grad.clone()}, {name: state}, {name: p}),
                          warmup=warmup, repeats=repeats)
         parts = tuple(PartCost(part, OpKind.ALLREDUCE_GRAD, stats[part], decomp[part], 0, folded[part])
                       for part in family.parts)

@@ -1,5 +1,6 @@
 """Shampoo and SOAP through fxkfac.compile: pipelined runs (GPipe, 1F1B, Chimera, W=2) equal one device given
-the same timing, a checkpoint resumes exactly, and a bad base optimizer is refused."""
+the same timing, plan="auto" profiles and places them and the ranks run the plan, a checkpoint resumes
+exactly, and a bad base optimizer is refused."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import fxkfac
-from fxkfac.config import PipelineOptions
+from fxkfac.config import PipelineOptions, PlanOptions
 from fxkfac.errors import ConfigError
-from fxkfac.planner.ir import LayerTiming
+from fxkfac.planner.ir import LayerTiming, OpKind
 from fxkfac.shampoo import GraftType, ShampooConfig, SOAPConfig
 from tests.support.distributed import run_distributed
 from tests.support.models import mlp
@@ -105,3 +106,36 @@ def test_a_base_optimizer_with_momentum_is_refused() -> None:
     with pytest.raises(ConfigError, match="base optimizer must be torch.optim.SGD"):
         fxkfac.compile(mlp(), None, None, example_inputs=(_batches()[0][0],), loss_fn=F.mse_loss, backend=None,
                        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), preconditioner=SHAMPOO)
+
+
+def _planned_worker(rank: int, world: int, family: str) -> dict:
+    """plan="auto": rank 0 profiles the family through its own methods, CP-SAT places its work, the ranks run it."""
+    trainer = fxkfac.compile(mlp(), (2, 1), "auto", example_inputs=(_batches()[0][0],), loss_fn=F.mse_loss,
+                             optimizer=_sgd, backend=None, schedule="1f1b", microbatches=N,
+                             preconditioner=FAMILIES[family], pipeline=PipelineOptions(timeout=60.0),
+                             plan_options=PlanOptions(time_limit_s=3.0))
+    for x, y in _batches():
+        trainer.step(x, y)
+    assert trainer.plan is not None
+    return {"params": {n: copy.deepcopy(p.detach()) for n, p in trainer.named_parameters()},
+            "layers": dict(trainer.plan.layers), "placed": {p.op.kind for p in trainer.plan.placements}}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_planned_shampoo_and_soap_run_their_plan_and_equal_one_device_given_it(family: str) -> None:
+    results = run_distributed(_planned_worker, 2, family, timeout=300)
+    assert all(r.ok for r in results), [r.traceback for r in results if not r.ok]
+    layers = results[0].value["layers"]
+    assert set(layers) == {n for n, _ in mlp().named_parameters()}
+    assert {OpKind.DECOMP, OpKind.APPLY} <= results[0].value["placed"] | results[1].value["placed"]
+    assert min(t.use_offset for t in layers.values()) >= 1, "a planned gradient part decomposes after its step"
+    single = fxkfac.compile(mlp(), None, None, example_inputs=(_batches()[0][0],), loss_fn=F.mse_loss,
+                            optimizer=_sgd, backend=None, microbatches=N, preconditioner=FAMILIES[family],
+                            layer_timing=layers)
+    for x, y in _batches():
+        single.step(x, y)
+    want = dict(single.named_parameters())
+    for r in results:
+        for name, p in r.value["params"].items():
+            torch.testing.assert_close(p, want[name].detach(), rtol=0, atol=1e-5, msg=f"rank {r.rank} {name}")
