@@ -176,6 +176,9 @@ def cost_table(args: argparse.Namespace, S: int, max_dim: int | None = None) -> 
     kind = _kind(args)
     if kind is not PreconditionerKind.KFAC:
         _check_gradient_family(args, kind)
+    elif args.max_preconditioner_dim != AUTO:
+        raise CliError("--max-preconditioner-dim sets Shampoo's and SOAP's blocks; K-FAC has none (pass "
+                       "--preconditioner shampoo or soap, or drop it)")
     if args.costs is not None:
         if is_profile(args.costs):
             blocks = _blocks(args.target)
@@ -323,7 +326,7 @@ def _explain(args: argparse.Namespace, costs: CostTable, simulated: float, conso
         console.print(f"  {name} = {format_bytes(evaluate(getattr(model, name), values))}", markup=False)
     console.print(f"  ratio = {evaluate(model.ratio, values):.2f} steps per refresh", markup=False)
     slowest = evaluate(model.T_pipe, {**values, **_slowest_stage(costs)})
-    console.print(pipe_gap(evaluate(model.T_pipe, values), slowest, simulated), markup=False)
+    console.print(pipe_gap(evaluate(model.T_pipe, values), slowest, simulated, WORDS[kind_of(costs)]), markup=False)
 
 
 def problem_of(args: argparse.Namespace, costs: CostTable) -> Problem:
@@ -368,7 +371,8 @@ def _refused(error: PlanError, budget: Budget) -> RefusedPlan:
 
 def _searches_block_size(args: argparse.Namespace) -> bool:
     """Whether the planner chooses Shampoo's/SOAP's block side: auto on a preset's analytic costs."""
-    return _kind(args) is not PreconditionerKind.KFAC and args.max_preconditioner_dim == AUTO and args.costs is None
+    return (_kind(args) is not PreconditionerKind.KFAC and args.max_preconditioner_dim == AUTO and args.costs is None
+            and not _is_factory(args.target))
 
 
 def _auto_block(args: argparse.Namespace, S: int, config: SolverConfig) -> BlockChoice:

@@ -144,12 +144,15 @@ def _backward_slower(expr: sp.Expr) -> sp.Expr:
     return expr.subs({sp.Max(T_f, T_b): T_b, sp.Min(T_f, T_b): T_f, sp.Abs(T_b - T_f): T_b - T_f})
 
 
-def pipe_gap(at_means: float, at_slowest: float, simulated: float) -> str:
+def pipe_gap(at_means: float, at_slowest: float, simulated: float,
+             words: TaskWords = WORDS[PreconditionerKind.KFAC]) -> str:
     """How T_pipe, written for equal stages, relates to the simulated step of the actual stages (seconds
     each: T_pipe at the stage means, T_pipe with every stage as slow as the slowest, the simulation), in
     words for `--explain`."""
     if abs(simulated - at_means) <= 1e-3 * simulated:
-        return f"  T_pipe agrees with the simulated step before K-FAC ({simulated * 1e3:.2f} ms, the plan's step time)"
-    return (f"  T_pipe is written for equal stages; the plan's step time before K-FAC ({simulated * 1e3:.2f} ms) is "
+        return (f"  T_pipe agrees with the simulated step before {words.name} ({simulated * 1e3:.2f} ms, the "
+                "plan's step time)")
+    return (f"  T_pipe is written for equal stages; the plan's step time before {words.name} "
+            f"({simulated * 1e3:.2f} ms) is "
             f"simulated with each stage's own costs, {(simulated - at_means) * 1e3:+.2f} ms from T_pipe at the stage "
             f"means because the stages differ (every stage as slow as the slowest: T_pipe = {at_slowest * 1e3:.2f} ms)")

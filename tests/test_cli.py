@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from fxkfac.cli import build_parser, cost_table, main, parse_bytes, parse_fraction, problem_of
+from fxkfac.cli import build_parser, cost_table, main, parse_block_size, parse_bytes, parse_fraction, problem_of
 from fxkfac.plan_view import planned_utilization, planned_view, render_plan
 from fxkfac.planner.errors import PlannerError
 from fxkfac.planner.ir import Op, OpKind
@@ -346,3 +346,82 @@ def test_show_refuses_a_summary_its_placements_contradict(field: str, edit, need
     assert main(["show", str(path)]) == 2
     err = _one_line_error(capsys)
     assert str(path) in err and needle in err and "contradicts" in err
+
+
+SHAMPOO = ["plan", "bert-base", "--preconditioner", "shampoo", "--hardware", "a100"]
+
+
+def test_preconditioner_flags_parse() -> None:
+    args = build_parser().parse_args(SHAMPOO + ["--max-preconditioner-dim", "1024", "--precondition-frequency", "50"])
+    assert (args.preconditioner, args.max_preconditioner_dim, args.precondition_frequency) == ("shampoo", 1024, 50)
+    assert (args.stages, args.microbatches) == (4, 4)
+    defaults = build_parser().parse_args(["plan", "bert-base"])
+    assert (defaults.preconditioner, defaults.max_preconditioner_dim, defaults.precondition_frequency) == (
+        "kfac", "auto", None)
+    assert parse_block_size(" AUTO ") == "auto" and parse_block_size("256") == 256
+    assert problem_of(args, cost_table(args, 4)).max_period == 50
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (SHAMPOO + ["--max-preconditioner-dim", "0"], "a side >= 1 such as 1024, or auto"),
+    (SHAMPOO + ["--precondition-frequency", "0"], "a whole number >= 1"),
+    (["plan", "bert-base", "--preconditioner", "lamb"], "invalid choice: 'lamb'"),
+    (["plan", "bert-base", "--max-preconditioner-dim", "512"], "K-FAC has none"),
+    (SHAMPOO + ["--costs", "paper:bert-base/p100"], "K-FAC per-block profile"),
+    (["plan", f"{EXAMPLE_FACTORIES}:mlp", "--preconditioner", "soap"], "costed as K-FAC layers only"),
+])
+def test_preconditioner_flags_refuse_in_one_line(argv: list[str], needle: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    assert _status(argv) == 2
+    assert needle in _one_line_error(capsys)
+
+
+def _status(argv: list[str]) -> int | str | None:
+    """The exit status of `fxkfac ARGV`: main's return, or argparse's exit on a usage error."""
+    try:
+        return main(argv)
+    except SystemExit as e:
+        return e.code
+
+
+def test_a_kfac_table_is_not_planned_as_shampoo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "kfac.json"
+    table(2, layers=2).save(path)
+    assert main(["plan", "x", "-D", "2", "--preconditioner", "shampoo", "--costs", str(path)]) == 2
+    assert "a cost table of K-FAC, not of Shampoo; pass --preconditioner kfac" in _one_line_error(capsys)
+
+
+def test_shampoo_plan_path_does_not_import_torch_and_speaks_shampoo(tmp_path: Path) -> None:
+    trace = tmp_path / "t.json"
+    argv = SHAMPOO + ["--max-preconditioner-dim", "512", "--show", "--explain", "--trace", str(trace)]
+    code = (
+        "import sys\nfrom fxkfac.cli import main\n"
+        f"assert main({argv!r}) == 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
+                          env={"COLUMNS": "120", "PATH": ""})
+    out = done.stdout
+    assert "root inverse" in out and "statistics" in out and "Shampoo reference" in out, out
+    assert "curvature" not in out and "K-FAC" not in out, out
+    tasks = {e["args"]["task"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"}
+    assert {"root inverse", "forward (digit: micro-batch)"} <= tasks
+
+
+# max_preconditioner_dim auto at 1F1B, D=4, N=4, micro-batch 32, max_overhead 0, refresh within 32 steps: the
+# binding task is the root inverse of one parameter's L (its blocks decomposed as one task), which must fit in one
+# bubble: bert-base's word embedding (30522 x 768) at 1024 takes 0.151 s on an A100 (0.28 s on a P100), longer
+# than its stage's longest bubble; bert-large's bubbles (6 blocks per stage) hold it at 1024, not at 2048.
+AUTO_CHOICES = {("bert-base", "p100"): 512, ("bert-base", "a100"): 512,
+                ("bert-large", "p100"): 1024, ("bert-large", "a100"): 1024}
+
+
+@pytest.mark.parametrize("model,hardware", sorted(AUTO_CHOICES))
+def test_auto_chooses_the_largest_block_that_fits(model: str, hardware: str,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", model, "--preconditioner", "shampoo", "--hardware", hardware, "--method", "greedy",
+                 "--explain"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    side = AUTO_CHOICES[model, hardware]
+    assert f"max_preconditioner_dim auto: block side {side}: the largest of" in out
+    assert f"{side}: plans" in out and f"{side * 2}: " in out
