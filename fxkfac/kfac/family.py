@@ -83,12 +83,9 @@ class KFACFamily:
                              name=layer.name, side=part)
 
     def _gammas(self, state: LayerState) -> tuple[float, float, float]:
-        """(gamma_A, gamma_B, shift) of `factor_dampings` (pi-damping reads both factors)."""
-        if self.cfg.pi_damping and state.A is not None and state.B is not None:
-            return factor_dampings(state.A, state.B, damping=self.cfg.damping, method=self.cfg.inverse,
-                                   pi_damping=True)
-        eye = torch.eye(1)
-        return factor_dampings(eye, eye, damping=self.cfg.damping, method=self.cfg.inverse, pi_damping=False)
+        """(gamma_A, gamma_B, shift) of `factor_dampings` (pi-damping reads both factors once both exist)."""
+        pi = self.cfg.pi_damping and state.A is not None and state.B is not None
+        return factor_dampings(state.A, state.B, damping=self.cfg.damping, method=self.cfg.inverse, pi_damping=pi)
 
     def combine(self, layer: KFACLayer, state: RefreshState, halves: Mapping[str, Any]) -> Inverse | None:
         """The layer's Inverse from both halves; None when either failed (the previous one stays)."""

@@ -65,15 +65,18 @@ class Inverse:
         )
 
 
-def damping_split(A: Tensor, B: Tensor, damping: float, pi_damping: bool) -> tuple[float, float]:
+def damping_split(A: Tensor | None, B: Tensor | None, damping: float, pi_damping: bool) -> tuple[float, float]:
     """``(gamma_A, gamma_B)``: ``sqrt(gamma)`` each, or with pi-damping ``pi*sqrt(gamma)`` and ``sqrt(gamma)/pi``.
 
     ``pi = sqrt((tr A / d_A) / (tr B / d_B))`` balances the damping to the factors' average eigenvalues.
     When either mean trace is not a positive finite number pi is undefined and 1 is used (plain split).
+    The plain split reads no factor (they may be None).
     """
     root = math.sqrt(damping)
     if not pi_damping:
         return root, root
+    if A is None or B is None:
+        raise ValueError("pi-damping needs both factors")
     mean_a = float(torch.trace(A)) / A.shape[0]
     mean_b = float(torch.trace(B)) / B.shape[0]
     if not (math.isfinite(mean_a) and math.isfinite(mean_b) and mean_a > 0 and mean_b > 0):
@@ -118,7 +121,7 @@ def invert(
 
 
 def factor_dampings(
-    A: Tensor, B: Tensor, *, damping: float, method: Literal["cholesky", "eigen"], pi_damping: bool
+    A: Tensor | None, B: Tensor | None, *, damping: float, method: Literal["cholesky", "eigen"], pi_damping: bool
 ) -> tuple[float, float, float]:
     """``(gamma_A, gamma_B, shift)``: what `invert_factor` gets for each factor and what `combine` gets.
 
