@@ -7,7 +7,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -18,8 +18,11 @@ from fxkfac.errors import ConfigError
 from fxkfac.launch import RankContext, launch
 from fxkfac.models import TinyBertConfig
 
+if TYPE_CHECKING:
+    from fxkfac.shampoo.config import ShampooConfig, SOAPConfig
+
 __all__ = ["RunSpec", "DemoConfig", "Curve", "DemoResult", "default_runs", "run_demo", "render_result",
-           "plan_view", "reach"]
+           "plan_view", "reach", "lr_at"]
 
 log = logging.getLogger(__name__)
 
@@ -32,23 +35,71 @@ DEMO_LR = 8e-3
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunSpec:
-    """One training run: a name, the base optimizer and its learning rate, and K-FAC (None: the plain pipeline)."""
+    """One training run: a name, the preconditioner (None: the plain pipeline), the base optimizer, its peak
+    learning rate and schedule (`lr_at`), and optionally its own seed and plan file."""
 
     name: str
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    """AdamW (betas 0.9/0.999, weight decay 0.01) or SGD with momentum 0.9."""
+    preconditioner: KFACConfig | ShampooConfig | SOAPConfig | None = None
+    """The family's hyperparameters (`fxkfac.compile(preconditioner=...)`); None trains the plain pipeline."""
+    optimizer: Literal["adamw", "sgd"] | None = None
+    """AdamW (betas 0.9/0.999, weight decay 0.01) or SGD with momentum 0.9; None: the family's own base, plain
+    SGD(lr) for a family that makes the whole update direction (Shampoo, SOAP: compile refuses anything else),
+    AdamW otherwise (the plain pipeline; PipeFisher's K-FAC over AdamW)."""
     lr: float = 1e-3
-    kfac: KFACConfig | None = None
-    """K-FAC hyperparameters; the run plans with plan="auto" (profile on rank 0, CP-SAT) when set."""
+    """Peak learning rate."""
+    warmup_steps: int = 0
+    """Linear warm-up to `lr` over this many steps."""
+    cosine: bool = False
+    """Cosine decay from `lr` after the warm-up to 0 at the run's last step (needs `DemoConfig.steps`)."""
+    seed: int | None = None
+    """Model initialization and training batches; None: `DemoConfig.seed` (validation always uses the config's)."""
+    plan: str | None = None
+    """A plan file for the preconditioner (refused when made for another graph, mesh or schedule); None:
+    plan="auto" (profile on rank 0, CP-SAT) by the first run of this preconditioner config in the launch, and
+    that Plan reused by every later run of the same config, so runs that differ in lr or seed share one plan."""
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0 or self.warmup_steps < 0:
+            raise ConfigError(f"run {self.name!r}: lr must be > 0 and warmup_steps >= 0, got lr={self.lr}, "
+                              f"warmup_steps={self.warmup_steps}")
+
+    @property
+    def base(self) -> Literal["adamw", "sgd", "plain-sgd"]:
+        """The base optimizer this run trains with (`optimizer`, or the family's default)."""
+        if self.optimizer is not None:
+            return self.optimizer
+        if self.preconditioner is None:
+            return "adamw"
+        from fxkfac.families import family_of
+
+        return "plain-sgd" if family_of(self.preconditioner).full_direction else "adamw"
 
     def make_optimizer(self) -> Callable[[list[Any]], Any]:
         """The optimizer factory `fxkfac.compile` takes."""
         import torch
 
-        lr, kind = self.lr, self.optimizer
+        lr, kind = self.lr, self.base
         if kind == "adamw":
             return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+        if kind == "plain-sgd":
+            return lambda params: torch.optim.SGD(params, lr=lr)
         return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+    def lr_at(self, step: int, steps: int) -> float:
+        """This run's learning rate at 0-based step `step` of `steps` (`lr_at`)."""
+        return lr_at(step, self.lr, steps=steps, warmup=self.warmup_steps, cosine=self.cosine)
+
+
+def lr_at(step: int, lr: float, *, steps: int, warmup: int = 0, cosine: bool = False) -> float:
+    """The learning rate of 0-based optimizer step `step` in a run of `steps` steps with peak `lr`: linear warm-up
+    (lr * (step + 1) / warmup) over the first `warmup` steps, then `lr`, or with `cosine` lr * (1 + cos(pi * p)) / 2
+    where p = (step - warmup) / (steps - warmup) goes from 0 after the warm-up to 1 at the end of the run."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    if not cosine:
+        return lr
+    progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+    return lr * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -96,6 +147,8 @@ class DemoConfig:
             raise ConfigError(f"seq_len {self.seq_len} exceeds the model's max_len {self.model.max_len}")
         if self.seconds is not None and not self.seconds > 0:
             raise ConfigError(f"seconds must be > 0, got {self.seconds}")
+        if self.seconds is not None and any(r.cosine for r in self.runs):
+            raise ConfigError("cosine decay needs the run's length in steps; set steps instead of seconds")
 
     @property
     def world(self) -> int:
@@ -109,7 +162,7 @@ class DemoConfig:
 
 def default_runs() -> tuple[RunSpec, ...]:
     """PipeFisher (K-FAC in the bubbles, over AdamW) and the plain AdamW pipeline at the same learning rate."""
-    return (RunSpec(name="PipeFisher", optimizer="adamw", lr=DEMO_LR, kfac=DEMO_KFAC),
+    return (RunSpec(name="PipeFisher", optimizer="adamw", lr=DEMO_LR, preconditioner=DEMO_KFAC),
             RunSpec(name="AdamW", optimizer="adamw", lr=DEMO_LR))
 
 
@@ -200,26 +253,33 @@ def _should_stop(cfg: DemoConfig, step: int, elapsed: float) -> bool:
     return bool(flag.item())
 
 
-def _train_run(ctx: RankContext, cfg: DemoConfig, spec: RunSpec, val: Sequence[tuple[Any, Any]]) -> Curve:
-    """Compile one run over the (pp, dp) mesh, train it, evaluate every `eval_every` steps; rank 0 reports."""
+def _train_run(ctx: RankContext, cfg: DemoConfig, spec: RunSpec, val: Sequence[tuple[Any, Any]],
+               plans: dict[str, Any]) -> Curve:
+    """Compile one run over the (pp, dp) mesh, train it, evaluate every `eval_every` steps; rank 0 reports.
+    `plans` holds the Plan of each preconditioner config planned so far in this launch (see `RunSpec.plan`)."""
     import torch
 
     import fxkfac
     from fxkfac.data import MaskedLMData, stdlib_corpus
     from fxkfac.models import TinyBertMLM, mlm_loss
 
+    seed = cfg.seed if spec.seed is None else spec.seed
     train, _ = stdlib_corpus(cfg.corpus_bytes)
-    data = MaskedLMData(train, seq_len=cfg.seq_len, seed=cfg.seed)
-    torch.manual_seed(cfg.seed)
+    data = MaskedLMData(train, seq_len=cfg.seq_len, seed=seed)
+    torch.manual_seed(seed)
     model = TinyBertMLM(cfg.model)
     inputs, targets = data.batch(cfg.batch_size)
-    trainer = fxkfac.compile(model, (cfg.stages, cfg.dp), "auto" if spec.kfac else None, example_inputs=(inputs,),
-                             loss_fn=mlm_loss, optimizer=spec.make_optimizer(), kfac=spec.kfac,
+    key = repr(spec.preconditioner)
+    plan = None if spec.preconditioner is None else spec.plan or plans.get(key, "auto")
+    trainer = fxkfac.compile(model, (cfg.stages, cfg.dp), plan, example_inputs=(inputs,), loss_fn=mlm_loss,
+                             optimizer=spec.make_optimizer(), kfac=None, preconditioner=spec.preconditioner,
                              schedule=cfg.schedule, microbatches=cfg.microbatches, backend=None,
                              pipeline=PipelineOptions(timeout=cfg.timeout_s),
                              plan_options=PlanOptions(time_limit_s=cfg.plan_time_limit_s,
                                                       max_overhead=cfg.plan_max_overhead))
-    plan_json = trainer.plan.to_json(indent=None) if spec.kfac is not None and ctx.rank == 0 else None
+    if trainer.plan is not None and spec.plan is None:
+        plans.setdefault(key, trainer.plan)
+    plan_json = trainer.plan.to_json(indent=None) if trainer.plan is not None and ctx.rank == 0 else None
     if plan_json is not None:
         ctx.report(("plan", spec.name, plan_json))
     points = [(0, 0.0, _evaluate(trainer, cfg, val))]
@@ -227,6 +287,8 @@ def _train_run(ctx: RankContext, cfg: DemoConfig, spec: RunSpec, val: Sequence[t
     elapsed, step = 0.0, 0
     while True:
         began = time.perf_counter()
+        for group in trainer.optimizer.param_groups if trainer.optimizer is not None else ():
+            group["lr"] = spec.lr_at(step, cfg.steps)
         losses.append(trainer.step((inputs,), targets))
         elapsed += time.perf_counter() - began
         step += 1
@@ -249,7 +311,8 @@ def demo_rank(ctx: RankContext, cfg: DemoConfig) -> tuple[Curve, ...] | None:
 
     warnings.filterwarnings("ignore")  # torch.export chatter; errors still raise
     val = _validation(cfg)
-    curves = tuple(_train_run(ctx, cfg, spec, val) for spec in cfg.run_specs())
+    plans: dict[str, Any] = {}
+    curves = tuple(_train_run(ctx, cfg, spec, val, plans) for spec in cfg.run_specs())
     return curves if ctx.rank == 0 else None
 
 
@@ -266,6 +329,7 @@ class _Display:
                                  transient=False)
         self.tasks: dict[str, Any] = {}
         self.last_val: dict[str, float] = {}
+        self.shown: set[str] = set()
 
     def _task(self, name: str) -> Any:
         if name not in self.tasks:
@@ -277,7 +341,8 @@ class _Display:
         kind, name, *rest = event
         if kind == "plan":
             self._task(name)
-            if self.show_plan:
+            if self.show_plan and rest[0] not in self.shown:  # a plan reused by later runs is shown once
+                self.shown.add(rest[0])
                 self.progress.console.print(plan_view(rest[0], self.console.width))
             return
         task = self._task(name)

@@ -1,13 +1,15 @@
-"""The demo's core over 2 local processes (tiny sizes), the launcher's error path, and startup_program."""
+"""The demo's core over 2 local processes (tiny sizes), the launcher's error path, the learning-rate schedule."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from rich.console import Console
 
-from fxkfac.demo import DemoConfig, render_result, run_demo
+from fxkfac.config import KFACConfig
+from fxkfac.demo import DemoConfig, RunSpec, lr_at, render_result, run_demo
 from fxkfac.errors import ConfigError, PipelineError
 from fxkfac.launch import RankContext, launch
 from fxkfac.models import TinyBertConfig
@@ -56,3 +58,31 @@ def test_launch_reports_the_failing_rank_in_one_line() -> None:
 def test_demo_config_refuses_a_batch_the_mesh_cannot_split() -> None:
     with pytest.raises(ConfigError, match="not divisible"):
         DemoConfig(batch_size=30, microbatches=4)
+
+
+@pytest.mark.multiproc
+def test_runs_of_one_preconditioner_share_the_first_runs_plan() -> None:
+    kfac = KFACConfig(damping=1e-2)
+    cfg = replace(TINY, steps=2, runs=(RunSpec(name="a", lr=1e-3, preconditioner=kfac),
+                                       RunSpec(name="b", lr=3e-3, preconditioner=kfac, seed=1, warmup_steps=1,
+                                               cosine=True)))
+    a, b = run_demo(cfg, Console(record=True, width=120)).curves
+    assert a.plan_json is not None and a.plan_json == b.plan_json
+    assert a.train_losses != b.train_losses  # another seed and learning rate
+
+
+def test_lr_at_warms_up_linearly_then_decays_by_cosine_to_zero() -> None:
+    assert [lr_at(s, 1.0, steps=10, warmup=4) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    cosine = [lr_at(s, 2.0, steps=10, warmup=2, cosine=True) for s in range(10)]
+    assert cosine[:3] == [1.0, 2.0, 2.0]
+    assert cosine[6] == pytest.approx(1.0)  # halfway through the decay
+    assert all(x > y for x, y in zip(cosine[2:], cosine[3:]))
+    assert lr_at(10, 2.0, steps=10, warmup=2, cosine=True) == pytest.approx(0.0)
+
+
+def test_base_optimizer_follows_the_family_and_cosine_needs_steps() -> None:
+    assert RunSpec(name="plain").base == "adamw"
+    assert RunSpec(name="k", preconditioner=KFACConfig()).base == "adamw"
+    assert RunSpec(name="m", optimizer="sgd").base == "sgd"
+    with pytest.raises(ConfigError, match="cosine"):
+        DemoConfig(seconds=5.0, runs=(RunSpec(name="c", cosine=True),))

@@ -1,0 +1,199 @@
+"""Shampoo's and SOAP's step time with their refreshes in the bubbles against the plain pipeline and against
+the same refreshes on the critical path, 2 ranks, 1 thread each.
+
+Variants train the same TinyBertMLM on the same mini-batches with the same schedule, side by side in one
+launch (blocks of steps interleaved round by round, so drift in machine load hits all alike):
+
+(plain)          the plain pipeline with AdamW (no preconditioner);
+(F in bubbles)   family F (Shampoo, SOAP) with plan="auto": rank 0 profiles, CP-SAT places each refresh's
+                 decompositions (Shampoo's inverse roots, SOAP's eigenbases) into the bubbles and chooses
+                 the refresh period per stage;
+(F critical)     F with plan=None at the plan's own refresh period per parameter: every decomposition runs
+                 in its refresh step before APPLY, on the critical path (`naive_programs`);
+(F critical/f)   F with plan=None at its configured precondition_frequency (Shampoo as usually run).
+
+Every variant also folds the statistics L, R of every parameter every step and preconditions every step
+(APPLY): that per-step work is on the critical path in all of them. The step time is the median over rounds
+of a block's mean (a block is a whole number of the variant's refresh periods, at least --block steps).
+Target: (F in bubbles) / (plain) <= 1.05. Utilization per rank is measured from the recorded timeline
+and, for the planned variants, predicted by the plan (its programs simulated with the profiled costs).
+Helpers shared with benchmarks/pipefisher_overhead.py (block timing, timeline gathering, the plan's
+prediction) are imported from it; the families' hyperparameters from benchmarks/preconditioner_convergence.py.
+
+Run: python benchmarks/shampoo_overhead.py [--families Shampoo SOAP] [--hidden 128] [--ffn 512] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from pipefisher_overhead import BUSY, D, _block, _gather, _kind_seconds, _model, _planned
+from preconditioner_convergence import family_config
+
+import fxkfac
+from fxkfac.config import PipelineOptions, PlanOptions
+from fxkfac.data import MaskedLMData, stdlib_corpus
+from fxkfac.launch import free_port
+from fxkfac.models import mlm_loss
+from fxkfac.planner.ir import LayerTiming
+from fxkfac.runtime.timeline import utilization
+from fxkfac.runtime.trainer import Trainer
+
+__all__ = ["main"]
+
+FAMILIES = ("Shampoo", "SOAP")
+TARGET = 1.05
+
+
+def _compile(args: argparse.Namespace, example: torch.Tensor, cfg: Any, plan: str | None,
+             layer_timing: dict[str, LayerTiming] | None = None) -> Trainer:
+    """One variant on the (D, 1) mesh: eager stages, timeline recorded; the family's base optimizer (plain SGD for
+    Shampoo/SOAP, which make the whole direction), AdamW for the plain pipeline."""
+    lr = 1e-3
+    optimizer = ((lambda ps: torch.optim.AdamW(ps, lr=lr)) if cfg is None else (lambda ps: torch.optim.SGD(ps, lr=lr)))
+    return fxkfac.compile(_model(args), (D, 1), plan, example_inputs=(example,), loss_fn=mlm_loss,
+                          optimizer=optimizer, kfac=None, preconditioner=cfg, schedule=args.schedule,
+                          microbatches=args.microbatches, backend=None, layer_timing=layer_timing,
+                          plan_options=PlanOptions(time_limit_s=args.time_limit),
+                          pipeline=PipelineOptions(record_timeline=True, timeout=600.0))
+
+
+def _build(args: argparse.Namespace, example: torch.Tensor) -> dict[str, Trainer]:
+    """Every variant's trainer (collective: every rank builds them in the same order)."""
+    trainers = {"plain": _compile(args, example, None, None)}
+    for family in args.families:
+        cfg = family_config(family)
+        auto = _compile(args, example, cfg, "auto")
+        at_plan = {n: LayerTiming(t.period, 0, 0, t.capture) for n, t in auto.plan.layers.items()}
+        trainers[f"{family} in bubbles"] = auto
+        trainers[f"{family} critical"] = _compile(args, example, cfg, None, at_plan)
+        trainers[f"{family} critical/f"] = _compile(args, example, cfg, None)
+    return trainers
+
+
+def _periods(trainer: Trainer) -> list[int]:
+    return sorted({t.period for t in trainer.timings.values()}) or [1]
+
+
+def _block_steps(periods: list[int], least: int) -> int:
+    """A variant's block: the fewest whole common refresh periods of its units that make at least `least` steps."""
+    cycle = math.lcm(*periods)
+    return cycle * math.ceil(least / cycle)
+
+
+def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=D,
+                            timeout=timedelta(seconds=600))
+    data = MaskedLMData(stdlib_corpus()[0], seq_len=args.seq, seed=0)
+    batches = [data.batch(args.batch) for _ in range(8)]
+    built = time.perf_counter()
+    trainers = _build(args, batches[0][0])
+    build_s = time.perf_counter() - built
+    periods = {v: _periods(t) for v, t in trainers.items()}
+    blocks = {v: _block_steps(ps, args.block) for v, ps in periods.items()}
+    load_before = os.getloadavg()
+    for v, trainer in trainers.items():
+        _block(trainer, batches, blocks[v] * args.warmup_blocks)
+        trainer.timeline.clear()
+    times: dict[str, list[float]] = {v: [] for v in trainers}
+    for _ in range(args.rounds):
+        for v, trainer in trainers.items():
+            times[v].append(_block(trainer, batches, blocks[v]))
+    events = {v: _gather(t.timeline.events) for v, t in trainers.items()}
+    if rank == 0:
+        step_s = {v: statistics.median(ts) for v, ts in times.items()}
+        planned = {v: _planned(t) for v, t in trainers.items() if v.endswith("in bubbles")}
+        row = {"step_s": step_s, "rounds_s": times, "ratio_to_plain": {v: s / step_s["plain"] for v, s in
+                                                                       step_s.items()},
+               "utilization_measured": {v: utilization(e, BUSY) for v, e in events.items()},
+               "kind_s": {v: _kind_seconds(e, args.rounds * blocks[v]) for v, e in events.items()},
+               "planned": planned, "periods": periods, "block_steps": blocks, "build_s": build_s,
+               "loadavg": [list(load_before), list(os.getloadavg())]}
+        with open(out_path, "w") as f:
+            json.dump(row, f)
+    dist.destroy_process_group()
+
+
+def _fmt_ranks(values: dict[Any, float]) -> str:
+    return ", ".join(f"{values[k]:.2f}" for k in sorted(values, key=int))
+
+
+def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=150)
+    title = (f"Shampoo/SOAP step time ({args.schedule}, D={D}, N={args.microbatches}, BERT-MLM h{args.hidden} "
+             f"ffn{args.ffn} x{args.layers}, batch {args.batch}x{args.seq}, 1 thread/rank; {args.rounds} rounds "
+             f"of >= {args.block} steps per variant)")
+    table = Table(title=title)
+    for col in ("variant", "refresh period", "block", "s/step (median of rounds)", "ratio to plain",
+                "utilization measured (r0, r1)", "planned (r0, r1)", "plan's step / plain"):
+        table.add_column(col)
+    for v, s in row["step_s"].items():
+        plan = row["planned"].get(v)
+        table.add_row(v, " ".join(map(str, row["periods"][v])) if v != "plain" else "-", str(row["block_steps"][v]),
+                      f"{s:.4f}",
+                      f"{row['ratio_to_plain'][v]:.3f}", _fmt_ranks(row["utilization_measured"][v]),
+                      _fmt_ranks(plan["utilization"]) if plan else "-",
+                      f"{plan['step_s'] / plan['plain_step_s']:.3f}" if plan else "-")
+    console.print(table)
+    kinds = ("FWD", "BWD", "STATS", "DECOMP", "APPLY", "OPT_STEP", "RECV_ACT", "RECV_GRAD", "BCAST")
+    where = Table(title="where a step's time goes, ms per step and rank (measured)")
+    where.add_column("variant / rank")
+    for k in kinds:
+        where.add_column(k)
+    for v, per_rank in row["kind_s"].items():
+        for r, secs in sorted(per_rank.items(), key=lambda item: int(item[0])):
+            where.add_row(f"{v} r{r}", *(f"{secs.get(k, 0) * 1e3:.1f}" for k in kinds))
+    console.print(where)
+    (l1, _, _), (l2, _, _) = row["loadavg"]
+    console.print(f"machine load (1-min average) before/after timing: {l1:.1f} / {l2:.1f} on {os.cpu_count()} cores "
+                  "(the benchmark itself keeps 2 busy)", markup=False)
+    for family in args.families:
+        r = row["ratio_to_plain"]
+        b, c = r[f"{family} in bubbles"], r[f"{family} critical"]
+        console.print(f"{family}: in bubbles / plain = {b:.3f} (target <= {TARGET}: {b <= TARGET}); critical path at "
+                      f"the plan's period / plain = {c:.3f}; in bubbles < critical: {b < c}", markup=False)
+    print(json.dumps({"benchmark": "shampoo_overhead", "args": vars(args), **row}))
+
+
+def main() -> None:
+    """Spawn the two ranks, then print the table and the JSON line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--ffn", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=64, help="global mini-batch (sequences)")
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--block", type=int, default=10,
+                        help="steps per variant per round, rounded up to whole refresh periods of the variant")
+    parser.add_argument("--warmup-blocks", type=int, default=1)
+    parser.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit (s)")
+    args = parser.parse_args()
+    port = free_port()
+    out_path = os.path.join(tempfile.mkdtemp(), "row.json")
+    mp.spawn(_worker, args=(args, port, out_path), nprocs=D, join=True)
+    with open(out_path) as f:
+        _report(json.load(f), args)
+
+
+if __name__ == "__main__":
+    main()
