@@ -103,11 +103,17 @@ class BlockFamily(ABC):
         else:
             state.R = running_sum(state.R, mean, self.stat_beta)
 
-    def before_start(self, state: RefreshState, part: str) -> bool:
-        """True when `state` (a snapshot after `part`'s fold) was taken at a step before start_preconditioning_step."""
+    def statistic_to_decompose(self, unit: ParamUnit, state: RefreshState, part: str) -> Tensor | None:
+        """The folded statistic of `part` in `state` (a snapshot after the part's fold), or None when it was taken
+        at a step before start_preconditioning_step (nothing to decompose yet); ValueError if never folded."""
         if not isinstance(state, BlockState):
             raise AssertionError(f"a {self.name} part decomposed from another family's state")
-        return state.folds[part] - 1 < self.start
+        if state.folds[part] - 1 < self.start:
+            return None
+        stats = state.L if part == "L" else state.R
+        if stats is None:
+            raise ValueError(f"part {part} of {unit.name} is decomposed before it was ever folded")
+        return stats
 
     def pack(self, unit: ParamUnit, part: str, half: Tensor | None) -> Tensor:
         """``[ok, flat]`` of the part's layout size; ok=0 for a failed or unwanted decomposition."""

@@ -80,12 +80,10 @@ class ShampooFamily(BlockFamily):
 
     def decompose(self, unit: ParamUnit, state: RefreshState, part: str) -> Tensor | None:
         """The part's inverse roots, flat in its layout; None before start or on a (protected) failure."""
-        if self.before_start(state, part):
+        stats = self.statistic_to_decompose(unit, state, part)
+        if stats is None:
             return None
         assert isinstance(state, ShampooState)
-        stats = state.L if part == "L" else state.R
-        if stats is None:
-            raise ValueError(f"part {part} of {unit.name} is decomposed before it was ever folded")
         beta2 = self.cfg.betas[1]
         if self.cfg.use_bias_correction and beta2 < 1.0:
             stats = stats / (1.0 - beta2 ** state.folds[part])

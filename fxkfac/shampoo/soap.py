@@ -107,12 +107,10 @@ class SOAPFamily(BlockFamily):
 
     def decompose(self, unit: ParamUnit, state: RefreshState, part: str) -> Tensor | None:
         """The part's eigenbases, flat in its layout; None before start or when any block fails."""
-        if self.before_start(state, part):
+        stats = self.statistic_to_decompose(unit, state, part)
+        if stats is None:
             return None
         assert isinstance(state, SOAPState)
-        stats = state.L if part == "L" else state.R
-        if stats is None:
-            raise ValueError(f"part {part} of {unit.name} is decomposed before it was ever folded")
         latest = state.latest
         previous = None if latest is None or self.cfg.basis_method is BasisMethod.EIGH else getattr(latest, part)
         bases = []
