@@ -18,6 +18,7 @@ __all__ = [
 ]
 
 from fxkfac.planner.errors import (  # the planner is torch-free; its errors are ours too
+    ConfigError,
     CostModelError,
     InfeasibleBudgetError,
     PlanError,
@@ -31,10 +32,6 @@ from fxkfac.planner.errors import (
 
 class CaptureError(FxkfacError):
     """The model could not be captured (exported) or its inputs do not fit it."""
-
-
-class ConfigError(FxkfacError, ValueError):
-    """An argument or configuration value is invalid."""
 
 
 class PipelineError(FxkfacError):

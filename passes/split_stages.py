@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
-from fxkfac.errors import ConfigError
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.passes.meta import LAYER, NN_MODULE_STACK, STAGE
+from fxkfac.planner.errors import ConfigError
 
 __all__ = ["TensorSpec", "StageGraph", "SplitResult", "block_key", "split_stages"]
 

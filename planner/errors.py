@@ -1,4 +1,5 @@
-"""Planner exceptions; `fxkfac.errors` re-exports them under the common base."""
+"""The base of every fxkfac error, the planner's exceptions, and ConfigError (also raised by the graph passes,
+which sit below the front); `fxkfac.errors` re-exports them under the common base."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ __all__ = [
     "Knob",
     "Suggestion",
     "PlannerError",
+    "ConfigError",
     "PlanError",
     "PlanFormatError",
     "PlanMismatchError",
@@ -21,6 +23,10 @@ __all__ = [
 
 class PlannerError(Exception):
     """Base of every fxkfac error (named FxkfacError in `fxkfac.errors`)."""
+
+
+class ConfigError(PlannerError, ValueError):
+    """An argument or configuration value is invalid."""
 
 
 class Knob(Enum):
