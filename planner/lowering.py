@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
+from enum import Enum, auto
 from typing import TYPE_CHECKING, TypeVar
 
 from fxkfac.planner.ir import LayerTiming, Op, OpKind, Program, Programs
@@ -17,8 +18,10 @@ from fxkfac.planner.schedules import ScheduleKind, num_stages, schedule_programs
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
-__all__ = ["add_send_recv", "expand_dp", "rank_programs", "ranks_of_stages", "refreshing", "kfac_tail",
-           "naive_programs", "startup_programs"]
+    from fxkfac.planner.costs import CostTable
+
+__all__ = ["add_send_recv", "expand_dp", "rank_programs", "ranks_of_stages", "refreshing", "Assignment",
+           "assign_decompositions", "decomposition_seconds", "kfac_tail", "naive_programs", "startup_programs"]
 
 P = TypeVar("P", list[Op], Program)
 
@@ -122,14 +125,63 @@ def refreshing(timings: Mapping[str, LayerTiming], names: Sequence[str], step: i
     return [n for n in names if step % timings[n].period == timings[n].curv_step]
 
 
+class Assignment(Enum):
+    """How the critical-path programs deal a stage's decompositions at a refresh to the ranks holding the stage
+    (each decomposes its share and broadcasts it to the others). The plans place them by solver instead."""
+
+    ROUND_ROBIN = auto()
+    """In (layer, part) order, one to each holder in turn, whatever they cost (the default)."""
+    LPT = auto()
+    """Distributed Shampoo's Alg. 3 (longest processing time first): largest decomposition first (by its
+    seconds; ties by layer, then part), each to the holder with the fewest decomposition seconds so far
+    (ties: the first holder, the lowest rank). The paper sorts its blocks by size (variables); this sorts by
+    the cost table's decomposition seconds, what the step time feels."""
+
+
+Decomposition = tuple[str, str]
+"""(layer, part) of one decomposition."""
+
+
+def assign_decompositions(decomps: Sequence[Decomposition], ranks: Sequence[int],
+                          assignment: Assignment = Assignment.ROUND_ROBIN,
+                          seconds: Mapping[Decomposition, float] | None = None) -> dict[Decomposition, int]:
+    """The rank among `ranks` (a stage's holders, ascending) that runs each of `decomps` (one stage's, at one
+    refresh, in (layer, part) order), by `assignment`; LPT needs `seconds` of every one of them. Loads start
+    at zero for every call: each stage's refresh is balanced on its own."""
+    if not ranks:
+        raise ValueError("no rank to assign decompositions to")
+    if assignment is Assignment.ROUND_ROBIN:
+        return {d: ranks[i % len(ranks)] for i, d in enumerate(decomps)}
+    if seconds is None:
+        raise ValueError("Assignment.LPT deals by cost: pass the seconds of each (layer, part) decomposition")
+    missing = [d for d in decomps if d not in seconds]
+    if missing:
+        raise ValueError(f"no decomposition seconds for {missing[:3]}{' and more' if len(missing) > 3 else ''}")
+    load = dict.fromkeys(ranks, 0.0)
+    out: dict[Decomposition, int] = {}
+    for d in sorted(decomps, key=lambda d: (-seconds[d], d)):
+        rank = min(ranks, key=lambda r: load[r])  # min keeps the first of equals: the lowest rank
+        out[d] = rank
+        load[rank] += seconds[d]
+    return out
+
+
+def decomposition_seconds(costs: CostTable) -> dict[Decomposition, float]:
+    """(layer, part) -> seconds of one decomposition of every part in the cost table (what LPT sorts by)."""
+    return {(x.name, p.part): p.decomp for stage in costs.stages for x in stage.layers for p in x.parts}
+
+
 def kfac_tail(rank: int, copies: Sequence[tuple[int, int]], step: int, timings: Mapping[str, LayerTiming],
               stage_layers: Mapping[int, Sequence[str]], holders: Mapping[int, tuple[int, ...]],
-              parts: Sequence[str] = KFAC_PARTS, gradient_parts: frozenset[str] = frozenset()) -> list[Op]:
+              parts: Sequence[str] = KFAC_PARTS, gradient_parts: frozenset[str] = frozenset(), *,
+              assignment: Assignment = Assignment.ROUND_ROBIN,
+              seconds: Mapping[Decomposition, float] | None = None) -> list[Op]:
     """The preconditioner ops a rank runs between its last ALLREDUCE_GRAD and OPT_STEP at one step of the period.
 
     Every collective is emitted in (stage, layer, factor) order by every holder, so no two ranks wait
-    on each other; the inversions of a stage are dealt round-robin over its holders (inversion
-    parallelism) and broadcast from there. `copies` are the (stage, pipe) pairs the rank holds; `parts`
+    on each other; the decompositions a stage refreshes at this step are dealt over its holders by
+    `assignment` (inversion parallelism; `seconds` for LPT, see `assign_decompositions`) and broadcast from
+    there. `copies` are the (stage, pipe) pairs the rank holds; `parts`
     the preconditioner family's parts of every layer (K-FAC: A and B). The `gradient_parts` among them
     take their statistic from the reduced gradient: one STATS per layer and part at every step, first
     (every copy folds the same gradient, so they are never synced).
@@ -142,12 +194,15 @@ def kfac_tail(rank: int, copies: Sequence[tuple[int, int]], step: int, timings: 
     bcasts: list[Op] = []
     for s in sorted({s for s, _ in copies}):
         ranks = holders[s]
-        for i, name in enumerate(refreshing(timings, stage_layers[s], step)):
+        names = refreshing(timings, stage_layers[s], step)
+        roots = assign_decompositions([(name, side) for name in names for side in parts], ranks, assignment,
+                                      seconds)
+        for name in names:
             if len(ranks) > 1 and captured:
                 syncs.extend([Op(OpKind.SYNC_STATS, stage=s, layer=name)] if not gradient_parts else
                              [Op(OpKind.SYNC_STATS, stage=s, part=part, layer=name) for part in captured])
-            for j, side in enumerate(parts):
-                root = ranks[(len(parts) * i + j) % len(ranks)]
+            for side in parts:
+                root = roots[name, side]
                 if root == rank:
                     invs.append(Op(OpKind.DECOMP, stage=s, part=side, layer=name))
                 if len(ranks) > 1:
@@ -158,13 +213,15 @@ def kfac_tail(rank: int, copies: Sequence[tuple[int, int]], step: int, timings: 
 
 def _with_kfac(ops: Sequence[Op], rank: int, step: int, timings: Mapping[str, LayerTiming],
                stage_layers: Mapping[int, Sequence[str]], holders: Mapping[int, tuple[int, ...]],
-               parts: Sequence[str], gradient_parts: frozenset[str]) -> list[Op]:
+               parts: Sequence[str], gradient_parts: frozenset[str], assignment: Assignment,
+               seconds: Mapping[Decomposition, float] | None) -> list[Op]:
     """One step of a rank's plain program with curvature after each BWD and the K-FAC tail before OPT_STEP."""
     copies = sorted({(op.stage, op.pipe) for op in ops if op.kind is OpKind.FWD and op.stage is not None})
     body: list[Op] = []
     for op in ops:
         if op.kind is OpKind.OPT_STEP:
-            body.extend(kfac_tail(rank, copies, step, timings, stage_layers, holders, parts, gradient_parts))
+            body.extend(kfac_tail(rank, copies, step, timings, stage_layers, holders, parts, gradient_parts,
+                                  assignment=assignment, seconds=seconds))
         body.append(op)
         if op.kind is OpKind.BWD and op.stage is not None:
             body.extend(Op(OpKind.STATS, stage=op.stage, mb=op.mb, pipe=op.pipe, part=side, layer=name)
@@ -175,21 +232,28 @@ def _with_kfac(ops: Sequence[Op], rank: int, step: int, timings: Mapping[str, La
 
 def naive_programs(kind: ScheduleKind | str, D: int, N: int, W: int, timings: Mapping[str, LayerTiming],
                    stage_layers: Mapping[int, Sequence[str]], *, v: int = 1,
-                   parts: Sequence[str] = KFAC_PARTS, gradient_parts: frozenset[str] = frozenset()) -> Programs:
+                   parts: Sequence[str] = KFAC_PARTS, gradient_parts: frozenset[str] = frozenset(),
+                   assignment: Assignment = Assignment.ROUND_ROBIN,
+                   seconds: Mapping[Decomposition, float] | None = None) -> Programs:
     """The preconditioner on the critical path: the plain pipeline with curvature right after each BWD of a
     refreshing layer, and gradient statistics, sync, inversion, broadcast and precondition before OPT_STEP.
 
     One list per step of the period (the lcm of the layers' periods). With refresh period 1 this is
     "naive K-FAC" of the PipeFisher paper; with period k it is "K-FAC+skip". With no timings it is the
     plain pipeline (period 1, no K-FAC op). Every refresh finishes within its own step, so these
-    programs need no start-up steps.
+    programs need no start-up steps. A stage's decompositions at a refresh are dealt over its holders by
+    `assignment` (round-robin by default; `Assignment.LPT`, Distributed Shampoo's Alg. 3, by `seconds` per
+    (layer, part): see `assign_decompositions`).
     """
+    if assignment is Assignment.LPT and seconds is None:
+        raise ValueError("Assignment.LPT deals by cost: pass the seconds of each (layer, part) decomposition")
     holders = ranks_of_stages(kind, D, W, v)
     period = math.lcm(*(t.period for t in timings.values())) if timings else 1
     with_prec = bool(timings)
     out: Programs = {}
     for rank, ops in rank_programs(kind, D, N, W, v).items():
-        out[rank] = [_with_kfac(ops, rank, step, timings, stage_layers, holders, parts, gradient_parts)
+        out[rank] = [_with_kfac(ops, rank, step, timings, stage_layers, holders, parts, gradient_parts,
+                                assignment, seconds)
                      if with_prec else list(ops)
                      for step in range(period)]
     return out

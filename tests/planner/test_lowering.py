@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from fxkfac.planner.ir import Op, OpKind, ops_at
-from fxkfac.planner.lowering import add_send_recv, expand_dp, startup_programs
+from fxkfac.planner.ir import LayerTiming, Op, OpKind, ops_at
+from fxkfac.planner.lowering import Assignment, add_send_recv, expand_dp, kfac_tail, startup_programs
 from fxkfac.planner.schedules import schedule_programs
 from fxkfac.planner.simulate import COMPUTE_KINDS, simulate
 from fxkfac.planner.window import born_steps
@@ -107,3 +107,22 @@ def test_startup_drops_the_work_of_refreshes_from_before_step_zero() -> None:
     assert startup[0] == [[body[1], early, prec, body[4]]]
     assert len(startup[1]) == 5 and all(late not in step for step in startup[1])
     assert ops_at({0: [body]}, startup, 0, 0) == startup[0][0] and ops_at({0: [body]}, startup, 0, 1) == body
+
+
+def test_kfac_tail_deals_a_stages_inversions_round_robin_by_default() -> None:
+    """Round-robin over the holders in (layer, factor) order, whatever the costs; LPT (Alg. 3) by the costs."""
+    timings = {n: LayerTiming(1, 0, 0, "deferred") for n in ("x", "y", "z")}
+    layers, holders = {0: ["x", "y", "z"]}, {0: (0, 1)}
+
+    def roots(**kw: object) -> list[tuple[str, str, int]]:
+        tail = kfac_tail(0, [(0, 0)], 0, timings, layers, holders, **kw)  # type: ignore[arg-type]
+        return [(op.layer or "", op.part or "", op.root or 0) for op in tail if op.kind is OpKind.BCAST]
+
+    default = roots()
+    assert default == [("x", "A", 0), ("x", "B", 1), ("y", "A", 0), ("y", "B", 1), ("z", "A", 0), ("z", "B", 1)]
+    assert roots(assignment=Assignment.ROUND_ROBIN) == default
+    seconds = {("x", "A"): 1.0, ("x", "B"): 6.0, ("y", "A"): 2.0, ("y", "B"): 2.0, ("z", "A"): 3.0, ("z", "B"): 1.0}
+    # LPT, loads (r0, r1): x.B 6 -> r0 (6, 0); z.A 3 -> r1 (6, 3); y.A 2 -> r1 (6, 5); y.B 2 -> r1 (6, 7);
+    # x.A 1 -> r0 (7, 7); z.B 1 -> r0 (8, 7): ties by name (x.A before z.B), then the lowest rank
+    assert roots(assignment=Assignment.LPT, seconds=seconds) == [
+        ("x", "A", 0), ("x", "B", 0), ("y", "A", 1), ("y", "B", 1), ("z", "A", 1), ("z", "B", 0)]
