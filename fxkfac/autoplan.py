@@ -100,7 +100,7 @@ def solve_for(target: Target, costs: CostTable, options: PlanOptions) -> Plan:
     problem = Problem(target.schedule.value, target.D, target.N, costs, W=target.W, v=target.v,
                       memory_budget=options.memory_budget, max_overhead=options.max_overhead or 0.0,
                       fingerprint=target.fingerprint)
-    config = SolverConfig(time_limit_s=options.time_limit_s)
+    config = SolverConfig(time_limit_s=options.time_limit_s, deterministic=options.deterministic)
     log.info("solving the plan of %s", target.describe())
     try:
         return solve(problem, config)

@@ -100,7 +100,11 @@ class PlanOptions:
     memory_budget: int | None = None
     """Bytes per device; None: unlimited."""
     time_limit_s: float = 10.0
-    """Wall-clock limit of the solver."""
+    """Planning time in seconds: deterministic, a budget of CP-SAT deterministic time converted from it (about
+    these seconds on a quiet machine); otherwise the wall-clock limit of the solver."""
+    deterministic: bool = True
+    """Plan the same way on any load, so two runs of one command train identically (given the same costs:
+    profiled costs still vary); False: a wall-clock budget, which a slower machine spends on less search."""
 
     def __post_init__(self) -> None:
         if self.max_overhead is not None and not self.max_overhead >= 0:
@@ -111,3 +115,5 @@ class PlanOptions:
             raise ConfigError(f"PlanOptions.memory_budget must be > 0 bytes or None, got {self.memory_budget!r}")
         if not self.time_limit_s > 0:
             raise ConfigError(f"PlanOptions.time_limit_s must be > 0, got {self.time_limit_s!r}")
+        if not isinstance(self.deterministic, bool):
+            raise ConfigError(f"PlanOptions.deterministic must be True or False, got {self.deterministic!r}")

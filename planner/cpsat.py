@@ -10,7 +10,9 @@ smaller k proven infeasible: optimal); at that k the objective is the staleness,
 Where the problem allows a stretch ([Note: stretch] in planner/window.py), each k is tried with the
 whole allowance, then the least stretch at the found k is bisected (one feasibility model per probe:
 the window's fixed work moves with the stretch), and the staleness is minimized at that stretch.
-The model stays inside this module: solutions come out as `planner.window.GroupSolution`.
+The model stays inside this module: solutions come out as `planner.window.GroupSolution`. Every call
+runs within a share of the planner's clock (`planner.budget.Meter`: CP-SAT's deterministic time by
+default, so its stopping points, and the plan, do not depend on the machine's load) and is charged to it.
 """
 
 from __future__ import annotations
@@ -18,11 +20,12 @@ from __future__ import annotations
 import logging
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ortools.sat.python import cp_model
 
+from fxkfac.planner.budget import MIN_CALL, Meter
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, refresh_lower_bound
 from fxkfac.planner.stretch import Allowance, least_stretch, restretch, stretch_lower_bound
@@ -234,22 +237,27 @@ def _hint(v: _Vars, w: Window, hint: GroupSolution) -> None:
         v.model.add_hint(v.prec[n], start)
 
 
-def solve_window(w: Window, config: SolverConfig, time_limit: float, hint: GroupSolution | None = None,
-                 *, optimize: bool = True) -> tuple[str, GroupSolution | None]:
-    """Solve one window (optimize: least staleness, else any feasible placement): (status, solution)."""
+def solve_window(w: Window, config: SolverConfig, time_limit: float, meter: Meter,
+                 hint: GroupSolution | None = None, *, optimize: bool = True) -> tuple[str, GroupSolution | None]:
+    """Solve one window (optimize: least staleness, else any feasible placement) within `time_limit` of
+    `meter`'s clock, charged to it: (status, solution)."""
     if any(t.ticks > w.length for t in w.tasks) or any(p.deadline - p.release < p.ticks for p in w.precs):
         return "INFEASIBLE", None
+    if meter.deterministic and meter.wall_left() <= 0:
+        meter.note_capped(f"stages {list(w.group.stages)} k={w.k} not searched")
+        return "UNKNOWN", None
     v = _build(w, optimize)
     if hint is not None and hint.window.k == w.k:
         _hint(v, w, hint)
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.05, time_limit)
-    solver.parameters.num_workers = config.num_workers
-    solver.parameters.random_seed = config.seed
-    if config.num_workers <= 2:
-        solver.parameters.subsolvers.extend(_FEW_WORKER_SUBSOLVERS)
+    limit = max(meter.units(MIN_CALL), time_limit)
+    _set_limits(solver.parameters, config, meter, limit)
     status = solver.solve(v.model)
+    meter.charge(solver.deterministic_time)
     name = solver.status_name(status)
+    if meter.deterministic and status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE) \
+            and solver.deterministic_time < limit * _CAP_SLACK:
+        meter.note_capped(f"stages {list(w.group.stages)} k={w.k}")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return name, None
     starts = tuple(solver.value(x) for x in v.start)
@@ -264,6 +272,28 @@ def solve_window(w: Window, config: SolverConfig, time_limit: float, hint: Group
     return name, solution
 
 
+_CAP_SLACK = 0.99
+"""A deterministic search that stopped unproven below this fraction of its budget was stopped by the wall cap."""
+
+
+def _set_limits(params: Any, config: SolverConfig, meter: Meter, limit: float) -> None:
+    """CP-SAT's limits, workers and seed for one call of `limit` in the meter's unit. Deterministic: one
+    thread running the few-worker portfolio in turn (CP-SAT's sequential loop; 2 threads are
+    deterministic only with interleave_search, which spent more deterministic and wall time for worse
+    placements on BERT-Base Chimera), stopped by max_deterministic_time, with the wall cap as a net."""
+    params.random_seed = config.seed
+    if meter.deterministic:
+        params.max_deterministic_time = limit
+        params.max_time_in_seconds = max(MIN_CALL, meter.wall_left())
+        params.num_workers = 1
+        params.subsolvers.extend(_FEW_WORKER_SUBSOLVERS)
+        return
+    params.max_time_in_seconds = limit
+    params.num_workers = config.num_workers
+    if config.num_workers <= 2:
+        params.subsolvers.extend(_FEW_WORKER_SUBSOLVERS)
+
+
 def _root_broadcasts(w: Window, devices: list[int]) -> None:
     """A broadcast's device is the root: the device of its factor's inversion."""
     inv_device = {task.factors[0]: devices[i] for i, task in enumerate(w.tasks) if task.kind is TaskKind.INV}
@@ -273,12 +303,13 @@ def _root_broadcasts(w: Window, devices: list[int]) -> None:
 
 
 def solve_group(problem: Problem, group: StageGroup, fused: frozenset[str], config: SolverConfig,
-                time_limit: float, greedy: GroupSolution | None = None, *, aggregate: bool = False,
+                time_limit: float, meter: Meter, greedy: GroupSolution | None = None, *, aggregate: bool = False,
                 min_k: int = 1, allowance: Allowance | None = None) -> GroupSolution | None:
     """The smallest refresh period >= min_k for `group` (from the lower bound; never above greedy's)
-    with the whole `allowance` of stretch, then the least stretch, then the least staleness. None when
-    no k up to max_period is found feasible in time (and no greedy)."""
-    began = time.perf_counter()
+    with the whole `allowance` of stretch, then the least stretch, then the least staleness, within
+    `time_limit` of `meter`'s clock. None when no k up to max_period is found feasible in time (and no
+    greedy)."""
+    began, wall = meter.now(), time.perf_counter()
     allowance = allowance if allowance is not None else Allowance(problem, fused, None)
     if greedy is not None and greedy.window.k < min_k:
         greedy = None
@@ -287,7 +318,7 @@ def solve_group(problem: Problem, group: StageGroup, fused: frozenset[str], conf
     proven = lower
     top = fallback.window.k if fallback is not None else problem.max_period
     for k in range(lower, top + 1):
-        left = time_limit - (time.perf_counter() - began)
+        left = time_limit - (meter.now() - began)
         if left <= 0:
             break
         if fallback is not None and fallback.window.k == k:
@@ -297,7 +328,8 @@ def solve_group(problem: Problem, group: StageGroup, fused: frozenset[str], conf
             w = hint.window if hint is not None else allowance.window(group, k, allowance.ticks(k), aggregate=aggregate,
                                                                       resolution=config.time_resolution)
             share = left / (top - k + 1)  # an undecided small k must not take the time of the larger ones
-            status, found = solve_window(w, config, share, hint if config.use_greedy_hint else None, optimize=False)
+            status, found = solve_window(w, config, share, meter, hint if config.use_greedy_hint else None,
+                                         optimize=False)
             log.info("stages %s k=%d stretch=%d: %s", list(group.stages), k, w.stretch, status)
             if status == "INFEASIBLE" and proven == k:
                 proven = k + 1
@@ -305,34 +337,37 @@ def solve_group(problem: Problem, group: StageGroup, fused: frozenset[str], conf
             continue
         least = True
         if found.window.stretch > 0:
-            found, least = _least_stretch(found, allowance, config, began + time_limit)
-        return _least_stale(found, config, time_limit - (time.perf_counter() - began), proven, began, least)
+            found, least = _least_stretch(found, allowance, config, meter, began + time_limit)
+        best = _least_stale(found, config, meter, time_limit - (meter.now() - began), proven, least)
+        return _finish(best, best.status, proven, wall)
     if fallback is not None:
-        return _finish(fallback, "GREEDY", proven, began)
+        return _finish(fallback, "GREEDY", proven, wall)
     return None
 
 
-def refine_stretch(found: GroupSolution, allowance: Allowance, config: SolverConfig,
+def refine_stretch(found: GroupSolution, allowance: Allowance, config: SolverConfig, meter: Meter,
                    time_limit: float) -> tuple[GroupSolution, bool]:
-    """The least stretch at found's k (bisected, CP-SAT feasibility), and whether it is proven least;
-    `allowance` gives the grid (for errors that say what max_overhead to ask for)."""
-    return _least_stretch(found, allowance, config, time.perf_counter() + 2 * time_limit)
+    """The least stretch at found's k (bisected, CP-SAT feasibility, within `time_limit` of `meter`'s
+    clock), and whether it is proven least; `allowance` gives the grid (for errors that say what
+    max_overhead to ask for)."""
+    return _least_stretch(found, allowance, config, meter, meter.now() + 2 * time_limit)
 
 
-def _least_stretch(found: GroupSolution, allowance: Allowance, config: SolverConfig,
+def _least_stretch(found: GroupSolution, allowance: Allowance, config: SolverConfig, meter: Meter,
                    deadline: float) -> tuple[GroupSolution, bool]:
-    """Bisect the least stretch at found's k, spending at most half the time left on the probes."""
+    """Bisect the least stretch at found's k, spending at most half the time left (to `deadline` on
+    `meter`'s clock) on the probes."""
     w = found.window
-    until = time.perf_counter() + (deadline - time.perf_counter()) / 2
+    until = meter.now() + (deadline - meter.now()) / 2
 
     def probe(stretch: int) -> tuple[str, GroupSolution | None]:
         window = allowance.window(w.group, w.k, stretch, aggregate=w.aggregate, resolution=config.time_resolution)
         if too_long(window):
             return "INFEASIBLE", None
-        left = until - time.perf_counter()
+        left = until - meter.now()
         if left <= 0:
             return "UNKNOWN", None
-        return solve_window(window, config, left / max(1, math.ceil(math.log2(stretch + 2))), optimize=False)
+        return solve_window(window, config, left / max(1, math.ceil(math.log2(stretch + 2))), meter, optimize=False)
 
     best, least = least_stretch(found, probe, stretch_lower_bound(w))
     log.info("stages %s k=%d: least stretch %d ticks (%s)", list(w.group.stages), w.k, best.window.stretch,
@@ -340,22 +375,22 @@ def _least_stretch(found: GroupSolution, allowance: Allowance, config: SolverCon
     return best, least
 
 
-def _least_stale(found: GroupSolution, config: SolverConfig, left: float, proven: int, began: float,
+def _least_stale(found: GroupSolution, config: SolverConfig, meter: Meter, left: float, proven: int,
                  stretch_proven: bool = True) -> GroupSolution:
-    """Minimize staleness at the found k and stretch, warm-started by `found` (kept when the solver
-    does worse)."""
+    """Minimize staleness at the found k and stretch within `left` of `meter`'s clock, warm-started by
+    `found` (kept when the solver does worse); its status says whether it is proven optimal."""
     hint = found if config.use_greedy_hint or found.method != "greedy" else None
-    status, best = solve_window(found.window, config, max(0.05, left), hint)
+    status, best = solve_window(found.window, config, left, meter, hint)
     if best is None or _staleness(found) < _staleness(best):
         best = found
     optimal = stretch_proven and proven == found.window.k and (status == "OPTIMAL" or _staleness(best) == 0)
-    return _finish(best, "OPTIMAL" if optimal else "FEASIBLE", proven, began)
+    return replace(best, status="OPTIMAL" if optimal else "FEASIBLE")
 
 
 def _staleness(solution: GroupSolution) -> int:
     return sum(solution.use_offset.values())
 
 
-def _finish(solution: GroupSolution, status: str, proven: int, began: float) -> GroupSolution:
-    return GroupSolution(solution.window, solution.starts, solution.devices, solution.prec_starts,
-                         solution.use_offset, solution.method, status, proven, time.perf_counter() - began)
+def _finish(solution: GroupSolution, status: str, proven: int, wall: float) -> GroupSolution:
+    """The group's solution with its status, proven lower bound on k and the wall seconds since `wall`."""
+    return replace(solution, status=status, k_lower_bound=proven, wall_time=time.perf_counter() - wall)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 import time
 
+from fxkfac.planner.budget import Meter
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.problem import Problem, StageGroup, copies_of_stage, step_timeline
 from fxkfac.planner.stretch import Allowance, least_stretch, stretch_lower_bound
@@ -126,21 +127,30 @@ def greedy_window(window: Window) -> GroupSolution | None:
     return GroupSolution(window, tuple(starts), tuple(devices), precs, offsets, "greedy", "FEASIBLE", 1)
 
 
+def _first_fit(window: Window, meter: Meter | None) -> GroupSolution | None:
+    """`greedy_window`, its work charged to `meter` (by the window's size: [Note: deterministic budget])."""
+    if meter is not None:
+        meter.charge_greedy(len(window.tasks) + len(window.precs))
+    return greedy_window(window)
+
+
 def greedy_group(problem: Problem, group: StageGroup, fused: frozenset[str] = frozenset(), *,
                  aggregate: bool = False, resolution: int = 100_000, min_k: int = 1,
-                 allowance: Allowance | None = None) -> GroupSolution:
+                 allowance: Allowance | None = None, meter: Meter | None = None) -> GroupSolution:
     """The paper's rule for one stage group: the smallest k >= min_k (up to problem.max_period) where
-    first-fit places everything, with the whole `allowance` of stretch, then the least stretch found.
-    Raises PlanError when no k does (a task longer than every bubble)."""
+    first-fit places everything, with the whole `allowance` of stretch, then the least stretch found;
+    each placement tried is charged to `meter`. Raises PlanError when no k does (a task longer than every
+    bubble)."""
     began = time.perf_counter()
     allowance = allowance if allowance is not None else Allowance(problem, fused, None)
     for k in range(min_k, problem.max_period + 1):
         cap = allowance.ticks(k)
         window = allowance.window(group, k, cap, aggregate=aggregate, resolution=resolution)
-        solution = greedy_window(window)
+        solution = _first_fit(window, meter)
         if solution is not None:
             if cap > 0:
-                solution = _least_stretch(solution, stretch_lower_bound(window), allowance, aggregate, resolution)
+                solution = _least_stretch(solution, stretch_lower_bound(window), allowance, aggregate, resolution,
+                                          meter)
             return GroupSolution(solution.window, solution.starts, solution.devices, solution.prec_starts,
                                  solution.use_offset, "greedy", "FEASIBLE", 1, time.perf_counter() - began)
     raise PlanError(f"the greedy rule cannot place the K-FAC work of stages {list(group.stages)} within "
@@ -149,19 +159,21 @@ def greedy_group(problem: Problem, group: StageGroup, fused: frozenset[str] = fr
 
 
 def _least_stretch(found: GroupSolution, lower: int, allowance: Allowance, aggregate: bool,
-                           resolution: int) -> GroupSolution:
+                   resolution: int, meter: Meter | None) -> GroupSolution:
     """Bisect with first-fit between `lower` and found's stretch (the least one it finds)."""
     w = found.window
 
     def probe(stretch: int) -> tuple[str, GroupSolution | None]:
-        solution = greedy_window(allowance.window(w.group, w.k, stretch, aggregate=aggregate, resolution=resolution))
+        solution = _first_fit(allowance.window(w.group, w.k, stretch, aggregate=aggregate, resolution=resolution),
+                              meter)
         return ("FEASIBLE", solution) if solution is not None else ("UNKNOWN", None)
 
     return least_stretch(found, probe, lower)[0]
 
 
 def greedy_overhead(problem: Problem, group: StageGroup, allowance: Allowance, *, aggregate: bool = False,
-                    resolution: int = 100_000, limit: float = 10.0) -> tuple[int, GroupSolution | None]:
+                    resolution: int = 100_000, limit: float = 10.0,
+                    meter: Meter | None = None) -> tuple[int, GroupSolution | None]:
     """The stretch the group's work needs at the longest refresh period (problem.max_period), whatever
     max_overhead says: (ticks any plan needs, the first-fit solution with the least stretch found, or
     None when no stretch up to `limit` reference steps places it). For errors that tell the user what
@@ -178,8 +190,8 @@ def greedy_overhead(problem: Problem, group: StageGroup, allowance: Allowance, *
     lower = stretch_lower_bound(window(0))
     failed, ticks = lower - 1, lower
     while ticks <= most:
-        found = greedy_window(window(ticks))
+        found = _first_fit(window(ticks), meter)
         if found is not None:
-            return lower, _least_stretch(found, failed + 1, allowance, aggregate, resolution)
+            return lower, _least_stretch(found, failed + 1, allowance, aggregate, resolution, meter)
         failed, ticks = ticks, max(ticks + 1, math.ceil(ticks * 1.25))
     return lower, None

@@ -9,7 +9,10 @@ largest any group needs, [Note: stretch] in planner/window.py), and assembles th
 [Note: time limit] CP-SAT stops at config.time_limit_s; greedy placement (and fusing by greedy's
 memory excess) goes on for at most OVERTIME / 2 more. A refusal then searches, until OVERTIME past
 the limit, for values of max_overhead, the memory budget or N that plan the same problem, and names
-only those it has solved with (`PlanError.suggestions`).
+only those it has solved with (`PlanError.suggestions`). With config.deterministic (the default) these
+times are on CP-SAT's deterministic clock, converted from seconds ([Note: deterministic budget] in
+planner/budget.py), so the same problem and options give the same plan, or the same refusal, on any
+load; `SolverStats.wall_time` is then the only field of a plan that differs between runs.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
+from fxkfac.planner.budget import Meter, meter
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.errors import (
     InfeasibleBudgetError,
@@ -80,10 +84,12 @@ log = logging.getLogger(__name__)
 class SolverStats:
     """How the plan was found: status (OPTIMAL: every refresh period proven minimal and staleness
     optimal; FEASIBLE; GREEDY: the greedy plan was kept), wall time (s), objective (sum of refresh
-    periods over stages, sum of use offsets) and gap (of the refresh periods to the proven bounds)."""
+    periods over stages, sum of use offsets) and gap (of the refresh periods to the proven bounds).
+    wall_time measures this machine at that moment: it is left out of equality (`Plan ==`), and it is
+    the one field whose JSON differs between two deterministic solves of one problem."""
 
     status: str
-    wall_time: float
+    wall_time: float = field(compare=False)
     objective: tuple[int, int]
     gap: float
 
@@ -267,18 +273,32 @@ within time_limit_s + OVERTIME plus at most that."""
 @dataclass(frozen=True)
 class _Clock:
     """`deadline`: when CP-SAT stops (greedy placement goes on); `cutoff`: when planning gives up; both
-    in time.perf_counter() seconds."""
+    on `meter`'s clock (wall seconds, or deterministic seconds: planner/budget.py)."""
 
+    meter: Meter
     deadline: float
     cutoff: float
 
     def solver_time(self) -> float:
-        """Seconds CP-SAT has left (<= 0: place greedily)."""
-        return self.deadline - time.perf_counter()
+        """Time CP-SAT has left, in the meter's unit (<= 0: place greedily)."""
+        return self.deadline - self.meter.now()
+
+    def left(self) -> float:
+        """Time left before planning gives up, in the meter's unit."""
+        return self.cutoff - self.meter.now()
 
     def out(self) -> bool:
-        """Whether planning must give up now."""
-        return time.perf_counter() >= self.cutoff
+        """Whether planning must give up now: at the cutoff, or past the meter's wall-clock safety cap."""
+        if self.meter.now() >= self.cutoff:
+            return True
+        if self.meter.wall_left() <= 0:
+            self.meter.note_capped("searching on")
+            return True
+        return False
+
+    def later(self, deadline: float, cutoff: float | None = None) -> _Clock:
+        """The same meter with another deadline (and cutoff)."""
+        return _Clock(self.meter, deadline, self.cutoff if cutoff is None else cutoff)
 
 
 class _Refused(Exception):
@@ -351,7 +371,7 @@ def _solve_groups(problem: Problem, fused: frozenset[str], config: SolverConfig,
                 (Knob.MAX_OVERHEAD, Knob.MICROBATCHES) if config.stretch else (Knob.MICROBATCHES,), fused)
         try:
             g = greedy_group(problem, group, fused, aggregate=aggregate, resolution=config.time_resolution,
-                             min_k=min_k, allowance=allowed)
+                             min_k=min_k, allowance=allowed, meter=clock.meter)
         except PlanError:
             g = None
         greedy.append(g)
@@ -363,9 +383,9 @@ def _solve_groups(problem: Problem, fused: frozenset[str], config: SolverConfig,
 
         if problem.memory_budget is not None:
             left /= 2  # leave time for the rounds that fuse more curvature if this one finds no fit
-        share = max(0.1, left / (len(groups) - n))
-        solutions.append(solve_group(problem, group, fused, config, share, g, aggregate=aggregate, min_k=min_k,
-                                     allowance=allowed))
+        share = max(clock.meter.units(0.1), left / (len(groups) - n))
+        solutions.append(solve_group(problem, group, fused, config, share, clock.meter, g, aggregate=aggregate,
+                                     min_k=min_k, allowance=allowed))
     return _Attempt(_same_stretch(solutions), greedy, allowed)
 
 
@@ -386,7 +406,7 @@ def _same_stretch(solutions: list[GroupSolution | None]) -> list[GroupSolution |
 
 
 def _overhead_estimate(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
-                       until: float) -> tuple[float | None, bool]:
+                       until: _Clock) -> tuple[float | None, bool]:
     """The max_overhead that stretching the step needs at the longest refresh period (rounded up to 3
     digits), and whether it is proven least (CP-SAT refines greedy's stretch while time is left); None
     when stretching is off or no stretch up to 10 reference steps places the work."""
@@ -398,15 +418,16 @@ def _overhead_estimate(problem: Problem, fused: frozenset[str], config: SolverCo
     upper, proven = 0, True
     for group in stage_groups(problem):
         low, found = greedy_overhead(problem, group, grid, aggregate=_aggregate(problem, group, config, grid),
-                                     resolution=config.time_resolution)
+                                     resolution=config.time_resolution, meter=until.meter)
         if found is None:
             return None, False
         least = found.window.stretch <= low
-        left = until - time.perf_counter()
+        left = until.left()
         if method is Method.CPSAT and not least and left > 0:
             from fxkfac.planner.cpsat import refine_stretch
 
-            found, least = refine_stretch(found, grid, config, min(5.0, config.time_limit_s, left / 2))
+            found, least = refine_stretch(found, grid, config, until.meter,
+                                          min(until.meter.units(min(5.0, config.time_limit_s)), left / 2))
         upper, proven = max(upper, found.window.stretch), proven and least
     need = _overhead(problem, fused, problem.max_period, upper, grid)
     return (_sig_up(need) if need > 0 else None), proven
@@ -486,12 +507,13 @@ def solve(problem: Problem, config: SolverConfig = SolverConfig(), method: Metho
     planner has solved this problem with (the rest unchanged), or say that none was found in time."""
     how = _method(method)
     began = time.perf_counter()
-    deadline = began + config.time_limit_s
+    clock = meter(config.deterministic, config.time_limit_s, OVERTIME)
+    deadline = clock.now() + clock.units(config.time_limit_s)
     try:
-        return _attempt(problem, config, how, _Clock(deadline, deadline + OVERTIME / 2), began)
+        return _attempt(problem, config, how, _Clock(clock, deadline, deadline + clock.units(OVERTIME / 2)), began)
     except _Refused as refused:
-        until = max(deadline + OVERTIME, time.perf_counter() + OVERTIME / 2)
-        raise _suggesting(refused, problem, config, how, until) from None
+        until = max(deadline + clock.units(OVERTIME), clock.now() + clock.units(OVERTIME / 2))
+        raise _suggesting(refused, problem, config, how, _Clock(clock, until, until)) from None
 
 
 def _method(method: Method | str) -> Method:
@@ -509,11 +531,11 @@ def _attempt(problem: Problem, config: SolverConfig, method: Method, clock: _Clo
     if method is Method.GREEDY or problem.memory_budget is None or clock.solver_time() <= 0:
         return _placed(problem, config, method, clock, began)
     try:
-        fallback = _placed(problem, config, method, _Clock(time.perf_counter(), clock.cutoff), began)
+        fallback = _placed(problem, config, method, clock.later(clock.meter.now()), began)
     except _Refused:
         return _placed(problem, config, method, clock, began)
     try:
-        return _placed(problem, config, method, _Clock(clock.deadline, clock.deadline), began)
+        return _placed(problem, config, method, clock.later(clock.deadline, clock.deadline), began)
     except _Refused:
         solver = replace(fallback.metrics.solver, wall_time=time.perf_counter() - began)  # CP-SAT's time too
         return replace(fallback, metrics=replace(fallback.metrics, solver=solver))
@@ -599,7 +621,7 @@ def _fusing_refused(problem: Problem, fused: frozenset[str]) -> InfeasibleBudget
 
 
 def _suggesting(refused: _Refused, problem: Problem, config: SolverConfig, method: Method,
-                until: float) -> PlanError:
+                until: _Clock) -> PlanError:
     """The refusal's error with the values that plan, searched until `until`: each knob alone; where
     none does and a budget is set, max_overhead and the budget together; then more micro-batches."""
     found: list[Suggestion] = []
@@ -610,14 +632,14 @@ def _suggesting(refused: _Refused, problem: Problem, config: SolverConfig, metho
     if Knob.MICROBATCHES in refused.knobs:
         stages.append((Knob.MICROBATCHES,))
     for knobs in stages:
-        if time.perf_counter() >= until or (len(knobs) > 1 or knobs == (Knob.MICROBATCHES,)) and found:
+        if until.out() or (len(knobs) > 1 or knobs == (Knob.MICROBATCHES,)) and found:
             break
         searched.append(_SEARCHED[knobs].format(N=4 * problem.N))
         search = _search_together if len(knobs) > 1 else _SEARCHES[knobs[0]]
         suggestion = search(problem, refused.fused, config, method, until)
         if suggestion is not None:
             found.append(suggestion)
-    text = f"{refused.error}. {_suggestion_text(problem, config, found, searched, time.perf_counter() >= until)}"
+    text = f"{refused.error}. {_suggestion_text(problem, config, found, searched, until.out())}"
     error = refused.error
     if isinstance(error, InfeasibleBudgetError):
         return InfeasibleBudgetError(text, error.needed_bytes, suggestions=tuple(found))
@@ -661,28 +683,29 @@ def _describe(problem: Problem, s: Suggestion) -> str:
     return text
 
 
-def _plans(problem: Problem, config: SolverConfig, method: Method, until: float, *, thorough: bool = False) -> bool:
+def _plans(problem: Problem, config: SolverConfig, method: Method, until: _Clock, *, thorough: bool = False) -> bool:
     """Whether `solve` makes a plan of `problem`: with greedy placement first (CP-SAT's first pass, whose
     plan it keeps), then, `thorough` and with method CP-SAT, with CP-SAT itself within the time left."""
     return _plan_or_none(problem, config, method, until, thorough=thorough) is not None
 
 
-def _plan_or_none(problem: Problem, config: SolverConfig, method: Method, until: float, *,
+def _plan_or_none(problem: Problem, config: SolverConfig, method: Method, until: _Clock, *,
                   thorough: bool = False) -> Plan | None:
-    now = time.perf_counter()
-    tries = [now] + ([min(until, now + config.time_limit_s)] if thorough and method is Method.CPSAT else [])
+    now = until.meter.now()
+    tries = [now] + ([min(until.cutoff, now + until.meter.units(config.time_limit_s))]
+                     if thorough and method is Method.CPSAT else [])
     for deadline in tries:
-        if time.perf_counter() >= until:
+        if until.out():
             return None
         try:
-            return _attempt(problem, config, method, _Clock(deadline, until), time.perf_counter())
+            return _attempt(problem, config, method, until.later(deadline), time.perf_counter())
         except _Refused:
             continue
     return None
 
 
 def _search_overhead(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
-                     until: float) -> Suggestion | None:
+                     until: _Clock) -> Suggestion | None:
     """A max_overhead that plans: from greedy's stretch estimate doubling, checked by greedy placement (then,
     with CP-SAT, by CP-SAT itself); then, while time is left, CP-SAT's least stretch (checked by CP-SAT,
     named least where proven) or a few bisection probes below it."""
@@ -693,7 +716,7 @@ def _search_overhead(problem: Problem, fused: frozenset[str], config: SolverConf
         for candidate in ladder:
             if _plans(replace(problem, max_overhead=candidate), config, method, until, thorough=thorough):
                 break
-            if time.perf_counter() >= until:
+            if until.out():
                 return None
             failed = candidate
         else:
@@ -721,7 +744,7 @@ def _ladder(start: float, above: float) -> list[float]:
     return values
 
 
-def _bisect_down(problem: Problem, config: SolverConfig, method: Method, until: float, failed: float,
+def _bisect_down(problem: Problem, config: SolverConfig, method: Method, until: _Clock, failed: float,
                  works: float) -> float:
     """A smaller max_overhead than `works` that still plans (a few probes between it and `failed`)."""
     for _ in range(4):
@@ -730,7 +753,7 @@ def _bisect_down(problem: Problem, config: SolverConfig, method: Method, until: 
             break
         if _plans(replace(problem, max_overhead=middle), config, method, until):
             works = middle
-        elif time.perf_counter() >= until:
+        elif until.out():
             break
         else:
             failed = middle
@@ -738,7 +761,7 @@ def _bisect_down(problem: Problem, config: SolverConfig, method: Method, until: 
 
 
 def _search_memory(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
-                   until: float) -> Suggestion | None:
+                   until: _Clock) -> Suggestion | None:
     """A memory budget that plans at the problem's max_overhead: the peak of the plan made without a
     budget, rounded up (raised by a quarter while it does not plan)."""
     free = _plan_or_none(replace(problem, memory_budget=None), config, method, until)
@@ -754,7 +777,7 @@ def _search_memory(problem: Problem, fused: frozenset[str], config: SolverConfig
 
 
 def _search_microbatches(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
-                         until: float) -> Suggestion | None:
+                         until: _Clock) -> Suggestion | None:
     """The nearest N (valid for the schedule) that plans: fewer first (less curvature per step for the
     same bubbles), then more, up to 4 times this one."""
     for n in [*range(problem.N - 1, 0, -1), *range(problem.N + 1, 4 * problem.N + 1)]:
@@ -764,13 +787,13 @@ def _search_microbatches(problem: Problem, fused: frozenset[str], config: Solver
             continue
         if _plans(candidate, config, method, until):
             return Suggestion(((Knob.MICROBATCHES, n),))
-        if time.perf_counter() >= until:
+        if until.out():
             return None
     return None
 
 
 def _search_together(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
-                     until: float) -> Suggestion | None:
+                     until: _Clock) -> Suggestion | None:
     """A max_overhead that plans without the budget, and a budget that plans at it."""
     overhead = _search_overhead(replace(problem, memory_budget=None), frozenset(), config, method, until)
     if overhead is None:

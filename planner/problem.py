@@ -123,8 +123,16 @@ class SolverConfig:
     """
 
     time_limit_s: float = 10.0
+    """Seconds of planning (CP-SAT; see [Note: time limit] in planner/plan.py). Deterministic, it becomes a
+    budget of CP-SAT deterministic time ([Note: deterministic budget] in planner/budget.py)."""
     num_workers: int = 2
+    """CP-SAT threads when not deterministic (a deterministic search runs one)."""
     seed: int = 0
+    """CP-SAT's random seed."""
+    deterministic: bool = True
+    """The same problem and options give the same plan (every field but `SolverStats.wall_time`) on a loaded
+    or an idle machine: CP-SAT is budgeted in deterministic time, single-threaded and seeded. False: the
+    budget is wall-clock seconds on `num_workers` threads, so a slower machine may return another plan."""
     use_greedy_hint: bool = True
     aggregate: bool | None = None
     aggregate_above: int = 256

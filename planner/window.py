@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -230,7 +230,8 @@ class GroupSolution:
     method: str
     status: str
     k_lower_bound: int
-    wall_time: float = 0.0
+    wall_time: float = field(default=0.0, compare=False)
+    """Wall seconds it took (a measurement of this machine now: not part of equality)."""
 
 
 def _scale(times: Iterable[float], period: float, resolution: int) -> tuple[float, bool]:
