@@ -10,11 +10,17 @@ places costs GREEDY_DTIME_PER_TASK per task (without it, rounds of fusing curvat
 1 s limit, as no CP-SAT time passed).
 
 `time_limit_s` (and `OVERTIME`) are wall seconds in the API; `DTIME_PER_SECOND` converts them. Measured
-on the 2-core development machine (loaded, load average about 8; ortools 9.15), a CP-SAT window solve
-spends 0.02 to 0.05 deterministic seconds per wall second (BERT-Base Chimera D=4: 0.5 in 10-13 s;
-the tests' small windows: 0.012 in 0.45 s, mostly model loading), and plans of tests/planner spend
-well under their budget (most windows end proven). 0.1 per second makes a 10 s limit 1.0
-deterministic second: about the old 10 s on a quiet machine, longer on a loaded one.
+on the 2-core development machine (ortools 9.15), whole solves at a 10 s limit (1.0 deterministic
+second), deterministic seconds spent (CP-SAT and greedy charges) per wall second:
+
+    problem                               load ~1               load ~3-4
+    chimera D=4 N=4 W=2 (tests' sizes)    1.00 in 9.3-10.6 s    1.00 in 11.5-12.1 s
+    bert-base 1f1b D=4 p100               0.74 in 6.0-6.1 s     0.73 in 7.3-7.4 s
+    bert-base chimera D=4 p100, mo 0.1    0.60 in 5.6 s         0.50 in 6.8-10.0 s
+
+so 0.1 per second keeps about the old wall time on a lightly loaded machine (the wall-clock mode finds
+the same refresh periods on these three); at load ~8 single window solves ran at 0.02-0.05 per second,
+so a loaded machine takes longer for the same plan.
 
 A wall-clock safety net stays: CP-SAT calls also stop at `WALL_CAP` times the time limit (plus
 OVERTIME) after planning began. When that net, and not the deterministic budget, ends a search, the
