@@ -13,7 +13,7 @@ places costs GREEDY_DTIME_PER_TASK per task (without it, rounds of fusing curvat
 on the 2-core development machine (ortools 9.15), whole solves at a 10 s limit (1.0 deterministic
 second), deterministic seconds spent (CP-SAT and greedy charges) per wall second:
 
-    problem                               load ~1               load ~3-4
+    problem                               load ~1               load ~3-4 (CP-SAT's only)
     chimera D=4 N=4 W=2 (tests' sizes)    1.00 in 9.3-10.6 s    1.00 in 11.5-12.1 s
     bert-base 1f1b D=4 p100               0.74 in 6.0-6.1 s     0.73 in 7.3-7.4 s
     bert-base chimera D=4 p100, mo 0.1    0.60 in 5.6 s         0.50 in 6.8-10.0 s
