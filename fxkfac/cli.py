@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="memory budget per device, e.g. 16GiB (default: the device's memory, where known)")
     plan.add_argument("--max-overhead", type=_arg_type(parse_fraction), default=0.0,
                       help="allowed step-time growth, e.g. 5%%")
+    plan.add_argument("--nondeterministic", action="store_true",
+                      help="budget CP-SAT in wall-clock seconds on 2 threads (a slower or busier machine may plan "
+                           "differently); default: deterministic time, the same plan under any load")
     plan.add_argument("--time-limit", type=float, default=10.0,
                       help="seconds for the whole planning (a refusal may take 3 s more to check what it suggests)")
     plan.add_argument("--method", choices=["cpsat", "greedy"], default="cpsat",
@@ -399,7 +402,7 @@ def _solved(args: argparse.Namespace, S: int, console: Console) -> Plan:
     refusal too), after the search when there is one."""
     from fxkfac.planner.plan import solve
 
-    config = SolverConfig(time_limit_s=args.time_limit)
+    config = SolverConfig(time_limit_s=args.time_limit, deterministic=not args.nondeterministic)
     if _searches_block_size(args):
         try:
             choice = _auto_block(args, S, config)

@@ -43,6 +43,7 @@ from fxkfac.planner.errors import (
 )
 from fxkfac.planner.ir import LayerTiming, Op, OpKind, Program, format_program, parse_program
 from fxkfac.planner.lowering import startup_programs
+from fxkfac.planner.preconditioners import words_of
 from fxkfac.planner.problem import (
     Problem,
     SolverConfig,
@@ -363,7 +364,7 @@ def _solve_groups(problem: Problem, fused: frozenset[str], config: SolverConfig,
                                        resolution=config.time_resolution))
         if long:
             raise _Refused(PlanError(
-                "some K-FAC work cannot fit any bubble, whatever the refresh period"
+                f"some {words_of(problem.costs).name} work cannot fit any bubble, whatever the refresh period"
                 + (f", even with the step stretched by max_overhead={problem.max_overhead:g}"
                    if allowed.enabled else "")
                 + ": " + "; ".join(long[:5])
@@ -583,7 +584,8 @@ def _unplaced(problem: Problem, attempt: _Attempt, fused: frozenset[str], config
             f"{format_bytes(problem.memory_budget or 0)} per device (the greedy rule neither places by memory nor "
             "fuses curvature)"), (Knob.MEMORY_BUDGET, Knob.MAX_OVERHEAD), fused)
     timed = f", or the time limit ({config.time_limit_s:g} s) was" if method is Method.CPSAT else ""
-    return _Refused(PlanError(f"no placement of the K-FAC work of stages {bad} within {problem.max_period} steps "
+    return _Refused(PlanError(f"no placement of the {words_of(problem.costs).name} work of stages {bad} within "
+                              f"{problem.max_period} steps "
                               f"({method.value}{_stretched(problem, config)}): the bubbles are too short{timed}"),
                     (Knob.MAX_OVERHEAD, Knob.MICROBATCHES), fused)
 
