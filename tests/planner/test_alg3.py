@@ -4,7 +4,7 @@ programs' assignment: hand-computed LPT, the validator and the simulator, and th
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from functools import cache
 
@@ -99,19 +99,22 @@ def _critical(problem: Problem, periods: Mapping[int, int], assignment: Assignme
                           seconds=decomposition_seconds(problem.costs))
 
 
-def _duration(problem: Problem):  # type: ignore[no-untyped-def]
+def _duration(problem: Problem) -> Callable[[int, Op], float]:
+    """Seconds of each op from the cost table (transfers and collectives free), for the simulator."""
     stages = problem.costs.stages
 
     def duration(rank: int, op: Op) -> float:
-        stage = stages[op.stage] if op.stage is not None else None
+        if op.stage is None:
+            return 0.0
+        stage = stages[op.stage]
         if op.kind is OpKind.FWD:
-            return stage.fwd  # type: ignore[union-attr]
+            return stage.fwd
         if op.kind is OpKind.BWD:
-            return stage.bwd  # type: ignore[union-attr]
+            return stage.bwd
         if op.kind is OpKind.APPLY:
-            return stage.prec  # type: ignore[union-attr]
-        if op.kind in (OpKind.STATS, OpKind.DECOMP):
-            part = problem.costs.layer(op.layer).part(op.part)  # type: ignore[arg-type]
+            return stage.prec
+        if op.kind in (OpKind.STATS, OpKind.DECOMP) and op.layer is not None and op.part is not None:
+            part = problem.costs.layer(op.layer).part(op.part)
             return part.stats if op.kind is OpKind.STATS else part.decomp
         return 0.0
 

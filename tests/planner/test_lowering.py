@@ -115,7 +115,7 @@ def test_kfac_tail_deals_a_stages_inversions_round_robin_by_default() -> None:
     layers, holders = {0: ["x", "y", "z"]}, {0: (0, 1)}
 
     def roots(**kw: object) -> list[tuple[str, str, int]]:
-        tail = kfac_tail(0, [(0, 0)], 0, timings, layers, holders, **kw)  # type: ignore[arg-type]
+        tail = kfac_tail(0, [(0, 0)], 0, timings, layers, holders, **kw)  # type: ignore[arg-type]  # kw: assignment= and seconds= of the case
         return [(op.layer or "", op.part or "", op.root or 0) for op in tail if op.kind is OpKind.BCAST]
 
     default = roots()
