@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Target:
-    """What a plan must be made for: the graph fingerprint, schedule, D, N, W and v of the run."""
+    """What a plan must be made for: the graph fingerprint, schedule, D, N, W and v of the run, and the longest
+    refresh period the family accepts (None: the planner's own limit)."""
 
     fingerprint: str
     schedule: ScheduleKind
@@ -35,6 +36,7 @@ class Target:
     N: int
     W: int
     v: int = 1
+    max_period: int | None = None
 
     def describe(self) -> str:
         """The run in words, for error messages."""
@@ -100,6 +102,8 @@ def solve_for(target: Target, costs: CostTable, options: PlanOptions) -> Plan:
     problem = Problem(target.schedule.value, target.D, target.N, costs, W=target.W, v=target.v,
                       memory_budget=options.memory_budget, max_overhead=options.max_overhead or 0.0,
                       fingerprint=target.fingerprint)
+    if target.max_period is not None:
+        problem = replace(problem, max_period=target.max_period)
     config = SolverConfig(time_limit_s=options.time_limit_s, deterministic=options.deterministic)
     log.info("solving the plan of %s", target.describe())
     try:

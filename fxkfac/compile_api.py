@@ -87,7 +87,7 @@ def compile(  # noqa: A001 - the public name the design card gives
     stage_layers = stage_units(split, units)
     target = Target(graph_fingerprint(units, stage_layers, schedule=kind.value, D=layout.D, N=N,
                                       W=layout.W, v=v, micro_batch_size=batch // (N * layout.W)),
-                    kind, layout.D, N, layout.W, v)
+                    kind, layout.D, N, layout.W, v, family.max_period if family is not None else None)
     known = {unit.name: unit for unit in units}
     resolved = _resolve(plan, mesh is None, family, target, plan_options, layout, split, stage_layers, known, micro)
     if resolved is not None and layer_timing:

@@ -110,6 +110,9 @@ class Family(Protocol):
     capture: str
     """The capture mode ("fused" | "deferred") when no plan or layer timing sets it (unused by GRADIENT parts)."""
     refresh_phase: int
+    max_period: int | None
+    """The longest refresh period a plan may give a unit (Shampoo/SOAP: precondition_frequency, which the user
+    asks for; K-FAC: None, the planner chooses as PipeFisher does)."""
     full_direction: bool
     """True when `precondition` yields the whole update direction (Shampoo, SOAP: grafting, momentum and weight
     decay included), so the base optimizer must be plain SGD; False when the base optimizer adds its own."""

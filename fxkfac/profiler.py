@@ -28,6 +28,9 @@ from fxkfac.preconditioner import Family, Source
 
 __all__ = ["profile", "time_call", "UnitCost", "kfac_unit_cost", "gradient_unit_cost"]
 
+MAX_WARM_FOLDS = 1000
+"""Folds of a random gradient a unit may take before its family decomposes it (its start step)."""
+
 UnitCost = Callable[[str, int], LayerCost]
 """(unit name, rows of one micro-batch) -> the unit's measured LayerCost."""
 
@@ -104,7 +107,8 @@ def gradient_unit_cost(family: Family, units: Mapping[str, Any], params: Mapping
                        warmup: int = 2, repeats: int = 5) -> UnitCost:
     """The UnitCost of a family whose parts are all fed by the gradient: its statistic, decomposition and
     preconditioning of one unit, timed through the family's own methods on a random gradient of the
-    parameter's shape (a decomposition the family declines, e.g. before its start step, times as 0)."""
+    parameter's shape. The statistic is folded until the family decomposes it (a family declines before its
+    start step), at most `MAX_WARM_FOLDS` times, so the decomposition is timed as it will run."""
     if any(family.source(part) is not Source.GRADIENT for part in family.parts):
         raise AssertionError(f"{family.name} has parts fed by captures: time them with their own UnitCost")
 
@@ -120,8 +124,15 @@ def gradient_unit_cost(family: Family, units: Mapping[str, Any], params: Mapping
                 return family.statistic(unit, part, "gradient", p, rows)
             stats[part] = time_call(statistic, warmup=warmup, repeats=repeats)
             folded[part] = _nbytes(statistic())
-            family.fold(state, part, statistic())
-        snap = state.snapshot()
+        for _ in range(MAX_WARM_FOLDS):
+            for part in family.parts:
+                family.fold(state, part, family.statistic(unit, part, "gradient", p, rows))
+            snap = state.snapshot()
+            if all(family.decompose(unit, snap, part) is not None for part in family.parts):
+                break
+        else:
+            log.warning("%s declined to decompose %s after %d folds: its decompositions are timed as declined "
+                        "(too cheap) and the plan may refresh it too often", family.name, name, MAX_WARM_FOLDS)
         for part in family.parts:
             def decompose(part: str = part) -> object:
                 return family.decompose(unit, snap, part)

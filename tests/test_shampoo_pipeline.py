@@ -5,6 +5,7 @@ exactly, and a bad base optimizer is refused."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,8 @@ import fxkfac
 from fxkfac.config import PipelineOptions, PlanOptions
 from fxkfac.errors import ConfigError
 from fxkfac.planner.ir import LayerTiming, OpKind
-from fxkfac.shampoo import GraftType, ShampooConfig, SOAPConfig
+from fxkfac.profiler import gradient_unit_cost
+from fxkfac.shampoo import GraftType, ParamUnit, ShampooConfig, ShampooFamily, SOAPConfig
 from tests.support.distributed import run_distributed
 from tests.support.models import mlp
 
@@ -130,6 +132,7 @@ def test_planned_shampoo_and_soap_run_their_plan_and_equal_one_device_given_it(f
     assert set(layers) == {n for n, _ in mlp().named_parameters()}
     assert {OpKind.DECOMP, OpKind.APPLY} <= results[0].value["placed"] | results[1].value["placed"]
     assert min(t.use_offset for t in layers.values()) >= 1, "a planned gradient part decomposes after its step"
+    assert max(t.period for t in layers.values()) <= FAMILIES[family].precondition_frequency
     single = fxkfac.compile(mlp(), None, None, example_inputs=(_batches()[0][0],), loss_fn=F.mse_loss,
                             optimizer=_sgd, backend=None, microbatches=N, preconditioner=FAMILIES[family],
                             layer_timing=layers)
@@ -139,3 +142,19 @@ def test_planned_shampoo_and_soap_run_their_plan_and_equal_one_device_given_it(f
     for r in results:
         for name, p in r.value["params"].items():
             torch.testing.assert_close(p, want[name].detach(), rtol=0, atol=1e-5, msg=f"rank {r.rank} {name}")
+
+
+def test_profiling_times_the_decomposition_past_the_start_step() -> None:
+    """A family declines to decompose before its start step; the profiler folds until it does, so a root inverse
+    is not priced as free (a plan would then refresh every step)."""
+    late = gradient_unit_cost(ShampooFamily(replace(SHAMPOO, start_preconditioning_step=7)), *_units(), repeats=1)
+    cost = late("0.weight", 4)
+    assert all(part.decomp > 0 for part in cost.parts)
+    eager = gradient_unit_cost(ShampooFamily(SHAMPOO), *_units(), repeats=1)("0.weight", 4)
+    assert min(p.decomp for p in cost.parts) > 0.1 * min(p.decomp for p in eager.parts)
+
+
+def _units() -> tuple[dict, dict]:
+    model = mlp()
+    params = dict(model.named_parameters())
+    return {n: ParamUnit(n, tuple(p.shape)) for n, p in params.items()}, params

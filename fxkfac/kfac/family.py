@@ -25,6 +25,7 @@ class KFACFamily:
     name = "kfac"
     parts: tuple[str, ...] = ("A", "B")
     refresh_phase = 0
+    max_period: int | None = None
     full_direction = False
 
     def __init__(self, cfg: KFACConfig) -> None:

@@ -43,6 +43,7 @@ class BlockFamily(ABC):
         self.stats_dtype = dtype
         self.refresh_every = frequency
         self.refresh_phase = start % frequency
+        self.max_period: int | None = frequency  # a plan may refresh more often than asked, never less
         self.start = start
         self.stat_beta = stat_beta
         self._layouts: dict[str, Layout] = {}

@@ -63,6 +63,7 @@ class DiagonalFamily:
     stats_dtype = "float32"
     capture: str = "deferred"
     refresh_phase = 0
+    max_period: int | None = None
     full_direction = False
 
     def __init__(self, eps: float = 1e-2, decay: float = 0.9, refresh_every: int = 1,
