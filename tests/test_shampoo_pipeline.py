@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -158,3 +159,38 @@ def _units() -> tuple[dict, dict]:
     model = mlp()
     params = dict(model.named_parameters())
     return {n: ParamUnit(n, tuple(p.shape)) for n, p in params.items()}, params
+
+
+def _resume_worker(rank: int, world: int, family: str, path: str) -> dict[str, dict[str, Tensor]]:
+    """Planned 2-rank 1F1B: train 3 steps and checkpoint (decompositions may be in flight), resume in new trainers
+    under the same plan, and train on; against the same 6 steps uninterrupted."""
+    batches = _batches()
+
+    def make(seed: int, plan: Any) -> fxkfac.Trainer:
+        return fxkfac.compile(mlp(seed=seed), (2, 1), plan, example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
+                              optimizer=_sgd, backend=None, schedule="1f1b", microbatches=N,
+                              preconditioner=FAMILIES[family], pipeline=PipelineOptions(timeout=60.0),
+                              plan_options=PlanOptions(time_limit_s=3.0))
+    whole = make(0, "auto")
+    for x, y in batches:
+        whole.step(x, y)
+    first = make(0, whole.plan)
+    for x, y in batches[:3]:
+        first.step(x, y)
+    first.save_checkpoint(path)
+    resumed = make(5, whole.plan)
+    resumed.load_checkpoint(path)
+    for x, y in batches[3:]:
+        resumed.step(x, y)
+    return {name: {n: copy.deepcopy(p.detach()) for n, p in t.named_parameters()}
+            for name, t in (("whole", whole), ("resumed", resumed))}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_planned_pipeline_resumes_exactly_from_a_checkpoint(family: str, tmp_path) -> None:
+    results = run_distributed(_resume_worker, 2, family, str(tmp_path / "ckpt"), timeout=300)
+    assert all(r.ok for r in results), [r.traceback for r in results if not r.ok]
+    for r in results:
+        for name, p in r.value["whole"].items():
+            assert torch.equal(p, r.value["resumed"][name]), f"rank {r.rank} {name}"
