@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from pipefisher_overhead import BUSY, D, _block, _gather, _kind_seconds, _model, _planned
+from pipefisher_overhead import BUSY, D, _block, _fmt_ranks, _gather, _kind_seconds, _model, _planned
 from preconditioner_convergence import family_config
 
 import fxkfac
@@ -124,10 +124,6 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
         with open(out_path, "w") as f:
             json.dump(row, f)
     dist.destroy_process_group()
-
-
-def _fmt_ranks(values: dict[Any, float]) -> str:
-    return ", ".join(f"{values[k]:.2f}" for k in sorted(values, key=int))
 
 
 def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
