@@ -111,10 +111,10 @@ def test_a_base_optimizer_with_momentum_is_refused() -> None:
                        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), preconditioner=SHAMPOO)
 
 
-def _planned_worker(rank: int, world: int, family: str) -> dict:
+def _planned_worker(rank: int, world: int, family: str, mesh: tuple[int, int], schedule: str) -> dict:
     """plan="auto": rank 0 profiles the family through its own methods, CP-SAT places its work, the ranks run it."""
-    trainer = fxkfac.compile(mlp(), (2, 1), "auto", example_inputs=(_batches()[0][0],), loss_fn=F.mse_loss,
-                             optimizer=_sgd, backend=None, schedule="1f1b", microbatches=N,
+    trainer = fxkfac.compile(mlp(), mesh, "auto", example_inputs=(_batches()[0][0],), loss_fn=F.mse_loss,
+                             optimizer=_sgd, backend=None, schedule=schedule, microbatches=N // mesh[1],
                              preconditioner=FAMILIES[family], pipeline=PipelineOptions(timeout=60.0),
                              plan_options=PlanOptions(time_limit_s=3.0))
     for x, y in _batches():
@@ -125,9 +125,11 @@ def _planned_worker(rank: int, world: int, family: str) -> dict:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-def test_planned_shampoo_and_soap_run_their_plan_and_equal_one_device_given_it(family: str) -> None:
-    results = run_distributed(_planned_worker, 2, family, timeout=300)
+@pytest.mark.parametrize("family,mesh,schedule", [("shampoo", (2, 1), "1f1b"), ("soap", (2, 1), "1f1b"),
+                                                  ("shampoo", (2, 1), "chimera"), ("soap", (1, 2), "gpipe")])
+def test_planned_shampoo_and_soap_run_their_plan_and_equal_one_device_given_it(
+        family: str, mesh: tuple[int, int], schedule: str) -> None:
+    results = run_distributed(_planned_worker, 2, family, mesh, schedule, timeout=300)
     assert all(r.ok for r in results), [r.traceback for r in results if not r.ok]
     layers = results[0].value["layers"]
     assert set(layers) == {n for n, _ in mlp().named_parameters()}
