@@ -28,7 +28,7 @@ from fxkfac.planner.ir import LayerTiming
 from fxkfac.planner.lowering import naive_programs
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.schedules import ScheduleKind, num_stages
-from fxkfac.preconditioner import Family, Source
+from fxkfac.preconditioner import Family, gradient_parts
 from fxkfac.runtime.mesh import MeshLayout
 from fxkfac.runtime.trainer import OptimizerFactory, RunSpec, Trainer, default_optimizer, plain_sgd, shard_microbatches
 
@@ -97,9 +97,9 @@ def compile(  # noqa: A001 - the public name the design card gives
     given = dict(timed_by.layers) if timed_by is not None else {}
     timings = layer_timings(units, family, {**given, **dict(layer_timing or {})}) if family else {}
     parts = family.parts if family is not None else ()
-    gradient_parts = frozenset(p for p in parts if family is not None and family.source(p) is Source.GRADIENT)
+    fed_by_gradient = gradient_parts(family) if family is not None else frozenset()
     programs = resolved.programs if resolved is not None else naive_programs(
-        kind, layout.D, N, layout.W, timings, stage_layers, v=v, parts=parts, gradient_parts=gradient_parts)
+        kind, layout.D, N, layout.W, timings, stage_layers, v=v, parts=parts, gradient_parts=fed_by_gradient)
     startup = dict(resolved.startup) if resolved is not None else {}
     spec = RunSpec(layout, kind, N, v, captured, split, batch, input_signature(example), dict(programs), startup,
                    resolved, family, known, {s: tuple(names) for s, names in stage_layers.items()}, timings,
@@ -125,7 +125,7 @@ def _resolve(plan: Any, single: bool, family: Family | None, target: Target, opt
 
         if isinstance(family, KFACFamily):
             unit_cost = kfac_unit_cost(known, family.cfg)
-        elif all(family.source(part) is Source.GRADIENT for part in family.parts):
+        elif gradient_parts(family) == set(family.parts):
             params = {n: p for st in split.stages for n, p in st.gm.named_parameters()}
             unit_cost = gradient_unit_cost(family, known, params)
         else:

@@ -25,7 +25,7 @@ from torch import Tensor, fx
 
 from fxkfac.passes.layers import KFACLayer
 
-__all__ = ["Source", "RefreshState", "Family"]
+__all__ = ["Source", "RefreshState", "Family", "gradient_parts"]
 
 
 class Source(StrEnum):
@@ -35,11 +35,6 @@ class Source(StrEnum):
     INPUT = "a"
     OUTPUT_GRAD = "e"
     GRADIENT = "g"
-
-    @property
-    def captured(self) -> bool:
-        """True for the sources a stage's forward/backward must tap (per micro-batch, at refresh steps)."""
-        return self is not Source.GRADIENT
 
 
 class RefreshState(ABC):
@@ -179,3 +174,8 @@ class Family(Protocol):
     def half_from_state(self, saved: Any) -> Any:
         """Inverse of `half_to_state` (ValueError when malformed)."""
         ...
+
+
+def gradient_parts(family: Family) -> frozenset[str]:
+    """The parts of `family` fed by the reduced gradient (the others are fed by captures the stages must tap)."""
+    return frozenset(part for part in family.parts if family.source(part) is Source.GRADIENT)

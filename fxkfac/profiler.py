@@ -24,7 +24,7 @@ from fxkfac.passes.layers import KFACLayer
 from fxkfac.passes.split_stages import SplitResult
 from fxkfac.planner.costs import CostTable, LayerCost, PartCost, StageCost
 from fxkfac.planner.ir import OpKind
-from fxkfac.preconditioner import Family, Source
+from fxkfac.preconditioner import Family, gradient_parts
 
 __all__ = ["profile", "time_call", "UnitCost", "kfac_unit_cost", "gradient_unit_cost"]
 
@@ -109,7 +109,7 @@ def gradient_unit_cost(family: Family, units: Mapping[str, Any], params: Mapping
     preconditioning of one unit, timed through the family's own methods on a random gradient of the
     parameter's shape. The statistic is folded until the family decomposes it (a family declines before its
     start step), at most `MAX_WARM_FOLDS` times, so the decomposition is timed as it will run."""
-    if any(family.source(part) is not Source.GRADIENT for part in family.parts):
+    if gradient_parts(family) != set(family.parts):
         raise AssertionError(f"{family.name} has parts fed by captures: time them with their own UnitCost")
 
     def cost(name: str, rows: int) -> LayerCost:

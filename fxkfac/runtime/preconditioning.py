@@ -43,7 +43,7 @@ from fxkfac.errors import CheckpointError, PipelineError
 from fxkfac.kfac.precondition import kl_clip_scale
 from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture
 from fxkfac.planner.ir import LayerTiming, Op, OpKind
-from fxkfac.preconditioner import Family, RefreshState, Source
+from fxkfac.preconditioner import Family, RefreshState, Source, gradient_parts
 from fxkfac.runtime.interpreter import CORE_HANDLERS, Interpreter, StepContext, local_nonfinite
 from fxkfac.runtime.stage import StageRunner
 
@@ -188,7 +188,7 @@ class PreconditionerRuntime:
         self.total = microbatches_total
         self.n = global_batch
         self.states = {name: family.new_state(layer) for name, layer in self.layers.items()}
-        self.gradient_parts = frozenset(p for p in family.parts if family.source(p) is Source.GRADIENT)
+        self.gradient_parts = gradient_parts(family)
         self.refreshes: dict[str, deque[_Refresh]] = {name: deque() for name in self.layers}
         self._by_stage = {s: [self.layers[n] for n in self.layers if self.stage_of[n] == s] for s in groups}
         self._dot = torch.zeros((), dtype=torch.float64)
@@ -286,10 +286,8 @@ class PreconditionerRuntime:
                                                                     runner.param(name), self.n))
                 record = next((r for r in self.refreshes[name] if r.step == ctx.step), None)
                 if record is not None:
-                    record.folded.add(part)
                     record.snapshots[part] = state.snapshot()
-                    if record.folded == set(self.family.parts):
-                        state.refreshes += 1
+                    self._mark_folded(name, part, record)
 
     def sync_curv(self, ctx: StepContext, op: Op) -> None:
         """Sum the refresh's statistic(s) over every copy of the stage, then fold them into the running ones."""
@@ -314,6 +312,10 @@ class PreconditionerRuntime:
             raise PipelineError(f"rank {self.rank}: '{op}' folds {part} of {name} from {record.counts[part]} "
                                 f"micro-batches, expected {self.total}: the plan lacks STATS or SYNC_STATS ops")
         self.family.fold(self.states[name], part, record.sums.pop(part) / record.counts[part])
+        self._mark_folded(name, part, record)
+
+    def _mark_folded(self, name: str, part: str, record: _Refresh) -> None:
+        """`part` of the refresh is folded; the layer's refresh count grows once every part is."""
         record.folded.add(part)
         if record.folded == set(self.family.parts):
             self.states[name].refreshes += 1

@@ -28,7 +28,7 @@ from fxkfac.planner.ir import LayerTiming, Op, Programs, ops_at
 from fxkfac.planner.lowering import ranks_of_stages
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.schedules import ScheduleKind, stages_of_rank
-from fxkfac.preconditioner import Family, RefreshState
+from fxkfac.preconditioner import Family, RefreshState, gradient_parts
 from fxkfac.runtime.interpreter import Interpreter, StepContext
 from fxkfac.runtime.mesh import MeshLayout
 from fxkfac.runtime.p2p import TagSpace, Transport
@@ -172,7 +172,7 @@ class Trainer(Checkpointing):
             raise AssertionError("a preconditioner runtime without a family")
         stage_of = {name: s for s, names in spec.stage_units.items() for name in names}
         local = sorted({s for s, _ in self.runners})
-        if any(spec.family.source(part).captured for part in spec.family.parts):
+        if gradient_parts(spec.family) != set(spec.family.parts):  # some part is fed by captures: tap the stages
             for key, runner in list(self.runners.items()):
                 held = {n: spec.units[n] for n in spec.stage_units[runner.stage]}
                 self.runners[key] = TappedRunner.wrap(runner, held, spec.family, backend)
