@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,19 +10,11 @@ from torch import nn
 
 import fxkfac
 from fxkfac import KFACConfig
+from tests.support.threads import one_thread  # noqa: F401  # autouse: single-threaded like the benchmark
 
 STEPS = 100
 BATCH = 128
 ADAMW_LRS = (1e-2, 3e-2, 1e-1)  # the best of these is the baseline (1e-2 for the MLP, 3e-2 for the CNN)
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Single-threaded like the benchmark, so the runs are deterministic; the global setting is restored."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
