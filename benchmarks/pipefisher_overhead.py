@@ -39,7 +39,7 @@ import os
 import statistics
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -193,6 +193,16 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
     dist.destroy_process_group()
 
 
+def spawn_and_report(worker: Callable[..., None], report: Callable[[dict[str, Any], argparse.Namespace], None],
+                     args: argparse.Namespace) -> None:
+    """Run ``worker(rank, args, port, out_path)`` on D local processes, then `report` the row rank 0 wrote."""
+    port = free_port()
+    out_path = os.path.join(tempfile.mkdtemp(), "row.json")
+    mp.spawn(worker, args=(args, port, out_path), nprocs=D, join=True)
+    with open(out_path) as f:
+        report(json.load(f), args)
+
+
 def _fmt_ranks(values: Mapping[Any, float]) -> str:
     return ", ".join(f"{values[k]:.2f}" for k in sorted(values, key=int))
 
@@ -255,12 +265,7 @@ def main() -> None:
                         help="profiled K-FAC times are planned this much longer (PlanOptions.kfac_margin)")
     parser.add_argument("--save-plan", default=None, help="write (b)'s plan JSON here")
     parser.add_argument("--trace-dir", default=None, help="write each variant's measured Chrome trace here")
-    args = parser.parse_args()
-    port = free_port()
-    out_path = os.path.join(tempfile.mkdtemp(), "row.json")
-    mp.spawn(_worker, args=(args, port, out_path), nprocs=D, join=True)
-    with open(out_path) as f:
-        _report(json.load(f), args)
+    spawn_and_report(_worker, _report, parser.parse_args())
 
 
 if __name__ == "__main__":

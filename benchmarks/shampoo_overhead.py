@@ -30,21 +30,18 @@ import json
 import math
 import os
 import statistics
-import tempfile
 import time
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from pipefisher_overhead import BUSY, D, _block, _fmt_ranks, _gather, _kind_seconds, _model, _planned
+from pipefisher_overhead import BUSY, D, _block, _fmt_ranks, _gather, _kind_seconds, _model, _planned, spawn_and_report
 from preconditioner_convergence import family_config
 
 import fxkfac
 from fxkfac.config import PipelineOptions, PlanOptions
 from fxkfac.data import MaskedLMData, stdlib_corpus
-from fxkfac.launch import free_port
 from fxkfac.models import mlm_loss
 from fxkfac.planner.ir import LayerTiming
 from fxkfac.runtime.timeline import utilization
@@ -183,12 +180,7 @@ def main() -> None:
                         help="steps per variant per round, rounded up to whole refresh periods of the variant")
     parser.add_argument("--warmup-blocks", type=int, default=1)
     parser.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit (s)")
-    args = parser.parse_args()
-    port = free_port()
-    out_path = os.path.join(tempfile.mkdtemp(), "row.json")
-    mp.spawn(_worker, args=(args, port, out_path), nprocs=D, join=True)
-    with open(out_path) as f:
-        _report(json.load(f), args)
+    spawn_and_report(_worker, _report, parser.parse_args())
 
 
 if __name__ == "__main__":
