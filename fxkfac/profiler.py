@@ -128,7 +128,8 @@ def gradient_unit_cost(family: Family, units: Mapping[str, Any], params: Mapping
             for part in family.parts:
                 family.fold(state, part, family.statistic(unit, part, "gradient", p, rows))
             snap = state.snapshot()
-            if all(family.decompose(unit, snap, part) is not None for part in family.parts):
+            halves = {part: family.decompose(unit, snap, part) for part in family.parts}
+            if all(half is not None for half in halves.values()):
                 break
         else:
             log.warning("%s declined to decompose %s after %d folds: its decompositions are timed as declined "
@@ -137,8 +138,7 @@ def gradient_unit_cost(family: Family, units: Mapping[str, Any], params: Mapping
             def decompose(part: str = part) -> object:
                 return family.decompose(unit, snap, part)
             decomp[part] = time_call(decompose, warmup=warmup, repeats=repeats)
-        state.set_pending(family.combine(unit, state, {part: family.decompose(unit, snap, part)
-                                                       for part in family.parts}), 0)
+        state.set_pending(family.combine(unit, state, halves), 0)
         state.activate(0)
         prec = time_call(lambda: family.precondition([unit], {name: grad.clone()}, {name: state}, {name: p}),
                          warmup=warmup, repeats=repeats)
