@@ -7,6 +7,7 @@ rank's runtime. One device (`mesh=None`) takes the same path as a mesh: a 1x1 la
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -25,9 +26,10 @@ from fxkfac.kfac.family import KFACFamily
 from fxkfac.passes.split_stages import SplitResult, split_stages
 from fxkfac.planner.costs import CostTable
 from fxkfac.planner.ir import LayerTiming
-from fxkfac.planner.lowering import naive_programs
+from fxkfac.planner.lowering import naive_programs, ranks_of_stages
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.schedules import ScheduleKind, num_stages
+from fxkfac.planner.strategy import LayerDistribution, distribute
 from fxkfac.preconditioner import Family, gradient_parts
 from fxkfac.runtime.mesh import MeshLayout
 from fxkfac.runtime.trainer import OptimizerFactory, RunSpec, Trainer, default_optimizer, plain_sgd, shard_microbatches
@@ -98,12 +100,15 @@ def compile(  # noqa: A001 - the public name the design card gives
     timings = layer_timings(units, family, {**given, **dict(layer_timing or {})}) if family else {}
     parts = family.parts if family is not None else ()
     fed_by_gradient = gradient_parts(family) if family is not None else frozenset()
+    distributions = ({} if resolved is not None or family is None else
+                     critical_path_distributions(plan_options, family, stage_layers, known, kind, layout, v))
     programs = resolved.programs if resolved is not None else naive_programs(
-        kind, layout.D, N, layout.W, timings, stage_layers, v=v, parts=parts, gradient_parts=fed_by_gradient)
+        kind, layout.D, N, layout.W, timings, stage_layers, v=v, parts=parts, gradient_parts=fed_by_gradient,
+        distributions=distributions)
     startup = dict(resolved.startup) if resolved is not None else {}
     spec = RunSpec(layout, kind, N, v, captured, split, batch, input_signature(example), dict(programs), startup,
                    resolved, family, known, {s: tuple(names) for s, names in stage_layers.items()}, timings,
-                   target.fingerprint)
+                   target.fingerprint, distributions)
     base = optimizer or (plain_sgd if family is not None and family.full_direction else default_optimizer)
     return Trainer(spec, loss_fn=loss_fn, optimizer=base, options=pipeline, backend=backend)
 
@@ -140,6 +145,22 @@ def _resolve(plan: Any, single: bool, family: Family | None, target: Target, opt
 
     return resolve_plan(plan, target, options, rank=layout.rank, world=layout.world_size, profile=profile,
                         stage_layers=stage_layers, layers=known)
+
+
+def critical_path_distributions(options: PlanOptions, family: Family, stage_layers: Mapping[int, list[str]],
+                                units: Mapping[str, Any], kind: ScheduleKind, layout: MeshLayout,
+                                v: int) -> dict[str, LayerDistribution]:
+    """The forced strategy (`PlanOptions.strategy`) on every unit of the critical-path programs, columns dealt
+    by KAISA's greedy on each unit's statistic sizes^1.5 (a square factor's dim^3); COMM-OPT when none is forced."""
+    strategy = options.forced_strategy
+    if strategy is None:
+        return {}
+    if strategy.local_factors and gradient_parts(family):
+        raise ConfigError(f"dp-kfac keeps local factors of captures, but {family.name}'s statistics come from the "
+                          "reduced gradient, the same on every copy; use mem-opt for one owner per unit")
+    costs = {name: sum(math.prod(family.stats_shape(unit, part)) ** 1.5 for part in family.parts)
+             for name, unit in units.items()}
+    return distribute(strategy, stage_layers, ranks_of_stages(kind, layout.D, layout.W, v), costs)
 
 
 def _plan_of(plan: str | Path | Plan) -> Plan:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from fxkfac.errors import ConfigError
+from fxkfac.planner.strategy import Strategy, parse_strategy
 
 __all__ = ["KFACConfig", "PipelineOptions", "PlanOptions", "PROFILE_MARGIN"]
 
@@ -105,8 +106,22 @@ class PlanOptions:
     deterministic: bool = True
     """Plan the same way on any load, so two runs of one command train identically (given the same costs:
     profiled costs still vary); False: a wall-clock budget, which a slower machine spends on less search."""
+    strategy: Strategy | str | None = None
+    """How the copies of a stage share each layer's work (planner/strategy.py): a Strategy or its text
+    (``comm-opt``, ``mem-opt``, ``hybrid:0.5``, ``dp-kfac``) forces it on every layer; None or ``auto``: the
+    planner chooses (`plan=None`: COMM-OPT)."""
 
     def __post_init__(self) -> None:
+        if isinstance(self.strategy, str):
+            text = self.strategy.strip().lower()
+            object.__setattr__(self, "strategy", None if text == "auto" else parse_strategy(text))
+        elif self.strategy is not None and not isinstance(self.strategy, Strategy):
+            raise ConfigError(f"PlanOptions.strategy must be a Strategy, its text or 'auto', got {self.strategy!r}")
+
+    @property
+    def forced_strategy(self) -> Strategy | None:
+        """The strategy every layer must follow, None when the planner chooses."""
+        return self.strategy if isinstance(self.strategy, Strategy) else None
         if self.max_overhead is not None and not self.max_overhead >= 0:
             raise ConfigError(f"PlanOptions.max_overhead must be >= 0, got {self.max_overhead!r}")
         if not self.kfac_margin > 0:

@@ -105,13 +105,13 @@ class Family(Protocol):
     capture: str
     """The capture mode ("fused" | "deferred") when no plan or layer timing sets it (unused by GRADIENT parts)."""
     refresh_phase: int
+    """Refreshes happen at steps t with ``t % refresh_every == refresh_phase`` when no plan sets the timing."""
     max_period: int | None
     """The longest refresh period a plan may give a unit (Shampoo/SOAP: precondition_frequency, which the user
     asks for; K-FAC: None, the planner chooses as PipeFisher does)."""
     full_direction: bool
     """True when `precondition` yields the whole update direction (Shampoo, SOAP: grafting, momentum and weight
     decay included), so the base optimizer must be plain SGD; False when the base optimizer adds its own."""
-    """Refreshes happen at steps t with ``t % refresh_every == refresh_phase`` when no plan sets the timing."""
 
     def units(self, gm: fx.GraphModule, layers: Sequence[KFACLayer]) -> list[Any]:
         """The units this family preconditions in the captured graph `gm` (whose K-FAC layers are `layers`)."""
@@ -165,6 +165,11 @@ class Family(Protocol):
 
     def scale(self, units: Sequence[Any], grads: MutableMapping[str, Tensor], nu: float) -> None:
         """Multiply the units' gradients by the KL-clip factor `nu` in place."""
+        ...
+
+    def params_of(self, unit: Any) -> tuple[str, ...]:
+        """The parameter FQNs whose gradients `precondition` turns into the unit's direction (what a grad worker
+        broadcasts to the copies that do not precondition the unit)."""
         ...
 
     def half_to_state(self, half: Any) -> dict[str, Any] | None:

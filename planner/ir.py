@@ -48,12 +48,13 @@ class OpKind(StrEnum):
     DECOMP = "DECOMP"
     BCAST = "BCAST"
     APPLY = "APPLY"
+    BCAST_PREC = "BCAST_PREC"
     OPT_STEP = "OPT_STEP"
 
 
 SEND_KINDS = frozenset({OpKind.SEND_ACT, OpKind.SEND_GRAD})
 RECV_KINDS = frozenset({OpKind.RECV_ACT, OpKind.RECV_GRAD})
-COLLECTIVE_KINDS = frozenset({OpKind.ALLREDUCE_GRAD, OpKind.SYNC_STATS, OpKind.BCAST})
+COLLECTIVE_KINDS = frozenset({OpKind.ALLREDUCE_GRAD, OpKind.SYNC_STATS, OpKind.BCAST, OpKind.BCAST_PREC})
 
 _SHORT = {OpKind.FWD: "F", OpKind.BWD: "B"}
 _BY_NAME = {**{k.value: k for k in OpKind}, **{v: k for k, v in _SHORT.items()}}
@@ -65,9 +66,10 @@ _FIELD_TOKENS = (
     ("part", re.compile(r"([A-Z])")),
     ("peer", re.compile(r"[<>]r(\d+)")),
     ("root", re.compile(r"@r(\d+)")),
+    ("group", re.compile(r"\{(\d+(?:,\d+)*)\}")),
 )
 
-_STAGE, _MB, _PIPE, _LAYER, _PART, _PEER, _ROOT = "stage", "mb", "pipe", "layer", "part", "peer", "root"
+_STAGE, _MB, _PIPE, _LAYER, _PART, _PEER, _ROOT, _GROUP = "stage", "mb", "pipe", "layer", "part", "peer", "root", "group"
 OP_FIELDS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
     # kind: (required, also allowed)
     OpKind.FWD: (frozenset({_STAGE, _MB}), frozenset({_PIPE})),
@@ -78,14 +80,17 @@ OP_FIELDS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
     OpKind.STATS: (frozenset({_STAGE}), frozenset({_MB, _PIPE, _LAYER, _PART})),
     OpKind.SYNC_STATS: (frozenset({_STAGE}), frozenset({_LAYER, _PART})),
     OpKind.DECOMP: (frozenset({_STAGE}), frozenset({_LAYER, _PART})),
-    OpKind.BCAST: (frozenset({_STAGE, _ROOT}), frozenset({_LAYER, _PART})),
-    OpKind.APPLY: (frozenset({_STAGE}), frozenset({_PIPE})),
+    OpKind.BCAST: (frozenset({_STAGE, _ROOT}), frozenset({_LAYER, _PART, _GROUP})),
+    OpKind.APPLY: (frozenset({_STAGE}), frozenset({_PIPE, _LAYER})),
+    OpKind.BCAST_PREC: (frozenset({_STAGE, _ROOT, _LAYER}), frozenset({_GROUP})),
     OpKind.OPT_STEP: (frozenset(), frozenset()),
 }
 """The fields each kind of op must have and may have. A preconditioner's ops name a `layer` (all layers of the
 stage when absent) and a `part` of it (every part when absent); STATS names a micro-batch for a part fed by a
 capture and none for a part fed by the reduced gradient; `peer` is the other end of a transfer, `root` the
-rank a broadcast comes from."""
+rank a broadcast comes from and `group` the ranks it reaches (every copy of the stage when absent). APPLY
+without a layer preconditions every layer of the stage; BCAST_PREC sends one layer's preconditioned gradient
+from its grad worker to a row of receivers (planner/strategy.py)."""
 _RAW_LAYER = re.compile(r"[A-Za-z0-9_.:/\-\[\]]+")
 
 
@@ -120,6 +125,7 @@ class Op:
     part: str | None = None
     peer: int | None = None
     root: int | None = None
+    group: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, OpKind):
@@ -134,8 +140,11 @@ class Op:
             raise PlanFormatError(f"Op.part must be one capital letter or None, got {self.part!r}")
         if self.layer is not None and (not isinstance(self.layer, str) or not self.layer):
             raise PlanFormatError(f"Op.layer must be a non-empty str or None, got {self.layer!r}")
+        if self.group is not None:
+            object.__setattr__(self, "group", _check_group(self.group, self.root))
         required, allowed = OP_FIELDS[self.kind]
-        present = {name for name in (_STAGE, _MB, _LAYER, _PART, _PEER, _ROOT) if getattr(self, name) is not None}
+        present = {name for name in (_STAGE, _MB, _LAYER, _PART, _PEER, _ROOT, _GROUP)
+                   if getattr(self, name) is not None}
         present |= {_PIPE} if self.pipe else set()
         if not required <= present or not present <= required | allowed:
             raise PlanFormatError(f"{self.kind.value} needs {sorted(required)} and may have {sorted(allowed)}, got "
@@ -155,6 +164,8 @@ class Op:
             parts.append(f"{_peer_prefix(self.kind)}r{self.peer}")
         if self.root is not None:
             parts.append(f"@r{self.root}")
+        if self.group is not None:
+            parts.append("{" + ",".join(map(str, self.group)) + "}")
         if self.layer is not None:
             parts.append(_layer_text(self.layer))
         return " ".join(parts)
@@ -173,13 +184,26 @@ class Op:
             match = pattern.fullmatch(token) if token else None
             if match is None:
                 continue
-            fields[name] = match.group(1) if name == _PART else int(match.group(1))
+            if name == _GROUP:
+                fields[name] = tuple(int(r) for r in match.group(1).split(","))
+            else:
+                fields[name] = match.group(1) if name == _PART else int(match.group(1))
             if name == "peer" and token[0] != _peer_prefix(kind):
                 raise PlanFormatError(f"peer of {kind} must be written {_peer_prefix(kind)}rN in {text!r}")
             rest = tail.strip()
         if rest:
             fields["layer"] = _parse_layer(rest, text)
         return cls(kind, **fields)
+
+
+def _check_group(group: object, root: int | None) -> tuple[int, ...]:
+    """A broadcast's group as ascending distinct ranks that include its root; PlanFormatError otherwise."""
+    ranks = tuple(group) if isinstance(group, (tuple, list)) else ()
+    if (len(ranks) < 2 or not all(isinstance(r, int) and r >= 0 for r in ranks) or list(ranks) != sorted(set(ranks))
+            or (root is not None and root not in ranks)):
+        raise PlanFormatError(f"Op.group must be two or more ascending distinct ranks holding the root {root}, "
+                              f"got {group!r}")
+    return ranks
 
 
 def _parse_layer(rest: str, text: str) -> str:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from fxkfac.planner.ir import LayerTiming, Op, OpKind, Program, Programs
 from fxkfac.planner.schedules import ScheduleKind, num_stages, schedule_programs, stage_rank
+from fxkfac.planner.strategy import COMM_OPT, LayerDistribution, grad_workers, keeps_statistics, receivers
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
@@ -171,61 +172,100 @@ def decomposition_seconds(costs: CostTable) -> dict[Decomposition, float]:
     return {(x.name, p.part): p.decomp for stage in costs.stages for x in stage.layers for p in x.parts}
 
 
+def _deal(names: Sequence[str], parts: Sequence[str], holders: tuple[int, ...],
+          distributions: Mapping[str, LayerDistribution], assignment: Assignment,
+          seconds: Mapping[Decomposition, float] | None) -> dict[Decomposition, int]:
+    """The rank that decomposes each (layer, part) refreshed at one step of one stage: dealt by `assignment` over
+    the grad workers of the layer's column, layers of one column together (COMM-OPT: one column of every holder)."""
+    by_column: dict[tuple[int, ...], list[Decomposition]] = {}
+    for name in names:
+        workers = grad_workers(holders, distributions.get(name, LayerDistribution()))
+        by_column.setdefault(workers, []).extend((name, part) for part in parts)
+    roots: dict[Decomposition, int] = {}
+    for workers, decomps in by_column.items():
+        roots.update(assign_decompositions(decomps, workers, assignment, seconds))
+    return roots
+
+
 def kfac_tail(rank: int, copies: Sequence[tuple[int, int]], step: int, timings: Mapping[str, LayerTiming],
               stage_layers: Mapping[int, Sequence[str]], holders: Mapping[int, tuple[int, ...]],
               parts: Sequence[str] = KFAC_PARTS, gradient_parts: frozenset[str] = frozenset(), *,
               assignment: Assignment = Assignment.ROUND_ROBIN,
-              seconds: Mapping[Decomposition, float] | None = None) -> list[Op]:
+              seconds: Mapping[Decomposition, float] | None = None,
+              distributions: Mapping[str, LayerDistribution] | None = None) -> list[Op]:
     """The preconditioner ops a rank runs between its last ALLREDUCE_GRAD and OPT_STEP at one step of the period.
 
-    Every collective is emitted in (stage, layer, factor) order by every holder, so no two ranks wait
-    on each other; the decompositions a stage refreshes at this step are dealt over its holders by
-    `assignment` (inversion parallelism; `seconds` for LPT, see `assign_decompositions`) and broadcast from
-    there. `copies` are the (stage, pipe) pairs the rank holds; `parts`
-    the preconditioner family's parts of every layer (K-FAC: A and B). The `gradient_parts` among them
-    take their statistic from the reduced gradient: one STATS per layer and part at every step, first
-    (every copy folds the same gradient, so they are never synced).
+    Every collective is emitted in (stage, layer, factor) order by every rank of its group, so no two ranks
+    wait on each other; the decompositions a stage refreshes at this step are dealt over the grad workers of
+    each layer (`distributions`, default COMM-OPT: every holder; see planner/strategy.py) by `assignment`
+    (`seconds` for LPT, see `assign_decompositions`) and broadcast within them. `copies` are the (stage, pipe)
+    pairs the rank holds; `parts` the family's parts of every layer (K-FAC: A and B). The `gradient_parts`
+    among them take their statistic from the reduced gradient: one STATS per layer and part at every step on
+    each grad worker, first. A stage whose layers all follow COMM-OPT is preconditioned by one APPLY on every
+    copy; otherwise each grad worker applies its layers one by one and broadcasts them along its row
+    (BCAST_PREC). DP-KFAC layers fold local statistics on their owner: no SYNC_STATS.
     """
-    stats = [Op(OpKind.STATS, stage=s, part=part, layer=name) for s in sorted({s for s, _ in copies})
-             for name in stage_layers[s] for part in parts if part in gradient_parts]
-    captured = [part for part in parts if part not in gradient_parts]
+    where = dict(distributions or {})
+    stats: list[Op] = []
     syncs: list[Op] = []
     invs: list[Op] = []
     bcasts: list[Op] = []
+    precs: list[Op] = []
+    shares: list[Op] = []
+    captured = [part for part in parts if part not in gradient_parts]
     for s in sorted({s for s, _ in copies}):
         ranks = holders[s]
-        names = refreshing(timings, stage_layers[s], step)
-        roots = assign_decompositions([(name, side) for name in names for side in parts], ranks, assignment,
-                                      seconds)
+        layers = stage_layers[s]
+        per_layer = any(where.get(n, LayerDistribution()).strategy != COMM_OPT for n in layers)
+        workers = {n: grad_workers(ranks, where.get(n, LayerDistribution())) for n in layers}
+        stats += [Op(OpKind.STATS, stage=s, part=part, layer=n) for n in layers if rank in workers[n]
+                  for part in parts if part in gradient_parts]
+        names = refreshing(timings, layers, step)
+        roots = _deal(names, parts, ranks, where, assignment, seconds)
         for name in names:
-            if len(ranks) > 1 and captured:
+            local = where.get(name, LayerDistribution()).strategy.local_factors
+            if len(ranks) > 1 and captured and not local:
                 syncs.extend([Op(OpKind.SYNC_STATS, stage=s, layer=name)] if not gradient_parts else
                              [Op(OpKind.SYNC_STATS, stage=s, part=part, layer=name) for part in captured])
+            group = workers[name]
             for side in parts:
                 root = roots[name, side]
                 if root == rank:
                     invs.append(Op(OpKind.DECOMP, stage=s, part=side, layer=name))
-                if len(ranks) > 1:
-                    bcasts.append(Op(OpKind.BCAST, stage=s, part=side, root=root, layer=name))
-    precs = [Op(OpKind.APPLY, stage=s, pipe=p) for s, p in sorted(set(copies))]
-    return stats + syncs + invs + bcasts + precs
+                if len(group) > 1 and rank in group:
+                    bcasts.append(Op(OpKind.BCAST, stage=s, part=side, root=root, layer=name,
+                                     group=None if group == ranks else group))
+        if not per_layer:
+            precs += [Op(OpKind.APPLY, stage=s, pipe=p) for st, p in sorted(set(copies)) if st == s]
+            continue
+        precs += [Op(OpKind.APPLY, stage=s, layer=n) for n in layers if rank in workers[n]]
+        for name in layers:
+            for root, row in receivers(ranks, where.get(name, LayerDistribution())):
+                if rank in row:
+                    shares.append(Op(OpKind.BCAST_PREC, stage=s, root=root, layer=name,
+                                     group=None if row == ranks else row))
+    return stats + syncs + invs + bcasts + precs + shares
 
 
 def _with_kfac(ops: Sequence[Op], rank: int, step: int, timings: Mapping[str, LayerTiming],
                stage_layers: Mapping[int, Sequence[str]], holders: Mapping[int, tuple[int, ...]],
                parts: Sequence[str], gradient_parts: frozenset[str], assignment: Assignment,
-               seconds: Mapping[Decomposition, float] | None) -> list[Op]:
-    """One step of a rank's plain program with curvature after each BWD and the K-FAC tail before OPT_STEP."""
+               seconds: Mapping[Decomposition, float] | None,
+               distributions: Mapping[str, LayerDistribution]) -> list[Op]:
+    """One step of a rank's plain program with curvature after each BWD (of the layers whose statistics the rank
+    keeps: `keeps_statistics`) and the K-FAC tail before OPT_STEP."""
     copies = sorted({(op.stage, op.pipe) for op in ops if op.kind is OpKind.FWD and op.stage is not None})
     body: list[Op] = []
     for op in ops:
         if op.kind is OpKind.OPT_STEP:
             body.extend(kfac_tail(rank, copies, step, timings, stage_layers, holders, parts, gradient_parts,
-                                  assignment=assignment, seconds=seconds))
+                                  assignment=assignment, seconds=seconds, distributions=distributions))
         body.append(op)
         if op.kind is OpKind.BWD and op.stage is not None:
+            ranks = holders[op.stage]
             body.extend(Op(OpKind.STATS, stage=op.stage, mb=op.mb, pipe=op.pipe, part=side, layer=name)
                         for name in refreshing(timings, stage_layers[op.stage], step)
+                        if keeps_statistics(rank, ranks, distributions.get(name, LayerDistribution()))
                         for side in parts if side not in gradient_parts)
     return body
 
@@ -234,7 +274,8 @@ def naive_programs(kind: ScheduleKind | str, D: int, N: int, W: int, timings: Ma
                    stage_layers: Mapping[int, Sequence[str]], *, v: int = 1,
                    parts: Sequence[str] = KFAC_PARTS, gradient_parts: frozenset[str] = frozenset(),
                    assignment: Assignment = Assignment.ROUND_ROBIN,
-                   seconds: Mapping[Decomposition, float] | None = None) -> Programs:
+                   seconds: Mapping[Decomposition, float] | None = None,
+                   distributions: Mapping[str, LayerDistribution] | None = None) -> Programs:
     """The preconditioner on the critical path: the plain pipeline with curvature right after each BWD of a
     refreshing layer, and gradient statistics, sync, inversion, broadcast and precondition before OPT_STEP.
 
@@ -243,7 +284,8 @@ def naive_programs(kind: ScheduleKind | str, D: int, N: int, W: int, timings: Ma
     plain pipeline (period 1, no K-FAC op). Every refresh finishes within its own step, so these
     programs need no start-up steps. A stage's decompositions at a refresh are dealt over its holders by
     `assignment` (round-robin by default; `Assignment.LPT`, Distributed Shampoo's Alg. 3, by `seconds` per
-    (layer, part): see `assign_decompositions`).
+    (layer, part): see `assign_decompositions`) within each layer's grad workers (`distributions`; absent
+    layers follow COMM-OPT: see planner/strategy.py).
     """
     if assignment is Assignment.LPT and seconds is None:
         raise ValueError("Assignment.LPT deals by cost: pass the seconds of each (layer, part) decomposition")
@@ -253,7 +295,7 @@ def naive_programs(kind: ScheduleKind | str, D: int, N: int, W: int, timings: Ma
     out: Programs = {}
     for rank, ops in rank_programs(kind, D, N, W, v).items():
         out[rank] = [_with_kfac(ops, rank, step, timings, stage_layers, holders, parts, gradient_parts,
-                                assignment, seconds)
+                                assignment, seconds, dict(distributions or {}))
                      if with_prec else list(ops)
                      for step in range(period)]
     return out

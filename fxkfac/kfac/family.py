@@ -132,6 +132,10 @@ class KFACFamily:
         """The KL-clip factor on the layers' gradients."""
         Preconditioner(layers).scale(grads, nu)
 
+    def params_of(self, layer: KFACLayer) -> tuple[str, ...]:
+        """The layer's weight and bias."""
+        return (layer.weight,) if layer.bias is None else (layer.weight, layer.bias)
+
     def half_to_state(self, half: FactorInverse | None) -> dict[str, Any] | None:
         """Method and tensors of one inverted factor."""
         if half is None:

@@ -43,6 +43,7 @@ from fxkfac.errors import CheckpointError, PipelineError
 from fxkfac.kfac.precondition import kl_clip_scale
 from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture
 from fxkfac.planner.ir import LayerTiming, Op, OpKind
+from fxkfac.planner.strategy import LayerDistribution, grad_workers, keeps_statistics
 from fxkfac.preconditioner import Family, RefreshState, Source, gradient_parts
 from fxkfac.runtime.interpreter import CORE_HANDLERS, Interpreter, StepContext, local_nonfinite
 from fxkfac.runtime.stage import StageRunner
@@ -178,7 +179,9 @@ class PreconditionerRuntime:
 
     def __init__(self, family: Family, layers: Mapping[str, Any], stage_of: Mapping[str, int],
                  timings: Mapping[str, LayerTiming], groups: Mapping[int, StageCopies], rank: int,
-                 microbatches_total: int, global_batch: int) -> None:
+                 microbatches_total: int, global_batch: int,
+                 distributions: Mapping[str, LayerDistribution] | None = None,
+                 subgroups: Mapping[tuple[int, ...], Any] | None = None) -> None:
         self.family = family
         self.layers = dict(layers)
         self.stage_of = dict(stage_of)
@@ -189,10 +192,22 @@ class PreconditionerRuntime:
         self.n = global_batch
         self.states = {name: family.new_state(layer) for name, layer in self.layers.items()}
         self.gradient_parts = gradient_parts(family)
+        where = {n: (distributions or {}).get(n, LayerDistribution()) for n in self.layers}
+        self.local = {n for n in self.layers if where[n].strategy.local_factors}
+        """Layers whose owner folds the statistics of its own micro-batches (DP-KFAC)."""
+        self.workers = {n: grad_workers(self.groups[self.stage_of[n]].ranks, where[n]) for n in self.layers}
+        """Each layer's grad workers: the ranks that decompose, hold its preconditioner and apply it."""
+        only_gradient = self.gradient_parts == set(family.parts)
+        self.keeps = {n for n in self.layers if (rank in self.workers[n] if only_gradient else
+                                                 keeps_statistics(rank, self.groups[self.stage_of[n]].ranks, where[n]))}
+        """Layers whose statistics this rank takes (and whose refreshes it opens)."""
+        self.subgroups = dict(subgroups or {})
+        """Process groups of the ranks a BCAST or BCAST_PREC names (`Op.group`)."""
         self.refreshes: dict[str, deque[_Refresh]] = {name: deque() for name in self.layers}
         self._by_stage = {s: [self.layers[n] for n in self.layers if self.stage_of[n] == s] for s in groups}
         self._dot = torch.zeros((), dtype=torch.float64)
-        self._scaled: list[tuple[int, dict[str, Tensor]]] = []
+        self._touched: set[int] = set()
+        """Stages whose gradients this step preconditioned or received (the KL-clip scales them)."""
         self._outbox: dict[tuple[str, str], deque[Any]] = {}
         """Decompositions this rank made for a stage with several copies, waiting for their BCAST."""
         self._at_begin: Any = None
@@ -205,6 +220,7 @@ class PreconditionerRuntime:
         interpreter.register(OpKind.DECOMP, self.inv)
         interpreter.register(OpKind.BCAST, self.bcast_inv)
         interpreter.register(OpKind.APPLY, self.prec)
+        interpreter.register(OpKind.BCAST_PREC, self.bcast_prec)
         interpreter.register(OpKind.OPT_STEP, self.opt_step)
         interpreter.listeners.append(self)
 
@@ -217,11 +233,11 @@ class PreconditionerRuntime:
         is fed by the gradient)."""
         if self.gradient_parts == set(self.family.parts):
             return {}
-        return {n: self.timings[n].capture for n in self._refreshing(step, layer_names)}
+        return {n: self.timings[n].capture for n in self._refreshing(step, layer_names) if n in self.keeps}
 
     def open_refreshes(self, step: int) -> None:
-        """Open a refresh record at `step` for every local layer that refreshes then."""
-        for name in self._refreshing(step, list(self.layers)):
+        """Open a refresh record at `step` for every layer whose statistics this rank takes that refreshes then."""
+        for name in self._refreshing(step, sorted(self.keeps)):
             self.refreshes[name].append(_Refresh(step, counts=dict.fromkeys(self.family.parts, 0)))
 
     # --- handlers -------------------------------------------------------------------------------
@@ -308,9 +324,11 @@ class PreconditionerRuntime:
                 self._fold(name, part, record, op)
 
     def _fold(self, name: str, part: str, record: _Refresh, op: Op) -> None:
-        if record.counts[part] != self.total:
+        copies = len(self.groups[self.stage_of[name]].ranks)
+        expected = self.total // copies if name in self.local else self.total
+        if record.counts[part] != expected:
             raise PipelineError(f"rank {self.rank}: '{op}' folds {part} of {name} from {record.counts[part]} "
-                                f"micro-batches, expected {self.total}: the plan lacks STATS or SYNC_STATS ops")
+                                f"micro-batches, expected {expected}: the plan lacks STATS or SYNC_STATS ops")
         self.family.fold(self.states[name], part, record.sums.pop(part) / record.counts[part])
         self._mark_folded(name, part, record)
 
@@ -319,6 +337,8 @@ class PreconditionerRuntime:
         record.folded.add(part)
         if record.folded == set(self.family.parts):
             self.states[name].refreshes += 1
+            if self.rank not in self.workers[name]:  # folded for the replicas' sake; another rank decomposes
+                self.refreshes[name].remove(record)
 
     def inv(self, ctx: StepContext, op: Op) -> None:
         """Decompose one part (folding it first when the stage has a single copy)."""
@@ -337,16 +357,25 @@ class PreconditionerRuntime:
                 except ValueError as e:
                     raise PipelineError(f"rank {self.rank}: '{op}': {e}") from e
                 record.halves[part] = half
-                if len(self.groups[self.stage_of[name]].ranks) > 1:
+                if len(self.workers[name]) > 1:
                     self._outbox.setdefault((name, part), deque()).append(half)
                 self._maybe_combine(name)
 
+    def _group(self, op: Op, stage: int) -> Any:
+        """The process group a broadcast reaches: the ranks it names, else every copy of the stage."""
+        if op.group is None:
+            return self.groups[stage].group
+        if op.group not in self.subgroups:
+            raise PipelineError(f"rank {self.rank}: '{op}' names ranks {list(op.group)}, for which no process group "
+                                "was made: the program was not part of the plan the trainer was built with")
+        return self.subgroups[op.group]
+
     def bcast_inv(self, ctx: StepContext, op: Op) -> None:
-        """Broadcast one part's decomposition from rank `op.root` to every copy of the stage."""
+        """Broadcast one part's decomposition from rank `op.root` to the layer's other grad workers."""
         if op.root is None:
             raise PipelineError(f"'{op}' needs the root rank (@rN)")
         for name in self._layers_of(op):
-            group, layer = self.groups[self.stage_of[name]], self.layers[name]
+            group, layer = self._group(op, self.stage_of[name]), self.layers[name]
             for part in self._parts_of(op):
                 if op.root == self.rank:
                     outbox = self._outbox.get((name, part))
@@ -356,8 +385,7 @@ class PreconditionerRuntime:
                     flat = self.family.pack(layer, part, outbox.popleft())
                 else:
                     flat = self.family.pack(layer, part, None)
-                if len(group.ranks) > 1:
-                    ctx.transport.broadcast(flat, op.root, group.group, str(op))
+                ctx.transport.broadcast(flat, op.root, group, str(op))
                 if op.root != self.rank:
                     record = self._record(name, op, lambda r, p=part: p not in r.halves)
                     record.halves[part] = self.family.unpack(layer, part, flat)
@@ -372,11 +400,12 @@ class PreconditionerRuntime:
             self.states[name].set_pending(made, record.step + self.timings[name].use_offset)
 
     def prec(self, ctx: StepContext, op: Op) -> None:
-        """Activate due preconditioners and precondition stage `op.stage`'s gradients; add its share of <P, G>."""
+        """Activate due preconditioners and precondition stage `op.stage`'s gradients (of `op.layer` alone when it
+        names one); add their share of <P, G> (each layer's divided by its number of grad workers)."""
         if op.stage is None:
             raise AssertionError("APPLY without a stage")
         runner = ctx.stage_runner(op.stage)
-        layers = self._by_stage.get(op.stage, [])
+        layers = [self.layers[n] for n in self._layers_of(op)]
         for layer in layers:
             late = [r.step for r in self.refreshes[layer.name]
                     if r.step + self.timings[layer.name].use_offset <= ctx.step]
@@ -386,9 +415,25 @@ class PreconditionerRuntime:
             self.states[layer.name].activate(ctx.step)
         params = dict(runner.module.named_parameters())
         grads = {n: p.grad for n, p in params.items() if p.grad is not None}
-        dot = self.family.precondition(layers, grads, self.states, params)
-        self._dot = self._dot + dot / len(self.groups[op.stage].ranks)
-        self._scaled.append((op.stage, grads))
+        copies = len(self.workers[layers[0].name]) if op.layer is not None else len(self.groups[op.stage].ranks)
+        self._dot = self._dot + self.family.precondition(layers, grads, self.states, params) / copies
+        self._touched.add(op.stage)
+
+    def bcast_prec(self, ctx: StepContext, op: Op) -> None:
+        """Broadcast one layer's preconditioned gradient from its grad worker `op.root` along the root's row."""
+        if op.root is None or op.stage is None or op.layer is None:
+            raise AssertionError("BCAST_PREC names its stage, root and layer (planner/ir.py OP_FIELDS)")
+        name = self._layers_of(op)[0]
+        runner = ctx.stage_runner(op.stage)
+        params = [runner.param(p) for p in self.family.params_of(self.layers[name])]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        ctx.transport.broadcast(flat, op.root, self._group(op, op.stage), str(op))
+        if op.root != self.rank:
+            offset = 0
+            for p in params:
+                p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+        self._touched.add(op.stage)
 
     def opt_step(self, ctx: StepContext, op: Op) -> None:
         """One world all-reduce of sum <P, G> (KL-clip over all stages) and the NaN/Inf flag; then the core
@@ -399,10 +444,12 @@ class PreconditionerRuntime:
         kl_clip = self.family.kl_clip
         if kl_clip is not None and not ctx.skipped and ctx.optimizer is not None:
             nu = kl_clip_scale(float(both[0]), float(ctx.optimizer.param_groups[0]["lr"]), kl_clip)
-            for stage, grads in self._scaled:
+            for stage in sorted(self._touched):
+                runner = ctx.stage_runner(stage)
+                grads = {n: p.grad for n, p in runner.module.named_parameters() if p.grad is not None}
                 self.family.scale(self._by_stage[stage], grads, nu)
         self._dot = torch.zeros((), dtype=torch.float64)
-        self._scaled = []
+        self._touched = set()
         CORE_HANDLERS[OpKind.OPT_STEP](ctx, op)
 
     # --- skipped steps and checkpoints ------------------------------------------------------------
@@ -423,7 +470,7 @@ class PreconditionerRuntime:
             if isinstance(runner, TappedRunner):
                 runner.captures = saved
         self._dot = torch.zeros((), dtype=torch.float64)
-        self._scaled = []
+        self._touched = set()
 
     def _copy(self) -> tuple[dict[str, RefreshState], dict[str, deque[_Refresh]], dict[tuple[str, str], deque[Any]]]:
         states = {name: state.snapshot() for name, state in self.states.items()}

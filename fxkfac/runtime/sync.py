@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fxkfac.planner.ir import Programs
 from fxkfac.runtime.p2p import Transport
 from fxkfac.runtime.stage import StageRunner
 
-__all__ = ["GradSync", "holder_sets"]
+__all__ = ["GradSync", "holder_sets", "named_groups"]
 
 Holders = tuple[int, ...]
 
@@ -123,3 +124,16 @@ class GradSync:
             if len(ranks) > 1:
                 transport.broadcast(flat, ranks[0], self.groups[ranks], f"initial weights over {list(ranks)}")
             _scatter(flat, copies, grad=False)
+
+
+def named_groups(programs: Iterable[Programs], rank: int, world: int) -> dict[Holders, dist.ProcessGroup | None]:
+    """The process groups of every rank set an op of `programs` names (`Op.group`: a broadcast within some copies
+    of a stage), made in sorted order by every rank (collective); this rank's own, by ranks."""
+    named = sorted({op.group for ps in programs for program in ps.values() for ops in program for op in ops
+                    if op.group is not None})
+    groups: dict[Holders, dist.ProcessGroup | None] = {}
+    for ranks in named:
+        group = None if len(ranks) == world else dist.new_group(list(ranks))
+        if rank in ranks:
+            groups[ranks] = group
+    return groups

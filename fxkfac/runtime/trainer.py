@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -28,6 +28,7 @@ from fxkfac.planner.ir import LayerTiming, Op, Programs, ops_at
 from fxkfac.planner.lowering import ranks_of_stages
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.schedules import ScheduleKind, stages_of_rank
+from fxkfac.planner.strategy import LayerDistribution
 from fxkfac.preconditioner import Family, RefreshState, gradient_parts
 from fxkfac.runtime.interpreter import Interpreter, StepContext
 from fxkfac.runtime.mesh import MeshLayout
@@ -41,7 +42,7 @@ from fxkfac.runtime.param_state import (
 )
 from fxkfac.runtime.preconditioning import PreconditionerRuntime, StageCopies, TappedRunner
 from fxkfac.runtime.stage import StageRunner
-from fxkfac.runtime.sync import GradSync, holder_sets
+from fxkfac.runtime.sync import GradSync, holder_sets, named_groups
 from fxkfac.runtime.timeline import Recorder, as_timeline, gather_timelines
 from fxkfac.show import chrome_trace
 
@@ -119,6 +120,8 @@ class RunSpec:
     """The names of the units each stage preconditions."""
     timings: Mapping[str, LayerTiming]
     fingerprint: str
+    distributions: Mapping[str, LayerDistribution] = field(default_factory=dict)
+    """Where each unit's work lives across its stage's copies (absent: COMM-OPT; planner/strategy.py)."""
 
 
 class Trainer(Checkpointing):
@@ -178,8 +181,10 @@ class Trainer(Checkpointing):
                 self.runners[key] = TappedRunner.wrap(runner, held, spec.family, backend)
         groups = {s: StageCopies(holders[s], self.sync.group_of(holders[s])) for s in local}
         mine = {n: spec.units[n] for s in local for n in spec.stage_units[s]}
+        subgroups = named_groups([spec.programs, spec.startup], self.layout.rank, self.layout.world_size)
         runtime = PreconditionerRuntime(spec.family, mine, {n: stage_of[n] for n in mine}, self.timings, groups,
-                              self.layout.rank, spec.N * self.layout.W, spec.global_batch)
+                                        self.layout.rank, spec.N * self.layout.W, spec.global_batch,
+                                        spec.distributions, subgroups)
         runtime.install(self.interpreter)
         return runtime
 
@@ -306,10 +311,12 @@ class Trainer(Checkpointing):
         return install
 
     def describe_run(self) -> dict[str, Any]:
-        """What a checkpoint of this run is made for (JSON), compared field by field on load."""
+        """What a checkpoint of this run is made for (JSON): the family, parameters and units its state belongs
+        to, and the layout it was written under (see fxkfac/checkpoint.py, [Note: resharding])."""
         spec, layout = self.spec, self.layout
         programs = {str(r): [[str(op) for op in ops] for ops in p] for r, p in sorted(spec.programs.items())}
         return {"params": {n: list(p.shape) for st in spec.split.stages for n, p in st.gm.named_parameters()},
+                "units": self._unit_shapes(),
                 "timings": {n: [t.period, t.curv_step, t.use_offset, t.capture]
                             for n, t in sorted(self.timings.items())},
                 "plan": None if spec.plan is None else f"{spec.plan.fingerprint}#{digest(spec.plan.to_dict())}",
@@ -317,6 +324,14 @@ class Trainer(Checkpointing):
                 "schedule": spec.kind.value, "microbatches": spec.N, "virtual_stages": spec.v,
                 "global_batch": spec.global_batch, "stages": [list(st.params) for st in spec.split.stages],
                 "graph": spec.fingerprint, "programs": digest(programs)}
+
+    def _unit_shapes(self) -> dict[str, list[list[int]]]:
+        """Each preconditioned unit's statistic shapes by part: what its state is made of, whatever the layout."""
+        family = self.spec.family
+        if family is None:
+            return {}
+        held = sorted({n for names in self.spec.stage_units.values() for n in names})
+        return {n: [list(family.stats_shape(self.spec.units[n], part)) for part in family.parts] for n in held}
 
     def trace(self, path: str | None = None) -> dict | None:
         """Gather every rank's recorded timeline to rank 0 and return (and write) a Chrome trace."""

@@ -127,6 +127,10 @@ class BlockFamily(ABC):
         """Inverse of `pack`."""
         return flat[1:].clone() if float(flat[0]) != 0.0 else None
 
+    def params_of(self, unit: ParamUnit) -> tuple[str, ...]:
+        """The unit's parameter."""
+        return (unit.name,)
+
     def scale(self, units: Sequence[Any], grads: MutableMapping[str, Tensor], nu: float) -> None:
         """Multiply the directions by `nu` (unused: these families have no KL-clip)."""
         for unit in units:

@@ -34,6 +34,9 @@ EXAMPLES = {
     "DECOMP s1 A 0": Op(OpKind.DECOMP, 1, layer="0", part="A"),
     "BCAST s1 A @r3 fc": Op(OpKind.BCAST, 1, layer="fc", part="A", root=3),
     "APPLY s1": Op(OpKind.APPLY, 1),
+    "APPLY s1 fc": Op(OpKind.APPLY, 1, layer="fc"),
+    "BCAST s1 A @r2 {0,2} fc": Op(OpKind.BCAST, 1, layer="fc", part="A", root=2, group=(0, 2)),
+    "BCAST_PREC s0 @r1 {1,3} fc": Op(OpKind.BCAST_PREC, 0, layer="fc", root=1, group=(1, 3)),
     "ALLREDUCE_GRAD s1": Op(OpKind.ALLREDUCE_GRAD, 1),
     "OPT_STEP": Op(OpKind.OPT_STEP),
 }
@@ -54,7 +57,8 @@ def test_ambiguous_layer_names_are_quoted() -> None:
 
 _VALUES = {"stage": st.integers(0, 200), "mb": st.integers(0, 200), "pipe": st.integers(1, 3),
            "layer": st.text(min_size=1, max_size=12), "part": st.sampled_from("ABDLR"),
-           "peer": st.integers(0, 99), "root": st.integers(0, 99)}
+           "peer": st.integers(0, 99), "root": st.integers(0, 99),
+           "group": st.sets(st.integers(0, 99), min_size=2, max_size=5)}
 
 
 @st.composite
@@ -64,6 +68,8 @@ def ops(draw: st.DrawFn) -> Op:
     required, allowed = OP_FIELDS[kind]
     fields = {name: draw(_VALUES[name]) for name in sorted(required)}
     fields.update({name: draw(_VALUES[name]) for name in sorted(allowed) if draw(st.booleans())})
+    if "group" in fields:  # a broadcast's group holds its root
+        fields["group"] = tuple(sorted(fields["group"] | {fields["root"]}))
     return Op(kind, **fields)
 
 

@@ -130,6 +130,10 @@ class DiagonalFamily:
             dot = dot + row_scale(layer, grads, scale)
         return dot
 
+    def params_of(self, layer: KFACLayer) -> tuple[str, ...]:
+        """The layer's weight and bias."""
+        return (layer.weight,) if layer.bias is None else (layer.weight, layer.bias)
+
     def scale(self, layers: Sequence[KFACLayer], grads: MutableMapping[str, Tensor], nu: float) -> None:
         """The KL-clip factor."""
         for layer in layers:

@@ -1,0 +1,91 @@
+"""Distribution strategies on a mesh: KAISA's COMM-OPT, MEM-OPT and HYBRID move where inverses live and who
+preconditions, and change no number (single-device K-FAC given the same layer timings, to 1e-5); DP-KFAC's
+local factors equal single-device K-FAC whose factors come from each layer's owner's shard."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import fxkfac
+from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
+from fxkfac.planner.ir import LayerTiming, OpKind
+from tests.support.distributed import run_distributed
+from tests.support.models import mlp
+
+N, STEPS, BATCH, LR = 2, 5, 16, 0.05
+KFAC = KFACConfig(damping=0.01, kl_clip=0.01)
+TIMINGS = {"0": LayerTiming(2, 0, 1, "fused"), "2": LayerTiming(1, 0, 0, "deferred"),
+           "4": LayerTiming(2, 1, 1, "deferred")}
+"""Layer 0 refreshes at even steps and uses its inverse a step later; layer 2 every step; layer 4 at odd steps."""
+
+
+def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=LR, momentum=0.5)
+
+
+def _batches() -> list[tuple[Tensor, Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(BATCH, 12, generator=g), torch.randn(BATCH, 5, generator=g)) for _ in range(STEPS)]
+
+
+def _compile(mesh: tuple[int, int] | None, strategy: str, microbatches: int = N) -> fxkfac.Trainer:
+    return fxkfac.compile(mlp(seed=1), mesh, None, example_inputs=(_batches()[0][0],), loss_fn=F.mse_loss,
+                          optimizer=_sgd, backend=None, schedule="gpipe", microbatches=microbatches, kfac=KFAC,
+                          layer_timing=TIMINGS, pipeline=PipelineOptions(timeout=60.0),
+                          plan_options=PlanOptions(strategy=strategy))
+
+
+def _train(trainer: fxkfac.Trainer) -> dict[str, Tensor]:
+    for x, y in _batches():
+        trainer.step(x, y)
+    return {n: copy.deepcopy(p.detach()) for n, p in trainer.named_parameters()}
+
+
+def _one_device() -> dict[str, Tensor]:
+    return _train(_compile(None, "comm-opt"))
+
+
+def _worker(rank: int, world: int, cases: list[tuple[int, str]]) -> list[dict]:
+    out = []
+    for D, strategy in cases:
+        trainer = _compile((D, world // D), strategy)
+        ops = {op.kind for step in trainer.spec.programs[rank] for op in step}
+        params = _train(trainer)
+        inverses = sum(state.active is not None for state in trainer.layer_states.values())
+        out.append({"params": params, "ops": ops, "inverses": inverses, "held": len(trainer.layer_states)})
+        dist.barrier()
+    return out
+
+
+STRATEGIES = ("comm-opt", "mem-opt", "hybrid:0.5")
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world", [2, 4])
+def test_kaisa_strategies_equal_one_device_kfac(world: int) -> None:
+    cases = [(D, strategy) for D in (1, 2) for strategy in STRATEGIES]
+    results = run_distributed(_worker, world, cases, timeout=600)
+    assert all(r.ok for r in results), [r.traceback for r in results if not r.ok]
+    want = _one_device()
+    start = dict(mlp(seed=1).named_parameters())
+    assert max(float((want[n] - p.detach()).abs().max()) for n, p in start.items()) > 1e-3
+    for r in results:
+        for (D, strategy), got in zip(cases, r.value):
+            for name, p in got["params"].items():
+                torch.testing.assert_close(p, want[name], rtol=0, atol=1e-5,
+                                           msg=f"D={D} W={world // D} {strategy} rank {r.rank} {name}")
+    by_case = {case: [r.value[i] for r in results] for i, case in enumerate(cases)}
+    for D in (d for d in (1, 2) if world // d > 1):  # strategies differ where a stage has several copies
+        W = world // D
+        comm, mem = by_case[(D, "comm-opt")], by_case[(D, "mem-opt")]
+        assert all(OpKind.BCAST_PREC not in c["ops"] for c in comm)
+        assert all(OpKind.BCAST_PREC in m["ops"] for m in mem)
+        assert all(c["inverses"] == c["held"] for c in comm), "COMM-OPT: every copy holds every inverse"
+        assert sum(m["inverses"] for m in mem) == len(TIMINGS), "MEM-OPT keeps one copy of each layer's inverse"
+        assert sum(m["held"] for m in mem) == W * len(TIMINGS)
