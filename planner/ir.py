@@ -69,7 +69,8 @@ _FIELD_TOKENS = (
     ("group", re.compile(r"\{(\d+(?:,\d+)*)\}")),
 )
 
-_STAGE, _MB, _PIPE, _LAYER, _PART, _PEER, _ROOT, _GROUP = "stage", "mb", "pipe", "layer", "part", "peer", "root", "group"
+_STAGE, _MB, _PIPE, _LAYER, _PART = "stage", "mb", "pipe", "layer", "part"
+_PEER, _ROOT, _GROUP = "peer", "root", "group"
 OP_FIELDS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
     # kind: (required, also allowed)
     OpKind.FWD: (frozenset({_STAGE, _MB}), frozenset({_PIPE})),

@@ -1,14 +1,14 @@
 """Distribution strategies: where a layer's preconditioner work and state live across the copies of its stage.
 
 [Note: strategies] The copies of a stage (its holders: data-parallel replicas, and Chimera's two pipelines)
-share each layer's preconditioner work in one of the ways of seeds 003 and 004
-(../shared/notes/kfac-distributed.md §2):
+share each layer's preconditioner work in one of the ways of DP-KFAC (Zhang et al.) and distributed K-FAC
+(Pauloski et al., the KAISA line; its grad-worker fraction as kfac-pytorch defines it):
 - KAISA's grad-worker fraction f (`StrategyKind.COMM_OPT` f = 1, `MEM_OPT` f = 1/H, `HYBRID` in between):
   every holder folds the stage's all-reduced statistics; with g = f * H grad workers per layer, the H holders
   (in rank order) form KAISA's grid of n = H / g *columns* ``{c, c + n, ...}`` (the grad-worker groups, g
-  ranks each) and g *rows* ``{j n, ..., j n + n - 1}`` (the receiver groups). A layer belongs to one column: its decompositions are
-  made there and broadcast within the column, every member of the column preconditions the layer, and when
-  g < H each member broadcasts the preconditioned gradient along its row. COMM-OPT is one column of every
+  ranks each) and g *rows* ``{j n, ..., j n + n - 1}`` (the receiver groups). A layer belongs to one column:
+  its decompositions are made there and broadcast within the column, every member of the column
+  preconditions the layer, and when g < H each member broadcasts the preconditioned gradient along its row. COMM-OPT is one column of every
   holder (no gradient broadcast), MEM-OPT H columns of one rank (no decomposition broadcast).
 - DP-KFAC (`StrategyKind.DP_KFAC`): one owner per layer keeps *local* factors from its own micro-batches (no
   statistic all-reduce), decomposes them, preconditions the reduced gradient and broadcasts it to every
