@@ -8,8 +8,9 @@ share each layer's preconditioner work in one of the ways of DP-KFAC (Zhang et a
   (in rank order) form KAISA's grid of n = H / g *columns* ``{c, c + n, ...}`` (the grad-worker groups, g
   ranks each) and g *rows* ``{j n, ..., j n + n - 1}`` (the receiver groups). A layer belongs to one column:
   its decompositions are made there and broadcast within the column, every member of the column
-  preconditions the layer, and when g < H each member broadcasts the preconditioned gradient along its row. COMM-OPT is one column of every
-  holder (no gradient broadcast), MEM-OPT H columns of one rank (no decomposition broadcast).
+  preconditions the layer, and when g < H each member broadcasts the preconditioned gradient along its row.
+  COMM-OPT is one column of every holder (no gradient broadcast), MEM-OPT H columns of one rank (no
+  decomposition broadcast).
 - DP-KFAC (`StrategyKind.DP_KFAC`): one owner per layer keeps *local* factors from its own micro-batches (no
   statistic all-reduce), decomposes them, preconditions the reduced gradient and broadcasts it to every
   holder. It is a different algorithm: factors come from 1/H of the batch.
