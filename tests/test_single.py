@@ -12,13 +12,9 @@ from torch import Tensor, nn
 
 import fxkfac
 from fxkfac.config import KFACConfig
-from fxkfac.kfac.factors import running_average
-from fxkfac.kfac.inverse import Inverse, invert
-from fxkfac.kfac.precondition import grad_matrix, kl_clip_scale, precondition, split_grad
-from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.ir import LayerTiming
 from fxkfac.runtime.trainer import Trainer
-from tests.passes.reference import hook_factors
+from tests.support.kfac_reference import KFACReference
 from tests.support.models import cnn, image_batch, mlp, tiny_gpt2, token_batch
 
 LR = 0.05
@@ -37,66 +33,6 @@ def _mse(out: Tensor, targets: Tensor) -> Tensor:
     return F.mse_loss(out, targets)
 
 
-class _Reference:
-    """K-FAC by the book on the eager model: hooks for a / e, fxkfac.kfac for the layer math."""
-
-    def __init__(self, model: nn.Module, layers: Sequence[KFACLayer], cfg: KFACConfig | None,
-                 loss_fn: Callable[[object, Tensor], Tensor], microbatches: int,
-                 timings: dict[str, LayerTiming]) -> None:
-        self.model, self.layers, self.cfg, self.loss_fn = model, list(layers), cfg, loss_fn
-        self.n_mb, self.timings = microbatches, timings
-        self.opt = _sgd([p for p in model.parameters() if p.requires_grad])
-        self.A: dict[str, Tensor | None] = {layer.name: None for layer in layers}
-        self.B: dict[str, Tensor | None] = {layer.name: None for layer in layers}
-        self.queue: dict[str, list[tuple[int, Inverse]]] = {layer.name: [] for layer in layers}
-        self.active: dict[str, Inverse | None] = {layer.name: None for layer in layers}
-
-    def step(self, t: int, x: Tensor, y: Tensor) -> None:
-        n = x.shape[0]
-        refresh = [layer for layer in self.layers
-                   if t % self.timings[layer.name].period == self.timings[layer.name].curv_step]
-        sums: dict[str, list[Tensor]] = {}
-        for xm, ym in zip(x.chunk(self.n_mb), y.chunk(self.n_mb)):
-            run = lambda xm=xm, ym=ym: self.loss_fn(self.model(xm), ym) / self.n_mb  # noqa: E731
-            if refresh:
-                for name, (a_m, b_m) in hook_factors(self.model, refresh, run, n, torch.float32).items():
-                    sums.setdefault(name, []).extend([a_m, b_m])
-            else:
-                run().backward()
-        if self.cfg is not None:
-            self._kfac(t, refresh, sums)
-        self.opt.step()
-        self.opt.zero_grad()
-
-    def _kfac(self, t: int, refresh: list[KFACLayer], sums: dict[str, list[Tensor]]) -> None:
-        cfg = self.cfg
-        for layer in refresh:
-            fs = sums[layer.name]
-            a_new, b_new = sum(fs[0::2]) / self.n_mb, sum(fs[1::2]) / self.n_mb
-            self.A[layer.name] = running_average(self.A[layer.name], a_new, cfg.factor_decay)
-            self.B[layer.name] = running_average(self.B[layer.name], b_new, cfg.factor_decay)
-            inv = invert(self.A[layer.name], self.B[layer.name], damping=cfg.damping, method=cfg.inverse)
-            self.queue[layer.name].append((t + self.timings[layer.name].use_offset, inv))
-        for name, q in self.queue.items():
-            while q and q[0][0] <= t:
-                self.active[name] = q.pop(0)[1]
-        params = dict(self.model.named_parameters())
-        results, dot = [], 0.0
-        for layer in self.layers:
-            w = params[layer.weight]
-            wg = w.grad.t() if layer.weight_transposed else w.grad
-            G = grad_matrix(layer, wg, params[layer.bias].grad if layer.bias else None)
-            P = precondition(G, self.active[layer.name])
-            dot += float((P.double() * G.double()).sum())
-            results.append((layer, P))
-        nu = kl_clip_scale(dot, LR, cfg.kl_clip)
-        for layer, P in results:
-            w_new, b_new = split_grad(layer, P * nu)
-            params[layer.weight].grad = (w_new.t() if layer.weight_transposed else w_new).contiguous()
-            if layer.bias:
-                params[layer.bias].grad = b_new
-
-
 def _compare(make: Callable[[], nn.Module], batches: list[tuple[Tensor, Tensor]], loss_fn, *,
              cfg: KFACConfig | None, microbatches: int = 1, backend: str | None = None,
              layer_timing: dict[str, LayerTiming] | None = None, rtol: float = 1e-4) -> Trainer:
@@ -106,7 +42,7 @@ def _compare(make: Callable[[], nn.Module], batches: list[tuple[Tensor, Tensor]]
     trainer = fxkfac.compile(model, None, example_inputs=(batches[0][0],), loss_fn=loss_fn, optimizer=_sgd,
                              kfac=cfg, microbatches=microbatches, backend=backend, layer_timing=layer_timing)
     timings = dict(trainer.timings)
-    ref = _Reference(ref_model, trainer.units, cfg, loss_fn, microbatches, timings)
+    ref = KFACReference(ref_model, trainer.units, cfg, loss_fn, microbatches, timings, _sgd)
     for t, (x, y) in enumerate(batches):
         loss = trainer.step(x, y)
         with torch.no_grad():

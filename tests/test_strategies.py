@@ -15,7 +15,10 @@ from torch import Tensor, nn
 import fxkfac
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.planner.ir import LayerTiming, OpKind
+from fxkfac.planner.lowering import ranks_of_stages
+from fxkfac.planner.strategy import grad_workers
 from tests.support.distributed import run_distributed
+from tests.support.kfac_reference import KFACReference
 from tests.support.models import mlp
 
 N, STEPS, BATCH, LR = 2, 5, 16, 0.05
@@ -89,3 +92,42 @@ def test_kaisa_strategies_equal_one_device_kfac(world: int) -> None:
         assert all(c["inverses"] == c["held"] for c in comm), "COMM-OPT: every copy holds every inverse"
         assert sum(m["inverses"] for m in mem) == len(TIMINGS), "MEM-OPT keeps one copy of each layer's inverse"
         assert sum(m["held"] for m in mem) == W * len(TIMINGS)
+
+
+def _dp_kfac_worker(rank: int, world: int, meshes: list[tuple[int, int]]) -> list[dict]:
+    out = []
+    for D, W in meshes:
+        trainer = _compile((D, W), "dp-kfac")
+        holders = ranks_of_stages(trainer.spec.kind, D, W)
+        stage_of = {n: s for s, names in trainer.spec.stage_units.items() for n in names}
+        owners = {n: grad_workers(holders[stage_of[n]], trainer.spec.distributions[n])[0] for n in TIMINGS}
+        syncs = sum(op.kind is OpKind.SYNC_STATS for step in trainer.spec.programs[rank] for op in step)
+        out.append({"params": _train(trainer), "owners": owners, "syncs": syncs,
+                    "factors": sorted(n for n, s in trainer.layer_states.items() if s.A is not None)})
+        dist.barrier()
+    return out
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("world", [2, 4])
+def test_dp_kfac_equals_one_device_kfac_with_each_layers_factors_from_its_owners_shard(world: int) -> None:
+    meshes = [(D, world // D) for D in (1, 2) if world // D > 1]
+    results = run_distributed(_dp_kfac_worker, world, meshes, timeout=600)
+    assert all(r.ok for r in results), [r.traceback for r in results if not r.ok]
+    for i, (D, W) in enumerate(meshes):
+        owners = results[0].value[i]["owners"]
+        assert len({owners[n] % W for n in TIMINGS}) > 1, "every layer on one replica: the test would not see DP-KFAC"
+        model = mlp(seed=1)
+        trainer = _compile(None, "comm-opt", microbatches=N * W)
+        shard = {n: range((owners[n] % W) * N, (owners[n] % W + 1) * N) for n in TIMINGS}  # owner's micro-batches
+        ref = KFACReference(model, trainer.units, KFAC, F.mse_loss, N * W, TIMINGS, _sgd, shard)
+        for t, (x, y) in enumerate(_batches()):
+            ref.step(t, x, y)
+        want = dict(model.named_parameters())
+        for r in results:
+            got = r.value[i]
+            assert got["syncs"] == 0, "DP-KFAC's factors stay local: no statistic all-reduce"
+            assert all(owners[n] == r.rank for n in got["factors"]), "only a layer's owner keeps its factors"
+            for name, p in got["params"].items():
+                torch.testing.assert_close(p, want[name].detach(), rtol=0, atol=1e-5,
+                                           msg=f"D={D} W={W} dp-kfac rank {r.rank} {name}")
