@@ -344,4 +344,4 @@ def analytic_cost_table(
             )
         )
     source = f"analytic:{spec.name}:seq{seq}:{precision}:{inverse}"
-    return CostTable(tuple(out), micro_batch_size, source, hw.name)
+    return CostTable(tuple(out), micro_batch_size, source, hw.name, hw.comm)

@@ -1,4 +1,5 @@
-"""Cost tables: what each stage and K-FAC layer costs in seconds and bytes (+ JSON, + PipeFisher CSV).
+"""Cost tables: what each stage and K-FAC layer costs in seconds and bytes (+ JSON, + PipeFisher CSV), and what
+communication costs between the devices (`CostTable.comm`, planner/comm.py).
 
 The PipeFisher paper's measured profiles ship in planner/data/pipefisher_profiles/ and are named
 without a path as `paper:<model>/<hardware>` (`paper_profile_names()`) wherever a profile CSV is taken.
@@ -16,8 +17,11 @@ from importlib.resources import files
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
+from fxkfac.planner.comm import Collective, CommModel
+from fxkfac.planner.comm import seconds as comm_seconds
 from fxkfac.planner.errors import CostModelError
-from fxkfac.planner.ir import OpKind
+from fxkfac.planner.hardware import HARDWARE
+from fxkfac.planner.ir import Op, OpKind
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -25,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PartCost",
     "SCHEMA_VERSION",
+    "COUNT_BYTES",
     "LayerCost",
     "StageCost",
     "CostTable",
@@ -53,6 +58,10 @@ _PROFILE_OPTIONS = ("blocks_per_stage", "micro_batch_size")
 
 _MS = 1e-3
 _MIB = 1 << 20
+
+COUNT_BYTES = 4
+"""Bytes of the micro-batch count a SYNC_STATS all-reduces with each statistic (one element of the fp32
+statistics; the runtime appends it to the flattened sum)."""
 
 
 def _check_number(owner: str, field: str, value: Any, *, integer: bool) -> None:
@@ -213,8 +222,12 @@ class CostTable:
     source: str
     """How the numbers were made, e.g. "pipefisher-csv:bert-base_time_memory_p100.csv"."""
     hardware: str
+    comm: CommModel | None = None
+    """What collectives cost between the devices (planner/comm.py); None: nothing (tables from before it)."""
 
     def __post_init__(self) -> None:
+        if self.comm is not None and not isinstance(self.comm, CommModel):
+            raise CostModelError(f"CostTable.comm must be a CommModel or None, got {type(self.comm).__name__}")
         if not isinstance(self.stages, tuple) or not self.stages:
             raise CostModelError("CostTable.stages must be a non-empty tuple of StageCost")
         if not all(isinstance(s, StageCost) for s in self.stages):
@@ -243,9 +256,33 @@ class CostTable:
                 return i
         raise CostModelError(f"no layer {layer!r} in the cost table; known: {list(self.layer_names)}")
 
+    def collective_seconds(self, op: Op, group_size: int) -> float:
+        """Seconds of collective `op` over `group_size` ranks under `comm`, summed over the collectives the runtime
+        makes of it, rounded up to a whole microsecond (so a table of whole microseconds keeps an exact time
+        grid, [Note: time grid] in planner/window.py): ALLREDUCE_GRAD all-reduces the stage's gradients
+        (`param_bytes`), SYNC_STATS each named part's statistic with its count (`state_bytes` + `COUNT_BYTES`),
+        BCAST broadcasts each named part's decomposition (as large as its statistic, `state_bytes`)."""
+        if op.stage is None:
+            raise CostModelError(f"{op} names no stage: its bytes are unknown")
+        stage = self.stages[op.stage]
+        if op.kind is OpKind.ALLREDUCE_GRAD:
+            messages = [(Collective.ALL_REDUCE, stage.param_bytes)]
+        elif op.kind in (OpKind.SYNC_STATS, OpKind.BCAST):
+            sync = op.kind is OpKind.SYNC_STATS
+            kind = Collective.ALL_REDUCE if sync else Collective.BROADCAST
+            messages = [(kind, p.state_bytes + (COUNT_BYTES if sync else 0))
+                        for x in stage.layers if op.layer in (None, x.name)
+                        for p in x.parts if op.part in (None, p.part)]
+        else:
+            raise CostModelError(f"{op} is not a collective the cost table prices")
+        total = sum(comm_seconds(self.comm, kind, n, group_size) for kind, n in messages)
+        return math.ceil(total * 1e6 - 1e-6) / 1e6
+
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able form with the schema version."""
+        """Plain JSON-able form with the schema version (no "comm" key without a communication model)."""
         body = asdict(self)
+        if self.comm is None:
+            del body["comm"]
         return {"schema_version": SCHEMA_VERSION, **body}
 
     def to_json(self, *, indent: int | None = 1) -> str:
@@ -265,7 +302,8 @@ class CostTable:
             )
         try:
             stages = tuple(_stage_from_dict(s) for s in data["stages"])
-            return cls(stages, data["micro_batch_size"], data["source"], data["hardware"])
+            comm = CommModel.from_dict(data["comm"]) if data.get("comm") is not None else None
+            return cls(stages, data["micro_batch_size"], data["source"], data["hardware"], comm)
         except KeyError as e:
             raise CostModelError(f"cost table is missing the key {e.args[0]!r}") from e
         except TypeError as e:
@@ -505,7 +543,13 @@ def cost_table_from_pipefisher_csv(
         )
         first += k
     hw = hardware if hardware is not None else _hardware_from_name(PurePath(file_name).stem)
-    return CostTable(tuple(stages), micro_batch_size, f"pipefisher-csv:{file_name}", hw)
+    return CostTable(tuple(stages), micro_batch_size, f"pipefisher-csv:{file_name}", hw, _comm_of(hw))
+
+
+def _comm_of(hardware: str) -> CommModel | None:
+    """The analytic comm model of a known hardware preset (planner/hardware.py); None for others (rtx3090)."""
+    spec = HARDWARE.get(hardware.lower())
+    return spec.comm if spec is not None else None
 
 
 def _hardware_from_name(stem: str) -> str:

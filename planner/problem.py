@@ -34,6 +34,7 @@ __all__ = [
     "stretch_allowance",
     "format_bytes",
     "gradient_stats",
+    "gradient_allreduce_seconds",
 ]
 
 _FIXED_KINDS = frozenset({OpKind.FWD, OpKind.BWD})
@@ -199,10 +200,16 @@ def reference_programs(problem: Problem) -> dict[int, list[Op]]:
     return out
 
 
+def gradient_allreduce_seconds(problem: Problem, stage: int) -> float:
+    """Seconds of ALLREDUCE_GRAD(stage): the stage's gradients all-reduced over its copies (`CostTable.comm`)."""
+    return problem.costs.collective_seconds(Op(OpKind.ALLREDUCE_GRAD, stage), len(copies_of_stage(problem, stage)))
+
+
 def _duration(problem: Problem, fused: frozenset[str]) -> Callable[[int, Op], float]:
-    """Op durations in seconds: F/B from the costs (plus fused curvature), gradient statistics, APPLY, nothing
-    else."""
+    """Op durations in seconds: F/B from the costs (plus fused curvature), the gradient all-reduce (the comm
+    model), gradient statistics, APPLY; nothing else (transfers and OPT_STEP take no time)."""
     stages = problem.costs.stages
+    allreduce = [gradient_allreduce_seconds(problem, s) for s in range(len(stages))]
     stats = {(op.layer, op.part): secs for s, stage in enumerate(stages) for op, secs in gradient_stats(stage, s)}
 
     def fused_curv(stage: StageCost, after: OpKind) -> float:
@@ -221,6 +228,8 @@ def _duration(problem: Problem, fused: frozenset[str]) -> Callable[[int, Op], fl
             return prec[op.stage]  # type: ignore[index]  # a APPLY names its stage
         if op.kind is OpKind.STATS:
             return stats[op.layer, op.part]
+        if op.kind is OpKind.ALLREDUCE_GRAD and op.stage is not None:
+            return allreduce[op.stage]
         return 0.0
 
     return duration

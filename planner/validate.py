@@ -1,7 +1,8 @@
 """Checks a plan against its problem, independently of the solvers: every constraint, in seconds.
 
 It recomputes what the plan must contain from the problem alone (the simulated step timelines, the
-cost table) and shares no code with planner.window, greedy or cpsat. Times may be off by the plan's
+cost table, whose comm model prices the collectives: the gradient all-reduce, SYNC_STATS and BCAST) and
+shares no code with planner.window, greedy or cpsat. Times may be off by the plan's
 `metrics.time_quantum` (the planner's time grid, see [Note: time grid] in planner/window.py). Every
 step is followed by `metrics.stretch` idle seconds ([Note: stretch]); the step time, stretch included,
 must stay within the problem's max_overhead. A part fed by the reduced gradient (`PartCost.after`
@@ -138,9 +139,15 @@ def _duration(c: _Ctx, op: Op) -> float:
     if op.kind is OpKind.APPLY:
         return stage.prec
     if op.kind in (OpKind.SYNC_STATS, OpKind.BCAST):
-        return 0.0
+        return _collective(c, op)
     part = c.problem.costs.layer(op.layer).part(op.part)  # type: ignore[arg-type]  # STATS and DECOMP name both
     return part.stats if op.kind is OpKind.STATS else part.decomp
+
+
+def _collective(c: _Ctx, op: Op) -> float:
+    """Seconds of a collective (ALLREDUCE_GRAD, SYNC_STATS, BCAST) over every copy of its stage, by the cost
+    table's comm model."""
+    return c.problem.costs.collective_seconds(op, len(copies_of_stage(c.problem, op.stage)))  # type: ignore[arg-type]  # a collective of the schedules and plans names its stage
 
 
 def _check_placed_once(c: _Ctx) -> None:
@@ -166,10 +173,12 @@ def _check_placed_once(c: _Ctx) -> None:
 
 
 def _fixed_intervals(c: _Ctx, device: int, k: int) -> list[tuple[float, float, str]]:
+    """The device's F/B and gradient all-reduces over a window of k steps: nothing else may run then."""
     out = []
     for j in range(k):
-        for op, a, b in c.timeline(j, k).fixed(device):
-            out.append((c.base(j, k) + a, c.base(j, k) + b, f"{op} (step {j})"))
+        for op, a, b in c.timeline(j, k).ops[device]:
+            if op.kind in (OpKind.FWD, OpKind.BWD) or (op.kind is OpKind.ALLREDUCE_GRAD and b > a):
+                out.append((c.base(j, k) + a, c.base(j, k) + b, f"{op} (step {j})"))
     return out
 
 
@@ -447,6 +456,8 @@ def _check_runs(c: _Ctx) -> None:
             return stages[op.stage].fwd  # type: ignore[index]  # a FWD names its stage
         if op.kind is OpKind.BWD:
             return stages[op.stage].bwd  # type: ignore[index]  # a BWD names its stage
+        if op.kind is OpKind.ALLREDUCE_GRAD:
+            return _collective(c, op)
         return _duration(c, op) if op.kind in _KFAC else 0.0
 
     periods = [len(p) for p in c.plan.programs.values()]

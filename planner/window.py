@@ -4,9 +4,10 @@
 whole number of 10^-e seconds (e <= 6, at most 10^7 ticks per step) the grid is exact; otherwise a
 step is `SolverConfig.time_resolution` ticks, fixed times round to the nearest tick and task
 durations round up, so a plan is off by at most one tick (`Window.tick` seconds) anywhere; the
-validator allows that much. Zero-duration collectives (SYNC_STATS, BCAST: the cost table has no
-communication times) take one tick on every member, so they never fall inside another op, and the
-gradient all-reduce point blocks the tick before it for the same reason.
+validator allows that much. The collectives SYNC_STATS and BCAST last what the cost table's comm model
+(`CostTable.collective_seconds`, planner/comm.py) says, and at least one tick on every member, so that even a
+free one (no comm model, or a group of one) never falls inside another op; the gradient all-reduce's
+interval of the step timeline, and at least the tick before its end, is blocked for the same reason.
 
 [Note: stretch] With `Problem.max_overhead > 0` the planner may append `Window.stretch` idle ticks to
 the end of every step of the window, on every device: the runtime ends each step with a global loss
@@ -286,6 +287,10 @@ def grid_scale(problem: Problem, stages: Iterable[int], fused: frozenset[str], r
     layers = [x for s in stages for x in problem.costs.stages[s].layers]
     durations = [t for x in layers for p in x.parts for t in (p.stats, p.decomp)]
     durations += [problem.costs.stages[s].prec for s in stages]
+    durations += [problem.costs.collective_seconds(op, len(copies_of_stage(problem, s))) for s in stages
+                  for x in problem.costs.stages[s].layers for p in x.parts
+                  for op in (Op(OpKind.SYNC_STATS, s, layer=x.name, part=p.part),
+                             Op(OpKind.BCAST, s, layer=x.name, part=p.part, root=0))]
     times = [t for st in (refresh, normal) for items in st.ops.values() for _, a, b in items for t in (a, b)]
     return _scale(times + durations, normal.length, resolution)
 
@@ -314,9 +319,10 @@ def build_window(problem: Problem, group: StageGroup, k: int, fused: frozenset[s
             off = offsets[j]
             for _op, a, b in st.fixed(d):
                 busy += wrap(off + grid.at(a), off + grid.at(b), length)
-            for s in stages_on_device(problem, d):
-                point = off + grid.at(st.allreduce_end[d, s])
-                busy += wrap(point - 1, point, length) if point >= 1 else []
+            for op, a, b in st.ops[d]:
+                if op.kind is OpKind.ALLREDUCE_GRAD:  # its interval, and at least the tick before it ends
+                    end = off + grid.at(b)
+                    busy += wrap(min(off + grid.at(a), end - 1), end, length) if end >= 1 else []
             busy += wrap(off, off + 1, length)  # no task spans a step boundary ([Note: step barrier])
             for a, b, nbytes in activation_intervals(problem, d, st):
                 pieces += [(s, e, nbytes) for s, e in wrap(off + grid.at(a), off + grid.at(b), length)]
@@ -386,33 +392,38 @@ def _tasks(problem: Problem, group: StageGroup, refresh: StepTimeline, fused: fr
             for p in x.parts:
                 if p.after is OpKind.ALLREDUCE_GRAD:
                     ready = min(slot.release + slot.ticks for slot in precs if (slot.stage, slot.step) == (s, 0))
-                    tasks += _refresh_tasks(s, x.name, p.part, p.decomp, copies, ready, True, grid)
+                    tasks += _refresh_tasks(problem, s, x.name, p.part, p.decomp, ready, True, grid)
                     continue
                 ready = 0
                 if x.name in fused:
                     ready = max(grid.up(e) for d in copies for op, _, e in refresh.fixed(d)
                                 if op.stage == s and op.kind is p.after)
-                tasks += _refresh_tasks(s, x.name, p.part, p.decomp, copies, ready, False, grid)
+                tasks += _refresh_tasks(problem, s, x.name, p.part, p.decomp, ready, False, grid)
     return tuple(tasks)
 
 
-def _refresh_tasks(stage: int, layer: str, side: str, decomp: float, copies: tuple[int, ...], ready: int,
-                   gradient: bool, grid: _Grid) -> list[Task]:
+def _refresh_tasks(problem: Problem, stage: int, layer: str, side: str, decomp: float, ready: int, gradient: bool,
+                   grid: _Grid) -> list[Task]:
     """A part's refresh after its statistics: SYNC over the stage's copies (a captured part held more than once),
-    DECOMP on one copy, BCAST to the others; `ready`: the earliest tick the statistic is complete anywhere;
-    `gradient`: the part is fed by the reduced gradient ([Note: gradient parts])."""
+    DECOMP on one copy, BCAST to the others, the collectives priced by the cost table's comm model (at least one
+    tick, [Note: time grid]); `ready`: the earliest tick the statistic is complete anywhere; `gradient`: the part
+    is fed by the reduced gradient ([Note: gradient parts])."""
+    copies = copies_of_stage(problem, stage)
     key = ((layer, side),)
     tasks = []
     if len(copies) > 1 and not gradient:
-        tasks.append(Task(f"sync_{side}_{layer}", TaskKind.SYNC, stage, side,
-                          (Op(OpKind.SYNC_STATS, stage, layer=layer, part=side),), (0.0,), 1, copies, ready, key))
+        op = Op(OpKind.SYNC_STATS, stage, layer=layer, part=side)
+        secs = problem.costs.collective_seconds(op, len(copies))
+        tasks.append(Task(f"sync_{side}_{layer}", TaskKind.SYNC, stage, side, (op,), (secs,), grid.span(secs), copies,
+                          ready, key))
     tasks.append(Task(f"inv_{side}_{layer}", TaskKind.INV, stage, side,
                       (Op(OpKind.DECOMP, stage, layer=layer, part=side),), (decomp,), grid.span(decomp), copies, ready,
                       key, after_slot=gradient))
     if len(copies) > 1:
-        tasks.append(Task(f"bcast_{side}_{layer}", TaskKind.BCAST, stage, side,
-                          (Op(OpKind.BCAST, stage, layer=layer, part=side, root=copies[0]),), (0.0,), 1, copies, 0,
-                          key))
+        op = Op(OpKind.BCAST, stage, layer=layer, part=side, root=copies[0])
+        secs = problem.costs.collective_seconds(op, len(copies))
+        tasks.append(Task(f"bcast_{side}_{layer}", TaskKind.BCAST, stage, side, (op,), (secs,), grid.span(secs), copies,
+                          0, key))
     return tasks
 
 
