@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -123,6 +124,10 @@ def _resolve(plan: Any, single: bool, family: Family | None, target: Target, opt
         return None
     if single or not known:
         return None
+    from fxkfac.comm_profile import measure_comm
+
+    profiles = isinstance(plan, str) and plan == "auto" and options.costs is None
+    comm = measure_comm() if profiles else None  # collective: every rank, before rank 0 profiles the stages alone
 
     def profile() -> CostTable:
         from fxkfac.profiler import gradient_unit_cost, kfac_unit_cost
@@ -141,7 +146,7 @@ def _resolve(plan: Any, single: bool, family: Family | None, target: Target, opt
         for st in split.stages:  # profiling ran backward on the parameters the runners will train
             for p in st.gm.parameters():
                 p.grad = None
-        return costs
+        return replace(costs, comm=comm)
 
     return resolve_plan(plan, target, options, rank=layout.rank, world=layout.world_size, profile=profile,
                         stage_layers=stage_layers, layers=known)
