@@ -332,6 +332,38 @@ def _explain(args: argparse.Namespace, costs: CostTable, simulated: float, conso
     console.print(pipe_gap(evaluate(model.T_pipe, values), slowest, simulated, WORDS[kind_of(costs)]), markup=False)
 
 
+def _explain_comm(problem: Problem, console: Console) -> None:
+    """The cost table's comm model, and what each stage's collectives cost: the gradient all-reduce at every
+    step, SYNC_STATS and BCAST at every refresh."""
+    from fxkfac.planner.comm import describe
+    from fxkfac.planner.problem import stage_comm
+
+    for line in describe(problem.costs.comm):
+        console.print(line, markup=False, highlight=False)
+    console.print("Collectives per stage (over its copies):", markup=False)
+    for s in range(problem.num_stages):
+        c = stage_comm(problem, s)
+        console.print(f"  s{s}: {c.group} ranks, gradient all-reduce {c.allreduce * 1e3:.3f} ms per step, "
+                      f"SYNC_STATS + BCAST {(c.sync + c.bcast) * 1e3:.3f} ms per refresh", markup=False,
+                      highlight=False)
+
+
+def _explain_plan_comm(plan: Plan, console: Console) -> None:
+    """The plan's collective seconds per step: each stage's all-reduce plus its refresh collectives over its
+    refresh period."""
+    from fxkfac.planner.problem import stage_comm
+
+    problem = plan.problem
+    per_stage = []
+    for s in range(problem.num_stages):
+        layers = problem.costs.stages[s].layers
+        period = plan.layers[layers[0].name].period if layers else 1
+        per_stage.append(stage_comm(problem, s).per_step(period))
+    shown = "  ".join(f"s{s} {t * 1e3:.3f}" for s, t in enumerate(per_stage))
+    console.print(f"Collectives of the plan per step (ms, at each stage's refresh period): {shown}; "
+                  f"{sum(per_stage) * 1e3:.3f} in all", markup=False, highlight=False)
+
+
 def problem_of(args: argparse.Namespace, costs: CostTable) -> Problem:
     """The planning problem the command line describes (the budget: `memory_budget`)."""
     period = {} if args.precondition_frequency is None else {"max_period": args.precondition_frequency}
@@ -412,15 +444,21 @@ def _solved(args: argparse.Namespace, S: int, console: Console) -> Plan:
         if args.explain:
             _explain(args, choice.plan.problem.costs, plain_step_time(choice.plan.problem), console)
             _explain_choice(choice, console)
+            _explain_comm(choice.plan.problem, console)
+            _explain_plan_comm(choice.plan, console)
         return choice.plan
     costs = cost_table(args, S)
     problem = problem_of(args, costs)
     if args.explain:
         _explain(args, costs, plain_step_time(problem), console)
+        _explain_comm(problem, console)
     try:
-        return solve(problem, config, method=args.method)
+        plan = solve(problem, config, method=args.method)
     except PlanError as e:
         raise _refused(e, memory_budget(args, costs.hardware)) from None
+    if args.explain:
+        _explain_plan_comm(plan, console)
+    return plan
 
 
 def run_plan(args: argparse.Namespace, console: Console) -> int:

@@ -33,7 +33,7 @@ from typing import Any
 from fxkfac.planner.errors import CostModelError
 
 __all__ = ["Collective", "AlphaBeta", "LinkCosts", "CommModel", "latency_steps", "wire_bytes", "seconds", "ZERO",
-           "Sample", "fit_alpha_beta"]
+           "Sample", "fit_alpha_beta", "describe"]
 
 
 class Collective(StrEnum):
@@ -246,3 +246,25 @@ def _unconstrained(rows: Sequence[tuple[float, float, float]]) -> tuple[float, f
         return None
     return (syy * sxt - sxy * syt) / det, (sxx * syt - sxy * sxt) / det
 
+
+
+def describe(model: CommModel | None) -> list[str]:
+    """The model in words, one line per link and kind (alpha in microseconds, 1 / beta in GB/s), for --explain."""
+    if model is None:
+        return ["Communication: no model in the cost table; collectives are planned as free"]
+    lines = [f"Communication ({model.source}; alpha per message step, bandwidth 1/beta):"]
+    tiers = [("within a node", model.intra)]
+    if model.inter != model.intra:
+        tiers.append(("across nodes", model.inter))
+    for where, link in tiers:
+        size = f"<= {model.devices_per_node}" if where == "within a node" else f"> {model.devices_per_node}"
+        uniform = len({link.of(kind) for kind in Collective}) == 1
+        lines.append(f"  {where} (groups of {size} ranks):")
+        for kind in (Collective.ALL_REDUCE,) if uniform else tuple(Collective):
+            lines.append(f"    {'every kind' if uniform else kind.value:<10} {_pair_text(link.of(kind))}")
+    return lines
+
+
+def _pair_text(ab: AlphaBeta) -> str:
+    bandwidth = f"{1e-9 / ab.beta:.4g} GB/s" if ab.beta > 0 else "unlimited"
+    return f"alpha {ab.alpha * 1e6:.3g} us, beta {ab.beta:.3g} s/B ({bandwidth})"

@@ -35,6 +35,8 @@ __all__ = [
     "format_bytes",
     "gradient_stats",
     "gradient_allreduce_seconds",
+    "StageComm",
+    "stage_comm",
 ]
 
 _FIXED_KINDS = frozenset({OpKind.FWD, OpKind.BWD})
@@ -203,6 +205,34 @@ def reference_programs(problem: Problem) -> dict[int, list[Op]]:
 def gradient_allreduce_seconds(problem: Problem, stage: int) -> float:
     """Seconds of ALLREDUCE_GRAD(stage): the stage's gradients all-reduced over its copies (`CostTable.comm`)."""
     return problem.costs.collective_seconds(Op(OpKind.ALLREDUCE_GRAD, stage), len(copies_of_stage(problem, stage)))
+
+
+@dataclass(frozen=True)
+class StageComm:
+    """What one stage's collectives cost over its `group` copies: the gradient all-reduce at every step, and the
+    SYNC_STATS and BCAST of all its parts at every refresh (seconds, the cost table's comm model)."""
+
+    group: int
+    allreduce: float
+    sync: float
+    bcast: float
+
+    def per_step(self, period: int) -> float:
+        """Seconds of collectives per step when the stage refreshes every `period` steps."""
+        return self.allreduce + (self.sync + self.bcast) / period
+
+
+def stage_comm(problem: Problem, stage: int) -> StageComm:
+    """The collectives of `stage` priced as the step timeline and the window price them."""
+    copies = len(copies_of_stage(problem, stage))
+    parts = [(x.name, p) for x in problem.costs.stages[stage].layers for p in x.parts]
+    if copies == 1:
+        return StageComm(1, 0.0, 0.0, 0.0)
+    sync = sum(problem.costs.collective_seconds(Op(OpKind.SYNC_STATS, stage, layer=name, part=p.part), copies)
+               for name, p in parts if p.after is not OpKind.ALLREDUCE_GRAD)
+    bcast = sum(problem.costs.collective_seconds(Op(OpKind.BCAST, stage, layer=name, part=p.part, root=0), copies)
+                for name, p in parts)
+    return StageComm(copies, gradient_allreduce_seconds(problem, stage), sync, bcast)
 
 
 def _duration(problem: Problem, fused: frozenset[str]) -> Callable[[int, Op], float]:
