@@ -3,22 +3,43 @@
 [Note: checkpoint format] A checkpoint is one directory:
 
 - ``fxkfac.json``: the header (format, version, step, world size, and `describe_run` of the trainer
-  that wrote it: kind, mesh, schedule, micro-batches, parameter shapes, graph fingerprint, plan and
-  layer timings). Written last: a directory without it is incomplete.
+  that wrote it: kind, mesh, schedule, micro-batches, parameter shapes, preconditioned units, graph
+  fingerprint, plan and layer timings). Written last: a directory without it is incomplete.
 - ``rank-<r>.json``: rank r's state skeleton: the trainer's ``state_dict()`` with every tensor replaced
   by ``{"__tensor__": key}`` (ints, floats, bools, strings stay as they are).
 - ``plan.json``: the plan in use, when there is one (``Plan.load`` reads it back; the header holds its digest).
 - ``__<r>_0.distcp`` and ``.metadata.json``: the tensors, written by `torch.distributed.checkpoint`
-  (DCP) with a JSON metadata file in place of DCP's pickled ``.metadata``. Keys of state that every
-  holder has alike are shared: ``model/<fqn>``, ``optimizer/state/<fqn>/<name>``,
-  ``kfac/<layer fqn>/<name>``; DCP writes each once. Per-rank state (K-FAC work in flight, the RNG)
-  is keyed ``rank<r>/...``.
+  (DCP) with a JSON metadata file in place of DCP's pickled ``.metadata``. Keys are global wherever the
+  state is: ``model/<fqn>``, ``optimizer/state/<fqn>/<name>`` (the original model's parameter names),
+  ``kfac/<unit>/<name>`` (the preconditioner's layer or parameter name, whatever the family); DCP writes
+  a key held by several ranks once, and `save` first checks that they hold it alike. Per-rank state (work
+  in flight, the RNG) is keyed ``rank<r>/...``.
+
+[Note: resharding] `load` compares the header with the run. Another family, model (parameter names and
+shapes) or set of preconditioned units (a split that changes which layers exist) is refused. The same
+layout (mesh, schedule, micro-batches, batch, split, plan, timings, programs, world size) loads each rank's
+own skeleton, work in flight included: resume is exact. Any other layout is resharded:
+- every rank reads every saved rank's skeleton; each parameter's, optimizer state's and unit's entry is
+  taken from its *fullest copy*: the copy with the most entries, of which every other copy's entries must
+  be a subset. A rank saves what it holds and nothing for a value it lacks (None), so a unit's state is
+  assembled from whichever rank held it (KAISA's grad workers hold the decomposition, DP-KFAC's owner the
+  factors too); entries no rank wrote load as absent;
+- each rank then takes the entries of the parameters and units it holds under its own layout; each
+  optimizer group takes the settings its parameters' groups had; rank r keeps saved rank r's RNG if any;
+- work in flight (open refresh records with partial sums, decompositions waiting for a broadcast,
+  captures) is specific to the ranks and plan that made it: a resharded load refuses a checkpoint with
+  any, naming a step to save at instead, and refuses to resume a planned run at a step where its plan
+  would finish refreshes begun before it (the new run never made them). With the critical-path programs
+  (plan=None) every refresh finishes within its step, so any step of theirs resumes.
+Resharded resume equals the uninterrupted run when the layer timings are the same and the new layout
+splits the global batch into the same micro-batches (W x N fixed); otherwise the new timings apply from
+the resumed step, and pending preconditioners activate at the step they were made for.
 
 Nothing is unpickled on load: JSON, and tensor files through ``torch.load(weights_only=True)``.
 `save` writes into ``<dir>.tmp-<step>`` and rank 0 moves it into place after a barrier; an existing
 checkpoint at ``<dir>`` is first renamed to ``<dir>.old-<step>`` and removed only once the new one
 is in place, so a crash at any moment leaves a complete checkpoint on disk. `load` refuses (with
-CheckpointError) a checkpoint made for another model, mesh, schedule or plan before touching the trainer.
+CheckpointError) a checkpoint it cannot load before touching the trainer.
 """
 
 from __future__ import annotations
@@ -32,6 +53,7 @@ import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
+from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -53,19 +75,19 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from fxkfac.errors import CheckpointError
+from fxkfac.reshard import LOCAL_SECTIONS, next_quiet_step, quiet, resharded_state, work_in_flight
 
-__all__ = ["Checkpointable", "Checkpointing", "save", "load", "digest", "split_tensors", "join_tensors", "FORMAT",
-           "VERSION"]
+__all__ = ["Checkpointable", "Checkpointing", "LoadKind", "save", "load", "digest", "check_run", "split_tensors",
+           "join_tensors", "FORMAT", "VERSION"]
 
 log = logging.getLogger(__name__)
 
 FORMAT = "fxkfac-checkpoint"
-VERSION = 1
+VERSION = 2
+"""2: global keys for every holder's state and ``units`` in the header, so a checkpoint follows the state."""
 HEADER = "fxkfac.json"
 PLAN = "plan.json"
 DCP_METADATA = ".metadata.json"
-LOCAL_SECTIONS = frozenset({"inflight", "rng"})
-"""Top-level state sections that differ between ranks holding the same stage (keyed per rank)."""
 _TENSOR = "__tensor__"
 _ITEMS = "__items__"
 
@@ -164,6 +186,20 @@ def digest(obj: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+class LoadKind(Enum):
+    """How a checkpoint loads into a run (see [Note: resharding])."""
+
+    SAME_LAYOUT = "same layout"
+    """Every rank reads what its own rank wrote, work in flight included: resume is exact."""
+    RESHARD = "reshard"
+    """Every rank reads the entries of the parameters and units it holds now; nothing may be in flight."""
+
+
+LAYOUT_FIELDS = ("mesh", "schedule", "microbatches", "virtual_stages", "global_batch", "stages", "graph", "plan",
+                 "timings", "programs")
+"""The fields of `describe_run` that a checkpoint follows the state across."""
+
+
 def _layout_words(run: Mapping[str, Any]) -> str:
     """A run's layout as the user wrote it."""
     D, W = run.get("mesh") or (None, None)
@@ -171,44 +207,46 @@ def _layout_words(run: Mapping[str, Any]) -> str:
             f"global batch {run['global_batch']}")
 
 
-def _params_words(saved: Mapping[str, list[int]], mine: Mapping[str, list[int]]) -> str:
+def _names_words(saved: Mapping[str, Any], mine: Mapping[str, Any], what: str) -> str:
     only_saved, only_mine = sorted(set(saved) - set(mine)), sorted(set(mine) - set(saved))
     reshaped = sorted(n for n in set(saved) & set(mine) if saved[n] != mine[n])
-    parts = [f"parameters only in the checkpoint {only_saved[:3]}" if only_saved else "",
-             f"parameters only in this run {only_mine[:3]}" if only_mine else "",
+    parts = [f"{what} only in the checkpoint {only_saved[:3]}" if only_saved else "",
+             f"{what} only in this run {only_mine[:3]}" if only_mine else "",
              f"shapes differ for {[(n, saved[n], mine[n]) for n in reshaped[:3]]}" if reshaped else ""]
     return "; ".join(p for p in parts if p)
 
 
-def check_run(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
-    """CheckpointError "checkpoint made for <...>, this run is <...>" at the first field that differs.
-
-    Order: trainer kind and mesh, the model's parameters, schedule and batch, then split, graph and plan.
-    """
-    for fields in (("trainer", "mesh"), ("params",), ("schedule", "microbatches", "virtual_stages", "global_batch")):
-        if all(saved.get(k) == mine.get(k) for k in fields):
-            continue
-        if fields == ("params",):
-            raise CheckpointError(f"checkpoint made for another model, this run is {len(mine['params'])} parameters "
-                                  f"({_params_words(saved.get('params') or {}, mine['params'])}); "
-                                  "load it into the model it was written for")
-        raise CheckpointError(f"checkpoint made for {_layout_words(saved)}, this run is {_layout_words(mine)}; "
-                              "resume with the same trainer, mesh, schedule and batch (resharding is not supported)")
-    for key, what in (("stages", "stage split"), ("graph", "K-FAC graph"), ("plan", "plan"),
-                      ("timings", "layer timings"), ("programs", "rank programs")):
-        if saved.get(key) != mine.get(key):
-            detail = ""
-            if key == "timings":
-                a, b = saved.get(key) or {}, mine.get(key) or {}
-                differ = sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n))
-                detail = f" (differ for {differ[:4]}; {differ[0]}: {a.get(differ[0])} vs {b.get(differ[0])})"
-            raise CheckpointError(f"checkpoint made for {what} {_short(saved.get(key))}, this run is "
-                                  f"{_short(mine.get(key))}{detail}; resume with the plan (or layer_timing) "
-                                  "and split it was written with")
+def _family_words(trainer: Any) -> str:
+    return "no preconditioner (kfac=None)" if trainer == "plain" else f"the {trainer} preconditioner"
 
 
-def _short(value: Any) -> str | None:
-    return value if isinstance(value, str) or value is None else digest(value)
+def check_run(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> LoadKind:
+    """How the checkpoint of run `saved` loads into run `mine`; CheckpointError when it holds another family's,
+    model's or set of units' state (checked in that order)."""
+    if saved.get("trainer") != mine.get("trainer"):
+        raise CheckpointError(f"checkpoint made for {_family_words(saved.get('trainer'))}, this run trains with "
+                              f"{_family_words(mine.get('trainer'))}; its state belongs to another family: compile "
+                              "with the preconditioner it was written with")
+    if saved.get("params") != mine.get("params"):
+        raise CheckpointError(f"checkpoint made for another model, this run is {len(mine['params'])} parameters "
+                              f"({_names_words(saved.get('params') or {}, mine['params'], 'parameters')}); "
+                              "load it into the model it was written for")
+    if saved.get("units") != mine.get("units"):
+        raise CheckpointError(f"checkpoint made for other {mine['trainer']} units than this run's "
+                              f"({_names_words(saved.get('units') or {}, mine['units'], 'units')}): the stage "
+                              "split or the model changed which layers are preconditioned; resume with the "
+                              "split_points and model it was written with")
+    same = all(saved.get(k) == mine.get(k) for k in LAYOUT_FIELDS)
+    return LoadKind.SAME_LAYOUT if same else LoadKind.RESHARD
+
+
+def _layout_changes(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str:
+    """What differs between two runs' layouts, in words (``"mesh [1, 2] -> [1, 4]; plan changed"``)."""
+    def short(value: Any) -> str:
+        text = json.dumps(value)
+        return text if len(text) <= 24 else digest(value)
+    return "; ".join(f"{k} {short(saved.get(k))} -> {short(mine.get(k))}" for k in LAYOUT_FIELDS
+                     if saved.get(k) != mine.get(k)) or "world size changed"
 
 
 # --- DCP with JSON metadata ---------------------------------------------------------------------------
@@ -344,6 +382,32 @@ def _agree(error: str | None) -> None:
         raise CheckpointError(f"rank {found[0][0]}: {found[0][1]}")
 
 
+def _tensor_digest(t: Tensor) -> str:
+    """A digest of a tensor's dtype, shape and bytes."""
+    flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return f"{t.dtype} {list(t.shape)} {hashlib.blake2b(flat, digest_size=16).hexdigest()}"
+
+
+def _check_copies_agree(tensors: Mapping[str, Tensor], rank: int) -> None:
+    """CheckpointError on every rank when two ranks hold different values under one global key, which DCP
+    writes once: the copies of a parameter or unit diverged, and a resharded load would take one of them."""
+    world = _rank_world()[1]
+    if world == 1:
+        return
+    mine = {k: _tensor_digest(t) for k, t in tensors.items() if not k.startswith(f"rank{rank}/")}
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    first: dict[str, tuple[int, str]] = {}
+    for r, digests in enumerate(everyone):
+        for key, value in digests.items():
+            holder, seen = first.setdefault(key, (r, value))
+            if seen != value:
+                raise CheckpointError(f"ranks {holder} and {r} hold different values of {key!r}, which a checkpoint "
+                                      "stores once for every copy: the copies diverged (a replica stepped "
+                                      "differently, or a strategy keeps per-rank values under a global key); "
+                                      "nothing was written")
+
+
 def _cause(e: BaseException) -> str:
     """A one-line account of a failure; DCP's CheckpointException as each failing rank's exception."""
     if isinstance(e, dcp.CheckpointException):
@@ -393,6 +457,7 @@ def save(trainer: Checkpointable, path: str | os.PathLike) -> Path:
     state = dict(trainer.state_dict())
     state["rng"] = torch.get_rng_state()
     skeleton, tensors = split_tensors(state, rank)
+    _check_copies_agree(tensors, rank)
     tmp = path.with_name(f"{path.name}.tmp-{step}")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -441,23 +506,77 @@ def _check_sections(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
                                   f"{'has' if b is not None else 'has none'}; it was written by another trainer")
 
 
-def _prepare(trainer: Checkpointable, path: Path, rank: int, world: int) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """This rank's saved skeleton and empty tensors to load into, after every check (CheckpointError)."""
-    header = _read_header(path)
-    check_run(header.get("run") or {}, trainer.describe_run())
-    if header.get("world_size") != world:
-        raise CheckpointError(f"checkpoint made for {header.get('world_size')} ranks, this run is {world} ranks "
-                              f"({_layout_words(trainer.describe_run())})")
+def _rank_skeleton(path: Path, rank: int) -> dict[str, Any]:
+    """The state skeleton saved rank `rank` wrote; CheckpointError when missing or corrupt."""
     data = _read_json(path / f"rank-{rank}.json", f"state of rank {rank}")
     skeleton = data.get("state") if isinstance(data, dict) else None
     if not isinstance(skeleton, dict) or data.get("rank") != rank or "rng" not in skeleton:
         raise CheckpointError(f"{path / f'rank-{rank}.json'} is corrupt (no state of rank {rank})")
-    _check_sections(skeleton, split_tensors(trainer.state_dict(), rank)[0])
+    return skeleton
+
+
+def _quiet_words(step: int, runs: list[Mapping[str, Any]]) -> str:
+    """Where to save instead of `step` so that a checkpoint reshards: the next step quiet under the runs' timings."""
+    then = next_quiet_step(step, runs)
+    if then is None:
+        return ("its layer timings never have one (use_offset >= period for some layer): save with timings whose "
+                "use_offset is below their period")
+    return (f"for these layer timings step {then} (any step s with (s - 1 - curv_step) % period >= use_offset for "
+            "every layer, counting steps done)")
+
+
+def _in_flight_refusal(path: Path, header: Mapping[str, Any], mine: Mapping[str, Any],
+                       saved: Mapping[int, Mapping[str, Any]]) -> str | None:
+    """Why a resharded load cannot place the checkpoint's work in flight, or this run's plan would expect work
+    from before the resumed step; None when it can resume."""
+    step, run = int(header["step"]), header["run"]
+    busy = work_in_flight(saved)
+    if busy:
+        return (f"checkpoint {path} was saved at step {step} with work in flight ({'; '.join(busy[:3])}), which "
+                f"belongs to the ranks and plan that made it and cannot follow the state onto this layout "
+                f"({_layout_changes(run, mine)}); save where no refresh is in flight, "
+                f"{_quiet_words(step, [run['timings']])}, or train with plan=None (its refreshes finish within "
+                f"their step), or resume with the layout it was written with ({_layout_words(run)})")
+    if mine.get("plan") is not None and not quiet(step, mine["timings"]):
+        late = sorted(n for n, t in mine["timings"].items() if not quiet(step, {n: t}))
+        return (f"this run's plan finishes at step {step} refreshes begun before it (layers {late[:4]}), which "
+                f"the run of checkpoint {path} finished or never began; resume from a checkpoint saved at a step "
+                f"quiet under both runs' timings, {_quiet_words(step, [run['timings'], mine['timings']])}, or "
+                "compile this run with plan=None")
+    return None
+
+
+def _resharded_skeleton(path: Path, header: Mapping[str, Any], mine: Mapping[str, Any], run: Mapping[str, Any],
+                        rank: int) -> dict[str, Any]:
+    """The skeleton this rank loads from a checkpoint written under another layout (see [Note: resharding])."""
+    world = header.get("world_size")
+    if not isinstance(world, int) or world < 1:
+        raise CheckpointError(f"{path / HEADER} is corrupt (world size {world!r})")
+    saved = {r: _rank_skeleton(path, r) for r in range(world)}
+    refusal = _in_flight_refusal(path, header, run, saved)
+    if refusal is not None:
+        raise CheckpointError(refusal)
+    log.info("rank %d: checkpoint %s follows the state onto this layout (%s)", rank, path,
+             _layout_changes(header["run"], run))
+    return resharded_state(saved, mine, rank)
+
+
+def _prepare(trainer: Checkpointable, path: Path, rank: int, world: int) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """This rank's skeleton to load and empty tensors to load into, after every check (CheckpointError)."""
+    header = _read_header(path)
+    run = trainer.describe_run()
+    kind = check_run(header.get("run") or {}, run)
+    mine = split_tensors(trainer.state_dict(), rank)[0]
+    if kind is LoadKind.SAME_LAYOUT and header.get("world_size") == world:
+        skeleton = _rank_skeleton(path, rank)
+        _check_sections(skeleton, mine)
+    else:
+        skeleton = _resharded_skeleton(path, header, mine, run, rank)
     metadata = read_tensor_metadata(path).state_dict_metadata
     keys = _tensor_keys(skeleton)
     missing = [k for k in keys if k not in metadata]
     if missing:
-        raise CheckpointError(f"checkpoint {path} lacks the tensors {missing[:4]} its rank-{rank} state names; "
+        raise CheckpointError(f"checkpoint {path} lacks the tensors {missing[:4]} rank {rank}'s state names; "
                               "it is corrupt or incomplete")
     specs = {k: metadata[k] for k in keys}
     empty = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in specs.items()}  # type: ignore[union-attr]  # keys name tensors: only their entries are read
@@ -467,9 +586,10 @@ def _prepare(trainer: Checkpointable, path: Path, rank: int, world: int) -> tupl
 def load(trainer: Checkpointable, path: str | os.PathLike) -> None:
     """Restore ``trainer`` (and this rank's RNG) from the checkpoint directory ``path``; collective.
 
-    Every check runs on every rank before anything changes: a checkpoint that is incomplete, corrupt,
-    or made for another model, mesh, schedule or plan raises CheckpointError on all ranks and leaves
-    the trainer as it was.
+    A checkpoint of the same layout resumes exactly; one of another layout follows the state (see [Note:
+    resharding]). Every check runs on every rank before anything changes: a checkpoint that is incomplete,
+    corrupt, made for another family, model or set of units, or that cannot be resharded raises
+    CheckpointError on all ranks and leaves the trainer as it was.
     """
     path = Path(path)
     rank, world = _rank_world()
@@ -490,12 +610,13 @@ def load(trainer: Checkpointable, path: str | os.PathLike) -> None:
         raise CheckpointError(f"rank {rank}: reading the tensors of checkpoint {path} failed ({_cause(e)}); it is "
                               "corrupt or incomplete") from e
     state = join_tensors(skeleton, tensors)
-    rng = state.pop("rng")
+    rng = state.pop("rng", None)  # absent only when resharded onto more ranks than saved
     error = None
     try:
         trainer.load_state_dict(state)
     except CheckpointError as e:
         error = str(e)
     _agree(error)
-    torch.set_rng_state(rng)
+    if rng is not None:
+        torch.set_rng_state(rng)
     log.info("rank %d: resumed from %s at step %d", rank, path, trainer.steps)

@@ -165,6 +165,14 @@ def _expect_refusal(trainer: Any, path: str, before: tuple) -> tuple[str, str, l
     return ("no error", "", same_snapshot(before, snapshot(trainer)))
 
 
+def _resharded(trainer: Any, path: str, reference: Any) -> tuple[int, list[str]]:
+    """Load ``path`` into ``trainer`` (another layout): its step, and the parameters that differ from
+    ``reference``'s (loaded from the same checkpoint on its own layout)."""
+    trainer.load_checkpoint(path)
+    want = dict(reference.named_parameters())
+    return trainer.steps, [n for n, p in trainer.named_parameters() if not torch.equal(p, want[n])]
+
+
 def _corrupt_copies(rank: int, ckpt: str, root: Path) -> dict[str, str]:
     """Copies of ``ckpt`` with truncated tensor metadata, a truncated header, and a missing tensor file."""
     paths = {k: str(root / k) for k in ("truncated_metadata", "truncated_header", "missing_tensors")}
@@ -207,8 +215,8 @@ def _bad_construction(plan_path: str) -> dict:
 
 def resume_worker(rank: int, world: int, ckpt: str, mlp_ckpt: str, single_ckpt: str, plan_path: str,
                   scratch: str) -> dict:
-    """Bad checkpoints are refused with nothing changed; the step-2 checkpoint resumes; interrupted saves;
-    bad constructor input; a NaN step (`nan_run`)."""
+    """Bad checkpoints are refused with nothing changed; the step-2 checkpoint resumes; the MLP's checkpoints load
+    under another plan, schedule and mesh; interrupted saves; bad constructor input; a NaN step (`nan_run`)."""
     import fxkfac.checkpoint as checkpoint
 
     trainer = bert_trainer()
@@ -223,11 +231,13 @@ def resume_worker(rank: int, world: int, ckpt: str, mlp_ckpt: str, single_ckpt: 
     losses = [trainer.step((ids,), y) for ids, y in data[SAVE_AT:]]
     final = snapshot(trainer)
 
-    other = mlp_trainer(period=2)  # same MLP and mesh, another refresh plan
-    refusals["another plan"] = _expect_refusal(other, mlp_ckpt, snapshot(other))
+    same, single = mlp_trainer(), mlp_single()
+    same.load_checkpoint(mlp_ckpt)
+    single.load_checkpoint(single_ckpt)
+    resharded = {"another plan": _resharded(mlp_trainer(period=2), mlp_ckpt, same),
+                 "another schedule": _resharded(mlp_trainer(schedule="gpipe"), mlp_ckpt, same)}
     gpipe = mlp_trainer(schedule="gpipe")
-    refusals["another schedule"] = _expect_refusal(gpipe, mlp_ckpt, snapshot(gpipe))
-    refusals["one-device checkpoint"] = _expect_refusal(gpipe, single_ckpt, snapshot(gpipe))
+    resharded["one-device checkpoint"] = _resharded(gpipe, single_ckpt, single)
     before = snapshot(gpipe)
     x, y = mlp_batches(1)[0]
     try:
@@ -260,7 +270,7 @@ def resume_worker(rank: int, world: int, ckpt: str, mlp_ckpt: str, single_ckpt: 
     leftovers = sorted(p.name for p in Path(scratch).iterdir() if p.name.startswith("again."))
     trainer.load_checkpoint(again)
     reloaded = same_snapshot(saved, snapshot(trainer))
-    return {"refusals": refusals, "loaded_step": loaded_step, "losses": losses, "final": final,
+    return {"refusals": refusals, "resharded": resharded, "loaded_step": loaded_step, "losses": losses, "final": final,
             "failed_save": failed_save, "unchanged": unchanged, "leftovers": leftovers, "reloaded": reloaded,
             "nan": nan_run(NAN_AT, NAN_STEPS), "other_batch": other_batch,
             "construction": _bad_construction(plan_path)}

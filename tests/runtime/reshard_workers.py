@@ -1,0 +1,81 @@
+"""Rank functions of the resharding tests (importable by spawned ranks): K-FAC MLP runs whose global batch of 8
+is always split into the same 4 micro-batches of 2 (W x N = 4), so any layout computes the same step."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+import fxkfac
+from fxkfac.config import PipelineOptions
+from fxkfac.planner.ir import LayerTiming
+from tests.runtime import checkpoint_workers as cw
+from tests.support import models
+
+__all__ = ["STEPS", "TIMINGS", "mlp_run", "train", "params", "write_worker", "widen_worker", "narrow_worker"]
+
+STEPS = 6
+MICROBATCHES_TOTAL = 4  # W x N of every layout here
+TIMINGS = {n: LayerTiming(2, 0, 0, "fused") if i % 2 == 0 else LayerTiming(2, 1, 1, "deferred")
+           for i, n in enumerate(cw.MLP_LAYERS)}
+"""Refreshes at even and odd steps; the odd ones used a step later: a checkpoint at step 2 holds pending inverses."""
+
+
+def mlp_run(D: int, W: int) -> Any:
+    """This rank's trainer of the K-FAC MLP on a D x W mesh (critical-path programs, TIMINGS)."""
+    return fxkfac.compile(models.mlp(), (D, W), None, kfac=cw.KFAC, example_inputs=(cw.mlp_batches(1)[0][0],),
+                          loss_fn=cw.mlp_loss, optimizer=cw._sgd, schedule="1f1b",
+                          microbatches=MICROBATCHES_TOTAL // W, backend=None, layer_timing=TIMINGS,
+                          pipeline=PipelineOptions(timeout=30.0))
+
+
+def train(trainer: Any, until: int) -> None:
+    """Step `trainer` from its step to step `until` on the fixed batches."""
+    for x, y in cw.mlp_batches(STEPS)[trainer.steps:until]:
+        trainer.step(x, y)
+
+
+def params(trainer: Any) -> dict[str, torch.Tensor]:
+    """This rank's parameters by FQN (copies)."""
+    return {n: p.detach().clone() for n, p in trainer.named_parameters()}
+
+
+def write_worker(rank: int, world: int, dp_ckpt: str, pp_ckpt: str) -> dict:
+    """2 ranks: data parallel W=2 saved at step 2, and a 2-stage pipeline saved at step 3, each trained on to the
+    end uninterrupted (the references); whether step 2's checkpoint holds pending inverses."""
+    dp = mlp_run(1, 2)
+    train(dp, 2)
+    dp.save_checkpoint(dp_ckpt)
+    pending = sorted(n for n, s in dp.layer_states.items() if s.pending)
+    train(dp, STEPS)
+    pp = mlp_run(2, 1)
+    train(pp, 3)
+    pp.save_checkpoint(pp_ckpt)
+    train(pp, STEPS)
+    return {"dp": params(dp), "pp": params(pp), "pending": pending}
+
+
+def widen_worker(rank: int, world: int, dp_ckpt: str, pp_ckpt: str, wide_ckpt: str) -> dict:
+    """4 ranks: W=2's checkpoint resumed at W=4, trained to step 4 and saved; the pipeline's (pp=2, W=1)
+    resumed at pp=1, W=4 and trained to the end."""
+    wide = mlp_run(1, 4)
+    wide.load_checkpoint(dp_ckpt)
+    loaded = wide.steps
+    pending = sorted(n for n, s in wide.layer_states.items() if s.pending)
+    train(wide, 4)
+    wide.save_checkpoint(wide_ckpt)
+    flat = mlp_run(1, 4)
+    flat.load_checkpoint(pp_ckpt)
+    from_pp = flat.steps
+    train(flat, STEPS)
+    return {"loaded": loaded, "pending": pending, "from_pp": from_pp, "pp": params(flat)}
+
+
+def narrow_worker(rank: int, world: int, wide_ckpt: str) -> dict:
+    """2 ranks: W=4's checkpoint resumed at W=2 and trained to the end."""
+    dp = mlp_run(1, 2)
+    dp.load_checkpoint(wide_ckpt)
+    loaded = dp.steps
+    train(dp, STEPS)
+    return {"loaded": loaded, "dp": params(dp)}
