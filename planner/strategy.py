@@ -29,7 +29,7 @@ from fractions import Fraction
 from fxkfac.planner.errors import ConfigError
 
 __all__ = ["StrategyKind", "Strategy", "COMM_OPT", "LayerDistribution", "parse_strategy", "grad_workers",
-           "receivers", "columns", "keeps_statistics", "assign_columns", "distribute"]
+           "receivers", "columns", "keeps_statistics", "assign_columns", "distribute", "Holding", "holding"]
 
 
 class StrategyKind(StrEnum):
@@ -146,10 +146,32 @@ def receivers(holders: tuple[int, ...], where: LayerDistribution) -> list[tuple[
     return [(row[where.column], row) for row in rows]
 
 
-def keeps_statistics(rank: int, holders: tuple[int, ...], where: LayerDistribution) -> bool:
-    """Whether `rank` takes the layer's captured statistics: every holder (they are all-reduced), or under
-    DP-KFAC its owner alone (local factors)."""
-    return rank in grad_workers(holders, where) if where.strategy.local_factors else rank in holders
+def keeps_statistics(rank: int, holders: tuple[int, ...], where: LayerDistribution, gradient_fed: bool = False) -> bool:
+    """Whether `rank` takes the layer's statistics: every holder when captured statistics are all-reduced; the
+    grad workers alone when the reduced gradient feeds them (Shampoo's, the same on every copy) or when the
+    owner keeps local factors (DP-KFAC)."""
+    if gradient_fed or where.strategy.local_factors:
+        return rank in grad_workers(holders, where)
+    return rank in holders
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """What one copy of a stage keeps of one layer across steps: its running statistics, its decompositions (and
+    the optimizer state of its direction: Shampoo's graft and momentum), and whether it broadcasts or receives
+    the layer's preconditioned gradient each step (a buffer of the layer's gradient size)."""
+
+    statistics: bool
+    decompositions: bool
+    shares_gradient: bool
+
+
+def holding(rank: int, holders: tuple[int, ...], where: LayerDistribution, gradient_fed: bool = False) -> Holding:
+    """What `rank` (one of `holders`) keeps of a layer distributed as `where` (see [Note: strategies]);
+    `gradient_fed`: every part of the layer's statistics comes from the reduced gradient."""
+    workers = grad_workers(holders, where)
+    return Holding(statistics=keeps_statistics(rank, holders, where, gradient_fed), decompositions=rank in workers,
+                   shares_gradient=len(workers) < len(holders))
 
 
 def assign_columns(costs: Mapping[str, float], n: int) -> dict[str, int]:

@@ -198,8 +198,8 @@ class PreconditionerRuntime:
         self.workers = {n: grad_workers(self.groups[self.stage_of[n]].ranks, where[n]) for n in self.layers}
         """Each layer's grad workers: the ranks that decompose, hold its preconditioner and apply it."""
         only_gradient = self.gradient_parts == set(family.parts)
-        self.keeps = {n for n in self.layers if (rank in self.workers[n] if only_gradient else
-                                                 keeps_statistics(rank, self.groups[self.stage_of[n]].ranks, where[n]))}
+        self.keeps = {n for n in self.layers
+                      if keeps_statistics(rank, self.groups[self.stage_of[n]].ranks, where[n], only_gradient)}
         """Layers whose statistics this rank takes (and whose refreshes it opens)."""
         self.subgroups = dict(subgroups or {})
         """Process groups of the ranks a BCAST or BCAST_PREC names (`Op.group`)."""
