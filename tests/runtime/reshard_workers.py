@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 import fxkfac
-from fxkfac.config import PipelineOptions
+from fxkfac.config import PipelineOptions, PlanOptions
 from fxkfac.planner.ir import LayerTiming
 from tests.runtime import checkpoint_workers as cw
 from tests.support import models
@@ -22,12 +22,12 @@ TIMINGS = {n: LayerTiming(2, 0, 0, "fused") if i % 2 == 0 else LayerTiming(2, 1,
 """Refreshes at even and odd steps; the odd ones used a step later: a checkpoint at step 2 holds pending inverses."""
 
 
-def mlp_run(D: int, W: int) -> Any:
-    """This rank's trainer of the K-FAC MLP on a D x W mesh (critical-path programs, TIMINGS)."""
+def mlp_run(D: int, W: int, strategy: str = "comm-opt") -> Any:
+    """This rank's trainer of the K-FAC MLP on a D x W mesh (critical-path programs, TIMINGS, `strategy`)."""
     return fxkfac.compile(models.mlp(), (D, W), None, kfac=cw.KFAC, example_inputs=(cw.mlp_batches(1)[0][0],),
                           loss_fn=cw.mlp_loss, optimizer=cw._sgd, schedule="1f1b",
                           microbatches=MICROBATCHES_TOTAL // W, backend=None, layer_timing=TIMINGS,
-                          pipeline=PipelineOptions(timeout=30.0))
+                          pipeline=PipelineOptions(timeout=30.0), plan_options=PlanOptions(strategy=strategy))
 
 
 def train(trainer: Any, until: int) -> None:
@@ -41,9 +41,12 @@ def params(trainer: Any) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in trainer.named_parameters()}
 
 
-def write_worker(rank: int, world: int, dp_ckpt: str, pp_ckpt: str) -> dict:
-    """2 ranks: data parallel W=2 saved at step 2, and a 2-stage pipeline saved at step 3, each trained on to the
-    end uninterrupted (the references); whether step 2's checkpoint holds pending inverses."""
+def write_worker(rank: int, world: int, dp_ckpt: str, pp_ckpt: str, mem_ckpt: str) -> dict:
+    """2 ranks: data parallel W=2 saved at step 2 under COMM-OPT and MEM-OPT, and a 2-stage pipeline saved at step
+    3, trained on to the end uninterrupted (the references); whether step 2's checkpoint holds pending inverses."""
+    mem = mlp_run(1, 2, "mem-opt")
+    train(mem, 2)
+    mem.save_checkpoint(mem_ckpt)
     dp = mlp_run(1, 2)
     train(dp, 2)
     dp.save_checkpoint(dp_ckpt)
@@ -56,15 +59,20 @@ def write_worker(rank: int, world: int, dp_ckpt: str, pp_ckpt: str) -> dict:
     return {"dp": params(dp), "pp": params(pp), "pending": pending}
 
 
-def widen_worker(rank: int, world: int, dp_ckpt: str, pp_ckpt: str, wide_ckpt: str) -> dict:
-    """4 ranks: W=2's checkpoint resumed at W=4, trained to step 4 and saved; the pipeline's (pp=2, W=1)
-    resumed at pp=1, W=4 and trained to the end."""
+def widen_worker(rank: int, world: int, dp_ckpt: str, pp_ckpt: str, mem_ckpt: str, wide_ckpt: str,
+                 hybrid_ckpt: str) -> dict:
+    """4 ranks: W=2's checkpoints resumed at W=4 (COMM-OPT's under COMM-OPT, MEM-OPT's under HYBRID 0.5), trained
+    to step 4 and saved; the pipeline's (pp=2, W=1) resumed at pp=1, W=4 and trained to the end."""
     wide = mlp_run(1, 4)
     wide.load_checkpoint(dp_ckpt)
     loaded = wide.steps
     pending = sorted(n for n, s in wide.layer_states.items() if s.pending)
     train(wide, 4)
     wide.save_checkpoint(wide_ckpt)
+    hybrid = mlp_run(1, 4, "hybrid:0.5")
+    hybrid.load_checkpoint(mem_ckpt)
+    train(hybrid, 4)
+    hybrid.save_checkpoint(hybrid_ckpt)
     flat = mlp_run(1, 4)
     flat.load_checkpoint(pp_ckpt)
     from_pp = flat.steps
@@ -72,10 +80,13 @@ def widen_worker(rank: int, world: int, dp_ckpt: str, pp_ckpt: str, wide_ckpt: s
     return {"loaded": loaded, "pending": pending, "from_pp": from_pp, "pp": params(flat)}
 
 
-def narrow_worker(rank: int, world: int, wide_ckpt: str) -> dict:
-    """2 ranks: W=4's checkpoint resumed at W=2 and trained to the end."""
+def narrow_worker(rank: int, world: int, wide_ckpt: str, hybrid_ckpt: str) -> dict:
+    """2 ranks: W=4's checkpoints resumed at W=2 (HYBRID's under MEM-OPT) and trained to the end."""
     dp = mlp_run(1, 2)
     dp.load_checkpoint(wide_ckpt)
     loaded = dp.steps
     train(dp, STEPS)
-    return {"loaded": loaded, "dp": params(dp)}
+    mem = mlp_run(1, 2, "mem-opt")
+    mem.load_checkpoint(hybrid_ckpt)
+    train(mem, STEPS)
+    return {"loaded": loaded, "dp": params(dp), "mem": params(mem)}

@@ -1,5 +1,6 @@
-"""A checkpoint follows the state onto another layout: W=2 -> W=4 -> W=2 and pp=2 -> pp=1 resume where the
-uninterrupted run is; another family, model or set of units, and work in flight that cannot follow, are refused."""
+"""A checkpoint follows the state onto another layout: W=2 -> W=4 -> W=2, other KAISA strategies and pp=2 -> pp=1
+resume where the uninterrupted run is; another family, model or set of units, and work in flight that cannot
+follow, are refused."""
 
 from __future__ import annotations
 
@@ -44,25 +45,29 @@ def _far(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[st
 
 @pytest.mark.multiproc
 def test_data_parallel_resumes_at_four_replicas_and_back_and_a_pipeline_without_its_stages(tmp_path: Path) -> None:
-    """K-FAC, W=2 for 2 steps -> W=4 for 2 -> W=2 to step 6 equals 6 uninterrupted steps at W=2; a 2-stage
+    """K-FAC, W=2 for 2 steps -> W=4 for 2 -> W=2 to step 6 equals 6 uninterrupted steps at W=2, and so does
+    MEM-OPT at W=2 -> HYBRID 0.5 at W=4 -> MEM-OPT at W=2 (where the inverses live changes no number); a 2-stage
     pipeline saved at step 3 resumes at pp=1, W=4 where its uninterrupted run ends. The checkpoint stores each
     replicated tensor once."""
-    dp_ckpt, pp_ckpt, wide_ckpt = (str(tmp_path / n) for n in ("dp", "pp", "wide"))
-    written = _ok(run_distributed(rw.write_worker, 2, dp_ckpt, pp_ckpt, timeout=300))
+    dp_ckpt, pp_ckpt, mem_ckpt, wide_ckpt, hybrid_ckpt = (str(tmp_path / n) for n in
+                                                          ("dp", "pp", "mem", "wide", "hybrid"))
+    written = _ok(run_distributed(rw.write_worker, 2, dp_ckpt, pp_ckpt, mem_ckpt, timeout=300))
     assert written[0].value["pending"], "the W=2 checkpoint should hold a pending inverse"
     metadata = json.loads((Path(dp_ckpt) / ".metadata.json").read_text())
     stored = [s["fqn"] for s in metadata["storage"]]
     assert len(stored) == len(set(stored)) == len(metadata["tensors"])  # each key once, not once per replica
     assert {"model/0.weight", "kfac/2/A", "optimizer/state/0.weight/momentum_buffer"} <= set(stored)
 
-    wide = _ok(run_distributed(rw.widen_worker, 4, dp_ckpt, pp_ckpt, wide_ckpt, timeout=300))
+    wide = _ok(run_distributed(rw.widen_worker, 4, dp_ckpt, pp_ckpt, mem_ckpt, wide_ckpt, hybrid_ckpt,
+                               timeout=300))
     assert all(r.value["loaded"] == 2 and r.value["pending"] == written[0].value["pending"] for r in wide)
     assert all(r.value["from_pp"] == 3 for r in wide)
     assert _far(_merged(wide, "pp"), _merged(written, "pp")) == []
 
-    narrow = _ok(run_distributed(rw.narrow_worker, 2, wide_ckpt, timeout=300))
+    narrow = _ok(run_distributed(rw.narrow_worker, 2, wide_ckpt, hybrid_ckpt, timeout=300))
     assert all(r.value["loaded"] == 4 for r in narrow)
     assert _far(_merged(narrow, "dp"), _merged(written, "dp")) == []
+    assert _far(_merged(narrow, "mem"), _merged(written, "dp")) == []
 
 
 def _single(microbatches: int = 2, **kw: Any) -> Any:
