@@ -24,8 +24,10 @@ own skeleton, work in flight included: resume is exact. Any other layout is resh
   be a subset. A rank saves what it holds and nothing for a value it lacks (None), so a unit's state is
   assembled from whichever rank held it (KAISA's grad workers hold the decomposition, DP-KFAC's owner the
   factors too); entries no rank wrote load as absent;
-- each rank then takes the entries of the parameters and units it holds under its own layout; each
-  optimizer group takes the settings its parameters' groups had; rank r keeps saved rank r's RNG if any;
+- each rank then takes the entries of the parameters and units it holds under its own layout, and the
+  trainer keeps of a unit what its strategy holds there (no decomposition on a rank that is not one of
+  the unit's grad workers, nothing on a DP-KFAC non-owner); each optimizer group takes the settings its
+  parameters' groups had; rank r takes saved rank r's RNG when there was one, else keeps its own;
 - work in flight (open refresh records with partial sums, decompositions waiting for a broadcast,
   captures) is specific to the ranks and plan that made it: a resharded load refuses a checkpoint with
   any, naming a step to save at instead, and refuses to resume a planned run at a step where its plan
@@ -53,7 +55,6 @@ import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
-from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -75,10 +76,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from fxkfac.errors import CheckpointError
-from fxkfac.reshard import LOCAL_SECTIONS, next_quiet_step, quiet, resharded_state, work_in_flight
+from fxkfac.reshard import LOCAL_SECTIONS, LoadKind, check_run, in_flight_refusal, layout_changes, resharded_state
 
-__all__ = ["Checkpointable", "Checkpointing", "LoadKind", "save", "load", "digest", "check_run", "split_tensors",
-           "join_tensors", "FORMAT", "VERSION"]
+__all__ = ["Checkpointable", "Checkpointing", "save", "load", "digest", "split_tensors", "join_tensors", "FORMAT",
+           "VERSION"]
 
 log = logging.getLogger(__name__)
 
@@ -184,69 +185,6 @@ def digest(obj: Any) -> str:
     """A short stable digest of a JSON-able value."""
     text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-class LoadKind(Enum):
-    """How a checkpoint loads into a run (see [Note: resharding])."""
-
-    SAME_LAYOUT = "same layout"
-    """Every rank reads what its own rank wrote, work in flight included: resume is exact."""
-    RESHARD = "reshard"
-    """Every rank reads the entries of the parameters and units it holds now; nothing may be in flight."""
-
-
-LAYOUT_FIELDS = ("mesh", "schedule", "microbatches", "virtual_stages", "global_batch", "stages", "graph", "plan",
-                 "timings", "programs")
-"""The fields of `describe_run` that a checkpoint follows the state across."""
-
-
-def _layout_words(run: Mapping[str, Any]) -> str:
-    """A run's layout as the user wrote it."""
-    D, W = run.get("mesh") or (None, None)
-    return (f"{run['trainer']} {run['schedule']} D={D} W={W} N={run['microbatches']} v={run['virtual_stages']} "
-            f"global batch {run['global_batch']}")
-
-
-def _names_words(saved: Mapping[str, Any], mine: Mapping[str, Any], what: str) -> str:
-    only_saved, only_mine = sorted(set(saved) - set(mine)), sorted(set(mine) - set(saved))
-    reshaped = sorted(n for n in set(saved) & set(mine) if saved[n] != mine[n])
-    parts = [f"{what} only in the checkpoint {only_saved[:3]}" if only_saved else "",
-             f"{what} only in this run {only_mine[:3]}" if only_mine else "",
-             f"shapes differ for {[(n, saved[n], mine[n]) for n in reshaped[:3]]}" if reshaped else ""]
-    return "; ".join(p for p in parts if p)
-
-
-def _family_words(trainer: Any) -> str:
-    return "no preconditioner (kfac=None)" if trainer == "plain" else f"the {trainer} preconditioner"
-
-
-def check_run(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> LoadKind:
-    """How the checkpoint of run `saved` loads into run `mine`; CheckpointError when it holds another family's,
-    model's or set of units' state (checked in that order)."""
-    if saved.get("trainer") != mine.get("trainer"):
-        raise CheckpointError(f"checkpoint made for {_family_words(saved.get('trainer'))}, this run trains with "
-                              f"{_family_words(mine.get('trainer'))}; its state belongs to another family: compile "
-                              "with the preconditioner it was written with")
-    if saved.get("params") != mine.get("params"):
-        raise CheckpointError(f"checkpoint made for another model, this run is {len(mine['params'])} parameters "
-                              f"({_names_words(saved.get('params') or {}, mine['params'], 'parameters')}); "
-                              "load it into the model it was written for")
-    if saved.get("units") != mine.get("units"):
-        raise CheckpointError(f"checkpoint made for other {mine['trainer']} units than this run's "
-                              f"({_names_words(saved.get('units') or {}, mine['units'], 'units')}): the stage "
-                              "split or the model changed which layers are preconditioned; resume with the "
-                              "split_points and model it was written with")
-    same = all(saved.get(k) == mine.get(k) for k in LAYOUT_FIELDS)
-    return LoadKind.SAME_LAYOUT if same else LoadKind.RESHARD
-
-
-def _layout_changes(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str:
-    """What differs between two runs' layouts, in words (``"mesh [1, 2] -> [1, 4]; plan changed"``)."""
-    def short(value: Any) -> str:
-        text = json.dumps(value)
-        return text if len(text) <= 24 else digest(value)
-    return "; ".join(f"{k} {short(saved.get(k))} -> {short(mine.get(k))}" for k in LAYOUT_FIELDS
-                     if saved.get(k) != mine.get(k)) or "world size changed"
 
 
 # --- DCP with JSON metadata ---------------------------------------------------------------------------
@@ -515,37 +453,6 @@ def _rank_skeleton(path: Path, rank: int) -> dict[str, Any]:
     return skeleton
 
 
-def _quiet_words(step: int, runs: list[Mapping[str, Any]]) -> str:
-    """Where to save instead of `step` so that a checkpoint reshards: the next step quiet under the runs' timings."""
-    then = next_quiet_step(step, runs)
-    if then is None:
-        return ("its layer timings never have one (use_offset >= period for some layer): save with timings whose "
-                "use_offset is below their period")
-    return (f"for these layer timings step {then} (any step s with (s - 1 - curv_step) % period >= use_offset for "
-            "every layer, counting steps done)")
-
-
-def _in_flight_refusal(path: Path, header: Mapping[str, Any], mine: Mapping[str, Any],
-                       saved: Mapping[int, Mapping[str, Any]]) -> str | None:
-    """Why a resharded load cannot place the checkpoint's work in flight, or this run's plan would expect work
-    from before the resumed step; None when it can resume."""
-    step, run = int(header["step"]), header["run"]
-    busy = work_in_flight(saved)
-    if busy:
-        return (f"checkpoint {path} was saved at step {step} with work in flight ({'; '.join(busy[:3])}), which "
-                f"belongs to the ranks and plan that made it and cannot follow the state onto this layout "
-                f"({_layout_changes(run, mine)}); save where no refresh is in flight, "
-                f"{_quiet_words(step, [run['timings']])}, or train with plan=None (its refreshes finish within "
-                f"their step), or resume with the layout it was written with ({_layout_words(run)})")
-    if mine.get("plan") is not None and not quiet(step, mine["timings"]):
-        late = sorted(n for n, t in mine["timings"].items() if not quiet(step, {n: t}))
-        return (f"this run's plan finishes at step {step} refreshes begun before it (layers {late[:4]}), which "
-                f"the run of checkpoint {path} finished or never began; resume from a checkpoint saved at a step "
-                f"quiet under both runs' timings, {_quiet_words(step, [run['timings'], mine['timings']])}, or "
-                "compile this run with plan=None")
-    return None
-
-
 def _resharded_skeleton(path: Path, header: Mapping[str, Any], mine: Mapping[str, Any], run: Mapping[str, Any],
                         rank: int) -> dict[str, Any]:
     """The skeleton this rank loads from a checkpoint written under another layout (see [Note: resharding])."""
@@ -553,11 +460,11 @@ def _resharded_skeleton(path: Path, header: Mapping[str, Any], mine: Mapping[str
     if not isinstance(world, int) or world < 1:
         raise CheckpointError(f"{path / HEADER} is corrupt (world size {world!r})")
     saved = {r: _rank_skeleton(path, r) for r in range(world)}
-    refusal = _in_flight_refusal(path, header, run, saved)
+    refusal = in_flight_refusal(path, header, run, saved)
     if refusal is not None:
         raise CheckpointError(refusal)
     log.info("rank %d: checkpoint %s follows the state onto this layout (%s)", rank, path,
-             _layout_changes(header["run"], run))
+             layout_changes(header["run"], run))
     return resharded_state(saved, mine, rank)
 
 

@@ -1,8 +1,8 @@
-"""One rank's state under a new layout, from the state skeletons every rank of a checkpoint wrote.
+"""Which runs a checkpoint loads into, and one rank's state under a new layout from every saved rank's skeleton.
 
-Pure functions on the JSON skeletons of `fxkfac.checkpoint.split_tensors` (tensor placeholders keep the
-checkpoint's DCP keys, so the tensors are read afterwards by key); no tensors, no I/O. The rules are
-[Note: resharding] in fxkfac/checkpoint.py.
+Pure functions on the header's run descriptions and on the JSON skeletons of `fxkfac.checkpoint.split_tensors`
+(tensor placeholders keep the checkpoint's DCP keys, so the tensors are read afterwards by key); no tensors,
+no I/O. The rules are [Note: resharding] in fxkfac/checkpoint.py.
 """
 
 from __future__ import annotations
@@ -10,11 +10,14 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from enum import Enum
+from pathlib import Path
 from typing import Any
 
 from fxkfac.errors import CheckpointError
 
-__all__ = ["KEYED_SECTIONS", "LOCAL_SECTIONS", "resharded_state", "work_in_flight", "quiet", "next_quiet_step"]
+__all__ = ["LoadKind", "LAYOUT_FIELDS", "KEYED_SECTIONS", "LOCAL_SECTIONS", "check_run", "layout_changes",
+           "in_flight_refusal", "resharded_state", "work_in_flight", "quiet", "next_quiet_step"]
 
 KEYED_SECTIONS = ("model", "kfac")
 """Sections keyed by a global name (parameter FQN, unit name) whose entries follow their holder."""
@@ -22,6 +25,71 @@ LOCAL_SECTIONS = frozenset({"inflight", "rng"})
 """Top-level state sections that differ between ranks holding the same stage (keyed per rank)."""
 _IN_FLIGHT_WORDS = {"refreshes": "open refreshes", "outbox": "decompositions waiting for their BCAST",
                     "captures": "captures waiting for STATS"}
+
+
+# --- which runs a checkpoint loads into ---------------------------------------------------------------
+
+
+class LoadKind(Enum):
+    """How a checkpoint loads into a run (see [Note: resharding])."""
+
+    SAME_LAYOUT = "same layout"
+    """Every rank reads what its own rank wrote, work in flight included: resume is exact."""
+    RESHARD = "reshard"
+    """Every rank reads the entries of the parameters and units it holds now; nothing may be in flight."""
+
+
+LAYOUT_FIELDS = ("mesh", "schedule", "microbatches", "virtual_stages", "global_batch", "stages", "graph", "plan",
+                 "timings", "programs")
+"""The fields of `describe_run` that a checkpoint follows the state across."""
+
+
+def _layout_words(run: Mapping[str, Any]) -> str:
+    """A run's layout as the user wrote it."""
+    D, W = run.get("mesh") or (None, None)
+    return (f"{run['trainer']} {run['schedule']} D={D} W={W} N={run['microbatches']} v={run['virtual_stages']} "
+            f"global batch {run['global_batch']}")
+
+
+def _names_words(saved: Mapping[str, Any], mine: Mapping[str, Any], what: str) -> str:
+    only_saved, only_mine = sorted(set(saved) - set(mine)), sorted(set(mine) - set(saved))
+    reshaped = sorted(n for n in set(saved) & set(mine) if saved[n] != mine[n])
+    parts = [f"{what} only in the checkpoint {only_saved[:3]}" if only_saved else "",
+             f"{what} only in this run {only_mine[:3]}" if only_mine else "",
+             f"shapes differ for {[(n, saved[n], mine[n]) for n in reshaped[:3]]}" if reshaped else ""]
+    return "; ".join(p for p in parts if p)
+
+
+def _family_words(trainer: Any) -> str:
+    return "no preconditioner (kfac=None)" if trainer == "plain" else f"the {trainer} preconditioner"
+
+
+def check_run(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> LoadKind:
+    """How the checkpoint of run `saved` loads into run `mine`; CheckpointError when it holds another family's,
+    model's or set of units' state (checked in that order)."""
+    if saved.get("trainer") != mine.get("trainer"):
+        raise CheckpointError(f"checkpoint made for {_family_words(saved.get('trainer'))}, this run trains with "
+                              f"{_family_words(mine.get('trainer'))}; its state belongs to another family: compile "
+                              "with the preconditioner it was written with")
+    if saved.get("params") != mine.get("params"):
+        raise CheckpointError(f"checkpoint made for another model, this run is {len(mine['params'])} parameters "
+                              f"({_names_words(saved.get('params') or {}, mine['params'], 'parameters')}); "
+                              "load it into the model it was written for")
+    if saved.get("units") != mine.get("units"):
+        raise CheckpointError(f"checkpoint made for other {mine['trainer']} units than this run's "
+                              f"({_names_words(saved.get('units') or {}, mine['units'], 'units')}): the stage "
+                              "split or the model changed which layers are preconditioned; resume with the "
+                              "split_points and model it was written with")
+    same = all(saved.get(k) == mine.get(k) for k in LAYOUT_FIELDS)
+    return LoadKind.SAME_LAYOUT if same else LoadKind.RESHARD
+
+
+def layout_changes(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str:
+    """What differs between two runs' layouts, in words (``"mesh [1, 2] -> [1, 4]; plan changed"``)."""
+    def change(key: str) -> str:
+        before, after = json.dumps(saved.get(key)), json.dumps(mine.get(key))
+        return f"{key} {before} -> {after}" if len(before) + len(after) <= 48 else f"{key} changed"
+    return "; ".join(change(k) for k in LAYOUT_FIELDS if saved.get(k) != mine.get(k)) or "world size changed"
 
 
 # --- work in flight ------------------------------------------------------------------------------------
@@ -80,6 +148,37 @@ def next_quiet_step(after: int, runs: Iterable[Mapping[str, Sequence[Any]]]) -> 
     runs = list(runs)
     period = math.lcm(*(int(t[0]) for timings in runs for t in timings.values())) if any(runs) else 1
     return next((s for s in range(after + 1, after + 1 + period) if all(quiet(s, t) for t in runs)), None)
+
+
+def _quiet_words(step: int, runs: list[Mapping[str, Any]]) -> str:
+    """Where to save instead of `step` so that a checkpoint reshards: the next step quiet under the runs' timings."""
+    then = next_quiet_step(step, runs)
+    if then is None:
+        return ("its layer timings never have one (use_offset >= period for some layer): save with timings whose "
+                "use_offset is below their period")
+    return (f"for these layer timings step {then} (any step s with (s - 1 - curv_step) % period >= use_offset for "
+            "every layer, counting steps done)")
+
+
+def in_flight_refusal(path: Path, header: Mapping[str, Any], mine: Mapping[str, Any],
+                       saved: Mapping[int, Mapping[str, Any]]) -> str | None:
+    """Why a resharded load cannot place the checkpoint's work in flight, or this run's plan would expect work
+    from before the resumed step; None when it can resume."""
+    step, run = int(header["step"]), header["run"]
+    busy = work_in_flight(saved)
+    if busy:
+        return (f"checkpoint {path} was saved at step {step} with work in flight ({'; '.join(busy[:3])}), which "
+                f"belongs to the ranks and plan that made it and cannot follow the state onto this layout "
+                f"({layout_changes(run, mine)}); save where no refresh is in flight, "
+                f"{_quiet_words(step, [run['timings']])}, or train with plan=None (its refreshes finish within "
+                f"their step), or resume with the layout it was written with ({_layout_words(run)})")
+    if mine.get("plan") is not None and not quiet(step, mine["timings"]):
+        late = sorted(n for n, t in mine["timings"].items() if not quiet(step, {n: t}))
+        return (f"this run's plan finishes at step {step} refreshes begun before it (layers {late[:4]}), which "
+                f"the run of checkpoint {path} finished or never began; resume from a checkpoint saved at a step "
+                f"quiet under both runs' timings, {_quiet_words(step, [run['timings'], mine['timings']])}, or "
+                "compile this run with plan=None")
+    return None
 
 
 # --- merging the saved ranks ------------------------------------------------------------------------------

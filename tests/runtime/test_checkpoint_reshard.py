@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import fxkfac
-from fxkfac import checkpoint, reshard
+from fxkfac import reshard
 from fxkfac.config import PipelineOptions
 from fxkfac.errors import CheckpointError
 from fxkfac.shampoo import ShampooConfig
@@ -103,9 +103,9 @@ def test_another_family_model_or_unit_set_is_refused(tmp_path: Path) -> None:
     fewer = {**run, "units": {n: s for n, s in run["units"].items() if n != "2"}}
     with pytest.raises(CheckpointError, match=r"other kfac units than this run's \(units only in this run \['2'\]\)"
                                               r": the stage split or the model changed"):
-        checkpoint.check_run(fewer, run)
-    assert checkpoint.check_run(run, run) is checkpoint.LoadKind.SAME_LAYOUT
-    assert checkpoint.check_run({**run, "mesh": [1, 4]}, run) is checkpoint.LoadKind.RESHARD
+        reshard.check_run(fewer, run)
+    assert reshard.check_run(run, run) is reshard.LoadKind.SAME_LAYOUT
+    assert reshard.check_run({**run, "mesh": [1, 4]}, run) is reshard.LoadKind.RESHARD
 
 
 def test_work_in_flight_is_refused_on_another_layout_and_resumes_on_the_same(tmp_path: Path) -> None:
