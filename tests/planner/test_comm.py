@@ -191,3 +191,22 @@ def test_plan_files_keep_the_comm_model() -> None:
     plan = solve(problem, SolverConfig(time_limit_s=5.0))
     again = Plan.from_json(plan.to_json())
     assert again.problem.costs.comm == MODEL and validate(again.problem, again) == []
+
+
+def test_explain_prints_the_model_and_the_collective_seconds(capsys: pytest.CaptureFixture[str]) -> None:
+    from fxkfac.cli import build_parser, cost_table, main, problem_of
+
+    argv = ["plan", "bert-base", "-D", "2", "-N", "2", "--dp", "2", "--hardware", "a100", "--method", "greedy"]
+    assert main(argv + ["--explain"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Communication (analytic:a100 NVLink 3.0 / IB HDR;" in out
+    assert "within a node (groups of <= 8 ranks): every kind alpha 3.4 us, beta 3.33e-12 s/B (300 GB/s)" in out
+    assert "across nodes (groups of > 8 ranks): every kind alpha 9.6 us, beta 4e-11 s/B (25 GB/s)" in out
+    args = build_parser().parse_args(argv)
+    problem = problem_of(args, cost_table(args, 2))
+    for s in (0, 1):
+        c = stage_comm(problem, s)
+        assert c.allreduce > 0 and c.sync > 0 and c.bcast > 0
+        assert (f"s{s}: 2 ranks, gradient all-reduce {c.allreduce * 1e3:.3f} ms per step, "
+                f"SYNC_STATS + BCAST {(c.sync + c.bcast) * 1e3:.3f} ms per refresh") in out
+    assert "Collectives of the plan per step" in out
