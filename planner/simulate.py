@@ -258,7 +258,9 @@ def simulate(
     one in the same replica). With SEND/RECV ops, only RECVs wait: for the matching SEND's end
     plus `comm` (sends never block). Collectives (ALLREDUCE_GRAD, SYNC_STATS, BCAST) and OPT_STEP
     start together once every rank holding them reaches them (`SYNCHRONIZING_KINDS`: OPT_STEP is the
-    runtime's end-of-step barrier); other K-FAC ops follow program order.
+    runtime's end-of-step barrier) and last the longest `duration` of their members (the planner's
+    callers price collectives with the cost table's comm model, `CostTable.collective_seconds`); other
+    K-FAC ops follow program order.
     Step j runs the period's step j % period. Raises DeadlockError naming the blocked ops.
     """
     if steps < 1:
