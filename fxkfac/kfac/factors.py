@@ -64,14 +64,16 @@ def factor(rows: Tensor, dtype: torch.dtype | str = torch.float32) -> Tensor:
     if rows.dim() != 2 or rows.shape[0] == 0:
         raise ConfigError(f"factor() needs a non-empty [rows, dim] matrix, got shape {tuple(rows.shape)}")
     r = rows.to(_as_dtype(dtype))
-    return (r.t() @ r) / r.shape[0]
+    return (r.t() @ r).div_(r.shape[0])
 
 
 def running_average(old: Tensor | None, new: Tensor, decay: float) -> Tensor:
     """``decay * old + (1 - decay) * new``; the first refresh (``old is None``) takes ``new`` as is."""
     if old is None:
         return new
-    return old * decay + new * (1.0 - decay)
+    if old.dtype != new.dtype or old.shape != new.shape:
+        return old * decay + new * (1.0 - decay)
+    return (old * decay).add_(new * (1.0 - decay))  # the same roundings, one temporary fewer
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Literal
 
 import torch
@@ -29,6 +30,10 @@ class Inverse:
     (eigenvalues clamped at 0), applied as ``q_b ((q_b^T G q_a) / (l_b l_a^T + damping)) q_a^T``.
     With pi-damping the eigen form stores ``l_a + gamma_A``, ``l_b + gamma_B`` and ``damping = 0``,
     which is the same operator as the Cholesky form.
+
+    The eigen form's divisor ``l_b l_a^T + damping`` is made once per Inverse, at its first use
+    (`eigen_divisor`), and kept with it: one gradient-sized tensor per layer (kfac-pytorch keeps the same with
+    its default ``compute_eigenvalue_outer_product``). It is not part of `to_dict`.
     """
 
     method: Literal["cholesky", "eigen"]
@@ -39,6 +44,17 @@ class Inverse:
     q_b: Tensor | None = None
     l_b: Tensor | None = None
     damping: float = 0.0
+
+    @cached_property
+    def eigen_divisor(self) -> Tensor:
+        """``l_b l_a^T + damping``, ``[d_out, a_dim]``: what the rotated gradient is divided by (eigen form only).
+
+        The damping is the Inverse's own, fixed when it was made, so caching changes no number: the same
+        tensor is computed as each step would compute it.
+        """
+        if self.method != "eigen" or self.l_a is None or self.l_b is None:
+            raise ConfigError("eigen_divisor is defined for the eigen form only")
+        return torch.outer(self.l_b, self.l_a).add_(self.damping)
 
     def to_dict(self) -> dict[str, Tensor]:
         """Flat dict of tensors (for a state_dict); the keys present tell the method."""

@@ -44,6 +44,12 @@ def split_grad(layer: KFACLayer, P: Tensor) -> tuple[Tensor, Tensor | None]:
     The weight comes back as ``[d_out, d_in]`` (Linear) or ``[C_out, C_in, kh, kw]`` (Conv2d); a weight
     stored transposed (``layer.weight_transposed``) is transposed back by the caller.
     """
+    w, bias = _split_views(layer, P)
+    return w.contiguous(), None if bias is None else bias.contiguous()
+
+
+def _split_views(layer: KFACLayer, P: Tensor) -> tuple[Tensor, Tensor | None]:
+    """`split_grad` without the copies: views of P (what `Preconditioner` copies into the gradients)."""
     if tuple(P.shape) != (layer.d_out, layer.a_dim):
         raise ConfigError(f"layer {layer.name!r}: expected [{layer.d_out}, {layer.a_dim}], got {tuple(P.shape)}")
     w = P[:, : layer.d_in]
@@ -52,8 +58,7 @@ def split_grad(layer: KFACLayer, P: Tensor) -> tuple[Tensor, Tensor | None]:
             raise ConfigError(f"layer {layer.name!r} is a conv2d without a ConvSpec")
         kh, kw = layer.conv.kernel_size
         w = w.reshape(layer.d_out, layer.d_in // (kh * kw), kh, kw)
-    bias = P[:, layer.d_in].contiguous() if layer.bias is not None else None
-    return w.contiguous(), bias
+    return w, P[:, layer.d_in] if layer.bias is not None else None
 
 
 def precondition(G: Tensor, inv: Inverse | None) -> Tensor:
@@ -71,8 +76,7 @@ def precondition(G: Tensor, inv: Inverse | None) -> Tensor:
         assert inv.q_a is not None and inv.l_a is not None and inv.q_b is not None and inv.l_b is not None, \
             "the eigen form holds q_a, l_a, q_b and l_b"
         rotated = inv.q_b.t() @ g @ inv.q_a
-        scaled = rotated / (torch.outer(inv.l_b, inv.l_a) + inv.damping)
-        p = inv.q_b @ scaled @ inv.q_a.t()
+        p = inv.q_b @ rotated.div_(inv.eigen_divisor) @ inv.q_a.t()
     return p.to(G.dtype)
 
 
@@ -107,8 +111,11 @@ class Preconditioner:
         self.layers = tuple(layers)
 
     def __call__(self, grads: MutableMapping[str, Tensor], states: Mapping[str, LayerState]) -> Tensor:
-        """Precondition ``grads`` (parameter FQN -> gradient) in place; returns ``sum_l <P_l, G_l>``."""
-        total = torch.zeros((), dtype=torch.float64)
+        """Precondition ``grads`` (parameter FQN -> gradient) in place; returns ``sum_l <P_l, G_l>``.
+
+        Each ``<P_l, G_l>`` multiplies in the gradients' dtype and sums in float64.
+        """
+        dots: list[Tensor] = []
         for layer in self.layers:
             weight_grad = grads.get(layer.weight)
             if weight_grad is None:
@@ -117,11 +124,16 @@ class Preconditioner:
             w = weight_grad.t() if layer.weight_transposed else weight_grad
             G = grad_matrix(layer, w, bias_grad)
             P = precondition(G, states[layer.name].active)
-            total = total + (P.double() * G.double()).sum().cpu()
-            new_w, new_b = split_grad(layer, P)
+            dots.append(torch.sum(P * G, dtype=torch.float64))
+            if P is G:  # no inverse: the gradients stay as they are
+                continue
+            new_w, new_b = _split_views(layer, P)
             weight_grad.copy_(new_w.t() if layer.weight_transposed else new_w)
             if bias_grad is not None and new_b is not None:
                 bias_grad.copy_(new_b)
+        total = torch.zeros((), dtype=torch.float64)
+        for dot in dots:  # one by one, in layer order, as the sum was always made
+            total = total + dot.cpu()
         return total
 
     def scale(self, grads: MutableMapping[str, Tensor], nu: float) -> None:

@@ -108,3 +108,14 @@ def test_factor_dtype_by_name() -> None:
         factor(rows, "int32")
     with pytest.raises(ConfigError, match="floating"):
         factor(rows, "float17")
+
+
+def test_running_average_and_factor_round_as_the_plain_expressions() -> None:
+    """The fewer-temporaries forms give bit for bit ``old * d + new * (1 - d)`` and ``r^T r / rows``."""
+    g = torch.Generator().manual_seed(0)
+    old, new = torch.randn(33, 33, generator=g), torch.randn(33, 33, generator=g)
+    assert torch.equal(running_average(old, new, 0.95), old * 0.95 + new * (1.0 - 0.95))
+    mixed = running_average(old, new.double(), 0.95)  # dtypes differ: promoted as the plain expression does
+    assert mixed.dtype == torch.float64 and torch.equal(mixed, old * 0.95 + new.double() * (1.0 - 0.95))
+    rows = torch.randn(17, 9, generator=g)
+    assert torch.equal(factor(rows), (rows.t() @ rows) / 17)

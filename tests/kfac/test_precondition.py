@@ -180,3 +180,19 @@ def test_grad_matrix_rejects_a_weight_in_the_wrong_layout() -> None:
         grad_matrix(layer, raw, torch.randn(4))
     G = grad_matrix(layer, raw.t(), torch.randn(4))
     assert G.shape == (4, 7) and torch.equal(G[:, :6], raw.t())
+
+
+@pytest.mark.parametrize("pi", [False, True])
+def test_eigen_divisor_is_made_once_and_changes_no_number(pi: bool) -> None:
+    """The cached ``l_b l_a^T + damping`` gives bit for bit what dividing by a fresh outer product gives."""
+    layer, A, B, G, *_ = _factors_and_grad("linear_tokens", True)
+    inv = invert(A.float(), B.float(), damping=DAMPING, method="eigen", pi_damping=pi)
+    g = G.float()
+    rotated = inv.q_b.t() @ g @ inv.q_a
+    fresh = inv.q_b @ (rotated / (torch.outer(inv.l_b, inv.l_a) + inv.damping)) @ inv.q_a.t()
+    assert torch.equal(precondition(g, inv), fresh)
+    assert inv.eigen_divisor is inv.eigen_divisor  # made once per Inverse
+    assert torch.equal(precondition(g, inv), fresh)  # and the cached divisor is not changed by use
+    assert "eigen_divisor" not in inv.to_dict()
+    with pytest.raises(ConfigError, match="eigen form only"):
+        _ = invert(A, B, damping=DAMPING, method="cholesky").eigen_divisor

@@ -73,3 +73,26 @@ def test_linear_conv1d_conv2d_and_untouched_parameters() -> None:
     pre.scale(grads, 0.25)
     torch.testing.assert_close(grads["conv.bias"], before["conv.bias"] * 0.25)
     assert torch.equal(grads["other.weight"], before["other.weight"])
+
+
+def test_float32_gradients_equal_split_precondition_and_dot_to_float_rounding() -> None:
+    """In float32 the written gradients are exactly split_grad(precondition(G)) and <P, G> is the float64 sum of
+    the products to float32 rounding (each product is rounded to float32 before the float64 sum)."""
+    from fxkfac.kfac.precondition import grad_matrix, precondition, split_grad
+
+    layer = KFACLayer("fc", "linear", "fc.weight", "fc.bias", 40, 30)
+    g = torch.Generator().manual_seed(1)
+    grads = {"fc.weight": torch.randn(30, 40, generator=g), "fc.bias": torch.randn(30, generator=g)}
+    state = LayerState(layer.a_dim, layer.b_dim)
+    state.A, state.B = _spd(layer.a_dim, 0).float(), _spd(layer.b_dim, 1).float()
+    for method in ("cholesky", "eigen"):
+        state.set_pending(invert(state.A, state.B, damping=GAMMA, method=method), 0)  # type: ignore[arg-type]
+        state.activate(0)
+        work = {k: v.clone() for k, v in grads.items()}
+        G = grad_matrix(layer, grads["fc.weight"], grads["fc.bias"])
+        P = precondition(G, state.active)
+        w, b = split_grad(layer, P)
+        dot = Preconditioner([layer])(work, {"fc": state})
+        assert torch.equal(work["fc.weight"], w) and torch.equal(work["fc.bias"], b)
+        exact = float((P.double() * G.double()).sum())
+        assert dot.dtype == torch.float64 and abs(float(dot) - exact) <= 1e-6 * abs(exact)
