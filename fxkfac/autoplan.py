@@ -12,9 +12,10 @@ from fxkfac import errors
 from fxkfac.config import PlanOptions
 from fxkfac.errors import ConfigError, FxkfacError
 from fxkfac.passes.layers import KFACLayer
+from fxkfac.planner.choose import solve_with_strategy
 from fxkfac.planner.costs import CostTable, load_cost_table
 from fxkfac.planner.errors import Knob, PlanError, PlanMismatchError
-from fxkfac.planner.plan import Plan, solve
+from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.schedules import ScheduleKind
 from fxkfac.planner.validate import check_plan
@@ -97,6 +98,7 @@ def solve_for(target: Target, costs: CostTable, options: PlanOptions) -> Plan:
 
     With `options.max_overhead` None the bubbles are tried alone first; when they cannot hold the work, the
     least max_overhead the planner found to place it is used (its refusal names that value), and logged.
+    `options.strategy` forces a distribution strategy; None lets the planner choose (planner/choose.py).
     """
     strict = options.max_overhead is not None
     problem = Problem(target.schedule.value, target.D, target.N, costs, W=target.W, v=target.v,
@@ -106,8 +108,9 @@ def solve_for(target: Target, costs: CostTable, options: PlanOptions) -> Plan:
         problem = replace(problem, max_period=target.max_period)
     config = SolverConfig(time_limit_s=options.time_limit_s, deterministic=options.deterministic)
     log.info("solving the plan of %s", target.describe())
+    strategy = options.forced_strategy
     try:
-        return solve(problem, config)
+        return solve_with_strategy(problem, strategy, config)
     except PlanError as e:
         relaxed = [s for s in e.suggestions if {knob for knob, _ in s.changes} == {Knob.MAX_OVERHEAD}]
         if strict or not relaxed:
@@ -116,7 +119,7 @@ def solve_for(target: Target, costs: CostTable, options: PlanOptions) -> Plan:
         log.warning("plan='auto': the bubbles alone cannot hold the K-FAC work (%s); planning with "
                     "max_overhead=%.4g, the least the planner found that places it (pass PlanOptions(max_overhead="
                     "...) to decide yourself)", str(e).split(". ")[0], value)
-        return solve(replace(problem, max_overhead=value), config)
+        return solve_with_strategy(replace(problem, max_overhead=value), strategy, config)
 
 
 def check_matches(plan: Any, target: Target, where: str = "the plan") -> None:

@@ -15,13 +15,15 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar
 
 from rich.console import Console
 
+from fxkfac.planner.choose import solve_with_strategy
 from fxkfac.planner.costs import CostTable, StageCost, is_profile, load_cost_table
-from fxkfac.planner.errors import Knob, PlanError, PlanFormatError, PlannerError, Suggestion
+from fxkfac.planner.errors import ConfigError, Knob, PlanError, PlanFormatError, PlannerError, Suggestion
 from fxkfac.planner.hardware import HARDWARE, hardware
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.preconditioners import WORDS, PreconditionerKind, kind_of, words_of
 from fxkfac.planner.problem import Problem, SolverConfig, plain_step_time
 from fxkfac.planner.schedules import ScheduleKind, num_stages, validate_schedule_args
+from fxkfac.planner.strategy import Strategy, parse_strategy
 
 if TYPE_CHECKING:
     from fxkfac.planner.block_size import BlockChoice
@@ -135,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="memory budget per device, e.g. 16GiB (default: the device's memory, where known)")
     plan.add_argument("--max-overhead", type=_arg_type(parse_fraction), default=0.0,
                       help="allowed step-time growth, e.g. 5%%")
+    plan.add_argument("--strategy", type=_arg_type(_strategy_arg), default=None,
+                      help="how the copies of a stage share each layer's work: comm-opt, mem-opt, hybrid:F (KAISA's "
+                           "grad-worker fraction, e.g. hybrid:0.5) or dp-kfac (local factors) on every layer; "
+                           "default auto: the planner chooses")
     plan.add_argument("--nondeterministic", action="store_true",
                       help="budget CP-SAT in wall-clock seconds on 2 threads (a slower or busier machine may plan "
                            "differently); default: deterministic time, the same plan under any load")
@@ -367,8 +373,18 @@ def _explain_plan_comm(plan: Plan, console: Console) -> None:
 def problem_of(args: argparse.Namespace, costs: CostTable) -> Problem:
     """The planning problem the command line describes (the budget: `memory_budget`)."""
     period = {} if args.precondition_frequency is None else {"max_period": args.precondition_frequency}
-    return Problem(args.schedule, args.stages, args.microbatches, costs, W=args.dp, v=args.virtual_stages,
-                   memory_budget=memory_budget(args, costs.hardware).bytes, max_overhead=args.max_overhead, **period)
+    problem = Problem(args.schedule, args.stages, args.microbatches, costs, W=args.dp, v=args.virtual_stages,
+                      memory_budget=memory_budget(args, costs.hardware).bytes, max_overhead=args.max_overhead,
+                      **period)
+    return problem if args.strategy is None else problem.with_strategy(args.strategy)
+
+
+def _strategy_arg(text: str) -> Strategy | None:
+    """--strategy's value: a Strategy, or None for auto."""
+    try:
+        return None if text.strip().lower() == "auto" else parse_strategy(text)
+    except ConfigError as e:
+        raise CliError(str(e)) from None
 
 
 def _flags(suggestion: Suggestion) -> str:
@@ -452,8 +468,9 @@ def _solved(args: argparse.Namespace, S: int, console: Console) -> Plan:
     if args.explain:
         _explain(args, costs, plain_step_time(problem), console)
         _explain_comm(problem, console)
-    try:
-        plan = solve(problem, config, method=args.method)
+    try:  # a forced --strategy is in the problem already (problem_of); without one the planner chooses
+        plan = solve(problem, config, method=args.method) if args.strategy is not None else \
+            solve_with_strategy(problem, None, config, method=args.method)
     except PlanError as e:
         raise _refused(e, memory_budget(args, costs.hardware)) from None
     if args.explain:

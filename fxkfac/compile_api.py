@@ -101,7 +101,7 @@ def compile(  # noqa: A001 - the public name the design card gives
     timings = layer_timings(units, family, {**given, **dict(layer_timing or {})}) if family else {}
     parts = family.parts if family is not None else ()
     fed_by_gradient = gradient_parts(family) if family is not None else frozenset()
-    distributions = ({} if resolved is not None or family is None else
+    distributions = (dict(resolved.problem.distributions) if resolved is not None else {} if family is None else
                      critical_path_distributions(plan_options, family, stage_layers, known, kind, layout, v))
     programs = resolved.programs if resolved is not None else naive_programs(
         kind, layout.D, N, layout.W, timings, stage_layers, v=v, parts=parts, gradient_parts=fed_by_gradient,

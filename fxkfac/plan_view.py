@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from rich.console import Group, RenderableType
 
+from fxkfac.planner.choose import strategy_of
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.preconditioners import words_of
@@ -178,6 +179,7 @@ def plan_rows(plan: Plan) -> list[tuple[str, str]]:
         ("model costs", f"{costs.source} ({costs.hardware}, micro-batch {costs.micro_batch_size})"),
         ("schedule", f"{p.schedule}  D={p.D} N={p.N} W={p.W}" + (f" v={p.v}" if p.schedule == "interleaved" else "")),
         ("memory budget / max overhead", f"{budget} per device / {p.max_overhead * 100:.3g}%"),
+        ("strategy across copies", strategy_of(plan)),
         ("solver", f"{m.solver.status} ({_VERDICTS.get(m.solver.status, 'unknown status')}), "
                    f"{m.solver.wall_time:.1f} s, gap to bound {m.solver.gap:.1%}"),
         ("step time before -> after", f"{m.step_time_baseline * 1e3:.2f} ms -> {m.step_time * 1e3:.2f} ms "

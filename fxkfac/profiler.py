@@ -145,7 +145,7 @@ def gradient_unit_cost(family: Family, units: Mapping[str, Any], params: Mapping
         parts = tuple(PartCost(part, OpKind.ALLREDUCE_GRAD, stats[part], decomp[part], 0, folded[part])
                       for part in family.parts)
         extra = max(0, _state_bytes(state) - 2 * sum(folded.values()))
-        return LayerCost(name, parts, prec, extra)
+        return LayerCost(name, parts, prec, extra, p.numel() * p.element_size())
     return cost
 
 
@@ -169,7 +169,8 @@ def _layer_cost(layer: KFACLayer, rows: int, cfg: KFACConfig, warmup: int, repea
         inv_b=time_call(lambda: invert_factor(B, gamma, method=cfg.inverse), warmup=warmup, repeats=repeats),
         prec=time_call(_prec_call(layer, inverse), warmup=warmup, repeats=repeats),
         a_bytes=rows * layer.d_in * 4, e_bytes=rows * layer.d_out * 4,
-        factor_a_bytes=layer.a_dim ** 2 * item, factor_b_bytes=layer.b_dim ** 2 * item)
+        factor_a_bytes=layer.a_dim ** 2 * item, factor_b_bytes=layer.b_dim ** 2 * item,
+        grad_bytes=layer.a_dim * layer.b_dim * 4)
 
 
 def _act_bytes(gm: torch.fx.GraphModule) -> int:

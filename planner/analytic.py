@@ -192,6 +192,7 @@ def linear_kernels(
         e_bytes=round(e["e_bytes"]),
         factor_a_bytes=round(e["factor_a_bytes"]),
         factor_b_bytes=round(e["factor_b_bytes"]),
+        grad_bytes=4 * (lin.d_in + int(lin.bias)) * lin.d_out,
     )
     return KernelCost(fwd, bwd, layer)
 

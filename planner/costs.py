@@ -110,14 +110,16 @@ class PartCost:
 
 @dataclass(frozen=True, slots=True)
 class LayerCost:
-    """What one preconditioned layer costs: its parts, `prec` seconds to apply its preconditioner per step, and
+    """What one preconditioned layer costs: its parts, `prec` seconds to apply its preconditioner per step,
     `state_bytes` of per-step optimizer state besides the parts' statistics (Shampoo's graft state and
-    momentum, SOAP's Adam moments), held for the whole run."""
+    momentum, SOAP's Adam moments), held for the whole run, and `grad_bytes` of its gradient (what a grad worker
+    broadcasts when it preconditions the layer for other copies; 0: unknown, see `gradient_bytes`)."""
 
     name: str
     parts: tuple[PartCost, ...]
     prec: float
     state_bytes: int = 0
+    grad_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -128,15 +130,18 @@ class LayerCost:
             raise CostModelError(f"layer {self.name!r}: parts {[p.part for p in self.parts]} repeat a name")
         _check_number(f"layer {self.name!r}", "prec", self.prec, integer=False)
         _check_number(f"layer {self.name!r}", "state_bytes", self.state_bytes, integer=True)
+        _check_number(f"layer {self.name!r}", "grad_bytes", self.grad_bytes, integer=True)
 
     @classmethod
     def kfac(cls, name: str, curv_a: float, curv_b: float, inv_a: float, inv_b: float, prec: float,
-             a_bytes: int, e_bytes: int, factor_a_bytes: int, factor_b_bytes: int) -> LayerCost:
+             a_bytes: int, e_bytes: int, factor_a_bytes: int, factor_b_bytes: int, grad_bytes: int = 0) -> LayerCost:
         """A K-FAC layer: A_m / B_m from one micro-batch in curv_a / curv_b seconds, each factor inverted in
         inv_a / inv_b, B^-1 G A^-1 in prec; a deferred capture keeps a_bytes / e_bytes (the rows of a and of e)
-        per micro-batch; each factor takes factor_a_bytes / factor_b_bytes."""
+        per micro-batch; each factor takes factor_a_bytes / factor_b_bytes; the weight and bias gradients
+        grad_bytes."""
         return cls(name, (PartCost("A", OpKind.FWD, curv_a, inv_a, a_bytes, factor_a_bytes),
-                          PartCost("B", OpKind.BWD, curv_b, inv_b, e_bytes, factor_b_bytes)), prec)
+                          PartCost("B", OpKind.BWD, curv_b, inv_b, e_bytes, factor_b_bytes)), prec,
+                   grad_bytes=grad_bytes)
 
     def part(self, name: str) -> PartCost:
         """The cost of part `name`; CostModelError when the layer has none such."""
@@ -159,6 +164,16 @@ class LayerCost:
     def factor_bytes(self) -> int:
         """Bytes of every part's statistic (the same again for the decompositions)."""
         return sum(p.state_bytes for p in self.parts)
+
+    @property
+    def gradient_bytes(self) -> int:
+        """`grad_bytes`, or when unknown (cost files from before it) the product of the sides of a square
+        two-part layer's statistics (K-FAC's a_dim x b_dim gradient) at their element size."""
+        if self.grad_bytes or len(self.parts) != 2:
+            return self.grad_bytes
+        item = 4
+        a, b = (math.isqrt(p.state_bytes // item) for p in self.parts)
+        return a * b * item
 
     @property
     def capture_bytes(self) -> int:
@@ -261,7 +276,8 @@ class CostTable:
         makes of it, rounded up to a whole microsecond (so a table of whole microseconds keeps an exact time
         grid, [Note: time grid] in planner/window.py): ALLREDUCE_GRAD all-reduces the stage's gradients
         (`param_bytes`), SYNC_STATS each named part's statistic with its count (`state_bytes` + `COUNT_BYTES`),
-        BCAST broadcasts each named part's decomposition (as large as its statistic, `state_bytes`)."""
+        BCAST broadcasts each named part's decomposition (as large as its statistic, `state_bytes`), BCAST_PREC
+        the named layer's preconditioned gradient (`LayerCost.gradient_bytes`)."""
         if op.stage is None:
             raise CostModelError(f"{op} names no stage: its bytes are unknown")
         stage = self.stages[op.stage]
@@ -273,6 +289,8 @@ class CostTable:
             messages = [(kind, p.state_bytes + (COUNT_BYTES if sync else 0))
                         for x in stage.layers if op.layer in (None, x.name)
                         for p in x.parts if op.part in (None, p.part)]
+        elif op.kind is OpKind.BCAST_PREC:
+            messages = [(Collective.BROADCAST, x.gradient_bytes) for x in stage.layers if x.name == op.layer]
         else:
             raise CostModelError(f"{op} is not a collective the cost table prices")
         total = sum(comm_seconds(self.comm, kind, n, group_size) for kind, n in messages)
@@ -356,7 +374,7 @@ def _layer_from_dict(data: dict[str, Any]) -> LayerCost:
     if "parts" not in data:
         return LayerCost.kfac(**data)
     parts = tuple(PartCost(**{**p, "after": OpKind(p["after"])}) for p in data["parts"])
-    return LayerCost(data["name"], parts, data["prec"], data.get("state_bytes", 0))
+    return LayerCost(data["name"], parts, data["prec"], data.get("state_bytes", 0), data.get("grad_bytes", 0))
 
 
 def _stage_from_dict(data: dict[str, Any]) -> StageCost:
@@ -491,6 +509,7 @@ def _block_layer(row: dict[str, float], name: str) -> LayerCost:
         e_bytes=round(row["mem_save_err"] * _MIB),
         factor_a_bytes=round(half_kron),
         factor_b_bytes=round(half_kron),
+        grad_bytes=round(row["mem_param"] * _MIB),
     )
 
 

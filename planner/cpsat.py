@@ -114,11 +114,18 @@ def _add_precedences(v: _Vars, w: Window) -> None:
 
 
 def _add_precs(v: _Vars, w: Window) -> None:
-    for slot in w.precs:
+    """Every APPLY slot on its device; the slots of one stage and step that broadcast preconditioned gradients
+    start together on every copy (`PrecSlot.shares`)."""
+    first: dict[tuple[int, int], int] = {}
+    for n, slot in enumerate(w.precs):
         name = f"prec_s{slot.stage}_r{slot.device}_j{slot.step}"
         start, pos, _ = _modular(v, name, slot.release, slot.deadline - slot.ticks, slot.ticks, w.length)
         v.prec.append(start)
         v.intervals_of_device[slot.device].append(v.model.new_fixed_size_interval_var(pos, slot.ticks, name))
+        if slot.shares:
+            m = first.setdefault((slot.stage, slot.step), n)
+            if m != n:
+                v.model.add(start == v.prec[m])
 
 
 def _add_slot_releases(v: _Vars, w: Window) -> None:

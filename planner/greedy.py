@@ -19,7 +19,7 @@ import time
 
 from fxkfac.planner.budget import Meter
 from fxkfac.planner.errors import PlanError
-from fxkfac.planner.problem import Problem, StageGroup, copies_of_stage, step_timeline
+from fxkfac.planner.problem import Problem, StageGroup, step_timeline
 from fxkfac.planner.stretch import Allowance, least_stretch, stretch_lower_bound
 from fxkfac.planner.window import GroupSolution, Task, TaskKind, Window, use_offsets
 
@@ -79,9 +79,9 @@ def _fit_together(gaps: list[_Gaps], earliest: int, need: int) -> int | None:
 
 
 def _inv_device(window: Window, task: Task) -> int:
-    copies = copies_of_stage(window.problem, task.stage)
+    """The paper's round-robin: the stage's i-th layer decomposes on the (i mod g)-th of its grad workers."""
     names = [x.name for x in window.problem.costs.stages[task.stage].layers]
-    return copies[names.index(task.factors[0][0]) % len(copies)]
+    return task.devices[names.index(task.factors[0][0]) % len(task.devices)]
 
 
 def _slot_release(window: Window, task: Task, device: int) -> int:

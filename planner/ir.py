@@ -21,6 +21,7 @@ __all__ = [
     "Programs",
     "LayerTiming",
     "COLLECTIVE_KINDS",
+    "PRECONDITIONER_KINDS",
     "SEND_KINDS",
     "RECV_KINDS",
     "OP_FIELDS",
@@ -55,6 +56,9 @@ class OpKind(StrEnum):
 SEND_KINDS = frozenset({OpKind.SEND_ACT, OpKind.SEND_GRAD})
 RECV_KINDS = frozenset({OpKind.RECV_ACT, OpKind.RECV_GRAD})
 COLLECTIVE_KINDS = frozenset({OpKind.ALLREDUCE_GRAD, OpKind.SYNC_STATS, OpKind.BCAST, OpKind.BCAST_PREC})
+PRECONDITIONER_KINDS = frozenset({OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST, OpKind.APPLY,
+                                  OpKind.BCAST_PREC})
+"""The ops a preconditioner family plugs into a pipeline's program (the plans place them)."""
 
 _SHORT = {OpKind.FWD: "F", OpKind.BWD: "B"}
 _BY_NAME = {**{k.value: k for k in OpKind}, **{v: k for k, v in _SHORT.items()}}

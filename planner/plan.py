@@ -809,8 +809,9 @@ _SEARCHES = {Knob.MAX_OVERHEAD: _search_overhead, Knob.MEMORY_BUDGET: _search_me
              Knob.MICROBATCHES: _search_microbatches}
 
 
-_PLACED_KINDS = frozenset({OpKind.STATS, OpKind.APPLY, OpKind.OPT_STEP})
-"""Ops of the reference step that a plan places itself (gradient STATS and APPLY) or appends (OPT_STEP)."""
+_PLACED_KINDS = frozenset({OpKind.STATS, OpKind.APPLY, OpKind.BCAST_PREC, OpKind.OPT_STEP})
+"""Ops of the reference step that a plan places itself (the per-step slot: gradient STATS, APPLY, BCAST_PREC) or
+appends (OPT_STEP)."""
 
 
 def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) -> Program:

@@ -14,7 +14,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
 from fxkfac.planner.errors import PlanFormatError
-from fxkfac.planner.ir import Op, OpKind
+from fxkfac.planner.ir import PRECONDITIONER_KINDS, Op, OpKind
 from fxkfac.planner.lowering import startup_programs
 from fxkfac.planner.problem import Problem, base_programs, copies_of_stage
 from fxkfac.planner.window import born_steps
@@ -28,8 +28,10 @@ MAX_QUANTUM_SHARE = 0.01
 """The coarsest time grid a file may claim, as a share of the step (the planner's is 1e-5 or exact):
 the validator's tolerance is the grid, so a coarse claimed grid would let overlaps pass."""
 
-_KFAC_KINDS = frozenset({OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST, OpKind.APPLY})
+_KFAC_KINDS = PRECONDITIONER_KINDS
 _LAYER_KINDS = frozenset({OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST})
+_NAMED_KINDS = frozenset({OpKind.APPLY, OpKind.BCAST_PREC})
+"""Ops that may (APPLY) or must (BCAST_PREC) name a layer, and no part."""
 
 
 def _is_int(value: Any) -> bool:
@@ -80,6 +82,9 @@ def _check_op(problem: Problem, op: Op, device: int, fixed: dict[int, set]) -> N
         parts = {p.part for x in problem.costs.stages[op.stage].layers if x.name == op.layer for p in x.parts}
         _need(op.layer in names and op.part in parts, f"{op}: stage {op.stage} has no layer {op.layer!r} "
               "or the layer has no such part")
+    if op.kind in _NAMED_KINDS and op.layer is not None:
+        _need(op.layer in {x.name for x in problem.costs.stages[op.stage].layers},
+              f"{op}: stage {op.stage} has no layer {op.layer!r}")
     if op.kind is OpKind.STATS:
         kind = problem.costs.layer(op.layer).part(op.part).after  # type: ignore[arg-type]  # checked just above
         if kind is OpKind.ALLREDUCE_GRAD:

@@ -4,16 +4,25 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from typing import Any
 
 from fxkfac.planner.costs import CostTable, StageCost
-from fxkfac.planner.errors import PlanError, PlanFormatError
+from fxkfac.planner.errors import ConfigError, PlanError, PlanFormatError
 from fxkfac.planner.ir import Op, OpKind
 from fxkfac.planner.lowering import add_send_recv, expand_dp
 from fxkfac.planner.schedules import ScheduleKind, num_stages, schedule_programs, validate_schedule_args
 from fxkfac.planner.simulate import Timeline, simulate
+from fxkfac.planner.strategy import (
+    COMM_OPT,
+    LayerDistribution,
+    Strategy,
+    distribute,
+    grad_workers,
+    holding,
+    receivers,
+)
 
 __all__ = [
     "Problem",
@@ -52,7 +61,9 @@ class Problem:
     with preconditioning, as a fraction of that reference step (0.0: only bubbles are used); fused
     curvature and idle time appended to every step (see [Note: stretch] in planner/window.py) share
     it. fingerprint: the graph the plan is for
-    (opaque here). max_period: the longest refresh period the planner may choose.
+    (opaque here). max_period: the longest refresh period the planner may choose. distributions: where each
+    layer's work lives among its stage's copies, as (layer, distribution) pairs sorted by layer (hashable;
+    `with_distributions` makes them from a mapping; planner/strategy.py; absent layers: COMM-OPT).
     """
 
     schedule: str
@@ -66,6 +77,7 @@ class Problem:
     hardware: str = ""
     fingerprint: str = ""
     max_period: int = 32
+    distributions: tuple[tuple[str, LayerDistribution], ...] = ()
 
     def __post_init__(self) -> None:
         kind = validate_schedule_args(self.schedule, self.D, self.N, self.v)
@@ -85,6 +97,36 @@ class Problem:
             raise PlanError(f"max_overhead is a fraction in [0, 10), got {self.max_overhead!r}")
         if not isinstance(self.max_period, int) or self.max_period < 1:
             raise PlanError(f"max_period must be an int >= 1, got {self.max_period!r}")
+        if [n for n, _ in self.distributions] != sorted({n for n, _ in self.distributions}):
+            raise PlanError("Problem.distributions must be (layer, distribution) pairs sorted by distinct layer; "
+                            "use Problem.with_distributions")
+        unknown = sorted({n for n, _ in self.distributions} - set(self.costs.layer_names))
+        if unknown:
+            raise PlanError(f"distributions name layers {unknown[:3]} that are not in the cost table")
+        for name, where in self.distributions:
+            grad_workers(copies_of_stage(self, self.costs.stage_of(name)), where)  # ConfigError for a bad column
+
+    def with_distributions(self, distributions: Mapping[str, LayerDistribution]) -> Problem:
+        """The same problem with these layer distributions (every other layer COMM-OPT, which is not listed: a
+        problem has one form whatever way COMM-OPT is given)."""
+        named = sorted((n, d) for n, d in distributions.items() if d != LayerDistribution())
+        return replace(self, distributions=tuple(named))
+
+    def with_strategy(self, strategy: Strategy) -> Problem:
+        """Every layer under `strategy`, each stage's layers dealt to its columns by KAISA's greedy on their
+        decomposition seconds (`planner.strategy.distribute`)."""
+        holders = {s: copies_of_stage(self, s) for s in range(self.num_stages)}
+        layers = {s: [x.name for x in stage.layers] for s, stage in enumerate(self.costs.stages)}
+        costs = {x.name: x.inv for stage in self.costs.stages for x in stage.layers}
+        return self.with_distributions(distribute(strategy, layers, holders, costs))
+
+    def where(self, layer: str) -> LayerDistribution:
+        """The distribution of `layer` (COMM-OPT unless `distributions` names it)."""
+        return dict(self.distributions).get(layer, LayerDistribution())
+
+    def workers(self, layer: str) -> tuple[int, ...]:
+        """The ranks that decompose and apply `layer`'s preconditioner (all copies of its stage under COMM-OPT)."""
+        return grad_workers(copies_of_stage(self, self.costs.stage_of(layer)), self.where(layer))
 
     @property
     def kind(self) -> ScheduleKind:
@@ -106,14 +148,16 @@ class Problem:
         return {"schedule": self.schedule, "D": self.D, "N": self.N, "W": self.W, "v": self.v,
                 "costs": self.costs.to_dict(), "memory_budget": self.memory_budget,
                 "max_overhead": self.max_overhead, "hardware": self.hardware,
-                "fingerprint": self.fingerprint, "max_period": self.max_period}
+                "fingerprint": self.fingerprint, "max_period": self.max_period,
+                **({"distributions": {n: str(d) for n, d in self.distributions}} if self.distributions else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Problem:
         """Inverse of `to_dict`; a malformed entry raises PlanFormatError."""
         try:
-            return cls(**{**data, "costs": CostTable.from_dict(data["costs"])})
-        except (KeyError, TypeError) as e:
+            where = sorted((str(n), LayerDistribution.parse(str(d))) for n, d in data.get("distributions", {}).items())
+            return cls(**{**data, "costs": CostTable.from_dict(data["costs"]), "distributions": tuple(where)})
+        except (KeyError, TypeError, ConfigError) as e:
             raise PlanFormatError(f"the plan's problem is malformed: {e}") from e
 
 
@@ -185,10 +229,29 @@ def gradient_stats(stage: StageCost, index: int) -> list[tuple[Op, float]]:
             for x in stage.layers for p in x.parts if p.after is OpKind.ALLREDUCE_GRAD]
 
 
+def prec_work(problem: Problem, device: int, stage: int) -> list[tuple[Op, float]]:
+    """The per-step preconditioner work of `stage` on `device` in the order it runs, with seconds: the gradient
+    statistics of the layers it keeps, then APPLY(stage) where every layer is COMM-OPT; otherwise APPLY of each
+    layer it is a grad worker of, then the BCAST_PREC of each layer along its row (planner/strategy.py)."""
+    copies = copies_of_stage(problem, stage)
+    cost = problem.costs.stages[stage]
+    work = [(op, secs) for op, secs in gradient_stats(cost, stage)
+            if op.layer is not None and device in problem.workers(op.layer)]
+    if all(problem.where(x.name).strategy == COMM_OPT for x in cost.layers):
+        return work + [(Op(OpKind.APPLY, stage), cost.prec)]
+    work += [(Op(OpKind.APPLY, stage, layer=x.name), x.prec) for x in cost.layers if device in problem.workers(x.name)]
+    for x in cost.layers:
+        for root, row in receivers(copies, problem.where(x.name)):
+            if device in row:
+                op = Op(OpKind.BCAST_PREC, stage, root=root, layer=x.name, group=None if row == copies else row)
+                work.append((op, problem.costs.collective_seconds(op, len(row))))
+    return work
+
+
 @lru_cache(maxsize=64)
 def reference_programs(problem: Problem) -> dict[int, list[Op]]:
-    """The base programs with the gradient statistics and APPLY(s) right after each ALLREDUCE_GRAD(s): the
-    paper's K-FAC step (per-step preconditioner work on the critical path, refresh work nowhere)."""
+    """The base programs with the stage's per-step preconditioner work (`prec_work`) right after each
+    ALLREDUCE_GRAD(s): the paper's K-FAC step (per-step work on the critical path, refresh work nowhere)."""
     out = {}
     for rank, ops in base_programs(problem).items():
         body: list[Op] = []
@@ -197,7 +260,7 @@ def reference_programs(problem: Problem) -> dict[int, list[Op]]:
             if op.kind is OpKind.ALLREDUCE_GRAD:
                 s = op.stage
                 assert s is not None, "the schedules' ALLREDUCE_GRAD names its stage"
-                body += [stats for stats, _ in gradient_stats(problem.costs.stages[s], s)] + [Op(OpKind.APPLY, s)]
+                body += [work for work, _ in prec_work(problem, rank, s)]
         out[rank] = body
     return out
 
@@ -247,15 +310,16 @@ def _duration(problem: Problem, fused: frozenset[str]) -> Callable[[int, Op], fl
 
     fwd = [s.fwd + fused_curv(s, OpKind.FWD) for s in stages]
     bwd = [s.bwd + fused_curv(s, OpKind.BWD) for s in stages]
-    prec = [s.prec for s in stages]
+    per_step = {(d, op): secs for d in problem.devices for s in stages_on_device(problem, d)
+                for op, secs in prec_work(problem, d, s)}
 
     def duration(rank: int, op: Op) -> float:
         if op.kind is OpKind.FWD:
             return fwd[op.stage]  # type: ignore[index]  # a FWD names its stage
         if op.kind is OpKind.BWD:
             return bwd[op.stage]  # type: ignore[index]  # a BWD names its stage
-        if op.kind is OpKind.APPLY:
-            return prec[op.stage]  # type: ignore[index]  # a APPLY names its stage
+        if op.kind in (OpKind.APPLY, OpKind.BCAST_PREC):
+            return per_step[rank, op]
         if op.kind is OpKind.STATS:
             return stats[op.layer, op.part]
         if op.kind is OpKind.ALLREDUCE_GRAD and op.stage is not None:
@@ -353,12 +417,22 @@ def stage_groups(problem: Problem) -> tuple[StageGroup, ...]:
 
 
 def static_bytes(problem: Problem, device: int) -> int:
-    """Memory held all step on `device`: parameters and gradients (2x), factors and inverses (2x), the
-    layers' optimizer state besides the factors (`LayerCost.state_bytes`: grafting, momentum, Adam moments),
-    and the largest transient error peak of one backward."""
-    stages = [problem.costs.stages[s] for s in stages_on_device(problem, device)]
-    return (sum(2 * s.param_bytes + 2 * s.factor_bytes + sum(x.state_bytes for x in s.layers) for s in stages)
-            + max((s.peak_err_bytes for s in stages), default=0))
+    """Memory held all step on `device`: parameters and gradients (2x); of each layer, the statistics and the
+    decompositions (each as large as the statistics) and the optimizer state besides them
+    (`LayerCost.state_bytes`: grafting, momentum, Adam moments) where the device keeps them, and a buffer of
+    the layer's gradient where its preconditioned gradient is broadcast (`planner.strategy.holding`); and the
+    largest transient error peak of one backward."""
+    stages = stages_on_device(problem, device)
+    total = 0
+    for s in stages:
+        cost, copies = problem.costs.stages[s], copies_of_stage(problem, s)
+        total += 2 * cost.param_bytes
+        for x in cost.layers:
+            gradient_fed = all(p.after is OpKind.ALLREDUCE_GRAD for p in x.parts)
+            held = holding(device, copies, problem.where(x.name), gradient_fed)
+            total += (x.factor_bytes * (held.statistics + held.decompositions) + x.state_bytes * held.decompositions
+                      + x.gradient_bytes * held.shares_gradient)
+    return total + max((problem.costs.stages[s].peak_err_bytes for s in stages), default=0)
 
 
 def activation_intervals(problem: Problem, device: int, step: StepTimeline) -> list[tuple[float, float, int]]:

@@ -160,7 +160,7 @@ def parameter_cost(tensor: TensorSpec, hw: HardwareSpec, kind: PreconditionerKin
     prec += ELEMENTWISE_PASSES[kind] * _F32 * tensor.numel / hw.mem_bandwidth
     parts = tuple(PartCost(part, OpKind.ALLREDUCE_GRAD, sum(x.stats for x in costs), sum(x.decomp for x in costs),
                            0, bytes_of[part]) for part, costs in sides.items() if costs)
-    return LayerCost(tensor.name, parts, prec, STATE_BUFFERS[kind] * _F32 * tensor.numel)
+    return LayerCost(tensor.name, parts, prec, STATE_BUFFERS[kind] * _F32 * tensor.numel, _F32 * tensor.numel)
 
 
 def largest_dim(spec: ModelSpec) -> int:

@@ -8,7 +8,9 @@ step is followed by `metrics.stretch` idle seconds ([Note: stretch]); the step t
 must stay within the problem's max_overhead. A part fed by the reduced gradient (`PartCost.after`
 ALLREDUCE_GRAD) has a STATS without micro-batch at every step on every copy of its stage, between the
 stage's gradient all-reduce and its APPLY, and no SYNC_STATS; its DECOMP follows the refresh step's STATS
-on the deciding rank.
+on the deciding rank. Each layer's distribution (planner/strategy.py, the definition of KAISA's grid and
+DP-KFAC's owner) says which copies take its statistics, sync them, decompose (one of its grad workers),
+receive the decomposition, apply it at every step, and broadcast the preconditioned gradient along a row.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from fxkfac.planner.errors import DeadlockError, PlanError
-from fxkfac.planner.ir import Op, OpKind
+from fxkfac.planner.ir import PRECONDITIONER_KINDS, Op, OpKind
 from fxkfac.planner.problem import (
     Problem,
     StepTimeline,
@@ -31,6 +33,7 @@ from fxkfac.planner.problem import (
     step_timeline,
 )
 from fxkfac.planner.simulate import simulate
+from fxkfac.planner.strategy import COMM_OPT, keeps_statistics, receivers
 
 if TYPE_CHECKING:
     from fxkfac.planner.plan import Plan
@@ -38,7 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = ["validate", "check_plan"]
 
-_KFAC = frozenset({OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST, OpKind.APPLY})
+_KFAC = PRECONDITIONER_KINDS
 
 
 @dataclass
@@ -75,12 +78,27 @@ class _Ctx:
 
 def _key(op: Op) -> Op:
     """An op without the root of its broadcast (which `_check_chains` checks against the inversion)."""
-    return replace(op, root=0) if op.kind is OpKind.BCAST else op
+    return replace(op, root=op.group[0] if op.group else 0) if op.kind is OpKind.BCAST else op
 
 
 def _per_step(op: Op) -> bool:
-    """Whether `op` runs at every step of the period (APPLY, a gradient STATS) rather than once per refresh."""
-    return op.kind is OpKind.APPLY or (op.kind is OpKind.STATS and op.mb is None)
+    """Whether `op` runs at every step of the period (APPLY, BCAST_PREC, a gradient STATS) rather than once per
+    refresh."""
+    return op.kind in (OpKind.APPLY, OpKind.BCAST_PREC) or (op.kind is OpKind.STATS and op.mb is None)
+
+
+def _step_ops(c: _Ctx, stage: int, device: int) -> list[Op]:
+    """What `device` runs of `stage` at every step: the gradient STATS of the layers it applies, then APPLY of
+    the stage (every layer COMM-OPT) or of each layer it applies and the BCAST_PREC of each layer of its row."""
+    p, layers = c.problem, c.problem.costs.stages[stage].layers
+    copies = copies_of_stage(p, stage)
+    ops = [Op(OpKind.STATS, stage, layer=layer, part=part) for layer, part in _gradient_parts(c, stage)
+           if device in p.workers(layer)]
+    if all(p.where(x.name).strategy == COMM_OPT for x in layers):
+        return ops + [Op(OpKind.APPLY, stage)]
+    ops += [Op(OpKind.APPLY, stage, layer=x.name) for x in layers if device in p.workers(x.name)]
+    return ops + [Op(OpKind.BCAST_PREC, stage, root=root, layer=x.name, group=None if row == copies else row)
+                  for x in layers for root, row in receivers(copies, p.where(x.name)) if device in row]
 
 
 def _gradient_parts(c: _Ctx, stage: int) -> list[tuple[str, str]]:
@@ -92,28 +110,30 @@ def _gradient_parts(c: _Ctx, stage: int) -> list[tuple[str, str]]:
 def _expected(c: _Ctx) -> Counter:
     """(op, device) of every K-FAC op the plan must place, with multiplicity (DECOMP: on one copy)."""
     want: Counter = Counter()
-    for s, stage in enumerate(c.problem.costs.stages):
-        copies = copies_of_stage(c.problem, s)
+    p = c.problem
+    for s, stage in enumerate(p.costs.stages):
+        copies = copies_of_stage(p, s)
         for d in copies:
             for op, _, _ in c.refresh.fixed(d):
                 if op.stage != s:
                     continue
                 for x in stage.layers:
-                    for side in (p.part for p in x.parts if p.after is op.kind):
-                        if x.name not in c.fused:
+                    for side in (part.part for part in x.parts if part.after is op.kind):
+                        if x.name not in c.fused and keeps_statistics(d, copies, p.where(x.name)):
                             want[Op(OpKind.STATS, s, op.mb, op.pipe, layer=x.name, part=side), d] += 1
             for j in range(c.period(s)):
-                want[Op(OpKind.APPLY, s), d, j] += 1
-                for layer, part in _gradient_parts(c, s):
-                    want[Op(OpKind.STATS, s, layer=layer, part=part), d, j] += 1
+                for op in _step_ops(c, s, d):
+                    want[op, d, j] += 1
         for x in stage.layers:
-            for side, after in ((p.part, p.after) for p in x.parts):
+            workers = p.workers(x.name)
+            for side, after in ((part.part, part.after) for part in x.parts):
                 want[Op(OpKind.DECOMP, s, layer=x.name, part=side), None] += 1
-                synced = (OpKind.BCAST,) if after is OpKind.ALLREDUCE_GRAD else (OpKind.SYNC_STATS, OpKind.BCAST)
-                for kind in synced if len(copies) > 1 else ():
-                    for d in copies:
-                        want[_key(Op(kind, s, layer=x.name, part=side, root=0 if kind is OpKind.BCAST else None)),
-                             d] += 1
+                synced = after is not OpKind.ALLREDUCE_GRAD and not p.where(x.name).strategy.local_factors
+                for d in copies if synced and len(copies) > 1 else ():
+                    want[Op(OpKind.SYNC_STATS, s, layer=x.name, part=side), d] += 1
+                group = None if workers == copies else workers
+                for d in workers if len(workers) > 1 else ():
+                    want[_key(Op(OpKind.BCAST, s, layer=x.name, part=side, root=workers[0], group=group)), d] += 1
     return want
 
 
@@ -137,17 +157,18 @@ def _check_layers(c: _Ctx) -> None:
 def _duration(c: _Ctx, op: Op) -> float:
     stage = c.problem.costs.stages[op.stage]  # type: ignore[index]  # K-FAC ops name their stage
     if op.kind is OpKind.APPLY:
-        return stage.prec
-    if op.kind in (OpKind.SYNC_STATS, OpKind.BCAST):
+        return stage.prec if op.layer is None else c.problem.costs.layer(op.layer).prec
+    if op.kind in (OpKind.SYNC_STATS, OpKind.BCAST, OpKind.BCAST_PREC):
         return _collective(c, op)
     part = c.problem.costs.layer(op.layer).part(op.part)  # type: ignore[arg-type]  # STATS and DECOMP name both
     return part.stats if op.kind is OpKind.STATS else part.decomp
 
 
 def _collective(c: _Ctx, op: Op) -> float:
-    """Seconds of a collective (ALLREDUCE_GRAD, SYNC_STATS, BCAST) over every copy of its stage, by the cost
-    table's comm model."""
-    return c.problem.costs.collective_seconds(op, len(copies_of_stage(c.problem, op.stage)))  # type: ignore[arg-type]  # a collective of the schedules and plans names its stage
+    """Seconds of a collective (ALLREDUCE_GRAD, SYNC_STATS, BCAST, BCAST_PREC) over the ranks it names, else every
+    copy of its stage, by the cost table's comm model."""
+    group = op.group if op.group is not None else copies_of_stage(c.problem, op.stage)  # type: ignore[arg-type]  # a collective of the schedules and plans names its stage
+    return c.problem.costs.collective_seconds(op, len(group))
 
 
 def _check_placed_once(c: _Ctx) -> None:
@@ -164,8 +185,9 @@ def _check_placed_once(c: _Ctx) -> None:
                 or p.end > c.step_start(p.device, p.step + 1, k) + c.tol:
             c.errors.append(f"{p.op} on r{p.device} at [{p.start:.6g}, {p.end:.6g}) s is not within window step "
                             f"{p.step} (k={k})")
-        if p.op.kind is OpKind.DECOMP and p.device not in copies_of_stage(c.problem, p.op.stage):  # type: ignore[arg-type]  # an DECOMP names its stage
-            c.errors.append(f"{p.op} runs on r{p.device}, which does not hold stage {p.op.stage}")
+        if p.op.kind is OpKind.DECOMP and p.device not in c.problem.workers(p.op.layer):  # type: ignore[arg-type]  # a DECOMP names its layer
+            c.errors.append(f"{p.op} runs on r{p.device}, which is not a grad worker of {p.op.layer} "
+                            f"{list(c.problem.workers(p.op.layer))}")  # type: ignore[arg-type]  # see above
     want = _expected(c)
     for item in sorted(set(want) | set(got), key=str):
         if want[item] != got[item]:
@@ -233,11 +255,25 @@ def _check_dependencies(c: _Ctx) -> None:
                 c.errors.append(f"{p.op} on r{p.device} starts at {p.start:.6g} before its {kind} ends ({ready:.6g})")
             if p.end > ready + c.length(c.period(p.op.stage)) + c.tol:  # type: ignore[arg-type]  # a STATS names its stage
                 c.errors.append(f"{p.op} on r{p.device} keeps its a/e longer than one window")
-        if p.op.kind is not OpKind.APPLY:
+        if p.op.kind is OpKind.BCAST_PREC:
+            _check_shared_gradient(c, p)
+        elif p.op.kind is not OpKind.APPLY:
             # STATS, SYNC_STATS (no factor), DECOMP and BCAST name their layer
             factor_tasks[p.op.layer, p.op.part][p.op.kind].append(p)  # type: ignore[index]  # see above
     for (layer, side), kinds in factor_tasks.items():
         _check_factor(c, layer, side, kinds)
+
+
+def _check_shared_gradient(c: _Ctx, p: Placement) -> None:
+    """A BCAST_PREC of window step j starts on every member of its row at once, after its root's APPLY of the
+    layer in that step (which made the preconditioned gradient)."""
+    same = [q for q in c.plan.placements if q.op == p.op and q.step == p.step]
+    if max(q.start for q in same) - min(q.start for q in same) > c.tol:
+        c.errors.append(f"{p.op} at step {p.step}: the row starts it at different times")
+    made = [q for q in c.plan.placements if q.op.kind is OpKind.APPLY and q.device == p.op.root
+            and q.step == p.step and q.op.layer == p.op.layer]
+    if not made or p.start < made[0].end - c.tol:
+        c.errors.append(f"{p.op} on r{p.device} at step {p.step} starts before r{p.op.root} applied {p.op.layer}")
 
 
 def _check_gradient_stats(c: _Ctx, p: Placement, applies: Mapping[tuple[int | None, int, int], float]) -> None:
@@ -316,10 +352,11 @@ def _check_gradient_refresh(c: _Ctx, layer: str, side: str | None, L: float, sta
 
 
 def _check_precs_and_offsets(c: _Ctx) -> None:
-    prec: dict[tuple[int, int, int], Placement] = {
-        (p.op.stage, p.device, p.step): p  # type: ignore[misc]  # a APPLY op has a stage
-        for p in c.plan.placements if p.op.kind is OpKind.APPLY}
-    for (s, d, j), p in prec.items():
+    prec: dict[tuple[int | None, str | None, int, int], Placement] = {
+        (p.op.stage, p.op.layer, p.device, p.step): p for p in c.plan.placements if p.op.kind is OpKind.APPLY}
+    for p in prec.values():
+        s, d, j = p.op.stage, p.device, p.step
+        assert s is not None, "an APPLY names its stage (Op checks it)"
         k = c.period(s)
         lo, hi = c.base(j, k) + c.timeline(j, k).allreduce_end[d, s], c.base(j + 1, k)
         if p.start < lo - c.tol or p.end > hi + c.tol:
@@ -331,9 +368,11 @@ def _check_precs_and_offsets(c: _Ctx) -> None:
     for layer, t in ready.items():
         s, k = c.problem.costs.stage_of(layer), c.period(c.problem.costs.stage_of(layer))
         L = c.length(k)
+        apply = Op(OpKind.APPLY, s) if Op(OpKind.APPLY, s) in _step_ops(c, s, c.problem.workers(layer)[0]) else \
+            Op(OpKind.APPLY, s, layer=layer)  # the stage's APPLY, or the layer's own where the stage has them
         u = next((u for u in range(2 * k + 1) if all(
-            (prec[s, d, u % k].start if (s, d, u % k) in prec else 0.0) + L * (u // k) >= t - c.tol
-            for d in copies_of_stage(c.problem, s))), 2 * k + 1)
+            (prec[s, apply.layer, d, u % k].start if (s, apply.layer, d, u % k) in prec else 0.0) + L * (u // k)
+            >= t - c.tol for d in c.problem.workers(layer))), 2 * k + 1)
         claimed = c.plan.layers[layer].use_offset
         if claimed != u:
             c.errors.append(f"layer {layer}: use_offset {claimed} claimed, but its inverse is first usable at step {u}")

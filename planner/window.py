@@ -60,11 +60,12 @@ from fxkfac.planner.problem import (
     StepTimeline,
     activation_intervals,
     copies_of_stage,
-    gradient_stats,
+    prec_work,
     stages_on_device,
     static_bytes,
     step_timeline,
 )
+from fxkfac.planner.strategy import keeps_statistics
 
 __all__ = ["TaskKind", "Task", "PrecSlot", "Window", "Placement", "GroupSolution", "build_window", "grid_scale", "wrap",
            "placements_of", "is_refresh_op", "born_steps", "use_offsets", "prec_steps_ready", "longest_gaps",
@@ -114,9 +115,12 @@ class Task:
 
 @dataclass(frozen=True)
 class PrecSlot:
-    """APPLY(stage) of window step `step` on `device`, after the stage's gradient STATS: `ops` (STATS..., APPLY)
-    run back to back for `durations` seconds within [release, deadline) (absolute ticks); `reference` is
-    where the plain K-FAC step puts them (right after the all-reduce)."""
+    """The per-step preconditioner work of `stage` on `device` at window step `step` (`planner.problem.prec_work`:
+    gradient STATS, APPLY, BCAST_PREC): `ops` run for `durations` seconds within [release, deadline) (absolute
+    ticks), back to back, except that the broadcasts of preconditioned gradients begin `lead` seconds after
+    the slot starts, on every copy of the stage at once (`lead`: the longest work before them on any copy; the
+    copies' slots start together); `reference` is where the plain K-FAC step puts them (right after the
+    all-reduce)."""
 
     device: int
     stage: int
@@ -127,11 +131,30 @@ class PrecSlot:
     ticks: int
     ops: tuple[Op, ...]
     durations: tuple[float, ...]
+    lead: float = 0.0
+
+    @property
+    def shares(self) -> bool:
+        """Whether the slot broadcasts preconditioned gradients (its stage's copies start their slots together)."""
+        return any(op.kind is OpKind.BCAST_PREC for op in self.ops)
+
+    @property
+    def offsets(self) -> tuple[float, ...]:
+        """Seconds from the slot's start to each op's start."""
+        out, t, shared = [], 0.0, self.lead
+        for op, secs in zip(self.ops, self.durations):
+            if op.kind is OpKind.BCAST_PREC:
+                out.append(shared)
+                shared += secs
+            else:
+                out.append(t)
+                t += secs
+        return tuple(out)
 
     @property
     def seconds(self) -> float:
-        """Seconds of the slot's ops together."""
-        return sum(self.durations)
+        """Seconds from the slot's start to the end of its last op."""
+        return max((a + d for a, d in zip(self.offsets, self.durations)), default=0.0)
 
 
 @dataclass(frozen=True)
@@ -339,17 +362,22 @@ def _prec_slots(problem: Problem, group: StageGroup, steps: list[StepTimeline], 
                 grid: _Grid) -> tuple[PrecSlot, ...]:
     """Every (device, stage, step)'s slot: the stage's gradient STATS, then its APPLY ([Note: gradient parts])."""
     slots = []
+    lead = {s: max(sum(secs for op, secs in prec_work(problem, c, s) if op.kind is not OpKind.BCAST_PREC)
+                   for c in copies_of_stage(problem, s)) for s in group.stages}
     for d in group.devices:
         for s in stages_on_device(problem, d):
-            work = gradient_stats(problem.costs.stages[s], s) + [(Op(OpKind.APPLY, s), problem.costs.stages[s].prec)]
+            work = prec_work(problem, d, s)
             ops, durations = tuple(op for op, _ in work), tuple(secs for _, secs in work)
-            seconds = sum(durations)
+            shape = PrecSlot(d, s, 0, 0, 0, 0, 0, ops, durations, lead[s])
+            lead_s = shape.lead if shape.shares else 0.0
+            seconds = replace(shape, lead=lead_s).seconds
             for j, st in enumerate(steps):
                 release = offsets[j] + grid.at(st.allreduce_end[d, s])
                 deadline = offsets[j + 1]  # before the step's OPT_STEP ([Note: step barrier])
-                reference = offsets[j] + grid.at(st.end_of(d, Op(OpKind.APPLY, s)) - seconds)
+                reference = offsets[j] + grid.at(st.end_of(d, ops[-1]) - seconds)
                 ticks = min(grid.span(seconds), deadline - release)
-                slots.append(PrecSlot(d, s, j, release, deadline, max(release, reference), ticks, ops, durations))
+                slots.append(PrecSlot(d, s, j, release, deadline, max(release, reference), ticks, ops, durations,
+                                      lead_s))
     return tuple(slots)
 
 
@@ -361,12 +389,14 @@ def parts_after(layers: Iterable[LayerCost], kind: OpKind) -> list[str]:
 def _curv_tasks(problem: Problem, stage: int, refresh: StepTimeline, deferred: list[LayerCost], aggregate: bool,
                 grid: _Grid) -> list[Task]:
     tasks = []
-    for d in copies_of_stage(problem, stage):
+    copies = copies_of_stage(problem, stage)
+    for d in copies:
+        kept = [x for x in deferred if keeps_statistics(d, copies, problem.where(x.name))]
         for op, _, end in refresh.fixed(d):
             if op.stage != stage:
                 continue
-            chunks = [deferred] if aggregate else [[x] for x in deferred]
-            for side in parts_after(deferred, op.kind):
+            chunks = [kept] if aggregate else [[x] for x in kept]
+            for side in parts_after(kept, op.kind):
                 for chunk in chunks:
                     if not chunk:
                         continue
@@ -408,22 +438,23 @@ def _refresh_tasks(problem: Problem, stage: int, layer: str, side: str, decomp: 
     DECOMP on one copy, BCAST to the others, the collectives priced by the cost table's comm model (at least one
     tick, [Note: time grid]); `ready`: the earliest tick the statistic is complete anywhere; `gradient`: the part
     is fed by the reduced gradient ([Note: gradient parts])."""
-    copies = copies_of_stage(problem, stage)
+    copies, workers = copies_of_stage(problem, stage), problem.workers(layer)
     key = ((layer, side),)
     tasks = []
-    if len(copies) > 1 and not gradient:
+    if len(copies) > 1 and not gradient and not problem.where(layer).strategy.local_factors:
         op = Op(OpKind.SYNC_STATS, stage, layer=layer, part=side)
         secs = problem.costs.collective_seconds(op, len(copies))
         tasks.append(Task(f"sync_{side}_{layer}", TaskKind.SYNC, stage, side, (op,), (secs,), grid.span(secs), copies,
                           ready, key))
     tasks.append(Task(f"inv_{side}_{layer}", TaskKind.INV, stage, side,
-                      (Op(OpKind.DECOMP, stage, layer=layer, part=side),), (decomp,), grid.span(decomp), copies, ready,
-                      key, after_slot=gradient))
-    if len(copies) > 1:
-        op = Op(OpKind.BCAST, stage, layer=layer, part=side, root=copies[0])
-        secs = problem.costs.collective_seconds(op, len(copies))
-        tasks.append(Task(f"bcast_{side}_{layer}", TaskKind.BCAST, stage, side, (op,), (secs,), grid.span(secs), copies,
-                          0, key))
+                      (Op(OpKind.DECOMP, stage, layer=layer, part=side),), (decomp,), grid.span(decomp), workers,
+                      ready, key, after_slot=gradient))
+    if len(workers) > 1:
+        op = Op(OpKind.BCAST, stage, layer=layer, part=side, root=workers[0],
+                group=None if workers == copies else workers)
+        secs = problem.costs.collective_seconds(op, len(workers))
+        tasks.append(Task(f"bcast_{side}_{layer}", TaskKind.BCAST, stage, side, (op,), (secs,), grid.span(secs),
+                          workers, 0, key))
     return tasks
 
 
@@ -462,7 +493,8 @@ def placements_of(solution: GroupSolution) -> list[Placement]:
         for member in members:
             out += _back_to_back(ops, task.seconds, member, w.step_of(member, start), w.seconds(start))
     for slot, start in zip(w.precs, solution.prec_starts):
-        out += _back_to_back(slot.ops, slot.durations, slot.device, slot.step, w.seconds(start))
+        out += [Placement(op, slot.device, slot.step, w.seconds(start) + at, w.seconds(start) + at + secs)
+                for op, secs, at in zip(slot.ops, slot.durations, slot.offsets)]
     return out
 
 

@@ -173,7 +173,9 @@ def test_cost_files_from_before_parts_read_as_kfac_parts() -> None:
                             "factor_a_bytes": x["parts"][0]["state_bytes"],
                             "factor_b_bytes": x["parts"][1]["state_bytes"]}
                            for x in stage["layers"]]
-    assert CostTable.from_dict(data) == table
+    old = replace(table, stages=tuple(replace(st, layers=tuple(replace(x, grad_bytes=0) for x in st.layers))
+                                      for st in table.stages))  # the gradient's size came later
+    assert CostTable.from_dict(data) == old
 
 
 @pytest.mark.parametrize(

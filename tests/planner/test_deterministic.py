@@ -155,11 +155,11 @@ def test_plan_options_pass_determinism_to_the_solver(monkeypatch: pytest.MonkeyP
 
     seen: list[SolverConfig] = []
 
-    def fake(problem: Problem, config: SolverConfig) -> Plan:
+    def fake(problem: Problem, strategy: object, config: SolverConfig) -> Plan:
         seen.append(config)
         return _first("gpipe")
 
-    monkeypatch.setattr(autoplan, "solve", fake)
+    monkeypatch.setattr(autoplan, "solve_with_strategy", fake)
     target = autoplan.Target("g", ScheduleKind.GPIPE, 2, 3, 1)
     costs = CASES["gpipe"]().costs
     autoplan.solve_for(target, costs, PlanOptions(max_overhead=0.0))
