@@ -350,7 +350,9 @@ def _explain_comm(problem: Problem, console: Console) -> None:
     for s in range(problem.num_stages):
         c = stage_comm(problem, s)
         console.print(f"  s{s}: {c.group} ranks, gradient all-reduce {c.allreduce * 1e3:.3f} ms per step, "
-                      f"SYNC_STATS + BCAST {(c.sync + c.bcast) * 1e3:.3f} ms per refresh", markup=False,
+                      f"SYNC_STATS + BCAST {(c.sync + c.bcast) * 1e3:.3f} ms per refresh"
+                      + (f", preconditioned-gradient broadcasts {c.share * 1e3:.3f} ms per step" if c.share else ""),
+                      markup=False,
                       highlight=False)
 
 

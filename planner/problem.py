@@ -21,6 +21,7 @@ from fxkfac.planner.strategy import (
     distribute,
     grad_workers,
     holding,
+    keeps_statistics,
     receivers,
 )
 
@@ -272,30 +273,39 @@ def gradient_allreduce_seconds(problem: Problem, stage: int) -> float:
 
 @dataclass(frozen=True)
 class StageComm:
-    """What one stage's collectives cost over its `group` copies: the gradient all-reduce at every step, and the
-    SYNC_STATS and BCAST of all its parts at every refresh (seconds, the cost table's comm model)."""
+    """What one stage's collectives cost over its `group` copies (seconds, the cost table's comm model): the
+    gradient all-reduce and the broadcasts of preconditioned gradients (`share`, strategies other than
+    COMM-OPT) at every step, and the SYNC_STATS and BCAST of all its parts at every refresh, each over the ranks
+    its layer's strategy names."""
 
     group: int
     allreduce: float
     sync: float
     bcast: float
+    share: float = 0.0
 
     def per_step(self, period: int) -> float:
         """Seconds of collectives per step when the stage refreshes every `period` steps."""
-        return self.allreduce + (self.sync + self.bcast) / period
+        return self.allreduce + self.share + (self.sync + self.bcast) / period
 
 
 def stage_comm(problem: Problem, stage: int) -> StageComm:
     """The collectives of `stage` priced as the step timeline and the window price them."""
-    copies = len(copies_of_stage(problem, stage))
-    parts = [(x.name, p) for x in problem.costs.stages[stage].layers for p in x.parts]
-    if copies == 1:
+    copies = copies_of_stage(problem, stage)
+    if len(copies) == 1:
         return StageComm(1, 0.0, 0.0, 0.0)
-    sync = sum(problem.costs.collective_seconds(Op(OpKind.SYNC_STATS, stage, layer=name, part=p.part), copies)
-               for name, p in parts if p.after is not OpKind.ALLREDUCE_GRAD)
-    bcast = sum(problem.costs.collective_seconds(Op(OpKind.BCAST, stage, layer=name, part=p.part, root=0), copies)
-                for name, p in parts)
-    return StageComm(copies, gradient_allreduce_seconds(problem, stage), sync, bcast)
+    price = problem.costs.collective_seconds
+    sync = bcast = 0.0
+    for x in problem.costs.stages[stage].layers:
+        workers, local = problem.workers(x.name), problem.where(x.name).strategy.local_factors
+        for p in x.parts:
+            if p.after is not OpKind.ALLREDUCE_GRAD and not local:
+                sync += price(Op(OpKind.SYNC_STATS, stage, layer=x.name, part=p.part), len(copies))
+            if len(workers) > 1:
+                bcast += price(Op(OpKind.BCAST, stage, layer=x.name, part=p.part, root=workers[0]), len(workers))
+    share = max(sum(secs for op, secs in prec_work(problem, d, stage) if op.kind is OpKind.BCAST_PREC)
+                for d in copies)
+    return StageComm(len(copies), gradient_allreduce_seconds(problem, stage), sync, bcast, share)
 
 
 def _duration(problem: Problem, fused: frozenset[str]) -> Callable[[int, Op], float]:
@@ -478,8 +488,8 @@ def stretch_allowance(problem: Problem, fused: frozenset[str], k: int) -> float:
 def refresh_lower_bound(problem: Problem, group: StageGroup, fused: frozenset[str] = frozenset(),
                         stretch: bool = False) -> int:
     """ceil(K-FAC work of the group / its bubble time per step): curvature of every micro-batch on
-    every copy (unfused layers) plus all inversions, over the idle time of the reference step (whose F/B,
-    gradient statistics and APPLY are busy).
+    every copy that keeps the layer's statistics (unfused layers) plus all inversions, over the idle time of
+    the reference step (whose F/B and per-step preconditioner work are busy).
 
     stretch: the idle time appended to every step within max_overhead (`stretch_allowance`) counts as
     bubble on every device of the group: the least k whose k steps hold the work.
@@ -488,11 +498,14 @@ def refresh_lower_bound(problem: Problem, group: StageGroup, fused: frozenset[st
     work = 0.0
     for device in group.devices:
         for op, _, _ in step.fixed(device):
-            layers = problem.costs.stages[op.stage].layers  # type: ignore[index]  # K-FAC ops name their stage
-            work += sum(p.stats for x in layers if x.name not in fused for p in x.parts if p.after is op.kind)
+            assert op.stage is not None, "F/B name their stage"
+            copies = copies_of_stage(problem, op.stage)
+            work += sum(p.stats for x in problem.costs.stages[op.stage].layers
+                        if x.name not in fused and keeps_statistics(device, copies, problem.where(x.name))
+                        for p in x.parts if p.after is op.kind)
     work += sum(problem.costs.stages[s].inv for s in group.stages)
     busy = sum(end - start for d in group.devices for op, start, end in step.ops[d]
-               if op.kind in _FIXED_KINDS or op.kind in (OpKind.APPLY, OpKind.STATS))
+               if op.kind in _FIXED_KINDS or op.kind in (OpKind.APPLY, OpKind.STATS, OpKind.BCAST_PREC))
     bubble = step.length * len(group.devices) - busy
     if work <= 0:
         return 1

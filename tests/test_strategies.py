@@ -17,6 +17,7 @@ from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.planner.ir import LayerTiming, OpKind
 from fxkfac.planner.lowering import ranks_of_stages
 from fxkfac.planner.strategy import grad_workers
+from fxkfac.shampoo import GraftType, ShampooConfig
 from tests.support.distributed import run_distributed
 from tests.support.kfac_reference import KFACReference
 from tests.support.models import mlp
@@ -72,7 +73,7 @@ STRATEGIES = ("comm-opt", "mem-opt", "hybrid:0.5")
 @pytest.mark.multiproc
 @pytest.mark.parametrize("world", [2, 4])
 def test_kaisa_strategies_equal_one_device_kfac(world: int) -> None:
-    cases = [(D, strategy) for D in (1, 2) for strategy in STRATEGIES]
+    cases = [(D, strategy) for D in (1, 2) if world // D > 1 for strategy in STRATEGIES]
     results = run_distributed(_worker, world, cases, timeout=600)
     assert all(r.ok for r in results), [r.traceback for r in results if not r.ok]
     want = _one_device()
@@ -84,7 +85,7 @@ def test_kaisa_strategies_equal_one_device_kfac(world: int) -> None:
                 torch.testing.assert_close(p, want[name], rtol=0, atol=1e-5,
                                            msg=f"D={D} W={world // D} {strategy} rank {r.rank} {name}")
     by_case = {case: [r.value[i] for r in results] for i, case in enumerate(cases)}
-    for D in (d for d in (1, 2) if world // d > 1):  # strategies differ where a stage has several copies
+    for D in {D for D, _ in cases}:
         W = world // D
         comm, mem = by_case[(D, "comm-opt")], by_case[(D, "mem-opt")]
         assert all(OpKind.BCAST_PREC not in c["ops"] for c in comm)
@@ -177,3 +178,37 @@ def test_planned_strategies_run_their_plan_and_equal_one_device_given_its_timing
             for name, p in r.value[i]["params"].items():
                 torch.testing.assert_close(p, want[name].detach(), rtol=0, atol=1e-5,
                                            msg=f"planned D={D} W={W} {strategy} rank {r.rank} {name}")
+
+
+SHAMPOO = ShampooConfig(precondition_frequency=2, max_preconditioner_dim=8, grafting_type=GraftType.ADAM,
+                        betas=(0.9, 0.99), epsilon=1e-4, momentum=0.5, preconditioner_dtype="float64")
+
+
+def _shampoo(mesh: tuple[int, int] | None, strategy: str) -> fxkfac.Trainer:
+    return fxkfac.compile(mlp(seed=1), mesh, None, example_inputs=(_batches()[0][0],), loss_fn=F.mse_loss,
+                          optimizer=lambda ps: torch.optim.SGD(ps, lr=LR), backend=None, schedule="gpipe",
+                          microbatches=N, preconditioner=SHAMPOO, pipeline=PipelineOptions(timeout=60.0),
+                          plan_options=PlanOptions(strategy=strategy))
+
+
+def _shampoo_worker(rank: int, world: int) -> dict:
+    trainer = _shampoo((1, world), "mem-opt")
+    ops = {op.kind for step in trainer.spec.programs[rank] for op in step}
+    params = _train(trainer)
+    roots = sorted(n for n, state in trainer.layer_states.items() if state.active is not None)
+    return {"params": params, "ops": ops, "roots": roots}
+
+
+@pytest.mark.multiproc
+def test_shampoo_mem_opt_owns_each_parameter_once_and_equals_one_device() -> None:
+    """Distributed Shampoo's ZeRO-1-like ownership: each parameter's statistics and roots live on one replica,
+    which sends the search direction to the other; the parameters equal one-device Shampoo."""
+    results = run_distributed(_shampoo_worker, 2, timeout=600)
+    assert all(r.ok for r in results), [r.traceback for r in results if not r.ok]
+    want = _train(_shampoo(None, "comm-opt"))
+    mine = [set(r.value["roots"]) for r in results]
+    assert mine[0] and mine[1] and not mine[0] & mine[1], f"each parameter's roots on one replica, got {mine}"
+    for r in results:
+        assert OpKind.BCAST_PREC in r.value["ops"]
+        for name, p in r.value["params"].items():
+            torch.testing.assert_close(p, want[name], rtol=0, atol=1e-5, msg=f"shampoo mem-opt rank {r.rank} {name}")
