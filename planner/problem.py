@@ -106,6 +106,10 @@ class Problem:
             raise PlanError(f"distributions name layers {unknown[:3]} that are not in the cost table")
         for name, where in self.distributions:
             grad_workers(copies_of_stage(self, self.costs.stage_of(name)), where)  # ConfigError for a bad column
+            captured = any(p.after is not OpKind.ALLREDUCE_GRAD for p in self.costs.layer(name).parts)
+            if where.strategy.local_factors and not captured:
+                raise ConfigError(f"{where.strategy} keeps local factors of captures, but {name}'s statistics come "
+                                  "from the reduced gradient, the same on every copy; use mem-opt for one owner")
 
     def with_distributions(self, distributions: Mapping[str, LayerDistribution]) -> Problem:
         """The same problem with these layer distributions (every other layer COMM-OPT, which is not listed: a
