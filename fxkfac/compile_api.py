@@ -67,7 +67,9 @@ def compile(  # noqa: A001 - the public name the design card gives
     place of ``kfac`` (then ``kfac`` is ignored): a KFACConfig, ShampooConfig or SOAPConfig, or any
     `fxkfac.preconditioner.Family`. Shampoo and SOAP make the whole update direction, so their base
     optimizer is plain SGD (default lr 1e-3). ``backend`` is a torch.compile backend, or None for eager
-    stages.
+    stages. ``plan_options.strategy`` says how the copies of a stage share each layer's work (comm-opt, mem-opt,
+    hybrid:F, dp-kfac; planner/strategy.py) under ``plan="auto"`` (None: the planner chooses) and ``plan=None``
+    (None: comm-opt); a loaded plan brings its own.
     """
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ConfigError(f"microbatches must be an int >= 1, got {microbatches!r}")

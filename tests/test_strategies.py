@@ -135,9 +135,12 @@ def test_dp_kfac_equals_one_device_kfac_with_each_layers_factors_from_its_owners
 
 
 def _planned_worker(rank: int, world: int, cases: list[tuple[int, str]]) -> list[dict]:
+    from torch.distributed.device_mesh import init_device_mesh
+
     out = []
     for D, strategy in cases:
-        trainer = fxkfac.compile(mlp(seed=1), (D, world // D), "auto", example_inputs=(_batches()[0][0],),
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)) if D == 1 else (D, world // D)
+        trainer = fxkfac.compile(mlp(seed=1), mesh, "auto", example_inputs=(_batches()[0][0],),
                                  loss_fn=F.mse_loss, optimizer=_sgd, backend=None, schedule="gpipe", microbatches=N,
                                  kfac=KFAC, pipeline=PipelineOptions(timeout=60.0),
                                  plan_options=PlanOptions(strategy=strategy, time_limit_s=3.0, max_overhead=1.0))
@@ -158,7 +161,7 @@ def test_planned_strategies_run_their_plan_and_equal_one_device_given_its_timing
         world: int, cases: list[tuple[int, str]]) -> None:
     """plan='auto' with a forced strategy: the planner places column broadcasts, per-layer APPLY and BCAST_PREC
     in the bubbles, and the run equals one-device K-FAC with the plan's layer timings (DP-KFAC: with each layer's
-    factors from its owner's shard)."""
+    factors from its owner's shard). Pure data parallelism is a ("dp",) DeviceMesh."""
     results = run_distributed(_planned_worker, world, cases, timeout=600)
     assert all(r.ok for r in results), [r.traceback for r in results if not r.ok]
     for i, (D, strategy) in enumerate(cases):

@@ -52,7 +52,8 @@ class MeshLayout:
 
     @classmethod
     def from_mesh(cls, mesh: Any) -> MeshLayout:
-        """From a torch DeviceMesh with dims ("pp", "dp") or ("pp",), or a (D,) / (D, W) tuple.
+        """From a torch DeviceMesh with dims ("pp", "dp"), ("pp",) or ("dp",) (pure data parallelism: D = 1), or a
+        (D,) / (D, W) tuple.
 
         The process group must be initialized and its world size must equal D * W; a DeviceMesh
         must lay ranks out row-major (as `init_device_mesh` does).
@@ -64,9 +65,9 @@ class MeshLayout:
             sizes = tuple(int(x) for x in mesh)
         else:
             names = tuple(mesh.mesh_dim_names or ())
-            if names not in (("pp", "dp"), ("pp",)):
-                raise ConfigError(f"mesh dims must be ('pp', 'dp') or ('pp',), got {names}")
-            sizes = tuple(mesh.mesh.shape)
+            if names not in (("pp", "dp"), ("pp",), ("dp",)):
+                raise ConfigError(f"mesh dims must be ('pp', 'dp'), ('pp',) or ('dp',), got {names}")
+            sizes = (1, *mesh.mesh.shape) if names == ("dp",) else tuple(mesh.mesh.shape)
             flat = [int(r) for r in mesh.mesh.flatten().tolist()]
             if flat != list(range(len(flat))):
                 raise ConfigError(f"mesh ranks must be row-major 0..{len(flat) - 1}, got {flat}")
