@@ -2,12 +2,14 @@
 
 [Note: strategy search] With the strategy left to the planner, every KAISA strategy the stages' copies allow
 (COMM-OPT, HYBRID with each grad-worker count that divides the copies, MEM-OPT) is planned in full by `solve`,
-its layers dealt to columns by KAISA's greedy on their decomposition seconds; the plan with the shortest step,
-then the shortest refresh periods, then the least peak memory wins (ties: the order above, least communication
-first). A strategy that cannot meet the memory budget or max_overhead drops out; when none plans, COMM-OPT's
-refusal (with its suggestions) is raised. DP-KFAC is never chosen: its factors come from one replica's
-micro-batches, a different algorithm that only the user may ask for. The search is per problem, not per
-layer: each candidate is one strategy on every layer, and CP-SAT places the work of that distribution.
+its layers dealt to columns by KAISA's greedy on their decomposition seconds, and so is one per-layer mix:
+MEM-OPT on the layers that hold the larger half of the statistics bytes, COMM-OPT on the rest (the big layers'
+decompositions are what a memory budget cannot afford on every copy, the small ones' broadcasts what the step
+cannot afford). The plan with the shortest step, then the shortest refresh periods, then the least peak
+memory wins (ties: the order above, least communication first). A candidate that cannot meet the memory
+budget or max_overhead drops out; when none plans, COMM-OPT's refusal (with its suggestions) is raised.
+DP-KFAC is never chosen: its factors come from one replica's micro-batches, a different algorithm that only
+the user may ask for. CP-SAT places the work of each candidate; it does not choose among them itself.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from fxkfac.planner.plan import Method, Plan, solve
 from fxkfac.planner.problem import Problem, SolverConfig, copies_of_stage
 from fxkfac.planner.strategy import COMM_OPT, Strategy, StrategyKind
 
-__all__ = ["candidate_strategies", "solve_with_strategy", "strategy_of"]
+__all__ = ["candidate_strategies", "candidate_problems", "mixed", "solve_with_strategy", "strategy_of"]
 
 log = logging.getLogger(__name__)
 
@@ -36,34 +38,65 @@ def candidate_strategies(problem: Problem) -> list[Strategy]:
     return [COMM_OPT, *hybrids, Strategy(StrategyKind.MEM_OPT)]
 
 
+def mixed(problem: Problem) -> Problem | None:
+    """MEM-OPT on the layers holding the larger half of the statistics bytes (largest first), COMM-OPT on the
+    others; None when that is one strategy on every layer."""
+    layers = sorted((x for stage in problem.costs.stages for x in stage.layers),
+                    key=lambda x: (-x.factor_bytes, x.name))
+    total, big, held = sum(x.factor_bytes for x in layers), [], 0
+    for x in layers:
+        if 2 * held >= total:
+            break
+        big.append(x.name)
+        held += x.factor_bytes
+    if not big or len(big) == len(layers):
+        return None
+    mem = problem.with_strategy(Strategy(StrategyKind.MEM_OPT))
+    return problem.with_distributions({name: mem.where(name) for name in big})
+
+
+def candidate_problems(problem: Problem) -> list[Problem]:
+    """The problem under each of `candidate_strategies`, then under the `mixed` distribution where it differs."""
+    out = [problem.with_strategy(s) for s in candidate_strategies(problem)]
+    mix = mixed(problem) if len(out) > 1 else None
+    return out + ([mix] if mix is not None else [])
+
+
 def solve_with_strategy(problem: Problem, strategy: Strategy | None, config: SolverConfig = SolverConfig(),
                         method: Method | str = Method.CPSAT) -> Plan:
-    """`solve` with every layer under `strategy`, or with the best of `candidate_strategies` when it is None
+    """`solve` with every layer under `strategy`, or with the best of `candidate_problems` when it is None
     (see [Note: strategy search]); each candidate gets an equal share of the time limit."""
     if strategy is not None:
         return solve(problem.with_strategy(strategy), config, method)
-    candidates = candidate_strategies(problem)
+    candidates = candidate_problems(problem)
     share = replace(config, time_limit_s=config.time_limit_s / len(candidates))
     plans: list[Plan] = []
     refusal: PlanError | None = None
     for candidate in candidates:
         try:
-            plans.append(solve(problem.with_strategy(candidate), share, method))
+            plans.append(solve(candidate, share, method))
         except PlanError as e:
-            log.info("strategy %s does not plan: %s", candidate, e)
+            log.info("distribution %s does not plan: %s", _words(candidate), e)
             refusal = refusal or e
     if not plans:
         assert refusal is not None, "every candidate either plans or refuses"
         raise refusal
     best = min(plans, key=lambda p: (p.metrics.step_time, sum(p.metrics.refresh_steps),
                                      max(p.metrics.peak_memory.values(), default=0)))
-    log.info("strategy %s chosen among %s", strategy_of(best), [strategy_of(p) for p in plans])
+    log.info("distribution %s chosen among %s", strategy_of(best), [strategy_of(p) for p in plans])
     return best
 
 
 def strategy_of(plan: Plan) -> str:
-    """The plan's strategy as text: the one every layer follows, else 'mixed' (COMM-OPT where none is named)."""
-    named = {str(where.strategy) for _, where in plan.problem.distributions}
-    if len(plan.problem.distributions) < len(plan.problem.costs.layer_names):
-        named.add(str(COMM_OPT))
-    return named.pop() if len(named) == 1 else "mixed"
+    """The plan's strategy in words: the one every layer follows, else how many layers follow each."""
+    return _words(plan.problem)
+
+
+def _words(problem: Problem) -> str:
+    counts: dict[str, int] = {}
+    for name in problem.costs.layer_names:
+        key = str(problem.where(name).strategy)
+        counts[key] = counts.get(key, 0) + 1
+    if len(counts) == 1:
+        return next(iter(counts))
+    return ", ".join(f"{key} on {n} layers" for key, n in sorted(counts.items()))

@@ -1,0 +1,55 @@
+"""The strategy search: candidates, the best plan kept, a memory budget only some strategies meet."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxkfac.planner.choose import candidate_problems, candidate_strategies, solve_with_strategy, strategy_of
+from fxkfac.planner.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.errors import PlanError
+from fxkfac.planner.hardware import HARDWARE
+from fxkfac.planner.plan import solve
+from fxkfac.planner.problem import Problem, SolverConfig
+from fxkfac.planner.strategy import parse_strategy
+from fxkfac.planner.validate import validate
+
+QUICK = SolverConfig(time_limit_s=2.0)
+
+
+def _problem(W: int = 4, budget: int | None = None) -> Problem:
+    layers = tuple(LayerCost.kfac(f"fc{i}", 0.001, 0.001, 0.004 * (i + 1), 0.003, 0.001, 1024, 1024,
+                                  (i + 1) << 20, (i + 1) << 20, grad_bytes=1 << 18) for i in range(4))
+    table = CostTable((StageCost(0.01, 0.02, 4 << 20, 1 << 20, layers),), 8, "hand", "test", HARDWARE["a100"].comm)
+    return Problem("gpipe", 1, 2, table, W=W, max_overhead=0.6, memory_budget=budget)
+
+
+def test_candidates_are_kaisas_fractions_and_one_mix() -> None:
+    assert [str(s) for s in candidate_strategies(_problem(W=4))] == ["comm-opt", "hybrid:1/2", "mem-opt"]
+    assert [str(s) for s in candidate_strategies(_problem(W=1))] == ["comm-opt"]
+    mix = candidate_problems(_problem(W=4))[-1]
+    assert {n: str(mix.where(n).strategy) for n in mix.costs.layer_names} == {
+        "fc0": "comm-opt", "fc1": "comm-opt", "fc2": "mem-opt", "fc3": "mem-opt"}  # 4 + 3 of 10 MiB are the half
+
+
+def test_auto_is_no_slower_than_any_forced_strategy() -> None:
+    """Greedy placement (deterministic whatever the load): the search keeps the best candidate."""
+    problem = _problem()
+    auto = solve_with_strategy(problem, None, QUICK, "greedy")
+    assert validate(auto.problem, auto) == []
+    for text in ("comm-opt", "hybrid:0.5", "mem-opt"):
+        forced = solve_with_strategy(problem, parse_strategy(text), QUICK, "greedy")
+        assert (auto.metrics.step_time, sum(auto.metrics.refresh_steps)) <= \
+            (forced.metrics.step_time, sum(forced.metrics.refresh_steps)), text
+
+
+def test_a_budget_comm_opt_misses_is_met_by_holding_fewer_decompositions() -> None:
+    loose = solve(_problem().with_strategy(parse_strategy("mem-opt")), QUICK, "greedy")
+    comm = solve(_problem(), QUICK, "greedy")
+    budget = max(loose.metrics.peak_memory.values())
+    assert budget < max(comm.metrics.peak_memory.values())
+    with pytest.raises(PlanError):
+        solve(_problem(budget=budget), QUICK, "greedy")
+    chosen = solve_with_strategy(_problem(budget=budget), None, QUICK, "greedy")
+    assert strategy_of(chosen) != "comm-opt"
+    assert max(chosen.metrics.peak_memory.values()) <= budget
+    assert validate(chosen.problem, chosen) == []
