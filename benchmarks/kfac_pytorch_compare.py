@@ -1,4 +1,4 @@
-"""K-FAC step time on one device, fxkfac against kfac-pytorch (gpauloski/kfac-pytorch), as ratios, in one run.
+"""K-FAC step time, fxkfac against kfac-pytorch (gpauloski/kfac-pytorch), as ratios, in one run: one device or 2 ranks.
 
 Both sides train the same model (same seed, same batch) with SGD (lr 0.05, momentum 0.9) and refresh
 everything every step: factors, running averages and inverses (kfac-pytorch ``factor_update_steps =
@@ -23,6 +23,13 @@ warm-up: within a round each model and method alternates one fxkfac step and one
 their ratio, and the quartiles of the paired ratios (each fxkfac step over the kfac-pytorch step next to it),
 with the load average before and after. Prints a rich table and one JSON line.
 
+``--world 2``: two gloo ranks (one process each, ``--threads`` each), pure data parallelism, the global batch
+above split between them. fxkfac compiles on a ``(1, 2)`` mesh without a plan, with ``PlanOptions(strategy=...)``
+forced on every layer; kfac-pytorch wraps the model in DistributedDataParallel and gets the
+``grad_worker_fraction`` of the same name: ``comm-opt`` = ``COMM_OPT`` (1), ``mem-opt`` = ``MEM_OPT`` (1/W),
+``hybrid:0.5`` = 0.5 (at W = 2 the same fraction as MEM-OPT). A barrier precedes every timed step; rank 0's
+times are reported.
+
 The warm-up is 10 steps by default because an eigendecomposition's time depends on the spectrum: fxkfac's
 running average starts from the first batch's factor (rank <= 129 for the MLP's A at batch 128, full rank only
 after 8 steps), kfac-pytorch's from the identity, and a rank-deficient factor decomposes faster.
@@ -35,7 +42,7 @@ Install it next to the project, without touching the project's environment (torc
     PYTHONPATH=/tmp/kfac-site python benchmarks/kfac_pytorch_compare.py
 
     python benchmarks/kfac_pytorch_compare.py [--models mlp tokens] [--methods inverse eigen] [--steps 5]
-        [--rounds 3] [--warmup 10] [--threads 1] [--backend BACKEND]
+        [--rounds 3] [--warmup 10] [--threads 1] [--backend BACKEND] [--world 2 [--strategies comm-opt ...]]
 """
 
 from __future__ import annotations
@@ -48,9 +55,11 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
@@ -58,6 +67,7 @@ from torch import nn
 
 import fxkfac
 from fxkfac import KFACConfig
+from fxkfac.config import PlanOptions
 
 DAMPING, FACTOR_DECAY, KL_CLIP, LR, MOMENTUM = 1e-3, 0.95, 1e-3, 0.05, 0.9
 FXKFAC_METHOD = {"inverse": "cholesky", "eigen": "eigen"}
@@ -68,6 +78,7 @@ of https://github.com/gpauloski/kfac-pytorch without touching this environment (
     PYTHONPATH=/tmp/kfac-site python benchmarks/kfac_pytorch_compare.py
 (`import kfac` needs the package's metadata, so PYTHONPATH=/tmp/kfac-pytorch on the bare checkout is not enough.)"""
 SEQ, TOKEN_BATCH, TOKEN_BLOCKS, TOKEN_CLASSES = 64, 16, 2, 10
+STRATEGIES = ("comm-opt", "mem-opt", "hybrid:0.5")
 
 
 class TokenBlock(nn.Module):
@@ -82,7 +93,8 @@ class TokenBlock(nn.Module):
 
 
 class TokenModel(nn.Module):
-    """TOKEN_BLOCKS TokenBlocks and a per-token Linear head; logits come out as ``[tokens, classes]``."""
+    """TOKEN_BLOCKS TokenBlocks and a per-token Linear head; logits come out as ``[batch, classes, seq]`` (the
+    layout F.cross_entropy takes with ``[batch, seq]`` targets, sharded along the batch like the inputs)."""
 
     def __init__(self, blocks: int = TOKEN_BLOCKS, width: int = 256) -> None:
         super().__init__()
@@ -90,7 +102,7 @@ class TokenModel(nn.Module):
         self.head = nn.Linear(width, TOKEN_CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.blocks(x)).reshape(-1, TOKEN_CLASSES)
+        return self.head(self.blocks(x)).transpose(1, 2)
 
 
 def make_model(kind: str) -> nn.Module:
@@ -102,12 +114,13 @@ def make_model(kind: str) -> nn.Module:
 
 
 def make_batch(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """One fixed batch: ``mlp`` 128 x 784 with 10 classes; ``tokens`` [16, 64, 256] with a class per token."""
+    """One fixed batch: ``mlp`` 128 x 784 with 10 classes; ``tokens`` [16, 64, 256] with a class per token
+    (targets [16, 64])."""
     g = torch.Generator().manual_seed(0)
     if kind == "mlp":
         return torch.randn(128, 784, generator=g), torch.randint(0, 10, (128,), generator=g)
     return (torch.randn(TOKEN_BATCH, SEQ, 256, generator=g),
-            torch.randint(0, TOKEN_CLASSES, (TOKEN_BATCH * SEQ,), generator=g))
+            torch.randint(0, TOKEN_CLASSES, (TOKEN_BATCH, SEQ), generator=g))
 
 
 def fxkfac_step(kind: str, method: str, backend: str | None) -> Callable[[], None]:
@@ -158,14 +171,142 @@ def kfac_pytorch_step(kind: str, method: str) -> Callable[[], None]:
     return step
 
 
-def time_steps(step: Callable[[], None], n: int) -> list[float]:
-    """Seconds of each of n calls."""
+def fxkfac_dp_step(kind: str, method: str, strategy: str) -> Callable[[], None]:
+    """fxkfac.compile on a ``(1, W)`` mesh (pure data parallelism, no plan: K-FAC on the critical path, refreshed
+    every step) with ``strategy`` forced on every layer; each rank trains on its shard of the global batch."""
+    x, y = make_batch(kind)
+    cfg = KFACConfig(damping=DAMPING, factor_decay=FACTOR_DECAY, kl_clip=KL_CLIP, inverse=FXKFAC_METHOD[method],
+                     refresh_every=1)
+    trainer = fxkfac.compile(make_model(kind), (1, dist.get_world_size()), None, example_inputs=(x,),
+                             loss_fn=F.cross_entropy, optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM),
+                             kfac=cfg, backend=None, plan_options=PlanOptions(strategy=strategy))
+    return lambda: trainer.step((x,), y)
+
+
+def kfac_pytorch_dp_step(kind: str, method: str, strategy: str) -> Callable[[], None]:
+    """kfac-pytorch under DistributedDataParallel with ``grad_worker_fraction`` of the same name as ``strategy``;
+    each rank trains on its shard of the same global batch."""
+    import logging
+
+    from kfac.enums import ComputeMethod, DistributedStrategy
+    from kfac.preconditioner import KFACPreconditioner
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x, y = make_batch(kind)
+    shard = len(x) // world  # the rank's contiguous samples, as fxkfac shards the global batch
+    x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
+    model = nn.parallel.DistributedDataParallel(make_model(kind))
+    fraction: DistributedStrategy | float = {"comm-opt": DistributedStrategy.COMM_OPT,
+                                             "mem-opt": DistributedStrategy.MEM_OPT}.get(strategy, 0.0)
+    if not isinstance(fraction, DistributedStrategy):
+        fraction = float(strategy.split(":")[1])
+    compute = ComputeMethod.INVERSE if method == "inverse" else ComputeMethod.EIGEN
+    damping = math.sqrt(DAMPING) if method == "inverse" else DAMPING
+    precond = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, damping=damping,
+                                 factor_decay=FACTOR_DECAY, kl_clip=KL_CLIP, lr=LR, compute_method=compute,
+                                 grad_worker_fraction=fraction, loglevel=logging.DEBUG)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        precond.step()
+        opt.step()
+    return step
+
+
+def time_steps(step: Callable[[], None], n: int, sync: Callable[[], None] = lambda: None) -> list[float]:
+    """Seconds of each of n calls (``sync`` before each, untimed: a barrier across ranks)."""
     out = []
     for _ in range(n):
+        sync()
         start = time.perf_counter()
         step()
         out.append(time.perf_counter() - start)
     return out
+
+
+Config = tuple[str, str, str]
+"""(model, method, strategy): "one device" or the strategy's name."""
+
+
+def measure(sides: dict[Config, dict[str, Callable[[], None]]], args: argparse.Namespace,
+            sync: Callable[[], None] = lambda: None) -> dict[str, Any]:
+    """Warm up every side, then per round and config one step of each side in turn (order flipped every pair)."""
+    load_before = os.getloadavg()
+    for pair in sides.values():
+        for step in pair.values():
+            time_steps(step, args.warmup, sync)
+    times: dict[Config, dict[str, list[float]]] = {c: {side: [] for side in pair} for c, pair in sides.items()}
+    ratios: dict[Config, list[float]] = {c: [] for c in sides}
+    for _ in range(args.rounds):
+        for config, pair in sides.items():
+            order = list(pair)
+            for i in range(args.steps):
+                for side in order if i % 2 == 0 else order[::-1]:
+                    times[config][side] += time_steps(pair[side], 1, sync)
+                if len(order) == 2:
+                    ratios[config].append(times[config]["fxkfac"][-1] / times[config]["kfac-pytorch"][-1])
+    rows = []
+    for (kind, method, strategy), t in times.items():
+        ours = statistics.median(t["fxkfac"])
+        ref = statistics.median(t["kfac-pytorch"]) if "kfac-pytorch" in t else None
+        paired = ratios[(kind, method, strategy)]
+        q = statistics.quantiles(paired, n=4) if len(paired) > 1 else None
+        rows.append({"model": kind, "method": method, "strategy": strategy, "fxkfac_ms": round(1e3 * ours, 2),
+                     "kfac_pytorch_ms": None if ref is None else round(1e3 * ref, 2),
+                     "ratio": None if ref is None else round(ours / ref, 3),
+                     "paired_ratio": None if q is None else [round(v, 3) for v in q]})
+    return {"rows": rows, "loadavg": [list(load_before), list(os.getloadavg())]}
+
+
+def report(result: dict[str, Any], args: argparse.Namespace) -> None:
+    """The rich table and the JSON line."""
+    load = result["loadavg"]
+    where = "one device" if args.world == 1 else f"{args.world} ranks (gloo, pure data parallelism)"
+    table = Table(title=f"K-FAC step, {where}, refresh every step, {args.threads} thread(s) per process, median of "
+                        f"{args.rounds}x{args.steps} after {args.warmup} warm-up; load {load[0][0]:.2f} -> "
+                        f"{load[1][0]:.2f}")
+    for col in ("model", "method", "strategy", "fxkfac ms", "kfac-pytorch ms", "fxkfac / kfac-pytorch",
+                "paired ratio (IQR)"):
+        table.add_column(col, justify="left" if col in ("model", "method", "strategy") else "right")
+    for row in result["rows"]:
+        q = row["paired_ratio"]
+        table.add_row(row["model"], f"{row['method']} (fxkfac {FXKFAC_METHOD[row['method']]})", row["strategy"],
+                      f"{row['fxkfac_ms']:.1f}", "-" if row["ratio"] is None else f"{row['kfac_pytorch_ms']:.1f}",
+                      "-" if row["ratio"] is None else f"{row['ratio']:.2f}",
+                      "-" if q is None else f"{q[1]:.2f} ({q[0]:.2f}-{q[2]:.2f})")
+    Console(width=140).print(table)
+    print(json.dumps({"benchmark": "kfac_pytorch_compare", "kfac_pytorch": result["kfac_pytorch"],
+                      "world": args.world, "threads": args.threads, "backend": args.backend, "steps": args.steps,
+                      "rounds": args.rounds, "warmup": args.warmup,
+                      "tokens": {"batch": TOKEN_BATCH, "seq": SEQ, "blocks": TOKEN_BLOCKS}, **result}))
+
+
+def _quiet() -> None:
+    """kfac-pytorch's full backward hooks warn, every step, that the model's input needs no gradient."""
+    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+
+
+def _dp_worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
+    """One rank of the data-parallel comparison; rank 0 writes the result."""
+    torch.set_num_threads(args.threads)
+    _quiet()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world,
+                            timeout=timedelta(seconds=600))
+    have_ref = kfac_pytorch_available()
+    sides: dict[Config, dict[str, Callable[[], None]]] = {}
+    for kind in args.models:
+        for method in args.methods:
+            for strategy in args.strategies:
+                sides[(kind, method, strategy)] = {"fxkfac": fxkfac_dp_step(kind, method, strategy)}
+                if have_ref:
+                    sides[(kind, method, strategy)]["kfac-pytorch"] = kfac_pytorch_dp_step(kind, method, strategy)
+    result = measure(sides, args, sync=dist.barrier)
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({**result, "kfac_pytorch": have_ref}, f)
+    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -175,65 +316,30 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per method per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps per method first (see above)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (both sides)")
-    parser.add_argument("--backend", default=None, help="torch.compile backend for fxkfac (default: eager, like "
-                                                         "kfac-pytorch)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process (both sides)")
+    parser.add_argument("--backend", default=None, help="torch.compile backend for fxkfac on one device (default: "
+                                                         "eager, like kfac-pytorch)")
+    parser.add_argument("--world", type=int, default=1, choices=[1, 2],
+                        help="2: two gloo ranks, pure data parallelism, each --strategies")
+    parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    # kfac-pytorch's full backward hooks warn, every step, that the model's input needs no gradient
-    warnings.filterwarnings("ignore", message="Full backward hook is firing")
+    _quiet()
     have_ref = kfac_pytorch_available()
     if not have_ref:
         print(INSTALL)
-    steps: dict[tuple[str, str, str], Callable[[], None]] = {}
+    if args.world > 1:
+        from pipefisher_overhead import spawn_and_report  # launches 2 local ranks, reports rank 0's row
+
+        spawn_and_report(_dp_worker, report, args)
+        return
+    sides: dict[Config, dict[str, Callable[[], None]]] = {}
     for kind in args.models:
         for method in args.methods:
-            steps[(kind, method, "fxkfac")] = fxkfac_step(kind, method, args.backend)
+            sides[(kind, method, "one device")] = {"fxkfac": fxkfac_step(kind, method, args.backend)}
             if have_ref:
-                steps[(kind, method, "kfac-pytorch")] = kfac_pytorch_step(kind, method)
-    load_before = os.getloadavg()
-    for step in steps.values():
-        time_steps(step, args.warmup)
-    times: dict[tuple[str, str, str], list[float]] = {key: [] for key in steps}
-    pair_ratios: dict[tuple[str, str], list[float]] = {}
-    for _ in range(args.rounds):
-        for kind in args.models:
-            for method in args.methods:
-                sides = [key for key in steps if key[:2] == (kind, method)]
-                for i in range(args.steps):  # one step of each side in turn, order alternated (ABBA): paired
-                    for key in sides if i % 2 == 0 else sides[::-1]:
-                        times[key] += time_steps(steps[key], 1)
-                    if have_ref:
-                        pair = [times[key][-1] for key in sides]
-                        pair_ratios.setdefault((kind, method), []).append(pair[0] / pair[1])
-    load_after = os.getloadavg()
-    median = {key: statistics.median(t) for key, t in times.items()}
-    table = Table(title=f"K-FAC step on one device, refresh every step, {args.threads} thread(s), median of "
-                        f"{args.rounds}x{args.steps} after {args.warmup} warm-up; load "
-                        f"{load_before[0]:.2f} -> {load_after[0]:.2f}")
-    for col in ("model", "method", "fxkfac ms", "kfac-pytorch ms", "fxkfac / kfac-pytorch",
-                "paired ratio (IQR)"):
-        table.add_column(col, justify="left" if col in ("model", "method") else "right")
-    rows: list[dict[str, Any]] = []
-    for kind in args.models:
-        for method in args.methods:
-            ours = median[(kind, method, "fxkfac")]
-            ref = median.get((kind, method, "kfac-pytorch"))
-            ratio = None if ref is None else ours / ref
-            paired = pair_ratios.get((kind, method))
-            q = statistics.quantiles(paired, n=4) if paired and len(paired) > 1 else None
-            rows.append({"model": kind, "method": method, "fxkfac_ms": round(1e3 * ours, 2),
-                         "kfac_pytorch_ms": None if ref is None else round(1e3 * ref, 2),
-                         "ratio": None if ratio is None else round(ratio, 3),
-                         "paired_ratio": None if q is None else [round(v, 3) for v in q]})
-            table.add_row(kind, f"{method} (fxkfac {FXKFAC_METHOD[method]})", f"{1e3 * ours:.1f}",
-                          "-" if ref is None else f"{1e3 * ref:.1f}", "-" if ratio is None else f"{ratio:.2f}",
-                          "-" if q is None else f"{q[1]:.2f} ({q[0]:.2f}-{q[2]:.2f})")
-    Console(width=120).print(table)
-    print(json.dumps({"benchmark": "kfac_pytorch_compare", "kfac_pytorch": have_ref, "threads": args.threads,
-                      "backend": args.backend, "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
-                      "tokens": {"batch": TOKEN_BATCH, "seq": SEQ, "blocks": TOKEN_BLOCKS}, "rows": rows,
-                      "loadavg": [list(load_before), list(load_after)]}))
+                sides[(kind, method, "one device")]["kfac-pytorch"] = kfac_pytorch_step(kind, method)
+    report({**measure(sides, args), "kfac_pytorch": have_ref}, args)
 
 
 if __name__ == "__main__":
