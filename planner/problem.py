@@ -431,22 +431,28 @@ def stage_groups(problem: Problem) -> tuple[StageGroup, ...]:
 
 
 def static_bytes(problem: Problem, device: int) -> int:
-    """Memory held all step on `device`: parameters and gradients (2x); of each layer, the statistics and the
-    decompositions (each as large as the statistics) and the optimizer state besides them
-    (`LayerCost.state_bytes`: grafting, momentum, Adam moments) where the device keeps them, and a buffer of
-    the layer's gradient where its preconditioned gradient is broadcast (`planner.strategy.holding`); and the
-    largest transient error peak of one backward."""
+    """Memory held all step on `device`: parameters and gradients (2x); of each layer, the statistics, two
+    decompositions (each as large as the statistics: the active one and the next, which a refresh makes beside
+    it and which waits until it is used, `LayerTiming.use_offset` steps after the refresh, across step ends
+    when that is later) and the optimizer state besides them (`LayerCost.state_bytes`: grafting, momentum,
+    Adam moments) where the device keeps them (`planner.strategy.holding`); and two transients, each counted
+    once: the largest error peak of one backward, and the largest buffer of a layer's gradient whose
+    preconditioned gradient the device broadcasts or receives (BCAST_PREC packs one layer at a time and frees
+    the buffer after it; the received gradient replaces the layer's own, so nothing is kept across steps).
+    Measured against the runtime in tests/test_strategy_memory.py: an upper bound, met where every layer's
+    next decomposition is made before any is used (a critical-path refresh); a plan that staggers them holds
+    less, and one whose use_offset exceeds its period may hold a third."""
     stages = stages_on_device(problem, device)
-    total = 0
+    total = shared = 0
     for s in stages:
         cost, copies = problem.costs.stages[s], copies_of_stage(problem, s)
         total += 2 * cost.param_bytes
         for x in cost.layers:
             gradient_fed = all(p.after is OpKind.ALLREDUCE_GRAD for p in x.parts)
             held = holding(device, copies, problem.where(x.name), gradient_fed)
-            total += (x.factor_bytes * (held.statistics + held.decompositions) + x.state_bytes * held.decompositions
-                      + x.gradient_bytes * held.shares_gradient)
-    return total + max((problem.costs.stages[s].peak_err_bytes for s in stages), default=0)
+            total += x.factor_bytes * (held.statistics + 2 * held.decompositions) + x.state_bytes * held.decompositions
+            shared = max(shared, x.gradient_bytes * held.shares_gradient)
+    return total + shared + max((problem.costs.stages[s].peak_err_bytes for s in stages), default=0)
 
 
 def activation_intervals(problem: Problem, device: int, step: StepTimeline) -> list[tuple[float, float, int]]:
