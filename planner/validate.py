@@ -195,11 +195,12 @@ def _check_placed_once(c: _Ctx) -> None:
 
 
 def _fixed_intervals(c: _Ctx, device: int, k: int) -> list[tuple[float, float, str]]:
-    """The device's F/B and gradient all-reduces over a window of k steps: nothing else may run then."""
+    """The device's F/B and gradient all-reduces over a window of k steps: nothing else may run then (an op of no
+    duration, such as a backward a noisy profile timed at 0 s, occupies nothing)."""
     out = []
     for j in range(k):
         for op, a, b in c.timeline(j, k).ops[device]:
-            if op.kind in (OpKind.FWD, OpKind.BWD) or (op.kind is OpKind.ALLREDUCE_GRAD and b > a):
+            if b > a and op.kind in (OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD):
                 out.append((c.base(j, k) + a, c.base(j, k) + b, f"{op} (step {j})"))
     return out
 

@@ -5,6 +5,8 @@ local factors equal single-device K-FAC whose factors come from each layer's own
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +16,8 @@ from torch import Tensor, nn
 
 import fxkfac
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
+from fxkfac.planner.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.hardware import HARDWARE
 from fxkfac.planner.ir import LayerTiming, OpKind
 from fxkfac.planner.lowering import ranks_of_stages
 from fxkfac.planner.strategy import grad_workers
@@ -134,6 +138,15 @@ def test_dp_kfac_equals_one_device_kfac_with_each_layers_factors_from_its_owners
                                            msg=f"D={D} W={W} dp-kfac rank {r.rank} {name}")
 
 
+def _costs(stage_layers: Mapping[int, Sequence[str]], layers: Mapping[str, Any]) -> CostTable:
+    """Fixed costs (profiles vary with load): K-FAC work small against F/B, so refreshes are short."""
+    def layer(name: str) -> LayerCost:
+        return LayerCost.kfac(name, 1e-4, 1e-4, 1e-3, 1e-3, 1e-4, 1024, 1024, 4096, 4096, grad_bytes=1024)
+    stages = tuple(StageCost(0.01, 0.02, 1 << 12, 1 << 12, tuple(layer(n) for n in stage_layers[s]))
+                   for s in sorted(stage_layers))
+    return CostTable(stages, BATCH // 4, "fixed", "cpu", HARDWARE["cpu"].comm)
+
+
 def _planned_worker(rank: int, world: int, cases: list[tuple[int, str]]) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -143,7 +156,8 @@ def _planned_worker(rank: int, world: int, cases: list[tuple[int, str]]) -> list
         trainer = fxkfac.compile(mlp(seed=1), mesh, "auto", example_inputs=(_batches()[0][0],),
                                  loss_fn=F.mse_loss, optimizer=_sgd, backend=None, schedule="gpipe", microbatches=N,
                                  kfac=KFAC, pipeline=PipelineOptions(timeout=60.0),
-                                 plan_options=PlanOptions(strategy=strategy, time_limit_s=3.0, max_overhead=1.0))
+                                 plan_options=PlanOptions(costs=_costs, strategy=strategy, time_limit_s=3.0,
+                                                          max_overhead=1.0))
         assert trainer.plan is not None
         holders = ranks_of_stages(trainer.spec.kind, D, world // D)
         stage_of = {n: s for s, names in trainer.spec.stage_units.items() for n in names}
