@@ -146,21 +146,31 @@ def kfac_pytorch_available() -> bool:
     return True
 
 
-def kfac_pytorch_step(kind: str, method: str) -> Callable[[], None]:
-    """kfac-pytorch's KFACPreconditioner on the same model and batch, everything every step, same SGD."""
+def kfac_pytorch_step(kind: str, method: str, strategy: str | None = None) -> Callable[[], None]:
+    """kfac-pytorch's KFACPreconditioner on the same model and batch, everything every step, same SGD; with a
+    `strategy` (a process group is up) under DistributedDataParallel with the ``grad_worker_fraction`` of that
+    name, each rank training on its contiguous shard of the same global batch (as fxkfac shards it)."""
     import logging
 
-    from kfac.enums import ComputeMethod
+    from kfac.enums import ComputeMethod, DistributedStrategy
     from kfac.preconditioner import KFACPreconditioner
 
     x, y = make_batch(kind)
     model = make_model(kind)
+    extra: dict[str, Any] = {}
+    if strategy is not None:
+        world, rank = dist.get_world_size(), dist.get_rank()
+        shard = len(x) // world
+        x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
+        model = nn.parallel.DistributedDataParallel(model)
+        named = {"comm-opt": DistributedStrategy.COMM_OPT, "mem-opt": DistributedStrategy.MEM_OPT}
+        extra["grad_worker_fraction"] = named.get(strategy) or float(strategy.split(":")[1])
     compute = ComputeMethod.INVERSE if method == "inverse" else ComputeMethod.EIGEN
     # kfac-pytorch damps each factor by `damping` with INVERSE; fxkfac by sqrt(damping) (see the module docstring).
     damping = math.sqrt(DAMPING) if method == "inverse" else DAMPING
     precond = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, damping=damping,
                                  factor_decay=FACTOR_DECAY, kl_clip=KL_CLIP, lr=LR, compute_method=compute,
-                                 loglevel=logging.DEBUG)
+                                 loglevel=logging.DEBUG, **extra)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
     def step() -> None:
@@ -181,38 +191,6 @@ def fxkfac_dp_step(kind: str, method: str, strategy: str) -> Callable[[], None]:
                              loss_fn=F.cross_entropy, optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM),
                              kfac=cfg, backend=None, plan_options=PlanOptions(strategy=strategy))
     return lambda: trainer.step((x,), y)
-
-
-def kfac_pytorch_dp_step(kind: str, method: str, strategy: str) -> Callable[[], None]:
-    """kfac-pytorch under DistributedDataParallel with ``grad_worker_fraction`` of the same name as ``strategy``;
-    each rank trains on its shard of the same global batch."""
-    import logging
-
-    from kfac.enums import ComputeMethod, DistributedStrategy
-    from kfac.preconditioner import KFACPreconditioner
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-    x, y = make_batch(kind)
-    shard = len(x) // world  # the rank's contiguous samples, as fxkfac shards the global batch
-    x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
-    model = nn.parallel.DistributedDataParallel(make_model(kind))
-    fraction: DistributedStrategy | float = {"comm-opt": DistributedStrategy.COMM_OPT,
-                                             "mem-opt": DistributedStrategy.MEM_OPT}.get(strategy, 0.0)
-    if not isinstance(fraction, DistributedStrategy):
-        fraction = float(strategy.split(":")[1])
-    compute = ComputeMethod.INVERSE if method == "inverse" else ComputeMethod.EIGEN
-    damping = math.sqrt(DAMPING) if method == "inverse" else DAMPING
-    precond = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, damping=damping,
-                                 factor_decay=FACTOR_DECAY, kl_clip=KL_CLIP, lr=LR, compute_method=compute,
-                                 grad_worker_fraction=fraction, loglevel=logging.DEBUG)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-
-    def step() -> None:
-        opt.zero_grad(set_to_none=True)
-        F.cross_entropy(model(x), y).backward()
-        precond.step()
-        opt.step()
-    return step
 
 
 def time_steps(step: Callable[[], None], n: int, sync: Callable[[], None] = lambda: None) -> list[float]:
@@ -301,7 +279,7 @@ def _dp_worker(rank: int, args: argparse.Namespace, port: int, out_path: str) ->
             for strategy in args.strategies:
                 sides[(kind, method, strategy)] = {"fxkfac": fxkfac_dp_step(kind, method, strategy)}
                 if have_ref:
-                    sides[(kind, method, strategy)]["kfac-pytorch"] = kfac_pytorch_dp_step(kind, method, strategy)
+                    sides[(kind, method, strategy)]["kfac-pytorch"] = kfac_pytorch_step(kind, method, strategy)
     result = measure(sides, args, sync=dist.barrier)
     if rank == 0:
         with open(out_path, "w") as f:
