@@ -556,7 +556,7 @@ def _placed(problem: Problem, config: SolverConfig, method: Method, clock: _Cloc
             attempt = _solve_groups(problem, fused, config, method, common, clock)
         if all(attempt.solutions):
             return _assemble(problem, attempt, fused, time.perf_counter() - began)
-        if problem.memory_budget is None or method is Method.GREEDY:
+        if problem.memory_budget is None or method is Method.GREEDY or _short_of_time(attempt, fused):
             raise _unplaced(problem, attempt, fused, config, method)
         nxt = _next_fused(problem, attempt, fused, by_excess=clock.solver_time() <= 0)
         if nxt is None or clock.out():
@@ -569,6 +569,13 @@ def _placed(problem: Problem, config: SolverConfig, method: Method, clock: _Cloc
                 f"per device was found {why}"), (Knob.MEMORY_BUDGET, Knob.MAX_OVERHEAD), fused)
         log.info("fusing curvature of %s to fit the memory budget", sorted(nxt - fused))
         fused = nxt
+
+
+def _short_of_time(attempt: _Attempt, fused: frozenset[str]) -> bool:
+    """Whether a group is unplaced for want of time, not memory: before any fusing, greedy (which ignores the
+    budget) placed it nowhere either, and fusing only lengthens F/B. Its refusal then names max_overhead or N,
+    not the memory budget (pure data parallelism at max_overhead 0 has no bubble to fill)."""
+    return not fused and any(s is None and g is None for s, g in zip(attempt.solutions, attempt.greedy))
 
 
 def _unplaced(problem: Problem, attempt: _Attempt, fused: frozenset[str], config: SolverConfig,
