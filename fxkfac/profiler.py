@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -162,7 +163,7 @@ def _layer_cost(layer: KFACLayer, rows: int, cfg: KFACConfig, warmup: int, repea
         raise AssertionError("a well-conditioned random factor could not be inverted")
     inverse = combine(inv_a, inv_b, 0.0 if cfg.inverse == "cholesky" else cfg.damping)
     item = torch.finfo(dtype).bits // 8
-    return LayerCost.kfac(layer.name,
+    cost = LayerCost.kfac(layer.name,
         curv_a=time_call(curv_a, warmup=warmup, repeats=repeats),
         curv_b=time_call(curv_b, warmup=warmup, repeats=repeats),
         inv_a=time_call(lambda: invert_factor(A, gamma, method=cfg.inverse), warmup=warmup, repeats=repeats),
@@ -171,6 +172,11 @@ def _layer_cost(layer: KFACLayer, rows: int, cfg: KFACConfig, warmup: int, repea
         a_bytes=rows * layer.d_in * 4, e_bytes=rows * layer.d_out * 4,
         factor_a_bytes=layer.a_dim ** 2 * item, factor_b_bytes=layer.b_dim ** 2 * item,
         grad_bytes=layer.a_dim * layer.b_dim * 4)
+    if cfg.inverse == "cholesky":
+        return cost
+    # the eigen form also keeps each decomposition's eigenvalues (the active one and the next) and, once used,
+    # the active one's divisor l_b l_a^T + damping (fxkfac/kfac/inverse.py)
+    return replace(cost, state_bytes=(2 * (layer.a_dim + layer.b_dim) + layer.a_dim * layer.b_dim) * item)
 
 
 def _act_bytes(gm: torch.fx.GraphModule) -> int:

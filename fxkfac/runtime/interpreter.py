@@ -193,6 +193,8 @@ class StepListener(Protocol):
 
     def abort_step(self, ctx: StepContext) -> None: ...
 
+    def commit_step(self, ctx: StepContext) -> None: ...
+
 
 class Interpreter:
     """Runs a list of ops through a dispatch table, recording each into a Recorder."""
@@ -206,6 +208,11 @@ class Interpreter:
         """The step of `ctx` is skipped: every listener restores the state it had when the step began."""
         for listener in self.listeners:
             listener.abort_step(ctx)
+
+    def commit(self, ctx: StepContext) -> None:
+        """The step of `ctx` stood: every listener drops what it kept to restore (so it frees that memory)."""
+        for listener in self.listeners:
+            listener.commit_step(ctx)
 
     def register(self, kind: OpKind, handler: Handler) -> None:
         """Install (or replace) the handler of `kind`."""

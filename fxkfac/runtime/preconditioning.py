@@ -472,6 +472,11 @@ class PreconditionerRuntime:
         self._dot = torch.zeros((), dtype=torch.float64)
         self._touched = set()
 
+    def commit_step(self, ctx: StepContext) -> None:
+        """The step stood: drop the state `begin_step` remembered (it holds the previous statistics and
+        decompositions alive, twice the preconditioner's memory, until the next step began)."""
+        self._at_begin = None
+
     def _copy(self) -> tuple[dict[str, RefreshState], dict[str, deque[_Refresh]], dict[tuple[str, str], deque[Any]]]:
         states = {name: state.snapshot() for name, state in self.states.items()}
         refreshes = {n: deque(r.copy() for r in q) for n, q in self.refreshes.items()}

@@ -227,6 +227,7 @@ class Trainer(Checkpointing):
             self.interpreter.abort(ctx)
             self._skip()
         else:
+            self.interpreter.commit(ctx)
             self._skips_in_a_row = 0
             self.steps += 1
         return float(loss)
