@@ -86,7 +86,7 @@ def test_float32_gradients_equal_split_precondition_and_dot_to_float_rounding() 
     state = LayerState(layer.a_dim, layer.b_dim)
     state.A, state.B = _spd(layer.a_dim, 0).float(), _spd(layer.b_dim, 1).float()
     for method in ("cholesky", "eigen"):
-        state.set_pending(invert(state.A, state.B, damping=GAMMA, method=method), 0)  # type: ignore[arg-type]
+        state.set_pending(invert(state.A, state.B, damping=GAMMA, method=method), 0)  # type: ignore[arg-type]  # method: a Literal, the loop variable a str
         state.activate(0)
         work = {k: v.clone() for k, v in grads.items()}
         G = grad_matrix(layer, grads["fc.weight"], grads["fc.bias"])
