@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -108,26 +109,37 @@ def report(summary: dict, console: Console) -> None:
                       f"({h['adamw_run']}), PipeFisher / AdamW {'n/a' if r is None else f'{r:.2f}'}", highlight=False)
 
 
-def plot(curves: tuple[Curve, ...], target: float, path: Path) -> None:
-    """Validation loss against train wall time, one line per run, the target dashed."""
+Line = tuple[list[float], list[float], str, str]
+"""One plotted run: wall times, validation losses, label, matplotlib linestyle."""
+
+
+def plot_losses(lines: Sequence[Line], target: float, path: Path, *, xlabel: str, title: str) -> None:
+    """Validation loss against train wall time, one line per run, the target dotted (both convergence benchmarks)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    for c in curves:
-        ax.plot([t for _, t, _ in c.points], [v for _, _, v in c.points], marker=".", label=c.name,
-                linestyle="-" if c.plan_json else "--")
+    for xs, ys, label, style in lines:
+        ax.plot(xs, ys, marker=".", label=label, linestyle=style)
     ax.axhline(target, color="gray", linewidth=0.8, linestyle=":", label=f"target {target:.3f}")
-    ax.set_xlabel("train wall time (s, rank 0)")
+    ax.set_xlabel(xlabel)
     ax.set_ylabel("validation loss (masked bytes)")
-    ax.set_title("PipeFisher vs AdamW, TinyBert MLM on the CPython stdlib, 2 stages 1F1B")
+    ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+
+
+def plot(curves: tuple[Curve, ...], target: float, path: Path) -> None:
+    """Validation loss against train wall time, one line per run (AdamW dashed), the target dotted."""
+    lines = [([t for _, t, _ in c.points], [v for _, _, v in c.points], c.name, "-" if c.plan_json else "--")
+             for c in curves]
+    plot_losses(lines, target, path, xlabel="train wall time (s, rank 0)",
+                title="PipeFisher vs AdamW, TinyBert MLM on the CPython stdlib, 2 stages 1F1B")
 
 
 def main() -> None:

@@ -246,9 +246,8 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
     print(json.dumps({"benchmark": "pipefisher_overhead", "args": vars(args), **row}))
 
 
-def main() -> None:
-    """Spawn the two ranks, then print the table and the JSON line."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The schedule, the TinyBert model and the rounds both overhead benchmarks run (`_model`, `spawn_and_report`)."""
     parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--ffn", type=int, default=512)
@@ -258,6 +257,12 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64, help="global mini-batch (sequences)")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=5)
+
+
+def main() -> None:
+    """Spawn the two ranks, then print the table and the JSON line."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_arguments(parser)
     parser.add_argument("--periods-per-round", type=int, default=1)
     parser.add_argument("--warmup-periods", type=int, default=1)
     parser.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit (s)")

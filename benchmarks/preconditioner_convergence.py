@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pipefisher_convergence import plot_losses
 from rich.console import Console
 from rich.table import Table
 
@@ -241,26 +242,11 @@ def report(summary: dict[str, Any], args: argparse.Namespace, console: Console) 
 
 def plot(summary: dict[str, Any], path: Path, args: argparse.Namespace) -> None:
     """Validation loss against train wall time: each family at its best lr (seed means), the target dotted."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for family, curve in summary["curves"].items():
-        lr = summary["families"][family]["best_lr"]
-        ax.plot([t for _, t, _ in curve], [v for _, _, v in curve], marker=".", label=f"{family} (lr {lr:g})",
-                linestyle="--" if family == "AdamW" else "-")
-    ax.axhline(summary["target_val_loss"], color="gray", linewidth=0.8, linestyle=":",
-               label=f"target {summary['target_val_loss']:.3f}")
-    ax.set_xlabel("train wall time (s, rank 0, mean over seeds)")
-    ax.set_ylabel("validation loss (masked bytes)")
-    ax.set_title(f"TinyBert MLM on the CPython stdlib, 2 stages 1F1B, batch {args.batch_size}, best lr per family")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
+    lines = [([t for _, t, _ in curve], [v for _, _, v in curve],
+              f"{family} (lr {summary['families'][family]['best_lr']:g})", "--" if family == "AdamW" else "-")
+             for family, curve in summary["curves"].items()]
+    plot_losses(lines, summary["target_val_loss"], path, xlabel="train wall time (s, rank 0, mean over seeds)",
+                title=f"TinyBert MLM on the CPython stdlib, 2 stages 1F1B, batch {args.batch_size}, best lr per family")
 
 
 def main() -> None:

@@ -36,7 +36,18 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from pipefisher_overhead import BUSY, D, _block, _fmt_ranks, _gather, _kind_seconds, _model, _planned, spawn_and_report
+from pipefisher_overhead import (
+    BUSY,
+    D,
+    _block,
+    _fmt_ranks,
+    _gather,
+    _kind_seconds,
+    _model,
+    _planned,
+    add_run_arguments,
+    spawn_and_report,
+)
 from preconditioner_convergence import family_config
 
 import fxkfac
@@ -167,15 +178,7 @@ def main() -> None:
     """Spawn the two ranks, then print the table and the JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
-    parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--ffn", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=64, help="global mini-batch (sequences)")
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=5)
+    add_run_arguments(parser)
     parser.add_argument("--block", type=int, default=10,
                         help="steps per variant per round, rounded up to whole refresh periods of the variant")
     parser.add_argument("--warmup-blocks", type=int, default=1)
