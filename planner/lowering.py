@@ -22,7 +22,8 @@ if TYPE_CHECKING:
     from fxkfac.planner.costs import CostTable
 
 __all__ = ["add_send_recv", "expand_dp", "rank_programs", "ranks_of_stages", "refreshing", "Assignment",
-           "assign_decompositions", "decomposition_seconds", "kfac_tail", "naive_programs", "startup_programs"]
+           "assign_decompositions", "decomposition_seconds", "step_applies", "kfac_tail", "naive_programs",
+           "startup_programs"]
 
 P = TypeVar("P", list[Op], Program)
 
@@ -187,6 +188,20 @@ def _deal(names: Sequence[str], parts: Sequence[str], holders: tuple[int, ...],
     return roots
 
 
+def step_applies(rank: int, stage: int, layers: Sequence[str], holders: tuple[int, ...],
+                 distributions: Mapping[str, LayerDistribution], pipe: int = 0) -> tuple[list[Op], list[Op]]:
+    """What `rank` runs of `stage` at every step to precondition it, as (APPLYs, BCAST_PRECs): one APPLY of the
+    stage copy (`pipe`) where every layer is COMM-OPT; otherwise an APPLY of each layer the rank is a grad worker
+    of, then the BCAST_PREC of each layer along the rank's row (planner/strategy.py)."""
+    where = {n: distributions.get(n, LayerDistribution()) for n in layers}
+    if all(w.strategy == COMM_OPT for w in where.values()):
+        return [Op(OpKind.APPLY, stage=stage, pipe=pipe)], []
+    applies = [Op(OpKind.APPLY, stage=stage, layer=n) for n in layers if rank in grad_workers(holders, where[n])]
+    shares = [Op(OpKind.BCAST_PREC, stage=stage, root=root, layer=n, group=None if row == holders else row)
+              for n in layers for root, row in receivers(holders, where[n]) if rank in row]
+    return applies, shares
+
+
 def kfac_tail(rank: int, copies: Sequence[tuple[int, int]], step: int, timings: Mapping[str, LayerTiming],
               stage_layers: Mapping[int, Sequence[str]], holders: Mapping[int, tuple[int, ...]],
               parts: Sequence[str] = KFAC_PARTS, gradient_parts: frozenset[str] = frozenset(), *,
@@ -216,7 +231,6 @@ def kfac_tail(rank: int, copies: Sequence[tuple[int, int]], step: int, timings: 
     for s in sorted({s for s, _ in copies}):
         ranks = holders[s]
         layers = stage_layers[s]
-        per_layer = any(where.get(n, LayerDistribution()).strategy != COMM_OPT for n in layers)
         workers = {n: grad_workers(ranks, where.get(n, LayerDistribution())) for n in layers}
         stats += [Op(OpKind.STATS, stage=s, part=part, layer=n) for n in layers if rank in workers[n]
                   for part in parts if part in gradient_parts]
@@ -235,15 +249,9 @@ def kfac_tail(rank: int, copies: Sequence[tuple[int, int]], step: int, timings: 
                 if len(group) > 1 and rank in group:
                     bcasts.append(Op(OpKind.BCAST, stage=s, part=side, root=root, layer=name,
                                      group=None if group == ranks else group))
-        if not per_layer:
-            precs += [Op(OpKind.APPLY, stage=s, pipe=p) for st, p in sorted(set(copies)) if st == s]
-            continue
-        precs += [Op(OpKind.APPLY, stage=s, layer=n) for n in layers if rank in workers[n]]
-        for name in layers:
-            for root, row in receivers(ranks, where.get(name, LayerDistribution())):
-                if rank in row:
-                    shares.append(Op(OpKind.BCAST_PREC, stage=s, root=root, layer=name,
-                                     group=None if row == ranks else row))
+        applies, shared = step_applies(rank, s, layers, ranks, where, pipe=next(p for st, p in copies if st == s))
+        precs += applies
+        shares += shared
     return stats + syncs + invs + bcasts + precs + shares
 
 

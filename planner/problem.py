@@ -11,18 +11,16 @@ from typing import Any
 from fxkfac.planner.costs import CostTable, StageCost
 from fxkfac.planner.errors import ConfigError, PlanError, PlanFormatError
 from fxkfac.planner.ir import Op, OpKind
-from fxkfac.planner.lowering import add_send_recv, expand_dp
+from fxkfac.planner.lowering import add_send_recv, expand_dp, step_applies
 from fxkfac.planner.schedules import ScheduleKind, num_stages, schedule_programs, validate_schedule_args
 from fxkfac.planner.simulate import Timeline, simulate
 from fxkfac.planner.strategy import (
-    COMM_OPT,
     LayerDistribution,
     Strategy,
     distribute,
     grad_workers,
     holding,
     keeps_statistics,
-    receivers,
 )
 
 __all__ = [
@@ -242,15 +240,9 @@ def prec_work(problem: Problem, device: int, stage: int) -> list[tuple[Op, float
     cost = problem.costs.stages[stage]
     work = [(op, secs) for op, secs in gradient_stats(cost, stage)
             if op.layer is not None and device in problem.workers(op.layer)]
-    if all(problem.where(x.name).strategy == COMM_OPT for x in cost.layers):
-        return work + [(Op(OpKind.APPLY, stage), cost.prec)]
-    work += [(Op(OpKind.APPLY, stage, layer=x.name), x.prec) for x in cost.layers if device in problem.workers(x.name)]
-    for x in cost.layers:
-        for root, row in receivers(copies, problem.where(x.name)):
-            if device in row:
-                op = Op(OpKind.BCAST_PREC, stage, root=root, layer=x.name, group=None if row == copies else row)
-                work.append((op, problem.costs.collective_seconds(op, len(row))))
-    return work
+    applies, shares = step_applies(device, stage, [x.name for x in cost.layers], copies, dict(problem.distributions))
+    work += [(op, cost.prec if op.layer is None else problem.costs.layer(op.layer).prec) for op in applies]
+    return work + [(op, problem.costs.collective_seconds(op, len(op.group or copies))) for op in shares]
 
 
 @lru_cache(maxsize=64)
