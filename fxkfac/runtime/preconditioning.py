@@ -513,6 +513,7 @@ class PreconditionerRuntime:
         for name, layer in self.layers.items():
             states[name] = self.family.new_state(layer)
             states[name].load_state_dict(dict(saved[name]))
+        self._drop_unheld(states)
         half = self.family.half_from_state
 
         def snapshot(name: str, saved: Any) -> RefreshState:
@@ -532,6 +533,19 @@ class PreconditionerRuntime:
         if unknown:
             raise CheckpointError(f"checkpoint has work in flight for layers {unknown} this rank does not hold")
         return states, refreshes, outbox
+
+    def _drop_unheld(self, states: dict[str, RefreshState]) -> None:
+        """Keep of each loaded unit state only what this rank holds under its strategy: a checkpoint written under
+        another layout or strategy gives every copy the fullest state saved, but only a unit's grad workers keep its
+        decompositions, and a rank that neither keeps its statistics nor decomposes it holds nothing of it
+        (DP-KFAC's other replicas). A same-layout checkpoint already has this form."""
+        for name, state in states.items():
+            if self.rank in self.workers[name]:
+                continue
+            if name in self.keeps:
+                state.active, state.pending = None, []
+            else:
+                states[name] = self.family.new_state(self.layers[name])
 
     def load_parsed(self, parsed: tuple) -> None:
         """Install what `parse_state` returned."""

@@ -298,7 +298,6 @@ class Trainer(Checkpointing):
         if runtime is None:
             raise AssertionError("preconditioner state parsed without a preconditioner runtime")
         parsed = runtime.parse_state(state)
-        _drop_unheld(runtime, parsed[0])
         saved = state["inflight"].get("captures")
         tapped = {f"{s}.{p}": r for (s, p), r in self.runners.items() if isinstance(r, TappedRunner)}
         if not isinstance(saved, dict) or set(saved) != set(tapped):
@@ -339,20 +338,6 @@ class Trainer(Checkpointing):
         """Gather every rank's recorded timeline to rank 0 and return (and write) a Chrome trace."""
         events = gather_timelines(self.timeline, self.layout.world_size)
         return None if events is None else chrome_trace(as_timeline(events), path)
-
-
-def _drop_unheld(runtime: PreconditionerRuntime, states: dict[str, RefreshState]) -> None:
-    """Keep of each loaded unit state only what this rank holds under its strategy: a checkpoint written under
-    another layout or strategy gives every copy the fullest state saved, but only a unit's grad workers keep its
-    decompositions, and a rank that neither keeps its statistics nor decomposes it holds nothing of it (DP-KFAC's
-    other replicas). A same-layout checkpoint already has this form."""
-    for name, state in states.items():
-        if runtime.rank in runtime.workers[name]:
-            continue
-        if name in runtime.keeps:
-            state.active, state.pending = None, []
-        else:
-            states[name] = runtime.family.new_state(runtime.layers[name])
 
 
 def _words(signature: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> str:
