@@ -117,11 +117,6 @@ class PlanOptions:
             object.__setattr__(self, "strategy", None if text == "auto" else parse_strategy(text))
         elif self.strategy is not None and not isinstance(self.strategy, Strategy):
             raise ConfigError(f"PlanOptions.strategy must be a Strategy, its text or 'auto', got {self.strategy!r}")
-
-    @property
-    def forced_strategy(self) -> Strategy | None:
-        """The strategy every layer must follow, None when the planner chooses."""
-        return self.strategy if isinstance(self.strategy, Strategy) else None
         if self.max_overhead is not None and not self.max_overhead >= 0:
             raise ConfigError(f"PlanOptions.max_overhead must be >= 0, got {self.max_overhead!r}")
         if not self.kfac_margin > 0:
@@ -132,3 +127,8 @@ class PlanOptions:
             raise ConfigError(f"PlanOptions.time_limit_s must be > 0, got {self.time_limit_s!r}")
         if not isinstance(self.deterministic, bool):
             raise ConfigError(f"PlanOptions.deterministic must be True or False, got {self.deterministic!r}")
+
+    @property
+    def forced_strategy(self) -> Strategy | None:
+        """The strategy every layer must follow, None when the planner chooses."""
+        return self.strategy if isinstance(self.strategy, Strategy) else None

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 import fxkfac
 from fxkfac.capture import capture
-from fxkfac.config import KFACConfig, PipelineOptions
+from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.errors import CaptureError, CheckpointError, ConfigError, NonFiniteError
 from fxkfac.runtime.trainer import Trainer
 from tests.support.models import mlp, tiny_bert, token_batch
@@ -201,3 +201,15 @@ def test_repeated_nan_steps_stop_with_nonfinite_error() -> None:
     assert trainer.skipped_steps == 3 and trainer.steps == 0
     trainer.step(x, y)
     assert trainer.steps == 1
+
+
+@pytest.mark.parametrize("field, value, expected", [
+    ("max_overhead", -0.1, "max_overhead must be >= 0"),
+    ("kfac_margin", 0.0, "kfac_margin must be > 0"),
+    ("memory_budget", 0, "memory_budget must be > 0 bytes"),
+    ("time_limit_s", 0.0, "time_limit_s must be > 0"),
+    ("deterministic", 1, "deterministic must be True or False"),
+])
+def test_plan_options_refuse_values_no_plan_can_use(field: str, value: object, expected: str) -> None:
+    with pytest.raises(ConfigError, match=expected):
+        PlanOptions(**{field: value})  # type: ignore[arg-type]  # the wrong types are the point
