@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -27,7 +28,7 @@ from ortools.sat.python import cp_model
 
 from fxkfac.planner.budget import MIN_CALL, Meter
 from fxkfac.planner.costs import LayerCost
-from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, refresh_lower_bound
+from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StageGroup, refresh_lower_bound
 from fxkfac.planner.stretch import Allowance, least_stretch, restretch, stretch_lower_bound
 from fxkfac.planner.window import GroupSolution, TaskKind, Window, fits_memory, too_long, use_offsets
 
@@ -259,9 +260,14 @@ def solve_window(w: Window, config: SolverConfig, time_limit: float, meter: Mete
     solver = cp_model.CpSolver()
     limit = max(meter.units(MIN_CALL), time_limit)
     _set_limits(solver.parameters, config, meter, limit)
-    status = solver.solve(v.model)
+    reporter = _Reporter(config.progress, w, optimize) if config.progress is not None else None
+    if reporter is not None and optimize:
+        solver.best_bound_callback = reporter.on_bound
+    status = solver.solve(v.model, reporter)
     meter.charge(solver.deterministic_time)
     name = solver.status_name(status)
+    if reporter is not None:
+        reporter.finish(solver, name)
     if meter.deterministic and status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE) \
             and solver.deterministic_time < limit * _CAP_SLACK:
         meter.note_capped(f"stages {list(w.group.stages)} k={w.k}")
@@ -277,6 +283,36 @@ def solve_window(w: Window, config: SolverConfig, time_limit: float, meter: Mete
     solution = GroupSolution(w, starts, tuple(devices), precs, use_offsets(w, starts, precs), "cpsat", name, 1,
                              solver.wall_time)
     return name, solution
+
+
+class _Reporter(cp_model.CpSolverSolutionCallback):
+    """Passes what one CP-SAT call finds to `SolverConfig.progress`: each placement (with its staleness and the
+    bound when optimizing), each better bound, then the call's status. It only observes the search."""
+
+    def __init__(self, report: Callable[[SolveProgress], None], w: Window, optimize: bool) -> None:
+        super().__init__()
+        self.report, self.optimize = report, optimize
+        self.window = f"stages {list(w.group.stages)} k={w.k}" + (f" stretch={w.stretch}" if w.stretch else "")
+        self.objective: float | None = None
+        self.began = time.perf_counter()
+
+    def on_solution_callback(self) -> None:
+        if self.optimize:
+            self.objective = self.objective_value
+        self._send("FEASIBLE", self.objective, self.best_objective_bound if self.optimize else None, False)
+
+    def on_bound(self, bound: float) -> None:
+        """CP-SAT proved a better lower bound on the staleness (UNKNOWN: before any placement is found)."""
+        self._send("FEASIBLE" if self.objective is not None else "UNKNOWN", self.objective, bound, False)
+
+    def finish(self, solver: cp_model.CpSolver, status: str) -> None:
+        """The call's end: its status, and with a placement found its staleness and bound."""
+        found = self.optimize and status in ("OPTIMAL", "FEASIBLE")
+        self._send(status, solver.objective_value if found else None, solver.best_objective_bound if found else None,
+                   True)
+
+    def _send(self, status: str, objective: float | None, bound: float | None, done: bool) -> None:
+        self.report(SolveProgress(self.window, status, objective, bound, time.perf_counter() - self.began, done))
 
 
 _CAP_SLACK = 0.99

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any
 
@@ -26,6 +26,7 @@ from fxkfac.planner.strategy import (
 __all__ = [
     "Problem",
     "SolverConfig",
+    "SolveProgress",
     "StepTimeline",
     "StageGroup",
     "base_programs",
@@ -165,6 +166,34 @@ class Problem:
 
 
 @dataclass(frozen=True)
+class SolveProgress:
+    """What CP-SAT reports while it places one window (planner/cpsat.py): each placement it finds, then the
+    call's end. Plain data, so a front can render it without the planner knowing how."""
+
+    window: str
+    """The window being solved, in words: its stage group, refresh period k and stretch (ticks added to a step)."""
+    status: str
+    """CP-SAT's status: FEASIBLE for each placement found while searching (UNKNOWN for a bound before any),
+    then the call's own status."""
+    objective: float | None
+    """The staleness (sum of use offsets) of the best placement so far; None for a search of any placement
+    (a refresh period or a stretch tried) or when none was found."""
+    bound: float | None
+    """The proven lower bound on the staleness while minimizing it (None for a search of any placement)."""
+    seconds: float
+    """Wall seconds this call has run."""
+    done: bool
+    """Whether this is the call's end (`status` is then CP-SAT's final status)."""
+
+    @property
+    def gap(self) -> float | None:
+        """(objective - bound) / objective, 0 when both are 0; None without an objective."""
+        if self.objective is None or self.bound is None:
+            return None
+        return (self.objective - self.bound) / self.objective if self.objective else 0.0
+
+
+@dataclass(frozen=True)
 class SolverConfig:
     """How hard the CP-SAT planner works: a time limit, workers, seed, and the greedy warm start.
 
@@ -191,6 +220,9 @@ class SolverConfig:
     stretch: bool = True
     """Let the step grow within `Problem.max_overhead` to make room for K-FAC work ([Note: stretch] in
     planner/window.py); False: max_overhead only pays for fused curvature (bubbles alone)."""
+    progress: Callable[[SolveProgress], None] | None = field(default=None, compare=False)
+    """Called with every `SolveProgress` of every CP-SAT call (None: nothing reported). It only observes: the
+    plan is the same with or without it."""
 
 
 @dataclass(frozen=True)
