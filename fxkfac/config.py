@@ -3,12 +3,51 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, Literal
 
 from fxkfac.errors import ConfigError
 from fxkfac.planner.strategy import Strategy, parse_strategy
 
-__all__ = ["KFACConfig", "PipelineOptions", "PlanOptions", "PROFILE_MARGIN"]
+__all__ = ["KFACConfig", "PipelineOptions", "PlanOptions", "PROFILE_MARGIN", "SplitInverse", "SplitMethod"]
+
+
+class SplitMethod(StrEnum):
+    """How a factor's damped inverse is cut into pieces that can run apart (fxkfac/kfac/split_inverse.py)."""
+
+    NEWTON_SCHULZ = "newton-schulz"
+    """Newton-Schulz from the previous refresh's inverse, `SplitInverse.iterations` per piece; Cholesky when the
+    residual does not fall to `SplitInverse.tolerance` (or there is no previous inverse)."""
+    BLOCKS = "blocks"
+    """The factor's `SplitInverse.pieces` diagonal blocks, each inverted by Cholesky (an approximation that drops
+    the factor's off-block entries, as Shampoo's blocking does)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SplitInverse:
+    """A factor's damped inverse in `pieces` tasks instead of one Cholesky (issue 14: no task larger than a bubble)."""
+
+    method: SplitMethod = SplitMethod.NEWTON_SCHULZ
+    pieces: int = 2
+    """Tasks per factor (BLOCKS: at most the factor's side)."""
+    iterations: int = 1
+    """Newton-Schulz iterations per piece (NEWTON_SCHULZ only)."""
+    tolerance: float = 1e-3
+    """Bound on ||I - (F + gamma I) X||_F, hence on the inverse's relative error, below which Newton-Schulz is
+    accepted (NEWTON_SCHULZ only)."""
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "method", SplitMethod(self.method))
+        except ValueError:
+            choices = ", ".join(repr(m.value) for m in SplitMethod)
+            raise ConfigError(f"SplitInverse.method must be one of {choices}, got {self.method!r}") from None
+        for name in ("pieces", "iterations"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+                raise ConfigError(f"SplitInverse.{name} must be an int >= 1, got {value!r}")
+        if not 0 < self.tolerance < 1:
+            raise ConfigError(f"SplitInverse.tolerance must be in (0, 1), got {self.tolerance!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -39,6 +78,8 @@ class KFACConfig:
     """dtype the factors are accumulated in."""
     max_cholesky_retries: int = 3
     """Retries with 10x more damping before falling back to float64, then to the previous inverse."""
+    split_inverse: SplitInverse | None = None
+    """Invert each factor in pieces (Cholesky form only); None: one exact Cholesky per factor."""
 
     def __post_init__(self) -> None:
         if not self.damping > 0:
@@ -53,6 +94,11 @@ class KFACConfig:
             raise ConfigError(f"KFACConfig.capture must be 'fused' or 'deferred', got {self.capture!r}")
         if not (isinstance(self.refresh_every, int) and self.refresh_every >= 1):
             raise ConfigError(f"KFACConfig.refresh_every must be an int >= 1, got {self.refresh_every!r}")
+        if self.split_inverse is not None and not isinstance(self.split_inverse, SplitInverse):
+            raise ConfigError(f"KFACConfig.split_inverse must be a SplitInverse or None, got {self.split_inverse!r}")
+        if self.split_inverse is not None and self.inverse != "cholesky":
+            raise ConfigError("KFACConfig.split_inverse needs inverse='cholesky' (the pieces are of Cholesky-form "
+                              f"inverses), got inverse={self.inverse!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -12,6 +12,7 @@ from fxkfac.config import KFACConfig
 from fxkfac.kfac.factors import a_rows, e_rows, factor, running_average
 from fxkfac.kfac.inverse import FactorInverse, Inverse, combine, factor_dampings, invert_factor
 from fxkfac.kfac.precondition import Preconditioner
+from fxkfac.kfac.split_inverse import previous_half, split_invert_factor
 from fxkfac.kfac.state import LayerState
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.preconditioner import RefreshState, Source
@@ -80,6 +81,9 @@ class KFACFamily:
         if f is None:
             raise ValueError(f"factor {part} of {layer.name} is inverted before it was ever folded")
         gamma = self._gammas(state)[0 if part == "A" else 1]
+        if self.cfg.split_inverse is not None:
+            return split_invert_factor(f, gamma, self.cfg.split_inverse, previous=previous_half(state.latest, part),
+                                       max_retries=self.cfg.max_cholesky_retries, name=layer.name, side=part)
         return invert_factor(f, gamma, method=self.cfg.inverse, max_retries=self.cfg.max_cholesky_retries,
                              name=layer.name, side=part)
 

@@ -9,8 +9,9 @@ from torch import Tensor, nn
 
 from fxkfac.config import KFACConfig
 from fxkfac.kfac.factors import running_average
-from fxkfac.kfac.inverse import Inverse, invert
+from fxkfac.kfac.inverse import Inverse, damping_split, invert
 from fxkfac.kfac.precondition import grad_matrix, kl_clip_scale, precondition, split_grad
+from fxkfac.kfac.split_inverse import previous_half, split_invert_factor
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.ir import LayerTiming
 from tests.passes.reference import hook_factors
@@ -57,6 +58,17 @@ class KFACReference:
         self.opt.step()
         self.opt.zero_grad()
 
+    def _invert(self, name: str) -> Inverse | None:
+        """The layer's damped inverse; a split one starts from the newest inverse queued or active."""
+        cfg, A, B = self.cfg, self.A[name], self.B[name]
+        if cfg.split_inverse is None:
+            return invert(A, B, damping=cfg.damping, method=cfg.inverse)
+        latest = self.queue[name][-1][1] if self.queue[name] else self.active[name]
+        gamma = damping_split(A, B, cfg.damping, False)
+        a, b = (split_invert_factor(f, g, cfg.split_inverse, previous=previous_half(latest, part))
+                for f, g, part in ((A, gamma[0], "A"), (B, gamma[1], "B")))
+        return latest if a is None or b is None else Inverse("cholesky", a_inv=a.inv, b_inv=b.inv)
+
     def _kfac(self, t: int, refresh: list[KFACLayer], sums: dict[str, list[Tensor]]) -> None:
         cfg = self.cfg
         for layer in refresh:
@@ -65,7 +77,7 @@ class KFACReference:
             a_new, b_new = sum(fs[0::2]) / used, sum(fs[1::2]) / used
             self.A[layer.name] = running_average(self.A[layer.name], a_new, cfg.factor_decay)
             self.B[layer.name] = running_average(self.B[layer.name], b_new, cfg.factor_decay)
-            inv = invert(self.A[layer.name], self.B[layer.name], damping=cfg.damping, method=cfg.inverse)
+            inv = self._invert(layer.name)
             self.queue[layer.name].append((t + self.timings[layer.name].use_offset, inv))
         for name, q in self.queue.items():
             while q and q[0][0] <= t:

@@ -1,0 +1,130 @@
+"""A factor's damped inverse ``(F + gamma I)^-1`` in pieces that can run apart (`SplitInverse`, issue 14).
+
+Newton-Schulz (`SplitMethod.NEWTON_SCHULZ`): from the previous refresh's inverse ``X``, each iteration takes
+``R = I - M X`` (``M = F + gamma I``) and ``X <- X + X R``, i.e. ``X (2I - M X)``; then ``I - M X_new = R^2``, so
+``||R||_F^2`` bounds the new residual, and the residual bounds the inverse's relative error. A piece runs
+`SplitInverse.iterations` iterations and hands its `Progress` to the next. A residual that does not fall (the
+start is too far: the iteration diverges), or a last bound above `SplitInverse.tolerance`, gives the exact
+Cholesky inverse instead. Each iteration is two matrix products (about 4 d^3 flops against the Cholesky
+inverse's d^3): pieces pay off where products run much faster than a factorization (GPUs).
+
+Blocks (`SplitMethod.BLOCKS`): piece i inverts the i-th of `pieces` diagonal blocks of the damped factor
+(sides differ by at most one); the inverse is their block diagonal. Each piece costs about ``(d / pieces)^3``,
+but the factor's off-block entries are dropped, as in Shampoo's blocking.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from fxkfac.config import SplitInverse, SplitMethod
+from fxkfac.kfac.inverse import FactorInverse, Inverse, invert_factor
+
+__all__ = ["Progress", "previous_half", "schulz_start", "schulz_piece", "schulz_accepts", "block_bounds", "block_piece",
+           "split_invert_factor"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A Newton-Schulz inverse between pieces.
+
+    ``measured``: ``||I - M x_prev||_F`` of the last iteration's start (inf before the first), what the next
+    residual must fall below. ``bound``: a bound on ``||I - M x||_F`` of ``x`` itself.
+    """
+
+    x: Tensor
+    measured: float = math.inf
+    bound: float = math.inf
+
+
+def damped(f: Tensor, gamma: float) -> Tensor:
+    """``F + gamma I`` (a new tensor)."""
+    m = f.clone()
+    m.diagonal().add_(gamma)
+    return m
+
+
+def previous_half(latest: Inverse | None, part: str) -> Tensor | None:
+    """Factor `part`'s (``"A"`` or ``"B"``) inverse in a layer's newest Cholesky-form Inverse, if any."""
+    if latest is None:
+        return None
+    return latest.a_inv if part == "A" else latest.b_inv
+
+
+def schulz_start(previous: Tensor | None, dim: int) -> Progress | None:
+    """The first Progress: the previous refresh's inverse of this factor; None when there is none of side `dim`."""
+    if previous is None or tuple(previous.shape) != (dim, dim):
+        return None
+    return Progress(previous)
+
+
+def schulz_piece(m: Tensor, progress: Progress, iterations: int, tolerance: float) -> Progress | None:
+    """`iterations` Newton-Schulz steps on the damped factor ``m``; None when a residual does not fall (diverging).
+
+    An iterate whose residual is already at most `tolerance` is kept as it is (the remaining iterations of
+    the piece are skipped: they would only stir rounding noise).
+    """
+    eye = torch.eye(m.shape[0], dtype=m.dtype, device=m.device)
+    for _ in range(iterations):
+        r = eye - m @ progress.x
+        norm = float(torch.linalg.matrix_norm(r))
+        if norm <= tolerance:
+            return Progress(progress.x, norm, norm)
+        if not norm < progress.measured:  # also NaN/Inf
+            return None
+        progress = Progress(progress.x + progress.x @ r, norm, norm * norm)
+    return progress
+
+
+def schulz_accepts(progress: Progress | None, tolerance: float) -> bool:
+    """The iterate is the inverse to within `tolerance` (relative, in the spectral norm) and finite."""
+    return progress is not None and progress.bound <= tolerance and bool(torch.isfinite(progress.x.sum()))
+
+
+def block_bounds(dim: int, pieces: int) -> list[tuple[int, int]]:
+    """``[start, stop)`` of each diagonal block: min(pieces, dim) blocks whose sides differ by at most one."""
+    n = min(pieces, dim)
+    return [(dim * i // n, dim * (i + 1) // n) for i in range(n)]
+
+
+def block_piece(f: Tensor, gamma: float, bounds: tuple[int, int], *, max_retries: int, name: str,
+                side: str) -> Tensor | None:
+    """The damped Cholesky inverse of one diagonal block of `f`; None when it cannot be made."""
+    lo, hi = bounds
+    half = invert_factor(f[lo:hi, lo:hi], gamma, method="cholesky", max_retries=max_retries, name=name,
+                         side=f"{side}[{lo}:{hi}]")
+    return None if half is None else half.inv
+
+
+def split_invert_factor(f: Tensor, gamma: float, split: SplitInverse, *, previous: Tensor | None,
+                        max_retries: int = 3, name: str = "", side: str = "A") -> FactorInverse | None:
+    """One factor's damped inverse made piece by piece as `split` defines; None when it cannot be made.
+
+    Newton-Schulz starts from `previous` (this factor's last inverse) and falls back to `invert_factor`'s
+    Cholesky (with its retries) when there is none, when it diverges or does not reach the tolerance.
+    """
+    if split.method is SplitMethod.BLOCKS:
+        blocks = [block_piece(f, gamma, b, max_retries=max_retries, name=name, side=side)
+                  for b in block_bounds(f.shape[0], split.pieces)]
+        if any(b is None for b in blocks):
+            return None
+        return FactorInverse("cholesky", inv=torch.block_diag(*blocks))
+    m = damped(f, gamma)
+    start = progress = schulz_start(previous, f.shape[0])
+    for _ in range(split.pieces):
+        if progress is None:
+            break
+        progress = schulz_piece(m, progress, split.iterations, split.tolerance)
+    if schulz_accepts(progress, split.tolerance):
+        assert progress is not None, "schulz_accepts accepts no missing iterate"
+        return FactorInverse("cholesky", inv=progress.x)
+    log.info("K-FAC %s: Newton-Schulz of factor %s %s; exact Cholesky instead", name or "<unnamed layer>", side,
+             "has no previous inverse to start from" if start is None else "did not reach the tolerance")
+    return invert_factor(f, gamma, method="cholesky", max_retries=max_retries, name=name, side=side)
