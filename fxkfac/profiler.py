@@ -3,6 +3,9 @@
 A unit's costs come from a `UnitCost` function: K-FAC's layers are timed on random captures of their real
 shape (`kfac_unit_cost`); a family fed by the gradient (Shampoo, SOAP) is timed through its own methods on a
 random gradient of the parameter's shape (`gradient_unit_cost`).
+
+Every time is the fastest of its repeats, with their fastest and slowest kept beside it (`Timing`,
+`planner.costs.Spread`); a stage's backward is timed alone, after an untimed forward of its own.
 """
 
 from __future__ import annotations
@@ -10,24 +13,25 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from fxkfac.config import KFACConfig
+from fxkfac.errors import CostModelError
 from fxkfac.kfac.factors import a_rows, e_rows, factor
 from fxkfac.kfac.inverse import Inverse, combine, invert_factor
 from fxkfac.kfac.precondition import Preconditioner
 from fxkfac.kfac.state import LayerState
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.passes.split_stages import SplitResult
-from fxkfac.planner.costs import CostTable, LayerCost, PartCost, StageCost
+from fxkfac.planner.costs import CostTable, LayerCost, PartCost, Spread, StageCost
 from fxkfac.planner.ir import OpKind
 from fxkfac.preconditioner import Family, gradient_parts
 
-__all__ = ["profile", "time_call", "UnitCost", "kfac_unit_cost", "gradient_unit_cost"]
+__all__ = ["profile", "Timing", "time_call", "time_after", "UnitCost", "kfac_unit_cost", "gradient_unit_cost"]
 
 MAX_WARM_FOLDS = 1000
 """Folds of a random gradient a unit may take before its family decomposes it (its start step)."""
@@ -35,19 +39,59 @@ MAX_WARM_FOLDS = 1000
 UnitCost = Callable[[str, int], LayerCost]
 """(unit name, rows of one micro-batch) -> the unit's measured LayerCost."""
 
+NOISY = 2.0
+"""A stage time whose slowest repeat took more than this many times its fastest is noisy (logged)."""
+
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 
-def time_call(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 3) -> float:
-    """Median seconds of `fn()` over `repeats` runs after `warmup` untimed ones."""
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """One profiled call: the seconds the cost table plans with, the fastest of its repeats, and their spread.
+
+    The fastest, not the median or the mean: other processes only ever add time to a repeat, so the fastest is
+    the call's own cost and the most reproducible figure. On the 2-core machine this was built on, under a load
+    of 8, a stage backward's fastest repeat stayed within 2.31-2.54 ms over five profiles while its median
+    jumped between 2.5 and 6.7 ms with how many repeats were preempted (and the planned periods with it).
+    """
+
+    seconds: float
+    spread: Spread
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> Timing:
+        """The fastest of `samples` (seconds), and their (min, max)."""
+        return cls(min(samples), Spread(min(samples), max(samples)))
+
+
+def _sync() -> None:
+    """Wait for the work queued on an accelerator, so that a clock read after it counts it (a CPU runs inline)."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def time_after(setup: Callable[[], T], fn: Callable[[T], object], *, warmup: int = 1, repeats: int = 3) -> Timing:
+    """`fn(setup())` over `repeats` runs after `warmup` untimed ones, timing `fn` alone: `setup` runs untimed
+    before every run (a fresh forward before each timed backward) and the device is synchronized before the
+    clock starts and before it stops."""
     for _ in range(warmup):
-        fn()
-    times = []
+        fn(setup())
+    samples = []
     for _ in range(max(1, repeats)):
+        arg = setup()
+        _sync()
         start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+        fn(arg)
+        _sync()
+        samples.append(time.perf_counter() - start)
+    return Timing.of(samples)
+
+
+def time_call(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 3) -> Timing:
+    """`fn()` over `repeats` runs after `warmup` untimed ones (`time_after` with nothing to set up)."""
+    return time_after(lambda: None, lambda _: fn(), warmup=warmup, repeats=repeats)
 
 
 def _nbytes(t: Tensor) -> int:
@@ -143,10 +187,10 @@ def gradient_unit_cost(family: Family, units: Mapping[str, Any], params: Mapping
         state.activate(0)
         prec = time_call(lambda: family.precondition([unit], {name: grad.clone()}, {name: state}, {name: p}),
                          warmup=warmup, repeats=repeats)
-        parts = tuple(PartCost(part, OpKind.ALLREDUCE_GRAD, stats[part], decomp[part], 0, folded[part])
-                      for part in family.parts)
+        parts = tuple(PartCost(part, OpKind.ALLREDUCE_GRAD, stats[part].seconds, decomp[part].seconds, 0, folded[part],
+                               stats[part].spread, decomp[part].spread) for part in family.parts)
         extra = max(0, _state_bytes(state) - 2 * sum(folded.values()))
-        return LayerCost(name, parts, prec, extra, p.numel() * p.element_size())
+        return LayerCost(name, parts, prec.seconds, extra, p.numel() * p.element_size(), prec.spread)
     return cost
 
 
@@ -163,15 +207,22 @@ def _layer_cost(layer: KFACLayer, rows: int, cfg: KFACConfig, warmup: int, repea
         raise AssertionError("a well-conditioned random factor could not be inverted")
     inverse = combine(inv_a, inv_b, 0.0 if cfg.inverse == "cholesky" else cfg.damping)
     item = torch.finfo(dtype).bits // 8
+    def timed(fn: Callable[[], object]) -> Timing:
+        return time_call(fn, warmup=warmup, repeats=repeats)
+
+    stats = {"A": timed(curv_a), "B": timed(curv_b)}
+    decomp = {"A": timed(lambda: invert_factor(A, gamma, method=cfg.inverse)),
+              "B": timed(lambda: invert_factor(B, gamma, method=cfg.inverse))}
+    prec = timed(_prec_call(layer, inverse))
     cost = LayerCost.kfac(layer.name,
-        curv_a=time_call(curv_a, warmup=warmup, repeats=repeats),
-        curv_b=time_call(curv_b, warmup=warmup, repeats=repeats),
-        inv_a=time_call(lambda: invert_factor(A, gamma, method=cfg.inverse), warmup=warmup, repeats=repeats),
-        inv_b=time_call(lambda: invert_factor(B, gamma, method=cfg.inverse), warmup=warmup, repeats=repeats),
-        prec=time_call(_prec_call(layer, inverse), warmup=warmup, repeats=repeats),
+        curv_a=stats["A"].seconds, curv_b=stats["B"].seconds, inv_a=decomp["A"].seconds, inv_b=decomp["B"].seconds,
+        prec=prec.seconds,
         a_bytes=rows * layer.d_in * 4, e_bytes=rows * layer.d_out * 4,
         factor_a_bytes=layer.a_dim ** 2 * item, factor_b_bytes=layer.b_dim ** 2 * item,
         grad_bytes=layer.a_dim * layer.b_dim * 4)
+    parts = tuple(replace(p, stats_spread=stats[p.part].spread, decomp_spread=decomp[p.part].spread)
+                  for p in cost.parts)
+    cost = replace(cost, parts=parts, prec_spread=prec.spread)
     if cfg.inverse == "cholesky":
         return cost
     # the eigen form also keeps each decomposition's eigenvalues (the active one and the next) and, once used,
@@ -190,28 +241,50 @@ def _act_bytes(gm: torch.fx.GraphModule) -> int:
 
 
 def _stage_times(gm: torch.fx.GraphModule, inputs: Sequence[Tensor], loss: Callable[[Sequence[Tensor]], Tensor] | None,
-                 warmup: int, repeats: int) -> tuple[float, float, list[Tensor]]:
-    """Forward and backward seconds of one stage on one micro-batch, and its (detached) outputs."""
+                 warmup: int, repeats: int) -> tuple[Timing, Timing, list[Tensor]]:
+    """Forward and backward of one stage on one micro-batch, each timed alone, and its (detached) outputs.
+
+    The backward is timed from the roots an untimed forward made for it (the last stage's `loss`, else every
+    output with a gradient of ones), not derived from a timed forward + backward: two figures of separate runs
+    differ by their noise, which once left a stage's backward at 0."""
     def leaves() -> list[Tensor]:
         return [x.detach().requires_grad_(True) if x.is_floating_point() else x for x in inputs]
 
-    def fwd() -> tuple[Tensor, ...]:
+    def forward() -> tuple[Tensor, ...]:
         return tuple(gm(*leaves()))
 
-    fwd_s = time_call(fwd, warmup=warmup, repeats=repeats)
-    outs = fwd()
-
-    def bwd_once() -> None:
-        out = tuple(gm(*leaves()))
+    def roots() -> tuple[list[Tensor], list[Tensor] | None]:
+        out = forward()
         if loss is not None:
-            loss(out).backward()
-        else:
-            pairs = [(o, torch.ones_like(o)) for o in out if o.requires_grad]
-            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+            return [loss(out)], None
+        live = [o for o in out if o.requires_grad]
+        return live, [torch.ones_like(o) for o in live]
 
-    both = time_call(bwd_once, warmup=warmup, repeats=repeats)
+    def backward(made: tuple[list[Tensor], list[Tensor] | None]) -> None:
+        torch.autograd.backward(made[0], made[1])
+
+    fwd = time_call(forward, warmup=warmup, repeats=repeats)
+    bwd = time_after(roots, backward, warmup=warmup, repeats=repeats)
     gm.zero_grad(set_to_none=True)
-    return fwd_s, max(both - fwd_s, 0.0), [o.detach() for o in outs]
+    return fwd, bwd, [o.detach() for o in forward()]
+
+
+def _trusted(timing: Timing, what: str) -> Timing:
+    """`timing` when a plan can rely on it; CostModelError for no time at all (a clock that missed the work: a
+    stage never computes for free)."""
+    if not timing.seconds > 0:
+        raise CostModelError(f"{what} was measured as {timing.seconds * 1e3:.3g} ms (repeats "
+                             f"{timing.spread.low * 1e3:.3g}-{timing.spread.high * 1e3:.3g} ms), which no plan can "
+                             "rely on; profile again on a quieter machine, or plan with a cost table: "
+                             "PlanOptions(costs=...)")
+    return timing
+
+
+def _noisy(stages: Sequence[StageCost]) -> list[str]:
+    """The stage times whose slowest repeat took more than `NOISY` times the fastest, as 'stage i bwd 2.3-9.8 ms'."""
+    return [f"stage {i} {name} {spread.low * 1e3:.3g}-{spread.high * 1e3:.3g} ms" for i, stage in enumerate(stages)
+            for name, spread in (("fwd", stage.fwd_spread), ("bwd", stage.bwd_spread))
+            if spread is not None and spread.high > NOISY * spread.low]
 
 
 def profile(split: SplitResult, stage_layers: Mapping[int, Sequence[str]], unit_cost: UnitCost,
@@ -220,22 +293,31 @@ def profile(split: SplitResult, stage_layers: Mapping[int, Sequence[str]], unit_
     """The CostTable of the split model at the micro-batch of `micro_inputs`, measured here, stage by stage.
 
     The stages are chained in this one process (rank 0 profiles all: every stage copy is the same
-    graph). `loss(flat_outputs)` is the last stage's scalar loss for one micro-batch. Forward is the
-    median over `repeats`; backward is (forward + backward) minus forward. Each preconditioned unit of a
-    stage is timed by `unit_cost` (with the micro-batch's rows) through the functions the runtime's STATS,
-    DECOMP and APPLY handlers call.
+    graph). `loss(flat_outputs)` is the last stage's scalar loss for one micro-batch. Forward and backward
+    are each timed alone (`_stage_times`); each time is the fastest of `repeats` (`Timing`), its fastest and
+    slowest repeat the table's `fwd_spread` / `bwd_spread`. A stage time of 0 raises CostModelError (no plan
+    is made from it); times whose repeats varied more than `NOISY`-fold are logged as a warning. Each
+    preconditioned unit of a stage is timed by `unit_cost` (with the micro-batch's rows) through the functions
+    the runtime's STATS, DECOMP and APPLY handlers call.
     """
     batch = int(micro_inputs[0].shape[0])
     inputs = list(micro_inputs)
     stages = []
     last = len(split.stages) - 1
     for st in split.stages:
-        fwd_s, bwd_s, inputs_next = _stage_times(st.gm, inputs, loss if st.index == last else None, warmup, repeats)
+        fwd, bwd, inputs_next = _stage_times(st.gm, inputs, loss if st.index == last else None, warmup, repeats)
+        fwd, bwd = _trusted(fwd, f"stage {st.index}'s forward"), _trusted(bwd, f"stage {st.index}'s backward")
         costs = tuple(unit_cost(n, batch) for n in stage_layers.get(st.index, ()))
         params = {n: p for n, p in st.gm.named_parameters()}
-        stages.append(StageCost(fwd=fwd_s, bwd=bwd_s, param_bytes=sum(_nbytes(p) for p in params.values()),
-                                act_bytes=_act_bytes(st.gm), layers=costs))
-        log.info("profiled stage %d: fwd %.2f ms, bwd %.2f ms, %d preconditioned units", st.index, fwd_s * 1e3,
-                 bwd_s * 1e3, len(costs))
+        stages.append(StageCost(fwd=fwd.seconds, bwd=bwd.seconds, param_bytes=sum(map(_nbytes, params.values())),
+                                act_bytes=_act_bytes(st.gm), layers=costs, fwd_spread=fwd.spread,
+                                bwd_spread=bwd.spread))
+        log.info("profiled stage %d: fwd %.2f ms (%.2f-%.2f), bwd %.2f ms (%.2f-%.2f), %d preconditioned units",
+                 st.index, fwd.seconds * 1e3, fwd.spread.low * 1e3, fwd.spread.high * 1e3, bwd.seconds * 1e3,
+                 bwd.spread.low * 1e3, bwd.spread.high * 1e3, len(costs))
         inputs = inputs_next
+    noisy = _noisy(stages)
+    if noisy:
+        log.warning("the device was busy while profiling: repeats of %s varied more than %g-fold (another process "
+                    "on the device?); the plan uses the fastest repeat of each", ", ".join(noisy), NOISY)
     return CostTable(tuple(stages), batch, f"measured:{hardware}", hardware)

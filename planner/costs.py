@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
 __all__ = [
+    "Spread",
     "PartCost",
     "SCHEMA_VERSION",
     "COUNT_BYTES",
@@ -64,6 +65,10 @@ COUNT_BYTES = 4
 statistics; the runtime appends it to the flattened sum)."""
 
 
+_SPREAD = "_spread"
+"""Suffix of the field that holds the `Spread` of the time field it follows (`bwd` -> `bwd_spread`)."""
+
+
 def _check_number(owner: str, field: str, value: Any, *, integer: bool) -> None:
     """Refuse a negative, non-finite or wrongly typed cost, naming where it sits."""
     kinds = (int,) if integer else (int, float)
@@ -76,8 +81,48 @@ def _check_number(owner: str, field: str, value: Any, *, integer: bool) -> None:
 
 def _check_fields(obj: Any, owner: str, byte_fields: frozenset[str], skip: frozenset[str]) -> None:
     for f in fields(obj):
-        if f.name not in skip:
+        if f.name not in skip and not f.name.endswith(_SPREAD):
             _check_number(owner, f.name, getattr(obj, f.name), integer=f.name in byte_fields)
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    """The fastest and slowest of a profiled time's repeats, in seconds (the profiler plans with the fastest).
+
+    (min, max) rather than quartiles: a profile takes a handful of repeats (5 by default), whose quartiles are
+    barely other samples, and the extremes show at once how far a busy machine moved one figure. Tables from a
+    file or a preset have none (None)."""
+
+    low: float
+    high: float
+
+    def __post_init__(self) -> None:
+        _check_number("Spread", "low", self.low, integer=False)
+        _check_number("Spread", "high", self.high, integer=False)
+        if self.low > self.high:
+            raise CostModelError(f"Spread: low {self.low!r} exceeds high {self.high!r}")
+
+    @property
+    def width(self) -> float:
+        """Seconds between the slowest and the fastest repeat."""
+        return self.high - self.low
+
+    def scaled(self, factor: float) -> Spread:
+        """Both ends multiplied by `factor` (as the time they belong to is)."""
+        return Spread(self.low * factor, self.high * factor)
+
+
+def _check_spreads(obj: Any, owner: str) -> None:
+    """Each `<time>_spread` field is None or a Spread. Whether it still holds its time is not checked: a time
+    changed by hand keeps the spread it was measured with (the CostTable helpers scale both)."""
+    for f in fields(obj):
+        spread = getattr(obj, f.name)
+        if f.name.endswith(_SPREAD) and spread is not None and not isinstance(spread, Spread):
+            raise CostModelError(f"{owner}: {f.name} must be a Spread or None, got {spread!r}")
+
+
+def _scaled(spread: Spread | None, factor: float) -> Spread | None:
+    return None if spread is None else spread.scaled(factor)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,7 +134,8 @@ class PartCost:
     stats: seconds to turn one micro-batch's capture (a gradient part: one step's gradient) into its
     statistic; decomp: seconds to decompose (invert) the statistic; capture_bytes: what a *deferred*
     capture keeps per micro-batch (0 for a gradient part); state_bytes: the statistic (its decomposition
-    is as large).
+    is as large); stats_spread, decomp_spread: the fastest and slowest repeat of a profiled stats / decomp
+    (`Spread`; None when not measured here).
     """
 
     part: str
@@ -98,6 +144,8 @@ class PartCost:
     decomp: float
     capture_bytes: int
     state_bytes: int
+    stats_spread: Spread | None = None
+    decomp_spread: Spread | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.part, str) or len(self.part) != 1 or not self.part.isupper():
@@ -106,6 +154,7 @@ class PartCost:
             raise CostModelError(f"PartCost.after must be FWD, BWD or ALLREDUCE_GRAD, got {self.after!r}")
         _check_fields(self, f"part {self.part!r}", frozenset({"capture_bytes", "state_bytes"}),
                       frozenset({"part", "after"}))
+        _check_spreads(self, f"part {self.part!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,13 +162,15 @@ class LayerCost:
     """What one preconditioned layer costs: its parts, `prec` seconds to apply its preconditioner per step,
     `state_bytes` of per-step optimizer state besides the parts' statistics (Shampoo's graft state and
     momentum, SOAP's Adam moments), held for the whole run, and `grad_bytes` of its gradient (what a grad worker
-    broadcasts when it preconditions the layer for other copies; 0: unknown, see `gradient_bytes`)."""
+    broadcasts when it preconditions the layer for other copies; 0: unknown, see `gradient_bytes`);
+    `prec_spread` the fastest and slowest repeat of a profiled `prec` (None when not measured here)."""
 
     name: str
     parts: tuple[PartCost, ...]
     prec: float
     state_bytes: int = 0
     grad_bytes: int = 0
+    prec_spread: Spread | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -131,6 +182,7 @@ class LayerCost:
         _check_number(f"layer {self.name!r}", "prec", self.prec, integer=False)
         _check_number(f"layer {self.name!r}", "state_bytes", self.state_bytes, integer=True)
         _check_number(f"layer {self.name!r}", "grad_bytes", self.grad_bytes, integer=True)
+        _check_spreads(self, f"layer {self.name!r}")
 
     @classmethod
     def kfac(cls, name: str, curv_a: float, curv_b: float, inv_a: float, inv_b: float, prec: float,
@@ -186,7 +238,8 @@ class StageCost:
     """What one pipeline stage costs: per-micro-batch forward/backward, memory, and its K-FAC layers.
 
     act_bytes is kept per in-flight micro-batch (from its forward until its backward);
-    peak_err_bytes is the transient peak of errors inside one backward (counted once).
+    peak_err_bytes is the transient peak of errors inside one backward (counted once);
+    fwd_spread, bwd_spread: the fastest and slowest repeat of a profiled fwd / bwd (None when not measured here).
     """
 
     fwd: float
@@ -195,12 +248,15 @@ class StageCost:
     act_bytes: int
     layers: tuple[LayerCost, ...]
     peak_err_bytes: int = 0
+    fwd_spread: Spread | None = None
+    bwd_spread: Spread | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, tuple) or not all(isinstance(x, LayerCost) for x in self.layers):
             raise CostModelError("StageCost.layers must be a tuple of LayerCost")
         byte_fields = frozenset({"param_bytes", "act_bytes", "peak_err_bytes"})
         _check_fields(self, "stage", byte_fields, frozenset({"layers"}))
+        _check_spreads(self, "stage")
 
     @property
     def curv(self) -> float:
@@ -297,10 +353,17 @@ class CostTable:
         return math.ceil(total * 1e6 - 1e-6) / 1e6
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able form with the schema version (no "comm" key without a communication model)."""
+        """Plain JSON-able form with the schema version (no "comm" key without a communication model, no
+        `*_spread` key for a time that was not profiled: the file of an unprofiled table is as before spreads)."""
         body = asdict(self)
         if self.comm is None:
             del body["comm"]
+        for stage in body["stages"]:
+            _drop_empty_spreads(stage)
+            for layer in stage["layers"]:
+                _drop_empty_spreads(layer)
+                for part in layer["parts"]:
+                    _drop_empty_spreads(part)
         return {"schema_version": SCHEMA_VERSION, **body}
 
     def to_json(self, *, indent: int | None = 1) -> str:
@@ -369,24 +432,45 @@ class CostTable:
         return replace(self, stages=stages, micro_batch_size=micro_batch_size)
 
 
+def _drop_empty_spreads(body: dict[str, Any]) -> None:
+    """Remove the `*_spread` keys of `body` (one cost object's `asdict`) whose time was not profiled."""
+    for key in [k for k, v in body.items() if k.endswith(_SPREAD) and v is None]:
+        del body[key]
+
+
+def _with_spreads(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` (one cost object's JSON) with each `*_spread` object read as a Spread; files without them load."""
+    out = dict(data)
+    for key, value in data.items():
+        if key.endswith(_SPREAD) and value is not None:
+            if not isinstance(value, dict):
+                raise CostModelError(f"{key} must be an object {{'low': seconds, 'high': seconds}} or null, "
+                                     f"got {value!r}")
+            out[key] = Spread(**value)
+    return out
+
+
 def _layer_from_dict(data: dict[str, Any]) -> LayerCost:
     """A layer of `CostTable.to_dict`; the K-FAC fields of cost files from before parts read as K-FAC's parts."""
     if "parts" not in data:
         return LayerCost.kfac(**data)
-    parts = tuple(PartCost(**{**p, "after": OpKind(p["after"])}) for p in data["parts"])
-    return LayerCost(data["name"], parts, data["prec"], data.get("state_bytes", 0), data.get("grad_bytes", 0))
+    parts = tuple(PartCost(**_with_spreads({**p, "after": OpKind(p["after"])})) for p in data["parts"])
+    return LayerCost(**_with_spreads({**data, "parts": parts}))
 
 
 def _stage_from_dict(data: dict[str, Any]) -> StageCost:
     layers = tuple(_layer_from_dict(layer) for layer in data["layers"])
-    return StageCost(**{**data, "layers": layers})
+    return StageCost(**_with_spreads({**data, "layers": layers}))
 
 
 def _scale_layer(x: LayerCost, per_mb: float, fixed: float, mem: float) -> LayerCost:
-    """Statistics times by per_mb, decompositions and preconditioning by fixed, captured bytes by mem."""
+    """Statistics times by per_mb, decompositions and preconditioning by fixed, captured bytes by mem (and the
+    times' spreads as their times)."""
     parts = tuple(replace(p, stats=p.stats * per_mb, decomp=p.decomp * fixed,
-                          capture_bytes=round(p.capture_bytes * mem)) for p in x.parts)
-    return replace(x, parts=parts, prec=x.prec * fixed)
+                          capture_bytes=round(p.capture_bytes * mem),
+                          stats_spread=_scaled(p.stats_spread, per_mb),
+                          decomp_spread=_scaled(p.decomp_spread, fixed)) for p in x.parts)
+    return replace(x, parts=parts, prec=x.prec * fixed, prec_spread=_scaled(x.prec_spread, fixed))
 
 
 def _scale_stage(s: StageCost, per_mb: float, fixed: float, mem: float) -> StageCost:
@@ -396,6 +480,8 @@ def _scale_stage(s: StageCost, per_mb: float, fixed: float, mem: float) -> Stage
         s,
         fwd=s.fwd * per_mb,
         bwd=s.bwd * per_mb,
+        fwd_spread=_scaled(s.fwd_spread, per_mb),
+        bwd_spread=_scaled(s.bwd_spread, per_mb),
         act_bytes=round(s.act_bytes * mem),
         peak_err_bytes=round(s.peak_err_bytes * mem),
         layers=layers,

@@ -1,0 +1,225 @@
+"""The profiler's figures as a user relies on them: backward timed alone and never 0, each time the fastest of its
+repeats with their spread, and the spread carried by the cost table's JSON (old files still load)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from fxkfac import profiler
+from fxkfac.capture import capture
+from fxkfac.config import KFACConfig
+from fxkfac.errors import CostModelError
+from fxkfac.passes.split_stages import SplitResult, split_stages
+from fxkfac.planner.costs import CostTable, LayerCost, Spread, StageCost
+from fxkfac.profiler import Timing, kfac_unit_cost, time_after, time_call
+
+CFG = KFACConfig()
+
+
+class FakeClock:
+    """A `time.perf_counter` that advances only when told to, so tests can say what each call took."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def spend(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(time, "perf_counter", fake)
+    return fake
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(96, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 96),
+                         nn.Tanh(), nn.Linear(96, 8))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    """One intra-op thread, as each rank of a launch has: on a shared machine a second thread that is not
+    scheduled stalls the first, which makes single repeats hundreds of times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def split() -> tuple[SplitResult, dict[int, list[str]], dict, Tensor]:
+    """A 4-layer MLP captured and split in two stages, its K-FAC layers by stage, and one micro-batch of 512 rows
+    (a backward of milliseconds, long against a clock read)."""
+    x = torch.randn(512, 96)
+    captured = capture(_mlp(), (x,), CFG)
+    result = split_stages(captured.gm, 2, layers=captured.layers)
+    layers = {layer.name: layer for layer in captured.layers}
+    by_stage = {st.index: [n for n in layers if n in st.layers] for st in result.stages}
+    return result, by_stage, layers, x
+
+
+def _loss(outputs: list[Tensor]) -> Tensor:
+    return torch.stack([o.float().mean() for o in outputs]).sum()
+
+
+def test_time_after_times_the_call_alone_as_the_fastest_of_its_repeats(clock: FakeClock) -> None:
+    """A slow setup (the forward before a backward) is not counted; the figure is the fastest repeat, the spread
+    the fastest and slowest."""
+    took = iter([8.0, 0.75, 0.125, 0.25, 1.0, 0.5])  # one warm-up, then five repeats (exact in binary)
+
+    def backward(_: None) -> None:
+        clock.spend(next(took))
+
+    timing = time_after(lambda: clock.spend(64.0), backward, warmup=1, repeats=5)
+    assert timing == Timing(0.125, Spread(0.125, 1.0))
+
+
+def test_time_call_is_time_after_with_nothing_to_set_up(clock: FakeClock) -> None:
+    took: Iterator[float] = iter([1.0, 2.0, 4.0, 3.0])
+    assert time_call(lambda: clock.spend(next(took)), warmup=0, repeats=4) == Timing(1.0, Spread(1.0, 4.0))
+
+
+def test_profiled_times_are_positive_and_within_their_spreads(split: tuple) -> None:
+    result, by_stage, layers, x = split
+    table = profiler.profile(result, by_stage, kfac_unit_cost(layers, CFG, warmup=1, repeats=3), [x], _loss,
+                             warmup=1, repeats=3)
+    for stage in table.stages:
+        for value, spread in ((stage.fwd, stage.fwd_spread), (stage.bwd, stage.bwd_spread)):
+            assert spread is not None and 0 < spread.low <= value <= spread.high
+        for layer in stage.layers:
+            assert layer.prec_spread is not None and layer.prec_spread.low <= layer.prec <= layer.prec_spread.high
+            for part in layer.parts:
+                assert part.stats_spread is not None and part.stats_spread.low <= part.stats <= part.stats_spread.high
+                assert part.decomp_spread is not None
+                assert part.decomp_spread.low <= part.decomp <= part.decomp_spread.high
+    assert CostTable.from_json(table.to_json()) == table
+
+
+def _backward_alone(result: SplitResult, x: Tensor, repeats: int) -> list[float]:
+    """Each stage's backward, timed here independently of the profiler: the fastest of `repeats` after a forward."""
+    fastest, inputs = [], [x]
+    for st in result.stages:
+        last = st.index == len(result.stages) - 1
+        samples = []
+        for _ in range(repeats + 1):
+            leaves = [t.detach().requires_grad_(True) for t in inputs]
+            out = list(st.gm(*leaves))
+            roots = [_loss(out)] if last else out
+            grads = None if last else [torch.ones_like(o) for o in out]
+            start = time.perf_counter()
+            torch.autograd.backward(roots, grads)
+            samples.append(time.perf_counter() - start)
+        fastest.append(min(samples[1:]))
+        inputs = [o.detach() for o in st.gm(*inputs)]
+        st.gm.zero_grad(set_to_none=True)
+    return fastest
+
+
+def test_profiled_backward_is_the_backward_alone(split: tuple) -> None:
+    """The profiled backward agrees with a backward timed by hand (within a factor of 3 either way: both are
+    the fastest of repeats of the same work on a shared machine); it used to be forward+backward minus forward,
+    which the noise of two separate figures could leave near 0."""
+    result, _, _, x = split
+    table = profiler.profile(result, {}, kfac_unit_cost({}, CFG), [x], _loss, warmup=2, repeats=7)
+    alone = _backward_alone(result, x, repeats=7)
+    for stage, reference in zip(table.stages, alone, strict=True):
+        assert stage.bwd > 0
+        assert 1 / 3 < stage.bwd / reference < 3, (stage.bwd, reference)
+
+
+@pytest.mark.parametrize("which", ["forward", "backward"])
+def test_a_time_of_zero_never_reaches_the_table(split: tuple, monkeypatch: pytest.MonkeyPatch, which: str) -> None:
+    """A clock that missed the work (0 s) raises an error naming the stage and what to do, not a table."""
+    result, _, _, x = split
+    measured = profiler._stage_times
+
+    def zero(*args: object) -> tuple[Timing, Timing, list[Tensor]]:
+        fwd, bwd, out = measured(*args)  # type: ignore[arg-type]
+        nothing = Timing(0.0, Spread(0.0, 0.0))
+        return (nothing, bwd, out) if which == "forward" else (fwd, nothing, out)
+
+    monkeypatch.setattr(profiler, "_stage_times", zero)
+    with pytest.raises(CostModelError, match=f"stage 0's {which} was measured as 0 ms.*PlanOptions\\(costs="):
+        profiler.profile(result, {}, kfac_unit_cost({}, CFG), [x], _loss, warmup=0, repeats=1)
+
+
+def test_a_noisy_stage_time_is_logged_and_planned_at_its_fastest(split: tuple, monkeypatch: pytest.MonkeyPatch,
+                                      caplog: pytest.LogCaptureFixture) -> None:
+    result, _, _, x = split
+    measured = profiler._stage_times
+
+    def noisy(*args: object) -> tuple[Timing, Timing, list[Tensor]]:
+        fwd, _, out = measured(*args)  # type: ignore[arg-type]
+        return fwd, Timing(1e-3, Spread(1e-3, 4e-3)), out
+
+    monkeypatch.setattr(profiler, "_stage_times", noisy)
+    with caplog.at_level(logging.WARNING, logger="fxkfac.profiler"):
+        table = profiler.profile(result, {}, kfac_unit_cost({}, CFG), [x], _loss, warmup=0, repeats=1)
+    assert "busy while profiling: repeats of stage 0 bwd 1-4 ms" in caplog.text
+    assert table.stages[0].bwd == 1e-3 and table.stages[0].bwd_spread == Spread(1e-3, 4e-3)
+
+
+def _table(spread: bool) -> CostTable:
+    def s(lo: float, hi: float) -> Spread | None:
+        return Spread(lo, hi) if spread else None
+
+    layer = LayerCost.kfac("fc", curv_a=1e-4, curv_b=2e-4, inv_a=1e-3, inv_b=2e-3, prec=5e-4, a_bytes=64,
+                           e_bytes=32, factor_a_bytes=1024, factor_b_bytes=256)
+    parts = tuple(replace(p, stats_spread=s(p.stats / 2, p.stats * 2), decomp_spread=s(p.decomp, p.decomp * 3))
+                  for p in layer.parts)
+    layer = replace(layer, parts=parts, prec_spread=s(4e-4, 9e-4))
+    stage = StageCost(fwd=2e-3, bwd=4e-3, param_bytes=4096, act_bytes=2048, layers=(layer,),
+                      fwd_spread=s(1.5e-3, 3e-3), bwd_spread=s(3e-3, 8e-3))
+    return CostTable((stage,), 8, "measured:cpu", "cpu")
+
+
+def test_spreads_round_trip_through_json_and_scale_with_their_times() -> None:
+    table = _table(spread=True)
+    assert CostTable.from_json(table.to_json()) == table
+    assert table.to_dict()["stages"][0]["bwd_spread"] == {"low": 3e-3, "high": 8e-3}
+    doubled = table.with_micro_batch_size(16).stages[0]
+    assert doubled.bwd_spread == Spread(6e-3, 16e-3)
+    assert doubled.layers[0].part("A").stats_spread == Spread(1e-4, 4e-4)
+    assert doubled.layers[0].part("A").decomp_spread == table.stages[0].layers[0].part("A").decomp_spread
+    margin = table.scale_kfac_times(1.5).stages[0]
+    assert margin.layers[0].prec_spread == Spread(4e-4 * 1.5, 9e-4 * 1.5) and margin.fwd_spread == Spread(1.5e-3, 3e-3)
+
+
+def test_tables_without_spreads_write_and_read_as_before() -> None:
+    """A table nobody profiled writes no spread keys, and a file from before spreads loads with none."""
+    plain = _table(spread=False)
+    text = plain.to_json()
+    assert "_spread" not in text
+    old = json.loads(_table(spread=True).to_json())
+    for stage in old["stages"]:
+        del stage["fwd_spread"], stage["bwd_spread"]
+        for layer in stage["layers"]:
+            del layer["prec_spread"]
+            for part in layer["parts"]:
+                del part["stats_spread"], part["decomp_spread"]
+    assert CostTable.from_dict(old) == plain
+
+
+@pytest.mark.parametrize("bad,message", [({"low": 2.0, "high": 1.0}, "exceeds high"),
+                                         ({"low": -1.0, "high": 1.0}, "finite and >= 0"),
+                                         ([1.0, 2.0], "must be an object"),
+                                         ({"low": 1.0}, "malformed entry")])
+def test_a_malformed_spread_is_refused_naming_it(bad: object, message: str) -> None:
+    data = json.loads(_table(spread=True).to_json())
+    data["stages"][0]["bwd_spread"] = bad
+    with pytest.raises(CostModelError, match=message):
+        CostTable.from_dict(data)
