@@ -9,7 +9,21 @@ from typing import Any, Literal
 from fxkfac.errors import ConfigError
 from fxkfac.planner.strategy import Strategy, parse_strategy
 
-__all__ = ["KFACConfig", "PipelineOptions", "PlanOptions", "PROFILE_MARGIN", "SplitInverse", "SplitMethod"]
+__all__ = ["KFACConfig", "KLClipScope", "PipelineOptions", "PlanOptions", "PROFILE_MARGIN", "SplitInverse",
+           "SplitMethod"]
+
+
+class KLClipScope(StrEnum):
+    """Over which layers the KL-clip's ``sum <P, G>`` runs, and so which ranks a step's end waits for
+    ([Note: KL-clip scope] in fxkfac/runtime/step_end.py)."""
+
+    GLOBAL = "global"
+    """One nu over every layer of the model, from this step's sum: a world all-reduce ends every step."""
+    STAGE = "stage"
+    """A nu per pipeline stage over its own layers (all-reduced over the stage's copies only)."""
+    STALE = "stale"
+    """One nu over every layer, from the last step's sum (its world all-reduce overlaps this step); the first
+    step of a run, which has no last step, uses its own sum as GLOBAL does."""
 
 
 class SplitMethod(StrEnum):
@@ -80,6 +94,8 @@ class KFACConfig:
     """Retries with 10x more damping before falling back to float64, then to the previous inverse."""
     split_inverse: SplitInverse | None = None
     """Invert each factor in pieces (Cholesky form only); None: one exact Cholesky per factor."""
+    kl_clip_scope: KLClipScope = KLClipScope.GLOBAL
+    """The layers and step the KL-clip's sum comes from; STAGE and STALE end a step without a world barrier."""
 
     def __post_init__(self) -> None:
         if not self.damping > 0:
@@ -94,6 +110,12 @@ class KFACConfig:
             raise ConfigError(f"KFACConfig.capture must be 'fused' or 'deferred', got {self.capture!r}")
         if not (isinstance(self.refresh_every, int) and self.refresh_every >= 1):
             raise ConfigError(f"KFACConfig.refresh_every must be an int >= 1, got {self.refresh_every!r}")
+        try:
+            object.__setattr__(self, "kl_clip_scope", KLClipScope(self.kl_clip_scope))
+        except ValueError:
+            choices = ", ".join(repr(m.value) for m in KLClipScope)
+            raise ConfigError(f"KFACConfig.kl_clip_scope must be one of {choices}, "
+                              f"got {self.kl_clip_scope!r}") from None
         if self.split_inverse is not None and not isinstance(self.split_inverse, SplitInverse):
             raise ConfigError(f"KFACConfig.split_inverse must be a SplitInverse or None, got {self.split_inverse!r}")
         if self.split_inverse is not None and self.inverse != "cholesky":
@@ -103,7 +125,7 @@ class KFACConfig:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PipelineOptions:
-    """How a mesh runs the model: stage split, virtual stages, timeouts, timeline, NaN/Inf tolerance."""
+    """How a mesh runs the model: stage split, virtual stages, timeouts, timeline, NaN/Inf tolerance, progress."""
 
     virtual_stages: int = 1
     """Stages per pipeline rank for the interleaved schedule (v)."""
@@ -115,6 +137,9 @@ class PipelineOptions:
     """Record every instruction's start and end (`trainer.trace(path)` writes a Chrome trace)."""
     max_skipped_steps: int | None = 10
     """NaN/Inf steps skipped in a row before NonFiniteError (None: never raise)."""
+    progress: bool = False
+    """Show step, loss and steps/s on rank 0 after every step: a rich bar when stdout is a terminal, else a log
+    line (logger ``fxkfac.progress``) on the first step and every 10 s (fxkfac/progress.py)."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.virtual_stages, int) and self.virtual_stages >= 1):
@@ -123,6 +148,8 @@ class PipelineOptions:
             raise ConfigError(f"PipelineOptions.timeout must be > 0 seconds, got {self.timeout!r}")
         if self.max_skipped_steps is not None and self.max_skipped_steps < 0:
             raise ConfigError(f"PipelineOptions.max_skipped_steps must be >= 0 or None, got {self.max_skipped_steps!r}")
+        if not isinstance(self.progress, bool):
+            raise ConfigError(f"PipelineOptions.progress must be True or False, got {self.progress!r}")
 
 
 PROFILE_MARGIN = 1.2
@@ -145,7 +172,8 @@ class PlanOptions:
     kfac_margin: float = PROFILE_MARGIN
     """Factor on profiled K-FAC times (only when the costs are profiled here)."""
     memory_budget: int | None = None
-    """Bytes per device; None: unlimited."""
+    """Bytes per device. None under `plan="auto"`: on a GPU, what rank 0's device reports free when planning
+    starts, plus its stages' parameters already there (the plan counts those itself); on CPU, unlimited."""
     time_limit_s: float = 10.0
     """Planning time in seconds: deterministic, a budget of CP-SAT deterministic time converted from it (about
     these seconds on a quiet machine); otherwise the wall-clock limit of the solver."""

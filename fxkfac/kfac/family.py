@@ -32,6 +32,7 @@ class KFACFamily:
     def __init__(self, cfg: KFACConfig) -> None:
         self.cfg = cfg
         self.kl_clip = cfg.kl_clip
+        self.kl_clip_scope = cfg.kl_clip_scope
         self.stats_dtype = cfg.factor_dtype
         self.refresh_every = cfg.refresh_every
         self.capture: str = cfg.capture

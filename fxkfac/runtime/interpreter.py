@@ -51,7 +51,8 @@ class StepContext:
     to_send: dict[tuple[str, Key], list[torch.Tensor]] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
     skipped: bool | None = None
-    """Set at OPT_STEP by a world all-reduce: True when some rank saw NaN/Inf loss or gradients."""
+    """Set at OPT_STEP by an all-reduce (over the world, or the agreement set under a barrier-free KL-clip scope:
+    fxkfac/runtime/step_end.py): True when some rank there saw NaN/Inf loss or gradients."""
 
     def runner(self, op: Op) -> StageRunner:
         """The local stage copy `op` runs on."""

@@ -20,9 +20,10 @@ the same handlers, with every collective a no-op):
   are there the layer's inverse is queued to become active at ``t + use_offset``;
 - ``APPLY s`` activates due inverses and preconditions the stage's gradients; an inverse that is due but
   missing is a plan error (PipelineError), never a silent use of an older one;
-- OPT_STEP is wrapped: the KL-clip's ``sum <P, G>`` is all-reduced over all ranks (each stage's share
-  divided by its number of copies) together with the NaN/Inf flag of the step, the K-FAC gradients are
-  scaled by nu, then the core OPT_STEP runs.
+- OPT_STEP is wrapped: the KL-clip's ``sum <P, G>`` (each stage's share divided by its number of copies) and
+  the NaN/Inf flag of the step are all-reduced as the family's `KLClipScope` says (GLOBAL: over all ranks;
+  [Note: KL-clip scope] in fxkfac/runtime/step_end.py), the K-FAC gradients are scaled by their nu, then
+  the core OPT_STEP runs.
 - a skipped step (NaN/Inf loss or gradients on some rank) leaves no trace: the runtime is an
   interpreter listener, and ``abort_step`` restores the layer states, refresh records, inverse outbox
   and captures as they were when the step began (the single-device trainer's skip, exactly).
@@ -39,14 +40,15 @@ from typing import Any
 import torch
 from torch import Tensor, fx
 
+from fxkfac.config import KLClipScope
 from fxkfac.errors import CheckpointError, PipelineError
-from fxkfac.kfac.precondition import kl_clip_scale
 from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture
 from fxkfac.planner.ir import LayerTiming, Op, OpKind
 from fxkfac.planner.strategy import LayerDistribution, grad_workers, keeps_statistics
 from fxkfac.preconditioner import Family, RefreshState, Source, gradient_parts
 from fxkfac.runtime.interpreter import CORE_HANDLERS, Interpreter, StepContext, local_nonfinite
 from fxkfac.runtime.stage import StageRunner
+from fxkfac.runtime.step_end import StepEnd
 
 __all__ = ["TappedRunner", "StageCopies", "PreconditionerRuntime"]
 
@@ -181,7 +183,7 @@ class PreconditionerRuntime:
                  timings: Mapping[str, LayerTiming], groups: Mapping[int, StageCopies], rank: int,
                  microbatches_total: int, global_batch: int,
                  distributions: Mapping[str, LayerDistribution] | None = None,
-                 subgroups: Mapping[tuple[int, ...], Any] | None = None) -> None:
+                 subgroups: Mapping[tuple[int, ...], Any] | None = None, step_end: StepEnd | None = None) -> None:
         self.family = family
         self.layers = dict(layers)
         self.stage_of = dict(stage_of)
@@ -205,7 +207,12 @@ class PreconditionerRuntime:
         """Process groups of the ranks a BCAST or BCAST_PREC names (`Op.group`)."""
         self.refreshes: dict[str, deque[_Refresh]] = {name: deque() for name in self.layers}
         self._by_stage = {s: [self.layers[n] for n in self.layers if self.stage_of[n] == s] for s in groups}
-        self._dot = torch.zeros((), dtype=torch.float64)
+        self.step_end = step_end
+        """How OPT_STEP ends the step (None: the world's verdict and one nu, on a rank alone: tests)."""
+        self.clip_groups = dict(stage_of)
+        """Each layer's KL-clip group under STAGE: its stage (one device: its stage in the pipelined run it stands
+        for, when given; see [Note: KL-clip scope])."""
+        self._dots: dict[int, Tensor] = {}
         self._touched: set[int] = set()
         """Stages whose gradients this step preconditioned or received (the KL-clip scales them)."""
         self._outbox: dict[tuple[str, str], deque[Any]] = {}
@@ -416,8 +423,22 @@ class PreconditionerRuntime:
         params = dict(runner.module.named_parameters())
         grads = {n: p.grad for n, p in params.items() if p.grad is not None}
         copies = len(self.workers[layers[0].name]) if op.layer is not None else len(self.groups[op.stage].ranks)
-        self._dot = self._dot + self.family.precondition(layers, grads, self.states, params) / copies
+        for group, members in self._by_clip_group(layers).items():
+            dot = self.family.precondition(members, grads, self.states, params) / copies
+            self._dots[group] = self._dots[group] + dot if group in self._dots else dot
         self._touched.add(op.stage)
+
+    @property
+    def scope(self) -> KLClipScope:
+        """The KL-clip scope of the run (GLOBAL without a StepEnd)."""
+        return self.step_end.scope if self.step_end is not None else KLClipScope.GLOBAL
+
+    def _by_clip_group(self, layers: Sequence[Any]) -> dict[int, list[Any]]:
+        """`layers` by KL-clip group, in order: one group 0 unless the scope is STAGE."""
+        out: dict[int, list[Any]] = {}
+        for layer in layers:
+            out.setdefault(self.clip_groups[layer.name] if self.scope is KLClipScope.STAGE else 0, []).append(layer)
+        return out
 
     def bcast_prec(self, ctx: StepContext, op: Op) -> None:
         """Broadcast one layer's preconditioned gradient from its grad worker `op.root` along the root's row."""
@@ -436,19 +457,21 @@ class PreconditionerRuntime:
         self._touched.add(op.stage)
 
     def opt_step(self, ctx: StepContext, op: Op) -> None:
-        """One world all-reduce of sum <P, G> (KL-clip over all stages) and the NaN/Inf flag; then the core
-        OPT_STEP, which steps unless some rank's loss or gradients were non-finite."""
-        both = torch.stack([self._dot, torch.tensor(float(local_nonfinite(ctx)), dtype=torch.float64)])
-        ctx.transport.all_reduce(both, None, f"{op} (KL-clip <P, G> and non-finite check all-reduce)")
-        ctx.skipped = bool(both[1] > 0)
-        kl_clip = self.family.kl_clip
-        if kl_clip is not None and not ctx.skipped and ctx.optimizer is not None:
-            nu = kl_clip_scale(float(both[0]), float(ctx.optimizer.param_groups[0]["lr"]), kl_clip)
+        """Agree on skipping the step and take each KL-clip group's nu (`StepEnd.finish`: by the scope), scale the
+        preconditioned gradients by it; then the core OPT_STEP, which steps unless the verdict is to skip."""
+        end = self.step_end or StepEnd(KLClipScope.GLOBAL, ctx.transport, (), None, None)
+        zero = torch.zeros((), dtype=torch.float64)
+        groups = range(end.groups) if self.scope is KLClipScope.STAGE else [0]
+        lr = float(ctx.optimizer.param_groups[0]["lr"]) if ctx.optimizer is not None else 0.0
+        ctx.skipped, nus = end.finish({g: self._dots.get(g, zero) for g in groups}, local_nonfinite(ctx), lr,
+                                      self.family.kl_clip)
+        if self.family.kl_clip is not None and not ctx.skipped and ctx.optimizer is not None:
             for stage in sorted(self._touched):
                 runner = ctx.stage_runner(stage)
                 grads = {n: p.grad for n, p in runner.module.named_parameters() if p.grad is not None}
-                self.family.scale(self._by_stage[stage], grads, nu)
-        self._dot = torch.zeros((), dtype=torch.float64)
+                for group, members in self._by_clip_group(self._by_stage[stage]).items():
+                    self.family.scale(members, grads, nus[group])
+        self._dots = {}
         self._touched = set()
         CORE_HANDLERS[OpKind.OPT_STEP](ctx, op)
 
@@ -469,7 +492,7 @@ class PreconditionerRuntime:
             runner = ctx.runners[key]
             if isinstance(runner, TappedRunner):
                 runner.captures = saved
-        self._dot = torch.zeros((), dtype=torch.float64)
+        self._dots = {}
         self._touched = set()
 
     def commit_step(self, ctx: StepContext) -> None:
@@ -499,8 +522,10 @@ class PreconditionerRuntime:
                           "snapshots": {part: snap.state_dict() for part, snap in r.snapshots.items()}} for r in q]
                      for n, q in self.refreshes.items() if q}
         outbox = [[n, part, [half(h) for h in q]] for (n, part), q in sorted(self._outbox.items()) if q]
-        return {"kfac": {n: s.state_dict() for n, s in self.states.items()},
-                "inflight": {"refreshes": refreshes, "outbox": outbox}}
+        inflight: dict[str, Any] = {"refreshes": refreshes, "outbox": outbox}
+        if self.scope is KLClipScope.STALE and self.step_end is not None:
+            inflight["kl_clip_sum"] = self.step_end.state()
+        return {"kfac": {n: s.state_dict() for n, s in self.states.items()}, "inflight": inflight}
 
     def parse_state(self, state: Mapping[str, Any]) -> tuple:
         """`state_dict` output as new layer states, refresh records and outbox, checked against this rank's
@@ -527,12 +552,14 @@ class PreconditionerRuntime:
                                            {k: snapshot(n, v) for k, v in r.get("snapshots", {}).items()})
                                   for r in records) for n, records in inflight["refreshes"].items()}
             outbox = {(str(n), str(part)): deque(half(h) for h in halves) for n, part, halves in inflight["outbox"]}
+            stale = inflight.get("kl_clip_sum")
+            stale = None if stale is None else float(stale)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CheckpointError(f"work in flight is malformed in the checkpoint ({e!r})") from e
         unknown = sorted((set(refreshes) | {n for n, _ in outbox}) - set(self.layers))
         if unknown:
             raise CheckpointError(f"checkpoint has work in flight for layers {unknown} this rank does not hold")
-        return states, refreshes, outbox
+        return states, refreshes, outbox, stale
 
     def _drop_unheld(self, states: dict[str, RefreshState]) -> None:
         """Keep of each loaded unit state only what this rank holds under its strategy: a checkpoint written under
@@ -548,5 +575,8 @@ class PreconditionerRuntime:
                 states[name] = self.family.new_state(self.layers[name])
 
     def load_parsed(self, parsed: tuple) -> None:
-        """Install what `parse_state` returned."""
-        self._install(*parsed)
+        """Install what `parse_state` returned (STALE: the sum the next step's nu comes from)."""
+        states, refreshes, outbox, stale = parsed
+        self._install(states, refreshes, outbox)
+        if self.step_end is not None and self.scope is KLClipScope.STALE:
+            self.step_end.restore(stale)

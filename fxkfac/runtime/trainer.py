@@ -21,7 +21,7 @@ from torch.utils import _pytree as pytree
 
 from fxkfac.capture import Captured, input_signature, normalize_inputs
 from fxkfac.checkpoint import Checkpointing, digest
-from fxkfac.config import PipelineOptions
+from fxkfac.config import KLClipScope, PipelineOptions
 from fxkfac.errors import CheckpointError, ConfigError, NonFiniteError
 from fxkfac.passes.split_stages import SplitResult
 from fxkfac.planner.ir import LayerTiming, Op, Programs, ops_at
@@ -30,6 +30,7 @@ from fxkfac.planner.plan import Plan
 from fxkfac.planner.schedules import ScheduleKind, stages_of_rank
 from fxkfac.planner.strategy import LayerDistribution
 from fxkfac.preconditioner import Family, RefreshState, gradient_parts
+from fxkfac.progress import Display, training_progress
 from fxkfac.runtime.interpreter import Interpreter, StepContext
 from fxkfac.runtime.mesh import MeshLayout
 from fxkfac.runtime.p2p import TagSpace, Transport
@@ -42,6 +43,7 @@ from fxkfac.runtime.param_state import (
 )
 from fxkfac.runtime.preconditioning import PreconditionerRuntime, StageCopies, TappedRunner
 from fxkfac.runtime.stage import StageRunner
+from fxkfac.runtime.step_end import StepEnd, StepLoss
 from fxkfac.runtime.sync import GradSync, holder_sets, named_groups
 from fxkfac.runtime.timeline import Recorder, as_timeline, gather_timelines
 from fxkfac.show import chrome_trace
@@ -164,6 +166,7 @@ class Trainer(Checkpointing):
         self.steps = 0
         self.skipped_steps = 0
         self._skips_in_a_row = 0
+        self.progress = training_progress(options.progress, self.layout.rank)
         log.info("rank %d: stages %s of %s (D=%d, W=%d, N=%d), %d preconditioned units here, program period %d",
                  self.layout.rank, sorted(self.runners), spec.kind.value, self.layout.D, self.layout.W, spec.N,
                  len(self.layer_states), len(spec.programs[self.layout.rank]))
@@ -182,9 +185,11 @@ class Trainer(Checkpointing):
         groups = {s: StageCopies(holders[s], self.sync.group_of(holders[s])) for s in local}
         mine = {n: spec.units[n] for s in local for n in spec.stage_units[s]}
         subgroups = named_groups([spec.programs, spec.startup], self.layout.rank, self.layout.world_size)
+        scope = getattr(spec.family, "kl_clip_scope", KLClipScope.GLOBAL)  # K-FAC's option; others clip globally
+        step_end = StepEnd.build(scope, self.transport, self.sync.holders.values(), len(spec.split.stages))
         runtime = PreconditionerRuntime(spec.family, mine, {n: stage_of[n] for n in mine}, self.timings, groups,
                                         self.layout.rank, spec.N * self.layout.W, spec.global_batch,
-                                        spec.distributions, subgroups)
+                                        spec.distributions, subgroups, step_end)
         runtime.install(self.interpreter)
         return runtime
 
@@ -205,8 +210,9 @@ class Trainer(Checkpointing):
                               f"example_inputs of {_words(self.spec.signature)}; pass mini-batches shaped like "
                               "example_inputs (pad or bucket variable lengths), or compile once per shape")
 
-    def step(self, inputs: Any, targets: Any) -> float:
-        """One optimizer step over one global mini-batch; returns the step loss (the same on every rank)."""
+    def step(self, inputs: Any, targets: Any) -> float | StepLoss:
+        """One optimizer step over one global mini-batch; returns the step loss (the same on every rank): a float,
+        or under KLClipScope STAGE or STALE on a mesh a StepLoss, which waits for the loss's world sum when read."""
         inputs = normalize_inputs(inputs)
         self._check_inputs(inputs)
         spec, W, dp = self.spec, self.layout.W, self.layout.dp
@@ -221,8 +227,8 @@ class Trainer(Checkpointing):
             targets=[t for _, t in shards], loss_fn=self.loss_fn, out_spec=spec.captured.out_spec,
             scale=1.0 / (spec.N * W))
         self.interpreter.run(self.ops_at(self.steps), ctx, self.timeline)
-        loss = torch.stack(ctx.losses).sum() if ctx.losses else torch.zeros(())
-        self.transport.all_reduce(loss, None, "loss all-reduce")
+        summed = torch.stack(ctx.losses).sum() if ctx.losses else torch.zeros(())
+        loss = self._loss(summed)
         if ctx.skipped:
             self.interpreter.abort(ctx)
             self._skip()
@@ -230,7 +236,17 @@ class Trainer(Checkpointing):
             self.interpreter.commit(ctx)
             self._skips_in_a_row = 0
             self.steps += 1
-        return float(loss)
+        if self.progress.display is not Display.OFF:  # reading a StepLoss waits for its sum: only to show it
+            self.progress.update(self.steps, float(loss))
+        return loss
+
+    def _loss(self, local: Tensor) -> float | StepLoss:
+        """The step loss over the world: a float, or under a barrier-free KL-clip scope a StepLoss whose sum runs
+        on while the next step trains ([Note: KL-clip scope] in fxkfac/runtime/step_end.py)."""
+        if self.preconditioning is not None and self.preconditioning.step_end is not None:
+            return self.preconditioning.step_end.loss(local)
+        self.transport.all_reduce(local, None, "loss all-reduce")
+        return float(local)
 
     def _skip(self) -> None:
         """Count a skipped step; NonFiniteError when more than `max_skipped_steps` were skipped in a row."""

@@ -1,0 +1,264 @@
+"""How a step ends on one rank: the NaN/Inf verdict, the KL-clip's nu under each `KLClipScope`, the loss.
+
+[Note: KL-clip scope]
+- GLOBAL: one world all-reduce of [sum <P, G>, non-finite flag], one nu over every layer. Every rank waits
+  for the slowest one: a world barrier ends every step (the default; the single-device equality tests).
+- STAGE: one all-reduce over the rank's *agreement set* (below) of [flag, sum <P, G> of each stage]; each
+  stage's layers get the nu of their own stage's sum.
+- STALE: the first step of a run (no last sum yet) ends as GLOBAL does. Later steps take the verdict as STAGE
+  does, and one nu over every layer from the last step's world sum, whose all-reduce was started without
+  waiting at the last step's end and is waited for here (long done: every rank has passed that step's end
+  before any rank gets this far, since the pipeline's transfers of this step depend on it). A step that some
+  agreement set skipped adds NaN to the sum; a non-finite sum keeps the previous one (on every rank alike).
+  The sum is part of the runtime's checkpointed state, so a resumed run goes on exactly.
+One device runs the same code with every collective a no-op, so it implements each scope exactly; its model is
+one stage, so STAGE there needs `clip_groups` naming the pipeline's stages to equal a pipelined run.
+
+Agreement set: the smallest set of ranks closed under holding a copy of one parameter (the copies of a stage:
+dp replicas, Chimera's two pipes; and the stages a tied weight joins). Under STAGE and STALE its ranks agree on
+skipping a step by one all-reduce of the flag, so every copy of every parameter steps or skips together: a
+parameter never steps on one rank and skips on another. Two sets may decide differently (one skips: its step
+counter stays and its preconditioner state is restored; the other steps). That is sound because ranks of two
+sets exchange only activations and gradients, whose ops are the same at every step of a program (their tags name
+stage, pipe and micro-batch, never the step), so every send still meets its receive; the deferred world sums
+pair by call, which every rank makes once per step. The price: after a skip, the sets' step counters differ, and
+a NonFiniteError raised on one set leaves the others to time out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxkfac.config import KLClipScope
+from fxkfac.kfac.precondition import kl_clip_scale
+from fxkfac.runtime.p2p import Transport
+
+__all__ = ["agreement_sets", "PendingSum", "StepLoss", "StepEnd", "clip_scales"]
+
+
+def agreement_sets(holders: Iterable[Sequence[int]], world: int) -> list[tuple[int, ...]]:
+    """The agreement sets of ranks 0..world-1: classes of the relation "hold a copy of one parameter", given
+    every parameter's holder ranks (sorted; ranks that hold nothing are sets of their own)."""
+    parent = list(range(world))
+
+    def root(r: int) -> int:
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    for ranks in holders:
+        for r in ranks[1:]:
+            parent[root(r)] = root(ranks[0])
+    sets: dict[int, list[int]] = {}
+    for r in range(world):
+        sets.setdefault(root(r), []).append(r)
+    return sorted(tuple(s) for s in sets.values())
+
+
+def _total(dots: Mapping[int, torch.Tensor]) -> torch.Tensor:
+    """This rank's share of the sum <P, G> over every group (float64)."""
+    return sum(dots.values(), torch.zeros((), dtype=torch.float64))
+
+
+def clip_scales(sums: Mapping[int, float], lr: float, kappa: float | None) -> dict[int, float]:
+    """nu of each group from its own sum <P, G> (`kl_clip_scale` per group)."""
+    return {group: kl_clip_scale(value, lr, kappa) for group, value in sums.items()}
+
+
+@dataclass
+class PendingSum:
+    """A tensor being summed over a process group without waiting; `wait` returns it once summed."""
+
+    tensor: torch.Tensor
+    work: Any
+    transport: Transport
+    what: str
+
+    @classmethod
+    def start(cls, tensor: torch.Tensor, group: Any, transport: Transport, what: str) -> PendingSum:
+        """Start summing `tensor` in place over `group` (nothing to do in a world of one rank)."""
+        work = None if transport.world == 1 else dist.all_reduce(tensor, group=group, async_op=True)
+        return cls(tensor, work, transport, what)
+
+    def wait(self) -> torch.Tensor:
+        """The sum (waits at most the transport's timeout, then raises PipelineTimeoutError)."""
+        if self.work is not None:
+            self.transport._wait(self.work, self.what)  # the transport's one timeout policy and error words
+            self.work = None
+        return self.tensor
+
+
+class StepLoss:
+    """A step's loss whose world all-reduce runs on while training goes on: reading it (float, formatting,
+    arithmetic, comparison, pickling) waits for the sum. The same value on every rank."""
+
+    def __init__(self, pending: PendingSum) -> None:
+        self._pending = pending
+
+    def __float__(self) -> float:
+        return float(self._pending.wait())
+
+    def __repr__(self) -> str:
+        return repr(float(self))
+
+    def __format__(self, spec: str) -> str:
+        return format(float(self), spec)
+
+    def __reduce__(self) -> tuple[type, tuple[float]]:
+        return (float, (float(self),))
+
+    def __eq__(self, other: object) -> bool:
+        return float(self) == other
+
+    def __hash__(self) -> int:
+        return hash(float(self))
+
+    def __lt__(self, other: float) -> bool:
+        return float(self) < other
+
+    def __le__(self, other: float) -> bool:
+        return float(self) <= other
+
+    def __gt__(self, other: float) -> bool:
+        return float(self) > other
+
+    def __ge__(self, other: float) -> bool:
+        return float(self) >= other
+
+    def __add__(self, other: float) -> float:
+        return float(self) + other
+
+    __radd__ = __add__
+
+    def __sub__(self, other: float) -> float:
+        return float(self) - other
+
+    def __rsub__(self, other: float) -> float:
+        return other - float(self)
+
+    def __mul__(self, other: float) -> float:
+        return float(self) * other
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other: float) -> float:
+        return float(self) / other
+
+    def __neg__(self) -> float:
+        return -float(self)
+
+    def __abs__(self) -> float:
+        return abs(float(self))
+
+
+@dataclass
+class StepEnd:
+    """One rank's end of a step under `scope`: whom it waits for, and the nu of each KL-clip group.
+
+    `agreement` is this rank's agreement set and its process group (None: the world, or the rank alone);
+    `deferred` the process group of the world sums that run on while the next step trains (STALE's <P, G>
+    and the loss; its own group, so they never queue behind or before another collective of the world)."""
+
+    scope: KLClipScope
+    transport: Transport
+    agreement: tuple[int, ...]
+    agreement_group: Any
+    deferred: Any
+    groups: int = 1
+    """KL-clip groups under STAGE: the model's stages 0..groups-1 (the same number on every rank)."""
+    stale: float | None = None
+    """STALE: the last world sum <P, G> that was finite (None before the first step stood)."""
+    _pending: PendingSum | None = None
+
+    @classmethod
+    def build(cls, scope: KLClipScope, transport: Transport, holders: Iterable[Sequence[int]],
+              stages: int) -> StepEnd:
+        """This rank's StepEnd; makes the process groups of every agreement set and the deferred sums' group (in
+        one order on every rank: collective) unless the scope is GLOBAL or the world one rank."""
+        rank, world = transport.rank, transport.world
+        if scope is KLClipScope.GLOBAL or world == 1:
+            return cls(scope, transport, tuple(range(world)), None, None, stages)
+        mine: tuple[int, ...] = (rank,)
+        group = None
+        for ranks in agreement_sets(holders, world):
+            made = dist.new_group(list(ranks)) if 1 < len(ranks) < world else None
+            if rank in ranks:
+                mine, group = ranks, made
+        return cls(scope, transport, mine, group, dist.new_group(list(range(world))), stages)
+
+    @property
+    def barrier_free(self) -> bool:
+        """True when no world collective ends a step (STAGE, and STALE after its first step)."""
+        return self.scope is not KLClipScope.GLOBAL
+
+    def finish(self, dots: Mapping[int, torch.Tensor], nonfinite: bool, lr: float,
+               kappa: float | None) -> tuple[bool, dict[int, float]]:
+        """(skip, nu per KL-clip group) from this rank's share of each group's sum <P, G> (`dots`, group -> float64
+        scalar: under STAGE every group of the model, 0 where the rank holds none of it; else the one group 0) and
+        its NaN/Inf flag."""
+        if self.scope is KLClipScope.GLOBAL or (self.scope is KLClipScope.STALE and self.stale is None):
+            return self._global(dots, nonfinite, lr, kappa)
+        groups = sorted(dots)
+        shares = [dots[g] for g in groups] if self.scope is KLClipScope.STAGE else []
+        skip, sums = self._agree(nonfinite, shares)
+        if self.scope is KLClipScope.STAGE:
+            return skip, clip_scales(dict(zip(groups, sums)), lr, kappa)
+        self._take_stale()
+        assert self.stale is not None, "STALE ends its first step as GLOBAL, which sets the sum"
+        total = torch.tensor(math.nan, dtype=torch.float64) if skip else _total(dots)
+        self._pending = PendingSum.start(total, self.deferred, self.transport, "KL-clip <P, G> (stale) all-reduce")
+        return skip, dict.fromkeys(dots, kl_clip_scale(self.stale, lr, kappa))
+
+    def _global(self, dots: Mapping[int, torch.Tensor], nonfinite: bool, lr: float,
+                kappa: float | None) -> tuple[bool, dict[int, float]]:
+        """The world all-reduce of [sum <P, G>, flag]; under STALE, the sum becomes the next step's."""
+        both = torch.stack([_total(dots), torch.tensor(float(nonfinite), dtype=torch.float64)])
+        self.transport.all_reduce(both, None, "OPT_STEP (KL-clip <P, G> and non-finite check all-reduce)")
+        skip = bool(both[1] > 0)
+        if self.scope is KLClipScope.STALE and not skip and math.isfinite(float(both[0])):
+            self.stale = float(both[0])
+        return skip, dict.fromkeys(dots, kl_clip_scale(float(both[0]), lr, kappa))
+
+    def _agree(self, nonfinite: bool, shares: Sequence[torch.Tensor]) -> tuple[bool, list[float]]:
+        """All-reduce [flag, shares] over the agreement set: the verdict and the sums of the shares (a stage's
+        copies lie in one set, so a stage's sum is whole there)."""
+        flat = torch.stack([torch.tensor(float(nonfinite), dtype=torch.float64), *shares])
+        if len(self.agreement) > 1:
+            self.transport.all_reduce(flat, self.agreement_group,
+                                      f"OPT_STEP (non-finite check over ranks {list(self.agreement)})")
+        return bool(flat[0] > 0), [float(x) for x in flat[1:]]
+
+    def _take_stale(self) -> None:
+        """Fold the last step's deferred world sum into `stale` when it is finite."""
+        if self._pending is None:
+            return
+        value = float(self._pending.wait())
+        self._pending = None
+        if math.isfinite(value):
+            self.stale = value
+
+    def state(self) -> float | None:
+        """The STALE sum the next step uses (waits for the deferred one): what a checkpoint keeps."""
+        self._take_stale()
+        return self.stale
+
+    def restore(self, stale: float | None) -> None:
+        """Take over a checkpoint's STALE sum (None: the next step ends as GLOBAL does); a sum still running is
+        dropped (it belonged to the state the checkpoint replaces)."""
+        if self._pending is not None:
+            self._pending.wait()
+        self.stale, self._pending = stale, None
+
+    def loss(self, loss: torch.Tensor) -> float | StepLoss:
+        """The step loss summed over the world: now under GLOBAL, else without waiting (a StepLoss)."""
+        if not self.barrier_free or self.transport.world == 1:
+            self.transport.all_reduce(loss, None, "loss all-reduce")
+            return float(loss)
+        return StepLoss(PendingSum.start(loss, self.deferred, self.transport, "loss all-reduce"))
