@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElapsedColumn
 from rich.status import Status
+from rich.text import Text
 
 from fxkfac.planner.problem import SolveProgress
 
@@ -72,16 +73,24 @@ _PLACEMENT = {"OPTIMAL": "placed", "FEASIBLE": "placed", "INFEASIBLE": "cannot b
 
 
 def solve_text(event: SolveProgress) -> str:
-    """One solver report in words: the window and, when minimizing staleness, the objective, bound and gap."""
+    """One solver report in words: the window and, when minimizing staleness (the objective: steps a layer runs on
+    an old decomposition), the objective, its bound and the gap."""
     if event.objective is None:
         what = _PLACEMENT.get(event.status, event.status.lower())
         if event.bound is not None:
-            what += f", staleness bound {event.bound:g}"
+            what += f", bound {event.bound:g}"
     else:
-        what = f"staleness objective {event.objective:g}, bound {event.bound:g}, gap {event.gap:.0%}"
+        what = f"objective {event.objective:g}, bound {event.bound:g}, gap {event.gap:.0%}"
         if event.done:
-            what += ", proven optimal" if event.status == "OPTIMAL" else ", stopped by the time limit"
+            what += ", optimal" if event.status == "OPTIMAL" else ", time limit"
     return f"{event.window}: {what} ({event.seconds:.1f} s)"
+
+
+def _line(text: str, width: int) -> Text:
+    """A live line beside a spinner that never wraps: cut with an ellipsis to `width` columns less the spinner's."""
+    line = Text(text)
+    line.truncate(max(1, width - 2), overflow="ellipsis")
+    return line
 
 
 def steps_per_second(stamps: deque[float]) -> float | None:
@@ -118,10 +127,10 @@ class PlanProgress:
             log.info("plan='auto': %s", text)
         elif self.display is Display.RICH:
             if self.status is None:
-                self.status = self.console.status(f"plan='auto': {text}")
+                self.status = self.console.status(_line(f"plan='auto': {text}", self.console.width))
                 self.status.start()
             else:
-                self.status.update(f"plan='auto': {text}")
+                self.status.update(_line(f"plan='auto': {text}", self.console.width))
 
     def note(self, text: str) -> None:
         """A fact the user should know about this plan (a line of its own)."""
@@ -135,7 +144,7 @@ class PlanProgress:
         every staleness minimization and, at most every LOG_EVERY_S, the latest report."""
         text = solve_text(event)
         if self.display is Display.RICH and self.status is not None:
-            self.status.update(f"plan='auto': solving: {text}")
+            self.status.update(_line(f"plan='auto': solving {text}", self.console.width))
         elif self.display is Display.LOG:
             now = self.clock()
             if (event.done and event.objective is not None) or now - self.last_log >= LOG_EVERY_S:
