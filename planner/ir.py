@@ -68,12 +68,13 @@ _FIELD_TOKENS = (
     ("mb", re.compile(r"m(\d+)")),
     ("pipe", re.compile(r"p(\d+)")),
     ("part", re.compile(r"([A-Z])")),
+    ("piece", re.compile(r"(\d+)/(\d+)")),
     ("peer", re.compile(r"[<>]r(\d+)")),
     ("root", re.compile(r"@r(\d+)")),
     ("group", re.compile(r"\{(\d+(?:,\d+)*)\}")),
 )
 
-_STAGE, _MB, _PIPE, _LAYER, _PART = "stage", "mb", "pipe", "layer", "part"
+_STAGE, _MB, _PIPE, _LAYER, _PART, _PIECE = "stage", "mb", "pipe", "layer", "part", "piece"
 _PEER, _ROOT, _GROUP = "peer", "root", "group"
 OP_FIELDS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
     # kind: (required, also allowed)
@@ -84,7 +85,7 @@ OP_FIELDS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
     OpKind.ALLREDUCE_GRAD: (frozenset(), frozenset({_STAGE})),
     OpKind.STATS: (frozenset({_STAGE}), frozenset({_MB, _PIPE, _LAYER, _PART})),
     OpKind.SYNC_STATS: (frozenset({_STAGE}), frozenset({_LAYER, _PART})),
-    OpKind.DECOMP: (frozenset({_STAGE}), frozenset({_LAYER, _PART})),
+    OpKind.DECOMP: (frozenset({_STAGE}), frozenset({_LAYER, _PART, _PIECE})),
     OpKind.BCAST: (frozenset({_STAGE, _ROOT}), frozenset({_LAYER, _PART, _GROUP})),
     OpKind.APPLY: (frozenset({_STAGE}), frozenset({_PIPE, _LAYER})),
     OpKind.BCAST_PREC: (frozenset({_STAGE, _ROOT, _LAYER}), frozenset({_GROUP})),
@@ -93,7 +94,8 @@ OP_FIELDS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
 """The fields each kind of op must have and may have. A preconditioner's ops name a `layer` (all layers of the
 stage when absent) and a `part` of it (every part when absent); STATS names a micro-batch for a part fed by a
 capture and none for a part fed by the reduced gradient; `peer` is the other end of a transfer, `root` the
-rank a broadcast comes from and `group` the ranks it reaches (every copy of the stage when absent). APPLY
+rank a broadcast comes from and `group` the ranks it reaches (every copy of the stage when absent); a DECOMP's
+`piece` ``(i, n)`` makes piece i of a decomposition split into n (KFACConfig.split_inverse; whole when absent). APPLY
 without a layer preconditions every layer of the stage; BCAST_PREC sends one layer's preconditioned gradient
 from its grad worker to a row of receivers (planner/strategy.py)."""
 _RAW_LAYER = re.compile(r"[A-Za-z0-9_.:/\-\[\]]+")
@@ -116,7 +118,8 @@ def _peer_prefix(kind: OpKind) -> str:
 class Op:
     """One instruction: `kind` on global (virtual) `stage`, micro-batch `mb` of pipeline `pipe`.
 
-    `layer`/`part` name a preconditioner's work (a part is one capital letter: K-FAC's "A" or "B");
+    `layer`/`part` name a preconditioner's work (a part is one capital letter: K-FAC's "A" or "B"), `piece`
+    ``(i, n)`` piece i of a DECOMP made in n ("DECOMP s1 A 0/2 fc");
     `peer` is the other rank of a SEND/RECV, `root` the rank a BCAST comes from; each kind has its
     required and allowed fields (`OP_FIELDS`). `str(op)` is compact ("F s1 m0", "SEND_ACT s1 m0 >r2",
     "STATS s1 m3 A layer", "BCAST s1 A @r2 layer") and `Op.parse(str(op)) == op`.
@@ -131,6 +134,7 @@ class Op:
     peer: int | None = None
     root: int | None = None
     group: tuple[int, ...] | None = None
+    piece: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, OpKind):
@@ -147,8 +151,10 @@ class Op:
             raise PlanFormatError(f"Op.layer must be a non-empty str or None, got {self.layer!r}")
         if self.group is not None:
             object.__setattr__(self, "group", _check_group(self.group, self.root))
+        if self.piece is not None:
+            object.__setattr__(self, "piece", _check_piece(self.piece))
         required, allowed = OP_FIELDS[self.kind]
-        present = {name for name in (_STAGE, _MB, _LAYER, _PART, _PEER, _ROOT, _GROUP)
+        present = {name for name in (_STAGE, _MB, _LAYER, _PART, _PIECE, _PEER, _ROOT, _GROUP)
                    if getattr(self, name) is not None}
         present |= {_PIPE} if self.pipe else set()
         if not required <= present or not present <= required | allowed:
@@ -165,6 +171,8 @@ class Op:
             parts.append(f"p{self.pipe}")
         if self.part is not None:
             parts.append(self.part)
+        if self.piece is not None:
+            parts.append(f"{self.piece[0]}/{self.piece[1]}")
         if self.peer is not None:
             parts.append(f"{_peer_prefix(self.kind)}r{self.peer}")
         if self.root is not None:
@@ -191,6 +199,8 @@ class Op:
                 continue
             if name == _GROUP:
                 fields[name] = tuple(int(r) for r in match.group(1).split(","))
+            elif name == _PIECE:
+                fields[name] = (int(match.group(1)), int(match.group(2)))
             else:
                 fields[name] = match.group(1) if name == _PART else int(match.group(1))
             if name == "peer" and token[0] != _peer_prefix(kind):
@@ -209,6 +219,15 @@ def _check_group(group: object, root: int | None) -> tuple[int, ...]:
         raise PlanFormatError(f"Op.group must be two or more ascending distinct ranks holding the root {root}, "
                               f"got {group!r}")
     return ranks
+
+
+def _check_piece(piece: object) -> tuple[int, int]:
+    """A DECOMP's piece as ``(i, n)`` with ``0 <= i < n`` and ``n >= 2``; PlanFormatError otherwise."""
+    ok = (isinstance(piece, (tuple, list)) and len(piece) == 2 and all(isinstance(v, int) for v in piece)
+          and 0 <= piece[0] < piece[1] and piece[1] >= 2)
+    if not ok:
+        raise PlanFormatError(f"Op.piece must be (i, n) with 0 <= i < n and n >= 2, got {piece!r}")
+    return (piece[0], piece[1])  # type: ignore[index]  # checked above
 
 
 def _parse_layer(rest: str, text: str) -> str:

@@ -12,7 +12,7 @@ from fxkfac.config import KFACConfig
 from fxkfac.kfac.factors import a_rows, e_rows, factor, running_average
 from fxkfac.kfac.inverse import FactorInverse, Inverse, combine, factor_dampings, invert_factor
 from fxkfac.kfac.precondition import Preconditioner
-from fxkfac.kfac.split_inverse import previous_half, split_invert_factor
+from fxkfac.kfac.split_inverse import Carry, first_carry, previous_half, split_finish, split_invert_factor, split_piece
 from fxkfac.kfac.state import LayerState
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.preconditioner import RefreshState, Source
@@ -73,6 +73,35 @@ class KFACFamily:
 
     def decompose(self, layer: KFACLayer, state: RefreshState, part: str) -> FactorInverse | None:
         """One factor's damped inverse (ValueError when pi-damping lacks the other factor)."""
+        f, gamma = self._factor(layer, state, part)
+        if self.cfg.split_inverse is not None:
+            return split_invert_factor(f, gamma, self.cfg.split_inverse, previous=previous_half(state.latest, part),
+                                       max_retries=self.cfg.max_cholesky_retries, name=layer.name, side=part)
+        return invert_factor(f, gamma, method=self.cfg.inverse, max_retries=self.cfg.max_cholesky_retries,
+                             name=layer.name, side=part)
+
+    @property
+    def decomp_pieces(self) -> int:
+        """How many DECOMP pieces one factor's inverse is made in (`KFACConfig.split_inverse`; 1: one task)."""
+        return 1 if self.cfg.split_inverse is None else self.cfg.split_inverse.pieces
+
+    def decompose_piece(self, layer: KFACLayer, state: RefreshState, part: str, index: int, carry: Carry) -> Any:
+        """Piece `index` of `decompose` (`fxkfac.kfac.split_inverse`): the carry for the next piece, or after the
+        last piece what `decompose` returns. Piece 0 ignores `carry` and starts from the layer's latest inverse."""
+        split = self.cfg.split_inverse
+        if split is None or not 0 <= index < split.pieces:
+            raise ValueError(f"{layer.name} {part}: piece {index} of a decomposition made in {self.decomp_pieces}")
+        f, gamma = self._factor(layer, state, part)
+        if index == 0:
+            carry = first_carry(split, previous_half(state.latest, part), f.shape[0])
+        retries = self.cfg.max_cholesky_retries
+        carry = split_piece(f, gamma, split, index, carry, max_retries=retries, name=layer.name, side=part)
+        if index < split.pieces - 1:
+            return carry
+        return split_finish(f, gamma, split, carry, max_retries=retries, name=layer.name, side=part)
+
+    def _factor(self, layer: KFACLayer, state: RefreshState, part: str) -> tuple[Tensor, float]:
+        """The folded factor `part` and its damping (ValueError when it, or pi-damping's other factor, is missing)."""
         if not isinstance(state, LayerState):
             raise AssertionError("a K-FAC part decomposed from another family's state")
         if self.cfg.pi_damping and (state.A is None or state.B is None):
@@ -81,12 +110,7 @@ class KFACFamily:
         f = state.A if part == "A" else state.B
         if f is None:
             raise ValueError(f"factor {part} of {layer.name} is inverted before it was ever folded")
-        gamma = self._gammas(state)[0 if part == "A" else 1]
-        if self.cfg.split_inverse is not None:
-            return split_invert_factor(f, gamma, self.cfg.split_inverse, previous=previous_half(state.latest, part),
-                                       max_retries=self.cfg.max_cholesky_retries, name=layer.name, side=part)
-        return invert_factor(f, gamma, method=self.cfg.inverse, max_retries=self.cfg.max_cholesky_retries,
-                             name=layer.name, side=part)
+        return f, self._gammas(state)[0 if part == "A" else 1]
 
     def _gammas(self, state: LayerState) -> tuple[float, float, float]:
         """(gamma_A, gamma_B, shift) of `factor_dampings` (pi-damping reads both factors once both exist)."""

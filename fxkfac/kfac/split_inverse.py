@@ -25,8 +25,8 @@ from torch import Tensor
 from fxkfac.config import SplitInverse, SplitMethod
 from fxkfac.kfac.inverse import FactorInverse, Inverse, invert_factor
 
-__all__ = ["Progress", "previous_half", "schulz_start", "schulz_piece", "schulz_accepts", "block_bounds", "block_piece",
-           "split_invert_factor"]
+__all__ = ["Progress", "Carry", "previous_half", "schulz_start", "schulz_piece", "schulz_accepts", "block_bounds",
+           "block_piece", "first_carry", "split_piece", "split_finish", "split_invert_factor"]
 
 log = logging.getLogger(__name__)
 
@@ -103,28 +103,54 @@ def block_piece(f: Tensor, gamma: float, bounds: tuple[int, int], *, max_retries
     return None if half is None else half.inv
 
 
-def split_invert_factor(f: Tensor, gamma: float, split: SplitInverse, *, previous: Tensor | None,
-                        max_retries: int = 3, name: str = "", side: str = "A") -> FactorInverse | None:
-    """One factor's damped inverse made piece by piece as `split` defines; None when it cannot be made.
+Carry = Progress | tuple[Tensor, ...] | None
+"""What the pieces so far hand to the next: Newton-Schulz's `Progress`, or the blocks inverted so far; None
+once the split has failed (Newton-Schulz: no start or diverged; blocks: a block could not be inverted)."""
 
-    Newton-Schulz starts from `previous` (this factor's last inverse) and falls back to `invert_factor`'s
-    Cholesky (with its retries) when there is none, when it diverges or does not reach the tolerance.
+
+def first_carry(split: SplitInverse, previous: Tensor | None, dim: int) -> Carry:
+    """The carry piece 0 starts from: the previous inverse (Newton-Schulz), no block yet (blocks)."""
+    return () if split.method is SplitMethod.BLOCKS else schulz_start(previous, dim)
+
+
+def split_piece(f: Tensor, gamma: float, split: SplitInverse, index: int, carry: Carry, *, max_retries: int = 3,
+                name: str = "", side: str = "A") -> Carry:
+    """Piece `index` (0-based, of `split.pieces`): `iterations` Newton-Schulz steps, or the index-th block.
+
+    A factor of side d < pieces has d blocks: the later pieces hand their carry on unchanged.
+    """
+    if carry is None:
+        return None
+    if isinstance(carry, Progress):
+        return schulz_piece(damped(f, gamma), carry, split.iterations, split.tolerance)
+    bounds = block_bounds(f.shape[0], split.pieces)
+    if index >= len(bounds):
+        return carry
+    block = block_piece(f, gamma, bounds[index], max_retries=max_retries, name=name, side=side)
+    return None if block is None else (*carry, block)
+
+
+def split_finish(f: Tensor, gamma: float, split: SplitInverse, carry: Carry, *, max_retries: int = 3,
+                 name: str = "", side: str = "A") -> FactorInverse | None:
+    """The factor's inverse after the last piece (part of that piece's work); None when it cannot be made.
+
+    Newton-Schulz is accepted within its tolerance, else `invert_factor`'s Cholesky (with its retries) is made
+    here; blocks give their block diagonal.
     """
     if split.method is SplitMethod.BLOCKS:
-        blocks = [block_piece(f, gamma, b, max_retries=max_retries, name=name, side=side)
-                  for b in block_bounds(f.shape[0], split.pieces)]
-        if any(b is None for b in blocks):
-            return None
-        return FactorInverse("cholesky", inv=torch.block_diag(*blocks))
-    m = damped(f, gamma)
-    start = progress = schulz_start(previous, f.shape[0])
-    for _ in range(split.pieces):
-        if progress is None:
-            break
-        progress = schulz_piece(m, progress, split.iterations, split.tolerance)
-    if schulz_accepts(progress, split.tolerance):
-        assert progress is not None, "schulz_accepts accepts no missing iterate"
-        return FactorInverse("cholesky", inv=progress.x)
-    log.info("K-FAC %s: Newton-Schulz of factor %s %s; exact Cholesky instead", name or "<unnamed layer>", side,
-             "has no previous inverse to start from" if start is None else "did not reach the tolerance")
+        return None if not isinstance(carry, tuple) else FactorInverse("cholesky", inv=torch.block_diag(*carry))
+    if isinstance(carry, Progress) and schulz_accepts(carry, split.tolerance):
+        return FactorInverse("cholesky", inv=carry.x)
+    log.info("K-FAC %s: Newton-Schulz of factor %s had no previous inverse to start from, diverged or missed the "
+             "tolerance; exact Cholesky instead", name or "<unnamed layer>", side)
     return invert_factor(f, gamma, method="cholesky", max_retries=max_retries, name=name, side=side)
+
+
+def split_invert_factor(f: Tensor, gamma: float, split: SplitInverse, *, previous: Tensor | None,
+                        max_retries: int = 3, name: str = "", side: str = "A") -> FactorInverse | None:
+    """One factor's damped inverse, all pieces in a row (`first_carry`, `split_piece` each, `split_finish`):
+    exactly what the pieces make when a plan runs them apart. None when it cannot be made."""
+    carry = first_carry(split, previous, f.shape[0])
+    for index in range(split.pieces):
+        carry = split_piece(f, gamma, split, index, carry, max_retries=max_retries, name=name, side=side)
+    return split_finish(f, gamma, split, carry, max_retries=max_retries, name=name, side=side)

@@ -29,6 +29,7 @@ from tests.support.kfac_reference import KFACReference
 from tests.support.models import mlp
 
 NS = SplitInverse(method=SplitMethod.NEWTON_SCHULZ, pieces=3, iterations=2, tolerance=1e-6)
+SPLITS = [SplitInverse(pieces=2, iterations=2), SplitInverse(method=SplitMethod.BLOCKS, pieces=3)]
 
 
 def _spd(d: int, seed: int) -> torch.Tensor:
@@ -141,7 +142,21 @@ def test_family_starts_newton_schulz_from_the_layers_latest_inverse() -> None:
     assert not torch.equal(half.inv, torch.cholesky_inverse(torch.linalg.cholesky(damped(state.A, 0.1))))
 
 
-SPLITS = [SplitInverse(pieces=2, iterations=2), SplitInverse(method=SplitMethod.BLOCKS, pieces=3)]
+@pytest.mark.parametrize("split", SPLITS, ids=["ns", "blocks"])
+def test_family_pieces_run_apart_equal_decompose(split: SplitInverse) -> None:
+    layer = layer_of(torch.nn.Linear(5, 3))
+    state = LayerState(layer.a_dim, layer.b_dim)
+    state.A, state.B = _spd(6, 5).float(), _spd(3, 6).float()
+    family = KFACFamily(KFACConfig(damping=1e-2, split_inverse=split))
+    state.active = Inverse("cholesky", a_inv=torch.linalg.inv(damped(_drifted(state.A.double(), 8).float(), 0.1)),
+                           b_inv=torch.eye(3))
+    carry = None
+    for index in range(split.pieces):
+        carry = family.decompose_piece(layer, state, "A", index, carry)
+    whole = family.decompose(layer, state, "A")
+    assert family.decomp_pieces == split.pieces and whole is not None and torch.equal(carry.inv, whole.inv)
+    with pytest.raises(ValueError, match=f"piece {split.pieces} of a decomposition made in {split.pieces}"):
+        family.decompose_piece(layer, state, "A", split.pieces, carry)  # one past the last
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=["ns", "blocks"])

@@ -32,6 +32,7 @@ EXAMPLES = {
     ),
     "SYNC_STATS s1 B fc1": Op(OpKind.SYNC_STATS, 1, layer="fc1", part="B"),
     "DECOMP s1 A 0": Op(OpKind.DECOMP, 1, layer="0", part="A"),
+    "DECOMP s1 A 1/3 fc": Op(OpKind.DECOMP, 1, layer="fc", part="A", piece=(1, 3)),
     "BCAST s1 A @r3 fc": Op(OpKind.BCAST, 1, layer="fc", part="A", root=3),
     "APPLY s1": Op(OpKind.APPLY, 1),
     "APPLY s1 fc": Op(OpKind.APPLY, 1, layer="fc"),
@@ -49,7 +50,7 @@ def test_documented_spellings(text: str) -> None:
 
 
 def test_ambiguous_layer_names_are_quoted() -> None:
-    for layer in ("A", "s1", "m0", "p2", ">r1", "has space", 'quo"te', "ünï"):
+    for layer in ("A", "s1", "m0", "p2", "0/2", ">r1", "has space", 'quo"te', "ünï"):
         op = Op(OpKind.STATS, 0, 1, layer=layer, part="B")
         assert Op.parse(str(op)) == op
         assert str(op).endswith(json.dumps(layer))
@@ -58,7 +59,8 @@ def test_ambiguous_layer_names_are_quoted() -> None:
 _VALUES = {"stage": st.integers(0, 200), "mb": st.integers(0, 200), "pipe": st.integers(1, 3),
            "layer": st.text(min_size=1, max_size=12), "part": st.sampled_from("ABDLR"),
            "peer": st.integers(0, 99), "root": st.integers(0, 99),
-           "group": st.sets(st.integers(0, 99), min_size=2, max_size=5)}
+           "group": st.sets(st.integers(0, 99), min_size=2, max_size=5),
+           "piece": st.integers(2, 9).flatmap(lambda n: st.tuples(st.integers(0, n - 1), st.just(n)))}
 
 
 @st.composite
@@ -110,6 +112,11 @@ def test_bad_fields_are_refused() -> None:
         Op(OpKind.BCAST, 0, part="A")
     with pytest.raises(PlanFormatError, match="F.*may have \\['pipe'\\], got \\['mb', 'root', 'stage'\\]"):
         Op(OpKind.FWD, 0, 0, root=1)
+    for piece in ((2, 2), (0, 1), (-1, 2), (0, 2, 1)):
+        with pytest.raises(PlanFormatError, match="Op.piece must be"):
+            Op(OpKind.DECOMP, 0, part="A", piece=piece)  # type: ignore[arg-type]
+    with pytest.raises(PlanFormatError, match="may have"):
+        Op(OpKind.BCAST, 0, part="A", root=0, piece=(0, 2))
     with pytest.raises(PlanFormatError):
         parse_programs("F s0 m0\n")
 
