@@ -31,7 +31,7 @@ from fxkfac.planner.costs import CostTable, LayerCost, PartCost, Spread, StageCo
 from fxkfac.planner.ir import OpKind
 from fxkfac.preconditioner import Family, gradient_parts
 
-__all__ = ["profile", "Timing", "time_call", "time_after", "UnitCost", "kfac_unit_cost", "gradient_unit_cost"]
+__all__ = ["profile", "Timing", "clock", "time_call", "time_after", "UnitCost", "kfac_unit_cost", "gradient_unit_cost"]
 
 MAX_WARM_FOLDS = 1000
 """Folds of a random gradient a unit may take before its family decomposes it (its start step)."""
@@ -53,8 +53,8 @@ class Timing:
 
     The fastest, not the median or the mean: other processes only ever add time to a repeat, so the fastest is
     the call's own cost and the most reproducible figure. On the 2-core machine this was built on, under a load
-    of 8, a stage backward's fastest repeat stayed within 2.31-2.54 ms over five profiles while its median
-    jumped between 2.5 and 6.7 ms with how many repeats were preempted (and the planned periods with it).
+    of 8, a stage backward's fastest repeat (wall clock) stayed within 2.31-2.54 ms over five profiles while its
+    median jumped between 2.5 and 6.7 ms with how many repeats were preempted.
     """
 
     seconds: float
@@ -66,6 +66,16 @@ class Timing:
         return cls(min(samples), Spread(min(samples), max(samples)))
 
 
+def clock() -> Callable[[], float]:
+    """The clock a profile reads: this thread's CPU time while torch computes on this thread alone (one intra-op
+    thread, no CUDA: what each rank of a launch or torchrun does), else the wall clock. CPU time does not count
+    what other processes take of the cores, which moved the wall-clock time of one stage 2.3-fold between
+    profiles on the 2-core machine this was built on; on an idle machine the two agree."""
+    if torch.get_num_threads() == 1 and not torch.cuda.is_initialized():
+        return time.thread_time
+    return time.perf_counter
+
+
 def _sync() -> None:
     """Wait for the work queued on an accelerator, so that a clock read after it counts it (a CPU runs inline)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -73,19 +83,19 @@ def _sync() -> None:
 
 
 def time_after(setup: Callable[[], T], fn: Callable[[T], object], *, warmup: int = 1, repeats: int = 3) -> Timing:
-    """`fn(setup())` over `repeats` runs after `warmup` untimed ones, timing `fn` alone: `setup` runs untimed
-    before every run (a fresh forward before each timed backward) and the device is synchronized before the
-    clock starts and before it stops."""
+    """`fn(setup())` over `repeats` runs after `warmup` untimed ones, timing `fn` alone on `clock()`: `setup` runs
+    untimed before every run (a fresh forward before each timed backward) and the device is synchronized before
+    the clock starts and before it stops."""
     for _ in range(warmup):
         fn(setup())
-    samples = []
+    now, samples = clock(), []
     for _ in range(max(1, repeats)):
         arg = setup()
         _sync()
-        start = time.perf_counter()
+        start = now()
         fn(arg)
         _sync()
-        samples.append(time.perf_counter() - start)
+        samples.append(now() - start)
     return Timing.of(samples)
 
 
@@ -294,15 +304,17 @@ def profile(split: SplitResult, stage_layers: Mapping[int, Sequence[str]], unit_
 
     The stages are chained in this one process (rank 0 profiles all: every stage copy is the same
     graph). `loss(flat_outputs)` is the last stage's scalar loss for one micro-batch. Forward and backward
-    are each timed alone (`_stage_times`); each time is the fastest of `repeats` (`Timing`), its fastest and
-    slowest repeat the table's `fwd_spread` / `bwd_spread`. A stage time of 0 raises CostModelError (no plan
-    is made from it); times whose repeats varied more than `NOISY`-fold are logged as a warning. Each
-    preconditioned unit of a stage is timed by `unit_cost` (with the micro-batch's rows) through the functions
-    the runtime's STATS, DECOMP and APPLY handlers call.
+    are each timed alone (`_stage_times`) on `clock()`; each time is the fastest of `repeats` (`Timing`), its
+    fastest and slowest repeat the table's `fwd_spread` / `bwd_spread`. A stage time of 0 raises
+    CostModelError (no plan is made from it); times whose repeats varied more than `NOISY`-fold are logged as
+    a warning. Each preconditioned unit of a stage is timed by `unit_cost` (with the micro-batch's rows)
+    through the functions the runtime's STATS, DECOMP and APPLY handlers call.
     """
     batch = int(micro_inputs[0].shape[0])
     inputs = list(micro_inputs)
     stages = []
+    log.info("profiling %d stages on %s", len(split.stages),
+             "this thread's CPU time" if clock() is time.thread_time else "the wall clock")
     last = len(split.stages) - 1
     for st in split.stages:
         fwd, bwd, inputs_next = _stage_times(st.gm, inputs, loss if st.index == last else None, warmup, repeats)

@@ -25,7 +25,7 @@ CFG = KFACConfig()
 
 
 class FakeClock:
-    """A `time.perf_counter` that advances only when told to, so tests can say what each call took."""
+    """A clock that advances only when told to, so tests can say what each call took."""
 
     def __init__(self) -> None:
         self.now = 0.0
@@ -39,8 +39,10 @@ class FakeClock:
 
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    """The fake behind both clocks a profile may read (`profiler.clock`)."""
     fake = FakeClock()
     monkeypatch.setattr(time, "perf_counter", fake)
+    monkeypatch.setattr(time, "thread_time", fake)
     return fake
 
 
@@ -93,6 +95,17 @@ def test_time_call_is_time_after_with_nothing_to_set_up(clock: FakeClock) -> Non
     assert time_call(lambda: clock.spend(next(took)), warmup=0, repeats=4) == Timing(1.0, Spread(1.0, 4.0))
 
 
+def test_a_profile_reads_cpu_time_when_torch_computes_on_this_thread_alone() -> None:
+    """One intra-op thread (the module's fixture): the thread's CPU time, which other processes on the cores do
+    not lengthen; more threads compute elsewhere too, so the wall clock."""
+    assert profiler.clock() is time.thread_time
+    torch.set_num_threads(2)
+    try:
+        assert profiler.clock() is time.perf_counter
+    finally:
+        torch.set_num_threads(1)
+
+
 def test_profiled_times_are_positive_and_within_their_spreads(split: tuple) -> None:
     result, by_stage, layers, x = split
     table = profiler.profile(result, by_stage, kfac_unit_cost(layers, CFG, warmup=1, repeats=3), [x], _loss,
@@ -110,8 +123,9 @@ def test_profiled_times_are_positive_and_within_their_spreads(split: tuple) -> N
 
 
 def _backward_alone(result: SplitResult, x: Tensor, repeats: int) -> list[float]:
-    """Each stage's backward, timed here independently of the profiler: the fastest of `repeats` after a forward."""
-    fastest, inputs = [], [x]
+    """Each stage's backward, timed here independently of the profiler (on its clock): the fastest of `repeats`
+    after a forward."""
+    now, fastest, inputs = profiler.clock(), [], [x]
     for st in result.stages:
         last = st.index == len(result.stages) - 1
         samples = []
@@ -120,9 +134,9 @@ def _backward_alone(result: SplitResult, x: Tensor, repeats: int) -> list[float]
             out = list(st.gm(*leaves))
             roots = [_loss(out)] if last else out
             grads = None if last else [torch.ones_like(o) for o in out]
-            start = time.perf_counter()
+            start = now()
             torch.autograd.backward(roots, grads)
-            samples.append(time.perf_counter() - start)
+            samples.append(now() - start)
         fastest.append(min(samples[1:]))
         inputs = [o.detach() for o in st.gm(*inputs)]
         st.gm.zero_grad(set_to_none=True)
