@@ -19,13 +19,13 @@ import copy
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, MutableMapping, Sequence
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor, fx
 
 from fxkfac.passes.layers import KFACLayer
 
-__all__ = ["Source", "RefreshState", "Family", "gradient_parts"]
+__all__ = ["Source", "RefreshState", "Family", "PiecewiseFamily", "gradient_parts"]
 
 
 class Source(StrEnum):
@@ -178,6 +178,28 @@ class Family(Protocol):
 
     def half_from_state(self, saved: Any) -> Any:
         """Inverse of `half_to_state` (ValueError when malformed)."""
+        ...
+
+
+@runtime_checkable
+class PiecewiseFamily(Protocol):
+    """A family whose decompositions a plan may run in pieces, ``DECOMP s F i/n unit`` (K-FAC with
+    `KFACConfig.split_inverse`): piece i hands a carry to piece i+1, the last makes what `decompose` makes."""
+
+    decomp_pieces: int
+    """n: the pieces of every decomposition (1: whole DECOMPs only)."""
+
+    def decompose_piece(self, unit: Any, state: RefreshState, part: str, index: int, carry: Any) -> Any:
+        """Piece `index` of `decompose`: the carry for the next piece, or after the last what `decompose` returns
+        (piece 0 ignores `carry`; ValueError: not ready or no such piece)."""
+        ...
+
+    def carry_to_state(self, carry: Any) -> dict[str, Any] | None:
+        """A carry as tensors for a checkpoint."""
+        ...
+
+    def carry_from_state(self, saved: Any) -> Any:
+        """Inverse of `carry_to_state` (ValueError when malformed)."""
         ...
 
 

@@ -12,7 +12,16 @@ from fxkfac.config import KFACConfig
 from fxkfac.kfac.factors import a_rows, e_rows, factor, running_average
 from fxkfac.kfac.inverse import FactorInverse, Inverse, combine, factor_dampings, invert_factor
 from fxkfac.kfac.precondition import Preconditioner
-from fxkfac.kfac.split_inverse import Carry, first_carry, previous_half, split_finish, split_invert_factor, split_piece
+from fxkfac.kfac.split_inverse import (
+    Carry,
+    carry_from_state,
+    carry_to_state,
+    first_carry,
+    previous_half,
+    split_finish,
+    split_invert_factor,
+    split_piece,
+)
 from fxkfac.kfac.state import LayerState
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.preconditioner import RefreshState, Source
@@ -99,6 +108,14 @@ class KFACFamily:
         if index < split.pieces - 1:
             return carry
         return split_finish(f, gamma, split, carry, max_retries=retries, name=layer.name, side=part)
+
+    def carry_to_state(self, carry: Carry) -> dict[str, Any] | None:
+        """A split decomposition in flight as tensors (`fxkfac.kfac.split_inverse.carry_to_state`)."""
+        return carry_to_state(carry)
+
+    def carry_from_state(self, saved: Any) -> Carry:
+        """Inverse of `carry_to_state`."""
+        return carry_from_state(saved)
 
     def _factor(self, layer: KFACLayer, state: RefreshState, part: str) -> tuple[Tensor, float]:
         """The folded factor `part` and its damping (ValueError when it, or pi-damping's other factor, is missing)."""

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -26,7 +28,8 @@ from fxkfac.config import SplitInverse, SplitMethod
 from fxkfac.kfac.inverse import FactorInverse, Inverse, invert_factor
 
 __all__ = ["Progress", "Carry", "previous_half", "schulz_start", "schulz_piece", "schulz_accepts", "block_bounds",
-           "block_piece", "first_carry", "split_piece", "split_finish", "split_invert_factor"]
+           "block_piece", "first_carry", "split_piece", "split_finish", "split_invert_factor", "carry_to_state",
+           "carry_from_state"]
 
 log = logging.getLogger(__name__)
 
@@ -154,3 +157,22 @@ def split_invert_factor(f: Tensor, gamma: float, split: SplitInverse, *, previou
     for index in range(split.pieces):
         carry = split_piece(f, gamma, split, index, carry, max_retries=max_retries, name=name, side=side)
     return split_finish(f, gamma, split, carry, max_retries=max_retries, name=name, side=side)
+
+
+def carry_to_state(carry: Carry) -> dict[str, Any] | None:
+    """A carry as tensors for a checkpoint (pieces of a decomposition may be in flight at a step's end)."""
+    if isinstance(carry, Progress):
+        return {"x": carry.x, "norms": torch.tensor([carry.measured, carry.bound], dtype=torch.float64)}
+    return None if carry is None else {"blocks": list(carry)}
+
+
+def carry_from_state(saved: Any) -> Carry:
+    """Inverse of `carry_to_state`; ValueError when malformed."""
+    if saved is None:
+        return None
+    if isinstance(saved, Mapping) and isinstance(saved.get("x"), Tensor) and isinstance(saved.get("norms"), Tensor):
+        measured, bound = (float(v) for v in saved["norms"])
+        return Progress(saved["x"], measured, bound)
+    if isinstance(saved, Mapping) and all(isinstance(b, Tensor) for b in saved.get("blocks", [None])):
+        return tuple(saved["blocks"])
+    raise ValueError(f"a split decomposition in flight is malformed: {saved!r}")

@@ -17,7 +17,9 @@ the same handlers, with every collective a no-op):
   its first DECOMP instead);
 - ``DECOMP s F layer`` inverts one factor (damping split as `fxkfac.kfac.inverse.invert` does);
   ``BCAST s F @rR layer`` broadcasts it from rank R to the stage's other copies; once both halves
-  are there the layer's inverse is queued to become active at ``t + use_offset``;
+  are there the layer's inverse is queued to become active at ``t + use_offset``; ``DECOMP s F i/n layer``
+  runs piece i of a decomposition the family makes in n (`PiecewiseFamily`), in order, its carry kept in
+  the refresh record (and in checkpoints) until the last piece makes the decomposition;
 - ``APPLY s`` activates due inverses and preconditions the stage's gradients; an inverse that is due but
   missing is a plan error (PipelineError), never a silent use of an older one;
 - OPT_STEP is wrapped: the KL-clip's ``sum <P, G>`` (each stage's share divided by its number of copies) and
@@ -45,7 +47,7 @@ from fxkfac.errors import CheckpointError, PipelineError
 from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture
 from fxkfac.planner.ir import LayerTiming, Op, OpKind
 from fxkfac.planner.strategy import LayerDistribution, grad_workers, keeps_statistics
-from fxkfac.preconditioner import Family, RefreshState, Source, gradient_parts
+from fxkfac.preconditioner import Family, PiecewiseFamily, RefreshState, Source, gradient_parts
 from fxkfac.runtime.interpreter import CORE_HANDLERS, Interpreter, StepContext, local_nonfinite
 from fxkfac.runtime.stage import StageRunner
 from fxkfac.runtime.step_end import StepEnd
@@ -168,11 +170,13 @@ class _Refresh:
     folded: set[str] = field(default_factory=set)
     halves: dict[str, Any] = field(default_factory=dict)
     snapshots: dict[str, RefreshState] = field(default_factory=dict)
+    carries: dict[str, tuple[int, Any]] = field(default_factory=dict)
+    """Per part whose decomposition runs in pieces: (pieces done, the carry they hand on)."""
 
     def copy(self) -> _Refresh:
         """A copy whose containers later handlers do not change."""
         return _Refresh(self.step, dict(self.sums), dict(self.counts), set(self.folded), dict(self.halves),
-                        dict(self.snapshots))
+                        dict(self.snapshots), dict(self.carries))
 
 
 class PreconditionerRuntime:
@@ -348,7 +352,8 @@ class PreconditionerRuntime:
                 self.refreshes[name].remove(record)
 
     def inv(self, ctx: StepContext, op: Op) -> None:
-        """Decompose one part (folding it first when the stage has a single copy)."""
+        """Decompose one part (folding it first when the stage has a single copy); piece i of n (`op.piece`) runs
+        the family's piece i, and the last piece makes the decomposition."""
         for name in self._layers_of(op):
             for part in self._parts_of(op):
                 record = self._record(name, op, lambda r, p=part: p not in r.halves)
@@ -358,15 +363,37 @@ class PreconditionerRuntime:
                                         "wrongly")
                 if part not in record.folded:
                     self._fold(name, part, record, op)
+                state = record.snapshots.get(part, self.states[name])
                 try:
-                    half = self.family.decompose(self.layers[name], record.snapshots.get(part, self.states[name]),
-                                                 part)
+                    if op.piece is not None and not self._piece(name, part, record, state, op):
+                        continue
+                    half = (self.family.decompose(self.layers[name], state, part) if op.piece is None
+                            else record.carries.pop(part)[1])
                 except ValueError as e:
                     raise PipelineError(f"rank {self.rank}: '{op}': {e}") from e
                 record.halves[part] = half
                 if len(self.workers[name]) > 1:
                     self._outbox.setdefault((name, part), deque()).append(half)
                 self._maybe_combine(name)
+
+    def _piece(self, name: str, part: str, record: _Refresh, state: RefreshState, op: Op) -> bool:
+        """Run piece i of n (`op.piece`) of the part's decomposition into `record.carries`; True after the last
+        (the carry is then the decomposition). PipelineError when the family makes it in another number of
+        pieces or the plan runs the pieces out of order."""
+        assert op.piece is not None, "only a DECOMP piece runs here"
+        index, count = op.piece
+        family = self.family
+        made_in = family.decomp_pieces if isinstance(family, PiecewiseFamily) else 1
+        if made_in != count or not isinstance(family, PiecewiseFamily):
+            raise PipelineError(f"rank {self.rank}: '{op}' runs a decomposition in {count} pieces, the {family.name} "
+                                f"family makes it in {made_in} (KFACConfig.split_inverse): the plan was made for "
+                                "another configuration")
+        done, carry = record.carries.get(part, (0, None))
+        if index != done:
+            raise PipelineError(f"rank {self.rank}: '{op}' runs piece {index} of {part} of {name} refreshed at step "
+                                f"{record.step} after {done} of its pieces: the plan orders them wrongly")
+        record.carries[part] = (index + 1, family.decompose_piece(self.layers[name], state, part, index, carry))
+        return index == count - 1
 
     def _group(self, op: Op, stage: int) -> Any:
         """The process group a broadcast reaches: the ranks it names, else every copy of the stage."""
@@ -519,7 +546,9 @@ class PreconditionerRuntime:
         half = self.family.half_to_state
         refreshes = {n: [{"step": r.step, "sums": dict(r.sums), "counts": dict(r.counts), "folded": sorted(r.folded),
                           "halves": {part: half(h) for part, h in r.halves.items()},
-                          "snapshots": {part: snap.state_dict() for part, snap in r.snapshots.items()}} for r in q]
+                          "snapshots": {part: snap.state_dict() for part, snap in r.snapshots.items()},
+                          "carries": {part: [done, self._carry_state(c)] for part, (done, c) in r.carries.items()}}
+                         for r in q]
                      for n, q in self.refreshes.items() if q}
         outbox = [[n, part, [half(h) for h in q]] for (n, part), q in sorted(self._outbox.items()) if q]
         inflight: dict[str, Any] = {"refreshes": refreshes, "outbox": outbox}
@@ -549,7 +578,9 @@ class PreconditionerRuntime:
         try:
             refreshes = {n: deque(_Refresh(int(r["step"]), dict(r["sums"]), {k: int(v) for k, v in r["counts"].items()},
                                            set(r["folded"]), {k: half(h) for k, h in r["halves"].items()},
-                                           {k: snapshot(n, v) for k, v in r.get("snapshots", {}).items()})
+                                           {k: snapshot(n, v) for k, v in r.get("snapshots", {}).items()},
+                                           {k: (int(done), self._carry_from(c))
+                                            for k, (done, c) in r.get("carries", {}).items()})
                                   for r in records) for n, records in inflight["refreshes"].items()}
             outbox = {(str(n), str(part)): deque(half(h) for h in halves) for n, part, halves in inflight["outbox"]}
             stale = inflight.get("kl_clip_sum")
@@ -560,6 +591,17 @@ class PreconditionerRuntime:
         if unknown:
             raise CheckpointError(f"checkpoint has work in flight for layers {unknown} this rank does not hold")
         return states, refreshes, outbox, stale
+
+    def _carry_state(self, carry: Any) -> Any:
+        """A piecewise decomposition's carry for a checkpoint (only a PiecewiseFamily makes carries)."""
+        assert isinstance(self.family, PiecewiseFamily), "carries come from a PiecewiseFamily"
+        return self.family.carry_to_state(carry)
+
+    def _carry_from(self, saved: Any) -> Any:
+        """Inverse of `_carry_state`; ValueError when this family makes no pieces."""
+        if not isinstance(self.family, PiecewiseFamily):
+            raise ValueError(f"the {self.family.name} family runs no decomposition in pieces")
+        return self.family.carry_from_state(saved)
 
     def _drop_unheld(self, states: dict[str, RefreshState]) -> None:
         """Keep of each loaded unit state only what this rank holds under its strategy: a checkpoint written under

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
+import math
 
 import numpy as np
 import pytest
@@ -12,18 +14,23 @@ import torch.nn.functional as F
 
 import fxkfac
 from fxkfac.config import KFACConfig, SplitInverse, SplitMethod
-from fxkfac.errors import ConfigError
+from fxkfac.errors import ConfigError, PipelineError
 from fxkfac.kfac import Inverse, LayerState
 from fxkfac.kfac.family import KFACFamily
 from fxkfac.kfac.split_inverse import (
+    Carry,
     Progress,
     block_bounds,
+    carry_from_state,
+    carry_to_state,
     damped,
     schulz_accepts,
     schulz_piece,
     schulz_start,
     split_invert_factor,
 )
+from fxkfac.planner.ir import LayerTiming, Op, OpKind
+from fxkfac.runtime.trainer import Trainer
 from tests.kfac.helpers import layer_of
 from tests.support.kfac_reference import KFACReference
 from tests.support.models import mlp
@@ -181,3 +188,69 @@ def test_single_device_trainer_equals_the_reference_with_split_inverses(
         assert fallbacks == 0
     else:  # the first refresh has no start; later ones are (at least partly) Newton-Schulz, or the test is vacuous
         assert 2 * len(trainer.units) <= fallbacks < 2 * len(trainer.units) * len(batches)
+
+
+def _pieces_across_steps(trainer: Trainer, order: tuple[int, ...] = (0, 1)) -> None:
+    """Rewrite the one-device program: each DECOMP's piece order[0] at the refresh step, order[1] at the next step
+    before its APPLY (the layers' use_offset is 1)."""
+    refresh, after = trainer.spec.programs[0]
+    decomps = [op for op in refresh if op.kind is OpKind.DECOMP]
+    refresh[:] = [dataclasses.replace(op, piece=(order[0], 2)) if op.kind is OpKind.DECOMP else op for op in refresh]
+    at = next(i for i, op in enumerate(after) if op.kind is OpKind.APPLY)
+    after[at:at] = [dataclasses.replace(op, piece=(order[1], 2)) for op in decomps]
+
+
+def _mlp_trainer(cfg: KFACConfig, batch: torch.Tensor) -> Trainer:
+    timing = {name: LayerTiming(2, 0, 1, "fused") for name in ("0", "2", "4")}
+    return fxkfac.compile(mlp(), None, example_inputs=(batch,), loss_fn=F.mse_loss, kfac=cfg, backend=None,
+                          optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), layer_timing=timing)
+
+
+@pytest.mark.parametrize("split", SPLITS, ids=["ns", "blocks"])
+def test_pieces_run_in_different_steps_equal_the_reference_and_survive_a_checkpoint(split: SplitInverse) -> None:
+    cfg = KFACConfig(damping=1e-2, factor_decay=0.9, split_inverse=dataclasses.replace(split, pieces=2))
+    g = torch.Generator().manual_seed(5)
+    batches = [(torch.randn(8, 12, generator=g), torch.randn(8, 5, generator=g)) for _ in range(5)]
+    trainer = _mlp_trainer(cfg, batches[0][0])
+    _pieces_across_steps(trainer)
+    ref_model = mlp()
+    ref = KFACReference(ref_model, trainer.units, cfg, F.mse_loss, 1, dict(trainer.timings),
+                        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
+    trainer.step(*batches[0])
+    ref.step(0, *batches[0])
+    saved = copy.deepcopy(trainer.state_dict())  # every layer's pieces are half done
+    assert all(r["carries"] for q in saved["inflight"]["refreshes"].values() for r in q)
+    resumed = _mlp_trainer(cfg, batches[0][0])
+    _pieces_across_steps(resumed)
+    resumed.load_state_dict(saved)
+    for t, (x, y) in enumerate(batches[1:], start=1):
+        trainer.step(x, y)
+        resumed.step(x, y)
+        ref.step(t, x, y)
+    for name, p in ref_model.named_parameters():
+        torch.testing.assert_close(dict(trainer.named_parameters())[name], p, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(dict(resumed.named_parameters())[name], dict(trainer.named_parameters())[name],
+                                   rtol=0, atol=0)
+
+
+def test_pieces_out_of_order_or_of_another_count_are_plan_errors() -> None:
+    batch = torch.randn(8, 12), torch.randn(8, 5)
+    trainer = _mlp_trainer(KFACConfig(damping=1e-2, split_inverse=SplitInverse(pieces=2)), batch[0])
+    _pieces_across_steps(trainer, order=(1, 0))
+    with pytest.raises(PipelineError, match="runs piece 1 of A of 0 refreshed at step 0 after 0 of its pieces"):
+        trainer.step(*batch)
+    trainer.spec.programs[0][0][:] = [Op(OpKind.DECOMP, 0, layer="0", part="A", piece=(0, 3))]
+    with pytest.raises(PipelineError, match="in 3 pieces, the kfac family makes it in 2"):
+        trainer.step(*batch)
+
+
+@pytest.mark.parametrize("carry", [None, Progress(torch.eye(2), math.inf, 0.5), (torch.eye(2), torch.ones(1, 1))])
+def test_carries_round_trip_through_a_checkpoint_state(carry: Carry) -> None:
+    back = carry_from_state(copy.deepcopy(carry_to_state(carry)))
+    if isinstance(carry, Progress):
+        assert isinstance(back, Progress) and torch.equal(back.x, carry.x)
+        assert (back.measured, back.bound) == (carry.measured, carry.bound)
+    else:
+        assert back == carry if carry is None else all(torch.equal(a, b) for a, b in zip(back, carry, strict=True))
+    with pytest.raises(ValueError, match="malformed"):
+        carry_from_state({"x": 1})
