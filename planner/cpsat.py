@@ -30,7 +30,7 @@ from fxkfac.planner.budget import MIN_CALL, Meter
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StageGroup, refresh_lower_bound
 from fxkfac.planner.stretch import Allowance, least_stretch, restretch, stretch_lower_bound
-from fxkfac.planner.window import GroupSolution, TaskKind, Window, fits_memory, too_long, use_offsets
+from fxkfac.planner.window import GroupSolution, TaskKind, Window, fits_memory, inv_chains, too_long, use_offsets
 
 __all__ = ["solve_window", "solve_group", "refine_stretch"]
 
@@ -107,11 +107,20 @@ def _add_precedences(v: _Vars, w: Window) -> None:
             for b in before:
                 for a in after:
                     m.add(v.start[a] >= v.start[b] + w.tasks[b].ticks)
-        inv = kinds[TaskKind.INV][0]
+        first, last = kinds[TaskKind.INV][0], kinds[TaskKind.INV][-1]
         for c in kinds.get(TaskKind.CURV, []):
-            m.add(v.start[inv] + w.tasks[inv].ticks <= v.start[c] + L)
+            m.add(v.start[last] + w.tasks[last].ticks <= v.start[c] + L)
         for b in kinds.get(TaskKind.BCAST, []):
-            m.add(v.start[b] + 1 <= v.start[inv] + L)
+            m.add(v.start[b] + 1 <= v.start[first] + L)
+
+
+def _add_piece_chains(v: _Vars, w: Window) -> None:
+    """The pieces of one decomposition run in order on one rank (its carry lives there)."""
+    for chain in inv_chains(w):
+        for a, b in zip(chain, chain[1:]):
+            v.model.add(v.start[b] >= v.start[a] + w.tasks[a].ticks)
+            for d, present in v.present[a].items():
+                v.model.add(v.present[b][d] == present)
 
 
 def _add_precs(v: _Vars, w: Window) -> None:
@@ -222,6 +231,7 @@ def _build(w: Window, optimize: bool) -> _Vars:
             v.intervals_of_device[d].append(v.model.new_fixed_size_interval_var(s, e - s, f"fixed_r{d}_{s}"))
     _add_tasks(v, w)
     _add_precedences(v, w)
+    _add_piece_chains(v, w)
     _add_precs(v, w)
     _add_slot_releases(v, w)
     for intervals in v.intervals_of_device.values():

@@ -78,6 +78,9 @@ class Problem:
     fingerprint: str = ""
     max_period: int = 32
     distributions: tuple[tuple[str, LayerDistribution], ...] = ()
+    decomp_pieces: int = 1
+    """How many DECOMP tasks each part's decomposition is cut into (`KFACConfig.split_inverse.pieces`): piece i
+    costs 1/n of the part's `decomp` and runs after piece i-1 on the same rank ("DECOMP s A i/n layer")."""
 
     def __post_init__(self) -> None:
         kind = validate_schedule_args(self.schedule, self.D, self.N, self.v)
@@ -97,6 +100,8 @@ class Problem:
             raise PlanError(f"max_overhead is a fraction in [0, 10), got {self.max_overhead!r}")
         if not isinstance(self.max_period, int) or self.max_period < 1:
             raise PlanError(f"max_period must be an int >= 1, got {self.max_period!r}")
+        if isinstance(self.decomp_pieces, bool) or not isinstance(self.decomp_pieces, int) or self.decomp_pieces < 1:
+            raise PlanError(f"decomp_pieces must be an int >= 1, got {self.decomp_pieces!r}")
         if [n for n, _ in self.distributions] != sorted({n for n, _ in self.distributions}):
             raise PlanError("Problem.distributions must be (layer, distribution) pairs sorted by distinct layer; "
                             "use Problem.with_distributions")
@@ -153,7 +158,8 @@ class Problem:
                 "costs": self.costs.to_dict(), "memory_budget": self.memory_budget,
                 "max_overhead": self.max_overhead, "hardware": self.hardware,
                 "fingerprint": self.fingerprint, "max_period": self.max_period,
-                **({"distributions": {n: str(d) for n, d in self.distributions}} if self.distributions else {})}
+                **({"distributions": {n: str(d) for n, d in self.distributions}} if self.distributions else {}),
+                **({"decomp_pieces": self.decomp_pieces} if self.decomp_pieces > 1 else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Problem:

@@ -127,7 +127,8 @@ def _expected(c: _Ctx) -> Counter:
         for x in stage.layers:
             workers = p.workers(x.name)
             for side, after in ((part.part, part.after) for part in x.parts):
-                want[Op(OpKind.DECOMP, s, layer=x.name, part=side), None] += 1
+                for piece in _pieces(p.decomp_pieces):
+                    want[Op(OpKind.DECOMP, s, layer=x.name, part=side, piece=piece), None] += 1
                 synced = after is not OpKind.ALLREDUCE_GRAD and not p.where(x.name).strategy.local_factors
                 for d in copies if synced and len(copies) > 1 else ():
                     want[Op(OpKind.SYNC_STATS, s, layer=x.name, part=side), d] += 1
@@ -161,7 +162,12 @@ def _duration(c: _Ctx, op: Op) -> float:
     if op.kind in (OpKind.SYNC_STATS, OpKind.BCAST, OpKind.BCAST_PREC):
         return _collective(c, op)
     part = c.problem.costs.layer(op.layer).part(op.part)  # type: ignore[arg-type]  # STATS and DECOMP name both
-    return part.stats if op.kind is OpKind.STATS else part.decomp
+    return part.stats if op.kind is OpKind.STATS else part.decomp / (1 if op.piece is None else op.piece[1])
+
+
+def _pieces(n: int) -> list[tuple[int, int] | None]:
+    """The `piece` of each DECOMP of one part's decomposition made in n pieces (None: whole)."""
+    return [None] if n == 1 else [(i, n) for i in range(n)]
 
 
 def _collective(c: _Ctx, op: Op) -> float:
@@ -318,12 +324,24 @@ def _check_factor(c: _Ctx, layer: str, side: str | None, kinds: dict) -> None:
             c.errors.append(f"{x[0].op} starts before the work it depends on ends ({ready:.6g})")
         ready = max(p.end for p in x)
     if inv:
-        if any(p.op.root != inv[0].device for p in bcast):
-            c.errors.append(f"broadcast of {layer} {side} does not come from r{inv[0].device}, where it was inverted")
-        if any(inv[0].end > p.start + L + c.tol for p in curv):
+        inv = sorted(inv, key=lambda p: p.op.piece or (0, 1))
+        _check_pieces(c, layer, side, inv)
+        if any(p.op.root != inv[-1].device for p in bcast):
+            c.errors.append(f"broadcast of {layer} {side} does not come from r{inv[-1].device}, where it was inverted")
+        if any(inv[-1].end > p.start + L + c.tol for p in curv):
             c.errors.append(f"DECOMP {layer} {side} ends after the next refresh starts its curvature")
         if any(p.end > inv[0].start + L + c.tol for p in bcast):
             c.errors.append(f"BCAST {layer} {side} ends after the next refresh's inversion starts")
+
+
+def _check_pieces(c: _Ctx, layer: str, side: str | None, pieces: list[Placement]) -> None:
+    """The pieces of one decomposition (sorted by index) run one after another on one rank."""
+    for a, b in zip(pieces, pieces[1:]):
+        if b.device != a.device:
+            c.errors.append(f"{b.op} runs on r{b.device}, piece {a.op.piece} of {layer} {side} on r{a.device}: the "
+                            "pieces of a decomposition run on one rank")
+        if b.start < a.end - c.tol:
+            c.errors.append(f"{b.op} starts at {b.start:.6g}, before {a.op} ends ({a.end:.6g})")
 
 
 def _check_gradient_refresh(c: _Ctx, layer: str, side: str | None, L: float, stats: list[Placement],

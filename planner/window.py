@@ -68,6 +68,7 @@ from fxkfac.planner.problem import (
 from fxkfac.planner.strategy import keeps_statistics
 
 __all__ = ["TaskKind", "Task", "PrecSlot", "Window", "Placement", "GroupSolution", "build_window", "grid_scale", "wrap",
+           "decomp_tasks", "inv_chains",
            "placements_of", "is_refresh_op", "born_steps", "use_offsets", "prec_steps_ready", "longest_gaps",
            "too_long", "peak_bytes", "fits_memory"]
 
@@ -446,9 +447,8 @@ def _refresh_tasks(problem: Problem, stage: int, layer: str, side: str, decomp: 
         secs = problem.costs.collective_seconds(op, len(copies))
         tasks.append(Task(f"sync_{side}_{layer}", TaskKind.SYNC, stage, side, (op,), (secs,), grid.span(secs), copies,
                           ready, key))
-    tasks.append(Task(f"inv_{side}_{layer}", TaskKind.INV, stage, side,
-                      (Op(OpKind.DECOMP, stage, layer=layer, part=side),), (decomp,), grid.span(decomp), workers,
-                      ready, key, after_slot=gradient))
+    tasks += decomp_tasks(problem.decomp_pieces, stage, layer, side, decomp, grid.span(decomp / problem.decomp_pieces),
+                          workers, ready, gradient)
     if len(workers) > 1:
         op = Op(OpKind.BCAST, stage, layer=layer, part=side, root=workers[0],
                 group=None if workers == copies else workers)
@@ -456,6 +456,26 @@ def _refresh_tasks(problem: Problem, stage: int, layer: str, side: str, decomp: 
         tasks.append(Task(f"bcast_{side}_{layer}", TaskKind.BCAST, stage, side, (op,), (secs,), grid.span(secs),
                           workers, 0, key))
     return tasks
+
+
+def decomp_tasks(pieces: int, stage: int, layer: str, side: str, decomp: float, ticks: int, workers: tuple[int, ...],
+                 ready: int, gradient: bool) -> list[Task]:
+    """A part's decomposition as one INV task, or as `pieces` INV tasks of ``decomp / pieces`` seconds each
+    ("DECOMP s A i/n layer"), which the solvers chain in order on one rank (`inv_chains`)."""
+    whole = pieces == 1
+    return [Task(f"inv_{side}_{layer}" if whole else f"inv_{side}_{layer}_{i}", TaskKind.INV, stage, side,
+                 (Op(OpKind.DECOMP, stage, layer=layer, part=side, piece=None if whole else (i, pieces)),),
+                 (decomp / pieces,), ticks, workers, ready, ((layer, side),), after_slot=gradient)
+            for i in range(pieces)]
+
+
+def inv_chains(window: Window) -> list[list[int]]:
+    """Per (layer, part), the indices of its INV tasks in piece order (one task when its decomposition is whole)."""
+    chains: dict[tuple[str, str], list[int]] = {}
+    for i, task in enumerate(window.tasks):
+        if task.kind is TaskKind.INV:
+            chains.setdefault(task.factors[0], []).append(i)
+    return list(chains.values())
 
 
 def prec_steps_ready(window: Window, prec_starts: tuple[int, ...], stage: int, ready: int) -> int:

@@ -1,0 +1,61 @@
+"""Decompositions in pieces (Problem.decomp_pieces, KFACConfig.split_inverse): placed in order on one rank by
+both solvers, where a whole inversion fits no bubble; the validator checks the chain; plans keep the count."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from fxkfac.planner.errors import PlanError
+from fxkfac.planner.ir import OpKind
+from fxkfac.planner.plan import Plan, solve
+from fxkfac.planner.problem import SolverConfig
+from fxkfac.planner.validate import validate
+from tests.planner.kfac_cases import problem
+
+FAST = SolverConfig(time_limit_s=4.0, num_workers=2)
+LONG = problem("1f1b", 2, 2, fwd=1, bwd=2, curv=0.5, inv=3, prec=0.5, max_period=8)
+"""An inversion (3 s) longer than every bubble of its 1F1B step."""
+
+
+def test_a_whole_inversion_longer_than_every_bubble_cannot_be_placed() -> None:
+    with pytest.raises(PlanError, match="cannot fit any bubble"):
+        solve(LONG, FAST, method="greedy")
+
+
+@pytest.mark.parametrize("method", ["greedy", "cpsat"])
+def test_pieces_are_placed_in_order_on_one_rank(method: str) -> None:
+    split = dataclasses.replace(LONG, decomp_pieces=3)
+    plan = solve(split, FAST, method=method)
+    assert validate(split, plan) == []
+    decomps = [p for p in plan.placements if p.op.kind is OpKind.DECOMP]
+    assert len(decomps) == 3 * 2 * 2  # 3 pieces of A and B of one layer per stage
+    for layer in {p.op.layer for p in decomps}:
+        for part in "AB":
+            chain = sorted((p for p in decomps if (p.op.layer, p.op.part) == (layer, part)),
+                           key=lambda p: p.op.piece)
+            assert [p.op.piece for p in chain] == [(0, 3), (1, 3), (2, 3)]
+            assert len({p.device for p in chain}) == 1
+            assert all(a.end <= b.start + 1e-9 for a, b in zip(chain, chain[1:]))
+            assert all(p.end - p.start == pytest.approx(1.0) for p in chain)
+    assert Plan.from_json(plan.to_json()).problem.decomp_pieces == 3
+
+
+def test_the_validator_refuses_pieces_out_of_order_or_apart() -> None:
+    split = dataclasses.replace(LONG, decomp_pieces=3)
+    plan = solve(split, FAST, method="greedy")
+    placements = list(plan.placements)
+    first, second = (next(i for i, p in enumerate(placements) if p.op.kind is OpKind.DECOMP and p.op.layer == "l0_0"
+                          and p.op.part == "A" and p.op.piece == (j, 3)) for j in (0, 1))
+    a, b = placements[first], placements[second]
+    swapped = list(placements)
+    swapped[first] = dataclasses.replace(a, op=b.op)
+    swapped[second] = dataclasses.replace(b, op=a.op)
+    errors = validate(split, dataclasses.replace(plan, placements=tuple(swapped)))
+    assert any("DECOMP s0 A 1/3 l0_0 starts at" in e and "before DECOMP s0 A 0/3 l0_0 ends" in e for e in errors)
+    other = next(d for d in split.devices if d != b.device)
+    apart = list(placements)
+    apart[second] = dataclasses.replace(b, device=other)
+    errors = validate(split, dataclasses.replace(plan, placements=tuple(apart)))
+    assert any("the pieces of a decomposition run on one rank" in e for e in errors), errors
