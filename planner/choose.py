@@ -6,7 +6,8 @@ its layers dealt to columns by KAISA's greedy on their decomposition seconds, an
 MEM-OPT on the layers that hold the larger half of the statistics bytes, COMM-OPT on the rest (the big layers'
 decompositions are what a memory budget cannot afford on every copy, the small ones' broadcasts what the step
 cannot afford). The plan with the shortest step, then the shortest refresh periods, then the least peak
-memory wins (ties: the order above, least communication first). A candidate that cannot meet the memory
+memory wins (ties: the order above, least communication first). All candidates share one time limit
+([Note: time limit] in planner/plan.py). A candidate that cannot meet the memory
 budget or max_overhead drops out; when none plans, COMM-OPT's refusal (with its suggestions) is raised.
 DP-KFAC is never chosen: its factors come from one replica's micro-batches, a different algorithm that only
 the user may ask for. CP-SAT places the work of each candidate; it does not choose among them itself.
@@ -15,11 +16,10 @@ the user may ask for. CP-SAT places the work of each candidate; it does not choo
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 from fractions import Fraction
 
 from fxkfac.planner.errors import PlanError
-from fxkfac.planner.plan import Method, Plan, solve
+from fxkfac.planner.plan import Method, Plan, TimeBox, solve
 from fxkfac.planner.problem import Problem, SolverConfig, copies_of_stage
 from fxkfac.planner.strategy import COMM_OPT, Strategy, StrategyKind
 
@@ -63,24 +63,25 @@ def candidate_problems(problem: Problem) -> list[Problem]:
 
 
 def solve_with_strategy(problem: Problem, strategy: Strategy | None, config: SolverConfig = SolverConfig(),
-                        method: Method | str = Method.CPSAT) -> Plan:
+                        method: Method | str = Method.CPSAT, box: TimeBox | None = None) -> Plan:
     """`solve` with every layer under `strategy`, or with the best of `candidate_problems` when it is None
-    (see [Note: strategy search]); each candidate gets an equal share of the time limit."""
+    (see [Note: strategy search]), all within one time limit (`box`, or a new one): each candidate gets an
+    equal share of the solver time left. When none plans, the first's refusal names what would."""
+    box = box or TimeBox(config)
     if strategy is not None:
-        return solve(problem.with_strategy(strategy), config, method)
+        return solve(problem.with_strategy(strategy), config, method, box=box)
     candidates = candidate_problems(problem)
-    share = replace(config, time_limit_s=config.time_limit_s / len(candidates))
     plans: list[Plan] = []
-    refusal: PlanError | None = None
-    for candidate in candidates:
+    for n, candidate in enumerate(candidates):
+        if plans and box.over():
+            log.info("no time left to plan distributions %s", [_words(c) for c in candidates[n:]])
+            break
         try:
-            plans.append(solve(candidate, share, method))
+            plans.append(solve(candidate, config, method, box=box, shares=len(candidates) - n, suggest=False))
         except PlanError as e:
             log.info("distribution %s does not plan: %s", _words(candidate), e)
-            refusal = refusal or e
     if not plans:
-        assert refusal is not None, "every candidate either plans or refuses"
-        raise refusal
+        return solve(candidates[0], config, method, box=box)  # refused at once: it searches what would plan
     best = min(plans, key=lambda p: (p.metrics.step_time, sum(p.metrics.refresh_steps),
                                      max(p.metrics.peak_memory.values(), default=0)))
     log.info("distribution %s chosen among %s", strategy_of(best), [strategy_of(p) for p in plans])

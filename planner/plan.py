@@ -6,10 +6,13 @@ fuses the curvature of the layers that do not fit the budget deferred (largest k
 when max_overhead allows the time they add), gives every group the same stretch of the step (the
 largest any group needs, [Note: stretch] in planner/window.py), and assembles the Plan.
 
-[Note: time limit] CP-SAT stops at config.time_limit_s; greedy placement (and fusing by greedy's
-memory excess) goes on for at most OVERTIME / 2 more. A refusal then searches, until OVERTIME past
-the limit, for values of max_overhead, the memory budget or N that plan the same problem, and names
-only those it has solved with (`PlanError.suggestions`). With config.deterministic (the default) these
+[Note: time limit] One planning, every solve and retry of it, runs in one `TimeBox`: CP-SAT stops
+config.time_limit_s after the box opened (several solves in one box, such as the strategy candidates of
+planner/choose.py, each get an equal share of what is left); greedy placement (and fusing by greedy's
+memory excess) goes on until at most OVERTIME / 2 past that. A refusal then searches, until OVERTIME
+past the limit, for values of max_overhead, the memory budget or N that plan the same problem, and
+names only those it has solved with (`PlanError.suggestions`); the box keeps every plan it made, so
+planning again at a suggested value takes no more time. With config.deterministic (the default) these
 times are on CP-SAT's deterministic clock, converted from seconds ([Note: deterministic budget] in
 planner/budget.py), so the same problem and options give the same plan, or the same refusal, on any
 load; `SolverStats.wall_time` is then the only field of a plan that differs between runs.
@@ -71,7 +74,7 @@ from fxkfac.planner.window import (
     too_long,
 )
 
-__all__ = ["SCHEMA_VERSION", "OVERTIME", "Method", "SolverStats", "PlanMetrics", "Plan", "solve"]
+__all__ = ["SCHEMA_VERSION", "OVERTIME", "Method", "SolverStats", "PlanMetrics", "Plan", "TimeBox", "solve"]
 
 SCHEMA_VERSION = 3
 """Version of the plan JSON layout; a newer file asks the user to upgrade fxkfac, an older one to re-plan.
@@ -267,7 +270,7 @@ class Method(StrEnum):
 OVERTIME = 3.0
 """Seconds planning may run past SolverConfig.time_limit_s: greedy placement once CP-SAT's time is up
 (fusing curvature to fit a memory budget) may take half; a refusal then solves with the values it would
-suggest until OVERTIME past the limit. A single greedy placement is not interrupted, so `solve` ends
+suggest until OVERTIME past the limit. A single greedy placement is not interrupted, so a planning ends
 within time_limit_s + OVERTIME plus at most that."""
 
 
@@ -279,6 +282,8 @@ class _Clock:
     meter: Meter
     deadline: float
     cutoff: float
+    made: dict[tuple[Problem, Method], Plan] = field(default_factory=dict)
+    """Plans made on this clock's planning (its TimeBox's), by problem and method."""
 
     def solver_time(self) -> float:
         """Time CP-SAT has left, in the meter's unit (<= 0: place greedily)."""
@@ -299,7 +304,35 @@ class _Clock:
 
     def later(self, deadline: float, cutoff: float | None = None) -> _Clock:
         """The same meter with another deadline (and cutoff)."""
-        return _Clock(self.meter, deadline, self.cutoff if cutoff is None else cutoff)
+        return _Clock(self.meter, deadline, self.cutoff if cutoff is None else cutoff, self.made)
+
+
+class TimeBox:
+    """The clock of one whole planning, all its solves and retries ([Note: time limit]): CP-SAT time ends
+    config.time_limit_s after it opened, everything else OVERTIME after that; it keeps the plans it made."""
+
+    def __init__(self, config: SolverConfig) -> None:
+        self.meter = meter(config.deterministic, config.time_limit_s, OVERTIME)
+        self.end = self.meter.now() + self.meter.units(config.time_limit_s)
+        self.overtime = self.meter.units(OVERTIME)
+        self.made: dict[tuple[Problem, Method], Plan] = {}
+
+    def solving(self, shares: int = 1) -> _Clock:
+        """One solve's clock: an equal share of the CP-SAT time left among the `shares` solves still to run;
+        greedy placement may go on until OVERTIME / 2 past the box's end."""
+        now = self.meter.now()
+        deadline = now + max(0.0, self.end - now) / shares
+        return _Clock(self.meter, deadline, max(deadline, self.end + self.overtime / 2), self.made)
+
+    def over(self) -> bool:
+        """Whether the time for solving is spent, greedy's OVERTIME / 2 past the limit included."""
+        return self.solving().out()
+
+    def suggesting(self) -> _Clock:
+        """The clock of a refusal's search for values that plan: until OVERTIME past the end (or half of it
+        from now, when an uninterrupted greedy placement ran past that)."""
+        until = max(self.end + self.overtime, self.meter.now() + self.overtime / 2)
+        return _Clock(self.meter, until, until, self.made)
 
 
 class _Refused(Exception):
@@ -369,6 +402,13 @@ def _solve_groups(problem: Problem, fused: frozenset[str], config: SolverConfig,
                    if allowed.enabled else "")
                 + ": " + "; ".join(long[:5])
                 + ("" if config.stretch else ". Stretching the step is off (SolverConfig.stretch=False)")),
+                (Knob.MAX_OVERHEAD, Knob.MICROBATCHES) if config.stretch else (Knob.MICROBATCHES,), fused)
+        lower = refresh_lower_bound(problem, group, fused, stretch=allowed.enabled)
+        if lower > problem.max_period:
+            raise _Refused(PlanError(
+                f"the {words_of(problem.costs).name} work of stages {list(group.stages)} is more than the idle time "
+                f"of {problem.max_period} steps holds" + (f", even with the step stretched by max_overhead="
+                                                          f"{problem.max_overhead:g}" if allowed.enabled else "")),
                 (Knob.MAX_OVERHEAD, Knob.MICROBATCHES) if config.stretch else (Knob.MICROBATCHES,), fused)
         try:
             g = greedy_group(problem, group, fused, aggregate=aggregate, resolution=config.time_resolution,
@@ -500,21 +540,28 @@ def _excess(problem: Problem, solution: GroupSolution) -> int:
     return max(peak_bytes(solution.window, solution.starts, d) - budget for d in solution.window.group.devices)
 
 
-def solve(problem: Problem, config: SolverConfig = SolverConfig(), method: Method | str = Method.CPSAT) -> Plan:
+def solve(problem: Problem, config: SolverConfig = SolverConfig(), method: Method | str = Method.CPSAT, *,
+          box: TimeBox | None = None, shares: int = 1, suggest: bool = True) -> Plan:
     """Plan the K-FAC work of `problem` (Method.CPSAT: optimal placement warm-started by greedy; GREEDY:
-    the paper's rule) within config.time_limit_s plus OVERTIME. Raises InfeasibleBudgetError when the
-    memory budget cannot be met and PlanError when the work cannot be placed within problem.max_period
-    steps; the error's message and `suggestions` name values of max_overhead, the budget or N that the
-    planner has solved this problem with (the rest unchanged), or say that none was found in time."""
+    the paper's rule) within config.time_limit_s plus OVERTIME, or within `box` (a planning that solves
+    several problems: this one gets 1/`shares` of the solver time left). Raises InfeasibleBudgetError when
+    the memory budget cannot be met and PlanError when the work cannot be placed within problem.max_period
+    steps; unless `suggest` is False, the error's message and `suggestions` name values of max_overhead, the
+    budget or N that the planner has solved this problem with (the rest unchanged), or say that none was
+    found in time."""
     how = _method(method)
-    began = time.perf_counter()
-    clock = meter(config.deterministic, config.time_limit_s, OVERTIME)
-    deadline = clock.now() + clock.units(config.time_limit_s)
+    box = box or TimeBox(config)
+    made = box.made.get((problem, how))
+    if made is not None:
+        return made  # solved in this box already: while searching for the value a refusal names
     try:
-        return _attempt(problem, config, how, _Clock(clock, deadline, deadline + clock.units(OVERTIME / 2)), began)
+        plan = _attempt(problem, config, how, box.solving(shares), time.perf_counter())
     except _Refused as refused:
-        until = max(deadline + clock.units(OVERTIME), clock.now() + clock.units(OVERTIME / 2))
-        raise _suggesting(refused, problem, config, how, _Clock(clock, until, until)) from None
+        if not suggest:
+            raise refused.error from None
+        raise _suggesting(refused, problem, config, how, box.suggesting()) from None
+    box.made[(problem, how)] = plan
+    return plan
 
 
 def _method(method: Method | str) -> Method:
@@ -700,6 +747,9 @@ def _plans(problem: Problem, config: SolverConfig, method: Method, until: _Clock
 
 def _plan_or_none(problem: Problem, config: SolverConfig, method: Method, until: _Clock, *,
                   thorough: bool = False) -> Plan | None:
+    made = until.made.get((problem, method))
+    if made is not None:
+        return made
     now = until.meter.now()
     tries = [now] + ([min(until.cutoff, now + until.meter.units(config.time_limit_s))]
                      if thorough and method is Method.CPSAT else [])
@@ -707,9 +757,11 @@ def _plan_or_none(problem: Problem, config: SolverConfig, method: Method, until:
         if until.out():
             return None
         try:
-            return _attempt(problem, config, method, until.later(deadline), time.perf_counter())
+            plan = _attempt(problem, config, method, until.later(deadline), time.perf_counter())
         except _Refused:
             continue
+        until.made[(problem, method)] = plan
+        return plan
     return None
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
-from functools import lru_cache
+from dataclasses import dataclass, field, fields, replace
+from functools import cached_property, lru_cache
 from typing import Any
 
 from fxkfac.planner.costs import CostTable, StageCost
@@ -49,6 +49,9 @@ __all__ = [
 ]
 
 _FIXED_KINDS = frozenset({OpKind.FWD, OpKind.BWD})
+_NOT_BUBBLE = frozenset({OpKind.APPLY, OpKind.STATS, OpKind.BCAST_PREC, OpKind.ALLREDUCE_GRAD})
+"""Ops besides F/B during which a window places no preconditioner work (the per-step slot's work, and the
+gradient all-reduce: planner/window.py `build_window`)."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +118,23 @@ class Problem:
                 raise ConfigError(f"{where.strategy} keeps local factors of captures, but {name}'s statistics come "
                                   "from the reduced gradient, the same on every copy; use mem-opt for one owner")
 
+    def __hash__(self) -> int:
+        """The fields' hash, computed once: the planner's caches (lru_cache) key on problems millions of times,
+        and hashing the cost table each time was most of a data-parallel plan's time."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The fields alone: the cached hash is of this process's string hashes, not another's."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @cached_property
+    def _where(self) -> dict[str, LayerDistribution]:
+        return dict(self.distributions)
+
     def with_distributions(self, distributions: Mapping[str, LayerDistribution]) -> Problem:
         """The same problem with these layer distributions (every other layer COMM-OPT, which is not listed: a
         problem has one form whatever way COMM-OPT is given)."""
@@ -131,7 +151,7 @@ class Problem:
 
     def where(self, layer: str) -> LayerDistribution:
         """The distribution of `layer` (COMM-OPT unless `distributions` names it)."""
-        return dict(self.distributions).get(layer, LayerDistribution())
+        return self._where.get(layer, LayerDistribution())
 
     def workers(self, layer: str) -> tuple[int, ...]:
         """The ranks that decompose and apply `layer`'s preconditioner (all copies of its stage under COMM-OPT)."""
@@ -529,7 +549,7 @@ def refresh_lower_bound(problem: Problem, group: StageGroup, fused: frozenset[st
                         stretch: bool = False) -> int:
     """ceil(K-FAC work of the group / its bubble time per step): curvature of every micro-batch on
     every copy that keeps the layer's statistics (unfused layers) plus all inversions, over the idle time of
-    the reference step (whose F/B and per-step preconditioner work are busy).
+    the reference step (whose F/B, per-step preconditioner work and gradient all-reduces are busy).
 
     stretch: the idle time appended to every step within max_overhead (`stretch_allowance`) counts as
     bubble on every device of the group: the least k whose k steps hold the work.
@@ -545,7 +565,7 @@ def refresh_lower_bound(problem: Problem, group: StageGroup, fused: frozenset[st
                         for p in x.parts if p.after is op.kind)
     work += sum(problem.costs.stages[s].inv for s in group.stages)
     busy = sum(end - start for d in group.devices for op, start, end in step.ops[d]
-               if op.kind in _FIXED_KINDS or op.kind in (OpKind.APPLY, OpKind.STATS, OpKind.BCAST_PREC))
+               if op.kind in _FIXED_KINDS or op.kind in _NOT_BUBBLE)
     bubble = step.length * len(group.devices) - busy
     if work <= 0:
         return 1
@@ -554,9 +574,9 @@ def refresh_lower_bound(problem: Problem, group: StageGroup, fused: frozenset[st
             if work <= k * (bubble + len(group.devices) * stretch_allowance(problem, fused, k)) * (1 + 1e-9):
                 return k
         return problem.max_period + 1
-    if bubble <= 0:
+    if bubble <= 1e-9 * step.length * len(group.devices):  # none but float rounding
         return problem.max_period + 1
-    return max(1, math.ceil(work / bubble - 1e-9))
+    return min(problem.max_period + 1, max(1, math.ceil(work / bubble - 1e-9)))
 
 
 def format_bytes(n: float) -> str:

@@ -50,6 +50,7 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from functools import lru_cache
 from typing import Any
 
 from fxkfac.planner.costs import LayerCost
@@ -387,6 +388,12 @@ def parts_after(layers: Iterable[LayerCost], kind: OpKind) -> list[str]:
     return list(dict.fromkeys(p.part for x in layers for p in x.parts if p.after is kind))
 
 
+@lru_cache(maxsize=1 << 16)
+def _stats_op(stage: int, mb: int | None, pipe: int, layer: str, part: str) -> Op:
+    """One micro-batch's STATS op, made (and checked) once for every window that places it."""
+    return Op(OpKind.STATS, stage, mb, pipe, layer=layer, part=part)
+
+
 def _curv_tasks(problem: Problem, stage: int, refresh: StepTimeline, deferred: list[LayerCost], aggregate: bool,
                 grid: _Grid) -> list[Task]:
     tasks = []
@@ -402,7 +409,7 @@ def _curv_tasks(problem: Problem, stage: int, refresh: StepTimeline, deferred: l
                     if not chunk:
                         continue
                     secs = tuple(x.part(side).stats for x in chunk)
-                    ops = tuple(Op(OpKind.STATS, stage, op.mb, op.pipe, layer=x.name, part=side) for x in chunk)
+                    ops = tuple(_stats_op(stage, op.mb, op.pipe, x.name, side) for x in chunk)
                     keep = sum(x.part(side).capture_bytes for x in chunk)
                     label = "all" if aggregate else chunk[0].name
                     tasks.append(Task(f"curv_{side}_s{stage}_m{op.mb}_p{op.pipe}_r{d}_{label}", TaskKind.CURV, stage,

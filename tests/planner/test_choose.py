@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from fxkfac.planner.choose import candidate_problems, candidate_strategies, solve_with_strategy, strategy_of
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.hardware import HARDWARE
-from fxkfac.planner.plan import solve
+from fxkfac.planner.plan import TimeBox, solve
 from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.strategy import parse_strategy
 from fxkfac.planner.validate import validate
@@ -53,3 +55,34 @@ def test_a_budget_comm_opt_misses_is_met_by_holding_fewer_decompositions() -> No
     assert strategy_of(chosen) != "comm-opt"
     assert max(chosen.metrics.peak_memory.values()) <= budget
     assert validate(chosen.problem, chosen) == []
+
+
+def test_the_candidates_share_one_time_limit() -> None:
+    """Every candidate is solved in one TimeBox: the search spends (on the deterministic clock, the same under
+    any load) no more than the limit plus OVERTIME, where each candidate alone may spend nearly the limit."""
+    config = SolverConfig(time_limit_s=0.5)
+    problem = _problem(W=4)
+    alone = TimeBox(config)
+    solve(problem, config, box=alone)
+    searched = TimeBox(config)
+    plan = solve_with_strategy(problem, None, config, box=searched)
+    assert len(candidate_problems(problem)) == 4
+    assert searched.meter.now() <= searched.end + searched.overtime
+    assert searched.meter.now() < 4 * alone.meter.now()  # four full solves would take about four times one
+    assert validate(plan.problem, plan) == []
+
+
+def test_a_value_the_refusal_names_is_planned_again_at_no_cost() -> None:
+    """The box keeps the plans its suggestion search made: planning at the suggested max_overhead (what
+    plan='auto' does with none given) returns the plan it verified, spending nothing more."""
+    config = SolverConfig(time_limit_s=1.0)
+    problem = dataclasses.replace(_problem(W=2), max_overhead=0.0)
+    box = TimeBox(config)
+    with pytest.raises(PlanError) as refused:
+        solve(problem, config, box=box)
+    values = [s.fields()["max_overhead"] for s in refused.value.suggestions if s.fields().keys() == {"max_overhead"}]
+    assert values, str(refused.value)
+    spent = box.meter.now()
+    plan = solve(dataclasses.replace(problem, max_overhead=values[0]), config, box=box)
+    assert box.meter.now() == spent
+    assert validate(plan.problem, plan) == []

@@ -155,7 +155,7 @@ def test_plan_options_pass_determinism_to_the_solver(monkeypatch: pytest.MonkeyP
 
     seen: list[SolverConfig] = []
 
-    def fake(problem: Problem, strategy: object, config: SolverConfig) -> Plan:
+    def fake(problem: Problem, strategy: object, config: SolverConfig, box: object) -> Plan:
         seen.append(config)
         return _first("gpipe")
 
