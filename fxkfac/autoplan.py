@@ -15,8 +15,8 @@ from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.choose import solve_with_strategy
 from fxkfac.planner.costs import CostTable, load_cost_table
 from fxkfac.planner.errors import Knob, PlanError, PlanMismatchError
-from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import Problem, SolverConfig
+from fxkfac.planner.plan import Plan, TimeBox
+from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig
 from fxkfac.planner.schedules import ScheduleKind
 from fxkfac.planner.validate import check_plan
 
@@ -46,21 +46,23 @@ class Target:
 
 def resolve_plan(plan: Any, target: Target, options: PlanOptions, *, rank: int, world: int,
                  profile: Callable[[], CostTable], stage_layers: Mapping[int, Sequence[str]],
-                 layers: Mapping[str, KFACLayer]) -> Plan | None:
+                 layers: Mapping[str, KFACLayer],
+                 progress: Callable[[SolveProgress], None] | None = None) -> Plan | None:
     """The Plan every rank runs: None, a checked Plan, a loaded file, or the auto plan rank 0 makes and shares.
 
     `plan="auto"` plans with `options.costs` (a CostTable, a cost file, or a callable
-    ``(stage_layers, layers) -> CostTable``), or with `profile()` times scaled by `options.kfac_margin`.
+    ``(stage_layers, layers) -> CostTable``), or with `profile()` times scaled by `options.kfac_margin`;
+    `progress` observes the solver (`SolverConfig.progress`).
     """
     if plan is None:
         return None
     if isinstance(plan, str) and plan == "auto":
         if world == 1:
-            return solve_for(target, _costs(options, profile, stage_layers, layers), options)
+            return solve_for(target, _costs(options, profile, stage_layers, layers), options, progress)
         made: Plan | FxkfacError | None = None
         if rank == 0:
             try:
-                made = solve_for(target, _costs(options, profile, stage_layers, layers), options)
+                made = solve_for(target, _costs(options, profile, stage_layers, layers), options, progress)
             except FxkfacError as e:  # every rank raises it, instead of waiting for a plan that never comes
                 made = e
         return share_plan(made)
@@ -93,12 +95,14 @@ def _costs(options: PlanOptions, profile: Callable[[], CostTable], stage_layers:
     return costs
 
 
-def solve_for(target: Target, costs: CostTable, options: PlanOptions) -> Plan:
+def solve_for(target: Target, costs: CostTable, options: PlanOptions,
+              progress: Callable[[SolveProgress], None] | None = None) -> Plan:
     """Plan `target` with CP-SAT over `costs` (the planner's `solve`), stamped with the target's fingerprint.
 
     With `options.max_overhead` None the bubbles are tried alone first; when they cannot hold the work, the
     least max_overhead the planner found to place it is used (its refusal names that value), and logged.
     `options.strategy` forces a distribution strategy; None lets the planner choose (planner/choose.py).
+    `progress` observes the solver (`SolverConfig.progress`).
     """
     strict = options.max_overhead is not None
     problem = Problem(target.schedule.value, target.D, target.N, costs, W=target.W, v=target.v,
@@ -106,11 +110,11 @@ def solve_for(target: Target, costs: CostTable, options: PlanOptions) -> Plan:
                       fingerprint=target.fingerprint)
     if target.max_period is not None:
         problem = replace(problem, max_period=target.max_period)
-    config = SolverConfig(time_limit_s=options.time_limit_s, deterministic=options.deterministic)
+    config = SolverConfig(time_limit_s=options.time_limit_s, deterministic=options.deterministic, progress=progress)
     log.info("solving the plan of %s", target.describe())
-    strategy = options.forced_strategy
+    strategy, box = options.forced_strategy, TimeBox(config)  # one time limit for both tries
     try:
-        return solve_with_strategy(problem, strategy, config)
+        return solve_with_strategy(problem, strategy, config, box=box)
     except PlanError as e:
         relaxed = [s for s in e.suggestions if {knob for knob, _ in s.changes} == {Knob.MAX_OVERHEAD}]
         if strict or not relaxed:
@@ -119,7 +123,7 @@ def solve_for(target: Target, costs: CostTable, options: PlanOptions) -> Plan:
         log.warning("plan='auto': the bubbles alone cannot hold the K-FAC work (%s); planning with "
                     "max_overhead=%.4g, the least the planner found that places it (pass PlanOptions(max_overhead="
                     "...) to decide yourself)", str(e).split(". ")[0], value)
-        return solve_with_strategy(replace(problem, max_overhead=value), strategy, config)
+        return solve_with_strategy(replace(problem, max_overhead=value), strategy, config, box=box)
 
 
 def check_matches(plan: Any, target: Target, where: str = "the plan") -> None:

@@ -29,13 +29,18 @@ from fxkfac.planner.costs import CostTable
 from fxkfac.planner.ir import LayerTiming
 from fxkfac.planner.lowering import naive_programs, ranks_of_stages
 from fxkfac.planner.plan import Plan
-from fxkfac.planner.schedules import ScheduleKind, num_stages
+from fxkfac.planner.problem import format_bytes
+from fxkfac.planner.schedules import ScheduleKind, num_stages, stages_of_rank
 from fxkfac.planner.strategy import LayerDistribution, distribute
 from fxkfac.preconditioner import Family, gradient_parts
+from fxkfac.progress import PlanProgress, plan_progress
 from fxkfac.runtime.mesh import MeshLayout
 from fxkfac.runtime.trainer import OptimizerFactory, RunSpec, Trainer, default_optimizer, plain_sgd, shard_microbatches
 
-__all__ = ["compile", "layer_timings", "stage_units"]
+__all__ = ["compile", "layer_timings", "stage_units", "auto_budget", "device_memory"]
+
+SOLVING = "solving with CP-SAT (objective: staleness, the steps a layer runs on an older decomposition)"
+"""plan="auto"'s solving phase, in words: what the objective of the solver's reports counts."""
 
 
 def compile(  # noqa: A001 - the public name the design card gives
@@ -59,12 +64,14 @@ def compile(  # noqa: A001 - the public name the design card gives
 
     ``mesh=None`` trains on one device; a DeviceMesh with dims ("pp", "dp") (or a ``(D, W)`` tuple, with
     torch.distributed initialized) trains pipelined with ``schedule`` and ``microbatches`` per replica.
-    ``plan``: "auto" (on a mesh: rank 0 profiles and solves with ``plan_options``, every rank gets the
-    plan), a plan file or a ``fxkfac.Plan`` (refused when made for another graph, mesh or schedule), or
-    None (K-FAC on the critical path, every layer refreshed by ``layer_timing`` or
-    ``kfac.refresh_every``). On one device a plan supplies its layer timings. ``kfac=None`` trains with
-    the base ``optimizer`` alone (default AdamW, lr 1e-3). ``preconditioner`` chooses the family in
-    place of ``kfac`` (then ``kfac`` is ignored): a KFACConfig, ShampooConfig or SOAPConfig, or any
+    ``plan``: "auto" (on a mesh: rank 0 profiles and solves with ``plan_options``, showing what it does
+    (fxkfac/progress.py), every rank gets the plan; on a GPU without ``plan_options.memory_budget`` the
+    device's free memory is the budget, on CPU there is none), a plan file or a ``fxkfac.Plan`` (refused
+    when made for another graph, mesh or schedule), or None (K-FAC on the critical path, every layer
+    refreshed by ``layer_timing`` or ``kfac.refresh_every``). On one device a plan supplies its layer
+    timings. ``kfac=None`` trains with the base ``optimizer`` alone (default AdamW, lr 1e-3).
+    ``preconditioner`` chooses the family in place of ``kfac`` (then ``kfac`` is ignored): a KFACConfig,
+    ShampooConfig or SOAPConfig, or any
     `fxkfac.preconditioner.Family`. Shampoo and SOAP make the whole update direction, so their base
     optimizer is plain SGD (default lr 1e-3). ``backend`` is a torch.compile backend, or None for eager
     stages. ``plan_options.strategy`` says how the copies of a stage share each layer's work (comm-opt, mem-opt,
@@ -82,19 +89,23 @@ def compile(  # noqa: A001 - the public name the design card gives
     example = normalize_inputs(example_inputs)
     batch = _batch_size(example)
     micro = shard_microbatches(example, batch, layout.W, 0, N)[0]
-    captured = capture(model, micro, family.cfg if isinstance(family, KFACFamily) else kfac or KFACConfig())
-    units = family.units(captured.gm, captured.layers) if family is not None else []
-    if family is not None and not units:
-        warnings.warn(f"{type(model).__name__} has nothing {family.name} can precondition (K-FAC: no Linear/Conv2d "
-                      "layer); it trains with the base optimizer alone", stacklevel=2)
-    split = split_stages(captured.gm, num_stages(kind, layout.D, v), split_points=pipeline.split_points,
-                         layers=captured.layers)
-    stage_layers = stage_units(split, units)
-    target = Target(graph_fingerprint(units, stage_layers, schedule=kind.value, D=layout.D, N=N,
-                                      W=layout.W, v=v, micro_batch_size=batch // (N * layout.W)),
-                    kind, layout.D, N, layout.W, v, family.max_period if family is not None else None)
-    known = {unit.name: unit for unit in units}
-    resolved = _resolve(plan, mesh is None, family, target, plan_options, layout, split, stage_layers, known, micro)
+    auto = mesh is not None and family is not None and isinstance(plan, str) and plan == "auto"
+    with plan_progress(auto and layout.rank == 0) as progress:  # rank 0 says what plan="auto" is doing
+        progress.phase("capturing the model and splitting it into stages")
+        captured = capture(model, micro, family.cfg if isinstance(family, KFACFamily) else kfac or KFACConfig())
+        units = family.units(captured.gm, captured.layers) if family is not None else []
+        if family is not None and not units:
+            warnings.warn(f"{type(model).__name__} has nothing {family.name} can precondition (K-FAC: no Linear/Conv2d "
+                          "layer); it trains with the base optimizer alone", stacklevel=2)
+        split = split_stages(captured.gm, num_stages(kind, layout.D, v), split_points=pipeline.split_points,
+                             layers=captured.layers)
+        stage_layers = stage_units(split, units)
+        target = Target(graph_fingerprint(units, stage_layers, schedule=kind.value, D=layout.D, N=N,
+                                          W=layout.W, v=v, micro_batch_size=batch // (N * layout.W)),
+                        kind, layout.D, N, layout.W, v, family.max_period if family is not None else None)
+        known = {unit.name: unit for unit in units}
+        resolved = _resolve(plan, mesh is None, family, target, plan_options, layout, split, stage_layers, known, micro,
+                            progress)
     if resolved is not None and layer_timing:
         raise ConfigError("layer_timing and a plan both set the layer timings on a mesh; pass one of them")
     on_one_device = mesh is None and isinstance(plan, (str, Path, Plan)) and plan != "auto"
@@ -118,23 +129,45 @@ def compile(  # noqa: A001 - the public name the design card gives
 
 def _resolve(plan: Any, single: bool, family: Family | None, target: Target, options: PlanOptions,
              layout: MeshLayout, split: SplitResult, stage_layers: Mapping[int, list[str]],
-             known: Mapping[str, Any], micro: tuple[Any, ...]) -> Plan | None:
-    """The plan whose programs the ranks run: none on one device or without preconditioned layers."""
+             known: Mapping[str, Any], micro: tuple[Any, ...], progress: PlanProgress) -> Plan | None:
+    """The plan whose programs the ranks run: none on one device or without preconditioned layers; `progress`
+    shows plan="auto"'s phases, solver and plan on rank 0."""
     if family is None:
         if plan not in (None, "auto"):
             raise ConfigError("kfac=None trains the plain pipeline, which takes no plan; pass plan=None")
         return None
     if single or not known:
         return None
+    auto = isinstance(plan, str) and plan == "auto"
+    if auto and layout.rank == 0:  # rank 0 plans: its device's memory is the default budget
+        budgeted = auto_budget(options, lambda: device_memory(_held_parameters(split, target, layout.pp)))
+        if budgeted is not options:
+            progress.note(f"memory budget {format_bytes(budgeted.memory_budget or 0)} per device: what the GPU has "
+                          "free (PlanOptions(memory_budget=...) sets another)")
+        options = budgeted
+    made = _resolve_on_mesh(plan, family, target, options, layout, split, stage_layers, known, micro, progress)
+    if made is not None and auto:
+        progress.done(made)
+    return made
+
+
+def _resolve_on_mesh(plan: Any, family: Family, target: Target, options: PlanOptions, layout: MeshLayout,
+                     split: SplitResult, stage_layers: Mapping[int, list[str]], known: Mapping[str, Any],
+                     micro: tuple[Any, ...], progress: PlanProgress) -> Plan | None:
+    """`resolve_plan` with plan="auto"'s profile (links measured by every rank, stages by rank 0), each phase
+    and the solver's reports shown by `progress`."""
     from fxkfac.comm_profile import measure_comm
 
     profiles = isinstance(plan, str) and plan == "auto" and options.costs is None
+    if profiles:
+        progress.phase("measuring the links between ranks")
     comm = measure_comm() if profiles else None  # collective: every rank, before rank 0 profiles the stages alone
 
     def profile() -> CostTable:
         from fxkfac.profiler import gradient_unit_cost, kfac_unit_cost
         from fxkfac.profiler import profile as measure
 
+        progress.phase(f"profiling the {len(split.stages)} stage(s)")
         if isinstance(family, KFACFamily):
             unit_cost = kfac_unit_cost(known, family.cfg)
         elif gradient_parts(family) == set(family.parts):
@@ -148,10 +181,40 @@ def _resolve(plan: Any, single: bool, family: Family | None, target: Target, opt
         for st in split.stages:  # profiling ran backward on the parameters the runners will train
             for p in st.gm.parameters():
                 p.grad = None
+        progress.phase(SOLVING)
         return replace(costs, comm=comm)
 
+    if isinstance(plan, str) and plan == "auto" and not profiles:
+        progress.phase(SOLVING)
     return resolve_plan(plan, target, options, rank=layout.rank, world=layout.world_size, profile=profile,
-                        stage_layers=stage_layers, layers=known)
+                        stage_layers=stage_layers, layers=known, progress=progress.solver if progress.shown else None)
+
+
+def auto_budget(options: PlanOptions, available: Callable[[], int | None]) -> PlanOptions:
+    """`options` with the device's memory as the budget when the user set none (`available()`: bytes a plan may
+    use there, None on CPU: unlimited); the user's budget always wins, and a plan that cannot meet either is
+    refused with the least that fits."""
+    if options.memory_budget is not None:
+        return options
+    found = available()
+    return options if found is None else replace(options, memory_budget=found)
+
+
+def device_memory(params: Sequence[Tensor]) -> int | None:
+    """Bytes a plan may use on the GPU that holds `params`: what it reports free, plus those parameters (the plan
+    counts them itself). None when they are not on a GPU (no default budget on CPU)."""
+    on_gpu = [p for p in params if p.device.type == "cuda"]
+    if not on_gpu:
+        return None
+    free, _ = torch.cuda.mem_get_info(on_gpu[0].device)
+    return free + sum(p.numel() * p.element_size() for p in on_gpu if p.device == on_gpu[0].device)
+
+
+def _held_parameters(split: SplitResult, target: Target, rank: int) -> list[Tensor]:
+    """The parameters of the stages pipeline rank `rank` holds (each once)."""
+    held = {s for s, _ in stages_of_rank(target.schedule, target.D, rank, v=target.v)}
+    unique = {id(p): p for s in sorted(held) for p in split.stages[s].gm.parameters()}
+    return list(unique.values())
 
 
 def critical_path_distributions(options: PlanOptions, family: Family, stage_layers: Mapping[int, list[str]],
