@@ -28,8 +28,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Target:
-    """What a plan must be made for: the graph fingerprint, schedule, D, N, W and v of the run, and the longest
-    refresh period the family accepts (None: the planner's own limit)."""
+    """What a plan must be made for: the graph fingerprint, schedule, D, N, W and v of the run, the longest
+    refresh period the family accepts (None: the planner's own limit) and the pieces it makes each decomposition
+    in (`KFACConfig.split_inverse`; 1: whole)."""
 
     fingerprint: str
     schedule: ScheduleKind
@@ -38,6 +39,7 @@ class Target:
     W: int
     v: int = 1
     max_period: int | None = None
+    decomp_pieces: int = 1
 
     def describe(self) -> str:
         """The run in words, for error messages."""
@@ -107,7 +109,7 @@ def solve_for(target: Target, costs: CostTable, options: PlanOptions,
     strict = options.max_overhead is not None
     problem = Problem(target.schedule.value, target.D, target.N, costs, W=target.W, v=target.v,
                       memory_budget=options.memory_budget, max_overhead=options.max_overhead or 0.0,
-                      fingerprint=target.fingerprint)
+                      fingerprint=target.fingerprint, decomp_pieces=target.decomp_pieces)
     if target.max_period is not None:
         problem = replace(problem, max_period=target.max_period)
     config = SolverConfig(time_limit_s=options.time_limit_s, deterministic=options.deterministic, progress=progress)
@@ -135,6 +137,10 @@ def check_matches(plan: Any, target: Target, where: str = "the plan") -> None:
         raise PlanMismatchError(f"{where} was made for {made[0]} D={made[1]} N={made[2]} W={made[3]} v={made[4]}, "
                                 f"but this run is {target.describe()}; make a plan for this mesh and schedule "
                                 "(fxkfac plan ... --export) or pass plan='auto'")
+    if plan.problem.decomp_pieces != target.decomp_pieces:
+        raise PlanMismatchError(f"{where} makes each decomposition in {plan.problem.decomp_pieces} piece(s), this run "
+                                f"in {target.decomp_pieces} (KFACConfig.split_inverse); make a plan with this "
+                                "configuration or pass plan='auto'")
     if plan.fingerprint != target.fingerprint:
         raise PlanMismatchError(f"{where} was made for graph {plan.fingerprint!r}, not this model's "
                                 f"{target.fingerprint!r} (other layers, widths or stage split); make a new plan "

@@ -32,7 +32,7 @@ from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import format_bytes
 from fxkfac.planner.schedules import ScheduleKind, num_stages, stages_of_rank
 from fxkfac.planner.strategy import LayerDistribution, distribute
-from fxkfac.preconditioner import Family, gradient_parts
+from fxkfac.preconditioner import Family, PiecewiseFamily, gradient_parts
 from fxkfac.progress import PlanProgress, plan_progress
 from fxkfac.runtime.mesh import MeshLayout
 from fxkfac.runtime.trainer import OptimizerFactory, RunSpec, Trainer, default_optimizer, plain_sgd, shard_microbatches
@@ -102,7 +102,8 @@ def compile(  # noqa: A001 - the public name the design card gives
         stage_layers = stage_units(split, units)
         target = Target(graph_fingerprint(units, stage_layers, schedule=kind.value, D=layout.D, N=N,
                                           W=layout.W, v=v, micro_batch_size=batch // (N * layout.W)),
-                        kind, layout.D, N, layout.W, v, family.max_period if family is not None else None)
+                        kind, layout.D, N, layout.W, v, family.max_period if family is not None else None,
+                        family.decomp_pieces if isinstance(family, PiecewiseFamily) else 1)
         known = {unit.name: unit for unit in units}
         resolved = _resolve(plan, mesh is None, family, target, plan_options, layout, split, stage_layers, known, micro,
                             progress)
