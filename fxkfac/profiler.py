@@ -147,8 +147,8 @@ def _prec_call(layer: KFACLayer, inverse: Inverse) -> Callable[[], object]:
     return call
 
 
-def kfac_unit_cost(layers: Mapping[str, KFACLayer], cfg: KFACConfig, *, warmup: int = 2,
-                   repeats: int = 5) -> UnitCost:
+def kfac_unit_cost(layers: Mapping[str, KFACLayer], cfg: KFACConfig, *, warmup: int = 1,
+                   repeats: int = 1) -> UnitCost:
     """K-FAC's UnitCost: each layer timed by `_layer_cost`."""
     return lambda name, rows: _layer_cost(layers[name], rows * layers[name].tokens_per_sample, cfg, warmup, repeats)
 
@@ -159,7 +159,7 @@ def _state_bytes(state: Any) -> int:
 
 
 def gradient_unit_cost(family: Family, units: Mapping[str, Any], params: Mapping[str, Tensor], *,
-                       warmup: int = 2, repeats: int = 5) -> UnitCost:
+                       warmup: int = 1, repeats: int = 1) -> UnitCost:
     """The UnitCost of a family whose parts are all fed by the gradient: its statistic, decomposition and
     preconditioning of one unit, timed through the family's own methods on a random gradient of the
     parameter's shape. The statistic is folded until the family decomposes it (a family declines before its
@@ -279,15 +279,16 @@ def _stage_times(gm: torch.fx.GraphModule, inputs: Sequence[Tensor], loss: Calla
     return fwd, bwd, [o.detach() for o in forward()]
 
 
-def _trusted(timing: Timing, what: str) -> Timing:
-    """`timing` when a plan can rely on it; CostModelError for no time at all (a clock that missed the work: a
-    stage never computes for free)."""
-    if not timing.seconds > 0:
-        raise CostModelError(f"{what} was measured as {timing.seconds * 1e3:.3g} ms (repeats "
-                             f"{timing.spread.low * 1e3:.3g}-{timing.spread.high * 1e3:.3g} ms), which no plan can "
-                             "rely on; profile again on a quieter machine, or plan with a cost table: "
-                             "PlanOptions(costs=...)")
-    return timing
+def _trusted(stage: StageCost, index: int) -> StageCost:
+    """`stage` when a plan can rely on its times; CostModelError for no time at all (a clock that missed the work:
+    a stage never computes for free)."""
+    for what, seconds, spread in (("forward", stage.fwd, stage.fwd_spread), ("backward", stage.bwd, stage.bwd_spread)):
+        if not seconds > 0:
+            repeats = "" if spread is None else f" (repeats {spread.low * 1e3:.3g}-{spread.high * 1e3:.3g} ms)"
+            raise CostModelError(f"stage {index}'s {what} was measured as {seconds * 1e3:.3g} ms{repeats}, which no "
+                                 "plan can rely on; profile again on a quieter machine, or plan with a cost table: "
+                                 "PlanOptions(costs=...)")
+    return stage
 
 
 def _noisy(stages: Sequence[StageCost]) -> list[str]:
@@ -297,39 +298,74 @@ def _noisy(stages: Sequence[StageCost]) -> list[str]:
             if spread is not None and spread.high > NOISY * spread.low]
 
 
+def _union(spreads: Sequence[Spread | None]) -> Spread | None:
+    """From the fastest to the slowest repeat of any of `spreads` (None when none was measured)."""
+    known = [s for s in spreads if s is not None]
+    return Spread(min(s.low for s in known), max(s.high for s in known)) if known else None
+
+
+def _fastest_layer(rounds: Sequence[LayerCost]) -> LayerCost:
+    """One unit's costs over rounds: each time the fastest, its spread over all rounds' repeats."""
+    parts = tuple(replace(ps[0], stats=min(p.stats for p in ps), decomp=min(p.decomp for p in ps),
+                          stats_spread=_union([p.stats_spread for p in ps]),
+                          decomp_spread=_union([p.decomp_spread for p in ps]))
+                  for ps in zip(*(x.parts for x in rounds), strict=True))
+    return replace(rounds[0], parts=parts, prec=min(x.prec for x in rounds),
+                   prec_spread=_union([x.prec_spread for x in rounds]))
+
+
+def _fastest_stage(rounds: Sequence[StageCost]) -> StageCost:
+    """One stage's costs over rounds: each time the fastest, its spread over all rounds' repeats."""
+    layers = tuple(_fastest_layer(xs) for xs in zip(*(s.layers for s in rounds), strict=True))
+    return replace(rounds[0], fwd=min(s.fwd for s in rounds), bwd=min(s.bwd for s in rounds),
+                   fwd_spread=_union([s.fwd_spread for s in rounds]),
+                   bwd_spread=_union([s.bwd_spread for s in rounds]), layers=layers)
+
+
+def _one_round(split: SplitResult, stage_layers: Mapping[int, Sequence[str]], unit_cost: UnitCost,
+               micro_inputs: Sequence[Tensor], loss: Callable[[Sequence[Tensor]], Tensor], warmup: int,
+               repeats: int) -> list[StageCost]:
+    """Every stage's forward and backward (`_stage_times`) and its units (`unit_cost`), timed once over."""
+    batch = int(micro_inputs[0].shape[0])
+    inputs, stages = list(micro_inputs), []
+    last = len(split.stages) - 1
+    for st in split.stages:
+        fwd, bwd, inputs = _stage_times(st.gm, inputs, loss if st.index == last else None, warmup, repeats)
+        params = {n: p for n, p in st.gm.named_parameters()}
+        stages.append(StageCost(fwd=fwd.seconds, bwd=bwd.seconds, param_bytes=sum(map(_nbytes, params.values())),
+                                act_bytes=_act_bytes(st.gm),
+                                layers=tuple(unit_cost(n, batch) for n in stage_layers.get(st.index, ())),
+                                fwd_spread=fwd.spread, bwd_spread=bwd.spread))
+    return stages
+
+
 def profile(split: SplitResult, stage_layers: Mapping[int, Sequence[str]], unit_cost: UnitCost,
             micro_inputs: Sequence[Tensor], loss: Callable[[Sequence[Tensor]], Tensor], *,
-            warmup: int = 2, repeats: int = 5, hardware: str = "cpu") -> CostTable:
+            warmup: int = 1, repeats: int = 1, rounds: int = 5, hardware: str = "cpu") -> CostTable:
     """The CostTable of the split model at the micro-batch of `micro_inputs`, measured here, stage by stage.
 
     The stages are chained in this one process (rank 0 profiles all: every stage copy is the same
     graph). `loss(flat_outputs)` is the last stage's scalar loss for one micro-batch. Forward and backward
-    are each timed alone (`_stage_times`) on `clock()`; each time is the fastest of `repeats` (`Timing`), its
-    fastest and slowest repeat the table's `fwd_spread` / `bwd_spread`. A stage time of 0 raises
-    CostModelError (no plan is made from it); times whose repeats varied more than `NOISY`-fold are logged as
-    a warning. Each preconditioned unit of a stage is timed by `unit_cost` (with the micro-batch's rows)
-    through the functions the runtime's STATS, DECOMP and APPLY handlers call.
+    are each timed alone (`_stage_times`) on `clock()`. Each preconditioned unit of a stage is timed by
+    `unit_cost` (with the micro-batch's rows) through the functions the runtime's STATS, DECOMP and APPLY
+    handlers call.
+
+    The whole model is timed `rounds` times over (`repeats` runs of each call per round), and each time is the
+    fastest of all rounds (`Timing`), its spread from the fastest to the slowest repeat of any round: the
+    repeats of one figure lie spread over the whole profile, so a moment when another process takes the device
+    slows one round of every figure, not all repeats of a few. A stage time of 0 raises CostModelError (no plan
+    is made from it); times whose repeats varied more than `NOISY`-fold are logged as a warning.
     """
-    batch = int(micro_inputs[0].shape[0])
-    inputs = list(micro_inputs)
-    stages = []
-    log.info("profiling %d stages on %s", len(split.stages),
+    log.info("profiling %d stages, %d rounds, on %s", len(split.stages), rounds,
              "this thread's CPU time" if clock() is time.thread_time else "the wall clock")
-    last = len(split.stages) - 1
-    for st in split.stages:
-        fwd, bwd, inputs_next = _stage_times(st.gm, inputs, loss if st.index == last else None, warmup, repeats)
-        fwd, bwd = _trusted(fwd, f"stage {st.index}'s forward"), _trusted(bwd, f"stage {st.index}'s backward")
-        costs = tuple(unit_cost(n, batch) for n in stage_layers.get(st.index, ()))
-        params = {n: p for n, p in st.gm.named_parameters()}
-        stages.append(StageCost(fwd=fwd.seconds, bwd=bwd.seconds, param_bytes=sum(map(_nbytes, params.values())),
-                                act_bytes=_act_bytes(st.gm), layers=costs, fwd_spread=fwd.spread,
-                                bwd_spread=bwd.spread))
-        log.info("profiled stage %d: fwd %.2f ms (%.2f-%.2f), bwd %.2f ms (%.2f-%.2f), %d preconditioned units",
-                 st.index, fwd.seconds * 1e3, fwd.spread.low * 1e3, fwd.spread.high * 1e3, bwd.seconds * 1e3,
-                 bwd.spread.low * 1e3, bwd.spread.high * 1e3, len(costs))
-        inputs = inputs_next
+    passes = [_one_round(split, stage_layers, unit_cost, micro_inputs, loss, warmup, repeats)
+              for _ in range(max(1, rounds))]
+    stages = [_trusted(_fastest_stage(of), i) for i, of in enumerate(zip(*passes, strict=True))]
+    for i, s in enumerate(stages):
+        log.info("profiled stage %d: fwd %.2f ms, bwd %.2f ms, %d preconditioned units", i, s.fwd * 1e3,
+                 s.bwd * 1e3, len(s.layers))
     noisy = _noisy(stages)
     if noisy:
         log.warning("the device was busy while profiling: repeats of %s varied more than %g-fold (another process "
                     "on the device?); the plan uses the fastest repeat of each", ", ".join(noisy), NOISY)
-    return CostTable(tuple(stages), batch, f"measured:{hardware}", hardware)
+    return CostTable(tuple(stages), int(micro_inputs[0].shape[0]), f"measured:{hardware}", hardware)
