@@ -131,7 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--costs", type=Path,
                       help="a cost table (.json), a PipeFisher profile (.csv), or a shipped one of the paper: "
                            "paper:<model>/<hardware>, e.g. paper:bert-base/p100")
-    plan.add_argument("--micro-batch-size", type=int, default=32)
+    plan.add_argument("--micro-batch-size", type=int, default=None,
+                      help=f"samples per micro-batch (default {MICRO_BATCH_SIZE}; a factory's: its example inputs' "
+                           "batch over N x W, as fxkfac.compile splits it)")
     plan.add_argument("--seq-len", type=int, help="sequence length (default: the preset's)")
     plan.add_argument("--memory", type=_arg_type(parse_bytes),
                       help="memory budget per device, e.g. 16GiB (default: the device's memory, where known)")
@@ -194,23 +196,23 @@ def cost_table(args: argparse.Namespace, S: int, max_dim: int | None = None) -> 
             if blocks % S:
                 raise CliError(f"{args.target} has {blocks} blocks, not divisible into {S} stages; pick another -D")
             table = load_cost_table(args.costs, blocks_per_stage=blocks // S, n_stages=S,
-                                    micro_batch_size=args.micro_batch_size)
+                                    micro_batch_size=_micro_batch_size(args))
         else:
             table = load_cost_table(args.costs)
         if kind_of(table) is not kind:
             raise CliError(f"{args.costs} is a cost table of {WORDS[kind_of(table)].name}, not of "
                            f"{WORDS[kind].name}; pass --preconditioner {kind_of(table).value}")
     elif _is_factory(args.target):
-        table = _factory_costs(args, S)
+        table = _factory(args, S).costs
     elif kind is PreconditionerKind.KFAC:
         from fxkfac.planner.analytic import analytic_cost_table
 
-        table = analytic_cost_table(args.target, S, args.micro_batch_size, args.seq_len, _device(args))
+        table = analytic_cost_table(args.target, S, _micro_batch_size(args), args.seq_len, _device(args))
     else:
         from fxkfac.planner.shampoo_costs import gradient_cost_table
 
         side = max_dim if args.max_preconditioner_dim == AUTO else args.max_preconditioner_dim
-        table = gradient_cost_table(args.target, S, args.micro_batch_size, args.seq_len, _device(args), kind=kind,
+        table = gradient_cost_table(args.target, S, _micro_batch_size(args), args.seq_len, _device(args), kind=kind,
                                     max_dim=side)
     if len(table.stages) != S:
         raise CliError(f"the cost table has {len(table.stages)} stages but the schedule needs {S}")
@@ -232,9 +234,69 @@ def _check_gradient_family(args: argparse.Namespace, kind: PreconditionerKind) -
         raise CliError(f"--costs {args.costs} fixes the blocks of every parameter; drop --max-preconditioner-dim")
 
 
-def _factory_costs(args: argparse.Namespace, S: int) -> CostTable:
-    """Capture the model a `path.py:factory` makes (this path imports torch) and cost its layers."""
-    path_text, factory_name = args.target.split(":", 1)
+@dataclass(frozen=True)
+class _Factory:
+    """A `path.py:factory` target prepared as `fxkfac.compile` prepares it: its cost table and the fingerprint
+    compile computes for the same model, example inputs and mesh (so its exported plan loads there)."""
+
+    costs: CostTable
+    fingerprint: str
+
+
+def _factory(args: argparse.Namespace, S: int) -> _Factory:
+    """Import, call and prepare the factory of `args.target` (once per command line: capturing is slow)."""
+    key = (args.target, args.schedule, args.stages, args.dp, args.microbatches, args.virtual_stages,
+           args.micro_batch_size, _device(args))
+    if key not in _FACTORIES:
+        _FACTORIES[key] = _prepare_factory(args, S)
+    return _FACTORIES[key]
+
+
+_FACTORIES: dict[tuple[object, ...], _Factory] = {}
+
+
+def _prepare_factory(args: argparse.Namespace, S: int) -> _Factory:
+    """Capture the model a `path.py:factory` makes (this path imports torch), split it into stages as compile
+    does, and cost each stage's K-FAC layers with the analytic model."""
+    model, example = _call_factory(args.target)
+    from torch import nn
+
+    from fxkfac.compile_api import prepare
+    from fxkfac.config import KFACConfig
+    from fxkfac.kfac.family import KFACFamily
+    from fxkfac.planner.analytic import analytic_cost_table
+    from fxkfac.planner.presets import model_spec_from_layers
+    from fxkfac.planner.schedules import ScheduleKind
+
+    N, W = args.microbatches, args.dp
+    if not isinstance(model, nn.Module):
+        raise CliError(f"{args.target} must return (model, example_inputs) with an nn.Module model, got "
+                       f"{type(model).__name__}")
+    try:
+        prepared = prepare(model, example, KFACFamily(KFACConfig()), kind=ScheduleKind(args.schedule),
+                           D=args.stages, W=W, N=N, v=args.virtual_stages)
+    except ConfigError as e:
+        raise CliError(f"{args.target}: {e}") from None
+    micro = prepared.batch // (N * W)
+    if args.micro_batch_size not in (None, micro):
+        raise CliError(f"{args.target}'s example inputs hold {prepared.batch} samples, {micro} per micro-batch at "
+                       f"N={N}, W={W}; --micro-batch-size {args.micro_batch_size} differs (drop it: a factory's "
+                       "example is the global mini-batch, as fxkfac.compile takes it)")
+    layers = {x.name: x for x in prepared.captured.layers}  # the K-FAC layers fxkfac.compile finds by default
+    stages = [[layers[name] for name in prepared.stage_layers.get(s, [])] for s in range(S)]
+    empty = [s for s, names in enumerate(stages) if not names]
+    if empty:
+        raise CliError(f"{args.target} splits into {S} stages with no K-FAC layer (Linear/Conv2d that the default "
+                       f"KFACConfig keeps) on stages {empty}; use fewer stages")
+    spec = model_spec_from_layers([[(x.name, x.d_in, x.d_out, x.tokens_per_sample, x.bias is not None) for x in st]
+                                   for st in stages], name=args.target.split(":", 1)[1])
+    costs = analytic_cost_table(spec, [range(i, i + 1) for i in range(S)], micro, 1, _device(args))
+    return _Factory(costs, prepared.target.fingerprint)
+
+
+def _call_factory(target: str) -> tuple[object, object]:
+    """Import `path.py` and call its `factory`: (model, example_inputs), or a CliError saying what went wrong."""
+    path_text, factory_name = target.split(":", 1)
     path = Path(path_text)
     if not path.is_file():
         raise CliError(f"no file {path} (TARGET path.py:factory)")
@@ -255,21 +317,16 @@ def _factory_costs(args: argparse.Namespace, S: int) -> CostTable:
         raise CliError(f"{path}:{factory_name}() failed: {type(e).__name__}: {e}") from None
     if not (isinstance(made, tuple) and len(made) == 2):
         raise CliError(f"{factory_name}() must return (model, example_inputs)")
-    from fxkfac.capture import capture
-    from fxkfac.config import KFACConfig
-    from fxkfac.planner.analytic import analytic_cost_table
-    from fxkfac.planner.presets import model_spec_from_layers
+    return made
 
-    layers = capture(*made, KFACConfig()).layers  # the K-FAC layers fxkfac.compile finds by default
-    if len(layers) < S:
-        raise CliError(f"{path}:{factory_name}() makes a model with {len(layers)} K-FAC layers (Linear/Conv2d "
-                       f"that the default KFACConfig keeps), fewer than the {S} stages asked for; use fewer stages")
-    bounds = [round(i * len(layers) / S) for i in range(S + 1)]
-    spec_stages = [[(x.name, x.d_in, x.d_out, x.tokens_per_sample, x.bias is not None)
-                    for x in layers[bounds[i]:bounds[i + 1]]] for i in range(S)]
-    model_spec = model_spec_from_layers(spec_stages, name=f"{path.stem}.{factory_name}")
-    return analytic_cost_table(model_spec, [range(i, i + 1) for i in range(S)], args.micro_batch_size, 1,
-                               _device(args))
+
+MICRO_BATCH_SIZE = 32
+"""Samples per micro-batch of a preset or a PipeFisher profile when --micro-batch-size is not given (the paper's)."""
+
+
+def _micro_batch_size(args: argparse.Namespace) -> int:
+    """--micro-batch-size, else MICRO_BATCH_SIZE."""
+    return args.micro_batch_size or MICRO_BATCH_SIZE
 
 
 def _device(args: argparse.Namespace) -> str:
@@ -375,9 +432,10 @@ def _explain_plan_comm(plan: Plan, console: Console) -> None:
 def problem_of(args: argparse.Namespace, costs: CostTable) -> Problem:
     """The planning problem the command line describes (the budget: `memory_budget`)."""
     period = {} if args.precondition_frequency is None else {"max_period": args.precondition_frequency}
+    fingerprint = _factory(args, _check(args)).fingerprint if _is_factory(args.target) else ""
     problem = Problem(args.schedule, args.stages, args.microbatches, costs, W=args.dp, v=args.virtual_stages,
                       memory_budget=memory_budget(args, costs.hardware).bytes, max_overhead=args.max_overhead,
-                      **period)
+                      fingerprint=fingerprint, **period)
     return problem if args.strategy is None else problem.with_strategy(args.strategy)
 
 

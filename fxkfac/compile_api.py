@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from fxkfac.autoplan import Target, resolve_plan
-from fxkfac.capture import capture, input_signature, normalize_inputs
+from fxkfac.capture import Captured, capture, input_signature, normalize_inputs
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.errors import ConfigError
 from fxkfac.families import family_of
@@ -37,7 +37,7 @@ from fxkfac.progress import PlanProgress, plan_progress
 from fxkfac.runtime.mesh import MeshLayout
 from fxkfac.runtime.trainer import OptimizerFactory, RunSpec, Trainer, default_optimizer, plain_sgd, shard_microbatches
 
-__all__ = ["compile", "layer_timings", "stage_units", "auto_budget", "device_memory"]
+__all__ = ["compile", "prepare", "Prepared", "layer_timings", "stage_units", "auto_budget", "device_memory"]
 
 SOLVING = "solving with CP-SAT (objective: staleness, the steps a layer runs on an older decomposition)"
 """plan="auto"'s solving phase, in words: what the objective of the solver's reports counts."""
@@ -86,24 +86,17 @@ def compile(  # noqa: A001 - the public name the design card gives
     layout = MeshLayout.local() if mesh is None else MeshLayout.from_mesh(mesh)
     kind = ScheduleKind.ONE_F_ONE_B if mesh is None else ScheduleKind(schedule)
     N, v = microbatches, pipeline.virtual_stages
-    example = normalize_inputs(example_inputs)
-    batch = _batch_size(example)
-    micro = shard_microbatches(example, batch, layout.W, 0, N)[0]
     auto = mesh is not None and family is not None and isinstance(plan, str) and plan == "auto"
     with plan_progress(auto and layout.rank == 0) as progress:  # rank 0 says what plan="auto" is doing
         progress.phase("capturing the model and splitting it into stages")
-        captured = capture(model, micro, family.cfg if isinstance(family, KFACFamily) else kfac or KFACConfig())
-        units = family.units(captured.gm, captured.layers) if family is not None else []
+        prepared = prepare(model, example_inputs, family, kfac, kind=kind, D=layout.D, W=layout.W, N=N, v=v,
+                           split_points=pipeline.split_points)
+        captured, split, stage_layers = prepared.captured, prepared.split, prepared.stage_layers
+        units, target, example, batch, micro = (prepared.units, prepared.target, prepared.example, prepared.batch,
+                                                prepared.micro)
         if family is not None and not units:
             warnings.warn(f"{type(model).__name__} has nothing {family.name} can precondition (K-FAC: no Linear/Conv2d "
                           "layer); it trains with the base optimizer alone", stacklevel=2)
-        split = split_stages(captured.gm, num_stages(kind, layout.D, v), split_points=pipeline.split_points,
-                             layers=captured.layers)
-        stage_layers = stage_units(split, units)
-        target = Target(graph_fingerprint(units, stage_layers, schedule=kind.value, D=layout.D, N=N,
-                                          W=layout.W, v=v, micro_batch_size=batch // (N * layout.W)),
-                        kind, layout.D, N, layout.W, v, family.max_period if family is not None else None,
-                        family.decomp_pieces if isinstance(family, PiecewiseFamily) else 1)
         known = {unit.name: unit for unit in units}
         resolved = _resolve(plan, mesh is None, family, target, plan_options, layout, split, stage_layers, known, micro,
                             progress)
@@ -126,6 +119,40 @@ def compile(  # noqa: A001 - the public name the design card gives
                    target.fingerprint, distributions)
     base = optimizer or (plain_sgd if family is not None and family.full_direction else default_optimizer)
     return Trainer(spec, loss_fn=loss_fn, optimizer=base, options=pipeline, backend=backend)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A model captured and split as `compile` does it, and the Target a plan for it must be made for."""
+
+    captured: Captured
+    units: list[Any]
+    split: SplitResult
+    stage_layers: dict[int, list[str]]
+    target: Target
+    example: tuple[Any, ...]
+    batch: int
+    micro: tuple[Any, ...]
+
+
+def prepare(model: nn.Module, example_inputs: Any, family: Family | None, kfac: KFACConfig | None = KFACConfig(), *,
+            kind: ScheduleKind, D: int, W: int, N: int, v: int = 1,
+            split_points: Sequence[str] | None = None) -> Prepared:
+    """Capture `model` on one micro-batch of the global mini-batch `example_inputs`, find the family's units once,
+    split into the schedule's stages and fingerprint the result: `compile`'s first steps, which `fxkfac plan
+    path.py:factory` takes too, so that a plan it exports is one `compile` accepts."""
+    example = normalize_inputs(example_inputs)
+    batch = _batch_size(example)
+    micro = shard_microbatches(example, batch, W, 0, N)[0]
+    captured = capture(model, micro, family.cfg if isinstance(family, KFACFamily) else kfac or KFACConfig())
+    units = family.units(captured.gm, captured.layers) if family is not None else []
+    split = split_stages(captured.gm, num_stages(kind, D, v), split_points=split_points, layers=captured.layers)
+    stage_layers = stage_units(split, units)
+    target = Target(graph_fingerprint(units, stage_layers, schedule=kind.value, D=D, N=N, W=W, v=v,
+                                      micro_batch_size=batch // (N * W)),
+                    kind, D, N, W, v, family.max_period if family is not None else None,
+                    family.decomp_pieces if isinstance(family, PiecewiseFamily) else 1)
+    return Prepared(captured, units, split, stage_layers, target, example, batch, micro)
 
 
 def _resolve(plan: Any, single: bool, family: Family | None, target: Target, options: PlanOptions,

@@ -235,16 +235,29 @@ GPT2_LAYERS = [f"transformer.h.{b}.{name}" for b in range(2)
 @pytest.mark.parametrize("factory,layers", [("mlp", ["0", "2", "4", "6"]), ("gpt2", GPT2_LAYERS)])
 def test_factory_targets_plan_the_layers_compile_finds(factory: str, layers: list[str], tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
-    """examples/plan_factory.py plans from the CLI: every Linear but GPT-2's (tied) LM head, split in
-    order over the 2 stages."""
+    """examples/plan_factory.py plans from the CLI: every Linear but GPT-2's (tied) LM head, on the stages
+    fxkfac.compile splits the same model into, and the exported plan carries the fingerprint compile computes
+    for that model and mesh (so a run loads it)."""
+    import runpy
+
+    from fxkfac.autoplan import check_matches
+    from fxkfac.compile_api import prepare
+    from fxkfac.config import KFACConfig
+    from fxkfac.kfac.family import KFACFamily
+    from fxkfac.planner.schedules import ScheduleKind
+
     export = tmp_path / "plan.json"
     argv = ["plan", f"{EXAMPLE_FACTORIES}:{factory}", "--stages", "2", "--microbatches", "4", "--hardware", "cpu",
             "--method", "greedy", "--export", str(export)]
     assert main(argv) == 0
     assert "refresh steps per stage" in capsys.readouterr().out
-    costs = Plan.load(export).problem.costs
-    assert [[x.name for x in stage.layers] for stage in costs.stages] == [layers[:len(layers) // 2],
-                                                                           layers[len(layers) // 2:]]
+    plan = Plan.load(export)
+    planned = [[x.name for x in stage.layers] for stage in plan.problem.costs.stages]
+    assert sorted(sum(planned, [])) == sorted(layers) and all(planned)
+    model, example = runpy.run_path(str(EXAMPLE_FACTORIES))[factory]()
+    compiled = prepare(model, example, KFACFamily(KFACConfig()), kind=ScheduleKind.ONE_F_ONE_B, D=2, W=1, N=4)
+    assert planned == [compiled.stage_layers[s] for s in range(2)]
+    check_matches(plan, compiled.target, str(export))  # PlanMismatchError if compile would refuse it
 
 
 GPT2_A100 = ["plan", "gpt2", "--stages", "4", "--microbatches", "8", "--hardware", "a100", "--method", "greedy"]
