@@ -115,12 +115,24 @@ def _add_precedences(v: _Vars, w: Window) -> None:
 
 
 def _add_piece_chains(v: _Vars, w: Window) -> None:
-    """The pieces of one decomposition run in order on one rank (its carry lives there)."""
-    for chain in inv_chains(w):
+    """The pieces of one decomposition run in order on one rank (its carry lives there), and a layer's refresh
+    is made and broadcast before the next refresh's first piece of any part starts (Newton-Schulz's start is the
+    layer's previous inverse, on every layout)."""
+    L, m = w.length, v.model
+    chains = [c for c in inv_chains(w) if len(c) > 1]
+    for chain in chains:
         for a, b in zip(chain, chain[1:]):
-            v.model.add(v.start[b] >= v.start[a] + w.tasks[a].ticks)
+            m.add(v.start[b] >= v.start[a] + w.tasks[a].ticks)
             for d, present in v.present[a].items():
-                v.model.add(v.present[b][d] == present)
+                m.add(v.present[b][d] == present)
+    firsts: dict[str, list[int]] = {}
+    for chain in chains:
+        firsts.setdefault(w.tasks[chain[0]].factors[0][0], []).append(chain[0])
+    for i, task in enumerate(w.tasks):
+        layer = task.factors[0][0]
+        if task.kind in (TaskKind.INV, TaskKind.BCAST) and layer in firsts:
+            for f in firsts[layer]:
+                m.add(v.start[i] + (task.ticks if task.kind is TaskKind.INV else 1) <= v.start[f] + L)
 
 
 def _add_precs(v: _Vars, w: Window) -> None:

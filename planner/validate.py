@@ -269,6 +269,7 @@ def _check_dependencies(c: _Ctx) -> None:
             factor_tasks[p.op.layer, p.op.part][p.op.kind].append(p)  # type: ignore[index]  # see above
     for (layer, side), kinds in factor_tasks.items():
         _check_factor(c, layer, side, kinds)
+    _check_warm_starts(c, factor_tasks)
 
 
 def _check_shared_gradient(c: _Ctx, p: Placement) -> None:
@@ -332,6 +333,24 @@ def _check_factor(c: _Ctx, layer: str, side: str | None, kinds: dict) -> None:
             c.errors.append(f"DECOMP {layer} {side} ends after the next refresh starts its curvature")
         if any(p.end > inv[0].start + L + c.tol for p in bcast):
             c.errors.append(f"BCAST {layer} {side} ends after the next refresh's inversion starts")
+
+
+def _check_warm_starts(c: _Ctx, factor_tasks: Mapping[tuple[str, str | None], dict]) -> None:
+    """A layer decomposed in pieces makes and broadcasts each refresh before the next refresh's first piece of any
+    part starts (Newton-Schulz starts from the layer's previous inverse)."""
+    layers: dict[str, list[Placement]] = {}
+    for (layer, _), kinds in factor_tasks.items():
+        layers.setdefault(layer, []).extend(kinds.get(OpKind.DECOMP, []) + kinds.get(OpKind.BCAST, []))
+    for layer, refresh in layers.items():
+        firsts = [p for p in refresh if p.op.piece is not None and p.op.piece[0] == 0]
+        if not firsts:
+            continue
+        L = c.length(c.period(c.problem.costs.stage_of(layer)))
+        start = min(p.start for p in firsts)
+        for p in refresh:
+            if p.end > start + L + c.tol:
+                c.errors.append(f"{p.op} ends after the next refresh of {layer} starts its first piece: that piece "
+                                "would not start from this refresh's inverse")
 
 
 def _check_pieces(c: _Ctx, layer: str, side: str | None, pieces: list[Placement]) -> None:

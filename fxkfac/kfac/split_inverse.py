@@ -14,11 +14,11 @@ but the factor's off-block entries are dropped, as in Shampoo's blocking.
 
 A plan runs the pieces as ``DECOMP s A i/n layer`` ops (fxkfac/runtime/preconditioning.py keeps the carry);
 `split_invert_factor`, what one device runs, is their fold, so both make the same inverse from the same start.
-Known limits (benchmarks/split_inverse.py measures them): Newton-Schulz starts from the layer's newest inverse
-when piece 0 runs, which is the previous refresh's wherever the layer's previous refresh is combined before
-its next piece 0 (on one device always; a plan orders each factor's broadcast before its own next DECOMP,
-not before the other factor's); the profiler times a decomposition without a previous inverse, so a plan prices
-Newton-Schulz pieces at the Cholesky's time / n; a fallback Cholesky runs in the last piece.
+Newton-Schulz starts from the layer's newest inverse when piece 0 runs: the previous refresh's on one device,
+and in a plan too (planner/cpsat.py and the validator finish a layer's refresh before its next first piece).
+Known limits (benchmarks/split_inverse.py measures them): the profiler times a decomposition without a previous
+inverse, so a plan prices Newton-Schulz pieces at the Cholesky's time / n; a fallback Cholesky runs in the last
+piece.
 """
 
 from __future__ import annotations

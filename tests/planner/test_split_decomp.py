@@ -59,3 +59,16 @@ def test_the_validator_refuses_pieces_out_of_order_or_apart() -> None:
     apart[second] = dataclasses.replace(b, device=other)
     errors = validate(split, dataclasses.replace(plan, placements=tuple(apart)))
     assert any("the pieces of a decomposition run on one rank" in e for e in errors), errors
+
+
+def test_the_validator_refuses_a_refresh_unfinished_when_the_next_one_starts_its_pieces() -> None:
+    split = dataclasses.replace(LONG, decomp_pieces=3)
+    plan = solve(split, FAST, method="cpsat")
+    placements = list(plan.placements)
+    last_b = next(i for i, p in enumerate(placements) if p.op.kind is OpKind.DECOMP and p.op.layer == "l0_0"
+                  and p.op.part == "B" and p.op.piece == (2, 3))
+    late = placements[last_b]
+    placements[last_b] = dataclasses.replace(late, start=late.start + 1000.0, end=late.end + 1000.0)
+    errors = validate(split, dataclasses.replace(plan, placements=tuple(placements)))
+    assert any("DECOMP s0 B 2/3 l0_0 ends after the next refresh of l0_0 starts its first piece" in e
+               for e in errors), errors
