@@ -24,6 +24,7 @@ from fxkfac.errors import CostModelError
 from fxkfac.kfac.factors import a_rows, e_rows, factor
 from fxkfac.kfac.inverse import Inverse, combine, invert_factor
 from fxkfac.kfac.precondition import Preconditioner
+from fxkfac.kfac.split_inverse import split_invert_factor
 from fxkfac.kfac.state import LayerState
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.passes.split_stages import SplitResult
@@ -124,6 +125,18 @@ def _curv_calls(layer: KFACLayer, rows: int, dtype: torch.dtype) -> tuple[Callab
     return (lambda: factor(a_rows(a_in, layer), dtype)), (lambda: factor(e_rows(e_out, layer, 1), dtype))
 
 
+def _decomp_call(f: Tensor, gamma: float, cfg: KFACConfig, rows: int) -> Callable[[], object]:
+    """The runtime's DECOMP of one factor: Cholesky (or eigh), or every piece of `cfg.split_inverse` in a row,
+    Newton-Schulz started, as in a run, from the inverse of a factor one running-average step away
+    (``0.95 f + 0.05 f_new``, a fresh random ``f_new``)."""
+    split = cfg.split_inverse
+    if split is None:
+        return lambda: invert_factor(f, gamma, method=cfg.inverse)
+    older = invert_factor(0.95 * f + 0.05 * _spd(f.shape[0], rows), gamma)
+    previous = None if older is None else older.inv
+    return lambda: split_invert_factor(f, gamma, split, previous=previous)
+
+
 def _weight_shape(layer: KFACLayer) -> tuple[int, ...]:
     if layer.kind == "conv2d" and layer.conv is not None:
         kh, kw = layer.conv.kernel_size
@@ -221,8 +234,7 @@ def _layer_cost(layer: KFACLayer, rows: int, cfg: KFACConfig, warmup: int, repea
         return time_call(fn, warmup=warmup, repeats=repeats)
 
     stats = {"A": timed(curv_a), "B": timed(curv_b)}
-    decomp = {"A": timed(lambda: invert_factor(A, gamma, method=cfg.inverse)),
-              "B": timed(lambda: invert_factor(B, gamma, method=cfg.inverse))}
+    decomp = {"A": timed(_decomp_call(A, gamma, cfg, rows)), "B": timed(_decomp_call(B, gamma, cfg, rows))}
     prec = timed(_prec_call(layer, inverse))
     cost = LayerCost.kfac(layer.name,
         curv_a=stats["A"].seconds, curv_b=stats["B"].seconds, inv_a=decomp["A"].seconds, inv_b=decomp["B"].seconds,
