@@ -11,7 +11,8 @@ Cholesky (the exact path's own rounding) is the first row.
 Time of one piece on the largest factor, against one Cholesky inverse of it.
 
 Convergence: `--steps` steps from the same seed on the same batches, exact against each split configuration;
-training loss (mean of the last 10 steps) and validation loss; how many Newton-Schulz inversions fell back.
+training loss (mean of the last 10 steps) and validation loss; how many of the factor inversions fell back from
+Newton-Schulz to Cholesky (the first refresh always does: it has no previous inverse).
 
     python benchmarks/split_inverse.py [--hidden 128] [--warm 40] [--steps 150] [--refresh 4]
 
@@ -232,8 +233,9 @@ def convergence(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         model.eval()
         with torch.no_grad():
             val_loss = sum(float(mlm_loss(model(x), y)) for x, y in val) / len(val)
+        inversions = 2 * sum(state.refreshes for state in trainer.layer_states.values())
         out[label] = {"train_loss": statistics.fmean(losses[-10:]), "val_loss": val_loss,
-                      "fallbacks": float(counter.n)}
+                      "fallbacks": float(counter.n), "inversions": float(inversions)}
     return out
 
 
@@ -258,10 +260,11 @@ def render(acc: dict[str, dict[str, float]], times: dict[str, float], conv: dict
             t.add_row(key, f"{value * 1e3:.2f}")
     console.print(t)
     t = Table(title="convergence, same seed and batches")
-    for col in ("run", "train loss (last 10)", "val loss", "Newton-Schulz fallbacks"):
+    for col in ("run", "train loss (last 10)", "val loss", "Newton-Schulz fallbacks / inversions"):
         t.add_column(col)
     for label, r in conv.items():
-        t.add_row(label, f"{r['train_loss']:.4f}", f"{r['val_loss']:.4f}", f"{int(r['fallbacks'])}")
+        t.add_row(label, f"{r['train_loss']:.4f}", f"{r['val_loss']:.4f}",
+                  f"{int(r['fallbacks'])} / {int(r['inversions'])}")
     console.print(t)
 
 

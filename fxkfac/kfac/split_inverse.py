@@ -16,9 +16,8 @@ A plan runs the pieces as ``DECOMP s A i/n layer`` ops (fxkfac/runtime/precondit
 `split_invert_factor`, what one device runs, is their fold, so both make the same inverse from the same start.
 Newton-Schulz starts from the layer's newest inverse when piece 0 runs: the previous refresh's on one device,
 and in a plan too (planner/cpsat.py and the validator finish a layer's refresh before its next first piece).
-Known limits (benchmarks/split_inverse.py measures them): the profiler times a decomposition without a previous
-inverse, so a plan prices Newton-Schulz pieces at the Cholesky's time / n; a fallback Cholesky runs in the last
-piece.
+Known limit (benchmarks/split_inverse.py measures how often): a Newton-Schulz fallback runs its Cholesky in the
+last piece, which a plan prices as every other piece (the profiled split's time / n).
 """
 
 from __future__ import annotations
