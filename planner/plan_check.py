@@ -108,9 +108,14 @@ def _check_placements(plan: Plan) -> None:
 
 
 def _check_programs(plan: Plan) -> None:
+    _need(plan.problem.D * plan.problem.W == len(plan.programs), f"programs for {len(plan.programs)} ranks, the mesh "
+          f"has D x W = {plan.problem.D * plan.problem.W}")  # before the ranks are listed: a mutated D or W
     devices = set(plan.problem.devices)
     _need(set(plan.programs) == devices, f"programs for ranks {sorted(plan.programs)}, the mesh has {sorted(devices)}")
     _need(all(len(steps) >= 1 for steps in plan.programs.values()), "every rank's program needs at least one step")
+    forwards = sum(op.kind is OpKind.FWD for steps in plan.programs.values() for op in steps[0])
+    _need(plan.problem.N <= forwards, f"N={plan.problem.N} micro-batches, but the programs' first step runs only "
+          f"{forwards} forwards")  # before the schedule of N is built: a mutated N must not cost gigabytes
     fixed = _fixed_ops(plan.problem)
     for device, steps in plan.programs.items():
         for op in (op for ops in steps for op in ops if op.kind in _KFAC_KINDS):

@@ -157,3 +157,15 @@ def test_versions_other_than_ours_are_refused(tmp_path: Path, version: Any, need
     path.write_text(json.dumps(tree))
     with pytest.raises(PlanFormatError, match=needle):
         Plan.load(path)
+
+
+@pytest.mark.parametrize("field,value,needle", [("N", 10**7, "micro-batches"), ("W", 10**8, "D x W")])
+def test_a_huge_mesh_or_micro_batch_count_is_refused_before_its_schedule_is_built(
+        tmp_path: Path, field: str, value: int, needle: str) -> None:
+    """Seen in the suite: a fuzzed N made the loader build that schedule (15 GB) before comparing programs."""
+    tree = json.loads(_valid_text())
+    tree["problem"][field] = value
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(tree))
+    with pytest.raises(PlanFormatError, match=needle):
+        Plan.load(path)
