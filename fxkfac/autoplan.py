@@ -9,18 +9,19 @@ from pathlib import Path
 from typing import Any
 
 from fxkfac import errors
-from fxkfac.config import PlanOptions
+from fxkfac.config import KLClipScope, PlanOptions
 from fxkfac.errors import ConfigError, FxkfacError
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.choose import solve_with_strategy
 from fxkfac.planner.costs import CostTable, load_cost_table
 from fxkfac.planner.errors import Knob, PlanError, PlanMismatchError
 from fxkfac.planner.plan import Plan, TimeBox
-from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig
+from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StepBarrier
 from fxkfac.planner.schedules import ScheduleKind
 from fxkfac.planner.validate import check_plan
 
-__all__ = ["Target", "resolve_plan", "solve_for", "check_matches", "check_costs", "load_plan", "share_plan"]
+__all__ = ["Target", "barrier_of", "resolve_plan", "solve_for", "check_matches", "check_costs", "load_plan",
+           "share_plan"]
 
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,8 @@ class Target:
     v: int = 1
     max_period: int | None = None
     decomp_pieces: int = 1
+    barrier: StepBarrier = StepBarrier.WORLD
+    """Which ranks each step's end waits for (`barrier_of` the family's `KFACConfig.kl_clip_scope`)."""
 
     def describe(self) -> str:
         """The run in words, for error messages."""
@@ -97,6 +100,12 @@ def _costs(options: PlanOptions, profile: Callable[[], CostTable], stage_layers:
     return costs
 
 
+def barrier_of(scope: KLClipScope) -> StepBarrier:
+    """The step barrier a KL-clip scope makes: a world all-reduce ends every step under GLOBAL; STAGE and STALE
+    end it over the rank's agreement set alone ([Note: KL-clip scope] in fxkfac/runtime/step_end.py)."""
+    return StepBarrier.WORLD if scope is KLClipScope.GLOBAL else StepBarrier.AGREEMENT_SET
+
+
 def solve_for(target: Target, costs: CostTable, options: PlanOptions,
               progress: Callable[[SolveProgress], None] | None = None) -> Plan:
     """Plan `target` with CP-SAT over `costs` (the planner's `solve`), stamped with the target's fingerprint.
@@ -109,7 +118,7 @@ def solve_for(target: Target, costs: CostTable, options: PlanOptions,
     strict = options.max_overhead is not None
     problem = Problem(target.schedule.value, target.D, target.N, costs, W=target.W, v=target.v,
                       memory_budget=options.memory_budget, max_overhead=options.max_overhead or 0.0,
-                      fingerprint=target.fingerprint, decomp_pieces=target.decomp_pieces)
+                      fingerprint=target.fingerprint, decomp_pieces=target.decomp_pieces, barrier=target.barrier)
     if target.max_period is not None:
         problem = replace(problem, max_period=target.max_period)
     config = SolverConfig(time_limit_s=options.time_limit_s, deterministic=options.deterministic, progress=progress)

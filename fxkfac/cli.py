@@ -15,13 +15,14 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn, TypeVar
 
 from rich.console import Console
 
+from fxkfac.config import KLClipScope
 from fxkfac.planner.choose import solve_with_strategy
 from fxkfac.planner.costs import CostTable, StageCost, is_profile, load_cost_table
 from fxkfac.planner.errors import ConfigError, Knob, PlanError, PlanFormatError, PlannerError, Suggestion
 from fxkfac.planner.hardware import HARDWARE, hardware
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.preconditioners import WORDS, PreconditionerKind, kind_of, words_of
-from fxkfac.planner.problem import Problem, SolverConfig, plain_step_time
+from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier, plain_step_time
 from fxkfac.planner.schedules import ScheduleKind, num_stages, validate_schedule_args
 from fxkfac.planner.strategy import Strategy, parse_strategy
 
@@ -139,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="memory budget per device, e.g. 16GiB (default: the device's memory, where known)")
     plan.add_argument("--max-overhead", type=_arg_type(parse_fraction), default=0.0,
                       help="allowed step-time growth, e.g. 5%%")
+    plan.add_argument("--kl-clip-scope", type=KLClipScope, choices=list(KLClipScope), default=KLClipScope.GLOBAL,
+                      help="the run's KFACConfig.kl_clip_scope: global ends every step with a world barrier; stage "
+                           "and stale with one over each agreement set, so bubbles join across the step's end")
     plan.add_argument("--strategy", type=_arg_type(_strategy_arg), default=None,
                       help="how the copies of a stage share each layer's work: comm-opt, mem-opt, hybrid:F (KAISA's "
                            "grad-worker fraction, e.g. hybrid:0.5) or dp-kfac (local factors) on every layer; "
@@ -435,8 +439,13 @@ def problem_of(args: argparse.Namespace, costs: CostTable) -> Problem:
     fingerprint = _factory(args, _check(args)).fingerprint if _is_factory(args.target) else ""
     problem = Problem(args.schedule, args.stages, args.microbatches, costs, W=args.dp, v=args.virtual_stages,
                       memory_budget=memory_budget(args, costs.hardware).bytes, max_overhead=args.max_overhead,
-                      fingerprint=fingerprint, **period)
+                      fingerprint=fingerprint, barrier=_barrier(args.kl_clip_scope), **period)
     return problem if args.strategy is None else problem.with_strategy(args.strategy)
+
+
+def _barrier(scope: KLClipScope) -> StepBarrier:
+    """--kl-clip-scope's step barrier (as `fxkfac.autoplan.barrier_of`, which would import torch here)."""
+    return StepBarrier.WORLD if scope is KLClipScope.GLOBAL else StepBarrier.AGREEMENT_SET
 
 
 def _strategy_arg(text: str) -> Strategy | None:

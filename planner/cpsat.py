@@ -71,7 +71,7 @@ def _add_tasks(v: _Vars, w: Window) -> None:
     for task in w.tasks:
         lo = max(w.earliest(task, d) for d in task.devices) if task.kind is not TaskKind.INV else \
             min(w.earliest(task, d) for d in task.devices)
-        start, pos, late = _modular(v, task.name, lo, 2 * L - task.ticks, task.ticks, L)
+        start, pos, late = _modular(v, task.name, lo, w.horizon - task.ticks, task.ticks, L)
         v.start.append(start)
         v.pos.append(pos)
         v.late.append(late)

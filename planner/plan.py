@@ -79,7 +79,9 @@ __all__ = ["SCHEMA_VERSION", "OVERTIME", "Method", "SolverStats", "PlanMetrics",
 SCHEMA_VERSION = 3
 """Version of the plan JSON layout; a newer file asks the user to upgrade fxkfac, an older one to re-plan.
 2: every step ends with a barrier (the KL-clip and loss all-reduces), so no K-FAC task spans a step boundary.
-3: the plan holds its start-up steps (`Plan.startup`), so it lists every op every rank runs."""
+3: the plan holds its start-up steps (`Plan.startup`), so it lists every op every rank runs. Its problem may name
+its step barrier (`Problem.barrier`, absent: world): under agreement-set a task may begin a step before the step's
+world start, once the rank's agreement set has ended the step before ([Note: step barrier] in planner/window.py)."""
 
 log = logging.getLogger(__name__)
 

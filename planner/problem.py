@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
+from enum import StrEnum
 from functools import cached_property, lru_cache
 from typing import Any
 
@@ -24,6 +25,7 @@ from fxkfac.planner.strategy import (
 )
 
 __all__ = [
+    "StepBarrier",
     "Problem",
     "SolverConfig",
     "SolveProgress",
@@ -46,12 +48,28 @@ __all__ = [
     "gradient_allreduce_seconds",
     "StageComm",
     "stage_comm",
+    "agreement_set",
+    "steps_overlap",
+    "early_start",
+    "slot_seconds",
 ]
 
 _FIXED_KINDS = frozenset({OpKind.FWD, OpKind.BWD})
 _NOT_BUBBLE = frozenset({OpKind.APPLY, OpKind.STATS, OpKind.BCAST_PREC, OpKind.ALLREDUCE_GRAD})
 """Ops besides F/B during which a window places no preconditioner work (the per-step slot's work, and the
 gradient all-reduce: planner/window.py `build_window`)."""
+
+
+class StepBarrier(StrEnum):
+    """Which ranks a step's end waits for ([Note: step barrier] in planner/window.py; the runtime's
+    `KFACConfig.kl_clip_scope`)."""
+
+    WORLD = "world"
+    """Every rank (KL-clip scope global): the idle before and after a step boundary never join."""
+    AGREEMENT_SET = "agreement-set"
+    """The rank's agreement set only (KL-clip scope stage or stale): the ranks holding copies of the same
+    parameters, which the planner takes as the devices of the rank's stage group (tied weights, which can join
+    two groups, are not in the planner's data)."""
 
 
 @dataclass(frozen=True)
@@ -84,6 +102,8 @@ class Problem:
     decomp_pieces: int = 1
     """How many DECOMP tasks each part's decomposition is cut into (`KFACConfig.split_inverse.pieces`): piece i
     costs 1/n of the part's `decomp` and runs after piece i-1 on the same rank ("DECOMP s A i/n layer")."""
+    barrier: StepBarrier = StepBarrier.WORLD
+    """Which ranks each step's end synchronizes ([Note: step barrier] in planner/window.py)."""
 
     def __post_init__(self) -> None:
         kind = validate_schedule_args(self.schedule, self.D, self.N, self.v)
@@ -103,6 +123,10 @@ class Problem:
             raise PlanError(f"max_overhead is a fraction in [0, 10), got {self.max_overhead!r}")
         if not isinstance(self.max_period, int) or self.max_period < 1:
             raise PlanError(f"max_period must be an int >= 1, got {self.max_period!r}")
+        try:
+            object.__setattr__(self, "barrier", StepBarrier(self.barrier))
+        except ValueError:
+            raise PlanError(f"barrier must be one of {[b.value for b in StepBarrier]}, got {self.barrier!r}") from None
         if isinstance(self.decomp_pieces, bool) or not isinstance(self.decomp_pieces, int) or self.decomp_pieces < 1:
             raise PlanError(f"decomp_pieces must be an int >= 1, got {self.decomp_pieces!r}")
         if [n for n, _ in self.distributions] != sorted({n for n, _ in self.distributions}):
@@ -179,7 +203,8 @@ class Problem:
                 "max_overhead": self.max_overhead, "hardware": self.hardware,
                 "fingerprint": self.fingerprint, "max_period": self.max_period,
                 **({"distributions": {n: str(d) for n, d in self.distributions}} if self.distributions else {}),
-                **({"decomp_pieces": self.decomp_pieces} if self.decomp_pieces > 1 else {})}
+                **({"decomp_pieces": self.decomp_pieces} if self.decomp_pieces > 1 else {}),
+                **({"barrier": self.barrier.value} if self.barrier is not StepBarrier.WORLD else {})}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Problem:
@@ -400,7 +425,10 @@ def step_timeline(problem: Problem, fused: frozenset[str] = frozenset(), with_pr
     Every step ends with OPT_STEP, a barrier over all ranks (the runtime's KL-clip and non-finite
     all-reduce; the simulator runs it as one), so the next step begins with every rank idle and no
     message in flight: a run repeats this step every `length` seconds, whatever the costs
-    (tests/planner/test_step_timeline.py checks it against multi-step simulations).
+    (tests/planner/test_step_timeline.py checks it against multi-step simulations). Under
+    `StepBarrier.AGREEMENT_SET` this is still the step's timeline, a world barrier's: the planner uses it only
+    where a steady run without the world barrier repeats it (`steps_overlap`); an agreement set may then begin
+    its next step early (`early_start`), which changes no F/B time.
     """
     programs = reference_programs(problem) if with_prec else base_programs(problem)
     one = simulate(programs, _duration(problem, fused), steps=1)
@@ -478,6 +506,66 @@ def stage_groups(problem: Problem) -> tuple[StageGroup, ...]:
         devices = sorted({d for s in stages for d in copies_of_stage(problem, s)})
         groups.append(StageGroup(tuple(stages), tuple(devices)))
     return tuple(sorted(groups, key=lambda g: g.stages[0]))
+
+
+def agreement_set(problem: Problem, device: int) -> tuple[int, ...]:
+    """The ranks whose step ends `device`'s step end waits for: every rank under `StepBarrier.WORLD`, else the
+    devices of its stage group (ranks linked by holding copies of one stage: the runtime's agreement set; tied
+    weights, which may link two groups, are not in the planner's data)."""
+    if problem.barrier is StepBarrier.WORLD:
+        return problem.devices
+    return next(g.devices for g in stage_groups(problem) if device in g.devices)
+
+
+@lru_cache(maxsize=64)
+def steps_overlap(problem: Problem) -> bool:
+    """Whether, with each OPT_STEP synchronizing only its agreement set, some op of a steady run ends at another time
+    than the one-step timeline repeated every `length` seconds says (a later step overlapping an earlier one):
+    checked over 3 simulated steps, plain and refresh-step (every layer's curvature fused) durations alike.
+    The window models a step by the one-step timeline, so there the planner keeps the world barrier's step."""
+    if problem.barrier is StepBarrier.WORLD:
+        return False
+    programs = reference_programs(problem)
+    barrier = {d: agreement_set(problem, d) for d in problem.devices}
+    for fused in (frozenset(), frozenset(problem.costs.layer_names)):
+        one = step_timeline(problem, fused)
+        run = simulate(programs, _duration(problem, fused), steps=3, barrier=barrier)
+        want = {(d, j, n): j * one.length + end for d, items in one.ops.items() for j in range(3)
+                for n, (_, _, end) in enumerate(items)}
+        seen: dict[tuple[int, int], int] = {}
+        for iv in sorted(run.intervals, key=lambda iv: (iv.rank, iv.step, iv.start, iv.end)):
+            n = seen[iv.rank, iv.step] = seen.get((iv.rank, iv.step), -1) + 1
+            if iv.op.kind is not OpKind.OPT_STEP and abs(iv.end - want[iv.rank, iv.step, n]) > 1e-9 * one.length:
+                return True
+    return False
+
+
+def early_start(problem: Problem, step: StepTimeline, devices: Iterable[int]) -> float:
+    """Seconds before the end of `step` at which the step after it may begin on `devices` (an agreement set): once
+    each of them has ended its F/B and all-reduces and then run its per-step slots back to back (`slot_seconds`:
+    where a plan may put them, not just where the reference step does); 0 under `StepBarrier.WORLD` or where steps
+    overlap (`steps_overlap`)."""
+    if problem.barrier is StepBarrier.WORLD or steps_overlap(problem):
+        return 0.0
+    last = max((max((end for op, _, end in step.ops[d] if op.kind not in _SLOT_KINDS), default=0.0)
+                + sum(slot_seconds(problem, d, s) for s in stages_on_device(problem, d))) for d in devices)
+    return max(0.0, step.length - last)
+
+
+_SLOT_KINDS = frozenset({OpKind.APPLY, OpKind.STATS, OpKind.BCAST_PREC, OpKind.OPT_STEP})
+"""Ops of a step's end that are no fixed work (the per-step slot, which a plan places, and OPT_STEP)."""
+
+
+def slot_seconds(problem: Problem, device: int, stage: int) -> float:
+    """Seconds of `stage`'s per-step slot on `device` (`prec_work`), its broadcasts of preconditioned gradients
+    starting together on every copy, after the longest work before them on any copy."""
+    work = prec_work(problem, device, stage)
+    shares = [secs for op, secs in work if op.kind is OpKind.BCAST_PREC]
+    if not shares:
+        return sum(secs for _, secs in work)
+    before = max(sum(secs for op, secs in prec_work(problem, c, stage) if op.kind is not OpKind.BCAST_PREC)
+                 for c in copies_of_stage(problem, stage))
+    return before + sum(shares)
 
 
 def static_bytes(problem: Problem, device: int) -> int:

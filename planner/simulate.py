@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fxkfac.planner.errors import DeadlockError
@@ -16,7 +16,8 @@ COMPUTE_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.STATS, OpKind.DECOMP, 
 
 SYNCHRONIZING_KINDS = COLLECTIVE_KINDS | {OpKind.OPT_STEP}
 """Ops that start together on every rank holding them: the collectives, and OPT_STEP, which the runtime
-runs with a world all-reduce (KL-clip <P, G> and the non-finite flag), so every step ends with a barrier."""
+runs with an all-reduce (KL-clip <P, G> and the non-finite flag) over the world, or over the rank's agreement
+set under a barrier-free KL-clip scope (`simulate`'s `barrier`), so every step ends with a barrier."""
 
 Duration = Callable[[int, Op], float]
 
@@ -154,10 +155,17 @@ def _message_key(src: int, dst: int, op: Op) -> tuple:
     return (src, dst, "act" if op.kind is OpKind.RECV_ACT else "grad", op.stage, op.mb, op.pipe)
 
 
+def _sync_key(op: Op, rank: int, barrier: Mapping[int, tuple[int, ...]] | None) -> Hashable:
+    """What the members of a synchronizing op share: the op, and for OPT_STEP under `barrier` the rank's agreement
+    set (each set ends its steps apart from the others)."""
+    return (op, barrier[rank]) if barrier is not None and op.kind is OpKind.OPT_STEP else op
+
+
 class _Sim:
     """The state of one simulation: per-rank cursor and free time, finished ends, messages."""
 
-    def __init__(self, flat: _Flat, duration: Duration, comm: float) -> None:
+    def __init__(self, flat: _Flat, duration: Duration, comm: float,
+                 barrier: Mapping[int, tuple[int, ...]] | None) -> None:
         self.flat, self.duration, self.comm = flat, duration, comm
         self.explicit = any(op.kind in SEND_KINDS | RECV_KINDS for ops in flat.ops.values() for _, op in ops)
         self.num_stages: dict[int, int] = defaultdict(int)
@@ -170,12 +178,12 @@ class _Sim:
         self.ends: dict[_Slot, float] = {}
         self.sent: dict[tuple, list[float]] = defaultdict(list)
         self.recv_count: Counter[tuple] = Counter()
-        self.keys: dict[_Slot, Op] = {}
-        members: dict[Op, set[int]] = defaultdict(set)
+        self.keys: dict[_Slot, Hashable] = {}
+        members: dict[Hashable, set[int]] = defaultdict(set)
         for r, ops in flat.ops.items():
             for i, (_, op) in enumerate(ops):
                 if op.kind in SYNCHRONIZING_KINDS:
-                    self.keys[r, i] = op  # every member runs the same op
+                    self.keys[r, i] = _sync_key(op, r, barrier)  # every member runs the same op
                     members[self.keys[r, i]].add(r)
         self.groups = {key: sorted(ranks) for key, ranks in members.items()}
         self.intervals: list[Interval] = []
@@ -249,6 +257,7 @@ def simulate(
     *,
     steps: int = 1,
     comm: float = 0.0,
+    barrier: Mapping[int, tuple[int, ...]] | None = None,
 ) -> Timeline:
     """Run `programs` (per rank: one step's ops, or a period of steps) for `steps` steps.
 
@@ -260,12 +269,13 @@ def simulate(
     start together once every rank holding them reaches them (`SYNCHRONIZING_KINDS`: OPT_STEP is the
     runtime's end-of-step barrier) and last the longest `duration` of their members (the planner's
     callers price collectives with the cost table's comm model, `CostTable.collective_seconds`); other
-    K-FAC ops follow program order.
+    K-FAC ops follow program order. `barrier`: per rank, the ranks its OPT_STEP waits for (its agreement set;
+    None: every rank holding OPT_STEP, a world barrier).
     Step j runs the period's step j % period. Raises DeadlockError naming the blocked ops.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    sim = _Sim(_flatten(as_programs(programs), steps), duration, comm)
+    sim = _Sim(_flatten(as_programs(programs), steps), duration, comm, barrier)
     while True:
         before = len(sim.intervals)
         blocked = [msg for msg in (sim.advance(r) for r in sorted(sim.pos)) if msg]

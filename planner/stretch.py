@@ -71,7 +71,7 @@ def restretch(solution: GroupSolution, stretch: int) -> GroupSolution:
         raise AssertionError(f"restretch only lengthens: {w.stretch} -> {stretch}")
     new = build_window(w.problem, w.group, w.k, w.fused, aggregate=w.aggregate, stretch=stretch,
                        scale=(w.scale, w.exact))
-    bounds = [w.offsets[j % w.k] + w.length * (j // w.k) for j in range(2 * w.k + 1)]
+    bounds = [w.step_start(w.group.devices[0], j) for j in range(2 * w.k + 1)]  # where each step begins
 
     def move(t: int) -> int:
         return t + max(0, bisect_right(bounds, t) - 1) * delta
@@ -88,7 +88,7 @@ def _boundary_gaps(window: Window, device: int) -> tuple[int, int]:
     busy, L = window.fixed[device], window.length
     ends = [e for _, e in busy]
     across = 0
-    bounds = window.offsets[:-1]
+    bounds = [window.step_start(device, j) % L for j in range(window.k)]  # each blocked boundary tick
     for b in bounds:
         if any(s < b < e for s, e in busy):
             continue

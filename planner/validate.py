@@ -11,6 +11,8 @@ stage's gradient all-reduce and its APPLY, and no SYNC_STATS; its DECOMP follows
 on the deciding rank. Each layer's distribution (planner/strategy.py, the definition of KAISA's grid and
 DP-KFAC's owner) says which copies take its statistics, sync them, decompose (one of its grad workers),
 receive the decomposition, apply it at every step, and broadcast the preconditioned gradient along a row.
+Under `StepBarrier.AGREEMENT_SET` a step begins on a rank once its agreement set (the ranks linked by copies of a
+stage) can have ended the step before, and the programs are simulated with OPT_STEP over agreement sets only.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from fxkfac.planner.errors import DeadlockError, PlanError
 from fxkfac.planner.ir import PRECONDITIONER_KINDS, Op, OpKind
 from fxkfac.planner.problem import (
     Problem,
+    StepBarrier,
     StepTimeline,
     activation_intervals,
     copies_of_stage,
+    early_start,
     stage_groups,
     static_bytes,
     step_timeline,
@@ -68,12 +72,26 @@ class _Ctx:
         return start + within * self.stretch + self.length(k) * (j // k)
 
     def step_start(self, device: int, j: int, k: int) -> float:
-        """When window step j begins on `device`: at the step's start on every device (each step ends
-        with collectives over all ranks: the KL-clip's and the loss all-reduce)."""
-        return self.base(j, k)
+        """When window step j begins on `device`: at the step's start on every device under a world barrier;
+        under `StepBarrier.AGREEMENT_SET` once every rank of the device's agreement set can have ended step j-1's
+        work, F/B, all-reduces and per-step slots (its OPT_STEP waits for them alone: `early_start`)."""
+        return self.base(j, k) - early_start(self.problem, self.timeline(j - 1, k), _agreement(self.problem, device))
 
     def timeline(self, j: int, k: int) -> StepTimeline:
         return self.refresh if j % k == 0 else self.normal
+
+
+def _agreement(problem: Problem, device: int) -> set[int]:
+    """The ranks linked to `device` by holding copies of one stage, transitively (the runtime's agreement set)."""
+    ranks, grown = {device}, True
+    while grown:
+        grown = False
+        for s in range(problem.num_stages):
+            copies = set(copies_of_stage(problem, s))
+            if copies & ranks and not copies <= ranks:
+                ranks |= copies
+                grown = True
+    return ranks
 
 
 def _key(op: Op) -> Op:
@@ -396,7 +414,7 @@ def _check_precs_and_offsets(c: _Ctx) -> None:
         s, d, j = p.op.stage, p.device, p.step
         assert s is not None, "an APPLY names its stage (Op checks it)"
         k = c.period(s)
-        lo, hi = c.base(j, k) + c.timeline(j, k).allreduce_end[d, s], c.base(j + 1, k)
+        lo, hi = c.base(j, k) + c.timeline(j, k).allreduce_end[d, s], c.step_start(d, j + 1, k)
         if p.start < lo - c.tol or p.end > hi + c.tol:
             c.errors.append(f"APPLY s{s} step {j} on r{d} [{p.start:.6g}, {p.end:.6g}) is outside [{lo:.6g}, {hi:.6g})")
     ready: dict[str, float] = defaultdict(float)
@@ -540,7 +558,9 @@ def _check_runs(c: _Ctx) -> None:
     periods = [len(p) for p in c.plan.programs.values()]
     steps = max(periods) * 2
     try:
-        timeline = simulate(c.plan.programs, duration, steps=steps)
+        barrier = None if c.problem.barrier is StepBarrier.WORLD else \
+            {d: tuple(sorted(_agreement(c.problem, d))) for d in c.problem.devices}
+        timeline = simulate(c.plan.programs, duration, steps=steps, barrier=barrier)
     except DeadlockError as e:
         c.errors.append(f"the programs deadlock: {e}")
         return

@@ -17,12 +17,21 @@ times inside its step. Every stage group of a plan uses the same stretch (the st
 ranks), on one time grid. The added step time (stretch, plus what fused curvature adds per step) is
 at most `max_overhead` times the reference step; planner/stretch.py searches the least stretch.
 
-[Note: step barrier] Every step ends with collectives over all ranks (the KL-clip's <P, G> in OPT_STEP
-and the loss all-reduce), so step j+1 begins at `offsets[j+1]` on every device, also on one whose first
-F/B comes later. An op placed in such a device's early bubble belongs to step j+1's program (it runs
-after the barrier, while the device waits for its first input); APPLY of step j ends by `offsets[j+1]`
-(before OPT_STEP); and the first tick of every step is blocked on every device, so no task spans a
-boundary (it would hold the barrier up on every rank).
+[Note: step barrier] Under `StepBarrier.WORLD` every step ends with collectives over all ranks (the
+KL-clip's <P, G> in OPT_STEP and the loss all-reduce), so step j+1 begins at `offsets[j+1]` on every device,
+also on one whose first F/B comes later. An op placed in such a device's early bubble belongs to step j+1's
+program (it runs after the barrier, while the device waits for its first input); APPLY of step j ends by
+`offsets[j+1]` (before OPT_STEP); and the first tick of every step is blocked on every device, so no task
+spans a boundary (it would hold the barrier up on every rank).
+Under `StepBarrier.AGREEMENT_SET` (KL-clip scope stage or stale) OPT_STEP waits only for the rank's agreement
+set, the devices of its stage group, so the group's step j+1 may begin `Window.leads[j+1]` ticks before
+`offsets[j+1]`: once the last of its devices has ended step j's F/B, all-reduces and (reference) APPLY
+(`planner.problem.early_start`). The boundary, its blocked tick and APPLY's deadline move there; the idle
+after it belongs to step j+1 and joins the device's idle before its first F/B of step j+1 (in WORLD the
+boundary cut it in two). F/B keep their times: the planner does so only where a steady run without the world
+barrier repeats the one-step timeline (`planner.problem.steps_overlap`; else leads are 0, WORLD's step).
+Known limit: CP-SAT keeps each task inside one window ([0, L) modulo L), so a task still never spans the
+window's own end, the refresh step's world start; the gain is at the k-1 boundaries inside the window.
 
 [Note: gradient parts] A part fed by the reduced gradient (`PartCost.after` ALLREDUCE_GRAD: Shampoo's and
 SOAP's L and R) takes its statistic at *every* step, on every copy of its stage (each folds the same
@@ -61,6 +70,7 @@ from fxkfac.planner.problem import (
     StepTimeline,
     activation_intervals,
     copies_of_stage,
+    early_start,
     prec_work,
     stages_on_device,
     static_bytes,
@@ -165,7 +175,8 @@ class Window:
 
     fixed[d]: merged busy intervals of F/B in [0, length); acts[d]: (start, end, bytes) activation
     pieces; capacity[d]: bytes left for activations and kept a/e (None: unlimited); offsets[j]: start
-    of step j (offsets[k] == length). Tasks of a refresh may run until 2*length (the next window's
+    of step j (offsets[k] == length); leads[j]: ticks by which step j begins before offsets[j] on the group's
+    devices ([Note: step barrier]). Tasks of a refresh may run until 2*length (the next window's
     early bubbles): their occupation is taken modulo `length`. stretch: idle ticks appended to every
     step ([Note: stretch]); aggregate: one STATS task per F/B for all layers (see SolverConfig).
     """
@@ -182,6 +193,7 @@ class Window:
     capacity: Mapping[int, int | None]
     tasks: tuple[Task, ...]
     precs: tuple[PrecSlot, ...]
+    leads: tuple[int, ...]
     stretch: int = 0
     aggregate: bool = False
 
@@ -200,16 +212,22 @@ class Window:
         return ticks / self.scale
 
     def step_of(self, device: int, t: int) -> int:
-        """The window step (0..2k-1) whose program holds an op starting at absolute tick t on device:
-        steps begin at their offsets on every device ([Note: step barrier])."""
+        """The window step (0..2k-1) whose program holds an op starting at absolute tick t on device: steps
+        begin at their offsets less their leads ([Note: step barrier])."""
         for j in range(2 * self.k - 1, 0, -1):
             if t >= self.step_start(device, j):
                 return j
         return 0
 
     def step_start(self, device: int, j: int) -> int:
-        """Absolute tick at which window step j (0..2k) begins on `device` (the same on every device)."""
-        return self.offsets[j % self.k] + self.length * (j // self.k)
+        """Absolute tick at which window step j (0..2k) begins on `device` (the same on every device of the
+        group)."""
+        return self.offsets[j % self.k] + self.length * (j // self.k) - self.leads[j % self.k]
+
+    @property
+    def horizon(self) -> int:
+        """The tick by which every task ends: the end of window step 2k-1 (the next window's last step)."""
+        return 2 * self.length - self.leads[0]
 
     def earliest(self, task: Task, device: int) -> int:
         """The earliest start of `task` on `device`: its release, and not before the refresh step
@@ -336,6 +354,9 @@ def build_window(problem: Problem, group: StageGroup, k: int, fused: frozenset[s
     for st in steps:
         offsets.append(offsets[-1] + grid.at(st.length) + stretch)
     length = offsets[-1]
+    leads = tuple(grid.at(steps[j - 1].length) - grid.at(steps[j - 1].length
+                                                         - early_start(problem, steps[j - 1], group.devices))
+                  for j in range(k))
     fixed, acts, capacity = {}, {}, {}
     for d in group.devices:
         busy: list[Interval] = []
@@ -348,20 +369,20 @@ def build_window(problem: Problem, group: StageGroup, k: int, fused: frozenset[s
                 if op.kind is OpKind.ALLREDUCE_GRAD:  # its interval, and at least the tick before it ends
                     end = off + grid.at(b)
                     busy += wrap(min(off + grid.at(a), end - 1), end, length) if end >= 1 else []
-            busy += wrap(off, off + 1, length)  # no task spans a step boundary ([Note: step barrier])
+            busy += wrap(off - leads[j], off - leads[j] + 1, length)  # no task spans a boundary ([Note: step barrier])
             for a, b, nbytes in activation_intervals(problem, d, st):
                 pieces += [(s, e, nbytes) for s, e in wrap(off + grid.at(a), off + grid.at(b), length)]
         fixed[d], acts[d] = _merge(busy), tuple(pieces)
         budget = problem.memory_budget
         capacity[d] = None if budget is None else budget - static_bytes(problem, d)
-    precs = _prec_slots(problem, group, steps, offsets, grid)
+    precs = _prec_slots(problem, group, steps, offsets, leads, grid)
     tasks = _tasks(problem, group, refresh, fused, aggregate, grid, precs)
     return Window(problem, group, k, fused, ticks_per_s, exact, tuple(offsets), fixed, acts, capacity, tasks, precs,
-                  stretch, aggregate)
+                  leads, stretch, aggregate)
 
 
 def _prec_slots(problem: Problem, group: StageGroup, steps: list[StepTimeline], offsets: list[int],
-                grid: _Grid) -> tuple[PrecSlot, ...]:
+                leads: tuple[int, ...], grid: _Grid) -> tuple[PrecSlot, ...]:
     """Every (device, stage, step)'s slot: the stage's gradient STATS, then its APPLY ([Note: gradient parts])."""
     slots = []
     lead = {s: max(sum(secs for op, secs in prec_work(problem, c, s) if op.kind is not OpKind.BCAST_PREC)
@@ -375,7 +396,7 @@ def _prec_slots(problem: Problem, group: StageGroup, steps: list[StepTimeline], 
             seconds = replace(shape, lead=lead_s).seconds
             for j, st in enumerate(steps):
                 release = offsets[j] + grid.at(st.allreduce_end[d, s])
-                deadline = offsets[j + 1]  # before the step's OPT_STEP ([Note: step barrier])
+                deadline = offsets[j + 1] - leads[(j + 1) % len(leads)]  # before OPT_STEP ([Note: step barrier])
                 reference = offsets[j] + grid.at(st.end_of(d, ops[-1]) - seconds)
                 ticks = min(grid.span(seconds), deadline - release)
                 slots.append(PrecSlot(d, s, j, release, deadline, max(release, reference), ticks, ops, durations,
