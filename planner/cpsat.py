@@ -56,22 +56,31 @@ class _Vars:
     intervals_of_device: dict[int, list[cp_model.IntervalVar]] = field(default_factory=dict)
 
 
-def _modular(v: _Vars, name: str, lo: int, hi: int, ticks: int, length: int) -> tuple[cp_model.IntVar, ...]:
-    """An absolute start in [lo, hi] that lies, with its length, inside one window: (start, pos, late)."""
+def _modular(v: _Vars, name: str, lo: int, hi: int, ticks: int, length: int,
+             wraps: bool = False) -> tuple[cp_model.IntVar, ...]:
+    """An absolute start in [lo, hi] that lies, with its length, inside one window, or with `wraps` may run past its
+    end into the next: (start, pos, late)."""
     m = v.model
     start = m.new_int_var(lo, max(lo, hi), f"start_{name}")
-    pos = m.new_int_var(0, length - ticks, f"pos_{name}")
+    pos = m.new_int_var(0, length - (1 if wraps else ticks), f"pos_{name}")
     late = m.new_bool_var(f"late_{name}")
     m.add(start == pos + length * late)
     return start, pos, late
 
 
 def _add_tasks(v: _Vars, w: Window) -> None:
+    """Every task on its device(s). At refresh period 1, where the window's end is no step boundary of the group
+    (`Window.leads`[0] > 0, [Note: step barrier] in planner/window.py), a task may run past it: its interval is laid
+    twice, at pos and at pos - L, so that no-overlap within [-L, 2L) is no-overlap modulo L (every other interval
+    lies in [0, L)). At k >= 2 the window's inner boundaries already join each step's idle, and the doubled intervals
+    slowed the search more than they helped (BERT-Large Chimera D=8: refresh 4-6 with them, 4-5 without)."""
     L = w.length
+    wraps = w.k == 1 and w.leads[0] > 0
     for task in w.tasks:
         lo = max(w.earliest(task, d) for d in task.devices) if task.kind is not TaskKind.INV else \
             min(w.earliest(task, d) for d in task.devices)
-        start, pos, late = _modular(v, task.name, lo, w.horizon - task.ticks, task.ticks, L)
+        start, pos, late = _modular(v, task.name, lo, w.horizon - task.ticks, task.ticks, L, wraps)
+        laid = (pos, pos - L) if wraps else (pos,)
         v.start.append(start)
         v.pos.append(pos)
         v.late.append(late)
@@ -79,14 +88,15 @@ def _add_tasks(v: _Vars, w: Window) -> None:
         if task.kind is TaskKind.INV:
             for d in task.devices:
                 present[d] = v.model.new_bool_var(f"on_r{d}_{task.name}")
-                iv = v.model.new_optional_fixed_size_interval_var(pos, task.ticks, present[d], f"{task.name}_r{d}")
-                v.intervals_of_device[d].append(iv)
+                v.intervals_of_device[d] += [v.model.new_optional_fixed_size_interval_var(at, task.ticks, present[d],
+                                                                                          f"{task.name}_r{d}")
+                                             for at in laid]
                 v.model.add(start >= w.earliest(task, d)).only_enforce_if(present[d])
             v.model.add_exactly_one(present.values())
         else:
-            iv = v.model.new_fixed_size_interval_var(pos, task.ticks, task.name)
+            ivs = [v.model.new_fixed_size_interval_var(at, task.ticks, task.name) for at in laid]
             for d in task.devices:
-                v.intervals_of_device[d].append(iv)
+                v.intervals_of_device[d] += ivs
         v.present.append(present)
 
 

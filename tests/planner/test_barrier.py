@@ -84,3 +84,16 @@ def test_agreement_set_is_valid_and_never_worse(args: tuple, kw: dict) -> None:
     if w is not None:
         assert sum(a.metrics.refresh_steps) <= sum(w.metrics.refresh_steps)
         assert a.metrics.stretch <= w.metrics.stretch
+
+
+def test_a_task_runs_past_the_windows_end_where_that_is_no_boundary() -> None:
+    """GPipe D=2: rank 1 idles 1 s before its first forward and 2 s after its step's slot, nothing between; its two
+    1.2 s inversions fit one step only in the joined 3 s, across the window's own end at a refresh period of 1
+    (CP-SAT lays a task twice, at pos and pos - L)."""
+    world = problem("gpipe", 2, 2, inv=1.2, curv=0.05)
+    agree = replace(world, barrier=AGREE)
+    a, w = _plan(agree), _plan(world)
+    assert a is not None and w is not None
+    assert validate(agree, a) == []
+    assert a.metrics.refresh_steps == (1, 1)
+    assert w.metrics.refresh_steps[1] > 1
