@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fxkfac.autoplan import Target, resolve_plan
+from fxkfac.autoplan import Target, barrier_of, resolve_plan
 from fxkfac.capture import Captured, capture, input_signature, normalize_inputs
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.errors import ConfigError
@@ -29,7 +29,7 @@ from fxkfac.planner.costs import CostTable
 from fxkfac.planner.ir import LayerTiming
 from fxkfac.planner.lowering import naive_programs, ranks_of_stages
 from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import format_bytes
+from fxkfac.planner.problem import StepBarrier, format_bytes
 from fxkfac.planner.schedules import ScheduleKind, num_stages, stages_of_rank
 from fxkfac.planner.strategy import LayerDistribution, distribute
 from fxkfac.preconditioner import Family, PiecewiseFamily, gradient_parts
@@ -151,7 +151,8 @@ def prepare(model: nn.Module, example_inputs: Any, family: Family | None, kfac: 
     target = Target(graph_fingerprint(units, stage_layers, schedule=kind.value, D=D, N=N, W=W, v=v,
                                       micro_batch_size=batch // (N * W)),
                     kind, D, N, W, v, family.max_period if family is not None else None,
-                    family.decomp_pieces if isinstance(family, PiecewiseFamily) else 1)
+                    family.decomp_pieces if isinstance(family, PiecewiseFamily) else 1,
+                    barrier_of(family.cfg.kl_clip_scope) if isinstance(family, KFACFamily) else StepBarrier.WORLD)
     return Prepared(captured, units, split, stage_layers, target, example, batch, micro)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fxkfac.config import KLClipScope
 from tests.e2e import workers as w
 from tests.support.distributed import run_distributed
 
@@ -81,7 +82,8 @@ def test_auto_plan_export_load_train_and_refuse_other_model(tmp_path) -> None:
 
 
 PLANNED = {
-    2: [w.Case("gpipe", 2, 2, 1), w.Case("1f1b", 2, 2, 1), w.Case("chimera", 2, 2, 1)],
+    2: [w.Case("gpipe", 2, 2, 1), w.Case("1f1b", 2, 2, 1), w.Case("chimera", 2, 2, 1),
+        w.Case("1f1b", 2, 2, 1, KLClipScope.STALE)],  # planned without a world barrier at the step's end
     4: [w.Case("gpipe", 2, 2, 2), w.Case("1f1b", 2, 2, 2), w.Case("chimera", 2, 2, 2),
         w.Case("gpipe", 4, 4, 1), w.Case("1f1b", 4, 4, 1), w.Case("chimera", 4, 4, 1)],
     8: [w.Case("gpipe", 4, 4, 2), w.Case("1f1b", 4, 4, 2), w.Case("chimera", 4, 4, 2)],

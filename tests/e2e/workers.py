@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 import fxkfac
-from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
+from fxkfac.autoplan import barrier_of
+from fxkfac.config import KFACConfig, KLClipScope, PipelineOptions, PlanOptions
 from fxkfac.planner.ir import LayerTiming
 from tests.support import models
 
@@ -29,6 +31,13 @@ class Case:
     D: int
     N: int
     W: int
+    scope: KLClipScope = KLClipScope.GLOBAL
+    """The KL-clip scope (STAGE/STALE: no world barrier ends a step, and the planner plans so)."""
+
+    @property
+    def kfac(self) -> KFACConfig:
+        """KFAC with this case's KL-clip scope."""
+        return dataclasses.replace(KFAC, kl_clip_scope=self.scope)
 
     @property
     def batch(self) -> int:
@@ -137,7 +146,7 @@ def reference_for_plan(case: Case, layers: dict[str, LayerTiming], steps: int) -
     """The single-device trainer given the plan's timings on the batches `auto_worker` trains on."""
     data = (batches(case) * steps)[:steps]
     trainer = fxkfac.compile(make_model(), None, example_inputs=(data[0][0],), loss_fn=loss_fn, optimizer=optimizer,
-                             kfac=KFAC, microbatches=case.N * case.W, backend=None, layer_timing=layers)
+                             kfac=case.kfac, microbatches=case.N * case.W, backend=None, layer_timing=layers)
     for ids, y in data:
         trainer.step((ids,), y)
     return {n: p.detach().clone() for n, p in trainer.named_parameters()}
@@ -175,11 +184,13 @@ def planned_worker(rank: int, world: int, cases: list[Case]) -> dict:
             raise ValueError(f"case {case} needs {case.D * case.W} ranks, got {world}")
         data = batches(case)
         options = PlanOptions(costs=synthetic_costs, time_limit_s=3.0, max_overhead=max_overhead(case))
-        trainer = fxkfac.compile(make_model(), (case.D, case.W), "auto", kfac=KFAC, example_inputs=(data[0][0],),
+        trainer = fxkfac.compile(make_model(), (case.D, case.W), "auto", kfac=case.kfac, example_inputs=(data[0][0],),
                                  loss_fn=loss_fn, optimizer=optimizer, schedule=case.schedule, backend=None,
                                  microbatches=case.N, pipeline=PipelineOptions(timeout=60.0), plan_options=options)
+        if trainer.plan.problem.barrier is not barrier_of(case.scope):
+            raise AssertionError(f"{case}: planned with the {trainer.plan.problem.barrier} barrier")
         steps = 2 * max(t.period for t in trainer.plan.layers.values())
-        losses = [trainer.step((ids,), y) for ids, y in (data * steps)[:steps]]
+        losses = [float(trainer.step((ids,), y)) for ids, y in (data * steps)[:steps]]
         kfac_ops = sum(op.kind.value in ("STATS", "DECOMP") for st in trainer.plan.programs[rank] for op in st)
         out[i] = ({n: p.detach().clone() for n, p in trainer.named_parameters()}, losses,
                   dict(trainer.plan.layers), steps, kfac_ops)
