@@ -183,7 +183,7 @@ def planned_worker(rank: int, world: int, cases: list[Case]) -> dict:
         if case.D * case.W != world:
             raise ValueError(f"case {case} needs {case.D * case.W} ranks, got {world}")
         data = batches(case)
-        options = PlanOptions(costs=synthetic_costs, time_limit_s=3.0, max_overhead=max_overhead(case))
+        options = PlanOptions(costs=synthetic_costs, time_limit_s=1.5, max_overhead=max_overhead(case))
         trainer = fxkfac.compile(make_model(), (case.D, case.W), "auto", kfac=case.kfac, example_inputs=(data[0][0],),
                                  loss_fn=loss_fn, optimizer=optimizer, schedule=case.schedule, backend=None,
                                  microbatches=case.N, pipeline=PipelineOptions(timeout=60.0), plan_options=options)
