@@ -1,6 +1,7 @@
 """A checkpoint follows the state onto another layout: W=2 -> W=4 -> W=2, other KAISA strategies and pp=2 -> pp=1
-resume where the uninterrupted run is; another family, model or set of units, and work in flight that cannot
-follow, are refused."""
+resume where the uninterrupted run is; DP-KFAC resumes exactly on its own layout and gives its owners' unit states
+to another W or strategy; another family, model or set of units, and work in flight that cannot follow, are
+refused."""
 
 from __future__ import annotations
 
@@ -43,31 +44,65 @@ def _far(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[st
     return [n for n in want if not torch.allclose(got[n], want[n], atol=1e-5, rtol=0)]
 
 
+def _differs(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
+    """The keys of two unit `state_dict`s whose values differ (bit for bit); [] when equal."""
+    keys = sorted(set(got) | set(want))
+    return [k for k in keys if k not in got or k not in want or type(got[k]) is not type(want[k])
+            or not (torch.equal(got[k], want[k]) if isinstance(want[k], torch.Tensor) else got[k] == want[k])]
+
+
+def _owners_states(written: list) -> dict[str, dict[str, Any]]:
+    """DP-KFAC's saved unit states, each from the one rank that held it (its owner)."""
+    held = [(n, s) for r in written for n, s in r.value["dp_kfac_saved"].items()]
+    assert len(held) == len(dict(held)) == len(rw.TIMINGS), "DP-KFAC: each unit's statistics on exactly one rank"
+    assert all(r.value["dp_kfac_saved"] for r in written), "every unit on one replica: the test would not see DP-KFAC"
+    return dict(held)
+
+
 @pytest.mark.multiproc
 def test_data_parallel_resumes_at_four_replicas_and_back_and_a_pipeline_without_its_stages(tmp_path: Path) -> None:
     """K-FAC, W=2 for 2 steps -> W=4 for 2 -> W=2 to step 6 equals 6 uninterrupted steps at W=2, and so does
     MEM-OPT at W=2 -> HYBRID 0.5 at W=4 -> MEM-OPT at W=2 (where the inverses live changes no number); a 2-stage
     pipeline saved at step 3 resumes at pp=1, W=4 where its uninterrupted run ends. The checkpoint stores each
-    replicated tensor once."""
-    dp_ckpt, pp_ckpt, mem_ckpt, wide_ckpt, hybrid_ckpt = (str(tmp_path / n) for n in
-                                                          ("dp", "pp", "mem", "wide", "hybrid"))
-    written = _ok(run_distributed(rw.write_worker, 2, dp_ckpt, pp_ckpt, mem_ckpt, timeout=300))
+    replicated tensor once.
+
+    DP-KFAC (local factors) at W=2 saved at step 2 resumes on the same layout bit for bit, pending inverses
+    included. Loaded at W=4 under DP-KFAC, each unit's new owner alone holds the saved owner's state; loaded at W=2
+    under COMM-OPT, every replica holds it ([Note: resharding]: a unit's fullest copy, kept where the strategy holds
+    it). Both then train, but are not compared with a reference: DP-KFAC's factors come from the owner's shard, so
+    another W (another shard) or strategy (all-reduced factors) is another algorithm from the resumed step on."""
+    dp_ckpt, pp_ckpt, mem_ckpt, wide_ckpt, hybrid_ckpt, dp_kfac_ckpt = (
+        str(tmp_path / n) for n in ("dp", "pp", "mem", "wide", "hybrid", "dp_kfac"))
+    written = _ok(run_distributed(rw.write_worker, 2, dp_ckpt, pp_ckpt, mem_ckpt, dp_kfac_ckpt, timeout=300))
     assert written[0].value["pending"], "the W=2 checkpoint should hold a pending inverse"
     metadata = json.loads((Path(dp_ckpt) / ".metadata.json").read_text())
     stored = [s["fqn"] for s in metadata["storage"]]
     assert len(stored) == len(set(stored)) == len(metadata["tensors"])  # each key once, not once per replica
     assert {"model/0.weight", "kfac/2/A", "optimizer/state/0.weight/momentum_buffer"} <= set(stored)
 
-    wide = _ok(run_distributed(rw.widen_worker, 4, dp_ckpt, pp_ckpt, mem_ckpt, wide_ckpt, hybrid_ckpt,
+    owners = _owners_states(written)
+    assert any(s["pending_count"] for s in owners.values()), "the DP-KFAC checkpoint should hold a pending inverse"
+    assert all(r.value["dp_kfac_resumed"] == [] for r in written), [r.value["dp_kfac_resumed"][:3] for r in written]
+
+    wide = _ok(run_distributed(rw.widen_worker, 4, dp_ckpt, pp_ckpt, mem_ckpt, wide_ckpt, hybrid_ckpt, dp_kfac_ckpt,
                                timeout=300))
     assert all(r.value["loaded"] == 2 and r.value["pending"] == written[0].value["pending"] for r in wide)
     assert all(r.value["from_pp"] == 3 for r in wide)
     assert _far(_merged(wide, "pp"), _merged(written, "pp")) == []
 
-    narrow = _ok(run_distributed(rw.narrow_worker, 2, wide_ckpt, hybrid_ckpt, timeout=300))
+    spread = [(n, r.rank, s) for r in wide for n, s in r.value["dp_kfac"].items()]
+    assert sorted(n for n, _, _ in spread) == sorted(owners), "DP-KFAC at W=4: each unit on its new owner alone"
+    assert {n: _differs(s, owners[n]) for n, _, s in spread} == dict.fromkeys(owners, [])
+    owner_before = {n: r.rank for r in written for n in r.value["dp_kfac_saved"]}
+    moved = {n for n, rank, _ in spread if owner_before[n] != rank}
+    assert moved, "no unit changed owner at W=4: the test would not see the state follow it"
+
+    narrow = _ok(run_distributed(rw.narrow_worker, 2, wide_ckpt, hybrid_ckpt, dp_kfac_ckpt, timeout=300))
     assert all(r.value["loaded"] == 4 for r in narrow)
     assert _far(_merged(narrow, "dp"), _merged(written, "dp")) == []
     assert _far(_merged(narrow, "mem"), _merged(written, "dp")) == []
+    for r in narrow:  # COMM-OPT: every replica holds every unit, as DP-KFAC's owner saved it
+        assert {n: _differs(s, owners[n]) for n, s in r.value["dp_kfac"].items()} == dict.fromkeys(owners, [])
 
 
 def _single(microbatches: int = 2, **kw: Any) -> Any:
