@@ -19,11 +19,15 @@ makes (a) and (b) refresh every F steps and lets the plan refresh every F steps 
 (`Problem.max_period = F`; its periods are shown). Every variant also folds L and R and applies the
 preconditioner at every step on the critical path (the statistics and APPLY are the same work in all three).
 
-Per-step time: the programs simulated (`planner.simulate`) with the cost table's durations (F/B, statistics,
-decompositions, APPLY; collectives and transfers take no time in this model) over a whole number of refresh
-periods, makespan / steps (every step ends with a barrier, so this is the steady average; ops run as soon as they
-can, so a plan that stretches the step runs faster here than its own `metrics.step_time`, shown beside it, which
-counts the stretch as idle time). Balance: the largest
+Per-step time: the programs simulated (`planner.simulate`) with this script's own op durations (`duration_of`:
+F/B, statistics, decompositions and APPLY from the cost table; the collectives the programs run, the gradient
+all-reduce, BCAST of roots from their grad worker, SYNC_STATS and BCAST_PREC where a strategy has them, priced by
+the table's alpha-beta comm model `CostTable.collective_seconds` over the ranks they name; point-to-point
+transfers take no time, as in the planner) over a whole number of refresh periods, makespan / steps (every step
+ends with a barrier, so this is the steady average; ops run as soon as they can, so a plan that stretches the step
+runs faster here than its own `metrics.step_time`, shown beside it, which counts the stretch as idle time). The
+timing is this script's, not the planner's (no validator, window or step timeline): a cross-check of the plan.
+`coll/step`: the most collective seconds any rank's program holds per step. Balance: the largest
 decomposition seconds any rank runs per refresh of its stage, Alg. 3's own metric, read off each variant's
 programs; `bound` is the least any assignment can reach, max over stages of max(stage total / W, largest block).
 No memory budget: Shampoo's parts keep nothing per micro-batch, so where a decomposition runs does not change the
@@ -45,40 +49,71 @@ from typing import Any
 
 from fxkfac.planner.costs import CostTable
 from fxkfac.planner.errors import PlanError
-from fxkfac.planner.ir import LayerTiming, Op, OpKind, Program
+from fxkfac.planner.ir import COLLECTIVE_KINDS, LayerTiming, Op, OpKind, Program
 from fxkfac.planner.lowering import Assignment, decomposition_seconds, naive_programs, ranks_of_stages
 from fxkfac.planner.plan import Plan, solve
 from fxkfac.planner.preconditioners import PreconditionerKind
 from fxkfac.planner.problem import Problem, SolverConfig, step_timeline
 from fxkfac.planner.simulate import simulate
 
-__all__ = ["main", "duration_of", "per_step_seconds", "decomp_seconds_per_refresh", "critical_path_programs"]
+__all__ = ["main", "duration_of", "per_step_seconds", "collective_seconds_per_step", "decomp_seconds_per_refresh",
+           "critical_path_programs"]
 
 PARTS = ("L", "R")
 """Shampoo's parts of every parameter (a 1-D parameter's R decomposes nothing: 0 s in the table here)."""
 
 
-def duration_of(costs: CostTable) -> Callable[[int, Op], float]:
-    """Op durations from the cost table, as the planner's step timeline counts them: F/B, STATS, DECOMP, APPLY
-    (a part the table lacks, a 1-D parameter's R, takes 0 s); collectives, transfers and OPT_STEP take none."""
+def _stage(op: Op) -> int:
+    """The stage `op` names; every op priced here names one."""
+    if op.stage is None:
+        raise ValueError(f"'{op}' names no stage, so its cost is unknown")
+    return op.stage
+
+
+def _compute_seconds(costs: CostTable) -> dict[OpKind, Callable[[Op], float]]:
+    """Seconds of each computing op kind from the table: F/B and the stage-wide APPLY from its stage, a layer's
+    APPLY from its layer, STATS and DECOMP (each piece its share) from their part (a part the table lacks, a 1-D
+    parameter's R, takes 0 s)."""
     stages = costs.stages
-    parts = {(x.name, p.part): p for stage in stages for x in stage.layers for p in x.parts}
+    layers = {x.name: x for stage in stages for x in stage.layers}
+    parts = {(x.name, p.part): p for x in layers.values() for p in x.parts}
+
+    def stats(op: Op) -> float:
+        part = parts.get((str(op.layer), str(op.part)))
+        return 0.0 if part is None else part.stats
+
+    def decomp(op: Op) -> float:
+        part = parts.get((str(op.layer), str(op.part)))
+        return 0.0 if part is None else part.decomp / (1 if op.piece is None else op.piece[1])
+
+    def apply(op: Op) -> float:
+        return stages[_stage(op)].prec if op.layer is None else layers[op.layer].prec
+
+    return {OpKind.FWD: lambda op: stages[_stage(op)].fwd, OpKind.BWD: lambda op: stages[_stage(op)].bwd,
+            OpKind.STATS: stats, OpKind.DECOMP: decomp, OpKind.APPLY: apply}
+
+
+def duration_of(problem: Problem) -> Callable[[int, Op], float]:
+    """Op durations of `problem`'s programs: computing ops from its cost table (`_compute_seconds`), collectives
+    (ALLREDUCE_GRAD, SYNC_STATS, BCAST, BCAST_PREC) by the table's comm model over the ranks they name, else every
+    copy of their stage (`CostTable.collective_seconds`); transfers and OPT_STEP take none, as in the planner."""
+    costs = problem.costs
+    compute = _compute_seconds(costs)
+    copies = ranks_of_stages(problem.schedule, problem.D, problem.W, problem.v)
 
     def duration(rank: int, op: Op) -> float:
-        if op.kind is OpKind.FWD:
-            return stages[op.stage].fwd  # type: ignore[index]  # a FWD names its stage
-        if op.kind is OpKind.BWD:
-            return stages[op.stage].bwd  # type: ignore[index]  # a BWD names its stage
-        if op.kind is OpKind.APPLY:
-            return stages[op.stage].prec  # type: ignore[index]  # an APPLY names its stage
-        if op.kind in (OpKind.STATS, OpKind.DECOMP):
-            part = parts.get((op.layer, op.part))  # type: ignore[arg-type]  # STATS and DECOMP name both
-            if part is None:
-                return 0.0
-            return part.stats if op.kind is OpKind.STATS else part.decomp
-        return 0.0
+        if op.kind in COLLECTIVE_KINDS:
+            return costs.collective_seconds(op, len(op.group or copies[_stage(op)]))
+        seconds = compute.get(op.kind)
+        return 0.0 if seconds is None else seconds(op)
 
     return duration
+
+
+def collective_seconds_per_step(programs: Mapping[int, Program], duration: Callable[[int, Op], float]) -> float:
+    """The most collective seconds any rank's program runs per step (their own length: waiting not counted)."""
+    return max(sum(duration(r, op) for step in prog for op in step if op.kind in COLLECTIVE_KINDS) / len(prog)
+               for r, prog in programs.items())
 
 
 def per_step_seconds(programs: Mapping[int, Program], duration: Callable[[int, Op], float]) -> float:
@@ -164,7 +199,7 @@ def _row(args: argparse.Namespace, config: _Config, solver: SolverConfig) -> dic
         plan, block, refusal = None, int(args.block), str(e)
         problem = _problem(args, config, _table(args, config, block))
     costs = problem.costs
-    duration = duration_of(costs)
+    duration = duration_of(problem)
     row: dict[str, Any] = {"model": config.model, "hardware": config.hardware, "W": config.W, "block": block,
                            "units_per_stage": [len(s.layers) for s in costs.stages], "refused": refusal,
                            "no_refresh_step_s": step_timeline(problem).length, "decomp_bound_s": _bound(problem)}
@@ -188,7 +223,8 @@ def _row(args: argparse.Namespace, config: _Config, solver: SolverConfig) -> dic
     step = {v: per_step_seconds(progs, duration) for v, progs in variants.items()}
     load = {v: max(decomp_seconds_per_refresh(progs, duration, refresh_of[v]).values())
             for v, progs in variants.items()}
-    row.update(step_s=step, decomp_max_s=load, wall_s=time.perf_counter() - began)
+    collectives = {v: collective_seconds_per_step(progs, duration) for v, progs in variants.items()}
+    row.update(step_s=step, decomp_max_s=load, collective_s=collectives, wall_s=time.perf_counter() - began)
     if "alg3" in step:
         row.update(step_ratio_to_alg3={v: t / step["alg3"] for v, t in step.items()},
                    decomp_ratio_to_alg3={v: x / load["alg3"] for v, x in load.items()})
@@ -207,6 +243,7 @@ def _report(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> None:
                         f"max_overhead {args.max_overhead:g}, CP-SAT {args.time_limit:g} s; refresh: {periods}")
     for col in ("model", "hw", "W", "block", "periods", "solver", "no-refresh ms",
                 "(a) RR ms", "(b) Alg.3 ms", "(c) CP-SAT ms", "(c) plan's metric", "a/b", "c/b",
+                "coll/step ms: (b)", "(c)",
                 "max decomp/rank/refresh ms: (a)", "(b)", "(c)", "bound", "a/b", "c/b"):
         table.add_column(col, justify="right" if col not in ("model", "hw", "solver") else "left")
     def ms(values: Mapping[str, float], v: str, digits: int) -> str:
@@ -225,6 +262,7 @@ def _report(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> None:
                       *(ms(step, v, 2) for v in ("round_robin", "alg3", "cpsat")),
                       f"{r['plan_step_s'] * 1e3:.2f}" if "plan_step_s" in r else "-",
                       ratio(r, "step_ratio_to_alg3", "round_robin", 4), ratio(r, "step_ratio_to_alg3", "cpsat", 4),
+                      *(ms(r["collective_s"], v, 2) for v in ("alg3", "cpsat")),
                       *(ms(load, v, 1) for v in ("round_robin", "alg3", "cpsat")),
                       f"{r['decomp_bound_s'] * 1e3:.1f}",
                       ratio(r, "decomp_ratio_to_alg3", "round_robin", 3), ratio(r, "decomp_ratio_to_alg3", "cpsat", 3))
