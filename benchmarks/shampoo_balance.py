@@ -26,7 +26,8 @@ the table's alpha-beta comm model `CostTable.collective_seconds` over the ranks 
 transfers take no time, as in the planner) over a whole number of refresh periods, makespan / steps (every step
 ends with a barrier, so this is the steady average; ops run as soon as they can, so a plan that stretches the step
 runs faster here than its own `metrics.step_time`, shown beside it, which counts the stretch as idle time). The
-timing is this script's, not the planner's (no validator, window or step timeline): a cross-check of the plan.
+timing is this script's, not the planner's (no validator or window): a cross-check of the plan; only the
+`no-refresh` column is the planner's own step (`step_timeline`), for reference.
 `coll/step`: the most collective seconds any rank's program holds per step. Balance: the largest
 decomposition seconds any rank runs per refresh of its stage, Alg. 3's own metric, read off each variant's
 programs; `bound` is the least any assignment can reach, max over stages of max(stage total / W, largest block).
