@@ -162,7 +162,7 @@ def test_a_time_of_zero_never_reaches_the_table(split: tuple, monkeypatch: pytes
     measured = profiler._stage_times
 
     def zero(*args: object) -> tuple[Timing, Timing, list[Tensor]]:
-        fwd, bwd, out = measured(*args)  # type: ignore[arg-type]
+        fwd, bwd, out = measured(*args)  # type: ignore[arg-type]  # the wrapper passes _stage_times' own arguments
         nothing = Timing(0.0, Spread(0.0, 0.0))
         return (nothing, bwd, out) if which == "forward" else (fwd, nothing, out)
 
@@ -177,7 +177,7 @@ def test_a_noisy_stage_time_is_logged_and_planned_at_its_fastest(split: tuple, m
     measured = profiler._stage_times
 
     def noisy(*args: object) -> tuple[Timing, Timing, list[Tensor]]:
-        fwd, _, out = measured(*args)  # type: ignore[arg-type]
+        fwd, _, out = measured(*args)  # type: ignore[arg-type]  # the wrapper passes _stage_times' own arguments
         return fwd, Timing(1e-3, Spread(1e-3, 4e-3)), out
 
     monkeypatch.setattr(profiler, "_stage_times", noisy)
@@ -196,7 +196,7 @@ def test_each_time_is_the_fastest_of_all_rounds_with_the_spread_of_all_their_rep
                 Timing(2e-3, Spread(2e-3, 2.5e-3)), Timing(8e-3, Spread(8e-3, 12e-3))])  # round 1
 
     def stage_times(*args: object) -> tuple[Timing, Timing, list[Tensor]]:
-        fwd, _, out = measured(*args)  # type: ignore[arg-type]
+        fwd, _, out = measured(*args)  # type: ignore[arg-type]  # the wrapper passes _stage_times' own arguments
         return fwd, next(bwd), out
 
     precs = iter([4e-4, 7e-4, 1e-4, 6e-4, 5e-4, 3e-4, 2e-4, 9e-4])  # the 4 layers in round 0, then in round 1

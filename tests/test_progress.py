@@ -57,7 +57,7 @@ def test_solver_reports_improve_and_only_observe() -> None:
         bounds = [e.bound for e in seen]
         assert objectives == sorted(objectives, reverse=True), window  # non-increasing
         assert bounds == sorted(bounds), window  # non-decreasing
-        assert all(b <= o for o, b in zip(objectives, bounds))  # type: ignore[operator]
+        assert all(b <= o for o, b in zip(objectives, bounds))  # type: ignore[operator]  # objective and bound are set in every report seen here
     assert found[-1].done and found[-1].gap is not None and 0 <= found[-1].gap <= 1
 
 
@@ -138,7 +138,7 @@ def test_progress_flag_off_is_silent(caplog: pytest.LogCaptureFixture) -> None:
         TrainingProgress(Display.OFF).update(1, 1.0)
     assert not caplog.records
     with pytest.raises(fxkfac.errors.ConfigError, match="progress"):
-        PipelineOptions(progress="yes")  # type: ignore[arg-type]
+        PipelineOptions(progress="yes")  # type: ignore[arg-type]  # the wrong type is the point
 
 
 def test_device_memory_is_the_default_budget_and_an_explicit_one_wins() -> None:

@@ -131,7 +131,7 @@ def test_config_checks_the_split() -> None:
     with pytest.raises(ConfigError, match="cholesky"):
         KFACConfig(inverse="eigen", split_inverse=SplitInverse())
     with pytest.raises(ConfigError, match="SplitInverse or None"):
-        KFACConfig(split_inverse=2)  # type: ignore[arg-type]
+        KFACConfig(split_inverse=2)  # type: ignore[arg-type]  # the wrong type is the point
 
 
 def test_family_starts_newton_schulz_from_the_layers_latest_inverse() -> None:

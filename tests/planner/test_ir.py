@@ -114,7 +114,7 @@ def test_bad_fields_are_refused() -> None:
         Op(OpKind.FWD, 0, 0, root=1)
     for piece in ((2, 2), (0, 1), (-1, 2), (0, 2, 1)):
         with pytest.raises(PlanFormatError, match="Op.piece must be"):
-            Op(OpKind.DECOMP, 0, part="A", piece=piece)  # type: ignore[arg-type]
+            Op(OpKind.DECOMP, 0, part="A", piece=piece)  # type: ignore[arg-type]  # malformed pieces are the point
     with pytest.raises(PlanFormatError, match="may have"):
         Op(OpKind.BCAST, 0, part="A", root=0, piece=(0, 2))
     with pytest.raises(PlanFormatError):
