@@ -157,12 +157,23 @@ def _check(ranks: list[dict[str, Any]], strategy: str, exact: bool) -> None:
 def test_preconditioner_state_per_rank_against_the_accounting(
         runs: dict[tuple[str | None, str, str], list[dict[str, Any]]], strategy: str, plan: str | None) -> None:
     """Critical path: within 10% of the accounting; planned: at most the accounting (+10%) and at least one
-    decomposition per layer."""
+    decomposition per layer. A strategy holding one copy of each decomposition in all accounts less than
+    COMM-OPT's copy on each rank, and holds less on the critical path; planned, at most as much (at W = 2 its
+    owners' two decompositions per layer, active and pending, equal COMM-OPT's least of one per rank)."""
     ranks = runs[(plan, strategy, "cholesky")]
     _check(ranks, strategy, exact=plan is None)
-    if strategy != "comm-opt":  # one copy of each decomposition in all: less held than COMM-OPT's copy on each
+    if strategy != "comm-opt":
         comm = runs[(plan, "comm-opt", "cholesky")]
-        assert sum(r["measured"]["total"] for r in ranks) < sum(r["measured"]["total"] for r in comm)
+        assert _total(ranks, "accounted") < _total(comm, "accounted")
+        if plan is None:
+            assert _total(ranks, "measured") < _total(comm, "measured")
+        else:
+            assert _total(ranks, "measured") <= _total(comm, "measured")
+
+
+def _total(ranks: list[dict[str, Any]], which: str) -> int:
+    """The preconditioner state of all ranks, measured or accounted."""
+    return sum(r[which]["total"] for r in ranks)
 
 
 @pytest.mark.multiproc
