@@ -1,6 +1,6 @@
 """The PipeFisher paper's configurations on its measured P100 profiles: utilization and refresh, greedy vs CP-SAT.
 
-Run: python benchmarks/paper_configs.py [--time-limit 10] [--max-overhead 0] [--decomp-pieces 1]
+Run: python benchmarks/paper_configs.py [--time-limit 10] [--max-overhead 0] [--decomp-pieces 1] [--barrier world]
 
 Costs are the profiles shipped as paper:<model>/p100 (planner/data/pipefisher_profiles/; per
 Transformer block, micro-batch 32, 3 blocks per stage). The paper's profiles include the embeddings
@@ -11,7 +11,8 @@ rich table and one JSON line.
 Per configuration: the plain pipeline (simulated here, independently of the planner), then
 planner.plan.solve with the paper's greedy rule and with CP-SAT (no memory budget, the given
 max_overhead; with --decomp-pieces n every inversion is n tasks of 1/n of its profiled time, the planner's
-model of `KFACConfig.split_inverse`). Checked and printed: CP-SAT reaches the planner's lower bound on every
+model of `KFACConfig.split_inverse`; with --barrier agreement-set a step ends with no world barrier, the plan
+of `KFACConfig.kl_clip_scope` stage or stale). Checked and printed: CP-SAT reaches the planner's lower bound on every
 stage, never refreshes less often than greedy, strictly more often somewhere; with max_overhead 0 the planned
 step is the plain pipeline plus preconditioning (the reference K-FAC step).
 """
@@ -31,7 +32,7 @@ from fxkfac.planner.costs import CostTable, load_cost_table
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.plan import Plan, solve
-from fxkfac.planner.problem import Problem, SolverConfig
+from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier
 from fxkfac.planner.schedules import schedule_programs, stages_of_rank
 from fxkfac.planner.simulate import Timeline, simulate
 
@@ -120,9 +121,11 @@ def baseline(cfg: Config) -> dict[str, Any]:
     }
 
 
-def planned(cfg: Config, method: str, time_limit: float, max_overhead: float, pieces: int = 1) -> dict[str, Any]:
+def planned(cfg: Config, method: str, time_limit: float, max_overhead: float, pieces: int = 1,
+            barrier: StepBarrier = StepBarrier.WORLD) -> dict[str, Any]:
     """One planner run: its metrics, or the reason there is no plan."""
-    problem = Problem(cfg.schedule, cfg.D, cfg.N, costs_of(cfg), max_overhead=max_overhead, decomp_pieces=pieces)
+    problem = Problem(cfg.schedule, cfg.D, cfg.N, costs_of(cfg), max_overhead=max_overhead, decomp_pieces=pieces,
+                      barrier=barrier)
     try:
         plan = solve(problem, SolverConfig(time_limit_s=time_limit), method=method)
     except PlanError as e:
@@ -177,9 +180,10 @@ def _steps(values: list[int]) -> str:
     return " ".join(map(str, values))
 
 
-def render(results: list[dict[str, Any]], max_overhead: float, pieces: int, console: Console) -> None:
+def render(results: list[dict[str, Any]], max_overhead: float, pieces: int, barrier: StepBarrier,
+           console: Console) -> None:
     table = Table(title=f"PipeFisher configurations on measured P100 block costs (micro-batch 32, 3 blocks/stage, "
-                        f"max_overhead {max_overhead:g}, inversions in {pieces} piece(s))")
+                        f"max_overhead {max_overhead:g}, inversions in {pieces} piece(s), step barrier {barrier})")
     for col in ("config", "method", "util before -> after", "refresh steps / stage", "lower bound / stage",
                 "+step ms (%)", "status, s", "paper"):
         table.add_column(col)
@@ -207,19 +211,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit per configuration (s)")
     parser.add_argument("--max-overhead", type=float, default=0.0, help="allowed step growth (fraction)")
     parser.add_argument("--decomp-pieces", type=int, default=1, help="tasks per inversion (KFACConfig.split_inverse)")
+    parser.add_argument("--barrier", type=StepBarrier, default=StepBarrier.WORLD, choices=list(StepBarrier),
+                        help="what a step's end waits for: world (KL-clip scope global), agreement-set (stage, stale)")
     args = parser.parse_args(argv)
     results = []
     for cfg in CONFIGS:
         row = baseline(cfg)
         for method in ("greedy", "cpsat"):
-            row[method] = planned(cfg, method, args.time_limit, args.max_overhead, args.decomp_pieces)
+            row[method] = planned(cfg, method, args.time_limit, args.max_overhead, args.decomp_pieces, args.barrier)
         results.append(row)
-    render(results, args.max_overhead, args.decomp_pieces, Console(width=200))
+    render(results, args.max_overhead, args.decomp_pieces, args.barrier, Console(width=200))
     verdict = checks(results, args.max_overhead)
     Console(width=200).print(verdict)
     print(json.dumps({"benchmark": "paper_configs", "time_limit_s": args.time_limit,
-                      "max_overhead": args.max_overhead, "decomp_pieces": args.decomp_pieces, "results": results,
-                      "checks": verdict}))
+                      "max_overhead": args.max_overhead, "decomp_pieces": args.decomp_pieces,
+                      "barrier": str(args.barrier), "results": results, "checks": verdict}))
 
 
 if __name__ == "__main__":
