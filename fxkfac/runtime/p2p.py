@@ -49,7 +49,8 @@ class Transport:
     _pending: list[tuple[dist.Work, str]] = field(default_factory=list)
     _posted: dict[tuple, tuple[list[torch.Tensor], list[dist.Work]]] = field(default_factory=dict)
 
-    def _wait(self, work: dist.Work, what: str) -> None:
+    def wait(self, work: dist.Work, what: str) -> None:
+        """Wait for `work` at most the timeout; a timeout or a dead peer becomes a PipelineError naming `what`."""
         try:
             work.wait(self.timeout)
         except RuntimeError as e:
@@ -90,7 +91,7 @@ class Transport:
             self.post_recv(specs, peer, grad, stage, pipe, mb)
         buffers, works = self._posted.pop(key)
         for work in works:
-            self._wait(work, what)
+            self.wait(work, what)
         return buffers
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> None:
@@ -98,17 +99,17 @@ class Transport:
         if self.world == 1:
             return
         work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        self._wait(work, what)
+        self.wait(work, what)
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None, what: str) -> None:
         """Broadcast `tensor` in place from global rank `src` over `group`."""
         if self.world == 1:
             return
         work = dist.broadcast(tensor, src=src, group=group, async_op=True)
-        self._wait(work, what)
+        self.wait(work, what)
 
     def flush(self) -> None:
         """Wait for every send started so far."""
         pending, self._pending = self._pending, []
         for work, what in pending:
-            self._wait(work, what)
+            self.wait(work, what)

@@ -90,7 +90,7 @@ class PendingSum:
     def wait(self) -> torch.Tensor:
         """The sum (waits at most the transport's timeout, then raises PipelineTimeoutError)."""
         if self.work is not None:
-            self.transport._wait(self.work, self.what)  # the transport's one timeout policy and error words
+            self.transport.wait(self.work, self.what)
             self.work = None
         return self.tensor
 
