@@ -53,6 +53,9 @@ class StepContext:
     skipped: bool | None = None
     """Set at OPT_STEP by an all-reduce (over the world, or the agreement set under a barrier-free KL-clip scope:
     fxkfac/runtime/step_end.py): True when some rank there saw NaN/Inf loss or gradients."""
+    loss: float | None = None
+    """The step loss summed over the world, where OPT_STEP's world all-reduce carried it (None under a
+    barrier-free KL-clip scope: the trainer sums it without waiting)."""
 
     def runner(self, op: Op) -> StageRunner:
         """The local stage copy `op` runs on."""
@@ -161,13 +164,20 @@ def local_nonfinite(ctx: StepContext) -> bool:
     return _nonfinite([*ctx.losses, *grads])
 
 
+def local_loss(ctx: StepContext) -> torch.Tensor:
+    """This rank's share of the step loss: the sum of its micro-batches' scaled losses (0 off the last stage)."""
+    return torch.stack(ctx.losses).sum() if ctx.losses else torch.zeros(())
+
+
 def _opt_step(ctx: StepContext, op: Op) -> None:
-    """Sum tied gradients, agree on skipping the step (world all-reduce of the NaN/Inf flag), step or not."""
+    """Sum tied gradients, agree on skipping the step and sum the loss (one world all-reduce of the NaN/Inf flag
+    and the loss), step or not."""
     ctx.sync.shared_params(ctx.transport, str(op))
     if ctx.skipped is None:
-        flag = torch.tensor([float(local_nonfinite(ctx))])
-        ctx.transport.all_reduce(flag, None, f"{op} (non-finite check all-reduce)")
-        ctx.skipped = bool(flag[0] > 0)
+        loss = local_loss(ctx)
+        both = torch.stack([torch.tensor(float(local_nonfinite(ctx)), dtype=loss.dtype), loss])
+        ctx.transport.all_reduce(both, None, f"{op} (non-finite check and loss all-reduce)")
+        ctx.skipped, ctx.loss = bool(both[0] > 0), float(both[1])
     if ctx.optimizer is not None:
         if not ctx.skipped:
             ctx.optimizer.step()

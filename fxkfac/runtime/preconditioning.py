@@ -48,7 +48,7 @@ from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture
 from fxkfac.planner.ir import LayerTiming, Op, OpKind
 from fxkfac.planner.strategy import LayerDistribution, grad_workers, keeps_statistics
 from fxkfac.preconditioner import Family, PiecewiseFamily, RefreshState, Source, gradient_parts
-from fxkfac.runtime.interpreter import CORE_HANDLERS, Interpreter, StepContext, local_nonfinite
+from fxkfac.runtime.interpreter import CORE_HANDLERS, Interpreter, StepContext, local_loss, local_nonfinite
 from fxkfac.runtime.stage import StageRunner
 from fxkfac.runtime.step_end import StepEnd
 
@@ -490,8 +490,9 @@ class PreconditionerRuntime:
         zero = torch.zeros((), dtype=torch.float64)
         groups = range(end.groups) if self.scope is KLClipScope.STAGE else [0]
         lr = float(ctx.optimizer.param_groups[0]["lr"]) if ctx.optimizer is not None else 0.0
-        ctx.skipped, nus = end.finish({g: self._dots.get(g, zero) for g in groups}, local_nonfinite(ctx), lr,
-                                      self.family.kl_clip)
+        verdict = end.finish({g: self._dots.get(g, zero) for g in groups}, local_nonfinite(ctx), local_loss(ctx), lr,
+                             self.family.kl_clip)
+        ctx.skipped, ctx.loss, nus = verdict.skip, verdict.loss, verdict.nus
         if self.family.kl_clip is not None and not ctx.skipped and ctx.optimizer is not None:
             for stage in sorted(self._touched):
                 runner = ctx.stage_runner(stage)

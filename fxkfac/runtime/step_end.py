@@ -39,7 +39,7 @@ from fxkfac.config import KLClipScope
 from fxkfac.kfac.precondition import kl_clip_scale
 from fxkfac.runtime.p2p import Transport
 
-__all__ = ["agreement_sets", "PendingSum", "StepLoss", "StepEnd", "clip_scales"]
+__all__ = ["agreement_sets", "PendingSum", "StepLoss", "StepEnd", "Verdict", "clip_scales"]
 
 
 def agreement_sets(holders: Iterable[Sequence[int]], world: int) -> list[tuple[int, ...]]:
@@ -158,6 +158,16 @@ class StepLoss:
         return abs(float(self))
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """How a step ends on a rank: skipped or not, the nu of each KL-clip group, and the step loss summed over the
+    world where the world all-reduce that ended the step carried it (None: `StepEnd.loss` sums it)."""
+
+    skip: bool
+    nus: dict[int, float]
+    loss: float | None = None
+
+
 @dataclass
 class StepEnd:
     """One rank's end of a step under `scope`: whom it waits for, and the nu of each KL-clip group.
@@ -198,33 +208,34 @@ class StepEnd:
         """True when no world collective ends a step (STAGE, and STALE after its first step)."""
         return self.scope is not KLClipScope.GLOBAL
 
-    def finish(self, dots: Mapping[int, torch.Tensor], nonfinite: bool, lr: float,
-               kappa: float | None) -> tuple[bool, dict[int, float]]:
-        """(skip, nu per KL-clip group) from this rank's share of each group's sum <P, G> (`dots`, group -> float64
-        scalar: under STAGE every group of the model, 0 where the rank holds none of it; else the one group 0) and
-        its NaN/Inf flag."""
+    def finish(self, dots: Mapping[int, torch.Tensor], nonfinite: bool, loss: torch.Tensor, lr: float,
+               kappa: float | None) -> Verdict:
+        """The verdict from this rank's share of each group's sum <P, G> (`dots`, group -> float64 scalar: under
+        STAGE every group of the model, 0 where the rank holds none of it; else the one group 0), its NaN/Inf
+        flag and its share of the step loss."""
         if self.scope is KLClipScope.GLOBAL or (self.scope is KLClipScope.STALE and self.stale is None):
-            return self._global(dots, nonfinite, lr, kappa)
+            return self._global(dots, nonfinite, loss, lr, kappa)
         groups = sorted(dots)
         shares = [dots[g] for g in groups] if self.scope is KLClipScope.STAGE else []
         skip, sums = self._agree(nonfinite, shares)
         if self.scope is KLClipScope.STAGE:
-            return skip, clip_scales(dict(zip(groups, sums)), lr, kappa)
+            return Verdict(skip, clip_scales(dict(zip(groups, sums)), lr, kappa))
         self._take_stale()
         assert self.stale is not None, "STALE ends its first step as GLOBAL, which sets the sum"
         total = torch.tensor(math.nan, dtype=torch.float64) if skip else _total(dots)
         self._pending = PendingSum.start(total, self.deferred, self.transport, "KL-clip <P, G> (stale) all-reduce")
-        return skip, dict.fromkeys(dots, kl_clip_scale(self.stale, lr, kappa))
+        return Verdict(skip, dict.fromkeys(dots, kl_clip_scale(self.stale, lr, kappa)))
 
-    def _global(self, dots: Mapping[int, torch.Tensor], nonfinite: bool, lr: float,
-                kappa: float | None) -> tuple[bool, dict[int, float]]:
-        """The world all-reduce of [sum <P, G>, flag]; under STALE, the sum becomes the next step's."""
-        both = torch.stack([_total(dots), torch.tensor(float(nonfinite), dtype=torch.float64)])
-        self.transport.all_reduce(both, None, "OPT_STEP (KL-clip <P, G> and non-finite check all-reduce)")
-        skip = bool(both[1] > 0)
-        if self.scope is KLClipScope.STALE and not skip and math.isfinite(float(both[0])):
-            self.stale = float(both[0])
-        return skip, dict.fromkeys(dots, kl_clip_scale(float(both[0]), lr, kappa))
+    def _global(self, dots: Mapping[int, torch.Tensor], nonfinite: bool, loss: torch.Tensor, lr: float,
+                kappa: float | None) -> Verdict:
+        """One world all-reduce of [sum <P, G>, flag, loss]; under STALE, the sum becomes the next step's."""
+        flat = torch.stack([_total(dots), torch.tensor(float(nonfinite), dtype=torch.float64),
+                            loss.detach().to(torch.float64)])
+        self.transport.all_reduce(flat, None, "OPT_STEP (KL-clip <P, G>, non-finite check and loss all-reduce)")
+        skip = bool(flat[1] > 0)
+        if self.scope is KLClipScope.STALE and not skip and math.isfinite(float(flat[0])):
+            self.stale = float(flat[0])
+        return Verdict(skip, dict.fromkeys(dots, kl_clip_scale(float(flat[0]), lr, kappa)), float(flat[2]))
 
     def _agree(self, nonfinite: bool, shares: Sequence[torch.Tensor]) -> tuple[bool, list[float]]:
         """All-reduce [flag, shares] over the agreement set: the verdict and the sums of the shares (a stage's
@@ -257,8 +268,8 @@ class StepEnd:
         self.stale, self._pending = stale, None
 
     def loss(self, loss: torch.Tensor) -> float | StepLoss:
-        """The step loss summed over the world: now under GLOBAL, else without waiting (a StepLoss)."""
-        if not self.barrier_free or self.transport.world == 1:
-            self.transport.all_reduce(loss, None, "loss all-reduce")
+        """The step loss summed over the world where no world all-reduce ended the step (a barrier-free step):
+        without waiting, a StepLoss (on one device, the loss itself)."""
+        if self.transport.world == 1:
             return float(loss)
         return StepLoss(PendingSum.start(loss, self.deferred, self.transport, "loss all-reduce"))

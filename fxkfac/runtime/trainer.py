@@ -31,7 +31,7 @@ from fxkfac.planner.schedules import ScheduleKind, stages_of_rank
 from fxkfac.planner.strategy import LayerDistribution
 from fxkfac.preconditioner import Family, RefreshState, gradient_parts
 from fxkfac.progress import Display, training_progress
-from fxkfac.runtime.interpreter import Interpreter, StepContext
+from fxkfac.runtime.interpreter import Interpreter, StepContext, local_loss
 from fxkfac.runtime.mesh import MeshLayout
 from fxkfac.runtime.p2p import TagSpace, Transport
 from fxkfac.runtime.param_state import (
@@ -227,8 +227,7 @@ class Trainer(Checkpointing):
             targets=[t for _, t in shards], loss_fn=self.loss_fn, out_spec=spec.captured.out_spec,
             scale=1.0 / (spec.N * W))
         self.interpreter.run(self.ops_at(self.steps), ctx, self.timeline)
-        summed = torch.stack(ctx.losses).sum() if ctx.losses else torch.zeros(())
-        loss = self._loss(summed)
+        loss = self._loss(ctx)
         if ctx.skipped:
             self.interpreter.abort(ctx)
             self._skip()
@@ -240,13 +239,15 @@ class Trainer(Checkpointing):
             self.progress.update(self.steps, float(loss))
         return loss
 
-    def _loss(self, local: Tensor) -> float | StepLoss:
-        """The step loss over the world: a float, or under a barrier-free KL-clip scope a StepLoss whose sum runs
-        on while the next step trains ([Note: KL-clip scope] in fxkfac/runtime/step_end.py)."""
-        if self.preconditioning is not None and self.preconditioning.step_end is not None:
-            return self.preconditioning.step_end.loss(local)
-        self.transport.all_reduce(local, None, "loss all-reduce")
-        return float(local)
+    def _loss(self, ctx: StepContext) -> float | StepLoss:
+        """The step loss over the world: the float OPT_STEP's world all-reduce summed, or under a barrier-free
+        KL-clip scope a StepLoss whose sum runs on while the next step trains ([Note: KL-clip scope] in
+        fxkfac/runtime/step_end.py)."""
+        if ctx.loss is not None:
+            return ctx.loss
+        assert self.preconditioning is not None and self.preconditioning.step_end is not None, \
+            "only a barrier-free KL-clip scope ends a step without the world all-reduce that sums the loss"
+        return self.preconditioning.step_end.loss(local_loss(ctx))
 
     def _skip(self) -> None:
         """Count a skipped step; NonFiniteError when more than `max_skipped_steps` were skipped in a row."""
