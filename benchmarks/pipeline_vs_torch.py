@@ -2,8 +2,9 @@
 
 Both run the same stage GraphModules (fxkfac's split of the same captured model), the same
 micro-batches and the same SGD step, side by side in one run (alternating rounds). Also prints
-fxkfac's measured bubble fraction per rank against the schedule's: the planner's simulation of
-the same program with the measured mean op durations, and the closed form (D-1)/(N+D-1).
+fxkfac's measured bubble fraction per rank (time outside F and B over the step's span) against the
+schedule's: the planner's simulation of the same program with the measured mean op durations (F, B, sends,
+the optimizer step), and the closed form (D-1)/(N+D-1) (F and B alone).
 
 Run: python benchmarks/pipeline_vs_torch.py [--width 512] [--depth 8] [--batch 128] [--microbatches 4]
 """
@@ -92,20 +93,31 @@ def _time(step, batch, warmup: int, iters: int) -> list[float]:
 
 
 def _theory(schedule: str, N: int, events) -> dict[int, float]:
-    """Bubble per rank of the planner's simulation of this program with the measured mean durations."""
+    """Bubble per rank of the planner's simulation of this program with the measured mean op durations: F and B
+    per stage, every other op's own time (a send's call, the gradient all-reduce, and OPT_STEP's work: per step
+    the least time over ranks, the rank that arrived last having waited for nobody); receives take none (the
+    simulation computes their waits). What the measured bubble has beyond this is the runtime's own overhead."""
     mean: dict[tuple[int, str, int | None], list[float]] = {}
+    opt: dict[int, list[float]] = {}
     for e in events:
-        kind = e.kind
+        kind, seconds = e.kind, (e.end_ns - e.start_ns) / 1e9
+        if kind == "OPT_STEP":
+            opt.setdefault(e.step, []).append(seconds)
+            continue
         stage = int(e.op.split()[1][1:]) if kind in ("FWD", "BWD") else None
-        mean.setdefault((e.rank, kind, stage), []).append((e.end_ns - e.start_ns) / 1e9)
+        mean.setdefault((e.rank, kind, stage), []).append(seconds)
     avg = {k: statistics.fmean(v) for k, v in mean.items()}
+    opt_step = statistics.fmean(min(v) for v in opt.values())
 
     def duration(rank: int, op) -> float:
-        if op.kind in (OpKind.FWD, OpKind.BWD):
-            return avg[(rank, op.kind.value, op.stage)]
-        return 0.0
+        if op.kind is OpKind.OPT_STEP:
+            return opt_step
+        if op.kind in (OpKind.RECV_ACT, OpKind.RECV_GRAD):
+            return 0.0
+        stage = op.stage if op.kind in (OpKind.FWD, OpKind.BWD) else None
+        return avg.get((rank, op.kind.value, stage), 0.0)
     tl = simulate(rank_programs(schedule, D, N, 1), duration)
-    return {r: 1.0 - tl.utilization(r) for r in range(D)}
+    return {r: 1.0 - tl.utilization(r, kinds=(OpKind.FWD, OpKind.BWD)) for r in range(D)}
 
 
 def _fxkfac_trainer(args: argparse.Namespace, schedule: str, example: torch.Tensor) -> Trainer:
