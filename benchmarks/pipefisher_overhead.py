@@ -27,7 +27,13 @@ must absorb over a few steps, while the per-step preconditioning (two d^3 produc
 a few percent of the step, as in the paper. Smaller widths make interpreter overhead dominate;
 larger ones make a run take many minutes on 2 cores.
 
-Run: python benchmarks/pipefisher_overhead.py [--schedule 1f1b] [--hidden 128] [--ffn 512] [--rounds 5]
+With ``--model gpt2`` the model is Hugging Face's GPT2LMHeadModel of the same sizes (from a config, no download)
+trained as a causal LM on the same corpus (next byte). Chimera is not offered: on D = 2 ranks its two pipelines
+leave about 1% of the step idle (planned utilization 99.1%), nothing for PipeFisher to fill, and D >= 4 ranks
+share the 2 cores here, which makes their timings meaningless.
+
+Run: python benchmarks/pipefisher_overhead.py [--model bert] [--schedule 1f1b] [--hidden 128] [--ffn 512]
+[--rounds 5]
 """
 
 from __future__ import annotations
@@ -46,10 +52,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
 
 import fxkfac
 from fxkfac.config import PROFILE_MARGIN, KFACConfig, PipelineOptions, PlanOptions
-from fxkfac.data import MaskedLMData, stdlib_corpus
+from fxkfac.data import VOCAB_SIZE, MaskedLMData, stdlib_corpus
 from fxkfac.launch import free_port
 from fxkfac.models import TinyBertConfig, TinyBertMLM, mlm_loss
 from fxkfac.planner.ir import LayerTiming, OpKind
@@ -79,11 +87,48 @@ def _model(args: argparse.Namespace) -> TinyBertMLM:
                                       max_len=args.seq))
 
 
+def _gpt2(args: argparse.Namespace) -> nn.Module:
+    """Hugging Face GPT-2 of the run's sizes over the byte vocabulary, dropout off."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(
+        vocab_size=VOCAB_SIZE, n_embd=args.hidden, n_inner=args.ffn, n_layer=args.layers, n_head=args.heads,
+        n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+        bos_token_id=0, eos_token_id=0))
+
+
+def _lm_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of a Hugging Face causal LM's logits."""
+    return F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+
+
+def _causal_batches(args: argparse.Namespace, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`count` batches of corpus windows and the same windows one byte on (a fixed generator)."""
+    tokens = torch.frombuffer(bytearray(stdlib_corpus()[0]), dtype=torch.uint8).long()
+    g = torch.Generator().manual_seed(0)
+    batches = []
+    for _ in range(count):
+        starts = torch.randint(0, len(tokens) - args.seq - 1, (args.batch,), generator=g)
+        windows = torch.stack([tokens[s:s + args.seq + 1] for s in starts.tolist()])
+        batches.append((windows[:, :-1], windows[:, 1:]))
+    return batches
+
+
+def _batches(args: argparse.Namespace, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The run's mini-batches: masked windows for BERT, next-byte windows for GPT-2."""
+    if args.model == "gpt2":
+        return _causal_batches(args, count)
+    data = MaskedLMData(stdlib_corpus()[0], seq_len=args.seq, seed=0)
+    return [data.batch(args.batch) for _ in range(count)]
+
+
 def _compile(args: argparse.Namespace, example: torch.Tensor, kfac: KFACConfig | None, plan: str | None, *,
              layer_timing: Mapping[str, LayerTiming] | None = None,
              plan_options: PlanOptions = PlanOptions()) -> Trainer:
     """One variant on the (D, 1) mesh, alike but for K-FAC and its plan: eager stages, AdamW, timeline recorded."""
-    return fxkfac.compile(_model(args), (D, 1), plan, example_inputs=(example,), loss_fn=mlm_loss,
+    model, loss_fn = (_gpt2(args), _lm_loss) if args.model == "gpt2" else (_model(args), mlm_loss)
+    return fxkfac.compile(model, (D, 1), plan, example_inputs=(example,), loss_fn=loss_fn,
                           optimizer=_optimizer, kfac=kfac, schedule=args.schedule, microbatches=args.microbatches,
                           backend=None, layer_timing=layer_timing, plan_options=plan_options,
                           pipeline=PipelineOptions(record_timeline=True, timeout=600.0))
@@ -165,9 +210,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=D,
                             timeout=timedelta(seconds=600))
-    data = MaskedLMData(stdlib_corpus()[0], seq_len=args.seq, seed=0)
-    batch = args.batch
-    batches = [data.batch(batch) for _ in range(8)]
+    batches = _batches(args, 8)
     built = time.perf_counter()
     trainers = _build(args, batches[0][0])
     build_s = time.perf_counter() - built
@@ -213,7 +256,8 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
 
     console = Console(width=140)
     planned = row["planned"]
-    title = (f"PipeFisher overhead ({args.schedule}, D={D}, N={args.microbatches}, BERT-MLM h{args.hidden} "
+    model = "GPT-2 LM" if args.model == "gpt2" else "BERT-MLM"
+    title = (f"PipeFisher overhead ({args.schedule}, D={D}, N={args.microbatches}, {model} h{args.hidden} "
              f"ffn{args.ffn} x{args.layers}, batch {args.batch}x{args.seq}, 1 thread/rank; refresh period "
              f"{row['periods']}, {row['block_steps']} steps x {args.rounds} rounds)")
     table = Table(title=title)
@@ -263,6 +307,8 @@ def main() -> None:
     """Spawn the two ranks, then print the table and the JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser)
+    parser.add_argument("--model", default="bert", choices=("bert", "gpt2"),
+                        help="the embedded BERT-style MLM, or Hugging Face GPT-2 as a causal LM")
     parser.add_argument("--periods-per-round", type=int, default=1)
     parser.add_argument("--warmup-periods", type=int, default=1)
     parser.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit (s)")
