@@ -42,7 +42,8 @@ Install it next to the project, without touching the project's environment (torc
     PYTHONPATH=/tmp/kfac-site python benchmarks/kfac_pytorch_compare.py
 
     python benchmarks/kfac_pytorch_compare.py [--models mlp tokens] [--methods inverse eigen] [--steps 5]
-        [--rounds 3] [--warmup 10] [--threads 1] [--backend BACKEND] [--world 2 [--strategies comm-opt ...]]
+        [--rounds 3] [--warmup 10] [--threads 1] [--backend BACKEND] [--capture fused|deferred]
+        [--world 2 [--strategies comm-opt ...]]
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ import time
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -123,11 +124,19 @@ def make_batch(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, TOKEN_CLASSES, (TOKEN_BATCH, SEQ), generator=g))
 
 
-def fxkfac_step(kind: str, method: str, backend: str | None) -> Callable[[], None]:
+Capture = Literal["fused", "deferred"]
+
+
+def fxkfac_config(method: str, capture: Capture) -> KFACConfig:
+    """The K-FAC settings both sides share (see the module docstring), refreshed every step, with `capture`."""
+    return KFACConfig(damping=DAMPING, factor_decay=FACTOR_DECAY, kl_clip=KL_CLIP, inverse=FXKFAC_METHOD[method],
+                      refresh_every=1, capture=capture)
+
+
+def fxkfac_step(kind: str, method: str, backend: str | None, capture: Capture = "fused") -> Callable[[], None]:
     """fxkfac.compile on one device (mesh=None), K-FAC refreshed every step, SGD with momentum."""
     x, y = make_batch(kind)
-    cfg = KFACConfig(damping=DAMPING, factor_decay=FACTOR_DECAY, kl_clip=KL_CLIP, inverse=FXKFAC_METHOD[method],
-                     refresh_every=1)
+    cfg = fxkfac_config(method, capture)
     trainer = fxkfac.compile(make_model(kind), None, example_inputs=(x,), loss_fn=F.cross_entropy,
                              optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM), kfac=cfg,
                              backend=backend)
@@ -181,12 +190,11 @@ def kfac_pytorch_step(kind: str, method: str, strategy: str | None = None) -> Ca
     return step
 
 
-def fxkfac_dp_step(kind: str, method: str, strategy: str) -> Callable[[], None]:
+def fxkfac_dp_step(kind: str, method: str, strategy: str, capture: Capture = "fused") -> Callable[[], None]:
     """fxkfac.compile on a ``(1, W)`` mesh (pure data parallelism, no plan: K-FAC on the critical path, refreshed
     every step) with ``strategy`` forced on every layer; each rank trains on its shard of the global batch."""
     x, y = make_batch(kind)
-    cfg = KFACConfig(damping=DAMPING, factor_decay=FACTOR_DECAY, kl_clip=KL_CLIP, inverse=FXKFAC_METHOD[method],
-                     refresh_every=1)
+    cfg = fxkfac_config(method, capture)
     trainer = fxkfac.compile(make_model(kind), (1, dist.get_world_size()), None, example_inputs=(x,),
                              loss_fn=F.cross_entropy, optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM),
                              kfac=cfg, backend=None, plan_options=PlanOptions(strategy=strategy))
@@ -242,9 +250,9 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     """The rich table and the JSON line."""
     load = result["loadavg"]
     where = "one device" if args.world == 1 else f"{args.world} ranks (gloo, pure data parallelism)"
-    table = Table(title=f"K-FAC step, {where}, refresh every step, {args.threads} thread(s) per process, median of "
-                        f"{args.rounds}x{args.steps} after {args.warmup} warm-up; load {load[0][0]:.2f} -> "
-                        f"{load[1][0]:.2f}")
+    table = Table(title=f"K-FAC step, {where}, refresh every step, {args.threads} thread(s) per process, fxkfac "
+                        f"capture {args.capture}, median of {args.rounds}x{args.steps} after {args.warmup} warm-up; "
+                        f"load {load[0][0]:.2f} -> {load[1][0]:.2f}")
     for col in ("model", "method", "strategy", "fxkfac ms", "kfac-pytorch ms", "fxkfac / kfac-pytorch",
                 "paired ratio (IQR)"):
         table.add_column(col, justify="left" if col in ("model", "method", "strategy") else "right")
@@ -256,8 +264,8 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
                       "-" if q is None else f"{q[1]:.2f} ({q[0]:.2f}-{q[2]:.2f})")
     Console(width=140).print(table)
     print(json.dumps({"benchmark": "kfac_pytorch_compare", "kfac_pytorch": result["kfac_pytorch"],
-                      "world": args.world, "threads": args.threads, "backend": args.backend, "steps": args.steps,
-                      "rounds": args.rounds, "warmup": args.warmup,
+                      "world": args.world, "threads": args.threads, "backend": args.backend, "capture": args.capture,
+                      "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
                       "tokens": {"batch": TOKEN_BATCH, "seq": SEQ, "blocks": TOKEN_BLOCKS}, **result}))
 
 
@@ -277,7 +285,7 @@ def _dp_worker(rank: int, args: argparse.Namespace, port: int, out_path: str) ->
     for kind in args.models:
         for method in args.methods:
             for strategy in args.strategies:
-                sides[(kind, method, strategy)] = {"fxkfac": fxkfac_dp_step(kind, method, strategy)}
+                sides[(kind, method, strategy)] = {"fxkfac": fxkfac_dp_step(kind, method, strategy, args.capture)}
                 if have_ref:
                     sides[(kind, method, strategy)]["kfac-pytorch"] = kfac_pytorch_step(kind, method, strategy)
     result = measure(sides, args, sync=dist.barrier)
@@ -297,6 +305,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process (both sides)")
     parser.add_argument("--backend", default=None, help="torch.compile backend for fxkfac on one device (default: "
                                                          "eager, like kfac-pytorch)")
+    parser.add_argument("--capture", default="fused", choices=["fused", "deferred"],
+                        help="fxkfac's factor capture (KFACConfig.capture): fused (default) makes each factor in the "
+                             "forward/backward pass, deferred keeps the rows and makes it in STATS (kfac.factors.gram)")
     parser.add_argument("--world", type=int, default=1, choices=[1, 2],
                         help="2: two gloo ranks, pure data parallelism, each --strategies")
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
@@ -314,7 +325,7 @@ def main() -> None:
     sides: dict[Config, dict[str, Callable[[], None]]] = {}
     for kind in args.models:
         for method in args.methods:
-            sides[(kind, method, "one device")] = {"fxkfac": fxkfac_step(kind, method, args.backend)}
+            sides[(kind, method, "one device")] = {"fxkfac": fxkfac_step(kind, method, args.backend, args.capture)}
             if have_ref:
                 sides[(kind, method, "one device")]["kfac-pytorch"] = kfac_pytorch_step(kind, method)
     report({**measure(sides, args), "kfac_pytorch": have_ref}, args)

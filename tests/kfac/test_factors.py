@@ -2,24 +2,29 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import pytest
 import torch
 from torch import nn
 
 from fxkfac.errors import ConfigError
 from fxkfac.kfac import a_rows, e_rows, factor, running_average
+from fxkfac.kfac.factors import gram
 from tests.kfac.helpers import layer_of
 
 
 def _naive_patch_factor(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
     """A by an explicit loop: zero-pad, visit every output position, read the dilated patch, sum outer products."""
     kh, kw = conv.kernel_size
-    (sh, sw), (ph, pw), (dh, dw) = conv.stride, conv.padding, conv.dilation
+    (sh, sw), (dh, dw) = conv.stride, conv.dilation
+    ph, pw = cast(tuple[int, int], conv.padding)  # the cases below give padding as numbers, never 'same'
     xp = torch.zeros(x.shape[0], x.shape[1], x.shape[2] + 2 * ph, x.shape[3] + 2 * pw, dtype=x.dtype)
     xp[:, :, ph : ph + x.shape[2], pw : pw + x.shape[3]] = x
     out_h = (x.shape[2] + 2 * ph - dh * (kh - 1) - 1) // sh + 1
     out_w = (x.shape[3] + 2 * pw - dw * (kw - 1) - 1) // sw + 1
-    total, rows = 0, 0
+    side = x.shape[1] * kh * kw + (conv.bias is not None)
+    total, rows = torch.zeros(side, side, dtype=x.dtype), 0
     for n in range(x.shape[0]):
         for i in range(out_h):
             for j in range(out_w):
@@ -67,8 +72,8 @@ def test_linear_token_factors_equal_per_token_sums(bias: bool) -> None:
     a = torch.randn(4, 6, 5, dtype=torch.float64)
     e = torch.randn(4, 6, 3, dtype=torch.float64)
     n = 16  # samples in the global mini-batch (this micro-batch holds 4 of them)
-    a_total = 0
-    b_total = 0
+    a_total = torch.zeros(lin.in_features + bias, lin.in_features + bias, dtype=torch.float64)
+    b_total = torch.zeros(3, 3, dtype=torch.float64)
     for s in range(4):
         for t in range(6):
             col = torch.cat([a[s, t], a.new_ones(1)]) if bias else a[s, t]
@@ -119,3 +124,13 @@ def test_running_average_and_factor_round_as_the_plain_expressions() -> None:
     assert mixed.dtype == torch.float64 and torch.equal(mixed, old * 0.95 + new.double() * (1.0 - 0.95))
     rows = torch.randn(17, 9, generator=g)
     assert torch.equal(factor(rows), (rows.t() @ rows) / 17)
+
+
+@pytest.mark.parametrize("shape", [(300, 517), (64, 1025), (40, 256)], ids=["rows<dim", "8_panels", "2_panels"])
+def test_gram_by_panels_equals_one_gemm_and_is_symmetric(shape: tuple[int, int]) -> None:
+    """The panel Gram (a syrk) is ``r^T r / rows`` to float64 rounding, and symmetric bit for bit."""
+    rows = torch.randn(*shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    got = gram(rows)
+    assert torch.equal(got, got.t())
+    torch.testing.assert_close(got, rows.t() @ rows / shape[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(factor(rows.float()), got.float(), rtol=1e-5, atol=1e-5)
