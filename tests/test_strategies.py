@@ -75,9 +75,10 @@ STRATEGIES = ("comm-opt", "mem-opt", "hybrid:0.5")
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("world", [2, 4])
-def test_kaisa_strategies_equal_one_device_kfac(world: int) -> None:
-    cases = [(D, strategy) for D in (1, 2) if world // D > 1 for strategy in STRATEGIES]
+@pytest.mark.parametrize(("world", "stages"), [(2, (1,)), (4, (1, 2)), (8, (2,))])
+def test_kaisa_strategies_equal_one_device_kfac(world: int, stages: tuple[int, ...]) -> None:
+    """W = 2 and 4 with pp = 1, W = 2 and 4 with pp = 2 (8 ranks)."""
+    cases = [(D, strategy) for D in stages for strategy in STRATEGIES]
     results = run_distributed(_worker, world, cases, timeout=600)
     assert all(r.ok for r in results), [r.traceback for r in results if not r.ok]
     want = _one_device()
