@@ -143,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--kl-clip-scope", type=KLClipScope, choices=list(KLClipScope), default=KLClipScope.GLOBAL,
                       help="the run's KFACConfig.kl_clip_scope: global ends every step with a world barrier; stage "
                            "and stale with one over each agreement set, so bubbles join across the step's end")
+    plan.add_argument("--decomp-pieces", type=int, default=1,
+                      help="tasks per decomposition: the run's KFACConfig.split_inverse pieces, each placed in a "
+                           "bubble of its own (default 1: one task, exact inversion)")
     plan.add_argument("--strategy", type=_arg_type(_strategy_arg), default=None,
                       help="how the copies of a stage share each layer's work: comm-opt, mem-opt, hybrid:F (KAISA's "
                            "grad-worker fraction, e.g. hybrid:0.5) or dp-kfac (local factors) on every layer; "
@@ -439,7 +442,8 @@ def problem_of(args: argparse.Namespace, costs: CostTable) -> Problem:
     fingerprint = _factory(args, _check(args)).fingerprint if _is_factory(args.target) else ""
     problem = Problem(args.schedule, args.stages, args.microbatches, costs, W=args.dp, v=args.virtual_stages,
                       memory_budget=memory_budget(args, costs.hardware).bytes, max_overhead=args.max_overhead,
-                      fingerprint=fingerprint, barrier=_barrier(args.kl_clip_scope), **period)
+                      fingerprint=fingerprint, barrier=_barrier(args.kl_clip_scope),
+                      decomp_pieces=args.decomp_pieces, **period)
     return problem if args.strategy is None else problem.with_strategy(args.strategy)
 
 
@@ -557,6 +561,8 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     S = _check(args)
     if args.time_limit <= 0:
         raise CliError(f"--time-limit must be > 0 seconds, got {args.time_limit:g}")
+    if args.decomp_pieces < 1:
+        raise CliError(f"--decomp-pieces must be >= 1 (1: each decomposition one task), got {args.decomp_pieces}")
     plan = _solved(args, S, console)
     budget = memory_budget(args, plan.problem.costs.hardware)
     title = f"fxkfac plan {args.target} ({args.method}, time limit {args.time_limit:g} s)"

@@ -179,6 +179,8 @@ def plan_rows(plan: Plan) -> list[tuple[str, str]]:
         ("model costs", f"{costs.source} ({costs.hardware}, micro-batch {costs.micro_batch_size})"),
         ("schedule", f"{p.schedule}  D={p.D} N={p.N} W={p.W}" + (f" v={p.v}" if p.schedule == "interleaved" else "")),
         ("memory budget / max overhead", f"{budget} per device / {p.max_overhead * 100:.3g}%"),
+        ("decompositions", "one task each" if p.decomp_pieces == 1 else
+         f"in {p.decomp_pieces} pieces each (KFACConfig.split_inverse)"),
         ("strategy across copies", strategy_of(plan)),
         ("solver", f"{m.solver.status} ({_VERDICTS.get(m.solver.status, 'unknown status')}), "
                    f"{m.solver.wall_time:.1f} s, gap to bound {m.solver.gap:.1%}"),

@@ -286,6 +286,23 @@ def test_plan_says_whether_the_result_is_optimal(capsys: pytest.CaptureFixture[s
     assert re.search(r"(OPTIMAL \(proven optimal\)|FEASIBLE \(not proven optimal\)|GREEDY \(first-fit)", solver), solver
 
 
+def test_decomp_pieces_plan_every_decomposition_in_that_many_tasks(tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """--decomp-pieces n: each layer's decomposition of a refresh is n DECOMP tasks, 0/n .. n-1/n, each placed on
+    its own; the summary says so, and n < 1 is refused in one line."""
+    path = tmp_path / "plan.json"
+    assert main(["plan", "bert-base", "-D", "4", "-N", "4", "--costs", "paper:bert-base/p100", "--decomp-pieces", "4",
+                 "--method", "greedy", "--export", str(path)]) == 0
+    assert "in 4 pieces each" in capsys.readouterr().out
+    plan = Plan.load(path)
+    pieces: dict[tuple[str | None, str | None], set[tuple[int, int] | None]] = {}
+    for op in (p.op for p in plan.placements if p.op.kind is OpKind.DECOMP):
+        pieces.setdefault((op.layer, op.part), set()).add(op.piece)
+    assert pieces and all(got == {(i, 4) for i in range(4)} for got in pieces.values()), pieces
+    assert main(["plan", "bert-base", "-D", "4", "-N", "4", "--decomp-pieces", "0"]) == 2
+    assert "--decomp-pieces must be >= 1" in _one_line_error(capsys)
+
+
 def test_trace_timestamps_are_never_negative(tmp_path: Path) -> None:
     """Chimera's greedy plan has a APPLY whose grid-rounded end lies a tick past the window: it was drawn
     (and traced) one window early as well, at a negative time, as step -1."""
