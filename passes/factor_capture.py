@@ -26,9 +26,11 @@ from fxkfac.passes.find_layers import layer_input
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.passes.meta import LAYER, NN_MODULE_STACK, TAP
 
-__all__ = ["FactorTaps", "insert_factor_capture", "tap_a", "tap_e", "probe_shape"]
+__all__ = ["FactorTaps", "gram", "insert_factor_capture", "tap_a", "tap_e", "probe_shape"]
 
 _MODES = ("fused", "deferred")
+_GRAM_PANELS, _GRAM_MIN_WIDTH = 8, 128
+"""`gram`'s column panels: at most 8, each at least 128 columns wide."""
 
 
 def _factor_dtype(t: Tensor) -> torch.dtype:
@@ -50,9 +52,31 @@ def _a_rows(x: Tensor, bias: bool, kernel: Sequence[int], stride: Sequence[int],
     return rows
 
 
-def _gram(rows: Tensor) -> Tensor:
-    """``rows^T rows / rows``."""
-    return (rows.t() @ rows) / rows.shape[0]
+def gram(rows: Tensor) -> Tensor:
+    """``rows^T rows / rows.shape[0]`` of ``[rows, dim]``, exactly symmetric, with fewer multiply-adds than one GEMM.
+
+    A syrk, which torch does not expose: the columns are cut into k panels (up to 8, each at least 128 wide),
+    panel i's GEMM makes its block row up to the diagonal and the blocks above are copied from their transposes,
+    ``(k + 1) / 2k`` of the GEMM's work (56% at k = 8). Under 256 columns: the one GEMM ``(rows^T rows) / rows``.
+    """
+    n = rows.shape[1]
+    panels = min(_GRAM_PANELS, n // _GRAM_MIN_WIDTH)
+    if panels < 2:
+        return (rows.t() @ rows).div_(rows.shape[0])
+    width = -(-n // panels)
+    out = rows.new_empty(n, n)
+    for start in range(0, n, width):
+        stop = min(start + width, n)
+        out[start:stop, :stop] = rows[:, start:stop].t() @ rows[:, :stop]
+        out[:start, start:stop] = out[start:stop, :start].t()
+        _mirror_lower(out[start:stop, start:stop])
+    return out.div_(rows.shape[0])
+
+
+def _mirror_lower(block: Tensor) -> None:
+    """Copy a square block's strict lower triangle onto its upper one, in place (a GEMM's ``r^T r`` may differ
+    from its transpose in the last bit)."""
+    block.copy_(block.tril().add_(block.tril(-1).t()))
 
 
 @torch.library.custom_op("fxkfac::tap_a", mutates_args=())
@@ -64,7 +88,7 @@ def tap_a(x: Tensor, mode: str, bias: bool, kernel: list[int], stride: list[int]
     """
     if mode == "deferred":
         return x.clone()
-    return _gram(_a_rows(x, bias, kernel, stride, padding, dilation))
+    return gram(_a_rows(x, bias, kernel, stride, padding, dilation))
 
 
 @tap_a.register_fake
@@ -108,7 +132,7 @@ def _tap_e_backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None]
         return grad, grad.clone(), None, None
     rows = grad.permute(0, 2, 3, 1).reshape(-1, grad.shape[1]) if ctx.channels_first else grad.reshape(
         -1, grad.shape[-1])
-    return grad, _gram(rows.to(_factor_dtype(grad))), None, None
+    return grad, gram(rows.to(_factor_dtype(grad))), None, None
 
 
 tap_e.register_autograd(_tap_e_backward, setup_context=_tap_e_setup)

@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from fxkfac.errors import ConfigError
+from fxkfac.passes.factor_capture import gram
 from fxkfac.passes.layers import KFACLayer
 
-__all__ = ["a_rows", "e_rows", "factor", "gram", "running_average"]
+__all__ = ["a_rows", "e_rows", "factor", "running_average"]
 
-_GRAM_PANELS, _GRAM_MIN_WIDTH = 8, 128
 
 
 def a_rows(a: Tensor, layer: KFACLayer) -> Tensor:
@@ -66,33 +66,6 @@ def factor(rows: Tensor, dtype: torch.dtype | str = torch.float32) -> Tensor:
     if rows.dim() != 2 or rows.shape[0] == 0:
         raise ConfigError(f"factor() needs a non-empty [rows, dim] matrix, got shape {tuple(rows.shape)}")
     return gram(rows.to(_as_dtype(dtype)))
-
-
-def gram(rows: Tensor) -> Tensor:
-    """``rows^T rows / rows.shape[0]`` of ``[rows, dim]``, exactly symmetric, with fewer multiply-adds than one GEMM.
-
-    A syrk, which torch does not expose: the columns are cut into k panels (up to 8, each at least 128 wide),
-    panel i's GEMM makes its block row up to the diagonal and the blocks above are copied from their transposes,
-    ``(k + 1) / 2k`` of the GEMM's work (56% at k = 8). Under 256 columns: the one GEMM ``(rows^T rows) / rows``.
-    """
-    n = rows.shape[1]
-    panels = min(_GRAM_PANELS, n // _GRAM_MIN_WIDTH)
-    if panels < 2:
-        return (rows.t() @ rows).div_(rows.shape[0])
-    width = -(-n // panels)
-    out = rows.new_empty(n, n)
-    for start in range(0, n, width):
-        stop = min(start + width, n)
-        out[start:stop, :stop] = rows[:, start:stop].t() @ rows[:, :stop]
-        out[:start, start:stop] = out[start:stop, :start].t()
-        _mirror_lower(out[start:stop, start:stop])
-    return out.div_(rows.shape[0])
-
-
-def _mirror_lower(block: Tensor) -> None:
-    """Copy a square block's strict lower triangle onto its upper one, in place (a GEMM's ``r^T r`` may differ
-    from its transpose in the last bit)."""
-    block.copy_(block.tril().add_(block.tril(-1).t()))
 
 
 def running_average(old: Tensor | None, new: Tensor, decay: float) -> Tensor:

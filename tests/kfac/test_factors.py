@@ -10,7 +10,7 @@ from torch import nn
 
 from fxkfac.errors import ConfigError
 from fxkfac.kfac import a_rows, e_rows, factor, running_average
-from fxkfac.kfac.factors import gram
+from fxkfac.passes.factor_capture import gram
 from tests.kfac.helpers import layer_of
 
 
