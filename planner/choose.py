@@ -1,29 +1,59 @@
-"""The strategy search: which distribution strategy (planner/strategy.py) plans a problem best.
+"""The distribution choice: which distribution (planner/strategy.py) each layer takes when the user forces none.
 
-[Note: strategy search] With the strategy left to the planner, every KAISA strategy the stages' copies allow
-(COMM-OPT, HYBRID with each grad-worker count that divides the copies, MEM-OPT) is planned in full by `solve`,
-its layers dealt to columns by KAISA's greedy on their decomposition seconds, and so is one per-layer mix:
-MEM-OPT on the layers that hold the larger half of the statistics bytes, COMM-OPT on the rest (the big layers'
-decompositions are what a memory budget cannot afford on every copy, the small ones' broadcasts what the step
-cannot afford). The plan with the shortest step, then the shortest refresh periods, then the least peak
-memory wins (ties: the order above, least communication first). All candidates share one time limit
-([Note: time limit] in planner/plan.py). A candidate that cannot meet the memory
-budget or max_overhead drops out; when none plans, COMM-OPT's refusal (with its suggestions) is raised.
-DP-KFAC is never chosen: its factors come from one replica's micro-batches, a different algorithm that only
-the user may ask for. CP-SAT places the work of each candidate; it does not choose among them itself.
+[Note: strategy search] With the strategy left to the planner, CP-SAT chooses each layer's distribution
+together with the placement ([Note: joint strategy] in planner/joint.py): first the option set with the least
+reference step (the plan's step time at max_overhead 0) within the static memory, then per stage group the
+options and placement with the least refresh period, stretch and staleness, every option a literal of the
+window's model. Stages whose slot moves the step's fixed work (`planner.joint.timeline_stages`: Chimera's,
+interleaved's first stage on a device) cannot be free in a window of fixed F/B work: they take each strategy of
+`candidate_strategies` in turn (KAISA's greedy columns), one joint solve per strategy, the others free in
+each; the plan with the shortest step, then the shortest refresh periods, then the least peak memory wins.
+Where the joint model does not apply it is not used, and the outer search below plans instead:
+- with the greedy method (no CP-SAT), under `StepBarrier.AGREEMENT_SET` (an early step start depends on the
+  slots), and with one copy per stage (nothing to choose);
+- when the joint solve places nothing (a memory budget that needs curvature fused, which the joint model does
+  not do), its time is up, or its placement cannot be moved into the chosen problem's own windows (the chosen
+  problem is then planned by `solve` itself: its distributions are still CP-SAT's).
+The outer search plans every candidate in full by `solve`: each KAISA strategy the stages' copies allow
+(COMM-OPT, HYBRID with each grad-worker count that divides the copies, MEM-OPT; layers dealt to columns by
+KAISA's greedy on their decomposition seconds) and one per-layer mix (MEM-OPT on the layers that hold the
+larger half of the statistics bytes, COMM-OPT on the rest), and keeps the best as above (ties: that order,
+least communication first); there CP-SAT places each candidate and does not choose among them. A candidate
+that cannot meet the memory budget or max_overhead drops out; when none plans, COMM-OPT's refusal (with its
+suggestions) is raised. DP-KFAC is never chosen: its factors come from one replica's micro-batches, a
+different algorithm that only the user may ask for. Everything shares one time limit ([Note: time limit] in
+planner/plan.py); a fallback after a failed joint solve gets what it left (at least greedy placement).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Mapping
 from fractions import Fraction
 
 from fxkfac.planner.errors import PlanError
-from fxkfac.planner.plan import Method, Plan, TimeBox, solve
-from fxkfac.planner.problem import Problem, SolverConfig, copies_of_stage
-from fxkfac.planner.strategy import COMM_OPT, Strategy, StrategyKind
+from fxkfac.planner.joint import (
+    JointPlacement,
+    apply_seconds,
+    bcast_seconds,
+    comm_slot_seconds,
+    layer_options,
+    restretch_joint,
+    share_seconds,
+    step_fixed_end,
+    timeline_stages,
+    transfer,
+)
+from fxkfac.planner.joint_cpsat import least_step, solve_joint_group
+from fxkfac.planner.plan import Method, Plan, TimeBox, aggregates, assemble, solve
+from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier, copies_of_stage, stage_groups
+from fxkfac.planner.strategy import COMM_OPT, LayerDistribution, Strategy, StrategyKind
+from fxkfac.planner.stretch import Allowance, allowance
+from fxkfac.planner.window import GroupSolution, grid_scale
 
-__all__ = ["candidate_strategies", "candidate_problems", "mixed", "solve_with_strategy", "strategy_of"]
+__all__ = ["candidate_strategies", "candidate_problems", "mixed", "solve_with_strategy", "solve_joint",
+           "solve_outer", "strategy_of"]
 
 log = logging.getLogger(__name__)
 
@@ -31,11 +61,15 @@ log = logging.getLogger(__name__)
 def candidate_strategies(problem: Problem) -> list[Strategy]:
     """COMM-OPT, then HYBRID for each grad-worker count between 1 and H that divides H (the copies of the
     stage held most often), then MEM-OPT; COMM-OPT alone when no stage has several copies."""
-    H = max(len(copies_of_stage(problem, s)) for s in range(problem.num_stages))
+    H = _most_copies(problem)
     if H == 1:
         return [COMM_OPT]
     hybrids = [Strategy(StrategyKind.HYBRID, Fraction(g, H)) for g in range(H - 1, 1, -1) if H % g == 0]
     return [COMM_OPT, *hybrids, Strategy(StrategyKind.MEM_OPT)]
+
+
+def _most_copies(problem: Problem) -> int:
+    return max(len(copies_of_stage(problem, s)) for s in range(problem.num_stages))
 
 
 def mixed(problem: Problem) -> Problem | None:
@@ -64,12 +98,30 @@ def candidate_problems(problem: Problem) -> list[Problem]:
 
 def solve_with_strategy(problem: Problem, strategy: Strategy | None, config: SolverConfig = SolverConfig(),
                         method: Method | str = Method.CPSAT, box: TimeBox | None = None) -> Plan:
-    """`solve` with every layer under `strategy`, or with the best of `candidate_problems` when it is None
-    (see [Note: strategy search]), all within one time limit (`box`, or a new one): each candidate gets an
-    equal share of the solver time left. When none plans, the first's refusal names what would."""
+    """`solve` with every layer under `strategy`, or, when it is None, with each layer's distribution chosen by
+    CP-SAT with the placement (`solve_joint`) where that applies, else by the outer search (`solve_outer`; see
+    [Note: strategy search]), all within one time limit (`box`, or a new one)."""
     box = box or TimeBox(config)
     if strategy is not None:
         return solve(problem.with_strategy(strategy), config, method, box=box)
+    if _joint_applies(problem, method):
+        plan = solve_joint(problem, config, box)
+        if plan is not None:
+            return plan
+        log.info("the joint choice made no plan: the outer search plans each candidate")
+    return solve_outer(problem, config, method, box)
+
+
+def _joint_applies(problem: Problem, method: Method | str) -> bool:
+    """Whether CP-SAT can choose the distributions with the placement ([Note: strategy search])."""
+    return Method(method) is Method.CPSAT and problem.barrier is StepBarrier.WORLD and _most_copies(problem) > 1
+
+
+def solve_outer(problem: Problem, config: SolverConfig = SolverConfig(), method: Method | str = Method.CPSAT,
+                box: TimeBox | None = None) -> Plan:
+    """The best of `candidate_problems`, each planned in full by `solve` with an equal share of the solver time
+    left in `box` (a new one: config's). When none plans, the first's refusal names what would."""
+    box = box or TimeBox(config)
     candidates = candidate_problems(problem)
     plans: list[Plan] = []
     for n, candidate in enumerate(candidates):
@@ -82,10 +134,125 @@ def solve_with_strategy(problem: Problem, strategy: Strategy | None, config: Sol
             log.info("distribution %s does not plan: %s", _words(candidate), e)
     if not plans:
         return solve(candidates[0], config, method, box=box)  # refused at once: it searches what would plan
-    best = min(plans, key=lambda p: (p.metrics.step_time, sum(p.metrics.refresh_steps),
-                                     max(p.metrics.peak_memory.values(), default=0)))
+    best = min(plans, key=_rank)
     log.info("distribution %s chosen among %s", strategy_of(best), [strategy_of(p) for p in plans])
     return best
+
+
+def _rank(plan: Plan) -> tuple[float, int, int]:
+    """Plans compare by step time, then the sum of refresh periods, then the peak memory."""
+    return (plan.metrics.step_time, sum(plan.metrics.refresh_steps), max(plan.metrics.peak_memory.values(), default=0))
+
+
+def solve_joint(problem: Problem, config: SolverConfig = SolverConfig(), box: TimeBox | None = None) -> Plan | None:
+    """Each layer's distribution chosen by CP-SAT with the placement ([Note: joint strategy] in planner/joint.py),
+    once per option set of the stages that move the step's fixed work (`timeline_stages`), each with an equal share
+    of the solver time left in `box`; the best plan, or None when none was made."""
+    box = box or TimeBox(config)
+    sets = _timeline_sets(problem)
+    plans = []
+    for n, fixed in enumerate(sets):
+        clock = box.solving(len(sets) - n)
+        began = time.perf_counter()
+        plan = _joint_plan(problem, fixed, config, box, clock.solver_time(), began)
+        if plan is not None:
+            plans.append(plan)
+        if clock.out():
+            break
+    if not plans:
+        return None
+    best = min(plans, key=_rank)
+    log.info("joint choice: %s", strategy_of(best))
+    return best
+
+
+def _timeline_sets(problem: Problem) -> list[dict[str, LayerDistribution]]:
+    """The distributions the timeline stages take in turn: each of `candidate_strategies` (one empty set when no
+    stage moves the step's fixed work)."""
+    moving = timeline_stages(problem)
+    if not moving:
+        return [{}]
+    names = [x.name for s in sorted(moving) for x in problem.costs.stages[s].layers]
+    return [{n: forced.where(n) for n in names} for forced in (problem.with_strategy(s)
+                                                                for s in candidate_strategies(problem))]
+
+
+def _joint_plan(problem: Problem, fixed: Mapping[str, LayerDistribution], config: SolverConfig, box: TimeBox,
+                limit: float, began: float) -> Plan | None:
+    """One joint solve with the timeline stages' layers at `fixed`, within `limit` of the box's clock."""
+    meter = box.meter
+    start = meter.now()
+    anchor = problem.with_distributions(fixed)
+    free = frozenset(range(problem.num_stages)) - timeline_stages(problem)
+    step = least_step(anchor, free, step_fixed_end(anchor, free), config, meter, limit / 10)
+    if step is None:
+        log.info("joint choice: no distribution of %s meets the memory budget", sorted(free))
+        return None
+    anchor = anchor.with_distributions({**fixed, **step.distributions})
+    scale = grid_scale(anchor, range(anchor.num_stages), frozenset(), config.time_resolution, _option_seconds(anchor))
+    allowed = Allowance(anchor, frozenset(), scale if config.stretch and anchor.max_overhead > 0 else None)
+    groups = stage_groups(anchor)
+    placements: list[JointPlacement] = []
+    forced = [problem.with_strategy(s) for s in candidate_strategies(problem)]
+    for n, group in enumerate(groups):
+        left = limit - (meter.now() - start)
+        names = [x.name for s in group.stages if s in free for x in anchor.costs.stages[s].layers]
+        candidates = [anchor.with_distributions({**dict(anchor.distributions), **{m: f.where(m) for m in names}})
+                      for f in forced]
+        placement = solve_joint_group(anchor, group, free, candidates, scale, allowed.ticks, config,
+                                      max(0.0, left) / (len(groups) - n), meter,
+                                      aggregate=aggregates(anchor, group, config, allowed))
+        if placement is None:
+            log.info("joint choice: stages %s not placed", list(group.stages))
+            return None
+        placements.append(placement)
+    step_ticks = max(p.step_ticks for p in placements)
+    placements = [restretch_joint(p, step_ticks) for p in placements]
+    chosen = anchor.with_distributions({n: d for p in placements for n, d in p.choices.items()})
+    solutions = [transfer(p, chosen) for p in placements]
+    if not all(solutions):
+        log.warning("joint choice: its placement is not one of %s's own windows; planning that choice itself",
+                    _words(chosen))
+        return _planned(chosen, config, box)
+    return assemble(chosen, [s for s in solutions if s is not None], _greedy(chosen, config, box),
+                    Allowance(chosen, frozenset(), allowed.scale), time.perf_counter() - began)
+
+
+def _planned(problem: Problem, config: SolverConfig, box: TimeBox) -> Plan | None:
+    """`problem` planned by `solve` in `box`, None where it refuses."""
+    try:
+        return solve(problem, config, box=box, shares=2, suggest=False)
+    except PlanError as e:
+        log.info("the joint choice does not plan by itself: %s", e)
+        return None
+
+
+def _greedy(problem: Problem, config: SolverConfig, box: TimeBox) -> list[GroupSolution | None]:
+    """The paper's rule per group of the chosen problem, for the plan's metrics (None where it places nothing)."""
+    from fxkfac.planner.greedy import greedy_group
+
+    allowed = allowance(problem, frozenset(), config)
+    out: list[GroupSolution | None] = []
+    for group in stage_groups(problem):
+        try:
+            out.append(greedy_group(problem, group, aggregate=aggregates(problem, group, config, allowed),
+                                    resolution=config.time_resolution, allowance=allowed, meter=box.meter))
+        except PlanError:
+            out.append(None)
+    return out
+
+
+def _option_seconds(problem: Problem) -> list[float]:
+    """Every duration an option of a layer may give a task or slot, for an exact grid where the costs allow one."""
+    out = []
+    for s, stage in enumerate(problem.costs.stages):
+        out.append(comm_slot_seconds(problem, s))
+        for x in stage.layers:
+            out.append(apply_seconds(problem, x.name))
+            for where in layer_options(problem, x.name):
+                out.append(share_seconds(problem, x.name, where))
+                out += [bcast_seconds(problem, x.name, p.part, where) for p in x.parts]
+    return out
 
 
 def strategy_of(plan: Plan) -> str:

@@ -176,30 +176,35 @@ def _add_memory(v: _Vars, w: Window) -> None:
     if not caps:
         return
     unit = max(1, math.ceil(max(caps) / 2**30))
-    L, m = w.length, v.model
     for d in w.group.devices:
         cap = w.capacity[d]
-        if cap is None:
+        if cap is not None:
+            v.model.add_cumulative(*_memory_items(v, w, d, unit), max(0, cap // unit))
+
+
+def _memory_items(v: _Vars, w: Window, d: int, unit: int) -> tuple[list[cp_model.IntervalVar], list[int]]:
+    """Device d's memory users besides its static bytes, as intervals and demands in `unit` bytes (rounded up):
+    the activations (fixed), and the a/e each deferred curvature keeps from its F/B's end to its own end."""
+    L, m = w.length, v.model
+    intervals, demands = [], []
+    for s, e, nbytes in w.acts[d]:
+        intervals.append(m.new_fixed_size_interval_var(s, e - s, f"act_r{d}_{s}"))
+        demands.append(math.ceil(nbytes / unit))
+    for i, task in enumerate(w.tasks):
+        if task.kind is not TaskKind.CURV or task.devices[0] != d or task.keep_bytes == 0:
             continue
-        intervals, demands = [], []
-        for s, e, nbytes in w.acts[d]:
-            intervals.append(m.new_fixed_size_interval_var(s, e - s, f"act_r{d}_{s}"))
-            demands.append(math.ceil(nbytes / unit))
-        for i, task in enumerate(w.tasks):
-            if task.kind is not TaskKind.CURV or task.devices[0] != d or task.keep_bytes == 0:
-                continue
-            t0 = task.release % L
-            room = L - t0
-            held = m.new_int_var(task.ticks, L, f"held_{task.name}")
-            m.add(held == v.start[i] + task.ticks - task.release)
-            first = m.new_int_var(0, room, f"keep1_{task.name}")
-            second = m.new_int_var(0, L, f"keep2_{task.name}")
-            m.add_min_equality(first, [held, room])
-            m.add_max_equality(second, [held - room, 0])
-            intervals.append(m.new_interval_var(t0, first, t0 + first, f"keep_{task.name}"))
-            intervals.append(m.new_interval_var(0, second, second, f"keep_wrap_{task.name}"))
-            demands += [math.ceil(task.keep_bytes / unit)] * 2
-        m.add_cumulative(intervals, demands, max(0, cap // unit))
+        t0 = task.release % L
+        room = L - t0
+        held = m.new_int_var(task.ticks, L, f"held_{task.name}")
+        m.add(held == v.start[i] + task.ticks - task.release)
+        first = m.new_int_var(0, room, f"keep1_{task.name}")
+        second = m.new_int_var(0, L, f"keep2_{task.name}")
+        m.add_min_equality(first, [held, room])
+        m.add_max_equality(second, [held - room, 0])
+        intervals.append(m.new_interval_var(t0, first, t0 + first, f"keep_{task.name}"))
+        intervals.append(m.new_interval_var(0, second, second, f"keep_wrap_{task.name}"))
+        demands += [math.ceil(task.keep_bytes / unit)] * 2
+    return intervals, demands
 
 
 def _add_staleness(v: _Vars, w: Window) -> list[cp_model.IntVar]:

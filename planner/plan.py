@@ -26,7 +26,7 @@ import math
 import os
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from decimal import ROUND_CEILING, Decimal
 from enum import StrEnum
@@ -74,7 +74,8 @@ from fxkfac.planner.window import (
     too_long,
 )
 
-__all__ = ["SCHEMA_VERSION", "OVERTIME", "Method", "SolverStats", "PlanMetrics", "Plan", "TimeBox", "solve"]
+__all__ = ["SCHEMA_VERSION", "OVERTIME", "Method", "SolverStats", "PlanMetrics", "Plan", "TimeBox", "solve",
+           "aggregates", "assemble"]
 
 SCHEMA_VERSION = 3
 """Version of the plan JSON layout; a newer file asks the user to upgrade fxkfac, an older one to re-plan.
@@ -344,6 +345,21 @@ class _Refused(Exception):
     def __init__(self, error: PlanError, knobs: tuple[Knob, ...], fused: frozenset[str] = frozenset()) -> None:
         super().__init__(str(error))
         self.error, self.knobs, self.fused = error, knobs, fused
+
+
+def aggregates(problem: Problem, group: StageGroup, config: SolverConfig, allowed: Allowance) -> bool:
+    """Whether `solve` places the group's curvature as one STATS task per F/B (`_aggregate`): for a distribution
+    choice made beside `solve` (planner/choose.py), which places the same tasks."""
+    return _aggregate(problem, group, config, allowed)
+
+
+def assemble(problem: Problem, solutions: Sequence[GroupSolution], greedy: list[GroupSolution | None],
+             allowed: Allowance, wall: float) -> Plan:
+    """The plan of one solution per stage group, nothing fused, assembled as `solve` assembles its own (`greedy`:
+    the paper's rule per group, for the metrics): the entry of a distribution choice made beside `solve`
+    (planner/choose.py), whose solutions are of `problem`'s own windows."""
+    placed: list[GroupSolution | None] = list(solutions)
+    return _assemble(problem, _Attempt(_same_stretch(placed), greedy, allowed), frozenset(), wall)
 
 
 def _aggregate(problem: Problem, group: StageGroup, config: SolverConfig, allowed: Allowance) -> bool:

@@ -212,6 +212,14 @@ class Window:
         """Ticks to seconds."""
         return ticks / self.scale
 
+    def up(self, seconds: float) -> int:
+        """`seconds` in whole ticks, rounded up as task durations are ([Note: time grid])."""
+        return _Grid(self.scale).up(seconds)
+
+    def span(self, seconds: float) -> int:
+        """The ticks of a task of `seconds`: rounded up, at least one ([Note: time grid])."""
+        return _Grid(self.scale).span(seconds)
+
     def step_of(self, device: int, t: int) -> int:
         """The window step (0..2k-1) whose program holds an op starting at absolute tick t on device: steps
         begin at their offsets less their leads ([Note: step barrier])."""
@@ -324,8 +332,10 @@ class _Grid:
         return max(1, self.up(d))
 
 
-def grid_scale(problem: Problem, stages: Iterable[int], fused: frozenset[str], resolution: int) -> tuple[float, bool]:
-    """Ticks per second for windows of `stages` and whether the grid is exact ([Note: time grid])."""
+def grid_scale(problem: Problem, stages: Iterable[int], fused: frozenset[str], resolution: int,
+               extra: Iterable[float] = ()) -> tuple[float, bool]:
+    """Ticks per second for windows of `stages` and whether the grid is exact ([Note: time grid]); `extra`: more
+    durations it must hold exactly (the options of a joint choice, planner/joint.py)."""
     refresh, normal = step_timeline(problem, fused), step_timeline(problem)
     stages = list(stages)
     layers = [x for s in stages for x in problem.costs.stages[s].layers]
@@ -336,7 +346,7 @@ def grid_scale(problem: Problem, stages: Iterable[int], fused: frozenset[str], r
                   for op in (Op(OpKind.SYNC_STATS, s, layer=x.name, part=p.part),
                              Op(OpKind.BCAST, s, layer=x.name, part=p.part, root=0))]
     times = [t for st in (refresh, normal) for items in st.ops.values() for _, a, b in items for t in (a, b)]
-    return _scale(times + durations, normal.length, resolution)
+    return _scale(times + durations + list(extra), normal.length, resolution)
 
 
 def build_window(problem: Problem, group: StageGroup, k: int, fused: frozenset[str] = frozenset(),
