@@ -7,7 +7,8 @@ options and placement with the least refresh period, stretch and staleness, ever
 window's model. Stages whose slot moves the step's fixed work (`planner.joint.timeline_stages`: Chimera's,
 interleaved's first stage on a device) cannot be free in a window of fixed F/B work: they take each strategy of
 `candidate_strategies` in turn (KAISA's greedy columns), one joint solve per strategy, the others free in
-each; the plan with the shortest step, then the shortest refresh periods, then the least peak memory wins.
+each; the plan first by `rank` wins (the shortest reference step, then refresh periods, then stretch, then peak
+memory).
 Where the joint model does not apply it is not used, and the outer search below plans instead:
 - with the greedy method (no CP-SAT), under `StepBarrier.AGREEMENT_SET` (an early step start depends on the
   slots), and with one copy per stage (nothing to choose);
@@ -33,6 +34,7 @@ from collections.abc import Mapping
 from fractions import Fraction
 
 from fxkfac.planner.errors import PlanError
+from fxkfac.planner.greedy import greedy_group
 from fxkfac.planner.joint import (
     JointPlacement,
     apply_seconds,
@@ -52,7 +54,7 @@ from fxkfac.planner.strategy import COMM_OPT, LayerDistribution, Strategy, Strat
 from fxkfac.planner.stretch import Allowance, allowance
 from fxkfac.planner.window import GroupSolution, grid_scale
 
-__all__ = ["candidate_strategies", "candidate_problems", "mixed", "solve_with_strategy", "solve_joint",
+__all__ = ["rank", "candidate_strategies", "candidate_problems", "mixed", "solve_with_strategy", "solve_joint",
            "solve_outer", "strategy_of"]
 
 log = logging.getLogger(__name__)
@@ -134,14 +136,18 @@ def solve_outer(problem: Problem, config: SolverConfig = SolverConfig(), method:
             log.info("distribution %s does not plan: %s", _words(candidate), e)
     if not plans:
         return solve(candidates[0], config, method, box=box)  # refused at once: it searches what would plan
-    best = min(plans, key=_rank)
+    best = min(plans, key=rank)
     log.info("distribution %s chosen among %s", strategy_of(best), [strategy_of(p) for p in plans])
     return best
 
 
-def _rank(plan: Plan) -> tuple[float, int, int]:
-    """Plans compare by step time, then the sum of refresh periods, then the peak memory."""
-    return (plan.metrics.step_time, sum(plan.metrics.refresh_steps), max(plan.metrics.peak_memory.values(), default=0))
+def rank(plan: Plan) -> tuple[float, int, float, int]:
+    """How plans of one problem under different distributions compare, as `solve` ranks its own: the reference step
+    (the step time at max_overhead 0, which the allowance is measured against), then the sum of refresh periods
+    (within the allowance fresher curvature comes first), then the step time (the stretch used), then the peak
+    memory."""
+    m = plan.metrics
+    return (m.step_time_reference, sum(m.refresh_steps), m.step_time, max(m.peak_memory.values(), default=0))
 
 
 def solve_joint(problem: Problem, config: SolverConfig = SolverConfig(), box: TimeBox | None = None) -> Plan | None:
@@ -161,7 +167,7 @@ def solve_joint(problem: Problem, config: SolverConfig = SolverConfig(), box: Ti
             break
     if not plans:
         return None
-    best = min(plans, key=_rank)
+    best = min(plans, key=rank)
     log.info("joint choice: %s", strategy_of(best))
     return best
 
@@ -229,8 +235,6 @@ def _planned(problem: Problem, config: SolverConfig, box: TimeBox) -> Plan | Non
 
 def _greedy(problem: Problem, config: SolverConfig, box: TimeBox) -> list[GroupSolution | None]:
     """The paper's rule per group of the chosen problem, for the plan's metrics (None where it places nothing)."""
-    from fxkfac.planner.greedy import greedy_group
-
     allowed = allowance(problem, frozenset(), config)
     out: list[GroupSolution | None] = []
     for group in stage_groups(problem):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -207,15 +207,22 @@ def _memory_items(v: _Vars, w: Window, d: int, unit: int) -> tuple[list[cp_model
     return intervals, demands
 
 
-def _add_staleness(v: _Vars, w: Window) -> list[cp_model.IntVar]:
+def _add_staleness(v: _Vars, w: Window) -> list[cp_model.LiteralT]:
     """use_offset(layer) = number of the window's steps whose APPLY comes before the inverse is ready."""
-    m, k, L = v.model, w.k, w.length
-    ends: dict[str, list[cp_model.LinearExpr]] = {}
+    ends: dict[str, list[cp_model.LinearExprT]] = {}
     for i, task in enumerate(w.tasks):
         if task.kind in (TaskKind.INV, TaskKind.BCAST):
             for layer, _ in task.factors:
                 ends.setdefault(layer, []).append(v.start[i] + task.ticks)
-    not_ready: list[Any] = []  # negated bool vars
+    return _not_ready_flags(v, w, ends)
+
+
+def _not_ready_flags(v: _Vars, w: Window, ends: Mapping[str, Sequence[cp_model.LinearExprT]]) -> \
+        list[cp_model.LiteralT]:
+    """Per layer and window step j (of 2k), a flag 'every one of `ends` is done by the layer's slot in step j',
+    monotone in j; returns the negated flags, whose sum is the window's use offsets (the staleness objective)."""
+    m, k, L = v.model, w.k, w.length
+    not_ready: list[cp_model.LiteralT] = []
     for layer, items in ends.items():
         stage = w.problem.costs.stage_of(layer)
         flags = [m.new_bool_var(f"ready_{layer}_j{j}") for j in range(2 * k)]

@@ -29,6 +29,7 @@ from fxkfac.planner.cpsat import (
     _break_layer_symmetry,
     _memory_items,
     _modular,
+    _not_ready_flags,
     _set_limits,
     _Vars,
 )
@@ -387,7 +388,7 @@ def _add_memory(v: _Joint, w: Window, options: Options) -> None:
 def _add_staleness(v: _Joint, w: Window) -> list[cp_model.LiteralT]:
     """use_offset(layer) = number of the window's steps whose slot starts before its decompositions and their
     broadcasts are done (`planner.window.use_offsets`); returns the negated 'ready by step j' flags."""
-    m, k, L = v.model, w.k, w.length
+    m = v.model
     ready: dict[str, cp_model.IntVar] = {}
     for i, task in enumerate(w.tasks):
         if task.kind is TaskKind.INV:
@@ -397,18 +398,7 @@ def _add_staleness(v: _Joint, w: Window) -> list[cp_model.LiteralT]:
             m.add(ready[layer] >= v.start[i] + task.ticks)
     for (layer, _), (_, _, has, end) in v.bcast.items():
         m.add(ready[layer] >= end).only_enforce_if(has)
-    not_ready: list[cp_model.LiteralT] = []
-    for layer, at in ready.items():
-        stage = w.problem.costs.stage_of(layer)
-        flags = [m.new_bool_var(f"ready_{layer}_j{j}") for j in range(2 * k)]
-        for j, flag in enumerate(flags):
-            for n, slot in enumerate(w.precs):
-                if slot.stage == stage and slot.step == j % k:
-                    m.add(at <= v.prec[n] + L * (j // k)).only_enforce_if(flag)
-            if j + 1 < len(flags):
-                m.add_implication(flag, flags[j + 1])
-        not_ready += [~flag for flag in flags]
-    return not_ready
+    return _not_ready_flags(v, w, {layer: [at] for layer, at in ready.items()})
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,117 @@
+"""CP-SAT choosing each layer's distribution with the placement (planner/joint.py, planner/joint_cpsat.py): the least
+step against every option set enumerated, and joint plans against every forced strategy and the outer search."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+
+import pytest
+
+from fxkfac.planner.budget import Meter
+from fxkfac.planner.choose import solve_outer, solve_with_strategy, strategy_of
+from fxkfac.planner.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.hardware import HARDWARE
+from fxkfac.planner.joint import layer_options, reference_step, step_fixed_end, timeline_stages
+from fxkfac.planner.joint_cpsat import least_step
+from fxkfac.planner.plan import Plan, solve
+from fxkfac.planner.problem import Problem, SolverConfig, activation_peak, static_bytes, step_timeline
+from fxkfac.planner.strategy import parse_strategy
+from fxkfac.planner.validate import validate
+
+QUICK = SolverConfig(time_limit_s=2.0)
+
+
+def _problem(schedule: str = "1f1b", stages: int = 2, W: int = 2, layers: int = 3, budget: int | None = None,
+             max_overhead: float = 0.6) -> Problem:
+    """Uneven layers (decomposition 4..12 ms, statistics 1..3 MiB) on `stages` stages, each held by W copies."""
+    table = CostTable(tuple(
+        StageCost(0.01, 0.02, 4 << 20, 1 << 20, tuple(
+            LayerCost.kfac(f"s{s}fc{i}", 0.001, 0.001, 0.004 * (i + 1), 0.003, 0.001, 1024, 1024,
+                           (i + 1) << 20, (i + 1) << 20, grad_bytes=1 << 18) for i in range(layers)))
+        for s in range(stages)), 8, "hand", "test", HARDWARE["a100"].comm)
+    micro = stages if schedule == "chimera" else 2 * stages
+    return Problem(schedule, stages, micro, table, W=W, max_overhead=max_overhead, memory_budget=budget)
+
+
+def _fits(problem: Problem) -> bool:
+    budget = problem.memory_budget
+    return budget is None or all(static_bytes(problem, d) + activation_peak(problem, d) <= budget
+                                 for d in problem.devices)
+
+
+def _enumerated_least(problem: Problem) -> float:
+    """The least simulated reference step over every option set of every layer that meets the static memory."""
+    names = list(problem.costs.layer_names)
+    steps = []
+    for combo in itertools.product(*(layer_options(problem, n) for n in names)):
+        candidate = problem.with_distributions(dict(zip(names, combo)))
+        if _fits(candidate):
+            steps.append(step_timeline(candidate).length)
+    return min(steps)
+
+
+@pytest.mark.parametrize("budget", [None, "tight"])
+def test_least_step_is_the_least_over_every_option_set(budget: str | None) -> None:
+    """Two stages of two copies, 3 options per layer (COMM-OPT, MEM-OPT on either copy): 729 option sets, each
+    simulated; the model's least step and its choice's simulated step are that minimum (to the model's 1 ns)."""
+    problem = _problem()
+    if budget:  # between the least and the most static bytes an option set can hold
+        comm = max(static_bytes(problem, d) + activation_peak(problem, d) for d in problem.devices)
+        mem = problem.with_strategy(parse_strategy("mem-opt"))
+        least = max(static_bytes(mem, d) + activation_peak(mem, d) for d in mem.devices)
+        assert least < comm
+        problem = dataclasses.replace(problem, memory_budget=(least + comm) // 2)
+    free = frozenset(range(problem.num_stages)) - timeline_stages(problem)
+    assert free == {0, 1}  # 1F1B: each stage's slot comes after its copies' fixed work
+    meter = Meter(True, time.perf_counter() + 60)
+    choice = least_step(problem, free, step_fixed_end(problem, free), QUICK, meter, 10.0)
+    assert choice is not None
+    chosen = problem.with_distributions(choice.distributions)
+    best = _enumerated_least(problem)
+    assert _fits(chosen)
+    assert choice.step == pytest.approx(best, abs=1e-8)
+    assert step_timeline(chosen).length == pytest.approx(best, abs=1e-8)
+    assert reference_step(problem, free, choice.distributions) == pytest.approx(best, abs=1e-8)
+
+
+def _checked(plan: Plan) -> Plan:
+    assert validate(plan.problem, plan) == []
+    return plan
+
+
+def _no_worse(plan: Plan, other: Plan) -> bool:
+    """In the planner's order: reference step (what max_overhead is measured against), then refresh periods, then
+    step time; the last within 1% (the stretch each minimizes in its time limit, neither proven optimal)."""
+    a, b = plan.metrics, other.metrics
+    first, second = (round(a.step_time_reference, 9), sum(a.refresh_steps)), \
+        (round(b.step_time_reference, 9), sum(b.refresh_steps))
+    return first < second or (first == second and a.step_time <= 1.01 * b.step_time)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "chimera"])
+def test_the_joint_plan_is_no_worse_than_any_forced_strategy_or_the_outer_search(schedule: str) -> None:
+    """Chimera's stages move the step's fixed work (one joint solve per strategy of theirs); 1F1B's do not. The
+    plans are valid (the validator checks the broadcasts and who holds what) and no worse (`_no_worse`) than each
+    forced strategy's or the outer search's best whole-strategy candidate."""
+    problem = _problem(schedule, max_overhead=0.3)
+    assert bool(timeline_stages(problem)) == (schedule == "chimera")
+    joint = _checked(solve_with_strategy(problem, None, QUICK))
+    for text in ("comm-opt", "mem-opt"):
+        forced = _checked(solve(problem.with_strategy(parse_strategy(text)), QUICK))
+        assert _no_worse(joint, forced), (text, strategy_of(joint), joint.metrics, forced.metrics)
+    outer = _checked(solve_outer(problem, QUICK))
+    assert _no_worse(joint, outer), (strategy_of(joint), strategy_of(outer), joint.metrics, outer.metrics)
+
+
+def test_a_budget_comm_opt_misses_is_met_by_the_joint_choice() -> None:
+    problem = _problem(schedule="gpipe", stages=1, W=4, layers=4)
+    comm = _checked(solve(problem, QUICK))
+    mem = _checked(solve(problem.with_strategy(parse_strategy("mem-opt")), QUICK))
+    budget = max(mem.metrics.peak_memory.values())
+    assert budget < max(comm.metrics.peak_memory.values())
+    tight = dataclasses.replace(problem, memory_budget=budget)
+    chosen = _checked(solve_with_strategy(tight, None, QUICK))
+    assert strategy_of(chosen) != "comm-opt"
+    assert max(chosen.metrics.peak_memory.values()) <= budget
