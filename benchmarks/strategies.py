@@ -12,14 +12,15 @@ Which pairs are compared, and why:
   (`PlanOptions.strategy`); every refresh runs in its step, before APPLY (`naive_programs`), so the ratio
   against COMM-OPT at the same refresh is the strategy's own cost: who inverts, who preconditions, what is
   broadcast. hybrid:0.5 is MEM-OPT at W = 2 (one grad worker) and appears only in the W = 4 check.
-- **planned** (plan="auto"): the same three forced, and ``auto`` (strategy None: the planner tries COMM-OPT,
-  MEM-OPT and one per-layer mix, DP-KFAC never, planner/choose.py). All plan over one cost table (profiled
-  once, by the first planned compile, then passed as `PlanOptions.costs`) with the same `--max-overhead` (a
-  pure-DP step has no bubbles: the refresh work goes into time appended to the step), and ``auto`` gets the
-  forced runs' time limit once per candidate, so every candidate is solved as its forced run is. The planner
-  picks the refresh period (shown), so these rows are at the plan's period, not at 1 or 10. The issue's
-  target, ``auto`` no slower than the best forced strategy within noise, is checked here against the best
-  forced KAISA strategy (the ones ``auto`` chooses among), and its ratio to DP-KFAC (a different algorithm) is
+- **planned** (plan="auto"): the same three forced, and ``auto`` (strategy None: CP-SAT chooses each
+  layer's KAISA distribution with the placement, DP-KFAC never; planner/joint.py, planner/choose.py). All
+  plan over one cost table (profiled once, by the first planned compile, then passed as
+  `PlanOptions.costs`) with the same `--max-overhead` (a pure-DP step has no bubbles: the refresh work goes
+  into time appended to the step), and ``auto`` gets the forced runs' time limit once per whole-strategy
+  candidate (what the outer search, its fallback, would need). The planner picks the refresh period
+  (shown), so these rows are at the plan's period, not at 1 or 10. The issue's target, ``auto`` no slower
+  than the best forced strategy within noise, is checked here against the best forced KAISA strategy (the
+  ones ``auto`` chooses among), and its ratio to DP-KFAC (a different algorithm) is
   shown beside it.
 
 Measured: the step time is the median over rounds of a block's mean (blocks interleaved round by round, each a
