@@ -37,8 +37,8 @@ __all__ = [
     "Sides",
 ]
 
-if TYPE_CHECKING:  # mypy checks that both classes implement the Family protocol
-    from fxkfac.preconditioner import Family
+if TYPE_CHECKING:  # mypy checks that both classes implement the Family protocol, Shampoo also PiecewiseFamily
+    from fxkfac.preconditioner import Family, PiecewiseFamily
 
-    def _families(shampoo: ShampooConfig, soap: SOAPConfig) -> tuple[Family, Family]:
-        return ShampooFamily(shampoo), SOAPFamily(soap)
+    def _families(shampoo: ShampooConfig, soap: SOAPConfig) -> tuple[Family, Family, PiecewiseFamily]:
+        return ShampooFamily(shampoo), SOAPFamily(soap), ShampooFamily(shampoo)

@@ -92,6 +92,22 @@ def _check_common(cfg: Any, cls_name: str) -> None:
                                                       LargeDimMethod))
 
 
+def _check_newton_pieces(cfg: ShampooConfig) -> None:
+    """ConfigError unless newton_pieces is an int >= 1, with the Newton method when > 1, and at most
+    newton_max_iterations (every piece runs at least one iteration)."""
+    pieces = cfg.newton_pieces
+    _require(_is_int(pieces) and pieces >= 1, "ShampooConfig", "newton_pieces", "an int >= 1", pieces)
+    if pieces > 1 and cfg.root_inv_method is not RootInvMethod.NEWTON:
+        raise ConfigError(f"ShampooConfig.newton_pieces={pieces} needs root_inv_method='newton' (an eigendecomposition "
+                          f"is one task; only the coupled Newton iteration is cut into pieces), got "
+                          f"root_inv_method={cfg.root_inv_method.value!r}; set root_inv_method='newton' or "
+                          "newton_pieces=1")
+    if pieces > cfg.newton_max_iterations:
+        raise ConfigError(f"ShampooConfig.newton_pieces={pieces} exceeds newton_max_iterations="
+                          f"{cfg.newton_max_iterations} (each piece runs at least one iteration); lower newton_pieces "
+                          "or raise newton_max_iterations")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ShampooConfig:
     """Hyperparameters of Distributed Shampoo (semantics: fxkfac/shampoo/family.py)."""
@@ -140,6 +156,10 @@ class ShampooConfig:
     """Newton stops once max row sum of |M_k - I| is below it."""
     newton_max_iterations: int = 100
     """Newton gives up after this many iterations and falls back to (protected) eigh."""
+    newton_pieces: int = 1
+    """Tasks each root inverse is made in ("DECOMP s L i/n"; 1: one task, under either method). n > 1 needs
+    root_inv_method='newton': piece i runs its share of newton_max_iterations and hands (X, M) on, the last
+    applies the convergence test and the eigh fallback, so the pieces make exactly the one task's roots."""
     preconditioner_dtype: str = "float32"
     """dtype of L, R and their roots ("float32" or "float64")."""
 
@@ -158,6 +178,7 @@ class ShampooConfig:
         object.__setattr__(self, "grafting_type", _enum(name, "grafting_type", self.grafting_type, GraftType))
         object.__setattr__(self, "root_inv_method", _enum(name, "root_inv_method", self.root_inv_method,
                                                           RootInvMethod))
+        _check_newton_pieces(self)
         if self.root_inv_method is RootInvMethod.NEWTON and self.exponent_multiplier != 1.0:
             raise ConfigError(f"{name}.exponent_multiplier must be 1.0 with root_inv_method='newton' (the coupled "
                               f"Newton iteration computes integer roots only), got {self.exponent_multiplier!r}; "

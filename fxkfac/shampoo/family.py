@@ -9,7 +9,9 @@ Per parameter, seen as a 1-D or 2-D view cut into blocks (fxkfac.planner.blockin
      L^(-eta/p), R^(-eta/p) of L / (1 - beta2^(t+1)) (bias correction, beta2 < 1), p = exponent_override or
      2 * order of the view, by shifted eigh (eps added after shifting the spectrum to >= 0; protected: retry
      in float64, then keep the previous roots) or coupled Newton ((L + eps I)^(-1/p); if it does not reach
-     the tolerance within newton_max_iterations, protected eigh instead). A snapshot taken before
+     the tolerance within newton_max_iterations, protected eigh instead; with newton_pieces = n a plan runs the
+     iterations as n DECOMP pieces, each its share of newton_max_iterations, handing the pairs (X, M) on, and
+     the last piece makes the roots as one task would, bit for bit). A snapshot taken before
      start_preconditioning_step decomposes to None, so the first roots come from the first refresh step >= start
      (the paper's gap when start is not a multiple of the frequency); a failure in any block keeps the previous
      roots of the whole parameter.
@@ -38,15 +40,27 @@ from fxkfac.shampoo import graft
 from fxkfac.shampoo.base import BlockFamily, block_side
 from fxkfac.shampoo.config import RootInvMethod, ShampooConfig
 from fxkfac.shampoo.layout import Factor, Layout, ParamUnit, make_layout, running_sum
-from fxkfac.shampoo.roots import diagonal_root_inverse, newton_root_inverse, protected_eigh_root_inverse
+from fxkfac.shampoo.roots import (
+    NewtonIterate,
+    diagonal_root_inverse,
+    newton_result,
+    newton_share,
+    newton_start,
+    newton_steps,
+    protected_eigh_root_inverse,
+)
 from fxkfac.shampoo.state import ShampooState, Sides
 
-__all__ = ["ShampooFamily"]
+__all__ = ["ShampooFamily", "NewtonCarry"]
+
+NewtonCarry = tuple[NewtonIterate, ...]
+"""A root inverse between pieces: the Newton pair (X, M) of each iterated factor of the part, in layout order
+(empty under eigh, which has nothing to hand on)."""
 
 
 class ShampooFamily(BlockFamily):
-    """The `Family` of Shampoo (see the module doc). `max_dim`: the planner's block side for a config whose
-    max_preconditioner_dim is "auto" (default DEFAULT_MAX_DIM)."""
+    """The `Family` of Shampoo, also a `PiecewiseFamily` (see the module doc). `max_dim`: the planner's block side
+    for a config whose max_preconditioner_dim is "auto" (default DEFAULT_MAX_DIM)."""
 
     name = "shampoo"
 
@@ -55,6 +69,8 @@ class ShampooFamily(BlockFamily):
                          start=cfg.start_preconditioning_step, stat_beta=cfg.betas[1])
         self.cfg = cfg
         self.max_dim = block_side(cfg.max_preconditioner_dim, max_dim, DEFAULT_MAX_DIM)
+        self.decomp_pieces = cfg.newton_pieces
+        """n: the pieces each root inverse is made in (`ShampooConfig.newton_pieces`; 1: one task)."""
 
     def _make_layout(self, unit: ParamUnit) -> Layout:
         """Every factor kind: dense, or diagonal for sides above b under DIAGONAL."""
@@ -79,7 +95,48 @@ class ShampooFamily(BlockFamily):
     # --- refresh ------------------------------------------------------------------------------------
 
     def decompose(self, unit: ParamUnit, state: RefreshState, part: str) -> Tensor | None:
-        """The part's inverse roots, flat in its layout; None before start or on a (protected) failure."""
+        """The part's inverse roots, flat in its layout; None before start or on a (protected) failure. Runs the
+        coupled Newton iterations in `decomp_pieces` shares in a row: exactly what the pieces make run apart."""
+        stats = self._corrected(unit, state, part)
+        if stats is None:
+            return None
+        carry = self._newton_start(unit, part, stats)
+        for index in range(self.decomp_pieces):
+            carry = self._newton_piece(unit, index, carry)
+        return self._finish(unit, part, stats, carry)
+
+    def decompose_piece(self, unit: ParamUnit, state: RefreshState, part: str, index: int,
+                        carry: NewtonCarry | None) -> NewtonCarry | Tensor | None:
+        """Piece `index` of `decompose`: piece 0 starts the Newton pairs from the statistic, each piece runs its
+        share of the iterations, the last makes the roots (or None). A carry of None: nothing to decompose yet."""
+        n = self.decomp_pieces
+        if not 0 <= index < n:
+            raise ValueError(f"{unit.name} {part}: piece {index} of a root inverse made in {n} piece(s)")
+        stats = self._corrected(unit, state, part) if index in (0, n - 1) else None
+        if index == 0:
+            carry = None if stats is None else self._newton_start(unit, part, stats)
+        carry = None if carry is None else self._newton_piece(unit, index, carry)
+        if index < n - 1:
+            return carry
+        return None if stats is None or carry is None else self._finish(unit, part, stats, carry)
+
+    def carry_to_state(self, carry: NewtonCarry | None) -> dict[str, Any] | None:
+        """A root inverse in flight as tensors: the X and M of each iterated factor, in layout order."""
+        return None if carry is None else {"x": [x for x, _ in carry], "m": [m for _, m in carry]}
+
+    def carry_from_state(self, saved: Any) -> NewtonCarry | None:
+        """Inverse of `carry_to_state`; ValueError when malformed."""
+        if saved is None:
+            return None
+        xs, ms = (saved.get(k) if isinstance(saved, Mapping) else None for k in ("x", "m"))
+        if not (isinstance(xs, list) and isinstance(ms, list) and len(xs) == len(ms)
+                and all(isinstance(t, Tensor) for t in xs + ms)):
+            raise ValueError(f"a Shampoo root inverse in flight must be {{'x': [tensors], 'm': [tensors]}} of equal "
+                             f"lengths, got {saved!r}")
+        return tuple(zip(xs, ms, strict=True))
+
+    def _corrected(self, unit: ParamUnit, state: RefreshState, part: str) -> Tensor | None:
+        """The statistic the roots are taken of (bias-corrected when beta2 < 1); None before start."""
         stats = self.statistic_to_decompose(unit, state, part)
         if stats is None:
             return None
@@ -87,10 +144,37 @@ class ShampooFamily(BlockFamily):
         beta2 = self.cfg.betas[1]
         if self.cfg.use_bias_correction and beta2 < 1.0:
             stats = stats / (1.0 - beta2 ** state.folds[part])
+        return stats
+
+    def _iterates(self, factor: Factor) -> bool:
+        """Whether the factor's root comes from the coupled Newton iteration (dense, method NEWTON)."""
+        return factor.kind is FactorKind.DENSE and self.cfg.root_inv_method is RootInvMethod.NEWTON
+
+    def _newton_start(self, unit: ParamUnit, part: str, stats: Tensor) -> NewtonCarry:
+        """The first Newton pair of each iterated factor of the part (none under eigh)."""
         layout = self.layout(unit)
+        p, eps = self.root_of(layout), self.cfg.epsilon
+        return tuple(newton_start(f.take(stats), p, eps) for f in layout.factors[part] if self._iterates(f))
+
+    def _newton_piece(self, unit: ParamUnit, index: int, carry: NewtonCarry) -> NewtonCarry:
+        """Piece `index`'s share of newton_max_iterations on every pair of `carry`."""
+        cfg, p = self.cfg, self.root_of(self.layout(unit))
+        share = newton_share(cfg.newton_max_iterations, self.decomp_pieces, index)
+        return tuple(newton_steps(pair, p, cfg.newton_tolerance, share) for pair in carry)
+
+    def _finish(self, unit: ParamUnit, part: str, stats: Tensor, carry: NewtonCarry) -> Tensor | None:
+        """The part's roots, flat, from the last Newton pairs (eigh where Newton missed the tolerance), the eigh
+        or diagonal roots of the other factors; None when a factor's root fails (protected)."""
+        layout = self.layout(unit)
+        factors = layout.factors[part]
+        if len(carry) != sum(map(self._iterates, factors)):
+            raise ValueError(f"{unit.name} {part}: a root inverse in flight has {len(carry)} Newton pairs, the part "
+                             f"iterates {sum(map(self._iterates, factors))}: it was made under another layout")
+        pairs = iter(carry)
         roots = []
-        for factor in layout.factors[part]:
-            root = self._root(unit, part, factor, factor.take(stats), self.root_of(layout))
+        for factor in factors:
+            pair = next(pairs) if self._iterates(factor) else None
+            root = self._root(unit, part, factor, factor.take(stats), self.root_of(layout), pair)
             if root is None:
                 return None
             roots.append(root.reshape(-1))
@@ -100,16 +184,16 @@ class ShampooFamily(BlockFamily):
         """p: the exponent override, else 2 * order of the view."""
         return self.cfg.exponent_override or 2 * len(layout.view)
 
-    def _root(self, unit: ParamUnit, part: str, factor: Factor, stat: Tensor, p: int) -> Tensor | None:
-        """One factor's inverse root (see the module doc); ValueError when it fails and eigh is unprotected."""
+    def _root(self, unit: ParamUnit, part: str, factor: Factor, stat: Tensor, p: int,
+              newton: NewtonIterate | None) -> Tensor | None:
+        """One factor's inverse root (see the module doc) from its last Newton pair, if it iterates; ValueError when
+        it fails and eigh is unprotected."""
         cfg = self.cfg
         exponent = cfg.exponent_multiplier / p
         if factor.kind is FactorKind.DIAGONAL:
             root = diagonal_root_inverse(stat, exponent, cfg.epsilon)
         else:
-            root = None
-            if cfg.root_inv_method is RootInvMethod.NEWTON:
-                root = newton_root_inverse(stat, p, cfg.epsilon, cfg.newton_tolerance, cfg.newton_max_iterations)
+            root = None if newton is None else newton_result(newton, cfg.newton_tolerance)
             if root is None:
                 root = protected_eigh_root_inverse(stat, exponent, cfg.epsilon, cfg.use_protected_eigh)
         if root is None and not cfg.use_protected_eigh:
