@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 class Target:
     """What a plan must be made for: the graph fingerprint, schedule, D, N, W and v of the run, the longest
     refresh period the family accepts (None: the planner's own limit) and the pieces it makes each decomposition
-    in (`KFACConfig.split_inverse`; 1: whole)."""
+    in (`KFACConfig.split_inverse`, `ShampooConfig.newton_pieces`; 1: whole)."""
 
     fingerprint: str
     schedule: ScheduleKind
@@ -148,8 +148,8 @@ def check_matches(plan: Any, target: Target, where: str = "the plan") -> None:
                                 "(fxkfac plan ... --export) or pass plan='auto'")
     if plan.problem.decomp_pieces != target.decomp_pieces:
         raise PlanMismatchError(f"{where} makes each decomposition in {plan.problem.decomp_pieces} piece(s), this run "
-                                f"in {target.decomp_pieces} (KFACConfig.split_inverse); make a plan with this "
-                                "configuration or pass plan='auto'")
+                                f"in {target.decomp_pieces} (KFACConfig.split_inverse, ShampooConfig.newton_pieces); "
+                                "make a plan with this configuration or pass plan='auto'")
     if plan.fingerprint != target.fingerprint:
         raise PlanMismatchError(f"{where} was made for graph {plan.fingerprint!r}, not this model's "
                                 f"{target.fingerprint!r} (other layers, widths or stage split); make a new plan "

@@ -144,8 +144,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="the run's KFACConfig.kl_clip_scope: global ends every step with a world barrier; stage "
                            "and stale with one over each agreement set, so bubbles join across the step's end")
     plan.add_argument("--decomp-pieces", type=int, default=1,
-                      help="tasks per decomposition: the run's KFACConfig.split_inverse pieces, each placed in a "
-                           "bubble of its own (default 1: one task, exact inversion)")
+                      help="tasks per decomposition: the run's KFACConfig.split_inverse pieces (K-FAC) or "
+                           "ShampooConfig.newton_pieces (Shampoo), each placed in a bubble of its own (default 1: "
+                           "one task, exact inversion)")
     plan.add_argument("--strategy", type=_arg_type(_strategy_arg), default=None,
                       help="how the copies of a stage share each layer's work: comm-opt, mem-opt, hybrid:F (KAISA's "
                            "grad-worker fraction, e.g. hybrid:0.5) or dp-kfac (local factors) on every layer; "
@@ -587,8 +588,9 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
 def run_show(args: argparse.Namespace, console: Console) -> int:
     """`fxkfac show`: draw a saved plan (validated on load, its summary checked against its placements),
     and a measured trace below it."""
-    from fxkfac.plan_view import busy_utilization, planned_utilization, render_plan, summary_errors
+    from fxkfac.plan_view import planned_utilization, render_plan, summary_errors
     from fxkfac.planner.plan import Plan
+    from fxkfac.planner.simulate import BUSY_KINDS
     from fxkfac.show import render_summary, render_timeline, timeline_from_trace
 
     plan = Plan.load(args.plan)
@@ -605,7 +607,7 @@ def run_show(args: argparse.Namespace, console: Console) -> int:
     console.print(render_timeline(measured, width=console.width, title=f"measured: {args.measured}",
                                   words=words_of(plan.problem.costs)))
     planned = planned_utilization(plan)
-    ran = busy_utilization(measured, 0.0, measured.makespan)
+    ran = {r: measured.utilization(r, BUSY_KINDS, (0.0, measured.makespan)) for r in measured.ranks}
     rows = [(f"r{r}", f"{planned[r]:.1%}" if r in planned else "-", f"{ran[r]:.1%}" if r in ran else "-")
             for r in sorted(set(planned) | set(ran))]
     console.print(render_summary("utilization per rank: planned | measured",

@@ -26,17 +26,16 @@ from fxkfac.planner.problem import (
     copies_of_stage,
     format_bytes,
     plain_step_time,
+    plain_utilization,
     static_bytes,
+    step_begins,
     step_timeline,
+    window_length,
 )
-from fxkfac.planner.simulate import Interval, Timeline
+from fxkfac.planner.simulate import BUSY_KINDS, Interval, Timeline
 from fxkfac.show import render_summary, render_timeline
 
-__all__ = ["BUSY_KINDS", "PlannedView", "planned_view", "planned_utilization", "plan_rows", "summary_errors",
-           "render_plan", "busy_utilization"]
-
-BUSY_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.STATS, OpKind.DECOMP, OpKind.APPLY})
-"""What counts as busy in utilization, planned and measured (communication does not)."""
+__all__ = ["PlannedView", "planned_view", "planned_utilization", "plan_rows", "summary_errors", "render_plan"]
 
 _DRAWN_FIXED = frozenset({OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD})
 _MIN_CELLS_PER_STEP = 20
@@ -72,20 +71,14 @@ class _Steps:
     stretch: float
 
     @property
-    def first(self) -> float:
-        return self.refresh.length + self.stretch
-
-    @property
     def other(self) -> float:
         return self.normal.length + self.stretch
 
     def length(self, k: int) -> float:
-        return self.first + (k - 1) * self.other
+        return window_length(self.refresh.length, self.normal.length, self.stretch, k)
 
     def base(self, j: int, k: int) -> float:
-        within = j % k
-        start = 0.0 if within == 0 else self.first + (within - 1) * self.other
-        return start + self.length(k) * (j // k)
+        return step_begins(self.refresh.length, self.normal.length, self.stretch, j, k)
 
     def of(self, j: int, k: int) -> StepTimeline:
         return self.refresh if j % k == 0 else self.normal
@@ -140,23 +133,12 @@ def planned_view(plan: Plan, steps: int | None = None) -> PlannedView:
     return PlannedView(Timeline(ordered, tuple(sorted(periods)), count), count, end)
 
 
-def busy_utilization(timeline: Timeline, start: float, end: float) -> dict[int, float]:
-    """Per rank: time in BUSY_KINDS inside [start, end) over (end - start)."""
-    span = end - start
-    out = {}
-    for rank in timeline.ranks:
-        busy = sum(max(0.0, min(iv.end, end) - max(iv.start, start)) for iv in timeline.of_rank(rank)
-                   if iv.op.kind in BUSY_KINDS)
-        out[rank] = busy / span if span > 0 else 0.0
-    return out
-
-
 def planned_utilization(plan: Plan) -> dict[int, float]:
-    """Per device: busy share of its own refresh period, as planned."""
+    """Per device: its utilization over its own refresh period, as drawn from the placements."""
     out = {}
     for d, k in sorted(_periods(plan).items()):
         view = planned_view(plan, k)
-        out[d] = busy_utilization(Timeline(tuple(view.timeline.of_rank(d)), (d,), k), 0.0, view.end)[d]
+        out[d] = view.timeline.utilization(d, BUSY_KINDS, (0.0, view.end))
     return out
 
 
@@ -180,7 +162,7 @@ def plan_rows(plan: Plan) -> list[tuple[str, str]]:
         ("schedule", f"{p.schedule}  D={p.D} N={p.N} W={p.W}" + (f" v={p.v}" if p.schedule == "interleaved" else "")),
         ("memory budget / max overhead", f"{budget} per device / {p.max_overhead * 100:.3g}%"),
         ("decompositions", "one task each" if p.decomp_pieces == 1 else
-         f"in {p.decomp_pieces} pieces each (KFACConfig.split_inverse)"),
+         f"in {p.decomp_pieces} pieces each (KFACConfig.split_inverse or ShampooConfig.newton_pieces)"),
         ("strategy across copies", strategy_of(plan)),
         ("solver", f"{m.solver.status} ({_VERDICTS.get(m.solver.status, 'unknown status')}), "
                    f"{m.solver.wall_time:.1f} s, gap to bound {m.solver.gap:.1%}"),
@@ -207,7 +189,7 @@ def summary_errors(plan: Plan) -> list[str]:
     for name, claimed, found in (("step time before", m.step_time_baseline, plain_step_time(p)),
                                  ("K-FAC reference step time", m.step_time_reference, step_timeline(p).length),
                                  ("utilization", m.utilization, _mean(planned_utilization(plan).values())),
-                                 ("utilization before", m.utilization_baseline, _baseline_utilization(plan))):
+                                 ("utilization before", m.utilization_baseline, plain_utilization(p))):
         if abs(claimed - found) > 1e-6 * max(1.0, abs(found)) + m.time_quantum:
             errors.append(f"{name} {claimed:.6g}, but its problem and placements give {found:.6g}")
     if set(m.peak_memory) != set(p.devices) or any(m.peak_memory[d] < static_bytes(p, d) for d in p.devices):
@@ -219,11 +201,6 @@ def _mean(values: Iterable[float]) -> float:
     items = list(values)
     return sum(items) / len(items)
 
-
-def _baseline_utilization(plan: Plan) -> float:
-    """Busy share of the plain pipeline's step (no K-FAC), mean over devices."""
-    base = step_timeline(plan.problem, frozenset(), False)
-    return _mean(sum(b - a for _, a, b in base.fixed(d)) / base.length for d in plan.problem.devices)
 
 
 def render_plan(plan: Plan, *, width: int = 80, title: str = "") -> RenderableType:

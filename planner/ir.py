@@ -95,7 +95,8 @@ OP_FIELDS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
 stage when absent) and a `part` of it (every part when absent); STATS names a micro-batch for a part fed by a
 capture and none for a part fed by the reduced gradient; `peer` is the other end of a transfer, `root` the
 rank a broadcast comes from and `group` the ranks it reaches (every copy of the stage when absent); a DECOMP's
-`piece` ``(i, n)`` makes piece i of a decomposition split into n (KFACConfig.split_inverse; whole when absent). APPLY
+`piece` ``(i, n)`` makes piece i of a decomposition split into n (KFACConfig.split_inverse,
+ShampooConfig.newton_pieces; whole when absent). APPLY
 without a layer preconditions every layer of the stage; BCAST_PREC sends one layer's preconditioned gradient
 from its grad worker to a row of receivers (planner/strategy.py)."""
 _RAW_LAYER = re.compile(r"[A-Za-z0-9_.:/\-\[\]]+")

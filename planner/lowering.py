@@ -7,7 +7,7 @@ runtime only interprets them.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from enum import Enum, auto
 from typing import TYPE_CHECKING, TypeVar
@@ -21,9 +21,9 @@ if TYPE_CHECKING:
 
     from fxkfac.planner.costs import CostTable
 
-__all__ = ["add_send_recv", "expand_dp", "rank_programs", "ranks_of_stages", "refreshing", "Assignment",
-           "assign_decompositions", "decomposition_seconds", "step_applies", "kfac_tail", "naive_programs",
-           "startup_programs"]
+__all__ = ["add_send_recv", "expand_dp", "rank_programs", "ranks_of_stages", "linked_classes", "refreshing",
+           "Assignment", "assign_decompositions", "decomposition_seconds", "step_applies", "kfac_tail",
+           "naive_programs", "startup_programs"]
 
 P = TypeVar("P", list[Op], Program)
 
@@ -120,6 +120,27 @@ def ranks_of_stages(kind: ScheduleKind | str, D: int, W: int, v: int = 1) -> dic
     pipes = (0, 1) if kind is ScheduleKind.CHIMERA else (0,)
     return {s: tuple(sorted({stage_rank(kind, D, s, p, v=v) * W + w for p in pipes for w in range(W)}))
             for s in range(num_stages(kind, D, v))}
+
+
+def linked_classes(sets: Iterable[Sequence[int]], count: int) -> list[tuple[int, ...]]:
+    """The classes of 0..count-1 linked, transitively, by sharing one of `sets` (each class ascending, the classes
+    by their first member): a stage's holders link ranks into agreement sets, a rank's stages link stages into
+    stage groups."""
+    parent = list(range(count))
+
+    def root(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for members in sets:
+        for x in members[1:]:
+            parent[root(x)] = root(members[0])
+    classes: dict[int, list[int]] = {}
+    for x in range(count):
+        classes.setdefault(root(x), []).append(x)
+    return sorted(tuple(c) for c in classes.values())
 
 
 def refreshing(timings: Mapping[str, LayerTiming], names: Sequence[str], step: int) -> list[str]:

@@ -55,10 +55,12 @@ from fxkfac.planner.problem import (
     format_bytes,
     min_memory_bytes,
     plain_step_time,
+    plain_utilization,
     refresh_lower_bound,
     stage_groups,
     step_timeline,
 )
+from fxkfac.planner.simulate import BUSY_KINDS, utilization
 from fxkfac.planner.stretch import Allowance, allowance, restretch
 from fxkfac.planner.window import (
     GroupSolution,
@@ -907,11 +909,11 @@ def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) 
 
 
 def _utilization(problem: Problem, w: Window, placed: list[Placement], device: int) -> float:
+    """The device's planned utilization: its F/B and placed work over the window."""
     timelines = [step_timeline(problem, w.fused)] + [step_timeline(problem)] * (w.k - 1)
     busy = sum(b - a for st in timelines for _, a, b in st.fixed(device))
-    busy += sum(p.end - p.start for p in placed
-                if p.device == device and p.op.kind in (OpKind.STATS, OpKind.DECOMP, OpKind.APPLY))
-    return busy / w.seconds(w.length)
+    busy += sum(p.end - p.start for p in placed if p.device == device and p.op.kind in BUSY_KINDS)
+    return utilization(busy, w.seconds(w.length))
 
 
 def _assemble(problem: Problem, attempt: _Attempt, fused: frozenset[str], wall: float) -> Plan:
@@ -920,7 +922,7 @@ def _assemble(problem: Problem, attempt: _Attempt, fused: frozenset[str], wall: 
     layers: dict[str, LayerTiming] = {}
     placements: list[Placement] = []
     peak: dict[int, int] = {}
-    utilization: dict[int, float] = {}
+    per_device: dict[int, float] = {}
     refresh, bound = [0] * problem.num_stages, [0] * problem.num_stages
     greedy_k: list[int | None] = [None] * problem.num_stages
     for group, sol, g in zip(groups, attempt.solutions, attempt.greedy):
@@ -930,7 +932,7 @@ def _assemble(problem: Problem, attempt: _Attempt, fused: frozenset[str], wall: 
         for d in group.devices:
             programs[d] = _program(problem, w, d, [p for p in placed if p.device == d])
             peak[d] = peak_bytes(w, sol.starts, d)
-            utilization[d] = _utilization(problem, w, placed, d)
+            per_device[d] = _utilization(problem, w, placed, d)
         for s in group.stages:
             lower = refresh_lower_bound(problem, group, fused, stretch=attempt.allowance.enabled)
             refresh[s], bound[s] = w.k, max(sol.k_lower_bound, lower)
@@ -941,13 +943,10 @@ def _assemble(problem: Problem, attempt: _Attempt, fused: frozenset[str], wall: 
     statuses = {s.status for s in sols}
     status = "GREEDY" if all(s.method == "greedy" for s in sols) else \
         "OPTIMAL" if statuses == {"OPTIMAL"} else "FEASIBLE"
-    base = step_timeline(problem, frozenset(), False)
     stats = SolverStats(status, wall, (sum(refresh), sum(t.use_offset for t in layers.values())),
                         (sum(refresh) - sum(bound)) / max(1, sum(refresh)))
     metrics = PlanMetrics(
-        utilization_baseline=sum(sum(b - a for _, a, b in base.fixed(d)) for d in problem.devices)
-        / (base.length * len(problem.devices)),
-        utilization=sum(utilization.values()) / len(utilization),
+        utilization_baseline=plain_utilization(problem), utilization=sum(per_device.values()) / len(per_device),
         refresh_steps=tuple(refresh), step_time_baseline=plain_step_time(problem),
         step_time=max(s.window.seconds(s.window.length) / s.window.k for s in sols),
         step_time_reference=step_timeline(problem).length, peak_memory=dict(sorted(peak.items())),

@@ -7,14 +7,14 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from functools import cached_property, lru_cache
-from typing import Any
+from typing import Any, TypeVar
 
 from fxkfac.planner.costs import CostTable, StageCost
 from fxkfac.planner.errors import ConfigError, PlanError, PlanFormatError
 from fxkfac.planner.ir import Op, OpKind
-from fxkfac.planner.lowering import add_send_recv, expand_dp, step_applies
+from fxkfac.planner.lowering import add_send_recv, expand_dp, linked_classes, ranks_of_stages, step_applies
 from fxkfac.planner.schedules import ScheduleKind, num_stages, schedule_programs, validate_schedule_args
-from fxkfac.planner.simulate import Timeline, simulate
+from fxkfac.planner.simulate import Timeline, simulate, utilization
 from fxkfac.planner.strategy import (
     LayerDistribution,
     Strategy,
@@ -35,11 +35,13 @@ __all__ = [
     "reference_programs",
     "step_timeline",
     "plain_step_time",
+    "plain_utilization",
     "stage_groups",
     "copies_of_stage",
     "stages_on_device",
     "static_bytes",
     "activation_peak",
+    "peak_level",
     "min_memory_bytes",
     "refresh_lower_bound",
     "stretch_allowance",
@@ -51,6 +53,8 @@ __all__ = [
     "agreement_set",
     "steps_overlap",
     "early_start",
+    "window_length",
+    "step_begins",
     "slot_seconds",
 ]
 
@@ -100,8 +104,9 @@ class Problem:
     max_period: int = 32
     distributions: tuple[tuple[str, LayerDistribution], ...] = ()
     decomp_pieces: int = 1
-    """How many DECOMP tasks each part's decomposition is cut into (`KFACConfig.split_inverse.pieces`): piece i
-    costs 1/n of the part's `decomp` and runs after piece i-1 on the same rank ("DECOMP s A i/n layer")."""
+    """How many DECOMP tasks each part's decomposition is cut into (`KFACConfig.split_inverse.pieces`,
+    `ShampooConfig.newton_pieces`): piece i costs 1/n of the part's `decomp` and runs after piece i-1 on the same
+    rank ("DECOMP s A i/n layer")."""
     barrier: StepBarrier = StepBarrier.WORLD
     """Which ranks each step's end synchronizes ([Note: step barrier] in planner/window.py)."""
 
@@ -452,6 +457,13 @@ def plain_step_time(problem: Problem) -> float:
     return step_timeline(problem, frozenset(), False).length
 
 
+def plain_utilization(problem: Problem) -> float:
+    """The plain pipeline's utilization (no K-FAC): its F/B over every device's step."""
+    base = step_timeline(problem, frozenset(), False)
+    busy = sum(sum(b - a for _, a, b in base.fixed(d)) for d in problem.devices)
+    return utilization(busy, base.length * len(problem.devices))
+
+
 @dataclass(frozen=True)
 class StageGroup:
     """Stages that share devices (Chimera's stage pairs, interleaved chunks) and those devices.
@@ -465,12 +477,8 @@ class StageGroup:
 
 @lru_cache(maxsize=64)
 def _holders(problem: Problem) -> dict[int, tuple[int, ...]]:
-    held: dict[int, set[int]] = {s: set() for s in range(problem.num_stages)}
-    for rank, ops in base_programs(problem).items():
-        for op in ops:
-            if op.kind in _FIXED_KINDS:
-                held[op.stage].add(rank)  # type: ignore[index]  # FWD and BWD name their stage
-    return {s: tuple(sorted(r)) for s, r in held.items()}
+    """Stage -> the ranks holding a copy of it, as the runtime deals them (`ranks_of_stages`)."""
+    return ranks_of_stages(problem.kind, problem.D, problem.W, problem.v)
 
 
 def copies_of_stage(problem: Problem, stage: int) -> tuple[int, ...]:
@@ -486,26 +494,9 @@ def stages_on_device(problem: Problem, device: int) -> tuple[int, ...]:
 @lru_cache(maxsize=64)
 def stage_groups(problem: Problem) -> tuple[StageGroup, ...]:
     """The connected components of 'stage runs on device', ordered by their first stage."""
-    parent = list(range(problem.num_stages))
-
-    def root(s: int) -> int:
-        while parent[s] != s:
-            parent[s] = parent[parent[s]]
-            s = parent[s]
-        return s
-
-    for device in problem.devices:
-        held = stages_on_device(problem, device)
-        for s in held[1:]:
-            parent[root(s)] = root(held[0])
-    members: dict[int, list[int]] = {}
-    for s in range(problem.num_stages):
-        members.setdefault(root(s), []).append(s)
-    groups = []
-    for stages in members.values():
-        devices = sorted({d for s in stages for d in copies_of_stage(problem, s)})
-        groups.append(StageGroup(tuple(stages), tuple(devices)))
-    return tuple(sorted(groups, key=lambda g: g.stages[0]))
+    linked = linked_classes((stages_on_device(problem, d) for d in problem.devices), problem.num_stages)
+    return tuple(StageGroup(stages, tuple(sorted({d for s in stages for d in copies_of_stage(problem, s)})))
+                 for stages in linked)
 
 
 def agreement_set(problem: Problem, device: int) -> tuple[int, ...]:
@@ -538,6 +529,24 @@ def steps_overlap(problem: Problem) -> bool:
             if iv.op.kind is not OpKind.OPT_STEP and abs(iv.end - want[iv.rank, iv.step, n]) > 1e-9 * one.length:
                 return True
     return False
+
+
+Time = TypeVar("Time", int, float)
+
+
+def window_length(refresh: Time, normal: Time, stretch: Time, k: int) -> Time:
+    """The length of a window of k steps: the refresh step lasts `refresh`, the others `normal`, each followed by
+    `stretch` idle time ([Note: stretch] in planner/window.py); in ticks or seconds."""
+    return refresh + (k - 1) * normal + k * stretch
+
+
+def step_begins(refresh: Time, normal: Time, stretch: Time, j: int, k: int) -> Time:
+    """Where window step j begins after the start of window step 0 (j >= k: a later window, which repeats it),
+    before any lead ([Note: step barrier] in planner/window.py): the one step start of the window, the plan's view
+    and the validator."""
+    within = j % k
+    start = 0 if within == 0 else refresh + (within - 1) * normal
+    return start + within * stretch + window_length(refresh, normal, stretch, k) * (j // k)
 
 
 def early_start(problem: Problem, step: StepTimeline, devices: Iterable[int]) -> float:
@@ -606,16 +615,20 @@ def activation_intervals(problem: Problem, device: int, step: StepTimeline) -> l
     return out
 
 
-def activation_peak(problem: Problem, device: int, fused: frozenset[str] = frozenset()) -> int:
-    """The peak of activations in flight on `device` over one step."""
-    events = []
-    for start, end, nbytes in activation_intervals(problem, device, step_timeline(problem, fused)):
-        events += [(start, nbytes), (end, -nbytes)]
-    peak = level = 0
-    for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
+def peak_level(spans: Iterable[tuple[float, float, int]]) -> int:
+    """The most bytes held at once by (start, end, bytes) spans, each held over [start, end) (a span that ends when
+    another starts is released first): the one memory sweep of the planner, its window and the validator."""
+    events = sorted(event for start, end, nbytes in spans for event in ((start, nbytes), (end, -nbytes)))
+    level = peak = 0
+    for _, delta in events:
         level += delta
         peak = max(peak, level)
     return peak
+
+
+def activation_peak(problem: Problem, device: int, fused: frozenset[str] = frozenset()) -> int:
+    """The peak of activations in flight on `device` over one step."""
+    return peak_level(activation_intervals(problem, device, step_timeline(problem, fused)))
 
 
 def min_memory_bytes(problem: Problem) -> int:

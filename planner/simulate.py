@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -9,10 +10,13 @@ from dataclasses import dataclass
 from fxkfac.planner.errors import DeadlockError
 from fxkfac.planner.ir import COLLECTIVE_KINDS, RECV_KINDS, SEND_KINDS, Op, OpKind, Program, as_programs
 
-__all__ = ["Interval", "Timeline", "simulate", "COMPUTE_KINDS", "SYNCHRONIZING_KINDS"]
+__all__ = ["Interval", "Timeline", "simulate", "utilization", "COMPUTE_KINDS", "BUSY_KINDS", "SYNCHRONIZING_KINDS"]
 
 COMPUTE_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.STATS, OpKind.DECOMP, OpKind.APPLY, OpKind.OPT_STEP})
 """What counts as busy by default: work on the device, not waiting and not communication."""
+
+BUSY_KINDS = COMPUTE_KINDS - {OpKind.OPT_STEP}
+"""What a plan's utilization counts as busy, planned and measured: F/B and the preconditioner's own work."""
 
 SYNCHRONIZING_KINDS = COLLECTIVE_KINDS | {OpKind.OPT_STEP}
 """Ops that start together on every rank holding them: the collectives, and OPT_STEP, which the runtime
@@ -20,6 +24,12 @@ runs with an all-reduce (KL-clip <P, G> and the non-finite flag) over the world,
 set under a barrier-free KL-clip scope (`simulate`'s `barrier`), so every step ends with a barrier."""
 
 Duration = Callable[[int, Op], float]
+
+
+def utilization(busy: float, span: float) -> float:
+    """The fraction of device time spent busy: `busy` seconds (or ns) over the `span` of device time they lie in,
+    0 for no device time. The one definition behind every utilization the planner, the views and the runtime give."""
+    return busy / span if span > 0 else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,18 +71,21 @@ class Timeline:
         """The rank's intervals in execution order."""
         return [iv for iv in self.intervals if iv.rank == rank]
 
-    def busy(self, rank: int, kinds: Iterable[OpKind] = COMPUTE_KINDS) -> float:
-        """Total time the rank spends in ops of `kinds`."""
-        wanted = frozenset(kinds)
-        return sum(iv.end - iv.start for iv in self.of_rank(rank) if iv.op.kind in wanted)
+    def busy(self, rank: int, kinds: Iterable[OpKind] = COMPUTE_KINDS,
+             window: tuple[float, float] = (-math.inf, math.inf)) -> float:
+        """Total time the rank spends in ops of `kinds` inside `window` (start, end) (default: all of it)."""
+        wanted, (start, end) = frozenset(kinds), window
+        return sum(max(0.0, min(iv.end, end) - max(iv.start, start)) for iv in self.of_rank(rank)
+                   if iv.op.kind in wanted)
 
-    def utilization(self, rank: int | None = None, kinds: Iterable[OpKind] = COMPUTE_KINDS) -> float:
-        """busy / makespan for one rank, or averaged over all ranks when `rank` is None."""
-        span = self.makespan
-        if span <= 0:
-            return 0.0
+    def utilization(self, rank: int | None = None, kinds: Iterable[OpKind] = COMPUTE_KINDS,
+                    window: tuple[float, float] | None = None) -> float:
+        """`utilization` of one rank, or of all ranks together when `rank` is None, over `window` (start, end)
+        (default: the makespan)."""
         ranks = self.ranks if rank is None else (rank,)
-        return sum(self.busy(r, kinds) for r in ranks) / (span * len(ranks))
+        span = self.makespan if window is None else window[1] - window[0]
+        clip = (-math.inf, math.inf) if window is None else window
+        return utilization(sum(self.busy(r, kinds, clip) for r in ranks), span * len(ranks))
 
     def bubbles(self, rank: int, kinds: Iterable[OpKind] = COMPUTE_KINDS) -> list[tuple[float, float]]:
         """Idle gaps (start, end) of the rank within [0, makespan]: time in no op of `kinds`."""

@@ -30,11 +30,15 @@ from fxkfac.planner.problem import (
     StepBarrier,
     StepTimeline,
     activation_intervals,
+    agreement_set,
     copies_of_stage,
     early_start,
+    peak_level,
     stage_groups,
     static_bytes,
+    step_begins,
     step_timeline,
+    window_length,
 )
 from fxkfac.planner.simulate import simulate
 from fxkfac.planner.strategy import COMM_OPT, keeps_statistics, receivers
@@ -63,35 +67,20 @@ class _Ctx:
         return self.plan.layers[self.problem.costs.stages[stage].layers[0].name].period
 
     def length(self, k: int) -> float:
-        return self.refresh.length + (k - 1) * self.normal.length + k * self.stretch
+        return window_length(self.refresh.length, self.normal.length, self.stretch, k)
 
     def base(self, j: int, k: int) -> float:
         """Absolute start of window step j (0..2k)."""
-        within = j % k
-        start = 0.0 if within == 0 else self.refresh.length + (within - 1) * self.normal.length
-        return start + within * self.stretch + self.length(k) * (j // k)
+        return step_begins(self.refresh.length, self.normal.length, self.stretch, j, k)
 
     def step_start(self, device: int, j: int, k: int) -> float:
         """When window step j begins on `device`: at the step's start on every device under a world barrier;
         under `StepBarrier.AGREEMENT_SET` once every rank of the device's agreement set can have ended step j-1's
         work, F/B, all-reduces and per-step slots (its OPT_STEP waits for them alone: `early_start`)."""
-        return self.base(j, k) - early_start(self.problem, self.timeline(j - 1, k), _agreement(self.problem, device))
+        return self.base(j, k) - early_start(self.problem, self.timeline(j - 1, k), agreement_set(self.problem, device))
 
     def timeline(self, j: int, k: int) -> StepTimeline:
         return self.refresh if j % k == 0 else self.normal
-
-
-def _agreement(problem: Problem, device: int) -> set[int]:
-    """The ranks linked to `device` by holding copies of one stage, transitively (the runtime's agreement set)."""
-    ranks, grown = {device}, True
-    while grown:
-        grown = False
-        for s in range(problem.num_stages):
-            copies = set(copies_of_stage(problem, s))
-            if copies & ranks and not copies <= ranks:
-                ranks |= copies
-                grown = True
-    return ranks
 
 
 def _key(op: Op) -> Op:
@@ -447,16 +436,8 @@ def _check_memory(c: _Ctx) -> None:
         L = c.length(k)
         spans = [(c.base(j, k) + a, c.base(j, k) + b, n) for j in range(k)
                  for a, b, n in activation_intervals(c.problem, d, c.timeline(j, k))] + keeps[d]
-        events = []
-        for a, b, n in spans:
-            for s, e in _mod(a, b, L):
-                if e - s > 2 * c.tol:
-                    events += [(s + c.tol, n), (e - c.tol, -n)]
-        level, peak = 0, 0
-        for _, delta in sorted(events, key=lambda e: (e[0], e[1])):
-            level += delta
-            peak = max(peak, level)
-        total = static_bytes(c.problem, d) + peak
+        held = [(s + c.tol, e - c.tol, n) for a, b, n in spans for s, e in _mod(a, b, L) if e - s > 2 * c.tol]
+        total = static_bytes(c.problem, d) + peak_level(held)
         if budget is not None and total > budget:
             c.errors.append(f"r{d}: memory peaks at {total} bytes, over the budget of {budget}")
         claimed = c.plan.metrics.peak_memory.get(d)
@@ -559,7 +540,7 @@ def _check_runs(c: _Ctx) -> None:
     steps = max(periods) * 2
     try:
         barrier = None if c.problem.barrier is StepBarrier.WORLD else \
-            {d: tuple(sorted(_agreement(c.problem, d))) for d in c.problem.devices}
+            {d: agreement_set(c.problem, d) for d in c.problem.devices}
         timeline = simulate(c.plan.programs, duration, steps=steps, barrier=barrier)
     except DeadlockError as e:
         c.errors.append(f"the programs deadlock: {e}")

@@ -57,7 +57,7 @@ slot there, so both slots go after it; with large gradient statistics the step m
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from functools import lru_cache
@@ -72,9 +72,11 @@ from fxkfac.planner.problem import (
     activation_intervals,
     copies_of_stage,
     early_start,
+    peak_level,
     prec_work,
     stages_on_device,
     static_bytes,
+    step_begins,
     step_timeline,
 )
 from fxkfac.planner.strategy import keeps_statistics
@@ -231,7 +233,7 @@ class Window:
     def step_start(self, device: int, j: int) -> int:
         """Absolute tick at which window step j (0..2k) begins on `device` (the same on every device of the
         group)."""
-        return self.offsets[j % self.k] + self.length * (j // self.k) - self.leads[j % self.k]
+        return _step_start(self.offsets, self.leads, j)
 
     @property
     def horizon(self) -> int:
@@ -361,9 +363,7 @@ def build_window(problem: Problem, group: StageGroup, k: int, fused: frozenset[s
     ticks_per_s, exact = scale if scale is not None else grid_scale(problem, group.stages, fused, resolution)
     grid = _Grid(ticks_per_s)
     steps = [refresh] + [normal] * (k - 1)
-    offsets = [0]
-    for st in steps:
-        offsets.append(offsets[-1] + grid.at(st.length) + stretch)
+    offsets = [step_begins(grid.at(refresh.length), grid.at(normal.length), stretch, j, k) for j in range(k + 1)]
     length = offsets[-1]
     leads = tuple(grid.at(steps[j - 1].length) - grid.at(steps[j - 1].length
                                                          - early_start(problem, steps[j - 1], group.devices))
@@ -380,7 +380,8 @@ def build_window(problem: Problem, group: StageGroup, k: int, fused: frozenset[s
                 if op.kind is OpKind.ALLREDUCE_GRAD:  # its interval, and at least the tick before it ends
                     end = off + grid.at(b)
                     busy += wrap(min(off + grid.at(a), end - 1), end, length) if end >= 1 else []
-            busy += wrap(off - leads[j], off - leads[j] + 1, length)  # no task spans a boundary ([Note: step barrier])
+            begin = _step_start(offsets, leads, j)
+            busy += wrap(begin, begin + 1, length)  # no task spans a boundary ([Note: step barrier])
             for a, b, nbytes in activation_intervals(problem, d, st):
                 pieces += [(s, e, nbytes) for s, e in wrap(off + grid.at(a), off + grid.at(b), length)]
         fixed[d], acts[d] = _merge(busy), tuple(pieces)
@@ -390,6 +391,13 @@ def build_window(problem: Problem, group: StageGroup, k: int, fused: frozenset[s
     tasks = _tasks(problem, group, refresh, fused, aggregate, grid, precs)
     return Window(problem, group, k, fused, ticks_per_s, exact, tuple(offsets), fixed, acts, capacity, tasks, precs,
                   leads, stretch, aggregate)
+
+
+def _step_start(offsets: Sequence[int], leads: Sequence[int], j: int) -> int:
+    """Absolute tick at which window step j (0..2k) begins on a group's devices: its offset in its window, less its
+    lead ([Note: step barrier])."""
+    k = len(leads)
+    return offsets[j % k] + offsets[k] * (j // k) - leads[j % k]
 
 
 def _prec_slots(problem: Problem, group: StageGroup, steps: list[StepTimeline], offsets: list[int],
@@ -407,7 +415,7 @@ def _prec_slots(problem: Problem, group: StageGroup, steps: list[StepTimeline], 
             seconds = replace(shape, lead=lead_s).seconds
             for j, st in enumerate(steps):
                 release = offsets[j] + grid.at(st.allreduce_end[d, s])
-                deadline = offsets[j + 1] - leads[(j + 1) % len(leads)]  # before OPT_STEP ([Note: step barrier])
+                deadline = _step_start(offsets, leads, j + 1)  # before OPT_STEP ([Note: step barrier])
                 reference = offsets[j] + grid.at(st.end_of(d, ops[-1]) - seconds)
                 ticks = min(grid.span(seconds), deadline - release)
                 slots.append(PrecSlot(d, s, j, release, deadline, max(release, reference), ticks, ops, durations,
@@ -568,18 +576,10 @@ def _back_to_back(ops: Iterable[Op], durations: Iterable[float], device: int, st
 
 def peak_bytes(window: Window, starts: tuple[int, ...], device: int) -> int:
     """Static bytes plus the peak of activations and kept a/e on `device` over the (modular) window."""
-    events: list[tuple[int, int]] = []
-    for s, e, nbytes in window.acts[device]:
-        events += [(s, nbytes), (e, -nbytes)]
-    for task, start in zip(window.tasks, starts):
-        if task.kind is TaskKind.CURV and task.devices[0] == device and task.keep_bytes:
-            for s, e in wrap(task.release, start + task.ticks, window.length):
-                events += [(s, task.keep_bytes), (e, -task.keep_bytes)]
-    level = peak = 0
-    for _, delta in sorted(events):
-        level += delta
-        peak = max(peak, level)
-    return static_bytes(window.problem, device) + peak
+    kept = [(s, e, task.keep_bytes) for task, start in zip(window.tasks, starts)
+            if task.kind is TaskKind.CURV and task.devices[0] == device and task.keep_bytes
+            for s, e in wrap(task.release, start + task.ticks, window.length)]
+    return static_bytes(window.problem, device) + peak_level([*window.acts[device], *kept])
 
 
 def fits_memory(solution: GroupSolution) -> bool:

@@ -386,8 +386,8 @@ class PreconditionerRuntime:
         made_in = family.decomp_pieces if isinstance(family, PiecewiseFamily) else 1
         if made_in != count or not isinstance(family, PiecewiseFamily):
             raise PipelineError(f"rank {self.rank}: '{op}' runs a decomposition in {count} pieces, the {family.name} "
-                                f"family makes it in {made_in} (KFACConfig.split_inverse): the plan was made for "
-                                "another configuration")
+                                f"family makes it in {made_in} (KFACConfig.split_inverse, "
+                                "ShampooConfig.newton_pieces): the plan was made for another configuration")
         done, carry = record.carries.get(part, (0, None))
         if index != done:
             raise PipelineError(f"rank {self.rank}: '{op}' runs piece {index} of {part} of {name} refreshed at step "

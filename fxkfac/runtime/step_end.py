@@ -37,6 +37,7 @@ import torch.distributed as dist
 
 from fxkfac.config import KLClipScope
 from fxkfac.kfac.precondition import kl_clip_scale
+from fxkfac.planner.lowering import linked_classes
 from fxkfac.runtime.p2p import Transport
 
 __all__ = ["agreement_sets", "PendingSum", "StepLoss", "StepEnd", "Verdict", "clip_scales"]
@@ -45,21 +46,7 @@ __all__ = ["agreement_sets", "PendingSum", "StepLoss", "StepEnd", "Verdict", "cl
 def agreement_sets(holders: Iterable[Sequence[int]], world: int) -> list[tuple[int, ...]]:
     """The agreement sets of ranks 0..world-1: classes of the relation "hold a copy of one parameter", given
     every parameter's holder ranks (sorted; ranks that hold nothing are sets of their own)."""
-    parent = list(range(world))
-
-    def root(r: int) -> int:
-        while parent[r] != r:
-            parent[r] = parent[parent[r]]
-            r = parent[r]
-        return r
-
-    for ranks in holders:
-        for r in ranks[1:]:
-            parent[root(r)] = root(ranks[0])
-    sets: dict[int, list[int]] = {}
-    for r in range(world):
-        sets.setdefault(root(r), []).append(r)
-    return sorted(tuple(s) for s in sets.values())
+    return linked_classes(holders, world)
 
 
 def _total(dots: Mapping[int, torch.Tensor]) -> torch.Tensor:

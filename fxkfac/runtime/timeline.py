@@ -9,6 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from fxkfac.planner import simulate
 from fxkfac.planner.ir import Op
 from fxkfac.planner.simulate import Interval, Timeline
 
@@ -95,6 +96,7 @@ def utilization(events: Iterable[Event], kinds: Sequence[str] = PIPELINE_KINDS) 
             lo, hi = spans.get(step, (min(e.start_ns for e in evs), max(e.end_ns for e in evs)))
             spans[step] = (min(lo, *(e.start_ns for e in evs)), max(hi, *(e.end_ns for e in evs)))
     total = sum(hi - lo for lo, hi in spans.values())
-    return {rank: sum(e.end_ns - e.start_ns for evs in steps.values() for e in evs if e.kind in kinds) / total
+    return {rank: simulate.utilization(sum(e.end_ns - e.start_ns for evs in steps.values() for e in evs
+                                           if e.kind in kinds), total)
             for rank, steps in sorted(table.items())}
 
