@@ -563,7 +563,7 @@ def _excess(problem: Problem, solution: GroupSolution) -> int:
 def solve(problem: Problem, config: SolverConfig = SolverConfig(), method: Method | str = Method.CPSAT, *,
           box: TimeBox | None = None, shares: int = 1, suggest: bool = True) -> Plan:
     """Plan the K-FAC work of `problem` (Method.CPSAT: optimal placement warm-started by greedy; GREEDY:
-    the paper's rule) within config.time_limit_s plus OVERTIME, or within `box` (a planning that solves
+    the paper's rule, fusing curvature by its excess over a memory budget) within config.time_limit_s plus OVERTIME, or within `box` (a planning that solves
     several problems: this one gets 1/`shares` of the solver time left). Raises InfeasibleBudgetError when
     the memory budget cannot be met and PlanError when the work cannot be placed within problem.max_period
     steps; unless `suggest` is False, the error's message and `suggestions` name values of max_overhead, the
@@ -611,7 +611,8 @@ def _attempt(problem: Problem, config: SolverConfig, method: Method, clock: _Clo
 
 def _placed(problem: Problem, config: SolverConfig, method: Method, clock: _Clock, began: float) -> Plan:
     """Place the work, fusing more curvature each round that misses the budget (one layer per group
-    while CP-SAT has time, then as many as greedy's excess calls for) until every group is placed."""
+    while CP-SAT has time; as many as greedy's excess calls for after that, and always with the greedy method,
+    whose rounds are not timed) until every group is placed."""
     fused: frozenset[str] = frozenset()
     while True:
         min_k = _overhead_period(problem, fused)
@@ -623,10 +624,11 @@ def _placed(problem: Problem, config: SolverConfig, method: Method, clock: _Cloc
             attempt = _solve_groups(problem, fused, config, method, common, clock)
         if all(attempt.solutions):
             return _assemble(problem, attempt, fused, time.perf_counter() - began)
-        if problem.memory_budget is None or method is Method.GREEDY or _short_of_time(attempt, fused):
+        if problem.memory_budget is None or _short_of_time(attempt, fused):
             raise _unplaced(problem, attempt, fused, config, method)
-        nxt = _next_fused(problem, attempt, fused, by_excess=clock.solver_time() <= 0)
-        if nxt is None or clock.out():
+        greedy = method is Method.GREEDY
+        nxt = _next_fused(problem, attempt, fused, by_excess=greedy or clock.solver_time() <= 0)
+        if nxt is None or (clock.out() and not greedy):
             bad = [g.stages for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
             why = "even with all their curvature fused" if nxt is None else (
                 f"before the time limit ({config.time_limit_s:g} s + {OVERTIME / 2:g} s) ran out, "
@@ -647,16 +649,9 @@ def _short_of_time(attempt: _Attempt, fused: frozenset[str]) -> bool:
 
 def _unplaced(problem: Problem, attempt: _Attempt, fused: frozenset[str], config: SolverConfig,
               method: Method) -> _Refused:
-    """The refusal when some group has no placement (no budget, or the greedy method)."""
-    groups = stage_groups(problem)
-    bad = [g.stages for g, s in zip(groups, attempt.solutions) if s is None]
-    heavy = [g.stages for g, s, first in zip(groups, attempt.solutions, attempt.greedy)
-             if s is None and first is not None and not fits_memory(first)]
-    if heavy:
-        return _Refused(InfeasibleBudgetError(
-            f"the greedy placement of stages {heavy} needs more than the memory budget "
-            f"{format_bytes(problem.memory_budget or 0)} per device (the greedy rule neither places by memory nor "
-            "fuses curvature)"), (Knob.MEMORY_BUDGET, Knob.MAX_OVERHEAD), fused)
+    """The refusal when some group has no placement for want of bubble time (no budget, or greedy placed it
+    nowhere before any fusing)."""
+    bad = [g.stages for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
     timed = f", or the time limit ({config.time_limit_s:g} s) was" if method is Method.CPSAT else ""
     return _Refused(PlanError(f"no placement of the {words_of(problem.costs).name} work of stages {bad} within "
                               f"{problem.max_period} steps "

@@ -121,3 +121,14 @@ def test_max_overhead_zero_keeps_the_reference_step_time(schedule: str) -> None:
     plan = solve(p, FAST)
     assert plan.metrics.step_time == pytest.approx(plan.metrics.step_time_reference)
     assert plan.metrics.step_time_reference == pytest.approx(plan.metrics.step_time_baseline + 2 * 0.25)
+
+
+def test_greedy_meets_a_budget_by_fusing_curvature_as_cpsat_does() -> None:
+    base = problem("1f1b", 4, 4, keep=1000, curv=0.5, inv=1.0)
+    p = Problem("1f1b", 4, 4, base.costs, memory_budget=min_memory_bytes(base) + 500, max_overhead=0.5)
+    plan = solve(p, FAST, method="greedy")
+    assert validate(p, plan) == []
+    assert all(t.capture == "fused" for t in plan.layers.values())  # one micro-batch's a (1000 bytes) overflows
+    assert max(plan.metrics.peak_memory.values()) <= p.memory_budget
+    with pytest.raises(InfeasibleBudgetError, match="max_overhead"):
+        solve(Problem("1f1b", 4, 4, base.costs, memory_budget=p.memory_budget), FAST, method="greedy")
