@@ -125,3 +125,20 @@ def test_pipelined_equals_one_device_for_every_scope() -> None:
     for scope in (KLClipScope.STAGE, KLClipScope.STALE):
         moved = max(float((finals[scope][n] - finals[KLClipScope.GLOBAL][n]).abs().max()) for n in finals[scope])
         assert moved > 1e-4, f"{scope} trains as GLOBAL does: the equality above cannot tell the scopes apart"
+
+
+def test_a_deferred_loss_reads_as_its_sum() -> None:
+    """Under STAGE and STALE a step returns a StepLoss: every way a training loop reads a float waits for the sum."""
+    import pickle
+
+    from fxkfac.runtime.step_end import StepLoss
+
+    class Summed:
+        def wait(self) -> torch.Tensor:
+            return torch.tensor(2.5)
+
+    loss = StepLoss(Summed())  # type: ignore[arg-type]  # a PendingSum's wait() alone is read
+    assert float(loss) == 2.5 and f"{loss:.2f}" == "2.50" and repr(loss) == "2.5"
+    assert loss == 2.5 and loss < 3 and loss <= 2.5 and loss > 2 and loss >= 2.5 and not loss > 2.5
+    assert 1 + loss == 3.5 and loss - 1 == 1.5 and 3 - loss == 0.5 and 2 * loss == 5.0 and loss / 5 == 0.5
+    assert -loss == -2.5 and abs(loss) == 2.5 and min([3.0, loss]) == 2.5 and pickle.loads(pickle.dumps(loss)) == 2.5

@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import total_ordering
 from typing import Any
 
 import torch
@@ -82,6 +83,7 @@ class PendingSum:
         return self.tensor
 
 
+@total_ordering
 class StepLoss:
     """A step's loss whose world all-reduce runs on while training goes on: reading it (float, formatting,
     arithmetic, comparison, pickling) waits for the sum. The same value on every rank."""
@@ -109,15 +111,6 @@ class StepLoss:
 
     def __lt__(self, other: float) -> bool:
         return float(self) < other
-
-    def __le__(self, other: float) -> bool:
-        return float(self) <= other
-
-    def __gt__(self, other: float) -> bool:
-        return float(self) > other
-
-    def __ge__(self, other: float) -> bool:
-        return float(self) >= other
 
     def __add__(self, other: float) -> float:
         return float(self) + other
