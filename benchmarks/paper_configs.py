@@ -9,7 +9,7 @@ only, so its figures are shown beside ours for orientation, not as the same meas
 rich table and one JSON line.
 
 Per configuration: the plain pipeline (simulated here, independently of the planner), then
-planner.plan.solve with the paper's greedy rule and with CP-SAT (no memory budget, the given
+planner.solve.solve with the paper's greedy rule and with CP-SAT (no memory budget, the given
 max_overhead; with --decomp-pieces n every inversion is n tasks of 1/n of its profiled time, the planner's
 model of `KFACConfig.split_inverse`; with --barrier agreement-set a step ends with no world barrier, the plan
 of `KFACConfig.kl_clip_scope` stage or stale). Checked and printed: CP-SAT reaches the planner's lower bound on every
@@ -31,10 +31,11 @@ from rich.table import Table
 from fxkfac.planner.costs import CostTable, load_cost_table
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.ir import OpKind
-from fxkfac.planner.plan import Plan, solve
+from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier
 from fxkfac.planner.schedules import schedule_programs, stages_of_rank
 from fxkfac.planner.simulate import Timeline, simulate
+from fxkfac.planner.solve import solve
 
 
 @dataclass(frozen=True)

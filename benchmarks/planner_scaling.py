@@ -5,7 +5,7 @@ Run: python benchmarks/planner_scaling.py [--time-limit 60] [--depths 4 8 16 32 
 Costs: the measured BERT-Large P100 block costs (the shipped profile paper:bert-large/p100,
 micro-batch 32), 3 blocks per stage, so the model is 3*D blocks deep (the CSV's per-block costs
 repeated: a BERT-Large-like model scaled in depth with the pipeline).
-Per D: the paper's greedy rule and CP-SAT (planner.plan.solve, the given time limit, 2 workers),
+Per D: the paper's greedy rule and CP-SAT (planner.solve.solve, the given time limit, 2 workers),
 CP-SAT's status, the gap of its refresh periods to the per-stage lower bounds, and the independent
 validator's verdict on the CP-SAT plan. Targets: D=8 solved to optimality in under 10 s; D=64 a plan
 the validator accepts within 60 s. Prints a rich table and one JSON line.
@@ -23,8 +23,8 @@ from rich.table import Table
 
 from fxkfac.planner.costs import load_cost_table
 from fxkfac.planner.errors import PlanError
-from fxkfac.planner.plan import solve
 from fxkfac.planner.problem import Problem, SolverConfig
+from fxkfac.planner.solve import solve
 from fxkfac.planner.validate import validate
 
 PROFILE = "paper:bert-large/p100"

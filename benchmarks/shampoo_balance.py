@@ -11,7 +11,7 @@ same refresh period per stage in every variant:
 (b) Alg. 3        the same programs with the decompositions dealt by Distributed Shampoo's Alg. 3 (largest
                   first, each to the least-loaded holder; `Assignment.LPT`): the paper's own placement (its
                   data-parallel setting has no pipeline, so no bubbles to use);
-(c) CP-SAT        the plan (`planner.plan.solve`): decompositions in the bubbles, each on the holder the solver
+(c) CP-SAT        the plan (`planner.solve.solve`): decompositions in the bubbles, each on the holder the solver
                   picks, at the least refresh period per stage it can prove or find within --time-limit.
 
 The refresh period: by default the plan's own periods per stage, which (a) and (b) then use too; `--period F`
@@ -52,10 +52,11 @@ from fxkfac.planner.costs import CostTable
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.ir import COLLECTIVE_KINDS, LayerTiming, Op, OpKind, Program
 from fxkfac.planner.lowering import Assignment, decomposition_seconds, naive_programs, ranks_of_stages
-from fxkfac.planner.plan import Plan, solve
+from fxkfac.planner.plan import Plan
 from fxkfac.planner.preconditioners import PreconditionerKind
 from fxkfac.planner.problem import Problem, SolverConfig, step_timeline
 from fxkfac.planner.simulate import simulate
+from fxkfac.planner.solve import solve
 
 __all__ = ["main", "duration_of", "per_step_seconds", "collective_seconds_per_step", "decomp_seconds_per_refresh",
            "critical_path_programs"]

@@ -15,9 +15,10 @@ from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.choose import solve_with_strategy
 from fxkfac.planner.costs import CostTable, load_cost_table
 from fxkfac.planner.errors import Knob, PlanError, PlanMismatchError
-from fxkfac.planner.plan import Plan, TimeBox
+from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StepBarrier
 from fxkfac.planner.schedules import ScheduleKind
+from fxkfac.planner.solve import TimeBox
 from fxkfac.planner.validate import check_plan
 
 __all__ = ["Target", "barrier_of", "resolve_plan", "solve_for", "check_matches", "check_costs", "load_plan",

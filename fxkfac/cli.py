@@ -522,7 +522,7 @@ def _solved(args: argparse.Namespace, S: int, console: Console) -> Plan:
     """The plan of the command line: solved, or found by the block-size search (its choice printed as one
     line, and with --explain every side tried). --explain prints the model before solving (it explains a
     refusal too), after the search when there is one."""
-    from fxkfac.planner.plan import solve
+    from fxkfac.planner.solve import solve
 
     config = SolverConfig(time_limit_s=args.time_limit, deterministic=not args.nondeterministic)
     if _searches_block_size(args):

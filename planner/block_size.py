@@ -6,9 +6,11 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from fxkfac.planner.attempt import Method
 from fxkfac.planner.errors import Knob, PlanError
-from fxkfac.planner.plan import Method, Plan, solve
+from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig, format_bytes, min_memory_bytes, step_timeline
+from fxkfac.planner.solve import solve
 
 __all__ = ["SMALLEST_BLOCK", "BlockChoice", "block_candidates", "block_label", "choose_block_size"]
 

@@ -23,7 +23,7 @@ least communication first); there CP-SAT places each candidate and does not choo
 that cannot meet the memory budget or max_overhead drops out; when none plans, COMM-OPT's refusal (with its
 suggestions) is raised. DP-KFAC is never chosen: its factors come from one replica's micro-batches, a
 different algorithm that only the user may ask for. Everything shares one time limit ([Note: time limit] in
-planner/plan.py); a fallback after a failed joint solve gets what it left (at least greedy placement).
+planner/solve.py); a fallback after a failed joint solve gets what it left (at least greedy placement).
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import time
 from collections.abc import Mapping
 from fractions import Fraction
 
+from fxkfac.planner.assemble import assemble
+from fxkfac.planner.attempt import Method, aggregates
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.greedy import greedy_group
 from fxkfac.planner.joint import (
@@ -48,8 +50,9 @@ from fxkfac.planner.joint import (
     transfer,
 )
 from fxkfac.planner.joint_cpsat import least_step, solve_joint_group
-from fxkfac.planner.plan import Method, Plan, TimeBox, aggregates, assemble, solve
+from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier, copies_of_stage, stage_groups
+from fxkfac.planner.solve import TimeBox, solve
 from fxkfac.planner.strategy import COMM_OPT, LayerDistribution, Strategy, StrategyKind
 from fxkfac.planner.stretch import Allowance, allowance
 from fxkfac.planner.window import GroupSolution, grid_scale

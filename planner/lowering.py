@@ -1,6 +1,6 @@
 """Pure program -> program passes: transfers, data-parallel expansion, K-FAC on the critical path, start-up steps.
 
-Every program a rank runs comes from here or from the planner's placements (planner/plan.py): the
+Every program a rank runs comes from here or from the planner's placements (planner/assemble.py): the
 runtime only interprets them.
 """
 

@@ -258,7 +258,7 @@ class SolverConfig:
     """
 
     time_limit_s: float = 10.0
-    """Seconds of planning (CP-SAT; see [Note: time limit] in planner/plan.py). Deterministic, it becomes a
+    """Seconds of planning (CP-SAT; see [Note: time limit] in planner/solve.py). Deterministic, it becomes a
     budget of CP-SAT deterministic time ([Note: deterministic budget] in planner/budget.py)."""
     num_workers: int = 2
     """CP-SAT threads when not deterministic (a deterministic search runs one)."""

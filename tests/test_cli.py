@@ -17,9 +17,10 @@ from fxkfac.cli import build_parser, cost_table, main, parse_block_size, parse_b
 from fxkfac.plan_view import planned_utilization, planned_view, render_plan
 from fxkfac.planner.errors import PlannerError
 from fxkfac.planner.ir import Op, OpKind
-from fxkfac.planner.plan import SCHEMA_VERSION, Plan, solve
+from fxkfac.planner.plan import SCHEMA_VERSION, Plan
 from fxkfac.planner.problem import min_memory_bytes
 from fxkfac.planner.simulate import Interval, Timeline
+from fxkfac.planner.solve import solve
 from fxkfac.show import chrome_trace, render_timeline, timeline_from_trace
 from tests.planner.kfac_cases import problem, table
 

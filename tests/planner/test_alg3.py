@@ -19,7 +19,7 @@ from fxkfac.planner.lowering import (
     naive_programs,
     ranks_of_stages,
 )
-from fxkfac.planner.plan import Plan, PlanMetrics, SolverStats, solve
+from fxkfac.planner.plan import Plan, PlanMetrics, SolverStats
 from fxkfac.planner.problem import (
     Problem,
     SolverConfig,
@@ -30,6 +30,7 @@ from fxkfac.planner.problem import (
 )
 from fxkfac.planner.schedules import num_stages
 from fxkfac.planner.simulate import simulate
+from fxkfac.planner.solve import solve
 from fxkfac.planner.validate import validate
 from fxkfac.planner.window import Placement
 from tests.planner.kfac_cases import gradient_layer

@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from fxkfac.planner.errors import PlanError
-from fxkfac.planner.plan import Plan, solve
+from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import (
     Problem,
     SolverConfig,
@@ -18,6 +18,7 @@ from fxkfac.planner.problem import (
     step_timeline,
     steps_overlap,
 )
+from fxkfac.planner.solve import solve
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import problem
 

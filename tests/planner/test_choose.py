@@ -10,8 +10,8 @@ from fxkfac.planner.choose import candidate_problems, candidate_strategies, solv
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.hardware import HARDWARE
-from fxkfac.planner.plan import TimeBox, solve
 from fxkfac.planner.problem import Problem, SolverConfig
+from fxkfac.planner.solve import TimeBox, solve
 from fxkfac.planner.strategy import parse_strategy
 from fxkfac.planner.validate import validate
 

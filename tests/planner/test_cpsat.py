@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from fxkfac.planner.errors import InfeasibleBudgetError, PlanError
 from fxkfac.planner.ir import OpKind
-from fxkfac.planner.plan import solve
 from fxkfac.planner.problem import Problem, SolverConfig, min_memory_bytes, step_timeline
+from fxkfac.planner.solve import solve
 from fxkfac.planner.validate import validate
 from tests.planner.brute_force import brute_feasible
 from tests.planner.kfac_cases import problem, problems

@@ -22,9 +22,10 @@ import pytest
 from fxkfac.planner import budget
 from fxkfac.planner.costs import CostTable, StageCost
 from fxkfac.planner.errors import PlanError
-from fxkfac.planner.plan import Plan, solve
+from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig, min_memory_bytes
 from fxkfac.planner.schedules import num_stages
+from fxkfac.planner.solve import solve
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import gradient_layer, problem
 
@@ -118,7 +119,7 @@ def test_a_refusal_names_the_same_values_every_time() -> None:
 
 _IN_A_PROCESS = """
 import sys
-from fxkfac.planner.plan import solve
+from fxkfac.planner.solve import solve
 from tests.planner.test_deterministic import CASES, CONFIG, _text
 print(_text(solve(CASES[sys.argv[1]](), CONFIG)))
 """

@@ -19,10 +19,11 @@ from fxkfac.planner.costs import CostTable, StageCost
 from fxkfac.planner.errors import InfeasibleBudgetError, PlanFormatError
 from fxkfac.planner.ir import LayerTiming, Op, OpKind, Program, ops_at
 from fxkfac.planner.lowering import naive_programs
-from fxkfac.planner.plan import Plan, solve
+from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig, min_memory_bytes
 from fxkfac.planner.schedules import num_stages
 from fxkfac.planner.simulate import simulate
+from fxkfac.planner.solve import solve
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import gradient_layer
 

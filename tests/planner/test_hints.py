@@ -14,11 +14,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fxkfac.planner.attempt import Method
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.errors import InfeasibleBudgetError, Knob, PlanError, Suggestion
-from fxkfac.planner.plan import Method, solve
 from fxkfac.planner.problem import Problem, SolverConfig, format_bytes, min_memory_bytes
 from fxkfac.planner.schedules import num_stages
+from fxkfac.planner.solve import solve
 from fxkfac.planner.validate import validate
 
 CONFIGS = {Method.GREEDY: SolverConfig(time_limit_s=2.0, num_workers=2),
@@ -133,8 +134,8 @@ def test_planning_ends_within_the_time_limit_and_says_whether_it_is_optimal() ->
     now the solve (suggestions included) ends within the limit plus OVERTIME plus one greedy placement, on
     the deterministic clock; on the wall clock, within its safety cap (WALL_CAP times that) at worst."""
     from fxkfac.planner.analytic import analytic_cost_table
+    from fxkfac.planner.attempt import OVERTIME
     from fxkfac.planner.budget import WALL_CAP
-    from fxkfac.planner.plan import OVERTIME
 
     costs = analytic_cost_table("gpt2", 4, 32, None, "a100")
     free = Problem("1f1b", 4, 8, costs, max_overhead=0.05)

@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 
 from fxkfac.errors import FxkfacError
 from fxkfac.planner.errors import PlanFormatError
-from fxkfac.planner.plan import SCHEMA_VERSION, Plan, solve
+from fxkfac.planner.plan import SCHEMA_VERSION, Plan
+from fxkfac.planner.solve import solve
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import problem
 

@@ -9,8 +9,9 @@ import pytest
 
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.ir import OpKind
-from fxkfac.planner.plan import Plan, solve
+from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import SolverConfig
+from fxkfac.planner.solve import solve
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import problem
 

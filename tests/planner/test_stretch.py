@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.errors import Knob, PlanError
 from fxkfac.planner.ir import OpKind
-from fxkfac.planner.plan import Plan, solve
+from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig, copies_of_stage, step_timeline
+from fxkfac.planner.solve import solve
 from fxkfac.planner.validate import validate
 from tests.planner.brute_force import brute_feasible
 from tests.planner.kfac_cases import problem, problems

@@ -6,8 +6,9 @@ from dataclasses import replace
 
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.ir import OpKind
-from fxkfac.planner.plan import Plan, solve
+from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig
+from fxkfac.planner.solve import solve
 from fxkfac.planner.validate import validate
 
 MS = 1e-3

@@ -16,7 +16,8 @@ from fxkfac.errors import CheckpointError
 from fxkfac.kfac.family import KFACFamily
 from fxkfac.kfac.inverse import FactorInverse, Inverse
 from fxkfac.planner.ir import LayerTiming
-from fxkfac.planner.plan import Plan, solve
+from fxkfac.planner.plan import Plan
+from fxkfac.planner.solve import solve
 from fxkfac.runtime.preconditioning import PreconditionerRuntime, StageCopies
 from tests.runtime import checkpoint_workers as cw
 from tests.support import models

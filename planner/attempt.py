@@ -1,0 +1,308 @@
+"""One planning attempt: every stage group placed, curvature fused to fit the budget, or a refusal to suggest on."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+from fxkfac.planner.assemble import _assemble, _Attempt, _same_stretch
+from fxkfac.planner.budget import Meter
+from fxkfac.planner.costs import LayerCost
+from fxkfac.planner.errors import InfeasibleBudgetError, Knob, PlanError
+from fxkfac.planner.ir import OpKind
+from fxkfac.planner.plan import Plan
+from fxkfac.planner.preconditioners import words_of
+from fxkfac.planner.problem import (
+    Problem,
+    SolverConfig,
+    StageGroup,
+    copies_of_stage,
+    format_bytes,
+    min_memory_bytes,
+    refresh_lower_bound,
+    stage_groups,
+    step_timeline,
+)
+from fxkfac.planner.stretch import Allowance, allowance
+from fxkfac.planner.window import GroupSolution, TaskKind, fits_memory, longest_gaps, peak_bytes, too_long
+
+__all__ = ["OVERTIME", "Method", "aggregates"]
+
+log = logging.getLogger(__name__)
+
+
+class Method(StrEnum):
+    """How the K-FAC work is placed: CP-SAT (least refresh periods, then staleness; warm-started by
+    greedy, whose plan it keeps when it finds none better) or the PipeFisher paper's greedy first-fit."""
+
+    CPSAT = "cpsat"
+    GREEDY = "greedy"
+
+
+OVERTIME = 3.0
+"""Seconds planning may run past SolverConfig.time_limit_s: greedy placement once CP-SAT's time is up
+(fusing curvature to fit a memory budget) may take half; a refusal then solves with the values it would
+suggest until OVERTIME past the limit. A single greedy placement is not interrupted, so a planning ends
+within time_limit_s + OVERTIME plus at most that."""
+
+
+@dataclass(frozen=True)
+class _Clock:
+    """`deadline`: when CP-SAT stops (greedy placement goes on); `cutoff`: when planning gives up; both
+    on `meter`'s clock (wall seconds, or deterministic seconds: planner/budget.py)."""
+
+    meter: Meter
+    deadline: float
+    cutoff: float
+    made: dict[tuple[Problem, Method], Plan] = field(default_factory=dict)
+    """Plans made on this clock's planning (its TimeBox's), by problem and method."""
+
+    def solver_time(self) -> float:
+        """Time CP-SAT has left, in the meter's unit (<= 0: place greedily)."""
+        return self.deadline - self.meter.now()
+
+    def left(self) -> float:
+        """Time left before planning gives up, in the meter's unit."""
+        return self.cutoff - self.meter.now()
+
+    def out(self) -> bool:
+        """Whether planning must give up now: at the cutoff, or past the meter's wall-clock safety cap."""
+        if self.meter.now() >= self.cutoff:
+            return True
+        if self.meter.wall_left() <= 0:
+            self.meter.note_capped("searching on")
+            return True
+        return False
+
+    def later(self, deadline: float, cutoff: float | None = None) -> _Clock:
+        """The same meter with another deadline (and cutoff)."""
+        return _Clock(self.meter, deadline, self.cutoff if cutoff is None else cutoff, self.made)
+
+
+class _Refused(Exception):
+    """A refusal before suggestions: the error for the user, the knobs that may lift it (searched in
+    this order), and the layers fused by then."""
+
+    def __init__(self, error: PlanError, knobs: tuple[Knob, ...], fused: frozenset[str] = frozenset()) -> None:
+        super().__init__(str(error))
+        self.error, self.knobs, self.fused = error, knobs, fused
+
+
+def aggregates(problem: Problem, group: StageGroup, config: SolverConfig, allowed: Allowance) -> bool:
+    """Whether `solve` places the group's curvature as one STATS task per F/B (`_aggregate`): for a distribution
+    choice made beside `solve` (planner/choose.py), which places the same tasks."""
+    return _aggregate(problem, group, config, allowed)
+
+
+def _aggregate(problem: Problem, group: StageGroup, config: SolverConfig, allowed: Allowance) -> bool:
+    """One STATS task per F/B for all layers when the group has many (config.aggregate decides when set),
+    unless such a task is longer than every bubble the allowance leaves (per-layer tasks may still fit)."""
+    if config.aggregate is not None:
+        return config.aggregate
+    per_layer = sum(len(copies_of_stage(problem, s)) * 2 * problem.N * len(problem.costs.stages[s].layers)
+                    for s in group.stages)
+    if per_layer <= config.aggregate_above:
+        return False
+    window = allowed.window(group, 2, allowed.ticks(problem.max_period), aggregate=True,
+                            resolution=config.time_resolution)
+    gaps = longest_gaps(window)
+    return all(t.ticks <= gaps[t.devices[0]] for t in window.tasks if t.kind is TaskKind.CURV)
+
+
+def _overhead_period(problem: Problem, fused: frozenset[str]) -> int:
+    """The least common period that amortizes the fused refresh step's extra time within max_overhead."""
+    if not fused:
+        return 1
+    extra = step_timeline(problem, fused).length - step_timeline(problem).length
+    if extra <= 1e-12:
+        return 1
+    allowed = problem.max_overhead * step_timeline(problem).length
+    if allowed <= 0:
+        return problem.max_period + 1
+    return max(1, math.ceil(extra / allowed - 1e-9))
+
+
+def _solve_groups(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
+                  min_k: int, clock: _Clock) -> _Attempt:
+    """Every stage group's solution at refresh periods >= min_k: greedy, then CP-SAT warm-started by it
+    while the clock leaves CP-SAT time (greedy's alone after that, where it fits the budget)."""
+    from fxkfac.planner.greedy import greedy_group
+
+    groups = stage_groups(problem)
+    solutions: list[GroupSolution | None] = []
+    greedy: list[GroupSolution | None] = []
+    allowed = allowance(problem, fused, config)
+    for n, group in enumerate(groups):
+        aggregate = _aggregate(problem, group, config, allowed)
+        long = too_long(allowed.window(group, max(2, min_k), allowed.ticks(problem.max_period), aggregate=aggregate,
+                                       resolution=config.time_resolution))
+        if long:
+            raise _Refused(PlanError(
+                f"some {words_of(problem.costs).name} work cannot fit any bubble, whatever the refresh period"
+                + (f", even with the step stretched by max_overhead={problem.max_overhead:g}"
+                   if allowed.enabled else "")
+                + ": " + "; ".join(long[:5])
+                + ("" if config.stretch else ". Stretching the step is off (SolverConfig.stretch=False)")),
+                (Knob.MAX_OVERHEAD, Knob.MICROBATCHES) if config.stretch else (Knob.MICROBATCHES,), fused)
+        lower = refresh_lower_bound(problem, group, fused, stretch=allowed.enabled)
+        if lower > problem.max_period:
+            raise _Refused(PlanError(
+                f"the {words_of(problem.costs).name} work of stages {list(group.stages)} is more than the idle time "
+                f"of {problem.max_period} steps holds" + (f", even with the step stretched by max_overhead="
+                                                          f"{problem.max_overhead:g}" if allowed.enabled else "")),
+                (Knob.MAX_OVERHEAD, Knob.MICROBATCHES) if config.stretch else (Knob.MICROBATCHES,), fused)
+        try:
+            g = greedy_group(problem, group, fused, aggregate=aggregate, resolution=config.time_resolution,
+                             min_k=min_k, allowance=allowed, meter=clock.meter)
+        except PlanError:
+            g = None
+        greedy.append(g)
+        left = clock.solver_time()
+        if method is Method.GREEDY or left <= 0:
+            solutions.append(g if g is not None and fits_memory(g) else None)
+            continue
+        from fxkfac.planner.cpsat import solve_group
+
+        if problem.memory_budget is not None:
+            left /= 2  # leave time for the rounds that fuse more curvature if this one finds no fit
+        share = max(clock.meter.units(0.1), left / (len(groups) - n))
+        solutions.append(solve_group(problem, group, fused, config, share, clock.meter, g, aggregate=aggregate,
+                                     min_k=min_k, allowance=allowed))
+    return _Attempt(_same_stretch(solutions), greedy, allowed)
+
+
+def _next_fused(problem: Problem, attempt: _Attempt, fused: frozenset[str], *,
+                by_excess: bool) -> frozenset[str] | None:
+    """Fuse more layers (largest kept bytes first) in every group that found no plan: one, or with
+    `by_excess` as many as the greedy placement's bytes over the budget call for (a layer saves at most
+    its a and e of every micro-batch, so this never fuses more than that placement needs); None if none
+    is left."""
+    groups = stage_groups(problem)
+    more = set(fused)
+    for group, solution, first in zip(groups, attempt.solutions, attempt.greedy):
+        if solution is not None:
+            continue
+        candidates = sorted((x for s in group.stages for x in problem.costs.stages[s].layers
+                             if x.name not in fused and _captures(x)),
+                            key=lambda x: (x.capture_bytes, x.name), reverse=True)
+        if not candidates:
+            return None
+        excess = _excess(problem, first) if by_excess and first is not None else 0
+        saved = 0
+        for x in candidates:
+            more.add(x.name)
+            saved += x.capture_bytes * problem.N * 2  # both Chimera pipelines at most
+            if saved >= excess:
+                break
+    return frozenset(more)
+
+
+def _captures(layer: LayerCost) -> bool:
+    """Whether the layer has a part fed by a capture of its F/B (only those can be fused; a gradient-fed part
+    keeps nothing per micro-batch)."""
+    return any(p.after is not OpKind.ALLREDUCE_GRAD for p in layer.parts)
+
+
+def _excess(problem: Problem, solution: GroupSolution) -> int:
+    """Bytes the solution's worst device holds over the memory budget."""
+    budget = problem.memory_budget or 0
+    return max(peak_bytes(solution.window, solution.starts, d) - budget for d in solution.window.group.devices)
+
+
+def _attempt(problem: Problem, config: SolverConfig, method: Method, clock: _Clock, began: float) -> Plan:
+    """One planning run as `solve` describes it, without suggestions: _Refused when it makes no plan.
+    With CP-SAT and a budget, greedy placement fusing by its memory excess runs first: quick, and its
+    plan is kept when CP-SAT's own rounds of fusing (fewer layers fused) find none before the deadline."""
+    _check_budget(problem)
+    if method is Method.GREEDY or problem.memory_budget is None or clock.solver_time() <= 0:
+        return _placed(problem, config, method, clock, began)
+    try:
+        fallback = _placed(problem, config, method, clock.later(clock.meter.now()), began)
+    except _Refused:
+        return _placed(problem, config, method, clock, began)
+    try:
+        return _placed(problem, config, method, clock.later(clock.deadline, clock.deadline), began)
+    except _Refused:
+        solver = replace(fallback.metrics.solver, wall_time=time.perf_counter() - began)  # CP-SAT's time too
+        return replace(fallback, metrics=replace(fallback.metrics, solver=solver))
+
+
+def _placed(problem: Problem, config: SolverConfig, method: Method, clock: _Clock, began: float) -> Plan:
+    """Place the work, fusing more curvature each round that misses the budget (one layer per group
+    while CP-SAT has time; as many as greedy's excess calls for after that, and always with the greedy method,
+    whose rounds are not timed) until every group is placed."""
+    fused: frozenset[str] = frozenset()
+    while True:
+        min_k = _overhead_period(problem, fused)
+        if min_k > problem.max_period:
+            raise _Refused(_fusing_refused(problem, fused), (Knob.MEMORY_BUDGET, Knob.MAX_OVERHEAD), fused)
+        attempt = _solve_groups(problem, fused, config, method, min_k, clock)
+        while fused and all(attempt.solutions) and len({s.window.k for s in attempt.solutions}) > 1:  # type: ignore[union-attr]  # all() first
+            common = max(s.window.k for s in attempt.solutions)  # type: ignore[union-attr]  # all() above
+            attempt = _solve_groups(problem, fused, config, method, common, clock)
+        if all(attempt.solutions):
+            return _assemble(problem, attempt, fused, time.perf_counter() - began)
+        if problem.memory_budget is None or _short_of_time(attempt, fused):
+            raise _unplaced(problem, attempt, fused, config, method)
+        greedy = method is Method.GREEDY
+        nxt = _next_fused(problem, attempt, fused, by_excess=greedy or clock.solver_time() <= 0)
+        if nxt is None or (clock.out() and not greedy):
+            bad = [g.stages for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
+            why = "even with all their curvature fused" if nxt is None else (
+                f"before the time limit ({config.time_limit_s:g} s + {OVERTIME / 2:g} s) ran out, "
+                f"{len(fused)} layers fused")
+            raise _Refused(InfeasibleBudgetError(
+                f"no placement of stages {bad} within the memory budget {format_bytes(problem.memory_budget)} "
+                f"per device was found {why}"), (Knob.MEMORY_BUDGET, Knob.MAX_OVERHEAD), fused)
+        log.info("fusing curvature of %s to fit the memory budget", sorted(nxt - fused))
+        fused = nxt
+
+
+def _short_of_time(attempt: _Attempt, fused: frozenset[str]) -> bool:
+    """Whether a group is unplaced for want of time, not memory: before any fusing, greedy (which ignores the
+    budget) placed it nowhere either, and fusing only lengthens F/B. Its refusal then names max_overhead or N,
+    not the memory budget (pure data parallelism at max_overhead 0 has no bubble to fill)."""
+    return not fused and any(s is None and g is None for s, g in zip(attempt.solutions, attempt.greedy))
+
+
+def _unplaced(problem: Problem, attempt: _Attempt, fused: frozenset[str], config: SolverConfig,
+              method: Method) -> _Refused:
+    """The refusal when some group has no placement for want of bubble time (no budget, or greedy placed it
+    nowhere before any fusing)."""
+    bad = [g.stages for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
+    timed = f", or the time limit ({config.time_limit_s:g} s) was" if method is Method.CPSAT else ""
+    return _Refused(PlanError(f"no placement of the {words_of(problem.costs).name} work of stages {bad} within "
+                              f"{problem.max_period} steps "
+                              f"({method.value}{_stretched(problem, config)}): the bubbles are too short{timed}"),
+                    (Knob.MAX_OVERHEAD, Knob.MICROBATCHES), fused)
+
+
+def _stretched(problem: Problem, config: SolverConfig) -> str:
+    return f", the step stretched by up to max_overhead={problem.max_overhead:g}" \
+        if config.stretch and problem.max_overhead > 0 else ""
+
+
+def _check_budget(problem: Problem) -> None:
+    if problem.memory_budget is None:
+        return
+    need = min_memory_bytes(problem)
+    if problem.memory_budget < need:
+        raise _Refused(InfeasibleBudgetError(
+            f"memory budget {problem.memory_budget} bytes ({format_bytes(problem.memory_budget)}) per device is below "
+            f"the least any plan needs: {need} bytes ({format_bytes(need)}) = parameters and gradients, factors and "
+            "inverses, the optimizer state of the preconditioned layers, and the activation peak with all curvature "
+            "fused (which max_overhead must pay for)",
+            need), (Knob.MEMORY_BUDGET,))
+
+
+def _fusing_refused(problem: Problem, fused: frozenset[str]) -> InfeasibleBudgetError:
+    extra = step_timeline(problem, fused).length - step_timeline(problem).length
+    names = sorted(fused)
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return InfeasibleBudgetError(
+        f"the memory budget {format_bytes(problem.memory_budget or 0)} per device does not fit the a and e kept "
+        f"for deferred curvature; fusing the curvature of {len(names)} layers ({shown}) adds {extra:.4g} s to each "
+        f"refresh step, more than max_overhead={problem.max_overhead:g} allows within {problem.max_period} steps")
