@@ -26,7 +26,7 @@ from fxkfac.fingerprint import graph_fingerprint
 from fxkfac.kfac.family import KFACFamily
 from fxkfac.passes.split_stages import SplitResult, split_stages
 from fxkfac.planner.costs import CostTable
-from fxkfac.planner.ir import LayerTiming
+from fxkfac.planner.ir import LayerTiming, Programs
 from fxkfac.planner.lowering import naive_programs, ranks_of_stages
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import StepBarrier, format_bytes
@@ -78,47 +78,103 @@ def compile(  # noqa: A001 - the public name the design card gives
     hybrid:F, dp-kfac; planner/strategy.py) under ``plan="auto"`` (None: the planner chooses) and ``plan=None``
     (None: comm-opt); a loaded plan brings its own.
     """
+    _check_arguments(microbatches, kfac)
+    family = _family(preconditioner, kfac)
+    layout = MeshLayout.local() if mesh is None else MeshLayout.from_mesh(mesh)
+    kind = ScheduleKind.ONE_F_ONE_B if mesh is None else ScheduleKind(schedule)
+    N, v, single = microbatches, pipeline.virtual_stages, mesh is None
+    prepared, known, resolved = _prepare_and_resolve(model, example_inputs, plan, single, family, kfac, kind, layout,
+                                                     N, pipeline, plan_options)
+    timings = _timings(plan, single, resolved, family, prepared.units, layer_timing)
+    distributions = _distributions(resolved, family, plan_options, prepared.stage_layers, known, kind, layout, v)
+    spec = _run_spec(prepared, resolved, family, known, layout, kind, N, v, timings, distributions)
+    base = optimizer or (plain_sgd if family is not None and family.full_direction else default_optimizer)
+    return Trainer(spec, loss_fn=loss_fn, optimizer=base, options=pipeline, backend=backend)
+
+
+def _check_arguments(microbatches: Any, kfac: Any) -> None:
+    """ConfigError for a `microbatches` that is no int >= 1 or a `kfac` that is no KFACConfig: refused before any
+    capture."""
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ConfigError(f"microbatches must be an int >= 1, got {microbatches!r}")
     if kfac is not None and not isinstance(kfac, KFACConfig):
         raise ConfigError(f"kfac must be a KFACConfig or None, got {type(kfac).__name__}")
-    family = family_of(preconditioner) if preconditioner is not None else KFACFamily(kfac) if kfac is not None else None
-    layout = MeshLayout.local() if mesh is None else MeshLayout.from_mesh(mesh)
-    kind = ScheduleKind.ONE_F_ONE_B if mesh is None else ScheduleKind(schedule)
-    N, v = microbatches, pipeline.virtual_stages
-    auto = mesh is not None and family is not None and isinstance(plan, str) and plan == "auto"
+
+
+def _family(preconditioner: Any, kfac: KFACConfig | None) -> Family | None:
+    """The preconditioner family: `preconditioner`'s when given, else K-FAC with `kfac`, else none (the base
+    optimizer alone)."""
+    if preconditioner is not None:
+        return family_of(preconditioner)
+    return KFACFamily(kfac) if kfac is not None else None
+
+
+def _prepare_and_resolve(model: nn.Module, example_inputs: Any, plan: Any, single: bool, family: Family | None,
+                         kfac: KFACConfig | None, kind: ScheduleKind, layout: MeshLayout, N: int,
+                         pipeline: PipelineOptions,
+                         options: PlanOptions) -> tuple[Prepared, dict[str, Any], Plan | None]:
+    """`prepare`, the units by name and the resolved plan, with rank 0 showing what plan="auto" does on a mesh;
+    warns (at `compile`'s caller) when the family finds nothing to precondition."""
+    auto = not single and family is not None and isinstance(plan, str) and plan == "auto"
     with plan_progress(auto and layout.rank == 0) as progress:  # rank 0 says what plan="auto" is doing
         progress.phase("capturing the model and splitting it into stages")
-        prepared = prepare(model, example_inputs, family, kfac, kind=kind, D=layout.D, W=layout.W, N=N, v=v,
-                           split_points=pipeline.split_points)
-        captured, split, stage_layers = prepared.captured, prepared.split, prepared.stage_layers
-        units, target, example, batch, micro = (prepared.units, prepared.target, prepared.example, prepared.batch,
-                                                prepared.micro)
-        if family is not None and not units:
+        prepared = prepare(model, example_inputs, family, kfac, kind=kind, D=layout.D, W=layout.W, N=N,
+                           v=pipeline.virtual_stages, split_points=pipeline.split_points)
+        if family is not None and not prepared.units:
             warnings.warn(f"{type(model).__name__} has nothing {family.name} can precondition (K-FAC: no Linear/Conv2d "
-                          "layer); it trains with the base optimizer alone", stacklevel=2)
-        known = {unit.name: unit for unit in units}
-        resolved = _resolve(plan, mesh is None, family, target, plan_options, layout, split, stage_layers, known, micro,
-                            progress)
+                          "layer); it trains with the base optimizer alone", stacklevel=3)
+        known = {unit.name: unit for unit in prepared.units}
+        resolved = _resolve(plan, single, family, prepared.target, options, layout, prepared.split,
+                            prepared.stage_layers, known, prepared.micro, progress)
+    return prepared, known, resolved
+
+
+def _timings(plan: Any, single: bool, resolved: Plan | None, family: Family | None, units: Sequence[Any],
+             layer_timing: Mapping[str, LayerTiming] | None) -> dict[str, LayerTiming]:
+    """Each unit's timing: `layer_timing` over the plan's (on one device a given plan only supplies timings);
+    ConfigError when a plan on a mesh and `layer_timing` both set them. Empty without a family."""
     if resolved is not None and layer_timing:
         raise ConfigError("layer_timing and a plan both set the layer timings on a mesh; pass one of them")
-    on_one_device = mesh is None and isinstance(plan, (str, Path, Plan)) and plan != "auto"
+    on_one_device = single and isinstance(plan, (str, Path, Plan)) and plan != "auto"
     timed_by = _plan_of(plan) if on_one_device else resolved  # one device takes a plan's layer timings only
     given = dict(timed_by.layers) if timed_by is not None else {}
-    timings = layer_timings(units, family, {**given, **dict(layer_timing or {})}) if family else {}
+    return layer_timings(units, family, {**given, **dict(layer_timing or {})}) if family else {}
+
+
+def _distributions(resolved: Plan | None, family: Family | None, options: PlanOptions,
+                   stage_layers: Mapping[int, list[str]], known: Mapping[str, Any], kind: ScheduleKind,
+                   layout: MeshLayout, v: int) -> dict[str, LayerDistribution]:
+    """Where each unit's work lives across its stage's copies: the plan's, else the forced strategy's on the
+    critical path (none without a family)."""
+    if resolved is not None:
+        return dict(resolved.problem.distributions)
+    if family is None:
+        return {}
+    return critical_path_distributions(options, family, stage_layers, known, kind, layout, v)
+
+
+def _critical_path_programs(family: Family | None, kind: ScheduleKind, layout: MeshLayout, N: int, v: int,
+                            timings: Mapping[str, LayerTiming], stage_layers: Mapping[int, list[str]],
+                            distributions: Mapping[str, LayerDistribution]) -> Programs:
+    """The programs without a plan: `naive_programs` over the family's parts (no part without a family)."""
     parts = family.parts if family is not None else ()
     fed_by_gradient = gradient_parts(family) if family is not None else frozenset()
-    distributions = (dict(resolved.problem.distributions) if resolved is not None else {} if family is None else
-                     critical_path_distributions(plan_options, family, stage_layers, known, kind, layout, v))
-    programs = resolved.programs if resolved is not None else naive_programs(
-        kind, layout.D, N, layout.W, timings, stage_layers, v=v, parts=parts, gradient_parts=fed_by_gradient,
-        distributions=distributions)
+    return naive_programs(kind, layout.D, N, layout.W, timings, stage_layers, v=v, parts=parts,
+                          gradient_parts=fed_by_gradient, distributions=distributions)
+
+
+def _run_spec(prepared: Prepared, resolved: Plan | None, family: Family | None, known: Mapping[str, Any],
+              layout: MeshLayout, kind: ScheduleKind, N: int, v: int, timings: dict[str, LayerTiming],
+              distributions: dict[str, LayerDistribution]) -> RunSpec:
+    """What every rank runs, the same on each: the split and the programs (the plan's with its start-up steps,
+    else the critical path's)."""
+    programs = resolved.programs if resolved is not None else _critical_path_programs(
+        family, kind, layout, N, v, timings, prepared.stage_layers, distributions)
     startup = dict(resolved.startup) if resolved is not None else {}
-    spec = RunSpec(layout, kind, N, v, captured, split, batch, input_signature(example), dict(programs), startup,
-                   resolved, family, known, {s: tuple(names) for s, names in stage_layers.items()}, timings,
-                   target.fingerprint, distributions)
-    base = optimizer or (plain_sgd if family is not None and family.full_direction else default_optimizer)
-    return Trainer(spec, loss_fn=loss_fn, optimizer=base, options=pipeline, backend=backend)
+    stage_names = {s: tuple(names) for s, names in prepared.stage_layers.items()}
+    return RunSpec(layout, kind, N, v, prepared.captured, prepared.split, prepared.batch,
+                   input_signature(prepared.example), dict(programs), startup, resolved, family, known, stage_names,
+                   timings, prepared.target.fingerprint, distributions)
 
 
 @dataclass(frozen=True)

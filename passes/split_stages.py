@@ -295,46 +295,80 @@ def split_stages(
         SplitResult; `stage.gm(*stage.inputs)` returns `stage.outputs`, and chaining the
         stages computes what `gm` computes (same outputs, same parameter gradients).
     """
-    if split_points is not None and len(split_points) + 1 != num_stages:
-        raise ConfigError(f"{len(split_points)} split points make {len(split_points) + 1} stages, "
-                          f"not num_stages={num_stages}")
-    if num_stages < 1:
-        raise ConfigError(f"num_stages must be >= 1, got {num_stages}")
+    _check_stage_count(num_stages, split_points)
     aliases = _canonical_params(gm)
     param_numel = {name: t.numel() for name, t in gm.named_parameters(remove_duplicate=False)}
     nodes = _compute_nodes(gm)
     segments = _segments(nodes)
-    if isinstance(cost, Mapping):
-        costs = [float(cost.get(key, 0.0)) for key, _ in segments]
-    elif cost in ("flops", "params"):
-        costs = [sum(_node_cost(n, cost, param_numel) for n in seg) for _, seg in segments]
-    else:
-        raise ConfigError(f"cost must be 'flops', 'params' or a mapping of block -> seconds, got {cost!r}")
-    starts = _stage_starts(segments, num_stages, split_points, costs)
-    stage_of = _assign_stages(gm, starts, segments)
-    for node in gm.graph.nodes:
-        if node in stage_of:
-            node.meta[STAGE] = stage_of[node]
+    costs = _segment_costs(segments, cost, param_numel)
+    stage_of = _assign_stages(gm, _stage_starts(segments, num_stages, split_points, costs), segments)
+    _tag_stages(gm, stage_of)
     bounds = _boundaries(gm, stage_of, num_stages)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    canonical = {name for name, _ in gm.named_parameters()}
     stages = []
     for s in range(num_stages):
         ins = placeholders if s == 0 else bounds[s - 1]
         outs = bounds[s] if s < num_stages - 1 else None
         own = [n for n in nodes if stage_of[n] == s]
         stage_gm, used = _build_stage(gm, s, own, ins, outs, aliases)
-        out_nodes = outs if outs is not None else [
-            a for a in fx.node.map_arg(next(n for n in gm.graph.nodes if n.op == "output").args[0],
-                                       lambda x: x) if isinstance(a, fx.Node)]
-        params = tuple(sorted(p for p in used if p in dict(gm.named_parameters())))
-        held_layers = tuple(layer.name for layer in layers if aliases.get(layer.weight, layer.weight) in params)
-        tapped = {n.meta[LAYER].name for n in own if LAYER in n.meta}
-        blocks = tuple(dict.fromkeys(k for i, (k, _) in enumerate(segments) if stage_of[segments[i][1][0]] == s))
-        stages.append(StageGraph(s, stage_gm, tuple(_spec(v) for v in ins), tuple(_spec(v) for v in out_nodes),
-                                 params, tuple(dict.fromkeys(held_layers + tuple(sorted(tapped)))), blocks))
+        params = tuple(sorted(p for p in used if p in canonical))
+        returned = outs if outs is not None else _model_outputs(gm)
+        stages.append(StageGraph(s, stage_gm, tuple(_spec(v) for v in ins), tuple(_spec(v) for v in returned), params,
+                                 _stage_layers(own, params, layers, aliases), _stage_blocks(segments, stage_of, s)))
+    return SplitResult(stages, _shared_params(stages), {k: v for k, v in aliases.items() if k in param_numel})
+
+
+def _check_stage_count(num_stages: int, split_points: Sequence[str] | None) -> None:
+    """ConfigError unless the split points (when given) make `num_stages` stages and there is at least one."""
+    if split_points is not None and len(split_points) + 1 != num_stages:
+        raise ConfigError(f"{len(split_points)} split points make {len(split_points) + 1} stages, "
+                          f"not num_stages={num_stages}")
+    if num_stages < 1:
+        raise ConfigError(f"num_stages must be >= 1, got {num_stages}")
+
+
+def _segment_costs(segments: Sequence[tuple[str, list[fx.Node]]], cost: str | Mapping[str, float],
+                   param_numel: Mapping[str, int]) -> list[float]:
+    """Each block's cost for balancing the stages: measured seconds by block key, or a static `_node_cost` sum."""
+    if isinstance(cost, Mapping):
+        return [float(cost.get(key, 0.0)) for key, _ in segments]
+    if cost in ("flops", "params"):
+        return [sum(_node_cost(n, cost, param_numel) for n in seg) for _, seg in segments]
+    raise ConfigError(f"cost must be 'flops', 'params' or a mapping of block -> seconds, got {cost!r}")
+
+
+def _tag_stages(gm: fx.GraphModule, stage_of: Mapping[fx.Node, int]) -> None:
+    """Write each staged node's stage into its meta (STAGE), for the passes that run after the split."""
+    for node in gm.graph.nodes:
+        if node in stage_of:
+            node.meta[STAGE] = stage_of[node]
+
+
+def _model_outputs(gm: fx.GraphModule) -> list[fx.Node]:
+    """The nodes among the model's flat outputs: what the last stage returns."""
+    flat = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    return [a for a in fx.node.map_arg(flat, lambda x: x) if isinstance(a, fx.Node)]
+
+
+def _stage_layers(own: Sequence[fx.Node], params: Sequence[str], layers: Sequence[KFACLayer],
+                  aliases: Mapping[str, str]) -> tuple[str, ...]:
+    """The K-FAC layers of a stage: those whose weight it holds, then those tapped in its nodes (each once)."""
+    held = tuple(layer.name for layer in layers if aliases.get(layer.weight, layer.weight) in params)
+    tapped = {n.meta[LAYER].name for n in own if LAYER in n.meta}
+    return tuple(dict.fromkeys(held + tuple(sorted(tapped))))
+
+
+def _stage_blocks(segments: Sequence[tuple[str, list[fx.Node]]], stage_of: Mapping[fx.Node, int],
+                  s: int) -> tuple[str, ...]:
+    """The block keys stage `s` covers, in order (each once)."""
+    return tuple(dict.fromkeys(key for key, nodes in segments if stage_of[nodes[0]] == s))
+
+
+def _shared_params(stages: Sequence[StageGraph]) -> dict[str, tuple[int, ...]]:
+    """The parameters more than one stage uses (tied weights) -> those stages: the runtime sums their gradients."""
     users: dict[str, list[int]] = {}
     for stage in stages:
         for p in stage.params:
             users.setdefault(p, []).append(stage.index)
-    shared = {p: tuple(ss) for p, ss in users.items() if len(ss) > 1}
-    return SplitResult(stages, shared, {k: v for k, v in aliases.items() if k in param_numel})
+    return {p: tuple(ss) for p, ss in users.items() if len(ss) > 1}

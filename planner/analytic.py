@@ -313,11 +313,10 @@ def analytic_cost_table(
     """
     spec = preset(model_spec) if isinstance(model_spec, str) else model_spec
     hw = get_hardware(hardware)
-    if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-        raise CostModelError(f"micro_batch_size must be an int >= 1, got {micro_batch_size!r}")
+    _check_size("micro_batch_size", micro_batch_size)
     seq = spec.seq_len if seq_len is None else seq_len
-    if isinstance(seq, bool) or not isinstance(seq, int) or seq < 1:
-        raise CostModelError(f"seq_len must be an int >= 1, got {seq!r}")
+    _check_size("seq_len", seq)
+
     def kernels(block: BlockSpec) -> BlockCost:
         return block_kernels(block, spec, batch=micro_batch_size, seq_len=seq, hw=hw, precision=precision,
                              inverse=inverse)
@@ -333,16 +332,27 @@ def analytic_cost_table(
         first, last = i == 0, i == len(ranges) - 1
         members = ([embed] if first else []) + [parts[j] for j in r] + ([head] if last else [])
         owners = ([spec.embed] if first else []) + [spec.blocks[j] for j in r] + ([spec.head] if last else [])
-        out.append(
-            StageCost(
-                fwd=sum(x.fwd for x in members),
-                bwd=sum(x.bwd for x in members),
-                param_bytes=4 * sum(x.params for x in members),
-                act_bytes=sum(x.act_bytes for x in members),
-                layers=tuple(layer for x in members for layer in x.layers) if units is None else
-                tuple(layer for block in owners for layer in units(block)),
-                peak_err_bytes=max(x.peak_err_bytes for x in members),
-            )
-        )
+        out.append(_stage_cost(members, owners, units))
     source = f"analytic:{spec.name}:seq{seq}:{precision}:{inverse}"
     return CostTable(tuple(out), micro_batch_size, source, hw.name, hw.comm)
+
+
+def _check_size(name: str, value: object) -> None:
+    """CostModelError unless `value` is an int >= 1 (a bool is not): a batch or sequence size."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CostModelError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def _stage_cost(members: Sequence[BlockCost], owners: Sequence[BlockSpec],
+                units: Callable[[BlockSpec], tuple[LayerCost, ...]] | None) -> StageCost:
+    """One stage's costs: the sums over its blocks' costs `members`; its layers are those blocks' K-FAC Linears, or
+    `units` of each of its blocks `owners` when given."""
+    return StageCost(
+        fwd=sum(x.fwd for x in members),
+        bwd=sum(x.bwd for x in members),
+        param_bytes=4 * sum(x.params for x in members),
+        act_bytes=sum(x.act_bytes for x in members),
+        layers=tuple(layer for x in members for layer in x.layers) if units is None else
+        tuple(layer for block in owners for layer in units(block)),
+        peak_err_bytes=max(x.peak_err_bytes for x in members),
+    )

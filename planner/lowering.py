@@ -242,38 +242,56 @@ def kfac_tail(rank: int, copies: Sequence[tuple[int, int]], step: int, timings: 
     (BCAST_PREC). DP-KFAC layers fold local statistics on their owner: no SYNC_STATS.
     """
     where = dict(distributions or {})
+    captured = [part for part in parts if part not in gradient_parts]
     stats: list[Op] = []
     syncs: list[Op] = []
     invs: list[Op] = []
     bcasts: list[Op] = []
     precs: list[Op] = []
     shares: list[Op] = []
-    captured = [part for part in parts if part not in gradient_parts]
     for s in sorted({s for s, _ in copies}):
-        ranks = holders[s]
-        layers = stage_layers[s]
+        ranks, layers = holders[s], stage_layers[s]
         workers = {n: grad_workers(ranks, where.get(n, LayerDistribution())) for n in layers}
         stats += [Op(OpKind.STATS, stage=s, part=part, layer=n) for n in layers if rank in workers[n]
                   for part in parts if part in gradient_parts]
         names = refreshing(timings, layers, step)
         roots = _deal(names, parts, ranks, where, assignment, seconds)
-        for name in names:
-            local = where.get(name, LayerDistribution()).strategy.local_factors
-            if len(ranks) > 1 and captured and not local:
-                syncs.extend([Op(OpKind.SYNC_STATS, stage=s, layer=name)] if not gradient_parts else
-                             [Op(OpKind.SYNC_STATS, stage=s, part=part, layer=name) for part in captured])
-            group = workers[name]
-            for side in parts:
-                root = roots[name, side]
-                if root == rank:
-                    invs.append(Op(OpKind.DECOMP, stage=s, part=side, layer=name))
-                if len(group) > 1 and rank in group:
-                    bcasts.append(Op(OpKind.BCAST, stage=s, part=side, root=root, layer=name,
-                                     group=None if group == ranks else group))
+        syncs += _syncs(s, names, ranks, captured, gradient_parts, where)
+        invs += _decomps(rank, s, names, parts, roots)
+        bcasts += _bcasts(rank, s, names, parts, ranks, workers, roots)
         applies, shared = step_applies(rank, s, layers, ranks, where, pipe=next(p for st, p in copies if st == s))
         precs += applies
         shares += shared
     return stats + syncs + invs + bcasts + precs + shares
+
+
+def _syncs(stage: int, names: Sequence[str], holders: tuple[int, ...], captured: Sequence[str],
+           gradient_parts: frozenset[str], distributions: Mapping[str, LayerDistribution]) -> list[Op]:
+    """The SYNC_STATS of the refreshing layers `names` of `stage`: the holders average what they captured, except
+    for layers that keep local factors (DP-KFAC); one per layer, or one per captured part when some part is fed by
+    the gradient. None on one holder or without captured parts."""
+    if len(holders) <= 1 or not captured:
+        return []
+    shared = [n for n in names if not distributions.get(n, LayerDistribution()).strategy.local_factors]
+    if not gradient_parts:
+        return [Op(OpKind.SYNC_STATS, stage=stage, layer=n) for n in shared]
+    return [Op(OpKind.SYNC_STATS, stage=stage, part=part, layer=n) for n in shared for part in captured]
+
+
+def _decomps(rank: int, stage: int, names: Sequence[str], parts: Sequence[str],
+             roots: Mapping[Decomposition, int]) -> list[Op]:
+    """The DECOMPs `rank` runs of the refreshing layers `names` of `stage`: those dealt to it (`roots`)."""
+    return [Op(OpKind.DECOMP, stage=stage, part=side, layer=n) for n in names for side in parts
+            if roots[n, side] == rank]
+
+
+def _bcasts(rank: int, stage: int, names: Sequence[str], parts: Sequence[str], holders: tuple[int, ...],
+            workers: Mapping[str, tuple[int, ...]], roots: Mapping[Decomposition, int]) -> list[Op]:
+    """The BCASTs of the refreshing layers `names` of `stage` that `rank` takes part in: each decomposition from its
+    root to the layer's other grad workers (group None: every holder)."""
+    return [Op(OpKind.BCAST, stage=stage, part=side, root=roots[n, side], layer=n,
+               group=None if workers[n] == holders else workers[n])
+            for n in names if len(workers[n]) > 1 and rank in workers[n] for side in parts]
 
 
 def _with_kfac(ops: Sequence[Op], rank: int, step: int, timings: Mapping[str, LayerTiming],
