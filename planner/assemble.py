@@ -20,11 +20,11 @@ from fxkfac.planner.simulate import BUSY_KINDS, utilization
 from fxkfac.planner.stretch import Allowance, restretch
 from fxkfac.planner.window import GroupSolution, Placement, Window, born_steps, peak_bytes, placements_of
 
-__all__ = ["assemble"]
+__all__ = ["Attempt", "assemble", "assemble_attempt", "same_stretch"]
 
 
 @dataclass
-class _Attempt:
+class Attempt:
     """Solutions per group for one set of fused layers (None where no k worked)."""
 
     solutions: list[GroupSolution | None]
@@ -32,7 +32,7 @@ class _Attempt:
     allowance: Allowance
 
 
-def _same_stretch(solutions: list[GroupSolution | None]) -> list[GroupSolution | None]:
+def same_stretch(solutions: list[GroupSolution | None]) -> list[GroupSolution | None]:
     """Every group at the largest stretch any needs: the step is one for all ranks ([Note: stretch] in
     planner/window.py). A group moved to a longer stretch keeps its staleness, which the longer one might
     better: no longer proven optimal (unless it is 0)."""
@@ -54,7 +54,7 @@ def assemble(problem: Problem, solutions: Sequence[GroupSolution], greedy: list[
     the paper's rule per group, for the metrics): the entry of a distribution choice made beside `solve`
     (planner/choose.py), whose solutions are of `problem`'s own windows."""
     placed: list[GroupSolution | None] = list(solutions)
-    return _assemble(problem, _Attempt(_same_stretch(placed), greedy, allowed), frozenset(), wall)
+    return assemble_attempt(problem, Attempt(same_stretch(placed), greedy, allowed), frozenset(), wall)
 
 
 _PLACED_KINDS = frozenset({OpKind.STATS, OpKind.APPLY, OpKind.BCAST_PREC, OpKind.OPT_STEP})
@@ -85,7 +85,9 @@ def _utilization(problem: Problem, w: Window, placed: list[Placement], device: i
     return utilization(busy, w.seconds(w.length))
 
 
-def _assemble(problem: Problem, attempt: _Attempt, fused: frozenset[str], wall: float) -> Plan:
+def assemble_attempt(problem: Problem, attempt: Attempt, fused: frozenset[str], wall: float) -> Plan:
+    """The plan of an attempt that placed every group, `fused` layers' curvature fused: programs, layer timings,
+    placements and metrics (`wall`: seconds the planning took)."""
     groups = stage_groups(problem)
     programs: dict[int, Program] = {}
     layers: dict[str, LayerTiming] = {}

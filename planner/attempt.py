@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
-from fxkfac.planner.assemble import _assemble, _Attempt, _same_stretch
+from fxkfac.planner.assemble import Attempt, assemble_attempt, same_stretch
 from fxkfac.planner.budget import Meter
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.errors import InfeasibleBudgetError, Knob, PlanError
@@ -29,7 +29,7 @@ from fxkfac.planner.problem import (
 from fxkfac.planner.stretch import Allowance, allowance
 from fxkfac.planner.window import GroupSolution, TaskKind, fits_memory, longest_gaps, peak_bytes, too_long
 
-__all__ = ["OVERTIME", "Method", "aggregates"]
+__all__ = ["OVERTIME", "Method", "Clock", "Refused", "aggregates", "attempt_plan"]
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ within time_limit_s + OVERTIME plus at most that."""
 
 
 @dataclass(frozen=True)
-class _Clock:
+class Clock:
     """`deadline`: when CP-SAT stops (greedy placement goes on); `cutoff`: when planning gives up; both
     on `meter`'s clock (wall seconds, or deterministic seconds: planner/budget.py)."""
 
@@ -77,12 +77,12 @@ class _Clock:
             return True
         return False
 
-    def later(self, deadline: float, cutoff: float | None = None) -> _Clock:
+    def later(self, deadline: float, cutoff: float | None = None) -> Clock:
         """The same meter with another deadline (and cutoff)."""
-        return _Clock(self.meter, deadline, self.cutoff if cutoff is None else cutoff, self.made)
+        return Clock(self.meter, deadline, self.cutoff if cutoff is None else cutoff, self.made)
 
 
-class _Refused(Exception):
+class Refused(Exception):
     """A refusal before suggestions: the error for the user, the knobs that may lift it (searched in
     this order), and the layers fused by then."""
 
@@ -126,7 +126,7 @@ def _overhead_period(problem: Problem, fused: frozenset[str]) -> int:
 
 
 def _solve_groups(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
-                  min_k: int, clock: _Clock) -> _Attempt:
+                  min_k: int, clock: Clock) -> Attempt:
     """Every stage group's solution at refresh periods >= min_k: greedy, then CP-SAT warm-started by it
     while the clock leaves CP-SAT time (greedy's alone after that, where it fits the budget)."""
     from fxkfac.planner.greedy import greedy_group
@@ -140,7 +140,7 @@ def _solve_groups(problem: Problem, fused: frozenset[str], config: SolverConfig,
         long = too_long(allowed.window(group, max(2, min_k), allowed.ticks(problem.max_period), aggregate=aggregate,
                                        resolution=config.time_resolution))
         if long:
-            raise _Refused(PlanError(
+            raise Refused(PlanError(
                 f"some {words_of(problem.costs).name} work cannot fit any bubble, whatever the refresh period"
                 + (f", even with the step stretched by max_overhead={problem.max_overhead:g}"
                    if allowed.enabled else "")
@@ -149,7 +149,7 @@ def _solve_groups(problem: Problem, fused: frozenset[str], config: SolverConfig,
                 (Knob.MAX_OVERHEAD, Knob.MICROBATCHES) if config.stretch else (Knob.MICROBATCHES,), fused)
         lower = refresh_lower_bound(problem, group, fused, stretch=allowed.enabled)
         if lower > problem.max_period:
-            raise _Refused(PlanError(
+            raise Refused(PlanError(
                 f"the {words_of(problem.costs).name} work of stages {list(group.stages)} is more than the idle time "
                 f"of {problem.max_period} steps holds" + (f", even with the step stretched by max_overhead="
                                                           f"{problem.max_overhead:g}" if allowed.enabled else "")),
@@ -171,10 +171,10 @@ def _solve_groups(problem: Problem, fused: frozenset[str], config: SolverConfig,
         share = max(clock.meter.units(0.1), left / (len(groups) - n))
         solutions.append(solve_group(problem, group, fused, config, share, clock.meter, g, aggregate=aggregate,
                                      min_k=min_k, allowance=allowed))
-    return _Attempt(_same_stretch(solutions), greedy, allowed)
+    return Attempt(same_stretch(solutions), greedy, allowed)
 
 
-def _next_fused(problem: Problem, attempt: _Attempt, fused: frozenset[str], *,
+def _next_fused(problem: Problem, attempt: Attempt, fused: frozenset[str], *,
                 by_excess: bool) -> frozenset[str] | None:
     """Fuse more layers (largest kept bytes first) in every group that found no plan: one, or with
     `by_excess` as many as the greedy placement's bytes over the budget call for (a layer saves at most
@@ -212,8 +212,8 @@ def _excess(problem: Problem, solution: GroupSolution) -> int:
     return max(peak_bytes(solution.window, solution.starts, d) - budget for d in solution.window.group.devices)
 
 
-def _attempt(problem: Problem, config: SolverConfig, method: Method, clock: _Clock, began: float) -> Plan:
-    """One planning run as `solve` describes it, without suggestions: _Refused when it makes no plan.
+def attempt_plan(problem: Problem, config: SolverConfig, method: Method, clock: Clock, began: float) -> Plan:
+    """One planning run as `solve` describes it, without suggestions: Refused when it makes no plan.
     With CP-SAT and a budget, greedy placement fusing by its memory excess runs first: quick, and its
     plan is kept when CP-SAT's own rounds of fusing (fewer layers fused) find none before the deadline."""
     _check_budget(problem)
@@ -221,16 +221,16 @@ def _attempt(problem: Problem, config: SolverConfig, method: Method, clock: _Clo
         return _placed(problem, config, method, clock, began)
     try:
         fallback = _placed(problem, config, method, clock.later(clock.meter.now()), began)
-    except _Refused:
+    except Refused:
         return _placed(problem, config, method, clock, began)
     try:
         return _placed(problem, config, method, clock.later(clock.deadline, clock.deadline), began)
-    except _Refused:
+    except Refused:
         solver = replace(fallback.metrics.solver, wall_time=time.perf_counter() - began)  # CP-SAT's time too
         return replace(fallback, metrics=replace(fallback.metrics, solver=solver))
 
 
-def _placed(problem: Problem, config: SolverConfig, method: Method, clock: _Clock, began: float) -> Plan:
+def _placed(problem: Problem, config: SolverConfig, method: Method, clock: Clock, began: float) -> Plan:
     """Place the work, fusing more curvature each round that misses the budget (one layer per group
     while CP-SAT has time; as many as greedy's excess calls for after that, and always with the greedy method,
     whose rounds are not timed) until every group is placed."""
@@ -238,13 +238,13 @@ def _placed(problem: Problem, config: SolverConfig, method: Method, clock: _Cloc
     while True:
         min_k = _overhead_period(problem, fused)
         if min_k > problem.max_period:
-            raise _Refused(_fusing_refused(problem, fused), (Knob.MEMORY_BUDGET, Knob.MAX_OVERHEAD), fused)
+            raise Refused(_fusing_refused(problem, fused), (Knob.MEMORY_BUDGET, Knob.MAX_OVERHEAD), fused)
         attempt = _solve_groups(problem, fused, config, method, min_k, clock)
         while fused and all(attempt.solutions) and len({s.window.k for s in attempt.solutions}) > 1:  # type: ignore[union-attr]  # all() first
             common = max(s.window.k for s in attempt.solutions)  # type: ignore[union-attr]  # all() above
             attempt = _solve_groups(problem, fused, config, method, common, clock)
         if all(attempt.solutions):
-            return _assemble(problem, attempt, fused, time.perf_counter() - began)
+            return assemble_attempt(problem, attempt, fused, time.perf_counter() - began)
         if problem.memory_budget is None or _short_of_time(attempt, fused):
             raise _unplaced(problem, attempt, fused, config, method)
         greedy = method is Method.GREEDY
@@ -254,27 +254,27 @@ def _placed(problem: Problem, config: SolverConfig, method: Method, clock: _Cloc
             why = "even with all their curvature fused" if nxt is None else (
                 f"before the time limit ({config.time_limit_s:g} s + {OVERTIME / 2:g} s) ran out, "
                 f"{len(fused)} layers fused")
-            raise _Refused(InfeasibleBudgetError(
+            raise Refused(InfeasibleBudgetError(
                 f"no placement of stages {bad} within the memory budget {format_bytes(problem.memory_budget)} "
                 f"per device was found {why}"), (Knob.MEMORY_BUDGET, Knob.MAX_OVERHEAD), fused)
         log.info("fusing curvature of %s to fit the memory budget", sorted(nxt - fused))
         fused = nxt
 
 
-def _short_of_time(attempt: _Attempt, fused: frozenset[str]) -> bool:
+def _short_of_time(attempt: Attempt, fused: frozenset[str]) -> bool:
     """Whether a group is unplaced for want of time, not memory: before any fusing, greedy (which ignores the
     budget) placed it nowhere either, and fusing only lengthens F/B. Its refusal then names max_overhead or N,
     not the memory budget (pure data parallelism at max_overhead 0 has no bubble to fill)."""
     return not fused and any(s is None and g is None for s, g in zip(attempt.solutions, attempt.greedy))
 
 
-def _unplaced(problem: Problem, attempt: _Attempt, fused: frozenset[str], config: SolverConfig,
-              method: Method) -> _Refused:
+def _unplaced(problem: Problem, attempt: Attempt, fused: frozenset[str], config: SolverConfig,
+              method: Method) -> Refused:
     """The refusal when some group has no placement for want of bubble time (no budget, or greedy placed it
     nowhere before any fusing)."""
     bad = [g.stages for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
     timed = f", or the time limit ({config.time_limit_s:g} s) was" if method is Method.CPSAT else ""
-    return _Refused(PlanError(f"no placement of the {words_of(problem.costs).name} work of stages {bad} within "
+    return Refused(PlanError(f"no placement of the {words_of(problem.costs).name} work of stages {bad} within "
                               f"{problem.max_period} steps "
                               f"({method.value}{_stretched(problem, config)}): the bubbles are too short{timed}"),
                     (Knob.MAX_OVERHEAD, Knob.MICROBATCHES), fused)
@@ -290,7 +290,7 @@ def _check_budget(problem: Problem) -> None:
         return
     need = min_memory_bytes(problem)
     if problem.memory_budget < need:
-        raise _Refused(InfeasibleBudgetError(
+        raise Refused(InfeasibleBudgetError(
             f"memory budget {problem.memory_budget} bytes ({format_bytes(problem.memory_budget)}) per device is below "
             f"the least any plan needs: {need} bytes ({format_bytes(need)}) = parameters and gradients, factors and "
             "inverses, the optimizer state of the preconditioned layers, and the activation peak with all curvature "

@@ -12,9 +12,11 @@ memory).
 Where the joint model does not apply it is not used, and the outer search below plans instead:
 - with the greedy method (no CP-SAT), under `StepBarrier.AGREEMENT_SET` (an early step start depends on the
   slots), and with one copy per stage (nothing to choose);
-- when the joint solve places nothing (a memory budget that needs curvature fused, which the joint model does
-  not do), its time is up, or its placement cannot be moved into the chosen problem's own windows (the chosen
-  problem is then planned by `solve` itself: its distributions are still CP-SAT's).
+- when the joint solve places nothing and `solve` cannot plan its least-step distributions either, or its time is
+  up. Under a memory budget a group the joint model cannot place (it fuses no curvature) takes those
+  distributions (the least reference step within the static memory) to `solve`, which fuses curvature as the
+  budget needs; a placement that cannot be moved into the chosen problem's own windows goes the same way. Both
+  plans keep CP-SAT's distributions.
 The outer search plans every candidate in full by `solve`: each KAISA strategy the stages' copies allow
 (COMM-OPT, HYBRID with each grad-worker count that divides the copies, MEM-OPT; layers dealt to columns by
 KAISA's greedy on their decomposition seconds) and one per-layer mix (MEM-OPT on the layers that hold the
@@ -22,7 +24,7 @@ larger half of the statistics bytes, COMM-OPT on the rest), and keeps the best a
 least communication first); there CP-SAT places each candidate and does not choose among them. A candidate
 that cannot meet the memory budget or max_overhead drops out; when none plans, COMM-OPT's refusal (with its
 suggestions) is raised. DP-KFAC is never chosen: its factors come from one replica's micro-batches, a
-different algorithm that only the user may ask for. Everything shares one time limit ([Note: time limit] in
+different algorithm that only the user may ask for. Everything shares one time limit of CP-SAT ([Note: time limit] in
 planner/solve.py); a fallback after a failed joint solve gets what it left (at least greedy placement).
 """
 
@@ -125,12 +127,14 @@ def _joint_applies(problem: Problem, method: Method | str) -> bool:
 def solve_outer(problem: Problem, config: SolverConfig = SolverConfig(), method: Method | str = Method.CPSAT,
                 box: TimeBox | None = None) -> Plan:
     """The best of `candidate_problems`, each planned in full by `solve` with an equal share of the solver time
-    left in `box` (a new one: config's). When none plans, the first's refusal names what would."""
+    left in `box` (a new one: config's; with the greedy method, which is not timed, every candidate is planned).
+    When none plans, the first's refusal names what would."""
     box = box or TimeBox(config)
     candidates = candidate_problems(problem)
     plans: list[Plan] = []
+    timed = Method(method) is Method.CPSAT
     for n, candidate in enumerate(candidates):
-        if plans and box.over():
+        if plans and timed and box.over():
             log.info("no time left to plan distributions %s", [_words(c) for c in candidates[n:]])
             break
         try:
@@ -213,7 +217,7 @@ def _joint_plan(problem: Problem, fixed: Mapping[str, LayerDistribution], config
                                       aggregate=aggregates(anchor, group, config, allowed))
         if placement is None:
             log.info("joint choice: stages %s not placed", list(group.stages))
-            return None
+            return None if anchor.memory_budget is None else _planned(anchor, config, box)
         placements.append(placement)
     step_ticks = max(p.step_ticks for p in placements)
     placements = [restretch_joint(p, step_ticks) for p in placements]

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import time
 
-from fxkfac.planner.attempt import OVERTIME, Method, _attempt, _Clock, _Refused
+from fxkfac.planner.attempt import OVERTIME, Clock, Method, Refused, attempt_plan
 from fxkfac.planner.budget import meter
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig
-from fxkfac.planner.suggest import _suggesting
+from fxkfac.planner.suggest import with_suggestions
 
 __all__ = ["TimeBox", "solve"]
 
@@ -42,22 +42,22 @@ class TimeBox:
         self.overtime = self.meter.units(OVERTIME)
         self.made: dict[tuple[Problem, Method], Plan] = {}
 
-    def solving(self, shares: int = 1) -> _Clock:
+    def solving(self, shares: int = 1) -> Clock:
         """One solve's clock: an equal share of the CP-SAT time left among the `shares` solves still to run;
         greedy placement may go on until OVERTIME / 2 past the box's end."""
         now = self.meter.now()
         deadline = now + max(0.0, self.end - now) / shares
-        return _Clock(self.meter, deadline, max(deadline, self.end + self.overtime / 2), self.made)
+        return Clock(self.meter, deadline, max(deadline, self.end + self.overtime / 2), self.made)
 
     def over(self) -> bool:
         """Whether the time for solving is spent, greedy's OVERTIME / 2 past the limit included."""
         return self.solving().out()
 
-    def suggesting(self) -> _Clock:
+    def suggesting(self) -> Clock:
         """The clock of a refusal's search for values that plan: until OVERTIME past the end (or half of it
         from now, when an uninterrupted greedy placement ran past that)."""
         until = max(self.end + self.overtime, self.meter.now() + self.overtime / 2)
-        return _Clock(self.meter, until, until, self.made)
+        return Clock(self.meter, until, until, self.made)
 
 
 def solve(problem: Problem, config: SolverConfig = SolverConfig(), method: Method | str = Method.CPSAT, *,
@@ -75,11 +75,11 @@ def solve(problem: Problem, config: SolverConfig = SolverConfig(), method: Metho
     if made is not None:
         return made  # solved in this box already: while searching for the value a refusal names
     try:
-        plan = _attempt(problem, config, how, box.solving(shares), time.perf_counter())
-    except _Refused as refused:
+        plan = attempt_plan(problem, config, how, box.solving(shares), time.perf_counter())
+    except Refused as refused:
         if not suggest:
             raise refused.error from None
-        raise _suggesting(refused, problem, config, how, box.suggesting()) from None
+        raise with_suggestions(refused, problem, config, how, box.suggesting()) from None
     box.made[(problem, how)] = plan
     return plan
 

@@ -7,22 +7,22 @@ import time
 from dataclasses import replace
 from decimal import ROUND_CEILING, Decimal
 
-from fxkfac.planner.attempt import OVERTIME, Method, _attempt, _Clock, _Refused, aggregates
+from fxkfac.planner.attempt import OVERTIME, Clock, Method, Refused, aggregates, attempt_plan
 from fxkfac.planner.errors import InfeasibleBudgetError, Knob, PlanError, ScheduleError, Suggestion
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig, format_bytes, min_memory_bytes, stage_groups, step_timeline
 from fxkfac.planner.stretch import Allowance
 from fxkfac.planner.window import grid_scale
 
-__all__: list[str] = []  # nothing public: `solve` (planner/solve.py) raises the errors made here
+__all__ = ["with_suggestions"]
 
 
 # Suggestions: each refusal searches the knobs that may lift it, upward from the refused value, and
 # names only values it has solved the problem with (everything else unchanged).
 
 
-def _suggesting(refused: _Refused, problem: Problem, config: SolverConfig, method: Method,
-                until: _Clock) -> PlanError:
+def with_suggestions(refused: Refused, problem: Problem, config: SolverConfig, method: Method,
+                     until: Clock) -> PlanError:
     """The refusal's error with the values that plan, searched until `until`: each knob alone; where
     none does and a budget is set, max_overhead and the budget together; then more micro-batches."""
     found: list[Suggestion] = []
@@ -84,13 +84,13 @@ def _describe(problem: Problem, s: Suggestion) -> str:
     return text
 
 
-def _plans(problem: Problem, config: SolverConfig, method: Method, until: _Clock, *, thorough: bool = False) -> bool:
+def _plans(problem: Problem, config: SolverConfig, method: Method, until: Clock, *, thorough: bool = False) -> bool:
     """Whether `solve` makes a plan of `problem`: with greedy placement first (CP-SAT's first pass, whose
     plan it keeps), then, `thorough` and with method CP-SAT, with CP-SAT itself within the time left."""
     return _plan_or_none(problem, config, method, until, thorough=thorough) is not None
 
 
-def _plan_or_none(problem: Problem, config: SolverConfig, method: Method, until: _Clock, *,
+def _plan_or_none(problem: Problem, config: SolverConfig, method: Method, until: Clock, *,
                   thorough: bool = False) -> Plan | None:
     made = until.made.get((problem, method))
     if made is not None:
@@ -102,8 +102,8 @@ def _plan_or_none(problem: Problem, config: SolverConfig, method: Method, until:
         if until.out():
             return None
         try:
-            plan = _attempt(problem, config, method, until.later(deadline), time.perf_counter())
-        except _Refused:
+            plan = attempt_plan(problem, config, method, until.later(deadline), time.perf_counter())
+        except Refused:
             continue
         until.made[(problem, method)] = plan
         return plan
@@ -111,7 +111,7 @@ def _plan_or_none(problem: Problem, config: SolverConfig, method: Method, until:
 
 
 def _search_overhead(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
-                     until: _Clock) -> Suggestion | None:
+                     until: Clock) -> Suggestion | None:
     """A max_overhead that plans: from greedy's stretch estimate doubling, checked by greedy placement (then,
     with CP-SAT, by CP-SAT itself); then, while time is left, CP-SAT's least stretch (checked by CP-SAT,
     named least where proven) or a few bisection probes below it."""
@@ -150,7 +150,7 @@ def _ladder(start: float, above: float) -> list[float]:
     return values
 
 
-def _bisect_down(problem: Problem, config: SolverConfig, method: Method, until: _Clock, failed: float,
+def _bisect_down(problem: Problem, config: SolverConfig, method: Method, until: Clock, failed: float,
                  works: float) -> float:
     """A smaller max_overhead than `works` that still plans (a few probes between it and `failed`)."""
     for _ in range(4):
@@ -167,7 +167,7 @@ def _bisect_down(problem: Problem, config: SolverConfig, method: Method, until: 
 
 
 def _search_memory(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
-                   until: _Clock) -> Suggestion | None:
+                   until: Clock) -> Suggestion | None:
     """A memory budget that plans at the problem's max_overhead: the peak of the plan made without a
     budget, rounded up (raised by a quarter while it does not plan)."""
     free = _plan_or_none(replace(problem, memory_budget=None), config, method, until)
@@ -183,7 +183,7 @@ def _search_memory(problem: Problem, fused: frozenset[str], config: SolverConfig
 
 
 def _search_microbatches(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
-                         until: _Clock) -> Suggestion | None:
+                         until: Clock) -> Suggestion | None:
     """The nearest N (valid for the schedule) that plans: fewer first (less curvature per step for the
     same bubbles), then more, up to 4 times this one."""
     for n in [*range(problem.N - 1, 0, -1), *range(problem.N + 1, 4 * problem.N + 1)]:
@@ -199,7 +199,7 @@ def _search_microbatches(problem: Problem, fused: frozenset[str], config: Solver
 
 
 def _search_together(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
-                     until: _Clock) -> Suggestion | None:
+                     until: Clock) -> Suggestion | None:
     """A max_overhead that plans without the budget, and a budget that plans at it."""
     overhead = _search_overhead(replace(problem, memory_budget=None), frozenset(), config, method, until)
     if overhead is None:
@@ -214,7 +214,7 @@ _SEARCHES = {Knob.MAX_OVERHEAD: _search_overhead, Knob.MEMORY_BUDGET: _search_me
 
 
 def _overhead_estimate(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
-                       until: _Clock) -> tuple[float | None, bool]:
+                       until: Clock) -> tuple[float | None, bool]:
     """The max_overhead that stretching the step needs at the longest refresh period (rounded up to 3
     digits), and whether it is proven least (CP-SAT refines greedy's stretch while time is left); None
     when stretching is off or no stretch up to 10 reference steps places the work."""

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from fxkfac.planner.choose import candidate_problems, candidate_strategies, solve_with_strategy, strategy_of
+from fxkfac.planner.choose import candidate_problems, candidate_strategies, rank, solve_with_strategy, strategy_of
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.hardware import HARDWARE
@@ -86,3 +86,17 @@ def test_a_value_the_refusal_names_is_planned_again_at_no_cost() -> None:
     plan = solve(dataclasses.replace(problem, max_overhead=values[0]), config, box=box)
     assert box.meter.now() == spent
     assert validate(plan.problem, plan) == []
+
+
+def test_the_greedy_method_plans_every_candidate_whatever_the_time_limit() -> None:
+    """Greedy placement is not timed: a time box already spent, where CP-SAT's search stops after the first
+    candidate, still leaves the greedy search every candidate, and it keeps the best of them."""
+    config = SolverConfig(time_limit_s=0.001)
+    problem = _problem(W=4)
+    spent = TimeBox(config)
+    spent.meter.charge(spent.end + spent.overtime)  # the deterministic clock past every deadline
+    assert spent.over()
+    auto = solve_with_strategy(problem, None, config, "greedy", box=spent)
+    best = min((solve(c, config, "greedy") for c in candidate_problems(problem)), key=rank)
+    assert rank(auto) == rank(best)
+    assert strategy_of(auto) != "comm-opt"  # the first candidate is not the best here

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from fxkfac.planner import choose
 from fxkfac.planner.budget import Meter
 from fxkfac.planner.choose import solve_outer, solve_with_strategy, strategy_of
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
@@ -16,7 +17,14 @@ from fxkfac.planner.hardware import HARDWARE
 from fxkfac.planner.joint import layer_options, reference_step, step_fixed_end, timeline_stages
 from fxkfac.planner.joint_cpsat import least_step
 from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import Problem, SolverConfig, activation_peak, static_bytes, step_timeline
+from fxkfac.planner.problem import (
+    Problem,
+    SolverConfig,
+    activation_peak,
+    min_memory_bytes,
+    static_bytes,
+    step_timeline,
+)
 from fxkfac.planner.solve import solve
 from fxkfac.planner.strategy import parse_strategy
 from fxkfac.planner.validate import validate
@@ -116,3 +124,27 @@ def test_a_budget_comm_opt_misses_is_met_by_the_joint_choice() -> None:
     chosen = _checked(solve_with_strategy(tight, None, QUICK))
     assert strategy_of(chosen) != "comm-opt"
     assert max(chosen.metrics.peak_memory.values()) <= budget
+
+
+def test_a_budget_that_needs_curvature_fused_plans_the_joint_choice_with_fusing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The joint model fuses no curvature: under a budget that deferred captures overflow, the distributions of
+    its least step go to `solve`, which fuses; the outer search over whole strategies is not needed."""
+    table = CostTable(tuple(
+        StageCost(0.01, 0.02, 4 << 20, 1 << 20, tuple(
+            LayerCost.kfac(f"s{s}fc{i}", 0.001, 0.001, 0.004 * (i + 1), 0.003, 0.001, 4 << 20, 4 << 20,
+                           (i + 1) << 20, (i + 1) << 20, grad_bytes=1 << 18) for i in range(3)))
+        for s in range(2)), 8, "hand", "test", HARDWARE["a100"].comm)
+    roomy = Problem("1f1b", 2, 4, table, W=2, max_overhead=0.6)
+    free = _checked(solve_with_strategy(roomy, None, QUICK))
+    budget = min_memory_bytes(roomy) + (4 << 20)  # one micro-batch's a of one layer beyond the least
+    assert all(t.capture == "deferred" for t in free.layers.values())
+    assert max(free.metrics.peak_memory.values()) > budget
+
+    def outer(*_: object, **__: object) -> Plan:
+        raise AssertionError("the outer search ran")
+
+    monkeypatch.setattr(choose, "solve_outer", outer)
+    plan = _checked(solve_with_strategy(dataclasses.replace(roomy, memory_budget=budget), None, QUICK))
+    assert any(t.capture == "fused" for t in plan.layers.values())
+    assert max(plan.metrics.peak_memory.values()) <= budget
