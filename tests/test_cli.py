@@ -13,7 +13,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from fxkfac.cli import build_parser, cost_table, main, parse_block_size, parse_bytes, parse_fraction, problem_of
+from fxkfac.cli import build_parser, main
+from fxkfac.cli_args import parse_block_size, parse_bytes, parse_fraction
+from fxkfac.cli_costs import cost_table
+from fxkfac.cli_plan import problem_of
 from fxkfac.plan_view import planned_utilization, planned_view, render_plan
 from fxkfac.planner.errors import PlannerError
 from fxkfac.planner.ir import Op, OpKind

@@ -195,7 +195,9 @@ def test_plan_files_keep_the_comm_model() -> None:
 
 
 def test_explain_prints_the_model_and_the_collective_seconds(capsys: pytest.CaptureFixture[str]) -> None:
-    from fxkfac.cli import build_parser, cost_table, main, problem_of
+    from fxkfac.cli import build_parser, main
+    from fxkfac.cli_costs import cost_table
+    from fxkfac.cli_plan import problem_of
 
     argv = ["plan", "bert-base", "-D", "2", "-N", "2", "--dp", "2", "--hardware", "a100", "--method", "greedy"]
     assert main(argv + ["--explain"]) == 0

@@ -1,0 +1,173 @@
+"""`fxkfac plan`: the planning problem of a command line, its memory budget, solving it, and what is printed."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import TYPE_CHECKING
+
+from rich.console import Console
+
+from fxkfac.cli_args import AUTO, CliError, check_schedule, device, kind, memory_text
+from fxkfac.cli_costs import cost_table
+from fxkfac.cli_explain import explain, explain_choice, explain_comm, explain_plan_comm
+from fxkfac.cli_targets import factory, is_factory
+from fxkfac.config import KLClipScope
+from fxkfac.planner.choose import solve_with_strategy
+from fxkfac.planner.costs import CostTable
+from fxkfac.planner.errors import Knob, PlanError, PlannerError, Suggestion
+from fxkfac.planner.hardware import HARDWARE, hardware
+from fxkfac.planner.preconditioners import PreconditionerKind, words_of
+from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier, plain_step_time
+
+if TYPE_CHECKING:
+    from fxkfac.planner.block_size import BlockChoice
+    from fxkfac.planner.plan import Plan
+
+
+class RefusedPlan(PlannerError):
+    """The planner's refusal in the command line's words: the values it solved with as flags."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The memory budget per device (None: unlimited) and where it comes from, in words."""
+
+    bytes: int | None
+    source: str
+
+
+def memory_budget(args: argparse.Namespace, device: str) -> Budget:
+    """--memory, else the memory of the device the costs are for (--hardware, or `device`: a cost table's
+    hardware), else none: a plan never needs more than the device has unless asked to."""
+    if args.memory is not None:
+        return Budget(args.memory, "--memory")
+    name = (args.hardware or device).lower()
+    if name not in HARDWARE:
+        return Budget(None, f"unlimited: the cost table's hardware {device!r} is not a known device")
+    return Budget(hardware(name).memory_bytes, f"the {name}'s device memory (--memory sets another)")
+
+
+def problem_of(args: argparse.Namespace, costs: CostTable) -> Problem:
+    """The planning problem the command line describes (the budget: `memory_budget`)."""
+    period = {} if args.precondition_frequency is None else {"max_period": args.precondition_frequency}
+    fingerprint = factory(args, check_schedule(args)).fingerprint if is_factory(args.target) else ""
+    problem = Problem(args.schedule, args.stages, args.microbatches, costs, W=args.dp, v=args.virtual_stages,
+                      memory_budget=memory_budget(args, costs.hardware).bytes, max_overhead=args.max_overhead,
+                      fingerprint=fingerprint, barrier=_barrier(args.kl_clip_scope),
+                      decomp_pieces=args.decomp_pieces, **period)
+    return problem if args.strategy is None else problem.with_strategy(args.strategy)
+
+
+def _barrier(scope: KLClipScope) -> StepBarrier:
+    """--kl-clip-scope's step barrier (as `fxkfac.autoplan.barrier_of`, which would import torch here)."""
+    return StepBarrier.WORLD if scope is KLClipScope.GLOBAL else StepBarrier.AGREEMENT_SET
+
+
+def _flags(suggestion: Suggestion) -> str:
+    """The command-line flags that set a suggestion's values (each read back to exactly that value)."""
+    return " ".join(_flag(knob, value) for knob, value in suggestion.changes)
+
+
+def _flag(knob: Knob, value: float | int) -> str:
+    if knob is Knob.MAX_OVERHEAD:
+        percent = Decimal(repr(value)) * 100
+        return f"--max-overhead {format(percent.normalize(), 'f')}%"
+    if knob is Knob.MEMORY_BUDGET:
+        return f"--memory {memory_text(int(value))}"
+    return f"--microbatches {value}"
+
+
+def _refused(error: PlanError, budget: Budget) -> RefusedPlan:
+    """The planner's refusal with the flags of what it solved with, and where the budget came from."""
+    text = str(error)
+    if error.suggestions:
+        text += "; try " + " or ".join(_flags(s) for s in error.suggestions)
+    if budget.bytes is not None and budget.source != "--memory":
+        text += f"; the memory budget is {budget.source}"
+    return RefusedPlan(text)
+
+
+def _searches_block_size(args: argparse.Namespace) -> bool:
+    """Whether the planner chooses Shampoo's/SOAP's block side: auto on a preset's analytic costs."""
+    return (kind(args) is not PreconditionerKind.KFAC and args.max_preconditioner_dim == AUTO and args.costs is None
+            and not is_factory(args.target))
+
+
+def _auto_block(args: argparse.Namespace, S: int, config: SolverConfig) -> BlockChoice:
+    """The plan at the block side the planner chooses (`planner.block_size.choose_block_size`) for a preset."""
+    from fxkfac.planner.block_size import block_candidates, choose_block_size
+    from fxkfac.planner.presets import preset
+    from fxkfac.planner.shampoo_costs import largest_dim
+
+    candidates = block_candidates(largest_dim(preset(args.target)))
+    return choose_block_size(lambda side: problem_of(args, cost_table(args, S, side)), candidates, config,
+                             args.method)
+
+
+def _solved(args: argparse.Namespace, S: int, console: Console) -> Plan:
+    """The plan of the command line: solved, or found by the block-size search (its choice printed as one
+    line, and with --explain every side tried). --explain prints the model before solving (it explains a
+    refusal too), after the search when there is one."""
+    from fxkfac.planner.solve import solve
+
+    config = SolverConfig(time_limit_s=args.time_limit, deterministic=not args.nondeterministic)
+    if _searches_block_size(args):
+        try:
+            choice = _auto_block(args, S, config)
+        except PlanError as e:
+            raise _refused(e, memory_budget(args, device(args))) from None
+        console.print(f"max_preconditioner_dim auto: {choice.reason}", markup=False)
+        if args.explain:
+            explain(args, choice.plan.problem.costs, plain_step_time(choice.plan.problem), console)
+            explain_choice(choice, console)
+            explain_comm(choice.plan.problem, console)
+            explain_plan_comm(choice.plan, console)
+        return choice.plan
+    costs = cost_table(args, S)
+    problem = problem_of(args, costs)
+    if args.explain:
+        explain(args, costs, plain_step_time(problem), console)
+        explain_comm(problem, console)
+    try:  # a forced --strategy is in the problem already (problem_of); without one the planner chooses
+        plan = solve(problem, config, method=args.method) if args.strategy is not None else \
+            solve_with_strategy(problem, None, config, method=args.method)
+    except PlanError as e:
+        raise _refused(e, memory_budget(args, costs.hardware)) from None
+    if args.explain:
+        explain_plan_comm(plan, console)
+    return plan
+
+
+def run_plan(args: argparse.Namespace, console: Console) -> int:
+    """`fxkfac plan`: cost the model, plan its preconditioner into the bubbles, and draw/export what was asked.
+
+    Nothing is written unless planning succeeded (the export is atomic: Plan.save)."""
+    from fxkfac.plan_view import planned_view, render_plan
+    from fxkfac.show import chrome_trace
+
+    S = check_schedule(args)
+    if args.time_limit <= 0:
+        raise CliError(f"--time-limit must be > 0 seconds, got {args.time_limit:g}")
+    if args.decomp_pieces < 1:
+        raise CliError(f"--decomp-pieces must be >= 1 (1: each decomposition one task), got {args.decomp_pieces}")
+    plan = _solved(args, S, console)
+    budget = memory_budget(args, plan.problem.costs.hardware)
+    title = f"fxkfac plan {args.target} ({args.method}, time limit {args.time_limit:g} s)"
+    if args.show:
+        console.print(render_plan(plan, width=console.width, title=title))
+    else:
+        from fxkfac.plan_view import plan_rows
+        from fxkfac.show import render_summary
+
+        console.print(render_summary(title, plan_rows(plan)))
+    if budget.bytes is not None and budget.source != "--memory":
+        console.print(f"memory budget: {budget.source}", markup=False)
+    if args.export is not None:
+        plan.save(args.export)
+        console.print(f"wrote {args.export}", markup=False)
+    if args.trace is not None:
+        chrome_trace(planned_view(plan).timeline, args.trace, words_of(plan.problem.costs))
+        console.print(f"wrote {args.trace}", markup=False)
+    return 0
