@@ -7,16 +7,16 @@ options and placement with the least refresh period, stretch and staleness, ever
 window's model. Stages whose slot moves the step's fixed work (`planner.joint.timeline_stages`: Chimera's,
 interleaved's first stage on a device) cannot be free in a window of fixed F/B work: they take each strategy of
 `candidate_strategies` in turn (KAISA's greedy columns), one joint solve per strategy, the others free in
-each; the plan first by `rank` wins (the shortest reference step, then refresh periods, then stretch, then peak
-memory).
+each; the plan `best` picks wins (the shortest reference step, those within STEP_TIE of it tied and ordered by
+`rank`: refresh periods, then stretch, then peak memory).
 Where the joint model does not apply it is not used, and the outer search below plans instead:
 - with the greedy method (no CP-SAT), under `StepBarrier.AGREEMENT_SET` (an early step start depends on the
   slots), and with one copy per stage (nothing to choose);
 - when the joint solve places nothing and `solve` cannot plan its least-step distributions either, or its time is
   up. Under a memory budget a group the joint model cannot place (it fuses no curvature) takes those
-  distributions (the least reference step within the static memory) to `solve`, which fuses curvature as the
-  budget needs; a placement that cannot be moved into the chosen problem's own windows goes the same way. Both
-  plans keep CP-SAT's distributions.
+  distributions (the least reference step within the static memory), and MEM-OPT beside them, to `solve`, which
+  fuses curvature as the budget needs, and `best` of the two is kept; a placement that cannot be moved into the
+  chosen problem's own windows goes to `solve` with its distributions too.
 The outer search plans every candidate in full by `solve`: each KAISA strategy the stages' copies allow
 (COMM-OPT, HYBRID with each grad-worker count that divides the copies, MEM-OPT; layers dealt to columns by
 KAISA's greedy on their decomposition seconds) and one per-layer mix (MEM-OPT on the layers that hold the
@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from fractions import Fraction
 
 from fxkfac.planner.assemble import assemble
@@ -59,8 +59,8 @@ from fxkfac.planner.strategy import COMM_OPT, LayerDistribution, Strategy, Strat
 from fxkfac.planner.stretch import Allowance, allowance
 from fxkfac.planner.window import GroupSolution, grid_scale
 
-__all__ = ["rank", "candidate_strategies", "candidate_problems", "mixed", "solve_with_strategy", "solve_joint",
-           "solve_outer", "strategy_of"]
+__all__ = ["STEP_TIE", "rank", "best", "candidate_strategies", "candidate_problems", "mixed", "solve_with_strategy",
+           "solve_joint", "solve_outer", "strategy_of"]
 
 log = logging.getLogger(__name__)
 
@@ -143,18 +143,29 @@ def solve_outer(problem: Problem, config: SolverConfig = SolverConfig(), method:
             log.info("distribution %s does not plan: %s", _words(candidate), e)
     if not plans:
         return solve(candidates[0], config, method, box=box)  # refused at once: it searches what would plan
-    best = min(plans, key=rank)
-    log.info("distribution %s chosen among %s", strategy_of(best), [strategy_of(p) for p in plans])
-    return best
+    chosen = best(plans)
+    log.info("distribution %s chosen among %s", strategy_of(chosen), [strategy_of(p) for p in plans])
+    return chosen
 
 
-def rank(plan: Plan) -> tuple[float, int, float, int]:
-    """How plans of one problem under different distributions compare, as `solve` ranks its own: the reference step
-    (the step time at max_overhead 0, which the allowance is measured against), then the sum of refresh periods
-    (within the allowance fresher curvature comes first), then the step time (the stretch used), then the peak
-    memory."""
+STEP_TIE = 1e-3
+"""Reference steps within this fraction of the least are one step time to `best`: far below what a cost model
+resolves, so fresher curvature decides there, not a modelled 0.01% of a step."""
+
+
+def rank(plan: Plan) -> tuple[int, float, int, float]:
+    """How plans of one problem under different distributions compare among reference steps that tie (`best`), as
+    `solve` ranks its own: the sum of refresh periods (within the allowance fresher curvature comes first), then the
+    step time (the stretch used), then the peak memory, then the reference step itself."""
     m = plan.metrics
-    return (m.step_time_reference, sum(m.refresh_steps), m.step_time, max(m.peak_memory.values(), default=0))
+    return (sum(m.refresh_steps), m.step_time, max(m.peak_memory.values(), default=0), m.step_time_reference)
+
+
+def best(plans: Sequence[Plan]) -> Plan:
+    """The plan of least reference step (the step time at max_overhead 0, which the allowance is measured
+    against), plans within STEP_TIE of it tied and ordered by `rank`."""
+    least = min(p.metrics.step_time_reference for p in plans)
+    return min((p for p in plans if p.metrics.step_time_reference <= least * (1 + STEP_TIE)), key=rank)
 
 
 def solve_joint(problem: Problem, config: SolverConfig = SolverConfig(), box: TimeBox | None = None) -> Plan | None:
@@ -174,9 +185,9 @@ def solve_joint(problem: Problem, config: SolverConfig = SolverConfig(), box: Ti
             break
     if not plans:
         return None
-    best = min(plans, key=rank)
-    log.info("joint choice: %s", strategy_of(best))
-    return best
+    chosen = best(plans)
+    log.info("joint choice: %s", strategy_of(chosen))
+    return chosen
 
 
 def _timeline_sets(problem: Problem) -> list[dict[str, LayerDistribution]]:
@@ -217,7 +228,7 @@ def _joint_plan(problem: Problem, fixed: Mapping[str, LayerDistribution], config
                                       aggregate=aggregates(anchor, group, config, allowed))
         if placement is None:
             log.info("joint choice: stages %s not placed", list(group.stages))
-            return None if anchor.memory_budget is None else _planned(anchor, config, box)
+            return None if anchor.memory_budget is None else _fused(problem, anchor, config, box)
         placements.append(placement)
     step_ticks = max(p.step_ticks for p in placements)
     placements = [restretch_joint(p, step_ticks) for p in placements]
@@ -229,6 +240,15 @@ def _joint_plan(problem: Problem, fixed: Mapping[str, LayerDistribution], config
         return _planned(chosen, config, box)
     return assemble(chosen, [s for s in solutions if s is not None], _greedy(chosen, config, box),
                     Allowance(chosen, frozenset(), allowed.scale), time.perf_counter() - began)
+
+
+def _fused(problem: Problem, anchor: Problem, config: SolverConfig, box: TimeBox) -> Plan | None:
+    """Under a budget the joint model cannot meet with nothing fused: `best` of its least-step distributions
+    (`anchor`) and MEM-OPT (the fewest decompositions held, the most room for kept captures), each planned by
+    `solve`, which fuses curvature as the budget needs; None when neither plans."""
+    plans = [p for p in (_planned(anchor, config, box),
+                         _planned(problem.with_strategy(Strategy(StrategyKind.MEM_OPT)), config, box)) if p is not None]
+    return best(plans) if plans else None
 
 
 def _planned(problem: Problem, config: SolverConfig, box: TimeBox) -> Plan | None:

@@ -6,10 +6,18 @@ import dataclasses
 
 import pytest
 
-from fxkfac.planner.choose import candidate_problems, candidate_strategies, rank, solve_with_strategy, strategy_of
+from fxkfac.planner.choose import (
+    STEP_TIE,
+    best,
+    candidate_problems,
+    candidate_strategies,
+    solve_with_strategy,
+    strategy_of,
+)
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.hardware import HARDWARE
+from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.solve import TimeBox, solve
 from fxkfac.planner.strategy import parse_strategy
@@ -97,6 +105,21 @@ def test_the_greedy_method_plans_every_candidate_whatever_the_time_limit() -> No
     spent.meter.charge(spent.end + spent.overtime)  # the deterministic clock past every deadline
     assert spent.over()
     auto = solve_with_strategy(problem, None, config, "greedy", box=spent)
-    best = min((solve(c, config, "greedy") for c in candidate_problems(problem)), key=rank)
-    assert rank(auto) == rank(best)
+    chosen = best([solve(c, config, "greedy") for c in candidate_problems(problem)])
+    assert (strategy_of(auto), auto.metrics.refresh_steps, auto.metrics.step_time) == \
+        (strategy_of(chosen), chosen.metrics.refresh_steps, chosen.metrics.step_time)
     assert strategy_of(auto) != "comm-opt"  # the first candidate is not the best here
+
+
+def test_best_takes_the_least_reference_step_and_fresher_curvature_among_ties() -> None:
+    """A reference step shorter by less than STEP_TIE does not outweigh fewer refresh steps; a longer one does."""
+    plan = solve(_problem(), QUICK, "greedy")
+
+    def variant(reference: float, refresh: int) -> Plan:
+        return dataclasses.replace(plan, metrics=dataclasses.replace(
+            plan.metrics, step_time_reference=reference, refresh_steps=(refresh,)))
+
+    fresh, stale = variant(1.0, 2), variant(1.0 * (1 - STEP_TIE / 2), 8)
+    assert best([stale, fresh]) is fresh
+    shorter = variant(1.0 * (1 - 2 * STEP_TIE), 8)
+    assert best([fresh, shorter]) is shorter
