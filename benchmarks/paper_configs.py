@@ -28,11 +28,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from fxkfac.planner.costs import CostTable, load_cost_table
+from fxkfac.planner.costs import CostTable
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier
+from fxkfac.planner.profiles import load_cost_table
 from fxkfac.planner.schedules import schedule_programs, stages_of_rank
 from fxkfac.planner.simulate import Timeline, simulate
 from fxkfac.planner.solve import solve

@@ -21,9 +21,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from fxkfac.planner.costs import load_cost_table
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.problem import Problem, SolverConfig
+from fxkfac.planner.profiles import load_cost_table
 from fxkfac.planner.solve import solve
 from fxkfac.planner.validate import validate
 

@@ -13,10 +13,11 @@ from fxkfac.config import KLClipScope, PlanOptions
 from fxkfac.errors import ConfigError, FxkfacError
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.choose import solve_with_strategy
-from fxkfac.planner.costs import CostTable, load_cost_table
+from fxkfac.planner.costs import CostTable
 from fxkfac.planner.errors import Knob, PlanError, PlanMismatchError
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StepBarrier
+from fxkfac.planner.profiles import load_cost_table
 from fxkfac.planner.schedules import ScheduleKind
 from fxkfac.planner.solve import TimeBox
 from fxkfac.planner.validate import check_plan

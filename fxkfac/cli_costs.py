@@ -6,8 +6,9 @@ import argparse
 
 from fxkfac.cli_args import AUTO, CliError, device, kind, micro_batch_size
 from fxkfac.cli_targets import factory, is_factory
-from fxkfac.planner.costs import CostTable, is_profile, load_cost_table
+from fxkfac.planner.costs import CostTable
 from fxkfac.planner.preconditioners import WORDS, PreconditionerKind, kind_of
+from fxkfac.planner.profiles import is_profile, load_cost_table
 
 
 def cost_table(args: argparse.Namespace, S: int, max_dim: int | None = None) -> CostTable:

@@ -19,6 +19,7 @@ from rich.console import Group, RenderableType
 
 from fxkfac.planner.choose import strategy_of
 from fxkfac.planner.ir import OpKind
+from fxkfac.planner.memory import static_bytes
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.preconditioners import words_of
 from fxkfac.planner.problem import (
@@ -27,7 +28,6 @@ from fxkfac.planner.problem import (
     format_bytes,
     plain_step_time,
     plain_utilization,
-    static_bytes,
     step_begins,
     step_timeline,
     window_length,

@@ -13,6 +13,7 @@ from fxkfac.planner.budget import Meter
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.errors import InfeasibleBudgetError, Knob, PlanError
 from fxkfac.planner.ir import OpKind
+from fxkfac.planner.memory import min_memory_bytes
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.preconditioners import words_of
 from fxkfac.planner.problem import (
@@ -21,7 +22,6 @@ from fxkfac.planner.problem import (
     StageGroup,
     copies_of_stage,
     format_bytes,
-    min_memory_bytes,
     refresh_lower_bound,
     stage_groups,
     step_timeline,

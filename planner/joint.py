@@ -10,7 +10,7 @@ refresh work (planner/joint_cpsat.py), where the option of a layer is a Boolean 
 - each stage's per-step slot lasts a linear function of the literals: every copy's gradient STATS and APPLY of
   the layers it works on, the longest of those on any copy, then every BCAST_PREC (each copy is in one row of
   every layer that is not COMM-OPT); the stage's single APPLY where every layer is COMM-OPT;
-- each device's memory is `planner.problem.static_bytes` as a linear expression of the literals (statistics,
+- each device's memory is `planner.memory.static_bytes` as a linear expression of the literals (statistics,
   two decompositions and the optimizer state where it keeps them, the largest shared-gradient buffer) under
   the cumulative of activations and kept a/e.
 
@@ -141,7 +141,7 @@ def _gradient_fed(layer: LayerCost) -> bool:
 
 def held_bytes(problem: Problem, device: int, layer: str, where: LayerDistribution) -> tuple[int, int]:
     """(bytes `device` keeps of `layer` across steps, its shared-gradient buffer) under `where`: the terms of
-    `planner.problem.static_bytes`."""
+    `planner.memory.static_bytes`."""
     x = problem.costs.layer(layer)
     copies = copies_of_stage(problem, problem.costs.stage_of(layer))
     held = holding(device, copies, where, _gradient_fed(x))
@@ -150,7 +150,7 @@ def held_bytes(problem: Problem, device: int, layer: str, where: LayerDistributi
 
 
 def base_bytes(problem: Problem, device: int) -> int:
-    """What `planner.problem.static_bytes` counts on `device` whatever the distributions: parameters and gradients
+    """What `planner.memory.static_bytes` counts on `device` whatever the distributions: parameters and gradients
     (twice) and the largest error peak of one backward."""
     stages = stages_on_device(problem, device)
     return sum(2 * problem.costs.stages[s].param_bytes for s in stages) + \

@@ -47,15 +47,8 @@ from fxkfac.planner.joint import (
     share_seconds,
     window_at,
 )
-from fxkfac.planner.problem import (
-    Problem,
-    SolverConfig,
-    StageGroup,
-    activation_peak,
-    copies_of_stage,
-    stages_on_device,
-    step_timeline,
-)
+from fxkfac.planner.memory import activation_peak
+from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, copies_of_stage, stages_on_device, step_timeline
 from fxkfac.planner.strategy import LayerDistribution, grad_workers
 from fxkfac.planner.stretch import stretch_lower_bound
 from fxkfac.planner.window import (
@@ -156,7 +149,7 @@ def _slot_need(m: cp_model.CpModel, stage: int, problem: Problem, lits: Mapping[
 
 def _static_bytes(m: cp_model.CpModel, problem: Problem, device: int, lits: Mapping[str, list[cp_model.IntVar]],
                   options: Options) -> cp_model.LinearExprT:
-    """`planner.problem.static_bytes` of `device` as a linear expression of the option literals."""
+    """`planner.memory.static_bytes` of `device` as a linear expression of the option literals."""
     kept, buffers = [], []
     for s in stages_on_device(problem, device):
         for x in problem.costs.stages[s].layers:

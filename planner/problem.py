@@ -1,4 +1,4 @@
-"""The planning problem: schedule, mesh, costs, budget; its base timeline, bubbles and memory."""
+"""The planning problem: schedule, mesh, costs, budget; its base timeline and bubbles (memory: planner/memory.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ from fxkfac.planner.strategy import (
     Strategy,
     distribute,
     grad_workers,
-    holding,
     keeps_statistics,
 )
 
@@ -39,10 +38,6 @@ __all__ = [
     "stage_groups",
     "copies_of_stage",
     "stages_on_device",
-    "static_bytes",
-    "activation_peak",
-    "peak_level",
-    "min_memory_bytes",
     "refresh_lower_bound",
     "stretch_allowance",
     "format_bytes",
@@ -575,67 +570,6 @@ def slot_seconds(problem: Problem, device: int, stage: int) -> float:
     before = max(sum(secs for op, secs in prec_work(problem, c, stage) if op.kind is not OpKind.BCAST_PREC)
                  for c in copies_of_stage(problem, stage))
     return before + sum(shares)
-
-
-def static_bytes(problem: Problem, device: int) -> int:
-    """Memory held all step on `device`: parameters and gradients (2x); of each layer, the statistics, two
-    decompositions (each as large as the statistics: the active one and the next, which a refresh makes beside
-    it and which waits until it is used, `LayerTiming.use_offset` steps after the refresh, across step ends
-    when that is later) and the optimizer state besides them (`LayerCost.state_bytes`: grafting, momentum,
-    Adam moments) where the device keeps them (`planner.strategy.holding`); and two transients, each counted
-    once: the largest error peak of one backward, and the largest buffer of a layer's gradient whose
-    preconditioned gradient the device broadcasts or receives (BCAST_PREC packs one layer at a time and frees
-    the buffer after it; the received gradient replaces the layer's own, so nothing is kept across steps).
-    Measured against the runtime in tests/test_strategy_memory.py: an upper bound, met where every layer's
-    next decomposition is made before any is used (a critical-path refresh); a plan that staggers them holds
-    less, and one whose use_offset exceeds its period may hold a third."""
-    stages = stages_on_device(problem, device)
-    total = shared = 0
-    for s in stages:
-        cost, copies = problem.costs.stages[s], copies_of_stage(problem, s)
-        total += 2 * cost.param_bytes
-        for x in cost.layers:
-            gradient_fed = all(p.after is OpKind.ALLREDUCE_GRAD for p in x.parts)
-            held = holding(device, copies, problem.where(x.name), gradient_fed)
-            total += x.factor_bytes * (held.statistics + 2 * held.decompositions) + x.state_bytes * held.decompositions
-            shared = max(shared, x.gradient_bytes * held.shares_gradient)
-    return total + shared + max((problem.costs.stages[s].peak_err_bytes for s in stages), default=0)
-
-
-def activation_intervals(problem: Problem, device: int, step: StepTimeline) -> list[tuple[float, float, int]]:
-    """(start, end, bytes) of each micro-batch's activations on `device`: from F start to B end."""
-    starts = {}
-    out = []
-    for op, start, end in step.ops[device]:
-        key = (op.stage, op.mb, op.pipe)
-        if op.kind is OpKind.FWD:
-            starts[key] = start
-        elif op.kind is OpKind.BWD:
-            out.append((starts[key], end, problem.costs.stages[op.stage].act_bytes))  # type: ignore[index]  # a BWD names its stage
-    return out
-
-
-def peak_level(spans: Iterable[tuple[float, float, int]]) -> int:
-    """The most bytes held at once by (start, end, bytes) spans, each held over [start, end) (a span that ends when
-    another starts is released first): the one memory sweep of the planner, its window and the validator."""
-    events = sorted(event for start, end, nbytes in spans for event in ((start, nbytes), (end, -nbytes)))
-    level = peak = 0
-    for _, delta in events:
-        level += delta
-        peak = max(peak, level)
-    return peak
-
-
-def activation_peak(problem: Problem, device: int, fused: frozenset[str] = frozenset()) -> int:
-    """The peak of activations in flight on `device` over one step."""
-    return peak_level(activation_intervals(problem, device, step_timeline(problem, fused)))
-
-
-def min_memory_bytes(problem: Problem) -> int:
-    """The least per-device memory any plan needs: static bytes plus the activation peak with every
-    layer's curvature fused (nothing kept for later)."""
-    fused = frozenset(problem.costs.layer_names)
-    return max(static_bytes(problem, d) + activation_peak(problem, d, fused) for d in problem.devices)
 
 
 def stretch_allowance(problem: Problem, fused: frozenset[str], k: int) -> float:

@@ -9,8 +9,9 @@ from decimal import ROUND_CEILING, Decimal
 
 from fxkfac.planner.attempt import OVERTIME, Clock, Method, Refused, aggregates, attempt_plan
 from fxkfac.planner.errors import InfeasibleBudgetError, Knob, PlanError, ScheduleError, Suggestion
+from fxkfac.planner.memory import min_memory_bytes
 from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import Problem, SolverConfig, format_bytes, min_memory_bytes, stage_groups, step_timeline
+from fxkfac.planner.problem import Problem, SolverConfig, format_bytes, stage_groups, step_timeline
 from fxkfac.planner.stretch import Allowance
 from fxkfac.planner.window import grid_scale
 

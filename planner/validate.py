@@ -25,17 +25,15 @@ from typing import TYPE_CHECKING
 
 from fxkfac.planner.errors import DeadlockError, PlanError
 from fxkfac.planner.ir import PRECONDITIONER_KINDS, Op, OpKind
+from fxkfac.planner.memory import activation_intervals, peak_level, static_bytes
 from fxkfac.planner.problem import (
     Problem,
     StepBarrier,
     StepTimeline,
-    activation_intervals,
     agreement_set,
     copies_of_stage,
     early_start,
-    peak_level,
     stage_groups,
-    static_bytes,
     step_begins,
     step_timeline,
     window_length,

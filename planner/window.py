@@ -47,7 +47,7 @@ is released by the refresh step's slot of its stage on the device that decompose
 a precedence on the slot's start in CP-SAT, the slot's reference place in greedy); it may run in any
 later bubble, like K-FAC's deferred inversions. The snapshot the runtime keeps until DECOMP is, like
 K-FAC's statistic sums in flight, not counted in memory; `LayerCost.state_bytes` (optimizer state held
-for the whole run) is, in `planner.problem.static_bytes`. Layers mixing captured and gradient parts plan
+for the whole run) is, in `planner.memory.static_bytes`. Layers mixing captured and gradient parts plan
 each part by its own rule (not tuned for them, but correct). Known cost: where a device holds several
 stages (Chimera, interleaved) the reference step runs the second stage's all-reduce right after the first
 stage's slot, and the tick blocked before that all-reduce ([Note: time grid]) keeps CP-SAT from ending the
@@ -65,17 +65,15 @@ from typing import Any
 
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.ir import Op, OpKind
+from fxkfac.planner.memory import activation_intervals, peak_level, static_bytes
 from fxkfac.planner.problem import (
     Problem,
     StageGroup,
     StepTimeline,
-    activation_intervals,
     copies_of_stage,
     early_start,
-    peak_level,
     prec_work,
     stages_on_device,
-    static_bytes,
     step_begins,
     step_timeline,
 )

@@ -20,8 +20,8 @@ from fxkfac.cli_plan import problem_of
 from fxkfac.plan_view import planned_utilization, planned_view, render_plan
 from fxkfac.planner.errors import PlannerError
 from fxkfac.planner.ir import Op, OpKind
+from fxkfac.planner.memory import min_memory_bytes
 from fxkfac.planner.plan import SCHEMA_VERSION, Plan
-from fxkfac.planner.problem import min_memory_bytes
 from fxkfac.planner.simulate import Interval, Timeline
 from fxkfac.planner.solve import solve
 from fxkfac.show import chrome_trace, render_timeline, timeline_from_trace

@@ -23,8 +23,9 @@ from fxkfac.autoplan import Target, solve_for
 from fxkfac.compile_api import auto_budget, device_memory
 from fxkfac.config import PipelineOptions, PlanOptions
 from fxkfac.planner.errors import InfeasibleBudgetError
+from fxkfac.planner.memory import min_memory_bytes
 from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import SolveProgress, SolverConfig, min_memory_bytes
+from fxkfac.planner.problem import SolveProgress, SolverConfig
 from fxkfac.planner.schedules import ScheduleKind
 from fxkfac.planner.solve import solve
 from fxkfac.progress import Display, PlanProgress, TrainingProgress, solve_text

@@ -5,7 +5,7 @@ Pure data parallelism, W = 2, COMM-OPT, MEM-OPT and DP-KFAC, each on the critica
 step) and planned (plan="auto", the strategy forced, one profiled cost table for all). After every op of every
 step each rank's preconditioner state is measured as tensor byte counts of `trainer.layer_states` (the running
 factors A and B, the active inverse and every pending one, and an eigen Inverse's cached divisor once made); its
-peak over 8 steps is compared with the preconditioner part of `planner.problem.static_bytes` for that rank,
+peak over 8 steps is compared with the preconditioner part of `planner.memory.static_bytes` for that rank,
 from the plan's cost table and the run's distributions: ``factor_bytes * (statistics + 2 * decompositions) +
 state_bytes * decompositions`` per layer the rank holds (`planner.strategy.holding`). The test checks that this
 part is what `static_bytes` adds up (parameters, gradients and the two transients are the rest).
@@ -41,7 +41,8 @@ import fxkfac
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.kfac.state import LayerState
 from fxkfac.planner.ir import OpKind
-from fxkfac.planner.problem import Problem, copies_of_stage, stages_on_device, static_bytes
+from fxkfac.planner.memory import static_bytes
+from fxkfac.planner.problem import Problem, copies_of_stage, stages_on_device
 from fxkfac.planner.strategy import holding
 from tests.support.distributed import run_distributed
 

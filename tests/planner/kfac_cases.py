@@ -65,7 +65,7 @@ def problems(draw: st.DrawFn) -> Problem:
     budget = draw(st.one_of(st.none(), st.integers(0, 400)))
     if budget is None:
         return base
-    from fxkfac.planner.problem import min_memory_bytes
+    from fxkfac.planner.memory import min_memory_bytes
 
     return Problem(schedule, D, N, costs, W=W, v=v, max_period=12, memory_budget=min_memory_bytes(base) + budget,
                    max_overhead=draw(st.sampled_from([0.0, 0.5])))

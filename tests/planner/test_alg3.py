@@ -19,15 +19,9 @@ from fxkfac.planner.lowering import (
     naive_programs,
     ranks_of_stages,
 )
+from fxkfac.planner.memory import activation_peak, static_bytes
 from fxkfac.planner.plan import Plan, PlanMetrics, SolverStats
-from fxkfac.planner.problem import (
-    Problem,
-    SolverConfig,
-    activation_peak,
-    plain_step_time,
-    static_bytes,
-    step_timeline,
-)
+from fxkfac.planner.problem import Problem, SolverConfig, plain_step_time, step_timeline
 from fxkfac.planner.schedules import num_stages
 from fxkfac.planner.simulate import simulate
 from fxkfac.planner.solve import solve

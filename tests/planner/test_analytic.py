@@ -17,10 +17,10 @@ from fxkfac.planner.analytic import (
     linear_kernels,
     transformer_block_expressions,
 )
-from fxkfac.planner.costs import cost_table_from_pipefisher_csv
 from fxkfac.planner.errors import CostModelError
 from fxkfac.planner.hardware import HARDWARE, HardwareSpec, hardware
 from fxkfac.planner.presets import LinearSpec, model_spec_from_layers, preset
+from fxkfac.planner.profiles import cost_table_from_pipefisher_csv
 
 PROFILES = Path(__file__).resolve().parents[2] / "planner" / "data" / "pipefisher_profiles"  # shipped with fxkfac
 

@@ -12,16 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxkfac.planner.costs import (
-    CostTable,
-    LayerCost,
-    StageCost,
-    cost_table_from_pipefisher_csv,
-    load_cost_table,
-    paper_profile_names,
-)
+from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.errors import CostModelError
 from fxkfac.planner.presets import preset
+from fxkfac.planner.profiles import cost_table_from_pipefisher_csv, load_cost_table, paper_profile_names
 
 REPO = Path(__file__).resolve().parents[2]
 PROFILES = REPO / "planner" / "data" / "pipefisher_profiles"  # the shipped copy, read here by path

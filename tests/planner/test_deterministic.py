@@ -22,8 +22,9 @@ import pytest
 from fxkfac.planner import budget
 from fxkfac.planner.costs import CostTable, StageCost
 from fxkfac.planner.errors import PlanError
+from fxkfac.planner.memory import min_memory_bytes
 from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import Problem, SolverConfig, min_memory_bytes
+from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.schedules import num_stages
 from fxkfac.planner.solve import solve
 from fxkfac.planner.validate import validate

@@ -19,8 +19,9 @@ from fxkfac.planner.costs import CostTable, StageCost
 from fxkfac.planner.errors import InfeasibleBudgetError, PlanFormatError
 from fxkfac.planner.ir import LayerTiming, Op, OpKind, Program, ops_at
 from fxkfac.planner.lowering import naive_programs
+from fxkfac.planner.memory import min_memory_bytes
 from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import Problem, SolverConfig, min_memory_bytes
+from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.schedules import num_stages
 from fxkfac.planner.simulate import simulate
 from fxkfac.planner.solve import solve

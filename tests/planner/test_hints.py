@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 from fxkfac.planner.attempt import Method
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.errors import InfeasibleBudgetError, Knob, PlanError, Suggestion
-from fxkfac.planner.problem import Problem, SolverConfig, format_bytes, min_memory_bytes
+from fxkfac.planner.memory import min_memory_bytes
+from fxkfac.planner.problem import Problem, SolverConfig, format_bytes
 from fxkfac.planner.schedules import num_stages
 from fxkfac.planner.solve import solve
 from fxkfac.planner.validate import validate

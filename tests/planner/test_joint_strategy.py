@@ -16,15 +16,9 @@ from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.hardware import HARDWARE
 from fxkfac.planner.joint import layer_options, reference_step, step_fixed_end, timeline_stages
 from fxkfac.planner.joint_cpsat import least_step
+from fxkfac.planner.memory import activation_peak, min_memory_bytes, static_bytes
 from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import (
-    Problem,
-    SolverConfig,
-    activation_peak,
-    min_memory_bytes,
-    static_bytes,
-    step_timeline,
-)
+from fxkfac.planner.problem import Problem, SolverConfig, step_timeline
 from fxkfac.planner.solve import solve
 from fxkfac.planner.strategy import parse_strategy
 from fxkfac.planner.validate import validate

@@ -1,0 +1,245 @@
+"""Cost tables from the PipeFisher paper's measured profiles (CSV or `paper:` name), and `load_cost_table`."""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Sequence
+from importlib.resources import files
+from pathlib import Path, PurePath
+from typing import TYPE_CHECKING, Any
+
+from fxkfac.planner.comm import CommModel
+from fxkfac.planner.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.errors import CostModelError
+from fxkfac.planner.hardware import HARDWARE
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
+__all__ = [
+    "PIPEFISHER_COLUMNS",
+    "PAPER_PREFIX",
+    "paper_profile_names",
+    "is_profile",
+    "cost_table_from_pipefisher_csv",
+    "load_cost_table",
+]
+
+PIPEFISHER_COLUMNS = (
+    "bs", "time_f", "time_b", "time_kron", "time_inv", "time_prec",
+    "mem_param", "mem_act", "mem_peak_err", "mem_save_err", "mem_kron",
+)  # fmt: skip
+"""Columns of the PipeFisher profiles (planner/data/pipefisher_profiles/*.csv; ms and MiB per Transformer block)."""
+
+PAPER_PREFIX = "paper:"
+"""`paper:<model>/<hardware>` names a profile shipped in planner/data/pipefisher_profiles/."""
+
+_PROFILE_MARK = "_time_memory_"  # the shipped files are <model>_time_memory_<hardware>.csv
+_PROFILE_OPTIONS = ("blocks_per_stage", "micro_batch_size")
+
+_MS = 1e-3
+_MIB = 1 << 20
+
+
+def _profiles_folder() -> Traversable:
+    """planner/data/pipefisher_profiles, read through importlib.resources (package data when installed)."""
+    return files("fxkfac.planner") / "data" / "pipefisher_profiles"
+
+
+def _paper_files() -> dict[str, str]:
+    """Shipped profile file names by their `paper:<model>/<hardware>` name, sorted by name."""
+    names = {}
+    for entry in _profiles_folder().iterdir():
+        stem = PurePath(entry.name).stem
+        if entry.name.endswith(".csv") and _PROFILE_MARK in stem:
+            model, hardware = stem.split(_PROFILE_MARK, 1)
+            names[f"{PAPER_PREFIX}{model}/{hardware}"] = entry.name
+    return dict(sorted(names.items()))
+
+
+def paper_profile_names() -> tuple[str, ...]:
+    """Every `paper:<model>/<hardware>` name of a profile shipped with fxkfac (the PipeFisher paper's)."""
+    return tuple(_paper_files())
+
+
+def _is_paper_name(source: str | Path) -> bool:
+    return str(source).startswith(PAPER_PREFIX)
+
+
+def _paper_file(name: str) -> str:
+    """The shipped file a `paper:` name stands for; CostModelError listing the names when unknown."""
+    known = _paper_files()
+    if name not in known:
+        raise CostModelError(f"no shipped PipeFisher profile {name!r}; available: {', '.join(known)}")
+    return known[name]
+
+
+def is_profile(source: str | Path) -> bool:
+    """Whether `source` is a PipeFisher per-block profile (a .csv path or a `paper:` name), which needs
+    blocks_per_stage and micro_batch_size to become a cost table."""
+    return _is_paper_name(source) or Path(source).suffix.lower() == ".csv"
+
+
+def _profile_text(source: str | Path) -> tuple[str, str]:
+    """The CSV text and file name of a profile: a shipped one by `paper:` name, or a file by path."""
+    if _is_paper_name(source):
+        name = _paper_file(str(source))
+        return (_profiles_folder() / name).read_text(), name
+    path = Path(source)
+    try:
+        return path.read_text(), path.name
+    except OSError as e:
+        raise CostModelError(f"cannot read profile CSV {path}: {e}") from e
+
+
+def _read_pipefisher_rows(text: str, where: str) -> dict[int, dict[str, float]]:
+    """Rows of a PipeFisher profile CSV by micro-batch size (`where` names it in errors)."""
+    reader = csv.DictReader(io.StringIO(text))
+    missing = [c for c in PIPEFISHER_COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        raise CostModelError(f"{where}: not a PipeFisher profile CSV, missing columns {missing}")
+    try:
+        rows = {int(float(r["bs"])): {c: float(r[c]) for c in PIPEFISHER_COLUMNS} for r in reader}
+    except (ValueError, TypeError) as e:
+        raise CostModelError(f"{where}: a value is not a number ({e})") from e
+    if not rows:
+        raise CostModelError(f"{where}: the profile CSV has no rows")
+    return rows
+
+
+def _row_at(rows: dict[int, dict[str, float]], bs: int, where: str) -> dict[str, float]:
+    """The row for micro-batch size bs, linearly interpolated between the nearest measured sizes."""
+    if bs in rows:
+        return rows[bs]
+    sizes = sorted(rows)
+    if not sizes[0] < bs < sizes[-1]:
+        raise CostModelError(
+            f"{where}: micro-batch size {bs} is outside the measured sizes {sizes}; "
+            "pick one in that range (sizes in between are interpolated)"
+        )
+    lo = max(s for s in sizes if s < bs)
+    hi = min(s for s in sizes if s > bs)
+    w = (bs - lo) / (hi - lo)
+    return {c: rows[lo][c] * (1 - w) + rows[hi][c] * w for c in PIPEFISHER_COLUMNS}
+
+
+def _blocks_per_stage(blocks_per_stage: Sequence[int] | int, n_stages: int | None) -> list[int]:
+    if isinstance(blocks_per_stage, int):
+        if n_stages is None:
+            raise CostModelError("blocks_per_stage given as an int needs n_stages (how many stages)")
+        counts = [blocks_per_stage] * n_stages
+    else:
+        counts = list(blocks_per_stage)
+    if not counts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+        raise CostModelError(f"blocks_per_stage must be positive ints, got {blocks_per_stage!r}")
+    return counts
+
+
+def _block_layer(row: dict[str, float], name: str) -> LayerCost:
+    half_kron = row["mem_kron"] * _MIB / 2
+    return LayerCost.kfac(
+        name,
+        curv_a=row["time_kron"] * _MS / 2,
+        curv_b=row["time_kron"] * _MS / 2,
+        inv_a=row["time_inv"] * _MS / 2,
+        inv_b=row["time_inv"] * _MS / 2,
+        prec=row["time_prec"] * _MS,
+        a_bytes=round(row["mem_save_err"] * _MIB),
+        e_bytes=round(row["mem_save_err"] * _MIB),
+        factor_a_bytes=round(half_kron),
+        factor_b_bytes=round(half_kron),
+        grad_bytes=round(row["mem_param"] * _MIB),
+    )
+
+
+def cost_table_from_pipefisher_csv(
+    path: str | Path,
+    *,
+    blocks_per_stage: Sequence[int] | int,
+    micro_batch_size: int,
+    n_stages: int | None = None,
+    hardware: str | None = None,
+) -> CostTable:
+    """A CostTable from a PipeFisher per-Transformer-block profile (ms and MiB per block).
+
+    Every Transformer block is one K-FAC "layer" named ``block{i}`` (i counts blocks over the
+    whole model) of its stage; a stage with k blocks costs k times a block. Mapping:
+
+    - time_f, time_b -> fwd, bwd (per micro-batch); time_prec -> prec of the block.
+    - time_kron -> curv_a + curv_b, split 50/50; time_inv -> inv_a + inv_b, split 50/50. The split
+      follows from the factor dims of the blocks profiled (BERT, OPT, T5): the six Linears map
+      d -> d (q, k, v, o), d -> f and f -> d, so the A sides {d,d,d,d,d,f} and the B sides
+      {d,d,d,d,f,d} are the same multiset: sum d_in^2 = sum d_out^2 (curvature, rows * d^2) and
+      sum d_in^3 = sum d_out^3 (inversion) exactly.
+    - mem_kron -> factor_a_bytes + factor_b_bytes, split 50/50 (it equals 4 bytes * sum of the
+      twelve d^2 without bias columns: 94.5 MiB for d=768, f=3072).
+    - mem_save_err -> e_bytes (errors a deferred B capture keeps per micro-batch); a_bytes is set
+      to the same value since sum of d_in * tokens = sum of d_out * tokens by the same symmetry.
+    - mem_param -> param_bytes, mem_act -> act_bytes (summed over the blocks of the stage),
+      mem_peak_err -> peak_err_bytes (the largest block peak: one backward is transient).
+
+    path is a profile CSV, or `paper:<model>/<hardware>` for one shipped with fxkfac
+    (`paper_profile_names()`). A micro-batch size not in the file is linearly interpolated between
+    the nearest measured sizes; one outside the measured range raises CostModelError.
+    blocks_per_stage is a list (one count per stage) or an int with n_stages.
+    """
+    text, file_name = _profile_text(path)
+    row = _row_at(_read_pipefisher_rows(text, str(path)), micro_batch_size, str(path))
+    counts = _blocks_per_stage(blocks_per_stage, n_stages)
+    stages, first = [], 0
+    for k in counts:
+        layers = tuple(_block_layer(row, f"block{first + j}") for j in range(k))
+        stages.append(
+            StageCost(
+                fwd=k * row["time_f"] * _MS,
+                bwd=k * row["time_b"] * _MS,
+                param_bytes=round(k * row["mem_param"] * _MIB),
+                act_bytes=round(k * row["mem_act"] * _MIB),
+                layers=layers,
+                peak_err_bytes=round(row["mem_peak_err"] * _MIB),
+            )
+        )
+        first += k
+    hw = hardware if hardware is not None else _hardware_from_name(PurePath(file_name).stem)
+    return CostTable(tuple(stages), micro_batch_size, f"pipefisher-csv:{file_name}", hw, _comm_of(hw))
+
+
+def _comm_of(hardware: str) -> CommModel | None:
+    """The analytic comm model of a known hardware preset (planner/hardware.py); None for others (rtx3090)."""
+    spec = HARDWARE.get(hardware.lower())
+    return spec.comm if spec is not None else None
+
+
+def _hardware_from_name(stem: str) -> str:
+    """'bert-base_time_memory_p100' -> 'p100' (the files' naming); 'unknown' otherwise."""
+    parts = stem.rsplit("_", 1)
+    return parts[1] if len(parts) == 2 and "_time_memory" in stem else "unknown"
+
+
+def load_cost_table(path: str | Path, **csv_options: Any) -> CostTable:
+    """Load a cost table from .json (CostTable.to_json), or from a PipeFisher profile: a .csv path or a
+    shipped `paper:<model>/<hardware>` name (pass the keyword arguments of `cost_table_from_pipefisher_csv`)."""
+    if is_profile(path):
+        if _is_paper_name(path):
+            _paper_file(str(path))  # an unknown name is the first thing to fix
+        missing = [k for k in _PROFILE_OPTIONS if k not in csv_options]
+        if missing:
+            raise CostModelError(
+                f"{path} is a per-Transformer-block profile: pass {missing} to load_cost_table "
+                "(blocks per stage, micro-batch size) and plan with the CostTable it returns"
+            )
+        return cost_table_from_pipefisher_csv(path, **csv_options)
+    path = Path(path)
+    if path.suffix.lower() == ".json":
+        if csv_options:
+            raise CostModelError(f"options {sorted(csv_options)} apply to .csv profiles, not to {path.name}")
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise CostModelError(f"cannot read cost table {path}: {e}") from e
+        return CostTable.from_json(text)
+    raise CostModelError(
+        f"{path}: unknown cost file type {path.suffix.lower()!r}; use .json (a cost table), .csv (a profile) "
+        f"or a shipped profile name such as {PAPER_PREFIX}bert-base/p100"
+    )
