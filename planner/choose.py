@@ -245,16 +245,19 @@ def _joint_plan(problem: Problem, fixed: Mapping[str, LayerDistribution], config
 def _fused(problem: Problem, anchor: Problem, config: SolverConfig, box: TimeBox) -> Plan | None:
     """Under a budget the joint model cannot meet with nothing fused: `best` of its least-step distributions
     (`anchor`) and MEM-OPT (the fewest decompositions held, the most room for kept captures), each planned by
-    `solve`, which fuses curvature as the budget needs; None when neither plans."""
-    plans = [p for p in (_planned(anchor, config, box),
-                         _planned(problem.with_strategy(Strategy(StrategyKind.MEM_OPT)), config, box)) if p is not None]
+    `solve`, which fuses curvature as the budget needs (MEM-OPT by greedy placement, which is not timed, where
+    the anchor left CP-SAT too little of the box); None when neither plans."""
+    first = _planned(anchor, config, box)
+    mem = problem.with_strategy(Strategy(StrategyKind.MEM_OPT))
+    plans = [p for p in (first, _planned(mem, config, box) or _planned(mem, config, box, Method.GREEDY))
+             if p is not None]
     return best(plans) if plans else None
 
 
-def _planned(problem: Problem, config: SolverConfig, box: TimeBox) -> Plan | None:
+def _planned(problem: Problem, config: SolverConfig, box: TimeBox, method: Method = Method.CPSAT) -> Plan | None:
     """`problem` planned by `solve` in `box`, None where it refuses."""
     try:
-        return solve(problem, config, box=box, shares=2, suggest=False)
+        return solve(problem, config, method, box=box, shares=2, suggest=False)
     except PlanError as e:
         log.info("the joint choice does not plan by itself: %s", e)
         return None
