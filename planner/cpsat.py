@@ -258,11 +258,16 @@ def _interchangeable(a: LayerCost, b: LayerCost, fused: frozenset[str]) -> bool:
     return key(a) == key(b)
 
 
-def _build(w: Window, optimize: bool) -> _Vars:
-    v = _Vars(cp_model.CpModel(), intervals_of_device={d: [] for d in w.group.devices})
+def _add_fixed(v: _Vars, w: Window) -> None:
+    """The window's fixed work (F/B, the gradient all-reduce, step boundaries) as fixed intervals per device."""
     for d in w.group.devices:
         for s, e in w.fixed[d]:
             v.intervals_of_device[d].append(v.model.new_fixed_size_interval_var(s, e - s, f"fixed_r{d}_{s}"))
+
+
+def _build(w: Window, optimize: bool) -> _Vars:
+    v = _Vars(cp_model.CpModel(), intervals_of_device={d: [] for d in w.group.devices})
+    _add_fixed(v, w)
     _add_tasks(v, w)
     _add_precedences(v, w)
     _add_piece_chains(v, w)

@@ -23,6 +23,7 @@ from ortools.sat.python import cp_model
 from fxkfac.planner.budget import MIN_CALL, Meter
 from fxkfac.planner.cpsat import (
     _CAP_SLACK,
+    _add_fixed,
     _add_piece_chains,
     _add_precedences,
     _add_tasks,
@@ -408,9 +409,7 @@ def _build(w: Window, frame: _Frame, optimize: bool) -> tuple[_Joint, Window]:
     """The joint model of anchor window `w`, and the window of the tasks it places (BCAST apart, DECOMP widened)."""
     v = _Joint(cp_model.CpModel(), intervals_of_device={d: [] for d in w.group.devices})
     placed = replace(w, tasks=_placed_tasks(w, frame.options))
-    for d in w.group.devices:
-        for s, e in w.fixed[d]:
-            v.intervals_of_device[d].append(v.model.new_fixed_size_interval_var(s, e - s, f"fixed_r{d}_{s}"))
+    _add_fixed(v, placed)
     _add_tasks(v, placed)
     _add_precedences(v, placed)
     _add_piece_chains(v, placed)
