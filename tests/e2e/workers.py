@@ -90,7 +90,7 @@ def pipefisher_worker(rank: int, world: int, cases: list[Case]) -> dict:
         if case.D * case.W != world:
             raise ValueError(f"case {case} needs {case.D * case.W} ranks, got {world}")
         data = batches(case)
-        names = _layer_names(case, data)
+        names = _names_for(case)
         trainer = fxkfac.compile(make_model(), (case.D, case.W), None, kfac=KFAC, example_inputs=(data[0][0],),
                                  loss_fn=loss_fn, optimizer=optimizer, schedule=case.schedule, backend=None,
                                  microbatches=case.N, layer_timing=timings_for(names),
@@ -105,6 +105,17 @@ def _layer_names(case: Case, data) -> list[str]:
 
     micro = data[0][0][: case.batch // (case.N * case.W)]
     return [layer.name for layer in capture(make_model(), (micro,), KFAC).layers]
+
+
+_NAMES: dict[int, list[str]] = {}
+
+
+def _names_for(case: Case) -> list[str]:
+    """`_layer_names` of the case's batches, captured once per N*W in this process (the captured micro-batch is
+    the same for every case of a given N*W)."""
+    if case.N * case.W not in _NAMES:
+        _NAMES[case.N * case.W] = _layer_names(case, batches(case))
+    return _NAMES[case.N * case.W]
 
 
 def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float = 1e-5) -> list[str]:

@@ -1,4 +1,5 @@
-"""Multi-process test launcher: one spawned process per rank over gloo on 127.0.0.1, results back to the test."""
+"""Multi-process test launcher: one process per rank (forked from a fork server) over gloo on 127.0.0.1, results
+back to the test."""
 
 from __future__ import annotations
 
@@ -41,8 +42,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_PRELOAD = ["torch", "torch.distributed", "torch.distributed.device_mesh", "torch.export", "torch._dynamo",
+            "transformers.models.bert.modeling_bert", "transformers.models.gpt2.modeling_gpt2", "fxkfac",
+            "tests.support.models"]
+"""Imported once by the fork server, which every rank is forked from: a rank does not re-import torch,
+transformers and fxkfac (seconds of CPU each, times the ranks, on a 2-core machine). Only imports: no tensor
+work runs before the fork. A module that fails to import is left to the rank."""
+
+_context: Any = None
+
+
+def _launch_context() -> Any:
+    """The forkserver context, its server preloading `_PRELOAD` (started once per test session)."""
+    global _context
+    if _context is None:
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload(_PRELOAD)
+    return _context
+
+
 def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, pg_timeout: float, args: tuple,
-            results: Any) -> None:
+            results: Any, environ: dict[str, str]) -> None:
+    os.environ.clear()  # the launching process's environment, as a spawned rank would have it
+    os.environ.update(environ)
     import torch
     import torch.distributed as dist
 
@@ -62,16 +84,17 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, pg_timeout
 
 def run_distributed(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0,
                     pg_timeout: float = 60.0) -> list[RankResult]:
-    """Run `fn(rank, world, *args)` in `world` spawned processes; return each rank's RankResult.
+    """Run `fn(rank, world, *args)` in `world` fresh processes; return each rank's RankResult.
 
     `fn` must be importable (module level). A rank that exits without reporting (e.g. os._exit)
     gets a RankResult with its exit code and no value. Processes still alive after `timeout`
     seconds are killed and reported with error_type "LauncherTimeout".
     """
-    ctx = mp.get_context("spawn")
+    ctx = _launch_context()
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, pg_timeout, args, results), daemon=True)
+    environ = dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, pg_timeout, args, results, environ), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()
