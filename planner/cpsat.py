@@ -44,7 +44,7 @@ a second (benchmarks/paper_configs.py, Chimera), and proves the least staleness 
 
 
 @dataclass
-class _Vars:
+class Vars:
     """The model and its variables, by task index / APPLY slot index."""
 
     model: cp_model.CpModel
@@ -56,7 +56,7 @@ class _Vars:
     intervals_of_device: dict[int, list[cp_model.IntervalVar]] = field(default_factory=dict)
 
 
-def _modular(v: _Vars, name: str, lo: int, hi: int, ticks: int, length: int,
+def modular(v: Vars, name: str, lo: int, hi: int, ticks: int, length: int,
              wraps: bool = False) -> tuple[cp_model.IntVar, ...]:
     """An absolute start in [lo, hi] that lies, with its length, inside one window, or with `wraps` may run past its
     end into the next: (start, pos, late)."""
@@ -68,7 +68,7 @@ def _modular(v: _Vars, name: str, lo: int, hi: int, ticks: int, length: int,
     return start, pos, late
 
 
-def _add_tasks(v: _Vars, w: Window) -> None:
+def add_tasks(v: Vars, w: Window) -> None:
     """Every task on its device(s). At refresh period 1, where the window's end is no step boundary of the group
     (`Window.leads`[0] > 0, [Note: step barrier] in planner/window.py), a task may run past it: its interval is laid
     twice, at pos and at pos - L, so that no-overlap within [-L, 2L) is no-overlap modulo L (every other interval
@@ -79,7 +79,7 @@ def _add_tasks(v: _Vars, w: Window) -> None:
     for task in w.tasks:
         lo = max(w.earliest(task, d) for d in task.devices) if task.kind is not TaskKind.INV else \
             min(w.earliest(task, d) for d in task.devices)
-        start, pos, late = _modular(v, task.name, lo, w.horizon - task.ticks, task.ticks, L, wraps)
+        start, pos, late = modular(v, task.name, lo, w.horizon - task.ticks, task.ticks, L, wraps)
         laid = (pos, pos - L) if wraps else (pos,)
         v.start.append(start)
         v.pos.append(pos)
@@ -100,7 +100,7 @@ def _add_tasks(v: _Vars, w: Window) -> None:
         v.present.append(present)
 
 
-def _add_precedences(v: _Vars, w: Window) -> None:
+def add_precedences(v: Vars, w: Window) -> None:
     """sync after every curvature of its factor, inversion after sync (or curvature), broadcast after
     inversion; the next refresh (L later) must find the factor's buffers free and its a/e consumed."""
     L, m = w.length, v.model
@@ -124,7 +124,7 @@ def _add_precedences(v: _Vars, w: Window) -> None:
             m.add(v.start[b] + 1 <= v.start[first] + L)
 
 
-def _add_piece_chains(v: _Vars, w: Window) -> None:
+def add_piece_chains(v: Vars, w: Window) -> None:
     """The pieces of one decomposition run in order on one rank (its carry lives there), and a layer's refresh
     is made and broadcast before the next refresh's first piece of any part starts (Newton-Schulz's start is the
     layer's previous inverse, on every layout)."""
@@ -145,13 +145,13 @@ def _add_piece_chains(v: _Vars, w: Window) -> None:
                 m.add(v.start[i] + (task.ticks if task.kind is TaskKind.INV else 1) <= v.start[f] + L)
 
 
-def _add_precs(v: _Vars, w: Window) -> None:
+def _add_precs(v: Vars, w: Window) -> None:
     """Every APPLY slot on its device; the slots of one stage and step that broadcast preconditioned gradients
     start together on every copy (`PrecSlot.shares`)."""
     first: dict[tuple[int, int], int] = {}
     for n, slot in enumerate(w.precs):
         name = f"prec_s{slot.stage}_r{slot.device}_j{slot.step}"
-        start, pos, _ = _modular(v, name, slot.release, slot.deadline - slot.ticks, slot.ticks, w.length)
+        start, pos, _ = modular(v, name, slot.release, slot.deadline - slot.ticks, slot.ticks, w.length)
         v.prec.append(start)
         v.intervals_of_device[slot.device].append(v.model.new_fixed_size_interval_var(pos, slot.ticks, name))
         if slot.shares:
@@ -160,7 +160,7 @@ def _add_precs(v: _Vars, w: Window) -> None:
                 v.model.add(start == v.prec[m])
 
 
-def _add_slot_releases(v: _Vars, w: Window) -> None:
+def _add_slot_releases(v: Vars, w: Window) -> None:
     """A decomposition of a gradient-fed part starts after the refresh step's APPLY slot of its stage on the
     device it runs on, whose STATS snapshot its statistic ([Note: gradient parts] in planner/window.py)."""
     for i, task in enumerate(w.tasks):
@@ -170,7 +170,7 @@ def _add_slot_releases(v: _Vars, w: Window) -> None:
                 v.model.add(v.start[i] >= v.prec[n] + w.precs[n].ticks).only_enforce_if(present)
 
 
-def _add_memory(v: _Vars, w: Window) -> None:
+def _add_memory(v: Vars, w: Window) -> None:
     """Per device: activations (fixed) + a/e kept from F/B end to the curvature's end <= capacity."""
     caps = [c for c in w.capacity.values() if c is not None]
     if not caps:
@@ -179,10 +179,10 @@ def _add_memory(v: _Vars, w: Window) -> None:
     for d in w.group.devices:
         cap = w.capacity[d]
         if cap is not None:
-            v.model.add_cumulative(*_memory_items(v, w, d, unit), max(0, cap // unit))
+            v.model.add_cumulative(*memory_items(v, w, d, unit), max(0, cap // unit))
 
 
-def _memory_items(v: _Vars, w: Window, d: int, unit: int) -> tuple[list[cp_model.IntervalVar], list[int]]:
+def memory_items(v: Vars, w: Window, d: int, unit: int) -> tuple[list[cp_model.IntervalVar], list[int]]:
     """Device d's memory users besides its static bytes, as intervals and demands in `unit` bytes (rounded up):
     the activations (fixed), and the a/e each deferred curvature keeps from its F/B's end to its own end."""
     L, m = w.length, v.model
@@ -207,17 +207,17 @@ def _memory_items(v: _Vars, w: Window, d: int, unit: int) -> tuple[list[cp_model
     return intervals, demands
 
 
-def _add_staleness(v: _Vars, w: Window) -> list[cp_model.LiteralT]:
+def _add_staleness(v: Vars, w: Window) -> list[cp_model.LiteralT]:
     """use_offset(layer) = number of the window's steps whose APPLY comes before the inverse is ready."""
     ends: dict[str, list[cp_model.LinearExprT]] = {}
     for i, task in enumerate(w.tasks):
         if task.kind in (TaskKind.INV, TaskKind.BCAST):
             for layer, _ in task.factors:
                 ends.setdefault(layer, []).append(v.start[i] + task.ticks)
-    return _not_ready_flags(v, w, ends)
+    return not_ready_flags(v, w, ends)
 
 
-def _not_ready_flags(v: _Vars, w: Window, ends: Mapping[str, Sequence[cp_model.LinearExprT]]) -> \
+def not_ready_flags(v: Vars, w: Window, ends: Mapping[str, Sequence[cp_model.LinearExprT]]) -> \
         list[cp_model.LiteralT]:
     """Per layer and window step j (of 2k), a flag 'every one of `ends` is done by the layer's slot in step j',
     monotone in j; returns the negated flags, whose sum is the window's use offsets (the staleness objective)."""
@@ -237,7 +237,7 @@ def _not_ready_flags(v: _Vars, w: Window, ends: Mapping[str, Sequence[cp_model.L
     return not_ready
 
 
-def _break_layer_symmetry(v: _Vars, w: Window) -> None:
+def break_layer_symmetry(v: Vars, w: Window) -> None:
     """Layers of one stage with equal costs (BERT's blocks; q, k, v) are interchangeable: relabeling all
     their tasks maps a placement to an equally good one, so the decompositions of their first part start in layer
     order."""
@@ -258,31 +258,31 @@ def _interchangeable(a: LayerCost, b: LayerCost, fused: frozenset[str]) -> bool:
     return key(a) == key(b)
 
 
-def _add_fixed(v: _Vars, w: Window) -> None:
+def add_fixed(v: Vars, w: Window) -> None:
     """The window's fixed work (F/B, the gradient all-reduce, step boundaries) as fixed intervals per device."""
     for d in w.group.devices:
         for s, e in w.fixed[d]:
             v.intervals_of_device[d].append(v.model.new_fixed_size_interval_var(s, e - s, f"fixed_r{d}_{s}"))
 
 
-def _build(w: Window, optimize: bool) -> _Vars:
-    v = _Vars(cp_model.CpModel(), intervals_of_device={d: [] for d in w.group.devices})
-    _add_fixed(v, w)
-    _add_tasks(v, w)
-    _add_precedences(v, w)
-    _add_piece_chains(v, w)
+def _build(w: Window, optimize: bool) -> Vars:
+    v = Vars(cp_model.CpModel(), intervals_of_device={d: [] for d in w.group.devices})
+    add_fixed(v, w)
+    add_tasks(v, w)
+    add_precedences(v, w)
+    add_piece_chains(v, w)
     _add_precs(v, w)
     _add_slot_releases(v, w)
     for intervals in v.intervals_of_device.values():
         v.model.add_no_overlap(intervals)
     _add_memory(v, w)
-    _break_layer_symmetry(v, w)
+    break_layer_symmetry(v, w)
     if optimize:
         v.model.minimize(sum(_add_staleness(v, w)))
     return v
 
 
-def _hint(v: _Vars, w: Window, hint: GroupSolution) -> None:
+def _hint(v: Vars, w: Window, hint: GroupSolution) -> None:
     L = w.length
     for i, (start, device) in enumerate(zip(hint.starts, hint.devices)):
         v.model.add_hint(v.start[i], start)
@@ -308,7 +308,7 @@ def solve_window(w: Window, config: SolverConfig, time_limit: float, meter: Mete
         _hint(v, w, hint)
     solver = cp_model.CpSolver()
     limit = max(meter.units(MIN_CALL), time_limit)
-    _set_limits(solver.parameters, config, meter, limit)
+    set_limits(solver.parameters, config, meter, limit)
     reporter = _Reporter(config.progress, w, optimize) if config.progress is not None else None
     if reporter is not None and optimize:
         solver.best_bound_callback = reporter.on_bound
@@ -318,7 +318,7 @@ def solve_window(w: Window, config: SolverConfig, time_limit: float, meter: Mete
     if reporter is not None:
         reporter.finish(solver, name)
     if meter.deterministic and status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE) \
-            and solver.deterministic_time < limit * _CAP_SLACK:
+            and solver.deterministic_time < limit * CAP_SLACK:
         meter.note_capped(f"stages {list(w.group.stages)} k={w.k}")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return name, None
@@ -364,11 +364,11 @@ class _Reporter(cp_model.CpSolverSolutionCallback):
         self.report(SolveProgress(self.window, status, objective, bound, time.perf_counter() - self.began, done))
 
 
-_CAP_SLACK = 0.99
+CAP_SLACK = 0.99
 """A deterministic search that stopped unproven below this fraction of its budget was stopped by the wall cap."""
 
 
-def _set_limits(params: Any, config: SolverConfig, meter: Meter, limit: float) -> None:
+def set_limits(params: Any, config: SolverConfig, meter: Meter, limit: float) -> None:
     """CP-SAT's limits, workers and seed for one call of `limit` in the meter's unit. Deterministic: one
     thread running the few-worker portfolio in turn (CP-SAT's sequential loop; 2 threads are
     deterministic only with interleave_search, which spent more deterministic and wall time for worse

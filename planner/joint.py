@@ -24,7 +24,7 @@ option set:
 - every other stage's slot comes after all fixed work of its copies, so its options change only where the
   step ends: the reference step of an option set P is L(P) = the latest of the fixed work's end and each
   stage's all-reduce end plus its slot (`reference_step`), exactly the simulated step. CP-SAT first finds the
-  least L over the option sets that meet the static memory (planner/joint_cpsat.py `least_step`), which is
+  least L over the option sets that meet the static memory (planner/joint_step.py `least_step`), which is
   the plan's step time at max_overhead 0; then every stage group is placed at that step length Λ (plus the
   stretch max_overhead allows, [Note: stretch] in planner/window.py) with its literals free, each slot within
   [its all-reduce end, step end). A window of k steps of length Λ is the same for every option set whose

@@ -1,5 +1,6 @@
-"""The CP-SAT models of the joint choice ([Note: joint strategy] in planner/joint.py): the least reference step over
-the layers' distribution options, and one stage group's window with every layer's options as literals.
+"""The CP-SAT window model of the joint choice ([Note: joint strategy] in planner/joint.py): one stage group's
+window with every layer's distribution options as literals (planner/joint_step.py has the options, their literals
+and the least reference step).
 
 The window model is planner/cpsat.py's (its task intervals, precedences, piece chains, memory cumulative and
 symmetry breaking are reused) with the option literals added: DECOMP's rank implies an option holding it, each
@@ -22,35 +23,21 @@ from ortools.sat.python import cp_model
 
 from fxkfac.planner.budget import MIN_CALL, Meter
 from fxkfac.planner.cpsat import (
-    _CAP_SLACK,
-    _add_fixed,
-    _add_piece_chains,
-    _add_precedences,
-    _add_tasks,
-    _break_layer_symmetry,
-    _memory_items,
-    _modular,
-    _not_ready_flags,
-    _set_limits,
-    _Vars,
+    CAP_SLACK,
+    Vars,
+    add_fixed,
+    add_piece_chains,
+    add_precedences,
+    add_tasks,
+    break_layer_symmetry,
+    memory_items,
+    modular,
+    not_ready_flags,
 )
 from fxkfac.planner.greedy import greedy_window
-from fxkfac.planner.joint import (
-    JointPlacement,
-    apply_seconds,
-    base_bytes,
-    bcast_seconds,
-    comm_slot_seconds,
-    held_bytes,
-    layer_options,
-    reference_step,
-    reference_ticks,
-    share_seconds,
-    window_at,
-)
-from fxkfac.planner.memory import activation_peak
-from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, copies_of_stage, stages_on_device, step_timeline
-from fxkfac.planner.strategy import LayerDistribution, grad_workers
+from fxkfac.planner.joint import JointPlacement, reference_step, reference_ticks, window_at
+from fxkfac.planner.joint_step import NS, Options, literals, make_solver, ns, options_of, slot_need, static_bytes
+from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, copies_of_stage, step_timeline
 from fxkfac.planner.stretch import stretch_lower_bound
 from fxkfac.planner.window import (
     GroupSolution,
@@ -63,175 +50,16 @@ from fxkfac.planner.window import (
     too_long,
 )
 
-__all__ = ["Option", "options_of", "StepChoice", "least_step", "solve_joint_group"]
+__all__ = ["solve_joint_group"]
 
 log = logging.getLogger(__name__)
-
-NS = 1_000_000_000
-"""Nanoseconds per second: the step models' unit (a step of seconds stays far inside CP-SAT's integers)."""
-
-Ticks = Callable[[float], int]
-"""Seconds to a model's integer unit (ticks of a window, rounded up; or nanoseconds)."""
 
 Cap = Callable[[int], int]
 """The stretch (ticks per step) a window of k steps may have."""
 
 
-@dataclass(frozen=True)
-class Option:
-    """One distribution a layer may take, with what it costs in seconds: its DECOMP's ranks (`workers`), the
-    BCAST of each part within them (absent: one worker), the per-step work on each worker and the BCAST_PREC
-    on every copy."""
-
-    where: LayerDistribution
-    workers: tuple[int, ...]
-    bcast: Mapping[str, float]
-    apply: float
-    share: float
-
-    @property
-    def comm_opt(self) -> bool:
-        """Whether it is COMM-OPT (its stage may then have one APPLY and no shared gradients)."""
-        return self.where == LayerDistribution()
-
-
-Options = Mapping[str, tuple[Option, ...]]
-"""Every layer's options, by name."""
-
-
-def options_of(problem: Problem, layer: str, free: bool) -> tuple[Option, ...]:
-    """The options of `layer`: every KAISA distribution when `free`, else the problem's own."""
-    copies = copies_of_stage(problem, problem.costs.stage_of(layer))
-    chosen = layer_options(problem, layer) if free else (problem.where(layer),)
-    out = []
-    for where in chosen:
-        parts = {p.part: bcast_seconds(problem, layer, p.part, where) for p in problem.costs.layer(layer).parts}
-        out.append(Option(where, grad_workers(copies, where), {p: s for p, s in parts.items() if s > 0},
-                          apply_seconds(problem, layer), share_seconds(problem, layer, where)))
-    return tuple(out)
-
-
-def _ns(seconds: float) -> int:
-    return round(seconds * NS)
-
-
-def _literals(m: cp_model.CpModel, options: Options) -> dict[str, list[cp_model.IntVar]]:
-    """One Boolean per option of every layer, exactly one true per layer."""
-    lits = {}
-    for name, opts in options.items():
-        lits[name] = [m.new_bool_var(f"opt_{name}_{i}") for i in range(len(opts))]
-        m.add_exactly_one(lits[name])
-    return lits
-
-
-def _slot_need(m: cp_model.CpModel, stage: int, problem: Problem, lits: Mapping[str, list[cp_model.IntVar]],
-               options: Options, unit: Ticks, name: str) -> tuple[cp_model.IntVar, int]:
-    """(a variable at least the length of `stage`'s slot on each copy, its upper bound), in `unit`: the all-COMM-OPT
-    slot when every layer is COMM-OPT, else the longest apply work on a copy and then every BCAST_PREC."""
-    layers = [x.name for x in problem.costs.stages[stage].layers]
-    comm = [lits[n][i] for n in layers for i, o in enumerate(options[n]) if o.comm_opt]
-    all_comm = m.new_bool_var(f"allcomm_{name}")
-    if len(comm) == len(layers):
-        m.add_bool_and(comm).only_enforce_if(all_comm)
-        m.add_bool_or([all_comm, *[~x for x in comm]])
-    else:
-        m.add(all_comm == 0)
-    comm_slot = unit(comm_slot_seconds(problem, stage))
-    top = comm_slot + sum(max(unit(o.apply) + unit(o.share) for o in options[n]) for n in layers) + 1
-    lead = m.new_int_var(0, top, f"lead_{name}")
-    for c in copies_of_stage(problem, stage):
-        m.add(lead >= sum(unit(o.apply) * x for n in layers for o, x in zip(options[n], lits[n]) if c in o.workers))
-    need = m.new_int_var(1, top, f"need_{name}")
-    m.add(need >= comm_slot).only_enforce_if(all_comm)
-    m.add(need >= lead + sum(unit(o.share) * x for n in layers for o, x in zip(options[n], lits[n]))) \
-        .only_enforce_if(~all_comm)
-    return need, top
-
-
-def _static_bytes(m: cp_model.CpModel, problem: Problem, device: int, lits: Mapping[str, list[cp_model.IntVar]],
-                  options: Options) -> cp_model.LinearExprT:
-    """`planner.memory.static_bytes` of `device` as a linear expression of the option literals."""
-    kept, buffers = [], []
-    for s in stages_on_device(problem, device):
-        for x in problem.costs.stages[s].layers:
-            for option, lit in zip(options[x.name], lits[x.name]):
-                held, shared = held_bytes(problem, device, x.name, option.where)
-                kept.append(held * lit)
-                if shared:
-                    buffers.append((shared, lit))
-    largest = m.new_int_var(0, max((b for b, _ in buffers), default=0), f"shared_r{device}")
-    for nbytes, lit in buffers:
-        m.add(largest >= nbytes * lit)
-    return base_bytes(problem, device) + sum(kept) + largest
-
-
-@dataclass(frozen=True)
-class StepChoice:
-    """The least-step model's answer: the free layers' distributions and the reference step they make (seconds, as
-    the model sums it)."""
-
-    distributions: Mapping[str, LayerDistribution]
-    step: float
-
-
-def least_step(problem: Problem, free: frozenset[int], fixed_end: float, config: SolverConfig, meter: Meter,
-               time_limit: float) -> StepChoice | None:
-    """The free stages' layer distributions that make the least reference step (`planner.joint.reference_step`:
-    `fixed_end`, and each free stage's all-reduce end plus its slot) within every device's static bytes and
-    activation peak; among those, the least decomposition seconds on any one rank (KAISA's balance, for the warm
-    start's refresh). None when no option set meets the memory budget or none was found in time."""
-    m = cp_model.CpModel()
-    options = {x.name: options_of(problem, x.name, s in free) for s, stage in enumerate(problem.costs.stages)
-               for x in stage.layers}
-    lits = _literals(m, options)
-    timeline = step_timeline(problem)
-    ends: list[tuple[int, cp_model.IntVar | int]] = [(_ns(fixed_end), 0)]
-    top = _ns(fixed_end)
-    for s in sorted(free):
-        need, most = _slot_need(m, s, problem, lits, options, _ns, f"s{s}")
-        release = _ns(timeline.allreduce_end[copies_of_stage(problem, s)[0], s])
-        ends.append((release, need))
-        top = max(top, release + most)
-    step = m.new_int_var(0, top, "step")
-    for release, length in ends:
-        m.add(step >= release + length)
-    if problem.memory_budget is not None:
-        for d in problem.devices:
-            m.add(_static_bytes(m, problem, d, lits, options) + activation_peak(problem, d) <= problem.memory_budget)
-    m.minimize(step)
-    solver = _solver(config, meter, time_limit / 2)
-    if solver.solve(m) not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        meter.charge(solver.deterministic_time)
-        return None
-    meter.charge(solver.deterministic_time)
-    least = solver.value(step)
-    m.add(step <= least)
-    for x in lits.values():
-        for lit in x:
-            m.add_hint(lit, solver.boolean_value(lit))
-    load = m.new_int_var(0, sum(_ns(x.inv) for stage in problem.costs.stages for x in stage.layers), "load")
-    for d in problem.devices:
-        m.add(load >= sum(_ns(problem.costs.layer(n).inv / len(o.workers)) * lit
-                          for n, opts in options.items() for o, lit in zip(opts, lits[n]) if d in o.workers))
-    m.minimize(load)
-    balanced = _solver(config, meter, time_limit / 2)
-    if balanced.solve(m) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        solver = balanced
-    meter.charge(balanced.deterministic_time)
-    chosen = {n: next(o.where for o, lit in zip(options[n], lits[n]) if solver.boolean_value(lit))
-              for s in sorted(free) for n in (x.name for x in problem.costs.stages[s].layers)}
-    return StepChoice(chosen, least / NS)
-
-
-def _solver(config: SolverConfig, meter: Meter, limit: float) -> cp_model.CpSolver:
-    """A solver with the planner's limits for one call of `limit` in `meter`'s unit."""
-    solver = cp_model.CpSolver()
-    _set_limits(solver.parameters, config, meter, max(meter.units(MIN_CALL), limit))
-    return solver
-
-
 @dataclass
-class _Joint(_Vars):
+class _Joint(Vars):
     """cpsat's variables, and the options': per layer its literals; per (layer, part) its BCAST's start, position,
     whether it has one, and its end; per stage its slot's ticks; per device the (ticks, literal) of each optional
     BCAST on it."""
@@ -258,7 +86,7 @@ def _placed_tasks(w: Window, options: Options) -> tuple[Task, ...]:
 
 def _add_choices(v: _Joint, w: Window, options: Options) -> None:
     """The option literals; a DECOMP runs only on a rank of its layer's chosen column."""
-    v.lits = _literals(v.model, options)
+    v.lits = literals(v.model, options)
     for i, task in enumerate(w.tasks):
         if task.kind is TaskKind.INV:
             layer = task.factors[0][0]
@@ -282,7 +110,7 @@ def _add_bcasts(v: _Joint, w: Window, options: Options) -> None:
             continue
         name = f"bcast_{part}_{layer}"
         shortest = min(ticks for _, ticks, _, _ in chosen)
-        start, pos, _ = _modular(v, name, 0, w.horizon - shortest, shortest, L)
+        start, pos, _ = modular(v, name, 0, w.horizon - shortest, shortest, L)
         has = m.new_bool_var(f"has_{name}")
         m.add(sum(lit for *_, lit in chosen) == has)
         for n, ticks, workers, lit in chosen:
@@ -306,13 +134,13 @@ def _add_slots(v: _Joint, w: Window, options: Options, release_ns: Mapping[int, 
     slot that broadcasts preconditioned gradients together."""
     m, L = v.model, w.length
     tick_ns = NS / w.scale
-    bound = _ns((w.offsets[1] + 0.5) / w.scale) - min(1000, round(tick_ns / 4))
+    bound = ns((w.offsets[1] + 0.5) / w.scale) - min(1000, round(tick_ns / 4))
     starts: dict[int, cp_model.IntVar] = {}
     for s in w.group.stages:
         slots = [n for n, p in enumerate(w.precs) if p.stage == s]
         room = max(1, min(w.precs[n].deadline - w.precs[n].release for n in slots))
-        need, _ = _slot_need(m, s, w.problem, v.lits, options, w.up, f"s{s}")
-        need_ns, _ = _slot_need(m, s, w.problem, v.lits, options, _ns, f"ns_s{s}")
+        need, _ = slot_need(m, s, w.problem, v.lits, options, w.up, f"s{s}")
+        need_ns, _ = slot_need(m, s, w.problem, v.lits, options, ns, f"ns_s{s}")
         m.add(release_ns[s] + need_ns <= bound)
         ticks = m.new_int_var(1, room, f"slot_ticks_s{s}")
         m.add_min_equality(ticks, [need, room])
@@ -375,8 +203,8 @@ def _add_memory(v: _Joint, w: Window, options: Options) -> None:
     unit = max(1, math.ceil(budget / 2**30))
     for d in w.group.devices:
         cap = v.model.new_int_var(0, budget // unit, f"cap_r{d}")
-        v.model.add(unit * cap <= budget - _static_bytes(v.model, w.problem, d, v.lits, options))
-        v.model.add_cumulative(*_memory_items(v, w, d, unit), cap)
+        v.model.add(unit * cap <= budget - static_bytes(v.model, w.problem, d, v.lits, options))
+        v.model.add_cumulative(*memory_items(v, w, d, unit), cap)
 
 
 def _add_staleness(v: _Joint, w: Window) -> list[cp_model.LiteralT]:
@@ -392,7 +220,7 @@ def _add_staleness(v: _Joint, w: Window) -> list[cp_model.LiteralT]:
             m.add(ready[layer] >= v.start[i] + task.ticks)
     for (layer, _), (_, _, has, end) in v.bcast.items():
         m.add(ready[layer] >= end).only_enforce_if(has)
-    return _not_ready_flags(v, w, {layer: [at] for layer, at in ready.items()})
+    return not_ready_flags(v, w, {layer: [at] for layer, at in ready.items()})
 
 
 @dataclass(frozen=True)
@@ -409,10 +237,10 @@ def _build(w: Window, frame: _Frame, optimize: bool) -> tuple[_Joint, Window]:
     """The joint model of anchor window `w`, and the window of the tasks it places (BCAST apart, DECOMP widened)."""
     v = _Joint(cp_model.CpModel(), intervals_of_device={d: [] for d in w.group.devices})
     placed = replace(w, tasks=_placed_tasks(w, frame.options))
-    _add_fixed(v, placed)
-    _add_tasks(v, placed)
-    _add_precedences(v, placed)
-    _add_piece_chains(v, placed)
+    add_fixed(v, placed)
+    add_tasks(v, placed)
+    add_precedences(v, placed)
+    add_piece_chains(v, placed)
     _add_choices(v, placed, frame.options)
     _add_bcasts(v, placed, frame.options)
     _add_slots(v, placed, frame.options, frame.release_ns)
@@ -421,7 +249,7 @@ def _build(w: Window, frame: _Frame, optimize: bool) -> tuple[_Joint, Window]:
     for intervals in v.intervals_of_device.values():
         v.model.add_no_overlap(intervals)
     _add_memory(v, placed, frame.options)
-    _break_layer_symmetry(v, placed)
+    break_layer_symmetry(v, placed)
     if optimize:
         v.model.minimize(sum(_add_staleness(v, placed)))
     return v, placed
@@ -460,12 +288,12 @@ def _solve(w: Window, frame: _Frame, config: SolverConfig, limit: float, meter: 
     if hint is not None and hint.window.offsets == w.offsets:
         _hint(v, placed, hint, frame.options)
     budget = max(meter.units(MIN_CALL), limit)
-    solver = _solver(config, meter, budget)
+    solver = make_solver(config, meter, budget)
     status = solver.solve(v.model)
     meter.charge(solver.deterministic_time)
     name = solver.status_name(status)
     if meter.deterministic and status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE) \
-            and solver.deterministic_time < budget * _CAP_SLACK:
+            and solver.deterministic_time < budget * CAP_SLACK:
         meter.note_capped(f"joint stages {list(w.group.stages)} k={w.k}")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return name, None
@@ -567,7 +395,7 @@ def solve_joint_group(anchor: Problem, group: StageGroup, free: frozenset[int], 
     CP-SAT finds nothing better in time. None when nothing places it."""
     began = meter.now()
     timeline = step_timeline(anchor)
-    release = {s: _ns(timeline.allreduce_end[copies_of_stage(anchor, s)[0], s]) for s in group.stages}
+    release = {s: ns(timeline.allreduce_end[copies_of_stage(anchor, s)[0], s]) for s in group.stages}
     frame = _Frame({x.name: options_of(anchor, x.name, s in free) for s in group.stages
                     for x in anchor.costs.stages[s].layers}, release, scale, aggregate)
     ticks = [round(reference_step(anchor, free, dict(c.distributions)) * scale[0]) for c in candidates]
@@ -628,7 +456,7 @@ def _energy_bound(g: _Group, k: int, upper: int, config: SolverConfig, meter: Me
     device's time beside its fixed work in a window of k steps (`g.base` when none was proven in `limit`)."""
     w = g.window(k, upper)
     m = cp_model.CpModel()
-    lits = _literals(m, g.frame.options)
+    lits = literals(m, g.frame.options)
     step = m.new_int_var(g.base, upper, "step")
     load: dict[int, list[cp_model.LinearExprT]] = {d: [] for d in w.group.devices}
     for task in _placed_tasks(w, g.frame.options):
@@ -648,14 +476,14 @@ def _energy_bound(g: _Group, k: int, upper: int, config: SolverConfig, meter: Me
                 for d in o.workers:
                     load[d].append(w.span(secs) * lit)
     for s in w.group.stages:
-        need, _ = _slot_need(m, s, g.anchor, lits, g.frame.options, w.up, f"s{s}")
+        need, _ = slot_need(m, s, g.anchor, lits, g.frame.options, w.up, f"s{s}")
         for d in copies_of_stage(g.anchor, s):
             load[d] += [need] * k
     per_step = {d: sum(e - s for s, e in w.fixed[d]) // k for d in w.group.devices}
     for d, items in load.items():
         m.add(sum(items) <= k * (step - per_step[d]))
     m.minimize(step)
-    solver = _solver(config, meter, limit)
+    solver = make_solver(config, meter, limit)
     status = solver.solve(m)
     meter.charge(solver.deterministic_time)
     return round(solver.best_objective_bound) if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else g.base

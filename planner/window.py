@@ -31,7 +31,7 @@ after it belongs to step j+1 and joins the device's idle before its first F/B of
 boundary cut it in two). F/B keep their times: the planner does so only where a steady run without the world
 barrier repeats the one-step timeline (`planner.problem.steps_overlap`; else leads are 0, WORLD's step).
 A task may run past the window's own end (the refresh step's world start) only in CP-SAT at k = 1 (planner/cpsat.py
-`_add_tasks`); at k >= 2 CP-SAT, and greedy always, keep each task inside [0, L), so there the joined idle is used at
+`add_tasks`); at k >= 2 CP-SAT, and greedy always, keep each task inside [0, L), so there the joined idle is used at
 the k-1 boundaries inside the window.
 
 [Note: gradient parts] A part fed by the reduced gradient (`PartCost.after` ALLREDUCE_GRAD: Shampoo's and
