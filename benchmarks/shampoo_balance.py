@@ -54,9 +54,10 @@ from fxkfac.planner.ir import COLLECTIVE_KINDS, LayerTiming, Op, OpKind, Program
 from fxkfac.planner.lowering import Assignment, decomposition_seconds, naive_programs, ranks_of_stages
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.preconditioners import PreconditionerKind
-from fxkfac.planner.problem import Problem, SolverConfig, step_timeline
+from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.simulate import simulate
 from fxkfac.planner.solve import solve
+from fxkfac.planner.step_timeline import step_timeline
 
 __all__ = ["main", "duration_of", "per_step_seconds", "collective_seconds_per_step", "decomp_seconds_per_refresh",
            "critical_path_programs"]

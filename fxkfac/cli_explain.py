@@ -64,7 +64,7 @@ def explain_comm(problem: Problem, console: Console) -> None:
     """The cost table's comm model, and what each stage's collectives cost: the gradient all-reduce at every
     step, SYNC_STATS and BCAST at every refresh."""
     from fxkfac.planner.comm import describe
-    from fxkfac.planner.problem import stage_comm
+    from fxkfac.planner.step_timeline import stage_comm
 
     for line in describe(problem.costs.comm):
         console.print(line, markup=False, highlight=False)
@@ -81,7 +81,7 @@ def explain_comm(problem: Problem, console: Console) -> None:
 def explain_plan_comm(plan: Plan, console: Console) -> None:
     """The plan's collective seconds per step: each stage's all-reduce plus its refresh collectives over its
     refresh period."""
-    from fxkfac.planner.problem import stage_comm
+    from fxkfac.planner.step_timeline import stage_comm
 
     problem = plan.problem
     per_stage = []

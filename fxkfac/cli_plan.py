@@ -19,7 +19,8 @@ from fxkfac.planner.costs import CostTable
 from fxkfac.planner.errors import Knob, PlanError, PlannerError, Suggestion
 from fxkfac.planner.hardware import HARDWARE, hardware
 from fxkfac.planner.preconditioners import PreconditionerKind, words_of
-from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier, plain_step_time
+from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier
+from fxkfac.planner.step_timeline import plain_step_time
 
 if TYPE_CHECKING:
     from fxkfac.planner.block_size import BlockChoice

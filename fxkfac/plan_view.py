@@ -22,17 +22,16 @@ from fxkfac.planner.ir import OpKind
 from fxkfac.planner.memory import static_bytes
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.preconditioners import words_of
-from fxkfac.planner.problem import (
+from fxkfac.planner.problem import copies_of_stage, format_bytes
+from fxkfac.planner.simulate import BUSY_KINDS, Interval, Timeline
+from fxkfac.planner.step_timeline import (
     StepTimeline,
-    copies_of_stage,
-    format_bytes,
     plain_step_time,
     plain_utilization,
     step_begins,
     step_timeline,
     window_length,
 )
-from fxkfac.planner.simulate import BUSY_KINDS, Interval, Timeline
 from fxkfac.show import render_summary, render_timeline
 
 __all__ = ["PlannedView", "planned_view", "planned_utilization", "plan_rows", "summary_errors", "render_plan"]

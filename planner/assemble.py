@@ -8,15 +8,9 @@ from dataclasses import dataclass, replace
 from fxkfac.planner.ir import LayerTiming, Op, OpKind, Program
 from fxkfac.planner.lowering import startup_programs
 from fxkfac.planner.plan import Plan, PlanMetrics, SolverStats
-from fxkfac.planner.problem import (
-    Problem,
-    plain_step_time,
-    plain_utilization,
-    refresh_lower_bound,
-    stage_groups,
-    step_timeline,
-)
+from fxkfac.planner.problem import Problem, stage_groups
 from fxkfac.planner.simulate import BUSY_KINDS, utilization
+from fxkfac.planner.step_timeline import plain_step_time, plain_utilization, refresh_lower_bound, step_timeline
 from fxkfac.planner.stretch import Allowance, restretch
 from fxkfac.planner.window import GroupSolution, Placement, Window, born_steps, peak_bytes, placements_of
 

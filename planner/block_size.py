@@ -10,8 +10,9 @@ from fxkfac.planner.attempt import Method
 from fxkfac.planner.errors import Knob, PlanError
 from fxkfac.planner.memory import min_memory_bytes
 from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import Problem, SolverConfig, format_bytes, step_timeline
+from fxkfac.planner.problem import Problem, SolverConfig, format_bytes
 from fxkfac.planner.solve import solve
+from fxkfac.planner.step_timeline import step_timeline
 
 __all__ = ["SMALLEST_BLOCK", "BlockChoice", "block_candidates", "block_label", "choose_block_size"]
 

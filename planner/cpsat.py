@@ -28,7 +28,8 @@ from ortools.sat.python import cp_model
 
 from fxkfac.planner.budget import MIN_CALL, Meter
 from fxkfac.planner.costs import LayerCost
-from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StageGroup, refresh_lower_bound
+from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StageGroup
+from fxkfac.planner.step_timeline import refresh_lower_bound
 from fxkfac.planner.stretch import Allowance, least_stretch, restretch, stretch_lower_bound
 from fxkfac.planner.window import GroupSolution, TaskKind, Window, fits_memory, inv_chains, too_long, use_offsets
 

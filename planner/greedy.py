@@ -19,7 +19,8 @@ import time
 
 from fxkfac.planner.budget import Meter
 from fxkfac.planner.errors import PlanError
-from fxkfac.planner.problem import Problem, StageGroup, step_timeline
+from fxkfac.planner.problem import Problem, StageGroup
+from fxkfac.planner.step_timeline import step_timeline
 from fxkfac.planner.stretch import Allowance, least_stretch, stretch_lower_bound
 from fxkfac.planner.window import GroupSolution, Task, TaskKind, Window, use_offsets
 

@@ -16,7 +16,7 @@ refresh work (planner/joint_cpsat.py), where the option of a layer is a Boolean 
 
 The step timeline is what the literals cannot move inside a window of fixed F/B work, so it is fixed per
 option set:
-- a stage whose slot, in the reference step (`planner.problem.reference_programs`), precedes an F/B or a
+- a stage whose slot, in the reference step (`planner.step_timeline.reference_programs`), precedes an F/B or a
   gradient all-reduce on one of its copies (Chimera's first stage of each device, the first chunk of
   interleaved; `timeline_stages`) moves that work with its distribution: such stages keep one option set per
   joint solve, the strategies of `planner.choose.candidate_strategies` in turn (an enumeration, stated as
@@ -45,15 +45,8 @@ from functools import lru_cache
 
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.ir import Op, OpKind
-from fxkfac.planner.problem import (
-    Problem,
-    StageGroup,
-    base_programs,
-    copies_of_stage,
-    gradient_stats,
-    stages_on_device,
-    step_timeline,
-)
+from fxkfac.planner.problem import Problem, StageGroup, copies_of_stage, stages_on_device
+from fxkfac.planner.step_timeline import base_programs, gradient_stats, step_timeline
 from fxkfac.planner.strategy import LayerDistribution, Strategy, StrategyKind, grad_workers, holding, receivers
 from fxkfac.planner.window import GroupSolution, TaskKind, Window, build_window, use_offsets
 

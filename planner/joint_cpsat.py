@@ -37,7 +37,8 @@ from fxkfac.planner.cpsat import (
 from fxkfac.planner.greedy import greedy_window
 from fxkfac.planner.joint import JointPlacement, reference_step, reference_ticks, window_at
 from fxkfac.planner.joint_step import NS, Options, literals, make_solver, ns, options_of, slot_need, static_bytes
-from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, copies_of_stage, step_timeline
+from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, copies_of_stage
+from fxkfac.planner.step_timeline import step_timeline
 from fxkfac.planner.stretch import stretch_lower_bound
 from fxkfac.planner.window import (
     GroupSolution,

@@ -26,7 +26,8 @@ from fxkfac.planner.joint import (
     share_seconds,
 )
 from fxkfac.planner.memory import activation_peak
-from fxkfac.planner.problem import Problem, SolverConfig, copies_of_stage, stages_on_device, step_timeline
+from fxkfac.planner.problem import Problem, SolverConfig, copies_of_stage, stages_on_device
+from fxkfac.planner.step_timeline import step_timeline
 from fxkfac.planner.strategy import LayerDistribution, grad_workers
 
 __all__ = ["Option", "options_of", "StepChoice", "least_step"]

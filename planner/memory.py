@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from fxkfac.planner.ir import OpKind
-from fxkfac.planner.problem import Problem, StepTimeline, copies_of_stage, stages_on_device, step_timeline
+from fxkfac.planner.problem import Problem, copies_of_stage, stages_on_device
+from fxkfac.planner.step_timeline import StepTimeline, step_timeline
 from fxkfac.planner.strategy import holding
 
 __all__ = ["static_bytes", "activation_intervals", "peak_level", "activation_peak", "min_memory_bytes"]

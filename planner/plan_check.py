@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 from fxkfac.planner.errors import PlanFormatError
 from fxkfac.planner.ir import PRECONDITIONER_KINDS, Op, OpKind
 from fxkfac.planner.lowering import startup_programs
-from fxkfac.planner.problem import Problem, base_programs, copies_of_stage
+from fxkfac.planner.problem import Problem, copies_of_stage
+from fxkfac.planner.step_timeline import base_programs
 from fxkfac.planner.window import born_steps
 
 if TYPE_CHECKING:

@@ -1,26 +1,23 @@
-"""The planning problem: schedule, mesh, costs, budget; its base timeline and bubbles (memory: planner/memory.py)."""
+"""The planning problem: schedule, mesh, costs, budget (step: planner/step_timeline.py; memory: planner/memory.py)."""
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from functools import cached_property, lru_cache
-from typing import Any, TypeVar
+from typing import Any
 
-from fxkfac.planner.costs import CostTable, StageCost
+from fxkfac.planner.costs import CostTable
 from fxkfac.planner.errors import ConfigError, PlanError, PlanFormatError
-from fxkfac.planner.ir import Op, OpKind
-from fxkfac.planner.lowering import add_send_recv, expand_dp, linked_classes, ranks_of_stages, step_applies
-from fxkfac.planner.schedules import ScheduleKind, num_stages, schedule_programs, validate_schedule_args
-from fxkfac.planner.simulate import Timeline, simulate, utilization
+from fxkfac.planner.ir import OpKind
+from fxkfac.planner.lowering import linked_classes, ranks_of_stages
+from fxkfac.planner.schedules import ScheduleKind, num_stages, validate_schedule_args
 from fxkfac.planner.strategy import (
     LayerDistribution,
     Strategy,
     distribute,
     grad_workers,
-    keeps_statistics,
 )
 
 __all__ = [
@@ -28,35 +25,13 @@ __all__ = [
     "Problem",
     "SolverConfig",
     "SolveProgress",
-    "StepTimeline",
     "StageGroup",
-    "base_programs",
-    "reference_programs",
-    "step_timeline",
-    "plain_step_time",
-    "plain_utilization",
     "stage_groups",
     "copies_of_stage",
     "stages_on_device",
-    "refresh_lower_bound",
-    "stretch_allowance",
     "format_bytes",
-    "gradient_stats",
-    "gradient_allreduce_seconds",
-    "StageComm",
-    "stage_comm",
     "agreement_set",
-    "steps_overlap",
-    "early_start",
-    "window_length",
-    "step_begins",
-    "slot_seconds",
 ]
-
-_FIXED_KINDS = frozenset({OpKind.FWD, OpKind.BWD})
-_NOT_BUBBLE = frozenset({OpKind.APPLY, OpKind.STATS, OpKind.BCAST_PREC, OpKind.ALLREDUCE_GRAD})
-"""Ops besides F/B during which a window places no preconditioner work (the per-step slot's work, and the
-gradient all-reduce: planner/window.py `build_window`)."""
 
 
 class StepBarrier(StrEnum):
@@ -277,189 +252,6 @@ class SolverConfig:
 
 
 @dataclass(frozen=True)
-class StepTimeline:
-    """One step of the pipeline, per device: fixed F/B intervals and the points the K-FAC work uses.
-
-    ops: (op, start, end) of every op of the step in program order (RECV intervals include waits; with
-    preconditioning, each stage's gradient STATS and APPLY right after its all-reduce);
-    allreduce_end[(device, stage)]: end of ALLREDUCE_GRAD(stage); length: the step time.
-    """
-
-    ops: Mapping[int, tuple[tuple[Op, float, float], ...]]
-    allreduce_end: Mapping[tuple[int, int], float]
-    length: float
-
-    def fixed(self, device: int) -> list[tuple[Op, float, float]]:
-        """The device's F/B ops with their times."""
-        return [item for item in self.ops[device] if item[0].kind in _FIXED_KINDS]
-
-    def end_of(self, device: int, op: Op) -> float:
-        """End time of `op` on `device` (AssertionError when absent)."""
-        for item, _, end in self.ops[device]:
-            if item == op:
-                return end
-        raise AssertionError(f"{op} is not on device {device}")
-
-
-@lru_cache(maxsize=64)
-def base_programs(problem: Problem) -> dict[int, list[Op]]:
-    """Per global rank, one step of the plain pipeline with its transfers and collectives."""
-    kind, D, v = problem.kind, problem.D, problem.v
-    return expand_dp(add_send_recv(schedule_programs(kind, D, problem.N, v=v), kind, D, v), problem.W)
-
-
-def gradient_stats(stage: StageCost, index: int) -> list[tuple[Op, float]]:
-    """The STATS ops (with their seconds) of stage `index`'s parts fed by the reduced gradient, in the order every
-    step runs them: layer by layer, each layer's parts in their order, right before the stage's APPLY."""
-    return [(Op(OpKind.STATS, index, layer=x.name, part=p.part), p.stats)
-            for x in stage.layers for p in x.parts if p.after is OpKind.ALLREDUCE_GRAD]
-
-
-def prec_work(problem: Problem, device: int, stage: int) -> list[tuple[Op, float]]:
-    """The per-step preconditioner work of `stage` on `device` in the order it runs, with seconds: the gradient
-    statistics of the layers it keeps, then APPLY(stage) where every layer is COMM-OPT; otherwise APPLY of each
-    layer it is a grad worker of, then the BCAST_PREC of each layer along its row (planner/strategy.py)."""
-    copies = copies_of_stage(problem, stage)
-    cost = problem.costs.stages[stage]
-    work = [(op, secs) for op, secs in gradient_stats(cost, stage)
-            if op.layer is not None and device in problem.workers(op.layer)]
-    applies, shares = step_applies(device, stage, [x.name for x in cost.layers], copies, dict(problem.distributions))
-    work += [(op, cost.prec if op.layer is None else problem.costs.layer(op.layer).prec) for op in applies]
-    return work + [(op, problem.costs.collective_seconds(op, len(op.group or copies))) for op in shares]
-
-
-@lru_cache(maxsize=64)
-def reference_programs(problem: Problem) -> dict[int, list[Op]]:
-    """The base programs with the stage's per-step preconditioner work (`prec_work`) right after each
-    ALLREDUCE_GRAD(s): the paper's K-FAC step (per-step work on the critical path, refresh work nowhere)."""
-    out = {}
-    for rank, ops in base_programs(problem).items():
-        body: list[Op] = []
-        for op in ops:
-            body.append(op)
-            if op.kind is OpKind.ALLREDUCE_GRAD:
-                s = op.stage
-                assert s is not None, "the schedules' ALLREDUCE_GRAD names its stage"
-                body += [work for work, _ in prec_work(problem, rank, s)]
-        out[rank] = body
-    return out
-
-
-def gradient_allreduce_seconds(problem: Problem, stage: int) -> float:
-    """Seconds of ALLREDUCE_GRAD(stage): the stage's gradients all-reduced over its copies (`CostTable.comm`)."""
-    return problem.costs.collective_seconds(Op(OpKind.ALLREDUCE_GRAD, stage), len(copies_of_stage(problem, stage)))
-
-
-@dataclass(frozen=True)
-class StageComm:
-    """What one stage's collectives cost over its `group` copies (seconds, the cost table's comm model): the
-    gradient all-reduce and the broadcasts of preconditioned gradients (`share`, strategies other than
-    COMM-OPT) at every step, and the SYNC_STATS and BCAST of all its parts at every refresh, each over the ranks
-    its layer's strategy names."""
-
-    group: int
-    allreduce: float
-    sync: float
-    bcast: float
-    share: float = 0.0
-
-    def per_step(self, period: int) -> float:
-        """Seconds of collectives per step when the stage refreshes every `period` steps."""
-        return self.allreduce + self.share + (self.sync + self.bcast) / period
-
-
-def stage_comm(problem: Problem, stage: int) -> StageComm:
-    """The collectives of `stage` priced as the step timeline and the window price them."""
-    copies = copies_of_stage(problem, stage)
-    if len(copies) == 1:
-        return StageComm(1, 0.0, 0.0, 0.0)
-    price = problem.costs.collective_seconds
-    sync = bcast = 0.0
-    for x in problem.costs.stages[stage].layers:
-        workers, local = problem.workers(x.name), problem.where(x.name).strategy.local_factors
-        for p in x.parts:
-            if p.after is not OpKind.ALLREDUCE_GRAD and not local:
-                sync += price(Op(OpKind.SYNC_STATS, stage, layer=x.name, part=p.part), len(copies))
-            if len(workers) > 1:
-                bcast += price(Op(OpKind.BCAST, stage, layer=x.name, part=p.part, root=workers[0]), len(workers))
-    share = max(sum(secs for op, secs in prec_work(problem, d, stage) if op.kind is OpKind.BCAST_PREC)
-                for d in copies)
-    return StageComm(len(copies), gradient_allreduce_seconds(problem, stage), sync, bcast, share)
-
-
-def _duration(problem: Problem, fused: frozenset[str]) -> Callable[[int, Op], float]:
-    """Op durations in seconds: F/B from the costs (plus fused curvature), the gradient all-reduce (the comm
-    model), gradient statistics, APPLY; nothing else (transfers and OPT_STEP take no time)."""
-    stages = problem.costs.stages
-    allreduce = [gradient_allreduce_seconds(problem, s) for s in range(len(stages))]
-    stats = {(op.layer, op.part): secs for s, stage in enumerate(stages) for op, secs in gradient_stats(stage, s)}
-
-    def fused_curv(stage: StageCost, after: OpKind) -> float:
-        return sum(p.stats for x in stage.layers if x.name in fused for p in x.parts if p.after is after)
-
-    fwd = [s.fwd + fused_curv(s, OpKind.FWD) for s in stages]
-    bwd = [s.bwd + fused_curv(s, OpKind.BWD) for s in stages]
-    per_step = {(d, op): secs for d in problem.devices for s in stages_on_device(problem, d)
-                for op, secs in prec_work(problem, d, s)}
-
-    def duration(rank: int, op: Op) -> float:
-        if op.kind is OpKind.FWD:
-            return fwd[op.stage]  # type: ignore[index]  # a FWD names its stage
-        if op.kind is OpKind.BWD:
-            return bwd[op.stage]  # type: ignore[index]  # a BWD names its stage
-        if op.kind in (OpKind.APPLY, OpKind.BCAST_PREC):
-            return per_step[rank, op]
-        if op.kind is OpKind.STATS:
-            return stats[op.layer, op.part]
-        if op.kind is OpKind.ALLREDUCE_GRAD and op.stage is not None:
-            return allreduce[op.stage]
-        return 0.0
-
-    return duration
-
-
-@lru_cache(maxsize=256)
-def step_timeline(problem: Problem, fused: frozenset[str] = frozenset(), with_prec: bool = True) -> StepTimeline:
-    """One simulated step (plain or with APPLY; fused layers' curvature inside F/B): the step a steady run repeats.
-
-    Every step ends with OPT_STEP, a barrier over all ranks (the runtime's KL-clip and non-finite
-    all-reduce; the simulator runs it as one), so the next step begins with every rank idle and no
-    message in flight: a run repeats this step every `length` seconds, whatever the costs
-    (tests/planner/test_step_timeline.py checks it against multi-step simulations). Under
-    `StepBarrier.AGREEMENT_SET` this is still the step's timeline, a world barrier's: the planner uses it only
-    where a steady run without the world barrier repeats it (`steps_overlap`); an agreement set may then begin
-    its next step early (`early_start`), which changes no F/B time.
-    """
-    programs = reference_programs(problem) if with_prec else base_programs(problem)
-    one = simulate(programs, _duration(problem, fused), steps=1)
-    return _step_from(one, one.makespan)
-
-
-def _step_from(timeline: Timeline, length: float) -> StepTimeline:
-    ops: dict[int, tuple[tuple[Op, float, float], ...]] = {}
-    allreduce: dict[tuple[int, int], float] = {}
-    for rank in timeline.ranks:
-        items = tuple((iv.op, iv.start, iv.end) for iv in timeline.of_rank(rank))
-        ops[rank] = items
-        for op, _, end in items:
-            if op.kind is OpKind.ALLREDUCE_GRAD:
-                allreduce[rank, op.stage] = end  # type: ignore[index]  # an ALLREDUCE_GRAD names its stage
-    return StepTimeline(ops, allreduce, length)
-
-
-def plain_step_time(problem: Problem) -> float:
-    """T0: the step time of the plain pipeline (no K-FAC)."""
-    return step_timeline(problem, frozenset(), False).length
-
-
-def plain_utilization(problem: Problem) -> float:
-    """The plain pipeline's utilization (no K-FAC): its F/B over every device's step."""
-    base = step_timeline(problem, frozenset(), False)
-    busy = sum(sum(b - a for _, a, b in base.fixed(d)) for d in problem.devices)
-    return utilization(busy, base.length * len(problem.devices))
-
-
-@dataclass(frozen=True)
 class StageGroup:
     """Stages that share devices (Chimera's stage pairs, interleaved chunks) and those devices.
 
@@ -501,117 +293,6 @@ def agreement_set(problem: Problem, device: int) -> tuple[int, ...]:
     if problem.barrier is StepBarrier.WORLD:
         return problem.devices
     return next(g.devices for g in stage_groups(problem) if device in g.devices)
-
-
-@lru_cache(maxsize=64)
-def steps_overlap(problem: Problem) -> bool:
-    """Whether, with each OPT_STEP synchronizing only its agreement set, some op of a steady run ends at another time
-    than the one-step timeline repeated every `length` seconds says (a later step overlapping an earlier one):
-    checked over 3 simulated steps, plain and refresh-step (every layer's curvature fused) durations alike.
-    The window models a step by the one-step timeline, so there the planner keeps the world barrier's step."""
-    if problem.barrier is StepBarrier.WORLD:
-        return False
-    programs = reference_programs(problem)
-    barrier = {d: agreement_set(problem, d) for d in problem.devices}
-    for fused in (frozenset(), frozenset(problem.costs.layer_names)):
-        one = step_timeline(problem, fused)
-        run = simulate(programs, _duration(problem, fused), steps=3, barrier=barrier)
-        want = {(d, j, n): j * one.length + end for d, items in one.ops.items() for j in range(3)
-                for n, (_, _, end) in enumerate(items)}
-        seen: dict[tuple[int, int], int] = {}
-        for iv in sorted(run.intervals, key=lambda iv: (iv.rank, iv.step, iv.start, iv.end)):
-            n = seen[iv.rank, iv.step] = seen.get((iv.rank, iv.step), -1) + 1
-            if iv.op.kind is not OpKind.OPT_STEP and abs(iv.end - want[iv.rank, iv.step, n]) > 1e-9 * one.length:
-                return True
-    return False
-
-
-Time = TypeVar("Time", int, float)
-
-
-def window_length(refresh: Time, normal: Time, stretch: Time, k: int) -> Time:
-    """The length of a window of k steps: the refresh step lasts `refresh`, the others `normal`, each followed by
-    `stretch` idle time ([Note: stretch] in planner/window.py); in ticks or seconds."""
-    return refresh + (k - 1) * normal + k * stretch
-
-
-def step_begins(refresh: Time, normal: Time, stretch: Time, j: int, k: int) -> Time:
-    """Where window step j begins after the start of window step 0 (j >= k: a later window, which repeats it),
-    before any lead ([Note: step barrier] in planner/window.py): the one step start of the window, the plan's view
-    and the validator."""
-    within = j % k
-    start = 0 if within == 0 else refresh + (within - 1) * normal
-    return start + within * stretch + window_length(refresh, normal, stretch, k) * (j // k)
-
-
-def early_start(problem: Problem, step: StepTimeline, devices: Iterable[int]) -> float:
-    """Seconds before the end of `step` at which the step after it may begin on `devices` (an agreement set): once
-    each of them has ended its F/B and all-reduces and then run its per-step slots back to back (`slot_seconds`:
-    where a plan may put them, not just where the reference step does); 0 under `StepBarrier.WORLD` or where steps
-    overlap (`steps_overlap`)."""
-    if problem.barrier is StepBarrier.WORLD or steps_overlap(problem):
-        return 0.0
-    last = max((max((end for op, _, end in step.ops[d] if op.kind not in _SLOT_KINDS), default=0.0)
-                + sum(slot_seconds(problem, d, s) for s in stages_on_device(problem, d))) for d in devices)
-    return max(0.0, step.length - last)
-
-
-_SLOT_KINDS = frozenset({OpKind.APPLY, OpKind.STATS, OpKind.BCAST_PREC, OpKind.OPT_STEP})
-"""Ops of a step's end that are no fixed work (the per-step slot, which a plan places, and OPT_STEP)."""
-
-
-def slot_seconds(problem: Problem, device: int, stage: int) -> float:
-    """Seconds of `stage`'s per-step slot on `device` (`prec_work`), its broadcasts of preconditioned gradients
-    starting together on every copy, after the longest work before them on any copy."""
-    work = prec_work(problem, device, stage)
-    shares = [secs for op, secs in work if op.kind is OpKind.BCAST_PREC]
-    if not shares:
-        return sum(secs for _, secs in work)
-    before = max(sum(secs for op, secs in prec_work(problem, c, stage) if op.kind is not OpKind.BCAST_PREC)
-                 for c in copies_of_stage(problem, stage))
-    return before + sum(shares)
-
-
-def stretch_allowance(problem: Problem, fused: frozenset[str], k: int) -> float:
-    """Seconds of idle time the planner may append to every step at refresh period k: max_overhead of
-    the reference step, less what the refresh step's fused curvature adds per step of the window."""
-    normal = step_timeline(problem).length
-    extra = step_timeline(problem, fused).length - normal
-    return max(0.0, problem.max_overhead * normal - extra / k)
-
-
-def refresh_lower_bound(problem: Problem, group: StageGroup, fused: frozenset[str] = frozenset(),
-                        stretch: bool = False) -> int:
-    """ceil(K-FAC work of the group / its bubble time per step): curvature of every micro-batch on
-    every copy that keeps the layer's statistics (unfused layers) plus all inversions, over the idle time of
-    the reference step (whose F/B, per-step preconditioner work and gradient all-reduces are busy).
-
-    stretch: the idle time appended to every step within max_overhead (`stretch_allowance`) counts as
-    bubble on every device of the group: the least k whose k steps hold the work.
-    """
-    step = step_timeline(problem, fused)
-    work = 0.0
-    for device in group.devices:
-        for op, _, _ in step.fixed(device):
-            assert op.stage is not None, "F/B name their stage"
-            copies = copies_of_stage(problem, op.stage)
-            work += sum(p.stats for x in problem.costs.stages[op.stage].layers
-                        if x.name not in fused and keeps_statistics(device, copies, problem.where(x.name))
-                        for p in x.parts if p.after is op.kind)
-    work += sum(problem.costs.stages[s].inv for s in group.stages)
-    busy = sum(end - start for d in group.devices for op, start, end in step.ops[d]
-               if op.kind in _FIXED_KINDS or op.kind in _NOT_BUBBLE)
-    bubble = step.length * len(group.devices) - busy
-    if work <= 0:
-        return 1
-    if stretch:
-        for k in range(1, problem.max_period + 1):
-            if work <= k * (bubble + len(group.devices) * stretch_allowance(problem, fused, k)) * (1 + 1e-9):
-                return k
-        return problem.max_period + 1
-    if bubble <= 1e-9 * step.length * len(group.devices):  # none but float rounding
-        return problem.max_period + 1
-    return min(problem.max_period + 1, max(1, math.ceil(work / bubble - 1e-9)))
 
 
 def format_bytes(n: float) -> str:

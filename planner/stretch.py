@@ -14,7 +14,8 @@ from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, stretch_allowance
+from fxkfac.planner.problem import Problem, SolverConfig, StageGroup
+from fxkfac.planner.step_timeline import stretch_allowance
 from fxkfac.planner.window import GroupSolution, TaskKind, Window, build_window, grid_scale, use_offsets
 
 __all__ = ["Allowance", "allowance", "restretch", "stretch_lower_bound", "least_stretch", "Probe"]

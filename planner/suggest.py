@@ -11,7 +11,8 @@ from fxkfac.planner.attempt import OVERTIME, Clock, Method, Refused, aggregates,
 from fxkfac.planner.errors import InfeasibleBudgetError, Knob, PlanError, ScheduleError, Suggestion
 from fxkfac.planner.memory import min_memory_bytes
 from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import Problem, SolverConfig, format_bytes, stage_groups, step_timeline
+from fxkfac.planner.problem import Problem, SolverConfig, format_bytes, stage_groups
+from fxkfac.planner.step_timeline import step_timeline
 from fxkfac.planner.stretch import Allowance
 from fxkfac.planner.window import grid_scale
 

@@ -26,19 +26,9 @@ from typing import TYPE_CHECKING
 from fxkfac.planner.errors import DeadlockError, PlanError
 from fxkfac.planner.ir import PRECONDITIONER_KINDS, Op, OpKind
 from fxkfac.planner.memory import activation_intervals, peak_level, static_bytes
-from fxkfac.planner.problem import (
-    Problem,
-    StepBarrier,
-    StepTimeline,
-    agreement_set,
-    copies_of_stage,
-    early_start,
-    stage_groups,
-    step_begins,
-    step_timeline,
-    window_length,
-)
+from fxkfac.planner.problem import Problem, StepBarrier, agreement_set, copies_of_stage, stage_groups
 from fxkfac.planner.simulate import simulate
+from fxkfac.planner.step_timeline import StepTimeline, early_start, step_begins, step_timeline, window_length
 from fxkfac.planner.strategy import COMM_OPT, keeps_statistics, receivers
 
 if TYPE_CHECKING:

@@ -26,10 +26,10 @@ spans a boundary (it would hold the barrier up on every rank).
 Under `StepBarrier.AGREEMENT_SET` (KL-clip scope stage or stale) OPT_STEP waits only for the rank's agreement
 set, the devices of its stage group, so the group's step j+1 may begin `Window.leads[j+1]` ticks before
 `offsets[j+1]`: once the last of its devices has ended step j's F/B, all-reduces and (reference) APPLY
-(`planner.problem.early_start`). The boundary, its blocked tick and APPLY's deadline move there; the idle
+(`planner.step_timeline.early_start`). The boundary, its blocked tick and APPLY's deadline move there; the idle
 after it belongs to step j+1 and joins the device's idle before its first F/B of step j+1 (in WORLD the
 boundary cut it in two). F/B keep their times: the planner does so only where a steady run without the world
-barrier repeats the one-step timeline (`planner.problem.steps_overlap`; else leads are 0, WORLD's step).
+barrier repeats the one-step timeline (`planner.step_timeline.steps_overlap`; else leads are 0, WORLD's step).
 A task may run past the window's own end (the refresh step's world start) only in CP-SAT at k = 1 (planner/cpsat.py
 `add_tasks`); at k >= 2 CP-SAT, and greedy always, keep each task inside [0, L), so there the joined idle is used at
 the k-1 boundaries inside the window.
@@ -40,7 +40,7 @@ reduced gradient, so there is no SYNC_STATS), after the stage's gradient all-red
 (which overwrites the gradient). That work is per step like APPLY, so it is modelled as APPLY is: the
 stage's gradient STATS run back to back at the head of its APPLY slot (`PrecSlot.ops`: STATS of every
 layer and part, then APPLY; the slot's ticks cover them all), which CP-SAT places inside [gradient ready,
-step end), in the end-of-step bubble; the reference step (`planner.problem.reference_programs`) runs them
+step end), in the end-of-step bubble; the reference step (`planner.step_timeline.reference_programs`) runs them
 right after the all-reduce, as it runs APPLY, so max_overhead is measured against a step that holds them.
 A refresh snapshots the statistic at the refresh step's STATS, so the part's DECOMP task (and its BCAST)
 is released by the refresh step's slot of its stage on the device that decomposes it (`Task.after_slot`:
@@ -66,17 +66,8 @@ from typing import Any
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.ir import Op, OpKind
 from fxkfac.planner.memory import activation_intervals, peak_level, static_bytes
-from fxkfac.planner.problem import (
-    Problem,
-    StageGroup,
-    StepTimeline,
-    copies_of_stage,
-    early_start,
-    prec_work,
-    stages_on_device,
-    step_begins,
-    step_timeline,
-)
+from fxkfac.planner.problem import Problem, StageGroup, copies_of_stage, stages_on_device
+from fxkfac.planner.step_timeline import StepTimeline, early_start, prec_work, step_begins, step_timeline
 from fxkfac.planner.strategy import keeps_statistics
 
 __all__ = ["TaskKind", "Task", "PrecSlot", "Window", "Placement", "GroupSolution", "build_window", "grid_scale", "wrap",
@@ -128,7 +119,7 @@ class Task:
 
 @dataclass(frozen=True)
 class PrecSlot:
-    """The per-step preconditioner work of `stage` on `device` at window step `step` (`planner.problem.prec_work`:
+    """The per-step preconditioner work of `stage` on `device` at window step `step` (`planner.step_timeline.prec_work`:
     gradient STATS, APPLY, BCAST_PREC): `ops` run for `durations` seconds within [release, deadline) (absolute
     ticks), back to back, except that the broadcasts of preconditioned gradients begin `lead` seconds after
     the slot starts, on every copy of the stage at once (`lead`: the longest work before them on any copy; the

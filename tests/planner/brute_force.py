@@ -6,7 +6,8 @@ Independent of planner.window, greedy and cpsat: it walks every start on the int
 from __future__ import annotations
 
 from fxkfac.planner.ir import OpKind
-from fxkfac.planner.problem import Problem, step_timeline
+from fxkfac.planner.problem import Problem
+from fxkfac.planner.step_timeline import step_timeline
 
 __all__ = ["brute_feasible"]
 

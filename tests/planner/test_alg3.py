@@ -21,10 +21,11 @@ from fxkfac.planner.lowering import (
 )
 from fxkfac.planner.memory import activation_peak, static_bytes
 from fxkfac.planner.plan import Plan, PlanMetrics, SolverStats
-from fxkfac.planner.problem import Problem, SolverConfig, plain_step_time, step_timeline
+from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.schedules import num_stages
 from fxkfac.planner.simulate import simulate
 from fxkfac.planner.solve import solve
+from fxkfac.planner.step_timeline import plain_step_time, step_timeline
 from fxkfac.planner.validate import validate
 from fxkfac.planner.window import Placement
 from tests.planner.kfac_cases import gradient_layer

@@ -9,16 +9,9 @@ import pytest
 
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import (
-    Problem,
-    SolverConfig,
-    StepBarrier,
-    early_start,
-    stage_groups,
-    step_timeline,
-    steps_overlap,
-)
+from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier, stage_groups
 from fxkfac.planner.solve import solve
+from fxkfac.planner.step_timeline import early_start, step_timeline, steps_overlap
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import problem
 

@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from fxkfac.planner.errors import InfeasibleBudgetError, PlanError
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.memory import min_memory_bytes
-from fxkfac.planner.problem import Problem, SolverConfig, step_timeline
+from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.solve import solve
+from fxkfac.planner.step_timeline import step_timeline
 from fxkfac.planner.validate import validate
 from tests.planner.brute_force import brute_feasible
 from tests.planner.kfac_cases import problem, problems

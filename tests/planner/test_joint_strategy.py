@@ -19,8 +19,9 @@ from fxkfac.planner.joint import layer_options, reference_step, step_fixed_end, 
 from fxkfac.planner.joint_step import least_step
 from fxkfac.planner.memory import activation_peak, min_memory_bytes, static_bytes
 from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import Problem, SolverConfig, step_timeline
+from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.solve import solve
+from fxkfac.planner.step_timeline import step_timeline
 from fxkfac.planner.strategy import parse_strategy
 from fxkfac.planner.validate import validate
 

@@ -10,14 +10,9 @@ from hypothesis import strategies as st
 
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.ir import Op, OpKind
-from fxkfac.planner.problem import (
-    Problem,
-    base_programs,
-    plain_step_time,
-    reference_programs,
-    step_timeline,
-)
+from fxkfac.planner.problem import Problem
 from fxkfac.planner.simulate import Timeline, simulate
+from fxkfac.planner.step_timeline import base_programs, plain_step_time, reference_programs, step_timeline
 
 # (schedule, v, N for a given D): interleaved and chimera need N a multiple of D.
 SHAPES = [("gpipe", 1, lambda D: D + 1), ("1f1b", 1, lambda D: 2 * D), ("interleaved", 2, lambda D: D),

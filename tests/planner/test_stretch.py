@@ -13,8 +13,9 @@ from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.errors import Knob, PlanError
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import Problem, SolverConfig, copies_of_stage, step_timeline
+from fxkfac.planner.problem import Problem, SolverConfig, copies_of_stage
 from fxkfac.planner.solve import solve
+from fxkfac.planner.step_timeline import step_timeline
 from fxkfac.planner.validate import validate
 from tests.planner.brute_force import brute_feasible
 from tests.planner.kfac_cases import problem, problems
