@@ -260,7 +260,7 @@ def _planned(problem: Problem, config: SolverConfig, box: TimeBox, method: Metho
     try:
         return solve(problem, config, method, box=box, shares=2, suggest=False)
     except PlanError as e:
-        log.info("the joint choice does not plan by itself: %s", e)
+        log.info("distribution %s does not plan: %s", _words(problem), e)
         return None
 
 

@@ -3,6 +3,7 @@ back to the test."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -49,16 +50,13 @@ _PRELOAD = ["torch", "torch.distributed", "torch.distributed.device_mesh", "torc
 transformers and fxkfac (seconds of CPU each, times the ranks, on a 2-core machine). Only imports: no tensor
 work runs before the fork. A module that fails to import is left to the rank."""
 
-_context: Any = None
 
-
+@functools.cache
 def _launch_context() -> Any:
     """The forkserver context, its server preloading `_PRELOAD` (started once per test session)."""
-    global _context
-    if _context is None:
-        _context = mp.get_context("forkserver")
-        _context.set_forkserver_preload(_PRELOAD)
-    return _context
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
 
 
 def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, pg_timeout: float, args: tuple,
