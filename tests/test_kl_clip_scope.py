@@ -137,7 +137,7 @@ def test_a_deferred_loss_reads_as_its_sum() -> None:
         def wait(self) -> torch.Tensor:
             return torch.tensor(2.5)
 
-    loss = StepLoss(Summed())  # type: ignore[arg-type]  # a PendingSum's wait() alone is read
+    loss = StepLoss(Summed())  # type: ignore[arg-type]  # a Pending's wait() alone is read
     assert float(loss) == 2.5 and f"{loss:.2f}" == "2.50" and repr(loss) == "2.5"
     assert loss == 2.5 and loss < 3 and loss <= 2.5 and loss > 2 and loss >= 2.5 and not loss > 2.5
     assert 1 + loss == 3.5 and loss - 1 == 1.5 and 3 - loss == 0.5 and 2 * loss == 5.0 and loss / 5 == 0.5

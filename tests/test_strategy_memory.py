@@ -92,10 +92,13 @@ def accounted_bytes(problem: Problem, device: int) -> dict[str, int]:
 
 
 def _measure_every_op(trainer: fxkfac.Trainer, peaks: list[dict[str, int]]) -> None:
-    """Wrap every handler of the trainer's interpreter to measure the layer states after each op."""
+    """Wrap every handler of the trainer's interpreter to measure the layer states after each op, with its
+    collective settled: a decomposition a BCAST receives is held from that op on (its buffer is allocated when the
+    broadcast starts), as the accounting counts it, though the runtime unpacks it at its first reader."""
     def measured(handler: Any) -> Any:
         def run(ctx: Any, op: Any) -> None:
             handler(ctx, op)
+            ctx.transport.settle_all()
             peaks.append(held_bytes(trainer.layer_states))
         return run
 

@@ -171,7 +171,8 @@ def local_loss(ctx: StepContext) -> torch.Tensor:
 
 def _opt_step(ctx: StepContext, op: Op) -> None:
     """Sum tied gradients, agree on skipping the step and sum the loss (one world all-reduce of the NaN/Inf flag
-    and the loss), step or not."""
+    and the loss), step or not. Every collective still in flight is settled first."""
+    ctx.transport.settle_all()
     ctx.sync.shared_params(ctx.transport, str(op))
     if ctx.skipped is None:
         loss = local_loss(ctx)
@@ -249,6 +250,7 @@ class Interpreter:
             if timeline is not None:
                 timeline.record(str(op), op.kind.value, ctx.step, start, Recorder.now())
         leftovers = [r for r in ctx.runners.values() if r.pending()]
-        if leftovers or ctx.acts or ctx.grads or ctx.to_send:
+        if leftovers or ctx.acts or ctx.grads or ctx.to_send or ctx.transport.in_flight():
             raise AssertionError(f"rank {ctx.rank}: step {ctx.step} ended with unconsumed state "
-                                 f"(acts {list(ctx.acts)}, grads {list(ctx.grads)}, sends {list(ctx.to_send)})")
+                                 f"(acts {list(ctx.acts)}, grads {list(ctx.grads)}, sends {list(ctx.to_send)}, "
+                                 f"collectives in flight {ctx.transport.in_flight()})")

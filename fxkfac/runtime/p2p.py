@@ -1,8 +1,18 @@
-"""Point-to-point and collective transfers with tags and timeouts: a hang becomes an error."""
+"""Point-to-point and collective transfers with tags and timeouts: a hang becomes an error.
+
+[Note: collectives in flight]
+A collective an op of the plan starts (SYNC_STATS, BCAST, BCAST_PREC, ALLREDUCE_GRAD) runs on while the rank
+goes on with its next ops: the op starts it and `defer`s what to do with the result under a key naming the state
+it writes (a layer's part, a stage's gradients). Every op that reads that state `settle`s the key first (waits,
+then applies the result), and OPT_STEP settles all, so nothing is in flight across a step's end (skipped steps and
+checkpoints see whole state). The order of collectives on each rank is the plan's, as when each op waited; only
+the waits move later, to the first reader, as kfac-pytorch's asynchronous factor all-reduce and broadcast do. The
+planner models each collective as occupying its rank for its whole cost: an upper bound of what runs.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -12,7 +22,7 @@ import torch.distributed as dist
 from fxkfac.errors import PipelineError, PipelineTimeoutError
 from fxkfac.passes.split_stages import TensorSpec
 
-__all__ = ["TagSpace", "Transport"]
+__all__ = ["TagSpace", "Transport", "Pending"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +58,7 @@ class Transport:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _pending: list[tuple[dist.Work, str]] = field(default_factory=list)
     _posted: dict[tuple, tuple[list[torch.Tensor], list[dist.Work]]] = field(default_factory=dict)
+    _inflight: dict[Hashable, list[tuple[Pending, Callable[[torch.Tensor], None]]]] = field(default_factory=dict)
 
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for `work` at most the timeout; a timeout or a dead peer becomes a PipelineError naming `what`."""
@@ -94,22 +105,74 @@ class Transport:
             self.wait(work, what)
         return buffers
 
-    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> None:
-        """Sum `tensor` in place over `group` (None: the world)."""
+    def start_all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> Pending:
+        """Start summing `tensor` in place over `group` (None: the world), without waiting."""
         if self.world == 1:
-            return
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        self.wait(work, what)
+            return Pending(self, [], what, tensor)
+        return Pending(self, [_work(dist.all_reduce(tensor, group=group, async_op=True))], what, tensor)
+
+    def start_broadcast(self, tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None, what: str) -> Pending:
+        """Start broadcasting `tensor` in place from global rank `src` over `group`, without waiting."""
+        if self.world == 1:
+            return Pending(self, [], what, tensor)
+        return Pending(self, [_work(dist.broadcast(tensor, src=src, group=group, async_op=True))], what, tensor)
+
+    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> None:
+        """Sum `tensor` in place over `group` (None: the world), waiting for it."""
+        self.start_all_reduce(tensor, group, what).wait()
 
     def broadcast(self, tensor: torch.Tensor, src: int, group: dist.ProcessGroup | None, what: str) -> None:
-        """Broadcast `tensor` in place from global rank `src` over `group`."""
-        if self.world == 1:
-            return
-        work = dist.broadcast(tensor, src=src, group=group, async_op=True)
-        self.wait(work, what)
+        """Broadcast `tensor` in place from global rank `src` over `group`, waiting for it."""
+        self.start_broadcast(tensor, src, group, what).wait()
+
+    def defer(self, key: Hashable, pending: Pending, then: Callable[[torch.Tensor], None]) -> None:
+        """Leave `pending` in flight until a reader settles `key`, which then applies `then` to its tensor (see
+        [Note: collectives in flight]); with nothing to wait for (a world of one rank) `then` runs at once."""
+        if pending.works:
+            self._inflight.setdefault(key, []).append((pending, then))
+        else:
+            then(pending.wait())
+
+    def settle(self, key: Hashable) -> None:
+        """Wait for what is in flight under `key` and apply it, oldest first (nothing when none is)."""
+        for pending, then in self._inflight.pop(key, ()):
+            then(pending.wait())
+
+    def settle_all(self) -> None:
+        """Settle every key, in the order each was first deferred."""
+        for key in list(self._inflight):
+            self.settle(key)
+
+    def in_flight(self) -> list[Hashable]:
+        """The keys with collectives still in flight."""
+        return list(self._inflight)
 
     def flush(self) -> None:
         """Wait for every send started so far."""
         pending, self._pending = self._pending, []
         for work, what in pending:
             self.wait(work, what)
+
+
+
+def _work(work: dist.Work | None) -> dist.Work:
+    assert work is not None, "a collective with async_op=True on a group this rank belongs to returns a Work"
+    return work
+
+
+@dataclass
+class Pending:
+    """A collective started without waiting on `tensor`; `wait` waits for it (at most the transport's timeout)
+    and returns the tensor."""
+
+    transport: Transport
+    works: list[dist.Work]
+    what: str
+    tensor: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        """The tensor, once the collective is done."""
+        works, self.works = self.works, []
+        for work in works:
+            self.transport.wait(work, self.what)
+        return self.tensor

@@ -51,8 +51,18 @@ from fxkfac.preconditioner import Family, PiecewiseFamily, RefreshState, Source,
 from fxkfac.runtime.interpreter import CORE_HANDLERS, Interpreter, StepContext, local_loss, local_nonfinite
 from fxkfac.runtime.stage import StageRunner
 from fxkfac.runtime.step_end import StepEnd
+from fxkfac.runtime.sync import grad_key
 
 __all__ = ["TappedRunner", "StageCopies", "PreconditionerRuntime"]
+
+
+def _unit_key(name: str, part: str) -> tuple[str, str, str]:
+    """The key under which a collective of one part of one layer is in flight (`Transport.settle`)."""
+    return ("part", name, part)
+
+
+def _ignore(_: Tensor) -> None:
+    """What the root of a broadcast does with it once sent: nothing (it waits only to free the buffer)."""
 
 
 @dataclass
@@ -291,6 +301,7 @@ class PreconditionerRuntime:
                 if part in self.gradient_parts:
                     raise PipelineError(f"rank {self.rank}: '{op}' names micro-batch {op.mb}, but part {part} "
                                         "is fed by the reduced gradient: its STATS takes no micro-batch")
+                ctx.transport.settle(_unit_key(name, part))
                 raw = runner.take(name, part, op.mb, op)
                 value = self.family.statistic(layer, part, mode, raw, self.n)
                 record = self._record(name, op, lambda r, p=part: p not in r.folded)
@@ -300,14 +311,16 @@ class PreconditionerRuntime:
     def _gradient_stats(self, ctx: StepContext, op: Op) -> None:
         """Fold the step's gradient statistic of each gradient-fed part; at a refresh step, snapshot the state
         into the step's record for its DECOMP."""
-        runner = ctx.stage_runner(op.stage) if op.stage is not None else None
-        if runner is None:
+        if op.stage is None:
             raise AssertionError("STATS without a stage")
+        runner = ctx.stage_runner(op.stage)
+        ctx.transport.settle(grad_key(op.stage))
         for name in self._layers_of(op):
             for part in self._parts_of(op):
                 if part not in self.gradient_parts:
                     raise PipelineError(f"rank {self.rank}: '{op}' names no micro-batch, but part {part} of "
                                         f"{self.family.name} is fed by a capture per micro-batch")
+                ctx.transport.settle(_unit_key(name, part))
                 state = self.states[name]
                 self.family.fold(state, part, self.family.statistic(self.layers[name], part, "gradient",
                                                                     runner.param(name), self.n))
@@ -317,10 +330,12 @@ class PreconditionerRuntime:
                     self._mark_folded(name, part, record)
 
     def sync_curv(self, ctx: StepContext, op: Op) -> None:
-        """Sum the refresh's statistic(s) over every copy of the stage, then fold them into the running ones."""
+        """Start summing the refresh's statistic(s) over every copy of the stage; once summed (when a reader
+        settles the part: [Note: collectives in flight]) they are folded into the running ones."""
         for name in self._layers_of(op):
             group = self.groups[self.stage_of[name]]
             for part in self._parts_of(op):
+                ctx.transport.settle(_unit_key(name, part))
                 record = self._record(name, op, lambda r, p=part: p not in r.folded)
                 shape = self.family.stats_shape(self.layers[name], part)
                 local = record.sums.get(part)
@@ -328,11 +343,18 @@ class PreconditionerRuntime:
                 if local is not None:
                     flat[:-1] = local.reshape(-1)
                 flat[-1] = record.counts[part]
+
+                def fold(summed: Tensor, name: str = name, part: str = part, record: _Refresh = record,
+                         shape: tuple[int, ...] = shape) -> None:
+                    record.sums[part] = summed[:-1].view(shape)
+                    record.counts[part] = int(round(float(summed[-1])))
+                    self._fold(name, part, record, op)
+
                 if len(group.ranks) > 1:
-                    ctx.transport.all_reduce(flat, group.group, str(op))
-                record.sums[part] = flat[:-1].view(shape)
-                record.counts[part] = int(round(float(flat[-1])))
-                self._fold(name, part, record, op)
+                    ctx.transport.defer(_unit_key(name, part), ctx.transport.start_all_reduce(flat, group.group,
+                                                                                              str(op)), fold)
+                else:
+                    fold(flat)
 
     def _fold(self, name: str, part: str, record: _Refresh, op: Op) -> None:
         copies = len(self.groups[self.stage_of[name]].ranks)
@@ -356,6 +378,7 @@ class PreconditionerRuntime:
         the family's piece i, and the last piece makes the decomposition."""
         for name in self._layers_of(op):
             for part in self._parts_of(op):
+                ctx.transport.settle(_unit_key(name, part))
                 record = self._record(name, op, lambda r, p=part: p not in r.halves)
                 if part in self.gradient_parts and part not in record.folded:
                     raise PipelineError(f"rank {self.rank}: '{op}' decomposes {part} of {name} refreshed at step "
@@ -405,12 +428,14 @@ class PreconditionerRuntime:
         return self.subgroups[op.group]
 
     def bcast_inv(self, ctx: StepContext, op: Op) -> None:
-        """Broadcast one part's decomposition from rank `op.root` to the layer's other grad workers."""
+        """Start broadcasting one part's decomposition from rank `op.root` to the layer's other grad workers; a
+        receiver takes it when a reader settles the part ([Note: collectives in flight])."""
         if op.root is None:
             raise PipelineError(f"'{op}' needs the root rank (@rN)")
         for name in self._layers_of(op):
             group, layer = self._group(op, self.stage_of[name]), self.layers[name]
             for part in self._parts_of(op):
+                ctx.transport.settle(_unit_key(name, part))
                 if op.root == self.rank:
                     outbox = self._outbox.get((name, part))
                     if not outbox:
@@ -419,11 +444,17 @@ class PreconditionerRuntime:
                     flat = self.family.pack(layer, part, outbox.popleft())
                 else:
                     flat = self.family.pack(layer, part, None)
-                ctx.transport.broadcast(flat, op.root, group, str(op))
-                if op.root != self.rank:
-                    record = self._record(name, op, lambda r, p=part: p not in r.halves)
-                    record.halves[part] = self.family.unpack(layer, part, flat)
+                pending = ctx.transport.start_broadcast(flat, op.root, group, str(op))
+                if op.root == self.rank:
+                    ctx.transport.defer(_unit_key(name, part), pending, _ignore)
+                    continue
+                record = self._record(name, op, lambda r, p=part: p not in r.halves)
+
+                def take(received: Tensor, name: str = name, part: str = part, record: _Refresh = record) -> None:
+                    record.halves[part] = self.family.unpack(self.layers[name], part, received)
                     self._maybe_combine(name)
+
+                ctx.transport.defer(_unit_key(name, part), pending, take)
 
     def _maybe_combine(self, name: str) -> None:
         """Queue the layer's preconditioner once every part of its oldest refresh is decomposed."""
@@ -440,7 +471,10 @@ class PreconditionerRuntime:
             raise AssertionError("APPLY without a stage")
         runner = ctx.stage_runner(op.stage)
         layers = [self.layers[n] for n in self._layers_of(op)]
+        ctx.transport.settle(grad_key(op.stage))
         for layer in layers:
+            for part in self.family.parts:
+                ctx.transport.settle(_unit_key(layer.name, part))
             late = [r.step for r in self.refreshes[layer.name]
                     if r.step + self.timings[layer.name].use_offset <= ctx.step]
             if late:
@@ -473,19 +507,24 @@ class PreconditionerRuntime:
             raise AssertionError("BCAST_PREC names its stage, root and layer (planner/ir.py OP_FIELDS)")
         name = self._layers_of(op)[0]
         runner = ctx.stage_runner(op.stage)
+        ctx.transport.settle(grad_key(op.stage))
         params = [runner.param(p) for p in self.family.params_of(self.layers[name])]
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        ctx.transport.broadcast(flat, op.root, self._group(op, op.stage), str(op))
-        if op.root != self.rank:
+        pending = ctx.transport.start_broadcast(flat, op.root, self._group(op, op.stage), str(op))
+
+        def take(received: Tensor) -> None:
             offset = 0
             for p in params:
-                p.grad = flat[offset:offset + p.numel()].view_as(p).clone()
+                p.grad = received[offset:offset + p.numel()].view_as(p).clone()
                 offset += p.numel()
+
+        ctx.transport.defer(("preconditioned", name), pending, _ignore if op.root == self.rank else take)
         self._touched.add(op.stage)
 
     def opt_step(self, ctx: StepContext, op: Op) -> None:
         """Agree on skipping the step and take each KL-clip group's nu (`StepEnd.finish`: by the scope), scale the
         preconditioned gradients by it; then the core OPT_STEP, which steps unless the verdict is to skip."""
+        ctx.transport.settle_all()
         end = self.step_end or StepEnd(KLClipScope.GLOBAL, ctx.transport, (), None, None)
         zero = torch.zeros((), dtype=torch.float64)
         groups = range(end.groups) if self.scope is KLClipScope.STAGE else [0]

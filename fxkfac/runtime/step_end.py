@@ -39,9 +39,9 @@ import torch.distributed as dist
 from fxkfac.config import KLClipScope
 from fxkfac.kfac.precondition import kl_clip_scale
 from fxkfac.planner.lowering import linked_classes
-from fxkfac.runtime.p2p import Transport
+from fxkfac.runtime.p2p import Pending, Transport
 
-__all__ = ["agreement_sets", "PendingSum", "StepLoss", "StepEnd", "Verdict", "clip_scales"]
+__all__ = ["agreement_sets", "StepLoss", "StepEnd", "Verdict", "clip_scales"]
 
 
 def agreement_sets(holders: Iterable[Sequence[int]], world: int) -> list[tuple[int, ...]]:
@@ -60,35 +60,12 @@ def clip_scales(sums: Mapping[int, float], lr: float, kappa: float | None) -> di
     return {group: kl_clip_scale(value, lr, kappa) for group, value in sums.items()}
 
 
-@dataclass
-class PendingSum:
-    """A tensor being summed over a process group without waiting; `wait` returns it once summed."""
-
-    tensor: torch.Tensor
-    work: Any
-    transport: Transport
-    what: str
-
-    @classmethod
-    def start(cls, tensor: torch.Tensor, group: Any, transport: Transport, what: str) -> PendingSum:
-        """Start summing `tensor` in place over `group` (nothing to do in a world of one rank)."""
-        work = None if transport.world == 1 else dist.all_reduce(tensor, group=group, async_op=True)
-        return cls(tensor, work, transport, what)
-
-    def wait(self) -> torch.Tensor:
-        """The sum (waits at most the transport's timeout, then raises PipelineTimeoutError)."""
-        if self.work is not None:
-            self.transport.wait(self.work, self.what)
-            self.work = None
-        return self.tensor
-
-
 @total_ordering
 class StepLoss:
     """A step's loss whose world all-reduce runs on while training goes on: reading it (float, formatting,
     arithmetic, comparison, pickling) waits for the sum. The same value on every rank."""
 
-    def __init__(self, pending: PendingSum) -> None:
+    def __init__(self, pending: Pending) -> None:
         self._pending = pending
 
     def __float__(self) -> float:
@@ -165,7 +142,7 @@ class StepEnd:
     """KL-clip groups under STAGE: the model's stages 0..groups-1 (the same number on every rank)."""
     stale: float | None = None
     """STALE: the last world sum <P, G> that was finite (None before the first step stood)."""
-    _pending: PendingSum | None = None
+    _pending: Pending | None = None
 
     @classmethod
     def build(cls, scope: KLClipScope, transport: Transport, holders: Iterable[Sequence[int]],
@@ -203,7 +180,7 @@ class StepEnd:
         self._take_stale()
         assert self.stale is not None, "STALE ends its first step as GLOBAL, which sets the sum"
         total = torch.tensor(math.nan, dtype=torch.float64) if skip else _total(dots)
-        self._pending = PendingSum.start(total, self.deferred, self.transport, "KL-clip <P, G> (stale) all-reduce")
+        self._pending = self.transport.start_all_reduce(total, self.deferred, "KL-clip <P, G> (stale) all-reduce")
         return Verdict(skip, dict.fromkeys(dots, kl_clip_scale(self.stale, lr, kappa)))
 
     def _global(self, dots: Mapping[int, torch.Tensor], nonfinite: bool, loss: torch.Tensor, lr: float,
@@ -252,4 +229,4 @@ class StepEnd:
         without waiting, a StepLoss (on one device, the loss itself)."""
         if self.transport.world == 1:
             return float(loss)
-        return StepLoss(PendingSum.start(loss, self.deferred, self.transport, "loss all-reduce"))
+        return StepLoss(self.transport.start_all_reduce(loss, self.deferred, "loss all-reduce"))

@@ -11,7 +11,8 @@ rank visits its groups in that global order, so no two ranks wait on each other 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import functools
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,7 @@ from fxkfac.planner.ir import Programs
 from fxkfac.runtime.p2p import Transport
 from fxkfac.runtime.stage import StageRunner
 
-__all__ = ["GradSync", "holder_sets", "named_groups"]
+__all__ = ["GradSync", "grad_key", "holder_sets", "named_groups"]
 
 Holders = tuple[int, ...]
 
@@ -34,6 +35,11 @@ def holder_sets(stage_params: Sequence[Sequence[str]],
         for name in names:
             holders.setdefault(name, set()).update(ranks_of_stage[stage])
     return {name: tuple(sorted(ranks)) for name, ranks in holders.items()}
+
+
+def grad_key(stage: int) -> tuple[str, int]:
+    """The key under which the gradient all-reduce of `stage` is in flight (`Transport.settle`)."""
+    return ("gradients", stage)
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
@@ -93,7 +99,9 @@ class GradSync:
             by_group.setdefault(self.holders[name], []).append(name)
         return sorted(by_group.items())
 
-    def _reduce(self, names: Iterable[str], transport: Transport, what: str) -> None:
+    def _reduce(self, names: Iterable[str], transport: Transport, what: str, key: Hashable | None = None) -> None:
+        """Sum the gradients of `names` over their copies: with `key`, the all-reduces are left in flight under it
+        (see [Note: collectives in flight] in fxkfac/runtime/p2p.py), else waited for."""
         for ranks, bucket in self._buckets(names):
             copies = [self._copies(n) for n in bucket]
             if len(ranks) == 1 and all(len(c) == 1 for c in copies):
@@ -101,14 +109,21 @@ class GradSync:
             # local copies summed
             flat = torch.cat([sum(_grad(p) for p in c).reshape(-1)  # type: ignore[union-attr]  # c is never empty
                               for c in copies])
-            if len(ranks) > 1:
-                transport.all_reduce(flat, self.groups[ranks], f"{what} over ranks {list(ranks)}")
-            _scatter(flat, copies, grad=True)
+            scatter = functools.partial(_scatter, copies=copies, grad=True)
+            if len(ranks) == 1:
+                scatter(flat)
+                continue
+            pending = transport.start_all_reduce(flat, self.groups[ranks], f"{what} over ranks {list(ranks)}")
+            if key is None:
+                scatter(pending.wait())
+            else:
+                transport.defer(key, pending, scatter)
 
     def stage(self, stage: int, transport: Transport, what: str) -> None:
-        """Sum the gradients of stage `stage`'s own (not shared) parameters over their copies."""
+        """Start summing the gradients of stage `stage`'s own (not shared) parameters over their copies, in flight
+        under `grad_key(stage)` until a reader of them settles it."""
         runner = next(r for r in self.runners if r.stage == stage)
-        self._reduce([n for n in runner.graph.params if n not in self.shared], transport, what)
+        self._reduce([n for n in runner.graph.params if n not in self.shared], transport, what, grad_key(stage))
 
     def shared_params(self, transport: Transport, what: str) -> None:
         """Sum the gradients of parameters used by several stages (tied weights) over all copies."""

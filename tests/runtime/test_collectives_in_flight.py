@@ -1,0 +1,68 @@
+"""Collectives left in flight (fxkfac/runtime/p2p.py, [Note: collectives in flight]): a deferred result is applied
+only when its key is settled, in the order deferred, and a wait that never ends becomes an error naming the op."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import torch
+
+from fxkfac.runtime.p2p import TagSpace, Transport
+from tests.support.distributed import run_distributed
+
+
+def _transport(rank: int, world: int, seconds: float = 30.0) -> Transport:
+    return Transport(rank, world, TagSpace(1, 1, 1), timedelta(seconds=seconds))
+
+
+def _settle_in_order(rank: int, world: int) -> dict:
+    transport = _transport(rank, world)
+    applied: list[tuple[str, list[float]]] = []
+    summed = torch.full((3,), float(rank + 1))
+    sent = torch.full((2,), 7.0) if rank == 0 else torch.zeros(2)
+    transport.defer(("sum",), transport.start_all_reduce(summed, None, "sum"),
+                    lambda t: applied.append(("sum", t.tolist())))
+    transport.defer(("bcast",), transport.start_broadcast(sent, 0, None, "bcast"),
+                    lambda t: applied.append(("bcast", t.tolist())))
+    second = torch.full((1,), 10.0 * (rank + 1))
+    transport.defer(("sum",), transport.start_all_reduce(second, None, "sum 2"),
+                    lambda t: applied.append(("sum 2", t.tolist())))
+    before = (list(applied), transport.in_flight())
+    transport.settle(("sum",))
+    middle = (list(applied), transport.in_flight())
+    transport.settle_all()
+    return {"before": before, "middle": middle, "after": (applied, transport.in_flight())}
+
+
+def test_a_deferred_result_is_applied_when_its_key_is_settled_in_the_order_deferred() -> None:
+    results = run_distributed(_settle_in_order, 2, timeout=120)
+    assert all(r.ok for r in results), [r.traceback for r in results]
+    for r in results:
+        assert r.value["before"] == ([], [("sum",), ("bcast",)])
+        assert r.value["middle"] == ([("sum", [3.0, 3.0, 3.0]), ("sum 2", [30.0])], [("bcast",)])
+        assert r.value["after"] == ([("sum", [3.0, 3.0, 3.0]), ("sum 2", [30.0]), ("bcast", [7.0, 7.0])], [])
+
+
+def test_in_a_world_of_one_rank_a_deferred_result_is_applied_at_once() -> None:
+    transport = _transport(0, 1)
+    applied: list[list[float]] = []
+    pending = transport.start_all_reduce(torch.ones(2), None, "sum")
+    transport.defer(("sum",), pending, lambda t: applied.append(t.tolist()))
+    assert applied == [[1.0, 1.0]] and transport.in_flight() == []
+
+
+def _peer_never_joins(rank: int, world: int) -> None:
+    transport = _transport(rank, world, seconds=2.0)
+    if rank == 1:
+        time.sleep(6.0)  # never starts the all-reduce rank 0 waits for
+        return
+    transport.defer(("sum",), transport.start_all_reduce(torch.ones(2), None, "SYNC_STATS s0 layer"), lambda t: None)
+    transport.settle(("sum",))
+
+
+def test_a_deferred_collective_a_peer_never_joins_fails_at_the_reader_naming_the_op() -> None:
+    results = run_distributed(_peer_never_joins, 2, timeout=120, pg_timeout=30)
+    assert results[1].ok
+    assert results[0].error_type in ("PipelineTimeoutError", "PipelineError"), results[0]
+    assert "SYNC_STATS s0 layer" in (results[0].error or "")
