@@ -1,6 +1,7 @@
-"""The runtime of a preconditioner family: tapped stage runners and the STATS, SYNC_STATS, DECOMP, BCAST, APPLY
-handlers, on one device and on every mesh. The family (`fxkfac.preconditioner.Family`; K-FAC:
-fxkfac/kfac/family.py) supplies the math of its parts; this module owns their life cycle.
+"""The runtime of a preconditioner family: the STATS, SYNC_STATS, DECOMP, BCAST, APPLY handlers over the captures
+of tapped stage runners (fxkfac/runtime/tapped_runner.py), on one device and on every mesh. The family
+(`fxkfac.preconditioner.Family`; K-FAC: fxkfac/kfac/family.py) supplies the math of its parts; this module owns
+their life cycle.
 
 [Note: refresh semantics in the runtime] The handlers implement docs/ARCHITECTURE.md's semantics (there
 for K-FAC, whose parts are A and B) exactly, whatever step or rank a plan puts each op on (one device runs
@@ -40,20 +41,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, fx
+from torch import Tensor
 
 from fxkfac.config import KLClipScope
 from fxkfac.errors import CheckpointError, PipelineError
-from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture
 from fxkfac.planner.ir import LayerTiming, Op, OpKind
 from fxkfac.planner.strategy import LayerDistribution, grad_workers, keeps_statistics
-from fxkfac.preconditioner import Family, PiecewiseFamily, RefreshState, Source, gradient_parts
+from fxkfac.preconditioner import Family, PiecewiseFamily, RefreshState, gradient_parts
 from fxkfac.runtime.interpreter import CORE_HANDLERS, Interpreter, StepContext, local_loss, local_nonfinite
-from fxkfac.runtime.stage import StageRunner
 from fxkfac.runtime.step_end import StepEnd
 from fxkfac.runtime.sync import grad_key
+from fxkfac.runtime.tapped_runner import TappedRunner
 
-__all__ = ["TappedRunner", "StageCopies", "PreconditionerRuntime"]
+__all__ = ["StageCopies", "PreconditionerRuntime"]
 
 
 def _unit_key(name: str, part: str) -> tuple[str, str, str]:
@@ -63,101 +63,6 @@ def _unit_key(name: str, part: str) -> tuple[str, str, str]:
 
 def _ignore(_: Tensor) -> None:
     """What the root of a broadcast does with it once sent: nothing (it waits only to free the buffer)."""
-
-
-@dataclass
-class TappedRunner(StageRunner):
-    """A StageRunner whose forward/backward also capture the layers in `modes` for a family's captured parts.
-
-    `modes` (layer -> "fused" | "deferred") is set by the trainer before each step; with no modes the
-    plain stage function runs. The input capture feeds the parts `sources[Source.INPUT]`, the output-gradient
-    capture `sources[Source.OUTPUT_GRAD]`; captures wait in `captures[(layer, part, mb)]` FIFOs for STATS ops.
-    """
-
-    layers: dict[str, Any] = field(default_factory=dict)
-    sources: dict[Source, tuple[str, ...]] = field(default_factory=dict)
-    backend: str | None = None
-    modes: dict[str, str] = field(default_factory=dict)
-    captures: dict[tuple[str, str, int], deque[Tensor]] = field(default_factory=dict)
-    _variants: dict[tuple, tuple[FactorTaps, Any]] = field(default_factory=dict)
-    _probes: dict[int, dict[str, Tensor]] = field(default_factory=dict)
-
-    @classmethod
-    def wrap(cls, runner: StageRunner, layers: Mapping[str, Any], family: Family,
-             backend: str | None) -> TappedRunner:
-        """The same stage copy (same module and parameters) capturing `layers` for `family`'s parts."""
-        sources = {src: tuple(p for p in family.parts if family.source(p) is src) for src in Source}
-        return cls(runner.graph, runner.pipe, runner.module, runner.fn, runner.is_last,
-                   layers=dict(layers), sources=sources, backend=backend)
-
-    def _keep(self, name: str, source: Source, mb: int, value: Tensor) -> None:
-        """Queue a capture for every part it feeds (none: the family does not use that side)."""
-        for part in self.sources.get(source, ()):
-            self.captures.setdefault((name, part, mb), deque()).append(value)
-
-    def _variant(self) -> tuple[FactorTaps, Any]:
-        key = tuple(sorted(self.modes.items()))
-        if key not in self._variants:
-            assert isinstance(self.module, fx.GraphModule), "a stage runner's module is the split's GraphModule"
-            taps = insert_factor_capture(self.module, list(self.layers.values()), self.modes)
-            fn = taps.gm if self.backend is None else torch.compile(taps.gm, backend=self.backend, dynamic=False)
-            self._variants[key] = (taps, fn)
-        return self._variants[key]
-
-    def forward(self, mb: int, inputs: Sequence[Tensor], needs_grad: bool) -> tuple[Tensor, ...]:
-        """Run the stage on micro-batch `mb`, keeping the input captures and the output-gradient probes."""
-        if not self.modes:
-            return super().forward(mb, inputs, needs_grad)
-        taps, fn = self._variant()
-        order = sorted(taps.probes, key=taps.probes.__getitem__)
-        device = inputs[0].device if inputs else torch.device("cpu")
-        probes = [torch.zeros(taps.probe_shapes[n], device=device, requires_grad=True) for n in order]
-        leaves = [x.requires_grad_(True) if needs_grad and x.is_floating_point() else x for x in inputs]
-        outs = tuple(fn(*leaves, *probes))
-        user = outs[:taps.n_outputs]
-        self._inputs[mb] = leaves
-        self._outputs[mb] = user
-        for name, index in taps.a_outputs.items():
-            self._keep(name, Source.INPUT, mb, outs[index].detach())
-        self._probes[mb] = dict(zip(order, probes))
-        return user
-
-    def backward(self, mb: int, output_grads: Sequence[Tensor] | None) -> list[Tensor]:
-        """Backpropagate `mb`; the probes' gradients are the output-gradient captures."""
-        probes = self._probes.pop(mb, {})
-        grads = super().backward(mb, output_grads)
-        for name, probe in probes.items():
-            value = probe.grad if probe.grad is not None else torch.zeros_like(probe)
-            self._keep(name, Source.OUTPUT_GRAD, mb, value)
-        return grads
-
-    def captures_state(self) -> list[list[Any]]:
-        """The captures waiting for STATS ops: ``[[layer, part, mb, [tensors, oldest first]], ...]``."""
-        return [[layer, part, mb, list(queue)] for (layer, part, mb), queue in sorted(self.captures.items()) if queue]
-
-    def parse_captures(self, saved: Any) -> dict[tuple[str, str, int], deque[Tensor]]:
-        """`captures_state` output as capture FIFOs of this stage's layers; CheckpointError when malformed."""
-        try:
-            out = {(str(layer), str(part), int(mb)): deque(tensors) for layer, part, mb, tensors in saved}
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(f"captures of stage {self.stage} are malformed ({e!r})") from e
-        parts = {p for ps in self.sources.values() for p in ps}
-        strange = sorted({k[0] for k in out if k[0] not in self.layers or k[1] not in parts})
-        if strange or not all(isinstance(t, Tensor) for q in out.values() for t in q):
-            raise CheckpointError(f"captures of stage {self.stage} name layers it does not hold ({strange}) "
-                                  "or hold no tensors; the checkpoint was written for another split")
-        return out
-
-    def take(self, layer: str, part: str, mb: int, op: Op) -> Tensor:
-        """The oldest capture of (layer, part, mb); PipelineError when the plan consumes one never made."""
-        queue = self.captures.get((layer, part, mb))
-        if not queue:
-            raise PipelineError(f"'{op}': no capture of {part} for micro-batch {mb} (the layer was not tapped "
-                                "or its FWD/BWD has not run): the plan orders STATS wrongly for its LayerTiming")
-        value = queue.popleft()
-        if not queue:
-            del self.captures[(layer, part, mb)]
-        return value
 
 
 @dataclass(frozen=True)

@@ -41,10 +41,11 @@ from fxkfac.runtime.param_state import (
     param_names,
     parse_optimizer_state,
 )
-from fxkfac.runtime.preconditioning import PreconditionerRuntime, StageCopies, TappedRunner
+from fxkfac.runtime.preconditioning import PreconditionerRuntime, StageCopies
 from fxkfac.runtime.stage import StageRunner
 from fxkfac.runtime.step_end import StepEnd, StepLoss
 from fxkfac.runtime.sync import GradSync, holder_sets, named_groups
+from fxkfac.runtime.tapped_runner import TappedRunner
 from fxkfac.runtime.timeline import Recorder, as_timeline, gather_timelines
 from fxkfac.show import chrome_trace
 
