@@ -27,8 +27,9 @@ with the load average before and after. Prints a rich table and one JSON line.
 above split between them. fxkfac compiles on a ``(1, 2)`` mesh without a plan, with ``PlanOptions(strategy=...)``
 forced on every layer; kfac-pytorch wraps the model in DistributedDataParallel and gets the
 ``grad_worker_fraction`` of the same name: ``comm-opt`` = ``COMM_OPT`` (1), ``mem-opt`` = ``MEM_OPT`` (1/W),
-``hybrid:0.5`` = 0.5 (at W = 2 the same fraction as MEM-OPT). A barrier precedes every timed step; rank 0's
-times are reported.
+``hybrid:0.5`` = 0.5 (at W = 2 the same fraction as MEM-OPT). A timed step runs from one barrier to the next,
+the second timed, so it lasts until its slowest rank is done (rank 0's clock is reported; timing rank 0 alone
+would favour the side that gives rank 0 less work).
 
 The warm-up is 10 steps by default because an eigendecomposition's time depends on the spectrum: fxkfac's
 running average starts from the first batch's factor (rank <= 129 for the MLP's A at batch 128, full rank only
@@ -202,12 +203,14 @@ def fxkfac_dp_step(kind: str, method: str, strategy: str, capture: Capture = "fu
 
 
 def time_steps(step: Callable[[], None], n: int, sync: Callable[[], None] = lambda: None) -> list[float]:
-    """Seconds of each of n calls (``sync`` before each, untimed: a barrier across ranks)."""
+    """Seconds of each of n calls, each between two ``sync`` calls (a barrier across ranks): the one before is not
+    timed, the one after is, so a step lasts until its slowest rank is done, whichever rank that is."""
     out = []
     for _ in range(n):
         sync()
         start = time.perf_counter()
         step()
+        sync()
         out.append(time.perf_counter() - start)
     return out
 
