@@ -10,9 +10,10 @@ from fxkfac.planner.lowering import startup_programs
 from fxkfac.planner.plan import Plan, PlanMetrics, SolverStats
 from fxkfac.planner.problem import Problem, stage_groups
 from fxkfac.planner.simulate import BUSY_KINDS, utilization
+from fxkfac.planner.solution import GroupSolution, Placement, born_steps, peak_bytes, placements_of
 from fxkfac.planner.step_timeline import plain_step_time, plain_utilization, refresh_lower_bound, step_timeline
 from fxkfac.planner.stretch import Allowance, restretch
-from fxkfac.planner.window import GroupSolution, Placement, Window, born_steps, peak_bytes, placements_of
+from fxkfac.planner.window import Window
 
 __all__ = ["Attempt", "assemble", "assemble_attempt", "same_stretch"]
 

@@ -17,9 +17,10 @@ from fxkfac.planner.memory import min_memory_bytes
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.preconditioners import words_of
 from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, copies_of_stage, format_bytes, stage_groups
+from fxkfac.planner.solution import GroupSolution, fits_memory, peak_bytes
 from fxkfac.planner.step_timeline import refresh_lower_bound, step_timeline
 from fxkfac.planner.stretch import Allowance, allowance
-from fxkfac.planner.window import GroupSolution, TaskKind, fits_memory, longest_gaps, peak_bytes, too_long
+from fxkfac.planner.window import TaskKind, longest_gaps, too_long
 
 __all__ = ["OVERTIME", "Method", "Clock", "Refused", "aggregates", "attempt_plan"]
 

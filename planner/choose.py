@@ -55,10 +55,11 @@ from fxkfac.planner.joint_cpsat import solve_joint_group
 from fxkfac.planner.joint_step import least_step
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier, copies_of_stage, stage_groups
+from fxkfac.planner.solution import GroupSolution
 from fxkfac.planner.solve import TimeBox, solve
 from fxkfac.planner.strategy import COMM_OPT, LayerDistribution, Strategy, StrategyKind
 from fxkfac.planner.stretch import Allowance, allowance
-from fxkfac.planner.window import GroupSolution, grid_scale
+from fxkfac.planner.window import grid_scale
 
 __all__ = ["STEP_TIE", "rank", "best", "candidate_strategies", "candidate_problems", "mixed", "solve_with_strategy",
            "solve_joint", "solve_outer", "strategy_of"]

@@ -10,7 +10,7 @@ smaller k proven infeasible: optimal); at that k the objective is the staleness,
 Where the problem allows a stretch ([Note: stretch] in planner/window.py), each k is tried with the
 whole allowance, then the least stretch at the found k is bisected (one feasibility model per probe:
 the window's fixed work moves with the stretch), and the staleness is minimized at that stretch.
-The model stays inside this module: solutions come out as `planner.window.GroupSolution`. Every call
+The model stays inside this module: solutions come out as `planner.solution.GroupSolution`. Every call
 runs within a share of the planner's clock (`planner.budget.Meter`: CP-SAT's deterministic time by
 default, so its stopping points, and the plan, do not depend on the machine's load) and is charged to it.
 """
@@ -29,9 +29,10 @@ from ortools.sat.python import cp_model
 from fxkfac.planner.budget import MIN_CALL, Meter
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StageGroup
+from fxkfac.planner.solution import GroupSolution, fits_memory, use_offsets
 from fxkfac.planner.step_timeline import refresh_lower_bound
 from fxkfac.planner.stretch import Allowance, least_stretch, restretch, stretch_lower_bound
-from fxkfac.planner.window import GroupSolution, TaskKind, Window, fits_memory, inv_chains, too_long, use_offsets
+from fxkfac.planner.window import TaskKind, Window, inv_chains, too_long
 
 __all__ = ["solve_window", "solve_group", "refine_stretch"]
 

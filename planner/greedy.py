@@ -20,9 +20,10 @@ import time
 from fxkfac.planner.budget import Meter
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.problem import Problem, StageGroup
+from fxkfac.planner.solution import GroupSolution, use_offsets
 from fxkfac.planner.step_timeline import step_timeline
 from fxkfac.planner.stretch import Allowance, least_stretch, stretch_lower_bound
-from fxkfac.planner.window import GroupSolution, Task, TaskKind, Window, use_offsets
+from fxkfac.planner.window import Task, TaskKind, Window
 
 __all__ = ["MARGIN", "greedy_group", "greedy_window", "greedy_overhead"]
 

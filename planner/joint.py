@@ -46,9 +46,10 @@ from functools import lru_cache
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.ir import Op, OpKind
 from fxkfac.planner.problem import Problem, StageGroup, copies_of_stage, stages_on_device
+from fxkfac.planner.solution import GroupSolution, use_offsets
 from fxkfac.planner.step_timeline import base_programs, gradient_stats, step_timeline
 from fxkfac.planner.strategy import LayerDistribution, Strategy, StrategyKind, grad_workers, holding, receivers
-from fxkfac.planner.window import GroupSolution, TaskKind, Window, build_window, use_offsets
+from fxkfac.planner.window import TaskKind, Window, build_window
 
 __all__ = ["layer_options", "timeline_stages", "apply_seconds", "share_seconds", "bcast_seconds",
            "comm_slot_seconds", "held_bytes", "base_bytes", "reference_step", "step_fixed_end", "JointPlacement",

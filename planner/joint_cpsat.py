@@ -38,18 +38,10 @@ from fxkfac.planner.greedy import greedy_window
 from fxkfac.planner.joint import JointPlacement, reference_step, reference_ticks, window_at
 from fxkfac.planner.joint_step import NS, Options, literals, make_solver, ns, options_of, slot_need, static_bytes
 from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, copies_of_stage
+from fxkfac.planner.solution import GroupSolution, fits_memory, prec_steps_ready
 from fxkfac.planner.step_timeline import step_timeline
 from fxkfac.planner.stretch import stretch_lower_bound
-from fxkfac.planner.window import (
-    GroupSolution,
-    Task,
-    TaskKind,
-    Window,
-    fits_memory,
-    inv_chains,
-    prec_steps_ready,
-    too_long,
-)
+from fxkfac.planner.window import Task, TaskKind, Window, inv_chains, too_long
 
 __all__ = ["solve_joint_group"]
 
@@ -210,7 +202,7 @@ def _add_memory(v: _Joint, w: Window, options: Options) -> None:
 
 def _add_staleness(v: _Joint, w: Window) -> list[cp_model.LiteralT]:
     """use_offset(layer) = number of the window's steps whose slot starts before its decompositions and their
-    broadcasts are done (`planner.window.use_offsets`); returns the negated 'ready by step j' flags."""
+    broadcasts are done (`planner.solution.use_offsets`); returns the negated 'ready by step j' flags."""
     m = v.model
     ready: dict[str, cp_model.IntVar] = {}
     for i, task in enumerate(w.tasks):

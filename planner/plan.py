@@ -13,7 +13,7 @@ from typing import Any
 from fxkfac.planner.errors import PlanError, PlanFormatError, PlanMismatchError
 from fxkfac.planner.ir import LayerTiming, Program, format_program, parse_program
 from fxkfac.planner.problem import Problem
-from fxkfac.planner.window import Placement
+from fxkfac.planner.solution import Placement
 
 __all__ = ["SCHEMA_VERSION", "SolverStats", "PlanMetrics", "Plan"]
 

@@ -17,8 +17,8 @@ from fxkfac.planner.errors import PlanFormatError
 from fxkfac.planner.ir import PRECONDITIONER_KINDS, Op, OpKind
 from fxkfac.planner.lowering import startup_programs
 from fxkfac.planner.problem import Problem, copies_of_stage
+from fxkfac.planner.solution import born_steps
 from fxkfac.planner.step_timeline import base_programs
-from fxkfac.planner.window import born_steps
 
 if TYPE_CHECKING:
     from fxkfac.planner.plan import Plan

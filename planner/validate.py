@@ -33,7 +33,7 @@ from fxkfac.planner.strategy import COMM_OPT, keeps_statistics, receivers
 
 if TYPE_CHECKING:
     from fxkfac.planner.plan import Plan
-    from fxkfac.planner.window import Placement
+    from fxkfac.planner.solution import Placement
 
 __all__ = ["validate", "check_plan"]
 

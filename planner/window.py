@@ -1,4 +1,5 @@
-"""A refresh window of k steps on an integer time grid, the K-FAC tasks in it, and their placements.
+"""A refresh window of k steps on an integer time grid and the K-FAC tasks in it (their placements, once solved:
+planner/solution.py).
 
 [Note: time grid] Times become integer ticks. When every op time and duration of the problem is a
 whole number of 10^-e seconds (e <= 6, at most 10^7 ticks per step) the grid is exact; otherwise a
@@ -58,22 +59,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from functools import lru_cache
-from typing import Any
 
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.ir import Op, OpKind
-from fxkfac.planner.memory import activation_intervals, peak_level, static_bytes
+from fxkfac.planner.memory import activation_intervals, static_bytes
 from fxkfac.planner.problem import Problem, StageGroup, copies_of_stage, stages_on_device
 from fxkfac.planner.step_timeline import StepTimeline, early_start, prec_work, step_begins, step_timeline
 from fxkfac.planner.strategy import keeps_statistics
 
-__all__ = ["TaskKind", "Task", "PrecSlot", "Window", "Placement", "GroupSolution", "build_window", "grid_scale", "wrap",
-           "decomp_tasks", "inv_chains",
-           "placements_of", "is_refresh_op", "born_steps", "use_offsets", "prec_steps_ready", "longest_gaps",
-           "too_long", "peak_bytes", "fits_memory"]
+__all__ = ["TaskKind", "Task", "PrecSlot", "Window", "build_window", "grid_scale", "wrap", "decomp_tasks",
+           "inv_chains", "longest_gaps", "too_long"]
 
 Interval = tuple[int, int]
 
@@ -237,45 +235,6 @@ class Window:
     def refresh_slot(self, device: int, stage: int) -> int:
         """The index in `precs` of stage's APPLY slot on `device` at the refresh step (window step 0)."""
         return next(n for n, p in enumerate(self.precs) if (p.device, p.stage, p.step) == (device, stage, 0))
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where one K-FAC op runs: `device`, from `start` to `end` seconds after the refresh step
-    began; `step` in 0..2k-1 is the step of the window (k.. : the next window's early bubbles)."""
-
-    op: Op
-    device: int
-    step: int
-    start: float
-    end: float
-
-    def to_dict(self) -> dict[str, object]:
-        """JSON-able form."""
-        return {"op": str(self.op), "device": self.device, "step": self.step, "start": self.start, "end": self.end}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Placement:
-        """Inverse of `to_dict`."""
-        return cls(Op.parse(str(data["op"])), int(data["device"]), int(data["step"]),
-                   float(data["start"]), float(data["end"]))
-
-
-@dataclass(frozen=True)
-class GroupSolution:
-    """A solution for one window: task starts (absolute ticks) and devices, APPLY starts, use offsets,
-    and how it was found (method "greedy"/"cpsat", status, objective, proven lower bound on k)."""
-
-    window: Window
-    starts: tuple[int, ...]
-    devices: tuple[int, ...]
-    prec_starts: tuple[int, ...]
-    use_offset: Mapping[str, int]
-    method: str
-    status: str
-    k_lower_bound: int
-    wall_time: float = field(default=0.0, compare=False)
-    """Wall seconds it took (a measurement of this machine now: not part of equality)."""
 
 
 def _scale(times: Iterable[float], period: float, resolution: int) -> tuple[float, bool]:
@@ -514,70 +473,6 @@ def inv_chains(window: Window) -> list[list[int]]:
     return list(chains.values())
 
 
-def prec_steps_ready(window: Window, prec_starts: tuple[int, ...], stage: int, ready: int) -> int:
-    """The first step u (0..2k) whose APPLY(stage) starts, on every copy, at or after tick `ready`."""
-    k, L = window.k, window.length
-    for u in range(2 * k + 1):
-        base = L * (u // k)
-        if all(base + prec_starts[i] >= ready for i, slot in enumerate(window.precs)
-               if slot.stage == stage and slot.step == u % k):
-            return u
-    return 2 * k + 1
-
-
-def use_offsets(window: Window, starts: tuple[int, ...], prec_starts: tuple[int, ...]) -> dict[str, int]:
-    """Per layer, the step offset from which its new inverse preconditions: the first APPLY after both
-    factors' inverses (and broadcasts) are done."""
-    ready: dict[str, int] = {}
-    for task, start in zip(window.tasks, starts):
-        if task.kind in (TaskKind.INV, TaskKind.BCAST):
-            for layer, _ in task.factors:
-                ready[layer] = max(ready.get(layer, 0), start + task.ticks)
-    return {layer: prec_steps_ready(window, prec_starts, window.problem.costs.stage_of(layer), t)
-            for layer, t in ready.items()}
-
-
-def placements_of(solution: GroupSolution) -> list[Placement]:
-    """The solution's ops with device, window step and times in seconds (collectives on every member; each
-    APPLY slot's gradient STATS back to back before its APPLY)."""
-    w = solution.window
-    out: list[Placement] = []
-    for task, start, device in zip(w.tasks, solution.starts, solution.devices):
-        members = task.devices if task.kind.collective else (device,)
-        ops = tuple(replace(op, root=device) if task.kind is TaskKind.BCAST else op  # from where it was decomposed
-                    for op in task.ops)
-        for member in members:
-            out += _back_to_back(ops, task.seconds, member, w.step_of(member, start), w.seconds(start))
-    for slot, start in zip(w.precs, solution.prec_starts):
-        out += [Placement(op, slot.device, slot.step, w.seconds(start) + at, w.seconds(start) + at + secs)
-                for op, secs, at in zip(slot.ops, slot.durations, slot.offsets)]
-    return out
-
-
-def _back_to_back(ops: Iterable[Op], durations: Iterable[float], device: int, step: int, t: float) -> list[Placement]:
-    """`ops` placed one after another on `device` from `t` seconds, each for its duration."""
-    out = []
-    for op, secs in zip(ops, durations):
-        out.append(Placement(op, device, step, t, t + secs))
-        t += secs
-    return out
-
-
-def peak_bytes(window: Window, starts: tuple[int, ...], device: int) -> int:
-    """Static bytes plus the peak of activations and kept a/e on `device` over the (modular) window."""
-    kept = [(s, e, task.keep_bytes) for task, start in zip(window.tasks, starts)
-            if task.kind is TaskKind.CURV and task.devices[0] == device and task.keep_bytes
-            for s, e in wrap(task.release, start + task.ticks, window.length)]
-    return static_bytes(window.problem, device) + peak_level([*window.acts[device], *kept])
-
-
-def fits_memory(solution: GroupSolution) -> bool:
-    """Whether the solution stays within the memory budget on every device of its group."""
-    w = solution.window
-    budget = w.problem.memory_budget
-    return budget is None or all(peak_bytes(w, solution.starts, d) <= budget for d in w.group.devices)
-
-
 def longest_gaps(window: Window) -> dict[int, int]:
     """Per device, the longest free stretch (ticks) between fixed work, cyclically, APPLY ignored."""
     out = {}
@@ -601,22 +496,3 @@ def too_long(window: Window) -> list[str]:
             out.append(f"{task.name} takes {window.seconds(task.ticks):.4g} s but the longest bubble on ranks "
                        f"{list(task.devices)} is {window.seconds(room):.4g} s")
     return out
-
-
-_REFRESH_KINDS = frozenset({OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST})
-
-
-def is_refresh_op(op: Op) -> bool:
-    """Whether `op` works for one refresh (not a gradient STATS or an APPLY, which run at every step from step 0)."""
-    return op.kind in _REFRESH_KINDS and not (op.kind is OpKind.STATS and op.mb is None)
-
-
-def born_steps(placements: Iterable[Placement]) -> dict[int, dict[Op, int]]:
-    """Per device, each refresh op's latest window step: from that global step on its refresh exists
-    (see `planner.lowering.startup_programs`); per-step ops are not listed (they run from step 0)."""
-    born: dict[int, dict[Op, int]] = {}
-    for p in placements:
-        if is_refresh_op(p.op):
-            mine = born.setdefault(p.device, {})
-            mine[p.op] = max(mine.get(p.op, 0), p.step)
-    return born

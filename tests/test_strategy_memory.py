@@ -16,7 +16,7 @@ period 2, use_offset 2). The accounting is therefore an upper bound, met within 
 layer's next decomposition is made before APPLY uses any) and by any plan whose refreshes coincide; a plan that
 staggers its layers' refreshes peaks lower, so planned runs are checked to lie between the bound and the state
 with one decomposition per layer. The exact peak of a staggered plan needs the window's own events (from a
-layer's DECOMP to its use, as `planner.window.peak_bytes` does for deferred captures).
+layer's DECOMP to its use, as `planner.solution.peak_bytes` does for deferred captures).
 
 The BCAST_PREC buffer is transient: the runtime packs one layer's gradient, broadcasts it along the row and the
 receivers' copy replaces their own gradient, so nothing of it is held across steps; `static_bytes` counts one

@@ -24,10 +24,10 @@ from fxkfac.planner.plan import Plan, PlanMetrics, SolverStats
 from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.schedules import num_stages
 from fxkfac.planner.simulate import simulate
+from fxkfac.planner.solution import Placement
 from fxkfac.planner.solve import solve
 from fxkfac.planner.step_timeline import plain_step_time, step_timeline
 from fxkfac.planner.validate import validate
-from fxkfac.planner.window import Placement
 from tests.planner.kfac_cases import gradient_layer
 
 FAST = SolverConfig(time_limit_s=3.0, num_workers=2)

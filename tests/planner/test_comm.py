@@ -28,10 +28,10 @@ from fxkfac.planner.ir import Op, OpKind
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.profiles import load_cost_table
+from fxkfac.planner.solution import Placement
 from fxkfac.planner.solve import solve
 from fxkfac.planner.step_timeline import plain_step_time, stage_comm, step_timeline
 from fxkfac.planner.validate import validate
-from fxkfac.planner.window import Placement
 
 A, B = 2e-5, 1e-9  # 20 us per step, 1 GB/s
 LINK = AlphaBeta(A, B)

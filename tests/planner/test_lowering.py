@@ -10,7 +10,7 @@ from fxkfac.planner.ir import LayerTiming, Op, OpKind, ops_at
 from fxkfac.planner.lowering import Assignment, add_send_recv, expand_dp, kfac_tail, startup_programs
 from fxkfac.planner.schedules import schedule_programs
 from fxkfac.planner.simulate import COMPUTE_KINDS, simulate
-from fxkfac.planner.window import born_steps
+from fxkfac.planner.solution import born_steps
 
 
 def _ops(lines: str) -> list[Op]:
