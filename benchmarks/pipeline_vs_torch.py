@@ -7,6 +7,7 @@ schedule's: the planner's simulation of the same program with the measured mean 
 the optimizer step), and the closed form (D-1)/(N+D-1) (F and B alone).
 
 Run: python benchmarks/pipeline_vs_torch.py [--width 512] [--depth 8] [--batch 128] [--microbatches 4]
+    [--step-agreement world|copies]
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fxkfac
-from fxkfac.config import PipelineOptions
+from fxkfac.config import PipelineOptions, StepAgreement
 from fxkfac.launch import free_port
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.lowering import rank_programs
@@ -126,7 +127,8 @@ def _fxkfac_trainer(args: argparse.Namespace, schedule: str, example: torch.Tens
                           loss_fn=lambda out, y: F.cross_entropy(out, y),
                           optimizer=lambda p: torch.optim.SGD(p, lr=0.01), kfac=None, schedule=schedule,
                           microbatches=args.microbatches, backend=None,
-                          pipeline=PipelineOptions(record_timeline=True))
+                          pipeline=PipelineOptions(record_timeline=True,
+                                                   step_agreement=StepAgreement(args.step_agreement)))
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
@@ -166,7 +168,8 @@ def _report(rows: list[dict], args: argparse.Namespace) -> None:
     from rich.table import Table
 
     table = Table(title=f"fxkfac vs torch.distributed.pipelining (D={D}, N={args.microbatches}, "
-                        f"MLP {args.depth}x{args.width}, batch {args.batch}, 1 thread/rank)")
+                        f"MLP {args.depth}x{args.width}, batch {args.batch}, 1 thread/rank, step agreement "
+                        f"{args.step_agreement})")
     for col in ("schedule", "fxkfac s/step", "torch s/step", "throughput ratio", "bubble measured (r0, r1)",
                 "bubble simulated (r0, r1)", "(D-1)/(N+D-1)"):
         table.add_column(col)
@@ -187,6 +190,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--step-agreement", choices=[a.value for a in StepAgreement], default="world",
+                        help="world: a world all-reduce of the NaN/Inf flag and the loss ends every fxkfac step; "
+                             "copies: each stage decides alone and the loss is summed in flight (torch's schedule "
+                             "checks nothing and sums no loss)")
     args = parser.parse_args()
     port = free_port()
     out_path = os.path.join(tempfile.mkdtemp(), "rows.json")

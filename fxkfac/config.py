@@ -10,7 +10,7 @@ from fxkfac.errors import ConfigError
 from fxkfac.planner.strategy import Strategy, parse_strategy
 
 __all__ = ["KFACConfig", "KLClipScope", "PipelineOptions", "PlanOptions", "PROFILE_MARGIN", "SplitInverse",
-           "SplitMethod"]
+           "SplitMethod", "StepAgreement"]
 
 
 class KLClipScope(StrEnum):
@@ -24,6 +24,18 @@ class KLClipScope(StrEnum):
     STALE = "stale"
     """One nu over every layer, from the last step's sum (its world all-reduce overlaps this step); the first
     step of a run, which has no last step, uses its own sum as GLOBAL does."""
+
+
+class StepAgreement(StrEnum):
+    """Which ranks agree on skipping a step whose loss or gradients hold NaN/Inf, in a run without a
+    preconditioner (a preconditioner's run ends its steps as its KL-clip scope says: `KLClipScope`)."""
+
+    WORLD = "world"
+    """Every rank: one world all-reduce of the NaN/Inf flag and the loss ends every step."""
+    COPIES = "copies"
+    """Each agreement set (the ranks linked by holding copies of one parameter) agrees by itself: no world
+    barrier ends a step, and `step()` returns a StepLoss summed in flight. Every copy of a parameter steps or
+    skips together; two sets may decide differently ([Note: KL-clip scope] in fxkfac/runtime/step_end.py)."""
 
 
 class SplitMethod(StrEnum):
@@ -140,6 +152,9 @@ class PipelineOptions:
     progress: bool = False
     """Show step, loss and steps/s on rank 0 after every step: a rich bar when stdout is a terminal, else a log
     line (logger ``fxkfac.progress``) on the first step and every 10 s (fxkfac/progress.py)."""
+    step_agreement: StepAgreement = StepAgreement.WORLD
+    """Without a preconditioner: whether a world all-reduce ends every step (WORLD) or each agreement set decides
+    alone (COPIES). With one, `KFACConfig.kl_clip_scope` decides and this must stay WORLD."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.virtual_stages, int) and self.virtual_stages >= 1):
@@ -150,6 +165,9 @@ class PipelineOptions:
             raise ConfigError(f"PipelineOptions.max_skipped_steps must be >= 0 or None, got {self.max_skipped_steps!r}")
         if not isinstance(self.progress, bool):
             raise ConfigError(f"PipelineOptions.progress must be True or False, got {self.progress!r}")
+        if not isinstance(self.step_agreement, StepAgreement):
+            raise ConfigError(f"PipelineOptions.step_agreement must be a StepAgreement "
+                              f"({', '.join(m.name for m in StepAgreement)}), got {self.step_agreement!r}")
 
 
 PROFILE_MARGIN = 1.2

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 import fxkfac
 from fxkfac.capture import capture
-from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
+from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions, StepAgreement
 from fxkfac.errors import CaptureError, CheckpointError, ConfigError, NonFiniteError
 from fxkfac.runtime.trainer import Trainer
 from tests.support.models import mlp, tiny_bert, token_batch
@@ -213,3 +213,16 @@ def test_repeated_nan_steps_stop_with_nonfinite_error() -> None:
 def test_plan_options_refuse_values_no_plan_can_use(field: str, value: object, expected: str) -> None:
     with pytest.raises(ConfigError, match=expected):
         PlanOptions(**{field: value})  # type: ignore[arg-type]  # the wrong types are the point
+
+
+def test_step_agreement_is_checked_and_left_to_the_kl_clip_scope_under_a_preconditioner() -> None:
+    with pytest.raises(ConfigError, match="StepAgreement"):
+        PipelineOptions(step_agreement="copies")  # type: ignore[arg-type]  # a string where the enum belongs
+    x = torch.randn(8, 12)
+    copies = PipelineOptions(step_agreement=StepAgreement.COPIES)
+    with pytest.raises(ConfigError, match="kl_clip_scope"):
+        fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, kfac=KFACConfig(), pipeline=copies,
+                       backend=None)
+    trainer = fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, kfac=None, pipeline=copies,
+                             backend=None)
+    assert isinstance(trainer.step((x,), torch.randn(8, 5)), float)  # one device: nothing to sum in flight

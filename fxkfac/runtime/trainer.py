@@ -21,17 +21,17 @@ from torch.utils import _pytree as pytree
 
 from fxkfac.capture import Captured, input_signature, normalize_inputs
 from fxkfac.checkpoint import Checkpointing, digest
-from fxkfac.config import KLClipScope, PipelineOptions
+from fxkfac.config import KLClipScope, PipelineOptions, StepAgreement
 from fxkfac.errors import CheckpointError, ConfigError, NonFiniteError
 from fxkfac.passes.split_stages import SplitResult
-from fxkfac.planner.ir import LayerTiming, Op, Programs, ops_at
+from fxkfac.planner.ir import LayerTiming, Op, OpKind, Programs, ops_at
 from fxkfac.planner.lowering import ranks_of_stages
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.schedules import ScheduleKind, stages_of_rank
 from fxkfac.planner.strategy import LayerDistribution
 from fxkfac.preconditioner import Family, RefreshState, gradient_parts
 from fxkfac.progress import Display, training_progress
-from fxkfac.runtime.interpreter import Interpreter, StepContext, local_loss
+from fxkfac.runtime.interpreter import CORE_HANDLERS, Interpreter, StepContext, local_loss, local_nonfinite
 from fxkfac.runtime.mesh import MeshLayout
 from fxkfac.runtime.p2p import TagSpace, Transport
 from fxkfac.runtime.param_state import (
@@ -159,7 +159,10 @@ class Trainer(Checkpointing):
                                    spec.split.shared_params, list(self.runners.values()))
         self.sync.broadcast_weights(self.transport)
         self.interpreter = Interpreter()
+        self.step_end = self._step_end()
         self.preconditioning = self._preconditioning(holders, backend) if spec.units else None
+        if not spec.units and self.step_end.barrier_free:
+            self.interpreter.register(OpKind.OPT_STEP, self._agreed_opt_step)
         params = [p for r in self.runners.values() for p in r.module.parameters()]
         self.optimizer = optimizer(params) if params else None  # a stage of only activations holds none
         _check_base(self.optimizer, spec.family if spec.units else None)
@@ -186,13 +189,33 @@ class Trainer(Checkpointing):
         groups = {s: StageCopies(holders[s], self.sync.group_of(holders[s])) for s in local}
         mine = {n: spec.units[n] for s in local for n in spec.stage_units[s]}
         subgroups = named_groups([spec.programs, spec.startup], self.layout.rank, self.layout.world_size)
-        scope = getattr(spec.family, "kl_clip_scope", KLClipScope.GLOBAL)  # K-FAC's option; others clip globally
-        step_end = StepEnd.build(scope, self.transport, self.sync.holders.values(), len(spec.split.stages))
         runtime = PreconditionerRuntime(spec.family, mine, {n: stage_of[n] for n in mine}, self.timings, groups,
                                         self.layout.rank, spec.N * self.layout.W, spec.global_batch,
-                                        spec.distributions, subgroups, step_end)
+                                        spec.distributions, subgroups, self.step_end)
         runtime.install(self.interpreter)
         return runtime
+
+    def _step_end(self) -> StepEnd:
+        """How this rank's steps end: with a preconditioner as its KL-clip scope says (K-FAC's option; other
+        families clip globally), without one as `PipelineOptions.step_agreement` says (COPIES: over the agreement
+        set, as the STAGE scope with nothing to clip). Collective: makes the process groups it needs."""
+        agreement = self.options.step_agreement
+        if self.spec.units and agreement is not StepAgreement.WORLD:
+            raise ConfigError(f"PipelineOptions.step_agreement={agreement.name} is for runs without a "
+                              "preconditioner; with one, KFACConfig.kl_clip_scope (stage or stale) ends a step "
+                              "without a world barrier")
+        if self.spec.units:
+            scope = getattr(self.spec.family, "kl_clip_scope", KLClipScope.GLOBAL)
+        else:
+            scope = KLClipScope.STAGE if agreement is StepAgreement.COPIES else KLClipScope.GLOBAL
+        return StepEnd.build(scope, self.transport, self.sync.holders.values(), len(self.spec.split.stages))
+
+    def _agreed_opt_step(self, ctx: StepContext, op: Op) -> None:
+        """OPT_STEP without a preconditioner under `StepAgreement.COPIES`: the agreement set's verdict on skipping
+        (the loss is summed in flight: `_loss`), then the core OPT_STEP."""
+        ctx.transport.settle_all()
+        ctx.skipped = self.step_end.finish({}, local_nonfinite(ctx), local_loss(ctx), 0.0, None).skip
+        CORE_HANDLERS[OpKind.OPT_STEP](ctx, op)
 
     @property
     def layer_states(self) -> dict[str, RefreshState]:
@@ -213,7 +236,8 @@ class Trainer(Checkpointing):
 
     def step(self, inputs: Any, targets: Any) -> float | StepLoss:
         """One optimizer step over one global mini-batch; returns the step loss (the same on every rank): a float,
-        or under KLClipScope STAGE or STALE on a mesh a StepLoss, which waits for the loss's world sum when read."""
+        or on a mesh whose steps end without a world barrier (KLClipScope STAGE or STALE; without a preconditioner,
+        StepAgreement.COPIES) a StepLoss, which waits for the loss's world sum when read."""
         inputs = normalize_inputs(inputs)
         self._check_inputs(inputs)
         spec, W, dp = self.spec, self.layout.W, self.layout.dp
@@ -246,9 +270,8 @@ class Trainer(Checkpointing):
         fxkfac/runtime/step_end.py)."""
         if ctx.loss is not None:
             return ctx.loss
-        assert self.preconditioning is not None and self.preconditioning.step_end is not None, \
-            "only a barrier-free KL-clip scope ends a step without the world all-reduce that sums the loss"
-        return self.preconditioning.step_end.loss(local_loss(ctx))
+        assert self.step_end.barrier_free, "only a barrier-free step end leaves the loss to be summed here"
+        return self.step_end.loss(local_loss(ctx))
 
     def _skip(self) -> None:
         """Count a skipped step; NonFiniteError when more than `max_skipped_steps` were skipped in a row."""

@@ -11,10 +11,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import fxkfac
-from fxkfac.config import PipelineOptions
+from fxkfac.config import PipelineOptions, StepAgreement
+from fxkfac.runtime.step_end import StepLoss
 from tests.support import models
 
-__all__ = ["Config", "make_model", "make_batches", "make_optimizer", "loss_for", "reference_params",
+__all__ = ["Config", "make_model", "make_batches", "make_optimizer", "loss_for", "reference_run",
            "parity_worker", "failure_worker", "timeline_worker"]
 
 STEPS = 3
@@ -22,7 +23,8 @@ STEPS = 3
 
 @dataclass(frozen=True)
 class Config:
-    """One pipelined run: schedule, D stages, N micro-batches, W replicas, model and optimizer names."""
+    """One pipelined run: schedule, D stages, N micro-batches, W replicas, model and optimizer names, virtual
+    stages, and which ranks agree on a step's end."""
 
     schedule: str
     D: int
@@ -31,6 +33,7 @@ class Config:
     model: str
     opt: str
     v: int = 1
+    agreement: StepAgreement = StepAgreement.WORLD
 
     @property
     def batch(self) -> int:
@@ -80,16 +83,19 @@ def make_optimizer(name: str):
     return lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01, eps=1e-6)
 
 
-def reference_params(cfg: Config) -> dict[str, torch.Tensor]:
-    """Plain single-process training of the eager model on the same mini-batches."""
+def reference_run(cfg: Config) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Plain single-process training of the eager model on the same mini-batches: its parameters and losses."""
     model = make_model(cfg.model)
     opt = make_optimizer(cfg.opt)(list(model.parameters()))
     loss_fn = loss_for(cfg.model)
+    losses = []
     for x, y in make_batches(cfg):
-        loss_fn(model(x), y).backward()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        losses.append(float(loss.detach()))
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
 
 
 def parity_worker(rank: int, world: int, configs: list[Config]) -> list[dict]:
@@ -101,10 +107,13 @@ def parity_worker(rank: int, world: int, configs: list[Config]) -> list[dict]:
         trainer = fxkfac.compile(make_model(cfg.model), (cfg.D, cfg.W), None, example_inputs=(batches[0][0],),
                                  loss_fn=loss_for(cfg.model), optimizer=make_optimizer(cfg.opt), kfac=None,
                                  schedule=cfg.schedule, microbatches=cfg.N, backend=None,
-                                 pipeline=PipelineOptions(virtual_stages=cfg.v, timeout=60))
-        losses = [trainer.step(x, y) for x, y in batches]
+                                 pipeline=PipelineOptions(virtual_stages=cfg.v, timeout=60,
+                                                          step_agreement=cfg.agreement))
+        returned = [trainer.step(x, y) for x, y in batches]
         params = {n: p.detach().clone() for n, p in trainer.named_parameters()}
-        results.append({"params": params, "losses": losses, "aliases": trainer.spec.split.param_aliases})
+        results.append({"params": params, "losses": [float(loss) for loss in returned],
+                        "summed_in_flight": [isinstance(loss, StepLoss) for loss in returned],
+                        "aliases": trainer.spec.split.param_aliases})
         dist.barrier()
     return results
 
