@@ -91,7 +91,8 @@ def explain_plan_comm(plan: Plan, console: Console) -> None:
         per_stage.append(stage_comm(problem, s).per_step(period))
     shown = "  ".join(f"s{s} {t * 1e3:.3f}" for s, t in enumerate(per_stage))
     console.print(f"Collectives of the plan per step (ms, at each stage's refresh period): {shown}; "
-                  f"{sum(per_stage) * 1e3:.3f} in all", markup=False, highlight=False)
+                  f"{sum(per_stage) * 1e3:.3f} in all (priced as holding their ranks; at run time each runs in "
+                  "flight until the first op that reads its result)", markup=False, highlight=False)
 
 
 def explain_choice(choice: BlockChoice, console: Console) -> None:
