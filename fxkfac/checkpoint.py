@@ -62,19 +62,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    StorageMeta,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
+from fxkfac.checkpoint_files import JsonMetadataReader, JsonMetadataWriter, read_json, read_tensor_metadata, write_json
 from fxkfac.errors import CheckpointError
 from fxkfac.reshard import LOCAL_SECTIONS, LoadKind, check_run, in_flight_refusal, layout_changes, resharded_state
 
@@ -88,7 +78,6 @@ VERSION = 2
 """2: global keys for every holder's state and ``units`` in the header, so a checkpoint follows the state."""
 HEADER = "fxkfac.json"
 PLAN = "plan.json"
-DCP_METADATA = ".metadata.json"
 _TENSOR = "__tensor__"
 _ITEMS = "__items__"
 
@@ -187,103 +176,7 @@ def digest(obj: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-# --- DCP with JSON metadata ---------------------------------------------------------------------------
-
-
-def _metadata_to_json(md: Metadata) -> dict[str, Any]:
-    tensors = {}
-    for key, item in md.state_dict_metadata.items():
-        if not isinstance(item, TensorStorageMetadata):
-            raise AssertionError(f"checkpoint entry {key!r} is not a tensor; non-tensor state goes to JSON")
-        tensors[key] = {"dtype": str(item.properties.dtype).removeprefix("torch."), "size": list(item.size),
-                        "chunks": [[list(c.offsets), list(c.sizes)] for c in item.chunks]}
-    storage = [{"fqn": idx.fqn, "offset": list(idx.offset or []), "index": idx.index, "path": info.relative_path,
-                "start": info.offset, "length": info.length, "transforms": list(info.transform_descriptors or [])}
-               for idx, info in md.storage_data.items()]
-    return {"version": md.version, "tensors": tensors, "storage": storage}
-
-
-def _dtype(name: Any) -> torch.dtype:
-    value = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return value
-
-
-def _safe_file(name: Any) -> str:
-    if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", ".."):
-        raise ValueError(f"storage file {name!r} is not a plain file name")
-    return name
-
-
-def _metadata_from_json(data: Any) -> Metadata:
-    """DCP Metadata from `_metadata_to_json`'s output; ValueError/KeyError/TypeError when malformed."""
-    tensors: dict[str, TensorStorageMetadata | BytesStorageMetadata]
-    tensors = {key: TensorStorageMetadata(TensorProperties(dtype=_dtype(t["dtype"])), torch.Size(t["size"]),
-                                          [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in t["chunks"]])
-               for key, t in data["tensors"].items()}
-    storage = {MetadataIndex(s["fqn"], s["offset"], s["index"]):
-               _StorageInfo(_safe_file(s["path"]), int(s["start"]), int(s["length"]), list(s["transforms"]) or None)
-               for s in data["storage"]}
-    return Metadata(tensors, planner_data=None, storage_data=storage, storage_meta=StorageMeta(),
-                    version=data.get("version"))
-
-
-class _JsonMetadataWriter(FileSystemWriter):
-    """DCP's file writer with the global metadata written as JSON (``.metadata.json``) instead of a pickle."""
-
-    def finish(self, metadata: Metadata, results: list) -> None:
-        metadata.storage_data = {wr.index: wr.storage_data for wr_list in results for wr in wr_list}
-        _write_json(Path(self.path) / DCP_METADATA, _metadata_to_json(metadata))
-
-
-class _JsonMetadataReader(FileSystemReader):
-    """DCP's file reader taking the metadata from ``.metadata.json`` (tensor files: torch.load(weights_only=True))."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return read_tensor_metadata(Path(self.path))
-
-
-def read_tensor_metadata(path: Path) -> Metadata:
-    """The DCP metadata of checkpoint ``path``; CheckpointError when it is missing or corrupt."""
-    data = _read_json(path / DCP_METADATA, "tensor metadata")
-    try:
-        return _metadata_from_json(data)
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"the tensor metadata {path / DCP_METADATA} is corrupt ({e!r}); "
-                              "restore the checkpoint from a copy or resume from an older one") from e
-
-
-# --- files, barriers, agreement -------------------------------------------------------------------------
-
-
-def _write_json(path: Path, data: Any) -> None:
-    with open(path, "w") as f:
-        json.dump(data, f, separators=(",", ":"))
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _read_json(path: Path, what: str) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError as e:
-        raise CheckpointError(f"{path} is missing: {_where_is_it(path.parent)}") from e
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"the {what} {path} is unreadable or corrupt ({e}); restore the checkpoint from a "
-                              "copy or resume from an older one") from e
-
-
-def _where_is_it(path: Path) -> str:
-    """Why a checkpoint directory lacks a file, and where a complete one may be."""
-    if not path.is_dir():
-        older = sorted(path.parent.glob(f"{path.name}.old-*"))
-        if older:
-            return (f"no checkpoint at {path}, but a save into it was interrupted after the previous checkpoint "
-                    f"was moved to {older[-1]}: load that one")
-        return f"no checkpoint directory at {path}"
-    return (f"{path} is not a complete fxkfac checkpoint (a save was interrupted, or it was written by "
-            "another tool); load a directory that save() finished")
+# --- barriers, agreement -------------------------------------------------------------------------------
 
 
 def _rank_world() -> tuple[int, int]:
@@ -403,9 +296,9 @@ def save(trainer: Checkpointable, path: str | os.PathLike) -> Path:
     _barrier(trainer, f"saving checkpoint {path}")
     try:
         with _one_process_quietly():
-            dcp.save(tensors, storage_writer=_JsonMetadataWriter(tmp), no_dist=world == 1,
+            dcp.save(tensors, storage_writer=JsonMetadataWriter(tmp), no_dist=world == 1,
                      planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
-        _write_json(tmp / f"rank-{rank}.json", {"rank": rank, "state": skeleton})
+        write_json(tmp / f"rank-{rank}.json", {"rank": rank, "state": skeleton})
     except (OSError, RuntimeError, dcp.CheckpointException) as e:
         raise CheckpointError(f"rank {rank}: writing checkpoint {tmp} failed ({_cause(e)}); the checkpoint at "
                               f"{path}, if any, is untouched") from e
@@ -415,7 +308,7 @@ def save(trainer: Checkpointable, path: str | os.PathLike) -> Path:
                   "torch": torch.__version__, "run": trainer.describe_run()}
         if trainer.plan is not None:
             (tmp / PLAN).write_text(trainer.plan.to_json())
-        _write_json(tmp / HEADER, header)
+        write_json(tmp / HEADER, header)
         _move_into_place(tmp, path, step)
     _barrier(trainer, f"moving checkpoint {path} into place")
     log.info("rank %d: checkpoint of step %d saved to %s", rank, step, path)
@@ -423,7 +316,7 @@ def save(trainer: Checkpointable, path: str | os.PathLike) -> Path:
 
 
 def _read_header(path: Path) -> dict[str, Any]:
-    header = _read_json(path / HEADER, "checkpoint header")
+    header = read_json(path / HEADER, "checkpoint header")
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise CheckpointError(f"{path / HEADER} is not an fxkfac checkpoint header")
     if header.get("version") != VERSION:
@@ -446,7 +339,7 @@ def _check_sections(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
 
 def _rank_skeleton(path: Path, rank: int) -> dict[str, Any]:
     """The state skeleton saved rank `rank` wrote; CheckpointError when missing or corrupt."""
-    data = _read_json(path / f"rank-{rank}.json", f"state of rank {rank}")
+    data = read_json(path / f"rank-{rank}.json", f"state of rank {rank}")
     skeleton = data.get("state") if isinstance(data, dict) else None
     if not isinstance(skeleton, dict) or data.get("rank") != rank or "rng" not in skeleton:
         raise CheckpointError(f"{path / f'rank-{rank}.json'} is corrupt (no state of rank {rank})")
@@ -511,7 +404,7 @@ def load(trainer: Checkpointable, path: str | os.PathLike) -> None:
     skeleton, tensors = prepared  # type: ignore[misc]  # _agree raised if any rank, this one included, could not prepare
     try:
         with _one_process_quietly():
-            dcp.load(tensors, storage_reader=_JsonMetadataReader(path), no_dist=world == 1,
+            dcp.load(tensors, storage_reader=JsonMetadataReader(path), no_dist=world == 1,
                      planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
     except (OSError, RuntimeError, ValueError, dcp.CheckpointException) as e:
         raise CheckpointError(f"rank {rank}: reading the tensors of checkpoint {path} failed ({_cause(e)}); it is "

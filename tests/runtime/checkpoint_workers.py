@@ -217,7 +217,7 @@ def resume_worker(rank: int, world: int, ckpt: str, mlp_ckpt: str, single_ckpt: 
                   scratch: str) -> dict:
     """Bad checkpoints are refused with nothing changed; the step-2 checkpoint resumes; the MLP's checkpoints load
     under another plan, schedule and mesh; interrupted saves; bad constructor input; a NaN step (`nan_run`)."""
-    import fxkfac.checkpoint as checkpoint
+    import fxkfac.checkpoint_files as checkpoint_files
 
     trainer = bert_trainer()
     data = bert_batches()
@@ -251,21 +251,21 @@ def resume_worker(rank: int, world: int, ckpt: str, mlp_ckpt: str, single_ckpt: 
     trainer.save_checkpoint(again)
     saved = snapshot(trainer)
     files = _files(again)
-    write = checkpoint._JsonMetadataWriter.write_data
+    write = checkpoint_files.JsonMetadataWriter.write_data
 
     def failing_write(self: Any, plan: Any, planner: Any) -> Any:
         write(self, plan, planner)
         raise OSError("disk full (injected)")
 
     if rank == 1:
-        checkpoint._JsonMetadataWriter.write_data = failing_write  # type: ignore[method-assign]  # the test injects a failing write
+        checkpoint_files.JsonMetadataWriter.write_data = failing_write  # type: ignore[method-assign]  # the test injects a failing write
     trainer.step((data[0][0],), data[0][1])
     failed_save = None
     try:
         trainer.save_checkpoint(again)
     except Exception as e:  # the test checks the type and message
         failed_save = _error(e)
-    checkpoint._JsonMetadataWriter.write_data = write  # type: ignore[method-assign]  # the test restores the original write
+    checkpoint_files.JsonMetadataWriter.write_data = write  # type: ignore[method-assign]  # the test restores the original write
     unchanged = _files(again) == files
     leftovers = sorted(p.name for p in Path(scratch).iterdir() if p.name.startswith("again."))
     trainer.load_checkpoint(again)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxkfac import checkpoint
+from fxkfac import checkpoint, checkpoint_files
 from fxkfac.capture import capture
 from fxkfac.errors import CheckpointError
 from fxkfac.kfac.family import KFACFamily
@@ -60,13 +60,13 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: 
     trainer.save_checkpoint(str(path))
     saved = cw.snapshot(trainer)
     before = {f.name: f.read_bytes() for f in path.iterdir()}
-    write = checkpoint._JsonMetadataWriter.write_data
+    write = checkpoint_files.JsonMetadataWriter.write_data
 
     def failing_write(self, plan, planner):  # type: ignore[no-untyped-def]  # DCP's private writer signature
         write(self, plan, planner)
         raise OSError("disk full (injected)")
 
-    monkeypatch.setattr(checkpoint._JsonMetadataWriter, "write_data", failing_write)
+    monkeypatch.setattr(checkpoint_files.JsonMetadataWriter, "write_data", failing_write)
     trainer.step(*data[1])
     with pytest.raises(CheckpointError, match=r"writing checkpoint .*ckpt.tmp-2 failed .*untouched"):
         trainer.save_checkpoint(str(path))
