@@ -56,7 +56,7 @@ class Transport:
     tags: TagSpace
     timeout: timedelta
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    _pending: list[tuple[dist.Work, str]] = field(default_factory=list)
+    _sends: list[tuple[dist.Work, str]] = field(default_factory=list)
     _posted: dict[tuple, tuple[list[torch.Tensor], list[dist.Work]]] = field(default_factory=dict)
     _inflight: dict[Hashable, list[tuple[Pending, Callable[[torch.Tensor], None]]]] = field(default_factory=dict)
 
@@ -79,7 +79,7 @@ class Transport:
             tag = self.tags.tag(grad, stage, pipe, mb, index)
             work = dist.isend(tensor.detach().contiguous(), dst=peer, tag=tag)
             assert work is not None, "isend on the default group, of which this rank is a member, returns a Work"
-            self._pending.append((work, what))
+            self._sends.append((work, what))
 
     def post_recv(self, specs: Sequence[TensorSpec], peer: int, grad: bool, stage: int, pipe: int, mb: int) -> None:
         """Post the receives of one transfer now, so the data lands while this rank computes."""
@@ -149,13 +149,13 @@ class Transport:
 
     def flush(self) -> None:
         """Wait for every send started so far."""
-        pending, self._pending = self._pending, []
-        for work, what in pending:
+        sends, self._sends = self._sends, []
+        for work, what in sends:
             self.wait(work, what)
 
 
-
 def _work(work: dist.Work | None) -> dist.Work:
+    """The Work an asynchronous collective returned (typed optional by torch: None only without async_op)."""
     assert work is not None, "a collective with async_op=True on a group this rank belongs to returns a Work"
     return work
 
