@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch
 
@@ -66,3 +67,53 @@ def test_a_deferred_collective_a_peer_never_joins_fails_at_the_reader_naming_the
     assert results[1].ok
     assert results[0].error_type in ("PipelineTimeoutError", "PipelineError"), results[0]
     assert "SYNC_STATS s0 layer" in (results[0].error or "")
+
+
+def _trained_step_in_flight(rank: int, world: int) -> list[tuple[str, list]]:
+    """One K-FAC step of pure data parallelism under COMM-OPT, refresh every step, plan=None: after each op, the
+    keys still in flight on this rank."""
+    import torch.nn.functional as F
+
+    import fxkfac
+    from fxkfac.config import KFACConfig, PlanOptions
+    from tests.support.models import mlp
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
+    trainer = fxkfac.compile(mlp(), (1, world), None, example_inputs=(x,), loss_fn=F.cross_entropy,
+                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01), backend=None,
+                             kfac=KFACConfig(refresh_every=1), plan_options=PlanOptions(strategy="comm-opt"))
+    seen: list[tuple[str, list]] = []
+
+    def spied(handler: Any) -> Any:
+        def run(ctx: Any, op: Any) -> None:
+            handler(ctx, op)
+            seen.append((str(op), list(ctx.transport.in_flight())))
+        return run
+
+    for kind, handler in list(trainer.interpreter.handlers.items()):
+        trainer.interpreter.register(kind, spied(handler))
+    trainer.step((x,), y)
+    return seen
+
+
+def test_the_runtime_leaves_its_collectives_in_flight_until_a_reader_needs_them() -> None:
+    """SYNC_STATS and BCAST return with their collective in flight; the part's DECOMP, or the stage's APPLY, settles
+    it; ALLREDUCE_GRAD's sum is in flight until APPLY; nothing is in flight after OPT_STEP."""
+    results = run_distributed(_trained_step_in_flight, 2, timeout=300)
+    assert all(r.ok for r in results), [r.traceback for r in results]
+    for r in results:
+        seen = dict(r.value)
+        kinds = [op.split()[0] for op, _ in r.value]
+        assert "SYNC_STATS" in kinds and "BCAST" in kinds and "ALLREDUCE_GRAD" in kinds, kinds
+        assert ("gradients", 0) in seen["ALLREDUCE_GRAD s0"]
+        syncs = [(op, keys) for op, keys in r.value if op.startswith("SYNC_STATS")]
+        assert all(any(k[0] == "part" and k[1] == op.split()[-1] for k in keys) for op, keys in syncs), syncs
+        first_decomp = next(i for i, (op, _) in enumerate(r.value) if op.startswith("DECOMP"))
+        op, keys = r.value[first_decomp]
+        layer, part = op.split()[-1], op.split()[2]
+        assert ("part", layer, part) not in keys, f"'{op}' left its own statistics in flight: {keys}"
+        bcasts = [(op, keys) for op, keys in r.value if op.startswith("BCAST")]
+        assert all(("part", op.split()[-1], op.split()[2]) in keys for op, keys in bcasts), bcasts
+        assert seen["APPLY s0"] == [], "APPLY must settle its stage's gradients and every part of its layers"
+        assert r.value[-1] == ("OPT_STEP", [])
