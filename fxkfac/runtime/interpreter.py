@@ -19,6 +19,7 @@ from fxkfac.errors import PipelineError
 from fxkfac.planner.ir import Op, OpKind
 from fxkfac.runtime.p2p import Transport
 from fxkfac.runtime.stage import StageRunner
+from fxkfac.runtime.step_end import StepEnd
 from fxkfac.runtime.sync import GradSync
 from fxkfac.runtime.timeline import Recorder
 
@@ -44,6 +45,8 @@ class StepContext:
     out_spec: pytree.TreeSpec | None
     scale: float
     """1 / (N * W): each micro-batch's share of the step loss."""
+    step_end: StepEnd
+    """How OPT_STEP takes the verdict on skipping the step and the loss (fxkfac/runtime/step_end.py)."""
     acts: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     """Inputs waiting for FWD (stage, pipe, mb)."""
     grads: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
@@ -51,11 +54,11 @@ class StepContext:
     to_send: dict[tuple[str, Key], list[torch.Tensor]] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
     skipped: bool | None = None
-    """Set at OPT_STEP by an all-reduce (over the world, or the agreement set under a barrier-free KL-clip scope:
-    fxkfac/runtime/step_end.py): True when some rank there saw NaN/Inf loss or gradients."""
+    """Set at OPT_STEP by `step_end` (an all-reduce over the world, or over the agreement set where steps end
+    without a world barrier): True when some rank there saw NaN/Inf loss or gradients."""
     loss: float | None = None
-    """The step loss summed over the world, where OPT_STEP's world all-reduce carried it (None under a
-    barrier-free KL-clip scope: the trainer sums it without waiting)."""
+    """The step loss summed over the world, where OPT_STEP's world all-reduce carried it (None where steps end
+    without a world barrier: the trainer sums it without waiting)."""
 
     def runner(self, op: Op) -> StageRunner:
         """The local stage copy `op` runs on."""
@@ -170,15 +173,13 @@ def local_loss(ctx: StepContext) -> torch.Tensor:
 
 
 def _opt_step(ctx: StepContext, op: Op) -> None:
-    """Sum tied gradients, agree on skipping the step and sum the loss (one world all-reduce of the NaN/Inf flag
-    and the loss), step or not. Every collective still in flight is settled first."""
+    """Settle every collective still in flight, sum tied gradients, take the verdict on skipping the step and the
+    loss (`StepEnd.finish`, unless a preconditioner's OPT_STEP took it), step or not."""
     ctx.transport.settle_all()
     ctx.sync.shared_params(ctx.transport, str(op))
     if ctx.skipped is None:
-        loss = local_loss(ctx)
-        both = torch.stack([torch.tensor(float(local_nonfinite(ctx)), dtype=loss.dtype), loss])
-        ctx.transport.all_reduce(both, None, f"{op} (non-finite check and loss all-reduce)")
-        ctx.skipped, ctx.loss = bool(both[0] > 0), float(both[1])
+        verdict = ctx.step_end.finish({}, local_nonfinite(ctx), local_loss(ctx), 0.0, None)
+        ctx.skipped, ctx.loss = verdict.skip, verdict.loss
     if ctx.optimizer is not None:
         if not ctx.skipped:
             ctx.optimizer.step()

@@ -430,7 +430,7 @@ class PreconditionerRuntime:
         """Agree on skipping the step and take each KL-clip group's nu (`StepEnd.finish`: by the scope), scale the
         preconditioned gradients by it; then the core OPT_STEP, which steps unless the verdict is to skip."""
         ctx.transport.settle_all()
-        end = self.step_end or StepEnd(KLClipScope.GLOBAL, ctx.transport, (), None, None)
+        end = self.step_end or ctx.step_end
         zero = torch.zeros((), dtype=torch.float64)
         groups = range(end.groups) if self.scope is KLClipScope.STAGE else [0]
         lr = float(ctx.optimizer.param_groups[0]["lr"]) if ctx.optimizer is not None else 0.0

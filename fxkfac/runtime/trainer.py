@@ -24,14 +24,14 @@ from fxkfac.checkpoint import Checkpointing, digest
 from fxkfac.config import KLClipScope, PipelineOptions, StepAgreement
 from fxkfac.errors import CheckpointError, ConfigError, NonFiniteError
 from fxkfac.passes.split_stages import SplitResult
-from fxkfac.planner.ir import LayerTiming, Op, OpKind, Programs, ops_at
+from fxkfac.planner.ir import LayerTiming, Op, Programs, ops_at
 from fxkfac.planner.lowering import ranks_of_stages
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.schedules import ScheduleKind, stages_of_rank
 from fxkfac.planner.strategy import LayerDistribution
 from fxkfac.preconditioner import Family, RefreshState, gradient_parts
 from fxkfac.progress import Display, training_progress
-from fxkfac.runtime.interpreter import CORE_HANDLERS, Interpreter, StepContext, local_loss, local_nonfinite
+from fxkfac.runtime.interpreter import Interpreter, StepContext, local_loss
 from fxkfac.runtime.mesh import MeshLayout
 from fxkfac.runtime.p2p import TagSpace, Transport
 from fxkfac.runtime.param_state import (
@@ -161,8 +161,6 @@ class Trainer(Checkpointing):
         self.interpreter = Interpreter()
         self.step_end = self._step_end()
         self.preconditioning = self._preconditioning(holders, backend) if spec.units else None
-        if not spec.units and self.step_end.barrier_free:
-            self.interpreter.register(OpKind.OPT_STEP, self._agreed_opt_step)
         params = [p for r in self.runners.values() for p in r.module.parameters()]
         self.optimizer = optimizer(params) if params else None  # a stage of only activations holds none
         _check_base(self.optimizer, spec.family if spec.units else None)
@@ -210,13 +208,6 @@ class Trainer(Checkpointing):
             scope = KLClipScope.STAGE if agreement is StepAgreement.COPIES else KLClipScope.GLOBAL
         return StepEnd.build(scope, self.transport, self.sync.holders.values(), len(self.spec.split.stages))
 
-    def _agreed_opt_step(self, ctx: StepContext, op: Op) -> None:
-        """OPT_STEP without a preconditioner under `StepAgreement.COPIES`: the agreement set's verdict on skipping
-        (the loss is summed in flight: `_loss`), then the core OPT_STEP."""
-        ctx.transport.settle_all()
-        ctx.skipped = self.step_end.finish({}, local_nonfinite(ctx), local_loss(ctx), 0.0, None).skip
-        CORE_HANDLERS[OpKind.OPT_STEP](ctx, op)
-
     @property
     def layer_states(self) -> dict[str, RefreshState]:
         """This rank's layer states of the family by layer name (empty without a preconditioner)."""
@@ -250,7 +241,7 @@ class Trainer(Checkpointing):
             rank=self.layout.rank, step=self.steps, runners=self.runners, transport=self.transport, sync=self.sync,
             optimizer=self.optimizer, inputs=[spec.captured.flat_inputs(args) for args, _ in shards],
             targets=[t for _, t in shards], loss_fn=self.loss_fn, out_spec=spec.captured.out_spec,
-            scale=1.0 / (spec.N * W))
+            scale=1.0 / (spec.N * W), step_end=self.step_end)
         self.interpreter.run(self.ops_at(self.steps), ctx, self.timeline)
         loss = self._loss(ctx)
         if ctx.skipped:
