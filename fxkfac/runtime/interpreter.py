@@ -172,19 +172,28 @@ def local_loss(ctx: StepContext) -> torch.Tensor:
     return torch.stack(ctx.losses).sum() if ctx.losses else torch.zeros(())
 
 
-def _opt_step(ctx: StepContext, op: Op) -> None:
-    """Settle every collective still in flight, sum tied gradients, take the verdict on skipping the step and the
-    loss (`StepEnd.finish`, unless a preconditioner's OPT_STEP took it), step or not."""
+def end_gradients(ctx: StepContext, op: Op) -> None:
+    """Make this rank's gradients final: settle every collective still in flight and sum tied gradients over the
+    stages that share them, so the verdict on skipping sees the gradients the optimizer would apply."""
     ctx.transport.settle_all()
     ctx.sync.shared_params(ctx.transport, str(op))
-    if ctx.skipped is None:
-        verdict = ctx.step_end.finish({}, local_nonfinite(ctx), local_loss(ctx), 0.0, None)
-        ctx.skipped, ctx.loss = verdict.skip, verdict.loss
+
+
+def step_or_skip(ctx: StepContext) -> None:
+    """Step the optimizer unless the verdict (`ctx.skipped`) is to skip; clear gradients; send what waits."""
     if ctx.optimizer is not None:
         if not ctx.skipped:
             ctx.optimizer.step()
         ctx.optimizer.zero_grad(set_to_none=True)
     ctx.transport.flush()
+
+
+def _opt_step(ctx: StepContext, op: Op) -> None:
+    """Final gradients, the verdict on skipping the step and the loss (`StepEnd.finish`), then step or not."""
+    end_gradients(ctx, op)
+    verdict = ctx.step_end.finish({}, local_nonfinite(ctx), local_loss(ctx), 0.0, None)
+    ctx.skipped, ctx.loss = verdict.skip, verdict.loss
+    step_or_skip(ctx)
 
 
 CORE_HANDLERS: Mapping[OpKind, Handler] = {

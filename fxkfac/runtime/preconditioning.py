@@ -48,7 +48,14 @@ from fxkfac.errors import CheckpointError, PipelineError
 from fxkfac.planner.ir import LayerTiming, Op, OpKind
 from fxkfac.planner.strategy import LayerDistribution, grad_workers, keeps_statistics
 from fxkfac.preconditioner import Family, PiecewiseFamily, RefreshState, gradient_parts
-from fxkfac.runtime.interpreter import CORE_HANDLERS, Interpreter, StepContext, local_loss, local_nonfinite
+from fxkfac.runtime.interpreter import (
+    Interpreter,
+    StepContext,
+    end_gradients,
+    local_loss,
+    local_nonfinite,
+    step_or_skip,
+)
 from fxkfac.runtime.step_end import StepEnd
 from fxkfac.runtime.sync import grad_key
 from fxkfac.runtime.tapped_runner import TappedRunner
@@ -428,8 +435,9 @@ class PreconditionerRuntime:
 
     def opt_step(self, ctx: StepContext, op: Op) -> None:
         """Agree on skipping the step and take each KL-clip group's nu (`StepEnd.finish`: by the scope), scale the
-        preconditioned gradients by it; then the core OPT_STEP, which steps unless the verdict is to skip."""
-        ctx.transport.settle_all()
+        preconditioned gradients by it; then step unless the verdict is to skip. Tied gradients are summed first (as
+        the core OPT_STEP does), so a sum that overflows skips the step on every rank."""
+        end_gradients(ctx, op)
         end = self.step_end or ctx.step_end
         zero = torch.zeros((), dtype=torch.float64)
         groups = range(end.groups) if self.scope is KLClipScope.STAGE else [0]
@@ -445,7 +453,7 @@ class PreconditionerRuntime:
                     self.family.scale(members, grads, nus[group])
         self._dots = {}
         self._touched = set()
-        CORE_HANDLERS[OpKind.OPT_STEP](ctx, op)
+        step_or_skip(ctx)
 
     # --- skipped steps and checkpoints ------------------------------------------------------------
 

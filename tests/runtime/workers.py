@@ -16,7 +16,7 @@ from fxkfac.runtime.step_end import StepLoss
 from tests.support import models
 
 __all__ = ["Config", "make_model", "make_batches", "make_optimizer", "loss_for", "reference_run",
-           "parity_worker", "failure_worker", "timeline_worker"]
+           "parity_worker", "failure_worker", "timeline_worker", "tied_overflow_worker"]
 
 STEPS = 3
 
@@ -151,3 +151,33 @@ def timeline_worker(rank: int, world: int, path: str) -> dict:
     trainer.trace(path if rank == 0 else None)
     return {"local": local, "program": [str(op) for op in trainer.ops_at(0)],
             "utilization": utilization(events) if events is not None else None}
+
+
+def tied_overflow_worker(rank: int, world: int) -> dict:
+    """GPT-2 (tied wte/lm_head on stages 0 and 1), 1F1B D=2, without a preconditioner and with K-FAC on the
+    critical path. At step 1 each micro-batch's gradient of the tied weight is 1e38, so each stage's part is 2e38
+    (finite) and their sum overflows. Returns per run this rank's params before and after that step, and its
+    skipped-step count."""
+    from fxkfac.config import KFACConfig
+
+    cfg = Config("1f1b", world, 2, 1, "gpt2", "sgd")
+    batches = make_batches(cfg)
+    out = {}
+    for kfac in (None, KFACConfig()):
+        trainer = fxkfac.compile(make_model("gpt2"), (world,), None, example_inputs=(batches[0][0],),
+                                 loss_fn=loss_for("gpt2"), optimizer=make_optimizer("sgd"), kfac=kfac,
+                                 schedule="1f1b", microbatches=2, backend=None, pipeline=PipelineOptions(timeout=60))
+        tied = set(trainer.spec.split.shared_params)
+        overflow = {"on": False}
+        for runner in trainer.runners.values():
+            for name, param in runner.module.named_parameters():
+                if name in tied:
+                    param.register_hook(lambda g, o=overflow: torch.full_like(g, 1e38) if o["on"] else g)
+        trainer.step(*batches[0])
+        before = {n: p.detach().clone() for n, p in trainer.named_parameters()}
+        overflow["on"] = True
+        trainer.step(*batches[1])
+        after = {n: p.detach().clone() for n, p in trainer.named_parameters()}
+        out["kfac" if kfac else "plain"] = {"tied": sorted(tied), "before": before, "after": after,
+                                            "skipped": trainer.skipped_steps, "steps": trainer.steps}
+    return out
