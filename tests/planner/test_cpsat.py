@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from fxkfac.planner.errors import InfeasibleBudgetError, PlanError
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.memory import min_memory_bytes
-from fxkfac.planner.problem import Problem, SolverConfig
+from fxkfac.planner.problem import Problem, SolverConfig, stage_groups
 from fxkfac.planner.solve import solve
-from fxkfac.planner.step_timeline import step_timeline
+from fxkfac.planner.step_timeline import refresh_lower_bound, step_timeline
 from fxkfac.planner.validate import validate
 from tests.planner.brute_force import brute_feasible
 from tests.planner.kfac_cases import problem, problems
@@ -64,6 +64,25 @@ def test_refresh_period_is_optimal_by_brute_force(schedule: str, N: int, fwd: in
     assert validate(p, plan) == []
     assert plan.metrics.refresh_steps == tuple(_brute_period(p, s) for s in range(2))
     assert plan.metrics.solver.gap == 0.0
+
+
+@pytest.mark.parametrize("schedule,N,fwd,bwd,curv,inv", [
+    ("gpipe", 2, 1, 3, 1, 2), ("gpipe", 2, 2, 3, 2, 1), ("gpipe", 3, 1, 3, 1, 2),
+])
+def test_the_search_descends_from_greedy_to_the_least_period_and_proves_it(schedule: str, N: int, fwd: int,
+                                                                             bwd: int, curv: int, inv: int) -> None:
+    """Where greedy plans some stage above its least period and that period is above the lower bound, CP-SAT
+    descends from greedy's period to the least (by brute force) and proves it: every smaller one infeasible."""
+    p = problem(schedule, 2, N, fwd=fwd, bwd=bwd, curv=curv, inv=inv, prec=1, max_period=6)
+    least = tuple(_brute_period(p, s) for s in range(2))
+    greedy = _greedy_steps(p)
+    assert greedy is not None and any(g > k for g, k in zip(greedy, least)), (greedy, least)
+    bounds = tuple(refresh_lower_bound(p, group, frozenset()) for group in stage_groups(p))
+    assert any(b < k for b, k in zip(bounds, least)), (bounds, least)
+    plan = solve(p, FAST)
+    assert validate(p, plan) == []
+    assert plan.metrics.refresh_steps == least
+    assert plan.metrics.lower_bound_steps == least and plan.metrics.solver.status == "OPTIMAL"
 
 
 def test_cpsat_refreshes_more_often_than_greedy_where_gaps_are_tight() -> None:
