@@ -157,7 +157,7 @@ def _solve_groups(problem: Problem, fused: frozenset[str], config: SolverConfig,
         if method is Method.GREEDY or left <= 0:
             solutions.append(g if g is not None and fits_memory(g) else None)
             continue
-        from fxkfac.planner.cpsat import solve_group
+        from fxkfac.planner.group_search import solve_group
 
         if problem.memory_budget is not None:
             left /= 2  # leave time for the rounds that fuse more curvature if this one finds no fit

@@ -237,8 +237,8 @@ def _joint_plan(problem: Problem, fixed: Mapping[str, LayerDistribution], config
     chosen = anchor.with_distributions({n: d for p in placements for n, d in p.choices.items()})
     solutions = [transfer(p, chosen) for p in placements]
     if not all(solutions):
-        log.warning("joint choice: its placement is not one of %s's own windows; planning that choice itself",
-                    _words(chosen))
+        log.info("joint choice (%s): its placement does not fit that choice's own windows; planning the choice "
+                 "itself", _words(chosen))
         return _planned(chosen, config, box)
     return assemble(chosen, [s for s in solutions if s is not None], _greedy(chosen, config, box),
                     Allowance(chosen, frozenset(), allowed.scale), time.perf_counter() - began)

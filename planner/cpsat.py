@@ -1,18 +1,15 @@
 """The CP-SAT model that places K-FAC work into the bubbles of a k-step window (the only ortools user).
 
-One stage group at a time (groups share no device, so they are independent): for each k tried (down from
-greedy's period, else up from the lower bound: [Note: descending refresh search]), `_build` makes a modulo-scheduling model of the window (planner.window): every task is an
-interval at position `pos` in [0, L) with `late` telling whether it runs in the next window's early
-bubbles (absolute start = pos + late*L); NoOverlap per device with the fixed F/B work; optional
-intervals choose the inversion's device; a cumulative per device holds activations and the a/e kept
-by deferred curvature under the budget. The least k found feasible is the refresh period (optimal where
-every smaller k is proven infeasible); at that k the objective is the staleness, sum of use offsets.
-Where the problem allows a stretch ([Note: stretch] in planner/window.py), each k is tried with the
-whole allowance, then the least stretch at the found k is bisected (one feasibility model per probe:
-the window's fixed work moves with the stretch), and the staleness is minimized at that stretch.
-The model stays inside this module: solutions come out as `planner.solution.GroupSolution`. Every call
-runs within a share of the planner's clock (`planner.budget.Meter`: CP-SAT's deterministic time by
-default, so its stopping points, and the plan, do not depend on the machine's load) and is charged to it.
+One stage group at a time (groups share no device, so they are independent), at one refresh period k and
+stretch (planner/group_search.py chooses which): `_build` makes a modulo-scheduling model of the window
+(planner.window): every task is an interval at position `pos` in [0, L) with `late` telling whether it runs in
+the next window's early bubbles (absolute start = pos + late*L); NoOverlap per device with the fixed F/B work;
+optional intervals choose the inversion's device; a cumulative per device holds activations and the a/e kept
+by deferred curvature under the budget. `solve_window` finds any placement (feasibility) or the least
+staleness, the sum of use offsets. The model stays inside this module: solutions come out as
+`planner.solution.GroupSolution`. Every call runs within a share of the planner's clock (`planner.budget.Meter`:
+CP-SAT's deterministic time by default, so its stopping points, and the plan, do not depend on the machine's
+load) and is charged to it.
 """
 
 from __future__ import annotations
@@ -21,20 +18,18 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from ortools.sat.python import cp_model
 
 from fxkfac.planner.budget import MIN_CALL, Meter
 from fxkfac.planner.costs import LayerCost
-from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StageGroup
-from fxkfac.planner.solution import GroupSolution, fits_memory, use_offsets
-from fxkfac.planner.step_timeline import refresh_lower_bound
-from fxkfac.planner.stretch import Allowance, least_stretch, restretch, stretch_lower_bound
-from fxkfac.planner.window import TaskKind, Window, inv_chains, too_long
+from fxkfac.planner.problem import SolveProgress, SolverConfig
+from fxkfac.planner.solution import GroupSolution, use_offsets
+from fxkfac.planner.window import TaskKind, Window, inv_chains
 
-__all__ = ["solve_window", "solve_group", "refine_stretch"]
+__all__ = ["solve_window", "set_limits"]
 
 log = logging.getLogger(__name__)
 
@@ -394,156 +389,3 @@ def _root_broadcasts(w: Window, devices: list[int]) -> None:
     for i, task in enumerate(w.tasks):
         if task.kind is TaskKind.BCAST:
             devices[i] = inv_device[task.factors[0]]
-
-
-def solve_group(problem: Problem, group: StageGroup, fused: frozenset[str], config: SolverConfig,
-                time_limit: float, meter: Meter, greedy: GroupSolution | None = None, *, aggregate: bool = False,
-                min_k: int = 1, allowance: Allowance | None = None) -> GroupSolution | None:
-    """The smallest refresh period >= min_k for `group` (from the lower bound; never above greedy's)
-    with the whole `allowance` of stretch, then the least stretch, then the least staleness, within
-    `time_limit` of `meter`'s clock. None when no k up to max_period is found feasible in time (and no
-    greedy). With a greedy plan the search descends from it ([Note: descending refresh search])."""
-    began, wall = meter.now(), time.perf_counter()
-    allowance = allowance if allowance is not None else Allowance(problem, fused, None)
-    if greedy is not None and greedy.window.k < min_k:
-        greedy = None
-    fallback = greedy if greedy is not None and fits_memory(greedy) else None
-    lower = max(min_k, refresh_lower_bound(problem, group, fused, stretch=allowance.enabled))
-
-    def probe(k: int, share: float) -> tuple[str, GroupSolution | None]:
-        hint = restretch(greedy, allowance.ticks(k)) if greedy is not None and greedy.window.k == k else None
-        w = hint.window if hint is not None else allowance.window(group, k, allowance.ticks(k), aggregate=aggregate,
-                                                                  resolution=config.time_resolution)
-        status, found = solve_window(w, config, share, meter, hint if config.use_greedy_hint else None,
-                                     optimize=False)
-        log.info("stages %s k=%d stretch=%d: %s", list(group.stages), k, w.stretch, status)
-        return status, found
-
-    def left(fraction: float = 1.0) -> float:
-        return fraction * time_limit - (meter.now() - began)
-
-    if fallback is None:
-        found, proven = _ascend(probe, left, lower, problem.max_period)
-    else:
-        found, proven = _descend(probe, left, lower, fallback)
-    if found is None:
-        return None
-    least = True
-    if found.window.stretch > 0:
-        found, least = _least_stretch(found, allowance, config, meter, began + time_limit)
-    best = _least_stale(found, config, meter, left(), proven, least)
-    return _finish(best, best.status, proven, wall)
-
-
-Probe = Callable[[int, float], tuple[str, "GroupSolution | None"]]
-"""Solve a group's window at refresh period k within a share of the clock: (status, solution)."""
-
-
-def _ascend(probe: Probe, left: Callable[..., float], lower: int, top: int) -> tuple[GroupSolution | None, int]:
-    """The first k from `lower` up to `top` found feasible, each k given its share of the time left (an
-    undecided small k must not take the time of the larger ones), and the least k not proven infeasible."""
-    proven = lower
-    for k in range(lower, top + 1):
-        if left() <= 0:
-            break
-        status, found = probe(k, left() / (top - k + 1))
-        if status == "INFEASIBLE" and proven == k:
-            proven = k + 1
-        if found is not None:
-            return found, proven
-    return None, proven
-
-
-DESCENT_SHARE = 0.75
-"""The part of a group's time the descent below greedy's period may take; the rest minimizes staleness."""
-
-
-def _descend(probe: Probe, left: Callable[..., float], lower: int, greedy: GroupSolution) -> tuple[GroupSolution,
-                                                                                                   int]:
-    """From greedy's k down: each k one less than the last found feasible, until one is not found; where that k
-    is proven infeasible, the ks below it are checked from `lower` up, and all infeasible prove the found k least.
-
-    [Note: descending refresh search]
-    Near the least feasible k a window is tight and CP-SAT may need long to decide it; far above it one is
-    found at once. Climbing from the lower bound spends the time on the undecidable ks and may end at greedy's k
-    (BERT-Base Chimera D=4 on the paper's profiles: 8 11 11 8 in 10 s, greedy 9 11 11 9, bound 7); descending
-    from greedy's plan keeps an incumbent and spends the time improving it. A k proven least needs every smaller
-    k proven infeasible, which the climb below the failed k checks.
-    """
-    best, proven = greedy, lower
-    for k in range(greedy.window.k - 1, lower - 1, -1):
-        if left(DESCENT_SHARE) <= 0:
-            break
-        status, found = probe(k, left(DESCENT_SHARE))
-        if found is not None:
-            best = found
-            continue
-        if status == "INFEASIBLE":
-            below = _ascend_proof(probe, left, lower, k)
-            proven = k + 1 if below else lower
-        break
-    if best.window.k == lower:
-        proven = lower
-    return best, proven
-
-
-def _ascend_proof(probe: Probe, left: Callable[..., float], lower: int, k: int) -> bool:
-    """Whether every period from `lower` below `k` is proven infeasible (within the descent's time)."""
-    for j in range(lower, k):
-        if left(DESCENT_SHARE) <= 0:
-            return False
-        status, _ = probe(j, left(DESCENT_SHARE) / (k - j))
-        if status != "INFEASIBLE":
-            return False
-    return True
-
-
-def refine_stretch(found: GroupSolution, allowance: Allowance, config: SolverConfig, meter: Meter,
-                   time_limit: float) -> tuple[GroupSolution, bool]:
-    """The least stretch at found's k (bisected, CP-SAT feasibility, within `time_limit` of `meter`'s
-    clock), and whether it is proven least; `allowance` gives the grid (for errors that say what
-    max_overhead to ask for)."""
-    return _least_stretch(found, allowance, config, meter, meter.now() + 2 * time_limit)
-
-
-def _least_stretch(found: GroupSolution, allowance: Allowance, config: SolverConfig, meter: Meter,
-                   deadline: float) -> tuple[GroupSolution, bool]:
-    """Bisect the least stretch at found's k, spending at most half the time left (to `deadline` on
-    `meter`'s clock) on the probes."""
-    w = found.window
-    until = meter.now() + (deadline - meter.now()) / 2
-
-    def probe(stretch: int) -> tuple[str, GroupSolution | None]:
-        window = allowance.window(w.group, w.k, stretch, aggregate=w.aggregate, resolution=config.time_resolution)
-        if too_long(window):
-            return "INFEASIBLE", None
-        left = until - meter.now()
-        if left <= 0:
-            return "UNKNOWN", None
-        return solve_window(window, config, left / max(1, math.ceil(math.log2(stretch + 2))), meter, optimize=False)
-
-    best, least = least_stretch(found, probe, stretch_lower_bound(w))
-    log.info("stages %s k=%d: least stretch %d ticks (%s)", list(w.group.stages), w.k, best.window.stretch,
-             "proven" if least else "not proven")
-    return best, least
-
-
-def _least_stale(found: GroupSolution, config: SolverConfig, meter: Meter, left: float, proven: int,
-                 stretch_proven: bool = True) -> GroupSolution:
-    """Minimize staleness at the found k and stretch within `left` of `meter`'s clock, warm-started by
-    `found` (kept when the solver does worse); its status says whether it is proven optimal."""
-    hint = found if config.use_greedy_hint or found.method != "greedy" else None
-    status, best = solve_window(found.window, config, left, meter, hint)
-    if best is None or _staleness(found) < _staleness(best):
-        best = found
-    optimal = stretch_proven and proven == found.window.k and (status == "OPTIMAL" or _staleness(best) == 0)
-    return replace(best, status="OPTIMAL" if optimal else "FEASIBLE")
-
-
-def _staleness(solution: GroupSolution) -> int:
-    return sum(solution.use_offset.values())
-
-
-def _finish(solution: GroupSolution, status: str, proven: int, wall: float) -> GroupSolution:
-    """The group's solution with its status, proven lower bound on k and the wall seconds since `wall`."""
-    return replace(solution, status=status, k_lower_bound=proven, wall_time=time.perf_counter() - wall)

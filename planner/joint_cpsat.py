@@ -7,9 +7,9 @@ symmetry breaking are reused) with the option literals added: DECOMP's rank impl
 option's BCAST is an optional interval over its column, each stage's slot is an interval whose length the
 literals set (the stage's copies start it together when it broadcasts preconditioned gradients), and each
 device's capacity is the budget less its static bytes as the literals make them. `solve_joint_group` runs it as
-`planner.cpsat.solve_group` runs its own: the least refresh period first (every smaller one proven infeasible or
-out of time), with the whole stretch allowance, then the least stretch, then the least staleness, warm-started
-by first-fit of the anchor's distributions, whose placement is kept when CP-SAT finds none.
+`planner.group_search.solve_group` runs its own: the least refresh period first (`least_period`: down from
+first-fit's placement of the candidates, which is kept when CP-SAT finds none better), with the whole stretch
+allowance, then the least stretch, then the least staleness.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from fxkfac.planner.cpsat import (
     not_ready_flags,
 )
 from fxkfac.planner.greedy import greedy_window
+from fxkfac.planner.group_search import least_period
 from fxkfac.planner.joint import JointPlacement, reference_step, reference_ticks, window_at
 from fxkfac.planner.joint_step import NS, Options, literals, make_solver, ns, options_of, slot_need, static_bytes
 from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, copies_of_stage
@@ -397,26 +398,23 @@ def solve_joint_group(anchor: Problem, group: StageGroup, free: frozenset[int], 
         return None
     lower = _lower_k(g.window(1, g.most(1)))
     fallback = next((f for k in range(lower, anchor.max_period + 1) if (f := g.first_fit(k, g.most(k), meter))), None)
-    top = fallback.window.k if fallback is not None else anchor.max_period
-    proven = lower
-    for k in range(lower, top + 1):
-        left = time_limit - (meter.now() - began)
-        if left <= 0:
-            break
-        found = fallback if fallback is not None and fallback.window.k == k else None
-        if found is None:  # at first-fit's k, first-fit's placement is the feasible one (as `solve_group`)
-            w = g.window(k, g.most(k))
-            status, found = _solve(w, frame, config, left / (top - k + 1), meter, None, optimize=False)
-            log.info("joint stages %s k=%d step=%d ticks: %s", list(group.stages), k, w.offsets[1], status)
-            if status == "INFEASIBLE" and proven == k:
-                proven = k + 1
-        if found is None:
-            continue
-        if found.step_ticks > g.base:
-            found = _least_step(g, found, config, meter, began + time_limit)
-        best = _least_stale(g, found, config, meter, time_limit - (meter.now() - began))
-        return replace(best, k_lower_bound=proven)
-    return fallback
+
+    def probe(k: int, share: float) -> tuple[str, JointPlacement | None]:
+        w = g.window(k, g.most(k))
+        status, found = _solve(w, frame, config, share, meter, None, optimize=False)
+        log.info("joint stages %s k=%d step=%d ticks: %s", list(group.stages), k, w.offsets[1], status)
+        return status, found
+
+    def left(fraction: float) -> float:
+        return fraction * time_limit - (meter.now() - began)
+
+    found, proven = least_period(probe, left, lower, anchor.max_period, fallback)
+    if found is None:
+        return None
+    if found.step_ticks > g.base:
+        found = _least_step(g, found, config, meter, began + time_limit)
+    best = _least_stale(g, found, config, meter, left(1.0))
+    return replace(best, k_lower_bound=proven)
 
 
 def _least_step(g: _Group, found: JointPlacement, config: SolverConfig, meter: Meter,

@@ -234,7 +234,7 @@ def _overhead_estimate(problem: Problem, fused: frozenset[str], config: SolverCo
         least = found.window.stretch <= low
         left = until.left()
         if method is Method.CPSAT and not least and left > 0:
-            from fxkfac.planner.cpsat import refine_stretch
+            from fxkfac.planner.group_search import refine_stretch
 
             found, least = refine_stretch(found, grid, config, until.meter,
                                           min(until.meter.units(min(5.0, config.time_limit_s)), left / 2))

@@ -1,0 +1,212 @@
+"""One stage group's plan: the least refresh period, then the least stretch, then the least staleness.
+
+`least_period` is the period search both window models run (planner/cpsat.py for a group's fixed distributions,
+planner/joint_cpsat.py for the joint choice); `solve_group` runs it on the CP-SAT window model, from the lower
+bound (planner/step_timeline.py) and first-fit's placement (planner/greedy.py), within a share of the planner's
+clock (`planner.budget.Meter`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Protocol, TypeVar
+
+from fxkfac.planner.budget import Meter
+from fxkfac.planner.cpsat import solve_window
+from fxkfac.planner.problem import Problem, SolverConfig, StageGroup
+from fxkfac.planner.solution import GroupSolution, fits_memory
+from fxkfac.planner.step_timeline import refresh_lower_bound
+from fxkfac.planner.stretch import Allowance, least_stretch, restretch, stretch_lower_bound
+from fxkfac.planner.window import Window, too_long
+
+__all__ = ["least_period", "solve_group", "refine_stretch", "DESCENT_SHARE"]
+
+log = logging.getLogger(__name__)
+
+
+def solve_group(problem: Problem, group: StageGroup, fused: frozenset[str], config: SolverConfig,
+                time_limit: float, meter: Meter, greedy: GroupSolution | None = None, *, aggregate: bool = False,
+                min_k: int = 1, allowance: Allowance | None = None) -> GroupSolution | None:
+    """The smallest refresh period >= min_k for `group` (from the lower bound; never above greedy's)
+    with the whole `allowance` of stretch, then the least stretch, then the least staleness, within
+    `time_limit` of `meter`'s clock. None when no k up to max_period is found feasible in time (and no
+    greedy). With a greedy plan the search descends from it ([Note: descending refresh search])."""
+    began, wall = meter.now(), time.perf_counter()
+    allowance = allowance if allowance is not None else Allowance(problem, fused, None)
+    if greedy is not None and greedy.window.k < min_k:
+        greedy = None
+    fallback = greedy if greedy is not None and fits_memory(greedy) else None
+    lower = max(min_k, refresh_lower_bound(problem, group, fused, stretch=allowance.enabled))
+
+    def probe(k: int, share: float) -> tuple[str, GroupSolution | None]:
+        hint = restretch(greedy, allowance.ticks(k)) if greedy is not None and greedy.window.k == k else None
+        w = hint.window if hint is not None else allowance.window(group, k, allowance.ticks(k), aggregate=aggregate,
+                                                                  resolution=config.time_resolution)
+        status, found = solve_window(w, config, share, meter, hint if config.use_greedy_hint else None,
+                                     optimize=False)
+        log.info("stages %s k=%d stretch=%d: %s", list(group.stages), k, w.stretch, status)
+        return status, found
+
+    def left(fraction: float = 1.0) -> float:
+        return fraction * time_limit - (meter.now() - began)
+
+    found, proven = least_period(probe, left, lower, problem.max_period, fallback)
+    if found is None:
+        return None
+    least = True
+    if found.window.stretch > 0:
+        found, least = _least_stretch(found, allowance, config, meter, began + time_limit)
+    best = _least_stale(found, config, meter, left(), proven, least)
+    return _finish(best, best.status, proven, wall)
+
+
+class _Placed(Protocol):
+    @property
+    def window(self) -> Window: ...
+
+
+S = TypeVar("S", bound=_Placed)
+
+Probe = Callable[[int, float], tuple[str, S | None]]
+"""Solve a group's window at refresh period k within a share of the clock: (CP-SAT status, placement or None)."""
+Left = Callable[[float], float]
+"""The clock a search has left, of the given fraction of its time (1: all of it)."""
+
+
+def least_period(probe: Probe[S], left: Left, lower: int, top: int, incumbent: S | None) -> tuple[S | None, int]:
+    """The least refresh period found feasible from `lower` (a lower bound) to `top`, and the least period not
+    proven infeasible. Without an `incumbent` (first-fit's placement) the search climbs from `lower`; with one
+    it climbs while each k is proven infeasible (cheap proofs, in a quarter of the time), then descends from
+    the incumbent's period ([Note: descending refresh search])."""
+    if incumbent is None:
+        return _ascend(probe, left, lower, top)
+    proven = lower
+    for k in range(lower, incumbent.window.k):
+        if left(PROOF_SHARE) <= 0:
+            break
+        status, found = probe(k, left(PROOF_SHARE) / (incumbent.window.k - k))
+        if found is not None:
+            return found, k
+        if status != "INFEASIBLE":
+            break
+        proven = k + 1
+    return _descend(probe, left, proven, incumbent)
+
+
+PROOF_SHARE = 0.25
+"""The part of a group's time the climb that proves small periods infeasible may take."""
+
+
+def _ascend(probe: Probe[S], left: Left, lower: int, top: int) -> tuple[S | None, int]:
+    """The first k from `lower` up to `top` found feasible, each k given its share of the time left (an
+    undecided small k must not take the time of the larger ones), and the least k not proven infeasible."""
+    proven = lower
+    for k in range(lower, top + 1):
+        if left(1.0) <= 0:
+            break
+        status, found = probe(k, left(1.0) / (top - k + 1))
+        if status == "INFEASIBLE" and proven == k:
+            proven = k + 1
+        if found is not None:
+            return found, proven
+    return None, proven
+
+
+DESCENT_SHARE = 0.75
+"""The part of a group's time the descent below first-fit's period may take; the rest minimizes staleness."""
+
+
+def _descend(probe: Probe[S], left: Left, lower: int, incumbent: S) -> tuple[S, int]:
+    """From the incumbent's k down: each k one less than the last found feasible, until one is not found; where
+    that k is proven infeasible, the ks below it are checked from `lower` up, and all infeasible prove the found
+    k least.
+
+    [Note: descending refresh search]
+    Near the least feasible k a window is tight and CP-SAT may need long to decide it; far above it a placement
+    is found at once. Climbing from the lower bound spends the time on the undecidable ks and may end at
+    first-fit's k (BERT-Base Chimera D=4 on the paper's profiles, stale scope, 4 pieces: 8 11 11 8 in 10 s,
+    greedy 9 11 11 9, bound 7); descending from first-fit's plan keeps an incumbent and spends the time improving
+    it (8 10 10 8). A k proven least needs every smaller k proven infeasible: the climb first proves what it can
+    cheaply (it stops at the first k it cannot decide), and below a k the descent proves infeasible the ks the
+    climb left are checked.
+    """
+    best, proven = incumbent, lower
+    for k in range(incumbent.window.k - 1, lower - 1, -1):
+        if left(DESCENT_SHARE) <= 0:
+            break
+        status, found = probe(k, left(DESCENT_SHARE))
+        if found is not None:
+            best = found
+            continue
+        if status == "INFEASIBLE" and _infeasible_below(probe, left, lower, k):
+            proven = k + 1
+        break
+    if best.window.k == lower:
+        proven = lower
+    return best, proven
+
+
+def _infeasible_below(probe: Probe[S], left: Left, lower: int, k: int) -> bool:
+    """Whether every period from `lower` below `k` is proven infeasible (within the descent's time)."""
+    for j in range(lower, k):
+        if left(DESCENT_SHARE) <= 0:
+            return False
+        status, _ = probe(j, left(DESCENT_SHARE) / (k - j))
+        if status != "INFEASIBLE":
+            return False
+    return True
+
+
+def refine_stretch(found: GroupSolution, allowance: Allowance, config: SolverConfig, meter: Meter,
+                   time_limit: float) -> tuple[GroupSolution, bool]:
+    """The least stretch at found's k (bisected, CP-SAT feasibility, within `time_limit` of `meter`'s
+    clock), and whether it is proven least; `allowance` gives the grid (for errors that say what
+    max_overhead to ask for)."""
+    return _least_stretch(found, allowance, config, meter, meter.now() + 2 * time_limit)
+
+
+def _least_stretch(found: GroupSolution, allowance: Allowance, config: SolverConfig, meter: Meter,
+                   deadline: float) -> tuple[GroupSolution, bool]:
+    """Bisect the least stretch at found's k, spending at most half the time left (to `deadline` on
+    `meter`'s clock) on the probes."""
+    w = found.window
+    until = meter.now() + (deadline - meter.now()) / 2
+
+    def probe(stretch: int) -> tuple[str, GroupSolution | None]:
+        window = allowance.window(w.group, w.k, stretch, aggregate=w.aggregate, resolution=config.time_resolution)
+        if too_long(window):
+            return "INFEASIBLE", None
+        left = until - meter.now()
+        if left <= 0:
+            return "UNKNOWN", None
+        return solve_window(window, config, left / max(1, math.ceil(math.log2(stretch + 2))), meter, optimize=False)
+
+    best, least = least_stretch(found, probe, stretch_lower_bound(w))
+    log.info("stages %s k=%d: least stretch %d ticks (%s)", list(w.group.stages), w.k, best.window.stretch,
+             "proven" if least else "not proven")
+    return best, least
+
+
+def _least_stale(found: GroupSolution, config: SolverConfig, meter: Meter, left: float, proven: int,
+                 stretch_proven: bool = True) -> GroupSolution:
+    """Minimize staleness at the found k and stretch within `left` of `meter`'s clock, warm-started by
+    `found` (kept when the solver does worse); its status says whether it is proven optimal."""
+    hint = found if config.use_greedy_hint or found.method != "greedy" else None
+    status, best = solve_window(found.window, config, left, meter, hint)
+    if best is None or _staleness(found) < _staleness(best):
+        best = found
+    optimal = stretch_proven and proven == found.window.k and (status == "OPTIMAL" or _staleness(best) == 0)
+    return replace(best, status="OPTIMAL" if optimal else "FEASIBLE")
+
+
+def _staleness(solution: GroupSolution) -> int:
+    return sum(solution.use_offset.values())
+
+
+def _finish(solution: GroupSolution, status: str, proven: int, wall: float) -> GroupSolution:
+    """The group's solution with its status, proven lower bound on k and the wall seconds since `wall`."""
+    return replace(solution, status=status, k_lower_bound=proven, wall_time=time.perf_counter() - wall)
