@@ -292,7 +292,7 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """The schedule, the TinyBert model and the rounds both overhead benchmarks run (`_model`, `spawn_and_report`)."""
-    parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
+    parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "chimera"))
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--ffn", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)
