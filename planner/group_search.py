@@ -23,7 +23,7 @@ from fxkfac.planner.step_timeline import refresh_lower_bound
 from fxkfac.planner.stretch import Allowance, least_stretch, restretch, stretch_lower_bound
 from fxkfac.planner.window import Window, too_long
 
-__all__ = ["least_period", "solve_group", "refine_stretch", "DESCENT_SHARE"]
+__all__ = ["least_period", "solve_group", "refine_stretch"]
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,8 @@ def solve_group(problem: Problem, group: StageGroup, fused: frozenset[str], conf
 
 
 class _Placed(Protocol):
+    """A placement of either window model (GroupSolution, JointPlacement): the search reads only its window."""
+
     @property
     def window(self) -> Window: ...
 
@@ -131,8 +133,8 @@ def _descend(probe: Probe[S], left: Left, lower: int, incumbent: S) -> tuple[S, 
     first-fit's k (BERT-Base Chimera D=4 on the paper's profiles, stale scope, 4 pieces: 8 11 11 8 in 10 s,
     greedy 9 11 11 9, bound 7); descending from first-fit's plan keeps an incumbent and spends the time improving
     it (8 10 10 8). A k proven least needs every smaller k proven infeasible: the climb first proves what it can
-    cheaply (it stops at the first k it cannot decide), and below a k the descent proves infeasible the ks the
-    climb left are checked.
+    cheaply (it stops at the first k it cannot decide), and where the descent proves a k infeasible, the ks
+    between the climb's last and that one are checked.
     """
     best, proven = incumbent, lower
     for k in range(incumbent.window.k - 1, lower - 1, -1):
