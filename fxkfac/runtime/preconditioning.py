@@ -23,10 +23,10 @@ the same handlers, with every collective a no-op):
   the refresh record (and in checkpoints) until the last piece makes the decomposition;
 - ``APPLY s`` activates due inverses and preconditions the stage's gradients; an inverse that is due but
   missing is a plan error (PipelineError), never a silent use of an older one;
-- OPT_STEP is wrapped: the KL-clip's ``sum <P, G>`` (each stage's share divided by its number of copies) and
-  the NaN/Inf flag of the step are all-reduced as the family's `KLClipScope` says (GLOBAL: over all ranks;
-  [Note: KL-clip scope] in fxkfac/runtime/step_end.py), the K-FAC gradients are scaled by their nu, then
-  the core OPT_STEP runs.
+- OPT_STEP is wrapped: once the gradients are final (collectives settled, tied gradients summed), the
+  KL-clip's ``sum <P, G>`` (each stage's share divided by its number of copies) and the NaN/Inf flag of the
+  step are all-reduced as the family's `KLClipScope` says (GLOBAL: over all ranks; [Note: KL-clip scope] in
+  fxkfac/runtime/step_end.py), the K-FAC gradients are scaled by their nu, then the optimizer steps or not.
 - a skipped step (NaN/Inf loss or gradients on some rank) leaves no trace: the runtime is an
   interpreter listener, and ``abort_step`` restores the layer states, refresh records, inverse outbox
   and captures as they were when the step began (the single-device trainer's skip, exactly).
@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -56,6 +56,7 @@ from fxkfac.runtime.interpreter import (
     local_nonfinite,
     step_or_skip,
 )
+from fxkfac.runtime.refresh_record import RefreshRecord
 from fxkfac.runtime.step_end import StepEnd
 from fxkfac.runtime.sync import grad_key
 from fxkfac.runtime.tapped_runner import TappedRunner
@@ -78,27 +79,6 @@ class StageCopies:
 
     ranks: tuple[int, ...]
     group: Any
-
-
-@dataclass
-class _Refresh:
-    """One refresh of one layer in flight: statistic sums and counts per part, which parts are folded, the
-    decompositions of the parts (one per part, made here or received by broadcast), and for gradient-fed
-    parts the state as folded at the refresh step (what DECOMP decomposes, whenever it runs)."""
-
-    step: int
-    sums: dict[str, Tensor] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=dict)
-    folded: set[str] = field(default_factory=set)
-    halves: dict[str, Any] = field(default_factory=dict)
-    snapshots: dict[str, RefreshState] = field(default_factory=dict)
-    carries: dict[str, tuple[int, Any]] = field(default_factory=dict)
-    """Per part whose decomposition runs in pieces: (pieces done, the carry they hand on)."""
-
-    def copy(self) -> _Refresh:
-        """A copy whose containers later handlers do not change."""
-        return _Refresh(self.step, dict(self.sums), dict(self.counts), set(self.folded), dict(self.halves),
-                        dict(self.snapshots), dict(self.carries))
 
 
 class PreconditionerRuntime:
@@ -131,7 +111,7 @@ class PreconditionerRuntime:
         """Layers whose statistics this rank takes (and whose refreshes it opens)."""
         self.subgroups = dict(subgroups or {})
         """Process groups of the ranks a BCAST or BCAST_PREC names (`Op.group`)."""
-        self.refreshes: dict[str, deque[_Refresh]] = {name: deque() for name in self.layers}
+        self.refreshes: dict[str, deque[RefreshRecord]] = {name: deque() for name in self.layers}
         self._by_stage = {s: [self.layers[n] for n in self.layers if self.stage_of[n] == s] for s in groups}
         self.step_end = step_end
         """How OPT_STEP ends the step (None: the world's verdict and one nu, on a rank alone: tests)."""
@@ -171,7 +151,7 @@ class PreconditionerRuntime:
     def open_refreshes(self, step: int) -> None:
         """Open a refresh record at `step` for every layer whose statistics this rank takes that refreshes then."""
         for name in self._refreshing(step, sorted(self.keeps)):
-            self.refreshes[name].append(_Refresh(step, counts=dict.fromkeys(self.family.parts, 0)))
+            self.refreshes[name].append(RefreshRecord(step, counts=dict.fromkeys(self.family.parts, 0)))
 
     # --- handlers -------------------------------------------------------------------------------
 
@@ -191,7 +171,7 @@ class PreconditionerRuntime:
                                 f"{self.family.parts}: the plan was made for another preconditioner")
         return (op.part,)
 
-    def _record(self, name: str, op: Op, ready: Any) -> _Refresh:
+    def _record(self, name: str, op: Op, ready: Any) -> RefreshRecord:
         for record in self.refreshes[name]:
             if ready(record):
                 return record
@@ -256,7 +236,7 @@ class PreconditionerRuntime:
                     flat[:-1] = local.reshape(-1)
                 flat[-1] = record.counts[part]
 
-                def fold(summed: Tensor, name: str = name, part: str = part, record: _Refresh = record,
+                def fold(summed: Tensor, name: str = name, part: str = part, record: RefreshRecord = record,
                          shape: tuple[int, ...] = shape) -> None:
                     record.sums[part] = summed[:-1].view(shape)
                     record.counts[part] = int(round(float(summed[-1])))
@@ -268,7 +248,7 @@ class PreconditionerRuntime:
                 else:
                     fold(flat)
 
-    def _fold(self, name: str, part: str, record: _Refresh, op: Op) -> None:
+    def _fold(self, name: str, part: str, record: RefreshRecord, op: Op) -> None:
         copies = len(self.groups[self.stage_of[name]].ranks)
         expected = self.total // copies if name in self.local else self.total
         if record.counts[part] != expected:
@@ -277,7 +257,7 @@ class PreconditionerRuntime:
         self.family.fold(self.states[name], part, record.sums.pop(part) / record.counts[part])
         self._mark_folded(name, part, record)
 
-    def _mark_folded(self, name: str, part: str, record: _Refresh) -> None:
+    def _mark_folded(self, name: str, part: str, record: RefreshRecord) -> None:
         """`part` of the refresh is folded; the layer's refresh count grows once every part is."""
         record.folded.add(part)
         if record.folded == set(self.family.parts):
@@ -311,7 +291,7 @@ class PreconditionerRuntime:
                     self._outbox.setdefault((name, part), deque()).append(half)
                 self._maybe_combine(name)
 
-    def _piece(self, name: str, part: str, record: _Refresh, state: RefreshState, op: Op) -> bool:
+    def _piece(self, name: str, part: str, record: RefreshRecord, state: RefreshState, op: Op) -> bool:
         """Run piece i of n (`op.piece`) of the part's decomposition into `record.carries`; True after the last
         (the carry is then the decomposition). PipelineError when the family makes it in another number of
         pieces or the plan runs the pieces out of order."""
@@ -362,7 +342,7 @@ class PreconditionerRuntime:
                     continue
                 record = self._record(name, op, lambda r, p=part: p not in r.halves)
 
-                def take(received: Tensor, name: str = name, part: str = part, record: _Refresh = record) -> None:
+                def take(received: Tensor, name: str = name, part: str = part, record: RefreshRecord = record) -> None:
                     record.halves[part] = self.family.unpack(self.layers[name], part, received)
                     self._maybe_combine(name)
 
@@ -480,12 +460,13 @@ class PreconditionerRuntime:
         decompositions alive, twice the preconditioner's memory, until the next step began)."""
         self._at_begin = None
 
-    def _copy(self) -> tuple[dict[str, RefreshState], dict[str, deque[_Refresh]], dict[tuple[str, str], deque[Any]]]:
+    def _copy(self) -> tuple[dict[str, RefreshState], dict[str, deque[RefreshRecord]],
+                             dict[tuple[str, str], deque[Any]]]:
         states = {name: state.snapshot() for name, state in self.states.items()}
         refreshes = {n: deque(r.copy() for r in q) for n, q in self.refreshes.items()}
         return states, refreshes, {k: deque(q) for k, q in self._outbox.items()}
 
-    def _install(self, states: Mapping[str, RefreshState], refreshes: Mapping[str, deque[_Refresh]],
+    def _install(self, states: Mapping[str, RefreshState], refreshes: Mapping[str, deque[RefreshRecord]],
                  outbox: Mapping[tuple[str, str], deque[Any]]) -> None:
         """Take over the given state, keeping the state objects others hold (the trainer's states)."""
         for name, state in states.items():
@@ -497,12 +478,7 @@ class PreconditionerRuntime:
         """``{"kfac": {layer: state.state_dict()}, "inflight": {...}}``: the layer states (alike on every copy of
         a stage) and this rank's work in flight: open refreshes and decompositions waiting for BCAST."""
         half = self.family.half_to_state
-        refreshes = {n: [{"step": r.step, "sums": dict(r.sums), "counts": dict(r.counts), "folded": sorted(r.folded),
-                          "halves": {part: half(h) for part, h in r.halves.items()},
-                          "snapshots": {part: snap.state_dict() for part, snap in r.snapshots.items()},
-                          "carries": {part: [done, self._carry_state(c)] for part, (done, c) in r.carries.items()}}
-                         for r in q]
-                     for n, q in self.refreshes.items() if q}
+        refreshes = {n: [r.to_state(self.family) for r in q] for n, q in self.refreshes.items() if q}
         outbox = [[n, part, [half(h) for h in q]] for (n, part), q in sorted(self._outbox.items()) if q]
         inflight: dict[str, Any] = {"refreshes": refreshes, "outbox": outbox}
         if self.scope is KLClipScope.STALE and self.step_end is not None:
@@ -522,19 +498,9 @@ class PreconditionerRuntime:
             states[name].load_state_dict(dict(saved[name]))
         self._drop_unheld(states)
         half = self.family.half_from_state
-
-        def snapshot(name: str, saved: Any) -> RefreshState:
-            state = self.family.new_state(self.layers[name])
-            state.load_state_dict(dict(saved))
-            return state
-
         try:
-            refreshes = {n: deque(_Refresh(int(r["step"]), dict(r["sums"]), {k: int(v) for k, v in r["counts"].items()},
-                                           set(r["folded"]), {k: half(h) for k, h in r["halves"].items()},
-                                           {k: snapshot(n, v) for k, v in r.get("snapshots", {}).items()},
-                                           {k: (int(done), self._carry_from(c))
-                                            for k, (done, c) in r.get("carries", {}).items()})
-                                  for r in records) for n, records in inflight["refreshes"].items()}
+            refreshes = {n: deque(RefreshRecord.from_state(r, self.family, self._new_state(n)) for r in records)
+                         for n, records in inflight["refreshes"].items()}
             outbox = {(str(n), str(part)): deque(half(h) for h in halves) for n, part, halves in inflight["outbox"]}
             stale = inflight.get("kl_clip_sum")
             stale = None if stale is None else float(stale)
@@ -545,16 +511,10 @@ class PreconditionerRuntime:
             raise CheckpointError(f"checkpoint has work in flight for layers {unknown} this rank does not hold")
         return states, refreshes, outbox, stale
 
-    def _carry_state(self, carry: Any) -> Any:
-        """A piecewise decomposition's carry for a checkpoint (only a PiecewiseFamily makes carries)."""
-        assert isinstance(self.family, PiecewiseFamily), "carries come from a PiecewiseFamily"
-        return self.family.carry_to_state(carry)
-
-    def _carry_from(self, saved: Any) -> Any:
-        """Inverse of `_carry_state`; ValueError when this family makes no pieces."""
-        if not isinstance(self.family, PiecewiseFamily):
-            raise ValueError(f"the {self.family.name} family runs no decomposition in pieces")
-        return self.family.carry_from_state(saved)
+    def _new_state(self, name: str) -> Callable[[], RefreshState]:
+        """A maker of `name`'s empty state; called for a layer this rank does not hold it raises KeyError (the
+        checkpoint's work in flight is checked against the held layers after parsing)."""
+        return lambda: self.family.new_state(self.layers[name])
 
     def _drop_unheld(self, states: dict[str, RefreshState]) -> None:
         """Keep of each loaded unit state only what this rank holds under its strategy: a checkpoint written under
