@@ -86,16 +86,9 @@ def least_period(probe: Probe[S], left: Left, lower: int, top: int, incumbent: S
     the incumbent's period ([Note: descending refresh search])."""
     if incumbent is None:
         return _ascend(probe, left, lower, top)
-    proven = lower
-    for k in range(lower, incumbent.window.k):
-        if left(PROOF_SHARE) <= 0:
-            break
-        status, found = probe(k, left(PROOF_SHARE) / (incumbent.window.k - k))
-        if found is not None:
-            return found, k
-        if status != "INFEASIBLE":
-            break
-        proven = k + 1
+    proven, found = _climb(probe, left, PROOF_SHARE, lower, incumbent.window.k)
+    if found is not None:
+        return found, proven
     return _descend(probe, left, proven, incumbent)
 
 
@@ -144,7 +137,7 @@ def _descend(probe: Probe[S], left: Left, lower: int, incumbent: S) -> tuple[S, 
         if found is not None:
             best = found
             continue
-        if status == "INFEASIBLE" and _infeasible_below(probe, left, lower, k):
+        if status == "INFEASIBLE" and _climb(probe, left, DESCENT_SHARE, lower, k)[0] == k:
             proven = k + 1
         break
     if best.window.k == lower:
@@ -152,15 +145,16 @@ def _descend(probe: Probe[S], left: Left, lower: int, incumbent: S) -> tuple[S, 
     return best, proven
 
 
-def _infeasible_below(probe: Probe[S], left: Left, lower: int, k: int) -> bool:
-    """Whether every period from `lower` below `k` is proven infeasible (within the descent's time)."""
-    for j in range(lower, k):
-        if left(DESCENT_SHARE) <= 0:
-            return False
-        status, _ = probe(j, left(DESCENT_SHARE) / (k - j))
-        if status != "INFEASIBLE":
-            return False
-    return True
+def _climb(probe: Probe[S], left: Left, share: float, lower: int, top: int) -> tuple[int, S | None]:
+    """Up from `lower` below `top` while each period is proven infeasible, within `share` of the time: the first
+    period not proven infeasible (`top` when all below it are), and its placement where one was found there."""
+    for k in range(lower, top):
+        if left(share) <= 0:
+            return k, None
+        status, found = probe(k, left(share) / (top - k))
+        if found is not None or status != "INFEASIBLE":
+            return k, found
+    return top, None
 
 
 def refine_stretch(found: GroupSolution, allowance: Allowance, config: SolverConfig, meter: Meter,
