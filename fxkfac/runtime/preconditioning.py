@@ -114,7 +114,9 @@ class PreconditionerRuntime:
         self.refreshes: dict[str, deque[RefreshRecord]] = {name: deque() for name in self.layers}
         self._by_stage = {s: [self.layers[n] for n in self.layers if self.stage_of[n] == s] for s in groups}
         self.step_end = step_end
-        """How OPT_STEP ends the step (None: the world's verdict and one nu, on a rank alone: tests)."""
+        """The run's StepEnd, the one its steps' contexts carry (OPT_STEP takes the verdict from the context's): here
+        its KL-clip scope, and under STALE the sum a checkpoint keeps (None: GLOBAL; a runtime built alone, in
+        tests)."""
         self.clip_groups = dict(stage_of)
         """Each layer's KL-clip group under STAGE: its stage (one device: its stage in the pipelined run it stands
         for, when given; see [Note: KL-clip scope])."""
@@ -418,7 +420,7 @@ class PreconditionerRuntime:
         preconditioned gradients by it; then step unless the verdict is to skip. Tied gradients are summed first (as
         the core OPT_STEP does), so a sum that overflows skips the step on every rank."""
         end_gradients(ctx, op)
-        end = self.step_end or ctx.step_end
+        end = ctx.step_end
         zero = torch.zeros((), dtype=torch.float64)
         groups = range(end.groups) if self.scope is KLClipScope.STAGE else [0]
         lr = float(ctx.optimizer.param_groups[0]["lr"]) if ctx.optimizer is not None else 0.0
