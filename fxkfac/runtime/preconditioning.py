@@ -87,9 +87,9 @@ class PreconditionerRuntime:
 
     def __init__(self, family: Family, layers: Mapping[str, Any], stage_of: Mapping[str, int],
                  timings: Mapping[str, LayerTiming], groups: Mapping[int, StageCopies], rank: int,
-                 microbatches_total: int, global_batch: int,
+                 microbatches_total: int, global_batch: int, step_end: StepEnd,
                  distributions: Mapping[str, LayerDistribution] | None = None,
-                 subgroups: Mapping[tuple[int, ...], Any] | None = None, step_end: StepEnd | None = None) -> None:
+                 subgroups: Mapping[tuple[int, ...], Any] | None = None) -> None:
         self.family = family
         self.layers = dict(layers)
         self.stage_of = dict(stage_of)
@@ -115,8 +115,7 @@ class PreconditionerRuntime:
         self._by_stage = {s: [self.layers[n] for n in self.layers if self.stage_of[n] == s] for s in groups}
         self.step_end = step_end
         """The run's StepEnd, the one its steps' contexts carry (OPT_STEP takes the verdict from the context's): here
-        its KL-clip scope, and under STALE the sum a checkpoint keeps (None: GLOBAL; a runtime built alone, in
-        tests)."""
+        its KL-clip scope, and under STALE the sum a checkpoint keeps."""
         self.clip_groups = dict(stage_of)
         """Each layer's KL-clip group under STAGE: its stage (one device: its stage in the pipelined run it stands
         for, when given; see [Note: KL-clip scope])."""
@@ -385,8 +384,8 @@ class PreconditionerRuntime:
 
     @property
     def scope(self) -> KLClipScope:
-        """The KL-clip scope of the run (GLOBAL without a StepEnd)."""
-        return self.step_end.scope if self.step_end is not None else KLClipScope.GLOBAL
+        """The KL-clip scope of the run."""
+        return self.step_end.scope
 
     def _by_clip_group(self, layers: Sequence[Any]) -> dict[int, list[Any]]:
         """`layers` by KL-clip group, in order: one group 0 unless the scope is STAGE."""
@@ -483,7 +482,7 @@ class PreconditionerRuntime:
         refreshes = {n: [r.to_state(self.family) for r in q] for n, q in self.refreshes.items() if q}
         outbox = [[n, part, [half(h) for h in q]] for (n, part), q in sorted(self._outbox.items()) if q]
         inflight: dict[str, Any] = {"refreshes": refreshes, "outbox": outbox}
-        if self.scope is KLClipScope.STALE and self.step_end is not None:
+        if self.scope is KLClipScope.STALE:
             inflight["kl_clip_sum"] = self.step_end.state()
         return {"kfac": {n: s.state_dict() for n, s in self.states.items()}, "inflight": inflight}
 
@@ -535,5 +534,5 @@ class PreconditionerRuntime:
         """Install what `parse_state` returned (STALE: the sum the next step's nu comes from)."""
         states, refreshes, outbox, stale = parsed
         self._install(states, refreshes, outbox)
-        if self.step_end is not None and self.scope is KLClipScope.STALE:
+        if self.scope is KLClipScope.STALE:
             self.step_end.restore(stale)

@@ -189,7 +189,7 @@ class Trainer(Checkpointing):
         subgroups = named_groups([spec.programs, spec.startup], self.layout.rank, self.layout.world_size)
         runtime = PreconditionerRuntime(spec.family, mine, {n: stage_of[n] for n in mine}, self.timings, groups,
                                         self.layout.rank, spec.N * self.layout.W, spec.global_batch,
-                                        spec.distributions, subgroups, self.step_end)
+                                        self.step_end, spec.distributions, subgroups)
         runtime.install(self.interpreter)
         return runtime
 

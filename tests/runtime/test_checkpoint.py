@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections import deque
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -12,13 +13,16 @@ import torch
 
 from fxkfac import checkpoint, checkpoint_files
 from fxkfac.capture import capture
+from fxkfac.config import KLClipScope
 from fxkfac.errors import CheckpointError
 from fxkfac.kfac.family import KFACFamily
 from fxkfac.kfac.inverse import FactorInverse, Inverse
 from fxkfac.planner.ir import LayerTiming
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.solve import solve
+from fxkfac.runtime.p2p import TagSpace, Transport
 from fxkfac.runtime.preconditioning import PreconditionerRuntime, StageCopies
+from fxkfac.runtime.step_end import StepEnd
 from tests.runtime import checkpoint_workers as cw
 from tests.support import models
 from tests.support.distributed import run_distributed
@@ -98,7 +102,10 @@ def _runtime() -> PreconditionerRuntime:
     layers = {layer.name: layer for layer in capture(models.mlp(), (x[:4],), cw.KFAC).layers}
     timings = {n: LayerTiming(2, 0, 1, "deferred") for n in layers}
     copies = {0: StageCopies((0,), None)}
-    return PreconditionerRuntime(KFACFamily(cw.KFAC), layers, {n: 0 for n in layers}, timings, copies, 0, 2, 8)
+    alone = Transport(0, 1, TagSpace(1, 1, 1), timedelta(seconds=1))
+    step_end = StepEnd.build(KLClipScope.GLOBAL, alone, [(0,)], 1)
+    return PreconditionerRuntime(KFACFamily(cw.KFAC), layers, {n: 0 for n in layers}, timings, copies, 0, 2, 8,
+                                 step_end)
 
 
 def test_kfac_work_in_flight_round_trips_through_a_checkpoint_state() -> None:

@@ -44,7 +44,10 @@ def free_port() -> int:
 
 
 _PRELOAD = ["torch", "torch.distributed", "torch.distributed.device_mesh", "torch.export", "torch._dynamo",
+            "torch.export._trace", "torch._functorch.aot_autograd", "torch._functorch.partitioners", "networkx",
             "transformers.models.bert.modeling_bert", "transformers.models.gpt2.modeling_gpt2", "fxkfac",
+            "torch._inductor.sizevars", "torch.distributed.checkpoint", "sympy.combinatorics", "sympy.tensor.tensor",
+            "fxkfac.compile_api", "fxkfac.checkpoint", "fxkfac.comm_profile", "fxkfac.plan_view",
             "tests.support.models"]
 """Imported once by the fork server, which every rank is forked from: a rank does not re-import torch,
 transformers and fxkfac (seconds of CPU each, times the ranks, on a 2-core machine). Only imports: no tensor
