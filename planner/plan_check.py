@@ -1,6 +1,6 @@
 """Shape checks of a plan read from a file, before the validator: types, ranges and references.
 
-The validator (planner/validate.py) checks a plan's constraints assuming the plan is well formed: its
+The validator (planner/validate/) checks a plan's constraints assuming the plan is well formed: its
 ops name layers, stages and devices of its problem, its numbers are finite. A file can break those
 assumptions in ways the validator was not written for (an op on a rank that never runs its stage, a
 NaN tolerance that would make every comparison pass); these checks refuse such files with a

@@ -1,0 +1,156 @@
+"""Checks of where and when the preconditioner's ops are placed: each op placed as often as the problem asks, for
+its cost, inside its window step, never over the pipeline's F/B or another op, within the memory budget and the step
+time."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from fxkfac.planner.ir import Op, OpKind
+from fxkfac.planner.memory import activation_intervals, peak_level, static_bytes
+from fxkfac.planner.problem import copies_of_stage, stage_groups
+from fxkfac.planner.strategy import keeps_statistics
+from fxkfac.planner.validate.context import (
+    Context,
+    decomp_pieces,
+    end_of,
+    op_seconds,
+    per_step,
+    placed_key,
+    step_ops,
+    wrapped,
+)
+
+
+def _expected(c: Context) -> Counter:
+    """(op, device) of every K-FAC op the plan must place, with multiplicity (DECOMP: on one copy)."""
+    want: Counter = Counter()
+    p = c.problem
+    for s, stage in enumerate(p.costs.stages):
+        copies = copies_of_stage(p, s)
+        for d in copies:
+            for op, _, _ in c.refresh.fixed(d):
+                if op.stage != s:
+                    continue
+                for x in stage.layers:
+                    for side in (part.part for part in x.parts if part.after is op.kind):
+                        if x.name not in c.fused and keeps_statistics(d, copies, p.where(x.name)):
+                            want[Op(OpKind.STATS, s, op.mb, op.pipe, layer=x.name, part=side), d] += 1
+            for j in range(c.period(s)):
+                for op in step_ops(c, s, d):
+                    want[op, d, j] += 1
+        for x in stage.layers:
+            workers = p.workers(x.name)
+            for side, after in ((part.part, part.after) for part in x.parts):
+                for piece in decomp_pieces(p.decomp_pieces):
+                    want[Op(OpKind.DECOMP, s, layer=x.name, part=side, piece=piece), None] += 1
+                synced = after is not OpKind.ALLREDUCE_GRAD and not p.where(x.name).strategy.local_factors
+                for d in copies if synced and len(copies) > 1 else ():
+                    want[Op(OpKind.SYNC_STATS, s, layer=x.name, part=side), d] += 1
+                group = None if workers == copies else workers
+                for d in workers if len(workers) > 1 else ():
+                    want[placed_key(Op(OpKind.BCAST, s, layer=x.name, part=side, root=workers[0], group=group)), d] += 1
+    return want
+
+
+def check_layers(c: Context) -> None:
+    p = c.problem
+    names = set(p.costs.layer_names)
+    if set(c.plan.layers) != names:
+        c.errors.append(f"layers timed {sorted(c.plan.layers)} differ from the cost table's {sorted(names)}")
+        return
+    for group in stage_groups(p):
+        periods = {c.plan.layers[x.name].period for s in group.stages for x in p.costs.stages[s].layers}
+        if len(periods) != 1:
+            c.errors.append(f"stages {group.stages} share devices but have refresh periods {sorted(periods)}")
+    for name, t in c.plan.layers.items():
+        if not 1 <= t.period <= p.max_period or t.curv_step != 0 or t.capture not in ("fused", "deferred"):
+            c.errors.append(f"layer {name}: bad timing {t}")
+    if c.fused and len({t.period for t in c.plan.layers.values()}) != 1:
+        c.errors.append("with fused curvature every layer must share one refresh period")
+
+
+def check_placed_once(c: Context) -> None:
+    got: Counter = Counter()
+    for p in c.plan.placements:
+        if per_step(p.op):
+            got[placed_key(p.op), p.device, p.step] += 1
+        else:
+            got[placed_key(p.op), None if p.op.kind is OpKind.DECOMP else p.device] += 1
+        if abs(p.end - p.start - op_seconds(c, p.op)) > c.tol + 1e-9 * max(1.0, p.end):
+            c.errors.append(f"{p.op} on r{p.device}: lasts {p.end - p.start:.6g} s, costs {op_seconds(c, p.op):.6g} s")
+        k = c.period(p.op.stage)  # type: ignore[arg-type]  # a placed op is K-FAC work on a stage
+        if not 0 <= p.step < 2 * k or not c.step_start(p.device, p.step, k) - c.tol <= p.start \
+                or p.end > c.step_start(p.device, p.step + 1, k) + c.tol:
+            c.errors.append(f"{p.op} on r{p.device} at [{p.start:.6g}, {p.end:.6g}) s is not within window step "
+                            f"{p.step} (k={k})")
+        if p.op.kind is OpKind.DECOMP and p.device not in c.problem.workers(p.op.layer):  # type: ignore[arg-type]  # a DECOMP names its layer
+            c.errors.append(f"{p.op} runs on r{p.device}, which is not a grad worker of {p.op.layer} "
+                            f"{list(c.problem.workers(p.op.layer))}")  # type: ignore[arg-type]  # see above
+    want = _expected(c)
+    for item in sorted(set(want) | set(got), key=str):
+        if want[item] != got[item]:
+            c.errors.append(f"{item[0]} on {item[1:]} placed {got[item]} times, expected {want[item]}")
+
+
+def _fixed_intervals(c: Context, device: int, k: int) -> list[tuple[float, float, str]]:
+    """The device's F/B and gradient all-reduces over a window of k steps: nothing else may run then (an op of no
+    duration, such as a backward a noisy profile timed at 0 s, occupies nothing)."""
+    out = []
+    for j in range(k):
+        for op, a, b in c.timeline(j, k).ops[device]:
+            if b > a and op.kind in (OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD):
+                out.append((c.base(j, k) + a, c.base(j, k) + b, f"{op} (step {j})"))
+    return out
+
+
+def check_overlap(c: Context) -> None:
+    by_device = defaultdict(list)
+    for p in c.plan.placements:
+        by_device[p.device].append(p)
+    for d in c.problem.devices:
+        ks = {c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s)}
+        k = max(ks)
+        L = c.length(k)
+        items = [(s, e, name) for a, b, name in _fixed_intervals(c, d, k) for s, e in wrapped(a, b, L)]
+        items += [(s, e, f"{p.op}") for p in by_device[d] for s, e in wrapped(p.start, p.end, L)]
+        items.sort()
+        for i, (s1, e1, n1) in enumerate(items):
+            for s2, e2, n2 in items[i + 1:]:
+                if s2 >= max(e1, s1 + c.tol) - c.tol:
+                    break
+                if min(e1, e2) - s2 > c.tol or (s1 + c.tol < s2 < e1 - c.tol):
+                    c.errors.append(f"r{d}: {n1} [{s1:.6g}, {e1:.6g}) overlaps {n2} [{s2:.6g}, {e2:.6g}) (mod {L:.6g})")
+
+
+def check_memory(c: Context) -> None:
+    budget = c.problem.memory_budget
+    keeps = defaultdict(list)
+    for p in c.plan.placements:
+        if p.op.kind is OpKind.STATS and p.op.mb is not None:
+            part = c.problem.costs.layer(p.op.layer).part(p.op.part)  # type: ignore[arg-type]  # a STATS names both
+            since = end_of(c.refresh, p.device, part.after, p.op.stage, p.op.mb, p.op.pipe)  # type: ignore[arg-type]  # a STATS names its stage and micro-batch
+            keeps[p.device].append((since, p.end, part.capture_bytes))
+    for d in c.problem.devices:
+        k = max(c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s))
+        L = c.length(k)
+        spans = [(c.base(j, k) + a, c.base(j, k) + b, n) for j in range(k)
+                 for a, b, n in activation_intervals(c.problem, d, c.timeline(j, k))] + keeps[d]
+        held = [(s + c.tol, e - c.tol, n) for a, b, n in spans for s, e in wrapped(a, b, L) if e - s > 2 * c.tol]
+        total = static_bytes(c.problem, d) + peak_level(held)
+        if budget is not None and total > budget:
+            c.errors.append(f"r{d}: memory peaks at {total} bytes, over the budget of {budget}")
+        claimed = c.plan.metrics.peak_memory.get(d)
+        if c.tol == 0 and claimed != total:
+            c.errors.append(f"r{d}: peak memory {claimed} claimed, {total} found")
+
+
+def check_step_time(c: Context) -> None:
+    periods = {t.period for t in c.plan.layers.values()}
+    step = max(c.length(k) / k for k in periods)
+    allowed = c.normal.length * (1 + c.problem.max_overhead)
+    if step > allowed + c.tol:
+        c.errors.append(f"step time {step:.6g} s exceeds {allowed:.6g} s (reference {c.normal.length:.6g} s, "
+                        f"max_overhead {c.problem.max_overhead:g}, stretch {c.stretch:.6g} s per step)")
+    if abs(c.plan.metrics.step_time - step) > c.tol + 1e-9 * step:
+        c.errors.append(f"step time {c.plan.metrics.step_time:.6g} s claimed, {step:.6g} s found")

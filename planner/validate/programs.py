@@ -1,0 +1,108 @@
+"""Checks of the per-rank programs: each rank's steps run the schedule's pipeline ops and the placed ops in time
+order, every gradient is complete before it is read, and the programs, simulated, neither deadlock nor run slower
+than planned."""
+
+from __future__ import annotations
+
+from fxkfac.planner.errors import DeadlockError
+from fxkfac.planner.ir import PRECONDITIONER_KINDS, Op, OpKind
+from fxkfac.planner.problem import StepBarrier, agreement_set, copies_of_stage
+from fxkfac.planner.simulate import simulate
+from fxkfac.planner.validate.context import Context, collective_seconds, op_seconds, per_step
+
+
+def check_programs(c: Context, run: bool) -> None:
+    plan = c.plan
+    for d in c.problem.devices:
+        prog = plan.programs.get(d)
+        k = max(c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s))
+        if prog is None or len(prog) != k:
+            c.errors.append(f"r{d}: the program must have {k} steps")
+            continue
+        for j, ops in enumerate(prog):
+            want = [op for op, _, _ in c.timeline(j, k).ops[d] if op.kind not in PRECONDITIONER_KINDS]
+            if [op for op in ops if op.kind not in PRECONDITIONER_KINDS] != want:
+                c.errors.append(f"r{d} step {j}: the pipeline ops differ from the schedule's")
+        times = {(p.step % k, str(p.op)): (p.start - c.length(k) * (p.step // k), p.end - c.length(k) * (p.step // k))
+                 for p in plan.placements if p.device == d}
+        listed = [(j, str(op)) for j, ops in enumerate(prog) for op in ops if op.kind in PRECONDITIONER_KINDS]
+        if sorted(listed) != sorted(times):
+            c.errors.append(f"r{d}: the program's K-FAC ops differ from the placements")
+        elif any(a[0] == b[0] and times[a] > times[b] for a, b in zip(listed, listed[1:])):
+            c.errors.append(f"r{d}: the program's K-FAC ops are not in time order")
+        else:
+            _check_interleaving(c, d, k, prog)
+    if run:
+        _check_runs(c)
+
+
+def _check_interleaving(c: Context, device: int, k: int, prog: list[list[Op]]) -> None:
+    """Within each step, a K-FAC op comes after every pipeline op that ended before it was placed and
+    before every pipeline op that ends after its start (a RECV still waiting included); APPLY follows
+    its stage's backwards and gradient all-reduce; OPT_STEP ends the step. The runtime executes the
+    program in order, so a program that disagrees with its placements runs other semantics."""
+    starts = {(p.step % k, str(p.op)): p.start - c.base(p.step, k) for p in c.plan.placements if p.device == device}
+    for j, ops in enumerate(prog):
+        fixed = iter(c.timeline(j, k).ops[device])
+        times: list[tuple[Op, float, float] | None] = []
+        for op in ops:
+            pipeline = op.kind not in PRECONDITIONER_KINDS
+            times.append(next((x for x in fixed if x[0].kind not in PRECONDITIONER_KINDS), None) if pipeline else None)
+        for i, op in enumerate(ops):
+            if op.kind is OpKind.OPT_STEP and i != len(ops) - 1:
+                c.errors.append(f"r{device} step {j}: OPT_STEP is not the last op")
+            if op.kind not in PRECONDITIONER_KINDS:
+                continue
+            t = starts[(j, str(op))]
+            for n, item in enumerate(times):
+                if item is None or item[0].kind is OpKind.OPT_STEP:
+                    continue  # OPT_STEP ends the step (the barrier): work placed in the stretch runs before it
+                other, a, b = item
+                before = b <= t + c.tol and a < t - c.tol
+                if (n > i and before) or (n < i and b > t + c.tol):
+                    c.errors.append(f"r{device} step {j}: '{op}' (placed at {t:.6g} s) and "
+                                    f"'{other}' ({a:.6g}-{b:.6g} s)"
+                                    " are in the wrong order in the program")
+            if per_step(op):
+                _check_gradient_order(c, device, j, ops, i)
+
+
+def _check_gradient_order(c: Context, device: int, j: int, ops: list[Op], i: int) -> None:
+    """An APPLY or gradient STATS (ops[i]) comes after every BWD and ALLREDUCE_GRAD of its stage in the step (the
+    gradient is complete); a gradient STATS also before its stage's APPLY (which overwrites the gradient)."""
+    op = ops[i]
+    after = [o for o in ops[i + 1:] if o.stage == op.stage and o.kind in (OpKind.BWD, OpKind.ALLREDUCE_GRAD)]
+    if after:
+        c.errors.append(f"r{device} step {j}: '{op}' comes before '{after[0]}' of its stage")
+    if op.kind is OpKind.STATS and not any(o.kind is OpKind.APPLY and o.stage == op.stage for o in ops[i + 1:]):
+        c.errors.append(f"r{device} step {j}: '{op}' does not come before the APPLY of its stage")
+
+
+def _check_runs(c: Context) -> None:
+    """Simulate the programs (ops in program order, as soon as possible): no deadlock, and the run is
+    no slower than planned (the durations of a non-refresh step are used: exact when nothing is fused)."""
+    stages = c.problem.costs.stages
+
+    def duration(rank: int, op: Op) -> float:
+        if op.kind is OpKind.FWD:
+            return stages[op.stage].fwd  # type: ignore[index]  # a FWD names its stage
+        if op.kind is OpKind.BWD:
+            return stages[op.stage].bwd  # type: ignore[index]  # a BWD names its stage
+        if op.kind is OpKind.ALLREDUCE_GRAD:
+            return collective_seconds(c, op)
+        return op_seconds(c, op) if op.kind in PRECONDITIONER_KINDS else 0.0
+
+    periods = [len(p) for p in c.plan.programs.values()]
+    steps = max(periods) * 2
+    try:
+        barrier = None if c.problem.barrier is StepBarrier.WORLD else \
+            {d: agreement_set(c.problem, d) for d in c.problem.devices}
+        timeline = simulate(c.plan.programs, duration, steps=steps, barrier=barrier)
+    except DeadlockError as e:
+        c.errors.append(f"the programs deadlock: {e}")
+        return
+    if not c.fused:
+        limit = c.plan.metrics.step_time * steps + max(c.length(k) for k in set(periods))
+        if timeline.makespan > limit + c.tol * steps:
+            c.errors.append(f"the simulated programs take {timeline.makespan:.6g} s for {steps} steps, "
+                            f"over {limit:.6g}")
