@@ -51,7 +51,7 @@ from fxkfac.planner.joint import (
     timeline_stages,
     transfer,
 )
-from fxkfac.planner.joint_cpsat import solve_joint_group
+from fxkfac.planner.joint_search import solve_joint_group
 from fxkfac.planner.joint_step import least_step
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier, copies_of_stage, stage_groups

@@ -1,7 +1,7 @@
 """One stage group's plan: the least refresh period, then the least stretch, then the least staleness.
 
 `least_period` is the period search both window models run (planner/cpsat.py for a group's fixed distributions,
-planner/joint_cpsat.py for the joint choice); `solve_group` runs it on the CP-SAT window model, from the lower
+planner/joint_search.py for the joint choice); `solve_group` runs it on the CP-SAT window model, from the lower
 bound (planner/step_timeline.py) and first-fit's placement (planner/greedy.py), within a share of the planner's
 clock (`planner.budget.Meter`).
 """

@@ -1,6 +1,6 @@
 """CP-SAT choosing each layer's distribution with the placement (planner/joint.py, planner/joint_step.py,
-planner/joint_cpsat.py): the least step against every option set enumerated, and joint plans against every forced
-strategy and the outer search."""
+planner/joint_cpsat.py, planner/joint_search.py): the least step against every option set enumerated, and joint plans
+against every forced strategy and the outer search."""
 
 from __future__ import annotations
 
