@@ -15,8 +15,8 @@ The paper's claim (PipeFisher, Table 3: about 6.5% over the pipeline) is b/a <= 
 Each round times a block of whole refresh periods per variant; the step time is the median over
 rounds of the block's mean (a refresh step and the steps between weigh as they do in training).
 Utilization per rank is measured from the recorded timeline (time in F, B, STATS, DECOMP and APPLY over
-the step span, waiting counts as idle) and printed beside the plan's prediction (its programs
-simulated with the profiled costs).
+the step span, waiting counts as idle) and printed beside the plan's prediction (its own timeline:
+the op placements at their planned, profiled costs).
 
 Model size: the embedded BERT-style MLM (`fxkfac.models`) on the stdlib corpus, by default hidden
 128, FFN 512, 4 blocks, 64 tokens, micro-batches of 16 sequences (1024 rows per Linear). At that
@@ -28,12 +28,13 @@ a few percent of the step, as in the paper. Smaller widths make interpreter over
 larger ones make a run take many minutes on 2 cores.
 
 With ``--model gpt2`` the model is Hugging Face's GPT2LMHeadModel of the same sizes (from a config, no download)
-trained as a causal LM on the same corpus (next byte). Chimera is not offered: on D = 2 ranks its two pipelines
-leave about 1% of the step idle (planned utilization 99.1%), nothing for PipeFisher to fill, and D >= 4 ranks
-share the 2 cores here, which makes their timings meaningless.
+trained as a causal LM on the same corpus (next byte). With ``--schedule chimera`` the two pipelines of D = 2 ranks
+leave no bubble (planned utilization 1.00): every K-FAC op lies on the critical path and the plan stretches the step
+to hold it, so the run measures what the planner does without a bubble, not PipeFisher's gain (D >= 4 ranks would
+share the 2 cores here, which makes their timings meaningless).
 
-Run: python benchmarks/pipefisher_overhead.py [--model bert] [--schedule 1f1b] [--hidden 128] [--ffn 512]
-[--rounds 5]
+Run: python benchmarks/pipefisher_overhead.py [--model bert] [--schedule 1f1b|gpipe|chimera] [--hidden 128]
+[--ffn 512] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -60,12 +61,12 @@ from fxkfac.config import PROFILE_MARGIN, KFACConfig, PipelineOptions, PlanOptio
 from fxkfac.data import VOCAB_SIZE, MaskedLMData, stdlib_corpus
 from fxkfac.launch import free_port
 from fxkfac.models import TinyBertConfig, TinyBertMLM, mlm_loss
+from fxkfac.plan_view import planned_utilization, planned_view
 from fxkfac.planner.ir import LayerTiming, OpKind
-from fxkfac.planner.lowering import rank_programs
-from fxkfac.planner.simulate import simulate
+from fxkfac.planner.step_timeline import step_timeline
 from fxkfac.runtime.timeline import Event, as_timeline, utilization
 from fxkfac.runtime.trainer import Trainer
-from fxkfac.show import chrome_trace, cost_durations
+from fxkfac.show import chrome_trace
 
 __all__ = ["main"]
 
@@ -173,18 +174,20 @@ def _kind_seconds(events: list[Event], steps: int) -> dict[int, dict[str, float]
 
 
 def _planned(trainer: Trainer) -> dict[str, Any]:
-    """The plan's prediction: its programs simulated with its own cost table, per rank."""
+    """The plan's prediction, per rank: its own timeline (`fxkfac.plan_view.planned_view`: F/B of the simulated
+    step, every preconditioner op where the plan placed it, at the cost it planned) over its longest period, and
+    the plain pipeline's step (`step_timeline` without APPLY)."""
     plan = trainer.plan
-    k = len(plan.programs[0])
-    duration = cost_durations(plan.problem.costs)
-    timeline = simulate(plan.programs, duration, steps=2 * k)
+    view = planned_view(plan)
+    plain = step_timeline(plan.problem, with_prec=False)
     kinds = [OpKind(x) for x in BUSY]
-    plain = simulate(rank_programs(plan.problem.schedule, D, plan.problem.N, 1), duration, steps=1)
-    kind_s = {r: {kind.value: sum(iv.end - iv.start for iv in timeline.of_rank(r) if iv.op.kind is kind) / (2 * k)
+    timeline = view.timeline
+    kind_s = {r: {kind.value: sum(iv.end - iv.start for iv in timeline.of_rank(r) if iv.op.kind is kind) / view.steps
                   for kind in kinds} for r in timeline.ranks}
-    return {"utilization": {r: timeline.utilization(r, kinds) for r in timeline.ranks},
-            "utilization_plain": {r: plain.utilization(r, kinds) for r in plain.ranks},
-            "step_s": timeline.makespan / (2 * k), "plain_step_s": plain.makespan,
+    plain_busy = {r: sum(b - a for op, a, b in plain.ops[r] if op.kind in kinds) for r in plain.ops}
+    return {"utilization": planned_utilization(plan),
+            "utilization_plain": {r: busy / plain.length for r, busy in plain_busy.items()},
+            "step_s": view.end / view.steps, "plain_step_s": plain.length,
             "kind_s": kind_s, "metrics_utilization": plan.metrics.utilization,
             "refresh_steps": list(plan.metrics.refresh_steps), "solver": plan.metrics.solver.status}
 
@@ -315,8 +318,12 @@ def main() -> None:
     parser.add_argument("--kfac-margin", type=float, default=PROFILE_MARGIN,
                         help="profiled K-FAC times are planned this much longer (PlanOptions.kfac_margin)")
     parser.add_argument("--save-plan", default=None, help="write (b)'s plan JSON here")
-    parser.add_argument("--trace-dir", default=None, help="write each variant's measured Chrome trace here")
-    spawn_and_report(_worker, _report, parser.parse_args())
+    parser.add_argument("--trace-dir", default=None,
+                        help="write each variant's measured Chrome trace here (made if missing)")
+    args = parser.parse_args()
+    if args.trace_dir:  # made before the run, so a bad path fails now and not after minutes of timing
+        os.makedirs(args.trace_dir, exist_ok=True)
+    spawn_and_report(_worker, _report, args)
 
 
 if __name__ == "__main__":

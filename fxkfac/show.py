@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,7 +12,6 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from fxkfac.planner.costs import CostTable
 from fxkfac.planner.errors import PlanFormatError
 from fxkfac.planner.ir import Op, OpKind
 from fxkfac.planner.preconditioners import WORDS, PreconditionerKind, TaskWords
@@ -22,7 +21,6 @@ __all__ = [
     "CATEGORIES",
     "categories",
     "category",
-    "cost_durations",
     "render_timeline",
     "render_summary",
     "chrome_trace",
@@ -70,24 +68,6 @@ _CATEGORY_OF = {
 def category(op: Op) -> str:
     """The drawing category of `op` ("idle" for transfers, waits and the optimizer step)."""
     return _CATEGORY_OF.get(op.kind, "idle")
-
-
-def cost_durations(costs: CostTable) -> Callable[[int, Op], float]:
-    """Seconds of each op from a cost table; communication and the optimizer step cost 0 (as in the
-    paper's model). Stage s of the ops indexes `costs.stages` (virtual stages for interleaved)."""
-    layers = {layer.name: layer for stage in costs.stages for layer in stage.layers}
-
-    def duration(rank: int, op: Op) -> float:
-        if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.APPLY):
-            stage = costs.stages[op.stage]  # type: ignore[index]  # F, B and APPLY name their stage
-            return {OpKind.FWD: stage.fwd, OpKind.BWD: stage.bwd, OpKind.APPLY: stage.prec}[op.kind]
-        if op.kind in (OpKind.STATS, OpKind.DECOMP):
-            layer = layers[op.layer]  # type: ignore[index]  # STATS and DECOMP name their layer
-            part = layer.part(op.part)  # type: ignore[arg-type]  # STATS and DECOMP name their part
-            return part.stats if op.kind is OpKind.STATS else part.decomp
-        return 0.0
-
-    return duration
 
 
 def _cells(intervals: Sequence[Interval], t0: float, t1: float, width: int) -> list[tuple[str, Op | None]]:
