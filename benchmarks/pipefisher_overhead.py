@@ -139,7 +139,8 @@ def _build(args: argparse.Namespace, example: torch.Tensor) -> dict[str, Trainer
     """The four trainers (collective: every rank builds them in the same order)."""
     plain = _compile(args, example, None, None)
     auto = _compile(args, example, KFAC, "auto",
-                    plan_options=PlanOptions(time_limit_s=args.time_limit, kfac_margin=args.kfac_margin))
+                    plan_options=PlanOptions(time_limit_s=args.time_limit, kfac_margin=args.kfac_margin,
+                                             strategy=args.strategy))
     every = {n: LayerTiming(1, 0, 0, KFAC.capture) for n in auto.plan.layers}
     skip = {n: LayerTiming(t.period, 0, 0, KFAC.capture) for n, t in auto.plan.layers.items()}
     naive = _compile(args, example, KFAC, None, layer_timing=every)
@@ -317,6 +318,9 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit (s)")
     parser.add_argument("--kfac-margin", type=float, default=PROFILE_MARGIN,
                         help="profiled K-FAC times are planned this much longer (PlanOptions.kfac_margin)")
+    parser.add_argument("--strategy", default="auto",
+                        help="how (b)'s stage copies share each layer's work: auto (the planner chooses), comm-opt, "
+                             "mem-opt, hybrid:F (grad-worker fraction), dp-kfac")
     parser.add_argument("--save-plan", default=None, help="write (b)'s plan JSON here")
     parser.add_argument("--trace-dir", default=None,
                         help="write each variant's measured Chrome trace here (made if missing)")

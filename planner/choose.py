@@ -59,7 +59,7 @@ from fxkfac.planner.solution import GroupSolution
 from fxkfac.planner.solve import TimeBox, solve
 from fxkfac.planner.strategy import COMM_OPT, LayerDistribution, Strategy, StrategyKind
 from fxkfac.planner.stretch import Allowance, allowance
-from fxkfac.planner.window import grid_scale
+from fxkfac.planner.window_build import grid_scale
 
 __all__ = ["STEP_TIE", "rank", "best", "candidate_strategies", "candidate_problems", "mixed", "solve_with_strategy",
            "solve_joint", "solve_outer", "strategy_of"]

@@ -49,7 +49,8 @@ from fxkfac.planner.problem import Problem, StageGroup, copies_of_stage, stages_
 from fxkfac.planner.solution import GroupSolution, use_offsets
 from fxkfac.planner.step_timeline import base_programs, gradient_stats, step_timeline
 from fxkfac.planner.strategy import LayerDistribution, Strategy, StrategyKind, grad_workers, holding, receivers
-from fxkfac.planner.window import TaskKind, Window, build_window
+from fxkfac.planner.window import TaskKind, Window
+from fxkfac.planner.window_build import build_window
 
 __all__ = ["layer_options", "timeline_stages", "apply_seconds", "share_seconds", "bcast_seconds",
            "comm_slot_seconds", "held_bytes", "base_bytes", "reference_step", "step_fixed_end", "JointPlacement",

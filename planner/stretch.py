@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from fxkfac.planner.problem import Problem, SolverConfig, StageGroup
 from fxkfac.planner.solution import GroupSolution, use_offsets
 from fxkfac.planner.step_timeline import stretch_allowance
-from fxkfac.planner.window import TaskKind, Window, build_window, grid_scale
+from fxkfac.planner.window import TaskKind, Window
+from fxkfac.planner.window_build import build_window, grid_scale
 
 __all__ = ["Allowance", "allowance", "restretch", "stretch_lower_bound", "least_stretch", "Probe"]
 

@@ -14,7 +14,7 @@ from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig, format_bytes, stage_groups
 from fxkfac.planner.step_timeline import step_timeline
 from fxkfac.planner.stretch import Allowance
-from fxkfac.planner.window import grid_scale
+from fxkfac.planner.window_build import grid_scale
 
 __all__ = ["with_suggestions"]
 
