@@ -64,11 +64,20 @@ import torch.distributed.checkpoint as dcp
 from torch import Tensor
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 
-from fxkfac.checkpoint_files import JsonMetadataReader, JsonMetadataWriter, read_json, read_tensor_metadata, write_json
+from fxkfac.checkpoint_files import (
+    JsonMetadataReader,
+    JsonMetadataWriter,
+    join_tensors,
+    read_json,
+    read_tensor_metadata,
+    split_tensors,
+    tensor_keys,
+    write_json,
+)
 from fxkfac.errors import CheckpointError
-from fxkfac.reshard import LOCAL_SECTIONS, LoadKind, check_run, in_flight_refusal, layout_changes, resharded_state
+from fxkfac.reshard import LoadKind, check_run, in_flight_refusal, layout_changes, resharded_state
 
-__all__ = ["Checkpointable", "Checkpointing", "save", "load", "digest", "split_tensors", "join_tensors", "FORMAT",
+__all__ = ["Checkpointable", "Checkpointing", "save", "load", "digest", "FORMAT",
            "VERSION"]
 
 log = logging.getLogger(__name__)
@@ -78,67 +87,6 @@ VERSION = 2
 """2: global keys for every holder's state and ``units`` in the header, so a checkpoint follows the state."""
 HEADER = "fxkfac.json"
 PLAN = "plan.json"
-_TENSOR = "__tensor__"
-_ITEMS = "__items__"
-
-
-# --- state <-> (JSON skeleton, tensors) ----------------------------------------------------------------
-
-
-def split_tensors(state: Mapping[str, Any], rank: int) -> tuple[dict[str, Any], dict[str, Tensor]]:
-    """``(skeleton, tensors)``: the JSON-able skeleton of ``state`` and its tensors by DCP key.
-
-    Dict keys are strings (or ints, kept as ``{"__items__": [[key, value], ...]}``); tuples become lists.
-    Sections in LOCAL_SECTIONS get keys under ``rank<r>/``.
-    """
-    tensors: dict[str, Tensor] = {}
-
-    def walk(value: Any, key: str) -> Any:
-        if isinstance(value, Tensor):
-            tensors[key] = value.detach()
-            return {_TENSOR: key}
-        if isinstance(value, Mapping):
-            if all(isinstance(k, str) for k in value):
-                return {k: walk(v, f"{key}/{k}") for k, v in value.items()}
-            if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in value):
-                raise AssertionError(f"state keys under {key!r} must be str or int: {list(value)[:4]}")
-            return {_ITEMS: [[k, walk(v, f"{key}/{k}")] for k, v in value.items()]}
-        if isinstance(value, (list, tuple)):
-            return [walk(v, f"{key}/{i}") for i, v in enumerate(value)]
-        if value is None or isinstance(value, (bool, int, float, str)):
-            return value
-        raise AssertionError(f"state at {key!r} holds a {type(value).__name__}, which a checkpoint cannot store")
-
-    skeleton = {section: walk(value, f"rank{rank}/{section}" if section in LOCAL_SECTIONS else section)
-                for section, value in state.items()}
-    return skeleton, tensors
-
-
-def join_tensors(skeleton: Any, tensors: Mapping[str, Tensor]) -> Any:
-    """Inverse of `split_tensors`: the skeleton with its tensor placeholders filled from ``tensors``."""
-    if isinstance(skeleton, dict):
-        if set(skeleton) == {_TENSOR}:
-            return tensors[skeleton[_TENSOR]]
-        if set(skeleton) == {_ITEMS}:
-            return {k: join_tensors(v, tensors) for k, v in skeleton[_ITEMS]}
-        return {k: join_tensors(v, tensors) for k, v in skeleton.items()}
-    if isinstance(skeleton, list):
-        return [join_tensors(v, tensors) for v in skeleton]
-    return skeleton
-
-
-def _tensor_keys(skeleton: Any) -> list[str]:
-    """Every DCP key a skeleton refers to."""
-    if isinstance(skeleton, dict):
-        if set(skeleton) == {_TENSOR}:
-            return [skeleton[_TENSOR]]
-        values = [v for _, v in skeleton[_ITEMS]] if set(skeleton) == {_ITEMS} else list(skeleton.values())
-        return [k for v in values for k in _tensor_keys(v)]
-    if isinstance(skeleton, list):
-        return [k for v in skeleton for k in _tensor_keys(v)]
-    return []
-
-
 # --- what a checkpoint is made for ---------------------------------------------------------------------
 
 
@@ -373,7 +321,7 @@ def _prepare(trainer: Checkpointable, path: Path, rank: int, world: int) -> tupl
     else:
         skeleton = _resharded_skeleton(path, header, mine, run, rank)
     metadata = read_tensor_metadata(path).state_dict_metadata
-    keys = _tensor_keys(skeleton)
+    keys = tensor_keys(skeleton)
     missing = [k for k in keys if k not in metadata]
     if missing:
         raise CheckpointError(f"checkpoint {path} lacks the tensors {missing[:4]} rank {rank}'s state names; "

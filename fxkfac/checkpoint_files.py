@@ -1,15 +1,18 @@
-"""The files of a checkpoint directory ([Note: checkpoint format] in fxkfac/checkpoint.py): JSON written durably
-and read with errors a user can act on, and torch.distributed.checkpoint's tensor files with their metadata as JSON
-(``.metadata.json``) instead of DCP's pickle, so nothing is unpickled on load."""
+"""The files of a checkpoint directory ([Note: checkpoint format] in fxkfac/checkpoint.py): a state as its JSON
+skeleton and its tensors by DCP key, JSON written durably and read with errors a user can act on, and
+torch.distributed.checkpoint's tensor files with their metadata as JSON (``.metadata.json``) instead of DCP's pickle,
+so nothing is unpickled on load."""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (
@@ -23,11 +26,68 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from fxkfac.errors import CheckpointError
+from fxkfac.reshard import LOCAL_SECTIONS
 
 __all__ = ["DCP_METADATA", "JsonMetadataWriter", "JsonMetadataReader", "read_tensor_metadata", "write_json",
-           "read_json"]
+           "read_json", "split_tensors", "join_tensors", "tensor_keys"]
 
 DCP_METADATA = ".metadata.json"
+_TENSOR = "__tensor__"
+_ITEMS = "__items__"
+
+
+def split_tensors(state: Mapping[str, Any], rank: int) -> tuple[dict[str, Any], dict[str, Tensor]]:
+    """``(skeleton, tensors)``: the JSON-able skeleton of ``state`` and its tensors by DCP key.
+
+    Dict keys are strings (or ints, kept as ``{"__items__": [[key, value], ...]}``); tuples become lists.
+    Sections in LOCAL_SECTIONS get keys under ``rank<r>/``.
+    """
+    tensors: dict[str, Tensor] = {}
+
+    def walk(value: Any, key: str) -> Any:
+        if isinstance(value, Tensor):
+            tensors[key] = value.detach()
+            return {_TENSOR: key}
+        if isinstance(value, Mapping):
+            if all(isinstance(k, str) for k in value):
+                return {k: walk(v, f"{key}/{k}") for k, v in value.items()}
+            if not all(isinstance(k, (str, int)) and not isinstance(k, bool) for k in value):
+                raise AssertionError(f"state keys under {key!r} must be str or int: {list(value)[:4]}")
+            return {_ITEMS: [[k, walk(v, f"{key}/{k}")] for k, v in value.items()]}
+        if isinstance(value, (list, tuple)):
+            return [walk(v, f"{key}/{i}") for i, v in enumerate(value)]
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        raise AssertionError(f"state at {key!r} holds a {type(value).__name__}, which a checkpoint cannot store")
+
+    skeleton = {section: walk(value, f"rank{rank}/{section}" if section in LOCAL_SECTIONS else section)
+                for section, value in state.items()}
+    return skeleton, tensors
+
+
+def join_tensors(skeleton: Any, tensors: Mapping[str, Tensor]) -> Any:
+    """Inverse of `split_tensors`: the skeleton with its tensor placeholders filled from ``tensors``."""
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {_TENSOR}:
+            return tensors[skeleton[_TENSOR]]
+        if set(skeleton) == {_ITEMS}:
+            return {k: join_tensors(v, tensors) for k, v in skeleton[_ITEMS]}
+        return {k: join_tensors(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [join_tensors(v, tensors) for v in skeleton]
+    return skeleton
+
+
+def tensor_keys(skeleton: Any) -> list[str]:
+    """Every DCP key a skeleton refers to."""
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {_TENSOR}:
+            return [skeleton[_TENSOR]]
+        values = [v for _, v in skeleton[_ITEMS]] if set(skeleton) == {_ITEMS} else list(skeleton.values())
+        return [k for v in values for k in tensor_keys(v)]
+    if isinstance(skeleton, list):
+        return [k for v in skeleton for k in tensor_keys(v)]
+    return []
 
 
 def _metadata_to_json(md: Metadata) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Which runs a checkpoint loads into, and one rank's state under a new layout from every saved rank's skeleton.
 
-Pure functions on the header's run descriptions and on the JSON skeletons of `fxkfac.checkpoint.split_tensors`
+Pure functions on the header's run descriptions and on the JSON skeletons of `fxkfac.checkpoint_files.split_tensors`
 (tensor placeholders keep the checkpoint's DCP keys, so the tensors are read afterwards by key); no tensors,
 no I/O. The rules are [Note: resharding] in fxkfac/checkpoint.py.
 """

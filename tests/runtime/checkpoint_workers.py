@@ -100,7 +100,7 @@ def mlp_single(period: int = 1, **kw: Any) -> Any:
 
 def snapshot(trainer: Any) -> tuple[Any, dict[str, torch.Tensor]]:
     """A deep copy of the trainer's whole state: JSON skeleton and tensors by key."""
-    from fxkfac.checkpoint import split_tensors
+    from fxkfac.checkpoint_files import split_tensors
 
     skeleton, tensors = split_tensors(trainer.state_dict(), 0)
     return skeleton, {k: t.clone() for k, t in tensors.items()}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxkfac import checkpoint, checkpoint_files
+from fxkfac import checkpoint_files
 from fxkfac.capture import capture
 from fxkfac.config import KLClipScope
 from fxkfac.errors import CheckpointError
@@ -89,9 +89,9 @@ def test_state_split_into_json_and_tensors_round_trips() -> None:
     state = {"model": {"w": torch.ones(2)}, "optimizer": {"state": {0: {"step": torch.tensor(3.0), "n": 4}},
                                                           "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]},
              "inflight": {"outbox": [["l", "A", [None, {"method": "cholesky", "inv": torch.eye(2)}]]]}}
-    skeleton, tensors = checkpoint.split_tensors(state, 3)
+    skeleton, tensors = checkpoint_files.split_tensors(state, 3)
     assert set(tensors) == {"model/w", "optimizer/state/0/step", "rank3/inflight/outbox/0/2/1/inv"}
-    back = checkpoint.join_tensors(json.loads(json.dumps(skeleton)), tensors)
+    back = checkpoint_files.join_tensors(json.loads(json.dumps(skeleton)), tensors)
     assert back["optimizer"]["state"][0]["n"] == 4 and torch.equal(back["optimizer"]["state"][0]["step"],
                                                                       torch.tensor(3.0))
     assert back["inflight"]["outbox"][0][2][0] is None and back["optimizer"]["param_groups"][0]["betas"] == [0.9, 0.99]
@@ -123,13 +123,13 @@ def test_kfac_work_in_flight_round_trips_through_a_checkpoint_state() -> None:
     d_other = rt.layers[other].a_dim
     rt.states[other].A = torch.randn(d_other, d_other, generator=g)
     rt.states[other].set_pending(Inverse("cholesky", a_inv=torch.eye(2), b_inv=torch.eye(3)), 3)
-    skeleton, tensors = checkpoint.split_tensors(rt.state_dict(), 0)
+    skeleton, tensors = checkpoint_files.split_tensors(rt.state_dict(), 0)
     restored = _runtime()
-    restored.load_parsed(restored.parse_state(checkpoint.join_tensors(json.loads(json.dumps(skeleton)), tensors)))
-    again, again_tensors = checkpoint.split_tensors(restored.state_dict(), 0)
+    restored.load_parsed(restored.parse_state(checkpoint_files.join_tensors(json.loads(json.dumps(skeleton)), tensors)))
+    again, again_tensors = checkpoint_files.split_tensors(restored.state_dict(), 0)
     assert again == skeleton and set(again_tensors) == set(tensors)
     assert all(torch.equal(again_tensors[k], tensors[k]) for k in tensors)
-    bad = checkpoint.join_tensors(skeleton, tensors)
+    bad = checkpoint_files.join_tensors(skeleton, tensors)
     bad["inflight"]["refreshes"]["not.a.layer"] = bad["inflight"]["refreshes"].pop(name)
     with pytest.raises(CheckpointError, match=r"in flight for layers \['not.a.layer'\]"):
         restored.parse_state(bad)
