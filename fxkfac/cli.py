@@ -1,4 +1,5 @@
-"""The `fxkfac` console script: its argument parser and commands (`plan`: cli_plan.py, `show`: cli_show.py, `demo`)."""
+"""The `fxkfac` console script: its argument parser and commands (`plan`: cli_plan.py, `show`: cli_show.py, `demo`:
+cli_demo.py)."""
 
 from __future__ import annotations
 
@@ -142,7 +143,7 @@ def _add_demo(demo: argparse.ArgumentParser) -> None:
 
 
 def _run_demo(args: argparse.Namespace, console: Console) -> int:
-    from fxkfac.demo import main as demo_main  # imports torch: only when asked
+    from fxkfac.cli_demo import main as demo_main  # imports torch: only when asked
 
     return demo_main(args, console)
 

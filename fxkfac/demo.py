@@ -6,12 +6,11 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.errors import ConfigError
@@ -21,8 +20,8 @@ from fxkfac.models import TinyBertConfig
 if TYPE_CHECKING:
     from fxkfac.shampoo.config import ShampooConfig, SOAPConfig
 
-__all__ = ["RunSpec", "DemoConfig", "Curve", "DemoResult", "default_runs", "run_demo", "render_result",
-           "plan_view", "reach", "lr_at"]
+__all__ = ["RunSpec", "DemoConfig", "Curve", "DemoResult", "default_runs", "run_demo", "plan_view", "reach",
+           "lr_at"]
 
 log = logging.getLogger(__name__)
 
@@ -369,71 +368,10 @@ def run_demo(cfg: DemoConfig, console: Console | None = None, *, show_plan: bool
 
 
 def plan_view(plan_json: str, width: int = 100) -> Any:
-    """How the plan is shown: `fxkfac.plan_view.render_plan` (summary and planned timeline) when this build
-    has it, else the plan's metrics as a table."""
+    """The plan as `fxkfac plan --show` draws it (summary and planned timeline)."""
+    from fxkfac.plan_view import render_plan
     from fxkfac.planner.plan import Plan
 
     plan = Plan.from_json(plan_json)
-    try:
-        from fxkfac.plan_view import render_plan
-    except ImportError:
-        return _metrics_table(plan)
     return render_plan(plan, width=width, title=f"plan='auto': {plan.problem.schedule} D={plan.problem.D} "
                                                 f"N={plan.problem.N} W={plan.problem.W}")
-
-
-def _metrics_table(plan: Any) -> Table:
-    """The plan's metrics (utilization, refresh periods, step times, memory, solver) as a rich table."""
-    from fxkfac.planner.problem import format_bytes
-
-    m, p = plan.metrics, plan.problem
-    table = Table(title=f"plan: {p.schedule} D={p.D} N={p.N} W={p.W}", show_header=False, title_justify="left")
-    table.add_column(style="bold")
-    table.add_column()
-    rows = [
-        ("utilization", f"{m.utilization_baseline:.1%} plain pipeline -> {m.utilization:.1%} with K-FAC in bubbles"),
-        ("refresh every (steps) per stage", " ".join(map(str, m.refresh_steps))
-         + f"   (lower bound {' '.join(map(str, m.lower_bound_steps))}, greedy "
-         + " ".join("-" if k is None else str(k) for k in m.greedy_refresh_steps) + ")"),
-        ("step time", f"{m.step_time_baseline * 1e3:.2f} ms plain, {m.step_time * 1e3:.2f} ms planned, "
-                      f"{m.step_time_reference * 1e3:.2f} ms K-FAC on the critical path"),
-        ("peak memory per device", "  ".join(f"r{d}: {format_bytes(b)}" for d, b in sorted(m.peak_memory.items()))),
-        ("K-FAC ops placed", str(len(plan.placements))),
-        ("solver", f"{m.solver.status} in {m.solver.wall_time:.2f} s"),
-    ]
-    for name, value in rows:
-        table.add_row(name, value)
-    return table
-
-
-def render_result(result: DemoResult, cfg: DemoConfig) -> Table:
-    """PipeFisher against AdamW: validation loss, steps, wall time, time per step, and time to the baseline's loss."""
-    baseline = next((c for c in result.curves if c.plan_json is None), result.curves[-1])
-    table = Table(title=f"{cfg.schedule} D={cfg.stages} W={cfg.dp} N={cfg.microbatches}, batch {cfg.batch_size} x "
-                        f"{cfg.seq_len} tokens: validation loss (stdlib held-out files)", title_justify="left")
-    for col in ("run", "val loss", "steps", "train wall s", "ms / step", f"to {baseline.name}'s final loss"):
-        table.add_column(col, justify="left" if col == "run" else "right")
-    for c in result.curves:
-        got = reach(c, baseline.final_val)
-        to = "-" if got is None else f"{got[0]} steps, {got[1]:.1f} s"
-        table.add_row(c.name, f"{c.final_val:.4f}", str(c.steps), f"{c.seconds:.1f}", f"{c.step_time * 1e3:.1f}", to)
-    return table
-
-
-def config_from(base: DemoConfig, **overrides: Any) -> DemoConfig:
-    """`base` with the given fields replaced (None values are ignored), validated."""
-    return replace(base, **{k: v for k, v in overrides.items() if v is not None})
-
-
-def main(args: Any, console: Console) -> int:
-    """`fxkfac demo`: plan, train PipeFisher and AdamW over local processes, print the comparison."""
-    cfg = config_from(DemoConfig(), stages=args.stages, dp=args.dp, schedule=args.schedule,
-                      microbatches=args.microbatches, steps=args.steps, seconds=args.seconds)
-    if cfg.seconds is not None and args.steps is None:
-        cfg = replace(cfg, steps=1_000_000)
-    console.print(f"fxkfac demo: TinyBert MLM ({cfg.model.layers} blocks, hidden {cfg.model.hidden}) on the CPython "
-                  f"stdlib source, {cfg.world} local processes ({cfg.schedule}, D={cfg.stages}, W={cfg.dp}, "
-                  f"N={cfg.microbatches}); planning K-FAC into the bubbles (plan='auto')", highlight=False)
-    result = run_demo(cfg, console)
-    console.print(render_result(result, cfg))
-    return 0

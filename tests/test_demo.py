@@ -8,8 +8,9 @@ from dataclasses import replace
 import pytest
 from rich.console import Console
 
+from fxkfac.cli_demo import render_result
 from fxkfac.config import KFACConfig
-from fxkfac.demo import DemoConfig, RunSpec, lr_at, render_result, run_demo
+from fxkfac.demo import DemoConfig, RunSpec, lr_at, run_demo
 from fxkfac.errors import ConfigError, PipelineError
 from fxkfac.launch import RankContext, launch
 from fxkfac.models import TinyBertConfig
