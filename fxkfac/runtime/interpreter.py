@@ -82,7 +82,21 @@ Handler = Callable[[StepContext, Op], None]
 
 
 def _key(op: Op) -> Key:
-    return (op.stage, op.pipe, op.mb)  # type: ignore[return-value]  # FWD, BWD and transfers name their stage and micro-batch
+    """(stage, pipe, micro-batch) of a FWD, BWD or transfer: where its activations and gradients are kept."""
+    if op.stage is None or op.mb is None:
+        raise AssertionError(f"'{op}' names no stage or micro-batch (Op requires both of FWD, BWD and transfers)")
+    return (op.stage, op.pipe, op.mb)
+
+
+def _message(op: Op) -> tuple[int, bool, int, int, int]:
+    """(peer, gradient?, stage, pipe, micro-batch): the message of a transfer as both ends name it, activations by
+    the stage that sends them (a RECV_ACT names the stage after) and gradients by the stage that receives them (a
+    SEND_GRAD names the stage after)."""
+    if op.peer is None:
+        raise AssertionError(f"'{op}' names no peer (Op requires one of a transfer)")
+    stage, pipe, mb = _key(op)
+    grad = op.kind in (OpKind.SEND_GRAD, OpKind.RECV_GRAD)
+    return op.peer, grad, stage - 1 if op.kind in (OpKind.RECV_ACT, OpKind.SEND_GRAD) else stage, pipe, mb
 
 
 def _take(store: dict, key: Any, op: Op, missing: str) -> Any:
@@ -122,17 +136,17 @@ def _bwd(ctx: StepContext, op: Op) -> None:
 
 def _send_act(ctx: StepContext, op: Op) -> None:
     tensors = _take(ctx.to_send, ("act", _key(op)), op, "its FWD has not run")
-    ctx.transport.send(tensors, op.peer, False, op.stage, op.pipe, op.mb, str(op))  # type: ignore[arg-type]  # a transfer names its peer, stage and micro-batch (planner/lowering.py)
+    ctx.transport.send(tensors, *_message(op), str(op))
 
 
 def _recv_act(ctx: StepContext, op: Op) -> None:
     specs = ctx.runner(op).graph.inputs
-    ctx.acts[_key(op)] = ctx.transport.recv(specs, op.peer, False, op.stage - 1, op.pipe, op.mb, str(op))  # type: ignore[arg-type, operator]  # a transfer names its peer, stage and micro-batch (planner/lowering.py)
+    ctx.acts[_key(op)] = ctx.transport.recv(specs, *_message(op), str(op))
 
 
 def _send_grad(ctx: StepContext, op: Op) -> None:
     tensors = _take(ctx.to_send, ("grad", _key(op)), op, "its BWD has not run")
-    ctx.transport.send(tensors, op.peer, True, op.stage - 1, op.pipe, op.mb, str(op))  # type: ignore[arg-type, operator]  # a transfer names its peer, stage and micro-batch (planner/lowering.py)
+    ctx.transport.send(tensors, *_message(op), str(op))
 
 
 def _grad_specs(ctx: StepContext, op: Op) -> list:
@@ -140,7 +154,7 @@ def _grad_specs(ctx: StepContext, op: Op) -> list:
 
 
 def _recv_grad(ctx: StepContext, op: Op) -> None:
-    ctx.grads[_key(op)] = ctx.transport.recv(_grad_specs(ctx, op), op.peer, True, op.stage, op.pipe, op.mb, str(op))  # type: ignore[arg-type]  # a transfer names its peer, stage and micro-batch (planner/lowering.py)
+    ctx.grads[_key(op)] = ctx.transport.recv(_grad_specs(ctx, op), *_message(op), str(op))
 
 
 def _allreduce_grad(ctx: StepContext, op: Op) -> None:
@@ -246,9 +260,9 @@ class Interpreter:
             listener.begin_step(ctx)
         for op in ops:
             if op.kind is OpKind.RECV_ACT:
-                ctx.transport.post_recv(ctx.runner(op).graph.inputs, op.peer, False, op.stage - 1, op.pipe, op.mb)  # type: ignore[arg-type, operator]  # a transfer names its peer, stage and micro-batch (planner/lowering.py)
+                ctx.transport.post_recv(ctx.runner(op).graph.inputs, *_message(op))
             elif op.kind is OpKind.RECV_GRAD:
-                ctx.transport.post_recv(_grad_specs(ctx, op), op.peer, True, op.stage, op.pipe, op.mb)  # type: ignore[arg-type]  # a transfer names its peer, stage and micro-batch (planner/lowering.py)
+                ctx.transport.post_recv(_grad_specs(ctx, op), *_message(op))
         for op in ops:
             handler = self.handlers.get(op.kind)
             if handler is None:
