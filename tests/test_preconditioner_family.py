@@ -19,18 +19,13 @@ from fxkfac.planner.ir import LayerTiming, OpKind
 from tests.passes.reference import hook_a_e
 from tests.support.diagonal import DiagonalFamily
 from tests.support.distributed import run_distributed
-from tests.support.models import mlp
+from tests.support.models import mlp, mlp_batches
 
 LR, N, STEPS = 0.1, 2, 4
 
 
 def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR)
-
-
-def _batches() -> list[tuple[Tensor, Tensor]]:
-    g = torch.Generator().manual_seed(3)
-    return [(torch.randn(8, 12, generator=g), torch.randn(8, 5, generator=g)) for _ in range(STEPS)]
 
 
 def _timings() -> dict[str, LayerTiming]:
@@ -84,7 +79,7 @@ def _one_device(batches: list[tuple[Tensor, Tensor]]) -> fxkfac.runtime.trainer.
 
 
 def test_diagonal_family_on_one_device_equals_the_eager_reference() -> None:
-    batches = _batches()
+    batches = mlp_batches(STEPS)
     trainer = _one_device(batches)
     want = _reference(batches, DiagonalFamily())
     moved = 0.0
@@ -98,7 +93,7 @@ def test_diagonal_family_on_one_device_equals_the_eager_reference() -> None:
 
 
 def test_diagonal_family_checkpoint_resumes_exactly(tmp_path) -> None:
-    batches = _batches()
+    batches = mlp_batches(STEPS)
     a = _one_device(batches[:2])
     a.save_checkpoint(str(tmp_path / "ckpt"))
     b = fxkfac.compile(mlp(seed=5), None, None, example_inputs=(batches[0][0],), loss_fn=F.mse_loss, optimizer=_sgd,
@@ -115,7 +110,7 @@ def _pipelined_worker(rank: int, world: int, meshes: list[tuple[int, int, str]])
     """Each (D, W, schedule) with the diagonal family, K-FAC's naive programs for its one part."""
     out = []
     for D, W, schedule in meshes:
-        batches = _batches()
+        batches = mlp_batches(STEPS)
         trainer = fxkfac.compile(mlp(), (D, W), None, example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
                                  optimizer=_sgd, backend=None, schedule=schedule, microbatches=N // W,
                                  preconditioner=DiagonalFamily(), layer_timing=_timings(),
@@ -132,7 +127,7 @@ def test_diagonal_family_pipelined_equals_one_device() -> None:
     meshes = [(2, 1, "1f1b"), (1, 2, "gpipe")]
     results = run_distributed(_pipelined_worker, 2, meshes, timeout=300)
     assert all(r.ok for r in results), [r.traceback for r in results if not r.ok]
-    want = dict(_one_device(_batches()).named_parameters())
+    want = dict(_one_device(mlp_batches(STEPS)).named_parameters())
     for r in results:
         for case, params in zip(meshes, r.value):
             for name, p in params.items():
@@ -151,7 +146,7 @@ def diagonal_costs(stage_layers: dict[int, list[str]], layers: dict) -> CostTabl
 
 def _planned_worker(rank: int, world: int) -> dict:
     """plan="auto" places the diagonal family's work (CP-SAT over `diagonal_costs`) and the ranks run it."""
-    batches = _batches() * 2
+    batches = mlp_batches(STEPS) * 2
     trainer = fxkfac.compile(mlp(), (2, 1), "auto", example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
                              optimizer=_sgd, backend=None, schedule="1f1b", microbatches=N,
                              preconditioner=DiagonalFamily(), pipeline=PipelineOptions(timeout=60.0),
@@ -171,7 +166,7 @@ def test_the_planner_places_the_diagonal_family_and_the_runtime_runs_its_plan() 
     layers = results[0].value["layers"]
     assert {"STATS", "DECOMP", "APPLY"} <= results[0].value["placed"] | results[1].value["placed"]
     assert max(t.period for t in layers.values()) > 1, "the plan should refresh less often than every step"
-    batches = _batches() * 2
+    batches = mlp_batches(STEPS) * 2
     single = fxkfac.compile(mlp(), None, None, example_inputs=(batches[0][0],), loss_fn=F.mse_loss, optimizer=_sgd,
                             backend=None, microbatches=N, preconditioner=DiagonalFamily(), layer_timing=layers)
     for x, y in batches:

@@ -21,7 +21,7 @@ from fxkfac.planner.ir import LayerTiming, OpKind
 from fxkfac.profiler import gradient_unit_cost
 from fxkfac.shampoo import GraftType, ParamUnit, ShampooConfig, ShampooFamily, SOAPConfig
 from tests.support.distributed import run_distributed
-from tests.support.models import mlp
+from tests.support.models import mlp, mlp_batches
 
 N, STEPS, LR = 2, 6, 0.05
 SHAMPOO = ShampooConfig(precondition_frequency=2, max_preconditioner_dim=8, grafting_type=GraftType.ADAM,
@@ -34,11 +34,6 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=LR)
 
 
-def _batches() -> list[tuple[Tensor, Tensor]]:
-    g = torch.Generator().manual_seed(3)
-    return [(torch.randn(8, 12, generator=g), torch.randn(8, 5, generator=g)) for _ in range(STEPS)]
-
-
 def _timings() -> dict[str, LayerTiming]:
     """The first layer's roots are used a step after their refresh (a planned run's staleness); the rest at once."""
     return {"0.weight": LayerTiming(2, 0, 1, "fused"), "0.bias": LayerTiming(2, 1, 1, "fused")}
@@ -46,7 +41,7 @@ def _timings() -> dict[str, LayerTiming]:
 
 def _compile(family: str, mesh: tuple[int, int] | None, schedule: str = "1f1b", seed: int = 0) -> fxkfac.Trainer:
     W = 1 if mesh is None else mesh[1]
-    return fxkfac.compile(mlp(seed=seed), mesh, None, example_inputs=(_batches()[0][0],), loss_fn=F.mse_loss,
+    return fxkfac.compile(mlp(seed=seed), mesh, None, example_inputs=(mlp_batches(STEPS)[0][0],), loss_fn=F.mse_loss,
                           optimizer=_sgd, backend=None, schedule=schedule, microbatches=N // W,
                           preconditioner=FAMILIES[family], layer_timing=_timings(),
                           pipeline=PipelineOptions(timeout=60.0))
@@ -54,7 +49,7 @@ def _compile(family: str, mesh: tuple[int, int] | None, schedule: str = "1f1b", 
 
 def _one_device(family: str) -> dict[str, Tensor]:
     trainer = _compile(family, None)
-    for x, y in _batches():
+    for x, y in mlp_batches(STEPS):
         trainer.step(x, y)
     return {n: p.detach().clone() for n, p in trainer.named_parameters()}
 
@@ -63,7 +58,7 @@ def _pipelined_worker(rank: int, world: int, cases: list[tuple[str, int, int, st
     out = []
     for family, D, W, schedule in cases:
         trainer = _compile(family, (D, W), schedule)
-        for x, y in _batches():
+        for x, y in mlp_batches(STEPS):
             trainer.step(x, y)
         out.append({n: copy.deepcopy(p.detach()) for n, p in trainer.named_parameters()})
         dist.barrier()
@@ -91,7 +86,7 @@ def test_shampoo_and_soap_pipelined_equal_one_device() -> None:
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_checkpoint_resumes_exactly_with_roots_pending(family: str, tmp_path) -> None:
     """Stopped after step 3, the first layer's root from step 2 is still pending (used from step 3 on)."""
-    batches = _batches()
+    batches = mlp_batches(STEPS)
     a = _compile(family, None)
     for x, y in batches[:3]:
         a.step(x, y)
@@ -107,17 +102,17 @@ def test_checkpoint_resumes_exactly_with_roots_pending(family: str, tmp_path) ->
 
 def test_a_base_optimizer_with_momentum_is_refused() -> None:
     with pytest.raises(ConfigError, match="base optimizer must be torch.optim.SGD"):
-        fxkfac.compile(mlp(), None, None, example_inputs=(_batches()[0][0],), loss_fn=F.mse_loss, backend=None,
+        fxkfac.compile(mlp(), None, None, example_inputs=(mlp_batches(STEPS)[0][0],), loss_fn=F.mse_loss, backend=None,
                        optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), preconditioner=SHAMPOO)
 
 
 def _planned_worker(rank: int, world: int, family: str, mesh: tuple[int, int], schedule: str) -> dict:
     """plan="auto": rank 0 profiles the family through its own methods, CP-SAT places its work, the ranks run it."""
-    trainer = fxkfac.compile(mlp(), mesh, "auto", example_inputs=(_batches()[0][0],), loss_fn=F.mse_loss,
+    trainer = fxkfac.compile(mlp(), mesh, "auto", example_inputs=(mlp_batches(STEPS)[0][0],), loss_fn=F.mse_loss,
                              optimizer=_sgd, backend=None, schedule=schedule, microbatches=N // mesh[1],
                              preconditioner=FAMILIES[family], pipeline=PipelineOptions(timeout=60.0),
                              plan_options=PlanOptions(time_limit_s=3.0))
-    for x, y in _batches():
+    for x, y in mlp_batches(STEPS):
         trainer.step(x, y)
     assert trainer.plan is not None
     return {"params": {n: copy.deepcopy(p.detach()) for n, p in trainer.named_parameters()},
@@ -136,10 +131,10 @@ def test_planned_shampoo_and_soap_run_their_plan_and_equal_one_device_given_it(
     assert {OpKind.DECOMP, OpKind.APPLY} <= results[0].value["placed"] | results[1].value["placed"]
     assert min(t.use_offset for t in layers.values()) >= 1, "a planned gradient part decomposes after its step"
     assert max(t.period for t in layers.values()) <= FAMILIES[family].precondition_frequency
-    single = fxkfac.compile(mlp(), None, None, example_inputs=(_batches()[0][0],), loss_fn=F.mse_loss,
+    single = fxkfac.compile(mlp(), None, None, example_inputs=(mlp_batches(STEPS)[0][0],), loss_fn=F.mse_loss,
                             optimizer=_sgd, backend=None, microbatches=N, preconditioner=FAMILIES[family],
                             layer_timing=layers)
-    for x, y in _batches():
+    for x, y in mlp_batches(STEPS):
         single.step(x, y)
     want = dict(single.named_parameters())
     for r in results:
@@ -166,7 +161,7 @@ def _units() -> tuple[dict, dict]:
 def _resume_worker(rank: int, world: int, family: str, path: str) -> dict[str, dict[str, Tensor]]:
     """Planned 2-rank 1F1B: train 3 steps and checkpoint (decompositions may be in flight), resume in new trainers
     under the same plan, and train on; against the same 6 steps uninterrupted."""
-    batches = _batches()
+    batches = mlp_batches(STEPS)
 
     def make(seed: int, plan: Any) -> fxkfac.Trainer:
         return fxkfac.compile(mlp(seed=seed), (2, 1), plan, example_inputs=(batches[0][0],), loss_fn=F.mse_loss,

@@ -15,7 +15,7 @@ from fxkfac.config import KFACConfig
 from fxkfac.planner.ir import LayerTiming
 from fxkfac.runtime.trainer import Trainer
 from tests.support.kfac_reference import KFACReference
-from tests.support.models import cnn, image_batch, mlp, tiny_gpt2, token_batch
+from tests.support.models import cnn, image_batch, mlp, mlp_batches, tiny_gpt2, token_batch
 
 LR = 0.05
 
@@ -62,14 +62,9 @@ def _image_batches(k: int) -> list[tuple[Tensor, Tensor]]:
     return [image_batch(8, seed=s) for s in range(k)]
 
 
-def _mlp_batches(k: int) -> list[tuple[Tensor, Tensor]]:
-    g = torch.Generator().manual_seed(5)
-    return [(torch.randn(8, 12, generator=g), torch.randn(8, 5, generator=g)) for _ in range(k)]
-
-
 def test_mlp_kfac_two_microbatches_refresh_every_two() -> None:
     cfg = KFACConfig(damping=1e-2, refresh_every=2, factor_decay=0.9)
-    trainer = _compare(mlp, _mlp_batches(5), _mse, cfg=cfg, microbatches=2)
+    trainer = _compare(mlp, mlp_batches(5, seed=5), _mse, cfg=cfg, microbatches=2)
     assert all(state.refreshes == 3 for state in trainer.layer_states.values())
 
 
@@ -93,12 +88,12 @@ def test_kfac_none_equals_plain_training() -> None:
 @pytest.mark.compile
 def test_inductor_backend_equals_reference() -> None:
     cfg = KFACConfig(damping=1e-2, refresh_every=2, capture="deferred")
-    _compare(mlp, _mlp_batches(3), _mse, cfg=cfg, microbatches=2, backend="inductor", rtol=1e-3)
+    _compare(mlp, mlp_batches(3, seed=5), _mse, cfg=cfg, microbatches=2, backend="inductor", rtol=1e-3)
 
 
 def test_state_dict_round_trip_continues_identically() -> None:
     cfg = KFACConfig(damping=1e-2, refresh_every=2)
-    batches = _mlp_batches(4)
+    batches = mlp_batches(4, seed=5)
     a = fxkfac.compile(mlp(), None, example_inputs=(batches[0][0],), loss_fn=_mse, optimizer=_sgd, kfac=cfg,
                        backend=None)
     for x, y in batches[:3]:

@@ -19,7 +19,7 @@ from fxkfac.planner.ir import OpKind
 from fxkfac.shampoo import GraftType, RootInvMethod, ShampooConfig
 from tests.e2e import workers as w
 from tests.support.distributed import run_distributed
-from tests.support.models import mlp
+from tests.support.models import mlp, mlp_batches
 
 pytestmark = pytest.mark.multiproc
 
@@ -44,12 +44,6 @@ def shampoo_costs(stage_layers: Mapping[int, Sequence[str]], layers: Mapping[str
     return CostTable(stages, 2, "synthetic:e2e-shampoo", "cpu")
 
 
-def shampoo_batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`steps` deterministic mini-batches of the MLP (8 samples)."""
-    g = torch.Generator().manual_seed(3)
-    return [(torch.randn(8, 12, generator=g), torch.randn(8, 5, generator=g)) for _ in range(steps)]
-
-
 def shampoo_sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """Shampoo makes the whole direction: plain SGD."""
     return torch.optim.SGD(params, lr=0.05)
@@ -57,7 +51,7 @@ def shampoo_sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
 
 def shampoo_run(rank: int, case: w.Case, steps: int) -> tuple:
     """The MLP under Shampoo with newton_pieces, planned (rank 0 solves over `shampoo_costs`): as `split_worker`."""
-    data = shampoo_batches(steps)
+    data = mlp_batches(steps)
     trainer = fxkfac.compile(mlp(), (case.D, case.W), "auto", example_inputs=(data[0][0],), loss_fn=F.mse_loss,
                              optimizer=shampoo_sgd, backend=None, schedule=case.schedule, microbatches=case.N,
                              preconditioner=SHAMPOO, pipeline=PipelineOptions(timeout=60.0),
@@ -118,7 +112,7 @@ def check_shampoo(ran: list[tuple]) -> None:
     makes each root in one `decompose`, the pieces' fold)."""
     layers, steps = ran[0][2], ran[0][3]
     assert {p for value in ran for p in value[4]} == {(i, 4) for i in range(4)}, "no Shampoo root in pieces"
-    data = shampoo_batches(steps)
+    data = mlp_batches(steps)
     single = fxkfac.compile(mlp(), None, None, example_inputs=(data[0][0],), loss_fn=F.mse_loss,
                             optimizer=shampoo_sgd, backend=None, microbatches=CASE.N * CASE.W, preconditioner=SHAMPOO,
                             layer_timing=layers)

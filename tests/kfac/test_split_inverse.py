@@ -33,7 +33,7 @@ from fxkfac.planner.ir import LayerTiming, Op, OpKind
 from fxkfac.runtime.trainer import Trainer
 from tests.kfac.helpers import layer_of
 from tests.support.kfac_reference import KFACReference
-from tests.support.models import mlp
+from tests.support.models import mlp, mlp_batches
 
 NS = SplitInverse(method=SplitMethod.NEWTON_SCHULZ, pieces=3, iterations=2, tolerance=1e-6)
 SPLITS = [SplitInverse(pieces=2, iterations=2), SplitInverse(method=SplitMethod.BLOCKS, pieces=3)]
@@ -170,8 +170,7 @@ def test_family_pieces_run_apart_equal_decompose(split: SplitInverse) -> None:
 def test_single_device_trainer_equals_the_reference_with_split_inverses(
         split: SplitInverse, caplog: pytest.LogCaptureFixture) -> None:
     cfg = KFACConfig(damping=1e-2, factor_decay=0.9, split_inverse=split)
-    g = torch.Generator().manual_seed(5)
-    batches = [(torch.randn(8, 12, generator=g), torch.randn(8, 5, generator=g)) for _ in range(4)]
+    batches = mlp_batches(4, seed=5)
     model, sgd = mlp(), (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
     ref_model = copy.deepcopy(model)
     trainer = fxkfac.compile(model, None, example_inputs=(batches[0][0],), loss_fn=F.mse_loss, optimizer=sgd,
@@ -209,8 +208,7 @@ def _mlp_trainer(cfg: KFACConfig, batch: torch.Tensor) -> Trainer:
 @pytest.mark.parametrize("split", SPLITS, ids=["ns", "blocks"])
 def test_pieces_run_in_different_steps_equal_the_reference_and_survive_a_checkpoint(split: SplitInverse) -> None:
     cfg = KFACConfig(damping=1e-2, factor_decay=0.9, split_inverse=dataclasses.replace(split, pieces=2))
-    g = torch.Generator().manual_seed(5)
-    batches = [(torch.randn(8, 12, generator=g), torch.randn(8, 5, generator=g)) for _ in range(5)]
+    batches = mlp_batches(5, seed=5)
     trainer = _mlp_trainer(cfg, batches[0][0])
     _pieces_across_steps(trainer)
     ref_model = mlp()

@@ -36,6 +36,12 @@ class _CNN(nn.Module):
         return self.head(x.flatten(1))
 
 
+def mlp_batches(steps: int, *, seed: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`steps` deterministic mini-batches of `mlp()`'s regression: 8 inputs of 12 features, 8 targets of 5."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 12, generator=g), torch.randn(8, 5, generator=g)) for _ in range(steps)]
+
+
 def cnn(*, seed: int = 0) -> nn.Module:
     """A 2-conv CNN for 8x8 single-channel images (the sklearn digits shape)."""
     torch.manual_seed(seed)
