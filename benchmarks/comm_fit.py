@@ -39,8 +39,15 @@ def main() -> None:
         for kind in Collective:
             fits[kind].append(link.of(kind))
         print(f"run {run}: " + ", ".join(_text(kind, link.of(kind).alpha, link.of(kind).beta) for kind in Collective))
-    print("median: " + ", ".join(_text(kind, statistics.median(ab.alpha for ab in fits[kind]),
-                                       statistics.median(ab.beta for ab in fits[kind])) for kind in Collective))
+    print(
+        "median: "
+        + ", ".join(
+            _text(
+                kind, statistics.median(ab.alpha for ab in fits[kind]), statistics.median(ab.beta for ab in fits[kind])
+            )
+            for kind in Collective
+        )
+    )
 
 
 def _text(kind: Collective, alpha: float, beta: float) -> str:

@@ -71,8 +71,12 @@ def make_model(kind: str) -> nn.Module:
     if kind == "mlp":
         return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
     return nn.Sequential(
-        nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU(),
-        nn.Flatten(), nn.Linear(16 * 4 * 4, 10),
+        nn.Conv2d(1, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(16 * 4 * 4, 10),
     )
 
 
@@ -102,8 +106,15 @@ def train(kind: str, method: str, lr: float, steps: int, data: tuple[torch.Tenso
     else:
         factory = lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)  # noqa: E731
         kfac = KFAC
-    trainer = fxkfac.compile(model, None, example_inputs=(inputs[:BATCH],), loss_fn=F.cross_entropy,
-                             optimizer=factory, kfac=kfac, backend=None)
+    trainer = fxkfac.compile(
+        model,
+        None,
+        example_inputs=(inputs[:BATCH],),
+        loss_fn=F.cross_entropy,
+        optimizer=factory,
+        kfac=kfac,
+        backend=None,
+    )
     curve = []
     start = time.perf_counter()
     for step, idx in enumerate(batch_order(steps, len(inputs)), start=1):
@@ -125,8 +136,12 @@ def summarize(runs: list[Run]) -> dict:
             reached = [s for r in mine if r.method == method and (s := r.steps_to(target)) is not None]
             best[method] = min(reached) if reached else None
         ratio = best["kfac"] / best["adamw"] if best["kfac"] and best["adamw"] else None
-        out[kind] = {"target_loss": target, "adamw_steps": best["adamw"], "kfac_steps": best["kfac"],
-                     "kfac_over_adamw": ratio}
+        out[kind] = {
+            "target_loss": target,
+            "adamw_steps": best["adamw"],
+            "kfac_steps": best["kfac"],
+            "kfac_over_adamw": ratio,
+        }
     return out
 
 
@@ -137,13 +152,21 @@ def report(runs: list[Run], summary: dict, console: Console) -> None:
         table.add_column(col, justify="right" if col not in ("model", "method") else "left")
     for r in runs:
         reached = r.steps_to(summary[r.model]["target_loss"])
-        table.add_row(r.model, r.method, f"{r.lr:g}", f"{r.final:.3g}", "-" if reached is None else str(reached),
-                      f"{r.seconds:.1f}")
+        table.add_row(
+            r.model,
+            r.method,
+            f"{r.lr:g}",
+            f"{r.final:.3g}",
+            "-" if reached is None else str(reached),
+            f"{r.seconds:.1f}",
+        )
     console.print(table)
     for kind, s in summary.items():
         ratio = "n/a" if s["kfac_over_adamw"] is None else f"{s['kfac_over_adamw']:.2f}"
-        console.print(f"{kind}: target {s['target_loss']:.3g}; AdamW {s['adamw_steps']} steps, "
-                      f"K-FAC {s['kfac_steps']} steps, ratio {ratio} (goal <= 0.5)")
+        console.print(
+            f"{kind}: target {s['target_loss']:.3g}; AdamW {s['adamw_steps']} steps, "
+            f"K-FAC {s['kfac_steps']} steps, ratio {ratio} (goal <= 0.5)"
+        )
 
 
 def main() -> None:
@@ -158,9 +181,19 @@ def main() -> None:
         runs += [train(kind, "kfac", lr, args.steps, data) for lr in KFAC_LRS]
     summary = summarize(runs)
     report(runs, summary, Console())
-    print(json.dumps({"benchmark": "kfac_convergence", "steps": args.steps, "batch": BATCH,
-                      "kfac": {"damping": KFAC.damping, "factor_decay": KFAC.factor_decay, "kl_clip": KFAC.kl_clip},
-                      "adamw_lrs": ADAMW_LRS, "kfac_sgd_lrs": KFAC_LRS, "models": summary}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "kfac_convergence",
+                "steps": args.steps,
+                "batch": BATCH,
+                "kfac": {"damping": KFAC.damping, "factor_decay": KFAC.factor_decay, "kl_clip": KFAC.kl_clip},
+                "adamw_lrs": ADAMW_LRS,
+                "kfac_sgd_lrs": KFAC_LRS,
+                "models": summary,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

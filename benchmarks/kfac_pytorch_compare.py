@@ -121,8 +121,10 @@ def make_batch(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     if kind == "mlp":
         return torch.randn(128, 784, generator=g), torch.randint(0, 10, (128,), generator=g)
-    return (torch.randn(TOKEN_BATCH, SEQ, 256, generator=g),
-            torch.randint(0, TOKEN_CLASSES, (TOKEN_BATCH, SEQ), generator=g))
+    return (
+        torch.randn(TOKEN_BATCH, SEQ, 256, generator=g),
+        torch.randint(0, TOKEN_CLASSES, (TOKEN_BATCH, SEQ), generator=g),
+    )
 
 
 Capture = Literal["fused", "deferred"]
@@ -130,17 +132,29 @@ Capture = Literal["fused", "deferred"]
 
 def fxkfac_config(method: str, capture: Capture) -> KFACConfig:
     """The K-FAC settings both sides share (see the module docstring), refreshed every step, with `capture`."""
-    return KFACConfig(damping=DAMPING, factor_decay=FACTOR_DECAY, kl_clip=KL_CLIP, inverse=FXKFAC_METHOD[method],
-                      refresh_every=1, capture=capture)
+    return KFACConfig(
+        damping=DAMPING,
+        factor_decay=FACTOR_DECAY,
+        kl_clip=KL_CLIP,
+        inverse=FXKFAC_METHOD[method],
+        refresh_every=1,
+        capture=capture,
+    )
 
 
 def fxkfac_step(kind: str, method: str, backend: str | None, capture: Capture = "fused") -> Callable[[], None]:
     """fxkfac.compile on one device (mesh=None), K-FAC refreshed every step, SGD with momentum."""
     x, y = make_batch(kind)
     cfg = fxkfac_config(method, capture)
-    trainer = fxkfac.compile(make_model(kind), None, example_inputs=(x,), loss_fn=F.cross_entropy,
-                             optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM), kfac=cfg,
-                             backend=backend)
+    trainer = fxkfac.compile(
+        make_model(kind),
+        None,
+        example_inputs=(x,),
+        loss_fn=F.cross_entropy,
+        optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM),
+        kfac=cfg,
+        backend=backend,
+    )
     return lambda: trainer.step((x,), y)
 
 
@@ -171,16 +185,25 @@ def kfac_pytorch_step(kind: str, method: str, strategy: str | None = None) -> Ca
     if strategy is not None:
         world, rank = dist.get_world_size(), dist.get_rank()
         shard = len(x) // world
-        x, y = x[rank * shard:(rank + 1) * shard], y[rank * shard:(rank + 1) * shard]
+        x, y = x[rank * shard : (rank + 1) * shard], y[rank * shard : (rank + 1) * shard]
         model = nn.parallel.DistributedDataParallel(model)
         named = {"comm-opt": DistributedStrategy.COMM_OPT, "mem-opt": DistributedStrategy.MEM_OPT}
         extra["grad_worker_fraction"] = named.get(strategy) or float(strategy.split(":")[1])
     compute = ComputeMethod.INVERSE if method == "inverse" else ComputeMethod.EIGEN
     # kfac-pytorch damps each factor by `damping` with INVERSE; fxkfac by sqrt(damping) (see the module docstring).
     damping = math.sqrt(DAMPING) if method == "inverse" else DAMPING
-    precond = KFACPreconditioner(model, factor_update_steps=1, inv_update_steps=1, damping=damping,
-                                 factor_decay=FACTOR_DECAY, kl_clip=KL_CLIP, lr=LR, compute_method=compute,
-                                 loglevel=logging.DEBUG, **extra)
+    precond = KFACPreconditioner(
+        model,
+        factor_update_steps=1,
+        inv_update_steps=1,
+        damping=damping,
+        factor_decay=FACTOR_DECAY,
+        kl_clip=KL_CLIP,
+        lr=LR,
+        compute_method=compute,
+        loglevel=logging.DEBUG,
+        **extra,
+    )
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
 
     def step() -> None:
@@ -188,6 +211,7 @@ def kfac_pytorch_step(kind: str, method: str, strategy: str | None = None) -> Ca
         F.cross_entropy(model(x), y).backward()
         precond.step()
         opt.step()
+
     return step
 
 
@@ -196,9 +220,17 @@ def fxkfac_dp_step(kind: str, method: str, strategy: str, capture: Capture = "fu
     every step) with ``strategy`` forced on every layer; each rank trains on its shard of the global batch."""
     x, y = make_batch(kind)
     cfg = fxkfac_config(method, capture)
-    trainer = fxkfac.compile(make_model(kind), (1, dist.get_world_size()), None, example_inputs=(x,),
-                             loss_fn=F.cross_entropy, optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM),
-                             kfac=cfg, backend=None, plan_options=PlanOptions(strategy=strategy))
+    trainer = fxkfac.compile(
+        make_model(kind),
+        (1, dist.get_world_size()),
+        None,
+        example_inputs=(x,),
+        loss_fn=F.cross_entropy,
+        optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM),
+        kfac=cfg,
+        backend=None,
+        plan_options=PlanOptions(strategy=strategy),
+    )
     return lambda: trainer.step((x,), y)
 
 
@@ -219,8 +251,11 @@ Config = tuple[str, str, str]
 """(model, method, strategy): "one device" or the strategy's name."""
 
 
-def measure(sides: dict[Config, dict[str, Callable[[], None]]], args: argparse.Namespace,
-            sync: Callable[[], None] = lambda: None) -> dict[str, Any]:
+def measure(
+    sides: dict[Config, dict[str, Callable[[], None]]],
+    args: argparse.Namespace,
+    sync: Callable[[], None] = lambda: None,
+) -> dict[str, Any]:
     """Warm up every side, then per round and config one step of each side in turn (order flipped every pair)."""
     load_before = os.getloadavg()
     for pair in sides.values():
@@ -242,10 +277,17 @@ def measure(sides: dict[Config, dict[str, Callable[[], None]]], args: argparse.N
         ref = statistics.median(t["kfac-pytorch"]) if "kfac-pytorch" in t else None
         paired = ratios[(kind, method, strategy)]
         q = statistics.quantiles(paired, n=4) if len(paired) > 1 else None
-        rows.append({"model": kind, "method": method, "strategy": strategy, "fxkfac_ms": round(1e3 * ours, 2),
-                     "kfac_pytorch_ms": None if ref is None else round(1e3 * ref, 2),
-                     "ratio": None if ref is None else round(ours / ref, 3),
-                     "paired_ratio": None if q is None else [round(v, 3) for v in q]})
+        rows.append(
+            {
+                "model": kind,
+                "method": method,
+                "strategy": strategy,
+                "fxkfac_ms": round(1e3 * ours, 2),
+                "kfac_pytorch_ms": None if ref is None else round(1e3 * ref, 2),
+                "ratio": None if ref is None else round(ours / ref, 3),
+                "paired_ratio": None if q is None else [round(v, 3) for v in q],
+            }
+        )
     return {"rows": rows, "loadavg": [list(load_before), list(os.getloadavg())]}
 
 
@@ -253,23 +295,50 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> None:
     """The rich table and the JSON line."""
     load = result["loadavg"]
     where = "one device" if args.world == 1 else f"{args.world} ranks (gloo, pure data parallelism)"
-    table = Table(title=f"K-FAC step, {where}, refresh every step, {args.threads} thread(s) per process, fxkfac "
-                        f"capture {args.capture}, median of {args.rounds}x{args.steps} after {args.warmup} warm-up; "
-                        f"load {load[0][0]:.2f} -> {load[1][0]:.2f}")
-    for col in ("model", "method", "strategy", "fxkfac ms", "kfac-pytorch ms", "fxkfac / kfac-pytorch",
-                "paired ratio (IQR)"):
+    table = Table(
+        title=f"K-FAC step, {where}, refresh every step, {args.threads} thread(s) per process, fxkfac "
+        f"capture {args.capture}, median of {args.rounds}x{args.steps} after {args.warmup} warm-up; "
+        f"load {load[0][0]:.2f} -> {load[1][0]:.2f}"
+    )
+    for col in (
+        "model",
+        "method",
+        "strategy",
+        "fxkfac ms",
+        "kfac-pytorch ms",
+        "fxkfac / kfac-pytorch",
+        "paired ratio (IQR)",
+    ):
         table.add_column(col, justify="left" if col in ("model", "method", "strategy") else "right")
     for row in result["rows"]:
         q = row["paired_ratio"]
-        table.add_row(row["model"], f"{row['method']} (fxkfac {FXKFAC_METHOD[row['method']]})", row["strategy"],
-                      f"{row['fxkfac_ms']:.1f}", "-" if row["ratio"] is None else f"{row['kfac_pytorch_ms']:.1f}",
-                      "-" if row["ratio"] is None else f"{row['ratio']:.2f}",
-                      "-" if q is None else f"{q[1]:.2f} ({q[0]:.2f}-{q[2]:.2f})")
+        table.add_row(
+            row["model"],
+            f"{row['method']} (fxkfac {FXKFAC_METHOD[row['method']]})",
+            row["strategy"],
+            f"{row['fxkfac_ms']:.1f}",
+            "-" if row["ratio"] is None else f"{row['kfac_pytorch_ms']:.1f}",
+            "-" if row["ratio"] is None else f"{row['ratio']:.2f}",
+            "-" if q is None else f"{q[1]:.2f} ({q[0]:.2f}-{q[2]:.2f})",
+        )
     Console(width=140).print(table)
-    print(json.dumps({"benchmark": "kfac_pytorch_compare", "kfac_pytorch": result["kfac_pytorch"],
-                      "world": args.world, "threads": args.threads, "backend": args.backend, "capture": args.capture,
-                      "steps": args.steps, "rounds": args.rounds, "warmup": args.warmup,
-                      "tokens": {"batch": TOKEN_BATCH, "seq": SEQ, "blocks": TOKEN_BLOCKS}, **result}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "kfac_pytorch_compare",
+                "kfac_pytorch": result["kfac_pytorch"],
+                "world": args.world,
+                "threads": args.threads,
+                "backend": args.backend,
+                "capture": args.capture,
+                "steps": args.steps,
+                "rounds": args.rounds,
+                "warmup": args.warmup,
+                "tokens": {"batch": TOKEN_BATCH, "seq": SEQ, "blocks": TOKEN_BLOCKS},
+                **result,
+            }
+        )
+    )
 
 
 def _quiet() -> None:
@@ -281,8 +350,9 @@ def _dp_worker(rank: int, args: argparse.Namespace, port: int, out_path: str) ->
     """One rank of the data-parallel comparison; rank 0 writes the result."""
     torch.set_num_threads(args.threads)
     _quiet()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world,
-                            timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=args.world, timeout=timedelta(seconds=600)
+    )
     have_ref = kfac_pytorch_available()
     sides: dict[Config, dict[str, Callable[[], None]]] = {}
     for kind in args.models:
@@ -306,13 +376,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps per method first (see above)")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads per process (both sides)")
-    parser.add_argument("--backend", default=None, help="torch.compile backend for fxkfac on one device (default: "
-                                                         "eager, like kfac-pytorch)")
-    parser.add_argument("--capture", default="fused", choices=["fused", "deferred"],
-                        help="fxkfac's factor capture (KFACConfig.capture): fused (default) makes each factor in the "
-                             "forward/backward pass, deferred keeps the rows and makes it in STATS (kfac.factors.gram)")
-    parser.add_argument("--world", type=int, default=1, choices=[1, 2],
-                        help="2: two gloo ranks, pure data parallelism, each --strategies")
+    parser.add_argument(
+        "--backend",
+        default=None,
+        help="torch.compile backend for fxkfac on one device (default: eager, like kfac-pytorch)",
+    )
+    parser.add_argument(
+        "--capture",
+        default="fused",
+        choices=["fused", "deferred"],
+        help="fxkfac's factor capture (KFACConfig.capture): fused (default) makes each factor in the "
+        "forward/backward pass, deferred keeps the rows and makes it in STATS (kfac.factors.gram)",
+    )
+    parser.add_argument(
+        "--world",
+        type=int,
+        default=1,
+        choices=[1, 2],
+        help="2: two gloo ranks, pure data parallelism, each --strategies",
+    )
     parser.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

@@ -33,8 +33,15 @@ LR = 0.05
 def make_model(width: int) -> nn.Module:
     """A 4-layer tanh MLP on 64 inputs (the digits shape), 10 classes, seed 0."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(64, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
-                         nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 10))
+    return nn.Sequential(
+        nn.Linear(64, width),
+        nn.Tanh(),
+        nn.Linear(width, width),
+        nn.Tanh(),
+        nn.Linear(width, width),
+        nn.Tanh(),
+        nn.Linear(width, 10),
+    )
 
 
 def eager_adamw(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
@@ -45,16 +52,22 @@ def eager_adamw(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[
         opt.zero_grad(set_to_none=True)
         F.cross_entropy(model(x), y).backward()
         opt.step()
+
     return step
 
 
-def fxkfac_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor, kfac: KFACConfig | None,
-                backend: str | None) -> Callable[[], None]:
+def fxkfac_step(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, kfac: KFACConfig | None, backend: str | None
+) -> Callable[[], None]:
     """fxkfac.compile on one device (mesh=None); kfac=None is the graph path with AdamW alone."""
-    factory = (lambda p: torch.optim.AdamW(p, lr=1e-3)) if kfac is None else (
-        lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9))
-    trainer = fxkfac.compile(model, None, example_inputs=(x,), loss_fn=F.cross_entropy, optimizer=factory,
-                             kfac=kfac, backend=backend)
+    factory = (
+        (lambda p: torch.optim.AdamW(p, lr=1e-3))
+        if kfac is None
+        else (lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9))
+    )
+    trainer = fxkfac.compile(
+        model, None, example_inputs=(x,), loss_fn=F.cross_entropy, optimizer=factory, kfac=kfac, backend=backend
+    )
     return lambda: trainer.step((x,), y)
 
 
@@ -78,6 +91,7 @@ def asdl_kfac(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[]
         maker.setup_loss_call(F.cross_entropy, dummy_y, y)
         maker.forward_and_backward()
         opt.step()
+
     return step
 
 
@@ -107,8 +121,9 @@ def main() -> None:
         "AdamW (eager)": eager_adamw(make_model(args.width), x, y),
         "fxkfac AdamW (kfac=None)": fxkfac_step(make_model(args.width), x, y, None, args.backend),
         "fxkfac K-FAC (refresh 1)": fxkfac_step(make_model(args.width), x, y, KFACConfig(**KFAC), args.backend),
-        "fxkfac K-FAC (refresh 10)": fxkfac_step(make_model(args.width), x, y,
-                                                 KFACConfig(**KFAC, refresh_every=10), args.backend),
+        "fxkfac K-FAC (refresh 10)": fxkfac_step(
+            make_model(args.width), x, y, KFACConfig(**KFAC, refresh_every=10), args.backend
+        ),
         "ASDL K-FAC (refresh 1)": asdl_kfac(make_model(args.width), x, y),
     }
     times: dict[str, list[float]] = {name: [] for name in methods}
@@ -119,16 +134,27 @@ def main() -> None:
             times[name] += time_steps(step, args.steps)
     median = {name: statistics.median(t) for name, t in times.items()}
     base = median["AdamW (eager)"]
-    table = Table(title=f"time per step, MLP width {args.width}, batch {args.batch}, 1 thread "
-                        f"(median of {args.rounds}x{args.steps}), backend {args.backend}")
+    table = Table(
+        title=f"time per step, MLP width {args.width}, batch {args.batch}, 1 thread "
+        f"(median of {args.rounds}x{args.steps}), backend {args.backend}"
+    )
     for col in ("method", "ms / step", "x AdamW (eager)"):
         table.add_column(col, justify="left" if col == "method" else "right")
     for name, t in median.items():
         table.add_row(name, f"{1e3 * t:.2f}", f"{t / base:.2f}")
     Console().print(table)
-    print(json.dumps({"benchmark": "kfac_step", "width": args.width, "batch": args.batch, "backend": args.backend,
-                      "ms_per_step": {k: round(1e3 * v, 3) for k, v in median.items()},
-                      "ratio_to_adamw": {k: round(v / base, 3) for k, v in median.items()}}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "kfac_step",
+                "width": args.width,
+                "batch": args.batch,
+                "backend": args.backend,
+                "ms_per_step": {k: round(1e3 * v, 3) for k, v in median.items()},
+                "ratio_to_adamw": {k: round(v / base, 3) for k, v in median.items()},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

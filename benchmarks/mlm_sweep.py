@@ -30,16 +30,29 @@ SEQ_LEN = 64
 MICROBATCHES = 4
 
 
-def train(args: argparse.Namespace, lr: float, kfac: KFACConfig | None, train_bytes: bytes,
-          val: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[int, float]]:
+def train(
+    args: argparse.Namespace,
+    lr: float,
+    kfac: KFACConfig | None,
+    train_bytes: bytes,
+    val: list[tuple[torch.Tensor, torch.Tensor]],
+) -> list[tuple[int, float]]:
     """(step, validation loss) of one run; every run draws the same batches (a fresh generator, seed 0)."""
     data = MaskedLMData(train_bytes, seq_len=SEQ_LEN, seed=0)
     torch.manual_seed(0)
     model = TinyBertMLM(TinyBertConfig(max_len=SEQ_LEN, pre_norm=not args.post_norm))
     inputs, targets = data.batch(args.batch)
-    trainer = fxkfac.compile(model, None, None, example_inputs=(inputs,), loss_fn=mlm_loss, kfac=kfac,
-                             optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.01),
-                             microbatches=MICROBATCHES, backend=None)
+    trainer = fxkfac.compile(
+        model,
+        None,
+        None,
+        example_inputs=(inputs,),
+        loss_fn=mlm_loss,
+        kfac=kfac,
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.01),
+        microbatches=MICROBATCHES,
+        backend=None,
+    )
 
     def evaluate() -> float:
         model.eval()
@@ -72,8 +85,13 @@ def main() -> None:
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    kfac = KFACConfig(damping=args.damping, factor_decay=0.95, kl_clip=args.kl_clip, refresh_every=args.refresh,
-                      skip_vocab_head=args.skip_head)
+    kfac = KFACConfig(
+        damping=args.damping,
+        factor_decay=0.95,
+        kl_clip=args.kl_clip,
+        refresh_every=args.refresh,
+        skip_vocab_head=args.skip_head,
+    )
     runs = [(f"AdamW lr {lr:g}", lr, None) for lr in args.adamw] + [(f"K-FAC lr {lr:g}", lr, kfac) for lr in args.kfac]
     train_bytes, val_bytes = stdlib_corpus(2_000_000)
     val_data = MaskedLMData(val_bytes, seq_len=SEQ_LEN, seed=10_000)
@@ -87,8 +105,19 @@ def main() -> None:
     for name, points in curves.items():
         table.add_row(name, *(f"{v:.2f}" for _, v in points))
     Console().print(table)
-    print(json.dumps({"benchmark": "mlm_sweep", "batch": args.batch, "steps": args.steps, "damping": args.damping,
-                      "kl_clip": args.kl_clip, "refresh": args.refresh, "curves": curves}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "mlm_sweep",
+                "batch": args.batch,
+                "steps": args.steps,
+                "damping": args.damping,
+                "kl_clip": args.kl_clip,
+                "refresh": args.refresh,
+                "curves": curves,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -69,7 +69,9 @@ PAPER = {  # PipeFisher (Osawa et al. 2023): utilization before -> after, refres
 def costs_of(cfg: Config) -> CostTable:
     """The measured P100 cost table of the configuration (the profile shipped with fxkfac)."""
     return load_cost_table(
-        f"paper:{cfg.model}/p100", blocks_per_stage=cfg.blocks_per_stage, n_stages=cfg.D,
+        f"paper:{cfg.model}/p100",
+        blocks_per_stage=cfg.blocks_per_stage,
+        n_stages=cfg.D,
         micro_batch_size=cfg.micro_batch_size,
     )
 
@@ -98,9 +100,7 @@ def lower_bounds(cfg: Config, costs: CostTable, base: Timeline) -> list[int]:
     copies = {s: sum(s == st for pairs in held.values() for st, _ in pairs) for s in range(cfg.D)}
     bounds = []
     for r in base.ranks:
-        work = sum(
-            cfg.N / copies[s] * costs.stages[s].curv + costs.stages[s].inv / copies[s] for s, _ in held[r]
-        )
+        work = sum(cfg.N / copies[s] * costs.stages[s].curv + costs.stages[s].inv / copies[s] for s, _ in held[r])
         bounds.append(max(1, math.ceil(work / base.bubble_time(r) - 1e-9)))
     return bounds
 
@@ -123,11 +123,18 @@ def baseline(cfg: Config) -> dict[str, Any]:
     }
 
 
-def planned(cfg: Config, method: str, time_limit: float, max_overhead: float, pieces: int = 1,
-            barrier: StepBarrier = StepBarrier.WORLD) -> dict[str, Any]:
+def planned(
+    cfg: Config,
+    method: str,
+    time_limit: float,
+    max_overhead: float,
+    pieces: int = 1,
+    barrier: StepBarrier = StepBarrier.WORLD,
+) -> dict[str, Any]:
     """One planner run: its metrics, or the reason there is no plan."""
-    problem = Problem(cfg.schedule, cfg.D, cfg.N, costs_of(cfg), max_overhead=max_overhead, decomp_pieces=pieces,
-                      barrier=barrier)
+    problem = Problem(
+        cfg.schedule, cfg.D, cfg.N, costs_of(cfg), max_overhead=max_overhead, decomp_pieces=pieces, barrier=barrier
+    )
     try:
         plan = solve(problem, SolverConfig(time_limit_s=time_limit), method=method)
     except PlanError as e:
@@ -182,28 +189,50 @@ def _steps(values: list[int]) -> str:
     return " ".join(map(str, values))
 
 
-def render(results: list[dict[str, Any]], max_overhead: float, pieces: int, barrier: StepBarrier,
-           console: Console) -> None:
-    table = Table(title=f"PipeFisher configurations on measured P100 block costs (micro-batch 32, 3 blocks/stage, "
-                        f"max_overhead {max_overhead:g}, inversions in {pieces} piece(s), step barrier {barrier})")
-    for col in ("config", "method", "util before -> after", "refresh steps / stage", "lower bound / stage",
-                "+step ms (%)", "status, s", "paper"):
+def render(
+    results: list[dict[str, Any]], max_overhead: float, pieces: int, barrier: StepBarrier, console: Console
+) -> None:
+    table = Table(
+        title=f"PipeFisher configurations on measured P100 block costs (micro-batch 32, 3 blocks/stage, "
+        f"max_overhead {max_overhead:g}, inversions in {pieces} piece(s), step barrier {barrier})"
+    )
+    for col in (
+        "config",
+        "method",
+        "util before -> after",
+        "refresh steps / stage",
+        "lower bound / stage",
+        "+step ms (%)",
+        "status, s",
+        "paper",
+    ):
         table.add_column(col)
     for r in results:
         config = f"{r['model']} {r['schedule']} D={r['D']} N={r['N']}"
         for method in ("greedy", "cpsat"):
             m = r[method]
             if "error" in m:
-                table.add_row(config if method == "greedy" else "", method, "no plan", m["error"][:60], "", "", "",
-                              r["paper"] if method == "greedy" else "")
+                table.add_row(
+                    config if method == "greedy" else "",
+                    method,
+                    "no plan",
+                    m["error"][:60],
+                    "",
+                    "",
+                    "",
+                    r["paper"] if method == "greedy" else "",
+                )
                 continue
             added = m["added_step_ms"]
             table.add_row(
-                config if method == "greedy" else "", method,
+                config if method == "greedy" else "",
+                method,
                 f"{m['utilization_before']:.1%} -> {m['utilization_after']:.1%}",
-                _steps(m["refresh_steps"]), _steps(m["lower_bound_steps"]),
+                _steps(m["refresh_steps"]),
+                _steps(m["lower_bound_steps"]),
                 f"{added:.1f} ({added / m['step_time_baseline_ms']:.1%})",
-                f"{m['status']}, {m['wall_time_s']:.1f}", r["paper"] if method == "greedy" else "",
+                f"{m['status']}, {m['wall_time_s']:.1f}",
+                r["paper"] if method == "greedy" else "",
             )
     console.print(table)
 
@@ -213,8 +242,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit per configuration (s)")
     parser.add_argument("--max-overhead", type=float, default=0.0, help="allowed step growth (fraction)")
     parser.add_argument("--decomp-pieces", type=int, default=1, help="tasks per inversion (KFACConfig.split_inverse)")
-    parser.add_argument("--barrier", type=StepBarrier, default=StepBarrier.WORLD, choices=list(StepBarrier),
-                        help="what a step's end waits for: world (KL-clip scope global), agreement-set (stage, stale)")
+    parser.add_argument(
+        "--barrier",
+        type=StepBarrier,
+        default=StepBarrier.WORLD,
+        choices=list(StepBarrier),
+        help="what a step's end waits for: world (KL-clip scope global), agreement-set (stage, stale)",
+    )
     args = parser.parse_args(argv)
     results = []
     for cfg in CONFIGS:
@@ -225,9 +259,19 @@ def main(argv: list[str] | None = None) -> None:
     render(results, args.max_overhead, args.decomp_pieces, args.barrier, Console(width=200))
     verdict = checks(results, args.max_overhead)
     Console(width=200).print(verdict)
-    print(json.dumps({"benchmark": "paper_configs", "time_limit_s": args.time_limit,
-                      "max_overhead": args.max_overhead, "decomp_pieces": args.decomp_pieces,
-                      "barrier": str(args.barrier), "results": results, "checks": verdict}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "paper_configs",
+                "time_limit_s": args.time_limit,
+                "max_overhead": args.max_overhead,
+                "decomp_pieces": args.decomp_pieces,
+                "barrier": str(args.barrier),
+                "results": results,
+                "checks": verdict,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

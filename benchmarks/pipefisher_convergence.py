@@ -50,22 +50,34 @@ HORIZONS = (0.25, 0.5)
 def runs() -> tuple[RunSpec, ...]:
     """The AdamW sweep, then the PipeFisher runs (K-FAC over AdamW)."""
     adamw = tuple(RunSpec(name=f"AdamW lr {lr:g}", optimizer="adamw", lr=lr) for lr in ADAMW_LRS)
-    return adamw + tuple(RunSpec(name=f"PipeFisher lr {lr:g}", optimizer="adamw", lr=lr,
-                                 preconditioner=PIPEFISHER_KFAC) for lr in PIPEFISHER_LRS)
+    return adamw + tuple(
+        RunSpec(name=f"PipeFisher lr {lr:g}", optimizer="adamw", lr=lr, preconditioner=PIPEFISHER_KFAC)
+        for lr in PIPEFISHER_LRS
+    )
 
 
 def summarize(result: DemoResult) -> dict:
     """The target (best final AdamW validation loss), AdamW's time to it, each PipeFisher run's, the ratios."""
     final = horizon(result.curves, 1.0)
     target, base_seconds = final["target_val_loss"], final["adamw_seconds"]
-    out: dict = {"target_val_loss": target, "adamw_run": final["adamw_run"], "adamw_steps": final["adamw_steps"],
-                 "adamw_seconds": base_seconds, "runs": {}}
+    out: dict = {
+        "target_val_loss": target,
+        "adamw_run": final["adamw_run"],
+        "adamw_steps": final["adamw_steps"],
+        "adamw_seconds": base_seconds,
+        "runs": {},
+    }
     for c in result.curves:
         got = reach(c, target)
         out["runs"][c.name] = {
-            "final_val_loss": c.final_val, "steps": c.steps, "seconds": c.seconds, "ms_per_step": c.step_time * 1e3,
-            "steps_to_target": None if got is None else got[0], "seconds_to_target": None if got is None else got[1],
-            "time_ratio": None if got is None else got[1] / base_seconds}
+            "final_val_loss": c.final_val,
+            "steps": c.steps,
+            "seconds": c.seconds,
+            "ms_per_step": c.step_time * 1e3,
+            "steps_to_target": None if got is None else got[0],
+            "seconds_to_target": None if got is None else got[1],
+            "time_ratio": None if got is None else got[1] / base_seconds,
+        }
     out["best_pipefisher_ratio"] = final["best_pipefisher_ratio"]
     out["target_ratio"] = TARGET_RATIO
     out["horizons"] = [horizon(result.curves, h) for h in HORIZONS]
@@ -84,29 +96,50 @@ def horizon(curves: tuple[Curve, ...], fraction: float) -> dict:
     base = reach(best, target)
     assert base is not None  # reached at `stop` at the latest
     times = [got[1] for c in curves if c.plan_json is not None and (got := reach(c, target)) is not None]
-    return {"stop_step": stop, "target_val_loss": target, "adamw_run": best.name, "adamw_steps": base[0],
-            "adamw_seconds": base[1], "best_pipefisher_ratio": min(times) / base[1] if times else None}
+    return {
+        "stop_step": stop,
+        "target_val_loss": target,
+        "adamw_run": best.name,
+        "adamw_steps": base[0],
+        "adamw_seconds": base[1],
+        "best_pipefisher_ratio": min(times) / base[1] if times else None,
+    }
 
 
 def report(summary: dict, console: Console) -> None:
     """One row per run: final loss, steps, time per step, steps and seconds to the target, ratio to AdamW."""
-    table = Table(title=f"stdlib MLM, 2 stages 1F1B: time to AdamW's best final validation loss "
-                        f"{summary['target_val_loss']:.4f} ({summary['adamw_run']})", title_justify="left")
+    table = Table(
+        title=f"stdlib MLM, 2 stages 1F1B: time to AdamW's best final validation loss "
+        f"{summary['target_val_loss']:.4f} ({summary['adamw_run']})",
+        title_justify="left",
+    )
     for col in ("run", "final val", "steps", "ms/step", "steps to target", "s to target", "time / AdamW"):
         table.add_column(col, justify="left" if col == "run" else "right")
     for name, r in summary["runs"].items():
         dash = lambda v, f: "-" if v is None else f.format(v)  # noqa: E731
-        table.add_row(name, f"{r['final_val_loss']:.4f}", str(r["steps"]), f"{r['ms_per_step']:.1f}",
-                      dash(r["steps_to_target"], "{}"), dash(r["seconds_to_target"], "{:.1f}"),
-                      dash(r["time_ratio"], "{:.2f}"))
+        table.add_row(
+            name,
+            f"{r['final_val_loss']:.4f}",
+            str(r["steps"]),
+            f"{r['ms_per_step']:.1f}",
+            dash(r["steps_to_target"], "{}"),
+            dash(r["seconds_to_target"], "{:.1f}"),
+            dash(r["time_ratio"], "{:.2f}"),
+        )
     console.print(table)
     ratio = summary["best_pipefisher_ratio"]
-    console.print(f"best PipeFisher / AdamW wall time to the target: {'n/a' if ratio is None else f'{ratio:.2f}'} "
-                  f"(goal <= {TARGET_RATIO})", highlight=False)
+    console.print(
+        f"best PipeFisher / AdamW wall time to the target: {'n/a' if ratio is None else f'{ratio:.2f}'} "
+        f"(goal <= {TARGET_RATIO})",
+        highlight=False,
+    )
     for h in summary["horizons"]:
         r = h["best_pipefisher_ratio"]
-        console.print(f"  had AdamW stopped at step {h['stop_step']}: target {h['target_val_loss']:.4f} "
-                      f"({h['adamw_run']}), PipeFisher / AdamW {'n/a' if r is None else f'{r:.2f}'}", highlight=False)
+        console.print(
+            f"  had AdamW stopped at step {h['stop_step']}: target {h['target_val_loss']:.4f} "
+            f"({h['adamw_run']}), PipeFisher / AdamW {'n/a' if r is None else f'{r:.2f}'}",
+            highlight=False,
+        )
 
 
 Line = tuple[list[float], list[float], str, str]
@@ -136,10 +169,16 @@ def plot_losses(lines: Sequence[Line], target: float, path: Path, *, xlabel: str
 
 def plot(curves: tuple[Curve, ...], target: float, path: Path) -> None:
     """Validation loss against train wall time, one line per run (AdamW dashed), the target dotted."""
-    lines = [([t for _, t, _ in c.points], [v for _, _, v in c.points], c.name, "-" if c.plan_json else "--")
-             for c in curves]
-    plot_losses(lines, target, path, xlabel="train wall time (s, rank 0)",
-                title="PipeFisher vs AdamW, TinyBert MLM on the CPython stdlib, 2 stages 1F1B")
+    lines = [
+        ([t for _, t, _ in c.points], [v for _, _, v in c.points], c.name, "-" if c.plan_json else "--") for c in curves
+    ]
+    plot_losses(
+        lines,
+        target,
+        path,
+        xlabel="train wall time (s, rank 0)",
+        title="PipeFisher vs AdamW, TinyBert MLM on the CPython stdlib, 2 stages 1F1B",
+    )
 
 
 def main() -> None:
@@ -149,8 +188,14 @@ def main() -> None:
     parser.add_argument("--png", type=Path, default=Path("out/pipefisher_convergence.png"))
     args = parser.parse_args()
     console = Console()
-    cfg = DemoConfig(steps=args.steps, eval_every=args.eval_every, batch_size=BATCH_SIZE, eval_batches=EVAL_BATCHES,
-                     runs=runs(), timeout_s=3600.0)
+    cfg = DemoConfig(
+        steps=args.steps,
+        eval_every=args.eval_every,
+        batch_size=BATCH_SIZE,
+        eval_batches=EVAL_BATCHES,
+        runs=runs(),
+        timeout_s=3600.0,
+    )
     result = run_demo(cfg, console)
     summary = summarize(result)
     report(summary, console)

@@ -72,8 +72,12 @@ __all__ = ["main"]
 
 D = 2
 VARIANTS = ("a", "b", "c", "d")
-NAMES = {"a": "pipeline + AdamW", "b": "PipeFisher (plan=auto)", "c": "naive K-FAC (every step)",
-         "d": "K-FAC+skip (plan's period)"}
+NAMES = {
+    "a": "pipeline + AdamW",
+    "b": "PipeFisher (plan=auto)",
+    "c": "naive K-FAC (every step)",
+    "d": "K-FAC+skip (plan's period)",
+}
 BUSY = ("FWD", "BWD", "STATS", "DECOMP", "APPLY")
 KFAC = KFACConfig(damping=1e-3, factor_decay=0.95, kl_clip=1e-3)
 
@@ -84,8 +88,9 @@ def _optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
 
 def _model(args: argparse.Namespace) -> TinyBertMLM:
     torch.manual_seed(0)
-    return TinyBertMLM(TinyBertConfig(hidden=args.hidden, ffn=args.ffn, layers=args.layers, heads=args.heads,
-                                      max_len=args.seq))
+    return TinyBertMLM(
+        TinyBertConfig(hidden=args.hidden, ffn=args.ffn, layers=args.layers, heads=args.heads, max_len=args.seq)
+    )
 
 
 def _gpt2(args: argparse.Namespace) -> nn.Module:
@@ -93,10 +98,22 @@ def _gpt2(args: argparse.Namespace) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(
-        vocab_size=VOCAB_SIZE, n_embd=args.hidden, n_inner=args.ffn, n_layer=args.layers, n_head=args.heads,
-        n_positions=args.seq, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
-        bos_token_id=0, eos_token_id=0))
+    return GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=VOCAB_SIZE,
+            n_embd=args.hidden,
+            n_inner=args.ffn,
+            n_layer=args.layers,
+            n_head=args.heads,
+            n_positions=args.seq,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+    )
 
 
 def _lm_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
@@ -111,7 +128,7 @@ def _causal_batches(args: argparse.Namespace, count: int) -> list[tuple[torch.Te
     batches = []
     for _ in range(count):
         starts = torch.randint(0, len(tokens) - args.seq - 1, (args.batch,), generator=g)
-        windows = torch.stack([tokens[s:s + args.seq + 1] for s in starts.tolist()])
+        windows = torch.stack([tokens[s : s + args.seq + 1] for s in starts.tolist()])
         batches.append((windows[:, :-1], windows[:, 1:]))
     return batches
 
@@ -124,23 +141,44 @@ def _batches(args: argparse.Namespace, count: int) -> list[tuple[torch.Tensor, t
     return [data.batch(args.batch) for _ in range(count)]
 
 
-def _compile(args: argparse.Namespace, example: torch.Tensor, kfac: KFACConfig | None, plan: str | None, *,
-             layer_timing: Mapping[str, LayerTiming] | None = None,
-             plan_options: PlanOptions = PlanOptions()) -> Trainer:
+def _compile(
+    args: argparse.Namespace,
+    example: torch.Tensor,
+    kfac: KFACConfig | None,
+    plan: str | None,
+    *,
+    layer_timing: Mapping[str, LayerTiming] | None = None,
+    plan_options: PlanOptions = PlanOptions(),
+) -> Trainer:
     """One variant on the (D, 1) mesh, alike but for K-FAC and its plan: eager stages, AdamW, timeline recorded."""
     model, loss_fn = (_gpt2(args), _lm_loss) if args.model == "gpt2" else (_model(args), mlm_loss)
-    return fxkfac.compile(model, (D, 1), plan, example_inputs=(example,), loss_fn=loss_fn,
-                          optimizer=_optimizer, kfac=kfac, schedule=args.schedule, microbatches=args.microbatches,
-                          backend=None, layer_timing=layer_timing, plan_options=plan_options,
-                          pipeline=PipelineOptions(record_timeline=True, timeout=600.0))
+    return fxkfac.compile(
+        model,
+        (D, 1),
+        plan,
+        example_inputs=(example,),
+        loss_fn=loss_fn,
+        optimizer=_optimizer,
+        kfac=kfac,
+        schedule=args.schedule,
+        microbatches=args.microbatches,
+        backend=None,
+        layer_timing=layer_timing,
+        plan_options=plan_options,
+        pipeline=PipelineOptions(record_timeline=True, timeout=600.0),
+    )
 
 
 def _build(args: argparse.Namespace, example: torch.Tensor) -> dict[str, Trainer]:
     """The four trainers (collective: every rank builds them in the same order)."""
     plain = _compile(args, example, None, None)
-    auto = _compile(args, example, KFAC, "auto",
-                    plan_options=PlanOptions(time_limit_s=args.time_limit, kfac_margin=args.kfac_margin,
-                                             strategy=args.strategy))
+    auto = _compile(
+        args,
+        example,
+        KFAC,
+        "auto",
+        plan_options=PlanOptions(time_limit_s=args.time_limit, kfac_margin=args.kfac_margin, strategy=args.strategy),
+    )
     every = {n: LayerTiming(1, 0, 0, KFAC.capture) for n in auto.plan.layers}
     skip = {n: LayerTiming(t.period, 0, 0, KFAC.capture) for n, t in auto.plan.layers.items()}
     naive = _compile(args, example, KFAC, None, layer_timing=every)
@@ -183,18 +221,32 @@ def _planned(trainer: Trainer) -> dict[str, Any]:
     plain = step_timeline(plan.problem, with_prec=False)
     kinds = [OpKind(x) for x in BUSY]
     timeline = view.timeline
-    kind_s = {r: {kind.value: sum(iv.end - iv.start for iv in timeline.of_rank(r) if iv.op.kind is kind) / view.steps
-                  for kind in kinds} for r in timeline.ranks}
+    kind_s = {
+        r: {
+            kind.value: sum(iv.end - iv.start for iv in timeline.of_rank(r) if iv.op.kind is kind) / view.steps
+            for kind in kinds
+        }
+        for r in timeline.ranks
+    }
     plain_busy = {r: sum(b - a for op, a, b in plain.ops[r] if op.kind in kinds) for r in plain.ops}
-    return {"utilization": planned_utilization(plan),
-            "utilization_plain": {r: busy / plain.length for r, busy in plain_busy.items()},
-            "step_s": view.end / view.steps, "plain_step_s": plain.length,
-            "kind_s": kind_s, "metrics_utilization": plan.metrics.utilization,
-            "refresh_steps": list(plan.metrics.refresh_steps), "solver": plan.metrics.solver.status}
+    return {
+        "utilization": planned_utilization(plan),
+        "utilization_plain": {r: busy / plain.length for r, busy in plain_busy.items()},
+        "step_s": view.end / view.steps,
+        "plain_step_s": plain.length,
+        "kind_s": kind_s,
+        "metrics_utilization": plan.metrics.utilization,
+        "refresh_steps": list(plan.metrics.refresh_steps),
+        "solver": plan.metrics.solver.status,
+    }
 
 
-def _measure(args: argparse.Namespace, trainers: Mapping[str, Trainer],
-             batches: list[tuple[torch.Tensor, torch.Tensor]], block: int) -> dict[str, Any]:
+def _measure(
+    args: argparse.Namespace,
+    trainers: Mapping[str, Trainer],
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    block: int,
+) -> dict[str, Any]:
     """Warm up, then time interleaved rounds; gather each variant's timeline of the timed steps."""
     for trainer in trainers.values():
         _block(trainer, batches, block * args.warmup_periods)
@@ -205,15 +257,19 @@ def _measure(args: argparse.Namespace, trainers: Mapping[str, Trainer],
             times[v].append(_block(trainer, batches, block))
     events = {v: _gather(t.timeline.events) for v, t in trainers.items()}
     steps = args.rounds * block
-    return {"times": times, "events": events,
-            "utilization": {v: utilization(events[v], BUSY) for v in ("a", "b")},
-            "kind_s": {v: _kind_seconds(events[v], steps) for v in trainers}}
+    return {
+        "times": times,
+        "events": events,
+        "utilization": {v: utilization(events[v], BUSY) for v in ("a", "b")},
+        "kind_s": {v: _kind_seconds(events[v], steps) for v in trainers},
+    }
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=D,
-                            timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=D, timeout=timedelta(seconds=600)
+    )
     batches = _batches(args, 8)
     built = time.perf_counter()
     trainers = _build(args, batches[0][0])
@@ -230,18 +286,26 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
                 chrome_trace(as_timeline(events), os.path.join(args.trace_dir, f"pipefisher_overhead_{v}.json"))
         planned = _planned(trainers["b"])
         summary = {v: statistics.median(result["times"][v]) for v in VARIANTS}
-        row = {"step_s": summary, "rounds_s": result["times"], "ratio_to_a": {v: summary[v] / summary["a"]
-                                                                             for v in VARIANTS},
-               "utilization_measured": result["utilization"], "planned": planned, "kind_s": result["kind_s"],
-               "block_steps": block, "build_s": build_s, "periods": sorted(set(periods)),
-               "loadavg_1min": [load_before, os.getloadavg()[0]]}
+        row = {
+            "step_s": summary,
+            "rounds_s": result["times"],
+            "ratio_to_a": {v: summary[v] / summary["a"] for v in VARIANTS},
+            "utilization_measured": result["utilization"],
+            "planned": planned,
+            "kind_s": result["kind_s"],
+            "block_steps": block,
+            "build_s": build_s,
+            "periods": sorted(set(periods)),
+            "loadavg_1min": [load_before, os.getloadavg()[0]],
+        }
         with open(out_path, "w") as f:
             json.dump(row, f)
     dist.destroy_process_group()
 
 
-def spawn_and_report(worker: Callable[..., None], report: Callable[[dict[str, Any], argparse.Namespace], None],
-                     args: argparse.Namespace) -> None:
+def spawn_and_report(
+    worker: Callable[..., None], report: Callable[[dict[str, Any], argparse.Namespace], None], args: argparse.Namespace
+) -> None:
     """Run ``worker(rank, args, port, out_path)`` on D local processes, then `report` the row rank 0 wrote."""
     port = free_port()
     out_path = os.path.join(tempfile.mkdtemp(), "row.json")
@@ -261,19 +325,30 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
     console = Console(width=140)
     planned = row["planned"]
     model = "GPT-2 LM" if args.model == "gpt2" else "BERT-MLM"
-    title = (f"PipeFisher overhead ({args.schedule}, D={D}, N={args.microbatches}, {model} h{args.hidden} "
-             f"ffn{args.ffn} x{args.layers}, batch {args.batch}x{args.seq}, 1 thread/rank; refresh period "
-             f"{row['periods']}, {row['block_steps']} steps x {args.rounds} rounds)")
+    title = (
+        f"PipeFisher overhead ({args.schedule}, D={D}, N={args.microbatches}, {model} h{args.hidden} "
+        f"ffn{args.ffn} x{args.layers}, batch {args.batch}x{args.seq}, 1 thread/rank; refresh period "
+        f"{row['periods']}, {row['block_steps']} steps x {args.rounds} rounds)"
+    )
     table = Table(title=title)
-    for col in ("variant", "s/step (median of rounds)", "ratio to (a)", "utilization measured (r0, r1)",
-                "utilization planned (r0, r1)"):
+    for col in (
+        "variant",
+        "s/step (median of rounds)",
+        "ratio to (a)",
+        "utilization measured (r0, r1)",
+        "utilization planned (r0, r1)",
+    ):
         table.add_column(col)
     plan_util = {"a": planned["utilization_plain"], "b": planned["utilization"]}
     for v in VARIANTS:
         measured = row["utilization_measured"].get(v)
-        table.add_row(f"({v}) {NAMES[v]}", f"{row['step_s'][v]:.4f}", f"{row['ratio_to_a'][v]:.3f}",
-                      _fmt_ranks(measured) if measured else "-",
-                      _fmt_ranks(plan_util[v]) if v in plan_util else "-")
+        table.add_row(
+            f"({v}) {NAMES[v]}",
+            f"{row['step_s'][v]:.4f}",
+            f"{row['ratio_to_a'][v]:.3f}",
+            _fmt_ranks(measured) if measured else "-",
+            _fmt_ranks(plan_util[v]) if v in plan_util else "-",
+        )
     console.print(table)
     kinds = ("FWD", "BWD", "STATS", "DECOMP", "APPLY", "OPT_STEP", "RECV_ACT", "RECV_GRAD", "SYNC_STATS", "BCAST")
     where = Table(title="where a step's time goes, ms per step and rank (measured; (b) planned in brackets)")
@@ -283,14 +358,22 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
     for v in VARIANTS:
         for r, secs in sorted(row["kind_s"][v].items(), key=lambda item: int(item[0])):
             plan = planned["kind_s"].get(r, planned["kind_s"].get(int(r), {})) if v == "b" else {}
-            where.add_row(f"({v}) r{r}", *(f"{secs.get(k, 0) * 1e3:.1f}" + (f" [{plan[k] * 1e3:.1f}]" if k in plan
-                                                                            else "") for k in kinds))
+            where.add_row(
+                f"({v}) r{r}",
+                *(f"{secs.get(k, 0) * 1e3:.1f}" + (f" [{plan[k] * 1e3:.1f}]" if k in plan else "") for k in kinds),
+            )
     console.print(where)
     b_a, b, c, d = row["ratio_to_a"]["b"], row["step_s"]["b"], row["step_s"]["c"], row["step_s"]["d"]
-    console.print(f"machine load (1-min average) before/after timing: {row['loadavg_1min'][0]:.1f} / "
-                  f"{row['loadavg_1min'][1]:.1f} on {os.cpu_count()} cores", markup=False)
-    console.print(f"targets: b/a = {b_a:.3f} <= 1.10: {b_a <= 1.10}; b < d < c: {b < d < c}; plan predicts "
-                  f"{planned['step_s'] / planned['plain_step_s']:.3f} ({planned['solver']})", markup=False)
+    console.print(
+        f"machine load (1-min average) before/after timing: {row['loadavg_1min'][0]:.1f} / "
+        f"{row['loadavg_1min'][1]:.1f} on {os.cpu_count()} cores",
+        markup=False,
+    )
+    console.print(
+        f"targets: b/a = {b_a:.3f} <= 1.10: {b_a <= 1.10}; b < d < c: {b < d < c}; plan predicts "
+        f"{planned['step_s'] / planned['plain_step_s']:.3f} ({planned['solver']})",
+        markup=False,
+    )
     print(json.dumps({"benchmark": "pipefisher_overhead", "args": vars(args), **row}))
 
 
@@ -311,19 +394,31 @@ def main() -> None:
     """Spawn the two ranks, then print the table and the JSON line."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(parser)
-    parser.add_argument("--model", default="bert", choices=("bert", "gpt2"),
-                        help="the embedded BERT-style MLM, or Hugging Face GPT-2 as a causal LM")
+    parser.add_argument(
+        "--model",
+        default="bert",
+        choices=("bert", "gpt2"),
+        help="the embedded BERT-style MLM, or Hugging Face GPT-2 as a causal LM",
+    )
     parser.add_argument("--periods-per-round", type=int, default=1)
     parser.add_argument("--warmup-periods", type=int, default=1)
     parser.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit (s)")
-    parser.add_argument("--kfac-margin", type=float, default=PROFILE_MARGIN,
-                        help="profiled K-FAC times are planned this much longer (PlanOptions.kfac_margin)")
-    parser.add_argument("--strategy", default="auto",
-                        help="how (b)'s stage copies share each layer's work: auto (the planner chooses), comm-opt, "
-                             "mem-opt, hybrid:F (grad-worker fraction), dp-kfac")
+    parser.add_argument(
+        "--kfac-margin",
+        type=float,
+        default=PROFILE_MARGIN,
+        help="profiled K-FAC times are planned this much longer (PlanOptions.kfac_margin)",
+    )
+    parser.add_argument(
+        "--strategy",
+        default="auto",
+        help="how (b)'s stage copies share each layer's work: auto (the planner chooses), comm-opt, "
+        "mem-opt, hybrid:F (grad-worker fraction), dp-kfac",
+    )
     parser.add_argument("--save-plan", default=None, help="write (b)'s plan JSON here")
-    parser.add_argument("--trace-dir", default=None,
-                        help="write each variant's measured Chrome trace here (made if missing)")
+    parser.add_argument(
+        "--trace-dir", default=None, help="write each variant's measured Chrome trace here (made if missing)"
+    )
     args = parser.parse_args()
     if args.trace_dir:  # made before the run, so a bad path fails now and not after minutes of timing
         os.makedirs(args.trace_dir, exist_ok=True)

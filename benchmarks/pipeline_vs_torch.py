@@ -76,6 +76,7 @@ def _torch_runner(trainer: Trainer, schedule: str, N: int):
             sched.step(target=y, losses=[])
         opt.step()
         opt.zero_grad(set_to_none=True)
+
     return step
 
 
@@ -117,24 +118,33 @@ def _theory(schedule: str, N: int, events) -> dict[int, float]:
             return 0.0
         stage = op.stage if op.kind in (OpKind.FWD, OpKind.BWD) else None
         return avg.get((rank, op.kind.value, stage), 0.0)
+
     tl = simulate(rank_programs(schedule, D, N, 1), duration)
     return {r: 1.0 - tl.utilization(r, kinds=(OpKind.FWD, OpKind.BWD)) for r in range(D)}
 
 
 def _fxkfac_trainer(args: argparse.Namespace, schedule: str, example: torch.Tensor) -> Trainer:
     """fxkfac's plain pipeline (no K-FAC, eager stages, SGD), recording its timeline for the bubble columns."""
-    return fxkfac.compile(make_model(args.width, args.depth), (D, 1), None, example_inputs=(example,),
-                          loss_fn=lambda out, y: F.cross_entropy(out, y),
-                          optimizer=lambda p: torch.optim.SGD(p, lr=0.01), kfac=None, schedule=schedule,
-                          microbatches=args.microbatches, backend=None,
-                          pipeline=PipelineOptions(record_timeline=True,
-                                                   step_agreement=StepAgreement(args.step_agreement)))
+    return fxkfac.compile(
+        make_model(args.width, args.depth),
+        (D, 1),
+        None,
+        example_inputs=(example,),
+        loss_fn=lambda out, y: F.cross_entropy(out, y),
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
+        kfac=None,
+        schedule=schedule,
+        microbatches=args.microbatches,
+        backend=None,
+        pipeline=PipelineOptions(record_timeline=True, step_agreement=StepAgreement(args.step_agreement)),
+    )
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=D,
-                            timeout=timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=D, timeout=timedelta(seconds=120)
+    )
     g = torch.Generator().manual_seed(0)
     batch = (torch.randn(args.batch, args.width, generator=g), torch.randint(0, 10, (args.batch,), generator=g))
     rows = []
@@ -152,11 +162,17 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
         dist.all_gather_object(gathered, events)
         events = [e for part in gathered for e in part if e.step >= args.warmup]
         measured = {r: 1.0 - u for r, u in utilization(events, BUSY).items()}
-        rows.append({"schedule": schedule, "fxkfac_step_s": statistics.median(ours),
-                     "torch_step_s": statistics.median(theirs),
-                     "ratio": statistics.median(theirs) / statistics.median(ours),
-                     "bubble_measured": measured, "bubble_sim": _theory(schedule, args.microbatches, events),
-                     "bubble_formula": (D - 1) / (args.microbatches + D - 1)})
+        rows.append(
+            {
+                "schedule": schedule,
+                "fxkfac_step_s": statistics.median(ours),
+                "torch_step_s": statistics.median(theirs),
+                "ratio": statistics.median(theirs) / statistics.median(ours),
+                "bubble_measured": measured,
+                "bubble_sim": _theory(schedule, args.microbatches, events),
+                "bubble_formula": (D - 1) / (args.microbatches + D - 1),
+            }
+        )
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(rows, f)
@@ -167,16 +183,32 @@ def _report(rows: list[dict], args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"fxkfac vs torch.distributed.pipelining (D={D}, N={args.microbatches}, "
-                        f"MLP {args.depth}x{args.width}, batch {args.batch}, 1 thread/rank, step agreement "
-                        f"{args.step_agreement})")
-    for col in ("schedule", "fxkfac s/step", "torch s/step", "throughput ratio", "bubble measured (r0, r1)",
-                "bubble simulated (r0, r1)", "(D-1)/(N+D-1)"):
+    table = Table(
+        title=f"fxkfac vs torch.distributed.pipelining (D={D}, N={args.microbatches}, "
+        f"MLP {args.depth}x{args.width}, batch {args.batch}, 1 thread/rank, step agreement "
+        f"{args.step_agreement})"
+    )
+    for col in (
+        "schedule",
+        "fxkfac s/step",
+        "torch s/step",
+        "throughput ratio",
+        "bubble measured (r0, r1)",
+        "bubble simulated (r0, r1)",
+        "(D-1)/(N+D-1)",
+    ):
         table.add_column(col)
     for r in rows:
         fmt = lambda d: ", ".join(f"{d[k]:.3f}" for k in sorted(d, key=int))  # noqa: E731
-        table.add_row(r["schedule"], f"{r['fxkfac_step_s']:.4f}", f"{r['torch_step_s']:.4f}", f"{r['ratio']:.3f}",
-                      fmt(r["bubble_measured"]), fmt(r["bubble_sim"]), f"{r['bubble_formula']:.3f}")
+        table.add_row(
+            r["schedule"],
+            f"{r['fxkfac_step_s']:.4f}",
+            f"{r['torch_step_s']:.4f}",
+            f"{r['ratio']:.3f}",
+            fmt(r["bubble_measured"]),
+            fmt(r["bubble_sim"]),
+            f"{r['bubble_formula']:.3f}",
+        )
     Console().print(table)
     print(json.dumps({"benchmark": "pipeline_vs_torch", "args": vars(args), "results": rows}))
 
@@ -190,10 +222,14 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--step-agreement", choices=[a.value for a in StepAgreement], default="world",
-                        help="world: a world all-reduce of the NaN/Inf flag and the loss ends every fxkfac step; "
-                             "copies: each stage decides alone and the loss is summed in flight (torch's schedule "
-                             "checks nothing and sums no loss)")
+    parser.add_argument(
+        "--step-agreement",
+        choices=[a.value for a in StepAgreement],
+        default="world",
+        help="world: a world all-reduce of the NaN/Inf flag and the loss ends every fxkfac step; "
+        "copies: each stage decides alone and the loss is summed in flight (torch's schedule "
+        "checks nothing and sums no loss)",
+    )
     args = parser.parse_args()
     port = free_port()
     out_path = os.path.join(tempfile.mkdtemp(), "rows.json")

@@ -56,10 +56,14 @@ def run(D: int, time_limit: float) -> dict[str, Any]:
         return out
     out["cpsat_wall_s"] = time.perf_counter() - began
     m = plan.metrics
-    out.update(cpsat_status=m.solver.status, cpsat_refresh_sum=sum(m.refresh_steps),
-               lower_bound_sum=sum(m.lower_bound_steps), gap=m.solver.gap,
-               refresh_min_max=[min(m.refresh_steps), max(m.refresh_steps)],
-               utilization=[m.utilization_baseline, m.utilization])
+    out.update(
+        cpsat_status=m.solver.status,
+        cpsat_refresh_sum=sum(m.refresh_steps),
+        lower_bound_sum=sum(m.lower_bound_steps),
+        gap=m.solver.gap,
+        refresh_min_max=[min(m.refresh_steps), max(m.refresh_steps)],
+        utilization=[m.utilization_baseline, m.utilization],
+    )
     began = time.perf_counter()
     errors = validate(problem, plan)
     out["validator_s"] = time.perf_counter() - began
@@ -71,19 +75,45 @@ def run(D: int, time_limit: float) -> dict[str, Any]:
 
 def render(results: list[dict[str, Any]], console: Console) -> None:
     table = Table(title=f"Planner scaling: 1F1B, N = D, BERT-Large P100 blocks x{BLOCKS_PER_STAGE} per stage")
-    for col in ("D", "greedy s", "greedy sum k", "CP-SAT s", "status", "sum k / bound", "gap", "k min-max",
-                "util before -> after", "valid (validator s)"):
+    for col in (
+        "D",
+        "greedy s",
+        "greedy sum k",
+        "CP-SAT s",
+        "status",
+        "sum k / bound",
+        "gap",
+        "k min-max",
+        "util before -> after",
+        "valid (validator s)",
+    ):
         table.add_column(col)
     for r in results:
         if "cpsat_error" in r:
-            table.add_row(str(r["D"]), f"{r.get('greedy_wall_s', 0):.2f}", str(r.get("greedy_refresh_sum", "-")),
-                          "no plan", r["cpsat_error"][:50], "", "", "", "", "")
+            table.add_row(
+                str(r["D"]),
+                f"{r.get('greedy_wall_s', 0):.2f}",
+                str(r.get("greedy_refresh_sum", "-")),
+                "no plan",
+                r["cpsat_error"][:50],
+                "",
+                "",
+                "",
+                "",
+                "",
+            )
             continue
         before, after = r["utilization"]
         table.add_row(
-            str(r["D"]), f"{r.get('greedy_wall_s', float('nan')):.2f}", str(r.get("greedy_refresh_sum", "-")),
-            f"{r['cpsat_wall_s']:.1f}", r["cpsat_status"], f"{r['cpsat_refresh_sum']} / {r['lower_bound_sum']}",
-            f"{r['gap']:.1%}", "-".join(map(str, r["refresh_min_max"])), f"{before:.1%} -> {after:.1%}",
+            str(r["D"]),
+            f"{r.get('greedy_wall_s', float('nan')):.2f}",
+            str(r.get("greedy_refresh_sum", "-")),
+            f"{r['cpsat_wall_s']:.1f}",
+            r["cpsat_status"],
+            f"{r['cpsat_refresh_sum']} / {r['lower_bound_sum']}",
+            f"{r['gap']:.1%}",
+            "-".join(map(str, r["refresh_min_max"])),
+            f"{before:.1%} -> {after:.1%}",
             f"{'yes' if r['valid'] else 'NO'} ({r['validator_s']:.1f})",
         )
     console.print(table)
@@ -98,10 +128,12 @@ def main(argv: list[str] | None = None) -> None:
     render(results, Console(width=160))
     targets = {r["D"]: r for r in results}
     verdict = {
-        "D=8 optimal under 10 s": bool(8 in targets and targets[8].get("cpsat_status") == "OPTIMAL"
-                                       and targets[8]["cpsat_wall_s"] < 10),
-        "D=64 valid within 60 s": bool(64 in targets and targets[64].get("valid")
-                                       and targets[64]["cpsat_wall_s"] <= 60),
+        "D=8 optimal under 10 s": bool(
+            8 in targets and targets[8].get("cpsat_status") == "OPTIMAL" and targets[8]["cpsat_wall_s"] < 10
+        ),
+        "D=64 valid within 60 s": bool(
+            64 in targets and targets[64].get("valid") and targets[64]["cpsat_wall_s"] <= 60
+        ),
     }
     Console(width=160).print(verdict)
     print(json.dumps({"benchmark": "planner_scaling", "results": results, "targets": verdict}))

@@ -84,17 +84,35 @@ def family_config(family: str) -> Any:
         # chooses its own period per stage). Preconditioning starts at step 0, not the paper's step 10:
         # plan="auto" profiles a decomposition on a fresh state, where a later start makes the family decline
         # it, so the planner would see free roots (fxkfac/profiler.py: "times as 0") and overfill the bubbles.
-        return ShampooConfig(betas=(0.9, 0.999), epsilon=1e-12, momentum=0.0, use_nesterov=False,
-                             weight_decay=0.01, use_decoupled_weight_decay=True, grafting_type="adam",
-                             grafting_beta2=0.999, grafting_epsilon=1e-8, max_preconditioner_dim=128,
-                             precondition_frequency=PRECONDITION_FREQUENCY, start_preconditioning_step=0)
+        return ShampooConfig(
+            betas=(0.9, 0.999),
+            epsilon=1e-12,
+            momentum=0.0,
+            use_nesterov=False,
+            weight_decay=0.01,
+            use_decoupled_weight_decay=True,
+            grafting_type="adam",
+            grafting_beta2=0.999,
+            grafting_epsilon=1e-8,
+            max_preconditioner_dim=128,
+            precondition_frequency=PRECONDITION_FREQUENCY,
+            start_preconditioning_step=0,
+        )
     if family == "SOAP":
         # The SOAP paper's defaults: betas (0.95, 0.95), shampoo_beta 0.95, eps 1e-8, weight decay 0.01, bias
         # correction, eigenbases refreshed every 10 steps by one QR power iteration, 1-D parameters by plain
         # Adam, no dimension merging; its 10000-wide blocks mean whole factors: 1024 covers every side here.
-        return SOAPConfig(betas=(0.95, 0.95), shampoo_beta=0.95, epsilon=1e-8, weight_decay=0.01,
-                          precondition_frequency=PRECONDITION_FREQUENCY, max_preconditioner_dim=1024,
-                          basis_method="qr", precondition_1d=False, use_merge_dims=False)
+        return SOAPConfig(
+            betas=(0.95, 0.95),
+            shampoo_beta=0.95,
+            epsilon=1e-8,
+            weight_decay=0.01,
+            precondition_frequency=PRECONDITION_FREQUENCY,
+            max_preconditioner_dim=1024,
+            basis_method="qr",
+            precondition_1d=False,
+            use_merge_dims=False,
+        )
     raise ValueError(f"unknown family {family!r}; choose from {FAMILIES}")
 
 
@@ -129,16 +147,27 @@ def runs(args: argparse.Namespace) -> tuple[tuple[RunSpec, ...], dict[str, Run]]
                 plan = None
                 if args.reuse_plans and configs[family] is not None:
                     plan = str(plan_path(args.plan_dir, family))
-                specs.append(RunSpec(name=name, preconditioner=configs[family], lr=lr, seed=seed,
-                                     warmup_steps=args.warmup, cosine=True, plan=plan))
+                specs.append(
+                    RunSpec(
+                        name=name,
+                        preconditioner=configs[family],
+                        lr=lr,
+                        seed=seed,
+                        warmup_steps=args.warmup,
+                        cosine=True,
+                        plan=plan,
+                    )
+                )
                 meaning[name] = Run(family, lr, seed)
     return tuple(specs), meaning
 
 
 def _mean_curve(curves: list[Curve]) -> list[tuple[int, float, float]]:
     """(step, mean train seconds, mean validation loss) over seeds, evaluation by evaluation."""
-    return [(pts[0][0], statistics.fmean(p[1] for p in pts), statistics.fmean(p[2] for p in pts))
-            for pts in zip(*(c.points for c in curves), strict=True)]
+    return [
+        (pts[0][0], statistics.fmean(p[1] for p in pts), statistics.fmean(p[2] for p in pts))
+        for pts in zip(*(c.points for c in curves), strict=True)
+    ]
 
 
 def _reach(points: list[tuple[int, float, float]], target: float) -> tuple[int, float] | None:
@@ -154,20 +183,31 @@ def summarize(curves: tuple[Curve, ...], meaning: dict[str, Run], args: argparse
     sweep_rows = []
     for (family, lr), cs in groups.items():
         mean = _mean_curve(cs)
-        sweep_rows.append({"family": family, "lr": lr, "final_val_loss": mean[-1][2],
-                           "final_val_per_seed": [c.final_val for c in cs],
-                           "ms_per_step": statistics.fmean(c.step_time for c in cs) * 1e3,
-                           "seconds": statistics.fmean(c.seconds for c in cs), "curve": mean})
+        sweep_rows.append(
+            {
+                "family": family,
+                "lr": lr,
+                "final_val_loss": mean[-1][2],
+                "final_val_per_seed": [c.final_val for c in cs],
+                "ms_per_step": statistics.fmean(c.step_time for c in cs) * 1e3,
+                "seconds": statistics.fmean(c.seconds for c in cs),
+                "curve": mean,
+            }
+        )
     best: dict[str, dict[str, Any]] = {}
     for family in args.families:
         rows = [r for r in sweep_rows if r["family"] == family]
         pick = min(rows, key=lambda r: r["final_val_loss"])
         lrs = sorted(r["lr"] for r in rows)
-        edge = None if len(lrs) < 2 else "lowest" if pick["lr"] == lrs[0] else "highest" if pick["lr"] == lrs[-1] \
-            else None
+        edge = (
+            None if len(lrs) < 2 else "lowest" if pick["lr"] == lrs[0] else "highest" if pick["lr"] == lrs[-1] else None
+        )
         best[family] = {**pick, "edge": edge}
-    out: dict[str, Any] = {"target_val_loss": None, "families": {}, "sweep": [
-        {k: v for k, v in r.items() if k != "curve"} for r in sweep_rows]}
+    out: dict[str, Any] = {
+        "target_val_loss": None,
+        "families": {},
+        "sweep": [{k: v for k, v in r.items() if k != "curve"} for r in sweep_rows],
+    }
     if "AdamW" not in best:
         return out
     target = best["AdamW"]["final_val_loss"]
@@ -180,19 +220,30 @@ def summarize(curves: tuple[Curve, ...], meaning: dict[str, Run], args: argparse
         per_seed = [_reach(list(c.points), target) for c in groups[(family, r["lr"])]]
         steady = None if got is None else got[0] * step_s[family] / (base[0] * step_s["AdamW"])
         out["families"][family] = {
-            "best_lr": r["lr"], "best_lr_at_edge": r["edge"], "final_val_loss": r["final_val_loss"],
-            "ms_per_step": r["ms_per_step"], "steps_to_target": None if got is None else got[0],
+            "best_lr": r["lr"],
+            "best_lr_at_edge": r["edge"],
+            "final_val_loss": r["final_val_loss"],
+            "ms_per_step": r["ms_per_step"],
+            "steps_to_target": None if got is None else got[0],
             "seconds_to_target": None if got is None else got[1],
             "time_ratio_to_adamw": None if got is None else got[1] / base[1],
             "seeds_reaching_target": sum(g is not None for g in per_seed),
             "step_ratio_to_adamw": None if got is None else got[0] / base[0],
-            "median_ms_per_step": step_s[family] * 1e3, "time_ratio_at_median_step": steady}
-    ratios = {f: r["time_ratio_to_adamw"] for f, r in out["families"].items()
-              if f != "AdamW" and r["time_ratio_to_adamw"] is not None}
+            "median_ms_per_step": step_s[family] * 1e3,
+            "time_ratio_at_median_step": steady,
+        }
+    ratios = {
+        f: r["time_ratio_to_adamw"]
+        for f, r in out["families"].items()
+        if f != "AdamW" and r["time_ratio_to_adamw"] is not None
+    }
     out["best_family"] = min(ratios, key=lambda f: ratios[f]) if ratios else None
     out["best_ratio"] = ratios[out["best_family"]] if ratios else None
-    steady = {f: r["time_ratio_at_median_step"] for f, r in out["families"].items()
-              if f != "AdamW" and r["time_ratio_at_median_step"] is not None}
+    steady = {
+        f: r["time_ratio_at_median_step"]
+        for f, r in out["families"].items()
+        if f != "AdamW" and r["time_ratio_at_median_step"] is not None
+    }
     out["best_ratio_at_median_step"] = min(steady.values()) if steady else None
     out["target_ratio"] = TARGET_RATIO
     out["curves"] = {f: r["curve"] for f, r in best.items()}
@@ -203,50 +254,93 @@ def report(summary: dict[str, Any], args: argparse.Namespace, console: Console) 
     """The per-family table at each best lr, then the whole sweep."""
     dash = lambda v, f: "-" if v is None else f.format(v)  # noqa: E731
     target = summary["target_val_loss"]
-    table = Table(title=f"stdlib MLM, 2 stages 1F1B, batch {args.batch_size}, {args.steps} steps, warm-up "
-                        f"{args.warmup} + cosine, mean over {args.seeds} seed(s): time to AdamW's best final "
-                        f"validation loss {dash(target, '{:.4f}')}", title_justify="left")
-    for col in ("family", "best lr", "final val", "ms/step", "steps to target", "s to target", "time / AdamW",
-                "steps / AdamW", "median ms/step", "time / AdamW at median", "seeds reaching"):
+    table = Table(
+        title=f"stdlib MLM, 2 stages 1F1B, batch {args.batch_size}, {args.steps} steps, warm-up "
+        f"{args.warmup} + cosine, mean over {args.seeds} seed(s): time to AdamW's best final "
+        f"validation loss {dash(target, '{:.4f}')}",
+        title_justify="left",
+    )
+    for col in (
+        "family",
+        "best lr",
+        "final val",
+        "ms/step",
+        "steps to target",
+        "s to target",
+        "time / AdamW",
+        "steps / AdamW",
+        "median ms/step",
+        "time / AdamW at median",
+        "seeds reaching",
+    ):
         table.add_column(col, justify="left" if col == "family" else "right")
     for family, r in summary["families"].items():
         edge = f" ({r['best_lr_at_edge']} of sweep!)" if r["best_lr_at_edge"] else ""
-        table.add_row(family, f"{r['best_lr']:g}{edge}", f"{r['final_val_loss']:.4f}", f"{r['ms_per_step']:.1f}",
-                      dash(r["steps_to_target"], "{}"), dash(r["seconds_to_target"], "{:.1f}"),
-                      dash(r["time_ratio_to_adamw"], "{:.2f}"), dash(r["step_ratio_to_adamw"], "{:.2f}"),
-                      f"{r['median_ms_per_step']:.1f}", dash(r["time_ratio_at_median_step"], "{:.2f}"),
-                      f"{r['seeds_reaching_target']}/{args.seeds}")
+        table.add_row(
+            family,
+            f"{r['best_lr']:g}{edge}",
+            f"{r['final_val_loss']:.4f}",
+            f"{r['ms_per_step']:.1f}",
+            dash(r["steps_to_target"], "{}"),
+            dash(r["seconds_to_target"], "{:.1f}"),
+            dash(r["time_ratio_to_adamw"], "{:.2f}"),
+            dash(r["step_ratio_to_adamw"], "{:.2f}"),
+            f"{r['median_ms_per_step']:.1f}",
+            dash(r["time_ratio_at_median_step"], "{:.2f}"),
+            f"{r['seeds_reaching_target']}/{args.seeds}",
+        )
     console.print(table)
-    console.print("s to target: measured train wall time on the seed-mean curve at the best lr; 'at median': steps "
-                  "to target x the family's median ms/step over all its runs (less sensitive to load spikes)",
-                  highlight=False)
-    lrs = Table(title="the sweep: final validation loss (mean over seeds; per seed), ms per step",
-                title_justify="left")
+    console.print(
+        "s to target: measured train wall time on the seed-mean curve at the best lr; 'at median': steps "
+        "to target x the family's median ms/step over all its runs (less sensitive to load spikes)",
+        highlight=False,
+    )
+    lrs = Table(title="the sweep: final validation loss (mean over seeds; per seed), ms per step", title_justify="left")
     for col in ("family", "peak lr", "final val", "per seed", "ms/step"):
         lrs.add_column(col, justify="left" if col == "family" else "right")
     for r in sorted(summary["sweep"], key=lambda r: (FAMILIES.index(r["family"]), r["lr"])):
-        lrs.add_row(r["family"], f"{r['lr']:g}", f"{r['final_val_loss']:.4f}",
-                    " ".join(f"{v:.4f}" for v in r["final_val_per_seed"]), f"{r['ms_per_step']:.1f}")
+        lrs.add_row(
+            r["family"],
+            f"{r['lr']:g}",
+            f"{r['final_val_loss']:.4f}",
+            " ".join(f"{v:.4f}" for v in r["final_val_per_seed"]),
+            f"{r['ms_per_step']:.1f}",
+        )
     console.print(lrs)
     edges = [f for f, r in summary["families"].items() if r["best_lr_at_edge"]]
     if edges:
-        console.print(f"best lr at an edge of the sweep for: {', '.join(edges)} (the optimum may lie outside it)",
-                      highlight=False)
+        console.print(
+            f"best lr at an edge of the sweep for: {', '.join(edges)} (the optimum may lie outside it)", highlight=False
+        )
     if summary.get("best_family"):
-        console.print(f"best family {summary['best_family']}: {summary['best_ratio']:.2f} of AdamW's wall time to "
-                      f"the target (goal <= {TARGET_RATIO}; at median step times the best family's ratio is "
-                      f"{summary['best_ratio_at_median_step']:.2f})", highlight=False)
+        console.print(
+            f"best family {summary['best_family']}: {summary['best_ratio']:.2f} of AdamW's wall time to "
+            f"the target (goal <= {TARGET_RATIO}; at median step times the best family's ratio is "
+            f"{summary['best_ratio_at_median_step']:.2f})",
+            highlight=False,
+        )
     elif target is not None:
         console.print("no preconditioned family reached AdamW's final validation loss", highlight=False)
 
 
 def plot(summary: dict[str, Any], path: Path, args: argparse.Namespace) -> None:
     """Validation loss against train wall time: each family at its best lr (seed means), the target dotted."""
-    lines = [([t for _, t, _ in curve], [v for _, _, v in curve],
-              f"{family} (lr {summary['families'][family]['best_lr']:g})", "--" if family == "AdamW" else "-")
-             for family, curve in summary["curves"].items()]
-    plot_losses(lines, summary["target_val_loss"], path, xlabel="train wall time (s, rank 0, mean over seeds)",
-                title=f"TinyBert MLM on the CPython stdlib, 2 stages 1F1B, batch {args.batch_size}, best lr per family")
+    lines = [
+        (
+            [t for _, t, _ in curve],
+            [v for _, _, v in curve],
+            f"{family} (lr {summary['families'][family]['best_lr']:g})",
+            "--" if family == "AdamW" else "-",
+        )
+        for family, curve in summary["curves"].items()
+    ]
+    plot_losses(
+        lines,
+        summary["target_val_loss"],
+        path,
+        xlabel="train wall time (s, rank 0, mean over seeds)",
+        title=f"TinyBert MLM on the CPython stdlib, 2 stages 1F1B, batch {args.batch_size}, best lr per family",
+    )
 
 
 def main() -> None:
@@ -269,8 +363,14 @@ def main() -> None:
         parser.error("--families must include AdamW (the baseline)")
     console = Console(width=max(Console().width, 160))
     specs, meaning = runs(args)
-    cfg = DemoConfig(steps=args.steps, eval_every=args.eval_every, batch_size=args.batch_size,
-                     eval_batches=args.eval_batches, runs=specs, timeout_s=3600.0)
+    cfg = DemoConfig(
+        steps=args.steps,
+        eval_every=args.eval_every,
+        batch_size=args.batch_size,
+        eval_batches=args.eval_batches,
+        runs=specs,
+        timeout_s=3600.0,
+    )
     load = os.getloadavg()
     result = run_demo(cfg, console, show_plan=False)
     load_after = os.getloadavg()
@@ -282,15 +382,29 @@ def main() -> None:
                 path.write_text(c.plan_json)
     summary = summarize(result.curves, meaning, args)
     report(summary, args, console)
-    console.print(f"machine load (1/5/15-min averages) before {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}, after "
-                  f"{load_after[0]:.1f}/{load_after[1]:.1f}/{load_after[2]:.1f} on {os.cpu_count()} cores "
-                  "(the benchmark itself keeps 2 busy)", highlight=False)
+    console.print(
+        f"machine load (1/5/15-min averages) before {load[0]:.1f}/{load[1]:.1f}/{load[2]:.1f}, after "
+        f"{load_after[0]:.1f}/{load_after[1]:.1f}/{load_after[2]:.1f} on {os.cpu_count()} cores "
+        "(the benchmark itself keeps 2 busy)",
+        highlight=False,
+    )
     plot(summary, args.png, args)
     console.print(f"wrote {args.png} and the plans under {args.plan_dir}", highlight=False)
     row = {k: v for k, v in summary.items() if k != "curves"}
-    print(json.dumps({"benchmark": "preconditioner_convergence", "steps": args.steps, "batch_size": args.batch_size,
-                      "seeds": args.seeds, "warmup": args.warmup, "families": args.families,
-                      "loadavg": [load, load_after], **row}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "preconditioner_convergence",
+                "steps": args.steps,
+                "batch_size": args.batch_size,
+                "seeds": args.seeds,
+                "warmup": args.warmup,
+                "families": args.families,
+                "loadavg": [load, load_after],
+                **row,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

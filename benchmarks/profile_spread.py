@@ -80,11 +80,20 @@ def _plan_once(ctx: RankContext, model_name: str, gpt2_batch: int, time_limit: f
     cfg = DemoConfig()
     model, inputs = _demo_model(cfg) if model_name == "demo" else _gpt2_model(gpt2_batch)
     began = time.perf_counter()
-    trainer = fxkfac.compile(model, (cfg.stages, cfg.dp), "auto", example_inputs=(inputs,), loss_fn=_unused_loss,
-                             kfac=None, preconditioner=DEMO_KFAC, schedule=cfg.schedule,
-                             microbatches=cfg.microbatches, backend=None,
-                             pipeline=PipelineOptions(timeout=cfg.timeout_s),
-                             plan_options=PlanOptions(time_limit_s=time_limit, max_overhead=cfg.plan_max_overhead))
+    trainer = fxkfac.compile(
+        model,
+        (cfg.stages, cfg.dp),
+        "auto",
+        example_inputs=(inputs,),
+        loss_fn=_unused_loss,
+        kfac=None,
+        preconditioner=DEMO_KFAC,
+        schedule=cfg.schedule,
+        microbatches=cfg.microbatches,
+        backend=None,
+        pipeline=PipelineOptions(timeout=cfg.timeout_s),
+        plan_options=PlanOptions(time_limit_s=time_limit, max_overhead=cfg.plan_max_overhead),
+    )
     seconds = time.perf_counter() - began
     if ctx.rank != 0 or trainer.plan is None:
         return None
@@ -97,19 +106,33 @@ def _ms(seconds: float) -> str:
 
 def _stage_row(stage: StageCost) -> dict[str, Any]:
     """A profiled stage's times in seconds, as the JSON line carries them."""
+
     def ends(spread: Any) -> list[float] | None:
         return None if spread is None else [spread.low, spread.high]
 
-    return {"fwd": stage.fwd, "fwd_spread": ends(stage.fwd_spread), "bwd": stage.bwd,
-            "bwd_spread": ends(stage.bwd_spread), "curv": stage.curv, "inv": stage.inv, "prec": stage.prec}
+    return {
+        "fwd": stage.fwd,
+        "fwd_spread": ends(stage.fwd_spread),
+        "bwd": stage.bwd,
+        "bwd_spread": ends(stage.bwd_spread),
+        "curv": stage.curv,
+        "inv": stage.inv,
+        "prec": stage.prec,
+    }
 
 
 def _run_row(plan: Plan, seconds: float) -> dict[str, Any]:
     """What one run planned, and from which profile (K-FAC times as planned: times the margin)."""
     m = plan.metrics
-    return {"refresh_steps": list(m.refresh_steps), "max_overhead": plan.problem.max_overhead,
-            "step_time": m.step_time, "step_time_baseline": m.step_time_baseline, "solver": m.solver.status,
-            "compile_s": seconds, "stages": [_stage_row(s) for s in plan.problem.costs.stages]}
+    return {
+        "refresh_steps": list(m.refresh_steps),
+        "max_overhead": plan.problem.max_overhead,
+        "step_time": m.step_time,
+        "step_time_baseline": m.step_time_baseline,
+        "solver": m.solver.status,
+        "compile_s": seconds,
+        "stages": [_stage_row(s) for s in plan.problem.costs.stages],
+    }
 
 
 def _report(rows: list[dict[str, Any]], args: argparse.Namespace, uptime: list[str]) -> None:
@@ -118,20 +141,37 @@ def _report(rows: list[dict[str, Any]], args: argparse.Namespace, uptime: list[s
 
     console = Console(width=150)
     n_stages = len(rows[0]["refresh_steps"])
-    spread = [max(r["refresh_steps"][s] for r in rows) - min(r["refresh_steps"][s] for r in rows)
-              for s in range(n_stages)]
-    plans = Table(title=f"plan='auto' of {args.model!r}, {args.runs} runs (a fresh launch and profile each): "
-                        "planned refresh period per stage")
-    for col in ["run", *(f"stage {s} period" for s in range(n_stages)), "max_overhead", "step ms (plain)",
-                "solver", "compile s"]:
+    spread = [
+        max(r["refresh_steps"][s] for r in rows) - min(r["refresh_steps"][s] for r in rows) for s in range(n_stages)
+    ]
+    plans = Table(
+        title=f"plan='auto' of {args.model!r}, {args.runs} runs (a fresh launch and profile each): "
+        "planned refresh period per stage"
+    )
+    for col in [
+        "run",
+        *(f"stage {s} period" for s in range(n_stages)),
+        "max_overhead",
+        "step ms (plain)",
+        "solver",
+        "compile s",
+    ]:
         plans.add_column(col)
     for i, r in enumerate(rows):
-        plans.add_row(str(i), *map(str, r["refresh_steps"]), f"{r['max_overhead']:.4g}",
-                      f"{_ms(r['step_time'])} ({_ms(r['step_time_baseline'])})", r["solver"], f"{r['compile_s']:.1f}")
+        plans.add_row(
+            str(i),
+            *map(str, r["refresh_steps"]),
+            f"{r['max_overhead']:.4g}",
+            f"{_ms(r['step_time'])} ({_ms(r['step_time_baseline'])})",
+            r["solver"],
+            f"{r['compile_s']:.1f}",
+        )
     plans.add_row("spread (max-min)", *map(str, spread), "", "", "", "", style="bold")
     console.print(plans)
-    times = Table(title="profiled stage times, ms: the fastest repeat (planned with) \\[fastest-slowest]; K-FAC "
-                        "times as planned (x margin)")
+    times = Table(
+        title="profiled stage times, ms: the fastest repeat (planned with) \\[fastest-slowest]; K-FAC "
+        "times as planned (x margin)"
+    )
     for col in ["run", *(f"stage {s} {what}" for s in range(n_stages) for what in ("fwd", "bwd", "curv/inv/prec"))]:
         times.add_column(col)
     for i, r in enumerate(rows):
@@ -144,11 +184,25 @@ def _report(rows: list[dict[str, Any]], args: argparse.Namespace, uptime: list[s
         times.add_row(str(i), *cells)
     console.print(times)
     within = max(spread) <= 1
-    console.print(f"largest spread of a stage's planned period: {max(spread)} step(s): "
-                  f"{'within' if within else 'NOT within'} one step", markup=False)
+    console.print(
+        f"largest spread of a stage's planned period: {max(spread)} step(s): "
+        f"{'within' if within else 'NOT within'} one step",
+        markup=False,
+    )
     console.print(f"uptime before/after: {uptime[0]} / {uptime[-1]} ({os.cpu_count()} cores)", markup=False)
-    print(json.dumps({"benchmark": "profile_spread", "args": vars(args), "uptime": uptime, "cores": os.cpu_count(),
-                      "runs": rows, "period_spread": spread, "within_one_step": within}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "profile_spread",
+                "args": vars(args),
+                "uptime": uptime,
+                "cores": os.cpu_count(),
+                "runs": rows,
+                "period_spread": spread,
+                "within_one_step": within,
+            }
+        )
+    )
 
 
 def _uptime() -> str:
@@ -161,8 +215,12 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--model", choices=("demo", "gpt2"), default="demo")
     parser.add_argument("--gpt2-batch", type=int, default=16, help="GPT-2 sequences per step (4 micro-batches)")
-    parser.add_argument("--time-limit", type=float, default=DemoConfig().plan_time_limit_s,
-                        help="PlanOptions.time_limit_s (the demo's by default)")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=DemoConfig().plan_time_limit_s,
+        help="PlanOptions.time_limit_s (the demo's by default)",
+    )
     args = parser.parse_args()
     cfg = DemoConfig()
     uptime = [_uptime()]

@@ -59,8 +59,14 @@ from fxkfac.planner.simulate import simulate
 from fxkfac.planner.solve import solve
 from fxkfac.planner.step_timeline import step_timeline
 
-__all__ = ["main", "duration_of", "per_step_seconds", "collective_seconds_per_step", "decomp_seconds_per_refresh",
-           "critical_path_programs"]
+__all__ = [
+    "main",
+    "duration_of",
+    "per_step_seconds",
+    "collective_seconds_per_step",
+    "decomp_seconds_per_refresh",
+    "critical_path_programs",
+]
 
 PARTS = ("L", "R")
 """Shampoo's parts of every parameter (a 1-D parameter's R decomposes nothing: 0 s in the table here)."""
@@ -92,8 +98,13 @@ def _compute_seconds(costs: CostTable) -> dict[OpKind, Callable[[Op], float]]:
     def apply(op: Op) -> float:
         return stages[_stage(op)].prec if op.layer is None else layers[op.layer].prec
 
-    return {OpKind.FWD: lambda op: stages[_stage(op)].fwd, OpKind.BWD: lambda op: stages[_stage(op)].bwd,
-            OpKind.STATS: stats, OpKind.DECOMP: decomp, OpKind.APPLY: apply}
+    return {
+        OpKind.FWD: lambda op: stages[_stage(op)].fwd,
+        OpKind.BWD: lambda op: stages[_stage(op)].bwd,
+        OpKind.STATS: stats,
+        OpKind.DECOMP: decomp,
+        OpKind.APPLY: apply,
+    }
 
 
 def duration_of(problem: Problem) -> Callable[[int, Op], float]:
@@ -115,8 +126,10 @@ def duration_of(problem: Problem) -> Callable[[int, Op], float]:
 
 def collective_seconds_per_step(programs: Mapping[int, Program], duration: Callable[[int, Op], float]) -> float:
     """The most collective seconds any rank's program runs per step (their own length: waiting not counted)."""
-    return max(sum(duration(r, op) for step in prog for op in step if op.kind in COLLECTIVE_KINDS) / len(prog)
-               for r, prog in programs.items())
+    return max(
+        sum(duration(r, op) for step in prog for op in step if op.kind in COLLECTIVE_KINDS) / len(prog)
+        for r, prog in programs.items()
+    )
 
 
 def per_step_seconds(programs: Mapping[int, Program], duration: Callable[[int, Op], float]) -> float:
@@ -125,12 +138,15 @@ def per_step_seconds(programs: Mapping[int, Program], duration: Callable[[int, O
     return simulate(programs, duration, steps=steps).makespan / steps
 
 
-def decomp_seconds_per_refresh(programs: Mapping[int, Program], duration: Callable[[int, Op], float],
-                               period: Mapping[int, int]) -> dict[int, float]:
+def decomp_seconds_per_refresh(
+    programs: Mapping[int, Program], duration: Callable[[int, Op], float], period: Mapping[int, int]
+) -> dict[int, float]:
     """Per rank, the decomposition seconds it runs per refresh of its stage (`period[rank]` steps apart): the
     DECOMP seconds of its whole program, times the refreshes the program holds."""
-    return {r: sum(duration(r, op) for step in prog for op in step if op.kind is OpKind.DECOMP)
-            * period[r] / len(prog) for r, prog in programs.items()}
+    return {
+        r: sum(duration(r, op) for step in prog for op in step if op.kind is OpKind.DECOMP) * period[r] / len(prog)
+        for r, prog in programs.items()
+    }
 
 
 def critical_path_programs(problem: Problem, periods: Mapping[int, int], assignment: Assignment) -> dict[int, Program]:
@@ -140,8 +156,19 @@ def critical_path_programs(problem: Problem, periods: Mapping[int, int], assignm
     stage_layers = {s: [x.name for x in stage.layers] for s, stage in enumerate(costs.stages)}
     timings = {name: LayerTiming(periods[s], 0, 0, "deferred") for s, names in stage_layers.items() for name in names}
     seconds = {**{(name, part): 0.0 for name in costs.layer_names for part in PARTS}, **decomposition_seconds(costs)}
-    return naive_programs(problem.schedule, problem.D, problem.N, problem.W, timings, stage_layers, v=problem.v,
-                          parts=PARTS, gradient_parts=frozenset(PARTS), assignment=assignment, seconds=seconds)
+    return naive_programs(
+        problem.schedule,
+        problem.D,
+        problem.N,
+        problem.W,
+        timings,
+        stage_layers,
+        v=problem.v,
+        parts=PARTS,
+        gradient_parts=frozenset(PARTS),
+        assignment=assignment,
+        seconds=seconds,
+    )
 
 
 def _bound(problem: Problem) -> float:
@@ -165,14 +192,22 @@ class _Config:
 def _table(args: argparse.Namespace, config: _Config, block: int | None) -> CostTable:
     from fxkfac.planner.shampoo_costs import gradient_cost_table
 
-    return gradient_cost_table(config.model, args.stages, args.micro_batch_size, None, config.hardware,
-                               kind=PreconditionerKind.SHAMPOO, max_dim=block)
+    return gradient_cost_table(
+        config.model,
+        args.stages,
+        args.micro_batch_size,
+        None,
+        config.hardware,
+        kind=PreconditionerKind.SHAMPOO,
+        max_dim=block,
+    )
 
 
 def _problem(args: argparse.Namespace, config: _Config, costs: CostTable) -> Problem:
     extra = {} if args.period is None else {"max_period": args.period}
-    return Problem(args.schedule, args.stages, args.microbatches, costs, W=config.W, max_overhead=args.max_overhead,
-                   **extra)
+    return Problem(
+        args.schedule, args.stages, args.microbatches, costs, W=config.W, max_overhead=args.max_overhead, **extra
+    )
 
 
 def _plan(args: argparse.Namespace, config: _Config, solver: SolverConfig) -> tuple[Plan, int | None]:
@@ -184,8 +219,11 @@ def _plan(args: argparse.Namespace, config: _Config, solver: SolverConfig) -> tu
     from fxkfac.planner.presets import preset
     from fxkfac.planner.shampoo_costs import largest_dim
 
-    choice = choose_block_size(lambda side: _problem(args, config, _table(args, config, side)),
-                               block_candidates(largest_dim(preset(config.model))), solver)
+    choice = choose_block_size(
+        lambda side: _problem(args, config, _table(args, config, side)),
+        block_candidates(largest_dim(preset(config.model))),
+        solver,
+    )
     return choice.plan, choice.max_dim
 
 
@@ -203,16 +241,27 @@ def _row(args: argparse.Namespace, config: _Config, solver: SolverConfig) -> dic
         problem = _problem(args, config, _table(args, config, block))
     costs = problem.costs
     duration = duration_of(problem)
-    row: dict[str, Any] = {"model": config.model, "hardware": config.hardware, "W": config.W, "block": block,
-                           "units_per_stage": [len(s.layers) for s in costs.stages], "refused": refusal,
-                           "no_refresh_step_s": step_timeline(problem).length, "decomp_bound_s": _bound(problem)}
+    row: dict[str, Any] = {
+        "model": config.model,
+        "hardware": config.hardware,
+        "W": config.W,
+        "block": block,
+        "units_per_stage": [len(s.layers) for s in costs.stages],
+        "refused": refusal,
+        "no_refresh_step_s": step_timeline(problem).length,
+        "decomp_bound_s": _bound(problem),
+    }
     variants: dict[str, Mapping[int, Program]] = {}
     refresh_of: dict[str, Mapping[int, int]] = {}
     if plan is not None:
         plan_periods = {s: plan.layers[stage.layers[0].name].period for s, stage in enumerate(costs.stages)}
-        row.update(plan_periods=[plan_periods[s] for s in sorted(plan_periods)], solver=plan.metrics.solver.status,
-                   solver_s=plan.metrics.solver.wall_time, plan_step_s=plan.metrics.step_time,
-                   stretch_s=plan.metrics.stretch)
+        row.update(
+            plan_periods=[plan_periods[s] for s in sorted(plan_periods)],
+            solver=plan.metrics.solver.status,
+            solver_s=plan.metrics.solver.wall_time,
+            plan_step_s=plan.metrics.step_time,
+            stretch_s=plan.metrics.stretch,
+        )
         variants["cpsat"] = plan.programs
         refresh_of["cpsat"] = {r: len(prog) for r, prog in plan.programs.items()}
     if plan is not None or args.period is not None:
@@ -224,13 +273,16 @@ def _row(args: argparse.Namespace, config: _Config, solver: SolverConfig) -> dic
             variants[name] = critical_path_programs(problem, periods, assignment)
             refresh_of[name] = period_of_rank
     step = {v: per_step_seconds(progs, duration) for v, progs in variants.items()}
-    load = {v: max(decomp_seconds_per_refresh(progs, duration, refresh_of[v]).values())
-            for v, progs in variants.items()}
+    load = {
+        v: max(decomp_seconds_per_refresh(progs, duration, refresh_of[v]).values()) for v, progs in variants.items()
+    }
     collectives = {v: collective_seconds_per_step(progs, duration) for v, progs in variants.items()}
     row.update(step_s=step, decomp_max_s=load, collective_s=collectives, wall_s=time.perf_counter() - began)
     if "alg3" in step:
-        row.update(step_ratio_to_alg3={v: t / step["alg3"] for v, t in step.items()},
-                   decomp_ratio_to_alg3={v: x / load["alg3"] for v, x in load.items()})
+        row.update(
+            step_ratio_to_alg3={v: t / step["alg3"] for v, t in step.items()},
+            decomp_ratio_to_alg3={v: x / load["alg3"] for v, x in load.items()},
+        )
     return row
 
 
@@ -239,16 +291,41 @@ def _report(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> None:
     from rich.table import Table
 
     console = Console(width=220)
-    periods = "the plan's periods (a, b use them)" if args.period is None else \
-        f"(a), (b) every {args.period} steps; (c) the plan's, <= {args.period}"
-    table = Table(title=f"Shampoo decompositions across replicas: {args.schedule} D={args.stages} "
-                        f"N={args.microbatches}, block {args.block}, micro-batch {args.micro_batch_size}, "
-                        f"max_overhead {args.max_overhead:g}, CP-SAT {args.time_limit:g} s; refresh: {periods}")
-    for col in ("model", "hw", "W", "block", "periods", "solver", "no-refresh ms",
-                "(a) RR ms", "(b) Alg.3 ms", "(c) CP-SAT ms", "(c) plan's metric", "a/b", "c/b",
-                "coll/step ms: (b)", "(c)",
-                "max decomp/rank/refresh ms: (a)", "(b)", "(c)", "bound", "a/b", "c/b"):
+    periods = (
+        "the plan's periods (a, b use them)"
+        if args.period is None
+        else f"(a), (b) every {args.period} steps; (c) the plan's, <= {args.period}"
+    )
+    table = Table(
+        title=f"Shampoo decompositions across replicas: {args.schedule} D={args.stages} "
+        f"N={args.microbatches}, block {args.block}, micro-batch {args.micro_batch_size}, "
+        f"max_overhead {args.max_overhead:g}, CP-SAT {args.time_limit:g} s; refresh: {periods}"
+    )
+    for col in (
+        "model",
+        "hw",
+        "W",
+        "block",
+        "periods",
+        "solver",
+        "no-refresh ms",
+        "(a) RR ms",
+        "(b) Alg.3 ms",
+        "(c) CP-SAT ms",
+        "(c) plan's metric",
+        "a/b",
+        "c/b",
+        "coll/step ms: (b)",
+        "(c)",
+        "max decomp/rank/refresh ms: (a)",
+        "(b)",
+        "(c)",
+        "bound",
+        "a/b",
+        "c/b",
+    ):
         table.add_column(col, justify="right" if col not in ("model", "hw", "solver") else "left")
+
     def ms(values: Mapping[str, float], v: str, digits: int) -> str:
         return f"{values[v] * 1e3:.{digits}f}" if v in values else "-"
 
@@ -260,24 +337,36 @@ def _report(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> None:
         periods = " ".join(map(str, r.get("periods", [])))
         if args.period is not None and "plan_periods" in r:
             periods += f" (plan {' '.join(map(str, r['plan_periods']))})"
-        table.add_row(r["model"], r["hardware"], str(r["W"]), str(r["block"]), periods or "-",
-                      r.get("solver", "refused"), f"{r['no_refresh_step_s'] * 1e3:.2f}",
-                      *(ms(step, v, 2) for v in ("round_robin", "alg3", "cpsat")),
-                      f"{r['plan_step_s'] * 1e3:.2f}" if "plan_step_s" in r else "-",
-                      ratio(r, "step_ratio_to_alg3", "round_robin", 4), ratio(r, "step_ratio_to_alg3", "cpsat", 4),
-                      *(ms(r["collective_s"], v, 2) for v in ("alg3", "cpsat")),
-                      *(ms(load, v, 1) for v in ("round_robin", "alg3", "cpsat")),
-                      f"{r['decomp_bound_s'] * 1e3:.1f}",
-                      ratio(r, "decomp_ratio_to_alg3", "round_robin", 3), ratio(r, "decomp_ratio_to_alg3", "cpsat", 3))
+        table.add_row(
+            r["model"],
+            r["hardware"],
+            str(r["W"]),
+            str(r["block"]),
+            periods or "-",
+            r.get("solver", "refused"),
+            f"{r['no_refresh_step_s'] * 1e3:.2f}",
+            *(ms(step, v, 2) for v in ("round_robin", "alg3", "cpsat")),
+            f"{r['plan_step_s'] * 1e3:.2f}" if "plan_step_s" in r else "-",
+            ratio(r, "step_ratio_to_alg3", "round_robin", 4),
+            ratio(r, "step_ratio_to_alg3", "cpsat", 4),
+            *(ms(r["collective_s"], v, 2) for v in ("alg3", "cpsat")),
+            *(ms(load, v, 1) for v in ("round_robin", "alg3", "cpsat")),
+            f"{r['decomp_bound_s'] * 1e3:.1f}",
+            ratio(r, "decomp_ratio_to_alg3", "round_robin", 3),
+            ratio(r, "decomp_ratio_to_alg3", "cpsat", 3),
+        )
     console.print(table)
     compared = [r for r in rows if "cpsat" in r["step_s"] and "alg3" in r["step_s"]]
     beats = sum(r["step_s"]["cpsat"] <= r["step_s"]["alg3"] * (1 + 1e-9) for r in compared)
-    console.print(f"CP-SAT per-step time <= Alg. 3's in {beats} of {len(compared)} configurations compared",
-                  markup=False)
+    console.print(
+        f"CP-SAT per-step time <= Alg. 3's in {beats} of {len(compared)} configurations compared", markup=False
+    )
     if compared:
-        console.print("plan's own step-time metric vs its simulation: max |diff| "
-                      f"{max(abs(r['plan_step_s'] - r['step_s']['cpsat']) for r in compared) * 1e3:.3g} ms",
-                      markup=False)
+        console.print(
+            "plan's own step-time metric vs its simulation: max |diff| "
+            f"{max(abs(r['plan_step_s'] - r['step_s']['cpsat']) for r in compared) * 1e3:.3g} ms",
+            markup=False,
+        )
     for r in rows:
         if r["refused"]:
             console.print(f"{r['model']} {r['hardware']} W={r['W']}: the planner refused: {r['refused']}", markup=False)
@@ -294,19 +383,25 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--stages", "-D", type=int, default=4)
     parser.add_argument("--microbatches", "-N", type=int, default=8)
     parser.add_argument("--micro-batch-size", type=int, default=32)
-    parser.add_argument("--block", default="512",
-                        help="Shampoo's block side (max_preconditioner_dim), or 'auto': the planner's choice per "
-                             "configuration (slower: it solves each candidate side)")
-    parser.add_argument("--period", type=int, default=None,
-                        help="refresh every F steps in (a), (b) and at most F in (c); default: the plan's periods")
+    parser.add_argument(
+        "--block",
+        default="512",
+        help="Shampoo's block side (max_preconditioner_dim), or 'auto': the planner's choice per "
+        "configuration (slower: it solves each candidate side)",
+    )
+    parser.add_argument(
+        "--period",
+        type=int,
+        default=None,
+        help="refresh every F steps in (a), (b) and at most F in (c); default: the plan's periods",
+    )
     parser.add_argument("--max-overhead", type=float, default=0.0)
     parser.add_argument("--time-limit", type=float, default=5.0, help="CP-SAT time limit (s) per plan")
     args = parser.parse_args(argv)
     if args.block != "auto" and not args.block.isdigit():
         parser.error(f"--block takes a positive int or 'auto', got {args.block!r}")
     solver = SolverConfig(time_limit_s=args.time_limit)
-    rows = [_row(args, _Config(model, hw, W), solver) for model in args.models for hw in args.hardware
-            for W in args.dp]
+    rows = [_row(args, _Config(model, hw, W), solver) for model in args.models for hw in args.hardware for W in args.dp]
     _report(rows, args)
 
 

@@ -64,17 +64,33 @@ FAMILIES = ("Shampoo", "SOAP")
 TARGET = 1.05
 
 
-def _compile(args: argparse.Namespace, example: torch.Tensor, cfg: Any, plan: str | None,
-             layer_timing: dict[str, LayerTiming] | None = None) -> Trainer:
+def _compile(
+    args: argparse.Namespace,
+    example: torch.Tensor,
+    cfg: Any,
+    plan: str | None,
+    layer_timing: dict[str, LayerTiming] | None = None,
+) -> Trainer:
     """One variant on the (D, 1) mesh: eager stages, timeline recorded; the family's base optimizer (plain SGD for
     Shampoo/SOAP, which make the whole direction), AdamW for the plain pipeline."""
     lr = 1e-3
-    optimizer = ((lambda ps: torch.optim.AdamW(ps, lr=lr)) if cfg is None else (lambda ps: torch.optim.SGD(ps, lr=lr)))
-    return fxkfac.compile(_model(args), (D, 1), plan, example_inputs=(example,), loss_fn=mlm_loss,
-                          optimizer=optimizer, kfac=None, preconditioner=cfg, schedule=args.schedule,
-                          microbatches=args.microbatches, backend=None, layer_timing=layer_timing,
-                          plan_options=PlanOptions(time_limit_s=args.time_limit),
-                          pipeline=PipelineOptions(record_timeline=True, timeout=600.0))
+    optimizer = (lambda ps: torch.optim.AdamW(ps, lr=lr)) if cfg is None else (lambda ps: torch.optim.SGD(ps, lr=lr))
+    return fxkfac.compile(
+        _model(args),
+        (D, 1),
+        plan,
+        example_inputs=(example,),
+        loss_fn=mlm_loss,
+        optimizer=optimizer,
+        kfac=None,
+        preconditioner=cfg,
+        schedule=args.schedule,
+        microbatches=args.microbatches,
+        backend=None,
+        layer_timing=layer_timing,
+        plan_options=PlanOptions(time_limit_s=args.time_limit),
+        pipeline=PipelineOptions(record_timeline=True, timeout=600.0),
+    )
 
 
 def _build(args: argparse.Namespace, example: torch.Tensor) -> dict[str, Trainer]:
@@ -102,8 +118,9 @@ def _block_steps(periods: list[int], least: int) -> int:
 
 def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=D,
-                            timeout=timedelta(seconds=600))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=D, timeout=timedelta(seconds=600)
+    )
     data = MaskedLMData(stdlib_corpus()[0], seq_len=args.seq, seed=0)
     batches = [data.batch(args.batch) for _ in range(8)]
     built = time.perf_counter()
@@ -123,12 +140,18 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
     if rank == 0:
         step_s = {v: statistics.median(ts) for v, ts in times.items()}
         planned = {v: _planned(t) for v, t in trainers.items() if v.endswith("in bubbles")}
-        row = {"step_s": step_s, "rounds_s": times, "ratio_to_plain": {v: s / step_s["plain"] for v, s in
-                                                                       step_s.items()},
-               "utilization_measured": {v: utilization(e, BUSY) for v, e in events.items()},
-               "kind_s": {v: _kind_seconds(e, args.rounds * blocks[v]) for v, e in events.items()},
-               "planned": planned, "periods": periods, "block_steps": blocks, "build_s": build_s,
-               "loadavg": [list(load_before), list(os.getloadavg())]}
+        row = {
+            "step_s": step_s,
+            "rounds_s": times,
+            "ratio_to_plain": {v: s / step_s["plain"] for v, s in step_s.items()},
+            "utilization_measured": {v: utilization(e, BUSY) for v, e in events.items()},
+            "kind_s": {v: _kind_seconds(e, args.rounds * blocks[v]) for v, e in events.items()},
+            "planned": planned,
+            "periods": periods,
+            "block_steps": blocks,
+            "build_s": build_s,
+            "loadavg": [list(load_before), list(os.getloadavg())],
+        }
         with open(out_path, "w") as f:
             json.dump(row, f)
     dist.destroy_process_group()
@@ -139,20 +162,35 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
     from rich.table import Table
 
     console = Console(width=150)
-    title = (f"Shampoo/SOAP step time ({args.schedule}, D={D}, N={args.microbatches}, BERT-MLM h{args.hidden} "
-             f"ffn{args.ffn} x{args.layers}, batch {args.batch}x{args.seq}, 1 thread/rank; {args.rounds} rounds "
-             f"of >= {args.block} steps per variant)")
+    title = (
+        f"Shampoo/SOAP step time ({args.schedule}, D={D}, N={args.microbatches}, BERT-MLM h{args.hidden} "
+        f"ffn{args.ffn} x{args.layers}, batch {args.batch}x{args.seq}, 1 thread/rank; {args.rounds} rounds "
+        f"of >= {args.block} steps per variant)"
+    )
     table = Table(title=title)
-    for col in ("variant", "refresh period", "block", "s/step (median of rounds)", "ratio to plain",
-                "utilization measured (r0, r1)", "planned (r0, r1)", "plan's step / plain"):
+    for col in (
+        "variant",
+        "refresh period",
+        "block",
+        "s/step (median of rounds)",
+        "ratio to plain",
+        "utilization measured (r0, r1)",
+        "planned (r0, r1)",
+        "plan's step / plain",
+    ):
         table.add_column(col)
     for v, s in row["step_s"].items():
         plan = row["planned"].get(v)
-        table.add_row(v, " ".join(map(str, row["periods"][v])) if v != "plain" else "-", str(row["block_steps"][v]),
-                      f"{s:.4f}",
-                      f"{row['ratio_to_plain'][v]:.3f}", _fmt_ranks(row["utilization_measured"][v]),
-                      _fmt_ranks(plan["utilization"]) if plan else "-",
-                      f"{plan['step_s'] / plan['plain_step_s']:.3f}" if plan else "-")
+        table.add_row(
+            v,
+            " ".join(map(str, row["periods"][v])) if v != "plain" else "-",
+            str(row["block_steps"][v]),
+            f"{s:.4f}",
+            f"{row['ratio_to_plain'][v]:.3f}",
+            _fmt_ranks(row["utilization_measured"][v]),
+            _fmt_ranks(plan["utilization"]) if plan else "-",
+            f"{plan['step_s'] / plan['plain_step_s']:.3f}" if plan else "-",
+        )
     console.print(table)
     kinds = ("FWD", "BWD", "STATS", "DECOMP", "APPLY", "OPT_STEP", "RECV_ACT", "RECV_GRAD", "BCAST")
     where = Table(title="where a step's time goes, ms per step and rank (measured)")
@@ -164,13 +202,19 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
             where.add_row(f"{v} r{r}", *(f"{secs.get(k, 0) * 1e3:.1f}" for k in kinds))
     console.print(where)
     (l1, _, _), (l2, _, _) = row["loadavg"]
-    console.print(f"machine load (1-min average) before/after timing: {l1:.1f} / {l2:.1f} on {os.cpu_count()} cores "
-                  "(the benchmark itself keeps 2 busy)", markup=False)
+    console.print(
+        f"machine load (1-min average) before/after timing: {l1:.1f} / {l2:.1f} on {os.cpu_count()} cores "
+        "(the benchmark itself keeps 2 busy)",
+        markup=False,
+    )
     for family in args.families:
         r = row["ratio_to_plain"]
         b, c = r[f"{family} in bubbles"], r[f"{family} critical"]
-        console.print(f"{family}: in bubbles / plain = {b:.3f} (target <= {TARGET}: {b <= TARGET}); critical path at "
-                      f"the plan's period / plain = {c:.3f}; in bubbles < critical: {b < c}", markup=False)
+        console.print(
+            f"{family}: in bubbles / plain = {b:.3f} (target <= {TARGET}: {b <= TARGET}); critical path at "
+            f"the plan's period / plain = {c:.3f}; in bubbles < critical: {b < c}",
+            markup=False,
+        )
     print(json.dumps({"benchmark": "shampoo_overhead", "args": vars(args), **row}))
 
 
@@ -179,8 +223,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     add_run_arguments(parser)
-    parser.add_argument("--block", type=int, default=10,
-                        help="steps per variant per round, rounded up to whole refresh periods of the variant")
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=10,
+        help="steps per variant per round, rounded up to whole refresh periods of the variant",
+    )
     parser.add_argument("--warmup-blocks", type=int, default=1)
     parser.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit (s)")
     spawn_and_report(_worker, _report, parser.parse_args())

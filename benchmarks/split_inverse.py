@@ -72,8 +72,9 @@ class Factor:
 
 def kfac_config(args: argparse.Namespace, split: SplitInverse | None) -> KFACConfig:
     """The run's K-FAC settings (mlm_sweep's defaults), with or without a split inverse."""
-    return KFACConfig(damping=args.damping, factor_decay=0.95, kl_clip=1e-2, refresh_every=args.refresh,
-                      split_inverse=split)
+    return KFACConfig(
+        damping=args.damping, factor_decay=0.95, kl_clip=1e-2, refresh_every=args.refresh, split_inverse=split
+    )
 
 
 def make_trainer(args: argparse.Namespace, split: SplitInverse | None) -> tuple[Trainer, TinyBertMLM, MaskedLMData]:
@@ -83,9 +84,16 @@ def make_trainer(args: argparse.Namespace, split: SplitInverse | None) -> tuple[
     torch.manual_seed(0)
     model = TinyBertMLM(TinyBertConfig(hidden=args.hidden, ffn=4 * args.hidden, max_len=SEQ_LEN))
     inputs, _ = data.batch(BATCH)
-    trainer = fxkfac.compile(model, None, None, example_inputs=(inputs,), loss_fn=mlm_loss,
-                             kfac=kfac_config(args, split), backend=None,
-                             optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.01))
+    trainer = fxkfac.compile(
+        model,
+        None,
+        None,
+        example_inputs=(inputs,),
+        loss_fn=mlm_loss,
+        kfac=kfac_config(args, split),
+        backend=None,
+        optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.01),
+    )
     return trainer, model, data
 
 
@@ -109,8 +117,16 @@ def collect(args: argparse.Namespace) -> tuple[list[Factor], dict[str, Tensor]]:
         gammas = factor_dampings(state.A, state.B, damping=args.damping, method="cholesky", pi_damping=False)
         for part, f, gamma in (("A", state.A, gammas[0]), ("B", state.B, gammas[1])):
             m = damped(f, gamma)
-            factors.append(Factor(name, part, m, gamma, torch.cholesky_inverse(torch.linalg.cholesky(m.double())),
-                                  previous_half(previous[name], part)))
+            factors.append(
+                Factor(
+                    name,
+                    part,
+                    m,
+                    gamma,
+                    torch.cholesky_inverse(torch.linalg.cholesky(m.double())),
+                    previous_half(previous[name], part),
+                )
+            )
     return factors, grads
 
 
@@ -172,10 +188,16 @@ def accuracy(factors: list[Factor], grads: dict[str, Tensor]) -> dict[str, dict[
     out = {}
     for method, inv in invs.items():
         inv_err = [rel(x, exact[key]) for key, x in inv.items()]
-        p_err = [rel(inv[(name, "B")].double() @ g @ inv[(name, "A")].double(),
-                     exact[(name, "B")] @ g @ exact[(name, "A")]) for name, g in grads.items()]
-        out[method] = {"inverse_median": statistics.median(inv_err), "inverse_max": max(inv_err),
-                       "precond_median": statistics.median(p_err), "precond_max": max(p_err)}
+        p_err = [
+            rel(inv[(name, "B")].double() @ g @ inv[(name, "A")].double(), exact[(name, "B")] @ g @ exact[(name, "A")])
+            for name, g in grads.items()
+        ]
+        out[method] = {
+            "inverse_median": statistics.median(inv_err),
+            "inverse_max": max(inv_err),
+            "precond_median": statistics.median(p_err),
+            "precond_max": max(p_err),
+        }
         if method in bounds:
             out[method]["bound_median"] = statistics.median(bounds[method])
             out[method]["accepted"] = sum(b <= TOLERANCE for b in bounds[method]) / len(bounds[method])
@@ -196,9 +218,11 @@ def piece_times(factors: list[Factor]) -> dict[str, float]:
     """Seconds of one piece on the largest factor (float32): Cholesky inverse, one Newton-Schulz iteration, a block."""
     fac = max(factors, key=lambda f: f.m.shape[0])
     start = Progress(fac.exact.float())
-    out = {"side": float(fac.m.shape[0]),
-           "cholesky": _median_time(lambda: cholesky(fac.m)),
-           "ns_iteration": _median_time(lambda: schulz_piece(fac.m, start, 1, 0.0))}
+    out = {
+        "side": float(fac.m.shape[0]),
+        "cholesky": _median_time(lambda: cholesky(fac.m)),
+        "ns_iteration": _median_time(lambda: schulz_piece(fac.m, start, 1, 0.0)),
+    }
     for p in BLOCKS:
         lo, hi = block_bounds(fac.m.shape[0], p)[0]
         out[f"block_of_{p}"] = _median_time(lambda lo=lo, hi=hi: cholesky(fac.m[lo:hi, lo:hi]))
@@ -234,23 +258,40 @@ def convergence(args: argparse.Namespace) -> dict[str, dict[str, float]]:
         with torch.no_grad():
             val_loss = sum(float(mlm_loss(model(x), y)) for x, y in val) / len(val)
         inversions = 2 * sum(state.refreshes for state in trainer.layer_states.values())
-        out[label] = {"train_loss": statistics.fmean(losses[-10:]), "val_loss": val_loss,
-                      "fallbacks": float(counter.n), "inversions": float(inversions)}
+        out[label] = {
+            "train_loss": statistics.fmean(losses[-10:]),
+            "val_loss": val_loss,
+            "fallbacks": float(counter.n),
+            "inversions": float(inversions),
+        }
     return out
 
 
-def render(acc: dict[str, dict[str, float]], times: dict[str, float], conv: dict[str, dict[str, float]],
-           console: Console) -> None:
+def render(
+    acc: dict[str, dict[str, float]], times: dict[str, float], conv: dict[str, dict[str, float]], console: Console
+) -> None:
     """The three tables."""
-    t = Table(title=f"inverses as used vs float64 Cholesky (relative Frobenius error; Newton-Schulz k iterations, "
-                    f"Cholesky where its bound > {TOLERANCE:g})")
-    for col in ("method", "NS bound (median)", "NS accepted", "inverse median", "inverse max",
-                "B^-1 G A^-1 median", "B^-1 G A^-1 max"):
+    t = Table(
+        title=f"inverses as used vs float64 Cholesky (relative Frobenius error; Newton-Schulz k iterations, "
+        f"Cholesky where its bound > {TOLERANCE:g})"
+    )
+    for col in (
+        "method",
+        "NS bound (median)",
+        "NS accepted",
+        "inverse median",
+        "inverse max",
+        "B^-1 G A^-1 median",
+        "B^-1 G A^-1 max",
+    ):
         t.add_column(col)
     for method, r in acc.items():
-        t.add_row(method, f"{r['bound_median']:.2e}" if "bound_median" in r else "-",
-                  f"{r['accepted']:.0%}" if "accepted" in r else "-",
-                  *(f"{r[k]:.2e}" for k in ("inverse_median", "inverse_max", "precond_median", "precond_max")))
+        t.add_row(
+            method,
+            f"{r['bound_median']:.2e}" if "bound_median" in r else "-",
+            f"{r['accepted']:.0%}" if "accepted" in r else "-",
+            *(f"{r[k]:.2e}" for k in ("inverse_median", "inverse_max", "precond_median", "precond_max")),
+        )
     console.print(t)
     t = Table(title=f"one piece on the largest factor (side {int(times['side'])}), CPU float32")
     t.add_column("task")
@@ -263,8 +304,9 @@ def render(acc: dict[str, dict[str, float]], times: dict[str, float], conv: dict
     for col in ("run", "train loss (last 10)", "val loss", "Newton-Schulz fallbacks / inversions"):
         t.add_column(col)
     for label, r in conv.items():
-        t.add_row(label, f"{r['train_loss']:.4f}", f"{r['val_loss']:.4f}",
-                  f"{int(r['fallbacks'])} / {int(r['inversions'])}")
+        t.add_row(
+            label, f"{r['train_loss']:.4f}", f"{r['val_loss']:.4f}", f"{int(r['fallbacks'])} / {int(r['inversions'])}"
+        )
     console.print(t)
 
 
@@ -284,8 +326,17 @@ def main() -> None:
     acc, times = accuracy(factors, grads), piece_times(factors)
     conv = convergence(args)
     render(acc, times, conv, Console())
-    print(json.dumps({"benchmark": "split_inverse", "args": vars(args), "accuracy": acc, "piece_seconds": times,
-                      "convergence": conv}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "split_inverse",
+                "args": vars(args),
+                "accuracy": acc,
+                "piece_seconds": times,
+                "convergence": conv,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -74,8 +74,9 @@ REFRESH = (1, 10)
 
 
 def _kfac(refresh: int = 1) -> KFACConfig:
-    return KFACConfig(damping=DAMPING, factor_decay=FACTOR_DECAY, kl_clip=KL_CLIP, inverse="cholesky",
-                      refresh_every=refresh)
+    return KFACConfig(
+        damping=DAMPING, factor_decay=FACTOR_DECAY, kl_clip=KL_CLIP, inverse="cholesky", refresh_every=refresh
+    )
 
 
 def _optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -86,13 +87,24 @@ def _loss(kind: str) -> Callable[[Tensor, Tensor], Tensor]:
     return F.cross_entropy
 
 
-def _compile(kind: str, world: int, plan: str | None, strategy: str | None, refresh: int = 1,
-             options: PlanOptions | None = None) -> Trainer:
+def _compile(
+    kind: str, world: int, plan: str | None, strategy: str | None, refresh: int = 1, options: PlanOptions | None = None
+) -> Trainer:
     x, _ = make_batch(kind)
     options = options or PlanOptions(strategy=strategy)
-    return fxkfac.compile(make_model(kind), (1, world), plan, example_inputs=(x,), loss_fn=_loss(kind),
-                          optimizer=_optimizer, kfac=_kfac(refresh), microbatches=1, backend=None,
-                          plan_options=options, pipeline=PipelineOptions(timeout=600.0))
+    return fxkfac.compile(
+        make_model(kind),
+        (1, world),
+        plan,
+        example_inputs=(x,),
+        loss_fn=_loss(kind),
+        optimizer=_optimizer,
+        kfac=_kfac(refresh),
+        microbatches=1,
+        backend=None,
+        plan_options=options,
+        pipeline=PipelineOptions(timeout=600.0),
+    )
 
 
 def _tensor_bytes(tensors: Any) -> int:
@@ -140,8 +152,9 @@ def accounted_bytes(trainer: Trainer) -> int | None:
     for s in stages_on_device(problem, device):
         copies = copies_of_stage(problem, s)
         for x in problem.costs.stages[s].layers:
-            held = holding(device, copies, problem.where(x.name), all(p.after is OpKind.ALLREDUCE_GRAD
-                                                                      for p in x.parts))
+            held = holding(
+                device, copies, problem.where(x.name), all(p.after is OpKind.ALLREDUCE_GRAD for p in x.parts)
+            )
             total += x.factor_bytes * (held.statistics + 2 * held.decompositions) + x.state_bytes * held.decompositions
     return total
 
@@ -193,8 +206,9 @@ def _gather(value: Any) -> list[Any]:
 def _init(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=900))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=900)
+    )
 
 
 def _timed_worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
@@ -218,15 +232,31 @@ def _timed_worker(rank: int, args: argparse.Namespace, port: int, out_path: str)
         state = {v: _gather(state_bytes(t)) for v, t in trainers.items()}
         live = {v: _gather(live_bytes(t)) for v, t in trainers.items()}
         accounted = {v: _gather(accounted_bytes(t)) for v, t in trainers.items()}
-        plans = {v: {"strategy": strategy_of(t.plan), "periods": _periods(t), "step_s": t.plan.metrics.step_time,
-                     "peak": [t.plan.metrics.peak_memory[r] for r in range(world)],
-                     "solver": t.plan.metrics.solver.status}
-                 for v, t in trainers.items() if t.plan is not None}
+        plans = {
+            v: {
+                "strategy": strategy_of(t.plan),
+                "periods": _periods(t),
+                "step_s": t.plan.metrics.step_time,
+                "peak": [t.plan.metrics.peak_memory[r] for r in range(world)],
+                "solver": t.plan.metrics.solver.status,
+            }
+            for v, t in trainers.items()
+            if t.plan is not None
+        }
         auto, chosen = trainers["planned auto"], f"planned {plans['planned auto']['strategy']}"
         same = chosen in trainers and auto.spec.programs == trainers[chosen].spec.programs
-        rows[kind] = {"times": times, "blocks": blocks, "state": state, "live": live, "accounted": accounted,
-                      "plans": plans, "auto_plan_equals_forced": same, "build_s": build_s, "loadavg_1min": load,
-                      "periods": {v: _periods(t) for v, t in trainers.items()}}
+        rows[kind] = {
+            "times": times,
+            "blocks": blocks,
+            "state": state,
+            "live": live,
+            "accounted": accounted,
+            "plans": plans,
+            "auto_plan_equals_forced": same,
+            "build_s": build_s,
+            "loadavg_1min": load,
+            "periods": {v: _periods(t) for v, t in trainers.items()},
+        }
         dist.barrier()
     if rank == 0:
         with open(out_path, "w") as f:
@@ -250,8 +280,9 @@ def _check_worker(rank: int, args: argparse.Namespace, port: int, out_path: str)
             params[strategy] = {n: p.detach().clone() for n, p in trainer.named_parameters()}
             state[strategy] = _gather(state_bytes(trainer))
             dist.barrier()
-        diff = {s: max(float((p - params["comm-opt"][n]).abs().max()) for n, p in ps.items())
-                for s, ps in params.items()}
+        diff = {
+            s: max(float((p - params["comm-opt"][n]).abs().max()) for n, p in ps.items()) for s, ps in params.items()
+        }
         rows[kind] = {"max_abs_diff_to_comm_opt": _gather(diff), "state": state}
     if rank == 0:
         with open(out_path, "w") as f:
@@ -281,19 +312,26 @@ def _summary(row: dict[str, Any]) -> dict[str, Any]:
     noise = {v: _spread(t) for v, t in row["times"].items()}
     ratio = {}
     for v in med:
-        base = (f"critical comm-opt r{v.rsplit('r', 1)[1]}" if v.startswith("critical") else "planned comm-opt")
+        base = f"critical comm-opt r{v.rsplit('r', 1)[1]}" if v.startswith("critical") else "planned comm-opt"
         ratio[v] = med[v] / med[base]
     best = min(KAISA, key=lambda s: med[f"planned {s}"])
     auto, forced = med["planned auto"], med[f"planned {best}"]
     tolerance = max(noise["planned auto"], noise[f"planned {best}"])
-    return {"median_s": med, "noise": noise, "ratio_to_comm_opt": ratio,
-            "auto": {"best_forced": best, "auto_over_best": auto / forced, "noise": tolerance,
-                     "no_slower_within_noise": auto <= forced * (1 + tolerance),
-                     "auto_over_dp_kfac": auto / med["planned dp-kfac"]}}
+    return {
+        "median_s": med,
+        "noise": noise,
+        "ratio_to_comm_opt": ratio,
+        "auto": {
+            "best_forced": best,
+            "auto_over_best": auto / forced,
+            "noise": tolerance,
+            "no_slower_within_noise": auto <= forced * (1 + tolerance),
+            "auto_over_dp_kfac": auto / med["planned dp-kfac"],
+        },
+    }
 
 
-def _report(timed: dict[str, Any], check: dict[str, Any] | None, args: argparse.Namespace,
-            uptime: list[str]) -> None:
+def _report(timed: dict[str, Any], check: dict[str, Any] | None, args: argparse.Namespace, uptime: list[str]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -301,43 +339,69 @@ def _report(timed: dict[str, Any], check: dict[str, Any] | None, args: argparse.
     out: dict[str, Any] = {"benchmark": "strategies", "args": vars(args), "uptime": uptime, "models": {}}
     for kind, row in timed.items():
         s = _summary(row)
-        table = Table(title=f"{kind}: pure DP, mesh (1, 2), 1 micro-batch/replica, gloo, 1 thread/rank; "
-                            f"{args.rounds} rounds, median of block means (MiB per rank: r0, r1)")
-        for col in ("variant", "refresh period", "s/step", "noise", "ratio to comm-opt", "K-FAC state",
-                    "live (+rollback copy)", "plan's accounting", "plan's peak", "plan's step s"):
+        table = Table(
+            title=f"{kind}: pure DP, mesh (1, 2), 1 micro-batch/replica, gloo, 1 thread/rank; "
+            f"{args.rounds} rounds, median of block means (MiB per rank: r0, r1)"
+        )
+        for col in (
+            "variant",
+            "refresh period",
+            "s/step",
+            "noise",
+            "ratio to comm-opt",
+            "K-FAC state",
+            "live (+rollback copy)",
+            "plan's accounting",
+            "plan's peak",
+            "plan's step s",
+        ):
             table.add_column(col)
         for v in row["times"]:
             plan = row["plans"].get(v)
             acc = row["accounted"][v]
-            table.add_row(v + (f" -> {plan['strategy']}" if v == "planned auto" else ""),
-                          ",".join(map(str, row["periods"][v])), f"{s['median_s'][v]:.3f}", f"±{s['noise'][v]:.1%}",
-                          f"{s['ratio_to_comm_opt'][v]:.2f}",
-                          ", ".join(_mib(b) for b in row["state"][v]), ", ".join(_mib(b) for b in row["live"][v]),
-                          "-" if acc[0] is None else ", ".join(_mib(b) for b in acc),
-                          "-" if plan is None else ", ".join(_mib(b) for b in plan["peak"]),
-                          "-" if plan is None else f"{plan['step_s']:.3f}")
+            table.add_row(
+                v + (f" -> {plan['strategy']}" if v == "planned auto" else ""),
+                ",".join(map(str, row["periods"][v])),
+                f"{s['median_s'][v]:.3f}",
+                f"±{s['noise'][v]:.1%}",
+                f"{s['ratio_to_comm_opt'][v]:.2f}",
+                ", ".join(_mib(b) for b in row["state"][v]),
+                ", ".join(_mib(b) for b in row["live"][v]),
+                "-" if acc[0] is None else ", ".join(_mib(b) for b in acc),
+                "-" if plan is None else ", ".join(_mib(b) for b in plan["peak"]),
+                "-" if plan is None else f"{plan['step_s']:.3f}",
+            )
         console.print(table)
         a = s["auto"]
-        console.print(f"auto (chose {row['plans']['planned auto']['strategy']}; its plan equals the forced one's: "
-                      f"{row['auto_plan_equals_forced']}) / best forced KAISA ({a['best_forced']}) = "
-                      f"{a['auto_over_best']:.3f}, noise ±{a['noise']:.1%}: no slower within noise: "
-                      f"{a['no_slower_within_noise']}; auto / forced dp-kfac = {a['auto_over_dp_kfac']:.3f}",
-                      markup=False)
-        console.print(f"load average (1 min) before/after timing: {row['loadavg_1min'][0]:.1f} / "
-                      f"{row['loadavg_1min'][1]:.1f} on {os.cpu_count()} cores; build {row['build_s']:.0f} s",
-                      markup=False)
+        console.print(
+            f"auto (chose {row['plans']['planned auto']['strategy']}; its plan equals the forced one's: "
+            f"{row['auto_plan_equals_forced']}) / best forced KAISA ({a['best_forced']}) = "
+            f"{a['auto_over_best']:.3f}, noise ±{a['noise']:.1%}: no slower within noise: "
+            f"{a['no_slower_within_noise']}; auto / forced dp-kfac = {a['auto_over_dp_kfac']:.3f}",
+            markup=False,
+        )
+        console.print(
+            f"load average (1 min) before/after timing: {row['loadavg_1min'][0]:.1f} / "
+            f"{row['loadavg_1min'][1]:.1f} on {os.cpu_count()} cores; build {row['build_s']:.0f} s",
+            markup=False,
+        )
         out["models"][kind] = {**row, **s}
     if check is not None:
-        table = Table(title="W = 4 correctness (4 ranks on 2 cores: no timing), critical path, refresh every step, "
-                            f"{args.check_steps} steps")
+        table = Table(
+            title="W = 4 correctness (4 ranks on 2 cores: no timing), critical path, refresh every step, "
+            f"{args.check_steps} steps"
+        )
         for col in ("model", "strategy", "max |param - comm-opt's| (worst rank)", "K-FAC state MiB per rank"):
             table.add_column(col)
         for kind, row in check.items():
             for strategy, state in row["state"].items():
                 diff = max(d[strategy] for d in row["max_abs_diff_to_comm_opt"])
-                table.add_row(kind, strategy, f"{diff:.2e}" + ("" if strategy == "dp-kfac" else
-                                                               (" ok" if diff <= 1e-5 else " DIFFERS")),
-                              ", ".join(_mib(b) for b in state))
+                table.add_row(
+                    kind,
+                    strategy,
+                    f"{diff:.2e}" + ("" if strategy == "dp-kfac" else (" ok" if diff <= 1e-5 else " DIFFERS")),
+                    ", ".join(_mib(b) for b in state),
+                )
         console.print(table)
         out["w4"] = check
     console.print(f"uptime before/after: {uptime[0]} / {uptime[-1]}", markup=False)
@@ -355,8 +419,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--block", type=int, default=10, help="at least this many steps per block")
     parser.add_argument("--time-limit", type=float, default=4.0, help="CP-SAT seconds per strategy")
-    parser.add_argument("--max-overhead", type=float, default=0.5,
-                        help="PlanOptions.max_overhead of every planned variant (pure DP has no bubbles)")
+    parser.add_argument(
+        "--max-overhead",
+        type=float,
+        default=0.5,
+        help="PlanOptions.max_overhead of every planned variant (pure DP has no bubbles)",
+    )
     parser.add_argument("--check-steps", type=int, default=3)
     parser.add_argument("--no-w4", action="store_true", help="skip the W = 4 correctness run")
     args = parser.parse_args()

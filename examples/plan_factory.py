@@ -21,8 +21,15 @@ from torch import nn
 def mlp() -> tuple[nn.Module, tuple[torch.Tensor]]:
     """A 4-layer MLP applied to every token (a transformer's feed-forward shape): 128 samples of 64 tokens
     of 256 features, 4 K-FAC layers."""
-    model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 512), nn.ReLU(),
-                          nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 256))
+    model = nn.Sequential(
+        nn.Linear(256, 512),
+        nn.ReLU(),
+        nn.Linear(512, 512),
+        nn.ReLU(),
+        nn.Linear(512, 512),
+        nn.ReLU(),
+        nn.Linear(512, 256),
+    )
     return model, (torch.randn(128, 64, 256),)
 
 

@@ -48,9 +48,13 @@ parser.add_argument("--kl-clip", type=float, default=1e-2)
 parser.add_argument("--log-every", type=int, default=10)
 parser.add_argument("--val-batches", type=int, default=8)
 parser.add_argument("--plan-time", type=float, default=5.0, help="CP-SAT time limit (s) of plan='auto'")
-parser.add_argument("--max-overhead", type=float, default=None,
-                    help="how much longer than the plain pipeline a step may get to make room for K-FAC (0: bubbles "
-                         "only; default: bubbles when they hold the work, else the least that places it)")
+parser.add_argument(
+    "--max-overhead",
+    type=float,
+    default=None,
+    help="how much longer than the plain pipeline a step may get to make room for K-FAC (0: bubbles "
+    "only; default: bubbles when they hold the work, else the least that places it)",
+)
 parser.add_argument("--save-plan", default=None, help="rank 0 writes the plan JSON here")
 args = parser.parse_args()
 
@@ -84,25 +88,33 @@ example, _ = train_data.batch(args.batch)
 # model and trainer
 config = TinyBertConfig(hidden=args.hidden, ffn=args.ffn, layers=args.layers, max_len=args.seq)
 model = TinyBertMLM(config)
-kfac = None if args.kfac == "none" else fxkfac.KFACConfig(damping=args.damping, factor_decay=0.95,
-                                                           kl_clip=args.kl_clip)
+kfac = None if args.kfac == "none" else fxkfac.KFACConfig(damping=args.damping, factor_decay=0.95, kl_clip=args.kl_clip)
 started = time.perf_counter()
 trainer = fxkfac.compile(
-    model, mesh, plan="auto" if kfac is not None else None,
-    example_inputs=(example,), loss_fn=mlm_loss,
+    model,
+    mesh,
+    plan="auto" if kfac is not None else None,
+    example_inputs=(example,),
+    loss_fn=mlm_loss,
     optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
-    kfac=kfac, schedule=args.schedule, microbatches=args.microbatches,
+    kfac=kfac,
+    schedule=args.schedule,
+    microbatches=args.microbatches,
     backend=None,  # eager stage functions; "inductor" compiles them (slow to start on a small CPU)
     plan_options=PlanOptions(time_limit_s=args.plan_time, max_overhead=args.max_overhead),
 )
-log(f"compiled in {time.perf_counter() - started:.1f} s: {args.pp} stages x {world // args.pp} replicas, "
-    f"{args.schedule}, {args.microbatches} micro-batches, K-FAC {'off' if kfac is None else 'on'}")
+log(
+    f"compiled in {time.perf_counter() - started:.1f} s: {args.pp} stages x {world // args.pp} replicas, "
+    f"{args.schedule}, {args.microbatches} micro-batches, K-FAC {'off' if kfac is None else 'on'}"
+)
 
 if kfac is not None and master:  # the plan every rank runs: refresh period per stage, predicted utilization
     m = trainer.plan.metrics
-    print(f"plan: refresh every {list(m.refresh_steps)} steps per stage (lower bound {list(m.lower_bound_steps)}), "
-          f"utilization {m.utilization_baseline:.1%} -> {m.utilization:.1%}, step {m.step_time_baseline * 1e3:.1f} ms "
-          f"-> {m.step_time * 1e3:.1f} ms (profiled), solver {m.solver.status} in {m.solver.wall_time:.1f} s")
+    print(
+        f"plan: refresh every {list(m.refresh_steps)} steps per stage (lower bound {list(m.lower_bound_steps)}), "
+        f"utilization {m.utilization_baseline:.1%} -> {m.utilization:.1%}, step {m.step_time_baseline * 1e3:.1f} ms "
+        f"-> {m.step_time * 1e3:.1f} ms (profiled), solver {m.solver.status} in {m.solver.wall_time:.1f} s"
+    )
     if args.save_plan:
         trainer.plan.save(args.save_plan)
         print(f"plan written to {args.save_plan} (draw it: fxkfac show {args.save_plan})")
@@ -127,8 +139,9 @@ if master:
     evaluated.load_state_dict(merged, strict=True)
     evaluated.eval()
     with torch.no_grad():
-        losses = [float(mlm_loss(evaluated(x), y)) for x, y in (val_data.batch(args.batch)
-                                                                 for _ in range(args.val_batches))]
+        losses = [
+            float(mlm_loss(evaluated(x), y)) for x, y in (val_data.batch(args.batch) for _ in range(args.val_batches))
+        ]
     print(f"validation loss {sum(losses) / len(losses):.4f} over {args.val_batches} batches of held-out files")
 dist.barrier()  # no rank tears its connections down while a peer still uses them
 dist.destroy_process_group()

@@ -22,8 +22,16 @@ from fxkfac.planner.schedules import ScheduleKind
 from fxkfac.planner.solve import TimeBox
 from fxkfac.planner.validate import check_plan
 
-__all__ = ["Target", "barrier_of", "resolve_plan", "solve_for", "check_matches", "check_costs", "load_plan",
-           "share_plan"]
+__all__ = [
+    "Target",
+    "barrier_of",
+    "resolve_plan",
+    "solve_for",
+    "check_matches",
+    "check_costs",
+    "load_plan",
+    "share_plan",
+]
 
 
 log = logging.getLogger(__name__)
@@ -51,10 +59,18 @@ class Target:
         return f"{self.schedule.value} D={self.D} N={self.N} W={self.W} v={self.v}, graph {self.fingerprint}"
 
 
-def resolve_plan(plan: Any, target: Target, options: PlanOptions, *, rank: int, world: int,
-                 profile: Callable[[], CostTable], stage_layers: Mapping[int, Sequence[str]],
-                 layers: Mapping[str, KFACLayer],
-                 progress: Callable[[SolveProgress], None] | None = None) -> Plan | None:
+def resolve_plan(
+    plan: Any,
+    target: Target,
+    options: PlanOptions,
+    *,
+    rank: int,
+    world: int,
+    profile: Callable[[], CostTable],
+    stage_layers: Mapping[int, Sequence[str]],
+    layers: Mapping[str, KFACLayer],
+    progress: Callable[[SolveProgress], None] | None = None,
+) -> Plan | None:
     """The Plan every rank runs: None, a checked Plan, a loaded file, or the auto plan rank 0 makes and shares.
 
     `plan="auto"` plans with `options.costs` (a CostTable, a cost file, or a callable
@@ -81,13 +97,18 @@ def resolve_plan(plan: Any, target: Target, options: PlanOptions, *, rank: int, 
     raise ConfigError(f"plan must be 'auto', None, a plan file path or a fxkfac.Plan, got {type(plan).__name__}")
 
 
-def _costs(options: PlanOptions, profile: Callable[[], CostTable], stage_layers: Mapping[int, Sequence[str]],
-           layers: Mapping[str, KFACLayer]) -> CostTable:
+def _costs(
+    options: PlanOptions,
+    profile: Callable[[], CostTable],
+    stage_layers: Mapping[int, Sequence[str]],
+    layers: Mapping[str, KFACLayer],
+) -> CostTable:
     """The cost table to plan with (see `resolve_plan`), checked against the split."""
     source = options.costs
     if source is None:
-        log.info("profiling the stages to plan K-FAC (K-FAC times planned %.0f%% longer)",
-                 100 * (options.kfac_margin - 1))
+        log.info(
+            "profiling the stages to plan K-FAC (K-FAC times planned %.0f%% longer)", 100 * (options.kfac_margin - 1)
+        )
         return profile().scale_kfac_times(options.kfac_margin)
     if isinstance(source, (str, Path)):
         costs = load_cost_table(source)
@@ -96,8 +117,9 @@ def _costs(options: PlanOptions, profile: Callable[[], CostTable], stage_layers:
     elif callable(source):
         costs = source(stage_layers, layers)
     else:
-        raise ConfigError(f"PlanOptions.costs must be a CostTable, a cost file or a callable, got "
-                          f"{type(source).__name__}")
+        raise ConfigError(
+            f"PlanOptions.costs must be a CostTable, a cost file or a callable, got {type(source).__name__}"
+        )
     check_costs(costs, stage_layers)
     return costs
 
@@ -108,8 +130,9 @@ def barrier_of(scope: KLClipScope) -> StepBarrier:
     return StepBarrier.WORLD if scope is KLClipScope.GLOBAL else StepBarrier.AGREEMENT_SET
 
 
-def solve_for(target: Target, costs: CostTable, options: PlanOptions,
-              progress: Callable[[SolveProgress], None] | None = None) -> Plan:
+def solve_for(
+    target: Target, costs: CostTable, options: PlanOptions, progress: Callable[[SolveProgress], None] | None = None
+) -> Plan:
     """Plan `target` with CP-SAT over `costs` (the planner's `solve`), stamped with the target's fingerprint.
 
     With `options.max_overhead` None the bubbles are tried alone first; when they cannot hold the work, the
@@ -118,9 +141,19 @@ def solve_for(target: Target, costs: CostTable, options: PlanOptions,
     `progress` observes the solver (`SolverConfig.progress`).
     """
     strict = options.max_overhead is not None
-    problem = Problem(target.schedule.value, target.D, target.N, costs, W=target.W, v=target.v,
-                      memory_budget=options.memory_budget, max_overhead=options.max_overhead or 0.0,
-                      fingerprint=target.fingerprint, decomp_pieces=target.decomp_pieces, barrier=target.barrier)
+    problem = Problem(
+        target.schedule.value,
+        target.D,
+        target.N,
+        costs,
+        W=target.W,
+        v=target.v,
+        memory_budget=options.memory_budget,
+        max_overhead=options.max_overhead or 0.0,
+        fingerprint=target.fingerprint,
+        decomp_pieces=target.decomp_pieces,
+        barrier=target.barrier,
+    )
     if target.max_period is not None:
         problem = replace(problem, max_period=target.max_period)
     config = SolverConfig(time_limit_s=options.time_limit_s, deterministic=options.deterministic, progress=progress)
@@ -133,9 +166,13 @@ def solve_for(target: Target, costs: CostTable, options: PlanOptions,
         if strict or not relaxed:
             raise
         value = float(relaxed[0].changes[0][1])
-        log.warning("plan='auto': the bubbles alone cannot hold the K-FAC work (%s); planning with "
-                    "max_overhead=%.4g, the least the planner found that places it (pass PlanOptions(max_overhead="
-                    "...) to decide yourself)", str(e).split(". ")[0], value)
+        log.warning(
+            "plan='auto': the bubbles alone cannot hold the K-FAC work (%s); planning with "
+            "max_overhead=%.4g, the least the planner found that places it (pass PlanOptions(max_overhead="
+            "...) to decide yourself)",
+            str(e).split(". ")[0],
+            value,
+        )
         return solve_with_strategy(replace(problem, max_overhead=value), strategy, config, box=box)
 
 
@@ -145,29 +182,39 @@ def check_matches(plan: Any, target: Target, where: str = "the plan") -> None:
     made = (str(p.schedule), p.D, p.N, p.W, p.v)
     want = (target.schedule.value, target.D, target.N, target.W, target.v)
     if made != want:
-        raise PlanMismatchError(f"{where} was made for {made[0]} D={made[1]} N={made[2]} W={made[3]} v={made[4]}, "
-                                f"but this run is {target.describe()}; make a plan for this mesh and schedule "
-                                "(fxkfac plan ... --export) or pass plan='auto'")
+        raise PlanMismatchError(
+            f"{where} was made for {made[0]} D={made[1]} N={made[2]} W={made[3]} v={made[4]}, "
+            f"but this run is {target.describe()}; make a plan for this mesh and schedule "
+            "(fxkfac plan ... --export) or pass plan='auto'"
+        )
     if plan.problem.decomp_pieces != target.decomp_pieces:
-        raise PlanMismatchError(f"{where} makes each decomposition in {plan.problem.decomp_pieces} piece(s), this run "
-                                f"in {target.decomp_pieces} (KFACConfig.split_inverse, ShampooConfig.newton_pieces); "
-                                "make a plan with this configuration or pass plan='auto'")
+        raise PlanMismatchError(
+            f"{where} makes each decomposition in {plan.problem.decomp_pieces} piece(s), this run "
+            f"in {target.decomp_pieces} (KFACConfig.split_inverse, ShampooConfig.newton_pieces); "
+            "make a plan with this configuration or pass plan='auto'"
+        )
     if plan.fingerprint != target.fingerprint:
-        raise PlanMismatchError(f"{where} was made for graph {plan.fingerprint!r}, not this model's "
-                                f"{target.fingerprint!r} (other layers, widths or stage split); make a new plan "
-                                "for this model or pass plan='auto'")
+        raise PlanMismatchError(
+            f"{where} was made for graph {plan.fingerprint!r}, not this model's "
+            f"{target.fingerprint!r} (other layers, widths or stage split); make a new plan "
+            "for this model or pass plan='auto'"
+        )
 
 
 def check_costs(costs: CostTable, stage_layers: Mapping[int, Sequence[str]]) -> None:
     """PlanMismatchError unless `costs` has one stage per stage graph with exactly that stage's K-FAC layers."""
     if len(costs.stages) != len(stage_layers):
-        raise PlanMismatchError(f"the cost table has {len(costs.stages)} stages, the split model has "
-                                f"{len(stage_layers)}; make the cost table for this split")
+        raise PlanMismatchError(
+            f"the cost table has {len(costs.stages)} stages, the split model has "
+            f"{len(stage_layers)}; make the cost table for this split"
+        )
     for s, stage in enumerate(costs.stages):
         have, want = sorted(x.name for x in stage.layers), sorted(stage_layers[s])
         if have != want:
-            raise PlanMismatchError(f"stage {s} of the cost table has K-FAC layers {have}, the split model "
-                                    f"{want}; make the cost table for this model and split")
+            raise PlanMismatchError(
+                f"stage {s} of the cost table has K-FAC layers {have}, the split model "
+                f"{want}; make the cost table for this model and split"
+            )
 
 
 def load_plan(path: str | Path, target: Target, stage_layers: Mapping[int, Sequence[str]]) -> Plan:
@@ -179,9 +226,12 @@ def load_plan(path: str | Path, target: Target, stage_layers: Mapping[int, Seque
     want = {s: sorted(names) for s, names in stage_layers.items()}
     if have != want:
         wrong = sorted(set().union(*have.values()) - set().union(*want.values()))
-        raise PlanMismatchError(f"the plan file {path} times K-FAC layers per stage {have}, but this model's "
-                                f"are {want}" + (f" (it has no layers {wrong})" if wrong else "")
-                                + "; make a new plan for this model (fxkfac plan ... --export) or pass plan='auto'")
+        raise PlanMismatchError(
+            f"the plan file {path} times K-FAC layers per stage {have}, but this model's "
+            f"are {want}"
+            + (f" (it has no layers {wrong})" if wrong else "")
+            + "; make a new plan for this model (fxkfac plan ... --export) or pass plan='auto'"
+        )
     try:
         check_plan(plan.problem, plan)
     except PlanError as e:

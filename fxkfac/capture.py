@@ -49,8 +49,10 @@ class Captured:
         """Flatten positional ``args`` like the example inputs; CaptureError if their structure differs."""
         flat, spec = pytree.tree_flatten((tuple(args), {}))
         if spec != self.in_spec:
-            raise CaptureError(f"inputs have structure {spec}, but the model was captured with {self.in_spec}; "
-                               "pass inputs shaped like example_inputs")
+            raise CaptureError(
+                f"inputs have structure {spec}, but the model was captured with {self.in_spec}; "
+                "pass inputs shaped like example_inputs"
+            )
         return flat
 
     def unflatten_outputs(self, flat: Sequence[Any]) -> Any:
@@ -64,8 +66,10 @@ def normalize_inputs(example_inputs: Any) -> tuple[Any, ...]:
         return (example_inputs,)
     if isinstance(example_inputs, (tuple, list)):
         return tuple(example_inputs)
-    raise CaptureError(f"example_inputs must be a tensor or a tuple of forward()'s positional arguments, "
-                       f"got {type(example_inputs).__name__}")
+    raise CaptureError(
+        f"example_inputs must be a tensor or a tuple of forward()'s positional arguments, "
+        f"got {type(example_inputs).__name__}"
+    )
 
 
 def input_signature(args: Sequence[Any]) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
@@ -94,8 +98,9 @@ def capture(model: nn.Module, example_inputs: Any, kfac: KFACConfig | None = Non
     if kfac is None:
         layers, skipped = [], {}
     else:
-        layers, skipped = find_kfac_layers(gm, skip=kfac.skip_layers, skip_vocab_head=kfac.skip_vocab_head,
-                                           vocab_size=kfac.vocab_size)
+        layers, skipped = find_kfac_layers(
+            gm, skip=kfac.skip_layers, skip_vocab_head=kfac.skip_vocab_head, vocab_size=kfac.vocab_size
+        )
     for name, reason in skipped.items():
         log.info("K-FAC skips %s: %s", name, reason)
     log.info("captured %s: %d nodes, %d K-FAC layers", type(model).__name__, len(gm.graph.nodes), len(layers))
@@ -120,8 +125,9 @@ def _check_arity(model: nn.Module, args: tuple[Any, ...]) -> None:
         inspect.signature(model.forward).bind(*args)
     except TypeError as exc:
         forward = f"{type(model).__name__}.forward{inspect.signature(model.forward)}"
-        raise CaptureError(f"example_inputs do not fit {forward}: "
-                           f"{exc}; pass a tuple with one entry per positional argument") from exc
+        raise CaptureError(
+            f"example_inputs do not fit {forward}: {exc}; pass a tuple with one entry per positional argument"
+        ) from exc
     except ValueError:  # no signature (builtins); export will tell
         return
 
@@ -130,8 +136,11 @@ def _disable_hf_cache(model: nn.Module) -> None:
     """Turn off a Hugging Face model's KV cache: training does not use it and its cache object does not export."""
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "use_cache", False):
-        warnings.warn(f"{type(model).__name__}.config.use_cache set to False for training (the KV cache is not "
-                      "used by training and does not export)", stacklevel=3)
+        warnings.warn(
+            f"{type(model).__name__}.config.use_cache set to False for training (the KV cache is not "
+            "used by training and does not export)",
+            stacklevel=3,
+        )
         config.use_cache = False
 
 
@@ -153,20 +162,29 @@ def _explain_export_failure(model: nn.Module, exc: Exception) -> str:
     """An actionable message for an export failure: the construct, where it is, and what to do."""
     msg = str(exc)
     where = _user_frame(exc)
-    head = (f"torch.export could not capture {type(model).__name__} at {where}: "
-            f"{type(exc).__name__}: {_first_line(exc)}.")
+    head = (
+        f"torch.export could not capture {type(model).__name__} at {where}: {type(exc).__name__}: {_first_line(exc)}."
+    )
     if "data-dependent" in msg or "GuardOnDataDependent" in type(exc).__name__ or "Could not guard" in msg:
-        fix = ("This is data-dependent control flow (a Python branch or size that depends on tensor values). "
-               "Make it static, express it with torch.cond / torch.where, or move it out of forward()")
+        fix = (
+            "This is data-dependent control flow (a Python branch or size that depends on tensor values). "
+            "Make it static, express it with torch.cond / torch.where, or move it out of forward()"
+        )
     elif "pytree" in msg or "not a known type" in msg:
-        fix = ("forward() returns or takes an object torch.export cannot flatten. Return tensors, tuples, dicts "
-               "or a registered pytree type (torch.utils._pytree.register_pytree_node)")
+        fix = (
+            "forward() returns or takes an object torch.export cannot flatten. Return tensors, tuples, dicts "
+            "or a registered pytree type (torch.utils._pytree.register_pytree_node)"
+        )
     elif "Unsupported" in type(exc).__name__ or "not supported" in msg.lower():
-        fix = ("The construct is not supported by torch.export. Rewrite it with torch operations, or move that "
-               "module out of the captured model (e.g. preprocess its output outside forward())")
+        fix = (
+            "The construct is not supported by torch.export. Rewrite it with torch operations, or move that "
+            "module out of the captured model (e.g. preprocess its output outside forward())"
+        )
     else:
-        fix = ("Check that example_inputs match forward(), that control flow does not depend on tensor values "
-               "(use torch.cond), and that forward() uses only torch operations")
+        fix = (
+            "Check that example_inputs match forward(), that control flow does not depend on tensor values "
+            "(use torch.cond), and that forward() uses only torch operations"
+        )
     return f"{head} {fix}."
 
 

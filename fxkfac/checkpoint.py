@@ -77,8 +77,7 @@ from fxkfac.checkpoint_files import (
 from fxkfac.errors import CheckpointError
 from fxkfac.reshard import LoadKind, check_run, in_flight_refusal, layout_changes, resharded_state
 
-__all__ = ["Checkpointable", "Checkpointing", "save", "load", "digest", "FORMAT",
-           "VERSION"]
+__all__ = ["Checkpointable", "Checkpointing", "save", "load", "digest", "FORMAT", "VERSION"]
 
 log = logging.getLogger(__name__)
 
@@ -181,10 +180,12 @@ def _check_copies_agree(tensors: Mapping[str, Tensor], rank: int) -> None:
         for key, value in digests.items():
             holder, seen = first.setdefault(key, (r, value))
             if seen != value:
-                raise CheckpointError(f"ranks {holder} and {r} hold different values of {key!r}, which a checkpoint "
-                                      "stores once for every copy: the copies diverged (a replica stepped "
-                                      "differently, or a strategy keeps per-rank values under a global key); "
-                                      "nothing was written")
+                raise CheckpointError(
+                    f"ranks {holder} and {r} hold different values of {key!r}, which a checkpoint "
+                    "stores once for every copy: the copies diverged (a replica stepped "
+                    "differently, or a strategy keeps per-rank values under a global key); "
+                    "nothing was written"
+                )
 
 
 def _cause(e: BaseException) -> str:
@@ -244,16 +245,28 @@ def save(trainer: Checkpointable, path: str | os.PathLike) -> Path:
     _barrier(trainer, f"saving checkpoint {path}")
     try:
         with _one_process_quietly():
-            dcp.save(tensors, storage_writer=JsonMetadataWriter(tmp), no_dist=world == 1,
-                     planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+            dcp.save(
+                tensors,
+                storage_writer=JsonMetadataWriter(tmp),
+                no_dist=world == 1,
+                planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+            )
         write_json(tmp / f"rank-{rank}.json", {"rank": rank, "state": skeleton})
     except (OSError, RuntimeError, dcp.CheckpointException) as e:
-        raise CheckpointError(f"rank {rank}: writing checkpoint {tmp} failed ({_cause(e)}); the checkpoint at "
-                              f"{path}, if any, is untouched") from e
+        raise CheckpointError(
+            f"rank {rank}: writing checkpoint {tmp} failed ({_cause(e)}); the checkpoint at "
+            f"{path}, if any, is untouched"
+        ) from e
     _barrier(trainer, f"saving checkpoint {path}")
     if rank == 0:
-        header = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world,
-                  "torch": torch.__version__, "run": trainer.describe_run()}
+        header = {
+            "format": FORMAT,
+            "version": VERSION,
+            "step": step,
+            "world_size": world,
+            "torch": torch.__version__,
+            "run": trainer.describe_run(),
+        }
         if trainer.plan is not None:
             (tmp / PLAN).write_text(trainer.plan.to_json())
         write_json(tmp / HEADER, header)
@@ -268,8 +281,9 @@ def _read_header(path: Path) -> dict[str, Any]:
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise CheckpointError(f"{path / HEADER} is not an fxkfac checkpoint header")
     if header.get("version") != VERSION:
-        raise CheckpointError(f"checkpoint {path} has format version {header.get('version')!r}; this fxkfac "
-                              f"reads version {VERSION}")
+        raise CheckpointError(
+            f"checkpoint {path} has format version {header.get('version')!r}; this fxkfac reads version {VERSION}"
+        )
     return header
 
 
@@ -278,11 +292,15 @@ def _check_sections(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
     for section in ("model", "kfac", "inflight"):
         a, b = saved.get(section), mine.get(section)
         if isinstance(a, dict) and isinstance(b, dict) and section != "inflight" and set(a) != set(b):
-            raise CheckpointError(f"checkpoint {section} state names {sorted(set(a) ^ set(b))[:4]}, which this rank "
-                                  "does not hold alike; it was written for another model or layout")
+            raise CheckpointError(
+                f"checkpoint {section} state names {sorted(set(a) ^ set(b))[:4]}, which this rank "
+                "does not hold alike; it was written for another model or layout"
+            )
         if (a is None) != (b is None):
-            raise CheckpointError(f"checkpoint {'lacks' if a is None else 'has'} {section} state, this run "
-                                  f"{'has' if b is not None else 'has none'}; it was written by another trainer")
+            raise CheckpointError(
+                f"checkpoint {'lacks' if a is None else 'has'} {section} state, this run "
+                f"{'has' if b is not None else 'has none'}; it was written by another trainer"
+            )
 
 
 def _rank_skeleton(path: Path, rank: int) -> dict[str, Any]:
@@ -294,8 +312,9 @@ def _rank_skeleton(path: Path, rank: int) -> dict[str, Any]:
     return skeleton
 
 
-def _resharded_skeleton(path: Path, header: Mapping[str, Any], mine: Mapping[str, Any], run: Mapping[str, Any],
-                        rank: int) -> dict[str, Any]:
+def _resharded_skeleton(
+    path: Path, header: Mapping[str, Any], mine: Mapping[str, Any], run: Mapping[str, Any], rank: int
+) -> dict[str, Any]:
     """The skeleton this rank loads from a checkpoint written under another layout (see [Note: resharding])."""
     world = header.get("world_size")
     if not isinstance(world, int) or world < 1:
@@ -304,8 +323,9 @@ def _resharded_skeleton(path: Path, header: Mapping[str, Any], mine: Mapping[str
     refusal = in_flight_refusal(path, header, run, saved)
     if refusal is not None:
         raise CheckpointError(refusal)
-    log.info("rank %d: checkpoint %s follows the state onto this layout (%s)", rank, path,
-             layout_changes(header["run"], run))
+    log.info(
+        "rank %d: checkpoint %s follows the state onto this layout (%s)", rank, path, layout_changes(header["run"], run)
+    )
     return resharded_state(saved, mine, rank)
 
 
@@ -324,8 +344,9 @@ def _prepare(trainer: Checkpointable, path: Path, rank: int, world: int) -> tupl
     keys = tensor_keys(skeleton)
     missing = [k for k in keys if k not in metadata]
     if missing:
-        raise CheckpointError(f"checkpoint {path} lacks the tensors {missing[:4]} rank {rank}'s state names; "
-                              "it is corrupt or incomplete")
+        raise CheckpointError(
+            f"checkpoint {path} lacks the tensors {missing[:4]} rank {rank}'s state names; it is corrupt or incomplete"
+        )
     specs = {k: metadata[k] for k in keys}
     empty = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in specs.items()}  # type: ignore[union-attr]  # keys name tensors: only their entries are read
     return skeleton, empty
@@ -352,11 +373,16 @@ def load(trainer: Checkpointable, path: str | os.PathLike) -> None:
     skeleton, tensors = prepared  # type: ignore[misc]  # _agree raised if any rank, this one included, could not prepare
     try:
         with _one_process_quietly():
-            dcp.load(tensors, storage_reader=JsonMetadataReader(path), no_dist=world == 1,
-                     planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False))
+            dcp.load(
+                tensors,
+                storage_reader=JsonMetadataReader(path),
+                no_dist=world == 1,
+                planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+            )
     except (OSError, RuntimeError, ValueError, dcp.CheckpointException) as e:
-        raise CheckpointError(f"rank {rank}: reading the tensors of checkpoint {path} failed ({_cause(e)}); it is "
-                              "corrupt or incomplete") from e
+        raise CheckpointError(
+            f"rank {rank}: reading the tensors of checkpoint {path} failed ({_cause(e)}); it is corrupt or incomplete"
+        ) from e
     state = join_tensors(skeleton, tensors)
     rng = state.pop("rng", None)  # absent only when resharded onto more ranks than saved
     error = None

@@ -28,8 +28,17 @@ from torch.distributed.checkpoint.metadata import (
 from fxkfac.errors import CheckpointError
 from fxkfac.reshard import LOCAL_SECTIONS
 
-__all__ = ["DCP_METADATA", "JsonMetadataWriter", "JsonMetadataReader", "read_tensor_metadata", "write_json",
-           "read_json", "split_tensors", "join_tensors", "tensor_keys"]
+__all__ = [
+    "DCP_METADATA",
+    "JsonMetadataWriter",
+    "JsonMetadataReader",
+    "read_tensor_metadata",
+    "write_json",
+    "read_json",
+    "split_tensors",
+    "join_tensors",
+    "tensor_keys",
+]
 
 DCP_METADATA = ".metadata.json"
 _TENSOR = "__tensor__"
@@ -60,8 +69,10 @@ def split_tensors(state: Mapping[str, Any], rank: int) -> tuple[dict[str, Any], 
             return value
         raise AssertionError(f"state at {key!r} holds a {type(value).__name__}, which a checkpoint cannot store")
 
-    skeleton = {section: walk(value, f"rank{rank}/{section}" if section in LOCAL_SECTIONS else section)
-                for section, value in state.items()}
+    skeleton = {
+        section: walk(value, f"rank{rank}/{section}" if section in LOCAL_SECTIONS else section)
+        for section, value in state.items()
+    }
     return skeleton, tensors
 
 
@@ -95,11 +106,23 @@ def _metadata_to_json(md: Metadata) -> dict[str, Any]:
     for key, item in md.state_dict_metadata.items():
         if not isinstance(item, TensorStorageMetadata):
             raise AssertionError(f"checkpoint entry {key!r} is not a tensor; non-tensor state goes to JSON")
-        tensors[key] = {"dtype": str(item.properties.dtype).removeprefix("torch."), "size": list(item.size),
-                        "chunks": [[list(c.offsets), list(c.sizes)] for c in item.chunks]}
-    storage = [{"fqn": idx.fqn, "offset": list(idx.offset or []), "index": idx.index, "path": info.relative_path,
-                "start": info.offset, "length": info.length, "transforms": list(info.transform_descriptors or [])}
-               for idx, info in md.storage_data.items()]
+        tensors[key] = {
+            "dtype": str(item.properties.dtype).removeprefix("torch."),
+            "size": list(item.size),
+            "chunks": [[list(c.offsets), list(c.sizes)] for c in item.chunks],
+        }
+    storage = [
+        {
+            "fqn": idx.fqn,
+            "offset": list(idx.offset or []),
+            "index": idx.index,
+            "path": info.relative_path,
+            "start": info.offset,
+            "length": info.length,
+            "transforms": list(info.transform_descriptors or []),
+        }
+        for idx, info in md.storage_data.items()
+    ]
     return {"version": md.version, "tensors": tensors, "storage": storage}
 
 
@@ -119,14 +142,23 @@ def _safe_file(name: Any) -> str:
 def _metadata_from_json(data: Any) -> Metadata:
     """DCP Metadata from `_metadata_to_json`'s output; ValueError/KeyError/TypeError when malformed."""
     tensors: dict[str, TensorStorageMetadata | BytesStorageMetadata]
-    tensors = {key: TensorStorageMetadata(TensorProperties(dtype=_dtype(t["dtype"])), torch.Size(t["size"]),
-                                          [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in t["chunks"]])
-               for key, t in data["tensors"].items()}
-    storage = {MetadataIndex(s["fqn"], s["offset"], s["index"]):
-               _StorageInfo(_safe_file(s["path"]), int(s["start"]), int(s["length"]), list(s["transforms"]) or None)
-               for s in data["storage"]}
-    return Metadata(tensors, planner_data=None, storage_data=storage, storage_meta=StorageMeta(),
-                    version=data.get("version"))
+    tensors = {
+        key: TensorStorageMetadata(
+            TensorProperties(dtype=_dtype(t["dtype"])),
+            torch.Size(t["size"]),
+            [ChunkStorageMetadata(torch.Size(o), torch.Size(s)) for o, s in t["chunks"]],
+        )
+        for key, t in data["tensors"].items()
+    }
+    storage = {
+        MetadataIndex(s["fqn"], s["offset"], s["index"]): _StorageInfo(
+            _safe_file(s["path"]), int(s["start"]), int(s["length"]), list(s["transforms"]) or None
+        )
+        for s in data["storage"]
+    }
+    return Metadata(
+        tensors, planner_data=None, storage_data=storage, storage_meta=StorageMeta(), version=data.get("version")
+    )
 
 
 class JsonMetadataWriter(FileSystemWriter):
@@ -150,8 +182,10 @@ def read_tensor_metadata(path: Path) -> Metadata:
     try:
         return _metadata_from_json(data)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise CheckpointError(f"the tensor metadata {path / DCP_METADATA} is corrupt ({e!r}); "
-                              "restore the checkpoint from a copy or resume from an older one") from e
+        raise CheckpointError(
+            f"the tensor metadata {path / DCP_METADATA} is corrupt ({e!r}); "
+            "restore the checkpoint from a copy or resume from an older one"
+        ) from e
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -170,8 +204,10 @@ def read_json(path: Path, what: str) -> Any:
     except FileNotFoundError as e:
         raise CheckpointError(f"{path} is missing: {_where_is_it(path.parent)}") from e
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"the {what} {path} is unreadable or corrupt ({e}); restore the checkpoint from a "
-                              "copy or resume from an older one") from e
+        raise CheckpointError(
+            f"the {what} {path} is unreadable or corrupt ({e}); restore the checkpoint from a "
+            "copy or resume from an older one"
+        ) from e
 
 
 def _where_is_it(path: Path) -> str:
@@ -179,8 +215,12 @@ def _where_is_it(path: Path) -> str:
     if not path.is_dir():
         older = sorted(path.parent.glob(f"{path.name}.old-*"))
         if older:
-            return (f"no checkpoint at {path}, but a save into it was interrupted after the previous checkpoint "
-                    f"was moved to {older[-1]}: load that one")
+            return (
+                f"no checkpoint at {path}, but a save into it was interrupted after the previous checkpoint "
+                f"was moved to {older[-1]}: load that one"
+            )
         return f"no checkpoint directory at {path}"
-    return (f"{path} is not a complete fxkfac checkpoint (a save was interrupted, or it was written by "
-            "another tool); load a directory that save() finished")
+    return (
+        f"{path} is not a complete fxkfac checkpoint (a save was interrupted, or it was written by "
+        "another tool); load a directory that save() finished"
+    )

@@ -53,11 +53,14 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The argparse parser of `fxkfac` (subcommands plan, show and demo)."""
-    parser = _Parser(prog="fxkfac", description="Plan a preconditioner's work (K-FAC, Shampoo, SOAP) into pipeline "
-                                                "bubbles; draw plans.")
+    parser = _Parser(
+        prog="fxkfac",
+        description="Plan a preconditioner's work (K-FAC, Shampoo, SOAP) into pipeline bubbles; draw plans.",
+    )
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    plan = sub.add_parser("plan", help="cost a model, plan its preconditioner into the schedule's bubbles, draw or "
-                                       "export it")
+    plan = sub.add_parser(
+        "plan", help="cost a model, plan its preconditioner into the schedule's bubbles, draw or export it"
+    )
     _add_plan_problem(plan)
     _add_plan_costs(plan)
     _add_plan_solver(plan)
@@ -68,18 +71,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_plan_problem(plan: argparse.ArgumentParser) -> None:
     """`fxkfac plan`'s target, schedule and preconditioner."""
-    plan.add_argument("target", help="a preset (bert-base, bert-large, gpt2, opt-125m, opt-350m, t5-base) "
-                                     "or path.py:factory returning (model, example_inputs)")
+    plan.add_argument(
+        "target",
+        help="a preset (bert-base, bert-large, gpt2, opt-125m, opt-350m, t5-base) "
+        "or path.py:factory returning (model, example_inputs)",
+    )
     plan.add_argument("--stages", "-D", type=int, default=4, help="pipeline stages D (pp ranks; default 4)")
     plan.add_argument("--microbatches", "-N", type=int, default=4, help="micro-batches N per replica (default 4)")
-    plan.add_argument("--preconditioner", choices=[k.value for k in PreconditionerKind],
-                      default=PreconditionerKind.KFAC.value,
-                      help="the family planned: kfac (layers' curvature), shampoo or soap (every parameter)")
-    plan.add_argument("--max-preconditioner-dim", type=_arg_type(parse_block_size), default=AUTO,
-                      help="Shampoo/SOAP block side b, or auto (default): the largest side whose plan fits the bubbles")
-    plan.add_argument("--precondition-frequency", type=_arg_type(positive),
-                      help="refresh at least every F steps: the longest refresh period the planner may choose "
-                           "(default 32; it picks the shortest that fits)")
+    plan.add_argument(
+        "--preconditioner",
+        choices=[k.value for k in PreconditionerKind],
+        default=PreconditionerKind.KFAC.value,
+        help="the family planned: kfac (layers' curvature), shampoo or soap (every parameter)",
+    )
+    plan.add_argument(
+        "--max-preconditioner-dim",
+        type=_arg_type(parse_block_size),
+        default=AUTO,
+        help="Shampoo/SOAP block side b, or auto (default): the largest side whose plan fits the bubbles",
+    )
+    plan.add_argument(
+        "--precondition-frequency",
+        type=_arg_type(positive),
+        help="refresh at least every F steps: the longest refresh period the planner may choose "
+        "(default 32; it picks the shortest that fits)",
+    )
     plan.add_argument("--schedule", choices=[k.value for k in ScheduleKind], default="1f1b")
     plan.add_argument("--dp", type=int, default=1, help="data-parallel replicas W")
     plan.add_argument("--virtual-stages", "-v", type=int, default=1, help="stages per rank (interleaved)")
@@ -87,41 +103,79 @@ def _add_plan_problem(plan: argparse.ArgumentParser) -> None:
 
 def _add_plan_costs(plan: argparse.ArgumentParser) -> None:
     """`fxkfac plan`'s costs, memory budget, overhead and the run's settings the plan depends on."""
-    plan.add_argument("--hardware", help="p100 (default), v100, a100, h100 or cpu: the analytic costs' device, "
-                                         "whose memory is the default --memory")
-    plan.add_argument("--costs", type=Path,
-                      help="a cost table (.json), a PipeFisher profile (.csv), or a shipped one of the paper: "
-                           "paper:<model>/<hardware>, e.g. paper:bert-base/p100")
-    plan.add_argument("--micro-batch-size", type=int, default=None,
-                      help=f"samples per micro-batch (default {MICRO_BATCH_SIZE}; a factory's: its example inputs' "
-                           "batch over N x W, as fxkfac.compile splits it)")
+    plan.add_argument(
+        "--hardware",
+        help="p100 (default), v100, a100, h100 or cpu: the analytic costs' device, "
+        "whose memory is the default --memory",
+    )
+    plan.add_argument(
+        "--costs",
+        type=Path,
+        help="a cost table (.json), a PipeFisher profile (.csv), or a shipped one of the paper: "
+        "paper:<model>/<hardware>, e.g. paper:bert-base/p100",
+    )
+    plan.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help=f"samples per micro-batch (default {MICRO_BATCH_SIZE}; a factory's: its example inputs' "
+        "batch over N x W, as fxkfac.compile splits it)",
+    )
     plan.add_argument("--seq-len", type=int, help="sequence length (default: the preset's)")
-    plan.add_argument("--memory", type=_arg_type(parse_bytes),
-                      help="memory budget per device, e.g. 16GiB (default: the device's memory, where known)")
-    plan.add_argument("--max-overhead", type=_arg_type(parse_fraction), default=0.0,
-                      help="allowed step-time growth, e.g. 5%%")
-    plan.add_argument("--kl-clip-scope", type=KLClipScope, choices=list(KLClipScope), default=KLClipScope.GLOBAL,
-                      help="the run's KFACConfig.kl_clip_scope: global ends every step with a world barrier; stage "
-                           "and stale with one over each agreement set, so bubbles join across the step's end")
-    plan.add_argument("--decomp-pieces", type=int, default=1,
-                      help="tasks per decomposition: the run's KFACConfig.split_inverse pieces (K-FAC) or "
-                           "ShampooConfig.newton_pieces (Shampoo), each placed in a bubble of its own (default 1: "
-                           "one task, exact inversion)")
-    plan.add_argument("--strategy", type=_arg_type(strategy_arg), default=None,
-                      help="how the copies of a stage share each layer's work: comm-opt, mem-opt, hybrid:F (KAISA's "
-                           "grad-worker fraction, e.g. hybrid:0.5) or dp-kfac (local factors) on every layer; "
-                           "default auto: the planner chooses")
+    plan.add_argument(
+        "--memory",
+        type=_arg_type(parse_bytes),
+        help="memory budget per device, e.g. 16GiB (default: the device's memory, where known)",
+    )
+    plan.add_argument(
+        "--max-overhead", type=_arg_type(parse_fraction), default=0.0, help="allowed step-time growth, e.g. 5%%"
+    )
+    plan.add_argument(
+        "--kl-clip-scope",
+        type=KLClipScope,
+        choices=list(KLClipScope),
+        default=KLClipScope.GLOBAL,
+        help="the run's KFACConfig.kl_clip_scope: global ends every step with a world barrier; stage "
+        "and stale with one over each agreement set, so bubbles join across the step's end",
+    )
+    plan.add_argument(
+        "--decomp-pieces",
+        type=int,
+        default=1,
+        help="tasks per decomposition: the run's KFACConfig.split_inverse pieces (K-FAC) or "
+        "ShampooConfig.newton_pieces (Shampoo), each placed in a bubble of its own (default 1: "
+        "one task, exact inversion)",
+    )
+    plan.add_argument(
+        "--strategy",
+        type=_arg_type(strategy_arg),
+        default=None,
+        help="how the copies of a stage share each layer's work: comm-opt, mem-opt, hybrid:F (KAISA's "
+        "grad-worker fraction, e.g. hybrid:0.5) or dp-kfac (local factors) on every layer; "
+        "default auto: the planner chooses",
+    )
 
 
 def _add_plan_solver(plan: argparse.ArgumentParser) -> None:
     """`fxkfac plan`'s solver, and what it draws, prints and writes."""
-    plan.add_argument("--nondeterministic", action="store_true",
-                      help="budget CP-SAT in wall-clock seconds on 2 threads (a slower or busier machine may plan "
-                           "differently); default: deterministic time, the same plan under any load")
-    plan.add_argument("--time-limit", type=float, default=10.0,
-                      help="seconds for the whole planning (a refusal may take 3 s more to check what it suggests)")
-    plan.add_argument("--method", choices=["cpsat", "greedy"], default="cpsat",
-                      help="cpsat (optimal placement) or greedy (the paper's first-fit)")
+    plan.add_argument(
+        "--nondeterministic",
+        action="store_true",
+        help="budget CP-SAT in wall-clock seconds on 2 threads (a slower or busier machine may plan "
+        "differently); default: deterministic time, the same plan under any load",
+    )
+    plan.add_argument(
+        "--time-limit",
+        type=float,
+        default=10.0,
+        help="seconds for the whole planning (a refusal may take 3 s more to check what it suggests)",
+    )
+    plan.add_argument(
+        "--method",
+        choices=["cpsat", "greedy"],
+        default="cpsat",
+        help="cpsat (optimal placement) or greedy (the paper's first-fit)",
+    )
     plan.add_argument("--show", action="store_true", help="draw the plan, one row per device")
     plan.add_argument("--explain", action="store_true", help="print the performance model with these numbers")
     plan.add_argument("--export", type=Path, help="write the plan as JSON")

@@ -18,20 +18,25 @@ def cost_table(args: argparse.Namespace, S: int, max_dim: int | None = None) -> 
     if family is not PreconditionerKind.KFAC:
         _check_gradient_family(args, family)
     elif args.max_preconditioner_dim != AUTO:
-        raise CliError("--max-preconditioner-dim sets Shampoo's and SOAP's blocks; K-FAC has none (pass "
-                       "--preconditioner shampoo or soap, or drop it)")
+        raise CliError(
+            "--max-preconditioner-dim sets Shampoo's and SOAP's blocks; K-FAC has none (pass "
+            "--preconditioner shampoo or soap, or drop it)"
+        )
     if args.costs is not None:
         if is_profile(args.costs):
             blocks = _blocks(args.target)
             if blocks % S:
                 raise CliError(f"{args.target} has {blocks} blocks, not divisible into {S} stages; pick another -D")
-            table = load_cost_table(args.costs, blocks_per_stage=blocks // S, n_stages=S,
-                                    micro_batch_size=micro_batch_size(args))
+            table = load_cost_table(
+                args.costs, blocks_per_stage=blocks // S, n_stages=S, micro_batch_size=micro_batch_size(args)
+            )
         else:
             table = load_cost_table(args.costs)
         if kind_of(table) is not family:
-            raise CliError(f"{args.costs} is a cost table of {WORDS[kind_of(table)].name}, not of "
-                           f"{WORDS[family].name}; pass --preconditioner {kind_of(table).value}")
+            raise CliError(
+                f"{args.costs} is a cost table of {WORDS[kind_of(table)].name}, not of "
+                f"{WORDS[family].name}; pass --preconditioner {kind_of(table).value}"
+            )
     elif is_factory(args.target):
         table = factory(args, S).costs
     elif family is PreconditionerKind.KFAC:
@@ -42,8 +47,9 @@ def cost_table(args: argparse.Namespace, S: int, max_dim: int | None = None) -> 
         from fxkfac.planner.shampoo_costs import gradient_cost_table
 
         side = max_dim if args.max_preconditioner_dim == AUTO else args.max_preconditioner_dim
-        table = gradient_cost_table(args.target, S, micro_batch_size(args), args.seq_len, device(args), kind=family,
-                                    max_dim=side)
+        table = gradient_cost_table(
+            args.target, S, micro_batch_size(args), args.seq_len, device(args), kind=family, max_dim=side
+        )
     if len(table.stages) != S:
         raise CliError(f"the cost table has {len(table.stages)} stages but the schedule needs {S}")
     return table
@@ -60,11 +66,15 @@ def _check_gradient_family(args: argparse.Namespace, family: PreconditionerKind)
     blocks it fixes); a K-FAC profile or a factory target (costed as K-FAC layers) is refused."""
     name = WORDS[family].name
     if is_factory(args.target) and args.costs is None:
-        raise CliError(f"--preconditioner {family.value}: a factory target is costed as K-FAC layers only; plan "
-                       f"{name} on a preset (analytic costs of every parameter) or pass --costs TABLE.json "
-                       f"(a {name} cost table, e.g. profiled by plan='auto')")
+        raise CliError(
+            f"--preconditioner {family.value}: a factory target is costed as K-FAC layers only; plan "
+            f"{name} on a preset (analytic costs of every parameter) or pass --costs TABLE.json "
+            f"(a {name} cost table, e.g. profiled by plan='auto')"
+        )
     if args.costs is not None and is_profile(args.costs):
-        raise CliError(f"--costs {args.costs} is a K-FAC per-block profile; {name} plans with a preset's analytic "
-                       f"costs or a {name} cost table (.json)")
+        raise CliError(
+            f"--costs {args.costs} is a K-FAC per-block profile; {name} plans with a preset's analytic "
+            f"costs or a {name} cost table (.json)"
+        )
     if args.costs is not None and args.max_preconditioner_dim != AUTO:
         raise CliError(f"--costs {args.costs} fixes the blocks of every parameter; drop --max-preconditioner-dim")

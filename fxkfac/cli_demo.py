@@ -17,8 +17,11 @@ __all__ = ["main", "render_result"]
 def render_result(result: DemoResult, cfg: DemoConfig) -> Table:
     """PipeFisher against AdamW: validation loss, steps, wall time, time per step, and time to the baseline's loss."""
     baseline = next((c for c in result.curves if c.plan_json is None), result.curves[-1])
-    table = Table(title=f"{cfg.schedule} D={cfg.stages} W={cfg.dp} N={cfg.microbatches}, batch {cfg.batch_size} x "
-                        f"{cfg.seq_len} tokens: validation loss (stdlib held-out files)", title_justify="left")
+    table = Table(
+        title=f"{cfg.schedule} D={cfg.stages} W={cfg.dp} N={cfg.microbatches}, batch {cfg.batch_size} x "
+        f"{cfg.seq_len} tokens: validation loss (stdlib held-out files)",
+        title_justify="left",
+    )
     for col in ("run", "val loss", "steps", "train wall s", "ms / step", f"to {baseline.name}'s final loss"):
         table.add_column(col, justify="left" if col == "run" else "right")
     for c in result.curves:
@@ -35,13 +38,23 @@ def config_from(base: DemoConfig, **overrides: Any) -> DemoConfig:
 
 def main(args: Any, console: Console) -> int:
     """`fxkfac demo`: plan, train PipeFisher and AdamW over local processes, print the comparison."""
-    cfg = config_from(DemoConfig(), stages=args.stages, dp=args.dp, schedule=args.schedule,
-                      microbatches=args.microbatches, steps=args.steps, seconds=args.seconds)
+    cfg = config_from(
+        DemoConfig(),
+        stages=args.stages,
+        dp=args.dp,
+        schedule=args.schedule,
+        microbatches=args.microbatches,
+        steps=args.steps,
+        seconds=args.seconds,
+    )
     if cfg.seconds is not None and args.steps is None:
         cfg = replace(cfg, steps=1_000_000)
-    console.print(f"fxkfac demo: TinyBert MLM ({cfg.model.layers} blocks, hidden {cfg.model.hidden}) on the CPython "
-                  f"stdlib source, {cfg.world} local processes ({cfg.schedule}, D={cfg.stages}, W={cfg.dp}, "
-                  f"N={cfg.microbatches}); planning K-FAC into the bubbles (plan='auto')", highlight=False)
+    console.print(
+        f"fxkfac demo: TinyBert MLM ({cfg.model.layers} blocks, hidden {cfg.model.hidden}) on the CPython "
+        f"stdlib source, {cfg.world} local processes ({cfg.schedule}, D={cfg.stages}, W={cfg.dp}, "
+        f"N={cfg.microbatches}); planning K-FAC into the bubbles (plan='auto')",
+        highlight=False,
+    )
     result = run_demo(cfg, console)
     console.print(render_result(result, cfg))
     return 0

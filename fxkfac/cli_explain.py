@@ -26,12 +26,20 @@ def _stage_means(costs: CostTable) -> dict[str, float]:
         gradient = OpKind.ALLREDUCE_GRAD
         return sum(p.stats for x in stage.layers for p in x.parts if (p.after is gradient) == from_gradient)
 
-    return {"T_f": mean(lambda s: s.fwd), "T_b": mean(lambda s: s.bwd), "T_curv": mean(lambda s: stats(s, False)),
-            "T_gstat": mean(lambda s: stats(s, True)),
-            "T_inv": mean(lambda s: s.inv), "T_prec": mean(lambda s: s.prec),
-            "M_theta": mean(lambda s: s.param_bytes), "M_act": mean(lambda s: s.act_bytes),
-            "M_err_peak": mean(lambda s: s.peak_err_bytes), "M_curv": mean(lambda s: s.factor_bytes),
-            "M_inv": mean(lambda s: s.factor_bytes), "M_err_save": mean(lambda s: s.deferred_bytes)}
+    return {
+        "T_f": mean(lambda s: s.fwd),
+        "T_b": mean(lambda s: s.bwd),
+        "T_curv": mean(lambda s: stats(s, False)),
+        "T_gstat": mean(lambda s: stats(s, True)),
+        "T_inv": mean(lambda s: s.inv),
+        "T_prec": mean(lambda s: s.prec),
+        "M_theta": mean(lambda s: s.param_bytes),
+        "M_act": mean(lambda s: s.act_bytes),
+        "M_err_peak": mean(lambda s: s.peak_err_bytes),
+        "M_curv": mean(lambda s: s.factor_bytes),
+        "M_inv": mean(lambda s: s.factor_bytes),
+        "M_err_save": mean(lambda s: s.deferred_bytes),
+    }
 
 
 def _slowest_stage(costs: CostTable) -> dict[str, float]:
@@ -71,11 +79,13 @@ def explain_comm(problem: Problem, console: Console) -> None:
     console.print("Collectives per stage (over its copies):", markup=False)
     for s in range(problem.num_stages):
         c = stage_comm(problem, s)
-        console.print(f"  s{s}: {c.group} ranks, gradient all-reduce {c.allreduce * 1e3:.3f} ms per step, "
-                      f"SYNC_STATS + BCAST {(c.sync + c.bcast) * 1e3:.3f} ms per refresh"
-                      + (f", preconditioned-gradient broadcasts {c.share * 1e3:.3f} ms per step" if c.share else ""),
-                      markup=False,
-                      highlight=False)
+        console.print(
+            f"  s{s}: {c.group} ranks, gradient all-reduce {c.allreduce * 1e3:.3f} ms per step, "
+            f"SYNC_STATS + BCAST {(c.sync + c.bcast) * 1e3:.3f} ms per refresh"
+            + (f", preconditioned-gradient broadcasts {c.share * 1e3:.3f} ms per step" if c.share else ""),
+            markup=False,
+            highlight=False,
+        )
 
 
 def explain_plan_comm(plan: Plan, console: Console) -> None:
@@ -90,9 +100,13 @@ def explain_plan_comm(plan: Plan, console: Console) -> None:
         period = plan.layers[layers[0].name].period if layers else 1
         per_stage.append(stage_comm(problem, s).per_step(period))
     shown = "  ".join(f"s{s} {t * 1e3:.3f}" for s, t in enumerate(per_stage))
-    console.print(f"Collectives of the plan per step (ms, at each stage's refresh period): {shown}; "
-                  f"{sum(per_stage) * 1e3:.3f} in all (priced as holding their ranks; at run time each runs in "
-                  "flight until the first op that reads its result)", markup=False, highlight=False)
+    console.print(
+        f"Collectives of the plan per step (ms, at each stage's refresh period): {shown}; "
+        f"{sum(per_stage) * 1e3:.3f} in all (priced as holding their ranks; at run time each runs in "
+        "flight until the first op that reads its result)",
+        markup=False,
+        highlight=False,
+    )
 
 
 def explain_choice(choice: BlockChoice, console: Console) -> None:

@@ -54,10 +54,20 @@ def problem_of(args: argparse.Namespace, costs: CostTable) -> Problem:
     """The planning problem the command line describes (the budget: `memory_budget`)."""
     period = {} if args.precondition_frequency is None else {"max_period": args.precondition_frequency}
     fingerprint = factory(args, check_schedule(args)).fingerprint if is_factory(args.target) else ""
-    problem = Problem(args.schedule, args.stages, args.microbatches, costs, W=args.dp, v=args.virtual_stages,
-                      memory_budget=memory_budget(args, costs.hardware).bytes, max_overhead=args.max_overhead,
-                      fingerprint=fingerprint, barrier=_barrier(args.kl_clip_scope),
-                      decomp_pieces=args.decomp_pieces, **period)
+    problem = Problem(
+        args.schedule,
+        args.stages,
+        args.microbatches,
+        costs,
+        W=args.dp,
+        v=args.virtual_stages,
+        memory_budget=memory_budget(args, costs.hardware).bytes,
+        max_overhead=args.max_overhead,
+        fingerprint=fingerprint,
+        barrier=_barrier(args.kl_clip_scope),
+        decomp_pieces=args.decomp_pieces,
+        **period,
+    )
     return problem if args.strategy is None else problem.with_strategy(args.strategy)
 
 
@@ -92,8 +102,12 @@ def _refused(error: PlanError, budget: Budget) -> RefusedPlan:
 
 def _searches_block_size(args: argparse.Namespace) -> bool:
     """Whether the planner chooses Shampoo's/SOAP's block side: auto on a preset's analytic costs."""
-    return (kind(args) is not PreconditionerKind.KFAC and args.max_preconditioner_dim == AUTO and args.costs is None
-            and not is_factory(args.target))
+    return (
+        kind(args) is not PreconditionerKind.KFAC
+        and args.max_preconditioner_dim == AUTO
+        and args.costs is None
+        and not is_factory(args.target)
+    )
 
 
 def _auto_block(args: argparse.Namespace, S: int, config: SolverConfig) -> BlockChoice:
@@ -103,8 +117,7 @@ def _auto_block(args: argparse.Namespace, S: int, config: SolverConfig) -> Block
     from fxkfac.planner.shampoo_costs import largest_dim
 
     candidates = block_candidates(largest_dim(preset(args.target)))
-    return choose_block_size(lambda side: problem_of(args, cost_table(args, S, side)), candidates, config,
-                             args.method)
+    return choose_block_size(lambda side: problem_of(args, cost_table(args, S, side)), candidates, config, args.method)
 
 
 def _solved(args: argparse.Namespace, S: int, console: Console) -> Plan:
@@ -132,8 +145,11 @@ def _solved(args: argparse.Namespace, S: int, console: Console) -> Plan:
         explain(args, costs, plain_step_time(problem), console)
         explain_comm(problem, console)
     try:  # a forced --strategy is in the problem already (problem_of); without one the planner chooses
-        plan = solve(problem, config, method=args.method) if args.strategy is not None else \
-            solve_with_strategy(problem, None, config, method=args.method)
+        plan = (
+            solve(problem, config, method=args.method)
+            if args.strategy is not None
+            else solve_with_strategy(problem, None, config, method=args.method)
+        )
     except PlanError as e:
         raise _refused(e, memory_budget(args, costs.hardware)) from None
     if args.explain:

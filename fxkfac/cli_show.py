@@ -25,22 +25,30 @@ def run_show(args: argparse.Namespace, console: Console) -> int:
     plan = Plan.load(args.plan)
     wrong = summary_errors(plan)
     if wrong:
-        raise PlanFormatError(f"plan file {args.plan}: its summary contradicts its placements: {'; '.join(wrong)}; "
-                              "make the plan again (fxkfac plan ... --export)")
+        raise PlanFormatError(
+            f"plan file {args.plan}: its summary contradicts its placements: {'; '.join(wrong)}; "
+            "make the plan again (fxkfac plan ... --export)"
+        )
     measured = None
     if args.measured is not None:
         measured = timeline_from_trace(_read_json(args.measured, "trace"))
     console.print(render_plan(plan, width=console.width, title=f"fxkfac show {args.plan}"))
     if measured is None:
         return 0
-    console.print(render_timeline(measured, width=console.width, title=f"measured: {args.measured}",
-                                  words=words_of(plan.problem.costs)))
+    console.print(
+        render_timeline(
+            measured, width=console.width, title=f"measured: {args.measured}", words=words_of(plan.problem.costs)
+        )
+    )
     planned = planned_utilization(plan)
     ran = {r: measured.utilization(r, BUSY_KINDS, (0.0, measured.makespan)) for r in measured.ranks}
-    rows = [(f"r{r}", f"{planned[r]:.1%}" if r in planned else "-", f"{ran[r]:.1%}" if r in ran else "-")
-            for r in sorted(set(planned) | set(ran))]
-    console.print(render_summary("utilization per rank: planned | measured",
-                                 [(name, f"{a} | {b}") for name, a, b in rows]))
+    rows = [
+        (f"r{r}", f"{planned[r]:.1%}" if r in planned else "-", f"{ran[r]:.1%}" if r in ran else "-")
+        for r in sorted(set(planned) | set(ran))
+    ]
+    console.print(
+        render_summary("utilization per rank: planned | measured", [(name, f"{a} | {b}") for name, a, b in rows])
+    )
     return 0
 
 

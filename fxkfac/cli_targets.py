@@ -43,8 +43,19 @@ class _Capture:
 
 def factory(args: argparse.Namespace, S: int) -> Factory:
     """Import, call and prepare the factory of `args.target` (once per command line: capturing is slow)."""
-    return _prepared(_Capture(args.target, args.schedule, args.stages, args.dp, args.microbatches,
-                              args.virtual_stages, args.micro_batch_size, device(args)), S)
+    return _prepared(
+        _Capture(
+            args.target,
+            args.schedule,
+            args.stages,
+            args.dp,
+            args.microbatches,
+            args.virtual_stages,
+            args.micro_batch_size,
+            device(args),
+        ),
+        S,
+    )
 
 
 @functools.cache
@@ -63,26 +74,41 @@ def _prepared(capture: _Capture, S: int) -> Factory:
 
     target, N, W = capture.target, capture.microbatches, capture.dp
     if not isinstance(model, nn.Module):
-        raise CliError(f"{target} must return (model, example_inputs) with an nn.Module model, got "
-                       f"{type(model).__name__}")
+        raise CliError(
+            f"{target} must return (model, example_inputs) with an nn.Module model, got {type(model).__name__}"
+        )
     try:
-        prepared = prepare(model, example, KFACFamily(KFACConfig()), kind=ScheduleKind(capture.schedule),
-                           D=capture.stages, W=W, N=N, v=capture.virtual_stages)
+        prepared = prepare(
+            model,
+            example,
+            KFACFamily(KFACConfig()),
+            kind=ScheduleKind(capture.schedule),
+            D=capture.stages,
+            W=W,
+            N=N,
+            v=capture.virtual_stages,
+        )
     except ConfigError as e:
         raise CliError(f"{target}: {e}") from None
     micro = prepared.batch // (N * W)
     if capture.micro_batch_size not in (None, micro):
-        raise CliError(f"{target}'s example inputs hold {prepared.batch} samples, {micro} per micro-batch at "
-                       f"N={N}, W={W}; --micro-batch-size {capture.micro_batch_size} differs (drop it: a factory's "
-                       "example is the global mini-batch, as fxkfac.compile takes it)")
+        raise CliError(
+            f"{target}'s example inputs hold {prepared.batch} samples, {micro} per micro-batch at "
+            f"N={N}, W={W}; --micro-batch-size {capture.micro_batch_size} differs (drop it: a factory's "
+            "example is the global mini-batch, as fxkfac.compile takes it)"
+        )
     layers = {x.name: x for x in prepared.captured.layers}  # the K-FAC layers fxkfac.compile finds by default
     stages = [[layers[name] for name in prepared.stage_layers.get(s, [])] for s in range(S)]
     empty = [s for s, names in enumerate(stages) if not names]
     if empty:
-        raise CliError(f"{target} splits into {S} stages with no K-FAC layer (Linear/Conv2d that the default "
-                       f"KFACConfig keeps) on stages {empty}; use fewer stages")
-    spec = model_spec_from_layers([[(x.name, x.d_in, x.d_out, x.tokens_per_sample, x.bias is not None) for x in st]
-                                   for st in stages], name=target.split(":", 1)[1])
+        raise CliError(
+            f"{target} splits into {S} stages with no K-FAC layer (Linear/Conv2d that the default "
+            f"KFACConfig keeps) on stages {empty}; use fewer stages"
+        )
+    spec = model_spec_from_layers(
+        [[(x.name, x.d_in, x.d_out, x.tokens_per_sample, x.bias is not None) for x in st] for st in stages],
+        name=target.split(":", 1)[1],
+    )
     costs = analytic_cost_table(spec, [range(i, i + 1) for i in range(S)], micro, 1, capture.device)
     return Factory(costs, prepared.target.fingerprint)
 

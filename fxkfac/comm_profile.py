@@ -26,8 +26,14 @@ and quick (a few milliseconds each on gloo)."""
 _TIMED = (Collective.ALL_REDUCE, Collective.BROADCAST, Collective.ALL_GATHER, Collective.SEND)
 
 
-def measure_comm(group: dist.ProcessGroup | None = None, *, sizes: Sequence[int] = DEFAULT_SIZES, warmup: int = 2,
-                 repeats: int = 9, devices_per_node: int | None = None) -> CommModel | None:
+def measure_comm(
+    group: dist.ProcessGroup | None = None,
+    *,
+    sizes: Sequence[int] = DEFAULT_SIZES,
+    warmup: int = 2,
+    repeats: int = 9,
+    devices_per_node: int | None = None,
+) -> CommModel | None:
     """The communication model measured over `group` (the world when None); collective: every rank of the group
     calls it. None without an initialized process group; zero-cost over a group of one rank.
 
@@ -46,13 +52,20 @@ def measure_comm(group: dist.ProcessGroup | None = None, *, sizes: Sequence[int]
     if len(set(sizes)) < 2 or min(sizes) < 4:
         raise ValueError(f"measure_comm needs two or more distinct message sizes of >= 4 bytes, got {list(sizes)}")
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-    times = torch.tensor([[_time(kind, n, group, device, warmup, repeats) for n in sizes] for kind in _TIMED],
-                         dtype=torch.float64, device=device)
+    times = torch.tensor(
+        [[_time(kind, n, group, device, warmup, repeats) for n in sizes] for kind in _TIMED],
+        dtype=torch.float64,
+        device=device,
+    )
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's time: what a step waits for
     agreed = times.cpu().tolist()
     fitted = {kind: fit_alpha_beta(kind, _samples(kind, sizes, row, p)) for kind, row in zip(_TIMED, agreed)}
-    link = LinkCosts(fitted[Collective.ALL_REDUCE], fitted[Collective.BROADCAST], fitted[Collective.ALL_GATHER],
-                     fitted[Collective.SEND])
+    link = LinkCosts(
+        fitted[Collective.ALL_REDUCE],
+        fitted[Collective.BROADCAST],
+        fitted[Collective.ALL_GATHER],
+        fitted[Collective.SEND],
+    )
     return CommModel.single_link(link, node, source)
 
 
@@ -92,11 +105,13 @@ def _call(kind: Collective, nbytes: int, group: dist.ProcessGroup | None, device
                 dist.send(x, dst=peer, group=group)
             else:
                 dist.recv(x, src=peer, group=group)
+
     return ping_pong
 
 
-def _time(kind: Collective, nbytes: int, group: dist.ProcessGroup | None, device: torch.device, warmup: int,
-          repeats: int) -> float:
+def _time(
+    kind: Collective, nbytes: int, group: dist.ProcessGroup | None, device: torch.device, warmup: int, repeats: int
+) -> float:
     """Seconds of one `kind` of `nbytes` on this rank, each run started together (a barrier): the lower quartile
     of the runs, which measures the link rather than the spikes another process's load adds on a shared host."""
     call = _call(kind, nbytes, group, device)

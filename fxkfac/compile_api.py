@@ -83,8 +83,9 @@ def compile(  # noqa: A001 - the public name the design card gives
     layout = MeshLayout.local() if mesh is None else MeshLayout.from_mesh(mesh)
     kind = ScheduleKind.ONE_F_ONE_B if mesh is None else ScheduleKind(schedule)
     N, v, single = microbatches, pipeline.virtual_stages, mesh is None
-    prepared, known, resolved = _prepare_and_resolve(model, example_inputs, plan, single, family, kfac, kind, layout,
-                                                     N, pipeline, plan_options)
+    prepared, known, resolved = _prepare_and_resolve(
+        model, example_inputs, plan, single, family, kfac, kind, layout, N, pipeline, plan_options
+    )
     timings = _timings(plan, single, resolved, family, prepared.units, layer_timing)
     distributions = _distributions(resolved, family, plan_options, prepared.stage_layers, known, kind, layout, v)
     spec = _run_spec(prepared, resolved, family, known, layout, kind, N, v, timings, distributions)
@@ -109,28 +110,67 @@ def _family(preconditioner: Any, kfac: KFACConfig | None) -> Family | None:
     return KFACFamily(kfac) if kfac is not None else None
 
 
-def _prepare_and_resolve(model: nn.Module, example_inputs: Any, plan: Any, single: bool, family: Family | None,
-                         kfac: KFACConfig | None, kind: ScheduleKind, layout: MeshLayout, N: int,
-                         pipeline: PipelineOptions,
-                         options: PlanOptions) -> tuple[Prepared, dict[str, Any], Plan | None]:
+def _prepare_and_resolve(
+    model: nn.Module,
+    example_inputs: Any,
+    plan: Any,
+    single: bool,
+    family: Family | None,
+    kfac: KFACConfig | None,
+    kind: ScheduleKind,
+    layout: MeshLayout,
+    N: int,
+    pipeline: PipelineOptions,
+    options: PlanOptions,
+) -> tuple[Prepared, dict[str, Any], Plan | None]:
     """`prepare`, the units by name and the resolved plan, with rank 0 showing what plan="auto" does on a mesh;
     warns (at `compile`'s caller) when the family finds nothing to precondition."""
     auto = not single and family is not None and isinstance(plan, str) and plan == "auto"
     with plan_progress(auto and layout.rank == 0) as progress:  # rank 0 says what plan="auto" is doing
         progress.phase("capturing the model and splitting it into stages")
-        prepared = prepare(model, example_inputs, family, kfac, kind=kind, D=layout.D, W=layout.W, N=N,
-                           v=pipeline.virtual_stages, split_points=pipeline.split_points)
+        prepared = prepare(
+            model,
+            example_inputs,
+            family,
+            kfac,
+            kind=kind,
+            D=layout.D,
+            W=layout.W,
+            N=N,
+            v=pipeline.virtual_stages,
+            split_points=pipeline.split_points,
+        )
         if family is not None and not prepared.units:
-            warnings.warn(f"{type(model).__name__} has nothing {family.name} can precondition (K-FAC: no Linear/Conv2d "
-                          "layer); it trains with the base optimizer alone", stacklevel=3)
+            warnings.warn(
+                f"{type(model).__name__} has nothing {family.name} can precondition (K-FAC: no Linear/Conv2d "
+                "layer); it trains with the base optimizer alone",
+                stacklevel=3,
+            )
         known = {unit.name: unit for unit in prepared.units}
-        resolved = _resolve(plan, single, family, prepared.target, options, layout, prepared.split,
-                            prepared.stage_layers, known, prepared.micro, progress)
+        resolved = _resolve(
+            plan,
+            single,
+            family,
+            prepared.target,
+            options,
+            layout,
+            prepared.split,
+            prepared.stage_layers,
+            known,
+            prepared.micro,
+            progress,
+        )
     return prepared, known, resolved
 
 
-def _timings(plan: Any, single: bool, resolved: Plan | None, family: Family | None, units: Sequence[Any],
-             layer_timing: Mapping[str, LayerTiming] | None) -> dict[str, LayerTiming]:
+def _timings(
+    plan: Any,
+    single: bool,
+    resolved: Plan | None,
+    family: Family | None,
+    units: Sequence[Any],
+    layer_timing: Mapping[str, LayerTiming] | None,
+) -> dict[str, LayerTiming]:
     """Each unit's timing: `layer_timing` over the plan's (on one device a given plan only supplies timings);
     ConfigError when a plan on a mesh and `layer_timing` both set them. Empty without a family."""
     if resolved is not None and layer_timing:
@@ -141,9 +181,16 @@ def _timings(plan: Any, single: bool, resolved: Plan | None, family: Family | No
     return layer_timings(units, family, {**given, **dict(layer_timing or {})}) if family else {}
 
 
-def _distributions(resolved: Plan | None, family: Family | None, options: PlanOptions,
-                   stage_layers: Mapping[int, list[str]], known: Mapping[str, Any], kind: ScheduleKind,
-                   layout: MeshLayout, v: int) -> dict[str, LayerDistribution]:
+def _distributions(
+    resolved: Plan | None,
+    family: Family | None,
+    options: PlanOptions,
+    stage_layers: Mapping[int, list[str]],
+    known: Mapping[str, Any],
+    kind: ScheduleKind,
+    layout: MeshLayout,
+    v: int,
+) -> dict[str, LayerDistribution]:
     """Where each unit's work lives across its stage's copies: the plan's, else the forced strategy's on the
     critical path (none without a family)."""
     if resolved is not None:
@@ -153,28 +200,73 @@ def _distributions(resolved: Plan | None, family: Family | None, options: PlanOp
     return critical_path_distributions(options, family, stage_layers, known, kind, layout, v)
 
 
-def _critical_path_programs(family: Family | None, kind: ScheduleKind, layout: MeshLayout, N: int, v: int,
-                            timings: Mapping[str, LayerTiming], stage_layers: Mapping[int, list[str]],
-                            distributions: Mapping[str, LayerDistribution]) -> Programs:
+def _critical_path_programs(
+    family: Family | None,
+    kind: ScheduleKind,
+    layout: MeshLayout,
+    N: int,
+    v: int,
+    timings: Mapping[str, LayerTiming],
+    stage_layers: Mapping[int, list[str]],
+    distributions: Mapping[str, LayerDistribution],
+) -> Programs:
     """The programs without a plan: `naive_programs` over the family's parts (no part without a family)."""
     parts = family.parts if family is not None else ()
     fed_by_gradient = gradient_parts(family) if family is not None else frozenset()
-    return naive_programs(kind, layout.D, N, layout.W, timings, stage_layers, v=v, parts=parts,
-                          gradient_parts=fed_by_gradient, distributions=distributions)
+    return naive_programs(
+        kind,
+        layout.D,
+        N,
+        layout.W,
+        timings,
+        stage_layers,
+        v=v,
+        parts=parts,
+        gradient_parts=fed_by_gradient,
+        distributions=distributions,
+    )
 
 
-def _run_spec(prepared: Prepared, resolved: Plan | None, family: Family | None, known: Mapping[str, Any],
-              layout: MeshLayout, kind: ScheduleKind, N: int, v: int, timings: dict[str, LayerTiming],
-              distributions: dict[str, LayerDistribution]) -> RunSpec:
+def _run_spec(
+    prepared: Prepared,
+    resolved: Plan | None,
+    family: Family | None,
+    known: Mapping[str, Any],
+    layout: MeshLayout,
+    kind: ScheduleKind,
+    N: int,
+    v: int,
+    timings: dict[str, LayerTiming],
+    distributions: dict[str, LayerDistribution],
+) -> RunSpec:
     """What every rank runs, the same on each: the split and the programs (the plan's with its start-up steps,
     else the critical path's)."""
-    programs = resolved.programs if resolved is not None else _critical_path_programs(
-        family, kind, layout, N, v, timings, prepared.stage_layers, distributions)
+    programs = (
+        resolved.programs
+        if resolved is not None
+        else _critical_path_programs(family, kind, layout, N, v, timings, prepared.stage_layers, distributions)
+    )
     startup = dict(resolved.startup) if resolved is not None else {}
     stage_names = {s: tuple(names) for s, names in prepared.stage_layers.items()}
-    return RunSpec(layout, kind, N, v, prepared.captured, prepared.split, prepared.batch,
-                   input_signature(prepared.example), dict(programs), startup, resolved, family, known, stage_names,
-                   timings, prepared.target.fingerprint, distributions)
+    return RunSpec(
+        layout,
+        kind,
+        N,
+        v,
+        prepared.captured,
+        prepared.split,
+        prepared.batch,
+        input_signature(prepared.example),
+        dict(programs),
+        startup,
+        resolved,
+        family,
+        known,
+        stage_names,
+        timings,
+        prepared.target.fingerprint,
+        distributions,
+    )
 
 
 @dataclass(frozen=True)
@@ -191,9 +283,19 @@ class Prepared:
     micro: tuple[Any, ...]
 
 
-def prepare(model: nn.Module, example_inputs: Any, family: Family | None, kfac: KFACConfig | None = KFACConfig(), *,
-            kind: ScheduleKind, D: int, W: int, N: int, v: int = 1,
-            split_points: Sequence[str] | None = None) -> Prepared:
+def prepare(
+    model: nn.Module,
+    example_inputs: Any,
+    family: Family | None,
+    kfac: KFACConfig | None = KFACConfig(),
+    *,
+    kind: ScheduleKind,
+    D: int,
+    W: int,
+    N: int,
+    v: int = 1,
+    split_points: Sequence[str] | None = None,
+) -> Prepared:
     """Capture `model` on one micro-batch of the global mini-batch `example_inputs`, find the family's units once,
     split into the schedule's stages and fingerprint the result: `compile`'s first steps, which `fxkfac plan
     path.py:factory` takes too, so that a plan it exports is one `compile` accepts."""
@@ -204,17 +306,35 @@ def prepare(model: nn.Module, example_inputs: Any, family: Family | None, kfac: 
     units = family.units(captured.gm, captured.layers) if family is not None else []
     split = split_stages(captured.gm, num_stages(kind, D, v), split_points=split_points, layers=captured.layers)
     stage_layers = stage_units(split, units)
-    target = Target(graph_fingerprint(units, stage_layers, schedule=kind.value, D=D, N=N, W=W, v=v,
-                                      micro_batch_size=batch // (N * W)),
-                    kind, D, N, W, v, family.max_period if family is not None else None,
-                    family.decomp_pieces if isinstance(family, PiecewiseFamily) else 1,
-                    barrier_of(family.cfg.kl_clip_scope) if isinstance(family, KFACFamily) else StepBarrier.WORLD)
+    target = Target(
+        graph_fingerprint(
+            units, stage_layers, schedule=kind.value, D=D, N=N, W=W, v=v, micro_batch_size=batch // (N * W)
+        ),
+        kind,
+        D,
+        N,
+        W,
+        v,
+        family.max_period if family is not None else None,
+        family.decomp_pieces if isinstance(family, PiecewiseFamily) else 1,
+        barrier_of(family.cfg.kl_clip_scope) if isinstance(family, KFACFamily) else StepBarrier.WORLD,
+    )
     return Prepared(captured, units, split, stage_layers, target, example, batch, micro)
 
 
-def _resolve(plan: Any, single: bool, family: Family | None, target: Target, options: PlanOptions,
-             layout: MeshLayout, split: SplitResult, stage_layers: Mapping[int, list[str]],
-             known: Mapping[str, Any], micro: tuple[Any, ...], progress: PlanProgress) -> Plan | None:
+def _resolve(
+    plan: Any,
+    single: bool,
+    family: Family | None,
+    target: Target,
+    options: PlanOptions,
+    layout: MeshLayout,
+    split: SplitResult,
+    stage_layers: Mapping[int, list[str]],
+    known: Mapping[str, Any],
+    micro: tuple[Any, ...],
+    progress: PlanProgress,
+) -> Plan | None:
     """The plan whose programs the ranks run: none on one device or without preconditioned layers; `progress`
     shows plan="auto"'s phases, solver and plan on rank 0."""
     if family is None:
@@ -227,8 +347,10 @@ def _resolve(plan: Any, single: bool, family: Family | None, target: Target, opt
     if auto and layout.rank == 0:  # rank 0 plans: its device's memory is the default budget
         budgeted = auto_budget(options, lambda: device_memory(_held_parameters(split, target, layout.pp)))
         if budgeted is not options:
-            progress.note(f"memory budget {format_bytes(budgeted.memory_budget or 0)} per device: what the GPU has "
-                          "free (PlanOptions(memory_budget=...) sets another)")
+            progress.note(
+                f"memory budget {format_bytes(budgeted.memory_budget or 0)} per device: what the GPU has "
+                "free (PlanOptions(memory_budget=...) sets another)"
+            )
         options = budgeted
     made = _resolve_on_mesh(plan, family, target, options, layout, split, stage_layers, known, micro, progress)
     if made is not None and auto:
@@ -236,9 +358,18 @@ def _resolve(plan: Any, single: bool, family: Family | None, target: Target, opt
     return made
 
 
-def _resolve_on_mesh(plan: Any, family: Family, target: Target, options: PlanOptions, layout: MeshLayout,
-                     split: SplitResult, stage_layers: Mapping[int, list[str]], known: Mapping[str, Any],
-                     micro: tuple[Any, ...], progress: PlanProgress) -> Plan | None:
+def _resolve_on_mesh(
+    plan: Any,
+    family: Family,
+    target: Target,
+    options: PlanOptions,
+    layout: MeshLayout,
+    split: SplitResult,
+    stage_layers: Mapping[int, list[str]],
+    known: Mapping[str, Any],
+    micro: tuple[Any, ...],
+    progress: PlanProgress,
+) -> Plan | None:
     """`resolve_plan` with plan="auto"'s profile (links measured by every rank, stages by rank 0), each phase
     and the solver's reports shown by `progress`."""
     from fxkfac.comm_profile import measure_comm
@@ -259,8 +390,10 @@ def _resolve_on_mesh(plan: Any, family: Family, target: Target, options: PlanOpt
             params = {n: p for st in split.stages for n, p in st.gm.named_parameters()}
             unit_cost = gradient_unit_cost(family, known, params)
         else:
-            raise ConfigError(f"plan='auto' cannot profile {family.name}, whose parts are fed by captures: pass "
-                              "PlanOptions(costs=...) or plan=None")
+            raise ConfigError(
+                f"plan='auto' cannot profile {family.name}, whose parts are fed by captures: pass "
+                "PlanOptions(costs=...) or plan=None"
+            )
         flat = [x for x in micro if isinstance(x, Tensor)]
         costs = measure(split, stage_layers, unit_cost, flat, _surrogate_loss)
         for st in split.stages:  # profiling ran backward on the parameters the runners will train
@@ -271,8 +404,17 @@ def _resolve_on_mesh(plan: Any, family: Family, target: Target, options: PlanOpt
 
     if isinstance(plan, str) and plan == "auto" and not profiles:
         progress.phase(SOLVING)
-    return resolve_plan(plan, target, options, rank=layout.rank, world=layout.world_size, profile=profile,
-                        stage_layers=stage_layers, layers=known, progress=progress.solver if progress.shown else None)
+    return resolve_plan(
+        plan,
+        target,
+        options,
+        rank=layout.rank,
+        world=layout.world_size,
+        profile=profile,
+        stage_layers=stage_layers,
+        layers=known,
+        progress=progress.solver if progress.shown else None,
+    )
 
 
 def auto_budget(options: PlanOptions, available: Callable[[], int | None]) -> PlanOptions:
@@ -302,19 +444,29 @@ def _held_parameters(split: SplitResult, target: Target, rank: int) -> list[Tens
     return list(unique.values())
 
 
-def critical_path_distributions(options: PlanOptions, family: Family, stage_layers: Mapping[int, list[str]],
-                                units: Mapping[str, Any], kind: ScheduleKind, layout: MeshLayout,
-                                v: int) -> dict[str, LayerDistribution]:
+def critical_path_distributions(
+    options: PlanOptions,
+    family: Family,
+    stage_layers: Mapping[int, list[str]],
+    units: Mapping[str, Any],
+    kind: ScheduleKind,
+    layout: MeshLayout,
+    v: int,
+) -> dict[str, LayerDistribution]:
     """The forced strategy (`PlanOptions.strategy`) on every unit of the critical-path programs, columns dealt
     by KAISA's greedy on each unit's statistic sizes^1.5 (a square factor's dim^3); COMM-OPT when none is forced."""
     strategy = options.forced_strategy
     if strategy is None:
         return {}
     if strategy.local_factors and gradient_parts(family):
-        raise ConfigError(f"dp-kfac keeps local factors of captures, but {family.name}'s statistics come from the "
-                          "reduced gradient, the same on every copy; use mem-opt for one owner per unit")
-    costs = {name: sum(math.prod(family.stats_shape(unit, part)) ** 1.5 for part in family.parts)
-             for name, unit in units.items()}
+        raise ConfigError(
+            f"dp-kfac keeps local factors of captures, but {family.name}'s statistics come from the "
+            "reduced gradient, the same on every copy; use mem-opt for one owner per unit"
+        )
+    costs = {
+        name: sum(math.prod(family.stats_shape(unit, part)) ** 1.5 for part in family.parts)
+        for name, unit in units.items()
+    }
     return distribute(strategy, stage_layers, ranks_of_stages(kind, layout.D, layout.W, v), costs)
 
 
@@ -341,9 +493,11 @@ def stage_units(split: SplitResult, units: Sequence[Any]) -> dict[int, list[str]
     on the stage that holds it. ConfigError for a parameter several stages share (tied weights)."""
     shared = sorted(u.name for u in units if u.name in split.shared_params)
     if shared:
-        raise ConfigError(f"parameters {shared[:4]} are used by several stages (tied weights); a parameter-wise "
-                          "preconditioner keeps each parameter's state on one stage: untie them, or put the stages "
-                          "that use them together with PipelineOptions(split_points=...)")
+        raise ConfigError(
+            f"parameters {shared[:4]} are used by several stages (tied weights); a parameter-wise "
+            "preconditioner keeps each parameter's state on one stage: untie them, or put the stages "
+            "that use them together with PipelineOptions(split_points=...)"
+        )
     return {st.index: [u.name for u in units if u.name in st.layers or u.name in st.params] for st in split.stages}
 
 
@@ -356,14 +510,22 @@ def layer_timings(units: Sequence[Any], family: Family, given: Mapping[str, Laye
     names = [unit.name for unit in units]
     unknown = sorted(set(given) - set(names))
     if unknown:
-        raise ConfigError(f"layer_timing names layers that {family.name} does not precondition in this model: "
-                          f"{unknown}; its units are {names}")
+        raise ConfigError(
+            f"layer_timing names layers that {family.name} does not precondition in this model: "
+            f"{unknown}; its units are {names}"
+        )
     out = {}
     for name in names:
         t = given.get(name, LayerTiming(family.refresh_every, family.refresh_phase, 0, family.capture))
-        if (t.period < 1 or not 0 <= t.curv_step < t.period or t.use_offset < 0
-                or t.capture not in ("fused", "deferred")):
-            raise ConfigError(f"invalid LayerTiming for {name}: {t} (need period >= 1, 0 <= curv_step < period, "
-                              "use_offset >= 0, capture 'fused' or 'deferred')")
+        if (
+            t.period < 1
+            or not 0 <= t.curv_step < t.period
+            or t.use_offset < 0
+            or t.capture not in ("fused", "deferred")
+        ):
+            raise ConfigError(
+                f"invalid LayerTiming for {name}: {t} (need period >= 1, 0 <= curv_step < period, "
+                "use_offset >= 0, capture 'fused' or 'deferred')"
+            )
         out[name] = t
     return out

@@ -9,8 +9,16 @@ from typing import Any, Literal
 from fxkfac.errors import ConfigError
 from fxkfac.planner.strategy import Strategy, parse_strategy
 
-__all__ = ["KFACConfig", "KLClipScope", "PipelineOptions", "PlanOptions", "PROFILE_MARGIN", "SplitInverse",
-           "SplitMethod", "StepAgreement"]
+__all__ = [
+    "KFACConfig",
+    "KLClipScope",
+    "PipelineOptions",
+    "PlanOptions",
+    "PROFILE_MARGIN",
+    "SplitInverse",
+    "SplitMethod",
+    "StepAgreement",
+]
 
 
 class KLClipScope(StrEnum):
@@ -126,13 +134,16 @@ class KFACConfig:
             object.__setattr__(self, "kl_clip_scope", KLClipScope(self.kl_clip_scope))
         except ValueError:
             choices = ", ".join(repr(m.value) for m in KLClipScope)
-            raise ConfigError(f"KFACConfig.kl_clip_scope must be one of {choices}, "
-                              f"got {self.kl_clip_scope!r}") from None
+            raise ConfigError(
+                f"KFACConfig.kl_clip_scope must be one of {choices}, got {self.kl_clip_scope!r}"
+            ) from None
         if self.split_inverse is not None and not isinstance(self.split_inverse, SplitInverse):
             raise ConfigError(f"KFACConfig.split_inverse must be a SplitInverse or None, got {self.split_inverse!r}")
         if self.split_inverse is not None and self.inverse != "cholesky":
-            raise ConfigError("KFACConfig.split_inverse needs inverse='cholesky' (the pieces are of Cholesky-form "
-                              f"inverses), got inverse={self.inverse!r}")
+            raise ConfigError(
+                "KFACConfig.split_inverse needs inverse='cholesky' (the pieces are of Cholesky-form "
+                f"inverses), got inverse={self.inverse!r}"
+            )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -166,8 +177,10 @@ class PipelineOptions:
         if not isinstance(self.progress, bool):
             raise ConfigError(f"PipelineOptions.progress must be True or False, got {self.progress!r}")
         if not isinstance(self.step_agreement, StepAgreement):
-            raise ConfigError(f"PipelineOptions.step_agreement must be a StepAgreement "
-                              f"({', '.join(m.name for m in StepAgreement)}), got {self.step_agreement!r}")
+            raise ConfigError(
+                f"PipelineOptions.step_agreement must be a StepAgreement "
+                f"({', '.join(m.name for m in StepAgreement)}), got {self.step_agreement!r}"
+            )
 
 
 PROFILE_MARGIN = 1.2

@@ -20,8 +20,7 @@ from fxkfac.models import TinyBertConfig
 if TYPE_CHECKING:
     from fxkfac.shampoo.config import ShampooConfig, SOAPConfig
 
-__all__ = ["RunSpec", "DemoConfig", "Curve", "DemoResult", "default_runs", "run_demo", "plan_view", "reach",
-           "lr_at"]
+__all__ = ["RunSpec", "DemoConfig", "Curve", "DemoResult", "default_runs", "run_demo", "plan_view", "reach", "lr_at"]
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +58,10 @@ class RunSpec:
 
     def __post_init__(self) -> None:
         if not self.lr > 0 or self.warmup_steps < 0:
-            raise ConfigError(f"run {self.name!r}: lr must be > 0 and warmup_steps >= 0, got lr={self.lr}, "
-                              f"warmup_steps={self.warmup_steps}")
+            raise ConfigError(
+                f"run {self.name!r}: lr must be > 0 and warmup_steps >= 0, got lr={self.lr}, "
+                f"warmup_steps={self.warmup_steps}"
+            )
 
     @property
     def base(self) -> Literal["adamw", "sgd", "plain-sgd"]:
@@ -140,8 +141,10 @@ class DemoConfig:
         if self.steps < 1 or self.microbatches < 1 or self.eval_every < 1:
             raise ConfigError("steps, microbatches and eval_every must be >= 1")
         if self.batch_size % (self.microbatches * self.dp):
-            raise ConfigError(f"batch size {self.batch_size} is not divisible by microbatches x dp = "
-                              f"{self.microbatches} x {self.dp}; pick microbatches and dp whose product divides it")
+            raise ConfigError(
+                f"batch size {self.batch_size} is not divisible by microbatches x dp = "
+                f"{self.microbatches} x {self.dp}; pick microbatches and dp whose product divides it"
+            )
         if self.seq_len > self.model.max_len:
             raise ConfigError(f"seq_len {self.seq_len} exceeds the model's max_len {self.model.max_len}")
         if self.seconds is not None and not self.seconds > 0:
@@ -161,8 +164,10 @@ class DemoConfig:
 
 def default_runs() -> tuple[RunSpec, ...]:
     """PipeFisher (K-FAC in the bubbles, over AdamW) and the plain AdamW pipeline at the same learning rate."""
-    return (RunSpec(name="PipeFisher", optimizer="adamw", lr=DEMO_LR, preconditioner=DEMO_KFAC),
-            RunSpec(name="AdamW", optimizer="adamw", lr=DEMO_LR))
+    return (
+        RunSpec(name="PipeFisher", optimizer="adamw", lr=DEMO_LR, preconditioner=DEMO_KFAC),
+        RunSpec(name="AdamW", optimizer="adamw", lr=DEMO_LR),
+    )
 
 
 @dataclass(frozen=True)
@@ -252,8 +257,9 @@ def _should_stop(cfg: DemoConfig, step: int, elapsed: float) -> bool:
     return bool(flag.item())
 
 
-def _train_run(ctx: RankContext, cfg: DemoConfig, spec: RunSpec, val: Sequence[tuple[Any, Any]],
-               plans: dict[str, Any]) -> Curve:
+def _train_run(
+    ctx: RankContext, cfg: DemoConfig, spec: RunSpec, val: Sequence[tuple[Any, Any]], plans: dict[str, Any]
+) -> Curve:
     """Compile one run over the (pp, dp) mesh, train it, evaluate every `eval_every` steps; rank 0 reports.
     `plans` holds the Plan of each preconditioner config planned so far in this launch (see `RunSpec.plan`)."""
     import torch
@@ -270,12 +276,21 @@ def _train_run(ctx: RankContext, cfg: DemoConfig, spec: RunSpec, val: Sequence[t
     inputs, targets = data.batch(cfg.batch_size)
     key = repr(spec.preconditioner)
     plan = None if spec.preconditioner is None else spec.plan or plans.get(key, "auto")
-    trainer = fxkfac.compile(model, (cfg.stages, cfg.dp), plan, example_inputs=(inputs,), loss_fn=mlm_loss,
-                             optimizer=spec.make_optimizer(), kfac=None, preconditioner=spec.preconditioner,
-                             schedule=cfg.schedule, microbatches=cfg.microbatches, backend=None,
-                             pipeline=PipelineOptions(timeout=cfg.timeout_s),
-                             plan_options=PlanOptions(time_limit_s=cfg.plan_time_limit_s,
-                                                      max_overhead=cfg.plan_max_overhead))
+    trainer = fxkfac.compile(
+        model,
+        (cfg.stages, cfg.dp),
+        plan,
+        example_inputs=(inputs,),
+        loss_fn=mlm_loss,
+        optimizer=spec.make_optimizer(),
+        kfac=None,
+        preconditioner=spec.preconditioner,
+        schedule=cfg.schedule,
+        microbatches=cfg.microbatches,
+        backend=None,
+        pipeline=PipelineOptions(timeout=cfg.timeout_s),
+        plan_options=PlanOptions(time_limit_s=cfg.plan_time_limit_s, max_overhead=cfg.plan_max_overhead),
+    )
     if trainer.plan is not None and spec.plan is None:
         plans.setdefault(key, trainer.plan)
     plan_json = trainer.plan.to_json(indent=None) if trainer.plan is not None and ctx.rank == 0 else None
@@ -323,9 +338,15 @@ class _Display:
 
     def __init__(self, cfg: DemoConfig, console: Console, show_plan: bool) -> None:
         self.cfg, self.console, self.show_plan = cfg, console, show_plan
-        self.progress = Progress(TextColumn("{task.description:<12}"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console,
-                                 transient=False)
+        self.progress = Progress(
+            TextColumn("{task.description:<12}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=console,
+            transient=False,
+        )
         self.tasks: dict[str, Any] = {}
         self.last_val: dict[str, float] = {}
         self.shown: set[str] = set()
@@ -373,5 +394,8 @@ def plan_view(plan_json: str, width: int = 100) -> Any:
     from fxkfac.planner.plan import Plan
 
     plan = Plan.from_json(plan_json)
-    return render_plan(plan, width=width, title=f"plan='auto': {plan.problem.schedule} D={plan.problem.D} "
-                                                f"N={plan.problem.N} W={plan.problem.W}")
+    return render_plan(
+        plan,
+        width=width,
+        title=f"plan='auto': {plan.problem.schedule} D={plan.problem.D} N={plan.problem.N} W={plan.problem.W}",
+    )

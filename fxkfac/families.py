@@ -24,5 +24,7 @@ def family_of(choice: Any) -> Family:
         return SOAPFamily(choice)
     if all(hasattr(choice, attr) for attr in ("parts", "source", "new_state", "decompose", "precondition")):
         return choice  # a Family object, checked structurally
-    raise ConfigError(f"preconditioner must be a KFACConfig, ShampooConfig, SOAPConfig or a "
-                      f"fxkfac.preconditioner.Family, got {type(choice).__name__}")
+    raise ConfigError(
+        f"preconditioner must be a KFACConfig, ShampooConfig, SOAPConfig or a "
+        f"fxkfac.preconditioner.Family, got {type(choice).__name__}"
+    )

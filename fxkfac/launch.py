@@ -43,8 +43,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, pg_timeout: float, threads: int,
-            args: tuple, channel: Any) -> None:
+def _worker(
+    fn: Callable[..., Any], rank: int, world: int, port: int, pg_timeout: float, threads: int, args: tuple, channel: Any
+) -> None:
     """Body of one rank: join the gloo group, run `fn(ctx, *args)`, send its value or its error back."""
     import torch
     import torch.distributed as dist
@@ -52,8 +53,13 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, pg_timeout
     torch.set_num_threads(threads)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=pg_timeout))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=pg_timeout),
+        )
         dist.barrier()  # every rank has its connections before any can finish and close them
         value = fn(RankContext(rank, world, channel), *args)
         channel.put((_RESULT, rank, pickle.dumps(value)))
@@ -73,8 +79,15 @@ def _first_cause(errors: dict[int, tuple[str, str, str]]) -> tuple[int, tuple[st
     return rank, pick[rank]
 
 
-def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 600.0, pg_timeout: float = 120.0,
-           threads: int = 1, on_event: Callable[[int, Any], None] | None = None) -> list[Any]:
+def launch(
+    fn: Callable[..., Any],
+    world: int,
+    *args: Any,
+    timeout: float = 600.0,
+    pg_timeout: float = 120.0,
+    threads: int = 1,
+    on_event: Callable[[int, Any], None] | None = None,
+) -> list[Any]:
     """Run `fn(ctx, *args)` in `world` spawned processes (gloo, 127.0.0.1, `threads` threads each).
 
     `fn` must be importable (defined at module level). Returns each rank's return value, by rank.
@@ -88,8 +101,10 @@ def launch(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 600.
     ctx = mp.get_context("spawn")
     channel = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, pg_timeout, threads, args, channel), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world, port, pg_timeout, threads, args, channel), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     values: dict[int, Any] = {}
@@ -116,8 +131,14 @@ def _stop(procs: list[Any], answered: set[int], grace: float = 10.0) -> list[int
     return killed
 
 
-def _collect(procs: list[Any], channel: Any, deadline: float, on_event: Callable[[int, Any], None] | None,
-             values: dict[int, Any], errors: dict[int, tuple[str, str, str]]) -> None:
+def _collect(
+    procs: list[Any],
+    channel: Any,
+    deadline: float,
+    on_event: Callable[[int, Any], None] | None,
+    values: dict[int, Any],
+    errors: dict[int, tuple[str, str, str]],
+) -> None:
     """Fill `values` and `errors` (and pass events on) until every rank has answered, all exited, or the deadline."""
     while len(values) + len(errors) < len(procs) and time.monotonic() < deadline:
         try:
@@ -136,8 +157,9 @@ def _collect(procs: list[Any], channel: Any, deadline: float, on_event: Callable
             deadline = min(deadline, time.monotonic() + 30.0)  # peers get a moment to report, then stop
 
 
-def _outcome(procs: list[Any], values: dict[int, Any], errors: dict[int, tuple[str, str, str]],
-             killed: list[int], timeout: float) -> list[Any]:
+def _outcome(
+    procs: list[Any], values: dict[int, Any], errors: dict[int, tuple[str, str, str]], killed: list[int], timeout: float
+) -> list[Any]:
     """The values by rank, or the one error that explains the failure."""
     if errors:
         rank, (name, message, trace) = _first_cause(errors)
@@ -149,6 +171,8 @@ def _outcome(procs: list[Any], values: dict[int, Any], errors: dict[int, tuple[s
         r = silent[0]
         raise PipelineError(f"rank {r} exited with code {procs[r].exitcode} without reporting a result")
     if killed:
-        raise PipelineTimeoutError(f"ranks {killed} were still running after {timeout:g} s and were stopped; "
-                                   "raise the timeout or shrink the run")
+        raise PipelineTimeoutError(
+            f"ranks {killed} were still running after {timeout:g} s and were stopped; "
+            "raise the timeout or shrink the run"
+        )
     return [values[r] for r in range(len(procs))]

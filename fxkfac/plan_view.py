@@ -160,13 +160,23 @@ def plan_rows(plan: Plan) -> list[tuple[str, str]]:
         ("model costs", f"{costs.source} ({costs.hardware}, micro-batch {costs.micro_batch_size})"),
         ("schedule", f"{p.schedule}  D={p.D} N={p.N} W={p.W}" + (f" v={p.v}" if p.schedule == "interleaved" else "")),
         ("memory budget / max overhead", f"{budget} per device / {p.max_overhead * 100:.3g}%"),
-        ("decompositions", "one task each" if p.decomp_pieces == 1 else
-         f"in {p.decomp_pieces} pieces each (KFACConfig.split_inverse or ShampooConfig.newton_pieces)"),
+        (
+            "decompositions",
+            "one task each"
+            if p.decomp_pieces == 1
+            else f"in {p.decomp_pieces} pieces each (KFACConfig.split_inverse or ShampooConfig.newton_pieces)",
+        ),
         ("strategy across copies", strategy_of(plan)),
-        ("solver", f"{m.solver.status} ({_VERDICTS.get(m.solver.status, 'unknown status')}), "
-                   f"{m.solver.wall_time:.1f} s, gap to bound {m.solver.gap:.1%}"),
-        ("step time before -> after", f"{m.step_time_baseline * 1e3:.2f} ms -> {m.step_time * 1e3:.2f} ms "
-                                      f"(+{added:.1%}; {name} reference {m.step_time_reference * 1e3:.2f} ms)"),
+        (
+            "solver",
+            f"{m.solver.status} ({_VERDICTS.get(m.solver.status, 'unknown status')}), "
+            f"{m.solver.wall_time:.1f} s, gap to bound {m.solver.gap:.1%}",
+        ),
+        (
+            "step time before -> after",
+            f"{m.step_time_baseline * 1e3:.2f} ms -> {m.step_time * 1e3:.2f} ms "
+            f"(+{added:.1%}; {name} reference {m.step_time_reference * 1e3:.2f} ms)",
+        ),
         ("utilization before -> after", f"{m.utilization_baseline:.1%} -> {m.utilization:.1%}"),
         ("refresh steps per stage", _per_stage(m.refresh_steps)),
         ("  lower bound", _per_stage(m.lower_bound_steps)),
@@ -185,10 +195,12 @@ def summary_errors(plan: Plan) -> list[str]:
         errors.append(f"refresh steps per stage {list(m.refresh_steps)}, but its layers refresh every {list(periods)}")
     if any(not 1 <= b <= k for b, k in zip(m.lower_bound_steps, periods)) or len(m.lower_bound_steps) != len(periods):
         errors.append(f"lower bounds {list(m.lower_bound_steps)} are not between 1 and the refresh steps")
-    for name, claimed, found in (("step time before", m.step_time_baseline, plain_step_time(p)),
-                                 ("K-FAC reference step time", m.step_time_reference, step_timeline(p).length),
-                                 ("utilization", m.utilization, _mean(planned_utilization(plan).values())),
-                                 ("utilization before", m.utilization_baseline, plain_utilization(p))):
+    for name, claimed, found in (
+        ("step time before", m.step_time_baseline, plain_step_time(p)),
+        ("K-FAC reference step time", m.step_time_reference, step_timeline(p).length),
+        ("utilization", m.utilization, _mean(planned_utilization(plan).values())),
+        ("utilization before", m.utilization_baseline, plain_utilization(p)),
+    ):
         if abs(claimed - found) > 1e-6 * max(1.0, abs(found)) + m.time_quantum:
             errors.append(f"{name} {claimed:.6g}, but its problem and placements give {found:.6g}")
     if set(m.peak_memory) != set(p.devices) or any(m.peak_memory[d] < static_bytes(p, d) for d in p.devices):
@@ -201,7 +213,6 @@ def _mean(values: Iterable[float]) -> float:
     return sum(items) / len(items)
 
 
-
 def render_plan(plan: Plan, *, width: int = 80, title: str = "") -> RenderableType:
     """Summary table and the planned timeline, one row per device, fitted to `width` columns."""
     periods = _periods(plan)
@@ -212,7 +223,8 @@ def render_plan(plan: Plan, *, width: int = 80, title: str = "") -> RenderableTy
     what = f"all {k} steps of the refresh window" if shown == k else f"steps 1-{shown} of the {k}-step refresh window"
     ks = sorted(set(periods.values()))
     label = f"planned: {what} (step 1 refreshes; k = {', '.join(map(str, ks))})"
-    timeline = render_timeline(view.timeline, width=width, title=label, window=(0.0, view.end),
-                               words=words_of(plan.problem.costs))
+    timeline = render_timeline(
+        view.timeline, width=width, title=label, window=(0.0, view.end), words=words_of(plan.problem.costs)
+    )
     summary = render_summary(title or "fxkfac plan", plan_rows(plan))
     return Group(summary, timeline)

@@ -157,8 +157,13 @@ class Family(Protocol):
         """The unit's preconditioner from the decompositions of all its parts (None: keep the previous)."""
         ...
 
-    def precondition(self, units: Sequence[Any], grads: MutableMapping[str, Tensor],
-                     states: Mapping[str, RefreshState], params: Mapping[str, Tensor]) -> Tensor:
+    def precondition(
+        self,
+        units: Sequence[Any],
+        grads: MutableMapping[str, Tensor],
+        states: Mapping[str, RefreshState],
+        params: Mapping[str, Tensor],
+    ) -> Tensor:
         """Turn `grads` (parameter FQN -> gradient) of `units` in place into the direction the base optimizer
         steps along (`params`: the parameters by FQN, read-only); returns sum <P, G> (float64)."""
         ...

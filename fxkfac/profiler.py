@@ -157,11 +157,11 @@ def _prec_call(layer: KFACLayer, inverse: Inverse) -> Callable[[], object]:
         if layer.bias is not None:
             grads[layer.bias] = bias.clone()
         return run(grads, {layer.name: state})
+
     return call
 
 
-def kfac_unit_cost(layers: Mapping[str, KFACLayer], cfg: KFACConfig, *, warmup: int = 1,
-                   repeats: int = 1) -> UnitCost:
+def kfac_unit_cost(layers: Mapping[str, KFACLayer], cfg: KFACConfig, *, warmup: int = 1, repeats: int = 1) -> UnitCost:
     """K-FAC's UnitCost: each layer timed by `_layer_cost`."""
     return lambda name, rows: _layer_cost(layers[name], rows * layers[name].tokens_per_sample, cfg, warmup, repeats)
 
@@ -171,8 +171,9 @@ def _state_bytes(state: Any) -> int:
     return sum(_nbytes(v) for v in state.state_dict().values() if isinstance(v, Tensor))
 
 
-def gradient_unit_cost(family: Family, units: Mapping[str, Any], params: Mapping[str, Tensor], *,
-                       warmup: int = 1, repeats: int = 1) -> UnitCost:
+def gradient_unit_cost(
+    family: Family, units: Mapping[str, Any], params: Mapping[str, Tensor], *, warmup: int = 1, repeats: int = 1
+) -> UnitCost:
     """The UnitCost of a family whose parts are all fed by the gradient: its statistic, decomposition and
     preconditioning of one unit, timed through the family's own methods on a random gradient of the
     parameter's shape. The statistic is folded until the family decomposes it (a family declines before its
@@ -188,8 +189,10 @@ def gradient_unit_cost(family: Family, units: Mapping[str, Any], params: Mapping
         state = family.new_state(unit)
         stats, decomp, folded = {}, {}, {}
         for part in family.parts:
+
             def statistic(part: str = part) -> Tensor:
                 return family.statistic(unit, part, "gradient", p, rows)
+
             stats[part] = time_call(statistic, warmup=warmup, repeats=repeats)
             folded[part] = _nbytes(statistic())
         for _ in range(MAX_WARM_FOLDS):
@@ -200,20 +203,42 @@ def gradient_unit_cost(family: Family, units: Mapping[str, Any], params: Mapping
             if all(half is not None for half in halves.values()):
                 break
         else:
-            log.warning("%s declined to decompose %s after %d folds: its decompositions are timed as declined "
-                        "(too cheap) and the plan may refresh it too often", family.name, name, MAX_WARM_FOLDS)
+            log.warning(
+                "%s declined to decompose %s after %d folds: its decompositions are timed as declined "
+                "(too cheap) and the plan may refresh it too often",
+                family.name,
+                name,
+                MAX_WARM_FOLDS,
+            )
         for part in family.parts:
+
             def decompose(part: str = part) -> object:
                 return family.decompose(unit, snap, part)
+
             decomp[part] = time_call(decompose, warmup=warmup, repeats=repeats)
         state.set_pending(family.combine(unit, state, halves), 0)
         state.activate(0)
-        prec = time_call(lambda: family.precondition([unit], {name: grad.clone()}, {name: state}, {name: p}),
-                         warmup=warmup, repeats=repeats)
-        parts = tuple(PartCost(part, OpKind.ALLREDUCE_GRAD, stats[part].seconds, decomp[part].seconds, 0, folded[part],
-                               stats[part].spread, decomp[part].spread) for part in family.parts)
+        prec = time_call(
+            lambda: family.precondition([unit], {name: grad.clone()}, {name: state}, {name: p}),
+            warmup=warmup,
+            repeats=repeats,
+        )
+        parts = tuple(
+            PartCost(
+                part,
+                OpKind.ALLREDUCE_GRAD,
+                stats[part].seconds,
+                decomp[part].seconds,
+                0,
+                folded[part],
+                stats[part].spread,
+                decomp[part].spread,
+            )
+            for part in family.parts
+        )
         extra = max(0, _state_bytes(state) - 2 * sum(folded.values()))
         return LayerCost(name, parts, prec.seconds, extra, p.numel() * p.element_size(), prec.spread)
+
     return cost
 
 
@@ -223,27 +248,36 @@ def _layer_cost(layer: KFACLayer, rows: int, cfg: KFACConfig, warmup: int, repea
     dtype = getattr(torch, cfg.factor_dtype)
     curv_a, curv_b = _curv_calls(layer, rows, dtype)
     A, B = _spd(layer.a_dim, rows), _spd(layer.b_dim, rows)
-    gamma = cfg.damping ** 0.5
+    gamma = cfg.damping**0.5
     inv_a = invert_factor(A, gamma, method=cfg.inverse)
     inv_b = invert_factor(B, gamma, method=cfg.inverse)
     if inv_a is None or inv_b is None:
         raise AssertionError("a well-conditioned random factor could not be inverted")
     inverse = combine(inv_a, inv_b, 0.0 if cfg.inverse == "cholesky" else cfg.damping)
     item = torch.finfo(dtype).bits // 8
+
     def timed(fn: Callable[[], object]) -> Timing:
         return time_call(fn, warmup=warmup, repeats=repeats)
 
     stats = {"A": timed(curv_a), "B": timed(curv_b)}
     decomp = {"A": timed(_decomp_call(A, gamma, cfg, rows)), "B": timed(_decomp_call(B, gamma, cfg, rows))}
     prec = timed(_prec_call(layer, inverse))
-    cost = LayerCost.kfac(layer.name,
-        curv_a=stats["A"].seconds, curv_b=stats["B"].seconds, inv_a=decomp["A"].seconds, inv_b=decomp["B"].seconds,
+    cost = LayerCost.kfac(
+        layer.name,
+        curv_a=stats["A"].seconds,
+        curv_b=stats["B"].seconds,
+        inv_a=decomp["A"].seconds,
+        inv_b=decomp["B"].seconds,
         prec=prec.seconds,
-        a_bytes=rows * layer.d_in * 4, e_bytes=rows * layer.d_out * 4,
-        factor_a_bytes=layer.a_dim ** 2 * item, factor_b_bytes=layer.b_dim ** 2 * item,
-        grad_bytes=layer.a_dim * layer.b_dim * 4)
-    parts = tuple(replace(p, stats_spread=stats[p.part].spread, decomp_spread=decomp[p.part].spread)
-                  for p in cost.parts)
+        a_bytes=rows * layer.d_in * 4,
+        e_bytes=rows * layer.d_out * 4,
+        factor_a_bytes=layer.a_dim**2 * item,
+        factor_b_bytes=layer.b_dim**2 * item,
+        grad_bytes=layer.a_dim * layer.b_dim * 4,
+    )
+    parts = tuple(
+        replace(p, stats_spread=stats[p.part].spread, decomp_spread=decomp[p.part].spread) for p in cost.parts
+    )
     cost = replace(cost, parts=parts, prec_spread=prec.spread)
     if cfg.inverse == "cholesky":
         return cost
@@ -262,13 +296,19 @@ def _act_bytes(gm: torch.fx.GraphModule) -> int:
     return total
 
 
-def _stage_times(gm: torch.fx.GraphModule, inputs: Sequence[Tensor], loss: Callable[[Sequence[Tensor]], Tensor] | None,
-                 warmup: int, repeats: int) -> tuple[Timing, Timing, list[Tensor]]:
+def _stage_times(
+    gm: torch.fx.GraphModule,
+    inputs: Sequence[Tensor],
+    loss: Callable[[Sequence[Tensor]], Tensor] | None,
+    warmup: int,
+    repeats: int,
+) -> tuple[Timing, Timing, list[Tensor]]:
     """Forward and backward of one stage on one micro-batch, each timed alone, and its (detached) outputs.
 
     The backward is timed from the roots an untimed forward made for it (the last stage's `loss`, else every
     output with a gradient of ones), not derived from a timed forward + backward: two figures of separate runs
     differ by their noise, which once left a stage's backward at 0."""
+
     def leaves() -> list[Tensor]:
         return [x.detach().requires_grad_(True) if x.is_floating_point() else x for x in inputs]
 
@@ -297,17 +337,22 @@ def _trusted(stage: StageCost, index: int) -> StageCost:
     for what, seconds, spread in (("forward", stage.fwd, stage.fwd_spread), ("backward", stage.bwd, stage.bwd_spread)):
         if not seconds > 0:
             repeats = "" if spread is None else f" (repeats {spread.low * 1e3:.3g}-{spread.high * 1e3:.3g} ms)"
-            raise CostModelError(f"stage {index}'s {what} was measured as {seconds * 1e3:.3g} ms{repeats}, which no "
-                                 "plan can rely on; profile again on a quieter machine, or plan with a cost table: "
-                                 "PlanOptions(costs=...)")
+            raise CostModelError(
+                f"stage {index}'s {what} was measured as {seconds * 1e3:.3g} ms{repeats}, which no "
+                "plan can rely on; profile again on a quieter machine, or plan with a cost table: "
+                "PlanOptions(costs=...)"
+            )
     return stage
 
 
 def _noisy(stages: Sequence[StageCost]) -> list[str]:
     """The stage times whose slowest repeat took more than `NOISY` times the fastest, as 'stage i bwd 2.3-9.8 ms'."""
-    return [f"stage {i} {name} {spread.low * 1e3:.3g}-{spread.high * 1e3:.3g} ms" for i, stage in enumerate(stages)
-            for name, spread in (("fwd", stage.fwd_spread), ("bwd", stage.bwd_spread))
-            if spread is not None and spread.high > NOISY * spread.low]
+    return [
+        f"stage {i} {name} {spread.low * 1e3:.3g}-{spread.high * 1e3:.3g} ms"
+        for i, stage in enumerate(stages)
+        for name, spread in (("fwd", stage.fwd_spread), ("bwd", stage.bwd_spread))
+        if spread is not None and spread.high > NOISY * spread.low
+    ]
 
 
 def _union(spreads: Sequence[Spread | None]) -> Spread | None:
@@ -318,25 +363,43 @@ def _union(spreads: Sequence[Spread | None]) -> Spread | None:
 
 def _fastest_layer(rounds: Sequence[LayerCost]) -> LayerCost:
     """One unit's costs over rounds: each time the fastest, its spread over all rounds' repeats."""
-    parts = tuple(replace(ps[0], stats=min(p.stats for p in ps), decomp=min(p.decomp for p in ps),
-                          stats_spread=_union([p.stats_spread for p in ps]),
-                          decomp_spread=_union([p.decomp_spread for p in ps]))
-                  for ps in zip(*(x.parts for x in rounds), strict=True))
-    return replace(rounds[0], parts=parts, prec=min(x.prec for x in rounds),
-                   prec_spread=_union([x.prec_spread for x in rounds]))
+    parts = tuple(
+        replace(
+            ps[0],
+            stats=min(p.stats for p in ps),
+            decomp=min(p.decomp for p in ps),
+            stats_spread=_union([p.stats_spread for p in ps]),
+            decomp_spread=_union([p.decomp_spread for p in ps]),
+        )
+        for ps in zip(*(x.parts for x in rounds), strict=True)
+    )
+    return replace(
+        rounds[0], parts=parts, prec=min(x.prec for x in rounds), prec_spread=_union([x.prec_spread for x in rounds])
+    )
 
 
 def _fastest_stage(rounds: Sequence[StageCost]) -> StageCost:
     """One stage's costs over rounds: each time the fastest, its spread over all rounds' repeats."""
     layers = tuple(_fastest_layer(xs) for xs in zip(*(s.layers for s in rounds), strict=True))
-    return replace(rounds[0], fwd=min(s.fwd for s in rounds), bwd=min(s.bwd for s in rounds),
-                   fwd_spread=_union([s.fwd_spread for s in rounds]),
-                   bwd_spread=_union([s.bwd_spread for s in rounds]), layers=layers)
+    return replace(
+        rounds[0],
+        fwd=min(s.fwd for s in rounds),
+        bwd=min(s.bwd for s in rounds),
+        fwd_spread=_union([s.fwd_spread for s in rounds]),
+        bwd_spread=_union([s.bwd_spread for s in rounds]),
+        layers=layers,
+    )
 
 
-def _one_round(split: SplitResult, stage_layers: Mapping[int, Sequence[str]], unit_cost: UnitCost,
-               micro_inputs: Sequence[Tensor], loss: Callable[[Sequence[Tensor]], Tensor], warmup: int,
-               repeats: int) -> list[StageCost]:
+def _one_round(
+    split: SplitResult,
+    stage_layers: Mapping[int, Sequence[str]],
+    unit_cost: UnitCost,
+    micro_inputs: Sequence[Tensor],
+    loss: Callable[[Sequence[Tensor]], Tensor],
+    warmup: int,
+    repeats: int,
+) -> list[StageCost]:
     """Every stage's forward and backward (`_stage_times`) and its units (`unit_cost`), timed once over."""
     batch = int(micro_inputs[0].shape[0])
     inputs, stages = list(micro_inputs), []
@@ -344,16 +407,32 @@ def _one_round(split: SplitResult, stage_layers: Mapping[int, Sequence[str]], un
     for st in split.stages:
         fwd, bwd, inputs = _stage_times(st.gm, inputs, loss if st.index == last else None, warmup, repeats)
         params = {n: p for n, p in st.gm.named_parameters()}
-        stages.append(StageCost(fwd=fwd.seconds, bwd=bwd.seconds, param_bytes=sum(map(_nbytes, params.values())),
-                                act_bytes=_act_bytes(st.gm),
-                                layers=tuple(unit_cost(n, batch) for n in stage_layers.get(st.index, ())),
-                                fwd_spread=fwd.spread, bwd_spread=bwd.spread))
+        stages.append(
+            StageCost(
+                fwd=fwd.seconds,
+                bwd=bwd.seconds,
+                param_bytes=sum(map(_nbytes, params.values())),
+                act_bytes=_act_bytes(st.gm),
+                layers=tuple(unit_cost(n, batch) for n in stage_layers.get(st.index, ())),
+                fwd_spread=fwd.spread,
+                bwd_spread=bwd.spread,
+            )
+        )
     return stages
 
 
-def profile(split: SplitResult, stage_layers: Mapping[int, Sequence[str]], unit_cost: UnitCost,
-            micro_inputs: Sequence[Tensor], loss: Callable[[Sequence[Tensor]], Tensor], *,
-            warmup: int = 1, repeats: int = 1, rounds: int = 5, hardware: str = "cpu") -> CostTable:
+def profile(
+    split: SplitResult,
+    stage_layers: Mapping[int, Sequence[str]],
+    unit_cost: UnitCost,
+    micro_inputs: Sequence[Tensor],
+    loss: Callable[[Sequence[Tensor]], Tensor],
+    *,
+    warmup: int = 1,
+    repeats: int = 1,
+    rounds: int = 5,
+    hardware: str = "cpu",
+) -> CostTable:
     """The CostTable of the split model at the micro-batch of `micro_inputs`, measured here, stage by stage.
 
     The stages are chained in this one process (rank 0 profiles all: every stage copy is the same
@@ -368,16 +447,30 @@ def profile(split: SplitResult, stage_layers: Mapping[int, Sequence[str]], unit_
     slows one round of every figure, not all repeats of a few. A stage time of 0 raises CostModelError (no plan
     is made from it); times whose repeats varied more than `NOISY`-fold are logged as a warning.
     """
-    log.info("profiling %d stages, %d rounds, on %s", len(split.stages), rounds,
-             "this thread's CPU time" if clock() is time.thread_time else "the wall clock")
-    passes = [_one_round(split, stage_layers, unit_cost, micro_inputs, loss, warmup, repeats)
-              for _ in range(max(1, rounds))]
+    log.info(
+        "profiling %d stages, %d rounds, on %s",
+        len(split.stages),
+        rounds,
+        "this thread's CPU time" if clock() is time.thread_time else "the wall clock",
+    )
+    passes = [
+        _one_round(split, stage_layers, unit_cost, micro_inputs, loss, warmup, repeats) for _ in range(max(1, rounds))
+    ]
     stages = [_trusted(_fastest_stage(of), i) for i, of in enumerate(zip(*passes, strict=True))]
     for i, s in enumerate(stages):
-        log.info("profiled stage %d: fwd %.2f ms, bwd %.2f ms, %d preconditioned units", i, s.fwd * 1e3,
-                 s.bwd * 1e3, len(s.layers))
+        log.info(
+            "profiled stage %d: fwd %.2f ms, bwd %.2f ms, %d preconditioned units",
+            i,
+            s.fwd * 1e3,
+            s.bwd * 1e3,
+            len(s.layers),
+        )
     noisy = _noisy(stages)
     if noisy:
-        log.warning("the device was busy while profiling: repeats of %s varied more than %g-fold (another process "
-                    "on the device?); the plan uses the fastest repeat of each", ", ".join(noisy), NOISY)
+        log.warning(
+            "the device was busy while profiling: repeats of %s varied more than %g-fold (another process "
+            "on the device?); the plan uses the fastest repeat of each",
+            ", ".join(noisy),
+            NOISY,
+        )
     return CostTable(tuple(stages), int(micro_inputs[0].shape[0]), f"measured:{hardware}", hardware)

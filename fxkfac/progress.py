@@ -28,8 +28,15 @@ from fxkfac.planner.problem import SolveProgress
 if TYPE_CHECKING:
     from fxkfac.planner.plan import Plan
 
-__all__ = ["Display", "PlanProgress", "TrainingProgress", "plan_progress", "training_progress", "solve_text",
-           "steps_per_second"]
+__all__ = [
+    "Display",
+    "PlanProgress",
+    "TrainingProgress",
+    "plan_progress",
+    "training_progress",
+    "solve_text",
+    "steps_per_second",
+]
 
 log = logging.getLogger(__name__)
 
@@ -67,8 +74,13 @@ def _loggable() -> None:
     log.propagate = False
 
 
-_PLACEMENT = {"OPTIMAL": "placed", "FEASIBLE": "placed", "INFEASIBLE": "cannot be placed",
-              "UNKNOWN": "no placement yet", "MODEL_INVALID": "invalid model"}
+_PLACEMENT = {
+    "OPTIMAL": "placed",
+    "FEASIBLE": "placed",
+    "INFEASIBLE": "cannot be placed",
+    "UNKNOWN": "no placement yet",
+    "MODEL_INVALID": "invalid model",
+}
 """A search for any placement (a refresh period or a stretch tried), by CP-SAT status, in words."""
 
 
@@ -104,8 +116,9 @@ class PlanProgress:
     """plan="auto" on rank 0: each phase (measuring links, profiling, solving) with its time, the solver's
     reports (`solver`, the `SolverConfig.progress` callback) and the plan's summary (`done`)."""
 
-    def __init__(self, display: Display, console: Console | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self, display: Display, console: Console | None = None, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self.display, self.clock = display, clock
         self.console = console or Console()
         self.status: Status | None = None
@@ -196,8 +209,13 @@ class TrainingProgress:
     """Step, loss and steps/s after each `update`: a rich bar on a terminal, a log line on the first step and
     every LOG_EVERY_S after it otherwise, nothing when OFF. The bar ends at `close` or at exit."""
 
-    def __init__(self, display: Display, console: Console | None = None,
-                 clock: Callable[[], float] = time.perf_counter, every_s: float = LOG_EVERY_S) -> None:
+    def __init__(
+        self,
+        display: Display,
+        console: Console | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        every_s: float = LOG_EVERY_S,
+    ) -> None:
         self.display, self.clock, self.every_s = display, clock, every_s
         self.console = console
         self.stamps: deque[float] = deque(maxlen=RATE_WINDOW)
@@ -221,9 +239,14 @@ class TrainingProgress:
                 log.info("step %d  loss %.4f  %s steps/s", step, loss, speed)
             return
         if self.bar is None:
-            self.bar = Progress(SpinnerColumn(), TextColumn("step {task.fields[step]}"),
-                                TextColumn("loss {task.fields[loss]:.4f}"), TextColumn("{task.fields[speed]} steps/s"),
-                                TimeElapsedColumn(), console=self.console)
+            self.bar = Progress(
+                SpinnerColumn(),
+                TextColumn("step {task.fields[step]}"),
+                TextColumn("loss {task.fields[loss]:.4f}"),
+                TextColumn("{task.fields[speed]} steps/s"),
+                TimeElapsedColumn(),
+                console=self.console,
+            )
             self.task = self.bar.add_task("train", total=None, step=step, loss=loss, speed=speed)
             self.bar.start()
             atexit.register(self.close)

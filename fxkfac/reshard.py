@@ -16,15 +16,29 @@ from typing import Any
 
 from fxkfac.errors import CheckpointError
 
-__all__ = ["LoadKind", "LAYOUT_FIELDS", "KEYED_SECTIONS", "LOCAL_SECTIONS", "check_run", "layout_changes",
-           "in_flight_refusal", "resharded_state", "work_in_flight", "quiet", "next_quiet_step"]
+__all__ = [
+    "LoadKind",
+    "LAYOUT_FIELDS",
+    "KEYED_SECTIONS",
+    "LOCAL_SECTIONS",
+    "check_run",
+    "layout_changes",
+    "in_flight_refusal",
+    "resharded_state",
+    "work_in_flight",
+    "quiet",
+    "next_quiet_step",
+]
 
 KEYED_SECTIONS = ("model", "kfac")
 """Sections keyed by a global name (parameter FQN, unit name) whose entries follow their holder."""
 LOCAL_SECTIONS = frozenset({"inflight", "rng"})
 """Top-level state sections that differ between ranks holding the same stage (keyed per rank)."""
-_IN_FLIGHT_WORDS = {"refreshes": "open refreshes", "outbox": "decompositions waiting for their BCAST",
-                    "captures": "captures waiting for STATS"}
+_IN_FLIGHT_WORDS = {
+    "refreshes": "open refreshes",
+    "outbox": "decompositions waiting for their BCAST",
+    "captures": "captures waiting for STATS",
+}
 
 
 # --- which runs a checkpoint loads into ---------------------------------------------------------------
@@ -39,24 +53,38 @@ class LoadKind(Enum):
     """Every rank reads the entries of the parameters and units it holds now; nothing may be in flight."""
 
 
-LAYOUT_FIELDS = ("mesh", "schedule", "microbatches", "virtual_stages", "global_batch", "stages", "graph", "plan",
-                 "timings", "programs")
+LAYOUT_FIELDS = (
+    "mesh",
+    "schedule",
+    "microbatches",
+    "virtual_stages",
+    "global_batch",
+    "stages",
+    "graph",
+    "plan",
+    "timings",
+    "programs",
+)
 """The fields of `describe_run` that a checkpoint follows the state across."""
 
 
 def _layout_words(run: Mapping[str, Any]) -> str:
     """A run's layout as the user wrote it."""
     D, W = run.get("mesh") or (None, None)
-    return (f"{run['trainer']} {run['schedule']} D={D} W={W} N={run['microbatches']} v={run['virtual_stages']} "
-            f"global batch {run['global_batch']}")
+    return (
+        f"{run['trainer']} {run['schedule']} D={D} W={W} N={run['microbatches']} v={run['virtual_stages']} "
+        f"global batch {run['global_batch']}"
+    )
 
 
 def _names_words(saved: Mapping[str, Any], mine: Mapping[str, Any], what: str) -> str:
     only_saved, only_mine = sorted(set(saved) - set(mine)), sorted(set(mine) - set(saved))
     reshaped = sorted(n for n in set(saved) & set(mine) if saved[n] != mine[n])
-    parts = [f"{what} only in the checkpoint {only_saved[:3]}" if only_saved else "",
-             f"{what} only in this run {only_mine[:3]}" if only_mine else "",
-             f"shapes differ for {[(n, saved[n], mine[n]) for n in reshaped[:3]]}" if reshaped else ""]
+    parts = [
+        f"{what} only in the checkpoint {only_saved[:3]}" if only_saved else "",
+        f"{what} only in this run {only_mine[:3]}" if only_mine else "",
+        f"shapes differ for {[(n, saved[n], mine[n]) for n in reshaped[:3]]}" if reshaped else "",
+    ]
     return "; ".join(p for p in parts if p)
 
 
@@ -68,27 +96,35 @@ def check_run(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> LoadKind:
     """How the checkpoint of run `saved` loads into run `mine`; CheckpointError when it holds another family's,
     model's or set of units' state (checked in that order)."""
     if saved.get("trainer") != mine.get("trainer"):
-        raise CheckpointError(f"checkpoint made for {_family_words(saved.get('trainer'))}, this run trains with "
-                              f"{_family_words(mine.get('trainer'))}; its state belongs to another family: compile "
-                              "with the preconditioner it was written with")
+        raise CheckpointError(
+            f"checkpoint made for {_family_words(saved.get('trainer'))}, this run trains with "
+            f"{_family_words(mine.get('trainer'))}; its state belongs to another family: compile "
+            "with the preconditioner it was written with"
+        )
     if saved.get("params") != mine.get("params"):
-        raise CheckpointError(f"checkpoint made for another model, this run is {len(mine['params'])} parameters "
-                              f"({_names_words(saved.get('params') or {}, mine['params'], 'parameters')}); "
-                              "load it into the model it was written for")
+        raise CheckpointError(
+            f"checkpoint made for another model, this run is {len(mine['params'])} parameters "
+            f"({_names_words(saved.get('params') or {}, mine['params'], 'parameters')}); "
+            "load it into the model it was written for"
+        )
     if saved.get("units") != mine.get("units"):
-        raise CheckpointError(f"checkpoint made for other {mine['trainer']} units than this run's "
-                              f"({_names_words(saved.get('units') or {}, mine['units'], 'units')}): the stage "
-                              "split or the model changed which layers are preconditioned; resume with the "
-                              "split_points and model it was written with")
+        raise CheckpointError(
+            f"checkpoint made for other {mine['trainer']} units than this run's "
+            f"({_names_words(saved.get('units') or {}, mine['units'], 'units')}): the stage "
+            "split or the model changed which layers are preconditioned; resume with the "
+            "split_points and model it was written with"
+        )
     same = all(saved.get(k) == mine.get(k) for k in LAYOUT_FIELDS)
     return LoadKind.SAME_LAYOUT if same else LoadKind.RESHARD
 
 
 def layout_changes(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str:
     """What differs between two runs' layouts, in words (``"mesh [1, 2] -> [1, 4]; plan changed"``)."""
+
     def change(key: str) -> str:
         before, after = json.dumps(saved.get(key)), json.dumps(mine.get(key))
         return f"{key} {before} -> {after}" if len(before) + len(after) <= 48 else f"{key} changed"
+
     return "; ".join(change(k) for k in LAYOUT_FIELDS if saved.get(k) != mine.get(k)) or "world size changed"
 
 
@@ -154,30 +190,39 @@ def _quiet_words(step: int, runs: list[Mapping[str, Any]]) -> str:
     """Where to save instead of `step` so that a checkpoint reshards: the next step quiet under the runs' timings."""
     then = next_quiet_step(step, runs)
     if then is None:
-        return ("its layer timings never have one (use_offset >= period for some layer): save with timings whose "
-                "use_offset is below their period")
-    return (f"for these layer timings step {then} (any step s with (s - 1 - curv_step) % period >= use_offset for "
-            "every layer, counting steps done)")
+        return (
+            "its layer timings never have one (use_offset >= period for some layer): save with timings whose "
+            "use_offset is below their period"
+        )
+    return (
+        f"for these layer timings step {then} (any step s with (s - 1 - curv_step) % period >= use_offset for "
+        "every layer, counting steps done)"
+    )
 
 
-def in_flight_refusal(path: Path, header: Mapping[str, Any], mine: Mapping[str, Any],
-                       saved: Mapping[int, Mapping[str, Any]]) -> str | None:
+def in_flight_refusal(
+    path: Path, header: Mapping[str, Any], mine: Mapping[str, Any], saved: Mapping[int, Mapping[str, Any]]
+) -> str | None:
     """Why a resharded load cannot place the checkpoint's work in flight, or this run's plan would expect work
     from before the resumed step; None when it can resume."""
     step, run = int(header["step"]), header["run"]
     busy = work_in_flight(saved)
     if busy:
-        return (f"checkpoint {path} was saved at step {step} with work in flight ({'; '.join(busy[:3])}), which "
-                f"belongs to the ranks and plan that made it and cannot follow the state onto this layout "
-                f"({layout_changes(run, mine)}); save where no refresh is in flight, "
-                f"{_quiet_words(step, [run['timings']])}, or train with plan=None (its refreshes finish within "
-                f"their step), or resume with the layout it was written with ({_layout_words(run)})")
+        return (
+            f"checkpoint {path} was saved at step {step} with work in flight ({'; '.join(busy[:3])}), which "
+            f"belongs to the ranks and plan that made it and cannot follow the state onto this layout "
+            f"({layout_changes(run, mine)}); save where no refresh is in flight, "
+            f"{_quiet_words(step, [run['timings']])}, or train with plan=None (its refreshes finish within "
+            f"their step), or resume with the layout it was written with ({_layout_words(run)})"
+        )
     if mine.get("plan") is not None and not quiet(step, mine["timings"]):
         late = sorted(n for n, t in mine["timings"].items() if not quiet(step, {n: t}))
-        return (f"this run's plan finishes at step {step} refreshes begun before it (layers {late[:4]}), which "
-                f"the run of checkpoint {path} finished or never began; resume from a checkpoint saved at a step "
-                f"quiet under both runs' timings, {_quiet_words(step, [run['timings'], mine['timings']])}, or "
-                "compile this run with plan=None")
+        return (
+            f"this run's plan finishes at step {step} refreshes begun before it (layers {late[:4]}), which "
+            f"the run of checkpoint {path} finished or never began; resume from a checkpoint saved at a step "
+            f"quiet under both runs' timings, {_quiet_words(step, [run['timings'], mine['timings']])}, or "
+            "compile this run with plan=None"
+        )
     return None
 
 
@@ -194,10 +239,12 @@ def _fullest(section: str, name: str, copies: list[tuple[int, Any]]) -> Any:
     for other, value in copies:
         extra = sorted(_entries(value) - _entries(best))
         if extra:
-            raise CheckpointError(f"checkpoint {section} state of {name!r} differs between rank {rank} and rank "
-                                  f"{other} (only rank {other} wrote {extra[:4]}), and neither holds all of the "
-                                  "other's entries, so it cannot follow the state onto another layout; resume with "
-                                  "the layout it was written with")
+            raise CheckpointError(
+                f"checkpoint {section} state of {name!r} differs between rank {rank} and rank "
+                f"{other} (only rank {other} wrote {extra[:4]}), and neither holds all of the "
+                "other's entries, so it cannot follow the state onto another layout; resume with "
+                "the layout it was written with"
+            )
     return best
 
 
@@ -215,8 +262,10 @@ def _pick(section: str, merged: Mapping[str, Any], names: Iterable[str]) -> dict
     names = list(names)
     missing = [n for n in names if n not in merged]
     if missing:
-        raise CheckpointError(f"checkpoint has no {section} state of {missing[:4]}, which this rank holds; it is "
-                              "incomplete or was written for another model")
+        raise CheckpointError(
+            f"checkpoint has no {section} state of {missing[:4]}, which this rank holds; it is "
+            "incomplete or was written for another model"
+        )
     return {n: merged[n] for n in names}
 
 
@@ -240,9 +289,11 @@ def _resharded_optimizer(saved: Mapping[int, Mapping[str, Any]], mine: Mapping[s
         missing = [fqn for fqn in group["params"] if fqn not in settings]
         found = {text for fqn in group["params"] for text in settings.get(fqn, ())}
         if missing or len(found) > 1:
-            raise CheckpointError(f"checkpoint optimizer groups give the parameters {group['params'][:4]} of one "
-                                  f"group here {f'no settings ({missing[:4]})' if missing else 'different settings'}"
-                                  "; resume with the optimizer groups it was written with")
+            raise CheckpointError(
+                f"checkpoint optimizer groups give the parameters {group['params'][:4]} of one "
+                f"group here {f'no settings ({missing[:4]})' if missing else 'different settings'}"
+                "; resume with the optimizer groups it was written with"
+            )
         groups.append({**json.loads(found.pop()), "params": list(group["params"])} if found else dict(group))
     state = fullest_copies("optimizer", {r: s["state"] for r, s in saved.items()})
     names = [fqn for g in mine["param_groups"] for fqn in g["params"]]

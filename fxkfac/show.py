@@ -109,7 +109,11 @@ def _char(name: str, op: Op | None) -> str:
 
 
 def render_timeline(
-    timeline: Timeline, *, width: int = 80, title: str = "", window: tuple[float, float] | None = None,
+    timeline: Timeline,
+    *,
+    width: int = 80,
+    title: str = "",
+    window: tuple[float, float] | None = None,
     words: TaskWords = WORDS[PreconditionerKind.KFAC],
 ) -> RenderableType:
     """One row per rank across `window` (default: the whole run), scaled to `width` columns, and a legend that
@@ -157,19 +161,28 @@ def render_summary(title: str, rows: Iterable[tuple[str, str]]) -> Table:
     return table
 
 
-def chrome_trace(timeline: Timeline, path: str | Path | None = None,
-                 words: TaskWords = WORDS[PreconditionerKind.KFAC]) -> dict[str, Any]:
+def chrome_trace(
+    timeline: Timeline, path: str | Path | None = None, words: TaskWords = WORDS[PreconditionerKind.KFAC]
+) -> dict[str, Any]:
     """A Chrome/Perfetto trace (one track per rank, µs), the runtime's format; written to `path` if given. Each
     event's args name its task in the family's `words` ("task": "root inverse"); its name is the op."""
     labels = categories(words)
     events: list[dict[str, Any]] = [
-        {"name": str(iv.op), "cat": iv.op.kind.value, "ph": "X", "pid": 0, "tid": iv.rank,
-         "ts": iv.start * 1e6, "dur": (iv.end - iv.start) * 1e6,
-         "args": {"step": iv.step, "task": labels[category(iv.op)].label}}
+        {
+            "name": str(iv.op),
+            "cat": iv.op.kind.value,
+            "ph": "X",
+            "pid": 0,
+            "tid": iv.rank,
+            "ts": iv.start * 1e6,
+            "dur": (iv.end - iv.start) * 1e6,
+            "args": {"step": iv.step, "task": labels[category(iv.op)].label},
+        }
         for iv in timeline.intervals
     ]
-    events += [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}}
-               for r in timeline.ranks]
+    events += [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": r, "args": {"name": f"rank {r}"}} for r in timeline.ranks
+    ]
     trace = {"traceEvents": events, "displayTimeUnit": "ms"}
     if path is not None:
         Path(path).write_text(json.dumps(trace))
@@ -181,14 +194,23 @@ def timeline_from_trace(trace: Mapping[str, Any]) -> Timeline:
     try:
         events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
         intervals = tuple(
-            Interval(int(e["tid"]), int(e.get("args", {}).get("step", 0)), Op.parse(e["name"]),
-                     float(e["ts"]) / 1e6, (float(e["ts"]) + float(e["dur"])) / 1e6)
+            Interval(
+                int(e["tid"]),
+                int(e.get("args", {}).get("step", 0)),
+                Op.parse(e["name"]),
+                float(e["ts"]) / 1e6,
+                (float(e["ts"]) + float(e["dur"])) / 1e6,
+            )
             for e in events
         )
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise PlanFormatError(f"not a Chrome trace of fxkfac ops ({type(e).__name__}: {e})") from e
     start = min((iv.start for iv in intervals), default=0.0)
-    shifted = tuple(sorted((Interval(iv.rank, iv.step, iv.op, iv.start - start, iv.end - start)
-                            for iv in intervals), key=lambda iv: (iv.start, iv.rank)))
+    shifted = tuple(
+        sorted(
+            (Interval(iv.rank, iv.step, iv.op, iv.start - start, iv.end - start) for iv in intervals),
+            key=lambda iv: (iv.start, iv.rank),
+        )
+    )
     ranks = tuple(sorted({iv.rank for iv in shifted}))
     return Timeline(shifted, ranks, 1 + max((iv.step for iv in shifted), default=0))

@@ -38,8 +38,9 @@ def _factor_dtype(t: Tensor) -> torch.dtype:
     return torch.float32 if t.dtype in (torch.float16, torch.bfloat16) else t.dtype
 
 
-def _a_rows(x: Tensor, bias: bool, kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int],
-            dilation: Sequence[int]) -> Tensor:
+def _a_rows(
+    x: Tensor, bias: bool, kernel: Sequence[int], stride: Sequence[int], padding: Sequence[int], dilation: Sequence[int]
+) -> Tensor:
     """Rows of A's sum: tokens flattened, or conv im2col (``kernel`` non-empty); bias column of ones last."""
     if kernel:
         cols = F.unfold(x, tuple(kernel), dilation=tuple(dilation), padding=tuple(padding), stride=tuple(stride))
@@ -80,8 +81,9 @@ def _mirror_lower(block: Tensor) -> None:
 
 
 @torch.library.custom_op("fxkfac::tap_a", mutates_args=())
-def tap_a(x: Tensor, mode: str, bias: bool, kernel: list[int], stride: list[int], padding: list[int],
-          dilation: list[int]) -> Tensor:
+def tap_a(
+    x: Tensor, mode: str, bias: bool, kernel: list[int], stride: list[int], padding: list[int], dilation: list[int]
+) -> Tensor:
     """Capture of a layer input ``x``: ``A_m`` (fused) or a copy of ``x`` (deferred); see [Note: factor scaling].
 
     ``kernel`` empty means a Linear; otherwise the Conv2d geometry used for im2col.
@@ -92,8 +94,9 @@ def tap_a(x: Tensor, mode: str, bias: bool, kernel: list[int], stride: list[int]
 
 
 @tap_a.register_fake
-def _tap_a_fake(x: Tensor, mode: str, bias: bool, kernel: list[int], stride: list[int], padding: list[int],
-                dilation: list[int]) -> Tensor:
+def _tap_a_fake(
+    x: Tensor, mode: str, bias: bool, kernel: list[int], stride: list[int], padding: list[int], dilation: list[int]
+) -> Tensor:
     if mode == "deferred":
         return torch.empty_like(x)
     d = (x.shape[1] * kernel[0] * kernel[1] if kernel else x.shape[-1]) + int(bias)
@@ -130,8 +133,9 @@ def _tap_e_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
 def _tap_e_backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
     if ctx.mode == "deferred":
         return grad, grad.clone(), None, None
-    rows = grad.permute(0, 2, 3, 1).reshape(-1, grad.shape[1]) if ctx.channels_first else grad.reshape(
-        -1, grad.shape[-1])
+    rows = (
+        grad.permute(0, 2, 3, 1).reshape(-1, grad.shape[1]) if ctx.channels_first else grad.reshape(-1, grad.shape[-1])
+    )
     return grad, gram(rows.to(_factor_dtype(grad))), None, None
 
 
@@ -207,8 +211,9 @@ def insert_factor_capture(gm: fx.GraphModule, layers: Sequence[KFACLayer], modes
     out_node.args = (tuple(out_node.args[0]) + tuple(a_caps),)
     graph.lint()
     new_gm = fx.GraphModule(gm, graph)
-    return FactorTaps(new_gm, tuple(by_name[n.meta[LAYER].name] for n in targets), dict(modes), n_outputs,
-                      a_outputs, probes, shapes)
+    return FactorTaps(
+        new_gm, tuple(by_name[n.meta[LAYER].name] for n in targets), dict(modes), n_outputs, a_outputs, probes, shapes
+    )
 
 
 def _layer_nodes(graph: fx.Graph) -> list[fx.Node]:
@@ -227,8 +232,9 @@ def _conv_args(layer: KFACLayer) -> tuple[list[int], list[int], list[int], list[
 def _insert_tap_a(graph: fx.Graph, node: fx.Node, layer: KFACLayer, mode: str) -> fx.Node:
     """``tap_a(a, ...)`` right before the layer node; returns the tap node."""
     with graph.inserting_before(node):
-        tap = graph.call_function(torch.ops.fxkfac.tap_a.default,
-                                  (layer_input(node), mode, layer.bias is not None, *_conv_args(layer)))
+        tap = graph.call_function(
+            torch.ops.fxkfac.tap_a.default, (layer_input(node), mode, layer.bias is not None, *_conv_args(layer))
+        )
     _annotate(tap, node, layer, ("a", mode))
     return tap
 

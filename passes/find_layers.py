@@ -142,9 +142,15 @@ def _describe(node: fx.Node, weight: tuple[fx.Node, bool], gm: fx.GraphModule, b
         conv = None
         d_out, d_in = (w.shape[1], w.shape[0]) if transposed else (w.shape[0], w.shape[1])
     layer = KFACLayer(
-        name=name, kind="conv2d" if is_conv else "linear", weight=str(w_node.target), bias=bias,
-        d_in=int(d_in), d_out=int(d_out), tokens_per_sample=_tokens(node, batch, is_conv),
-        conv=conv, weight_transposed=transposed,
+        name=name,
+        kind="conv2d" if is_conv else "linear",
+        weight=str(w_node.target),
+        bias=bias,
+        d_in=int(d_in),
+        d_out=int(d_out),
+        tokens_per_sample=_tokens(node, batch, is_conv),
+        conv=conv,
+        weight_transposed=transposed,
     )
     return _Candidate(node, layer, None)
 
@@ -164,8 +170,12 @@ def _conv_spec(node: fx.Node, w: torch.Tensor) -> tuple[ConvSpec | None, str]:
     if groups != 1:
         return None, f"a grouped convolution (groups={groups}; only groups=1 is supported)"
     pair = lambda v: (int(v[0]), int(v[-1])) if isinstance(v, (list, tuple)) else (int(v), int(v))  # noqa: E731
-    return ConvSpec(kernel_size=(int(w.shape[2]), int(w.shape[3])), stride=pair(stride),
-                    padding=pair(padding), dilation=pair(dilation)), ""
+    return ConvSpec(
+        kernel_size=(int(w.shape[2]), int(w.shape[3])),
+        stride=pair(stride),
+        padding=pair(padding),
+        dilation=pair(dilation),
+    ), ""
 
 
 def _tokens(node: fx.Node, batch: int | None, is_conv: bool) -> int:
@@ -181,8 +191,9 @@ def _tokens(node: fx.Node, batch: int | None, is_conv: bool) -> int:
     return rows // batch if batch > 0 and rows % batch == 0 else 1
 
 
-def _skip_reason(layer: KFACLayer, gm: fx.GraphModule, uses: dict[str, int], patterns: list[re.Pattern[str]],
-                 head_vocab: int | None) -> str | None:
+def _skip_reason(
+    layer: KFACLayer, gm: fx.GraphModule, uses: dict[str, int], patterns: list[re.Pattern[str]], head_vocab: int | None
+) -> str | None:
     """Why a well-formed layer is left to the base optimizer, or None to keep it.
 
     ``head_vocab`` is the vocabulary size when the layer is an output layer subject to the vocab rule.
@@ -196,8 +207,10 @@ def _skip_reason(layer: KFACLayer, gm: fx.GraphModule, uses: dict[str, int], pat
     if w is not None and not w.requires_grad:
         return "weight is frozen (requires_grad=False)"
     if head_vocab is not None and layer.d_out == head_vocab:
-        return (f"an output layer whose width equals the vocabulary size {head_vocab} (an LM head; "
-                "set KFACConfig(skip_vocab_head=False) to keep it)")
+        return (
+            f"an output layer whose width equals the vocabulary size {head_vocab} (an LM head; "
+            "set KFACConfig(skip_vocab_head=False) to keep it)"
+        )
     return None
 
 

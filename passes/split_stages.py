@@ -110,16 +110,14 @@ def _is_skipped(node: fx.Node) -> bool:
 
 
 def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")
-            and not _is_skipped(n)]
+    return [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module") and not _is_skipped(n)]
 
 
 def _node_cost(node: fx.Node, mode: str, param_numel: Mapping[str, int]) -> float:
     """A static cost: FLOPs of matmul-like/conv ops (output numel x inner size), numel else,
     or the parameter count the node reads."""
     if mode == "params":
-        return float(sum(param_numel.get(str(a.target), 0) for a in node.all_input_nodes
-                         if a.op == "get_attr"))
+        return float(sum(param_numel.get(str(a.target), 0) for a in node.all_input_nodes if a.op == "get_attr"))
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         return 0.0
@@ -172,28 +170,31 @@ def _balance(costs: Sequence[float], parts: int) -> list[int]:
     return starts[::-1]
 
 
-def _stage_starts(segments: list[tuple[str, list[fx.Node]]], num_stages: int,
-                  split_points: Sequence[str] | None, costs: list[float]) -> list[int]:
+def _stage_starts(
+    segments: list[tuple[str, list[fx.Node]]], num_stages: int, split_points: Sequence[str] | None, costs: list[float]
+) -> list[int]:
     if split_points is None:
         if len(segments) < num_stages:
             raise ConfigError(
                 f"cannot cut {len(segments)} blocks ({[k for k, _ in segments]}) into {num_stages} stages; "
-                "use fewer stages or a model with more blocks")
+                "use fewer stages or a model with more blocks"
+            )
         return _balance(costs, num_stages)
     starts = [0]
     for point in split_points:
-        index = next((i for i, (_, nodes) in enumerate(segments)
-                      if any(point in _module_path(n) for n in nodes)), None)
+        index = next((i for i, (_, nodes) in enumerate(segments) if any(point in _module_path(n) for n in nodes)), None)
         if index is None or index <= starts[-1]:
             raise ConfigError(
                 f"split point {point!r} is not a block boundary after the previous one; "
-                f"blocks in order: {[k for k, _ in segments]}")
+                f"blocks in order: {[k for k, _ in segments]}"
+            )
         starts.append(index)
     return starts
 
 
-def _assign_stages(gm: fx.GraphModule, starts: list[int],
-                   segments: list[tuple[str, list[fx.Node]]]) -> dict[fx.Node, int]:
+def _assign_stages(
+    gm: fx.GraphModule, starts: list[int], segments: list[tuple[str, list[fx.Node]]]
+) -> dict[fx.Node, int]:
     stage_of: dict[fx.Node, int] = {}
     for index, (_, nodes) in enumerate(segments):
         stage = max(s for s, start in enumerate(starts) if start <= index)
@@ -209,8 +210,8 @@ def _spec(node: fx.Node) -> TensorSpec:
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
         raise AssertionError(
-            f"stage boundary value {node.format_node()} is not a tensor ({type(val).__name__}); "
-            "cut at another block")
+            f"stage boundary value {node.format_node()} is not a tensor ({type(val).__name__}); cut at another block"
+        )
     return TensorSpec(node.name, tuple(int(d) for d in val.shape), val.dtype)
 
 
@@ -227,8 +228,7 @@ def _boundaries(gm: fx.GraphModule, stage_of: Mapping[fx.Node, int], num_stages:
                 last_use[value] = max(last_use.get(value, -1), user_stage)
     result = []
     for s in range(num_stages - 1):
-        crossing = [v for v, use in last_use.items()
-                    if use > s and (v.op == "placeholder" or stage_of[v] <= s)]
+        crossing = [v for v, use in last_use.items() if use > s and (v.op == "placeholder" or stage_of[v] <= s)]
         result.append(sorted(crossing, key=order.__getitem__))
     return result
 
@@ -242,8 +242,14 @@ def _canonical_params(gm: fx.GraphModule) -> dict[str, str]:
     return aliases
 
 
-def _build_stage(gm: fx.GraphModule, s: int, nodes: list[fx.Node], inputs: list[fx.Node],
-                 outputs: list[fx.Node] | None, aliases: Mapping[str, str]) -> tuple[fx.GraphModule, set[str]]:
+def _build_stage(
+    gm: fx.GraphModule,
+    s: int,
+    nodes: list[fx.Node],
+    inputs: list[fx.Node],
+    outputs: list[fx.Node] | None,
+    aliases: Mapping[str, str],
+) -> tuple[fx.GraphModule, set[str]]:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     attrs: dict[str, fx.Node] = {}
@@ -314,22 +320,33 @@ def split_stages(
         stage_gm, used = _build_stage(gm, s, own, ins, outs, aliases)
         params = tuple(sorted(p for p in used if p in canonical))
         returned = outs if outs is not None else _model_outputs(gm)
-        stages.append(StageGraph(s, stage_gm, tuple(_spec(v) for v in ins), tuple(_spec(v) for v in returned), params,
-                                 _stage_layers(own, params, layers, aliases), _stage_blocks(segments, stage_of, s)))
+        stages.append(
+            StageGraph(
+                s,
+                stage_gm,
+                tuple(_spec(v) for v in ins),
+                tuple(_spec(v) for v in returned),
+                params,
+                _stage_layers(own, params, layers, aliases),
+                _stage_blocks(segments, stage_of, s),
+            )
+        )
     return SplitResult(stages, _shared_params(stages), {k: v for k, v in aliases.items() if k in param_numel})
 
 
 def _check_stage_count(num_stages: int, split_points: Sequence[str] | None) -> None:
     """ConfigError unless the split points (when given) make `num_stages` stages and there is at least one."""
     if split_points is not None and len(split_points) + 1 != num_stages:
-        raise ConfigError(f"{len(split_points)} split points make {len(split_points) + 1} stages, "
-                          f"not num_stages={num_stages}")
+        raise ConfigError(
+            f"{len(split_points)} split points make {len(split_points) + 1} stages, not num_stages={num_stages}"
+        )
     if num_stages < 1:
         raise ConfigError(f"num_stages must be >= 1, got {num_stages}")
 
 
-def _segment_costs(segments: Sequence[tuple[str, list[fx.Node]]], cost: str | Mapping[str, float],
-                   param_numel: Mapping[str, int]) -> list[float]:
+def _segment_costs(
+    segments: Sequence[tuple[str, list[fx.Node]]], cost: str | Mapping[str, float], param_numel: Mapping[str, int]
+) -> list[float]:
     """Each block's cost for balancing the stages: measured seconds by block key, or a static `_node_cost` sum."""
     if isinstance(cost, Mapping):
         return [float(cost.get(key, 0.0)) for key, _ in segments]
@@ -351,16 +368,18 @@ def _model_outputs(gm: fx.GraphModule) -> list[fx.Node]:
     return [a for a in fx.node.map_arg(flat, lambda x: x) if isinstance(a, fx.Node)]
 
 
-def _stage_layers(own: Sequence[fx.Node], params: Sequence[str], layers: Sequence[KFACLayer],
-                  aliases: Mapping[str, str]) -> tuple[str, ...]:
+def _stage_layers(
+    own: Sequence[fx.Node], params: Sequence[str], layers: Sequence[KFACLayer], aliases: Mapping[str, str]
+) -> tuple[str, ...]:
     """The K-FAC layers of a stage: those whose weight it holds, then those tapped in its nodes (each once)."""
     held = tuple(layer.name for layer in layers if aliases.get(layer.weight, layer.weight) in params)
     tapped = {n.meta[LAYER].name for n in own if LAYER in n.meta}
     return tuple(dict.fromkeys(held + tuple(sorted(tapped))))
 
 
-def _stage_blocks(segments: Sequence[tuple[str, list[fx.Node]]], stage_of: Mapping[fx.Node, int],
-                  s: int) -> tuple[str, ...]:
+def _stage_blocks(
+    segments: Sequence[tuple[str, list[fx.Node]]], stage_of: Mapping[fx.Node, int], s: int
+) -> tuple[str, ...]:
     """The block keys stage `s` covers, in order (each once)."""
     return tuple(dict.fromkeys(key for key, nodes in segments if stage_of[nodes[0]] == s))
 

@@ -182,7 +182,8 @@ def linear_kernels(
         v = _eval("linear", inverse, n=side)
         return roofline(hw, v["inv_flops"], v["inv_bytes"], fp32, hw.factorization_efficiency)
 
-    layer = LayerCost.kfac(lin.name,
+    layer = LayerCost.kfac(
+        lin.name,
         curv_a=roofline(hw, e["curv_a_flops"], e["curv_a_bytes"], fp32, eff),
         curv_b=roofline(hw, e["curv_b_flops"], e["curv_b_bytes"], fp32, eff),
         inv_a=inv(lin.d_in + int(lin.bias)),
@@ -318,8 +319,9 @@ def analytic_cost_table(
     _check_size("seq_len", seq)
 
     def kernels(block: BlockSpec) -> BlockCost:
-        return block_kernels(block, spec, batch=micro_batch_size, seq_len=seq, hw=hw, precision=precision,
-                             inverse=inverse)
+        return block_kernels(
+            block, spec, batch=micro_batch_size, seq_len=seq, hw=hw, precision=precision, inverse=inverse
+        )
 
     parts = [kernels(x) for x in spec.blocks]
     embed, head = kernels(spec.embed), kernels(spec.head)
@@ -343,8 +345,11 @@ def _check_size(name: str, value: object) -> None:
         raise CostModelError(f"{name} must be an int >= 1, got {value!r}")
 
 
-def _stage_cost(members: Sequence[BlockCost], owners: Sequence[BlockSpec],
-                units: Callable[[BlockSpec], tuple[LayerCost, ...]] | None) -> StageCost:
+def _stage_cost(
+    members: Sequence[BlockCost],
+    owners: Sequence[BlockSpec],
+    units: Callable[[BlockSpec], tuple[LayerCost, ...]] | None,
+) -> StageCost:
     """One stage's costs: the sums over its blocks' costs `members`; its layers are those blocks' K-FAC Linears, or
     `units` of each of its blocks `owners` when given."""
     return StageCost(
@@ -352,7 +357,8 @@ def _stage_cost(members: Sequence[BlockCost], owners: Sequence[BlockSpec],
         bwd=sum(x.bwd for x in members),
         param_bytes=4 * sum(x.params for x in members),
         act_bytes=sum(x.act_bytes for x in members),
-        layers=tuple(layer for x in members for layer in x.layers) if units is None else
-        tuple(layer for block in owners for layer in units(block)),
+        layers=tuple(layer for x in members for layer in x.layers)
+        if units is None
+        else tuple(layer for block in owners for layer in units(block)),
         peak_err_bytes=max(x.peak_err_bytes for x in members),
     )

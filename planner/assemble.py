@@ -43,8 +43,13 @@ def same_stretch(solutions: list[GroupSolution | None]) -> list[GroupSolution | 
     return out
 
 
-def assemble(problem: Problem, solutions: Sequence[GroupSolution], greedy: list[GroupSolution | None],
-             allowed: Allowance, wall: float) -> Plan:
+def assemble(
+    problem: Problem,
+    solutions: Sequence[GroupSolution],
+    greedy: list[GroupSolution | None],
+    allowed: Allowance,
+    wall: float,
+) -> Plan:
     """The plan of one solution per stage group, nothing fused, assembled as `solve` assembles its own (`greedy`:
     the paper's rule per group, for the metrics): the entry of a distribution choice made beside `solve`
     (planner/choose.py), whose solutions are of `problem`'s own windows."""
@@ -107,18 +112,36 @@ def assemble_attempt(problem: Problem, attempt: Attempt, fused: frozenset[str], 
                 layers[x.name] = LayerTiming(w.k, 0, sol.use_offset[x.name], "fused" if x.name in fused else "deferred")
     sols = [s for s in attempt.solutions if s is not None]
     statuses = {s.status for s in sols}
-    status = "GREEDY" if all(s.method == "greedy" for s in sols) else \
-        "OPTIMAL" if statuses == {"OPTIMAL"} else "FEASIBLE"
-    stats = SolverStats(status, wall, (sum(refresh), sum(t.use_offset for t in layers.values())),
-                        (sum(refresh) - sum(bound)) / max(1, sum(refresh)))
+    status = (
+        "GREEDY" if all(s.method == "greedy" for s in sols) else "OPTIMAL" if statuses == {"OPTIMAL"} else "FEASIBLE"
+    )
+    stats = SolverStats(
+        status,
+        wall,
+        (sum(refresh), sum(t.use_offset for t in layers.values())),
+        (sum(refresh) - sum(bound)) / max(1, sum(refresh)),
+    )
     metrics = PlanMetrics(
-        utilization_baseline=plain_utilization(problem), utilization=sum(per_device.values()) / len(per_device),
-        refresh_steps=tuple(refresh), step_time_baseline=plain_step_time(problem),
+        utilization_baseline=plain_utilization(problem),
+        utilization=sum(per_device.values()) / len(per_device),
+        refresh_steps=tuple(refresh),
+        step_time_baseline=plain_step_time(problem),
         step_time=max(s.window.seconds(s.window.length) / s.window.k for s in sols),
-        step_time_reference=step_timeline(problem).length, peak_memory=dict(sorted(peak.items())),
-        lower_bound_steps=tuple(bound), solver=stats, greedy_refresh_steps=tuple(greedy_k),
+        step_time_reference=step_timeline(problem).length,
+        peak_memory=dict(sorted(peak.items())),
+        lower_bound_steps=tuple(bound),
+        solver=stats,
+        greedy_refresh_steps=tuple(greedy_k),
         time_quantum=0.0 if all(s.window.exact for s in sols) else max(s.window.tick for s in sols),
-        stretch=max(s.window.seconds(s.window.stretch) for s in sols))
+        stretch=max(s.window.seconds(s.window.stretch) for s in sols),
+    )
     programs = dict(sorted(programs.items()))
-    return Plan(problem, programs, layers, tuple(placements), metrics, problem.fingerprint,
-                startup=startup_programs(programs, born_steps(placements)))
+    return Plan(
+        problem,
+        programs,
+        layers,
+        tuple(placements),
+        metrics,
+        problem.fingerprint,
+        startup=startup_programs(programs, born_steps(placements)),
+    )

@@ -95,12 +95,14 @@ def _aggregate(problem: Problem, group: StageGroup, config: SolverConfig, allowe
     unless such a task is longer than every bubble the allowance leaves (per-layer tasks may still fit)."""
     if config.aggregate is not None:
         return config.aggregate
-    per_layer = sum(len(copies_of_stage(problem, s)) * 2 * problem.N * len(problem.costs.stages[s].layers)
-                    for s in group.stages)
+    per_layer = sum(
+        len(copies_of_stage(problem, s)) * 2 * problem.N * len(problem.costs.stages[s].layers) for s in group.stages
+    )
     if per_layer <= config.aggregate_above:
         return False
-    window = allowed.window(group, 2, allowed.ticks(problem.max_period), aggregate=True,
-                            resolution=config.time_resolution)
+    window = allowed.window(
+        group, 2, allowed.ticks(problem.max_period), aggregate=True, resolution=config.time_resolution
+    )
     gaps = longest_gaps(window)
     return all(t.ticks <= gaps[t.devices[0]] for t in window.tasks if t.kind is TaskKind.CURV)
 
@@ -118,8 +120,9 @@ def _overhead_period(problem: Problem, fused: frozenset[str]) -> int:
     return max(1, math.ceil(extra / allowed - 1e-9))
 
 
-def _solve_groups(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
-                  min_k: int, clock: Clock) -> Attempt:
+def _solve_groups(
+    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, min_k: int, clock: Clock
+) -> Attempt:
     """Every stage group's solution at refresh periods >= min_k: greedy, then CP-SAT warm-started by it
     while the clock leaves CP-SAT time (greedy's alone after that, where it fits the budget)."""
     from fxkfac.planner.greedy import greedy_group
@@ -130,26 +133,57 @@ def _solve_groups(problem: Problem, fused: frozenset[str], config: SolverConfig,
     allowed = allowance(problem, fused, config)
     for n, group in enumerate(groups):
         aggregate = _aggregate(problem, group, config, allowed)
-        long = too_long(allowed.window(group, max(2, min_k), allowed.ticks(problem.max_period), aggregate=aggregate,
-                                       resolution=config.time_resolution))
+        long = too_long(
+            allowed.window(
+                group,
+                max(2, min_k),
+                allowed.ticks(problem.max_period),
+                aggregate=aggregate,
+                resolution=config.time_resolution,
+            )
+        )
         if long:
-            raise Refused(PlanError(
-                f"some {words_of(problem.costs).name} work cannot fit any bubble, whatever the refresh period"
-                + (f", even with the step stretched by max_overhead={problem.max_overhead:g}"
-                   if allowed.enabled else "")
-                + ": " + "; ".join(long[:5])
-                + ("" if config.stretch else ". Stretching the step is off (SolverConfig.stretch=False)")),
-                (Knob.MAX_OVERHEAD, Knob.MICROBATCHES) if config.stretch else (Knob.MICROBATCHES,), fused)
+            raise Refused(
+                PlanError(
+                    f"some {words_of(problem.costs).name} work cannot fit any bubble, whatever the refresh period"
+                    + (
+                        f", even with the step stretched by max_overhead={problem.max_overhead:g}"
+                        if allowed.enabled
+                        else ""
+                    )
+                    + ": "
+                    + "; ".join(long[:5])
+                    + ("" if config.stretch else ". Stretching the step is off (SolverConfig.stretch=False)")
+                ),
+                (Knob.MAX_OVERHEAD, Knob.MICROBATCHES) if config.stretch else (Knob.MICROBATCHES,),
+                fused,
+            )
         lower = refresh_lower_bound(problem, group, fused, stretch=allowed.enabled)
         if lower > problem.max_period:
-            raise Refused(PlanError(
-                f"the {words_of(problem.costs).name} work of stages {list(group.stages)} is more than the idle time "
-                f"of {problem.max_period} steps holds" + (f", even with the step stretched by max_overhead="
-                                                          f"{problem.max_overhead:g}" if allowed.enabled else "")),
-                (Knob.MAX_OVERHEAD, Knob.MICROBATCHES) if config.stretch else (Knob.MICROBATCHES,), fused)
+            raise Refused(
+                PlanError(
+                    f"the {words_of(problem.costs).name} work of stages {list(group.stages)} is more than the idle "
+                    f"time of {problem.max_period} steps holds"
+                    + (
+                        f", even with the step stretched by max_overhead={problem.max_overhead:g}"
+                        if allowed.enabled
+                        else ""
+                    )
+                ),
+                (Knob.MAX_OVERHEAD, Knob.MICROBATCHES) if config.stretch else (Knob.MICROBATCHES,),
+                fused,
+            )
         try:
-            g = greedy_group(problem, group, fused, aggregate=aggregate, resolution=config.time_resolution,
-                             min_k=min_k, allowance=allowed, meter=clock.meter)
+            g = greedy_group(
+                problem,
+                group,
+                fused,
+                aggregate=aggregate,
+                resolution=config.time_resolution,
+                min_k=min_k,
+                allowance=allowed,
+                meter=clock.meter,
+            )
         except PlanError:
             g = None
         greedy.append(g)
@@ -162,13 +196,24 @@ def _solve_groups(problem: Problem, fused: frozenset[str], config: SolverConfig,
         if problem.memory_budget is not None:
             left /= 2  # leave time for the rounds that fuse more curvature if this one finds no fit
         share = max(clock.meter.units(0.1), left / (len(groups) - n))
-        solutions.append(solve_group(problem, group, fused, config, share, clock.meter, g, aggregate=aggregate,
-                                     min_k=min_k, allowance=allowed))
+        solutions.append(
+            solve_group(
+                problem,
+                group,
+                fused,
+                config,
+                share,
+                clock.meter,
+                g,
+                aggregate=aggregate,
+                min_k=min_k,
+                allowance=allowed,
+            )
+        )
     return Attempt(same_stretch(solutions), greedy, allowed)
 
 
-def _next_fused(problem: Problem, attempt: Attempt, fused: frozenset[str], *,
-                by_excess: bool) -> frozenset[str] | None:
+def _next_fused(problem: Problem, attempt: Attempt, fused: frozenset[str], *, by_excess: bool) -> frozenset[str] | None:
     """Fuse more layers (largest kept bytes first) in every group that found no plan: one, or with
     `by_excess` as many as the greedy placement's bytes over the budget call for (a layer saves at most
     its a and e of every micro-batch, so this never fuses more than that placement needs); None if none
@@ -178,9 +223,11 @@ def _next_fused(problem: Problem, attempt: Attempt, fused: frozenset[str], *,
     for group, solution, first in zip(groups, attempt.solutions, attempt.greedy):
         if solution is not None:
             continue
-        candidates = sorted((x for s in group.stages for x in problem.costs.stages[s].layers
-                             if x.name not in fused and _captures(x)),
-                            key=lambda x: (x.capture_bytes, x.name), reverse=True)
+        candidates = sorted(
+            (x for s in group.stages for x in problem.costs.stages[s].layers if x.name not in fused and _captures(x)),
+            key=lambda x: (x.capture_bytes, x.name),
+            reverse=True,
+        )
         if not candidates:
             return None
         excess = _excess(problem, first) if by_excess and first is not None else 0
@@ -244,12 +291,22 @@ def _placed(problem: Problem, config: SolverConfig, method: Method, clock: Clock
         nxt = _next_fused(problem, attempt, fused, by_excess=greedy or clock.solver_time() <= 0)
         if nxt is None or (clock.out() and not greedy):
             bad = [g.stages for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
-            why = "even with all their curvature fused" if nxt is None else (
-                f"before the time limit ({config.time_limit_s:g} s + {OVERTIME / 2:g} s) ran out, "
-                f"{len(fused)} layers fused")
-            raise Refused(InfeasibleBudgetError(
-                f"no placement of stages {bad} within the memory budget {format_bytes(problem.memory_budget)} "
-                f"per device was found {why}"), (Knob.MEMORY_BUDGET, Knob.MAX_OVERHEAD), fused)
+            why = (
+                "even with all their curvature fused"
+                if nxt is None
+                else (
+                    f"before the time limit ({config.time_limit_s:g} s + {OVERTIME / 2:g} s) ran out, "
+                    f"{len(fused)} layers fused"
+                )
+            )
+            raise Refused(
+                InfeasibleBudgetError(
+                    f"no placement of stages {bad} within the memory budget {format_bytes(problem.memory_budget)} "
+                    f"per device was found {why}"
+                ),
+                (Knob.MEMORY_BUDGET, Knob.MAX_OVERHEAD),
+                fused,
+            )
         log.info("fusing curvature of %s to fit the memory budget", sorted(nxt - fused))
         fused = nxt
 
@@ -261,21 +318,30 @@ def _short_of_time(attempt: Attempt, fused: frozenset[str]) -> bool:
     return not fused and any(s is None and g is None for s, g in zip(attempt.solutions, attempt.greedy))
 
 
-def _unplaced(problem: Problem, attempt: Attempt, fused: frozenset[str], config: SolverConfig,
-              method: Method) -> Refused:
+def _unplaced(
+    problem: Problem, attempt: Attempt, fused: frozenset[str], config: SolverConfig, method: Method
+) -> Refused:
     """The refusal when some group has no placement for want of bubble time (no budget, or greedy placed it
     nowhere before any fusing)."""
     bad = [g.stages for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
     timed = f", or the time limit ({config.time_limit_s:g} s) was" if method is Method.CPSAT else ""
-    return Refused(PlanError(f"no placement of the {words_of(problem.costs).name} work of stages {bad} within "
-                              f"{problem.max_period} steps "
-                              f"({method.value}{_stretched(problem, config)}): the bubbles are too short{timed}"),
-                    (Knob.MAX_OVERHEAD, Knob.MICROBATCHES), fused)
+    return Refused(
+        PlanError(
+            f"no placement of the {words_of(problem.costs).name} work of stages {bad} within "
+            f"{problem.max_period} steps "
+            f"({method.value}{_stretched(problem, config)}): the bubbles are too short{timed}"
+        ),
+        (Knob.MAX_OVERHEAD, Knob.MICROBATCHES),
+        fused,
+    )
 
 
 def _stretched(problem: Problem, config: SolverConfig) -> str:
-    return f", the step stretched by up to max_overhead={problem.max_overhead:g}" \
-        if config.stretch and problem.max_overhead > 0 else ""
+    return (
+        f", the step stretched by up to max_overhead={problem.max_overhead:g}"
+        if config.stretch and problem.max_overhead > 0
+        else ""
+    )
 
 
 def _check_budget(problem: Problem) -> None:
@@ -283,12 +349,16 @@ def _check_budget(problem: Problem) -> None:
         return
     need = min_memory_bytes(problem)
     if problem.memory_budget < need:
-        raise Refused(InfeasibleBudgetError(
-            f"memory budget {problem.memory_budget} bytes ({format_bytes(problem.memory_budget)}) per device is below "
-            f"the least any plan needs: {need} bytes ({format_bytes(need)}) = parameters and gradients, factors and "
-            "inverses, the optimizer state of the preconditioned layers, and the activation peak with all curvature "
-            "fused (which max_overhead must pay for)",
-            need), (Knob.MEMORY_BUDGET,))
+        raise Refused(
+            InfeasibleBudgetError(
+                f"memory budget {problem.memory_budget} bytes ({format_bytes(problem.memory_budget)}) per device is "
+                f"below the least any plan needs: {need} bytes ({format_bytes(need)}) = parameters and gradients, "
+                "factors and inverses, the optimizer state of the preconditioned layers, and the activation peak with "
+                "all curvature fused (which max_overhead must pay for)",
+                need,
+            ),
+            (Knob.MEMORY_BUDGET,),
+        )
 
 
 def _fusing_refused(problem: Problem, fused: frozenset[str]) -> InfeasibleBudgetError:
@@ -298,4 +368,5 @@ def _fusing_refused(problem: Problem, fused: frozenset[str]) -> InfeasibleBudget
     return InfeasibleBudgetError(
         f"the memory budget {format_bytes(problem.memory_budget or 0)} per device does not fit the a and e kept "
         f"for deferred curvature; fusing the curvature of {len(names)} layers ({shown}) adds {extra:.4g} s to each "
-        f"refresh step, more than max_overhead={problem.max_overhead:g} allows within {problem.max_period} steps")
+        f"refresh step, more than max_overhead={problem.max_overhead:g} allows within {problem.max_period} steps"
+    )

@@ -53,8 +53,10 @@ def _quick_refusal(problem: Problem) -> str | None:
     longest step max_overhead allows (no task spans a step boundary), or a budget below the least memory any
     plan needs. None when only solving can tell."""
     longest = (1 + problem.max_overhead) * step_timeline(problem).length
-    task = max(((p.decomp, f"{x.name} {p.part}") for s in problem.costs.stages for x in s.layers for p in x.parts),
-               default=(0.0, ""))
+    task = max(
+        ((p.decomp, f"{x.name} {p.part}") for s in problem.costs.stages for x in s.layers for p in x.parts),
+        default=(0.0, ""),
+    )
     if task[0] > longest:
         return f"decomposing {task[1]} takes {task[0]:.3g} s, longer than a step ({longest:.3g} s)"
     budget = problem.memory_budget
@@ -69,8 +71,12 @@ def _least_overhead(error: PlanError) -> float | None:
     return float(min(values)) if values else None
 
 
-def choose_block_size(problem_for: Callable[[int | None], Problem], candidates: Sequence[int | None],
-                      config: SolverConfig = SolverConfig(), method: Method | str = Method.CPSAT) -> BlockChoice:
+def choose_block_size(
+    problem_for: Callable[[int | None], Problem],
+    candidates: Sequence[int | None],
+    config: SolverConfig = SolverConfig(),
+    method: Method | str = Method.CPSAT,
+) -> BlockChoice:
     """The LARGEST block side whose plan fits: `problem_for(side)` is the planning problem with that side's
     costs (its max_overhead and max_period, the refresh frequency, are what "fits" means: 0 is the bubbles
     alone, no step-time overhead beyond the plain pipeline's with preconditioning). Candidates are tried in
@@ -93,18 +99,25 @@ def choose_block_size(problem_for: Callable[[int | None], Problem], candidates: 
                 if found is not None:
                     overheads[side] = found
             else:
-                reason = (f"block side {block_label(side)}: the largest of {[block_label(c) for c in candidates]} "
-                          f"whose plan fits (max_overhead {problem.max_overhead:.3g}, refresh within "
-                          f"{problem.max_period} steps)")
+                reason = (
+                    f"block side {block_label(side)}: the largest of {[block_label(c) for c in candidates]} "
+                    f"whose plan fits (max_overhead {problem.max_overhead:.3g}, refresh within "
+                    f"{problem.max_period} steps)"
+                )
                 log.info("max_preconditioner_dim=auto chose %s", reason)
                 return BlockChoice(side, plan, reason, (*tried, (block_label(side), "plans")))
         tried.append((block_label(side), refusal))
     return _least_overhead_choice(problem_for, candidates, config, method, overheads, tried)
 
 
-def _least_overhead_choice(problem_for: Callable[[int | None], Problem], candidates: Sequence[int | None],
-                           config: SolverConfig, method: Method | str, overheads: dict[int | None, float],
-                           tried: list[tuple[str, str]]) -> BlockChoice:
+def _least_overhead_choice(
+    problem_for: Callable[[int | None], Problem],
+    candidates: Sequence[int | None],
+    config: SolverConfig,
+    method: Method | str,
+    overheads: dict[int | None, float],
+    tried: list[tuple[str, str]],
+) -> BlockChoice:
     """No side fits: the one whose refusal names the least max_overhead, planned at that overhead."""
     share = replace(config, time_limit_s=max(1.0, config.time_limit_s / len(candidates)))
     for side in candidates:
@@ -121,7 +134,9 @@ def _least_overhead_choice(problem_for: Callable[[int | None], Problem], candida
     side = min(overheads, key=lambda c: (overheads[c], candidates.index(c)))  # a tie: the larger side
     problem = problem_for(side)
     plan = solve(replace(problem, max_overhead=overheads[side]), config, method)
-    reason = (f"block side {block_label(side)}: no side fits with max_overhead {problem.max_overhead:.3g}; it needs "
-              f"the least, {overheads[side]:.3g} (refresh within {problem.max_period} steps)")
+    reason = (
+        f"block side {block_label(side)}: no side fits with max_overhead {problem.max_overhead:.3g}; it needs "
+        f"the least, {overheads[side]:.3g} (refresh within {problem.max_period} steps)"
+    )
     log.info("max_preconditioner_dim=auto chose %s", reason)
     return BlockChoice(side, plan, reason, tuple(tried))

@@ -121,8 +121,9 @@ def block_shapes(shape: Sequence[int], max_dim: int) -> list[tuple[int, ...]]:
     return [tuple(end - start for start, end in ranges) for ranges in block_ranges(shape, max_dim)]
 
 
-def partition(shape: Sequence[int], max_dim: int, method: LargeDimMethod,
-              merge: bool = True) -> tuple[tuple[int, ...], list[Block]]:
+def partition(
+    shape: Sequence[int], max_dim: int, method: LargeDimMethod, merge: bool = True
+) -> tuple[tuple[int, ...], list[Block]]:
     """The view of a parameter of `shape` and its blocks under `method` (see the module doc)."""
     view = matrix_view(shape, max_dim, merge)
     large = any(d > max_dim for d in view)
@@ -137,8 +138,9 @@ def partition(shape: Sequence[int], max_dim: int, method: LargeDimMethod,
     raise ValueError(f"unknown large_dim_method {method!r}; use one of {[m.value for m in LargeDimMethod]}")
 
 
-def factor_sides(shape: Sequence[int], max_dim: int, method: LargeDimMethod,
-                 merge: bool = True) -> list[tuple[int, int]]:
+def factor_sides(
+    shape: Sequence[int], max_dim: int, method: LargeDimMethod, merge: bool = True
+) -> list[tuple[int, int]]:
     """(m, n) per block of a parameter of `shape`: the sides of its dense L and R factors (what eigh and the
     preconditioning matmuls cost), 0 where a side has none (`Block.sides`). Block sizes: `partition`."""
     return [block.sides for block in partition(shape, max_dim, method, merge)[1]]

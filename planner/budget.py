@@ -90,8 +90,11 @@ class Meter:
         """Log, once per solve, that the wall-clock safety net ended a deterministic search early."""
         if self.deterministic and not self.capped:
             self.capped = True
-            log.warning("planning hit its wall-clock safety cap (%s) before its deterministic budget: this "
-                        "plan may differ from another run's; a longer time_limit_s raises the cap", what)
+            log.warning(
+                "planning hit its wall-clock safety cap (%s) before its deterministic budget: this "
+                "plan may differ from another run's; a longer time_limit_s raises the cap",
+                what,
+            )
 
 
 def meter(deterministic: bool, time_limit_s: float, overtime: float) -> Meter:

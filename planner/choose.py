@@ -61,8 +61,18 @@ from fxkfac.planner.strategy import COMM_OPT, LayerDistribution, Strategy, Strat
 from fxkfac.planner.stretch import Allowance, allowance
 from fxkfac.planner.window_build import grid_scale
 
-__all__ = ["STEP_TIE", "rank", "best", "candidate_strategies", "candidate_problems", "mixed", "solve_with_strategy",
-           "solve_joint", "solve_outer", "strategy_of"]
+__all__ = [
+    "STEP_TIE",
+    "rank",
+    "best",
+    "candidate_strategies",
+    "candidate_problems",
+    "mixed",
+    "solve_with_strategy",
+    "solve_joint",
+    "solve_outer",
+    "strategy_of",
+]
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +94,9 @@ def _most_copies(problem: Problem) -> int:
 def mixed(problem: Problem) -> Problem | None:
     """MEM-OPT on the layers holding the larger half of the statistics bytes (largest first), COMM-OPT on the
     others; None when that is one strategy on every layer."""
-    layers = sorted((x for stage in problem.costs.stages for x in stage.layers),
-                    key=lambda x: (-x.factor_bytes, x.name))
+    layers = sorted(
+        (x for stage in problem.costs.stages for x in stage.layers), key=lambda x: (-x.factor_bytes, x.name)
+    )
     total, big, held = sum(x.factor_bytes for x in layers), [], 0
     for x in layers:
         if 2 * held >= total:
@@ -105,8 +116,13 @@ def candidate_problems(problem: Problem) -> list[Problem]:
     return out + ([mix] if mix is not None else [])
 
 
-def solve_with_strategy(problem: Problem, strategy: Strategy | None, config: SolverConfig = SolverConfig(),
-                        method: Method | str = Method.CPSAT, box: TimeBox | None = None) -> Plan:
+def solve_with_strategy(
+    problem: Problem,
+    strategy: Strategy | None,
+    config: SolverConfig = SolverConfig(),
+    method: Method | str = Method.CPSAT,
+    box: TimeBox | None = None,
+) -> Plan:
     """`solve` with every layer under `strategy`, or, when it is None, with each layer's distribution chosen by
     CP-SAT with the placement (`solve_joint`) where that applies, else by the outer search (`solve_outer`; see
     [Note: strategy search]), all within one time limit (`box`, or a new one)."""
@@ -126,8 +142,12 @@ def _joint_applies(problem: Problem, method: Method | str) -> bool:
     return Method(method) is Method.CPSAT and problem.barrier is StepBarrier.WORLD and _most_copies(problem) > 1
 
 
-def solve_outer(problem: Problem, config: SolverConfig = SolverConfig(), method: Method | str = Method.CPSAT,
-                box: TimeBox | None = None) -> Plan:
+def solve_outer(
+    problem: Problem,
+    config: SolverConfig = SolverConfig(),
+    method: Method | str = Method.CPSAT,
+    box: TimeBox | None = None,
+) -> Plan:
     """The best of `candidate_problems`, each planned in full by `solve` with an equal share of the solver time
     left in `box` (a new one: config's; with the greedy method, which is not timed, every candidate is planned).
     When none plans, the first's refusal names what would."""
@@ -199,12 +219,20 @@ def _timeline_sets(problem: Problem) -> list[dict[str, LayerDistribution]]:
     if not moving:
         return [{}]
     names = [x.name for s in sorted(moving) for x in problem.costs.stages[s].layers]
-    return [{n: forced.where(n) for n in names} for forced in (problem.with_strategy(s)
-                                                                for s in candidate_strategies(problem))]
+    return [
+        {n: forced.where(n) for n in names}
+        for forced in (problem.with_strategy(s) for s in candidate_strategies(problem))
+    ]
 
 
-def _joint_plan(problem: Problem, fixed: Mapping[str, LayerDistribution], config: SolverConfig, box: TimeBox,
-                limit: float, began: float) -> Plan | None:
+def _joint_plan(
+    problem: Problem,
+    fixed: Mapping[str, LayerDistribution],
+    config: SolverConfig,
+    box: TimeBox,
+    limit: float,
+    began: float,
+) -> Plan | None:
     """One joint solve with the timeline stages' layers at `fixed`, within `limit` of the box's clock."""
     meter = box.meter
     start = meter.now()
@@ -223,11 +251,21 @@ def _joint_plan(problem: Problem, fixed: Mapping[str, LayerDistribution], config
     for n, group in enumerate(groups):
         left = limit - (meter.now() - start)
         names = [x.name for s in group.stages if s in free for x in anchor.costs.stages[s].layers]
-        candidates = [anchor.with_distributions({**dict(anchor.distributions), **{m: f.where(m) for m in names}})
-                      for f in forced]
-        placement = solve_joint_group(anchor, group, free, candidates, scale, allowed.ticks, config,
-                                      max(0.0, left) / (len(groups) - n), meter,
-                                      aggregate=aggregates(anchor, group, config, allowed))
+        candidates = [
+            anchor.with_distributions({**dict(anchor.distributions), **{m: f.where(m) for m in names}}) for f in forced
+        ]
+        placement = solve_joint_group(
+            anchor,
+            group,
+            free,
+            candidates,
+            scale,
+            allowed.ticks,
+            config,
+            max(0.0, left) / (len(groups) - n),
+            meter,
+            aggregate=aggregates(anchor, group, config, allowed),
+        )
         if placement is None:
             log.info("joint choice: stages %s not placed", list(group.stages))
             return None if anchor.memory_budget is None else _fused(problem, anchor, config, box)
@@ -237,11 +275,18 @@ def _joint_plan(problem: Problem, fixed: Mapping[str, LayerDistribution], config
     chosen = anchor.with_distributions({n: d for p in placements for n, d in p.choices.items()})
     solutions = [transfer(p, chosen) for p in placements]
     if not all(solutions):
-        log.info("joint choice (%s): its placement does not fit that choice's own windows; planning the choice "
-                 "itself", _words(chosen))
+        log.info(
+            "joint choice (%s): its placement does not fit that choice's own windows; planning the choice itself",
+            _words(chosen),
+        )
         return _planned(chosen, config, box)
-    return assemble(chosen, [s for s in solutions if s is not None], _greedy(chosen, config, box),
-                    Allowance(chosen, frozenset(), allowed.scale), time.perf_counter() - began)
+    return assemble(
+        chosen,
+        [s for s in solutions if s is not None],
+        _greedy(chosen, config, box),
+        Allowance(chosen, frozenset(), allowed.scale),
+        time.perf_counter() - began,
+    )
 
 
 def _fused(problem: Problem, anchor: Problem, config: SolverConfig, box: TimeBox) -> Plan | None:
@@ -251,8 +296,9 @@ def _fused(problem: Problem, anchor: Problem, config: SolverConfig, box: TimeBox
     the anchor left CP-SAT too little of the box); None when neither plans."""
     first = _planned(anchor, config, box)
     mem = problem.with_strategy(Strategy(StrategyKind.MEM_OPT))
-    plans = [p for p in (first, _planned(mem, config, box) or _planned(mem, config, box, Method.GREEDY))
-             if p is not None]
+    plans = [
+        p for p in (first, _planned(mem, config, box) or _planned(mem, config, box, Method.GREEDY)) if p is not None
+    ]
     return best(plans) if plans else None
 
 
@@ -271,8 +317,16 @@ def _greedy(problem: Problem, config: SolverConfig, box: TimeBox) -> list[GroupS
     out: list[GroupSolution | None] = []
     for group in stage_groups(problem):
         try:
-            out.append(greedy_group(problem, group, aggregate=aggregates(problem, group, config, allowed),
-                                    resolution=config.time_resolution, allowance=allowed, meter=box.meter))
+            out.append(
+                greedy_group(
+                    problem,
+                    group,
+                    aggregate=aggregates(problem, group, config, allowed),
+                    resolution=config.time_resolution,
+                    allowance=allowed,
+                    meter=box.meter,
+                )
+            )
         except PlanError:
             out.append(None)
     return out

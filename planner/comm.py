@@ -32,8 +32,19 @@ from typing import Any
 
 from fxkfac.planner.errors import CostModelError
 
-__all__ = ["Collective", "AlphaBeta", "LinkCosts", "CommModel", "latency_steps", "wire_bytes", "seconds", "ZERO",
-           "Sample", "fit_alpha_beta", "describe"]
+__all__ = [
+    "Collective",
+    "AlphaBeta",
+    "LinkCosts",
+    "CommModel",
+    "latency_steps",
+    "wire_bytes",
+    "seconds",
+    "ZERO",
+    "Sample",
+    "fit_alpha_beta",
+    "describe",
+]
 
 
 class Collective(StrEnum):
@@ -171,8 +182,10 @@ class CommModel:
     def from_dict(cls, data: Any) -> CommModel:
         """Inverse of `to_dict`; CostModelError naming what is malformed."""
         try:
-            links = {name: LinkCosts(**{f.name: AlphaBeta(**data[name][f.name]) for f in fields(LinkCosts)})
-                     for name in ("intra", "inter")}
+            links = {
+                name: LinkCosts(**{f.name: AlphaBeta(**data[name][f.name]) for f in fields(LinkCosts)})
+                for name in ("intra", "inter")
+            }
             return cls(links["intra"], links["inter"], data["devices_per_node"], data["source"])
         except KeyError as e:
             raise CostModelError(f"the communication model is missing the key {e.args[0]!r}") from e
@@ -209,8 +222,9 @@ def fit_alpha_beta(kind: Collective, samples: Sequence[Sample]) -> AlphaBeta:
     """
     raw = [(latency_steps(kind, p), wire_bytes(kind, n, p), t) for p, n, t in samples]
     if len({(x, y) for x, y, _ in raw}) < 2:
-        raise CostModelError(f"fitting {kind} needs samples at two or more message sizes or group sizes, "
-                             f"got {list(samples)}")
+        raise CostModelError(
+            f"fitting {kind} needs samples at two or more message sizes or group sizes, got {list(samples)}"
+        )
     for _, _, t in raw:
         _check_nonnegative(f"a {kind} sample", "seconds", t)
     unit = max(y for _, y, _ in raw) or 1.0  # bytes in units of the largest message: a well-conditioned system
@@ -245,7 +259,6 @@ def _unconstrained(rows: Sequence[tuple[float, float, float]]) -> tuple[float, f
     if abs(det) <= 1e-12 * max(sxx * syy, 1e-300):
         return None
     return (syy * sxt - sxy * syt) / det, (sxx * syt - sxy * sxt) / det
-
 
 
 def describe(model: CommModel | None) -> list[str]:

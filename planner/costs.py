@@ -121,8 +121,9 @@ class PartCost:
             raise CostModelError(f"PartCost.part must be one capital letter, got {self.part!r}")
         if self.after not in (OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD):
             raise CostModelError(f"PartCost.after must be FWD, BWD or ALLREDUCE_GRAD, got {self.after!r}")
-        _check_fields(self, f"part {self.part!r}", frozenset({"capture_bytes", "state_bytes"}),
-                      frozenset({"part", "after"}))
+        _check_fields(
+            self, f"part {self.part!r}", frozenset({"capture_bytes", "state_bytes"}), frozenset({"part", "after"})
+        )
         _check_spreads(self, f"part {self.part!r}")
 
 
@@ -154,15 +155,33 @@ class LayerCost:
         _check_spreads(self, f"layer {self.name!r}")
 
     @classmethod
-    def kfac(cls, name: str, curv_a: float, curv_b: float, inv_a: float, inv_b: float, prec: float,
-             a_bytes: int, e_bytes: int, factor_a_bytes: int, factor_b_bytes: int, grad_bytes: int = 0) -> LayerCost:
+    def kfac(
+        cls,
+        name: str,
+        curv_a: float,
+        curv_b: float,
+        inv_a: float,
+        inv_b: float,
+        prec: float,
+        a_bytes: int,
+        e_bytes: int,
+        factor_a_bytes: int,
+        factor_b_bytes: int,
+        grad_bytes: int = 0,
+    ) -> LayerCost:
         """A K-FAC layer: A_m / B_m from one micro-batch in curv_a / curv_b seconds, each factor inverted in
         inv_a / inv_b, B^-1 G A^-1 in prec; a deferred capture keeps a_bytes / e_bytes (the rows of a and of e)
         per micro-batch; each factor takes factor_a_bytes / factor_b_bytes; the weight and bias gradients
         grad_bytes."""
-        return cls(name, (PartCost("A", OpKind.FWD, curv_a, inv_a, a_bytes, factor_a_bytes),
-                          PartCost("B", OpKind.BWD, curv_b, inv_b, e_bytes, factor_b_bytes)), prec,
-                   grad_bytes=grad_bytes)
+        return cls(
+            name,
+            (
+                PartCost("A", OpKind.FWD, curv_a, inv_a, a_bytes, factor_a_bytes),
+                PartCost("B", OpKind.BWD, curv_b, inv_b, e_bytes, factor_b_bytes),
+            ),
+            prec,
+            grad_bytes=grad_bytes,
+        )
 
     def part(self, name: str) -> PartCost:
         """The cost of part `name`; CostModelError when the layer has none such."""
@@ -311,9 +330,13 @@ class CostTable:
         elif op.kind in (OpKind.SYNC_STATS, OpKind.BCAST):
             sync = op.kind is OpKind.SYNC_STATS
             kind = Collective.ALL_REDUCE if sync else Collective.BROADCAST
-            messages = [(kind, p.state_bytes + (COUNT_BYTES if sync else 0))
-                        for x in stage.layers if op.layer in (None, x.name)
-                        for p in x.parts if op.part in (None, p.part)]
+            messages = [
+                (kind, p.state_bytes + (COUNT_BYTES if sync else 0))
+                for x in stage.layers
+                if op.layer in (None, x.name)
+                for p in x.parts
+                if op.part in (None, p.part)
+            ]
         elif op.kind is OpKind.BCAST_PREC:
             messages = [(Collective.BROADCAST, x.gradient_bytes) for x in stage.layers if x.name == op.layer]
         else:
@@ -384,8 +407,9 @@ class CostTable:
         (shared memory bandwidth), and a bubble planned full spills the excess onto the critical path.
         """
         _check_number("scale_kfac_times", "factor", factor, integer=False)
-        stages = tuple(replace(s, layers=tuple(_scale_layer(x, factor, factor, 1.0) for x in s.layers))
-                       for s in self.stages)
+        stages = tuple(
+            replace(s, layers=tuple(_scale_layer(x, factor, factor, 1.0) for x in s.layers)) for s in self.stages
+        )
         return replace(self, stages=stages)
 
     def with_micro_batch_size(self, micro_batch_size: int) -> CostTable:
@@ -413,8 +437,9 @@ def _with_spreads(data: dict[str, Any]) -> dict[str, Any]:
     for key, value in data.items():
         if key.endswith(_SPREAD) and value is not None:
             if not isinstance(value, dict):
-                raise CostModelError(f"{key} must be an object {{'low': seconds, 'high': seconds}} or null, "
-                                     f"got {value!r}")
+                raise CostModelError(
+                    f"{key} must be an object {{'low': seconds, 'high': seconds}} or null, got {value!r}"
+                )
             out[key] = Spread(**value)
     return out
 
@@ -435,10 +460,17 @@ def _stage_from_dict(data: dict[str, Any]) -> StageCost:
 def _scale_layer(x: LayerCost, per_mb: float, fixed: float, mem: float) -> LayerCost:
     """Statistics times by per_mb, decompositions and preconditioning by fixed, captured bytes by mem (and the
     times' spreads as their times)."""
-    parts = tuple(replace(p, stats=p.stats * per_mb, decomp=p.decomp * fixed,
-                          capture_bytes=round(p.capture_bytes * mem),
-                          stats_spread=_scaled(p.stats_spread, per_mb),
-                          decomp_spread=_scaled(p.decomp_spread, fixed)) for p in x.parts)
+    parts = tuple(
+        replace(
+            p,
+            stats=p.stats * per_mb,
+            decomp=p.decomp * fixed,
+            capture_bytes=round(p.capture_bytes * mem),
+            stats_spread=_scaled(p.stats_spread, per_mb),
+            decomp_spread=_scaled(p.decomp_spread, fixed),
+        )
+        for p in x.parts
+    )
     return replace(x, parts=parts, prec=x.prec * fixed, prec_spread=_scaled(x.prec_spread, fixed))
 
 

@@ -53,8 +53,9 @@ class Vars:
     intervals_of_device: dict[int, list[cp_model.IntervalVar]] = field(default_factory=dict)
 
 
-def modular(v: Vars, name: str, lo: int, hi: int, ticks: int, length: int,
-             wraps: bool = False) -> tuple[cp_model.IntVar, ...]:
+def modular(
+    v: Vars, name: str, lo: int, hi: int, ticks: int, length: int, wraps: bool = False
+) -> tuple[cp_model.IntVar, ...]:
     """An absolute start in [lo, hi] that lies, with its length, inside one window, or with `wraps` may run past its
     end into the next: (start, pos, late)."""
     m = v.model
@@ -74,8 +75,11 @@ def add_tasks(v: Vars, w: Window) -> None:
     L = w.length
     wraps = w.k == 1 and w.leads[0] > 0
     for task in w.tasks:
-        lo = max(w.earliest(task, d) for d in task.devices) if task.kind is not TaskKind.INV else \
-            min(w.earliest(task, d) for d in task.devices)
+        lo = (
+            max(w.earliest(task, d) for d in task.devices)
+            if task.kind is not TaskKind.INV
+            else min(w.earliest(task, d) for d in task.devices)
+        )
         start, pos, late = modular(v, task.name, lo, w.horizon - task.ticks, task.ticks, L, wraps)
         laid = (pos, pos - L) if wraps else (pos,)
         v.start.append(start)
@@ -85,9 +89,10 @@ def add_tasks(v: Vars, w: Window) -> None:
         if task.kind is TaskKind.INV:
             for d in task.devices:
                 present[d] = v.model.new_bool_var(f"on_r{d}_{task.name}")
-                v.intervals_of_device[d] += [v.model.new_optional_fixed_size_interval_var(at, task.ticks, present[d],
-                                                                                          f"{task.name}_r{d}")
-                                             for at in laid]
+                v.intervals_of_device[d] += [
+                    v.model.new_optional_fixed_size_interval_var(at, task.ticks, present[d], f"{task.name}_r{d}")
+                    for at in laid
+                ]
                 v.model.add(start >= w.earliest(task, d)).only_enforce_if(present[d])
             v.model.add_exactly_one(present.values())
         else:
@@ -214,8 +219,7 @@ def _add_staleness(v: Vars, w: Window) -> list[cp_model.LiteralT]:
     return not_ready_flags(v, w, ends)
 
 
-def not_ready_flags(v: Vars, w: Window, ends: Mapping[str, Sequence[cp_model.LinearExprT]]) -> \
-        list[cp_model.LiteralT]:
+def not_ready_flags(v: Vars, w: Window, ends: Mapping[str, Sequence[cp_model.LinearExprT]]) -> list[cp_model.LiteralT]:
     """Per layer and window step j (of 2k), a flag 'every one of `ends` is done by the layer's slot in step j',
     monotone in j; returns the negated flags, whose sum is the window's use offsets (the staleness objective)."""
     m, k, L = v.model, w.k, w.length
@@ -239,8 +243,11 @@ def break_layer_symmetry(v: Vars, w: Window) -> None:
     their tasks maps a placement to an equally good one, so the decompositions of their first part start in layer
     order."""
     first = {x.name: x.parts[0].part for s in w.group.stages for x in w.problem.costs.stages[s].layers}
-    inv_a = {task.factors[0][0]: i for i, task in enumerate(w.tasks)
-             if task.kind is TaskKind.INV and task.side == first[task.factors[0][0]]}
+    inv_a = {
+        task.factors[0][0]: i
+        for i, task in enumerate(w.tasks)
+        if task.kind is TaskKind.INV and task.side == first[task.factors[0][0]]
+    }
     for s in w.group.stages:
         layers = w.problem.costs.stages[s].layers
         for a, b in zip(layers, layers[1:]):
@@ -291,8 +298,15 @@ def _hint(v: Vars, w: Window, hint: GroupSolution) -> None:
         v.model.add_hint(v.prec[n], start)
 
 
-def solve_window(w: Window, config: SolverConfig, time_limit: float, meter: Meter,
-                 hint: GroupSolution | None = None, *, optimize: bool = True) -> tuple[str, GroupSolution | None]:
+def solve_window(
+    w: Window,
+    config: SolverConfig,
+    time_limit: float,
+    meter: Meter,
+    hint: GroupSolution | None = None,
+    *,
+    optimize: bool = True,
+) -> tuple[str, GroupSolution | None]:
     """Solve one window (optimize: least staleness, else any feasible placement) within `time_limit` of
     `meter`'s clock, charged to it: (status, solution)."""
     if any(t.ticks > w.length for t in w.tasks) or any(p.deadline - p.release < p.ticks for p in w.precs):
@@ -314,8 +328,11 @@ def solve_window(w: Window, config: SolverConfig, time_limit: float, meter: Mete
     name = solver.status_name(status)
     if reporter is not None:
         reporter.finish(solver, name)
-    if meter.deterministic and status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE) \
-            and solver.deterministic_time < limit * CAP_SLACK:
+    if (
+        meter.deterministic
+        and status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
+        and solver.deterministic_time < limit * CAP_SLACK
+    ):
         meter.note_capped(f"stages {list(w.group.stages)} k={w.k}")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return name, None
@@ -326,8 +343,9 @@ def solve_window(w: Window, config: SolverConfig, time_limit: float, meter: Mete
         devices.append(chosen[0] if chosen else task.devices[0])
     _root_broadcasts(w, devices)
     precs = tuple(solver.value(x) for x in v.prec)
-    solution = GroupSolution(w, starts, tuple(devices), precs, use_offsets(w, starts, precs), "cpsat", name, 1,
-                             solver.wall_time)
+    solution = GroupSolution(
+        w, starts, tuple(devices), precs, use_offsets(w, starts, precs), "cpsat", name, 1, solver.wall_time
+    )
     return name, solution
 
 
@@ -354,8 +372,9 @@ class _Reporter(cp_model.CpSolverSolutionCallback):
     def finish(self, solver: cp_model.CpSolver, status: str) -> None:
         """The call's end: its status, and with a placement found its staleness and bound."""
         found = self.optimize and status in ("OPTIMAL", "FEASIBLE")
-        self._send(status, solver.objective_value if found else None, solver.best_objective_bound if found else None,
-                   True)
+        self._send(
+            status, solver.objective_value if found else None, solver.best_objective_bound if found else None, True
+        )
 
     def _send(self, status: str, objective: float | None, bound: float | None, done: bool) -> None:
         self.report(SolveProgress(self.window, status, objective, bound, time.perf_counter() - self.began, done))

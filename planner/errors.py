@@ -70,8 +70,9 @@ class PlanMismatchError(PlanError):
 class InfeasibleBudgetError(PlanError):
     """No placement fits the memory budget; `needed_bytes` is the least that would."""
 
-    def __init__(self, message: str, needed_bytes: int | None = None, *,
-                 suggestions: tuple[Suggestion, ...] = ()) -> None:
+    def __init__(
+        self, message: str, needed_bytes: int | None = None, *, suggestions: tuple[Suggestion, ...] = ()
+    ) -> None:
         super().__init__(message, suggestions=suggestions)
         self.needed_bytes = needed_bytes
 

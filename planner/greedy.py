@@ -61,7 +61,7 @@ class _Gaps:
             if s <= start and start + ticks <= e:
                 pieces = [[s, start]] if start > s else []
                 pieces += [[start + ticks, e]] if start + ticks < e else []
-                self.gaps[i:i + 1] = pieces
+                self.gaps[i : i + 1] = pieces
                 return
         raise AssertionError(f"[{start}, {start + ticks}) is not free")
 
@@ -97,14 +97,25 @@ def _slot_release(window: Window, task: Task, device: int) -> int:
 
 def greedy_window(window: Window) -> GroupSolution | None:
     """Place every task of `window` first-fit in priority order; None when something does not fit."""
-    gaps = {d: _Gaps(window.fixed[d] + tuple((p.reference, p.reference + p.ticks) for p in window.precs
-                                              if p.device == d), window.length) for d in window.group.devices}
-    rank = {p.part: j for s in window.group.stages for x in window.problem.costs.stages[s].layers
-            for j, p in enumerate(x.parts)}
-    order = sorted(range(len(window.tasks)), key=lambda i: (_ORDER[window.tasks[i].kind], rank[window.tasks[i].side],
-                                                           window.tasks[i].release, i))
+    gaps = {
+        d: _Gaps(
+            window.fixed[d] + tuple((p.reference, p.reference + p.ticks) for p in window.precs if p.device == d),
+            window.length,
+        )
+        for d in window.group.devices
+    }
+    rank = {
+        p.part: j
+        for s in window.group.stages
+        for x in window.problem.costs.stages[s].layers
+        for j, p in enumerate(x.parts)
+    }
+    order = sorted(
+        range(len(window.tasks)),
+        key=lambda i: (_ORDER[window.tasks[i].kind], rank[window.tasks[i].side], window.tasks[i].release, i),
+    )
     starts, devices = [0] * len(window.tasks), [0] * len(window.tasks)
-    done: dict[tuple[str, str], int] = {}   # factor -> end of its latest placed task
+    done: dict[tuple[str, str], int] = {}  # factor -> end of its latest placed task
     inv_device: dict[tuple[str, str], int] = {}
     for i in order:
         task = window.tasks[i]
@@ -136,9 +147,17 @@ def _first_fit(window: Window, meter: Meter | None) -> GroupSolution | None:
     return greedy_window(window)
 
 
-def greedy_group(problem: Problem, group: StageGroup, fused: frozenset[str] = frozenset(), *,
-                 aggregate: bool = False, resolution: int = 100_000, min_k: int = 1,
-                 allowance: Allowance | None = None, meter: Meter | None = None) -> GroupSolution:
+def greedy_group(
+    problem: Problem,
+    group: StageGroup,
+    fused: frozenset[str] = frozenset(),
+    *,
+    aggregate: bool = False,
+    resolution: int = 100_000,
+    min_k: int = 1,
+    allowance: Allowance | None = None,
+    meter: Meter | None = None,
+) -> GroupSolution:
     """The paper's rule for one stage group: the smallest k >= min_k (up to problem.max_period) where
     first-fit places everything, with the whole `allowance` of stretch, then the least stretch found;
     each placement tried is charged to `meter`. Raises PlanError when no k does (a task longer than every
@@ -151,31 +170,52 @@ def greedy_group(problem: Problem, group: StageGroup, fused: frozenset[str] = fr
         solution = _first_fit(window, meter)
         if solution is not None:
             if cap > 0:
-                solution = _least_stretch(solution, stretch_lower_bound(window), allowance, aggregate, resolution,
-                                          meter)
-            return GroupSolution(solution.window, solution.starts, solution.devices, solution.prec_starts,
-                                 solution.use_offset, "greedy", "FEASIBLE", 1, time.perf_counter() - began)
-    raise PlanError(f"the greedy rule cannot place the K-FAC work of stages {list(group.stages)} within "
-                    f"{problem.max_period} steps: some curvature or inversion is longer than every bubble; "
-                    "raise max_period or max_overhead, split the layer, or allow fused curvature")
+                solution = _least_stretch(
+                    solution, stretch_lower_bound(window), allowance, aggregate, resolution, meter
+                )
+            return GroupSolution(
+                solution.window,
+                solution.starts,
+                solution.devices,
+                solution.prec_starts,
+                solution.use_offset,
+                "greedy",
+                "FEASIBLE",
+                1,
+                time.perf_counter() - began,
+            )
+    raise PlanError(
+        f"the greedy rule cannot place the K-FAC work of stages {list(group.stages)} within "
+        f"{problem.max_period} steps: some curvature or inversion is longer than every bubble; "
+        "raise max_period or max_overhead, split the layer, or allow fused curvature"
+    )
 
 
-def _least_stretch(found: GroupSolution, lower: int, allowance: Allowance, aggregate: bool,
-                   resolution: int, meter: Meter | None) -> GroupSolution:
+def _least_stretch(
+    found: GroupSolution, lower: int, allowance: Allowance, aggregate: bool, resolution: int, meter: Meter | None
+) -> GroupSolution:
     """Bisect with first-fit between `lower` and found's stretch (the least one it finds)."""
     w = found.window
 
     def probe(stretch: int) -> tuple[str, GroupSolution | None]:
-        solution = _first_fit(allowance.window(w.group, w.k, stretch, aggregate=aggregate, resolution=resolution),
-                              meter)
+        solution = _first_fit(
+            allowance.window(w.group, w.k, stretch, aggregate=aggregate, resolution=resolution), meter
+        )
         return ("FEASIBLE", solution) if solution is not None else ("UNKNOWN", None)
 
     return least_stretch(found, probe, lower)[0]
 
 
-def greedy_overhead(problem: Problem, group: StageGroup, allowance: Allowance, *, aggregate: bool = False,
-                    resolution: int = 100_000, limit: float = 10.0,
-                    meter: Meter | None = None) -> tuple[int, GroupSolution | None]:
+def greedy_overhead(
+    problem: Problem,
+    group: StageGroup,
+    allowance: Allowance,
+    *,
+    aggregate: bool = False,
+    resolution: int = 100_000,
+    limit: float = 10.0,
+    meter: Meter | None = None,
+) -> tuple[int, GroupSolution | None]:
     """The stretch the group's work needs at the longest refresh period (problem.max_period), whatever
     max_overhead says: (ticks any plan needs, the first-fit solution with the least stretch found, or
     None when no stretch up to `limit` reference steps places it). For errors that tell the user what

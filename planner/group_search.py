@@ -28,9 +28,19 @@ __all__ = ["least_period", "solve_group", "refine_stretch"]
 log = logging.getLogger(__name__)
 
 
-def solve_group(problem: Problem, group: StageGroup, fused: frozenset[str], config: SolverConfig,
-                time_limit: float, meter: Meter, greedy: GroupSolution | None = None, *, aggregate: bool = False,
-                min_k: int = 1, allowance: Allowance | None = None) -> GroupSolution | None:
+def solve_group(
+    problem: Problem,
+    group: StageGroup,
+    fused: frozenset[str],
+    config: SolverConfig,
+    time_limit: float,
+    meter: Meter,
+    greedy: GroupSolution | None = None,
+    *,
+    aggregate: bool = False,
+    min_k: int = 1,
+    allowance: Allowance | None = None,
+) -> GroupSolution | None:
     """The smallest refresh period >= min_k for `group` (from the lower bound; never above greedy's)
     with the whole `allowance` of stretch, then the least stretch, then the least staleness, within
     `time_limit` of `meter`'s clock. None when no k up to max_period is found feasible in time (and no
@@ -44,10 +54,12 @@ def solve_group(problem: Problem, group: StageGroup, fused: frozenset[str], conf
 
     def probe(k: int, share: float) -> tuple[str, GroupSolution | None]:
         hint = restretch(greedy, allowance.ticks(k)) if greedy is not None and greedy.window.k == k else None
-        w = hint.window if hint is not None else allowance.window(group, k, allowance.ticks(k), aggregate=aggregate,
-                                                                  resolution=config.time_resolution)
-        status, found = solve_window(w, config, share, meter, hint if config.use_greedy_hint else None,
-                                     optimize=False)
+        w = (
+            hint.window
+            if hint is not None
+            else allowance.window(group, k, allowance.ticks(k), aggregate=aggregate, resolution=config.time_resolution)
+        )
+        status, found = solve_window(w, config, share, meter, hint if config.use_greedy_hint else None, optimize=False)
         log.info("stages %s k=%d stretch=%d: %s", list(group.stages), k, w.stretch, status)
         return status, found
 
@@ -157,16 +169,18 @@ def _climb(probe: Probe[S], left: Left, share: float, lower: int, top: int) -> t
     return top, None
 
 
-def refine_stretch(found: GroupSolution, allowance: Allowance, config: SolverConfig, meter: Meter,
-                   time_limit: float) -> tuple[GroupSolution, bool]:
+def refine_stretch(
+    found: GroupSolution, allowance: Allowance, config: SolverConfig, meter: Meter, time_limit: float
+) -> tuple[GroupSolution, bool]:
     """The least stretch at found's k (bisected, CP-SAT feasibility, within `time_limit` of `meter`'s
     clock), and whether it is proven least; `allowance` gives the grid (for errors that say what
     max_overhead to ask for)."""
     return _least_stretch(found, allowance, config, meter, meter.now() + 2 * time_limit)
 
 
-def _least_stretch(found: GroupSolution, allowance: Allowance, config: SolverConfig, meter: Meter,
-                   deadline: float) -> tuple[GroupSolution, bool]:
+def _least_stretch(
+    found: GroupSolution, allowance: Allowance, config: SolverConfig, meter: Meter, deadline: float
+) -> tuple[GroupSolution, bool]:
     """Bisect the least stretch at found's k, spending at most half the time left (to `deadline` on
     `meter`'s clock) on the probes."""
     w = found.window
@@ -182,13 +196,19 @@ def _least_stretch(found: GroupSolution, allowance: Allowance, config: SolverCon
         return solve_window(window, config, left / max(1, math.ceil(math.log2(stretch + 2))), meter, optimize=False)
 
     best, least = least_stretch(found, probe, stretch_lower_bound(w))
-    log.info("stages %s k=%d: least stretch %d ticks (%s)", list(w.group.stages), w.k, best.window.stretch,
-             "proven" if least else "not proven")
+    log.info(
+        "stages %s k=%d: least stretch %d ticks (%s)",
+        list(w.group.stages),
+        w.k,
+        best.window.stretch,
+        "proven" if least else "not proven",
+    )
     return best, least
 
 
-def _least_stale(found: GroupSolution, config: SolverConfig, meter: Meter, left: float, proven: int,
-                 stretch_proven: bool = True) -> GroupSolution:
+def _least_stale(
+    found: GroupSolution, config: SolverConfig, meter: Meter, left: float, proven: int, stretch_proven: bool = True
+) -> GroupSolution:
     """Minimize staleness at the found k and stretch within `left` of `meter`'s clock, warm-started by
     `found` (kept when the solver does worse); its status says whether it is proven optimal."""
     hint = found if config.use_greedy_hint or found.method != "greedy" else None

@@ -56,8 +56,9 @@ class OpKind(StrEnum):
 SEND_KINDS = frozenset({OpKind.SEND_ACT, OpKind.SEND_GRAD})
 RECV_KINDS = frozenset({OpKind.RECV_ACT, OpKind.RECV_GRAD})
 COLLECTIVE_KINDS = frozenset({OpKind.ALLREDUCE_GRAD, OpKind.SYNC_STATS, OpKind.BCAST, OpKind.BCAST_PREC})
-PRECONDITIONER_KINDS = frozenset({OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST, OpKind.APPLY,
-                                  OpKind.BCAST_PREC})
+PRECONDITIONER_KINDS = frozenset(
+    {OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST, OpKind.APPLY, OpKind.BCAST_PREC}
+)
 """The ops a preconditioner family plugs into a pipeline's program (the plans place them)."""
 
 _SHORT = {OpKind.FWD: "F", OpKind.BWD: "B"}
@@ -80,8 +81,10 @@ OP_FIELDS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
     # kind: (required, also allowed)
     OpKind.FWD: (frozenset({_STAGE, _MB}), frozenset({_PIPE})),
     OpKind.BWD: (frozenset({_STAGE, _MB}), frozenset({_PIPE})),
-    **{k: (frozenset({_STAGE, _MB, _PEER}), frozenset({_PIPE}))
-       for k in (OpKind.SEND_ACT, OpKind.RECV_ACT, OpKind.SEND_GRAD, OpKind.RECV_GRAD)},
+    **{
+        k: (frozenset({_STAGE, _MB, _PEER}), frozenset({_PIPE}))
+        for k in (OpKind.SEND_ACT, OpKind.RECV_ACT, OpKind.SEND_GRAD, OpKind.RECV_GRAD)
+    },
     OpKind.ALLREDUCE_GRAD: (frozenset(), frozenset({_STAGE})),
     OpKind.STATS: (frozenset({_STAGE}), frozenset({_MB, _PIPE, _LAYER, _PART})),
     OpKind.SYNC_STATS: (frozenset({_STAGE}), frozenset({_LAYER, _PART})),
@@ -155,12 +158,16 @@ class Op:
         if self.piece is not None:
             object.__setattr__(self, "piece", _check_piece(self.piece))
         required, allowed = OP_FIELDS[self.kind]
-        present = {name for name in (_STAGE, _MB, _LAYER, _PART, _PIECE, _PEER, _ROOT, _GROUP)
-                   if getattr(self, name) is not None}
+        present = {
+            name
+            for name in (_STAGE, _MB, _LAYER, _PART, _PIECE, _PEER, _ROOT, _GROUP)
+            if getattr(self, name) is not None
+        }
         present |= {_PIPE} if self.pipe else set()
         if not required <= present or not present <= required | allowed:
-            raise PlanFormatError(f"{self.kind.value} needs {sorted(required)} and may have {sorted(allowed)}, got "
-                                  f"{sorted(present)}")
+            raise PlanFormatError(
+                f"{self.kind.value} needs {sorted(required)} and may have {sorted(allowed)}, got {sorted(present)}"
+            )
 
     def __str__(self) -> str:
         parts = [_SHORT.get(self.kind, self.kind.value)]
@@ -215,17 +222,27 @@ class Op:
 def _check_group(group: object, root: int | None) -> tuple[int, ...]:
     """A broadcast's group as ascending distinct ranks that include its root; PlanFormatError otherwise."""
     ranks = tuple(group) if isinstance(group, (tuple, list)) else ()
-    if (len(ranks) < 2 or not all(isinstance(r, int) and r >= 0 for r in ranks) or list(ranks) != sorted(set(ranks))
-            or (root is not None and root not in ranks)):
-        raise PlanFormatError(f"Op.group must be two or more ascending distinct ranks holding the root {root}, "
-                              f"got {group!r}")
+    if (
+        len(ranks) < 2
+        or not all(isinstance(r, int) and r >= 0 for r in ranks)
+        or list(ranks) != sorted(set(ranks))
+        or (root is not None and root not in ranks)
+    ):
+        raise PlanFormatError(
+            f"Op.group must be two or more ascending distinct ranks holding the root {root}, got {group!r}"
+        )
     return ranks
 
 
 def _check_piece(piece: object) -> tuple[int, int]:
     """A DECOMP's piece as ``(i, n)`` with ``0 <= i < n`` and ``n >= 2``; PlanFormatError otherwise."""
-    ok = (isinstance(piece, (tuple, list)) and len(piece) == 2 and all(isinstance(v, int) for v in piece)
-          and 0 <= piece[0] < piece[1] and piece[1] >= 2)
+    ok = (
+        isinstance(piece, (tuple, list))
+        and len(piece) == 2
+        and all(isinstance(v, int) for v in piece)
+        and 0 <= piece[0] < piece[1]
+        and piece[1] >= 2
+    )
     if not ok:
         raise PlanFormatError(f"Op.piece must be (i, n) with 0 <= i < n and n >= 2, got {piece!r}")
     return (piece[0], piece[1])  # type: ignore[index]  # checked above
@@ -310,7 +327,7 @@ def parse_programs(text: str) -> Programs:
     current: list[str] | None = None
     for line in text.splitlines():
         if line.startswith(_RANK_MARK):
-            rank_text = line[len(_RANK_MARK):].strip()
+            rank_text = line[len(_RANK_MARK) :].strip()
             if not rank_text.isdigit():
                 raise PlanFormatError(f"bad rank header {line!r}; expected '{_RANK_MARK}<int>'")
             current = chunks.setdefault(int(rank_text), [])

@@ -52,10 +52,24 @@ from fxkfac.planner.strategy import LayerDistribution, Strategy, StrategyKind, g
 from fxkfac.planner.window import TaskKind, Window
 from fxkfac.planner.window_build import build_window
 
-__all__ = ["layer_options", "timeline_stages", "apply_seconds", "share_seconds", "bcast_seconds",
-           "comm_slot_seconds", "held_bytes", "base_bytes", "reference_step", "step_fixed_end", "JointPlacement",
-           "anchor_window", "restretch_joint", "reference_ticks",
-           "window_at", "transfer"]
+__all__ = [
+    "layer_options",
+    "timeline_stages",
+    "apply_seconds",
+    "share_seconds",
+    "bcast_seconds",
+    "comm_slot_seconds",
+    "held_bytes",
+    "base_bytes",
+    "reference_step",
+    "step_fixed_end",
+    "JointPlacement",
+    "anchor_window",
+    "restretch_joint",
+    "reference_ticks",
+    "window_at",
+    "transfer",
+]
 
 _FIXED = frozenset({OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD})
 
@@ -81,7 +95,7 @@ def timeline_stages(problem: Problem) -> frozenset[int]:
     out = set()
     for ops in base_programs(problem).values():
         for i, op in enumerate(ops):
-            if op.kind is OpKind.ALLREDUCE_GRAD and any(o.kind in _FIXED for o in ops[i + 1:]):
+            if op.kind is OpKind.ALLREDUCE_GRAD and any(o.kind in _FIXED for o in ops[i + 1 :]):
                 assert op.stage is not None, "the schedules' ALLREDUCE_GRAD names its stage"
                 out.add(op.stage)
     return frozenset(out)
@@ -148,16 +162,24 @@ def base_bytes(problem: Problem, device: int) -> int:
     """What `planner.memory.static_bytes` counts on `device` whatever the distributions: parameters and gradients
     (twice) and the largest error peak of one backward."""
     stages = stages_on_device(problem, device)
-    return sum(2 * problem.costs.stages[s].param_bytes for s in stages) + \
-        max((problem.costs.stages[s].peak_err_bytes for s in stages), default=0)
+    return sum(2 * problem.costs.stages[s].param_bytes for s in stages) + max(
+        (problem.costs.stages[s].peak_err_bytes for s in stages), default=0
+    )
 
 
 def step_fixed_end(problem: Problem, free: frozenset[int]) -> float:
     """The end of the reference step's work other than the slots of the `free` stages (which come last on every
     copy): F/B, all-reduces and the other stages' slots, as the problem's own distributions make them."""
     step = step_timeline(problem)
-    return max((end for items in step.ops.values() for op, _, end in items
-                if op.kind is not OpKind.OPT_STEP and not (op.stage in free and op.kind not in _FIXED)), default=0.0)
+    return max(
+        (
+            end
+            for items in step.ops.values()
+            for op, _, end in items
+            if op.kind is not OpKind.OPT_STEP and not (op.stage in free and op.kind not in _FIXED)
+        ),
+        default=0.0,
+    )
 
 
 def reference_step(problem: Problem, free: frozenset[int], distributions: Mapping[str, LayerDistribution]) -> float:
@@ -179,8 +201,7 @@ def slot_seconds_of(problem: Problem, stage: int, where: Mapping[str, LayerDistr
     if all(w == LayerDistribution() for w in where.values()):
         return comm_slot_seconds(problem, stage)
     copies = copies_of_stage(problem, stage)
-    lead = max(sum(apply_seconds(problem, n) for n, w in where.items() if c in grad_workers(copies, w))
-               for c in copies)
+    lead = max(sum(apply_seconds(problem, n) for n, w in where.items() if c in grad_workers(copies, w)) for c in copies)
     return lead + sum(share_seconds(problem, n, w) for n, w in where.items())
 
 
@@ -208,8 +229,9 @@ class JointPlacement:
         return self.window.offsets[1]
 
 
-def anchor_window(problem: Problem, group: StageGroup, k: int, stretch: int, scale: tuple[float, bool], *,
-                  aggregate: bool) -> Window:
+def anchor_window(
+    problem: Problem, group: StageGroup, k: int, stretch: int, scale: tuple[float, bool], *, aggregate: bool
+) -> Window:
     """The window of `group` at period k with `stretch` idle ticks per step on the grid `scale`, nothing fused."""
     return build_window(problem, group, k, aggregate=aggregate, stretch=stretch, scale=scale)
 
@@ -230,8 +252,12 @@ def restretch_joint(placement: JointPlacement, step: int) -> JointPlacement:
     def move(t: int) -> int:
         return t + (t // before) * delta
 
-    return replace(placement, window=new, starts={n: move(t) for n, t in placement.starts.items()},
-                   prec_starts=tuple(move(t) for t in placement.prec_starts))
+    return replace(
+        placement,
+        window=new,
+        starts={n: move(t) for n, t in placement.starts.items()},
+        prec_starts=tuple(move(t) for t in placement.prec_starts),
+    )
 
 
 def reference_ticks(problem: Problem, scale: tuple[float, bool]) -> int:
@@ -239,8 +265,9 @@ def reference_ticks(problem: Problem, scale: tuple[float, bool]) -> int:
     return round(step_timeline(problem).length * scale[0])
 
 
-def window_at(problem: Problem, group: StageGroup, k: int, step: int, scale: tuple[float, bool], *,
-              aggregate: bool) -> Window | None:
+def window_at(
+    problem: Problem, group: StageGroup, k: int, step: int, scale: tuple[float, bool], *, aggregate: bool
+) -> Window | None:
     """`problem`'s window of `group` at period k whose steps last `step` ticks (its reference and a stretch); None
     when its reference step is longer."""
     stretch = step - reference_ticks(problem, scale)
@@ -254,27 +281,41 @@ def transfer(placement: JointPlacement, problem: Problem) -> GroupSolution | Non
     then plans `problem` itself."""
     w = placement.window
     target = window_at(problem, w.group, w.k, placement.step_ticks, (w.scale, w.exact), aggregate=w.aggregate)
-    if target is None or not _same_frame(w, target) or \
-            any(p.ticks > placement.slot_ticks[p.stage] for p in target.precs):
+    if (
+        target is None
+        or not _same_frame(w, target)
+        or any(p.ticks > placement.slot_ticks[p.stage] for p in target.precs)
+    ):
         return None
     starts, devices = [], []
     for task in target.tasks:
         at = placement.starts.get(task.name)
-        device = placement.inv_devices.get(task.factors[0]) if task.kind in (TaskKind.INV, TaskKind.BCAST) \
+        device = (
+            placement.inv_devices.get(task.factors[0])
+            if task.kind in (TaskKind.INV, TaskKind.BCAST)
             else task.devices[0]
+        )
         if at is None or device is None or device not in task.devices:
             return None
         starts.append(at)
         devices.append(device)
     chosen = tuple(starts)
-    return GroupSolution(target, chosen, tuple(devices), placement.prec_starts,
-                         use_offsets(target, chosen, placement.prec_starts), "cpsat", placement.status,
-                         placement.k_lower_bound)
+    return GroupSolution(
+        target,
+        chosen,
+        tuple(devices),
+        placement.prec_starts,
+        use_offsets(target, chosen, placement.prec_starts),
+        "cpsat",
+        placement.status,
+        placement.k_lower_bound,
+    )
 
 
 def _same_frame(a: Window, b: Window) -> bool:
     """Whether windows `a` and `b` have the same steps, fixed work, activations and slots' places (release,
     deadline), so that a placement in one is a placement in the other."""
     slots = [(p.device, p.stage, p.step, p.release, p.deadline) for p in a.precs]
-    return (a.offsets, a.leads, a.fixed, a.acts) == (b.offsets, b.leads, b.fixed, b.acts) and \
-        slots == [(p.device, p.stage, p.step, p.release, p.deadline) for p in b.precs]
+    return (a.offsets, a.leads, a.fixed, a.acts) == (b.offsets, b.leads, b.fixed, b.acts) and slots == [
+        (p.device, p.stage, p.step, p.release, p.deadline) for p in b.precs
+    ]

@@ -48,8 +48,9 @@ class _Joint(Vars):
     BCAST on it."""
 
     lits: dict[str, list[cp_model.IntVar]] = field(default_factory=dict)
-    bcast: dict[tuple[str, str], tuple[cp_model.IntVar, cp_model.IntVar, cp_model.IntVar, cp_model.LinearExprT]] = \
+    bcast: dict[tuple[str, str], tuple[cp_model.IntVar, cp_model.IntVar, cp_model.IntVar, cp_model.LinearExprT]] = (
         field(default_factory=dict)
+    )
     slot_ticks: dict[int, cp_model.IntVar] = field(default_factory=dict)
     bcast_load: dict[int, list[tuple[int, cp_model.IntVar]]] = field(default_factory=dict)
 
@@ -87,8 +88,11 @@ def _add_bcasts(v: _Joint, w: Window, options: Options) -> None:
     for (layer, _), chain in chains.items():
         firsts.setdefault(layer, set()).add(chain[0])
     for (layer, part), chain in chains.items():
-        chosen = [(n, w.span(o.bcast[part]), o.workers, lit)
-                  for n, (o, lit) in enumerate(zip(options[layer], v.lits[layer])) if part in o.bcast]
+        chosen = [
+            (n, w.span(o.bcast[part]), o.workers, lit)
+            for n, (o, lit) in enumerate(zip(options[layer], v.lits[layer]))
+            if part in o.bcast
+        ]
         if not chosen:
             continue
         name = f"bcast_{part}_{layer}"
@@ -98,8 +102,9 @@ def _add_bcasts(v: _Joint, w: Window, options: Options) -> None:
         m.add(sum(lit for *_, lit in chosen) == has)
         for n, ticks, workers, lit in chosen:
             for d in workers:
-                v.intervals_of_device[d].append(m.new_optional_fixed_size_interval_var(pos, ticks, lit,
-                                                                                       f"{name}_o{n}_r{d}"))
+                v.intervals_of_device[d].append(
+                    m.new_optional_fixed_size_interval_var(pos, ticks, lit, f"{name}_o{n}_r{d}")
+                )
                 v.bcast_load.setdefault(d, []).append((ticks, lit))
             m.add(pos + ticks <= L).only_enforce_if(lit)
             m.add(start + ticks <= w.horizon).only_enforce_if(lit)
@@ -128,8 +133,12 @@ def _add_slots(v: _Joint, w: Window, options: Options, release_ns: Mapping[int, 
         ticks = m.new_int_var(1, room, f"slot_ticks_s{s}")
         m.add_min_equality(ticks, [need, room])
         v.slot_ticks[s] = ticks
-        sharing = [lit for x in w.problem.costs.stages[s].layers for o, lit in zip(options[x.name], v.lits[x.name])
-                   if not o.comm_opt]
+        sharing = [
+            lit
+            for x in w.problem.costs.stages[s].layers
+            for o, lit in zip(options[x.name], v.lits[x.name])
+            if not o.comm_opt
+        ]
         shares = m.new_bool_var(f"shares_s{s}")
         m.add_bool_or(sharing or [m.new_constant(0)]).only_enforce_if(shares)
         for lit in sharing:
@@ -261,8 +270,15 @@ def _hint(v: _Joint, w: Window, hint: JointPlacement, options: Options) -> None:
         m.add_hint(v.prec[n], prec_start)
 
 
-def solve_window(w: Window, frame: Frame, config: SolverConfig, limit: float, meter: Meter, hint: JointPlacement | None,
-           optimize: bool) -> tuple[str, JointPlacement | None]:
+def solve_window(
+    w: Window,
+    frame: Frame,
+    config: SolverConfig,
+    limit: float,
+    meter: Meter,
+    hint: JointPlacement | None,
+    optimize: bool,
+) -> tuple[str, JointPlacement | None]:
     """One joint window within `limit` of `meter`'s clock, charged to it: (status, placement)."""
     if meter.deterministic and meter.wall_left() <= 0:
         meter.note_capped(f"joint stages {list(w.group.stages)} k={w.k} not searched")
@@ -275,19 +291,25 @@ def solve_window(w: Window, frame: Frame, config: SolverConfig, limit: float, me
     status = solver.solve(v.model)
     meter.charge(solver.deterministic_time)
     name = solver.status_name(status)
-    if meter.deterministic and status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE) \
-            and solver.deterministic_time < budget * CAP_SLACK:
+    if (
+        meter.deterministic
+        and status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
+        and solver.deterministic_time < budget * CAP_SLACK
+    ):
         meter.note_capped(f"joint stages {list(w.group.stages)} k={w.k}")
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return name, None
     return name, _extract(solver, v, placed, w, frame.options, name)
 
 
-def _extract(solver: cp_model.CpSolver, v: _Joint, placed: Window, w: Window, options: Options,
-             status: str) -> JointPlacement:
+def _extract(
+    solver: cp_model.CpSolver, v: _Joint, placed: Window, w: Window, options: Options, status: str
+) -> JointPlacement:
     """The solver's values as a joint placement in `w`."""
-    choices = {layer: next(o.where for o, lit in zip(options[layer], lits) if solver.boolean_value(lit))
-               for layer, lits in v.lits.items()}
+    choices = {
+        layer: next(o.where for o, lit in zip(options[layer], lits) if solver.boolean_value(lit))
+        for layer, lits in v.lits.items()
+    }
     starts = {task.name: solver.value(v.start[i]) for i, task in enumerate(placed.tasks)}
     inv_devices: dict[tuple[str, str], int] = {}
     ready: dict[str, int] = {}
@@ -302,8 +324,9 @@ def _extract(solver: cp_model.CpSolver, v: _Joint, placed: Window, w: Window, op
             ready[layer] = max(ready[layer], solver.value(end))
     precs = tuple(solver.value(x) for x in v.prec)
     staleness = sum(prec_steps_ready(w, precs, w.problem.costs.stage_of(n), t) for n, t in ready.items())
-    return JointPlacement(w, choices, starts, inv_devices, precs, {s: solver.value(t) for s, t in v.slot_ticks.items()},
-                          status, staleness)
+    return JointPlacement(
+        w, choices, starts, inv_devices, precs, {s: solver.value(t) for s, t in v.slot_ticks.items()}, status, staleness
+    )
 
 
 def energy_bound(w: Window, frame: Frame, base: int, config: SolverConfig, meter: Meter, limit: float) -> int:

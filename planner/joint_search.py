@@ -36,8 +36,16 @@ def _as_joint(solution: GroupSolution) -> JointPlacement:
     choices = {x.name: w.problem.where(x.name) for s in w.group.stages for x in w.problem.costs.stages[s].layers}
     starts = {task.name: t for task, t in zip(w.tasks, solution.starts)}
     inv_devices = {task.factors[0]: d for task, d in zip(w.tasks, solution.devices) if task.kind is TaskKind.INV}
-    return JointPlacement(w, choices, starts, inv_devices, solution.prec_starts, {p.stage: p.ticks for p in w.precs},
-                          "GREEDY", sum(solution.use_offset.values()))
+    return JointPlacement(
+        w,
+        choices,
+        starts,
+        inv_devices,
+        solution.prec_starts,
+        {p.stage: p.ticks for p in w.precs},
+        "GREEDY",
+        sum(solution.use_offset.values()),
+    )
 
 
 def _lower_k(w: Window) -> int:
@@ -92,9 +100,19 @@ class _Group:
         return None
 
 
-def solve_joint_group(anchor: Problem, group: StageGroup, free: frozenset[int], candidates: Sequence[Problem],
-                      scale: tuple[float, bool], cap: Cap, config: SolverConfig, time_limit: float, meter: Meter, *,
-                      aggregate: bool) -> JointPlacement | None:
+def solve_joint_group(
+    anchor: Problem,
+    group: StageGroup,
+    free: frozenset[int],
+    candidates: Sequence[Problem],
+    scale: tuple[float, bool],
+    cap: Cap,
+    config: SolverConfig,
+    time_limit: float,
+    meter: Meter,
+    *,
+    aggregate: bool,
+) -> JointPlacement | None:
     """The group's layer distributions and placement at the least refresh period with the whole stretch `cap(k)`,
     then the least step, then the least staleness, within `time_limit` of `meter`'s clock. `anchor` has the least
     reference step (`least_step`) and keeps its distributions on the stages not `free`; first-fit of `candidates`
@@ -103,8 +121,12 @@ def solve_joint_group(anchor: Problem, group: StageGroup, free: frozenset[int], 
     began = meter.now()
     timeline = step_timeline(anchor)
     release = {s: ns(timeline.allreduce_end[copies_of_stage(anchor, s)[0], s]) for s in group.stages}
-    frame = Frame({x.name: options_of(anchor, x.name, s in free) for s in group.stages
-                    for x in anchor.costs.stages[s].layers}, release, scale, aggregate)
+    frame = Frame(
+        {x.name: options_of(anchor, x.name, s in free) for s in group.stages for x in anchor.costs.stages[s].layers},
+        release,
+        scale,
+        aggregate,
+    )
     ticks = [round(reference_step(anchor, free, dict(c.distributions)) * scale[0]) for c in candidates]
     g = _Group(anchor, group, ((anchor, reference_ticks(anchor, scale)), *zip(candidates, ticks)), frame, cap)
     if too_long(g.window(2, g.most(anchor.max_period))):
@@ -130,8 +152,9 @@ def solve_joint_group(anchor: Problem, group: StageGroup, free: frozenset[int], 
     return replace(best, k_lower_bound=proven)
 
 
-def _least_step(g: _Group, found: JointPlacement, config: SolverConfig, meter: Meter,
-                deadline: float) -> JointPlacement:
+def _least_step(
+    g: _Group, found: JointPlacement, config: SolverConfig, meter: Meter, deadline: float
+) -> JointPlacement:
     """The shortest step at found's k: first-fit of the candidates bisected first (cheap), then CP-SAT feasibility
     probes below it, spending at most half the time left."""
     k = found.window.k
@@ -144,19 +167,28 @@ def _least_step(g: _Group, found: JointPlacement, config: SolverConfig, meter: M
         left = until - meter.now()
         if left <= 0:
             return "UNKNOWN", None
-        return solve_window(g.window(k, step), g.frame, config, left / max(1, math.ceil(math.log2(step - lower + 2))),
-                      meter, None, optimize=False)
+        return solve_window(
+            g.window(k, step),
+            g.frame,
+            config,
+            left / max(1, math.ceil(math.log2(step - lower + 2))),
+            meter,
+            None,
+            optimize=False,
+        )
 
     if lower < best.step_ticks:  # the energy bound is often the answer (pure data parallelism): tried first
-        _, at_bound = solve_window(g.window(k, lower), g.frame, config, (until - meter.now()) / 3, meter, None,
-                             optimize=False)
+        _, at_bound = solve_window(
+            g.window(k, lower), g.frame, config, (until - meter.now()) / 3, meter, None, optimize=False
+        )
         best = at_bound or _bisect(lower + 1, best, probe)
     log.info("joint stages %s k=%d: least step %d ticks", list(g.group.stages), k, best.step_ticks)
     return best
 
 
-def _bisect(lower: int, found: JointPlacement,
-            probe: Callable[[int], tuple[str, JointPlacement | None]]) -> JointPlacement:
+def _bisect(
+    lower: int, found: JointPlacement, probe: Callable[[int], tuple[str, JointPlacement | None]]
+) -> JointPlacement:
     """The placement with the shortest step `probe` finds in [lower, found's step]."""
     lo, hi, best = lower, found.step_ticks, found
     while lo < hi:
@@ -172,15 +204,17 @@ def _bisect(lower: int, found: JointPlacement,
 def _least_stretch_bound(w: Window, frame: Frame) -> int:
     """Stretch ticks any option set needs at w's k (`planner.stretch.stretch_lower_bound` of the work every option
     has: curvature, SYNC_STATS, decompositions on any rank an option allows; slots and broadcasts as nothing)."""
-    return stretch_lower_bound(replace(w, tasks=placed_tasks(w, frame.options),
-                                       precs=tuple(replace(p, ticks=0) for p in w.precs)))
+    return stretch_lower_bound(
+        replace(w, tasks=placed_tasks(w, frame.options), precs=tuple(replace(p, ticks=0) for p in w.precs))
+    )
 
 
 def _least_stale(g: _Group, found: JointPlacement, config: SolverConfig, meter: Meter, left: float) -> JointPlacement:
     """Least staleness at found's k and step, warm-started by `found` (kept when the solver does worse)."""
     hint = found if config.use_greedy_hint or found.status != "GREEDY" else None
-    status, best = solve_window(g.window(found.window.k, found.step_ticks), g.frame, config, left, meter, hint,
-                          optimize=True)
+    status, best = solve_window(
+        g.window(found.window.k, found.step_ticks), g.frame, config, left, meter, hint, optimize=True
+    )
     if best is None or found.staleness < best.staleness:
         return found
     return replace(best, status="OPTIMAL" if status == "OPTIMAL" else "FEASIBLE")

@@ -38,6 +38,7 @@ NS = 1_000_000_000
 Ticks = Callable[[float], int]
 """Seconds to a model's integer unit (ticks of a window, rounded up; or nanoseconds)."""
 
+
 @dataclass(frozen=True)
 class Option:
     """One distribution a layer may take, with what it costs in seconds: its DECOMP's ranks (`workers`), the
@@ -67,8 +68,15 @@ def options_of(problem: Problem, layer: str, free: bool) -> tuple[Option, ...]:
     out = []
     for where in chosen:
         parts = {p.part: bcast_seconds(problem, layer, p.part, where) for p in problem.costs.layer(layer).parts}
-        out.append(Option(where, grad_workers(copies, where), {p: s for p, s in parts.items() if s > 0},
-                          apply_seconds(problem, layer), share_seconds(problem, layer, where)))
+        out.append(
+            Option(
+                where,
+                grad_workers(copies, where),
+                {p: s for p, s in parts.items() if s > 0},
+                apply_seconds(problem, layer),
+                share_seconds(problem, layer, where),
+            )
+        )
     return tuple(out)
 
 
@@ -86,8 +94,15 @@ def literals(m: cp_model.CpModel, options: Options) -> dict[str, list[cp_model.I
     return lits
 
 
-def slot_need(m: cp_model.CpModel, stage: int, problem: Problem, lits: Mapping[str, list[cp_model.IntVar]],
-               options: Options, unit: Ticks, name: str) -> tuple[cp_model.IntVar, int]:
+def slot_need(
+    m: cp_model.CpModel,
+    stage: int,
+    problem: Problem,
+    lits: Mapping[str, list[cp_model.IntVar]],
+    options: Options,
+    unit: Ticks,
+    name: str,
+) -> tuple[cp_model.IntVar, int]:
     """(a variable at least the length of `stage`'s slot on each copy, its upper bound), in `unit`: the all-COMM-OPT
     slot when every layer is COMM-OPT, else the longest apply work on a copy and then every BCAST_PREC."""
     layers = [x.name for x in problem.costs.stages[stage].layers]
@@ -105,13 +120,15 @@ def slot_need(m: cp_model.CpModel, stage: int, problem: Problem, lits: Mapping[s
         m.add(lead >= sum(unit(o.apply) * x for n in layers for o, x in zip(options[n], lits[n]) if c in o.workers))
     need = m.new_int_var(1, top, f"need_{name}")
     m.add(need >= comm_slot).only_enforce_if(all_comm)
-    m.add(need >= lead + sum(unit(o.share) * x for n in layers for o, x in zip(options[n], lits[n]))) \
-        .only_enforce_if(~all_comm)
+    m.add(need >= lead + sum(unit(o.share) * x for n in layers for o, x in zip(options[n], lits[n]))).only_enforce_if(
+        ~all_comm
+    )
     return need, top
 
 
-def static_bytes(m: cp_model.CpModel, problem: Problem, device: int, lits: Mapping[str, list[cp_model.IntVar]],
-                  options: Options) -> cp_model.LinearExprT:
+def static_bytes(
+    m: cp_model.CpModel, problem: Problem, device: int, lits: Mapping[str, list[cp_model.IntVar]], options: Options
+) -> cp_model.LinearExprT:
     """`planner.memory.static_bytes` of `device` as a linear expression of the option literals."""
     kept, buffers = [], []
     for s in stages_on_device(problem, device):
@@ -136,15 +153,19 @@ class StepChoice:
     step: float
 
 
-def least_step(problem: Problem, free: frozenset[int], fixed_end: float, config: SolverConfig, meter: Meter,
-               time_limit: float) -> StepChoice | None:
+def least_step(
+    problem: Problem, free: frozenset[int], fixed_end: float, config: SolverConfig, meter: Meter, time_limit: float
+) -> StepChoice | None:
     """The free stages' layer distributions that make the least reference step (`planner.joint.reference_step`:
     `fixed_end`, and each free stage's all-reduce end plus its slot) within every device's static bytes and
     activation peak; among those, the least decomposition seconds on any one rank (KAISA's balance, for the warm
     start's refresh). None when no option set meets the memory budget or none was found in time."""
     m = cp_model.CpModel()
-    options = {x.name: options_of(problem, x.name, s in free) for s, stage in enumerate(problem.costs.stages)
-               for x in stage.layers}
+    options = {
+        x.name: options_of(problem, x.name, s in free)
+        for s, stage in enumerate(problem.costs.stages)
+        for x in stage.layers
+    }
     lits = literals(m, options)
     timeline = step_timeline(problem)
     ends: list[tuple[int, cp_model.IntVar | int]] = [(ns(fixed_end), 0)]
@@ -173,15 +194,25 @@ def least_step(problem: Problem, free: frozenset[int], fixed_end: float, config:
             m.add_hint(lit, solver.boolean_value(lit))
     load = m.new_int_var(0, sum(ns(x.inv) for stage in problem.costs.stages for x in stage.layers), "load")
     for d in problem.devices:
-        m.add(load >= sum(ns(problem.costs.layer(n).inv / len(o.workers)) * lit
-                          for n, opts in options.items() for o, lit in zip(opts, lits[n]) if d in o.workers))
+        m.add(
+            load
+            >= sum(
+                ns(problem.costs.layer(n).inv / len(o.workers)) * lit
+                for n, opts in options.items()
+                for o, lit in zip(opts, lits[n])
+                if d in o.workers
+            )
+        )
     m.minimize(load)
     balanced = make_solver(config, meter, time_limit / 2)
     if balanced.solve(m) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         solver = balanced
     meter.charge(balanced.deterministic_time)
-    chosen = {n: next(o.where for o, lit in zip(options[n], lits[n]) if solver.boolean_value(lit))
-              for s in sorted(free) for n in (x.name for x in problem.costs.stages[s].layers)}
+    chosen = {
+        n: next(o.where for o, lit in zip(options[n], lits[n]) if solver.boolean_value(lit))
+        for s in sorted(free)
+        for n in (x.name for x in problem.costs.stages[s].layers)
+    }
     return StepChoice(chosen, least / NS)
 
 

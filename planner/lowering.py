@@ -21,9 +21,21 @@ if TYPE_CHECKING:
 
     from fxkfac.planner.costs import CostTable
 
-__all__ = ["add_send_recv", "expand_dp", "rank_programs", "ranks_of_stages", "linked_classes", "refreshing",
-           "Assignment", "assign_decompositions", "decomposition_seconds", "step_applies", "kfac_tail",
-           "naive_programs", "startup_programs"]
+__all__ = [
+    "add_send_recv",
+    "expand_dp",
+    "rank_programs",
+    "ranks_of_stages",
+    "linked_classes",
+    "refreshing",
+    "Assignment",
+    "assign_decompositions",
+    "decomposition_seconds",
+    "step_applies",
+    "kfac_tail",
+    "naive_programs",
+    "startup_programs",
+]
 
 P = TypeVar("P", list[Op], Program)
 
@@ -67,9 +79,7 @@ def _lower_step(ops: Sequence[Op], kind: ScheduleKind, D: int, v: int, rank: int
     return lowered
 
 
-def add_send_recv(
-    programs: Mapping[int, P], kind: ScheduleKind | str, D: int, v: int = 1
-) -> dict[int, P]:
+def add_send_recv(programs: Mapping[int, P], kind: ScheduleKind | str, D: int, v: int = 1) -> dict[int, P]:
     """Insert the transfers between stages on different pp ranks.
 
     A SEND_ACT (SEND_GRAD) goes right after the FWD (BWD) that produces the tensor, a RECV_ACT
@@ -118,8 +128,10 @@ def ranks_of_stages(kind: ScheduleKind | str, D: int, W: int, v: int = 1) -> dic
     """Stage -> the sorted global ranks holding a copy of it (dp replicas, both Chimera pipelines)."""
     kind = ScheduleKind(kind)
     pipes = (0, 1) if kind is ScheduleKind.CHIMERA else (0,)
-    return {s: tuple(sorted({stage_rank(kind, D, s, p, v=v) * W + w for p in pipes for w in range(W)}))
-            for s in range(num_stages(kind, D, v))}
+    return {
+        s: tuple(sorted({stage_rank(kind, D, s, p, v=v) * W + w for p in pipes for w in range(W)}))
+        for s in range(num_stages(kind, D, v))
+    }
 
 
 def linked_classes(sets: Iterable[Sequence[int]], count: int) -> list[tuple[int, ...]]:
@@ -165,9 +177,12 @@ Decomposition = tuple[str, str]
 """(layer, part) of one decomposition."""
 
 
-def assign_decompositions(decomps: Sequence[Decomposition], ranks: Sequence[int],
-                          assignment: Assignment = Assignment.ROUND_ROBIN,
-                          seconds: Mapping[Decomposition, float] | None = None) -> dict[Decomposition, int]:
+def assign_decompositions(
+    decomps: Sequence[Decomposition],
+    ranks: Sequence[int],
+    assignment: Assignment = Assignment.ROUND_ROBIN,
+    seconds: Mapping[Decomposition, float] | None = None,
+) -> dict[Decomposition, int]:
     """The rank among `ranks` (a stage's holders, ascending) that runs each of `decomps` (one stage's, at one
     refresh, in (layer, part) order), by `assignment`; LPT needs `seconds` of every one of them. Loads start
     at zero for every call: each stage's refresh is balanced on its own."""
@@ -194,9 +209,14 @@ def decomposition_seconds(costs: CostTable) -> dict[Decomposition, float]:
     return {(x.name, p.part): p.decomp for stage in costs.stages for x in stage.layers for p in x.parts}
 
 
-def _deal(names: Sequence[str], parts: Sequence[str], holders: tuple[int, ...],
-          distributions: Mapping[str, LayerDistribution], assignment: Assignment,
-          seconds: Mapping[Decomposition, float] | None) -> dict[Decomposition, int]:
+def _deal(
+    names: Sequence[str],
+    parts: Sequence[str],
+    holders: tuple[int, ...],
+    distributions: Mapping[str, LayerDistribution],
+    assignment: Assignment,
+    seconds: Mapping[Decomposition, float] | None,
+) -> dict[Decomposition, int]:
     """The rank that decomposes each (layer, part) refreshed at one step of one stage: dealt by `assignment` over
     the grad workers of the layer's column, layers of one column together (COMM-OPT: one column of every holder)."""
     by_column: dict[tuple[int, ...], list[Decomposition]] = {}
@@ -209,8 +229,14 @@ def _deal(names: Sequence[str], parts: Sequence[str], holders: tuple[int, ...],
     return roots
 
 
-def step_applies(rank: int, stage: int, layers: Sequence[str], holders: tuple[int, ...],
-                 distributions: Mapping[str, LayerDistribution], pipe: int = 0) -> tuple[list[Op], list[Op]]:
+def step_applies(
+    rank: int,
+    stage: int,
+    layers: Sequence[str],
+    holders: tuple[int, ...],
+    distributions: Mapping[str, LayerDistribution],
+    pipe: int = 0,
+) -> tuple[list[Op], list[Op]]:
     """What `rank` runs of `stage` at every step to precondition it, as (APPLYs, BCAST_PRECs): one APPLY of the
     stage copy (`pipe`) where every layer is COMM-OPT; otherwise an APPLY of each layer the rank is a grad worker
     of, then the BCAST_PREC of each layer along the rank's row (planner/strategy.py)."""
@@ -218,17 +244,29 @@ def step_applies(rank: int, stage: int, layers: Sequence[str], holders: tuple[in
     if all(w.strategy == COMM_OPT for w in where.values()):
         return [Op(OpKind.APPLY, stage=stage, pipe=pipe)], []
     applies = [Op(OpKind.APPLY, stage=stage, layer=n) for n in layers if rank in grad_workers(holders, where[n])]
-    shares = [Op(OpKind.BCAST_PREC, stage=stage, root=root, layer=n, group=None if row == holders else row)
-              for n in layers for root, row in receivers(holders, where[n]) if rank in row]
+    shares = [
+        Op(OpKind.BCAST_PREC, stage=stage, root=root, layer=n, group=None if row == holders else row)
+        for n in layers
+        for root, row in receivers(holders, where[n])
+        if rank in row
+    ]
     return applies, shares
 
 
-def kfac_tail(rank: int, copies: Sequence[tuple[int, int]], step: int, timings: Mapping[str, LayerTiming],
-              stage_layers: Mapping[int, Sequence[str]], holders: Mapping[int, tuple[int, ...]],
-              parts: Sequence[str] = KFAC_PARTS, gradient_parts: frozenset[str] = frozenset(), *,
-              assignment: Assignment = Assignment.ROUND_ROBIN,
-              seconds: Mapping[Decomposition, float] | None = None,
-              distributions: Mapping[str, LayerDistribution] | None = None) -> list[Op]:
+def kfac_tail(
+    rank: int,
+    copies: Sequence[tuple[int, int]],
+    step: int,
+    timings: Mapping[str, LayerTiming],
+    stage_layers: Mapping[int, Sequence[str]],
+    holders: Mapping[int, tuple[int, ...]],
+    parts: Sequence[str] = KFAC_PARTS,
+    gradient_parts: frozenset[str] = frozenset(),
+    *,
+    assignment: Assignment = Assignment.ROUND_ROBIN,
+    seconds: Mapping[Decomposition, float] | None = None,
+    distributions: Mapping[str, LayerDistribution] | None = None,
+) -> list[Op]:
     """The preconditioner ops a rank runs between its last ALLREDUCE_GRAD and OPT_STEP at one step of the period.
 
     Every collective is emitted in (stage, layer, factor) order by every rank of its group, so no two ranks
@@ -252,8 +290,13 @@ def kfac_tail(rank: int, copies: Sequence[tuple[int, int]], step: int, timings: 
     for s in sorted({s for s, _ in copies}):
         ranks, layers = holders[s], stage_layers[s]
         workers = {n: grad_workers(ranks, where.get(n, LayerDistribution())) for n in layers}
-        stats += [Op(OpKind.STATS, stage=s, part=part, layer=n) for n in layers if rank in workers[n]
-                  for part in parts if part in gradient_parts]
+        stats += [
+            Op(OpKind.STATS, stage=s, part=part, layer=n)
+            for n in layers
+            if rank in workers[n]
+            for part in parts
+            if part in gradient_parts
+        ]
         names = refreshing(timings, layers, step)
         roots = _deal(names, parts, ranks, where, assignment, seconds)
         syncs += _syncs(s, names, ranks, captured, gradient_parts, where)
@@ -265,8 +308,14 @@ def kfac_tail(rank: int, copies: Sequence[tuple[int, int]], step: int, timings: 
     return stats + syncs + invs + bcasts + precs + shares
 
 
-def _syncs(stage: int, names: Sequence[str], holders: tuple[int, ...], captured: Sequence[str],
-           gradient_parts: frozenset[str], distributions: Mapping[str, LayerDistribution]) -> list[Op]:
+def _syncs(
+    stage: int,
+    names: Sequence[str],
+    holders: tuple[int, ...],
+    captured: Sequence[str],
+    gradient_parts: frozenset[str],
+    distributions: Mapping[str, LayerDistribution],
+) -> list[Op]:
     """The SYNC_STATS of the refreshing layers `names` of `stage`: the holders average what they captured, except
     for layers that keep local factors (DP-KFAC); one per layer, or one per captured part when some part is fed by
     the gradient. None on one holder or without captured parts."""
@@ -278,51 +327,103 @@ def _syncs(stage: int, names: Sequence[str], holders: tuple[int, ...], captured:
     return [Op(OpKind.SYNC_STATS, stage=stage, part=part, layer=n) for n in shared for part in captured]
 
 
-def _decomps(rank: int, stage: int, names: Sequence[str], parts: Sequence[str],
-             roots: Mapping[Decomposition, int]) -> list[Op]:
+def _decomps(
+    rank: int, stage: int, names: Sequence[str], parts: Sequence[str], roots: Mapping[Decomposition, int]
+) -> list[Op]:
     """The DECOMPs `rank` runs of the refreshing layers `names` of `stage`: those dealt to it (`roots`)."""
-    return [Op(OpKind.DECOMP, stage=stage, part=side, layer=n) for n in names for side in parts
-            if roots[n, side] == rank]
+    return [
+        Op(OpKind.DECOMP, stage=stage, part=side, layer=n) for n in names for side in parts if roots[n, side] == rank
+    ]
 
 
-def _bcasts(rank: int, stage: int, names: Sequence[str], parts: Sequence[str], holders: tuple[int, ...],
-            workers: Mapping[str, tuple[int, ...]], roots: Mapping[Decomposition, int]) -> list[Op]:
+def _bcasts(
+    rank: int,
+    stage: int,
+    names: Sequence[str],
+    parts: Sequence[str],
+    holders: tuple[int, ...],
+    workers: Mapping[str, tuple[int, ...]],
+    roots: Mapping[Decomposition, int],
+) -> list[Op]:
     """The BCASTs of the refreshing layers `names` of `stage` that `rank` takes part in: each decomposition from its
     root to the layer's other grad workers (group None: every holder)."""
-    return [Op(OpKind.BCAST, stage=stage, part=side, root=roots[n, side], layer=n,
-               group=None if workers[n] == holders else workers[n])
-            for n in names if len(workers[n]) > 1 and rank in workers[n] for side in parts]
+    return [
+        Op(
+            OpKind.BCAST,
+            stage=stage,
+            part=side,
+            root=roots[n, side],
+            layer=n,
+            group=None if workers[n] == holders else workers[n],
+        )
+        for n in names
+        if len(workers[n]) > 1 and rank in workers[n]
+        for side in parts
+    ]
 
 
-def _with_kfac(ops: Sequence[Op], rank: int, step: int, timings: Mapping[str, LayerTiming],
-               stage_layers: Mapping[int, Sequence[str]], holders: Mapping[int, tuple[int, ...]],
-               parts: Sequence[str], gradient_parts: frozenset[str], assignment: Assignment,
-               seconds: Mapping[Decomposition, float] | None,
-               distributions: Mapping[str, LayerDistribution]) -> list[Op]:
+def _with_kfac(
+    ops: Sequence[Op],
+    rank: int,
+    step: int,
+    timings: Mapping[str, LayerTiming],
+    stage_layers: Mapping[int, Sequence[str]],
+    holders: Mapping[int, tuple[int, ...]],
+    parts: Sequence[str],
+    gradient_parts: frozenset[str],
+    assignment: Assignment,
+    seconds: Mapping[Decomposition, float] | None,
+    distributions: Mapping[str, LayerDistribution],
+) -> list[Op]:
     """One step of a rank's plain program with curvature after each BWD (of the layers whose statistics the rank
     keeps: `keeps_statistics`) and the K-FAC tail before OPT_STEP."""
     copies = sorted({(op.stage, op.pipe) for op in ops if op.kind is OpKind.FWD and op.stage is not None})
     body: list[Op] = []
     for op in ops:
         if op.kind is OpKind.OPT_STEP:
-            body.extend(kfac_tail(rank, copies, step, timings, stage_layers, holders, parts, gradient_parts,
-                                  assignment=assignment, seconds=seconds, distributions=distributions))
+            body.extend(
+                kfac_tail(
+                    rank,
+                    copies,
+                    step,
+                    timings,
+                    stage_layers,
+                    holders,
+                    parts,
+                    gradient_parts,
+                    assignment=assignment,
+                    seconds=seconds,
+                    distributions=distributions,
+                )
+            )
         body.append(op)
         if op.kind is OpKind.BWD and op.stage is not None:
             ranks = holders[op.stage]
-            body.extend(Op(OpKind.STATS, stage=op.stage, mb=op.mb, pipe=op.pipe, part=side, layer=name)
-                        for name in refreshing(timings, stage_layers[op.stage], step)
-                        if keeps_statistics(rank, ranks, distributions.get(name, LayerDistribution()))
-                        for side in parts if side not in gradient_parts)
+            body.extend(
+                Op(OpKind.STATS, stage=op.stage, mb=op.mb, pipe=op.pipe, part=side, layer=name)
+                for name in refreshing(timings, stage_layers[op.stage], step)
+                if keeps_statistics(rank, ranks, distributions.get(name, LayerDistribution()))
+                for side in parts
+                if side not in gradient_parts
+            )
     return body
 
 
-def naive_programs(kind: ScheduleKind | str, D: int, N: int, W: int, timings: Mapping[str, LayerTiming],
-                   stage_layers: Mapping[int, Sequence[str]], *, v: int = 1,
-                   parts: Sequence[str] = KFAC_PARTS, gradient_parts: frozenset[str] = frozenset(),
-                   assignment: Assignment = Assignment.ROUND_ROBIN,
-                   seconds: Mapping[Decomposition, float] | None = None,
-                   distributions: Mapping[str, LayerDistribution] | None = None) -> Programs:
+def naive_programs(
+    kind: ScheduleKind | str,
+    D: int,
+    N: int,
+    W: int,
+    timings: Mapping[str, LayerTiming],
+    stage_layers: Mapping[int, Sequence[str]],
+    *,
+    v: int = 1,
+    parts: Sequence[str] = KFAC_PARTS,
+    gradient_parts: frozenset[str] = frozenset(),
+    assignment: Assignment = Assignment.ROUND_ROBIN,
+    seconds: Mapping[Decomposition, float] | None = None,
+    distributions: Mapping[str, LayerDistribution] | None = None,
+) -> Programs:
     """The preconditioner on the critical path: the plain pipeline with curvature right after each BWD of a
     refreshing layer, and gradient statistics, sync, inversion, broadcast and precondition before OPT_STEP.
 
@@ -341,10 +442,24 @@ def naive_programs(kind: ScheduleKind | str, D: int, N: int, W: int, timings: Ma
     with_prec = bool(timings)
     out: Programs = {}
     for rank, ops in rank_programs(kind, D, N, W, v).items():
-        out[rank] = [_with_kfac(ops, rank, step, timings, stage_layers, holders, parts, gradient_parts,
-                                assignment, seconds, dict(distributions or {}))
-                     if with_prec else list(ops)
-                     for step in range(period)]
+        out[rank] = [
+            _with_kfac(
+                ops,
+                rank,
+                step,
+                timings,
+                stage_layers,
+                holders,
+                parts,
+                gradient_parts,
+                assignment,
+                seconds,
+                dict(distributions or {}),
+            )
+            if with_prec
+            else list(ops)
+            for step in range(period)
+        ]
     return out
 
 

@@ -21,8 +21,24 @@ T_curv, T_inv, T_prec, T_gstat = sp.symbols("T_curv T_inv T_prec T_gstat", nonne
 
 SYMBOLS: dict[str, sp.Symbol] = {
     s.name: s
-    for s in (T_f, T_b, D, N, v, W, M_theta, M_act, M_err_peak, M_err_save, M_curv, M_inv, T_curv, T_inv, T_prec,
-              T_gstat)
+    for s in (
+        T_f,
+        T_b,
+        D,
+        N,
+        v,
+        W,
+        M_theta,
+        M_act,
+        M_err_peak,
+        M_err_save,
+        M_curv,
+        M_inv,
+        T_curv,
+        T_inv,
+        T_prec,
+        T_gstat,
+    )
 }
 """Every symbol by name. Times and memories are per (virtual) stage: T_f/T_b per micro-batch,
 T_curv per micro-batch, T_inv/T_prec/M_curv/M_inv per stage, M_act/M_err_* per micro-batch; T_gstat per stage
@@ -125,13 +141,19 @@ def explain(kind: ScheduleKind | str, words: TaskWords = WORDS[PreconditionerKin
     preconditioner family's `words`."""
     model = perf_model(kind)
     lines = [f"Performance model for {model.kind} (PipeFisher §3.3; times per micro-batch, per stage):"]
-    lines.append(f"  C_f = {model.C_f},  C_b = {model.C_b}"
-                 + ("  (for T_b >= T_f)" if model.kind is ScheduleKind.CHIMERA else ""))
+    lines.append(
+        f"  C_f = {model.C_f},  C_b = {model.C_b}"
+        + ("  (for T_b >= T_f)" if model.kind is ScheduleKind.CHIMERA else "")
+    )
     for f in fields(model):
         if f.name in _DESCRIPTIONS:
             lines.append(f"  {f.name} = {sp.sstr(getattr(model, f.name))}")
-            lines.append("      " + _DESCRIPTIONS[f.name].format(name=words.name, stats=words.stats,
-                                                                  decomp=words.decomp, apply=words.apply))
+            lines.append(
+                "      "
+                + _DESCRIPTIONS[f.name].format(
+                    name=words.name, stats=words.stats, decomp=words.decomp, apply=words.apply
+                )
+            )
     if model.kind is ScheduleKind.CHIMERA:
         lines.append("  for T_b >= T_f (the usual case):")
         for name in ("T_pipe", "T_bubble", "ratio"):
@@ -144,15 +166,20 @@ def _backward_slower(expr: sp.Expr) -> sp.Expr:
     return expr.subs({sp.Max(T_f, T_b): T_b, sp.Min(T_f, T_b): T_f, sp.Abs(T_b - T_f): T_b - T_f})
 
 
-def pipe_gap(at_means: float, at_slowest: float, simulated: float,
-             words: TaskWords = WORDS[PreconditionerKind.KFAC]) -> str:
+def pipe_gap(
+    at_means: float, at_slowest: float, simulated: float, words: TaskWords = WORDS[PreconditionerKind.KFAC]
+) -> str:
     """How T_pipe, written for equal stages, relates to the simulated step of the actual stages (seconds
     each: T_pipe at the stage means, T_pipe with every stage as slow as the slowest, the simulation), in
     words for `--explain`."""
     if abs(simulated - at_means) <= 1e-3 * simulated:
-        return (f"  T_pipe agrees with the simulated step before {words.name} ({simulated * 1e3:.2f} ms, the "
-                "plan's step time)")
-    return (f"  T_pipe is written for equal stages; the plan's step time before {words.name} "
-            f"({simulated * 1e3:.2f} ms) is "
-            f"simulated with each stage's own costs, {(simulated - at_means) * 1e3:+.2f} ms from T_pipe at the stage "
-            f"means because the stages differ (every stage as slow as the slowest: T_pipe = {at_slowest * 1e3:.2f} ms)")
+        return (
+            f"  T_pipe agrees with the simulated step before {words.name} ({simulated * 1e3:.2f} ms, the "
+            "plan's step time)"
+        )
+    return (
+        f"  T_pipe is written for equal stages; the plan's step time before {words.name} "
+        f"({simulated * 1e3:.2f} ms) is "
+        f"simulated with each stage's own costs, {(simulated - at_means) * 1e3:+.2f} ms from T_pipe at the stage "
+        f"means because the stages differ (every stage as slow as the slowest: T_pipe = {at_slowest * 1e3:.2f} ms)"
+    )

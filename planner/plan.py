@@ -87,11 +87,16 @@ class Plan:
         metrics["peak_memory"] = {str(d): b for d, b in self.metrics.peak_memory.items()}
         if not self.metrics.stretch:
             del metrics["stretch"]
-        return {"schema_version": self.schema_version, "fingerprint": self.fingerprint,
-                "problem": self.problem.to_dict(),
-                "programs": _programs_dict(self.programs), "startup": _programs_dict(self.startup),
-                "layers": {name: _timing_dict(t) for name, t in self.layers.items()},
-                "placements": [p.to_dict() for p in self.placements], "metrics": metrics}
+        return {
+            "schema_version": self.schema_version,
+            "fingerprint": self.fingerprint,
+            "problem": self.problem.to_dict(),
+            "programs": _programs_dict(self.programs),
+            "startup": _programs_dict(self.startup),
+            "layers": {name: _timing_dict(t) for name, t in self.layers.items()},
+            "placements": [p.to_dict() for p in self.placements],
+            "metrics": metrics,
+        }
 
     def to_json(self, *, indent: int | None = 1) -> str:
         """JSON text; `from_json` reads it back to an equal plan."""
@@ -140,8 +145,10 @@ class Plan:
 
         plan = cls.read(path)
         if expect_fingerprint is not None and plan.fingerprint != expect_fingerprint:
-            raise PlanMismatchError(f"{path} was made for graph {plan.fingerprint!r}, not {expect_fingerprint!r}; "
-                                    "make a new plan for this model, mesh and schedule (fxkfac plan ... --export)")
+            raise PlanMismatchError(
+                f"{path} was made for graph {plan.fingerprint!r}, not {expect_fingerprint!r}; "
+                "make a new plan for this model, mesh and schedule (fxkfac plan ... --export)"
+            )
         try:
             check_plan(plan.problem, plan)
         except PlanError as e:
@@ -170,29 +177,41 @@ def _plan_from_dict(data: Any) -> Plan:
         raise PlanFormatError(f"a plan must be a JSON object, got {type(data).__name__}")
     version = data.get("schema_version")
     if type(version) is int and version > SCHEMA_VERSION:  # not bool: true is not a version
-        raise PlanFormatError(f"the plan has schema_version {version}, newer than this fxkfac reads "
-                              f"({SCHEMA_VERSION}); upgrade fxkfac to load it")
+        raise PlanFormatError(
+            f"the plan has schema_version {version}, newer than this fxkfac reads "
+            f"({SCHEMA_VERSION}); upgrade fxkfac to load it"
+        )
     if type(version) is int and 1 <= version < SCHEMA_VERSION:
-        raise PlanFormatError(f"the plan has schema_version {version}, older than this fxkfac's ({SCHEMA_VERSION}): "
-                              "it may place K-FAC work across a step's closing barrier (version 1) or lack its "
-                              "start-up steps (version 2); re-plan it (fxkfac plan ... --export plan.json, or "
-                              "plan='auto')")
+        raise PlanFormatError(
+            f"the plan has schema_version {version}, older than this fxkfac's ({SCHEMA_VERSION}): "
+            "it may place K-FAC work across a step's closing barrier (version 1) or lack its "
+            "start-up steps (version 2); re-plan it (fxkfac plan ... --export plan.json, or "
+            "plan='auto')"
+        )
     if type(version) is not int or version != SCHEMA_VERSION:
         raise PlanFormatError(f"unknown plan schema_version {version!r} (expected {SCHEMA_VERSION})")
     try:
         m = data["metrics"]
-        solver = SolverStats(m["solver"]["status"], m["solver"]["wall_time"], tuple(m["solver"]["objective"]),
-                             m["solver"]["gap"])
-        metrics = PlanMetrics(**{**m, "solver": solver, "refresh_steps": tuple(m["refresh_steps"]),
-                                 "lower_bound_steps": tuple(m["lower_bound_steps"]),
-                                 "greedy_refresh_steps": tuple(m["greedy_refresh_steps"]),
-                                 "peak_memory": {int(d): b for d, b in m["peak_memory"].items()}})
+        solver = SolverStats(
+            m["solver"]["status"], m["solver"]["wall_time"], tuple(m["solver"]["objective"]), m["solver"]["gap"]
+        )
+        metrics = PlanMetrics(
+            **{
+                **m,
+                "solver": solver,
+                "refresh_steps": tuple(m["refresh_steps"]),
+                "lower_bound_steps": tuple(m["lower_bound_steps"]),
+                "greedy_refresh_steps": tuple(m["greedy_refresh_steps"]),
+                "peak_memory": {int(d): b for d, b in m["peak_memory"].items()},
+            }
+        )
         programs = _programs_of(data["programs"])
         layers = {name: LayerTiming(**t) for name, t in data["layers"].items()}
         placements = tuple(Placement.from_dict(p) for p in data["placements"])
         problem = Problem.from_dict(data["problem"])
-        plan = Plan(problem, programs, layers, placements, metrics, data["fingerprint"], version,
-                    _programs_of(data["startup"]))
+        plan = Plan(
+            problem, programs, layers, placements, metrics, data["fingerprint"], version, _programs_of(data["startup"])
+        )
         check_structure(plan)
         return plan
     except PlanFormatError:

@@ -55,22 +55,27 @@ def _check_problem(problem: Problem) -> None:
     try:
         hash(problem)
     except TypeError as e:
-        raise PlanFormatError(f"the plan file is malformed: the problem holds a value of the wrong type ({e})"
-                              ) from None
+        raise PlanFormatError(
+            f"the plan file is malformed: the problem holds a value of the wrong type ({e})"
+        ) from None
 
 
 def _check_layers(plan: Plan) -> None:
     names = set(plan.problem.costs.layer_names)
     _need(set(plan.layers) == names, f"layers {sorted(plan.layers)} are not the cost table's {sorted(names)}")
     for name, t in plan.layers.items():
-        _need(all(_is_int(v) and v >= 0 for v in (t.period, t.curv_step, t.use_offset)) and t.period >= 1,
-              f"layer {name}: period, curv_step and use_offset must be ints (period >= 1)")
+        _need(
+            all(_is_int(v) and v >= 0 for v in (t.period, t.curv_step, t.use_offset)) and t.period >= 1,
+            f"layer {name}: period, curv_step and use_offset must be ints (period >= 1)",
+        )
         _need(t.capture in ("fused", "deferred"), f"layer {name}: capture must be 'fused' or 'deferred'")
 
 
 def _fixed_ops(problem: Problem) -> dict[int, set[tuple[OpKind, int | None, int | None, int]]]:
-    return {d: {(op.kind, op.stage, op.mb, op.pipe) for op in ops if op.kind in (OpKind.FWD, OpKind.BWD)}
-            for d, ops in base_programs(problem).items()}
+    return {
+        d: {(op.kind, op.stage, op.mb, op.pipe) for op in ops if op.kind in (OpKind.FWD, OpKind.BWD)}
+        for d, ops in base_programs(problem).items()
+    }
 
 
 def _check_op(problem: Problem, op: Op, device: int, fixed: dict[int, set]) -> None:
@@ -81,20 +86,29 @@ def _check_op(problem: Problem, op: Op, device: int, fixed: dict[int, set]) -> N
     if op.kind in _LAYER_KINDS:
         names = {x.name for x in problem.costs.stages[op.stage].layers}
         parts = {p.part for x in problem.costs.stages[op.stage].layers if x.name == op.layer for p in x.parts}
-        _need(op.layer in names and op.part in parts, f"{op}: stage {op.stage} has no layer {op.layer!r} "
-              "or the layer has no such part")
+        _need(
+            op.layer in names and op.part in parts,
+            f"{op}: stage {op.stage} has no layer {op.layer!r} or the layer has no such part",
+        )
     if op.kind in _NAMED_KINDS and op.layer is not None:
-        _need(op.layer in {x.name for x in problem.costs.stages[op.stage].layers},
-              f"{op}: stage {op.stage} has no layer {op.layer!r}")
+        _need(
+            op.layer in {x.name for x in problem.costs.stages[op.stage].layers},
+            f"{op}: stage {op.stage} has no layer {op.layer!r}",
+        )
     if op.kind is OpKind.STATS:
         kind = problem.costs.layer(op.layer).part(op.part).after  # type: ignore[arg-type]  # checked just above
         if kind is OpKind.ALLREDUCE_GRAD:
-            _need(op.mb is None and op.pipe == 0, f"{op}: part {op.part} is fed by the reduced gradient, so its "
-                  "STATS names no micro-batch and no pipe (one per step and copy of the stage)")
+            _need(
+                op.mb is None and op.pipe == 0,
+                f"{op}: part {op.part} is fed by the reduced gradient, so its "
+                "STATS names no micro-batch and no pipe (one per step and copy of the stage)",
+            )
         else:
             _need(op.mb is not None, f"{op}: part {op.part} is fed by a capture, so its STATS names a micro-batch")
-            _need((kind, op.stage, op.mb, op.pipe) in fixed[device], f"{op} on r{device}: r{device} runs no such "
-                  "micro-batch of the stage")
+            _need(
+                (kind, op.stage, op.mb, op.pipe) in fixed[device],
+                f"{op} on r{device}: r{device} runs no such micro-batch of the stage",
+            )
 
 
 def _check_placements(plan: Plan) -> None:
@@ -103,20 +117,26 @@ def _check_placements(plan: Plan) -> None:
     for p in plan.placements:
         _need(_is_int(p.device) and p.device in fixed, f"placement of {p.op}: no rank {p.device}")
         _need(_is_int(p.step) and p.step >= 0, f"placement of {p.op}: step must be an int >= 0")
-        _need(_is_number(p.start) and _is_number(p.end) and p.start <= p.end,
-              f"placement of {p.op}: start and end must be finite, start <= end")
+        _need(
+            _is_number(p.start) and _is_number(p.end) and p.start <= p.end,
+            f"placement of {p.op}: start and end must be finite, start <= end",
+        )
         _check_op(problem, p.op, p.device, fixed)
 
 
 def _check_programs(plan: Plan) -> None:
-    _need(plan.problem.D * plan.problem.W == len(plan.programs), f"programs for {len(plan.programs)} ranks, the mesh "
-          f"has D x W = {plan.problem.D * plan.problem.W}")  # before the ranks are listed: a mutated D or W
+    _need(
+        plan.problem.D * plan.problem.W == len(plan.programs),
+        f"programs for {len(plan.programs)} ranks, the mesh has D x W = {plan.problem.D * plan.problem.W}",
+    )  # before the ranks are listed: a mutated D or W
     devices = set(plan.problem.devices)
     _need(set(plan.programs) == devices, f"programs for ranks {sorted(plan.programs)}, the mesh has {sorted(devices)}")
     _need(all(len(steps) >= 1 for steps in plan.programs.values()), "every rank's program needs at least one step")
     forwards = sum(op.kind is OpKind.FWD for steps in plan.programs.values() for op in steps[0])
-    _need(plan.problem.N <= forwards, f"N={plan.problem.N} micro-batches, but the programs' first step runs only "
-          f"{forwards} forwards")  # before the schedule of N is built: a mutated N must not cost gigabytes
+    _need(
+        plan.problem.N <= forwards,
+        f"N={plan.problem.N} micro-batches, but the programs' first step runs only {forwards} forwards",
+    )  # before the schedule of N is built: a mutated N must not cost gigabytes
     fixed = _fixed_ops(plan.problem)
     for device, steps in plan.programs.items():
         for op in (op for ops in steps for op in ops if op.kind in _KFAC_KINDS):
@@ -132,13 +152,22 @@ def _check_metrics(plan: Plan) -> None:
     for name in ("refresh_steps", "lower_bound_steps", "greedy_refresh_steps"):
         values = getattr(m, name)
         _need(len(values) == plan.problem.num_stages, f"metrics.{name} needs one entry per stage")
-        _need(all(_is_int(v) or (v is None and name == "greedy_refresh_steps") for v in values),
-              f"metrics.{name} must hold ints")
+        _need(
+            all(_is_int(v) or (v is None and name == "greedy_refresh_steps") for v in values),
+            f"metrics.{name} must hold ints",
+        )
     _need(all(_is_int(d) and _is_int(b) for d, b in m.peak_memory.items()), "metrics.peak_memory maps ranks to bytes")
-    _need(isinstance(m.solver.status, str) and _is_number(m.solver.wall_time) and _is_number(m.solver.gap)
-          and all(_is_int(v) for v in m.solver.objective), "metrics.solver is malformed")
-    _need(m.time_quantum <= MAX_QUANTUM_SHARE * max(m.step_time_reference, 0.0),
-          f"metrics.time_quantum {m.time_quantum!r} s is coarser than {MAX_QUANTUM_SHARE:.0%} of the step")
+    _need(
+        isinstance(m.solver.status, str)
+        and _is_number(m.solver.wall_time)
+        and _is_number(m.solver.gap)
+        and all(_is_int(v) for v in m.solver.objective),
+        "metrics.solver is malformed",
+    )
+    _need(
+        m.time_quantum <= MAX_QUANTUM_SHARE * max(m.step_time_reference, 0.0),
+        f"metrics.time_quantum {m.time_quantum!r} s is coarser than {MAX_QUANTUM_SHARE:.0%} of the step",
+    )
     _need(m.utilization <= 1 + 1e-9 and m.utilization_baseline <= 1 + 1e-9, "utilization above 100%")
 
 
@@ -149,10 +178,14 @@ def _check_startup(plan: Plan) -> None:
     _need(set(plan.startup) <= set(plan.programs), "start-up steps for ranks that have no program")
     for rank in plan.programs:
         last = max(born.get(rank, {}).values(), default=0)
-        _need(len(plan.startup.get(rank, [])) == last, f"rank {rank} has {len(plan.startup.get(rank, []))} "
-              f"start-up steps, its placements call for {last}")
-    _need(dict(plan.startup) == {r: s for r, s in startup_programs(plan.programs, born).items()},
-          "the start-up steps are not the programs' first steps without the refreshes from before step 0")
+        _need(
+            len(plan.startup.get(rank, [])) == last,
+            f"rank {rank} has {len(plan.startup.get(rank, []))} start-up steps, its placements call for {last}",
+        )
+    _need(
+        dict(plan.startup) == {r: s for r, s in startup_programs(plan.programs, born).items()},
+        "the start-up steps are not the programs' first steps without the refreshes from before step 0",
+    )
 
 
 def check_structure(plan: Plan) -> None:

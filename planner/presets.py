@@ -122,10 +122,10 @@ class ModelSpec:
         return tuple(t for part in (self.embed, *self.blocks, self.head) for t in part.parameters)
 
 
-def _lin(prefix: str, rows: Sequence[tuple[str, int, int]], bias: bool = True,
-         transposed: bool = False) -> tuple[LinearSpec, ...]:
-    return tuple(LinearSpec(f"{prefix}.{name}", d_in, d_out, bias, transposed=transposed)
-                 for name, d_in, d_out in rows)
+def _lin(
+    prefix: str, rows: Sequence[tuple[str, int, int]], bias: bool = True, transposed: bool = False
+) -> tuple[LinearSpec, ...]:
+    return tuple(LinearSpec(f"{prefix}.{name}", d_in, d_out, bias, transposed=transposed) for name, d_in, d_out in rows)
 
 
 def _norms(names: Sequence[str], width: int, bias: bool = True) -> tuple[TensorSpec, ...]:
@@ -170,15 +170,28 @@ def _bert(name: str, hidden: int, layers: int, heads: int, ffn: int) -> ModelSpe
     blocks = tuple(
         _transformer_block(
             p := f"bert.encoder.layer.{i}",
-            _lin(p, [("attention.self.query", h, h), ("attention.self.key", h, h), ("attention.self.value", h, h),
-                     ("attention.output.dense", h, h), ("intermediate.dense", h, ffn), ("output.dense", ffn, h)]),
-            hidden=h, ffn=ffn, tensors=_norms([f"{p}.attention.output.LayerNorm", f"{p}.output.LayerNorm"], h),
+            _lin(
+                p,
+                [
+                    ("attention.self.query", h, h),
+                    ("attention.self.key", h, h),
+                    ("attention.self.value", h, h),
+                    ("attention.output.dense", h, h),
+                    ("intermediate.dense", h, ffn),
+                    ("output.dense", ffn, h),
+                ],
+            ),
+            hidden=h,
+            ffn=ffn,
+            tensors=_norms([f"{p}.attention.output.LayerNorm", f"{p}.output.LayerNorm"], h),
         )  # fmt: skip
         for i in range(layers)
     )
-    tables = (TensorSpec(f"{pre}.word_embeddings.weight", (vocab, h)),
-              TensorSpec(f"{pre}.position_embeddings.weight", (512, h)),
-              TensorSpec(f"{pre}.token_type_embeddings.weight", (2, h)))
+    tables = (
+        TensorSpec(f"{pre}.word_embeddings.weight", (vocab, h)),
+        TensorSpec(f"{pre}.position_embeddings.weight", (512, h)),
+        TensorSpec(f"{pre}.token_type_embeddings.weight", (2, h)),
+    )
     embed = BlockSpec(pre, elementwise_per_token=6 * h, tensors=tables + _norms([f"{pre}.LayerNorm"], h))
     head = BlockSpec(
         "cls",
@@ -201,15 +214,22 @@ def _gpt2() -> ModelSpec:
     blocks = tuple(
         _transformer_block(
             p := f"transformer.h.{i}",
-            _lin(p, [("attn.c_attn", h, 3 * h), ("attn.c_proj", h, h), ("mlp.c_fc", h, ffn), ("mlp.c_proj", ffn, h)],
-                 transposed=True),
-            hidden=h, ffn=ffn, tensors=_norms([f"{p}.ln_1", f"{p}.ln_2"], h),
+            _lin(
+                p,
+                [("attn.c_attn", h, 3 * h), ("attn.c_proj", h, h), ("mlp.c_fc", h, ffn), ("mlp.c_proj", ffn, h)],
+                transposed=True,
+            ),
+            hidden=h,
+            ffn=ffn,
+            tensors=_norms([f"{p}.ln_1", f"{p}.ln_2"], h),
         )  # fmt: skip
         for i in range(12)
     )
-    embed = BlockSpec("transformer", elementwise_per_token=3 * h,
-                      tensors=(TensorSpec("transformer.wte.weight", (vocab, h)),
-                               TensorSpec("transformer.wpe.weight", (1024, h))))
+    embed = BlockSpec(
+        "transformer",
+        elementwise_per_token=3 * h,
+        tensors=(TensorSpec("transformer.wte.weight", (vocab, h)), TensorSpec("transformer.wpe.weight", (1024, h))),
+    )
     head = BlockSpec(
         "lm_head",
         linears=(LinearSpec("lm_head", h, vocab, bias=False, kfac=False, tied=True),),
@@ -225,9 +245,20 @@ def _opt(name: str, hidden: int, layers: int, heads: int, ffn: int, proj: int) -
     blocks = tuple(
         _transformer_block(
             p := f"{pre}.layers.{i}",
-            _lin(p, [("self_attn.q_proj", h, h), ("self_attn.k_proj", h, h), ("self_attn.v_proj", h, h),
-                     ("self_attn.out_proj", h, h), ("fc1", h, ffn), ("fc2", ffn, h)]),
-            hidden=h, ffn=ffn, tensors=_norms([f"{p}.self_attn_layer_norm", f"{p}.final_layer_norm"], h),
+            _lin(
+                p,
+                [
+                    ("self_attn.q_proj", h, h),
+                    ("self_attn.k_proj", h, h),
+                    ("self_attn.v_proj", h, h),
+                    ("self_attn.out_proj", h, h),
+                    ("fc1", h, ffn),
+                    ("fc2", ffn, h),
+                ],
+            ),
+            hidden=h,
+            ffn=ffn,
+            tensors=_norms([f"{p}.self_attn_layer_norm", f"{p}.final_layer_norm"], h),
         )  # fmt: skip
         for i in range(layers)
     )
@@ -236,8 +267,10 @@ def _opt(name: str, hidden: int, layers: int, heads: int, ffn: int, proj: int) -
         pre,
         linears=(LinearSpec(f"{pre}.project_in", proj, h, bias=False),) if projected else (),
         elementwise_per_token=3 * h,
-        tensors=(TensorSpec(f"{pre}.embed_tokens.weight", (vocab, proj)),
-                 TensorSpec(f"{pre}.embed_positions.weight", (2048 + 2, h))),  # learned positions: an offset of 2
+        tensors=(
+            TensorSpec(f"{pre}.embed_tokens.weight", (vocab, proj)),
+            TensorSpec(f"{pre}.embed_positions.weight", (2048 + 2, h)),
+        ),  # learned positions: an offset of 2
     )
     head = BlockSpec(
         "lm_head",
@@ -276,7 +309,11 @@ def _t5_base() -> ModelSpec:
             norms = _norms([f"{p}.layer.{j}.layer_norm" for j in range(n_sub)], h, bias=False)
             blocks.append(
                 _transformer_block(
-                    p, _lin(p, rows, bias=False), hidden=h, ffn=ffn, attention=n_sub - 1,
+                    p,
+                    _lin(p, rows, bias=False),
+                    hidden=h,
+                    ffn=ffn,
+                    attention=n_sub - 1,
                     tensors=(bias if i == 0 else ()) + norms,
                 )  # fmt: skip
             )

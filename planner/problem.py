@@ -89,8 +89,10 @@ class Problem:
             raise PlanError(f"the data-parallel size W must be an int >= 1, got {self.W!r}")
         S = num_stages(kind, self.D, self.v)
         if len(self.costs.stages) != S:
-            raise PlanError(f"the cost table has {len(self.costs.stages)} stages but {kind} with D={self.D}, "
-                            f"v={self.v} has {S}; make the cost table for {S} stages")
+            raise PlanError(
+                f"the cost table has {len(self.costs.stages)} stages but {kind} with D={self.D}, "
+                f"v={self.v} has {S}; make the cost table for {S} stages"
+            )
         budget = self.memory_budget
         if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
             raise PlanError(f"memory_budget must be a positive int (bytes) or None, got {budget!r}")
@@ -105,8 +107,10 @@ class Problem:
         if isinstance(self.decomp_pieces, bool) or not isinstance(self.decomp_pieces, int) or self.decomp_pieces < 1:
             raise PlanError(f"decomp_pieces must be an int >= 1, got {self.decomp_pieces!r}")
         if [n for n, _ in self.distributions] != sorted({n for n, _ in self.distributions}):
-            raise PlanError("Problem.distributions must be (layer, distribution) pairs sorted by distinct layer; "
-                            "use Problem.with_distributions")
+            raise PlanError(
+                "Problem.distributions must be (layer, distribution) pairs sorted by distinct layer; "
+                "use Problem.with_distributions"
+            )
         unknown = sorted({n for n, _ in self.distributions} - set(self.costs.layer_names))
         if unknown:
             raise PlanError(f"distributions name layers {unknown[:3]} that are not in the cost table")
@@ -114,8 +118,10 @@ class Problem:
             grad_workers(copies_of_stage(self, self.costs.stage_of(name)), where)  # ConfigError for a bad column
             captured = any(p.after is not OpKind.ALLREDUCE_GRAD for p in self.costs.layer(name).parts)
             if where.strategy.local_factors and not captured:
-                raise ConfigError(f"{where.strategy} keeps local factors of captures, but {name}'s statistics come "
-                                  "from the reduced gradient, the same on every copy; use mem-opt for one owner")
+                raise ConfigError(
+                    f"{where.strategy} keeps local factors of captures, but {name}'s statistics come "
+                    "from the reduced gradient, the same on every copy; use mem-opt for one owner"
+                )
 
     def __hash__(self) -> int:
         """The fields' hash, computed once: the planner's caches (lru_cache) key on problems millions of times,
@@ -173,13 +179,22 @@ class Problem:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able form (the cost table nested in its own schema)."""
-        return {"schedule": self.schedule, "D": self.D, "N": self.N, "W": self.W, "v": self.v,
-                "costs": self.costs.to_dict(), "memory_budget": self.memory_budget,
-                "max_overhead": self.max_overhead, "hardware": self.hardware,
-                "fingerprint": self.fingerprint, "max_period": self.max_period,
-                **({"distributions": {n: str(d) for n, d in self.distributions}} if self.distributions else {}),
-                **({"decomp_pieces": self.decomp_pieces} if self.decomp_pieces > 1 else {}),
-                **({"barrier": self.barrier.value} if self.barrier is not StepBarrier.WORLD else {})}
+        return {
+            "schedule": self.schedule,
+            "D": self.D,
+            "N": self.N,
+            "W": self.W,
+            "v": self.v,
+            "costs": self.costs.to_dict(),
+            "memory_budget": self.memory_budget,
+            "max_overhead": self.max_overhead,
+            "hardware": self.hardware,
+            "fingerprint": self.fingerprint,
+            "max_period": self.max_period,
+            **({"distributions": {n: str(d) for n, d in self.distributions}} if self.distributions else {}),
+            **({"decomp_pieces": self.decomp_pieces} if self.decomp_pieces > 1 else {}),
+            **({"barrier": self.barrier.value} if self.barrier is not StepBarrier.WORLD else {}),
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Problem:
@@ -282,8 +297,9 @@ def stages_on_device(problem: Problem, device: int) -> tuple[int, ...]:
 def stage_groups(problem: Problem) -> tuple[StageGroup, ...]:
     """The connected components of 'stage runs on device', ordered by their first stage."""
     linked = linked_classes((stages_on_device(problem, d) for d in problem.devices), problem.num_stages)
-    return tuple(StageGroup(stages, tuple(sorted({d for s in stages for d in copies_of_stage(problem, s)})))
-                 for stages in linked)
+    return tuple(
+        StageGroup(stages, tuple(sorted({d for s in stages for d in copies_of_stage(problem, s)}))) for stages in linked
+    )
 
 
 def agreement_set(problem: Problem, device: int) -> tuple[int, ...]:
@@ -302,4 +318,3 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
-

@@ -83,8 +83,10 @@ class RootMethod(StrEnum):
     QR = "qr"
 
 
-_METHODS = {PreconditionerKind.SHAMPOO: (RootMethod.EIGH, RootMethod.NEWTON),
-            PreconditionerKind.SOAP: (RootMethod.QR, RootMethod.EIGH)}
+_METHODS = {
+    PreconditionerKind.SHAMPOO: (RootMethod.EIGH, RootMethod.NEWTON),
+    PreconditionerKind.SOAP: (RootMethod.QR, RootMethod.EIGH),
+}
 """The methods each family has, its default first."""
 
 
@@ -137,8 +139,9 @@ def _apply_flops(kind: PreconditionerKind, shape: tuple[int, int], sides: tuple[
     return times * flops, times * nbytes
 
 
-def parameter_cost(tensor: TensorSpec, hw: HardwareSpec, kind: PreconditionerKind, max_dim: int,
-                   method: RootMethod | None = None) -> LayerCost | None:
+def parameter_cost(
+    tensor: TensorSpec, hw: HardwareSpec, kind: PreconditionerKind, max_dim: int, method: RootMethod | None = None
+) -> LayerCost | None:
     """The LayerCost of one parameter (name: its FQN) cut into blocks of side <= max_dim; None when the family
     leaves it to its diagonal method (SOAP's 1-D parameters). `method`: the family's default when None."""
     method = _METHODS[kind][0] if method is None else method
@@ -158,8 +161,13 @@ def parameter_cost(tensor: TensorSpec, hw: HardwareSpec, kind: PreconditionerKin
                 bytes_of[part] += _F32 * side * side
         prec += _gemm(hw, *_apply_flops(kind, shape, block.sides))
     prec += ELEMENTWISE_PASSES[kind] * _F32 * tensor.numel / hw.mem_bandwidth
-    parts = tuple(PartCost(part, OpKind.ALLREDUCE_GRAD, sum(x.stats for x in costs), sum(x.decomp for x in costs),
-                           0, bytes_of[part]) for part, costs in sides.items() if costs)
+    parts = tuple(
+        PartCost(
+            part, OpKind.ALLREDUCE_GRAD, sum(x.stats for x in costs), sum(x.decomp for x in costs), 0, bytes_of[part]
+        )
+        for part, costs in sides.items()
+        if costs
+    )
     return LayerCost(tensor.name, parts, prec, STATE_BUFFERS[kind] * _F32 * tensor.numel, _F32 * tensor.numel)
 
 

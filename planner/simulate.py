@@ -71,15 +71,21 @@ class Timeline:
         """The rank's intervals in execution order."""
         return [iv for iv in self.intervals if iv.rank == rank]
 
-    def busy(self, rank: int, kinds: Iterable[OpKind] = COMPUTE_KINDS,
-             window: tuple[float, float] = (-math.inf, math.inf)) -> float:
+    def busy(
+        self, rank: int, kinds: Iterable[OpKind] = COMPUTE_KINDS, window: tuple[float, float] = (-math.inf, math.inf)
+    ) -> float:
         """Total time the rank spends in ops of `kinds` inside `window` (start, end) (default: all of it)."""
         wanted, (start, end) = frozenset(kinds), window
-        return sum(max(0.0, min(iv.end, end) - max(iv.start, start)) for iv in self.of_rank(rank)
-                   if iv.op.kind in wanted)
+        return sum(
+            max(0.0, min(iv.end, end) - max(iv.start, start)) for iv in self.of_rank(rank) if iv.op.kind in wanted
+        )
 
-    def utilization(self, rank: int | None = None, kinds: Iterable[OpKind] = COMPUTE_KINDS,
-                    window: tuple[float, float] | None = None) -> float:
+    def utilization(
+        self,
+        rank: int | None = None,
+        kinds: Iterable[OpKind] = COMPUTE_KINDS,
+        window: tuple[float, float] | None = None,
+    ) -> float:
         """`utilization` of one rank, or of all ranks together when `rank` is None, over `window` (start, end)
         (default: the makespan)."""
         ranks = self.ranks if rank is None else (rank,)
@@ -154,8 +160,10 @@ def _producer_rank(rank: int, op: Op, producer: Op, flat: _Flat) -> int:
         return candidates[0]
     own = flat.holders[op]
     if len(own) != len(candidates):
-        raise DeadlockError(f"rank {rank}: {op} cannot tell which copy of {producer} it needs "
-                            f"(held by ranks {candidates}); lower the programs with add_send_recv")
+        raise DeadlockError(
+            f"rank {rank}: {op} cannot tell which copy of {producer} it needs "
+            f"(held by ranks {candidates}); lower the programs with add_send_recv"
+        )
     return candidates[own.index(rank)]
 
 
@@ -177,8 +185,9 @@ def _sync_key(op: Op, rank: int, barrier: Mapping[int, tuple[int, ...]] | None) 
 class _Sim:
     """The state of one simulation: per-rank cursor and free time, finished ends, messages."""
 
-    def __init__(self, flat: _Flat, duration: Duration, comm: float,
-                 barrier: Mapping[int, tuple[int, ...]] | None) -> None:
+    def __init__(
+        self, flat: _Flat, duration: Duration, comm: float, barrier: Mapping[int, tuple[int, ...]] | None
+    ) -> None:
         self.flat, self.duration, self.comm = flat, duration, comm
         self.explicit = any(op.kind in SEND_KINDS | RECV_KINDS for ops in flat.ops.values() for _, op in ops)
         self.num_stages: dict[int, int] = defaultdict(int)
@@ -236,8 +245,9 @@ class _Sim:
         key = self.keys[rank, self.pos[rank]]
         members = self.groups[key]
         k = self.flat.occurrence[rank, self.pos[rank]]
-        waiting = [m for m in members if self.keys.get((m, self.pos[m])) != key
-                   or self.flat.occurrence[m, self.pos[m]] != k]
+        waiting = [
+            m for m in members if self.keys.get((m, self.pos[m])) != key or self.flat.occurrence[m, self.pos[m]] != k
+        ]
         if waiting:
             return f"ranks {waiting} to reach it"
         start = max(self.free[m] for m in members)

@@ -11,8 +11,17 @@ from fxkfac.planner.ir import Op, OpKind
 from fxkfac.planner.memory import peak_level, static_bytes
 from fxkfac.planner.window import TaskKind, Window, wrap
 
-__all__ = ["Placement", "GroupSolution", "placements_of", "use_offsets", "prec_steps_ready", "peak_bytes",
-           "fits_memory", "is_refresh_op", "born_steps"]
+__all__ = [
+    "Placement",
+    "GroupSolution",
+    "placements_of",
+    "use_offsets",
+    "prec_steps_ready",
+    "peak_bytes",
+    "fits_memory",
+    "is_refresh_op",
+    "born_steps",
+]
 
 
 @dataclass(frozen=True)
@@ -33,8 +42,9 @@ class Placement:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Placement:
         """Inverse of `to_dict`."""
-        return cls(Op.parse(str(data["op"])), int(data["device"]), int(data["step"]),
-                   float(data["start"]), float(data["end"]))
+        return cls(
+            Op.parse(str(data["op"])), int(data["device"]), int(data["step"]), float(data["start"]), float(data["end"])
+        )
 
 
 @dataclass(frozen=True)
@@ -59,8 +69,11 @@ def prec_steps_ready(window: Window, prec_starts: tuple[int, ...], stage: int, r
     k, L = window.k, window.length
     for u in range(2 * k + 1):
         base = L * (u // k)
-        if all(base + prec_starts[i] >= ready for i, slot in enumerate(window.precs)
-               if slot.stage == stage and slot.step == u % k):
+        if all(
+            base + prec_starts[i] >= ready
+            for i, slot in enumerate(window.precs)
+            if slot.stage == stage and slot.step == u % k
+        ):
             return u
     return 2 * k + 1
 
@@ -73,8 +86,10 @@ def use_offsets(window: Window, starts: tuple[int, ...], prec_starts: tuple[int,
         if task.kind in (TaskKind.INV, TaskKind.BCAST):
             for layer, _ in task.factors:
                 ready[layer] = max(ready.get(layer, 0), start + task.ticks)
-    return {layer: prec_steps_ready(window, prec_starts, window.problem.costs.stage_of(layer), t)
-            for layer, t in ready.items()}
+    return {
+        layer: prec_steps_ready(window, prec_starts, window.problem.costs.stage_of(layer), t)
+        for layer, t in ready.items()
+    }
 
 
 def placements_of(solution: GroupSolution) -> list[Placement]:
@@ -84,13 +99,17 @@ def placements_of(solution: GroupSolution) -> list[Placement]:
     out: list[Placement] = []
     for task, start, device in zip(w.tasks, solution.starts, solution.devices):
         members = task.devices if task.kind.collective else (device,)
-        ops = tuple(replace(op, root=device) if task.kind is TaskKind.BCAST else op  # from where it was decomposed
-                    for op in task.ops)
+        ops = tuple(
+            replace(op, root=device) if task.kind is TaskKind.BCAST else op  # from where it was decomposed
+            for op in task.ops
+        )
         for member in members:
             out += _back_to_back(ops, task.seconds, member, w.step_of(member, start), w.seconds(start))
     for slot, start in zip(w.precs, solution.prec_starts):
-        out += [Placement(op, slot.device, slot.step, w.seconds(start) + at, w.seconds(start) + at + secs)
-                for op, secs, at in zip(slot.ops, slot.durations, slot.offsets)]
+        out += [
+            Placement(op, slot.device, slot.step, w.seconds(start) + at, w.seconds(start) + at + secs)
+            for op, secs, at in zip(slot.ops, slot.durations, slot.offsets)
+        ]
     return out
 
 
@@ -105,9 +124,12 @@ def _back_to_back(ops: Iterable[Op], durations: Iterable[float], device: int, st
 
 def peak_bytes(window: Window, starts: tuple[int, ...], device: int) -> int:
     """Static bytes plus the peak of activations and kept a/e on `device` over the (modular) window."""
-    kept = [(s, e, task.keep_bytes) for task, start in zip(window.tasks, starts)
-            if task.kind is TaskKind.CURV and task.devices[0] == device and task.keep_bytes
-            for s, e in wrap(task.release, start + task.ticks, window.length)]
+    kept = [
+        (s, e, task.keep_bytes)
+        for task, start in zip(window.tasks, starts)
+        if task.kind is TaskKind.CURV and task.devices[0] == device and task.keep_bytes
+        for s, e in wrap(task.release, start + task.ticks, window.length)
+    ]
     return static_bytes(window.problem, device) + peak_level([*window.acts[device], *kept])
 
 

@@ -60,8 +60,15 @@ class TimeBox:
         return Clock(self.meter, until, until, self.made)
 
 
-def solve(problem: Problem, config: SolverConfig = SolverConfig(), method: Method | str = Method.CPSAT, *,
-          box: TimeBox | None = None, shares: int = 1, suggest: bool = True) -> Plan:
+def solve(
+    problem: Problem,
+    config: SolverConfig = SolverConfig(),
+    method: Method | str = Method.CPSAT,
+    *,
+    box: TimeBox | None = None,
+    shares: int = 1,
+    suggest: bool = True,
+) -> Plan:
     """Plan the K-FAC work of `problem` (Method.CPSAT: optimal placement warm-started by greedy; GREEDY:
     the paper's rule, fusing curvature by its excess over a memory budget) within config.time_limit_s plus
     OVERTIME, or within `box` (a planning that solves several problems: this one gets 1/`shares` of the

@@ -85,8 +85,12 @@ def base_programs(problem: Problem) -> dict[int, list[Op]]:
 def gradient_stats(stage: StageCost, index: int) -> list[tuple[Op, float]]:
     """The STATS ops (with their seconds) of stage `index`'s parts fed by the reduced gradient, in the order every
     step runs them: layer by layer, each layer's parts in their order, right before the stage's APPLY."""
-    return [(Op(OpKind.STATS, index, layer=x.name, part=p.part), p.stats)
-            for x in stage.layers for p in x.parts if p.after is OpKind.ALLREDUCE_GRAD]
+    return [
+        (Op(OpKind.STATS, index, layer=x.name, part=p.part), p.stats)
+        for x in stage.layers
+        for p in x.parts
+        if p.after is OpKind.ALLREDUCE_GRAD
+    ]
 
 
 def prec_work(problem: Problem, device: int, stage: int) -> list[tuple[Op, float]]:
@@ -95,8 +99,11 @@ def prec_work(problem: Problem, device: int, stage: int) -> list[tuple[Op, float
     layer it is a grad worker of, then the BCAST_PREC of each layer along its row (planner/strategy.py)."""
     copies = copies_of_stage(problem, stage)
     cost = problem.costs.stages[stage]
-    work = [(op, secs) for op, secs in gradient_stats(cost, stage)
-            if op.layer is not None and device in problem.workers(op.layer)]
+    work = [
+        (op, secs)
+        for op, secs in gradient_stats(cost, stage)
+        if op.layer is not None and device in problem.workers(op.layer)
+    ]
     applies, shares = step_applies(device, stage, [x.name for x in cost.layers], copies, dict(problem.distributions))
     work += [(op, cost.prec if op.layer is None else problem.costs.layer(op.layer).prec) for op in applies]
     return work + [(op, problem.costs.collective_seconds(op, len(op.group or copies))) for op in shares]
@@ -156,8 +163,7 @@ def stage_comm(problem: Problem, stage: int) -> StageComm:
                 sync += price(Op(OpKind.SYNC_STATS, stage, layer=x.name, part=p.part), len(copies))
             if len(workers) > 1:
                 bcast += price(Op(OpKind.BCAST, stage, layer=x.name, part=p.part, root=workers[0]), len(workers))
-    share = max(sum(secs for op, secs in prec_work(problem, d, stage) if op.kind is OpKind.BCAST_PREC)
-                for d in copies)
+    share = max(sum(secs for op, secs in prec_work(problem, d, stage) if op.kind is OpKind.BCAST_PREC) for d in copies)
     return StageComm(len(copies), gradient_allreduce_seconds(problem, stage), sync, bcast, share)
 
 
@@ -173,8 +179,12 @@ def _duration(problem: Problem, fused: frozenset[str]) -> Callable[[int, Op], fl
 
     fwd = [s.fwd + fused_curv(s, OpKind.FWD) for s in stages]
     bwd = [s.bwd + fused_curv(s, OpKind.BWD) for s in stages]
-    per_step = {(d, op): secs for d in problem.devices for s in stages_on_device(problem, d)
-                for op, secs in prec_work(problem, d, s)}
+    per_step = {
+        (d, op): secs
+        for d in problem.devices
+        for s in stages_on_device(problem, d)
+        for op, secs in prec_work(problem, d, s)
+    }
 
     def duration(rank: int, op: Op) -> float:
         if op.kind is OpKind.FWD:
@@ -246,8 +256,12 @@ def steps_overlap(problem: Problem) -> bool:
     for fused in (frozenset(), frozenset(problem.costs.layer_names)):
         one = step_timeline(problem, fused)
         run = simulate(programs, _duration(problem, fused), steps=3, barrier=barrier)
-        want = {(d, j, n): j * one.length + end for d, items in one.ops.items() for j in range(3)
-                for n, (_, _, end) in enumerate(items)}
+        want = {
+            (d, j, n): j * one.length + end
+            for d, items in one.ops.items()
+            for j in range(3)
+            for n, (_, _, end) in enumerate(items)
+        }
         seen: dict[tuple[int, int], int] = {}
         for iv in sorted(run.intervals, key=lambda iv: (iv.rank, iv.step, iv.start, iv.end)):
             n = seen[iv.rank, iv.step] = seen.get((iv.rank, iv.step), -1) + 1
@@ -281,8 +295,13 @@ def early_start(problem: Problem, step: StepTimeline, devices: Iterable[int]) ->
     overlap (`steps_overlap`)."""
     if problem.barrier is StepBarrier.WORLD or steps_overlap(problem):
         return 0.0
-    last = max((max((end for op, _, end in step.ops[d] if op.kind not in _SLOT_KINDS), default=0.0)
-                + sum(slot_seconds(problem, d, s) for s in stages_on_device(problem, d))) for d in devices)
+    last = max(
+        (
+            max((end for op, _, end in step.ops[d] if op.kind not in _SLOT_KINDS), default=0.0)
+            + sum(slot_seconds(problem, d, s) for s in stages_on_device(problem, d))
+        )
+        for d in devices
+    )
     return max(0.0, step.length - last)
 
 
@@ -297,8 +316,10 @@ def slot_seconds(problem: Problem, device: int, stage: int) -> float:
     shares = [secs for op, secs in work if op.kind is OpKind.BCAST_PREC]
     if not shares:
         return sum(secs for _, secs in work)
-    before = max(sum(secs for op, secs in prec_work(problem, c, stage) if op.kind is not OpKind.BCAST_PREC)
-                 for c in copies_of_stage(problem, stage))
+    before = max(
+        sum(secs for op, secs in prec_work(problem, c, stage) if op.kind is not OpKind.BCAST_PREC)
+        for c in copies_of_stage(problem, stage)
+    )
     return before + sum(shares)
 
 
@@ -310,8 +331,9 @@ def stretch_allowance(problem: Problem, fused: frozenset[str], k: int) -> float:
     return max(0.0, problem.max_overhead * normal - extra / k)
 
 
-def refresh_lower_bound(problem: Problem, group: StageGroup, fused: frozenset[str] = frozenset(),
-                        stretch: bool = False) -> int:
+def refresh_lower_bound(
+    problem: Problem, group: StageGroup, fused: frozenset[str] = frozenset(), stretch: bool = False
+) -> int:
     """ceil(K-FAC work of the group / its bubble time per step): curvature of every micro-batch on
     every copy that keeps the layer's statistics (unfused layers) plus all inversions, over the idle time of
     the reference step (whose F/B, per-step preconditioner work and gradient all-reduces are busy).
@@ -325,12 +347,20 @@ def refresh_lower_bound(problem: Problem, group: StageGroup, fused: frozenset[st
         for op, _, _ in step.fixed(device):
             assert op.stage is not None, "F/B name their stage"
             copies = copies_of_stage(problem, op.stage)
-            work += sum(p.stats for x in problem.costs.stages[op.stage].layers
-                        if x.name not in fused and keeps_statistics(device, copies, problem.where(x.name))
-                        for p in x.parts if p.after is op.kind)
+            work += sum(
+                p.stats
+                for x in problem.costs.stages[op.stage].layers
+                if x.name not in fused and keeps_statistics(device, copies, problem.where(x.name))
+                for p in x.parts
+                if p.after is op.kind
+            )
     work += sum(problem.costs.stages[s].inv for s in group.stages)
-    busy = sum(end - start for d in group.devices for op, start, end in step.ops[d]
-               if op.kind in _FIXED_KINDS or op.kind in _NOT_BUBBLE)
+    busy = sum(
+        end - start
+        for d in group.devices
+        for op, start, end in step.ops[d]
+        if op.kind in _FIXED_KINDS or op.kind in _NOT_BUBBLE
+    )
     bubble = step.length * len(group.devices) - busy
     if work <= 0:
         return 1

@@ -28,8 +28,21 @@ from fractions import Fraction
 
 from fxkfac.planner.errors import ConfigError
 
-__all__ = ["StrategyKind", "Strategy", "COMM_OPT", "LayerDistribution", "parse_strategy", "grad_workers",
-           "receivers", "columns", "keeps_statistics", "assign_columns", "distribute", "Holding", "holding"]
+__all__ = [
+    "StrategyKind",
+    "Strategy",
+    "COMM_OPT",
+    "LayerDistribution",
+    "parse_strategy",
+    "grad_workers",
+    "receivers",
+    "columns",
+    "keeps_statistics",
+    "assign_columns",
+    "distribute",
+    "Holding",
+    "holding",
+]
 
 
 class StrategyKind(StrEnum):
@@ -52,11 +65,13 @@ class Strategy:
         if not isinstance(self.kind, StrategyKind):
             object.__setattr__(self, "kind", StrategyKind(self.kind))
         if (self.kind is StrategyKind.HYBRID) != (self.fraction is not None):
-            raise ConfigError(f"a grad-worker fraction goes with the hybrid strategy only, got {self.kind.value} "
-                              f"with {self.fraction}")
+            raise ConfigError(
+                f"a grad-worker fraction goes with the hybrid strategy only, got {self.kind.value} with {self.fraction}"
+            )
         if self.fraction is not None and not 0 < self.fraction < 1:
-            raise ConfigError(f"the hybrid grad-worker fraction must be in (0, 1), got {self.fraction}; "
-                              "1 is comm-opt and 1/W mem-opt")
+            raise ConfigError(
+                f"the hybrid grad-worker fraction must be in (0, 1), got {self.fraction}; 1 is comm-opt and 1/W mem-opt"
+            )
 
     def __str__(self) -> str:
         return self.kind.value if self.fraction is None else f"{self.kind.value}:{self.fraction}"
@@ -75,8 +90,10 @@ class Strategy:
         assert self.fraction is not None, "a hybrid strategy has its fraction (checked at construction)"
         g = max(1, round(self.fraction * holders))
         if holders % g:
-            raise ConfigError(f"{self} gives {g} grad workers of a stage held by {holders} ranks, which does not "
-                              f"divide them; choose f so that f * {holders} divides {holders}")
+            raise ConfigError(
+                f"{self} gives {g} grad workers of a stage held by {holders} ranks, which does not "
+                f"divide them; choose f so that f * {holders} divides {holders}"
+            )
         return g
 
 
@@ -95,8 +112,9 @@ def parse_strategy(text: str) -> Strategy:
     try:
         kind = StrategyKind(text)
     except ValueError:
-        raise ConfigError(f"unknown strategy {text!r}; use comm-opt, mem-opt, hybrid:F (0 < F < 1, e.g. "
-                          "hybrid:0.5) or dp-kfac") from None
+        raise ConfigError(
+            f"unknown strategy {text!r}; use comm-opt, mem-opt, hybrid:F (0 < F < 1, e.g. hybrid:0.5) or dp-kfac"
+        ) from None
     if kind is StrategyKind.HYBRID:
         raise ConfigError("hybrid needs its grad-worker fraction: hybrid:F, e.g. hybrid:0.5")
     return Strategy(kind)
@@ -131,9 +149,11 @@ def grad_workers(holders: tuple[int, ...], where: LayerDistribution) -> tuple[in
     """The ranks of the layer's column: they decompose, hold the decomposition and precondition the layer."""
     n = columns(holders, where.strategy)
     if not 0 <= where.column < n:
-        raise ConfigError(f"column {where.column} of {where.strategy} does not exist for a stage held by "
-                          f"{len(holders)} ranks (columns 0..{n - 1})")
-    return holders[where.column::n]
+        raise ConfigError(
+            f"column {where.column} of {where.strategy} does not exist for a stage held by "
+            f"{len(holders)} ranks (columns 0..{n - 1})"
+        )
+    return holders[where.column :: n]
 
 
 def receivers(holders: tuple[int, ...], where: LayerDistribution) -> list[tuple[int, tuple[int, ...]]]:
@@ -142,7 +162,7 @@ def receivers(holders: tuple[int, ...], where: LayerDistribution) -> list[tuple[
     n = columns(holders, where.strategy)
     if n == 1:
         return []
-    rows = [holders[j * n:(j + 1) * n] for j in range(len(holders) // n)]
+    rows = [holders[j * n : (j + 1) * n] for j in range(len(holders) // n)]
     return [(row[where.column], row) for row in rows]
 
 
@@ -170,8 +190,11 @@ def holding(rank: int, holders: tuple[int, ...], where: LayerDistribution, gradi
     """What `rank` (one of `holders`) keeps of a layer distributed as `where` (see [Note: strategies]);
     `gradient_fed`: every part of the layer's statistics comes from the reduced gradient."""
     workers = grad_workers(holders, where)
-    return Holding(statistics=keeps_statistics(rank, holders, where, gradient_fed), decompositions=rank in workers,
-                   shares_gradient=len(workers) < len(holders))
+    return Holding(
+        statistics=keeps_statistics(rank, holders, where, gradient_fed),
+        decompositions=rank in workers,
+        shares_gradient=len(workers) < len(holders),
+    )
 
 
 def assign_columns(costs: Mapping[str, float], n: int) -> dict[str, int]:
@@ -186,8 +209,12 @@ def assign_columns(costs: Mapping[str, float], n: int) -> dict[str, int]:
     return out
 
 
-def distribute(strategy: Strategy, stage_layers: Mapping[int, Sequence[str]], holders: Mapping[int, tuple[int, ...]],
-               costs: Mapping[str, float]) -> dict[str, LayerDistribution]:
+def distribute(
+    strategy: Strategy,
+    stage_layers: Mapping[int, Sequence[str]],
+    holders: Mapping[int, tuple[int, ...]],
+    costs: Mapping[str, float],
+) -> dict[str, LayerDistribution]:
     """Every layer under `strategy`, each stage's layers dealt to its columns by `assign_columns` on `costs`
     (a layer's decomposition cost: KAISA uses the sum of its factors' dim^3)."""
     out: dict[str, LayerDistribution] = {}

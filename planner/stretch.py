@@ -49,8 +49,16 @@ class Allowance:
 
     def window(self, group: StageGroup, k: int, stretch: int, *, aggregate: bool, resolution: int) -> Window:
         """The window of `group` at period k with `stretch` ticks per step on this allowance's grid."""
-        return build_window(self.problem, group, k, self.fused, aggregate=aggregate, resolution=resolution,
-                            stretch=stretch, scale=self.scale)
+        return build_window(
+            self.problem,
+            group,
+            k,
+            self.fused,
+            aggregate=aggregate,
+            resolution=resolution,
+            stretch=stretch,
+            scale=self.scale,
+        )
 
 
 def allowance(problem: Problem, fused: frozenset[str], config: SolverConfig) -> Allowance:
@@ -72,8 +80,9 @@ def restretch(solution: GroupSolution, stretch: int) -> GroupSolution:
         return solution
     if delta < 0:
         raise AssertionError(f"restretch only lengthens: {w.stretch} -> {stretch}")
-    new = build_window(w.problem, w.group, w.k, w.fused, aggregate=w.aggregate, stretch=stretch,
-                       scale=(w.scale, w.exact))
+    new = build_window(
+        w.problem, w.group, w.k, w.fused, aggregate=w.aggregate, stretch=stretch, scale=(w.scale, w.exact)
+    )
     bounds = [w.step_start(w.group.devices[0], j) for j in range(2 * w.k + 1)]  # where each step begins
 
     def move(t: int) -> int:
@@ -81,8 +90,17 @@ def restretch(solution: GroupSolution, stretch: int) -> GroupSolution:
 
     starts = tuple(move(t) for t in solution.starts)
     precs = tuple(move(t) for t in solution.prec_starts)
-    return GroupSolution(new, starts, solution.devices, precs, use_offsets(new, starts, precs), solution.method,
-                         solution.status, solution.k_lower_bound, solution.wall_time)
+    return GroupSolution(
+        new,
+        starts,
+        solution.devices,
+        precs,
+        use_offsets(new, starts, precs),
+        solution.method,
+        solution.status,
+        solution.k_lower_bound,
+        solution.wall_time,
+    )
 
 
 def _boundary_gaps(window: Window, device: int) -> tuple[int, int]:

@@ -23,8 +23,9 @@ __all__ = ["with_suggestions"]
 # names only values it has solved the problem with (everything else unchanged).
 
 
-def with_suggestions(refused: Refused, problem: Problem, config: SolverConfig, method: Method,
-                     until: Clock) -> PlanError:
+def with_suggestions(
+    refused: Refused, problem: Problem, config: SolverConfig, method: Method, until: Clock
+) -> PlanError:
     """The refusal's error with the values that plan, searched until `until`: each knob alone; where
     none does and a budget is set, max_overhead and the budget together; then more micro-batches."""
     found: list[Suggestion] = []
@@ -49,21 +50,26 @@ def with_suggestions(refused: Refused, problem: Problem, config: SolverConfig, m
     return PlanError(text, suggestions=tuple(found))
 
 
-def _suggestion_text(problem: Problem, config: SolverConfig, found: list[Suggestion], searched: list[str],
-                     timed_out: bool) -> str:
+def _suggestion_text(
+    problem: Problem, config: SolverConfig, found: list[Suggestion], searched: list[str], timed_out: bool
+) -> str:
     if found:
         return "Solved with: " + "; or ".join(_describe(problem, s) for s in found)
     if timed_out:
-        return (f"Nothing that plans it was found before the time ran out ({config.time_limit_s:g} s + "
-                f"{OVERTIME:g} s): "
-                f"searched {'; '.join(searched) or 'nothing'}; a longer time limit searches further")
+        return (
+            f"Nothing that plans it was found before the time ran out ({config.time_limit_s:g} s + "
+            f"{OVERTIME:g} s): "
+            f"searched {'; '.join(searched) or 'nothing'}; a longer time limit searches further"
+        )
     return f"Nothing plans it: no {'; no '.join(searched)}"
 
 
-_SEARCHED = {(Knob.MAX_OVERHEAD,): "max_overhead below 10",
-             (Knob.MEMORY_BUDGET,): "memory budget from the peak of a plan made without one",
-             (Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET): "max_overhead with a memory budget",
-             (Knob.MICROBATCHES,): "number of micro-batches from 1 to {N}"}
+_SEARCHED = {
+    (Knob.MAX_OVERHEAD,): "max_overhead below 10",
+    (Knob.MEMORY_BUDGET,): "memory budget from the peak of a plan made without one",
+    (Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET): "max_overhead with a memory budget",
+    (Knob.MICROBATCHES,): "number of micro-batches from 1 to {N}",
+}
 """What each search tries, for the message that says none of it plans."""
 
 
@@ -79,8 +85,10 @@ def _describe(problem: Problem, s: Suggestion) -> str:
             words.append(f"N={value} micro-batches (of the same size)")
     text = " with ".join(words)
     if s.least:
-        text += (", the least max_overhead that places it (rounded up to 3 digits; refresh every "
-                 f"{problem.max_period} steps)")
+        text += (
+            ", the least max_overhead that places it (rounded up to 3 digits; refresh every "
+            f"{problem.max_period} steps)"
+        )
     if [knob for knob, _ in s.changes] == [Knob.MEMORY_BUDGET]:
         text += f" at max_overhead={problem.max_overhead:g}"
     return text
@@ -92,14 +100,16 @@ def _plans(problem: Problem, config: SolverConfig, method: Method, until: Clock,
     return _plan_or_none(problem, config, method, until, thorough=thorough) is not None
 
 
-def _plan_or_none(problem: Problem, config: SolverConfig, method: Method, until: Clock, *,
-                  thorough: bool = False) -> Plan | None:
+def _plan_or_none(
+    problem: Problem, config: SolverConfig, method: Method, until: Clock, *, thorough: bool = False
+) -> Plan | None:
     made = until.made.get((problem, method))
     if made is not None:
         return made
     now = until.meter.now()
-    tries = [now] + ([min(until.cutoff, now + until.meter.units(config.time_limit_s))]
-                     if thorough and method is Method.CPSAT else [])
+    tries = [now] + (
+        [min(until.cutoff, now + until.meter.units(config.time_limit_s))] if thorough and method is Method.CPSAT else []
+    )
     for deadline in tries:
         if until.out():
             return None
@@ -112,8 +122,9 @@ def _plan_or_none(problem: Problem, config: SolverConfig, method: Method, until:
     return None
 
 
-def _search_overhead(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
-                     until: Clock) -> Suggestion | None:
+def _search_overhead(
+    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Clock
+) -> Suggestion | None:
     """A max_overhead that plans: from greedy's stretch estimate doubling, checked by greedy placement (then,
     with CP-SAT, by CP-SAT itself); then, while time is left, CP-SAT's least stretch (checked by CP-SAT,
     named least where proven) or a few bisection probes below it."""
@@ -136,8 +147,11 @@ def _search_overhead(problem: Problem, fused: frozenset[str], config: SolverConf
         return Suggestion(((Knob.MAX_OVERHEAD, candidate),), least=True)
     if method is Method.CPSAT:
         least, proven = _overhead_estimate(problem, fused, config, method, until)
-        if least is not None and failed < least < candidate and \
-                _plans(replace(problem, max_overhead=least), config, method, until, thorough=True):
+        if (
+            least is not None
+            and failed < least < candidate
+            and _plans(replace(problem, max_overhead=least), config, method, until, thorough=True)
+        ):
             return Suggestion(((Knob.MAX_OVERHEAD, least),), least=proven)
     return Suggestion(((Knob.MAX_OVERHEAD, _bisect_down(problem, config, method, until, failed, candidate)),))
 
@@ -152,8 +166,9 @@ def _ladder(start: float, above: float) -> list[float]:
     return values
 
 
-def _bisect_down(problem: Problem, config: SolverConfig, method: Method, until: Clock, failed: float,
-                 works: float) -> float:
+def _bisect_down(
+    problem: Problem, config: SolverConfig, method: Method, until: Clock, failed: float, works: float
+) -> float:
     """A smaller max_overhead than `works` that still plans (a few probes between it and `failed`)."""
     for _ in range(4):
         middle = _sig_up((failed + works) / 2)
@@ -168,15 +183,17 @@ def _bisect_down(problem: Problem, config: SolverConfig, method: Method, until: 
     return works
 
 
-def _search_memory(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
-                   until: Clock) -> Suggestion | None:
+def _search_memory(
+    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Clock
+) -> Suggestion | None:
     """A memory budget that plans at the problem's max_overhead: the peak of the plan made without a
     budget, rounded up (raised by a quarter while it does not plan)."""
     free = _plan_or_none(replace(problem, memory_budget=None), config, method, until)
     if free is None:
         return None
-    budget = _bytes_up(max(max(free.metrics.peak_memory.values()), min_memory_bytes(problem),
-                           (problem.memory_budget or 0) + 1))
+    budget = _bytes_up(
+        max(max(free.metrics.peak_memory.values()), min_memory_bytes(problem), (problem.memory_budget or 0) + 1)
+    )
     for _ in range(4):
         if _plans(replace(problem, memory_budget=budget), config, method, until):
             return Suggestion(((Knob.MEMORY_BUDGET, budget),))
@@ -184,8 +201,9 @@ def _search_memory(problem: Problem, fused: frozenset[str], config: SolverConfig
     return None
 
 
-def _search_microbatches(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
-                         until: Clock) -> Suggestion | None:
+def _search_microbatches(
+    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Clock
+) -> Suggestion | None:
     """The nearest N (valid for the schedule) that plans: fewer first (less curvature per step for the
     same bubbles), then more, up to 4 times this one."""
     for n in [*range(problem.N - 1, 0, -1), *range(problem.N + 1, 4 * problem.N + 1)]:
@@ -200,8 +218,9 @@ def _search_microbatches(problem: Problem, fused: frozenset[str], config: Solver
     return None
 
 
-def _search_together(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
-                     until: Clock) -> Suggestion | None:
+def _search_together(
+    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Clock
+) -> Suggestion | None:
     """A max_overhead that plans without the budget, and a budget that plans at it."""
     overhead = _search_overhead(replace(problem, memory_budget=None), frozenset(), config, method, until)
     if overhead is None:
@@ -211,12 +230,16 @@ def _search_together(problem: Problem, fused: frozenset[str], config: SolverConf
     return None if memory is None else Suggestion(((Knob.MAX_OVERHEAD, value),) + memory.changes)
 
 
-_SEARCHES = {Knob.MAX_OVERHEAD: _search_overhead, Knob.MEMORY_BUDGET: _search_memory,
-             Knob.MICROBATCHES: _search_microbatches}
+_SEARCHES = {
+    Knob.MAX_OVERHEAD: _search_overhead,
+    Knob.MEMORY_BUDGET: _search_memory,
+    Knob.MICROBATCHES: _search_microbatches,
+}
 
 
-def _overhead_estimate(problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method,
-                       until: Clock) -> tuple[float | None, bool]:
+def _overhead_estimate(
+    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Clock
+) -> tuple[float | None, bool]:
     """The max_overhead that stretching the step needs at the longest refresh period (rounded up to 3
     digits), and whether it is proven least (CP-SAT refines greedy's stretch while time is left); None
     when stretching is off or no stretch up to 10 reference steps places the work."""
@@ -227,8 +250,14 @@ def _overhead_estimate(problem: Problem, fused: frozenset[str], config: SolverCo
     grid = Allowance(problem, fused, grid_scale(problem, range(problem.num_stages), fused, config.time_resolution))
     upper, proven = 0, True
     for group in stage_groups(problem):
-        low, found = greedy_overhead(problem, group, grid, aggregate=aggregates(problem, group, config, grid),
-                                     resolution=config.time_resolution, meter=until.meter)
+        low, found = greedy_overhead(
+            problem,
+            group,
+            grid,
+            aggregate=aggregates(problem, group, config, grid),
+            resolution=config.time_resolution,
+            meter=until.meter,
+        )
         if found is None:
             return None, False
         least = found.window.stretch <= low
@@ -236,8 +265,9 @@ def _overhead_estimate(problem: Problem, fused: frozenset[str], config: SolverCo
         if method is Method.CPSAT and not least and left > 0:
             from fxkfac.planner.group_search import refine_stretch
 
-            found, least = refine_stretch(found, grid, config, until.meter,
-                                          min(until.meter.units(min(5.0, config.time_limit_s)), left / 2))
+            found, least = refine_stretch(
+                found, grid, config, until.meter, min(until.meter.units(min(5.0, config.time_limit_s)), left / 2)
+            )
         upper, proven = max(upper, found.window.stretch), proven and least
     need = _overhead(problem, fused, problem.max_period, upper, grid)
     return (_sig_up(need) if need > 0 else None), proven

@@ -65,8 +65,18 @@ from enum import StrEnum
 from fxkfac.planner.ir import Op, OpKind
 from fxkfac.planner.problem import Problem, StageGroup
 
-__all__ = ["TaskKind", "Task", "PrecSlot", "Window", "Grid", "wrap", "step_start_tick", "inv_chains", "longest_gaps",
-           "too_long"]
+__all__ = [
+    "TaskKind",
+    "Task",
+    "PrecSlot",
+    "Window",
+    "Grid",
+    "wrap",
+    "step_start_tick",
+    "inv_chains",
+    "longest_gaps",
+    "too_long",
+]
 
 Interval = tuple[int, int]
 
@@ -295,6 +305,8 @@ def too_long(window: Window) -> list[str]:
     for task in window.tasks:
         room = max(gaps[d] for d in task.devices) if task.kind is TaskKind.INV else min(gaps[d] for d in task.devices)
         if task.ticks > room:
-            out.append(f"{task.name} takes {window.seconds(task.ticks):.4g} s but the longest bubble on ranks "
-                       f"{list(task.devices)} is {window.seconds(room):.4g} s")
+            out.append(
+                f"{task.name} takes {window.seconds(task.ticks):.4g} s but the longest bubble on ranks "
+                f"{list(task.devices)} is {window.seconds(room):.4g} s"
+            )
     return out

@@ -42,8 +42,9 @@ def _merge(intervals: Iterable[Interval]) -> tuple[Interval, ...]:
     return tuple((s, e) for s, e in out)
 
 
-def grid_scale(problem: Problem, stages: Iterable[int], fused: frozenset[str], resolution: int,
-               extra: Iterable[float] = ()) -> tuple[float, bool]:
+def grid_scale(
+    problem: Problem, stages: Iterable[int], fused: frozenset[str], resolution: int, extra: Iterable[float] = ()
+) -> tuple[float, bool]:
     """Ticks per second for windows of `stages` and whether the grid is exact ([Note: time grid]); `extra`: more
     durations it must hold exactly (the options of a joint choice, planner/joint.py)."""
     refresh, normal = step_timeline(problem, fused), step_timeline(problem)
@@ -51,17 +52,31 @@ def grid_scale(problem: Problem, stages: Iterable[int], fused: frozenset[str], r
     layers = [x for s in stages for x in problem.costs.stages[s].layers]
     durations = [t for x in layers for p in x.parts for t in (p.stats, p.decomp)]
     durations += [problem.costs.stages[s].prec for s in stages]
-    durations += [problem.costs.collective_seconds(op, len(copies_of_stage(problem, s))) for s in stages
-                  for x in problem.costs.stages[s].layers for p in x.parts
-                  for op in (Op(OpKind.SYNC_STATS, s, layer=x.name, part=p.part),
-                             Op(OpKind.BCAST, s, layer=x.name, part=p.part, root=0))]
+    durations += [
+        problem.costs.collective_seconds(op, len(copies_of_stage(problem, s)))
+        for s in stages
+        for x in problem.costs.stages[s].layers
+        for p in x.parts
+        for op in (
+            Op(OpKind.SYNC_STATS, s, layer=x.name, part=p.part),
+            Op(OpKind.BCAST, s, layer=x.name, part=p.part, root=0),
+        )
+    ]
     times = [t for st in (refresh, normal) for items in st.ops.values() for _, a, b in items for t in (a, b)]
     return _scale(times + durations + list(extra), normal.length, resolution)
 
 
-def build_window(problem: Problem, group: StageGroup, k: int, fused: frozenset[str] = frozenset(),
-                 *, aggregate: bool = False, resolution: int = 100_000, stretch: int = 0,
-                 scale: tuple[float, bool] | None = None) -> Window:
+def build_window(
+    problem: Problem,
+    group: StageGroup,
+    k: int,
+    fused: frozenset[str] = frozenset(),
+    *,
+    aggregate: bool = False,
+    resolution: int = 100_000,
+    stretch: int = 0,
+    scale: tuple[float, bool] | None = None,
+) -> Window:
     """The window of `k` steps for `group` (step 0 is the refresh step, F/B grown by fused curvature),
     each step followed by `stretch` idle ticks; `scale`: a (ticks per second, exact) grid to use instead
     of the group's own (`grid_scale`), so that windows of several groups share one."""
@@ -73,9 +88,10 @@ def build_window(problem: Problem, group: StageGroup, k: int, fused: frozenset[s
     steps = [refresh] + [normal] * (k - 1)
     offsets = [step_begins(grid.at(refresh.length), grid.at(normal.length), stretch, j, k) for j in range(k + 1)]
     length = offsets[-1]
-    leads = tuple(grid.at(steps[j - 1].length) - grid.at(steps[j - 1].length
-                                                         - early_start(problem, steps[j - 1], group.devices))
-                  for j in range(k))
+    leads = tuple(
+        grid.at(steps[j - 1].length) - grid.at(steps[j - 1].length - early_start(problem, steps[j - 1], group.devices))
+        for j in range(k)
+    )
     fixed, acts, capacity = {}, {}, {}
     for d in group.devices:
         busy: list[Interval] = []
@@ -97,16 +113,42 @@ def build_window(problem: Problem, group: StageGroup, k: int, fused: frozenset[s
         capacity[d] = None if budget is None else budget - static_bytes(problem, d)
     precs = _prec_slots(problem, group, steps, offsets, leads, grid)
     tasks = _tasks(problem, group, refresh, fused, aggregate, grid, precs)
-    return Window(problem, group, k, fused, ticks_per_s, exact, tuple(offsets), fixed, acts, capacity, tasks, precs,
-                  leads, stretch, aggregate)
+    return Window(
+        problem,
+        group,
+        k,
+        fused,
+        ticks_per_s,
+        exact,
+        tuple(offsets),
+        fixed,
+        acts,
+        capacity,
+        tasks,
+        precs,
+        leads,
+        stretch,
+        aggregate,
+    )
 
 
-def _prec_slots(problem: Problem, group: StageGroup, steps: list[StepTimeline], offsets: list[int],
-                leads: tuple[int, ...], grid: Grid) -> tuple[PrecSlot, ...]:
+def _prec_slots(
+    problem: Problem,
+    group: StageGroup,
+    steps: list[StepTimeline],
+    offsets: list[int],
+    leads: tuple[int, ...],
+    grid: Grid,
+) -> tuple[PrecSlot, ...]:
     """Every (device, stage, step)'s slot: the stage's gradient STATS, then its APPLY ([Note: gradient parts])."""
     slots = []
-    lead = {s: max(sum(secs for op, secs in prec_work(problem, c, s) if op.kind is not OpKind.BCAST_PREC)
-                   for c in copies_of_stage(problem, s)) for s in group.stages}
+    lead = {
+        s: max(
+            sum(secs for op, secs in prec_work(problem, c, s) if op.kind is not OpKind.BCAST_PREC)
+            for c in copies_of_stage(problem, s)
+        )
+        for s in group.stages
+    }
     for d in group.devices:
         for s in stages_on_device(problem, d):
             work = prec_work(problem, d, s)
@@ -119,8 +161,9 @@ def _prec_slots(problem: Problem, group: StageGroup, steps: list[StepTimeline], 
                 deadline = step_start_tick(offsets, leads, j + 1)  # before OPT_STEP ([Note: step barrier])
                 reference = offsets[j] + grid.at(st.end_of(d, ops[-1]) - seconds)
                 ticks = min(grid.span(seconds), deadline - release)
-                slots.append(PrecSlot(d, s, j, release, deadline, max(release, reference), ticks, ops, durations,
-                                      lead_s))
+                slots.append(
+                    PrecSlot(d, s, j, release, deadline, max(release, reference), ticks, ops, durations, lead_s)
+                )
     return tuple(slots)
 
 
@@ -135,8 +178,9 @@ def _stats_op(stage: int, mb: int | None, pipe: int, layer: str, part: str) -> O
     return Op(OpKind.STATS, stage, mb, pipe, layer=layer, part=part)
 
 
-def _curv_tasks(problem: Problem, stage: int, refresh: StepTimeline, deferred: list[LayerCost], aggregate: bool,
-                grid: Grid) -> list[Task]:
+def _curv_tasks(
+    problem: Problem, stage: int, refresh: StepTimeline, deferred: list[LayerCost], aggregate: bool, grid: Grid
+) -> list[Task]:
     tasks = []
     copies = copies_of_stage(problem, stage)
     for d in copies:
@@ -153,14 +197,33 @@ def _curv_tasks(problem: Problem, stage: int, refresh: StepTimeline, deferred: l
                     ops = tuple(_stats_op(stage, op.mb, op.pipe, x.name, side) for x in chunk)
                     keep = sum(x.part(side).capture_bytes for x in chunk)
                     label = "all" if aggregate else chunk[0].name
-                    tasks.append(Task(f"curv_{side}_s{stage}_m{op.mb}_p{op.pipe}_r{d}_{label}", TaskKind.CURV, stage,
-                                      side, ops, secs, grid.span(sum(secs)), (d,), grid.up(end),
-                                      tuple((x.name, side) for x in chunk), keep))
+                    tasks.append(
+                        Task(
+                            f"curv_{side}_s{stage}_m{op.mb}_p{op.pipe}_r{d}_{label}",
+                            TaskKind.CURV,
+                            stage,
+                            side,
+                            ops,
+                            secs,
+                            grid.span(sum(secs)),
+                            (d,),
+                            grid.up(end),
+                            tuple((x.name, side) for x in chunk),
+                            keep,
+                        )
+                    )
     return tasks
 
 
-def _tasks(problem: Problem, group: StageGroup, refresh: StepTimeline, fused: frozenset[str], aggregate: bool,
-           grid: Grid, precs: tuple[PrecSlot, ...]) -> tuple[Task, ...]:
+def _tasks(
+    problem: Problem,
+    group: StageGroup,
+    refresh: StepTimeline,
+    fused: frozenset[str],
+    aggregate: bool,
+    grid: Grid,
+    precs: tuple[PrecSlot, ...],
+) -> tuple[Task, ...]:
     tasks: list[Task] = []
     for s in group.stages:
         layers = problem.costs.stages[s].layers
@@ -175,14 +238,19 @@ def _tasks(problem: Problem, group: StageGroup, refresh: StepTimeline, fused: fr
                     continue
                 ready = 0
                 if x.name in fused:
-                    ready = max(grid.up(e) for d in copies for op, _, e in refresh.fixed(d)
-                                if op.stage == s and op.kind is p.after)
+                    ready = max(
+                        grid.up(e)
+                        for d in copies
+                        for op, _, e in refresh.fixed(d)
+                        if op.stage == s and op.kind is p.after
+                    )
                 tasks += _refresh_tasks(problem, s, x.name, p.part, p.decomp, ready, False, grid)
     return tuple(tasks)
 
 
-def _refresh_tasks(problem: Problem, stage: int, layer: str, side: str, decomp: float, ready: int, gradient: bool,
-                   grid: Grid) -> list[Task]:
+def _refresh_tasks(
+    problem: Problem, stage: int, layer: str, side: str, decomp: float, ready: int, gradient: bool, grid: Grid
+) -> list[Task]:
     """A part's refresh after its statistics: SYNC over the stage's copies (a captured part held more than once),
     DECOMP on one copy, BCAST to the others, the collectives priced by the cost table's comm model (at least one
     tick, [Note: time grid]); `ready`: the earliest tick the statistic is complete anywhere; `gradient`: the part
@@ -193,25 +261,60 @@ def _refresh_tasks(problem: Problem, stage: int, layer: str, side: str, decomp: 
     if len(copies) > 1 and not gradient and not problem.where(layer).strategy.local_factors:
         op = Op(OpKind.SYNC_STATS, stage, layer=layer, part=side)
         secs = problem.costs.collective_seconds(op, len(copies))
-        tasks.append(Task(f"sync_{side}_{layer}", TaskKind.SYNC, stage, side, (op,), (secs,), grid.span(secs), copies,
-                          ready, key))
-    tasks += _decomp_tasks(problem.decomp_pieces, stage, layer, side, decomp, grid.span(decomp / problem.decomp_pieces),
-                          workers, ready, gradient)
+        tasks.append(
+            Task(
+                f"sync_{side}_{layer}", TaskKind.SYNC, stage, side, (op,), (secs,), grid.span(secs), copies, ready, key
+            )
+        )
+    tasks += _decomp_tasks(
+        problem.decomp_pieces,
+        stage,
+        layer,
+        side,
+        decomp,
+        grid.span(decomp / problem.decomp_pieces),
+        workers,
+        ready,
+        gradient,
+    )
     if len(workers) > 1:
-        op = Op(OpKind.BCAST, stage, layer=layer, part=side, root=workers[0],
-                group=None if workers == copies else workers)
+        op = Op(
+            OpKind.BCAST, stage, layer=layer, part=side, root=workers[0], group=None if workers == copies else workers
+        )
         secs = problem.costs.collective_seconds(op, len(workers))
-        tasks.append(Task(f"bcast_{side}_{layer}", TaskKind.BCAST, stage, side, (op,), (secs,), grid.span(secs),
-                          workers, 0, key))
+        tasks.append(
+            Task(f"bcast_{side}_{layer}", TaskKind.BCAST, stage, side, (op,), (secs,), grid.span(secs), workers, 0, key)
+        )
     return tasks
 
 
-def _decomp_tasks(pieces: int, stage: int, layer: str, side: str, decomp: float, ticks: int, workers: tuple[int, ...],
-                 ready: int, gradient: bool) -> list[Task]:
+def _decomp_tasks(
+    pieces: int,
+    stage: int,
+    layer: str,
+    side: str,
+    decomp: float,
+    ticks: int,
+    workers: tuple[int, ...],
+    ready: int,
+    gradient: bool,
+) -> list[Task]:
     """A part's decomposition as one INV task, or as `pieces` INV tasks of ``decomp / pieces`` seconds each
     ("DECOMP s A i/n layer"), which the solvers chain in order on one rank (`inv_chains`)."""
     whole = pieces == 1
-    return [Task(f"inv_{side}_{layer}" if whole else f"inv_{side}_{layer}_{i}", TaskKind.INV, stage, side,
-                 (Op(OpKind.DECOMP, stage, layer=layer, part=side, piece=None if whole else (i, pieces)),),
-                 (decomp / pieces,), ticks, workers, ready, ((layer, side),), after_slot=gradient)
-            for i in range(pieces)]
+    return [
+        Task(
+            f"inv_{side}_{layer}" if whole else f"inv_{side}_{layer}_{i}",
+            TaskKind.INV,
+            stage,
+            side,
+            (Op(OpKind.DECOMP, stage, layer=layer, part=side, piece=None if whole else (i, pieces)),),
+            (decomp / pieces,),
+            ticks,
+            workers,
+            ready,
+            ((layer, side),),
+            after_slot=gradient,
+        )
+        for i in range(pieces)
+    ]

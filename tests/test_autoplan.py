@@ -19,9 +19,24 @@ MS = 1e-3
 
 def _costs(stages: int) -> CostTable:
     """Two layers per stage whose inversions are longer than any bubble of a 2-stage pipeline."""
-    return CostTable(tuple(StageCost(1 * MS, 2 * MS, 1 << 20, 1 << 16, tuple(
-        LayerCost.kfac(f"s{s}.l{i}", .2 * MS, .2 * MS, 4 * MS, 4 * MS, .05 * MS, 4096, 4096, 4096, 4096)
-        for i in range(2))) for s in range(stages)), 2, "test", "cpu")
+    return CostTable(
+        tuple(
+            StageCost(
+                1 * MS,
+                2 * MS,
+                1 << 20,
+                1 << 16,
+                tuple(
+                    LayerCost.kfac(f"s{s}.l{i}", 0.2 * MS, 0.2 * MS, 4 * MS, 4 * MS, 0.05 * MS, 4096, 4096, 4096, 4096)
+                    for i in range(2)
+                ),
+            )
+            for s in range(stages)
+        ),
+        2,
+        "test",
+        "cpu",
+    )
 
 
 def test_auto_overhead_plans_where_the_bubbles_alone_cannot(caplog: pytest.LogCaptureFixture) -> None:

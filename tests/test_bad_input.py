@@ -73,10 +73,13 @@ def test_unflattenable_output_says_what_to_return() -> None:
         capture(_ReturnsObject(), (torch.randn(2, 4),), None)
 
 
-@pytest.mark.parametrize("inputs, expected", [
-    ((torch.randn(2, 12), torch.randn(2, 12)), r"forward\(input\)"),  # arity
-    ((torch.randn(2, 7),), r"\(2, 7\).*linear.py.*mat1 and mat2.*shapes and dtypes"),           # shape
-])
+@pytest.mark.parametrize(
+    "inputs, expected",
+    [
+        ((torch.randn(2, 12), torch.randn(2, 12)), r"forward\(input\)"),  # arity
+        ((torch.randn(2, 7),), r"\(2, 7\).*linear.py.*mat1 and mat2.*shapes and dtypes"),  # shape
+    ],
+)
 def test_wrong_example_inputs(inputs: tuple[Tensor, ...], expected: str) -> None:
     with pytest.raises(CaptureError, match=expected):
         fxkfac.compile(mlp(), None, example_inputs=inputs, loss_fn=_mse, backend=None)
@@ -133,8 +136,9 @@ def test_nan_or_indefinite_factor_falls_back_to_previous_inverse(poison: float) 
 
 def test_nan_gradients_skip_the_step_and_leave_state_untouched() -> None:
     x, y = torch.randn(8, 12), torch.randn(8, 5)
-    trainer = fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, optimizer=_sgd,
-                             kfac=KFACConfig(damping=1e-2), backend=None)
+    trainer = fxkfac.compile(
+        mlp(), None, example_inputs=(x,), loss_fn=_mse, optimizer=_sgd, kfac=KFACConfig(damping=1e-2), backend=None
+    )
     trainer.step(x, y)
     params = {name: p.detach().clone() for name, p in trainer.named_parameters()}
     factors = {name: s.A.clone() for name, s in trainer.layer_states.items()}
@@ -156,8 +160,9 @@ def _state(trainer: Trainer) -> dict[str, Tensor]:
 
 def _trained_mlp_checkpoint(path: str) -> None:
     x, y = torch.randn(8, 12), torch.randn(8, 5)
-    trainer = fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, optimizer=_sgd,
-                             kfac=KFACConfig(damping=1e-2), backend=None)
+    trainer = fxkfac.compile(
+        mlp(), None, example_inputs=(x,), loss_fn=_mse, optimizer=_sgd, kfac=KFACConfig(damping=1e-2), backend=None
+    )
     trainer.step(x, y)
     trainer.save_checkpoint(path)
 
@@ -165,11 +170,21 @@ def _trained_mlp_checkpoint(path: str) -> None:
 def test_checkpoint_of_another_model_is_refused_and_changes_nothing(tmp_path) -> None:
     _trained_mlp_checkpoint(str(tmp_path / "mlp"))
     x = torch.randn(4, 12)
-    other = fxkfac.compile(mlp(hidden=8), None, example_inputs=(x,), loss_fn=_mse, optimizer=_sgd,
-                           kfac=KFACConfig(damping=1e-2), backend=None)
+    other = fxkfac.compile(
+        mlp(hidden=8),
+        None,
+        example_inputs=(x,),
+        loss_fn=_mse,
+        optimizer=_sgd,
+        kfac=KFACConfig(damping=1e-2),
+        backend=None,
+    )
     before = _state(other)
-    with pytest.raises(CheckpointError, match=r"checkpoint made for another model, this run is 5 parameters "
-                                              r"\(shapes differ for \[\('0.bias', \[16\], \[8\]\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"checkpoint made for another model, this run is 5 parameters "
+        r"\(shapes differ for \[\('0.bias', \[16\], \[8\]\)",
+    ):
         other.load_checkpoint(str(tmp_path / "mlp"))
     assert all(torch.equal(p, before[n]) for n, p in _state(other).items()) and other.steps == 0
 
@@ -180,8 +195,9 @@ def test_corrupt_checkpoint_metadata_is_refused_and_changes_nothing(tmp_path) ->
     metadata = path / ".metadata.json"
     metadata.write_bytes(metadata.read_bytes()[:100])  # truncated
     x = torch.randn(8, 12)
-    trainer = fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, optimizer=_sgd,
-                             kfac=KFACConfig(damping=1e-2), backend=None)
+    trainer = fxkfac.compile(
+        mlp(), None, example_inputs=(x,), loss_fn=_mse, optimizer=_sgd, kfac=KFACConfig(damping=1e-2), backend=None
+    )
     before = _state(trainer)
     with pytest.raises(CheckpointError, match=r"tensor metadata .*\.metadata\.json is unreadable or corrupt"):
         trainer.load_checkpoint(str(path))
@@ -191,8 +207,16 @@ def test_corrupt_checkpoint_metadata_is_refused_and_changes_nothing(tmp_path) ->
 
 def test_repeated_nan_steps_stop_with_nonfinite_error() -> None:
     x, y = torch.randn(8, 12), torch.randn(8, 5)
-    trainer = fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, optimizer=_sgd, backend=None,
-                             kfac=KFACConfig(damping=1e-2), pipeline=PipelineOptions(max_skipped_steps=2))
+    trainer = fxkfac.compile(
+        mlp(),
+        None,
+        example_inputs=(x,),
+        loss_fn=_mse,
+        optimizer=_sgd,
+        backend=None,
+        kfac=KFACConfig(damping=1e-2),
+        pipeline=PipelineOptions(max_skipped_steps=2),
+    )
     bad = torch.full_like(y, float("nan"))
     trainer.step(x, bad)
     trainer.step(x, bad)
@@ -203,13 +227,16 @@ def test_repeated_nan_steps_stop_with_nonfinite_error() -> None:
     assert trainer.steps == 1
 
 
-@pytest.mark.parametrize("field, value, expected", [
-    ("max_overhead", -0.1, "max_overhead must be >= 0"),
-    ("kfac_margin", 0.0, "kfac_margin must be > 0"),
-    ("memory_budget", 0, "memory_budget must be > 0 bytes"),
-    ("time_limit_s", 0.0, "time_limit_s must be > 0"),
-    ("deterministic", 1, "deterministic must be True or False"),
-])
+@pytest.mark.parametrize(
+    "field, value, expected",
+    [
+        ("max_overhead", -0.1, "max_overhead must be >= 0"),
+        ("kfac_margin", 0.0, "kfac_margin must be > 0"),
+        ("memory_budget", 0, "memory_budget must be > 0 bytes"),
+        ("time_limit_s", 0.0, "time_limit_s must be > 0"),
+        ("deterministic", 1, "deterministic must be True or False"),
+    ],
+)
 def test_plan_options_refuse_values_no_plan_can_use(field: str, value: object, expected: str) -> None:
     with pytest.raises(ConfigError, match=expected):
         PlanOptions(**{field: value})  # type: ignore[arg-type]  # the wrong types are the point
@@ -221,8 +248,6 @@ def test_step_agreement_is_checked_and_left_to_the_kl_clip_scope_under_a_precond
     x = torch.randn(8, 12)
     copies = PipelineOptions(step_agreement=StepAgreement.COPIES)
     with pytest.raises(ConfigError, match="kl_clip_scope"):
-        fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, kfac=KFACConfig(), pipeline=copies,
-                       backend=None)
-    trainer = fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, kfac=None, pipeline=copies,
-                             backend=None)
+        fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, kfac=KFACConfig(), pipeline=copies, backend=None)
+    trainer = fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, kfac=None, pipeline=copies, backend=None)
     assert isinstance(trainer.step((x,), torch.randn(8, 5)), float)  # one device: nothing to sum in flight

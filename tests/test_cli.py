@@ -27,8 +27,20 @@ from fxkfac.planner.solve import solve
 from fxkfac.show import chrome_trace, render_timeline, timeline_from_trace
 from tests.planner.kfac_cases import problem, table
 
-PLAN = ["plan", "bert-base", "--stages", "4", "--microbatches", "4", "--schedule", "1f1b", "--hardware", "p100",
-        "--method", "greedy"]
+PLAN = [
+    "plan",
+    "bert-base",
+    "--stages",
+    "4",
+    "--microbatches",
+    "4",
+    "--schedule",
+    "1f1b",
+    "--hardware",
+    "p100",
+    "--method",
+    "greedy",
+]
 KFAC_KINDS = (OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST, OpKind.APPLY)
 
 
@@ -68,13 +80,29 @@ def test_plan_view_fits_the_terminal(width: int, schedule: str) -> None:
     console.print(render_plan(plan, width=width))
     text = console.export_text()
     assert max(len(line) for line in text.splitlines()) <= width
-    rows = [line for line in text.splitlines() if line.startswith(tuple(f"r{d} " for d in plan.problem.devices))
-            and "│" in line]
+    rows = [
+        line
+        for line in text.splitlines()
+        if line.startswith(tuple(f"r{d} " for d in plan.problem.devices)) and "│" in line
+    ]
     rows = [row for row in rows if row.endswith("│")]
     assert len(rows) == len(plan.problem.devices) and all(len(row) == width for row in rows)
-    for word in ("forward", "backward", "curvature", "inversion", "sync", "precondition", "idle",
-                 "utilization before -> after", "refresh steps per stage", "lower bound", "greedy",
-                 "step time before -> after", "peak memory per device", "refresh window"):
+    for word in (
+        "forward",
+        "backward",
+        "curvature",
+        "inversion",
+        "sync",
+        "precondition",
+        "idle",
+        "utilization before -> after",
+        "refresh steps per stage",
+        "lower bound",
+        "greedy",
+        "step time before -> after",
+        "peak memory per device",
+        "refresh window",
+    ):
         assert word in text, word
     cells = "".join(row[3:] for row in rows)
     assert "c" in cells and "P" in cells
@@ -89,8 +117,11 @@ def test_planned_view_holds_each_placement_once_and_nothing_overlaps() -> None:
         busy = sorted((iv.start, iv.end, str(iv.op)) for iv in mine if iv.end > iv.start)
         for (s1, e1, a), (s2, e2, b) in zip(busy, busy[1:]):
             assert s2 >= e1 - 1e-9, f"r{d}: {a} [{s1}, {e1}) overlaps {b} [{s2}, {e2})"
-        drawn = sorted((str(iv.op), round(iv.start % view.end, 9)) for iv in mine if iv.op.kind in KFAC_KINDS
-                       and 0 <= iv.start < view.end)
+        drawn = sorted(
+            (str(iv.op), round(iv.start % view.end, 9))
+            for iv in mine
+            if iv.op.kind in KFAC_KINDS and 0 <= iv.start < view.end
+        )
         placed = sorted((str(p.op), round(p.start % view.end, 9)) for p in plan.placements if p.device == d)
         assert drawn == placed
         fb = [iv for iv in mine if iv.op.kind in (OpKind.FWD, OpKind.BWD)]
@@ -103,8 +134,9 @@ def test_planned_utilization_agrees_with_the_plan_metrics() -> None:
         assert sum(per_device.values()) / len(per_device) == pytest.approx(plan.metrics.utilization, rel=1e-9)
 
 
-def test_plan_export_show_and_trace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_export_show_and_trace(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setenv("COLUMNS", "80")
     export, trace_path = tmp_path / "plan.json", tmp_path / "trace.json"
     assert main(PLAN + ["--show", "--explain", "--export", str(export), "--trace", str(trace_path)]) == 0
@@ -127,17 +159,22 @@ def test_plan_export_show_and_trace(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert refresh in shown and max(len(line) for line in shown.splitlines()) <= 200
 
 
-def test_show_measured_prints_utilization_per_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_show_measured_prints_utilization_per_rank(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     from fxkfac.runtime.timeline import Event, as_timeline
 
     monkeypatch.setenv("COLUMNS", "100")
     plan_path, run_path = tmp_path / "plan.json", tmp_path / "run.json"
     _plan().save(plan_path)
     ms = 1_000_000
-    events = [Event(0, "F s0 m0", "FWD", 0, 0, 2 * ms), Event(0, "B s0 m0", "BWD", 0, 6 * ms, 8 * ms),
-              Event(1, "F s1 m0", "FWD", 0, 2 * ms, 3 * ms), Event(1, "B s1 m0", "BWD", 0, 3 * ms, 6 * ms),
-              Event(1, "STATS s1 m0 A l1_0", "STATS", 0, 6 * ms, 7 * ms)]
+    events = [
+        Event(0, "F s0 m0", "FWD", 0, 0, 2 * ms),
+        Event(0, "B s0 m0", "BWD", 0, 6 * ms, 8 * ms),
+        Event(1, "F s1 m0", "FWD", 0, 2 * ms, 3 * ms),
+        Event(1, "B s1 m0", "BWD", 0, 3 * ms, 6 * ms),
+        Event(1, "STATS s1 m0 A l1_0", "STATS", 0, 6 * ms, 7 * ms),
+    ]
     chrome_trace(as_timeline(events), run_path)
     assert main(["show", str(plan_path), "--measured", str(run_path)]) == 0
     out = capsys.readouterr().out
@@ -156,23 +193,30 @@ def _row(out: str, name: str) -> tuple[str, str]:
 
 
 def test_render_scales_boxes_by_hand() -> None:
-    ops = [Interval(0, 0, Op(OpKind.FWD, 0, 0), 0.0, 1.0), Interval(0, 0, Op(OpKind.BWD, 0, 0), 3.0, 5.0),
-           Interval(1, 0, Op(OpKind.FWD, 1, 0), 1.0, 2.0), Interval(1, 0, Op(OpKind.BWD, 1, 0), 2.0, 3.0),
-           Interval(1, 0, Op(OpKind.DECOMP, 1, layer="fc", part="A"), 3.0, 5.0)]
+    ops = [
+        Interval(0, 0, Op(OpKind.FWD, 0, 0), 0.0, 1.0),
+        Interval(0, 0, Op(OpKind.BWD, 0, 0), 3.0, 5.0),
+        Interval(1, 0, Op(OpKind.FWD, 1, 0), 1.0, 2.0),
+        Interval(1, 0, Op(OpKind.BWD, 1, 0), 2.0, 3.0),
+        Interval(1, 0, Op(OpKind.DECOMP, 1, layer="fc", part="A"), 3.0, 5.0),
+    ]
     console = Console(width=15, record=True, color_system=None)
     console.print(render_timeline(Timeline(tuple(ops), (0, 1), 1), width=15))
     rows = [line for line in console.export_text().splitlines() if line.startswith(("r0 ", "r1 "))]
     assert rows == ["r0 │00····0000│", "r1 │··0000IIII│"]  # 10 cells of 0.5 s
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (["plan", "bert-huge", "-D", "4", "-N", "4"], "unknown model preset"),
-    (["plan", "bert-base", "-D", "4", "-N", "4", "--hardware", "tpu"], "unknown hardware"),
-    (["plan", "bert-base", "-D", "3", "-N", "4", "--schedule", "chimera"], "even"),
-    (["plan", "nofile.py:make", "-D", "2", "-N", "2"], "no file"),
-    (["plan", "bert-base", "-D", "4", "-N", "4", "--costs", "missing.json"], "missing.json"),
-    (["show", "missing-plan.json"], "missing-plan.json"),
-])
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (["plan", "bert-huge", "-D", "4", "-N", "4"], "unknown model preset"),
+        (["plan", "bert-base", "-D", "4", "-N", "4", "--hardware", "tpu"], "unknown hardware"),
+        (["plan", "bert-base", "-D", "3", "-N", "4", "--schedule", "chimera"], "even"),
+        (["plan", "nofile.py:make", "-D", "2", "-N", "2"], "no file"),
+        (["plan", "bert-base", "-D", "4", "-N", "4", "--costs", "missing.json"], "missing.json"),
+        (["show", "missing-plan.json"], "missing-plan.json"),
+    ],
+)
 def test_bad_input_is_one_line(argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2
     assert needle in _one_line_error(capsys)
@@ -192,14 +236,18 @@ def test_missing_factory_and_bad_units_are_one_line(tmp_path: Path, capsys: pyte
         assert value in _one_line_error(capsys)
 
 
-@pytest.mark.parametrize("damage,needle", [
-    (lambda text: text[: len(text) // 2], "not valid JSON"),
-    (lambda text: "\x00garbage" + text, "not valid JSON"),
-    (lambda text: json.dumps({**json.loads(text), "schema_version": SCHEMA_VERSION + 1}), "upgrade fxkfac"),
-    (lambda text: json.dumps({**json.loads(text), "layers": {}}), "malformed"),
-])
-def test_show_refuses_damaged_plans_in_one_line(damage, needle: str, tmp_path: Path,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "damage,needle",
+    [
+        (lambda text: text[: len(text) // 2], "not valid JSON"),
+        (lambda text: "\x00garbage" + text, "not valid JSON"),
+        (lambda text: json.dumps({**json.loads(text), "schema_version": SCHEMA_VERSION + 1}), "upgrade fxkfac"),
+        (lambda text: json.dumps({**json.loads(text), "layers": {}}), "malformed"),
+    ],
+)
+def test_show_refuses_damaged_plans_in_one_line(
+    damage, needle: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "plan.json"
     path.write_text(damage(_plan().to_json()))
     before = path.read_bytes()
@@ -208,8 +256,9 @@ def test_show_refuses_damaged_plans_in_one_line(damage, needle: str, tmp_path: P
     assert path.read_bytes() == before
 
 
-def test_infeasible_budget_says_the_least_memory_and_writes_nothing(tmp_path: Path,
-                                                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_infeasible_budget_says_the_least_memory_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     args = build_parser().parse_args(PLAN)
     need = min_memory_bytes(problem_of(args, cost_table(args, 4)))
     export, trace = tmp_path / "plan.json", tmp_path / "trace.json"
@@ -232,13 +281,15 @@ def test_plan_path_does_not_import_torch(tmp_path: Path) -> None:
 
 
 EXAMPLE_FACTORIES = Path(__file__).resolve().parents[1] / "examples" / "plan_factory.py"
-GPT2_LAYERS = [f"transformer.h.{b}.{name}" for b in range(2)
-               for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")]
+GPT2_LAYERS = [
+    f"transformer.h.{b}.{name}" for b in range(2) for name in ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+]
 
 
 @pytest.mark.parametrize("factory,layers", [("mlp", ["0", "2", "4", "6"]), ("gpt2", GPT2_LAYERS)])
-def test_factory_targets_plan_the_layers_compile_finds(factory: str, layers: list[str], tmp_path: Path,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
+def test_factory_targets_plan_the_layers_compile_finds(
+    factory: str, layers: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """examples/plan_factory.py plans from the CLI: every Linear but GPT-2's (tied) LM head, on the stages
     fxkfac.compile splits the same model into, and the exported plan carries the fingerprint compile computes
     for that model and mesh (so a run loads it)."""
@@ -251,8 +302,20 @@ def test_factory_targets_plan_the_layers_compile_finds(factory: str, layers: lis
     from fxkfac.planner.schedules import ScheduleKind
 
     export = tmp_path / "plan.json"
-    argv = ["plan", f"{EXAMPLE_FACTORIES}:{factory}", "--stages", "2", "--microbatches", "4", "--hardware", "cpu",
-            "--method", "greedy", "--export", str(export)]
+    argv = [
+        "plan",
+        f"{EXAMPLE_FACTORIES}:{factory}",
+        "--stages",
+        "2",
+        "--microbatches",
+        "4",
+        "--hardware",
+        "cpu",
+        "--method",
+        "greedy",
+        "--export",
+        str(export),
+    ]
     assert main(argv) == 0
     assert "refresh steps per stage" in capsys.readouterr().out
     plan = Plan.load(export)
@@ -268,7 +331,8 @@ GPT2_A100 = ["plan", "gpt2", "--stages", "4", "--microbatches", "8", "--hardware
 
 
 def test_the_device_memory_is_the_default_budget_and_a_refusal_names_the_least_that_fits(
-        capsys: pytest.CaptureFixture[str]) -> None:
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """GPT-2 on 4 A100s (80 GiB) peaks at 84.5 GiB: refused without --memory, with a budget that plans."""
     args = build_parser().parse_args(GPT2_A100)
     unlimited = solve(dataclasses.replace(problem_of(args, cost_table(args, 4)), memory_budget=None), method="greedy")
@@ -290,13 +354,33 @@ def test_plan_says_whether_the_result_is_optimal(capsys: pytest.CaptureFixture[s
     assert re.search(r"(OPTIMAL \(proven optimal\)|FEASIBLE \(not proven optimal\)|GREEDY \(first-fit)", solver), solver
 
 
-def test_decomp_pieces_plan_every_decomposition_in_that_many_tasks(tmp_path: Path,
-                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+def test_decomp_pieces_plan_every_decomposition_in_that_many_tasks(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """--decomp-pieces n: each layer's decomposition of a refresh is n DECOMP tasks, 0/n .. n-1/n, each placed on
     its own; the summary says so, and n < 1 is refused in one line."""
     path = tmp_path / "plan.json"
-    assert main(["plan", "bert-base", "-D", "4", "-N", "4", "--costs", "paper:bert-base/p100", "--decomp-pieces", "4",
-                 "--method", "greedy", "--export", str(path)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "bert-base",
+                "-D",
+                "4",
+                "-N",
+                "4",
+                "--costs",
+                "paper:bert-base/p100",
+                "--decomp-pieces",
+                "4",
+                "--method",
+                "greedy",
+                "--export",
+                str(path),
+            ]
+        )
+        == 0
+    )
     assert "in 4 pieces each" in capsys.readouterr().out
     plan = Plan.load(path)
     pieces: dict[tuple[str | None, str | None], set[tuple[int, int] | None]] = {}
@@ -311,14 +395,32 @@ def test_trace_timestamps_are_never_negative(tmp_path: Path) -> None:
     """Chimera's greedy plan has a APPLY whose grid-rounded end lies a tick past the window: it was drawn
     (and traced) one window early as well, at a negative time, as step -1."""
     trace = tmp_path / "trace.json"
-    assert main(["plan", "bert-base", "-D", "4", "-N", "4", "--schedule", "chimera", "--method", "greedy",
-                 "--trace", str(trace)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "bert-base",
+                "-D",
+                "4",
+                "-N",
+                "4",
+                "--schedule",
+                "chimera",
+                "--method",
+                "greedy",
+                "--trace",
+                str(trace),
+            ]
+        )
+        == 0
+    )
     events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
     assert events and min(e["ts"] for e in events) >= 0 and min(e["args"]["step"] for e in events) >= 0
 
 
-def test_explain_names_why_t_pipe_differs_from_the_step_time(tmp_path: Path,
-                                                              capsys: pytest.CaptureFixture[str]) -> None:
+def test_explain_names_why_t_pipe_differs_from_the_step_time(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert main(PLAN + ["--explain"]) == 0
     out = " ".join(capsys.readouterr().out.split())  # words, whatever the console wrapped
     before = re.search(r"step time before -> after\s*│\s*([0-9.]+) ms", out)
@@ -326,8 +428,9 @@ def test_explain_names_why_t_pipe_differs_from_the_step_time(tmp_path: Path,
     assert "written for equal stages" in out
     uniform = tmp_path / "uniform.json"  # 4 equal stages: F 1 s, B 2 s, N=4, D=4: (N + D - 1)(F + B) = 21 s
     uniform.write_text(json.dumps(table(4, layers=2).to_dict()))
-    assert main(["plan", "uniform", "-D", "4", "-N", "4", "--costs", str(uniform), "--method", "greedy",
-                 "--explain"]) == 0
+    assert (
+        main(["plan", "uniform", "-D", "4", "-N", "4", "--costs", str(uniform), "--method", "greedy", "--explain"]) == 0
+    )
     out = " ".join(capsys.readouterr().out.split())
     assert "T_pipe = 21000.00 ms" in out and "T_pipe agrees with the simulated step" in out
     assert main(PLAN + ["--explain", "--memory", "1"]) == 2  # refused: the model is printed all the same
@@ -348,8 +451,9 @@ def test_plan_file_errors_name_the_file(tmp_path: Path) -> None:
     layers = {s: [x.name for x in stage.layers] for s, stage in enumerate(plan.problem.costs.stages)}
     path = tmp_path / "edited.json"
     path.write_text(_renamed(plan.to_json(), "l1_0", "l1_renamed"))
-    target = Target(plan.fingerprint, ScheduleKind(plan.problem.schedule), plan.problem.D, plan.problem.N,
-                    plan.problem.W)
+    target = Target(
+        plan.fingerprint, ScheduleKind(plan.problem.schedule), plan.problem.D, plan.problem.N, plan.problem.W
+    )
     assert Plan.load(path).layers.keys() != plan.layers.keys()  # valid by itself: only the model knows
     with pytest.raises(PlanMismatchError, match=rf"plan file {re.escape(str(path))}.*l1_renamed"):
         load_plan(path, target, layers)
@@ -366,13 +470,21 @@ def _saved(plan: Plan, folder: Path) -> Path:
     return path
 
 
-@pytest.mark.parametrize("field,edit,needle", [
-    ("refresh_steps", lambda steps: [k + 1 for k in steps], "refresh steps per stage"),
-    ("utilization", lambda _: 0.99, "utilization 0.99"),
-    ("step_time_baseline", lambda _: 123.0, "step time before 123"),
-])
-def test_show_refuses_a_summary_its_placements_contradict(field: str, edit, needle: str, tmp_path: Path,  # type: ignore[no-untyped-def]  # `edit` is a lambda of the parametrization
-                                                          capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "field,edit,needle",
+    [
+        ("refresh_steps", lambda steps: [k + 1 for k in steps], "refresh steps per stage"),
+        ("utilization", lambda _: 0.99, "utilization 0.99"),
+        ("step_time_baseline", lambda _: 123.0, "step time before 123"),
+    ],
+)
+def test_show_refuses_a_summary_its_placements_contradict(
+    field: str,
+    edit,
+    needle: str,
+    tmp_path: Path,  # type: ignore[no-untyped-def]  # `edit` is a lambda of the parametrization
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     data = json.loads(_plan().to_json())
     data["metrics"][field] = edit(data["metrics"][field])
     path = tmp_path / "plan.json"
@@ -391,21 +503,28 @@ def test_preconditioner_flags_parse() -> None:
     assert (args.stages, args.microbatches) == (4, 4)
     defaults = build_parser().parse_args(["plan", "bert-base"])
     assert (defaults.preconditioner, defaults.max_preconditioner_dim, defaults.precondition_frequency) == (
-        "kfac", "auto", None)
+        "kfac",
+        "auto",
+        None,
+    )
     assert parse_block_size(" AUTO ") == "auto" and parse_block_size("256") == 256
     assert problem_of(args, cost_table(args, 4)).max_period == 50
 
 
-@pytest.mark.parametrize("argv,needle", [
-    (SHAMPOO + ["--max-preconditioner-dim", "0"], "a side >= 1 such as 1024, or auto"),
-    (SHAMPOO + ["--precondition-frequency", "0"], "a whole number >= 1"),
-    (["plan", "bert-base", "--preconditioner", "lamb"], "invalid choice: 'lamb'"),
-    (["plan", "bert-base", "--max-preconditioner-dim", "512"], "K-FAC has none"),
-    (SHAMPOO + ["--costs", "paper:bert-base/p100"], "K-FAC per-block profile"),
-    (["plan", f"{EXAMPLE_FACTORIES}:mlp", "--preconditioner", "soap"], "costed as K-FAC layers only"),
-])
-def test_preconditioner_flags_refuse_in_one_line(argv: list[str], needle: str,
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "argv,needle",
+    [
+        (SHAMPOO + ["--max-preconditioner-dim", "0"], "a side >= 1 such as 1024, or auto"),
+        (SHAMPOO + ["--precondition-frequency", "0"], "a whole number >= 1"),
+        (["plan", "bert-base", "--preconditioner", "lamb"], "invalid choice: 'lamb'"),
+        (["plan", "bert-base", "--max-preconditioner-dim", "512"], "K-FAC has none"),
+        (SHAMPOO + ["--costs", "paper:bert-base/p100"], "K-FAC per-block profile"),
+        (["plan", f"{EXAMPLE_FACTORIES}:mlp", "--preconditioner", "soap"], "costed as K-FAC layers only"),
+    ],
+)
+def test_preconditioner_flags_refuse_in_one_line(
+    argv: list[str], needle: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert _status(argv) == 2
     assert needle in _one_line_error(capsys)
 
@@ -433,8 +552,9 @@ def test_shampoo_plan_path_does_not_import_torch_and_speaks_shampoo(tmp_path: Pa
         f"assert main({argv!r}) == 0\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True,
-                          env={"COLUMNS": "120", "PATH": ""})
+    done = subprocess.run(
+        [sys.executable, "-c", code], check=True, capture_output=True, text=True, env={"COLUMNS": "120", "PATH": ""}
+    )
     out = done.stdout
     assert "root inverse" in out and "statistics" in out and "Shampoo reference" in out, out
     assert "curvature" not in out and "K-FAC" not in out, out
@@ -452,10 +572,13 @@ up to eight block sides, so the suite checks one per model."""
 
 
 @pytest.mark.parametrize("model,hardware", sorted(AUTO_CHOICES))
-def test_auto_chooses_the_largest_block_that_fits(model: str, hardware: str,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", model, "--preconditioner", "shampoo", "--hardware", hardware, "--method", "greedy",
-                 "--explain"]) == 0
+def test_auto_chooses_the_largest_block_that_fits(
+    model: str, hardware: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        main(["plan", model, "--preconditioner", "shampoo", "--hardware", hardware, "--method", "greedy", "--explain"])
+        == 0
+    )
     out = " ".join(capsys.readouterr().out.split())
     side = AUTO_CHOICES[model, hardware]
     assert f"max_preconditioner_dim auto: block side {side}: the largest of" in out

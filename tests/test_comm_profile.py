@@ -30,8 +30,17 @@ def _measure_and_plan(rank: int, world: int) -> tuple[str, str | None]:
     measured = _measure(rank, world)
     torch.manual_seed(0)
     x = torch.randn(8, 12)
-    trainer = fxkfac.compile(models.mlp(), (1, world), "auto", example_inputs=(x,), loss_fn=F.mse_loss, backend=None,
-                             schedule="gpipe", microbatches=2, plan_options=PlanOptions(time_limit_s=2.0))
+    trainer = fxkfac.compile(
+        models.mlp(),
+        (1, world),
+        "auto",
+        example_inputs=(x,),
+        loss_fn=F.mse_loss,
+        backend=None,
+        schedule="gpipe",
+        microbatches=2,
+        plan_options=PlanOptions(time_limit_s=2.0),
+    )
     comm = trainer.plan.problem.costs.comm if trainer.plan is not None else None
     return measured, comm.to_json() if comm is not None else None
 

@@ -30,8 +30,13 @@ def _model(kind: str) -> nn.Module:
     if kind == "mlp":
         return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
     return nn.Sequential(
-        nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(),
-        nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.ReLU(), nn.Flatten(), nn.Linear(16 * 4 * 4, 10),
+        nn.Unflatten(1, (1, 8, 8)),
+        nn.Conv2d(1, 8, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, 3, stride=2, padding=1),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(16 * 4 * 4, 10),
     )
 
 
@@ -63,9 +68,13 @@ def _adamw(kind: str, lr: float, x: torch.Tensor, y: torch.Tensor) -> float:
 def _kfac(kind: str, x: torch.Tensor, y: torch.Tensor) -> float:
     model = _model(kind)
     trainer = fxkfac.compile(
-        model, None, example_inputs=(x[:BATCH],), loss_fn=F.cross_entropy,
+        model,
+        None,
+        example_inputs=(x[:BATCH],),
+        loss_fn=F.cross_entropy,
         optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
-        kfac=KFACConfig(damping=1e-2, factor_decay=0.95, kl_clip=1e-3), backend=None,
+        kfac=KFACConfig(damping=1e-2, factor_decay=0.95, kl_clip=1e-3),
+        backend=None,
     )
     for idx in _batches(len(x)):
         trainer.step((x[idx],), y[idx])

@@ -36,11 +36,13 @@ def test_default_model_loss_starts_near_uniform() -> None:
 def _reference_block(block: torch.nn.Module, x: torch.Tensor, pre_norm: bool) -> torch.Tensor:
     """The encoder block written out: multi-head attention, then the GELU FFN, each with a residual; LayerNorm
     before each (pre-LN) or after each residual sum (post-LN, the original BERT)."""
+
     def attention(h: torch.Tensor) -> torch.Tensor:
         b, s, d = h.shape
         heads = block.heads
-        q, k, v = (lin(h).view(b, s, heads, d // heads).transpose(1, 2)
-                   for lin in (block.query, block.key, block.value))
+        q, k, v = (
+            lin(h).view(b, s, heads, d // heads).transpose(1, 2) for lin in (block.query, block.key, block.value)
+        )
         weights = torch.softmax(q @ k.transpose(-1, -2) / (d // heads) ** 0.5, dim=-1)
         return block.attn_out((weights @ v).transpose(1, 2).reshape(b, s, d))
 

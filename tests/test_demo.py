@@ -17,9 +17,19 @@ from fxkfac.models import TinyBertConfig
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.plan import Plan
 
-TINY = DemoConfig(steps=3, eval_every=2, batch_size=8, seq_len=16, microbatches=2, eval_batches=1,
-                  corpus_bytes=50_000, plan_time_limit_s=2.0, plan_max_overhead=1.0, timeout_s=240.0,
-                  model=TinyBertConfig(hidden=32, heads=2, ffn=64, layers=2, max_len=16))
+TINY = DemoConfig(
+    steps=3,
+    eval_every=2,
+    batch_size=8,
+    seq_len=16,
+    microbatches=2,
+    eval_batches=1,
+    corpus_bytes=50_000,
+    plan_time_limit_s=2.0,
+    plan_max_overhead=1.0,
+    timeout_s=240.0,
+    model=TinyBertConfig(hidden=32, heads=2, ffn=64, layers=2, max_len=16),
+)
 
 
 def _fail_on_rank_one(ctx: RankContext, message: str) -> int:
@@ -64,9 +74,14 @@ def test_demo_config_refuses_a_batch_the_mesh_cannot_split() -> None:
 @pytest.mark.multiproc
 def test_runs_of_one_preconditioner_share_the_first_runs_plan() -> None:
     kfac = KFACConfig(damping=1e-2)
-    cfg = replace(TINY, steps=2, runs=(RunSpec(name="a", lr=1e-3, preconditioner=kfac),
-                                       RunSpec(name="b", lr=3e-3, preconditioner=kfac, seed=1, warmup_steps=1,
-                                               cosine=True)))
+    cfg = replace(
+        TINY,
+        steps=2,
+        runs=(
+            RunSpec(name="a", lr=1e-3, preconditioner=kfac),
+            RunSpec(name="b", lr=3e-3, preconditioner=kfac, seed=1, warmup_steps=1, cosine=True),
+        ),
+    )
     a, b = run_demo(cfg, Console(record=True, width=120)).curves
     assert a.plan_json is not None and a.plan_json == b.plan_json
     assert a.train_losses != b.train_losses  # another seed and learning rate

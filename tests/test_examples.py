@@ -13,15 +13,47 @@ import pytest
 from fxkfac.planner.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
-TINY = ["--pp", "2", "--steps", "3", "--log-every", "1", "--hidden", "32", "--ffn", "128", "--layers", "2",
-        "--batch", "16", "--seq", "32", "--microbatches", "4", "--val-batches", "2", "--plan-time", "1"]
+TINY = [
+    "--pp",
+    "2",
+    "--steps",
+    "3",
+    "--log-every",
+    "1",
+    "--hidden",
+    "32",
+    "--ffn",
+    "128",
+    "--layers",
+    "2",
+    "--batch",
+    "16",
+    "--seq",
+    "32",
+    "--microbatches",
+    "4",
+    "--val-batches",
+    "2",
+    "--plan-time",
+    "1",
+]
 
 
 @pytest.mark.multiproc
 def test_torchrun_example_trains_with_an_auto_plan(tmp_path: Path) -> None:
     plan_path = tmp_path / "plan.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "examples" / "train_bert_torchrun.py"), *TINY, "--save-plan", str(plan_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(ROOT / "examples" / "train_bert_torchrun.py"),
+        *TINY,
+        "--save-plan",
+        str(plan_path),
+    ]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout

@@ -29,9 +29,18 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _trainer(scope: KLClipScope, mesh, stages: dict[str, int] | None = None):
     """An MLP trainer (SGD, lr LR); `stages` gives one device the KL-clip groups of a pipelined run's stages."""
     data = _batches()
-    trainer = fxkfac.compile(models.mlp(), mesh, None, example_inputs=(data[0][0],), loss_fn=F.cross_entropy,
-                             optimizer=lambda p: torch.optim.SGD(p, lr=LR), kfac=_kfac(scope), microbatches=2,
-                             backend=None, pipeline=PipelineOptions(timeout=60.0))
+    trainer = fxkfac.compile(
+        models.mlp(),
+        mesh,
+        None,
+        example_inputs=(data[0][0],),
+        loss_fn=F.cross_entropy,
+        optimizer=lambda p: torch.optim.SGD(p, lr=LR),
+        kfac=_kfac(scope),
+        microbatches=2,
+        backend=None,
+        pipeline=PipelineOptions(timeout=60.0),
+    )
     if stages is not None:
         trainer.preconditioning.clip_groups = dict(stages)
         trainer.preconditioning.step_end.groups = 1 + max(stages.values())
@@ -97,8 +106,13 @@ def _pipelined(rank: int, world: int, scopes: list[KLClipScope]) -> list[dict]:
     for scope in scopes:
         trainer = _trainer(scope, (2, 1))
         losses = [float(trainer.step((x,), y)) for x, y in _batches()]
-        out.append({"params": {n: p.detach().clone() for n, p in trainer.named_parameters()}, "losses": losses,
-                    "stages": {n: s for s, names in trainer.spec.stage_units.items() for n in names}})
+        out.append(
+            {
+                "params": {n: p.detach().clone() for n, p in trainer.named_parameters()},
+                "losses": losses,
+                "stages": {n: s for s, names in trainer.spec.stage_units.items() for n in names},
+            }
+        )
     return out
 
 
@@ -120,8 +134,9 @@ def test_pipelined_equals_one_device_for_every_scope() -> None:
             run = r.value[i]
             assert run["losses"] == pytest.approx(losses, abs=1e-6), f"{scope} rank {r.rank}"
             for name, value in run["params"].items():
-                torch.testing.assert_close(value, want[name], rtol=1e-5, atol=1e-5,
-                                           msg=lambda m, n=name, s=scope: f"{s} {n}: {m}")
+                torch.testing.assert_close(
+                    value, want[name], rtol=1e-5, atol=1e-5, msg=lambda m, n=name, s=scope: f"{s} {n}: {m}"
+                )
     for scope in (KLClipScope.STAGE, KLClipScope.STALE):
         moved = max(float((finals[scope][n] - finals[KLClipScope.GLOBAL][n]).abs().max()) for n in finals[scope])
         assert moved > 1e-4, f"{scope} trains as GLOBAL does: the equality above cannot tell the scopes apart"

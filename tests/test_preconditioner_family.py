@@ -30,8 +30,11 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 def _timings() -> dict[str, LayerTiming]:
     """Layer 0 refreshes every step, layer 2 every other step and uses it a step late, layer 4 fused."""
-    return {"0": LayerTiming(1, 0, 0, "deferred"), "2": LayerTiming(2, 0, 1, "deferred"),
-            "4": LayerTiming(1, 0, 0, "fused")}
+    return {
+        "0": LayerTiming(1, 0, 0, "deferred"),
+        "2": LayerTiming(2, 0, 1, "deferred"),
+        "4": LayerTiming(1, 0, 0, "fused"),
+    }
 
 
 def _reference(batches: list[tuple[Tensor, Tensor]], family: DiagonalFamily) -> dict[str, Tensor]:
@@ -39,9 +42,19 @@ def _reference(batches: list[tuple[Tensor, Tensor]], family: DiagonalFamily) -> 
     model = mlp()
     opt = _sgd(list(model.parameters()))
     timings = _timings()
-    layers = {name: fxkfac.compile(mlp(), None, None, example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
-                                   backend=None, microbatches=N, preconditioner=family).units
-              for name in ("all",)}["all"]
+    layers = {
+        name: fxkfac.compile(
+            mlp(),
+            None,
+            None,
+            example_inputs=(batches[0][0],),
+            loss_fn=F.mse_loss,
+            backend=None,
+            microbatches=N,
+            preconditioner=family,
+        ).units
+        for name in ("all",)
+    }["all"]
     D: dict[str, Tensor | None] = {layer.name: None for layer in layers}
     queue: dict[str, list[tuple[int, Tensor]]] = {layer.name: [] for layer in layers}
     active: dict[str, Tensor | None] = {layer.name: None for layer in layers}
@@ -71,8 +84,18 @@ def _reference(batches: list[tuple[Tensor, Tensor]], family: DiagonalFamily) -> 
 
 
 def _one_device(batches: list[tuple[Tensor, Tensor]]) -> fxkfac.runtime.trainer.Trainer:
-    trainer = fxkfac.compile(mlp(), None, None, example_inputs=(batches[0][0],), loss_fn=F.mse_loss, optimizer=_sgd,
-                             backend=None, microbatches=N, preconditioner=DiagonalFamily(), layer_timing=_timings())
+    trainer = fxkfac.compile(
+        mlp(),
+        None,
+        None,
+        example_inputs=(batches[0][0],),
+        loss_fn=F.mse_loss,
+        optimizer=_sgd,
+        backend=None,
+        microbatches=N,
+        preconditioner=DiagonalFamily(),
+        layer_timing=_timings(),
+    )
     for x, y in batches:
         trainer.step(x, y)
     return trainer
@@ -96,8 +119,18 @@ def test_diagonal_family_checkpoint_resumes_exactly(tmp_path) -> None:
     batches = mlp_batches(STEPS)
     a = _one_device(batches[:2])
     a.save_checkpoint(str(tmp_path / "ckpt"))
-    b = fxkfac.compile(mlp(seed=5), None, None, example_inputs=(batches[0][0],), loss_fn=F.mse_loss, optimizer=_sgd,
-                       backend=None, microbatches=N, preconditioner=DiagonalFamily(), layer_timing=_timings())
+    b = fxkfac.compile(
+        mlp(seed=5),
+        None,
+        None,
+        example_inputs=(batches[0][0],),
+        loss_fn=F.mse_loss,
+        optimizer=_sgd,
+        backend=None,
+        microbatches=N,
+        preconditioner=DiagonalFamily(),
+        layer_timing=_timings(),
+    )
     b.load_checkpoint(str(tmp_path / "ckpt"))
     for x, y in batches[2:]:
         a.step(x, y)
@@ -111,10 +144,20 @@ def _pipelined_worker(rank: int, world: int, meshes: list[tuple[int, int, str]])
     out = []
     for D, W, schedule in meshes:
         batches = mlp_batches(STEPS)
-        trainer = fxkfac.compile(mlp(), (D, W), None, example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
-                                 optimizer=_sgd, backend=None, schedule=schedule, microbatches=N // W,
-                                 preconditioner=DiagonalFamily(), layer_timing=_timings(),
-                                 pipeline=PipelineOptions(timeout=60.0))
+        trainer = fxkfac.compile(
+            mlp(),
+            (D, W),
+            None,
+            example_inputs=(batches[0][0],),
+            loss_fn=F.mse_loss,
+            optimizer=_sgd,
+            backend=None,
+            schedule=schedule,
+            microbatches=N // W,
+            preconditioner=DiagonalFamily(),
+            layer_timing=_timings(),
+            pipeline=PipelineOptions(timeout=60.0),
+        )
         for x, y in batches:
             trainer.step(x, y)
         out.append({n: copy.deepcopy(p.detach()) for n, p in trainer.named_parameters()})
@@ -131,32 +174,53 @@ def test_diagonal_family_pipelined_equals_one_device() -> None:
     for r in results:
         for case, params in zip(meshes, r.value):
             for name, p in params.items():
-                torch.testing.assert_close(p, want[name].detach(), rtol=0, atol=1e-5,
-                                           msg=f"{case} rank {r.rank} {name}")
+                torch.testing.assert_close(
+                    p, want[name].detach(), rtol=0, atol=1e-5, msg=f"{case} rank {r.rank} {name}"
+                )
 
 
 def diagonal_costs(stage_layers: dict[int, list[str]], layers: dict) -> CostTable:
     """The diagonal family's costs for the split: one part D per layer, made after BWD; F 1 ms, B 2 ms, and
     decompositions long enough that the plan must refresh less often than every step."""
-    stages = tuple(StageCost(1e-3, 2e-3, 1 << 20, 1 << 16, tuple(
-        LayerCost(name, (PartCost("D", OpKind.BWD, 2e-4, 1e-3, 64, 64),), 1e-5) for name in stage_layers[s]))
-        for s in sorted(stage_layers))
+    stages = tuple(
+        StageCost(
+            1e-3,
+            2e-3,
+            1 << 20,
+            1 << 16,
+            tuple(LayerCost(name, (PartCost("D", OpKind.BWD, 2e-4, 1e-3, 64, 64),), 1e-5) for name in stage_layers[s]),
+        )
+        for s in sorted(stage_layers)
+    )
     return CostTable(stages, 4, "test:diagonal", "cpu")
 
 
 def _planned_worker(rank: int, world: int) -> dict:
     """plan="auto" places the diagonal family's work (CP-SAT over `diagonal_costs`) and the ranks run it."""
     batches = mlp_batches(STEPS) * 2
-    trainer = fxkfac.compile(mlp(), (2, 1), "auto", example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
-                             optimizer=_sgd, backend=None, schedule="1f1b", microbatches=N,
-                             preconditioner=DiagonalFamily(), pipeline=PipelineOptions(timeout=60.0),
-                             plan_options=PlanOptions(costs=diagonal_costs, time_limit_s=3.0))
+    trainer = fxkfac.compile(
+        mlp(),
+        (2, 1),
+        "auto",
+        example_inputs=(batches[0][0],),
+        loss_fn=F.mse_loss,
+        optimizer=_sgd,
+        backend=None,
+        schedule="1f1b",
+        microbatches=N,
+        preconditioner=DiagonalFamily(),
+        pipeline=PipelineOptions(timeout=60.0),
+        plan_options=PlanOptions(costs=diagonal_costs, time_limit_s=3.0),
+    )
     for x, y in batches:
         trainer.step(x, y)
     assert trainer.plan is not None
     placed = {p.op.kind.value for p in trainer.plan.placements}
-    return {"params": {n: copy.deepcopy(p.detach()) for n, p in trainer.named_parameters()},
-            "layers": dict(trainer.plan.layers), "placed": placed}
+    return {
+        "params": {n: copy.deepcopy(p.detach()) for n, p in trainer.named_parameters()},
+        "layers": dict(trainer.plan.layers),
+        "placed": placed,
+    }
 
 
 @pytest.mark.multiproc
@@ -167,8 +231,18 @@ def test_the_planner_places_the_diagonal_family_and_the_runtime_runs_its_plan() 
     assert {"STATS", "DECOMP", "APPLY"} <= results[0].value["placed"] | results[1].value["placed"]
     assert max(t.period for t in layers.values()) > 1, "the plan should refresh less often than every step"
     batches = mlp_batches(STEPS) * 2
-    single = fxkfac.compile(mlp(), None, None, example_inputs=(batches[0][0],), loss_fn=F.mse_loss, optimizer=_sgd,
-                            backend=None, microbatches=N, preconditioner=DiagonalFamily(), layer_timing=layers)
+    single = fxkfac.compile(
+        mlp(),
+        None,
+        None,
+        example_inputs=(batches[0][0],),
+        loss_fn=F.mse_loss,
+        optimizer=_sgd,
+        backend=None,
+        microbatches=N,
+        preconditioner=DiagonalFamily(),
+        layer_timing=layers,
+    )
     for x, y in batches:
         single.step(x, y)
     want = dict(single.named_parameters())

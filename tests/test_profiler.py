@@ -48,8 +48,9 @@ def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
 
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(96, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 96),
-                         nn.Tanh(), nn.Linear(96, 8))
+    return nn.Sequential(
+        nn.Linear(96, 128), nn.Tanh(), nn.Linear(128, 128), nn.Tanh(), nn.Linear(128, 96), nn.Tanh(), nn.Linear(96, 8)
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -108,8 +109,9 @@ def test_a_profile_reads_cpu_time_when_torch_computes_on_this_thread_alone() -> 
 
 def test_profiled_times_are_positive_and_within_their_spreads(split: tuple) -> None:
     result, by_stage, layers, x = split
-    table = profiler.profile(result, by_stage, kfac_unit_cost(layers, CFG, warmup=1, repeats=3), [x], _loss,
-                             warmup=1, repeats=3)
+    table = profiler.profile(
+        result, by_stage, kfac_unit_cost(layers, CFG, warmup=1, repeats=3), [x], _loss, warmup=1, repeats=3
+    )
     for stage in table.stages:
         for value, spread in ((stage.fwd, stage.fwd_spread), (stage.bwd, stage.bwd_spread)):
             assert spread is not None and 0 < spread.low <= value <= spread.high
@@ -171,8 +173,9 @@ def test_a_time_of_zero_never_reaches_the_table(split: tuple, monkeypatch: pytes
         profiler.profile(result, {}, kfac_unit_cost({}, CFG), [x], _loss, warmup=0, repeats=1)
 
 
-def test_a_noisy_stage_time_is_logged_and_planned_at_its_fastest(split: tuple, monkeypatch: pytest.MonkeyPatch,
-                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_a_noisy_stage_time_is_logged_and_planned_at_its_fastest(
+    split: tuple, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
     result, _, _, x = split
     measured = profiler._stage_times
 
@@ -188,12 +191,19 @@ def test_a_noisy_stage_time_is_logged_and_planned_at_its_fastest(split: tuple, m
 
 
 def test_each_time_is_the_fastest_of_all_rounds_with_the_spread_of_all_their_repeats(
-        split: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    split: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Rounds over the whole model: a round slowed by another process does not set any figure."""
     result, by_stage, _, x = split
     measured = profiler._stage_times
-    bwd = iter([Timing(3e-3, Spread(3e-3, 5e-3)), Timing(9e-3, Spread(9e-3, 9e-3)),  # round 0: stages 0, 1
-                Timing(2e-3, Spread(2e-3, 2.5e-3)), Timing(8e-3, Spread(8e-3, 12e-3))])  # round 1
+    bwd = iter(
+        [
+            Timing(3e-3, Spread(3e-3, 5e-3)),
+            Timing(9e-3, Spread(9e-3, 9e-3)),  # round 0: stages 0, 1
+            Timing(2e-3, Spread(2e-3, 2.5e-3)),
+            Timing(8e-3, Spread(8e-3, 12e-3)),
+        ]
+    )  # round 1
 
     def stage_times(*args: object) -> tuple[Timing, Timing, list[Tensor]]:
         fwd, _, out = measured(*args)  # type: ignore[arg-type]  # the wrapper passes _stage_times' own arguments
@@ -203,8 +213,9 @@ def test_each_time_is_the_fastest_of_all_rounds_with_the_spread_of_all_their_rep
 
     def unit_cost(name: str, rows: int) -> LayerCost:
         prec = next(precs)
-        return replace(LayerCost.kfac(name, 1e-4, 1e-4, 1e-3, 1e-3, prec, 8, 8, 16, 16),
-                       prec_spread=Spread(prec, 2 * prec))
+        return replace(
+            LayerCost.kfac(name, 1e-4, 1e-4, 1e-3, 1e-3, prec, 8, 8, 16, 16), prec_spread=Spread(prec, 2 * prec)
+        )
 
     monkeypatch.setattr(profiler, "_stage_times", stage_times)
     table = profiler.profile(result, by_stage, unit_cost, [x], _loss, warmup=0, repeats=1, rounds=2)
@@ -218,13 +229,32 @@ def _table(spread: bool) -> CostTable:
     def s(lo: float, hi: float) -> Spread | None:
         return Spread(lo, hi) if spread else None
 
-    layer = LayerCost.kfac("fc", curv_a=1e-4, curv_b=2e-4, inv_a=1e-3, inv_b=2e-3, prec=5e-4, a_bytes=64,
-                           e_bytes=32, factor_a_bytes=1024, factor_b_bytes=256)
-    parts = tuple(replace(p, stats_spread=s(p.stats / 2, p.stats * 2), decomp_spread=s(p.decomp, p.decomp * 3))
-                  for p in layer.parts)
+    layer = LayerCost.kfac(
+        "fc",
+        curv_a=1e-4,
+        curv_b=2e-4,
+        inv_a=1e-3,
+        inv_b=2e-3,
+        prec=5e-4,
+        a_bytes=64,
+        e_bytes=32,
+        factor_a_bytes=1024,
+        factor_b_bytes=256,
+    )
+    parts = tuple(
+        replace(p, stats_spread=s(p.stats / 2, p.stats * 2), decomp_spread=s(p.decomp, p.decomp * 3))
+        for p in layer.parts
+    )
     layer = replace(layer, parts=parts, prec_spread=s(4e-4, 9e-4))
-    stage = StageCost(fwd=2e-3, bwd=4e-3, param_bytes=4096, act_bytes=2048, layers=(layer,),
-                      fwd_spread=s(1.5e-3, 3e-3), bwd_spread=s(3e-3, 8e-3))
+    stage = StageCost(
+        fwd=2e-3,
+        bwd=4e-3,
+        param_bytes=4096,
+        act_bytes=2048,
+        layers=(layer,),
+        fwd_spread=s(1.5e-3, 3e-3),
+        bwd_spread=s(3e-3, 8e-3),
+    )
     return CostTable((stage,), 8, "measured:cpu", "cpu")
 
 
@@ -255,10 +285,15 @@ def test_tables_without_spreads_write_and_read_as_before() -> None:
     assert CostTable.from_dict(old) == plain
 
 
-@pytest.mark.parametrize("bad,message", [({"low": 2.0, "high": 1.0}, "exceeds high"),
-                                         ({"low": -1.0, "high": 1.0}, "finite and >= 0"),
-                                         ([1.0, 2.0], "must be an object"),
-                                         ({"low": 1.0}, "malformed entry")])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        ({"low": 2.0, "high": 1.0}, "exceeds high"),
+        ({"low": -1.0, "high": 1.0}, "finite and >= 0"),
+        ([1.0, 2.0], "must be an object"),
+        ({"low": 1.0}, "malformed entry"),
+    ],
+)
 def test_a_malformed_spread_is_refused_naming_it(bad: object, message: str) -> None:
     data = json.loads(_table(spread=True).to_json())
     data["stages"][0]["bwd_spread"] = bad

@@ -93,10 +93,14 @@ def test_plan_progress_rich_draws_phases_and_summary() -> None:
 
 
 def test_solve_text_names_objective_bound_and_gap() -> None:
-    assert solve_text(SolveProgress("stages [0] k=2", "OPTIMAL", 4.0, 4.0, 0.25, True)) == \
-        "stages [0] k=2: objective 4, bound 4, gap 0%, optimal (0.2 s)"
-    assert solve_text(SolveProgress("stages [1] k=3", "INFEASIBLE", None, None, 0.0, True)) == \
-        "stages [1] k=3: cannot be placed (0.0 s)"
+    assert (
+        solve_text(SolveProgress("stages [0] k=2", "OPTIMAL", 4.0, 4.0, 0.25, True))
+        == "stages [0] k=2: objective 4, bound 4, gap 0%, optimal (0.2 s)"
+    )
+    assert (
+        solve_text(SolveProgress("stages [1] k=3", "INFEASIBLE", None, None, 0.0, True))
+        == "stages [1] k=3: cannot be placed (0.0 s)"
+    )
     assert SolveProgress("w", "FEASIBLE", 8.0, 2.0, 1.0, False).gap == 0.75
 
 
@@ -106,33 +110,46 @@ def test_training_progress_logs_every_interval(caplog: pytest.LogCaptureFixture)
         for step in range(1, 26):
             progress.update(step, 2.0 / step)
     assert [r.getMessage() for r in caplog.records] == [
-        "step 1  loss 2.0000  - steps/s", "step 11  loss 0.1818  1.00 steps/s", "step 21  loss 0.0952  1.00 steps/s"]
+        "step 1  loss 2.0000  - steps/s",
+        "step 11  loss 0.1818  1.00 steps/s",
+        "step 21  loss 0.0952  1.00 steps/s",
+    ]
 
 
 def test_training_progress_rich_bar() -> None:
     out = io.StringIO()
-    progress = TrainingProgress(Display.RICH, console=Console(file=out, force_terminal=True, width=100),
-                                clock=_ticking(0.5))
+    progress = TrainingProgress(
+        Display.RICH, console=Console(file=out, force_terminal=True, width=100), clock=_ticking(0.5)
+    )
     for step in range(1, 4):
         progress.update(step, 1.5)
     progress.close()
     assert "step 3" in out.getvalue() and "loss 1.5000" in out.getvalue() and "2.00 steps/s" in out.getvalue()
 
 
-def test_progress_flag_shows_every_step_of_one_device(caplog: pytest.LogCaptureFixture,
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_progress_flag_shows_every_step_of_one_device(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(sys, "stdout", io.StringIO())  # not a terminal: log mode, also under `pytest -s`
     monkeypatch.setattr("fxkfac.progress.LOG_EVERY_S", 0.0)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     x, y = torch.randn(8, 8), torch.randint(0, 4, (8,))
-    trainer = fxkfac.compile(model, None, plan=None, example_inputs=(x,), loss_fn=nn.functional.cross_entropy,
-                             backend=None, pipeline=PipelineOptions(progress=True))
+    trainer = fxkfac.compile(
+        model,
+        None,
+        plan=None,
+        example_inputs=(x,),
+        loss_fn=nn.functional.cross_entropy,
+        backend=None,
+        pipeline=PipelineOptions(progress=True),
+    )
     with caplog.at_level(logging.INFO, logger="fxkfac.progress"):
         losses = [trainer.step((x,), y) for _ in range(3)]
     lines = [r.getMessage() for r in caplog.records if r.name == "fxkfac.progress"]
-    assert [line.split("  ")[:2] for line in lines] == [[f"step {n}", f"loss {loss:.4f}"]
-                                                       for n, loss in enumerate(losses, 1)]
+    assert [line.split("  ")[:2] for line in lines] == [
+        [f"step {n}", f"loss {loss:.4f}"] for n, loss in enumerate(losses, 1)
+    ]
 
 
 def test_progress_flag_off_is_silent(caplog: pytest.LogCaptureFixture) -> None:

@@ -24,8 +24,15 @@ from tests.support.distributed import run_distributed
 from tests.support.models import mlp, mlp_batches
 
 N, STEPS, LR = 2, 6, 0.05
-SHAMPOO = ShampooConfig(precondition_frequency=2, max_preconditioner_dim=8, grafting_type=GraftType.ADAM,
-                        betas=(0.9, 0.99), epsilon=1e-4, momentum=0.5, preconditioner_dtype="float64")
+SHAMPOO = ShampooConfig(
+    precondition_frequency=2,
+    max_preconditioner_dim=8,
+    grafting_type=GraftType.ADAM,
+    betas=(0.9, 0.99),
+    epsilon=1e-4,
+    momentum=0.5,
+    preconditioner_dtype="float64",
+)
 SOAP = SOAPConfig(precondition_frequency=2, max_preconditioner_dim=8, preconditioner_dtype="float64")
 FAMILIES = {"shampoo": SHAMPOO, "soap": SOAP}
 
@@ -41,10 +48,20 @@ def _timings() -> dict[str, LayerTiming]:
 
 def _compile(family: str, mesh: tuple[int, int] | None, schedule: str = "1f1b", seed: int = 0) -> fxkfac.Trainer:
     W = 1 if mesh is None else mesh[1]
-    return fxkfac.compile(mlp(seed=seed), mesh, None, example_inputs=(mlp_batches(STEPS)[0][0],), loss_fn=F.mse_loss,
-                          optimizer=_sgd, backend=None, schedule=schedule, microbatches=N // W,
-                          preconditioner=FAMILIES[family], layer_timing=_timings(),
-                          pipeline=PipelineOptions(timeout=60.0))
+    return fxkfac.compile(
+        mlp(seed=seed),
+        mesh,
+        None,
+        example_inputs=(mlp_batches(STEPS)[0][0],),
+        loss_fn=F.mse_loss,
+        optimizer=_sgd,
+        backend=None,
+        schedule=schedule,
+        microbatches=N // W,
+        preconditioner=FAMILIES[family],
+        layer_timing=_timings(),
+        pipeline=PipelineOptions(timeout=60.0),
+    )
 
 
 def _one_device(family: str) -> dict[str, Tensor]:
@@ -67,8 +84,11 @@ def _pipelined_worker(rank: int, world: int, cases: list[tuple[str, int, int, st
 
 @pytest.mark.multiproc
 def test_shampoo_and_soap_pipelined_equal_one_device() -> None:
-    cases = [(family, D, W, schedule) for family in FAMILIES
-             for D, W, schedule in ((2, 1, "gpipe"), (2, 1, "1f1b"), (2, 1, "chimera"), (1, 2, "gpipe"))]
+    cases = [
+        (family, D, W, schedule)
+        for family in FAMILIES
+        for D, W, schedule in ((2, 1, "gpipe"), (2, 1, "1f1b"), (2, 1, "chimera"), (1, 2, "gpipe"))
+    ]
     results = run_distributed(_pipelined_worker, 2, cases, timeout=600)
     assert all(r.ok for r in results), [r.traceback for r in results if not r.ok]
     want = {family: _one_device(family) for family in FAMILIES}
@@ -79,8 +99,9 @@ def test_shampoo_and_soap_pipelined_equal_one_device() -> None:
     for r in results:
         for case, params in zip(cases, r.value):
             for name, p in params.items():
-                torch.testing.assert_close(p, want[case[0]][name], rtol=0, atol=1e-5,
-                                           msg=f"{case} rank {r.rank} {name}")
+                torch.testing.assert_close(
+                    p, want[case[0]][name], rtol=0, atol=1e-5, msg=f"{case} rank {r.rank} {name}"
+                )
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -102,28 +123,52 @@ def test_checkpoint_resumes_exactly_with_roots_pending(family: str, tmp_path) ->
 
 def test_a_base_optimizer_with_momentum_is_refused() -> None:
     with pytest.raises(ConfigError, match="base optimizer must be torch.optim.SGD"):
-        fxkfac.compile(mlp(), None, None, example_inputs=(mlp_batches(STEPS)[0][0],), loss_fn=F.mse_loss, backend=None,
-                       optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), preconditioner=SHAMPOO)
+        fxkfac.compile(
+            mlp(),
+            None,
+            None,
+            example_inputs=(mlp_batches(STEPS)[0][0],),
+            loss_fn=F.mse_loss,
+            backend=None,
+            optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+            preconditioner=SHAMPOO,
+        )
 
 
 def _planned_worker(rank: int, world: int, family: str, mesh: tuple[int, int], schedule: str) -> dict:
     """plan="auto": rank 0 profiles the family through its own methods, CP-SAT places its work, the ranks run it."""
-    trainer = fxkfac.compile(mlp(), mesh, "auto", example_inputs=(mlp_batches(STEPS)[0][0],), loss_fn=F.mse_loss,
-                             optimizer=_sgd, backend=None, schedule=schedule, microbatches=N // mesh[1],
-                             preconditioner=FAMILIES[family], pipeline=PipelineOptions(timeout=60.0),
-                             plan_options=PlanOptions(time_limit_s=3.0))
+    trainer = fxkfac.compile(
+        mlp(),
+        mesh,
+        "auto",
+        example_inputs=(mlp_batches(STEPS)[0][0],),
+        loss_fn=F.mse_loss,
+        optimizer=_sgd,
+        backend=None,
+        schedule=schedule,
+        microbatches=N // mesh[1],
+        preconditioner=FAMILIES[family],
+        pipeline=PipelineOptions(timeout=60.0),
+        plan_options=PlanOptions(time_limit_s=3.0),
+    )
     for x, y in mlp_batches(STEPS):
         trainer.step(x, y)
     assert trainer.plan is not None
-    return {"params": {n: copy.deepcopy(p.detach()) for n, p in trainer.named_parameters()},
-            "layers": dict(trainer.plan.layers), "placed": {p.op.kind for p in trainer.plan.placements}}
+    return {
+        "params": {n: copy.deepcopy(p.detach()) for n, p in trainer.named_parameters()},
+        "layers": dict(trainer.plan.layers),
+        "placed": {p.op.kind for p in trainer.plan.placements},
+    }
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("family,mesh,schedule", [("shampoo", (2, 1), "1f1b"), ("soap", (2, 1), "1f1b"),
-                                                  ("shampoo", (2, 1), "chimera"), ("soap", (1, 2), "gpipe")])
+@pytest.mark.parametrize(
+    "family,mesh,schedule",
+    [("shampoo", (2, 1), "1f1b"), ("soap", (2, 1), "1f1b"), ("shampoo", (2, 1), "chimera"), ("soap", (1, 2), "gpipe")],
+)
 def test_planned_shampoo_and_soap_run_their_plan_and_equal_one_device_given_it(
-        family: str, mesh: tuple[int, int], schedule: str) -> None:
+    family: str, mesh: tuple[int, int], schedule: str
+) -> None:
     results = run_distributed(_planned_worker, 2, family, mesh, schedule, timeout=300)
     assert all(r.ok for r in results), [r.traceback for r in results if not r.ok]
     layers = results[0].value["layers"]
@@ -131,9 +176,18 @@ def test_planned_shampoo_and_soap_run_their_plan_and_equal_one_device_given_it(
     assert {OpKind.DECOMP, OpKind.APPLY} <= results[0].value["placed"] | results[1].value["placed"]
     assert min(t.use_offset for t in layers.values()) >= 1, "a planned gradient part decomposes after its step"
     assert max(t.period for t in layers.values()) <= FAMILIES[family].precondition_frequency
-    single = fxkfac.compile(mlp(), None, None, example_inputs=(mlp_batches(STEPS)[0][0],), loss_fn=F.mse_loss,
-                            optimizer=_sgd, backend=None, microbatches=N, preconditioner=FAMILIES[family],
-                            layer_timing=layers)
+    single = fxkfac.compile(
+        mlp(),
+        None,
+        None,
+        example_inputs=(mlp_batches(STEPS)[0][0],),
+        loss_fn=F.mse_loss,
+        optimizer=_sgd,
+        backend=None,
+        microbatches=N,
+        preconditioner=FAMILIES[family],
+        layer_timing=layers,
+    )
     for x, y in mlp_batches(STEPS):
         single.step(x, y)
     want = dict(single.named_parameters())
@@ -164,10 +218,21 @@ def _resume_worker(rank: int, world: int, family: str, path: str) -> dict[str, d
     batches = mlp_batches(STEPS)
 
     def make(seed: int, plan: Any) -> fxkfac.Trainer:
-        return fxkfac.compile(mlp(seed=seed), (2, 1), plan, example_inputs=(batches[0][0],), loss_fn=F.mse_loss,
-                              optimizer=_sgd, backend=None, schedule="1f1b", microbatches=N,
-                              preconditioner=FAMILIES[family], pipeline=PipelineOptions(timeout=60.0),
-                              plan_options=PlanOptions(time_limit_s=3.0))
+        return fxkfac.compile(
+            mlp(seed=seed),
+            (2, 1),
+            plan,
+            example_inputs=(batches[0][0],),
+            loss_fn=F.mse_loss,
+            optimizer=_sgd,
+            backend=None,
+            schedule="1f1b",
+            microbatches=N,
+            preconditioner=FAMILIES[family],
+            pipeline=PipelineOptions(timeout=60.0),
+            plan_options=PlanOptions(time_limit_s=3.0),
+        )
+
     whole = make(0, "auto")
     for x, y in batches:
         whole.step(x, y)
@@ -179,8 +244,10 @@ def _resume_worker(rank: int, world: int, family: str, path: str) -> dict[str, d
     resumed.load_checkpoint(path)
     for x, y in batches[3:]:
         resumed.step(x, y)
-    return {name: {n: copy.deepcopy(p.detach()) for n, p in t.named_parameters()}
-            for name, t in (("whole", whole), ("resumed", resumed))}
+    return {
+        name: {n: copy.deepcopy(p.detach()) for n, p in t.named_parameters()}
+        for name, t in (("whole", whole), ("resumed", resumed))
+    }
 
 
 @pytest.mark.multiproc

@@ -33,14 +33,31 @@ def _mse(out: Tensor, targets: Tensor) -> Tensor:
     return F.mse_loss(out, targets)
 
 
-def _compare(make: Callable[[], nn.Module], batches: list[tuple[Tensor, Tensor]], loss_fn, *,
-             cfg: KFACConfig | None, microbatches: int = 1, backend: str | None = None,
-             layer_timing: dict[str, LayerTiming] | None = None, rtol: float = 1e-4) -> Trainer:
+def _compare(
+    make: Callable[[], nn.Module],
+    batches: list[tuple[Tensor, Tensor]],
+    loss_fn,
+    *,
+    cfg: KFACConfig | None,
+    microbatches: int = 1,
+    backend: str | None = None,
+    layer_timing: dict[str, LayerTiming] | None = None,
+    rtol: float = 1e-4,
+) -> Trainer:
     model = make()
     ref_model = copy.deepcopy(model)
     initial = {name: p.detach().clone() for name, p in model.named_parameters()}
-    trainer = fxkfac.compile(model, None, example_inputs=(batches[0][0],), loss_fn=loss_fn, optimizer=_sgd,
-                             kfac=cfg, microbatches=microbatches, backend=backend, layer_timing=layer_timing)
+    trainer = fxkfac.compile(
+        model,
+        None,
+        example_inputs=(batches[0][0],),
+        loss_fn=loss_fn,
+        optimizer=_sgd,
+        kfac=cfg,
+        microbatches=microbatches,
+        backend=backend,
+        layer_timing=layer_timing,
+    )
     timings = dict(trainer.timings)
     ref = KFACReference(ref_model, trainer.units, cfg, loss_fn, microbatches, timings, _sgd)
     for t, (x, y) in enumerate(batches):
@@ -51,8 +68,13 @@ def _compare(make: Callable[[], nn.Module], batches: list[tuple[Tensor, Tensor]]
     ref_params = dict(ref_model.named_parameters())
     moved = 0.0
     for name, p in trainer.named_parameters():
-        torch.testing.assert_close(p, ref_params[name], rtol=rtol, atol=rtol * float(ref_params[name].abs().max()),
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            p,
+            ref_params[name],
+            rtol=rtol,
+            atol=rtol * float(ref_params[name].abs().max()),
+            msg=lambda m, name=name: f"{name}: {m}",
+        )
         moved = max(moved, float((p - initial[name]).abs().max()))
     assert moved > 1e-3, "training did not move the parameters: the comparison would be vacuous"
     return trainer
@@ -94,12 +116,14 @@ def test_inductor_backend_equals_reference() -> None:
 def test_state_dict_round_trip_continues_identically() -> None:
     cfg = KFACConfig(damping=1e-2, refresh_every=2)
     batches = mlp_batches(4, seed=5)
-    a = fxkfac.compile(mlp(), None, example_inputs=(batches[0][0],), loss_fn=_mse, optimizer=_sgd, kfac=cfg,
-                       backend=None)
+    a = fxkfac.compile(
+        mlp(), None, example_inputs=(batches[0][0],), loss_fn=_mse, optimizer=_sgd, kfac=cfg, backend=None
+    )
     for x, y in batches[:3]:
         a.step(x, y)
-    b = fxkfac.compile(mlp(seed=7), None, example_inputs=(batches[0][0],), loss_fn=_mse, optimizer=_sgd, kfac=cfg,
-                       backend=None)
+    b = fxkfac.compile(
+        mlp(seed=7), None, example_inputs=(batches[0][0],), loss_fn=_mse, optimizer=_sgd, kfac=cfg, backend=None
+    )
     b.load_state_dict(copy.deepcopy(a.state_dict()))
     assert b.steps == 3 and set(b.state_dict()["kfac"]) == {layer.name for layer in a.units}
     x, y = batches[3]

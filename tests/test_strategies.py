@@ -28,8 +28,11 @@ from tests.support.models import mlp
 
 N, STEPS, BATCH, LR = 2, 5, 16, 0.05
 KFAC = KFACConfig(damping=0.01, kl_clip=0.01)
-TIMINGS = {"0": LayerTiming(2, 0, 1, "fused"), "2": LayerTiming(1, 0, 0, "deferred"),
-           "4": LayerTiming(2, 1, 1, "deferred")}
+TIMINGS = {
+    "0": LayerTiming(2, 0, 1, "fused"),
+    "2": LayerTiming(1, 0, 0, "deferred"),
+    "4": LayerTiming(2, 1, 1, "deferred"),
+}
 """Layer 0 refreshes at even steps and uses its inverse a step later; layer 2 every step; layer 4 at odd steps."""
 
 
@@ -43,10 +46,21 @@ def _batches() -> list[tuple[Tensor, Tensor]]:
 
 
 def _compile(mesh: tuple[int, int] | None, strategy: str, microbatches: int = N) -> fxkfac.Trainer:
-    return fxkfac.compile(mlp(seed=1), mesh, None, example_inputs=(_batches()[0][0],), loss_fn=F.mse_loss,
-                          optimizer=_sgd, backend=None, schedule="gpipe", microbatches=microbatches, kfac=KFAC,
-                          layer_timing=TIMINGS, pipeline=PipelineOptions(timeout=60.0),
-                          plan_options=PlanOptions(strategy=strategy))
+    return fxkfac.compile(
+        mlp(seed=1),
+        mesh,
+        None,
+        example_inputs=(_batches()[0][0],),
+        loss_fn=F.mse_loss,
+        optimizer=_sgd,
+        backend=None,
+        schedule="gpipe",
+        microbatches=microbatches,
+        kfac=KFAC,
+        layer_timing=TIMINGS,
+        pipeline=PipelineOptions(timeout=60.0),
+        plan_options=PlanOptions(strategy=strategy),
+    )
 
 
 def _train(trainer: fxkfac.Trainer) -> dict[str, Tensor]:
@@ -87,8 +101,9 @@ def test_kaisa_strategies_equal_one_device_kfac(world: int, stages: tuple[int, .
     for r in results:
         for (D, strategy), got in zip(cases, r.value):
             for name, p in got["params"].items():
-                torch.testing.assert_close(p, want[name], rtol=0, atol=1e-5,
-                                           msg=f"D={D} W={world // D} {strategy} rank {r.rank} {name}")
+                torch.testing.assert_close(
+                    p, want[name], rtol=0, atol=1e-5, msg=f"D={D} W={world // D} {strategy} rank {r.rank} {name}"
+                )
     by_case = {case: [r.value[i] for r in results] for i, case in enumerate(cases)}
     for D in {D for D, _ in cases}:
         W = world // D
@@ -108,8 +123,14 @@ def _dp_kfac_worker(rank: int, world: int, meshes: list[tuple[int, int]]) -> lis
         stage_of = {n: s for s, names in trainer.spec.stage_units.items() for n in names}
         owners = {n: grad_workers(holders[stage_of[n]], trainer.spec.distributions[n])[0] for n in TIMINGS}
         syncs = sum(op.kind is OpKind.SYNC_STATS for step in trainer.spec.programs[rank] for op in step)
-        out.append({"params": _train(trainer), "owners": owners, "syncs": syncs,
-                    "factors": sorted(n for n, s in trainer.layer_states.items() if s.A is not None)})
+        out.append(
+            {
+                "params": _train(trainer),
+                "owners": owners,
+                "syncs": syncs,
+                "factors": sorted(n for n, s in trainer.layer_states.items() if s.A is not None),
+            }
+        )
         dist.barrier()
     return out
 
@@ -135,16 +156,20 @@ def test_dp_kfac_equals_one_device_kfac_with_each_layers_factors_from_its_owners
             assert got["syncs"] == 0, "DP-KFAC's factors stay local: no statistic all-reduce"
             assert all(owners[n] == r.rank for n in got["factors"]), "only a layer's owner keeps its factors"
             for name, p in got["params"].items():
-                torch.testing.assert_close(p, want[name].detach(), rtol=0, atol=1e-5,
-                                           msg=f"D={D} W={W} dp-kfac rank {r.rank} {name}")
+                torch.testing.assert_close(
+                    p, want[name].detach(), rtol=0, atol=1e-5, msg=f"D={D} W={W} dp-kfac rank {r.rank} {name}"
+                )
 
 
 def _costs(stage_layers: Mapping[int, Sequence[str]], layers: Mapping[str, Any]) -> CostTable:
     """Fixed costs (profiles vary with load): K-FAC work small against F/B, so refreshes are short."""
+
     def layer(name: str) -> LayerCost:
         return LayerCost.kfac(name, 1e-4, 1e-4, 1e-3, 1e-3, 1e-4, 1024, 1024, 4096, 4096, grad_bytes=1024)
-    stages = tuple(StageCost(0.01, 0.02, 1 << 12, 1 << 12, tuple(layer(n) for n in stage_layers[s]))
-                   for s in sorted(stage_layers))
+
+    stages = tuple(
+        StageCost(0.01, 0.02, 1 << 12, 1 << 12, tuple(layer(n) for n in stage_layers[s])) for s in sorted(stage_layers)
+    )
     return CostTable(stages, BATCH // 4, "fixed", "cpu", HARDWARE["cpu"].comm)
 
 
@@ -154,26 +179,43 @@ def _planned_worker(rank: int, world: int, cases: list[tuple[int, str]]) -> list
     out = []
     for D, strategy in cases:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)) if D == 1 else (D, world // D)
-        trainer = fxkfac.compile(mlp(seed=1), mesh, "auto", example_inputs=(_batches()[0][0],),
-                                 loss_fn=F.mse_loss, optimizer=_sgd, backend=None, schedule="gpipe", microbatches=N,
-                                 kfac=KFAC, pipeline=PipelineOptions(timeout=60.0),
-                                 plan_options=PlanOptions(costs=_costs, strategy=strategy, time_limit_s=3.0,
-                                                          max_overhead=1.0))
+        trainer = fxkfac.compile(
+            mlp(seed=1),
+            mesh,
+            "auto",
+            example_inputs=(_batches()[0][0],),
+            loss_fn=F.mse_loss,
+            optimizer=_sgd,
+            backend=None,
+            schedule="gpipe",
+            microbatches=N,
+            kfac=KFAC,
+            pipeline=PipelineOptions(timeout=60.0),
+            plan_options=PlanOptions(costs=_costs, strategy=strategy, time_limit_s=3.0, max_overhead=1.0),
+        )
         assert trainer.plan is not None
         holders = ranks_of_stages(trainer.spec.kind, D, world // D)
         stage_of = {n: s for s, names in trainer.spec.stage_units.items() for n in names}
         owners = {n: grad_workers(holders[stage_of[n]], trainer.plan.problem.where(n))[0] for n in stage_of}
-        out.append({"params": _train(trainer), "timings": dict(trainer.plan.layers), "owners": owners,
-                    "strategy": {str(trainer.plan.problem.where(n).strategy) for n in stage_of}})
+        out.append(
+            {
+                "params": _train(trainer),
+                "timings": dict(trainer.plan.layers),
+                "owners": owners,
+                "strategy": {str(trainer.plan.problem.where(n).strategy) for n in stage_of},
+            }
+        )
         dist.barrier()
     return out
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize(("world", "cases"), [(2, [(1, "mem-opt"), (1, "dp-kfac")]),
-                                             (4, [(1, "hybrid:0.5"), (2, "mem-opt")])])
+@pytest.mark.parametrize(
+    ("world", "cases"), [(2, [(1, "mem-opt"), (1, "dp-kfac")]), (4, [(1, "hybrid:0.5"), (2, "mem-opt")])]
+)
 def test_planned_strategies_run_their_plan_and_equal_one_device_given_its_timings(
-        world: int, cases: list[tuple[int, str]]) -> None:
+    world: int, cases: list[tuple[int, str]]
+) -> None:
     """plan='auto' with a forced strategy: the planner places column broadcasts, per-layer APPLY and BCAST_PREC
     in the bubbles, and the run equals one-device K-FAC with the plan's layer timings (DP-KFAC: with each layer's
     factors from its owner's shard). Pure data parallelism is a ("dp",) DeviceMesh."""
@@ -186,27 +228,52 @@ def test_planned_strategies_run_their_plan_and_equal_one_device_given_its_timing
         assert min(t.use_offset for t in got["timings"].values()) < STEPS, "no inverse used: a vacuous comparison"
         model = mlp(seed=1)
         units = _compile(None, "comm-opt", microbatches=N * W).units
-        shard = ({n: range((got["owners"][n] % W) * N, (got["owners"][n] % W + 1) * N) for n in got["owners"]}
-                 if strategy == "dp-kfac" else None)
+        shard = (
+            {n: range((got["owners"][n] % W) * N, (got["owners"][n] % W + 1) * N) for n in got["owners"]}
+            if strategy == "dp-kfac"
+            else None
+        )
         ref = KFACReference(model, units, KFAC, F.mse_loss, N * W, got["timings"], _sgd, shard)
         for t, (x, y) in enumerate(_batches()):
             ref.step(t, x, y)
         want = dict(model.named_parameters())
         for r in results:
             for name, p in r.value[i]["params"].items():
-                torch.testing.assert_close(p, want[name].detach(), rtol=0, atol=1e-5,
-                                           msg=f"planned D={D} W={W} {strategy} rank {r.rank} {name}")
+                torch.testing.assert_close(
+                    p,
+                    want[name].detach(),
+                    rtol=0,
+                    atol=1e-5,
+                    msg=f"planned D={D} W={W} {strategy} rank {r.rank} {name}",
+                )
 
 
-SHAMPOO = ShampooConfig(precondition_frequency=2, max_preconditioner_dim=8, grafting_type=GraftType.ADAM,
-                        betas=(0.9, 0.99), epsilon=1e-4, momentum=0.5, preconditioner_dtype="float64")
+SHAMPOO = ShampooConfig(
+    precondition_frequency=2,
+    max_preconditioner_dim=8,
+    grafting_type=GraftType.ADAM,
+    betas=(0.9, 0.99),
+    epsilon=1e-4,
+    momentum=0.5,
+    preconditioner_dtype="float64",
+)
 
 
 def _shampoo(mesh: tuple[int, int] | None, strategy: str) -> fxkfac.Trainer:
-    return fxkfac.compile(mlp(seed=1), mesh, None, example_inputs=(_batches()[0][0],), loss_fn=F.mse_loss,
-                          optimizer=lambda ps: torch.optim.SGD(ps, lr=LR), backend=None, schedule="gpipe",
-                          microbatches=N, preconditioner=SHAMPOO, pipeline=PipelineOptions(timeout=60.0),
-                          plan_options=PlanOptions(strategy=strategy))
+    return fxkfac.compile(
+        mlp(seed=1),
+        mesh,
+        None,
+        example_inputs=(_batches()[0][0],),
+        loss_fn=F.mse_loss,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=LR),
+        backend=None,
+        schedule="gpipe",
+        microbatches=N,
+        preconditioner=SHAMPOO,
+        pipeline=PipelineOptions(timeout=60.0),
+        plan_options=PlanOptions(strategy=strategy),
+    )
 
 
 def _shampoo_worker(rank: int, world: int) -> dict:

@@ -83,8 +83,9 @@ def accounted_bytes(problem: Problem, device: int) -> dict[str, int]:
         cost, copies = problem.costs.stages[s], copies_of_stage(problem, s)
         param += 2 * cost.param_bytes
         for x in cost.layers:
-            held = holding(device, copies, problem.where(x.name),
-                           all(p.after is OpKind.ALLREDUCE_GRAD for p in x.parts))
+            held = holding(
+                device, copies, problem.where(x.name), all(p.after is OpKind.ALLREDUCE_GRAD for p in x.parts)
+            )
             stats += x.factor_bytes * held.statistics
             decomps += (2 * x.factor_bytes + x.state_bytes) * held.decompositions
             shared = max(shared, x.gradient_bytes * held.shares_gradient)
@@ -96,11 +97,13 @@ def _measure_every_op(trainer: fxkfac.Trainer, peaks: list[dict[str, int]]) -> N
     """Wrap every handler of the trainer's interpreter to measure the layer states after each op, with its
     collective settled: a decomposition a BCAST receives is held from that op on (its buffer is allocated when the
     broadcast starts), as the accounting counts it, though the runtime unpacks it at its first reader."""
+
     def measured(handler: Any) -> Any:
         def run(ctx: Any, op: Any) -> None:
             handler(ctx, op)
             ctx.transport.settle_all()
             peaks.append(held_bytes(trainer.layer_states))
+
         return run
 
     for kind, handler in list(trainer.interpreter.handlers.items()):
@@ -119,12 +122,19 @@ def _worker(rank: int, world: int, cases: list[tuple[str | None, str, str]]) -> 
     out: list[dict[str, Any]] = []
     costs: dict[str, Any] = {}  # by inverse method: the first planned case of each profiles
     for plan, strategy, method in cases:
-        trainer = fxkfac.compile(_model(), (1, world), plan, example_inputs=(batches[0][0],),
-                                 loss_fn=F.cross_entropy, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01),
-                                 backend=None, microbatches=2, kfac=KFACConfig(inverse=method),
-                                 pipeline=PipelineOptions(timeout=120.0),
-                                 plan_options=PlanOptions(strategy=strategy, time_limit_s=0.5, max_overhead=1.0,
-                                                          costs=costs.get(method)))
+        trainer = fxkfac.compile(
+            _model(),
+            (1, world),
+            plan,
+            example_inputs=(batches[0][0],),
+            loss_fn=F.cross_entropy,
+            optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01),
+            backend=None,
+            microbatches=2,
+            kfac=KFACConfig(inverse=method),
+            pipeline=PipelineOptions(timeout=120.0),
+            plan_options=PlanOptions(strategy=strategy, time_limit_s=0.5, max_overhead=1.0, costs=costs.get(method)),
+        )
         if trainer.plan is not None:
             costs.setdefault(method, trainer.plan.problem.costs)
             problem = trainer.plan.problem
@@ -135,9 +145,15 @@ def _worker(rank: int, world: int, cases: list[tuple[str | None, str, str]]) -> 
         _measure_every_op(trainer, peaks)
         for t in range(_steps(trainer)):
             trainer.step(*batches[t % 2])
-        out.append({"measured": max(peaks, key=lambda m: m["total"]), "accounted": accounted_bytes(problem, rank),
-                    "static": static_bytes(problem, rank), "periods": {t.period for t in trainer.timings.values()},
-                    "strategy": {str(problem.where(n).strategy) for n in trainer.timings}})
+        out.append(
+            {
+                "measured": max(peaks, key=lambda m: m["total"]),
+                "accounted": accounted_bytes(problem, rank),
+                "static": static_bytes(problem, rank),
+                "periods": {t.period for t in trainer.timings.values()},
+                "strategy": {str(problem.where(n).strategy) for n in trainer.timings},
+            }
+        )
     return out
 
 
@@ -166,7 +182,8 @@ def _check(ranks: list[dict[str, Any]], strategy: str, exact: bool) -> None:
 @pytest.mark.parametrize("plan", [None, "auto"])
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_preconditioner_state_per_rank_against_the_accounting(
-        runs: dict[tuple[str | None, str, str], list[dict[str, Any]]], strategy: str, plan: str | None) -> None:
+    runs: dict[tuple[str | None, str, str], list[dict[str, Any]]], strategy: str, plan: str | None
+) -> None:
     """Critical path: within 10% of the accounting; planned: at most the accounting (+10%) and at least one
     decomposition per layer. A strategy holding one copy of each decomposition in all accounts less than
     COMM-OPT's copy on each rank, and holds less on the critical path; planned, at most as much (at W = 2 its

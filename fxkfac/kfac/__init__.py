@@ -8,8 +8,20 @@ from fxkfac.kfac.precondition import grad_matrix, kl_clip_scale, precondition, s
 from fxkfac.kfac.state import LayerState
 
 __all__ = [
-    "a_rows", "e_rows", "factor", "running_average",
-    "Inverse", "FactorInverse", "damping_split", "factor_dampings", "invert", "invert_factor", "combine",
-    "grad_matrix", "split_grad", "precondition", "kl_clip_scale",
+    "a_rows",
+    "e_rows",
+    "factor",
+    "running_average",
+    "Inverse",
+    "FactorInverse",
+    "damping_split",
+    "factor_dampings",
+    "invert",
+    "invert_factor",
+    "combine",
+    "grad_matrix",
+    "split_grad",
+    "precondition",
+    "kl_clip_scale",
     "LayerState",
 ]

@@ -14,7 +14,6 @@ from fxkfac.passes.layers import KFACLayer
 __all__ = ["a_rows", "e_rows", "factor", "running_average"]
 
 
-
 def a_rows(a: Tensor, layer: KFACLayer) -> Tensor:
     """The layer input as rows of A's sum: ``[rows, a_dim]``.
 
@@ -46,8 +45,9 @@ def e_rows(e: Tensor, layer: KFACLayer, n: int) -> Tensor:
     """
     if layer.kind == "conv2d":
         if e.dim() != 4:
-            raise ConfigError(f"layer {layer.name!r}: conv2d output gradient must be [N, C, H, W], "
-                              f"got {tuple(e.shape)}")
+            raise ConfigError(
+                f"layer {layer.name!r}: conv2d output gradient must be [N, C, H, W], got {tuple(e.shape)}"
+            )
         rows = e.permute(0, 2, 3, 1).reshape(-1, e.shape[1])
     else:
         rows = e.reshape(-1, e.shape[-1])

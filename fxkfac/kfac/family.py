@@ -84,10 +84,18 @@ class KFACFamily:
         """One factor's damped inverse (ValueError when pi-damping lacks the other factor)."""
         f, gamma = self._factor(layer, state, part)
         if self.cfg.split_inverse is not None:
-            return split_invert_factor(f, gamma, self.cfg.split_inverse, previous=previous_half(state.latest, part),
-                                       max_retries=self.cfg.max_cholesky_retries, name=layer.name, side=part)
-        return invert_factor(f, gamma, method=self.cfg.inverse, max_retries=self.cfg.max_cholesky_retries,
-                             name=layer.name, side=part)
+            return split_invert_factor(
+                f,
+                gamma,
+                self.cfg.split_inverse,
+                previous=previous_half(state.latest, part),
+                max_retries=self.cfg.max_cholesky_retries,
+                name=layer.name,
+                side=part,
+            )
+        return invert_factor(
+            f, gamma, method=self.cfg.inverse, max_retries=self.cfg.max_cholesky_retries, name=layer.name, side=part
+        )
 
     @property
     def decomp_pieces(self) -> int:
@@ -122,8 +130,10 @@ class KFACFamily:
         if not isinstance(state, LayerState):
             raise AssertionError("a K-FAC part decomposed from another family's state")
         if self.cfg.pi_damping and (state.A is None or state.B is None):
-            raise ValueError(f"pi-damping needs both factors of {layer.name} folded before either is inverted; "
-                             "put both SYNC_STATS ops before the DECOMP ops")
+            raise ValueError(
+                f"pi-damping needs both factors of {layer.name} folded before either is inverted; "
+                "put both SYNC_STATS ops before the DECOMP ops"
+            )
         f = state.A if part == "A" else state.B
         if f is None:
             raise ValueError(f"factor {part} of {layer.name} is inverted before it was ever folded")
@@ -156,8 +166,8 @@ class KFACFamily:
         if half.inv is not None:
             out[1:] = half.inv.reshape(-1)
         elif half.q is not None and half.l is not None:
-            out[1:1 + dim * dim] = half.q.reshape(-1)
-            out[1 + dim * dim:] = half.l
+            out[1 : 1 + dim * dim] = half.q.reshape(-1)
+            out[1 + dim * dim :] = half.l
         return out
 
     def unpack(self, layer: KFACLayer, part: str, flat: Tensor) -> FactorInverse | None:
@@ -167,10 +177,15 @@ class KFACFamily:
         dim = self.stats_shape(layer, part)[0]
         if self.cfg.inverse == "cholesky":
             return FactorInverse("cholesky", inv=flat[1:].view(dim, dim).clone())
-        return FactorInverse("eigen", q=flat[1:1 + dim * dim].view(dim, dim).clone(), l=flat[1 + dim * dim:].clone())
+        return FactorInverse("eigen", q=flat[1 : 1 + dim * dim].view(dim, dim).clone(), l=flat[1 + dim * dim :].clone())
 
-    def precondition(self, layers: Sequence[KFACLayer], grads: MutableMapping[str, Tensor],
-                     states: Mapping[str, RefreshState], params: Mapping[str, Tensor]) -> Tensor:
+    def precondition(
+        self,
+        layers: Sequence[KFACLayer],
+        grads: MutableMapping[str, Tensor],
+        states: Mapping[str, RefreshState],
+        params: Mapping[str, Tensor],
+    ) -> Tensor:
         """P = B^-1 G A^-1 per layer in place (G where no inverse is active yet); returns sum <P, G>."""
         return Preconditioner(layers)(grads, states)  # type: ignore[arg-type]  # K-FAC states are LayerStates
 

@@ -61,8 +61,9 @@ class Inverse:
         if self.method == "cholesky":
             assert self.a_inv is not None and self.b_inv is not None, "the cholesky form holds a_inv and b_inv"
             return {"a_inv": self.a_inv, "b_inv": self.b_inv}
-        assert self.q_a is not None and self.l_a is not None and self.q_b is not None and self.l_b is not None, \
+        assert self.q_a is not None and self.l_a is not None and self.q_b is not None and self.l_b is not None, (
             "the eigen form holds q_a, l_a, q_b and l_b"
+        )
         out = {"q_a": self.q_a, "l_a": self.l_a, "q_b": self.q_b, "l_b": self.l_b}
         out["damping"] = torch.tensor(self.damping, dtype=torch.float64)
         return out
@@ -130,8 +131,11 @@ def invert(
     part_a = invert_factor(A, gamma_a, method=method, max_retries=max_retries, name=label, side="A")
     part_b = invert_factor(B, gamma_b, method=method, max_retries=max_retries, name=label, side="B")
     if part_a is None or part_b is None:
-        log.warning("K-FAC %s: no inverse could be made; %s", label,
-                    "keeping the previous inverse" if previous is not None else "layer stays unpreconditioned")
+        log.warning(
+            "K-FAC %s: no inverse could be made; %s",
+            label,
+            "keeping the previous inverse" if previous is not None else "layer stays unpreconditioned",
+        )
         return previous
     return combine(part_a, part_b, shift)
 
@@ -212,11 +216,18 @@ def _damped_inverse(f: Tensor, gamma: float, max_retries: int, label: str, side:
             inv = inv if _finite(inv) else None
         if inv is not None:
             if i > 0:
-                log.warning("K-FAC %s: Cholesky of factor %s needed damping %.3g in %s (asked %.3g)",
-                            label, side, g, dtype, gamma)
+                log.warning(
+                    "K-FAC %s: Cholesky of factor %s needed damping %.3g in %s (asked %.3g)",
+                    label,
+                    side,
+                    g,
+                    dtype,
+                    gamma,
+                )
             return inv
-    log.warning("K-FAC %s: Cholesky of factor %s failed up to damping %.3g, also in float64", label, side,
-                attempts[-1][1])
+    log.warning(
+        "K-FAC %s: Cholesky of factor %s failed up to damping %.3g, also in float64", label, side, attempts[-1][1]
+    )
     return None
 
 

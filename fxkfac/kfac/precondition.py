@@ -73,8 +73,9 @@ def precondition(G: Tensor, inv: Inverse | None) -> Tensor:
         assert inv.a_inv is not None and inv.b_inv is not None, "the cholesky form holds a_inv and b_inv"
         p = inv.b_inv @ g @ inv.a_inv
     else:
-        assert inv.q_a is not None and inv.l_a is not None and inv.q_b is not None and inv.l_b is not None, \
+        assert inv.q_a is not None and inv.l_a is not None and inv.q_b is not None and inv.l_b is not None, (
             "the eigen form holds q_a, l_a, q_b and l_b"
+        )
         rotated = inv.q_b.t() @ g @ inv.q_a
         p = inv.q_b @ rotated.div_(inv.eigen_divisor) @ inv.q_a.t()
     return p.to(G.dtype)

@@ -34,9 +34,22 @@ from torch import Tensor
 from fxkfac.config import SplitInverse, SplitMethod
 from fxkfac.kfac.inverse import FactorInverse, Inverse, invert_factor
 
-__all__ = ["Progress", "Carry", "previous_half", "schulz_start", "schulz_piece", "schulz_accepts", "block_bounds",
-           "block_piece", "first_carry", "split_piece", "split_finish", "split_invert_factor", "carry_to_state",
-           "carry_from_state"]
+__all__ = [
+    "Progress",
+    "Carry",
+    "previous_half",
+    "schulz_start",
+    "schulz_piece",
+    "schulz_accepts",
+    "block_bounds",
+    "block_piece",
+    "first_carry",
+    "split_piece",
+    "split_finish",
+    "split_invert_factor",
+    "carry_to_state",
+    "carry_from_state",
+]
 
 log = logging.getLogger(__name__)
 
@@ -104,12 +117,14 @@ def block_bounds(dim: int, pieces: int) -> list[tuple[int, int]]:
     return [(dim * i // n, dim * (i + 1) // n) for i in range(n)]
 
 
-def block_piece(f: Tensor, gamma: float, bounds: tuple[int, int], *, max_retries: int, name: str,
-                side: str) -> Tensor | None:
+def block_piece(
+    f: Tensor, gamma: float, bounds: tuple[int, int], *, max_retries: int, name: str, side: str
+) -> Tensor | None:
     """The damped Cholesky inverse of one diagonal block of `f`; None when it cannot be made."""
     lo, hi = bounds
-    half = invert_factor(f[lo:hi, lo:hi], gamma, method="cholesky", max_retries=max_retries, name=name,
-                         side=f"{side}[{lo}:{hi}]")
+    half = invert_factor(
+        f[lo:hi, lo:hi], gamma, method="cholesky", max_retries=max_retries, name=name, side=f"{side}[{lo}:{hi}]"
+    )
     return None if half is None else half.inv
 
 
@@ -123,8 +138,17 @@ def first_carry(split: SplitInverse, previous: Tensor | None, dim: int) -> Carry
     return () if split.method is SplitMethod.BLOCKS else schulz_start(previous, dim)
 
 
-def split_piece(f: Tensor, gamma: float, split: SplitInverse, index: int, carry: Carry, *, max_retries: int = 3,
-                name: str = "", side: str = "A") -> Carry:
+def split_piece(
+    f: Tensor,
+    gamma: float,
+    split: SplitInverse,
+    index: int,
+    carry: Carry,
+    *,
+    max_retries: int = 3,
+    name: str = "",
+    side: str = "A",
+) -> Carry:
     """Piece `index` (0-based, of `split.pieces`): `iterations` Newton-Schulz steps, or the index-th block.
 
     A factor of side d < pieces has d blocks: the later pieces hand their carry on unchanged.
@@ -140,8 +164,9 @@ def split_piece(f: Tensor, gamma: float, split: SplitInverse, index: int, carry:
     return None if block is None else (*carry, block)
 
 
-def split_finish(f: Tensor, gamma: float, split: SplitInverse, carry: Carry, *, max_retries: int = 3,
-                 name: str = "", side: str = "A") -> FactorInverse | None:
+def split_finish(
+    f: Tensor, gamma: float, split: SplitInverse, carry: Carry, *, max_retries: int = 3, name: str = "", side: str = "A"
+) -> FactorInverse | None:
     """The factor's inverse after the last piece (part of that piece's work); None when it cannot be made.
 
     Newton-Schulz is accepted within its tolerance, else `invert_factor`'s Cholesky (with its retries) is made
@@ -151,13 +176,25 @@ def split_finish(f: Tensor, gamma: float, split: SplitInverse, carry: Carry, *, 
         return None if not isinstance(carry, tuple) else FactorInverse("cholesky", inv=torch.block_diag(*carry))
     if isinstance(carry, Progress) and schulz_accepts(carry, split.tolerance):
         return FactorInverse("cholesky", inv=carry.x)
-    log.info("K-FAC %s: Newton-Schulz of factor %s had no previous inverse to start from, diverged or missed the "
-             "tolerance; exact Cholesky instead", name or "<unnamed layer>", side)
+    log.info(
+        "K-FAC %s: Newton-Schulz of factor %s had no previous inverse to start from, diverged or missed the "
+        "tolerance; exact Cholesky instead",
+        name or "<unnamed layer>",
+        side,
+    )
     return invert_factor(f, gamma, method="cholesky", max_retries=max_retries, name=name, side=side)
 
 
-def split_invert_factor(f: Tensor, gamma: float, split: SplitInverse, *, previous: Tensor | None,
-                        max_retries: int = 3, name: str = "", side: str = "A") -> FactorInverse | None:
+def split_invert_factor(
+    f: Tensor,
+    gamma: float,
+    split: SplitInverse,
+    *,
+    previous: Tensor | None,
+    max_retries: int = 3,
+    name: str = "",
+    side: str = "A",
+) -> FactorInverse | None:
     """One factor's damped inverse, all pieces in a row (`first_carry`, `split_piece` each, `split_finish`):
     exactly what the pieces make when a plan runs them apart. None when it cannot be made."""
     carry = first_carry(split, previous, f.shape[0])

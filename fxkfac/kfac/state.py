@@ -41,13 +41,17 @@ class LayerState(RefreshState):
         """Restore from `state_dict` output; CheckpointError names what is missing or malformed."""
         try:
             refreshes, pending_count = int(sd["refreshes"]), int(sd["pending_count"])
-            tensors = {k: None if v is None else _check_square(v, self.a_dim if k == "A" else self.b_dim, k)
-                       for k, v in ((k, sd.get(k)) for k in ("A", "B"))}
+            tensors = {
+                k: None if v is None else _check_square(v, self.a_dim if k == "A" else self.b_dim, k)
+                for k, v in ((k, sd.get(k)) for k in ("A", "B"))
+            }
             active = _inverse_at(sd, "active.")
             pending = [(int(sd[f"pending.{i}.step"]), _inverse_at(sd, f"pending.{i}.")) for i in range(pending_count)]
         except (KeyError, ValueError, TypeError) as exc:
-            raise CheckpointError(f"K-FAC layer state is incomplete or malformed ({exc!r}); "
-                                  "the checkpoint is corrupt or was written for another model") from exc
+            raise CheckpointError(
+                f"K-FAC layer state is incomplete or malformed ({exc!r}); "
+                "the checkpoint is corrupt or was written for another model"
+            ) from exc
         if any(inv is None for _, inv in pending):
             raise CheckpointError("K-FAC layer state lists a pending inverse whose tensors are missing")
         self.A, self.B = tensors["A"], tensors["B"]
@@ -57,7 +61,7 @@ class LayerState(RefreshState):
 
 def _inverse_at(sd: dict[str, Tensor | int], prefix: str) -> Inverse | None:
     """The Inverse stored under ``prefix`` (its keys minus the prefix), or None when there is none."""
-    part = {k[len(prefix):]: v for k, v in sd.items() if k.startswith(prefix) and k[len(prefix):] != "step"}
+    part = {k[len(prefix) :]: v for k, v in sd.items() if k.startswith(prefix) and k[len(prefix) :] != "step"}
     # A checkpoint's values are taken as stored: from_dict checks the keys, a non-tensor fails where it is used.
     return Inverse.from_dict(part) if part else None  # type: ignore[arg-type]  # see above
 

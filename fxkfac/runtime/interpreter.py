@@ -65,16 +65,19 @@ class StepContext:
         try:
             return self.runners[(op.stage, op.pipe)]  # type: ignore[index]  # an op run on a stage names its stage
         except KeyError:
-            raise PipelineError(f"rank {self.rank} got '{op}' but holds only stages "
-                                f"{sorted(self.runners)} (stage, pipe): the program was made for another layout"
-                                ) from None
+            raise PipelineError(
+                f"rank {self.rank} got '{op}' but holds only stages "
+                f"{sorted(self.runners)} (stage, pipe): the program was made for another layout"
+            ) from None
 
     def stage_runner(self, stage: int) -> StageRunner:
         """This rank's copy of `stage`, whatever its pipe (APPLY names a stage, not a Chimera pipe)."""
         held = [runner for (s, _), runner in self.runners.items() if s == stage]
         if len(held) != 1:
-            raise PipelineError(f"rank {self.rank} holds {len(held)} copies of stage {stage} (stages "
-                                f"{sorted(self.runners)} (stage, pipe)); the program was made for another layout")
+            raise PipelineError(
+                f"rank {self.rank} holds {len(held)} copies of stage {stage} (stages "
+                f"{sorted(self.runners)} (stage, pipe)); the program was made for another layout"
+            )
         return held[0]
 
 
@@ -268,13 +271,16 @@ class Interpreter:
             if handler is None:
                 raise PipelineError(
                     f"rank {ctx.rank} has no handler for '{op}'; register one with "
-                    f"Interpreter.register(OpKind.{op.kind.name}, fn) (preconditioner ops need the family's runtime)")
+                    f"Interpreter.register(OpKind.{op.kind.name}, fn) (preconditioner ops need the family's runtime)"
+                )
             start = Recorder.now()
             handler(ctx, op)
             if timeline is not None:
                 timeline.record(str(op), op.kind.value, ctx.step, start, Recorder.now())
         leftovers = [r for r in ctx.runners.values() if r.pending()]
         if leftovers or ctx.acts or ctx.grads or ctx.to_send or ctx.transport.in_flight():
-            raise AssertionError(f"rank {ctx.rank}: step {ctx.step} ended with unconsumed state "
-                                 f"(acts {list(ctx.acts)}, grads {list(ctx.grads)}, sends {list(ctx.to_send)}, "
-                                 f"collectives in flight {ctx.transport.in_flight()})")
+            raise AssertionError(
+                f"rank {ctx.rank}: step {ctx.step} ended with unconsumed state "
+                f"(acts {list(ctx.acts)}, grads {list(ctx.grads)}, sends {list(ctx.to_send)}, "
+                f"collectives in flight {ctx.transport.in_flight()})"
+            )

@@ -59,8 +59,10 @@ class MeshLayout:
         must lay ranks out row-major (as `init_device_mesh` does).
         """
         if not dist.is_initialized():
-            raise ConfigError("torch.distributed is not initialized; call init_process_group "
-                              "(or init_device_mesh) before compiling with a mesh")
+            raise ConfigError(
+                "torch.distributed is not initialized; call init_process_group "
+                "(or init_device_mesh) before compiling with a mesh"
+            )
         if isinstance(mesh, tuple):
             sizes = tuple(int(x) for x in mesh)
         else:

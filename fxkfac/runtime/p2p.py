@@ -69,11 +69,13 @@ class Transport:
             if _is_timeout(e):
                 raise PipelineTimeoutError(
                     f"rank {self.rank} waited more than {seconds:g}s on '{what}': a peer stalled or died "
-                    f"(raise `timeout=` if a step legitimately takes longer). Cause: {e}") from e
+                    f"(raise `timeout=` if a step legitimately takes longer). Cause: {e}"
+                ) from e
             raise PipelineError(f"rank {self.rank} failed on '{what}': a peer likely died. Cause: {e}") from e
 
-    def send(self, tensors: Sequence[torch.Tensor], peer: int, grad: bool, stage: int, pipe: int, mb: int,
-             what: str) -> None:
+    def send(
+        self, tensors: Sequence[torch.Tensor], peer: int, grad: bool, stage: int, pipe: int, mb: int, what: str
+    ) -> None:
         """Start sending `tensors` to `peer`; completion is awaited by `flush`."""
         for index, tensor in enumerate(tensors):
             tag = self.tags.tag(grad, stage, pipe, mb, index)
@@ -94,8 +96,9 @@ class Transport:
             works.append(work)
         self._posted[key] = (buffers, works)
 
-    def recv(self, specs: Sequence[TensorSpec], peer: int, grad: bool, stage: int, pipe: int, mb: int,
-             what: str) -> list[torch.Tensor]:
+    def recv(
+        self, specs: Sequence[TensorSpec], peer: int, grad: bool, stage: int, pipe: int, mb: int, what: str
+    ) -> list[torch.Tensor]:
         """Receive one tensor per spec from `peer` (using the posted receive when there is one)."""
         key = (peer, grad, stage, pipe, mb)
         if key not in self._posted:

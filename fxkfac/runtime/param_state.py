@@ -32,13 +32,16 @@ def optimizer_state(optimizer: torch.optim.Optimizer | None, names: list[str]) -
     state: dict[str, Any] = {}
     for index, value in sd["state"].items():
         state.setdefault(names[index], dict(value))
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
-              for g in sd["param_groups"]]
+    groups = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
+        for g in sd["param_groups"]
+    ]
     return {"state": state, "param_groups": groups}
 
 
-def parse_optimizer_state(optimizer: torch.optim.Optimizer | None, names: list[str],
-                          saved: Mapping[str, Any]) -> dict[str, Any] | None:
+def parse_optimizer_state(
+    optimizer: torch.optim.Optimizer | None, names: list[str], saved: Mapping[str, Any]
+) -> dict[str, Any] | None:
     """`optimizer_state` output as a torch optimizer state dict for ``optimizer``; CheckpointError when its
     parameter groups name other parameters."""
     if optimizer is None:
@@ -50,8 +53,10 @@ def parse_optimizer_state(optimizer: torch.optim.Optimizer | None, names: list[s
         groups = list(saved["param_groups"])
         wanted = [[names[i] for i in g["params"]] for g in current]
         if [list(g["params"]) for g in groups] != wanted:
-            raise CheckpointError(f"checkpoint optimizer groups hold parameters {[g['params'][:3] for g in groups]}, "
-                                  f"this rank's {[w[:3] for w in wanted]}; it was written for another model or layout")
+            raise CheckpointError(
+                f"checkpoint optimizer groups hold parameters {[g['params'][:3] for g in groups]}, "
+                f"this rank's {[w[:3] for w in wanted]}; it was written for another model or layout"
+            )
         state = {i: dict(saved["state"][n]) for i, n in enumerate(names) if n in saved["state"]}
         unknown = sorted(set(saved["state"]) - set(names))
     except (KeyError, TypeError) as e:
@@ -66,8 +71,9 @@ def check_model_state(runners: Iterable[StageRunner], saved: Any) -> None:
     mine = {n: p for r in runners for n, p in r.module.named_parameters()}
     if not isinstance(saved, Mapping) or set(saved) != set(mine):
         names = sorted(set(saved or {}) ^ set(mine))
-        raise CheckpointError(f"checkpoint parameters differ from this rank's ({names[:4]}); it was written for "
-                              "another model or layout")
+        raise CheckpointError(
+            f"checkpoint parameters differ from this rank's ({names[:4]}); it was written for another model or layout"
+        )
     bad = [n for n, p in mine.items() if not isinstance(saved[n], Tensor) or saved[n].shape != p.shape]
     if bad:
         raise CheckpointError(f"checkpoint parameters {bad[:4]} have other shapes than this model's")

@@ -85,11 +85,20 @@ class PreconditionerRuntime:
     """A family's state on one rank's stages and the handlers that act on it (see [Note: refresh semantics in
     the runtime])."""
 
-    def __init__(self, family: Family, layers: Mapping[str, Any], stage_of: Mapping[str, int],
-                 timings: Mapping[str, LayerTiming], groups: Mapping[int, StageCopies], rank: int,
-                 microbatches_total: int, global_batch: int, step_end: StepEnd,
-                 distributions: Mapping[str, LayerDistribution] | None = None,
-                 subgroups: Mapping[tuple[int, ...], Any] | None = None) -> None:
+    def __init__(
+        self,
+        family: Family,
+        layers: Mapping[str, Any],
+        stage_of: Mapping[str, int],
+        timings: Mapping[str, LayerTiming],
+        groups: Mapping[int, StageCopies],
+        rank: int,
+        microbatches_total: int,
+        global_batch: int,
+        step_end: StepEnd,
+        distributions: Mapping[str, LayerDistribution] | None = None,
+        subgroups: Mapping[tuple[int, ...], Any] | None = None,
+    ) -> None:
         self.family = family
         self.layers = dict(layers)
         self.stage_of = dict(stage_of)
@@ -106,8 +115,11 @@ class PreconditionerRuntime:
         self.workers = {n: grad_workers(self.groups[self.stage_of[n]].ranks, where[n]) for n in self.layers}
         """Each layer's grad workers: the ranks that decompose, hold its preconditioner and apply it."""
         only_gradient = self.gradient_parts == set(family.parts)
-        self.keeps = {n for n in self.layers
-                      if keeps_statistics(rank, self.groups[self.stage_of[n]].ranks, where[n], only_gradient)}
+        self.keeps = {
+            n
+            for n in self.layers
+            if keeps_statistics(rank, self.groups[self.stage_of[n]].ranks, where[n], only_gradient)
+        }
         """Layers whose statistics this rank takes (and whose refreshes it opens)."""
         self.subgroups = dict(subgroups or {})
         """Process groups of the ranks a BCAST or BCAST_PREC names (`Op.group`)."""
@@ -159,8 +171,10 @@ class PreconditionerRuntime:
     def _layers_of(self, op: Op) -> list[str]:
         if op.layer is not None:
             if op.layer not in self.layers:
-                raise PipelineError(f"rank {self.rank}: '{op}' names a layer this rank does not hold; the plan "
-                                    f"was made for another graph or split (local layers: {sorted(self.layers)})")
+                raise PipelineError(
+                    f"rank {self.rank}: '{op}' names a layer this rank does not hold; the plan "
+                    f"was made for another graph or split (local layers: {sorted(self.layers)})"
+                )
             return [op.layer]
         return [layer.name for layer in self._by_stage.get(op.stage, [])] if op.stage is not None else []
 
@@ -168,16 +182,20 @@ class PreconditionerRuntime:
         if op.part is None:
             return self.family.parts
         if op.part not in self.family.parts:
-            raise PipelineError(f"rank {self.rank}: '{op}' names part {op.part}, but {self.family.name} has parts "
-                                f"{self.family.parts}: the plan was made for another preconditioner")
+            raise PipelineError(
+                f"rank {self.rank}: '{op}' names part {op.part}, but {self.family.name} has parts "
+                f"{self.family.parts}: the plan was made for another preconditioner"
+            )
         return (op.part,)
 
     def _record(self, name: str, op: Op, ready: Any) -> RefreshRecord:
         for record in self.refreshes[name]:
             if ready(record):
                 return record
-        raise PipelineError(f"rank {self.rank}: '{op}' has no refresh of {name} to act on: the plan "
-                            f"does not match the layer's timing {self.timings[name]}")
+        raise PipelineError(
+            f"rank {self.rank}: '{op}' has no refresh of {name} to act on: the plan "
+            f"does not match the layer's timing {self.timings[name]}"
+        )
 
     def curv(self, ctx: StepContext, op: Op) -> None:
         """Add micro-batch `op.mb`'s statistic of the part(s) to the layer's open refresh; without a micro-batch,
@@ -192,8 +210,10 @@ class PreconditionerRuntime:
             layer, mode = self.layers[name], self.timings[name].capture
             for part in self._parts_of(op):
                 if part in self.gradient_parts:
-                    raise PipelineError(f"rank {self.rank}: '{op}' names micro-batch {op.mb}, but part {part} "
-                                        "is fed by the reduced gradient: its STATS takes no micro-batch")
+                    raise PipelineError(
+                        f"rank {self.rank}: '{op}' names micro-batch {op.mb}, but part {part} "
+                        "is fed by the reduced gradient: its STATS takes no micro-batch"
+                    )
                 ctx.transport.settle(_unit_key(name, part))
                 raw = runner.take(name, part, op.mb, op)
                 value = self.family.statistic(layer, part, mode, raw, self.n)
@@ -211,12 +231,15 @@ class PreconditionerRuntime:
         for name in self._layers_of(op):
             for part in self._parts_of(op):
                 if part not in self.gradient_parts:
-                    raise PipelineError(f"rank {self.rank}: '{op}' names no micro-batch, but part {part} of "
-                                        f"{self.family.name} is fed by a capture per micro-batch")
+                    raise PipelineError(
+                        f"rank {self.rank}: '{op}' names no micro-batch, but part {part} of "
+                        f"{self.family.name} is fed by a capture per micro-batch"
+                    )
                 ctx.transport.settle(_unit_key(name, part))
                 state = self.states[name]
-                self.family.fold(state, part, self.family.statistic(self.layers[name], part, "gradient",
-                                                                    runner.param(name), self.n))
+                self.family.fold(
+                    state, part, self.family.statistic(self.layers[name], part, "gradient", runner.param(name), self.n)
+                )
                 record = next((r for r in self.refreshes[name] if r.step == ctx.step), None)
                 if record is not None:
                     record.snapshots[part] = state.snapshot()
@@ -237,15 +260,21 @@ class PreconditionerRuntime:
                     flat[:-1] = local.reshape(-1)
                 flat[-1] = record.counts[part]
 
-                def fold(summed: Tensor, name: str = name, part: str = part, record: RefreshRecord = record,
-                         shape: tuple[int, ...] = shape) -> None:
+                def fold(
+                    summed: Tensor,
+                    name: str = name,
+                    part: str = part,
+                    record: RefreshRecord = record,
+                    shape: tuple[int, ...] = shape,
+                ) -> None:
                     record.sums[part] = summed[:-1].view(shape)
                     record.counts[part] = int(round(float(summed[-1])))
                     self._fold(name, part, record, op)
 
                 if len(group.ranks) > 1:
-                    ctx.transport.defer(_unit_key(name, part), ctx.transport.start_all_reduce(flat, group.group,
-                                                                                              str(op)), fold)
+                    ctx.transport.defer(
+                        _unit_key(name, part), ctx.transport.start_all_reduce(flat, group.group, str(op)), fold
+                    )
                 else:
                     fold(flat)
 
@@ -253,8 +282,10 @@ class PreconditionerRuntime:
         copies = len(self.groups[self.stage_of[name]].ranks)
         expected = self.total // copies if name in self.local else self.total
         if record.counts[part] != expected:
-            raise PipelineError(f"rank {self.rank}: '{op}' folds {part} of {name} from {record.counts[part]} "
-                                f"micro-batches, expected {expected}: the plan lacks STATS or SYNC_STATS ops")
+            raise PipelineError(
+                f"rank {self.rank}: '{op}' folds {part} of {name} from {record.counts[part]} "
+                f"micro-batches, expected {expected}: the plan lacks STATS or SYNC_STATS ops"
+            )
         self.family.fold(self.states[name], part, record.sums.pop(part) / record.counts[part])
         self._mark_folded(name, part, record)
 
@@ -274,17 +305,22 @@ class PreconditionerRuntime:
                 ctx.transport.settle(_unit_key(name, part))
                 record = self._record(name, op, lambda r, p=part: p not in r.halves)
                 if part in self.gradient_parts and part not in record.folded:
-                    raise PipelineError(f"rank {self.rank}: '{op}' decomposes {part} of {name} refreshed at step "
-                                        f"{record.step} before that step's STATS folded it: the plan orders them "
-                                        "wrongly")
+                    raise PipelineError(
+                        f"rank {self.rank}: '{op}' decomposes {part} of {name} refreshed at step "
+                        f"{record.step} before that step's STATS folded it: the plan orders them "
+                        "wrongly"
+                    )
                 if part not in record.folded:
                     self._fold(name, part, record, op)
                 state = record.snapshots.get(part, self.states[name])
                 try:
                     if op.piece is not None and not self._piece(name, part, record, state, op):
                         continue
-                    half = (self.family.decompose(self.layers[name], state, part) if op.piece is None
-                            else record.carries.pop(part)[1])
+                    half = (
+                        self.family.decompose(self.layers[name], state, part)
+                        if op.piece is None
+                        else record.carries.pop(part)[1]
+                    )
                 except ValueError as e:
                     raise PipelineError(f"rank {self.rank}: '{op}': {e}") from e
                 record.halves[part] = half
@@ -301,13 +337,17 @@ class PreconditionerRuntime:
         family = self.family
         made_in = family.decomp_pieces if isinstance(family, PiecewiseFamily) else 1
         if made_in != count or not isinstance(family, PiecewiseFamily):
-            raise PipelineError(f"rank {self.rank}: '{op}' runs a decomposition in {count} pieces, the {family.name} "
-                                f"family makes it in {made_in} (KFACConfig.split_inverse, "
-                                "ShampooConfig.newton_pieces): the plan was made for another configuration")
+            raise PipelineError(
+                f"rank {self.rank}: '{op}' runs a decomposition in {count} pieces, the {family.name} "
+                f"family makes it in {made_in} (KFACConfig.split_inverse, "
+                "ShampooConfig.newton_pieces): the plan was made for another configuration"
+            )
         done, carry = record.carries.get(part, (0, None))
         if index != done:
-            raise PipelineError(f"rank {self.rank}: '{op}' runs piece {index} of {part} of {name} refreshed at step "
-                                f"{record.step} after {done} of its pieces: the plan orders them wrongly")
+            raise PipelineError(
+                f"rank {self.rank}: '{op}' runs piece {index} of {part} of {name} refreshed at step "
+                f"{record.step} after {done} of its pieces: the plan orders them wrongly"
+            )
         record.carries[part] = (index + 1, family.decompose_piece(self.layers[name], state, part, index, carry))
         return index == count - 1
 
@@ -316,8 +356,10 @@ class PreconditionerRuntime:
         if op.group is None:
             return self.groups[stage].group
         if op.group not in self.subgroups:
-            raise PipelineError(f"rank {self.rank}: '{op}' names ranks {list(op.group)}, for which no process group "
-                                "was made: the program was not part of the plan the trainer was built with")
+            raise PipelineError(
+                f"rank {self.rank}: '{op}' names ranks {list(op.group)}, for which no process group "
+                "was made: the program was not part of the plan the trainer was built with"
+            )
         return self.subgroups[op.group]
 
     def bcast_inv(self, ctx: StepContext, op: Op) -> None:
@@ -332,8 +374,10 @@ class PreconditionerRuntime:
                 if op.root == self.rank:
                     outbox = self._outbox.get((name, part))
                     if not outbox:
-                        raise PipelineError(f"rank {self.rank}: '{op}' broadcasts a decomposition this rank has not "
-                                            "computed: the plan lacks the DECOMP before it")
+                        raise PipelineError(
+                            f"rank {self.rank}: '{op}' broadcasts a decomposition this rank has not "
+                            "computed: the plan lacks the DECOMP before it"
+                        )
                     flat = self.family.pack(layer, part, outbox.popleft())
                 else:
                     flat = self.family.pack(layer, part, None)
@@ -368,11 +412,14 @@ class PreconditionerRuntime:
         for layer in layers:
             for part in self.family.parts:
                 ctx.transport.settle(_unit_key(layer.name, part))
-            late = [r.step for r in self.refreshes[layer.name]
-                    if r.step + self.timings[layer.name].use_offset <= ctx.step]
+            late = [
+                r.step for r in self.refreshes[layer.name] if r.step + self.timings[layer.name].use_offset <= ctx.step
+            ]
             if late:
-                raise PipelineError(f"rank {self.rank}: '{op}' at step {ctx.step} needs the preconditioner of "
-                                    f"{layer.name} refreshed at step {late[0]}, which the plan has not made yet")
+                raise PipelineError(
+                    f"rank {self.rank}: '{op}' at step {ctx.step} needs the preconditioner of "
+                    f"{layer.name} refreshed at step {late[0]}, which the plan has not made yet"
+                )
             self.states[layer.name].activate(ctx.step)
         params = dict(runner.module.named_parameters())
         grads = {n: p.grad for n, p in params.items() if p.grad is not None}
@@ -408,7 +455,7 @@ class PreconditionerRuntime:
         def take(received: Tensor) -> None:
             offset = 0
             for p in params:
-                p.grad = received[offset:offset + p.numel()].view_as(p).clone()
+                p.grad = received[offset : offset + p.numel()].view_as(p).clone()
                 offset += p.numel()
 
         ctx.transport.defer(("preconditioned", name), pending, _ignore if op.root == self.rank else take)
@@ -423,8 +470,9 @@ class PreconditionerRuntime:
         zero = torch.zeros((), dtype=torch.float64)
         groups = range(end.groups) if self.scope is KLClipScope.STAGE else [0]
         lr = float(ctx.optimizer.param_groups[0]["lr"]) if ctx.optimizer is not None else 0.0
-        verdict = end.finish({g: self._dots.get(g, zero) for g in groups}, local_nonfinite(ctx), local_loss(ctx), lr,
-                             self.family.kl_clip)
+        verdict = end.finish(
+            {g: self._dots.get(g, zero) for g in groups}, local_nonfinite(ctx), local_loss(ctx), lr, self.family.kl_clip
+        )
         ctx.skipped, ctx.loss, nus = verdict.skip, verdict.loss, verdict.nus
         if self.family.kl_clip is not None and not ctx.skipped and ctx.optimizer is not None:
             for stage in sorted(self._touched):
@@ -440,8 +488,11 @@ class PreconditionerRuntime:
 
     def begin_step(self, ctx: StepContext) -> None:
         """Remember the state and the runners' captures (see `abort_step`), then open the step's refreshes."""
-        captures = {key: {k: deque(q) for k, q in r.captures.items()} for key, r in ctx.runners.items()
-                    if isinstance(r, TappedRunner)}
+        captures = {
+            key: {k: deque(q) for k, q in r.captures.items()}
+            for key, r in ctx.runners.items()
+            if isinstance(r, TappedRunner)
+        }
         self._at_begin = (self._copy(), captures)
         self.open_refreshes(ctx.step)
 
@@ -461,14 +512,19 @@ class PreconditionerRuntime:
         decompositions alive, twice the preconditioner's memory, until the next step began)."""
         self._at_begin = None
 
-    def _copy(self) -> tuple[dict[str, RefreshState], dict[str, deque[RefreshRecord]],
-                             dict[tuple[str, str], deque[Any]]]:
+    def _copy(
+        self,
+    ) -> tuple[dict[str, RefreshState], dict[str, deque[RefreshRecord]], dict[tuple[str, str], deque[Any]]]:
         states = {name: state.snapshot() for name, state in self.states.items()}
         refreshes = {n: deque(r.copy() for r in q) for n, q in self.refreshes.items()}
         return states, refreshes, {k: deque(q) for k, q in self._outbox.items()}
 
-    def _install(self, states: Mapping[str, RefreshState], refreshes: Mapping[str, deque[RefreshRecord]],
-                 outbox: Mapping[tuple[str, str], deque[Any]]) -> None:
+    def _install(
+        self,
+        states: Mapping[str, RefreshState],
+        refreshes: Mapping[str, deque[RefreshRecord]],
+        outbox: Mapping[tuple[str, str], deque[Any]],
+    ) -> None:
         """Take over the given state, keeping the state objects others hold (the trainer's states)."""
         for name, state in states.items():
             vars(self.states[name]).update(vars(state))
@@ -491,8 +547,10 @@ class PreconditionerRuntime:
         layers; CheckpointError when it names other layers or is malformed. Changes nothing (see `load_parsed`)."""
         saved, inflight = state.get("kfac"), state.get("inflight")
         if not isinstance(saved, Mapping) or set(saved) != set(self.layers) or not isinstance(inflight, Mapping):
-            raise CheckpointError(f"checkpoint layers {sorted(saved or {})[:6]} differ from this rank's "
-                                  f"{sorted(self.layers)[:6]}; it was written for another model, split or plan")
+            raise CheckpointError(
+                f"checkpoint layers {sorted(saved or {})[:6]} differ from this rank's "
+                f"{sorted(self.layers)[:6]}; it was written for another model, split or plan"
+            )
         states = {}
         for name, layer in self.layers.items():
             states[name] = self.family.new_state(layer)
@@ -500,8 +558,10 @@ class PreconditionerRuntime:
         self._drop_unheld(states)
         half = self.family.half_from_state
         try:
-            refreshes = {n: deque(RefreshRecord.from_state(r, self.family, self._new_state(n)) for r in records)
-                         for n, records in inflight["refreshes"].items()}
+            refreshes = {
+                n: deque(RefreshRecord.from_state(r, self.family, self._new_state(n)) for r in records)
+                for n, records in inflight["refreshes"].items()
+            }
             outbox = {(str(n), str(part)): deque(half(h) for h in halves) for n, part, halves in inflight["outbox"]}
             stale = inflight.get("kl_clip_sum")
             stale = None if stale is None else float(stale)

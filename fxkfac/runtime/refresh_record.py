@@ -36,30 +36,49 @@ class RefreshRecord:
 
     def copy(self) -> RefreshRecord:
         """A copy whose containers later handlers do not change."""
-        return RefreshRecord(self.step, dict(self.sums), dict(self.counts), set(self.folded), dict(self.halves),
-                             dict(self.snapshots), dict(self.carries))
+        return RefreshRecord(
+            self.step,
+            dict(self.sums),
+            dict(self.counts),
+            set(self.folded),
+            dict(self.halves),
+            dict(self.snapshots),
+            dict(self.carries),
+        )
 
     def to_state(self, family: Family) -> dict[str, Any]:
         """The record as checkpoint data (tensors and plain values); `from_state` reads it back."""
-        return {"step": self.step, "sums": dict(self.sums), "counts": dict(self.counts), "folded": sorted(self.folded),
-                "halves": {part: family.half_to_state(h) for part, h in self.halves.items()},
-                "snapshots": {part: snap.state_dict() for part, snap in self.snapshots.items()},
-                "carries": {part: [done, _carry_state(family, c)] for part, (done, c) in self.carries.items()}}
+        return {
+            "step": self.step,
+            "sums": dict(self.sums),
+            "counts": dict(self.counts),
+            "folded": sorted(self.folded),
+            "halves": {part: family.half_to_state(h) for part, h in self.halves.items()},
+            "snapshots": {part: snap.state_dict() for part, snap in self.snapshots.items()},
+            "carries": {part: [done, _carry_state(family, c)] for part, (done, c) in self.carries.items()},
+        }
 
     @classmethod
-    def from_state(cls, saved: Mapping[str, Any], family: Family,
-                   new_state: Callable[[], RefreshState]) -> RefreshRecord:
+    def from_state(
+        cls, saved: Mapping[str, Any], family: Family, new_state: Callable[[], RefreshState]
+    ) -> RefreshRecord:
         """The record `to_state` wrote; `new_state` makes the layer's empty state a snapshot loads into. Raises
         KeyError, TypeError, ValueError or AttributeError when `saved` is malformed."""
+
         def snapshot(data: Any) -> RefreshState:
             state = new_state()
             state.load_state_dict(dict(data))
             return state
 
-        return cls(int(saved["step"]), dict(saved["sums"]), {k: int(v) for k, v in saved["counts"].items()},
-                   set(saved["folded"]), {k: family.half_from_state(h) for k, h in saved["halves"].items()},
-                   {k: snapshot(v) for k, v in saved.get("snapshots", {}).items()},
-                   {k: (int(done), _carry_from(family, c)) for k, (done, c) in saved.get("carries", {}).items()})
+        return cls(
+            int(saved["step"]),
+            dict(saved["sums"]),
+            {k: int(v) for k, v in saved["counts"].items()},
+            set(saved["folded"]),
+            {k: family.half_from_state(h) for k, h in saved["halves"].items()},
+            {k: snapshot(v) for k, v in saved.get("snapshots", {}).items()},
+            {k: (int(done), _carry_from(family, c)) for k, (done, c) in saved.get("carries", {}).items()},
+        )
 
 
 def _carry_state(family: Family, carry: Any) -> Any:

@@ -77,8 +77,7 @@ class StageRunner:
             pairs = [(o, g) for o, g in zip(floats, output_grads, strict=True) if o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return [x.grad if x.grad is not None else torch.zeros_like(x)
-                for x in inputs if x.is_floating_point()]
+        return [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs if x.is_floating_point()]
 
     def param(self, name: str) -> torch.nn.Parameter:
         """This copy's parameter `name` (canonical FQN)."""

@@ -145,8 +145,7 @@ class StepEnd:
     _pending: Pending | None = None
 
     @classmethod
-    def build(cls, scope: KLClipScope, transport: Transport, holders: Iterable[Sequence[int]],
-              stages: int) -> StepEnd:
+    def build(cls, scope: KLClipScope, transport: Transport, holders: Iterable[Sequence[int]], stages: int) -> StepEnd:
         """This rank's StepEnd; makes the process groups of every agreement set and the deferred sums' group (in
         one order on every rank: collective) unless the scope is GLOBAL or the world one rank."""
         rank, world = transport.rank, transport.world
@@ -165,8 +164,9 @@ class StepEnd:
         """True when no world collective ends a step (STAGE, and STALE after its first step)."""
         return self.scope is not KLClipScope.GLOBAL
 
-    def finish(self, dots: Mapping[int, torch.Tensor], nonfinite: bool, loss: torch.Tensor, lr: float,
-               kappa: float | None) -> Verdict:
+    def finish(
+        self, dots: Mapping[int, torch.Tensor], nonfinite: bool, loss: torch.Tensor, lr: float, kappa: float | None
+    ) -> Verdict:
         """The verdict from this rank's share of each group's sum <P, G> (`dots`, group -> float64 scalar: under
         STAGE every group of the model, 0 where the rank holds none of it; else the one group 0), its NaN/Inf
         flag and its share of the step loss."""
@@ -183,11 +183,13 @@ class StepEnd:
         self._pending = self.transport.start_all_reduce(total, self.deferred, "KL-clip <P, G> (stale) all-reduce")
         return Verdict(skip, dict.fromkeys(dots, kl_clip_scale(self.stale, lr, kappa)))
 
-    def _global(self, dots: Mapping[int, torch.Tensor], nonfinite: bool, loss: torch.Tensor, lr: float,
-                kappa: float | None) -> Verdict:
+    def _global(
+        self, dots: Mapping[int, torch.Tensor], nonfinite: bool, loss: torch.Tensor, lr: float, kappa: float | None
+    ) -> Verdict:
         """One world all-reduce of [sum <P, G>, flag, loss]; under STALE, the sum becomes the next step's."""
-        flat = torch.stack([_total(dots), torch.tensor(float(nonfinite), dtype=torch.float64),
-                            loss.detach().to(torch.float64)])
+        flat = torch.stack(
+            [_total(dots), torch.tensor(float(nonfinite), dtype=torch.float64), loss.detach().to(torch.float64)]
+        )
         self.transport.all_reduce(flat, None, "OPT_STEP (KL-clip <P, G>, non-finite check and loss all-reduce)")
         skip = bool(flat[1] > 0)
         if self.scope is KLClipScope.STALE and not skip and math.isfinite(float(flat[0])):
@@ -199,8 +201,9 @@ class StepEnd:
         copies lie in one set, so a stage's sum is whole there)."""
         flat = torch.stack([torch.tensor(float(nonfinite), dtype=torch.float64), *shares])
         if len(self.agreement) > 1:
-            self.transport.all_reduce(flat, self.agreement_group,
-                                      f"OPT_STEP (non-finite check over ranks {list(self.agreement)})")
+            self.transport.all_reduce(
+                flat, self.agreement_group, f"OPT_STEP (non-finite check over ranks {list(self.agreement)})"
+            )
         return bool(flat[0] > 0), [float(x) for x in flat[1:]]
 
     def _take_stale(self) -> None:

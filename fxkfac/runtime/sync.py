@@ -27,8 +27,9 @@ __all__ = ["GradSync", "grad_key", "holder_sets", "named_groups"]
 Holders = tuple[int, ...]
 
 
-def holder_sets(stage_params: Sequence[Sequence[str]],
-                ranks_of_stage: Mapping[int, Iterable[int]]) -> dict[str, Holders]:
+def holder_sets(
+    stage_params: Sequence[Sequence[str]], ranks_of_stage: Mapping[int, Iterable[int]]
+) -> dict[str, Holders]:
     """Parameter name -> the sorted global ranks holding a copy of it."""
     holders: dict[str, set[int]] = {}
     for stage, names in enumerate(stage_params):
@@ -50,7 +51,7 @@ def _scatter(flat: torch.Tensor, copies: Sequence[Sequence[torch.Tensor]], grad:
     """Write consecutive chunks of `flat` into every copy of each parameter (grad or value)."""
     offset = 0
     for same in copies:
-        chunk = flat[offset:offset + same[0].numel()].view_as(same[0])
+        chunk = flat[offset : offset + same[0].numel()].view_as(same[0])
         offset += same[0].numel()
         for t in same:
             if grad:
@@ -71,8 +72,9 @@ class GradSync:
     runners: Sequence[StageRunner]
 
     @classmethod
-    def build(cls, rank: int, world: int, holders: dict[str, Holders], shared: Iterable[str],
-              runners: Sequence[StageRunner]) -> GradSync:
+    def build(
+        cls, rank: int, world: int, holders: dict[str, Holders], shared: Iterable[str], runners: Sequence[StageRunner]
+    ) -> GradSync:
         """Create the process groups of every holder set; collective: every rank must call it."""
         groups: dict[Holders, dist.ProcessGroup | None] = {}
         for ranks in sorted(set(holders.values())):
@@ -107,8 +109,12 @@ class GradSync:
             if len(ranks) == 1 and all(len(c) == 1 for c in copies):
                 continue  # the only copy: nothing to sum
             # local copies summed
-            flat = torch.cat([sum(_grad(p) for p in c).reshape(-1)  # type: ignore[union-attr]  # c is never empty
-                              for c in copies])
+            flat = torch.cat(
+                [
+                    sum(_grad(p) for p in c).reshape(-1)  # type: ignore[union-attr]  # c is never empty
+                    for c in copies
+                ]
+            )
             scatter = functools.partial(_scatter, copies=copies, grad=True)
             if len(ranks) == 1:
                 scatter(flat)
@@ -144,8 +150,16 @@ class GradSync:
 def named_groups(programs: Iterable[Programs], rank: int, world: int) -> dict[Holders, dist.ProcessGroup | None]:
     """The process groups of every rank set an op of `programs` names (`Op.group`: a broadcast within some copies
     of a stage), made in sorted order by every rank (collective); this rank's own, by ranks."""
-    named = sorted({op.group for ps in programs for program in ps.values() for ops in program for op in ops
-                    if op.group is not None})
+    named = sorted(
+        {
+            op.group
+            for ps in programs
+            for program in ps.values()
+            for ops in program
+            for op in ops
+            if op.group is not None
+        }
+    )
     groups: dict[Holders, dist.ProcessGroup | None] = {}
     for ranks in named:
         group = None if len(ranks) == world else dist.new_group(list(ranks))

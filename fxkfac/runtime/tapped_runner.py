@@ -38,12 +38,19 @@ class TappedRunner(StageRunner):
     _probes: dict[int, dict[str, Tensor]] = field(default_factory=dict)
 
     @classmethod
-    def wrap(cls, runner: StageRunner, layers: Mapping[str, Any], family: Family,
-             backend: str | None) -> TappedRunner:
+    def wrap(cls, runner: StageRunner, layers: Mapping[str, Any], family: Family, backend: str | None) -> TappedRunner:
         """The same stage copy (same module and parameters) capturing `layers` for `family`'s parts."""
         sources = {src: tuple(p for p in family.parts if family.source(p) is src) for src in Source}
-        return cls(runner.graph, runner.pipe, runner.module, runner.fn, runner.is_last,
-                   layers=dict(layers), sources=sources, backend=backend)
+        return cls(
+            runner.graph,
+            runner.pipe,
+            runner.module,
+            runner.fn,
+            runner.is_last,
+            layers=dict(layers),
+            sources=sources,
+            backend=backend,
+        )
 
     def _keep(self, name: str, source: Source, mb: int, value: Tensor) -> None:
         """Queue a capture for every part it feeds (none: the family does not use that side)."""
@@ -69,7 +76,7 @@ class TappedRunner(StageRunner):
         probes = [torch.zeros(taps.probe_shapes[n], device=device, requires_grad=True) for n in order]
         leaves = [x.requires_grad_(True) if needs_grad and x.is_floating_point() else x for x in inputs]
         outs = tuple(fn(*leaves, *probes))
-        user = outs[:taps.n_outputs]
+        user = outs[: taps.n_outputs]
         self._inputs[mb] = leaves
         self._outputs[mb] = user
         for name, index in taps.a_outputs.items():
@@ -99,16 +106,20 @@ class TappedRunner(StageRunner):
         parts = {p for ps in self.sources.values() for p in ps}
         strange = sorted({k[0] for k in out if k[0] not in self.layers or k[1] not in parts})
         if strange or not all(isinstance(t, Tensor) for q in out.values() for t in q):
-            raise CheckpointError(f"captures of stage {self.stage} name layers it does not hold ({strange}) "
-                                  "or hold no tensors; the checkpoint was written for another split")
+            raise CheckpointError(
+                f"captures of stage {self.stage} name layers it does not hold ({strange}) "
+                "or hold no tensors; the checkpoint was written for another split"
+            )
         return out
 
     def take(self, layer: str, part: str, mb: int, op: Op) -> Tensor:
         """The oldest capture of (layer, part, mb); PipelineError when the plan consumes one never made."""
         queue = self.captures.get((layer, part, mb))
         if not queue:
-            raise PipelineError(f"'{op}': no capture of {part} for micro-batch {mb} (the layer was not tapped "
-                                "or its FWD/BWD has not run): the plan orders STATS wrongly for its LayerTiming")
+            raise PipelineError(
+                f"'{op}': no capture of {part} for micro-batch {mb} (the layer was not tapped "
+                "or its FWD/BWD has not run): the plan orders STATS wrongly for its LayerTiming"
+            )
         value = queue.popleft()
         if not queue:
             del self.captures[(layer, part, mb)]

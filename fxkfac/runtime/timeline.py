@@ -71,8 +71,9 @@ def as_timeline(events: Iterable[Event]) -> Timeline:
     format (`fxkfac.show`) serve plans, simulations and runs."""
     events = list(events)
     t0 = min((e.start_ns for e in events), default=0)
-    intervals = tuple(Interval(e.rank, e.step, Op.parse(e.op), (e.start_ns - t0) / 1e9, (e.end_ns - t0) / 1e9)
-                      for e in events)
+    intervals = tuple(
+        Interval(e.rank, e.step, Op.parse(e.op), (e.start_ns - t0) / 1e9, (e.end_ns - t0) / 1e9) for e in events
+    )
     return Timeline(intervals, tuple(sorted({e.rank for e in events})), 1 + max((e.step for e in events), default=0))
 
 
@@ -96,7 +97,9 @@ def utilization(events: Iterable[Event], kinds: Sequence[str] = PIPELINE_KINDS) 
             lo, hi = spans.get(step, (min(e.start_ns for e in evs), max(e.end_ns for e in evs)))
             spans[step] = (min(lo, *(e.start_ns for e in evs)), max(hi, *(e.end_ns for e in evs)))
     total = sum(hi - lo for lo, hi in spans.values())
-    return {rank: simulate.utilization(sum(e.end_ns - e.start_ns for evs in steps.values() for e in evs
-                                           if e.kind in kinds), total)
-            for rank, steps in sorted(table.items())}
-
+    return {
+        rank: simulate.utilization(
+            sum(e.end_ns - e.start_ns for evs in steps.values() for e in evs if e.kind in kinds), total
+        )
+        for rank, steps in sorted(table.items())
+    }

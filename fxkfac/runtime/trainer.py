@@ -70,12 +70,18 @@ def _check_base(optimizer: torch.optim.Optimizer | None, family: Family | None) 
     """ConfigError when a family that makes the whole update direction would get momentum or weight decay twice."""
     if optimizer is None or family is None or not family.full_direction:
         return
-    extra = [f"{key}={group[key]}" for group in optimizer.param_groups for key in ("momentum", "weight_decay")
-             if group.get(key)]
+    extra = [
+        f"{key}={group[key]}"
+        for group in optimizer.param_groups
+        for key in ("momentum", "weight_decay")
+        if group.get(key)
+    ]
     if type(optimizer) is not torch.optim.SGD or extra:
-        raise ConfigError(f"{family.name} makes the whole update direction (grafting, momentum and weight decay "
-                          f"included), so its base optimizer must be torch.optim.SGD(params, lr) without momentum "
-                          f"or weight decay; got {type(optimizer).__name__} {' '.join(extra)}".rstrip())
+        raise ConfigError(
+            f"{family.name} makes the whole update direction (grafting, momentum and weight decay "
+            f"included), so its base optimizer must be torch.optim.SGD(params, lr) without momentum "
+            f"or weight decay; got {type(optimizer).__name__} {' '.join(extra)}".rstrip()
+        )
 
 
 def shard_microbatches(tree: Any, batch: int, W: int, dp: int, N: int) -> list[Any]:
@@ -84,16 +90,20 @@ def shard_microbatches(tree: Any, batch: int, W: int, dp: int, N: int) -> list[A
     Tensors whose dim 0 is the global `batch` are split; other leaves go to every micro-batch unchanged.
     """
     if batch % (W * N):
-        raise ConfigError(f"microbatches={N} x {W} replica(s) does not divide the mini-batch of {batch} samples; "
-                          f"use a batch size that is a multiple of {W * N} or another number of micro-batches")
+        raise ConfigError(
+            f"microbatches={N} x {W} replica(s) does not divide the mini-batch of {batch} samples; "
+            f"use a batch size that is a multiple of {W * N} or another number of micro-batches"
+        )
     size = batch // (W * N)
     leaves, spec = pytree.tree_flatten(tree)
     start = dp * N * size
     parts = []
     for m in range(N):
         lo = start + m * size
-        chunk = [leaf[lo:lo + size] if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] == batch
-                 else leaf for leaf in leaves]
+        chunk = [
+            leaf[lo : lo + size] if isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] == batch else leaf
+            for leaf in leaves
+        ]
         parts.append(pytree.tree_unflatten(chunk, spec))
     return parts
 
@@ -136,8 +146,15 @@ class Trainer(Checkpointing):
     counts it; more than `max_skipped_steps` skips in a row raise NonFiniteError.
     """
 
-    def __init__(self, spec: RunSpec, *, loss_fn: Callable[[Any, Any], Tensor], optimizer: OptimizerFactory,
-                 options: PipelineOptions, backend: str | None) -> None:
+    def __init__(
+        self,
+        spec: RunSpec,
+        *,
+        loss_fn: Callable[[Any, Any], Tensor],
+        optimizer: OptimizerFactory,
+        options: PipelineOptions,
+        backend: str | None,
+    ) -> None:
         self.spec = spec
         self.layout = spec.layout
         self.plan = spec.plan
@@ -148,15 +165,24 @@ class Trainer(Checkpointing):
         self.timings = dict(spec.timings)
         held = stages_of_rank(spec.kind, self.layout.D, self.layout.pp, v=spec.v)
         S = len(spec.split.stages)
-        self.runners = {(s, p): StageRunner.build(spec.split.stages[s], p, s == S - 1, backend, copy=len(held) > 1)
-                        for s, p in held}
+        self.runners = {
+            (s, p): StageRunner.build(spec.split.stages[s], p, s == S - 1, backend, copy=len(held) > 1) for s, p in held
+        }
         max_tensors = max(len(s.inputs) + len(s.outputs) for s in spec.split.stages)
-        self.transport = Transport(self.layout.rank, self.layout.world_size, TagSpace(S, spec.N, max_tensors),
-                                   timedelta(seconds=options.timeout))
+        self.transport = Transport(
+            self.layout.rank,
+            self.layout.world_size,
+            TagSpace(S, spec.N, max_tensors),
+            timedelta(seconds=options.timeout),
+        )
         holders = ranks_of_stages(spec.kind, self.layout.D, self.layout.W, spec.v)
-        self.sync = GradSync.build(self.layout.rank, self.layout.world_size,
-                                   holder_sets([st.params for st in spec.split.stages], holders),
-                                   spec.split.shared_params, list(self.runners.values()))
+        self.sync = GradSync.build(
+            self.layout.rank,
+            self.layout.world_size,
+            holder_sets([st.params for st in spec.split.stages], holders),
+            spec.split.shared_params,
+            list(self.runners.values()),
+        )
         self.sync.broadcast_weights(self.transport)
         self.interpreter = Interpreter()
         self.step_end = self._step_end()
@@ -169,9 +195,17 @@ class Trainer(Checkpointing):
         self.skipped_steps = 0
         self._skips_in_a_row = 0
         self.progress = training_progress(options.progress, self.layout.rank)
-        log.info("rank %d: stages %s of %s (D=%d, W=%d, N=%d), %d preconditioned units here, program period %d",
-                 self.layout.rank, sorted(self.runners), spec.kind.value, self.layout.D, self.layout.W, spec.N,
-                 len(self.layer_states), len(spec.programs[self.layout.rank]))
+        log.info(
+            "rank %d: stages %s of %s (D=%d, W=%d, N=%d), %d preconditioned units here, program period %d",
+            self.layout.rank,
+            sorted(self.runners),
+            spec.kind.value,
+            self.layout.D,
+            self.layout.W,
+            spec.N,
+            len(self.layer_states),
+            len(spec.programs[self.layout.rank]),
+        )
 
     def _preconditioning(self, holders: Mapping[int, tuple[int, ...]], backend: str | None) -> PreconditionerRuntime:
         """Tap this rank's stage copies and install the family's handlers on the interpreter."""
@@ -187,9 +221,19 @@ class Trainer(Checkpointing):
         groups = {s: StageCopies(holders[s], self.sync.group_of(holders[s])) for s in local}
         mine = {n: spec.units[n] for s in local for n in spec.stage_units[s]}
         subgroups = named_groups([spec.programs, spec.startup], self.layout.rank, self.layout.world_size)
-        runtime = PreconditionerRuntime(spec.family, mine, {n: stage_of[n] for n in mine}, self.timings, groups,
-                                        self.layout.rank, spec.N * self.layout.W, spec.global_batch,
-                                        self.step_end, spec.distributions, subgroups)
+        runtime = PreconditionerRuntime(
+            spec.family,
+            mine,
+            {n: stage_of[n] for n in mine},
+            self.timings,
+            groups,
+            self.layout.rank,
+            spec.N * self.layout.W,
+            spec.global_batch,
+            self.step_end,
+            spec.distributions,
+            subgroups,
+        )
         runtime.install(self.interpreter)
         return runtime
 
@@ -199,9 +243,11 @@ class Trainer(Checkpointing):
         set, as the STAGE scope with nothing to clip). Collective: makes the process groups it needs."""
         agreement = self.options.step_agreement
         if self.spec.units and agreement is not StepAgreement.WORLD:
-            raise ConfigError(f"PipelineOptions.step_agreement={agreement.name} is for runs without a "
-                              "preconditioner; with one, KFACConfig.kl_clip_scope (stage or stale) ends a step "
-                              "without a world barrier")
+            raise ConfigError(
+                f"PipelineOptions.step_agreement={agreement.name} is for runs without a "
+                "preconditioner; with one, KFACConfig.kl_clip_scope (stage or stale) ends a step "
+                "without a world barrier"
+            )
         if self.spec.units:
             scope = getattr(self.spec.family, "kl_clip_scope", KLClipScope.GLOBAL)
         else:
@@ -221,9 +267,11 @@ class Trainer(Checkpointing):
         """ConfigError unless the mini-batch has the example's shapes and dtypes (the graph is specialized to them)."""
         got = input_signature(inputs)
         if got != self.spec.signature:
-            raise ConfigError(f"inputs have shapes/dtypes {_words(got)}, but the model was compiled for "
-                              f"example_inputs of {_words(self.spec.signature)}; pass mini-batches shaped like "
-                              "example_inputs (pad or bucket variable lengths), or compile once per shape")
+            raise ConfigError(
+                f"inputs have shapes/dtypes {_words(got)}, but the model was compiled for "
+                f"example_inputs of {_words(self.spec.signature)}; pass mini-batches shaped like "
+                "example_inputs (pad or bucket variable lengths), or compile once per shape"
+            )
 
     def step(self, inputs: Any, targets: Any) -> float | StepLoss:
         """One optimizer step over one global mini-batch; returns the step loss (the same on every rank): a float,
@@ -238,10 +286,19 @@ class Trainer(Checkpointing):
                 if isinstance(runner, TappedRunner):
                     runner.modes = self.preconditioning.modes_at(self.steps, list(runner.layers))
         ctx = StepContext(
-            rank=self.layout.rank, step=self.steps, runners=self.runners, transport=self.transport, sync=self.sync,
-            optimizer=self.optimizer, inputs=[spec.captured.flat_inputs(args) for args, _ in shards],
-            targets=[t for _, t in shards], loss_fn=self.loss_fn, out_spec=spec.captured.out_spec,
-            scale=1.0 / (spec.N * W), step_end=self.step_end)
+            rank=self.layout.rank,
+            step=self.steps,
+            runners=self.runners,
+            transport=self.transport,
+            sync=self.sync,
+            optimizer=self.optimizer,
+            inputs=[spec.captured.flat_inputs(args) for args, _ in shards],
+            targets=[t for _, t in shards],
+            loss_fn=self.loss_fn,
+            out_spec=spec.captured.out_spec,
+            scale=1.0 / (spec.N * W),
+            step_end=self.step_end,
+        )
         self.interpreter.run(self.ops_at(self.steps), ctx, self.timeline)
         loss = self._loss(ctx)
         if ctx.skipped:
@@ -268,13 +325,19 @@ class Trainer(Checkpointing):
         """Count a skipped step; NonFiniteError when more than `max_skipped_steps` were skipped in a row."""
         self.skipped_steps += 1
         self._skips_in_a_row += 1
-        log.warning("rank %d: step %d skipped: loss or gradients are NaN/Inf on some rank (%d skipped so far)",
-                    self.layout.rank, self.steps, self.skipped_steps)
+        log.warning(
+            "rank %d: step %d skipped: loss or gradients are NaN/Inf on some rank (%d skipped so far)",
+            self.layout.rank,
+            self.steps,
+            self.skipped_steps,
+        )
         limit = self.options.max_skipped_steps
         if limit is not None and self._skips_in_a_row > limit:
-            raise NonFiniteError(f"{self._skips_in_a_row} steps in a row had NaN/Inf loss or gradients "
-                                 f"(max_skipped_steps={limit}); the state is that of step {self.steps}: lower the "
-                                 "learning rate, check the data, or raise max_skipped_steps")
+            raise NonFiniteError(
+                f"{self._skips_in_a_row} steps in a row had NaN/Inf loss or gradients "
+                f"(max_skipped_steps={limit}); the state is that of step {self.steps}: lower the "
+                "learning rate, check the data, or raise max_skipped_steps"
+            )
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """This rank's parameters by canonical FQN (one copy each)."""
@@ -296,14 +359,19 @@ class Trainer(Checkpointing):
         """Parameters (one copy per FQN, detached), optimizer state by parameter FQN, counters; with a
         preconditioner also ``kfac`` (unit states by unit name) and ``inflight`` (refreshes, decompositions and
         captures held here)."""
-        state: dict[str, Any] = {"model": {n: p.detach() for n, p in self.named_parameters()},
-                                 "optimizer": optimizer_state(self.optimizer, param_names(self.runners.values())),
-                                 "step": self.steps, "skipped_steps": self.skipped_steps}
+        state: dict[str, Any] = {
+            "model": {n: p.detach() for n, p in self.named_parameters()},
+            "optimizer": optimizer_state(self.optimizer, param_names(self.runners.values())),
+            "step": self.steps,
+            "skipped_steps": self.skipped_steps,
+        }
         if self.preconditioning is not None:
             state.update(self.preconditioning.state_dict())
-            state["inflight"]["captures"] = {f"{s}.{p}": r.captures_state()
-                                             for (s, p), r in sorted(self.runners.items())
-                                             if isinstance(r, TappedRunner)}
+            state["inflight"]["captures"] = {
+                f"{s}.{p}": r.captures_state()
+                for (s, p), r in sorted(self.runners.items())
+                if isinstance(r, TappedRunner)
+            }
         return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -333,14 +401,17 @@ class Trainer(Checkpointing):
         saved = state["inflight"].get("captures")
         tapped = {f"{s}.{p}": r for (s, p), r in self.runners.items() if isinstance(r, TappedRunner)}
         if not isinstance(saved, dict) or set(saved) != set(tapped):
-            raise CheckpointError(f"checkpoint captures are for stage copies {sorted(saved or {})}, this rank holds "
-                                  f"{sorted(tapped)}; it was written for another layout")
+            raise CheckpointError(
+                f"checkpoint captures are for stage copies {sorted(saved or {})}, this rank holds "
+                f"{sorted(tapped)}; it was written for another layout"
+            )
         captures = {key: r.parse_captures(saved[key]) for key, r in tapped.items()}
 
         def install() -> None:
             runtime.load_parsed(parsed)
             for key, r in tapped.items():
                 r.captures = captures[key]
+
         return install
 
     def describe_run(self) -> dict[str, Any]:
@@ -348,15 +419,21 @@ class Trainer(Checkpointing):
         to, and the layout it was written under (see fxkfac/checkpoint.py, [Note: resharding])."""
         spec, layout = self.spec, self.layout
         programs = {str(r): [[str(op) for op in ops] for ops in p] for r, p in sorted(spec.programs.items())}
-        return {"params": {n: list(p.shape) for st in spec.split.stages for n, p in st.gm.named_parameters()},
-                "units": self._unit_shapes(),
-                "timings": {n: [t.period, t.curv_step, t.use_offset, t.capture]
-                            for n, t in sorted(self.timings.items())},
-                "plan": None if spec.plan is None else f"{spec.plan.fingerprint}#{digest(spec.plan.to_dict())}",
-                "trainer": spec.family.name if spec.units and spec.family else "plain", "mesh": [layout.D, layout.W],
-                "schedule": spec.kind.value, "microbatches": spec.N, "virtual_stages": spec.v,
-                "global_batch": spec.global_batch, "stages": [list(st.params) for st in spec.split.stages],
-                "graph": spec.fingerprint, "programs": digest(programs)}
+        return {
+            "params": {n: list(p.shape) for st in spec.split.stages for n, p in st.gm.named_parameters()},
+            "units": self._unit_shapes(),
+            "timings": {n: [t.period, t.curv_step, t.use_offset, t.capture] for n, t in sorted(self.timings.items())},
+            "plan": None if spec.plan is None else f"{spec.plan.fingerprint}#{digest(spec.plan.to_dict())}",
+            "trainer": spec.family.name if spec.units and spec.family else "plain",
+            "mesh": [layout.D, layout.W],
+            "schedule": spec.kind.value,
+            "microbatches": spec.N,
+            "virtual_stages": spec.v,
+            "global_batch": spec.global_batch,
+            "stages": [list(st.params) for st in spec.split.stages],
+            "graph": spec.fingerprint,
+            "programs": digest(programs),
+        }
 
     def _unit_shapes(self) -> dict[str, list[list[int]]]:
         """Each preconditioned unit's statistic shapes by part: what its state is made of, whatever the layout."""

@@ -24,8 +24,10 @@ def block_side(max_preconditioner_dim: int | str, max_dim: int | None, default: 
     if max_preconditioner_dim == "auto":
         return default if max_dim is None else max_dim
     if max_dim is not None and max_dim != max_preconditioner_dim:
-        raise ConfigError(f"max_dim={max_dim} was given for a config whose max_preconditioner_dim is "
-                          f"{max_preconditioner_dim}; set max_preconditioner_dim='auto' to let the planner choose")
+        raise ConfigError(
+            f"max_dim={max_dim} was given for a config whose max_preconditioner_dim is "
+            f"{max_preconditioner_dim}; set max_preconditioner_dim='auto' to let the planner choose"
+        )
     return int(max_preconditioner_dim)
 
 
@@ -148,4 +150,3 @@ class BlockFamily(ABC):
         if not isinstance(saved, dict) or not isinstance(saved.get("flat"), Tensor):
             raise ValueError(f"a {self.name} decomposition must be {{'flat': tensor}}, got {type(saved).__name__}")
         return saved["flat"]
-

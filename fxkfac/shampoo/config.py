@@ -80,16 +80,33 @@ def _check_common(cfg: Any, cls_name: str) -> None:
     _require(cfg.epsilon > 0, cls_name, "epsilon", "> 0", cfg.epsilon)
     _require(cfg.weight_decay >= 0, cls_name, "weight_decay", ">= 0", cfg.weight_decay)
     dim = cfg.max_preconditioner_dim
-    _require(dim == "auto" or (_is_int(dim) and dim >= 1), cls_name, "max_preconditioner_dim",
-             "an int >= 1 or 'auto'", dim)
-    _require(_is_int(cfg.precondition_frequency) and cfg.precondition_frequency >= 1, cls_name,
-             "precondition_frequency", "an int >= 1", cfg.precondition_frequency)
-    _require(_is_int(cfg.start_preconditioning_step) and cfg.start_preconditioning_step >= 0, cls_name,
-             "start_preconditioning_step", "an int >= 0", cfg.start_preconditioning_step)
-    _require(cfg.preconditioner_dtype in PRECONDITIONER_DTYPES, cls_name, "preconditioner_dtype",
-             f"one of {PRECONDITIONER_DTYPES}", cfg.preconditioner_dtype)
-    object.__setattr__(cfg, "large_dim_method", _enum(cls_name, "large_dim_method", cfg.large_dim_method,
-                                                      LargeDimMethod))
+    _require(
+        dim == "auto" or (_is_int(dim) and dim >= 1), cls_name, "max_preconditioner_dim", "an int >= 1 or 'auto'", dim
+    )
+    _require(
+        _is_int(cfg.precondition_frequency) and cfg.precondition_frequency >= 1,
+        cls_name,
+        "precondition_frequency",
+        "an int >= 1",
+        cfg.precondition_frequency,
+    )
+    _require(
+        _is_int(cfg.start_preconditioning_step) and cfg.start_preconditioning_step >= 0,
+        cls_name,
+        "start_preconditioning_step",
+        "an int >= 0",
+        cfg.start_preconditioning_step,
+    )
+    _require(
+        cfg.preconditioner_dtype in PRECONDITIONER_DTYPES,
+        cls_name,
+        "preconditioner_dtype",
+        f"one of {PRECONDITIONER_DTYPES}",
+        cfg.preconditioner_dtype,
+    )
+    object.__setattr__(
+        cfg, "large_dim_method", _enum(cls_name, "large_dim_method", cfg.large_dim_method, LargeDimMethod)
+    )
 
 
 def _check_newton_pieces(cfg: ShampooConfig) -> None:
@@ -98,14 +115,18 @@ def _check_newton_pieces(cfg: ShampooConfig) -> None:
     pieces = cfg.newton_pieces
     _require(_is_int(pieces) and pieces >= 1, "ShampooConfig", "newton_pieces", "an int >= 1", pieces)
     if pieces > 1 and cfg.root_inv_method is not RootInvMethod.NEWTON:
-        raise ConfigError(f"ShampooConfig.newton_pieces={pieces} needs root_inv_method='newton' (an eigendecomposition "
-                          f"is one task; only the coupled Newton iteration is cut into pieces), got "
-                          f"root_inv_method={cfg.root_inv_method.value!r}; set root_inv_method='newton' or "
-                          "newton_pieces=1")
+        raise ConfigError(
+            f"ShampooConfig.newton_pieces={pieces} needs root_inv_method='newton' (an eigendecomposition "
+            f"is one task; only the coupled Newton iteration is cut into pieces), got "
+            f"root_inv_method={cfg.root_inv_method.value!r}; set root_inv_method='newton' or "
+            "newton_pieces=1"
+        )
     if pieces > cfg.newton_max_iterations:
-        raise ConfigError(f"ShampooConfig.newton_pieces={pieces} exceeds newton_max_iterations="
-                          f"{cfg.newton_max_iterations} (each piece runs at least one iteration); lower newton_pieces "
-                          "or raise newton_max_iterations")
+        raise ConfigError(
+            f"ShampooConfig.newton_pieces={pieces} exceeds newton_max_iterations="
+            f"{cfg.newton_max_iterations} (each piece runs at least one iteration); lower newton_pieces "
+            "or raise newton_max_iterations"
+        )
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -173,16 +194,22 @@ class ShampooConfig:
         _require(p is None or (_is_int(p) and p >= 1), name, "exponent_override", "None or an int >= 1", p)
         _require(self.exponent_multiplier > 0, name, "exponent_multiplier", "> 0", self.exponent_multiplier)
         _require(self.newton_tolerance > 0, name, "newton_tolerance", "> 0", self.newton_tolerance)
-        _require(_is_int(self.newton_max_iterations) and self.newton_max_iterations >= 1, name,
-                 "newton_max_iterations", "an int >= 1", self.newton_max_iterations)
+        _require(
+            _is_int(self.newton_max_iterations) and self.newton_max_iterations >= 1,
+            name,
+            "newton_max_iterations",
+            "an int >= 1",
+            self.newton_max_iterations,
+        )
         object.__setattr__(self, "grafting_type", _enum(name, "grafting_type", self.grafting_type, GraftType))
-        object.__setattr__(self, "root_inv_method", _enum(name, "root_inv_method", self.root_inv_method,
-                                                          RootInvMethod))
+        object.__setattr__(self, "root_inv_method", _enum(name, "root_inv_method", self.root_inv_method, RootInvMethod))
         _check_newton_pieces(self)
         if self.root_inv_method is RootInvMethod.NEWTON and self.exponent_multiplier != 1.0:
-            raise ConfigError(f"{name}.exponent_multiplier must be 1.0 with root_inv_method='newton' (the coupled "
-                              f"Newton iteration computes integer roots only), got {self.exponent_multiplier!r}; "
-                              "use root_inv_method='eigh' or exponent_override")
+            raise ConfigError(
+                f"{name}.exponent_multiplier must be 1.0 with root_inv_method='newton' (the coupled "
+                f"Newton iteration computes integer roots only), got {self.exponent_multiplier!r}; "
+                "use root_inv_method='eigh' or exponent_override"
+            )
 
     @property
     def max_dim(self) -> int:
@@ -225,8 +252,9 @@ class SOAPConfig:
     def __post_init__(self) -> None:
         name = "SOAPConfig"
         _check_common(self, name)
-        _require(0.0 < self.betas[1] < 1.0, name, "betas", "(beta1, beta2) with beta2 < 1 (Adam's second moment)",
-                 self.betas)
+        _require(
+            0.0 < self.betas[1] < 1.0, name, "betas", "(beta1, beta2) with beta2 < 1 (Adam's second moment)", self.betas
+        )
         _require(0.0 <= self.shampoo_beta <= 1.0, name, "shampoo_beta", "in [0, 1]", self.shampoo_beta)
         object.__setattr__(self, "basis_method", _enum(name, "basis_method", self.basis_method, BasisMethod))
 

@@ -65,8 +65,12 @@ class ShampooFamily(BlockFamily):
     name = "shampoo"
 
     def __init__(self, cfg: ShampooConfig, *, max_dim: int | None = None) -> None:
-        super().__init__(dtype=cfg.preconditioner_dtype, frequency=cfg.precondition_frequency,
-                         start=cfg.start_preconditioning_step, stat_beta=cfg.betas[1])
+        super().__init__(
+            dtype=cfg.preconditioner_dtype,
+            frequency=cfg.precondition_frequency,
+            start=cfg.start_preconditioning_step,
+            stat_beta=cfg.betas[1],
+        )
         self.cfg = cfg
         self.max_dim = block_side(cfg.max_preconditioner_dim, max_dim, DEFAULT_MAX_DIM)
         self.decomp_pieces = cfg.newton_pieces
@@ -105,8 +109,9 @@ class ShampooFamily(BlockFamily):
             carry = self._newton_piece(unit, index, carry)
         return self._finish(unit, part, stats, carry)
 
-    def decompose_piece(self, unit: ParamUnit, state: RefreshState, part: str, index: int,
-                        carry: NewtonCarry | None) -> NewtonCarry | Tensor | None:
+    def decompose_piece(
+        self, unit: ParamUnit, state: RefreshState, part: str, index: int, carry: NewtonCarry | None
+    ) -> NewtonCarry | Tensor | None:
         """Piece `index` of `decompose`: piece 0 starts the Newton pairs from the statistic, each piece runs its
         share of the iterations, the last makes the roots (or None). A carry of None: nothing to decompose yet."""
         n = self.decomp_pieces
@@ -129,10 +134,16 @@ class ShampooFamily(BlockFamily):
         if saved is None:
             return None
         xs, ms = (saved.get(k) if isinstance(saved, Mapping) else None for k in ("x", "m"))
-        if not (isinstance(xs, list) and isinstance(ms, list) and len(xs) == len(ms)
-                and all(isinstance(t, Tensor) for t in xs + ms)):
-            raise ValueError(f"a Shampoo root inverse in flight must be {{'x': [tensors], 'm': [tensors]}} of equal "
-                             f"lengths, got {saved!r}")
+        if not (
+            isinstance(xs, list)
+            and isinstance(ms, list)
+            and len(xs) == len(ms)
+            and all(isinstance(t, Tensor) for t in xs + ms)
+        ):
+            raise ValueError(
+                f"a Shampoo root inverse in flight must be {{'x': [tensors], 'm': [tensors]}} of equal "
+                f"lengths, got {saved!r}"
+            )
         return tuple(zip(xs, ms, strict=True))
 
     def _corrected(self, unit: ParamUnit, state: RefreshState, part: str) -> Tensor | None:
@@ -168,8 +179,10 @@ class ShampooFamily(BlockFamily):
         layout = self.layout(unit)
         factors = layout.factors[part]
         if len(carry) != sum(map(self._iterates, factors)):
-            raise ValueError(f"{unit.name} {part}: a root inverse in flight has {len(carry)} Newton pairs, the part "
-                             f"iterates {sum(map(self._iterates, factors))}: it was made under another layout")
+            raise ValueError(
+                f"{unit.name} {part}: a root inverse in flight has {len(carry)} Newton pairs, the part "
+                f"iterates {sum(map(self._iterates, factors))}: it was made under another layout"
+            )
         pairs = iter(carry)
         roots = []
         for factor in factors:
@@ -184,8 +197,9 @@ class ShampooFamily(BlockFamily):
         """p: the exponent override, else 2 * order of the view."""
         return self.cfg.exponent_override or 2 * len(layout.view)
 
-    def _root(self, unit: ParamUnit, part: str, factor: Factor, stat: Tensor, p: int,
-              newton: NewtonIterate | None) -> Tensor | None:
+    def _root(
+        self, unit: ParamUnit, part: str, factor: Factor, stat: Tensor, p: int, newton: NewtonIterate | None
+    ) -> Tensor | None:
         """One factor's inverse root (see the module doc) from its last Newton pair, if it iterates; ValueError when
         it fails and eigh is unprotected."""
         cfg = self.cfg
@@ -197,9 +211,11 @@ class ShampooFamily(BlockFamily):
             if root is None:
                 root = protected_eigh_root_inverse(stat, exponent, cfg.epsilon, cfg.use_protected_eigh)
         if root is None and not cfg.use_protected_eigh:
-            raise ValueError(f"the inverse root of factor {part} of block {factor.block} of {unit.name} failed in "
-                             f"{self.stats_dtype}; set ShampooConfig.use_protected_eigh=True (retry in float64, "
-                             "else keep the previous roots) or preconditioner_dtype='float64'")
+            raise ValueError(
+                f"the inverse root of factor {part} of block {factor.block} of {unit.name} failed in "
+                f"{self.stats_dtype}; set ShampooConfig.use_protected_eigh=True (retry in float64, "
+                "else keep the previous roots) or preconditioner_dtype='float64'"
+            )
         return root
 
     def combine(self, unit: ParamUnit, state: RefreshState, halves: Mapping[str, Any]) -> Sides | None:
@@ -209,8 +225,13 @@ class ShampooFamily(BlockFamily):
 
     # --- every step -----------------------------------------------------------------------------------
 
-    def precondition(self, units: Sequence[Any], grads: MutableMapping[str, Tensor],
-                     states: Mapping[str, RefreshState], params: Mapping[str, Tensor]) -> Tensor:
+    def precondition(
+        self,
+        units: Sequence[Any],
+        grads: MutableMapping[str, Tensor],
+        states: Mapping[str, RefreshState],
+        params: Mapping[str, Tensor],
+    ) -> Tensor:
         """Replace each unit's gradient by its search direction P (module doc, steps 5-9); returns sum <P, G>."""
         dot = torch.zeros((), dtype=torch.float64)
         for unit in units:
@@ -230,8 +251,15 @@ class ShampooFamily(BlockFamily):
         g = self.gradient(unit, grad, param).to(self.dtype, copy=True)  # never an alias of `grad`, overwritten last
         state.graft = graft.accumulate(cfg.grafting_type, state.graft, g, cfg.grafting_beta2)
         g_hat = self._filtered(state, g)
-        p_graft = graft.direction(cfg.grafting_type, state.graft, g_hat, state.count, eps=cfg.grafting_epsilon,
-                                  beta2=cfg.grafting_beta2, bias_correction=cfg.use_bias_correction)
+        p_graft = graft.direction(
+            cfg.grafting_type,
+            state.graft,
+            g_hat,
+            state.count,
+            eps=cfg.grafting_epsilon,
+            beta2=cfg.grafting_beta2,
+            bias_correction=cfg.use_bias_correction,
+        )
         p = p_graft if state.active is None else self._grafted(layout, state.active, g_hat, p_graft)
         if self.decays(unit) and cfg.use_decoupled_weight_decay:
             p = p + cfg.weight_decay * param.detach().reshape(layout.view).to(self.dtype)

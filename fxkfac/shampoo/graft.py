@@ -23,8 +23,9 @@ def accumulate(kind: GraftType, acc: Tensor | None, grad: Tensor, beta2: float) 
     return running_sum(acc, grad * grad, 1.0 if kind is GraftType.ADAGRAD else beta2)
 
 
-def direction(kind: GraftType, acc: Tensor | None, grad: Tensor, count: int, *, eps: float, beta2: float,
-              bias_correction: bool) -> Tensor:
+def direction(
+    kind: GraftType, acc: Tensor | None, grad: Tensor, count: int, *, eps: float, beta2: float, bias_correction: bool
+) -> Tensor:
     """The graft direction of `grad` (filtered): G (SGD) or G / (sqrt(A) + eps), A bias-corrected for Adam;
     `count` = steps folded so far (t + 1)."""
     if kind is GraftType.SGD:

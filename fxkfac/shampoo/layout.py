@@ -45,7 +45,7 @@ class Factor:
 
     def take(self, flat: Tensor) -> Tensor:
         """This factor's tensor (a view) in a part's flat tensor: dim x dim or dim."""
-        piece = flat[self.offset:self.offset + self.size]
+        piece = flat[self.offset : self.offset + self.size]
         return piece.view(self.dim, self.dim) if self.kind is FactorKind.DENSE else piece
 
 
@@ -68,8 +68,9 @@ class Layout:
         return tuple(slice(start, end) for start, end in self.blocks[block].ranges)
 
 
-def make_layout(shape: tuple[int, ...], max_dim: int, method: LargeDimMethod, merge: bool,
-                kept: Iterable[FactorKind]) -> Layout:
+def make_layout(
+    shape: tuple[int, ...], max_dim: int, method: LargeDimMethod, merge: bool, kept: Iterable[FactorKind]
+) -> Layout:
     """The layout of a parameter of `shape`; factor kinds not in `kept` get no factor (SOAP: identity basis)."""
     keep = frozenset(kept)
     view, blocks = partition(shape, max_dim, method, merge)

@@ -10,8 +10,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["eigh_root_inverse", "protected_eigh_root_inverse", "NewtonIterate", "newton_start", "newton_residual",
-           "newton_steps", "newton_result", "newton_share", "newton_root_inverse", "diagonal_root_inverse"]
+__all__ = [
+    "eigh_root_inverse",
+    "protected_eigh_root_inverse",
+    "NewtonIterate",
+    "newton_start",
+    "newton_residual",
+    "newton_steps",
+    "newton_result",
+    "newton_share",
+    "newton_root_inverse",
+    "diagonal_root_inverse",
+]
 
 
 def _finite(t: Tensor | None) -> Tensor | None:

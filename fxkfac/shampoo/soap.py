@@ -87,8 +87,12 @@ class SOAPFamily(BlockFamily):
     name = "soap"
 
     def __init__(self, cfg: SOAPConfig, *, max_dim: int | None = None) -> None:
-        super().__init__(dtype=cfg.preconditioner_dtype, frequency=cfg.precondition_frequency,
-                         start=cfg.start_preconditioning_step, stat_beta=cfg.shampoo_beta)
+        super().__init__(
+            dtype=cfg.preconditioner_dtype,
+            frequency=cfg.precondition_frequency,
+            start=cfg.start_preconditioning_step,
+            stat_beta=cfg.shampoo_beta,
+        )
         self.cfg = cfg
         self.max_dim = block_side(cfg.max_preconditioner_dim, max_dim, DEFAULT_MAX_DIM)
 
@@ -129,8 +133,13 @@ class SOAPFamily(BlockFamily):
 
     # --- every step -----------------------------------------------------------------------------------
 
-    def precondition(self, units: Sequence[Any], grads: MutableMapping[str, Tensor],
-                     states: Mapping[str, RefreshState], params: Mapping[str, Tensor]) -> Tensor:
+    def precondition(
+        self,
+        units: Sequence[Any],
+        grads: MutableMapping[str, Tensor],
+        states: Mapping[str, RefreshState],
+        params: Mapping[str, Tensor],
+    ) -> Tensor:
         """Move moments into newly active bases, then replace each gradient by its AdamW direction in its bases;
         returns sum <P, G>."""
         dot = torch.zeros((), dtype=torch.float64)
@@ -152,14 +161,15 @@ class SOAPFamily(BlockFamily):
         new, old = state.active, state.moments_basis
         assert new is not None, "bases are replaced, never removed"
         if state.exp_avg is not None and state.exp_avg_sq is not None:
+
             def overlap(f: Factor, part: str) -> Tensor:
                 q_new = f.take(getattr(new, part))
                 return q_new if old is None else f.take(getattr(old, part)).t() @ q_new
 
-            state.exp_avg = _blockwise(layout, state.exp_avg, lambda f: overlap(f, "L").t(),
-                                       lambda f: overlap(f, "R"))
-            state.exp_avg_sq = _blockwise(layout, state.exp_avg_sq, lambda f: overlap(f, "L").square().t(),
-                                          lambda f: overlap(f, "R").square())
+            state.exp_avg = _blockwise(layout, state.exp_avg, lambda f: overlap(f, "L").t(), lambda f: overlap(f, "R"))
+            state.exp_avg_sq = _blockwise(
+                layout, state.exp_avg_sq, lambda f: overlap(f, "L").square().t(), lambda f: overlap(f, "R").square()
+            )
         state.moments_basis = new
 
     def _direction(self, unit: ParamUnit, state: SOAPState, grad: Tensor, param: Tensor) -> Tensor:

@@ -49,8 +49,12 @@ class BlockState(RefreshState):
 
     def state_dict(self) -> dict[str, Any]:
         """``refreshes``, ``folds.L/R``, the tensors present, ``active.L/R`` and ``pending.<i>.step/L/R``."""
-        out: dict[str, Any] = {"refreshes": self.refreshes, "folds.L": self.folds["L"], "folds.R": self.folds["R"],
-                               "pending_count": len(self.pending)}
+        out: dict[str, Any] = {
+            "refreshes": self.refreshes,
+            "folds.L": self.folds["L"],
+            "folds.R": self.folds["R"],
+            "pending_count": len(self.pending),
+        }
         out.update({k: getattr(self, k) for k in self.TENSORS if getattr(self, k) is not None})
         if self.active is not None:
             out.update({"active.L": self.active.L, "active.R": self.active.R})
@@ -66,8 +70,10 @@ class BlockState(RefreshState):
             active = self._sides(sd, "active.") if "active.L" in sd else None
             pending = [(int(sd[f"pending.{i}.step"]), self._sides(sd, f"pending.{i}.")) for i in range(counts[3])]
         except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{type(self).__name__} is incomplete or malformed ({exc!r}); the checkpoint is "
-                                  "corrupt or was written for another model or configuration") from exc
+            raise CheckpointError(
+                f"{type(self).__name__} is incomplete or malformed ({exc!r}); the checkpoint is "
+                "corrupt or was written for another model or configuration"
+            ) from exc
         self.refreshes, self.folds = counts[0], {"L": counts[1], "R": counts[2]}
         for k in self.TENSORS:
             setattr(self, k, tensors.get(k))

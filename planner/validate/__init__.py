@@ -46,8 +46,16 @@ def validate(problem: Problem, plan: Plan, *, run: bool = True) -> list[str]:
     fused = frozenset(n for n, t in plan.layers.items() if t.capture == "fused")
     tol = plan.metrics.time_quantum + 1e-9 * step_timeline(problem).length
     stretch = plan.metrics.stretch
-    c = Context(problem, plan, tol, fused, step_timeline(problem, fused), step_timeline(problem), [],
-             stretch if isinstance(stretch, (int, float)) and 0 <= stretch < math.inf else 0.0)
+    c = Context(
+        problem,
+        plan,
+        tol,
+        fused,
+        step_timeline(problem, fused),
+        step_timeline(problem),
+        [],
+        stretch if isinstance(stretch, (int, float)) and 0 <= stretch < math.inf else 0.0,
+    )
     if plan.problem != problem:
         c.errors.append("the plan was made for another problem")
     if c.stretch != stretch:
@@ -55,8 +63,14 @@ def validate(problem: Problem, plan: Plan, *, run: bool = True) -> list[str]:
     check_layers(c)
     if c.errors:
         return c.errors
-    for check in (check_placed_once, check_overlap, check_dependencies, check_precs_and_offsets,
-                  check_memory, check_step_time):
+    for check in (
+        check_placed_once,
+        check_overlap,
+        check_dependencies,
+        check_precs_and_offsets,
+        check_memory,
+        check_step_time,
+    ):
         check(c)
     check_programs(c, run)
     return c.errors

@@ -14,6 +14,7 @@ from fxkfac.planner.strategy import COMM_OPT, receivers
 if TYPE_CHECKING:
     from fxkfac.planner.plan import Plan
 
+
 @dataclass
 class Context:
     """One validation: the problem, the plan, the tolerance, the simulated step timelines and the violations found."""
@@ -63,19 +64,30 @@ def step_ops(c: Context, stage: int, device: int) -> list[Op]:
     the stage (every layer COMM-OPT) or of each layer it applies and the BCAST_PREC of each layer of its row."""
     p, layers = c.problem, c.problem.costs.stages[stage].layers
     copies = copies_of_stage(p, stage)
-    ops = [Op(OpKind.STATS, stage, layer=layer, part=part) for layer, part in gradient_fed_parts(c, stage)
-           if device in p.workers(layer)]
+    ops = [
+        Op(OpKind.STATS, stage, layer=layer, part=part)
+        for layer, part in gradient_fed_parts(c, stage)
+        if device in p.workers(layer)
+    ]
     if all(p.where(x.name).strategy == COMM_OPT for x in layers):
         return ops + [Op(OpKind.APPLY, stage)]
     ops += [Op(OpKind.APPLY, stage, layer=x.name) for x in layers if device in p.workers(x.name)]
-    return ops + [Op(OpKind.BCAST_PREC, stage, root=root, layer=x.name, group=None if row == copies else row)
-                  for x in layers for root, row in receivers(copies, p.where(x.name)) if device in row]
+    return ops + [
+        Op(OpKind.BCAST_PREC, stage, root=root, layer=x.name, group=None if row == copies else row)
+        for x in layers
+        for root, row in receivers(copies, p.where(x.name))
+        if device in row
+    ]
 
 
 def gradient_fed_parts(c: Context, stage: int) -> list[tuple[str, str]]:
     """(layer, part) of the stage's parts fed by the reduced gradient."""
-    return [(x.name, p.part) for x in c.problem.costs.stages[stage].layers for p in x.parts
-            if p.after is OpKind.ALLREDUCE_GRAD]
+    return [
+        (x.name, p.part)
+        for x in c.problem.costs.stages[stage].layers
+        for p in x.parts
+        if p.after is OpKind.ALLREDUCE_GRAD
+    ]
 
 
 def op_seconds(c: Context, op: Op) -> float:
@@ -109,8 +121,9 @@ def wrapped(start: float, end: float, length: float) -> list[tuple[float, float]
 
 
 def end_of(timeline: StepTimeline, device: int, kind: OpKind, stage: int, mb: int, pipe: int) -> float:
-    return next(b for op, _, b in timeline.ops[device]
-                if op.kind is kind and (op.stage, op.mb, op.pipe) == (stage, mb, pipe))
+    return next(
+        b for op, _, b in timeline.ops[device] if op.kind is kind and (op.stage, op.mb, op.pipe) == (stage, mb, pipe)
+    )
 
 
 def capture_after(c: Context, op: Op) -> OpKind:

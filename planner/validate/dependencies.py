@@ -17,8 +17,9 @@ if TYPE_CHECKING:
 
 
 def check_dependencies(c: Context) -> None:
-    factor_tasks: defaultdict[tuple[str, str | None], defaultdict[OpKind, list[Placement]]] = \
-        defaultdict(lambda: defaultdict(list))
+    factor_tasks: defaultdict[tuple[str, str | None], defaultdict[OpKind, list[Placement]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
     applies = {(p.op.stage, p.device, p.step): p.start for p in c.plan.placements if p.op.kind is OpKind.APPLY}
     for p in c.plan.placements:
         if p.op.kind is OpKind.STATS and p.op.mb is None:
@@ -46,8 +47,11 @@ def _check_shared_gradient(c: Context, p: Placement) -> None:
     same = [q for q in c.plan.placements if q.op == p.op and q.step == p.step]
     if max(q.start for q in same) - min(q.start for q in same) > c.tol:
         c.errors.append(f"{p.op} at step {p.step}: the row starts it at different times")
-    made = [q for q in c.plan.placements if q.op.kind is OpKind.APPLY and q.device == p.op.root
-            and q.step == p.step and q.op.layer == p.op.layer]
+    made = [
+        q
+        for q in c.plan.placements
+        if q.op.kind is OpKind.APPLY and q.device == p.op.root and q.step == p.step and q.op.layer == p.op.layer
+    ]
     if not made or p.start < made[0].end - c.tol:
         c.errors.append(f"{p.op} on r{p.device} at step {p.step} starts before r{p.op.root} applied {p.op.layer}")
 
@@ -63,12 +67,15 @@ def _check_gradient_stats(c: Context, p: Placement, applies: Mapping[tuple[int |
         return  # check_placed_once says where it should be
     ready = c.base(p.step, k) + c.timeline(p.step, k).allreduce_end[p.device, s]
     if p.start < ready - c.tol:
-        c.errors.append(f"{p.op} on r{p.device} at step {p.step} starts at {p.start:.6g} before the stage's "
-                        f"gradient is reduced ({ready:.6g})")
+        c.errors.append(
+            f"{p.op} on r{p.device} at step {p.step} starts at {p.start:.6g} before the stage's "
+            f"gradient is reduced ({ready:.6g})"
+        )
     apply = applies.get((s, p.device, p.step))
     if apply is not None and p.end > apply + c.tol:
-        c.errors.append(f"{p.op} on r{p.device} at step {p.step} ends at {p.end:.6g}, after APPLY s{s} starts "
-                        f"({apply:.6g})")
+        c.errors.append(
+            f"{p.op} on r{p.device} at step {p.step} ends at {p.end:.6g}, after APPLY s{s} starts ({apply:.6g})"
+        )
 
 
 def _check_factor(c: Context, layer: str, side: str | None, kinds: dict) -> None:
@@ -117,22 +124,27 @@ def _check_warm_starts(c: Context, factor_tasks: Mapping[tuple[str, str | None],
         start = min(p.start for p in firsts)
         for p in refresh:
             if p.end > start + L + c.tol:
-                c.errors.append(f"{p.op} ends after the next refresh of {layer} starts its first piece: that piece "
-                                "would not start from this refresh's inverse")
+                c.errors.append(
+                    f"{p.op} ends after the next refresh of {layer} starts its first piece: that piece "
+                    "would not start from this refresh's inverse"
+                )
 
 
 def _check_pieces(c: Context, layer: str, side: str | None, pieces: list[Placement]) -> None:
     """The pieces of one decomposition (sorted by index) run one after another on one rank."""
     for a, b in zip(pieces, pieces[1:]):
         if b.device != a.device:
-            c.errors.append(f"{b.op} runs on r{b.device}, piece {a.op.piece} of {layer} {side} on r{a.device}: the "
-                            "pieces of a decomposition run on one rank")
+            c.errors.append(
+                f"{b.op} runs on r{b.device}, piece {a.op.piece} of {layer} {side} on r{a.device}: the "
+                "pieces of a decomposition run on one rank"
+            )
         if b.start < a.end - c.tol:
             c.errors.append(f"{b.op} starts at {b.start:.6g}, before {a.op} ends ({a.end:.6g})")
 
 
-def _check_gradient_refresh(c: Context, layer: str, side: str | None, L: float, stats: list[Placement],
-                            refresh: list[Placement]) -> None:
+def _check_gradient_refresh(
+    c: Context, layer: str, side: str | None, L: float, stats: list[Placement], refresh: list[Placement]
+) -> None:
     """A gradient-fed part's DECOMP starts after the refresh step's STATS of the part on its rank (which
     snapshots the statistic), its BCASTs after the DECOMP, together, from the DECOMP's rank, and before the next
     refresh's DECOMP (`L`: the window's length)."""
@@ -145,8 +157,10 @@ def _check_gradient_refresh(c: Context, layer: str, side: str | None, L: float, 
     if not snapshot:
         c.errors.append(f"{decomp.op} on r{decomp.device}: no STATS of the refresh step on r{decomp.device}")
     elif decomp.start < snapshot[0].end - c.tol:
-        c.errors.append(f"{decomp.op} starts at {decomp.start:.6g}, before the refresh step's {snapshot[0].op} "
-                        f"on r{decomp.device} ends ({snapshot[0].end:.6g})")
+        c.errors.append(
+            f"{decomp.op} starts at {decomp.start:.6g}, before the refresh step's {snapshot[0].op} "
+            f"on r{decomp.device} ends ({snapshot[0].end:.6g})"
+        )
     if bcasts and max(p.start for p in bcasts) - min(p.start for p in bcasts) > c.tol:
         c.errors.append(f"{bcasts[0].op}: the copies start it at different times")
     if any(p.start < decomp.end - c.tol for p in bcasts):
@@ -159,7 +173,8 @@ def _check_gradient_refresh(c: Context, layer: str, side: str | None, L: float, 
 
 def check_precs_and_offsets(c: Context) -> None:
     prec: dict[tuple[int | None, str | None, int, int], Placement] = {
-        (p.op.stage, p.op.layer, p.device, p.step): p for p in c.plan.placements if p.op.kind is OpKind.APPLY}
+        (p.op.stage, p.op.layer, p.device, p.step): p for p in c.plan.placements if p.op.kind is OpKind.APPLY
+    }
     for p in prec.values():
         s, d, j = p.op.stage, p.device, p.step
         assert s is not None, "an APPLY names its stage (Op checks it)"
@@ -174,11 +189,23 @@ def check_precs_and_offsets(c: Context) -> None:
     for layer, t in ready.items():
         s, k = c.problem.costs.stage_of(layer), c.period(c.problem.costs.stage_of(layer))
         L = c.length(k)
-        apply = Op(OpKind.APPLY, s) if Op(OpKind.APPLY, s) in step_ops(c, s, c.problem.workers(layer)[0]) else \
-            Op(OpKind.APPLY, s, layer=layer)  # the stage's APPLY, or the layer's own where the stage has them
-        u = next((u for u in range(2 * k + 1) if all(
-            (prec[s, apply.layer, d, u % k].start if (s, apply.layer, d, u % k) in prec else 0.0) + L * (u // k)
-            >= t - c.tol for d in c.problem.workers(layer))), 2 * k + 1)
+        apply = (
+            Op(OpKind.APPLY, s)
+            if Op(OpKind.APPLY, s) in step_ops(c, s, c.problem.workers(layer)[0])
+            else Op(OpKind.APPLY, s, layer=layer)
+        )  # the stage's APPLY, or the layer's own where the stage has them
+        u = next(
+            (
+                u
+                for u in range(2 * k + 1)
+                if all(
+                    (prec[s, apply.layer, d, u % k].start if (s, apply.layer, d, u % k) in prec else 0.0) + L * (u // k)
+                    >= t - c.tol
+                    for d in c.problem.workers(layer)
+                )
+            ),
+            2 * k + 1,
+        )
         claimed = c.plan.layers[layer].use_offset
         if claimed != u:
             c.errors.append(f"layer {layer}: use_offset {claimed} claimed, but its inverse is first usable at step {u}")

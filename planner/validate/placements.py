@@ -80,13 +80,18 @@ def check_placed_once(c: Context) -> None:
         if abs(p.end - p.start - op_seconds(c, p.op)) > c.tol + 1e-9 * max(1.0, p.end):
             c.errors.append(f"{p.op} on r{p.device}: lasts {p.end - p.start:.6g} s, costs {op_seconds(c, p.op):.6g} s")
         k = c.period(p.op.stage)  # type: ignore[arg-type]  # a placed op is K-FAC work on a stage
-        if not 0 <= p.step < 2 * k or not c.step_start(p.device, p.step, k) - c.tol <= p.start \
-                or p.end > c.step_start(p.device, p.step + 1, k) + c.tol:
-            c.errors.append(f"{p.op} on r{p.device} at [{p.start:.6g}, {p.end:.6g}) s is not within window step "
-                            f"{p.step} (k={k})")
-        if p.op.kind is OpKind.DECOMP and p.device not in c.problem.workers(p.op.layer):  # type: ignore[arg-type]  # a DECOMP names its layer
-            c.errors.append(f"{p.op} runs on r{p.device}, which is not a grad worker of {p.op.layer} "
-                            f"{list(c.problem.workers(p.op.layer))}")  # type: ignore[arg-type]  # see above
+        if (
+            not 0 <= p.step < 2 * k
+            or not c.step_start(p.device, p.step, k) - c.tol <= p.start
+            or p.end > c.step_start(p.device, p.step + 1, k) + c.tol
+        ):
+            c.errors.append(
+                f"{p.op} on r{p.device} at [{p.start:.6g}, {p.end:.6g}) s is not within window step {p.step} (k={k})"
+            )
+        if p.op.kind is OpKind.DECOMP:
+            workers = c.problem.workers(p.op.layer)  # type: ignore[arg-type]  # a DECOMP names its layer
+            if p.device not in workers:
+                c.errors.append(f"{p.op} runs on r{p.device}, not a grad worker of {p.op.layer} {list(workers)}")
     want = _expected(c)
     for item in sorted(set(want) | set(got), key=str):
         if want[item] != got[item]:
@@ -116,7 +121,7 @@ def check_overlap(c: Context) -> None:
         items += [(s, e, f"{p.op}") for p in by_device[d] for s, e in wrapped(p.start, p.end, L)]
         items.sort()
         for i, (s1, e1, n1) in enumerate(items):
-            for s2, e2, n2 in items[i + 1:]:
+            for s2, e2, n2 in items[i + 1 :]:
                 if s2 >= max(e1, s1 + c.tol) - c.tol:
                     break
                 if min(e1, e2) - s2 > c.tol or (s1 + c.tol < s2 < e1 - c.tol):
@@ -134,8 +139,11 @@ def check_memory(c: Context) -> None:
     for d in c.problem.devices:
         k = max(c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s))
         L = c.length(k)
-        spans = [(c.base(j, k) + a, c.base(j, k) + b, n) for j in range(k)
-                 for a, b, n in activation_intervals(c.problem, d, c.timeline(j, k))] + keeps[d]
+        spans = [
+            (c.base(j, k) + a, c.base(j, k) + b, n)
+            for j in range(k)
+            for a, b, n in activation_intervals(c.problem, d, c.timeline(j, k))
+        ] + keeps[d]
         held = [(s + c.tol, e - c.tol, n) for a, b, n in spans for s, e in wrapped(a, b, L) if e - s > 2 * c.tol]
         total = static_bytes(c.problem, d) + peak_level(held)
         if budget is not None and total > budget:
@@ -150,7 +158,9 @@ def check_step_time(c: Context) -> None:
     step = max(c.length(k) / k for k in periods)
     allowed = c.normal.length * (1 + c.problem.max_overhead)
     if step > allowed + c.tol:
-        c.errors.append(f"step time {step:.6g} s exceeds {allowed:.6g} s (reference {c.normal.length:.6g} s, "
-                        f"max_overhead {c.problem.max_overhead:g}, stretch {c.stretch:.6g} s per step)")
+        c.errors.append(
+            f"step time {step:.6g} s exceeds {allowed:.6g} s (reference {c.normal.length:.6g} s, "
+            f"max_overhead {c.problem.max_overhead:g}, stretch {c.stretch:.6g} s per step)"
+        )
     if abs(c.plan.metrics.step_time - step) > c.tol + 1e-9 * step:
         c.errors.append(f"step time {c.plan.metrics.step_time:.6g} s claimed, {step:.6g} s found")

@@ -23,8 +23,11 @@ def check_programs(c: Context, run: bool) -> None:
             want = [op for op, _, _ in c.timeline(j, k).ops[d] if op.kind not in PRECONDITIONER_KINDS]
             if [op for op in ops if op.kind not in PRECONDITIONER_KINDS] != want:
                 c.errors.append(f"r{d} step {j}: the pipeline ops differ from the schedule's")
-        times = {(p.step % k, str(p.op)): (p.start - c.length(k) * (p.step // k), p.end - c.length(k) * (p.step // k))
-                 for p in plan.placements if p.device == d}
+        times = {
+            (p.step % k, str(p.op)): (p.start - c.length(k) * (p.step // k), p.end - c.length(k) * (p.step // k))
+            for p in plan.placements
+            if p.device == d
+        }
         listed = [(j, str(op)) for j, ops in enumerate(prog) for op in ops if op.kind in PRECONDITIONER_KINDS]
         if sorted(listed) != sorted(times):
             c.errors.append(f"r{d}: the program's K-FAC ops differ from the placements")
@@ -60,9 +63,11 @@ def _check_interleaving(c: Context, device: int, k: int, prog: list[list[Op]]) -
                 other, a, b = item
                 before = b <= t + c.tol and a < t - c.tol
                 if (n > i and before) or (n < i and b > t + c.tol):
-                    c.errors.append(f"r{device} step {j}: '{op}' (placed at {t:.6g} s) and "
-                                    f"'{other}' ({a:.6g}-{b:.6g} s)"
-                                    " are in the wrong order in the program")
+                    c.errors.append(
+                        f"r{device} step {j}: '{op}' (placed at {t:.6g} s) and "
+                        f"'{other}' ({a:.6g}-{b:.6g} s)"
+                        " are in the wrong order in the program"
+                    )
             if per_step(op):
                 _check_gradient_order(c, device, j, ops, i)
 
@@ -71,10 +76,10 @@ def _check_gradient_order(c: Context, device: int, j: int, ops: list[Op], i: int
     """An APPLY or gradient STATS (ops[i]) comes after every BWD and ALLREDUCE_GRAD of its stage in the step (the
     gradient is complete); a gradient STATS also before its stage's APPLY (which overwrites the gradient)."""
     op = ops[i]
-    after = [o for o in ops[i + 1:] if o.stage == op.stage and o.kind in (OpKind.BWD, OpKind.ALLREDUCE_GRAD)]
+    after = [o for o in ops[i + 1 :] if o.stage == op.stage and o.kind in (OpKind.BWD, OpKind.ALLREDUCE_GRAD)]
     if after:
         c.errors.append(f"r{device} step {j}: '{op}' comes before '{after[0]}' of its stage")
-    if op.kind is OpKind.STATS and not any(o.kind is OpKind.APPLY and o.stage == op.stage for o in ops[i + 1:]):
+    if op.kind is OpKind.STATS and not any(o.kind is OpKind.APPLY and o.stage == op.stage for o in ops[i + 1 :]):
         c.errors.append(f"r{device} step {j}: '{op}' does not come before the APPLY of its stage")
 
 
@@ -95,8 +100,11 @@ def _check_runs(c: Context) -> None:
     periods = [len(p) for p in c.plan.programs.values()]
     steps = max(periods) * 2
     try:
-        barrier = None if c.problem.barrier is StepBarrier.WORLD else \
-            {d: agreement_set(c.problem, d) for d in c.problem.devices}
+        barrier = (
+            None
+            if c.problem.barrier is StepBarrier.WORLD
+            else {d: agreement_set(c.problem, d) for d in c.problem.devices}
+        )
         timeline = simulate(c.plan.programs, duration, steps=steps, barrier=barrier)
     except DeadlockError as e:
         c.errors.append(f"the programs deadlock: {e}")
@@ -104,5 +112,6 @@ def _check_runs(c: Context) -> None:
     if not c.fused:
         limit = c.plan.metrics.step_time * steps + max(c.length(k) for k in set(periods))
         if timeline.makespan > limit + c.tol * steps:
-            c.errors.append(f"the simulated programs take {timeline.makespan:.6g} s for {steps} steps, "
-                            f"over {limit:.6g}")
+            c.errors.append(
+                f"the simulated programs take {timeline.makespan:.6g} s for {steps} steps, over {limit:.6g}"
+            )

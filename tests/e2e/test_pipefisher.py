@@ -24,8 +24,9 @@ def _reference(case: w.Case, layers: dict[str, w.LayerTiming], steps: int | None
     scope and the steps. steps=None: `w.reference_params` (its 2 refresh periods); else `w.reference_for_plan`."""
     key = (case.N * case.W, case.scope if steps is not None else None, tuple(sorted(layers.items())), steps)
     if key not in _REFERENCES:
-        _REFERENCES[key] = (w.reference_params(case, layers) if steps is None
-                            else w.reference_for_plan(case, layers, steps))
+        _REFERENCES[key] = (
+            w.reference_params(case, layers) if steps is None else w.reference_for_plan(case, layers, steps)
+        )
     return _REFERENCES[key]
 
 
@@ -96,10 +97,20 @@ def test_auto_plan_export_load_train_and_refuse_other_model(tmp_path) -> None:
 
 
 PLANNED = {
-    2: [w.Case("gpipe", 2, 2, 1), w.Case("1f1b", 2, 2, 1), w.Case("chimera", 2, 2, 1),
-        w.Case("1f1b", 2, 2, 1, KLClipScope.STALE)],  # planned without a world barrier at the step's end
-    4: [w.Case("gpipe", 2, 2, 2), w.Case("1f1b", 2, 2, 2), w.Case("chimera", 2, 2, 2),
-        w.Case("gpipe", 4, 4, 1), w.Case("1f1b", 4, 4, 1), w.Case("chimera", 4, 4, 1)],
+    2: [
+        w.Case("gpipe", 2, 2, 1),
+        w.Case("1f1b", 2, 2, 1),
+        w.Case("chimera", 2, 2, 1),
+        w.Case("1f1b", 2, 2, 1, KLClipScope.STALE),
+    ],  # planned without a world barrier at the step's end
+    4: [
+        w.Case("gpipe", 2, 2, 2),
+        w.Case("1f1b", 2, 2, 2),
+        w.Case("chimera", 2, 2, 2),
+        w.Case("gpipe", 4, 4, 1),
+        w.Case("1f1b", 4, 4, 1),
+        w.Case("chimera", 4, 4, 1),
+    ],
     8: [w.Case("gpipe", 4, 4, 2), w.Case("1f1b", 4, 4, 2), w.Case("chimera", 4, 4, 2)],
 }
 

@@ -25,10 +25,19 @@ pytestmark = pytest.mark.multiproc
 
 CASE = w.Case("1f1b", 2, 2, 1)
 SPLITS = {"blocks": SplitInverse(method=SplitMethod.BLOCKS, pieces=2), "newton-schulz": SplitInverse(pieces=2)}
-SHAMPOO = ShampooConfig(root_inv_method=RootInvMethod.NEWTON, newton_pieces=4, newton_max_iterations=12,
-                        newton_tolerance=1e-2, precondition_frequency=2, max_preconditioner_dim=8,
-                        grafting_type=GraftType.ADAM, betas=(0.9, 0.99), epsilon=1e-4, momentum=0.5,
-                        preconditioner_dtype="float64")
+SHAMPOO = ShampooConfig(
+    root_inv_method=RootInvMethod.NEWTON,
+    newton_pieces=4,
+    newton_max_iterations=12,
+    newton_tolerance=1e-2,
+    precondition_frequency=2,
+    max_preconditioner_dim=8,
+    grafting_type=GraftType.ADAM,
+    betas=(0.9, 0.99),
+    epsilon=1e-4,
+    momentum=0.5,
+    preconditioner_dtype="float64",
+)
 """Newton takes 3 to 10 iterations here, so its pieces of 3 hand unfinished pairs on; its loose tolerance sets its
 roots visibly apart from the eigh fallback, so that a piece that lost its carry would show."""
 
@@ -36,11 +45,17 @@ roots visibly apart from the eigh fallback, so that a piece that lost its carry 
 def shampoo_costs(stage_layers: Mapping[int, Sequence[str]], layers: Mapping[str, Any]) -> CostTable:
     """Fixed costs of the MLP's parameters (1 ms forward, 2 ms backward per micro-batch; roots of L and R a
     little under a bubble), so that the plan puts Shampoo's root pieces into the bubbles on any machine."""
+
     def unit(name: str) -> LayerCost:
         parts = tuple(PartCost(part, OpKind.ALLREDUCE_GRAD, 1e-5, 3e-4, 0, 512) for part in ("L", "R"))
         return LayerCost(name, parts, 1e-5, 1024, 512)
-    stages = tuple(StageCost(fwd=1e-3, bwd=2e-3, param_bytes=1 << 12, act_bytes=1 << 10,
-                             layers=tuple(unit(n) for n in stage_layers[s])) for s in sorted(stage_layers))
+
+    stages = tuple(
+        StageCost(
+            fwd=1e-3, bwd=2e-3, param_bytes=1 << 12, act_bytes=1 << 10, layers=tuple(unit(n) for n in stage_layers[s])
+        )
+        for s in sorted(stage_layers)
+    )
     return CostTable(stages, 2, "synthetic:e2e-shampoo", "cpu")
 
 
@@ -52,14 +67,29 @@ def shampoo_sgd(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
 def shampoo_run(rank: int, case: w.Case, steps: int) -> tuple:
     """The MLP under Shampoo with newton_pieces, planned (rank 0 solves over `shampoo_costs`): as `split_worker`."""
     data = mlp_batches(steps)
-    trainer = fxkfac.compile(mlp(), (case.D, case.W), "auto", example_inputs=(data[0][0],), loss_fn=F.mse_loss,
-                             optimizer=shampoo_sgd, backend=None, schedule=case.schedule, microbatches=case.N,
-                             preconditioner=SHAMPOO, pipeline=PipelineOptions(timeout=60.0),
-                             plan_options=PlanOptions(costs=shampoo_costs, time_limit_s=1.0))
+    trainer = fxkfac.compile(
+        mlp(),
+        (case.D, case.W),
+        "auto",
+        example_inputs=(data[0][0],),
+        loss_fn=F.mse_loss,
+        optimizer=shampoo_sgd,
+        backend=None,
+        schedule=case.schedule,
+        microbatches=case.N,
+        preconditioner=SHAMPOO,
+        pipeline=PipelineOptions(timeout=60.0),
+        plan_options=PlanOptions(costs=shampoo_costs, time_limit_s=1.0),
+    )
     losses = [float(trainer.step(x, y)) for x, y in data]
     pieces = sorted({op.piece for st in trainer.plan.programs[rank] for op in st if op.kind is OpKind.DECOMP}, key=str)
-    return ({n: p.detach().clone() for n, p in trainer.named_parameters()}, losses, dict(trainer.plan.layers), steps,
-            pieces)
+    return (
+        {n: p.detach().clone() for n, p in trainer.named_parameters()},
+        losses,
+        dict(trainer.plan.layers),
+        steps,
+        pieces,
+    )
 
 
 def split_worker(rank: int, world: int, case: w.Case, kfacs: dict[str, KFACConfig]) -> dict[str, tuple]:
@@ -70,15 +100,32 @@ def split_worker(rank: int, world: int, case: w.Case, kfacs: dict[str, KFACConfi
     options = PlanOptions(costs=w.synthetic_costs, time_limit_s=3.0, max_overhead=w.max_overhead(case))
     out = {}
     for name, kfac in kfacs.items():
-        trainer = fxkfac.compile(w.make_model(), (case.D, case.W), "auto", kfac=kfac, example_inputs=(data[0][0],),
-                                 loss_fn=w.loss_fn, optimizer=w.optimizer, schedule=case.schedule, backend=None,
-                                 microbatches=case.N, pipeline=PipelineOptions(timeout=60.0), plan_options=options)
+        trainer = fxkfac.compile(
+            w.make_model(),
+            (case.D, case.W),
+            "auto",
+            kfac=kfac,
+            example_inputs=(data[0][0],),
+            loss_fn=w.loss_fn,
+            optimizer=w.optimizer,
+            schedule=case.schedule,
+            backend=None,
+            microbatches=case.N,
+            pipeline=PipelineOptions(timeout=60.0),
+            plan_options=options,
+        )
         steps = 2 * max(t.period for t in trainer.plan.layers.values())
         losses = [float(trainer.step((ids,), y)) for ids, y in (data * steps)[:steps]]
-        pieces = sorted({op.piece for st in trainer.plan.programs[rank] for op in st if op.kind is OpKind.DECOMP},
-                        key=str)
-        out[name] = ({n: p.detach().clone() for n, p in trainer.named_parameters()}, losses,
-                     dict(trainer.plan.layers), steps, pieces)
+        pieces = sorted(
+            {op.piece for st in trainer.plan.programs[rank] for op in st if op.kind is OpKind.DECOMP}, key=str
+        )
+        out[name] = (
+            {n: p.detach().clone() for n, p in trainer.named_parameters()},
+            losses,
+            dict(trainer.plan.layers),
+            steps,
+            pieces,
+        )
     out["shampoo"] = shampoo_run(rank, case, 6)
     return out
 
@@ -93,9 +140,17 @@ def test_planned_pieces_equal_the_single_device_trainer() -> None:
         layers, steps = ran[0][2], ran[0][3]
         assert {p for value in ran for p in value[4]} == {(0, 2), (1, 2)}, f"{split}: no decomposition in pieces"
         data = (w.batches(CASE) * steps)[:steps]
-        single = fxkfac.compile(w.make_model(), None, example_inputs=(data[0][0],), loss_fn=w.loss_fn,
-                                optimizer=w.optimizer, kfac=kfac, microbatches=CASE.N * CASE.W, backend=None,
-                                layer_timing=layers)
+        single = fxkfac.compile(
+            w.make_model(),
+            None,
+            example_inputs=(data[0][0],),
+            loss_fn=w.loss_fn,
+            optimizer=w.optimizer,
+            kfac=kfac,
+            microbatches=CASE.N * CASE.W,
+            backend=None,
+            layer_timing=layers,
+        )
         for ids, y in data:
             single.step((ids,), y)
         want = {n: p.detach().clone() for n, p in single.named_parameters()}
@@ -113,9 +168,18 @@ def check_shampoo(ran: list[tuple]) -> None:
     layers, steps = ran[0][2], ran[0][3]
     assert {p for value in ran for p in value[4]} == {(i, 4) for i in range(4)}, "no Shampoo root in pieces"
     data = mlp_batches(steps)
-    single = fxkfac.compile(mlp(), None, None, example_inputs=(data[0][0],), loss_fn=F.mse_loss,
-                            optimizer=shampoo_sgd, backend=None, microbatches=CASE.N * CASE.W, preconditioner=SHAMPOO,
-                            layer_timing=layers)
+    single = fxkfac.compile(
+        mlp(),
+        None,
+        None,
+        example_inputs=(data[0][0],),
+        loss_fn=F.mse_loss,
+        optimizer=shampoo_sgd,
+        backend=None,
+        microbatches=CASE.N * CASE.W,
+        preconditioner=SHAMPOO,
+        layer_timing=layers,
+    )
     for x, y in data:
         single.step(x, y)
     want = {n: p.detach().clone() for n, p in single.named_parameters()}

@@ -14,9 +14,23 @@ from fxkfac.config import KFACConfig, KLClipScope, PipelineOptions, PlanOptions
 from fxkfac.planner.ir import LayerTiming
 from tests.support import models
 
-__all__ = ["Case", "KFAC", "timings_for", "batches", "loss_fn", "optimizer", "reference_params",
-           "pipefisher_worker", "compare", "auto_worker", "reference_for_plan", "synthetic_costs", "max_overhead",
-           "planned_worker", "compile_api_worker"]
+__all__ = [
+    "Case",
+    "KFAC",
+    "timings_for",
+    "batches",
+    "loss_fn",
+    "optimizer",
+    "reference_params",
+    "pipefisher_worker",
+    "compare",
+    "auto_worker",
+    "reference_for_plan",
+    "synthetic_costs",
+    "max_overhead",
+    "planned_worker",
+    "compile_api_worker",
+]
 
 KFAC = KFACConfig(damping=1e-2, factor_decay=0.9, kl_clip=1e-2)
 PERIOD = 2
@@ -53,8 +67,10 @@ def make_model() -> torch.nn.Module:
 def timings_for(names: list[str]) -> dict[str, LayerTiming]:
     """Mixed timings that exercise the plan semantics: fused at step 0 used at once, deferred at step 1 used
     a step later."""
-    return {name: LayerTiming(PERIOD, 0, 0, "fused") if i % 2 == 0 else LayerTiming(PERIOD, 1, 1, "deferred")
-            for i, name in enumerate(names)}
+    return {
+        name: LayerTiming(PERIOD, 0, 0, "fused") if i % 2 == 0 else LayerTiming(PERIOD, 1, 1, "deferred")
+        for i, name in enumerate(names)
+    }
 
 
 def batches(case: Case) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -76,8 +92,17 @@ def reference_params(case: Case, timings: dict[str, LayerTiming]) -> dict[str, t
     """The single-device trainer (the oracle) on the same mini-batches, N*W micro-batches, the same timings."""
     torch.manual_seed(0)
     data = batches(case)
-    trainer = fxkfac.compile(make_model(), None, example_inputs=(data[0][0],), loss_fn=loss_fn, optimizer=optimizer,
-                             kfac=KFAC, microbatches=case.N * case.W, backend=None, layer_timing=timings)
+    trainer = fxkfac.compile(
+        make_model(),
+        None,
+        example_inputs=(data[0][0],),
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        kfac=KFAC,
+        microbatches=case.N * case.W,
+        backend=None,
+        layer_timing=timings,
+    )
     for ids, y in data:
         trainer.step((ids,), y)
     return {n: p.detach().clone() for n, p in trainer.named_parameters()}
@@ -91,10 +116,20 @@ def pipefisher_worker(rank: int, world: int, cases: list[Case]) -> dict:
             raise ValueError(f"case {case} needs {case.D * case.W} ranks, got {world}")
         data = batches(case)
         names = _names_for(case)
-        trainer = fxkfac.compile(make_model(), (case.D, case.W), None, kfac=KFAC, example_inputs=(data[0][0],),
-                                 loss_fn=loss_fn, optimizer=optimizer, schedule=case.schedule, backend=None,
-                                 microbatches=case.N, layer_timing=timings_for(names),
-                                 pipeline=PipelineOptions(timeout=60.0))
+        trainer = fxkfac.compile(
+            make_model(),
+            (case.D, case.W),
+            None,
+            kfac=KFAC,
+            example_inputs=(data[0][0],),
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            schedule=case.schedule,
+            backend=None,
+            microbatches=case.N,
+            layer_timing=timings_for(names),
+            pipeline=PipelineOptions(timeout=60.0),
+        )
         losses = [trainer.step((ids,), y) for ids, y in data]
         out[i] = ({n: p.detach().clone() for n, p in trainer.named_parameters()}, losses)
     return out
@@ -131,10 +166,17 @@ def auto_worker(rank: int, world: int, case: Case, path: str) -> dict:
     from fxkfac.errors import PlanMismatchError
 
     data = batches(case)
-    common = dict(kfac=KFAC, example_inputs=(data[0][0],), loss_fn=loss_fn, optimizer=optimizer, backend=None,
-                  schedule=case.schedule, microbatches=case.N, pipeline=PipelineOptions(timeout=60.0))
-    auto = fxkfac.compile(make_model(), (case.D, case.W), "auto", plan_options=PlanOptions(time_limit_s=5.0),
-                          **common)
+    common = dict(
+        kfac=KFAC,
+        example_inputs=(data[0][0],),
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        backend=None,
+        schedule=case.schedule,
+        microbatches=case.N,
+        pipeline=PipelineOptions(timeout=60.0),
+    )
+    auto = fxkfac.compile(make_model(), (case.D, case.W), "auto", plan_options=PlanOptions(time_limit_s=5.0), **common)
     if rank == 0:
         auto.plan.save(path)
     dist.barrier()
@@ -146,18 +188,33 @@ def auto_worker(rank: int, world: int, case: Case, path: str) -> dict:
         fxkfac.compile(models.tiny_bert(layers=3), (case.D, case.W), path, **common)
     except PlanMismatchError as e:
         refused = str(e)
-    return {"params": {n: p.detach().clone() for n, p in loaded.named_parameters()}, "losses": losses,
-            "layers": dict(loaded.plan.layers), "steps": steps, "refused": refused,
-            "same_programs": auto.plan.programs == loaded.plan.programs,
-            "kfac_ops": sum(op.kind.value in ("STATS", "DECOMP", "APPLY")
-                            for st in loaded.plan.programs[rank] for op in st)}
+    return {
+        "params": {n: p.detach().clone() for n, p in loaded.named_parameters()},
+        "losses": losses,
+        "layers": dict(loaded.plan.layers),
+        "steps": steps,
+        "refused": refused,
+        "same_programs": auto.plan.programs == loaded.plan.programs,
+        "kfac_ops": sum(
+            op.kind.value in ("STATS", "DECOMP", "APPLY") for st in loaded.plan.programs[rank] for op in st
+        ),
+    }
 
 
 def reference_for_plan(case: Case, layers: dict[str, LayerTiming], steps: int) -> dict[str, torch.Tensor]:
     """The single-device trainer given the plan's timings on the batches `auto_worker` trains on."""
     data = (batches(case) * steps)[:steps]
-    trainer = fxkfac.compile(make_model(), None, example_inputs=(data[0][0],), loss_fn=loss_fn, optimizer=optimizer,
-                             kfac=case.kfac, microbatches=case.N * case.W, backend=None, layer_timing=layers)
+    trainer = fxkfac.compile(
+        make_model(),
+        None,
+        example_inputs=(data[0][0],),
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        kfac=case.kfac,
+        microbatches=case.N * case.W,
+        backend=None,
+        layer_timing=layers,
+    )
     for ids, y in data:
         trainer.step((ids,), y)
     return {n: p.detach().clone() for n, p in trainer.named_parameters()}
@@ -173,10 +230,21 @@ def synthetic_costs(stage_layers, layers):
     ms = 1e-3 * (len(stage_layers) - 1)
     stages = []
     for s in sorted(stage_layers):
-        costs = tuple(LayerCost.kfac(name, curv_a=0.12 * ms, curv_b=0.12 * ms, inv_a=0.25 * ms, inv_b=0.2 * ms,
-                                prec=0.01 * ms, a_bytes=4096, e_bytes=4096,
-                                factor_a_bytes=layers[name].a_dim ** 2 * 4, factor_b_bytes=layers[name].b_dim ** 2 * 4)
-                      for name in stage_layers[s])
+        costs = tuple(
+            LayerCost.kfac(
+                name,
+                curv_a=0.12 * ms,
+                curv_b=0.12 * ms,
+                inv_a=0.25 * ms,
+                inv_b=0.2 * ms,
+                prec=0.01 * ms,
+                a_bytes=4096,
+                e_bytes=4096,
+                factor_a_bytes=layers[name].a_dim ** 2 * 4,
+                factor_b_bytes=layers[name].b_dim ** 2 * 4,
+            )
+            for name in stage_layers[s]
+        )
         stages.append(StageCost(fwd=1e-3, bwd=2e-3, param_bytes=1 << 20, act_bytes=1 << 16, layers=costs))
     return CostTable(tuple(stages), 2, "synthetic:e2e", "cpu")
 
@@ -195,16 +263,32 @@ def planned_worker(rank: int, world: int, cases: list[Case]) -> dict:
             raise ValueError(f"case {case} needs {case.D * case.W} ranks, got {world}")
         data = batches(case)
         options = PlanOptions(costs=synthetic_costs, time_limit_s=1.5, max_overhead=max_overhead(case))
-        trainer = fxkfac.compile(make_model(), (case.D, case.W), "auto", kfac=case.kfac, example_inputs=(data[0][0],),
-                                 loss_fn=loss_fn, optimizer=optimizer, schedule=case.schedule, backend=None,
-                                 microbatches=case.N, pipeline=PipelineOptions(timeout=60.0), plan_options=options)
+        trainer = fxkfac.compile(
+            make_model(),
+            (case.D, case.W),
+            "auto",
+            kfac=case.kfac,
+            example_inputs=(data[0][0],),
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            schedule=case.schedule,
+            backend=None,
+            microbatches=case.N,
+            pipeline=PipelineOptions(timeout=60.0),
+            plan_options=options,
+        )
         if trainer.plan.problem.barrier is not barrier_of(case.scope):
             raise AssertionError(f"{case}: planned with the {trainer.plan.problem.barrier} barrier")
         steps = 2 * max(t.period for t in trainer.plan.layers.values())
         losses = [float(trainer.step((ids,), y)) for ids, y in (data * steps)[:steps]]
         kfac_ops = sum(op.kind.value in ("STATS", "DECOMP") for st in trainer.plan.programs[rank] for op in st)
-        out[i] = ({n: p.detach().clone() for n, p in trainer.named_parameters()}, losses,
-                  dict(trainer.plan.layers), steps, kfac_ops)
+        out[i] = (
+            {n: p.detach().clone() for n, p in trainer.named_parameters()},
+            losses,
+            dict(trainer.plan.layers),
+            steps,
+            kfac_ops,
+        )
     return out
 
 
@@ -215,11 +299,25 @@ def compile_api_worker(rank: int, world: int, case: Case, backend: str | None) -
 
     mesh = init_device_mesh("cpu", (case.D, case.W), mesh_dim_names=("pp", "dp"))
     data = batches(case)
-    trainer = fxkfac.compile(make_model(), mesh, plan="auto", example_inputs=(data[0][0],), loss_fn=loss_fn,
-                             optimizer=optimizer, kfac=KFAC, schedule=case.schedule, microbatches=case.N,
-                             backend=backend, pipeline=PipelineOptions(timeout=120.0),
-                             plan_options=PlanOptions(costs=synthetic_costs, time_limit_s=3.0))
+    trainer = fxkfac.compile(
+        make_model(),
+        mesh,
+        plan="auto",
+        example_inputs=(data[0][0],),
+        loss_fn=loss_fn,
+        optimizer=optimizer,
+        kfac=KFAC,
+        schedule=case.schedule,
+        microbatches=case.N,
+        backend=backend,
+        pipeline=PipelineOptions(timeout=120.0),
+        plan_options=PlanOptions(costs=synthetic_costs, time_limit_s=3.0),
+    )
     steps = 2 * max(t.period for t in trainer.plan.layers.values())
     losses = [trainer.step((ids,), y) for ids, y in (data * steps)[:steps]]
-    return {"params": {n: p.detach().clone() for n, p in trainer.named_parameters()}, "losses": losses,
-            "layers": dict(trainer.plan.layers), "steps": steps}
+    return {
+        "params": {n: p.detach().clone() for n, p in trainer.named_parameters()},
+        "losses": losses,
+        "layers": dict(trainer.plan.layers),
+        "steps": steps,
+    }

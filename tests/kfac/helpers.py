@@ -22,8 +22,9 @@ def layer_of(module: nn.Module, name: str = "layer") -> KFACLayer:
     return KFACLayer(name, "linear", f"{name}.weight", bias, module.in_features, module.out_features)
 
 
-def capture_a_e(model: nn.Module, modules: dict[str, nn.Module],
-                run: Callable[[], Tensor]) -> dict[str, tuple[Tensor, Tensor]]:
+def capture_a_e(
+    model: nn.Module, modules: dict[str, nn.Module], run: Callable[[], Tensor]
+) -> dict[str, tuple[Tensor, Tensor]]:
     """``{name: (a, dL/dy)}`` for each module, from a forward-pre hook and a full-backward hook around ``run()``.
 
     ``run`` computes the loss; its backward is done here.
@@ -33,8 +34,9 @@ def capture_a_e(model: nn.Module, modules: dict[str, nn.Module],
     handles = []
     for name, mod in modules.items():
         handles.append(mod.register_forward_pre_hook(lambda m, args, name=name: a.__setitem__(name, args[0].detach())))
-        handles.append(mod.register_full_backward_hook(
-            lambda m, gin, gout, name=name: e.__setitem__(name, gout[0].detach())))
+        handles.append(
+            mod.register_full_backward_hook(lambda m, gin, gout, name=name: e.__setitem__(name, gout[0].detach()))
+        )
     try:
         model.zero_grad()
         run().backward()

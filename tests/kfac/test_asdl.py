@@ -59,8 +59,12 @@ def _model_and_batch(kind: str, step: int) -> tuple[nn.Module, torch.Tensor, tor
     x, t = image_batch(N, seed=100 + step)
     torch.manual_seed(0)  # ASDL's im2col rejects dilation, so not tests.support's cnn()
     conv = nn.Sequential(
-        nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.Conv2d(4, 6, 3, stride=2, padding=1, bias=False), nn.ReLU(),
-        nn.Flatten(), nn.Linear(6 * 4 * 4, 10),
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(4, 6, 3, stride=2, padding=1, bias=False),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(6 * 4 * 4, 10),
     )
     return conv, x, t
 

@@ -20,7 +20,7 @@ def _spd(d: int, seed: int) -> torch.Tensor:
 
 def _dense_natural_gradient(A: torch.Tensor, B: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     """((A + sqrt(g) I) kron (B + sqrt(g) I))^-1 vec(G), vec column-major, as a matrix again."""
-    r = GAMMA ** 0.5
+    r = GAMMA**0.5
     K = torch.kron(A + r * torch.eye(A.shape[0], dtype=A.dtype), B + r * torch.eye(B.shape[0], dtype=B.dtype))
     vec = G.t().reshape(-1)
     return torch.linalg.solve(K, vec).reshape(G.shape[1], G.shape[0]).t()
@@ -34,13 +34,15 @@ def test_linear_conv1d_conv2d_and_untouched_parameters() -> None:
         KFACLayer("fresh", "linear", "fresh.weight", None, 2, 2),
     ]
     g = torch.Generator().manual_seed(0)
-    grads = {"fc.weight": torch.randn(4, 3, generator=g, dtype=torch.float64),
-             "fc.bias": torch.randn(4, generator=g, dtype=torch.float64),
-             "c1d.weight": torch.randn(5, 2, generator=g, dtype=torch.float64),
-             "conv.weight": torch.randn(3, 2, 3, 3, generator=g, dtype=torch.float64),
-             "conv.bias": torch.randn(3, generator=g, dtype=torch.float64),
-             "fresh.weight": torch.randn(2, 2, generator=g, dtype=torch.float64),
-             "other.weight": torch.randn(7, generator=g, dtype=torch.float64)}
+    grads = {
+        "fc.weight": torch.randn(4, 3, generator=g, dtype=torch.float64),
+        "fc.bias": torch.randn(4, generator=g, dtype=torch.float64),
+        "c1d.weight": torch.randn(5, 2, generator=g, dtype=torch.float64),
+        "conv.weight": torch.randn(3, 2, 3, 3, generator=g, dtype=torch.float64),
+        "conv.bias": torch.randn(3, generator=g, dtype=torch.float64),
+        "fresh.weight": torch.randn(2, 2, generator=g, dtype=torch.float64),
+        "other.weight": torch.randn(7, generator=g, dtype=torch.float64),
+    }
     original = {k: v.clone() for k, v in grads.items()}
     states = {}
     for i, layer in enumerate(layers):
@@ -64,8 +66,10 @@ def test_linear_conv1d_conv2d_and_untouched_parameters() -> None:
     torch.testing.assert_close(grads["conv.weight"], P_conv[:, :18].reshape(3, 2, 3, 3))
     torch.testing.assert_close(grads["fresh.weight"], original["fresh.weight"])
     assert torch.equal(grads["other.weight"], original["other.weight"])
-    expected = sum(float((P * G).sum()) for P, G in
-                   [(P_fc, G_fc), (P_c1d, G_c1d), (P_conv, G_conv), (original["fresh.weight"],) * 2])
+    expected = sum(
+        float((P * G).sum())
+        for P, G in [(P_fc, G_fc), (P_c1d, G_c1d), (P_conv, G_conv), (original["fresh.weight"],) * 2]
+    )
     assert abs(float(dot) - expected) < 1e-9 * abs(expected)
 
     pre = Preconditioner(layers)

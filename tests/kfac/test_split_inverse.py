@@ -84,8 +84,11 @@ def test_accepted_newton_schulz_is_the_exact_inverse_within_its_tolerance() -> N
 def test_newton_schulz_falls_back_to_cholesky(start: str) -> None:
     f, gamma = _spd(16, 2), 0.1
     exact = torch.cholesky_inverse(torch.linalg.cholesky(damped(f, gamma)))
-    previous = {"none": None, "indefinite": -torch.eye(16, dtype=f.dtype),
-                "too_far": 5 * torch.linalg.inv(damped(f, gamma))}[start]
+    previous = {
+        "none": None,
+        "indefinite": -torch.eye(16, dtype=f.dtype),
+        "too_far": 5 * torch.linalg.inv(damped(f, gamma)),
+    }[start]
     if previous is not None:  # the fallback is needed: the iteration itself diverges or stalls
         progress = schulz_start(previous, 16)
         for _ in range(NS.pieces):
@@ -155,8 +158,9 @@ def test_family_pieces_run_apart_equal_decompose(split: SplitInverse) -> None:
     state = LayerState(layer.a_dim, layer.b_dim)
     state.A, state.B = _spd(6, 5).float(), _spd(3, 6).float()
     family = KFACFamily(KFACConfig(damping=1e-2, split_inverse=split))
-    state.active = Inverse("cholesky", a_inv=torch.linalg.inv(damped(_drifted(state.A.double(), 8).float(), 0.1)),
-                           b_inv=torch.eye(3))
+    state.active = Inverse(
+        "cholesky", a_inv=torch.linalg.inv(damped(_drifted(state.A.double(), 8).float(), 0.1)), b_inv=torch.eye(3)
+    )
     carry = None
     for index in range(split.pieces):
         carry = family.decompose_piece(layer, state, "A", index, carry)
@@ -168,13 +172,15 @@ def test_family_pieces_run_apart_equal_decompose(split: SplitInverse) -> None:
 
 @pytest.mark.parametrize("split", SPLITS, ids=["ns", "blocks"])
 def test_single_device_trainer_equals_the_reference_with_split_inverses(
-        split: SplitInverse, caplog: pytest.LogCaptureFixture) -> None:
+    split: SplitInverse, caplog: pytest.LogCaptureFixture
+) -> None:
     cfg = KFACConfig(damping=1e-2, factor_decay=0.9, split_inverse=split)
     batches = mlp_batches(4, seed=5)
     model, sgd = mlp(), (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
     ref_model = copy.deepcopy(model)
-    trainer = fxkfac.compile(model, None, example_inputs=(batches[0][0],), loss_fn=F.mse_loss, optimizer=sgd,
-                             kfac=cfg, backend=None)
+    trainer = fxkfac.compile(
+        model, None, example_inputs=(batches[0][0],), loss_fn=F.mse_loss, optimizer=sgd, kfac=cfg, backend=None
+    )
     ref = KFACReference(ref_model, trainer.units, cfg, F.mse_loss, 1, dict(trainer.timings), sgd)
     with caplog.at_level(logging.INFO, logger="fxkfac.kfac.split_inverse"):
         for t, (x, y) in enumerate(batches):
@@ -201,8 +207,16 @@ def _pieces_across_steps(trainer: Trainer, order: tuple[int, ...] = (0, 1)) -> N
 
 def _mlp_trainer(cfg: KFACConfig, batch: torch.Tensor) -> Trainer:
     timing = {name: LayerTiming(2, 0, 1, "fused") for name in ("0", "2", "4")}
-    return fxkfac.compile(mlp(), None, example_inputs=(batch,), loss_fn=F.mse_loss, kfac=cfg, backend=None,
-                          optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9), layer_timing=timing)
+    return fxkfac.compile(
+        mlp(),
+        None,
+        example_inputs=(batch,),
+        loss_fn=F.mse_loss,
+        kfac=cfg,
+        backend=None,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+        layer_timing=timing,
+    )
 
 
 @pytest.mark.parametrize("split", SPLITS, ids=["ns", "blocks"])
@@ -212,8 +226,15 @@ def test_pieces_run_in_different_steps_equal_the_reference_and_survive_a_checkpo
     trainer = _mlp_trainer(cfg, batches[0][0])
     _pieces_across_steps(trainer)
     ref_model = mlp()
-    ref = KFACReference(ref_model, trainer.units, cfg, F.mse_loss, 1, dict(trainer.timings),
-                        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
+    ref = KFACReference(
+        ref_model,
+        trainer.units,
+        cfg,
+        F.mse_loss,
+        1,
+        dict(trainer.timings),
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    )
     trainer.step(*batches[0])
     ref.step(0, *batches[0])
     saved = copy.deepcopy(trainer.state_dict())  # every layer's pieces are half done
@@ -227,8 +248,9 @@ def test_pieces_run_in_different_steps_equal_the_reference_and_survive_a_checkpo
         ref.step(t, x, y)
     for name, p in ref_model.named_parameters():
         torch.testing.assert_close(dict(trainer.named_parameters())[name], p, rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(dict(resumed.named_parameters())[name], dict(trainer.named_parameters())[name],
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            dict(resumed.named_parameters())[name], dict(trainer.named_parameters())[name], rtol=0, atol=0
+        )
 
 
 def test_pieces_out_of_order_or_of_another_count_are_plan_errors() -> None:

@@ -55,15 +55,16 @@ class _nothing:
         return None
 
 
-def graph_factors(cap: Captured, modes: Mapping[str, str], x: Tensor, y: Tensor,
-                  backend: str | None = None) -> dict[str, tuple[Tensor, Tensor]]:
+def graph_factors(
+    cap: Captured, modes: Mapping[str, str], x: Tensor, y: Tensor, backend: str | None = None
+) -> dict[str, tuple[Tensor, Tensor]]:
     """``{layer: (A_m, B_m)}`` from the taps, scaled per [Note: factor scaling] with n = batch."""
     taps = insert_factor_capture(cap.gm, cap.layers, modes)
     fn = taps.gm if backend is None else torch.compile(taps.gm, backend=backend)
     order = sorted(taps.probes, key=taps.probes.__getitem__)
     probes = [torch.zeros(taps.probe_shapes[name], requires_grad=True) for name in order]
     outs = fn(*cap.flat_inputs((x,)), *probes)
-    _loss(cap.unflatten_outputs(outs[:taps.n_outputs]), y).backward()
+    _loss(cap.unflatten_outputs(outs[: taps.n_outputs]), y).backward()
     n = x.shape[0]
     result = {}
     for layer in taps.layers:
@@ -72,8 +73,10 @@ def graph_factors(cap: Captured, modes: Mapping[str, str], x: Tensor, y: Tensor,
         if modes[layer.name] == "fused":
             result[layer.name] = (a_cap.double(), (e_cap * n * n).double())
         else:
-            result[layer.name] = (factor(a_rows(a_cap, layer), torch.float64),
-                                  factor(e_rows(e_cap, layer, n), torch.float64))
+            result[layer.name] = (
+                factor(a_rows(a_cap, layer), torch.float64),
+                factor(e_rows(e_cap, layer, n), torch.float64),
+            )
     return result
 
 
@@ -82,8 +85,13 @@ def _assert_factors_equal(got: Mapping[str, tuple[Tensor, Tensor]], ref: Mapping
     for name in ref:
         for side, g, r in zip("AB", got[name], ref[name]):
             assert g.shape == r.shape, (name, side)
-            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-5 * float(r.abs().max()),
-                                       msg=lambda m, name=name, side=side: f"{name} {side}: {m}")
+            torch.testing.assert_close(
+                g,
+                r,
+                rtol=1e-4,
+                atol=1e-5 * float(r.abs().max()),
+                msg=lambda m, name=name, side=side: f"{name} {side}: {m}",
+            )
 
 
 def _reference(model: nn.Module, cap: Captured, x: Tensor, y: Tensor) -> dict[str, tuple[Tensor, Tensor]]:
@@ -117,13 +125,24 @@ def test_pass_leaves_input_graph_alone_and_marks_taps(captured) -> None:
     assert [n.format_node() for n in cap.gm.graph.nodes] == before
     tagged = [(n.meta[LAYER].name, n.meta[TAP]) for n in taps.gm.graph.nodes if TAP in n.meta]
     name0, name1 = cap.layers[0].name, cap.layers[1].name
-    assert sorted(tagged) == sorted([(name0, ("a", "fused")), (name0, ("e", "fused")), (name0, ("e", "fused")),
-                                     (name1, ("a", "deferred")), (name1, ("e", "deferred")),
-                                     (name1, ("e", "deferred"))])
+    assert sorted(tagged) == sorted(
+        [
+            (name0, ("a", "fused")),
+            (name0, ("e", "fused")),
+            (name0, ("e", "fused")),
+            (name1, ("a", "deferred")),
+            (name1, ("e", "deferred")),
+            (name1, ("e", "deferred")),
+        ]
+    )
     assert taps.probe_shapes[name0] == (cap.layers[0].d_out, cap.layers[0].d_out)
     # untapped graph computes the same outputs
-    torch.testing.assert_close(taps.gm(*cap.flat_inputs((x,)), torch.zeros(taps.probe_shapes[name0]),
-                                       torch.zeros(taps.probe_shapes[name1]))[0], cap.gm(x)[0])
+    torch.testing.assert_close(
+        taps.gm(*cap.flat_inputs((x,)), torch.zeros(taps.probe_shapes[name0]), torch.zeros(taps.probe_shapes[name1]))[
+            0
+        ],
+        cap.gm(x)[0],
+    )
 
 
 def test_unknown_mode_or_layer_is_rejected(captured) -> None:

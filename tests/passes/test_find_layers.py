@@ -42,8 +42,13 @@ def test_cnn_layers_match_modules() -> None:
     assert skipped == {}
     assert [layer.name for layer in layers] == ["conv1", "conv2", "head"]
     conv1, conv2, head = layers
-    assert ((conv1.kind, conv1.d_in, conv1.d_out, conv1.bias, conv1.tokens_per_sample)
-            == ("conv2d", 9, 4, "conv1.bias", 64))
+    assert (conv1.kind, conv1.d_in, conv1.d_out, conv1.bias, conv1.tokens_per_sample) == (
+        "conv2d",
+        9,
+        4,
+        "conv1.bias",
+        64,
+    )
     assert conv1.conv == ConvSpec((3, 3), (1, 1), (1, 1), (1, 1))
     assert conv2.conv == ConvSpec((3, 3), (2, 2), (2, 2), (2, 2)) and conv2.bias is None
     with torch.no_grad():

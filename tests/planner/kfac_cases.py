@@ -12,14 +12,22 @@ from fxkfac.planner.schedules import num_stages
 __all__ = ["layer", "gradient_layer", "table", "problem", "problems"]
 
 
-def layer(name: str, curv: float = 0.5, inv: float = 1.0, prec: float = 0.25, keep: int = 10,
-          factor: int = 100) -> LayerCost:
+def layer(
+    name: str, curv: float = 0.5, inv: float = 1.0, prec: float = 0.25, keep: int = 10, factor: int = 100
+) -> LayerCost:
     """A layer with the same cost for both sides (curv/inv per factor, keep = a_bytes = e_bytes)."""
     return LayerCost.kfac(name, curv, curv, inv, inv, prec, keep, keep, factor, factor)
 
 
-def gradient_layer(name: str, stats: float = 0.25, decomp: float = 1.0, prec: float = 0.25, factor: int = 100,
-                   optimizer: int = 0, captured: bool = False) -> LayerCost:
+def gradient_layer(
+    name: str,
+    stats: float = 0.25,
+    decomp: float = 1.0,
+    prec: float = 0.25,
+    factor: int = 100,
+    optimizer: int = 0,
+    captured: bool = False,
+) -> LayerCost:
     """A Shampoo-like layer: parts L and R fed by the reduced gradient (stats per step, decomp per refresh,
     `factor` bytes each) and `optimizer` bytes of other optimizer state; `captured` adds K-FAC's B (fed by BWD)."""
     parts = tuple(PartCost(side, OpKind.ALLREDUCE_GRAD, stats, decomp, 0, factor) for side in "LR")
@@ -28,18 +36,43 @@ def gradient_layer(name: str, stats: float = 0.25, decomp: float = 1.0, prec: fl
     return LayerCost(name, parts, prec, optimizer)
 
 
-def table(stages: int, fwd: float = 1.0, bwd: float = 2.0, layers: int = 1, act: int = 50, params: int = 1000,
-          **layer_kw: float) -> CostTable:
+def table(
+    stages: int,
+    fwd: float = 1.0,
+    bwd: float = 2.0,
+    layers: int = 1,
+    act: int = 50,
+    params: int = 1000,
+    **layer_kw: float,
+) -> CostTable:
     """Uniform stages with `layers` identical layers each (names l{stage}_{i})."""
-    return CostTable(tuple(StageCost(fwd, bwd, params, act, tuple(layer(f"l{s}_{i}", **layer_kw)  # type: ignore[arg-type]  # layer_kw are float costs of layer(); a test helper
-                                                                  for i in range(layers)))
-                           for s in range(stages)), 1, "test", "cpu")
+    return CostTable(
+        tuple(
+            StageCost(
+                fwd,
+                bwd,
+                params,
+                act,
+                tuple(
+                    layer(f"l{s}_{i}", **layer_kw)  # type: ignore[arg-type]  # layer_kw are float costs of layer(); a test helper
+                    for i in range(layers)
+                ),
+            )
+            for s in range(stages)
+        ),
+        1,
+        "test",
+        "cpu",
+    )
 
 
 def problem(schedule: str, D: int, N: int, W: int = 1, v: int = 1, **kw: object) -> Problem:
     """A Problem over a uniform `table` (keyword arguments of `table` and of Problem mixed)."""
-    table_kw = {k: kw.pop(k) for k in list(kw) if k in ("fwd", "bwd", "layers", "act", "params", "curv", "inv",
-                                                       "prec", "keep", "factor")}
+    table_kw = {
+        k: kw.pop(k)
+        for k in list(kw)
+        if k in ("fwd", "bwd", "layers", "act", "params", "curv", "inv", "prec", "keep", "factor")
+    }
     return Problem(schedule, D, N, table(num_stages(schedule, D, v), **table_kw), W=W, v=v, **kw)  # type: ignore[arg-type]  # kw mixes Problem's keyword arguments; a test helper
 
 
@@ -55,10 +88,21 @@ def problems(draw: st.DrawFn) -> Problem:
     quarter = st.integers(1, 8).map(lambda q: q / 4)
     stages = []
     for s in range(num_stages(schedule, D, v)):
-        layers = tuple(LayerCost.kfac(f"s{s}.l{i}", draw(quarter) / 8, draw(quarter) / 8, draw(quarter) / 4,
-                                 draw(quarter) / 4, draw(quarter) / 8, draw(st.integers(0, 40)),
-                                 draw(st.integers(0, 40)), 100, 100)
-                       for i in range(draw(st.integers(1, 2))))
+        layers = tuple(
+            LayerCost.kfac(
+                f"s{s}.l{i}",
+                draw(quarter) / 8,
+                draw(quarter) / 8,
+                draw(quarter) / 4,
+                draw(quarter) / 4,
+                draw(quarter) / 8,
+                draw(st.integers(0, 40)),
+                draw(st.integers(0, 40)),
+                100,
+                100,
+            )
+            for i in range(draw(st.integers(1, 2)))
+        )
         stages.append(StageCost(draw(quarter), draw(quarter) * 2, 1000, draw(st.integers(10, 60)), layers))
     costs = CostTable(tuple(stages), 1, "hypothesis", "cpu")
     base = Problem(schedule, D, N, costs, W=W, v=v, max_period=12)
@@ -67,5 +111,14 @@ def problems(draw: st.DrawFn) -> Problem:
         return base
     from fxkfac.planner.memory import min_memory_bytes
 
-    return Problem(schedule, D, N, costs, W=W, v=v, max_period=12, memory_budget=min_memory_bytes(base) + budget,
-                   max_overhead=draw(st.sampled_from([0.0, 0.5])))
+    return Problem(
+        schedule,
+        D,
+        N,
+        costs,
+        W=W,
+        v=v,
+        max_period=12,
+        memory_budget=min_memory_bytes(base) + budget,
+        max_overhead=draw(st.sampled_from([0.0, 0.5])),
+    )

@@ -71,18 +71,45 @@ def test_lpt_needs_every_cost() -> None:
     with pytest.raises(ValueError, match=r"\('d', 'L'\)"):
         assign_decompositions([*HAND, ("d", "L")], (0, 1), Assignment.LPT, HAND)
     with pytest.raises(ValueError, match="seconds"):
-        naive_programs("1f1b", 2, 2, 2, {"a": LayerTiming(1, 0, 0, "deferred")}, {0: ["a"], 1: []}, parts=PARTS,
-                       gradient_parts=frozenset(PARTS), assignment=Assignment.LPT)
+        naive_programs(
+            "1f1b",
+            2,
+            2,
+            2,
+            {"a": LayerTiming(1, 0, 0, "deferred")},
+            {0: ["a"], 1: []},
+            parts=PARTS,
+            gradient_parts=frozenset(PARTS),
+            assignment=Assignment.LPT,
+        )
 
 
-def _problem(decomps: Sequence[Sequence[float]], schedule: str = "1f1b", D: int = 2, N: int = 2, W: int = 2,
-             max_overhead: float = 0.0) -> Problem:
+def _problem(
+    decomps: Sequence[Sequence[float]],
+    schedule: str = "1f1b",
+    D: int = 2,
+    N: int = 2,
+    W: int = 2,
+    max_overhead: float = 0.0,
+) -> Problem:
     """Per stage, one Shampoo-like layer (parts L and R) per pair of decomposition seconds (L, R), named l{s}_{i}."""
     assert len(decomps) == num_stages(schedule, D)
-    stages = tuple(StageCost(1.0, 2.0, 1000, 50, tuple(
-        replace(gradient_layer(f"l{s}_{i}"), parts=tuple(replace(p, decomp=x) for p, x in
-                                                        zip(gradient_layer(f"l{s}_{i}").parts, pair)))
-        for i, pair in enumerate(zip(costs[::2], costs[1::2])))) for s, costs in enumerate(decomps))
+    stages = tuple(
+        StageCost(
+            1.0,
+            2.0,
+            1000,
+            50,
+            tuple(
+                replace(
+                    gradient_layer(f"l{s}_{i}"),
+                    parts=tuple(replace(p, decomp=x) for p, x in zip(gradient_layer(f"l{s}_{i}").parts, pair)),
+                )
+                for i, pair in enumerate(zip(costs[::2], costs[1::2]))
+            ),
+        )
+        for s, costs in enumerate(decomps)
+    )
     return Problem(schedule, D, N, CostTable(stages, 1, "test", "cpu"), W=W, max_overhead=max_overhead)
 
 
@@ -90,9 +117,18 @@ def _critical(problem: Problem, periods: Mapping[int, int], assignment: Assignme
     """Shampoo on the critical path, stage s refreshing every periods[s] steps."""
     stage_layers = {s: [x.name for x in stage.layers] for s, stage in enumerate(problem.costs.stages)}
     timings = {n: LayerTiming(periods[s], 0, 0, "deferred") for s, names in stage_layers.items() for n in names}
-    return naive_programs(problem.schedule, problem.D, problem.N, problem.W, timings, stage_layers, parts=PARTS,
-                          gradient_parts=frozenset(PARTS), assignment=assignment,
-                          seconds=decomposition_seconds(problem.costs))
+    return naive_programs(
+        problem.schedule,
+        problem.D,
+        problem.N,
+        problem.W,
+        timings,
+        stage_layers,
+        parts=PARTS,
+        gradient_parts=frozenset(PARTS),
+        assignment=assignment,
+        seconds=decomposition_seconds(problem.costs),
+    )
 
 
 def _duration(problem: Problem) -> Callable[[int, Op], float]:
@@ -123,8 +159,10 @@ def _per_step(problem: Problem, programs: Mapping[int, Program]) -> float:
 
 
 def _decomps_on(programs: Mapping[int, Program]) -> dict[int, list[tuple[str, str]]]:
-    return {r: sorted((op.layer or "", op.part or "") for step in prog for op in step if op.kind is OpKind.DECOMP)
-            for r, prog in programs.items()}
+    return {
+        r: sorted((op.layer or "", op.part or "") for step in prog for op in step if op.kind is OpKind.DECOMP)
+        for r, prog in programs.items()
+    }
 
 
 SKEWED = ((5.0, 1.0, 4.0, 3.0, 3.0, 2.0), (0.5, 0.5))
@@ -137,14 +175,25 @@ def test_lpt_programs_decompose_where_the_hand_computation_says() -> None:
     holders = ranks_of_stages("1f1b", 2, 2)
     assert holders == {0: (0, 1), 1: (2, 3)}
     # stage 0 as HAND on (r0, r1): r0 l0_0 L, l0_2 L, l0_0 R (9 s); r1 l0_1 L, l0_1 R, l0_2 R (9 s)
-    assert _decomps_on(programs) == {0: [("l0_0", "L"), ("l0_0", "R"), ("l0_2", "L")],
-                                     1: [("l0_1", "L"), ("l0_1", "R"), ("l0_2", "R")],
-                                     2: [("l1_0", "L")], 3: [("l1_0", "R")]}
+    assert _decomps_on(programs) == {
+        0: [("l0_0", "L"), ("l0_0", "R"), ("l0_2", "L")],
+        1: [("l0_1", "L"), ("l0_1", "R"), ("l0_2", "R")],
+        2: [("l1_0", "L")],
+        3: [("l1_0", "R")],
+    }
     roots = {(op.layer, op.part): op.root for op in programs[1][0] if op.kind is OpKind.BCAST}
     assert roots == {(d, p): r for r, ds in _decomps_on(programs).items() if r < 2 for d, p in ds}
     # round-robin is the default, dealing l0_0 L, l0_0 R, l0_1 L, ... to r0, r1, r0, ...: 12 s against 6 s
-    default = naive_programs("1f1b", 2, 2, 2, {n: LayerTiming(1, 0, 0, "deferred") for n in problem.costs.layer_names},
-                             {0: ["l0_0", "l0_1", "l0_2"], 1: ["l1_0"]}, parts=PARTS, gradient_parts=frozenset(PARTS))
+    default = naive_programs(
+        "1f1b",
+        2,
+        2,
+        2,
+        {n: LayerTiming(1, 0, 0, "deferred") for n in problem.costs.layer_names},
+        {0: ["l0_0", "l0_1", "l0_2"], 1: ["l1_0"]},
+        parts=PARTS,
+        gradient_parts=frozenset(PARTS),
+    )
     assert default == _critical(problem, {0: 1, 1: 1}, Assignment.ROUND_ROBIN)
     assert _decomps_on(default)[0] == [("l0_0", "L"), ("l0_1", "L"), ("l0_2", "L")]
 
@@ -155,14 +204,23 @@ def _as_plan(problem: Problem, programs: dict[int, Program]) -> Plan:
     one = simulate(programs, _duration(problem), steps=1)
     reference = step_timeline(problem)
     S = problem.num_stages
-    placements = tuple(Placement(iv.op, iv.rank, 0, iv.start, iv.end) for iv in one.intervals
-                       if iv.op.kind in _PRECONDITIONER_KINDS)
+    placements = tuple(
+        Placement(iv.op, iv.rank, 0, iv.start, iv.end) for iv in one.intervals if iv.op.kind in _PRECONDITIONER_KINDS
+    )
     metrics = PlanMetrics(
-        utilization_baseline=0.0, utilization=0.0, refresh_steps=(1,) * S, step_time_baseline=plain_step_time(problem),
-        step_time=one.makespan, step_time_reference=reference.length,
+        utilization_baseline=0.0,
+        utilization=0.0,
+        refresh_steps=(1,) * S,
+        step_time_baseline=plain_step_time(problem),
+        step_time=one.makespan,
+        step_time_reference=reference.length,
         peak_memory={d: static_bytes(problem, d) + activation_peak(problem, d) for d in problem.devices},
-        lower_bound_steps=(1,) * S, solver=SolverStats("CRITICAL_PATH", 0.0, (S, 0), 0.0),
-        greedy_refresh_steps=(None,) * S, time_quantum=0.0, stretch=one.makespan - reference.length)
+        lower_bound_steps=(1,) * S,
+        solver=SolverStats("CRITICAL_PATH", 0.0, (S, 0), 0.0),
+        greedy_refresh_steps=(None,) * S,
+        time_quantum=0.0,
+        stretch=one.makespan - reference.length,
+    )
     timings = {n: LayerTiming(1, 0, 0, "deferred") for n in problem.costs.layer_names}
     return Plan(problem, programs, timings, placements, metrics, problem.fingerprint)
 
@@ -232,10 +290,13 @@ def test_cpsat_plan_matches_or_beats_alg3_at_the_plans_periods(case: str) -> Non
     assert planned <= alg3 * (1 + 1e-9), (periods, planned, alg3)
 
 
-@pytest.mark.xfail(strict=True, reason="the greedy first-fit placement (method='greedy', and what solve() keeps when "
-                   "CP-SAT finds nothing better in its time) stretches every step of the window by its longest "
-                   "misfit, so where the step must stretch it can be slower per step than Alg. 3 on the critical path "
-                   "at its own periods: 14.0 s against 13.625 s here")
+@pytest.mark.xfail(
+    strict=True,
+    reason="the greedy first-fit placement (method='greedy', and what solve() keeps when "
+    "CP-SAT finds nothing better in its time) stretches every step of the window by its longest "
+    "misfit, so where the step must stretch it can be slower per step than Alg. 3 on the critical path "
+    "at its own periods: 14.0 s against 13.625 s here",
+)
 def test_greedy_plan_matches_or_beats_alg3_when_the_step_stretches() -> None:
     decomps, schedule, D, N, overhead = MATCH_OR_BEAT["stretched"]
     plan = solve(_problem(decomps, schedule, D, N, max_overhead=overhead), FAST, "greedy")

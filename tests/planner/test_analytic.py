@@ -65,14 +65,17 @@ def test_bert_block_flops_equal_hand_derived_counts() -> None:
 
 def test_kernel_time_is_a_roofline() -> None:
     hw = hardware("p100")
-    big = linear_kernels(LinearSpec("big", 4096, 4096), batch=8, seq_len=512, hw=hw, precision="fp32",
-                         inverse="cholesky")
+    big = linear_kernels(
+        LinearSpec("big", 4096, 4096), batch=8, seq_len=512, hw=hw, precision="fp32", inverse="cholesky"
+    )
     assert big.fwd == pytest.approx(2 * 8 * 512 * 4096**2 / (hw.peak_flops * hw.matmul_efficiency))
-    thin = linear_kernels(LinearSpec("thin", 1, 1, bias=False), batch=64, seq_len=4096, hw=hw, precision="fp32",
-                          inverse="cholesky")
+    thin = linear_kernels(
+        LinearSpec("thin", 1, 1, bias=False), batch=64, seq_len=4096, hw=hw, precision="fp32", inverse="cholesky"
+    )
     assert thin.fwd == pytest.approx(4 * (2 * 64 * 4096 + 1) / hw.mem_bandwidth)  # memory bound
-    skipped = linear_kernels(LinearSpec("head", 8, 100, kfac=False), batch=1, seq_len=1, hw=hw, precision="fp32",
-                             inverse="cholesky")
+    skipped = linear_kernels(
+        LinearSpec("head", 8, 100, kfac=False), batch=1, seq_len=1, hw=hw, precision="fp32", inverse="cholesky"
+    )
     assert skipped.layer is None
 
 
@@ -97,10 +100,15 @@ def test_cost_table_names_layers_by_hugging_face_fqn_and_puts_embeddings_and_hea
     table = analytic_cost_table("bert-base", [(0, 3), (3, 6), (6, 9), (9, 12)], 32, hardware="p100")
     first, last = table.stages[0], table.stages[-1]
     assert first.layers[0].name == "bert.encoder.layer.0.attention.self.query"
-    assert [x.name for x in first.layers[-2:]] == ["bert.encoder.layer.2.intermediate.dense",
-                                                   "bert.encoder.layer.2.output.dense"]
-    assert [x.name for x in last.layers[-3:]] == ["bert.pooler.dense", "cls.predictions.transform.dense",
-                                                  "cls.seq_relationship"]
+    assert [x.name for x in first.layers[-2:]] == [
+        "bert.encoder.layer.2.intermediate.dense",
+        "bert.encoder.layer.2.output.dense",
+    ]
+    assert [x.name for x in last.layers[-3:]] == [
+        "bert.pooler.dense",
+        "cls.predictions.transform.dense",
+        "cls.seq_relationship",
+    ]
     assert "cls.predictions.decoder" not in table.layer_names  # the vocabulary head is not a K-FAC layer
     middle = table.stages[1]
     assert first.fwd > middle.fwd and last.fwd > middle.fwd  # embeddings, and the 30522-wide head
@@ -140,8 +148,9 @@ def test_user_model_from_layers_is_costed_per_layer() -> None:
     conv = table.stages[1].layers[0]
     hw = hardware("cpu")
     curv_b_flops = 2 * (10 * 64) * 8 * 8
-    assert conv.part("B").stats == pytest.approx(max(curv_b_flops / (hw.peak_flops * hw.matmul_efficiency),
-                                            (4 * 640 * 8 + 4 * 64) / hw.mem_bandwidth))
+    assert conv.part("B").stats == pytest.approx(
+        max(curv_b_flops / (hw.peak_flops * hw.matmul_efficiency), (4 * 640 * 8 + 4 * 64) / hw.mem_bandwidth)
+    )
     assert table.stages[0].layers[1].part("A").state_bytes == 4 * 16 * 16  # no bias column
     assert conv.part("B").capture_bytes == 4 * 10 * 64 * 8
     with pytest.raises(CostModelError, match="expected \\(name, d_in, d_out, tokens"):

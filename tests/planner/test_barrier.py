@@ -29,8 +29,16 @@ def test_barrier_round_trips_and_old_files_load_as_world() -> None:
         replace(p, barrier="nobody")
 
 
-@pytest.mark.parametrize("args", [("gpipe", 2, 4, 1, 1), ("1f1b", 4, 4, 1, 1), ("1f1b", 2, 4, 2, 1),
-                                  ("chimera", 4, 4, 1, 1), ("interleaved", 2, 4, 1, 2)])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("gpipe", 2, 4, 1, 1),
+        ("1f1b", 4, 4, 1, 1),
+        ("1f1b", 2, 4, 2, 1),
+        ("chimera", 4, 4, 1, 1),
+        ("interleaved", 2, 4, 1, 2),
+    ],
+)
 def test_steady_run_without_world_barrier_repeats_the_step(args: tuple[str, int, int, int, int]) -> None:
     """With OPT_STEP over agreement sets only, 3 simulated steps end every op where the one-step timeline repeated
     every `length` says: the window's model of a step stays the steady run; only the group's boundary moves."""
@@ -64,10 +72,17 @@ def test_a_bubble_across_the_step_end_places_what_the_world_barrier_cannot() -> 
     assert validate(world, replace(plan, problem=world)) != []  # it crosses WORLD's boundary
 
 
-@pytest.mark.parametrize("args,kw", [(("chimera", 4, 4), {}), (("1f1b", 4, 4), {"inv": 2.5}),
-                                     (("1f1b", 2, 4, 2), {"inv": 1.5}), (("gpipe", 2, 4), {"inv": 1.5}),
-                                     (("chimera", 4, 4), {"inv": 3.0, "max_overhead": 0.25}),
-                                     (("1f1b", 2, 4), {"inv": 3.0, "max_overhead": 0.2})])
+@pytest.mark.parametrize(
+    "args,kw",
+    [
+        (("chimera", 4, 4), {}),
+        (("1f1b", 4, 4), {"inv": 2.5}),
+        (("1f1b", 2, 4, 2), {"inv": 1.5}),
+        (("gpipe", 2, 4), {"inv": 1.5}),
+        (("chimera", 4, 4), {"inv": 3.0, "max_overhead": 0.25}),
+        (("1f1b", 2, 4), {"inv": 3.0, "max_overhead": 0.2}),
+    ],
+)
 def test_agreement_set_is_valid_and_never_worse(args: tuple, kw: dict) -> None:
     """Valid, and no longer refresh periods or stretch (the stretched cases move placements with `restretch`)."""
     world = problem(*args, **kw)

@@ -24,28 +24,34 @@ from fxkfac.planner.blocking import (
 D, G = FactorKind.DENSE, FactorKind.DIAGONAL
 
 
-@pytest.mark.parametrize(("shape", "b", "merged"), [
-    ((10, 2, 2, 4), 8, (10, 4, 4)),      # the paper's example
-    ((2, 2, 2), 8, (8,)),                # everything merges: a vector
-    ((3, 1, 5), 100, (15,)),             # size-1 dims dropped
-    ((), 4, (1,)),                       # a scalar
-    ((1, 1), 4, (1,)),
-    ((64, 3, 3, 3), 27, (64, 27)),
-    ((7,), 2, (7,)),                     # longer than b stays (blocking cuts it)
-])
+@pytest.mark.parametrize(
+    ("shape", "b", "merged"),
+    [
+        ((10, 2, 2, 4), 8, (10, 4, 4)),  # the paper's example
+        ((2, 2, 2), 8, (8,)),  # everything merges: a vector
+        ((3, 1, 5), 100, (15,)),  # size-1 dims dropped
+        ((), 4, (1,)),  # a scalar
+        ((1, 1), 4, (1,)),
+        ((64, 3, 3, 3), 27, (64, 27)),
+        ((7,), 2, (7,)),  # longer than b stays (blocking cuts it)
+    ],
+)
 def test_merge_dims(shape: tuple[int, ...], b: int, merged: tuple[int, ...]) -> None:
     assert merge_dims(shape, b) == merged
 
 
-@pytest.mark.parametrize(("shape", "b", "merge", "view"), [
-    ((10, 2, 2, 4), 8, True, (10, 16)),  # order 3 after merging -> (d0, rest)
-    ((10, 2, 2, 4), 8, False, (10, 16)),
-    ((64, 3, 3, 3), 1024, True, (576, 3)),  # 576*3 > 1024
-    ((64, 3, 3, 3), 2048, True, (1728,)),
-    ((64, 3, 3, 3), 1024, False, (64, 27)),
-    ((5, 1, 7), 4, False, (5, 7)),
-    ((), 4, False, (1,)),
-])
+@pytest.mark.parametrize(
+    ("shape", "b", "merge", "view"),
+    [
+        ((10, 2, 2, 4), 8, True, (10, 16)),  # order 3 after merging -> (d0, rest)
+        ((10, 2, 2, 4), 8, False, (10, 16)),
+        ((64, 3, 3, 3), 1024, True, (576, 3)),  # 576*3 > 1024
+        ((64, 3, 3, 3), 2048, True, (1728,)),
+        ((64, 3, 3, 3), 1024, False, (64, 27)),
+        ((5, 1, 7), 4, False, (5, 7)),
+        ((), 4, False, (1,)),
+    ],
+)
 def test_matrix_view(shape: tuple[int, ...], b: int, merge: bool, view: tuple[int, ...]) -> None:
     assert matrix_view(shape, b, merge) == view
 
@@ -85,8 +91,9 @@ def test_factor_sides() -> None:
     assert factor_sides((25, 7), 10, LargeDimMethod.DIAGONAL) == [(0, 7)]
     assert factor_sides((25, 7), 10, LargeDimMethod.ADAGRAD) == [(0, 0)]
     assert factor_sides((10, 2, 2, 4), 8, LargeDimMethod.BLOCKING) == [(8, 8), (8, 8), (2, 8), (2, 8)]
-    assert factor_sides((10, 2, 2, 4), 8, LargeDimMethod.BLOCKING, merge=False) == factor_sides((10, 16), 8,
-                                                                                                LargeDimMethod.BLOCKING)
+    assert factor_sides((10, 2, 2, 4), 8, LargeDimMethod.BLOCKING, merge=False) == factor_sides(
+        (10, 16), 8, LargeDimMethod.BLOCKING
+    )
 
 
 def test_bad_arguments_name_themselves() -> None:
@@ -97,6 +104,8 @@ def test_bad_arguments_name_themselves() -> None:
 
 
 def test_blocking_imports_no_torch() -> None:
-    code = ("import sys, fxkfac.planner.blocking\n"
-            "assert not [m for m in sys.modules if m == 'torch' or m.startswith('torch.')], 'torch imported'")
+    code = (
+        "import sys, fxkfac.planner.blocking\n"
+        "assert not [m for m in sys.modules if m == 'torch' or m.startswith('torch.')], 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

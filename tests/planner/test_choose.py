@@ -27,8 +27,22 @@ QUICK = SolverConfig(time_limit_s=2.0)
 
 
 def _problem(W: int = 4, budget: int | None = None) -> Problem:
-    layers = tuple(LayerCost.kfac(f"fc{i}", 0.001, 0.001, 0.004 * (i + 1), 0.003, 0.001, 1024, 1024,
-                                  (i + 1) << 20, (i + 1) << 20, grad_bytes=1 << 18) for i in range(4))
+    layers = tuple(
+        LayerCost.kfac(
+            f"fc{i}",
+            0.001,
+            0.001,
+            0.004 * (i + 1),
+            0.003,
+            0.001,
+            1024,
+            1024,
+            (i + 1) << 20,
+            (i + 1) << 20,
+            grad_bytes=1 << 18,
+        )
+        for i in range(4)
+    )
     table = CostTable((StageCost(0.01, 0.02, 4 << 20, 1 << 20, layers),), 8, "hand", "test", HARDWARE["a100"].comm)
     return Problem("gpipe", 1, 2, table, W=W, max_overhead=0.6, memory_budget=budget)
 
@@ -38,7 +52,11 @@ def test_candidates_are_kaisas_fractions_and_one_mix() -> None:
     assert [str(s) for s in candidate_strategies(_problem(W=1))] == ["comm-opt"]
     mix = candidate_problems(_problem(W=4))[-1]
     assert {n: str(mix.where(n).strategy) for n in mix.costs.layer_names} == {
-        "fc0": "comm-opt", "fc1": "comm-opt", "fc2": "mem-opt", "fc3": "mem-opt"}  # 4 + 3 of 10 MiB are the half
+        "fc0": "comm-opt",
+        "fc1": "comm-opt",
+        "fc2": "mem-opt",
+        "fc3": "mem-opt",
+    }  # 4 + 3 of 10 MiB are the half
 
 
 def test_auto_is_no_slower_than_any_forced_strategy() -> None:
@@ -48,8 +66,10 @@ def test_auto_is_no_slower_than_any_forced_strategy() -> None:
     assert validate(auto.problem, auto) == []
     for text in ("comm-opt", "hybrid:0.5", "mem-opt"):
         forced = solve_with_strategy(problem, parse_strategy(text), QUICK, "greedy")
-        assert (auto.metrics.step_time, sum(auto.metrics.refresh_steps)) <= \
-            (forced.metrics.step_time, sum(forced.metrics.refresh_steps)), text
+        assert (auto.metrics.step_time, sum(auto.metrics.refresh_steps)) <= (
+            forced.metrics.step_time,
+            sum(forced.metrics.refresh_steps),
+        ), text
 
 
 def test_a_budget_comm_opt_misses_is_met_by_holding_fewer_decompositions() -> None:
@@ -106,8 +126,11 @@ def test_the_greedy_method_plans_every_candidate_whatever_the_time_limit() -> No
     assert spent.over()
     auto = solve_with_strategy(problem, None, config, "greedy", box=spent)
     chosen = best([solve(c, config, "greedy") for c in candidate_problems(problem)])
-    assert (strategy_of(auto), auto.metrics.refresh_steps, auto.metrics.step_time) == \
-        (strategy_of(chosen), chosen.metrics.refresh_steps, chosen.metrics.step_time)
+    assert (strategy_of(auto), auto.metrics.refresh_steps, auto.metrics.step_time) == (
+        strategy_of(chosen),
+        chosen.metrics.refresh_steps,
+        chosen.metrics.step_time,
+    )
     assert strategy_of(auto) != "comm-opt"  # the first candidate is not the best here
 
 
@@ -116,8 +139,9 @@ def test_best_takes_the_least_reference_step_and_fresher_curvature_among_ties() 
     plan = solve(_problem(), QUICK, "greedy")
 
     def variant(reference: float, refresh: int) -> Plan:
-        return dataclasses.replace(plan, metrics=dataclasses.replace(
-            plan.metrics, step_time_reference=reference, refresh_steps=(refresh,)))
+        return dataclasses.replace(
+            plan, metrics=dataclasses.replace(plan.metrics, step_time_reference=reference, refresh_steps=(refresh,))
+        )
 
     fresh, stale = variant(1.0, 2), variant(1.0 * (1 - STEP_TIE / 2), 8)
     assert best([stale, fresh]) is fresh

@@ -38,14 +38,17 @@ LINK = AlphaBeta(A, B)
 MODEL = CommModel(LinkCosts.uniform(LINK), LinkCosts.uniform(AlphaBeta(1e-4, 1e-8)), 4, "test")
 
 
-@pytest.mark.parametrize(("kind", "p", "n", "want"), [
-    (Collective.ALL_REDUCE, 4, 1e6, 2 * 3 * A + 2 * 3 / 4 * 1e6 * B),
-    (Collective.ALL_REDUCE, 2, 1e6, 2 * A + 1e6 * B),
-    (Collective.BROADCAST, 4, 1e6, (2 + 3) * A + 2 * 3 / 4 * 1e6 * B),
-    (Collective.BROADCAST, 5, 1e6, (3 + 4) * A + 2 * 4 / 5 * 1e6 * B),
-    (Collective.ALL_GATHER, 4, 1e6, 3 * A + 3 / 4 * 1e6 * B),
-    (Collective.SEND, 2, 1e6, A + 1e6 * B),
-])
+@pytest.mark.parametrize(
+    ("kind", "p", "n", "want"),
+    [
+        (Collective.ALL_REDUCE, 4, 1e6, 2 * 3 * A + 2 * 3 / 4 * 1e6 * B),
+        (Collective.ALL_REDUCE, 2, 1e6, 2 * A + 1e6 * B),
+        (Collective.BROADCAST, 4, 1e6, (2 + 3) * A + 2 * 3 / 4 * 1e6 * B),
+        (Collective.BROADCAST, 5, 1e6, (3 + 4) * A + 2 * 4 / 5 * 1e6 * B),
+        (Collective.ALL_GATHER, 4, 1e6, 3 * A + 3 / 4 * 1e6 * B),
+        (Collective.SEND, 2, 1e6, A + 1e6 * B),
+    ],
+)
 def test_formulas_by_hand(kind: Collective, p: int, n: float, want: float) -> None:
     assert LINK.seconds(kind, n, p) == pytest.approx(want, rel=1e-12)
     if p <= MODEL.devices_per_node:
@@ -76,8 +79,11 @@ def test_bad_arguments_are_refused() -> None:
 
 
 def test_json_round_trip() -> None:
-    measured = CommModel.single_link(LinkCosts(AlphaBeta(1e-4, 1e-9), AlphaBeta(2e-4, 2e-9), AlphaBeta(3e-4, 3e-9),
-                                               AlphaBeta(4e-4, 4e-9)), 2, "measured:gloo:2 ranks")
+    measured = CommModel.single_link(
+        LinkCosts(AlphaBeta(1e-4, 1e-9), AlphaBeta(2e-4, 2e-9), AlphaBeta(3e-4, 3e-9), AlphaBeta(4e-4, 4e-9)),
+        2,
+        "measured:gloo:2 ranks",
+    )
     for model in (MODEL, measured, HARDWARE["a100"].comm):
         assert CommModel.from_json(model.to_json()) == model
     with pytest.raises(CostModelError, match="missing the key 'inter'"):
@@ -212,6 +218,8 @@ def test_explain_prints_the_model_and_the_collective_seconds(capsys: pytest.Capt
     for s in (0, 1):
         c = stage_comm(problem, s)
         assert c.allreduce > 0 and c.sync > 0 and c.bcast > 0
-        assert (f"s{s}: 2 ranks, gradient all-reduce {c.allreduce * 1e3:.3f} ms per step, "
-                f"SYNC_STATS + BCAST {(c.sync + c.bcast) * 1e3:.3f} ms per refresh") in out
+        assert (
+            f"s{s}: 2 ranks, gradient all-reduce {c.allreduce * 1e3:.3f} ms per step, "
+            f"SYNC_STATS + BCAST {(c.sync + c.bcast) * 1e3:.3f} ms per refresh"
+        ) in out
     assert "Collectives of the plan per step" in out

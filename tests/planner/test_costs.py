@@ -94,8 +94,11 @@ def test_unknown_paper_name_lists_the_available_ones() -> None:
 
 def test_a_profile_without_its_sizes_says_what_to_pass() -> None:
     for source in ("paper:bert-base/p100", BERT_P100):
-        with pytest.raises(CostModelError, match=r"per-Transformer-block profile: pass \['blocks_per_stage', "
-                                                 r"'micro_batch_size'\]"):
+        with pytest.raises(
+            CostModelError,
+            match=r"per-Transformer-block profile: pass \['blocks_per_stage', "
+            r"'micro_batch_size'\]",
+        ):
             load_cost_table(source)
 
 
@@ -160,15 +163,26 @@ def test_cost_files_from_before_parts_read_as_kfac_parts() -> None:
     table = cost_table_from_pipefisher_csv(BERT_P100, blocks_per_stage=[1, 1], micro_batch_size=8)
     data = table.to_dict()
     for stage in data["stages"]:
-        stage["layers"] = [{"name": x["name"], "prec": x["prec"],
-                            **{f"{k}_{side}": p[v] for side, p in zip("ab", x["parts"])
-                               for k, v in (("curv", "stats"), ("inv", "decomp"))},
-                            "a_bytes": x["parts"][0]["capture_bytes"], "e_bytes": x["parts"][1]["capture_bytes"],
-                            "factor_a_bytes": x["parts"][0]["state_bytes"],
-                            "factor_b_bytes": x["parts"][1]["state_bytes"]}
-                           for x in stage["layers"]]
-    old = replace(table, stages=tuple(replace(st, layers=tuple(replace(x, grad_bytes=0) for x in st.layers))
-                                      for st in table.stages))  # the gradient's size came later
+        stage["layers"] = [
+            {
+                "name": x["name"],
+                "prec": x["prec"],
+                **{
+                    f"{k}_{side}": p[v]
+                    for side, p in zip("ab", x["parts"])
+                    for k, v in (("curv", "stats"), ("inv", "decomp"))
+                },
+                "a_bytes": x["parts"][0]["capture_bytes"],
+                "e_bytes": x["parts"][1]["capture_bytes"],
+                "factor_a_bytes": x["parts"][0]["state_bytes"],
+                "factor_b_bytes": x["parts"][1]["state_bytes"],
+            }
+            for x in stage["layers"]
+        ]
+    old = replace(
+        table,
+        stages=tuple(replace(st, layers=tuple(replace(x, grad_bytes=0) for x in st.layers)) for st in table.stages),
+    )  # the gradient's size came later
     assert CostTable.from_dict(data) == old
 
 
@@ -179,8 +193,10 @@ def test_cost_files_from_before_parts_read_as_kfac_parts() -> None:
         (lambda d: d.pop("stages"), "missing the key 'stages'"),
         (lambda d: d["stages"][0]["layers"][0]["parts"][0].update(stats=-1.0), "stats must be finite and >= 0"),
         (lambda d: d["stages"][0]["layers"][0]["parts"][1].update(capture_bytes=1.5), "capture_bytes must be an int"),
-        (lambda d: d["stages"][0]["layers"][0]["parts"][1].update(after="OPT_STEP"),
-         "after must be FWD, BWD or ALLREDUCE_GRAD"),
+        (
+            lambda d: d["stages"][0]["layers"][0]["parts"][1].update(after="OPT_STEP"),
+            "after must be FWD, BWD or ALLREDUCE_GRAD",
+        ),
         (lambda d: d["stages"][0]["layers"][0]["parts"][1].update(part="A"), "repeat a name"),
         (lambda d: d["stages"][0].update(fwd=float("nan")), "fwd must be finite"),
         (lambda d: d["stages"][0].update(bogus=1), "malformed entry"),

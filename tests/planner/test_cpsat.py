@@ -53,12 +53,19 @@ def _brute_period(p: Problem, stage: int) -> int:
     return next(k for k in range(1, p.max_period + 1) if brute_feasible(p, stage, k))
 
 
-@pytest.mark.parametrize("schedule,N,fwd,bwd,curv,inv", [
-    ("1f1b", 1, 1, 2, 1, 2), ("1f1b", 2, 1, 1, 1, 1), ("gpipe", 2, 1, 2, 1, 2), ("gpipe", 1, 2, 2, 1, 2),
-    ("1f1b", 2, 2, 3, 1, 3),
-])
-def test_refresh_period_is_optimal_by_brute_force(schedule: str, N: int, fwd: int, bwd: int, curv: int,
-                                                  inv: int) -> None:
+@pytest.mark.parametrize(
+    "schedule,N,fwd,bwd,curv,inv",
+    [
+        ("1f1b", 1, 1, 2, 1, 2),
+        ("1f1b", 2, 1, 1, 1, 1),
+        ("gpipe", 2, 1, 2, 1, 2),
+        ("gpipe", 1, 2, 2, 1, 2),
+        ("1f1b", 2, 2, 3, 1, 3),
+    ],
+)
+def test_refresh_period_is_optimal_by_brute_force(
+    schedule: str, N: int, fwd: int, bwd: int, curv: int, inv: int
+) -> None:
     p = problem(schedule, 2, N, fwd=fwd, bwd=bwd, curv=curv, inv=inv, prec=1, max_period=6)
     plan = solve(p, FAST)
     assert validate(p, plan) == []
@@ -66,11 +73,17 @@ def test_refresh_period_is_optimal_by_brute_force(schedule: str, N: int, fwd: in
     assert plan.metrics.solver.gap == 0.0
 
 
-@pytest.mark.parametrize("schedule,N,fwd,bwd,curv,inv", [
-    ("gpipe", 2, 1, 3, 1, 2), ("gpipe", 2, 2, 3, 2, 1), ("gpipe", 3, 1, 3, 1, 2),
-])
-def test_the_search_descends_from_greedy_to_the_least_period_and_proves_it(schedule: str, N: int, fwd: int,
-                                                                             bwd: int, curv: int, inv: int) -> None:
+@pytest.mark.parametrize(
+    "schedule,N,fwd,bwd,curv,inv",
+    [
+        ("gpipe", 2, 1, 3, 1, 2),
+        ("gpipe", 2, 2, 3, 2, 1),
+        ("gpipe", 3, 1, 3, 1, 2),
+    ],
+)
+def test_the_search_descends_from_greedy_to_the_least_period_and_proves_it(
+    schedule: str, N: int, fwd: int, bwd: int, curv: int, inv: int
+) -> None:
     """Where greedy plans some stage above its least period and that period is above the lower bound, CP-SAT
     descends from greedy's period to the least (by brute force) and proves it: every smaller one infeasible."""
     p = problem(schedule, 2, N, fwd=fwd, bwd=bwd, curv=curv, inv=inv, prec=1, max_period=6)

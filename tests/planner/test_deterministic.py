@@ -36,8 +36,10 @@ CONFIG = SolverConfig(time_limit_s=1.0)
 
 def _gradient_problem() -> Problem:
     """1F1B D=2 with two Shampoo-like layers per stage (parts fed by the reduced gradient)."""
-    stages = tuple(StageCost(1.0, 2.0, 1000, 50, tuple(gradient_layer(f"l{s}_{i}") for i in range(2)))
-                   for s in range(num_stages("1f1b", 2)))
+    stages = tuple(
+        StageCost(1.0, 2.0, 1000, 50, tuple(gradient_layer(f"l{s}_{i}") for i in range(2)))
+        for s in range(num_stages("1f1b", 2))
+    )
     return Problem("1f1b", 2, 2, CostTable(stages, 1, "test", "cpu"))
 
 
@@ -128,9 +130,16 @@ print(_text(solve(CASES[sys.argv[1]](), CONFIG)))
 
 def test_processes_with_other_string_hashes_give_the_same_plan() -> None:
     """Across runs of a command, not only within one: no order may come from hashing (PYTHONHASHSEED)."""
-    texts = [subprocess.run([sys.executable, "-c", _IN_A_PROCESS, "budget"], capture_output=True, text=True,
-                            check=True, env={**os.environ, "PYTHONHASHSEED": seed}).stdout
-             for seed in ("1", "2")]
+    texts = [
+        subprocess.run(
+            [sys.executable, "-c", _IN_A_PROCESS, "budget"],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONHASHSEED": seed},
+        ).stdout
+        for seed in ("1", "2")
+    ]
     assert texts[0] == texts[1] == _text(_first("budget")) + "\n"
 
 

@@ -41,13 +41,30 @@ CASES = {
 """Tiny problems: (schedule, D, N, W, max_overhead), two Shampoo-like layers per stage."""
 
 
-def _problem(schedule: str, D: int, N: int, W: int = 1, max_overhead: float = 0.0, *, optimizer: int = 0,
-             captured: bool = False, budget: int | None = None) -> Problem:
-    stages = tuple(StageCost(1.0, 2.0, 1000, 50, tuple(gradient_layer(f"l{s}_{i}", optimizer=optimizer,
-                                                                      captured=captured) for i in range(2)))
-                   for s in range(num_stages(schedule, D)))
-    return Problem(schedule, D, N, CostTable(stages, 1, "test", "cpu"), W=W, max_overhead=max_overhead,
-                   memory_budget=budget)
+def _problem(
+    schedule: str,
+    D: int,
+    N: int,
+    W: int = 1,
+    max_overhead: float = 0.0,
+    *,
+    optimizer: int = 0,
+    captured: bool = False,
+    budget: int | None = None,
+) -> Problem:
+    stages = tuple(
+        StageCost(
+            1.0,
+            2.0,
+            1000,
+            50,
+            tuple(gradient_layer(f"l{s}_{i}", optimizer=optimizer, captured=captured) for i in range(2)),
+        )
+        for s in range(num_stages(schedule, D))
+    )
+    return Problem(
+        schedule, D, N, CostTable(stages, 1, "test", "cpu"), W=W, max_overhead=max_overhead, memory_budget=budget
+    )
 
 
 @cache
@@ -57,8 +74,10 @@ def _plan(case: str, method: str) -> Plan:
 
 def _gradient_parts(problem: Problem) -> dict[int, list[tuple[str, str]]]:
     """Per stage, its (layer, part) fed by the reduced gradient."""
-    return {s: [(x.name, p.part) for x in stage.layers for p in x.parts if p.after is OpKind.ALLREDUCE_GRAD]
-            for s, stage in enumerate(problem.costs.stages)}
+    return {
+        s: [(x.name, p.part) for x in stage.layers for p in x.parts if p.after is OpKind.ALLREDUCE_GRAD]
+        for s, stage in enumerate(problem.costs.stages)
+    }
 
 
 def _order_errors(problem: Problem, ops: list[Op], where: str) -> list[str]:
@@ -71,11 +90,11 @@ def _order_errors(problem: Problem, ops: list[Op], where: str) -> list[str]:
             continue
         ready = max(i for i, op in enumerate(ops) if op.stage == s and op.kind in (OpKind.BWD, OpKind.ALLREDUCE_GRAD))
         for layer, part in parts:
-            found = [i for i, op in enumerate(ops)
-                     if op == Op(OpKind.STATS, s, layer=layer, part=part)]
+            found = [i for i, op in enumerate(ops) if op == Op(OpKind.STATS, s, layer=layer, part=part)]
             if len(found) != 1 or not ready < found[0] < positions[0]:
-                errors.append(f"{where}: STATS s{s} {part} {layer} at {found}, gradient ready at {ready}, "
-                              f"APPLY at {positions[0]}")
+                errors.append(
+                    f"{where}: STATS s{s} {part} {layer} at {found}, gradient ready at {ready}, APPLY at {positions[0]}"
+                )
     return errors
 
 
@@ -116,8 +135,12 @@ class _Rank:
             return self._decomposed(op, layer, part)
         elif op.kind is OpKind.APPLY:
             stage = self.problem.costs.stages[op.stage or 0]
-            late = [(x.name, r.step) for x in stage.layers for r in self.records.get(x.name, ())
-                    if r.step + self.timings[x.name].use_offset <= t]
+            late = [
+                (x.name, r.step)
+                for x in stage.layers
+                for r in self.records.get(x.name, ())
+                if r.step + self.timings[x.name].use_offset <= t
+            ]
             return f"preconditioners {late} are due but not made" if late else ""
         return ""
 
@@ -136,16 +159,22 @@ class _Rank:
         return ""
 
 
-def _contract_errors(problem: Problem, timings: Mapping[str, LayerTiming], programs: Mapping[int, Program],
-                     startup: Mapping[int, Program], steps: int) -> list[str]:
+def _contract_errors(
+    problem: Problem,
+    timings: Mapping[str, LayerTiming],
+    programs: Mapping[int, Program],
+    startup: Mapping[int, Program],
+    steps: int,
+) -> list[str]:
     """Every violation of the runtime's contract when every rank runs `steps` steps (start-up steps first)."""
     errors: list[str] = []
     for rank in programs:
         state = _Rank(problem, timings, rank)
         for t in range(steps):
             state.begin(t)
-            errors += [f"r{rank} step {t} '{op}': {e}" for op in ops_at(programs, startup, rank, t)
-                       if (e := state.run(op, t))]
+            errors += [
+                f"r{rank} step {t} '{op}': {e}" for op in ops_at(programs, startup, rank, t) if (e := state.run(op, t))
+            ]
     return errors
 
 
@@ -195,10 +224,10 @@ def test_naive_programs_fold_gradient_statistics_every_step() -> None:
     p = _problem("1f1b", 2, 2, W=2)
     timings = {name: replace(t, use_offset=0) for name, t in _plan("1f1b-W2", "greedy").layers.items()}
     stage_layers = {s: [x.name for x in stage.layers] for s, stage in enumerate(p.costs.stages)}
-    programs = naive_programs("1f1b", 2, 2, 2, timings, stage_layers, parts=("L", "R"),
-                              gradient_parts=frozenset("LR"))
-    assert [e for r, prog in programs.items() for j, ops in enumerate(prog)
-            for e in _order_errors(p, ops, f"r{r} step {j}")] == []
+    programs = naive_programs("1f1b", 2, 2, 2, timings, stage_layers, parts=("L", "R"), gradient_parts=frozenset("LR"))
+    assert [
+        e for r, prog in programs.items() for j, ops in enumerate(prog) for e in _order_errors(p, ops, f"r{r} step {j}")
+    ] == []
     assert _contract_errors(p, timings, programs, {}, 3 * len(programs[0])) == []
 
 

@@ -23,8 +23,10 @@ from fxkfac.planner.schedules import num_stages
 from fxkfac.planner.solve import solve
 from fxkfac.planner.validate import validate
 
-CONFIGS = {Method.GREEDY: SolverConfig(time_limit_s=2.0, num_workers=2),
-           Method.CPSAT: SolverConfig(time_limit_s=1.0, num_workers=2)}
+CONFIGS = {
+    Method.GREEDY: SolverConfig(time_limit_s=2.0, num_workers=2),
+    Method.CPSAT: SolverConfig(time_limit_s=1.0, num_workers=2),
+}
 NO_STRETCH = {m: dataclasses.replace(c, stretch=False) for m, c in CONFIGS.items()}
 """Without stretching the step, max_overhead pays for fused curvature only: more micro-batches are the other way out."""
 SEEN: Counter = Counter()
@@ -43,13 +45,32 @@ def cases(draw: st.DrawFn) -> tuple[Problem, Method, SolverConfig]:
     quarter = st.integers(1, 8).map(lambda q: q / 4)
     stages = []
     for s in range(num_stages(schedule, 2, v)):
-        layers = tuple(LayerCost.kfac(f"s{s}.l{i}", draw(quarter) / 4, draw(quarter) / 4, draw(quarter),
-                                 draw(quarter), draw(quarter) / 8, draw(st.integers(0, 40)), draw(st.integers(0, 40)),
-                                 100, 100) for i in range(draw(st.integers(1, 2))))
+        layers = tuple(
+            LayerCost.kfac(
+                f"s{s}.l{i}",
+                draw(quarter) / 4,
+                draw(quarter) / 4,
+                draw(quarter),
+                draw(quarter),
+                draw(quarter) / 8,
+                draw(st.integers(0, 40)),
+                draw(st.integers(0, 40)),
+                100,
+                100,
+            )
+            for i in range(draw(st.integers(1, 2)))
+        )
         stages.append(StageCost(draw(quarter), 2 * draw(quarter), 1000, draw(st.integers(10, 60)), layers))
     costs = CostTable(tuple(stages), 1, "hypothesis", "cpu")
-    base = Problem(schedule, 2, N, costs, v=v, max_period=draw(st.integers(1, 4)),
-                   max_overhead=draw(st.sampled_from([0.0, 0.05, 0.2])))
+    base = Problem(
+        schedule,
+        2,
+        N,
+        costs,
+        v=v,
+        max_period=draw(st.integers(1, 4)),
+        max_overhead=draw(st.sampled_from([0.0, 0.05, 0.2])),
+    )
     budget = draw(st.one_of(st.none(), st.integers(-20, 300)))
     if budget is not None:
         base = dataclasses.replace(base, memory_budget=max(1, min_memory_bytes(base) + budget))
@@ -76,8 +97,7 @@ def _just_below(value: float) -> float:
     return float(d - Decimal(1).scaleb(d.adjusted() - 2))
 
 
-@settings(max_examples=30, deadline=None, database=None, derandomize=True,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=30, deadline=None, database=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(cases())
 def test_every_suggestion_plans_with_the_same_method(case: tuple[Problem, Method, SolverConfig]) -> None:
     problem, method, config = case
@@ -110,9 +130,10 @@ def test_every_suggestion_plans_with_the_same_method(case: tuple[Problem, Method
 
 
 def test_a_refused_budget_names_the_least_bound_and_a_budget_that_plans_at_this_max_overhead() -> None:
-    stages = tuple(StageCost(1.0, 2.0, 1000, 50,
-                             (LayerCost.kfac(f"l{s}", 0.25, 0.25, 1.0, 1.0, 0.1, 40, 40, 100, 100),))
-                   for s in range(2))
+    stages = tuple(
+        StageCost(1.0, 2.0, 1000, 50, (LayerCost.kfac(f"l{s}", 0.25, 0.25, 1.0, 1.0, 0.1, 40, 40, 100, 100),))
+        for s in range(2)
+    )
     problem = Problem("1f1b", 2, 2, CostTable(stages, 1, "test", "cpu"), memory_budget=1)
     with pytest.raises(InfeasibleBudgetError) as info:
         solve(problem, CONFIGS[Method.GREEDY], Method.GREEDY)

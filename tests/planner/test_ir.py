@@ -56,11 +56,17 @@ def test_ambiguous_layer_names_are_quoted() -> None:
         assert str(op).endswith(json.dumps(layer))
 
 
-_VALUES = {"stage": st.integers(0, 200), "mb": st.integers(0, 200), "pipe": st.integers(1, 3),
-           "layer": st.text(min_size=1, max_size=12), "part": st.sampled_from("ABDLR"),
-           "peer": st.integers(0, 99), "root": st.integers(0, 99),
-           "group": st.sets(st.integers(0, 99), min_size=2, max_size=5),
-           "piece": st.integers(2, 9).flatmap(lambda n: st.tuples(st.integers(0, n - 1), st.just(n)))}
+_VALUES = {
+    "stage": st.integers(0, 200),
+    "mb": st.integers(0, 200),
+    "pipe": st.integers(1, 3),
+    "layer": st.text(min_size=1, max_size=12),
+    "part": st.sampled_from("ABDLR"),
+    "peer": st.integers(0, 99),
+    "root": st.integers(0, 99),
+    "group": st.sets(st.integers(0, 99), min_size=2, max_size=5),
+    "piece": st.integers(2, 9).flatmap(lambda n: st.tuples(st.integers(0, n - 1), st.just(n))),
+}
 
 
 @st.composite

@@ -28,22 +28,55 @@ from fxkfac.planner.validate import validate
 QUICK = SolverConfig(time_limit_s=2.0)
 
 
-def _problem(schedule: str = "1f1b", stages: int = 2, W: int = 2, layers: int = 3, budget: int | None = None,
-             max_overhead: float = 0.6) -> Problem:
+def _problem(
+    schedule: str = "1f1b",
+    stages: int = 2,
+    W: int = 2,
+    layers: int = 3,
+    budget: int | None = None,
+    max_overhead: float = 0.6,
+) -> Problem:
     """Uneven layers (decomposition 4..12 ms, statistics 1..3 MiB) on `stages` stages, each held by W copies."""
-    table = CostTable(tuple(
-        StageCost(0.01, 0.02, 4 << 20, 1 << 20, tuple(
-            LayerCost.kfac(f"s{s}fc{i}", 0.001, 0.001, 0.004 * (i + 1), 0.003, 0.001, 1024, 1024,
-                           (i + 1) << 20, (i + 1) << 20, grad_bytes=1 << 18) for i in range(layers)))
-        for s in range(stages)), 8, "hand", "test", HARDWARE["a100"].comm)
+    table = CostTable(
+        tuple(
+            StageCost(
+                0.01,
+                0.02,
+                4 << 20,
+                1 << 20,
+                tuple(
+                    LayerCost.kfac(
+                        f"s{s}fc{i}",
+                        0.001,
+                        0.001,
+                        0.004 * (i + 1),
+                        0.003,
+                        0.001,
+                        1024,
+                        1024,
+                        (i + 1) << 20,
+                        (i + 1) << 20,
+                        grad_bytes=1 << 18,
+                    )
+                    for i in range(layers)
+                ),
+            )
+            for s in range(stages)
+        ),
+        8,
+        "hand",
+        "test",
+        HARDWARE["a100"].comm,
+    )
     micro = stages if schedule == "chimera" else 2 * stages
     return Problem(schedule, stages, micro, table, W=W, max_overhead=max_overhead, memory_budget=budget)
 
 
 def _fits(problem: Problem) -> bool:
     budget = problem.memory_budget
-    return budget is None or all(static_bytes(problem, d) + activation_peak(problem, d) <= budget
-                                 for d in problem.devices)
+    return budget is None or all(
+        static_bytes(problem, d) + activation_peak(problem, d) <= budget for d in problem.devices
+    )
 
 
 def _enumerated_least(problem: Problem) -> float:
@@ -90,8 +123,10 @@ def _no_worse(plan: Plan, other: Plan) -> bool:
     """In the planner's order: reference step (what max_overhead is measured against), then refresh periods, then
     step time; the last within 1% (the stretch each minimizes in its time limit, neither proven optimal)."""
     a, b = plan.metrics, other.metrics
-    first, second = (round(a.step_time_reference, 9), sum(a.refresh_steps)), \
-        (round(b.step_time_reference, 9), sum(b.refresh_steps))
+    first, second = (
+        (round(a.step_time_reference, 9), sum(a.refresh_steps)),
+        (round(b.step_time_reference, 9), sum(b.refresh_steps)),
+    )
     return first < second or (first == second and a.step_time <= 1.01 * b.step_time)
 
 
@@ -123,14 +158,41 @@ def test_a_budget_comm_opt_misses_is_met_by_the_joint_choice() -> None:
 
 
 def test_a_budget_that_needs_curvature_fused_plans_the_joint_choice_with_fusing(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The joint model fuses no curvature: under a budget that deferred captures overflow, the distributions of
     its least step go to `solve`, which fuses; the outer search over whole strategies is not needed."""
-    table = CostTable(tuple(
-        StageCost(0.01, 0.02, 4 << 20, 1 << 20, tuple(
-            LayerCost.kfac(f"s{s}fc{i}", 0.001, 0.001, 0.004 * (i + 1), 0.003, 0.001, 4 << 20, 4 << 20,
-                           (i + 1) << 20, (i + 1) << 20, grad_bytes=1 << 18) for i in range(3)))
-        for s in range(2)), 8, "hand", "test", HARDWARE["a100"].comm)
+    table = CostTable(
+        tuple(
+            StageCost(
+                0.01,
+                0.02,
+                4 << 20,
+                1 << 20,
+                tuple(
+                    LayerCost.kfac(
+                        f"s{s}fc{i}",
+                        0.001,
+                        0.001,
+                        0.004 * (i + 1),
+                        0.003,
+                        0.001,
+                        4 << 20,
+                        4 << 20,
+                        (i + 1) << 20,
+                        (i + 1) << 20,
+                        grad_bytes=1 << 18,
+                    )
+                    for i in range(3)
+                ),
+            )
+            for s in range(2)
+        ),
+        8,
+        "hand",
+        "test",
+        HARDWARE["a100"].comm,
+    )
     roomy = Problem("1f1b", 2, 4, table, W=2, max_overhead=0.6)
     free = _checked(solve_with_strategy(roomy, None, QUICK))
     budget = min_memory_bytes(roomy) + (4 << 20)  # one micro-batch's a of one layer beyond the least

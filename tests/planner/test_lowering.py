@@ -24,20 +24,44 @@ def _text(ops: list[Op]) -> list[str]:
 def test_1f1b_d2_string_program() -> None:
     lowered = add_send_recv(schedule_programs("1f1b", 2, 2), "1f1b", 2)
     assert _text(lowered[0]) == [
-        "F s0 m0", "SEND_ACT s0 m0 >r1", "F s0 m1", "SEND_ACT s0 m1 >r1",
-        "RECV_GRAD s0 m0 <r1", "B s0 m0", "RECV_GRAD s0 m1 <r1", "B s0 m1", "ALLREDUCE_GRAD s0", "OPT_STEP",
+        "F s0 m0",
+        "SEND_ACT s0 m0 >r1",
+        "F s0 m1",
+        "SEND_ACT s0 m1 >r1",
+        "RECV_GRAD s0 m0 <r1",
+        "B s0 m0",
+        "RECV_GRAD s0 m1 <r1",
+        "B s0 m1",
+        "ALLREDUCE_GRAD s0",
+        "OPT_STEP",
     ]
     assert _text(lowered[1]) == [
-        "RECV_ACT s1 m0 <r0", "F s1 m0", "B s1 m0", "SEND_GRAD s1 m0 >r0",
-        "RECV_ACT s1 m1 <r0", "F s1 m1", "B s1 m1", "SEND_GRAD s1 m1 >r0", "ALLREDUCE_GRAD s1", "OPT_STEP",
+        "RECV_ACT s1 m0 <r0",
+        "F s1 m0",
+        "B s1 m0",
+        "SEND_GRAD s1 m0 >r0",
+        "RECV_ACT s1 m1 <r0",
+        "F s1 m1",
+        "B s1 m1",
+        "SEND_GRAD s1 m1 >r0",
+        "ALLREDUCE_GRAD s1",
+        "OPT_STEP",
     ]
 
 
 def test_chimera_d2_string_program() -> None:
     lowered = add_send_recv(schedule_programs("chimera", 2, 2), "chimera", 2)
     assert _text(lowered[0]) == [
-        "F s0 m0", "SEND_ACT s0 m0 >r1", "RECV_ACT s1 m1 p1 <r1", "F s1 m1 p1", "B s1 m1 p1",
-        "SEND_GRAD s1 m1 p1 >r1", "RECV_GRAD s0 m0 <r1", "B s0 m0", "ALLREDUCE_GRAD s1", "ALLREDUCE_GRAD s0",
+        "F s0 m0",
+        "SEND_ACT s0 m0 >r1",
+        "RECV_ACT s1 m1 p1 <r1",
+        "F s1 m1 p1",
+        "B s1 m1 p1",
+        "SEND_GRAD s1 m1 p1 >r1",
+        "RECV_GRAD s0 m0 <r1",
+        "B s0 m0",
+        "ALLREDUCE_GRAD s1",
+        "ALLREDUCE_GRAD s0",
         "OPT_STEP",
     ]
 
@@ -50,8 +74,10 @@ def test_interleaved_same_rank_neighbours_need_no_transfer() -> None:
 def test_period_programs_keep_their_shape_and_k_fac_ops_pass_through() -> None:
     step = _ops("F s1 m0\nSTATS s1 m0 A fc\nB s1 m0\nAPPLY s1")
     lowered = add_send_recv({1: [step, step]}, "gpipe", 3)
-    expect = _ops("RECV_ACT s1 m0 <r0\nF s1 m0\nSEND_ACT s1 m0 >r2\nSTATS s1 m0 A fc\n"
-                  "RECV_GRAD s1 m0 <r2\nB s1 m0\nSEND_GRAD s1 m0 >r0\nAPPLY s1")
+    expect = _ops(
+        "RECV_ACT s1 m0 <r0\nF s1 m0\nSEND_ACT s1 m0 >r2\nSTATS s1 m0 A fc\n"
+        "RECV_GRAD s1 m0 <r2\nB s1 m0\nSEND_GRAD s1 m0 >r0\nAPPLY s1"
+    )
     assert lowered == {1: [expect, expect]}
 
 
@@ -68,14 +94,19 @@ def _durations(op: Op) -> float:
 
 
 def _compute(timeline) -> list[tuple]:
-    return sorted((iv.rank, str(iv.op), iv.step, iv.start, iv.end) for iv in timeline.intervals
-                  if iv.op.kind in COMPUTE_KINDS | {OpKind.ALLREDUCE_GRAD})
+    return sorted(
+        (iv.rank, str(iv.op), iv.step, iv.start, iv.end)
+        for iv in timeline.intervals
+        if iv.op.kind in COMPUTE_KINDS | {OpKind.ALLREDUCE_GRAD}
+    )
 
 
-CASES = [("gpipe", D, N, 1) for D, N in ((1, 1), (2, 3), (4, 4), (5, 2))] + \
-        [("1f1b", D, N, 1) for D, N in ((2, 1), (3, 7), (4, 4), (8, 8), (4, 2))] + \
-        [("interleaved", D, N, v) for D, N, v in ((2, 2, 2), (2, 4, 3), (4, 8, 2), (3, 6, 4), (1, 3, 2))] + \
-        [("chimera", D, N, 1) for D, N in ((2, 2), (2, 6), (4, 4), (4, 8), (6, 12), (8, 8))]
+CASES = (
+    [("gpipe", D, N, 1) for D, N in ((1, 1), (2, 3), (4, 4), (5, 2))]
+    + [("1f1b", D, N, 1) for D, N in ((2, 1), (3, 7), (4, 4), (8, 8), (4, 2))]
+    + [("interleaved", D, N, v) for D, N, v in ((2, 2, 2), (2, 4, 3), (4, 8, 2), (3, 6, 4), (1, 3, 2))]
+    + [("chimera", D, N, 1) for D, N in ((2, 2), (2, 6), (4, 4), (4, 8), (6, 12), (8, 8))]
+)
 
 
 @pytest.mark.parametrize("kind,D,N,v", CASES)
@@ -101,8 +132,12 @@ def test_startup_drops_the_work_of_refreshes_from_before_step_zero() -> None:
     early = Op(OpKind.STATS, stage=0, mb=0, part="A", layer="l")
     prec = Op(OpKind.APPLY, stage=0)
     body = [late, Op(OpKind.FWD, stage=0, mb=0), early, prec, Op(OpKind.OPT_STEP)]
-    placements = (SimpleNamespace(op=late, device=0, step=1), SimpleNamespace(op=early, device=0, step=0),
-                  SimpleNamespace(op=prec, device=0, step=1), SimpleNamespace(op=late, device=1, step=5))
+    placements = (
+        SimpleNamespace(op=late, device=0, step=1),
+        SimpleNamespace(op=early, device=0, step=0),
+        SimpleNamespace(op=prec, device=0, step=1),
+        SimpleNamespace(op=late, device=1, step=5),
+    )
     startup = startup_programs({0: [body], 1: [body]}, born_steps(placements))
     assert startup[0] == [[body[1], early, prec, body[4]]]
     assert len(startup[1]) == 5 and all(late not in step for step in startup[1])
@@ -125,4 +160,10 @@ def test_kfac_tail_deals_a_stages_inversions_round_robin_by_default() -> None:
     # LPT, loads (r0, r1): x.B 6 -> r0 (6, 0); z.A 3 -> r1 (6, 3); y.A 2 -> r1 (6, 5); y.B 2 -> r1 (6, 7);
     # x.A 1 -> r0 (7, 7); z.B 1 -> r0 (8, 7): ties by name (x.A before z.B), then the lowest rank
     assert roots(assignment=Assignment.LPT, seconds=seconds) == [
-        ("x", "A", 0), ("x", "B", 0), ("y", "A", 1), ("y", "B", 1), ("z", "A", 1), ("z", "B", 0)]
+        ("x", "A", 0),
+        ("x", "B", 0),
+        ("y", "A", 1),
+        ("y", "B", 1),
+        ("z", "A", 1),
+        ("z", "B", 0),
+    ]

@@ -91,8 +91,20 @@ def _mutate(tree: Any, draw: st.DrawFn) -> str:
         texts = [p for p in paths if isinstance(_get(tree, p), str) and _get(tree, p).strip()]
         path = draw(st.sampled_from(texts))
         value = _get(tree, path)
-        replacement = draw(st.sampled_from(["STATS s0 m0 A nolayer", "DECOMP s9 A l0_0", "F s0 m0", "BOGUS", "\n---\n",
-                                            "APPLY s1", "STATS s0 m7 B l0_0", "BCAST s0 A @r7 l0_0"]))
+        replacement = draw(
+            st.sampled_from(
+                [
+                    "STATS s0 m0 A nolayer",
+                    "DECOMP s9 A l0_0",
+                    "F s0 m0",
+                    "BOGUS",
+                    "\n---\n",
+                    "APPLY s1",
+                    "STATS s0 m7 B l0_0",
+                    "BCAST s0 A @r7 l0_0",
+                ]
+            )
+        )
         cut = draw(st.integers(0, len(value)))
         _set(tree, path, value[:cut] + replacement + value[cut:])
     return how
@@ -133,8 +145,12 @@ def test_a_program_op_naming_a_layer_its_stage_lacks_is_refused(tmp_path: Path) 
         Plan.load(path)
 
 
-@settings(max_examples=200, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow,
-                                                                                  HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=200,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(_mutated_texts())
 def test_mutated_plans_load_valid_or_fail_with_an_fxkfac_error(tmp_path: Path, text: str) -> None:
     path = tmp_path / "plan.json"
@@ -148,9 +164,16 @@ def test_mutated_plans_load_valid_or_fail_with_an_fxkfac_error(tmp_path: Path, t
     assert all(math.isfinite(t) for t in (plan.metrics.step_time, plan.metrics.utilization))
 
 
-@pytest.mark.parametrize("version,needle", [(SCHEMA_VERSION + 1, "upgrade fxkfac"), (SCHEMA_VERSION - 1, "re-plan"),
-                                            ("1", "schema_version"),
-                                            (True, "schema_version"), (None, "schema_version")])
+@pytest.mark.parametrize(
+    "version,needle",
+    [
+        (SCHEMA_VERSION + 1, "upgrade fxkfac"),
+        (SCHEMA_VERSION - 1, "re-plan"),
+        ("1", "schema_version"),
+        (True, "schema_version"),
+        (None, "schema_version"),
+    ],
+)
 def test_versions_other_than_ours_are_refused(tmp_path: Path, version: Any, needle: str) -> None:
     tree = json.loads(_valid_text())
     tree["schema_version"] = version
@@ -162,7 +185,8 @@ def test_versions_other_than_ours_are_refused(tmp_path: Path, version: Any, need
 
 @pytest.mark.parametrize("field,value,needle", [("N", 10**7, "micro-batches"), ("W", 10**8, "D x W")])
 def test_a_huge_mesh_or_micro_batch_count_is_refused_before_its_schedule_is_built(
-        tmp_path: Path, field: str, value: int, needle: str) -> None:
+    tmp_path: Path, field: str, value: int, needle: str
+) -> None:
     """Seen in the suite: a fuzzed N made the loader build that schedule (15 GB) before comparing programs."""
     tree = json.loads(_valid_text())
     tree["problem"][field] = value

@@ -121,9 +121,13 @@ def _torch_interleaved(D: int, N: int, v: int) -> dict[int, list[Op]]:
 
         actions = tps._get_1f1b_rank_ops(v, D, warmup, fwd_bwd, warmup, rank, fwd_stage, bwd_stage)
         orders[rank] = [
-            Op(OpKind.FWD if a.computation_type == tps._ComputationType.FORWARD else OpKind.BWD,
-               a.stage_index, a.microbatch_index)
-            for a in actions if a is not None
+            Op(
+                OpKind.FWD if a.computation_type == tps._ComputationType.FORWARD else OpKind.BWD,
+                a.stage_index,
+                a.microbatch_index,
+            )
+            for a in actions
+            if a is not None
         ]
     return orders
 
@@ -136,10 +140,17 @@ def test_interleaved_matches_torch(D: int, N: int, v: int) -> None:
         assert _compute(ours[r]) == theirs[r]
 
 
-@pytest.mark.parametrize("kind,D,N,v", [
-    ("gpipe", 3, 5, 1), ("1f1b", 4, 3, 1), ("1f1b", 4, 9, 1), ("interleaved", 2, 4, 3),
-    ("chimera", 6, 12, 1), ("interleaved", 3, 3, 1),
-])
+@pytest.mark.parametrize(
+    "kind,D,N,v",
+    [
+        ("gpipe", 3, 5, 1),
+        ("1f1b", 4, 3, 1),
+        ("1f1b", 4, 9, 1),
+        ("interleaved", 2, 4, 3),
+        ("chimera", 6, 12, 1),
+        ("interleaved", 3, 3, 1),
+    ],
+)
 def test_every_rank_runs_each_of_its_ops_once_and_in_dependency_order(kind: str, D: int, N: int, v: int) -> None:
     programs = schedule_programs(kind, D, N, v=v)
     for r, ops in programs.items():
@@ -155,7 +166,8 @@ def test_every_rank_runs_each_of_its_ops_once_and_in_dependency_order(kind: str,
         assert ops[-1] == Op(OpKind.OPT_STEP)
         assert sorted(op.stage for op in ops if op.kind is OpKind.ALLREDUCE_GRAD) == sorted(s for s, _ in held)
     assert sum(len(stages_of_rank(kind, D, r, v=v)) for r in range(D)) == num_stages(kind, D, v) * (
-        2 if kind == "chimera" else 1)
+        2 if kind == "chimera" else 1
+    )
 
 
 def test_1f1b_warmup_and_gpipe_order() -> None:
@@ -179,15 +191,18 @@ def test_golden_files(kind: str, D: int, N: int, v: int) -> None:
     assert format_programs(programs) == path.read_text()
 
 
-@pytest.mark.parametrize("kind,D,N,v,needle", [
-    ("pipedream", 2, 2, 1, "choose one of"),
-    ("chimera", 3, 3, 1, "even"),
-    ("chimera", 4, 6, 1, "try N=8"),
-    ("interleaved", 4, 6, 2, "try N=8"),
-    ("1f1b", 4, 4, 2, "v=1"),
-    ("gpipe", 0, 4, 1, "positive"),
-    ("gpipe", 2, 0, 1, "positive"),
-])
+@pytest.mark.parametrize(
+    "kind,D,N,v,needle",
+    [
+        ("pipedream", 2, 2, 1, "choose one of"),
+        ("chimera", 3, 3, 1, "even"),
+        ("chimera", 4, 6, 1, "try N=8"),
+        ("interleaved", 4, 6, 2, "try N=8"),
+        ("1f1b", 4, 4, 2, "v=1"),
+        ("gpipe", 0, 4, 1, "positive"),
+        ("gpipe", 2, 0, 1, "positive"),
+    ],
+)
 def test_bad_arguments_say_what_works(kind: str, D: int, N: int, v: int, needle: str) -> None:
     with pytest.raises(ScheduleError, match=needle):
         schedule_programs(kind, D, N, v=v)

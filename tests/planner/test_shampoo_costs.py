@@ -64,8 +64,10 @@ def test_soap_rotates_twice_refreshes_by_power_qr_and_leaves_vectors_to_adam() -
     cost = parameter_cost(WEIGHT, HW, SOAP, 1024)
     assert cost is not None
     assert cost.prec == pytest.approx(2 * sum(2 * r * COLS * (r + COLS) for r in ROWS) / PEAK)
-    qr = [2 * b**3 / PEAK + (8 / 3) * b**3 / (0.5 * PEAK) + 2 * 2 * b * b * other / PEAK
-          for b, other in ((r, COLS) for r in ROWS)]  # L Q, Householder QR with Q, m re-projected on that side
+    qr = [
+        2 * b**3 / PEAK + (8 / 3) * b**3 / (0.5 * PEAK) + 2 * 2 * b * b * other / PEAK
+        for b, other in ((r, COLS) for r in ROWS)
+    ]  # L Q, Householder QR with Q, m re-projected on that side
     assert cost.part("L").decomp == pytest.approx(sum(qr))
     assert cost.state_bytes == 2 * 4 * 3000 * 700  # Adam's m and v
     assert parameter_cost(TensorSpec("b", (700,)), HW, SOAP, 1024) is None

@@ -56,8 +56,11 @@ def _longest_path_starts(programs: dict[int, list[Op]], dur, comm: float, S: dic
         if op.kind is OpKind.FWD and op.stage:
             deps.append(Op(OpKind.FWD, op.stage - 1, op.mb, op.pipe))
         if op.kind is OpKind.BWD:
-            deps.append(Op(OpKind.BWD, op.stage + 1, op.mb, op.pipe) if op.stage + 1 < S[op.pipe]
-                        else Op(OpKind.FWD, op.stage, op.mb, op.pipe))
+            deps.append(
+                Op(OpKind.BWD, op.stage + 1, op.mb, op.pipe)
+                if op.stage + 1 < S[op.pipe]
+                else Op(OpKind.FWD, op.stage, op.mb, op.pipe)
+            )
         for dep in deps:
             q = rank_of[dep]
             t = max(t, end(q, index[q, dep]) + (comm if q != r else 0.0))
@@ -71,20 +74,32 @@ def _longest_path_starts(programs: dict[int, list[Op]], dur, comm: float, S: dic
 
 @settings(max_examples=40, deadline=None)
 @given(
-    st.sampled_from([("gpipe", 3, 4, 1), ("1f1b", 4, 6, 1), ("interleaved", 2, 4, 2), ("chimera", 4, 8, 1),
-                     ("chimera", 6, 6, 1), ("1f1b", 5, 3, 1)]),
+    st.sampled_from(
+        [
+            ("gpipe", 3, 4, 1),
+            ("1f1b", 4, 6, 1),
+            ("interleaved", 2, 4, 2),
+            ("chimera", 4, 8, 1),
+            ("chimera", 6, 6, 1),
+            ("1f1b", 5, 3, 1),
+        ]
+    ),
     st.integers(0, 10**6),
     st.sampled_from([0.0, 0.3]),
 )
 def test_matches_longest_path_reference(case: tuple, seed: int, comm: float) -> None:
     kind, D, N, v = case
-    programs = {r: [op for op in ops if op.kind in (OpKind.FWD, OpKind.BWD)]
-                for r, ops in schedule_programs(kind, D, N, v=v).items()}
+    programs = {
+        r: [op for op in ops if op.kind in (OpKind.FWD, OpKind.BWD)]
+        for r, ops in schedule_programs(kind, D, N, v=v).items()
+    }
     rng = random.Random(seed)
     table = {(r, op): rng.choice([0.5, 1.0, 1.5, 2.0, 3.25]) for r, ops in programs.items() for op in ops}
     dur = lambda r, op: table[r, op]  # noqa: E731
-    S = {p: max(op.stage for ops in programs.values() for op in ops if op.pipe == p) + 1
-         for p in {op.pipe for ops in programs.values() for op in ops}}
+    S = {
+        p: max(op.stage for ops in programs.values() for op in ops if op.pipe == p) + 1
+        for p in {op.pipe for ops in programs.values() for op in ops}
+    }
     reference = _longest_path_starts(programs, dur, comm, S)
     timeline = simulate(programs, dur, comm=comm)
     assert {(iv.rank, iv.op): iv.start for iv in timeline.intervals} == pytest.approx(reference)
@@ -93,8 +108,12 @@ def test_matches_longest_path_reference(case: tuple, seed: int, comm: float) -> 
 def test_gpipe_two_ranks_by_hand() -> None:
     timeline = simulate(schedule_programs("gpipe", 2, 2), fb(1, 2))
     # r0: F0 0-1, F1 1-2, idle 2-4? r1: F0 1-2, F1 2-3, B0 3-5, B1 5-7; r0: B0 5-7, B1 7-9.
-    assert [(str(iv.op), iv.start, iv.end) for iv in timeline.of_rank(0) if iv.op.kind in (OpKind.FWD, OpKind.BWD)] \
-        == [("F s0 m0", 0, 1), ("F s0 m1", 1, 2), ("B s0 m0", 5, 7), ("B s0 m1", 7, 9)]
+    assert [(str(iv.op), iv.start, iv.end) for iv in timeline.of_rank(0) if iv.op.kind in (OpKind.FWD, OpKind.BWD)] == [
+        ("F s0 m0", 0, 1),
+        ("F s0 m1", 1, 2),
+        ("B s0 m0", 5, 7),
+        ("B s0 m1", 7, 9),
+    ]
     assert timeline.makespan == 9
     assert timeline.bubbles(0) == [(2, 5)]
     assert timeline.bubbles(1) == [(0, 1), (7, 9)]
@@ -112,8 +131,9 @@ def test_several_steps_repeat_the_flushed_step(kind: str, D: int, N: int) -> Non
 
 
 def test_collectives_start_together_after_every_member_arrives() -> None:
-    timeline = simulate(schedule_programs("chimera", 4, 4), lambda r, op: 0.5 if op.kind is OpKind.ALLREDUCE_GRAD
-                        else fb(1, 2)(r, op))
+    timeline = simulate(
+        schedule_programs("chimera", 4, 4), lambda r, op: 0.5 if op.kind is OpKind.ALLREDUCE_GRAD else fb(1, 2)(r, op)
+    )
     syncs: dict[int, set] = {}
     for iv in timeline.intervals:
         if iv.op.kind is OpKind.ALLREDUCE_GRAD:
@@ -127,8 +147,10 @@ def test_collectives_start_together_after_every_member_arrives() -> None:
 
 def test_opt_step_is_a_barrier_over_all_ranks() -> None:
     """The runtime's OPT_STEP all-reduces over the world: rank 0 starts step 1 only after rank 1's long APPLY."""
-    programs = {0: [Op(OpKind.FWD, 0, 0), Op(OpKind.OPT_STEP)],
-                1: [Op(OpKind.FWD, 1, 0), Op(OpKind.APPLY, 1), Op(OpKind.OPT_STEP)]}
+    programs = {
+        0: [Op(OpKind.FWD, 0, 0), Op(OpKind.OPT_STEP)],
+        1: [Op(OpKind.FWD, 1, 0), Op(OpKind.APPLY, 1), Op(OpKind.OPT_STEP)],
+    }
     dur = {OpKind.FWD: 1.0, OpKind.APPLY: 5.0}
     timeline = simulate(programs, lambda r, op: dur.get(op.kind, 0.0), steps=2)
     at = {(iv.rank, iv.step, iv.op.kind): (iv.start, iv.end) for iv in timeline.intervals}
@@ -140,17 +162,33 @@ def test_opt_step_is_a_barrier_over_all_ranks() -> None:
 
 def test_k_fac_ops_follow_program_order_and_group_by_stage() -> None:
     programs = {
-        r: [Op(OpKind.FWD, 0, 0), Op(OpKind.STATS, 0, 0, layer="fc", part="A"), Op(OpKind.BWD, 0, 0),
-            Op(OpKind.STATS, 0, 0, layer="fc", part="B"), Op(OpKind.SYNC_STATS, 0, layer="fc", part="A"),
-            *( [Op(OpKind.DECOMP, 0, layer="fc", part="A")] if r == 1 else []),
-            Op(OpKind.BCAST, 0, layer="fc", part="A", root=1), Op(OpKind.ALLREDUCE_GRAD, 0),
-            Op(OpKind.APPLY, 0), Op(OpKind.OPT_STEP)]
+        r: [
+            Op(OpKind.FWD, 0, 0),
+            Op(OpKind.STATS, 0, 0, layer="fc", part="A"),
+            Op(OpKind.BWD, 0, 0),
+            Op(OpKind.STATS, 0, 0, layer="fc", part="B"),
+            Op(OpKind.SYNC_STATS, 0, layer="fc", part="A"),
+            *([Op(OpKind.DECOMP, 0, layer="fc", part="A")] if r == 1 else []),
+            Op(OpKind.BCAST, 0, layer="fc", part="A", root=1),
+            Op(OpKind.ALLREDUCE_GRAD, 0),
+            Op(OpKind.APPLY, 0),
+            Op(OpKind.OPT_STEP),
+        ]
         for r in (0, 1)
     }
-    dur = {OpKind.FWD: 1, OpKind.BWD: 2, OpKind.STATS: 0.5, OpKind.SYNC_STATS: 0.25, OpKind.DECOMP: 3,
-           OpKind.BCAST: 0.25, OpKind.APPLY: 1, OpKind.ALLREDUCE_GRAD: 0.5}
-    timeline = simulate(programs, lambda r, op: 4 * dur.get(op.kind, 0) if r == 0 and op.kind is OpKind.BWD
-                        else dur.get(op.kind, 0))
+    dur = {
+        OpKind.FWD: 1,
+        OpKind.BWD: 2,
+        OpKind.STATS: 0.5,
+        OpKind.SYNC_STATS: 0.25,
+        OpKind.DECOMP: 3,
+        OpKind.BCAST: 0.25,
+        OpKind.APPLY: 1,
+        OpKind.ALLREDUCE_GRAD: 0.5,
+    }
+    timeline = simulate(
+        programs, lambda r, op: 4 * dur.get(op.kind, 0) if r == 0 and op.kind is OpKind.BWD else dur.get(op.kind, 0)
+    )
     at = {(iv.rank, iv.op.kind): (iv.start, iv.end) for iv in timeline.intervals}
     # rank 0: F 0-1, STATS A 1-1.5, slow B 1.5-9.5, STATS B 9.5-10; rank 1 is done at 4 and waits.
     assert at[0, OpKind.SYNC_STATS] == at[1, OpKind.SYNC_STATS] == (10, 10.25)
@@ -170,8 +208,13 @@ def test_unmatched_receive_and_missing_collective_member_deadlock() -> None:
     with pytest.raises(DeadlockError, match="matching send on rank 1"):
         simulate({0: [Op(OpKind.RECV_ACT, 1, 0, peer=1)], 1: [Op(OpKind.FWD, 0, 0)]}, fb(1, 1))
     with pytest.raises(DeadlockError, match=r"ranks \[1\] to reach it"):
-        simulate({0: [Op(OpKind.ALLREDUCE_GRAD, 0)], 1: [Op(OpKind.BWD, 0, 0, pipe=1), Op(OpKind.FWD, 0, 0, pipe=1),
-                                                         Op(OpKind.ALLREDUCE_GRAD, 0)]}, fb(1, 1))
+        simulate(
+            {
+                0: [Op(OpKind.ALLREDUCE_GRAD, 0)],
+                1: [Op(OpKind.BWD, 0, 0, pipe=1), Op(OpKind.FWD, 0, 0, pipe=1), Op(OpKind.ALLREDUCE_GRAD, 0)],
+            },
+            fb(1, 1),
+        )
 
 
 def test_stage_rank_agrees_with_where_the_schedule_puts_ops() -> None:

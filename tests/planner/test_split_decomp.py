@@ -34,8 +34,7 @@ def test_pieces_are_placed_in_order_on_one_rank(method: str) -> None:
     assert len(decomps) == 3 * 2 * 2  # 3 pieces of A and B of one layer per stage
     for layer in {p.op.layer for p in decomps}:
         for part in "AB":
-            chain = sorted((p for p in decomps if (p.op.layer, p.op.part) == (layer, part)),
-                           key=lambda p: p.op.piece)
+            chain = sorted((p for p in decomps if (p.op.layer, p.op.part) == (layer, part)), key=lambda p: p.op.piece)
             assert [p.op.piece for p in chain] == [(0, 3), (1, 3), (2, 3)]
             assert len({p.device for p in chain}) == 1
             assert all(a.end <= b.start + 1e-9 for a, b in zip(chain, chain[1:]))
@@ -47,8 +46,14 @@ def test_the_validator_refuses_pieces_out_of_order_or_apart() -> None:
     split = dataclasses.replace(LONG, decomp_pieces=3)
     plan = solve(split, FAST, method="greedy")
     placements = list(plan.placements)
-    first, second = (next(i for i, p in enumerate(placements) if p.op.kind is OpKind.DECOMP and p.op.layer == "l0_0"
-                          and p.op.part == "A" and p.op.piece == (j, 3)) for j in (0, 1))
+    first, second = (
+        next(
+            i
+            for i, p in enumerate(placements)
+            if p.op.kind is OpKind.DECOMP and p.op.layer == "l0_0" and p.op.part == "A" and p.op.piece == (j, 3)
+        )
+        for j in (0, 1)
+    )
     a, b = placements[first], placements[second]
     swapped = list(placements)
     swapped[first] = dataclasses.replace(a, op=b.op)
@@ -66,10 +71,14 @@ def test_the_validator_refuses_a_refresh_unfinished_when_the_next_one_starts_its
     split = dataclasses.replace(LONG, decomp_pieces=3)
     plan = solve(split, FAST, method="cpsat")
     placements = list(plan.placements)
-    last_b = next(i for i, p in enumerate(placements) if p.op.kind is OpKind.DECOMP and p.op.layer == "l0_0"
-                  and p.op.part == "B" and p.op.piece == (2, 3))
+    last_b = next(
+        i
+        for i, p in enumerate(placements)
+        if p.op.kind is OpKind.DECOMP and p.op.layer == "l0_0" and p.op.part == "B" and p.op.piece == (2, 3)
+    )
     late = placements[last_b]
     placements[last_b] = dataclasses.replace(late, start=late.start + 1000.0, end=late.end + 1000.0)
     errors = validate(split, dataclasses.replace(plan, placements=tuple(placements)))
-    assert any("DECOMP s0 B 2/3 l0_0 ends after the next refresh of l0_0 starts its first piece" in e
-               for e in errors), errors
+    assert any(
+        "DECOMP s0 B 2/3 l0_0 ends after the next refresh of l0_0 starts its first piece" in e for e in errors
+    ), errors

@@ -15,8 +15,12 @@ from fxkfac.planner.simulate import Timeline, simulate
 from fxkfac.planner.step_timeline import base_programs, plain_step_time, reference_programs, step_timeline
 
 # (schedule, v, N for a given D): interleaved and chimera need N a multiple of D.
-SHAPES = [("gpipe", 1, lambda D: D + 1), ("1f1b", 1, lambda D: 2 * D), ("interleaved", 2, lambda D: D),
-          ("chimera", 1, lambda D: D)]
+SHAPES = [
+    ("gpipe", 1, lambda D: D + 1),
+    ("1f1b", 1, lambda D: 2 * D),
+    ("interleaved", 2, lambda D: D),
+    ("chimera", 1, lambda D: D),
+]
 
 SECONDS = st.one_of(st.just(0.0), st.floats(1e-9, 1e-5), st.floats(1e-3, 0.1), st.floats(0.5, 5.0))
 """Zero, near zero, and milliseconds to seconds: stages and APPLY up to 10^9 times apart."""
@@ -24,8 +28,10 @@ SECONDS = st.one_of(st.just(0.0), st.floats(1e-9, 1e-5), st.floats(1e-3, 0.1), s
 
 def _costs(times: list[tuple[float, float, float]]) -> CostTable:
     """One stage per (fwd, bwd, prec), each with one K-FAC layer that carries the APPLY time."""
-    stages = tuple(StageCost(f, b, 0, 0, (LayerCost.kfac(f"layer{s}", 0.0, 0.0, 0.0, 0.0, p, 0, 0, 0, 0),))
-                   for s, (f, b, p) in enumerate(times))
+    stages = tuple(
+        StageCost(f, b, 0, 0, (LayerCost.kfac(f"layer{s}", 0.0, 0.0, 0.0, 0.0, p, 0, 0, 0, 0),))
+        for s, (f, b, p) in enumerate(times)
+    )
     return CostTable(stages, 1, "test", "test")
 
 
@@ -52,7 +58,8 @@ def _assert_repeats(problem: Problem, times: list[tuple[float, float, float]], w
             got = _step(run, rank, j, j * step.length)
             assert [op for op, _, _ in got] == [op for op, _, _ in step.ops[rank]]
             assert [t for _, a, b in got for t in (a, b)] == pytest.approx(
-                [t for _, a, b in step.ops[rank] for t in (a, b)], rel=1e-9, abs=tol)
+                [t for _, a, b in step.ops[rank] for t in (a, b)], rel=1e-9, abs=tol
+            )
     for j in range(steps - 1):  # the barrier: step j+1 starts nowhere before step j has ended everywhere
         ended = max(iv.end for iv in run.intervals if iv.step == j)
         assert min(iv.start for iv in run.intervals if iv.step == j + 1) >= ended - tol
@@ -67,8 +74,9 @@ def _assert_repeats(problem: Problem, times: list[tuple[float, float, float]], w
     with_prec=st.booleans(),
     data=st.data(),
 )
-def test_step_timeline_is_every_step_of_a_multi_step_simulation(shape: tuple, D: int, W: int, steps: int,
-                                                                 with_prec: bool, data: st.DataObject) -> None:
+def test_step_timeline_is_every_step_of_a_multi_step_simulation(
+    shape: tuple, D: int, W: int, steps: int, with_prec: bool, data: st.DataObject
+) -> None:
     schedule, v, n_of = shape
     S = D * v
     times = data.draw(st.lists(st.tuples(SECONDS, SECONDS, SECONDS), min_size=S, max_size=S), label="fwd/bwd/prec")

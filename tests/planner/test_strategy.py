@@ -77,7 +77,12 @@ def test_mem_opt_tail_applies_own_layers_and_broadcasts_every_layer() -> None:
     timings = {n: LayerTiming(1, 0, 0, "deferred") for n in ("x", "y")}
     where = {"x": LayerDistribution(parse_strategy("mem-opt"), 0), "y": LayerDistribution(parse_strategy("mem-opt"), 1)}
     tail = kfac_tail(1, [(0, 0)], 0, timings, {0: ["x", "y"]}, {0: (0, 1)}, distributions=where)
-    assert tail == [Op(OpKind.SYNC_STATS, 0, layer="x"), Op(OpKind.SYNC_STATS, 0, layer="y"),
-                    Op(OpKind.DECOMP, 0, layer="y", part="A"), Op(OpKind.DECOMP, 0, layer="y", part="B"),
-                    Op(OpKind.APPLY, 0, layer="y"),
-                    Op(OpKind.BCAST_PREC, 0, root=0, layer="x"), Op(OpKind.BCAST_PREC, 0, root=1, layer="y")]
+    assert tail == [
+        Op(OpKind.SYNC_STATS, 0, layer="x"),
+        Op(OpKind.SYNC_STATS, 0, layer="y"),
+        Op(OpKind.DECOMP, 0, layer="y", part="A"),
+        Op(OpKind.DECOMP, 0, layer="y", part="B"),
+        Op(OpKind.APPLY, 0, layer="y"),
+        Op(OpKind.BCAST_PREC, 0, root=0, layer="x"),
+        Op(OpKind.BCAST_PREC, 0, root=1, layer="y"),
+    ]

@@ -26,9 +26,26 @@ MS = 1e-3
 
 def _chimera_costs(layers: int = 6) -> CostTable:
     """The brief's Chimera D=2 case: 1/2 ms F/B per stage, 0.1 ms curvature, 0.25/0.2 ms inversions."""
-    return CostTable(tuple(StageCost(1 * MS, 2 * MS, 1 << 20, 1 << 16, tuple(
-        LayerCost.kfac(f"l{s}_{i}", .1 * MS, .1 * MS, .25 * MS, .2 * MS, .01 * MS, 4096, 4096, 4096, 4096)
-        for i in range(layers))) for s in range(2)), 2, "synthetic", "cpu")
+    return CostTable(
+        tuple(
+            StageCost(
+                1 * MS,
+                2 * MS,
+                1 << 20,
+                1 << 16,
+                tuple(
+                    LayerCost.kfac(
+                        f"l{s}_{i}", 0.1 * MS, 0.1 * MS, 0.25 * MS, 0.2 * MS, 0.01 * MS, 4096, 4096, 4096, 4096
+                    )
+                    for i in range(layers)
+                ),
+            )
+            for s in range(2)
+        ),
+        2,
+        "synthetic",
+        "cpu",
+    )
 
 
 def _added(plan: Plan) -> float:
@@ -51,8 +68,10 @@ def test_chimera_d2_has_no_bubble_and_plans_with_the_least_stretch() -> None:
     # one tick the grid blocks at the second all-reduce, between the two PRECs ([Note: time grid]).
     tick = 1e-5
     assert all(len(copies_of_stage(p, s)) == 2 for s in range(2))
-    work = [sum(0.1 * MS * 6 for _ in step_timeline(p).fixed(d)) + (12 * .25 * MS + 12 * .2 * MS) / 2 + 2 * 24 * tick
-            for d in p.devices]
+    work = [
+        sum(0.1 * MS * 6 for _ in step_timeline(p).fixed(d)) + (12 * 0.25 * MS + 12 * 0.2 * MS) / 2 + 2 * 24 * tick
+        for d in p.devices
+    ]
     assert max(work) <= plan.metrics.stretch <= max(work) + tick + 1e-12
     with pytest.raises(PlanError):  # one tick less does not place it (k=1 is the only period allowed)
         solve(dataclasses.replace(p, max_period=1, max_overhead=(plan.metrics.stretch - tick) / reference), FAST)
@@ -60,12 +79,19 @@ def test_chimera_d2_has_no_bubble_and_plans_with_the_least_stretch() -> None:
     assert kfac and all(pl.end <= 2 * plan.metrics.step_time + 1e-12 for pl in kfac)
 
 
-@pytest.mark.parametrize("schedule,N,curv,inv,overhead", [
-    ("1f1b", 2, 1, 3, 0.3), ("1f1b", 1, 2, 4, 0.6), ("1f1b", 1, 1, 5, 1.0), ("gpipe", 1, 2, 4, 0.8),
-    ("gpipe", 1, 1, 5, 1.0),
-])
+@pytest.mark.parametrize(
+    "schedule,N,curv,inv,overhead",
+    [
+        ("1f1b", 2, 1, 3, 0.3),
+        ("1f1b", 1, 2, 4, 0.6),
+        ("1f1b", 1, 1, 5, 1.0),
+        ("gpipe", 1, 2, 4, 0.8),
+        ("gpipe", 1, 1, 5, 1.0),
+    ],
+)
 def test_a_layer_longer_than_every_bubble_plans_with_the_least_stretch_by_brute_force(
-        schedule: str, N: int, curv: int, inv: int, overhead: float) -> None:
+    schedule: str, N: int, curv: int, inv: int, overhead: float
+) -> None:
     p = problem(schedule, 2, N, fwd=1, bwd=2, curv=curv, inv=inv, prec=1, max_period=4, max_overhead=overhead)
     reference = round(step_timeline(p).length)
     with pytest.raises(PlanError, match="Solved with: max_overhead="):  # bubbles alone cannot hold the inversion
@@ -96,8 +122,11 @@ def test_the_error_names_the_least_max_overhead_that_places_the_work() -> None:
 
 def test_max_overhead_zero_plans_are_what_they_were_without_stretching() -> None:
     one = SolverConfig(time_limit_s=20.0, num_workers=1)
-    for p in (problem("1f1b", 4, 4, layers=2), problem("gpipe", 2, 3, curv=0.25, inv=1.0),
-              problem("chimera", 4, 4, W=2, curv=0.5, inv=1.0, prec=0.25)):
+    for p in (
+        problem("1f1b", 4, 4, layers=2),
+        problem("gpipe", 2, 3, curv=0.25, inv=1.0),
+        problem("chimera", 4, 4, W=2, curv=0.5, inv=1.0, prec=0.25),
+    ):
         plan = solve(p, one)
         off = solve(p, dataclasses.replace(one, stretch=False))
         assert plan.metrics.stretch == 0.0 and plan.metrics.step_time == plan.metrics.step_time_reference

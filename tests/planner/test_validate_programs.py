@@ -15,9 +15,19 @@ MS = 1e-3
 
 
 def _plan() -> Plan:
-    stages = tuple(StageCost(1 * MS, 2 * MS, 1 << 20, 1 << 16, tuple(
-        LayerCost.kfac(f"s{s}.l{i}", .1 * MS, .1 * MS, .25 * MS, .2 * MS, .01 * MS, 4096, 4096, 4096, 4096)
-        for i in range(3))) for s in range(2))
+    stages = tuple(
+        StageCost(
+            1 * MS,
+            2 * MS,
+            1 << 20,
+            1 << 16,
+            tuple(
+                LayerCost.kfac(f"s{s}.l{i}", 0.1 * MS, 0.1 * MS, 0.25 * MS, 0.2 * MS, 0.01 * MS, 4096, 4096, 4096, 4096)
+                for i in range(3)
+            ),
+        )
+        for s in range(2)
+    )
     problem = Problem("gpipe", 2, 2, CostTable(stages, 2, "test", "cpu"))
     return solve(problem, SolverConfig(time_limit_s=2))
 

@@ -17,8 +17,20 @@ from fxkfac.config import KFACConfig, PipelineOptions
 from fxkfac.planner.ir import LayerTiming
 from tests.support import models
 
-__all__ = ["KFAC", "bert_batches", "mlp_batches", "bert_trainer", "mlp_trainer", "mlp_single", "snapshot",
-           "same_snapshot", "crash_worker", "resume_worker", "nan_run", "collective_death_worker"]
+__all__ = [
+    "KFAC",
+    "bert_batches",
+    "mlp_batches",
+    "bert_trainer",
+    "mlp_trainer",
+    "mlp_single",
+    "snapshot",
+    "same_snapshot",
+    "crash_worker",
+    "resume_worker",
+    "nan_run",
+    "collective_death_worker",
+]
 
 KFAC = KFACConfig(damping=1e-2, factor_decay=0.9, kl_clip=1e-2)
 BERT_STEPS = 5
@@ -45,8 +57,10 @@ def _sgd(params: list) -> torch.optim.Optimizer:
 
 def _mixed_timings(names: list[str]) -> dict[str, LayerTiming]:
     """Fused at step 0 used at once, deferred at step 1 used a step later: a pending inverse at step 2."""
-    return {n: LayerTiming(2, 0, 0, "fused") if i % 2 == 0 else LayerTiming(2, 1, 1, "deferred")
-            for i, n in enumerate(names)}
+    return {
+        n: LayerTiming(2, 0, 0, "fused") if i % 2 == 0 else LayerTiming(2, 1, 1, "deferred")
+        for i, n in enumerate(names)
+    }
 
 
 def bert_trainer(timeout: float = 20.0) -> Any:
@@ -55,9 +69,20 @@ def bert_trainer(timeout: float = 20.0) -> Any:
 
     ids = bert_batches()[0][0]
     names = [layer.name for layer in capture(_bert(), (ids[:2],), KFAC).layers]
-    return fxkfac.compile(_bert(), (2, 1), None, kfac=KFAC, example_inputs=(ids,), loss_fn=_bert_loss, optimizer=_sgd,
-                          schedule="1f1b", microbatches=2, layer_timing=_mixed_timings(names), backend=None,
-                          pipeline=PipelineOptions(timeout=timeout))
+    return fxkfac.compile(
+        _bert(),
+        (2, 1),
+        None,
+        kfac=KFAC,
+        example_inputs=(ids,),
+        loss_fn=_bert_loss,
+        optimizer=_sgd,
+        schedule="1f1b",
+        microbatches=2,
+        layer_timing=_mixed_timings(names),
+        backend=None,
+        pipeline=PipelineOptions(timeout=timeout),
+    )
 
 
 def mlp_batches(steps: int, *, nan_at: tuple[int, ...] = ()) -> list[tuple[torch.Tensor, Any]]:
@@ -85,17 +110,37 @@ def mlp_trainer(schedule: str = "1f1b", period: int = 1, **kw: Any) -> Any:
     """A 2-rank PipeFisher run of the 3-layer MLP (N=2)."""
     timings = {n: LayerTiming(period, 0, 0, "fused") for n in MLP_LAYERS}
     options = PipelineOptions(timeout=kw.pop("timeout", 20.0), **kw)
-    return fxkfac.compile(models.mlp(), (2, 1), None, kfac=KFAC, example_inputs=(mlp_batches(1)[0][0],),
-                          loss_fn=mlp_loss, optimizer=_sgd, schedule=schedule, microbatches=2, backend=None,
-                          layer_timing=timings, pipeline=options)
+    return fxkfac.compile(
+        models.mlp(),
+        (2, 1),
+        None,
+        kfac=KFAC,
+        example_inputs=(mlp_batches(1)[0][0],),
+        loss_fn=mlp_loss,
+        optimizer=_sgd,
+        schedule=schedule,
+        microbatches=2,
+        backend=None,
+        layer_timing=timings,
+        pipeline=options,
+    )
 
 
 def mlp_single(period: int = 1, **kw: Any) -> Any:
     """The single-device trainer of the pipelined MLP run (N*W = 2 micro-batches, the same timings)."""
     timings = {n: LayerTiming(period, 0, 0, "fused") for n in MLP_LAYERS}
-    return fxkfac.compile(models.mlp(), None, example_inputs=(mlp_batches(1)[0][0],), loss_fn=mlp_loss,
-                          optimizer=_sgd, kfac=KFAC, microbatches=2, backend=None, layer_timing=timings,
-                          pipeline=PipelineOptions(**kw))
+    return fxkfac.compile(
+        models.mlp(),
+        None,
+        example_inputs=(mlp_batches(1)[0][0],),
+        loss_fn=mlp_loss,
+        optimizer=_sgd,
+        kfac=KFAC,
+        microbatches=2,
+        backend=None,
+        layer_timing=timings,
+        pipeline=PipelineOptions(**kw),
+    )
 
 
 def snapshot(trainer: Any) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -203,18 +248,30 @@ def _bad_construction(plan_path: str) -> dict:
     out: dict[str, Any] = {}
     for name, kw in (("microbatches", {"microbatches": 3}), ("plan for another mesh", {"plan": plan_path})):
         try:
-            fxkfac.compile(model, (2, 1), kfac=KFAC, example_inputs=(mlp_batches(1)[0][0],), loss_fn=mlp_loss,
-                           optimizer=_sgd, schedule="1f1b", backend=None, **{"plan": None, "microbatches": 2, **kw})
+            fxkfac.compile(
+                model,
+                (2, 1),
+                kfac=KFAC,
+                example_inputs=(mlp_batches(1)[0][0],),
+                loss_fn=mlp_loss,
+                optimizer=_sgd,
+                schedule="1f1b",
+                backend=None,
+                **{"plan": None, "microbatches": 2, **kw},
+            )
             out[name] = ("no error", "")
         except FxkfacError as e:
             out[name] = _error(e)
-    out["untouched"] = (all(torch.equal(p, params[n]) for n, p in model.named_parameters())
-                        and Path(plan_path).read_bytes() == plan_bytes)
+    out["untouched"] = (
+        all(torch.equal(p, params[n]) for n, p in model.named_parameters())
+        and Path(plan_path).read_bytes() == plan_bytes
+    )
     return out
 
 
-def resume_worker(rank: int, world: int, ckpt: str, mlp_ckpt: str, single_ckpt: str, plan_path: str,
-                  scratch: str) -> dict:
+def resume_worker(
+    rank: int, world: int, ckpt: str, mlp_ckpt: str, single_ckpt: str, plan_path: str, scratch: str
+) -> dict:
     """Bad checkpoints are refused with nothing changed; the step-2 checkpoint resumes; the MLP's checkpoints load
     under another plan, schedule and mesh; interrupted saves; bad constructor input; a NaN step (`nan_run`)."""
     import fxkfac.checkpoint_files as checkpoint_files
@@ -234,8 +291,10 @@ def resume_worker(rank: int, world: int, ckpt: str, mlp_ckpt: str, single_ckpt: 
     same, single = mlp_trainer(), mlp_single()
     same.load_checkpoint(mlp_ckpt)
     single.load_checkpoint(single_ckpt)
-    resharded = {"another plan": _resharded(mlp_trainer(period=2), mlp_ckpt, same),
-                 "another schedule": _resharded(mlp_trainer(schedule="gpipe"), mlp_ckpt, same)}
+    resharded = {
+        "another plan": _resharded(mlp_trainer(period=2), mlp_ckpt, same),
+        "another schedule": _resharded(mlp_trainer(schedule="gpipe"), mlp_ckpt, same),
+    }
     gpipe = mlp_trainer(schedule="gpipe")
     resharded["one-device checkpoint"] = _resharded(gpipe, single_ckpt, single)
     before = snapshot(gpipe)
@@ -270,10 +329,20 @@ def resume_worker(rank: int, world: int, ckpt: str, mlp_ckpt: str, single_ckpt: 
     leftovers = sorted(p.name for p in Path(scratch).iterdir() if p.name.startswith("again."))
     trainer.load_checkpoint(again)
     reloaded = same_snapshot(saved, snapshot(trainer))
-    return {"refusals": refusals, "resharded": resharded, "loaded_step": loaded_step, "losses": losses, "final": final,
-            "failed_save": failed_save, "unchanged": unchanged, "leftovers": leftovers, "reloaded": reloaded,
-            "nan": nan_run(NAN_AT, NAN_STEPS), "other_batch": other_batch,
-            "construction": _bad_construction(plan_path)}
+    return {
+        "refusals": refusals,
+        "resharded": resharded,
+        "loaded_step": loaded_step,
+        "losses": losses,
+        "final": final,
+        "failed_save": failed_save,
+        "unchanged": unchanged,
+        "leftovers": leftovers,
+        "reloaded": reloaded,
+        "nan": nan_run(NAN_AT, NAN_STEPS),
+        "other_batch": other_batch,
+        "construction": _bad_construction(plan_path),
+    }
 
 
 def nan_run(nan_at: tuple[int, ...], steps: int) -> dict:
@@ -294,9 +363,16 @@ def nan_run(nan_at: tuple[int, ...], steps: int) -> dict:
             strict.step(x, y)
         except NonFiniteError as e:
             errors.append(_error(e))
-    return {"states": states, "losses": losses, "skipped": trainer.skipped_steps, "steps": trainer.steps,
-            "params": params, "strict_errors": errors, "strict_skipped": strict.skipped_steps,
-            "strict_steps": strict.steps}
+    return {
+        "states": states,
+        "losses": losses,
+        "skipped": trainer.skipped_steps,
+        "steps": trainer.steps,
+        "params": params,
+        "strict_errors": errors,
+        "strict_skipped": strict.skipped_steps,
+        "strict_steps": strict.steps,
+    }
 
 
 def collective_death_worker(rank: int, world: int, where: str) -> dict:
@@ -308,6 +384,7 @@ def collective_death_worker(rank: int, world: int, where: str) -> dict:
     batches = mlp_batches(2)
     trainer.step(*batches[0])
     if rank == 1:
+
         def die(*args: Any) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 

@@ -13,27 +13,49 @@ from fxkfac.planner.ir import LayerTiming
 from tests.runtime import checkpoint_workers as cw
 from tests.support import models
 
-__all__ = ["STEPS", "TIMINGS", "mlp_run", "train", "params", "unit_states", "write_worker", "widen_worker",
-           "narrow_worker"]
+__all__ = [
+    "STEPS",
+    "TIMINGS",
+    "mlp_run",
+    "train",
+    "params",
+    "unit_states",
+    "write_worker",
+    "widen_worker",
+    "narrow_worker",
+]
 
 STEPS = 6
 MICROBATCHES_TOTAL = 4  # W x N of every layout here
-TIMINGS = {n: LayerTiming(2, 0, 0, "fused") if i % 2 == 0 else LayerTiming(2, 1, 1, "deferred")
-           for i, n in enumerate(cw.MLP_LAYERS)}
+TIMINGS = {
+    n: LayerTiming(2, 0, 0, "fused") if i % 2 == 0 else LayerTiming(2, 1, 1, "deferred")
+    for i, n in enumerate(cw.MLP_LAYERS)
+}
 """Refreshes at even and odd steps; the odd ones used a step later: a checkpoint at step 2 holds pending inverses."""
 
 
 def mlp_run(D: int, W: int, strategy: str = "comm-opt") -> Any:
     """This rank's trainer of the K-FAC MLP on a D x W mesh (critical-path programs, TIMINGS, `strategy`)."""
-    return fxkfac.compile(models.mlp(), (D, W), None, kfac=cw.KFAC, example_inputs=(cw.mlp_batches(1)[0][0],),
-                          loss_fn=cw.mlp_loss, optimizer=cw._sgd, schedule="1f1b",
-                          microbatches=MICROBATCHES_TOTAL // W, backend=None, layer_timing=TIMINGS,
-                          pipeline=PipelineOptions(timeout=30.0), plan_options=PlanOptions(strategy=strategy))
+    return fxkfac.compile(
+        models.mlp(),
+        (D, W),
+        None,
+        kfac=cw.KFAC,
+        example_inputs=(cw.mlp_batches(1)[0][0],),
+        loss_fn=cw.mlp_loss,
+        optimizer=cw._sgd,
+        schedule="1f1b",
+        microbatches=MICROBATCHES_TOTAL // W,
+        backend=None,
+        layer_timing=TIMINGS,
+        pipeline=PipelineOptions(timeout=30.0),
+        plan_options=PlanOptions(strategy=strategy),
+    )
 
 
 def train(trainer: Any, until: int) -> None:
     """Step `trainer` from its step to step `until` on the fixed batches."""
-    for x, y in cw.mlp_batches(STEPS)[trainer.steps:until]:
+    for x, y in cw.mlp_batches(STEPS)[trainer.steps : until]:
         trainer.step(x, y)
 
 
@@ -44,8 +66,11 @@ def params(trainer: Any) -> dict[str, torch.Tensor]:
 
 def unit_states(trainer: Any) -> dict[str, dict[str, Any]]:
     """The `state_dict` (copies) of each unit whose statistics this rank holds: under DP-KFAC only the owner's."""
-    return {n: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.state_dict().items()}
-            for n, s in trainer.layer_states.items() if s.A is not None}
+    return {
+        n: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.state_dict().items()}
+        for n, s in trainer.layer_states.items()
+        if s.A is not None
+    }
 
 
 def _dp_kfac_resumes_exactly(ckpt: str) -> dict:
@@ -91,8 +116,16 @@ def write_worker(rank: int, world: int, dp_ckpt: str, pp_ckpt: str, mem_ckpt: st
     return {"dp": params(dp), "pp": params(pp), "pending": pending, **_dp_kfac_resumes_exactly(dp_kfac_ckpt)}
 
 
-def widen_worker(rank: int, world: int, dp_ckpt: str, pp_ckpt: str, mem_ckpt: str, wide_ckpt: str,
-                 hybrid_ckpt: str, dp_kfac_ckpt: str) -> dict:
+def widen_worker(
+    rank: int,
+    world: int,
+    dp_ckpt: str,
+    pp_ckpt: str,
+    mem_ckpt: str,
+    wide_ckpt: str,
+    hybrid_ckpt: str,
+    dp_kfac_ckpt: str,
+) -> dict:
     """4 ranks: W=2's checkpoints resumed at W=4 (COMM-OPT's under COMM-OPT, MEM-OPT's under HYBRID 0.5), trained
     to step 4 and saved; the pipeline's (pp=2, W=1) resumed at pp=1, W=4 and trained to the end; DP-KFAC's loaded
     under DP-KFAC at W=4."""
@@ -110,8 +143,13 @@ def widen_worker(rank: int, world: int, dp_ckpt: str, pp_ckpt: str, mem_ckpt: st
     flat.load_checkpoint(pp_ckpt)
     from_pp = flat.steps
     train(flat, STEPS)
-    return {"loaded": loaded, "pending": pending, "from_pp": from_pp, "pp": params(flat),
-            "dp_kfac": _loads_owners_states(dp_kfac_ckpt, 4, "dp-kfac")}
+    return {
+        "loaded": loaded,
+        "pending": pending,
+        "from_pp": from_pp,
+        "pp": params(flat),
+        "dp_kfac": _loads_owners_states(dp_kfac_ckpt, 4, "dp-kfac"),
+    }
 
 
 def narrow_worker(rank: int, world: int, wide_ckpt: str, hybrid_ckpt: str, dp_kfac_ckpt: str) -> dict:
@@ -124,5 +162,9 @@ def narrow_worker(rank: int, world: int, wide_ckpt: str, hybrid_ckpt: str, dp_kf
     mem = mlp_run(1, 2, "mem-opt")
     mem.load_checkpoint(hybrid_ckpt)
     train(mem, STEPS)
-    return {"loaded": loaded, "dp": params(dp), "mem": params(mem),
-            "dp_kfac": _loads_owners_states(dp_kfac_ckpt, 2, "comm-opt")}
+    return {
+        "loaded": loaded,
+        "dp": params(dp),
+        "mem": params(mem),
+        "dp_kfac": _loads_owners_states(dp_kfac_ckpt, 2, "comm-opt"),
+    }

@@ -86,14 +86,20 @@ def test_failed_save_keeps_the_previous_checkpoint(tmp_path: Path, monkeypatch: 
 
 
 def test_state_split_into_json_and_tensors_round_trips() -> None:
-    state = {"model": {"w": torch.ones(2)}, "optimizer": {"state": {0: {"step": torch.tensor(3.0), "n": 4}},
-                                                          "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]},
-             "inflight": {"outbox": [["l", "A", [None, {"method": "cholesky", "inv": torch.eye(2)}]]]}}
+    state = {
+        "model": {"w": torch.ones(2)},
+        "optimizer": {
+            "state": {0: {"step": torch.tensor(3.0), "n": 4}},
+            "param_groups": [{"lr": 0.1, "betas": (0.9, 0.99)}],
+        },
+        "inflight": {"outbox": [["l", "A", [None, {"method": "cholesky", "inv": torch.eye(2)}]]]},
+    }
     skeleton, tensors = checkpoint_files.split_tensors(state, 3)
     assert set(tensors) == {"model/w", "optimizer/state/0/step", "rank3/inflight/outbox/0/2/1/inv"}
     back = checkpoint_files.join_tensors(json.loads(json.dumps(skeleton)), tensors)
-    assert back["optimizer"]["state"][0]["n"] == 4 and torch.equal(back["optimizer"]["state"][0]["step"],
-                                                                      torch.tensor(3.0))
+    assert back["optimizer"]["state"][0]["n"] == 4 and torch.equal(
+        back["optimizer"]["state"][0]["step"], torch.tensor(3.0)
+    )
     assert back["inflight"]["outbox"][0][2][0] is None and back["optimizer"]["param_groups"][0]["betas"] == [0.9, 0.99]
 
 
@@ -104,8 +110,9 @@ def _runtime() -> PreconditionerRuntime:
     copies = {0: StageCopies((0,), None)}
     alone = Transport(0, 1, TagSpace(1, 1, 1), timedelta(seconds=1))
     step_end = StepEnd.build(KLClipScope.GLOBAL, alone, [(0,)], 1)
-    return PreconditionerRuntime(KFACFamily(cw.KFAC), layers, {n: 0 for n in layers}, timings, copies, 0, 2, 8,
-                                 step_end)
+    return PreconditionerRuntime(
+        KFACFamily(cw.KFAC), layers, {n: 0 for n in layers}, timings, copies, 0, 2, 8, step_end
+    )
 
 
 def test_kfac_work_in_flight_round_trips_through_a_checkpoint_state() -> None:
@@ -157,33 +164,44 @@ def test_killed_rank_fails_the_job_and_a_fresh_launch_resumes_exactly(tmp_path: 
     (tmp_path / "scratch").mkdir()
     plan_path = str(tmp_path / "plan-2x2.json")
     _plan_for_a_2x2_mesh().save(plan_path)
-    results = _ok(run_distributed(cw.resume_worker, 2, ckpt, mlp_ckpt, single_ckpt, plan_path,
-                                  str(tmp_path / "scratch"), timeout=300))
+    results = _ok(
+        run_distributed(
+            cw.resume_worker, 2, ckpt, mlp_ckpt, single_ckpt, plan_path, str(tmp_path / "scratch"), timeout=300
+        )
+    )
     for r in results:
         v = r.value
         assert v["loaded_step"] == cw.SAVE_AT
-        assert v["losses"] == survivor.value["losses"][cw.SAVE_AT:]
+        assert v["losses"] == survivor.value["losses"][cw.SAVE_AT :]
         reference = torch.load(f"{ckpt}.reference-{r.rank}.pt", weights_only=True)
         assert cw.same_snapshot(reference, v["final"]) == [], f"rank {r.rank} did not resume exactly"
         _check_refusals(v["refusals"])
-        assert v["resharded"] == {"another plan": (2, []), "another schedule": (2, []),
-                                  "one-device checkpoint": (1, [])}
+        assert v["resharded"] == {
+            "another plan": (2, []),
+            "another schedule": (2, []),
+            "one-device checkpoint": (1, []),
+        }
         kind, message = v["failed_save"]
         assert kind == "CheckpointError" and "failed" in message, v["failed_save"]
         assert v["unchanged"] and v["reloaded"] == []
         assert v["leftovers"] and all(".tmp-" in name for name in v["leftovers"])
         _check_nan_run(v["nan"])
         kind, message, changed = v["other_batch"]
-        assert kind == "ConfigError" and ("inputs have shapes/dtypes [6, 12] float32, but the model was compiled "
-                                          "for example_inputs of [8, 12]") in message
+        assert (
+            kind == "ConfigError"
+            and ("inputs have shapes/dtypes [6, 12] float32, but the model was compiled for example_inputs of [8, 12]")
+            in message
+        )
         assert changed == []
         built = v["construction"]
         assert built["untouched"], "a failed construction changed the model or the plan file"
         assert built["microbatches"][0] == "ConfigError"
         assert "microbatches=3 x 1 replica(s) does not divide the mini-batch of 8" in built["microbatches"][1]
         assert built["plan for another mesh"][0] == "PlanMismatchError"
-        assert re.search(r"was made for 1f1b D=2 N=2 W=2 v=1, but this run is 1f1b D=2 N=2 W=1 v=1",
-                         built["plan for another mesh"][1]), built["plan for another mesh"]
+        assert re.search(
+            r"was made for 1f1b D=2 N=2 W=2 v=1, but this run is 1f1b D=2 N=2 W=1 v=1",
+            built["plan for another mesh"][1],
+        ), built["plan for another mesh"]
 
 
 def _plan_for_a_2x2_mesh() -> Plan:
@@ -191,8 +209,15 @@ def _plan_for_a_2x2_mesh() -> Plan:
     from fxkfac.planner.analytic import analytic_cost_table
     from fxkfac.planner.problem import Problem, SolverConfig
 
-    problem = Problem("1f1b", 2, 2, analytic_cost_table("bert-base", 2, 2, 128), W=2, max_overhead=1.0,
-                      fingerprint="fx1-0000000000000000")
+    problem = Problem(
+        "1f1b",
+        2,
+        2,
+        analytic_cost_table("bert-base", 2, 2, 128),
+        W=2,
+        max_overhead=1.0,
+        fingerprint="fx1-0000000000000000",
+    )
     return solve(problem, SolverConfig(time_limit_s=2), method="greedy")
 
 
@@ -230,7 +255,7 @@ def test_rank_dying_at_a_kfac_collective_fails_its_peer_with_the_instruction() -
 
 EXPECTED_REFUSALS = {
     "another model": r"checkpoint made for another model, this run is \d+ parameters \(parameters only in the "
-                     r"checkpoint \['0.bias'",
+    r"checkpoint \['0.bias'",
     "truncated_metadata": r"tensor metadata .*\.metadata\.json is unreadable or corrupt",
     "truncated_header": r"checkpoint header .*fxkfac\.json is unreadable or corrupt",
     "missing_tensors": r"reading the tensors of checkpoint .* failed",

@@ -47,8 +47,14 @@ def _far(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list[st
 def _differs(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
     """The keys of two unit `state_dict`s whose values differ (bit for bit); [] when equal."""
     keys = sorted(set(got) | set(want))
-    return [k for k in keys if k not in got or k not in want or type(got[k]) is not type(want[k])
-            or not (torch.equal(got[k], want[k]) if isinstance(want[k], torch.Tensor) else got[k] == want[k])]
+    return [
+        k
+        for k in keys
+        if k not in got
+        or k not in want
+        or type(got[k]) is not type(want[k])
+        or not (torch.equal(got[k], want[k]) if isinstance(want[k], torch.Tensor) else got[k] == want[k])
+    ]
 
 
 def _owners_states(written: list) -> dict[str, dict[str, Any]]:
@@ -72,7 +78,8 @@ def test_data_parallel_resumes_at_four_replicas_and_back_and_a_pipeline_without_
     it). Both then train, but are not compared with a reference: DP-KFAC's factors come from the owner's shard, so
     another W (another shard) or strategy (all-reduced factors) is another algorithm from the resumed step on."""
     dp_ckpt, pp_ckpt, mem_ckpt, wide_ckpt, hybrid_ckpt, dp_kfac_ckpt = (
-        str(tmp_path / n) for n in ("dp", "pp", "mem", "wide", "hybrid", "dp_kfac"))
+        str(tmp_path / n) for n in ("dp", "pp", "mem", "wide", "hybrid", "dp_kfac")
+    )
     written = _ok(run_distributed(rw.write_worker, 2, dp_ckpt, pp_ckpt, mem_ckpt, dp_kfac_ckpt, timeout=300))
     assert written[0].value["pending"], "the W=2 checkpoint should hold a pending inverse"
     metadata = json.loads((Path(dp_ckpt) / ".metadata.json").read_text())
@@ -84,8 +91,11 @@ def test_data_parallel_resumes_at_four_replicas_and_back_and_a_pipeline_without_
     assert any(s["pending_count"] for s in owners.values()), "the DP-KFAC checkpoint should hold a pending inverse"
     assert all(r.value["dp_kfac_resumed"] == [] for r in written), [r.value["dp_kfac_resumed"][:3] for r in written]
 
-    wide = _ok(run_distributed(rw.widen_worker, 4, dp_ckpt, pp_ckpt, mem_ckpt, wide_ckpt, hybrid_ckpt, dp_kfac_ckpt,
-                               timeout=300))
+    wide = _ok(
+        run_distributed(
+            rw.widen_worker, 4, dp_ckpt, pp_ckpt, mem_ckpt, wide_ckpt, hybrid_ckpt, dp_kfac_ckpt, timeout=300
+        )
+    )
     assert all(r.value["loaded"] == 2 and r.value["pending"] == written[0].value["pending"] for r in wide)
     assert all(r.value["from_pp"] == 3 for r in wide)
     assert _far(_merged(wide, "pp"), _merged(written, "pp")) == []
@@ -108,10 +118,18 @@ def test_data_parallel_resumes_at_four_replicas_and_back_and_a_pipeline_without_
 def _single(microbatches: int = 2, **kw: Any) -> Any:
     """The one-device K-FAC MLP with the resharding tests' timings."""
     kw.setdefault("kfac", cw.KFAC)
-    return fxkfac.compile(kw.pop("model", None) or models.mlp(), None, example_inputs=(cw.mlp_batches(1)[0][0],),
-                          loss_fn=cw.mlp_loss, optimizer=cw._sgd, microbatches=microbatches, backend=None,
-                          layer_timing=rw.TIMINGS if kw.get("kfac") is not None else None,
-                          pipeline=PipelineOptions(), **kw)
+    return fxkfac.compile(
+        kw.pop("model", None) or models.mlp(),
+        None,
+        example_inputs=(cw.mlp_batches(1)[0][0],),
+        loss_fn=cw.mlp_loss,
+        optimizer=cw._sgd,
+        microbatches=microbatches,
+        backend=None,
+        layer_timing=rw.TIMINGS if kw.get("kfac") is not None else None,
+        pipeline=PipelineOptions(),
+        **kw,
+    )
 
 
 def _refusal(trainer: Any, path: Path) -> str:
@@ -126,18 +144,31 @@ def test_another_family_model_or_unit_set_is_refused(tmp_path: Path) -> None:
     trainer = _single()
     rw.train(trainer, 2)
     trainer.save_checkpoint(str(tmp_path / "ckpt"))
-    shampoo = fxkfac.compile(models.mlp(), None, example_inputs=(cw.mlp_batches(1)[0][0],), loss_fn=cw.mlp_loss,
-                             preconditioner=ShampooConfig(), microbatches=2, backend=None)
-    assert ("checkpoint made for the kfac preconditioner, this run trains with the shampoo preconditioner; its state "
-            "belongs to another family") in _refusal(shampoo, tmp_path / "ckpt")
+    shampoo = fxkfac.compile(
+        models.mlp(),
+        None,
+        example_inputs=(cw.mlp_batches(1)[0][0],),
+        loss_fn=cw.mlp_loss,
+        preconditioner=ShampooConfig(),
+        microbatches=2,
+        backend=None,
+    )
+    assert (
+        "checkpoint made for the kfac preconditioner, this run trains with the shampoo preconditioner; its state "
+        "belongs to another family"
+    ) in _refusal(shampoo, tmp_path / "ckpt")
     assert "this run trains with no preconditioner (kfac=None)" in _refusal(_single(kfac=None), tmp_path / "ckpt")
     wider = _single(model=models.mlp(hidden=8))
     assert "checkpoint made for another model, this run is 5 parameters (shapes differ for" in _refusal(
-        wider, tmp_path / "ckpt")
+        wider, tmp_path / "ckpt"
+    )
     run = trainer.describe_run()
     fewer = {**run, "units": {n: s for n, s in run["units"].items() if n != "2"}}
-    with pytest.raises(CheckpointError, match=r"other kfac units than this run's \(units only in this run \['2'\]\)"
-                                              r": the stage split or the model changed"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"other kfac units than this run's \(units only in this run \['2'\]\)"
+        r": the stage split or the model changed",
+    ):
         reshard.check_run(fewer, run)
     assert reshard.check_run(run, run) is reshard.LoadKind.SAME_LAYOUT
     assert reshard.check_run({**run, "mesh": [1, 4]}, run) is reshard.LoadKind.RESHARD
@@ -184,10 +215,18 @@ def _layer(*keys: str, pending: int = 0) -> dict[str, Any]:
 
 
 def _rank(kfac: dict[str, Any], lr: float = 0.1) -> dict[str, Any]:
-    return {"model": {"w": {"__tensor__": "model/w"}}, "kfac": kfac, "step": 4, "skipped_steps": 0,
-            "optimizer": {"state": {"w": {"momentum_buffer": {"__tensor__": "optimizer/state/w/momentum_buffer"}}},
-                          "param_groups": [{"lr": lr, "params": ["w"]}]},
-            "inflight": {"refreshes": {}, "outbox": [], "captures": {"0.0": []}}, "rng": {"__tensor__": "rank/rng"}}
+    return {
+        "model": {"w": {"__tensor__": "model/w"}},
+        "kfac": kfac,
+        "step": 4,
+        "skipped_steps": 0,
+        "optimizer": {
+            "state": {"w": {"momentum_buffer": {"__tensor__": "optimizer/state/w/momentum_buffer"}}},
+            "param_groups": [{"lr": lr, "params": ["w"]}],
+        },
+        "inflight": {"refreshes": {}, "outbox": [], "captures": {"0.0": []}},
+        "rng": {"__tensor__": "rank/rng"},
+    }
 
 
 def test_a_unit_follows_its_fullest_copy() -> None:
@@ -197,15 +236,20 @@ def test_a_unit_follows_its_fullest_copy() -> None:
     receiver, idle = _layer("A", "B"), _layer()
     mine = {**_rank({"l": _layer()}), "inflight": {"refreshes": {"l": []}, "outbox": [], "captures": {"1.0": []}}}
     del mine["rng"]
-    for saved in ({0: _rank({"l": receiver}), 1: _rank({"l": grad_worker})},
-                  {0: _rank({"l": idle}), 1: _rank({"l": grad_worker})}):
+    for saved in (
+        {0: _rank({"l": receiver}), 1: _rank({"l": grad_worker})},
+        {0: _rank({"l": idle}), 1: _rank({"l": grad_worker})},
+    ):
         state = reshard.resharded_state(saved, mine, 3)
         assert state["kfac"] == {"l": grad_worker} and state["model"] == saved[0]["model"]
         assert state["inflight"] == {"refreshes": {"l": []}, "outbox": [], "captures": {"1.0": []}}
         assert "rng" not in state and state["optimizer"]["param_groups"] == [{"lr": 0.1, "params": ["w"]}]
     assert reshard.resharded_state({0: _rank({"l": receiver})}, mine, 0)["rng"] == {"__tensor__": "rank/rng"}
-    with pytest.raises(CheckpointError, match=r"state of 'l' differs between rank 0 and rank 1 \(only rank 1 "
-                                              r"wrote \['B'\]\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"state of 'l' differs between rank 0 and rank 1 \(only rank 1 "
+        r"wrote \['B'\]\)",
+    ):
         reshard.resharded_state({0: _rank({"l": _layer("A")}), 1: _rank({"l": _layer("B")})}, mine, 0)
     with pytest.raises(CheckpointError, match="parameters \\['w'\\] of one group here different settings"):
         reshard.resharded_state({0: _rank({"l": receiver}), 1: _rank({"l": receiver}, lr=0.2)}, mine, 0)

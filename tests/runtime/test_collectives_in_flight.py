@@ -22,13 +22,16 @@ def _settle_in_order(rank: int, world: int) -> dict:
     applied: list[tuple[str, list[float]]] = []
     summed = torch.full((3,), float(rank + 1))
     sent = torch.full((2,), 7.0) if rank == 0 else torch.zeros(2)
-    transport.defer(("sum",), transport.start_all_reduce(summed, None, "sum"),
-                    lambda t: applied.append(("sum", t.tolist())))
-    transport.defer(("bcast",), transport.start_broadcast(sent, 0, None, "bcast"),
-                    lambda t: applied.append(("bcast", t.tolist())))
+    transport.defer(
+        ("sum",), transport.start_all_reduce(summed, None, "sum"), lambda t: applied.append(("sum", t.tolist()))
+    )
+    transport.defer(
+        ("bcast",), transport.start_broadcast(sent, 0, None, "bcast"), lambda t: applied.append(("bcast", t.tolist()))
+    )
     second = torch.full((1,), 10.0 * (rank + 1))
-    transport.defer(("sum",), transport.start_all_reduce(second, None, "sum 2"),
-                    lambda t: applied.append(("sum 2", t.tolist())))
+    transport.defer(
+        ("sum",), transport.start_all_reduce(second, None, "sum 2"), lambda t: applied.append(("sum 2", t.tolist()))
+    )
     before = (list(applied), transport.in_flight())
     transport.settle(("sum",))
     middle = (list(applied), transport.in_flight())
@@ -80,15 +83,24 @@ def _trained_step_in_flight(rank: int, world: int) -> list[tuple[str, list]]:
 
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
-    trainer = fxkfac.compile(mlp(), (1, world), None, example_inputs=(x,), loss_fn=F.cross_entropy,
-                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01), backend=None,
-                             kfac=KFACConfig(refresh_every=1), plan_options=PlanOptions(strategy="comm-opt"))
+    trainer = fxkfac.compile(
+        mlp(),
+        (1, world),
+        None,
+        example_inputs=(x,),
+        loss_fn=F.cross_entropy,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01),
+        backend=None,
+        kfac=KFACConfig(refresh_every=1),
+        plan_options=PlanOptions(strategy="comm-opt"),
+    )
     seen: list[tuple[str, list]] = []
 
     def spied(handler: Any) -> Any:
         def run(ctx: Any, op: Any) -> None:
             handler(ctx, op)
             seen.append((str(op), list(ctx.transport.in_flight())))
+
         return run
 
     for kind, handler in list(trainer.interpreter.handlers.items()):

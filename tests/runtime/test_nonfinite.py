@@ -13,16 +13,19 @@ from tests.support.distributed import run_distributed
 BIG = torch.full((10,), 3e38)  # finite values whose float32 sum is inf
 
 
-@pytest.mark.parametrize("tensors,expected", [
-    ([], False),
-    ([torch.ones(3), torch.zeros(())], False),
-    ([BIG], False),
-    ([BIG, torch.ones(2, dtype=torch.bfloat16)], False),
-    ([torch.ones(3), torch.tensor([1.0, float("nan")])], True),
-    ([torch.tensor([float("inf")])], True),
-    ([BIG, torch.tensor([float("-inf")])], True),
-    ([torch.tensor([float("nan")], dtype=torch.bfloat16)], True),
-])
+@pytest.mark.parametrize(
+    "tensors,expected",
+    [
+        ([], False),
+        ([torch.ones(3), torch.zeros(())], False),
+        ([BIG], False),
+        ([BIG, torch.ones(2, dtype=torch.bfloat16)], False),
+        ([torch.ones(3), torch.tensor([1.0, float("nan")])], True),
+        ([torch.tensor([float("inf")])], True),
+        ([BIG, torch.tensor([float("-inf")])], True),
+        ([torch.tensor([float("nan")], dtype=torch.bfloat16)], True),
+    ],
+)
 def test_nonfinite_matches_isfinite(tensors: list[torch.Tensor], expected: bool) -> None:
     assert _nonfinite(tensors) is expected
     assert expected == any(not bool(torch.isfinite(t).all()) for t in tensors)
@@ -38,7 +41,8 @@ def test_tied_gradients_whose_sum_overflows_skip_the_step_on_every_rank() -> Non
     for r in results:
         for run, v in r.value.items():
             assert v["tied"], "the model has no weight shared by both stages"
-            assert (v["skipped"], v["steps"]) == (1, 1), f"{run} rank {r.rank}: skipped {v['skipped']}, " \
-                                                         f"stepped {v['steps']}"
+            assert (v["skipped"], v["steps"]) == (1, 1), (
+                f"{run} rank {r.rank}: skipped {v['skipped']}, stepped {v['steps']}"
+            )
             for name, value in v["before"].items():
                 assert torch.equal(value, v["after"][name]), f"{run} rank {r.rank}: {name} changed in a skipped step"

@@ -38,19 +38,32 @@ def _mlp_configs(D: int, W: int) -> list[Config]:
 
 
 HF_CONFIGS = {
-    2: [Config(s, 2, 2, 1, m, o, v=2 if s == "interleaved" else 1)
-        for (s, m, o) in [("gpipe", "bert", "adamw"), ("1f1b", "gpt2", "adamw"), ("chimera", "bert", "sgd"),
-                          ("chimera", "gpt2", "adamw"), ("1f1b", "bert", "sgd"), ("gpipe", "gpt2", "sgd")]],
-    4: [Config("1f1b", 2, 4, 2, "bert", "adamw"), Config("chimera", 2, 2, 2, "gpt2", "adamw"),
-        Config("gpipe", 4, 4, 1, "gpt2", "sgd")],
+    2: [
+        Config(s, 2, 2, 1, m, o, v=2 if s == "interleaved" else 1)
+        for (s, m, o) in [
+            ("gpipe", "bert", "adamw"),
+            ("1f1b", "gpt2", "adamw"),
+            ("chimera", "bert", "sgd"),
+            ("chimera", "gpt2", "adamw"),
+            ("1f1b", "bert", "sgd"),
+            ("gpipe", "gpt2", "sgd"),
+        ]
+    ],
+    4: [
+        Config("1f1b", 2, 4, 2, "bert", "adamw"),
+        Config("chimera", 2, 2, 2, "gpt2", "adamw"),
+        Config("gpipe", 4, 4, 1, "gpt2", "sgd"),
+    ],
     8: [],
 }
 
 COPIES = StepAgreement.COPIES
 AGREEMENT_CONFIGS = {
-    2: [Config("1f1b", 2, 4, 1, "mlp", "sgd", agreement=COPIES),
+    2: [
+        Config("1f1b", 2, 4, 1, "mlp", "sgd", agreement=COPIES),
         Config("gpipe", 2, 2, 1, "gpt2", "adamw", agreement=COPIES),
-        Config("chimera", 2, 2, 1, "bert", "sgd", agreement=COPIES)],
+        Config("chimera", 2, 2, 1, "bert", "sgd", agreement=COPIES),
+    ],
     4: [Config("1f1b", 2, 4, 2, "mlp", "adamw", agreement=COPIES)],
 }
 
@@ -70,16 +83,23 @@ def _check(configs: list[Config], world: int) -> None:
         covered: set[str] = set()
         losses = {tuple(r.value[index]["losses"]) for r in results}
         assert len(losses) == 1, f"{cfg}: ranks disagree on the step losses {losses}"
-        torch.testing.assert_close(list(losses.pop()), reference_losses, rtol=1e-5, atol=1e-5,
-                                   msg=lambda m, c=cfg: f"{c} step losses: {m}")
+        torch.testing.assert_close(
+            list(losses.pop()), reference_losses, rtol=1e-5, atol=1e-5, msg=lambda m, c=cfg: f"{c} step losses: {m}"
+        )
         for r in results:
             run = r.value[index]
             barrier_free = cfg.agreement is StepAgreement.COPIES
-            assert run["summed_in_flight"] == [barrier_free] * len(run["losses"]), \
+            assert run["summed_in_flight"] == [barrier_free] * len(run["losses"]), (
                 f"{cfg}: a step {'ended with' if barrier_free else 'without'} a world all-reduce of the loss"
+            )
             for name, value in run["params"].items():
-                torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-5,
-                                           msg=lambda m, n=name, c=cfg, k=r.rank: f"{c} rank {k} {n}: {m}")
+                torch.testing.assert_close(
+                    value,
+                    reference[name],
+                    rtol=1e-5,
+                    atol=1e-5,
+                    msg=lambda m, n=name, c=cfg, k=r.rank: f"{c} rank {k} {n}: {m}",
+                )
                 covered.add(name)
         expected = {run["aliases"].get(n, n) for n in reference}
         assert covered == expected, f"{cfg}: parameters no rank reported: {expected - covered}"

@@ -15,8 +15,18 @@ from fxkfac.config import PipelineOptions, StepAgreement
 from fxkfac.runtime.step_end import StepLoss
 from tests.support import models
 
-__all__ = ["Config", "make_model", "make_batches", "make_optimizer", "loss_for", "reference_run",
-           "parity_worker", "failure_worker", "timeline_worker", "tied_overflow_worker"]
+__all__ = [
+    "Config",
+    "make_model",
+    "make_batches",
+    "make_optimizer",
+    "loss_for",
+    "reference_run",
+    "parity_worker",
+    "failure_worker",
+    "timeline_worker",
+    "tied_overflow_worker",
+]
 
 STEPS = 3
 
@@ -104,16 +114,29 @@ def parity_worker(rank: int, world: int, configs: list[Config]) -> list[dict]:
     for cfg in configs:
         assert cfg.D * cfg.W == world
         batches = make_batches(cfg)
-        trainer = fxkfac.compile(make_model(cfg.model), (cfg.D, cfg.W), None, example_inputs=(batches[0][0],),
-                                 loss_fn=loss_for(cfg.model), optimizer=make_optimizer(cfg.opt), kfac=None,
-                                 schedule=cfg.schedule, microbatches=cfg.N, backend=None,
-                                 pipeline=PipelineOptions(virtual_stages=cfg.v, timeout=60,
-                                                          step_agreement=cfg.agreement))
+        trainer = fxkfac.compile(
+            make_model(cfg.model),
+            (cfg.D, cfg.W),
+            None,
+            example_inputs=(batches[0][0],),
+            loss_fn=loss_for(cfg.model),
+            optimizer=make_optimizer(cfg.opt),
+            kfac=None,
+            schedule=cfg.schedule,
+            microbatches=cfg.N,
+            backend=None,
+            pipeline=PipelineOptions(virtual_stages=cfg.v, timeout=60, step_agreement=cfg.agreement),
+        )
         returned = [trainer.step(x, y) for x, y in batches]
         params = {n: p.detach().clone() for n, p in trainer.named_parameters()}
-        results.append({"params": params, "losses": [float(loss) for loss in returned],
-                        "summed_in_flight": [isinstance(loss, StepLoss) for loss in returned],
-                        "aliases": trainer.spec.split.param_aliases})
+        results.append(
+            {
+                "params": params,
+                "losses": [float(loss) for loss in returned],
+                "summed_in_flight": [isinstance(loss, StepLoss) for loss in returned],
+                "aliases": trainer.spec.split.param_aliases,
+            }
+        )
         dist.barrier()
     return results
 
@@ -122,9 +145,19 @@ def failure_worker(rank: int, world: int, mode: str, victim: int) -> str:
     """Train a 2-stage 1F1B MLP; on step 1 the victim rank dies (os._exit) or stalls (sleeps)."""
     cfg = Config("1f1b", world, 2, 1, "mlp", "sgd")
     batches = make_batches(cfg)
-    trainer = fxkfac.compile(make_model("mlp"), (world,), None, example_inputs=(batches[0][0],),
-                             loss_fn=loss_for("mlp"), optimizer=make_optimizer("sgd"), kfac=None, backend=None,
-                             schedule="1f1b", microbatches=2, pipeline=PipelineOptions(timeout=5))
+    trainer = fxkfac.compile(
+        make_model("mlp"),
+        (world,),
+        None,
+        example_inputs=(batches[0][0],),
+        loss_fn=loss_for("mlp"),
+        optimizer=make_optimizer("sgd"),
+        kfac=None,
+        backend=None,
+        schedule="1f1b",
+        microbatches=2,
+        pipeline=PipelineOptions(timeout=5),
+    )
     trainer.step(*batches[0])
     if rank == victim:
         if mode == "die":
@@ -141,16 +174,29 @@ def timeline_worker(rank: int, world: int, path: str) -> dict:
 
     cfg = Config("1f1b", world, 4, 1, "mlp", "sgd")
     batches = make_batches(cfg)
-    trainer = fxkfac.compile(make_model("mlp"), (world,), None, example_inputs=(batches[0][0],),
-                             loss_fn=loss_for("mlp"), optimizer=make_optimizer("sgd"), kfac=None, backend=None,
-                             schedule="1f1b", microbatches=4, pipeline=PipelineOptions(record_timeline=True))
+    trainer = fxkfac.compile(
+        make_model("mlp"),
+        (world,),
+        None,
+        example_inputs=(batches[0][0],),
+        loss_fn=loss_for("mlp"),
+        optimizer=make_optimizer("sgd"),
+        kfac=None,
+        backend=None,
+        schedule="1f1b",
+        microbatches=4,
+        pipeline=PipelineOptions(record_timeline=True),
+    )
     for x, y in batches[:2]:
         trainer.step(x, y)
     local = [(e.op, e.step, e.start_ns, e.end_ns) for e in trainer.timeline.events]
     events = gather_timelines(trainer.timeline, world)
     trainer.trace(path if rank == 0 else None)
-    return {"local": local, "program": [str(op) for op in trainer.ops_at(0)],
-            "utilization": utilization(events) if events is not None else None}
+    return {
+        "local": local,
+        "program": [str(op) for op in trainer.ops_at(0)],
+        "utilization": utilization(events) if events is not None else None,
+    }
 
 
 def tied_overflow_worker(rank: int, world: int) -> dict:
@@ -164,9 +210,19 @@ def tied_overflow_worker(rank: int, world: int) -> dict:
     batches = make_batches(cfg)
     out = {}
     for kfac in (None, KFACConfig()):
-        trainer = fxkfac.compile(make_model("gpt2"), (world,), None, example_inputs=(batches[0][0],),
-                                 loss_fn=loss_for("gpt2"), optimizer=make_optimizer("sgd"), kfac=kfac,
-                                 schedule="1f1b", microbatches=2, backend=None, pipeline=PipelineOptions(timeout=60))
+        trainer = fxkfac.compile(
+            make_model("gpt2"),
+            (world,),
+            None,
+            example_inputs=(batches[0][0],),
+            loss_fn=loss_for("gpt2"),
+            optimizer=make_optimizer("sgd"),
+            kfac=kfac,
+            schedule="1f1b",
+            microbatches=2,
+            backend=None,
+            pipeline=PipelineOptions(timeout=60),
+        )
         tied = set(trainer.spec.split.shared_params)
         overflow = {"on": False}
         for runner in trainer.runners.values():
@@ -178,6 +234,11 @@ def tied_overflow_worker(rank: int, world: int) -> dict:
         overflow["on"] = True
         trainer.step(*batches[1])
         after = {n: p.detach().clone() for n, p in trainer.named_parameters()}
-        out["kfac" if kfac else "plain"] = {"tied": sorted(tied), "before": before, "after": after,
-                                            "skipped": trainer.skipped_steps, "steps": trainer.steps}
+        out["kfac" if kfac else "plain"] = {
+            "tied": sorted(tied),
+            "before": before,
+            "after": after,
+            "skipped": trainer.skipped_steps,
+            "steps": trainer.steps,
+        }
     return out

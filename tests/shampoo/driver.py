@@ -51,8 +51,13 @@ def model(seed: int = 0) -> TinyNet:
 def batches(steps: int, seed: int = 1) -> list[tuple[Tensor, Tensor]]:
     """Fixed random regression batches."""
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(BATCH, 6, generator=gen, dtype=torch.float64),
-             torch.randn(BATCH, 3, generator=gen, dtype=torch.float64)) for _ in range(steps)]
+    return [
+        (
+            torch.randn(BATCH, 6, generator=gen, dtype=torch.float64),
+            torch.randn(BATCH, 3, generator=gen, dtype=torch.float64),
+        )
+        for _ in range(steps)
+    ]
 
 
 def backward(net: nn.Module, batch: tuple[Tensor, Tensor]) -> None:
@@ -62,8 +67,16 @@ def backward(net: nn.Module, batch: tuple[Tensor, Tensor]) -> None:
     ((net(x) - y) ** 2).mean().backward()
 
 
-def train(family: Family, net: nn.Module, data: list[tuple[Tensor, Tensor]], lr: float, *, first_step: int = 0,
-          states: Mapping[str, RefreshState] | None = None, use_offset: int = 0) -> Mapping[str, RefreshState]:
+def train(
+    family: Family,
+    net: nn.Module,
+    data: list[tuple[Tensor, Tensor]],
+    lr: float,
+    *,
+    first_step: int = 0,
+    states: Mapping[str, RefreshState] | None = None,
+    use_offset: int = 0,
+) -> Mapping[str, RefreshState]:
     """Steps `first_step`, `first_step + 1`, ... over `data` as the runtime runs them; returns the states."""
     units = family.units(net, [])  # type: ignore[arg-type]  # a plain module: units read only its parameters
     states = {u.name: family.new_state(u) for u in units} if states is None else states
@@ -72,22 +85,25 @@ def train(family: Family, net: nn.Module, data: list[tuple[Tensor, Tensor]], lr:
     for t, batch in enumerate(data, start=first_step):
         backward(net, batch)
         refresh = t % family.refresh_every == family.refresh_phase
-        for unit in units:                                   # STATS (no micro-batch): fold every step
+        for unit in units:  # STATS (no micro-batch): fold every step
             state, snapshots = states[unit.name], {}
             for part in family.parts:
                 family.fold(state, part, family.statistic(unit, part, "gradient", params[unit.name], BATCH))
                 snapshots[part] = state.snapshot()
-            if refresh:                                      # DECOMP, BCAST, combine
-                halves = {part: family.unpack(unit, part, family.pack(unit, part,
-                                                                      family.decompose(unit, snapshots[part], part)))
-                          for part in family.parts}
+            if refresh:  # DECOMP, BCAST, combine
+                halves = {
+                    part: family.unpack(
+                        unit, part, family.pack(unit, part, family.decompose(unit, snapshots[part], part))
+                    )
+                    for part in family.parts
+                }
                 state.refreshes += 1
                 state.set_pending(family.combine(unit, state, halves), t + use_offset)
-        for unit in units:                                   # APPLY
+        for unit in units:  # APPLY
             states[unit.name].activate(t)
         grads = {n: p.grad for n, p in params.items() if p.grad is not None}
         family.precondition(units, grads, states, params)
-        optimizer.step()                                     # OPT_STEP: W <- W - lr P
+        optimizer.step()  # OPT_STEP: W <- W - lr P
     return states
 
 
@@ -110,8 +126,12 @@ def max_difference(a: nn.Module, b: nn.Module) -> float:
     return max(float((p - pb[n]).detach().abs().max()) for n, p in a.named_parameters())
 
 
-def compare(make_family: Callable[[], Family], make_reference: Callable[[Mapping[str, tuple[int, ...]]], Any],
-            steps: int = 8, lr: float = 0.05) -> float:
+def compare(
+    make_family: Callable[[], Family],
+    make_reference: Callable[[Mapping[str, tuple[int, ...]]], Any],
+    steps: int = 8,
+    lr: float = 0.05,
+) -> float:
     """Train a model with the family and a copy with the reference; the largest parameter difference."""
     net = model()
     twin = copy.deepcopy(net)

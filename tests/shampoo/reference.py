@@ -156,8 +156,10 @@ class ShampooReference:
         for i, blk in enumerate(st.blocks):
             if blk.sides[0] is None:
                 continue
-            factors = [mat_power(shifted(st.stats[i, s] / correction, cfg.epsilon), 2 * cfg.exponent_multiplier / p)
-                       for s in range(len(blk.sides))]
+            factors = [
+                mat_power(shifted(st.stats[i, s] / correction, cfg.epsilon), 2 * cfg.exponent_multiplier / p)
+                for s in range(len(blk.sides))
+            ]
             k = factors[0] if len(factors) == 1 else np.kron(factors[0], factors[1])
             st.kron[i] = mat_power(k, -0.5)
 
@@ -193,8 +195,9 @@ class SOAPReference:
             view = view_of(shape, b, cfg.use_merge_dims)
             blocks = blocks_of(view, b, cfg.large_dim_method)
             for blk in blocks:
-                blk.sides = [None if k == "diag" or (len(view) == 1 and not cfg.precondition_1d) else k
-                             for k in blk.sides]
+                blk.sides = [
+                    None if k == "diag" or (len(view) == 1 and not cfg.precondition_1d) else k for k in blk.sides
+                ]
             self.params[name] = _SOAPParam(view, blocks)
 
     def step(self, t: int, weights: Mapping[str, Array], grads: Mapping[str, Array]) -> dict[str, Array]:
@@ -215,8 +218,9 @@ class SOAPReference:
         for i, blk in enumerate(st.blocks):
             for side, kind in enumerate(blk.sides):
                 if kind is not None:
-                    st.stats[i, side] = ema(st.stats.get((i, side)), side_gram(g[blk.index], side, kind),
-                                            cfg.shampoo_beta)
+                    st.stats[i, side] = ema(
+                        st.stats.get((i, side)), side_gram(g[blk.index], side, kind), cfg.shampoo_beta
+                    )
         if refreshes(cfg, t):
             self._refresh(st)
         p = np.zeros_like(g)

@@ -28,8 +28,10 @@ SHAMPOO_BAD: dict[str, tuple[dict[str, Any], str]] = {
     "exponent 0": ({"exponent_override": 0}, "ShampooConfig.exponent_override must be None or an int >= 1"),
     "exponent 2.5": ({"exponent_override": 2.5}, "ShampooConfig.exponent_override"),
     "multiplier 0": ({"exponent_multiplier": 0.0}, "ShampooConfig.exponent_multiplier must be > 0"),
-    "newton with multiplier": ({"root_inv_method": "newton", "exponent_multiplier": 1.82},
-                               "ShampooConfig.exponent_multiplier must be 1.0 with root_inv_method='newton'"),
+    "newton with multiplier": (
+        {"root_inv_method": "newton", "exponent_multiplier": 1.82},
+        "ShampooConfig.exponent_multiplier must be 1.0 with root_inv_method='newton'",
+    ),
     "newton tolerance": ({"newton_tolerance": 0.0}, "ShampooConfig.newton_tolerance must be > 0"),
     "newton iterations": ({"newton_max_iterations": 0}, "ShampooConfig.newton_max_iterations"),
     "graft epsilon": ({"grafting_epsilon": 0.0}, "ShampooConfig.grafting_epsilon must be > 0"),
@@ -68,11 +70,20 @@ def test_kind_strings_become_enums() -> None:
 
 def test_defaults_are_the_papers() -> None:
     cfg = ShampooConfig()
-    assert (cfg.betas, cfg.epsilon, cfg.momentum, cfg.use_nesterov, cfg.weight_decay) == ((0.0, 0.999), 1e-12, 0.9,
-                                                                                           True, 1e-4)
+    assert (cfg.betas, cfg.epsilon, cfg.momentum, cfg.use_nesterov, cfg.weight_decay) == (
+        (0.0, 0.999),
+        1e-12,
+        0.9,
+        True,
+        1e-4,
+    )
     assert cfg.use_decoupled_weight_decay and cfg.use_bias_correction and cfg.use_protected_eigh
     assert (cfg.precondition_frequency, cfg.grafting_type, cfg.exponent_multiplier) == (50, GraftType.SGD, 1.0)
     assert cfg.max_dim == 1024 and ShampooConfig(max_preconditioner_dim=64).max_dim == 64
     soap = SOAPConfig()
-    assert (soap.betas, soap.shampoo_beta, soap.precondition_frequency, soap.basis_method) == ((0.95, 0.95), 0.95, 10,
-                                                                                              BasisMethod.QR)
+    assert (soap.betas, soap.shampoo_beta, soap.precondition_frequency, soap.basis_method) == (
+        (0.95, 0.95),
+        0.95,
+        10,
+        BasisMethod.QR,
+    )

@@ -27,19 +27,37 @@ from fxkfac.shampoo.config import DEFAULT_MAX_DIM
 from fxkfac.shampoo.soap import eigh_basis, qr_basis
 from tests.shampoo.driver import backward, batches, model, train
 
-SHAMPOO = ShampooConfig(betas=(0.9, 0.99), epsilon=1e-6, momentum=0.9, weight_decay=0.01, max_preconditioner_dim=4,
-                        precondition_frequency=2, start_preconditioning_step=1, grafting_type=GraftType.ADAM,
-                        preconditioner_dtype="float64")
-SOAP = SOAPConfig(max_preconditioner_dim=4, precondition_frequency=2, start_preconditioning_step=3,
-                  weight_decay=0.01, precondition_1d=True, preconditioner_dtype="float64")
-FAMILIES: dict[str, Callable[[], Family]] = {"shampoo": lambda: ShampooFamily(SHAMPOO),
-                                              "soap": lambda: SOAPFamily(SOAP)}
+SHAMPOO = ShampooConfig(
+    betas=(0.9, 0.99),
+    epsilon=1e-6,
+    momentum=0.9,
+    weight_decay=0.01,
+    max_preconditioner_dim=4,
+    precondition_frequency=2,
+    start_preconditioning_step=1,
+    grafting_type=GraftType.ADAM,
+    preconditioner_dtype="float64",
+)
+SOAP = SOAPConfig(
+    max_preconditioner_dim=4,
+    precondition_frequency=2,
+    start_preconditioning_step=3,
+    weight_decay=0.01,
+    precondition_1d=True,
+    preconditioner_dtype="float64",
+)
+FAMILIES: dict[str, Callable[[], Family]] = {
+    "shampoo": lambda: ShampooFamily(SHAMPOO),
+    "soap": lambda: SOAPFamily(SOAP),
+}
 
 
 def _saved(states: Mapping[str, RefreshState]) -> dict[str, dict[str, Any]]:
     """state_dict of every state with its tensors copied (as a checkpoint file would hold them)."""
-    return {n: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.state_dict().items()}
-            for n, s in states.items()}
+    return {
+        n: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.state_dict().items()}
+        for n, s in states.items()
+    }
 
 
 def _params(net: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -78,7 +96,7 @@ def test_a_restored_step_leaves_no_trace(name: str) -> None:
     states = train(family, net, data[:4], 0.05)
     before = {n: s.snapshot() for n, s in states.items()}
     saved = _saved(states)
-    backward(net, (data[4][0] * 3, data[4][1]))                  # a step that will be skipped
+    backward(net, (data[4][0] * 3, data[4][1]))  # a step that will be skipped
     params = dict(net.named_parameters())
     units = family.units(net, [])  # type: ignore[arg-type]  # a plain module
     for unit in units:
@@ -89,8 +107,9 @@ def test_a_restored_step_leaves_no_trace(name: str) -> None:
         vars(state).update(vars(before[n]))
     assert _saved(states).keys() == saved.keys()
     for n, sd in _saved(states).items():
-        assert all(torch.equal(v, saved[n][k]) if isinstance(v, torch.Tensor) else v == saved[n][k]
-                   for k, v in sd.items())
+        assert all(
+            torch.equal(v, saved[n][k]) if isinstance(v, torch.Tensor) else v == saved[n][k] for k, v in sd.items()
+        )
     train(family, net, data[4:], 0.05, first_step=4, states=states)
     assert all(torch.equal(p, q) for p, q in zip(_params(net).values(), _params(plain).values()))
 
@@ -128,8 +147,10 @@ def test_packing_has_a_fixed_size(name: str) -> None:
 
 
 def test_family_attributes() -> None:
-    for family in (ShampooFamily(replace(SHAMPOO, start_preconditioning_step=5, precondition_frequency=3)),
-                   SOAPFamily(replace(SOAP, start_preconditioning_step=5, precondition_frequency=3))):
+    for family in (
+        ShampooFamily(replace(SHAMPOO, start_preconditioning_step=5, precondition_frequency=3)),
+        SOAPFamily(replace(SOAP, start_preconditioning_step=5, precondition_frequency=3)),
+    ):
         assert family.parts == ("L", "R")
         assert all(family.source(p) is Source.GRADIENT for p in family.parts)
         assert (family.refresh_every, family.refresh_phase) == (3, 2)
@@ -195,7 +216,7 @@ def test_the_order_of_the_folds_does_not_matter(name: str) -> None:
 
 def test_decompositions_before_start_are_none() -> None:
     family, net = ShampooFamily(replace(SHAMPOO, start_preconditioning_step=3)), model()
-    states = train(family, net, batches(3), 0.05)           # steps 0, 1, 2: all before start
+    states = train(family, net, batches(3), 0.05)  # steps 0, 1, 2: all before start
     assert all(s.active is None and not s.pending for s in states.values())
     unit = ParamUnit("lin1.weight", (5, 6))
     assert family.decompose(unit, states[unit.name].snapshot(), "L") is None
@@ -217,8 +238,12 @@ def test_newton_that_does_not_converge_falls_back_to_eigh() -> None:
 @pytest.mark.parametrize("name", FAMILIES)
 def test_float32_training_stays_finite(name: str) -> None:
     """The default dtypes: a float32 model, float32 statistics, roots and bases, every step refreshing."""
-    cfg: Any = replace(SHAMPOO if name == "shampoo" else SOAP, preconditioner_dtype="float32",
-                       precondition_frequency=1, start_preconditioning_step=0)
+    cfg: Any = replace(
+        SHAMPOO if name == "shampoo" else SOAP,
+        preconditioner_dtype="float32",
+        precondition_frequency=1,
+        start_preconditioning_step=0,
+    )
     family = ShampooFamily(cfg) if name == "shampoo" else SOAPFamily(cfg)
     net = model().float()
     data = [(x.float(), y.float()) for x, y in batches(5)]

@@ -44,8 +44,9 @@ STEPS, LR = 8, 0.05
 def _bias_free() -> nn.Module:
     """6 -> 5 -> 5 -> 3 without biases (float64): one square and two rectangular weights, no 1-D parameter."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 5, bias=False), nn.Tanh(), nn.Linear(5, 5, bias=False), nn.Tanh(),
-                         nn.Linear(5, 3, bias=False)).double()
+    return nn.Sequential(
+        nn.Linear(6, 5, bias=False), nn.Tanh(), nn.Linear(5, 5, bias=False), nn.Tanh(), nn.Linear(5, 3, bias=False)
+    ).double()
 
 
 def _with_biases() -> nn.Module:
@@ -66,8 +67,9 @@ def _relative(ours: Mapping[str, Tensor], theirs: Mapping[str, Tensor], start: M
     return diff / moved
 
 
-def _train_public(net: nn.Module, make: Callable[[Any], torch.optim.Optimizer],
-                  data: list[tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+def _train_public(
+    net: nn.Module, make: Callable[[Any], torch.optim.Optimizer], data: list[tuple[Tensor, Tensor]]
+) -> dict[str, Tensor]:
     opt = make(net.parameters())
     for batch in data:
         backward(net, batch)
@@ -77,19 +79,44 @@ def _train_public(net: nn.Module, make: Callable[[Any], torch.optim.Optimizer],
 
 # --- Shampoo vs ScalableShampoo ---------------------------------------------------------------------------
 
-SHAMPOO = ShampooConfig(betas=(0.0, 0.99), epsilon=1e-12, use_bias_correction=False, momentum=0.0,
-                        use_nesterov=False, weight_decay=0.0, max_preconditioner_dim=8, use_merge_dims=False,
-                        precondition_frequency=1, start_preconditioning_step=0, grafting_type=GraftType.SGD,
-                        grafting_epsilon=1e-8, preconditioner_dtype="float64")
+SHAMPOO = ShampooConfig(
+    betas=(0.0, 0.99),
+    epsilon=1e-12,
+    use_bias_correction=False,
+    momentum=0.0,
+    use_nesterov=False,
+    weight_decay=0.0,
+    max_preconditioner_dim=8,
+    use_merge_dims=False,
+    precondition_frequency=1,
+    start_preconditioning_step=0,
+    grafting_type=GraftType.SGD,
+    grafting_epsilon=1e-8,
+    preconditioner_dtype="float64",
+)
 """fxkfac's side of a matched case: beta1 = 0 (pytorch-optimizer has no gradient filter; its beta1 is fxkfac's
 momentum), no bias correction (it has none), no merging (its shape interpretation differs), blocks larger
 than every side (it grafts per parameter)."""
 
-SCALABLE = dict(betas=(0.0, 0.99), moving_average_for_momentum=False, nesterov=False, weight_decay=0.0,
-                decoupled_weight_decay=False, decoupled_learning_rate=True, inverse_exponent_override=0,
-                start_preconditioning_step=1, preconditioning_compute_steps=1, statistics_compute_steps=1,
-                block_size=8, no_preconditioning_for_layers_with_dim_gt=8, shape_interpretation=False,
-                graft_type=LayerWiseGrafting.SGD, diagonal_eps=1e-8, use_svd=True, matrix_eps=1e-12)
+SCALABLE = dict(
+    betas=(0.0, 0.99),
+    moving_average_for_momentum=False,
+    nesterov=False,
+    weight_decay=0.0,
+    decoupled_weight_decay=False,
+    decoupled_learning_rate=True,
+    inverse_exponent_override=0,
+    start_preconditioning_step=1,
+    preconditioning_compute_steps=1,
+    statistics_compute_steps=1,
+    block_size=8,
+    no_preconditioning_for_layers_with_dim_gt=8,
+    shape_interpretation=False,
+    graft_type=LayerWiseGrafting.SGD,
+    diagonal_eps=1e-8,
+    use_svd=True,
+    matrix_eps=1e-12,
+)
 """pytorch-optimizer's side: SVD roots (its Schur-Newton adds a ridge relative to the largest eigenvalue),
 start 1 (its steps count from 1), preconditioners refreshed every `preconditioning_compute_steps` steps."""
 
@@ -98,30 +125,58 @@ SHAMPOO_CASES: dict[str, tuple[dict[str, Any], dict[str, Any], float]] = {
     "ema, sgd graft, every step": ({}, {}, 1e-6),
     "nesterov, decay inside momentum": (
         {"momentum": 0.9, "use_nesterov": True, "weight_decay": 0.1, "use_decoupled_weight_decay": True},
-        {"betas": (0.9, 0.99), "nesterov": True, "weight_decay": 0.1, "decoupled_weight_decay": False}, 1e-6),
+        {"betas": (0.9, 0.99), "nesterov": True, "weight_decay": 0.1, "decoupled_weight_decay": False},
+        1e-6,
+    ),
     "heavy-ball momentum": ({"momentum": 0.5}, {"betas": (0.5, 0.99)}, 1e-6),
-    "decay outside momentum (no momentum)": ({"weight_decay": 0.1},
-                                             {"weight_decay": 0.1, "decoupled_weight_decay": True}, 1e-6),
+    "decay outside momentum (no momentum)": (
+        {"weight_decay": 0.1},
+        {"weight_decay": 0.1, "decoupled_weight_decay": True},
+        1e-6,
+    ),
     "adagrad graft, frequency 3, exponent 2": (
-        {"grafting_type": GraftType.ADAGRAD, "precondition_frequency": 3, "start_preconditioning_step": 2,
-         "exponent_override": 2},
-        {"graft_type": LayerWiseGrafting.ADAGRAD, "preconditioning_compute_steps": 3,
-         "start_preconditioning_step": 3, "inverse_exponent_override": 2}, 1e-6),
+        {
+            "grafting_type": GraftType.ADAGRAD,
+            "precondition_frequency": 3,
+            "start_preconditioning_step": 2,
+            "exponent_override": 2,
+        },
+        {
+            "graft_type": LayerWiseGrafting.ADAGRAD,
+            "preconditioning_compute_steps": 3,
+            "start_preconditioning_step": 3,
+            "inverse_exponent_override": 2,
+        },
+        1e-6,
+    ),
     "sgd graft, frequency 3, identity before the first roots": (
         {"precondition_frequency": 3, "start_preconditioning_step": 2, "momentum": 0.9},
-        {"preconditioning_compute_steps": 3, "betas": (0.9, 0.99)}, 1e-6),
-    "rmsprop graft": ({"betas": (0.0, 0.9), "grafting_type": GraftType.RMSPROP, "grafting_beta2": 0.9},
-                      {"betas": (0.0, 0.9), "graft_type": LayerWiseGrafting.RMSPROP}, 1e-6),
+        {"preconditioning_compute_steps": 3, "betas": (0.9, 0.99)},
+        1e-6,
+    ),
+    "rmsprop graft": (
+        {"betas": (0.0, 0.9), "grafting_type": GraftType.RMSPROP, "grafting_beta2": 0.9},
+        {"betas": (0.0, 0.9), "graft_type": LayerWiseGrafting.RMSPROP},
+        1e-6,
+    ),
     "sides longer than b: graft only": (
         {"max_preconditioner_dim": 5, "large_dim_method": LargeDimMethod.ADAGRAD, "grafting_type": GraftType.ADAGRAD},
         {"block_size": 5, "no_preconditioning_for_layers_with_dim_gt": 5, "graft_type": LayerWiseGrafting.ADAGRAD},
-        1e-6),
+        1e-6,
+    ),
     # ScalableShampoo's validator refuses beta2 = 1 but its statistics code sums for it (weight 1, not
     # 1 - beta2): set on the param group after construction. Then eps enters both the same way.
     "beta2=1 sums, adagrad graft, nesterov": (
-        {"betas": (0.0, 1.0), "epsilon": 1e-4, "grafting_type": GraftType.ADAGRAD, "momentum": 0.9,
-         "use_nesterov": True},
-        {"betas": (0.9, 1.0), "matrix_eps": 1e-4, "graft_type": LayerWiseGrafting.ADAGRAD, "nesterov": True}, 1e-12),
+        {
+            "betas": (0.0, 1.0),
+            "epsilon": 1e-4,
+            "grafting_type": GraftType.ADAGRAD,
+            "momentum": 0.9,
+            "use_nesterov": True,
+        },
+        {"betas": (0.9, 1.0), "matrix_eps": 1e-4, "graft_type": LayerWiseGrafting.ADAGRAD, "nesterov": True},
+        1e-12,
+    ),
 }
 
 # name: (fxkfac changes, ScalableShampoo changes, model, smallest relative difference expected)
@@ -129,7 +184,10 @@ SHAMPOO_DIFFERENCES: dict[str, tuple[dict[str, Any], dict[str, Any], Callable[[]
     "graft norm per block vs per parameter": ({"max_preconditioner_dim": 3}, {"block_size": 3}, _bias_free, 1e-2),
     "decoupled decay with momentum": (
         {"momentum": 0.9, "weight_decay": 0.1},
-        {"betas": (0.9, 0.99), "weight_decay": 0.1, "decoupled_weight_decay": True}, _bias_free, 1e-2),
+        {"betas": (0.9, 0.99), "weight_decay": 0.1, "decoupled_weight_decay": True},
+        _bias_free,
+        1e-2,
+    ),
     "1-D parameters: full-matrix AdaGrad vs graft only": ({}, {}, _with_biases, 1e-2),
     "gradient filter beta1 vs momentum beta1": ({"betas": (0.9, 0.99)}, {"betas": (0.9, 0.99)}, _bias_free, 1e-2),
 }
@@ -143,8 +201,16 @@ def _shampoo_pair(fx: dict[str, Any], po: dict[str, Any], make_model: Callable[[
     data = batches(STEPS)
     net = make_model()
     start, twin = _params(net), copy.deepcopy(net)
-    trainer = fxkfac.compile(net, None, None, example_inputs=(data[0][0],), loss_fn=F.mse_loss,
-                             optimizer=lambda ps: torch.optim.SGD(ps, lr=LR), backend=None, preconditioner=cfg)
+    trainer = fxkfac.compile(
+        net,
+        None,
+        None,
+        example_inputs=(data[0][0],),
+        loss_fn=F.mse_loss,
+        optimizer=lambda ps: torch.optim.SGD(ps, lr=LR),
+        backend=None,
+        preconditioner=cfg,
+    )
     for x, y in data:
         trainer.step(x, y)
     ours = {n: p.detach().clone() for n, p in trainer.named_parameters()}
@@ -165,7 +231,8 @@ def test_shampoo_matches_scalable_shampoo(case: tuple[dict[str, Any], dict[str, 
 
 @pytest.mark.parametrize("case", SHAMPOO_DIFFERENCES.values(), ids=SHAMPOO_DIFFERENCES.keys())
 def test_shampoo_documented_differences_are_real(
-        case: tuple[dict[str, Any], dict[str, Any], Callable[[], nn.Module], float]) -> None:
+    case: tuple[dict[str, Any], dict[str, Any], Callable[[], nn.Module], float],
+) -> None:
     fx, po, make_model, least = case
     assert _shampoo_pair(fx, po, make_model) > least
 
@@ -175,8 +242,15 @@ def test_shampoo_documented_differences_are_real(
 Hook = Callable[[int, dict[str, Tensor], dict[str, Tensor]], None]
 
 
-def _run_family(family: Family, net: nn.Module, data: list[tuple[Tensor, Tensor]], *, use_offset: int,
-                skip_first: bool = False, after_precondition: Hook | None = None) -> dict[str, Tensor]:
+def _run_family(
+    family: Family,
+    net: nn.Module,
+    data: list[tuple[Tensor, Tensor]],
+    *,
+    use_offset: int,
+    skip_first: bool = False,
+    after_precondition: Hook | None = None,
+) -> dict[str, Tensor]:
     """The steps as the runtime runs them on one device (tests/shampoo/driver.py: fold every step, refresh at
     t = phase (mod every) from the snapshot after each part's fold, active from t + use_offset, APPLY, SGD).
     `skip_first`: step 0 folds and refreshes but neither preconditions nor steps (the public SOAP's first step).
@@ -194,9 +268,12 @@ def _run_family(family: Family, net: nn.Module, data: list[tuple[Tensor, Tensor]
                 family.fold(state, part, family.statistic(unit, part, "gradient", params[unit.name], BATCH))
                 snapshots[part] = state.snapshot()
             if refresh:
-                halves = {part: family.unpack(unit, part, family.pack(unit, part,
-                                                                      family.decompose(unit, snapshots[part], part)))
-                          for part in family.parts}
+                halves = {
+                    part: family.unpack(
+                        unit, part, family.pack(unit, part, family.decompose(unit, snapshots[part], part))
+                    )
+                    for part in family.parts
+                }
                 state.refreshes += 1
                 state.set_pending(family.combine(unit, state, halves), t + use_offset)
         for unit in units:
@@ -222,8 +299,9 @@ def test_shampoo_direction_matches_ungrafted_shampoo() -> None:
     cfg = replace(SHAMPOO, betas=(0.0, 1.0), epsilon=1e-4)
     net = _with_biases()
     twin = copy.deepcopy(net)
-    public = Shampoo(twin.parameters(), lr=1.0, momentum=0.0, weight_decay=0.0, preconditioning_compute_steps=1,
-                     matrix_eps=1e-4)
+    public = Shampoo(
+        twin.parameters(), lr=1.0, momentum=0.0, weight_decay=0.0, preconditioning_compute_steps=1, matrix_eps=1e-4
+    )
     worst = [0.0]
 
     def check(t: int, raw: dict[str, Tensor], ours: dict[str, Tensor]) -> None:
@@ -242,17 +320,36 @@ def test_shampoo_direction_matches_ungrafted_shampoo() -> None:
 
 # --- SOAP vs SOAP -------------------------------------------------------------------------------------------
 
-SOAP_FX = SOAPConfig(betas=(0.9, 0.95), shampoo_beta=0.9, epsilon=1e-8, weight_decay=0.0, use_bias_correction=False,
-                     precondition_frequency=100, start_preconditioning_step=0, max_preconditioner_dim=8,
-                     large_dim_method=LargeDimMethod.DIAGONAL, use_merge_dims=False, precondition_1d=False,
-                     preconditioner_dtype="float64")
+SOAP_FX = SOAPConfig(
+    betas=(0.9, 0.95),
+    shampoo_beta=0.9,
+    epsilon=1e-8,
+    weight_decay=0.0,
+    use_bias_correction=False,
+    precondition_frequency=100,
+    start_preconditioning_step=0,
+    max_preconditioner_dim=8,
+    large_dim_method=LargeDimMethod.DIAGONAL,
+    use_merge_dims=False,
+    precondition_1d=False,
+    preconditioner_dtype="float64",
+)
 """fxkfac's side: no bias correction (the public SOAP corrects through the step size, which moves eps, and counts
 one moment update less), no weight decay (it decays after the step), a side longer than b keeps the identity
 (DIAGONAL: the public SOAP's max_precondition_dim rule, it never blocks), QR refresh (its default)."""
 
-SOAP_PO = dict(betas=(0.9, 0.95), shampoo_beta=0.9, eps=1e-8, weight_decay=0.0, correct_bias=False,
-               precondition_frequency=100, max_precondition_dim=8, merge_dims=False, precondition_1d=False,
-               normalize_gradient=False)
+SOAP_PO = dict(
+    betas=(0.9, 0.95),
+    shampoo_beta=0.9,
+    eps=1e-8,
+    weight_decay=0.0,
+    correct_bias=False,
+    precondition_frequency=100,
+    max_precondition_dim=8,
+    merge_dims=False,
+    precondition_1d=False,
+    normalize_gradient=False,
+)
 
 # name: (fxkfac changes, SOAP changes, relative tolerance)
 SOAP_CASES: dict[str, tuple[dict[str, Any], dict[str, Any], float]] = {
@@ -267,10 +364,14 @@ SOAP_CASES: dict[str, tuple[dict[str, Any], dict[str, Any], float]] = {
     # QR in float32 whatever the parameter dtype: hence 1e-6 (measured: 1.5e-7).
     "QR every 2 steps, memoryless second moment": (
         {"precondition_frequency": 2, "betas": (0.9, 1e-8), "epsilon": 0.1},
-        {"precondition_frequency": 2, "betas": (0.9, 1e-8), "eps": 0.1}, 1e-6),
+        {"precondition_frequency": 2, "betas": (0.9, 1e-8), "eps": 0.1},
+        1e-6,
+    ),
     "QR every step, memoryless second moment": (
         {"precondition_frequency": 1, "betas": (0.9, 1e-8), "epsilon": 0.1},
-        {"precondition_frequency": 1, "betas": (0.9, 1e-8), "eps": 0.1}, 1e-6),
+        {"precondition_frequency": 1, "betas": (0.9, 1e-8), "eps": 0.1},
+        1e-6,
+    ),
 }
 
 # name: (fxkfac changes, SOAP changes, skip fxkfac's first step, smallest relative difference expected)

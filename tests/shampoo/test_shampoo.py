@@ -13,8 +13,15 @@ from tests.shampoo.driver import compare
 from tests.shampoo.reference import ShampooReference
 
 B = 4
-BASE = ShampooConfig(betas=(0.0, 0.99), epsilon=1e-6, momentum=0.0, weight_decay=0.0, max_preconditioner_dim=B,
-                     precondition_frequency=2, preconditioner_dtype="float64")
+BASE = ShampooConfig(
+    betas=(0.0, 0.99),
+    epsilon=1e-6,
+    momentum=0.0,
+    weight_decay=0.0,
+    max_preconditioner_dim=B,
+    precondition_frequency=2,
+    preconditioner_dtype="float64",
+)
 
 CASES: dict[str, dict[str, Any]] = {
     "beta2<1": {},
@@ -37,8 +44,11 @@ CASES: dict[str, dict[str, Any]] = {
     "nesterov": {"momentum": 0.5, "use_nesterov": True},
     "coupled weight decay": {"weight_decay": 0.1, "use_decoupled_weight_decay": False},
     "decoupled weight decay": {"weight_decay": 0.1},
-    "no decay on bias and norm": {"weight_decay": 0.1, "use_weight_decay_on_bias_and_norm_params": False,
-                                  "use_decoupled_weight_decay": False},
+    "no decay on bias and norm": {
+        "weight_decay": 0.1,
+        "use_weight_decay_on_bias_and_norm_params": False,
+        "use_decoupled_weight_decay": False,
+    },
     "newton": {"root_inv_method": RootInvMethod.NEWTON, "newton_tolerance": 1e-12},
     "newton, override 2": {"root_inv_method": RootInvMethod.NEWTON, "newton_tolerance": 1e-12, "exponent_override": 2},
     "diagonal large dims": {"large_dim_method": LargeDimMethod.DIAGONAL},

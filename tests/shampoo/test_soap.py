@@ -17,8 +17,15 @@ from tests.shampoo.driver import compare
 from tests.shampoo.reference import SOAPReference
 
 B = 4
-BASE = SOAPConfig(betas=(0.9, 0.95), shampoo_beta=0.9, weight_decay=0.0, max_preconditioner_dim=B,
-                  precondition_frequency=2, start_preconditioning_step=3, preconditioner_dtype="float64")
+BASE = SOAPConfig(
+    betas=(0.9, 0.95),
+    shampoo_beta=0.9,
+    weight_decay=0.0,
+    max_preconditioner_dim=B,
+    precondition_frequency=2,
+    start_preconditioning_step=3,
+    preconditioner_dtype="float64",
+)
 
 CASES: dict[str, dict[str, Any]] = {
     "qr": {},

@@ -18,9 +18,16 @@ from fxkfac.shampoo import ParamUnit, RootInvMethod, ShampooConfig, ShampooFamil
 from fxkfac.shampoo.roots import newton_residual, newton_root_inverse, newton_share, newton_start, newton_steps
 
 EPS = 1e-6
-NEWTON = ShampooConfig(root_inv_method=RootInvMethod.NEWTON, newton_tolerance=1e-10, newton_max_iterations=12,
-                       newton_pieces=4, max_preconditioner_dim=4, betas=(0.0, 0.99), epsilon=EPS,
-                       preconditioner_dtype="float64")
+NEWTON = ShampooConfig(
+    root_inv_method=RootInvMethod.NEWTON,
+    newton_tolerance=1e-10,
+    newton_max_iterations=12,
+    newton_pieces=4,
+    max_preconditioner_dim=4,
+    betas=(0.0, 0.99),
+    epsilon=EPS,
+    preconditioner_dtype="float64",
+)
 """Newton converges in 6-8 iterations on these statistics: within piece 1 or 2 of 4 pieces of 3 iterations."""
 UNIT = ParamUnit("w", (8, 6))
 """Blocks of side 4 and 2: parts L and R have four dense factors each."""
@@ -64,8 +71,9 @@ def _eigh_root(a: np.ndarray, p: int) -> np.ndarray:
     return (v * w ** (-1.0 / p)) @ v.T
 
 
-def _reference_roots(cfg: ShampooConfig, unit: ParamUnit, grads: list[torch.Tensor],
-                     part: str) -> dict[int, np.ndarray]:
+def _reference_roots(
+    cfg: ShampooConfig, unit: ParamUnit, grads: list[torch.Tensor], part: str
+) -> dict[int, np.ndarray]:
     """Per block of `unit` (ShampooFamily's layout): the bias-corrected EMA of G_b G_b^T (L) or G_b^T G_b (R),
     its inverse p-th root by eigh in float64 (p = 2 * order of the view), or a diagonal factor's root."""
     layout = ShampooFamily(cfg).layout(unit)
@@ -79,8 +87,9 @@ def _reference_roots(cfg: ShampooConfig, unit: ParamUnit, grads: list[torch.Tens
             stat = beta2 * stat + (1 - beta2) * gram
         stat /= 1 - beta2 ** len(grads)
         p = 2 * len(layout.view)
-        out[factor.block] = (np.diag(stat) + EPS) ** (-1.0 / p) if factor.kind is FactorKind.DIAGONAL \
-            else _eigh_root(stat, p)
+        out[factor.block] = (
+            (np.diag(stat) + EPS) ** (-1.0 / p) if factor.kind is FactorKind.DIAGONAL else _eigh_root(stat, p)
+        )
     return out
 
 
@@ -88,8 +97,10 @@ CASES = {
     "converges within the pieces": (NEWTON, UNIT),
     "misses the tolerance, eigh in the last piece": (replace(NEWTON, newton_max_iterations=4, newton_pieces=2), UNIT),
     "3 pieces of 12 iterations": (replace(NEWTON, newton_pieces=3), UNIT),
-    "a diagonal side beside dense factors": (replace(NEWTON, large_dim_method=LargeDimMethod.DIAGONAL),
-                                             ParamUnit("w", (3, 6))),
+    "a diagonal side beside dense factors": (
+        replace(NEWTON, large_dim_method=LargeDimMethod.DIAGONAL),
+        ParamUnit("w", (3, 6)),
+    ),
 }
 
 
@@ -188,13 +199,19 @@ def test_shampoo_is_piecewise_and_soap_is_not() -> None:
     assert not isinstance(SOAPFamily(SOAPConfig()), PiecewiseFamily)
 
 
-@pytest.mark.parametrize("fields,message", [
-    ({"newton_pieces": 2}, "needs root_inv_method='newton'"),
-    ({"newton_pieces": 0, "root_inv_method": "newton"}, "newton_pieces must be an int >= 1"),
-    ({"newton_pieces": True, "root_inv_method": "newton"}, "newton_pieces must be an int >= 1"),
-    ({"newton_pieces": 2.0, "root_inv_method": "newton"}, "newton_pieces must be an int >= 1"),
-    ({"newton_pieces": 5, "newton_max_iterations": 4, "root_inv_method": "newton"}, "exceeds newton_max_iterations"),
-])
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"newton_pieces": 2}, "needs root_inv_method='newton'"),
+        ({"newton_pieces": 0, "root_inv_method": "newton"}, "newton_pieces must be an int >= 1"),
+        ({"newton_pieces": True, "root_inv_method": "newton"}, "newton_pieces must be an int >= 1"),
+        ({"newton_pieces": 2.0, "root_inv_method": "newton"}, "newton_pieces must be an int >= 1"),
+        (
+            {"newton_pieces": 5, "newton_max_iterations": 4, "root_inv_method": "newton"},
+            "exceeds newton_max_iterations",
+        ),
+    ],
+)
 def test_bad_configs_are_refused(fields: dict[str, object], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         ShampooConfig(**fields)  # type: ignore[arg-type]  # wrong types on purpose

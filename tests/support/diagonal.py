@@ -66,8 +66,9 @@ class DiagonalFamily:
     max_period: int | None = None
     full_direction = False
 
-    def __init__(self, eps: float = 1e-2, decay: float = 0.9, refresh_every: int = 1,
-                 kl_clip: float | None = None) -> None:
+    def __init__(
+        self, eps: float = 1e-2, decay: float = 0.9, refresh_every: int = 1, kl_clip: float | None = None
+    ) -> None:
         self.eps, self.decay, self.refresh_every, self.kl_clip = eps, decay, refresh_every, kl_clip
 
     def source(self, part: str) -> Source:
@@ -118,8 +119,13 @@ class DiagonalFamily:
         """The one part is the whole preconditioner."""
         return halves["D"]
 
-    def precondition(self, layers: Sequence[KFACLayer], grads: MutableMapping[str, Tensor],
-                     states: Mapping[str, RefreshState], params: Mapping[str, Tensor]) -> Tensor:
+    def precondition(
+        self,
+        layers: Sequence[KFACLayer],
+        grads: MutableMapping[str, Tensor],
+        states: Mapping[str, RefreshState],
+        params: Mapping[str, Tensor],
+    ) -> Tensor:
         """Rows scaled by the active (D + eps)^-1/2; layers without one keep G."""
         dot = torch.zeros((), dtype=torch.float64)
         for layer in layers:

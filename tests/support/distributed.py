@@ -43,12 +43,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_PRELOAD = ["torch", "torch.distributed", "torch.distributed.device_mesh", "torch.export", "torch._dynamo",
-            "torch.export._trace", "torch._functorch.aot_autograd", "torch._functorch.partitioners", "networkx",
-            "transformers.models.bert.modeling_bert", "transformers.models.gpt2.modeling_gpt2", "fxkfac",
-            "torch._inductor.sizevars", "torch.distributed.checkpoint", "sympy.combinatorics", "sympy.tensor.tensor",
-            "fxkfac.compile_api", "fxkfac.checkpoint", "fxkfac.comm_profile", "fxkfac.plan_view",
-            "tests.support.models"]
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.distributed.device_mesh",
+    "torch.export",
+    "torch._dynamo",
+    "torch.export._trace",
+    "torch._functorch.aot_autograd",
+    "torch._functorch.partitioners",
+    "networkx",
+    "transformers.models.bert.modeling_bert",
+    "transformers.models.gpt2.modeling_gpt2",
+    "fxkfac",
+    "torch._inductor.sizevars",
+    "torch.distributed.checkpoint",
+    "sympy.combinatorics",
+    "sympy.tensor.tensor",
+    "fxkfac.compile_api",
+    "fxkfac.checkpoint",
+    "fxkfac.comm_profile",
+    "fxkfac.plan_view",
+    "tests.support.models",
+]
 """Imported once by the fork server, which every rank is forked from: a rank does not re-import torch,
 transformers and fxkfac (seconds of CPU each, times the ranks, on a 2-core machine). Only imports: no tensor
 work runs before the fork. A module that fails to import is left to the rank."""
@@ -62,8 +79,16 @@ def _launch_context() -> Any:
     return context
 
 
-def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, pg_timeout: float, args: tuple,
-            results: Any, environ: dict[str, str]) -> None:
+def _worker(
+    fn: Callable[..., Any],
+    rank: int,
+    world: int,
+    port: int,
+    pg_timeout: float,
+    args: tuple,
+    results: Any,
+    environ: dict[str, str],
+) -> None:
     os.environ.clear()  # the launching process's environment, as a spawned rank would have it
     os.environ.update(environ)
     import torch
@@ -72,8 +97,13 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, pg_timeout
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=pg_timeout))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world,
+            timeout=timedelta(seconds=pg_timeout),
+        )
         value = fn(rank, world, *args)
         results.put((rank, pickle.dumps(RankResult(rank, value))))
     except BaseException as e:  # reported to the test, which decides
@@ -83,8 +113,9 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, port: int, pg_timeout
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0,
-                    pg_timeout: float = 60.0) -> list[RankResult]:
+def run_distributed(
+    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 300.0, pg_timeout: float = 60.0
+) -> list[RankResult]:
     """Run `fn(rank, world, *args)` in `world` fresh processes; return each rank's RankResult.
 
     `fn` must be importable (module level). A rank that exits without reporting (e.g. os._exit)
@@ -95,8 +126,10 @@ def run_distributed(fn: Callable[..., Any], world: int, *args: Any, timeout: flo
     results = ctx.Queue()
     port = free_port()
     environ = dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(fn, r, world, port, pg_timeout, args, results, environ), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world, port, pg_timeout, args, results, environ), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout

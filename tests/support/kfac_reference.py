@@ -25,16 +25,24 @@ class KFACReference:
     `factor_microbatches[layer]` (default: all) are the micro-batches whose statistics feed the layer's factors:
     DP-KFAC's owner keeps the factors of its own shard."""
 
-    def __init__(self, model: nn.Module, layers: Sequence[KFACLayer], cfg: KFACConfig | None,
-                 loss_fn: Callable[[object, Tensor], Tensor], microbatches: int,
-                 timings: Mapping[str, LayerTiming], optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-                 factor_microbatches: Mapping[str, Sequence[int]] | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        layers: Sequence[KFACLayer],
+        cfg: KFACConfig | None,
+        loss_fn: Callable[[object, Tensor], Tensor],
+        microbatches: int,
+        timings: Mapping[str, LayerTiming],
+        optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        factor_microbatches: Mapping[str, Sequence[int]] | None = None,
+    ) -> None:
         self.model, self.layers, self.cfg, self.loss_fn = model, list(layers), cfg, loss_fn
         self.n_mb, self.timings = microbatches, timings
         self.opt = optimizer([p for p in model.parameters() if p.requires_grad])
         self.lr = float(self.opt.param_groups[0]["lr"])
-        self.factor_mbs = {layer.name: list((factor_microbatches or {}).get(layer.name, range(microbatches)))
-                           for layer in layers}
+        self.factor_mbs = {
+            layer.name: list((factor_microbatches or {}).get(layer.name, range(microbatches))) for layer in layers
+        }
         self.A: dict[str, Tensor | None] = {layer.name: None for layer in layers}
         self.B: dict[str, Tensor | None] = {layer.name: None for layer in layers}
         self.queue: dict[str, list[tuple[int, Inverse]]] = {layer.name: [] for layer in layers}
@@ -42,8 +50,9 @@ class KFACReference:
 
     def step(self, t: int, x: Tensor, y: Tensor) -> None:
         n = x.shape[0]
-        refresh = [layer for layer in self.layers
-                   if t % self.timings[layer.name].period == self.timings[layer.name].curv_step]
+        refresh = [
+            layer for layer in self.layers if t % self.timings[layer.name].period == self.timings[layer.name].curv_step
+        ]
         sums: dict[str, list[Tensor]] = {}
         for m, (xm, ym) in enumerate(zip(x.chunk(self.n_mb), y.chunk(self.n_mb))):
             run = lambda xm=xm, ym=ym: self.loss_fn(self.model(xm), ym) / self.n_mb  # noqa: E731
@@ -65,8 +74,10 @@ class KFACReference:
             return invert(A, B, damping=cfg.damping, method=cfg.inverse)
         latest = self.queue[name][-1][1] if self.queue[name] else self.active[name]
         gamma = damping_split(A, B, cfg.damping, False)
-        a, b = (split_invert_factor(f, g, cfg.split_inverse, previous=previous_half(latest, part))
-                for f, g, part in ((A, gamma[0], "A"), (B, gamma[1], "B")))
+        a, b = (
+            split_invert_factor(f, g, cfg.split_inverse, previous=previous_half(latest, part))
+            for f, g, part in ((A, gamma[0], "A"), (B, gamma[1], "B"))
+        )
         return latest if a is None or b is None else Inverse("cholesky", a_inv=a.inv, b_inv=b.inv)
 
     def _kfac(self, t: int, refresh: list[KFACLayer], sums: dict[str, list[Tensor]]) -> None:

@@ -54,8 +54,13 @@ def tiny_bert(*, layers: int = 2, seed: int = 0) -> nn.Module:
 
     torch.manual_seed(seed)
     config = BertConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=4 * SEQ, hidden_dropout_prob=0.0,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=4 * SEQ,
+        hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
     return BertForMaskedLM(config).eval()
@@ -67,8 +72,16 @@ def tiny_gpt2(*, layers: int = 2, seed: int = 0) -> nn.Module:
 
     torch.manual_seed(seed)
     config = GPT2Config(
-        vocab_size=VOCAB, n_embd=32, n_layer=layers, n_head=2, n_positions=4 * SEQ,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+        vocab_size=VOCAB,
+        n_embd=32,
+        n_layer=layers,
+        n_head=2,
+        n_positions=4 * SEQ,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
     )
     return GPT2LMHeadModel(config).eval()
 
