@@ -120,6 +120,33 @@ def _overhead_period(problem: Problem, fused: frozenset[str]) -> int:
     return max(1, math.ceil(extra / allowed - 1e-9))
 
 
+def _check_fits(
+    problem: Problem,
+    group: StageGroup,
+    fused: frozenset[str],
+    config: SolverConfig,
+    allowed: Allowance,
+    aggregate: bool,
+    min_k: int,
+) -> None:
+    """Refuse a group whose work no refresh period holds: a task longer than every bubble, or more work than the idle
+    time of `max_period` steps (each refusal names the knobs that may lift it)."""
+    stretched = f", even with the step stretched by max_overhead={problem.max_overhead:g}" if allowed.enabled else ""
+    knobs = (Knob.MAX_OVERHEAD, Knob.MICROBATCHES) if config.stretch else (Knob.MICROBATCHES,)
+    work = words_of(problem.costs).name
+    window = allowed.window(
+        group, max(2, min_k), allowed.ticks(problem.max_period), aggregate=aggregate, resolution=config.time_resolution
+    )
+    long = too_long(window)
+    if long:
+        off = "" if config.stretch else ". Stretching the step is off (SolverConfig.stretch=False)"
+        message = f"some {work} work cannot fit any bubble, whatever the refresh period{stretched}: "
+        raise Refused(PlanError(message + "; ".join(long[:5]) + off), knobs, fused)
+    if refresh_lower_bound(problem, group, fused, stretch=allowed.enabled) > problem.max_period:
+        message = f"the {work} work of stages {list(group.stages)} is more than the idle time of {problem.max_period}"
+        raise Refused(PlanError(f"{message} steps holds{stretched}"), knobs, fused)
+
+
 def _solve_groups(
     problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, min_k: int, clock: Clock
 ) -> Attempt:
@@ -133,46 +160,7 @@ def _solve_groups(
     allowed = allowance(problem, fused, config)
     for n, group in enumerate(groups):
         aggregate = _aggregate(problem, group, config, allowed)
-        long = too_long(
-            allowed.window(
-                group,
-                max(2, min_k),
-                allowed.ticks(problem.max_period),
-                aggregate=aggregate,
-                resolution=config.time_resolution,
-            )
-        )
-        if long:
-            raise Refused(
-                PlanError(
-                    f"some {words_of(problem.costs).name} work cannot fit any bubble, whatever the refresh period"
-                    + (
-                        f", even with the step stretched by max_overhead={problem.max_overhead:g}"
-                        if allowed.enabled
-                        else ""
-                    )
-                    + ": "
-                    + "; ".join(long[:5])
-                    + ("" if config.stretch else ". Stretching the step is off (SolverConfig.stretch=False)")
-                ),
-                (Knob.MAX_OVERHEAD, Knob.MICROBATCHES) if config.stretch else (Knob.MICROBATCHES,),
-                fused,
-            )
-        lower = refresh_lower_bound(problem, group, fused, stretch=allowed.enabled)
-        if lower > problem.max_period:
-            raise Refused(
-                PlanError(
-                    f"the {words_of(problem.costs).name} work of stages {list(group.stages)} is more than the idle "
-                    f"time of {problem.max_period} steps holds"
-                    + (
-                        f", even with the step stretched by max_overhead={problem.max_overhead:g}"
-                        if allowed.enabled
-                        else ""
-                    )
-                ),
-                (Knob.MAX_OVERHEAD, Knob.MICROBATCHES) if config.stretch else (Knob.MICROBATCHES,),
-                fused,
-            )
+        _check_fits(problem, group, fused, config, allowed, aggregate, min_k)
         try:
             g = greedy_group(
                 problem,
