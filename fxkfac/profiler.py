@@ -186,7 +186,6 @@ def gradient_unit_cost(
         p = params[name].detach().clone().requires_grad_(True)
         grad = torch.randn_like(p)
         p.grad = grad
-        state = family.new_state(unit)
         stats, decomp, folded = {}, {}, {}
         for part in family.parts:
 
@@ -195,21 +194,7 @@ def gradient_unit_cost(
 
             stats[part] = time_call(statistic, warmup=warmup, repeats=repeats)
             folded[part] = _nbytes(statistic())
-        for _ in range(MAX_WARM_FOLDS):
-            for part in family.parts:
-                family.fold(state, part, family.statistic(unit, part, "gradient", p, rows))
-            snap = state.snapshot()
-            halves = {part: family.decompose(unit, snap, part) for part in family.parts}
-            if all(half is not None for half in halves.values()):
-                break
-        else:
-            log.warning(
-                "%s declined to decompose %s after %d folds: its decompositions are timed as declined "
-                "(too cheap) and the plan may refresh it too often",
-                family.name,
-                name,
-                MAX_WARM_FOLDS,
-            )
+        state, snap, halves = _warm_state(family, name, unit, p, rows)
         for part in family.parts:
 
             def decompose(part: str = part) -> object:
@@ -240,6 +225,27 @@ def gradient_unit_cost(
         return LayerCost(name, parts, prec.seconds, extra, p.numel() * p.element_size(), prec.spread)
 
     return cost
+
+
+def _warm_state(family: Family, name: str, unit: Any, p: Tensor, rows: int) -> tuple[Any, Any, dict[str, Any]]:
+    """A new state of `unit` with its gradient statistic folded until the family decomposes it (at most
+    `MAX_WARM_FOLDS` times; a family declines before its start step): (state, its snapshot, the decomposed halves)."""
+    state = family.new_state(unit)
+    for _ in range(MAX_WARM_FOLDS):
+        for part in family.parts:
+            family.fold(state, part, family.statistic(unit, part, "gradient", p, rows))
+        snap = state.snapshot()
+        halves = {part: family.decompose(unit, snap, part) for part in family.parts}
+        if all(half is not None for half in halves.values()):
+            return state, snap, halves
+    log.warning(
+        "%s declined to decompose %s after %d folds: its decompositions are timed as declined "
+        "(too cheap) and the plan may refresh it too often",
+        family.name,
+        name,
+        MAX_WARM_FOLDS,
+    )
+    return state, snap, halves
 
 
 def _layer_cost(layer: KFACLayer, rows: int, cfg: KFACConfig, warmup: int, repeats: int) -> LayerCost:
