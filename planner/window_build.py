@@ -4,7 +4,7 @@ tasks (statistics, synchronization, decomposition in pieces, broadcast) with the
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from functools import lru_cache
 
@@ -87,28 +87,13 @@ def build_window(
     grid = Grid(ticks_per_s)
     steps = [refresh] + [normal] * (k - 1)
     offsets = [step_begins(grid.at(refresh.length), grid.at(normal.length), stretch, j, k) for j in range(k + 1)]
-    length = offsets[-1]
     leads = tuple(
         grid.at(steps[j - 1].length) - grid.at(steps[j - 1].length - early_start(problem, steps[j - 1], group.devices))
         for j in range(k)
     )
     fixed, acts, capacity = {}, {}, {}
     for d in group.devices:
-        busy: list[Interval] = []
-        pieces: list[tuple[int, int, int]] = []
-        for j, st in enumerate(steps):
-            off = offsets[j]
-            for _op, a, b in st.fixed(d):
-                busy += wrap(off + grid.at(a), off + grid.at(b), length)
-            for op, a, b in st.ops[d]:
-                if op.kind is OpKind.ALLREDUCE_GRAD:  # its interval, and at least the tick before it ends
-                    end = off + grid.at(b)
-                    busy += wrap(min(off + grid.at(a), end - 1), end, length) if end >= 1 else []
-            begin = step_start_tick(offsets, leads, j)
-            busy += wrap(begin, begin + 1, length)  # no task spans a boundary ([Note: step barrier])
-            for a, b, nbytes in activation_intervals(problem, d, st):
-                pieces += [(s, e, nbytes) for s, e in wrap(off + grid.at(a), off + grid.at(b), length)]
-        fixed[d], acts[d] = _merge(busy), tuple(pieces)
+        fixed[d], acts[d] = _device_work(problem, d, steps, offsets, leads, grid)
         budget = problem.memory_budget
         capacity[d] = None if budget is None else budget - static_bytes(problem, d)
     precs = _prec_slots(problem, group, steps, offsets, leads, grid)
@@ -130,6 +115,34 @@ def build_window(
         stretch,
         aggregate,
     )
+
+
+def _device_work(
+    problem: Problem,
+    device: int,
+    steps: Sequence[StepTimeline],
+    offsets: Sequence[int],
+    leads: Sequence[int],
+    grid: Grid,
+) -> tuple[tuple[Interval, ...], tuple[tuple[int, int, int], ...]]:
+    """The device's busy ticks over the window (F/B, each gradient all-reduce and at least the tick before its end,
+    the first tick of every step) merged, and its activation pieces (start, end, bytes), all modulo the window."""
+    length = offsets[-1]
+    busy: list[Interval] = []
+    pieces: list[tuple[int, int, int]] = []
+    for j, st in enumerate(steps):
+        off = offsets[j]
+        for _op, a, b in st.fixed(device):
+            busy += wrap(off + grid.at(a), off + grid.at(b), length)
+        for op, a, b in st.ops[device]:
+            if op.kind is OpKind.ALLREDUCE_GRAD:  # its interval, and at least the tick before it ends
+                end = off + grid.at(b)
+                busy += wrap(min(off + grid.at(a), end - 1), end, length) if end >= 1 else []
+        begin = step_start_tick(offsets, leads, j)
+        busy += wrap(begin, begin + 1, length)  # no task spans a boundary ([Note: step barrier])
+        for a, b, nbytes in activation_intervals(problem, device, st):
+            pieces += [(s, e, nbytes) for s, e in wrap(off + grid.at(a), off + grid.at(b), length)]
+    return _merge(busy), tuple(pieces)
 
 
 def _prec_slots(
