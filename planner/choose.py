@@ -37,6 +37,7 @@ from fractions import Fraction
 
 from fxkfac.planner.assemble import assemble
 from fxkfac.planner.attempt import Method, aggregates
+from fxkfac.planner.budget import Meter
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.greedy import greedy_group
 from fxkfac.planner.joint import (
@@ -245,31 +246,9 @@ def _joint_plan(
     anchor = anchor.with_distributions({**fixed, **step.distributions})
     scale = grid_scale(anchor, range(anchor.num_stages), frozenset(), config.time_resolution, _option_seconds(anchor))
     allowed = Allowance(anchor, frozenset(), scale if config.stretch and anchor.max_overhead > 0 else None)
-    groups = stage_groups(anchor)
-    placements: list[JointPlacement] = []
-    forced = [problem.with_strategy(s) for s in candidate_strategies(problem)]
-    for n, group in enumerate(groups):
-        left = limit - (meter.now() - start)
-        names = [x.name for s in group.stages if s in free for x in anchor.costs.stages[s].layers]
-        candidates = [
-            anchor.with_distributions({**dict(anchor.distributions), **{m: f.where(m) for m in names}}) for f in forced
-        ]
-        placement = solve_joint_group(
-            anchor,
-            group,
-            free,
-            candidates,
-            scale,
-            allowed.ticks,
-            config,
-            max(0.0, left) / (len(groups) - n),
-            meter,
-            aggregate=aggregates(anchor, group, config, allowed),
-        )
-        if placement is None:
-            log.info("joint choice: stages %s not placed", list(group.stages))
-            return None if anchor.memory_budget is None else _fused(problem, anchor, config, box)
-        placements.append(placement)
+    placements = _joint_placements(problem, anchor, free, scale, allowed, config, meter, start + limit)
+    if placements is None:
+        return None if anchor.memory_budget is None else _fused(problem, anchor, config, box)
     step_ticks = max(p.step_ticks for p in placements)
     placements = [restretch_joint(p, step_ticks) for p in placements]
     chosen = anchor.with_distributions({n: d for p in placements for n, d in p.choices.items()})
@@ -287,6 +266,46 @@ def _joint_plan(
         Allowance(chosen, frozenset(), allowed.scale),
         time.perf_counter() - began,
     )
+
+
+def _joint_placements(
+    problem: Problem,
+    anchor: Problem,
+    free: frozenset[int],
+    scale: tuple[float, bool],
+    allowed: Allowance,
+    config: SolverConfig,
+    meter: Meter,
+    deadline: float,
+) -> list[JointPlacement] | None:
+    """Each stage group's joint placement (`solve_joint_group`, warm-started by first-fit of every forced strategy on
+    the group's free layers), the time to `deadline` on `meter`'s clock shared by the groups left; None when a group
+    is not placed."""
+    groups = stage_groups(anchor)
+    placements: list[JointPlacement] = []
+    forced = [problem.with_strategy(s) for s in candidate_strategies(problem)]
+    for n, group in enumerate(groups):
+        names = [x.name for s in group.stages if s in free for x in anchor.costs.stages[s].layers]
+        candidates = [
+            anchor.with_distributions({**dict(anchor.distributions), **{m: f.where(m) for m in names}}) for f in forced
+        ]
+        placement = solve_joint_group(
+            anchor,
+            group,
+            free,
+            candidates,
+            scale,
+            allowed.ticks,
+            config,
+            max(0.0, deadline - meter.now()) / (len(groups) - n),
+            meter,
+            aggregate=aggregates(anchor, group, config, allowed),
+        )
+        if placement is None:
+            log.info("joint choice: stages %s not placed", list(group.stages))
+            return None
+        placements.append(placement)
+    return placements
 
 
 def _fused(problem: Problem, anchor: Problem, config: SolverConfig, box: TimeBox) -> Plan | None:
