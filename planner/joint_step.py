@@ -192,6 +192,24 @@ def least_step(
     for x in lits.values():
         for lit in x:
             m.add_hint(lit, solver.boolean_value(lit))
+    _minimize_decomp_load(m, problem, options, lits)
+    balanced = make_solver(config, meter, time_limit / 2)
+    if balanced.solve(m) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        solver = balanced
+    meter.charge(balanced.deterministic_time)
+    chosen = {
+        n: next(o.where for o, lit in zip(options[n], lits[n]) if solver.boolean_value(lit))
+        for s in sorted(free)
+        for n in (x.name for x in problem.costs.stages[s].layers)
+    }
+    return StepChoice(chosen, least / NS)
+
+
+def _minimize_decomp_load(
+    m: cp_model.CpModel, problem: Problem, options: Options, lits: Mapping[str, list[cp_model.IntVar]]
+) -> None:
+    """Make `m` minimize the most decomposition seconds (ns) any one rank takes under the chosen options (KAISA's
+    balance: each layer's decomposition shared by its grad workers)."""
     load = m.new_int_var(0, sum(ns(x.inv) for stage in problem.costs.stages for x in stage.layers), "load")
     for d in problem.devices:
         m.add(
@@ -204,16 +222,6 @@ def least_step(
             )
         )
     m.minimize(load)
-    balanced = make_solver(config, meter, time_limit / 2)
-    if balanced.solve(m) in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        solver = balanced
-    meter.charge(balanced.deterministic_time)
-    chosen = {
-        n: next(o.where for o, lit in zip(options[n], lits[n]) if solver.boolean_value(lit))
-        for s in sorted(free)
-        for n in (x.name for x in problem.costs.stages[s].layers)
-    }
-    return StepChoice(chosen, least / NS)
 
 
 def make_solver(config: SolverConfig, meter: Meter, limit: float) -> cp_model.CpSolver:
