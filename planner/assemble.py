@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from fxkfac.planner.ir import LayerTiming, Op, OpKind, Program
@@ -85,6 +85,19 @@ def _utilization(problem: Problem, w: Window, placed: list[Placement], device: i
     return utilization(busy, w.seconds(w.length))
 
 
+def _solver_stats(
+    sols: list[GroupSolution], wall: float, refresh: list[int], bound: list[int], layers: Mapping[str, LayerTiming]
+) -> SolverStats:
+    """How the groups were solved: GREEDY when first-fit placed them all, OPTIMAL when CP-SAT proved every group,
+    else FEASIBLE; the objective (refresh steps, staleness) and its gap to the lower bounds."""
+    statuses = {s.status for s in sols}
+    status = (
+        "GREEDY" if all(s.method == "greedy" for s in sols) else "OPTIMAL" if statuses == {"OPTIMAL"} else "FEASIBLE"
+    )
+    objective = (sum(refresh), sum(t.use_offset for t in layers.values()))
+    return SolverStats(status, wall, objective, (sum(refresh) - sum(bound)) / max(1, sum(refresh)))
+
+
 def assemble_attempt(problem: Problem, attempt: Attempt, fused: frozenset[str], wall: float) -> Plan:
     """The plan of an attempt that placed every group, `fused` layers' curvature fused: programs, layer timings,
     placements and metrics (`wall`: seconds the planning took)."""
@@ -111,16 +124,7 @@ def assemble_attempt(problem: Problem, attempt: Attempt, fused: frozenset[str], 
             for x in problem.costs.stages[s].layers:
                 layers[x.name] = LayerTiming(w.k, 0, sol.use_offset[x.name], "fused" if x.name in fused else "deferred")
     sols = [s for s in attempt.solutions if s is not None]
-    statuses = {s.status for s in sols}
-    status = (
-        "GREEDY" if all(s.method == "greedy" for s in sols) else "OPTIMAL" if statuses == {"OPTIMAL"} else "FEASIBLE"
-    )
-    stats = SolverStats(
-        status,
-        wall,
-        (sum(refresh), sum(t.use_offset for t in layers.values())),
-        (sum(refresh) - sum(bound)) / max(1, sum(refresh)),
-    )
+    stats = _solver_stats(sols, wall, refresh, bound, layers)
     metrics = PlanMetrics(
         utilization_baseline=plain_utilization(problem),
         utilization=sum(per_device.values()) / len(per_device),
