@@ -137,6 +137,21 @@ class RunSpec:
     """Where each unit's work lives across its stage's copies (absent: COMM-OPT; planner/strategy.py)."""
 
 
+def _runners(spec: RunSpec, backend: str | None) -> dict[tuple[int, int], StageRunner]:
+    """This rank's stage copies by (stage, pipe), each running its stage graph (a copy of it where the rank holds
+    several, so that their parameters are their own)."""
+    held = stages_of_rank(spec.kind, spec.layout.D, spec.layout.pp, v=spec.v)
+    last = len(spec.split.stages) - 1
+    return {(s, p): StageRunner.build(spec.split.stages[s], p, s == last, backend, copy=len(held) > 1) for s, p in held}
+
+
+def _transport(spec: RunSpec, timeout: float) -> Transport:
+    """This rank's sends, receives and collectives, each wait bounded by `timeout` seconds."""
+    max_tensors = max(len(s.inputs) + len(s.outputs) for s in spec.split.stages)
+    tags = TagSpace(len(spec.split.stages), spec.N, max_tensors)
+    return Transport(spec.layout.rank, spec.layout.world_size, tags, timedelta(seconds=timeout))
+
+
 class Trainer(Checkpointing):
     """One rank of a run: `step(inputs, targets) -> loss` over the global mini-batch, state dicts, traces.
 
@@ -163,18 +178,8 @@ class Trainer(Checkpointing):
         self.units: list[Any] = list(spec.units.values())
         """The units the family preconditions (K-FAC: its layers; Shampoo: parameters); empty without one."""
         self.timings = dict(spec.timings)
-        held = stages_of_rank(spec.kind, self.layout.D, self.layout.pp, v=spec.v)
-        S = len(spec.split.stages)
-        self.runners = {
-            (s, p): StageRunner.build(spec.split.stages[s], p, s == S - 1, backend, copy=len(held) > 1) for s, p in held
-        }
-        max_tensors = max(len(s.inputs) + len(s.outputs) for s in spec.split.stages)
-        self.transport = Transport(
-            self.layout.rank,
-            self.layout.world_size,
-            TagSpace(S, spec.N, max_tensors),
-            timedelta(seconds=options.timeout),
-        )
+        self.runners = _runners(spec, backend)
+        self.transport = _transport(spec, options.timeout)
         holders = ranks_of_stages(spec.kind, self.layout.D, self.layout.W, spec.v)
         self.sync = GradSync.build(
             self.layout.rank,
