@@ -12,7 +12,7 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -36,6 +36,9 @@ from fxkfac.preconditioner import Family, PiecewiseFamily, gradient_parts
 from fxkfac.progress import PlanProgress, plan_progress
 from fxkfac.runtime.mesh import MeshLayout
 from fxkfac.runtime.trainer import OptimizerFactory, RunSpec, Trainer, default_optimizer, plain_sgd, shard_microbatches
+
+if TYPE_CHECKING:
+    from fxkfac.profiler import UnitCost
 
 __all__ = ["compile", "prepare", "Prepared", "layer_timings", "stage_units", "auto_budget", "device_memory"]
 
@@ -358,6 +361,22 @@ def _resolve(
     return made
 
 
+def _unit_cost(family: Family, known: Mapping[str, Any], split: SplitResult) -> UnitCost:
+    """How plan="auto" times one unit of `family`: K-FAC's layers by their factors, a family whose parts are all fed
+    by the gradient through its own methods on the split's parameters; a family with captured parts is refused."""
+    from fxkfac.profiler import gradient_unit_cost, kfac_unit_cost
+
+    if isinstance(family, KFACFamily):
+        return kfac_unit_cost(known, family.cfg)
+    if gradient_parts(family) == set(family.parts):
+        params = {n: p for st in split.stages for n, p in st.gm.named_parameters()}
+        return gradient_unit_cost(family, known, params)
+    raise ConfigError(
+        f"plan='auto' cannot profile {family.name}, whose parts are fed by captures: pass "
+        "PlanOptions(costs=...) or plan=None"
+    )
+
+
 def _resolve_on_mesh(
     plan: Any,
     family: Family,
@@ -380,22 +399,11 @@ def _resolve_on_mesh(
     comm = measure_comm() if profiles else None  # collective: every rank, before rank 0 profiles the stages alone
 
     def profile() -> CostTable:
-        from fxkfac.profiler import gradient_unit_cost, kfac_unit_cost
         from fxkfac.profiler import profile as measure
 
         progress.phase(f"profiling the {len(split.stages)} stage(s)")
-        if isinstance(family, KFACFamily):
-            unit_cost = kfac_unit_cost(known, family.cfg)
-        elif gradient_parts(family) == set(family.parts):
-            params = {n: p for st in split.stages for n, p in st.gm.named_parameters()}
-            unit_cost = gradient_unit_cost(family, known, params)
-        else:
-            raise ConfigError(
-                f"plan='auto' cannot profile {family.name}, whose parts are fed by captures: pass "
-                "PlanOptions(costs=...) or plan=None"
-            )
         flat = [x for x in micro if isinstance(x, Tensor)]
-        costs = measure(split, stage_layers, unit_cost, flat, _surrogate_loss)
+        costs = measure(split, stage_layers, _unit_cost(family, known, split), flat, _surrogate_loss)
         for st in split.stages:  # profiling ran backward on the parameters the runners will train
             for p in st.gm.parameters():
                 p.grad = None
