@@ -257,27 +257,16 @@ def _should_stop(cfg: DemoConfig, step: int, elapsed: float) -> bool:
     return bool(flag.item())
 
 
-def _train_run(
-    ctx: RankContext, cfg: DemoConfig, spec: RunSpec, val: Sequence[tuple[Any, Any]], plans: dict[str, Any]
-) -> Curve:
-    """Compile one run over the (pp, dp) mesh, train it, evaluate every `eval_every` steps; rank 0 reports.
-    `plans` holds the Plan of each preconditioner config planned so far in this launch (see `RunSpec.plan`)."""
-    import torch
-
+def _compile_run(cfg: DemoConfig, spec: RunSpec, inputs: Any, plans: dict[str, Any]) -> Any:
+    """A new TinyBertMLM compiled for `spec` over the (pp, dp) mesh: the run's own plan, else the one planned for its
+    preconditioner earlier in this launch (kept in `plans`), else plan="auto"; no plan without a preconditioner."""
     import fxkfac
-    from fxkfac.data import MaskedLMData, stdlib_corpus
     from fxkfac.models import TinyBertMLM, mlm_loss
 
-    seed = cfg.seed if spec.seed is None else spec.seed
-    train, _ = stdlib_corpus(cfg.corpus_bytes)
-    data = MaskedLMData(train, seq_len=cfg.seq_len, seed=seed)
-    torch.manual_seed(seed)
-    model = TinyBertMLM(cfg.model)
-    inputs, targets = data.batch(cfg.batch_size)
     key = repr(spec.preconditioner)
     plan = None if spec.preconditioner is None else spec.plan or plans.get(key, "auto")
     trainer = fxkfac.compile(
-        model,
+        TinyBertMLM(cfg.model),
         (cfg.stages, cfg.dp),
         plan,
         example_inputs=(inputs,),
@@ -293,6 +282,24 @@ def _train_run(
     )
     if trainer.plan is not None and spec.plan is None:
         plans.setdefault(key, trainer.plan)
+    return trainer
+
+
+def _train_run(
+    ctx: RankContext, cfg: DemoConfig, spec: RunSpec, val: Sequence[tuple[Any, Any]], plans: dict[str, Any]
+) -> Curve:
+    """Compile one run over the (pp, dp) mesh, train it, evaluate every `eval_every` steps; rank 0 reports.
+    `plans` holds the Plan of each preconditioner config planned so far in this launch (see `RunSpec.plan`)."""
+    import torch
+
+    from fxkfac.data import MaskedLMData, stdlib_corpus
+
+    seed = cfg.seed if spec.seed is None else spec.seed
+    train, _ = stdlib_corpus(cfg.corpus_bytes)
+    data = MaskedLMData(train, seq_len=cfg.seq_len, seed=seed)
+    torch.manual_seed(seed)
+    inputs, targets = data.batch(cfg.batch_size)
+    trainer = _compile_run(cfg, spec, inputs, plans)
     plan_json = trainer.plan.to_json(indent=None) if trainer.plan is not None and ctx.rank == 0 else None
     if plan_json is not None:
         ctx.report(("plan", spec.name, plan_json))
