@@ -249,3 +249,29 @@ def test_the_planner_places_the_diagonal_family_and_the_runtime_runs_its_plan() 
     for r in results:
         for name, p in r.value["params"].items():
             torch.testing.assert_close(p, want[name].detach(), rtol=0, atol=1e-5, msg=f"rank {r.rank} {name}")
+
+
+def _unprofiled_worker(rank: int, world: int) -> None:
+    """plan="auto" without costs for a family whose part is fed by captures (the profiler times only K-FAC's and
+    gradient-fed parts)."""
+    batches = mlp_batches(STEPS)
+    fxkfac.compile(
+        mlp(),
+        (2, 1),
+        "auto",
+        example_inputs=(batches[0][0],),
+        loss_fn=F.mse_loss,
+        optimizer=_sgd,
+        backend=None,
+        microbatches=N,
+        preconditioner=DiagonalFamily(),
+        pipeline=PipelineOptions(timeout=60.0),
+    )
+
+
+@pytest.mark.multiproc
+def test_auto_plan_refuses_to_profile_a_captured_family_and_says_what_to_pass() -> None:
+    results = run_distributed(_unprofiled_worker, 2, timeout=300)
+    for r in results:
+        assert r.error_type == "ConfigError", (r.rank, r.error_type, r.error, r.traceback)
+        assert "cannot profile diagonal" in r.error and "PlanOptions(costs=...)" in r.error, r.error
