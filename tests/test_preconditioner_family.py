@@ -195,14 +195,13 @@ def diagonal_costs(stage_layers: dict[int, list[str]], layers: dict) -> CostTabl
     return CostTable(stages, 4, "test:diagonal", "cpu")
 
 
-def _planned_worker(rank: int, world: int) -> dict:
-    """plan="auto" places the diagonal family's work (CP-SAT over `diagonal_costs`) and the ranks run it."""
-    batches = mlp_batches(STEPS) * 2
-    trainer = fxkfac.compile(
+def _auto_planned(plan_options: PlanOptions) -> fxkfac.Trainer:
+    """The MLP with the diagonal family over 2 ranks of 1F1B, plan="auto" under `plan_options`."""
+    return fxkfac.compile(
         mlp(),
         (2, 1),
         "auto",
-        example_inputs=(batches[0][0],),
+        example_inputs=(mlp_batches(1)[0][0],),
         loss_fn=F.mse_loss,
         optimizer=_sgd,
         backend=None,
@@ -210,8 +209,14 @@ def _planned_worker(rank: int, world: int) -> dict:
         microbatches=N,
         preconditioner=DiagonalFamily(),
         pipeline=PipelineOptions(timeout=60.0),
-        plan_options=PlanOptions(costs=diagonal_costs, time_limit_s=3.0),
+        plan_options=plan_options,
     )
+
+
+def _planned_worker(rank: int, world: int) -> dict:
+    """plan="auto" places the diagonal family's work (CP-SAT over `diagonal_costs`) and the ranks run it."""
+    batches = mlp_batches(STEPS) * 2
+    trainer = _auto_planned(PlanOptions(costs=diagonal_costs, time_limit_s=3.0))
     for x, y in batches:
         trainer.step(x, y)
     assert trainer.plan is not None
@@ -254,19 +259,7 @@ def test_the_planner_places_the_diagonal_family_and_the_runtime_runs_its_plan() 
 def _unprofiled_worker(rank: int, world: int) -> None:
     """plan="auto" without costs for a family whose part is fed by captures (the profiler times only K-FAC's and
     gradient-fed parts)."""
-    batches = mlp_batches(STEPS)
-    fxkfac.compile(
-        mlp(),
-        (2, 1),
-        "auto",
-        example_inputs=(batches[0][0],),
-        loss_fn=F.mse_loss,
-        optimizer=_sgd,
-        backend=None,
-        microbatches=N,
-        preconditioner=DiagonalFamily(),
-        pipeline=PipelineOptions(timeout=60.0),
-    )
+    _auto_planned(PlanOptions())
 
 
 @pytest.mark.multiproc
