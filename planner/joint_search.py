@@ -19,7 +19,7 @@ from fxkfac.planner.joint_step import ns, options_of
 from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, copies_of_stage
 from fxkfac.planner.solution import GroupSolution, fits_memory
 from fxkfac.planner.step_timeline import step_timeline
-from fxkfac.planner.stretch import stretch_lower_bound
+from fxkfac.planner.stretch import bisect_least, stretch_lower_bound
 from fxkfac.planner.window import TaskKind, Window, too_long
 
 __all__ = ["solve_joint_group"]
@@ -160,7 +160,7 @@ def _least_step(
     k = found.window.k
     energy = energy_bound(g.window(k, found.step_ticks), g.frame, g.base, config, meter, (deadline - meter.now()) / 8)
     lower = max(g.base + _least_stretch_bound(g.window(k, g.base), g.frame), energy)
-    best = _bisect(lower, found, lambda step: ("UNKNOWN", g.first_fit(k, step, meter)))
+    best = bisect_least(lower, found, lambda step: ("UNKNOWN", g.first_fit(k, step, meter)), _step_ticks)[0]
     until = meter.now() + (deadline - meter.now()) * 3 / 4
 
     def probe(step: int) -> tuple[str, JointPlacement | None]:
@@ -181,23 +181,8 @@ def _least_step(
         _, at_bound = solve_window(
             g.window(k, lower), g.frame, config, (until - meter.now()) / 3, meter, None, optimize=False
         )
-        best = at_bound or _bisect(lower + 1, best, probe)
+        best = at_bound or bisect_least(lower + 1, best, probe, _step_ticks)[0]
     log.info("joint stages %s k=%d: least step %d ticks", list(g.group.stages), k, best.step_ticks)
-    return best
-
-
-def _bisect(
-    lower: int, found: JointPlacement, probe: Callable[[int], tuple[str, JointPlacement | None]]
-) -> JointPlacement:
-    """The placement with the shortest step `probe` finds in [lower, found's step]."""
-    lo, hi, best = lower, found.step_ticks, found
-    while lo < hi:
-        mid = (lo + hi) // 2
-        _, solution = probe(mid)
-        if solution is not None:
-            hi, best = solution.step_ticks, solution
-        else:
-            lo = mid + 1
     return best
 
 
@@ -218,3 +203,7 @@ def _least_stale(g: _Group, found: JointPlacement, config: SolverConfig, meter: 
     if best is None or found.staleness < best.staleness:
         return found
     return replace(best, status="OPTIMAL" if status == "OPTIMAL" else "FEASIBLE")
+
+
+def _step_ticks(placement: JointPlacement) -> int:
+    return placement.step_ticks

@@ -2,7 +2,8 @@
 
 The allowance says how many ticks a window of k steps may add per step; `restretch` moves a solution
 to a longer stretch (so every stage group of a plan shares one); `stretch_lower_bound` is what any
-placement needs, and `least_stretch` bisects the stretch at a refresh period with a solver's probe.
+placement needs, and `least_stretch` bisects the stretch at a refresh period with a solver's probe
+(`bisect_least`, which the joint choice's least step runs too).
 Feasibility only grows with the stretch (`restretch` turns a placement into one with more), which is
 what makes the bisection exact.
 """
@@ -13,6 +14,7 @@ import math
 from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from fxkfac.planner.problem import Problem, SolverConfig, StageGroup
 from fxkfac.planner.solution import GroupSolution, use_offsets
@@ -20,7 +22,7 @@ from fxkfac.planner.step_timeline import stretch_allowance
 from fxkfac.planner.window import TaskKind, Window
 from fxkfac.planner.window_build import build_window, grid_scale
 
-__all__ = ["Allowance", "allowance", "restretch", "stretch_lower_bound", "least_stretch", "Probe"]
+__all__ = ["Allowance", "allowance", "restretch", "stretch_lower_bound", "least_stretch", "bisect_least", "Probe"]
 
 Probe = Callable[[int], tuple[str, "GroupSolution | None"]]
 """A solver at one stretch (ticks): (status name, solution or None); "INFEASIBLE" means proven."""
@@ -142,12 +144,24 @@ def stretch_lower_bound(window: Window) -> int:
 def least_stretch(found: GroupSolution, probe: Probe, lower: int) -> tuple[GroupSolution, bool]:
     """Bisect the stretch in [lower, found's]: the solution with the least stretch `probe` finds, and
     whether it is proven least (every smaller stretch probed was INFEASIBLE or below `lower`)."""
-    lo, hi, best, proven = max(0, lower), found.window.stretch, found, True
+    return bisect_least(max(0, lower), found, probe, lambda solution: solution.window.stretch)
+
+
+S = TypeVar("S")
+
+
+def bisect_least(
+    lower: int, found: S, probe: Callable[[int], tuple[str, S | None]], size: Callable[[S], int]
+) -> tuple[S, bool]:
+    """The placement of least `size` (ticks of stretch, or of a whole step) `probe` finds in [lower, found's], by
+    bisection (exact where feasibility only grows with the size), and whether it is proven least (every smaller size
+    probed was INFEASIBLE)."""
+    lo, hi, best, proven = lower, size(found), found, True
     while lo < hi:
         mid = (lo + hi) // 2
         status, solution = probe(mid)
         if solution is not None:
-            hi, best = mid, solution
+            hi, best = size(solution), solution
         else:
             proven = proven and status == "INFEASIBLE"
             lo = mid + 1
