@@ -83,7 +83,10 @@ def _reference(batches: list[tuple[Tensor, Tensor]], family: DiagonalFamily) -> 
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _one_device(batches: list[tuple[Tensor, Tensor]]) -> fxkfac.runtime.trainer.Trainer:
+def _one_device(
+    batches: list[tuple[Tensor, Tensor]], timings: dict[str, LayerTiming] | None = None
+) -> fxkfac.runtime.trainer.Trainer:
+    """The single-device trainer with the diagonal family at `timings` (default `_timings()`), after `batches`."""
     trainer = fxkfac.compile(
         mlp(),
         None,
@@ -94,7 +97,7 @@ def _one_device(batches: list[tuple[Tensor, Tensor]]) -> fxkfac.runtime.trainer.
         backend=None,
         microbatches=N,
         preconditioner=DiagonalFamily(),
-        layer_timing=_timings(),
+        layer_timing=_timings() if timings is None else timings,
     )
     for x, y in batches:
         trainer.step(x, y)
@@ -235,22 +238,7 @@ def test_the_planner_places_the_diagonal_family_and_the_runtime_runs_its_plan() 
     layers = results[0].value["layers"]
     assert {"STATS", "DECOMP", "APPLY"} <= results[0].value["placed"] | results[1].value["placed"]
     assert max(t.period for t in layers.values()) > 1, "the plan should refresh less often than every step"
-    batches = mlp_batches(STEPS) * 2
-    single = fxkfac.compile(
-        mlp(),
-        None,
-        None,
-        example_inputs=(batches[0][0],),
-        loss_fn=F.mse_loss,
-        optimizer=_sgd,
-        backend=None,
-        microbatches=N,
-        preconditioner=DiagonalFamily(),
-        layer_timing=layers,
-    )
-    for x, y in batches:
-        single.step(x, y)
-    want = dict(single.named_parameters())
+    want = dict(_one_device(mlp_batches(STEPS) * 2, layers).named_parameters())
     for r in results:
         for name, p in r.value["params"].items():
             torch.testing.assert_close(p, want[name].detach(), rtol=0, atol=1e-5, msg=f"rank {r.rank} {name}")
