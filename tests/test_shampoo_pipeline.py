@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +19,7 @@ import fxkfac
 from fxkfac.config import PipelineOptions, PlanOptions
 from fxkfac.errors import ConfigError
 from fxkfac.planner.ir import LayerTiming, OpKind
+from fxkfac.planner.plan import Plan
 from fxkfac.profiler import gradient_unit_cost
 from fxkfac.shampoo import GraftType, ParamUnit, ShampooConfig, ShampooFamily, SOAPConfig
 from tests.support.distributed import run_distributed
@@ -176,6 +178,11 @@ def test_planned_shampoo_and_soap_run_their_plan_and_equal_one_device_given_it(
     assert {OpKind.DECOMP, OpKind.APPLY} <= results[0].value["placed"] | results[1].value["placed"]
     assert min(t.use_offset for t in layers.values()) >= 1, "a planned gradient part decomposes after its step"
     assert max(t.period for t in layers.values()) <= FAMILIES[family].precondition_frequency
+    _assert_equal_one_device(results, family, layers)
+
+
+def _assert_equal_one_device(results: list, family: str, layers: dict[str, LayerTiming]) -> None:
+    """Every rank's parameters (`value["params"]`) equal the single-device trainer's given the plan's timings."""
     single = fxkfac.compile(
         mlp(),
         None,
@@ -194,6 +201,46 @@ def test_planned_shampoo_and_soap_run_their_plan_and_equal_one_device_given_it(
     for r in results:
         for name, p in r.value["params"].items():
             torch.testing.assert_close(p, want[name].detach(), rtol=0, atol=1e-5, msg=f"rank {r.rank} {name}")
+
+
+SOAP_OFFSET_PAST_PERIOD = Path(__file__).parent / "data" / "soap_use_offset_past_period_plan.json"
+"""A valid plan="auto" plan of SOAP on mesh (1, 2) GPipe (costs profiled, then scaled at random): refresh every 2
+steps, some parameters' roots used 3 steps after their refresh (2.weight: decomposed at the next step on two ranks,
+broadcast the step after, so two refreshes of it are in flight)."""
+
+
+def _replayed_worker(rank: int, world: int, text: str) -> dict:
+    """The saved plan run for STEPS steps."""
+    trainer = fxkfac.compile(
+        mlp(),
+        (1, 2),
+        Plan.from_json(text),
+        example_inputs=(mlp_batches(STEPS)[0][0],),
+        loss_fn=F.mse_loss,
+        optimizer=_sgd,
+        backend=None,
+        schedule="gpipe",
+        microbatches=N // 2,
+        preconditioner=SOAP,
+        pipeline=PipelineOptions(timeout=60.0),
+    )
+    for x, y in mlp_batches(STEPS):
+        trainer.step(x, y)
+    return {"params": {n: copy.deepcopy(p.detach()) for n, p in trainer.named_parameters()}}
+
+
+@pytest.mark.multiproc
+@pytest.mark.xfail(
+    strict=True,
+    reason="known bug, found 2026-11-27 (a CI run of the test above failed on a profiled plan like it): with two "
+    "refreshes of a gradient-fed part in flight (use_offset 3 > period 2), 2.weight differs from the single-device "
+    "trainer by 9.3e-3 at step 5, the first step that uses the second refresh; present before that day's changes",
+)
+def test_a_soap_plan_with_two_refreshes_in_flight_equals_one_device_given_it() -> None:
+    text = SOAP_OFFSET_PAST_PERIOD.read_text()
+    results = run_distributed(_replayed_worker, 2, text, timeout=300)
+    assert all(r.ok for r in results), [r.traceback for r in results if not r.ok]
+    _assert_equal_one_device(results, "soap", dict(Plan.from_json(text).layers))
 
 
 def test_profiling_times_the_decomposition_past_the_start_step() -> None:
