@@ -53,6 +53,8 @@ class Target:
     decomp_pieces: int = 1
     barrier: StepBarrier = StepBarrier.WORLD
     """Which ranks each step's end waits for (`barrier_of` the family's `KFACConfig.kl_clip_scope`)."""
+    warm_start: bool = False
+    """Whether the family's decompositions start from the previous one (`Family.warm_start`)."""
 
     def describe(self) -> str:
         """The run in words, for error messages."""
@@ -152,6 +154,7 @@ def solve_for(
         max_overhead=options.max_overhead or 0.0,
         fingerprint=target.fingerprint,
         decomp_pieces=target.decomp_pieces,
+        warm_start=target.warm_start,
         barrier=target.barrier,
     )
     if target.max_period is not None:
@@ -192,6 +195,13 @@ def check_matches(plan: Any, target: Target, where: str = "the plan") -> None:
             f"{where} makes each decomposition in {plan.problem.decomp_pieces} piece(s), this run "
             f"in {target.decomp_pieces} (KFACConfig.split_inverse, ShampooConfig.newton_pieces); "
             "make a plan with this configuration or pass plan='auto'"
+        )
+    if target.warm_start and not (plan.problem.warm_start or plan.problem.decomp_pieces > 1):
+        raise PlanMismatchError(
+            f"{where} was made for decompositions that start from scratch, but this run's start from the "
+            "layer's previous one (SOAP's BasisMethod.QR, KFACConfig.split_inverse), so each refresh must be "
+            "made before the next one's decomposition starts; make a plan with this configuration (fxkfac plan "
+            "--preconditioner soap) or pass plan='auto'"
         )
     if plan.fingerprint != target.fingerprint:
         raise PlanMismatchError(

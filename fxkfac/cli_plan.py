@@ -66,6 +66,7 @@ def problem_of(args: argparse.Namespace, costs: CostTable) -> Problem:
         fingerprint=fingerprint,
         barrier=_barrier(args.kl_clip_scope),
         decomp_pieces=args.decomp_pieces,
+        warm_start=kind(args) is PreconditionerKind.SOAP,  # SOAP's QR basis starts from the previous one
         **period,
     )
     return problem if args.strategy is None else problem.with_strategy(args.strategy)

@@ -321,6 +321,7 @@ def prepare(
         family.max_period if family is not None else None,
         family.decomp_pieces if isinstance(family, PiecewiseFamily) else 1,
         barrier_of(family.cfg.kl_clip_scope) if isinstance(family, KFACFamily) else StepBarrier.WORLD,
+        warm_start=family is not None and family.warm_start,
     )
     return Prepared(captured, units, split, stage_layers, target, example, batch, micro)
 

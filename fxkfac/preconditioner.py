@@ -86,6 +86,14 @@ class RefreshState(ABC):
         out.pending = list(self.pending)
         return out
 
+    def with_preconditioners_of(self, live: RefreshState) -> RefreshState:
+        """This snapshot's statistics with `live`'s active and pending preconditioners: a refresh decomposes what
+        was folded at its step, warm-started (SOAP's QR basis, split inversions) from the layer's newest
+        preconditioner when its DECOMP runs, as on one device, however late the plan runs it."""
+        out = self.snapshot()
+        out.active, out.pending = live.active, list(live.pending)
+        return out
+
 
 class Family(Protocol):
     """The math of one preconditioner family (see the module doc). Parts are single capital letters.
@@ -109,6 +117,10 @@ class Family(Protocol):
     max_period: int | None
     """The longest refresh period a plan may give a unit (Shampoo/SOAP: precondition_frequency, which the user
     asks for; K-FAC: None, the planner chooses as PipeFisher does)."""
+    warm_start: bool
+    """True when a decomposition starts from the unit's newest preconditioner (SOAP's QR basis, K-FAC's split
+    inverse): a plan then makes and broadcasts each refresh before the next one's first DECOMP starts, so that
+    start is the previous refresh's, as on one device (`Problem.warm_start`)."""
     full_direction: bool
     """True when `precondition` yields the whole update direction (Shampoo, SOAP: grafting, momentum and weight
     decay included), so the base optimizer must be plain SGD; False when the base optimizer adds its own."""

@@ -27,7 +27,7 @@ from fxkfac.planner.budget import MIN_CALL, Meter
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.problem import SolveProgress, SolverConfig
 from fxkfac.planner.solution import GroupSolution, use_offsets
-from fxkfac.planner.window import TaskKind, Window, inv_chains
+from fxkfac.planner.window import TaskKind, Window, done_by, inv_chains, warm_starts
 
 __all__ = ["solve_window", "set_limits"]
 
@@ -127,24 +127,16 @@ def add_precedences(v: Vars, w: Window) -> None:
 
 
 def add_piece_chains(v: Vars, w: Window) -> None:
-    """The pieces of one decomposition run in order on one rank (its carry lives there), and a layer's refresh
-    is made and broadcast before the next refresh's first piece of any part starts (Newton-Schulz's start is the
-    layer's previous inverse, on every layout)."""
-    L, m = w.length, v.model
-    chains = [c for c in inv_chains(w) if len(c) > 1]
-    for chain in chains:
+    """The pieces of one decomposition run in order on one rank (its carry lives there), and a refresh that the
+    next one warm-starts from is made and broadcast before that one's first decomposition starts (`warm_starts`)."""
+    m = v.model
+    for chain in inv_chains(w):
         for a, b in zip(chain, chain[1:]):
             m.add(v.start[b] >= v.start[a] + w.tasks[a].ticks)
             for d, present in v.present[a].items():
                 m.add(v.present[b][d] == present)
-    firsts: dict[str, list[int]] = {}
-    for chain in chains:
-        firsts.setdefault(w.tasks[chain[0]].factors[0][0], []).append(chain[0])
-    for i, task in enumerate(w.tasks):
-        layer = task.factors[0][0]
-        if task.kind in (TaskKind.INV, TaskKind.BCAST) and layer in firsts:
-            for f in firsts[layer]:
-                m.add(v.start[i] + (task.ticks if task.kind is TaskKind.INV else 1) <= v.start[f] + L)
+    for i, f in warm_starts(w):
+        m.add(v.start[i] + done_by(w.tasks[i]) <= v.start[f] + w.length)
 
 
 def _add_precs(v: Vars, w: Window) -> None:

@@ -23,7 +23,7 @@ from fxkfac.planner.problem import Problem, StageGroup
 from fxkfac.planner.solution import GroupSolution, use_offsets
 from fxkfac.planner.step_timeline import step_timeline
 from fxkfac.planner.stretch import Allowance, least_stretch, stretch_lower_bound
-from fxkfac.planner.window import Task, TaskKind, Window
+from fxkfac.planner.window import Task, TaskKind, Window, done_by, warm_starts
 
 __all__ = ["MARGIN", "greedy_group", "greedy_window", "greedy_overhead"]
 
@@ -135,6 +135,8 @@ def greedy_window(window: Window) -> GroupSolution | None:
             inv_device[key] = members[0]
         for f in task.factors:
             done[f] = max(done.get(f, 0), start + task.ticks)
+    if any(starts[i] + done_by(window.tasks[i]) > starts[f] + window.length for i, f in warm_starts(window)):
+        return None  # a refresh not made before the next one warm-starts from it
     precs = tuple(p.reference for p in window.precs)
     offsets = use_offsets(window, tuple(starts), precs)
     return GroupSolution(window, tuple(starts), tuple(devices), precs, offsets, "greedy", "FEASIBLE", 1)

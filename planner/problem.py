@@ -77,6 +77,11 @@ class Problem:
     """How many DECOMP tasks each part's decomposition is cut into (`KFACConfig.split_inverse.pieces`,
     `ShampooConfig.newton_pieces`): piece i costs 1/n of the part's `decomp` and runs after piece i-1 on the same
     rank ("DECOMP s A i/n layer")."""
+    warm_start: bool = False
+    """Whether each decomposition starts from its layer's newest preconditioner (`Family.warm_start`: SOAP's QR
+    basis, K-FAC's split inverse): every refresh of a layer is then made and broadcast before the next refresh's
+    first DECOMP of the layer starts, so it starts from the previous refresh, as on one device. Pieces
+    (`decomp_pieces` > 1) always are."""
     barrier: StepBarrier = StepBarrier.WORLD
     """Which ranks each step's end synchronizes ([Note: step barrier] in planner/window.py)."""
 
@@ -106,6 +111,8 @@ class Problem:
             raise PlanError(f"barrier must be one of {[b.value for b in StepBarrier]}, got {self.barrier!r}") from None
         if isinstance(self.decomp_pieces, bool) or not isinstance(self.decomp_pieces, int) or self.decomp_pieces < 1:
             raise PlanError(f"decomp_pieces must be an int >= 1, got {self.decomp_pieces!r}")
+        if not isinstance(self.warm_start, bool):
+            raise PlanError(f"warm_start must be a bool, got {self.warm_start!r}")
         if [n for n, _ in self.distributions] != sorted({n for n, _ in self.distributions}):
             raise PlanError(
                 "Problem.distributions must be (layer, distribution) pairs sorted by distinct layer; "
@@ -193,6 +200,7 @@ class Problem:
             "max_period": self.max_period,
             **({"distributions": {n: str(d) for n, d in self.distributions}} if self.distributions else {}),
             **({"decomp_pieces": self.decomp_pieces} if self.decomp_pieces > 1 else {}),
+            **({"warm_start": True} if self.warm_start else {}),
             **({"barrier": self.barrier.value} if self.barrier is not StepBarrier.WORLD else {}),
         }
 

@@ -74,6 +74,8 @@ __all__ = [
     "wrap",
     "step_start_tick",
     "inv_chains",
+    "warm_starts",
+    "done_by",
     "longest_gaps",
     "too_long",
 ]
@@ -283,6 +285,27 @@ def inv_chains(window: Window) -> list[list[int]]:
         if task.kind is TaskKind.INV:
             chains.setdefault(task.factors[0], []).append(i)
     return list(chains.values())
+
+
+def warm_starts(window: Window) -> list[tuple[int, int]]:
+    """Pairs (i, f): INV or BCAST task i of a refresh is done (an INV ends, a BCAST starts: collectives keep their
+    order) before the next refresh's first INV f of its layer starts, L later, because f starts from the
+    preconditioner i makes: a decomposition in pieces (Newton-Schulz), or any of a `Problem.warm_start`."""
+    firsts: dict[str, list[int]] = {}
+    for chain in inv_chains(window):
+        if len(chain) > 1 or window.problem.warm_start:
+            firsts.setdefault(window.tasks[chain[0]].factors[0][0], []).append(chain[0])
+    return [
+        (i, f)
+        for i, task in enumerate(window.tasks)
+        if task.kind in (TaskKind.INV, TaskKind.BCAST)
+        for f in firsts.get(task.factors[0][0], [])
+    ]
+
+
+def done_by(task: Task) -> int:
+    """Ticks after its start by which `task` is done for a warm start that follows it (`warm_starts`)."""
+    return task.ticks if task.kind is TaskKind.INV else 1
 
 
 def longest_gaps(window: Window) -> dict[int, int]:

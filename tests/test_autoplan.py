@@ -4,13 +4,14 @@ the work; an explicit max_overhead stays strict."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 
-from fxkfac.autoplan import Target, solve_for
+from fxkfac.autoplan import Target, check_matches, solve_for
 from fxkfac.config import PlanOptions
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
-from fxkfac.planner.errors import PlanError
+from fxkfac.planner.errors import PlanError, PlanMismatchError
 from fxkfac.planner.schedules import ScheduleKind
 from fxkfac.planner.validate import validate
 
@@ -48,3 +49,20 @@ def test_auto_overhead_plans_where_the_bubbles_alone_cannot(caplog: pytest.LogCa
     assert plan.problem.max_overhead > 0 and validate(plan.problem, plan) == []
     assert any("planning with max_overhead=" in r.getMessage() for r in caplog.records)
     assert plan.metrics.step_time <= plan.metrics.step_time_reference * (1 + plan.problem.max_overhead) + 1e-9
+
+
+def test_a_warm_started_run_plans_for_it_and_refuses_a_plan_made_without() -> None:
+    """A family whose decompositions start from the previous one (SOAP's QR basis) gets a plan made for that, and
+    refuses a plan that may start the next refresh before the previous one is made (it would train otherwise than
+    on one device); a plan in pieces (Newton-Schulz, also warm-started) is one it accepts."""
+    warm = Target("graph", ScheduleKind.ONE_F_ONE_B, 2, 2, 1, warm_start=True)
+    options = PlanOptions(max_overhead=1.0, time_limit_s=3.0)
+    plan = solve_for(warm, _costs(2), options)
+    assert plan.problem.warm_start and validate(plan.problem, plan) == []
+    check_matches(plan, warm)
+    cold = solve_for(replace(warm, warm_start=False), _costs(2), options)
+    with pytest.raises(PlanMismatchError, match="start from the layer's previous one"):
+        check_matches(cold, warm)
+    check_matches(cold, replace(warm, warm_start=False))
+    pieces = solve_for(replace(warm, warm_start=False, decomp_pieces=2), _costs(2), options)
+    check_matches(pieces, replace(warm, decomp_pieces=2))

@@ -45,6 +45,7 @@ class KFACFamily:
         self.stats_dtype = cfg.factor_dtype
         self.refresh_every = cfg.refresh_every
         self.capture: str = cfg.capture
+        self.warm_start = cfg.split_inverse is not None  # Newton-Schulz from the previous inverse
 
     def source(self, part: str) -> Source:
         """A from the layer's input, B from its output gradient."""

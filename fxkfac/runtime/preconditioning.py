@@ -304,6 +304,8 @@ class PreconditionerRuntime:
             for part in self._parts_of(op):
                 ctx.transport.settle(_unit_key(name, part))
                 record = self._record(name, op, lambda r, p=part: p not in r.halves)
+                if self.family.warm_start:
+                    self._check_warm_start(ctx, name, record, op)
                 if part in self.gradient_parts and part not in record.folded:
                     raise PipelineError(
                         f"rank {self.rank}: '{op}' decomposes {part} of {name} refreshed at step "
@@ -312,7 +314,8 @@ class PreconditionerRuntime:
                     )
                 if part not in record.folded:
                     self._fold(name, part, record, op)
-                state = record.snapshots.get(part, self.states[name])
+                live, snapshot = self.states[name], record.snapshots.get(part)
+                state = live if snapshot is None else snapshot.with_preconditioners_of(live)
                 try:
                     if op.piece is not None and not self._piece(name, part, record, state, op):
                         continue
@@ -327,6 +330,19 @@ class PreconditionerRuntime:
                 if len(self.workers[name]) > 1:
                     self._outbox.setdefault((name, part), deque()).append(half)
                 self._maybe_combine(name)
+
+    def _check_warm_start(self, ctx: StepContext, name: str, record: RefreshRecord, op: Op) -> None:
+        """PipelineError unless every earlier refresh of the layer is made here once its broadcasts in flight
+        settle: the decomposition starts from the previous refresh's preconditioner, as on one device."""
+        if self.refreshes[name][0] is not record:
+            for part in self.family.parts:
+                ctx.transport.settle(_unit_key(name, part))
+        if self.refreshes[name][0] is not record:
+            raise PipelineError(
+                f"rank {self.rank}: '{op}' starts {name}'s refresh of step {record.step} before its refresh of "
+                f"step {self.refreshes[name][0].step} is made here, but {self.family.name}'s decompositions start "
+                "from the previous one (Family.warm_start): the plan was made without Problem.warm_start"
+            )
 
     def _piece(self, name: str, part: str, record: RefreshRecord, state: RefreshState, op: Op) -> bool:
         """Run piece i of n (`op.piece`) of the part's decomposition into `record.carries`; True after the last

@@ -40,6 +40,7 @@ class BlockFamily(ABC):
     kl_clip: float | None = None
     capture: str = "fused"
     full_direction: bool = True
+    warm_start: bool = False
 
     def __init__(self, *, dtype: str, frequency: int, start: int, stat_beta: float) -> None:
         self.stats_dtype = dtype

@@ -5,9 +5,9 @@ Per parameter, seen as a 1-D or 2-D view cut into blocks like Shampoo's (fxkfac.
      (from zero; b = 1: sums).
   2. (refresh, t = start mod precondition_frequency, t >= start; earlier snapshots decompose to None) the
      eigenbasis Q of each factor: eigh (retried in float64), or with BasisMethod.QR one power iteration from
-     the previous basis (the newest pending or active one when the state was snapshot; eigh when there is
-     none): columns sorted by descending diag(Q^T L Q), then Q <- qr(L Q). A failure in any block keeps the
-     previous bases of the whole parameter.
+     the previous basis (the newest pending or active one when the decomposition runs, which a plan makes the
+     previous refresh's: `Family.warm_start`; eigh when there is none): columns sorted by descending
+     diag(Q^T L Q), then Q <- qr(L Q). A failure in any block keeps the previous bases of the whole parameter.
   3. When a new basis becomes active, Adam's moments move into it. With O = Q_old^T Q_new per side (Q_old = I
      before the first basis): the first moment exactly, m <- O_L^T m O_R; the second moment, which is not
      linear in the basis, as the diagonal of the rotated covariance of independent coordinates:
@@ -95,6 +95,7 @@ class SOAPFamily(BlockFamily):
         )
         self.cfg = cfg
         self.max_dim = block_side(cfg.max_preconditioner_dim, max_dim, DEFAULT_MAX_DIM)
+        self.warm_start = cfg.basis_method is BasisMethod.QR  # one power iteration from the previous basis
 
     def _make_layout(self, unit: ParamUnit) -> Layout:
         """Dense factors only (a diagonal side keeps the identity basis); none on a 1-D view unless precondition_1d."""

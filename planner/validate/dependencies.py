@@ -111,22 +111,28 @@ def _check_factor(c: Context, layer: str, side: str | None, kinds: dict) -> None
 
 
 def _check_warm_starts(c: Context, factor_tasks: Mapping[tuple[str, str | None], dict]) -> None:
-    """A layer decomposed in pieces makes and broadcasts each refresh before the next refresh's first piece of any
-    part starts (Newton-Schulz starts from the layer's previous inverse)."""
+    """A layer whose decompositions start from its previous preconditioner (pieces: Newton-Schulz; any DECOMP of a
+    `Problem.warm_start`) makes each refresh before the next refresh's first DECOMP of any part starts, and starts
+    its broadcasts before it (collectives keep their order)."""
     layers: dict[str, list[Placement]] = {}
     for (layer, _), kinds in factor_tasks.items():
         layers.setdefault(layer, []).extend(kinds.get(OpKind.DECOMP, []) + kinds.get(OpKind.BCAST, []))
     for layer, refresh in layers.items():
-        firsts = [p for p in refresh if p.op.piece is not None and p.op.piece[0] == 0]
+        firsts = [
+            p
+            for p in refresh
+            if p.op.kind is OpKind.DECOMP and (p.op.piece[0] == 0 if p.op.piece is not None else c.problem.warm_start)
+        ]
         if not firsts:
             continue
         L = c.length(c.period(c.problem.costs.stage_of(layer)))
         start = min(p.start for p in firsts)
         for p in refresh:
-            if p.end > start + L + c.tol:
+            done = p.end if p.op.kind is OpKind.DECOMP else p.start
+            if done > start + L + c.tol:
                 c.errors.append(
-                    f"{p.op} ends after the next refresh of {layer} starts its first piece: that piece "
-                    "would not start from this refresh's inverse"
+                    f"{p.op} is done after the next refresh of {layer} starts decomposing: that refresh "
+                    "would not start from this one's preconditioner"
                 )
 
 

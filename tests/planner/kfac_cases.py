@@ -79,7 +79,8 @@ def problem(schedule: str, D: int, N: int, W: int = 1, v: int = 1, **kw: object)
 @st.composite
 def problems(draw: st.DrawFn) -> Problem:
     """Random small problems: any schedule, D in {2, 4}, small N, a few layers with random costs, W in
-    {1, 2}, sometimes a memory budget. Times are multiples of 0.25 s (an exact time grid)."""
+    {1, 2}, sometimes a memory budget, sometimes warm-started decompositions. Times are multiples of 0.25 s (an
+    exact time grid)."""
     schedule = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "chimera"]))
     D = draw(st.sampled_from([2, 4]))
     v = 2 if schedule == "interleaved" else 1
@@ -105,7 +106,8 @@ def problems(draw: st.DrawFn) -> Problem:
         )
         stages.append(StageCost(draw(quarter), draw(quarter) * 2, 1000, draw(st.integers(10, 60)), layers))
     costs = CostTable(tuple(stages), 1, "hypothesis", "cpu")
-    base = Problem(schedule, D, N, costs, W=W, v=v, max_period=12)
+    warm = draw(st.booleans())
+    base = Problem(schedule, D, N, costs, W=W, v=v, max_period=12, warm_start=warm)
     budget = draw(st.one_of(st.none(), st.integers(0, 400)))
     if budget is None:
         return base
@@ -119,6 +121,7 @@ def problems(draw: st.DrawFn) -> Problem:
         W=W,
         v=v,
         max_period=12,
+        warm_start=warm,
         memory_budget=min_memory_bytes(base) + budget,
         max_overhead=draw(st.sampled_from([0.0, 0.5])),
     )

@@ -1,5 +1,7 @@
 """Decompositions in pieces (Problem.decomp_pieces, KFACConfig.split_inverse): placed in order on one rank by
-both solvers, where a whole inversion fits no bubble; the validator checks the chain; plans keep the count."""
+both solvers, where a whole inversion fits no bubble; the validator checks the chain; plans keep the count.
+Warm-started decompositions (Problem.warm_start: SOAP's QR basis): each refresh is made before the next one
+decomposes, by both solvers and in the validator's eyes."""
 
 from __future__ import annotations
 
@@ -79,6 +81,47 @@ def test_the_validator_refuses_a_refresh_unfinished_when_the_next_one_starts_its
     late = placements[last_b]
     placements[last_b] = dataclasses.replace(late, start=late.start + 1000.0, end=late.end + 1000.0)
     errors = validate(split, dataclasses.replace(plan, placements=tuple(placements)))
-    assert any(
-        "DECOMP s0 B 2/3 l0_0 ends after the next refresh of l0_0 starts its first piece" in e for e in errors
-    ), errors
+    assert any("DECOMP s0 B 2/3 l0_0 is done after the next refresh of l0_0 starts decomposing" in e for e in errors), (
+        errors
+    )
+
+
+WARM = problem("gpipe", 2, 2, W=2, fwd=1, bwd=2, curv=0.25, inv=1.5, prec=0.25, max_period=8, warm_start=True)
+"""Whole decompositions that start from the layer's previous preconditioner (SOAP's QR basis), on two copies of
+each stage (so each part is broadcast)."""
+
+
+def _unfinished_at_next_start(plan: Plan) -> list[str]:
+    """Each DECOMP or BCAST of a refresh done after the next refresh (one window later) starts decomposing its
+    layer, read from the placements alone."""
+    length = {s: plan.metrics.step_time * k for s, k in enumerate(plan.metrics.refresh_steps)}
+    stage = {x.name: s for s, st in enumerate(plan.problem.costs.stages) for x in st.layers}
+    work = [p for p in plan.placements if p.op.kind in (OpKind.DECOMP, OpKind.BCAST)]
+    late = []
+    for layer in {p.op.layer for p in work}:
+        mine = [p for p in work if p.op.layer == layer]
+        next_start = min(p.start for p in mine if p.op.kind is OpKind.DECOMP) + length[stage[layer]]
+        late += [str(p.op) for p in mine if (p.end if p.op.kind is OpKind.DECOMP else p.start) > next_start + 1e-6]
+    return late
+
+
+@pytest.mark.parametrize("method", ["greedy", "cpsat"])
+def test_a_warm_started_refresh_is_made_before_the_next_one_decomposes(method: str) -> None:
+    plan = solve(WARM, FAST, method=method)
+    assert validate(WARM, plan) == []
+    assert _unfinished_at_next_start(plan) == []
+    assert any(p.op.kind is OpKind.BCAST for p in plan.placements)
+    assert Plan.from_json(plan.to_json()).problem.warm_start
+
+
+def test_the_validator_refuses_a_warm_started_refresh_unfinished_when_the_next_one_decomposes() -> None:
+    plan = solve(WARM, FAST, method="cpsat")
+    placements = list(plan.placements)
+    i = next(n for n, p in enumerate(placements) if p.op.kind is OpKind.DECOMP and p.op.part == "B")
+    late = placements[i]
+    placements[i] = dataclasses.replace(late, start=late.start + 1000.0, end=late.end + 1000.0)
+    moved = dataclasses.replace(plan, placements=tuple(placements))
+    message = f"{late.op} is done after the next refresh of {late.op.layer} starts decomposing"
+    assert any(message in e for e in validate(WARM, moved))
+    cold = dataclasses.replace(WARM, warm_start=False)
+    assert not any(message in e for e in validate(cold, dataclasses.replace(moved, problem=cold)))

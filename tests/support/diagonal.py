@@ -65,6 +65,7 @@ class DiagonalFamily:
     refresh_phase = 0
     max_period: int | None = None
     full_direction = False
+    warm_start = False
 
     def __init__(
         self, eps: float = 1e-2, decay: float = 0.9, refresh_every: int = 1, kl_clip: float | None = None
