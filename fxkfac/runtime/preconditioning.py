@@ -20,7 +20,10 @@ the same handlers, with every collective a no-op):
   ``BCAST s F @rR layer`` broadcasts it from rank R to the stage's other copies; once both halves
   are there the layer's inverse is queued to become active at ``t + use_offset``; ``DECOMP s F i/n layer``
   runs piece i of a decomposition the family makes in n (`PiecewiseFamily`), in order, its carry kept in
-  the refresh record (and in checkpoints) until the last piece makes the decomposition;
+  the refresh record (and in checkpoints) until the last piece makes the decomposition; a `Family.warm_start`
+  family's decomposition starts from the layer's newest preconditioner when its DECOMP runs (not when its
+  statistic was snapshot), which a plan made with `Problem.warm_start` makes the previous refresh's, as on one
+  device (PipelineError when the previous refresh is not made on the rank by then);
 - ``APPLY s`` activates due inverses and preconditions the stage's gradients; an inverse that is due but
   missing is a plan error (PipelineError), never a silent use of an older one;
 - OPT_STEP is wrapped: once the gradients are final (collectives settled, tied gradients summed), the
