@@ -1,4 +1,6 @@
-"""Factor capture in the graph: the fxkfac::tap_a / fxkfac::tap_e custom ops and the insert_factor_capture pass.
+"""Factor capture in the graph: the insert_factor_capture pass, and the fxkfac::tap_a / fxkfac::tap_e custom ops
+that make fused captures (deferred ones are plain graph values: the layer input, and the gradient of a zero probe
+added to the layer output, so they cost no copy).
 
 [Note: factor scaling] The ops never see ``n`` (samples in the global mini-batch). With ``a`` the layer
 input and ``g`` the raw gradient of the layer output that reaches the tap (the gradient of whatever
@@ -26,7 +28,7 @@ from fxkfac.passes.find_layers import layer_input
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.passes.meta import LAYER, NN_MODULE_STACK, TAP
 
-__all__ = ["FactorTaps", "gram", "insert_factor_capture", "tap_a", "tap_e", "probe_shape"]
+__all__ = ["FactorTaps", "gram", "insert_factor_capture", "new_probes", "tap_a", "tap_e", "probe_shape"]
 
 _MODES = ("fused", "deferred")
 _GRAM_PANELS, _GRAM_MIN_WIDTH = 8, 128
@@ -82,61 +84,55 @@ def _mirror_lower(block: Tensor) -> None:
 
 @torch.library.custom_op("fxkfac::tap_a", mutates_args=())
 def tap_a(
-    x: Tensor, mode: str, bias: bool, kernel: list[int], stride: list[int], padding: list[int], dilation: list[int]
+    x: Tensor, bias: bool, kernel: list[int], stride: list[int], padding: list[int], dilation: list[int]
 ) -> Tensor:
-    """Capture of a layer input ``x``: ``A_m`` (fused) or a copy of ``x`` (deferred); see [Note: factor scaling].
+    """Fused capture of a layer input ``x``: ``A_m`` (see [Note: factor scaling]).
 
     ``kernel`` empty means a Linear; otherwise the Conv2d geometry used for im2col.
     """
-    if mode == "deferred":
-        return x.clone()
     return gram(_a_rows(x, bias, kernel, stride, padding, dilation))
 
 
 @tap_a.register_fake
 def _tap_a_fake(
-    x: Tensor, mode: str, bias: bool, kernel: list[int], stride: list[int], padding: list[int], dilation: list[int]
+    x: Tensor, bias: bool, kernel: list[int], stride: list[int], padding: list[int], dilation: list[int]
 ) -> Tensor:
-    if mode == "deferred":
-        return torch.empty_like(x)
     d = (x.shape[1] * kernel[0] * kernel[1] if kernel else x.shape[-1]) + int(bias)
     return x.new_empty((d, d), dtype=_factor_dtype(x))
 
 
 def _tap_a_backward(ctx: Any, grad: Tensor) -> tuple[None, ...]:
     """The capture carries no gradient back to the activation."""
-    return (None,) * 7
+    return (None,) * 6
 
 
 tap_a.register_autograd(_tap_a_backward)
 
 
 @torch.library.custom_op("fxkfac::tap_e", mutates_args=())
-def tap_e(y: Tensor, probe: Tensor, mode: str, channels_first: bool) -> Tensor:
-    """Identity on the layer output ``y`` (a copy: custom ops may not alias); the capture happens in backward.
+def tap_e(y: Tensor, probe: Tensor, channels_first: bool) -> Tensor:
+    """Identity on the layer output ``y`` (a copy: custom ops may not alias); the fused capture happens in backward.
 
-    Backward passes ``grad_y`` through and returns, as the gradient of ``probe``, ``g^T g / rows``
-    (fused) or ``g`` itself (deferred); ``channels_first`` marks a conv output ``[N, C, H, W]``.
+    Backward passes ``grad_y`` through and returns, as the gradient of ``probe``, ``g^T g / rows``;
+    ``channels_first`` marks a conv output ``[N, C, H, W]``.
     """
     return y.clone()
 
 
 @tap_e.register_fake
-def _tap_e_fake(y: Tensor, probe: Tensor, mode: str, channels_first: bool) -> Tensor:
+def _tap_e_fake(y: Tensor, probe: Tensor, channels_first: bool) -> Tensor:
     return torch.empty_like(y)
 
 
 def _tap_e_setup(ctx: Any, inputs: tuple[Any, ...], output: Tensor) -> None:
-    ctx.mode, ctx.channels_first = inputs[2], inputs[3]
+    ctx.channels_first = inputs[2]
 
 
-def _tap_e_backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None, None]:
-    if ctx.mode == "deferred":
-        return grad, grad.clone(), None, None
+def _tap_e_backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, None]:
     rows = (
         grad.permute(0, 2, 3, 1).reshape(-1, grad.shape[1]) if ctx.channels_first else grad.reshape(-1, grad.shape[-1])
     )
-    return grad, gram(rows.to(_factor_dtype(grad))), None, None
+    return grad, gram(rows.to(_factor_dtype(grad))), None
 
 
 tap_e.register_autograd(_tap_e_backward, setup_context=_tap_e_setup)
@@ -146,8 +142,8 @@ tap_e.register_autograd(_tap_e_backward, setup_context=_tap_e_setup)
 class FactorTaps:
     """A graph with factor capture, and which of its extra inputs/outputs belong to which layer.
 
-    Call ``gm(*user_inputs, *probes)`` with one probe per entry of ``probes`` (in that order), each a
-    zero tensor of ``probe_shapes[name]`` with ``requires_grad=True``. Outputs: the ``n_outputs`` user
+    Call ``gm(*user_inputs, *new_probes(taps, device))``: one zero probe per entry of ``probes`` (in that order)
+    of ``probe_shapes[name]`` and ``probe_dtypes[name]``, with ``requires_grad=True``. Outputs: the ``n_outputs`` user
     outputs, then the A-side captures at ``a_outputs[name]``. After backward, ``probe.grad`` is the
     B-side capture. Values as in [Note: factor scaling].
     """
@@ -160,6 +156,22 @@ class FactorTaps:
     probes: Mapping[str, int]
     """Layer name -> position of its probe among the probes (after the user inputs)."""
     probe_shapes: Mapping[str, tuple[int, ...]]
+    probe_dtypes: Mapping[str, torch.dtype]
+    """The dtype of each probe: the layer output's (deferred: it is added to it) or the fused factor's."""
+
+
+def new_probes(taps: FactorTaps, device: torch.device) -> list[Tensor]:
+    """Zero probes for one call of ``taps.gm``, in its order, each requiring grad. A deferred probe is a zero
+    expanded to the layer output's shape: its gradient is the capture, and no memory is written for it."""
+    order = sorted(taps.probes, key=taps.probes.__getitem__)
+    return [
+        (
+            torch.zeros((), device=device, dtype=taps.probe_dtypes[n]).expand(taps.probe_shapes[n])
+            if taps.modes[n] == "deferred"
+            else torch.zeros(taps.probe_shapes[n], device=device, dtype=taps.probe_dtypes[n])
+        ).requires_grad_()
+        for n in order
+    ]
 
 
 def probe_shape(layer: KFACLayer, mode: str, output_shape: Sequence[int]) -> tuple[int, ...]:
@@ -196,6 +208,7 @@ def insert_factor_capture(gm: fx.GraphModule, layers: Sequence[KFACLayer], modes
     a_outputs: dict[str, int] = {}
     probes: dict[str, int] = {}
     shapes: dict[str, tuple[int, ...]] = {}
+    dtypes: dict[str, torch.dtype] = {}
     for node in targets:
         layer: KFACLayer = node.meta[LAYER]
         mode = modes[layer.name]
@@ -207,12 +220,21 @@ def insert_factor_capture(gm: fx.GraphModule, layers: Sequence[KFACLayer], modes
         last_input = probe
         probes[layer.name] = len(probes)
         shapes[layer.name] = probe_shape(layer, mode, node.meta["val"].shape)
+        out_dtype = node.meta["val"].dtype
+        dtypes[layer.name] = out_dtype if mode == "deferred" else _factor_dtype(node.meta["val"])
         _insert_tap_e(graph, node, probe, layer, mode)
     out_node.args = (tuple(out_node.args[0]) + tuple(a_caps),)
     graph.lint()
     new_gm = fx.GraphModule(gm, graph)
     return FactorTaps(
-        new_gm, tuple(by_name[n.meta[LAYER].name] for n in targets), dict(modes), n_outputs, a_outputs, probes, shapes
+        new_gm,
+        tuple(by_name[n.meta[LAYER].name] for n in targets),
+        dict(modes),
+        n_outputs,
+        a_outputs,
+        probes,
+        shapes,
+        dtypes,
     )
 
 
@@ -230,19 +252,27 @@ def _conv_args(layer: KFACLayer) -> tuple[list[int], list[int], list[int], list[
 
 
 def _insert_tap_a(graph: fx.Graph, node: fx.Node, layer: KFACLayer, mode: str) -> fx.Node:
-    """``tap_a(a, ...)`` right before the layer node; returns the tap node."""
+    """The node of the layer's A capture: fused, ``tap_a(a, ...)`` right before the layer node; deferred, the layer
+    input node itself, returned as an extra output (no copy: the graph is functional, nothing changes it later)."""
+    if mode == "deferred":
+        return layer_input(node)
     with graph.inserting_before(node):
         tap = graph.call_function(
-            torch.ops.fxkfac.tap_a.default, (layer_input(node), mode, layer.bias is not None, *_conv_args(layer))
+            torch.ops.fxkfac.tap_a.default, (layer_input(node), layer.bias is not None, *_conv_args(layer))
         )
     _annotate(tap, node, layer, ("a", mode))
     return tap
 
 
 def _insert_tap_e(graph: fx.Graph, node: fx.Node, probe: fx.Node, layer: KFACLayer, mode: str) -> fx.Node:
-    """``tap_e(y, probe, ...)`` right after the layer node, taking over all of its uses."""
+    """Right after the layer node, taking over all of its uses: fused, ``tap_e(y, probe, ...)``; deferred,
+    ``y + probe``, whose gradient with respect to the (zero) probe is the output gradient itself."""
     with graph.inserting_after(node):
-        tap = graph.call_function(torch.ops.fxkfac.tap_e.default, (node, probe, mode, layer.kind == "conv2d"))
+        tap = (
+            graph.call_function(torch.ops.aten.add.Tensor, (node, probe))
+            if mode == "deferred"
+            else graph.call_function(torch.ops.fxkfac.tap_e.default, (node, probe, layer.kind == "conv2d"))
+        )
     node.replace_all_uses_with(tap, delete_user_cb=lambda user: user is not tap)
     _annotate(tap, node, layer, ("e", mode))
     if "val" in node.meta:

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, fx
 
 from fxkfac.errors import CheckpointError, PipelineError
-from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture
+from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture, new_probes
 from fxkfac.planner.ir import Op
 from fxkfac.preconditioner import Family, Source
 from fxkfac.runtime.stage import StageRunner
@@ -73,7 +73,7 @@ class TappedRunner(StageRunner):
         taps, fn = self._variant()
         order = sorted(taps.probes, key=taps.probes.__getitem__)
         device = inputs[0].device if inputs else torch.device("cpu")
-        probes = [torch.zeros(taps.probe_shapes[n], device=device, requires_grad=True) for n in order]
+        probes = new_probes(taps, device)
         leaves = [x.requires_grad_(True) if needs_grad and x.is_floating_point() else x for x in inputs]
         outs = tuple(fn(*leaves, *probes))
         user = outs[: taps.n_outputs]

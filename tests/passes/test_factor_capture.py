@@ -13,7 +13,8 @@ from torch import Tensor, nn
 from fxkfac.capture import Captured, capture
 from fxkfac.config import KFACConfig
 from fxkfac.kfac.factors import a_rows, e_rows, factor
-from fxkfac.passes.factor_capture import insert_factor_capture
+from fxkfac.passes.factor_capture import insert_factor_capture, new_probes
+from fxkfac.passes.find_layers import layer_input
 from fxkfac.passes.meta import LAYER, TAP
 from tests.passes.reference import hook_factors
 from tests.support.models import cnn, image_batch, tiny_bert, tiny_gpt2, token_batch
@@ -61,8 +62,7 @@ def graph_factors(
     """``{layer: (A_m, B_m)}`` from the taps, scaled per [Note: factor scaling] with n = batch."""
     taps = insert_factor_capture(cap.gm, cap.layers, modes)
     fn = taps.gm if backend is None else torch.compile(taps.gm, backend=backend)
-    order = sorted(taps.probes, key=taps.probes.__getitem__)
-    probes = [torch.zeros(taps.probe_shapes[name], requires_grad=True) for name in order]
+    probes = new_probes(taps, torch.device("cpu"))
     outs = fn(*cap.flat_inputs((x,)), *probes)
     _loss(cap.unflatten_outputs(outs[: taps.n_outputs]), y).backward()
     n = x.shape[0]
@@ -130,17 +130,23 @@ def test_pass_leaves_input_graph_alone_and_marks_taps(captured) -> None:
             (name0, ("a", "fused")),
             (name0, ("e", "fused")),
             (name0, ("e", "fused")),
-            (name1, ("a", "deferred")),
             (name1, ("e", "deferred")),
             (name1, ("e", "deferred")),
         ]
     )
     assert taps.probe_shapes[name0] == (cap.layers[0].d_out, cap.layers[0].d_out)
-    # untapped graph computes the same outputs
+    # a deferred A capture is the layer's input itself, returned as an output: no copy in the graph
+    returned = taps.gm.graph.output_node().args[0][taps.a_outputs[name1]]
+    (layer_node,) = (
+        n
+        for n in taps.gm.graph.nodes
+        if n.meta.get(LAYER) is not None and TAP not in n.meta and n.meta[LAYER].name == name1
+    )
+    assert returned is layer_input(layer_node)
+    assert not any(n.target is torch.ops.aten.clone.default for n in taps.gm.graph.nodes)
+    # the tapped graph computes the same outputs
     torch.testing.assert_close(
-        taps.gm(*cap.flat_inputs((x,)), torch.zeros(taps.probe_shapes[name0]), torch.zeros(taps.probe_shapes[name1]))[
-            0
-        ],
+        taps.gm(*cap.flat_inputs((x,)), *new_probes(taps, torch.device("cpu")))[0],
         cap.gm(x)[0],
     )
 
