@@ -404,7 +404,9 @@ def _resolve_on_mesh(
 
         progress.phase(f"profiling the {len(split.stages)} stage(s)")
         flat = [x for x in micro if isinstance(x, Tensor)]
-        costs = measure(split, stage_layers, _unit_cost(family, known, split), flat, _surrogate_loss)
+        tapped = gradient_parts(family) != frozenset(family.parts)  # a refresh step taps the captured layers
+        captured = {s: [known[n] for n in names] for s, names in stage_layers.items()} if tapped else {}
+        costs = measure(split, stage_layers, _unit_cost(family, known, split), flat, _surrogate_loss, captured=captured)
         for st in split.stages:  # profiling ran backward on the parameters the runners will train
             for p in st.gm.parameters():
                 p.grad = None

@@ -86,7 +86,7 @@ class _Steps:
 def _steps(plan: Plan) -> _Steps:
     fused = frozenset(n for n, t in plan.layers.items() if t.capture == "fused")
     stretch = float(getattr(plan.metrics, "stretch", 0.0))
-    return _Steps(step_timeline(plan.problem, fused), step_timeline(plan.problem), stretch)
+    return _Steps(step_timeline(plan.problem, fused, refresh=True), step_timeline(plan.problem), stretch)
 
 
 def _fixed(steps: _Steps, device: int, k: int, count: int) -> list[Interval]:

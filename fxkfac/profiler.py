@@ -11,6 +11,7 @@ Every time is the fastest of its repeats, with their fastest and slowest kept be
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -26,6 +27,7 @@ from fxkfac.kfac.inverse import Inverse, combine, invert_factor
 from fxkfac.kfac.precondition import Preconditioner
 from fxkfac.kfac.split_inverse import split_invert_factor
 from fxkfac.kfac.state import LayerState
+from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture, new_probes
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.passes.split_stages import SplitResult
 from fxkfac.planner.costs import CostTable, LayerCost, PartCost, Spread, StageCost
@@ -308,8 +310,10 @@ def _stage_times(
     loss: Callable[[Sequence[Tensor]], Tensor] | None,
     warmup: int,
     repeats: int,
+    taps: FactorTaps | None = None,
 ) -> tuple[Timing, Timing, list[Tensor]]:
-    """Forward and backward of one stage on one micro-batch, each timed alone, and its (detached) outputs.
+    """Forward and backward of one stage on one micro-batch, each timed alone, and its (detached) outputs; with
+    `taps` (`gm` is then `taps.gm`, the stage's graph with captures), its probes are made in the forward.
 
     The backward is timed from the roots an untimed forward made for it (the last stage's `loss`, else every
     output with a gradient of ones), not derived from a timed forward + backward: two figures of separate runs
@@ -319,7 +323,9 @@ def _stage_times(
         return [x.detach().requires_grad_(True) if x.is_floating_point() else x for x in inputs]
 
     def forward() -> tuple[Tensor, ...]:
-        return tuple(gm(*leaves()))
+        if taps is None:
+            return tuple(gm(*leaves()))
+        return tuple(gm(*leaves(), *new_probes(taps, _device(inputs)))[: taps.n_outputs])
 
     def roots() -> tuple[list[Tensor], list[Tensor] | None]:
         out = forward()
@@ -335,6 +341,27 @@ def _stage_times(
     bwd = time_after(roots, backward, warmup=warmup, repeats=repeats)
     gm.zero_grad(set_to_none=True)
     return fwd, bwd, [o.detach() for o in forward()]
+
+
+def _device(inputs: Sequence[Tensor]) -> torch.device:
+    """Where a stage's micro-batch lives (its probes go there too)."""
+    return inputs[0].device if inputs else torch.device("cpu")
+
+
+def _tap_times(
+    taps: FactorTaps | None,
+    inputs: Sequence[Tensor],
+    loss: Callable[[Sequence[Tensor]], Tensor] | None,
+    plain: tuple[Timing, Timing],
+    warmup: int,
+    repeats: int,
+) -> tuple[float, float]:
+    """Seconds the stage's deferred taps add to one micro-batch's forward and backward (0 without taps; never
+    below 0: two timings' noise)."""
+    if taps is None:
+        return 0.0, 0.0
+    fwd, bwd, _ = _stage_times(taps.gm, inputs, loss, warmup, repeats, taps)
+    return max(0.0, fwd.seconds - plain[0].seconds), max(0.0, bwd.seconds - plain[1].seconds)
 
 
 def _trusted(stage: StageCost, index: int) -> StageCost:
@@ -385,7 +412,8 @@ def _fastest_layer(rounds: Sequence[LayerCost]) -> LayerCost:
 
 
 def _fastest_stage(rounds: Sequence[StageCost]) -> StageCost:
-    """One stage's costs over rounds: each time the fastest, its spread over all rounds' repeats."""
+    """One stage's costs over rounds: each time the fastest, its spread over all rounds' repeats; the taps' extra
+    the median of the rounds' (each a difference of two times of its round, whose fastest would be too low)."""
     layers = tuple(_fastest_layer(xs) for xs in zip(*(s.layers for s in rounds), strict=True))
     return replace(
         rounds[0],
@@ -393,6 +421,8 @@ def _fastest_stage(rounds: Sequence[StageCost]) -> StageCost:
         bwd=min(s.bwd for s in rounds),
         fwd_spread=_union([s.fwd_spread for s in rounds]),
         bwd_spread=_union([s.bwd_spread for s in rounds]),
+        tap_fwd=statistics.median(s.tap_fwd for s in rounds),
+        tap_bwd=statistics.median(s.tap_bwd for s in rounds),
         layers=layers,
     )
 
@@ -405,18 +435,24 @@ def _one_round(
     loss: Callable[[Sequence[Tensor]], Tensor],
     warmup: int,
     repeats: int,
+    taps: Mapping[int, FactorTaps],
 ) -> list[StageCost]:
-    """Every stage's forward and backward (`_stage_times`) and its units (`unit_cost`), timed once over."""
+    """Every stage's forward and backward (`_stage_times`), with its taps (`_tap_times`), and its units
+    (`unit_cost`), timed once over."""
     batch = int(micro_inputs[0].shape[0])
     inputs, stages = list(micro_inputs), []
     last = len(split.stages) - 1
     for st in split.stages:
-        fwd, bwd, inputs = _stage_times(st.gm, inputs, loss if st.index == last else None, warmup, repeats)
+        fed, stage_loss = inputs, loss if st.index == last else None
+        fwd, bwd, inputs = _stage_times(st.gm, fed, stage_loss, warmup, repeats)
+        tap_fwd, tap_bwd = _tap_times(taps.get(st.index), fed, stage_loss, (fwd, bwd), warmup, repeats)
         params = {n: p for n, p in st.gm.named_parameters()}
         stages.append(
             StageCost(
                 fwd=fwd.seconds,
                 bwd=bwd.seconds,
+                tap_fwd=tap_fwd,
+                tap_bwd=tap_bwd,
                 param_bytes=sum(map(_nbytes, params.values())),
                 act_bytes=_act_bytes(st.gm),
                 layers=tuple(unit_cost(n, batch) for n in stage_layers.get(st.index, ())),
@@ -438,8 +474,11 @@ def profile(
     repeats: int = 1,
     rounds: int = 5,
     hardware: str = "cpu",
+    captured: Mapping[int, Sequence[KFACLayer]] | None = None,
 ) -> CostTable:
     """The CostTable of the split model at the micro-batch of `micro_inputs`, measured here, stage by stage.
+    `captured`: each stage's layers with captured parts (K-FAC's), which a refresh step taps: their deferred
+    taps' extra F/B is timed too (`StageCost.tap_fwd`).
 
     The stages are chained in this one process (rank 0 profiles all: every stage copy is the same
     graph). `loss(flat_outputs)` is the last stage's scalar loss for one micro-batch. Forward and backward
@@ -459,8 +498,14 @@ def profile(
         rounds,
         "this thread's CPU time" if clock() is time.thread_time else "the wall clock",
     )
+    taps = {
+        st.index: insert_factor_capture(st.gm, layers, dict.fromkeys((x.name for x in layers), "deferred"))
+        for st in split.stages
+        if (layers := list((captured or {}).get(st.index, ())))
+    }
     passes = [
-        _one_round(split, stage_layers, unit_cost, micro_inputs, loss, warmup, repeats) for _ in range(max(1, rounds))
+        _one_round(split, stage_layers, unit_cost, micro_inputs, loss, warmup, repeats, taps)
+        for _ in range(max(1, rounds))
     ]
     stages = [_trusted(_fastest_stage(of), i) for i, of in enumerate(zip(*passes, strict=True))]
     for i, s in enumerate(stages):

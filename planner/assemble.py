@@ -67,7 +67,7 @@ def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) 
     every fixed op that ends by its start (so a RECV still waiting stays after it). Compared in
     ticks: in seconds, float rounding could put a APPLY before the backward it follows."""
     steps: list[list[tuple[tuple[int, int, int], Op]]] = [[] for _ in range(w.k)]
-    timelines = [step_timeline(problem, w.fused)] + [step_timeline(problem)] * (w.k - 1)
+    timelines = [step_timeline(problem, w.fused, refresh=True)] + [step_timeline(problem)] * (w.k - 1)
     for j, st in enumerate(timelines):
         for seq, (op, _, end) in enumerate(st.ops[device]):
             if op.kind not in _PLACED_KINDS:
@@ -79,7 +79,7 @@ def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) 
 
 def _utilization(problem: Problem, w: Window, placed: list[Placement], device: int) -> float:
     """The device's planned utilization: its F/B and placed work over the window."""
-    timelines = [step_timeline(problem, w.fused)] + [step_timeline(problem)] * (w.k - 1)
+    timelines = [step_timeline(problem, w.fused, refresh=True)] + [step_timeline(problem)] * (w.k - 1)
     busy = sum(b - a for st in timelines for _, a, b in st.fixed(device))
     busy += sum(p.end - p.start for p in placed if p.device == device and p.op.kind in BUSY_KINDS)
     return utilization(busy, w.seconds(w.length))

@@ -18,7 +18,7 @@ from fxkfac.planner.plan import Plan
 from fxkfac.planner.preconditioners import words_of
 from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, copies_of_stage, format_bytes, stage_groups
 from fxkfac.planner.solution import GroupSolution, fits_memory, peak_bytes
-from fxkfac.planner.step_timeline import refresh_lower_bound, step_timeline
+from fxkfac.planner.step_timeline import fused_extra, refresh_lower_bound, step_timeline
 from fxkfac.planner.stretch import Allowance, allowance
 from fxkfac.planner.window import TaskKind, longest_gaps, too_long
 
@@ -108,10 +108,9 @@ def _aggregate(problem: Problem, group: StageGroup, config: SolverConfig, allowe
 
 
 def _overhead_period(problem: Problem, fused: frozenset[str]) -> int:
-    """The least common period that amortizes the fused refresh step's extra time within max_overhead."""
-    if not fused:
-        return 1
-    extra = step_timeline(problem, fused).length - step_timeline(problem).length
+    """The least common period that amortizes the fused curvature's extra time on the refresh step within
+    max_overhead."""
+    extra = fused_extra(problem, fused)
     if extra <= 1e-12:
         return 1
     allowed = problem.max_overhead * step_timeline(problem).length
@@ -350,7 +349,7 @@ def _check_budget(problem: Problem) -> None:
 
 
 def _fusing_refused(problem: Problem, fused: frozenset[str]) -> InfeasibleBudgetError:
-    extra = step_timeline(problem, fused).length - step_timeline(problem).length
+    extra = fused_extra(problem, fused)
     names = sorted(fused)
     shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return InfeasibleBudgetError(

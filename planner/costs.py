@@ -238,6 +238,12 @@ class StageCost:
     peak_err_bytes: int = 0
     fwd_spread: Spread | None = None
     bwd_spread: Spread | None = None
+    tap_fwd: float = 0.0
+    """Seconds a refresh step adds to one micro-batch's forward by tapping the stage's captured layers (deferred
+    captures: a probe per layer output, the inputs kept; fused layers add their curvature besides); 0 where not
+    measured (the paper's profiles, analytic tables)."""
+    tap_bwd: float = 0.0
+    """The same for one micro-batch's backward (the probes' gradients)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, tuple) or not all(isinstance(x, LayerCost) for x in self.layers):
@@ -346,12 +352,16 @@ class CostTable:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able form with the schema version (no "comm" key without a communication model, no
-        `*_spread` key for a time that was not profiled: the file of an unprofiled table is as before spreads)."""
+        `*_spread` key for a time that was not profiled, no `tap_*` key for a tap not measured: the file of an
+        unprofiled table is as before them)."""
         body = asdict(self)
         if self.comm is None:
             del body["comm"]
         for stage in body["stages"]:
             _drop_empty_spreads(stage)
+            for key in ("tap_fwd", "tap_bwd"):
+                if not stage[key]:
+                    del stage[key]
             for layer in stage["layers"]:
                 _drop_empty_spreads(layer)
                 for part in layer["parts"]:
@@ -481,6 +491,8 @@ def _scale_stage(s: StageCost, per_mb: float, fixed: float, mem: float) -> Stage
         s,
         fwd=s.fwd * per_mb,
         bwd=s.bwd * per_mb,
+        tap_fwd=s.tap_fwd * per_mb,
+        tap_bwd=s.tap_bwd * per_mb,
         fwd_spread=_scaled(s.fwd_spread, per_mb),
         bwd_spread=_scaled(s.bwd_spread, per_mb),
         act_bytes=round(s.act_bytes * mem),

@@ -41,6 +41,8 @@ __all__ = [
     "early_start",
     "slot_seconds",
     "stretch_allowance",
+    "tap_extra",
+    "fused_extra",
     "refresh_lower_bound",
 ]
 
@@ -167,9 +169,10 @@ def stage_comm(problem: Problem, stage: int) -> StageComm:
     return StageComm(len(copies), gradient_allreduce_seconds(problem, stage), sync, bcast, share)
 
 
-def _duration(problem: Problem, fused: frozenset[str]) -> Callable[[int, Op], float]:
-    """Op durations in seconds: F/B from the costs (plus fused curvature), the gradient all-reduce (the comm
-    model), gradient statistics, APPLY; nothing else (transfers and OPT_STEP take no time)."""
+def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callable[[int, Op], float]:
+    """Op durations in seconds: F/B from the costs (at a refresh step, plus the taps and fused curvature), the
+    gradient all-reduce (the comm model), gradient statistics, APPLY; nothing else (transfers and OPT_STEP take no
+    time)."""
     stages = problem.costs.stages
     allreduce = [gradient_allreduce_seconds(problem, s) for s in range(len(stages))]
     stats = {(op.layer, op.part): secs for s, stage in enumerate(stages) for op, secs in gradient_stats(stage, s)}
@@ -177,8 +180,8 @@ def _duration(problem: Problem, fused: frozenset[str]) -> Callable[[int, Op], fl
     def fused_curv(stage: StageCost, after: OpKind) -> float:
         return sum(p.stats for x in stage.layers if x.name in fused for p in x.parts if p.after is after)
 
-    fwd = [s.fwd + fused_curv(s, OpKind.FWD) for s in stages]
-    bwd = [s.bwd + fused_curv(s, OpKind.BWD) for s in stages]
+    fwd = [s.fwd + (s.tap_fwd if refresh else 0.0) + fused_curv(s, OpKind.FWD) for s in stages]
+    bwd = [s.bwd + (s.tap_bwd if refresh else 0.0) + fused_curv(s, OpKind.BWD) for s in stages]
     per_step = {
         (d, op): secs
         for d in problem.devices
@@ -203,8 +206,11 @@ def _duration(problem: Problem, fused: frozenset[str]) -> Callable[[int, Op], fl
 
 
 @lru_cache(maxsize=256)
-def step_timeline(problem: Problem, fused: frozenset[str] = frozenset(), with_prec: bool = True) -> StepTimeline:
-    """One simulated step (plain or with APPLY; fused layers' curvature inside F/B): the step a steady run repeats.
+def step_timeline(
+    problem: Problem, fused: frozenset[str] = frozenset(), with_prec: bool = True, *, refresh: bool = False
+) -> StepTimeline:
+    """One simulated step (plain or with APPLY; `refresh`: a refresh step, whose F/B also tap the captured layers
+    (`StageCost.tap_fwd`) and hold the fused layers' curvature): the step a steady run repeats.
 
     Every step ends with OPT_STEP, a barrier over all ranks (the runtime's KL-clip and non-finite
     all-reduce; the simulator runs it as one), so the next step begins with every rank idle and no
@@ -215,7 +221,7 @@ def step_timeline(problem: Problem, fused: frozenset[str] = frozenset(), with_pr
     its next step early (`early_start`), which changes no F/B time.
     """
     programs = reference_programs(problem) if with_prec else base_programs(problem)
-    one = simulate(programs, _duration(problem, fused), steps=1)
+    one = simulate(programs, _duration(problem, fused, refresh), steps=1)
     return _step_from(one, one.makespan)
 
 
@@ -253,9 +259,9 @@ def steps_overlap(problem: Problem) -> bool:
         return False
     programs = reference_programs(problem)
     barrier = {d: agreement_set(problem, d) for d in problem.devices}
-    for fused in (frozenset(), frozenset(problem.costs.layer_names)):
-        one = step_timeline(problem, fused)
-        run = simulate(programs, _duration(problem, fused), steps=3, barrier=barrier)
+    for fused, refresh in ((frozenset(), False), (frozenset(problem.costs.layer_names), True)):
+        one = step_timeline(problem, fused, refresh=refresh)
+        run = simulate(programs, _duration(problem, fused, refresh), steps=3, barrier=barrier)
         want = {
             (d, j, n): j * one.length + end
             for d, items in one.ops.items()
@@ -323,12 +329,22 @@ def slot_seconds(problem: Problem, device: int, stage: int) -> float:
     return before + sum(shares)
 
 
+def tap_extra(problem: Problem) -> float:
+    """Seconds the refresh step's taps (`StageCost.tap_fwd`) add to a step: the price of refreshing at all, which
+    a plan pays once per refresh period and max_overhead does not count (as it does not count APPLY)."""
+    return step_timeline(problem, refresh=True).length - step_timeline(problem).length
+
+
+def fused_extra(problem: Problem, fused: frozenset[str]) -> float:
+    """Seconds the `fused` layers' curvature adds to the refresh step: what fusing costs, against max_overhead."""
+    return step_timeline(problem, fused, refresh=True).length - step_timeline(problem, refresh=True).length
+
+
 def stretch_allowance(problem: Problem, fused: frozenset[str], k: int) -> float:
     """Seconds of idle time the planner may append to every step at refresh period k: max_overhead of
     the reference step, less what the refresh step's fused curvature adds per step of the window."""
     normal = step_timeline(problem).length
-    extra = step_timeline(problem, fused).length - normal
-    return max(0.0, problem.max_overhead * normal - extra / k)
+    return max(0.0, problem.max_overhead * normal - fused_extra(problem, fused) / k)
 
 
 def refresh_lower_bound(

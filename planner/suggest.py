@@ -12,7 +12,7 @@ from fxkfac.planner.errors import InfeasibleBudgetError, Knob, PlanError, Schedu
 from fxkfac.planner.memory import min_memory_bytes
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig, format_bytes, stage_groups
-from fxkfac.planner.step_timeline import step_timeline
+from fxkfac.planner.step_timeline import fused_extra, step_timeline
 from fxkfac.planner.stretch import Allowance
 from fxkfac.planner.window_build import grid_scale
 
@@ -276,7 +276,7 @@ def _overhead_estimate(
 def _overhead(problem: Problem, fused: frozenset[str], k: int, ticks: int, grid: Allowance) -> float:
     """max_overhead that a stretch of `ticks` per step at period k needs, fused curvature included."""
     normal = step_timeline(problem).length
-    return (ticks / grid.scale[0] + (step_timeline(problem, fused).length - normal) / k) / normal  # type: ignore[index]  # the allowance has a grid
+    return (ticks / grid.scale[0] + fused_extra(problem, fused) / k) / normal  # type: ignore[index]  # the allowance has a grid
 
 
 def _sig_up(x: float, digits: int = 3) -> float:

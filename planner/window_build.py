@@ -47,7 +47,7 @@ def grid_scale(
 ) -> tuple[float, bool]:
     """Ticks per second for windows of `stages` and whether the grid is exact ([Note: time grid]); `extra`: more
     durations it must hold exactly (the options of a joint choice, planner/joint.py)."""
-    refresh, normal = step_timeline(problem, fused), step_timeline(problem)
+    refresh, normal = step_timeline(problem, fused, refresh=True), step_timeline(problem)
     stages = list(stages)
     layers = [x for s in stages for x in problem.costs.stages[s].layers]
     durations = [t for x in layers for p in x.parts for t in (p.stats, p.decomp)]
@@ -77,12 +77,12 @@ def build_window(
     stretch: int = 0,
     scale: tuple[float, bool] | None = None,
 ) -> Window:
-    """The window of `k` steps for `group` (step 0 is the refresh step, F/B grown by fused curvature),
+    """The window of `k` steps for `group` (step 0 is the refresh step, F/B grown by taps and fused curvature),
     each step followed by `stretch` idle ticks; `scale`: a (ticks per second, exact) grid to use instead
     of the group's own (`grid_scale`), so that windows of several groups share one."""
     if stretch < 0:
         raise AssertionError(f"negative stretch {stretch}")
-    refresh, normal = step_timeline(problem, fused), step_timeline(problem)
+    refresh, normal = step_timeline(problem, fused, refresh=True), step_timeline(problem)
     ticks_per_s, exact = scale if scale is not None else grid_scale(problem, group.stages, fused, resolution)
     grid = Grid(ticks_per_s)
     steps = [refresh] + [normal] * (k - 1)

@@ -299,3 +299,17 @@ def test_a_malformed_spread_is_refused_naming_it(bad: object, message: str) -> N
     data["stages"][0]["bwd_spread"] = bad
     with pytest.raises(CostModelError, match=message):
         CostTable.from_dict(data)
+
+
+def test_a_refresh_steps_taps_are_timed_for_the_captured_layers_alone(split: tuple) -> None:
+    """With `captured`, each stage's deferred taps are timed (never below 0) and kept through JSON; without, a table
+    has none and its file has no tap keys (as before taps were profiled)."""
+    result, by_stage, layers, x = split
+    cost = kfac_unit_cost(layers, CFG)
+    captured = {s: [layers[n] for n in names] for s, names in by_stage.items()}
+    tapped = profiler.profile(result, by_stage, cost, [x], _loss, repeats=3, rounds=3, captured=captured)
+    assert all(s.tap_fwd >= 0 and s.tap_bwd >= 0 for s in tapped.stages)
+    assert CostTable.from_json(tapped.to_json()) == tapped
+    plain = profiler.profile(result, by_stage, cost, [x], _loss, repeats=1, rounds=1)
+    assert all(s.tap_fwd == 0 and s.tap_bwd == 0 for s in plain.stages)
+    assert not any(key.startswith("tap_") for s in json.loads(plain.to_json())["stages"] for key in s)

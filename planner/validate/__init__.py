@@ -51,7 +51,7 @@ def validate(problem: Problem, plan: Plan, *, run: bool = True) -> list[str]:
         plan,
         tol,
         fused,
-        step_timeline(problem, fused),
+        step_timeline(problem, fused, refresh=True),
         step_timeline(problem),
         [],
         stretch if isinstance(stretch, (int, float)) and 0 <= stretch < math.inf else 0.0,
