@@ -211,6 +211,12 @@ snapshot. The QR basis of the next refresh must start from them anyway, as on on
 the warm start at the snapshot differed by 1.7e-2 from step 4 on)."""
 
 
+SOAP_EARLY_DECOMP = Path(__file__).parent / "data" / "soap_decomposes_before_previous_refresh_plan.json"
+"""A SOAP plan on mesh (1, 2) GPipe that says it was made for warm starts but decomposes 4.bias's refresh on r1 a
+step before the previous refresh of 4.bias is made there (its R arrives by broadcast later): a plan="auto" plan of
+before warm starts were planned, its problem marked warm-started by hand, which a run takes as given."""
+
+
 def _replayed_worker(rank: int, world: int, text: str) -> dict:
     """The saved plan run for STEPS steps."""
     trainer = fxkfac.compile(
@@ -237,6 +243,21 @@ def test_a_soap_refresh_starts_from_the_previous_bases_however_late_they_land() 
     results = run_distributed(_replayed_worker, 2, text, timeout=300)
     assert all(r.ok for r in results), [r.traceback for r in results if not r.ok]
     _assert_equal_one_device(results, "soap", dict(Plan.from_json(text).layers))
+
+
+@pytest.mark.multiproc
+def test_a_plan_that_decomposes_before_the_previous_refresh_is_made_stops_the_run() -> None:
+    """The runtime does not start a warm-started decomposition from an older preconditioner than one device would:
+    a given Plan is not validated, so it checks the order itself."""
+    results = run_distributed(_replayed_worker, 2, SOAP_EARLY_DECOMP.read_text(), timeout=300)
+    failed = [r for r in results if not r.ok]
+    assert failed and all(r.error_type in ("PipelineError", "PipelineTimeoutError") for r in failed), results
+    assert any(
+        r.error_type == "PipelineError"
+        and "starts 4.bias's refresh of step" in r.error
+        and "Problem.warm_start" in r.error
+        for r in failed
+    ), results
 
 
 def test_profiling_times_the_decomposition_past_the_start_step() -> None:
