@@ -150,19 +150,7 @@ def _prepare_and_resolve(
                 stacklevel=3,
             )
         known = {unit.name: unit for unit in prepared.units}
-        resolved = _resolve(
-            plan,
-            single,
-            family,
-            prepared.target,
-            options,
-            layout,
-            prepared.split,
-            prepared.stage_layers,
-            known,
-            prepared.micro,
-            progress,
-        )
+        resolved = _resolve(plan, single, family, prepared, known, options, layout, progress)
     return prepared, known, resolved
 
 
@@ -330,17 +318,14 @@ def _resolve(
     plan: Any,
     single: bool,
     family: Family | None,
-    target: Target,
+    prepared: Prepared,
+    known: Mapping[str, Any],
     options: PlanOptions,
     layout: MeshLayout,
-    split: SplitResult,
-    stage_layers: Mapping[int, list[str]],
-    known: Mapping[str, Any],
-    micro: tuple[Any, ...],
     progress: PlanProgress,
 ) -> Plan | None:
-    """The plan whose programs the ranks run: none on one device or without preconditioned layers; `progress`
-    shows plan="auto"'s phases, solver and plan on rank 0."""
+    """The plan whose programs the ranks run for the `prepared` model (`known`: its units by name): none on one
+    device or without preconditioned layers; `progress` shows plan="auto"'s phases, solver and plan on rank 0."""
     if family is None:
         if plan not in (None, "auto"):
             raise ConfigError("kfac=None trains the plain pipeline, which takes no plan; pass plan=None")
@@ -349,14 +334,16 @@ def _resolve(
         return None
     auto = isinstance(plan, str) and plan == "auto"
     if auto and layout.rank == 0:  # rank 0 plans: its device's memory is the default budget
-        budgeted = auto_budget(options, lambda: device_memory(_held_parameters(split, target, layout.pp)))
+        budgeted = auto_budget(
+            options, lambda: device_memory(_held_parameters(prepared.split, prepared.target, layout.pp))
+        )
         if budgeted is not options:
             progress.note(
                 f"memory budget {format_bytes(budgeted.memory_budget or 0)} per device: what the GPU has "
                 "free (PlanOptions(memory_budget=...) sets another)"
             )
         options = budgeted
-    made = _resolve_on_mesh(plan, family, target, options, layout, split, stage_layers, known, micro, progress)
+    made = _resolve_on_mesh(plan, family, prepared, known, options, layout, progress)
     if made is not None and auto:
         progress.done(made)
     return made
@@ -381,19 +368,17 @@ def _unit_cost(family: Family, known: Mapping[str, Any], split: SplitResult) -> 
 def _resolve_on_mesh(
     plan: Any,
     family: Family,
-    target: Target,
+    prepared: Prepared,
+    known: Mapping[str, Any],
     options: PlanOptions,
     layout: MeshLayout,
-    split: SplitResult,
-    stage_layers: Mapping[int, list[str]],
-    known: Mapping[str, Any],
-    micro: tuple[Any, ...],
     progress: PlanProgress,
 ) -> Plan | None:
     """`resolve_plan` with plan="auto"'s profile (links measured by every rank, stages by rank 0), each phase
     and the solver's reports shown by `progress`."""
     from fxkfac.comm_profile import measure_comm
 
+    split, stage_layers = prepared.split, prepared.stage_layers
     profiles = isinstance(plan, str) and plan == "auto" and options.costs is None
     if profiles:
         progress.phase("measuring the links between ranks")
@@ -403,7 +388,7 @@ def _resolve_on_mesh(
         from fxkfac.profiler import profile as measure
 
         progress.phase(f"profiling the {len(split.stages)} stage(s)")
-        flat = [x for x in micro if isinstance(x, Tensor)]
+        flat = [x for x in prepared.micro if isinstance(x, Tensor)]
         tapped = gradient_parts(family) != frozenset(family.parts)  # a refresh step taps the captured layers
         captured = {s: [known[n] for n in names] for s, names in stage_layers.items()} if tapped else {}
         costs = measure(split, stage_layers, _unit_cost(family, known, split), flat, _surrogate_loss, captured=captured)
@@ -417,7 +402,7 @@ def _resolve_on_mesh(
         progress.phase(SOLVING)
     return resolve_plan(
         plan,
-        target,
+        prepared.target,
         options,
         rank=layout.rank,
         world=layout.world_size,
