@@ -196,7 +196,7 @@ def check_matches(plan: Any, target: Target, where: str = "the plan") -> None:
             f"in {target.decomp_pieces} (KFACConfig.split_inverse, ShampooConfig.newton_pieces); "
             "make a plan with this configuration or pass plan='auto'"
         )
-    if target.warm_start and not (plan.problem.warm_start or plan.problem.decomp_pieces > 1):
+    if target.warm_start and not plan.problem.chains_refreshes:
         raise PlanMismatchError(
             f"{where} was made for decompositions that start from scratch, but this run's start from the "
             "layer's previous one (SOAP's BasisMethod.QR, KFACConfig.split_inverse), so each refresh must be "

@@ -130,6 +130,12 @@ class Problem:
                     "from the reduced gradient, the same on every copy; use mem-opt for one owner"
                 )
 
+    @property
+    def chains_refreshes(self) -> bool:
+        """Whether every refresh of a layer is made before the next one's first DECOMP of it starts: decompositions
+        that warm-start (`warm_start`) or run in pieces (Newton-Schulz starts from the previous inverse)."""
+        return self.warm_start or self.decomp_pieces > 1
+
     def __hash__(self) -> int:
         """The fields' hash, computed once: the planner's caches (lru_cache) key on problems millions of times,
         and hashing the cost table each time was most of a data-parallel plan's time."""

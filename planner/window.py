@@ -290,11 +290,12 @@ def inv_chains(window: Window) -> list[list[int]]:
 def warm_starts(window: Window) -> list[tuple[int, int]]:
     """Pairs (i, f): INV or BCAST task i of a refresh is done (an INV ends, a BCAST starts: collectives keep their
     order) before the next refresh's first INV f of its layer starts, L later, because f starts from the
-    preconditioner i makes: a decomposition in pieces (Newton-Schulz), or any of a `Problem.warm_start`."""
+    preconditioner i makes (`Problem.chains_refreshes`)."""
+    if not window.problem.chains_refreshes:
+        return []
     firsts: dict[str, list[int]] = {}
     for chain in inv_chains(window):
-        if len(chain) > 1 or window.problem.warm_start:
-            firsts.setdefault(window.tasks[chain[0]].factors[0][0], []).append(chain[0])
+        firsts.setdefault(window.tasks[chain[0]].factors[0][0], []).append(chain[0])
     return [
         (i, f)
         for i, task in enumerate(window.tasks)
