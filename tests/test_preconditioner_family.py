@@ -42,19 +42,16 @@ def _reference(batches: list[tuple[Tensor, Tensor]], family: DiagonalFamily) -> 
     model = mlp()
     opt = _sgd(list(model.parameters()))
     timings = _timings()
-    layers = {
-        name: fxkfac.compile(
-            mlp(),
-            None,
-            None,
-            example_inputs=(batches[0][0],),
-            loss_fn=F.mse_loss,
-            backend=None,
-            microbatches=N,
-            preconditioner=family,
-        ).units
-        for name in ("all",)
-    }["all"]
+    layers = fxkfac.compile(
+        mlp(),
+        None,
+        None,
+        example_inputs=(batches[0][0],),
+        loss_fn=F.mse_loss,
+        backend=None,
+        microbatches=N,
+        preconditioner=family,
+    ).units
     D: dict[str, Tensor | None] = {layer.name: None for layer in layers}
     queue: dict[str, list[tuple[int, Tensor]]] = {layer.name: [] for layer in layers}
     active: dict[str, Tensor | None] = {layer.name: None for layer in layers}

@@ -35,8 +35,10 @@ def _problem(
     layers: int = 3,
     budget: int | None = None,
     max_overhead: float = 0.6,
+    capture: int = 1024,
 ) -> Problem:
-    """Uneven layers (decomposition 4..12 ms, statistics 1..3 MiB) on `stages` stages, each held by W copies."""
+    """Uneven layers (decomposition 4..12 ms, statistics 1..3 MiB, `capture` bytes of a and of e kept per
+    micro-batch) on `stages` stages, each held by W copies."""
     table = CostTable(
         tuple(
             StageCost(
@@ -52,8 +54,8 @@ def _problem(
                         0.004 * (i + 1),
                         0.003,
                         0.001,
-                        1024,
-                        1024,
+                        capture,
+                        capture,
                         (i + 1) << 20,
                         (i + 1) << 20,
                         grad_bytes=1 << 18,
@@ -162,38 +164,7 @@ def test_a_budget_that_needs_curvature_fused_plans_the_joint_choice_with_fusing(
 ) -> None:
     """The joint model fuses no curvature: under a budget that deferred captures overflow, the distributions of
     its least step go to `solve`, which fuses; the outer search over whole strategies is not needed."""
-    table = CostTable(
-        tuple(
-            StageCost(
-                0.01,
-                0.02,
-                4 << 20,
-                1 << 20,
-                tuple(
-                    LayerCost.kfac(
-                        f"s{s}fc{i}",
-                        0.001,
-                        0.001,
-                        0.004 * (i + 1),
-                        0.003,
-                        0.001,
-                        4 << 20,
-                        4 << 20,
-                        (i + 1) << 20,
-                        (i + 1) << 20,
-                        grad_bytes=1 << 18,
-                    )
-                    for i in range(3)
-                ),
-            )
-            for s in range(2)
-        ),
-        8,
-        "hand",
-        "test",
-        HARDWARE["a100"].comm,
-    )
-    roomy = Problem("1f1b", 2, 4, table, W=2, max_overhead=0.6)
+    roomy = _problem(capture=4 << 20)
     free = _checked(solve_with_strategy(roomy, None, QUICK))
     budget = min_memory_bytes(roomy) + (4 << 20)  # one micro-batch's a of one layer beyond the least
     assert all(t.capture == "deferred" for t in free.layers.values())
