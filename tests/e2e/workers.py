@@ -91,14 +91,20 @@ def optimizer(params):
 def reference_params(case: Case, timings: dict[str, LayerTiming]) -> dict[str, torch.Tensor]:
     """The single-device trainer (the oracle) on the same mini-batches, N*W micro-batches, the same timings."""
     torch.manual_seed(0)
-    data = batches(case)
+    return _trained_alone(case, batches(case), timings, KFAC)
+
+
+def _trained_alone(
+    case: Case, data: list[tuple[torch.Tensor, torch.Tensor]], timings: dict[str, LayerTiming], kfac: KFACConfig
+) -> dict[str, torch.Tensor]:
+    """The parameters of the single-device trainer with `kfac` at `timings`, N*W micro-batches, after `data`."""
     trainer = fxkfac.compile(
         make_model(),
         None,
         example_inputs=(data[0][0],),
         loss_fn=loss_fn,
         optimizer=optimizer,
-        kfac=KFAC,
+        kfac=kfac,
         microbatches=case.N * case.W,
         backend=None,
         layer_timing=timings,
@@ -203,21 +209,7 @@ def auto_worker(rank: int, world: int, case: Case, path: str) -> dict:
 
 def reference_for_plan(case: Case, layers: dict[str, LayerTiming], steps: int) -> dict[str, torch.Tensor]:
     """The single-device trainer given the plan's timings on the batches `auto_worker` trains on."""
-    data = (batches(case) * steps)[:steps]
-    trainer = fxkfac.compile(
-        make_model(),
-        None,
-        example_inputs=(data[0][0],),
-        loss_fn=loss_fn,
-        optimizer=optimizer,
-        kfac=case.kfac,
-        microbatches=case.N * case.W,
-        backend=None,
-        layer_timing=layers,
-    )
-    for ids, y in data:
-        trainer.step((ids,), y)
-    return {n: p.detach().clone() for n, p in trainer.named_parameters()}
+    return _trained_alone(case, (batches(case) * steps)[:steps], layers, case.kfac)
 
 
 def synthetic_costs(stage_layers, layers):
