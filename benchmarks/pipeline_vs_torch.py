@@ -37,7 +37,7 @@ from fxkfac.runtime.timeline import utilization
 from fxkfac.runtime.trainer import Trainer
 
 D = 2
-BUSY = ("FWD", "BWD")  # OPT_STEP holds the world NaN/Inf-flag all-reduce: it waits for the peer
+BUSY = ("FWD", "BWD")  # OPT_STEP holds the world sum of the NaN/Inf flag: it waits for the peer
 
 
 def make_model(width: int, depth: int, classes: int = 10) -> nn.Module:
@@ -226,7 +226,7 @@ def main() -> None:
         "--step-agreement",
         choices=[a.value for a in StepAgreement],
         default="world",
-        help="world: a world all-reduce of the NaN/Inf flag and the loss ends every fxkfac step; "
+        help="world: a world sum of the NaN/Inf flag and the loss ends every fxkfac step; "
         "copies: each stage decides alone and the loss is summed in flight (torch's schedule "
         "checks nothing and sums no loss)",
     )

@@ -127,7 +127,7 @@ def _costs(
 
 
 def barrier_of(scope: KLClipScope) -> StepBarrier:
-    """The step barrier a KL-clip scope makes: a world all-reduce ends every step under GLOBAL; STAGE and STALE
+    """The step barrier a KL-clip scope makes: a world sum ends every step under GLOBAL; STAGE and STALE
     end it over the rank's agreement set alone ([Note: KL-clip scope] in fxkfac/runtime/step_end.py)."""
     return StepBarrier.WORLD if scope is KLClipScope.GLOBAL else StepBarrier.AGREEMENT_SET
 

@@ -26,7 +26,7 @@ class KLClipScope(StrEnum):
     ([Note: KL-clip scope] in fxkfac/runtime/step_end.py)."""
 
     GLOBAL = "global"
-    """One nu over every layer of the model, from this step's sum: a world all-reduce ends every step."""
+    """One nu over every layer of the model, from this step's sum: a world sum ends every step."""
     STAGE = "stage"
     """A nu per pipeline stage over its own layers (all-reduced over the stage's copies only)."""
     STALE = "stale"
@@ -39,7 +39,7 @@ class StepAgreement(StrEnum):
     preconditioner (a preconditioner's run ends its steps as its KL-clip scope says: `KLClipScope`)."""
 
     WORLD = "world"
-    """Every rank: one world all-reduce of the NaN/Inf flag and the loss ends every step."""
+    """Every rank: one world sum of the NaN/Inf flag and the loss ends every step."""
     COPIES = "copies"
     """Each agreement set (the ranks linked by holding copies of one parameter) agrees by itself: no world
     barrier ends a step, and `step()` returns a StepLoss summed in flight. Every copy of a parameter steps or
@@ -164,7 +164,7 @@ class PipelineOptions:
     """Show step, loss and steps/s on rank 0 after every step: a rich bar when stdout is a terminal, else a log
     line (logger ``fxkfac.progress``) on the first step and every 10 s (fxkfac/progress.py)."""
     step_agreement: StepAgreement = StepAgreement.WORLD
-    """Without a preconditioner: whether a world all-reduce ends every step (WORLD) or each agreement set decides
+    """Without a preconditioner: whether a world sum ends every step (WORLD) or each agreement set decides
     alone (COPIES). With one, `KFACConfig.kl_clip_scope` decides and this must stay WORLD."""
 
     def __post_init__(self) -> None:

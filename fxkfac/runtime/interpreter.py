@@ -54,10 +54,10 @@ class StepContext:
     to_send: dict[tuple[str, Key], list[torch.Tensor]] = field(default_factory=dict)
     losses: list[torch.Tensor] = field(default_factory=list)
     skipped: bool | None = None
-    """Set at OPT_STEP by `step_end` (an all-reduce over the world, or over the agreement set where steps end
+    """Set at OPT_STEP by `step_end` (a sum over the world, or over the agreement set where steps end
     without a world barrier): True when some rank there saw NaN/Inf loss or gradients."""
     loss: float | None = None
-    """The step loss summed over the world, where OPT_STEP's world all-reduce carried it (None where steps end
+    """The step loss summed over the world, where OPT_STEP's world sum carried it (None where steps end
     without a world barrier: the trainer sums it without waiting)."""
 
     def runner(self, op: Op) -> StageRunner:

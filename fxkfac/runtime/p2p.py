@@ -38,6 +38,10 @@ class TagSpace:
         key = ((int(grad) * self.stages + stage) * 2 + pipe) * self.microbatches + mb
         return key * self.max_tensors + index
 
+    def beyond(self, index: int) -> int:
+        """The `index`-th tag past every transfer's: for messages that are not activations or gradients."""
+        return 2 * self.stages * 2 * self.microbatches * self.max_tensors + index
+
 
 def _is_timeout(error: BaseException) -> bool:
     text = str(error).lower()
@@ -119,6 +123,32 @@ class Transport:
         if self.world == 1:
             return Pending(self, [], what, tensor)
         return Pending(self, [_work(dist.broadcast(tensor, src=src, group=group, async_op=True))], what, tensor)
+
+    def sum_at(self, tensor: torch.Tensor, members: Sequence[int], root: int, what: str) -> None:
+        """Sum `tensor` in place over `members` (global ranks, this one among them) through `root`: every other
+        member sends its share to the root, which adds the shares in member order and sends the total back.
+
+        An all-reduce costs its last caller a round trip; here the root, when it arrives last, finds the others'
+        shares already sent and waits for nothing. So a step's end sums at the member that ends its step last
+        (see [Note: KL-clip scope] in fxkfac/runtime/step_end.py)."""
+        if len(members) == 1 or self.world == 1:
+            return
+        share, total = self.tags.beyond(0), self.tags.beyond(1)
+        if self.rank != root:
+            sent = _work(dist.isend(tensor.detach().clone(), dst=root, tag=share))
+            got = _work(dist.irecv(tensor, src=root, tag=total))
+            self.wait(sent, f"{what}: the share sent to rank {root}")
+            self.wait(got, f"{what}: the total from rank {root}")
+            return
+        shares = {m: torch.empty_like(tensor) for m in members if m != root}
+        works = {m: _work(dist.irecv(buf, src=m, tag=share)) for m, buf in shares.items()}
+        for m, work in works.items():
+            self.wait(work, f"{what}: the share of rank {m}")
+        shares[root] = tensor.detach().clone()
+        tensor.copy_(sum((shares[m] for m in sorted(members)[1:]), shares[min(members)]))
+        for m in members:
+            if m != root:
+                self._sends.append((_work(dist.isend(tensor.detach().clone(), dst=m, tag=total)), what))
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> None:
         """Sum `tensor` in place over `group` (None: the world), waiting for it."""

@@ -12,8 +12,9 @@ rank visits its groups in that global order, so no two ranks wait on each other 
 from __future__ import annotations
 
 import functools
+from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -70,6 +71,11 @@ class GradSync:
     shared: frozenset[str]
     groups: dict[Holders, dist.ProcessGroup | None]
     runners: Sequence[StageRunner]
+    _local: Counter[str] = field(init=False)
+    """Parameter name -> this rank's copies of it (its stage copies that hold it)."""
+
+    def __post_init__(self) -> None:
+        self._local = Counter(n for r in self.runners for n in r.graph.params)
 
     @classmethod
     def build(
@@ -105,9 +111,9 @@ class GradSync:
         """Sum the gradients of `names` over their copies: with `key`, the all-reduces are left in flight under it
         (see [Note: collectives in flight] in fxkfac/runtime/p2p.py), else waited for."""
         for ranks, bucket in self._buckets(names):
-            copies = [self._copies(n) for n in bucket]
-            if len(ranks) == 1 and all(len(c) == 1 for c in copies):
+            if len(ranks) == 1 and all(self._local[n] == 1 for n in bucket):
                 continue  # the only copy: nothing to sum
+            copies = [self._copies(n) for n in bucket]
             # local copies summed
             flat = torch.cat(
                 [

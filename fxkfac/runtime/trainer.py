@@ -190,7 +190,7 @@ class Trainer(Checkpointing):
         )
         self.sync.broadcast_weights(self.transport)
         self.interpreter = Interpreter()
-        self.step_end = self._step_end()
+        self.step_end = self._step_end(holders)
         self.preconditioning = self._preconditioning(holders, backend) if spec.units else None
         params = [p for r in self.runners.values() for p in r.module.parameters()]
         self.optimizer = optimizer(params) if params else None  # a stage of only activations holds none
@@ -242,7 +242,7 @@ class Trainer(Checkpointing):
         runtime.install(self.interpreter)
         return runtime
 
-    def _step_end(self) -> StepEnd:
+    def _step_end(self, ranks_of_stage: Mapping[int, tuple[int, ...]]) -> StepEnd:
         """How this rank's steps end: with a preconditioner as its KL-clip scope says (K-FAC's option; other
         families clip globally), without one as `PipelineOptions.step_agreement` says (COPIES: over the agreement
         set, as the STAGE scope with nothing to clip). Collective: makes the process groups it needs."""
@@ -257,7 +257,7 @@ class Trainer(Checkpointing):
             scope = getattr(self.spec.family, "kl_clip_scope", KLClipScope.GLOBAL)
         else:
             scope = KLClipScope.STAGE if agreement is StepAgreement.COPIES else KLClipScope.GLOBAL
-        return StepEnd.build(scope, self.transport, self.sync.holders.values(), len(self.spec.split.stages))
+        return StepEnd.build(scope, self.transport, self.sync.holders.values(), ranks_of_stage)
 
     @property
     def layer_states(self) -> dict[str, RefreshState]:
@@ -318,7 +318,7 @@ class Trainer(Checkpointing):
         return loss
 
     def _loss(self, ctx: StepContext) -> float | StepLoss:
-        """The step loss over the world: the float OPT_STEP's world all-reduce summed, or under a barrier-free
+        """The step loss over the world: the float OPT_STEP's world sum made, or under a barrier-free
         KL-clip scope a StepLoss whose sum runs on while the next step trains ([Note: KL-clip scope] in
         fxkfac/runtime/step_end.py)."""
         if ctx.loss is not None:

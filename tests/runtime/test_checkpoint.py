@@ -109,7 +109,7 @@ def _runtime() -> PreconditionerRuntime:
     timings = {n: LayerTiming(2, 0, 1, "deferred") for n in layers}
     copies = {0: StageCopies((0,), None)}
     alone = Transport(0, 1, TagSpace(1, 1, 1), timedelta(seconds=1))
-    step_end = StepEnd.build(KLClipScope.GLOBAL, alone, [(0,)], 1)
+    step_end = StepEnd.build(KLClipScope.GLOBAL, alone, [(0,)], {0: (0,)})
     return PreconditionerRuntime(
         KFACFamily(cw.KFAC), layers, {n: 0 for n in layers}, timings, copies, 0, 2, 8, step_end
     )

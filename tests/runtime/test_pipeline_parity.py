@@ -90,7 +90,7 @@ def _check(configs: list[Config], world: int) -> None:
             run = r.value[index]
             barrier_free = cfg.agreement is StepAgreement.COPIES
             assert run["summed_in_flight"] == [barrier_free] * len(run["losses"]), (
-                f"{cfg}: a step {'ended with' if barrier_free else 'without'} a world all-reduce of the loss"
+                f"{cfg}: a step {'ended with' if barrier_free else 'without'} a world sum of the loss"
             )
             for name, value in run["params"].items():
                 torch.testing.assert_close(
