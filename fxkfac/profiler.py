@@ -348,20 +348,23 @@ def _device(inputs: Sequence[Tensor]) -> torch.device:
     return inputs[0].device if inputs else torch.device("cpu")
 
 
-def _tap_times(
+def _tapped_times(
     taps: FactorTaps | None,
     inputs: Sequence[Tensor],
     loss: Callable[[Sequence[Tensor]], Tensor] | None,
-    plain: tuple[Timing, Timing],
     warmup: int,
     repeats: int,
-) -> tuple[float, float]:
-    """Seconds the stage's deferred taps add to one micro-batch's forward and backward (0 without taps; never
-    below 0: two timings' noise)."""
+) -> tuple[Timing, Timing] | None:
+    """The stage's forward and backward with `taps` (None without taps)."""
     if taps is None:
-        return 0.0, 0.0
+        return None
     fwd, bwd, _ = _stage_times(taps.gm, inputs, loss, warmup, repeats, taps)
-    return max(0.0, fwd.seconds - plain[0].seconds), max(0.0, bwd.seconds - plain[1].seconds)
+    return fwd, bwd
+
+
+def _extra(timed: tuple[Timing, Timing], over: tuple[Timing, Timing]) -> tuple[float, float]:
+    """Seconds `timed` adds to `over`'s forward and backward (never below 0: two timings' noise)."""
+    return max(0.0, timed[0].seconds - over[0].seconds), max(0.0, timed[1].seconds - over[1].seconds)
 
 
 def _trusted(stage: StageCost, index: int) -> StageCost:
@@ -423,8 +426,16 @@ def _fastest_stage(rounds: Sequence[StageCost]) -> StageCost:
         bwd_spread=_union([s.bwd_spread for s in rounds]),
         tap_fwd=statistics.median(s.tap_fwd for s in rounds),
         tap_bwd=statistics.median(s.tap_bwd for s in rounds),
+        fused_fwd=_median_measured([s.fused_fwd for s in rounds]),
+        fused_bwd=_median_measured([s.fused_bwd for s in rounds]),
         layers=layers,
     )
+
+
+def _median_measured(values: Sequence[float | None]) -> float | None:
+    """The median of a figure over rounds (None where it was not measured)."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def _one_round(
@@ -436,16 +447,20 @@ def _one_round(
     warmup: int,
     repeats: int,
     taps: Mapping[int, FactorTaps],
+    fused: Mapping[int, FactorTaps],
 ) -> list[StageCost]:
-    """Every stage's forward and backward (`_stage_times`), with its taps (`_tap_times`), and its units
-    (`unit_cost`), timed once over."""
+    """Every stage's forward and backward (`_stage_times`), with its deferred `taps` and with its curvature
+    `fused` (`_tapped_times`), and its units (`unit_cost`), timed once over."""
     batch = int(micro_inputs[0].shape[0])
     inputs, stages = list(micro_inputs), []
     last = len(split.stages) - 1
     for st in split.stages:
         fed, stage_loss = inputs, loss if st.index == last else None
         fwd, bwd, inputs = _stage_times(st.gm, fed, stage_loss, warmup, repeats)
-        tap_fwd, tap_bwd = _tap_times(taps.get(st.index), fed, stage_loss, (fwd, bwd), warmup, repeats)
+        tapped = _tapped_times(taps.get(st.index), fed, stage_loss, warmup, repeats)
+        tap_fwd, tap_bwd = (0.0, 0.0) if tapped is None else _extra(tapped, (fwd, bwd))
+        with_fused = _tapped_times(fused.get(st.index), fed, stage_loss, warmup, repeats)
+        fused_fwd, fused_bwd = (None, None) if with_fused is None or tapped is None else _extra(with_fused, tapped)
         params = {n: p for n, p in st.gm.named_parameters()}
         stages.append(
             StageCost(
@@ -453,6 +468,8 @@ def _one_round(
                 bwd=bwd.seconds,
                 tap_fwd=tap_fwd,
                 tap_bwd=tap_bwd,
+                fused_fwd=fused_fwd,
+                fused_bwd=fused_bwd,
                 param_bytes=sum(map(_nbytes, params.values())),
                 act_bytes=_act_bytes(st.gm),
                 layers=tuple(unit_cost(n, batch) for n in stage_layers.get(st.index, ())),
@@ -478,7 +495,8 @@ def profile(
 ) -> CostTable:
     """The CostTable of the split model at the micro-batch of `micro_inputs`, measured here, stage by stage.
     `captured`: each stage's layers with captured parts (K-FAC's), which a refresh step taps: their deferred
-    taps' extra F/B is timed too (`StageCost.tap_fwd`).
+    taps' extra F/B is timed too (`StageCost.tap_fwd`), and the F/B with their curvature fused
+    (`StageCost.fused_fwd`), which lets the planner fuse where that is cheaper than placing the statistics.
 
     The stages are chained in this one process (rank 0 profiles all: every stage copy is the same
     graph). `loss(flat_outputs)` is the last stage's scalar loss for one micro-batch. Forward and backward
@@ -498,13 +516,16 @@ def profile(
         rounds,
         "this thread's CPU time" if clock() is time.thread_time else "the wall clock",
     )
-    taps = {
-        st.index: insert_factor_capture(st.gm, layers, dict.fromkeys((x.name for x in layers), "deferred"))
-        for st in split.stages
-        if (layers := list((captured or {}).get(st.index, ())))
-    }
+    taps, fused = (
+        {
+            st.index: insert_factor_capture(st.gm, layers, dict.fromkeys((x.name for x in layers), mode))
+            for st in split.stages
+            if (layers := list((captured or {}).get(st.index, ())))
+        }
+        for mode in ("deferred", "fused")
+    )
     passes = [
-        _one_round(split, stage_layers, unit_cost, micro_inputs, loss, warmup, repeats, taps)
+        _one_round(split, stage_layers, unit_cost, micro_inputs, loss, warmup, repeats, taps, fused)
         for _ in range(max(1, rounds))
     ]
     stages = [_trusted(_fastest_stage(of), i) for i, of in enumerate(zip(*passes, strict=True))]

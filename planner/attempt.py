@@ -22,7 +22,7 @@ from fxkfac.planner.step_timeline import fused_extra, refresh_lower_bound, step_
 from fxkfac.planner.stretch import Allowance, allowance
 from fxkfac.planner.window import TaskKind, longest_gaps, too_long
 
-__all__ = ["OVERTIME", "Method", "Clock", "Refused", "aggregates", "attempt_plan"]
+__all__ = ["OVERTIME", "Method", "Clock", "Refused", "aggregates", "attempt_plan", "cheaper_fused"]
 
 log = logging.getLogger(__name__)
 
@@ -258,10 +258,55 @@ def attempt_plan(problem: Problem, config: SolverConfig, method: Method, clock: 
 
 
 def _placed(problem: Problem, config: SolverConfig, method: Method, clock: Clock, began: float) -> Plan:
-    """Place the work, fusing more curvature each round that misses the budget (one layer per group
-    while CP-SAT has time; as many as greedy's excess calls for after that, and always with the greedy method,
-    whose rounds are not timed) until every group is placed."""
-    fused: frozenset[str] = frozenset()
+    """Place the work (`_fitted`); where fusing some layers' curvature costs less than their statistics deferred
+    (`cheaper_fused`), place it with those fused too when the plan without them stretches its steps (the
+    statistics found no bubble) or is refused, and keep the plan whose step is shorter."""
+    cheaper = cheaper_fused(problem)
+    try:
+        plan = _fitted(problem, config, method, clock, began, frozenset())
+    except Refused as refused:
+        if not cheaper:
+            raise
+        try:
+            return _fitted(problem, config, method, clock, began, cheaper)
+        except Refused:
+            raise refused from None
+    if not cheaper or plan.metrics.stretch <= 0:
+        return plan
+    try:
+        with_fused = _fitted(problem, config, method, clock, began, cheaper)
+    except Refused:
+        return plan
+    best = with_fused if with_fused.metrics.step_time < plan.metrics.step_time else plan
+    log.info(
+        "the steps stretch for deferred curvature: %.4g ms per step, %.4g ms with that of %d layers fused; kept %s",
+        plan.metrics.step_time * 1e3,
+        with_fused.metrics.step_time * 1e3,
+        len(cheaper),
+        "fused" if best is with_fused else "deferred",
+    )
+    return best
+
+
+def cheaper_fused(problem: Problem) -> frozenset[str]:
+    """The captured layers whose curvature fused into F/B (`StageCost.fused_curvature`, where profiled) costs less
+    than their statistics deferred: worth fusing where no bubble would hide the statistics."""
+    return frozenset(
+        x.name
+        for stage in problem.costs.stages
+        for x in stage.layers
+        if _captures(x)
+        and stage.fused_curvature({x.name}, OpKind.FWD) + stage.fused_curvature({x.name}, OpKind.BWD)
+        < sum(p.stats for p in x.parts if p.after is not OpKind.ALLREDUCE_GRAD)
+    )
+
+
+def _fitted(
+    problem: Problem, config: SolverConfig, method: Method, clock: Clock, began: float, fused: frozenset[str]
+) -> Plan:
+    """Place the work with `fused` layers' curvature fused, fusing more each round that misses the budget (one
+    layer per group while CP-SAT has time; as many as greedy's excess calls for after that, and always with the
+    greedy method, whose rounds are not timed) until every group is placed."""
     while True:
         min_k = _overhead_period(problem, fused)
         if min_k > problem.max_period:

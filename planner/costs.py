@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -244,13 +245,29 @@ class StageCost:
     measured (the paper's profiles, analytic tables)."""
     tap_bwd: float = 0.0
     """The same for one micro-batch's backward (the probes' gradients)."""
+    fused_fwd: float | None = None
+    """Seconds one micro-batch's forward takes beyond its deferred taps (`tap_fwd`) when every captured layer's
+    curvature is fused into it; None where not measured (a fused layer is then priced at its statistics' time)."""
+    fused_bwd: float | None = None
+    """The same for one micro-batch's backward."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, tuple) or not all(isinstance(x, LayerCost) for x in self.layers):
             raise CostModelError("StageCost.layers must be a tuple of LayerCost")
         byte_fields = frozenset({"param_bytes", "act_bytes", "peak_err_bytes"})
-        _check_fields(self, "stage", byte_fields, frozenset({"layers"}))
+        unmeasured = {name for name in ("fused_fwd", "fused_bwd") if getattr(self, name) is None}
+        _check_fields(self, "stage", byte_fields, frozenset({"layers", *unmeasured}))
         _check_spreads(self, "stage")
+
+    def fused_curvature(self, names: Collection[str], after: OpKind) -> float:
+        """Seconds fusing the curvature of the layers `names` adds to one micro-batch's forward (`after` FWD) or
+        backward (BWD) of a refresh step: the measured `fused_fwd` / `fused_bwd` shared out in proportion to the
+        layers' statistics times, or where not measured those times themselves (what deferring them costs)."""
+        priced = sum(p.stats for x in self.layers if x.name in names for p in x.parts if p.after is after)
+        measured = self.fused_fwd if after is OpKind.FWD else self.fused_bwd
+        if measured is None or priced == 0:
+            return priced
+        return measured * priced / sum(p.stats for x in self.layers for p in x.parts if p.after is after)
 
     @property
     def curv(self) -> float:
@@ -352,8 +369,8 @@ class CostTable:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able form with the schema version (no "comm" key without a communication model, no
-        `*_spread` key for a time that was not profiled, no `tap_*` key for a tap not measured: the file of an
-        unprofiled table is as before them)."""
+        `*_spread` key for a time that was not profiled, no `tap_*` or `fused_*` key for a tap not measured: the
+        file of an unprofiled table is as before them)."""
         body = asdict(self)
         if self.comm is None:
             del body["comm"]
@@ -361,6 +378,9 @@ class CostTable:
             _drop_empty_spreads(stage)
             for key in ("tap_fwd", "tap_bwd"):
                 if not stage[key]:
+                    del stage[key]
+            for key in ("fused_fwd", "fused_bwd"):
+                if stage[key] is None:
                     del stage[key]
             for layer in stage["layers"]:
                 _drop_empty_spreads(layer)
@@ -493,6 +513,8 @@ def _scale_stage(s: StageCost, per_mb: float, fixed: float, mem: float) -> Stage
         bwd=s.bwd * per_mb,
         tap_fwd=s.tap_fwd * per_mb,
         tap_bwd=s.tap_bwd * per_mb,
+        fused_fwd=None if s.fused_fwd is None else s.fused_fwd * per_mb,
+        fused_bwd=None if s.fused_bwd is None else s.fused_bwd * per_mb,
         fwd_spread=_scaled(s.fwd_spread, per_mb),
         bwd_spread=_scaled(s.bwd_spread, per_mb),
         act_bytes=round(s.act_bytes * mem),

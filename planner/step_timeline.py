@@ -177,11 +177,8 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callabl
     allreduce = [gradient_allreduce_seconds(problem, s) for s in range(len(stages))]
     stats = {(op.layer, op.part): secs for s, stage in enumerate(stages) for op, secs in gradient_stats(stage, s)}
 
-    def fused_curv(stage: StageCost, after: OpKind) -> float:
-        return sum(p.stats for x in stage.layers if x.name in fused for p in x.parts if p.after is after)
-
-    fwd = [s.fwd + (s.tap_fwd if refresh else 0.0) + fused_curv(s, OpKind.FWD) for s in stages]
-    bwd = [s.bwd + (s.tap_bwd if refresh else 0.0) + fused_curv(s, OpKind.BWD) for s in stages]
+    fwd = [s.fwd + (s.tap_fwd if refresh else 0.0) + s.fused_curvature(fused, OpKind.FWD) for s in stages]
+    bwd = [s.bwd + (s.tap_bwd if refresh else 0.0) + s.fused_curvature(fused, OpKind.BWD) for s in stages]
     per_step = {
         (d, op): secs
         for d in problem.devices

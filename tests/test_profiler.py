@@ -302,14 +302,20 @@ def test_a_malformed_spread_is_refused_naming_it(bad: object, message: str) -> N
 
 
 def test_a_refresh_steps_taps_are_timed_for_the_captured_layers_alone(split: tuple) -> None:
-    """With `captured`, each stage's deferred taps are timed (never below 0) and kept through JSON; without, a table
-    has none and its file has no tap keys (as before taps were profiled)."""
+    """With `captured`, each stage's deferred taps and its fused curvature are timed (never below 0) and kept through
+    JSON; a stage without captured layers has neither, and without `captured` a table has none and its file no tap
+    or fused keys (as before they were profiled)."""
     result, by_stage, layers, x = split
     cost = kfac_unit_cost(layers, CFG)
-    captured = {s: [layers[n] for n in names] for s, names in by_stage.items()}
+    captured = {s: [layers[n] for n in names] for s, names in by_stage.items() if s == 0}
     tapped = profiler.profile(result, by_stage, cost, [x], _loss, repeats=3, rounds=3, captured=captured)
-    assert all(s.tap_fwd >= 0 and s.tap_bwd >= 0 for s in tapped.stages)
+    first, *rest = tapped.stages
+    assert first.tap_fwd >= 0 and first.tap_bwd >= 0
+    assert first.fused_fwd is not None and first.fused_fwd >= 0
+    assert first.fused_bwd is not None and first.fused_bwd >= 0
+    assert rest and all(s.tap_fwd == 0 and s.fused_fwd is None and s.fused_bwd is None for s in rest)
     assert CostTable.from_json(tapped.to_json()) == tapped
     plain = profiler.profile(result, by_stage, cost, [x], _loss, repeats=1, rounds=1)
-    assert all(s.tap_fwd == 0 and s.tap_bwd == 0 for s in plain.stages)
-    assert not any(key.startswith("tap_") for s in json.loads(plain.to_json())["stages"] for key in s)
+    assert all(s.tap_fwd == 0 and s.tap_bwd == 0 and s.fused_fwd is None for s in plain.stages)
+    keys = {key for s in json.loads(plain.to_json())["stages"] for key in s}
+    assert not any(key.startswith(("tap_", "fused_")) for key in keys)
