@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -149,55 +150,76 @@ def _check_fits(
 def _solve_groups(
     problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, min_k: int, clock: Clock
 ) -> Attempt:
-    """Every stage group's solution at refresh periods >= min_k: greedy, then CP-SAT warm-started by it
-    while the clock leaves CP-SAT time (greedy's alone after that, where it fits the budget)."""
-    from fxkfac.planner.greedy import greedy_group
+    """Every stage group's solution at refresh periods >= min_k (`_place_group`), its curvature as one STATS task
+    per F/B where `_aggregate` says so and per layer when that places nothing (aggregated tasks that each fit a
+    bubble may still not all fit)."""
 
     groups = stage_groups(problem)
     solutions: list[GroupSolution | None] = []
     greedy: list[GroupSolution | None] = []
     allowed = allowance(problem, fused, config)
     for n, group in enumerate(groups):
-        aggregate = _aggregate(problem, group, config, allowed)
-        _check_fits(problem, group, fused, config, allowed, aggregate, min_k)
-        try:
-            g = greedy_group(
-                problem,
-                group,
-                fused,
-                aggregate=aggregate,
-                resolution=config.time_resolution,
-                min_k=min_k,
-                allowance=allowed,
-                meter=clock.meter,
-            )
-        except PlanError:
-            g = None
-        greedy.append(g)
-        left = clock.solver_time()
-        if method is Method.GREEDY or left <= 0:
-            solutions.append(g if g is not None and fits_memory(g) else None)
-            continue
-        from fxkfac.planner.group_search import solve_group
-
-        if problem.memory_budget is not None:
-            left /= 2  # leave time for the rounds that fuse more curvature if this one finds no fit
-        share = max(clock.meter.units(0.1), left / (len(groups) - n))
-        solutions.append(
-            solve_group(
-                problem,
-                group,
-                fused,
-                config,
-                share,
-                clock.meter,
-                g,
-                aggregate=aggregate,
-                min_k=min_k,
-                allowance=allowed,
-            )
+        place = functools.partial(
+            _place_group, problem, group, fused, config, method, min_k, clock, allowed, later=len(groups) - n
         )
+        aggregate = _aggregate(problem, group, config, allowed)
+        try:
+            solution, first = place(aggregate)
+        except Refused:
+            if not aggregate or config.aggregate is not None:
+                raise
+            solution = first = None
+        if aggregate and config.aggregate is None and solution is None and first is None:
+            log.info("stages %s: no placement with one STATS task per F/B; placing them per layer", list(group.stages))
+            solution, first = place(False)
+        solutions.append(solution)
+        greedy.append(first)
     return Attempt(same_stretch(solutions), greedy, allowed)
+
+
+def _place_group(
+    problem: Problem,
+    group: StageGroup,
+    fused: frozenset[str],
+    config: SolverConfig,
+    method: Method,
+    min_k: int,
+    clock: Clock,
+    allowed: Allowance,
+    aggregate: bool,
+    *,
+    later: int,
+) -> tuple[GroupSolution | None, GroupSolution | None]:
+    """The group's solution and greedy's (None where none was found): greedy, then CP-SAT warm-started by it with
+    its share of the solver time left (`later` groups share it, this one included)."""
+    from fxkfac.planner.greedy import greedy_group
+
+    _check_fits(problem, group, fused, config, allowed, aggregate, min_k)
+    try:
+        g = greedy_group(
+            problem,
+            group,
+            fused,
+            aggregate=aggregate,
+            resolution=config.time_resolution,
+            min_k=min_k,
+            allowance=allowed,
+            meter=clock.meter,
+        )
+    except PlanError:
+        g = None
+    left = clock.solver_time()
+    if method is Method.GREEDY or left <= 0:
+        return (g if g is not None and fits_memory(g) else None), g
+    from fxkfac.planner.group_search import solve_group
+
+    if problem.memory_budget is not None:
+        left /= 2  # leave time for the rounds that fuse more curvature if this one finds no fit
+    share = max(clock.meter.units(0.1), left / later)
+    solution = solve_group(
+        problem, group, fused, config, share, clock.meter, g, aggregate=aggregate, min_k=min_k, allowance=allowed
+    )
+    return solution, g
 
 
 def _next_fused(problem: Problem, attempt: Attempt, fused: frozenset[str], *, by_excess: bool) -> frozenset[str] | None:
