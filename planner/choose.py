@@ -22,15 +22,18 @@ The outer search plans every candidate in full by `solve`: each KAISA strategy t
 KAISA's greedy on their decomposition seconds) and one per-layer mix (MEM-OPT on the layers that hold the
 larger half of the statistics bytes, COMM-OPT on the rest), and keeps the best as above (ties: that order,
 least communication first); there CP-SAT places each candidate and does not choose among them. A candidate
-that cannot meet the memory budget or max_overhead drops out; when none plans, COMM-OPT's refusal (with its
-suggestions) is raised. DP-KFAC is never chosen: its factors come from one replica's micro-batches, a
-different algorithm that only the user may ask for. Everything shares one time limit of CP-SAT ([Note: time limit] in
+that cannot meet the memory budget or max_overhead drops out; when none plans, the refusal (with its
+suggestions) of the candidate whose least max_overhead gives the least step is raised, so that plan="auto"
+relaxes max_overhead to the value of the fastest distribution, not of the one that plans first. DP-KFAC is
+never chosen: its factors come from one replica's micro-batches, a different algorithm that only the user may
+ask for. Everything shares one time limit of CP-SAT ([Note: time limit] in
 planner/solve.py); a fallback after a failed joint solve gets what it left (at least greedy placement).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
@@ -38,7 +41,7 @@ from fractions import Fraction
 from fxkfac.planner.assemble import assemble
 from fxkfac.planner.attempt import Method, aggregates
 from fxkfac.planner.budget import Meter
-from fxkfac.planner.errors import PlanError
+from fxkfac.planner.errors import Knob, PlanError
 from fxkfac.planner.greedy import greedy_group
 from fxkfac.planner.joint import (
     JointPlacement,
@@ -58,6 +61,7 @@ from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier, copies_of_stage, stage_groups
 from fxkfac.planner.solution import GroupSolution
 from fxkfac.planner.solve import TimeBox, solve
+from fxkfac.planner.step_timeline import step_timeline
 from fxkfac.planner.strategy import COMM_OPT, LayerDistribution, Strategy, StrategyKind
 from fxkfac.planner.stretch import Allowance, allowance
 from fxkfac.planner.window_build import grid_scale
@@ -165,10 +169,41 @@ def solve_outer(
         except PlanError as e:
             log.info("distribution %s does not plan: %s", _words(candidate), e)
     if not plans:
-        return solve(candidates[0], config, method, box=box)  # refused at once: it searches what would plan
+        return _plan_or_least_step_refusal(candidates, config, method, box)
     chosen = best(plans)
     log.info("distribution %s chosen among %s", strategy_of(chosen), [strategy_of(p) for p in plans])
     return chosen
+
+
+def _plan_or_least_step_refusal(
+    candidates: Sequence[Problem], config: SolverConfig, method: Method | str, box: TimeBox
+) -> Plan:
+    """Search each candidate's refusal, least reference step first (the others while `box` leaves time), and raise
+    the one whose least max_overhead that plans gives the least step (its reference step stretched by it):
+    max_overhead is a fraction of each candidate's own reference step, so the candidate that plans first as it
+    grows is not always the one whose steps are shortest. A candidate that plans in this search (it had more time)
+    is returned."""
+    refusals: list[tuple[float, int, PlanError]] = []
+    order = sorted(range(len(candidates)), key=lambda n: step_timeline(candidates[n]).length)
+    for searched, n in enumerate(order):
+        candidate = candidates[n]
+        if searched and box.over():
+            break
+        try:
+            return solve(candidate, config, method, box=box)
+        except PlanError as e:
+            relaxed = [s for s in e.suggestions if {knob for knob, _ in s.changes} == {Knob.MAX_OVERHEAD}]
+            step = step_timeline(candidate).length * (1 + float(relaxed[0].changes[0][1])) if relaxed else math.inf
+            refusals.append((step, n, e))
+    step, n, error = min(refusals, key=lambda r: r[:2])
+    log.info(
+        "distribution %s gives the least step once max_overhead grows (%.4g ms; %d of %d searched)",
+        _words(candidates[n]),
+        step * 1e3,
+        len(refusals),
+        len(candidates),
+    )
+    raise error
 
 
 STEP_TIE = 1e-3

@@ -155,12 +155,18 @@ def solve_joint_group(
 def _least_step(
     g: _Group, found: JointPlacement, config: SolverConfig, meter: Meter, deadline: float
 ) -> JointPlacement:
-    """The shortest step at found's k: first-fit of the candidates bisected first (cheap), then CP-SAT feasibility
-    probes below it, spending at most half the time left."""
+    """The shortest step at found's k: first-fit of the candidates bisected first (cheap per probe, but each builds
+    a window per candidate: at most half the time left), then CP-SAT feasibility probes below it, spending at most
+    three quarters of the time left then."""
     k = found.window.k
     energy = energy_bound(g.window(k, found.step_ticks), g.frame, g.base, config, meter, (deadline - meter.now()) / 8)
     lower = max(g.base + _least_stretch_bound(g.window(k, g.base), g.frame), energy)
-    best = bisect_least(lower, found, lambda step: ("UNKNOWN", g.first_fit(k, step, meter)), _step_ticks)[0]
+    cheap_until = meter.now() + (deadline - meter.now()) / 2
+
+    def cheap(step: int) -> tuple[str, JointPlacement | None]:
+        return "UNKNOWN", (g.first_fit(k, step, meter) if meter.now() < cheap_until else None)
+
+    best = bisect_least(lower, found, cheap, _step_ticks)[0]
     until = meter.now() + (deadline - meter.now()) * 3 / 4
 
     def probe(step: int) -> tuple[str, JointPlacement | None]:

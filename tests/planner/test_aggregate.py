@@ -40,3 +40,24 @@ def test_more_max_overhead_never_refreshes_less_often() -> None:
         for m in (0.0379, 0.06, 0.1)
     ]
     assert periods == sorted(periods, reverse=True) and periods[0] > periods[-1], periods
+
+
+def test_a_relaxed_max_overhead_is_the_one_of_the_distribution_with_the_least_step() -> None:
+    """No distribution plans within the bubbles alone; the refusal suggests the max_overhead of the candidate whose
+    reference step stretched by its own least max_overhead is least (here MEM-OPT: a shorter reference, a slightly
+    larger fraction), checked against each candidate's refusal searched alone."""
+    from fxkfac.planner.choose import candidate_problems, solve_with_strategy
+    from fxkfac.planner.step_timeline import step_timeline
+
+    bubbles_alone = dataclasses.replace(PROBLEM, max_overhead=0.0)
+    steps = {}
+    for candidate in candidate_problems(bubbles_alone):
+        with pytest.raises(PlanError) as alone:
+            solve(candidate, CONFIG, "greedy")
+        value = float(alone.value.suggestions[0].changes[0][1])
+        steps[value] = step_timeline(candidate).length * (1 + value)
+    with pytest.raises(PlanError) as refused:
+        solve_with_strategy(bubbles_alone, None, CONFIG, "greedy")
+    suggested = float(refused.value.suggestions[0].changes[0][1])
+    assert suggested == min(steps, key=steps.__getitem__)
+    assert suggested != min(steps), steps  # the least fraction is not the least step here
