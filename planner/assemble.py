@@ -11,7 +11,13 @@ from fxkfac.planner.plan import Plan, PlanMetrics, SolverStats
 from fxkfac.planner.problem import Problem, stage_groups
 from fxkfac.planner.simulate import BUSY_KINDS, utilization
 from fxkfac.planner.solution import GroupSolution, Placement, born_steps, peak_bytes, placements_of
-from fxkfac.planner.step_timeline import plain_step_time, plain_utilization, refresh_lower_bound, step_timeline
+from fxkfac.planner.step_timeline import (
+    fused_stats,
+    plain_step_time,
+    plain_utilization,
+    refresh_lower_bound,
+    step_timeline,
+)
 from fxkfac.planner.stretch import Allowance, restretch
 from fxkfac.planner.window import Window
 
@@ -64,14 +70,19 @@ appends (OPT_STEP)."""
 
 def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) -> Program:
     """The device's ops per step of the period, in time order: an op placed in a bubble goes after
-    every fixed op that ends by its start (so a RECV still waiting stays after it). Compared in
+    every fixed op that ends by its start (so a RECV still waiting stays after it), and at the refresh step each
+    BWD is followed by the STATS folding its fused layers' statistics (`fused_stats`). Compared in
     ticks: in seconds, float rounding could put a APPLY before the backward it follows."""
-    steps: list[list[tuple[tuple[int, int, int], Op]]] = [[] for _ in range(w.k)]
+    steps: list[list[tuple[tuple[int, ...], Op]]] = [[] for _ in range(w.k)]
     timelines = [step_timeline(problem, w.fused, refresh=True)] + [step_timeline(problem)] * (w.k - 1)
     for j, st in enumerate(timelines):
         for seq, (op, _, end) in enumerate(st.ops[device]):
             if op.kind not in _PLACED_KINDS:
-                steps[j].append(((w.offsets[j] + round(end * w.scale), 0, seq), op))
+                at = w.offsets[j] + round(end * w.scale)
+                steps[j].append(((at, 0, seq), op))
+                if j == 0 and op.kind is OpKind.BWD and w.fused:
+                    folds = fused_stats(problem, w.fused, device, op)
+                    steps[j].extend(((at, 0, seq, i), fold) for i, fold in enumerate(folds))
     for n, p in enumerate(sorted(placed, key=lambda p: (p.start, p.end))):
         steps[p.step % w.k].append(((round(p.start * w.scale) - w.length * (p.step // w.k), 1, n), p.op))
     return [[op for _, op in sorted(items, key=lambda item: item[0])] + [Op(OpKind.OPT_STEP)] for items in steps]

@@ -398,15 +398,29 @@ def _with_kfac(
             )
         body.append(op)
         if op.kind is OpKind.BWD and op.stage is not None:
-            ranks = holders[op.stage]
-            body.extend(
-                Op(OpKind.STATS, stage=op.stage, mb=op.mb, pipe=op.pipe, part=side, layer=name)
-                for name in refreshing(timings, stage_layers[op.stage], step)
-                if keeps_statistics(rank, ranks, distributions.get(name, LayerDistribution()))
-                for side in parts
-                if side not in gradient_parts
-            )
+            captured = [side for side in parts if side not in gradient_parts]
+            names = refreshing(timings, stage_layers[op.stage], step)
+            body.extend(capture_stats(op, rank, {n: captured for n in names}, holders[op.stage], distributions))
     return body
+
+
+def capture_stats(
+    bwd: Op,
+    rank: int,
+    parts: Mapping[str, Sequence[str]],
+    holders: tuple[int, ...],
+    distributions: Mapping[str, LayerDistribution],
+) -> list[Op]:
+    """The STATS right after `bwd` (one micro-batch's BWD of a stage) that fold the captures its F/B made: one per
+    captured part (`parts`, by layer) of each layer whose statistics `rank` keeps. A plan runs them for its fused
+    layers at the refresh step (their curvature is made inside F/B); plan=None runs them for every refreshing
+    layer."""
+    return [
+        Op(OpKind.STATS, stage=bwd.stage, mb=bwd.mb, pipe=bwd.pipe, part=side, layer=name)
+        for name, sides in parts.items()
+        if keeps_statistics(rank, holders, distributions.get(name, LayerDistribution()))
+        for side in sides
+    ]
 
 
 def naive_programs(

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from fxkfac.planner.costs import StageCost
 from fxkfac.planner.ir import Op, OpKind
-from fxkfac.planner.lowering import add_send_recv, expand_dp, step_applies
+from fxkfac.planner.lowering import add_send_recv, capture_stats, expand_dp, step_applies
 from fxkfac.planner.problem import (
     Problem,
     StageGroup,
@@ -43,6 +43,7 @@ __all__ = [
     "stretch_allowance",
     "tap_extra",
     "fused_extra",
+    "fused_stats",
     "refresh_lower_bound",
 ]
 
@@ -330,6 +331,21 @@ def tap_extra(problem: Problem) -> float:
     """Seconds the refresh step's taps (`StageCost.tap_fwd`) add to a step: the price of refreshing at all, which
     a plan pays once per refresh period and max_overhead does not count (as it does not count APPLY)."""
     return step_timeline(problem, refresh=True).length - step_timeline(problem).length
+
+
+def fused_stats(problem: Problem, fused: frozenset[str], rank: int, bwd: Op) -> list[Op]:
+    """The STATS a refresh step runs right after `bwd` on `rank` to fold the `fused` layers' statistics, made
+    inside that micro-batch's F/B (`capture_stats`); they take no time of their own (`StageCost.fused_curvature`
+    prices the curvature in the F/B)."""
+    if bwd.stage is None:
+        raise AssertionError(f"'{bwd}' names no stage")
+    parts = {
+        x.name: [p.part for p in x.parts if p.after is not OpKind.ALLREDUCE_GRAD]
+        for x in problem.costs.stages[bwd.stage].layers
+        if x.name in fused
+    }
+    where = {name: problem.where(name) for name in parts}
+    return capture_stats(bwd, rank, parts, copies_of_stage(problem, bwd.stage), where)
 
 
 def fused_extra(problem: Problem, fused: frozenset[str]) -> float:

@@ -64,7 +64,7 @@ def last_to_end(members: Iterable[int], ranks_of_stage: Mapping[int, Sequence[in
         held = members.intersection(ranks_of_stage[stage])
         if held:
             return min(held)
-    return min(members)  # members holding no stage (an idle rank): any one will do
+    raise AssertionError(f"ranks {sorted(members)} hold no stage (every rank holds one)")
 
 
 def _total(dots: Mapping[int, torch.Tensor]) -> torch.Tensor:

@@ -8,6 +8,7 @@ from fxkfac.planner.errors import DeadlockError
 from fxkfac.planner.ir import PRECONDITIONER_KINDS, Op, OpKind
 from fxkfac.planner.problem import StepBarrier, agreement_set, copies_of_stage
 from fxkfac.planner.simulate import simulate
+from fxkfac.planner.step_timeline import fused_stats
 from fxkfac.planner.validate.context import Context, collective_seconds, op_seconds, per_step
 
 
@@ -28,7 +29,13 @@ def check_programs(c: Context, run: bool) -> None:
             for p in plan.placements
             if p.device == d
         }
-        listed = [(j, str(op)) for j, ops in enumerate(prog) for op in ops if op.kind in PRECONDITIONER_KINDS]
+        listed = [
+            (j, str(op))
+            for j, ops in enumerate(prog)
+            for op in ops
+            if op.kind in PRECONDITIONER_KINDS and not _fold(c, op)
+        ]
+        _check_folds(c, d, prog)
         if sorted(listed) != sorted(times):
             c.errors.append(f"r{d}: the program's K-FAC ops differ from the placements")
         elif any(a[0] == b[0] and times[a] > times[b] for a, b in zip(listed, listed[1:])):
@@ -37,6 +44,29 @@ def check_programs(c: Context, run: bool) -> None:
             _check_interleaving(c, d, k, prog)
     if run:
         _check_runs(c)
+
+
+def _fold(c: Context, op: Op) -> bool:
+    """Whether `op` folds a fused layer's capture (a STATS of a micro-batch of a fused layer): part of the refresh
+    step's F/B, not placed work."""
+    return op.kind is OpKind.STATS and op.mb is not None and op.layer in c.fused
+
+
+def _check_folds(c: Context, device: int, prog: list[list[Op]]) -> None:
+    """The refresh step (step 0) follows each BWD with exactly the STATS that fold its fused layers' statistics on
+    this rank (`fused_stats`), and no other step folds any: without them the runtime has no statistic to sync or
+    decompose."""
+    for j, ops in enumerate(prog):
+        for i, op in enumerate(ops):
+            if not _fold(c, op) and not (j == 0 and op.kind is OpKind.BWD):
+                continue
+            if op.kind is OpKind.BWD:
+                want = fused_stats(c.problem, c.fused, device, op)
+                got = ops[i + 1 : i + 1 + len(want)]
+                if got != want:
+                    c.errors.append(f"r{device} step 0: '{op}' is not followed by the folds of its fused layers {want}")
+            elif j != 0 or i == 0 or not (ops[i - 1].kind is OpKind.BWD or _fold(c, ops[i - 1])):
+                c.errors.append(f"r{device} step {j}: '{op}' is not right after a BWD of the refresh step")
 
 
 def _check_interleaving(c: Context, device: int, k: int, prog: list[list[Op]]) -> None:
@@ -54,7 +84,7 @@ def _check_interleaving(c: Context, device: int, k: int, prog: list[list[Op]]) -
         for i, op in enumerate(ops):
             if op.kind is OpKind.OPT_STEP and i != len(ops) - 1:
                 c.errors.append(f"r{device} step {j}: OPT_STEP is not the last op")
-            if op.kind not in PRECONDITIONER_KINDS:
+            if op.kind not in PRECONDITIONER_KINDS or _fold(c, op):
                 continue
             t = starts[(j, str(op))]
             for n, item in enumerate(times):
@@ -95,7 +125,7 @@ def _check_runs(c: Context) -> None:
             return stages[op.stage].bwd  # type: ignore[index]  # a BWD names its stage
         if op.kind is OpKind.ALLREDUCE_GRAD:
             return collective_seconds(c, op)
-        return op_seconds(c, op) if op.kind in PRECONDITIONER_KINDS else 0.0
+        return op_seconds(c, op) if op.kind in PRECONDITIONER_KINDS and not _fold(c, op) else 0.0
 
     periods = [len(p) for p in c.plan.programs.values()]
     steps = max(periods) * 2

@@ -101,8 +101,9 @@ PLANNED = {
         w.Case("gpipe", 2, 2, 1),
         w.Case("1f1b", 2, 2, 1),
         w.Case("chimera", 2, 2, 1),
-        w.Case("1f1b", 2, 2, 1, KLClipScope.STALE),
-    ],  # planned without a world barrier at the step's end
+        w.Case("1f1b", 2, 2, 1, KLClipScope.STALE),  # planned without a world barrier at the step's end
+        w.Case("chimera", 2, 2, 1, fused=1e-6, strategy="comm-opt"),  # no bubble, fused curvature cheap: fused
+    ],
     4: [
         w.Case("gpipe", 2, 2, 2),
         w.Case("1f1b", 2, 2, 2),
@@ -129,6 +130,8 @@ def test_planned_runs_equal_single_device_given_the_plan(world: int) -> None:
         layers, steps = results[0].value[i][2], results[0].value[i][3]
         assert all(r.value[i][2] == layers for r in results), f"{case}: ranks ran different plans"
         assert sum(r.value[i][4] for r in results) > 0, f"{case}: no STATS/DECOMP op in any program"
+        captures = {t.capture for t in layers.values()}
+        assert captures == ({"fused"} if case.fused else {"deferred"}), f"{case}: captures {captures}"
         want = _reference(case, layers, steps)
         covered: set[str] = set()
         for r in results:

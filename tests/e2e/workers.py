@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,12 @@ class Case:
     W: int
     scope: KLClipScope = KLClipScope.GLOBAL
     """The KL-clip scope (STAGE/STALE: no world barrier ends a step, and the planner plans so)."""
+    fused: float | None = None
+    """`StageCost.fused_fwd`/`fused_bwd` of every stage in `synthetic_costs` (None: not measured). Far below the
+    statistics' time, where no bubble hides them, it makes the plan fuse every layer's curvature (`solve`'s own
+    choice: with a forced `strategy`; the joint strategy search fuses nothing)."""
+    strategy: str | None = None
+    """`PlanOptions.strategy` (None: the planner chooses)."""
 
     @property
     def kfac(self) -> KFACConfig:
@@ -212,7 +219,7 @@ def reference_for_plan(case: Case, layers: dict[str, LayerTiming], steps: int) -
     return _trained_alone(case, (batches(case) * steps)[:steps], layers, case.kfac)
 
 
-def synthetic_costs(stage_layers, layers):
+def synthetic_costs(stage_layers, layers, fused=None):
     """A fixed cost table for the split (1 ms forward, 2 ms backward per micro-batch; K-FAC work a little
     over one bubble per stage: it grows with the stage count as the bubbles do), so that the planner's
     plans refresh every 2-3 steps and put curvature and inversion into the bubbles whatever this
@@ -237,7 +244,17 @@ def synthetic_costs(stage_layers, layers):
             )
             for name in stage_layers[s]
         )
-        stages.append(StageCost(fwd=1e-3, bwd=2e-3, param_bytes=1 << 20, act_bytes=1 << 16, layers=costs))
+        stages.append(
+            StageCost(
+                fwd=1e-3,
+                bwd=2e-3,
+                param_bytes=1 << 20,
+                act_bytes=1 << 16,
+                layers=costs,
+                fused_fwd=fused,
+                fused_bwd=fused,
+            )
+        )
     return CostTable(tuple(stages), 2, "synthetic:e2e", "cpu")
 
 
@@ -254,7 +271,8 @@ def planned_worker(rank: int, world: int, cases: list[Case]) -> dict:
         if case.D * case.W != world:
             raise ValueError(f"case {case} needs {case.D * case.W} ranks, got {world}")
         data = batches(case)
-        options = PlanOptions(costs=synthetic_costs, time_limit_s=1.5, max_overhead=max_overhead(case))
+        costs = functools.partial(synthetic_costs, fused=case.fused)
+        options = PlanOptions(costs=costs, time_limit_s=1.5, max_overhead=max_overhead(case), strategy=case.strategy)
         trainer = fxkfac.compile(
             make_model(),
             (case.D, case.W),

@@ -80,3 +80,26 @@ def test_fused_curvature_dearer_than_deferred_is_never_chosen_for_speed() -> Non
     assert cheaper_fused(dear) == frozenset()
     plan = solve(dear, FAST, method="cpsat")
     assert all(t.capture == "deferred" for t in plan.layers.values())
+
+
+def test_a_fused_plan_folds_each_micro_batchs_statistics_right_after_its_backward() -> None:
+    """The runtime has no statistic of a fused layer to sync or decompose unless a STATS folds each micro-batch's
+    (made in its F/B): the refresh step follows every BWD with them on each rank that keeps the layer's statistics,
+    and the validator refuses a plan without them."""
+    cheap = _stages(NO_BUBBLE, fused_fwd=0.01, fused_bwd=0.01)
+    plan = solve(cheap, FAST, method="greedy")
+    for rank, program in plan.programs.items():
+        refresh = program[0]
+        for i, op in enumerate(refresh):
+            if op.kind is OpKind.BWD:
+                layers = [x.name for x in cheap.costs.stages[op.stage].layers]  # type: ignore[index]  # BWD names its stage
+                folds = refresh[i + 1 : i + 1 + 2 * len(layers)]
+                assert {(f.kind, f.mb, f.pipe, f.layer, f.part) for f in folds} == {
+                    (OpKind.STATS, op.mb, op.pipe, name, side) for name in layers for side in "AB"
+                }, (rank, op)
+    unfolded = {
+        rank: [[op for op in ops if not (op.kind is OpKind.STATS and op.mb is not None)] for ops in program]
+        for rank, program in plan.programs.items()
+    }
+    errors = validate(cheap, dataclasses.replace(plan, programs=unfolded))
+    assert any("is not followed by the folds" in e for e in errors), errors
