@@ -14,7 +14,7 @@ from fxkfac.errors import ConfigError, FxkfacError
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.choose import solve_with_strategy
 from fxkfac.planner.costs import CostTable
-from fxkfac.planner.errors import Knob, PlanError, PlanMismatchError
+from fxkfac.planner.errors import PlanError, PlanMismatchError
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StepBarrier
 from fxkfac.planner.profiles import load_cost_table
@@ -165,10 +165,9 @@ def solve_for(
     try:
         return solve_with_strategy(problem, strategy, config, box=box)
     except PlanError as e:
-        relaxed = [s for s in e.suggestions if {knob for knob, _ in s.changes} == {Knob.MAX_OVERHEAD}]
-        if strict or not relaxed:
+        value = e.max_overhead
+        if strict or value is None:
             raise
-        value = float(relaxed[0].changes[0][1])
         log.warning(
             "plan='auto': the bubbles alone cannot hold the K-FAC work (%s); planning with "
             "max_overhead=%.4g, the least the planner found that places it (pass PlanOptions(max_overhead="

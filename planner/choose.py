@@ -41,7 +41,7 @@ from fractions import Fraction
 from fxkfac.planner.assemble import assemble
 from fxkfac.planner.attempt import Method, aggregates
 from fxkfac.planner.budget import Meter
-from fxkfac.planner.errors import Knob, PlanError
+from fxkfac.planner.errors import PlanError
 from fxkfac.planner.greedy import greedy_group
 from fxkfac.planner.joint import (
     JointPlacement,
@@ -192,8 +192,8 @@ def _plan_or_least_step_refusal(
         try:
             return solve(candidate, config, method, box=box)
         except PlanError as e:
-            relaxed = [s for s in e.suggestions if {knob for knob, _ in s.changes} == {Knob.MAX_OVERHEAD}]
-            step = step_timeline(candidate).length * (1 + float(relaxed[0].changes[0][1])) if relaxed else math.inf
+            value = e.max_overhead
+            step = math.inf if value is None else step_timeline(candidate).length * (1 + value)
             refusals.append((step, n, e))
     step, n, error = min(refusals, key=lambda r: r[:2])
     log.info(

@@ -58,6 +58,13 @@ class PlanError(PlannerError):
         super().__init__(message)
         self.suggestions = suggestions
 
+    @property
+    def max_overhead(self) -> float | None:
+        """The max_overhead of the first suggestion that changes it alone (what plan="auto" relaxes to); None when
+        no suggestion does."""
+        relaxed = [s for s in self.suggestions if {knob for knob, _ in s.changes} == {Knob.MAX_OVERHEAD}]
+        return float(relaxed[0].changes[0][1]) if relaxed else None
+
 
 class PlanFormatError(PlanError):
     """A plan file is corrupt, truncated, or of an unknown schema version."""
