@@ -144,11 +144,12 @@ class Transport:
         works = {m: _work(dist.irecv(buf, src=m, tag=share)) for m, buf in shares.items()}
         for m, work in works.items():
             self.wait(work, f"{what}: the share of rank {m}")
-        shares[root] = tensor.detach().clone()
-        tensor.copy_(sum((shares[m] for m in sorted(members)[1:]), shares[min(members)]))
+        shares[root] = tensor.detach()
+        tensor.copy_(sum((shares[m] for m in sorted(members)[1:]), shares[min(members)]))  # summed before copied
+        outgoing = tensor.detach().clone()  # one buffer for every send: the caller may change `tensor`
         for m in members:
             if m != root:
-                self._sends.append((_work(dist.isend(tensor.detach().clone(), dst=m, tag=total)), what))
+                self._sends.append((_work(dist.isend(outgoing, dst=m, tag=total)), what))
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> None:
         """Sum `tensor` in place over `group` (None: the world), waiting for it."""
