@@ -42,16 +42,7 @@ def _reference(batches: list[tuple[Tensor, Tensor]], family: DiagonalFamily) -> 
     model = mlp()
     opt = _sgd(list(model.parameters()))
     timings = _timings()
-    layers = fxkfac.compile(
-        mlp(),
-        None,
-        None,
-        example_inputs=(batches[0][0],),
-        loss_fn=F.mse_loss,
-        backend=None,
-        microbatches=N,
-        preconditioner=family,
-    ).units
+    layers = _compiled(batches[0][0]).units
     D: dict[str, Tensor | None] = {layer.name: None for layer in layers}
     queue: dict[str, list[tuple[int, Tensor]]] = {layer.name: [] for layer in layers}
     active: dict[str, Tensor | None] = {layer.name: None for layer in layers}
@@ -80,15 +71,16 @@ def _reference(batches: list[tuple[Tensor, Tensor]], family: DiagonalFamily) -> 
     return {n: p.detach() for n, p in model.named_parameters()}
 
 
-def _one_device(
-    batches: list[tuple[Tensor, Tensor]], timings: dict[str, LayerTiming] | None = None
+def _compiled(
+    example: Tensor, timings: dict[str, LayerTiming] | None = None, model: nn.Module | None = None
 ) -> fxkfac.runtime.trainer.Trainer:
-    """The single-device trainer with the diagonal family at `timings` (default `_timings()`), after `batches`."""
-    trainer = fxkfac.compile(
-        mlp(),
+    """A single-device trainer of `model` (default `mlp()`) with the diagonal family at `timings` (default
+    `_timings()`) and SGD."""
+    return fxkfac.compile(
+        mlp() if model is None else model,
         None,
         None,
-        example_inputs=(batches[0][0],),
+        example_inputs=(example,),
         loss_fn=F.mse_loss,
         optimizer=_sgd,
         backend=None,
@@ -96,6 +88,13 @@ def _one_device(
         preconditioner=DiagonalFamily(),
         layer_timing=_timings() if timings is None else timings,
     )
+
+
+def _one_device(
+    batches: list[tuple[Tensor, Tensor]], timings: dict[str, LayerTiming] | None = None
+) -> fxkfac.runtime.trainer.Trainer:
+    """The single-device trainer (`_compiled`) after `batches`."""
+    trainer = _compiled(batches[0][0], timings)
     for x, y in batches:
         trainer.step(x, y)
     return trainer
@@ -119,18 +118,7 @@ def test_diagonal_family_checkpoint_resumes_exactly(tmp_path) -> None:
     batches = mlp_batches(STEPS)
     a = _one_device(batches[:2])
     a.save_checkpoint(str(tmp_path / "ckpt"))
-    b = fxkfac.compile(
-        mlp(seed=5),
-        None,
-        None,
-        example_inputs=(batches[0][0],),
-        loss_fn=F.mse_loss,
-        optimizer=_sgd,
-        backend=None,
-        microbatches=N,
-        preconditioner=DiagonalFamily(),
-        layer_timing=_timings(),
-    )
+    b = _compiled(batches[0][0], model=mlp(seed=5))
     b.load_checkpoint(str(tmp_path / "ckpt"))
     for x, y in batches[2:]:
         a.step(x, y)
