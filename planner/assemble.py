@@ -126,7 +126,7 @@ def assemble_attempt(problem: Problem, attempt: Attempt, fused: frozenset[str], 
         placements += placed
         for d in group.devices:
             programs[d] = _program(problem, w, d, [p for p in placed if p.device == d])
-            peak[d] = peak_bytes(w, sol.starts, d)
+            peak[d] = peak_bytes(sol, d)
             per_device[d] = _utilization(problem, w, placed, d)
         for s in group.stages:
             lower = refresh_lower_bound(problem, group, fused, stretch=attempt.allowance.enabled)

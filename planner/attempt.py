@@ -258,7 +258,7 @@ def _captures(layer: LayerCost) -> bool:
 def _excess(problem: Problem, solution: GroupSolution) -> int:
     """Bytes the solution's worst device holds over the memory budget."""
     budget = problem.memory_budget or 0
-    return max(peak_bytes(solution.window, solution.starts, d) - budget for d in solution.window.group.devices)
+    return max(peak_bytes(solution, d) - budget for d in solution.window.group.devices)
 
 
 def attempt_plan(problem: Problem, config: SolverConfig, method: Method, clock: Clock, began: float) -> Plan:

@@ -73,6 +73,10 @@ def solve_group(
     if found.window.stretch > 0:
         found, least = _least_stretch(found, allowance, config, meter, began + time_limit)
     best = _least_stale(found, config, meter, left(), proven, least)
+    if not fits_memory(best):  # a third decomposition over the budget: CP-SAT's memory model counts two
+        if fallback is None:
+            return None
+        best = fallback
     return _finish(best, best.status, proven, wall)
 
 

@@ -46,7 +46,7 @@ from functools import lru_cache
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.ir import Op, OpKind
 from fxkfac.planner.problem import Problem, StageGroup, copies_of_stage, stages_on_device
-from fxkfac.planner.solution import GroupSolution, use_offsets
+from fxkfac.planner.solution import GroupSolution, fits_memory, use_offsets
 from fxkfac.planner.step_timeline import base_programs, gradient_stats, step_timeline
 from fxkfac.planner.strategy import LayerDistribution, Strategy, StrategyKind, grad_workers, holding, receivers
 from fxkfac.planner.window import TaskKind, Window
@@ -277,8 +277,9 @@ def window_at(
 def transfer(placement: JointPlacement, problem: Problem) -> GroupSolution | None:
     """`placement` as a solution of `problem`'s own window of the group (`problem` has the chosen distributions),
     its stretch what makes its steps as long as the placement's; None when that window is not the placement's
-    (other fixed work, activations, releases or deadlines, a task or slot longer than the one placed): the caller
-    then plans `problem` itself."""
+    (other fixed work, activations, releases or deadlines, a task or slot longer than the one placed), or when it
+    holds a third decomposition over the memory budget (`planner.solution.remade_spans`): the caller then plans
+    `problem` itself."""
     w = placement.window
     target = window_at(problem, w.group, w.k, placement.step_ticks, (w.scale, w.exact), aggregate=w.aggregate)
     if (
@@ -300,7 +301,7 @@ def transfer(placement: JointPlacement, problem: Problem) -> GroupSolution | Non
         starts.append(at)
         devices.append(device)
     chosen = tuple(starts)
-    return GroupSolution(
+    solution = GroupSolution(
         target,
         chosen,
         tuple(devices),
@@ -310,6 +311,7 @@ def transfer(placement: JointPlacement, problem: Problem) -> GroupSolution | Non
         placement.status,
         placement.k_lower_bound,
     )
+    return solution if fits_memory(solution) else None  # a third decomposition over the budget: planned apart
 
 
 def _same_frame(a: Window, b: Window) -> bool:

@@ -9,7 +9,14 @@ from fxkfac.planner.problem import Problem, copies_of_stage, stages_on_device
 from fxkfac.planner.step_timeline import StepTimeline, step_timeline
 from fxkfac.planner.strategy import holding
 
-__all__ = ["static_bytes", "activation_intervals", "peak_level", "activation_peak", "min_memory_bytes"]
+__all__ = [
+    "static_bytes",
+    "decomposition_bytes",
+    "activation_intervals",
+    "peak_level",
+    "activation_peak",
+    "min_memory_bytes",
+]
 
 
 def static_bytes(problem: Problem, device: int) -> int:
@@ -23,7 +30,8 @@ def static_bytes(problem: Problem, device: int) -> int:
     the buffer after it; the received gradient replaces the layer's own, so nothing is kept across steps).
     Measured against the runtime in tests/test_strategy_memory.py: an upper bound, met where every layer's
     next decomposition is made before any is used (a critical-path refresh); a plan that staggers them holds
-    less, and one whose use_offset exceeds its period may hold a third."""
+    less. A plan whose next refresh makes a decomposition before this one is used holds a third while it
+    waits: a placement's peak adds it (`planner.solution.remade_spans`)."""
     stages = stages_on_device(problem, device)
     total = shared = 0
     for s in stages:
@@ -35,6 +43,17 @@ def static_bytes(problem: Problem, device: int) -> int:
             total += x.factor_bytes * (held.statistics + 2 * held.decompositions) + x.state_bytes * held.decompositions
             shared = max(shared, x.gradient_bytes * held.shares_gradient)
     return total + shared + max((problem.costs.stages[s].peak_err_bytes for s in stages), default=0)
+
+
+def decomposition_bytes(problem: Problem, device: int, layer: str) -> int:
+    """Bytes of one decomposition of `layer` on `device` (as large as its statistics), 0 where the device keeps
+    none (`planner.strategy.holding`)."""
+    x = problem.costs.layer(layer)
+    gradient_fed = all(p.after is OpKind.ALLREDUCE_GRAD for p in x.parts)
+    copies = copies_of_stage(problem, problem.costs.stage_of(layer))
+    if device not in copies or not holding(device, copies, problem.where(layer), gradient_fed).decompositions:
+        return 0
+    return x.factor_bytes
 
 
 def activation_intervals(problem: Problem, device: int, step: StepTimeline) -> list[tuple[float, float, int]]:

@@ -3,12 +3,14 @@ offset, the memory peak on a device, and the step from which each refresh op exi
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fxkfac.planner.ir import Op, OpKind
-from fxkfac.planner.memory import peak_level, static_bytes
+from fxkfac.planner.memory import decomposition_bytes, peak_level, static_bytes
 from fxkfac.planner.window import TaskKind, Window, wrap
 
 __all__ = [
@@ -17,6 +19,7 @@ __all__ = [
     "placements_of",
     "use_offsets",
     "prec_steps_ready",
+    "remade_spans",
     "peak_bytes",
     "fits_memory",
     "is_refresh_op",
@@ -78,18 +81,54 @@ def prec_steps_ready(window: Window, prec_starts: tuple[int, ...], stage: int, r
     return 2 * k + 1
 
 
-def use_offsets(window: Window, starts: tuple[int, ...], prec_starts: tuple[int, ...]) -> dict[str, int]:
-    """Per layer, the step offset from which its new inverse preconditions: the first APPLY after both
-    factors' inverses (and broadcasts) are done."""
-    ready: dict[str, int] = {}
+def _made(window: Window, starts: tuple[int, ...]) -> dict[str, list[int]]:
+    """Per layer, the ticks at which its refresh's decompositions exist on a rank: each INV's and BCAST's end."""
+    made: dict[str, list[int]] = {}
     for task, start in zip(window.tasks, starts):
         if task.kind in (TaskKind.INV, TaskKind.BCAST):
             for layer, _ in task.factors:
-                ready[layer] = max(ready.get(layer, 0), start + task.ticks)
+                made.setdefault(layer, []).append(start + task.ticks)
+    return made
+
+
+def use_offsets(window: Window, starts: tuple[int, ...], prec_starts: tuple[int, ...]) -> dict[str, int]:
+    """Per layer, the step offset from which its new inverse preconditions: the first APPLY after both
+    factors' inverses (and broadcasts) are done."""
     return {
-        layer: prec_steps_ready(window, prec_starts, window.problem.costs.stage_of(layer), t)
-        for layer, t in ready.items()
+        layer: prec_steps_ready(window, prec_starts, window.problem.costs.stage_of(layer), max(ends))
+        for layer, ends in _made(window, starts).items()
     }
+
+
+def remade_spans(solution: GroupSolution, device: int) -> list[tuple[int, int, int]]:
+    """(start, end, bytes) within the window, on `device`, of each third decomposition of a layer: from its next
+    refresh's first DECOMP end (a window after this one's) until the device's APPLY first uses this refresh (in
+    step `use_offset`), when that comes later. `memory.static_bytes` counts two (the active and the pending one)."""
+    w = solution.window
+    k, L = w.k, w.length
+    first: dict[str, int] = {}  # each layer's first DECOMP or BCAST op's end (a task may hold several layers')
+    for task, start in zip(w.tasks, solution.starts):
+        if task.kind in (TaskKind.INV, TaskKind.BCAST):
+            for op, at in zip(task.ops, itertools.accumulate(task.seconds)):
+                if op.layer is not None and op.kind in (OpKind.DECOMP, OpKind.BCAST):
+                    first[op.layer] = min(first.get(op.layer, start + task.ticks), start + math.ceil(at * w.scale))
+    out = []
+    for layer, made in first.items():
+        nbytes = decomposition_bytes(w.problem, device, layer)
+        stage, u = w.problem.costs.stage_of(layer), solution.use_offset[layer]
+        used = L * (u // k) + max(
+            (
+                solution.prec_starts[i] + math.ceil(at * w.scale)
+                for i, p in enumerate(w.precs)
+                if (p.device, p.stage, p.step) == (device, stage, u % k)
+                for op, at in zip(p.ops, p.offsets)
+                if op.kind is OpKind.APPLY and op.layer in (None, layer)
+            ),
+            default=0,
+        )
+        if nbytes and made + L < used:
+            out += [(s, e, nbytes) for s, e in wrap(made + L, used, L)]
+    return out
 
 
 def placements_of(solution: GroupSolution) -> list[Placement]:
@@ -122,22 +161,25 @@ def _back_to_back(ops: Iterable[Op], durations: Iterable[float], device: int, st
     return out
 
 
-def peak_bytes(window: Window, starts: tuple[int, ...], device: int) -> int:
-    """Static bytes plus the peak of activations and kept a/e on `device` over the (modular) window."""
+def peak_bytes(solution: GroupSolution, device: int) -> int:
+    """Static bytes plus the peak of activations, kept a/e and third decompositions (`remade_spans`) on `device`
+    over the (modular) window."""
+    window = solution.window
     kept = [
         (s, e, task.keep_bytes)
-        for task, start in zip(window.tasks, starts)
+        for task, start in zip(window.tasks, solution.starts)
         if task.kind is TaskKind.CURV and task.devices[0] == device and task.keep_bytes
         for s, e in wrap(task.release, start + task.ticks, window.length)
     ]
-    return static_bytes(window.problem, device) + peak_level([*window.acts[device], *kept])
+    spans = [*window.acts[device], *kept, *remade_spans(solution, device)]
+    return static_bytes(window.problem, device) + peak_level(spans)
 
 
 def fits_memory(solution: GroupSolution) -> bool:
     """Whether the solution stays within the memory budget on every device of its group."""
     w = solution.window
     budget = w.problem.memory_budget
-    return budget is None or all(peak_bytes(w, solution.starts, d) <= budget for d in w.group.devices)
+    return budget is None or all(peak_bytes(solution, d) <= budget for d in w.group.devices)
 
 
 _REFRESH_KINDS = frozenset({OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST})

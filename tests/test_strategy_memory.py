@@ -17,7 +17,10 @@ period 2, use_offset 2). The accounting is therefore an upper bound, met within 
 layer's next decomposition is made before APPLY uses any) and by any plan whose refreshes coincide; a plan that
 staggers its layers' refreshes peaks lower, so planned runs are checked to lie between the bound and the state
 with one decomposition per layer. The exact peak of a staggered plan needs the window's own events (from a
-layer's DECOMP to its use, as `planner.solution.peak_bytes` does for deferred captures).
+layer's DECOMP to its use, as `planner.solution.peak_bytes` does for deferred captures). A plan whose refresh is
+first used no sooner than its next refresh begins (use_offset >= period, seen once under load: period 6, use_offset
+11) may make the next decomposition before that use and hold a third while it waits (`planner.solution.remade_spans`
+adds it to the plan's peak); the bound adds one for each such layer.
 
 The BCAST_PREC buffer is transient: the runtime packs one layer's gradient, broadcasts it along the row and the
 receivers' copy replaces their own gradient, so nothing of it is held across steps; `static_bytes` counts one
@@ -31,6 +34,7 @@ fxkfac/kfac/inverse.py); the profiler's K-FAC cost (fxkfac/profiler.py `_layer_c
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -41,7 +45,7 @@ from torch import Tensor, nn
 import fxkfac
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.kfac.state import LayerState
-from fxkfac.planner.ir import OpKind
+from fxkfac.planner.ir import LayerTiming, OpKind
 from fxkfac.planner.memory import static_bytes
 from fxkfac.planner.problem import Problem, copies_of_stage, stages_on_device
 from fxkfac.planner.strategy import holding
@@ -91,6 +95,19 @@ def accounted_bytes(problem: Problem, device: int) -> dict[str, int]:
             shared = max(shared, x.gradient_bytes * held.shares_gradient)
     err = max((problem.costs.stages[s].peak_err_bytes for s in stages_on_device(problem, device)), default=0)
     return {"statistics": stats, "decompositions": decomps, "total": stats + decomps, "rest": param + shared + err}
+
+
+def third_bytes(problem: Problem, device: int, timings: Mapping[str, LayerTiming]) -> int:
+    """Bytes of a third decomposition of each layer decomposed here whose refresh is first used no sooner than its
+    next refresh begins (use_offset >= period): that refresh may make one before this one is used."""
+    out = 0
+    for s in stages_on_device(problem, device):
+        for x in problem.costs.stages[s].layers:
+            gradient_fed = all(p.after is OpKind.ALLREDUCE_GRAD for p in x.parts)
+            held = holding(device, copies_of_stage(problem, s), problem.where(x.name), gradient_fed)
+            t = timings[x.name]
+            out += x.factor_bytes * (held.decompositions and t.use_offset >= t.period)
+    return out
 
 
 def _measure_every_op(trainer: fxkfac.Trainer, peaks: list[dict[str, int]]) -> None:
@@ -149,6 +166,7 @@ def _worker(rank: int, world: int, cases: list[tuple[str | None, str, str]]) -> 
             {
                 "measured": max(peaks, key=lambda m: m["total"]),
                 "accounted": accounted_bytes(problem, rank),
+                "third": third_bytes(problem, rank, trainer.timings),
                 "static": static_bytes(problem, rank),
                 "periods": {t.period for t in trainer.timings.values()},
                 "strategy": {str(problem.where(n).strategy) for n in trainer.timings},
@@ -171,7 +189,7 @@ def _check(ranks: list[dict[str, Any]], strategy: str, exact: bool) -> None:
         assert got["strategy"] == {strategy}
         assert got["static"] == a["total"] + a["rest"], "the accounting here is the preconditioner part of static_bytes"
         assert m["statistics"] == a["statistics"], where
-        assert m["total"] <= a["total"] * (1 + TOLERANCE), where + " (the accounting is short)"
+        assert m["total"] <= (a["total"] + got["third"]) * (1 + TOLERANCE), where + " (the accounting is short)"
         if exact:
             assert m["total"] >= a["total"] * (1 - TOLERANCE), where + f" (more than {TOLERANCE:.0%} apart)"
         else:  # at least the state with one decomposition per layer

@@ -4,6 +4,7 @@ alone, and the costs and times of each op, recomputed from the cost table."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import TYPE_CHECKING
 
 from fxkfac.planner.ir import Op, OpKind
@@ -46,6 +47,11 @@ class Context:
 
     def timeline(self, j: int, k: int) -> StepTimeline:
         return self.refresh if j % k == 0 else self.normal
+
+    @cached_property
+    def starts(self) -> dict[tuple[Op, int, int], float]:
+        """Each placed op's start by (op, device, window step)."""
+        return {(p.op, p.device, p.step): p.start for p in self.plan.placements}
 
 
 def placed_key(op: Op) -> Op:

@@ -193,25 +193,24 @@ def check_precs_and_offsets(c: Context) -> None:
         if p.op.kind in (OpKind.DECOMP, OpKind.BCAST):
             ready[p.op.layer] = max(ready[p.op.layer], p.end)  # type: ignore[index]  # DECOMP and BCAST name their layer
     for layer, t in ready.items():
-        s, k = c.problem.costs.stage_of(layer), c.period(c.problem.costs.stage_of(layer))
-        L = c.length(k)
-        apply = (
-            Op(OpKind.APPLY, s)
-            if Op(OpKind.APPLY, s) in step_ops(c, s, c.problem.workers(layer)[0])
-            else Op(OpKind.APPLY, s, layer=layer)
-        )  # the stage's APPLY, or the layer's own where the stage has them
+        k = c.period(c.problem.costs.stage_of(layer))
+        workers = c.problem.workers(layer)
         u = next(
-            (
-                u
-                for u in range(2 * k + 1)
-                if all(
-                    (prec[s, apply.layer, d, u % k].start if (s, apply.layer, d, u % k) in prec else 0.0) + L * (u // k)
-                    >= t - c.tol
-                    for d in c.problem.workers(layer)
-                )
-            ),
-            2 * k + 1,
+            (u for u in range(2 * k + 1) if all(apply_start(c, layer, u, d) >= t - c.tol for d in workers)), 2 * k + 1
         )
         claimed = c.plan.layers[layer].use_offset
         if claimed != u:
             c.errors.append(f"layer {layer}: use_offset {claimed} claimed, but its inverse is first usable at step {u}")
+
+
+def apply_start(c: Context, layer: str, u: int, device: int) -> float:
+    """When window step `u` (0..2k) on `device` starts the APPLY that preconditions `layer` (the stage's, or the
+    layer's own where the stage has them), counted from the window's start (0 where there is none)."""
+    s = c.problem.costs.stage_of(layer)
+    k = c.period(s)
+    apply = (
+        Op(OpKind.APPLY, s)
+        if Op(OpKind.APPLY, s) in step_ops(c, s, c.problem.workers(layer)[0])
+        else Op(OpKind.APPLY, s, layer=layer)
+    )
+    return c.starts.get((apply, device, u % k), 0.0) + c.length(k) * (u // k)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from fxkfac.planner.ir import Op, OpKind
-from fxkfac.planner.memory import activation_intervals, peak_level, static_bytes
+from fxkfac.planner.memory import activation_intervals, decomposition_bytes, peak_level, static_bytes
 from fxkfac.planner.problem import copies_of_stage, stage_groups
 from fxkfac.planner.step_timeline import tap_extra
 from fxkfac.planner.strategy import keeps_statistics
@@ -21,6 +21,7 @@ from fxkfac.planner.validate.context import (
     step_ops,
     wrapped,
 )
+from fxkfac.planner.validate.dependencies import apply_start
 
 
 def _expected(c: Context) -> Counter:
@@ -137,6 +138,10 @@ def check_memory(c: Context) -> None:
             part = c.problem.costs.layer(p.op.layer).part(p.op.part)  # type: ignore[arg-type]  # a STATS names both
             since = end_of(c.refresh, p.device, part.after, p.op.stage, p.op.mb, p.op.pipe)  # type: ignore[arg-type]  # a STATS names its stage and micro-batch
             keeps[p.device].append((since, p.end, part.capture_bytes))
+    made: dict[str, list[float]] = defaultdict(list)
+    for p in c.plan.placements:
+        if p.op.kind in (OpKind.DECOMP, OpKind.BCAST):
+            made[p.op.layer].append(p.end)  # type: ignore[index]  # DECOMP and BCAST name their layer
     for d in c.problem.devices:
         k = max(c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s))
         L = c.length(k)
@@ -145,6 +150,12 @@ def check_memory(c: Context) -> None:
             for j in range(k)
             for a, b, n in activation_intervals(c.problem, d, c.timeline(j, k))
         ] + keeps[d]
+        for layer, ends in made.items():  # a third decomposition: the next refresh's made before this one is used
+            nbytes = decomposition_bytes(c.problem, d, layer)
+            next_made = min(ends) + c.length(c.period(c.problem.costs.stage_of(layer)))
+            used = apply_start(c, layer, c.plan.layers[layer].use_offset, d)
+            if nbytes and next_made < used:
+                spans.append((next_made, used, nbytes))
         held = [(s + c.tol, e - c.tol, n) for a, b, n in spans for s, e in wrapped(a, b, L) if e - s > 2 * c.tol]
         total = static_bytes(c.problem, d) + peak_level(held)
         if budget is not None and total > budget:
