@@ -161,7 +161,7 @@ def check_memory(c: Context) -> None:
         if budget is not None and total > budget:
             c.errors.append(f"r{d}: memory peaks at {total} bytes, over the budget of {budget}")
         claimed = c.plan.metrics.peak_memory.get(d)
-        if c.tol == 0 and claimed != total:
+        if claimed is None or claimed < total:  # what a user budgets by: never below what the placements hold
             c.errors.append(f"r{d}: peak memory {claimed} claimed, {total} found")
 
 
