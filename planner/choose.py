@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from fractions import Fraction
 
 from fxkfac.planner.assemble import assemble
-from fxkfac.planner.attempt import Method, aggregates
+from fxkfac.planner.attempt import Method, aggregates, cheaper_fused
 from fxkfac.planner.budget import Meter
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.greedy import greedy_group
@@ -294,13 +294,24 @@ def _joint_plan(
             _words(chosen),
         )
         return _planned(chosen, config, box)
-    return assemble(
+    plan = assemble(
         chosen,
         [s for s in solutions if s is not None],
         _greedy(chosen, config, box),
         Allowance(chosen, frozenset(), allowed.scale),
         time.perf_counter() - began,
     )
+    return _fused_for_speed(plan, config, box)
+
+
+def _fused_for_speed(plan: Plan, config: SolverConfig, box: TimeBox) -> Plan:
+    """The joint plan (nothing fused), or its distributions planned by `solve` where its steps stretch for deferred
+    statistics and some layers' fused curvature costs less (`attempt.cheaper_fused`): `solve` also places those
+    fused, and the better plan by `rank` is kept."""
+    if plan.metrics.stretch <= 0 or not cheaper_fused(plan.problem):
+        return plan
+    again = _planned(plan.problem, config, box)
+    return plan if again is None else min((plan, again), key=rank)
 
 
 def _joint_placements(

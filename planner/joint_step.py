@@ -67,12 +67,13 @@ def options_of(problem: Problem, layer: str, free: bool) -> tuple[Option, ...]:
     chosen = layer_options(problem, layer) if free else (problem.where(layer),)
     out = []
     for where in chosen:
+        workers = grad_workers(copies, where)
         parts = {p.part: bcast_seconds(problem, layer, p.part, where) for p in problem.costs.layer(layer).parts}
         out.append(
             Option(
                 where,
-                grad_workers(copies, where),
-                {p: s for p, s in parts.items() if s > 0},
+                workers,
+                parts if len(workers) > 1 else {},  # as the window has a BCAST task, however short
                 apply_seconds(problem, layer),
                 share_seconds(problem, layer, where),
             )

@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 from fxkfac.planner.attempt import cheaper_fused
+from fxkfac.planner.choose import solve_with_strategy
 from fxkfac.planner.costs import CostTable
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.problem import Problem, SolverConfig
@@ -103,3 +104,16 @@ def test_a_fused_plan_folds_each_micro_batchs_statistics_right_after_its_backwar
     }
     errors = validate(cheap, dataclasses.replace(plan, programs=unfolded))
     assert any("is not followed by the folds" in e for e in errors), errors
+
+
+def test_the_joint_distribution_choice_fuses_what_is_cheaper_fused_too() -> None:
+    """Chimera's two pipes hold two copies of every stage: with the strategy free, CP-SAT chooses each layer's
+    distribution with the placement (`choose.solve_joint`), and where no bubble hides the statistics it fuses the
+    layers whose fused curvature is cheaper, as `solve` does."""
+    deferred = solve_with_strategy(NO_BUBBLE, None, FAST)
+    assert deferred.metrics.stretch > 0 and all(t.capture == "deferred" for t in deferred.layers.values())
+    cheap = _stages(NO_BUBBLE, fused_fwd=0.01, fused_bwd=0.01)
+    plan = solve_with_strategy(cheap, None, FAST)
+    assert validate(plan.problem, plan) == []
+    assert all(t.capture == "fused" for t in plan.layers.values())
+    assert plan.metrics.step_time < deferred.metrics.step_time
