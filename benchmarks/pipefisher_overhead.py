@@ -79,6 +79,8 @@ NAMES = {
     "d": "K-FAC+skip (plan's period)",
 }
 BUSY = ("FWD", "BWD", "STATS", "DECOMP", "APPLY")
+WAIT = "WAIT"
+"""The column of the time ops spend waiting for peers (`Event.wait_ns`)."""
 KFAC = KFACConfig(damping=1e-3, factor_decay=0.95, kl_clip=1e-3)
 
 
@@ -204,11 +206,13 @@ def _gather(events: list[Event]) -> list[Event]:
 
 
 def _kind_seconds(events: list[Event], steps: int) -> dict[int, dict[str, float]]:
-    """Per rank, seconds per step spent in each instruction kind (measured)."""
+    """Per rank, seconds per step spent in each instruction kind besides waiting for peers, and (WAIT) waiting
+    for peers in any of them (measured): a receive, a collective its reader settles, the step-end sum."""
     out: dict[int, dict[str, float]] = {}
     for e in events:
         row = out.setdefault(e.rank, {})
-        row[e.kind] = row.get(e.kind, 0.0) + (e.end_ns - e.start_ns) / 1e9 / steps
+        row[e.kind] = row.get(e.kind, 0.0) + (e.end_ns - e.start_ns - e.wait_ns) / 1e9 / steps
+        row[WAIT] = row.get(WAIT, 0.0) + e.wait_ns / 1e9 / steps
     return out
 
 
@@ -350,8 +354,11 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
             _fmt_ranks(plan_util[v]) if v in plan_util else "-",
         )
     console.print(table)
-    kinds = ("FWD", "BWD", "STATS", "DECOMP", "APPLY", "OPT_STEP", "RECV_ACT", "RECV_GRAD", "SYNC_STATS", "BCAST")
-    where = Table(title="where a step's time goes, ms per step and rank (measured; (b) planned in brackets)")
+    kinds = ("FWD", "BWD", "STATS", "DECOMP", "APPLY", "OPT_STEP", "SYNC_STATS", "BCAST", WAIT)
+    where = Table(
+        title="where a step's time goes, ms per step and rank (measured, waits for peers in any op apart as WAIT; "
+        "(b) planned in brackets)"
+    )
     where.add_column("variant / rank")
     for k in kinds:
         where.add_column(k)

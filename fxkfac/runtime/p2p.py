@@ -12,6 +12,7 @@ planner models each collective as occupying its rank for its whole cost: an uppe
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -63,9 +64,12 @@ class Transport:
     _sends: list[tuple[dist.Work, str]] = field(default_factory=list)
     _posted: dict[tuple, tuple[list[torch.Tensor], list[dist.Work]]] = field(default_factory=dict)
     _inflight: dict[Hashable, list[tuple[Pending, Callable[[torch.Tensor], None]]]] = field(default_factory=dict)
+    waited_ns: int = 0
+    """Wall-clock ns spent in `wait` so far: what the timeline counts of an op as waiting for peers."""
 
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for `work` at most the timeout; a timeout or a dead peer becomes a PipelineError naming `what`."""
+        began = time.time_ns()
         try:
             work.wait(self.timeout)
         except RuntimeError as e:
@@ -76,6 +80,8 @@ class Transport:
                     f"(raise `timeout=` if a step legitimately takes longer). Cause: {e}"
                 ) from e
             raise PipelineError(f"rank {self.rank} failed on '{what}': a peer likely died. Cause: {e}") from e
+        finally:
+            self.waited_ns += time.time_ns() - began
 
     def send(
         self, tensors: Sequence[torch.Tensor], peer: int, grad: bool, stage: int, pipe: int, mb: int, what: str

@@ -21,7 +21,8 @@ PIPELINE_KINDS = ("FWD", "BWD")
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """One executed instruction: its text, kind, step, and wall-clock start/end in ns."""
+    """One executed instruction: its text, kind, step, wall-clock start/end in ns, and how much of it was spent
+    waiting for peers (a receive, a collective settled by its reader, a step-end sum)."""
 
     rank: int
     op: str
@@ -29,6 +30,7 @@ class Event:
     step: int
     start_ns: int
     end_ns: int
+    wait_ns: int = 0
 
 
 @dataclass
@@ -39,10 +41,10 @@ class Recorder:
     enabled: bool = True
     events: list[Event] = field(default_factory=list)
 
-    def record(self, op: str, kind: str, step: int, start_ns: int, end_ns: int) -> None:
+    def record(self, op: str, kind: str, step: int, start_ns: int, end_ns: int, wait_ns: int = 0) -> None:
         """Add one finished instruction."""
         if self.enabled:
-            self.events.append(Event(self.rank, op, kind, step, start_ns, end_ns))
+            self.events.append(Event(self.rank, op, kind, step, start_ns, end_ns, wait_ns))
 
     @staticmethod
     def now() -> int:

@@ -40,6 +40,11 @@ def test_timeline_records_every_instruction_and_exports_a_trace(tmp_path) -> Non
         assert [step for _, step, *_ in local] == [0] * len(r.value["program"]) + [1] * len(r.value["program"])
         times = [t for _, _, start, end in local for t in (start, end)]
         assert times == sorted(times), "instructions of one rank overlap or go backwards"
+    for r in results:  # the part of each instruction spent waiting for a peer
+        assert all(0 <= wait <= span for _, span, wait in r.value["waits"])
+        assert all(wait == 0 for kind, _, wait in r.value["waits"] if kind in ("FWD", "BWD"))
+    first_recv = next(wait for kind, _, wait in results[1].value["waits"] if kind == "RECV_ACT")
+    assert first_recv > 0, "the last stage's first receive waits for the first stage's forward"
     util = results[0].value["utilization"]
     assert set(util) == {0, 1} and all(0.0 < u < 1.0 for u in util.values())
     trace = json.loads(path.read_text())

@@ -190,10 +190,12 @@ def timeline_worker(rank: int, world: int, path: str) -> dict:
     for x, y in batches[:2]:
         trainer.step(x, y)
     local = [(e.op, e.step, e.start_ns, e.end_ns) for e in trainer.timeline.events]
+    waits = [(e.kind, e.end_ns - e.start_ns, e.wait_ns) for e in trainer.timeline.events]
     events = gather_timelines(trainer.timeline, world)
     trainer.trace(path if rank == 0 else None)
     return {
         "local": local,
+        "waits": waits,
         "program": [str(op) for op in trainer.ops_at(0)],
         "utilization": utilization(events) if events is not None else None,
     }
