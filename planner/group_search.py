@@ -72,12 +72,15 @@ def solve_group(
     least = True
     if found.window.stretch > 0:
         found, least = _least_stretch(found, allowance, config, meter, began + time_limit)
-    best = _least_stale(found, config, meter, left(), proven, least)
-    if not fits_memory(best):  # a third decomposition over the budget: CP-SAT's memory model counts two
-        if fallback is None:
-            return None
-        best = fallback
-    return _finish(best, best.status, proven, wall)
+    best = within_budget(_least_stale(found, config, meter, left(), proven, least), found, fallback)
+    return None if best is None else _finish(best, best.status, proven, wall)
+
+
+def within_budget(best: GroupSolution, found: GroupSolution, fallback: GroupSolution | None) -> GroupSolution | None:
+    """`best`, or where its third decompositions (`solution.remade_spans`) break the memory budget, which
+    CP-SAT's model counts two of, the first of `found` (before least staleness) and `fallback` (first-fit)
+    that fits; None when neither does."""
+    return next((s for s in (best, found, fallback) if s is not None and fits_memory(s)), None)
 
 
 class _Placed(Protocol):

@@ -5,20 +5,27 @@ pending and the newest). `planner.memory.static_bytes` counts two; a plan's peak
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
+import pytest
+
+from fxkfac.planner import group_search
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.memory import decomposition_bytes
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import SolverConfig
+from fxkfac.planner.solution import GroupSolution, fits_memory, peak_bytes, remade_spans
 from fxkfac.planner.solve import solve
 from fxkfac.planner.step_timeline import step_timeline, window_length
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import problem
 
+CONFIG = SolverConfig(time_limit_s=1.0)
+
 
 def _plan() -> Plan:
     """Chimera D=4 W=2 whose CP-SAT plan uses two layers' refreshes a period and more after they begin."""
-    return solve(problem("chimera", 4, 4, W=2, curv=0.5, inv=1.0, prec=0.25, layers=2), SolverConfig(time_limit_s=1.0))
+    return solve(problem("chimera", 4, 4, W=2, curv=0.5, inv=1.0, prec=0.25, layers=2), CONFIG)
 
 
 def _thirds(plan: Plan) -> dict[int, set[str]]:
@@ -54,3 +61,42 @@ def test_a_third_decomposition_is_in_the_plans_peak_as_the_validator_counts_it()
             bound = dataclasses.replace(plan.problem, memory_budget=budget)
             errors = validate(bound, dataclasses.replace(plan, problem=bound))
             assert any(e.startswith(f"r{d}: memory peaks") for e in errors) == over, (d, names, errors)
+
+
+def test_a_budget_below_the_third_decompositions_peak_still_gets_a_valid_plan_within_it() -> None:
+    """CP-SAT's in-model memory counts two decompositions: a solution whose third one breaks the budget is replaced
+    by one that fits (`group_search.solve_group`), and the validator, counting the third, finds it within."""
+    plan = _plan()
+    budget = max(plan.metrics.peak_memory.values()) - 1
+    bound = dataclasses.replace(plan.problem, memory_budget=budget)
+    fitted = solve(bound, CONFIG)
+    assert validate(bound, fitted) == []
+    assert max(fitted.metrics.peak_memory.values()) <= budget
+
+
+def test_a_group_solution_whose_third_decomposition_breaks_the_budget_is_not_returned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`solve_group` checks CP-SAT's last solution with the third decompositions counted (its model counts two):
+    one that breaks the budget gives way to the solution found before (least staleness) or first-fit's, whichever
+    fits first, else to none (`group_search.within_budget`)."""
+    made: list[GroupSolution] = []
+    solve_group = group_search.solve_group
+
+    def kept(*args: Any, **kwargs: Any) -> GroupSolution | None:
+        solution = solve_group(*args, **kwargs)
+        made.extend([solution] if solution is not None else [])
+        return solution
+
+    monkeypatch.setattr(group_search, "solve_group", kept)
+    _plan()
+    over = next(s for s in made if any(remade_spans(s, d) for d in s.window.group.devices))
+    fitting = dataclasses.replace(over)  # the same solution of the problem without a budget
+    budget = max(peak_bytes(over, d) for d in over.window.group.devices) - 1
+    bound = dataclasses.replace(over.window.problem, memory_budget=budget)
+    breaking = dataclasses.replace(over, window=dataclasses.replace(over.window, problem=bound))
+    assert fits_memory(fitting) and not fits_memory(breaking)
+    assert group_search.within_budget(breaking, breaking, fitting) is fitting
+    assert group_search.within_budget(breaking, fitting, None) is fitting
+    assert group_search.within_budget(breaking, breaking, None) is None
+    assert group_search.within_budget(fitting, breaking, None) is fitting
