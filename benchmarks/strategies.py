@@ -34,7 +34,7 @@ tests/test_strategy_memory.py) and its predicted peak memory per rank. The load 
 recorded before and after.
 
 Run: python benchmarks/strategies.py [--models mlp] [--rounds 3] [--block 10] [--time-limit 4]
-     [--max-overhead 0.5] [--no-w4]
+     [--max-overhead 0.6] [--no-w4]
 """
 
 from __future__ import annotations
