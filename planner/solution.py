@@ -81,22 +81,17 @@ def prec_steps_ready(window: Window, prec_starts: tuple[int, ...], stage: int, r
     return 2 * k + 1
 
 
-def _made(window: Window, starts: tuple[int, ...]) -> dict[str, list[int]]:
-    """Per layer, the ticks at which its refresh's decompositions exist on a rank: each INV's and BCAST's end."""
-    made: dict[str, list[int]] = {}
-    for task, start in zip(window.tasks, starts):
-        if task.kind in (TaskKind.INV, TaskKind.BCAST):
-            for layer, _ in task.factors:
-                made.setdefault(layer, []).append(start + task.ticks)
-    return made
-
-
 def use_offsets(window: Window, starts: tuple[int, ...], prec_starts: tuple[int, ...]) -> dict[str, int]:
     """Per layer, the step offset from which its new inverse preconditions: the first APPLY after both
     factors' inverses (and broadcasts) are done."""
+    ready: dict[str, int] = {}
+    for task, start in zip(window.tasks, starts):
+        if task.kind in (TaskKind.INV, TaskKind.BCAST):
+            for layer, _ in task.factors:
+                ready[layer] = max(ready.get(layer, 0), start + task.ticks)
     return {
-        layer: prec_steps_ready(window, prec_starts, window.problem.costs.stage_of(layer), max(ends))
-        for layer, ends in _made(window, starts).items()
+        layer: prec_steps_ready(window, prec_starts, window.problem.costs.stage_of(layer), t)
+        for layer, t in ready.items()
     }
 
 

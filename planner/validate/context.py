@@ -135,3 +135,16 @@ def end_of(timeline: StepTimeline, device: int, kind: OpKind, stage: int, mb: in
 def capture_after(c: Context, op: Op) -> OpKind:
     """The op (FWD or BWD) whose end makes the capture a STATS op consumes."""
     return c.problem.costs.layer(op.layer).part(op.part).after  # type: ignore[arg-type]  # a STATS names both
+
+
+def apply_start(c: Context, layer: str, u: int, device: int) -> float:
+    """When window step `u` (0..2k) on `device` starts the APPLY that preconditions `layer` (the stage's, or the
+    layer's own where the stage has them), counted from the window's start (0 where there is none)."""
+    s = c.problem.costs.stage_of(layer)
+    k = c.period(s)
+    apply = (
+        Op(OpKind.APPLY, s)
+        if Op(OpKind.APPLY, s) in step_ops(c, s, c.problem.workers(layer)[0])
+        else Op(OpKind.APPLY, s, layer=layer)
+    )
+    return c.starts.get((apply, device, u % k), 0.0) + c.length(k) * (u // k)

@@ -8,9 +8,15 @@ from collections import defaultdict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-from fxkfac.planner.ir import Op, OpKind
+from fxkfac.planner.ir import OpKind
 from fxkfac.planner.problem import copies_of_stage
-from fxkfac.planner.validate.context import Context, capture_after, end_of, gradient_fed_parts, step_ops
+from fxkfac.planner.validate.context import (
+    Context,
+    apply_start,
+    capture_after,
+    end_of,
+    gradient_fed_parts,
+)
 
 if TYPE_CHECKING:
     from fxkfac.planner.solution import Placement
@@ -201,16 +207,3 @@ def check_precs_and_offsets(c: Context) -> None:
         claimed = c.plan.layers[layer].use_offset
         if claimed != u:
             c.errors.append(f"layer {layer}: use_offset {claimed} claimed, but its inverse is first usable at step {u}")
-
-
-def apply_start(c: Context, layer: str, u: int, device: int) -> float:
-    """When window step `u` (0..2k) on `device` starts the APPLY that preconditions `layer` (the stage's, or the
-    layer's own where the stage has them), counted from the window's start (0 where there is none)."""
-    s = c.problem.costs.stage_of(layer)
-    k = c.period(s)
-    apply = (
-        Op(OpKind.APPLY, s)
-        if Op(OpKind.APPLY, s) in step_ops(c, s, c.problem.workers(layer)[0])
-        else Op(OpKind.APPLY, s, layer=layer)
-    )
-    return c.starts.get((apply, device, u % k), 0.0) + c.length(k) * (u // k)

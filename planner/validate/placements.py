@@ -13,6 +13,7 @@ from fxkfac.planner.step_timeline import tap_extra
 from fxkfac.planner.strategy import keeps_statistics
 from fxkfac.planner.validate.context import (
     Context,
+    apply_start,
     decomp_pieces,
     end_of,
     op_seconds,
@@ -21,7 +22,6 @@ from fxkfac.planner.validate.context import (
     step_ops,
     wrapped,
 )
-from fxkfac.planner.validate.dependencies import apply_start
 
 
 def _expected(c: Context) -> Counter:
