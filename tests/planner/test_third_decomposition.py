@@ -64,8 +64,8 @@ def test_a_third_decomposition_is_in_the_plans_peak_as_the_validator_counts_it()
 
 
 def test_a_budget_below_the_third_decompositions_peak_still_gets_a_valid_plan_within_it() -> None:
-    """CP-SAT's in-model memory counts two decompositions: a solution whose third one breaks the budget is replaced
-    by one that fits (`group_search.solve_group`), and the validator, counting the third, finds it within."""
+    """One byte below the peak of the plan without a budget (a peak with a third decomposition in it), the planner
+    still plans, and the validator, counting any third decomposition, finds the plan within the budget."""
     plan = _plan()
     budget = max(plan.metrics.peak_memory.values()) - 1
     bound = dataclasses.replace(plan.problem, memory_budget=budget)
