@@ -13,7 +13,7 @@ from fxkfac.config import KLClipScope, PlanOptions
 from fxkfac.errors import ConfigError, FxkfacError
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.choose import solve_with_strategy
-from fxkfac.planner.costs import CostTable
+from fxkfac.planner.costs import CostTable, median_of
 from fxkfac.planner.errors import PlanError, PlanMismatchError
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StepBarrier
@@ -31,6 +31,7 @@ __all__ = [
     "check_costs",
     "load_plan",
     "share_plan",
+    "gathered_profile",
 ]
 
 
@@ -76,7 +77,8 @@ def resolve_plan(
     """The Plan every rank runs: None, a checked Plan, a loaded file, or the auto plan rank 0 makes and shares.
 
     `plan="auto"` plans with `options.costs` (a CostTable, a cost file, or a callable
-    ``(stage_layers, layers) -> CostTable``), or with `profile()` times scaled by `options.kfac_margin`;
+    ``(stage_layers, layers) -> CostTable``), or with `profile()` times scaled by `options.kfac_margin`: every
+    rank profiles at once and rank 0 plans with the median of their tables (`gathered_profile`);
     `progress` observes the solver (`SolverConfig.progress`).
     """
     if plan is None:
@@ -84,10 +86,14 @@ def resolve_plan(
     if isinstance(plan, str) and plan == "auto":
         if world == 1:
             return solve_for(target, _costs(options, profile, stage_layers, layers), options, progress)
+        profiled = gathered_profile(profile, rank) if options.costs is None else None
         made: Plan | FxkfacError | None = None
         if rank == 0:
             try:
-                made = solve_for(target, _costs(options, profile, stage_layers, layers), options, progress)
+                if isinstance(profiled, FxkfacError):
+                    raise profiled
+                gathered = profile if profiled is None else lambda: profiled
+                made = solve_for(target, _costs(options, gathered, stage_layers, layers), options, progress)
             except FxkfacError as e:  # every rank raises it, instead of waiting for a plan that never comes
                 made = e
         return share_plan(made)
@@ -109,7 +115,8 @@ def _costs(
     source = options.costs
     if source is None:
         log.info(
-            "profiling the stages to plan K-FAC (K-FAC times planned %.0f%% longer)", 100 * (options.kfac_margin - 1)
+            "planning K-FAC from the stages' profile (K-FAC times planned %.0f%% longer)",
+            100 * (options.kfac_margin - 1),
         )
         return profile().scale_kfac_times(options.kfac_margin)
     if isinstance(source, (str, Path)):
@@ -246,6 +253,27 @@ def load_plan(path: str | Path, target: Target, stage_layers: Mapping[int, Seque
     except PlanError as e:
         raise PlanError(f"the plan file {path}: {e}") from e
     return plan
+
+
+def gathered_profile(profile: Callable[[], CostTable], rank: int, dst: int = 0) -> CostTable | FxkfacError | None:
+    """Every rank's `profile()` at once, as every rank computes in training, combined on rank `dst` into one table
+    of each figure's median over the ranks (`planner.costs.median_of`), or the first rank's error; None on the
+    other ranks (collective over the default group)."""
+    import torch.distributed as dist
+
+    mine: list[str] | str
+    try:
+        mine = profile().to_json(indent=None)
+    except FxkfacError as e:  # sent, so that no rank waits for a table that never comes
+        mine = [type(e).__name__, f"rank {rank} could not profile: {e}"]
+    box: list[Any] | None = [None] * dist.get_world_size() if rank == dst else None
+    dist.gather_object(mine, box, dst=dst)
+    if box is None:
+        return None
+    failed = [got for got in box if isinstance(got, list)]
+    if failed:
+        return getattr(errors, str(failed[0][0]), FxkfacError)(str(failed[0][1]))
+    return median_of([CostTable.from_json(text) for text in box])
 
 
 def share_plan(plan: Plan | FxkfacError | None, src: int = 0) -> Plan:

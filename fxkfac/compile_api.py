@@ -374,7 +374,7 @@ def _resolve_on_mesh(
     layout: MeshLayout,
     progress: PlanProgress,
 ) -> Plan | None:
-    """`resolve_plan` with plan="auto"'s profile (links measured by every rank, stages by rank 0), each phase
+    """`resolve_plan` with plan="auto"'s profile (links and stages measured by every rank), each phase
     and the solver's reports shown by `progress`."""
     from fxkfac.comm_profile import measure_comm
 
@@ -382,7 +382,7 @@ def _resolve_on_mesh(
     profiles = isinstance(plan, str) and plan == "auto" and options.costs is None
     if profiles:
         progress.phase("measuring the links between ranks")
-    comm = measure_comm() if profiles else None  # collective: every rank, before rank 0 profiles the stages alone
+    comm = measure_comm() if profiles else None  # collective: every rank, before every rank profiles the stages
 
     def profile() -> CostTable:
         from fxkfac.profiler import profile as measure

@@ -391,12 +391,6 @@ def _noisy(stages: Sequence[StageCost]) -> list[str]:
     ]
 
 
-def _union(spreads: Sequence[Spread | None]) -> Spread | None:
-    """From the fastest to the slowest repeat of any of `spreads` (None when none was measured)."""
-    known = [s for s in spreads if s is not None]
-    return Spread(min(s.low for s in known), max(s.high for s in known)) if known else None
-
-
 def _fastest_layer(rounds: Sequence[LayerCost]) -> LayerCost:
     """One unit's costs over rounds: each time the fastest, its spread over all rounds' repeats."""
     parts = tuple(
@@ -404,13 +398,16 @@ def _fastest_layer(rounds: Sequence[LayerCost]) -> LayerCost:
             ps[0],
             stats=min(p.stats for p in ps),
             decomp=min(p.decomp for p in ps),
-            stats_spread=_union([p.stats_spread for p in ps]),
-            decomp_spread=_union([p.decomp_spread for p in ps]),
+            stats_spread=Spread.covering([p.stats_spread for p in ps]),
+            decomp_spread=Spread.covering([p.decomp_spread for p in ps]),
         )
         for ps in zip(*(x.parts for x in rounds), strict=True)
     )
     return replace(
-        rounds[0], parts=parts, prec=min(x.prec for x in rounds), prec_spread=_union([x.prec_spread for x in rounds])
+        rounds[0],
+        parts=parts,
+        prec=min(x.prec for x in rounds),
+        prec_spread=Spread.covering([x.prec_spread for x in rounds]),
     )
 
 
@@ -422,8 +419,8 @@ def _fastest_stage(rounds: Sequence[StageCost]) -> StageCost:
         rounds[0],
         fwd=min(s.fwd for s in rounds),
         bwd=min(s.bwd for s in rounds),
-        fwd_spread=_union([s.fwd_spread for s in rounds]),
-        bwd_spread=_union([s.bwd_spread for s in rounds]),
+        fwd_spread=Spread.covering([s.fwd_spread for s in rounds]),
+        bwd_spread=Spread.covering([s.bwd_spread for s in rounds]),
         tap_fwd=statistics.median(s.tap_fwd for s in rounds),
         tap_bwd=statistics.median(s.tap_bwd for s in rounds),
         fused_fwd=_median_measured([s.fused_fwd for s in rounds]),

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Collection
+import statistics
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ __all__ = [
     "LayerCost",
     "StageCost",
     "CostTable",
+    "median_of",
 ]
 
 SCHEMA_VERSION = 1
@@ -80,6 +82,12 @@ class Spread:
     def scaled(self, factor: float) -> Spread:
         """Both ends multiplied by `factor` (as the time they belong to is)."""
         return Spread(self.low * factor, self.high * factor)
+
+    @staticmethod
+    def covering(spreads: Iterable[Spread | None]) -> Spread | None:
+        """From the fastest to the slowest repeat of any of `spreads` (None when none was measured)."""
+        known = [s for s in spreads if s is not None]
+        return Spread(min(s.low for s in known), max(s.high for s in known)) if known else None
 
 
 def _check_spreads(obj: Any, owner: str) -> None:
@@ -520,4 +528,82 @@ def _scale_stage(s: StageCost, per_mb: float, fixed: float, mem: float) -> Stage
         act_bytes=round(s.act_bytes * mem),
         peak_err_bytes=round(s.peak_err_bytes * mem),
         layers=layers,
+    )
+
+
+def median_of(tables: Sequence[CostTable]) -> CostTable:
+    """The figure-wise median of `tables`, each rank's profile of one split (`fxkfac.profiler.profile`): every time
+    the median over the tables (of those that measured it), its spread covering theirs; bytes, names and the rest
+    the first table's, which every other must match. One rank slowed while it profiled moves no figure unless
+    most ranks were."""
+    first = tables[0]
+    for other in tables[1:]:
+        if _untimed(other) != _untimed(first):
+            raise CostModelError(
+                "the ranks' profiles are of different splits or sizes (stages, layers or bytes differ); every rank "
+                "must compile the same model with the same example inputs"
+            )
+    stages = tuple(_median_stage(list(of)) for of in zip(*(t.stages for t in tables), strict=True))
+    return replace(first, stages=stages)
+
+
+def _untimed(table: CostTable) -> tuple[Any, ...]:
+    """What a table says besides its times: its micro-batch size, and its stages' and layers' names and bytes."""
+    return (table.micro_batch_size,) + tuple(
+        (
+            s.param_bytes,
+            s.act_bytes,
+            s.peak_err_bytes,
+            tuple(
+                (
+                    x.name,
+                    x.state_bytes,
+                    x.grad_bytes,
+                    tuple((p.part, p.after, p.capture_bytes, p.state_bytes) for p in x.parts),
+                )
+                for x in s.layers
+            ),
+        )
+        for s in table.stages
+    )
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    """The median of the measured ones among `values` (None when none was measured)."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _median_stage(stages: list[StageCost]) -> StageCost:
+    layers = tuple(_median_layer(list(xs)) for xs in zip(*(s.layers for s in stages), strict=True))
+    return replace(
+        stages[0],
+        fwd=statistics.median(s.fwd for s in stages),
+        bwd=statistics.median(s.bwd for s in stages),
+        fwd_spread=Spread.covering(s.fwd_spread for s in stages),
+        bwd_spread=Spread.covering(s.bwd_spread for s in stages),
+        tap_fwd=statistics.median(s.tap_fwd for s in stages),
+        tap_bwd=statistics.median(s.tap_bwd for s in stages),
+        fused_fwd=_median(s.fused_fwd for s in stages),
+        fused_bwd=_median(s.fused_bwd for s in stages),
+        layers=layers,
+    )
+
+
+def _median_layer(layers: list[LayerCost]) -> LayerCost:
+    parts = tuple(
+        replace(
+            ps[0],
+            stats=statistics.median(p.stats for p in ps),
+            decomp=statistics.median(p.decomp for p in ps),
+            stats_spread=Spread.covering(p.stats_spread for p in ps),
+            decomp_spread=Spread.covering(p.decomp_spread for p in ps),
+        )
+        for ps in zip(*(x.parts for x in layers), strict=True)
+    )
+    return replace(
+        layers[0],
+        parts=parts,
+        prec=statistics.median(x.prec for x in layers),
+        prec_spread=Spread.covering(x.prec_spread for x in layers),
     )

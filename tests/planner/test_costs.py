@@ -251,3 +251,34 @@ def test_any_table_round_trips_through_json_exactly(table: CostTable) -> None:
     back = CostTable.from_json(table.to_json())
     assert back == table
     assert math.isclose(back.stages[0].curv, table.stages[0].curv)
+
+
+def test_the_median_of_ranks_profiles_takes_each_figure_apart_and_refuses_other_splits() -> None:
+    """Each time is its own median over the tables (so no one table is returned whole), a figure one table did not
+    measure is the median of the others', spreads cover all; a table of another split is refused."""
+    from fxkfac.planner.costs import Spread, median_of
+    from tests.planner.kfac_cases import table
+
+    base = table(2, layers=2)
+
+    def varied(fwd: float, stats: float, fused: float | None) -> CostTable:
+        first = base.stages[0]
+        layer = replace(
+            first.layers[0], parts=(replace(first.layers[0].parts[0], stats=stats), *first.layers[0].parts[1:])
+        )
+        stage = replace(
+            first, fwd=fwd, fused_fwd=fused, fwd_spread=Spread(fwd, 2 * fwd), layers=(layer, *first.layers[1:])
+        )
+        return replace(base, stages=(stage, *base.stages[1:]))
+
+    got = median_of([varied(1.0, 0.9, None), varied(3.0, 0.1, 0.4), varied(2.0, 0.5, 0.2)])
+    stage = got.stages[0]
+    assert (stage.fwd, stage.layers[0].parts[0].stats) == (2.0, 0.5)  # the middle of each, from different tables
+    assert stage.fused_fwd == pytest.approx(0.3)  # the median of the two that measured it
+    assert stage.fwd_spread == Spread(1.0, 6.0)
+    assert got.stages[1:] == base.stages[1:]
+    other = replace(
+        base, stages=(replace(base.stages[0], param_bytes=base.stages[0].param_bytes + 4), *base.stages[1:])
+    )
+    with pytest.raises(CostModelError, match="different splits"):
+        median_of([base, other])
