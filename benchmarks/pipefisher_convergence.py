@@ -8,7 +8,7 @@ mini-batches, in one launch, side by side:
 
 - AdamW (weight decay 0.01) with a small learning-rate sweep, ADAMW_LRS; the target is the lowest final
   validation loss of the sweep, and the AdamW time is that run's train wall time to first reach it;
-- PipeFisher: K-FAC planned into the bubbles (plan="auto": rank 0 profiles, CP-SAT places curvature and
+- PipeFisher: K-FAC planned into the bubbles (plan="auto": the ranks profile, CP-SAT places curvature and
   inversions; the first PipeFisher run plans, the others reuse its plan), preconditioning AdamW's gradients
   (PIPEFISHER_KFAC, at the learning rates PIPEFISHER_LRS).
 

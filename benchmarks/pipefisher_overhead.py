@@ -4,7 +4,7 @@ Four variants train the same model on the same mini-batches with the same schedu
 one run (rounds interleaved, so drift in machine load hits all alike):
 
 (a) the plain pipeline with AdamW (``kfac=None``);
-(b) PipeFisher: ``plan="auto"``, rank 0 profiles the split model and CP-SAT places curvature and
+(b) PipeFisher: ``plan="auto"``, every rank profiles the split model and CP-SAT places curvature and
     inversion into the pipeline's bubbles;
 (c) naive K-FAC: curvature and inversion every step, on the critical path
     (`fxkfac.planner.lowering.naive_programs`, refresh period 1);

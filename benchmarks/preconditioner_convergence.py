@@ -16,7 +16,7 @@ last step (`fxkfac.demo.lr_at`). Each family is swept over `--lrs-per-family` pe
 validation set is fixed); runs are interleaved (seed, lr, family) so drifting machine load hits all
 families alike.
 
-Plans are deterministic within a launch: plan="auto" (rank 0 profiles, CP-SAT) runs once per family, on
+Plans are deterministic within a launch: plan="auto" (the ranks profile, CP-SAT) runs once per family, on
 its first run, and that same Plan is reused by every later run of the family (`fxkfac.demo.RunSpec.plan`).
 The plans are written to `--plan-dir`; `--reuse-plans` loads them from there instead of planning, so a
 second invocation repeats the first one's plans exactly.

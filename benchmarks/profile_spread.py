@@ -1,9 +1,9 @@
 """How far `plan="auto"`'s plans move between profiles of one model: the planned refresh periods of `--runs` runs.
 
 Each run is a fresh launch of the demo's 2 local ranks (gloo, one thread each, as `fxkfac demo` launches them) that
-calls `fxkfac.compile(..., plan="auto")`, so rank 0 profiles the stages (fxkfac/profiler.py) and solves with the
-same PlanOptions every time; only the profile differs. Five separate processes rather than five profiles in one:
-a user's runs each start cold, and a process that profiled before would profile warm.
+calls `fxkfac.compile(..., plan="auto")`, so both ranks profile the stages (fxkfac/profiler.py) and rank 0 solves
+with the same PlanOptions every time; only the profile differs. Five separate processes rather than five profiles in
+one: a user's runs each start cold, and a process that profiled before would profile warm.
 
 ``--model demo`` (the default) is `fxkfac demo`'s planning exactly: its TinyBert MLM, data, DemoConfig sizes
 (2 stages 1F1B, 4 micro-batches of 32 sequences of 64 tokens), K-FAC settings and PlanOptions (time limit 10 s,

@@ -67,7 +67,7 @@ def compile(  # noqa: A001 - the public name the design card gives
 
     ``mesh=None`` trains on one device; a DeviceMesh with dims ("pp", "dp") (or a ``(D, W)`` tuple, with
     torch.distributed initialized) trains pipelined with ``schedule`` and ``microbatches`` per replica.
-    ``plan``: "auto" (on a mesh: rank 0 profiles and solves with ``plan_options``, showing what it does
+    ``plan``: "auto" (on a mesh: every rank profiles, rank 0 solves with ``plan_options``, showing what it does
     (fxkfac/progress.py), every rank gets the plan; on a GPU without ``plan_options.memory_budget`` the
     device's free memory is the budget, on CPU there is none), a plan file or a ``fxkfac.Plan`` (refused
     when made for another graph, mesh or schedule), or None (K-FAC on the critical path, every layer

@@ -495,11 +495,11 @@ def profile(
     taps' extra F/B is timed too (`StageCost.tap_fwd`), and the F/B with their curvature fused
     (`StageCost.fused_fwd`), which lets the planner fuse where that is cheaper than placing the statistics.
 
-    The stages are chained in this one process (rank 0 profiles all: every stage copy is the same
-    graph). `loss(flat_outputs)` is the last stage's scalar loss for one micro-batch. Forward and backward
-    are each timed alone (`_stage_times`) on `clock()`. Each preconditioned unit of a stage is timed by
-    `unit_cost` (with the micro-batch's rows) through the functions the runtime's STATS, DECOMP and APPLY
-    handlers call.
+    The stages are chained in this one process (a rank profiles all: every stage copy is the same graph; on a mesh
+    every rank does at once, `fxkfac.autoplan.gathered_profile`). `loss(flat_outputs)` is the last stage's scalar
+    loss for one micro-batch. Forward and backward are each timed alone (`_stage_times`) on `clock()`. Each
+    preconditioned unit of a stage is timed by `unit_cost` (with the micro-batch's rows) through the functions the
+    runtime's STATS, DECOMP and APPLY handlers call.
 
     The whole model is timed `rounds` times over (`repeats` runs of each call per round), and each time is the
     fastest of all rounds (`Timing`), its spread from the fastest to the slowest repeat of any round: the
