@@ -294,6 +294,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
             "step_s": summary,
             "rounds_s": result["times"],
             "ratio_to_a": {v: summary[v] / summary["a"] for v in VARIANTS},
+            "noise": {v: _noise(result["times"][v]) for v in VARIANTS},
             "utilization_measured": result["utilization"],
             "planned": planned,
             "kind_s": result["kind_s"],
@@ -322,6 +323,11 @@ def _fmt_ranks(values: Mapping[Any, float]) -> str:
     return ", ".join(f"{values[k]:.2f}" for k in sorted(values, key=int))
 
 
+def _noise(rounds: list[float]) -> float:
+    """How far a variant's rounds spread: half of max - min, over their median."""
+    return (max(rounds) - min(rounds)) / 2 / statistics.median(rounds)
+
+
 def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -337,7 +343,7 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
     table = Table(title=title)
     for col in (
         "variant",
-        "s/step (median of rounds)",
+        "s/step (median of rounds, ± half their spread)",
         "ratio to (a)",
         "utilization measured (r0, r1)",
         "utilization planned (r0, r1)",
@@ -348,7 +354,7 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
         measured = row["utilization_measured"].get(v)
         table.add_row(
             f"({v}) {NAMES[v]}",
-            f"{row['step_s'][v]:.4f}",
+            f"{row['step_s'][v]:.4f} ±{row['noise'][v]:.1%}",
             f"{row['ratio_to_a'][v]:.3f}",
             _fmt_ranks(measured) if measured else "-",
             _fmt_ranks(plan_util[v]) if v in plan_util else "-",
@@ -377,7 +383,8 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
         markup=False,
     )
     console.print(
-        f"targets: b/a = {b_a:.3f} <= 1.10: {b_a <= 1.10}; b < d < c: {b < d < c}; plan predicts "
+        f"targets: b/a = {b_a:.3f} (rounds of a ±{row['noise']['a']:.1%}, of b ±{row['noise']['b']:.1%}) <= 1.10: "
+        f"{b_a <= 1.10}; b < d < c: {b < d < c}; plan predicts "
         f"{planned['step_s'] / planned['plain_step_s']:.3f} ({planned['solver']})",
         markup=False,
     )
