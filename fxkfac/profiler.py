@@ -11,7 +11,6 @@ Every time is the fastest of its repeats, with their fastest and slowest kept be
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -30,7 +29,7 @@ from fxkfac.kfac.state import LayerState
 from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture, new_probes
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.passes.split_stages import SplitResult
-from fxkfac.planner.costs import CostTable, LayerCost, PartCost, Spread, StageCost
+from fxkfac.planner.costs import CostTable, LayerCost, PartCost, Spread, StageCost, combined_stage
 from fxkfac.planner.ir import OpKind
 from fxkfac.preconditioner import Family, gradient_parts
 
@@ -391,50 +390,6 @@ def _noisy(stages: Sequence[StageCost]) -> list[str]:
     ]
 
 
-def _fastest_layer(rounds: Sequence[LayerCost]) -> LayerCost:
-    """One unit's costs over rounds: each time the fastest, its spread over all rounds' repeats."""
-    parts = tuple(
-        replace(
-            ps[0],
-            stats=min(p.stats for p in ps),
-            decomp=min(p.decomp for p in ps),
-            stats_spread=Spread.covering([p.stats_spread for p in ps]),
-            decomp_spread=Spread.covering([p.decomp_spread for p in ps]),
-        )
-        for ps in zip(*(x.parts for x in rounds), strict=True)
-    )
-    return replace(
-        rounds[0],
-        parts=parts,
-        prec=min(x.prec for x in rounds),
-        prec_spread=Spread.covering([x.prec_spread for x in rounds]),
-    )
-
-
-def _fastest_stage(rounds: Sequence[StageCost]) -> StageCost:
-    """One stage's costs over rounds: each time the fastest, its spread over all rounds' repeats; the taps' extra
-    the median of the rounds' (each a difference of two times of its round, whose fastest would be too low)."""
-    layers = tuple(_fastest_layer(xs) for xs in zip(*(s.layers for s in rounds), strict=True))
-    return replace(
-        rounds[0],
-        fwd=min(s.fwd for s in rounds),
-        bwd=min(s.bwd for s in rounds),
-        fwd_spread=Spread.covering([s.fwd_spread for s in rounds]),
-        bwd_spread=Spread.covering([s.bwd_spread for s in rounds]),
-        tap_fwd=statistics.median(s.tap_fwd for s in rounds),
-        tap_bwd=statistics.median(s.tap_bwd for s in rounds),
-        fused_fwd=_median_measured([s.fused_fwd for s in rounds]),
-        fused_bwd=_median_measured([s.fused_bwd for s in rounds]),
-        layers=layers,
-    )
-
-
-def _median_measured(values: Sequence[float | None]) -> float | None:
-    """The median of a figure over rounds (None where it was not measured)."""
-    known = [v for v in values if v is not None]
-    return statistics.median(known) if known else None
-
-
 def _one_round(
     split: SplitResult,
     stage_layers: Mapping[int, Sequence[str]],
@@ -525,7 +480,7 @@ def profile(
         _one_round(split, stage_layers, unit_cost, micro_inputs, loss, warmup, repeats, taps, fused)
         for _ in range(max(1, rounds))
     ]
-    stages = [_trusted(_fastest_stage(of), i) for i, of in enumerate(zip(*passes, strict=True))]
+    stages = [_trusted(combined_stage(of, min), i) for i, of in enumerate(zip(*passes, strict=True))]
     for i, s in enumerate(stages):
         log.info(
             "profiled stage %d: fwd %.2f ms, bwd %.2f ms, %d preconditioned units",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ __all__ = [
     "StageCost",
     "CostTable",
     "median_of",
+    "combined_stage",
 ]
 
 SCHEMA_VERSION = 1
@@ -543,7 +544,7 @@ def median_of(tables: Sequence[CostTable]) -> CostTable:
                 "the ranks' profiles are of different splits or sizes (stages, layers or bytes differ); every rank "
                 "must compile the same model with the same example inputs"
             )
-    stages = tuple(_median_stage(list(of)) for of in zip(*(t.stages for t in tables), strict=True))
+    stages = tuple(combined_stage(of, statistics.median) for of in zip(*(t.stages for t in tables), strict=True))
     return replace(first, stages=stages)
 
 
@@ -568,18 +569,20 @@ def _untimed(table: CostTable) -> tuple[Any, ...]:
     )
 
 
-def _median(values: Iterable[float | None]) -> float | None:
-    """The median of the measured ones among `values` (None when none was measured)."""
-    known = [v for v in values if v is not None]
-    return statistics.median(known) if known else None
+Reduce = Callable[[list[float]], float]
+"""How several measurements of one time make the one planned with (`min`: the fastest; `statistics.median`)."""
 
 
-def _median_stage(stages: list[StageCost]) -> StageCost:
-    layers = tuple(_median_layer(list(xs)) for xs in zip(*(s.layers for s in stages), strict=True))
+def combined_stage(stages: Sequence[StageCost], time: Reduce) -> StageCost:
+    """One stage's costs from several measurements of it (a profile's rounds, or ranks' profiles): each time reduced
+    by `time` over them, its spread covering theirs; the taps' and fused curvature's extra the median, over the
+    measurements that have one (each a difference of two times of one measurement, whose fastest would be too
+    low); bytes and names the first's."""
+    layers = tuple(_combined_layer(list(xs), time) for xs in zip(*(s.layers for s in stages), strict=True))
     return replace(
         stages[0],
-        fwd=statistics.median(s.fwd for s in stages),
-        bwd=statistics.median(s.bwd for s in stages),
+        fwd=time([s.fwd for s in stages]),
+        bwd=time([s.bwd for s in stages]),
         fwd_spread=Spread.covering(s.fwd_spread for s in stages),
         bwd_spread=Spread.covering(s.bwd_spread for s in stages),
         tap_fwd=statistics.median(s.tap_fwd for s in stages),
@@ -590,12 +593,18 @@ def _median_stage(stages: list[StageCost]) -> StageCost:
     )
 
 
-def _median_layer(layers: list[LayerCost]) -> LayerCost:
+def _median(values: Iterable[float | None]) -> float | None:
+    """The median of the measured ones among `values` (None when none was measured)."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _combined_layer(layers: list[LayerCost], time: Reduce) -> LayerCost:
     parts = tuple(
         replace(
             ps[0],
-            stats=statistics.median(p.stats for p in ps),
-            decomp=statistics.median(p.decomp for p in ps),
+            stats=time([p.stats for p in ps]),
+            decomp=time([p.decomp for p in ps]),
             stats_spread=Spread.covering(p.stats_spread for p in ps),
             decomp_spread=Spread.covering(p.decomp_spread for p in ps),
         )
@@ -604,6 +613,6 @@ def _median_layer(layers: list[LayerCost]) -> LayerCost:
     return replace(
         layers[0],
         parts=parts,
-        prec=statistics.median(x.prec for x in layers),
+        prec=time([x.prec for x in layers]),
         prec_spread=Spread.covering(x.prec_spread for x in layers),
     )
