@@ -265,15 +265,25 @@ def gathered_profile(profile: Callable[[], CostTable], rank: int, dst: int = 0) 
     try:
         mine = profile().to_json(indent=None)
     except FxkfacError as e:  # sent, so that no rank waits for a table that never comes
-        mine = [type(e).__name__, f"rank {rank} could not profile: {e}"]
+        mine = _sent(e)
     box: list[Any] | None = [None] * dist.get_world_size() if rank == dst else None
     dist.gather_object(mine, box, dst=dst)
     if box is None:
         return None
     failed = [got for got in box if isinstance(got, list)]
     if failed:
-        return getattr(errors, str(failed[0][0]), FxkfacError)(str(failed[0][1]))
+        return _received(failed[0], f"rank {box.index(failed[0])} could not profile")
     return median_of([CostTable.from_json(text) for text in box])
+
+
+def _sent(error: object) -> list[str]:
+    """An error as a collective carries it: its type's name and its message."""
+    return [type(error).__name__, str(error)]
+
+
+def _received(sent: list[str], context: str) -> FxkfacError:
+    """The error `_sent` carried, of the same type (FxkfacError when unknown here), its message after `context`."""
+    return getattr(errors, str(sent[0]), FxkfacError)(f"{context}: {sent[1]}")
 
 
 def share_plan(plan: Plan | FxkfacError | None, src: int = 0) -> Plan:
@@ -283,12 +293,11 @@ def share_plan(plan: Plan | FxkfacError | None, src: int = 0) -> Plan:
 
     box: list[Any] = [None]
     if dist.get_rank() == src:
-        box = [plan.to_json(indent=None) if isinstance(plan, Plan) else [type(plan).__name__, str(plan)]]
+        box = [plan.to_json(indent=None) if isinstance(plan, Plan) else _sent(plan)]
     dist.broadcast_object_list(box, src=src)
     text = box[0]
     if isinstance(text, list):
-        kind = getattr(errors, str(text[0]), FxkfacError)
-        raise kind(f"rank {src} could not plan: {text[1]}")
+        raise _received(text, f"rank {src} could not plan")
     if not isinstance(text, str):
         raise AssertionError("plan broadcast delivered no JSON text")
     return Plan.from_json(text)
