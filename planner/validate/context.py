@@ -53,6 +53,15 @@ class Context:
         """Each placed op's start by (op, device, window step)."""
         return {(p.op, p.device, p.step): p.start for p in self.plan.placements}
 
+    @cached_property
+    def made(self) -> dict[str, list[float]]:
+        """Per layer, the ends of its refresh's DECOMP and BCAST placements: when its decompositions exist."""
+        out: dict[str, list[float]] = {}
+        for p in self.plan.placements:
+            if p.op.kind in (OpKind.DECOMP, OpKind.BCAST):
+                out.setdefault(p.op.layer, []).append(p.end)  # type: ignore[arg-type]  # DECOMP and BCAST name their layer
+        return out
+
 
 def placed_key(op: Op) -> Op:
     """An op without the root of its broadcast (which `_check_chains` checks against the inversion)."""

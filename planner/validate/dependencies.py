@@ -194,11 +194,8 @@ def check_precs_and_offsets(c: Context) -> None:
         lo, hi = c.base(j, k) + c.timeline(j, k).allreduce_end[d, s], c.step_start(d, j + 1, k)
         if p.start < lo - c.tol or p.end > hi + c.tol:
             c.errors.append(f"APPLY s{s} step {j} on r{d} [{p.start:.6g}, {p.end:.6g}) is outside [{lo:.6g}, {hi:.6g})")
-    ready: dict[str, float] = defaultdict(float)
-    for p in c.plan.placements:
-        if p.op.kind in (OpKind.DECOMP, OpKind.BCAST):
-            ready[p.op.layer] = max(ready[p.op.layer], p.end)  # type: ignore[index]  # DECOMP and BCAST name their layer
-    for layer, t in ready.items():
+    for layer, ends in c.made.items():
+        t = max(ends)
         k = c.period(c.problem.costs.stage_of(layer))
         workers = c.problem.workers(layer)
         u = next(

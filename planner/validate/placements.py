@@ -138,10 +138,6 @@ def check_memory(c: Context) -> None:
             part = c.problem.costs.layer(p.op.layer).part(p.op.part)  # type: ignore[arg-type]  # a STATS names both
             since = end_of(c.refresh, p.device, part.after, p.op.stage, p.op.mb, p.op.pipe)  # type: ignore[arg-type]  # a STATS names its stage and micro-batch
             keeps[p.device].append((since, p.end, part.capture_bytes))
-    made: dict[str, list[float]] = defaultdict(list)
-    for p in c.plan.placements:
-        if p.op.kind in (OpKind.DECOMP, OpKind.BCAST):
-            made[p.op.layer].append(p.end)  # type: ignore[index]  # DECOMP and BCAST name their layer
     for d in c.problem.devices:
         k = max(c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s))
         L = c.length(k)
@@ -150,7 +146,7 @@ def check_memory(c: Context) -> None:
             for j in range(k)
             for a, b, n in activation_intervals(c.problem, d, c.timeline(j, k))
         ] + keeps[d]
-        for layer, ends in made.items():  # a third decomposition: the next refresh's made before this one is used
+        for layer, ends in c.made.items():  # a third decomposition: the next refresh's made before this one is used
             nbytes = decomposition_bytes(c.problem, d, layer)
             next_made = min(ends) + c.length(c.period(c.problem.costs.stage_of(layer)))
             used = apply_start(c, layer, c.plan.layers[layer].use_offset, d)
