@@ -216,6 +216,16 @@ def _kind_seconds(events: list[Event], steps: int) -> dict[int, dict[str, float]
     return out
 
 
+def _kind_cpu_seconds(events: list[Event], steps: int) -> dict[int, dict[str, float]]:
+    """Per rank, the CPU seconds per step each instruction kind's thread took (`Event.cpu_ns`): the wall time
+    without the share other processes took of the cores, which is what the profile measures (`profiler.clock`)."""
+    out: dict[int, dict[str, float]] = {}
+    for e in events:
+        row = out.setdefault(e.rank, {})
+        row[e.kind] = row.get(e.kind, 0.0) + e.cpu_ns / 1e9 / steps
+    return out
+
+
 def _planned(trainer: Trainer) -> dict[str, Any]:
     """The plan's prediction, per rank: its own timeline (`fxkfac.plan_view.planned_view`: F/B of the simulated
     step, every preconditioner op where the plan placed it, at the cost it planned) over its longest period, and
@@ -266,6 +276,7 @@ def _measure(
         "events": events,
         "utilization": {v: utilization(events[v], BUSY) for v in ("a", "b")},
         "kind_s": {v: _kind_seconds(events[v], steps) for v in trainers},
+        "kind_cpu_s": {v: _kind_cpu_seconds(events[v], steps) for v in trainers},
     }
 
 
@@ -298,6 +309,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
             "utilization_measured": result["utilization"],
             "planned": planned,
             "kind_s": result["kind_s"],
+            "kind_cpu_s": result["kind_cpu_s"],
             "block_steps": block,
             "build_s": build_s,
             "periods": sorted(set(periods)),
@@ -362,8 +374,8 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
     console.print(table)
     kinds = ("FWD", "BWD", "STATS", "DECOMP", "APPLY", "OPT_STEP", "SYNC_STATS", "BCAST", WAIT)
     where = Table(
-        title="where a step's time goes, ms per step and rank (measured, waits for peers in any op apart as WAIT; "
-        "(b) planned in brackets)"
+        title="where a step's time goes, ms per step and rank (measured wall time / its thread's CPU time, waits for "
+        "peers in any op apart as WAIT; (b) planned in brackets)"
     )
     where.add_column("variant / rank")
     for k in kinds:
@@ -371,9 +383,15 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
     for v in VARIANTS:
         for r, secs in sorted(row["kind_s"][v].items(), key=lambda item: int(item[0])):
             plan = planned["kind_s"].get(r, planned["kind_s"].get(int(r), {})) if v == "b" else {}
+            cpu = row["kind_cpu_s"][v][r]
             where.add_row(
                 f"({v}) r{r}",
-                *(f"{secs.get(k, 0) * 1e3:.1f}" + (f" [{plan[k] * 1e3:.1f}]" if k in plan else "") for k in kinds),
+                *(
+                    f"{secs.get(k, 0) * 1e3:.1f}"
+                    + (f"/{cpu[k] * 1e3:.1f}" if k in cpu else "")
+                    + (f" [{plan[k] * 1e3:.1f}]" if k in plan else "")
+                    for k in kinds
+                ),
             )
     console.print(where)
     b_a, b, c, d = row["ratio_to_a"]["b"], row["step_s"]["b"], row["step_s"]["c"], row["step_s"]["d"]

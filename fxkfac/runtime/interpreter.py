@@ -273,11 +273,11 @@ class Interpreter:
                     f"rank {ctx.rank} has no handler for '{op}'; register one with "
                     f"Interpreter.register(OpKind.{op.kind.name}, fn) (preconditioner ops need the family's runtime)"
                 )
-            start, waited = Recorder.now(), ctx.transport.waited_ns
+            start, cpu, waited = Recorder.now(), Recorder.cpu_now(), ctx.transport.waited_ns
             handler(ctx, op)
             if timeline is not None:
                 wait = ctx.transport.waited_ns - waited
-                timeline.record(str(op), op.kind.value, ctx.step, start, Recorder.now(), wait)
+                timeline.record(str(op), op.kind.value, ctx.step, start, Recorder.now(), wait, Recorder.cpu_now() - cpu)
         leftovers = [r for r in ctx.runners.values() if r.pending()]
         if leftovers or ctx.acts or ctx.grads or ctx.to_send or ctx.transport.in_flight():
             raise AssertionError(

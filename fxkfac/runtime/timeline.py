@@ -21,8 +21,9 @@ PIPELINE_KINDS = ("FWD", "BWD")
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """One executed instruction: its text, kind, step, wall-clock start/end in ns, and how much of it was spent
-    waiting for peers (a receive, a collective settled by its reader, a step-end sum)."""
+    """One executed instruction: its text, kind, step, wall-clock start/end in ns, how much of it was spent
+    waiting for peers (a receive, a collective settled by its reader, a step-end sum), and the CPU time its
+    thread took (`cpu_ns`; below the wall time when the rank was preempted or blocked)."""
 
     rank: int
     op: str
@@ -31,6 +32,7 @@ class Event:
     start_ns: int
     end_ns: int
     wait_ns: int = 0
+    cpu_ns: int = 0
 
 
 @dataclass
@@ -41,15 +43,22 @@ class Recorder:
     enabled: bool = True
     events: list[Event] = field(default_factory=list)
 
-    def record(self, op: str, kind: str, step: int, start_ns: int, end_ns: int, wait_ns: int = 0) -> None:
+    def record(
+        self, op: str, kind: str, step: int, start_ns: int, end_ns: int, wait_ns: int = 0, cpu_ns: int = 0
+    ) -> None:
         """Add one finished instruction."""
         if self.enabled:
-            self.events.append(Event(self.rank, op, kind, step, start_ns, end_ns, wait_ns))
+            self.events.append(Event(self.rank, op, kind, step, start_ns, end_ns, wait_ns, cpu_ns))
 
     @staticmethod
     def now() -> int:
         """The clock events use (wall clock ns: comparable across processes of one machine)."""
         return time.time_ns()
+
+    @staticmethod
+    def cpu_now() -> int:
+        """This thread's CPU time in ns (what an op computed, apart from what other processes took of the cores)."""
+        return time.thread_time_ns()
 
     def clear(self) -> None:
         """Forget every event (e.g. after warm-up steps)."""

@@ -41,9 +41,13 @@ def test_timeline_records_every_instruction_and_exports_a_trace(tmp_path) -> Non
         times = [t for _, _, start, end in local for t in (start, end)]
         assert times == sorted(times), "instructions of one rank overlap or go backwards"
     for r in results:  # the part of each instruction spent waiting for a peer
-        assert all(0 <= wait <= span for _, span, wait in r.value["waits"])
-        assert all(wait == 0 for kind, _, wait in r.value["waits"] if kind in ("FWD", "BWD"))
-    first_recv = next(wait for kind, _, wait in results[1].value["waits"] if kind == "RECV_ACT")
+        assert all(0 <= wait <= span for _, span, wait, _ in r.value["waits"])
+        computed = [(span, wait, cpu) for kind, span, wait, cpu in r.value["waits"] if kind in ("FWD", "BWD")]
+        assert all(wait == 0 for _, wait, _ in computed)
+        # A thread's CPU time in one op: above 0 where it computes, and at most the op's wall time (1 ms for the
+        # moment between the two clocks' reads).
+        assert all(0 < cpu <= span + 1_000_000 for span, _, cpu in computed)
+    first_recv = next(wait for kind, _, wait, _ in results[1].value["waits"] if kind == "RECV_ACT")
     assert first_recv > 0, "the last stage's first receive waits for the first stage's forward"
     util = results[0].value["utilization"]
     assert set(util) == {0, 1} and all(0.0 < u < 1.0 for u in util.values())

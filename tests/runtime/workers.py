@@ -190,7 +190,7 @@ def timeline_worker(rank: int, world: int, path: str) -> dict:
     for x, y in batches[:2]:
         trainer.step(x, y)
     local = [(e.op, e.step, e.start_ns, e.end_ns) for e in trainer.timeline.events]
-    waits = [(e.kind, e.end_ns - e.start_ns, e.wait_ns) for e in trainer.timeline.events]
+    waits = [(e.kind, e.end_ns - e.start_ns, e.wait_ns, e.cpu_ns) for e in trainer.timeline.events]
     events = gather_timelines(trainer.timeline, world)
     trainer.trace(path if rank == 0 else None)
     return {
