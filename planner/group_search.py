@@ -17,6 +17,7 @@ from typing import Protocol, TypeVar
 
 from fxkfac.planner.budget import Meter
 from fxkfac.planner.cpsat import solve_window
+from fxkfac.planner.packing_bound import packing_lower_bound
 from fxkfac.planner.problem import Problem, SolverConfig, StageGroup
 from fxkfac.planner.solution import GroupSolution, fits_memory
 from fxkfac.planner.step_timeline import refresh_lower_bound
@@ -50,15 +51,16 @@ def solve_group(
     if greedy is not None and greedy.window.k < min_k:
         greedy = None
     fallback = greedy if greedy is not None and fits_memory(greedy) else None
+
+    def window_at(k: int) -> Window:
+        return allowance.window(group, k, allowance.ticks(k), aggregate=aggregate, resolution=config.time_resolution)
+
     lower = max(min_k, refresh_lower_bound(problem, group, fused, stretch=allowance.enabled))
+    lower = packing_lower_bound(window_at, lower, problem.max_period)
 
     def probe(k: int, share: float) -> tuple[str, GroupSolution | None]:
         hint = restretch(greedy, allowance.ticks(k)) if greedy is not None and greedy.window.k == k else None
-        w = (
-            hint.window
-            if hint is not None
-            else allowance.window(group, k, allowance.ticks(k), aggregate=aggregate, resolution=config.time_resolution)
-        )
+        w = hint.window if hint is not None else window_at(k)
         status, found = solve_window(w, config, share, meter, hint if config.use_greedy_hint else None, optimize=False)
         log.info("stages %s k=%d stretch=%d: %s", list(group.stages), k, w.stretch, status)
         return status, found
