@@ -58,7 +58,7 @@ import time
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -70,6 +70,7 @@ from torch import nn
 import fxkfac
 from fxkfac import KFACConfig
 from fxkfac.config import PlanOptions
+from fxkfac.planner.ir import Capture
 
 DAMPING, FACTOR_DECAY, KL_CLIP, LR, MOMENTUM = 1e-3, 0.95, 1e-3, 0.05, 0.9
 FXKFAC_METHOD = {"inverse": "cholesky", "eigen": "eigen"}
@@ -127,9 +128,6 @@ def make_batch(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-Capture = Literal["fused", "deferred"]
-
-
 def fxkfac_config(method: str, capture: Capture) -> KFACConfig:
     """The K-FAC settings both sides share (see the module docstring), refreshed every step, with `capture`."""
     return KFACConfig(
@@ -142,7 +140,7 @@ def fxkfac_config(method: str, capture: Capture) -> KFACConfig:
     )
 
 
-def fxkfac_step(kind: str, method: str, backend: str | None, capture: Capture = "fused") -> Callable[[], None]:
+def fxkfac_step(kind: str, method: str, backend: str | None, capture: Capture = Capture.FUSED) -> Callable[[], None]:
     """fxkfac.compile on one device (mesh=None), K-FAC refreshed every step, SGD with momentum."""
     x, y = make_batch(kind)
     cfg = fxkfac_config(method, capture)
@@ -215,7 +213,7 @@ def kfac_pytorch_step(kind: str, method: str, strategy: str | None = None) -> Ca
     return step
 
 
-def fxkfac_dp_step(kind: str, method: str, strategy: str, capture: Capture = "fused") -> Callable[[], None]:
+def fxkfac_dp_step(kind: str, method: str, strategy: str, capture: Capture = Capture.FUSED) -> Callable[[], None]:
     """fxkfac.compile on a ``(1, W)`` mesh (pure data parallelism, no plan: K-FAC on the critical path, refreshed
     every step) with ``strategy`` forced on every layer; each rank trains on its shard of the global batch."""
     x, y = make_batch(kind)
@@ -383,8 +381,9 @@ def main() -> None:
     )
     parser.add_argument(
         "--capture",
-        default="fused",
-        choices=["fused", "deferred"],
+        default=Capture.FUSED,
+        type=Capture,
+        choices=list(Capture),
         help="fxkfac's factor capture (KFACConfig.capture): fused (default) makes each factor in the "
         "forward/backward pass, deferred keeps the rows and makes it in STATS (kfac.factors.gram)",
     )

@@ -50,7 +50,7 @@ from typing import Any
 
 from fxkfac.planner.costs import CostTable
 from fxkfac.planner.errors import PlanError
-from fxkfac.planner.ir import COLLECTIVE_KINDS, LayerTiming, Op, OpKind, Program
+from fxkfac.planner.ir import COLLECTIVE_KINDS, Capture, LayerTiming, Op, OpKind, Program
 from fxkfac.planner.lowering import Assignment, decomposition_seconds, naive_programs, ranks_of_stages
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.preconditioners import PreconditionerKind
@@ -154,7 +154,9 @@ def critical_path_programs(problem: Problem, periods: Mapping[int, int], assignm
     decompositions dealt by `assignment` (LPT by the table's decomposition seconds)."""
     costs = problem.costs
     stage_layers = {s: [x.name for x in stage.layers] for s, stage in enumerate(costs.stages)}
-    timings = {name: LayerTiming(periods[s], 0, 0, "deferred") for s, names in stage_layers.items() for name in names}
+    timings = {
+        name: LayerTiming(periods[s], 0, 0, Capture.DEFERRED) for s, names in stage_layers.items() for name in names
+    }
     seconds = {**{(name, part): 0.0 for name in costs.layer_names for part in PARTS}, **decomposition_seconds(costs)}
     return naive_programs(
         problem.schedule,

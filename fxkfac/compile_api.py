@@ -513,15 +513,9 @@ def layer_timings(units: Sequence[Any], family: Family, given: Mapping[str, Laye
     out = {}
     for name in names:
         t = given.get(name, LayerTiming(family.refresh_every, family.refresh_phase, 0, family.capture))
-        if (
-            t.period < 1
-            or not 0 <= t.curv_step < t.period
-            or t.use_offset < 0
-            or t.capture not in ("fused", "deferred")
-        ):
+        if t.period < 1 or not 0 <= t.curv_step < t.period or t.use_offset < 0:
             raise ConfigError(
-                f"invalid LayerTiming for {name}: {t} (need period >= 1, 0 <= curv_step < period, "
-                "use_offset >= 0, capture 'fused' or 'deferred')"
+                f"invalid LayerTiming for {name}: {t} (need period >= 1, 0 <= curv_step < period, use_offset >= 0)"
             )
         out[name] = t
     return out

@@ -7,6 +7,7 @@ from enum import StrEnum
 from typing import Any, Literal
 
 from fxkfac.errors import ConfigError
+from fxkfac.planner.ir import Capture
 from fxkfac.planner.strategy import Strategy, parse_strategy
 
 __all__ = [
@@ -106,7 +107,7 @@ class KFACConfig:
     """Skip a Linear whose output dimension equals the vocabulary size (an LM head)."""
     vocab_size: int | None = None
     """Vocabulary size for `skip_vocab_head`; inferred from the largest embedding when None."""
-    capture: Literal["fused", "deferred"] = "fused"
+    capture: Capture = Capture.FUSED
     """Default factor capture when no plan chooses per layer."""
     factor_dtype: str = "float32"
     """dtype the factors are accumulated in."""
@@ -126,8 +127,12 @@ class KFACConfig:
             raise ConfigError(f"KFACConfig.kl_clip must be > 0 or None, got {self.kl_clip!r}")
         if self.inverse not in ("cholesky", "eigen"):
             raise ConfigError(f"KFACConfig.inverse must be 'cholesky' or 'eigen', got {self.inverse!r}")
-        if self.capture not in ("fused", "deferred"):
-            raise ConfigError(f"KFACConfig.capture must be 'fused' or 'deferred', got {self.capture!r}")
+        try:
+            object.__setattr__(self, "capture", Capture(self.capture))
+        except ValueError:
+            raise ConfigError(
+                f"KFACConfig.capture must be one of {[c.value for c in Capture]}, got {self.capture!r}"
+            ) from None
         if not (isinstance(self.refresh_every, int) and self.refresh_every >= 1):
             raise ConfigError(f"KFACConfig.refresh_every must be an int >= 1, got {self.refresh_every!r}")
         try:

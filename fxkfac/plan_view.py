@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from rich.console import Group, RenderableType
 
 from fxkfac.planner.choose import strategy_of
-from fxkfac.planner.ir import OpKind
+from fxkfac.planner.ir import Capture, OpKind
 from fxkfac.planner.memory import static_bytes
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.preconditioners import words_of
@@ -84,7 +84,7 @@ class _Steps:
 
 
 def _steps(plan: Plan) -> _Steps:
-    fused = frozenset(n for n, t in plan.layers.items() if t.capture == "fused")
+    fused = frozenset(n for n, t in plan.layers.items() if t.capture is Capture.FUSED)
     stretch = float(getattr(plan.metrics, "stretch", 0.0))
     return _Steps(step_timeline(plan.problem, fused, refresh=True), step_timeline(plan.problem), stretch)
 

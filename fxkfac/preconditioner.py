@@ -24,6 +24,7 @@ from typing import Any, Protocol, runtime_checkable
 from torch import Tensor, fx
 
 from fxkfac.passes.layers import KFACLayer
+from fxkfac.planner.ir import Capture
 
 __all__ = ["Source", "RefreshState", "Family", "PiecewiseFamily", "gradient_parts"]
 
@@ -110,8 +111,8 @@ class Family(Protocol):
     """dtype of statistics and of their broadcast buffers."""
     refresh_every: int
     """The refresh period of every layer when no plan or layer timing sets it."""
-    capture: str
-    """The capture mode ("fused" | "deferred") when no plan or layer timing sets it (unused by GRADIENT parts)."""
+    capture: Capture
+    """The capture mode when no plan or layer timing sets it (unused by GRADIENT parts)."""
     refresh_phase: int
     """Refreshes happen at steps t with ``t % refresh_every == refresh_phase`` when no plan sets the timing."""
     max_period: int | None
@@ -141,10 +142,10 @@ class Family(Protocol):
         """Shape of the statistic of `part` (what SYNC all-reduces; GRADIENT parts are never synced)."""
         ...
 
-    def statistic(self, unit: Any, part: str, mode: str, raw: Tensor, n: int) -> Tensor:
-        """The statistic of `part`: for a captured part, one micro-batch's from its capture `raw` (`mode`: the
-        tap's "fused" or "deferred"); for a GRADIENT part, the step's from `raw`, the unit's parameter with its
-        complete `.grad` (`mode` "gradient"). `n`: samples in the global mini-batch."""
+    def statistic(self, unit: Any, part: str, mode: Capture | None, raw: Tensor, n: int) -> Tensor:
+        """The statistic of `part`: for a captured part, one micro-batch's from its capture `raw` (`mode`: how the
+        tap took it); for a GRADIENT part, the step's from `raw`, the unit's parameter with its complete `.grad`
+        (`mode` None). `n`: samples in the global mini-batch."""
         ...
 
     def fold(self, state: RefreshState, part: str, mean: Tensor) -> None:

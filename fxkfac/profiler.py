@@ -30,7 +30,7 @@ from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture, new_
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.passes.split_stages import SplitResult
 from fxkfac.planner.costs import CostTable, LayerCost, PartCost, Spread, StageCost, combined_stage
-from fxkfac.planner.ir import OpKind
+from fxkfac.planner.ir import Capture, OpKind
 from fxkfac.preconditioner import Family, gradient_parts
 
 __all__ = ["profile", "Timing", "clock", "time_call", "time_after", "UnitCost", "kfac_unit_cost", "gradient_unit_cost"]
@@ -191,7 +191,7 @@ def gradient_unit_cost(
         for part in family.parts:
 
             def statistic(part: str = part) -> Tensor:
-                return family.statistic(unit, part, "gradient", p, rows)
+                return family.statistic(unit, part, None, p, rows)
 
             stats[part] = time_call(statistic, warmup=warmup, repeats=repeats)
             folded[part] = _nbytes(statistic())
@@ -234,7 +234,7 @@ def _warm_state(family: Family, name: str, unit: Any, p: Tensor, rows: int) -> t
     state = family.new_state(unit)
     for _ in range(MAX_WARM_FOLDS):
         for part in family.parts:
-            family.fold(state, part, family.statistic(unit, part, "gradient", p, rows))
+            family.fold(state, part, family.statistic(unit, part, None, p, rows))
         snap = state.snapshot()
         halves = {part: family.decompose(unit, snap, part) for part in family.parts}
         if all(half is not None for half in halves.values()):
@@ -474,7 +474,7 @@ def profile(
             for st in split.stages
             if (layers := list((captured or {}).get(st.index, ())))
         }
-        for mode in ("deferred", "fused")
+        for mode in (Capture.DEFERRED, Capture.FUSED)
     )
     passes = [
         _one_round(split, stage_layers, unit_cost, micro_inputs, loss, warmup, repeats, taps, fused)

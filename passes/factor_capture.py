@@ -27,10 +27,10 @@ from torch import Tensor, fx
 from fxkfac.passes.find_layers import layer_input
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.passes.meta import LAYER, NN_MODULE_STACK, TAP
+from fxkfac.planner.ir import Capture
 
 __all__ = ["FactorTaps", "gram", "insert_factor_capture", "new_probes", "tap_a", "tap_e", "probe_shape"]
 
-_MODES = ("fused", "deferred")
 _GRAM_PANELS, _GRAM_MIN_WIDTH = 8, 128
 """`gram`'s column panels: at most 8, each at least 128 columns wide."""
 
@@ -150,7 +150,7 @@ class FactorTaps:
 
     gm: fx.GraphModule
     layers: tuple[KFACLayer, ...]
-    modes: Mapping[str, str]
+    modes: Mapping[str, Capture]
     n_outputs: int
     a_outputs: Mapping[str, int]
     probes: Mapping[str, int]
@@ -167,30 +167,32 @@ def new_probes(taps: FactorTaps, device: torch.device) -> list[Tensor]:
     return [
         (
             torch.zeros((), device=device, dtype=taps.probe_dtypes[n]).expand(taps.probe_shapes[n])
-            if taps.modes[n] == "deferred"
+            if taps.modes[n] is Capture.DEFERRED
             else torch.zeros(taps.probe_shapes[n], device=device, dtype=taps.probe_dtypes[n])
         ).requires_grad_()
         for n in order
     ]
 
 
-def probe_shape(layer: KFACLayer, mode: str, output_shape: Sequence[int]) -> tuple[int, ...]:
+def probe_shape(layer: KFACLayer, mode: Capture, output_shape: Sequence[int]) -> tuple[int, ...]:
     """Shape of ``layer``'s probe: ``[d_out, d_out]`` when fused, the layer output's shape when deferred."""
-    return (layer.d_out, layer.d_out) if mode == "fused" else tuple(int(s) for s in output_shape)
+    return (layer.d_out, layer.d_out) if mode is Capture.FUSED else tuple(int(s) for s in output_shape)
 
 
-def insert_factor_capture(gm: fx.GraphModule, layers: Sequence[KFACLayer], modes: Mapping[str, str]) -> FactorTaps:
+def insert_factor_capture(gm: fx.GraphModule, layers: Sequence[KFACLayer], modes: Mapping[str, Capture]) -> FactorTaps:
     """A copy of ``gm`` with a ``tap_a`` on the input and a ``tap_e`` on the output of each layer in ``modes``.
 
     ``gm`` must have a plain (flat) codegen whose output node returns a tuple/list, as
-    ``fxkfac.capture`` makes it; ``gm`` itself is not changed. Layers not in ``modes`` are left alone.
+    ``fxkfac.capture`` makes it; ``gm`` itself is not changed. Layers not in ``modes`` (each a Capture, or its
+    text) are left alone.
     Reads ``node.meta[LAYER]`` (from `find_kfac_layers`) and ``node.meta["val"]``; writes
     ``node.meta[LAYER]``, ``node.meta[TAP] = ("a" | "e", mode)`` and ``nn_module_stack`` on the taps
     and probe placeholders.
     """
-    bad = {name: mode for name, mode in modes.items() if mode not in _MODES}
+    bad = {name: mode for name, mode in modes.items() if mode not in set(Capture)}
     if bad:
-        raise ValueError(f"capture modes must be 'fused' or 'deferred', got {bad}")
+        raise ValueError(f"capture modes must be one of {[c.value for c in Capture]}, got {bad}")
+    modes = {name: Capture(mode) for name, mode in modes.items()}
     graph = fx.Graph()
     graph._codegen = copy.copy(gm.graph._codegen)
     outputs = graph.graph_copy(gm.graph, {})
@@ -221,7 +223,7 @@ def insert_factor_capture(gm: fx.GraphModule, layers: Sequence[KFACLayer], modes
         probes[layer.name] = len(probes)
         shapes[layer.name] = probe_shape(layer, mode, node.meta["val"].shape)
         out_dtype = node.meta["val"].dtype
-        dtypes[layer.name] = out_dtype if mode == "deferred" else _factor_dtype(node.meta["val"])
+        dtypes[layer.name] = out_dtype if mode is Capture.DEFERRED else _factor_dtype(node.meta["val"])
         _insert_tap_e(graph, node, probe, layer, mode)
     out_node.args = (tuple(out_node.args[0]) + tuple(a_caps),)
     graph.lint()
@@ -251,10 +253,10 @@ def _conv_args(layer: KFACLayer) -> tuple[list[int], list[int], list[int], list[
     return list(c.kernel_size), list(c.stride), list(c.padding), list(c.dilation)
 
 
-def _insert_tap_a(graph: fx.Graph, node: fx.Node, layer: KFACLayer, mode: str) -> fx.Node:
+def _insert_tap_a(graph: fx.Graph, node: fx.Node, layer: KFACLayer, mode: Capture) -> fx.Node:
     """The node of the layer's A capture: fused, ``tap_a(a, ...)`` right before the layer node; deferred, the layer
     input node itself, returned as an extra output (no copy: the graph is functional, nothing changes it later)."""
-    if mode == "deferred":
+    if mode is Capture.DEFERRED:
         return layer_input(node)
     with graph.inserting_before(node):
         tap = graph.call_function(
@@ -264,13 +266,13 @@ def _insert_tap_a(graph: fx.Graph, node: fx.Node, layer: KFACLayer, mode: str) -
     return tap
 
 
-def _insert_tap_e(graph: fx.Graph, node: fx.Node, probe: fx.Node, layer: KFACLayer, mode: str) -> fx.Node:
+def _insert_tap_e(graph: fx.Graph, node: fx.Node, probe: fx.Node, layer: KFACLayer, mode: Capture) -> fx.Node:
     """Right after the layer node, taking over all of its uses: fused, ``tap_e(y, probe, ...)``; deferred,
     ``y + probe``, whose gradient with respect to the (zero) probe is the output gradient itself."""
     with graph.inserting_after(node):
         tap = (
             graph.call_function(torch.ops.aten.add.Tensor, (node, probe))
-            if mode == "deferred"
+            if mode is Capture.DEFERRED
             else graph.call_function(torch.ops.fxkfac.tap_e.default, (node, probe, layer.kind == "conv2d"))
         )
     node.replace_all_uses_with(tap, delete_user_cb=lambda user: user is not tap)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from fxkfac.planner.ir import LayerTiming, Op, OpKind, Program
+from fxkfac.planner.ir import Capture, LayerTiming, Op, OpKind, Program
 from fxkfac.planner.lowering import startup_programs
 from fxkfac.planner.plan import Plan, PlanMetrics, SolverStats
 from fxkfac.planner.problem import Problem, stage_groups
@@ -133,7 +133,9 @@ def assemble_attempt(problem: Problem, attempt: Attempt, fused: frozenset[str], 
             refresh[s], bound[s] = w.k, max(sol.k_lower_bound, lower)
             greedy_k[s] = g.window.k if g is not None else None
             for x in problem.costs.stages[s].layers:
-                layers[x.name] = LayerTiming(w.k, 0, sol.use_offset[x.name], "fused" if x.name in fused else "deferred")
+                layers[x.name] = LayerTiming(
+                    w.k, 0, sol.use_offset[x.name], Capture.FUSED if x.name in fused else Capture.DEFERRED
+                )
     sols = [s for s in attempt.solutions if s is not None]
     stats = _solver_stats(sols, wall, refresh, bound, layers)
     metrics = PlanMetrics(

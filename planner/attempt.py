@@ -15,7 +15,7 @@ from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.errors import InfeasibleBudgetError, Knob, PlanError
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.memory import min_memory_bytes
-from fxkfac.planner.plan import Plan
+from fxkfac.planner.plan import Plan, rank
 from fxkfac.planner.preconditioners import words_of
 from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, copies_of_stage, format_bytes, stage_groups
 from fxkfac.planner.solution import GroupSolution, fits_memory, peak_bytes
@@ -282,8 +282,8 @@ def attempt_plan(problem: Problem, config: SolverConfig, method: Method, clock: 
 def _placed(problem: Problem, config: SolverConfig, method: Method, clock: Clock, began: float) -> Plan:
     """Place the work (`_fitted`); where fusing some layers' curvature costs less than their statistics deferred
     (`cheaper_fused`), place it with those fused too when the plan without them stretches its steps (the
-    statistics found no bubble) or is refused, and keep the better plan as `solve` ranks them: fresher curvature
-    (the sum of refresh periods), then the shorter step."""
+    statistics found no bubble) or is refused, and keep the better plan by `planner.plan.rank`: fresher curvature
+    (the sum of refresh periods), then the shorter step, then the smaller peak memory."""
     cheaper = cheaper_fused(problem)
     try:
         plan = _fitted(problem, config, method, clock, began, frozenset())
@@ -300,7 +300,7 @@ def _placed(problem: Problem, config: SolverConfig, method: Method, clock: Clock
         with_fused = _fitted(problem, config, method, clock, began, cheaper)
     except Refused:
         return plan
-    best = min((plan, with_fused), key=lambda p: (sum(p.metrics.refresh_steps), p.metrics.step_time))
+    best = min((plan, with_fused), key=rank)
     log.info(
         "the steps stretch for deferred curvature: %.4g ms per step, %.4g ms with that of %d layers fused; kept %s "
         "(fresher curvature first, then the shorter step)",

@@ -8,7 +8,7 @@ window's model. Stages whose slot moves the step's fixed work (`planner.joint.ti
 interleaved's first stage on a device) cannot be free in a window of fixed F/B work: they take each strategy of
 `candidate_strategies` in turn (KAISA's greedy columns), one joint solve per strategy, the others free in
 each; the plan `best` picks wins (the shortest reference step, those within STEP_TIE of it tied and ordered by
-`rank`: refresh periods, then stretch, then peak memory).
+`planner.plan.rank`: refresh periods, then stretch, then peak memory).
 Where the joint model does not apply it is not used, and the outer search below plans instead:
 - with the greedy method (no CP-SAT), under `StepBarrier.AGREEMENT_SET` (an early step start depends on the
   slots), and with one copy per stage (nothing to choose);
@@ -57,7 +57,7 @@ from fxkfac.planner.joint import (
 )
 from fxkfac.planner.joint_search import solve_joint_group
 from fxkfac.planner.joint_step import least_step
-from fxkfac.planner.plan import Plan
+from fxkfac.planner.plan import Plan, rank
 from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier, copies_of_stage, stage_groups
 from fxkfac.planner.solution import GroupSolution
 from fxkfac.planner.solve import TimeBox, solve
@@ -68,7 +68,6 @@ from fxkfac.planner.window_build import grid_scale
 
 __all__ = [
     "STEP_TIE",
-    "rank",
     "best",
     "candidate_strategies",
     "candidate_problems",
@@ -209,14 +208,6 @@ def _plan_or_least_step_refusal(
 STEP_TIE = 1e-3
 """Reference steps within this fraction of the least are one step time to `best`: far below what a cost model
 resolves, so fresher curvature decides there, not a modelled 0.01% of a step."""
-
-
-def rank(plan: Plan) -> tuple[int, float, int, float]:
-    """How plans of one problem under different distributions compare among reference steps that tie (`best`), as
-    `solve` ranks its own: the sum of refresh periods (within the allowance fresher curvature comes first), then the
-    step time (the stretch used), then the peak memory, then the reference step itself."""
-    m = plan.metrics
-    return (sum(m.refresh_steps), m.step_time, max(m.peak_memory.values(), default=0), m.step_time_reference)
 
 
 def best(plans: Sequence[Plan]) -> Plan:

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "OpKind",
+    "Capture",
     "Op",
     "Program",
     "Programs",
@@ -51,6 +52,14 @@ class OpKind(StrEnum):
     APPLY = "APPLY"
     BCAST_PREC = "BCAST_PREC"
     OPT_STEP = "OPT_STEP"
+
+
+class Capture(StrEnum):
+    """How a refresh step takes a layer's statistics: FUSED computes the factors inside its F/B, DEFERRED keeps the
+    captured rows for STATS tasks placed in bubbles."""
+
+    FUSED = "fused"
+    DEFERRED = "deferred"
 
 
 SEND_KINDS = frozenset({OpKind.SEND_ACT, OpKind.SEND_GRAD})
@@ -343,11 +352,19 @@ class LayerTiming:
     """When one layer refreshes its factors and uses the inverse (see docs/ARCHITECTURE.md).
 
     At global step t with `t % period == curv_step` the micro-batches of step t feed a refresh;
-    the inverse made from it preconditions steps `t + use_offset` onward. `capture` is
-    "fused" or "deferred".
+    the inverse made from it preconditions steps `t + use_offset` onward; `capture` says how its statistics are
+    taken (a plan's JSON and callers may give the value as text).
     """
 
     period: int
     curv_step: int
     use_offset: int
-    capture: str
+    capture: Capture
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "capture", Capture(self.capture))
+        except ValueError:
+            raise PlanFormatError(
+                f"LayerTiming.capture must be one of {[c.value for c in Capture]}, got {self.capture!r}"
+            ) from None

@@ -15,7 +15,7 @@ from fxkfac.planner.ir import LayerTiming, Program, format_program, parse_progra
 from fxkfac.planner.problem import Problem
 from fxkfac.planner.solution import Placement
 
-__all__ = ["SCHEMA_VERSION", "SolverStats", "PlanMetrics", "Plan"]
+__all__ = ["SCHEMA_VERSION", "SolverStats", "PlanMetrics", "Plan", "rank"]
 
 
 SCHEMA_VERSION = 3
@@ -218,3 +218,10 @@ def _plan_from_dict(data: Any) -> Plan:
         raise
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise PlanFormatError(f"the plan file is malformed (missing or bad entry: {e})") from e
+
+
+def rank(plan: Plan) -> tuple[int, float, int, float]:
+    """How plans of one problem compare, the least first: the sum of refresh periods (within the allowance fresher
+    curvature comes first), then the step time (the stretch used), then the peak memory, then the reference step."""
+    m = plan.metrics
+    return (sum(m.refresh_steps), m.step_time, max(m.peak_memory.values(), default=0), m.step_time_reference)

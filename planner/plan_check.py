@@ -68,7 +68,6 @@ def _check_layers(plan: Plan) -> None:
             all(_is_int(v) and v >= 0 for v in (t.period, t.curv_step, t.use_offset)) and t.period >= 1,
             f"layer {name}: period, curv_step and use_offset must be ints (period >= 1)",
         )
-        _need(t.capture in ("fused", "deferred"), f"layer {name}: capture must be 'fused' or 'deferred'")
 
 
 def _fixed_ops(problem: Problem) -> dict[int, set[tuple[OpKind, int | None, int | None, int]]]:

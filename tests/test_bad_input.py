@@ -13,6 +13,7 @@ import fxkfac
 from fxkfac.capture import capture
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions, StepAgreement
 from fxkfac.errors import CaptureError, CheckpointError, ConfigError, NonFiniteError
+from fxkfac.planner.ir import Capture
 from fxkfac.runtime.trainer import Trainer
 from tests.support.models import mlp, tiny_bert, token_batch
 
@@ -251,3 +252,9 @@ def test_step_agreement_is_checked_and_left_to_the_kl_clip_scope_under_a_precond
         fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, kfac=KFACConfig(), pipeline=copies, backend=None)
     trainer = fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, kfac=None, pipeline=copies, backend=None)
     assert isinstance(trainer.step((x,), torch.randn(8, 5)), float)  # one device: nothing to sum in flight
+
+
+def test_kfac_capture_is_a_capture_mode_or_its_text() -> None:
+    assert KFACConfig(capture="deferred").capture is Capture.DEFERRED  # type: ignore[arg-type]  # text is accepted
+    with pytest.raises(ConfigError, match="KFACConfig.capture must be one of \\['fused', 'deferred'\\]"):
+        KFACConfig(capture="lazy")  # type: ignore[arg-type]  # the wrong value is the point

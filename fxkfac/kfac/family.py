@@ -24,6 +24,7 @@ from fxkfac.kfac.split_inverse import (
 )
 from fxkfac.kfac.state import LayerState
 from fxkfac.passes.layers import KFACLayer
+from fxkfac.planner.ir import Capture
 from fxkfac.preconditioner import RefreshState, Source
 
 __all__ = ["KFACFamily"]
@@ -44,7 +45,7 @@ class KFACFamily:
         self.kl_clip_scope = cfg.kl_clip_scope
         self.stats_dtype = cfg.factor_dtype
         self.refresh_every = cfg.refresh_every
-        self.capture: str = cfg.capture
+        self.capture: Capture = cfg.capture
         self.warm_start = cfg.split_inverse is not None  # Newton-Schulz from the previous inverse
 
     def source(self, part: str) -> Source:
@@ -64,10 +65,10 @@ class KFACFamily:
         dim = layer.a_dim if part == "A" else layer.b_dim
         return (dim, dim)
 
-    def statistic(self, layer: KFACLayer, part: str, mode: str, raw: Tensor, n: int) -> Tensor:
+    def statistic(self, layer: KFACLayer, part: str, mode: Capture | None, raw: Tensor, n: int) -> Tensor:
         """A_m or B_m: fused captures are the factor already (B scaled by n^2), deferred ones rows to square."""
         dtype = getattr(torch, self.cfg.factor_dtype)
-        if mode == "fused":
+        if mode is Capture.FUSED:
             return raw.to(dtype) if part == "A" else (raw * (n * n)).to(dtype)
         rows = a_rows(raw, layer) if part == "A" else e_rows(raw, layer, n)
         return factor(rows, dtype)

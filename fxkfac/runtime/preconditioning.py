@@ -48,7 +48,7 @@ from torch import Tensor
 
 from fxkfac.config import KLClipScope
 from fxkfac.errors import CheckpointError, PipelineError
-from fxkfac.planner.ir import LayerTiming, Op, OpKind
+from fxkfac.planner.ir import Capture, LayerTiming, Op, OpKind
 from fxkfac.planner.strategy import LayerDistribution, grad_workers, keeps_statistics
 from fxkfac.preconditioner import Family, PiecewiseFamily, RefreshState, gradient_parts
 from fxkfac.runtime.interpreter import (
@@ -157,7 +157,7 @@ class PreconditionerRuntime:
         """The layers among `layer_names` whose refresh step `step` is."""
         return [n for n in layer_names if step % self.timings[n].period == self.timings[n].curv_step]
 
-    def modes_at(self, step: int, layer_names: Sequence[str]) -> dict[str, str]:
+    def modes_at(self, step: int, layer_names: Sequence[str]) -> dict[str, Capture]:
         """The layers among `layer_names` that step `step` taps, with their capture mode (none when every part
         is fed by the gradient)."""
         if self.gradient_parts == set(self.family.parts):
@@ -241,7 +241,7 @@ class PreconditionerRuntime:
                 ctx.transport.settle(_unit_key(name, part))
                 state = self.states[name]
                 self.family.fold(
-                    state, part, self.family.statistic(self.layers[name], part, "gradient", runner.param(name), self.n)
+                    state, part, self.family.statistic(self.layers[name], part, None, runner.param(name), self.n)
                 )
                 record = next((r for r in self.refreshes[name] if r.step == ctx.step), None)
                 if record is not None:

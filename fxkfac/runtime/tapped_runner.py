@@ -13,7 +13,7 @@ from torch import Tensor, fx
 
 from fxkfac.errors import CheckpointError, PipelineError
 from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture, new_probes
-from fxkfac.planner.ir import Op
+from fxkfac.planner.ir import Capture, Op
 from fxkfac.preconditioner import Family, Source
 from fxkfac.runtime.stage import StageRunner
 
@@ -24,7 +24,7 @@ __all__ = ["TappedRunner"]
 class TappedRunner(StageRunner):
     """A StageRunner whose forward/backward also capture the layers in `modes` for a family's captured parts.
 
-    `modes` (layer -> "fused" | "deferred") is set by the trainer before each step; with no modes the
+    `modes` (layer -> how it is captured) is set by the trainer before each step; with no modes the
     plain stage function runs. The input capture feeds the parts `sources[Source.INPUT]`, the output-gradient
     capture `sources[Source.OUTPUT_GRAD]`; captures wait in `captures[(layer, part, mb)]` FIFOs for STATS ops.
     """
@@ -32,7 +32,7 @@ class TappedRunner(StageRunner):
     layers: dict[str, Any] = field(default_factory=dict)
     sources: dict[Source, tuple[str, ...]] = field(default_factory=dict)
     backend: str | None = None
-    modes: dict[str, str] = field(default_factory=dict)
+    modes: dict[str, Capture] = field(default_factory=dict)
     captures: dict[tuple[str, str, int], deque[Tensor]] = field(default_factory=dict)
     _variants: dict[tuple, tuple[FactorTaps, Any]] = field(default_factory=dict)
     _probes: dict[int, dict[str, Tensor]] = field(default_factory=dict)

@@ -12,6 +12,7 @@ from torch import Tensor, fx
 
 from fxkfac.errors import ConfigError
 from fxkfac.passes.layers import KFACLayer
+from fxkfac.planner.ir import Capture
 from fxkfac.preconditioner import RefreshState, Source
 from fxkfac.shampoo.layout import PARTS, Layout, ParamUnit, running_sum, side_statistic
 from fxkfac.shampoo.state import BlockState
@@ -38,7 +39,7 @@ class BlockFamily(ABC):
     name: str
     parts: tuple[str, ...] = PARTS
     kl_clip: float | None = None
-    capture: str = "fused"
+    capture: Capture = Capture.FUSED
     full_direction: bool = True
     warm_start: bool = False
 
@@ -92,7 +93,7 @@ class BlockFamily(ABC):
         g = torch.zeros_like(param) if grad is None else grad
         return g.detach().reshape(self.layout(unit).view)
 
-    def statistic(self, unit: ParamUnit, part: str, mode: str, raw: Tensor, n: int) -> Tensor:
+    def statistic(self, unit: ParamUnit, part: str, mode: Capture | None, raw: Tensor, n: int) -> Tensor:
         """The step's flat statistic of `part` from the parameter `raw` and its complete `.grad`."""
         grad = self.gradient(unit, raw.grad, raw.detach())
         return side_statistic(self.layout(unit), part, grad.to(self.dtype))

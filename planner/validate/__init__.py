@@ -21,6 +21,7 @@ import math
 from typing import TYPE_CHECKING
 
 from fxkfac.planner.errors import PlanError
+from fxkfac.planner.ir import Capture
 from fxkfac.planner.problem import Problem
 from fxkfac.planner.step_timeline import step_timeline
 from fxkfac.planner.validate.context import Context
@@ -43,7 +44,7 @@ __all__ = ["validate", "check_plan"]
 def validate(problem: Problem, plan: Plan, *, run: bool = True) -> list[str]:
     """Every way `plan` breaks `problem`'s constraints, as readable lines (empty: valid). `run` also
     simulates the programs (deadlock, speed)."""
-    fused = frozenset(n for n, t in plan.layers.items() if t.capture == "fused")
+    fused = frozenset(n for n, t in plan.layers.items() if t.capture is Capture.FUSED)
     tol = plan.metrics.time_quantum + 1e-9 * step_timeline(problem).length
     stretch = plan.metrics.stretch
     c = Context(

@@ -66,7 +66,7 @@ def check_layers(c: Context) -> None:
         if len(periods) != 1:
             c.errors.append(f"stages {group.stages} share devices but have refresh periods {sorted(periods)}")
     for name, t in c.plan.layers.items():
-        if not 1 <= t.period <= p.max_period or t.curv_step != 0 or t.capture not in ("fused", "deferred"):
+        if not 1 <= t.period <= p.max_period or t.curv_step != 0:
             c.errors.append(f"layer {name}: bad timing {t}")
     if c.fused and len({t.period for t in c.plan.layers.values()}) != 1:
         c.errors.append("with fused curvature every layer must share one refresh period")

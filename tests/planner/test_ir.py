@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from fxkfac.planner.errors import PlanFormatError
 from fxkfac.planner.ir import (
     OP_FIELDS,
+    Capture,
     LayerTiming,
     Op,
     OpKind,
@@ -128,7 +129,10 @@ def test_bad_fields_are_refused() -> None:
 
 
 def test_layer_timing_fields() -> None:
-    assert LayerTiming(period=3, curv_step=1, use_offset=2, capture="deferred").period == 3
+    timing = LayerTiming(period=3, curv_step=1, use_offset=2, capture="deferred")
+    assert timing.period == 3 and timing.capture is Capture.DEFERRED
+    with pytest.raises(PlanFormatError, match="'fused', 'deferred'"):
+        LayerTiming(1, 0, 0, "lazy")
 
 
 def test_planner_does_not_import_torch() -> None:
