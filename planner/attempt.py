@@ -6,8 +6,10 @@ import functools
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from fxkfac.planner.assemble import Attempt, assemble_attempt, same_stretch
 from fxkfac.planner.budget import Meter
@@ -22,6 +24,9 @@ from fxkfac.planner.solution import GroupSolution, fits_memory, peak_bytes
 from fxkfac.planner.step_timeline import fused_extra, refresh_lower_bound, step_timeline
 from fxkfac.planner.stretch import Allowance, allowance
 from fxkfac.planner.window import TaskKind, longest_gaps, too_long
+
+if TYPE_CHECKING:
+    from fxkfac.planner.group_search import Period
 
 __all__ = ["OVERTIME", "Method", "Clock", "Refused", "aggregates", "attempt_plan", "cheaper_fused"]
 
@@ -147,51 +152,79 @@ def _check_fits(
         raise Refused(PlanError(f"{message} steps holds{stretched}"), knobs, fused)
 
 
+@dataclass
+class _Placing:
+    """One group between `_solve_groups`' passes: first-fit's placement and either the group's final solution
+    (greedy method, no CP-SAT time left, nothing found) or its least period, which the second pass refines."""
+
+    group: StageGroup
+    aggregate: bool
+    greedy: GroupSolution | None
+    period: Period | None = None
+    solution: GroupSolution | None = None
+
+
 def _solve_groups(
     problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, min_k: int, clock: Clock
 ) -> Attempt:
-    """Every stage group's solution at refresh periods >= min_k (`_place_group`), its curvature as one STATS task
-    per F/B where `_aggregate` says so and per layer when that places nothing (aggregated tasks that each fit a
-    bubble may still not all fit)."""
-
+    """Every stage group's solution at refresh periods >= min_k, in two passes: every group's least period first
+    (`_first_pass`, the groups sharing the solver time left), then each one's stretch and staleness
+    (`_second_pass`) with the time the first left, so a group found at its bound at once leaves its time to the
+    groups still searching. Curvature is one STATS task per F/B where `_aggregate` says so and per layer when
+    that places nothing (aggregated tasks that each fit a bubble may still not all fit)."""
     groups = stage_groups(problem)
-    solutions: list[GroupSolution | None] = []
-    greedy: list[GroupSolution | None] = []
     allowed = allowance(problem, fused, config)
+    first = functools.partial(_first_pass, problem, fused, config, method, min_k, clock, allowed)
+    placings = []
     for n, group in enumerate(groups):
-        place = functools.partial(
-            _place_group, problem, group, fused, config, method, min_k, clock, allowed, later=len(groups) - n
-        )
         aggregate = _aggregate(problem, group, config, allowed)
         try:
-            solution, first = place(aggregate)
+            placing = first(group, aggregate, later=len(groups) - n)
         except Refused:
             if not aggregate or config.aggregate is not None:
                 raise
-            solution = first = None
-        if aggregate and config.aggregate is None and solution is None and first is None:
-            log.info("stages %s: no placement with one STATS task per F/B; placing them per layer", list(group.stages))
-            solution, first = place(False)
+            placing = _Placing(group, aggregate, None)
+        if _per_layer_instead(placing, config):
+            placing = _again_per_layer(first, group, later=len(groups) - n)
+        placings.append(placing)
+    solutions = []
+    for n, placing in enumerate(placings):
+        solution = _second_pass(problem, placing, config, clock, allowed, later=len(groups) - n)
+        if solution is None and _per_layer_instead(placing, config):
+            placings[n] = _again_per_layer(first, placing.group, later=len(groups) - n)
+            solution = _second_pass(problem, placings[n], config, clock, allowed, later=len(groups) - n)
         solutions.append(solution)
-        greedy.append(first)
-    return Attempt(same_stretch(solutions), greedy, allowed)
+    return Attempt(same_stretch(solutions), [p.greedy for p in placings], allowed)
 
 
-def _place_group(
+def _per_layer_instead(placing: _Placing, config: SolverConfig) -> bool:
+    """Whether a group placed with aggregated STATS tasks is placed again per layer: nothing was placed, and the
+    aggregation was the planner's choice."""
+    nothing = placing.period is None and placing.solution is None and placing.greedy is None
+    return placing.aggregate and config.aggregate is None and nothing
+
+
+def _again_per_layer(first: Callable[..., _Placing], group: StageGroup, *, later: int) -> _Placing:
+    """The first pass of `group` again with one STATS task per layer (`first`: `_first_pass` of the attempt)."""
+    log.info("stages %s: no placement with one STATS task per F/B; placing them per layer", list(group.stages))
+    return first(group, False, later=later)
+
+
+def _first_pass(
     problem: Problem,
-    group: StageGroup,
     fused: frozenset[str],
     config: SolverConfig,
     method: Method,
     min_k: int,
     clock: Clock,
     allowed: Allowance,
+    group: StageGroup,
     aggregate: bool,
     *,
     later: int,
-) -> tuple[GroupSolution | None, GroupSolution | None]:
-    """The group's solution and greedy's (None where none was found): greedy, then CP-SAT warm-started by it with
-    its share of the solver time left (`later` groups share it, this one included)."""
+) -> _Placing:
+    """First-fit's placement, then CP-SAT's least period warm-started by it with the group's share of the solver time
+    left (`later` groups share it, this one included); first-fit's alone with the greedy method or no time left."""
     from fxkfac.planner.greedy import greedy_group
 
     _check_fits(problem, group, fused, config, allowed, aggregate, min_k)
@@ -208,18 +241,42 @@ def _place_group(
         )
     except PlanError:
         g = None
-    left = clock.solver_time()
-    if method is Method.GREEDY or left <= 0:
-        return (g if g is not None and fits_memory(g) else None), g
-    from fxkfac.planner.group_search import solve_group
+    share = _share(problem, clock, later)
+    if method is Method.GREEDY or share is None:
+        return _Placing(group, aggregate, g, solution=g if g is not None and fits_memory(g) else None)
+    from fxkfac.planner.group_search import least_group_period
 
-    if problem.memory_budget is not None:
-        left /= 2  # leave time for the rounds that fuse more curvature if this one finds no fit
-    share = max(clock.meter.units(0.1), left / later)
-    solution = solve_group(
+    period = least_group_period(
         problem, group, fused, config, share, clock.meter, g, aggregate=aggregate, min_k=min_k, allowance=allowed
     )
-    return solution, g
+    return _Placing(group, aggregate, g, period=period)
+
+
+def _second_pass(
+    problem: Problem, placing: _Placing, config: SolverConfig, clock: Clock, allowed: Allowance, *, later: int
+) -> GroupSolution | None:
+    """The group's solution: the first pass's, or its period refined (`refine_group`) with its share of the time
+    left; without time, the period's placement as found (or first-fit's, where that one breaks the budget)."""
+    if placing.period is None:
+        return placing.solution
+    share = _share(problem, clock, later)
+    if share is None:
+        period = placing.period
+        return next((s for s in (period.found, period.fallback) if s is not None and fits_memory(s)), None)
+    from fxkfac.planner.group_search import refine_group
+
+    return refine_group(placing.period, allowed, config, share, clock.meter)
+
+
+def _share(problem: Problem, clock: Clock, later: int) -> float | None:
+    """A group's share of the solver time left, `later` groups sharing it (None: none is left). Under a memory
+    budget half the time is kept for the rounds that fuse more curvature if this one finds no fit."""
+    left = clock.solver_time()
+    if left <= 0:
+        return None
+    if problem.memory_budget is not None:
+        left /= 2
+    return max(clock.meter.units(0.1), left / later)
 
 
 def _next_fused(problem: Problem, attempt: Attempt, fused: frozenset[str], *, by_excess: bool) -> frozenset[str] | None:

@@ -1,9 +1,11 @@
 """One stage group's plan: the least refresh period, then the least stretch, then the least staleness.
 
 `least_period` is the period search both window models run (planner/cpsat.py for a group's fixed distributions,
-planner/joint_search.py for the joint choice); `solve_group` runs it on the CP-SAT window model, from the lower
-bound (planner/step_timeline.py) and first-fit's placement (planner/greedy.py), within a share of the planner's
-clock (`planner.budget.Meter`).
+planner/joint_search.py for the joint choice); `least_group_period` runs it on the CP-SAT window model, from the
+lower bounds (planner/step_timeline.py, planner/packing_bound.py) and first-fit's placement (planner/greedy.py),
+within a share of the planner's clock (`planner.budget.Meter`); `refine_group` then lowers the stretch and the
+staleness at that period. `solve` runs the first for every group before the second for any
+(planner/attempt.py `_solve_groups`): refresh periods come first in how plans rank (`planner.plan.rank`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
 
 from fxkfac.planner.budget import Meter
@@ -24,12 +26,24 @@ from fxkfac.planner.step_timeline import refresh_lower_bound
 from fxkfac.planner.stretch import Allowance, least_stretch, restretch, stretch_lower_bound
 from fxkfac.planner.window import Window, too_long
 
-__all__ = ["least_period", "solve_group", "refine_stretch"]
+__all__ = ["Period", "least_group_period", "refine_group", "least_period", "refine_stretch"]
 
 log = logging.getLogger(__name__)
 
 
-def solve_group(
+@dataclass(frozen=True)
+class Period:
+    """A group's first pass (`least_group_period`): the least refresh period found (`found`, at the whole allowance
+    of stretch), the least period not proven infeasible, first-fit's placement where it fits the memory budget, and
+    the wall seconds the search took."""
+
+    found: GroupSolution
+    proven: int
+    fallback: GroupSolution | None
+    wall_s: float
+
+
+def least_group_period(
     problem: Problem,
     group: StageGroup,
     fused: frozenset[str],
@@ -41,11 +55,11 @@ def solve_group(
     aggregate: bool = False,
     min_k: int = 1,
     allowance: Allowance | None = None,
-) -> GroupSolution | None:
-    """The smallest refresh period >= min_k for `group` (from the lower bound; never above greedy's)
-    with the whole `allowance` of stretch, then the least stretch, then the least staleness, within
-    `time_limit` of `meter`'s clock. None when no k up to max_period is found feasible in time (and no
-    greedy). With a greedy plan the search descends from it ([Note: descending refresh search])."""
+) -> Period | None:
+    """The smallest refresh period >= min_k for `group` (from the lower bounds: `refresh_lower_bound`, then
+    `packing_lower_bound`; never above greedy's) with the whole `allowance` of stretch, within `time_limit` of
+    `meter`'s clock. None when no k up to max_period is found feasible in time (and no greedy). With a greedy
+    plan the search descends from it ([Note: descending refresh search])."""
     began, wall = meter.now(), time.perf_counter()
     allowance = allowance if allowance is not None else Allowance(problem, fused, None)
     if greedy is not None and greedy.window.k < min_k:
@@ -69,13 +83,22 @@ def solve_group(
         return fraction * time_limit - (meter.now() - began)
 
     found, proven = least_period(probe, left, lower, problem.max_period, fallback)
-    if found is None:
-        return None
-    least = True
+    return None if found is None else Period(found, proven, fallback, time.perf_counter() - wall)
+
+
+def refine_group(
+    period: Period, allowance: Allowance, config: SolverConfig, time_limit: float, meter: Meter
+) -> GroupSolution | None:
+    """The second pass at the period found: the least stretch, then the least staleness, within `time_limit` of
+    `meter`'s clock; None when neither that placement nor first-fit's fits the memory budget."""
+    began, wall = meter.now(), time.perf_counter()
+    found, least = period.found, True
     if found.window.stretch > 0:
         found, least = _least_stretch(found, allowance, config, meter, began + time_limit)
-    best = within_budget(_least_stale(found, config, meter, left(), proven, least), found, fallback)
-    return None if best is None else _finish(best, best.status, proven, wall)
+    left = time_limit - (meter.now() - began)
+    best = within_budget(_least_stale(found, config, meter, left, period.proven, least), found, period.fallback)
+    seconds = period.wall_s + time.perf_counter() - wall
+    return None if best is None else _finish(best, best.status, period.proven, seconds)
 
 
 def within_budget(best: GroupSolution, found: GroupSolution, fallback: GroupSolution | None) -> GroupSolution | None:
@@ -232,6 +255,6 @@ def _staleness(solution: GroupSolution) -> int:
     return sum(solution.use_offset.values())
 
 
-def _finish(solution: GroupSolution, status: str, proven: int, wall: float) -> GroupSolution:
-    """The group's solution with its status, proven lower bound on k and the wall seconds since `wall`."""
-    return replace(solution, status=status, k_lower_bound=proven, wall_time=time.perf_counter() - wall)
+def _finish(solution: GroupSolution, status: str, proven: int, wall_s: float) -> GroupSolution:
+    """The group's solution with its status, proven lower bound on k and the wall seconds its search took."""
+    return replace(solution, status=status, k_lower_bound=proven, wall_time=wall_s)

@@ -77,18 +77,18 @@ def test_a_budget_below_the_third_decompositions_peak_still_gets_a_valid_plan_wi
 def test_a_group_solution_whose_third_decomposition_breaks_the_budget_is_not_returned(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """`solve_group` checks CP-SAT's last solution with the third decompositions counted (its model counts two):
+    """`refine_group` checks CP-SAT's last solution with the third decompositions counted (its model counts two):
     one that breaks the budget gives way to the solution found before (least staleness) or first-fit's, whichever
     fits first, else to none (`group_search.within_budget`)."""
     made: list[GroupSolution] = []
-    solve_group = group_search.solve_group
+    refine_group = group_search.refine_group
 
     def kept(*args: Any, **kwargs: Any) -> GroupSolution | None:
-        solution = solve_group(*args, **kwargs)
+        solution = refine_group(*args, **kwargs)
         made.extend([solution] if solution is not None else [])
         return solution
 
-    monkeypatch.setattr(group_search, "solve_group", kept)
+    monkeypatch.setattr(group_search, "refine_group", kept)
     _plan()
     over = next(s for s in made if any(remade_spans(s, d) for d in s.window.group.devices))
     fitting = dataclasses.replace(over)  # the same solution of the problem without a budget
