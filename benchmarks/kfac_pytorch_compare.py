@@ -71,9 +71,10 @@ import fxkfac
 from fxkfac import KFACConfig
 from fxkfac.config import PlanOptions
 from fxkfac.planner.ir import Capture
+from fxkfac.planner.preconditioners import InverseMethod
 
 DAMPING, FACTOR_DECAY, KL_CLIP, LR, MOMENTUM = 1e-3, 0.95, 1e-3, 0.05, 0.9
-FXKFAC_METHOD = {"inverse": "cholesky", "eigen": "eigen"}
+FXKFAC_METHOD = {"inverse": InverseMethod.CHOLESKY, "eigen": InverseMethod.EIGEN}
 INSTALL = """kfac-pytorch is not importable; only fxkfac's side runs. To compare, install it from a local checkout
 of https://github.com/gpauloski/kfac-pytorch without touching this environment (torch stays as it is):
     git clone https://github.com/gpauloski/kfac-pytorch /tmp/kfac-pytorch

@@ -42,6 +42,7 @@ from fxkfac.kfac import grad_matrix
 from fxkfac.kfac.inverse import factor_dampings
 from fxkfac.kfac.split_inverse import Progress, block_bounds, damped, previous_half, schulz_piece, schulz_start
 from fxkfac.models import TinyBertConfig, TinyBertMLM, mlm_loss
+from fxkfac.planner.preconditioners import InverseMethod
 from fxkfac.runtime.trainer import Trainer
 
 SEQ_LEN = 64
@@ -114,7 +115,9 @@ def collect(args: argparse.Namespace) -> tuple[list[Factor], dict[str, Tensor]]:
         layer = trainer.preconditioning.layers[name]
         bias = params[layer.bias].grad if layer.bias is not None else None
         grads[name] = grad_matrix(layer, params[layer.weight].grad, bias).double()
-        gammas = factor_dampings(state.A, state.B, damping=args.damping, method="cholesky", pi_damping=False)
+        gammas = factor_dampings(
+            state.A, state.B, damping=args.damping, method=InverseMethod.CHOLESKY, pi_damping=False
+        )
         for part, f, gamma in (("A", state.A, gammas[0]), ("B", state.B, gammas[1])):
             m = damped(f, gamma)
             factors.append(

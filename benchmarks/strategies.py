@@ -62,6 +62,7 @@ from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.launch import free_port
 from fxkfac.planner.choose import candidate_problems, strategy_of
 from fxkfac.planner.ir import OpKind
+from fxkfac.planner.preconditioners import InverseMethod
 from fxkfac.planner.problem import copies_of_stage, stages_on_device
 from fxkfac.planner.strategy import holding
 from fxkfac.runtime.trainer import Trainer
@@ -75,7 +76,11 @@ REFRESH = (1, 10)
 
 def _kfac(refresh: int = 1) -> KFACConfig:
     return KFACConfig(
-        damping=DAMPING, factor_decay=FACTOR_DECAY, kl_clip=KL_CLIP, inverse="cholesky", refresh_every=refresh
+        damping=DAMPING,
+        factor_decay=FACTOR_DECAY,
+        kl_clip=KL_CLIP,
+        inverse=InverseMethod.CHOLESKY,
+        refresh_every=refresh,
     )
 
 

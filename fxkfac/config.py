@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any
 
 from fxkfac.errors import ConfigError
 from fxkfac.planner.ir import Capture
+from fxkfac.planner.preconditioners import InverseMethod
 from fxkfac.planner.strategy import Strategy, parse_strategy
 
 __all__ = [
@@ -95,7 +96,7 @@ class KFACConfig:
     """Running average: A <- decay * A + (1 - decay) * A_new (decay weights the old value)."""
     kl_clip: float | None = 1e-3
     """kappa of the KL-clip; None disables clipping."""
-    inverse: Literal["cholesky", "eigen"] = "cholesky"
+    inverse: InverseMethod = InverseMethod.CHOLESKY
     """How factors are inverted: Cholesky of damped factors, or eigendecomposition."""
     pi_damping: bool = False
     """Split damping between A and B by pi = sqrt((tr A / d_A) / (tr B / d_B))."""
@@ -125,8 +126,12 @@ class KFACConfig:
             raise ConfigError(f"KFACConfig.factor_decay must be in [0, 1), got {self.factor_decay!r}")
         if self.kl_clip is not None and not self.kl_clip > 0:
             raise ConfigError(f"KFACConfig.kl_clip must be > 0 or None, got {self.kl_clip!r}")
-        if self.inverse not in ("cholesky", "eigen"):
-            raise ConfigError(f"KFACConfig.inverse must be 'cholesky' or 'eigen', got {self.inverse!r}")
+        try:
+            object.__setattr__(self, "inverse", InverseMethod(self.inverse))
+        except ValueError:
+            raise ConfigError(
+                f"KFACConfig.inverse must be one of {[m.value for m in InverseMethod]}, got {self.inverse!r}"
+            ) from None
         try:
             object.__setattr__(self, "capture", Capture(self.capture))
         except ValueError:
@@ -144,7 +149,7 @@ class KFACConfig:
             ) from None
         if self.split_inverse is not None and not isinstance(self.split_inverse, SplitInverse):
             raise ConfigError(f"KFACConfig.split_inverse must be a SplitInverse or None, got {self.split_inverse!r}")
-        if self.split_inverse is not None and self.inverse != "cholesky":
+        if self.split_inverse is not None and self.inverse != InverseMethod.CHOLESKY:
             raise ConfigError(
                 "KFACConfig.split_inverse needs inverse='cholesky' (the pieces are of Cholesky-form "
                 f"inverses), got inverse={self.inverse!r}"

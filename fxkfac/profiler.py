@@ -31,6 +31,7 @@ from fxkfac.passes.layers import KFACLayer
 from fxkfac.passes.split_stages import SplitResult
 from fxkfac.planner.costs import CostTable, LayerCost, PartCost, Spread, StageCost, combined_stage
 from fxkfac.planner.ir import Capture, OpKind
+from fxkfac.planner.preconditioners import InverseMethod
 from fxkfac.preconditioner import Family, gradient_parts
 
 __all__ = ["profile", "Timing", "clock", "time_call", "time_after", "UnitCost", "kfac_unit_cost", "gradient_unit_cost"]
@@ -260,7 +261,7 @@ def _layer_cost(layer: KFACLayer, rows: int, cfg: KFACConfig, warmup: int, repea
     inv_b = invert_factor(B, gamma, method=cfg.inverse)
     if inv_a is None or inv_b is None:
         raise AssertionError("a well-conditioned random factor could not be inverted")
-    inverse = combine(inv_a, inv_b, 0.0 if cfg.inverse == "cholesky" else cfg.damping)
+    inverse = combine(inv_a, inv_b, 0.0 if cfg.inverse == InverseMethod.CHOLESKY else cfg.damping)
     item = torch.finfo(dtype).bits // 8
 
     def timed(fn: Callable[[], object]) -> Timing:
@@ -286,7 +287,7 @@ def _layer_cost(layer: KFACLayer, rows: int, cfg: KFACConfig, warmup: int, repea
         replace(p, stats_spread=stats[p.part].spread, decomp_spread=decomp[p.part].spread) for p in cost.parts
     )
     cost = replace(cost, parts=parts, prec_spread=prec.spread)
-    if cfg.inverse == "cholesky":
+    if cfg.inverse == InverseMethod.CHOLESKY:
         return cost
     # the eigen form also keeps each decomposition's eigenvalues (the active one and the next) and, once used,
     # the active one's divisor l_b l_a^T + damping (fxkfac/kfac/inverse.py)

@@ -19,6 +19,7 @@ from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.errors import CostModelError
 from fxkfac.planner.hardware import HardwareSpec
 from fxkfac.planner.hardware import hardware as get_hardware
+from fxkfac.planner.preconditioners import InverseMethod
 from fxkfac.planner.presets import BlockSpec, LinearSpec, ModelSpec, preset
 
 __all__ = [
@@ -52,18 +53,18 @@ accumulating Q the rest). LAPACK/cuSOLVER syevd (divide and conquer) does no mor
 
 
 @cache
-def linear_expressions(inverse: Literal["cholesky", "eigen"] = "cholesky") -> dict[str, sympy.Expr]:
+def linear_expressions(inverse: InverseMethod = InverseMethod.CHOLESKY) -> dict[str, sympy.Expr]:
     """FLOPs and bytes of one Linear's forward, backward and K-FAC kernels, and the memory K-FAC keeps.
 
     Inversion of an n x n factor: Cholesky (n^3/3) + cholesky_inverse (potri: 2n^3/3) = n^3; an
     eigendecomposition (symmetric QR with eigenvectors, Golub & Van Loan, Matrix Computations,
     sec. 8.3) ~ 9n^3. Precondition B^-1 G A^-1: two GEMMs, 2 d_out d_a (d_a + d_out) FLOPs.
     """
-    if inverse not in ("cholesky", "eigen"):
-        raise CostModelError(f"inverse must be 'cholesky' or 'eigen', got {inverse!r}")
+    if inverse not in set(InverseMethod):
+        raise CostModelError(f"inverse must be one of {[m.value for m in InverseMethod]}, got {inverse!r}")
     d_a = d_in + beta
     rows = b * s
-    inv_flops = n**3 if inverse == "cholesky" else EIGH_FLOPS * n**3
+    inv_flops = n**3 if inverse == InverseMethod.CHOLESKY else EIGH_FLOPS * n**3
     fb = _FACTOR_BYTES
     return {
         "fwd_flops": 2 * rows * d_in * d_out,
@@ -136,13 +137,13 @@ def explain() -> str:
 
 
 @cache
-def _compiled(group: str, inverse: str) -> dict[str, Callable[..., float]]:
+def _compiled(group: str, inverse: InverseMethod) -> dict[str, Callable[..., float]]:
     exprs = linear_expressions(inverse) if group == "linear" else attention_expressions()
     args = (b, s, d_in, d_out, beta, h, d_h, n, p)
     return {key: sympy.lambdify(args, expr, modules="math") for key, expr in exprs.items()}
 
 
-def _eval(group: str, inverse: str = "cholesky", **values: float) -> dict[str, float]:
+def _eval(group: str, inverse: InverseMethod = InverseMethod.CHOLESKY, **values: float) -> dict[str, float]:
     env = {"b": 0, "s": 0, "d_in": 0, "d_out": 0, "beta": 0, "h": 0, "d_h": 0, "n": 0, "p": 4, **values}
     args = [env[k] for k in ("b", "s", "d_in", "d_out", "beta", "h", "d_h", "n", "p")]
     return {key: float(fn(*args)) for key, fn in _compiled(group, inverse).items()}
@@ -164,7 +165,7 @@ def roofline(hw: HardwareSpec, flops: float, nbytes: float, peak: float, eff: fl
 
 
 def linear_kernels(
-    lin: LinearSpec, *, batch: int, seq_len: int, hw: HardwareSpec, precision: str, inverse: str
+    lin: LinearSpec, *, batch: int, seq_len: int, hw: HardwareSpec, precision: str, inverse: InverseMethod
 ) -> KernelCost:
     """Times of one Linear (fwd, bwd per micro-batch) and its LayerCost (curvature, inversion, ...)."""
     peak, bpe = _precision(hw, precision)
@@ -219,7 +220,14 @@ class BlockCost:
 
 
 def block_kernels(
-    block: BlockSpec, spec: ModelSpec, *, batch: int, seq_len: int, hw: HardwareSpec, precision: str, inverse: str
+    block: BlockSpec,
+    spec: ModelSpec,
+    *,
+    batch: int,
+    seq_len: int,
+    hw: HardwareSpec,
+    precision: str,
+    inverse: InverseMethod,
 ) -> BlockCost:
     """Sum of a block's Linears, attention cores and elementwise traffic, and its memory."""
     peak, bpe = _precision(hw, precision)
@@ -301,7 +309,7 @@ def analytic_cost_table(
     hardware: HardwareSpec | str = "p100",
     *,
     precision: Literal["fp32", "bf16"] = "fp32",
-    inverse: Literal["cholesky", "eigen"] = "cholesky",
+    inverse: InverseMethod = InverseMethod.CHOLESKY,
     units: Callable[[BlockSpec], tuple[LayerCost, ...]] | None = None,
 ) -> CostTable:
     """A CostTable from the analytic model, one LayerCost per K-FAC Linear (Hugging Face FQNs).

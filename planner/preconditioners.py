@@ -12,7 +12,7 @@ from enum import StrEnum
 
 from fxkfac.planner.costs import CostTable
 
-__all__ = ["PreconditionerKind", "TaskWords", "WORDS", "tagged_source", "kind_of", "words_of"]
+__all__ = ["PreconditionerKind", "InverseMethod", "TaskWords", "WORDS", "tagged_source", "kind_of", "words_of"]
 
 
 class PreconditionerKind(StrEnum):
@@ -21,6 +21,14 @@ class PreconditionerKind(StrEnum):
     KFAC = "kfac"
     SHAMPOO = "shampoo"
     SOAP = "soap"
+
+
+class InverseMethod(StrEnum):
+    """How K-FAC inverts a damped factor (`KFACConfig.inverse`), which its cost models price: a Cholesky inverse,
+    or an eigendecomposition that also serves the eigenbasis form of the preconditioner."""
+
+    CHOLESKY = "cholesky"
+    EIGEN = "eigen"
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from fxkfac.capture import capture
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions, StepAgreement
 from fxkfac.errors import CaptureError, CheckpointError, ConfigError, NonFiniteError
 from fxkfac.planner.ir import Capture
+from fxkfac.planner.preconditioners import InverseMethod
 from fxkfac.runtime.trainer import Trainer
 from tests.support.models import mlp, tiny_bert, token_batch
 
@@ -258,3 +259,9 @@ def test_kfac_capture_is_a_capture_mode_or_its_text() -> None:
     assert KFACConfig(capture="deferred").capture is Capture.DEFERRED  # type: ignore[arg-type]  # text is accepted
     with pytest.raises(ConfigError, match="KFACConfig.capture must be one of \\['fused', 'deferred'\\]"):
         KFACConfig(capture="lazy")  # type: ignore[arg-type]  # the wrong value is the point
+
+
+def test_kfac_inverse_is_an_inverse_method_or_its_text() -> None:
+    assert KFACConfig(inverse="eigen").inverse is InverseMethod.EIGEN  # type: ignore[arg-type]  # text is accepted
+    with pytest.raises(ConfigError, match="KFACConfig.inverse must be one of \\['cholesky', 'eigen'\\]"):
+        KFACConfig(inverse="svd")  # type: ignore[arg-type]  # the wrong value is the point

@@ -25,6 +25,7 @@ from fxkfac.kfac.split_inverse import (
 from fxkfac.kfac.state import LayerState
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.ir import Capture
+from fxkfac.planner.preconditioners import InverseMethod
 from fxkfac.preconditioner import RefreshState, Source
 
 __all__ = ["KFACFamily"]
@@ -156,7 +157,7 @@ class KFACFamily:
     def packed_size(self, layer: KFACLayer, part: str) -> int:
         """[ok, inverse] (Cholesky) or [ok, eigenvectors, eigenvalues] (eigen)."""
         dim = self.stats_shape(layer, part)[0]
-        return 1 + dim * dim + (dim if self.cfg.inverse == "eigen" else 0)
+        return 1 + dim * dim + (dim if self.cfg.inverse == InverseMethod.EIGEN else 0)
 
     def pack(self, layer: KFACLayer, part: str, half: FactorInverse | None) -> Tensor:
         """``[ok, payload]``; ok=0 for a failed inversion."""
@@ -177,9 +178,11 @@ class KFACFamily:
         if float(flat[0]) == 0.0:
             return None
         dim = self.stats_shape(layer, part)[0]
-        if self.cfg.inverse == "cholesky":
-            return FactorInverse("cholesky", inv=flat[1:].view(dim, dim).clone())
-        return FactorInverse("eigen", q=flat[1 : 1 + dim * dim].view(dim, dim).clone(), l=flat[1 + dim * dim :].clone())
+        if self.cfg.inverse == InverseMethod.CHOLESKY:
+            return FactorInverse(InverseMethod.CHOLESKY, inv=flat[1:].view(dim, dim).clone())
+        return FactorInverse(
+            InverseMethod.EIGEN, q=flat[1 : 1 + dim * dim].view(dim, dim).clone(), l=flat[1 + dim * dim :].clone()
+        )
 
     def precondition(
         self,
@@ -203,16 +206,16 @@ class KFACFamily:
         """Method and tensors of one inverted factor."""
         if half is None:
             return None
-        if half.method == "cholesky":
-            return {"method": "cholesky", "inv": half.inv}
-        return {"method": "eigen", "q": half.q, "l": half.l}
+        if half.method == InverseMethod.CHOLESKY:
+            return {"method": InverseMethod.CHOLESKY.value, "inv": half.inv}
+        return {"method": InverseMethod.EIGEN.value, "q": half.q, "l": half.l}
 
     def half_from_state(self, saved: Any) -> FactorInverse | None:
         """Inverse of `half_to_state`; ValueError when malformed."""
         if saved is None:
             return None
-        if saved["method"] == "cholesky" and isinstance(saved["inv"], Tensor):
-            return FactorInverse("cholesky", inv=saved["inv"])
-        if saved["method"] == "eigen" and isinstance(saved["q"], Tensor) and isinstance(saved["l"], Tensor):
-            return FactorInverse("eigen", q=saved["q"], l=saved["l"])
+        if saved["method"] == InverseMethod.CHOLESKY and isinstance(saved["inv"], Tensor):
+            return FactorInverse(InverseMethod.CHOLESKY, inv=saved["inv"])
+        if saved["method"] == InverseMethod.EIGEN and isinstance(saved["q"], Tensor) and isinstance(saved["l"], Tensor):
+            return FactorInverse(InverseMethod.EIGEN, q=saved["q"], l=saved["l"])
         raise ValueError(f"an inverse half has method {saved['method']!r} or lacks its tensors")

@@ -6,12 +6,12 @@ import logging
 import math
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Literal
 
 import torch
 from torch import Tensor
 
 from fxkfac.errors import CheckpointError, ConfigError
+from fxkfac.planner.preconditioners import InverseMethod
 
 __all__ = ["Inverse", "FactorInverse", "damping_split", "factor_dampings", "invert", "invert_factor", "combine"]
 
@@ -36,7 +36,7 @@ class Inverse:
     its default ``compute_eigenvalue_outer_product``). It is not part of `to_dict`.
     """
 
-    method: Literal["cholesky", "eigen"]
+    method: InverseMethod
     a_inv: Tensor | None = None
     b_inv: Tensor | None = None
     q_a: Tensor | None = None
@@ -52,13 +52,13 @@ class Inverse:
         The damping is the Inverse's own, fixed when it was made, so caching changes no number: the same
         tensor is computed as each step would compute it.
         """
-        if self.method != "eigen" or self.l_a is None or self.l_b is None:
+        if self.method != InverseMethod.EIGEN or self.l_a is None or self.l_b is None:
             raise ConfigError("eigen_divisor is defined for the eigen form only")
         return torch.outer(self.l_b, self.l_a).add_(self.damping)
 
     def to_dict(self) -> dict[str, Tensor]:
         """Flat dict of tensors (for a state_dict); the keys present tell the method."""
-        if self.method == "cholesky":
+        if self.method == InverseMethod.CHOLESKY:
             assert self.a_inv is not None and self.b_inv is not None, "the cholesky form holds a_inv and b_inv"
             return {"a_inv": self.a_inv, "b_inv": self.b_inv}
         assert self.q_a is not None and self.l_a is not None and self.q_b is not None and self.l_b is not None, (
@@ -73,9 +73,11 @@ class Inverse:
         """Inverse of `to_dict`; raises CheckpointError when the keys are neither form's."""
         keys = set(d)
         if keys == set(_CHOLESKY_KEYS):
-            return cls("cholesky", a_inv=d["a_inv"], b_inv=d["b_inv"])
+            return cls(InverseMethod.CHOLESKY, a_inv=d["a_inv"], b_inv=d["b_inv"])
         if keys == set(_EIGEN_KEYS):
-            return cls("eigen", q_a=d["q_a"], l_a=d["l_a"], q_b=d["q_b"], l_b=d["l_b"], damping=float(d["damping"]))
+            return cls(
+                InverseMethod.EIGEN, q_a=d["q_a"], l_a=d["l_a"], q_b=d["q_b"], l_b=d["l_b"], damping=float(d["damping"])
+            )
         raise CheckpointError(
             f"an inverse in the checkpoint has keys {sorted(keys)}; expected {list(_CHOLESKY_KEYS)} (cholesky) "
             f"or {list(_EIGEN_KEYS)} (eigen): the checkpoint is corrupt or from another version"
@@ -107,7 +109,7 @@ def invert(
     B: Tensor,
     *,
     damping: float,
-    method: Literal["cholesky", "eigen"] = "cholesky",
+    method: InverseMethod = InverseMethod.CHOLESKY,
     pi_damping: bool = False,
     max_retries: int = 3,
     previous: Inverse | None = None,
@@ -124,8 +126,8 @@ def invert(
     """
     if not damping > 0:
         raise ConfigError(f"damping must be > 0, got {damping!r}")
-    if method not in ("cholesky", "eigen"):
-        raise ConfigError(f"method must be 'cholesky' or 'eigen', got {method!r}")
+    if method not in set(InverseMethod):
+        raise ConfigError(f"method must be one of {[m.value for m in InverseMethod]}, got {method!r}")
     label = name or "<unnamed layer>"
     gamma_a, gamma_b, shift = factor_dampings(A, B, damping=damping, method=method, pi_damping=pi_damping)
     part_a = invert_factor(A, gamma_a, method=method, max_retries=max_retries, name=label, side="A")
@@ -141,14 +143,14 @@ def invert(
 
 
 def factor_dampings(
-    A: Tensor | None, B: Tensor | None, *, damping: float, method: Literal["cholesky", "eigen"], pi_damping: bool
+    A: Tensor | None, B: Tensor | None, *, damping: float, method: InverseMethod, pi_damping: bool
 ) -> tuple[float, float, float]:
     """``(gamma_A, gamma_B, shift)``: what `invert_factor` gets for each factor and what `combine` gets.
 
     Cholesky, and eigen with pi-damping: the `damping_split` per factor, shift 0. Eigen without
     pi-damping: factors undamped, ``shift = damping`` added to the products of eigenvalues.
     """
-    if method == "eigen" and not pi_damping:
+    if method == InverseMethod.EIGEN and not pi_damping:
         return 0.0, 0.0, damping
     gamma_a, gamma_b = damping_split(A, B, damping, pi_damping)
     return gamma_a, gamma_b, 0.0
@@ -162,7 +164,7 @@ class FactorInverse:
     (the damping folded into the eigenvalues; gamma = 0 keeps them undamped).
     """
 
-    method: Literal["cholesky", "eigen"]
+    method: InverseMethod
     inv: Tensor | None = None
     q: Tensor | None = None
     l: Tensor | None = None  # noqa: E741 - the paper's lambda
@@ -172,7 +174,7 @@ def invert_factor(
     f: Tensor,
     gamma: float,
     *,
-    method: Literal["cholesky", "eigen"] = "cholesky",
+    method: InverseMethod = InverseMethod.CHOLESKY,
     max_retries: int = 3,
     name: str = "",
     side: str = "A",
@@ -188,20 +190,20 @@ def invert_factor(
     if not _finite(f):
         log.warning("K-FAC %s: factor %s has NaN/Inf and cannot be inverted", label, side)
         return None
-    if method == "cholesky":
+    if method == InverseMethod.CHOLESKY:
         inv = _damped_inverse(f, gamma, max_retries, label, side)
-        return None if inv is None else FactorInverse("cholesky", inv=inv)
+        return None if inv is None else FactorInverse(InverseMethod.CHOLESKY, inv=inv)
     eig = _eigh(f, label, side)
-    return None if eig is None else FactorInverse("eigen", q=eig[1], l=eig[0] + gamma)
+    return None if eig is None else FactorInverse(InverseMethod.EIGEN, q=eig[1], l=eig[0] + gamma)
 
 
 def combine(a: FactorInverse, b: FactorInverse, damping: float = 0.0) -> Inverse:
     """The layer's `Inverse` from its two halves; ``damping`` is the eigen form's shift of ``l_b l_a^T``."""
     if a.method != b.method:
         raise ConfigError(f"cannot combine a {a.method} inverse of A with a {b.method} inverse of B")
-    if a.method == "cholesky":
-        return Inverse("cholesky", a_inv=a.inv, b_inv=b.inv)
-    return Inverse("eigen", q_a=a.q, l_a=a.l, q_b=b.q, l_b=b.l, damping=damping)
+    if a.method == InverseMethod.CHOLESKY:
+        return Inverse(InverseMethod.CHOLESKY, a_inv=a.inv, b_inv=b.inv)
+    return Inverse(InverseMethod.EIGEN, q_a=a.q, l_a=a.l, q_b=b.q, l_b=b.l, damping=damping)
 
 
 def _damped_inverse(f: Tensor, gamma: float, max_retries: int, label: str, side: str) -> Tensor | None:

@@ -12,6 +12,7 @@ from fxkfac.errors import ConfigError
 from fxkfac.kfac.inverse import Inverse
 from fxkfac.kfac.state import LayerState
 from fxkfac.passes.layers import KFACLayer
+from fxkfac.planner.preconditioners import InverseMethod
 
 __all__ = ["grad_matrix", "split_grad", "precondition", "kl_clip_scale", "Preconditioner"]
 
@@ -69,7 +70,7 @@ def precondition(G: Tensor, inv: Inverse | None) -> Tensor:
     if inv is None:
         return G
     g = G.to(_dtype_of(inv))
-    if inv.method == "cholesky":
+    if inv.method == InverseMethod.CHOLESKY:
         assert inv.a_inv is not None and inv.b_inv is not None, "the cholesky form holds a_inv and b_inv"
         p = inv.b_inv @ g @ inv.a_inv
     else:
@@ -94,7 +95,7 @@ def kl_clip_scale(dot_sum: float, lr: float, kappa: float | None) -> float:
 
 def _dtype_of(inv: Inverse) -> torch.dtype:
     """dtype of the inverse's tensors."""
-    t = inv.a_inv if inv.method == "cholesky" else inv.q_a
+    t = inv.a_inv if inv.method == InverseMethod.CHOLESKY else inv.q_a
     assert t is not None, "an Inverse holds the tensors of its form"
     return t.dtype
 

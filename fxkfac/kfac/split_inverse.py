@@ -33,6 +33,7 @@ from torch import Tensor
 
 from fxkfac.config import SplitInverse, SplitMethod
 from fxkfac.kfac.inverse import FactorInverse, Inverse, invert_factor
+from fxkfac.planner.preconditioners import InverseMethod
 
 __all__ = [
     "Progress",
@@ -123,7 +124,12 @@ def block_piece(
     """The damped Cholesky inverse of one diagonal block of `f`; None when it cannot be made."""
     lo, hi = bounds
     half = invert_factor(
-        f[lo:hi, lo:hi], gamma, method="cholesky", max_retries=max_retries, name=name, side=f"{side}[{lo}:{hi}]"
+        f[lo:hi, lo:hi],
+        gamma,
+        method=InverseMethod.CHOLESKY,
+        max_retries=max_retries,
+        name=name,
+        side=f"{side}[{lo}:{hi}]",
     )
     return None if half is None else half.inv
 
@@ -173,16 +179,20 @@ def split_finish(
     here; blocks give their block diagonal.
     """
     if split.method is SplitMethod.BLOCKS:
-        return None if not isinstance(carry, tuple) else FactorInverse("cholesky", inv=torch.block_diag(*carry))
+        return (
+            None
+            if not isinstance(carry, tuple)
+            else FactorInverse(InverseMethod.CHOLESKY, inv=torch.block_diag(*carry))
+        )
     if isinstance(carry, Progress) and schulz_accepts(carry, split.tolerance):
-        return FactorInverse("cholesky", inv=carry.x)
+        return FactorInverse(InverseMethod.CHOLESKY, inv=carry.x)
     log.info(
         "K-FAC %s: Newton-Schulz of factor %s had no previous inverse to start from, diverged or missed the "
         "tolerance; exact Cholesky instead",
         name or "<unnamed layer>",
         side,
     )
-    return invert_factor(f, gamma, method="cholesky", max_retries=max_retries, name=name, side=side)
+    return invert_factor(f, gamma, method=InverseMethod.CHOLESKY, max_retries=max_retries, name=name, side=side)
 
 
 def split_invert_factor(
