@@ -28,7 +28,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from fxkfac.demo import DEMO_KFAC, Curve, DemoConfig, DemoResult, RunSpec, reach, run_demo
+from fxkfac.demo import DEMO_KFAC, BaseOptimizer, Curve, DemoConfig, DemoResult, RunSpec, reach, run_demo
 
 STEPS = 1000
 EVAL_EVERY = 25
@@ -49,9 +49,9 @@ HORIZONS = (0.25, 0.5)
 
 def runs() -> tuple[RunSpec, ...]:
     """The AdamW sweep, then the PipeFisher runs (K-FAC over AdamW)."""
-    adamw = tuple(RunSpec(name=f"AdamW lr {lr:g}", optimizer="adamw", lr=lr) for lr in ADAMW_LRS)
+    adamw = tuple(RunSpec(name=f"AdamW lr {lr:g}", optimizer=BaseOptimizer.ADAMW, lr=lr) for lr in ADAMW_LRS)
     return adamw + tuple(
-        RunSpec(name=f"PipeFisher lr {lr:g}", optimizer="adamw", lr=lr, preconditioner=PIPEFISHER_KFAC)
+        RunSpec(name=f"PipeFisher lr {lr:g}", optimizer=BaseOptimizer.ADAMW, lr=lr, preconditioner=PIPEFISHER_KFAC)
         for lr in PIPEFISHER_LRS
     )
 

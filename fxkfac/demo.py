@@ -7,7 +7,8 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -20,7 +21,18 @@ from fxkfac.models import TinyBertConfig
 if TYPE_CHECKING:
     from fxkfac.shampoo.config import ShampooConfig, SOAPConfig
 
-__all__ = ["RunSpec", "DemoConfig", "Curve", "DemoResult", "default_runs", "run_demo", "plan_view", "reach", "lr_at"]
+__all__ = [
+    "BaseOptimizer",
+    "RunSpec",
+    "DemoConfig",
+    "Curve",
+    "DemoResult",
+    "default_runs",
+    "run_demo",
+    "plan_view",
+    "reach",
+    "lr_at",
+]
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +43,15 @@ DEMO_LR = 8e-3
 """AdamW's learning rate in the demo, for both runs: the best of the benchmark's AdamW sweep at batch 128."""
 
 
+class BaseOptimizer(StrEnum):
+    """The optimizer a demo run steps with: AdamW (betas 0.9/0.999, weight decay 0.01), SGD with momentum 0.9, or
+    plain SGD (the base of a family that makes the whole update direction)."""
+
+    ADAMW = "adamw"
+    SGD = "sgd"
+    PLAIN_SGD = "plain-sgd"
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RunSpec:
     """One training run: a name, the preconditioner (None: the plain pipeline), the base optimizer, its peak
@@ -39,10 +60,10 @@ class RunSpec:
     name: str
     preconditioner: KFACConfig | ShampooConfig | SOAPConfig | None = None
     """The family's hyperparameters (`fxkfac.compile(preconditioner=...)`); None trains the plain pipeline."""
-    optimizer: Literal["adamw", "sgd"] | None = None
-    """AdamW (betas 0.9/0.999, weight decay 0.01) or SGD with momentum 0.9; None: the family's own base, plain
-    SGD(lr) for a family that makes the whole update direction (Shampoo, SOAP: compile refuses anything else),
-    AdamW otherwise (the plain pipeline; PipeFisher's K-FAC over AdamW)."""
+    optimizer: BaseOptimizer | None = None
+    """The base optimizer (its text accepted); None: the family's own base, plain SGD for a family that makes the
+    whole update direction (Shampoo, SOAP: compile refuses anything else), AdamW otherwise (the plain pipeline;
+    PipeFisher's K-FAC over AdamW)."""
     lr: float = 1e-3
     """Peak learning rate."""
     warmup_steps: int = 0
@@ -57,6 +78,14 @@ class RunSpec:
     that Plan reused by every later run of the same config, so runs that differ in lr or seed share one plan."""
 
     def __post_init__(self) -> None:
+        if self.optimizer is not None:
+            try:
+                object.__setattr__(self, "optimizer", BaseOptimizer(self.optimizer))
+            except ValueError:
+                raise ConfigError(
+                    f"run {self.name!r}: optimizer must be one of {[o.value for o in BaseOptimizer]} or None, "
+                    f"got {self.optimizer!r}"
+                ) from None
         if not self.lr > 0 or self.warmup_steps < 0:
             raise ConfigError(
                 f"run {self.name!r}: lr must be > 0 and warmup_steps >= 0, got lr={self.lr}, "
@@ -64,24 +93,24 @@ class RunSpec:
             )
 
     @property
-    def base(self) -> Literal["adamw", "sgd", "plain-sgd"]:
+    def base(self) -> BaseOptimizer:
         """The base optimizer this run trains with (`optimizer`, or the family's default)."""
         if self.optimizer is not None:
             return self.optimizer
         if self.preconditioner is None:
-            return "adamw"
+            return BaseOptimizer.ADAMW
         from fxkfac.families import family_of
 
-        return "plain-sgd" if family_of(self.preconditioner).full_direction else "adamw"
+        return BaseOptimizer.PLAIN_SGD if family_of(self.preconditioner).full_direction else BaseOptimizer.ADAMW
 
     def make_optimizer(self) -> Callable[[list[Any]], Any]:
         """The optimizer factory `fxkfac.compile` takes."""
         import torch
 
         lr, kind = self.lr, self.base
-        if kind == "adamw":
+        if kind is BaseOptimizer.ADAMW:
             return lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
-        if kind == "plain-sgd":
+        if kind is BaseOptimizer.PLAIN_SGD:
             return lambda params: torch.optim.SGD(params, lr=lr)
         return lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9)
 
@@ -165,8 +194,8 @@ class DemoConfig:
 def default_runs() -> tuple[RunSpec, ...]:
     """PipeFisher (K-FAC in the bubbles, over AdamW) and the plain AdamW pipeline at the same learning rate."""
     return (
-        RunSpec(name="PipeFisher", optimizer="adamw", lr=DEMO_LR, preconditioner=DEMO_KFAC),
-        RunSpec(name="AdamW", optimizer="adamw", lr=DEMO_LR),
+        RunSpec(name="PipeFisher", optimizer=BaseOptimizer.ADAMW, lr=DEMO_LR, preconditioner=DEMO_KFAC),
+        RunSpec(name="AdamW", optimizer=BaseOptimizer.ADAMW, lr=DEMO_LR),
     )
 
 

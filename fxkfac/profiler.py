@@ -27,7 +27,7 @@ from fxkfac.kfac.precondition import Preconditioner
 from fxkfac.kfac.split_inverse import split_invert_factor
 from fxkfac.kfac.state import LayerState
 from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture, new_probes
-from fxkfac.passes.layers import KFACLayer
+from fxkfac.passes.layers import KFACLayer, LayerKind
 from fxkfac.passes.split_stages import SplitResult
 from fxkfac.planner.costs import CostTable, LayerCost, PartCost, Spread, StageCost, combined_stage
 from fxkfac.planner.ir import Capture, OpKind
@@ -120,7 +120,7 @@ def _curv_calls(layer: KFACLayer, rows: int, dtype: torch.dtype) -> tuple[Callab
     """The runtime's deferred STATS of one micro-batch (fxkfac.runtime.kfac_ops): rows of the captured a / e
     (bias column, scaling by n) and their factor; conv2d: the factor of rows of the final width (im2col
     needs the input's geometry)."""
-    if layer.kind == "conv2d":
+    if layer.kind is LayerKind.CONV2D:
         a, e = torch.randn(rows, layer.a_dim), torch.randn(rows, layer.b_dim)
         return (lambda: factor(a, dtype)), (lambda: factor(e, dtype))
     a_in, e_out = torch.randn(rows, layer.d_in), torch.randn(rows, layer.d_out)
@@ -140,7 +140,7 @@ def _decomp_call(f: Tensor, gamma: float, cfg: KFACConfig, rows: int) -> Callabl
 
 
 def _weight_shape(layer: KFACLayer) -> tuple[int, ...]:
-    if layer.kind == "conv2d" and layer.conv is not None:
+    if layer.kind is LayerKind.CONV2D and layer.conv is not None:
         kh, kw = layer.conv.kernel_size
         return (layer.d_out, layer.d_in // (kh * kw), kh, kw)
     return (layer.d_in, layer.d_out) if layer.weight_transposed else (layer.d_out, layer.d_in)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, fx
 
 from fxkfac.passes.find_layers import layer_input
-from fxkfac.passes.layers import KFACLayer
+from fxkfac.passes.layers import KFACLayer, LayerKind
 from fxkfac.passes.meta import LAYER, NN_MODULE_STACK, TAP
 from fxkfac.planner.ir import Capture
 
@@ -273,7 +273,7 @@ def _insert_tap_e(graph: fx.Graph, node: fx.Node, probe: fx.Node, layer: KFACLay
         tap = (
             graph.call_function(torch.ops.aten.add.Tensor, (node, probe))
             if mode is Capture.DEFERRED
-            else graph.call_function(torch.ops.fxkfac.tap_e.default, (node, probe, layer.kind == "conv2d"))
+            else graph.call_function(torch.ops.fxkfac.tap_e.default, (node, probe, layer.kind is LayerKind.CONV2D))
         )
     node.replace_all_uses_with(tap, delete_user_cb=lambda user: user is not tap)
     _annotate(tap, node, layer, ("e", mode))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import fx
 
-from fxkfac.passes.layers import ConvSpec, KFACLayer
+from fxkfac.passes.layers import ConvSpec, KFACLayer, LayerKind
 from fxkfac.passes.meta import LAYER, NN_MODULE_STACK
 
 __all__ = ["LAYER_OPS", "find_kfac_layers", "layer_nodes", "layer_input"]
@@ -143,7 +143,7 @@ def _describe(node: fx.Node, weight: tuple[fx.Node, bool], gm: fx.GraphModule, b
         d_out, d_in = (w.shape[1], w.shape[0]) if transposed else (w.shape[0], w.shape[1])
     layer = KFACLayer(
         name=name,
-        kind="conv2d" if is_conv else "linear",
+        kind=LayerKind.CONV2D if is_conv else LayerKind.LINEAR,
         weight=str(w_node.target),
         bias=bias,
         d_in=int(d_in),

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from enum import StrEnum
 
-__all__ = ["ConvSpec", "KFACLayer"]
+__all__ = ["LayerKind", "ConvSpec", "KFACLayer"]
+
+
+class LayerKind(StrEnum):
+    """The module kinds K-FAC preconditions: their factors differ (a conv's input rows are im2col patches)."""
+
+    LINEAR = "linear"
+    CONV2D = "conv2d"
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +31,7 @@ class KFACLayer:
 
     name: str
     """Module FQN from nn_module_stack, e.g. "bert.encoder.layer.0.output.dense"."""
-    kind: Literal["linear", "conv2d"]
+    kind: LayerKind
     weight: str
     """Parameter FQN of the weight ("<name>.weight")."""
     bias: str | None
@@ -38,6 +45,9 @@ class KFACLayer:
     conv: ConvSpec | None = None
     weight_transposed: bool = False
     """The weight is stored ``[d_in, d_out]`` (Hugging Face Conv1D, e.g. GPT-2), not ``[d_out, d_in]``."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", LayerKind(self.kind))  # its text is accepted; an unknown kind raises
 
     @property
     def a_dim(self) -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import torch
 from torch import fx
@@ -30,7 +31,17 @@ from fxkfac.passes.layers import KFACLayer
 from fxkfac.passes.meta import LAYER, NN_MODULE_STACK, STAGE
 from fxkfac.planner.errors import ConfigError
 
-__all__ = ["TensorSpec", "StageGraph", "SplitResult", "block_key", "split_stages"]
+__all__ = ["SplitCost", "TensorSpec", "StageGraph", "SplitResult", "block_key", "split_stages"]
+
+
+class SplitCost(StrEnum):
+    """The static estimate stages are balanced by when no measured block costs are given."""
+
+    FLOPS = "flops"
+    """FLOPs of matmul-like and conv ops (output numel x inner size), numel of the others."""
+    PARAMS = "params"
+    """The parameters each node reads."""
+
 
 _MATMUL_TARGETS = {"mm", "addmm", "bmm", "baddbmm", "linear", "matmul"}
 
@@ -113,10 +124,10 @@ def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module") and not _is_skipped(n)]
 
 
-def _node_cost(node: fx.Node, mode: str, param_numel: Mapping[str, int]) -> float:
+def _node_cost(node: fx.Node, mode: SplitCost, param_numel: Mapping[str, int]) -> float:
     """A static cost: FLOPs of matmul-like/conv ops (output numel x inner size), numel else,
     or the parameter count the node reads."""
-    if mode == "params":
+    if mode is SplitCost.PARAMS:
         return float(sum(param_numel.get(str(a.target), 0) for a in node.all_input_nodes if a.op == "get_attr"))
     val = node.meta.get("val")
     if not isinstance(val, torch.Tensor):
@@ -285,7 +296,7 @@ def split_stages(
     num_stages: int,
     *,
     split_points: Sequence[str] | None = None,
-    cost: str | Mapping[str, float] = "flops",
+    cost: SplitCost | Mapping[str, float] = SplitCost.FLOPS,
     layers: Sequence[KFACLayer] = (),
 ) -> SplitResult:
     """Cut `gm` (a torch.export GraphModule, flat inputs, flat tuple outputs) into stages.
@@ -294,8 +305,8 @@ def split_stages(
         num_stages: S, the number of (global, virtual) stages.
         split_points: module FQNs; stage k+1 starts at the first node of split_points[k].
             When given, `len(split_points) + 1` must equal `num_stages`.
-        cost: "flops" (static FLOP estimate, default), "params" (parameters read), or a
-            mapping block key -> measured forward+backward seconds (keys from `block_key`).
+        cost: a static estimate (`SplitCost`: FLOPs, the default, or parameters read), or a mapping block
+            key -> measured forward+backward seconds (keys from `block_key`).
         layers: the K-FAC layers; each is listed on the stage that holds its weight.
     Returns:
         SplitResult; `stage.gm(*stage.inputs)` returns `stage.outputs`, and chaining the
@@ -345,14 +356,18 @@ def _check_stage_count(num_stages: int, split_points: Sequence[str] | None) -> N
 
 
 def _segment_costs(
-    segments: Sequence[tuple[str, list[fx.Node]]], cost: str | Mapping[str, float], param_numel: Mapping[str, int]
+    segments: Sequence[tuple[str, list[fx.Node]]],
+    cost: SplitCost | Mapping[str, float],
+    param_numel: Mapping[str, int],
 ) -> list[float]:
     """Each block's cost for balancing the stages: measured seconds by block key, or a static `_node_cost` sum."""
     if isinstance(cost, Mapping):
         return [float(cost.get(key, 0.0)) for key, _ in segments]
-    if cost in ("flops", "params"):
-        return [sum(_node_cost(n, cost, param_numel) for n in seg) for _, seg in segments]
-    raise ConfigError(f"cost must be 'flops', 'params' or a mapping of block -> seconds, got {cost!r}")
+    if cost in set(SplitCost):
+        return [sum(_node_cost(n, SplitCost(cost), param_numel) for n in seg) for _, seg in segments]
+    raise ConfigError(
+        f"cost must be one of {[c.value for c in SplitCost]} or a mapping of block -> seconds, got {cost!r}"
+    )
 
 
 def _tag_stages(gm: fx.GraphModule, stage_of: Mapping[fx.Node, int]) -> None:

@@ -11,13 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
-from typing import Literal
 
 import sympy
 
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.errors import CostModelError
-from fxkfac.planner.hardware import HardwareSpec
+from fxkfac.planner.hardware import HardwareSpec, Precision
 from fxkfac.planner.hardware import hardware as get_hardware
 from fxkfac.planner.preconditioners import InverseMethod
 from fxkfac.planner.presets import BlockSpec, LinearSpec, ModelSpec, preset
@@ -165,7 +164,7 @@ def roofline(hw: HardwareSpec, flops: float, nbytes: float, peak: float, eff: fl
 
 
 def linear_kernels(
-    lin: LinearSpec, *, batch: int, seq_len: int, hw: HardwareSpec, precision: str, inverse: InverseMethod
+    lin: LinearSpec, *, batch: int, seq_len: int, hw: HardwareSpec, precision: Precision, inverse: InverseMethod
 ) -> KernelCost:
     """Times of one Linear (fwd, bwd per micro-batch) and its LayerCost (curvature, inversion, ...)."""
     peak, bpe = _precision(hw, precision)
@@ -199,12 +198,12 @@ def linear_kernels(
     return KernelCost(fwd, bwd, layer)
 
 
-def _precision(hw: HardwareSpec, precision: str) -> tuple[float, int]:
-    if precision == "fp32":
+def _precision(hw: HardwareSpec, precision: Precision) -> tuple[float, int]:
+    if precision == Precision.FP32:
         return hw.peak_flops, 4
-    if precision == "bf16":
+    if precision == Precision.BF16:
         return hw.peak_flops_tensor, 2
-    raise CostModelError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+    raise CostModelError(f"precision must be one of {[p.value for p in Precision]}, got {precision!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -226,7 +225,7 @@ def block_kernels(
     batch: int,
     seq_len: int,
     hw: HardwareSpec,
-    precision: str,
+    precision: Precision,
     inverse: InverseMethod,
 ) -> BlockCost:
     """Sum of a block's Linears, attention cores and elementwise traffic, and its memory."""
@@ -308,7 +307,7 @@ def analytic_cost_table(
     seq_len: int | None = None,
     hardware: HardwareSpec | str = "p100",
     *,
-    precision: Literal["fp32", "bf16"] = "fp32",
+    precision: Precision = Precision.FP32,
     inverse: InverseMethod = InverseMethod.CHOLESKY,
     units: Callable[[BlockSpec], tuple[LayerCost, ...]] | None = None,
 ) -> CostTable:

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from fxkfac.planner.comm import AlphaBeta, CommModel, LinkCosts
 from fxkfac.planner.errors import CostModelError
 
-__all__ = ["HardwareSpec", "HARDWARE", "hardware"]
+__all__ = ["Precision", "HardwareSpec", "HARDWARE", "hardware"]
 
 _T = 1e12
 _GB = 1e9
 _GIB = 1 << 30
+
+
+class Precision(StrEnum):
+    """The number format a cost model prices matmuls in: FP32 at the device's plain peak, BF16 at its tensor peak."""
+
+    FP32 = "fp32"
+    BF16 = "bf16"
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,13 +28,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import Literal
 
 from fxkfac.planner.analytic import EIGH_FLOPS, analytic_cost_table, roofline
 from fxkfac.planner.blocking import LargeDimMethod, partition
 from fxkfac.planner.costs import CostTable, LayerCost, PartCost
 from fxkfac.planner.errors import CostModelError
-from fxkfac.planner.hardware import HardwareSpec
+from fxkfac.planner.hardware import HardwareSpec, Precision
 from fxkfac.planner.hardware import hardware as get_hardware
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.preconditioners import PreconditionerKind, tagged_source
@@ -186,7 +185,7 @@ def gradient_cost_table(
     kind: PreconditionerKind,
     max_dim: int | None,
     method: RootMethod | None = None,
-    precision: Literal["fp32", "bf16"] = "fp32",
+    precision: Precision = Precision.FP32,
 ) -> CostTable:
     """The analytic CostTable of Shampoo or SOAP over a preset's pipeline: the K-FAC model's stages (same split,
     forward, backward and memory) with one LayerCost per parameter of each stage in place of the K-FAC layers.

@@ -10,7 +10,7 @@ from rich.console import Console
 
 from fxkfac.cli_demo import render_result
 from fxkfac.config import KFACConfig
-from fxkfac.demo import DemoConfig, RunSpec, lr_at, run_demo
+from fxkfac.demo import BaseOptimizer, DemoConfig, RunSpec, lr_at, run_demo
 from fxkfac.errors import ConfigError, PipelineError
 from fxkfac.launch import RankContext, launch
 from fxkfac.models import TinyBertConfig
@@ -97,8 +97,10 @@ def test_lr_at_warms_up_linearly_then_decays_by_cosine_to_zero() -> None:
 
 
 def test_base_optimizer_follows_the_family_and_cosine_needs_steps() -> None:
-    assert RunSpec(name="plain").base == "adamw"
-    assert RunSpec(name="k", preconditioner=KFACConfig()).base == "adamw"
-    assert RunSpec(name="m", optimizer="sgd").base == "sgd"
+    assert RunSpec(name="plain").base is BaseOptimizer.ADAMW
+    assert RunSpec(name="k", preconditioner=KFACConfig()).base is BaseOptimizer.ADAMW
+    assert RunSpec(name="m", optimizer="sgd").base is BaseOptimizer.SGD  # type: ignore[arg-type]  # text accepted
+    with pytest.raises(ConfigError, match="optimizer must be one of \\['adamw', 'sgd', 'plain-sgd'\\]"):
+        RunSpec(name="l", optimizer="lbfgs")  # type: ignore[arg-type]  # the wrong value is the point
     with pytest.raises(ConfigError, match="cosine"):
         DemoConfig(seconds=5.0, runs=(RunSpec(name="c", cosine=True),))

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from fxkfac.errors import ConfigError
 from fxkfac.passes.factor_capture import gram
-from fxkfac.passes.layers import KFACLayer
+from fxkfac.passes.layers import KFACLayer, LayerKind
 
 __all__ = ["a_rows", "e_rows", "factor", "running_average"]
 
@@ -22,7 +22,7 @@ def a_rows(a: Tensor, layer: KFACLayer) -> Tensor:
     like ``weight.reshape(C_out, -1)``. With a bias, a column of ones is appended last, matching the
     bias column that `grad_matrix` appends to the gradient.
     """
-    if layer.kind == "conv2d":
+    if layer.kind is LayerKind.CONV2D:
         rows = _im2col(a, layer)
     else:
         rows = a.reshape(-1, a.shape[-1])
@@ -43,7 +43,7 @@ def e_rows(e: Tensor, layer: KFACLayer, n: int) -> Tensor:
     ``n * dL/dy`` is each sample's own loss gradient. Conv2d ``[N, C, H, W]`` becomes ``[N*H*W, C]``
     (rows in the same sample-major, position-minor order as `a_rows`).
     """
-    if layer.kind == "conv2d":
+    if layer.kind is LayerKind.CONV2D:
         if e.dim() != 4:
             raise ConfigError(
                 f"layer {layer.name!r}: conv2d output gradient must be [N, C, H, W], got {tuple(e.shape)}"

@@ -11,7 +11,7 @@ from torch import Tensor
 from fxkfac.errors import ConfigError
 from fxkfac.kfac.inverse import Inverse
 from fxkfac.kfac.state import LayerState
-from fxkfac.passes.layers import KFACLayer
+from fxkfac.passes.layers import KFACLayer, LayerKind
 from fxkfac.planner.preconditioners import InverseMethod
 
 __all__ = ["grad_matrix", "split_grad", "precondition", "kl_clip_scale", "Preconditioner"]
@@ -54,7 +54,7 @@ def _split_views(layer: KFACLayer, P: Tensor) -> tuple[Tensor, Tensor | None]:
     if tuple(P.shape) != (layer.d_out, layer.a_dim):
         raise ConfigError(f"layer {layer.name!r}: expected [{layer.d_out}, {layer.a_dim}], got {tuple(P.shape)}")
     w = P[:, : layer.d_in]
-    if layer.kind == "conv2d":
+    if layer.kind is LayerKind.CONV2D:
         if layer.conv is None:
             raise ConfigError(f"layer {layer.name!r} is a conv2d without a ConvSpec")
         kh, kw = layer.conv.kernel_size

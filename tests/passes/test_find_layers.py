@@ -9,7 +9,7 @@ from torch import nn
 from fxkfac.capture import capture
 from fxkfac.config import KFACConfig
 from fxkfac.passes.find_layers import find_kfac_layers, layer_nodes
-from fxkfac.passes.layers import ConvSpec
+from fxkfac.passes.layers import ConvSpec, KFACLayer, LayerKind
 from fxkfac.passes.meta import LAYER
 from tests.support.models import SEQ, VOCAB, cnn, image_batch, tiny_gpt2, token_batch
 
@@ -43,7 +43,7 @@ def test_cnn_layers_match_modules() -> None:
     assert [layer.name for layer in layers] == ["conv1", "conv2", "head"]
     conv1, conv2, head = layers
     assert (conv1.kind, conv1.d_in, conv1.d_out, conv1.bias, conv1.tokens_per_sample) == (
-        "conv2d",
+        LayerKind.CONV2D,
         9,
         4,
         "conv1.bias",
@@ -54,8 +54,11 @@ def test_cnn_layers_match_modules() -> None:
     with torch.no_grad():
         positions = torch.relu(model.conv2(torch.relu(model.conv1(x)))).shape[2:].numel()
     assert conv2.tokens_per_sample == positions and conv2.d_in == 4 * 9
-    assert (head.kind, head.d_in, head.d_out, head.weight) == ("linear", 96, 10, "head.weight")
+    assert (head.kind, head.d_in, head.d_out, head.weight) == (LayerKind.LINEAR, 96, 10, "head.weight")
     assert [n.meta[LAYER].name for n in layer_nodes(gm)] == ["conv1", "conv2", "head"]
+    assert all(isinstance(layer.kind, LayerKind) for layer in layers)
+    with pytest.raises(ValueError, match="lstm"):
+        KFACLayer("rnn", "lstm", "rnn.weight", None, 4, 4)  # type: ignore[arg-type]  # the wrong kind is the point
 
 
 def test_gpt2_conv1d_is_transposed_and_tied_head_skipped() -> None:
