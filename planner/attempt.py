@@ -17,13 +17,14 @@ from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.errors import InfeasibleBudgetError, Knob, PlanError
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.memory import min_memory_bytes
+from fxkfac.planner.packing_bound import packing_lower_bound
 from fxkfac.planner.plan import Plan, rank
 from fxkfac.planner.preconditioners import words_of
 from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, copies_of_stage, format_bytes, stage_groups
 from fxkfac.planner.solution import GroupSolution, fits_memory, peak_bytes
 from fxkfac.planner.step_timeline import fused_extra, refresh_lower_bound, step_timeline
 from fxkfac.planner.stretch import Allowance, allowance
-from fxkfac.planner.window import TaskKind, longest_gaps, too_long
+from fxkfac.planner.window import TaskKind, Window, longest_gaps, too_long
 
 if TYPE_CHECKING:
     from fxkfac.planner.group_search import Period
@@ -147,9 +148,17 @@ def _check_fits(
         off = "" if config.stretch else ". Stretching the step is off (SolverConfig.stretch=False)"
         message = f"some {work} work cannot fit any bubble, whatever the refresh period{stretched}: "
         raise Refused(PlanError(message + "; ".join(long[:5]) + off), knobs, fused)
-    if refresh_lower_bound(problem, group, fused, stretch=allowed.enabled) > problem.max_period:
-        message = f"the {work} work of stages {list(group.stages)} is more than the idle time of {problem.max_period}"
+    fluid = refresh_lower_bound(problem, group, fused, stretch=allowed.enabled)
+    message = f"the {work} work of stages {list(group.stages)} is more than the idle time of {problem.max_period}"
+    if fluid > problem.max_period:
         raise Refused(PlanError(f"{message} steps holds{stretched}"), knobs, fused)
+
+    def window_at(k: int) -> Window:
+        return allowed.window(group, k, allowed.ticks(k), aggregate=aggregate, resolution=config.time_resolution)
+
+    if packing_lower_bound(window_at, max(fluid, min_k), problem.max_period) > problem.max_period:
+        whole = " in whole tasks (its statistics and decomposition pieces leave part of every bubble they cannot fill)"
+        raise Refused(PlanError(f"{message} steps holds{whole}{stretched}"), knobs, fused)
 
 
 @dataclass
