@@ -148,17 +148,9 @@ def _check_fits(
         off = "" if config.stretch else ". Stretching the step is off (SolverConfig.stretch=False)"
         message = f"some {work} work cannot fit any bubble, whatever the refresh period{stretched}: "
         raise Refused(PlanError(message + "; ".join(long[:5]) + off), knobs, fused)
-    fluid = refresh_lower_bound(problem, group, fused, stretch=allowed.enabled)
-    message = f"the {work} work of stages {list(group.stages)} is more than the idle time of {problem.max_period}"
-    if fluid > problem.max_period:
+    if refresh_lower_bound(problem, group, fused, stretch=allowed.enabled) > problem.max_period:
+        message = f"the {work} work of stages {list(group.stages)} is more than the idle time of {problem.max_period}"
         raise Refused(PlanError(f"{message} steps holds{stretched}"), knobs, fused)
-
-    def window_at(k: int) -> Window:
-        return allowed.window(group, k, allowed.ticks(k), aggregate=aggregate, resolution=config.time_resolution)
-
-    if packing_lower_bound(window_at, max(fluid, min_k), problem.max_period) > problem.max_period:
-        whole = " in whole tasks (its statistics and decomposition pieces leave part of every bubble they cannot fill)"
-        raise Refused(PlanError(f"{message} steps holds{whole}{stretched}"), knobs, fused)
 
 
 @dataclass
@@ -445,17 +437,41 @@ def _unplaced(
 ) -> Refused:
     """The refusal when some group has no placement for want of bubble time (no budget, or greedy placed it
     nowhere before any fusing)."""
-    bad = [g.stages for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
+    groups = [g for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
+    bad, work = [g.stages for g in groups], words_of(problem.costs).name
+    knobs = (Knob.MAX_OVERHEAD, Knob.MICROBATCHES)
+    if all(_whole_tasks_exceed(problem, g, fused, config, attempt.allowance) for g in groups):
+        return Refused(
+            PlanError(
+                f"the {work} work of stages {bad} is more than the idle time of {problem.max_period} steps holds in "
+                f"whole tasks{_stretched(problem, config)}: its statistics and decomposition pieces leave part of "
+                "every bubble they cannot fill"
+            ),
+            knobs,
+            fused,
+        )
     timed = f", or the time limit ({config.time_limit_s:g} s) was" if method is Method.CPSAT else ""
     return Refused(
         PlanError(
-            f"no placement of the {words_of(problem.costs).name} work of stages {bad} within "
-            f"{problem.max_period} steps "
+            f"no placement of the {work} work of stages {bad} within {problem.max_period} steps "
             f"({method.value}{_stretched(problem, config)}): the bubbles are too short{timed}"
         ),
-        (Knob.MAX_OVERHEAD, Knob.MICROBATCHES),
+        knobs,
         fused,
     )
+
+
+def _whole_tasks_exceed(
+    problem: Problem, group: StageGroup, fused: frozenset[str], config: SolverConfig, allowed: Allowance
+) -> bool:
+    """Whether the group's work, one STATS task per layer (what packs best), fits in no window up to max_period
+    (`packing_lower_bound`): then no search could have placed it, whatever its time."""
+
+    def window_at(k: int) -> Window:
+        return allowed.window(group, k, allowed.ticks(k), aggregate=False, resolution=config.time_resolution)
+
+    fluid = refresh_lower_bound(problem, group, fused, stretch=allowed.enabled)
+    return packing_lower_bound(window_at, fluid, problem.max_period) > problem.max_period
 
 
 def _stretched(problem: Problem, config: SolverConfig) -> str:

@@ -110,8 +110,11 @@ def test_whole_tasks_raise_the_paper_bert_base_chimera_bound_and_cpsat_meets_it_
 
 def test_a_max_period_below_the_packing_bound_is_refused_saying_whole_tasks_do_not_fit() -> None:
     """At max_period 7 the fluid bound (7) allows BERT-Base Chimera's outer stages, whole tasks (8) do not: the
-    planner says so before searching, and names a setting that plans."""
+    refusal says so instead of blaming the time limit, and names a setting that plans."""
     costs = load_cost_table("paper:bert-base/p100", blocks_per_stage=3, n_stages=4, micro_batch_size=32)
     p = Problem("chimera", 4, 4, costs, decomp_pieces=4, barrier=StepBarrier.AGREEMENT_SET, max_period=7)
-    with pytest.raises(PlanError, match=r"stages \[0, 3\] is more than the idle time of 7 steps holds in whole tasks"):
+    with pytest.raises(
+        PlanError, match=r"stages \[\(0, 3\), \(1, 2\)\] is more than the idle time of 7 steps holds in whole"
+    ) as refused:
         solve(p, SolverConfig(time_limit_s=5.0))
+    assert "Solved with: max_overhead=" in str(refused.value)
