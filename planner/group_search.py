@@ -10,6 +10,7 @@ staleness at that period. `solve` runs the first for every group before the seco
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -66,7 +67,8 @@ def least_group_period(
         greedy = None
     fallback = greedy if greedy is not None and fits_memory(greedy) else None
 
-    def window_at(k: int) -> Window:
+    @functools.cache
+    def window_at(k: int) -> Window:  # built once for the packing bound and the probe at the same k
         return allowance.window(group, k, allowance.ticks(k), aggregate=aggregate, resolution=config.time_resolution)
 
     lower = max(min_k, refresh_lower_bound(problem, group, fused, stretch=allowance.enabled))
