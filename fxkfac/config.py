@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, TypeVar
 
 from fxkfac.errors import ConfigError
 from fxkfac.planner.ir import Capture
@@ -21,6 +21,18 @@ __all__ = [
     "SplitMethod",
     "StepAgreement",
 ]
+
+
+E = TypeVar("E", bound=StrEnum)
+
+
+def member_of(kind: type[E], value: Any, where: str) -> E:
+    """`value` (a member or its text) as a member of `kind`; else a ConfigError naming `where` and the choices."""
+    try:
+        return kind(value)
+    except ValueError:
+        choices = ", ".join(repr(m.value) for m in kind)
+        raise ConfigError(f"{where} must be one of {choices} ({kind.__name__}), got {value!r}") from None
 
 
 class KLClipScope(StrEnum):
@@ -73,11 +85,7 @@ class SplitInverse:
     accepted (NEWTON_SCHULZ only)."""
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "method", SplitMethod(self.method))
-        except ValueError:
-            choices = ", ".join(repr(m.value) for m in SplitMethod)
-            raise ConfigError(f"SplitInverse.method must be one of {choices}, got {self.method!r}") from None
+        object.__setattr__(self, "method", member_of(SplitMethod, self.method, "SplitInverse.method"))
         for name in ("pieces", "iterations"):
             value = getattr(self, name)
             if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
@@ -126,27 +134,13 @@ class KFACConfig:
             raise ConfigError(f"KFACConfig.factor_decay must be in [0, 1), got {self.factor_decay!r}")
         if self.kl_clip is not None and not self.kl_clip > 0:
             raise ConfigError(f"KFACConfig.kl_clip must be > 0 or None, got {self.kl_clip!r}")
-        try:
-            object.__setattr__(self, "inverse", InverseMethod(self.inverse))
-        except ValueError:
-            raise ConfigError(
-                f"KFACConfig.inverse must be one of {[m.value for m in InverseMethod]}, got {self.inverse!r}"
-            ) from None
-        try:
-            object.__setattr__(self, "capture", Capture(self.capture))
-        except ValueError:
-            raise ConfigError(
-                f"KFACConfig.capture must be one of {[c.value for c in Capture]}, got {self.capture!r}"
-            ) from None
+        object.__setattr__(self, "inverse", member_of(InverseMethod, self.inverse, "KFACConfig.inverse"))
+        object.__setattr__(self, "capture", member_of(Capture, self.capture, "KFACConfig.capture"))
         if not (isinstance(self.refresh_every, int) and self.refresh_every >= 1):
             raise ConfigError(f"KFACConfig.refresh_every must be an int >= 1, got {self.refresh_every!r}")
-        try:
-            object.__setattr__(self, "kl_clip_scope", KLClipScope(self.kl_clip_scope))
-        except ValueError:
-            choices = ", ".join(repr(m.value) for m in KLClipScope)
-            raise ConfigError(
-                f"KFACConfig.kl_clip_scope must be one of {choices}, got {self.kl_clip_scope!r}"
-            ) from None
+        object.__setattr__(
+            self, "kl_clip_scope", member_of(KLClipScope, self.kl_clip_scope, "KFACConfig.kl_clip_scope")
+        )
         if self.split_inverse is not None and not isinstance(self.split_inverse, SplitInverse):
             raise ConfigError(f"KFACConfig.split_inverse must be a SplitInverse or None, got {self.split_inverse!r}")
         if self.split_inverse is not None and self.inverse != InverseMethod.CHOLESKY:

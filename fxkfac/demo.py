@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
+from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions, member_of
 from fxkfac.errors import ConfigError
 from fxkfac.launch import RankContext, launch
 from fxkfac.models import TinyBertConfig
@@ -79,13 +79,8 @@ class RunSpec:
 
     def __post_init__(self) -> None:
         if self.optimizer is not None:
-            try:
-                object.__setattr__(self, "optimizer", BaseOptimizer(self.optimizer))
-            except ValueError:
-                raise ConfigError(
-                    f"run {self.name!r}: optimizer must be one of {[o.value for o in BaseOptimizer]} or None, "
-                    f"got {self.optimizer!r}"
-                ) from None
+            optimizer = member_of(BaseOptimizer, self.optimizer, f"run {self.name!r}: optimizer")
+            object.__setattr__(self, "optimizer", optimizer)
         if not self.lr > 0 or self.warmup_steps < 0:
             raise ConfigError(
                 f"run {self.name!r}: lr must be > 0 and warmup_steps >= 0, got lr={self.lr}, "

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Literal
 
+from fxkfac.config import member_of
 from fxkfac.errors import ConfigError
 from fxkfac.planner.blocking import DEFAULT_MAX_DIM, LargeDimMethod
 
@@ -50,15 +51,6 @@ class BasisMethod(StrEnum):
 
     EIGH = "eigh"
     QR = "qr"
-
-
-def _enum(cls_name: str, field: str, value: Any, kind: type[StrEnum]) -> StrEnum:
-    """`value` as a member of `kind`; ConfigError naming the field and the choices otherwise."""
-    try:
-        return kind(value)
-    except ValueError:
-        choices = ", ".join(repr(m.value) for m in kind)
-        raise ConfigError(f"{cls_name}.{field} must be one of {choices} ({kind.__name__}), got {value!r}") from None
 
 
 def _require(ok: bool, cls_name: str, field: str, what: str, value: Any) -> None:
@@ -105,7 +97,7 @@ def _check_common(cfg: Any, cls_name: str) -> None:
         cfg.preconditioner_dtype,
     )
     object.__setattr__(
-        cfg, "large_dim_method", _enum(cls_name, "large_dim_method", cfg.large_dim_method, LargeDimMethod)
+        cfg, "large_dim_method", member_of(LargeDimMethod, cfg.large_dim_method, f"{cls_name}.large_dim_method")
     )
 
 
@@ -201,8 +193,10 @@ class ShampooConfig:
             "an int >= 1",
             self.newton_max_iterations,
         )
-        object.__setattr__(self, "grafting_type", _enum(name, "grafting_type", self.grafting_type, GraftType))
-        object.__setattr__(self, "root_inv_method", _enum(name, "root_inv_method", self.root_inv_method, RootInvMethod))
+        object.__setattr__(self, "grafting_type", member_of(GraftType, self.grafting_type, f"{name}.grafting_type"))
+        object.__setattr__(
+            self, "root_inv_method", member_of(RootInvMethod, self.root_inv_method, f"{name}.root_inv_method")
+        )
         _check_newton_pieces(self)
         if self.root_inv_method is RootInvMethod.NEWTON and self.exponent_multiplier != 1.0:
             raise ConfigError(
@@ -256,7 +250,7 @@ class SOAPConfig:
             0.0 < self.betas[1] < 1.0, name, "betas", "(beta1, beta2) with beta2 < 1 (Adam's second moment)", self.betas
         )
         _require(0.0 <= self.shampoo_beta <= 1.0, name, "shampoo_beta", "in [0, 1]", self.shampoo_beta)
-        object.__setattr__(self, "basis_method", _enum(name, "basis_method", self.basis_method, BasisMethod))
+        object.__setattr__(self, "basis_method", member_of(BasisMethod, self.basis_method, f"{name}.basis_method"))
 
     @property
     def max_dim(self) -> int:
