@@ -17,7 +17,7 @@ from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.errors import InfeasibleBudgetError, Knob, PlanError
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.memory import min_memory_bytes
-from fxkfac.planner.packing_bound import packing_lower_bound
+from fxkfac.planner.packing_bound import group_lower_bound
 from fxkfac.planner.plan import Plan, rank
 from fxkfac.planner.preconditioners import words_of
 from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, copies_of_stage, format_bytes, stage_groups
@@ -260,12 +260,11 @@ def _second_pass(
     left; without time, the period's placement as found (or first-fit's, where that one breaks the budget)."""
     if placing.period is None:
         return placing.solution
+    from fxkfac.planner.group_search import refine_group, within_budget
+
     share = _share(problem, clock, later)
     if share is None:
-        period = placing.period
-        return next((s for s in (period.found, period.fallback) if s is not None and fits_memory(s)), None)
-    from fxkfac.planner.group_search import refine_group
-
+        return within_budget(placing.period.found, placing.period.fallback)
     return refine_group(placing.period, allowed, config, share, clock.meter)
 
 
@@ -440,7 +439,7 @@ def _unplaced(
     groups = [g for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
     bad, work = [g.stages for g in groups], words_of(problem.costs).name
     knobs = (Knob.MAX_OVERHEAD, Knob.MICROBATCHES)
-    if all(_whole_tasks_exceed(problem, g, fused, config, attempt.allowance) for g in groups):
+    if all(_whole_tasks_exceed(problem, g, config, attempt.allowance) for g in groups):
         return Refused(
             PlanError(
                 f"the {work} work of stages {bad} is more than the idle time of {problem.max_period} steps holds in "
@@ -461,17 +460,14 @@ def _unplaced(
     )
 
 
-def _whole_tasks_exceed(
-    problem: Problem, group: StageGroup, fused: frozenset[str], config: SolverConfig, allowed: Allowance
-) -> bool:
+def _whole_tasks_exceed(problem: Problem, group: StageGroup, config: SolverConfig, allowed: Allowance) -> bool:
     """Whether the group's work, one STATS task per layer (what packs best), fits in no window up to max_period
-    (`packing_lower_bound`): then no search could have placed it, whatever its time."""
+    (`group_lower_bound`): then no search could have placed it, whatever its time."""
 
     def window_at(k: int) -> Window:
-        return allowed.window(group, k, allowed.ticks(k), aggregate=False, resolution=config.time_resolution)
+        return allowed.whole(group, k, aggregate=False, resolution=config.time_resolution)
 
-    fluid = refresh_lower_bound(problem, group, fused, stretch=allowed.enabled)
-    return packing_lower_bound(window_at, fluid, problem.max_period) > problem.max_period
+    return group_lower_bound(allowed, group, window_at) > problem.max_period
 
 
 def _stretched(problem: Problem, config: SolverConfig) -> str:

@@ -20,10 +20,9 @@ from typing import Protocol, TypeVar
 
 from fxkfac.planner.budget import Meter
 from fxkfac.planner.cpsat import solve_window
-from fxkfac.planner.packing_bound import packing_lower_bound
+from fxkfac.planner.packing_bound import group_lower_bound
 from fxkfac.planner.problem import Problem, SolverConfig, StageGroup
 from fxkfac.planner.solution import GroupSolution, fits_memory
-from fxkfac.planner.step_timeline import refresh_lower_bound
 from fxkfac.planner.stretch import Allowance, least_stretch, restretch, stretch_lower_bound
 from fxkfac.planner.window import Window, too_long
 
@@ -69,10 +68,9 @@ def least_group_period(
 
     @functools.cache
     def window_at(k: int) -> Window:  # built once for the packing bound and the probe at the same k
-        return allowance.window(group, k, allowance.ticks(k), aggregate=aggregate, resolution=config.time_resolution)
+        return allowance.whole(group, k, aggregate=aggregate, resolution=config.time_resolution)
 
-    lower = max(min_k, refresh_lower_bound(problem, group, fused, stretch=allowance.enabled))
-    lower = packing_lower_bound(window_at, lower, problem.max_period)
+    lower = group_lower_bound(allowance, group, window_at, min_k)
 
     def probe(k: int, share: float) -> tuple[str, GroupSolution | None]:
         hint = restretch(greedy, allowance.ticks(k)) if greedy is not None and greedy.window.k == k else None
@@ -103,11 +101,11 @@ def refine_group(
     return None if best is None else _finish(best, best.status, period.proven, seconds)
 
 
-def within_budget(best: GroupSolution, found: GroupSolution, fallback: GroupSolution | None) -> GroupSolution | None:
-    """`best`, or where its third decompositions (`solution.remade_spans`) break the memory budget, which
-    CP-SAT's model counts two of, the first of `found` (before least staleness) and `fallback` (first-fit)
-    that fits; None when neither does."""
-    return next((s for s in (best, found, fallback) if s is not None and fits_memory(s)), None)
+def within_budget(*solutions: GroupSolution | None) -> GroupSolution | None:
+    """The first of `solutions` that fits the memory budget with its third decompositions counted
+    (`solution.remade_spans`, which CP-SAT's model does not count): after least staleness, CP-SAT's last, the one
+    found before it, first-fit's; None when none does."""
+    return next((s for s in solutions if s is not None and fits_memory(s)), None)
 
 
 class _Placed(Protocol):

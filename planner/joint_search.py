@@ -16,6 +16,7 @@ from fxkfac.planner.group_search import least_period
 from fxkfac.planner.joint import JointPlacement, reference_step, reference_ticks, window_at
 from fxkfac.planner.joint_cpsat import Frame, energy_bound, placed_tasks, solve_window
 from fxkfac.planner.joint_step import ns, options_of
+from fxkfac.planner.packing_bound import window_work
 from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, copies_of_stage
 from fxkfac.planner.solution import GroupSolution, fits_memory
 from fxkfac.planner.step_timeline import step_timeline
@@ -51,7 +52,7 @@ def _as_joint(solution: GroupSolution) -> JointPlacement:
 def _lower_k(w: Window) -> int:
     """The least refresh period any option set allows: the curvature and decompositions (the same under every
     option) over the free time one step leaves the group's devices beside F/B and all-reduces."""
-    work = sum(t.ticks for t in w.tasks if t.kind in (TaskKind.CURV, TaskKind.INV))
+    work = window_work(w)
     free = sum(w.length - sum(e - s for s, e in w.fixed[d]) for d in w.group.devices) // w.k
     return max(1, math.ceil(work / free)) if free > 0 else w.problem.max_period + 1
 

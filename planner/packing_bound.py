@@ -14,11 +14,22 @@ collectives are ignored, tasks may go to any device of the group, and a task may
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Iterable, Sequence
 
-from fxkfac.planner.window import Interval, PrecSlot, TaskKind, Window, wrap
+from fxkfac.planner.problem import StageGroup
+from fxkfac.planner.step_timeline import refresh_lower_bound
+from fxkfac.planner.stretch import Allowance
+from fxkfac.planner.window import Interval, PrecSlot, Task, TaskKind, Window, wrap
 
-__all__ = ["Packer", "idle_regions", "window_capacity", "window_work", "packing_lower_bound"]
+__all__ = [
+    "Packer",
+    "idle_regions",
+    "window_capacity",
+    "window_work",
+    "packing_lower_bound",
+    "group_lower_bound",
+]
 
 UNITS_PER_STEP = 2000
 """The packing table's resolution: a step of the window is this many of its units (task lengths round down to
@@ -130,7 +141,7 @@ def _best_placement(
         sum(packer.packable(s) for s in spans.values()),
         sum(spans.values()) - sum(s.ticks for s in slots),
     )
-    if not all(candidates) or _choices(candidates) > MAX_CHOICES:
+    if not all(candidates) or math.prod(len(c) for c in candidates) > MAX_CHOICES:
         return max(0, loose)
     best = 0
     for choice in itertools.product(*candidates):
@@ -142,16 +153,14 @@ def _best_placement(
     return best
 
 
-def _choices(candidates: Sequence[Sequence[int]]) -> int:
-    count = 1
-    for c in candidates:
-        count *= len(c)
-    return count
+def _bubble_tasks(window: Window) -> list[Task]:
+    """The refresh's tasks that bubbles must hold: its statistics and decomposition pieces."""
+    return [t for t in window.tasks if t.kind in (TaskKind.CURV, TaskKind.INV)]
 
 
 def window_work(window: Window) -> int:
-    """Ticks of the refresh's work that bubbles must hold: its statistics and decomposition pieces."""
-    return sum(t.ticks for t in window.tasks if t.kind in (TaskKind.CURV, TaskKind.INV))
+    """Ticks of the refresh's work that bubbles must hold (`_bubble_tasks`)."""
+    return sum(t.ticks for t in _bubble_tasks(window))
 
 
 def window_capacity(window: Window, packer: Packer) -> int:
@@ -167,8 +176,18 @@ def packing_lower_bound(window_at: Callable[[int], Window], lower: int, top: int
     for k in range(lower, top + 1):
         window = window_at(k)
         if packer is None:
-            sizes = [t.ticks for t in window.tasks if t.kind in (TaskKind.CURV, TaskKind.INV)]
-            packer = Packer(sizes, max(1, window.offsets[1] // UNITS_PER_STEP))
+            packer = Packer((t.ticks for t in _bubble_tasks(window)), max(1, window.offsets[1] // UNITS_PER_STEP))
         if window_work(window) <= window_capacity(window, packer):
             return k
     return top + 1
+
+
+def group_lower_bound(
+    allowance: Allowance, group: StageGroup, window_at: Callable[[int], Window], min_k: int = 1
+) -> int:
+    """The least refresh period `group` may have in `window_at`'s windows: the fluid bound (`refresh_lower_bound` of
+    the allowance's problem and fused layers, at least `min_k`) raised by whole tasks (`packing_lower_bound`);
+    max_period + 1 when no period up to it may hold the work."""
+    problem = allowance.problem
+    fluid = max(min_k, refresh_lower_bound(problem, group, allowance.fused, stretch=allowance.enabled))
+    return packing_lower_bound(window_at, fluid, problem.max_period)

@@ -62,6 +62,11 @@ class Allowance:
             scale=self.scale,
         )
 
+    def whole(self, group: StageGroup, k: int, *, aggregate: bool, resolution: int) -> Window:
+        """The window of `group` at period k with the whole allowance of stretch (`ticks(k)`): what a period search
+        solves."""
+        return self.window(group, k, self.ticks(k), aggregate=aggregate, resolution=resolution)
+
 
 def allowance(problem: Problem, fused: frozenset[str], config: SolverConfig) -> Allowance:
     """The allowance of `problem` with `fused` layers: on when config.stretch and max_overhead > 0,

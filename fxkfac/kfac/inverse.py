@@ -10,6 +10,7 @@ from functools import cached_property
 import torch
 from torch import Tensor
 
+from fxkfac.config import member_of
 from fxkfac.errors import CheckpointError, ConfigError
 from fxkfac.planner.preconditioners import InverseMethod
 
@@ -126,8 +127,7 @@ def invert(
     """
     if not damping > 0:
         raise ConfigError(f"damping must be > 0, got {damping!r}")
-    if method not in set(InverseMethod):
-        raise ConfigError(f"method must be one of {[m.value for m in InverseMethod]}, got {method!r}")
+    method = member_of(InverseMethod, method, "method")
     label = name or "<unnamed layer>"
     gamma_a, gamma_b, shift = factor_dampings(A, B, damping=damping, method=method, pi_damping=pi_damping)
     part_a = invert_factor(A, gamma_a, method=method, max_retries=max_retries, name=label, side="A")
