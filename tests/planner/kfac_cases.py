@@ -125,3 +125,23 @@ def problems(draw: st.DrawFn) -> Problem:
         memory_budget=min_memory_bytes(base) + budget,
         max_overhead=draw(st.sampled_from([0.0, 0.5])),
     )
+
+
+EXHAUSTIVE = "schedule,N,fwd,bwd,curv,inv"
+"""The fields of the small 2-stage problems (`problem(schedule, 2, N, ..., prec=1, max_period=6)`) whose least
+refresh period `tests/planner/brute_force.py` finds exhaustively."""
+EXHAUSTIVE_AT_BOUND = [
+    ("1f1b", 1, 1, 2, 1, 2),
+    ("1f1b", 2, 1, 1, 1, 1),
+    ("gpipe", 2, 1, 2, 1, 2),
+    ("gpipe", 1, 2, 2, 1, 2),
+    ("1f1b", 2, 2, 3, 1, 3),
+]
+"""Problems of `EXHAUSTIVE` fields CP-SAT solves optimally at once."""
+EXHAUSTIVE_ABOVE_GREEDY = [
+    ("gpipe", 2, 1, 3, 1, 2),
+    ("gpipe", 2, 2, 3, 2, 1),
+    ("gpipe", 3, 1, 3, 1, 2),
+]
+"""Problems of `EXHAUSTIVE` fields where first-fit plans some stage above its least period, which is above the fluid
+lower bound."""

@@ -17,7 +17,7 @@ from fxkfac.planner.solve import solve
 from fxkfac.planner.step_timeline import refresh_lower_bound, step_timeline
 from fxkfac.planner.validate import validate
 from tests.planner.brute_force import brute_feasible
-from tests.planner.kfac_cases import problem, problems
+from tests.planner.kfac_cases import EXHAUSTIVE, EXHAUSTIVE_ABOVE_GREEDY, EXHAUSTIVE_AT_BOUND, problem, problems
 
 FAST = SolverConfig(time_limit_s=4.0, num_workers=2)
 
@@ -53,16 +53,7 @@ def _brute_period(p: Problem, stage: int) -> int:
     return next(k for k in range(1, p.max_period + 1) if brute_feasible(p, stage, k))
 
 
-@pytest.mark.parametrize(
-    "schedule,N,fwd,bwd,curv,inv",
-    [
-        ("1f1b", 1, 1, 2, 1, 2),
-        ("1f1b", 2, 1, 1, 1, 1),
-        ("gpipe", 2, 1, 2, 1, 2),
-        ("gpipe", 1, 2, 2, 1, 2),
-        ("1f1b", 2, 2, 3, 1, 3),
-    ],
-)
+@pytest.mark.parametrize(EXHAUSTIVE, EXHAUSTIVE_AT_BOUND)
 def test_refresh_period_is_optimal_by_brute_force(
     schedule: str, N: int, fwd: int, bwd: int, curv: int, inv: int
 ) -> None:
@@ -73,14 +64,7 @@ def test_refresh_period_is_optimal_by_brute_force(
     assert plan.metrics.solver.gap == 0.0
 
 
-@pytest.mark.parametrize(
-    "schedule,N,fwd,bwd,curv,inv",
-    [
-        ("gpipe", 2, 1, 3, 1, 2),
-        ("gpipe", 2, 2, 3, 2, 1),
-        ("gpipe", 3, 1, 3, 1, 2),
-    ],
-)
+@pytest.mark.parametrize(EXHAUSTIVE, EXHAUSTIVE_ABOVE_GREEDY)
 def test_the_search_descends_from_greedy_to_the_least_period_and_proves_it(
     schedule: str, N: int, fwd: int, bwd: int, curv: int, inv: int
 ) -> None:

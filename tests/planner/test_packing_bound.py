@@ -18,7 +18,7 @@ from fxkfac.planner.step_timeline import refresh_lower_bound
 from fxkfac.planner.validate import validate
 from fxkfac.planner.window_build import build_window
 from tests.planner.brute_force import brute_feasible
-from tests.planner.kfac_cases import problem, problems
+from tests.planner.kfac_cases import EXHAUSTIVE, EXHAUSTIVE_ABOVE_GREEDY, EXHAUSTIVE_AT_BOUND, problem, problems
 
 PER_LAYER = SolverConfig(time_limit_s=4.0, num_workers=2, aggregate=False)
 
@@ -57,18 +57,7 @@ def _bound(p: Problem, group: StageGroup, fused: frozenset[str], config: SolverC
     )
 
 
-@pytest.mark.parametrize(
-    "schedule,N,fwd,bwd,curv,inv",
-    [
-        ("1f1b", 1, 1, 2, 1, 2),
-        ("1f1b", 2, 1, 1, 1, 1),
-        ("gpipe", 2, 1, 2, 1, 2),
-        ("gpipe", 2, 1, 3, 1, 2),
-        ("gpipe", 2, 2, 3, 2, 1),
-        ("gpipe", 3, 1, 3, 1, 2),
-        ("1f1b", 2, 2, 3, 1, 3),
-    ],
-)
+@pytest.mark.parametrize(EXHAUSTIVE, EXHAUSTIVE_AT_BOUND + EXHAUSTIVE_ABOVE_GREEDY)
 def test_never_above_the_least_period_found_by_exhaustive_search(
     schedule: str, N: int, fwd: int, bwd: int, curv: int, inv: int
 ) -> None:
