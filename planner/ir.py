@@ -24,6 +24,7 @@ __all__ = [
     "COLLECTIVE_KINDS",
     "PRECONDITIONER_KINDS",
     "SEND_KINDS",
+    "LAYER_SENDS",
     "RECV_KINDS",
     "OP_FIELDS",
     "as_programs",
@@ -52,6 +53,12 @@ class OpKind(StrEnum):
     APPLY = "APPLY"
     BCAST_PREC = "BCAST_PREC"
     OPT_STEP = "OPT_STEP"
+    SEND_LGRAD = "SEND_LGRAD"
+    RECV_LGRAD = "RECV_LGRAD"
+    SEND_PGRAD = "SEND_PGRAD"
+    RECV_PGRAD = "RECV_PGRAD"
+    SEND_REPLICA = "SEND_REPLICA"
+    RECV_REPLICA = "RECV_REPLICA"
 
 
 class Capture(StrEnum):
@@ -62,8 +69,16 @@ class Capture(StrEnum):
     DEFERRED = "deferred"
 
 
-SEND_KINDS = frozenset({OpKind.SEND_ACT, OpKind.SEND_GRAD})
-RECV_KINDS = frozenset({OpKind.RECV_ACT, OpKind.RECV_GRAD})
+LAYER_SENDS: Mapping[OpKind, OpKind] = {
+    OpKind.SEND_LGRAD: OpKind.RECV_LGRAD,
+    OpKind.SEND_PGRAD: OpKind.RECV_PGRAD,
+    OpKind.SEND_REPLICA: OpKind.RECV_REPLICA,
+}
+"""A streamed layer's transfers (docs/STREAMED_APPLY.md), each send with its receive: the owner of the layer's stage
+hands its gradient to a helper rank (LGRAD), which sends it back preconditioned (PGRAD) with a replica of the
+layer's preconditioner it got at each refresh (REPLICA)."""
+SEND_KINDS = frozenset({OpKind.SEND_ACT, OpKind.SEND_GRAD, *LAYER_SENDS})
+RECV_KINDS = frozenset({OpKind.RECV_ACT, OpKind.RECV_GRAD, *LAYER_SENDS.values()})
 COLLECTIVE_KINDS = frozenset({OpKind.ALLREDUCE_GRAD, OpKind.SYNC_STATS, OpKind.BCAST, OpKind.BCAST_PREC})
 PRECONDITIONER_KINDS = frozenset(
     {OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST, OpKind.APPLY, OpKind.BCAST_PREC}
@@ -102,6 +117,7 @@ OP_FIELDS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
     OpKind.APPLY: (frozenset({_STAGE}), frozenset({_PIPE, _LAYER})),
     OpKind.BCAST_PREC: (frozenset({_STAGE, _ROOT, _LAYER}), frozenset({_GROUP})),
     OpKind.OPT_STEP: (frozenset(), frozenset()),
+    **{k: (frozenset({_STAGE, _PEER, _LAYER}), frozenset()) for k in (*LAYER_SENDS, *LAYER_SENDS.values())},
 }
 """The fields each kind of op must have and may have. A preconditioner's ops name a `layer` (all layers of the
 stage when absent) and a `part` of it (every part when absent); STATS names a micro-batch for a part fed by a
@@ -110,7 +126,9 @@ rank a broadcast comes from and `group` the ranks it reaches (every copy of the 
 `piece` ``(i, n)`` makes piece i of a decomposition split into n (KFACConfig.split_inverse,
 ShampooConfig.newton_pieces; whole when absent). APPLY
 without a layer preconditions every layer of the stage; BCAST_PREC sends one layer's preconditioned gradient
-from its grad worker to a row of receivers (planner/strategy.py)."""
+from its grad worker to a row of receivers (planner/strategy.py); a streamed layer's transfers (`LAYER_SENDS`) name
+its stage, its layer and the rank at the other end ("SEND_LGRAD s0 >r1 fc"). An APPLY of a stage the rank does not
+hold preconditions a streamed layer's gradient received from the stage's owner."""
 _RAW_LAYER = re.compile(r"[A-Za-z0-9_.:/\-\[\]]+")
 
 

@@ -10,7 +10,7 @@ from torch import Tensor, fx
 
 from fxkfac.config import KFACConfig
 from fxkfac.kfac.factors import a_rows, e_rows, factor, running_average
-from fxkfac.kfac.inverse import FactorInverse, Inverse, combine, factor_dampings, invert_factor
+from fxkfac.kfac.inverse import FactorInverse, Inverse, combine, combine_shift, factor_dampings, invert_factor
 from fxkfac.kfac.precondition import Preconditioner
 from fxkfac.kfac.split_inverse import (
     Carry,
@@ -152,7 +152,8 @@ class KFACFamily:
         a, b = halves["A"], halves["B"]
         if a is None or b is None or not isinstance(state, LayerState):
             return None
-        return combine(a, b, self._gammas(state)[2])
+        cfg = self.cfg
+        return combine(a, b, combine_shift(damping=cfg.damping, method=cfg.inverse, pi_damping=cfg.pi_damping))
 
     def packed_size(self, layer: KFACLayer, part: str) -> int:
         """[ok, inverse] (Cholesky) or [ok, eigenvectors, eigenvalues] (eigen)."""

@@ -14,7 +14,16 @@ from fxkfac.config import member_of
 from fxkfac.errors import CheckpointError, ConfigError
 from fxkfac.planner.preconditioners import InverseMethod
 
-__all__ = ["Inverse", "FactorInverse", "damping_split", "factor_dampings", "invert", "invert_factor", "combine"]
+__all__ = [
+    "Inverse",
+    "FactorInverse",
+    "damping_split",
+    "factor_dampings",
+    "combine_shift",
+    "invert",
+    "invert_factor",
+    "combine",
+]
 
 log = logging.getLogger(__name__)
 
@@ -150,10 +159,18 @@ def factor_dampings(
     Cholesky, and eigen with pi-damping: the `damping_split` per factor, shift 0. Eigen without
     pi-damping: factors undamped, ``shift = damping`` added to the products of eigenvalues.
     """
-    if method == InverseMethod.EIGEN and not pi_damping:
-        return 0.0, 0.0, damping
+    shift = combine_shift(damping=damping, method=method, pi_damping=pi_damping)
+    if shift:
+        return 0.0, 0.0, shift
     gamma_a, gamma_b = damping_split(A, B, damping, pi_damping)
     return gamma_a, gamma_b, 0.0
+
+
+def combine_shift(*, damping: float, method: InverseMethod, pi_damping: bool) -> float:
+    """What `combine` adds to the products of eigenvalues: the damping for eigen without pi-damping, else 0 (the
+    factors' halves hold it). Set by the configuration alone, so a rank holding none of the factors (a streamed
+    layer's helper) combines the halves it receives as their owner did."""
+    return damping if method == InverseMethod.EIGEN and not pi_damping else 0.0
 
 
 @dataclass(frozen=True, eq=False)

@@ -23,7 +23,7 @@ from fxkfac.runtime.step_end import StepEnd
 from fxkfac.runtime.sync import GradSync
 from fxkfac.runtime.timeline import Recorder
 
-__all__ = ["StepContext", "Handler", "StepListener", "Interpreter", "CORE_HANDLERS", "local_nonfinite"]
+__all__ = ["StepContext", "Handler", "Prepare", "StepListener", "Interpreter", "CORE_HANDLERS", "local_nonfinite"]
 
 Key = tuple[int, int, int]  # (stage, pipe, micro-batch)
 
@@ -82,6 +82,9 @@ class StepContext:
 
 
 Handler = Callable[[StepContext, Op], None]
+Prepare = Callable[[StepContext, Op, Sequence[Op]], None]
+"""What an op needs done when its step begins, before any op of the step runs (given the step's ops): receives
+posted, hooks armed."""
 
 
 def _key(op: Op) -> Key:
@@ -160,6 +163,14 @@ def _recv_grad(ctx: StepContext, op: Op) -> None:
     ctx.grads[_key(op)] = ctx.transport.recv(_grad_specs(ctx, op), *_message(op), str(op))
 
 
+def _post_act(ctx: StepContext, op: Op, _: Sequence[Op]) -> None:
+    ctx.transport.post_recv(ctx.runner(op).graph.inputs, *_message(op))
+
+
+def _post_grad(ctx: StepContext, op: Op, _: Sequence[Op]) -> None:
+    ctx.transport.post_recv(_grad_specs(ctx, op), *_message(op))
+
+
 def _allreduce_grad(ctx: StepContext, op: Op) -> None:
     if op.stage is None:
         for stage, _ in sorted(ctx.runners):
@@ -225,6 +236,9 @@ CORE_HANDLERS: Mapping[OpKind, Handler] = {
 }
 
 
+CORE_PREPARES: Mapping[OpKind, Prepare] = {OpKind.RECV_ACT: _post_act, OpKind.RECV_GRAD: _post_grad}
+
+
 class StepListener(Protocol):
     """State outside the core (the preconditioner's) that must survive a skipped step unchanged."""
 
@@ -240,6 +254,7 @@ class Interpreter:
 
     def __init__(self, handlers: Mapping[OpKind, Handler] | None = None) -> None:
         self.handlers: dict[OpKind, Handler] = dict(CORE_HANDLERS if handlers is None else handlers)
+        self.prepares: dict[OpKind, Prepare] = dict(CORE_PREPARES)
         self.listeners: list[StepListener] = []
         """Told when a step begins and when it is skipped (`abort`), to restore their state."""
 
@@ -253,19 +268,21 @@ class Interpreter:
         for listener in self.listeners:
             listener.commit_step(ctx)
 
-    def register(self, kind: OpKind, handler: Handler) -> None:
-        """Install (or replace) the handler of `kind`."""
+    def register(self, kind: OpKind, handler: Handler, prepare: Prepare | None = None) -> None:
+        """Install (or replace) the handler of `kind`, and what its ops need when their step begins."""
         self.handlers[kind] = handler
+        if prepare is not None:
+            self.prepares[kind] = prepare
 
     def run(self, ops: Sequence[Op], ctx: StepContext, timeline: Recorder | None = None) -> None:
-        """Execute `ops` in order on `ctx` (every receive of the step is posted up front)."""
+        """Execute `ops` in order on `ctx`, each op's `prepares` entry run first (every receive of the step is
+        posted up front)."""
         for listener in self.listeners:
             listener.begin_step(ctx)
         for op in ops:
-            if op.kind is OpKind.RECV_ACT:
-                ctx.transport.post_recv(ctx.runner(op).graph.inputs, *_message(op))
-            elif op.kind is OpKind.RECV_GRAD:
-                ctx.transport.post_recv(_grad_specs(ctx, op), *_message(op))
+            prepare = self.prepares.get(op.kind)
+            if prepare is not None:
+                prepare(ctx, op, ops)
         for op in ops:
             handler = self.handlers.get(op.kind)
             if handler is None:

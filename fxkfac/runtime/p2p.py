@@ -23,7 +23,7 @@ import torch.distributed as dist
 from fxkfac.errors import PipelineError, PipelineTimeoutError
 from fxkfac.passes.split_stages import TensorSpec
 
-__all__ = ["TagSpace", "Transport", "Pending"]
+__all__ = ["TagSpace", "Transport", "Pending", "LAYER_MESSAGES"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +42,18 @@ class TagSpace:
     def beyond(self, index: int) -> int:
         """The `index`-th tag past every transfer's: for messages that are not activations or gradients."""
         return 2 * self.stages * 2 * self.microbatches * self.max_tensors + index
+
+    def of_layer(self, layer: int, message: int) -> int:
+        """The tag of tensor `message` (< LAYER_MESSAGES) of a streamed layer's transfers, the layer numbered in the
+        model's unit order (after `beyond`'s first two, which the step-end sums use)."""
+        if not 0 <= message < LAYER_MESSAGES:
+            raise AssertionError(f"layer message {message} outside 0..{LAYER_MESSAGES - 1}")
+        return self.beyond(2 + layer * LAYER_MESSAGES + message)
+
+
+LAYER_MESSAGES = 8
+"""Tags reserved per layer for its streamed transfers (gradient, preconditioned gradient and its <P, G>, each part
+of a replica and its refresh step)."""
 
 
 def _is_timeout(error: BaseException) -> bool:
@@ -62,7 +74,7 @@ class Transport:
     timeout: timedelta
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _sends: list[tuple[dist.Work, str]] = field(default_factory=list)
-    _posted: dict[tuple, tuple[list[torch.Tensor], list[dist.Work]]] = field(default_factory=dict)
+    _posted: dict[Hashable, tuple[list[torch.Tensor], list[dist.Work]]] = field(default_factory=dict)
     _inflight: dict[Hashable, list[tuple[Pending, Callable[[torch.Tensor], None]]]] = field(default_factory=dict)
     waited_ns: int = 0
     """Wall-clock ns spent in `wait` so far: what the timeline counts of an op as waiting for peers."""
@@ -88,35 +100,41 @@ class Transport:
     ) -> None:
         """Start sending `tensors` to `peer`; completion is awaited by `flush`."""
         for index, tensor in enumerate(tensors):
-            tag = self.tags.tag(grad, stage, pipe, mb, index)
-            work = dist.isend(tensor.detach().contiguous(), dst=peer, tag=tag)
-            assert work is not None, "isend on the default group, of which this rank is a member, returns a Work"
-            self._sends.append((work, what))
+            self.send_tagged(tensor, peer, self.tags.tag(grad, stage, pipe, mb, index), what)
+
+    def send_tagged(self, tensor: torch.Tensor, peer: int, tag: int, what: str) -> None:
+        """Start sending `tensor` to `peer` under `tag`; completion is awaited by `flush`."""
+        self._sends.append((_work(dist.isend(tensor.detach().contiguous(), dst=peer, tag=tag)), what))
+
+    def post_tagged(self, key: Hashable, buffers: Sequence[torch.Tensor], peer: int, tags: Sequence[int]) -> None:
+        """Post the receives of `buffers` from `peer` under `tags` now, to be taken by `take(key)`."""
+        if key in self._posted:
+            raise AssertionError(f"receive {key} posted twice")
+        works = [_work(dist.irecv(buf, src=peer, tag=tag)) for buf, tag in zip(buffers, tags, strict=True)]
+        self._posted[key] = (list(buffers), works)
+
+    def take(self, key: Hashable, what: str) -> list[torch.Tensor]:
+        """The buffers `post_tagged` posted under `key`, once received."""
+        if key not in self._posted:
+            raise AssertionError(f"'{what}': its receive was not posted (the program orders its instructions wrongly)")
+        buffers, works = self._posted.pop(key)
+        for work in works:
+            self.wait(work, what)
+        return buffers
 
     def post_recv(self, specs: Sequence[TensorSpec], peer: int, grad: bool, stage: int, pipe: int, mb: int) -> None:
         """Post the receives of one transfer now, so the data lands while this rank computes."""
-        key = (peer, grad, stage, pipe, mb)
-        if key in self._posted:
-            raise AssertionError(f"receive {key} posted twice")
         buffers = [torch.empty(spec.shape, dtype=spec.dtype, device=self.device) for spec in specs]
-        works: list[dist.Work] = []
-        for i, buf in enumerate(buffers):
-            work = dist.irecv(buf, src=peer, tag=self.tags.tag(grad, stage, pipe, mb, i))
-            assert work is not None, "irecv on the default group, of which this rank is a member, returns a Work"
-            works.append(work)
-        self._posted[key] = (buffers, works)
+        tags = [self.tags.tag(grad, stage, pipe, mb, i) for i in range(len(buffers))]
+        self.post_tagged((peer, grad, stage, pipe, mb), buffers, peer, tags)
 
     def recv(
         self, specs: Sequence[TensorSpec], peer: int, grad: bool, stage: int, pipe: int, mb: int, what: str
     ) -> list[torch.Tensor]:
         """Receive one tensor per spec from `peer` (using the posted receive when there is one)."""
-        key = (peer, grad, stage, pipe, mb)
-        if key not in self._posted:
+        if (peer, grad, stage, pipe, mb) not in self._posted:
             self.post_recv(specs, peer, grad, stage, pipe, mb)
-        buffers, works = self._posted.pop(key)
-        for work in works:
-            self.wait(work, what)
-        return buffers
+        return self.take((peer, grad, stage, pipe, mb), what)
 
     def start_all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> Pending:
         """Start summing `tensor` in place over `group` (None: the world), without waiting."""

@@ -61,6 +61,7 @@ from fxkfac.runtime.interpreter import (
 )
 from fxkfac.runtime.refresh_record import RefreshRecord
 from fxkfac.runtime.step_end import StepEnd
+from fxkfac.runtime.streaming import StreamedLayers, Streams
 from fxkfac.runtime.sync import grad_key
 from fxkfac.runtime.tapped_runner import TappedRunner
 
@@ -101,6 +102,7 @@ class PreconditionerRuntime:
         step_end: StepEnd,
         distributions: Mapping[str, LayerDistribution] | None = None,
         subgroups: Mapping[tuple[int, ...], Any] | None = None,
+        streamed: StreamedLayers | None = None,
     ) -> None:
         self.family = family
         self.layers = dict(layers)
@@ -141,6 +143,8 @@ class PreconditionerRuntime:
         """Decompositions this rank made for a stage with several copies, waiting for their BCAST."""
         self._at_begin: Any = None
         """The state `begin_step` remembered, restored by `abort_step`."""
+        self.streams = Streams(self, streamed or StreamedLayers())
+        """The layers this rank hands to a helper or preconditions for their owner (fxkfac/runtime/streaming.py)."""
 
     def install(self, interpreter: Interpreter) -> None:
         """Register the refresh handlers and the KL-clipping OPT_STEP on `interpreter`."""
@@ -151,6 +155,7 @@ class PreconditionerRuntime:
         interpreter.register(OpKind.APPLY, self.prec)
         interpreter.register(OpKind.BCAST_PREC, self.bcast_prec)
         interpreter.register(OpKind.OPT_STEP, self.opt_step)
+        self.streams.install(interpreter)
         interpreter.listeners.append(self)
 
     def _refreshing(self, step: int, layer_names: Sequence[str]) -> list[str]:
@@ -419,12 +424,17 @@ class PreconditionerRuntime:
             record = queue.popleft()
             made = self.family.combine(self.layers[name], self.states[name], record.halves)
             self.states[name].set_pending(made, record.step + self.timings[name].use_offset)
+            if name in self.streams.owned:
+                self.streams.made.setdefault(name, deque()).append((record.step, dict(record.halves)))
 
     def prec(self, ctx: StepContext, op: Op) -> None:
         """Activate due preconditioners and precondition stage `op.stage`'s gradients (of `op.layer` alone when it
         names one); add their share of <P, G> (each layer's divided by its number of grad workers)."""
         if op.stage is None:
             raise AssertionError("APPLY without a stage")
+        if all(s != op.stage for s, _ in ctx.runners):  # a streamed layer of a stage held elsewhere
+            self.streams.apply(ctx, op)
+            return
         runner = ctx.stage_runner(op.stage)
         layers = [self.layers[n] for n in self._layers_of(op)]
         ctx.transport.settle(grad_key(op.stage))
@@ -443,10 +453,15 @@ class PreconditionerRuntime:
         params = dict(runner.module.named_parameters())
         grads = {n: p.grad for n, p in params.items() if p.grad is not None}
         copies = len(self.workers[layers[0].name]) if op.layer is not None else len(self.groups[op.stage].ranks)
-        for group, members in self._by_clip_group(layers).items():
-            dot = self.family.precondition(members, grads, self.states, params) / copies
-            self._dots[group] = self._dots[group] + dot if group in self._dots else dot
-        self._touched.add(op.stage)
+        for members in self._by_clip_group(layers).values():
+            self.add_dot(members, self.family.precondition(members, grads, self.states, params) / copies, op.stage)
+
+    def add_dot(self, layers: Sequence[Any], dot: Tensor, stage: int) -> None:
+        """Add the <P, G> of `layers` (of one KL-clip group, all of `stage`) to their group's sum, and mark the
+        stage's gradients preconditioned (the KL-clip scales them at OPT_STEP)."""
+        group = next(iter(self._by_clip_group(layers)))
+        self._dots[group] = self._dots[group] + dot if group in self._dots else dot
+        self._touched.add(stage)
 
     @property
     def scope(self) -> KLClipScope:
@@ -512,13 +527,14 @@ class PreconditionerRuntime:
             for key, r in ctx.runners.items()
             if isinstance(r, TappedRunner)
         }
-        self._at_begin = (self._copy(), captures)
+        self._at_begin = (self._copy(), captures, self.streams.snapshot())
         self.open_refreshes(ctx.step)
 
     def abort_step(self, ctx: StepContext) -> None:
         """Restore what `begin_step` remembered: a skipped step leaves no statistic, decomposition or capture."""
-        (states, refreshes, outbox), captures = self._at_begin
+        (states, refreshes, outbox), captures, streams = self._at_begin
         self._install(states, refreshes, outbox)
+        self.streams.restore(streams)
         for key, saved in captures.items():
             runner = ctx.runners[key]
             if isinstance(runner, TappedRunner):
@@ -559,6 +575,8 @@ class PreconditionerRuntime:
         inflight: dict[str, Any] = {"refreshes": refreshes, "outbox": outbox}
         if self.scope is KLClipScope.STALE:
             inflight["kl_clip_sum"] = self.step_end.state()
+        if self.streams.replica_steps:
+            inflight["replica_steps"] = dict(self.streams.replica_steps)
         return {"kfac": {n: s.state_dict() for n, s in self.states.items()}, "inflight": inflight}
 
     def parse_state(self, state: Mapping[str, Any]) -> tuple:
@@ -584,12 +602,13 @@ class PreconditionerRuntime:
             outbox = {(str(n), str(part)): deque(half(h) for h in halves) for n, part, halves in inflight["outbox"]}
             stale = inflight.get("kl_clip_sum")
             stale = None if stale is None else float(stale)
+            replica_steps = {str(n): int(t) for n, t in inflight.get("replica_steps", {}).items()}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CheckpointError(f"work in flight is malformed in the checkpoint ({e!r})") from e
         unknown = sorted((set(refreshes) | {n for n, _ in outbox}) - set(self.layers))
         if unknown:
             raise CheckpointError(f"checkpoint has work in flight for layers {unknown} this rank does not hold")
-        return states, refreshes, outbox, stale
+        return states, refreshes, outbox, stale, replica_steps
 
     def _new_state(self, name: str) -> Callable[[], RefreshState]:
         """A maker of `name`'s empty state; called for a layer this rank does not hold it raises KeyError (the
@@ -602,7 +621,7 @@ class PreconditionerRuntime:
         decompositions, and a rank that neither keeps its statistics nor decomposes it holds nothing of it
         (DP-KFAC's other replicas). A same-layout checkpoint already has this form."""
         for name, state in states.items():
-            if self.rank in self.workers[name]:
+            if self.rank in self.workers[name] or name in self.streams.replicas:
                 continue
             if name in self.keeps:
                 state.active, state.pending = None, []
@@ -611,7 +630,8 @@ class PreconditionerRuntime:
 
     def load_parsed(self, parsed: tuple) -> None:
         """Install what `parse_state` returned (STALE: the sum the next step's nu comes from)."""
-        states, refreshes, outbox, stale = parsed
+        states, refreshes, outbox, stale, replica_steps = parsed
         self._install(states, refreshes, outbox)
+        self.streams.replica_steps = replica_steps
         if self.scope is KLClipScope.STALE:
             self.step_end.restore(stale)

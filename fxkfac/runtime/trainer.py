@@ -24,7 +24,7 @@ from fxkfac.checkpoint import Checkpointing, digest
 from fxkfac.config import KLClipScope, PipelineOptions, StepAgreement
 from fxkfac.errors import CheckpointError, ConfigError, NonFiniteError
 from fxkfac.passes.split_stages import SplitResult
-from fxkfac.planner.ir import LayerTiming, Op, Programs, ops_at
+from fxkfac.planner.ir import LayerTiming, Op, OpKind, Programs, ops_at
 from fxkfac.planner.lowering import ranks_of_stages
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.schedules import ScheduleKind, stages_of_rank
@@ -44,6 +44,7 @@ from fxkfac.runtime.param_state import (
 from fxkfac.runtime.preconditioning import PreconditionerRuntime, StageCopies
 from fxkfac.runtime.stage import StageRunner
 from fxkfac.runtime.step_end import StepEnd, StepLoss
+from fxkfac.runtime.streaming import ParamShape, StreamedLayers
 from fxkfac.runtime.sync import GradSync, holder_sets, named_groups
 from fxkfac.runtime.tapped_runner import TappedRunner
 from fxkfac.runtime.timeline import Recorder, as_timeline, gather_timelines
@@ -152,6 +153,24 @@ def _transport(spec: RunSpec, timeout: float) -> Transport:
     return Transport(spec.layout.rank, spec.layout.world_size, tags, timedelta(seconds=timeout))
 
 
+def _streamed_layers(spec: RunSpec, rank: int, local: Sequence[int]) -> StreamedLayers:
+    """The layers `rank`'s programs stream (docs/STREAMED_APPLY.md): those it hands off (SEND_LGRAD) and those of
+    stages it does not hold that it applies (an APPLY naming the layer), with their parameters' shapes."""
+    family = spec.family
+    assert family is not None, "only a family's programs stream layers"
+    ops = [op for programs in (spec.programs, spec.startup) for step in programs.get(rank, []) for op in step]
+    owned = frozenset(op.layer for op in ops if op.kind is OpKind.SEND_LGRAD and op.layer is not None)
+    replicas: dict[str, tuple[ParamShape, ...]] = {}
+    for op in ops:
+        if op.kind is OpKind.APPLY and op.stage is not None and op.stage not in local and op.layer is not None:
+            gm = spec.split.stages[op.stage].gm
+            names = family.params_of(spec.units[op.layer])
+            replicas[op.layer] = tuple(
+                ParamShape(n, tuple(gm.get_parameter(n).shape), gm.get_parameter(n).dtype) for n in names
+            )
+    return StreamedLayers({name: i for i, name in enumerate(spec.units)}, owned, replicas)
+
+
 class Trainer(Checkpointing):
     """One rank of a run: `step(inputs, targets) -> loss` over the global mini-batch, state dicts, traces.
 
@@ -223,8 +242,11 @@ class Trainer(Checkpointing):
             for key, runner in list(self.runners.items()):
                 held = {n: spec.units[n] for n in spec.stage_units[runner.stage]}
                 self.runners[key] = TappedRunner.wrap(runner, held, spec.family, backend)
+        streamed = _streamed_layers(spec, self.layout.rank, local)
         groups = {s: StageCopies(holders[s], self.sync.group_of(holders[s])) for s in local}
+        groups |= {stage_of[n]: StageCopies(holders[stage_of[n]], None) for n in streamed.replicas}
         mine = {n: spec.units[n] for s in local for n in spec.stage_units[s]}
+        mine |= {n: spec.units[n] for n in streamed.replicas}
         subgroups = named_groups([spec.programs, spec.startup], self.layout.rank, self.layout.world_size)
         runtime = PreconditionerRuntime(
             spec.family,
@@ -238,6 +260,7 @@ class Trainer(Checkpointing):
             self.step_end,
             spec.distributions,
             subgroups,
+            streamed,
         )
         runtime.install(self.interpreter)
         return runtime

@@ -1,0 +1,266 @@
+"""Streamed preconditioning (docs/STREAMED_APPLY.md): a stage's owner hands each streamed layer's gradient to a
+helper rank the moment its last backward of the step makes it final, the helper preconditions it with its replica
+of the layer's preconditioner and sends it back with its <P, G>, which the owner adds to its KL-clip sum as its own
+APPLY would have. The result is the owner's APPLY, exactly; only the rank that computes it moves.
+
+Each streamed layer's transfers use their own tags (`TagSpace.of_layer`): the gradient (LGRAD), the preconditioned
+gradient and its <P, G> (PGRAD), and at each refresh the parts of the made preconditioner with its refresh step
+(REPLICA), sent by the owner right after the DECOMP that completes it and combined by the helper as the owner did.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from fxkfac.errors import PipelineError
+from fxkfac.planner.ir import Op, OpKind
+from fxkfac.runtime.interpreter import Interpreter, StepContext
+
+if TYPE_CHECKING:
+    from fxkfac.runtime.preconditioning import PreconditionerRuntime
+
+__all__ = ["ParamShape", "StreamedLayers", "Streams"]
+
+_LGRAD, _PGRAD, _PDOT, _REPLICA_STEP, _REPLICA_PARTS = 0, 1, 2, 3, 4
+"""Each streamed layer's messages, numbered within its tags (`TagSpace.of_layer`); the replica's parts follow."""
+
+
+@dataclass(frozen=True)
+class ParamShape:
+    """One parameter of a replicated layer as its helper sees it (the helper holds no copy of the stage)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        """Elements of the parameter (its share of the layer's flat gradient)."""
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class StreamedLayers:
+    """What one rank streams, read from its programs by the trainer: the layers of its stages it hands to a helper
+    (`owned`), the layers of other stages it preconditions (`replicas`, with their parameters), and every unit of
+    the model numbered the same on every rank (`tags`: the tags of their transfers)."""
+
+    tags: Mapping[str, int] = field(default_factory=dict)
+    owned: frozenset[str] = frozenset()
+    replicas: Mapping[str, tuple[ParamShape, ...]] = field(default_factory=dict)
+
+
+class Streams:
+    """One rank's streamed layers: those it owns and hands off (`owned`), and those it preconditions for their owner
+    (`replicas`, with their parameters' shapes)."""
+
+    def __init__(self, runtime: PreconditionerRuntime, streamed: StreamedLayers) -> None:
+        self.runtime = runtime
+        self.tags = dict(streamed.tags)
+        self.owned = streamed.owned
+        """Layers of this rank's stages that a helper preconditions (their made preconditioners are kept for
+        SEND_REPLICA)."""
+        self.replicas = dict(streamed.replicas)
+        self._hooks: dict[str, list[Any]] = {}
+        self._sent: set[str] = set()
+        self._inbox: dict[str, Tensor] = {}
+        self._outbox: dict[str, tuple[Tensor, Tensor]] = {}
+        self.made: dict[str, deque[tuple[int, dict[str, Any]]]] = {}
+        """Preconditioners made here of layers a helper replicates, (refresh step, parts) waiting for SEND_REPLICA."""
+        self.replica_steps: dict[str, int] = {}
+        """The refresh step of each replica's newest preconditioner received (checked at its APPLY)."""
+
+    def install(self, interpreter: Interpreter) -> None:
+        """Register the handlers of the streamed transfers (and what each needs when its step begins)."""
+        interpreter.register(OpKind.SEND_LGRAD, self.send_gradient, self.arm)
+        interpreter.register(OpKind.RECV_LGRAD, self.recv_gradient, self.post_gradient)
+        interpreter.register(OpKind.SEND_PGRAD, self.send_preconditioned)
+        interpreter.register(OpKind.RECV_PGRAD, self.recv_preconditioned, self.post_preconditioned)
+        interpreter.register(OpKind.SEND_REPLICA, self.send_replica)
+        interpreter.register(OpKind.RECV_REPLICA, self.recv_replica, self.post_replica)
+
+    def _tag(self, ctx: StepContext, op: Op, message: int) -> int:
+        assert op.layer is not None, "a streamed transfer names its layer (planner/ir.py OP_FIELDS)"
+        return ctx.transport.tags.of_layer(self.tags[op.layer], message)
+
+    # --- the owner --------------------------------------------------------------------------------
+
+    def _params(self, ctx: StepContext, op: Op) -> list[torch.nn.Parameter]:
+        assert op.stage is not None and op.layer is not None, "a streamed transfer names its stage and layer"
+        runner = ctx.stage_runner(op.stage)
+        layer = self.runtime.layers[op.layer]
+        return [runner.param(p) for p in self.runtime.family.params_of(layer)]
+
+    def arm(self, ctx: StepContext, op: Op, ops: Sequence[Op]) -> None:
+        """Hook the layer's parameters so that the stage's last backward of the step sends the gradient as soon as
+        it is final (each parameter accumulated once per backward of the stage in `ops`)."""
+        assert op.layer is not None, "SEND_LGRAD names its layer"
+        backwards = sum(1 for o in ops if o.kind is OpKind.BWD and o.stage == op.stage)
+        params = self._params(ctx, op)
+        seen = dict.fromkeys(range(len(params)), 0)
+        name = op.layer
+
+        def hook(index: int) -> Callable[[Tensor], None]:
+            def count(_: Tensor) -> None:
+                seen[index] += 1
+                if name not in self._sent and all(c == backwards for c in seen.values()):
+                    self._send_gradient(ctx, op, params)
+
+            return count
+
+        self._hooks[name] = [p.register_post_accumulate_grad_hook(hook(i)) for i, p in enumerate(params)]
+
+    def _send_gradient(self, ctx: StepContext, op: Op, params: Sequence[torch.nn.Parameter]) -> None:
+        assert op.layer is not None and op.peer is not None, "SEND_LGRAD names its layer and helper"
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        ctx.transport.send_tagged(flat, op.peer, self._tag(ctx, op, _LGRAD), str(op))
+        self._sent.add(op.layer)
+
+    def send_gradient(self, ctx: StepContext, op: Op) -> None:
+        """The layer's gradient went to its helper during the backward (`arm`); else (a parameter the backward did
+        not reach) it goes now."""
+        assert op.layer is not None, "SEND_LGRAD names its layer"
+        for handle in self._hooks.pop(op.layer, []):
+            handle.remove()
+        if op.layer not in self._sent:
+            self._send_gradient(ctx, op, self._params(ctx, op))
+        self._sent.discard(op.layer)
+
+    def post_preconditioned(self, ctx: StepContext, op: Op, _: Sequence[Op]) -> None:
+        """Post the receive of the layer's preconditioned gradient and its <P, G>."""
+        assert op.peer is not None, "RECV_PGRAD names its helper"
+        flat = torch.cat([p.detach().reshape(-1) for p in self._params(ctx, op)])
+        buffers = [torch.empty_like(flat), torch.empty(1, dtype=torch.float64)]
+        tags = [self._tag(ctx, op, _PGRAD), self._tag(ctx, op, _PDOT)]
+        ctx.transport.post_tagged(("pgrad", op.layer), buffers, op.peer, tags)
+
+    def recv_preconditioned(self, ctx: StepContext, op: Op) -> None:
+        """Write the preconditioned gradient into the layer's `.grad` and add its <P, G> to the layer's KL-clip
+        group, as the owner's APPLY would have."""
+        assert op.stage is not None and op.layer is not None, "RECV_PGRAD names its stage and layer"
+        flat, dot = ctx.transport.take(("pgrad", op.layer), str(op))
+        offset = 0
+        for p in self._params(ctx, op):
+            p.grad = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.runtime.add_dot([self.runtime.layers[op.layer]], dot[0], op.stage)
+
+    def send_replica(self, ctx: StepContext, op: Op) -> None:
+        """Send the helper the layer's preconditioner made here (the parts the owner combined, and its refresh)."""
+        assert op.layer is not None and op.peer is not None, "SEND_REPLICA names its layer and helper"
+        waiting = self.made.get(op.layer)
+        if not waiting:
+            raise PipelineError(
+                f"rank {self.runtime.rank}: '{op}' sends a preconditioner of {op.layer} this rank has not made: "
+                "the plan lacks the DECOMP before it"
+            )
+        step, halves = waiting.popleft()
+        family, layer = self.runtime.family, self.runtime.layers[op.layer]
+        ctx.transport.send_tagged(torch.tensor([step]), op.peer, self._tag(ctx, op, _REPLICA_STEP), str(op))
+        for i, part in enumerate(family.parts):
+            packed = family.pack(layer, part, halves[part])
+            ctx.transport.send_tagged(packed, op.peer, self._tag(ctx, op, _REPLICA_PARTS + i), str(op))
+
+    # --- the helper -------------------------------------------------------------------------------
+
+    def _replica(self, op: Op) -> tuple[ParamShape, ...]:
+        if op.layer not in self.replicas:
+            raise PipelineError(
+                f"rank {self.runtime.rank}: '{op}' names a layer this rank holds no replica of (replicas: "
+                f"{sorted(self.replicas)}): the program was made for another plan"
+            )
+        return self.replicas[op.layer]
+
+    def post_gradient(self, ctx: StepContext, op: Op, _: Sequence[Op]) -> None:
+        """Post the receive of the layer's gradient."""
+        assert op.peer is not None, "RECV_LGRAD names the owner"
+        shapes = self._replica(op)
+        flat = torch.empty(sum(s.numel for s in shapes), dtype=shapes[0].dtype)
+        ctx.transport.post_tagged(("lgrad", op.layer), [flat], op.peer, [self._tag(ctx, op, _LGRAD)])
+
+    def recv_gradient(self, ctx: StepContext, op: Op) -> None:
+        """Take the layer's gradient for its APPLY here."""
+        assert op.layer is not None, "RECV_LGRAD names its layer"
+        self._inbox[op.layer] = ctx.transport.take(("lgrad", op.layer), str(op))[0]
+
+    def apply(self, ctx: StepContext, op: Op) -> None:
+        """Precondition a received gradient with the replica due at this step (PipelineError when the replica of
+        the refresh due is not here), keeping the result and its <P, G> for SEND_PGRAD."""
+        assert op.layer is not None, "an APPLY of a stage held elsewhere names its layer"
+        shapes, name = self._replica(op), op.layer
+        if name not in self._inbox:
+            raise PipelineError(f"rank {self.runtime.rank}: '{op}' before the RECV_LGRAD of {name}")
+        timing = self.runtime.timings[name]
+        due = ctx.step - timing.use_offset
+        newest = due - (due - timing.curv_step) % timing.period if due >= timing.curv_step else None
+        if newest is not None and self.replica_steps.get(name, -1) < newest:
+            raise PipelineError(
+                f"rank {self.runtime.rank}: '{op}' at step {ctx.step} needs the replica of {name}'s refresh at step "
+                f"{newest}, which has not arrived: the plan lacks its SEND_REPLICA / RECV_REPLICA"
+            )
+        state = self.runtime.states[name]
+        state.activate(ctx.step)
+        flat = self._inbox.pop(name)
+        grads: dict[str, Tensor] = {}
+        offset = 0
+        for shape in shapes:
+            grads[shape.name] = flat[offset : offset + shape.numel].view(shape.shape)
+            offset += shape.numel
+        layer = self.runtime.layers[name]
+        dot = self.runtime.family.precondition([layer], grads, self.runtime.states, dict(grads))
+        preconditioned = torch.cat([grads[s.name].reshape(-1) for s in shapes])
+        self._outbox[name] = (preconditioned, dot.detach().to(torch.float64).reshape(1))
+
+    def send_preconditioned(self, ctx: StepContext, op: Op) -> None:
+        """Send the owner the layer's preconditioned gradient and its <P, G>."""
+        assert op.layer is not None and op.peer is not None, "SEND_PGRAD names its layer and the owner"
+        if op.layer not in self._outbox:
+            raise PipelineError(f"rank {self.runtime.rank}: '{op}' before the APPLY of {op.layer}")
+        flat, dot = self._outbox.pop(op.layer)
+        ctx.transport.send_tagged(flat, op.peer, self._tag(ctx, op, _PGRAD), str(op))
+        ctx.transport.send_tagged(dot, op.peer, self._tag(ctx, op, _PDOT), str(op))
+
+    def post_replica(self, ctx: StepContext, op: Op, _: Sequence[Op]) -> None:
+        """Post the receives of a replica: its refresh step and each part."""
+        assert op.layer is not None and op.peer is not None, "RECV_REPLICA names its layer and the owner"
+        self._replica(op)
+        family, layer = self.runtime.family, self.runtime.layers[op.layer]
+        parts = [torch.empty_like(family.pack(layer, part, None)) for part in family.parts]
+        tags = [self._tag(ctx, op, _REPLICA_PARTS + i) for i in range(len(parts))]
+        buffers, tags = [torch.zeros(1, dtype=torch.int64), *parts], [self._tag(ctx, op, _REPLICA_STEP), *tags]
+        ctx.transport.post_tagged(("replica", op.layer), buffers, op.peer, tags)
+
+    def recv_replica(self, ctx: StepContext, op: Op) -> None:
+        """Combine the received parts as the owner did and queue the result for the step its timing says."""
+        assert op.layer is not None, "RECV_REPLICA names its layer"
+        step, *packed = ctx.transport.take(("replica", op.layer), str(op))
+        family, layer, name = self.runtime.family, self.runtime.layers[op.layer], op.layer
+        halves = {p: family.unpack(layer, p, flat) for p, flat in zip(family.parts, packed, strict=True)}
+        refreshed = int(step[0])
+        made = family.combine(layer, self.runtime.states[name], halves)
+        self.runtime.states[name].set_pending(made, refreshed + self.runtime.timings[name].use_offset)
+        self.replica_steps[name] = refreshed
+
+    # --- skipped steps and checkpoints ------------------------------------------------------------
+
+    def snapshot(self) -> tuple[dict[str, deque[tuple[int, dict[str, Any]]]], dict[str, int]]:
+        """What a skipped step restores (`restore`)."""
+        return {n: deque(q) for n, q in self.made.items()}, dict(self.replica_steps)
+
+    def restore(self, saved: tuple[dict[str, deque[tuple[int, dict[str, Any]]]], dict[str, int]]) -> None:
+        """Go back to a `snapshot`; what was in flight of the step is dropped."""
+        made, steps = saved
+        self.made = {n: deque(q) for n, q in made.items()}
+        self.replica_steps = dict(steps)
+        self._inbox, self._outbox, self._sent = {}, {}, set()
+        for handles in self._hooks.values():
+            for handle in handles:
+                handle.remove()
+        self._hooks = {}
