@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from fxkfac.planner.ir import Capture, LayerTiming, Op, OpKind, Program
 from fxkfac.planner.lowering import startup_programs
 from fxkfac.planner.plan import Plan, PlanMetrics, SolverStats
-from fxkfac.planner.problem import Problem, stage_groups
+from fxkfac.planner.problem import Problem, is_streamed, stage_groups
 from fxkfac.planner.simulate import BUSY_KINDS, utilization
 from fxkfac.planner.solution import GroupSolution, Placement, born_steps, peak_bytes, placements_of
 from fxkfac.planner.step_timeline import (
@@ -18,6 +18,7 @@ from fxkfac.planner.step_timeline import (
     refresh_lower_bound,
     step_timeline,
 )
+from fxkfac.planner.streaming import add_replicas, made_refreshes, replica_born
 from fxkfac.planner.stretch import Allowance, restretch
 from fxkfac.planner.window import Window
 
@@ -77,7 +78,7 @@ def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) 
     timelines = [step_timeline(problem, w.fused, refresh=True)] + [step_timeline(problem)] * (w.k - 1)
     for j, st in enumerate(timelines):
         for seq, (op, _, end) in enumerate(st.ops[device]):
-            if op.kind not in _PLACED_KINDS:
+            if op.kind not in _PLACED_KINDS or is_streamed(problem, device, op):
                 at = w.offsets[j] + round(end * w.scale)
                 steps[j].append(((at, 0, seq), op))
                 if j == 0 and op.kind is OpKind.BWD and w.fused:
@@ -152,6 +153,12 @@ def assemble_attempt(problem: Problem, attempt: Attempt, fused: frozenset[str], 
         time_quantum=0.0 if all(s.window.exact for s in sols) else max(s.window.tick for s in sols),
         stretch=max(s.window.seconds(s.window.stretch) for s in sols),
     )
+    born = born_steps(placements)
+    if problem.streaming is not None:
+        made = made_refreshes(problem.streaming, placements, layers)
+        programs = add_replicas(programs, problem.streaming, problem.stream_owner, made)
+        for rank, ops in replica_born(problem.streaming, problem.stream_owner, made).items():
+            born.setdefault(rank, {}).update(ops)
     programs = dict(sorted(programs.items()))
     return Plan(
         problem,
@@ -160,5 +167,5 @@ def assemble_attempt(problem: Problem, attempt: Attempt, fused: frozenset[str], 
         tuple(placements),
         metrics,
         problem.fingerprint,
-        startup=startup_programs(programs, born_steps(placements)),
+        startup=startup_programs(programs, born),
     )

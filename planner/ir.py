@@ -25,6 +25,7 @@ __all__ = [
     "PRECONDITIONER_KINDS",
     "SEND_KINDS",
     "LAYER_SENDS",
+    "LAYER_TRANSFER_KINDS",
     "RECV_KINDS",
     "OP_FIELDS",
     "as_programs",
@@ -80,8 +81,10 @@ layer's preconditioner it got at each refresh (REPLICA)."""
 SEND_KINDS = frozenset({OpKind.SEND_ACT, OpKind.SEND_GRAD, *LAYER_SENDS})
 RECV_KINDS = frozenset({OpKind.RECV_ACT, OpKind.RECV_GRAD, *LAYER_SENDS.values()})
 COLLECTIVE_KINDS = frozenset({OpKind.ALLREDUCE_GRAD, OpKind.SYNC_STATS, OpKind.BCAST, OpKind.BCAST_PREC})
+LAYER_TRANSFER_KINDS = frozenset({*LAYER_SENDS, *LAYER_SENDS.values()})
 PRECONDITIONER_KINDS = frozenset(
     {OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST, OpKind.APPLY, OpKind.BCAST_PREC}
+    | LAYER_TRANSFER_KINDS
 )
 """The ops a preconditioner family plugs into a pipeline's program (the plans place them)."""
 
@@ -117,7 +120,7 @@ OP_FIELDS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
     OpKind.APPLY: (frozenset({_STAGE}), frozenset({_PIPE, _LAYER})),
     OpKind.BCAST_PREC: (frozenset({_STAGE, _ROOT, _LAYER}), frozenset({_GROUP})),
     OpKind.OPT_STEP: (frozenset(), frozenset()),
-    **{k: (frozenset({_STAGE, _PEER, _LAYER}), frozenset()) for k in (*LAYER_SENDS, *LAYER_SENDS.values())},
+    **{k: (frozenset({_STAGE, _PEER, _LAYER}), frozenset()) for k in LAYER_TRANSFER_KINDS},
 }
 """The fields each kind of op must have and may have. A preconditioner's ops name a `layer` (all layers of the
 stage when absent) and a `part` of it (every part when absent); STATS names a micro-batch for a part fed by a

@@ -323,7 +323,7 @@ def _extract(
             starts[f"bcast_{part}_{layer}"] = solver.value(start)
             ready[layer] = max(ready[layer], solver.value(end))
     precs = tuple(solver.value(x) for x in v.prec)
-    staleness = sum(prec_steps_ready(w, precs, w.problem.costs.stage_of(n), t) for n, t in ready.items())
+    staleness = sum(prec_steps_ready(w, precs, n, t) for n, t in ready.items())
     return JointPlacement(
         w, choices, starts, inv_devices, precs, {s: solver.value(t) for s, t in v.slot_ticks.items()}, status, staleness
     )

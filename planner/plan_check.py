@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 from fxkfac.planner.errors import PlanFormatError
 from fxkfac.planner.ir import PRECONDITIONER_KINDS, Op, OpKind
 from fxkfac.planner.lowering import startup_programs
-from fxkfac.planner.problem import Problem, copies_of_stage
+from fxkfac.planner.problem import Problem, copies_of_stage, is_streamed
 from fxkfac.planner.solution import born_steps
 from fxkfac.planner.step_timeline import base_programs
+from fxkfac.planner.streaming import made_refreshes, replica_born
 
 if TYPE_CHECKING:
     from fxkfac.planner.plan import Plan
@@ -139,7 +140,24 @@ def _check_programs(plan: Plan) -> None:
     fixed = _fixed_ops(plan.problem)
     for device, steps in plan.programs.items():
         for op in (op for ops in steps for op in ops if op.kind in _KFAC_KINDS):
-            _check_op(plan.problem, op, device, fixed)  # the same rules as a placed op's
+            if is_streamed(plan.problem, device, op):
+                _check_streamed_op(plan.problem, op, device)
+            else:
+                _check_op(plan.problem, op, device, fixed)  # the same rules as a placed op's
+
+
+def _check_streamed_op(problem: Problem, op: Op, device: int) -> None:
+    """A streamed layer's op names a layer the problem streams, between its stage's owner and helper."""
+    streaming = problem.streaming
+    _need(
+        streaming is not None and op.layer in streaming.layers, f"{op} on r{device}: the problem streams no such layer"
+    )
+    assert streaming is not None  # _need raised otherwise
+    ends = {problem.stream_owner, streaming.helper}
+    _need(
+        op.stage == streaming.stage and device in ends, f"{op} on r{device}: not between the stage's owner and helper"
+    )
+    _need(op.peer is None or op.peer in ends - {device}, f"{op} on r{device}: its peer is not the other end")
 
 
 def _check_metrics(plan: Plan) -> None:
@@ -174,6 +192,11 @@ def _check_startup(plan: Plan) -> None:
     """The start-up steps are what `startup_programs` derives; their count is compared first, so a placement
     claiming a huge window step is refused without building that many steps."""
     born = born_steps(plan.placements)
+    streaming = plan.problem.streaming
+    if streaming is not None:
+        made = made_refreshes(streaming, plan.placements, plan.layers)
+        for rank, ops in replica_born(streaming, plan.problem.stream_owner, made).items():
+            born.setdefault(rank, {}).update(ops)
     _need(set(plan.startup) <= set(plan.programs), "start-up steps for ranks that have no program")
     for rank in plan.programs:
         last = max(born.get(rank, {}).values(), default=0)

@@ -10,7 +10,7 @@ from typing import Any
 
 from fxkfac.planner.costs import CostTable
 from fxkfac.planner.errors import ConfigError, PlanError, PlanFormatError
-from fxkfac.planner.ir import OpKind
+from fxkfac.planner.ir import LAYER_TRANSFER_KINDS, Op, OpKind
 from fxkfac.planner.lowering import linked_classes, ranks_of_stages
 from fxkfac.planner.schedules import ScheduleKind, num_stages, validate_schedule_args
 from fxkfac.planner.strategy import (
@@ -19,6 +19,7 @@ from fxkfac.planner.strategy import (
     distribute,
     grad_workers,
 )
+from fxkfac.planner.streaming import Streaming
 
 __all__ = [
     "StepBarrier",
@@ -29,6 +30,7 @@ __all__ = [
     "stage_groups",
     "copies_of_stage",
     "stages_on_device",
+    "is_streamed",
     "format_bytes",
     "agreement_set",
 ]
@@ -84,6 +86,9 @@ class Problem:
     (`decomp_pieces` > 1) always are."""
     barrier: StepBarrier = StepBarrier.WORLD
     """Which ranks each step's end synchronizes ([Note: step barrier] in planner/window.py)."""
+    streaming: Streaming | None = None
+    """Layers of a stage held by one rank whose APPLY a helper rank runs, fed during the owner's last backward
+    (planner/streaming.py; None: every rank applies its own stages)."""
 
     def __post_init__(self) -> None:
         kind = validate_schedule_args(self.schedule, self.D, self.N, self.v)
@@ -129,6 +134,36 @@ class Problem:
                     f"{where.strategy} keeps local factors of captures, but {name}'s statistics come "
                     "from the reduced gradient, the same on every copy; use mem-opt for one owner"
                 )
+
+        if self.streaming is not None:
+            self._check_streaming(self.streaming)
+
+    def _check_streaming(self, streaming: Streaming) -> None:
+        """PlanError unless the streamed stage has one copy, the helper is another rank, and each streamed layer is
+        one whose APPLY keeps no state and whose statistics come from captures (K-FAC's)."""
+        if not streaming.stage < self.num_stages or len(copies_of_stage(self, streaming.stage)) != 1:
+            raise PlanError(
+                f"streaming names stage {streaming.stage}, which is not a stage held by one rank; only a stage "
+                "without copies (W=1, not Chimera) streams its APPLY"
+            )
+        if streaming.helper not in self.devices or streaming.helper == self.stream_owner:
+            raise PlanError(f"the streaming helper must be a rank other than the stage's owner, got {streaming.helper}")
+        held = {x.name: x for x in self.costs.stages[streaming.stage].layers}
+        for name in streaming.layers:
+            layer = held.get(name)
+            if layer is None:
+                raise PlanError(f"streaming names {name!r}, which is not a layer of stage {streaming.stage}")
+            if layer.state_bytes or any(p.after is OpKind.ALLREDUCE_GRAD for p in layer.parts):
+                raise PlanError(
+                    f"{name}'s APPLY keeps state or its statistics come from the gradient (Shampoo, SOAP): only a "
+                    "layer whose APPLY reads its preconditioner alone (K-FAC) streams"
+                )
+
+    @property
+    def stream_owner(self) -> int:
+        """The rank holding the streamed stage (AssertionError without streaming)."""
+        assert self.streaming is not None, "only a problem with streaming has its owner"
+        return copies_of_stage(self, self.streaming.stage)[0]
 
     @property
     def chains_refreshes(self) -> bool:
@@ -208,6 +243,7 @@ class Problem:
             **({"decomp_pieces": self.decomp_pieces} if self.decomp_pieces > 1 else {}),
             **({"warm_start": True} if self.warm_start else {}),
             **({"barrier": self.barrier.value} if self.barrier is not StepBarrier.WORLD else {}),
+            **({"streaming": self.streaming.to_dict()} if self.streaming is not None else {}),
         }
 
     @classmethod
@@ -215,7 +251,9 @@ class Problem:
         """Inverse of `to_dict`; a malformed entry raises PlanFormatError."""
         try:
             where = sorted((str(n), LayerDistribution.parse(str(d))) for n, d in data.get("distributions", {}).items())
-            return cls(**{**data, "costs": CostTable.from_dict(data["costs"]), "distributions": tuple(where)})
+            streaming = Streaming.from_dict(data["streaming"]) if data.get("streaming") is not None else None
+            body = {**data, "costs": CostTable.from_dict(data["costs"]), "distributions": tuple(where)}
+            return cls(**{**body, "streaming": streaming})
         except (KeyError, TypeError, ConfigError) as e:
             raise PlanFormatError(f"the plan's problem is malformed: {e}") from e
 
@@ -305,6 +343,14 @@ def copies_of_stage(problem: Problem, stage: int) -> tuple[int, ...]:
 def stages_on_device(problem: Problem, device: int) -> tuple[int, ...]:
     """The stages whose F/B run on `device`, ascending."""
     return tuple(s for s, ranks in _holders(problem).items() if device in ranks)
+
+
+def is_streamed(problem: Problem, device: int, op: Op) -> bool:
+    """Whether `op` on `device` is part of a streamed layer's hand-off (planner/streaming.py): a transfer of one,
+    or its APPLY on the helper, which does not hold the stage. Such ops are fixed by the step, not placed."""
+    return op.kind in LAYER_TRANSFER_KINDS or (
+        op.kind is OpKind.APPLY and op.stage not in stages_on_device(problem, device)
+    )
 
 
 @lru_cache(maxsize=64)

@@ -8,7 +8,7 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from fxkfac.planner.errors import DeadlockError
-from fxkfac.planner.ir import COLLECTIVE_KINDS, RECV_KINDS, SEND_KINDS, Op, OpKind, Program, as_programs
+from fxkfac.planner.ir import COLLECTIVE_KINDS, LAYER_SENDS, RECV_KINDS, SEND_KINDS, Op, OpKind, Program, as_programs
 
 __all__ = ["Interval", "Timeline", "simulate", "utilization", "COMPUTE_KINDS", "BUSY_KINDS", "SYNCHRONIZING_KINDS"]
 
@@ -167,8 +167,14 @@ def _producer_rank(rank: int, op: Op, producer: Op, flat: _Flat) -> int:
     return candidates[own.index(rank)]
 
 
+_LAYER_RECVS = {recv: send for send, recv in LAYER_SENDS.items()}
+
+
 def _message_key(src: int, dst: int, op: Op) -> tuple:
-    """Matches a SEND on src with the RECV on dst of the same tensor (by consumer stage)."""
+    """Matches a SEND on src with the RECV on dst of the same tensor (by consumer stage; a streamed layer's by its
+    stage and layer)."""
+    if op.kind in LAYER_SENDS or op.kind in _LAYER_RECVS:
+        return (src, dst, _LAYER_RECVS.get(op.kind, op.kind), op.stage, op.layer)
     if op.kind is OpKind.SEND_ACT:
         return (src, dst, "act", op.stage + 1, op.mb, op.pipe)  # type: ignore[operator]  # a transfer names its stage
     if op.kind is OpKind.SEND_GRAD:
@@ -186,9 +192,14 @@ class _Sim:
     """The state of one simulation: per-rank cursor and free time, finished ends, messages."""
 
     def __init__(
-        self, flat: _Flat, duration: Duration, comm: float, barrier: Mapping[int, tuple[int, ...]] | None
+        self,
+        flat: _Flat,
+        duration: Duration,
+        comm: float,
+        barrier: Mapping[int, tuple[int, ...]] | None,
+        lead: Duration | None,
     ) -> None:
-        self.flat, self.duration, self.comm = flat, duration, comm
+        self.flat, self.duration, self.comm, self.lead = flat, duration, comm, lead
         self.explicit = any(op.kind in SEND_KINDS | RECV_KINDS for ops in flat.ops.values() for _, op in ops)
         self.num_stages: dict[int, int] = defaultdict(int)
         for ops in flat.ops.values():
@@ -235,7 +246,8 @@ class _Sim:
         self.ends[rank, self.pos[rank]] = end
         self.free[rank] = end
         if op.kind in SEND_KINDS:
-            self.sent[_message_key(rank, op.peer, op)].append(end + self.comm)  # type: ignore[arg-type]  # a transfer names its peer
+            early = self.lead(rank, op) if self.lead is not None else 0.0
+            self.sent[_message_key(rank, op.peer, op)].append(end + self.comm - early)  # type: ignore[arg-type]  # a transfer names its peer
         if op.kind in RECV_KINDS:
             self.recv_count[_message_key(op.peer, rank, op)] += 1  # type: ignore[arg-type]  # a transfer names its peer
         self.pos[rank] += 1
@@ -281,6 +293,7 @@ def simulate(
     steps: int = 1,
     comm: float = 0.0,
     barrier: Mapping[int, tuple[int, ...]] | None = None,
+    lead: Duration | None = None,
 ) -> Timeline:
     """Run `programs` (per rank: one step's ops, or a period of steps) for `steps` steps.
 
@@ -293,12 +306,13 @@ def simulate(
     runtime's end-of-step barrier) and last the longest `duration` of their members (the planner's
     callers price collectives with the cost table's comm model, `CostTable.collective_seconds`); other
     K-FAC ops follow program order. `barrier`: per rank, the ranks its OPT_STEP waits for (its agreement set;
-    None: every rank holding OPT_STEP, a world barrier).
+    None: every rank holding OPT_STEP, a world barrier). `lead`: seconds before a SEND's start that its message
+    leaves (a streamed send's: the part of the BWD before it that ran after the data was final).
     Step j runs the period's step j % period. Raises DeadlockError naming the blocked ops.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    sim = _Sim(_flatten(as_programs(programs), steps), duration, comm, barrier)
+    sim = _Sim(_flatten(as_programs(programs), steps), duration, comm, barrier, lead)
     while True:
         before = len(sim.intervals)
         blocked = [msg for msg in (sim.advance(r) for r in sorted(sim.pos)) if msg]

@@ -67,18 +67,18 @@ class GroupSolution:
     """Wall seconds it took (a measurement of this machine now: not part of equality)."""
 
 
-def prec_steps_ready(window: Window, prec_starts: tuple[int, ...], stage: int, ready: int) -> int:
-    """The first step u (0..2k) whose APPLY(stage) starts, on every copy, at or after tick `ready`."""
-    k, L = window.k, window.length
-    for u in range(2 * k + 1):
-        base = L * (u // k)
+def prec_steps_ready(window: Window, prec_starts: tuple[int, ...], layer: str, ready: int) -> int:
+    """The first step u (0..2k) whose APPLY of `layer`'s stage starts, on every copy, at or after tick `ready` (a
+    streamed layer: whose owner's last backward does; `Window.use_tick`)."""
+    stage = window.problem.costs.stage_of(layer)
+    for u in range(2 * window.k + 1):
         if all(
-            base + prec_starts[i] >= ready
+            window.use_tick(layer, u, prec_starts[i]) >= ready
             for i, slot in enumerate(window.precs)
-            if slot.stage == stage and slot.step == u % k
+            if slot.stage == stage and slot.step == u % window.k
         ):
             return u
-    return 2 * k + 1
+    return 2 * window.k + 1
 
 
 def use_offsets(window: Window, starts: tuple[int, ...], prec_starts: tuple[int, ...]) -> dict[str, int]:
@@ -89,10 +89,7 @@ def use_offsets(window: Window, starts: tuple[int, ...], prec_starts: tuple[int,
         if task.kind in (TaskKind.INV, TaskKind.BCAST):
             for layer, _ in task.factors:
                 ready[layer] = max(ready.get(layer, 0), start + task.ticks)
-    return {
-        layer: prec_steps_ready(window, prec_starts, window.problem.costs.stage_of(layer), t)
-        for layer, t in ready.items()
-    }
+    return {layer: prec_steps_ready(window, prec_starts, layer, t) for layer, t in ready.items()}
 
 
 def remade_spans(solution: GroupSolution, device: int) -> list[tuple[int, int, int]]:

@@ -22,6 +22,7 @@ from fxkfac.planner.problem import (
 from fxkfac.planner.schedules import schedule_programs
 from fxkfac.planner.simulate import Timeline, simulate, utilization
 from fxkfac.planner.strategy import keeps_statistics
+from fxkfac.planner.streaming import ready_fractions, stream_step
 
 __all__ = [
     "StepTimeline",
@@ -107,7 +108,16 @@ def prec_work(problem: Problem, device: int, stage: int) -> list[tuple[Op, float
         for op, secs in gradient_stats(cost, stage)
         if op.layer is not None and device in problem.workers(op.layer)
     ]
-    applies, shares = step_applies(device, stage, [x.name for x in cost.layers], copies, dict(problem.distributions))
+    streaming = problem.streaming
+    if streaming is not None and streaming.stage == stage:  # the helper applies the streamed layers
+        applies, shares = (
+            [Op(OpKind.APPLY, stage, layer=x.name) for x in cost.layers if x.name not in streaming.layers],
+            [],
+        )
+    else:
+        applies, shares = step_applies(
+            device, stage, [x.name for x in cost.layers], copies, dict(problem.distributions)
+        )
     work += [(op, cost.prec if op.layer is None else problem.costs.layer(op.layer).prec) for op in applies]
     return work + [(op, problem.costs.collective_seconds(op, len(op.group or copies))) for op in shares]
 
@@ -126,6 +136,8 @@ def reference_programs(problem: Problem) -> dict[int, list[Op]]:
                 assert s is not None, "the schedules' ALLREDUCE_GRAD names its stage"
                 body += [work for work, _ in prec_work(problem, rank, s)]
         out[rank] = body
+    if problem.streaming is not None:
+        out = stream_step(out, problem.streaming, problem.stream_owner)
     return out
 
 
@@ -193,7 +205,8 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callabl
         if op.kind is OpKind.BWD:
             return bwd[op.stage]  # type: ignore[index]  # a BWD names its stage
         if op.kind in (OpKind.APPLY, OpKind.BCAST_PREC):
-            return per_step[rank, op]
+            streamed = (rank, op) not in per_step and op.kind is OpKind.APPLY and op.layer is not None
+            return problem.costs.layer(op.layer).prec if streamed else per_step[rank, op]  # type: ignore[arg-type]  # checked
         if op.kind is OpKind.STATS:
             return stats[op.layer, op.part]
         if op.kind is OpKind.ALLREDUCE_GRAD and op.stage is not None:
@@ -201,6 +214,23 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callabl
         return 0.0
 
     return duration
+
+
+def _stream_lead(problem: Problem, duration: Callable[[int, Op], float]) -> Callable[[int, Op], float] | None:
+    """How long before a streamed gradient's SEND_LGRAD its message leaves: the part of the stage's backward after
+    the layer's gradient is final (`ready_fractions`); None without streaming."""
+    streaming = problem.streaming
+    if streaming is None:
+        return None
+    fractions = ready_fractions(problem.costs.stages[streaming.stage].layers)
+    bwd = Op(OpKind.BWD, streaming.stage, 0)
+
+    def lead(rank: int, op: Op) -> float:
+        if op.kind is not OpKind.SEND_LGRAD or op.layer is None:
+            return 0.0
+        return (1.0 - fractions[op.layer]) * duration(rank, bwd)
+
+    return lead
 
 
 @lru_cache(maxsize=256)
@@ -219,7 +249,8 @@ def step_timeline(
     its next step early (`early_start`), which changes no F/B time.
     """
     programs = reference_programs(problem) if with_prec else base_programs(problem)
-    one = simulate(programs, _duration(problem, fused, refresh), steps=1)
+    duration = _duration(problem, fused, refresh)
+    one = simulate(programs, duration, steps=1, lead=_stream_lead(problem, duration))
     return _step_from(one, one.makespan)
 
 

@@ -193,6 +193,18 @@ class Window:
     leads: tuple[int, ...]
     stretch: int = 0
     aggregate: bool = False
+    stream_use: tuple[int, ...] = ()
+    """Per step of the window, the tick at which the streamed stage's owner starts its last backward (empty without
+    streaming): a streamed layer's inverse must be made by then to reach its helper, which applies it during that
+    backward (planner/streaming.py)."""
+
+    def use_tick(self, layer: str, u: int, slot_start: int) -> int:
+        """The tick by which `layer`'s inverse must be made for window step `u` (0..2k) to use it: the start of its
+        stage's APPLY slot there (`slot_start`, within the window), or for a streamed layer the start of its owner's
+        last backward."""
+        streaming = self.problem.streaming
+        start = self.stream_use[u % self.k] if streaming is not None and layer in streaming.layers else slot_start
+        return self.length * (u // self.k) + start
 
     @property
     def length(self) -> int:

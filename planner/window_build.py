@@ -11,7 +11,7 @@ from functools import lru_cache
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.ir import Op, OpKind
 from fxkfac.planner.memory import activation_intervals, static_bytes
-from fxkfac.planner.problem import Problem, StageGroup, copies_of_stage, stages_on_device
+from fxkfac.planner.problem import Problem, StageGroup, copies_of_stage, is_streamed, stages_on_device
 from fxkfac.planner.step_timeline import StepTimeline, early_start, prec_work, step_begins, step_timeline
 from fxkfac.planner.strategy import keeps_statistics
 from fxkfac.planner.window import Grid, Interval, PrecSlot, Task, TaskKind, Window, step_start_tick, wrap
@@ -114,6 +114,20 @@ def build_window(
         leads,
         stretch,
         aggregate,
+        _stream_use(problem, steps, offsets, grid),
+    )
+
+
+def _stream_use(problem: Problem, steps: Sequence[StepTimeline], offsets: Sequence[int], grid: Grid) -> tuple[int, ...]:
+    """Per step, the tick at which the streamed stage's owner starts its last backward (`Window.stream_use`)."""
+    streaming = problem.streaming
+    if streaming is None:
+        return ()
+    owner = problem.stream_owner
+    return tuple(
+        offsets[j]
+        + grid.at(max(a for op, a, _ in st.fixed(owner) if op.kind is OpKind.BWD and op.stage == streaming.stage))
+        for j, st in enumerate(steps)
     )
 
 
@@ -138,6 +152,8 @@ def _device_work(
             if op.kind is OpKind.ALLREDUCE_GRAD:  # its interval, and at least the tick before it ends
                 end = off + grid.at(b)
                 busy += wrap(min(off + grid.at(a), end - 1), end, length) if end >= 1 else []
+            elif op.kind is OpKind.APPLY and is_streamed(problem, device, op):  # the helper's APPLY of a streamed layer
+                busy += wrap(off + grid.at(a), off + grid.at(b), length)
         begin = step_start_tick(offsets, leads, j)
         busy += wrap(begin, begin + 1, length)  # no task spans a boundary ([Note: step barrier])
         for a, b, nbytes in activation_intervals(problem, device, st):
@@ -172,7 +188,8 @@ def _prec_slots(
             for j, st in enumerate(steps):
                 release = offsets[j] + grid.at(st.allreduce_end[d, s])
                 deadline = step_start_tick(offsets, leads, j + 1)  # before OPT_STEP ([Note: step barrier])
-                reference = offsets[j] + grid.at(st.end_of(d, ops[-1]) - seconds)
+                end = st.end_of(d, ops[-1]) if ops else st.allreduce_end[d, s]  # every layer streamed: no work
+                reference = offsets[j] + grid.at(end - seconds)
                 ticks = min(grid.span(seconds), deadline - release)
                 slots.append(
                     PrecSlot(d, s, j, release, deadline, max(release, reference), ticks, ops, durations, lead_s)

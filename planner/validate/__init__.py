@@ -34,6 +34,7 @@ from fxkfac.planner.validate.placements import (
     check_step_time,
 )
 from fxkfac.planner.validate.programs import check_programs
+from fxkfac.planner.validate.streaming import check_streaming
 
 if TYPE_CHECKING:
     from fxkfac.planner.plan import Plan
@@ -74,6 +75,7 @@ def validate(problem: Problem, plan: Plan, *, run: bool = True) -> list[str]:
     ):
         check(c)
     check_programs(c, run)
+    check_streaming(c)
     return c.errors
 
 

@@ -84,6 +84,9 @@ def step_ops(c: Context, stage: int, device: int) -> list[Op]:
         for layer, part in gradient_fed_parts(c, stage)
         if device in p.workers(layer)
     ]
+    streaming = p.streaming
+    if streaming is not None and streaming.stage == stage:  # the helper applies the streamed layers
+        return ops + [Op(OpKind.APPLY, stage, layer=x.name) for x in layers if x.name not in streaming.layers]
     if all(p.where(x.name).strategy == COMM_OPT for x in layers):
         return ops + [Op(OpKind.APPLY, stage)]
     ops += [Op(OpKind.APPLY, stage, layer=x.name) for x in layers if device in p.workers(x.name)]
@@ -148,9 +151,15 @@ def capture_after(c: Context, op: Op) -> OpKind:
 
 def apply_start(c: Context, layer: str, u: int, device: int) -> float:
     """When window step `u` (0..2k) on `device` starts the APPLY that preconditions `layer` (the stage's, or the
-    layer's own where the stage has them), counted from the window's start (0 where there is none)."""
+    layer's own where the stage has them; a streamed layer: when its owner starts the backward that streams it),
+    counted from the window's start (0 where there is none)."""
     s = c.problem.costs.stage_of(layer)
     k = c.period(s)
+    streaming = c.problem.streaming
+    if streaming is not None and layer in streaming.layers:  # needed once the owner starts streaming it
+        owner = c.problem.stream_owner
+        bwd = max(a for op, a, _ in c.timeline(u, k).ops[owner] if op.kind is OpKind.BWD and op.stage == s)
+        return c.base(u % k, k) + bwd + c.length(k) * (u // k)
     apply = (
         Op(OpKind.APPLY, s)
         if Op(OpKind.APPLY, s) in step_ops(c, s, c.problem.workers(layer)[0])

@@ -5,11 +5,12 @@ than planned."""
 from __future__ import annotations
 
 from fxkfac.planner.errors import DeadlockError
-from fxkfac.planner.ir import PRECONDITIONER_KINDS, Op, OpKind
-from fxkfac.planner.problem import StepBarrier, agreement_set, copies_of_stage
+from fxkfac.planner.ir import LAYER_TRANSFER_KINDS, PRECONDITIONER_KINDS, Op, OpKind
+from fxkfac.planner.problem import StepBarrier, agreement_set, copies_of_stage, is_streamed
 from fxkfac.planner.simulate import simulate
 from fxkfac.planner.step_timeline import fused_stats
 from fxkfac.planner.validate.context import Context, collective_seconds, op_seconds, per_step
+from fxkfac.planner.validate.streaming import stream_lead
 
 
 def check_programs(c: Context, run: bool) -> None:
@@ -33,7 +34,7 @@ def check_programs(c: Context, run: bool) -> None:
             (j, str(op))
             for j, ops in enumerate(prog)
             for op in ops
-            if op.kind in PRECONDITIONER_KINDS and not _fold(c, op)
+            if op.kind in PRECONDITIONER_KINDS and not _fold(c, op) and not is_streamed(c.problem, d, op)
         ]
         _check_folds(c, d, prog)
         if sorted(listed) != sorted(times):
@@ -84,8 +85,8 @@ def _check_interleaving(c: Context, device: int, k: int, prog: list[list[Op]]) -
         for i, op in enumerate(ops):
             if op.kind is OpKind.OPT_STEP and i != len(ops) - 1:
                 c.errors.append(f"r{device} step {j}: OPT_STEP is not the last op")
-            if op.kind not in PRECONDITIONER_KINDS or _fold(c, op):
-                continue
+            if op.kind not in PRECONDITIONER_KINDS or _fold(c, op) or is_streamed(c.problem, device, op):
+                continue  # a streamed layer's ops: check_streaming
             t = starts[(j, str(op))]
             for n, item in enumerate(times):
                 if item is None or item[0].kind is OpKind.OPT_STEP:
@@ -125,7 +126,9 @@ def _check_runs(c: Context) -> None:
             return stages[op.stage].bwd  # type: ignore[index]  # a BWD names its stage
         if op.kind is OpKind.ALLREDUCE_GRAD:
             return collective_seconds(c, op)
-        return op_seconds(c, op) if op.kind in PRECONDITIONER_KINDS and not _fold(c, op) else 0.0
+        if op.kind in LAYER_TRANSFER_KINDS or _fold(c, op):
+            return 0.0
+        return op_seconds(c, op) if op.kind in PRECONDITIONER_KINDS else 0.0
 
     periods = [len(p) for p in c.plan.programs.values()]
     steps = max(periods) * 2
@@ -135,7 +138,7 @@ def _check_runs(c: Context) -> None:
             if c.problem.barrier is StepBarrier.WORLD
             else {d: agreement_set(c.problem, d) for d in c.problem.devices}
         )
-        timeline = simulate(c.plan.programs, duration, steps=steps, barrier=barrier)
+        timeline = simulate(c.plan.programs, duration, steps=steps, barrier=barrier, lead=stream_lead(c))
     except DeadlockError as e:
         c.errors.append(f"the programs deadlock: {e}")
         return

@@ -1,0 +1,158 @@
+"""Streamed preconditioning in programs (docs/STREAMED_APPLY.md): layers of a stage held by one rank whose APPLY a
+helper rank runs, fed their gradients while the owner's last backward of the step makes them.
+
+On GPipe and 1F1B the first stage's last backward, its APPLY and its next forward lie on the cycle every step
+repeats, so that APPLY adds its whole length to the step however the plan places the rest. Streaming takes it
+off the cycle: the owner sends each streamed layer's gradient the moment it is final (SEND_LGRAD, placed after the
+backward it streams from), the helper receives it (RECV_LGRAD), applies its replica of the layer's preconditioner
+(APPLY of the owner's stage naming the layer) and sends the result back (SEND_PGRAD); the owner writes it into the
+gradient before OPT_STEP (RECV_PGRAD). At each refresh the owner sends the helper the made preconditioner right
+after the DECOMP that completes it (SEND_REPLICA), and the helper takes it in the same step (RECV_REPLICA).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fxkfac.planner.costs import LayerCost
+from fxkfac.planner.errors import PlanFormatError
+from fxkfac.planner.ir import LayerTiming, Op, OpKind, Program
+
+if TYPE_CHECKING:
+    from fxkfac.planner.solution import Placement
+
+__all__ = ["Streaming", "Made", "stream_step", "made_refreshes", "replica_born", "add_replicas", "ready_fractions"]
+
+
+@dataclass(frozen=True)
+class Streaming:
+    """Layers of `stage` (held by one rank, its owner) that rank `helper` preconditions, in the order the owner's
+    backward makes their gradients final."""
+
+    stage: int
+    helper: int
+    layers: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        ok = (
+            isinstance(self.stage, int)
+            and self.stage >= 0
+            and isinstance(self.helper, int)
+            and self.helper >= 0
+            and isinstance(self.layers, tuple)
+            and len(self.layers) > 0
+            and len(set(self.layers)) == len(self.layers)
+            and all(isinstance(n, str) and n for n in self.layers)
+        )
+        if not ok:
+            raise PlanFormatError(
+                f"Streaming needs a stage and a helper rank (ints >= 0) and distinct layer names, got {self!r}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able form."""
+        return {"stage": self.stage, "helper": self.helper, "layers": list(self.layers)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Streaming:
+        """Inverse of `to_dict`; PlanFormatError when malformed."""
+        try:
+            return cls(data["stage"], data["helper"], tuple(data["layers"]))
+        except (KeyError, TypeError) as e:
+            raise PlanFormatError(f"the plan's streaming is malformed: {e!r}") from e
+
+
+def ready_fractions(layers: Sequence[LayerCost]) -> dict[str, float]:
+    """The share of its stage's backward done when each layer's gradient is final: `layers` in forward order, which
+    the backward visits in reverse, each taking a share as large as its gradient (a linear layer's backward FLOPs
+    are proportional to it). An estimate: the stage's other ops (attention's products, norms) are spread with
+    them."""
+    total = sum(x.gradient_bytes for x in layers)
+    done, out = 0, {}
+    for x in reversed(layers):
+        done += x.gradient_bytes
+        out[x.name] = done / total if total else 1.0
+    return out
+
+
+def _before_step_end(ops: list[Op], extra: Sequence[Op]) -> list[Op]:
+    """`ops` with `extra` before its OPT_STEP (at its end without one)."""
+    at = next((i for i, op in enumerate(ops) if op.kind is OpKind.OPT_STEP), len(ops))
+    return ops[:at] + list(extra) + ops[at:]
+
+
+def stream_step(ops: Mapping[int, Sequence[Op]], streaming: Streaming, owner: int) -> dict[int, list[Op]]:
+    """One step's programs with the streamed layers handed over: the owner sends each layer's gradient after the
+    stage's last BWD and receives it preconditioned before its step ends; the helper, before its step ends,
+    receives, applies and returns each layer in turn (the owner's APPLY of those layers is not in `ops`)."""
+    s, helper = streaming.stage, streaming.helper
+    out = {rank: list(body) for rank, body in ops.items()}
+    body = out[owner]
+    last = max(i for i, op in enumerate(body) if op.kind is OpKind.BWD and op.stage == s)
+    sends = [Op(OpKind.SEND_LGRAD, s, peer=helper, layer=n) for n in streaming.layers]
+    body[last + 1 : last + 1] = sends
+    out[owner] = _before_step_end(body, [Op(OpKind.RECV_PGRAD, s, peer=helper, layer=n) for n in streaming.layers])
+    chain = [
+        op
+        for n in streaming.layers
+        for op in (
+            Op(OpKind.RECV_LGRAD, s, peer=owner, layer=n),
+            Op(OpKind.APPLY, s, layer=n),
+            Op(OpKind.SEND_PGRAD, s, peer=owner, layer=n),
+        )
+    ]
+    out[helper] = _before_step_end(out[helper], chain)
+    return out
+
+
+Made = Mapping[str, tuple[Op, int, int]]
+"""Per streamed layer: the DECOMP that completes a refresh, its window step, and the layer's use offset."""
+
+
+def made_refreshes(streaming: Streaming, placements: Iterable[Placement], timings: Mapping[str, LayerTiming]) -> Made:
+    """Each streamed layer's refresh-completing DECOMP: the one its window places last (`Made`)."""
+    decomps: dict[str, list[Placement]] = {}
+    for p in placements:
+        if p.op.kind is OpKind.DECOMP and p.op.layer in streaming.layers:
+            decomps.setdefault(p.op.layer, []).append(p)
+    out = {}
+    for name, placed in decomps.items():
+        last = max(placed, key=lambda p: (p.step, p.end))
+        out[name] = (last.op, last.step, timings[name].use_offset)
+    return out
+
+
+def replica_born(streaming: Streaming, owner: int, made: Made) -> dict[int, dict[Op, int]]:
+    """The window step from which each replica transfer runs, on the owner and the helper (`startup_programs`):
+    its DECOMP's, so that no step sends or awaits a refresh from before step 0."""
+    s, helper = streaming.stage, streaming.helper
+    return {
+        owner: {Op(OpKind.SEND_REPLICA, s, peer=helper, layer=n): step for n, (_, step, _) in made.items()},
+        helper: {Op(OpKind.RECV_REPLICA, s, peer=owner, layer=n): step for n, (_, step, _) in made.items()},
+    }
+
+
+def add_replicas(programs: Mapping[int, Program], streaming: Streaming, owner: int, made: Made) -> dict[int, Program]:
+    """The period programs with each streamed layer's replica transfers (`made`: `made_refreshes`): SEND_REPLICA
+    follows the DECOMP that completes a refresh; RECV_REPLICA runs in the same step on the helper (whose program is
+    unrolled to both periods' lcm): before the helper's APPLY of the layer when the refresh is first used in that
+    step, else before its step ends."""
+    s, helper = streaming.stage, streaming.helper
+    out = {rank: [list(step) for step in body] for rank, body in programs.items()}
+    k_owner, k_helper = len(out[owner]), len(out[helper])
+    period = math.lcm(k_owner, k_helper)
+    out[helper] = [list(out[helper][j % k_helper]) for j in range(period)]
+    for layer, (decomp, window_step, use_offset) in made.items():
+        step = out[owner][window_step % k_owner]
+        step.insert(step.index(decomp) + 1, Op(OpKind.SEND_REPLICA, s, peer=helper, layer=layer))
+        recv, apply = Op(OpKind.RECV_REPLICA, s, peer=owner, layer=layer), Op(OpKind.APPLY, s, layer=layer)
+        for j in range(window_step % k_owner, period, k_owner):
+            body = out[helper][j]
+            if window_step == use_offset:
+                body.insert(body.index(apply), recv)
+            else:
+                out[helper][j] = _before_step_end(body, [recv])
+    return out

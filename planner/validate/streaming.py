@@ -1,0 +1,100 @@
+"""Checks of a streamed stage's hand-offs (planner/streaming.py): every step the owner sends each streamed layer's
+gradient after the stage's last backward and takes it back before its step ends, the helper receives, applies and
+returns it, and every refresh's preconditioner reaches the helper before the helper's first APPLY that uses it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+from fxkfac.planner.ir import Op, OpKind, ops_at
+from fxkfac.planner.streaming import Streaming, ready_fractions
+from fxkfac.planner.validate.context import Context
+
+__all__ = ["check_streaming", "stream_lead"]
+
+
+def stream_lead(c: Context) -> Callable[[int, Op], float] | None:
+    """How long before a SEND_LGRAD its gradient leaves: the part of its stage's backward (a normal step's) after the
+    layer's gradient is final; None without streaming."""
+    streaming = c.problem.streaming
+    if streaming is None:
+        return None
+    stage = c.problem.costs.stages[streaming.stage]
+    fractions = ready_fractions(stage.layers)
+
+    def lead(_: int, op: Op) -> float:
+        return (1.0 - fractions[op.layer]) * stage.bwd if op.kind is OpKind.SEND_LGRAD and op.layer else 0.0
+
+    return lead
+
+
+def check_streaming(c: Context) -> None:
+    """The hand-offs of every step and the replicas of every refresh (nothing to check without streaming)."""
+    streaming = c.problem.streaming
+    if streaming is None:
+        return
+    owner = c.problem.stream_owner
+    for j, ops in enumerate(c.plan.programs[owner]):
+        _check_owner_step(c, streaming, owner, j, ops)
+    for j, ops in enumerate(c.plan.programs[streaming.helper]):
+        _check_helper_step(c, streaming, owner, j, ops)
+    _check_replicas(c, streaming, owner)
+
+
+def _check_owner_step(c: Context, streaming: Streaming, owner: int, j: int, ops: list[Op]) -> None:
+    s, helper = streaming.stage, streaming.helper
+    last = max((i for i, op in enumerate(ops) if op.kind is OpKind.BWD and op.stage == s), default=None)
+    sends = [Op(OpKind.SEND_LGRAD, s, peer=helper, layer=n) for n in streaming.layers]
+    if last is None or ops[last + 1 : last + 1 + len(sends)] != sends:
+        c.errors.append(f"r{owner} step {j}: the streamed layers' SEND_LGRAD do not follow the last BWD of stage {s}")
+    for n in streaming.layers:
+        recv = Op(OpKind.RECV_PGRAD, s, peer=helper, layer=n)
+        if ops.count(recv) != 1:
+            c.errors.append(f"r{owner} step {j}: '{recv}' must run once")
+        if any(op.kind is OpKind.APPLY and op.stage == s and op.layer in (None, n) for op in ops):
+            c.errors.append(f"r{owner} step {j}: applies {n}, which r{helper} preconditions")
+
+
+def _check_helper_step(c: Context, streaming: Streaming, owner: int, j: int, ops: list[Op]) -> None:
+    s = streaming.stage
+    for n in streaming.layers:
+        chain = [
+            Op(OpKind.RECV_LGRAD, s, peer=owner, layer=n),
+            Op(OpKind.APPLY, s, layer=n),
+            Op(OpKind.SEND_PGRAD, s, peer=owner, layer=n),
+        ]
+        at = [ops.index(op) if ops.count(op) == 1 else -1 for op in chain]
+        if min(at) < 0 or at != sorted(at):
+            c.errors.append(f"r{streaming.helper} step {j}: {n} is not received, applied and returned once, in order")
+
+
+def _check_replicas(c: Context, streaming: Streaming, owner: int) -> None:
+    """Replay the replicas over two periods of every program: the owner sends one after a DECOMP of the layer, the
+    helper takes it in the same step, and each helper APPLY finds the refresh its timing makes due (the n-th replica
+    carries the layer's n-th refresh since step 0)."""
+    s, helper = streaming.stage, streaming.helper
+    periods = [len(c.plan.programs[r]) + len(c.plan.startup.get(r, [])) for r in (owner, helper)]
+    for n in streaming.layers:
+        timing = c.plan.layers[n]
+        send = Op(OpKind.SEND_REPLICA, s, peer=helper, layer=n)
+        recv = Op(OpKind.RECV_REPLICA, s, peer=owner, layer=n)
+        received = 0
+        for t in range(2 * math.lcm(*periods) + max(periods)):
+            mine = ops_at(c.plan.programs, c.plan.startup, owner, t)
+            theirs = ops_at(c.plan.programs, c.plan.startup, helper, t)
+            if mine.count(send) != theirs.count(recv):
+                c.errors.append(
+                    f"step {t}: r{owner} sends {mine.count(send)} replicas of {n}, r{helper} takes {theirs.count(recv)}"
+                )
+                return
+            if send in mine and not any(op.kind is OpKind.DECOMP and op.layer == n for op in mine[: mine.index(send)]):
+                c.errors.append(f"step {t}: r{owner} sends a replica of {n} before any DECOMP of it in the step")
+            for op in theirs:
+                received += op == recv
+                if op != Op(OpKind.APPLY, s, layer=n):
+                    continue
+                due = t - timing.use_offset
+                if due >= timing.curv_step and received < (due - timing.curv_step) // timing.period + 1:
+                    c.errors.append(f"step {t}: r{helper} applies {n} before the replica of its refresh due arrives")
+                    return
