@@ -20,6 +20,7 @@ from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StepBar
 from fxkfac.planner.profiles import load_cost_table
 from fxkfac.planner.schedules import ScheduleKind
 from fxkfac.planner.solve import TimeBox
+from fxkfac.planner.stream_choice import with_streaming
 from fxkfac.planner.validate import check_plan
 
 __all__ = [
@@ -166,6 +167,15 @@ def solve_for(
     )
     if target.max_period is not None:
         problem = replace(problem, max_period=target.max_period)
+    if options.stream_apply:
+        problem = with_streaming(problem)
+        if problem.streaming is not None:
+            log.info(
+                "plan='auto': rank %d applies %d layer(s) of stage %d, streamed during its last backward",
+                problem.streaming.helper,
+                len(problem.streaming.layers),
+                problem.streaming.stage,
+            )
     config = SolverConfig(time_limit_s=options.time_limit_s, deterministic=options.deterministic, progress=progress)
     log.info("solving the plan of %s", target.describe())
     strategy, box = options.forced_strategy, TimeBox(config)  # one time limit for both tries

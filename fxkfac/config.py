@@ -220,6 +220,10 @@ class PlanOptions:
     """How the copies of a stage share each layer's work (planner/strategy.py): a Strategy or its text
     (``comm-opt``, ``mem-opt``, ``hybrid:0.5``, ``dp-kfac``) forces it on every layer; None or ``auto``: the
     planner chooses (`plan=None`: COMM-OPT)."""
+    stream_apply: bool = True
+    """Let a rank that idles at the step's end precondition the first stage's layers, fed their gradients during
+    its last backward, where that shortens the step (GPipe, 1F1B; docs/STREAMED_APPLY.md). The training is the
+    same either way; False keeps every APPLY on its stage's rank."""
 
     def __post_init__(self) -> None:
         if isinstance(self.strategy, str):
@@ -237,6 +241,8 @@ class PlanOptions:
             raise ConfigError(f"PlanOptions.time_limit_s must be > 0, got {self.time_limit_s!r}")
         if not isinstance(self.deterministic, bool):
             raise ConfigError(f"PlanOptions.deterministic must be True or False, got {self.deterministic!r}")
+        if not isinstance(self.stream_apply, bool):
+            raise ConfigError(f"PlanOptions.stream_apply must be True or False, got {self.stream_apply!r}")
 
     @property
     def forced_strategy(self) -> Strategy | None:

@@ -42,7 +42,26 @@ def static_bytes(problem: Problem, device: int) -> int:
             held = holding(device, copies, problem.where(x.name), gradient_fed)
             total += x.factor_bytes * (held.statistics + 2 * held.decompositions) + x.state_bytes * held.decompositions
             shared = max(shared, x.gradient_bytes * held.shares_gradient)
-    return total + shared + max((problem.costs.stages[s].peak_err_bytes for s in stages), default=0)
+    return (
+        total
+        + shared
+        + max((problem.costs.stages[s].peak_err_bytes for s in stages), default=0)
+        + _streamed_bytes(problem, device)
+    )
+
+
+def _streamed_bytes(problem: Problem, device: int) -> int:
+    """What streaming adds (planner/streaming.py): on the owner, the buffers its streamed layers' preconditioned
+    gradients land in (posted when the step begins); on the helper, the received gradients, their preconditioned
+    copies and two decompositions (active and next) of each replica."""
+    streaming = problem.streaming
+    if streaming is None or device not in (problem.stream_owner, streaming.helper):
+        return 0
+    layers = [problem.costs.layer(n) for n in streaming.layers]
+    gradients = sum(x.gradient_bytes for x in layers)
+    if device == problem.stream_owner:
+        return gradients
+    return 2 * gradients + 2 * sum(x.factor_bytes for x in layers)
 
 
 def decomposition_bytes(problem: Problem, device: int, layer: str) -> int:
