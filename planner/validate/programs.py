@@ -4,6 +4,8 @@ than planned."""
 
 from __future__ import annotations
 
+import math
+
 from fxkfac.planner.errors import DeadlockError
 from fxkfac.planner.ir import LAYER_TRANSFER_KINDS, PRECONDITIONER_KINDS, Op, OpKind
 from fxkfac.planner.problem import StepBarrier, agreement_set, copies_of_stage, is_streamed
@@ -18,9 +20,13 @@ def check_programs(c: Context, run: bool) -> None:
     for d in c.problem.devices:
         prog = plan.programs.get(d)
         k = max(c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s))
-        if prog is None or len(prog) != k:
-            c.errors.append(f"r{d}: the program must have {k} steps")
+        length = _program_length(c, d, k)
+        if prog is None or len(prog) != length:
+            c.errors.append(f"r{d}: the program must have {length} steps")
             continue
+        if any(_placed(c, d, prog[j]) != _placed(c, d, prog[j % k]) for j in range(k, length)):
+            c.errors.append(f"r{d}: the program repeats its own {k} steps but for streamed layers' replicas")
+        prog = prog[:k]
         for j, ops in enumerate(prog):
             want = [op for op, _, _ in c.timeline(j, k).ops[d] if op.kind not in PRECONDITIONER_KINDS]
             if [op for op in ops if op.kind not in PRECONDITIONER_KINDS] != want:
@@ -45,6 +51,20 @@ def check_programs(c: Context, run: bool) -> None:
             _check_interleaving(c, d, k, prog)
     if run:
         _check_runs(c)
+
+
+def _program_length(c: Context, device: int, k: int) -> int:
+    """The steps of the device's program: its stages' period, or where it helps a streamed stage the lcm of that and
+    the owner's (its replicas arrive on the owner's period: planner/streaming.py `add_replicas`)."""
+    streaming = c.problem.streaming
+    if streaming is None or device != streaming.helper:
+        return k
+    return math.lcm(k, c.period(streaming.stage))
+
+
+def _placed(c: Context, device: int, ops: list[Op]) -> list[Op]:
+    """A step's ops but a streamed layer's (which `check_streaming` checks)."""
+    return [op for op in ops if not is_streamed(c.problem, device, op)]
 
 
 def _fold(c: Context, op: Op) -> bool:
