@@ -154,6 +154,13 @@ def _add_plan_costs(plan: argparse.ArgumentParser) -> None:
         "grad-worker fraction, e.g. hybrid:0.5) or dp-kfac (local factors) on every layer; "
         "default auto: the planner chooses",
     )
+    plan.add_argument(
+        "--no-stream-apply",
+        dest="stream_apply",
+        action="store_false",
+        help="keep the first stage's APPLY on its rank; by default a rank idle at the step's end applies its "
+        "layers, fed during its last backward, where that shortens the step (PlanOptions.stream_apply)",
+    )
 
 
 def _add_plan_solver(plan: argparse.ArgumentParser) -> None:

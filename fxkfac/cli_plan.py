@@ -21,6 +21,7 @@ from fxkfac.planner.hardware import HARDWARE, hardware
 from fxkfac.planner.preconditioners import PreconditionerKind, words_of
 from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier
 from fxkfac.planner.step_timeline import plain_step_time
+from fxkfac.planner.stream_choice import with_streaming
 
 if TYPE_CHECKING:
     from fxkfac.planner.block_size import BlockChoice
@@ -69,7 +70,8 @@ def problem_of(args: argparse.Namespace, costs: CostTable) -> Problem:
         warm_start=kind(args) is PreconditionerKind.SOAP,  # SOAP's QR basis starts from the previous one
         **period,
     )
-    return problem if args.strategy is None else problem.with_strategy(args.strategy)
+    problem = problem if args.strategy is None else problem.with_strategy(args.strategy)
+    return with_streaming(problem) if args.stream_apply else problem
 
 
 def _barrier(scope: KLClipScope) -> StepBarrier:

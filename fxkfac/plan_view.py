@@ -22,7 +22,7 @@ from fxkfac.planner.ir import Capture, OpKind
 from fxkfac.planner.memory import static_bytes
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.preconditioners import words_of
-from fxkfac.planner.problem import copies_of_stage, format_bytes
+from fxkfac.planner.problem import Problem, copies_of_stage, format_bytes, is_streamed
 from fxkfac.planner.simulate import BUSY_KINDS, Interval, Timeline
 from fxkfac.planner.step_timeline import (
     StepTimeline,
@@ -89,12 +89,14 @@ def _steps(plan: Plan) -> _Steps:
     return _Steps(step_timeline(plan.problem, fused, refresh=True), step_timeline(plan.problem), stretch)
 
 
-def _fixed(steps: _Steps, device: int, k: int, count: int) -> list[Interval]:
+def _fixed(plan: Plan, steps: _Steps, device: int, k: int, count: int) -> list[Interval]:
+    """The device's F/B, gradient all-reduces and (on a helper) streamed layers' APPLY over `count` steps."""
     out = []
     for j in range(count):
         base = steps.base(j, k)
         for op, a, b in steps.of(j, k).ops[device]:
-            if op.kind in _DRAWN_FIXED:
+            streamed = op.kind is OpKind.APPLY and is_streamed(plan.problem, device, op)
+            if op.kind in _DRAWN_FIXED or streamed:
                 out.append(Interval(device, j, op, base + a, base + b))
     return out
 
@@ -126,7 +128,7 @@ def planned_view(plan: Plan, steps: int | None = None) -> PlannedView:
     end = st.base(count, k_view) if count <= k_view else st.length(k_view) + (count - k_view) * st.other
     intervals: list[Interval] = []
     for d, k in sorted(periods.items()):
-        intervals += _fixed(st, d, k, count)
+        intervals += _fixed(plan, st, d, k, count)
         intervals += _kfac(plan, d, k, st.length(k), end)
     ordered = tuple(sorted(intervals, key=lambda iv: (iv.start, iv.rank, str(iv.op))))
     return PlannedView(Timeline(ordered, tuple(sorted(periods)), count), count, end)
@@ -139,6 +141,14 @@ def planned_utilization(plan: Plan) -> dict[int, float]:
         view = planned_view(plan, k)
         out[d] = view.timeline.utilization(d, BUSY_KINDS, (0.0, view.end))
     return out
+
+
+def _streamed(problem: Problem) -> str:
+    """Which rank applies which stage's layers, fed during that stage's last backward (planner/streaming.py)."""
+    streaming = problem.streaming
+    if streaming is None:
+        return "none (every stage applies its own layers)"
+    return f"{len(streaming.layers)} layer(s) of stage {streaming.stage} applied on r{streaming.helper}"
 
 
 def _per_stage(values: tuple[int | None, ...]) -> str:
@@ -167,6 +177,7 @@ def plan_rows(plan: Plan) -> list[tuple[str, str]]:
             else f"in {p.decomp_pieces} pieces each (KFACConfig.split_inverse or ShampooConfig.newton_pieces)",
         ),
         ("strategy across copies", strategy_of(plan)),
+        ("streamed APPLY", _streamed(p)),
         (
             "solver",
             f"{m.solver.status} ({_VERDICTS.get(m.solver.status, 'unknown status')}), "

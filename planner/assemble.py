@@ -90,9 +90,15 @@ def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) 
 
 
 def _utilization(problem: Problem, w: Window, placed: list[Placement], device: int) -> float:
-    """The device's planned utilization: its F/B and placed work over the window."""
+    """The device's planned utilization: its F/B, placed work and (a helper's) streamed APPLYs over the window."""
     timelines = [step_timeline(problem, w.fused, refresh=True)] + [step_timeline(problem)] * (w.k - 1)
     busy = sum(b - a for st in timelines for _, a, b in st.fixed(device))
+    busy += sum(
+        b - a
+        for st in timelines
+        for op, a, b in st.ops[device]
+        if is_streamed(problem, device, op) and op.kind is OpKind.APPLY
+    )
     busy += sum(p.end - p.start for p in placed if p.device == device and p.op.kind in BUSY_KINDS)
     return utilization(busy, w.seconds(w.length))
 

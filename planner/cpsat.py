@@ -214,7 +214,7 @@ def _add_staleness(v: Vars, w: Window) -> list[cp_model.LiteralT]:
 def not_ready_flags(v: Vars, w: Window, ends: Mapping[str, Sequence[cp_model.LinearExprT]]) -> list[cp_model.LiteralT]:
     """Per layer and window step j (of 2k), a flag 'every one of `ends` is done by the layer's slot in step j',
     monotone in j; returns the negated flags, whose sum is the window's use offsets (the staleness objective)."""
-    m, k = v.model, w.k
+    m, k, L = v.model, w.k, w.length
     not_ready: list[cp_model.LiteralT] = []
     for layer, items in ends.items():
         stage = w.problem.costs.stage_of(layer)
@@ -222,8 +222,10 @@ def not_ready_flags(v: Vars, w: Window, ends: Mapping[str, Sequence[cp_model.Lin
         for j, flag in enumerate(flags):
             for n, slot in enumerate(w.precs):
                 if slot.stage == stage and slot.step == j % k:
+                    streamed = w.streamed_use(layer, j)
                     for end in items:
-                        m.add(end <= w.use_tick(layer, j, v.prec[n])).only_enforce_if(flag)  # type: ignore[arg-type]  # use_tick is linear in the slot's start
+                        limit = streamed if streamed is not None else v.prec[n] + L * (j // k)
+                        m.add(end <= limit).only_enforce_if(flag)
             if j + 1 < len(flags):
                 m.add_implication(flag, flags[j + 1])
         not_ready += [~flag for flag in flags]

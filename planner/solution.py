@@ -69,16 +69,17 @@ class GroupSolution:
 
 def prec_steps_ready(window: Window, prec_starts: tuple[int, ...], layer: str, ready: int) -> int:
     """The first step u (0..2k) whose APPLY of `layer`'s stage starts, on every copy, at or after tick `ready` (a
-    streamed layer: whose owner's last backward does; `Window.use_tick`)."""
-    stage = window.problem.costs.stage_of(layer)
-    for u in range(2 * window.k + 1):
+    streamed layer: whose owner's last backward does; `Window.streamed_use`)."""
+    stage, k, L = window.problem.costs.stage_of(layer), window.k, window.length
+    for u in range(2 * k + 1):
+        streamed = window.streamed_use(layer, u)
         if all(
-            window.use_tick(layer, u, prec_starts[i]) >= ready
+            (streamed if streamed is not None else L * (u // k) + prec_starts[i]) >= ready
             for i, slot in enumerate(window.precs)
-            if slot.stage == stage and slot.step == u % window.k
+            if slot.stage == stage and slot.step == u % k
         ):
             return u
-    return 2 * window.k + 1
+    return 2 * k + 1
 
 
 def use_offsets(window: Window, starts: tuple[int, ...], prec_starts: tuple[int, ...]) -> dict[str, int]:

@@ -108,16 +108,12 @@ def prec_work(problem: Problem, device: int, stage: int) -> list[tuple[Op, float
         for op, secs in gradient_stats(cost, stage)
         if op.layer is not None and device in problem.workers(op.layer)
     ]
-    streaming = problem.streaming
+    names, streaming = [x.name for x in cost.layers], problem.streaming
+    shares: list[Op] = []
     if streaming is not None and streaming.stage == stage:  # the helper applies the streamed layers
-        applies, shares = (
-            [Op(OpKind.APPLY, stage, layer=x.name) for x in cost.layers if x.name not in streaming.layers],
-            [],
-        )
+        applies = [Op(OpKind.APPLY, stage, layer=n) for n in names if n not in streaming.layers]
     else:
-        applies, shares = step_applies(
-            device, stage, [x.name for x in cost.layers], copies, dict(problem.distributions)
-        )
+        applies, shares = step_applies(device, stage, names, copies, dict(problem.distributions))
     work += [(op, cost.prec if op.layer is None else problem.costs.layer(op.layer).prec) for op in applies]
     return work + [(op, problem.costs.collective_seconds(op, len(op.group or copies))) for op in shares]
 

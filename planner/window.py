@@ -198,13 +198,13 @@ class Window:
     streaming): a streamed layer's inverse must be made by then to reach its helper, which applies it during that
     backward (planner/streaming.py)."""
 
-    def use_tick(self, layer: str, u: int, slot_start: int) -> int:
-        """The tick by which `layer`'s inverse must be made for window step `u` (0..2k) to use it: the start of its
-        stage's APPLY slot there (`slot_start`, within the window), or for a streamed layer the start of its owner's
-        last backward."""
+    def streamed_use(self, layer: str, u: int) -> int | None:
+        """For a streamed layer, the tick by which its inverse must be made for window step `u` (0..2k) to use it:
+        its owner's last backward's start there; None for any other layer (its stage's APPLY slot start)."""
         streaming = self.problem.streaming
-        start = self.stream_use[u % self.k] if streaming is not None and layer in streaming.layers else slot_start
-        return self.length * (u // self.k) + start
+        if streaming is None or layer not in streaming.layers:
+            return None
+        return self.length * (u // self.k) + self.stream_use[u % self.k]
 
     @property
     def length(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,10 @@ __all__ = [
     "max_overhead",
     "planned_worker",
     "compile_api_worker",
+    "weighted_loss",
+    "weighted_batches",
+    "streamed_resume_worker",
+    "reference_with_skip",
 ]
 
 KFAC = KFACConfig(damping=1e-2, factor_decay=0.9, kl_clip=1e-2)
@@ -102,20 +107,29 @@ def reference_params(case: Case, timings: dict[str, LayerTiming]) -> dict[str, t
 
 
 def _trained_alone(
-    case: Case, data: list[tuple[torch.Tensor, torch.Tensor]], timings: dict[str, LayerTiming], kfac: KFACConfig
+    case: Case,
+    data: list[tuple[torch.Tensor, Any]],
+    timings: dict[str, LayerTiming],
+    kfac: KFACConfig,
+    loss=None,
+    stages: dict[str, int] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The parameters of the single-device trainer with `kfac` at `timings`, N*W micro-batches, after `data`."""
+    """The parameters of the single-device trainer with `kfac` at `timings`, N*W micro-batches, after `data` (`loss`:
+    `loss_fn` when None; `stages`: each layer's stage in the pipelined run, its KL-clip group under STAGE)."""
     trainer = fxkfac.compile(
         make_model(),
         None,
         example_inputs=(data[0][0],),
-        loss_fn=loss_fn,
+        loss_fn=loss or loss_fn,
         optimizer=optimizer,
         kfac=kfac,
         microbatches=case.N * case.W,
         backend=None,
         layer_timing=timings,
     )
+    if stages is not None:
+        trainer.preconditioning.clip_groups = dict(stages)
+        trainer.preconditioning.step_end.groups = 1 + max(stages.values())
     for ids, y in data:
         trainer.step((ids,), y)
     return {n: p.detach().clone() for n, p in trainer.named_parameters()}
@@ -298,6 +312,7 @@ def planned_worker(rank: int, world: int, cases: list[Case]) -> dict:
             dict(trainer.plan.layers),
             steps,
             kfac_ops,
+            trainer.plan.problem.streaming is not None,
         )
     return out
 
@@ -331,3 +346,74 @@ def compile_api_worker(rank: int, world: int, case: Case, backend: str | None) -
         "layers": dict(trainer.plan.layers),
         "steps": steps,
     }
+
+
+def weighted_loss(out, target: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """`loss_fn` times the mean of per-sample weights: NaN weights make a step's loss and gradients NaN."""
+    y, weights = target
+    return loss_fn(out, y) * weights.mean()
+
+
+def weighted_batches(
+    case: Case, steps: int, nan_at: int
+) -> list[tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]]:
+    """`batches` repeated to `steps`, each target with weights 1, NaN at step `nan_at`."""
+    data = (batches(case) * steps)[:steps]
+    return [
+        (ids, (y, torch.full((ids.shape[0],), float("nan") if t == nan_at else 1.0))) for t, (ids, y) in enumerate(data)
+    ]
+
+
+def streamed_resume_worker(rank: int, world: int, case: Case, ckpt: str) -> dict:
+    """A planned run whose first stage streams its APPLY (`PlanOptions.stream_apply`): two refresh periods and two
+    steps, one of them NaN (skipped), a checkpoint saved mid-run; then a fresh trainer of the same plan resumes from
+    the checkpoint and trains the rest. Returns both runs' parameters, the plan's timings and streaming, the skips."""
+    options = PlanOptions(costs=synthetic_costs, time_limit_s=1.5, max_overhead=0.0)
+    example = batches(case)[0][0]
+
+    def trainer(plan):
+        return fxkfac.compile(
+            make_model(),
+            (case.D, case.W),
+            plan,
+            kfac=case.kfac,
+            example_inputs=(example,),
+            loss_fn=weighted_loss,
+            optimizer=optimizer,
+            schedule=case.schedule,
+            backend=None,
+            microbatches=case.N,
+            pipeline=PipelineOptions(timeout=60.0),
+            **({"plan_options": options} if plan == "auto" else {}),
+        )
+
+    first = trainer("auto")
+    period = max(t.period for t in first.plan.layers.values())
+    steps, save_at = 2 * period + 2, period + 1
+    data = weighted_batches(case, steps, nan_at=period)
+    for t, (ids, target) in enumerate(data):
+        if t == save_at:
+            first.save_checkpoint(ckpt)
+        first.step((ids,), target)
+    second = trainer(first.plan)
+    second.load_checkpoint(ckpt)
+    for ids, target in data[save_at:]:
+        second.step((ids,), target)
+    return {
+        "streaming": first.plan.problem.streaming,
+        "stages": {n: first.plan.problem.costs.stage_of(n) for n in first.plan.layers},
+        "layers": dict(first.plan.layers),
+        "steps": steps,
+        "skipped": first.skipped_steps,
+        "params": {n: p.detach().clone() for n, p in first.named_parameters()},
+        "resumed": {n: p.detach().clone() for n, p in second.named_parameters()},
+    }
+
+
+def reference_with_skip(
+    case: Case, layers: dict[str, LayerTiming], steps: int, nan_at: int, stages: dict[str, int]
+) -> dict[str, torch.Tensor]:
+    """The single-device trainer given the plan's timings and the layers' stages (`stages`) on
+    `streamed_resume_worker`'s batches (the NaN step skipped)."""
+    data = weighted_batches(case, steps, nan_at)
+    return _trained_alone(case, data, layers, case.kfac, weighted_loss, stages)

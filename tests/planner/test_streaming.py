@@ -1,0 +1,199 @@
+"""Streamed preconditioning in the planner (planner/streaming.py): the hand-off ops, the step they make, the choice
+of helper and layers, plans at their bound that the validator accepts, and the validator refusing broken hand-offs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from fxkfac.planner.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.errors import PlanError, PlanFormatError
+from fxkfac.planner.ir import LAYER_TRANSFER_KINDS, Op, OpKind, format_programs, parse_programs
+from fxkfac.planner.memory import static_bytes
+from fxkfac.planner.plan import Plan
+from fxkfac.planner.problem import Problem, SolverConfig
+from fxkfac.planner.profiles import load_cost_table
+from fxkfac.planner.simulate import simulate
+from fxkfac.planner.solve import solve
+from fxkfac.planner.step_timeline import plain_step_time, step_timeline
+from fxkfac.planner.stream_choice import with_streaming
+from fxkfac.planner.streaming import Streaming, ready_fractions, stream_step
+from fxkfac.planner.validate import validate
+
+
+def _paper(schedule: str = "1f1b", D: int = 4) -> CostTable:
+    """BERT-Base's measured P100 profile, three blocks (the profile's layers) per stage."""
+    return load_cost_table("paper:bert-base/p100", blocks_per_stage=3, n_stages=D, micro_batch_size=32)
+
+
+@pytest.fixture(scope="module")
+def streamed() -> Problem:
+    return with_streaming(Problem("1f1b", 4, 4, _paper(), decomp_pieces=4))
+
+
+@pytest.fixture(scope="module")
+def plan(streamed: Problem) -> Plan:
+    return solve(streamed, SolverConfig(time_limit_s=10))
+
+
+def test_transfers_print_and_parse_back() -> None:
+    for kind in LAYER_TRANSFER_KINDS:
+        op = Op(kind, 0, peer=3, layer="bert.encoder.layer.0.output.dense")
+        assert Op.parse(str(op)) == op
+        with pytest.raises(PlanFormatError):
+            Op(kind, 0, layer="fc")  # no peer
+    assert str(Op(OpKind.SEND_LGRAD, 0, peer=1, layer="fc")) == "SEND_LGRAD s0 >r1 fc"
+
+
+def test_ready_fractions_follow_the_backward_in_reverse() -> None:
+    """Layers in forward order a (4 bytes of gradient), b (12): the backward makes b's gradient final three quarters
+    of the way through, then a's at its end."""
+    a = LayerCost.kfac("a", 0, 0, 0, 0, 0, 0, 0, 4, 4, grad_bytes=4)
+    b = LayerCost.kfac("b", 0, 0, 0, 0, 0, 0, 0, 4, 4, grad_bytes=12)
+    assert ready_fractions([a, b]) == {"b": 0.75, "a": 1.0}
+
+
+def test_stream_step_hands_off_after_the_last_backward() -> None:
+    ops = {
+        0: [Op(OpKind.FWD, 0, 0), Op(OpKind.BWD, 0, 0), Op(OpKind.APPLY, 0, layer="k"), Op(OpKind.OPT_STEP)],
+        1: [Op(OpKind.FWD, 1, 0), Op(OpKind.BWD, 1, 0), Op(OpKind.OPT_STEP)],
+    }
+    out = stream_step(ops, Streaming(0, 1, ("x",)), owner=0)
+    assert out[0] == [
+        Op(OpKind.FWD, 0, 0),
+        Op(OpKind.BWD, 0, 0),
+        Op(OpKind.SEND_LGRAD, 0, peer=1, layer="x"),
+        Op(OpKind.APPLY, 0, layer="k"),
+        Op(OpKind.RECV_PGRAD, 0, peer=1, layer="x"),
+        Op(OpKind.OPT_STEP),
+    ]
+    assert out[1][2:] == [
+        Op(OpKind.RECV_LGRAD, 0, peer=0, layer="x"),
+        Op(OpKind.APPLY, 0, layer="x"),
+        Op(OpKind.SEND_PGRAD, 0, peer=0, layer="x"),
+        Op(OpKind.OPT_STEP),
+    ]
+
+
+def test_a_streamed_send_leaves_its_lead_before_the_backward_ends() -> None:
+    """B takes 1 s; the gradient leaves 0.3 s before it ends, the helper's APPLY (0.5 s) starts at 0.7."""
+    programs = {
+        0: [Op(OpKind.BWD, 0, 0), Op(OpKind.SEND_LGRAD, 0, peer=1, layer="x")],
+        1: [Op(OpKind.RECV_LGRAD, 0, peer=0, layer="x"), Op(OpKind.APPLY, 0, layer="x")],
+    }
+    durations = {OpKind.BWD: 1.0, OpKind.APPLY: 0.5}
+    timeline = simulate(
+        programs,
+        lambda _, op: durations.get(op.kind, 0.0),
+        lead=lambda _, op: 0.3 if op.kind is OpKind.SEND_LGRAD else 0.0,
+    )
+    apply = next(iv for iv in timeline.of_rank(1) if iv.op.kind is OpKind.APPLY)
+    assert (apply.start, apply.end) == pytest.approx((0.7, 1.2))
+
+
+def test_streaming_takes_all_but_the_last_ready_block_off_the_cycle(streamed: Problem) -> None:
+    """BERT-Base 1F1B D=4: stage 0's blocks 2 and 1 go to rank 3 (the rank that ends its step first); block 0's
+    gradient is final only when the backward ends, so its APPLY stays on the cycle wherever it runs: the step is
+    the plain one plus block 0's APPLY, where without streaming it is plus the whole stage's."""
+    assert streamed.streaming == Streaming(0, 3, ("block2", "block1"))
+    plain = plain_step_time(streamed)
+    stage = streamed.costs.stages[0]
+    unstreamed = replace(streamed, streaming=None)
+    assert math.isclose(step_timeline(unstreamed).length, plain + stage.prec, rel_tol=1e-9)
+    assert math.isclose(step_timeline(streamed).length, plain + streamed.costs.layer("block0").prec, rel_tol=1e-9)
+
+
+def test_the_streamed_plan_is_at_its_bound_valid_and_round_trips(streamed: Problem, plan: Plan) -> None:
+    assert plan.metrics.refresh_steps == plan.metrics.lower_bound_steps
+    assert validate(streamed, plan) == []
+    assert Plan.from_json(plan.to_json()) == plan
+    helper = plan.programs[3]
+    assert any(op.kind is OpKind.RECV_REPLICA for step in helper for op in step)
+    assert any(op == Op(OpKind.APPLY, 0, layer="block2") for step in helper for op in step)
+
+
+def _mutated(plan: Plan, rank: int, edit) -> Plan:
+    """`plan` with rank's program steps edited by `edit(steps) -> steps` (through its text, as a file would be)."""
+    programs = parse_programs(format_programs(plan.programs))
+    programs[rank] = edit(programs[rank])
+    return replace(plan, programs=programs)
+
+
+def _without(kind: OpKind):
+    return lambda steps: [[op for op in step if op.kind is not kind] for step in steps]
+
+
+def _replica_after_apply(steps):
+    """Every RECV_REPLICA moved to its step's end, after the APPLY it feeds."""
+    out = []
+    for step in steps:
+        moved = [op for op in step if op.kind is OpKind.RECV_REPLICA]
+        rest = [op for op in step if op.kind is not OpKind.RECV_REPLICA]
+        out.append(rest[:-1] + moved + rest[-1:])
+    return out
+
+
+@pytest.mark.parametrize(
+    ("rank", "edit", "says"),
+    [
+        (0, _without(OpKind.RECV_PGRAD), "RECV_PGRAD"),
+        (0, _without(OpKind.SEND_LGRAD), "SEND_LGRAD"),
+        (3, _without(OpKind.SEND_PGRAD), "received, applied and returned"),
+        (3, _without(OpKind.RECV_REPLICA), "replicas"),
+        (0, lambda steps: [step[:-1] + [Op(OpKind.APPLY, 0, layer="block2"), step[-1]] for step in steps], "applies"),
+    ],
+)
+def test_the_validator_refuses_broken_hand_offs(plan: Plan, streamed: Problem, rank: int, edit, says: str) -> None:
+    errors = validate(streamed, _mutated(plan, rank, edit), run=False)
+    assert any(says in e for e in errors), errors
+
+
+def test_the_validator_refuses_a_replica_taken_after_its_first_use(plan: Plan, streamed: Problem) -> None:
+    """Where a refresh is first used in the step that makes it, the helper must take the replica before its APPLY;
+    taken at the step's end it is late (the runtime would refuse: PipelineError)."""
+    same_step = [n for n in streamed.streaming.layers if plan.layers[n].use_offset == _made_step(plan, n)]
+    broken = _mutated(plan, 3, _replica_after_apply)
+    errors = validate(streamed, broken, run=False)
+    assert bool(same_step) == any("before the replica" in e for e in errors), (same_step, errors)
+
+
+def _made_step(plan: Plan, layer: str) -> int:
+    return max(p.step for p in plan.placements if p.op.kind is OpKind.DECOMP and p.op.layer == layer)
+
+
+def test_the_helper_holds_the_replicas_and_the_gradients(streamed: Problem) -> None:
+    """Two decompositions of each replica and two copies of each streamed gradient on the helper, one gradient
+    buffer on the owner."""
+    layers = [streamed.costs.layer(n) for n in streamed.streaming.layers]
+    grads, factors = sum(x.gradient_bytes for x in layers), sum(x.factor_bytes for x in layers)
+    alone = replace(streamed, streaming=None)
+    assert static_bytes(streamed, 3) - static_bytes(alone, 3) == 2 * grads + 2 * factors
+    assert static_bytes(streamed, 0) - static_bytes(alone, 0) == grads
+    assert static_bytes(streamed, 1) == static_bytes(alone, 1)
+
+
+def test_streaming_needs_one_copy_and_a_stateless_apply() -> None:
+    costs = _paper()
+    with pytest.raises(PlanError, match="held by one rank"):
+        Problem("1f1b", 4, 4, costs, W=2, streaming=Streaming(0, 4, ("block2",)))
+    with pytest.raises(PlanError, match="other than the stage's owner"):
+        Problem("1f1b", 4, 4, costs, streaming=Streaming(0, 0, ("block2",)))
+    stateful = replace(
+        costs,
+        stages=(replace(costs.stages[0], layers=(replace(costs.stages[0].layers[0], state_bytes=8),)),)
+        + costs.stages[1:],
+    )
+    with pytest.raises(PlanError, match="keeps state"):
+        Problem("1f1b", 4, 4, stateful, streaming=Streaming(0, 3, (stateful.stages[0].layers[0].name,)))
+
+
+def test_nothing_streams_where_the_first_stage_has_copies() -> None:
+    chimera = Problem("chimera", 4, 4, _paper("chimera"))
+    assert with_streaming(chimera) is chimera
+    replicated = Problem("1f1b", 4, 4, _paper(), W=2)
+    assert with_streaming(replicated) is replicated
+    one_stage_costs = CostTable((StageCost(1.0, 2.0, 0, 0, _paper().stages[0].layers),), 32, "t", "t")
+    alone = Problem("gpipe", 1, 2, one_stage_costs)
+    assert with_streaming(alone) is alone
