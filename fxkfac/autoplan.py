@@ -20,7 +20,7 @@ from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StepBar
 from fxkfac.planner.profiles import load_cost_table
 from fxkfac.planner.schedules import ScheduleKind
 from fxkfac.planner.solve import TimeBox
-from fxkfac.planner.stream_choice import with_streaming
+from fxkfac.planner.stream_choice import solve_streamed
 from fxkfac.planner.validate import check_plan
 
 __all__ = [
@@ -167,20 +167,17 @@ def solve_for(
     )
     if target.max_period is not None:
         problem = replace(problem, max_period=target.max_period)
-    if options.stream_apply:
-        problem = with_streaming(problem)
-        if problem.streaming is not None:
-            log.info(
-                "plan='auto': rank %d applies %d layer(s) of stage %d, streamed during its last backward",
-                problem.streaming.helper,
-                len(problem.streaming.layers),
-                problem.streaming.stage,
-            )
     config = SolverConfig(time_limit_s=options.time_limit_s, deterministic=options.deterministic, progress=progress)
     log.info("solving the plan of %s", target.describe())
-    strategy, box = options.forced_strategy, TimeBox(config)  # one time limit for both tries
+    strategy, box = options.forced_strategy, TimeBox(config)  # one time limit for every try
+
+    def solved(problem: Problem) -> Plan:
+        return solve_streamed(
+            problem, lambda p: solve_with_strategy(p, strategy, config, box=box), enabled=options.stream_apply
+        )
+
     try:
-        return solve_with_strategy(problem, strategy, config, box=box)
+        return solved(problem)
     except PlanError as e:
         value = e.max_overhead
         if strict or value is None:
@@ -192,7 +189,7 @@ def solve_for(
             str(e).split(". ")[0],
             value,
         )
-        return solve_with_strategy(replace(problem, max_overhead=value), strategy, config, box=box)
+        return solved(replace(problem, max_overhead=value))
 
 
 def check_matches(plan: Any, target: Target, where: str = "the plan") -> None:

@@ -21,7 +21,7 @@ from fxkfac.planner.hardware import HARDWARE, hardware
 from fxkfac.planner.preconditioners import PreconditionerKind, words_of
 from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier
 from fxkfac.planner.step_timeline import plain_step_time
-from fxkfac.planner.stream_choice import with_streaming
+from fxkfac.planner.stream_choice import solve_streamed
 
 if TYPE_CHECKING:
     from fxkfac.planner.block_size import BlockChoice
@@ -70,8 +70,7 @@ def problem_of(args: argparse.Namespace, costs: CostTable) -> Problem:
         warm_start=kind(args) is PreconditionerKind.SOAP,  # SOAP's QR basis starts from the previous one
         **period,
     )
-    problem = problem if args.strategy is None else problem.with_strategy(args.strategy)
-    return with_streaming(problem) if args.stream_apply else problem
+    return problem if args.strategy is None else problem.with_strategy(args.strategy)
 
 
 def _barrier(scope: KLClipScope) -> StepBarrier:
@@ -147,12 +146,14 @@ def _solved(args: argparse.Namespace, S: int, console: Console) -> Plan:
     if args.explain:
         explain(args, costs, plain_step_time(problem), console)
         explain_comm(problem, console)
-    try:  # a forced --strategy is in the problem already (problem_of); without one the planner chooses
-        plan = (
-            solve(problem, config, method=args.method)
-            if args.strategy is not None
-            else solve_with_strategy(problem, None, config, method=args.method)
-        )
+
+    def solved(problem: Problem) -> Plan:  # a forced --strategy is in the problem (problem_of), else it is chosen
+        if args.strategy is not None:
+            return solve(problem, config, method=args.method)
+        return solve_with_strategy(problem, None, config, method=args.method)
+
+    try:
+        plan = solve_streamed(problem, solved, enabled=args.stream_apply)
     except PlanError as e:
         raise _refused(e, memory_budget(args, costs.hardware)) from None
     if args.explain:

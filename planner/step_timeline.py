@@ -46,6 +46,7 @@ __all__ = [
     "fused_extra",
     "fused_stats",
     "refresh_lower_bound",
+    "group_load",
 ]
 
 _FIXED_KINDS = frozenset({OpKind.FWD, OpKind.BWD})
@@ -397,6 +398,23 @@ def refresh_lower_bound(
     stretch: the idle time appended to every step within max_overhead (`stretch_allowance`) counts as
     bubble on every device of the group: the least k whose k steps hold the work.
     """
+    work, bubble = group_load(problem, group, fused)
+    if work <= 0:
+        return 1
+    if stretch:
+        for k in range(1, problem.max_period + 1):
+            if work <= k * (bubble + len(group.devices) * stretch_allowance(problem, fused, k)) * (1 + 1e-9):
+                return k
+        return problem.max_period + 1
+    if bubble <= 1e-9 * step_timeline(problem, fused).length * len(group.devices):  # none but float rounding
+        return problem.max_period + 1
+    return min(problem.max_period + 1, max(1, math.ceil(work / bubble - 1e-9)))
+
+
+def group_load(problem: Problem, group: StageGroup, fused: frozenset[str] = frozenset()) -> tuple[float, float]:
+    """(seconds of K-FAC work of one refresh, seconds of bubble per step) of the group's devices: the curvature of
+    every micro-batch on every copy that keeps the layer's statistics (unfused layers) plus all inversions, and the
+    idle time of the reference step (whose F/B, per-step preconditioner work and gradient all-reduces are busy)."""
     step = step_timeline(problem, fused)
     work = 0.0
     for device in group.devices:
@@ -417,14 +435,4 @@ def refresh_lower_bound(
         for op, start, end in step.ops[d]
         if op.kind in _FIXED_KINDS or op.kind in _NOT_BUBBLE
     )
-    bubble = step.length * len(group.devices) - busy
-    if work <= 0:
-        return 1
-    if stretch:
-        for k in range(1, problem.max_period + 1):
-            if work <= k * (bubble + len(group.devices) * stretch_allowance(problem, fused, k)) * (1 + 1e-9):
-                return k
-        return problem.max_period + 1
-    if bubble <= 1e-9 * step.length * len(group.devices):  # none but float rounding
-        return problem.max_period + 1
-    return min(problem.max_period + 1, max(1, math.ceil(work / bubble - 1e-9)))
+    return work, step.length * len(group.devices) - busy

@@ -1,19 +1,32 @@
 """Which layers of the first stage to stream, and to which rank (planner/streaming.py): the choice that shortens
-the reference step most."""
+the reference step most without costing any refresh, and a plan that falls back to none where it cannot place."""
 
 from __future__ import annotations
 
+import logging
+import math
+from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
+from fxkfac.planner.errors import PlanError
 from fxkfac.planner.ir import OpKind
-from fxkfac.planner.problem import Problem, copies_of_stage
-from fxkfac.planner.step_timeline import step_timeline
+from fxkfac.planner.problem import Problem, copies_of_stage, stage_groups
+from fxkfac.planner.step_timeline import group_load, refresh_lower_bound, step_timeline
 from fxkfac.planner.streaming import Streaming, ready_fractions
 
-__all__ = ["with_streaming", "STREAMED_STAGE"]
+if TYPE_CHECKING:
+    from fxkfac.planner.plan import Plan
+
+__all__ = ["with_streaming", "solve_streamed", "STREAMED_STAGE", "HELPER_CANDIDATES"]
+
+log = logging.getLogger(__name__)
 
 STREAMED_STAGE = 0
 """The stage whose APPLY lies on the cycle every step repeats (GPipe, 1F1B): its last backward ends the step."""
+
+HELPER_CANDIDATES = 4
+"""How many ranks, those that end their step's work first, are tried as the helper."""
 
 
 def _streamable(problem: Problem) -> list[str]:
@@ -25,9 +38,9 @@ def _streamable(problem: Problem) -> list[str]:
     return sorted(ok, key=lambda n: fractions[n])
 
 
-def _helper(problem: Problem) -> int:
-    """The rank that ends its step's F/B and per-step work first (it idles longest before the step ends), the
-    lowest such rank on a tie; never the streamed stage's owner."""
+def _helpers(problem: Problem) -> list[int]:
+    """The ranks that end their step's F/B and per-step work first (they idle longest before the step ends), the
+    lowest first on a tie; never the streamed stage's owner."""
     step = step_timeline(problem)
     owner = copies_of_stage(problem, STREAMED_STAGE)[0]
     ends = {
@@ -35,14 +48,29 @@ def _helper(problem: Problem) -> int:
         for d in problem.devices
         if d != owner
     }
-    return min(ends, key=lambda d: (ends[d], d))
+    return sorted(ends, key=lambda d: (ends[d], d))[:HELPER_CANDIDATES]
+
+
+def _bounds(problem: Problem) -> tuple[int, ...]:
+    """Every stage group's least refresh period (`refresh_lower_bound`): streaming shortens the step, which
+    shortens every bubble, and adds the helper's APPLYs to its own; a choice that raises any group's bound would
+    trade refreshes, which plans value first, for step time."""
+    return tuple(refresh_lower_bound(problem, group) for group in stage_groups(problem))
+
+
+def _helper_load(problem: Problem) -> float:
+    """The share of its bubbles the helper's stage group needs for one refresh per step (inf without bubble)."""
+    assert problem.streaming is not None, "only a streaming problem has a helper"
+    group = next(g for g in stage_groups(problem) if problem.streaming.helper in g.devices)
+    work, bubble = group_load(problem, group)
+    return work / bubble if bubble > 0 else math.inf
 
 
 def with_streaming(problem: Problem) -> Problem:
-    """`problem` with the first stage's APPLY streamed to the rank that idles longest at the step's end, for the
-    prefix of its layers (in the order their gradients become final) that gives the shortest reference step; the
-    problem unchanged where nothing shortens it, where the stage has copies (W > 1, Chimera) or a single rank runs
-    every stage, or where it already streams."""
+    """`problem` with the first stage's APPLY streamed, for the helper and the prefix of its layers (in the order
+    their gradients become final) that give the shortest reference step without raising any stage group's least
+    refresh period, the least loaded helper among equals; unchanged where nothing does, where the stage has copies
+    (W > 1, Chimera) or a single rank runs every stage, or where it already streams."""
     if problem.streaming is not None or len(problem.devices) < 2:
         return problem
     if len(copies_of_stage(problem, STREAMED_STAGE)) != 1:
@@ -50,11 +78,37 @@ def with_streaming(problem: Problem) -> Problem:
     names = _streamable(problem)
     if not names:
         return problem
-    helper = _helper(problem)
-    best, best_length = problem, step_timeline(problem).length
-    for n in range(1, len(names) + 1):
-        candidate = replace(problem, streaming=Streaming(STREAMED_STAGE, helper, tuple(names[:n])))
-        length = step_timeline(candidate).length
-        if length < best_length * (1 - 1e-9):
-            best, best_length = candidate, length
-    return best
+    bounds, length = _bounds(problem), step_timeline(problem).length
+    best: tuple[float, float] | None = None
+    chosen = problem
+    for helper in _helpers(problem):
+        for n in range(1, len(names) + 1):
+            candidate = replace(problem, streaming=Streaming(STREAMED_STAGE, helper, tuple(names[:n])))
+            shorter = step_timeline(candidate).length
+            if shorter >= length * (1 - 1e-9) or _bounds(candidate) != bounds:
+                continue
+            key = (round(shorter, 12), _helper_load(candidate))
+            if best is None or key < best:
+                best, chosen = key, candidate
+    return chosen
+
+
+def solve_streamed(problem: Problem, solve: Callable[[Problem], Plan], enabled: bool = True) -> Plan:
+    """`solve` the problem with streaming where `with_streaming` finds some (`enabled`), else as given; where the
+    streamed problem has no plan (the helper's bubbles held the work the streamed APPLYs now take) the problem is
+    solved without streaming, and that is logged."""
+    streamed = with_streaming(problem) if enabled else problem
+    if streamed is problem:
+        return solve(problem)
+    assert streamed.streaming is not None, "with_streaming returns a streaming problem or the same one"
+    log.info(
+        "streaming %d layer(s) of stage %d to rank %d (their APPLY leaves the step's cycle)",
+        len(streamed.streaming.layers),
+        streamed.streaming.stage,
+        streamed.streaming.helper,
+    )
+    try:
+        return solve(streamed)
+    except PlanError as e:
+        log.warning("no plan with streaming (%s); planning without it", str(e).splitlines()[0])
+        return solve(problem)

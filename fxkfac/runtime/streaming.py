@@ -137,7 +137,7 @@ class Streams:
         """Post the receive of the layer's preconditioned gradient and its <P, G>."""
         assert op.peer is not None, "RECV_PGRAD names its helper"
         flat = torch.cat([p.detach().reshape(-1) for p in self._params(ctx, op)])
-        buffers = [torch.empty_like(flat), torch.empty(1, dtype=torch.float64)]
+        buffers = [torch.empty_like(flat), torch.empty(1, dtype=torch.float64, device=flat.device)]
         tags = [self._tag(ctx, op, _PGRAD), self._tag(ctx, op, _PDOT)]
         ctx.transport.post_tagged(("pgrad", op.layer), buffers, op.peer, tags)
 
@@ -163,9 +163,12 @@ class Streams:
             )
         step, halves = waiting.popleft()
         family, layer = self.runtime.family, self.runtime.layers[op.layer]
-        ctx.transport.send_tagged(torch.tensor([step]), op.peer, self._tag(ctx, op, _REPLICA_STEP), str(op))
+        device = ctx.transport.device
+        ctx.transport.send_tagged(
+            torch.tensor([step], device=device), op.peer, self._tag(ctx, op, _REPLICA_STEP), str(op)
+        )
         for i, part in enumerate(family.parts):
-            packed = family.pack(layer, part, halves[part])
+            packed = family.pack(layer, part, halves[part]).to(device)
             ctx.transport.send_tagged(packed, op.peer, self._tag(ctx, op, _REPLICA_PARTS + i), str(op))
 
     # --- the helper -------------------------------------------------------------------------------
@@ -182,7 +185,7 @@ class Streams:
         """Post the receive of the layer's gradient."""
         assert op.peer is not None, "RECV_LGRAD names the owner"
         shapes = self._replica(op)
-        flat = torch.empty(sum(s.numel for s in shapes), dtype=shapes[0].dtype)
+        flat = torch.empty(sum(s.numel for s in shapes), dtype=shapes[0].dtype, device=ctx.transport.device)
         ctx.transport.post_tagged(("lgrad", op.layer), [flat], op.peer, [self._tag(ctx, op, _LGRAD)])
 
     def recv_gradient(self, ctx: StepContext, op: Op) -> None:
@@ -232,9 +235,11 @@ class Streams:
         assert op.layer is not None and op.peer is not None, "RECV_REPLICA names its layer and the owner"
         self._replica(op)
         family, layer = self.runtime.family, self.runtime.layers[op.layer]
-        parts = [torch.empty_like(family.pack(layer, part, None)) for part in family.parts]
+        device = ctx.transport.device
+        parts = [torch.empty_like(family.pack(layer, part, None), device=device) for part in family.parts]
         tags = [self._tag(ctx, op, _REPLICA_PARTS + i) for i in range(len(parts))]
-        buffers, tags = [torch.zeros(1, dtype=torch.int64), *parts], [self._tag(ctx, op, _REPLICA_STEP), *tags]
+        step = torch.zeros(1, dtype=torch.int64, device=device)
+        buffers, tags = [step, *parts], [self._tag(ctx, op, _REPLICA_STEP), *tags]
         ctx.transport.post_tagged(("replica", op.layer), buffers, op.peer, tags)
 
     def recv_replica(self, ctx: StepContext, op: Op) -> None:

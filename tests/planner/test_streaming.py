@@ -13,12 +13,12 @@ from fxkfac.planner.errors import PlanError, PlanFormatError
 from fxkfac.planner.ir import LAYER_TRANSFER_KINDS, Op, OpKind, format_programs, parse_programs
 from fxkfac.planner.memory import static_bytes
 from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import Problem, SolverConfig
+from fxkfac.planner.problem import Problem, SolverConfig, stage_groups
 from fxkfac.planner.profiles import load_cost_table
 from fxkfac.planner.simulate import simulate
 from fxkfac.planner.solve import solve
-from fxkfac.planner.step_timeline import plain_step_time, step_timeline
-from fxkfac.planner.stream_choice import with_streaming
+from fxkfac.planner.step_timeline import plain_step_time, refresh_lower_bound, step_timeline
+from fxkfac.planner.stream_choice import solve_streamed, with_streaming
 from fxkfac.planner.streaming import Streaming, ready_fractions, stream_step
 from fxkfac.planner.validate import validate
 
@@ -94,22 +94,25 @@ def test_a_streamed_send_leaves_its_lead_before_the_backward_ends() -> None:
 
 
 def test_streaming_takes_all_but_the_last_ready_block_off_the_cycle(streamed: Problem) -> None:
-    """BERT-Base 1F1B D=4: stage 0's blocks 2 and 1 go to rank 3 (the rank that ends its step first); block 0's
-    gradient is final only when the backward ends, so its APPLY stays on the cycle wherever it runs: the step is
-    the plain one plus block 0's APPLY, where without streaming it is plus the whole stage's."""
-    assert streamed.streaming == Streaming(0, 3, ("block2", "block1"))
+    """BERT-Base 1F1B D=4: stage 0's blocks 2 and 1 go to another rank; block 0's gradient is final only when the
+    backward ends, so its APPLY stays on the cycle wherever it runs: the step is the plain one plus block 0's APPLY,
+    where without streaming it is plus the whole stage's; no stage's least refresh period rises."""
+    assert streamed.streaming is not None and streamed.streaming.layers == ("block2", "block1")
+    assert streamed.streaming.helper != 0
     plain = plain_step_time(streamed)
     stage = streamed.costs.stages[0]
     unstreamed = replace(streamed, streaming=None)
     assert math.isclose(step_timeline(unstreamed).length, plain + stage.prec, rel_tol=1e-9)
     assert math.isclose(step_timeline(streamed).length, plain + streamed.costs.layer("block0").prec, rel_tol=1e-9)
+    groups = stage_groups(streamed)
+    assert [refresh_lower_bound(streamed, g) for g in groups] == [refresh_lower_bound(unstreamed, g) for g in groups]
 
 
 def test_the_streamed_plan_is_at_its_bound_valid_and_round_trips(streamed: Problem, plan: Plan) -> None:
     assert plan.metrics.refresh_steps == plan.metrics.lower_bound_steps
     assert validate(streamed, plan) == []
     assert Plan.from_json(plan.to_json()) == plan
-    helper = plan.programs[3]
+    helper = plan.programs[streamed.streaming.helper]
     assert any(op.kind is OpKind.RECV_REPLICA for step in helper for op in step)
     assert any(op == Op(OpKind.APPLY, 0, layer="block2") for step in helper for op in step)
 
@@ -140,12 +143,14 @@ def _replica_after_apply(steps):
     [
         (0, _without(OpKind.RECV_PGRAD), "RECV_PGRAD"),
         (0, _without(OpKind.SEND_LGRAD), "SEND_LGRAD"),
-        (3, _without(OpKind.SEND_PGRAD), "received, applied and returned"),
-        (3, _without(OpKind.RECV_REPLICA), "replicas"),
+        (None, _without(OpKind.SEND_PGRAD), "received, applied and returned"),
+        (None, _without(OpKind.RECV_REPLICA), "replicas"),
         (0, lambda steps: [step[:-1] + [Op(OpKind.APPLY, 0, layer="block2"), step[-1]] for step in steps], "applies"),
     ],
 )
-def test_the_validator_refuses_broken_hand_offs(plan: Plan, streamed: Problem, rank: int, edit, says: str) -> None:
+def test_the_validator_refuses_broken_hand_offs(plan: Plan, streamed: Problem, rank, edit, says: str) -> None:
+    """Each edit of the owner's (0) or the helper's (None) program breaks the hand-off the validator names."""
+    rank = streamed.streaming.helper if rank is None else rank
     errors = validate(streamed, _mutated(plan, rank, edit), run=False)
     assert any(says in e for e in errors), errors
 
@@ -154,7 +159,7 @@ def test_the_validator_refuses_a_replica_taken_after_its_first_use(plan: Plan, s
     """Where a refresh is first used in the step that makes it, the helper must take the replica before its APPLY;
     taken at the step's end it is late (the runtime would refuse: PipelineError)."""
     same_step = [n for n in streamed.streaming.layers if plan.layers[n].use_offset == _made_step(plan, n)]
-    broken = _mutated(plan, 3, _replica_after_apply)
+    broken = _mutated(plan, streamed.streaming.helper, _replica_after_apply)
     errors = validate(streamed, broken, run=False)
     assert bool(same_step) == any("before the replica" in e for e in errors), (same_step, errors)
 
@@ -169,9 +174,11 @@ def test_the_helper_holds_the_replicas_and_the_gradients(streamed: Problem) -> N
     layers = [streamed.costs.layer(n) for n in streamed.streaming.layers]
     grads, factors = sum(x.gradient_bytes for x in layers), sum(x.factor_bytes for x in layers)
     alone = replace(streamed, streaming=None)
-    assert static_bytes(streamed, 3) - static_bytes(alone, 3) == 2 * grads + 2 * factors
+    helper = streamed.streaming.helper
+    assert static_bytes(streamed, helper) - static_bytes(alone, helper) == 2 * grads + 2 * factors
     assert static_bytes(streamed, 0) - static_bytes(alone, 0) == grads
-    assert static_bytes(streamed, 1) == static_bytes(alone, 1)
+    others = [d for d in streamed.devices if d not in (0, helper)]
+    assert [static_bytes(streamed, d) for d in others] == [static_bytes(alone, d) for d in others]
 
 
 def test_streaming_needs_one_copy_and_a_stateless_apply() -> None:
@@ -197,3 +204,21 @@ def test_nothing_streams_where_the_first_stage_has_copies() -> None:
     one_stage_costs = CostTable((StageCost(1.0, 2.0, 0, 0, _paper().stages[0].layers),), 32, "t", "t")
     alone = Problem("gpipe", 1, 2, one_stage_costs)
     assert with_streaming(alone) is alone
+
+
+def test_a_problem_without_a_streamed_plan_is_planned_without_streaming(streamed: Problem) -> None:
+    """`solve_streamed` solves the streamed problem first; where that has no plan, the problem as given."""
+    base = replace(streamed, streaming=None)
+    tried: list[Streaming | None] = []
+
+    def refuses_streaming(problem: Problem) -> str:
+        tried.append(problem.streaming)
+        if problem.streaming is not None:
+            raise PlanError("no placement within 32 steps")
+        return "planned"
+
+    assert solve_streamed(base, refuses_streaming) == "planned"
+    assert tried == [streamed.streaming, None]
+    tried.clear()
+    assert solve_streamed(base, refuses_streaming, enabled=False) == "planned"
+    assert tried == [None]
