@@ -1,6 +1,6 @@
 """PipeFisher's step-time overhead over the plain pipeline, against naive K-FAC, 2 ranks, 1 thread each.
 
-Four variants train the same model on the same mini-batches with the same schedule, side by side in
+Four or five variants train the same model on the same mini-batches with the same schedule, side by side in
 one run (rounds interleaved, so drift in machine load hits all alike):
 
 (a) the plain pipeline with AdamW (``kfac=None``);
@@ -9,7 +9,10 @@ one run (rounds interleaved, so drift in machine load hits all alike):
 (c) naive K-FAC: curvature and inversion every step, on the critical path
     (`fxkfac.planner.lowering.naive_programs`, refresh period 1);
 (d) K-FAC+skip: the naive programs, refreshing only every k steps, k = the period (b)'s plan chose
-    for the layer.
+    for the layer;
+(e) where (b)'s plan streams the first stage's APPLY to another rank (docs/STREAMED_APPLY.md): the plan of (b)'s
+    profiled costs with every APPLY on its stage's rank (`PlanOptions(stream_apply=False)`), so b/e is what
+    streaming saves.
 
 The paper's claim (PipeFisher, Table 3: about 6.5% over the pipeline) is b/a <= 1.10 and b < d < c.
 Each round times a block of whole refresh periods per variant; the step time is the median over
@@ -71,12 +74,12 @@ from fxkfac.show import chrome_trace
 __all__ = ["main"]
 
 D = 2
-VARIANTS = ("a", "b", "c", "d")
 NAMES = {
     "a": "pipeline + AdamW",
     "b": "PipeFisher (plan=auto)",
     "c": "naive K-FAC (every step)",
     "d": "K-FAC+skip (plan's period)",
+    "e": "PipeFisher, APPLY not streamed",
 }
 BUSY = ("FWD", "BWD", "STATS", "DECOMP", "APPLY")
 WAIT = "WAIT"
@@ -185,7 +188,11 @@ def _build(args: argparse.Namespace, example: torch.Tensor) -> dict[str, Trainer
     skip = {n: LayerTiming(t.period, 0, 0, KFAC.capture) for n, t in auto.plan.layers.items()}
     naive = _compile(args, example, KFAC, None, layer_timing=every)
     skipping = _compile(args, example, KFAC, None, layer_timing=skip)
-    return {"a": plain, "b": auto, "c": naive, "d": skipping}
+    trainers = {"a": plain, "b": auto, "c": naive, "d": skipping}
+    if auto.plan.problem.streaming is not None:  # (e): (b)'s costs planned with every APPLY on its stage's rank
+        own = PlanOptions(costs=auto.plan.problem.costs, time_limit_s=args.time_limit, stream_apply=False)
+        trainers["e"] = _compile(args, example, KFAC, "auto", plan_options=own)
+    return trainers
 
 
 def _block(trainer: Trainer, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int) -> float:
@@ -300,12 +307,14 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
             for v, events in result["events"].items():
                 chrome_trace(as_timeline(events), os.path.join(args.trace_dir, f"pipefisher_overhead_{v}.json"))
         planned = _planned(trainers["b"])
-        summary = {v: statistics.median(result["times"][v]) for v in VARIANTS}
+        summary = {v: statistics.median(result["times"][v]) for v in trainers}
+        streaming = trainers["b"].plan.problem.streaming
         row = {
             "step_s": summary,
             "rounds_s": result["times"],
-            "ratio_to_a": {v: summary[v] / summary["a"] for v in VARIANTS},
-            "noise": {v: _noise(result["times"][v]) for v in VARIANTS},
+            "ratio_to_a": {v: summary[v] / summary["a"] for v in trainers},
+            "noise": {v: _noise(result["times"][v]) for v in trainers},
+            "streaming": None if streaming is None else streaming.to_dict(),
             "utilization_measured": result["utilization"],
             "planned": planned,
             "kind_s": result["kind_s"],
@@ -362,7 +371,7 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
     ):
         table.add_column(col)
     plan_util = {"a": planned["utilization_plain"], "b": planned["utilization"]}
-    for v in VARIANTS:
+    for v in row["step_s"]:
         measured = row["utilization_measured"].get(v)
         table.add_row(
             f"({v}) {NAMES[v]}",
@@ -380,7 +389,7 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
     where.add_column("variant / rank")
     for k in kinds:
         where.add_column(k)
-    for v in VARIANTS:
+    for v in row["step_s"]:
         for r, secs in sorted(row["kind_s"][v].items(), key=lambda item: int(item[0])):
             plan = planned["kind_s"].get(r, planned["kind_s"].get(int(r), {})) if v == "b" else {}
             cpu = row["kind_cpu_s"][v][r]
@@ -406,6 +415,14 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
         f"{planned['step_s'] / planned['plain_step_s']:.3f} ({planned['solver']})",
         markup=False,
     )
+    if "e" in row["step_s"]:
+        streaming = row["streaming"]
+        console.print(
+            f"streamed: {len(streaming['layers'])} layer(s) of stage {streaming['stage']} applied on r"
+            f"{streaming['helper']}; b/e = {row['step_s']['b'] / row['step_s']['e']:.3f} (rounds of e "
+            f"±{row['noise']['e']:.1%}), e/a = {row['ratio_to_a']['e']:.3f}",
+            markup=False,
+        )
     print(json.dumps({"benchmark": "pipefisher_overhead", "args": vars(args), **row}))
 
 
