@@ -575,8 +575,6 @@ class PreconditionerRuntime:
         inflight: dict[str, Any] = {"refreshes": refreshes, "outbox": outbox}
         if self.scope is KLClipScope.STALE:
             inflight["kl_clip_sum"] = self.step_end.state()
-        if self.streams.replica_steps:
-            inflight["replica_steps"] = dict(self.streams.replica_steps)
         return {"kfac": {n: s.state_dict() for n, s in self.states.items()}, "inflight": inflight}
 
     def parse_state(self, state: Mapping[str, Any]) -> tuple:
@@ -602,13 +600,12 @@ class PreconditionerRuntime:
             outbox = {(str(n), str(part)): deque(half(h) for h in halves) for n, part, halves in inflight["outbox"]}
             stale = inflight.get("kl_clip_sum")
             stale = None if stale is None else float(stale)
-            replica_steps = {str(n): int(t) for n, t in inflight.get("replica_steps", {}).items()}
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise CheckpointError(f"work in flight is malformed in the checkpoint ({e!r})") from e
         unknown = sorted((set(refreshes) | {n for n, _ in outbox}) - set(self.layers))
         if unknown:
             raise CheckpointError(f"checkpoint has work in flight for layers {unknown} this rank does not hold")
-        return states, refreshes, outbox, stale, replica_steps
+        return states, refreshes, outbox, stale
 
     def _new_state(self, name: str) -> Callable[[], RefreshState]:
         """A maker of `name`'s empty state; called for a layer this rank does not hold it raises KeyError (the
@@ -630,8 +627,8 @@ class PreconditionerRuntime:
 
     def load_parsed(self, parsed: tuple) -> None:
         """Install what `parse_state` returned (STALE: the sum the next step's nu comes from)."""
-        states, refreshes, outbox, stale, replica_steps = parsed
+        states, refreshes, outbox, stale = parsed
         self._install(states, refreshes, outbox)
-        self.streams.replica_steps = replica_steps
+        self.streams.replica_steps = dict.fromkeys(self.streams.replicas)  # loaded: trusted (Streams.apply)
         if self.scope is KLClipScope.STALE:
             self.step_end.restore(stale)

@@ -74,8 +74,10 @@ class Streams:
         self._outbox: dict[str, tuple[Tensor, Tensor]] = {}
         self.made: dict[str, deque[tuple[int, dict[str, Any]]]] = {}
         """Preconditioners made here of layers a helper replicates, (refresh step, parts) waiting for SEND_REPLICA."""
-        self.replica_steps: dict[str, int] = {}
-        """The refresh step of each replica's newest preconditioner received (checked at its APPLY)."""
+        self.replica_steps: dict[str, int | None] = {}
+        """The refresh step of each replica's newest preconditioner received (checked at its APPLY); None for a
+        replica loaded from a checkpoint, trusted until the next arrives, so that checkpoints carry no streaming state
+        and reshard onto any layout."""
 
     def install(self, interpreter: Interpreter) -> None:
         """Register the handlers of the streamed transfers (and what each needs when its step begins)."""
@@ -194,21 +196,22 @@ class Streams:
         self._inbox[op.layer] = ctx.transport.take(("lgrad", op.layer), str(op))[0]
 
     def apply(self, ctx: StepContext, op: Op) -> None:
-        """Precondition a received gradient with the replica due at this step (PipelineError when the replica of
-        the refresh due is not here), keeping the result and its <P, G> for SEND_PGRAD."""
+        """Precondition a received gradient with the replica due at this step (PipelineError when a refresh is due
+        and none arrived, or an older one than due is the newest received), keeping the result and its <P, G> for
+        SEND_PGRAD."""
         assert op.layer is not None, "an APPLY of a stage held elsewhere names its layer"
         shapes, name = self._replica(op), op.layer
         if name not in self._inbox:
             raise PipelineError(f"rank {self.runtime.rank}: '{op}' before the RECV_LGRAD of {name}")
-        timing = self.runtime.timings[name]
+        timing, state = self.runtime.timings[name], self.runtime.states[name]
         due = ctx.step - timing.use_offset
         newest = due - (due - timing.curv_step) % timing.period if due >= timing.curv_step else None
-        if newest is not None and self.replica_steps.get(name, -1) < newest:
+        received = self.replica_steps.get(name, -1)  # None: loaded from a checkpoint, trusted
+        if newest is not None and received is not None and received < newest:
             raise PipelineError(
                 f"rank {self.runtime.rank}: '{op}' at step {ctx.step} needs the replica of {name}'s refresh at step "
                 f"{newest}, which has not arrived: the plan lacks its SEND_REPLICA / RECV_REPLICA"
             )
-        state = self.runtime.states[name]
         state.activate(ctx.step)
         flat = self._inbox.pop(name)
         grads: dict[str, Tensor] = {}
@@ -255,11 +258,11 @@ class Streams:
 
     # --- skipped steps and checkpoints ------------------------------------------------------------
 
-    def snapshot(self) -> tuple[dict[str, deque[tuple[int, dict[str, Any]]]], dict[str, int]]:
+    def snapshot(self) -> tuple[dict[str, deque[tuple[int, dict[str, Any]]]], dict[str, int | None]]:
         """What a skipped step restores (`restore`)."""
         return {n: deque(q) for n, q in self.made.items()}, dict(self.replica_steps)
 
-    def restore(self, saved: tuple[dict[str, deque[tuple[int, dict[str, Any]]]], dict[str, int]]) -> None:
+    def restore(self, saved: tuple[dict[str, deque[tuple[int, dict[str, Any]]]], dict[str, int | None]]) -> None:
         """Go back to a `snapshot`; what was in flight of the step is dropped."""
         made, steps = saved
         self.made = {n: deque(q) for n, q in made.items()}
