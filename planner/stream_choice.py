@@ -7,16 +7,13 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.ir import OpKind
+from fxkfac.planner.plan import Plan, rank
 from fxkfac.planner.problem import Problem, copies_of_stage, stage_groups
 from fxkfac.planner.step_timeline import group_load, refresh_lower_bound, step_timeline
 from fxkfac.planner.streaming import Streaming, ready_fractions
-
-if TYPE_CHECKING:
-    from fxkfac.planner.plan import Plan
 
 __all__ = ["with_streaming", "solve_streamed", "STREAMED_STAGE", "HELPER_CANDIDATES"]
 
@@ -49,13 +46,6 @@ def _helpers(problem: Problem) -> list[int]:
         if d != owner
     }
     return sorted(ends, key=lambda d: (ends[d], d))[:HELPER_CANDIDATES]
-
-
-def _bounds(problem: Problem) -> tuple[int, ...]:
-    """Every stage group's least refresh period (`refresh_lower_bound`): streaming shortens the step, which
-    shortens every bubble, and adds the helper's APPLYs to its own; a choice that raises any group's bound would
-    trade refreshes, which plans value first, for step time."""
-    return tuple(refresh_lower_bound(problem, group) for group in stage_groups(problem))
 
 
 def _helper_load(problem: Problem) -> float:
@@ -94,9 +84,10 @@ def with_streaming(problem: Problem) -> Problem:
 
 
 def solve_streamed(problem: Problem, solve: Callable[[Problem], Plan], enabled: bool = True) -> Plan:
-    """`solve` the problem with streaming where `with_streaming` finds some (`enabled`), else as given; where the
-    streamed problem has no plan (the helper's bubbles held the work the streamed APPLYs now take) the problem is
-    solved without streaming, and that is logged."""
+    """`solve` the problem with streaming where `with_streaming` finds some (`enabled`), else as given. A streamed
+    plan whose refresh periods are the unstreamed problem's lower bounds is kept (no plan without streaming
+    refreshes more often, nor steps faster); otherwise the problem is solved without streaming too and the better plan
+    by `planner.plan.rank` (periods first) kept, and so where the streamed problem has no plan; each is logged."""
     streamed = with_streaming(problem) if enabled else problem
     if streamed is problem:
         return solve(problem)
@@ -108,7 +99,32 @@ def solve_streamed(problem: Problem, solve: Callable[[Problem], Plan], enabled: 
         streamed.streaming.helper,
     )
     try:
-        return solve(streamed)
+        plan = solve(streamed)
     except PlanError as e:
         log.warning("no plan with streaming (%s); planning without it", str(e).splitlines()[0])
         return solve(problem)
+    if tuple(plan.metrics.refresh_steps) == _bounds(problem):
+        return plan
+    try:
+        alone = solve(problem)
+    except PlanError:
+        return plan
+    if rank(alone) < rank(plan):
+        log.info(
+            "planned without streaming: refresh every %s steps, where streaming's plan refreshes every %s",
+            list(alone.metrics.refresh_steps),
+            list(plan.metrics.refresh_steps),
+        )
+        return alone
+    return plan
+
+
+def _bounds(problem: Problem) -> tuple[int, ...]:
+    """Each stage's least refresh period: its stage group's `refresh_lower_bound`. Streaming shortens the step, which
+    shortens every bubble, and adds the helper's APPLYs to its own; a choice that raises any bound would trade
+    refreshes, which plans value first, for step time."""
+    out = [0] * problem.num_stages
+    for group in stage_groups(problem):
+        for s in group.stages:
+            out[s] = refresh_lower_bound(problem, group)
+    return tuple(out)

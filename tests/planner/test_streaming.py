@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -222,3 +223,26 @@ def test_a_problem_without_a_streamed_plan_is_planned_without_streaming(streamed
     tried.clear()
     assert solve_streamed(base, refuses_streaming, enabled=False) == "planned"
     assert tried == [None]
+
+
+def _fake_plan(periods: tuple[int, ...], step: float) -> SimpleNamespace:
+    """What `solve_streamed` reads of a plan: its metrics (`planner.plan.rank`)."""
+    return SimpleNamespace(
+        metrics=SimpleNamespace(refresh_steps=periods, step_time=step, peak_memory={0: 1}, step_time_reference=step)
+    )
+
+
+def test_a_streamed_plan_that_refreshes_less_often_loses_to_the_plan_without(streamed: Problem) -> None:
+    """At the unstreamed bounds (3 3 3 3) the streamed plan is kept unsolved against; above them the problem is
+    solved without streaming too, and the plan that refreshes more often wins, whatever its step."""
+    base = replace(streamed, streaming=None)
+    for streamed_periods, want, solves in (((3, 3, 3, 3), "streamed", 1), ((3, 3, 4, 3), "alone", 2)):
+        plans = {True: _fake_plan(streamed_periods, 0.55), False: _fake_plan((3, 3, 3, 3), 0.57)}
+        calls: list[bool] = []
+
+        def solve(problem: Problem, plans=plans, calls=calls) -> SimpleNamespace:
+            calls.append(problem.streaming is not None)
+            return plans[calls[-1]]
+
+        got = solve_streamed(base, solve)
+        assert got is plans[want == "streamed"] and len(calls) == solves, (streamed_periods, calls)
