@@ -102,6 +102,7 @@ PLANNED = {
         w.Case("1f1b", 2, 2, 1),
         w.Case("chimera", 2, 2, 1),
         w.Case("1f1b", 2, 2, 1, KLClipScope.STALE),  # planned without a world barrier at the step's end
+        w.Case("interleaved", 2, 4, 1),  # rank 0 holds stages 0 and 2; stage 0's APPLY streams to rank 1
         w.Case("chimera", 2, 2, 1, fused=1e-6, strategy="comm-opt"),  # no bubble, fused curvature cheap: fused
     ],
     4: [
