@@ -140,7 +140,7 @@ def planned(
     )
     config = SolverConfig(time_limit_s=time_limit)
     try:
-        plan = solve_streamed(problem, lambda p: solve(p, config, method=method), enabled=stream)
+        plan = solve_streamed(problem, lambda p: solve(p, config, method=method), enabled=stream)  # eager, as the paper
     except PlanError as e:
         return {"method": method, "error": str(e).splitlines()[0]}
     return _metrics(method, plan)

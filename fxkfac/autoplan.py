@@ -57,6 +57,9 @@ class Target:
     """Which ranks each step's end waits for (`barrier_of` the family's `KFACConfig.kl_clip_scope`)."""
     warm_start: bool = False
     """Whether the family's decompositions start from the previous one (`Family.warm_start`)."""
+    compiled: bool = False
+    """Whether the stages run compiled (`compile(backend=...)`): each backward then makes every gradient at its end,
+    so a streamed APPLY overlaps nothing of it (`planner.streaming.Streaming.whole_backward`)."""
 
     def describe(self) -> str:
         """The run in words, for error messages."""
@@ -173,7 +176,10 @@ def solve_for(
 
     def solved(problem: Problem) -> Plan:
         return solve_streamed(
-            problem, lambda p: solve_with_strategy(p, strategy, config, box=box), enabled=options.stream_apply
+            problem,
+            lambda p: solve_with_strategy(p, strategy, config, box=box),
+            enabled=options.stream_apply,
+            whole_backward=target.compiled,
         )
 
     try:

@@ -159,7 +159,14 @@ def _add_plan_costs(plan: argparse.ArgumentParser) -> None:
         dest="stream_apply",
         action="store_false",
         help="keep the first stage's APPLY on its rank; by default a rank idle at the step's end applies its "
-        "layers, fed during its last backward, where that shortens the step (PlanOptions.stream_apply)",
+        "layers beside it, where that shortens the step (PlanOptions.stream_apply)",
+    )
+    plan.add_argument(
+        "--eager",
+        action="store_true",
+        help="plan for stages run eagerly (compile(backend=None)), whose backward makes each layer's gradient as "
+        "it reaches it, so the first stage's APPLY streams during it; default: compiled stages (compile's default "
+        "backend), whose backward makes every gradient at its end",
     )
 
 

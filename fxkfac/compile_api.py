@@ -87,7 +87,7 @@ def compile(  # noqa: A001 - the public name the design card gives
     kind = ScheduleKind.ONE_F_ONE_B if mesh is None else ScheduleKind(schedule)
     N, v, single = microbatches, pipeline.virtual_stages, mesh is None
     prepared, known, resolved = _prepare_and_resolve(
-        model, example_inputs, plan, single, family, kfac, kind, layout, N, pipeline, plan_options
+        model, example_inputs, plan, single, family, kfac, kind, layout, N, pipeline, plan_options, backend
     )
     timings = _timings(plan, single, resolved, family, prepared.units, layer_timing)
     distributions = _distributions(resolved, family, plan_options, prepared.stage_layers, known, kind, layout, v)
@@ -125,6 +125,7 @@ def _prepare_and_resolve(
     N: int,
     pipeline: PipelineOptions,
     options: PlanOptions,
+    backend: str | None,
 ) -> tuple[Prepared, dict[str, Any], Plan | None]:
     """`prepare`, the units by name and the resolved plan, with rank 0 showing what plan="auto" does on a mesh;
     warns (at `compile`'s caller) when the family finds nothing to precondition."""
@@ -142,6 +143,7 @@ def _prepare_and_resolve(
             N=N,
             v=pipeline.virtual_stages,
             split_points=pipeline.split_points,
+            compiled=backend is not None,
         )
         if family is not None and not prepared.units:
             warnings.warn(
@@ -286,10 +288,12 @@ def prepare(
     N: int,
     v: int = 1,
     split_points: Sequence[str] | None = None,
+    compiled: bool = False,
 ) -> Prepared:
     """Capture `model` on one micro-batch of the global mini-batch `example_inputs`, find the family's units once,
     split into the schedule's stages and fingerprint the result: `compile`'s first steps, which `fxkfac plan
-    path.py:factory` takes too, so that a plan it exports is one `compile` accepts."""
+    path.py:factory` takes too, so that a plan it exports is one `compile` accepts. `compiled`: the stages will run
+    under torch.compile (`Target.compiled`)."""
     example = normalize_inputs(example_inputs)
     batch = _batch_size(example)
     micro = shard_microbatches(example, batch, W, 0, N)[0]
@@ -310,6 +314,7 @@ def prepare(
         family.decomp_pieces if isinstance(family, PiecewiseFamily) else 1,
         barrier_of(family.cfg.kl_clip_scope) if isinstance(family, KFACFamily) else StepBarrier.WORLD,
         warm_start=family is not None and family.warm_start,
+        compiled=compiled,
     )
     return Prepared(captured, units, split, stage_layers, target, example, batch, micro)
 

@@ -222,8 +222,10 @@ class PlanOptions:
     planner chooses (`plan=None`: COMM-OPT)."""
     stream_apply: bool = True
     """Let a rank that idles at the step's end precondition the first stage's layers, fed their gradients during
-    its last backward, where that shortens the step (GPipe, 1F1B; docs/STREAMED_APPLY.md). The training is the
-    same either way; False keeps every APPLY on its stage's rank."""
+    its last backward (stages run eagerly, `backend=None`) or at its end (compiled stages, whose backward makes every
+    gradient at once: the helper then applies its share beside the owner), where that shortens the step (GPipe,
+    1F1B; docs/STREAMED_APPLY.md). The training is the same either way; False keeps every APPLY on its stage's
+    rank."""
 
     def __post_init__(self) -> None:
         if isinstance(self.strategy, str):

@@ -148,7 +148,8 @@ def _streamed(problem: Problem) -> str:
     streaming = problem.streaming
     if streaming is None:
         return "none (every stage applies its own layers)"
-    return f"{len(streaming.layers)} layer(s) of stage {streaming.stage} applied on r{streaming.helper}"
+    when = "at its backward's end (compiled)" if streaming.whole_backward else "during its last backward"
+    return f"{len(streaming.layers)} layer(s) of stage {streaming.stage} applied on r{streaming.helper}, sent {when}"
 
 
 def _per_stage(values: tuple[int | None, ...]) -> str:

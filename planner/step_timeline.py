@@ -22,7 +22,7 @@ from fxkfac.planner.problem import (
 from fxkfac.planner.schedules import schedule_programs
 from fxkfac.planner.simulate import Timeline, simulate, utilization
 from fxkfac.planner.strategy import keeps_statistics
-from fxkfac.planner.streaming import ready_fractions, stream_step
+from fxkfac.planner.streaming import ready, stream_step
 
 __all__ = [
     "StepTimeline",
@@ -215,11 +215,11 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callabl
 
 def _stream_lead(problem: Problem, duration: Callable[[int, Op], float]) -> Callable[[int, Op], float] | None:
     """How long before a streamed gradient's SEND_LGRAD its message leaves: the part of the stage's backward after
-    the layer's gradient is final (`ready_fractions`); None without streaming."""
+    the layer's gradient is final (`planner.streaming.ready`); None without streaming."""
     streaming = problem.streaming
     if streaming is None:
         return None
-    fractions = ready_fractions(problem.costs.stages[streaming.stage].layers)
+    fractions = ready(streaming, problem.costs.stages[streaming.stage].layers)
     bwd = Op(OpKind.BWD, streaming.stage, 0)
 
     def lead(rank: int, op: Op) -> float:

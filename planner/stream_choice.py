@@ -56,11 +56,13 @@ def _helper_load(problem: Problem) -> float:
     return work / bubble if bubble > 0 else math.inf
 
 
-def with_streaming(problem: Problem) -> Problem:
+def with_streaming(problem: Problem, whole_backward: bool = False) -> Problem:
     """`problem` with the first stage's APPLY streamed, for the helper and the prefix of its layers (in the order
     their gradients become final) that give the shortest reference step without raising any stage group's least
     refresh period, the least loaded helper among equals; unchanged where nothing does, where the stage has copies
-    (W > 1, Chimera) or a single rank runs every stage, or where it already streams."""
+    (W > 1, Chimera) or a single rank runs every stage, or where it already streams. `whole_backward`: the stages run
+    compiled, each backward making every gradient at its end (`Streaming.whole_backward`): the helper then only
+    applies its layers beside the owner."""
     if problem.streaming is not None or len(problem.devices) < 2:
         return problem
     if len(copies_of_stage(problem, STREAMED_STAGE)) != 1:
@@ -73,7 +75,8 @@ def with_streaming(problem: Problem) -> Problem:
     chosen = problem
     for helper in _helpers(problem):
         for n in range(1, len(names) + 1):
-            candidate = replace(problem, streaming=Streaming(STREAMED_STAGE, helper, tuple(names[:n])))
+            streaming = Streaming(STREAMED_STAGE, helper, tuple(names[:n]), whole_backward)
+            candidate = replace(problem, streaming=streaming)
             shorter = step_timeline(candidate).length
             if shorter >= length * (1 - 1e-9) or _bounds(candidate) != bounds:
                 continue
@@ -83,12 +86,15 @@ def with_streaming(problem: Problem) -> Problem:
     return chosen
 
 
-def solve_streamed(problem: Problem, solve: Callable[[Problem], Plan], enabled: bool = True) -> Plan:
+def solve_streamed(
+    problem: Problem, solve: Callable[[Problem], Plan], enabled: bool = True, whole_backward: bool = False
+) -> Plan:
     """`solve` the problem with streaming where `with_streaming` finds some (`enabled`), else as given. A streamed
     plan whose refresh periods are the unstreamed problem's lower bounds is kept (no plan without streaming
     refreshes more often, nor steps faster); otherwise the problem is solved without streaming too and the better plan
-    by `planner.plan.rank` (periods first) kept, and so where the streamed problem has no plan; each is logged."""
-    streamed = with_streaming(problem) if enabled else problem
+    by `planner.plan.rank` (periods first) kept, and so where the streamed problem has no plan; each is logged.
+    `whole_backward`: as `with_streaming`'s."""
+    streamed = with_streaming(problem, whole_backward) if enabled else problem
     if streamed is problem:
         return solve(problem)
     assert streamed.streaming is not None, "with_streaming returns a streaming problem or the same one"

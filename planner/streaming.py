@@ -24,7 +24,16 @@ from fxkfac.planner.ir import LayerTiming, Op, OpKind, Program
 if TYPE_CHECKING:
     from fxkfac.planner.solution import Placement
 
-__all__ = ["Streaming", "Made", "stream_step", "made_refreshes", "replica_born", "add_replicas", "ready_fractions"]
+__all__ = [
+    "Streaming",
+    "Made",
+    "stream_step",
+    "made_refreshes",
+    "replica_born",
+    "add_replicas",
+    "ready",
+    "ready_fractions",
+]
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,10 @@ class Streaming:
     stage: int
     helper: int
     layers: tuple[str, ...]
+    whole_backward: bool = False
+    """Whether the owner's backward makes every gradient at its end (a stage run compiled: torch.compile's backward
+    is one autograd node), so nothing streams during it and the helper only applies its layers beside the owner's;
+    else each layer's gradient is final as the backward reaches it (`ready_fractions`)."""
 
     def __post_init__(self) -> None:
         ok = (
@@ -46,6 +59,7 @@ class Streaming:
             and len(self.layers) > 0
             and len(set(self.layers)) == len(self.layers)
             and all(isinstance(n, str) and n for n in self.layers)
+            and isinstance(self.whole_backward, bool)
         )
         if not ok:
             raise PlanFormatError(
@@ -54,15 +68,22 @@ class Streaming:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able form."""
-        return {"stage": self.stage, "helper": self.helper, "layers": list(self.layers)}
+        whole = {"whole_backward": True} if self.whole_backward else {}
+        return {"stage": self.stage, "helper": self.helper, "layers": list(self.layers), **whole}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Streaming:
         """Inverse of `to_dict`; PlanFormatError when malformed."""
         try:
-            return cls(data["stage"], data["helper"], tuple(data["layers"]))
+            return cls(data["stage"], data["helper"], tuple(data["layers"]), data.get("whole_backward", False))
         except (KeyError, TypeError) as e:
             raise PlanFormatError(f"the plan's streaming is malformed: {e!r}") from e
+
+
+def ready(streaming: Streaming, layers: Sequence[LayerCost]) -> dict[str, float]:
+    """The share of the owner's backward done when each of its stage's `layers` has its gradient final: all at the
+    end for a stage whose backward makes them together (`Streaming.whole_backward`), else `ready_fractions`."""
+    return dict.fromkeys((x.name for x in layers), 1.0) if streaming.whole_backward else ready_fractions(layers)
 
 
 def ready_fractions(layers: Sequence[LayerCost]) -> dict[str, float]:

@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable
 
 from fxkfac.planner.ir import Op, OpKind, ops_at
-from fxkfac.planner.streaming import Streaming, ready_fractions
+from fxkfac.planner.streaming import Streaming, ready
 from fxkfac.planner.validate.context import Context
 
 __all__ = ["check_streaming", "stream_lead"]
@@ -21,7 +21,7 @@ def stream_lead(c: Context) -> Callable[[int, Op], float] | None:
     if streaming is None:
         return None
     stage = c.problem.costs.stages[streaming.stage]
-    fractions = ready_fractions(stage.layers)
+    fractions = ready(streaming, stage.layers)
 
     def lead(_: int, op: Op) -> float:
         return (1.0 - fractions[op.layer]) * stage.bwd if op.kind is OpKind.SEND_LGRAD and op.layer else 0.0

@@ -345,6 +345,7 @@ def compile_api_worker(rank: int, world: int, case: Case, backend: str | None) -
         "losses": losses,
         "layers": dict(trainer.plan.layers),
         "steps": steps,
+        "streaming": trainer.plan.problem.streaming,
     }
 
 

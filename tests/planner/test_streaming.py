@@ -246,3 +246,15 @@ def test_a_streamed_plan_that_refreshes_less_often_loses_to_the_plan_without(str
 
         got = solve_streamed(base, solve)
         assert got is plans[want == "streamed"] and len(calls) == solves, (streamed_periods, calls)
+
+
+def test_a_compiled_stage_shares_its_apply_at_the_backwards_end() -> None:
+    """Compiled stages make every gradient at the backward's end (`Streaming.whole_backward`): nothing overlaps the
+    backward, and the helper only applies its blocks beside the owner. BERT-Base 1F1B's three equal blocks split
+    one / two: the step is the plain one plus two blocks' APPLY, where without streaming it is plus three."""
+    problem = Problem("1f1b", 4, 4, _paper(), decomp_pieces=4)
+    shared = with_streaming(problem, whole_backward=True)
+    assert shared.streaming is not None and shared.streaming.whole_backward and len(shared.streaming.layers) in (1, 2)
+    block = problem.costs.layer("block0").prec
+    assert math.isclose(step_timeline(shared).length, plain_step_time(problem) + 2 * block, rel_tol=1e-9)
+    assert Streaming.from_dict(shared.streaming.to_dict()) == shared.streaming
