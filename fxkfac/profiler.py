@@ -11,6 +11,7 @@ Every time is the fastest of its repeats, with their fastest and slowest kept be
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -319,6 +320,26 @@ def _stage_times(
     output with a gradient of ones), not derived from a timed forward + backward: two figures of separate runs
     differ by their noise, which once left a stage's backward at 0."""
 
+    forward, roots = _stage_calls(gm, inputs, loss, taps)
+    fwd = time_call(forward, warmup=warmup, repeats=repeats)
+    bwd = time_after(roots, _backward, warmup=warmup, repeats=repeats)
+    gm.zero_grad(set_to_none=True)
+    return fwd, bwd, [o.detach() for o in forward()]
+
+
+Roots = tuple[list[Tensor], list[Tensor] | None]
+"""What a stage's backward starts from: its roots and their gradients (None: a scalar loss)."""
+
+
+def _stage_calls(
+    gm: torch.fx.GraphModule,
+    inputs: Sequence[Tensor],
+    loss: Callable[[Sequence[Tensor]], Tensor] | None,
+    taps: FactorTaps | None = None,
+) -> tuple[Callable[[], tuple[Tensor, ...]], Callable[[], Roots]]:
+    """The stage's forward on fresh leaves of `inputs`, and a forward that returns the roots of its backward (the last
+    stage's `loss`, else every output with a gradient of ones)."""
+
     def leaves() -> list[Tensor]:
         return [x.detach().requires_grad_(True) if x.is_floating_point() else x for x in inputs]
 
@@ -327,20 +348,88 @@ def _stage_times(
             return tuple(gm(*leaves()))
         return tuple(gm(*leaves(), *new_probes(taps, _device(inputs)))[: taps.n_outputs])
 
-    def roots() -> tuple[list[Tensor], list[Tensor] | None]:
+    def roots() -> Roots:
         out = forward()
         if loss is not None:
             return [loss(out)], None
         live = [o for o in out if o.requires_grad]
         return live, [torch.ones_like(o) for o in live]
 
-    def backward(made: tuple[list[Tensor], list[Tensor] | None]) -> None:
-        torch.autograd.backward(made[0], made[1])
+    return forward, roots
 
-    fwd = time_call(forward, warmup=warmup, repeats=repeats)
-    bwd = time_after(roots, backward, warmup=warmup, repeats=repeats)
+
+def _backward(made: Roots) -> None:
+    torch.autograd.backward(made[0], made[1])
+
+
+def _ready_times(
+    gm: torch.fx.GraphModule,
+    inputs: Sequence[Tensor],
+    loss: Callable[[Sequence[Tensor]], Tensor] | None,
+    params_of: Mapping[str, Sequence[str]],
+    repeats: int,
+) -> dict[str, float]:
+    """Per layer (its parameters by name), the seconds from the start of the stage's backward until its gradient is
+    final, every parameter of it accumulated: the median of `repeats` backwards, each after an untimed forward, read
+    by hooks on the accumulation (CUDA events on a GPU, whose kernels run behind the host). What a streamed APPLY
+    waits for (`LayerCost.grad_ready`); a layer the backward does not reach is left out."""
+    if not params_of:
+        return {}
+    _, roots = _stage_calls(gm, inputs, loss)
+    samples: dict[str, list[float]] = {name: [] for name in params_of}
+    for _ in range(max(1, repeats)):
+        made = roots()
+        stamps = _Stamps(_device(inputs))
+        handles = [
+            gm.get_parameter(p).register_post_accumulate_grad_hook(stamps.marker(name))
+            for name, params in params_of.items()
+            for p in params
+        ]
+        try:
+            stamps.start()
+            _backward(made)
+        finally:
+            for handle in handles:
+                handle.remove()
+        for name, seconds in stamps.read().items():
+            samples[name].append(seconds)
     gm.zero_grad(set_to_none=True)
-    return fwd, bwd, [o.detach() for o in forward()]
+    return {name: statistics.median(found) for name, found in samples.items() if found}
+
+
+class _Stamps:
+    """When each named event of one backward happened, its last mark counting, in seconds after `start`: on the
+    profile's clock on a CPU, by CUDA events on a GPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.origin: Any = None
+        self.marks: dict[str, Any] = {}
+
+    def _now(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return clock()()
+
+    def start(self) -> None:
+        _sync()
+        self.origin = self._now()
+
+    def marker(self, name: str) -> Callable[[Tensor], None]:
+        """A parameter hook that marks `name` now."""
+
+        def mark(_: Tensor) -> None:
+            self.marks[name] = self._now()
+
+        return mark
+
+    def read(self) -> dict[str, float]:
+        _sync()
+        if self.cuda:
+            return {name: self.origin.elapsed_time(event) / 1e3 for name, event in self.marks.items()}
+        return {name: at - self.origin for name, at in self.marks.items()}
 
 
 def _device(inputs: Sequence[Tensor]) -> torch.device:
@@ -401,9 +490,11 @@ def _one_round(
     repeats: int,
     taps: Mapping[int, FactorTaps],
     fused: Mapping[int, FactorTaps],
+    params_of: Mapping[int, Mapping[str, Sequence[str]]],
 ) -> list[StageCost]:
     """Every stage's forward and backward (`_stage_times`), with its deferred `taps` and with its curvature
-    `fused` (`_tapped_times`), and its units (`unit_cost`), timed once over."""
+    `fused` (`_tapped_times`), its units (`unit_cost`) and when its backward makes each of `params_of`'s layers'
+    gradients (`_ready_times`), timed once over."""
     batch = int(micro_inputs[0].shape[0])
     inputs, stages = list(micro_inputs), []
     last = len(split.stages) - 1
@@ -415,6 +506,8 @@ def _one_round(
         with_fused = _tapped_times(fused.get(st.index), fed, stage_loss, warmup, repeats)
         fused_fwd, fused_bwd = (None, None) if with_fused is None or tapped is None else _extra(with_fused, tapped)
         params = {n: p for n, p in st.gm.named_parameters()}
+        ready = _ready_times(st.gm, fed, stage_loss, params_of.get(st.index, {}), repeats)
+        units = tuple(unit_cost(n, batch) for n in stage_layers.get(st.index, ()))
         stages.append(
             StageCost(
                 fwd=fwd.seconds,
@@ -425,7 +518,7 @@ def _one_round(
                 fused_bwd=fused_bwd,
                 param_bytes=sum(map(_nbytes, params.values())),
                 act_bytes=_act_bytes(st.gm),
-                layers=tuple(unit_cost(n, batch) for n in stage_layers.get(st.index, ())),
+                layers=tuple(replace(x, grad_ready=ready.get(x.name)) for x in units),
                 fwd_spread=fwd.spread,
                 bwd_spread=bwd.spread,
             )
@@ -449,7 +542,8 @@ def profile(
     """The CostTable of the split model at the micro-batch of `micro_inputs`, measured here, stage by stage.
     `captured`: each stage's layers with captured parts (K-FAC's), which a refresh step taps: their deferred
     taps' extra F/B is timed too (`StageCost.tap_fwd`), and the F/B with their curvature fused
-    (`StageCost.fused_fwd`), which lets the planner fuse where that is cheaper than placing the statistics.
+    (`StageCost.fused_fwd`), which lets the planner fuse where that is cheaper than placing the statistics; and when
+    the backward makes each one's gradient (`LayerCost.grad_ready`, what a streamed APPLY waits for).
 
     The stages are chained in this one process (a rank profiles all: every stage copy is the same graph; on a mesh
     every rank does at once, `fxkfac.autoplan.gathered_profile`). `loss(flat_outputs)` is the last stage's scalar
@@ -477,8 +571,9 @@ def profile(
         }
         for mode in (Capture.DEFERRED, Capture.FUSED)
     )
+    params_of = {s: {x.name: x.params for x in layers} for s, layers in (captured or {}).items()}
     passes = [
-        _one_round(split, stage_layers, unit_cost, micro_inputs, loss, warmup, repeats, taps, fused)
+        _one_round(split, stage_layers, unit_cost, micro_inputs, loss, warmup, repeats, taps, fused, params_of)
         for _ in range(max(1, rounds))
     ]
     stages = [_trusted(combined_stage(of, min), i) for i, of in enumerate(zip(*passes, strict=True))]

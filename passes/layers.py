@@ -50,6 +50,11 @@ class KFACLayer:
         object.__setattr__(self, "kind", LayerKind(self.kind))  # its text is accepted; an unknown kind raises
 
     @property
+    def params(self) -> tuple[str, ...]:
+        """The parameters whose gradients make the layer's: its weight and bias."""
+        return (self.weight,) if self.bias is None else (self.weight, self.bias)
+
+    @property
     def a_dim(self) -> int:
         """Side of the A factor (d_in, plus one for the bias column)."""
         return self.d_in + (1 if self.bias is not None else 0)

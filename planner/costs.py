@@ -151,10 +151,15 @@ class LayerCost:
     state_bytes: int = 0
     grad_bytes: int = 0
     prec_spread: Spread | None = None
+    grad_ready: float | None = None
+    """Seconds from the start of its stage's backward (one micro-batch, eager) until the layer's gradient is final:
+    when a streamed APPLY can take it (planner/streaming.py); None where not measured (an estimate is used)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise CostModelError(f"LayerCost.name must be a non-empty string, got {self.name!r}")
+        if self.grad_ready is not None:
+            _check_number(f"layer {self.name!r}", "grad_ready", self.grad_ready, integer=False)
         if not isinstance(self.parts, tuple) or not self.parts or not all(isinstance(p, PartCost) for p in self.parts):
             raise CostModelError(f"layer {self.name!r}: parts must be a non-empty tuple of PartCost")
         if len({p.part for p in self.parts}) != len(self.parts):
@@ -393,6 +398,8 @@ class CostTable:
                     del stage[key]
             for layer in stage["layers"]:
                 _drop_empty_spreads(layer)
+                if layer["grad_ready"] is None:
+                    del layer["grad_ready"]
                 for part in layer["parts"]:
                     _drop_empty_spreads(part)
         return {"schema_version": SCHEMA_VERSION, **body}
@@ -514,8 +521,12 @@ def _scale_layer(x: LayerCost, per_mb: float, fixed: float, mem: float) -> Layer
 
 
 def _scale_stage(s: StageCost, per_mb: float, fixed: float, mem: float) -> StageCost:
-    """Scale per-micro-batch times by per_mb, per-step times by fixed, per-micro-batch bytes by mem."""
-    layers = tuple(_scale_layer(x, per_mb, fixed, mem) for x in s.layers)
+    """Scale per-micro-batch times by per_mb (a layer's `grad_ready` with the backward), per-step times by fixed,
+    per-micro-batch bytes by mem."""
+    layers = tuple(
+        replace(_scale_layer(x, per_mb, fixed, mem), grad_ready=None if x.grad_ready is None else x.grad_ready * per_mb)
+        for x in s.layers
+    )
     return replace(
         s,
         fwd=s.fwd * per_mb,
@@ -615,4 +626,5 @@ def _combined_layer(layers: list[LayerCost], time: Reduce) -> LayerCost:
         parts=parts,
         prec=time([x.prec for x in layers]),
         prec_spread=Spread.covering(x.prec_spread for x in layers),
+        grad_ready=_median(x.grad_ready for x in layers),
     )

@@ -219,7 +219,7 @@ def _stream_lead(problem: Problem, duration: Callable[[int, Op], float]) -> Call
     streaming = problem.streaming
     if streaming is None:
         return None
-    fractions = ready(streaming, problem.costs.stages[streaming.stage].layers)
+    fractions = ready(streaming, problem.costs.stages[streaming.stage])
     bwd = Op(OpKind.BWD, streaming.stage, 0)
 
     def lead(rank: int, op: Op) -> float:

@@ -30,7 +30,7 @@ def _streamable(problem: Problem) -> list[str]:
     """The first stage's layers a helper may apply, in the order its backward makes their gradients final: every
     layer whose APPLY reads its preconditioner alone (no optimizer state, statistics from captures)."""
     layers = problem.costs.stages[STREAMED_STAGE].layers
-    fractions = ready_fractions(layers)
+    fractions = ready_fractions(problem.costs.stages[STREAMED_STAGE])
     ok = [x.name for x in layers if not x.state_bytes and all(p.after is not OpKind.ALLREDUCE_GRAD for p in x.parts)]
     return sorted(ok, key=lambda n: fractions[n])
 

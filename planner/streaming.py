@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from fxkfac.planner.costs import LayerCost
+from fxkfac.planner.costs import StageCost
 from fxkfac.planner.errors import PlanFormatError
 from fxkfac.planner.ir import LayerTiming, Op, OpKind, Program
 
@@ -80,17 +80,20 @@ class Streaming:
             raise PlanFormatError(f"the plan's streaming is malformed: {e!r}") from e
 
 
-def ready(streaming: Streaming, layers: Sequence[LayerCost]) -> dict[str, float]:
-    """The share of the owner's backward done when each of its stage's `layers` has its gradient final: all at the
+def ready(streaming: Streaming, stage: StageCost) -> dict[str, float]:
+    """The share of the owner's backward done when each of its stage's layers has its gradient final: all at the
     end for a stage whose backward makes them together (`Streaming.whole_backward`), else `ready_fractions`."""
-    return dict.fromkeys((x.name for x in layers), 1.0) if streaming.whole_backward else ready_fractions(layers)
+    return dict.fromkeys((x.name for x in stage.layers), 1.0) if streaming.whole_backward else ready_fractions(stage)
 
 
-def ready_fractions(layers: Sequence[LayerCost]) -> dict[str, float]:
-    """The share of its stage's backward done when each layer's gradient is final: `layers` in forward order, which
-    the backward visits in reverse, each taking a share as large as its gradient (a linear layer's backward FLOPs
-    are proportional to it). An estimate: the stage's other ops (attention's products, norms) are spread with
-    them."""
+def ready_fractions(stage: StageCost) -> dict[str, float]:
+    """The share of the stage's (eager) backward done when each layer's gradient is final: as profiled
+    (`LayerCost.grad_ready` over the backward, at most 1) where every layer has it; else estimated, the layers (in
+    forward order) taking the backward in reverse, each a share as large as its gradient (a linear layer's backward
+    FLOPs are proportional to it; the stage's other ops, attention's products and norms, spread with them)."""
+    layers, measured = stage.layers, [x.grad_ready for x in stage.layers]
+    if layers and stage.bwd > 0 and all(t is not None for t in measured):
+        return {x.name: min(1.0, t / stage.bwd) for x, t in zip(layers, measured, strict=True) if t is not None}
     total = sum(x.gradient_bytes for x in layers)
     done, out = 0, {}
     for x in reversed(layers):

@@ -319,3 +319,20 @@ def test_a_refresh_steps_taps_are_timed_for_the_captured_layers_alone(split: tup
     assert all(s.tap_fwd == 0 and s.tap_bwd == 0 and s.fused_fwd is None for s in plain.stages)
     keys = {key for s in json.loads(plain.to_json())["stages"] for key in s}
     assert not any(key.startswith(("tap_", "fused_")) for key in keys)
+
+
+def test_each_captured_layers_gradient_is_timed_from_its_stages_backward(split: tuple) -> None:
+    """With `captured`, every K-FAC layer gets when its stage's backward makes its gradient (`LayerCost.grad_ready`):
+    within the backward, later in the backward for a layer earlier in the forward, kept through JSON; without
+    `captured`, none (and the estimate stands: planner/streaming.py `ready_fractions`)."""
+    result, by_stage, layers, x = split
+    cost = kfac_unit_cost(layers, CFG)
+    captured = {s: [layers[n] for n in names] for s, names in by_stage.items()}
+    table = profiler.profile(result, by_stage, cost, [x], _loss, repeats=3, rounds=2, captured=captured)
+    for stage in table.stages:
+        ready = [x.grad_ready for x in stage.layers]
+        assert all(t is not None and 0 <= t <= 3 * stage.bwd_spread.high for t in ready), (ready, stage.bwd_spread)
+        assert ready == sorted(ready, reverse=True), ready  # forward order: the backward reaches the last first
+    assert CostTable.from_json(table.to_json()) == table
+    plain = profiler.profile(result, by_stage, cost, [x], _loss, repeats=1, rounds=1)
+    assert all(x.grad_ready is None for s in plain.stages for x in s.layers)

@@ -201,7 +201,7 @@ class KFACFamily:
 
     def params_of(self, layer: KFACLayer) -> tuple[str, ...]:
         """The layer's weight and bias."""
-        return (layer.weight,) if layer.bias is None else (layer.weight, layer.bias)
+        return layer.params
 
     def half_to_state(self, half: FactorInverse | None) -> dict[str, Any] | None:
         """Method and tensors of one inverted factor."""

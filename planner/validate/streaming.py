@@ -21,7 +21,7 @@ def stream_lead(c: Context) -> Callable[[int, Op], float] | None:
     if streaming is None:
         return None
     stage = c.problem.costs.stages[streaming.stage]
-    fractions = ready(streaming, stage.layers)
+    fractions = ready(streaming, stage)
 
     def lead(_: int, op: Op) -> float:
         return (1.0 - fractions[op.layer]) * stage.bwd if op.kind is OpKind.SEND_LGRAD and op.layer else 0.0

@@ -53,7 +53,17 @@ def test_ready_fractions_follow_the_backward_in_reverse() -> None:
     of the way through, then a's at its end."""
     a = LayerCost.kfac("a", 0, 0, 0, 0, 0, 0, 0, 4, 4, grad_bytes=4)
     b = LayerCost.kfac("b", 0, 0, 0, 0, 0, 0, 0, 4, 4, grad_bytes=12)
-    assert ready_fractions([a, b]) == {"b": 0.75, "a": 1.0}
+    assert ready_fractions(StageCost(1.0, 2.0, 0, 0, (a, b))) == {"b": 0.75, "a": 1.0}
+
+
+def test_profiled_readiness_replaces_the_estimate() -> None:
+    """Where every layer of the stage has its profiled `grad_ready`, it gives the share (at most the whole
+    backward); one layer without it and the estimate stands for all."""
+    a = LayerCost.kfac("a", 0, 0, 0, 0, 0, 0, 0, 4, 4, grad_bytes=4)
+    b = LayerCost.kfac("b", 0, 0, 0, 0, 0, 0, 0, 4, 4, grad_bytes=12)
+    timed = (replace(a, grad_ready=2.5), replace(b, grad_ready=0.5))
+    assert ready_fractions(StageCost(1.0, 2.0, 0, 0, timed)) == {"a": 1.0, "b": 0.25}
+    assert ready_fractions(StageCost(1.0, 2.0, 0, 0, (timed[0], b))) == {"b": 0.75, "a": 1.0}
 
 
 def test_stream_step_hands_off_after_the_last_backward() -> None:
