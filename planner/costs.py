@@ -358,7 +358,8 @@ class CostTable:
         grid, [Note: time grid] in planner/window.py): ALLREDUCE_GRAD all-reduces the stage's gradients
         (`param_bytes`), SYNC_STATS each named part's statistic with its count (`state_bytes` + `COUNT_BYTES`),
         BCAST broadcasts each named part's decomposition (as large as its statistic, `state_bytes`), BCAST_PREC
-        the named layer's preconditioned gradient (`LayerCost.gradient_bytes`)."""
+        the named layer's preconditioned gradient (`LayerCost.gradient_bytes`); a streamed layer's sends (between two
+        ranks) its gradient (SEND_LGRAD, SEND_PGRAD) or each part's decomposition (SEND_REPLICA)."""
         if op.stage is None:
             raise CostModelError(f"{op} names no stage: its bytes are unknown")
         stage = self.stages[op.stage]
@@ -376,6 +377,10 @@ class CostTable:
             ]
         elif op.kind is OpKind.BCAST_PREC:
             messages = [(Collective.BROADCAST, x.gradient_bytes) for x in stage.layers if x.name == op.layer]
+        elif op.kind in (OpKind.SEND_LGRAD, OpKind.SEND_PGRAD):
+            messages = [(Collective.SEND, x.gradient_bytes) for x in stage.layers if x.name == op.layer]
+        elif op.kind is OpKind.SEND_REPLICA:
+            messages = [(Collective.SEND, p.state_bytes) for x in stage.layers if x.name == op.layer for p in x.parts]
         else:
             raise CostModelError(f"{op} is not a collective the cost table prices")
         total = sum(comm_seconds(self.comm, kind, n, group_size) for kind, n in messages)

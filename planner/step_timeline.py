@@ -9,7 +9,7 @@ from functools import lru_cache
 from typing import TypeVar
 
 from fxkfac.planner.costs import StageCost
-from fxkfac.planner.ir import Op, OpKind
+from fxkfac.planner.ir import LAYER_SENDS, Op, OpKind
 from fxkfac.planner.lowering import add_send_recv, capture_stats, expand_dp, step_applies
 from fxkfac.planner.problem import (
     Problem,
@@ -214,8 +214,10 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callabl
 
 
 def _stream_lead(problem: Problem, duration: Callable[[int, Op], float]) -> Callable[[int, Op], float] | None:
-    """How long before a streamed gradient's SEND_LGRAD its message leaves: the part of the stage's backward after
-    the layer's gradient is final (`planner.streaming.ready`); None without streaming."""
+    """How long before its send op a streamed layer's message arrives (`simulate`'s lead): a gradient leaves when
+    the backward makes it final (`planner.streaming.ready`), the part of the stage's backward after that before the
+    SEND_LGRAD; every streamed message then takes its transfer (`CostTable.collective_seconds` of two ranks, 0
+    without a comm model), which the lead subtracts. None without streaming."""
     streaming = problem.streaming
     if streaming is None:
         return None
@@ -223,9 +225,11 @@ def _stream_lead(problem: Problem, duration: Callable[[int, Op], float]) -> Call
     bwd = Op(OpKind.BWD, streaming.stage, 0)
 
     def lead(rank: int, op: Op) -> float:
-        if op.kind is not OpKind.SEND_LGRAD or op.layer is None:
+        if op.kind not in LAYER_SENDS or op.layer is None:
             return 0.0
-        return (1.0 - fractions[op.layer]) * duration(rank, bwd)
+        transfer = problem.costs.collective_seconds(op, 2) if problem.costs.comm is not None else 0.0
+        early = (1.0 - fractions[op.layer]) * duration(rank, bwd) if op.kind is OpKind.SEND_LGRAD else 0.0
+        return early - transfer
 
     return lead
 

@@ -268,3 +268,15 @@ def test_a_compiled_stage_shares_its_apply_at_the_backwards_end() -> None:
     block = problem.costs.layer("block0").prec
     assert math.isclose(step_timeline(shared).length, plain_step_time(problem) + 2 * block, rel_tol=1e-9)
     assert Streaming.from_dict(shared.streaming.to_dict()) == shared.streaming
+
+
+def test_streamed_transfers_take_their_time_on_the_comm_model(streamed: Problem) -> None:
+    """Streaming every block, the last (block 0) reaches the helper a transfer after the backward ends, is applied
+    there and comes back a transfer later: the step is the plain one plus both transfers and its APPLY (the cost
+    table's P100 comm model prices a 41 MB gradient at 0.516 ms)."""
+    every = replace(streamed, streaming=Streaming(0, streamed.streaming.helper, ("block2", "block1", "block0")))
+    send = every.costs.collective_seconds(Op(OpKind.SEND_LGRAD, 0, peer=1, layer="block0"), 2)
+    back = every.costs.collective_seconds(Op(OpKind.SEND_PGRAD, 0, peer=0, layer="block0"), 2)
+    assert send > 0 and send == back
+    want = plain_step_time(every) + send + every.costs.layer("block0").prec + back
+    assert math.isclose(step_timeline(every).length, want, rel_tol=1e-9)
