@@ -359,6 +359,7 @@ def _stage_calls(
 
 
 def _backward(made: Roots) -> None:
+    """The stage's backward from the roots a forward made."""
     torch.autograd.backward(made[0], made[1])
 
 
@@ -407,6 +408,7 @@ class _Stamps:
         self.marks: dict[str, Any] = {}
 
     def _now(self) -> Any:
+        """A CUDA event recorded now on a GPU, else the clock's reading."""
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
@@ -414,6 +416,7 @@ class _Stamps:
         return clock()()
 
     def start(self) -> None:
+        """Mark the backward's start (after the device's queued work)."""
         _sync()
         self.origin = self._now()
 
@@ -426,6 +429,7 @@ class _Stamps:
         return mark
 
     def read(self) -> dict[str, float]:
+        """Each name's last mark in seconds after the start (once the device's work is done)."""
         _sync()
         if self.cuda:
             return {name: self.origin.elapsed_time(event) / 1e3 for name, event in self.marks.items()}

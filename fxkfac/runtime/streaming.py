@@ -89,12 +89,14 @@ class Streams:
         interpreter.register(OpKind.RECV_REPLICA, self.recv_replica, self.post_replica)
 
     def _tag(self, ctx: StepContext, op: Op, message: int) -> int:
+        """The tag of `message` of the layer `op` names (both ends number it alike)."""
         assert op.layer is not None, "a streamed transfer names its layer (planner/ir.py OP_FIELDS)"
         return ctx.transport.tags.of_layer(self.tags[op.layer], message)
 
     # --- the owner --------------------------------------------------------------------------------
 
     def _params(self, ctx: StepContext, op: Op) -> list[torch.nn.Parameter]:
+        """This rank's parameters of the layer `op` names, in the family's order (the flat gradient's)."""
         assert op.stage is not None and op.layer is not None, "a streamed transfer names its stage and layer"
         runner = ctx.stage_runner(op.stage)
         layer = self.runtime.layers[op.layer]
@@ -120,6 +122,7 @@ class Streams:
         self._hooks[name] = [p.register_post_accumulate_grad_hook(hook(i)) for i, p in enumerate(params)]
 
     def _send_gradient(self, ctx: StepContext, op: Op, params: Sequence[torch.nn.Parameter]) -> None:
+        """Send the layer's flat gradient (zeros for a parameter without one) to its helper."""
         assert op.layer is not None and op.peer is not None, "SEND_LGRAD names its layer and helper"
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
         ctx.transport.send_tagged(flat, op.peer, self._tag(ctx, op, _LGRAD), str(op))
@@ -176,6 +179,7 @@ class Streams:
     # --- the helper -------------------------------------------------------------------------------
 
     def _replica(self, op: Op) -> tuple[ParamShape, ...]:
+        """The parameters of the replica `op` names; PipelineError for a layer this rank holds none of."""
         if op.layer not in self.replicas:
             raise PipelineError(
                 f"rank {self.runtime.rank}: '{op}' names a layer this rank holds no replica of (replicas: "

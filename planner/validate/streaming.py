@@ -48,6 +48,8 @@ def check_streaming(c: Context) -> None:
 
 
 def _check_owner_step(c: Context, streaming: Streaming, owner: int, j: int, ops: list[Op]) -> None:
+    """The owner's step j sends every streamed layer right after its stage's last BWD, takes each back once, and
+    applies none of them itself."""
     s, helper = streaming.stage, streaming.helper
     last = max((i for i, op in enumerate(ops) if op.kind is OpKind.BWD and op.stage == s), default=None)
     sends = [Op(OpKind.SEND_LGRAD, s, peer=helper, layer=n) for n in streaming.layers]
@@ -62,6 +64,7 @@ def _check_owner_step(c: Context, streaming: Streaming, owner: int, j: int, ops:
 
 
 def _check_helper_step(c: Context, streaming: Streaming, owner: int, j: int, ops: list[Op]) -> None:
+    """The helper's step j receives, applies and returns every streamed layer once, in that order."""
     s = streaming.stage
     for n in streaming.layers:
         chain = [
