@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,10 +19,12 @@ from fxkfac.planner.problem import Problem, SolverConfig, stage_groups
 from fxkfac.planner.profiles import load_cost_table
 from fxkfac.planner.simulate import simulate
 from fxkfac.planner.solve import solve
-from fxkfac.planner.step_timeline import plain_step_time, refresh_lower_bound, step_timeline
+from fxkfac.planner.step_timeline import plain_step_time, reference_programs, refresh_lower_bound, step_timeline
 from fxkfac.planner.stream_choice import solve_streamed, with_streaming
 from fxkfac.planner.streaming import Streaming, ready_fractions, stream_step
 from fxkfac.planner.validate import validate
+
+ARTIFACTS = Path(__file__).parent / "artifacts"
 
 
 def _paper(schedule: str = "1f1b", D: int = 4) -> CostTable:
@@ -280,3 +283,20 @@ def test_streamed_transfers_take_their_time_on_the_comm_model(streamed: Problem)
     assert send > 0 and send == back
     want = plain_step_time(every) + send + every.costs.layer("block0").prec + back
     assert math.isclose(step_timeline(every).length, want, rel_tol=1e-9)
+
+
+def _two_stages() -> CostTable:
+    """Two stages of two K-FAC layers each (1 ms F, 2 ms B, 0.1 ms APPLY a layer)."""
+    layer = LayerCost.kfac("x", 1e-4, 1e-4, 1e-3, 1e-3, 1e-4, 0, 0, 64, 64)
+    stages = tuple(
+        StageCost(1e-3, 2e-3, 0, 0, (replace(layer, name=f"s{s}.a"), replace(layer, name=f"s{s}.b"))) for s in (0, 1)
+    )
+    return CostTable(stages, 1, "test", "test")
+
+
+def test_the_streamed_reference_step_reads_as_its_golden_file() -> None:
+    """1F1B D=2 N=2, stage 0's two layers applied on rank 1: the step's programs as text (the IR a plan holds)."""
+    problem = Problem("1f1b", 2, 2, _two_stages(), streaming=Streaming(0, 1, ("s0.b", "s0.a")))
+    text = format_programs({r: [ops] for r, ops in reference_programs(problem).items()})
+    assert text == (ARTIFACTS / "streamed_1f1b_D2_N2.txt").read_text()
+    assert parse_programs(text) == {r: [ops] for r, ops in reference_programs(problem).items()}
