@@ -161,9 +161,10 @@ def assemble_attempt(problem: Problem, attempt: Attempt, fused: frozenset[str], 
     )
     born = born_steps(placements)
     if problem.streaming is not None:
-        made = made_refreshes(problem.streaming, placements, layers)
-        programs = add_replicas(programs, problem.streaming, problem.stream_owner, made)
-        for rank, ops in replica_born(problem.streaming, problem.stream_owner, made).items():
+        sender = problem.stream_owners[0]
+        made = made_refreshes(problem.streaming, placements, layers, sender)
+        programs = add_replicas(programs, problem.streaming, sender, made)
+        for rank, ops in replica_born(problem.streaming, sender, made).items():
             born.setdefault(rank, {}).update(ops)
     programs = dict(sorted(programs.items()))
     return Plan(

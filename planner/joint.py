@@ -77,9 +77,11 @@ _FIXED = frozenset({OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD})
 def layer_options(problem: Problem, layer: str) -> tuple[LayerDistribution, ...]:
     """Every KAISA distribution of `layer` over its stage's copies: COMM-OPT, HYBRID per grad-worker count g
     (1 < g < H, g divides H) with each of its H / g columns, MEM-OPT with each of its H columns; COMM-OPT alone
-    on a stage with one copy."""
+    on a stage with one copy, and for a streamed layer (its helper's result replaces every copy's gradient)."""
     H = len(copies_of_stage(problem, problem.costs.stage_of(layer)))
     out = [LayerDistribution()]
+    if problem.streaming is not None and layer in problem.streaming.layers:
+        return tuple(out)
     for g in range(H - 1, 0, -1):
         if H % g or H == 1:
             continue

@@ -51,17 +51,17 @@ def static_bytes(problem: Problem, device: int) -> int:
 
 
 def _streamed_bytes(problem: Problem, device: int) -> int:
-    """What streaming adds (planner/streaming.py): on the owner, the buffers its streamed layers' preconditioned
-    gradients land in (posted when the step begins); on the helper, the received gradients, their preconditioned
-    copies and two decompositions (active and next) of each replica."""
+    """What streaming adds (planner/streaming.py): on each owner, the buffers its streamed layers' preconditioned
+    gradients land in (posted when the step begins); on the helper, the gradients received from every owner, their
+    preconditioned sum and two decompositions (active and next) of each replica."""
     streaming = problem.streaming
-    if streaming is None or device not in (problem.stream_owner, streaming.helper):
+    if streaming is None or device not in (*problem.stream_owners, streaming.helper):
         return 0
     layers = [problem.costs.layer(n) for n in streaming.layers]
     gradients = sum(x.gradient_bytes for x in layers)
-    if device == problem.stream_owner:
+    if device != streaming.helper:
         return gradients
-    return 2 * gradients + 2 * sum(x.factor_bytes for x in layers)
+    return (len(problem.stream_owners) + 1) * gradients + 2 * sum(x.factor_bytes for x in layers)
 
 
 def decomposition_bytes(problem: Problem, device: int, layer: str) -> int:

@@ -153,7 +153,7 @@ def _check_streamed_op(problem: Problem, op: Op, device: int) -> None:
         streaming is not None and op.layer in streaming.layers, f"{op} on r{device}: the problem streams no such layer"
     )
     assert streaming is not None  # _need raised otherwise
-    ends = {problem.stream_owner, streaming.helper}
+    ends = {*problem.stream_owners, streaming.helper}
     _need(
         op.stage == streaming.stage and device in ends, f"{op} on r{device}: not between the stage's owner and helper"
     )
@@ -194,8 +194,9 @@ def _check_startup(plan: Plan) -> None:
     born = born_steps(plan.placements)
     streaming = plan.problem.streaming
     if streaming is not None:
-        made = made_refreshes(streaming, plan.placements, plan.layers)
-        for rank, ops in replica_born(streaming, plan.problem.stream_owner, made).items():
+        sender = plan.problem.stream_owners[0]
+        made = made_refreshes(streaming, plan.placements, plan.layers, sender)
+        for rank, ops in replica_born(streaming, sender, made).items():
             born.setdefault(rank, {}).update(ops)
     _need(set(plan.startup) <= set(plan.programs), "start-up steps for ranks that have no program")
     for rank in plan.programs:

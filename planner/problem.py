@@ -139,15 +139,13 @@ class Problem:
             self._check_streaming(self.streaming)
 
     def _check_streaming(self, streaming: Streaming) -> None:
-        """PlanError unless the streamed stage has one copy, the helper is another rank, and each streamed layer is
-        one whose APPLY keeps no state and whose statistics come from captures (K-FAC's)."""
-        if not streaming.stage < self.num_stages or len(copies_of_stage(self, streaming.stage)) != 1:
-            raise PlanError(
-                f"streaming names stage {streaming.stage}, which is not a stage held by one rank; only a stage "
-                "without copies (W=1, not Chimera) streams its APPLY"
-            )
-        if streaming.helper not in self.devices or streaming.helper == self.stream_owner:
-            raise PlanError(f"the streaming helper must be a rank other than the stage's owner, got {streaming.helper}")
+        """PlanError unless the helper is a rank that holds no copy of the streamed stage, and each streamed layer is
+        one whose APPLY keeps no state, whose statistics come from captures (K-FAC's) and which every copy applies
+        itself (COMM-OPT: the helper's result replaces each copy's gradient)."""
+        if not streaming.stage < self.num_stages:
+            raise PlanError(f"streaming names stage {streaming.stage}, which this problem does not have")
+        if streaming.helper not in self.devices or streaming.helper in self.stream_owners:
+            raise PlanError(f"a streaming helper holds no copy of stage {streaming.stage}, got rank {streaming.helper}")
         held = {x.name: x for x in self.costs.stages[streaming.stage].layers}
         for name in streaming.layers:
             layer = held.get(name)
@@ -158,12 +156,15 @@ class Problem:
                     f"{name}'s APPLY keeps state or its statistics come from the gradient (Shampoo, SOAP): only a "
                     "layer whose APPLY reads its preconditioner alone (K-FAC) streams"
                 )
+            if self.where(name) != LayerDistribution():
+                raise PlanError(f"{name} streams, so every copy applies it (COMM-OPT), not {self.where(name)}")
 
     @property
-    def stream_owner(self) -> int:
-        """The rank holding the streamed stage (AssertionError without streaming)."""
-        assert self.streaming is not None, "only a problem with streaming has its owner"
-        return copies_of_stage(self, self.streaming.stage)[0]
+    def stream_owners(self) -> tuple[int, ...]:
+        """The ranks holding the streamed stage, ascending (AssertionError without streaming): each sends its own
+        gradient of a streamed layer and takes the result back; the first also sends the replicas."""
+        assert self.streaming is not None, "only a problem with streaming has owners"
+        return copies_of_stage(self, self.streaming.stage)
 
     @property
     def chains_refreshes(self) -> bool:
@@ -190,8 +191,9 @@ class Problem:
 
     def with_distributions(self, distributions: Mapping[str, LayerDistribution]) -> Problem:
         """The same problem with these layer distributions (every other layer COMM-OPT, which is not listed: a
-        problem has one form whatever way COMM-OPT is given)."""
-        named = sorted((n, d) for n, d in distributions.items() if d != LayerDistribution())
+        problem has one form whatever way COMM-OPT is given; a streamed layer stays COMM-OPT)."""
+        streamed = set(self.streaming.layers) if self.streaming is not None else set()
+        named = sorted((n, d) for n, d in distributions.items() if d != LayerDistribution() and n not in streamed)
         return replace(self, distributions=tuple(named))
 
     def with_strategy(self, strategy: Strategy) -> Problem:

@@ -134,7 +134,7 @@ def reference_programs(problem: Problem) -> dict[int, list[Op]]:
                 body += [work for work, _ in prec_work(problem, rank, s)]
         out[rank] = body
     if problem.streaming is not None:
-        out = stream_step(out, problem.streaming, problem.stream_owner)
+        out = stream_step(out, problem.streaming, problem.stream_owners)
     return out
 
 

@@ -13,6 +13,7 @@ from fxkfac.planner.ir import OpKind
 from fxkfac.planner.plan import Plan, rank
 from fxkfac.planner.problem import Problem, copies_of_stage, stage_groups
 from fxkfac.planner.step_timeline import group_load, refresh_lower_bound, step_timeline
+from fxkfac.planner.strategy import LayerDistribution
 from fxkfac.planner.streaming import Streaming, ready_fractions
 
 __all__ = ["with_streaming", "solve_streamed", "STREAMED_STAGE", "HELPER_CANDIDATES"]
@@ -28,22 +29,29 @@ HELPER_CANDIDATES = 4
 
 def _streamable(problem: Problem) -> list[str]:
     """The first stage's layers a helper may apply, in the order its backward makes their gradients final: every
-    layer whose APPLY reads its preconditioner alone (no optimizer state, statistics from captures)."""
+    layer whose APPLY reads its preconditioner alone (no optimizer state, statistics from captures) and that every
+    copy applies itself (COMM-OPT)."""
     layers = problem.costs.stages[STREAMED_STAGE].layers
     fractions = ready_fractions(problem.costs.stages[STREAMED_STAGE])
-    ok = [x.name for x in layers if not x.state_bytes and all(p.after is not OpKind.ALLREDUCE_GRAD for p in x.parts)]
+    ok = [
+        x.name
+        for x in layers
+        if not x.state_bytes
+        and all(p.after is not OpKind.ALLREDUCE_GRAD for p in x.parts)
+        and problem.where(x.name) == LayerDistribution()
+    ]
     return sorted(ok, key=lambda n: fractions[n])
 
 
 def _helpers(problem: Problem) -> list[int]:
     """The ranks that end their step's F/B and per-step work first (they idle longest before the step ends), the
-    lowest first on a tie; never the streamed stage's owner."""
+    lowest first on a tie; never a copy of the streamed stage."""
     step = step_timeline(problem)
-    owner = copies_of_stage(problem, STREAMED_STAGE)[0]
+    owners = copies_of_stage(problem, STREAMED_STAGE)
     ends = {
         d: max((end for op, _, end in step.ops[d] if op.kind is not OpKind.OPT_STEP), default=0.0)
         for d in problem.devices
-        if d != owner
+        if d not in owners
     }
     return sorted(ends, key=lambda d: (ends[d], d))[:HELPER_CANDIDATES]
 
@@ -59,13 +67,11 @@ def _helper_load(problem: Problem) -> float:
 def with_streaming(problem: Problem, whole_backward: bool = False) -> Problem:
     """`problem` with the first stage's APPLY streamed, for the helper and the prefix of its layers (in the order
     their gradients become final) that give the shortest reference step without raising any stage group's least
-    refresh period, the least loaded helper among equals; unchanged where nothing does, where the stage has copies
-    (W > 1, Chimera) or a single rank runs every stage, or where it already streams. `whole_backward`: the stages run
+    refresh period, the least loaded helper among equals; unchanged where nothing does, where every rank holds the
+    stage, or where it already streams. `whole_backward`: the stages run
     compiled, each backward making every gradient at its end (`Streaming.whole_backward`): the helper then only
     applies its layers beside the owner."""
-    if problem.streaming is not None or len(problem.devices) < 2:
-        return problem
-    if len(copies_of_stage(problem, STREAMED_STAGE)) != 1:
+    if problem.streaming is not None or len(copies_of_stage(problem, STREAMED_STAGE)) == len(problem.devices):
         return problem
     names = _streamable(problem)
     if not names:

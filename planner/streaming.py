@@ -108,24 +108,26 @@ def _before_step_end(ops: list[Op], extra: Sequence[Op]) -> list[Op]:
     return ops[:at] + list(extra) + ops[at:]
 
 
-def stream_step(ops: Mapping[int, Sequence[Op]], streaming: Streaming, owner: int) -> dict[int, list[Op]]:
-    """One step's programs with the streamed layers handed over: the owner sends each layer's gradient after the
-    stage's last BWD and receives it preconditioned before its step ends; the helper, before its step ends,
-    receives, applies and returns each layer in turn (the owner's APPLY of those layers is not in `ops`)."""
+def stream_step(ops: Mapping[int, Sequence[Op]], streaming: Streaming, owners: Sequence[int]) -> dict[int, list[Op]]:
+    """One step's programs with the streamed layers handed over: each owner (a copy of the stage) sends each layer's
+    gradient after the stage's last BWD and receives it preconditioned before its step ends; the helper, before its
+    step ends, receives each layer from every owner (their sum is the gradient the copies' all-reduce makes),
+    applies it and returns it to every owner, layer by layer (the owners' APPLY of those layers is not in `ops`)."""
     s, helper = streaming.stage, streaming.helper
     out = {rank: list(body) for rank, body in ops.items()}
-    body = out[owner]
-    last = max(i for i, op in enumerate(body) if op.kind is OpKind.BWD and op.stage == s)
-    sends = [Op(OpKind.SEND_LGRAD, s, peer=helper, layer=n) for n in streaming.layers]
-    body[last + 1 : last + 1] = sends
-    out[owner] = _before_step_end(body, [Op(OpKind.RECV_PGRAD, s, peer=helper, layer=n) for n in streaming.layers])
+    for owner in owners:
+        body = out[owner]
+        last = max(i for i, op in enumerate(body) if op.kind is OpKind.BWD and op.stage == s)
+        body[last + 1 : last + 1] = [Op(OpKind.SEND_LGRAD, s, peer=helper, layer=n) for n in streaming.layers]
+        back = [Op(OpKind.RECV_PGRAD, s, peer=helper, layer=n) for n in streaming.layers]
+        out[owner] = _before_step_end(body, back)
     chain = [
         op
         for n in streaming.layers
         for op in (
-            Op(OpKind.RECV_LGRAD, s, peer=owner, layer=n),
+            *(Op(OpKind.RECV_LGRAD, s, peer=owner, layer=n) for owner in owners),
             Op(OpKind.APPLY, s, layer=n),
-            Op(OpKind.SEND_PGRAD, s, peer=owner, layer=n),
+            *(Op(OpKind.SEND_PGRAD, s, peer=owner, layer=n) for owner in owners),
         )
     ]
     out[helper] = _before_step_end(out[helper], chain)
@@ -133,14 +135,18 @@ def stream_step(ops: Mapping[int, Sequence[Op]], streaming: Streaming, owner: in
 
 
 Made = Mapping[str, tuple[Op, int, int]]
-"""Per streamed layer: the DECOMP that completes a refresh, its window step, and the layer's use offset."""
+"""Per streamed layer: the DECOMP or BCAST that completes a refresh on the first owner, its window step, and the
+layer's use offset."""
 
 
-def made_refreshes(streaming: Streaming, placements: Iterable[Placement], timings: Mapping[str, LayerTiming]) -> Made:
-    """Each streamed layer's refresh-completing DECOMP: the one its window places last (`Made`)."""
+def made_refreshes(
+    streaming: Streaming, placements: Iterable[Placement], timings: Mapping[str, LayerTiming], sender: int
+) -> Made:
+    """Each streamed layer's op on `sender` (the first owner) after which its refresh is made there: of its DECOMPs
+    and BCASTs there (a copied stage broadcasts the halves other copies made), the one its window places last."""
     decomps: dict[str, list[Placement]] = {}
     for p in placements:
-        if p.op.kind is OpKind.DECOMP and p.op.layer in streaming.layers:
+        if p.op.kind in (OpKind.DECOMP, OpKind.BCAST) and p.device == sender and p.op.layer in streaming.layers:
             decomps.setdefault(p.op.layer, []).append(p)
     out = {}
     for name, placed in decomps.items():
@@ -160,10 +166,10 @@ def replica_born(streaming: Streaming, owner: int, made: Made) -> dict[int, dict
 
 
 def add_replicas(programs: Mapping[int, Program], streaming: Streaming, owner: int, made: Made) -> dict[int, Program]:
-    """The period programs with each streamed layer's replica transfers (`made`: `made_refreshes`): SEND_REPLICA
-    follows the DECOMP that completes a refresh; RECV_REPLICA runs in the same step on the helper (whose program is
-    unrolled to both periods' lcm): before the helper's APPLY of the layer when the refresh is first used in that
-    step, else before its step ends."""
+    """The period programs with each streamed layer's replica transfers (`made`: `made_refreshes`, on `owner`, the
+    first owner): SEND_REPLICA follows the op that completes a refresh there; RECV_REPLICA runs in the same step on
+    the helper (whose program is unrolled to both periods' lcm): before the helper's first RECV_LGRAD of the layer
+    when the refresh is first used in that step, else before its step ends."""
     s, helper = streaming.stage, streaming.helper
     out = {rank: [list(step) for step in body] for rank, body in programs.items()}
     k_owner, k_helper = len(out[owner]), len(out[helper])
@@ -172,11 +178,12 @@ def add_replicas(programs: Mapping[int, Program], streaming: Streaming, owner: i
     for layer, (decomp, window_step, use_offset) in made.items():
         step = out[owner][window_step % k_owner]
         step.insert(step.index(decomp) + 1, Op(OpKind.SEND_REPLICA, s, peer=helper, layer=layer))
-        recv, apply = Op(OpKind.RECV_REPLICA, s, peer=owner, layer=layer), Op(OpKind.APPLY, s, layer=layer)
+        recv = Op(OpKind.RECV_REPLICA, s, peer=owner, layer=layer)
         for j in range(window_step % k_owner, period, k_owner):
             body = out[helper][j]
             if window_step == use_offset:
-                body.insert(body.index(apply), recv)
+                first = next(i for i, op in enumerate(body) if op.kind is OpKind.RECV_LGRAD and op.layer == layer)
+                body.insert(first, recv)
             else:
                 out[helper][j] = _before_step_end(body, [recv])
     return out

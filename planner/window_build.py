@@ -119,14 +119,20 @@ def build_window(
 
 
 def _stream_use(problem: Problem, steps: Sequence[StepTimeline], offsets: Sequence[int], grid: Grid) -> tuple[int, ...]:
-    """Per step, the tick at which the streamed stage's owner starts its last backward (`Window.stream_use`)."""
+    """Per step, the tick at which the first of the streamed stage's owners starts its last backward
+    (`Window.stream_use`)."""
     streaming = problem.streaming
     if streaming is None:
         return ()
-    owner = problem.stream_owner
+    s = streaming.stage
     return tuple(
         offsets[j]
-        + grid.at(max(a for op, a, _ in st.fixed(owner) if op.kind is OpKind.BWD and op.stage == streaming.stage))
+        + grid.at(
+            min(
+                max(a for op, a, _ in st.fixed(owner) if op.kind is OpKind.BWD and op.stage == s)
+                for owner in problem.stream_owners
+            )
+        )
         for j, st in enumerate(steps)
     )
 

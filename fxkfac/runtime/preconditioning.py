@@ -456,6 +456,12 @@ class PreconditionerRuntime:
         for members in self._by_clip_group(layers).values():
             self.add_dot(members, self.family.precondition(members, grads, self.states, params) / copies, op.stage)
 
+    def settle_layer(self, ctx: StepContext, name: str) -> None:
+        """Land every collective in flight of the layer's parts (its halves' broadcasts: `_maybe_combine` then
+        makes the preconditioner)."""
+        for part in self.family.parts:
+            ctx.transport.settle(_unit_key(name, part))
+
     def add_dot(self, layers: Sequence[Any], dot: Tensor, stage: int) -> None:
         """Add the <P, G> of `layers` (of one KL-clip group, all of `stage`) to their group's sum, and mark the
         stage's gradients preconditioned (the KL-clip scales them at OPT_STEP)."""
@@ -528,6 +534,7 @@ class PreconditionerRuntime:
             if isinstance(r, TappedRunner)
         }
         self._at_begin = (self._copy(), captures, self.streams.snapshot())
+        self.streams.begin_step()
         self.open_refreshes(ctx.step)
 
     def abort_step(self, ctx: StepContext) -> None:

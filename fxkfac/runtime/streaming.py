@@ -22,6 +22,7 @@ from torch import Tensor
 from fxkfac.errors import PipelineError
 from fxkfac.planner.ir import Op, OpKind
 from fxkfac.runtime.interpreter import Interpreter, StepContext
+from fxkfac.runtime.sync import grad_key
 
 if TYPE_CHECKING:
     from fxkfac.runtime.preconditioning import PreconditionerRuntime
@@ -48,9 +49,10 @@ class ParamShape:
 
 @dataclass(frozen=True)
 class StreamedLayers:
-    """What one rank streams, read from its programs by the trainer: the layers of its stages it hands to a helper
-    (`owned`), the layers of other stages it preconditions (`replicas`, with their parameters), and every unit of
-    the model numbered the same on every rank (`tags`: the tags of their transfers)."""
+    """What one rank streams, read from its programs by the trainer: the layers of its stages whose replicas it sends
+    (`owned`: it holds the stage's first copy), the layers of other stages it preconditions (`replicas`, with their
+    parameters), and every unit of the model numbered the same on every rank (`tags`: the tags of their
+    transfers)."""
 
     tags: Mapping[str, int] = field(default_factory=dict)
     owned: frozenset[str] = frozenset()
@@ -58,15 +60,14 @@ class StreamedLayers:
 
 
 class Streams:
-    """One rank's streamed layers: those it owns and hands off (`owned`), and those it preconditions for their owner
-    (`replicas`, with their parameters' shapes)."""
+    """One rank's streamed layers: those of its stages it hands off (every SEND_LGRAD's layer; their replicas it
+    sends: `owned`), and those it preconditions for their owners (`replicas`, with their parameters' shapes)."""
 
     def __init__(self, runtime: PreconditionerRuntime, streamed: StreamedLayers) -> None:
         self.runtime = runtime
         self.tags = dict(streamed.tags)
         self.owned = streamed.owned
-        """Layers of this rank's stages that a helper preconditions (their made preconditioners are kept for
-        SEND_REPLICA)."""
+        """Layers whose replicas this rank sends (their made preconditioners are kept for SEND_REPLICA)."""
         self.replicas = dict(streamed.replicas)
         self._hooks: dict[str, list[Any]] = {}
         self._sent: set[str] = set()
@@ -147,19 +148,22 @@ class Streams:
         ctx.transport.post_tagged(("pgrad", op.layer), buffers, op.peer, tags)
 
     def recv_preconditioned(self, ctx: StepContext, op: Op) -> None:
-        """Write the preconditioned gradient into the layer's `.grad` and add its <P, G> to the layer's KL-clip
-        group, as the owner's APPLY would have."""
+        """Write the preconditioned gradient into the layer's `.grad` and add its share of <P, G> (divided by the
+        stage's copies, each of which adds its own) to the layer's KL-clip group, as the owner's APPLY would have."""
         assert op.stage is not None and op.layer is not None, "RECV_PGRAD names its stage and layer"
         flat, dot = ctx.transport.take(("pgrad", op.layer), str(op))
+        ctx.transport.settle(grad_key(op.stage))  # the copies' all-reduce lands first: the result replaces it
         offset = 0
         for p in self._params(ctx, op):
             p.grad = flat[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
-        self.runtime.add_dot([self.runtime.layers[op.layer]], dot[0], op.stage)
+        copies = len(self.runtime.groups[op.stage].ranks)
+        self.runtime.add_dot([self.runtime.layers[op.layer]], dot[0] / copies, op.stage)
 
     def send_replica(self, ctx: StepContext, op: Op) -> None:
         """Send the helper the layer's preconditioner made here (the parts the owner combined, and its refresh)."""
         assert op.layer is not None and op.peer is not None, "SEND_REPLICA names its layer and helper"
+        self.runtime.settle_layer(ctx, op.layer)  # halves broadcast from the stage's other copies land first
         waiting = self.made.get(op.layer)
         if not waiting:
             raise PipelineError(
@@ -192,12 +196,14 @@ class Streams:
         assert op.peer is not None, "RECV_LGRAD names the owner"
         shapes = self._replica(op)
         flat = torch.empty(sum(s.numel for s in shapes), dtype=shapes[0].dtype, device=ctx.transport.device)
-        ctx.transport.post_tagged(("lgrad", op.layer), [flat], op.peer, [self._tag(ctx, op, _LGRAD)])
+        ctx.transport.post_tagged(("lgrad", op.layer, op.peer), [flat], op.peer, [self._tag(ctx, op, _LGRAD)])
 
     def recv_gradient(self, ctx: StepContext, op: Op) -> None:
-        """Take the layer's gradient for its APPLY here."""
+        """Take one owner's gradient of the layer for its APPLY here, summed with the other copies' in program order:
+        the gradient their all-reduce makes."""
         assert op.layer is not None, "RECV_LGRAD names its layer"
-        self._inbox[op.layer] = ctx.transport.take(("lgrad", op.layer), str(op))[0]
+        received = ctx.transport.take(("lgrad", op.layer, op.peer), str(op))[0]
+        self._inbox[op.layer] = self._inbox[op.layer] + received if op.layer in self._inbox else received
 
     def apply(self, ctx: StepContext, op: Op) -> None:
         """Precondition a received gradient with the replica due at this step (PipelineError when a refresh is due
@@ -233,7 +239,7 @@ class Streams:
         assert op.layer is not None and op.peer is not None, "SEND_PGRAD names its layer and the owner"
         if op.layer not in self._outbox:
             raise PipelineError(f"rank {self.runtime.rank}: '{op}' before the APPLY of {op.layer}")
-        flat, dot = self._outbox.pop(op.layer)
+        flat, dot = self._outbox[op.layer]  # one SEND_PGRAD per copy of the stage; the step's start clears it
         ctx.transport.send_tagged(flat, op.peer, self._tag(ctx, op, _PGRAD), str(op))
         ctx.transport.send_tagged(dot, op.peer, self._tag(ctx, op, _PDOT), str(op))
 
@@ -261,6 +267,10 @@ class Streams:
         self.replica_steps[name] = refreshed
 
     # --- skipped steps and checkpoints ------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """Forget the last step's gradients and results (each step receives and applies its own)."""
+        self._inbox, self._outbox = {}, {}
 
     def snapshot(self) -> tuple[dict[str, deque[tuple[int, dict[str, Any]]]], dict[str, int | None]]:
         """What a skipped step restores (`restore`)."""

@@ -154,12 +154,12 @@ def _transport(spec: RunSpec, timeout: float) -> Transport:
 
 
 def _streamed_layers(spec: RunSpec, rank: int, local: Sequence[int]) -> StreamedLayers:
-    """The layers `rank`'s programs stream (docs/STREAMED_APPLY.md): those it hands off (SEND_LGRAD) and those of
-    stages it does not hold that it applies (an APPLY naming the layer), with their parameters' shapes."""
+    """The layers `rank`'s programs stream (docs/STREAMED_APPLY.md): those whose replicas it sends (SEND_REPLICA) and
+    those of stages it does not hold that it applies (an APPLY naming the layer), with their parameters' shapes."""
     family = spec.family
     assert family is not None, "only a family's programs stream layers"
     ops = [op for programs in (spec.programs, spec.startup) for step in programs.get(rank, []) for op in step]
-    owned = frozenset(op.layer for op in ops if op.kind is OpKind.SEND_LGRAD and op.layer is not None)
+    owned = frozenset(op.layer for op in ops if op.kind is OpKind.SEND_REPLICA and op.layer is not None)
     replicas: dict[str, tuple[ParamShape, ...]] = {}
     for op in ops:
         if op.kind is OpKind.APPLY and op.stage is not None and op.stage not in local and op.layer is not None:

@@ -157,8 +157,11 @@ def apply_start(c: Context, layer: str, u: int, device: int) -> float:
     k = c.period(s)
     streaming = c.problem.streaming
     if streaming is not None and layer in streaming.layers:  # needed once the owner starts streaming it
-        owner = c.problem.stream_owner
-        bwd = max(a for op, a, _ in c.timeline(u, k).ops[owner] if op.kind is OpKind.BWD and op.stage == s)
+        ops = c.timeline(u, k).ops
+        bwd = min(
+            max(a for op, a, _ in ops[owner] if op.kind is OpKind.BWD and op.stage == s)
+            for owner in c.problem.stream_owners
+        )
         return c.base(u % k, k) + bwd + c.length(k) * (u // k)
     apply = (
         Op(OpKind.APPLY, s)

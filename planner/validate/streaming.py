@@ -39,12 +39,13 @@ def check_streaming(c: Context) -> None:
     streaming = c.problem.streaming
     if streaming is None:
         return
-    owner = c.problem.stream_owner
-    for j, ops in enumerate(c.plan.programs[owner]):
-        _check_owner_step(c, streaming, owner, j, ops)
+    owners = c.problem.stream_owners
+    for owner in owners:
+        for j, ops in enumerate(c.plan.programs[owner]):
+            _check_owner_step(c, streaming, owner, j, ops)
     for j, ops in enumerate(c.plan.programs[streaming.helper]):
-        _check_helper_step(c, streaming, owner, j, ops)
-    _check_replicas(c, streaming, owner)
+        _check_helper_step(c, streaming, owners, j, ops)
+    _check_replicas(c, streaming, owners[0])
 
 
 def _check_owner_step(c: Context, streaming: Streaming, owner: int, j: int, ops: list[Op]) -> None:
@@ -63,14 +64,15 @@ def _check_owner_step(c: Context, streaming: Streaming, owner: int, j: int, ops:
             c.errors.append(f"r{owner} step {j}: applies {n}, which r{helper} preconditions")
 
 
-def _check_helper_step(c: Context, streaming: Streaming, owner: int, j: int, ops: list[Op]) -> None:
-    """The helper's step j receives, applies and returns every streamed layer once, in that order."""
+def _check_helper_step(c: Context, streaming: Streaming, owners: tuple[int, ...], j: int, ops: list[Op]) -> None:
+    """The helper's step j receives every streamed layer from every owner, applies it and returns it to every owner,
+    once each, in that order."""
     s = streaming.stage
     for n in streaming.layers:
         chain = [
-            Op(OpKind.RECV_LGRAD, s, peer=owner, layer=n),
+            *(Op(OpKind.RECV_LGRAD, s, peer=owner, layer=n) for owner in owners),
             Op(OpKind.APPLY, s, layer=n),
-            Op(OpKind.SEND_PGRAD, s, peer=owner, layer=n),
+            *(Op(OpKind.SEND_PGRAD, s, peer=owner, layer=n) for owner in owners),
         ]
         at = [ops.index(op) if ops.count(op) == 1 else -1 for op in chain]
         if min(at) < 0 or at != sorted(at):
@@ -96,8 +98,9 @@ def _check_replicas(c: Context, streaming: Streaming, owner: int) -> None:
                     f"step {t}: r{owner} sends {mine.count(send)} replicas of {n}, r{helper} takes {theirs.count(recv)}"
                 )
                 return
-            if send in mine and not any(op.kind is OpKind.DECOMP and op.layer == n for op in mine[: mine.index(send)]):
-                c.errors.append(f"step {t}: r{owner} sends a replica of {n} before any DECOMP of it in the step")
+            made = (OpKind.DECOMP, OpKind.BCAST)  # a copied stage's halves made elsewhere arrive by BCAST
+            if send in mine and not any(op.kind in made and op.layer == n for op in mine[: mine.index(send)]):
+                c.errors.append(f"step {t}: r{owner} sends a replica of {n} before any DECOMP or BCAST of it there")
             for op in theirs:
                 received += op == recv
                 if op != Op(OpKind.APPLY, s, layer=n):

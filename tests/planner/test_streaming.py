@@ -20,6 +20,7 @@ from fxkfac.planner.profiles import load_cost_table
 from fxkfac.planner.simulate import simulate
 from fxkfac.planner.solve import solve
 from fxkfac.planner.step_timeline import plain_step_time, reference_programs, refresh_lower_bound, step_timeline
+from fxkfac.planner.strategy import LayerDistribution, Strategy, StrategyKind
 from fxkfac.planner.stream_choice import solve_streamed, with_streaming
 from fxkfac.planner.streaming import Streaming, ready_fractions, stream_step
 from fxkfac.planner.validate import validate
@@ -74,7 +75,7 @@ def test_stream_step_hands_off_after_the_last_backward() -> None:
         0: [Op(OpKind.FWD, 0, 0), Op(OpKind.BWD, 0, 0), Op(OpKind.APPLY, 0, layer="k"), Op(OpKind.OPT_STEP)],
         1: [Op(OpKind.FWD, 1, 0), Op(OpKind.BWD, 1, 0), Op(OpKind.OPT_STEP)],
     }
-    out = stream_step(ops, Streaming(0, 1, ("x",)), owner=0)
+    out = stream_step(ops, Streaming(0, 1, ("x",)), owners=(0,))
     assert out[0] == [
         Op(OpKind.FWD, 0, 0),
         Op(OpKind.BWD, 0, 0),
@@ -195,12 +196,18 @@ def test_the_helper_holds_the_replicas_and_the_gradients(streamed: Problem) -> N
     assert [static_bytes(streamed, d) for d in others] == [static_bytes(alone, d) for d in others]
 
 
-def test_streaming_needs_one_copy_and_a_stateless_apply() -> None:
+def test_streaming_needs_a_helper_without_the_stage_and_a_stateless_comm_opt_apply() -> None:
     costs = _paper()
-    with pytest.raises(PlanError, match="held by one rank"):
-        Problem("1f1b", 4, 4, costs, W=2, streaming=Streaming(0, 4, ("block2",)))
-    with pytest.raises(PlanError, match="other than the stage's owner"):
+    with pytest.raises(PlanError, match="holds no copy"):
+        Problem("1f1b", 4, 4, costs, W=2, streaming=Streaming(0, 1, ("block2",)))  # ranks 0 and 1 hold stage 0
+    with pytest.raises(PlanError, match="holds no copy"):
         Problem("1f1b", 4, 4, costs, streaming=Streaming(0, 0, ("block2",)))
+    mem_opt = LayerDistribution(Strategy(StrategyKind.MEM_OPT), 0)
+    spread = Problem("1f1b", 4, 4, costs, W=2).with_distributions({"block2": mem_opt})
+    with pytest.raises(PlanError, match="COMM-OPT"):
+        replace(spread, streaming=Streaming(0, 6, ("block2",)))
+    streamed = replace(Problem("1f1b", 4, 4, costs, W=2), streaming=Streaming(0, 6, ("block2",)))
+    assert streamed.with_distributions({"block2": mem_opt}).where("block2") == LayerDistribution()
     stateful = replace(
         costs,
         stages=(replace(costs.stages[0], layers=(replace(costs.stages[0].layers[0], state_bytes=8),)),)
@@ -210,14 +217,31 @@ def test_streaming_needs_one_copy_and_a_stateless_apply() -> None:
         Problem("1f1b", 4, 4, stateful, streaming=Streaming(0, 3, (stateful.stages[0].layers[0].name,)))
 
 
-def test_nothing_streams_where_the_first_stage_has_copies() -> None:
-    chimera = Problem("chimera", 4, 4, _paper("chimera"))
-    assert with_streaming(chimera) is chimera
-    replicated = Problem("1f1b", 4, 4, _paper(), W=2)
-    assert with_streaming(replicated) is replicated
+def test_nothing_streams_where_every_rank_holds_the_first_stage() -> None:
     one_stage_costs = CostTable((StageCost(1.0, 2.0, 0, 0, _paper().stages[0].layers),), 32, "t", "t")
-    alone = Problem("gpipe", 1, 2, one_stage_costs)
-    assert with_streaming(alone) is alone
+    for problem in (Problem("gpipe", 1, 2, one_stage_costs), Problem("gpipe", 1, 2, one_stage_costs, W=2)):
+        assert with_streaming(problem) is problem
+
+
+def test_copies_of_the_first_stage_stream_to_one_helper_which_sums_them() -> None:
+    """BERT-Base 1F1B D=4 W=2: stage 0's copies (ranks 0, 1) each send their own gradient of a streamed block; the
+    helper receives both, applies once and returns to both; the plan is valid and the step shorter than without."""
+    problem = Problem("1f1b", 4, 4, _paper(), W=2, decomp_pieces=4)
+    streamed = with_streaming(problem)
+    assert streamed.streaming is not None and streamed.stream_owners == (0, 1)
+    assert step_timeline(streamed).length < step_timeline(problem).length
+    helper = reference_programs(streamed)[streamed.streaming.helper]
+    layer = streamed.streaming.layers[0]
+    chain = [op for op in helper if op.layer == layer and op.kind is not OpKind.RECV_REPLICA]
+    assert [(op.kind, op.peer) for op in chain] == [
+        (OpKind.RECV_LGRAD, 0),
+        (OpKind.RECV_LGRAD, 1),
+        (OpKind.APPLY, None),
+        (OpKind.SEND_PGRAD, 0),
+        (OpKind.SEND_PGRAD, 1),
+    ]
+    plan = solve(streamed, SolverConfig(time_limit_s=10))
+    assert validate(streamed, plan) == []
 
 
 def test_a_problem_without_a_streamed_plan_is_planned_without_streaming(streamed: Problem) -> None:
