@@ -19,7 +19,7 @@ from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StepBarrier
 from fxkfac.planner.profiles import load_cost_table
 from fxkfac.planner.schedules import ScheduleKind
-from fxkfac.planner.solve import TimeBox
+from fxkfac.planner.solve import TimeBox, solve
 from fxkfac.planner.stream_choice import solve_streamed
 from fxkfac.planner.validate import check_plan
 
@@ -175,12 +175,13 @@ def solve_for(
     strategy, box = options.forced_strategy, TimeBox(config)  # one time limit for every try
 
     def solved(problem: Problem) -> Plan:
-        return solve_streamed(
-            problem,
-            lambda p: solve_with_strategy(p, strategy, config, box=box),
-            enabled=options.stream_apply,
-            whole_backward=target.compiled,
-        )
+        """Plan with streaming where it pays; a forced strategy first, so that only the layers it leaves COMM-OPT
+        may stream (`with_streaming`)."""
+        if strategy is None:
+            given, solver = problem, lambda p: solve_with_strategy(p, None, config, box=box)
+        else:
+            given, solver = problem.with_strategy(strategy), lambda p: solve(p, config, box=box)
+        return solve_streamed(given, solver, enabled=options.stream_apply, whole_backward=target.compiled)
 
     try:
         return solved(problem)
