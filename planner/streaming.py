@@ -1,5 +1,5 @@
-"""Streamed preconditioning in programs (docs/STREAMED_APPLY.md): layers of a stage held by one rank whose APPLY a
-helper rank runs, fed their gradients while the owner's last backward of the step makes them.
+"""Streamed preconditioning in programs (docs/STREAMED_APPLY.md): layers of a stage whose APPLY a helper rank runs,
+fed their gradients while the last backward of the step makes them on each rank holding the stage (its owners).
 
 On GPipe and 1F1B the first stage's last backward, its APPLY and its next forward lie on the cycle every step
 repeats, so that APPLY adds its whole length to the step however the plan places the rest. Streaming takes it
@@ -38,8 +38,8 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Streaming:
-    """Layers of `stage` (held by one rank, its owner) that rank `helper` preconditions, in the order the owner's
-    backward makes their gradients final."""
+    """Layers of `stage` (held by its owners, `Problem.stream_owners`) that rank `helper` preconditions, in the order
+    the owners' backward makes their gradients final."""
 
     stage: int
     helper: int
