@@ -10,7 +10,7 @@ from fxkfac.planner.lowering import startup_programs
 from fxkfac.planner.plan import Plan, PlanMetrics, SolverStats
 from fxkfac.planner.problem import Problem, is_streamed, stage_groups
 from fxkfac.planner.simulate import BUSY_KINDS, utilization
-from fxkfac.planner.solution import GroupSolution, Placement, born_steps, peak_bytes, placements_of
+from fxkfac.planner.solution import GroupSolution, Placement, peak_bytes, placements_of, plan_born
 from fxkfac.planner.step_timeline import (
     fused_stats,
     plain_step_time,
@@ -18,7 +18,7 @@ from fxkfac.planner.step_timeline import (
     refresh_lower_bound,
     step_timeline,
 )
-from fxkfac.planner.streaming import add_replicas, made_refreshes, replica_born
+from fxkfac.planner.streaming import add_replicas, made_refreshes
 from fxkfac.planner.stretch import Allowance, restretch
 from fxkfac.planner.window import Window
 
@@ -159,13 +159,10 @@ def assemble_attempt(problem: Problem, attempt: Attempt, fused: frozenset[str], 
         time_quantum=0.0 if all(s.window.exact for s in sols) else max(s.window.tick for s in sols),
         stretch=max(s.window.seconds(s.window.stretch) for s in sols),
     )
-    born = born_steps(placements)
     if problem.streaming is not None:
         sender = problem.stream_owners[0]
         made = made_refreshes(problem.streaming, placements, layers, sender)
         programs = add_replicas(programs, problem.streaming, sender, made)
-        for rank, ops in replica_born(problem.streaming, sender, made).items():
-            born.setdefault(rank, {}).update(ops)
     programs = dict(sorted(programs.items()))
     return Plan(
         problem,
@@ -174,5 +171,5 @@ def assemble_attempt(problem: Problem, attempt: Attempt, fused: frozenset[str], 
         tuple(placements),
         metrics,
         problem.fingerprint,
-        startup=startup_programs(programs, born),
+        startup=startup_programs(programs, plan_born(problem, placements, layers)),
     )

@@ -17,9 +17,8 @@ from fxkfac.planner.errors import PlanFormatError
 from fxkfac.planner.ir import PRECONDITIONER_KINDS, Op, OpKind
 from fxkfac.planner.lowering import startup_programs
 from fxkfac.planner.problem import Problem, copies_of_stage, is_streamed
-from fxkfac.planner.solution import born_steps
+from fxkfac.planner.solution import plan_born
 from fxkfac.planner.step_timeline import base_programs
-from fxkfac.planner.streaming import made_refreshes, replica_born
 
 if TYPE_CHECKING:
     from fxkfac.planner.plan import Plan
@@ -191,13 +190,7 @@ def _check_metrics(plan: Plan) -> None:
 def _check_startup(plan: Plan) -> None:
     """The start-up steps are what `startup_programs` derives; their count is compared first, so a placement
     claiming a huge window step is refused without building that many steps."""
-    born = born_steps(plan.placements)
-    streaming = plan.problem.streaming
-    if streaming is not None:
-        sender = plan.problem.stream_owners[0]
-        made = made_refreshes(streaming, plan.placements, plan.layers, sender)
-        for rank, ops in replica_born(streaming, sender, made).items():
-            born.setdefault(rank, {}).update(ops)
+    born = plan_born(plan.problem, plan.placements, plan.layers)
     _need(set(plan.startup) <= set(plan.programs), "start-up steps for ranks that have no program")
     for rank in plan.programs:
         last = max(born.get(rank, {}).values(), default=0)

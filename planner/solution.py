@@ -7,11 +7,18 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fxkfac.planner.ir import Op, OpKind
+from fxkfac.planner.ir import LayerTiming, Op, OpKind
 from fxkfac.planner.memory import decomposition_bytes, peak_level, static_bytes
+from fxkfac.planner.streaming import made_refreshes, replica_born
 from fxkfac.planner.window import TaskKind, Window, wrap
+
+if TYPE_CHECKING:
+    from fxkfac.planner.problem import Problem
+
+Born = dict[int, dict[Op, int]]
+"""Per device, each op's first window step (`planner.lowering.startup_programs`)."""
 
 __all__ = [
     "Placement",
@@ -24,6 +31,8 @@ __all__ = [
     "fits_memory",
     "is_refresh_op",
     "born_steps",
+    "plan_born",
+    "Born",
 ]
 
 
@@ -183,10 +192,23 @@ def is_refresh_op(op: Op) -> bool:
     return op.kind in _REFRESH_KINDS and not (op.kind is OpKind.STATS and op.mb is None)
 
 
-def born_steps(placements: Iterable[Placement]) -> dict[int, dict[Op, int]]:
+def plan_born(problem: Problem, placements: Iterable[Placement], timings: Mapping[str, LayerTiming]) -> Born:
+    """`born_steps` of a plan's placements, with each streamed layer's replica transfers, first run at the step of
+    the op that makes the refresh they carry (planner/streaming.py `replica_born`)."""
+    placed = list(placements)
+    born = born_steps(placed)
+    if problem.streaming is not None:
+        sender = problem.stream_owners[0]
+        made = made_refreshes(problem.streaming, placed, timings, sender)
+        for rank, ops in replica_born(problem.streaming, sender, made).items():
+            born.setdefault(rank, {}).update(ops)
+    return born
+
+
+def born_steps(placements: Iterable[Placement]) -> Born:
     """Per device, each refresh op's latest window step: from that global step on its refresh exists
     (see `planner.lowering.startup_programs`); per-step ops are not listed (they run from step 0)."""
-    born: dict[int, dict[Op, int]] = {}
+    born: Born = {}
     for p in placements:
         if is_refresh_op(p.op):
             mine = born.setdefault(p.device, {})

@@ -47,6 +47,8 @@ __all__ = [
     "fused_stats",
     "refresh_lower_bound",
     "group_load",
+    "stream_lead",
+    "stream_start",
 ]
 
 _FIXED_KINDS = frozenset({OpKind.FWD, OpKind.BWD})
@@ -213,11 +215,11 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callabl
     return duration
 
 
-def _stream_lead(problem: Problem, duration: Callable[[int, Op], float]) -> Callable[[int, Op], float] | None:
+def stream_lead(problem: Problem, duration: Callable[[int, Op], float]) -> Callable[[int, Op], float] | None:
     """How long before its send op a streamed layer's message arrives (`simulate`'s lead): a gradient leaves when
-    the backward makes it final (`planner.streaming.ready`), the part of the stage's backward after that before the
-    SEND_LGRAD; every streamed message then takes its transfer (`CostTable.collective_seconds` of two ranks, 0
-    without a comm model), which the lead subtracts. None without streaming."""
+    the backward makes it final (`planner.streaming.ready`), the part of the stage's backward (its `duration`) after
+    that before the SEND_LGRAD; every streamed message then takes its transfer (`CostTable.collective_seconds` of two
+    ranks, 0 without a comm model), which the lead subtracts. None without streaming."""
     streaming = problem.streaming
     if streaming is None:
         return None
@@ -251,7 +253,7 @@ def step_timeline(
     """
     programs = reference_programs(problem) if with_prec else base_programs(problem)
     duration = _duration(problem, fused, refresh)
-    one = simulate(programs, duration, steps=1, lead=_stream_lead(problem, duration))
+    one = simulate(programs, duration, steps=1, lead=stream_lead(problem, duration))
     return _step_from(one, one.makespan)
 
 
@@ -357,6 +359,17 @@ def slot_seconds(problem: Problem, device: int, stage: int) -> float:
         for c in copies_of_stage(problem, stage)
     )
     return before + sum(shares)
+
+
+def stream_start(problem: Problem, step: StepTimeline) -> float:
+    """When, in `step`, the first of the streamed stage's owners starts its last backward: a streamed layer's
+    refresh must be made by then to reach its helper in time (`Window.stream_use`)."""
+    assert problem.streaming is not None, "only a streaming problem has a streamed stage"
+    s = problem.streaming.stage
+    return min(
+        max(a for op, a, _ in step.ops[owner] if op.kind is OpKind.BWD and op.stage == s)
+        for owner in problem.stream_owners
+    )
 
 
 def tap_extra(problem: Problem) -> float:

@@ -12,7 +12,14 @@ from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.ir import Op, OpKind
 from fxkfac.planner.memory import activation_intervals, static_bytes
 from fxkfac.planner.problem import Problem, StageGroup, copies_of_stage, is_streamed, stages_on_device
-from fxkfac.planner.step_timeline import StepTimeline, early_start, prec_work, step_begins, step_timeline
+from fxkfac.planner.step_timeline import (
+    StepTimeline,
+    early_start,
+    prec_work,
+    step_begins,
+    step_timeline,
+    stream_start,
+)
 from fxkfac.planner.strategy import keeps_statistics
 from fxkfac.planner.window import Grid, Interval, PrecSlot, Task, TaskKind, Window, step_start_tick, wrap
 
@@ -124,17 +131,7 @@ def _stream_use(problem: Problem, steps: Sequence[StepTimeline], offsets: Sequen
     streaming = problem.streaming
     if streaming is None:
         return ()
-    s = streaming.stage
-    return tuple(
-        offsets[j]
-        + grid.at(
-            min(
-                max(a for op, a, _ in st.fixed(owner) if op.kind is OpKind.BWD and op.stage == s)
-                for owner in problem.stream_owners
-            )
-        )
-        for j, st in enumerate(steps)
-    )
+    return tuple(offsets[j] + grid.at(stream_start(problem, st)) for j, st in enumerate(steps))
 
 
 def _device_work(

@@ -62,7 +62,7 @@ from fxkfac.runtime.interpreter import (
 from fxkfac.runtime.refresh_record import RefreshRecord
 from fxkfac.runtime.step_end import StepEnd
 from fxkfac.runtime.streaming import StreamedLayers, Streams
-from fxkfac.runtime.sync import grad_key
+from fxkfac.runtime.sync import flat_gradient, grad_key, split_flat
 from fxkfac.runtime.tapped_runner import TappedRunner
 
 __all__ = ["StageCopies", "PreconditionerRuntime"]
@@ -343,8 +343,7 @@ class PreconditionerRuntime:
         """PipelineError unless every earlier refresh of the layer is made here once its broadcasts in flight
         settle: the decomposition starts from the previous refresh's preconditioner, as on one device."""
         if self.refreshes[name][0] is not record:
-            for part in self.family.parts:
-                ctx.transport.settle(_unit_key(name, part))
+            self.settle_layer(ctx, name)
         if self.refreshes[name][0] is not record:
             raise PipelineError(
                 f"rank {self.rank}: '{op}' starts {name}'s refresh of step {record.step} before its refresh of "
@@ -439,8 +438,7 @@ class PreconditionerRuntime:
         layers = [self.layers[n] for n in self._layers_of(op)]
         ctx.transport.settle(grad_key(op.stage))
         for layer in layers:
-            for part in self.family.parts:
-                ctx.transport.settle(_unit_key(layer.name, part))
+            self.settle_layer(ctx, layer.name)
             late = [
                 r.step for r in self.refreshes[layer.name] if r.step + self.timings[layer.name].use_offset <= ctx.step
             ]
@@ -489,14 +487,11 @@ class PreconditionerRuntime:
         runner = ctx.stage_runner(op.stage)
         ctx.transport.settle(grad_key(op.stage))
         params = [runner.param(p) for p in self.family.params_of(self.layers[name])]
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        pending = ctx.transport.start_broadcast(flat, op.root, self._group(op, op.stage), str(op))
+        pending = ctx.transport.start_broadcast(flat_gradient(params), op.root, self._group(op, op.stage), str(op))
 
         def take(received: Tensor) -> None:
-            offset = 0
-            for p in params:
-                p.grad = received[offset : offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
+            for p, chunk in zip(params, split_flat(received, [p.shape for p in params]), strict=True):
+                p.grad = chunk.clone()
 
         ctx.transport.defer(("preconditioned", name), pending, _ignore if op.root == self.rank else take)
         self._touched.add(op.stage)

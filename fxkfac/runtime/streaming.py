@@ -22,7 +22,7 @@ from torch import Tensor
 from fxkfac.errors import PipelineError
 from fxkfac.planner.ir import Op, OpKind
 from fxkfac.runtime.interpreter import Interpreter, StepContext
-from fxkfac.runtime.sync import grad_key
+from fxkfac.runtime.sync import flat_gradient, grad_key, split_flat
 
 if TYPE_CHECKING:
     from fxkfac.runtime.preconditioning import PreconditionerRuntime
@@ -125,8 +125,7 @@ class Streams:
     def _send_gradient(self, ctx: StepContext, op: Op, params: Sequence[torch.nn.Parameter]) -> None:
         """Send the layer's flat gradient (zeros for a parameter without one) to its helper."""
         assert op.layer is not None and op.peer is not None, "SEND_LGRAD names its layer and helper"
-        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-        ctx.transport.send_tagged(flat, op.peer, self._tag(ctx, op, _LGRAD), str(op))
+        ctx.transport.send_tagged(flat_gradient(params), op.peer, self._tag(ctx, op, _LGRAD), str(op))
         self._sent.add(op.layer)
 
     def send_gradient(self, ctx: StepContext, op: Op) -> None:
@@ -153,10 +152,9 @@ class Streams:
         assert op.stage is not None and op.layer is not None, "RECV_PGRAD names its stage and layer"
         flat, dot = ctx.transport.take(("pgrad", op.layer), str(op))
         ctx.transport.settle(grad_key(op.stage))  # the copies' all-reduce lands first: the result replaces it
-        offset = 0
-        for p in self._params(ctx, op):
-            p.grad = flat[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
+        params = self._params(ctx, op)
+        for p, chunk in zip(params, split_flat(flat, [p.shape for p in params]), strict=True):
+            p.grad = chunk
         copies = len(self.runtime.groups[op.stage].ranks)
         self.runtime.add_dot([self.runtime.layers[op.layer]], dot[0] / copies, op.stage)
 
@@ -224,15 +222,10 @@ class Streams:
             )
         state.activate(ctx.step)
         flat = self._inbox.pop(name)
-        grads: dict[str, Tensor] = {}
-        offset = 0
-        for shape in shapes:
-            grads[shape.name] = flat[offset : offset + shape.numel].view(shape.shape)
-            offset += shape.numel
+        grads = {s.name: chunk for s, chunk in zip(shapes, split_flat(flat, [s.shape for s in shapes]), strict=True)}
         layer = self.runtime.layers[name]
-        dot = self.runtime.family.precondition([layer], grads, self.runtime.states, dict(grads))
-        preconditioned = torch.cat([grads[s.name].reshape(-1) for s in shapes])
-        self._outbox[name] = (preconditioned, dot.detach().to(torch.float64).reshape(1))
+        dot = self.runtime.family.precondition([layer], grads, self.runtime.states, dict(grads))  # in place: in flat
+        self._outbox[name] = (flat, dot.detach().to(torch.float64).reshape(1))
 
     def send_preconditioned(self, ctx: StepContext, op: Op) -> None:
         """Send the owner the layer's preconditioned gradient and its <P, G>."""

@@ -12,6 +12,7 @@ rank visits its groups in that global order, so no two ranks wait on each other 
 from __future__ import annotations
 
 import functools
+import math
 from collections import Counter
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,7 +24,7 @@ from fxkfac.planner.ir import Programs
 from fxkfac.runtime.p2p import Transport
 from fxkfac.runtime.stage import StageRunner
 
-__all__ = ["GradSync", "grad_key", "holder_sets", "named_groups"]
+__all__ = ["flat_gradient", "split_flat", "GradSync", "grad_key", "holder_sets", "named_groups"]
 
 Holders = tuple[int, ...]
 
@@ -48,12 +49,20 @@ def _grad(p: torch.Tensor) -> torch.Tensor:
     return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
+def flat_gradient(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The parameters' gradients (zeros where one has none) in one flat tensor, in their order."""
+    return torch.cat([_grad(p).reshape(-1) for p in params])
+
+
+def split_flat(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    """Views of `flat`'s consecutive chunks, one of each shape (the inverse of `flat_gradient`)."""
+    sizes = [math.prod(shape) for shape in shapes]
+    return [chunk.view(*shape) for chunk, shape in zip(torch.split(flat, sizes), shapes, strict=True)]
+
+
 def _scatter(flat: torch.Tensor, copies: Sequence[Sequence[torch.Tensor]], grad: bool) -> None:
     """Write consecutive chunks of `flat` into every copy of each parameter (grad or value)."""
-    offset = 0
-    for same in copies:
-        chunk = flat[offset : offset + same[0].numel()].view_as(same[0])
-        offset += same[0].numel()
+    for same, chunk in zip(copies, split_flat(flat, [same[0].shape for same in copies]), strict=True):
         for t in same:
             if grad:
                 t.grad = chunk.clone()

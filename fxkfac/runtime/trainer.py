@@ -164,10 +164,8 @@ def _streamed_layers(spec: RunSpec, rank: int, local: Sequence[int]) -> Streamed
     for op in ops:
         if op.kind is OpKind.APPLY and op.stage is not None and op.stage not in local and op.layer is not None:
             gm = spec.split.stages[op.stage].gm
-            names = family.params_of(spec.units[op.layer])
-            replicas[op.layer] = tuple(
-                ParamShape(n, tuple(gm.get_parameter(n).shape), gm.get_parameter(n).dtype) for n in names
-            )
+            params = {n: gm.get_parameter(n) for n in family.params_of(spec.units[op.layer])}
+            replicas[op.layer] = tuple(ParamShape(n, tuple(p.shape), p.dtype) for n, p in params.items())
     return StreamedLayers({name: i for i, name in enumerate(spec.units)}, owned, replicas)
 
 

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from fxkfac.planner.ir import Op, OpKind
 from fxkfac.planner.problem import Problem, agreement_set, copies_of_stage
-from fxkfac.planner.step_timeline import StepTimeline, early_start, step_begins, window_length
+from fxkfac.planner.step_timeline import StepTimeline, early_start, step_begins, stream_start, window_length
 from fxkfac.planner.strategy import COMM_OPT, receivers
 
 if TYPE_CHECKING:
@@ -157,12 +157,7 @@ def apply_start(c: Context, layer: str, u: int, device: int) -> float:
     k = c.period(s)
     streaming = c.problem.streaming
     if streaming is not None and layer in streaming.layers:  # needed once the owner starts streaming it
-        ops = c.timeline(u, k).ops
-        bwd = min(
-            max(a for op, a, _ in ops[owner] if op.kind is OpKind.BWD and op.stage == s)
-            for owner in c.problem.stream_owners
-        )
-        return c.base(u % k, k) + bwd + c.length(k) * (u // k)
+        return c.base(u % k, k) + stream_start(c.problem, c.timeline(u, k)) + c.length(k) * (u // k)
     apply = (
         Op(OpKind.APPLY, s)
         if Op(OpKind.APPLY, s) in step_ops(c, s, c.problem.workers(layer)[0])

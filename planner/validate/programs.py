@@ -10,9 +10,8 @@ from fxkfac.planner.errors import DeadlockError
 from fxkfac.planner.ir import LAYER_TRANSFER_KINDS, PRECONDITIONER_KINDS, Op, OpKind
 from fxkfac.planner.problem import StepBarrier, agreement_set, copies_of_stage, is_streamed
 from fxkfac.planner.simulate import simulate
-from fxkfac.planner.step_timeline import fused_stats
+from fxkfac.planner.step_timeline import fused_stats, stream_lead
 from fxkfac.planner.validate.context import Context, collective_seconds, op_seconds, per_step
-from fxkfac.planner.validate.streaming import stream_lead
 
 
 def check_programs(c: Context, run: bool) -> None:
@@ -158,7 +157,9 @@ def _check_runs(c: Context) -> None:
             if c.problem.barrier is StepBarrier.WORLD
             else {d: agreement_set(c.problem, d) for d in c.problem.devices}
         )
-        timeline = simulate(c.plan.programs, duration, steps=steps, barrier=barrier, lead=stream_lead(c))
+        timeline = simulate(
+            c.plan.programs, duration, steps=steps, barrier=barrier, lead=stream_lead(c.problem, duration)
+        )
     except DeadlockError as e:
         c.errors.append(f"the programs deadlock: {e}")
         return

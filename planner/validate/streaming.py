@@ -5,33 +5,12 @@ returns it, and every refresh's preconditioner reaches the helper before the hel
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 
-from fxkfac.planner.ir import LAYER_SENDS, Op, OpKind, ops_at
-from fxkfac.planner.streaming import Streaming, ready
+from fxkfac.planner.ir import Op, OpKind, ops_at
+from fxkfac.planner.streaming import Streaming
 from fxkfac.planner.validate.context import Context
 
-__all__ = ["check_streaming", "stream_lead"]
-
-
-def stream_lead(c: Context) -> Callable[[int, Op], float] | None:
-    """How long before its send op a streamed layer's message arrives: a gradient leaves the part of its stage's
-    backward (a normal step's) after it is final early, and every streamed message takes its transfer over two ranks
-    (the cost table's comm model; nothing without one); None without streaming."""
-    streaming = c.problem.streaming
-    if streaming is None:
-        return None
-    stage = c.problem.costs.stages[streaming.stage]
-    fractions = ready(streaming, stage)
-    priced = c.problem.costs.comm is not None
-
-    def lead(_: int, op: Op) -> float:
-        if op.kind not in LAYER_SENDS or op.layer is None:
-            return 0.0
-        transfer = c.problem.costs.collective_seconds(op, 2) if priced else 0.0
-        return ((1.0 - fractions[op.layer]) * stage.bwd if op.kind is OpKind.SEND_LGRAD else 0.0) - transfer
-
-    return lead
+__all__ = ["check_streaming"]
 
 
 def check_streaming(c: Context) -> None:
