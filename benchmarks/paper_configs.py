@@ -1,12 +1,15 @@
 """The PipeFisher paper's configurations on its measured P100 profiles: utilization and refresh, greedy vs CP-SAT.
 
 Run: python benchmarks/paper_configs.py [--time-limit 10] [--max-overhead 0] [--decomp-pieces 1] [--barrier world]
+    [--layers block]
 
 Costs are the profiles shipped as paper:<model>/p100 (planner/data/pipefisher_profiles/; per
 Transformer block, micro-batch 32, 3 blocks per stage). The paper's profiles include the embeddings
 and the heads (on the first and last stages) and real P2P gaps; these CSVs are Transformer blocks
-only, so its figures are shown beside ours for orientation, not as the same measurement. Prints a
-rich table and one JSON line.
+only, so its figures are shown beside ours for orientation, not as the same measurement. With --layers linear
+each block is its six Linears, the layers K-FAC preconditions, sharing the block's measured costs by their shapes
+(`planner.profiles.ProfileLayers`): tasks as fine as the paper's code runs them. Prints a rich table and one JSON
+line.
 
 Per configuration: the plain pipeline (simulated here, independently of the planner), then
 planner.solve.solve with the paper's greedy rule and with CP-SAT (no memory budget, the given
@@ -33,7 +36,7 @@ from fxkfac.planner.errors import PlanError
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier
-from fxkfac.planner.profiles import load_cost_table
+from fxkfac.planner.profiles import ProfileLayers, load_cost_table
 from fxkfac.planner.schedules import schedule_programs, stages_of_rank
 from fxkfac.planner.simulate import Timeline, simulate
 from fxkfac.planner.solve import solve
@@ -67,13 +70,15 @@ PAPER = {  # PipeFisher (Osawa et al. 2023): utilization before -> after, refres
 }
 
 
-def costs_of(cfg: Config) -> CostTable:
-    """The measured P100 cost table of the configuration (the profile shipped with fxkfac)."""
+def costs_of(cfg: Config, layers: ProfileLayers = ProfileLayers.BLOCK) -> CostTable:
+    """The measured P100 cost table of the configuration (the profile shipped with fxkfac), one K-FAC layer per
+    block or per Linear (`layers`)."""
     return load_cost_table(
         f"paper:{cfg.model}/p100",
         blocks_per_stage=cfg.blocks_per_stage,
         n_stages=cfg.D,
         micro_batch_size=cfg.micro_batch_size,
+        layers=layers,
     )
 
 
@@ -132,11 +137,13 @@ def planned(
     pieces: int = 1,
     barrier: StepBarrier = StepBarrier.WORLD,
     stream: bool = True,
+    layers: ProfileLayers = ProfileLayers.BLOCK,
 ) -> dict[str, Any]:
-    """One planner run (the first stage's APPLY streamed where that shortens the step, `stream`): its metrics, or
-    the reason there is no plan."""
+    """One planner run (the first stage's APPLY streamed where that shortens the step, `stream`; K-FAC layers per
+    block or per Linear, `layers`): its metrics, or the reason there is no plan."""
+    costs = costs_of(cfg, layers)
     problem = Problem(
-        cfg.schedule, cfg.D, cfg.N, costs_of(cfg), max_overhead=max_overhead, decomp_pieces=pieces, barrier=barrier
+        cfg.schedule, cfg.D, cfg.N, costs, max_overhead=max_overhead, decomp_pieces=pieces, barrier=barrier
     )
     config = SolverConfig(time_limit_s=time_limit)
     try:
@@ -195,11 +202,16 @@ def _steps(values: list[int]) -> str:
 
 
 def render(
-    results: list[dict[str, Any]], max_overhead: float, pieces: int, barrier: StepBarrier, console: Console
+    results: list[dict[str, Any]],
+    max_overhead: float,
+    pieces: int,
+    barrier: StepBarrier,
+    layers: ProfileLayers,
+    console: Console,
 ) -> None:
     table = Table(
-        title=f"PipeFisher configurations on measured P100 block costs (micro-batch 32, 3 blocks/stage, "
-        f"max_overhead {max_overhead:g}, inversions in {pieces} piece(s), step barrier {barrier})"
+        title=f"PipeFisher configurations on measured P100 block costs (micro-batch 32, 3 blocks/stage, K-FAC layer: "
+        f"{layers.value}, max_overhead {max_overhead:g}, inversions in {pieces} piece(s), step barrier {barrier})"
     )
     for col in (
         "config",
@@ -264,16 +276,30 @@ def main(argv: list[str] | None = None) -> None:
         action="store_false",
         help="keep the first stage's APPLY on its rank (default: streamed to an idle rank where that helps)",
     )
+    parser.add_argument(
+        "--layers",
+        type=ProfileLayers,
+        default=ProfileLayers.BLOCK,
+        choices=list(ProfileLayers),
+        help="one K-FAC layer per Transformer block (the profiles' granularity) or per Linear (K-FAC's)",
+    )
     args = parser.parse_args(argv)
     results = []
     for cfg in CONFIGS:
         row = baseline(cfg)
         for method in ("greedy", "cpsat"):
             row[method] = planned(
-                cfg, method, args.time_limit, args.max_overhead, args.decomp_pieces, args.barrier, args.stream_apply
+                cfg,
+                method,
+                args.time_limit,
+                args.max_overhead,
+                args.decomp_pieces,
+                args.barrier,
+                args.stream_apply,
+                args.layers,
             )
         results.append(row)
-    render(results, args.max_overhead, args.decomp_pieces, args.barrier, Console(width=200))
+    render(results, args.max_overhead, args.decomp_pieces, args.barrier, args.layers, Console(width=200))
     verdict = checks(results, args.max_overhead)
     Console(width=200).print(verdict)
     print(
@@ -285,6 +311,7 @@ def main(argv: list[str] | None = None) -> None:
                 "decomp_pieces": args.decomp_pieces,
                 "barrier": str(args.barrier),
                 "stream_apply": args.stream_apply,
+                "layers": args.layers.value,
                 "results": results,
                 "checks": verdict,
             }

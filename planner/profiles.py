@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from enum import Enum
 from importlib.resources import files
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
 __all__ = [
     "PIPEFISHER_COLUMNS",
     "PAPER_PREFIX",
+    "ProfileLayers",
+    "BLOCK_LINEARS",
     "paper_profile_names",
     "is_profile",
     "cost_table_from_pipefisher_csv",
@@ -35,8 +38,33 @@ PIPEFISHER_COLUMNS = (
 PAPER_PREFIX = "paper:"
 """`paper:<model>/<hardware>` names a profile shipped in planner/data/pipefisher_profiles/."""
 
+
+
+class ProfileLayers(Enum):
+    """What one K-FAC layer of a profiled Transformer block is: the block (the profile's own granularity), its
+    attention (q, k, v, o) and its feed-forward (fc1, fc2), or each of its six Linears (what K-FAC preconditions:
+    the paper's code keeps a factor pair per nn.Linear); the block's measured costs shared among them by their
+    shapes (`BLOCK_LINEARS`). Finer layers give the planner smaller tasks and gradients final earlier in the
+    backward (streamed APPLY), and it more tasks to place."""
+
+    BLOCK = "block"
+    SUBLAYER = "sublayer"
+    LINEAR = "linear"
+
+
+BLOCK_LINEARS = (("q", 1, 1), ("k", 1, 1), ("v", 1, 1), ("o", 1, 1), ("fc1", 1, 4), ("fc2", 4, 1))
+"""The Linears of a profiled block in forward order as (name, d_in / d, d_out / d): attention's four d -> d and the
+feed-forward d -> 4d -> d; every profiled model (BERT, OPT, T5) has f = 4d, so the cost shares need no width."""
+
+_GROUPS: dict[ProfileLayers, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    ProfileLayers.BLOCK: (("", tuple(n for n, _, _ in BLOCK_LINEARS)),),
+    ProfileLayers.SUBLAYER: ((".attn", ("q", "k", "v", "o")), (".ffn", ("fc1", "fc2"))),
+    ProfileLayers.LINEAR: tuple((f".{n}", (n,)) for n, _, _ in BLOCK_LINEARS),
+}
+"""Each granularity's layers of one block, in forward order: the suffix of the layer's name and its Linears."""
+
 _PROFILE_MARK = "_time_memory_"  # the shipped files are <model>_time_memory_<hardware>.csv
-_PROFILE_OPTIONS = ("blocks_per_stage", "micro_batch_size")
+_PROFILE_OPTIONS = ("blocks_per_stage", "micro_batch_size")  # required; `layers` and the rest are optional
 
 _MS = 1e-3
 _MIB = 1 << 20
@@ -136,20 +164,36 @@ def _blocks_per_stage(blocks_per_stage: Sequence[int] | int, n_stages: int | Non
     return counts
 
 
-def _block_layer(row: dict[str, float], name: str) -> LayerCost:
-    half_kron = row["mem_kron"] * _MIB / 2
-    return LayerCost.kfac(
-        name,
-        curv_a=row["time_kron"] * _MS / 2,
-        curv_b=row["time_kron"] * _MS / 2,
-        inv_a=row["time_inv"] * _MS / 2,
-        inv_b=row["time_inv"] * _MS / 2,
-        prec=row["time_prec"] * _MS,
-        a_bytes=round(row["mem_save_err"] * _MIB),
-        e_bytes=round(row["mem_save_err"] * _MIB),
-        factor_a_bytes=round(half_kron),
-        factor_b_bytes=round(half_kron),
-        grad_bytes=round(row["mem_param"] * _MIB),
+def _block_layers(row: dict[str, float], block: str, layers: ProfileLayers) -> tuple[LayerCost, ...]:
+    """The block's K-FAC layers (`_GROUPS`), each the share of the block's measured cost its Linears
+    (`BLOCK_LINEARS`) do: curvature rows * d^2 and factor memory d^2 per side, inversion d^3 per side, APPLY
+    (B^-1 G A^-1) d_in * d_out * (d_in + d_out), captures rows * d per side, gradient d_in * d_out. The A and B
+    sides of a block are the same multiset of widths, so a whole block splits every cost 50/50 between them."""
+    shape = {n: (i, o) for n, i, o in BLOCK_LINEARS}
+    sides = [d for i, o in shape.values() for d in (i, o)]
+    sq, cube = sum(d**2 for d in sides), sum(d**3 for d in sides)
+    width = sum(i for i, _ in shape.values())
+    apply = sum(i * o * (i + o) for i, o in shape.values())
+    weights = sum(i * o for i, o in shape.values())
+
+    def share(linears: tuple[str, ...], work: Callable[[int, int], int]) -> float:
+        return sum(work(*shape[n]) for n in linears)
+
+    return tuple(
+        LayerCost.kfac(
+            f"{block}{suffix}",
+            curv_a=row["time_kron"] * _MS * share(linears, lambda i, o: i**2) / sq,
+            curv_b=row["time_kron"] * _MS * share(linears, lambda i, o: o**2) / sq,
+            inv_a=row["time_inv"] * _MS * share(linears, lambda i, o: i**3) / cube,
+            inv_b=row["time_inv"] * _MS * share(linears, lambda i, o: o**3) / cube,
+            prec=row["time_prec"] * _MS * share(linears, lambda i, o: i * o * (i + o)) / apply,
+            a_bytes=round(row["mem_save_err"] * _MIB * share(linears, lambda i, o: i) / width),
+            e_bytes=round(row["mem_save_err"] * _MIB * share(linears, lambda i, o: o) / width),
+            factor_a_bytes=round(row["mem_kron"] * _MIB * share(linears, lambda i, o: i**2) / sq),
+            factor_b_bytes=round(row["mem_kron"] * _MIB * share(linears, lambda i, o: o**2) / sq),
+            grad_bytes=round(row["mem_param"] * _MIB * share(linears, lambda i, o: i * o) / weights),
+        )
+        for suffix, linears in _GROUPS[layers]
     )
 
 
@@ -160,11 +204,14 @@ def cost_table_from_pipefisher_csv(
     micro_batch_size: int,
     n_stages: int | None = None,
     hardware: str | None = None,
+    layers: ProfileLayers = ProfileLayers.BLOCK,
 ) -> CostTable:
     """A CostTable from a PipeFisher per-Transformer-block profile (ms and MiB per block).
 
     Every Transformer block is one K-FAC "layer" named ``block{i}`` (i counts blocks over the
-    whole model) of its stage; a stage with k blocks costs k times a block. Mapping:
+    whole model) of its stage; with `layers` SUBLAYER two, ``block{i}.attn`` and ``block{i}.ffn``, with LINEAR six,
+    ``block{i}.q`` ... ``block{i}.fc2``, sharing the block's costs (`_block_layers`); a stage with k blocks costs
+    k times a block. Mapping (of a whole block):
 
     - time_f, time_b -> fwd, bwd (per micro-batch); time_prec -> prec of the block.
     - time_kron -> curv_a + curv_b, split 50/50; time_inv -> inv_a + inv_b, split 50/50. The split
@@ -189,14 +236,13 @@ def cost_table_from_pipefisher_csv(
     counts = _blocks_per_stage(blocks_per_stage, n_stages)
     stages, first = [], 0
     for k in counts:
-        layers = tuple(_block_layer(row, f"block{first + j}") for j in range(k))
         stages.append(
             StageCost(
                 fwd=k * row["time_f"] * _MS,
                 bwd=k * row["time_b"] * _MS,
                 param_bytes=round(k * row["mem_param"] * _MIB),
                 act_bytes=round(k * row["mem_act"] * _MIB),
-                layers=layers,
+                layers=tuple(x for j in range(k) for x in _block_layers(row, f"block{first + j}", layers)),
                 peak_err_bytes=round(row["mem_peak_err"] * _MIB),
             )
         )
