@@ -26,6 +26,7 @@ from fxkfac.cli_show import run_show
 from fxkfac.config import KLClipScope
 from fxkfac.planner.errors import PlannerError
 from fxkfac.planner.preconditioners import PreconditionerKind
+from fxkfac.planner.profiles import ProfileLayers
 from fxkfac.planner.schedules import ScheduleKind
 
 __all__ = ["main", "build_parser"]
@@ -113,6 +114,15 @@ def _add_plan_costs(plan: argparse.ArgumentParser) -> None:
         type=Path,
         help="a cost table (.json), a PipeFisher profile (.csv), or a shipped one of the paper: "
         "paper:<model>/<hardware>, e.g. paper:bert-base/p100",
+    )
+    plan.add_argument(
+        "--profile-layers",
+        type=ProfileLayers,
+        choices=list(ProfileLayers),
+        default=ProfileLayers.BLOCK,
+        help="a PipeFisher profile's K-FAC layer: each Transformer block (the profile's own rows), its attention "
+        "and feed-forward, or each Linear, sharing the block's costs by their shapes (smaller tasks, gradients "
+        "final earlier, more to place)",
     )
     plan.add_argument(
         "--micro-batch-size",

@@ -8,7 +8,7 @@ from fxkfac.cli_args import AUTO, CliError, device, kind, micro_batch_size
 from fxkfac.cli_targets import factory, is_factory
 from fxkfac.planner.costs import CostTable
 from fxkfac.planner.preconditioners import WORDS, PreconditionerKind, kind_of
-from fxkfac.planner.profiles import is_profile, load_cost_table
+from fxkfac.planner.profiles import ProfileLayers, is_profile, load_cost_table
 
 
 def cost_table(args: argparse.Namespace, S: int, max_dim: int | None = None) -> CostTable:
@@ -22,13 +22,22 @@ def cost_table(args: argparse.Namespace, S: int, max_dim: int | None = None) -> 
             "--max-preconditioner-dim sets Shampoo's and SOAP's blocks; K-FAC has none (pass "
             "--preconditioner shampoo or soap, or drop it)"
         )
+    if args.profile_layers is not ProfileLayers.BLOCK and (args.costs is None or not is_profile(args.costs)):
+        raise CliError(
+            "--profile-layers splits the blocks of a PipeFisher profile; pass one as --costs (e.g. "
+            "paper:bert-base/p100) or drop it"
+        )
     if args.costs is not None:
         if is_profile(args.costs):
             blocks = _blocks(args.target)
             if blocks % S:
                 raise CliError(f"{args.target} has {blocks} blocks, not divisible into {S} stages; pick another -D")
             table = load_cost_table(
-                args.costs, blocks_per_stage=blocks // S, n_stages=S, micro_batch_size=micro_batch_size(args)
+                args.costs,
+                blocks_per_stage=blocks // S,
+                n_stages=S,
+                micro_batch_size=micro_batch_size(args),
+                layers=args.profile_layers,
             )
         else:
             table = load_cost_table(args.costs)

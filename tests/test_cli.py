@@ -391,6 +391,19 @@ def test_decomp_pieces_plan_every_decomposition_in_that_many_tasks(
     assert "--decomp-pieces must be >= 1" in _one_line_error(capsys)
 
 
+def test_profile_layers_plan_each_sublayer_of_a_profiled_block(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--profile-layers sublayer: the profile's blocks are planned as attention and feed-forward layers (every one
+    refreshed in the exported plan); without a profile the flag is refused in one line."""
+    path = tmp_path / "plan.json"
+    argv = ["plan", "bert-base", "-D", "4", "-N", "4", "--costs", "paper:bert-base/p100", "--method", "greedy"]
+    assert main([*argv, "--profile-layers", "sublayer", "--export", str(path)]) == 0
+    plan = Plan.load(path)
+    assert sorted(plan.layers) == sorted(f"block{i}.{part}" for i in range(12) for part in ("attn", "ffn"))
+    capsys.readouterr()
+    assert _status(["plan", "bert-base", "-D", "4", "-N", "4", "--profile-layers", "linear"]) == 2
+    assert "--profile-layers splits the blocks of a PipeFisher profile" in _one_line_error(capsys)
+
+
 def test_trace_timestamps_are_never_negative(tmp_path: Path) -> None:
     """Chimera's greedy plan has a APPLY whose grid-rounded end lies a tick past the window: it was drawn
     (and traced) one window early as well, at a negative time, as step -1."""

@@ -15,7 +15,12 @@ from hypothesis import strategies as st
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.errors import CostModelError
 from fxkfac.planner.presets import preset
-from fxkfac.planner.profiles import cost_table_from_pipefisher_csv, load_cost_table, paper_profile_names
+from fxkfac.planner.profiles import (
+    ProfileLayers,
+    cost_table_from_pipefisher_csv,
+    load_cost_table,
+    paper_profile_names,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 PROFILES = REPO / "planner" / "data" / "pipefisher_profiles"  # the shipped copy, read here by path
@@ -124,6 +129,51 @@ def test_fifty_fifty_split_follows_from_the_factor_dims_of_a_bert_block() -> Non
     assert 4 * sum(d * d for d in dims_in + dims_out) == mem_kron * MIB
     save_err = _raw_rows(BERT_P100)[32]["mem_save_err"]  # errors of 32 x 128 tokens, fp32
     assert 4 * 32 * 128 * sum(dims_out) == save_err * MIB
+
+
+@pytest.mark.parametrize("layers", list(ProfileLayers))
+def test_every_granularity_shares_out_exactly_what_a_block_costs(layers: ProfileLayers) -> None:
+    """Whatever the K-FAC layer, a block's layers together cost the profiled block: time, factors, captures."""
+    raw = _raw_rows(BERT_P100)[32]
+    table = cost_table_from_pipefisher_csv(BERT_P100, blocks_per_stage=[2], micro_batch_size=32, layers=layers)
+    per_block = {"block": 1, "sublayer": 2, "linear": 6}[layers.value]
+    assert len(table.stages[0].layers) == 2 * per_block
+    for block in ("block0", "block1"):
+        mine = [x for x in table.stages[0].layers if x.name.split(".")[0] == block]
+        assert len(mine) == per_block
+        assert sum(x.curv for x in mine) == pytest.approx(raw["time_kron"] / 1000, rel=1e-12)
+        assert sum(x.inv for x in mine) == pytest.approx(raw["time_inv"] / 1000, rel=1e-12)
+        assert sum(x.prec for x in mine) == pytest.approx(raw["time_prec"] / 1000, rel=1e-12)
+        assert sum(x.factor_bytes for x in mine) == pytest.approx(raw["mem_kron"] * MIB, abs=per_block * 2)
+        assert sum(x.part("B").capture_bytes for x in mine) == pytest.approx(raw["mem_save_err"] * MIB, abs=6)
+        assert sum(x.grad_bytes for x in mine) == pytest.approx(raw["mem_param"] * MIB, abs=6)
+
+
+def test_linear_layers_cost_what_bert_large_linears_do_by_their_shapes() -> None:
+    """Each Linear's share, against the preset's real widths (1024 and 4096): inversion d^3 per factor, APPLY
+    d_in d_out (d_in + d_out), curvature d^2 per factor; the layers come in forward order."""
+    raw = _raw_rows(PROFILES / "bert-large_time_memory_p100.csv")[32]
+    table = load_cost_table(
+        "paper:bert-large/p100", blocks_per_stage=1, n_stages=1, micro_batch_size=32, layers=ProfileLayers.LINEAR
+    )
+    linears = preset("bert-large").blocks[0].linears
+    cubes = sum(x.d_in**3 + x.d_out**3 for x in linears)
+    squares = sum(x.d_in**2 + x.d_out**2 for x in linears)
+    applies = sum(x.d_in * x.d_out * (x.d_in + x.d_out) for x in linears)
+    names = ("q", "k", "v", "o", "fc1", "fc2")
+    assert table.layer_names == tuple(f"block0.{n}" for n in names)
+    for layer, x in zip(table.stages[0].layers, linears, strict=True):
+        assert layer.part("A").decomp == pytest.approx(raw["time_inv"] / 1000 * x.d_in**3 / cubes, rel=1e-12)
+        assert layer.part("B").decomp == pytest.approx(raw["time_inv"] / 1000 * x.d_out**3 / cubes, rel=1e-12)
+        assert layer.part("B").stats == pytest.approx(raw["time_kron"] / 1000 * x.d_out**2 / squares, rel=1e-12)
+        assert layer.prec == pytest.approx(raw["time_prec"] / 1000 * x.d_in * x.d_out * (x.d_in + x.d_out) / applies)
+    sub = load_cost_table(
+        "paper:bert-large/p100", blocks_per_stage=1, n_stages=1, micro_batch_size=32, layers=ProfileLayers.SUBLAYER
+    )
+    attention, ffn = sub.stages[0].layers
+    assert (attention.name, ffn.name) == ("block0.attn", "block0.ffn")
+    assert attention.prec == pytest.approx(sum(x.prec for x in table.stages[0].layers[:4]), rel=1e-12)
+    assert ffn.inv == pytest.approx(sum(x.inv for x in table.stages[0].layers[4:]), rel=1e-12)
 
 
 def test_micro_batch_between_measured_sizes_is_interpolated_and_outside_is_refused() -> None:
