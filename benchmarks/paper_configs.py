@@ -251,7 +251,9 @@ def render(
                 _steps(m["refresh_steps"]),
                 _steps(m["lower_bound_steps"]),
                 f"{added:.1f} ({added / m['step_time_baseline_ms']:.1%})",
-                "-" if streamed is None else f"{len(streamed['layers'])} -> r{streamed['helper']}",
+                "-"
+                if streamed is None
+                else f"{len(streamed['layers'])} -> " + ",".join(f"r{h}" for h in dict.fromkeys(streamed["helpers"])),
                 f"{m['status']}, {m['wall_time_s']:.1f}",
                 r["paper"] if method == "greedy" else "",
             )

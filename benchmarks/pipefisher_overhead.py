@@ -417,9 +417,10 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
     )
     if "e" in row["step_s"]:
         streaming = row["streaming"]
+        helpers = ", ".join(f"r{h}" for h in dict.fromkeys(streaming["helpers"]))
         console.print(
-            f"streamed: {len(streaming['layers'])} layer(s) of stage {streaming['stage']} applied on r"
-            f"{streaming['helper']}; b/e = {row['step_s']['b'] / row['step_s']['e']:.3f} (rounds of e "
+            f"streamed: {len(streaming['layers'])} layer(s) of stage {streaming['stage']} applied on {helpers}; "
+            f"b/e = {row['step_s']['b'] / row['step_s']['e']:.3f} (rounds of e "
             f"±{row['noise']['e']:.1%}), e/a = {row['ratio_to_a']['e']:.3f}",
             markup=False,
         )

@@ -149,7 +149,8 @@ def _streamed(problem: Problem) -> str:
     if streaming is None:
         return "none (every stage applies its own layers)"
     when = "at its backward's end (compiled)" if streaming.whole_backward else "during its last backward"
-    return f"{len(streaming.layers)} layer(s) of stage {streaming.stage} applied on r{streaming.helper}, sent {when}"
+    where = ", ".join(f"{len(streaming.layers_of(h))} on r{h}" for h in streaming.ranks)
+    return f"{len(streaming.layers)} layer(s) of stage {streaming.stage} applied ({where}), sent {when}"
 
 
 def _per_stage(values: tuple[int | None, ...]) -> str:

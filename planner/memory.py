@@ -52,15 +52,15 @@ def static_bytes(problem: Problem, device: int) -> int:
 
 def _streamed_bytes(problem: Problem, device: int) -> int:
     """What streaming adds (planner/streaming.py): on each owner, the buffers its streamed layers' preconditioned
-    gradients land in (posted when the step begins); on the helper, the gradients received from every owner, their
-    preconditioned sum and two decompositions (active and next) of each replica."""
+    gradients land in (posted when the step begins); on a helper, for each layer it preconditions, the gradients
+    received from every owner, their preconditioned sum and two decompositions (active and next) of its replica."""
     streaming = problem.streaming
-    if streaming is None or device not in (*problem.stream_owners, streaming.helper):
+    if streaming is None:
         return 0
-    layers = [problem.costs.layer(n) for n in streaming.layers]
+    if device in problem.stream_owners:
+        return sum(problem.costs.layer(n).gradient_bytes for n in streaming.layers)
+    layers = [problem.costs.layer(n) for n in streaming.layers_of(device)]
     gradients = sum(x.gradient_bytes for x in layers)
-    if device != streaming.helper:
-        return gradients
     return (len(problem.stream_owners) + 1) * gradients + 2 * sum(x.factor_bytes for x in layers)
 
 

@@ -146,15 +146,16 @@ def _check_programs(plan: Plan) -> None:
 
 
 def _check_streamed_op(problem: Problem, op: Op, device: int) -> None:
-    """A streamed layer's op names a layer the problem streams, between its stage's owner and helper."""
+    """A streamed layer's op names a layer the problem streams, between its stage's owners and the layer's helper."""
     streaming = problem.streaming
     _need(
         streaming is not None and op.layer in streaming.layers, f"{op} on r{device}: the problem streams no such layer"
     )
     assert streaming is not None  # _need raised otherwise
-    ends = {*problem.stream_owners, streaming.helper}
+    ends = {*problem.stream_owners, streaming.helper_of(op.layer)}
     _need(
-        op.stage == streaming.stage and device in ends, f"{op} on r{device}: not between the stage's owner and helper"
+        op.stage == streaming.stage and device in ends,
+        f"{op} on r{device}: not between the stage's owners and the layer's helper",
     )
     _need(op.peer is None or op.peer in ends - {device}, f"{op} on r{device}: its peer is not the other end")
 

@@ -139,13 +139,14 @@ class Problem:
             self._check_streaming(self.streaming)
 
     def _check_streaming(self, streaming: Streaming) -> None:
-        """PlanError unless the helper is a rank that holds no copy of the streamed stage, and each streamed layer is
+        """PlanError unless every helper is a rank that holds no copy of the streamed stage, and each streamed layer is
         one whose APPLY keeps no state, whose statistics come from captures (K-FAC's) and which every copy applies
         itself (COMM-OPT: the helper's result replaces each copy's gradient)."""
         if not streaming.stage < self.num_stages:
             raise PlanError(f"streaming names stage {streaming.stage}, which this problem does not have")
-        if streaming.helper not in self.devices or streaming.helper in self.stream_owners:
-            raise PlanError(f"a streaming helper holds no copy of stage {streaming.stage}, got rank {streaming.helper}")
+        for helper in streaming.ranks:
+            if helper not in self.devices or helper in self.stream_owners:
+                raise PlanError(f"a streaming helper holds no copy of stage {streaming.stage}, got rank {helper}")
         held = {x.name: x for x in self.costs.stages[streaming.stage].layers}
         for name in streaming.layers:
             layer = held.get(name)

@@ -39,7 +39,6 @@ PAPER_PREFIX = "paper:"
 """`paper:<model>/<hardware>` names a profile shipped in planner/data/pipefisher_profiles/."""
 
 
-
 class ProfileLayers(Enum):
     """What one K-FAC layer of a profiled Transformer block is: the block (the profile's own granularity), its
     attention (q, k, v, o) and its feed-forward (fc1, fc2), or each of its six Linears (what K-FAC preconditions:

@@ -1,4 +1,4 @@
-"""Which layers of the first stage to stream, and to which rank (planner/streaming.py): the choice that shortens
+"""Which layers of the first stage to stream, and to which ranks (planner/streaming.py): the choice that shortens
 the reference step most without costing any refresh, and a plan that falls back to none where it cannot place."""
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ STREAMED_STAGE = 0
 """The stage whose APPLY lies on the cycle every step repeats (GPipe, 1F1B): its last backward ends the step."""
 
 HELPER_CANDIDATES = 4
-"""How many ranks, those that end their step's work first, are tried as the helper."""
+"""How many ranks, those that end their step's work first, are tried as helpers: each alone, and the first m of
+them together (m = 2 ..) sharing the layers."""
 
 
 def _streamable(problem: Problem) -> list[str]:
@@ -56,19 +57,36 @@ def _helpers(problem: Problem) -> list[int]:
     return sorted(ends, key=lambda d: (ends[d], d))[:HELPER_CANDIDATES]
 
 
+def _helper_sets(helpers: list[int]) -> list[tuple[int, ...]]:
+    """The helper sets tried: each candidate alone, then the first m candidates together (m = 2 ..)."""
+    return [(h,) for h in helpers] + [tuple(helpers[:m]) for m in range(2, len(helpers) + 1)]
+
+
+def _assign(layers: list[str], helpers: tuple[int, ...]) -> tuple[int, ...]:
+    """A helper for each of `layers` (in the order their gradients become final): round robin from the last, so the
+    layers the backward finishes last, whose APPLYs end the step, run side by side on different helpers."""
+    m = len(helpers)
+    return tuple(helpers[(len(layers) - 1 - i) % m] for i in range(len(layers)))
+
+
 def _helper_load(problem: Problem) -> float:
-    """The share of its bubbles the helper's stage group needs for one refresh per step (inf without bubble)."""
-    assert problem.streaming is not None, "only a streaming problem has a helper"
-    group = next(g for g in stage_groups(problem) if problem.streaming.helper in g.devices)
-    work, bubble = group_load(problem, group)
-    return work / bubble if bubble > 0 else math.inf
+    """The largest share of its bubbles a helper's stage group needs for one refresh per step (inf without
+    bubble)."""
+    assert problem.streaming is not None, "only a streaming problem has helpers"
+    loads = []
+    for helper in problem.streaming.ranks:
+        group = next(g for g in stage_groups(problem) if helper in g.devices)
+        work, bubble = group_load(problem, group)
+        loads.append(work / bubble if bubble > 0 else math.inf)
+    return max(loads)
 
 
 def with_streaming(problem: Problem, whole_backward: bool = False) -> Problem:
-    """`problem` with the first stage's APPLY streamed, for the helper and the prefix of its layers (in the order
-    their gradients become final) that give the shortest reference step without raising any stage group's least
-    refresh period, the least loaded helper among equals; unchanged where nothing does, where every rank holds the
-    stage, or where it already streams. `whole_backward`: the stages run
+    """`problem` with the first stage's APPLY streamed, for the helpers (`_helper_sets`, the layers shared by
+    `_assign`) and the prefix of its layers (in the order their gradients become final) that give the shortest
+    reference step without raising any stage group's least refresh period, the fewest helpers and then the least
+    loaded among equals; unchanged where nothing does, where every rank holds the stage, or where it already
+    streams. `whole_backward`: the stages run
     compiled, each backward making every gradient at its end (`Streaming.whole_backward`): the helper then only
     applies its layers beside the owner."""
     if problem.streaming is not None or len(copies_of_stage(problem, STREAMED_STAGE)) == len(problem.devices):
@@ -77,16 +95,16 @@ def with_streaming(problem: Problem, whole_backward: bool = False) -> Problem:
     if not names:
         return problem
     bounds, length = _bounds(problem), step_timeline(problem).length
-    best: tuple[float, float] | None = None
+    best: tuple[float, float, int] | None = None
     chosen = problem
-    for helper in _helpers(problem):
-        for n in range(1, len(names) + 1):
-            streaming = Streaming(STREAMED_STAGE, helper, tuple(names[:n]), whole_backward)
+    for helpers in _helper_sets(_helpers(problem)):
+        for n in range(len(helpers), len(names) + 1):
+            streaming = Streaming(STREAMED_STAGE, _assign(names[:n], helpers), tuple(names[:n]), whole_backward)
             candidate = replace(problem, streaming=streaming)
             shorter = step_timeline(candidate).length
             if shorter >= length * (1 - 1e-9) or _bounds(candidate) != bounds:
                 continue
-            key = (round(shorter, 12), _helper_load(candidate))
+            key = (round(shorter, 12), _helper_load(candidate), len(helpers))
             if best is None or key < best:
                 best, chosen = key, candidate
     return chosen
@@ -105,10 +123,10 @@ def solve_streamed(
         return solve(problem)
     assert streamed.streaming is not None, "with_streaming returns a streaming problem or the same one"
     log.info(
-        "streaming %d layer(s) of stage %d to rank %d (their APPLY leaves the step's cycle)",
+        "streaming %d layer(s) of stage %d to rank(s) %s (their APPLY leaves the step's cycle)",
         len(streamed.streaming.layers),
         streamed.streaming.stage,
-        streamed.streaming.helper,
+        list(streamed.streaming.ranks),
     )
     try:
         plan = solve(streamed)

@@ -38,11 +38,12 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Streaming:
-    """Layers of `stage` (held by its owners, `Problem.stream_owners`) that rank `helper` preconditions, in the order
-    the owners' backward makes their gradients final."""
+    """Layers of `stage` (held by its owners, `Problem.stream_owners`), in the order the owners' backward makes their
+    gradients final, and the rank that preconditions each (`helpers`, one per layer: several helpers share the
+    load where one alone would have too little room)."""
 
     stage: int
-    helper: int
+    helpers: tuple[int, ...]
     layers: tuple[str, ...]
     whole_backward: bool = False
     """Whether the owner's backward makes every gradient at its end (a stage run compiled: torch.compile's backward
@@ -53,29 +54,47 @@ class Streaming:
         ok = (
             isinstance(self.stage, int)
             and self.stage >= 0
-            and isinstance(self.helper, int)
-            and self.helper >= 0
+            and isinstance(self.helpers, tuple)
+            and all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in self.helpers)
             and isinstance(self.layers, tuple)
             and len(self.layers) > 0
+            and len(self.helpers) == len(self.layers)
             and len(set(self.layers)) == len(self.layers)
             and all(isinstance(n, str) and n for n in self.layers)
             and isinstance(self.whole_backward, bool)
         )
         if not ok:
             raise PlanFormatError(
-                f"Streaming needs a stage and a helper rank (ints >= 0) and distinct layer names, got {self!r}"
+                f"Streaming needs a stage (int >= 0), distinct layer names and a helper rank (int >= 0) for each, "
+                f"got {self!r}"
             )
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        """The helper ranks, each once, in the order of their first layer."""
+        return tuple(dict.fromkeys(self.helpers))
+
+    def helper_of(self, layer: str) -> int:
+        """The rank that preconditions `layer`."""
+        return self.helpers[self.layers.index(layer)]
+
+    def layers_of(self, helper: int) -> tuple[str, ...]:
+        """The layers `helper` preconditions, in the order their gradients become final."""
+        return tuple(n for n, h in zip(self.layers, self.helpers, strict=True) if h == helper)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able form."""
         whole = {"whole_backward": True} if self.whole_backward else {}
-        return {"stage": self.stage, "helper": self.helper, "layers": list(self.layers), **whole}
+        return {"stage": self.stage, "helpers": list(self.helpers), "layers": list(self.layers), **whole}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Streaming:
-        """Inverse of `to_dict`; PlanFormatError when malformed."""
+        """Inverse of `to_dict` (a plan of one helper, {"helper": rank}, as written before helpers were several);
+        PlanFormatError when malformed."""
         try:
-            return cls(data["stage"], data["helper"], tuple(data["layers"]), data.get("whole_backward", False))
+            layers = tuple(data["layers"])
+            helpers = tuple(data["helpers"]) if "helpers" in data else (data["helper"],) * len(layers)
+            return cls(data["stage"], helpers, layers, data.get("whole_backward", False))
         except (KeyError, TypeError) as e:
             raise PlanFormatError(f"the plan's streaming is malformed: {e!r}") from e
 
@@ -113,24 +132,25 @@ def stream_step(ops: Mapping[int, Sequence[Op]], streaming: Streaming, owners: S
     gradient after the stage's last BWD and receives it preconditioned before its step ends; the helper, before its
     step ends, receives each layer from every owner (their sum is the gradient the copies' all-reduce makes),
     applies it and returns it to every owner, layer by layer (the owners' APPLY of those layers is not in `ops`)."""
-    s, helper = streaming.stage, streaming.helper
+    s, pairs = streaming.stage, list(zip(streaming.layers, streaming.helpers, strict=True))
     out = {rank: list(body) for rank, body in ops.items()}
     for owner in owners:
         body = out[owner]
         last = max(i for i, op in enumerate(body) if op.kind is OpKind.BWD and op.stage == s)
-        body[last + 1 : last + 1] = [Op(OpKind.SEND_LGRAD, s, peer=helper, layer=n) for n in streaming.layers]
-        back = [Op(OpKind.RECV_PGRAD, s, peer=helper, layer=n) for n in streaming.layers]
+        body[last + 1 : last + 1] = [Op(OpKind.SEND_LGRAD, s, peer=h, layer=n) for n, h in pairs]
+        back = [Op(OpKind.RECV_PGRAD, s, peer=h, layer=n) for n, h in pairs]
         out[owner] = _before_step_end(body, back)
-    chain = [
-        op
-        for n in streaming.layers
-        for op in (
-            *(Op(OpKind.RECV_LGRAD, s, peer=owner, layer=n) for owner in owners),
-            Op(OpKind.APPLY, s, layer=n),
-            *(Op(OpKind.SEND_PGRAD, s, peer=owner, layer=n) for owner in owners),
-        )
-    ]
-    out[helper] = _before_step_end(out[helper], chain)
+    for helper in streaming.ranks:
+        chain = [
+            op
+            for n in streaming.layers_of(helper)
+            for op in (
+                *(Op(OpKind.RECV_LGRAD, s, peer=owner, layer=n) for owner in owners),
+                Op(OpKind.APPLY, s, layer=n),
+                *(Op(OpKind.SEND_PGRAD, s, peer=owner, layer=n) for owner in owners),
+            )
+        ]
+        out[helper] = _before_step_end(out[helper], chain)
     return out
 
 
@@ -158,24 +178,28 @@ def made_refreshes(
 def replica_born(streaming: Streaming, owner: int, made: Made) -> dict[int, dict[Op, int]]:
     """The window step from which each replica transfer runs, on the owner and the helper (`startup_programs`):
     its DECOMP's, so that no step sends or awaits a refresh from before step 0."""
-    s, helper = streaming.stage, streaming.helper
-    return {
-        owner: {Op(OpKind.SEND_REPLICA, s, peer=helper, layer=n): step for n, (_, step, _) in made.items()},
-        helper: {Op(OpKind.RECV_REPLICA, s, peer=owner, layer=n): step for n, (_, step, _) in made.items()},
-    }
+    s = streaming.stage
+    out: dict[int, dict[Op, int]] = {owner: {}}
+    for n, (_, step, _) in made.items():
+        helper = streaming.helper_of(n)
+        out[owner][Op(OpKind.SEND_REPLICA, s, peer=helper, layer=n)] = step
+        out.setdefault(helper, {})[Op(OpKind.RECV_REPLICA, s, peer=owner, layer=n)] = step
+    return out
 
 
 def add_replicas(programs: Mapping[int, Program], streaming: Streaming, owner: int, made: Made) -> dict[int, Program]:
     """The period programs with each streamed layer's replica transfers (`made`: `made_refreshes`, on `owner`, the
     first owner): SEND_REPLICA follows the op that completes a refresh there; RECV_REPLICA runs in the same step on
-    the helper (whose program is unrolled to both periods' lcm): before the helper's first RECV_LGRAD of the layer
-    when the refresh is first used in that step, else before its step ends."""
-    s, helper = streaming.stage, streaming.helper
+    the layer's helper (each helper's program unrolled to its and the owner's periods' lcm): before the helper's first
+    RECV_LGRAD of the layer when the refresh is first used in that step, else before its step ends."""
+    s = streaming.stage
     out = {rank: [list(step) for step in body] for rank, body in programs.items()}
-    k_owner, k_helper = len(out[owner]), len(out[helper])
-    period = math.lcm(k_owner, k_helper)
-    out[helper] = [list(out[helper][j % k_helper]) for j in range(period)]
+    k_owner = len(out[owner])
+    for h in streaming.ranks:
+        out[h] = [list(out[h][j % len(out[h])]) for j in range(math.lcm(k_owner, len(out[h])))]
     for layer, (decomp, window_step, use_offset) in made.items():
+        helper = streaming.helper_of(layer)
+        period = len(out[helper])
         step = out[owner][window_step % k_owner]
         step.insert(step.index(decomp) + 1, Op(OpKind.SEND_REPLICA, s, peer=helper, layer=layer))
         recv = Op(OpKind.RECV_REPLICA, s, peer=owner, layer=layer)

@@ -391,7 +391,9 @@ def test_decomp_pieces_plan_every_decomposition_in_that_many_tasks(
     assert "--decomp-pieces must be >= 1" in _one_line_error(capsys)
 
 
-def test_profile_layers_plan_each_sublayer_of_a_profiled_block(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_profile_layers_plan_each_sublayer_of_a_profiled_block(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """--profile-layers sublayer: the profile's blocks are planned as attention and feed-forward layers (every one
     refreshed in the exported plan); without a profile the flag is refused in one line."""
     path = tmp_path / "plan.json"

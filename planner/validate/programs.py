@@ -56,7 +56,7 @@ def _program_length(c: Context, device: int, k: int) -> int:
     """The steps of the device's program: its stages' period, or where it helps a streamed stage the lcm of that and
     the owner's (its replicas arrive on the owner's period: planner/streaming.py `add_replicas`)."""
     streaming = c.problem.streaming
-    if streaming is None or device != streaming.helper:
+    if streaming is None or device not in streaming.ranks:
         return k
     return math.lcm(k, c.period(streaming.stage))
 

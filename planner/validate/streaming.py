@@ -1,6 +1,6 @@
 """Checks of a streamed stage's hand-offs (planner/streaming.py): every step the owner sends each streamed layer's
-gradient after the stage's last backward and takes it back before its step ends, the helper receives, applies and
-returns it, and every refresh's preconditioner reaches the helper before the helper's first APPLY that uses it."""
+gradient after the stage's last backward and takes it back before its step ends, the layer's helper receives, applies
+and returns it, and every refresh's preconditioner reaches the helper before the helper's first APPLY that uses it."""
 
 from __future__ import annotations
 
@@ -22,20 +22,21 @@ def check_streaming(c: Context) -> None:
     for owner in owners:
         for j, ops in enumerate(c.plan.programs[owner]):
             _check_owner_step(c, streaming, owner, j, ops)
-    for j, ops in enumerate(c.plan.programs[streaming.helper]):
-        _check_helper_step(c, streaming, owners, j, ops)
+    for helper in streaming.ranks:
+        for j, ops in enumerate(c.plan.programs[helper]):
+            _check_helper_step(c, streaming, helper, owners, j, ops)
     _check_replicas(c, streaming, owners[0])
 
 
 def _check_owner_step(c: Context, streaming: Streaming, owner: int, j: int, ops: list[Op]) -> None:
     """The owner's step j sends every streamed layer right after its stage's last BWD, takes each back once, and
     applies none of them itself."""
-    s, helper = streaming.stage, streaming.helper
+    s, pairs = streaming.stage, list(zip(streaming.layers, streaming.helpers, strict=True))
     last = max((i for i, op in enumerate(ops) if op.kind is OpKind.BWD and op.stage == s), default=None)
-    sends = [Op(OpKind.SEND_LGRAD, s, peer=helper, layer=n) for n in streaming.layers]
+    sends = [Op(OpKind.SEND_LGRAD, s, peer=h, layer=n) for n, h in pairs]
     if last is None or ops[last + 1 : last + 1 + len(sends)] != sends:
         c.errors.append(f"r{owner} step {j}: the streamed layers' SEND_LGRAD do not follow the last BWD of stage {s}")
-    for n in streaming.layers:
+    for n, helper in pairs:
         recv = Op(OpKind.RECV_PGRAD, s, peer=helper, layer=n)
         if ops.count(recv) != 1:
             c.errors.append(f"r{owner} step {j}: '{recv}' must run once")
@@ -43,11 +44,16 @@ def _check_owner_step(c: Context, streaming: Streaming, owner: int, j: int, ops:
             c.errors.append(f"r{owner} step {j}: applies {n}, which r{helper} preconditions")
 
 
-def _check_helper_step(c: Context, streaming: Streaming, owners: tuple[int, ...], j: int, ops: list[Op]) -> None:
-    """The helper's step j receives every streamed layer from every owner, applies it and returns it to every owner,
-    once each, in that order."""
-    s = streaming.stage
-    for n in streaming.layers:
+def _check_helper_step(
+    c: Context, streaming: Streaming, helper: int, owners: tuple[int, ...], j: int, ops: list[Op]
+) -> None:
+    """The helper's step j receives every layer it preconditions from every owner, applies it and returns it to
+    every owner, once each, in that order, and applies no other layer of the stage."""
+    s, mine = streaming.stage, streaming.layers_of(helper)
+    others = sorted({op.layer or "(all)" for op in ops if op.kind is OpKind.APPLY and op.stage == s} - set(mine))
+    if others:
+        c.errors.append(f"r{helper} step {j}: applies {others} of stage {s}, which it does not precondition")
+    for n in mine:
         chain = [
             *(Op(OpKind.RECV_LGRAD, s, peer=owner, layer=n) for owner in owners),
             Op(OpKind.APPLY, s, layer=n),
@@ -55,16 +61,16 @@ def _check_helper_step(c: Context, streaming: Streaming, owners: tuple[int, ...]
         ]
         at = [ops.index(op) if ops.count(op) == 1 else -1 for op in chain]
         if min(at) < 0 or at != sorted(at):
-            c.errors.append(f"r{streaming.helper} step {j}: {n} is not received, applied and returned once, in order")
+            c.errors.append(f"r{helper} step {j}: {n} is not received, applied and returned once, in order")
 
 
 def _check_replicas(c: Context, streaming: Streaming, owner: int) -> None:
     """Replay the replicas over two periods of every program: the owner sends one after a DECOMP of the layer, the
-    helper takes it in the same step, and each helper APPLY finds the refresh its timing makes due (the n-th replica
-    carries the layer's n-th refresh since step 0)."""
-    s, helper = streaming.stage, streaming.helper
-    periods = [len(c.plan.programs[r]) + len(c.plan.startup.get(r, [])) for r in (owner, helper)]
-    for n in streaming.layers:
+    layer's helper takes it in the same step, and each helper APPLY finds the refresh its timing makes due (the n-th
+    replica carries the layer's n-th refresh since step 0)."""
+    s = streaming.stage
+    for n, helper in zip(streaming.layers, streaming.helpers, strict=True):
+        periods = [len(c.plan.programs[r]) + len(c.plan.startup.get(r, [])) for r in (owner, helper)]
         timing = c.plan.layers[n]
         send = Op(OpKind.SEND_REPLICA, s, peer=helper, layer=n)
         recv = Op(OpKind.RECV_REPLICA, s, peer=owner, layer=n)

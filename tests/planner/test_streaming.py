@@ -75,7 +75,7 @@ def test_stream_step_hands_off_after_the_last_backward() -> None:
         0: [Op(OpKind.FWD, 0, 0), Op(OpKind.BWD, 0, 0), Op(OpKind.APPLY, 0, layer="k"), Op(OpKind.OPT_STEP)],
         1: [Op(OpKind.FWD, 1, 0), Op(OpKind.BWD, 1, 0), Op(OpKind.OPT_STEP)],
     }
-    out = stream_step(ops, Streaming(0, 1, ("x",)), owners=(0,))
+    out = stream_step(ops, Streaming(0, (1,), ("x",)), owners=(0,))
     assert out[0] == [
         Op(OpKind.FWD, 0, 0),
         Op(OpKind.BWD, 0, 0),
@@ -90,6 +90,43 @@ def test_stream_step_hands_off_after_the_last_backward() -> None:
         Op(OpKind.SEND_PGRAD, 0, peer=0, layer="x"),
         Op(OpKind.OPT_STEP),
     ]
+
+
+def test_two_helpers_each_take_their_own_layers() -> None:
+    """Layers x (to r1) and y (to r2): the owner sends each to its helper and takes it back from it; each helper
+    receives, applies and returns its own layer only."""
+    ops = {
+        0: [Op(OpKind.BWD, 0, 0), Op(OpKind.OPT_STEP)],
+        1: [Op(OpKind.BWD, 1, 0), Op(OpKind.OPT_STEP)],
+        2: [Op(OpKind.BWD, 2, 0), Op(OpKind.OPT_STEP)],
+    }
+    streaming = Streaming(0, (1, 2), ("x", "y"))
+    assert (streaming.ranks, streaming.layers_of(2), streaming.helper_of("x")) == ((1, 2), ("y",), 1)
+    out = stream_step(ops, streaming, owners=(0,))
+    assert out[0] == [
+        Op(OpKind.BWD, 0, 0),
+        Op(OpKind.SEND_LGRAD, 0, peer=1, layer="x"),
+        Op(OpKind.SEND_LGRAD, 0, peer=2, layer="y"),
+        Op(OpKind.RECV_PGRAD, 0, peer=1, layer="x"),
+        Op(OpKind.RECV_PGRAD, 0, peer=2, layer="y"),
+        Op(OpKind.OPT_STEP),
+    ]
+    for helper, layer in ((1, "x"), (2, "y")):
+        assert out[helper][1:] == [
+            Op(OpKind.RECV_LGRAD, 0, peer=0, layer=layer),
+            Op(OpKind.APPLY, 0, layer=layer),
+            Op(OpKind.SEND_PGRAD, 0, peer=0, layer=layer),
+            Op(OpKind.OPT_STEP),
+        ]
+
+
+def test_streaming_reads_plans_of_one_helper_and_refuses_a_helper_short() -> None:
+    """A plan written when streaming had one helper ({"helper": r}) reads as that helper for every layer; a helper
+    missing for a layer is a format error."""
+    old = {"stage": 0, "helper": 3, "layers": ["b", "a"]}
+    assert Streaming.from_dict(old) == Streaming(0, (3, 3), ("b", "a"))
+    with pytest.raises(PlanFormatError, match="a helper rank"):
+        Streaming(0, (3,), ("b", "a"))
 
 
 def test_a_streamed_send_leaves_its_lead_before_the_backward_ends() -> None:
@@ -113,7 +150,7 @@ def test_streaming_takes_all_but_the_last_ready_block_off_the_cycle(streamed: Pr
     backward ends, so its APPLY stays on the cycle wherever it runs: the step is the plain one plus block 0's APPLY,
     where without streaming it is plus the whole stage's; no stage's least refresh period rises."""
     assert streamed.streaming is not None and streamed.streaming.layers == ("block2", "block1")
-    assert streamed.streaming.helper != 0
+    assert 0 not in streamed.streaming.ranks
     plain = plain_step_time(streamed)
     stage = streamed.costs.stages[0]
     unstreamed = replace(streamed, streaming=None)
@@ -127,7 +164,7 @@ def test_the_streamed_plan_is_at_its_bound_valid_and_round_trips(streamed: Probl
     assert plan.metrics.refresh_steps == plan.metrics.lower_bound_steps
     assert validate(streamed, plan) == []
     assert Plan.from_json(plan.to_json()) == plan
-    helper = plan.programs[streamed.streaming.helper]
+    helper = plan.programs[streamed.streaming.helpers[0]]
     assert any(op.kind is OpKind.RECV_REPLICA for step in helper for op in step)
     assert any(op == Op(OpKind.APPLY, 0, layer="block2") for step in helper for op in step)
 
@@ -161,11 +198,16 @@ def _replica_after_apply(steps):
         (None, _without(OpKind.SEND_PGRAD), "received, applied and returned"),
         (None, _without(OpKind.RECV_REPLICA), "replicas"),
         (0, lambda steps: [step[:-1] + [Op(OpKind.APPLY, 0, layer="block2"), step[-1]] for step in steps], "applies"),
+        (  # block2's helper also applies block1, which the other helper preconditions
+            None,
+            lambda steps: [step[:-1] + [Op(OpKind.APPLY, 0, layer="block1"), step[-1]] for step in steps],
+            "which it does not precondition",
+        ),
     ],
 )
 def test_the_validator_refuses_broken_hand_offs(plan: Plan, streamed: Problem, rank, edit, says: str) -> None:
     """Each edit of the owner's (0) or the helper's (None) program breaks the hand-off the validator names."""
-    rank = streamed.streaming.helper if rank is None else rank
+    rank = streamed.streaming.helpers[0] if rank is None else rank
     errors = validate(streamed, _mutated(plan, rank, edit), run=False)
     assert any(says in e for e in errors), errors
 
@@ -173,8 +215,9 @@ def test_the_validator_refuses_broken_hand_offs(plan: Plan, streamed: Problem, r
 def test_the_validator_refuses_a_replica_taken_after_its_first_use(plan: Plan, streamed: Problem) -> None:
     """Where a refresh is first used in the step that makes it, the helper must take the replica before its APPLY;
     taken at the step's end it is late (the runtime would refuse: PipelineError)."""
-    same_step = [n for n in streamed.streaming.layers if plan.layers[n].use_offset == _made_step(plan, n)]
-    broken = _mutated(plan, streamed.streaming.helper, _replica_after_apply)
+    mine = streamed.streaming.layers_of(streamed.streaming.helpers[0])
+    same_step = [n for n in mine if plan.layers[n].use_offset == _made_step(plan, n)]
+    broken = _mutated(plan, streamed.streaming.helpers[0], _replica_after_apply)
     errors = validate(streamed, broken, run=False)
     assert bool(same_step) == any("before the replica" in e for e in errors), (same_step, errors)
 
@@ -186,27 +229,28 @@ def _made_step(plan: Plan, layer: str) -> int:
 def test_the_helper_holds_the_replicas_and_the_gradients(streamed: Problem) -> None:
     """Two decompositions of each replica and two copies of each streamed gradient on the helper, one gradient
     buffer on the owner."""
-    layers = [streamed.costs.layer(n) for n in streamed.streaming.layers]
-    grads, factors = sum(x.gradient_bytes for x in layers), sum(x.factor_bytes for x in layers)
     alone = replace(streamed, streaming=None)
-    helper = streamed.streaming.helper
-    assert static_bytes(streamed, helper) - static_bytes(alone, helper) == 2 * grads + 2 * factors
+    for helper in streamed.streaming.ranks:
+        layers = [streamed.costs.layer(n) for n in streamed.streaming.layers_of(helper)]
+        grads, factors = sum(x.gradient_bytes for x in layers), sum(x.factor_bytes for x in layers)
+        assert static_bytes(streamed, helper) - static_bytes(alone, helper) == 2 * grads + 2 * factors
+    grads = sum(streamed.costs.layer(n).gradient_bytes for n in streamed.streaming.layers)
     assert static_bytes(streamed, 0) - static_bytes(alone, 0) == grads
-    others = [d for d in streamed.devices if d not in (0, helper)]
+    others = [d for d in streamed.devices if d not in (0, *streamed.streaming.ranks)]
     assert [static_bytes(streamed, d) for d in others] == [static_bytes(alone, d) for d in others]
 
 
 def test_streaming_needs_a_helper_without_the_stage_and_a_stateless_comm_opt_apply() -> None:
     costs = _paper()
     with pytest.raises(PlanError, match="holds no copy"):
-        Problem("1f1b", 4, 4, costs, W=2, streaming=Streaming(0, 1, ("block2",)))  # ranks 0 and 1 hold stage 0
+        Problem("1f1b", 4, 4, costs, W=2, streaming=Streaming(0, (1,), ("block2",)))  # ranks 0 and 1 hold stage 0
     with pytest.raises(PlanError, match="holds no copy"):
-        Problem("1f1b", 4, 4, costs, streaming=Streaming(0, 0, ("block2",)))
+        Problem("1f1b", 4, 4, costs, streaming=Streaming(0, (0,), ("block2",)))
     mem_opt = LayerDistribution(Strategy(StrategyKind.MEM_OPT), 0)
     spread = Problem("1f1b", 4, 4, costs, W=2).with_distributions({"block2": mem_opt})
     with pytest.raises(PlanError, match="COMM-OPT"):
-        replace(spread, streaming=Streaming(0, 6, ("block2",)))
-    streamed = replace(Problem("1f1b", 4, 4, costs, W=2), streaming=Streaming(0, 6, ("block2",)))
+        replace(spread, streaming=Streaming(0, (6,), ("block2",)))
+    streamed = replace(Problem("1f1b", 4, 4, costs, W=2), streaming=Streaming(0, (6,), ("block2",)))
     assert streamed.with_distributions({"block2": mem_opt}).where("block2") == LayerDistribution()
     stateful = replace(
         costs,
@@ -214,7 +258,7 @@ def test_streaming_needs_a_helper_without_the_stage_and_a_stateless_comm_opt_app
         + costs.stages[1:],
     )
     with pytest.raises(PlanError, match="keeps state"):
-        Problem("1f1b", 4, 4, stateful, streaming=Streaming(0, 3, (stateful.stages[0].layers[0].name,)))
+        Problem("1f1b", 4, 4, stateful, streaming=Streaming(0, (3,), (stateful.stages[0].layers[0].name,)))
 
 
 def test_nothing_streams_where_every_rank_holds_the_first_stage() -> None:
@@ -230,7 +274,7 @@ def test_copies_of_the_first_stage_stream_to_one_helper_which_sums_them() -> Non
     streamed = with_streaming(problem)
     assert streamed.streaming is not None and streamed.stream_owners == (0, 1)
     assert step_timeline(streamed).length < step_timeline(problem).length
-    helper = reference_programs(streamed)[streamed.streaming.helper]
+    helper = reference_programs(streamed)[streamed.streaming.helpers[0]]
     layer = streamed.streaming.layers[0]
     chain = [op for op in helper if op.layer == layer and op.kind is not OpKind.RECV_REPLICA]
     assert [(op.kind, op.peer) for op in chain] == [
@@ -287,13 +331,19 @@ def test_a_streamed_plan_that_refreshes_less_often_loses_to_the_plan_without(str
 
 def test_a_compiled_stage_shares_its_apply_at_the_backwards_end() -> None:
     """Compiled stages make every gradient at the backward's end (`Streaming.whole_backward`): nothing overlaps the
-    backward, and the helper only applies its blocks beside the owner. BERT-Base 1F1B's three equal blocks split
-    one / two: the step is the plain one plus two blocks' APPLY, where without streaming it is plus three."""
+    backward, and the helpers only apply their blocks beside the owner. BERT-Base 1F1B's three equal blocks: the
+    owner keeps one and two helpers take one each, side by side, so the step is the plain one plus one block's APPLY
+    and its two transfers, where one helper taking both is plus two blocks and the transfers, and no streaming plus
+    three blocks."""
     problem = Problem("1f1b", 4, 4, _paper(), decomp_pieces=4)
     shared = with_streaming(problem, whole_backward=True)
-    assert shared.streaming is not None and shared.streaming.whole_backward and len(shared.streaming.layers) in (1, 2)
+    assert shared.streaming is not None and shared.streaming.whole_backward
+    assert shared.streaming.layers == ("block2", "block1") and len(shared.streaming.ranks) == 2
     block = problem.costs.layer("block0").prec
-    assert math.isclose(step_timeline(shared).length, plain_step_time(problem) + 2 * block, rel_tol=1e-9)
+    send = problem.costs.collective_seconds(Op(OpKind.SEND_LGRAD, 0, peer=1, layer="block0"), 2)
+    assert math.isclose(step_timeline(shared).length, plain_step_time(problem) + block + 2 * send, rel_tol=1e-9)
+    one = replace(shared, streaming=replace(shared.streaming, helpers=shared.streaming.helpers[:1] * 2))
+    assert math.isclose(step_timeline(one).length, plain_step_time(problem) + 2 * block + 2 * send, rel_tol=1e-9)
     assert Streaming.from_dict(shared.streaming.to_dict()) == shared.streaming
 
 
@@ -301,7 +351,9 @@ def test_streamed_transfers_take_their_time_on_the_comm_model(streamed: Problem)
     """Streaming every block, the last (block 0) reaches the helper a transfer after the backward ends, is applied
     there and comes back a transfer later: the step is the plain one plus both transfers and its APPLY (the cost
     table's P100 comm model prices a 41 MB gradient at 0.516 ms)."""
-    every = replace(streamed, streaming=Streaming(0, streamed.streaming.helper, ("block2", "block1", "block0")))
+    every = replace(
+        streamed, streaming=Streaming(0, streamed.streaming.helpers[:1] * 3, ("block2", "block1", "block0"))
+    )
     send = every.costs.collective_seconds(Op(OpKind.SEND_LGRAD, 0, peer=1, layer="block0"), 2)
     back = every.costs.collective_seconds(Op(OpKind.SEND_PGRAD, 0, peer=0, layer="block0"), 2)
     assert send > 0 and send == back
@@ -320,7 +372,7 @@ def _two_stages() -> CostTable:
 
 def test_the_streamed_reference_step_reads_as_its_golden_file() -> None:
     """1F1B D=2 N=2, stage 0's two layers applied on rank 1: the step's programs as text (the IR a plan holds)."""
-    problem = Problem("1f1b", 2, 2, _two_stages(), streaming=Streaming(0, 1, ("s0.b", "s0.a")))
+    problem = Problem("1f1b", 2, 2, _two_stages(), streaming=Streaming(0, (1, 1), ("s0.b", "s0.a")))
     text = format_programs({r: [ops] for r, ops in reference_programs(problem).items()})
     assert text == (ARTIFACTS / "streamed_1f1b_D2_N2.txt").read_text()
     assert parse_programs(text) == {r: [ops] for r, ops in reference_programs(problem).items()}
