@@ -151,7 +151,7 @@ def _check_streamed_op(problem: Problem, op: Op, device: int) -> None:
     _need(
         streaming is not None and op.layer in streaming.layers, f"{op} on r{device}: the problem streams no such layer"
     )
-    assert streaming is not None  # _need raised otherwise
+    assert streaming is not None and op.layer is not None  # _need raised otherwise
     ends = {*problem.stream_owners, streaming.helper_of(op.layer)}
     _need(
         op.stage == streaming.stage and device in ends,
