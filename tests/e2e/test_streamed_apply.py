@@ -34,3 +34,23 @@ def test_streamed_run_skips_a_nan_step_and_resumes_exactly(tmp_path, scope: KLCl
         assert len(same) == len(r.value["params"]), f"rank {r.rank}: the resumed run differs"
         covered |= set(r.value["params"])
     assert covered == set(want)
+
+
+def test_two_helpers_share_the_streamed_layers_of_two_copies() -> None:
+    """1F1B D=2 W=2: stage 0's copies (ranks 0, 1) hand every other streamed layer to rank 2 and the rest to rank 3;
+    each helper sums the copies' gradients of its layers and returns them to both. Parameters equal the
+    single-device trainer at the plan's timings to 1e-5."""
+    case = w.Case("1f1b", 2, 2, 2)
+    results = run_distributed(w.two_helpers_worker, 4, case, timeout=600)
+    failed = [f"rank {r.rank}: {r.error_type}: {r.error}\n{r.traceback}" for r in results if not r.ok]
+    assert not failed, "\n".join(failed)
+    first = results[0].value
+    assert first["streaming"].ranks == (2, 3), first["streaming"]
+    want = w.reference_for_plan(case, first["layers"], first["steps"])
+    covered: set[str] = set()
+    for r in results:
+        assert r.value["losses"] == first["losses"], f"rank {r.rank} reports other losses"
+        bad = w.compare(r.value["params"], want)
+        assert not bad, f"rank {r.rank}: {bad[:4]} differ from the single-device trainer by > 1e-5"
+        covered |= set(r.value["params"])
+    assert covered == set(want)

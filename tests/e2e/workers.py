@@ -349,6 +349,51 @@ def compile_api_worker(rank: int, world: int, case: Case, backend: str | None) -
     }
 
 
+def two_helpers_worker(rank: int, world: int, case: Case) -> dict:
+    """The case's auto plan with its streamed layers shared between the two ranks that do not hold stage 0 (each
+    its every other layer), placed by the planner's greedy rule (the same plan on every rank), run for two refresh
+    periods of the streamed layers. Returns params, losses, the plan's layers and steps, and its streaming."""
+    from fxkfac.planner.problem import SolverConfig
+    from fxkfac.planner.solve import solve
+    from fxkfac.planner.streaming import Streaming
+
+    data = batches(case)
+
+    def trainer(plan):
+        options = PlanOptions(costs=synthetic_costs, time_limit_s=1.5, max_overhead=max_overhead(case))
+        return fxkfac.compile(
+            make_model(),
+            (case.D, case.W),
+            plan,
+            kfac=case.kfac,
+            example_inputs=(data[0][0],),
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            schedule=case.schedule,
+            backend=None,
+            microbatches=case.N,
+            pipeline=PipelineOptions(timeout=60.0),
+            **({"plan_options": options} if plan == "auto" else {}),
+        )
+
+    problem = trainer("auto").plan.problem
+    if problem.streaming is None or len(problem.streaming.layers) < 2:
+        raise AssertionError(f"{case}: the auto plan streams {problem.streaming}, not two layers or more")
+    others = [d for d in problem.devices if d not in problem.stream_owners]
+    layers = problem.streaming.layers
+    shared = Streaming(0, tuple(others[i % 2] for i in range(len(layers))), layers)
+    run = trainer(solve(dataclasses.replace(problem, streaming=shared), SolverConfig(time_limit_s=1.5), "greedy"))
+    steps = 2 * max(run.plan.layers[n].period for n in layers)  # two refreshes of every streamed layer
+    losses = [float(run.step((ids,), y)) for ids, y in (data * steps)[:steps]]
+    return {
+        "params": {n: p.detach().clone() for n, p in run.named_parameters()},
+        "losses": losses,
+        "layers": dict(run.plan.layers),
+        "steps": steps,
+        "streaming": run.plan.problem.streaming,
+    }
+
+
 def weighted_loss(out, target: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """`loss_fn` times the mean of per-sample weights: NaN weights make a step's loss and gradients NaN."""
     y, weights = target
