@@ -1,7 +1,7 @@
 """The PipeFisher paper's configurations on its measured P100 profiles: utilization and refresh, greedy vs CP-SAT.
 
 Run: python benchmarks/paper_configs.py [--time-limit 10] [--max-overhead 0] [--decomp-pieces 1] [--barrier world]
-    [--layers block]
+    [--layers block] [--stream-apply keep-refresh]
 
 Costs are the profiles shipped as paper:<model>/p100 (planner/data/pipefisher_profiles/; per
 Transformer block, micro-batch 32, 3 blocks per stage). The paper's profiles include the embeddings
@@ -40,7 +40,7 @@ from fxkfac.planner.profiles import ProfileLayers, load_cost_table
 from fxkfac.planner.schedules import schedule_programs, stages_of_rank
 from fxkfac.planner.simulate import Timeline, simulate
 from fxkfac.planner.solve import solve
-from fxkfac.planner.stream_choice import solve_streamed
+from fxkfac.planner.stream_choice import StreamApply, solve_streamed
 
 
 @dataclass(frozen=True)
@@ -136,18 +136,18 @@ def planned(
     max_overhead: float,
     pieces: int = 1,
     barrier: StepBarrier = StepBarrier.WORLD,
-    stream: bool = True,
+    stream: StreamApply = StreamApply.KEEP_REFRESH,
     layers: ProfileLayers = ProfileLayers.BLOCK,
 ) -> dict[str, Any]:
-    """One planner run (the first stage's APPLY streamed where that shortens the step, `stream`; K-FAC layers per
-    block or per Linear, `layers`): its metrics, or the reason there is no plan."""
+    """One planner run (the first stage's APPLY streamed as `stream` says; K-FAC layers per block, sublayer or
+    Linear, `layers`): its metrics, or the reason there is no plan."""
     costs = costs_of(cfg, layers)
     problem = Problem(
         cfg.schedule, cfg.D, cfg.N, costs, max_overhead=max_overhead, decomp_pieces=pieces, barrier=barrier
     )
     config = SolverConfig(time_limit_s=time_limit)
     try:
-        plan = solve_streamed(problem, lambda p: solve(p, config, method=method), enabled=stream)  # eager, as the paper
+        plan = solve_streamed(problem, lambda p: solve(p, config, method=method), stream)  # eager, as the paper
     except PlanError as e:
         return {"method": method, "error": str(e).splitlines()[0]}
     return _metrics(method, plan)
@@ -273,10 +273,12 @@ def main(argv: list[str] | None = None) -> None:
         help="what a step's end waits for: world (KL-clip scope global), agreement-set (stage, stale)",
     )
     parser.add_argument(
-        "--no-stream-apply",
-        dest="stream_apply",
-        action="store_false",
-        help="keep the first stage's APPLY on its rank (default: streamed to an idle rank where that helps)",
+        "--stream-apply",
+        type=StreamApply,
+        default=StreamApply.KEEP_REFRESH,
+        choices=list(StreamApply),
+        help="when the first stage's APPLY streams to idle ranks: keep-refresh (where it costs no refresh), "
+        "shortest-step (wherever it shortens the step), off",
     )
     parser.add_argument(
         "--layers",

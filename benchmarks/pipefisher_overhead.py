@@ -11,7 +11,7 @@ one run (rounds interleaved, so drift in machine load hits all alike):
 (d) K-FAC+skip: the naive programs, refreshing only every k steps, k = the period (b)'s plan chose
     for the layer;
 (e) where (b)'s plan streams the first stage's APPLY to another rank (docs/STREAMED_APPLY.md): the plan of (b)'s
-    profiled costs with every APPLY on its stage's rank (`PlanOptions(stream_apply=False)`), so b/e is what
+    profiled costs with every APPLY on its stage's rank (`PlanOptions(stream_apply=StreamApply.OFF)`), so b/e is what
     streaming saves.
 
 The paper's claim (PipeFisher, Table 3: about 6.5% over the pipeline) is b/a <= 1.10 and b < d < c.
@@ -67,6 +67,7 @@ from fxkfac.models import TinyBertConfig, TinyBertMLM, mlm_loss
 from fxkfac.plan_view import planned_utilization, planned_view
 from fxkfac.planner.ir import LayerTiming, OpKind
 from fxkfac.planner.step_timeline import step_timeline
+from fxkfac.planner.stream_choice import StreamApply
 from fxkfac.runtime.timeline import Event, as_timeline, utilization
 from fxkfac.runtime.trainer import Trainer
 from fxkfac.show import chrome_trace
@@ -190,7 +191,7 @@ def _build(args: argparse.Namespace, example: torch.Tensor) -> dict[str, Trainer
     skipping = _compile(args, example, KFAC, None, layer_timing=skip)
     trainers = {"a": plain, "b": auto, "c": naive, "d": skipping}
     if auto.plan.problem.streaming is not None:  # (e): (b)'s costs planned with every APPLY on its stage's rank
-        own = PlanOptions(costs=auto.plan.problem.costs, time_limit_s=args.time_limit, stream_apply=False)
+        own = PlanOptions(costs=auto.plan.problem.costs, time_limit_s=args.time_limit, stream_apply=StreamApply.OFF)
         trainers["e"] = _compile(args, example, KFAC, "auto", plan_options=own)
     return trainers
 

@@ -181,7 +181,7 @@ def solve_for(
             given, solver = problem, lambda p: solve_with_strategy(p, None, config, box=box)
         else:
             given, solver = problem.with_strategy(strategy), lambda p: solve(p, config, box=box)
-        return solve_streamed(given, solver, enabled=options.stream_apply, whole_backward=target.compiled)
+        return solve_streamed(given, solver, options.stream_apply, whole_backward=target.compiled)
 
     try:
         return solved(problem)

@@ -28,6 +28,7 @@ from fxkfac.planner.errors import PlannerError
 from fxkfac.planner.preconditioners import PreconditionerKind
 from fxkfac.planner.profiles import ProfileLayers
 from fxkfac.planner.schedules import ScheduleKind
+from fxkfac.planner.stream_choice import StreamApply
 
 __all__ = ["main", "build_parser"]
 
@@ -165,11 +166,13 @@ def _add_plan_costs(plan: argparse.ArgumentParser) -> None:
         "default auto: the planner chooses",
     )
     plan.add_argument(
-        "--no-stream-apply",
-        dest="stream_apply",
-        action="store_false",
-        help="keep the first stage's APPLY on its rank; by default a rank idle at the step's end applies its "
-        "layers beside it, where that shortens the step (PlanOptions.stream_apply)",
+        "--stream-apply",
+        type=StreamApply,
+        choices=list(StreamApply),
+        default=StreamApply.KEEP_REFRESH,
+        help="when ranks idle at the step's end apply the first stage's layers beside it: keep-refresh (default) "
+        "where that shortens the step and costs no refresh, shortest-step wherever it shortens the step "
+        "(Chimera too, refreshing less often), off never (PlanOptions.stream_apply)",
     )
     plan.add_argument(
         "--eager",

@@ -153,7 +153,7 @@ def _solved(args: argparse.Namespace, S: int, console: Console) -> Plan:
         return solve_with_strategy(problem, None, config, method=args.method)
 
     try:
-        plan = solve_streamed(problem, solved, enabled=args.stream_apply, whole_backward=not args.eager)
+        plan = solve_streamed(problem, solved, args.stream_apply, whole_backward=not args.eager)
     except PlanError as e:
         raise _refused(e, memory_budget(args, costs.hardware)) from None
     if args.explain:

@@ -10,6 +10,7 @@ from fxkfac.errors import ConfigError
 from fxkfac.planner.ir import Capture
 from fxkfac.planner.preconditioners import InverseMethod
 from fxkfac.planner.strategy import Strategy, parse_strategy
+from fxkfac.planner.stream_choice import StreamApply
 
 __all__ = [
     "KFACConfig",
@@ -220,12 +221,12 @@ class PlanOptions:
     """How the copies of a stage share each layer's work (planner/strategy.py): a Strategy or its text
     (``comm-opt``, ``mem-opt``, ``hybrid:0.5``, ``dp-kfac``) forces it on every layer; None or ``auto``: the
     planner chooses (`plan=None`: COMM-OPT)."""
-    stream_apply: bool = True
-    """Let a rank that idles at the step's end precondition the first stage's layers, fed their gradients during
+    stream_apply: StreamApply = StreamApply.KEEP_REFRESH
+    """When ranks that idle at the step's end precondition the first stage's layers, fed their gradients during
     its last backward (stages run eagerly, `backend=None`) or at its end (compiled stages, whose backward makes every
-    gradient at once: the helper then applies its share beside the owner), where that shortens the step (GPipe,
-    1F1B; docs/STREAMED_APPLY.md). The training is the same either way; False keeps every APPLY on its stage's
-    rank."""
+    gradient at once: the helpers then apply their share beside the owner; docs/STREAMED_APPLY.md): KEEP_REFRESH
+    where that shortens the step and costs no refresh (GPipe, 1F1B), SHORTEST_STEP wherever it shortens the step
+    (Chimera too, refreshing less often), OFF never. The training is the same either way."""
 
     def __post_init__(self) -> None:
         if isinstance(self.strategy, str):
@@ -243,8 +244,11 @@ class PlanOptions:
             raise ConfigError(f"PlanOptions.time_limit_s must be > 0, got {self.time_limit_s!r}")
         if not isinstance(self.deterministic, bool):
             raise ConfigError(f"PlanOptions.deterministic must be True or False, got {self.deterministic!r}")
-        if not isinstance(self.stream_apply, bool):
-            raise ConfigError(f"PlanOptions.stream_apply must be True or False, got {self.stream_apply!r}")
+        if not isinstance(self.stream_apply, StreamApply):
+            raise ConfigError(
+                f"PlanOptions.stream_apply must be a StreamApply ({', '.join(m.name for m in StreamApply)}), "
+                f"got {self.stream_apply!r}"
+            )
 
     @property
     def forced_strategy(self) -> Strategy | None:

@@ -7,6 +7,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import replace
+from enum import StrEnum
 
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.ir import OpKind
@@ -16,9 +17,20 @@ from fxkfac.planner.step_timeline import group_load, refresh_lower_bound, step_t
 from fxkfac.planner.strategy import LayerDistribution
 from fxkfac.planner.streaming import Streaming, ready_fractions
 
-__all__ = ["with_streaming", "solve_streamed", "STREAMED_STAGE", "HELPER_CANDIDATES"]
+__all__ = ["StreamApply", "with_streaming", "solve_streamed", "STREAMED_STAGE", "HELPER_CANDIDATES"]
 
 log = logging.getLogger(__name__)
+
+
+class StreamApply(StrEnum):
+    """When the first stage's APPLY streams to idle ranks: never; where that costs no refresh (the plan refreshing
+    as often as without it, plans ranking periods first); or wherever it shortens the step, refreshes or not (a
+    shorter step shortens every other rank's bubbles too, so on Chimera it costs refreshes)."""
+
+    OFF = "off"
+    KEEP_REFRESH = "keep-refresh"
+    SHORTEST_STEP = "shortest-step"
+
 
 STREAMED_STAGE = 0
 """The stage whose APPLY lies on the cycle every step repeats (GPipe, 1F1B): its last backward ends the step."""
@@ -81,12 +93,12 @@ def _helper_load(problem: Problem) -> float:
     return max(loads)
 
 
-def with_streaming(problem: Problem, whole_backward: bool = False) -> Problem:
+def with_streaming(problem: Problem, whole_backward: bool = False, keep_bounds: bool = True) -> Problem:
     """`problem` with the first stage's APPLY streamed, for the helpers (`_helper_sets`, the layers shared by
     `_assign`) and the prefix of its layers (in the order their gradients become final) that give the shortest
-    reference step without raising any stage group's least refresh period, the fewest helpers and then the least
-    loaded among equals; unchanged where nothing does, where every rank holds the stage, or where it already
-    streams. `whole_backward`: the stages run
+    reference step without raising any stage group's least refresh period (any, without `keep_bounds`), the
+    lowest largest helper load and then the fewest helpers among equals; unchanged where nothing does, where every
+    rank holds the stage, or where it already streams. `whole_backward`: the stages run
     compiled, each backward making every gradient at its end (`Streaming.whole_backward`): the helper then only
     applies its layers beside the owner."""
     if problem.streaming is not None or len(copies_of_stage(problem, STREAMED_STAGE)) == len(problem.devices):
@@ -102,7 +114,7 @@ def with_streaming(problem: Problem, whole_backward: bool = False) -> Problem:
             streaming = Streaming(STREAMED_STAGE, _assign(names[:n], helpers), tuple(names[:n]), whole_backward)
             candidate = replace(problem, streaming=streaming)
             shorter = step_timeline(candidate).length
-            if shorter >= length * (1 - 1e-9) or _bounds(candidate) != bounds:
+            if shorter >= length * (1 - 1e-9) or (keep_bounds and _bounds(candidate) != bounds):
                 continue
             key = (round(shorter, 12), _helper_load(candidate), len(helpers))
             if best is None or key < best:
@@ -111,14 +123,19 @@ def with_streaming(problem: Problem, whole_backward: bool = False) -> Problem:
 
 
 def solve_streamed(
-    problem: Problem, solve: Callable[[Problem], Plan], enabled: bool = True, whole_backward: bool = False
+    problem: Problem,
+    solve: Callable[[Problem], Plan],
+    policy: StreamApply = StreamApply.KEEP_REFRESH,
+    whole_backward: bool = False,
 ) -> Plan:
-    """`solve` the problem with streaming where `with_streaming` finds some (`enabled`), else as given. A streamed
-    plan whose refresh periods are the unstreamed problem's lower bounds is kept (no plan without streaming
-    refreshes more often, nor steps faster); otherwise the problem is solved without streaming too and the better plan
-    by `planner.plan.rank` (periods first) kept, and so where the streamed problem has no plan; each is logged.
-    `whole_backward`: as `with_streaming`'s."""
-    streamed = with_streaming(problem, whole_backward) if enabled else problem
+    """`solve` the problem with streaming where `with_streaming` finds some (`policy` not OFF), else as given.
+    KEEP_REFRESH: a streamed plan whose refresh periods are the unstreamed problem's lower bounds is kept (no plan
+    without streaming refreshes more often, nor steps faster); otherwise the problem is solved without streaming too
+    and the better plan by `planner.plan.rank` (periods first) kept. SHORTEST_STEP: the streamed plan is kept.
+    Without a streamed plan, the unstreamed one; each choice is logged. `whole_backward`: as `with_streaming`'s."""
+    if policy is StreamApply.OFF:
+        return solve(problem)
+    streamed = with_streaming(problem, whole_backward, keep_bounds=policy is StreamApply.KEEP_REFRESH)
     if streamed is problem:
         return solve(problem)
     assert streamed.streaming is not None, "with_streaming returns a streaming problem or the same one"
@@ -133,7 +150,7 @@ def solve_streamed(
     except PlanError as e:
         log.warning("no plan with streaming (%s); planning without it", str(e).splitlines()[0])
         return solve(problem)
-    if tuple(plan.metrics.refresh_steps) == _bounds(problem):
+    if policy is StreamApply.SHORTEST_STEP or tuple(plan.metrics.refresh_steps) == _bounds(problem):
         return plan
     try:
         alone = solve(problem)

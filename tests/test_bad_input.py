@@ -237,6 +237,7 @@ def test_repeated_nan_steps_stop_with_nonfinite_error() -> None:
         ("memory_budget", 0, "memory_budget must be > 0 bytes"),
         ("time_limit_s", 0.0, "time_limit_s must be > 0"),
         ("deterministic", 1, "deterministic must be True or False"),
+        ("stream_apply", True, "stream_apply must be a StreamApply .OFF, KEEP_REFRESH, SHORTEST_STEP."),
     ],
 )
 def test_plan_options_refuse_values_no_plan_can_use(field: str, value: object, expected: str) -> None:

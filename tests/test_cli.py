@@ -406,6 +406,23 @@ def test_profile_layers_plan_each_sublayer_of_a_profiled_block(
     assert "--profile-layers splits the blocks of a PipeFisher profile" in _one_line_error(capsys)
 
 
+def test_stream_apply_shortest_step_streams_chimera_and_off_streams_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--stream-apply: on BERT-Base Chimera (paper profiles) the default streams nothing (it would cost refreshes),
+    shortest-step streams the first stage's layers; off streams nothing on 1F1B either."""
+    base = ["plan", "bert-base", "-D", "4", "-N", "4", "--costs", "paper:bert-base/p100", "--method", "greedy"]
+    base += ["--kl-clip-scope", "stale", "--decomp-pieces", "4", "--eager"]
+    streamed = {}
+    for schedule, policy in (("chimera", "keep-refresh"), ("chimera", "shortest-step"), ("1f1b", "off")):
+        path = tmp_path / f"{schedule}-{policy}.json"
+        argv = [*base, "--schedule", schedule, "--stream-apply", policy, "--export", str(path)]
+        assert main(argv) == 0
+        streamed[schedule, policy] = Plan.load(path).problem.streaming is not None
+    assert streamed == {("chimera", "keep-refresh"): False, ("chimera", "shortest-step"): True, ("1f1b", "off"): False}
+    capsys.readouterr()
+
+
 def test_trace_timestamps_are_never_negative(tmp_path: Path) -> None:
     """Chimera's greedy plan has a APPLY whose grid-rounded end lies a tick past the window: it was drawn
     (and traced) one window early as well, at a negative time, as step -1."""

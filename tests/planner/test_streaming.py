@@ -21,7 +21,7 @@ from fxkfac.planner.simulate import simulate
 from fxkfac.planner.solve import solve
 from fxkfac.planner.step_timeline import plain_step_time, reference_programs, refresh_lower_bound, step_timeline
 from fxkfac.planner.strategy import LayerDistribution, Strategy, StrategyKind
-from fxkfac.planner.stream_choice import solve_streamed, with_streaming
+from fxkfac.planner.stream_choice import StreamApply, solve_streamed, with_streaming
 from fxkfac.planner.streaming import Streaming, ready_fractions, stream_step
 from fxkfac.planner.validate import validate
 
@@ -302,7 +302,7 @@ def test_a_problem_without_a_streamed_plan_is_planned_without_streaming(streamed
     assert solve_streamed(base, refuses_streaming) == "planned"
     assert tried == [streamed.streaming, None]
     tried.clear()
-    assert solve_streamed(base, refuses_streaming, enabled=False) == "planned"
+    assert solve_streamed(base, refuses_streaming, StreamApply.OFF) == "planned"
     assert tried == [None]
 
 
@@ -315,9 +315,15 @@ def _fake_plan(periods: tuple[int, ...], step: float) -> SimpleNamespace:
 
 def test_a_streamed_plan_that_refreshes_less_often_loses_to_the_plan_without(streamed: Problem) -> None:
     """At the unstreamed bounds (3 3 3 3) the streamed plan is kept unsolved against; above them the problem is
-    solved without streaming too, and the plan that refreshes more often wins, whatever its step."""
+    solved without streaming too, and the plan that refreshes more often wins, whatever its step; unless the user
+    asked for the shortest step (StreamApply.SHORTEST_STEP), which keeps the streamed plan."""
     base = replace(streamed, streaming=None)
-    for streamed_periods, want, solves in (((3, 3, 3, 3), "streamed", 1), ((3, 3, 4, 3), "alone", 2)):
+    cases = (
+        ((3, 3, 3, 3), StreamApply.KEEP_REFRESH, "streamed", 1),
+        ((3, 3, 4, 3), StreamApply.KEEP_REFRESH, "alone", 2),
+        ((3, 3, 4, 3), StreamApply.SHORTEST_STEP, "streamed", 1),
+    )
+    for streamed_periods, policy, want, solves in cases:
         plans = {True: _fake_plan(streamed_periods, 0.55), False: _fake_plan((3, 3, 3, 3), 0.57)}
         calls: list[bool] = []
 
@@ -325,8 +331,18 @@ def test_a_streamed_plan_that_refreshes_less_often_loses_to_the_plan_without(str
             calls.append(problem.streaming is not None)
             return plans[calls[-1]]
 
-        got = solve_streamed(base, solve)
-        assert got is plans[want == "streamed"] and len(calls) == solves, (streamed_periods, calls)
+        got = solve_streamed(base, solve, policy)
+        assert got is plans[want == "streamed"] and len(calls) == solves, (streamed_periods, policy, calls)
+
+
+def test_the_shortest_step_streams_chimera_at_the_cost_of_a_refresh() -> None:
+    """BERT-Base Chimera D=4 (paper profiles): every streaming raises the inner stages' least refresh period, so
+    KEEP_REFRESH streams nothing; SHORTEST_STEP streams and shortens the step."""
+    problem = Problem("chimera", 4, 4, _paper(), decomp_pieces=4)
+    assert with_streaming(problem) is problem
+    shortest = with_streaming(problem, keep_bounds=False)
+    assert shortest.streaming is not None
+    assert step_timeline(shortest).length < step_timeline(problem).length
 
 
 def test_a_compiled_stage_shares_its_apply_at_the_backwards_end() -> None:
