@@ -193,7 +193,8 @@ def _prec_slots(
                 deadline = step_start_tick(offsets, leads, j + 1)  # before OPT_STEP ([Note: step barrier])
                 end = st.end_of(d, ops[-1]) if ops else st.allreduce_end[d, s]  # every layer streamed: no work
                 reference = offsets[j] + grid.at(end - seconds)
-                ticks = min(grid.span(seconds), deadline - release)
+                # the reference's rounded ends, not its rounded-up length: the op after it starts at grid.at(end)
+                ticks = min(max(1, grid.at(end) - grid.at(end - seconds)), deadline - release)
                 slots.append(
                     PrecSlot(d, s, j, release, deadline, max(release, reference), ticks, ops, durations, lead_s)
                 )
