@@ -263,7 +263,9 @@ def add_fixed(v: Vars, w: Window) -> None:
             v.intervals_of_device[d].append(v.model.new_fixed_size_interval_var(s, e - s, f"fixed_r{d}_{s}"))
 
 
-def _build(w: Window, optimize: bool) -> Vars:
+def _build(w: Window, optimize: bool, break_symmetry: bool = True) -> Vars:
+    """The window's CP-SAT model: every constraint of a valid placement, and (`break_symmetry`) an order among
+    interchangeable layers that prunes relabeled twins; `optimize`: with the staleness objective."""
     v = Vars(cp_model.CpModel(), intervals_of_device={d: [] for d in w.group.devices})
     add_fixed(v, w)
     add_tasks(v, w)
@@ -274,7 +276,8 @@ def _build(w: Window, optimize: bool) -> Vars:
     for intervals in v.intervals_of_device.values():
         v.model.add_no_overlap(intervals)
     _add_memory(v, w)
-    break_layer_symmetry(v, w)
+    if break_symmetry:
+        break_layer_symmetry(v, w)
     if optimize:
         v.model.minimize(sum(_add_staleness(v, w)))
     return v
