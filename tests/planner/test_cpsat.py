@@ -8,7 +8,6 @@ import math
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from ortools.sat.python import cp_model
 
 from fxkfac.planner import cpsat
