@@ -8,7 +8,9 @@ durations round up, so a plan is off by at most one tick (`Window.tick` seconds)
 validator allows that much. The collectives SYNC_STATS and BCAST last what the cost table's comm model
 (`CostTable.collective_seconds`, planner/comm.py) says, and at least one tick on every member, so that even a
 free one (no comm model, or a group of one) never falls inside another op; the gradient all-reduce's
-interval of the step timeline, and at least the tick before its end, is blocked for the same reason.
+interval of the step timeline, and at least the tick before its end, is blocked for the same reason where the
+stage has copies (one copy's all-reduce is a no-op, which nothing need keep clear). An APPLY slot spans its
+reference position's rounded ends (`planner.window_build`), so the reference step fits its own grid.
 
 [Note: stretch] With `Problem.max_overhead > 0` the planner may append `Window.stretch` idle ticks to
 the end of every step of the window, on every device: the runtime ends each step with a global loss
@@ -50,9 +52,10 @@ later bubble, like K-FAC's deferred inversions. The snapshot the runtime keeps u
 K-FAC's statistic sums in flight, not counted in memory; `LayerCost.state_bytes` (optimizer state held
 for the whole run) is, in `planner.memory.static_bytes`. Layers mixing captured and gradient parts plan
 each part by its own rule (not tuned for them, but correct). Known cost: where a device holds several
-stages (Chimera, interleaved) the reference step runs the second stage's all-reduce right after the first
-stage's slot, and the tick blocked before that all-reduce ([Note: time grid]) keeps CP-SAT from ending the
-slot there, so both slots go after it; with large gradient statistics the step may then need max_overhead.
+stages with copies (Chimera, interleaved with W > 1) the reference step runs the second stage's all-reduce right
+after the first stage's slot, and where that all-reduce is free (no comm model) the tick blocked before it
+([Note: time grid]) keeps CP-SAT from ending the slot there, so both slots go after it; with large gradient
+statistics the step may then need max_overhead.
 """
 
 from __future__ import annotations

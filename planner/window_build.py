@@ -142,8 +142,9 @@ def _device_work(
     leads: Sequence[int],
     grid: Grid,
 ) -> tuple[tuple[Interval, ...], tuple[tuple[int, int, int], ...]]:
-    """The device's busy ticks over the window (F/B, each gradient all-reduce and at least the tick before its end,
-    the first tick of every step) merged, and its activation pieces (start, end, bytes), all modulo the window."""
+    """The device's busy ticks over the window (F/B, each gradient all-reduce over copies and at least the tick before
+    its end, the first tick of every step) merged, and its activation pieces (start, end, bytes), all modulo the
+    window."""
     length = offsets[-1]
     busy: list[Interval] = []
     pieces: list[tuple[int, int, int]] = []
@@ -152,7 +153,12 @@ def _device_work(
         for _op, a, b in st.fixed(device):
             busy += wrap(off + grid.at(a), off + grid.at(b), length)
         for op, a, b in st.ops[device]:
-            if op.kind is OpKind.ALLREDUCE_GRAD:  # its interval, and at least the tick before it ends
+            if (
+                op.kind is OpKind.ALLREDUCE_GRAD
+                and op.stage is not None
+                and len(copies_of_stage(problem, op.stage)) > 1
+            ):
+                # a collective: its interval, and at least the tick before it ends (one copy's is a no-op)
                 end = off + grid.at(b)
                 busy += wrap(min(off + grid.at(a), end - 1), end, length) if end >= 1 else []
             elif op.kind is OpKind.APPLY and is_streamed(problem, device, op):  # the helper's APPLY of a streamed layer
