@@ -27,12 +27,14 @@ __all__ = ["build_window", "grid_scale"]
 
 
 def _scale(times: Iterable[float], period: float, resolution: int) -> tuple[float, bool]:
+    """The exact grid's ticks per second, 10^e for the least e that makes every time whole (up to float error, 1e-9
+    of it: a relative 1e-6 took 519687.5 ticks for whole), or `resolution` ticks per period and False."""
     values = [t for t in times if t > 0]
     for e in range(7):
         m = 10.0**e
         if period * m > 1e7:
             break
-        if all(abs(t * m - round(t * m)) <= 1e-6 * max(1.0, t * m) for t in values):
+        if all(abs(t * m - round(t * m)) <= 1e-9 * max(1.0, t * m) for t in values):
             return m, True
     return resolution / period, False
 

@@ -32,6 +32,9 @@ __all__ = [
     "max_overhead",
     "planned_worker",
     "compile_api_worker",
+    "two_helpers_worker",
+    "pipelined",
+    "trained",
     "weighted_loss",
     "weighted_batches",
     "streamed_resume_worker",
@@ -277,6 +280,25 @@ def max_overhead(case: Case) -> float:
     return 1.0 if case.schedule == "chimera" and case.D == 2 else 0.0
 
 
+def pipelined(case: Case, plan: Any, options: PlanOptions | None = None, loss: Any = None) -> Any:
+    """`fxkfac.compile` of the case's model, eager, over its (D, W) mesh with `plan` ("auto" planned with `options`,
+    a Plan, or a file) and `loss` (`loss_fn` when None)."""
+    return fxkfac.compile(
+        make_model(),
+        (case.D, case.W),
+        plan,
+        kfac=case.kfac,
+        example_inputs=(batches(case)[0][0],),
+        loss_fn=loss_fn if loss is None else loss,
+        optimizer=optimizer,
+        schedule=case.schedule,
+        backend=None,
+        microbatches=case.N,
+        pipeline=PipelineOptions(timeout=60.0),
+        **({"plan_options": options} if options is not None else {}),
+    )
+
+
 def planned_worker(rank: int, world: int, cases: list[Case]) -> dict:
     """Each case with a CP-SAT plan (rank 0 solves over `synthetic_costs`, every rank runs it) for two
     refresh periods. Returns {case index: (params, losses, plan layers, steps, K-FAC ops on this rank)}."""
@@ -287,20 +309,7 @@ def planned_worker(rank: int, world: int, cases: list[Case]) -> dict:
         data = batches(case)
         costs = functools.partial(synthetic_costs, fused=case.fused)
         options = PlanOptions(costs=costs, time_limit_s=1.5, max_overhead=max_overhead(case), strategy=case.strategy)
-        trainer = fxkfac.compile(
-            make_model(),
-            (case.D, case.W),
-            "auto",
-            kfac=case.kfac,
-            example_inputs=(data[0][0],),
-            loss_fn=loss_fn,
-            optimizer=optimizer,
-            schedule=case.schedule,
-            backend=None,
-            microbatches=case.N,
-            pipeline=PipelineOptions(timeout=60.0),
-            plan_options=options,
-        )
+        trainer = pipelined(case, "auto", options)
         if trainer.plan.problem.barrier is not barrier_of(case.scope):
             raise AssertionError(f"{case}: planned with the {trainer.plan.problem.barrier} barrier")
         steps = 2 * max(t.period for t in trainer.plan.layers.values())
@@ -338,8 +347,12 @@ def compile_api_worker(rank: int, world: int, case: Case, backend: str | None) -
         pipeline=PipelineOptions(timeout=120.0),
         plan_options=PlanOptions(costs=synthetic_costs, time_limit_s=3.0),
     )
-    steps = 2 * max(t.period for t in trainer.plan.layers.values())
-    losses = [trainer.step((ids,), y) for ids, y in (data * steps)[:steps]]
+    return trained(trainer, data, 2 * max(t.period for t in trainer.plan.layers.values()))
+
+
+def trained(trainer: Any, data: list[tuple[torch.Tensor, torch.Tensor]], steps: int) -> dict:
+    """`trainer` run for `steps` steps over `data` (repeated): its params, losses, plan's layers, steps, streaming."""
+    losses = [float(trainer.step((ids,), y)) for ids, y in (data * steps)[:steps]]
     return {
         "params": {n: p.detach().clone() for n, p in trainer.named_parameters()},
         "losses": losses,
@@ -358,40 +371,17 @@ def two_helpers_worker(rank: int, world: int, case: Case) -> dict:
     from fxkfac.planner.streaming import Streaming
 
     data = batches(case)
-
-    def trainer(plan):
-        options = PlanOptions(costs=synthetic_costs, time_limit_s=1.5, max_overhead=max_overhead(case))
-        return fxkfac.compile(
-            make_model(),
-            (case.D, case.W),
-            plan,
-            kfac=case.kfac,
-            example_inputs=(data[0][0],),
-            loss_fn=loss_fn,
-            optimizer=optimizer,
-            schedule=case.schedule,
-            backend=None,
-            microbatches=case.N,
-            pipeline=PipelineOptions(timeout=60.0),
-            **({"plan_options": options} if plan == "auto" else {}),
-        )
-
-    problem = trainer("auto").plan.problem
+    options = PlanOptions(costs=synthetic_costs, time_limit_s=1.5, max_overhead=max_overhead(case))
+    problem = pipelined(case, "auto", options).plan.problem
     if problem.streaming is None or len(problem.streaming.layers) < 2:
         raise AssertionError(f"{case}: the auto plan streams {problem.streaming}, not two layers or more")
     others = [d for d in problem.devices if d not in problem.stream_owners]
     layers = problem.streaming.layers
     shared = Streaming(0, tuple(others[i % 2] for i in range(len(layers))), layers)
-    run = trainer(solve(dataclasses.replace(problem, streaming=shared), SolverConfig(time_limit_s=1.5), "greedy"))
-    steps = 2 * max(run.plan.layers[n].period for n in layers)  # two refreshes of every streamed layer
-    losses = [float(run.step((ids,), y)) for ids, y in (data * steps)[:steps]]
-    return {
-        "params": {n: p.detach().clone() for n, p in run.named_parameters()},
-        "losses": losses,
-        "layers": dict(run.plan.layers),
-        "steps": steps,
-        "streaming": run.plan.problem.streaming,
-    }
+    run = pipelined(
+        case, solve(dataclasses.replace(problem, streaming=shared), SolverConfig(time_limit_s=1.5), "greedy")
+    )
+    return trained(run, data, 2 * max(run.plan.layers[n].period for n in layers))  # two refreshes of each streamed
 
 
 def weighted_loss(out, target: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -415,25 +405,7 @@ def streamed_resume_worker(rank: int, world: int, case: Case, ckpt: str) -> dict
     steps, one of them NaN (skipped), a checkpoint saved mid-run; then a fresh trainer of the same plan resumes from
     the checkpoint and trains the rest. Returns both runs' parameters, the plan's timings and streaming, the skips."""
     options = PlanOptions(costs=synthetic_costs, time_limit_s=1.5, max_overhead=0.0)
-    example = batches(case)[0][0]
-
-    def trainer(plan):
-        return fxkfac.compile(
-            make_model(),
-            (case.D, case.W),
-            plan,
-            kfac=case.kfac,
-            example_inputs=(example,),
-            loss_fn=weighted_loss,
-            optimizer=optimizer,
-            schedule=case.schedule,
-            backend=None,
-            microbatches=case.N,
-            pipeline=PipelineOptions(timeout=60.0),
-            **({"plan_options": options} if plan == "auto" else {}),
-        )
-
-    first = trainer("auto")
+    first = pipelined(case, "auto", options, weighted_loss)
     period = max(t.period for t in first.plan.layers.values())
     steps, save_at = 2 * period + 2, period + 1
     data = weighted_batches(case, steps, nan_at=period)
@@ -441,7 +413,7 @@ def streamed_resume_worker(rank: int, world: int, case: Case, ckpt: str) -> dict
         if t == save_at:
             first.save_checkpoint(ckpt)
         first.step((ids,), target)
-    second = trainer(first.plan)
+    second = pipelined(case, first.plan, loss=weighted_loss)
     second.load_checkpoint(ckpt)
     for ids, target in data[save_at:]:
         second.step((ids,), target)

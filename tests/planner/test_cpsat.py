@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
 from fxkfac.planner import cpsat
+from fxkfac.planner.costs import CostTable, StageCost
 from fxkfac.planner.errors import InfeasibleBudgetError, PlanError
 from fxkfac.planner.greedy import greedy_window
 from fxkfac.planner.ir import OpKind
@@ -20,9 +21,9 @@ from fxkfac.planner.profiles import load_cost_table
 from fxkfac.planner.solve import solve
 from fxkfac.planner.step_timeline import refresh_lower_bound, step_timeline
 from fxkfac.planner.validate import validate
-from fxkfac.planner.window_build import build_window
+from fxkfac.planner.window_build import build_window, grid_scale
 from tests.planner.brute_force import brute_feasible
-from tests.planner.kfac_cases import EXHAUSTIVE, EXHAUSTIVE_ABOVE_GREEDY, EXHAUSTIVE_AT_BOUND, problem, problems
+from tests.planner.kfac_cases import EXHAUSTIVE, EXHAUSTIVE_ABOVE_GREEDY, EXHAUSTIVE_AT_BOUND, layer, problem, problems
 
 FAST = SolverConfig(time_limit_s=4.0, num_workers=2)
 
@@ -182,3 +183,12 @@ def test_the_cpsat_model_accepts_what_first_fit_places(model: str, schedule: str
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = 30
         assert solver.solve(v.model) in (cp_model.OPTIMAL, cp_model.FEASIBLE), (group, k)
+
+
+def test_an_exact_grid_holds_every_time_whole() -> None:
+    """[Note: time grid]: a grid is exact only where every time is a whole number of ticks. Stage 0's 50.00015 s
+    forward puts every later time at half a tick of 0.1 ms (500001.5), which a relative tolerance of 1e-6 took for
+    whole (a hypothesis case then claimed a 51.9688 s step, its validator finding 51.96875); 10 us holds them."""
+    stages = (StageCost(50.00015, 0.0001, 1, 1, (layer("a"),)), StageCost(0.0001, 0.0001, 1, 1, (layer("b"),)))
+    problem = Problem("gpipe", 2, 1, CostTable(stages, 1, "test", "cpu"))
+    assert grid_scale(problem, (1,), frozenset(), 100_000) == (100_000.0, True)
