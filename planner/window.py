@@ -8,8 +8,9 @@ durations round up, so a plan is off by at most one tick (`Window.tick` seconds)
 validator allows that much. The collectives SYNC_STATS and BCAST last what the cost table's comm model
 (`CostTable.collective_seconds`, planner/comm.py) says, and at least one tick on every member, so that even a
 free one (no comm model, or a group of one) never falls inside another op; the gradient all-reduce's
-interval of the step timeline, and at least the tick before its end, is blocked for the same reason where the
-stage has copies (one copy's all-reduce is a no-op, which nothing need keep clear). An APPLY slot spans its
+interval of the step timeline is blocked where the stage has copies, and where it takes no tick (no comm model) the
+instant, an empty interval (t, t) of `Window.fixed`, which no task or slot may span but either may end or start at
+(one copy's all-reduce is a no-op, which nothing need keep clear). An APPLY slot spans its
 reference position's rounded ends (`planner.window_build`), so the reference step fits its own grid.
 
 [Note: stretch] With `Problem.max_overhead > 0` the planner may append `Window.stretch` idle ticks to
@@ -53,9 +54,7 @@ K-FAC's statistic sums in flight, not counted in memory; `LayerCost.state_bytes`
 for the whole run) is, in `planner.memory.static_bytes`. Layers mixing captured and gradient parts plan
 each part by its own rule (not tuned for them, but correct). Known cost: where a device holds several
 stages with copies (Chimera, interleaved with W > 1) the reference step runs the second stage's all-reduce right
-after the first stage's slot, and where that all-reduce is free (no comm model) the tick blocked before it
-([Note: time grid]) keeps CP-SAT from ending the slot there, so both slots go after it; with large gradient
-statistics the step may then need max_overhead.
+after the first stage's slot; where that all-reduce takes time, CP-SAT may not move the slot across it.
 """
 
 from __future__ import annotations
@@ -173,12 +172,12 @@ class PrecSlot:
 class Window:
     """k steps of the pipeline for one stage group, fixed work wrapped modulo the window length.
 
-    fixed[d]: merged busy intervals of F/B in [0, length); acts[d]: (start, end, bytes) activation
-    pieces; capacity[d]: bytes left for activations and kept a/e (None: unlimited); offsets[j]: start
-    of step j (offsets[k] == length); leads[j]: ticks by which step j begins before offsets[j] on the group's
-    devices ([Note: step barrier]). Tasks of a refresh may run until 2*length (the next window's
-    early bubbles): their occupation is taken modulo `length`. stretch: idle ticks appended to every
-    step ([Note: stretch]); aggregate: one STATS task per F/B for all layers (see SolverConfig).
+    fixed[d]: merged busy intervals of F/B in [0, length), and instants (t, t) no work may span; acts[d]:
+    (start, end, bytes) activation pieces; capacity[d]: bytes left for activations and kept a/e (None:
+    unlimited); offsets[j]: start of step j (offsets[k] == length); leads[j]: ticks by which step j begins
+    before offsets[j] on the group's devices ([Note: step barrier]). Tasks of a refresh may run until 2*length
+    (the next window's early bubbles): their occupation is taken modulo `length`. stretch: idle ticks appended to
+    every step ([Note: stretch]); aggregate: one STATS task per F/B for all layers (see SolverConfig).
     """
 
     problem: Problem

@@ -40,15 +40,21 @@ def _scale(times: Iterable[float], period: float, resolution: int) -> tuple[floa
 
 
 def _merge(intervals: Iterable[Interval]) -> tuple[Interval, ...]:
+    """The intervals merged, sorted; an empty one (t, t), an instant no work may span, kept where no interval holds t
+    inside (CP-SAT's no-overlap, first-fit's gaps and the packing bound's idle regions all split at it)."""
     out: list[list[int]] = []
+    instants = []
     for s, e in sorted(intervals):
-        if e <= s:
+        if e < s:
             continue
-        if out and s <= out[-1][1]:
+        if e == s:
+            instants.append(s)
+        elif out and s <= out[-1][1]:
             out[-1][1] = max(out[-1][1], e)
         else:
             out.append([s, e])
-    return tuple((s, e) for s, e in out)
+    kept = [(t, t) for t in dict.fromkeys(instants) if not any(s < t < e for s, e in out)]
+    return tuple(sorted([(s, e) for s, e in out] + kept))
 
 
 def grid_scale(
@@ -144,8 +150,8 @@ def _device_work(
     leads: Sequence[int],
     grid: Grid,
 ) -> tuple[tuple[Interval, ...], tuple[tuple[int, int, int], ...]]:
-    """The device's busy ticks over the window (F/B, each gradient all-reduce over copies and at least the tick before
-    its end, the first tick of every step) merged, and its activation pieces (start, end, bytes), all modulo the
+    """The device's busy ticks over the window (F/B, each gradient all-reduce over copies, an instant where it takes
+    no tick, the first tick of every step) merged, and its activation pieces (start, end, bytes), all modulo the
     window."""
     length = offsets[-1]
     busy: list[Interval] = []
@@ -160,9 +166,10 @@ def _device_work(
                 and op.stage is not None
                 and len(copies_of_stage(problem, op.stage)) > 1
             ):
-                # a collective: its interval, and at least the tick before it ends (one copy's is a no-op)
-                end = off + grid.at(b)
-                busy += wrap(min(off + grid.at(a), end - 1), end, length) if end >= 1 else []
+                # a collective: its interval, or where it takes no tick the instant no work may span (one copy's
+                # is a no-op)
+                start, end = off + grid.at(a), off + grid.at(b)
+                busy += wrap(start, end, length) if end > start else [(end % length, end % length)]
             elif op.kind is OpKind.APPLY and is_streamed(problem, device, op):  # the helper's APPLY of a streamed layer
                 busy += wrap(off + grid.at(a), off + grid.at(b), length)
         begin = step_start_tick(offsets, leads, j)
