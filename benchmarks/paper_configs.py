@@ -6,9 +6,10 @@ Run: python benchmarks/paper_configs.py [--time-limit 10] [--max-overhead 0] [--
 Costs are the profiles shipped as paper:<model>/p100 (planner/data/pipefisher_profiles/; per
 Transformer block, micro-batch 32, 3 blocks per stage). The paper's profiles include the embeddings
 and the heads (on the first and last stages) and real P2P gaps; these CSVs are Transformer blocks
-only, so its figures are shown beside ours for orientation, not as the same measurement. With --layers linear
-each block is its six Linears, the layers K-FAC preconditions, sharing the block's measured costs by their shapes
-(`planner.profiles.ProfileLayers`): tasks as fine as the paper's code runs them. Prints a rich table and one JSON
+only, so its figures are shown beside ours for orientation, not as the same measurement. With --layers sublayer
+each block is its attention and its feed-forward, with --layers linear its six Linears (the layers K-FAC
+preconditions: tasks as fine as the paper's code runs them), sharing the block's measured costs by their shapes
+(`planner.profiles.ProfileLayers`). Prints a rich table and one JSON
 line.
 
 Per configuration: the plain pipeline (simulated here, independently of the planner), then
@@ -72,7 +73,7 @@ PAPER = {  # PipeFisher (Osawa et al. 2023): utilization before -> after, refres
 
 def costs_of(cfg: Config, layers: ProfileLayers = ProfileLayers.BLOCK) -> CostTable:
     """The measured P100 cost table of the configuration (the profile shipped with fxkfac), one K-FAC layer per
-    block or per Linear (`layers`)."""
+    block, sublayer or Linear (`layers`)."""
     return load_cost_table(
         f"paper:{cfg.model}/p100",
         blocks_per_stage=cfg.blocks_per_stage,

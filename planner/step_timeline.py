@@ -229,7 +229,7 @@ def stream_lead(problem: Problem, duration: Callable[[int, Op], float]) -> Calla
     def lead(rank: int, op: Op) -> float:
         if op.kind not in LAYER_SENDS or op.layer is None:
             return 0.0
-        transfer = problem.costs.collective_seconds(op, 2) if problem.costs.comm is not None else 0.0
+        transfer = problem.costs.collective_seconds(op, 2)
         early = (1.0 - fractions[op.layer]) * duration(rank, bwd) if op.kind is OpKind.SEND_LGRAD else 0.0
         return early - transfer
 

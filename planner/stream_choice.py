@@ -106,7 +106,7 @@ def with_streaming(problem: Problem, whole_backward: bool = False, keep_bounds: 
     names = _streamable(problem)
     if not names:
         return problem
-    bounds, length = _bounds(problem), step_timeline(problem).length
+    bounds, length = _bounds(problem) if keep_bounds else None, step_timeline(problem).length
     best: tuple[float, float, int] | None = None
     chosen = problem
     for helpers in _helper_sets(_helpers(problem)):
@@ -114,7 +114,7 @@ def with_streaming(problem: Problem, whole_backward: bool = False, keep_bounds: 
             streaming = Streaming(STREAMED_STAGE, _assign(names[:n], helpers), tuple(names[:n]), whole_backward)
             candidate = replace(problem, streaming=streaming)
             shorter = step_timeline(candidate).length
-            if shorter >= length * (1 - 1e-9) or (keep_bounds and _bounds(candidate) != bounds):
+            if shorter >= length * (1 - 1e-9) or (bounds is not None and _bounds(candidate) != bounds):
                 continue
             key = (round(shorter, 12), _helper_load(candidate), len(helpers))
             if best is None or key < best:

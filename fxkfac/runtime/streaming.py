@@ -141,8 +141,12 @@ class Streams:
     def post_preconditioned(self, ctx: StepContext, op: Op, _: Sequence[Op]) -> None:
         """Post the receive of the layer's preconditioned gradient and its <P, G>."""
         assert op.peer is not None, "RECV_PGRAD names its helper"
-        flat = torch.cat([p.detach().reshape(-1) for p in self._params(ctx, op)])
-        buffers = [torch.empty_like(flat), torch.empty(1, dtype=torch.float64, device=flat.device)]
+        params = self._params(ctx, op)
+        size, first = sum(p.numel() for p in params), params[0]
+        buffers = [
+            torch.empty(size, dtype=first.dtype, device=first.device),
+            torch.empty(1, dtype=torch.float64, device=first.device),
+        ]
         tags = [self._tag(ctx, op, _PGRAD), self._tag(ctx, op, _PDOT)]
         ctx.transport.post_tagged(("pgrad", op.layer), buffers, op.peer, tags)
 

@@ -12,6 +12,10 @@ from fxkfac.planner.validate.context import Context
 
 __all__ = ["check_streaming"]
 
+_MAKES = (OpKind.DECOMP, OpKind.BCAST)
+"""The ops after which a refresh is made on the replicas' sender (a copied stage's halves made elsewhere arrive by
+BCAST)."""
+
 
 def check_streaming(c: Context) -> None:
     """The hand-offs of every step and the replicas of every refresh (nothing to check without streaming)."""
@@ -83,8 +87,7 @@ def _check_replicas(c: Context, streaming: Streaming, owner: int) -> None:
                     f"step {t}: r{owner} sends {mine.count(send)} replicas of {n}, r{helper} takes {theirs.count(recv)}"
                 )
                 return
-            made = (OpKind.DECOMP, OpKind.BCAST)  # a copied stage's halves made elsewhere arrive by BCAST
-            if send in mine and not any(op.kind in made and op.layer == n for op in mine[: mine.index(send)]):
+            if send in mine and not any(op.kind in _MAKES and op.layer == n for op in mine[: mine.index(send)]):
                 c.errors.append(f"step {t}: r{owner} sends a replica of {n} before any DECOMP or BCAST of it there")
             for op in theirs:
                 received += op == recv
