@@ -20,7 +20,7 @@ from fxkfac.planner.memory import min_memory_bytes
 from fxkfac.planner.packing_bound import group_lower_bound
 from fxkfac.planner.plan import Plan, rank
 from fxkfac.planner.preconditioners import words_of
-from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, copies_of_stage, format_bytes, stage_groups
+from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, format_bytes, stage_groups
 from fxkfac.planner.solution import GroupSolution, fits_memory, peak_bytes
 from fxkfac.planner.step_timeline import fused_extra, refresh_lower_bound, step_timeline
 from fxkfac.planner.stretch import Allowance, allowance
@@ -29,7 +29,7 @@ from fxkfac.planner.window import TaskKind, Window, longest_gaps, too_long
 if TYPE_CHECKING:
     from fxkfac.planner.group_search import Period
 
-__all__ = ["OVERTIME", "Method", "Clock", "Refused", "aggregates", "attempt_plan", "cheaper_fused"]
+__all__ = ["OVERTIME", "Method", "Clock", "Refused", "stats_chunk_of", "attempt_plan", "cheaper_fused"]
 
 log = logging.getLogger(__name__)
 
@@ -91,27 +91,32 @@ class Refused(Exception):
         self.error, self.knobs, self.fused = error, knobs, fused
 
 
-def aggregates(problem: Problem, group: StageGroup, config: SolverConfig, allowed: Allowance) -> bool:
-    """Whether `solve` places the group's curvature as one STATS task per F/B (`_aggregate`): for a distribution
+def stats_chunk_of(problem: Problem, group: StageGroup, config: SolverConfig, allowed: Allowance) -> int:
+    """How many consecutive layers `solve` places in one STATS task for the group (`_stats_chunk`): for a distribution
     choice made beside `solve` (planner/choose.py), which places the same tasks."""
-    return _aggregate(problem, group, config, allowed)
+    return _stats_chunk(problem, group, config, allowed)
 
 
-def _aggregate(problem: Problem, group: StageGroup, config: SolverConfig, allowed: Allowance) -> bool:
-    """One STATS task per F/B for all layers when the group has many (config.aggregate decides when set),
-    unless such a task is longer than every bubble the allowance leaves (per-layer tasks may still fit)."""
-    if config.aggregate is not None:
-        return config.aggregate
-    per_layer = sum(
-        len(copies_of_stage(problem, s)) * 2 * problem.N * len(problem.costs.stages[s].layers) for s in group.stages
-    )
-    if per_layer <= config.aggregate_above:
-        return False
-    window = allowed.window(
-        group, 2, allowed.ticks(problem.max_period), aggregate=True, resolution=config.time_resolution
-    )
-    gaps = longest_gaps(window)
-    return all(t.ticks <= gaps[t.devices[0]] for t in window.tasks if t.kind is TaskKind.CURV)
+def _stats_chunk(problem: Problem, group: StageGroup, config: SolverConfig, allowed: Allowance) -> int:
+    """Layers per STATS task (`SolverConfig.stats_chunk` when set): one where the group has at most
+    `max_stats_tasks` per-layer tasks (each F/B makes one a layer), else the fewest that bring it there, halved
+    while such a task is longer than every bubble the allowance leaves. Small tasks pack best: one per Linear
+    placed BERT-Large Chimera D=8 (the paper's profiles) at its bound, refresh 4, one per F/B for all of a
+    stage's layers at 5-7."""
+    if config.stats_chunk is not None:
+        return config.stats_chunk
+    stages = [op.stage for d in group.devices for op, _, _ in step_timeline(problem).fixed(d) if op.stage is not None]
+    per_layer = sum(len(problem.costs.stages[s].layers) for s in stages)
+    chunk = max(1, -(-per_layer // config.max_stats_tasks))
+    while chunk > 1:
+        window = allowed.window(
+            group, 2, allowed.ticks(problem.max_period), stats_chunk=chunk, resolution=config.time_resolution
+        )
+        gaps = longest_gaps(window)
+        if all(t.ticks <= gaps[t.devices[0]] for t in window.tasks if t.kind is TaskKind.CURV):
+            break
+        chunk //= 2
+    return chunk
 
 
 def _overhead_period(problem: Problem, fused: frozenset[str]) -> int:
@@ -132,7 +137,7 @@ def _check_fits(
     fused: frozenset[str],
     config: SolverConfig,
     allowed: Allowance,
-    aggregate: bool,
+    stats_chunk: int,
     min_k: int,
 ) -> None:
     """Refuse a group whose work no refresh period holds: a task longer than every bubble, or more work than the idle
@@ -141,7 +146,11 @@ def _check_fits(
     knobs = (Knob.MAX_OVERHEAD, Knob.MICROBATCHES) if config.stretch else (Knob.MICROBATCHES,)
     work = words_of(problem.costs).name
     window = allowed.window(
-        group, max(2, min_k), allowed.ticks(problem.max_period), aggregate=aggregate, resolution=config.time_resolution
+        group,
+        max(2, min_k),
+        allowed.ticks(problem.max_period),
+        stats_chunk=stats_chunk,
+        resolution=config.time_resolution,
     )
     long = too_long(window)
     if long:
@@ -159,7 +168,7 @@ class _Placing:
     (greedy method, no CP-SAT time left, nothing found) or its least period, which the second pass refines."""
 
     group: StageGroup
-    aggregate: bool
+    stats_chunk: int
     greedy: GroupSolution | None
     period: Period | None = None
     solution: GroupSolution | None = None
@@ -171,20 +180,20 @@ def _solve_groups(
     """Every stage group's solution at refresh periods >= min_k, in two passes: every group's least period first
     (`_first_pass`, the groups sharing the solver time left), then each one's stretch and staleness
     (`_second_pass`) with the time the first left, so a group found at its bound at once leaves its time to the
-    groups still searching. Curvature is one STATS task per F/B where `_aggregate` says so and per layer when
-    that places nothing (aggregated tasks that each fit a bubble may still not all fit)."""
+    groups still searching. Curvature is one STATS task per chunk of layers where `_stats_chunk` says so and per
+    layer when that places nothing (chunked tasks that each fit a bubble may still not all fit)."""
     groups = stage_groups(problem)
     allowed = allowance(problem, fused, config)
     first = functools.partial(_first_pass, problem, fused, config, method, min_k, clock, allowed)
     placings = []
     for n, group in enumerate(groups):
-        aggregate = _aggregate(problem, group, config, allowed)
+        chunk = _stats_chunk(problem, group, config, allowed)
         try:
-            placing = first(group, aggregate, later=len(groups) - n)
+            placing = first(group, chunk, later=len(groups) - n)
         except Refused:
-            if not aggregate or config.aggregate is not None:
+            if chunk == 1 or config.stats_chunk is not None:
                 raise
-            placing = _Placing(group, aggregate, None)
+            placing = _Placing(group, chunk, None)
         if _per_layer_instead(placing, config):
             placing = _again_per_layer(first, group, later=len(groups) - n)
         placings.append(placing)
@@ -199,16 +208,16 @@ def _solve_groups(
 
 
 def _per_layer_instead(placing: _Placing, config: SolverConfig) -> bool:
-    """Whether a group placed with aggregated STATS tasks is placed again per layer: nothing was placed, and the
-    aggregation was the planner's choice."""
+    """Whether a group placed with chunked STATS tasks is placed again per layer: nothing was placed, and the
+    chunking was the planner's choice."""
     nothing = placing.period is None and placing.solution is None and placing.greedy is None
-    return placing.aggregate and config.aggregate is None and nothing
+    return placing.stats_chunk > 1 and config.stats_chunk is None and nothing
 
 
 def _again_per_layer(first: Callable[..., _Placing], group: StageGroup, *, later: int) -> _Placing:
     """The first pass of `group` again with one STATS task per layer (`first`: `_first_pass` of the attempt)."""
-    log.info("stages %s: no placement with one STATS task per F/B; placing them per layer", list(group.stages))
-    return first(group, False, later=later)
+    log.info("stages %s: no placement with chunked STATS tasks; placing them per layer", list(group.stages))
+    return first(group, 1, later=later)
 
 
 def _first_pass(
@@ -220,7 +229,7 @@ def _first_pass(
     clock: Clock,
     allowed: Allowance,
     group: StageGroup,
-    aggregate: bool,
+    stats_chunk: int,
     *,
     later: int,
 ) -> _Placing:
@@ -228,13 +237,13 @@ def _first_pass(
     left (`later` groups share it, this one included); first-fit's alone with the greedy method or no time left."""
     from fxkfac.planner.greedy import greedy_group
 
-    _check_fits(problem, group, fused, config, allowed, aggregate, min_k)
+    _check_fits(problem, group, fused, config, allowed, stats_chunk, min_k)
     try:
         g = greedy_group(
             problem,
             group,
             fused,
-            aggregate=aggregate,
+            stats_chunk=stats_chunk,
             resolution=config.time_resolution,
             min_k=min_k,
             allowance=allowed,
@@ -244,13 +253,13 @@ def _first_pass(
         g = None
     share = _share(problem, clock, later)
     if method is Method.GREEDY or share is None:
-        return _Placing(group, aggregate, g, solution=g if g is not None and fits_memory(g) else None)
+        return _Placing(group, stats_chunk, g, solution=g if g is not None and fits_memory(g) else None)
     from fxkfac.planner.group_search import least_group_period
 
     period = least_group_period(
-        problem, group, fused, config, share, clock.meter, g, aggregate=aggregate, min_k=min_k, allowance=allowed
+        problem, group, fused, config, share, clock.meter, g, stats_chunk=stats_chunk, min_k=min_k, allowance=allowed
     )
-    return _Placing(group, aggregate, g, period=period)
+    return _Placing(group, stats_chunk, g, period=period)
 
 
 def _second_pass(
@@ -465,7 +474,7 @@ def _whole_tasks_exceed(problem: Problem, group: StageGroup, config: SolverConfi
     (`group_lower_bound`): then no search could have placed it, whatever its time."""
 
     def window_at(k: int) -> Window:
-        return allowed.whole(group, k, aggregate=False, resolution=config.time_resolution)
+        return allowed.whole(group, k, stats_chunk=1, resolution=config.time_resolution)
 
     return group_lower_bound(allowed, group, window_at) > problem.max_period
 

@@ -7,8 +7,8 @@ options and placement with the least refresh period, stretch and staleness, ever
 window's model. Stages whose slot moves the step's fixed work (`planner.joint.timeline_stages`: Chimera's,
 interleaved's first stage on a device) cannot be free in a window of fixed F/B work: they take each strategy of
 `candidate_strategies` in turn (KAISA's greedy columns), one joint solve per strategy, the others free in
-each; the plan `best` picks wins (the shortest reference step, those within STEP_TIE of it tied and ordered by
-`planner.plan.rank`: refresh periods, then stretch, then peak memory).
+each; the plan `best` picks wins (among the plans whose step lies within max_overhead, and STEP_TIE, of the
+shortest reference step, the least by `planner.plan.rank`: refresh periods, then step time, then peak memory).
 Where the joint model does not apply it is not used, and the outer search below plans instead:
 - with the greedy method (no CP-SAT), under `StepBarrier.AGREEMENT_SET` (an early step start depends on the
   slots), and with one copy per stage (nothing to choose);
@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from fractions import Fraction
 
 from fxkfac.planner.assemble import assemble
-from fxkfac.planner.attempt import Method, aggregates, cheaper_fused
+from fxkfac.planner.attempt import Method, cheaper_fused, stats_chunk_of
 from fxkfac.planner.budget import Meter
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.greedy import greedy_group
@@ -206,15 +206,19 @@ def _plan_or_least_step_refusal(
 
 
 STEP_TIE = 1e-3
-"""Reference steps within this fraction of the least are one step time to `best`: far below what a cost model
-resolves, so fresher curvature decides there, not a modelled 0.01% of a step."""
+"""Steps within this fraction of the least reference step beyond the allowance count as within it to `best`: far
+below what a cost model resolves, so fresher curvature decides there, not a modelled 0.01% of a step."""
 
 
 def best(plans: Sequence[Plan]) -> Plan:
-    """The plan of least reference step (the step time at max_overhead 0, which the allowance is measured
-    against), plans within STEP_TIE of it tied and ordered by `rank`."""
+    """The least by `rank` of the plans whose step lies within the allowance (max_overhead, plus STEP_TIE) of the least
+    reference step (the step time at max_overhead 0) of any of them: the allowance is the step growth the user
+    accepts over the fastest plain K-FAC step, whichever distribution gives it. At max_overhead 0 that is the
+    plans of least reference step; above it a distribution with a longer reference step but less stretch wins."""
     least = min(p.metrics.step_time_reference for p in plans)
-    return min((p for p in plans if p.metrics.step_time_reference <= least * (1 + STEP_TIE)), key=rank)
+    most = least * (1 + plans[0].problem.max_overhead + STEP_TIE)
+    within = [p for p in plans if p.metrics.step_time <= most]
+    return min(within or [min(plans, key=lambda p: p.metrics.step_time_reference)], key=rank)
 
 
 def solve_joint(problem: Problem, config: SolverConfig = SolverConfig(), box: TimeBox | None = None) -> Plan | None:
@@ -336,7 +340,7 @@ def _joint_placements(
             config,
             max(0.0, deadline - meter.now()) / (len(groups) - n),
             meter,
-            aggregate=aggregates(anchor, group, config, allowed),
+            stats_chunk=stats_chunk_of(anchor, group, config, allowed),
         )
         if placement is None:
             log.info("joint choice: stages %s not placed", list(group.stages))
@@ -377,7 +381,7 @@ def _greedy(problem: Problem, config: SolverConfig, box: TimeBox) -> list[GroupS
                 greedy_group(
                     problem,
                     group,
-                    aggregate=aggregates(problem, group, config, allowed),
+                    stats_chunk=stats_chunk_of(problem, group, config, allowed),
                     resolution=config.time_resolution,
                     allowance=allowed,
                     meter=box.meter,

@@ -4,12 +4,12 @@ As in pipe-fisher's `assign_workloads_to_bubbles` (notes/anchors.md §1): per de
 priority order (curvature A, curvature B, sync, inversion; broadcasts after their inversion) go into
 the first gap between pipeline ops where `duration * 1.05` fits, after their dependencies; when
 something does not fit the window grows by one pipeline step and everything is placed again. The
-number of steps is the refresh period. Each stage's inversions go to its copies round-robin by
-layer (the paper's fixed partition), APPLY stays right after the gradient all-reduce, and memory is
-not considered (the paper's rule; the planner validates the result). Where the problem allows a
-stretch ([Note: stretch] in planner/window.py), each k is tried with the whole allowance and the least
-stretch first-fit still places everything with is then bisected (first-fit is not monotone in the
-stretch, so that one is feasible, not proven least).
+number of steps is the refresh period. Each stage's inversions go to its copies by a fixed partition,
+longest first to the least loaded (the paper's round robin by layer where layers cost the same), APPLY stays
+right after the gradient all-reduce, and memory is not considered (the paper's rule; the planner validates
+the result). Where the problem allows a stretch ([Note: stretch] in planner/window.py), each k is tried with
+the whole allowance and the least stretch first-fit still places everything with is then bisected (first-fit
+is not monotone in the stretch, so that one is feasible, not proven least).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import time
 
 from fxkfac.planner.budget import Meter
 from fxkfac.planner.errors import PlanError
+from fxkfac.planner.lowering import Assignment, assign_decompositions
 from fxkfac.planner.problem import Problem, StageGroup
 from fxkfac.planner.solution import GroupSolution, use_offsets
 from fxkfac.planner.step_timeline import step_timeline
@@ -80,10 +81,23 @@ def _fit_together(gaps: list[_Gaps], earliest: int, need: int) -> int | None:
         t = latest
 
 
-def _inv_device(window: Window, task: Task) -> int:
-    """The paper's round-robin: the stage's i-th layer decomposes on the (i mod g)-th of its grad workers."""
-    names = [x.name for x in window.problem.costs.stages[task.stage].layers]
-    return task.devices[names.index(task.factors[0][0]) % len(task.devices)]
+def _inv_devices(window: Window) -> dict[tuple[str, str], int]:
+    """The device of each factor's decomposition: a stage's factors dealt over their grad workers longest first, each
+    to the least loaded (`Assignment.LPT`). The paper deals its blocks round robin by layer, which is the same
+    where every layer costs the same (its profiles' Transformer blocks); where they differ (an attention and a
+    feed-forward, 16x its decomposition seconds) round robin by layer sent every feed-forward to one copy."""
+    seconds: dict[tuple[str, str], float] = {}
+    dealt: dict[tuple[int, tuple[int, ...]], list[tuple[str, str]]] = {}
+    for task in window.tasks:
+        if task.kind is TaskKind.INV:
+            key = task.factors[0]
+            if key not in seconds:
+                dealt.setdefault((task.stage, task.devices), []).append(key)
+            seconds[key] = seconds.get(key, 0.0) + sum(task.seconds)
+    out: dict[tuple[str, str], int] = {}
+    for (_, devices), factors in dealt.items():
+        out |= assign_decompositions(factors, devices, Assignment.LPT, seconds)
+    return out
 
 
 def _slot_release(window: Window, task: Task, device: int) -> int:
@@ -116,12 +130,12 @@ def greedy_window(window: Window) -> GroupSolution | None:
     )
     starts, devices = [0] * len(window.tasks), [0] * len(window.tasks)
     done: dict[tuple[str, str], int] = {}  # factor -> end of its latest placed task
-    inv_device: dict[tuple[str, str], int] = {}
+    inv_device = _inv_devices(window)
     for i in order:
         task = window.tasks[i]
         key = task.factors[0]
         after = 0 if task.kind is TaskKind.CURV else max((done.get(f, 0) for f in task.factors), default=0)
-        members = [_inv_device(window, task)] if task.kind is TaskKind.INV else list(task.devices)
+        members = [inv_device[key]] if task.kind is TaskKind.INV else list(task.devices)
         earliest = max([after, _slot_release(window, task, members[0])] + [window.earliest(task, d) for d in members])
         need = math.ceil(task.ticks * (1 + MARGIN))
         start = _fit_together([gaps[d] for d in members], earliest, need)
@@ -131,8 +145,6 @@ def greedy_window(window: Window) -> GroupSolution | None:
             gaps[d].occupy(start, task.ticks)
         starts[i] = start
         devices[i] = members[0] if task.kind is not TaskKind.BCAST else inv_device[key]
-        if task.kind is TaskKind.INV:
-            inv_device[key] = members[0]
         for f in task.factors:
             done[f] = max(done.get(f, 0), start + task.ticks)
     if any(starts[i] + done_by(window.tasks[i]) > starts[f] + window.length for i, f in warm_starts(window)):
@@ -154,7 +166,7 @@ def greedy_group(
     group: StageGroup,
     fused: frozenset[str] = frozenset(),
     *,
-    aggregate: bool = False,
+    stats_chunk: int = 1,
     resolution: int = 100_000,
     min_k: int = 1,
     allowance: Allowance | None = None,
@@ -168,12 +180,12 @@ def greedy_group(
     allowance = allowance if allowance is not None else Allowance(problem, fused, None)
     for k in range(min_k, problem.max_period + 1):
         cap = allowance.ticks(k)
-        window = allowance.window(group, k, cap, aggregate=aggregate, resolution=resolution)
+        window = allowance.window(group, k, cap, stats_chunk=stats_chunk, resolution=resolution)
         solution = _first_fit(window, meter)
         if solution is not None:
             if cap > 0:
                 solution = _least_stretch(
-                    solution, stretch_lower_bound(window), allowance, aggregate, resolution, meter
+                    solution, stretch_lower_bound(window), allowance, stats_chunk, resolution, meter
                 )
             return GroupSolution(
                 solution.window,
@@ -194,14 +206,14 @@ def greedy_group(
 
 
 def _least_stretch(
-    found: GroupSolution, lower: int, allowance: Allowance, aggregate: bool, resolution: int, meter: Meter | None
+    found: GroupSolution, lower: int, allowance: Allowance, stats_chunk: int, resolution: int, meter: Meter | None
 ) -> GroupSolution:
     """Bisect with first-fit between `lower` and found's stretch (the least one it finds)."""
     w = found.window
 
     def probe(stretch: int) -> tuple[str, GroupSolution | None]:
         solution = _first_fit(
-            allowance.window(w.group, w.k, stretch, aggregate=aggregate, resolution=resolution), meter
+            allowance.window(w.group, w.k, stretch, stats_chunk=stats_chunk, resolution=resolution), meter
         )
         return ("FEASIBLE", solution) if solution is not None else ("UNKNOWN", None)
 
@@ -213,7 +225,7 @@ def greedy_overhead(
     group: StageGroup,
     allowance: Allowance,
     *,
-    aggregate: bool = False,
+    stats_chunk: int = 1,
     resolution: int = 100_000,
     limit: float = 10.0,
     meter: Meter | None = None,
@@ -229,13 +241,13 @@ def greedy_overhead(
     most = math.floor(limit * step_timeline(problem).length * scale[0])
 
     def window(ticks: int) -> Window:
-        return allowance.window(group, k, ticks, aggregate=aggregate, resolution=resolution)
+        return allowance.window(group, k, ticks, stats_chunk=stats_chunk, resolution=resolution)
 
     lower = stretch_lower_bound(window(0))
     failed, ticks = lower - 1, lower
     while ticks <= most:
         found = _first_fit(window(ticks), meter)
         if found is not None:
-            return lower, _least_stretch(found, failed + 1, allowance, aggregate, resolution, meter)
+            return lower, _least_stretch(found, failed + 1, allowance, stats_chunk, resolution, meter)
         failed, ticks = ticks, max(ticks + 1, math.ceil(ticks * 1.25))
     return lower, None

@@ -52,7 +52,7 @@ def least_group_period(
     meter: Meter,
     greedy: GroupSolution | None = None,
     *,
-    aggregate: bool = False,
+    stats_chunk: int = 1,
     min_k: int = 1,
     allowance: Allowance | None = None,
 ) -> Period | None:
@@ -68,7 +68,7 @@ def least_group_period(
 
     @functools.cache
     def window_at(k: int) -> Window:  # built once for the packing bound and the probe at the same k
-        return allowance.whole(group, k, aggregate=aggregate, resolution=config.time_resolution)
+        return allowance.whole(group, k, stats_chunk=stats_chunk, resolution=config.time_resolution)
 
     lower = group_lower_bound(allowance, group, window_at, min_k)
 
@@ -219,7 +219,7 @@ def _least_stretch(
     until = meter.now() + (deadline - meter.now()) / 2
 
     def probe(stretch: int) -> tuple[str, GroupSolution | None]:
-        window = allowance.window(w.group, w.k, stretch, aggregate=w.aggregate, resolution=config.time_resolution)
+        window = allowance.window(w.group, w.k, stretch, stats_chunk=w.stats_chunk, resolution=config.time_resolution)
         if too_long(window):
             return "INFEASIBLE", None
         left = until - meter.now()

@@ -232,10 +232,10 @@ class JointPlacement:
 
 
 def anchor_window(
-    problem: Problem, group: StageGroup, k: int, stretch: int, scale: tuple[float, bool], *, aggregate: bool
+    problem: Problem, group: StageGroup, k: int, stretch: int, scale: tuple[float, bool], *, stats_chunk: int
 ) -> Window:
     """The window of `group` at period k with `stretch` idle ticks per step on the grid `scale`, nothing fused."""
-    return build_window(problem, group, k, aggregate=aggregate, stretch=stretch, scale=scale)
+    return build_window(problem, group, k, stats_chunk=stats_chunk, stretch=stretch, scale=scale)
 
 
 def restretch_joint(placement: JointPlacement, step: int) -> JointPlacement:
@@ -249,7 +249,7 @@ def restretch_joint(placement: JointPlacement, step: int) -> JointPlacement:
         return placement
     if delta < 0:
         raise AssertionError(f"restretch_joint only lengthens: {before} -> {step} ticks per step")
-    new = anchor_window(w.problem, w.group, w.k, w.stretch + delta, (w.scale, w.exact), aggregate=w.aggregate)
+    new = anchor_window(w.problem, w.group, w.k, w.stretch + delta, (w.scale, w.exact), stats_chunk=w.stats_chunk)
 
     def move(t: int) -> int:
         return t + (t // before) * delta
@@ -268,12 +268,12 @@ def reference_ticks(problem: Problem, scale: tuple[float, bool]) -> int:
 
 
 def window_at(
-    problem: Problem, group: StageGroup, k: int, step: int, scale: tuple[float, bool], *, aggregate: bool
+    problem: Problem, group: StageGroup, k: int, step: int, scale: tuple[float, bool], *, stats_chunk: int
 ) -> Window | None:
     """`problem`'s window of `group` at period k whose steps last `step` ticks (its reference and a stretch); None
     when its reference step is longer."""
     stretch = step - reference_ticks(problem, scale)
-    return None if stretch < 0 else anchor_window(problem, group, k, stretch, scale, aggregate=aggregate)
+    return None if stretch < 0 else anchor_window(problem, group, k, stretch, scale, stats_chunk=stats_chunk)
 
 
 def transfer(placement: JointPlacement, problem: Problem) -> GroupSolution | None:
@@ -283,7 +283,7 @@ def transfer(placement: JointPlacement, problem: Problem) -> GroupSolution | Non
     holds a third decomposition over the memory budget (`planner.solution.remade_spans`): the caller then plans
     `problem` itself."""
     w = placement.window
-    target = window_at(problem, w.group, w.k, placement.step_ticks, (w.scale, w.exact), aggregate=w.aggregate)
+    target = window_at(problem, w.group, w.k, placement.step_ticks, (w.scale, w.exact), stats_chunk=w.stats_chunk)
     if (
         target is None
         or not _same_frame(w, target)

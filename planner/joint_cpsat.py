@@ -222,7 +222,7 @@ class Frame:
     options: Options
     release_ns: Mapping[int, int]
     scale: tuple[float, bool]
-    aggregate: bool
+    stats_chunk: int
 
 
 def _build(w: Window, frame: Frame, optimize: bool) -> tuple[_Joint, Window]:

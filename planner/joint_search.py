@@ -72,7 +72,7 @@ class _Group:
 
     def window(self, k: int, step: int) -> Window:
         """The anchor's window at period k with steps of `step` ticks (never shorter than its reference)."""
-        w = window_at(self.anchor, self.group, k, step, self.frame.scale, aggregate=self.frame.aggregate)
+        w = window_at(self.anchor, self.group, k, step, self.frame.scale, stats_chunk=self.frame.stats_chunk)
         assert w is not None, "a joint step is never below the anchor's reference (the least one)"
         return w
 
@@ -91,7 +91,7 @@ class _Group:
         for problem, reference in self.candidates:
             if reference > step:
                 continue
-            w = window_at(problem, self.group, k, step, self.frame.scale, aggregate=self.frame.aggregate)
+            w = window_at(problem, self.group, k, step, self.frame.scale, stats_chunk=self.frame.stats_chunk)
             if w is None:
                 continue
             meter.charge_greedy(len(w.tasks) + len(w.precs))
@@ -112,7 +112,7 @@ def solve_joint_group(
     time_limit: float,
     meter: Meter,
     *,
-    aggregate: bool,
+    stats_chunk: int,
 ) -> JointPlacement | None:
     """The group's layer distributions and placement at the least refresh period with the whole stretch `cap(k)`,
     then the least step, then the least staleness, within `time_limit` of `meter`'s clock. `anchor` has the least
@@ -126,7 +126,7 @@ def solve_joint_group(
         {x.name: options_of(anchor, x.name, s in free) for s in group.stages for x in anchor.costs.stages[s].layers},
         release,
         scale,
-        aggregate,
+        stats_chunk,
     )
     ticks = [round(reference_step(anchor, free, dict(c.distributions)) * scale[0]) for c in candidates]
     g = _Group(anchor, group, ((anchor, reference_ticks(anchor, scale)), *zip(candidates, ticks)), frame, cap)

@@ -49,23 +49,23 @@ class Allowance:
             return 0
         return max(0, math.floor(stretch_allowance(self.problem, self.fused, k) * self.scale[0] + 1e-6))
 
-    def window(self, group: StageGroup, k: int, stretch: int, *, aggregate: bool, resolution: int) -> Window:
+    def window(self, group: StageGroup, k: int, stretch: int, *, stats_chunk: int, resolution: int) -> Window:
         """The window of `group` at period k with `stretch` ticks per step on this allowance's grid."""
         return build_window(
             self.problem,
             group,
             k,
             self.fused,
-            aggregate=aggregate,
+            stats_chunk=stats_chunk,
             resolution=resolution,
             stretch=stretch,
             scale=self.scale,
         )
 
-    def whole(self, group: StageGroup, k: int, *, aggregate: bool, resolution: int) -> Window:
+    def whole(self, group: StageGroup, k: int, *, stats_chunk: int, resolution: int) -> Window:
         """The window of `group` at period k with the whole allowance of stretch (`ticks(k)`): what a period search
         solves."""
-        return self.window(group, k, self.ticks(k), aggregate=aggregate, resolution=resolution)
+        return self.window(group, k, self.ticks(k), stats_chunk=stats_chunk, resolution=resolution)
 
 
 def allowance(problem: Problem, fused: frozenset[str], config: SolverConfig) -> Allowance:
@@ -88,7 +88,7 @@ def restretch(solution: GroupSolution, stretch: int) -> GroupSolution:
     if delta < 0:
         raise AssertionError(f"restretch only lengthens: {w.stretch} -> {stretch}")
     new = build_window(
-        w.problem, w.group, w.k, w.fused, aggregate=w.aggregate, stretch=stretch, scale=(w.scale, w.exact)
+        w.problem, w.group, w.k, w.fused, stats_chunk=w.stats_chunk, stretch=stretch, scale=(w.scale, w.exact)
     )
     bounds = [w.step_start(w.group.devices[0], j) for j in range(2 * w.k + 1)]  # where each step begins
 

@@ -7,7 +7,7 @@ import time
 from dataclasses import replace
 from decimal import ROUND_CEILING, Decimal
 
-from fxkfac.planner.attempt import OVERTIME, Clock, Method, Refused, aggregates, attempt_plan
+from fxkfac.planner.attempt import OVERTIME, Clock, Method, Refused, attempt_plan, stats_chunk_of
 from fxkfac.planner.errors import InfeasibleBudgetError, Knob, PlanError, ScheduleError, Suggestion
 from fxkfac.planner.memory import min_memory_bytes
 from fxkfac.planner.plan import Plan
@@ -254,7 +254,7 @@ def _overhead_estimate(
             problem,
             group,
             grid,
-            aggregate=aggregates(problem, group, config, grid),
+            stats_chunk=stats_chunk_of(problem, group, config, grid),
             resolution=config.time_resolution,
             meter=until.meter,
         )

@@ -177,7 +177,8 @@ class Window:
     unlimited); offsets[j]: start of step j (offsets[k] == length); leads[j]: ticks by which step j begins
     before offsets[j] on the group's devices ([Note: step barrier]). Tasks of a refresh may run until 2*length
     (the next window's early bubbles): their occupation is taken modulo `length`. stretch: idle ticks appended to
-    every step ([Note: stretch]); aggregate: one STATS task per F/B for all layers (see SolverConfig).
+    every step ([Note: stretch]); stats_chunk: at most this many consecutive layers per STATS task (1: a task a
+    layer; `SolverConfig.stats_chunk`).
     """
 
     problem: Problem
@@ -194,7 +195,7 @@ class Window:
     precs: tuple[PrecSlot, ...]
     leads: tuple[int, ...]
     stretch: int = 0
-    aggregate: bool = False
+    stats_chunk: int = 1
     stream_use: tuple[int, ...] = ()
     """Per step of the window, the tick at which the streamed stage's owner starts its last backward (empty without
     streaming): a streamed layer's inverse must be made by then to reach its helper, which applies it during that

@@ -87,7 +87,7 @@ def build_window(
     k: int,
     fused: frozenset[str] = frozenset(),
     *,
-    aggregate: bool = False,
+    stats_chunk: int = 1,
     resolution: int = 100_000,
     stretch: int = 0,
     scale: tuple[float, bool] | None = None,
@@ -112,7 +112,7 @@ def build_window(
         budget = problem.memory_budget
         capacity[d] = None if budget is None else budget - static_bytes(problem, d)
     precs = _prec_slots(problem, group, steps, offsets, leads, grid)
-    tasks = _tasks(problem, group, refresh, fused, aggregate, grid, precs)
+    tasks = _tasks(problem, group, refresh, fused, stats_chunk, grid, precs)
     return Window(
         problem,
         group,
@@ -128,7 +128,7 @@ def build_window(
         precs,
         leads,
         stretch,
-        aggregate,
+        stats_chunk,
         _stream_use(problem, steps, offsets, grid),
     )
 
@@ -227,8 +227,16 @@ def _stats_op(stage: int, mb: int | None, pipe: int, layer: str, part: str) -> O
     return Op(OpKind.STATS, stage, mb, pipe, layer=layer, part=part)
 
 
+def _chunks(layers: Sequence[LayerCost], size: int) -> list[list[LayerCost]]:
+    """`layers` in consecutive runs of at most `size`, as even as their number allows (10 by 4: 3, 3, 4)."""
+    n = len(layers)
+    runs = -(-n // size)
+    bounds = [n * i // runs for i in range(runs + 1)] if runs else [0]
+    return [list(layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+
+
 def _curv_tasks(
-    problem: Problem, stage: int, refresh: StepTimeline, deferred: list[LayerCost], aggregate: bool, grid: Grid
+    problem: Problem, stage: int, refresh: StepTimeline, deferred: list[LayerCost], stats_chunk: int, grid: Grid
 ) -> list[Task]:
     tasks = []
     copies = copies_of_stage(problem, stage)
@@ -237,7 +245,7 @@ def _curv_tasks(
         for op, _, end in refresh.fixed(d):
             if op.stage != stage:
                 continue
-            chunks = [kept] if aggregate else [[x] for x in kept]
+            chunks = _chunks(kept, stats_chunk)
             for side in _parts_after(kept, op.kind):
                 for chunk in chunks:
                     if not chunk:
@@ -245,10 +253,9 @@ def _curv_tasks(
                     secs = tuple(x.part(side).stats for x in chunk)
                     ops = tuple(_stats_op(stage, op.mb, op.pipe, x.name, side) for x in chunk)
                     keep = sum(x.part(side).capture_bytes for x in chunk)
-                    label = "all" if aggregate else chunk[0].name
                     tasks.append(
                         Task(
-                            f"curv_{side}_s{stage}_m{op.mb}_p{op.pipe}_r{d}_{label}",
+                            f"curv_{side}_s{stage}_m{op.mb}_p{op.pipe}_r{d}_{chunk[0].name}",
                             TaskKind.CURV,
                             stage,
                             side,
@@ -269,14 +276,14 @@ def _tasks(
     group: StageGroup,
     refresh: StepTimeline,
     fused: frozenset[str],
-    aggregate: bool,
+    stats_chunk: int,
     grid: Grid,
     precs: tuple[PrecSlot, ...],
 ) -> tuple[Task, ...]:
     tasks: list[Task] = []
     for s in group.stages:
         layers = problem.costs.stages[s].layers
-        tasks += _curv_tasks(problem, s, refresh, [x for x in layers if x.name not in fused], aggregate, grid)
+        tasks += _curv_tasks(problem, s, refresh, [x for x in layers if x.name not in fused], stats_chunk, grid)
     for s in group.stages:
         copies = copies_of_stage(problem, s)
         for x in problem.costs.stages[s].layers:

@@ -135,15 +135,37 @@ def test_the_greedy_method_plans_every_candidate_whatever_the_time_limit() -> No
 
 
 def test_best_takes_the_least_reference_step_and_fresher_curvature_among_ties() -> None:
-    """A reference step shorter by less than STEP_TIE does not outweigh fewer refresh steps; a longer one does."""
-    plan = solve(_problem(), QUICK, "greedy")
+    """At max_overhead 0 a reference step shorter by less than STEP_TIE does not outweigh fewer refresh steps; a
+    longer one does."""
+    planned = solve(_problem(), QUICK, "greedy")
+    plan = dataclasses.replace(planned, problem=dataclasses.replace(planned.problem, max_overhead=0.0))
 
     def variant(reference: float, refresh: int) -> Plan:
-        return dataclasses.replace(
-            plan, metrics=dataclasses.replace(plan.metrics, step_time_reference=reference, refresh_steps=(refresh,))
+        metrics = dataclasses.replace(
+            plan.metrics, step_time_reference=reference, step_time=reference, refresh_steps=(refresh,)
         )
+        return dataclasses.replace(plan, metrics=metrics)
 
     fresh, stale = variant(1.0, 2), variant(1.0 * (1 - STEP_TIE / 2), 8)
     assert best([stale, fresh]) is fresh
     shorter = variant(1.0 * (1 - 2 * STEP_TIE), 8)
     assert best([fresh, shorter]) is shorter
+
+
+def test_best_ranks_every_plan_whose_step_lies_within_the_allowance_of_the_least_reference_step() -> None:
+    """With max_overhead 0.6 a plan of a longer reference step wins with fresher curvature while its step lies within
+    1.6 times the least reference step of all, and with the same refresh by a shorter step (less stretch); past
+    that bound it drops out."""
+    plan = solve(_problem(), QUICK, "greedy")
+    assert plan.problem.max_overhead == 0.6
+
+    def variant(reference: float, step: float, refresh: int) -> Plan:
+        metrics = dataclasses.replace(
+            plan.metrics, step_time_reference=reference, step_time=step, refresh_steps=(refresh,)
+        )
+        return dataclasses.replace(plan, metrics=metrics)
+
+    least = variant(0.95, 0.95, 8)
+    assert best([least, variant(1.0, 1.5, 2)]).metrics.refresh_steps == (2,)
+    assert best([variant(0.95, 1.4, 2), variant(1.0, 1.2, 2)]).metrics.step_time == 1.2
+    assert best([least, variant(1.0, 1.6, 1)]) is least

@@ -20,7 +20,7 @@ from fxkfac.planner.window_build import build_window
 from tests.planner.brute_force import brute_feasible
 from tests.planner.kfac_cases import EXHAUSTIVE, EXHAUSTIVE_ABOVE_GREEDY, EXHAUSTIVE_AT_BOUND, problem, problems
 
-PER_LAYER = SolverConfig(time_limit_s=4.0, num_workers=2, aggregate=False)
+PER_LAYER = SolverConfig(time_limit_s=4.0, num_workers=2, stats_chunk=1)
 
 
 def _most(sizes: list[int], length: int) -> int:
@@ -51,7 +51,7 @@ def test_idle_regions_join_the_span_over_the_window_end() -> None:
 def _bound(p: Problem, group: StageGroup, fused: frozenset[str], config: SolverConfig) -> int:
     lower = refresh_lower_bound(p, group, fused)
     return packing_lower_bound(
-        lambda k: build_window(p, group, k, fused, aggregate=False, resolution=config.time_resolution),
+        lambda k: build_window(p, group, k, fused, stats_chunk=1, resolution=config.time_resolution),
         lower,
         p.max_period,
     )
