@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import io
 from collections.abc import Callable, Sequence
-from enum import Enum
+from enum import StrEnum
 from importlib.resources import files
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
@@ -39,7 +39,7 @@ PAPER_PREFIX = "paper:"
 """`paper:<model>/<hardware>` names a profile shipped in planner/data/pipefisher_profiles/."""
 
 
-class ProfileLayers(Enum):
+class ProfileLayers(StrEnum):
     """What one K-FAC layer of a profiled Transformer block is: the block (the profile's own granularity), its
     attention (q, k, v, o) and its feed-forward (fc1, fc2), or each of its six Linears (what K-FAC preconditions:
     the paper's code keeps a factor pair per nn.Linear); the block's measured costs shared among them by their
