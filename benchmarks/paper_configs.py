@@ -286,8 +286,8 @@ def main(argv: list[str] | None = None) -> None:
         type=ProfileLayers,
         default=ProfileLayers.BLOCK,
         choices=list(ProfileLayers),
-        help="one K-FAC layer per Transformer block (the profiles' granularity), per sublayer (attention, feed-forward) "
-        "or per Linear (K-FAC's)",
+        help="one K-FAC layer per Transformer block (the profiles' granularity), per sublayer (attention, feed-forward)"
+        " or per Linear (K-FAC's)",
     )
     args = parser.parse_args(argv)
     results = []
