@@ -127,9 +127,12 @@ def least_period(probe: Probe[S], left: Left, lower: int, top: int, incumbent: S
     """The least refresh period found feasible from `lower` (a lower bound) to `top`, and the least period not
     proven infeasible. Without an `incumbent` (first-fit's placement) the search climbs from `lower`; with one
     it climbs while each k is proven infeasible (cheap proofs, in a quarter of the time), then descends from
-    the incumbent's period ([Note: descending refresh search])."""
+    the incumbent's period ([Note: descending refresh search]); one above `lower`, it only descends (the climb's
+    one probe would be the descent's first, in a quarter of its time)."""
     if incumbent is None:
         return _ascend(probe, left, lower, top)
+    if incumbent.window.k - lower <= 1:  # the climb would probe the one k the descent probes first
+        return _descend(probe, left, lower, incumbent)
     proven, found = _climb(probe, left, PROOF_SHARE, lower, incumbent.window.k)
     if found is not None:
         return found, proven
