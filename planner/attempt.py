@@ -251,7 +251,7 @@ def _first_pass(
         )
     except PlanError:
         g = None
-    share = _share(problem, clock, later)
+    share = _share(problem, clock, later, reserve=g is None or not fits_memory(g))
     if method is Method.GREEDY or share is None:
         return _Placing(group, stats_chunk, g, solution=g if g is not None and fits_memory(g) else None)
     from fxkfac.planner.group_search import least_group_period
@@ -271,19 +271,21 @@ def _second_pass(
         return placing.solution
     from fxkfac.planner.group_search import refine_group, within_budget
 
-    share = _share(problem, clock, later)
+    placed = within_budget(placing.period.found, placing.period.fallback)
+    share = _share(problem, clock, later, reserve=placed is None)
     if share is None:
-        return within_budget(placing.period.found, placing.period.fallback)
+        return placed
     return refine_group(placing.period, allowed, config, share, clock.meter)
 
 
-def _share(problem: Problem, clock: Clock, later: int) -> float | None:
+def _share(problem: Problem, clock: Clock, later: int, *, reserve: bool) -> float | None:
     """A group's share of the solver time left, `later` groups sharing it (None: none is left). Under a memory
-    budget half the time is kept for the rounds that fuse more curvature if this one finds no fit."""
+    budget, with `reserve` (the group has no placement within it yet), half the time is kept for the rounds that
+    fuse more curvature if this one finds no fit; a group first-fit places within the budget needs none."""
     left = clock.solver_time()
     if left <= 0:
         return None
-    if problem.memory_budget is not None:
+    if problem.memory_budget is not None and reserve:
         left /= 2
     return max(clock.meter.units(0.1), left / later)
 

@@ -153,18 +153,24 @@ def solve_outer(
     box: TimeBox | None = None,
 ) -> Plan:
     """The best of `candidate_problems`, each planned in full by `solve` with an equal share of the solver time
-    left in `box` (a new one: config's; with the greedy method, which is not timed, every candidate is planned).
+    left in `box` (a new one: config's; with the greedy method, which is not timed, every one that can win):
+    first those whose reference step lets them win (`_hopeful_first`), the others only where none of those plans.
     When none plans, the first's refusal names what would."""
     box = box or TimeBox(config)
-    candidates = candidate_problems(problem)
+    candidates = _hopeful_first(candidate_problems(problem))
     plans: list[Plan] = []
     timed = Method(method) is Method.CPSAT
     for n, candidate in enumerate(candidates):
+        if plans and not _hopeful(candidate, candidates):
+            log.info("distribution %s not planned: its reference step is past the allowance", _words(candidate))
+            continue
         if plans and timed and box.over():
             log.info("no time left to plan distributions %s", [_words(c) for c in candidates[n:]])
             break
+        hopeful = _hopeful(candidate, candidates)
+        shares = sum(_hopeful(c, candidates) for c in candidates[n:]) if hopeful else len(candidates) - n
         try:
-            plans.append(solve(candidate, config, method, box=box, shares=len(candidates) - n, suggest=False))
+            plans.append(solve(candidate, config, method, box=box, shares=shares, suggest=False))
         except PlanError as e:
             log.info("distribution %s does not plan: %s", _words(candidate), e)
     if not plans:
@@ -172,6 +178,20 @@ def solve_outer(
     chosen = best(plans)
     log.info("distribution %s chosen among %s", strategy_of(chosen), [strategy_of(p) for p in plans])
     return chosen
+
+
+def _hopeful(candidate: Problem, candidates: Sequence[Problem]) -> bool:
+    """Whether a plan of `candidate` can lie within the allowance `best` keeps: its reference step, which its plans'
+    steps are not below, is within max_overhead (and STEP_TIE) of the least of all candidates'."""
+    least = min(step_timeline(c).length for c in candidates)
+    return step_timeline(candidate).length <= least * (1 + candidate.max_overhead + STEP_TIE)
+
+
+def _hopeful_first(candidates: Sequence[Problem]) -> list[Problem]:
+    """The candidates `_hopeful` keeps, then the others (planned only where none of the first plans), each in its
+    order: the time goes to the distributions that can win (at max_overhead 0, those of the least reference step)."""
+    hopeful = [c for c in candidates if _hopeful(c, candidates)]
+    return hopeful + [c for c in candidates if c not in hopeful]
 
 
 def _plan_or_least_step_refusal(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 
@@ -11,6 +12,7 @@ from fxkfac.planner.choose import (
     best,
     candidate_problems,
     candidate_strategies,
+    solve_outer,
     solve_with_strategy,
     strategy_of,
 )
@@ -169,3 +171,58 @@ def test_best_ranks_every_plan_whose_step_lies_within_the_allowance_of_the_least
     assert best([least, variant(1.0, 1.5, 2)]).metrics.refresh_steps == (2,)
     assert best([variant(0.95, 1.4, 2), variant(1.0, 1.2, 2)]).metrics.step_time == 1.2
     assert best([least, variant(1.0, 1.6, 1)]) is least
+
+
+def test_at_max_overhead_0_only_the_distributions_of_the_least_reference_step_are_planned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A candidate whose reference step is past the allowance of the least one cannot be `best`: the outer search
+    gives its time to those that can win, and keeps the plan it would have kept planning them all."""
+    import fxkfac.planner.choose as choose
+    from fxkfac.planner.problem import StepBarrier
+    from fxkfac.planner.profiles import load_cost_table
+    from fxkfac.planner.step_timeline import step_timeline
+
+    costs = load_cost_table("paper:bert-base/p100", blocks_per_stage=3, n_stages=4, micro_batch_size=32)
+    problem = Problem("chimera", 4, 4, costs, barrier=StepBarrier.AGREEMENT_SET)  # max_overhead 0
+    candidates = candidate_problems(problem)
+    refs = {_strategies(c): step_timeline(c).length for c in candidates}
+    least = min(refs.values())
+    assert any(r > least * (1 + STEP_TIE) for r in refs.values()), refs  # COMM-OPT's APPLY: it cannot win here
+    planned: list[tuple[str, ...]] = []
+
+    def recorded(candidate: Problem, *args: Any, **kwargs: Any) -> Plan:
+        planned.append(_strategies(candidate))
+        return solve(candidate, *args, **kwargs)
+
+    monkeypatch.setattr(choose, "solve", recorded)
+    auto = solve_outer(problem, QUICK, "greedy")
+    assert planned == [s for s, r in refs.items() if r <= least * (1 + STEP_TIE)]
+    plans = []
+    for c in candidates:
+        try:
+            plans.append(solve(c, QUICK, "greedy", suggest=False))
+        except PlanError:
+            pass
+    every = best(plans)
+    assert (strategy_of(auto), auto.metrics.refresh_steps) == (strategy_of(every), every.metrics.refresh_steps)
+
+
+def _strategies(problem: Problem) -> tuple[str, ...]:
+    return tuple(str(problem.where(n).strategy) for n in problem.costs.layer_names)
+
+
+def test_a_group_first_fit_places_within_the_budget_keeps_no_time_for_fusing() -> None:
+    """Under a memory budget a group's share of the solver time is halved for the rounds that fuse curvature only
+    while it has no placement within the budget."""
+    from fxkfac.planner.attempt import Clock, _share
+    from fxkfac.planner.budget import Meter
+
+    clock = Clock(Meter(deterministic=True, cap=float("inf")), deadline=100.0, cutoff=200.0)
+    budgeted = _problem(budget=1 << 40)
+    kept = _share(budgeted, clock, 1, reserve=True)
+    whole = _share(budgeted, clock, 1, reserve=False)
+    assert kept is not None and whole is not None
+    assert whole == pytest.approx(2 * kept, rel=1e-3)
+    unbudgeted = _share(_problem(), clock, 1, reserve=True)
+    assert unbudgeted == pytest.approx(whole, rel=1e-3)
