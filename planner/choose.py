@@ -161,13 +161,13 @@ def solve_outer(
     plans: list[Plan] = []
     timed = Method(method) is Method.CPSAT
     for n, candidate in enumerate(candidates):
-        if plans and not _hopeful(candidate, candidates):
+        hopeful = _hopeful(candidate, candidates)
+        if plans and not hopeful:
             log.info("distribution %s not planned: its reference step is past the allowance", _words(candidate))
             continue
         if plans and timed and box.over():
             log.info("no time left to plan distributions %s", [_words(c) for c in candidates[n:]])
             break
-        hopeful = _hopeful(candidate, candidates)
         shares = sum(_hopeful(c, candidates) for c in candidates[n:]) if hopeful else len(candidates) - n
         try:
             plans.append(solve(candidate, config, method, box=box, shares=shares, suggest=False))
