@@ -4,6 +4,7 @@ tasks (statistics, synchronization, decomposition in pieces, broadcast) with the
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from functools import lru_cache
@@ -286,11 +287,12 @@ def _tasks(
         tasks += _curv_tasks(problem, s, refresh, [x for x in layers if x.name not in fused], stats_chunk, grid)
     for s in group.stages:
         copies = copies_of_stage(problem, s)
+        piece = _piece_seconds(problem, s)
         for x in problem.costs.stages[s].layers:
             for p in x.parts:
                 if p.after is OpKind.ALLREDUCE_GRAD:
                     ready = min(slot.release + slot.ticks for slot in precs if (slot.stage, slot.step) == (s, 0))
-                    tasks += _refresh_tasks(problem, s, x.name, p.part, p.decomp, ready, True, grid)
+                    tasks += _refresh_tasks(problem, s, x.name, p.part, p.decomp, piece, ready, True, grid)
                     continue
                 ready = 0
                 if x.name in fused:
@@ -300,17 +302,33 @@ def _tasks(
                         for op, _, e in refresh.fixed(d)
                         if op.stage == s and op.kind is p.after
                     )
-                tasks += _refresh_tasks(problem, s, x.name, p.part, p.decomp, ready, False, grid)
+                tasks += _refresh_tasks(problem, s, x.name, p.part, p.decomp, piece, ready, False, grid)
     return tuple(tasks)
 
 
+def _piece_seconds(problem: Problem, stage: int) -> float:
+    """The longest a DECOMP task of the stage lasts: one piece (`Problem.decomp_pieces`) of its longest
+    decomposition."""
+    longest = max((p.decomp for x in problem.costs.stages[stage].layers for p in x.parts), default=0.0)
+    return longest / problem.decomp_pieces
+
+
 def _refresh_tasks(
-    problem: Problem, stage: int, layer: str, side: str, decomp: float, ready: int, gradient: bool, grid: Grid
+    problem: Problem,
+    stage: int,
+    layer: str,
+    side: str,
+    decomp: float,
+    piece: float,
+    ready: int,
+    gradient: bool,
+    grid: Grid,
 ) -> list[Task]:
     """A part's refresh after its statistics: SYNC over the stage's copies (a captured part held more than once),
     DECOMP on one copy, BCAST to the others, the collectives priced by the cost table's comm model (at least one
     tick, [Note: time grid]); `ready`: the earliest tick the statistic is complete anywhere; `gradient`: the part
-    is fed by the reduced gradient ([Note: gradient parts])."""
+    is fed by the reduced gradient ([Note: gradient parts]); `piece`: the longest a DECOMP task lasts
+    (`_piece_seconds`)."""
     copies, workers = copies_of_stage(problem, stage), problem.workers(layer)
     key = ((layer, side),)
     tasks = []
@@ -322,17 +340,7 @@ def _refresh_tasks(
                 f"sync_{side}_{layer}", TaskKind.SYNC, stage, side, (op,), (secs,), grid.span(secs), copies, ready, key
             )
         )
-    tasks += _decomp_tasks(
-        problem.decomp_pieces,
-        stage,
-        layer,
-        side,
-        decomp,
-        grid.span(decomp / problem.decomp_pieces),
-        workers,
-        ready,
-        gradient,
-    )
+    tasks += _decomp_tasks(problem.decomp_pieces, piece, stage, layer, side, decomp, workers, ready, gradient, grid)
     if len(workers) > 1:
         op = Op(
             OpKind.BCAST, stage, layer=layer, part=side, root=workers[0], group=None if workers == copies else workers
@@ -346,31 +354,59 @@ def _refresh_tasks(
 
 def _decomp_tasks(
     pieces: int,
+    piece: float,
     stage: int,
     layer: str,
     side: str,
     decomp: float,
-    ticks: int,
     workers: tuple[int, ...],
     ready: int,
     gradient: bool,
+    grid: Grid,
 ) -> list[Task]:
-    """A part's decomposition as one INV task, or as `pieces` INV tasks of ``decomp / pieces`` seconds each
-    ("DECOMP s A i/n layer"), which the solvers chain in order on one rank (`inv_chains`)."""
-    whole = pieces == 1
+    """A part's decomposition as one INV task, or made in `pieces` DECOMP ops ("DECOMP s A i/n layer") of
+    ``decomp / pieces`` seconds each, run back to back in tasks no longer than `piece` (each as few as that allows,
+    the pieces dealt evenly), which the solvers chain in order on one rank (`inv_chains`).
+
+    [Note: piece tasks] The pieces exist so that no task outlasts the bubbles; a stage's small decompositions need
+    fewer tasks than its largest. Per Linear, a Transformer block's 4d-wide factors take 64 times the d-wide ones'
+    decomposition: cut in the same 4 pieces, the d-wide ones made 288 of BERT-Large 1F1B's 432 tasks a stage, and
+    CP-SAT found the streamed plan at the bound only with 30 s; as one task each, within 10 s. The runtime runs the
+    same pieces; a task only keeps them adjacent on one rank."""
+    if pieces == 1:
+        op = Op(OpKind.DECOMP, stage, layer=layer, part=side)
+        return [
+            Task(
+                f"inv_{side}_{layer}",
+                TaskKind.INV,
+                stage,
+                side,
+                (op,),
+                (decomp,),
+                grid.span(decomp),
+                workers,
+                ready,
+                ((layer, side),),
+                after_slot=gradient,
+            )
+        ]
+    share = decomp / pieces
+    most = max(1, math.floor(piece / share + 1e-9)) if share > 0 else pieces  # pieces a task may hold
+    runs = math.ceil(pieces / most)
+    bounds = [pieces * i // runs for i in range(runs + 1)]
     return [
         Task(
-            f"inv_{side}_{layer}" if whole else f"inv_{side}_{layer}_{i}",
+            f"inv_{side}_{layer}_{a}",
             TaskKind.INV,
             stage,
             side,
-            (Op(OpKind.DECOMP, stage, layer=layer, part=side, piece=None if whole else (i, pieces)),),
-            (decomp / pieces,),
-            ticks,
+            tuple(Op(OpKind.DECOMP, stage, layer=layer, part=side, piece=(i, pieces)) for i in range(a, b)),
+            (share,) * (b - a),
+            grid.span(share * (b - a)),
             workers,
             ready,
             ((layer, side),),
             after_slot=gradient,
         )
-        for i in range(pieces)
+        for a, b in zip(bounds, bounds[1:])
     ]
