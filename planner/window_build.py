@@ -373,34 +373,21 @@ def _decomp_tasks(
     decomposition: cut in the same 4 pieces, the d-wide ones made 288 of BERT-Large 1F1B's 432 tasks a stage, and
     CP-SAT found the streamed plan at the bound only with 30 s; as one task each, within 10 s. The runtime runs the
     same pieces; a task only keeps them adjacent on one rank."""
-    if pieces == 1:
-        op = Op(OpKind.DECOMP, stage, layer=layer, part=side)
-        return [
-            Task(
-                f"inv_{side}_{layer}",
-                TaskKind.INV,
-                stage,
-                side,
-                (op,),
-                (decomp,),
-                grid.span(decomp),
-                workers,
-                ready,
-                ((layer, side),),
-                after_slot=gradient,
-            )
-        ]
     share = decomp / pieces
     most = max(1, math.floor(piece / share + 1e-9)) if share > 0 else pieces  # pieces a task may hold
     runs = math.ceil(pieces / most)
     bounds = [pieces * i // runs for i in range(runs + 1)]
+    whole = pieces == 1
     return [
         Task(
-            f"inv_{side}_{layer}_{a}",
+            f"inv_{side}_{layer}" if whole else f"inv_{side}_{layer}_{a}",
             TaskKind.INV,
             stage,
             side,
-            tuple(Op(OpKind.DECOMP, stage, layer=layer, part=side, piece=(i, pieces)) for i in range(a, b)),
+            tuple(
+                Op(OpKind.DECOMP, stage, layer=layer, part=side, piece=None if whole else (i, pieces))
+                for i in range(a, b)
+            ),
             (share,) * (b - a),
             grid.span(share * (b - a)),
             workers,
