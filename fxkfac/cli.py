@@ -153,9 +153,9 @@ def _add_plan_costs(plan: argparse.ArgumentParser) -> None:
         "--decomp-pieces",
         type=int,
         default=1,
-        help="tasks per decomposition: the run's KFACConfig.split_inverse pieces (K-FAC) or "
-        "ShampooConfig.newton_pieces (Shampoo), each placed in a bubble of its own (default 1: "
-        "one task, exact inversion)",
+        help="pieces per decomposition: the run's KFACConfig.split_inverse pieces (K-FAC) or "
+        "ShampooConfig.newton_pieces (Shampoo), each the longest decomposition's placed in a bubble of its own, "
+        "a smaller one's pieces together where they fit one piece's time (default 1: one task, exact inversion)",
     )
     plan.add_argument(
         "--strategy",

@@ -76,9 +76,10 @@ class Problem:
     max_period: int = 32
     distributions: tuple[tuple[str, LayerDistribution], ...] = ()
     decomp_pieces: int = 1
-    """How many DECOMP tasks each part's decomposition is cut into (`KFACConfig.split_inverse.pieces`,
+    """How many DECOMP ops each part's decomposition is cut into (`KFACConfig.split_inverse.pieces`,
     `ShampooConfig.newton_pieces`): piece i costs 1/n of the part's `decomp` and runs after piece i-1 on the same
-    rank ("DECOMP s A i/n layer")."""
+    rank ("DECOMP s A i/n layer"). The planner places them in tasks no longer than one piece of the stage's longest
+    decomposition, so a small one's pieces run back to back ([Note: piece tasks] in planner/window_build.py)."""
     warm_start: bool = False
     """Whether each decomposition starts from its layer's newest preconditioner (`Family.warm_start`: SOAP's QR
     basis, K-FAC's split inverse): every refresh of a layer is then made and broadcast before the next refresh's
