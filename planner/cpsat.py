@@ -141,13 +141,16 @@ def add_piece_chains(v: Vars, w: Window) -> None:
 
 def _add_precs(v: Vars, w: Window) -> None:
     """Every APPLY slot on its device; the slots of one stage and step that broadcast preconditioned gradients
-    start together on every copy (`PrecSlot.shares`)."""
+    start together on every copy (`PrecSlot.shares`). An empty slot (every layer of its stage streamed to helpers)
+    runs nothing and holds no interval: CP-SAT's no-overlap takes an empty interval for a point no other interval
+    may hold inside, so at its reference place, inside the next step's early F/B, it made the window infeasible."""
     first: dict[tuple[int, int], int] = {}
     for n, slot in enumerate(w.precs):
         name = f"prec_s{slot.stage}_r{slot.device}_j{slot.step}"
         start, pos, _ = modular(v, name, slot.release, slot.deadline - slot.ticks, slot.ticks, w.length)
         v.prec.append(start)
-        v.intervals_of_device[slot.device].append(v.model.new_fixed_size_interval_var(pos, slot.ticks, name))
+        if slot.ticks > 0:
+            v.intervals_of_device[slot.device].append(v.model.new_fixed_size_interval_var(pos, slot.ticks, name))
         if slot.shares:
             m = first.setdefault((slot.stage, slot.step), n)
             if m != n:

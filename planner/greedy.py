@@ -113,7 +113,8 @@ def greedy_window(window: Window) -> GroupSolution | None:
     """Place every task of `window` first-fit in priority order; None when something does not fit."""
     gaps = {
         d: _Gaps(
-            window.fixed[d] + tuple((p.reference, p.reference + p.ticks) for p in window.precs if p.device == d),
+            window.fixed[d]
+            + tuple((p.reference, p.reference + p.ticks) for p in window.precs if p.device == d and p.ticks > 0),
             window.length,
         )
         for d in window.group.devices

@@ -195,6 +195,24 @@ def test_the_cpsat_model_accepts_what_first_fit_places(model: str, schedule: str
     assert _accepts_first_fit(problem, k) == len(stage_groups(problem))
 
 
+def test_the_cpsat_model_accepts_first_fit_where_every_layer_of_the_first_stage_streams() -> None:
+    """BERT-Large Chimera D=8 per Linear with every layer of stage 0 applied by helpers: the owners' APPLY slots are
+    empty, at a step boundary that the next step's early F/B spans (no world barrier). An empty interval is a point
+    CP-SAT's no-overlap keeps out of other intervals, so while the slot was laid as one the model refused every
+    placement of stages 0 and 7; it now holds no interval."""
+    from fxkfac.planner.profiles import ProfileLayers
+    from fxkfac.planner.stream_choice import with_streaming
+
+    costs = load_cost_table(
+        "paper:bert-large/p100", blocks_per_stage=3, n_stages=8, micro_batch_size=32, layers=ProfileLayers.LINEAR
+    )
+    plain = Problem("chimera", 8, 8, costs, decomp_pieces=4, barrier=StepBarrier.AGREEMENT_SET)
+    streamed = with_streaming(plain, keep_bounds=False)
+    assert streamed.streaming is not None
+    assert set(streamed.streaming.layers) == {x.name for x in costs.stages[0].layers}  # the slots are empty
+    assert _accepts_first_fit(streamed, 4) >= 2  # the streamed stage's group among them
+
+
 @settings(max_examples=15, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_the_cpsat_model_accepts_first_fit_on_random_problems(p: Problem) -> None:
