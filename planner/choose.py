@@ -157,18 +157,20 @@ def solve_outer(
     first those whose reference step lets them win (`_hopeful_first`), the others only where none of those plans.
     When none plans, the first's refusal names what would."""
     box = box or TimeBox(config)
-    candidates = _hopeful_first(candidate_problems(problem))
+    candidates, hopeful = _hopeful_first(candidate_problems(problem))
     plans: list[Plan] = []
     timed = Method(method) is Method.CPSAT
     for n, candidate in enumerate(candidates):
-        hopeful = _hopeful(candidate, candidates)
-        if plans and not hopeful:
-            log.info("distribution %s not planned: its reference step is past the allowance", _words(candidate))
-            continue
+        if plans and n >= hopeful:
+            log.info(
+                "distributions %s not planned: their reference steps are past the allowance",
+                [_words(c) for c in candidates[n:]],
+            )
+            break
         if plans and timed and box.over():
             log.info("no time left to plan distributions %s", [_words(c) for c in candidates[n:]])
             break
-        shares = sum(_hopeful(c, candidates) for c in candidates[n:]) if hopeful else len(candidates) - n
+        shares = hopeful - n if n < hopeful else len(candidates) - n
         try:
             plans.append(solve(candidate, config, method, box=box, shares=shares, suggest=False))
         except PlanError as e:
@@ -180,18 +182,16 @@ def solve_outer(
     return chosen
 
 
-def _hopeful(candidate: Problem, candidates: Sequence[Problem]) -> bool:
-    """Whether a plan of `candidate` can lie within the allowance `best` keeps: its reference step, which its plans'
-    steps are not below, is within max_overhead (and STEP_TIE) of the least of all candidates'."""
-    least = min(step_timeline(c).length for c in candidates)
-    return step_timeline(candidate).length <= least * (1 + candidate.max_overhead + STEP_TIE)
-
-
-def _hopeful_first(candidates: Sequence[Problem]) -> list[Problem]:
-    """The candidates `_hopeful` keeps, then the others (planned only where none of the first plans), each in its
-    order: the time goes to the distributions that can win (at max_overhead 0, those of the least reference step)."""
-    hopeful = [c for c in candidates if _hopeful(c, candidates)]
-    return hopeful + [c for c in candidates if c not in hopeful]
+def _hopeful_first(candidates: Sequence[Problem]) -> tuple[list[Problem], int]:
+    """The candidates whose plans can lie within the allowance `best` keeps (a plan's step is not below its reference
+    step, which must lie within max_overhead, and STEP_TIE, of the least of all), then the others (planned only where
+    none of the first plans), each in its order, and how many come first: the time goes to the distributions that
+    can win (at max_overhead 0, those of the least reference step)."""
+    steps = [step_timeline(c).length for c in candidates]
+    least = min(steps)
+    wins = [t <= least * (1 + c.max_overhead + STEP_TIE) for c, t in zip(candidates, steps, strict=True)]
+    first = [c for c, w in zip(candidates, wins, strict=True) if w]
+    return first + [c for c, w in zip(candidates, wins, strict=True) if not w], len(first)
 
 
 def _plan_or_least_step_refusal(
