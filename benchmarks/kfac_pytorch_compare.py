@@ -69,6 +69,7 @@ from torch import nn
 
 import fxkfac
 from fxkfac import KFACConfig
+from fxkfac.cli_args import enum_option
 from fxkfac.config import PlanOptions
 from fxkfac.planner.ir import Capture
 from fxkfac.planner.preconditioners import InverseMethod
@@ -380,12 +381,11 @@ def main() -> None:
         default=None,
         help="torch.compile backend for fxkfac on one device (default: eager, like kfac-pytorch)",
     )
-    parser.add_argument(
+    enum_option(
+        parser,
         "--capture",
-        default=Capture.FUSED,
-        type=Capture,
-        choices=list(Capture),
-        help="fxkfac's factor capture (KFACConfig.capture): fused (default) makes each factor in the "
+        Capture.FUSED,
+        "fxkfac's factor capture (KFACConfig.capture): fused (default) makes each factor in the "
         "forward/backward pass, deferred keeps the rows and makes it in STATS (kfac.factors.gram)",
     )
     parser.add_argument(

@@ -1,7 +1,7 @@
 """The PipeFisher paper's configurations on its measured P100 profiles: utilization and refresh, greedy vs CP-SAT.
 
 Run: python benchmarks/paper_configs.py [--time-limit 10] [--max-overhead 0] [--decomp-pieces 1] [--barrier world]
-    [--layers block] [--stream-apply keep-refresh]
+    [--layers block] [--stream-apply keep-refresh] [--strategy auto]
 
 Costs are the profiles shipped as paper:<model>/p100 (planner/data/pipefisher_profiles/; per
 Transformer block, micro-batch 32, 3 blocks per stage). The paper's profiles include the embeddings
@@ -13,7 +13,8 @@ preconditions: tasks as fine as the paper's code runs them), sharing the block's
 line.
 
 Per configuration: the plain pipeline (simulated here, independently of the planner), then
-planner.solve.solve with the paper's greedy rule and with CP-SAT (no memory budget, the given
+planner.choose.solve_with_strategy with the paper's greedy rule and with CP-SAT (each stage's copies sharing the
+work as the planner chooses, as `fxkfac plan` does, unless --strategy forces one; no memory budget; the given
 max_overhead; with --decomp-pieces n every inversion is n tasks of 1/n of its profiled time, the planner's
 model of `KFACConfig.split_inverse`; with --barrier agreement-set a step ends with no world barrier, the plan
 of `KFACConfig.kl_clip_scope` stage or stale). Checked and printed: CP-SAT reaches the planner's lower bound on every
@@ -32,6 +33,8 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from fxkfac.cli_args import enum_option, strategy_arg
+from fxkfac.planner.choose import solve_with_strategy, strategy_of
 from fxkfac.planner.costs import CostTable
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.ir import OpKind
@@ -40,7 +43,7 @@ from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier
 from fxkfac.planner.profiles import ProfileLayers, load_cost_table
 from fxkfac.planner.schedules import schedule_programs, stages_of_rank
 from fxkfac.planner.simulate import Timeline, simulate
-from fxkfac.planner.solve import solve
+from fxkfac.planner.strategy import Strategy
 from fxkfac.planner.stream_choice import StreamApply, solve_streamed
 
 
@@ -139,16 +142,20 @@ def planned(
     barrier: StepBarrier = StepBarrier.WORLD,
     stream: StreamApply = StreamApply.KEEP_REFRESH,
     layers: ProfileLayers = ProfileLayers.BLOCK,
+    strategy: Strategy | None = None,
 ) -> dict[str, Any]:
     """One planner run (the first stage's APPLY streamed as `stream` says; K-FAC layers per block, sublayer or
-    Linear, `layers`): its metrics, or the reason there is no plan."""
+    Linear, `layers`; every layer under `strategy`, or, when None, the distributions the planner chooses as
+    `fxkfac plan` does): its metrics, or the reason there is no plan."""
     costs = costs_of(cfg, layers)
     problem = Problem(
         cfg.schedule, cfg.D, cfg.N, costs, max_overhead=max_overhead, decomp_pieces=pieces, barrier=barrier
     )
     config = SolverConfig(time_limit_s=time_limit)
     try:
-        plan = solve_streamed(problem, lambda p: solve(p, config, method=method), stream)  # eager, as the paper
+        plan = solve_streamed(
+            problem, lambda p: solve_with_strategy(p, strategy, config, method), stream
+        )  # eager, as the paper
     except PlanError as e:
         return {"method": method, "error": str(e).splitlines()[0]}
     return _metrics(method, plan)
@@ -158,6 +165,7 @@ def _metrics(method: str, plan: Plan) -> dict[str, Any]:
     m = plan.metrics
     return {
         "method": method,
+        "strategy": strategy_of(plan),
         "utilization_before": m.utilization_baseline,
         "utilization_after": m.utilization,
         "refresh_steps": list(m.refresh_steps),
@@ -217,6 +225,7 @@ def render(
     for col in (
         "config",
         "method",
+        "strategy",
         "util before -> after",
         "refresh steps / stage",
         "lower bound / stage",
@@ -234,6 +243,7 @@ def render(
                 table.add_row(
                     config if method == "greedy" else "",
                     method,
+                    "",
                     "no plan",
                     m["error"][:60],
                     "",
@@ -248,6 +258,7 @@ def render(
             table.add_row(
                 config if method == "greedy" else "",
                 method,
+                m["strategy"],
                 f"{m['utilization_before']:.1%} -> {m['utilization_after']:.1%}",
                 _steps(m["refresh_steps"]),
                 _steps(m["lower_bound_steps"]),
@@ -266,28 +277,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit per configuration (s)")
     parser.add_argument("--max-overhead", type=float, default=0.0, help="allowed step growth (fraction)")
     parser.add_argument("--decomp-pieces", type=int, default=1, help="tasks per inversion (KFACConfig.split_inverse)")
-    parser.add_argument(
+    enum_option(
+        parser,
         "--barrier",
-        type=StepBarrier,
-        default=StepBarrier.WORLD,
-        choices=list(StepBarrier),
-        help="what a step's end waits for: world (KL-clip scope global), agreement-set (stage, stale)",
+        StepBarrier.WORLD,
+        "what a step's end waits for: world (KL-clip scope global), agreement-set (stage, stale)",
     )
-    parser.add_argument(
+    enum_option(
+        parser,
         "--stream-apply",
-        type=StreamApply,
-        default=StreamApply.KEEP_REFRESH,
-        choices=list(StreamApply),
-        help="when the first stage's APPLY streams to idle ranks: keep-refresh (where it costs no refresh), "
+        StreamApply.KEEP_REFRESH,
+        "when the first stage's APPLY streams to idle ranks: keep-refresh (where it costs no refresh), "
         "shortest-step (wherever it shortens the step), off",
     )
-    parser.add_argument(
+    enum_option(
+        parser,
         "--layers",
-        type=ProfileLayers,
-        default=ProfileLayers.BLOCK,
-        choices=list(ProfileLayers),
-        help="one K-FAC layer per Transformer block (the profiles' granularity), per sublayer (attention, feed-forward)"
+        ProfileLayers.BLOCK,
+        "one K-FAC layer per Transformer block (the profiles' granularity), per sublayer (attention, feed-forward)"
         " or per Linear (K-FAC's)",
+    )
+    parser.add_argument(
+        "--strategy",
+        type=strategy_arg,
+        default=None,
+        help="how the copies of a stage (Chimera's two pipelines) share each layer's work: comm-opt, mem-opt, "
+        "hybrid:F, dp-kfac, or auto (default: the planner chooses, as fxkfac plan does)",
     )
     args = parser.parse_args(argv)
     results = []
@@ -303,6 +318,7 @@ def main(argv: list[str] | None = None) -> None:
                 args.barrier,
                 args.stream_apply,
                 args.layers,
+                args.strategy,
             )
         results.append(row)
     render(results, args.max_overhead, args.decomp_pieces, args.barrier, args.layers, Console(width=200))
@@ -318,6 +334,7 @@ def main(argv: list[str] | None = None) -> None:
                 "barrier": str(args.barrier),
                 "stream_apply": args.stream_apply,
                 "layers": args.layers.value,
+                "strategy": "auto" if args.strategy is None else str(args.strategy),
                 "results": results,
                 "checks": verdict,
             }

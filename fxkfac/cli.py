@@ -15,6 +15,7 @@ from fxkfac.cli_args import (
     AUTO,
     MICRO_BATCH_SIZE,
     CliError,
+    enum_option,
     parse_block_size,
     parse_bytes,
     parse_fraction,
@@ -116,12 +117,11 @@ def _add_plan_costs(plan: argparse.ArgumentParser) -> None:
         help="a cost table (.json), a PipeFisher profile (.csv), or a shipped one of the paper: "
         "paper:<model>/<hardware>, e.g. paper:bert-base/p100",
     )
-    plan.add_argument(
+    enum_option(
+        plan,
         "--profile-layers",
-        type=ProfileLayers,
-        choices=list(ProfileLayers),
-        default=ProfileLayers.BLOCK,
-        help="a PipeFisher profile's K-FAC layer: each Transformer block (the profile's own rows), its attention "
+        ProfileLayers.BLOCK,
+        "a PipeFisher profile's K-FAC layer: each Transformer block (the profile's own rows), its attention "
         "and feed-forward, or each Linear, sharing the block's costs by their shapes (smaller tasks, gradients "
         "final earlier, more to place)",
     )
@@ -141,12 +141,11 @@ def _add_plan_costs(plan: argparse.ArgumentParser) -> None:
     plan.add_argument(
         "--max-overhead", type=_arg_type(parse_fraction), default=0.0, help="allowed step-time growth, e.g. 5%%"
     )
-    plan.add_argument(
+    enum_option(
+        plan,
         "--kl-clip-scope",
-        type=KLClipScope,
-        choices=list(KLClipScope),
-        default=KLClipScope.GLOBAL,
-        help="the run's KFACConfig.kl_clip_scope: global ends every step with a world barrier; stage "
+        KLClipScope.GLOBAL,
+        "the run's KFACConfig.kl_clip_scope: global ends every step with a world barrier; stage "
         "and stale with one over each agreement set, so bubbles join across the step's end",
     )
     plan.add_argument(
@@ -165,12 +164,11 @@ def _add_plan_costs(plan: argparse.ArgumentParser) -> None:
         "grad-worker fraction, e.g. hybrid:0.5) or dp-kfac (local factors) on every layer; "
         "default auto: the planner chooses",
     )
-    plan.add_argument(
+    enum_option(
+        plan,
         "--stream-apply",
-        type=StreamApply,
-        choices=list(StreamApply),
-        default=StreamApply.KEEP_REFRESH,
-        help="when ranks idle at the step's end apply the first stage's layers beside it: keep-refresh (default) "
+        StreamApply.KEEP_REFRESH,
+        "when ranks idle at the step's end apply the first stage's layers beside it: keep-refresh (default) "
         "where that shortens the step and costs no refresh, shortest-step wherever it shortens the step "
         "(Chimera too, refreshing less often), off never (PlanOptions.stream_apply)",
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 from decimal import Decimal, InvalidOperation
+from enum import StrEnum
 from typing import Literal
 
 from fxkfac.planner.errors import ConfigError, PlannerError
@@ -34,6 +35,12 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
+
+
+def enum_option(parser: argparse.ArgumentParser, flag: str, default: StrEnum, help: str) -> None:
+    """Add option `flag` taking one value of `default`'s enum (every value listed by --help), `default` when absent."""
+    kind = type(default)
+    parser.add_argument(flag, type=kind, choices=list(kind), default=default, help=help)
 
 
 class CliError(PlannerError):
