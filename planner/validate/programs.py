@@ -44,10 +44,10 @@ def check_programs(c: Context, run: bool) -> None:
         _check_folds(c, d, prog)
         if sorted(listed) != sorted(times):
             c.errors.append(f"r{d}: the program's K-FAC ops differ from the placements")
-        elif any(a[0] == b[0] and times[a] > times[b] for a, b in zip(listed, listed[1:])):
+            continue
+        if any(a[0] == b[0] and times[a] > times[b] for a, b in zip(listed, listed[1:])):
             c.errors.append(f"r{d}: the program's K-FAC ops are not in time order")
-        else:
-            _check_interleaving(c, d, k, prog)
+        _check_interleaving(c, d, k, prog)
     if run:
         _check_runs(c)
 

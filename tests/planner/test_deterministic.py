@@ -46,7 +46,7 @@ def _gradient_problem() -> Problem:
 CASES = {
     "gpipe": lambda: problem("gpipe", 2, 3, layers=2),
     "1f1b": lambda: problem("1f1b", 4, 4, layers=2),
-    "chimera": lambda: problem("chimera", 4, 4, W=2, curv=0.5, inv=1.0, prec=0.25, layers=2),
+    "chimera": lambda: problem("chimera", 4, 4, W=2, curv=0.5, inv=1.0, prec=0.25, layers=3),
     "1f1b-W2": lambda: problem("1f1b", 2, 4, W=2, layers=2),
     "gradient-parts": _gradient_problem,
     "budget": lambda: _budget_problem(),

@@ -24,8 +24,8 @@ CONFIG = SolverConfig(time_limit_s=1.0)
 
 
 def _plan() -> Plan:
-    """Chimera D=4 W=2 whose CP-SAT plan uses two layers' refreshes a period and more after they begin."""
-    return solve(problem("chimera", 4, 4, W=2, curv=0.5, inv=1.0, prec=0.25, layers=2), CONFIG)
+    """Chimera D=4 W=2 whose CP-SAT plan uses a layer's refreshes a period and more after they begin."""
+    return solve(problem("chimera", 4, 4, W=2, curv=0.5, inv=1.0, prec=0.25, layers=3), CONFIG)
 
 
 def _thirds(plan: Plan) -> dict[int, set[str]]:
