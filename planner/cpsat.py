@@ -40,13 +40,15 @@ a second (benchmarks/paper_configs.py, Chimera), and proves the least staleness 
 (benchmarks/planner_scaling.py, D=8): with few workers, it comes first."""
 
 
-PROBING_LEVEL = 0
-"""CP-SAT's presolve probing (`cp_model_probing_level`; its default, 2, probes every Boolean) on a window model. There
-it spent a short call's deterministic budget in presolve and 0.2-0.6 s of wall time beyond it: BERT-Large Chimera
-D=8 per sublayer under a 16 GiB budget, four calls of 0.027 deterministic s found no placement in 0.43-0.83 s,
-and 0.18-0.66 s without probing found one in each (level 1 found none either). The joint models (planner/joint_cpsat.py,
-whose layer options are Booleans) keep it: without it a joint 1F1B plan stretched its step 2.1% where forcing MEM-OPT
-stretched 1.3% (tests/planner/test_joint_strategy.py)."""
+FEASIBILITY_PROBING_LEVEL = 0
+"""CP-SAT's presolve probing (`cp_model_probing_level`; its default, 2, probes every Boolean) when a window solve only
+looks for a placement (a period search's probe). There it spent a short call's deterministic budget in presolve and
+0.2-0.6 s of wall time beyond it: BERT-Large Chimera D=8 per sublayer under a 16 GiB budget, four probes of 0.027
+deterministic s found no placement in 0.43-0.83 s, and 0.18-0.66 s without probing found one in each (level 1 found
+none either). Solves that optimize keep it, as it shortens their proofs (planner_scaling's D=8 proved optimal in
+2.1 s with it, 4.0 s without), and so do the joint models (planner/joint_cpsat.py), whose layer options are
+Booleans (without it a joint 1F1B plan stretched its step 2.1% where forcing MEM-OPT stretched 1.3%,
+tests/planner/test_joint_strategy.py)."""
 
 
 @dataclass
@@ -329,7 +331,8 @@ def solve_window(
     solver = cp_model.CpSolver()
     limit = max(meter.units(MIN_CALL), time_limit)
     set_limits(solver.parameters, config, meter, limit)
-    solver.parameters.cp_model_probing_level = PROBING_LEVEL
+    if not optimize:
+        solver.parameters.cp_model_probing_level = FEASIBILITY_PROBING_LEVEL
     reporter = _Reporter(config.progress, w, optimize) if config.progress is not None else None
     if reporter is not None and optimize:
         solver.best_bound_callback = reporter.on_bound
