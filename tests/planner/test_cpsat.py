@@ -239,3 +239,13 @@ def test_an_exact_grid_holds_every_time_whole() -> None:
     stages = (StageCost(50.00015, 0.0001, 1, 1, (layer("a"),)), StageCost(0.0001, 0.0001, 1, 1, (layer("b"),)))
     problem = Problem("gpipe", 2, 1, CostTable(stages, 1, "test", "cpu"))
     assert grid_scale(problem, (1,), frozenset(), 100_000) == (100_000.0, True)
+
+
+def test_a_period_search_spends_its_budget_searching_not_probing_in_presolve() -> None:
+    """A period probe only looks for a placement: CP-SAT's presolve probing (on by default) spent a probe's share of
+    the deterministic budget before the search began. Without it this Chimera case reaches its lower bound within a
+    1 s limit, where with it CP-SAT left the inner stages at 5 (`cpsat.FEASIBILITY_PROBING_LEVEL`)."""
+    plan = solve(problem("chimera", 4, 4, W=2, curv=0.5, inv=1.0, prec=0.25, layers=2), SolverConfig(time_limit_s=1.0))
+    assert validate(plan.problem, plan) == []
+    assert plan.metrics.greedy_refresh_steps == (6, 6, 6, 6)
+    assert plan.metrics.refresh_steps == plan.metrics.lower_bound_steps == (4, 4, 4, 4)
