@@ -42,13 +42,15 @@ a second (benchmarks/paper_configs.py, Chimera), and proves the least staleness 
 
 FEASIBILITY_PROBING_LEVEL = 0
 """CP-SAT's presolve probing (`cp_model_probing_level`; its default, 2, probes every Boolean) when a window solve only
-looks for a placement (a period search's probe). There it spent a short call's deterministic budget in presolve and
-0.2-0.6 s of wall time beyond it: BERT-Large Chimera D=8 per sublayer under a 16 GiB budget, four probes of 0.027
-deterministic s found no placement in 0.43-0.83 s, and 0.18-0.66 s without probing found one in each (level 1 found
-none either). Solves that optimize keep it, as it shortens their proofs (planner_scaling's D=8 proved optimal in
-2.1 s with it, 4.0 s without), and so do the joint models (planner/joint_cpsat.py), whose layer options are
-Booleans (without it a joint 1F1B plan stretched its step 2.1% where forcing MEM-OPT stretched 1.3%,
-tests/planner/test_joint_strategy.py)."""
+looks for a placement (a period search's probe), where it spent the probe's share of the budget before any search:
+`fxkfac plan bert-large -D 8 -N 8 --schedule chimera --costs paper:bert-large/p100 --kl-clip-scope stale
+--profile-layers sublayer --decomp-pieces 4` spent 17.0 s in CP-SAT (61 calls; one probe given 0.005 deterministic
+s took 0.37 s of wall time with probing, 0.07-0.11 s without) and kept an unstreamed plan, +1.8% a step; without probing
+in the probes 8.9 s (41 calls) and a plan streamed at the bound, +0.9%. The small Chimera case of
+tests/planner/test_cpsat.py reaches its bound in 1 s only without. Solves that optimize keep it, as it shortens their
+proofs (planner_scaling's D=8 optimal in 2.5 s, 4.0 s with no probing anywhere), and so do the joint models
+(planner/joint_cpsat.py), whose layer options are Booleans (without it a joint 1F1B plan stretched its step 2.1%
+where forcing MEM-OPT stretched 1.3%, tests/planner/test_joint_strategy.py)."""
 
 
 @dataclass
