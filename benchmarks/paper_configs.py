@@ -153,9 +153,8 @@ def planned(
     )
     config = SolverConfig(time_limit_s=time_limit)
     try:
-        plan = solve_streamed(
-            problem, lambda p: solve_with_strategy(p, strategy, config, method), stream
-        )  # eager, as the paper
+        # eager stages, as the paper ran them (solve_streamed's whole_backward=False)
+        plan = solve_streamed(problem, lambda p: solve_with_strategy(p, strategy, config, method), stream)
     except PlanError as e:
         return {"method": method, "error": str(e).splitlines()[0]}
     return _metrics(method, plan)
