@@ -10,7 +10,7 @@ from fxkfac.planner.lowering import startup_programs
 from fxkfac.planner.plan import Plan, PlanMetrics, SolverStats
 from fxkfac.planner.problem import Problem, is_streamed, stage_groups
 from fxkfac.planner.simulate import BUSY_KINDS, utilization
-from fxkfac.planner.solution import GroupSolution, Placement, peak_bytes, placements_of, plan_born
+from fxkfac.planner.solution import GroupSolution, Placement, all_placed, peak_bytes, placements_of, plan_born
 from fxkfac.planner.step_timeline import (
     fused_stats,
     plain_step_time,
@@ -38,12 +38,13 @@ def same_stretch(solutions: list[GroupSolution | None]) -> list[GroupSolution | 
     """Every group at the largest stretch any needs: the step is one for all ranks ([Note: stretch] in
     planner/window.py). A group moved to a longer stretch keeps its staleness, which the longer one might
     better: no longer proven optimal (unless it is 0)."""
-    if not all(solutions):
+    placed = all_placed(solutions)
+    if placed is None:
         return solutions
-    stretch = max(s.window.stretch for s in solutions)  # type: ignore[union-attr]  # all() above: none is None
+    stretch = max(s.window.stretch for s in placed)
     out: list[GroupSolution | None] = []
-    for s in solutions:
-        moved = restretch(s, stretch)  # type: ignore[arg-type]  # all() above: none is None
+    for s in placed:
+        moved = restretch(s, stretch)
         if moved is not s and moved.status == "OPTIMAL" and any(moved.use_offset.values()):
             moved = replace(moved, status="FEASIBLE")
         out.append(moved)

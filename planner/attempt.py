@@ -21,7 +21,7 @@ from fxkfac.planner.packing_bound import group_lower_bound
 from fxkfac.planner.plan import Plan, rank
 from fxkfac.planner.preconditioners import words_of
 from fxkfac.planner.problem import Problem, SolverConfig, StageGroup, format_bytes, stage_groups
-from fxkfac.planner.solution import GroupSolution, fits_memory, peak_bytes
+from fxkfac.planner.solution import GroupSolution, all_placed, fits_memory, peak_bytes
 from fxkfac.planner.step_timeline import fused_extra, refresh_lower_bound, step_timeline
 from fxkfac.planner.stretch import Allowance, allowance
 from fxkfac.planner.window import TaskKind, Window, longest_gaps, too_long
@@ -404,8 +404,8 @@ def _fitted(
         if min_k > problem.max_period:
             raise Refused(_fusing_refused(problem, fused), (Knob.MEMORY_BUDGET, Knob.MAX_OVERHEAD), fused)
         attempt = _solve_groups(problem, fused, config, method, min_k, clock)
-        while fused and all(attempt.solutions) and len({s.window.k for s in attempt.solutions}) > 1:  # type: ignore[union-attr]  # all() first
-            common = max(s.window.k for s in attempt.solutions)  # type: ignore[union-attr]  # all() above
+        while fused and (placed := all_placed(attempt.solutions)) and len({s.window.k for s in placed}) > 1:
+            common = max(s.window.k for s in placed)
             attempt = _solve_groups(problem, fused, config, method, common, clock)
         if all(attempt.solutions):
             return assemble_attempt(problem, attempt, fused, time.perf_counter() - began)

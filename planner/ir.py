@@ -7,12 +7,14 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fxkfac.planner.errors import PlanFormatError
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
+
+T = TypeVar("T")
 
 __all__ = [
     "OpKind",
@@ -199,6 +201,31 @@ class Op:
                 f"{self.kind.value} needs {sorted(required)} and may have {sorted(allowed)}, got {sorted(present)}"
             )
 
+    @property
+    def stage_id(self) -> int:
+        """The stage, for kinds that must name one (OP_FIELDS); PlanFormatError when this op names none."""
+        return _required(self, self.stage, _STAGE)
+
+    @property
+    def mb_id(self) -> int:
+        """The micro-batch, for ops that name one; PlanFormatError when this op names none."""
+        return _required(self, self.mb, _MB)
+
+    @property
+    def peer_rank(self) -> int:
+        """The other end of a transfer; PlanFormatError when this op names none."""
+        return _required(self, self.peer, _PEER)
+
+    @property
+    def layer_name(self) -> str:
+        """The layer a preconditioner's op works on; PlanFormatError when this op covers every layer."""
+        return _required(self, self.layer, _LAYER)
+
+    @property
+    def part_name(self) -> str:
+        """The part of a layer (K-FAC's "A" or "B"); PlanFormatError when this op covers every part."""
+        return _required(self, self.part, _PART)
+
     def __str__(self) -> str:
         parts = [_SHORT.get(self.kind, self.kind.value)]
         if self.stage is not None:
@@ -249,6 +276,13 @@ class Op:
         return cls(kind, **fields)
 
 
+def _required(op: Op, value: T | None, name: str) -> T:
+    """`value`, the field `name` of `op`; PlanFormatError when a caller needs a field the op does not name."""
+    if value is None:
+        raise PlanFormatError(f"{op} names no {name}, which this use of a {op.kind.value} needs")
+    return value
+
+
 def _check_group(group: object, root: int | None) -> tuple[int, ...]:
     """A broadcast's group as ascending distinct ranks that include its root; PlanFormatError otherwise."""
     ranks = tuple(group) if isinstance(group, (tuple, list)) else ()
@@ -266,16 +300,15 @@ def _check_group(group: object, root: int | None) -> tuple[int, ...]:
 
 def _check_piece(piece: object) -> tuple[int, int]:
     """A DECOMP's piece as ``(i, n)`` with ``0 <= i < n`` and ``n >= 2``; PlanFormatError otherwise."""
-    ok = (
-        isinstance(piece, (tuple, list))
-        and len(piece) == 2
-        and all(isinstance(v, int) for v in piece)
-        and 0 <= piece[0] < piece[1]
-        and piece[1] >= 2
-    )
-    if not ok:
+    if (
+        not isinstance(piece, (tuple, list))
+        or len(piece) != 2
+        or not all(isinstance(v, int) for v in piece)
+        or not 0 <= piece[0] < piece[1]
+        or piece[1] < 2
+    ):
         raise PlanFormatError(f"Op.piece must be (i, n) with 0 <= i < n and n >= 2, got {piece!r}")
-    return (piece[0], piece[1])  # type: ignore[index]  # checked above
+    return (piece[0], piece[1])
 
 
 def _parse_layer(rest: str, text: str) -> str:

@@ -84,7 +84,7 @@ def activation_intervals(problem: Problem, device: int, step: StepTimeline) -> l
         if op.kind is OpKind.FWD:
             starts[key] = start
         elif op.kind is OpKind.BWD:
-            out.append((starts[key], end, problem.costs.stages[op.stage].act_bytes))  # type: ignore[index]  # a BWD names its stage
+            out.append((starts[key], end, problem.costs.stages[op.stage_id].act_bytes))
     return out
 
 

@@ -95,7 +95,7 @@ def _check_op(problem: Problem, op: Op, device: int, fixed: dict[int, set]) -> N
             f"{op}: stage {op.stage} has no layer {op.layer!r}",
         )
     if op.kind is OpKind.STATS:
-        kind = problem.costs.layer(op.layer).part(op.part).after  # type: ignore[arg-type]  # checked just above
+        kind = problem.costs.layer(op.layer_name).part(op.part_name).after
         if kind is OpKind.ALLREDUCE_GRAD:
             _need(
                 op.mb is None and op.pipe == 0,

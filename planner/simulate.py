@@ -176,9 +176,9 @@ def _message_key(src: int, dst: int, op: Op) -> tuple:
     if op.kind in LAYER_SENDS or op.kind in _LAYER_RECVS:
         return (src, dst, _LAYER_RECVS.get(op.kind, op.kind), op.stage, op.layer)
     if op.kind is OpKind.SEND_ACT:
-        return (src, dst, "act", op.stage + 1, op.mb, op.pipe)  # type: ignore[operator]  # a transfer names its stage
+        return (src, dst, "act", op.stage_id + 1, op.mb, op.pipe)
     if op.kind is OpKind.SEND_GRAD:
-        return (src, dst, "grad", op.stage - 1, op.mb, op.pipe)  # type: ignore[operator]  # a transfer names its stage
+        return (src, dst, "grad", op.stage_id - 1, op.mb, op.pipe)
     return (src, dst, "act" if op.kind is OpKind.RECV_ACT else "grad", op.stage, op.mb, op.pipe)
 
 
@@ -224,7 +224,7 @@ class _Sim:
     def ready_time(self, rank: int, op: Op) -> tuple[float | None, str]:
         """When `op`'s inputs are there (None: not yet known) and, if unknown, what it waits for."""
         if op.kind in RECV_KINDS:
-            key = _message_key(op.peer, rank, op)  # type: ignore[arg-type]  # a transfer names its peer
+            key = _message_key(op.peer_rank, rank, op)
             arrivals = self.sent[key]
             n = self.recv_count[key]
             return (arrivals[n], "") if n < len(arrivals) else (None, f"a matching send on rank {op.peer}")
@@ -247,9 +247,9 @@ class _Sim:
         self.free[rank] = end
         if op.kind in SEND_KINDS:
             early = self.lead(rank, op) if self.lead is not None else 0.0
-            self.sent[_message_key(rank, op.peer, op)].append(end + self.comm - early)  # type: ignore[arg-type]  # a transfer names its peer
+            self.sent[_message_key(rank, op.peer_rank, op)].append(end + self.comm - early)
         if op.kind in RECV_KINDS:
-            self.recv_count[_message_key(op.peer, rank, op)] += 1  # type: ignore[arg-type]  # a transfer names its peer
+            self.recv_count[_message_key(op.peer_rank, rank, op)] += 1
         self.pos[rank] += 1
 
     def try_collective(self, rank: int, op: Op) -> str:

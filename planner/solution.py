@@ -76,6 +76,12 @@ class GroupSolution:
     """Wall seconds it took (a measurement of this machine now: not part of equality)."""
 
 
+def all_placed(solutions: Iterable[GroupSolution | None]) -> list[GroupSolution] | None:
+    """Every group's solution, or None when any group found none."""
+    placed = list(solutions)
+    return None if any(s is None for s in placed) else [s for s in placed if s is not None]
+
+
 def prec_steps_ready(window: Window, prec_starts: tuple[int, ...], layer: str, ready: int) -> int:
     """The first step u (0..2k) whose APPLY of `layer`'s stage starts, on every copy, at or after tick `ready` (a
     streamed layer: whose owner's last backward does; `Window.streamed_use`)."""

@@ -200,12 +200,12 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callabl
 
     def duration(rank: int, op: Op) -> float:
         if op.kind is OpKind.FWD:
-            return fwd[op.stage]  # type: ignore[index]  # a FWD names its stage
+            return fwd[op.stage_id]
         if op.kind is OpKind.BWD:
-            return bwd[op.stage]  # type: ignore[index]  # a BWD names its stage
+            return bwd[op.stage_id]
         if op.kind in (OpKind.APPLY, OpKind.BCAST_PREC):
             streamed = (rank, op) not in per_step and op.kind is OpKind.APPLY and op.layer is not None
-            return problem.costs.layer(op.layer).prec if streamed else per_step[rank, op]  # type: ignore[arg-type]  # checked
+            return problem.costs.layer(op.layer_name).prec if streamed else per_step[rank, op]
         if op.kind is OpKind.STATS:
             return stats[op.layer, op.part]
         if op.kind is OpKind.ALLREDUCE_GRAD and op.stage is not None:
@@ -265,7 +265,7 @@ def _step_from(timeline: Timeline, length: float) -> StepTimeline:
         ops[rank] = items
         for op, _, end in items:
             if op.kind is OpKind.ALLREDUCE_GRAD:
-                allreduce[rank, op.stage] = end  # type: ignore[index]  # an ALLREDUCE_GRAD names its stage
+                allreduce[rank, op.stage_id] = end
     return StepTimeline(ops, allreduce, length)
 
 

@@ -63,7 +63,7 @@ class StepContext:
     def runner(self, op: Op) -> StageRunner:
         """The local stage copy `op` runs on."""
         try:
-            return self.runners[(op.stage, op.pipe)]  # type: ignore[index]  # an op run on a stage names its stage
+            return self.runners[(op.stage_id, op.pipe)]
         except KeyError:
             raise PipelineError(
                 f"rank {self.rank} got '{op}' but holds only stages "

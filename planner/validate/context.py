@@ -59,7 +59,7 @@ class Context:
         out: dict[str, list[float]] = {}
         for p in self.plan.placements:
             if p.op.kind in (OpKind.DECOMP, OpKind.BCAST):
-                out.setdefault(p.op.layer, []).append(p.end)  # type: ignore[arg-type]  # DECOMP and BCAST name their layer
+                out.setdefault(p.op.layer_name, []).append(p.end)
         return out
 
 
@@ -109,12 +109,12 @@ def gradient_fed_parts(c: Context, stage: int) -> list[tuple[str, str]]:
 
 
 def op_seconds(c: Context, op: Op) -> float:
-    stage = c.problem.costs.stages[op.stage]  # type: ignore[index]  # K-FAC ops name their stage
+    stage = c.problem.costs.stages[op.stage_id]
     if op.kind is OpKind.APPLY:
         return stage.prec if op.layer is None else c.problem.costs.layer(op.layer).prec
     if op.kind in (OpKind.SYNC_STATS, OpKind.BCAST, OpKind.BCAST_PREC):
         return collective_seconds(c, op)
-    part = c.problem.costs.layer(op.layer).part(op.part)  # type: ignore[arg-type]  # STATS and DECOMP name both
+    part = c.problem.costs.layer(op.layer_name).part(op.part_name)
     return part.stats if op.kind is OpKind.STATS else part.decomp / (1 if op.piece is None else op.piece[1])
 
 
@@ -126,7 +126,7 @@ def decomp_pieces(n: int) -> list[tuple[int, int] | None]:
 def collective_seconds(c: Context, op: Op) -> float:
     """Seconds of a collective (ALLREDUCE_GRAD, SYNC_STATS, BCAST, BCAST_PREC) over the ranks it names, else every
     copy of its stage, by the cost table's comm model."""
-    group = op.group if op.group is not None else copies_of_stage(c.problem, op.stage)  # type: ignore[arg-type]  # a collective of the schedules and plans names its stage
+    group = op.group if op.group is not None else copies_of_stage(c.problem, op.stage_id)
     return c.problem.costs.collective_seconds(op, len(group))
 
 
@@ -146,7 +146,7 @@ def end_of(timeline: StepTimeline, device: int, kind: OpKind, stage: int, mb: in
 
 def capture_after(c: Context, op: Op) -> OpKind:
     """The op (FWD or BWD) whose end makes the capture a STATS op consumes."""
-    return c.problem.costs.layer(op.layer).part(op.part).after  # type: ignore[arg-type]  # a STATS names both
+    return c.problem.costs.layer(op.layer_name).part(op.part_name).after
 
 
 def apply_start(c: Context, layer: str, u: int, device: int) -> float:

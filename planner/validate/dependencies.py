@@ -32,16 +32,16 @@ def check_dependencies(c: Context) -> None:
             _check_gradient_stats(c, p, applies)
         elif p.op.kind is OpKind.STATS:
             kind = capture_after(c, p.op)
-            ready = end_of(c.refresh, p.device, kind, p.op.stage, p.op.mb, p.op.pipe)  # type: ignore[arg-type]  # a STATS names its stage and micro-batch
+            ready = end_of(c.refresh, p.device, kind, p.op.stage_id, p.op.mb_id, p.op.pipe)
             if p.start < ready - c.tol:
                 c.errors.append(f"{p.op} on r{p.device} starts at {p.start:.6g} before its {kind} ends ({ready:.6g})")
-            if p.end > ready + c.length(c.period(p.op.stage)) + c.tol:  # type: ignore[arg-type]  # a STATS names its stage
+            if p.end > ready + c.length(c.period(p.op.stage_id)) + c.tol:
                 c.errors.append(f"{p.op} on r{p.device} keeps its a/e longer than one window")
         if p.op.kind is OpKind.BCAST_PREC:
             _check_shared_gradient(c, p)
         elif p.op.kind is not OpKind.APPLY:
             # STATS, SYNC_STATS (no factor), DECOMP and BCAST name their layer
-            factor_tasks[p.op.layer, p.op.part][p.op.kind].append(p)  # type: ignore[index]  # see above
+            factor_tasks[p.op.layer_name, p.op.part][p.op.kind].append(p)
     for (layer, side), kinds in factor_tasks.items():
         _check_factor(c, layer, side, kinds)
     _check_warm_starts(c, factor_tasks)

@@ -81,7 +81,7 @@ def check_placed_once(c: Context) -> None:
             got[placed_key(p.op), None if p.op.kind is OpKind.DECOMP else p.device] += 1
         if abs(p.end - p.start - op_seconds(c, p.op)) > c.tol + 1e-9 * max(1.0, p.end):
             c.errors.append(f"{p.op} on r{p.device}: lasts {p.end - p.start:.6g} s, costs {op_seconds(c, p.op):.6g} s")
-        k = c.period(p.op.stage)  # type: ignore[arg-type]  # a placed op is K-FAC work on a stage
+        k = c.period(p.op.stage_id)
         if (
             not 0 <= p.step < 2 * k
             or not c.step_start(p.device, p.step, k) - c.tol <= p.start
@@ -91,7 +91,7 @@ def check_placed_once(c: Context) -> None:
                 f"{p.op} on r{p.device} at [{p.start:.6g}, {p.end:.6g}) s is not within window step {p.step} (k={k})"
             )
         if p.op.kind is OpKind.DECOMP:
-            workers = c.problem.workers(p.op.layer)  # type: ignore[arg-type]  # a DECOMP names its layer
+            workers = c.problem.workers(p.op.layer_name)
             if p.device not in workers:
                 c.errors.append(f"{p.op} runs on r{p.device}, not a grad worker of {p.op.layer} {list(workers)}")
     want = _expected(c)
@@ -135,8 +135,8 @@ def check_memory(c: Context) -> None:
     keeps = defaultdict(list)
     for p in c.plan.placements:
         if p.op.kind is OpKind.STATS and p.op.mb is not None:
-            part = c.problem.costs.layer(p.op.layer).part(p.op.part)  # type: ignore[arg-type]  # a STATS names both
-            since = end_of(c.refresh, p.device, part.after, p.op.stage, p.op.mb, p.op.pipe)  # type: ignore[arg-type]  # a STATS names its stage and micro-batch
+            part = c.problem.costs.layer(p.op.layer_name).part(p.op.part_name)
+            since = end_of(c.refresh, p.device, part.after, p.op.stage_id, p.op.mb_id, p.op.pipe)
             keeps[p.device].append((since, p.end, part.capture_bytes))
     for d in c.problem.devices:
         k = max(c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s))

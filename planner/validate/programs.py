@@ -140,9 +140,9 @@ def _check_runs(c: Context) -> None:
 
     def duration(rank: int, op: Op) -> float:
         if op.kind is OpKind.FWD:
-            return stages[op.stage].fwd  # type: ignore[index]  # a FWD names its stage
+            return stages[op.stage_id].fwd
         if op.kind is OpKind.BWD:
-            return stages[op.stage].bwd  # type: ignore[index]  # a BWD names its stage
+            return stages[op.stage_id].bwd
         if op.kind is OpKind.ALLREDUCE_GRAD:
             return collective_seconds(c, op)
         if op.kind in LAYER_TRANSFER_KINDS or _fold(c, op):

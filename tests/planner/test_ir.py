@@ -128,6 +128,17 @@ def test_bad_fields_are_refused() -> None:
         parse_programs("F s0 m0\n")
 
 
+def test_typed_accessors_return_named_fields_and_refuse_absent_ones() -> None:
+    op = Op.parse("STATS s1 m3 A fc")
+    assert (op.stage_id, op.mb_id, op.layer_name, op.part_name) == (1, 3, "fc", "A")
+    assert Op.parse("SEND_ACT s0 m1 >r2").peer_rank == 2
+    whole = Op.parse("DECOMP s1")  # every layer and part of the stage
+    with pytest.raises(PlanFormatError, match="DECOMP s1 names no layer"):
+        _ = whole.layer_name
+    with pytest.raises(PlanFormatError, match="names no mb"):
+        _ = whole.mb_id
+
+
 def test_layer_timing_fields() -> None:
     timing = LayerTiming(period=3, curv_step=1, use_offset=2, capture="deferred")
     assert timing.period == 3 and timing.capture is Capture.DEFERRED
