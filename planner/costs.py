@@ -10,6 +10,7 @@ import math
 import statistics
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from fxkfac.planner.errors import CostModelError
 from fxkfac.planner.ir import Op, OpKind
 
 __all__ = [
+    "PreconditionerKind",
     "Spread",
     "PartCost",
     "SCHEMA_VERSION",
@@ -309,6 +311,14 @@ class StageCost:
         return sum(layer.capture_bytes for layer in self.layers)
 
 
+class PreconditionerKind(StrEnum):
+    """A family the planner has a cost model for: the family a cost table prices (`CostTable.family`)."""
+
+    KFAC = "kfac"
+    SHAMPOO = "shampoo"
+    SOAP = "soap"
+
+
 @dataclass(frozen=True, slots=True)
 class CostTable:
     """Costs of every stage of one model at one micro-batch size, and where they came from."""
@@ -320,8 +330,12 @@ class CostTable:
     hardware: str
     comm: CommModel | None = None
     """What collectives cost between the devices (planner/comm.py); None: nothing (tables from before it)."""
+    family: PreconditionerKind = PreconditionerKind.KFAC
+    """The preconditioner family whose tasks the layers' parts price."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.family, PreconditionerKind):
+            raise CostModelError(f"CostTable.family must be a PreconditionerKind, got {self.family!r}")
         if self.comm is not None and not isinstance(self.comm, CommModel):
             raise CostModelError(f"CostTable.comm must be a CommModel or None, got {type(self.comm).__name__}")
         if not isinstance(self.stages, tuple) or not self.stages:
@@ -393,6 +407,10 @@ class CostTable:
         body = asdict(self)
         if self.comm is None:
             del body["comm"]
+        if self.family is PreconditionerKind.KFAC:
+            del body["family"]
+        else:
+            body["family"] = self.family.value
         for stage in body["stages"]:
             _drop_empty_spreads(stage)
             for key in ("tap_fwd", "tap_bwd"):
@@ -427,7 +445,8 @@ class CostTable:
         try:
             stages = tuple(_stage_from_dict(s) for s in data["stages"])
             comm = CommModel.from_dict(data["comm"]) if data.get("comm") is not None else None
-            return cls(stages, data["micro_batch_size"], data["source"], data["hardware"], comm)
+            family = _family_of_file(data)
+            return cls(stages, data["micro_batch_size"], data["source"], data["hardware"], comm, family)
         except KeyError as e:
             raise CostModelError(f"cost table is missing the key {e.args[0]!r}") from e
         except TypeError as e:
@@ -474,6 +493,19 @@ class CostTable:
         r = micro_batch_size / self.micro_batch_size
         stages = tuple(_scale_stage(s, r, 1.0, r) for s in self.stages)
         return replace(self, stages=stages, micro_batch_size=micro_batch_size)
+
+
+def _family_of_file(data: dict[str, Any]) -> PreconditionerKind:
+    """A table file's family: its "family" key; a file without one is K-FAC's, or, when written before the key
+    existed, the family its source begins with ("shampoo:analytic:...")."""
+    if "family" in data:
+        try:
+            return PreconditionerKind(data["family"])
+        except ValueError:
+            known = ", ".join(k.value for k in PreconditionerKind)
+            raise CostModelError(f"cost table family {data['family']!r} is not one of {known}") from None
+    head = str(data["source"]).split(":", 1)[0]
+    return PreconditionerKind(head) if head in {k.value for k in PreconditionerKind} else PreconditionerKind.KFAC
 
 
 def _drop_empty_spreads(body: dict[str, Any]) -> None:

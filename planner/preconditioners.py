@@ -1,7 +1,7 @@
 """The preconditioner families the planner costs, and the words each uses for its tasks: one table.
 
-A cost table says which family it is for by the first field of its `source` ("shampoo:analytic:..."); a table
-without one (K-FAC's analytic model, profiles, measured tables) is K-FAC's. Views, traces and explanations take
+A cost table says which family it is for in `CostTable.family` (K-FAC's for the analytic model, profiles and
+measured tables). Views, traces and explanations take
 their labels from `WORDS` so a Shampoo plan speaks of statistics and root inverses, not curvature and inversion.
 """
 
@@ -10,17 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from fxkfac.planner.costs import CostTable
+from fxkfac.planner.costs import CostTable, PreconditionerKind
 
 __all__ = ["PreconditionerKind", "InverseMethod", "TaskWords", "WORDS", "tagged_source", "kind_of", "words_of"]
-
-
-class PreconditionerKind(StrEnum):
-    """A family the planner has a cost model for."""
-
-    KFAC = "kfac"
-    SHAMPOO = "shampoo"
-    SOAP = "soap"
 
 
 class InverseMethod(StrEnum):
@@ -52,15 +44,13 @@ WORDS: dict[PreconditionerKind, TaskWords] = {
 
 
 def tagged_source(kind: PreconditionerKind, source: str) -> str:
-    """`source` marked as a cost table of `kind` (K-FAC's tables stay unmarked, as they always were)."""
+    """`source` with the family's name in front, for the views (K-FAC's stay unmarked, as they always were)."""
     return source if kind is PreconditionerKind.KFAC else f"{kind.value}:{source}"
 
 
 def kind_of(costs: CostTable) -> PreconditionerKind:
-    """The family a cost table is for: its source's mark, K-FAC when unmarked."""
-    head = costs.source.split(":", 1)[0]
-    known = {kind.value for kind in PreconditionerKind}
-    return PreconditionerKind(head) if head in known else PreconditionerKind.KFAC
+    """The family a cost table is for."""
+    return costs.family
 
 
 def words_of(costs: CostTable) -> TaskWords:

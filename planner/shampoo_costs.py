@@ -208,4 +208,5 @@ def gradient_cost_table(
 
     table = analytic_cost_table(spec, stages, micro_batch_size, seq_len, hw, precision=precision, units=units)
     blocking = "unblocked" if max_dim is None else f"block{max_dim}"
-    return replace(table, source=tagged_source(kind, f"{table.source.rsplit(':', 1)[0]}:{how.value}:{blocking}"))
+    source = tagged_source(kind, f"{table.source.rsplit(':', 1)[0]}:{how.value}:{blocking}")
+    return replace(table, source=source, family=kind)

@@ -3,6 +3,8 @@ a cost table, and the block sides the auto search tries."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from fxkfac.planner.block_size import block_candidates
@@ -109,6 +111,16 @@ def test_cost_tables_carry_their_family() -> None:
     assert kind_of(analytic_cost_table("bert-base", 4, 32)) is PreconditionerKind.KFAC
     with pytest.raises(CostModelError, match="analytic_cost_table"):
         gradient_cost_table("bert-base", 4, 32, kind=PreconditionerKind.KFAC, max_dim=512)
+
+
+def test_the_family_is_a_field_not_read_from_the_source_text() -> None:
+    table = gradient_cost_table("bert-base", 4, 32, hardware="p100", kind=SOAP, max_dim=512)
+    renamed = replace(table, source="my-own-measurements")
+    assert kind_of(renamed) is SOAP and kind_of(CostTable.from_json(renamed.to_json())) is SOAP
+    legacy = {k: v for k, v in table.to_dict().items() if k != "family"}  # a file from before the field
+    assert CostTable.from_dict(legacy).family is SOAP
+    with pytest.raises(CostModelError, match="family 'adam' is not one of kfac, shampoo, soap"):
+        CostTable.from_dict({**table.to_dict(), "family": "adam"})
 
 
 def test_block_candidates_run_from_no_blocking_down_to_256() -> None:
