@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
-from fxkfac.planner.ir import Capture, LayerTiming, Op, OpKind, Program
+from fxkfac.planner.ir import Capture, LayerTiming, Op, OpKind, Placement, Program
 from fxkfac.planner.lowering import startup_programs
 from fxkfac.planner.plan import Plan, PlanMetrics, SolverStats
 from fxkfac.planner.problem import Problem, is_streamed, stage_groups
 from fxkfac.planner.simulate import BUSY_KINDS, utilization
-from fxkfac.planner.solution import GroupSolution, Placement, all_placed, peak_bytes, placements_of, plan_born
+from fxkfac.planner.solution import GroupSolution, all_placed, peak_bytes, placements_of, plan_born
 from fxkfac.planner.step_timeline import (
     fused_stats,
     plain_step_time,

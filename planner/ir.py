@@ -18,6 +18,7 @@ T = TypeVar("T")
 
 __all__ = [
     "OpKind",
+    "Placement",
     "Capture",
     "Op",
     "Program",
@@ -274,6 +275,29 @@ class Op:
         if rest:
             fields["layer"] = _parse_layer(rest, text)
         return cls(kind, **fields)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one K-FAC op runs: `device`, from `start` to `end` seconds after the refresh step
+    began; `step` in 0..2k-1 is the step of the window (k.. : the next window's early bubbles)."""
+
+    op: Op
+    device: int
+    step: int
+    start: float
+    end: float
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-able form."""
+        return {"op": str(self.op), "device": self.device, "step": self.step, "start": self.start, "end": self.end}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Placement:
+        """Inverse of `to_dict`."""
+        return cls(
+            Op.parse(str(data["op"])), int(data["device"]), int(data["step"]), float(data["start"]), float(data["end"])
+        )
 
 
 def _required(op: Op, value: T | None, name: str) -> T:

@@ -11,9 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from fxkfac.planner.errors import PlanError, PlanFormatError, PlanMismatchError
-from fxkfac.planner.ir import LayerTiming, Program, format_program, parse_program
+from fxkfac.planner.ir import LayerTiming, Placement, Program, format_program, parse_program
 from fxkfac.planner.problem import Problem
-from fxkfac.planner.solution import Placement
 
 __all__ = ["SCHEMA_VERSION", "SolverStats", "PlanMetrics", "Plan", "rank"]
 

@@ -7,9 +7,9 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from fxkfac.planner.ir import LayerTiming, Op, OpKind
+from fxkfac.planner.ir import LayerTiming, Op, OpKind, Placement
 from fxkfac.planner.memory import decomposition_bytes, peak_level, static_bytes
 from fxkfac.planner.streaming import made_refreshes, replica_born
 from fxkfac.planner.window import TaskKind, Window, wrap
@@ -34,29 +34,6 @@ __all__ = [
     "plan_born",
     "Born",
 ]
-
-
-@dataclass(frozen=True)
-class Placement:
-    """Where one K-FAC op runs: `device`, from `start` to `end` seconds after the refresh step
-    began; `step` in 0..2k-1 is the step of the window (k.. : the next window's early bubbles)."""
-
-    op: Op
-    device: int
-    step: int
-    start: float
-    end: float
-
-    def to_dict(self) -> dict[str, object]:
-        """JSON-able form."""
-        return {"op": str(self.op), "device": self.device, "step": self.step, "start": self.start, "end": self.end}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> Placement:
-        """Inverse of `to_dict`."""
-        return cls(
-            Op.parse(str(data["op"])), int(data["device"]), int(data["step"]), float(data["start"]), float(data["end"])
-        )
 
 
 @dataclass(frozen=True)

@@ -15,14 +15,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fxkfac.planner.costs import StageCost
 from fxkfac.planner.errors import PlanFormatError
-from fxkfac.planner.ir import LayerTiming, Op, OpKind, Program
-
-if TYPE_CHECKING:
-    from fxkfac.planner.solution import Placement
+from fxkfac.planner.ir import LayerTiming, Op, OpKind, Placement, Program
 
 __all__ = [
     "Streaming",

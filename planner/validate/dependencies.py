@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
-from fxkfac.planner.ir import OpKind
+from fxkfac.planner.ir import OpKind, Placement
 from fxkfac.planner.problem import copies_of_stage
 from fxkfac.planner.validate.context import (
     Context,
@@ -17,9 +16,6 @@ from fxkfac.planner.validate.context import (
     end_of,
     gradient_fed_parts,
 )
-
-if TYPE_CHECKING:
-    from fxkfac.planner.solution import Placement
 
 
 def check_dependencies(c: Context) -> None:

@@ -11,7 +11,7 @@ from functools import cache
 import pytest
 
 from fxkfac.planner.costs import CostTable, StageCost
-from fxkfac.planner.ir import LayerTiming, Op, OpKind, Program
+from fxkfac.planner.ir import LayerTiming, Op, OpKind, Placement, Program
 from fxkfac.planner.lowering import (
     Assignment,
     assign_decompositions,
@@ -24,7 +24,6 @@ from fxkfac.planner.plan import Plan, PlanMetrics, SolverStats
 from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.schedules import num_stages
 from fxkfac.planner.simulate import simulate
-from fxkfac.planner.solution import Placement
 from fxkfac.planner.solve import solve
 from fxkfac.planner.step_timeline import plain_step_time, step_timeline
 from fxkfac.planner.validate import validate

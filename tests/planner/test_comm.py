@@ -24,11 +24,10 @@ from fxkfac.planner.comm import (
 from fxkfac.planner.costs import COUNT_BYTES, CostTable, LayerCost, StageCost
 from fxkfac.planner.errors import CostModelError
 from fxkfac.planner.hardware import HARDWARE
-from fxkfac.planner.ir import Op, OpKind
+from fxkfac.planner.ir import Op, OpKind, Placement
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.profiles import load_cost_table
-from fxkfac.planner.solution import Placement
 from fxkfac.planner.solve import solve
 from fxkfac.planner.step_timeline import plain_step_time, stage_comm, step_timeline
 from fxkfac.planner.validate import validate
