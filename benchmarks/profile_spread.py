@@ -35,6 +35,7 @@ from fxkfac.demo import DEMO_KFAC, DemoConfig
 from fxkfac.launch import RankContext, launch
 from fxkfac.planner.costs import StageCost
 from fxkfac.planner.plan import Plan
+from fxkfac.planner.plan_file import parse_plan
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 GPT2_SEQ = 32
@@ -229,7 +230,7 @@ def main() -> None:
         made = launch(_plan_once, cfg.world, args.model, args.gpt2_batch, args.time_limit, timeout=cfg.timeout_s)[0]
         if made is None:
             raise AssertionError("rank 0 made no plan")
-        rows.append(_run_row(Plan.from_json(made[0]), made[1]))
+        rows.append(_run_row(parse_plan(made[0]), made[1]))
         uptime.append(_uptime())
         print(f"run {i}: refresh periods {rows[-1]['refresh_steps']} ({uptime[-1]})", flush=True)
     _report(rows, args, uptime)

@@ -16,6 +16,7 @@ from fxkfac.planner.choose import solve_with_strategy
 from fxkfac.planner.costs import CostTable, median_of
 from fxkfac.planner.errors import PlanError, PlanMismatchError
 from fxkfac.planner.plan import Plan
+from fxkfac.planner.plan_file import parse_plan, read_plan
 from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StepBarrier
 from fxkfac.planner.profiles import load_cost_table
 from fxkfac.planner.schedules import ScheduleKind
@@ -30,7 +31,7 @@ __all__ = [
     "solve_for",
     "check_matches",
     "check_costs",
-    "load_plan",
+    "load_plan_for",
     "share_plan",
     "gathered_profile",
 ]
@@ -102,7 +103,7 @@ def resolve_plan(
                 made = e
         return share_plan(made)
     if isinstance(plan, (str, Path)):
-        return load_plan(plan, target, stage_layers)
+        return load_plan_for(plan, target, stage_layers)
     if isinstance(plan, Plan):
         check_matches(plan, target)
         return plan
@@ -247,10 +248,10 @@ def check_costs(costs: CostTable, stage_layers: Mapping[int, Sequence[str]]) -> 
             )
 
 
-def load_plan(path: str | Path, target: Target, stage_layers: Mapping[int, Sequence[str]]) -> Plan:
+def load_plan_for(path: str | Path, target: Target, stage_layers: Mapping[int, Sequence[str]]) -> Plan:
     """Read a plan file once, refuse one made for another graph/mesh/schedule or for other K-FAC layers than
     the split model's `stage_layers`, then validate it; every error names the file."""
-    plan = Plan.read(path)
+    plan = read_plan(path)
     check_matches(plan, target, f"the plan file {path}")
     have = {s: sorted(x.name for x in stage.layers) for s, stage in enumerate(plan.problem.costs.stages)}
     want = {s: sorted(names) for s, names in stage_layers.items()}
@@ -314,4 +315,4 @@ def share_plan(plan: Plan | FxkfacError | None, src: int = 0) -> Plan:
         raise _received(text, f"rank {src} could not plan")
     if not isinstance(text, str):
         raise AssertionError("plan broadcast delivered no JSON text")
-    return Plan.from_json(text)
+    return parse_plan(text)

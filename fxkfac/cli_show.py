@@ -11,6 +11,7 @@ from rich.console import Console
 
 from fxkfac.cli_args import CliError
 from fxkfac.planner.errors import PlanFormatError
+from fxkfac.planner.plan_file import load_plan
 from fxkfac.planner.preconditioners import words_of
 
 
@@ -18,11 +19,10 @@ def run_show(args: argparse.Namespace, console: Console) -> int:
     """`fxkfac show`: draw a saved plan (validated on load, its summary checked against its placements),
     and a measured trace below it."""
     from fxkfac.plan_view import planned_utilization, render_plan, summary_errors
-    from fxkfac.planner.plan import Plan
     from fxkfac.planner.simulate import BUSY_KINDS
     from fxkfac.show import render_summary, render_timeline, timeline_from_trace
 
-    plan = Plan.load(args.plan)
+    plan = load_plan(args.plan)
     wrong = summary_errors(plan)
     if wrong:
         raise PlanFormatError(

@@ -29,6 +29,7 @@ from fxkfac.planner.costs import CostTable
 from fxkfac.planner.ir import LayerTiming, Programs
 from fxkfac.planner.lowering import naive_programs, ranks_of_stages
 from fxkfac.planner.plan import Plan
+from fxkfac.planner.plan_file import load_plan
 from fxkfac.planner.problem import StepBarrier, format_bytes
 from fxkfac.planner.schedules import ScheduleKind, num_stages, stages_of_rank
 from fxkfac.planner.strategy import LayerDistribution, distribute
@@ -473,7 +474,7 @@ def critical_path_distributions(
 
 def _plan_of(plan: str | Path | Plan) -> Plan:
     """A plan object from a Plan or a plan file (validated against its own problem)."""
-    return plan if isinstance(plan, Plan) else Plan.load(plan)
+    return plan if isinstance(plan, Plan) else load_plan(plan)
 
 
 def _surrogate_loss(outputs: Sequence[Tensor]) -> Tensor:

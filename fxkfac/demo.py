@@ -17,6 +17,7 @@ from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions, member_of
 from fxkfac.errors import ConfigError
 from fxkfac.launch import RankContext, launch
 from fxkfac.models import TinyBertConfig
+from fxkfac.planner.plan_file import parse_plan
 
 if TYPE_CHECKING:
     from fxkfac.shampoo.config import ShampooConfig, SOAPConfig
@@ -422,9 +423,8 @@ def run_demo(cfg: DemoConfig, console: Console | None = None, *, show_plan: bool
 def plan_view(plan_json: str, width: int = 100) -> Any:
     """The plan as `fxkfac plan --show` draws it (summary and planned timeline)."""
     from fxkfac.plan_view import render_plan
-    from fxkfac.planner.plan import Plan
 
-    plan = Plan.from_json(plan_json)
+    plan = parse_plan(plan_json)
     return render_plan(
         plan,
         width=width,

@@ -1,4 +1,5 @@
-"""Plans as data: per-rank programs, layer timings, placements, metrics, and their JSON files (one schema)."""
+"""Plans as data: per-rank programs, layer timings, placements, metrics, written as JSON (one schema; read back,
+checked, by planner/plan_file.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fxkfac.planner.errors import PlanError, PlanFormatError, PlanMismatchError
-from fxkfac.planner.ir import LayerTiming, Placement, Program, format_program, parse_program
+from fxkfac.planner.ir import LayerTiming, Placement, Program, format_program
 from fxkfac.planner.problem import Problem
 
 __all__ = ["SCHEMA_VERSION", "SolverStats", "PlanMetrics", "Plan", "rank"]
@@ -98,17 +98,8 @@ class Plan:
         }
 
     def to_json(self, *, indent: int | None = 1) -> str:
-        """JSON text; `from_json` reads it back to an equal plan."""
+        """JSON text; `planner.plan_file.parse_plan` reads it back to an equal plan."""
         return json.dumps(self.to_dict(), indent=indent)
-
-    @classmethod
-    def from_json(cls, text: str) -> Plan:
-        """Parse `to_json` output; raises PlanFormatError for corrupt, truncated or newer files."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise PlanFormatError(f"the plan file is not valid JSON (corrupt or truncated?): {e}") from e
-        return _plan_from_dict(data)
 
     def save(self, path: str | Path) -> None:
         """Write the JSON atomically (a temporary file in the same folder, then os.replace)."""
@@ -125,98 +116,14 @@ class Plan:
             Path(tmp).unlink(missing_ok=True)
             raise
 
-    @classmethod
-    def read(cls, path: str | Path) -> Plan:
-        """Read and parse a plan file, not yet validated against its problem (see `load`); errors name the file."""
-        try:
-            text = Path(path).read_text()
-        except OSError as e:
-            raise PlanFormatError(f"cannot read the plan file {path}: {e}") from e
-        try:
-            return cls.from_json(text)
-        except PlanFormatError as e:
-            raise PlanFormatError(f"plan file {path}: {e}") from e
-
-    @classmethod
-    def load(cls, path: str | Path, *, expect_fingerprint: str | None = None) -> Plan:
-        """Read and validate a plan; PlanMismatchError when made for another graph."""
-        from fxkfac.planner.validate import check_plan
-
-        plan = cls.read(path)
-        if expect_fingerprint is not None and plan.fingerprint != expect_fingerprint:
-            raise PlanMismatchError(
-                f"{path} was made for graph {plan.fingerprint!r}, not {expect_fingerprint!r}; "
-                "make a new plan for this model, mesh and schedule (fxkfac plan ... --export)"
-            )
-        try:
-            check_plan(plan.problem, plan)
-        except PlanError as e:
-            raise PlanError(f"plan file {path}: {e}") from e
-        return plan
-
 
 def _programs_dict(programs: Mapping[int, Program]) -> dict[str, list[str]]:
     """Programs in the IR's text format, one string per step."""
     return {str(r): [format_program([step]) for step in prog] for r, prog in programs.items()}
 
 
-def _programs_of(data: Mapping[str, Any]) -> dict[int, Program]:
-    """Inverse of `_programs_dict`."""
-    return {int(r): [parse_program(text)[0] if text.strip() else [] for text in steps] for r, steps in data.items()}
-
-
 def _timing_dict(t: LayerTiming) -> dict[str, Any]:
     return {"period": t.period, "curv_step": t.curv_step, "use_offset": t.use_offset, "capture": t.capture}
-
-
-def _plan_from_dict(data: Any) -> Plan:
-    from fxkfac.planner.plan_check import check_structure
-
-    if not isinstance(data, dict):
-        raise PlanFormatError(f"a plan must be a JSON object, got {type(data).__name__}")
-    version = data.get("schema_version")
-    if type(version) is int and version > SCHEMA_VERSION:  # not bool: true is not a version
-        raise PlanFormatError(
-            f"the plan has schema_version {version}, newer than this fxkfac reads "
-            f"({SCHEMA_VERSION}); upgrade fxkfac to load it"
-        )
-    if type(version) is int and 1 <= version < SCHEMA_VERSION:
-        raise PlanFormatError(
-            f"the plan has schema_version {version}, older than this fxkfac's ({SCHEMA_VERSION}): "
-            "it may place K-FAC work across a step's closing barrier (version 1) or lack its "
-            "start-up steps (version 2); re-plan it (fxkfac plan ... --export plan.json, or "
-            "plan='auto')"
-        )
-    if type(version) is not int or version != SCHEMA_VERSION:
-        raise PlanFormatError(f"unknown plan schema_version {version!r} (expected {SCHEMA_VERSION})")
-    try:
-        m = data["metrics"]
-        solver = SolverStats(
-            m["solver"]["status"], m["solver"]["wall_time"], tuple(m["solver"]["objective"]), m["solver"]["gap"]
-        )
-        metrics = PlanMetrics(
-            **{
-                **m,
-                "solver": solver,
-                "refresh_steps": tuple(m["refresh_steps"]),
-                "lower_bound_steps": tuple(m["lower_bound_steps"]),
-                "greedy_refresh_steps": tuple(m["greedy_refresh_steps"]),
-                "peak_memory": {int(d): b for d, b in m["peak_memory"].items()},
-            }
-        )
-        programs = _programs_of(data["programs"])
-        layers = {name: LayerTiming(**t) for name, t in data["layers"].items()}
-        placements = tuple(Placement.from_dict(p) for p in data["placements"])
-        problem = Problem.from_dict(data["problem"])
-        plan = Plan(
-            problem, programs, layers, placements, metrics, data["fingerprint"], version, _programs_of(data["startup"])
-        )
-        check_structure(plan)
-        return plan
-    except PlanFormatError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
-        raise PlanFormatError(f"the plan file is malformed (missing or bad entry: {e})") from e
 
 
 def rank(plan: Plan) -> tuple[int, float, int, float]:

@@ -22,6 +22,7 @@ from fxkfac.planner.errors import PlannerError
 from fxkfac.planner.ir import Op, OpKind
 from fxkfac.planner.memory import min_memory_bytes
 from fxkfac.planner.plan import SCHEMA_VERSION, Plan
+from fxkfac.planner.plan_file import load_plan
 from fxkfac.planner.simulate import Interval, Timeline
 from fxkfac.planner.solve import solve
 from fxkfac.show import chrome_trace, render_timeline, timeline_from_trace
@@ -143,7 +144,7 @@ def test_plan_export_show_and_trace(
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 80
     assert "T_bubble =" in out and "refresh steps per stage" in out
-    plan = Plan.load(export)
+    plan = load_plan(export)
     refresh = " ".join(map(str, plan.metrics.refresh_steps))
     assert refresh in out
     trace = json.loads(trace_path.read_text())
@@ -268,7 +269,7 @@ def test_infeasible_budget_says_the_least_memory_and_writes_nothing(
     assert f"{need} bytes" in err and "least any plan needs" in err
     assert export.read_text() == "keep me" and not trace.exists()
     assert main(PLAN + ["--memory", str(need * 4), "--export", str(export)]) == 0
-    assert Plan.load(export).problem.memory_budget == need * 4
+    assert load_plan(export).problem.memory_budget == need * 4
 
 
 def test_plan_path_does_not_import_torch(tmp_path: Path) -> None:
@@ -318,7 +319,7 @@ def test_factory_targets_plan_the_layers_compile_finds(
     ]
     assert main(argv) == 0
     assert "refresh steps per stage" in capsys.readouterr().out
-    plan = Plan.load(export)
+    plan = load_plan(export)
     planned = [[x.name for x in stage.layers] for stage in plan.problem.costs.stages]
     assert sorted(sum(planned, [])) == sorted(layers) and all(planned)
     model, example = runpy.run_path(str(EXAMPLE_FACTORIES))[factory]()
@@ -382,7 +383,7 @@ def test_decomp_pieces_plan_every_decomposition_in_that_many_tasks(
         == 0
     )
     assert "in 4 pieces each" in capsys.readouterr().out
-    plan = Plan.load(path)
+    plan = load_plan(path)
     pieces: dict[tuple[str | None, str | None], set[tuple[int, int] | None]] = {}
     for op in (p.op for p in plan.placements if p.op.kind is OpKind.DECOMP):
         pieces.setdefault((op.layer, op.part), set()).add(op.piece)
@@ -399,7 +400,7 @@ def test_profile_layers_plan_each_sublayer_of_a_profiled_block(
     path = tmp_path / "plan.json"
     argv = ["plan", "bert-base", "-D", "4", "-N", "4", "--costs", "paper:bert-base/p100", "--method", "greedy"]
     assert main([*argv, "--profile-layers", "sublayer", "--export", str(path)]) == 0
-    plan = Plan.load(path)
+    plan = load_plan(path)
     assert sorted(plan.layers) == sorted(f"block{i}.{part}" for i in range(12) for part in ("attn", "ffn"))
     capsys.readouterr()
     assert _status(["plan", "bert-base", "-D", "4", "-N", "4", "--profile-layers", "linear"]) == 2
@@ -418,7 +419,7 @@ def test_stream_apply_shortest_step_streams_chimera_and_off_streams_nothing(
         path = tmp_path / f"{schedule}-{policy}.json"
         argv = [*base, "--schedule", schedule, "--stream-apply", policy, "--export", str(path)]
         assert main(argv) == 0
-        streamed[schedule, policy] = Plan.load(path).problem.streaming is not None
+        streamed[schedule, policy] = load_plan(path).problem.streaming is not None
     assert streamed == {("chimera", "keep-refresh"): False, ("chimera", "shortest-step"): True, ("1f1b", "off"): False}
     capsys.readouterr()
 
@@ -475,7 +476,7 @@ def _renamed(text: str, old: str, new: str) -> str:
 
 
 def test_plan_file_errors_name_the_file(tmp_path: Path) -> None:
-    from fxkfac.autoplan import Target, load_plan
+    from fxkfac.autoplan import Target, load_plan_for
     from fxkfac.planner.errors import PlanMismatchError
     from fxkfac.planner.schedules import ScheduleKind
 
@@ -486,14 +487,14 @@ def test_plan_file_errors_name_the_file(tmp_path: Path) -> None:
     target = Target(
         plan.fingerprint, ScheduleKind(plan.problem.schedule), plan.problem.D, plan.problem.N, plan.problem.W
     )
-    assert Plan.load(path).layers.keys() != plan.layers.keys()  # valid by itself: only the model knows
+    assert load_plan(path).layers.keys() != plan.layers.keys()  # valid by itself: only the model knows
     with pytest.raises(PlanMismatchError, match=rf"plan file {re.escape(str(path))}.*l1_renamed"):
-        load_plan(path, target, layers)
-    assert load_plan(_saved(plan, tmp_path), target, layers).layers == plan.layers
+        load_plan_for(path, target, layers)
+    assert load_plan_for(_saved(plan, tmp_path), target, layers).layers == plan.layers
     truncated = tmp_path / "truncated.json"
     truncated.write_text(plan.to_json()[:100])
     with pytest.raises(PlannerError, match=re.escape(str(truncated))):
-        load_plan(truncated, target, layers)
+        load_plan_for(truncated, target, layers)
 
 
 def _saved(plan: Plan, folder: Path) -> Path:

@@ -15,7 +15,7 @@ from fxkfac.errors import ConfigError, PipelineError
 from fxkfac.launch import RankContext, launch
 from fxkfac.models import TinyBertConfig
 from fxkfac.planner.ir import OpKind
-from fxkfac.planner.plan import Plan
+from fxkfac.planner.plan_file import parse_plan
 
 TINY = DemoConfig(
     steps=3,
@@ -50,7 +50,7 @@ def test_demo_trains_both_runs_and_plans_kfac_ops() -> None:
         assert all(math.isfinite(x) for x in curve.train_losses)
         assert all(math.isfinite(v) and t >= 0 for _, t, v in curve.points)
     assert adamw.plan_json is None
-    plan = Plan.from_json(pipefisher.plan_json)
+    plan = parse_plan(pipefisher.plan_json)
     kinds = {op.kind for program in plan.programs.values() for step in program for op in step}
     assert {OpKind.STATS, OpKind.DECOMP, OpKind.APPLY} <= kinds
     assert sorted(plan.programs) == [0, 1]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fxkfac.planner.plan import Plan
+from fxkfac.planner.plan_file import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [
@@ -61,7 +61,7 @@ def test_torchrun_example_trains_with_an_auto_plan(tmp_path: Path) -> None:
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), out
     val = re.search(r"validation loss (\S+)", out)
     assert val is not None and math.isfinite(float(val.group(1))), out
-    plan = Plan.load(plan_path)  # validated against its own problem on load
+    plan = load_plan(plan_path)  # validated against its own problem on load
     assert (plan.problem.D, plan.problem.N, plan.problem.W, str(plan.problem.schedule)) == (2, 4, 1, "1f1b")
     printed = re.search(r"refresh every \[([\d, ]+)\] steps", out)
     assert printed is not None and [int(x) for x in printed.group(1).split(",")] == list(plan.metrics.refresh_steps)

@@ -19,7 +19,7 @@ import fxkfac
 from fxkfac.config import PipelineOptions, PlanOptions
 from fxkfac.errors import ConfigError
 from fxkfac.planner.ir import LayerTiming, OpKind
-from fxkfac.planner.plan import Plan
+from fxkfac.planner.plan_file import parse_plan
 from fxkfac.profiler import gradient_unit_cost
 from fxkfac.shampoo import GraftType, ParamUnit, ShampooConfig, ShampooFamily, SOAPConfig
 from tests.support.distributed import run_distributed
@@ -222,7 +222,7 @@ def _replayed_worker(rank: int, world: int, text: str) -> dict:
     trainer = fxkfac.compile(
         mlp(),
         (1, 2),
-        Plan.from_json(text),
+        parse_plan(text),
         example_inputs=(mlp_batches(STEPS)[0][0],),
         loss_fn=F.mse_loss,
         optimizer=_sgd,
@@ -242,7 +242,7 @@ def test_a_soap_refresh_starts_from_the_previous_bases_however_late_they_land() 
     text = SOAP_LATE_BROADCAST.read_text()
     results = run_distributed(_replayed_worker, 2, text, timeout=300)
     assert all(r.ok for r in results), [r.traceback for r in results if not r.ok]
-    _assert_equal_one_device(results, "soap", dict(Plan.from_json(text).layers))
+    _assert_equal_one_device(results, "soap", dict(parse_plan(text).layers))
 
 
 @pytest.mark.multiproc

@@ -9,6 +9,7 @@ import pytest
 
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.plan import Plan
+from fxkfac.planner.plan_file import parse_plan
 from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier, stage_groups
 from fxkfac.planner.solve import solve
 from fxkfac.planner.step_timeline import early_start, step_timeline, steps_overlap
@@ -68,7 +69,7 @@ def test_a_bubble_across_the_step_end_places_what_the_world_barrier_cannot() -> 
     plan = _plan(agree)
     assert plan is not None
     assert validate(agree, plan) == []
-    assert Plan.from_json(plan.to_json()).problem.barrier is AGREE
+    assert parse_plan(plan.to_json()).problem.barrier is AGREE
     assert validate(world, replace(plan, problem=world)) != []  # it crosses WORLD's boundary
 
 

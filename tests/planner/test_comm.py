@@ -25,7 +25,7 @@ from fxkfac.planner.costs import COUNT_BYTES, CostTable, LayerCost, StageCost
 from fxkfac.planner.errors import CostModelError
 from fxkfac.planner.hardware import HARDWARE
 from fxkfac.planner.ir import Op, OpKind, Placement
-from fxkfac.planner.plan import Plan
+from fxkfac.planner.plan_file import parse_plan
 from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.profiles import load_cost_table
 from fxkfac.planner.solve import solve
@@ -197,7 +197,7 @@ def test_work_placed_inside_the_gradient_all_reduce_is_refused() -> None:
 def test_plan_files_keep_the_comm_model() -> None:
     problem = _problem(MODEL)
     plan = solve(problem, SolverConfig(time_limit_s=5.0))
-    again = Plan.from_json(plan.to_json())
+    again = parse_plan(plan.to_json())
     assert again.problem.costs.comm == MODEL and validate(again.problem, again) == []
 
 

@@ -12,6 +12,7 @@ import pytest
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.plan import Plan
+from fxkfac.planner.plan_file import parse_plan
 from fxkfac.planner.problem import SolverConfig
 from fxkfac.planner.solve import solve
 from fxkfac.planner.validate import validate
@@ -41,7 +42,7 @@ def test_pieces_are_placed_in_order_on_one_rank(method: str) -> None:
             assert len({p.device for p in chain}) == 1
             assert all(a.end <= b.start + 1e-9 for a, b in zip(chain, chain[1:]))
             assert all(p.end - p.start == pytest.approx(1.0) for p in chain)
-    assert Plan.from_json(plan.to_json()).problem.decomp_pieces == 3
+    assert parse_plan(plan.to_json()).problem.decomp_pieces == 3
 
 
 def test_the_validator_refuses_pieces_out_of_order_or_apart() -> None:
@@ -111,7 +112,7 @@ def test_a_warm_started_refresh_is_made_before_the_next_one_decomposes(method: s
     assert validate(WARM, plan) == []
     assert _unfinished_at_next_start(plan) == []
     assert any(p.op.kind is OpKind.BCAST for p in plan.placements)
-    assert Plan.from_json(plan.to_json()).problem.warm_start
+    assert parse_plan(plan.to_json()).problem.warm_start
 
 
 def test_the_validator_refuses_a_warm_started_refresh_unfinished_when_the_next_one_decomposes() -> None:

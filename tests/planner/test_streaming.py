@@ -15,6 +15,7 @@ from fxkfac.planner.errors import PlanError, PlanFormatError
 from fxkfac.planner.ir import LAYER_TRANSFER_KINDS, Op, OpKind, format_programs, parse_programs
 from fxkfac.planner.memory import static_bytes
 from fxkfac.planner.plan import Plan
+from fxkfac.planner.plan_file import parse_plan
 from fxkfac.planner.problem import Problem, SolverConfig, stage_groups
 from fxkfac.planner.profiles import load_cost_table
 from fxkfac.planner.simulate import simulate
@@ -163,7 +164,7 @@ def test_streaming_takes_all_but_the_last_ready_block_off_the_cycle(streamed: Pr
 def test_the_streamed_plan_is_at_its_bound_valid_and_round_trips(streamed: Problem, plan: Plan) -> None:
     assert plan.metrics.refresh_steps == plan.metrics.lower_bound_steps
     assert validate(streamed, plan) == []
-    assert Plan.from_json(plan.to_json()) == plan
+    assert parse_plan(plan.to_json()) == plan
     helper = plan.programs[streamed.streaming.helpers[0]]
     assert any(op.kind is OpKind.RECV_REPLICA for step in helper for op in step)
     assert any(op == Op(OpKind.APPLY, 0, layer="block2") for step in helper for op in step)

@@ -13,6 +13,7 @@ from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.errors import Knob, PlanError
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.plan import Plan
+from fxkfac.planner.plan_file import parse_plan
 from fxkfac.planner.problem import Problem, SolverConfig, copies_of_stage
 from fxkfac.planner.solve import solve
 from fxkfac.planner.step_timeline import step_timeline
@@ -143,7 +144,7 @@ def _stretched_plan() -> tuple[Problem, Plan]:
 def test_the_validator_accepts_exactly_the_allowance_and_rejects_more() -> None:
     p, plan = _stretched_plan()
     stretch, reference = plan.metrics.stretch, step_timeline(p).length
-    assert stretch == 5 and Plan.from_json(plan.to_json()) == plan
+    assert stretch == 5 and parse_plan(plan.to_json()) == plan
     exact = dataclasses.replace(p, max_overhead=stretch / reference)
     assert validate(exact, dataclasses.replace(plan, problem=exact)) == []
     short = dataclasses.replace(p, max_overhead=(stretch - 0.01) / reference)
