@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from fxkfac.errors import ConfigError
 
-__all__ = ["MeshLayout"]
+__all__ = ["MeshLayout", "StageCopies"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,3 +77,11 @@ class MeshLayout:
         if D * W != dist.get_world_size():
             raise ConfigError(f"mesh {D}x{W} does not match world size {dist.get_world_size()}")
         return cls(D, W, dist.get_rank())
+
+
+@dataclass(frozen=True)
+class StageCopies:
+    """Every copy of one stage: the holder ranks and their process group (None: the world or alone)."""
+
+    ranks: tuple[int, ...]
+    group: Any

@@ -40,7 +40,6 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -59,6 +58,7 @@ from fxkfac.runtime.interpreter import (
     local_nonfinite,
     step_or_skip,
 )
+from fxkfac.runtime.mesh import StageCopies
 from fxkfac.runtime.refresh_record import RefreshRecord
 from fxkfac.runtime.step_end import StepEnd
 from fxkfac.runtime.streaming import StreamedLayers, Streams
@@ -75,14 +75,6 @@ def _unit_key(name: str, part: str) -> tuple[str, str, str]:
 
 def _ignore(_: Tensor) -> None:
     """What the root of a broadcast does with it once sent: nothing (it waits only to free the buffer)."""
-
-
-@dataclass(frozen=True)
-class StageCopies:
-    """Every copy of one stage: the holder ranks and their process group (None: the world or alone)."""
-
-    ranks: tuple[int, ...]
-    group: Any
 
 
 class PreconditionerRuntime:

@@ -14,20 +14,48 @@ import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from fxkfac.errors import PipelineError
-from fxkfac.planner.ir import Op, OpKind
+from fxkfac.planner.ir import LayerTiming, Op, OpKind
+from fxkfac.preconditioner import Family, RefreshState
 from fxkfac.runtime.interpreter import Interpreter, StepContext
+from fxkfac.runtime.mesh import StageCopies
 from fxkfac.runtime.sync import flat_gradient, grad_key, split_flat
 
-if TYPE_CHECKING:
-    from fxkfac.runtime.preconditioning import PreconditionerRuntime
+__all__ = ["ParamShape", "StreamedLayers", "StreamOwner", "Streams"]
 
-__all__ = ["ParamShape", "StreamedLayers", "Streams"]
+
+class StreamOwner(Protocol):
+    """The rank's preconditioner runtime as `Streams` sees it (fxkfac/runtime/preconditioning.py is the one): its
+    layers with their states and timings, each stage's copies, and the two calls a streamed APPLY makes for the
+    owner's own APPLY."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def family(self) -> Family: ...
+
+    @property
+    def layers(self) -> Mapping[str, Any]: ...
+
+    @property
+    def states(self) -> Mapping[str, RefreshState]: ...
+
+    @property
+    def timings(self) -> Mapping[str, LayerTiming]: ...
+
+    @property
+    def groups(self) -> Mapping[int, StageCopies]: ...
+
+    def settle_layer(self, ctx: StepContext, name: str) -> None: ...
+
+    def add_dot(self, layers: Sequence[Any], dot: Tensor, stage: int) -> None: ...
+
 
 _LGRAD, _PGRAD, _PDOT, _REPLICA_STEP, _REPLICA_PARTS = 0, 1, 2, 3, 4
 """Each streamed layer's messages, numbered within its tags (`TagSpace.of_layer`); the replica's parts follow."""
@@ -63,7 +91,7 @@ class Streams:
     """One rank's streamed layers: those of its stages it hands off (every SEND_LGRAD's layer; their replicas it
     sends: `owned`), and those it preconditions for their owners (`replicas`, with their parameters' shapes)."""
 
-    def __init__(self, runtime: PreconditionerRuntime, streamed: StreamedLayers) -> None:
+    def __init__(self, runtime: StreamOwner, streamed: StreamedLayers) -> None:
         self.runtime = runtime
         self.tags = dict(streamed.tags)
         self.owned = streamed.owned

@@ -32,7 +32,7 @@ from fxkfac.planner.strategy import LayerDistribution
 from fxkfac.preconditioner import Family, RefreshState, gradient_parts
 from fxkfac.progress import Display, training_progress
 from fxkfac.runtime.interpreter import Interpreter, StepContext, local_loss
-from fxkfac.runtime.mesh import MeshLayout
+from fxkfac.runtime.mesh import MeshLayout, StageCopies
 from fxkfac.runtime.p2p import TagSpace, Transport
 from fxkfac.runtime.param_state import (
     check_model_state,
@@ -41,7 +41,7 @@ from fxkfac.runtime.param_state import (
     param_names,
     parse_optimizer_state,
 )
-from fxkfac.runtime.preconditioning import PreconditionerRuntime, StageCopies
+from fxkfac.runtime.preconditioning import PreconditionerRuntime
 from fxkfac.runtime.stage import StageRunner
 from fxkfac.runtime.step_end import StepEnd, StepLoss
 from fxkfac.runtime.streaming import ParamShape, StreamedLayers

@@ -20,8 +20,9 @@ from fxkfac.kfac.inverse import FactorInverse, Inverse
 from fxkfac.planner.ir import LayerTiming
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.solve import solve
+from fxkfac.runtime.mesh import StageCopies
 from fxkfac.runtime.p2p import TagSpace, Transport
-from fxkfac.runtime.preconditioning import PreconditionerRuntime, StageCopies
+from fxkfac.runtime.preconditioning import PreconditionerRuntime
 from fxkfac.runtime.step_end import StepEnd
 from tests.runtime import checkpoint_workers as cw
 from tests.support import models
