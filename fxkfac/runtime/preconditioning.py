@@ -140,11 +140,11 @@ class PreconditionerRuntime:
 
     def install(self, interpreter: Interpreter) -> None:
         """Register the refresh handlers and the KL-clipping OPT_STEP on `interpreter`."""
-        interpreter.register(OpKind.STATS, self.curv)
-        interpreter.register(OpKind.SYNC_STATS, self.sync_curv)
-        interpreter.register(OpKind.DECOMP, self.inv)
-        interpreter.register(OpKind.BCAST, self.bcast_inv)
-        interpreter.register(OpKind.APPLY, self.prec)
+        interpreter.register(OpKind.STATS, self.stats)
+        interpreter.register(OpKind.SYNC_STATS, self.sync_stats)
+        interpreter.register(OpKind.DECOMP, self.decomp)
+        interpreter.register(OpKind.BCAST, self.bcast)
+        interpreter.register(OpKind.APPLY, self.apply)
         interpreter.register(OpKind.BCAST_PREC, self.bcast_prec)
         interpreter.register(OpKind.OPT_STEP, self.opt_step)
         self.streams.install(interpreter)
@@ -197,7 +197,7 @@ class PreconditionerRuntime:
             f"does not match the layer's timing {self.timings[name]}"
         )
 
-    def curv(self, ctx: StepContext, op: Op) -> None:
+    def stats(self, ctx: StepContext, op: Op) -> None:
         """Add micro-batch `op.mb`'s statistic of the part(s) to the layer's open refresh; without a micro-batch,
         fold the step's statistic of gradient-fed parts."""
         if op.mb is None:
@@ -245,7 +245,7 @@ class PreconditionerRuntime:
                     record.snapshots[part] = state.snapshot()
                     self._mark_folded(name, part, record)
 
-    def sync_curv(self, ctx: StepContext, op: Op) -> None:
+    def sync_stats(self, ctx: StepContext, op: Op) -> None:
         """Start summing the refresh's statistic(s) over every copy of the stage; once summed (when a reader
         settles the part: [Note: collectives in flight]) they are folded into the running ones."""
         for name in self._layers_of(op):
@@ -297,7 +297,7 @@ class PreconditionerRuntime:
             if self.rank not in self.workers[name]:  # folded for the replicas' sake; another rank decomposes
                 self.refreshes[name].remove(record)
 
-    def inv(self, ctx: StepContext, op: Op) -> None:
+    def decomp(self, ctx: StepContext, op: Op) -> None:
         """Decompose one part (folding it first when the stage has a single copy); piece i of n (`op.piece`) runs
         the family's piece i, and the last piece makes the decomposition."""
         for name in self._layers_of(op):
@@ -377,7 +377,7 @@ class PreconditionerRuntime:
             )
         return self.subgroups[op.group]
 
-    def bcast_inv(self, ctx: StepContext, op: Op) -> None:
+    def bcast(self, ctx: StepContext, op: Op) -> None:
         """Start broadcasting one part's decomposition from rank `op.root` to the layer's other grad workers; a
         receiver takes it when a reader settles the part ([Note: collectives in flight])."""
         if op.root is None:
@@ -418,7 +418,7 @@ class PreconditionerRuntime:
             if name in self.streams.owned:
                 self.streams.made.setdefault(name, deque()).append((record.step, dict(record.halves)))
 
-    def prec(self, ctx: StepContext, op: Op) -> None:
+    def apply(self, ctx: StepContext, op: Op) -> None:
         """Activate due preconditioners and precondition stage `op.stage`'s gradients (of `op.layer` alone when it
         names one); add their share of <P, G> (each layer's divided by its number of grad workers)."""
         if op.stage is None:
