@@ -1,0 +1,35 @@
+"""The README's save-and-relaunch: the same plan="auto" script launched twice continues bit for bit, the second
+launch adopting the checkpoint's plan without profiling (`compile(resume_from=...)`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.runtime.relaunch_workers import SAVE_AT, training_script
+from tests.support.distributed import run_distributed
+
+pytestmark = pytest.mark.multiproc
+
+
+def _launch(ckpt: str) -> list[dict]:
+    results = run_distributed(training_script, 2, ckpt, timeout=300)
+    failures = [f"rank {r.rank}: {r.error_type}: {r.error}\n{r.traceback}" for r in results if not r.ok]
+    assert not failures, "\n".join(failures)
+    return [r.value for r in results]
+
+
+def test_relaunched_script_adopts_the_checkpoint_plan_and_continues_bit_for_bit(tmp_path: Path) -> None:
+    ckpt = str(tmp_path / "ckpt")
+    uninterrupted = _launch(ckpt)  # trains every step, saving after step SAVE_AT on the way
+    resumed = _launch(ckpt)
+    assert [r["started"] for r in uninterrupted] == [0, 0]
+    assert [r["started"] for r in resumed] == [SAVE_AT, SAVE_AT]
+    for first, second in zip(uninterrupted, resumed, strict=True):
+        assert first["params"].keys() == second["params"].keys()
+        assert all(torch.equal(p, second["params"][n]) for n, p in first["params"].items())
+    assert any("profiling" in m for m in uninterrupted[0]["shown"])
+    assert not any("profiling" in m or "measuring" in m or "solving" in m for m in resumed[0]["shown"])
+    assert any("adopting the plan checkpoint" in m for m in resumed[0]["shown"])
