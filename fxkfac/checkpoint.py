@@ -18,7 +18,9 @@
 [Note: resharding] `load` compares the header with the run. Another family, model (parameter names and
 shapes) or set of preconditioned units (a split that changes which layers exist) is refused. The same
 layout (mesh, schedule, micro-batches, batch, split, plan, timings, programs, world size) loads each rank's
-own skeleton, work in flight included: resume is exact. Any other layout is resharded:
+own skeleton, work in flight included: resume is exact. A relaunched plan="auto" script keeps its layout only with
+the checkpoint's plan, which `compile(resume_from=...)` adopts (`autoplan.resumed_plan`) instead of profiling and
+planning again. Any other layout is resharded:
 - every rank reads every saved rank's skeleton; each parameter's, optimizer state's and unit's entry is
   taken from its *fullest copy*: the copy with the most entries, of which every other copy's entries must
   be a subset. A rank saves what it holds and nothing for a value it lacks (None), so a unit's state is
