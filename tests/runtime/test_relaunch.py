@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+import fxkfac
 from tests.runtime.relaunch_workers import SAVE_AT, training_script
+from tests.support import models
 from tests.support.distributed import run_distributed
-
-pytestmark = pytest.mark.multiproc
 
 
 def _launch(ckpt: str) -> list[dict]:
@@ -21,6 +22,7 @@ def _launch(ckpt: str) -> list[dict]:
     return [r.value for r in results]
 
 
+@pytest.mark.multiproc
 def test_relaunched_script_adopts_the_checkpoint_plan_and_continues_bit_for_bit(tmp_path: Path) -> None:
     ckpt = str(tmp_path / "ckpt")
     uninterrupted = _launch(ckpt)  # trains every step, saving after step SAVE_AT on the way
@@ -33,3 +35,24 @@ def test_relaunched_script_adopts_the_checkpoint_plan_and_continues_bit_for_bit(
     assert any("profiling" in m for m in uninterrupted[0]["shown"])
     assert not any("profiling" in m or "measuring" in m or "solving" in m for m in resumed[0]["shown"])
     assert any("adopting the plan checkpoint" in m for m in resumed[0]["shown"])
+
+
+def test_one_device_script_resumes_from_its_checkpoint_and_starts_afresh_without_one(tmp_path: Path) -> None:
+    batches = models.mlp_batches(4)
+
+    def script(ckpt: Path | None, until: int) -> fxkfac.Trainer:
+        trainer = fxkfac.compile(
+            models.mlp(), None, example_inputs=(batches[0][0],), loss_fn=F.mse_loss, backend=None, resume_from=ckpt
+        )
+        for x, y in batches[trainer.steps : until]:
+            trainer.step(x, y)
+        if ckpt is not None:
+            trainer.save_checkpoint(ckpt)
+        return trainer
+
+    ckpt = tmp_path / "ckpt"
+    assert script(ckpt, 2).steps == 2  # nothing to resume from: a fresh start
+    resumed, uninterrupted = script(ckpt, 4), script(None, 4)
+    assert resumed.steps == 4
+    mine = dict(uninterrupted.named_parameters())
+    assert all(torch.equal(p, mine[n]) for n, p in resumed.named_parameters())
