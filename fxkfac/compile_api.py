@@ -343,7 +343,7 @@ def _resolve(
     options: PlanOptions,
     layout: MeshLayout,
     progress: PlanProgress,
-    resume: str | os.PathLike | None = None,
+    resume: str | os.PathLike | None,
 ) -> Plan | None:
     """The plan whose programs the ranks run for the `prepared` model (`known`: its units by name): none on one
     device or without preconditioned layers; `progress` shows plan="auto"'s phases, solver and plan on rank 0.

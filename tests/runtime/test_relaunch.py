@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import fxkfac
+from fxkfac.reshard import replanned
 from tests.runtime.relaunch_workers import SAVE_AT, training_script
 from tests.support import models
 from tests.support.distributed import run_distributed
@@ -56,3 +57,23 @@ def test_one_device_script_resumes_from_its_checkpoint_and_starts_afresh_without
     assert resumed.steps == 4
     mine = dict(uninterrupted.named_parameters())
     assert all(torch.equal(p, mine[n]) for n, p in resumed.named_parameters())
+
+
+def test_a_load_counts_as_replanned_when_only_the_plan_differs() -> None:
+    """What makes a refused load say to pass resume_from: the same layout under another plan (plan="auto" again)."""
+    run = {
+        "mesh": [2, 1],
+        "schedule": "1f1b",
+        "microbatches": 2,
+        "virtual_stages": 1,
+        "global_batch": 8,
+        "stages": [["0.weight"], ["2.weight"]],
+        "graph": "g",
+        "plan": "g#1",
+        "timings": {"0": [2, 0, 1, "deferred"]},
+        "programs": "a",
+    }
+    again = {**run, "plan": "g#2", "timings": {"0": [3, 0, 1, "deferred"]}, "programs": "b"}
+    assert replanned(run, again)
+    assert not replanned(run, run)
+    assert not replanned(run, {**again, "mesh": [1, 2]})
