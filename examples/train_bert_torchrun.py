@@ -7,8 +7,12 @@ One process per rank (torchrun sets RANK/WORLD_SIZE/MASTER_ADDR; gloo on CPU). T
 standard library's own source, byte-level tokens, BERT-style masking (fxkfac.data): nothing is
 downloaded. `fxkfac.compile(..., plan="auto")` makes rank 0 profile the two stages, place K-FAC's
 curvature and inversion work into the pipeline's bubbles with the CP-SAT planner, and share the plan;
-every rank then runs its part of it. At the end the trained parameters are gathered on rank 0, which
-reports the loss on held-out files.
+every rank then runs its part of it. At the end `trainer.evaluate` reports the loss on held-out files (the
+pipelined forward in eval mode, over the same ranks).
+
+With `--checkpoint DIR` the run saves every `--save-every` steps, and launching the same command again resumes
+from the last save: plan="auto" adopts the plan the checkpoint was saved with (no new profile) and training
+continues bit for bit (`fxkfac.compile(..., resume_from=DIR)`).
 
 Change anything below: the sizes, the schedule ("gpipe", "1f1b", "chimera"), the optimizer, K-FAC's
 damping. `--pp 4 --nproc-per-node 4` gives 4 stages x 1 replica.
@@ -56,6 +60,8 @@ parser.add_argument(
     "only; default: bubbles when they hold the work, else the least that places it)",
 )
 parser.add_argument("--save-plan", default=None, help="rank 0 writes the plan JSON here")
+parser.add_argument("--checkpoint", default=None, help="save here every --save-every steps; a relaunch resumes")
+parser.add_argument("--save-every", type=int, default=20)
 args = parser.parse_args()
 
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -102,6 +108,7 @@ trainer = fxkfac.compile(
     microbatches=args.microbatches,
     backend=None,  # eager stage functions; "inductor" compiles them (slow to start on a small CPU)
     plan_options=PlanOptions(time_limit_s=args.plan_time, max_overhead=args.max_overhead),
+    resume_from=args.checkpoint,  # a checkpoint there: adopt its plan and resume from it
 )
 log(
     f"compiled in {time.perf_counter() - started:.1f} s: {args.pp} stages x {world // args.pp} replicas, "
@@ -121,27 +128,23 @@ if kfac is not None and master:  # the plan every rank runs: refresh period per 
 
 # -----------------------------------------------------------------------------
 # training loop: trainer.step takes the global mini-batch and returns the step loss on every rank
-started = time.perf_counter()
-for step in range(1, args.steps + 1):
+# a resumed run skips the batches its checkpoint has trained on
+if trainer.steps:
+    log(f"resumed from {args.checkpoint} at step {trainer.steps}")
+for _ in range(trainer.steps):
+    train_data.batch(args.batch)
+started, done = time.perf_counter(), trainer.steps
+for step in range(trainer.steps + 1, args.steps + 1):
     inputs, targets = train_data.batch(args.batch)
     loss = trainer.step(inputs, targets)
-    if step % args.log_every == 0 or step == 1:
-        log(f"step {step:4d}  loss {loss:.4f}  {(time.perf_counter() - started) / step * 1e3:.0f} ms/step")
+    if step % args.log_every == 0 or step == done + 1:
+        log(f"step {step:4d}  loss {loss:.4f}  {(time.perf_counter() - started) / (step - done) * 1e3:.0f} ms/step")
+    if args.checkpoint and step % args.save_every == 0:
+        trainer.save_checkpoint(args.checkpoint)  # every rank
 
 # -----------------------------------------------------------------------------
-# validation: gather every stage's parameters on rank 0 and evaluate the whole model there
-params = {name: p.detach() for name, p in trainer.named_parameters()}
-parts = [None] * world if master else None
-dist.gather_object(params, parts, dst=0)
-if master:
-    merged = {name: value for part in parts for name, value in part.items()}
-    evaluated = TinyBertMLM(config)
-    evaluated.load_state_dict(merged, strict=True)
-    evaluated.eval()
-    with torch.no_grad():
-        losses = [
-            float(mlm_loss(evaluated(x), y)) for x, y in (val_data.batch(args.batch) for _ in range(args.val_batches))
-        ]
-    print(f"validation loss {sum(losses) / len(losses):.4f} over {args.val_batches} batches of held-out files")
+# validation: the pipelined forward in eval mode over the held-out files (every rank gets the loss)
+losses = [trainer.evaluate(x, y) for x, y in (val_data.batch(args.batch) for _ in range(args.val_batches))]
+log(f"validation loss {sum(losses) / len(losses):.4f} over {args.val_batches} batches of held-out files")
 dist.barrier()  # no rank tears its connections down while a peer still uses them
 dist.destroy_process_group()

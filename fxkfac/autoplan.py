@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -32,6 +33,7 @@ __all__ = [
     "check_matches",
     "check_costs",
     "load_plan_for",
+    "resumed_plan",
     "share_plan",
     "gathered_profile",
 ]
@@ -268,6 +270,44 @@ def load_plan_for(path: str | Path, target: Target, stage_layers: Mapping[int, S
     except PlanError as e:
         raise PlanError(f"the plan file {path}: {e}") from e
     return plan
+
+
+def resumed_plan(
+    path: str | os.PathLike, target: Target, stage_layers: Mapping[int, Sequence[str]], *, rank: int, world: int
+) -> Plan | None:
+    """The plan checkpoint `path` was saved with, for plan="auto" to adopt on a relaunch (`compile(resume_from=...)`):
+    rank 0 reads it with `load_plan_for`'s checks and every rank gets it (collective). None, so that plan="auto" plans
+    anew, when there is no checkpoint or no plan there, or the plan was made for another graph, mesh or schedule
+    (logged: the load then follows the state onto the new plan, [Note: resharding] in fxkfac/checkpoint.py)."""
+    from fxkfac.checkpoint import plan_file
+
+    made: Plan | FxkfacError | None = None
+    if rank == 0:
+        file = plan_file(path)
+        try:
+            made = None if file is None else load_plan_for(file, target, stage_layers)
+        except PlanMismatchError as e:
+            log.info("plan='auto' plans anew: the plan of checkpoint %s is not this run's (%s)", path, e)
+        except FxkfacError as e:  # every rank raises it, instead of waiting for a plan that never comes
+            made = e
+    if world > 1:
+        import torch.distributed as dist
+
+        box: list[Any] = [
+            made.to_json(indent=None) if isinstance(made, Plan) else None if made is None else _sent(made)
+        ]
+        dist.broadcast_object_list(box, src=0)
+        made = _unpacked(box[0], f"rank 0 could not read the plan of checkpoint {path}")
+    if isinstance(made, FxkfacError):
+        raise made
+    return made
+
+
+def _unpacked(sent: str | list[str] | None, context: str) -> Plan | FxkfacError | None:
+    """What `resumed_plan`'s broadcast carried: a plan's JSON, an error (`_sent`) or nothing."""
+    if isinstance(sent, list):
+        return _received(sent, context)
+    return None if sent is None else parse_plan(sent)
 
 
 def gathered_profile(profile: Callable[[], CostTable], rank: int, dst: int = 0) -> CostTable | FxkfacError | None:

@@ -7,7 +7,8 @@
   fingerprint, plan and layer timings). Written last: a directory without it is incomplete.
 - ``rank-<r>.json``: rank r's state skeleton: the trainer's ``state_dict()`` with every tensor replaced
   by ``{"__tensor__": key}`` (ints, floats, bools, strings stay as they are).
-- ``plan.json``: the plan in use, when there is one (``Plan.load`` reads it back; the header holds its digest).
+- ``plan.json``: the plan in use, when there is one (``planner.plan_file.load_plan`` reads it back; the header
+  holds its digest).
 - ``__<r>_0.distcp`` and ``.metadata.json``: the tensors, written by `torch.distributed.checkpoint`
   (DCP) with a JSON metadata file in place of DCP's pickled ``.metadata``. Keys are global wherever the
   state is: ``model/<fqn>``, ``optimizer/state/<fqn>/<name>`` (the original model's parameter names),
@@ -18,7 +19,9 @@
 [Note: resharding] `load` compares the header with the run. Another family, model (parameter names and
 shapes) or set of preconditioned units (a split that changes which layers exist) is refused. The same
 layout (mesh, schedule, micro-batches, batch, split, plan, timings, programs, world size) loads each rank's
-own skeleton, work in flight included: resume is exact. Any other layout is resharded:
+own skeleton, work in flight included: resume is exact. A relaunched plan="auto" script keeps its layout only with
+the checkpoint's plan, which `compile(resume_from=...)` adopts (`autoplan.resumed_plan`) instead of profiling and
+planning again. Any other layout is resharded:
 - every rank reads every saved rank's skeleton; each parameter's, optimizer state's and unit's entry is
   taken from its *fullest copy*: the copy with the most entries, of which every other copy's entries must
   be a subset. A rank saves what it holds and nothing for a value it lacks (None), so a unit's state is
@@ -75,9 +78,19 @@ from fxkfac.checkpoint_files import (
     write_json,
 )
 from fxkfac.errors import CheckpointError
-from fxkfac.reshard import LoadKind, check_run, in_flight_refusal, layout_changes, resharded_state
+from fxkfac.reshard import LoadKind, check_run, in_flight_refusal, layout_changes, replanned, resharded_state
 
-__all__ = ["Checkpointable", "Checkpointing", "save", "load", "digest", "FORMAT", "VERSION"]
+__all__ = [
+    "Checkpointable",
+    "Checkpointing",
+    "save",
+    "load",
+    "found",
+    "plan_file",
+    "digest",
+    "FORMAT",
+    "VERSION",
+]
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +121,11 @@ class Checkpointable(Protocol):
 class Checkpointing:
     """`save_checkpoint` / `load_checkpoint` for a Checkpointable trainer (collective when pipelined)."""
 
-    def save_checkpoint(self: Checkpointable, path: str) -> None:
+    def save_checkpoint(self: Checkpointable, path: str | os.PathLike) -> None:
         """Write a checkpoint directory (see `save`)."""
         save(self, path)
 
-    def load_checkpoint(self: Checkpointable, path: str) -> None:
+    def load_checkpoint(self: Checkpointable, path: str | os.PathLike) -> None:
         """Resume from a checkpoint directory (see `load`)."""
         load(self, path)
 
@@ -287,6 +300,22 @@ def _read_header(path: Path) -> dict[str, Any]:
     return header
 
 
+def found(path: str | os.PathLike, *, collective: bool) -> bool:
+    """Whether directory `path` holds a complete checkpoint (its header, written last); with `collective`, rank 0's
+    answer on every rank, so that the ranks of a pipelined run resume together or not at all."""
+    box = [(Path(path) / HEADER).is_file()]
+    if collective and _rank_world()[1] > 1:
+        dist.broadcast_object_list(box, src=0)
+    return bool(box[0])
+
+
+def plan_file(path: str | os.PathLike) -> Path | None:
+    """The plan the complete checkpoint at `path` was saved with; None without a checkpoint there or when it was
+    saved without a plan (plan=None, one device, no preconditioner)."""
+    file = Path(path) / PLAN
+    return file if (Path(path) / HEADER).is_file() and file.is_file() else None
+
+
 def _check_sections(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
     """The saved skeleton holds exactly the state this rank has (nothing would be dropped or left unset)."""
     for section in ("model", "kfac", "inflight"):
@@ -321,12 +350,29 @@ def _resharded_skeleton(
         raise CheckpointError(f"{path / HEADER} is corrupt (world size {world!r})")
     saved = {r: _rank_skeleton(path, r) for r in range(world)}
     refusal = in_flight_refusal(path, header, run, saved)
+    again = replanned(header["run"], run) and world == _rank_world()[1]
     if refusal is not None:
-        raise CheckpointError(refusal)
+        raise CheckpointError(refusal + (_replanned_words(path) if again else ""))
+    if again:
+        log.warning(
+            "rank %d: checkpoint %s continues on another plan than it was saved with%s, which is not the "
+            "uninterrupted run",
+            rank,
+            path,
+            _replanned_words(path),
+        )
     log.info(
         "rank %d: checkpoint %s follows the state onto this layout (%s)", rank, path, layout_changes(header["run"], run)
     )
     return resharded_state(saved, mine, rank)
+
+
+def _replanned_words(path: Path) -> str:
+    """What to do when only the plan changed: the relaunch of a plan="auto" script planned again."""
+    return (
+        f". Only the plan differs (plan='auto' planned again on the same layout): compile with "
+        f"resume_from='{path}' to adopt the checkpoint's plan (or plan='{path / PLAN}')"
+    )
 
 
 def _prepare(trainer: Checkpointable, path: Path, rank: int, world: int) -> tuple[dict[str, Any], dict[str, Tensor]]:

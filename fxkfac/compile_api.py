@@ -8,6 +8,7 @@ rank's runtime. One device (`mesh=None`) takes the same path as a mesh: a 1x1 la
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -17,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from fxkfac.autoplan import Target, barrier_of, resolve_plan
+from fxkfac.autoplan import Target, barrier_of, resolve_plan, resumed_plan
 from fxkfac.capture import Captured, capture, input_signature, normalize_inputs
+from fxkfac.checkpoint import found
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.errors import ConfigError
 from fxkfac.families import family_of
@@ -63,6 +65,7 @@ def compile(  # noqa: A001 - the public name the design card gives
     pipeline: PipelineOptions = PipelineOptions(),
     plan_options: PlanOptions = PlanOptions(),
     preconditioner: Any = None,
+    resume_from: str | os.PathLike | None = None,
 ) -> Trainer:
     """Capture ``model``, insert the preconditioner (K-FAC by default) into its graph and return this rank's Trainer.
 
@@ -81,20 +84,30 @@ def compile(  # noqa: A001 - the public name the design card gives
     stages. ``plan_options.strategy`` says how the copies of a stage share each layer's work (comm-opt, mem-opt,
     hybrid:F, dp-kfac; planner/strategy.py) under ``plan="auto"`` (None: the planner chooses) and ``plan=None``
     (None: comm-opt); a loaded plan brings its own.
+    ``resume_from``: a checkpoint directory (`Trainer.save_checkpoint`) the run resumes from when one is there, so
+    that one script serves the first launch and every relaunch. plan="auto" then adopts the plan the checkpoint was
+    saved with, when that plan was made for this graph, mesh and schedule (no profile, no solve: the relaunch
+    continues bit for bit, work in flight included), and the trainer is loaded from the checkpoint
+    (`load_checkpoint`) before it is returned; on another layout plan="auto" plans anew and the load follows the
+    state (fxkfac/checkpoint.py, [Note: resharding]). Without a checkpoint there the run starts afresh.
     """
     _check_arguments(microbatches, kfac)
     family = _family(preconditioner, kfac)
     layout = MeshLayout.local() if mesh is None else MeshLayout.from_mesh(mesh)
     kind = ScheduleKind.ONE_F_ONE_B if mesh is None else ScheduleKind(schedule)
     N, v, single = microbatches, pipeline.virtual_stages, mesh is None
+    resume = resume_from if resume_from is not None and found(resume_from, collective=not single) else None
     prepared, known, resolved = _prepare_and_resolve(
-        model, example_inputs, plan, single, family, kfac, kind, layout, N, pipeline, plan_options, backend
+        model, example_inputs, plan, single, family, kfac, kind, layout, N, pipeline, plan_options, backend, resume
     )
     timings = _timings(plan, single, resolved, family, prepared.units, layer_timing)
     distributions = _distributions(resolved, family, plan_options, prepared.stage_layers, known, kind, layout, v)
     spec = _run_spec(prepared, resolved, family, known, layout, kind, N, v, timings, distributions)
     base = optimizer or (plain_sgd if family is not None and family.full_direction else default_optimizer)
-    return Trainer(spec, loss_fn=loss_fn, optimizer=base, options=pipeline, backend=backend)
+    trainer = Trainer(spec, loss_fn=loss_fn, optimizer=base, options=pipeline, backend=backend)
+    if resume is not None:
+        trainer.load_checkpoint(resume)
+    return trainer
 
 
 def _check_arguments(microbatches: Any, kfac: Any) -> None:
@@ -127,9 +140,11 @@ def _prepare_and_resolve(
     pipeline: PipelineOptions,
     options: PlanOptions,
     backend: str | None,
+    resume: str | os.PathLike | None,
 ) -> tuple[Prepared, dict[str, Any], Plan | None]:
     """`prepare`, the units by name and the resolved plan, with rank 0 showing what plan="auto" does on a mesh;
-    warns (at `compile`'s caller) when the family finds nothing to precondition."""
+    warns (at `compile`'s caller) when the family finds nothing to precondition. `resume`: the checkpoint the run
+    resumes from, whose plan plan="auto" adopts when it fits."""
     auto = not single and family is not None and isinstance(plan, str) and plan == "auto"
     with plan_progress(auto and layout.rank == 0) as progress:  # rank 0 says what plan="auto" is doing
         progress.phase("capturing the model and splitting it into stages")
@@ -153,7 +168,7 @@ def _prepare_and_resolve(
                 stacklevel=3,
             )
         known = {unit.name: unit for unit in prepared.units}
-        resolved = _resolve(plan, single, family, prepared, known, options, layout, progress)
+        resolved = _resolve(plan, single, family, prepared, known, options, layout, progress, resume)
     return prepared, known, resolved
 
 
@@ -329,9 +344,11 @@ def _resolve(
     options: PlanOptions,
     layout: MeshLayout,
     progress: PlanProgress,
+    resume: str | os.PathLike | None,
 ) -> Plan | None:
     """The plan whose programs the ranks run for the `prepared` model (`known`: its units by name): none on one
-    device or without preconditioned layers; `progress` shows plan="auto"'s phases, solver and plan on rank 0."""
+    device or without preconditioned layers; `progress` shows plan="auto"'s phases, solver and plan on rank 0.
+    plan="auto" adopts the plan of the checkpoint it resumes from (`resume`) when that was made for this run."""
     if family is None:
         if plan not in (None, "auto"):
             raise ConfigError("kfac=None trains the plain pipeline, which takes no plan; pass plan=None")
@@ -339,6 +356,14 @@ def _resolve(
     if single or not known:
         return None
     auto = isinstance(plan, str) and plan == "auto"
+    adopted = None
+    if auto and resume is not None:
+        target, rank, world = prepared.target, layout.rank, layout.world_size
+        adopted = resumed_plan(resume, target, prepared.stage_layers, rank=rank, world=world)
+    if adopted is not None:
+        progress.note(f"adopting the plan checkpoint {resume} was saved with (made for this graph, mesh and schedule)")
+        progress.done(adopted)
+        return adopted
     if auto and layout.rank == 0:  # rank 0 plans: its device's memory is the default budget
         budgeted = auto_budget(
             options, lambda: device_memory(_held_parameters(prepared.split, prepared.target, layout.pp))

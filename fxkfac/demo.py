@@ -249,25 +249,10 @@ def _validation(cfg: DemoConfig) -> list[tuple[Any, Any]]:
     return [data.batch(cfg.batch_size) for _ in range(cfg.eval_batches)]
 
 
-def _evaluate(trainer: Any, cfg: DemoConfig, batches: Sequence[tuple[Any, Any]]) -> float:
-    """Mean validation loss of the pipelined model: parameters gathered to rank 0, evaluated there (collective);
-    NaN on the other ranks, whose curves are not reported."""
-    import torch
-    import torch.distributed as dist
-
-    from fxkfac.models import TinyBertMLM, mlm_loss
-
-    mine = {n: p.detach().clone() for n, p in trainer.named_parameters()}
-    gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else []
-    dist.gather_object(mine, gathered if dist.get_rank() == 0 else None, dst=0)
-    if dist.get_rank() != 0:
-        return float("nan")
-    state = {n: t for part in gathered for n, t in part.items()}
-    model = TinyBertMLM(cfg.model)
-    model.load_state_dict(state, strict=True)
-    model.eval()
-    with torch.no_grad():
-        return sum(float(mlm_loss(model(x), y)) for x, y in batches) / len(batches)
+def _evaluate(trainer: Any, batches: Sequence[tuple[Any, Any]]) -> float:
+    """Mean validation loss of the pipelined model over `batches` (`Trainer.evaluate`, collective: the same value on
+    every rank)."""
+    return sum(trainer.evaluate((x,), y) for x, y in batches) / len(batches)
 
 
 def _should_stop(cfg: DemoConfig, step: int, elapsed: float) -> bool:
@@ -328,7 +313,7 @@ def _train_run(
     plan_json = trainer.plan.to_json(indent=None) if trainer.plan is not None and ctx.rank == 0 else None
     if plan_json is not None:
         ctx.report(("plan", spec.name, plan_json))
-    points = [(0, 0.0, _evaluate(trainer, cfg, val))]
+    points = [(0, 0.0, _evaluate(trainer, val))]
     losses: list[float] = []
     elapsed, step = 0.0, 0
     while True:
@@ -342,7 +327,7 @@ def _train_run(
         if ctx.rank == 0:
             ctx.report(("step", spec.name, step, losses[-1], elapsed))
         if stop or step % cfg.eval_every == 0:
-            points.append((step, elapsed, _evaluate(trainer, cfg, val)))
+            points.append((step, elapsed, _evaluate(trainer, val)))
             if ctx.rank == 0:
                 ctx.report(("eval", spec.name, step, elapsed, points[-1][2]))
         if stop:

@@ -23,6 +23,7 @@ __all__ = [
     "LOCAL_SECTIONS",
     "check_run",
     "layout_changes",
+    "replanned",
     "in_flight_refusal",
     "resharded_state",
     "work_in_flight",
@@ -116,6 +117,16 @@ def check_run(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> LoadKind:
         )
     same = all(saved.get(k) == mine.get(k) for k in LAYOUT_FIELDS)
     return LoadKind.SAME_LAYOUT if same else LoadKind.RESHARD
+
+
+PLAN_FIELDS = frozenset({"plan", "timings", "programs"})
+"""The fields of `describe_run` a plan sets: what differs when plan="auto" planned again on the same layout."""
+
+
+def replanned(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> bool:
+    """True when two runs differ in their plan alone (the same mesh, schedule, micro-batches, split and graph)."""
+    differ = {k for k in LAYOUT_FIELDS if saved.get(k) != mine.get(k)}
+    return bool(differ) and differ <= PLAN_FIELDS
 
 
 def layout_changes(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str:

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
-from fxkfac.autoplan import Target, check_matches, solve_for
+from fxkfac.autoplan import Target, check_matches, resumed_plan, solve_for
 from fxkfac.config import PlanOptions
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.errors import PlanError, PlanMismatchError
@@ -66,3 +67,20 @@ def test_a_warm_started_run_plans_for_it_and_refuses_a_plan_made_without() -> No
     check_matches(cold, replace(warm, warm_start=False))
     pieces = solve_for(replace(warm, warm_start=False, decomp_pieces=2), _costs(2), options)
     check_matches(pieces, replace(warm, decomp_pieces=2))
+
+
+def test_a_relaunch_adopts_the_plan_of_a_complete_checkpoint_made_for_its_run(tmp_path: Path) -> None:
+    """plan="auto" with `compile(resume_from=...)`: the checkpoint's plan when it is complete and its plan was made for
+    this graph, mesh and schedule; else None (plan anew, and the load follows the state)."""
+    target = Target("graph", ScheduleKind.ONE_F_ONE_B, 2, 2, 1)
+    plan = solve_for(target, _costs(2), PlanOptions(max_overhead=1.0, time_limit_s=3.0))
+    stage_layers = {s: [f"s{s}.l{i}" for i in range(2)] for s in range(2)}
+    ckpt = tmp_path / "ckpt"
+    assert resumed_plan(ckpt, target, stage_layers, rank=0, world=1) is None  # the first launch: nothing there
+    ckpt.mkdir()
+    (ckpt / "plan.json").write_text(plan.to_json())
+    assert resumed_plan(ckpt, target, stage_layers, rank=0, world=1) is None  # no header: not a complete checkpoint
+    (ckpt / "fxkfac.json").write_text("{}")
+    adopted = resumed_plan(ckpt, target, stage_layers, rank=0, world=1)
+    assert adopted is not None and adopted.to_dict() == plan.to_dict()
+    assert resumed_plan(ckpt, replace(target, N=4), stage_layers, rank=0, world=1) is None  # another layout

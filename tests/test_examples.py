@@ -53,6 +53,10 @@ def test_torchrun_example_trains_with_an_auto_plan(tmp_path: Path) -> None:
         *TINY,
         "--save-plan",
         str(plan_path),
+        "--checkpoint",
+        str(tmp_path / "ckpt"),
+        "--save-every",
+        "2",
     ]
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -61,6 +65,7 @@ def test_torchrun_example_trains_with_an_auto_plan(tmp_path: Path) -> None:
     assert len(losses) == 3 and all(math.isfinite(x) for x in losses), out
     val = re.search(r"validation loss (\S+)", out)
     assert val is not None and math.isfinite(float(val.group(1))), out
+    assert (tmp_path / "ckpt" / "fxkfac.json").is_file()  # saved after step 2
     plan = load_plan(plan_path)  # validated against its own problem on load
     assert (plan.problem.D, plan.problem.N, plan.problem.W, str(plan.problem.schedule)) == (2, 4, 1, "1f1b")
     printed = re.search(r"refresh every \[([\d, ]+)\] steps", out)

@@ -23,7 +23,17 @@ from fxkfac.runtime.step_end import StepEnd
 from fxkfac.runtime.sync import GradSync
 from fxkfac.runtime.timeline import Recorder
 
-__all__ = ["StepContext", "Handler", "Prepare", "StepListener", "Interpreter", "CORE_HANDLERS", "local_nonfinite"]
+__all__ = [
+    "StepContext",
+    "Handler",
+    "Prepare",
+    "StepListener",
+    "Interpreter",
+    "CORE_HANDLERS",
+    "EVAL_HANDLERS",
+    "forward_only",
+    "local_nonfinite",
+]
 
 Key = tuple[int, int, int]  # (stage, pipe, micro-batch)
 
@@ -111,20 +121,48 @@ def _take(store: dict, key: Any, op: Op, missing: str) -> Any:
     return store.pop(key)
 
 
-def _fwd(ctx: StepContext, op: Op) -> None:
-    runner = ctx.runner(op)
+def _fwd_inputs(ctx: StepContext, op: Op) -> Sequence[torch.Tensor]:
+    """The inputs of a FWD: the micro-batch's on stage 0, else the activations received (or handed over)."""
+    stage, _, mb = _key(op)
+    return ctx.inputs[mb] if stage == 0 else _take(ctx.acts, _key(op), op, "its input was not received")
+
+
+def _scaled_loss(ctx: StepContext, outs: Sequence[torch.Tensor], mb: int) -> torch.Tensor:
+    """The last stage's share of the step loss for micro-batch `mb`: ``loss_fn`` on the model's output, scaled."""
+    model_out = pytree.tree_unflatten(list(outs), ctx.out_spec) if ctx.out_spec is not None else outs[0]
+    return ctx.loss_fn(model_out, ctx.targets[mb]) * ctx.scale
+
+
+def _hand_on(ctx: StepContext, op: Op, outs: Sequence[torch.Tensor]) -> None:
+    """A FWD's outputs to the next stage: handed over when it is local, else kept for SEND_ACT."""
     stage, pipe, mb = _key(op)
-    ins = ctx.inputs[mb] if stage == 0 else _take(ctx.acts, _key(op), op, "its input was not received")
-    outs = runner.forward(mb, ins, needs_grad=stage > 0)
-    if runner.is_last:
-        model_out = pytree.tree_unflatten(list(outs), ctx.out_spec) if ctx.out_spec is not None else outs[0]
-        loss = ctx.loss_fn(model_out, ctx.targets[mb]) * ctx.scale
-        runner.keep_loss(mb, loss)
-        ctx.losses.append(loss.detach())
-    elif (stage + 1, pipe) in ctx.runners:  # next stage is local: hand over without a message
+    if (stage + 1, pipe) in ctx.runners:  # next stage is local: hand over without a message
         ctx.acts[(stage + 1, pipe, mb)] = [o.detach() for o in outs]
     else:
         ctx.to_send[("act", _key(op))] = list(outs)
+
+
+def _fwd(ctx: StepContext, op: Op) -> None:
+    runner = ctx.runner(op)
+    stage, _, mb = _key(op)
+    outs = runner.forward(mb, _fwd_inputs(ctx, op), needs_grad=stage > 0)
+    if runner.is_last:
+        loss = _scaled_loss(ctx, outs, mb)
+        runner.keep_loss(mb, loss)
+        ctx.losses.append(loss.detach())
+    else:
+        _hand_on(ctx, op, outs)
+
+
+def _eval_fwd(ctx: StepContext, op: Op) -> None:
+    """Evaluation's FWD: the stage in eval mode without autograd (`StageRunner.infer`); the last stage keeps its
+    share of the loss."""
+    runner = ctx.runner(op)
+    outs = runner.infer(_fwd_inputs(ctx, op))
+    if runner.is_last:
+        ctx.losses.append(_scaled_loss(ctx, outs, _key(op)[2]))
+    else:
+        _hand_on(ctx, op, outs)
 
 
 def _bwd(ctx: StepContext, op: Op) -> None:
@@ -234,6 +272,21 @@ CORE_HANDLERS: Mapping[OpKind, Handler] = {
     OpKind.ALLREDUCE_GRAD: _allreduce_grad,
     OpKind.OPT_STEP: _opt_step,
 }
+
+
+EVAL_HANDLERS: Mapping[OpKind, Handler] = {
+    OpKind.FWD: _eval_fwd,
+    OpKind.SEND_ACT: _send_act,
+    OpKind.RECV_ACT: _recv_act,
+}
+"""What evaluation runs: a step's forward ops (`forward_only`), the stages in eval mode."""
+
+
+def forward_only(ops: Iterable[Op]) -> list[Op]:
+    """The FWDs and activation transfers of a step's ops, in their order: the forward half of the schedule, which
+    runs as training's does (every receive has its send before it) with the backward, gradients and
+    preconditioner work left out."""
+    return [op for op in ops if op.kind in EVAL_HANDLERS]
 
 
 CORE_PREPARES: Mapping[OpKind, Prepare] = {OpKind.RECV_ACT: _post_act, OpKind.RECV_GRAD: _post_grad}

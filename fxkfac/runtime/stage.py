@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from fxkfac.passes.eval_mode import eval_graph
 from fxkfac.passes.split_stages import StageGraph
 
 __all__ = ["StageRunner"]
@@ -30,8 +31,11 @@ class StageRunner:
     module: torch.nn.Module
     fn: Callable[..., Any]
     is_last: bool
+    backend: str | None = None
+    """The torch.compile backend the stage's functions run under (None: eagerly)."""
     _inputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     _outputs: dict[int, Any] = field(default_factory=dict)
+    _eval_fn: Callable[..., Any] | None = None
 
     @classmethod
     def build(cls, graph: StageGraph, pipe: int, is_last: bool, backend: str | None, *, copy: bool) -> StageRunner:
@@ -45,7 +49,7 @@ class StageRunner:
         for param in module.parameters():
             param.requires_grad_(True)
         fn = module if backend is None else torch.compile(module, backend=backend, dynamic=False)
-        return cls(graph, pipe, module, fn, is_last)
+        return cls(graph, pipe, module, fn, is_last, backend)
 
     @property
     def stage(self) -> int:
@@ -59,6 +63,18 @@ class StageRunner:
         self._inputs[mb] = leaves
         self._outputs[mb] = outputs
         return outputs
+
+    def infer(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The stage's outputs in eval mode (dropout off, batch norm by its running statistics), without autograd
+        and keeping nothing: evaluation's forward. Its graph (`passes.eval_mode.eval_graph`, on this copy's
+        parameters) is made, and compiled under `backend`, on the first call: a run that never evaluates pays
+        nothing for it."""
+        if self._eval_fn is None:
+            assert isinstance(self.module, fx.GraphModule), "a stage runner's module is the split's GraphModule"
+            gm = eval_graph(self.module)
+            self._eval_fn = gm if self.backend is None else torch.compile(gm, backend=self.backend, dynamic=False)
+        with torch.no_grad():
+            return tuple(self._eval_fn(*inputs))
 
     def keep_loss(self, mb: int, loss: torch.Tensor) -> None:
         """On the last stage, backward starts from this (already scaled) loss instead of the outputs."""

@@ -31,7 +31,6 @@ class TappedRunner(StageRunner):
 
     layers: dict[str, Any] = field(default_factory=dict)
     sources: dict[Source, tuple[str, ...]] = field(default_factory=dict)
-    backend: str | None = None
     modes: dict[str, Capture] = field(default_factory=dict)
     captures: dict[tuple[str, str, int], deque[Tensor]] = field(default_factory=dict)
     _variants: dict[tuple, tuple[FactorTaps, Any]] = field(default_factory=dict)
@@ -47,9 +46,9 @@ class TappedRunner(StageRunner):
             runner.module,
             runner.fn,
             runner.is_last,
+            backend,
             layers=dict(layers),
             sources=sources,
-            backend=backend,
         )
 
     def _keep(self, name: str, source: Source, mb: int, value: Tensor) -> None:

@@ -31,7 +31,7 @@ from fxkfac.planner.schedules import ScheduleKind, stages_of_rank
 from fxkfac.planner.strategy import LayerDistribution
 from fxkfac.preconditioner import Family, RefreshState, gradient_parts
 from fxkfac.progress import Display, training_progress
-from fxkfac.runtime.interpreter import Interpreter, StepContext, local_loss
+from fxkfac.runtime.interpreter import EVAL_HANDLERS, Interpreter, StepContext, forward_only, local_loss
 from fxkfac.runtime.mesh import MeshLayout, StageCopies
 from fxkfac.runtime.p2p import TagSpace, Transport
 from fxkfac.runtime.param_state import (
@@ -170,7 +170,8 @@ def _streamed_layers(spec: RunSpec, rank: int, local: Sequence[int]) -> Streamed
 
 
 class Trainer(Checkpointing):
-    """One rank of a run: `step(inputs, targets) -> loss` over the global mini-batch, state dicts, traces.
+    """One rank of a run: `step(inputs, targets) -> loss` over the global mini-batch, `evaluate(inputs, targets)`,
+    state dicts, traces.
 
     The step loss is the mean over all N*W micro-batches of ``loss_fn(outputs_m, targets_m)`` (the same on
     every rank). A step whose loss or gradients are NaN/Inf on any rank is skipped on every rank:
@@ -207,6 +208,8 @@ class Trainer(Checkpointing):
         )
         self.sync.broadcast_weights(self.transport)
         self.interpreter = Interpreter()
+        self.evaluator = Interpreter(EVAL_HANDLERS)
+        """Runs `evaluate`'s forward-only programs."""
         self.step_end = self._step_end(holders)
         self.preconditioning = self._preconditioning(holders, backend) if spec.units else None
         params = [p for r in self.runners.values() for p in r.module.parameters()]
@@ -303,15 +306,32 @@ class Trainer(Checkpointing):
         """One optimizer step over one global mini-batch; returns the step loss (the same on every rank): a float,
         or on a mesh whose steps end without a world barrier (KLClipScope STAGE or STALE; without a preconditioner,
         StepAgreement.COPIES) a StepLoss, which waits for the loss's world sum when read."""
-        inputs = normalize_inputs(inputs)
-        self._check_inputs(inputs)
-        spec, W, dp = self.spec, self.layout.W, self.layout.dp
-        shards = shard_microbatches((inputs, targets), spec.global_batch, W, dp, spec.N)
+        ctx = self._context(inputs, targets)
         if self.preconditioning is not None:
             for runner in self.runners.values():
                 if isinstance(runner, TappedRunner):
                     runner.modes = self.preconditioning.modes_at(self.steps, list(runner.layers))
-        ctx = StepContext(
+        self.interpreter.run(self.ops_at(self.steps), ctx, self.timeline)
+        loss = self._loss(ctx)
+        if ctx.skipped:
+            self.interpreter.abort(ctx)
+            self._skip()
+        else:
+            self.interpreter.commit(ctx)
+            self._skips_in_a_row = 0
+            self.steps += 1
+        if self.progress.display is not Display.OFF:  # reading a StepLoss waits for its sum: only to show it
+            self.progress.update(self.steps, float(loss))
+        return loss
+
+    def _context(self, inputs: Any, targets: Any) -> StepContext:
+        """The context of a step (or an evaluation) over one global mini-batch: this replica's micro-batches of it,
+        checked against the compiled example's shapes."""
+        inputs = normalize_inputs(inputs)
+        self._check_inputs(inputs)
+        spec, W = self.spec, self.layout.W
+        shards = shard_microbatches((inputs, targets), spec.global_batch, W, self.layout.dp, spec.N)
+        return StepContext(
             rank=self.layout.rank,
             step=self.steps,
             runners=self.runners,
@@ -325,18 +345,22 @@ class Trainer(Checkpointing):
             scale=1.0 / (spec.N * W),
             step_end=self.step_end,
         )
-        self.interpreter.run(self.ops_at(self.steps), ctx, self.timeline)
-        loss = self._loss(ctx)
-        if ctx.skipped:
-            self.interpreter.abort(ctx)
-            self._skip()
-        else:
-            self.interpreter.commit(ctx)
-            self._skips_in_a_row = 0
-            self.steps += 1
-        if self.progress.display is not Display.OFF:  # reading a StepLoss waits for its sum: only to show it
-            self.progress.update(self.steps, float(loss))
-        return loss
+
+    def evaluate(self, inputs: Any, targets: Any) -> float:
+        """The model's loss on one global mini-batch in eval mode (dropout off, batch norm by its running
+        statistics), reduced as a step's: the mean over the N*W micro-batches of ``loss_fn``, the same on every rank.
+
+        Collective: every rank calls it between steps. The forward half of this rank's program runs over the
+        training's stages, ranks and transport (`forward_only`), each stage's eval-mode graph made on the first
+        call (`StageRunner.infer`); no capture, statistic, gradient, optimizer or preconditioner state, step count or
+        random draw changes, so training goes on as if it had not run."""
+        ctx = self._context(inputs, targets)
+        with torch.no_grad():
+            self.evaluator.run(forward_only(self.spec.programs[self.layout.rank][0]), ctx)
+            total = local_loss(ctx).to(torch.float64).reshape(1)
+            self.transport.sum_at(total, range(self.layout.world_size), 0, "evaluate (loss sum)")
+            self.transport.flush()
+        return float(total)
 
     def _loss(self, ctx: StepContext) -> float | StepLoss:
         """The step loss over the world: the float OPT_STEP's world sum made, or under a barrier-free
