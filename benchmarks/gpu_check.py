@@ -185,6 +185,11 @@ def median_seconds(
     return statistics.median(samples)
 
 
+def _error(e: Exception) -> str:
+    """The end of an exception's traceback: where it was raised and what it says."""
+    return "".join(traceback.format_exception(e)[-8:])
+
+
 # ---------------------------------------------------------------------------------------------------- 1. train
 
 
@@ -231,11 +236,18 @@ def train_family(family: str, sizes: Sizes, device: torch.device, dtype: torch.d
 
 
 def part_train(sizes: Sizes, device: torch.device, dtype: torch.dtype, backend: str | None) -> dict:
-    """Every family's run, each one's step time over AdamW's, and the table."""
-    rows = [train_family(f, sizes, device, dtype, backend) for f in FAMILIES]
-    adamw = rows[0]["step_ms"]
+    """Every family's run (one that raises: its error in its row, the others still run), each one's step time
+    over AdamW's, and the table."""
+    rows = []
+    for family in FAMILIES:
+        try:
+            rows.append(train_family(family, sizes, device, dtype, backend))
+        except Exception as e:  # a family that fails on this device is a finding; the others still run
+            rows.append({"family": family, "error": _error(e)})
+            console.print(f"[bold red]train {family} failed[/bold red]:\n{rows[-1]['error']}")
+    adamw = rows[0].get("step_ms")
     for row in rows:
-        row["step_vs_adamw"] = round(row["step_ms"] / adamw, 2)
+        row["step_vs_adamw"] = None if adamw is None or "error" in row else round(row["step_ms"] / adamw, 2)
     how = "PipelineOptions.autocast_dtype" if AUTOCAST_FIELD else "torch.autocast around Trainer.step"
     cfg = sizes.train_model
     table = Table(
@@ -245,11 +257,14 @@ def part_train(sizes: Sizes, device: torch.device, dtype: torch.dtype, backend: 
     for col in ("family", "first step s", "step ms", "vs AdamW", "loss first -> last", "finite", "decreased"):
         table.add_column(col, justify="left" if col == "family" else "right")
     for r in rows:
+        if "error" in r:
+            table.add_row(r["family"], "failed: " + r["error"].strip().splitlines()[-1][:100])
+            continue
         table.add_row(
             r["family"],
             f"{r['first_step_s']:.1f}",
             f"{r['step_ms']:.2f}",
-            f"{r['step_vs_adamw']:.2f}",
+            "-" if r["step_vs_adamw"] is None else f"{r['step_vs_adamw']:.2f}",
             f"{r['loss_first']:.3f} -> {r['loss_last']:.3f}",
             str(r["finite"]),
             str(r["decreased"]),
@@ -473,17 +488,22 @@ def part(name: str, report: dict, errors: dict) -> Iterator[None]:
     try:
         yield
     except Exception as e:  # a part that fails is a finding of the check; the rest still runs
-        errors[name] = "".join(traceback.format_exception(e)[-8:])
+        errors[name] = _error(e)
         console.print(f"[bold red]{name} failed[/bold red]:\n{errors[name]}")
     report["wall_s"][name] = round(time.perf_counter() - begin, 1)
 
 
 def failed_checks(report: dict) -> list[str]:
-    """The checks that did not hold: a non-finite or undecreased training loss, a plan off its lower bound."""
+    """The checks that did not hold: a family that failed to train or whose loss was non-finite or did not
+    decrease, a plan off its lower bound."""
     bad = [
         f"train {r['family']}: {what}"
         for r in report.get("train", {}).get("rows", [])
-        for what, ok in (("non-finite loss", r["finite"]), ("loss did not decrease", r["decreased"]))
+        for what, ok in (
+            ("failed", "error" not in r),
+            ("non-finite loss", r.get("finite", True)),
+            ("loss did not decrease", r.get("decreased", True)),
+        )
         if not ok
     ]
     at_bound = report.get("plan", {}).get("checks", {}).get("cpsat_at_lower_bound", {})

@@ -54,3 +54,20 @@ def test_without_cuda_it_refuses(
 def test_device_names_are_short(name: str, short: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     assert gpu_check.device_name(torch.device("cuda")) == short
+
+
+def test_a_family_that_fails_is_reported_and_the_others_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trained = gpu_check.train_family
+
+    def train(family: str, *args: object) -> dict:
+        if family == "SOAP":
+            raise RuntimeError("Expected all tensors to be on the same device")
+        return trained(family, *args)
+
+    monkeypatch.setattr(gpu_check, "FAMILIES", ("AdamW", "SOAP"))
+    monkeypatch.setattr(gpu_check, "train_family", train)
+    assert gpu_check.main(["--smoke", "--parts", "train", "--out", str(tmp_path)]) == 1
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    adamw, soap = report["train"]["rows"]
+    assert adamw["finite"] and "same device" in soap["error"]
+    assert report["failed_checks"] == ["train SOAP: failed"] and report["errors"] == {}
