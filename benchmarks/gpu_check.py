@@ -507,7 +507,7 @@ def failed_checks(report: dict) -> list[str]:
         if not ok
     ]
     at_bound = report.get("plan", {}).get("checks", {}).get("cpsat_at_lower_bound", {})
-    return bad + [f"plan {name}: CP-SAT off the lower bound" for name, ok in at_bound.items() if not ok]
+    return bad + [f"plan {name}: no CP-SAT plan at the lower bound" for name, ok in at_bound.items() if not ok]
 
 
 def main(argv: list[str] | None = None) -> int:
