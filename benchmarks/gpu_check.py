@@ -34,6 +34,14 @@ writes the cost tables and that JSON (gpu_check.json) under `--out` (default $OU
 
 Without CUDA the script refuses, except with --smoke: tiny sizes, wall-clock timers for CUDA events, bf16
 autocast on the CPU, eager stages unless --backend is given; its numbers only show that the code paths run.
+
+On a GPU machine without network, bring what its Python lacks as wheels in the gitignored .whl/ (made where pip
+works: `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl
+ortools immutabledict protobuf` at the versions ortools needs, `pip wheel --no-deps -w .whl .` for fxkfac, and
+`pip wheel --no-deps -w .whl/kfac <kfac-pytorch checkout>`), then:
+
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site \
+        python3 benchmarks/gpu_check.py --out $OUT --kfac-pytorch-wheel .whl/kfac/kfac_pytorch-*.whl
 """
 
 from __future__ import annotations
