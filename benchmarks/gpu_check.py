@@ -40,8 +40,8 @@ works: `pip download --no-deps --only-binary=:all: --python-version 3.12 --platf
 ortools immutabledict protobuf` at the versions ortools needs, `pip wheel --no-deps -w .whl .` for fxkfac, and
 `pip wheel --no-deps -w .whl/kfac <kfac-pytorch checkout>`), then:
 
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && PYTHONPATH=/tmp/site \
-        python3 benchmarks/gpu_check.py --out $OUT --kfac-pytorch-wheel .whl/kfac/kfac_pytorch-*.whl
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
+    PYTHONPATH=/tmp/site python3 benchmarks/gpu_check.py --out $OUT --kfac-pytorch-wheel .whl/kfac/kfac_pytorch-*.whl
 """
 
 from __future__ import annotations
