@@ -110,24 +110,28 @@ class TokenModel(nn.Module):
         return self.head(self.blocks(x)).transpose(1, 2)
 
 
-def make_model(kind: str) -> nn.Module:
-    """``mlp`` (784-1024-1024-10, tanh) or ``tokens`` (TokenModel), seed 0."""
+def make_model(kind: str, device: str = "cpu") -> nn.Module:
+    """``mlp`` (784-1024-1024-10, tanh) or ``tokens`` (TokenModel), seed 0, on `device`."""
     torch.manual_seed(0)
     if kind == "mlp":
-        return nn.Sequential(nn.Linear(784, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 10))
-    return TokenModel()
+        model: nn.Module = nn.Sequential(
+            nn.Linear(784, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh(), nn.Linear(1024, 10)
+        )
+    else:
+        model = TokenModel()
+    return model.to(device)
 
 
-def make_batch(kind: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """One fixed batch: ``mlp`` 128 x 784 with 10 classes; ``tokens`` [16, 64, 256] with a class per token
-    (targets [16, 64])."""
+def make_batch(kind: str, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """One fixed batch on `device` (drawn on the CPU, the same everywhere): ``mlp`` 128 x 784 with 10 classes;
+    ``tokens`` [16, 64, 256] with a class per token (targets [16, 64])."""
     g = torch.Generator().manual_seed(0)
     if kind == "mlp":
-        return torch.randn(128, 784, generator=g), torch.randint(0, 10, (128,), generator=g)
-    return (
-        torch.randn(TOKEN_BATCH, SEQ, 256, generator=g),
-        torch.randint(0, TOKEN_CLASSES, (TOKEN_BATCH, SEQ), generator=g),
-    )
+        x, y = torch.randn(128, 784, generator=g), torch.randint(0, 10, (128,), generator=g)
+    else:
+        x = torch.randn(TOKEN_BATCH, SEQ, 256, generator=g)
+        y = torch.randint(0, TOKEN_CLASSES, (TOKEN_BATCH, SEQ), generator=g)
+    return x.to(device), y.to(device)
 
 
 def fxkfac_config(method: str, capture: Capture) -> KFACConfig:
@@ -142,12 +146,15 @@ def fxkfac_config(method: str, capture: Capture) -> KFACConfig:
     )
 
 
-def fxkfac_step(kind: str, method: str, backend: str | None, capture: Capture = Capture.FUSED) -> Callable[[], None]:
-    """fxkfac.compile on one device (mesh=None), K-FAC refreshed every step, SGD with momentum."""
-    x, y = make_batch(kind)
+def fxkfac_step(
+    kind: str, method: str, backend: str | None, capture: Capture = Capture.FUSED, device: str = "cpu"
+) -> Callable[[], None]:
+    """fxkfac.compile on one device (mesh=None, the model on `device`), K-FAC refreshed every step, SGD with
+    momentum."""
+    x, y = make_batch(kind, device)
     cfg = fxkfac_config(method, capture)
     trainer = fxkfac.compile(
-        make_model(kind),
+        make_model(kind, device),
         None,
         example_inputs=(x,),
         loss_fn=F.cross_entropy,
@@ -170,17 +177,17 @@ def kfac_pytorch_available() -> bool:
     return True
 
 
-def kfac_pytorch_step(kind: str, method: str, strategy: str | None = None) -> Callable[[], None]:
-    """kfac-pytorch's KFACPreconditioner on the same model and batch, everything every step, same SGD; with a
-    `strategy` (a process group is up) under DistributedDataParallel with the ``grad_worker_fraction`` of that
-    name, each rank training on its contiguous shard of the same global batch (as fxkfac shards it)."""
+def kfac_pytorch_step(kind: str, method: str, strategy: str | None = None, device: str = "cpu") -> Callable[[], None]:
+    """kfac-pytorch's KFACPreconditioner on the same model and batch (on `device`), everything every step, same
+    SGD; with a `strategy` (a process group is up) under DistributedDataParallel with the ``grad_worker_fraction``
+    of that name, each rank training on its contiguous shard of the same global batch (as fxkfac shards it)."""
     import logging
 
     from kfac.enums import ComputeMethod, DistributedStrategy
     from kfac.preconditioner import KFACPreconditioner
 
-    x, y = make_batch(kind)
-    model = make_model(kind)
+    x, y = make_batch(kind, device)
+    model = make_model(kind, device)
     extra: dict[str, Any] = {}
     if strategy is not None:
         world, rank = dist.get_world_size(), dist.get_rank()

@@ -1,16 +1,16 @@
 """The PipeFisher paper's configurations on its measured P100 profiles: utilization and refresh, greedy vs CP-SAT.
 
 Run: python benchmarks/paper_configs.py [--time-limit 10] [--max-overhead 0] [--decomp-pieces 1] [--barrier world]
-    [--layers block] [--stream-apply keep-refresh] [--strategy auto]
+    [--layers block] [--stream-apply keep-refresh] [--strategy auto] [--costs 'paper:{model}/p100']
 
 Costs are the profiles shipped as paper:<model>/p100 (planner/data/pipefisher_profiles/; per
-Transformer block, micro-batch 32, 3 blocks per stage). The paper's profiles include the embeddings
-and the heads (on the first and last stages) and real P2P gaps; these CSVs are Transformer blocks
-only, so its figures are shown beside ours for orientation, not as the same measurement. With --layers sublayer
-each block is its attention and its feed-forward, with --layers linear its six Linears (the layers K-FAC
-preconditions: tasks as fine as the paper's code runs them), sharing the block's measured costs by their shapes
-(`planner.profiles.ProfileLayers`). Prints a rich table and one JSON
-line.
+Transformer block, micro-batch 32, 3 blocks per stage); --costs names other per-block profiles, {model} standing
+for the configuration's model (e.g. 'gpu:{model}/h200', measured by benchmarks/gpu_check.py).
+The paper's profiles include the embeddings and the heads (on the first and last stages) and real P2P gaps;
+these CSVs are Transformer blocks only, so its figures are shown beside ours for orientation, not as the same
+measurement. With --layers sublayer each block is its attention and its feed-forward, with --layers linear its
+six Linears (the layers K-FAC preconditions: tasks as fine as the paper's code runs them), sharing the block's
+measured costs by their shapes (`planner.profiles.ProfileLayers`). Prints a rich table and one JSON line.
 
 Per configuration: the plain pipeline (simulated here, independently of the planner), then
 planner.choose.solve_with_strategy with the paper's greedy rule and with CP-SAT (each stage's copies sharing the
@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +66,9 @@ CONFIGS = (
     Config("bert-large", "chimera", 8, 8),
 )
 
+PAPER_COSTS = "paper:{model}/p100"
+"""The block costs planned by default: the PipeFisher paper's P100 profiles ({model}: the configuration's)."""
+
 PAPER = {  # PipeFisher (Osawa et al. 2023): utilization before -> after, refresh period k in steps
     ("bert-base", "gpipe"): "~42%->89% k=1-2 (Fig.3)",
     ("bert-base", "1f1b"): "~42%->89% k=1-2 (Fig.3)",
@@ -74,11 +78,12 @@ PAPER = {  # PipeFisher (Osawa et al. 2023): utilization before -> after, refres
 }
 
 
-def costs_of(cfg: Config, layers: ProfileLayers = ProfileLayers.BLOCK) -> CostTable:
-    """The measured P100 cost table of the configuration (the profile shipped with fxkfac), one K-FAC layer per
-    block, sublayer or Linear (`layers`)."""
+def costs_of(cfg: Config, layers: ProfileLayers = ProfileLayers.BLOCK, costs: str = PAPER_COSTS) -> CostTable:
+    """The measured cost table of the configuration from the per-block profile `costs` names (`{model}` the
+    configuration's model; default the P100 profile shipped with fxkfac), one K-FAC layer per block, sublayer or
+    Linear (`layers`)."""
     return load_cost_table(
-        f"paper:{cfg.model}/p100",
+        costs.format(model=cfg.model),
         blocks_per_stage=cfg.blocks_per_stage,
         n_stages=cfg.D,
         micro_batch_size=cfg.micro_batch_size,
@@ -115,9 +120,10 @@ def lower_bounds(cfg: Config, costs: CostTable, base: Timeline) -> list[int]:
     return bounds
 
 
-def baseline(cfg: Config) -> dict[str, Any]:
-    """The configuration's plain-pipeline numbers, simulated independently of the planner."""
-    costs = costs_of(cfg)
+def baseline(cfg: Config, source: str = PAPER_COSTS) -> dict[str, Any]:
+    """The configuration's plain-pipeline numbers on the block costs `source` names, simulated independently of
+    the planner."""
+    costs = costs_of(cfg, costs=source)
     base = base_timeline(cfg, costs)
     prec = max(sum(costs.stages[s].prec for s, _ in stages_of_rank(cfg.schedule, cfg.D, r)) for r in base.ranks)
     return {
@@ -143,11 +149,12 @@ def planned(
     stream: StreamApply = StreamApply.KEEP_REFRESH,
     layers: ProfileLayers = ProfileLayers.BLOCK,
     strategy: Strategy | None = None,
+    source: str = PAPER_COSTS,
 ) -> dict[str, Any]:
-    """One planner run (the first stage's APPLY streamed as `stream` says; K-FAC layers per block, sublayer or
-    Linear, `layers`; every layer under `strategy`, or, when None, the distributions the planner chooses as
-    `fxkfac plan` does): its metrics, or the reason there is no plan."""
-    costs = costs_of(cfg, layers)
+    """One planner run on the block costs `source` names (the first stage's APPLY streamed as `stream` says; K-FAC
+    layers per block, sublayer or Linear, `layers`; every layer under `strategy`, or, when None, the distributions
+    the planner chooses as `fxkfac plan` does): its metrics, or the reason there is no plan."""
+    costs = costs_of(cfg, layers, source)
     problem = Problem(
         cfg.schedule, cfg.D, cfg.N, costs, max_overhead=max_overhead, decomp_pieces=pieces, barrier=barrier
     )
@@ -216,10 +223,12 @@ def render(
     barrier: StepBarrier,
     layers: ProfileLayers,
     console: Console,
+    source: str = PAPER_COSTS,
 ) -> None:
     table = Table(
-        title=f"PipeFisher configurations on measured P100 block costs (micro-batch 32, 3 blocks/stage, K-FAC layer: "
-        f"{layers.value}, max_overhead {max_overhead:g}, inversions in {pieces} piece(s), step barrier {barrier})"
+        title=f"PipeFisher configurations on measured block costs {source} (micro-batch 32, 3 blocks/stage, "
+        f"K-FAC layer: {layers.value}, max_overhead {max_overhead:g}, inversions in {pieces} piece(s), "
+        f"step barrier {barrier})"
     )
     for col in (
         "config",
@@ -271,6 +280,31 @@ def render(
     console.print(table)
 
 
+def plan_configs(
+    configs: Sequence[Config] = CONFIGS,
+    source: str = PAPER_COSTS,
+    *,
+    time_limit: float = 10.0,
+    max_overhead: float = 0.0,
+    pieces: int = 1,
+    barrier: StepBarrier = StepBarrier.WORLD,
+    stream: StreamApply = StreamApply.KEEP_REFRESH,
+    layers: ProfileLayers = ProfileLayers.BLOCK,
+    strategy: Strategy | None = None,
+) -> list[dict[str, Any]]:
+    """Each configuration's plain pipeline (`baseline`) and its greedy and CP-SAT plans (`planned`) on the block
+    costs `source` names."""
+    results = []
+    for cfg in configs:
+        row = baseline(cfg, source)
+        for method in ("greedy", "cpsat"):
+            row[method] = planned(
+                cfg, method, time_limit, max_overhead, pieces, barrier, stream, layers, strategy, source
+            )
+        results.append(row)
+    return results
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit per configuration (s)")
@@ -303,30 +337,32 @@ def main(argv: list[str] | None = None) -> None:
         help="how the copies of a stage (Chimera's two pipelines) share each layer's work: comm-opt, mem-opt, "
         "hybrid:F, dp-kfac, or auto (default: the planner chooses, as fxkfac plan does)",
     )
+    parser.add_argument(
+        "--costs",
+        default=PAPER_COSTS,
+        help="the per-block profile of each configuration, {model} its model: paper:{model}/<hw>, "
+        "gpu:{model}/<device> or a profile file path (default %(default)s)",
+    )
     args = parser.parse_args(argv)
-    results = []
-    for cfg in CONFIGS:
-        row = baseline(cfg)
-        for method in ("greedy", "cpsat"):
-            row[method] = planned(
-                cfg,
-                method,
-                args.time_limit,
-                args.max_overhead,
-                args.decomp_pieces,
-                args.barrier,
-                args.stream_apply,
-                args.layers,
-                args.strategy,
-            )
-        results.append(row)
-    render(results, args.max_overhead, args.decomp_pieces, args.barrier, args.layers, Console(width=200))
+    results = plan_configs(
+        CONFIGS,
+        args.costs,
+        time_limit=args.time_limit,
+        max_overhead=args.max_overhead,
+        pieces=args.decomp_pieces,
+        barrier=args.barrier,
+        stream=args.stream_apply,
+        layers=args.layers,
+        strategy=args.strategy,
+    )
+    render(results, args.max_overhead, args.decomp_pieces, args.barrier, args.layers, Console(width=200), args.costs)
     verdict = checks(results, args.max_overhead)
     Console(width=200).print(verdict)
     print(
         json.dumps(
             {
                 "benchmark": "paper_configs",
+                "costs": args.costs,
                 "time_limit_s": args.time_limit,
                 "max_overhead": args.max_overhead,
                 "decomp_pieces": args.decomp_pieces,

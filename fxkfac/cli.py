@@ -114,8 +114,9 @@ def _add_plan_costs(plan: argparse.ArgumentParser) -> None:
     plan.add_argument(
         "--costs",
         type=Path,
-        help="a cost table (.json), a PipeFisher profile (.csv), or a shipped one of the paper: "
-        "paper:<model>/<hardware>, e.g. paper:bert-base/p100",
+        help="a cost table (.json), a PipeFisher profile (.csv), a shipped one of the paper: "
+        "paper:<model>/<hardware>, e.g. paper:bert-base/p100, or a per-block GPU profile (.json, or shipped: "
+        "gpu:<model>/<device>, measured by benchmarks/gpu_check.py)",
     )
     enum_option(
         plan,

@@ -1,10 +1,12 @@
-"""Cost tables from the PipeFisher paper's measured profiles (CSV or `paper:` name), and `load_cost_table`."""
+"""Cost tables from per-Transformer-block profiles: the PipeFisher paper's (CSV or `paper:` name) and those
+benchmarks/gpu_check.py measures on a GPU (JSON or `gpu:` name); and `load_cost_table`."""
 
 from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Callable, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
 from importlib.resources import files
 from pathlib import Path, PurePath
@@ -21,9 +23,13 @@ if TYPE_CHECKING:
 __all__ = [
     "PIPEFISHER_COLUMNS",
     "PAPER_PREFIX",
+    "GPU_PREFIX",
+    "BLOCK_PROFILE_FORMAT",
     "ProfileLayers",
     "BLOCK_LINEARS",
     "paper_profile_names",
+    "gpu_profile_names",
+    "block_profile_json",
     "is_profile",
     "cost_table_from_pipefisher_csv",
     "load_cost_table",
@@ -37,6 +43,14 @@ PIPEFISHER_COLUMNS = (
 
 PAPER_PREFIX = "paper:"
 """`paper:<model>/<hardware>` names a profile shipped in planner/data/pipefisher_profiles/."""
+
+GPU_PREFIX = "gpu:"
+"""`gpu:<model>/<device>` names a profile measured by benchmarks/gpu_check.py, shipped as
+planner/data/gpu_profiles/<model>_<device>.json (`block_profile_json`)."""
+
+BLOCK_PROFILE_FORMAT = "fxkfac-block-profile/1"
+"""The `format` field of a per-block profile JSON: PipeFisher's columns, one row per micro-batch size, and what
+they were measured on."""
 
 
 class ProfileLayers(StrEnum):
@@ -94,6 +108,10 @@ def _is_paper_name(source: str | Path) -> bool:
     return str(source).startswith(PAPER_PREFIX)
 
 
+def _is_gpu_name(source: str | Path) -> bool:
+    return str(source).startswith(GPU_PREFIX)
+
+
 def _paper_file(name: str) -> str:
     """The shipped file a `paper:` name stands for; CostModelError listing the names when unknown."""
     known = _paper_files()
@@ -102,37 +120,135 @@ def _paper_file(name: str) -> str:
     return known[name]
 
 
+def _gpu_profiles_folder() -> Traversable:
+    """planner/data/gpu_profiles, read through importlib.resources (package data when installed)."""
+    return files("fxkfac.planner") / "data" / "gpu_profiles"
+
+
+def _gpu_files() -> dict[str, str]:
+    """Shipped GPU profile file names (<model>_<device>.json) by their `gpu:<model>/<device>` name, sorted."""
+    folder = _gpu_profiles_folder()
+    if not folder.is_dir():
+        return {}
+    names = {}
+    for entry in folder.iterdir():
+        model, sep, device = PurePath(entry.name).stem.rpartition("_")
+        if entry.name.endswith(".json") and sep and model:
+            names[f"{GPU_PREFIX}{model}/{device}"] = entry.name
+    return dict(sorted(names.items()))
+
+
+def gpu_profile_names() -> tuple[str, ...]:
+    """Every `gpu:<model>/<device>` name of a GPU profile shipped with fxkfac (benchmarks/gpu_check.py's)."""
+    return tuple(_gpu_files())
+
+
+def _gpu_file(name: str) -> str:
+    """The shipped file a `gpu:` name stands for; CostModelError listing the names when unknown."""
+    known = _gpu_files()
+    if name not in known:
+        available = ", ".join(known) or "none yet"
+        raise CostModelError(
+            f"no shipped GPU profile {name!r} (available: {available}); benchmarks/gpu_check.py measures one on a "
+            "CUDA device, and its file can be passed as a path"
+        )
+    return known[name]
+
+
+def _is_block_profile_json(path: Path) -> bool:
+    """Whether `path` is a readable per-block profile JSON (`block_profile_json`), not a CostTable JSON."""
+    if path.suffix.lower() != ".json":
+        return False
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("format") == BLOCK_PROFILE_FORMAT
+
+
 def is_profile(source: str | Path) -> bool:
-    """Whether `source` is a PipeFisher per-block profile (a .csv path or a `paper:` name), which needs
-    blocks_per_stage and micro_batch_size to become a cost table."""
-    return _is_paper_name(source) or Path(source).suffix.lower() == ".csv"
+    """Whether `source` is a per-block profile (a PipeFisher .csv path or `paper:` name, a GPU profile .json path
+    or `gpu:` name), which needs blocks_per_stage and micro_batch_size to become a cost table."""
+    if _is_paper_name(source) or _is_gpu_name(source):
+        return True
+    path = Path(source)
+    return path.suffix.lower() == ".csv" or _is_block_profile_json(path)
 
 
-def _profile_text(source: str | Path) -> tuple[str, str]:
-    """The CSV text and file name of a profile: a shipped one by `paper:` name, or a file by path."""
+def block_profile_json(rows: Sequence[Mapping[str, float]], *, model: str, device: str, **about: Any) -> str:
+    """The text of a per-block profile JSON (what `gpu:` names and profile .json paths load): `rows`, one per
+    micro-batch size with every `PIPEFISHER_COLUMNS` value (ms and MiB per block, as PipeFisher's CSVs), the
+    model and device, and `about` what else the measurement was (dtype, sequence length, torch version ...)."""
+    if not rows:
+        raise CostModelError("a block profile needs at least one row")
+    for row in rows:
+        missing = [c for c in PIPEFISHER_COLUMNS if c not in row]
+        if missing:
+            raise CostModelError(f"a block profile row lacks the columns {missing}")
+    body = {"format": BLOCK_PROFILE_FORMAT, "model": model, "device": device, **about}
+    body["rows"] = [{c: float(row[c]) for c in PIPEFISHER_COLUMNS} for row in rows]
+    return json.dumps(body, indent=1) + "\n"
+
+
+_Rows = dict[int, dict[str, float]]
+
+
+def _profile_rows(source: str | Path) -> tuple[_Rows, str, str | None]:
+    """A per-block profile's rows by micro-batch size, its file name and, for a GPU profile, its device: a shipped
+    one by `paper:` or `gpu:` name, or a .csv or .json file by path."""
     if _is_paper_name(source):
         name = _paper_file(str(source))
-        return (_profiles_folder() / name).read_text(), name
+        return _read_pipefisher_rows((_profiles_folder() / name).read_text(), str(source)), name, None
+    if _is_gpu_name(source):
+        name = _gpu_file(str(source))
+        rows, device = _read_block_profile_json((_gpu_profiles_folder() / name).read_text(), str(source))
+        return rows, name, device
     path = Path(source)
     try:
-        return path.read_text(), path.name
+        text = path.read_text()
     except OSError as e:
-        raise CostModelError(f"cannot read profile CSV {path}: {e}") from e
+        raise CostModelError(f"cannot read profile {path}: {e}") from e
+    if path.suffix.lower() == ".json":
+        rows, device = _read_block_profile_json(text, str(path))
+        return rows, path.name, device
+    return _read_pipefisher_rows(text, str(path)), path.name, None
 
 
-def _read_pipefisher_rows(text: str, where: str) -> dict[int, dict[str, float]]:
+def _read_pipefisher_rows(text: str, where: str) -> _Rows:
     """Rows of a PipeFisher profile CSV by micro-batch size (`where` names it in errors)."""
     reader = csv.DictReader(io.StringIO(text))
     missing = [c for c in PIPEFISHER_COLUMNS if c not in (reader.fieldnames or [])]
     if missing:
         raise CostModelError(f"{where}: not a PipeFisher profile CSV, missing columns {missing}")
+    return _numeric_rows(list(reader), where)
+
+
+def _read_block_profile_json(text: str, where: str) -> tuple[_Rows, str]:
+    """Rows of a per-block profile JSON (`block_profile_json`) by micro-batch size, and its device."""
     try:
-        rows = {int(float(r["bs"])): {c: float(r[c]) for c in PIPEFISHER_COLUMNS} for r in reader}
+        data = json.loads(text)
+    except ValueError as e:
+        raise CostModelError(f"{where}: not JSON ({e})") from e
+    if not isinstance(data, dict) or data.get("format") != BLOCK_PROFILE_FORMAT:
+        raise CostModelError(f"{where}: not a per-block profile (its 'format' is not {BLOCK_PROFILE_FORMAT!r})")
+    rows = data.get("rows")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise CostModelError(f"{where}: 'rows' must be a list of objects with the columns {list(PIPEFISHER_COLUMNS)}")
+    missing = sorted({c for r in rows for c in PIPEFISHER_COLUMNS if c not in r})
+    if missing:
+        raise CostModelError(f"{where}: rows lack the columns {missing}")
+    return _numeric_rows(rows, where), str(data.get("device", "unknown"))
+
+
+def _numeric_rows(rows: Sequence[Mapping[str, Any]], where: str) -> _Rows:
+    """`rows` (each with every PIPEFISHER_COLUMNS value) as numbers, by micro-batch size."""
+    try:
+        numbers = {int(float(r["bs"])): {c: float(r[c]) for c in PIPEFISHER_COLUMNS} for r in rows}
     except (ValueError, TypeError) as e:
         raise CostModelError(f"{where}: a value is not a number ({e})") from e
-    if not rows:
-        raise CostModelError(f"{where}: the profile CSV has no rows")
-    return rows
+    if not numbers:
+        raise CostModelError(f"{where}: the profile has no rows")
+    return numbers
 
 
 def _row_at(rows: dict[int, dict[str, float]], bs: int, where: str) -> dict[str, float]:
@@ -226,12 +342,14 @@ def cost_table_from_pipefisher_csv(
       mem_peak_err -> peak_err_bytes (the largest block peak: one backward is transient).
 
     path is a profile CSV, or `paper:<model>/<hardware>` for one shipped with fxkfac
-    (`paper_profile_names()`). A micro-batch size not in the file is linearly interpolated between
+    (`paper_profile_names()`); or a per-block profile JSON measured on a GPU (`block_profile_json`, written by
+    benchmarks/gpu_check.py), or `gpu:<model>/<device>` for one shipped (`gpu_profile_names()`), whose device is
+    the table's hardware unless `hardware` is given. A micro-batch size not in the file is linearly interpolated between
     the nearest measured sizes; one outside the measured range raises CostModelError.
     blocks_per_stage is a list (one count per stage) or an int with n_stages.
     """
-    text, file_name = _profile_text(path)
-    row = _row_at(_read_pipefisher_rows(text, str(path)), micro_batch_size, str(path))
+    rows, file_name, device = _profile_rows(path)
+    row = _row_at(rows, micro_batch_size, str(path))
     counts = _blocks_per_stage(blocks_per_stage, n_stages)
     stages, first = [], 0
     for k in counts:
@@ -246,8 +364,9 @@ def cost_table_from_pipefisher_csv(
             )
         )
         first += k
-    hw = hardware if hardware is not None else _hardware_from_name(PurePath(file_name).stem)
-    return CostTable(tuple(stages), micro_batch_size, f"pipefisher-csv:{file_name}", hw, _comm_of(hw))
+    hw = hardware or device or _hardware_from_name(PurePath(file_name).stem)
+    kind = "pipefisher-csv" if device is None else "gpu-profile"
+    return CostTable(tuple(stages), micro_batch_size, f"{kind}:{file_name}", hw, _comm_of(hw))
 
 
 def _comm_of(hardware: str) -> CommModel | None:
@@ -263,11 +382,14 @@ def _hardware_from_name(stem: str) -> str:
 
 
 def load_cost_table(path: str | Path, **csv_options: Any) -> CostTable:
-    """Load a cost table from .json (CostTable.to_json), or from a PipeFisher profile: a .csv path or a
-    shipped `paper:<model>/<hardware>` name (pass the keyword arguments of `cost_table_from_pipefisher_csv`)."""
+    """Load a cost table from .json (CostTable.to_json), or from a per-block profile: a PipeFisher .csv path or a
+    shipped `paper:<model>/<hardware>` name, a GPU profile .json path or a shipped `gpu:<model>/<device>` name
+    (pass the keyword arguments of `cost_table_from_pipefisher_csv`)."""
     if is_profile(path):
         if _is_paper_name(path):
             _paper_file(str(path))  # an unknown name is the first thing to fix
+        if _is_gpu_name(path):
+            _gpu_file(str(path))
         missing = [k for k in _PROFILE_OPTIONS if k not in csv_options]
         if missing:
             raise CostModelError(

@@ -108,14 +108,16 @@ def test_a_profile_without_its_sizes_says_what_to_pass() -> None:
 
 
 def test_the_profiles_are_package_data() -> None:
-    """Every shipped file matches a package-data pattern of fxkfac.planner, so an installed fxkfac has it."""
+    """Every shipped file (the paper's profiles, the GPU ones) matches a package-data pattern of fxkfac.planner, so
+    an installed fxkfac has it."""
     tomllib = pytest.importorskip("tomllib")
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     planner_dir = REPO / setuptools["package-dir"]["fxkfac.planner"]
     patterns = setuptools["package-data"]["fxkfac.planner"]
-    shipped = {p for p in PROFILES.iterdir() if p.is_file()}
+    folders = (PROFILES, PROFILES.parent / "gpu_profiles")
+    shipped = {p for folder in folders for p in folder.iterdir() if p.is_file()}
     assert {p for pattern in patterns for p in planner_dir.glob(pattern)} == shipped
-    assert (PROFILES / "README.md") in shipped
+    assert {folder / "README.md" for folder in folders} <= shipped
 
 
 def test_fifty_fifty_split_follows_from_the_factor_dims_of_a_bert_block() -> None:
