@@ -152,7 +152,7 @@ def fxkfac_step(kind: str, method: str, backend: str | None, capture: Capture = 
         example_inputs=(x,),
         loss_fn=F.cross_entropy,
         optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM),
-        kfac=cfg,
+        preconditioner=cfg,
         backend=backend,
     )
     return lambda: trainer.step((x,), y)
@@ -227,7 +227,7 @@ def fxkfac_dp_step(kind: str, method: str, strategy: str, capture: Capture = Cap
         example_inputs=(x,),
         loss_fn=F.cross_entropy,
         optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM),
-        kfac=cfg,
+        preconditioner=cfg,
         backend=None,
         plan_options=PlanOptions(strategy=strategy),
     )
