@@ -217,7 +217,6 @@ def train_family(family: str, sizes: Sizes, device: torch.device, dtype: torch.d
         example_inputs=(ids,),
         loss_fn=mlm_loss,
         optimizer=lambda params: base(params, lr=LR),
-        kfac=None,
         preconditioner=preconditioner,
         backend=backend,
         pipeline=options,

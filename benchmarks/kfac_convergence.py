@@ -96,7 +96,7 @@ def batch_order(steps: int, n: int) -> list[torch.Tensor]:
 
 
 def train(kind: str, method: str, lr: float, steps: int, data: tuple[torch.Tensor, torch.Tensor]) -> Run:
-    """Train one model with fxkfac.compile (kfac=None for AdamW) and measure the full training loss."""
+    """Train one model with fxkfac.compile (preconditioner=None for AdamW) and measure the full training loss."""
     x_all, y_all = data
     inputs = shape_inputs(kind, x_all)
     model = make_model(kind)
@@ -112,7 +112,7 @@ def train(kind: str, method: str, lr: float, steps: int, data: tuple[torch.Tenso
         example_inputs=(inputs[:BATCH],),
         loss_fn=F.cross_entropy,
         optimizer=factory,
-        kfac=kfac,
+        preconditioner=kfac,
         backend=None,
     )
     curve = []

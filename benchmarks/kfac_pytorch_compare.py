@@ -159,7 +159,7 @@ def fxkfac_step(
         example_inputs=(x,),
         loss_fn=F.cross_entropy,
         optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM),
-        kfac=cfg,
+        preconditioner=cfg,
         backend=backend,
     )
     return lambda: trainer.step((x,), y)
@@ -234,7 +234,7 @@ def fxkfac_dp_step(kind: str, method: str, strategy: str, capture: Capture = Cap
         example_inputs=(x,),
         loss_fn=F.cross_entropy,
         optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=MOMENTUM),
-        kfac=cfg,
+        preconditioner=cfg,
         backend=None,
         plan_options=PlanOptions(strategy=strategy),
     )

@@ -59,14 +59,20 @@ def eager_adamw(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[
 def fxkfac_step(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, kfac: KFACConfig | None, backend: str | None
 ) -> Callable[[], None]:
-    """fxkfac.compile on one device (mesh=None); kfac=None is the graph path with AdamW alone."""
+    """fxkfac.compile on one device (mesh=None); preconditioner=None is the graph path with AdamW alone."""
     factory = (
         (lambda p: torch.optim.AdamW(p, lr=1e-3))
         if kfac is None
         else (lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9))
     )
     trainer = fxkfac.compile(
-        model, None, example_inputs=(x,), loss_fn=F.cross_entropy, optimizer=factory, kfac=kfac, backend=backend
+        model,
+        None,
+        example_inputs=(x,),
+        loss_fn=F.cross_entropy,
+        optimizer=factory,
+        preconditioner=kfac,
+        backend=backend,
     )
     return lambda: trainer.step((x,), y)
 
@@ -119,7 +125,7 @@ def main() -> None:
     x, y = torch.randn(args.batch, 64, generator=g), torch.randint(0, 10, (args.batch,), generator=g)
     methods = {
         "AdamW (eager)": eager_adamw(make_model(args.width), x, y),
-        "fxkfac AdamW (kfac=None)": fxkfac_step(make_model(args.width), x, y, None, args.backend),
+        "fxkfac AdamW (preconditioner=None)": fxkfac_step(make_model(args.width), x, y, None, args.backend),
         "fxkfac K-FAC (refresh 1)": fxkfac_step(make_model(args.width), x, y, KFACConfig(**KFAC), args.backend),
         "fxkfac K-FAC (refresh 10)": fxkfac_step(
             make_model(args.width), x, y, KFACConfig(**KFAC, refresh_every=10), args.backend

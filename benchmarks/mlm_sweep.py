@@ -48,7 +48,7 @@ def train(
         None,
         example_inputs=(inputs,),
         loss_fn=mlm_loss,
-        kfac=kfac,
+        preconditioner=kfac,
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.01),
         microbatches=MICROBATCHES,
         backend=None,

@@ -33,13 +33,13 @@ from fxkfac.demo import DEMO_KFAC, BaseOptimizer, Curve, DemoConfig, DemoResult,
 STEPS = 1000
 EVAL_EVERY = 25
 BATCH_SIZE = 128
-"""Sequences per step: 4 micro-batches of 32 (K-FAC's lead over AdamW grew with the batch: see the README)."""
+"""Sequences per step: 4 micro-batches of 32 (K-FAC's lead over AdamW grew with the batch: see docs/RESULTS.md)."""
 EVAL_BATCHES = 8
 ADAMW_LRS = (4e-3, 8e-3, 1.6e-2)
 PIPEFISHER_KFAC = DEMO_KFAC
 """Tikhonov damping 1e-2 (split sqrt between A and B), running average 0.95, KL-clip 1e-2 (bounds
 lr^2 * sum <P, G>); the MLM head (hidden -> 257 bytes) is preconditioned too. The plan chooses the
-refresh period per stage. Chosen by a single-process sweep (README): damping 3e-3 and 3e-2, no KL-clip,
+refresh period per stage. Chosen by a single-process sweep (docs/RESULTS.md): damping 3e-3 and 3e-2, no KL-clip,
 and refreshing every step were no better."""
 PIPEFISHER_LRS = (4e-3, 8e-3)
 TARGET_RATIO = 0.6

@@ -3,7 +3,7 @@
 Four or five variants train the same model on the same mini-batches with the same schedule, side by side in
 one run (rounds interleaved, so drift in machine load hits all alike):
 
-(a) the plain pipeline with AdamW (``kfac=None``);
+(a) the plain pipeline with AdamW (``preconditioner=None``);
 (b) PipeFisher: ``plan="auto"``, every rank profiles the split model and CP-SAT places curvature and
     inversion into the pipeline's bubbles;
 (c) naive K-FAC: curvature and inversion every step, on the critical path
@@ -165,7 +165,7 @@ def _compile(
         example_inputs=(example,),
         loss_fn=loss_fn,
         optimizer=_optimizer,
-        kfac=kfac,
+        preconditioner=kfac,
         schedule=args.schedule,
         microbatches=args.microbatches,
         backend=None,

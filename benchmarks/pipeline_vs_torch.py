@@ -132,7 +132,7 @@ def _fxkfac_trainer(args: argparse.Namespace, schedule: str, example: torch.Tens
         example_inputs=(example,),
         loss_fn=lambda out, y: F.cross_entropy(out, y),
         optimizer=lambda p: torch.optim.SGD(p, lr=0.01),
-        kfac=None,
+        preconditioner=None,
         schedule=schedule,
         microbatches=args.microbatches,
         backend=None,

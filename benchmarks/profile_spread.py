@@ -87,7 +87,6 @@ def _plan_once(ctx: RankContext, model_name: str, gpt2_batch: int, time_limit: f
         "auto",
         example_inputs=(inputs,),
         loss_fn=_unused_loss,
-        kfac=None,
         preconditioner=DEMO_KFAC,
         schedule=cfg.schedule,
         microbatches=cfg.microbatches,

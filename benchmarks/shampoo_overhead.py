@@ -82,7 +82,6 @@ def _compile(
         example_inputs=(example,),
         loss_fn=mlm_loss,
         optimizer=optimizer,
-        kfac=None,
         preconditioner=cfg,
         schedule=args.schedule,
         microbatches=args.microbatches,

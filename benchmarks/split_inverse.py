@@ -91,7 +91,7 @@ def make_trainer(args: argparse.Namespace, split: SplitInverse | None) -> tuple[
         None,
         example_inputs=(inputs,),
         loss_fn=mlm_loss,
-        kfac=kfac_config(args, split),
+        preconditioner=kfac_config(args, split),
         backend=None,
         optimizer=lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.01),
     )

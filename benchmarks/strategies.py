@@ -104,7 +104,7 @@ def _compile(
         example_inputs=(x,),
         loss_fn=_loss(kind),
         optimizer=_optimizer,
-        kfac=_kfac(refresh),
+        preconditioner=_kfac(refresh),
         microbatches=1,
         backend=None,
         plan_options=options,

@@ -103,7 +103,7 @@ trainer = fxkfac.compile(
     example_inputs=(example,),
     loss_fn=mlm_loss,
     optimizer=lambda params: torch.optim.AdamW(params, lr=args.lr),
-    kfac=kfac,
+    preconditioner=kfac,
     schedule=args.schedule,
     microbatches=args.microbatches,
     backend=None,  # eager stage functions; "inductor" compiles them (slow to start on a small CPU)

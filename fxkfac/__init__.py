@@ -1,4 +1,5 @@
-"""fxkfac: pipeline-parallel training with K-FAC placed into the pipeline's bubbles.
+"""fxkfac: pipeline-parallel training with a second-order preconditioner (K-FAC, Shampoo, SOAP) placed into the
+pipeline's bubbles.
 
 Torch-backed names load lazily, so `import fxkfac.planner` (and the planning CLI)
 never pays for importing torch.
@@ -9,11 +10,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["compile", "KFACConfig", "Plan", "errors"]
+__all__ = ["compile", "KFACConfig", "ShampooConfig", "SOAPConfig", "PipelineOptions", "PlanOptions", "Plan", "errors"]
 
 _LAZY = {
     "compile": ("fxkfac.compile_api", "compile"),
     "KFACConfig": ("fxkfac.config", "KFACConfig"),
+    "ShampooConfig": ("fxkfac.shampoo.config", "ShampooConfig"),
+    "SOAPConfig": ("fxkfac.shampoo.config", "SOAPConfig"),
+    "PipelineOptions": ("fxkfac.config", "PipelineOptions"),
+    "PlanOptions": ("fxkfac.config", "PlanOptions"),
     "Plan": ("fxkfac.planner.plan", "Plan"),
     "errors": ("fxkfac.errors", None),
 }

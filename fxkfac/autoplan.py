@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fxkfac import errors
-from fxkfac.config import KLClipScope, PlanOptions
+from fxkfac.config import PlanOptions
 from fxkfac.errors import ConfigError, FxkfacError
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.choose import solve_with_strategy
@@ -27,7 +27,6 @@ from fxkfac.planner.validate import check_plan
 
 __all__ = [
     "Target",
-    "barrier_of",
     "resolve_plan",
     "solve_for",
     "check_matches",
@@ -57,7 +56,7 @@ class Target:
     max_period: int | None = None
     decomp_pieces: int = 1
     barrier: StepBarrier = StepBarrier.WORLD
-    """Which ranks each step's end waits for (`barrier_of` the family's `KFACConfig.kl_clip_scope`)."""
+    """Which ranks each step's end waits for (the family's `kl_clip_scope.barrier`)."""
     warm_start: bool = False
     """Whether the family's decompositions start from the previous one (`Family.warm_start`)."""
     compiled: bool = False
@@ -138,12 +137,6 @@ def _costs(
         )
     check_costs(costs, stage_layers)
     return costs
-
-
-def barrier_of(scope: KLClipScope) -> StepBarrier:
-    """The step barrier a KL-clip scope makes: a world sum ends every step under GLOBAL; STAGE and STALE
-    end it over the rank's agreement set alone ([Note: KL-clip scope] in fxkfac/runtime/step_end.py)."""
-    return StepBarrier.WORLD if scope is KLClipScope.GLOBAL else StepBarrier.AGREEMENT_SET
 
 
 def solve_for(

@@ -13,13 +13,12 @@ from fxkfac.cli_args import AUTO, CliError, check_schedule, device, kind, memory
 from fxkfac.cli_costs import cost_table
 from fxkfac.cli_explain import explain, explain_choice, explain_comm, explain_plan_comm
 from fxkfac.cli_targets import factory, is_factory
-from fxkfac.config import KLClipScope
 from fxkfac.planner.choose import solve_with_strategy
 from fxkfac.planner.costs import CostTable
 from fxkfac.planner.errors import Knob, PlanError, PlannerError, Suggestion
 from fxkfac.planner.hardware import HARDWARE, hardware
 from fxkfac.planner.preconditioners import PreconditionerKind, words_of
-from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier
+from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.step_timeline import plain_step_time
 from fxkfac.planner.stream_choice import solve_streamed
 
@@ -65,17 +64,12 @@ def problem_of(args: argparse.Namespace, costs: CostTable) -> Problem:
         memory_budget=memory_budget(args, costs.hardware).bytes,
         max_overhead=args.max_overhead,
         fingerprint=fingerprint,
-        barrier=_barrier(args.kl_clip_scope),
+        barrier=args.kl_clip_scope.barrier,
         decomp_pieces=args.decomp_pieces,
         warm_start=kind(args) is PreconditionerKind.SOAP,  # SOAP's QR basis starts from the previous one
         **period,
     )
     return problem if args.strategy is None else problem.with_strategy(args.strategy)
-
-
-def _barrier(scope: KLClipScope) -> StepBarrier:
-    """--kl-clip-scope's step barrier (as `fxkfac.autoplan.barrier_of`, which would import torch here)."""
-    return StepBarrier.WORLD if scope is KLClipScope.GLOBAL else StepBarrier.AGREEMENT_SET
 
 
 def _flags(suggestion: Suggestion) -> str:

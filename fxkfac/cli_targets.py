@@ -67,7 +67,7 @@ def _prepared(capture: _Capture, S: int) -> Factory:
 
     from fxkfac.compile_api import prepare
     from fxkfac.config import KFACConfig
-    from fxkfac.kfac.family import KFACFamily
+    from fxkfac.families import family_of
     from fxkfac.planner.analytic import analytic_cost_table
     from fxkfac.planner.presets import model_spec_from_layers
     from fxkfac.planner.schedules import ScheduleKind
@@ -81,7 +81,7 @@ def _prepared(capture: _Capture, S: int) -> Factory:
         prepared = prepare(
             model,
             example,
-            KFACFamily(KFACConfig()),
+            family_of(KFACConfig()),
             kind=ScheduleKind(capture.schedule),
             D=capture.stages,
             W=W,

@@ -12,20 +12,20 @@ import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from fxkfac.autoplan import Target, barrier_of, resolve_plan, resumed_plan
+from fxkfac.autoplan import Target, resolve_plan, resumed_plan
 from fxkfac.capture import Captured, capture, input_signature, normalize_inputs
 from fxkfac.checkpoint import found
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.errors import ConfigError
 from fxkfac.families import family_of
 from fxkfac.fingerprint import graph_fingerprint
-from fxkfac.kfac.family import KFACFamily
 from fxkfac.passes.split_stages import SplitResult, split_stages
 from fxkfac.planner.costs import CostTable
 from fxkfac.planner.ir import LayerTiming, Programs
@@ -40,10 +40,16 @@ from fxkfac.progress import PlanProgress, plan_progress
 from fxkfac.runtime.mesh import MeshLayout
 from fxkfac.runtime.trainer import OptimizerFactory, RunSpec, Trainer, default_optimizer, plain_sgd, shard_microbatches
 
-if TYPE_CHECKING:
-    from fxkfac.profiler import UnitCost
-
 __all__ = ["compile", "prepare", "Prepared", "layer_timings", "stage_units", "auto_budget", "device_memory"]
+
+
+class _Omitted(Enum):
+    """The default of `compile`'s `preconditioner` and `kfac`: told apart from None, which means no preconditioner."""
+
+    OMITTED = "omitted"
+
+
+OMITTED = _Omitted.OMITTED
 
 SOLVING = "solving with CP-SAT (objective: staleness, the steps a layer runs on an older decomposition)"
 """plan="auto"'s solving phase, in words: what the objective of the solver's reports counts."""
@@ -57,15 +63,15 @@ def compile(  # noqa: A001 - the public name the design card gives
     example_inputs: Any,
     loss_fn: Callable[[Any, Any], Tensor],
     optimizer: OptimizerFactory | None = None,
-    kfac: KFACConfig | None = KFACConfig(),
+    preconditioner: Any = OMITTED,
     schedule: str = "1f1b",
     microbatches: int = 1,
     backend: str | None = "inductor",
     layer_timing: Mapping[str, LayerTiming] | None = None,
     pipeline: PipelineOptions = PipelineOptions(),
     plan_options: PlanOptions = PlanOptions(),
-    preconditioner: Any = None,
     resume_from: str | os.PathLike | None = None,
+    kfac: Any = OMITTED,
 ) -> Trainer:
     """Capture ``model``, insert the preconditioner (K-FAC by default) into its graph and return this rank's Trainer.
 
@@ -74,16 +80,15 @@ def compile(  # noqa: A001 - the public name the design card gives
     ``plan``: "auto" (on a mesh: every rank profiles, rank 0 solves with ``plan_options``, showing what it does
     (fxkfac/progress.py), every rank gets the plan; on a GPU without ``plan_options.memory_budget`` the
     device's free memory is the budget, on CPU there is none), a plan file or a ``fxkfac.Plan`` (refused
-    when made for another graph, mesh or schedule), or None (K-FAC on the critical path, every layer
-    refreshed by ``layer_timing`` or ``kfac.refresh_every``). On one device a plan supplies its layer
-    timings. ``kfac=None`` trains with the base ``optimizer`` alone (default AdamW, lr 1e-3).
-    ``preconditioner`` chooses the family in place of ``kfac`` (then ``kfac`` is ignored): a KFACConfig,
-    ShampooConfig or SOAPConfig, or any
-    `fxkfac.preconditioner.Family`. Shampoo and SOAP make the whole update direction, so their base
-    optimizer is plain SGD (default lr 1e-3). ``backend`` is a torch.compile backend, or None for eager
-    stages. ``plan_options.strategy`` says how the copies of a stage share each layer's work (comm-opt, mem-opt,
-    hybrid:F, dp-kfac; planner/strategy.py) under ``plan="auto"`` (None: the planner chooses) and ``plan=None``
-    (None: comm-opt); a loaded plan brings its own.
+    when made for another graph, mesh or schedule), or None (the preconditioner on the critical path, every layer
+    refreshed by ``layer_timing`` or its config's ``refresh_every``). On one device a plan supplies its layer
+    timings. ``preconditioner``: a KFACConfig (omitted: ``KFACConfig()``), ShampooConfig or SOAPConfig, any
+    `fxkfac.preconditioner.Family`, or None: the base ``optimizer`` alone (default AdamW, lr 1e-3), the plain
+    pipeline. Shampoo and SOAP make the whole update direction, so their base optimizer is plain SGD (default
+    lr 1e-3). ``kfac=`` is a deprecated alias of ``preconditioner=`` (a FutureWarning). ``backend`` is a
+    torch.compile backend, or None for eager stages. ``plan_options.strategy`` says how the copies of a stage
+    share each layer's work (comm-opt, mem-opt, hybrid:F, dp-kfac; planner/strategy.py) under ``plan="auto"``
+    (None: the planner chooses) and ``plan=None`` (None: comm-opt); a loaded plan brings its own.
     ``resume_from``: a checkpoint directory (`Trainer.save_checkpoint`) the run resumes from when one is there, so
     that one script serves the first launch and every relaunch. plan="auto" then adopts the plan the checkpoint was
     saved with, when that plan was made for this graph, mesh and schedule (no profile, no solve: the relaunch
@@ -91,14 +96,14 @@ def compile(  # noqa: A001 - the public name the design card gives
     (`load_checkpoint`) before it is returned; on another layout plan="auto" plans anew and the load follows the
     state (fxkfac/checkpoint.py, [Note: resharding]). Without a checkpoint there the run starts afresh.
     """
-    _check_arguments(microbatches, kfac)
-    family = _family(preconditioner, kfac)
+    _check_arguments(microbatches)
+    family = _family(_chosen(preconditioner, kfac))
     layout = MeshLayout.local() if mesh is None else MeshLayout.from_mesh(mesh)
     kind = ScheduleKind.ONE_F_ONE_B if mesh is None else ScheduleKind(schedule)
     N, v, single = microbatches, pipeline.virtual_stages, mesh is None
     resume = resume_from if resume_from is not None and found(resume_from, collective=not single) else None
     prepared, known, resolved = _prepare_and_resolve(
-        model, example_inputs, plan, single, family, kfac, kind, layout, N, pipeline, plan_options, backend, resume
+        model, example_inputs, plan, single, family, kind, layout, N, pipeline, plan_options, backend, resume
     )
     timings = _timings(plan, single, resolved, family, prepared.units, layer_timing)
     distributions = _distributions(resolved, family, plan_options, prepared.stage_layers, known, kind, layout, v)
@@ -110,21 +115,28 @@ def compile(  # noqa: A001 - the public name the design card gives
     return trainer
 
 
-def _check_arguments(microbatches: Any, kfac: Any) -> None:
-    """ConfigError for a `microbatches` that is no int >= 1 or a `kfac` that is no KFACConfig: refused before any
-    capture."""
+def _check_arguments(microbatches: Any) -> None:
+    """ConfigError for a `microbatches` that is no int >= 1: refused before any capture."""
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ConfigError(f"microbatches must be an int >= 1, got {microbatches!r}")
+
+
+def _chosen(preconditioner: Any, kfac: Any) -> Any:
+    """The preconditioner `compile` was given: `preconditioner`, else the deprecated alias `kfac` (warned, and
+    only a KFACConfig or None), else the default KFACConfig(). ConfigError when both are given."""
+    if kfac is OMITTED:
+        return KFACConfig() if preconditioner is OMITTED else preconditioner
+    if preconditioner is not OMITTED:
+        raise ConfigError("kfac= is an old name of preconditioner=; pass preconditioner= alone")
+    warnings.warn("compile(kfac=...) is deprecated; pass preconditioner=... instead", FutureWarning, stacklevel=3)
     if kfac is not None and not isinstance(kfac, KFACConfig):
         raise ConfigError(f"kfac must be a KFACConfig or None, got {type(kfac).__name__}")
+    return kfac
 
 
-def _family(preconditioner: Any, kfac: KFACConfig | None) -> Family | None:
-    """The preconditioner family: `preconditioner`'s when given, else K-FAC with `kfac`, else none (the base
-    optimizer alone)."""
-    if preconditioner is not None:
-        return family_of(preconditioner)
-    return KFACFamily(kfac) if kfac is not None else None
+def _family(choice: Any) -> Family | None:
+    """The family of the chosen preconditioner; None (the base optimizer alone) for None."""
+    return None if choice is None else family_of(choice)
 
 
 def _prepare_and_resolve(
@@ -133,7 +145,6 @@ def _prepare_and_resolve(
     plan: Any,
     single: bool,
     family: Family | None,
-    kfac: KFACConfig | None,
     kind: ScheduleKind,
     layout: MeshLayout,
     N: int,
@@ -152,7 +163,6 @@ def _prepare_and_resolve(
             model,
             example_inputs,
             family,
-            kfac,
             kind=kind,
             D=layout.D,
             W=layout.W,
@@ -296,7 +306,6 @@ def prepare(
     model: nn.Module,
     example_inputs: Any,
     family: Family | None,
-    kfac: KFACConfig | None = KFACConfig(),
     *,
     kind: ScheduleKind,
     D: int,
@@ -313,7 +322,7 @@ def prepare(
     example = normalize_inputs(example_inputs)
     batch = _batch_size(example)
     micro = shard_microbatches(example, batch, W, 0, N)[0]
-    captured = capture(model, micro, family.cfg if isinstance(family, KFACFamily) else kfac or KFACConfig())
+    captured = capture(model, micro, family.layer_config if family is not None else KFACConfig())
     units = family.units(captured.gm, captured.layers) if family is not None else []
     split = split_stages(captured.gm, num_stages(kind, D, v), split_points=split_points, layers=captured.layers)
     stage_layers = stage_units(split, units)
@@ -328,7 +337,7 @@ def prepare(
         v,
         family.max_period if family is not None else None,
         family.decomp_pieces if isinstance(family, PiecewiseFamily) else 1,
-        barrier_of(family.cfg.kl_clip_scope) if isinstance(family, KFACFamily) else StepBarrier.WORLD,
+        family.kl_clip_scope.barrier if family is not None else StepBarrier.WORLD,
         warm_start=family is not None and family.warm_start,
         compiled=compiled,
     )
@@ -351,7 +360,7 @@ def _resolve(
     plan="auto" adopts the plan of the checkpoint it resumes from (`resume`) when that was made for this run."""
     if family is None:
         if plan not in (None, "auto"):
-            raise ConfigError("kfac=None trains the plain pipeline, which takes no plan; pass plan=None")
+            raise ConfigError("preconditioner=None trains the plain pipeline, which takes no plan; pass plan=None")
         return None
     if single or not known:
         return None
@@ -380,22 +389,6 @@ def _resolve(
     return made
 
 
-def _unit_cost(family: Family, known: Mapping[str, Any], split: SplitResult) -> UnitCost:
-    """How plan="auto" times one unit of `family`: K-FAC's layers by their factors, a family whose parts are all fed
-    by the gradient through its own methods on the split's parameters; a family with captured parts is refused."""
-    from fxkfac.profiler import gradient_unit_cost, kfac_unit_cost
-
-    if isinstance(family, KFACFamily):
-        return kfac_unit_cost(known, family.cfg)
-    if gradient_parts(family) == set(family.parts):
-        params = {n: p for st in split.stages for n, p in st.gm.named_parameters()}
-        return gradient_unit_cost(family, known, params)
-    raise ConfigError(
-        f"plan='auto' cannot profile {family.name}, whose parts are fed by captures: pass "
-        "PlanOptions(costs=...) or plan=None"
-    )
-
-
 def _resolve_on_mesh(
     plan: Any,
     family: Family,
@@ -422,7 +415,8 @@ def _resolve_on_mesh(
         flat = [x for x in prepared.micro if isinstance(x, Tensor)]
         tapped = gradient_parts(family) != frozenset(family.parts)  # a refresh step taps the captured layers
         captured = {s: [known[n] for n in names] for s, names in stage_layers.items()} if tapped else {}
-        costs = measure(split, stage_layers, _unit_cost(family, known, split), flat, _surrogate_loss, captured=captured)
+        params = {n: p for st in split.stages for n, p in st.gm.named_parameters()}
+        costs = measure(split, stage_layers, family.unit_cost(known, params), flat, _surrogate_loss, captured=captured)
         for st in split.stages:  # profiling ran backward on the parameters the runners will train
             for p in st.gm.parameters():
                 p.grad = None

@@ -9,6 +9,7 @@ from typing import Any, TypeVar
 from fxkfac.errors import ConfigError
 from fxkfac.planner.ir import Capture
 from fxkfac.planner.preconditioners import InverseMethod
+from fxkfac.planner.problem import StepBarrier
 from fxkfac.planner.strategy import Strategy, parse_strategy
 from fxkfac.planner.stream_choice import StreamApply
 
@@ -47,6 +48,12 @@ class KLClipScope(StrEnum):
     STALE = "stale"
     """One nu over every layer, from the last step's sum (its world all-reduce overlaps this step); the first
     step of a run, which has no last step, uses its own sum as GLOBAL does."""
+
+    @property
+    def barrier(self) -> StepBarrier:
+        """The step barrier the scope makes, as the planner prices it: a world sum ends every step under GLOBAL;
+        STAGE and STALE end it over the rank's agreement set alone."""
+        return StepBarrier.WORLD if self is KLClipScope.GLOBAL else StepBarrier.AGREEMENT_SET
 
 
 class StepAgreement(StrEnum):

@@ -282,7 +282,6 @@ def _compile_run(cfg: DemoConfig, spec: RunSpec, inputs: Any, plans: dict[str, A
         example_inputs=(inputs,),
         loss_fn=mlm_loss,
         optimizer=spec.make_optimizer(),
-        kfac=None,
         preconditioner=spec.preconditioner,
         schedule=cfg.schedule,
         microbatches=cfg.microbatches,

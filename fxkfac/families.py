@@ -12,6 +12,19 @@ from fxkfac.shampoo import ShampooConfig, ShampooFamily, SOAPConfig, SOAPFamily
 
 __all__ = ["family_of"]
 
+REQUIRED = (
+    "parts",
+    "source",
+    "new_state",
+    "decompose",
+    "precondition",
+    "clip_scale",
+    "kl_clip_scope",
+    "layer_config",
+    "unit_cost",
+)
+"""Members a Family object must have (checked structurally; the full list is `fxkfac.preconditioner.Family`)."""
+
 
 def family_of(choice: Any) -> Family:
     """The Family of a KFACConfig, ShampooConfig or SOAPConfig, or `choice` itself when it already is one;
@@ -22,8 +35,11 @@ def family_of(choice: Any) -> Family:
         return ShampooFamily(choice)
     if isinstance(choice, SOAPConfig):
         return SOAPFamily(choice)
-    if all(hasattr(choice, attr) for attr in ("parts", "source", "new_state", "decompose", "precondition")):
+    missing = [attr for attr in REQUIRED if not hasattr(choice, attr)]
+    if not missing:
         return choice  # a Family object, checked structurally
+    if "parts" not in missing and "precondition" not in missing:
+        raise ConfigError(f"{type(choice).__name__} lacks the Family members {missing} (fxkfac.preconditioner.Family)")
     raise ConfigError(
         f"preconditioner must be a KFACConfig, ShampooConfig, SOAPConfig or a "
         f"fxkfac.preconditioner.Family, got {type(choice).__name__}"

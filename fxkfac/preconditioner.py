@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import copy
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
 from torch import Tensor, fx
 
+from fxkfac.config import KFACConfig, KLClipScope
 from fxkfac.passes.layers import KFACLayer
+from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.ir import Capture
 
 __all__ = ["Source", "RefreshState", "Family", "PiecewiseFamily", "gradient_parts"]
@@ -107,6 +109,12 @@ class Family(Protocol):
     parts: tuple[str, ...]
     kl_clip: float | None
     """kappa of the KL-clip over all layers (None: no clipping)."""
+    kl_clip_scope: KLClipScope
+    """Over which layers the KL-clip's sum runs, and so which ranks a step's end waits for (`KLClipScope.barrier`:
+    what the planner prices). K-FAC's option; a family that clips nothing ends its steps GLOBAL."""
+    layer_config: KFACConfig
+    """Which Linear/Conv2d layers capture finds: the units of a family that preconditions layers, and the layer tags
+    the stage split carries for every family (K-FAC: its own config; others: the default KFACConfig())."""
     stats_dtype: str
     """dtype of statistics and of their broadcast buffers."""
     refresh_every: int
@@ -181,6 +189,11 @@ class Family(Protocol):
         steps along (`params`: the parameters by FQN, read-only); returns sum <P, G> (float64)."""
         ...
 
+    def clip_scale(self, dot_sum: float, lr: float) -> float:
+        """nu, the KL-clip factor of a clip group's gradients, from the group's sum <P, G> at learning rate `lr`
+        (1.0: no clipping; what the step's end hands to `scale`)."""
+        ...
+
     def scale(self, units: Sequence[Any], grads: MutableMapping[str, Tensor], nu: float) -> None:
         """Multiply the units' gradients by the KL-clip factor `nu` in place."""
         ...
@@ -188,6 +201,12 @@ class Family(Protocol):
     def params_of(self, unit: Any) -> tuple[str, ...]:
         """The parameter FQNs whose gradients `precondition` turns into the unit's direction (what a grad worker
         broadcasts to the copies that do not precondition the unit)."""
+        ...
+
+    def unit_cost(self, units: Mapping[str, Any], params: Mapping[str, Tensor]) -> Callable[[str, int], LayerCost]:
+        """How `plan="auto"` times one unit (`fxkfac.profiler.UnitCost`: unit name, rows of one micro-batch ->
+        its LayerCost), given the units and the model's parameters by name; ConfigError when the family cannot be
+        profiled (the user then passes `PlanOptions(costs=...)`)."""
         ...
 
     def half_to_state(self, half: Any) -> dict[str, Any] | None:

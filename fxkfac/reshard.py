@@ -90,7 +90,7 @@ def _names_words(saved: Mapping[str, Any], mine: Mapping[str, Any], what: str) -
 
 
 def _family_words(trainer: Any) -> str:
-    return "no preconditioner (kfac=None)" if trainer == "plain" else f"the {trainer} preconditioner"
+    return "no preconditioner (preconditioner=None)" if trainer == "plain" else f"the {trainer} preconditioner"
 
 
 def check_run(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> LoadKind:

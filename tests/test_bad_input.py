@@ -124,7 +124,9 @@ def test_microbatches_must_divide_the_batch() -> None:
 def test_nan_or_indefinite_factor_falls_back_to_previous_inverse(poison: float) -> None:
     x, y = torch.randn(8, 12), torch.randn(8, 5)
     cfg = KFACConfig(damping=1e-3, factor_decay=0.5)
-    trainer = fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, optimizer=_sgd, kfac=cfg, backend=None)
+    trainer = fxkfac.compile(
+        mlp(), None, example_inputs=(x,), loss_fn=_mse, optimizer=_sgd, preconditioner=cfg, backend=None
+    )
     trainer.step(x, y)
     name = trainer.units[0].name
     state = trainer.layer_states[name]
@@ -139,7 +141,13 @@ def test_nan_or_indefinite_factor_falls_back_to_previous_inverse(poison: float) 
 def test_nan_gradients_skip_the_step_and_leave_state_untouched() -> None:
     x, y = torch.randn(8, 12), torch.randn(8, 5)
     trainer = fxkfac.compile(
-        mlp(), None, example_inputs=(x,), loss_fn=_mse, optimizer=_sgd, kfac=KFACConfig(damping=1e-2), backend=None
+        mlp(),
+        None,
+        example_inputs=(x,),
+        loss_fn=_mse,
+        optimizer=_sgd,
+        preconditioner=KFACConfig(damping=1e-2),
+        backend=None,
     )
     trainer.step(x, y)
     params = {name: p.detach().clone() for name, p in trainer.named_parameters()}
@@ -163,7 +171,13 @@ def _state(trainer: Trainer) -> dict[str, Tensor]:
 def _trained_mlp_checkpoint(path: str) -> None:
     x, y = torch.randn(8, 12), torch.randn(8, 5)
     trainer = fxkfac.compile(
-        mlp(), None, example_inputs=(x,), loss_fn=_mse, optimizer=_sgd, kfac=KFACConfig(damping=1e-2), backend=None
+        mlp(),
+        None,
+        example_inputs=(x,),
+        loss_fn=_mse,
+        optimizer=_sgd,
+        preconditioner=KFACConfig(damping=1e-2),
+        backend=None,
     )
     trainer.step(x, y)
     trainer.save_checkpoint(path)
@@ -178,7 +192,7 @@ def test_checkpoint_of_another_model_is_refused_and_changes_nothing(tmp_path) ->
         example_inputs=(x,),
         loss_fn=_mse,
         optimizer=_sgd,
-        kfac=KFACConfig(damping=1e-2),
+        preconditioner=KFACConfig(damping=1e-2),
         backend=None,
     )
     before = _state(other)
@@ -198,7 +212,13 @@ def test_corrupt_checkpoint_metadata_is_refused_and_changes_nothing(tmp_path) ->
     metadata.write_bytes(metadata.read_bytes()[:100])  # truncated
     x = torch.randn(8, 12)
     trainer = fxkfac.compile(
-        mlp(), None, example_inputs=(x,), loss_fn=_mse, optimizer=_sgd, kfac=KFACConfig(damping=1e-2), backend=None
+        mlp(),
+        None,
+        example_inputs=(x,),
+        loss_fn=_mse,
+        optimizer=_sgd,
+        preconditioner=KFACConfig(damping=1e-2),
+        backend=None,
     )
     before = _state(trainer)
     with pytest.raises(CheckpointError, match=r"tensor metadata .*\.metadata\.json is unreadable or corrupt"):
@@ -216,7 +236,7 @@ def test_repeated_nan_steps_stop_with_nonfinite_error() -> None:
         loss_fn=_mse,
         optimizer=_sgd,
         backend=None,
-        kfac=KFACConfig(damping=1e-2),
+        preconditioner=KFACConfig(damping=1e-2),
         pipeline=PipelineOptions(max_skipped_steps=2),
     )
     bad = torch.full_like(y, float("nan"))
@@ -251,8 +271,12 @@ def test_step_agreement_is_checked_and_left_to_the_kl_clip_scope_under_a_precond
     x = torch.randn(8, 12)
     copies = PipelineOptions(step_agreement=StepAgreement.COPIES)
     with pytest.raises(ConfigError, match="kl_clip_scope"):
-        fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, kfac=KFACConfig(), pipeline=copies, backend=None)
-    trainer = fxkfac.compile(mlp(), None, example_inputs=(x,), loss_fn=_mse, kfac=None, pipeline=copies, backend=None)
+        fxkfac.compile(
+            mlp(), None, example_inputs=(x,), loss_fn=_mse, preconditioner=KFACConfig(), pipeline=copies, backend=None
+        )
+    trainer = fxkfac.compile(
+        mlp(), None, example_inputs=(x,), loss_fn=_mse, preconditioner=None, pipeline=copies, backend=None
+    )
     assert isinstance(trainer.step((x,), torch.randn(8, 5)), float)  # one device: nothing to sum in flight
 
 

@@ -600,7 +600,7 @@ def test_shampoo_plan_path_does_not_import_torch_and_speaks_shampoo(tmp_path: Pa
 # bubble: bert-base's word embedding (30522 x 768) at 1024 takes 0.151 s on an A100 (0.28 s on a P100), longer
 # than its stage's longest bubble; bert-large's bubbles (6 blocks per stage) hold it at 1024, not at 2048.
 AUTO_CHOICES = {("bert-base", "a100"): 512, ("bert-large", "p100"): 1024}
-"""Two of the four choices the README reports (bert-base p100 512, bert-large a100 1024 too): each search solves
+"""Two of the four choices docs/PLANNING.md reports (bert-base p100 512, bert-large a100 1024 too): each search solves
 up to eight block sides, so the suite checks one per model."""
 
 

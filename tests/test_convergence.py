@@ -73,7 +73,7 @@ def _kfac(kind: str, x: torch.Tensor, y: torch.Tensor) -> float:
         example_inputs=(x[:BATCH],),
         loss_fn=F.cross_entropy,
         optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
-        kfac=KFACConfig(damping=1e-2, factor_decay=0.95, kl_clip=1e-3),
+        preconditioner=KFACConfig(damping=1e-2, factor_decay=0.95, kl_clip=1e-3),
         backend=None,
     )
     for idx in _batches(len(x)):

@@ -1,4 +1,5 @@
-"""The examples run as a user runs them: examples/train_bert_torchrun.py under torchrun, tiny settings."""
+"""The examples run as a user runs them: examples/train_bert_torchrun.py and the README's own-model example under
+torchrun, and the README's set-up commands are the ones CI runs."""
 
 from __future__ import annotations
 
@@ -70,3 +71,35 @@ def test_torchrun_example_trains_with_an_auto_plan(tmp_path: Path) -> None:
     assert (plan.problem.D, plan.problem.N, plan.problem.W, str(plan.problem.schedule)) == (2, 4, 1, "1f1b")
     printed = re.search(r"refresh every \[([\d, ]+)\] steps", out)
     assert printed is not None and [int(x) for x in printed.group(1).split(",")] == list(plan.metrics.refresh_steps)
+
+
+def _readme_block(heading: str, language: str) -> str:
+    """The first ```language block after `heading` in README.md."""
+    section = (ROOT / "README.md").read_text().split(f"\n{heading}\n", 1)[1]
+    return section.split(f"```{language}\n", 1)[1].split("\n```", 1)[0]
+
+
+def test_readme_opens_with_the_two_commands_ci_runs() -> None:
+    """The README opens with the demo and the test command; .ci/run runs the second byte for byte."""
+    first = (ROOT / "README.md").read_text().split("```bash\n", 1)[1].split("\n```", 1)[0].splitlines()
+    assert first == [
+        'pip install torch==2.13.0 -e ".[dev]" && fxkfac demo',
+        'pip install torch==2.13.0 -e ".[dev]" && python -m pytest -q tests',
+    ]
+    assert (ROOT / ".ci" / "run").read_text().rstrip().splitlines()[-1] == first[1]
+
+
+@pytest.mark.multiproc
+def test_readme_own_model_example_trains_under_torchrun(tmp_path: Path) -> None:
+    """The README's example, as printed there, trains a GPT-2 on 2 ranks, saves the plan it prints and a
+    checkpoint."""
+    (tmp_path / "train.py").write_text(_readme_block("## Use it on your own model", "python"))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py"]
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    printed = re.search(r"loss (\S+), refresh every \[([\d, ]+)\] steps", done.stdout)
+    assert printed is not None and math.isfinite(float(printed.group(1))), done.stdout
+    plan = load_plan(tmp_path / "plan.json")
+    assert [int(x) for x in printed.group(2).split(",")] == list(plan.metrics.refresh_steps)
+    assert (plan.problem.D, plan.problem.N, str(plan.problem.schedule)) == (2, 4, "1f1b")
+    assert any((tmp_path / "checkpoint").iterdir())

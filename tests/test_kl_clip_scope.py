@@ -36,7 +36,7 @@ def _trainer(scope: KLClipScope, mesh, stages: dict[str, int] | None = None):
         example_inputs=(data[0][0],),
         loss_fn=F.cross_entropy,
         optimizer=lambda p: torch.optim.SGD(p, lr=LR),
-        kfac=_kfac(scope),
+        preconditioner=_kfac(scope),
         microbatches=2,
         backend=None,
         pipeline=PipelineOptions(timeout=60.0),

@@ -53,7 +53,7 @@ def _compare(
         example_inputs=(batches[0][0],),
         loss_fn=loss_fn,
         optimizer=_sgd,
-        kfac=cfg,
+        preconditioner=cfg,
         microbatches=microbatches,
         backend=backend,
         layer_timing=layer_timing,
@@ -117,12 +117,18 @@ def test_state_dict_round_trip_continues_identically() -> None:
     cfg = KFACConfig(damping=1e-2, refresh_every=2)
     batches = mlp_batches(4, seed=5)
     a = fxkfac.compile(
-        mlp(), None, example_inputs=(batches[0][0],), loss_fn=_mse, optimizer=_sgd, kfac=cfg, backend=None
+        mlp(), None, example_inputs=(batches[0][0],), loss_fn=_mse, optimizer=_sgd, preconditioner=cfg, backend=None
     )
     for x, y in batches[:3]:
         a.step(x, y)
     b = fxkfac.compile(
-        mlp(seed=7), None, example_inputs=(batches[0][0],), loss_fn=_mse, optimizer=_sgd, kfac=cfg, backend=None
+        mlp(seed=7),
+        None,
+        example_inputs=(batches[0][0],),
+        loss_fn=_mse,
+        optimizer=_sgd,
+        preconditioner=cfg,
+        backend=None,
     )
     b.load_state_dict(copy.deepcopy(a.state_dict()))
     assert b.steps == 3 and set(b.state_dict()["kfac"]) == {layer.name for layer in a.units}

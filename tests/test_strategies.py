@@ -56,7 +56,7 @@ def _compile(mesh: tuple[int, int] | None, strategy: str, microbatches: int = N)
         backend=None,
         schedule="gpipe",
         microbatches=microbatches,
-        kfac=KFAC,
+        preconditioner=KFAC,
         layer_timing=TIMINGS,
         pipeline=PipelineOptions(timeout=60.0),
         plan_options=PlanOptions(strategy=strategy),
@@ -189,7 +189,7 @@ def _planned_worker(rank: int, world: int, cases: list[tuple[int, str]]) -> list
             backend=None,
             schedule="gpipe",
             microbatches=N,
-            kfac=KFAC,
+            preconditioner=KFAC,
             pipeline=PipelineOptions(timeout=60.0),
             plan_options=PlanOptions(costs=_costs, strategy=strategy, time_limit_s=3.0, max_overhead=1.0),
         )

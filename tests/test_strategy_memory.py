@@ -148,7 +148,7 @@ def _worker(rank: int, world: int, cases: list[tuple[str | None, str, str]]) -> 
             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01),
             backend=None,
             microbatches=2,
-            kfac=KFACConfig(inverse=method),
+            preconditioner=KFACConfig(inverse=method),
             pipeline=PipelineOptions(timeout=120.0),
             plan_options=PlanOptions(strategy=strategy, time_limit_s=0.5, max_overhead=1.0, costs=costs.get(method)),
         )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
@@ -11,7 +11,7 @@ from torch import Tensor, fx
 from fxkfac.config import KFACConfig
 from fxkfac.kfac.factors import a_rows, e_rows, factor, running_average
 from fxkfac.kfac.inverse import FactorInverse, Inverse, combine, combine_shift, factor_dampings, invert_factor
-from fxkfac.kfac.precondition import Preconditioner
+from fxkfac.kfac.precondition import Preconditioner, kl_clip_scale
 from fxkfac.kfac.split_inverse import (
     Carry,
     carry_from_state,
@@ -24,9 +24,11 @@ from fxkfac.kfac.split_inverse import (
 )
 from fxkfac.kfac.state import LayerState
 from fxkfac.passes.layers import KFACLayer
+from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.ir import Capture
 from fxkfac.planner.preconditioners import InverseMethod
 from fxkfac.preconditioner import RefreshState, Source
+from fxkfac.profiler import kfac_unit_cost
 
 __all__ = ["KFACFamily"]
 
@@ -44,6 +46,7 @@ class KFACFamily:
         self.cfg = cfg
         self.kl_clip = cfg.kl_clip
         self.kl_clip_scope = cfg.kl_clip_scope
+        self.layer_config = cfg
         self.stats_dtype = cfg.factor_dtype
         self.refresh_every = cfg.refresh_every
         self.capture: Capture = cfg.capture
@@ -195,6 +198,10 @@ class KFACFamily:
         """P = B^-1 G A^-1 per layer in place (G where no inverse is active yet); returns sum <P, G>."""
         return Preconditioner(layers)(grads, states)  # type: ignore[arg-type]  # K-FAC states are LayerStates
 
+    def clip_scale(self, dot_sum: float, lr: float) -> float:
+        """K-FAC's KL-clip: ``nu = min(1, sqrt(kappa / (lr^2 * dot_sum)))`` (`kl_clip_scale`)."""
+        return kl_clip_scale(dot_sum, lr, self.kl_clip)
+
     def scale(self, layers: Sequence[KFACLayer], grads: MutableMapping[str, Tensor], nu: float) -> None:
         """The KL-clip factor on the layers' gradients."""
         Preconditioner(layers).scale(grads, nu)
@@ -202,6 +209,12 @@ class KFACFamily:
     def params_of(self, layer: KFACLayer) -> tuple[str, ...]:
         """The layer's weight and bias."""
         return layer.params
+
+    def unit_cost(
+        self, units: Mapping[str, KFACLayer], params: Mapping[str, Tensor]
+    ) -> Callable[[str, int], LayerCost]:
+        """Each layer timed on random captures of its real shape (`kfac_unit_cost`)."""
+        return kfac_unit_cost(units, self.cfg)
 
     def half_to_state(self, half: FactorInverse | None) -> dict[str, Any] | None:
         """Method and tensors of one inverted factor."""

@@ -19,7 +19,7 @@ from fxkfac.errors import PipelineError
 from fxkfac.planner.ir import Op, OpKind
 from fxkfac.runtime.p2p import Transport
 from fxkfac.runtime.stage import StageRunner
-from fxkfac.runtime.step_end import StepEnd
+from fxkfac.runtime.step_end import StepEnd, unclipped
 from fxkfac.runtime.sync import GradSync
 from fxkfac.runtime.timeline import Recorder
 
@@ -257,7 +257,7 @@ def step_or_skip(ctx: StepContext) -> None:
 def _opt_step(ctx: StepContext, op: Op) -> None:
     """Final gradients, the verdict on skipping the step and the loss (`StepEnd.finish`), then step or not."""
     end_gradients(ctx, op)
-    verdict = ctx.step_end.finish({}, local_nonfinite(ctx), local_loss(ctx), 0.0, None)
+    verdict = ctx.step_end.finish({}, local_nonfinite(ctx), local_loss(ctx), unclipped)
     ctx.skipped, ctx.loss = verdict.skip, verdict.loss
     step_or_skip(ctx)
 

@@ -497,8 +497,9 @@ class PreconditionerRuntime:
         zero = torch.zeros((), dtype=torch.float64)
         groups = range(end.groups) if self.scope is KLClipScope.STAGE else [0]
         lr = float(ctx.optimizer.param_groups[0]["lr"]) if ctx.optimizer is not None else 0.0
+        dots = {g: self._dots.get(g, zero) for g in groups}
         verdict = end.finish(
-            {g: self._dots.get(g, zero) for g in groups}, local_nonfinite(ctx), local_loss(ctx), lr, self.family.kl_clip
+            dots, local_nonfinite(ctx), local_loss(ctx), lambda dot_sum: self.family.clip_scale(dot_sum, lr)
         )
         ctx.skipped, ctx.loss, nus = verdict.skip, verdict.loss, verdict.nus
         if self.family.kl_clip is not None and not ctx.skipped and ctx.optimizer is not None:

@@ -34,7 +34,7 @@ a NonFiniteError raised on one set leaves the others to time out.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import total_ordering
 from typing import Any
@@ -43,11 +43,18 @@ import torch
 import torch.distributed as dist
 
 from fxkfac.config import KLClipScope
-from fxkfac.kfac.precondition import kl_clip_scale
 from fxkfac.planner.lowering import linked_classes
 from fxkfac.runtime.p2p import Pending, Transport
 
-__all__ = ["agreement_sets", "last_to_end", "StepLoss", "StepEnd", "Verdict", "clip_scales"]
+__all__ = ["agreement_sets", "last_to_end", "StepLoss", "StepEnd", "Verdict", "ClipScale", "unclipped", "clip_scales"]
+
+ClipScale = Callable[[float], float]
+"""A clip group's sum <P, G> -> its nu: the family's `clip_scale` at the step's learning rate."""
+
+
+def unclipped(dot_sum: float) -> float:
+    """nu of a step without a KL-clip (no preconditioner): 1."""
+    return 1.0
 
 
 def agreement_sets(holders: Iterable[Sequence[int]], world: int) -> list[tuple[int, ...]]:
@@ -72,9 +79,9 @@ def _total(dots: Mapping[int, torch.Tensor]) -> torch.Tensor:
     return sum(dots.values(), torch.zeros((), dtype=torch.float64))
 
 
-def clip_scales(sums: Mapping[int, float], lr: float, kappa: float | None) -> dict[int, float]:
-    """nu of each group from its own sum <P, G> (`kl_clip_scale` per group)."""
-    return {group: kl_clip_scale(value, lr, kappa) for group, value in sums.items()}
+def clip_scales(sums: Mapping[int, float], scale: ClipScale) -> dict[int, float]:
+    """nu of each group from its own sum <P, G>."""
+    return {group: scale(value) for group, value in sums.items()}
 
 
 @total_ordering
@@ -189,26 +196,26 @@ class StepEnd:
         return self.scope is not KLClipScope.GLOBAL
 
     def finish(
-        self, dots: Mapping[int, torch.Tensor], nonfinite: bool, loss: torch.Tensor, lr: float, kappa: float | None
+        self, dots: Mapping[int, torch.Tensor], nonfinite: bool, loss: torch.Tensor, scale: ClipScale
     ) -> Verdict:
         """The verdict from this rank's share of each group's sum <P, G> (`dots`, group -> float64 scalar: under
         STAGE every group of the model, 0 where the rank holds none of it; else the one group 0), its NaN/Inf
-        flag and its share of the step loss."""
+        flag and its share of the step loss; `scale` turns a group's sum into its nu."""
         if self.scope is KLClipScope.GLOBAL or (self.scope is KLClipScope.STALE and self.stale is None):
-            return self._global(dots, nonfinite, loss, lr, kappa)
+            return self._global(dots, nonfinite, loss, scale)
         groups = sorted(dots)
         shares = [dots[g] for g in groups] if self.scope is KLClipScope.STAGE else []
         skip, sums = self._agree(nonfinite, shares)
         if self.scope is KLClipScope.STAGE:
-            return Verdict(skip, clip_scales(dict(zip(groups, sums)), lr, kappa))
+            return Verdict(skip, clip_scales(dict(zip(groups, sums)), scale))
         self._take_stale()
         assert self.stale is not None, "STALE ends its first step as GLOBAL, which sets the sum"
         total = torch.tensor(math.nan, dtype=torch.float64) if skip else _total(dots)
         self._pending = self.transport.start_all_reduce(total, self.deferred, "KL-clip <P, G> (stale) all-reduce")
-        return Verdict(skip, dict.fromkeys(dots, kl_clip_scale(self.stale, lr, kappa)))
+        return Verdict(skip, dict.fromkeys(dots, scale(self.stale)))
 
     def _global(
-        self, dots: Mapping[int, torch.Tensor], nonfinite: bool, loss: torch.Tensor, lr: float, kappa: float | None
+        self, dots: Mapping[int, torch.Tensor], nonfinite: bool, loss: torch.Tensor, scale: ClipScale
     ) -> Verdict:
         """One world sum of [sum <P, G>, flag, loss] at the world's root; under STALE, the sum becomes the next
         step's."""
@@ -220,7 +227,7 @@ class StepEnd:
         skip = bool(flat[1] > 0)
         if self.scope is KLClipScope.STALE and not skip and math.isfinite(float(flat[0])):
             self.stale = float(flat[0])
-        return Verdict(skip, dict.fromkeys(dots, kl_clip_scale(float(flat[0]), lr, kappa)), float(flat[2]))
+        return Verdict(skip, dict.fromkeys(dots, scale(float(flat[0]))), float(flat[2]))
 
     def _agree(self, nonfinite: bool, shares: Sequence[torch.Tensor]) -> tuple[bool, list[float]]:
         """Sum [flag, shares] over the agreement set: the verdict and the sums of the shares (a stage's copies lie in

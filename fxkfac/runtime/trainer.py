@@ -277,8 +277,8 @@ class Trainer(Checkpointing):
                 "preconditioner; with one, KFACConfig.kl_clip_scope (stage or stale) ends a step "
                 "without a world barrier"
             )
-        if self.spec.units:
-            scope = getattr(self.spec.family, "kl_clip_scope", KLClipScope.GLOBAL)
+        if self.spec.units and self.spec.family is not None:
+            scope = self.spec.family.kl_clip_scope
         else:
             scope = KLClipScope.STAGE if agreement is StepAgreement.COPIES else KLClipScope.GLOBAL
         return StepEnd.build(scope, self.transport, self.sync.holders.values(), ranks_of_stage)

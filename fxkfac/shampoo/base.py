@@ -4,16 +4,19 @@ parts L and R, their statistics and running sums, the step count, broadcast pack
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import MutableMapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch import Tensor, fx
 
+from fxkfac.config import KFACConfig, KLClipScope
 from fxkfac.errors import ConfigError
 from fxkfac.passes.layers import KFACLayer
+from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.ir import Capture
-from fxkfac.preconditioner import RefreshState, Source
+from fxkfac.preconditioner import Family, RefreshState, Source
+from fxkfac.profiler import gradient_unit_cost
 from fxkfac.shampoo.layout import PARTS, Layout, ParamUnit, running_sum, side_statistic
 from fxkfac.shampoo.state import BlockState
 
@@ -39,6 +42,8 @@ class BlockFamily(ABC):
     name: str
     parts: tuple[str, ...] = PARTS
     kl_clip: float | None = None
+    kl_clip_scope: KLClipScope = KLClipScope.GLOBAL
+    layer_config: KFACConfig = KFACConfig()
     capture: Capture = Capture.FUSED
     full_direction: bool = True
     warm_start: bool = False
@@ -134,6 +139,15 @@ class BlockFamily(ABC):
     def params_of(self, unit: ParamUnit) -> tuple[str, ...]:
         """The unit's parameter."""
         return (unit.name,)
+
+    def clip_scale(self, dot_sum: float, lr: float) -> float:
+        """1.0: these families have no KL-clip."""
+        return 1.0
+
+    def unit_cost(self, units: Mapping[str, Any], params: Mapping[str, Tensor]) -> Callable[[str, int], LayerCost]:
+        """Each parameter's statistics, roots and preconditioning timed through this family's own methods on a
+        random gradient of its shape (`gradient_unit_cost`)."""
+        return gradient_unit_cost(cast(Family, self), units, params)  # each concrete subclass is a Family
 
     def scale(self, units: Sequence[Any], grads: MutableMapping[str, Tensor], nu: float) -> None:
         """Multiply the directions by `nu` (unused: these families have no KL-clip)."""

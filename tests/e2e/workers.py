@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 import fxkfac
-from fxkfac.autoplan import barrier_of
 from fxkfac.config import KFACConfig, KLClipScope, PipelineOptions, PlanOptions
 from fxkfac.planner.ir import LayerTiming
 from tests.support import models
@@ -125,7 +124,7 @@ def _trained_alone(
         example_inputs=(data[0][0],),
         loss_fn=loss or loss_fn,
         optimizer=optimizer,
-        kfac=kfac,
+        preconditioner=kfac,
         microbatches=case.N * case.W,
         backend=None,
         layer_timing=timings,
@@ -150,7 +149,7 @@ def pipefisher_worker(rank: int, world: int, cases: list[Case]) -> dict:
             make_model(),
             (case.D, case.W),
             None,
-            kfac=KFAC,
+            preconditioner=KFAC,
             example_inputs=(data[0][0],),
             loss_fn=loss_fn,
             optimizer=optimizer,
@@ -197,7 +196,7 @@ def auto_worker(rank: int, world: int, case: Case, path: str) -> dict:
 
     data = batches(case)
     common = dict(
-        kfac=KFAC,
+        preconditioner=KFAC,
         example_inputs=(data[0][0],),
         loss_fn=loss_fn,
         optimizer=optimizer,
@@ -287,7 +286,7 @@ def pipelined(case: Case, plan: Any, options: PlanOptions | None = None, loss: A
         make_model(),
         (case.D, case.W),
         plan,
-        kfac=case.kfac,
+        preconditioner=case.kfac,
         example_inputs=(batches(case)[0][0],),
         loss_fn=loss_fn if loss is None else loss,
         optimizer=optimizer,
@@ -310,7 +309,7 @@ def planned_worker(rank: int, world: int, cases: list[Case]) -> dict:
         costs = functools.partial(synthetic_costs, fused=case.fused)
         options = PlanOptions(costs=costs, time_limit_s=1.5, max_overhead=max_overhead(case), strategy=case.strategy)
         trainer = pipelined(case, "auto", options)
-        if trainer.plan.problem.barrier is not barrier_of(case.scope):
+        if trainer.plan.problem.barrier is not case.scope.barrier:
             raise AssertionError(f"{case}: planned with the {trainer.plan.problem.barrier} barrier")
         steps = 2 * max(t.period for t in trainer.plan.layers.values())
         losses = [float(trainer.step((ids,), y)) for ids, y in (data * steps)[:steps]]
@@ -340,7 +339,7 @@ def compile_api_worker(rank: int, world: int, case: Case, backend: str | None) -
         example_inputs=(data[0][0],),
         loss_fn=loss_fn,
         optimizer=optimizer,
-        kfac=KFAC,
+        preconditioner=KFAC,
         schedule=case.schedule,
         microbatches=case.N,
         backend=backend,

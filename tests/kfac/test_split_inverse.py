@@ -179,7 +179,13 @@ def test_single_device_trainer_equals_the_reference_with_split_inverses(
     model, sgd = mlp(), (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
     ref_model = copy.deepcopy(model)
     trainer = fxkfac.compile(
-        model, None, example_inputs=(batches[0][0],), loss_fn=F.mse_loss, optimizer=sgd, kfac=cfg, backend=None
+        model,
+        None,
+        example_inputs=(batches[0][0],),
+        loss_fn=F.mse_loss,
+        optimizer=sgd,
+        preconditioner=cfg,
+        backend=None,
     )
     ref = KFACReference(ref_model, trainer.units, cfg, F.mse_loss, 1, dict(trainer.timings), sgd)
     with caplog.at_level(logging.INFO, logger="fxkfac.kfac.split_inverse"):
@@ -212,7 +218,7 @@ def _mlp_trainer(cfg: KFACConfig, batch: torch.Tensor) -> Trainer:
         None,
         example_inputs=(batch,),
         loss_fn=F.mse_loss,
-        kfac=cfg,
+        preconditioner=cfg,
         backend=None,
         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
         layer_timing=timing,

@@ -59,7 +59,7 @@ def _trainer(cfg: EvalConfig, example: torch.Tensor) -> Any:
         dropout_mlp(),
         (cfg.D, cfg.W),
         None,
-        kfac=KFAC,
+        preconditioner=KFAC,
         example_inputs=(example,),
         loss_fn=F.cross_entropy,
         optimizer=lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),

@@ -52,7 +52,7 @@ def training_script(rank: int, world: int, ckpt: str) -> dict[str, Any]:
             example_inputs=(batches[0][0],),
             loss_fn=F.cross_entropy,
             optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9),
-            kfac=KFACConfig(damping=1e-2, factor_decay=0.9, kl_clip=1e-2),
+            preconditioner=KFACConfig(damping=1e-2, factor_decay=0.9, kl_clip=1e-2),
             schedule="1f1b",
             microbatches=2,
             backend=None,

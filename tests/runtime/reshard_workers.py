@@ -40,7 +40,7 @@ def mlp_run(D: int, W: int, strategy: str = "comm-opt") -> Any:
         models.mlp(),
         (D, W),
         None,
-        kfac=cw.KFAC,
+        preconditioner=cw.KFAC,
         example_inputs=(cw.mlp_batches(1)[0][0],),
         loss_fn=cw.mlp_loss,
         optimizer=cw._sgd,

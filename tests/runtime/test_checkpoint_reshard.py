@@ -117,7 +117,7 @@ def test_data_parallel_resumes_at_four_replicas_and_back_and_a_pipeline_without_
 
 def _single(microbatches: int = 2, **kw: Any) -> Any:
     """The one-device K-FAC MLP with the resharding tests' timings."""
-    kw.setdefault("kfac", cw.KFAC)
+    kw.setdefault("preconditioner", cw.KFAC)
     return fxkfac.compile(
         kw.pop("model", None) or models.mlp(),
         None,
@@ -126,7 +126,7 @@ def _single(microbatches: int = 2, **kw: Any) -> Any:
         optimizer=cw._sgd,
         microbatches=microbatches,
         backend=None,
-        layer_timing=rw.TIMINGS if kw.get("kfac") is not None else None,
+        layer_timing=rw.TIMINGS if kw.get("preconditioner") is not None else None,
         pipeline=PipelineOptions(),
         **kw,
     )
@@ -157,7 +157,9 @@ def test_another_family_model_or_unit_set_is_refused(tmp_path: Path) -> None:
         "checkpoint made for the kfac preconditioner, this run trains with the shampoo preconditioner; its state "
         "belongs to another family"
     ) in _refusal(shampoo, tmp_path / "ckpt")
-    assert "this run trains with no preconditioner (kfac=None)" in _refusal(_single(kfac=None), tmp_path / "ckpt")
+    assert "this run trains with no preconditioner (preconditioner=None)" in _refusal(
+        _single(preconditioner=None), tmp_path / "ckpt"
+    )
     wider = _single(model=models.mlp(hidden=8))
     assert "checkpoint made for another model, this run is 5 parameters (shapes differ for" in _refusal(
         wider, tmp_path / "ckpt"

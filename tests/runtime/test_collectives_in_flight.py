@@ -91,7 +91,7 @@ def _trained_step_in_flight(rank: int, world: int) -> list[tuple[str, list]]:
         loss_fn=F.cross_entropy,
         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01),
         backend=None,
-        kfac=KFACConfig(refresh_every=1),
+        preconditioner=KFACConfig(refresh_every=1),
         plan_options=PlanOptions(strategy="comm-opt"),
     )
     seen: list[tuple[str, list]] = []

@@ -42,7 +42,9 @@ def test_compiled_stage_evaluates_in_eval_mode() -> None:
     """One device, inductor: the eval graph is compiled on the first evaluate and equals the eager eval() loss."""
     model, g = dropout_mlp(), torch.Generator().manual_seed(3)
     x, y = torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)
-    trainer = fxkfac.compile(model, None, example_inputs=(x,), loss_fn=F.cross_entropy, kfac=None, backend="inductor")
+    trainer = fxkfac.compile(
+        model, None, example_inputs=(x,), loss_fn=F.cross_entropy, preconditioner=None, backend="inductor"
+    )
     trainer.step(x, y)
     got = trainer.evaluate(x, y)
     with torch.no_grad():

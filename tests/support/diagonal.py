@@ -7,14 +7,18 @@ by it. Nothing in the interpreter, the runtime or the planner names it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping, Sequence
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, fx
 
+from fxkfac.config import KFACConfig, KLClipScope
+from fxkfac.errors import ConfigError
 from fxkfac.kfac.factors import e_rows, running_average
+from fxkfac.kfac.precondition import kl_clip_scale
 from fxkfac.passes.layers import KFACLayer
+from fxkfac.planner.costs import LayerCost
 from fxkfac.preconditioner import RefreshState, Source
 
 
@@ -66,6 +70,8 @@ class DiagonalFamily:
     max_period: int | None = None
     full_direction = False
     warm_start = False
+    kl_clip_scope = KLClipScope.GLOBAL
+    layer_config = KFACConfig()
 
     def __init__(
         self, eps: float = 1e-2, decay: float = 0.9, refresh_every: int = 1, kl_clip: float | None = None
@@ -140,6 +146,16 @@ class DiagonalFamily:
     def params_of(self, layer: KFACLayer) -> tuple[str, ...]:
         """The layer's weight and bias."""
         return (layer.weight,) if layer.bias is None else (layer.weight, layer.bias)
+
+    def clip_scale(self, dot_sum: float, lr: float) -> float:
+        """K-FAC's KL-clip formula with this family's kappa."""
+        return kl_clip_scale(dot_sum, lr, self.kl_clip)
+
+    def unit_cost(self, units: Mapping[str, Any], params: Mapping[str, Tensor]) -> Callable[[str, int], LayerCost]:
+        """Not profiled: the tests give plan="auto" a cost table."""
+        raise ConfigError(
+            "plan='auto' cannot profile diagonal, whose part is fed by captures: pass PlanOptions(costs=...)"
+        )
 
     def scale(self, layers: Sequence[KFACLayer], grads: MutableMapping[str, Tensor], nu: float) -> None:
         """The KL-clip factor."""
