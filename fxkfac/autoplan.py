@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from fxkfac import errors
-from fxkfac.config import KLClipScope, PlanOptions
+from fxkfac.config import ActivationCheckpointing, CheckpointMode, KLClipScope, PlanOptions
 from fxkfac.errors import ConfigError, FxkfacError
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.choose import solve_with_strategy
@@ -18,6 +18,7 @@ from fxkfac.planner.errors import PlanError, PlanMismatchError
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StepBarrier
 from fxkfac.planner.profiles import load_cost_table
+from fxkfac.planner.recompute import choose_recompute
 from fxkfac.planner.schedules import ScheduleKind
 from fxkfac.planner.solve import TimeBox, solve
 from fxkfac.planner.stream_choice import solve_streamed
@@ -77,19 +78,21 @@ def resolve_plan(
     stage_layers: Mapping[int, Sequence[str]],
     layers: Mapping[str, KFACLayer],
     progress: Callable[[SolveProgress], None] | None = None,
+    checkpointing: ActivationCheckpointing = ActivationCheckpointing(),
 ) -> Plan | None:
     """The Plan every rank runs: None, a checked Plan, a loaded file, or the auto plan rank 0 makes and shares.
 
     `plan="auto"` plans with `options.costs` (a CostTable, a cost file, or a callable
     ``(stage_layers, layers) -> CostTable``), or with `profile()` times scaled by `options.kfac_margin`: every
     rank profiles at once and rank 0 plans with the median of their tables (`gathered_profile`);
-    `progress` observes the solver (`SolverConfig.progress`).
+    `progress` observes the solver (`SolverConfig.progress`); `checkpointing` says which stages recompute
+    (`solve_for`).
     """
     if plan is None:
         return None
     if isinstance(plan, str) and plan == "auto":
         if world == 1:
-            return solve_for(target, _costs(options, profile, stage_layers, layers), options, progress)
+            return solve_for(target, _costs(options, profile, stage_layers, layers), options, progress, checkpointing)
         profiled = gathered_profile(profile, rank) if options.costs is None else None
         made: Plan | FxkfacError | None = None
         if rank == 0:
@@ -97,7 +100,9 @@ def resolve_plan(
                 if isinstance(profiled, FxkfacError):
                     raise profiled
                 gathered = profile if profiled is None else lambda: profiled
-                made = solve_for(target, _costs(options, gathered, stage_layers, layers), options, progress)
+                made = solve_for(
+                    target, _costs(options, gathered, stage_layers, layers), options, progress, checkpointing
+                )
             except FxkfacError as e:  # every rank raises it, instead of waiting for a plan that never comes
                 made = e
         return share_plan(made)
@@ -144,14 +149,19 @@ def barrier_of(scope: KLClipScope) -> StepBarrier:
 
 
 def solve_for(
-    target: Target, costs: CostTable, options: PlanOptions, progress: Callable[[SolveProgress], None] | None = None
+    target: Target,
+    costs: CostTable,
+    options: PlanOptions,
+    progress: Callable[[SolveProgress], None] | None = None,
+    checkpointing: ActivationCheckpointing = ActivationCheckpointing(),
 ) -> Plan:
     """Plan `target` with CP-SAT over `costs` (the planner's `solve`), stamped with the target's fingerprint.
 
     With `options.max_overhead` None the bubbles are tried alone first; when they cannot hold the work, the
     least max_overhead the planner found to place it is used (its refusal names that value), and logged.
     `options.strategy` forces a distribution strategy; None lets the planner choose (planner/choose.py).
-    `progress` observes the solver (`SolverConfig.progress`).
+    `progress` observes the solver (`SolverConfig.progress`). The stages `checkpointing` names recompute their
+    forward; under AUTO the planner chooses them for the memory budget (`planner.recompute.choose_recompute`).
     """
     strict = options.max_overhead is not None
     problem = Problem(
@@ -167,7 +177,10 @@ def solve_for(
         decomp_pieces=target.decomp_pieces,
         warm_start=target.warm_start,
         barrier=target.barrier,
+        recompute=checkpointing.stages,
     )
+    if checkpointing.mode is CheckpointMode.AUTO:
+        problem = choose_recompute(problem)
     if target.max_period is not None:
         problem = replace(problem, max_period=target.max_period)
     config = SolverConfig(time_limit_s=options.time_limit_s, deterministic=options.deterministic, progress=progress)

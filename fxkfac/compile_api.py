@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from fxkfac.autoplan import Target, barrier_of, resolve_plan
 from fxkfac.capture import Captured, capture, input_signature, normalize_inputs
-from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
+from fxkfac.config import ActivationCheckpointing, CheckpointMode, KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.errors import ConfigError
 from fxkfac.families import family_of
 from fxkfac.fingerprint import graph_fingerprint
@@ -86,12 +86,14 @@ def compile(  # noqa: A001 - the public name the design card gives
     layout = MeshLayout.local() if mesh is None else MeshLayout.from_mesh(mesh)
     kind = ScheduleKind.ONE_F_ONE_B if mesh is None else ScheduleKind(schedule)
     N, v, single = microbatches, pipeline.virtual_stages, mesh is None
+    _check_checkpointing(pipeline.checkpointing, num_stages(kind, layout.D, v))
     prepared, known, resolved = _prepare_and_resolve(
         model, example_inputs, plan, single, family, kfac, kind, layout, N, pipeline, plan_options, backend
     )
     timings = _timings(plan, single, resolved, family, prepared.units, layer_timing)
     distributions = _distributions(resolved, family, plan_options, prepared.stage_layers, known, kind, layout, v)
-    spec = _run_spec(prepared, resolved, family, known, layout, kind, N, v, timings, distributions)
+    recompute = _recomputed(pipeline.checkpointing, resolved)
+    spec = _run_spec(prepared, resolved, family, known, layout, kind, N, v, timings, distributions, recompute)
     base = optimizer or (plain_sgd if family is not None and family.full_direction else default_optimizer)
     return Trainer(spec, loss_fn=loss_fn, optimizer=base, options=pipeline, backend=backend)
 
@@ -103,6 +105,36 @@ def _check_arguments(microbatches: Any, kfac: Any) -> None:
         raise ConfigError(f"microbatches must be an int >= 1, got {microbatches!r}")
     if kfac is not None and not isinstance(kfac, KFACConfig):
         raise ConfigError(f"kfac must be a KFACConfig or None, got {type(kfac).__name__}")
+
+
+def _check_checkpointing(checkpointing: ActivationCheckpointing, S: int) -> None:
+    """ConfigError for a recomputing stage the run does not have (S stages), before any capture."""
+    missing = [s for s in checkpointing.stages if s >= S]
+    if missing:
+        raise ConfigError(
+            f"activation_checkpointing names stages {missing}, but the run has stages 0..{S - 1} "
+            "(D * virtual_stages, twice under Chimera)"
+        )
+
+
+def _recomputed(checkpointing: ActivationCheckpointing, resolved: Plan | None) -> tuple[int, ...]:
+    """The stages that recompute their forward: the plan's where there is one (plan="auto" planned with
+    `checkpointing`; a loaded plan brings its own, which named stages must equal), else the named stages;
+    ConfigError for AUTO where no planner runs."""
+    if resolved is not None:
+        planned = resolved.problem.recompute
+        if checkpointing.mode is CheckpointMode.STAGES and planned != checkpointing.stages:
+            raise ConfigError(
+                f"activation_checkpointing names stages {list(checkpointing.stages)}, but the plan recomputes "
+                f"stages {list(planned)}; pass the plan's stages (or 'off' to take them from the plan)"
+            )
+        return planned
+    if checkpointing.mode is CheckpointMode.AUTO:
+        raise ConfigError(
+            "activation_checkpointing='auto' is chosen by the planner, which runs under plan='auto' on a mesh with "
+            "a preconditioner; here name the stages that recompute, e.g. activation_checkpointing=(0,)"
+        )
+    return checkpointing.stages
 
 
 def _family(preconditioner: Any, kfac: KFACConfig | None) -> Family | None:
@@ -152,7 +184,7 @@ def _prepare_and_resolve(
                 stacklevel=3,
             )
         known = {unit.name: unit for unit in prepared.units}
-        resolved = _resolve(plan, single, family, prepared, known, options, layout, progress)
+        resolved = _resolve(plan, single, family, prepared, known, options, layout, progress, pipeline.checkpointing)
     return prepared, known, resolved
 
 
@@ -231,6 +263,7 @@ def _run_spec(
     v: int,
     timings: dict[str, LayerTiming],
     distributions: dict[str, LayerDistribution],
+    recompute: tuple[int, ...],
 ) -> RunSpec:
     """What every rank runs, the same on each: the split and the programs (the plan's with its start-up steps,
     else the critical path's)."""
@@ -259,6 +292,7 @@ def _run_spec(
         timings,
         prepared.target.fingerprint,
         distributions,
+        recompute,
     )
 
 
@@ -328,9 +362,11 @@ def _resolve(
     options: PlanOptions,
     layout: MeshLayout,
     progress: PlanProgress,
+    checkpointing: ActivationCheckpointing,
 ) -> Plan | None:
     """The plan whose programs the ranks run for the `prepared` model (`known`: its units by name): none on one
-    device or without preconditioned layers; `progress` shows plan="auto"'s phases, solver and plan on rank 0."""
+    device or without preconditioned layers; `progress` shows plan="auto"'s phases, solver and plan on rank 0;
+    plan="auto" plans with `checkpointing`'s stages, or chooses them under AUTO."""
     if family is None:
         if plan not in (None, "auto"):
             raise ConfigError("kfac=None trains the plain pipeline, which takes no plan; pass plan=None")
@@ -348,7 +384,7 @@ def _resolve(
                 "free (PlanOptions(memory_budget=...) sets another)"
             )
         options = budgeted
-    made = _resolve_on_mesh(plan, family, prepared, known, options, layout, progress)
+    made = _resolve_on_mesh(plan, family, prepared, known, options, layout, progress, checkpointing)
     if made is not None and auto:
         progress.done(made)
     return made
@@ -378,6 +414,7 @@ def _resolve_on_mesh(
     options: PlanOptions,
     layout: MeshLayout,
     progress: PlanProgress,
+    checkpointing: ActivationCheckpointing,
 ) -> Plan | None:
     """`resolve_plan` with plan="auto"'s profile (links and stages measured by every rank), each phase
     and the solver's reports shown by `progress`."""
@@ -415,6 +452,7 @@ def _resolve_on_mesh(
         stage_layers=stage_layers,
         layers=known,
         progress=progress.solver if progress.shown else None,
+        checkpointing=checkpointing,
     )
 
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.utils.checkpoint import checkpoint
 
 from fxkfac.passes.split_stages import StageGraph
 
@@ -22,7 +23,8 @@ class StageRunner:
     Forward keeps each micro-batch's inputs and outputs until its backward; backward
     calls `torch.autograd.backward` on the outputs with the received gradients (or on the
     loss, on the last stage) and returns the gradients of the inputs, which the runtime sends
-    to the previous stage.
+    to the previous stage. With `recompute` (activation checkpointing) the forward keeps nothing else
+    and the backward runs it again first (`torch.utils.checkpoint`, non-reentrant: the same random numbers).
     """
 
     graph: StageGraph
@@ -32,9 +34,14 @@ class StageRunner:
     is_last: bool
     _inputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     _outputs: dict[int, Any] = field(default_factory=dict)
+    recompute: bool = False
+    """Whether the stage recomputes its forward in its backward (`Problem.recompute`) instead of keeping its
+    activations."""
 
     @classmethod
-    def build(cls, graph: StageGraph, pipe: int, is_last: bool, backend: str | None, *, copy: bool) -> StageRunner:
+    def build(
+        cls, graph: StageGraph, pipe: int, is_last: bool, backend: str | None, *, copy: bool, recompute: bool = False
+    ) -> StageRunner:
         """A runner of the stage module, compiled when `backend` is set.
 
         With `copy` it runs on a deep copy: needed when the rank holds several stage copies, which may
@@ -45,7 +52,7 @@ class StageRunner:
         for param in module.parameters():
             param.requires_grad_(True)
         fn = module if backend is None else torch.compile(module, backend=backend, dynamic=False)
-        return cls(graph, pipe, module, fn, is_last)
+        return cls(graph, pipe, module, fn, is_last, recompute=recompute)
 
     @property
     def stage(self) -> int:
@@ -55,10 +62,17 @@ class StageRunner:
     def forward(self, mb: int, inputs: Sequence[torch.Tensor], needs_grad: bool) -> tuple[torch.Tensor, ...]:
         """Run the stage on micro-batch `mb`; float inputs of inner stages become autograd leaves."""
         leaves = [x.requires_grad_(True) if needs_grad and x.is_floating_point() else x for x in inputs]
-        outputs = tuple(self.fn(*leaves))
+        outputs = tuple(self.call(self.fn, leaves))
         self._inputs[mb] = leaves
         self._outputs[mb] = outputs
         return outputs
+
+    def call(self, fn: Callable[..., Any], args: Sequence[Any]) -> Any:
+        """`fn(*args)`, checkpointed where the stage recomputes and autograd records: only `args` are saved, and
+        the backward runs `fn` again before it needs what `fn` would have saved."""
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
 
     def keep_loss(self, mb: int, loss: torch.Tensor) -> None:
         """On the last stage, backward starts from this (already scaled) loss instead of the outputs."""

@@ -142,7 +142,9 @@ def _check_runs(c: Context) -> None:
         if op.kind is OpKind.FWD:
             return stages[op.stage].fwd  # type: ignore[index]  # a FWD names its stage
         if op.kind is OpKind.BWD:
-            return stages[op.stage].bwd  # type: ignore[index]  # a BWD names its stage
+            assert op.stage is not None, "a BWD names its stage"
+            again = stages[op.stage].fwd if c.problem.recomputes(op.stage) else 0.0  # activation checkpointing
+            return stages[op.stage].bwd + again
         if op.kind is OpKind.ALLREDUCE_GRAD:
             return collective_seconds(c, op)
         if op.kind in LAYER_TRANSFER_KINDS or _fold(c, op):
