@@ -18,7 +18,7 @@ from fxkfac.planner.errors import PlanError, PlanMismatchError
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StepBarrier
 from fxkfac.planner.profiles import load_cost_table
-from fxkfac.planner.recompute import choose_recompute
+from fxkfac.planner.recompute import plan_recomputing
 from fxkfac.planner.schedules import ScheduleKind
 from fxkfac.planner.solve import TimeBox, solve
 from fxkfac.planner.stream_choice import solve_streamed
@@ -179,8 +179,6 @@ def solve_for(
         barrier=target.barrier,
         recompute=checkpointing.stages,
     )
-    if checkpointing.mode is CheckpointMode.AUTO:
-        problem = choose_recompute(problem)
     if target.max_period is not None:
         problem = replace(problem, max_period=target.max_period)
     config = SolverConfig(time_limit_s=options.time_limit_s, deterministic=options.deterministic, progress=progress)
@@ -196,8 +194,12 @@ def solve_for(
             given, solver = problem.with_strategy(strategy), lambda p: solve(p, config, box=box)
         return solve_streamed(given, solver, options.stream_apply, whole_backward=target.compiled)
 
+    def planned(problem: Problem) -> Plan:
+        """`solved`, under AUTO checkpointing with the stages that recompute chosen for the budget."""
+        return plan_recomputing(problem, solved) if checkpointing.mode is CheckpointMode.AUTO else solved(problem)
+
     try:
-        return solved(problem)
+        return planned(problem)
     except PlanError as e:
         value = e.max_overhead
         if strict or value is None:
@@ -209,7 +211,7 @@ def solve_for(
             str(e).split(". ")[0],
             value,
         )
-        return solved(replace(problem, max_overhead=value))
+        return planned(replace(problem, max_overhead=value))
 
 
 def check_matches(plan: Any, target: Target, where: str = "the plan") -> None:

@@ -183,8 +183,8 @@ def stage_comm(problem: Problem, stage: int) -> StageComm:
 
 def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callable[[int, Op], float]:
     """Op durations in seconds: F/B from the costs (at a refresh step, plus the taps and fused curvature; a BWD of a
-    stage that recomputes, plus its FWD, which it runs again as it ran), the gradient all-reduce (the comm model), gradient statistics, APPLY; nothing else (transfers and OPT_STEP take no
-    time)."""
+    stage that recomputes, plus its FWD, which it runs again as it ran), the gradient all-reduce (the comm model),
+    gradient statistics, APPLY; nothing else (transfers and OPT_STEP take no time)."""
     stages = problem.costs.stages
     allreduce = [gradient_allreduce_seconds(problem, s) for s in range(len(stages))]
     stats = {(op.layer, op.part): secs for s, stage in enumerate(stages) for op, secs in gradient_stats(stage, s)}

@@ -16,7 +16,7 @@ from fxkfac.planner.ir import OpKind
 from fxkfac.planner.memory import activation_peak, min_memory_bytes, static_bytes
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig
-from fxkfac.planner.recompute import choose_recompute, recompute_price
+from fxkfac.planner.recompute import choose_recompute, plan_recomputing, recompute_choices, recompute_price
 from fxkfac.planner.solve import solve
 from fxkfac.planner.step_timeline import step_timeline
 from fxkfac.planner.validate import check_plan
@@ -74,10 +74,8 @@ def test_a_budget_refused_without_checkpointing_plans_with_it() -> None:
     refused = replace(free, memory_budget=budget)
     with pytest.raises(PlanError, match="memory"):
         solve(refused, CONFIG)
-    chosen = choose_recompute(refused)
-    assert chosen.recompute == (0,)
-    plan = solve(chosen, CONFIG)
-    check_plan(chosen, plan)
+    plan = plan_recomputing(refused, lambda p: solve(p, CONFIG))
+    check_plan(plan.problem, plan)
     assert max(plan.metrics.peak_memory.values()) <= budget
     assert plan.problem.recompute == (0,)
     unconstrained = solve(free, CONFIG)
@@ -118,10 +116,31 @@ def test_greedy_search_fits_beyond_the_exhaustive_size(monkeypatch: pytest.Monke
 
 def test_nothing_fits_recomputes_every_stage_and_is_refused() -> None:
     problem = _problem(budget=static_bytes(_problem(), 0) + 1)
-    chosen = choose_recompute(problem)
-    assert chosen.recompute == (0, 1)
+    assert recompute_choices(problem) == [(0, 1)]
     with pytest.raises(PlanError, match="memory"):
-        solve(chosen, CONFIG)
+        plan_recomputing(problem, lambda p: solve(p, CONFIG))
+
+
+def test_a_choice_the_planner_refuses_gives_way_to_the_next() -> None:
+    """The next choice in step order is planned when the first is refused; every refusal: the first's."""
+    problem = _problem(budget=min_memory_bytes(_problem()) - ACT // 2)
+    assert recompute_choices(problem) == [(0,), (0, 1)]  # stage 0 must recompute; stage 1 may too
+    tried: list[tuple[int, ...]] = []
+
+    def refuse_first(p: Problem) -> tuple[int, ...]:
+        tried.append(p.recompute)
+        if len(tried) == 1:
+            raise PlanError("first refused")
+        return p.recompute
+
+    assert plan_recomputing(problem, refuse_first) == (0, 1)
+    assert tried == [(0,), (0, 1)]
+
+    def refuse(p: Problem) -> None:
+        raise PlanError(f"refused {p.recompute}")
+
+    with pytest.raises(PlanError, match=r"refused \(0,\)"):
+        plan_recomputing(problem, refuse)
 
 
 def test_recompute_round_trips_through_the_plan_json(tmp_path) -> None:
