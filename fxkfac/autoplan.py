@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fxkfac import errors
-from fxkfac.config import PlanOptions
+from fxkfac.config import ActivationCheckpointing, CheckpointMode, PlanOptions
 from fxkfac.errors import ConfigError, FxkfacError
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.choose import solve_with_strategy
@@ -20,6 +20,7 @@ from fxkfac.planner.plan import Plan
 from fxkfac.planner.plan_file import parse_plan, read_plan
 from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StepBarrier
 from fxkfac.planner.profiles import load_cost_table
+from fxkfac.planner.recompute import plan_recomputing
 from fxkfac.planner.schedules import ScheduleKind
 from fxkfac.planner.solve import TimeBox, solve
 from fxkfac.planner.stream_choice import solve_streamed
@@ -79,19 +80,21 @@ def resolve_plan(
     stage_layers: Mapping[int, Sequence[str]],
     layers: Mapping[str, KFACLayer],
     progress: Callable[[SolveProgress], None] | None = None,
+    checkpointing: ActivationCheckpointing = ActivationCheckpointing(),
 ) -> Plan | None:
     """The Plan every rank runs: None, a checked Plan, a loaded file, or the auto plan rank 0 makes and shares.
 
     `plan="auto"` plans with `options.costs` (a CostTable, a cost file, or a callable
     ``(stage_layers, layers) -> CostTable``), or with `profile()` times scaled by `options.kfac_margin`: every
     rank profiles at once and rank 0 plans with the median of their tables (`gathered_profile`);
-    `progress` observes the solver (`SolverConfig.progress`).
+    `progress` observes the solver (`SolverConfig.progress`); `checkpointing` says which stages recompute
+    (`solve_for`).
     """
     if plan is None:
         return None
     if isinstance(plan, str) and plan == "auto":
         if world == 1:
-            return solve_for(target, _costs(options, profile, stage_layers, layers), options, progress)
+            return solve_for(target, _costs(options, profile, stage_layers, layers), options, progress, checkpointing)
         profiled = gathered_profile(profile, rank) if options.costs is None else None
         made: Plan | FxkfacError | None = None
         if rank == 0:
@@ -99,7 +102,9 @@ def resolve_plan(
                 if isinstance(profiled, FxkfacError):
                     raise profiled
                 gathered = profile if profiled is None else lambda: profiled
-                made = solve_for(target, _costs(options, gathered, stage_layers, layers), options, progress)
+                made = solve_for(
+                    target, _costs(options, gathered, stage_layers, layers), options, progress, checkpointing
+                )
             except FxkfacError as e:  # every rank raises it, instead of waiting for a plan that never comes
                 made = e
         return share_plan(made)
@@ -140,14 +145,19 @@ def _costs(
 
 
 def solve_for(
-    target: Target, costs: CostTable, options: PlanOptions, progress: Callable[[SolveProgress], None] | None = None
+    target: Target,
+    costs: CostTable,
+    options: PlanOptions,
+    progress: Callable[[SolveProgress], None] | None = None,
+    checkpointing: ActivationCheckpointing = ActivationCheckpointing(),
 ) -> Plan:
     """Plan `target` with CP-SAT over `costs` (the planner's `solve`), stamped with the target's fingerprint.
 
     With `options.max_overhead` None the bubbles are tried alone first; when they cannot hold the work, the
     least max_overhead the planner found to place it is used (its refusal names that value), and logged.
     `options.strategy` forces a distribution strategy; None lets the planner choose (planner/choose.py).
-    `progress` observes the solver (`SolverConfig.progress`).
+    `progress` observes the solver (`SolverConfig.progress`). The stages `checkpointing` names recompute their
+    forward; under AUTO the planner chooses them for the memory budget (`planner.recompute.choose_recompute`).
     """
     strict = options.max_overhead is not None
     problem = Problem(
@@ -163,6 +173,7 @@ def solve_for(
         decomp_pieces=target.decomp_pieces,
         warm_start=target.warm_start,
         barrier=target.barrier,
+        recompute=checkpointing.stages,
     )
     if target.max_period is not None:
         problem = replace(problem, max_period=target.max_period)
@@ -179,8 +190,12 @@ def solve_for(
             given, solver = problem.with_strategy(strategy), lambda p: solve(p, config, box=box)
         return solve_streamed(given, solver, options.stream_apply, whole_backward=target.compiled)
 
+    def planned(problem: Problem) -> Plan:
+        """`solved`, under AUTO checkpointing with the stages that recompute chosen for the budget."""
+        return plan_recomputing(problem, solved) if checkpointing.mode is CheckpointMode.AUTO else solved(problem)
+
     try:
-        return solved(problem)
+        return planned(problem)
     except PlanError as e:
         value = e.max_overhead
         if strict or value is None:
@@ -192,7 +207,7 @@ def solve_for(
             str(e).split(". ")[0],
             value,
         )
-        return solved(replace(problem, max_overhead=value))
+        return planned(replace(problem, max_overhead=value))
 
 
 def check_matches(plan: Any, target: Target, where: str = "the plan") -> None:

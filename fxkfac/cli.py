@@ -15,6 +15,7 @@ from fxkfac.cli_args import (
     AUTO,
     MICRO_BATCH_SIZE,
     CliError,
+    checkpointing_arg,
     enum_option,
     parse_block_size,
     parse_bytes,
@@ -24,7 +25,7 @@ from fxkfac.cli_args import (
 )
 from fxkfac.cli_plan import run_plan
 from fxkfac.cli_show import run_show
-from fxkfac.config import KLClipScope
+from fxkfac.config import ActivationCheckpointing, KLClipScope
 from fxkfac.planner.errors import PlannerError
 from fxkfac.planner.preconditioners import PreconditionerKind
 from fxkfac.planner.profiles import ProfileLayers
@@ -172,6 +173,14 @@ def _add_plan_costs(plan: argparse.ArgumentParser) -> None:
         "when ranks idle at the step's end apply the first stage's layers beside it: keep-refresh (default) "
         "where that shortens the step and costs no refresh, shortest-step wherever it shortens the step "
         "(Chimera too, refreshing less often), off never (PlanOptions.stream_apply)",
+    )
+    plan.add_argument(
+        "--activation-checkpointing",
+        type=_arg_type(checkpointing_arg),
+        default=ActivationCheckpointing(),
+        help="which stages recompute their forward in their backward, keeping only their inputs per micro-batch "
+        "in flight: off (default), stage indices (0,2), or auto: the planner chooses the stages that fit the "
+        "memory budget with the shortest step (PipelineOptions.activation_checkpointing)",
     )
     plan.add_argument(
         "--eager",

@@ -8,6 +8,7 @@ from decimal import Decimal, InvalidOperation
 from enum import StrEnum
 from typing import Literal
 
+from fxkfac.config import ActivationCheckpointing, CheckpointMode
 from fxkfac.planner.errors import ConfigError, PlannerError
 from fxkfac.planner.preconditioners import PreconditionerKind
 from fxkfac.planner.schedules import num_stages, validate_schedule_args
@@ -92,6 +93,17 @@ def positive(text: str) -> int:
     if not text.strip().isdigit() or int(text) < 1:
         raise CliError(f"expected a whole number >= 1, got {text!r}")
     return int(text)
+
+
+def checkpointing_arg(text: str) -> ActivationCheckpointing:
+    """--activation-checkpointing's value: off, auto, or the stages that recompute ('0,2')."""
+    words = text.strip().lower()
+    try:
+        if words in (CheckpointMode.OFF, CheckpointMode.AUTO):
+            return ActivationCheckpointing.of(words)
+        return ActivationCheckpointing.of(tuple(int(s) for s in words.split(",")))
+    except (ConfigError, ValueError):
+        raise CliError(f"expected off, auto or stage indices such as 0,2, got {text!r}") from None
 
 
 def strategy_arg(text: str) -> Strategy | None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import TYPE_CHECKING
 
@@ -13,12 +13,14 @@ from fxkfac.cli_args import AUTO, CliError, check_schedule, device, kind, memory
 from fxkfac.cli_costs import cost_table
 from fxkfac.cli_explain import explain, explain_choice, explain_comm, explain_plan_comm
 from fxkfac.cli_targets import factory, is_factory
+from fxkfac.config import ActivationCheckpointing, CheckpointMode
 from fxkfac.planner.choose import solve_with_strategy
 from fxkfac.planner.costs import CostTable
 from fxkfac.planner.errors import Knob, PlanError, PlannerError, Suggestion
 from fxkfac.planner.hardware import HARDWARE, hardware
 from fxkfac.planner.preconditioners import PreconditionerKind, words_of
 from fxkfac.planner.problem import Problem, SolverConfig
+from fxkfac.planner.recompute import choose_recompute, plan_recomputing
 from fxkfac.planner.step_timeline import plain_step_time
 from fxkfac.planner.stream_choice import solve_streamed
 
@@ -69,7 +71,16 @@ def problem_of(args: argparse.Namespace, costs: CostTable) -> Problem:
         warm_start=kind(args) is PreconditionerKind.SOAP,  # SOAP's QR basis starts from the previous one
         **period,
     )
-    return problem if args.strategy is None else problem.with_strategy(args.strategy)
+    problem = problem if args.strategy is None else problem.with_strategy(args.strategy)
+    return _with_checkpointing(problem, args.activation_checkpointing)
+
+
+def _with_checkpointing(problem: Problem, checkpointing: ActivationCheckpointing) -> Problem:
+    """--activation-checkpointing's stages recomputing (none under auto, which `_solved` chooses)."""
+    missing = [s for s in checkpointing.stages if s >= problem.num_stages]
+    if missing:
+        raise CliError(f"--activation-checkpointing names stages {missing}; the plan has 0..{problem.num_stages - 1}")
+    return replace(problem, recompute=checkpointing.stages)
 
 
 def _flags(suggestion: Suggestion) -> str:
@@ -86,11 +97,15 @@ def _flag(knob: Knob, value: float | int) -> str:
     return f"--microbatches {value}"
 
 
-def _refused(error: PlanError, budget: Budget) -> RefusedPlan:
-    """The planner's refusal with the flags of what it solved with, and where the budget came from."""
+def _refused(error: PlanError, budget: Budget, checkpointing: ActivationCheckpointing) -> RefusedPlan:
+    """The planner's refusal with the flags of what it solved with (and activation checkpointing where it is off
+    and the budget refused), and where the budget came from."""
     text = str(error)
-    if error.suggestions:
-        text += "; try " + " or ".join(_flags(s) for s in error.suggestions)
+    flags = [_flags(s) for s in error.suggestions]
+    if budget.bytes is not None and checkpointing.mode is CheckpointMode.OFF and "memory budget" in text:
+        flags.append("--activation-checkpointing auto")
+    if flags:
+        text += "; try " + " or ".join(flags)
     if budget.bytes is not None and budget.source != "--memory":
         text += f"; the memory budget is {budget.source}"
     return RefusedPlan(text)
@@ -113,7 +128,13 @@ def _auto_block(args: argparse.Namespace, S: int, config: SolverConfig) -> Block
     from fxkfac.planner.shampoo_costs import largest_dim
 
     candidates = block_candidates(largest_dim(preset(args.target)))
-    return choose_block_size(lambda side: problem_of(args, cost_table(args, S, side)), candidates, config, args.method)
+    auto = args.activation_checkpointing.mode is CheckpointMode.AUTO
+
+    def problem(side: int | None) -> Problem:  # under --activation-checkpointing auto, its first choice at each side
+        made = problem_of(args, cost_table(args, S, side))
+        return choose_recompute(made) if auto else made
+
+    return choose_block_size(problem, candidates, config, args.method)
 
 
 def _solved(args: argparse.Namespace, S: int, console: Console) -> Plan:
@@ -127,7 +148,7 @@ def _solved(args: argparse.Namespace, S: int, console: Console) -> Plan:
         try:
             choice = _auto_block(args, S, config)
         except PlanError as e:
-            raise _refused(e, memory_budget(args, device(args))) from None
+            raise _refused(e, memory_budget(args, device(args)), args.activation_checkpointing) from None
         console.print(f"max_preconditioner_dim auto: {choice.reason}", markup=False)
         if args.explain:
             explain(args, choice.plan.problem.costs, plain_step_time(choice.plan.problem), console)
@@ -146,10 +167,14 @@ def _solved(args: argparse.Namespace, S: int, console: Console) -> Plan:
             return solve(problem, config, method=args.method)
         return solve_with_strategy(problem, None, config, method=args.method)
 
+    def streamed(problem: Problem) -> Plan:
+        return solve_streamed(problem, solved, args.stream_apply, whole_backward=not args.eager)
+
     try:
-        plan = solve_streamed(problem, solved, args.stream_apply, whole_backward=not args.eager)
+        auto = args.activation_checkpointing.mode is CheckpointMode.AUTO
+        plan = plan_recomputing(problem, streamed) if auto else streamed(problem)
     except PlanError as e:
-        raise _refused(e, memory_budget(args, costs.hardware)) from None
+        raise _refused(e, memory_budget(args, costs.hardware), args.activation_checkpointing) from None
     if args.explain:
         explain_plan_comm(plan, console)
     return plan

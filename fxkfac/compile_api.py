@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from fxkfac.autoplan import Target, resolve_plan, resumed_plan
 from fxkfac.capture import Captured, capture, input_signature, normalize_inputs
 from fxkfac.checkpoint import found
-from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
+from fxkfac.config import ActivationCheckpointing, CheckpointMode, KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.errors import ConfigError
 from fxkfac.families import family_of
 from fxkfac.fingerprint import graph_fingerprint
@@ -102,12 +102,14 @@ def compile(  # noqa: A001 - the public name the design card gives
     kind = ScheduleKind.ONE_F_ONE_B if mesh is None else ScheduleKind(schedule)
     N, v, single = microbatches, pipeline.virtual_stages, mesh is None
     resume = resume_from if resume_from is not None and found(resume_from, collective=not single) else None
+    _check_checkpointing(pipeline.checkpointing, num_stages(kind, layout.D, v))
     prepared, known, resolved = _prepare_and_resolve(
         model, example_inputs, plan, single, family, kind, layout, N, pipeline, plan_options, backend, resume
     )
     timings = _timings(plan, single, resolved, family, prepared.units, layer_timing)
     distributions = _distributions(resolved, family, plan_options, prepared.stage_layers, known, kind, layout, v)
-    spec = _run_spec(prepared, resolved, family, known, layout, kind, N, v, timings, distributions)
+    recompute = _recomputed(pipeline.checkpointing, resolved)
+    spec = _run_spec(prepared, resolved, family, known, layout, kind, N, v, timings, distributions, recompute)
     base = optimizer or (plain_sgd if family is not None and family.full_direction else default_optimizer)
     trainer = Trainer(spec, loss_fn=loss_fn, optimizer=base, options=pipeline, backend=backend)
     if resume is not None:
@@ -132,6 +134,36 @@ def _chosen(preconditioner: Any, kfac: Any) -> Any:
     if kfac is not None and not isinstance(kfac, KFACConfig):
         raise ConfigError(f"kfac must be a KFACConfig or None, got {type(kfac).__name__}")
     return kfac
+
+
+def _check_checkpointing(checkpointing: ActivationCheckpointing, S: int) -> None:
+    """ConfigError for a recomputing stage the run does not have (S stages), before any capture."""
+    missing = [s for s in checkpointing.stages if s >= S]
+    if missing:
+        raise ConfigError(
+            f"activation_checkpointing names stages {missing}, but the run has stages 0..{S - 1} "
+            "(D * virtual_stages, twice under Chimera)"
+        )
+
+
+def _recomputed(checkpointing: ActivationCheckpointing, resolved: Plan | None) -> tuple[int, ...]:
+    """The stages that recompute their forward: the plan's where there is one (plan="auto" planned with
+    `checkpointing`; a loaded plan brings its own, which named stages must equal), else the named stages;
+    ConfigError for AUTO where no planner runs."""
+    if resolved is not None:
+        planned = resolved.problem.recompute
+        if checkpointing.mode is CheckpointMode.STAGES and planned != checkpointing.stages:
+            raise ConfigError(
+                f"activation_checkpointing names stages {list(checkpointing.stages)}, but the plan recomputes "
+                f"stages {list(planned)}; pass the plan's stages (or 'off' to take them from the plan)"
+            )
+        return planned
+    if checkpointing.mode is CheckpointMode.AUTO:
+        raise ConfigError(
+            "activation_checkpointing='auto' is chosen by the planner, which runs under plan='auto' on a mesh with "
+            "a preconditioner; here name the stages that recompute, e.g. activation_checkpointing=(0,)"
+        )
+    return checkpointing.stages
 
 
 def _family(choice: Any) -> Family | None:
@@ -178,7 +210,9 @@ def _prepare_and_resolve(
                 stacklevel=3,
             )
         known = {unit.name: unit for unit in prepared.units}
-        resolved = _resolve(plan, single, family, prepared, known, options, layout, progress, resume)
+        resolved = _resolve(
+            plan, single, family, prepared, known, options, layout, progress, resume, pipeline.checkpointing
+        )
     return prepared, known, resolved
 
 
@@ -257,6 +291,7 @@ def _run_spec(
     v: int,
     timings: dict[str, LayerTiming],
     distributions: dict[str, LayerDistribution],
+    recompute: tuple[int, ...],
 ) -> RunSpec:
     """What every rank runs, the same on each: the split and the programs (the plan's with its start-up steps,
     else the critical path's)."""
@@ -285,6 +320,7 @@ def _run_spec(
         timings,
         prepared.target.fingerprint,
         distributions,
+        recompute,
     )
 
 
@@ -354,10 +390,12 @@ def _resolve(
     layout: MeshLayout,
     progress: PlanProgress,
     resume: str | os.PathLike | None,
+    checkpointing: ActivationCheckpointing,
 ) -> Plan | None:
     """The plan whose programs the ranks run for the `prepared` model (`known`: its units by name): none on one
     device or without preconditioned layers; `progress` shows plan="auto"'s phases, solver and plan on rank 0.
-    plan="auto" adopts the plan of the checkpoint it resumes from (`resume`) when that was made for this run."""
+    plan="auto" adopts the plan of the checkpoint it resumes from (`resume`) when that was made for this run, else
+    plans with `checkpointing`'s stages, or chooses them under AUTO."""
     if family is None:
         if plan not in (None, "auto"):
             raise ConfigError("preconditioner=None trains the plain pipeline, which takes no plan; pass plan=None")
@@ -383,7 +421,7 @@ def _resolve(
                 "free (PlanOptions(memory_budget=...) sets another)"
             )
         options = budgeted
-    made = _resolve_on_mesh(plan, family, prepared, known, options, layout, progress)
+    made = _resolve_on_mesh(plan, family, prepared, known, options, layout, progress, checkpointing)
     if made is not None and auto:
         progress.done(made)
     return made
@@ -397,6 +435,7 @@ def _resolve_on_mesh(
     options: PlanOptions,
     layout: MeshLayout,
     progress: PlanProgress,
+    checkpointing: ActivationCheckpointing,
 ) -> Plan | None:
     """`resolve_plan` with plan="auto"'s profile (links and stages measured by every rank), each phase
     and the solver's reports shown by `progress`."""
@@ -435,6 +474,7 @@ def _resolve_on_mesh(
         stage_layers=stage_layers,
         layers=known,
         progress=progress.solver if progress.shown else None,
+        checkpointing=checkpointing,
     )
 
 

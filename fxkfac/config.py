@@ -14,6 +14,8 @@ from fxkfac.planner.strategy import Strategy, parse_strategy
 from fxkfac.planner.stream_choice import StreamApply
 
 __all__ = [
+    "ActivationCheckpointing",
+    "CheckpointMode",
     "KFACConfig",
     "KLClipScope",
     "PipelineOptions",
@@ -158,6 +160,55 @@ class KFACConfig:
             )
 
 
+class CheckpointMode(StrEnum):
+    """Which stages recompute their forward in their backward instead of keeping its activations."""
+
+    OFF = "off"
+    """None (a loaded plan that recomputes brings its own stages)."""
+    STAGES = "stages"
+    """The stages `ActivationCheckpointing.stages` names."""
+    AUTO = "auto"
+    """The planner's choice under plan="auto": the stages whose recomputation fits the memory budget with the
+    shortest step, none when it fits without (planner/recompute.py)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ActivationCheckpointing:
+    """Activation checkpointing: a stage that recomputes keeps only its inputs (and outputs) per micro-batch in
+    flight and runs its forward again at the start of each backward (K-FAC captures come from the first forward)."""
+
+    mode: CheckpointMode = CheckpointMode.OFF
+    stages: tuple[int, ...] = ()
+    """The stages that recompute (global stage indices, as `fxkfac plan --show` numbers them); STAGES only."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", member_of(CheckpointMode, self.mode, "ActivationCheckpointing.mode"))
+        stages = self.stages
+        if not isinstance(stages, tuple) or any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in stages):
+            raise ConfigError(f"ActivationCheckpointing.stages must be a tuple of stage indices >= 0, got {stages!r}")
+        object.__setattr__(self, "stages", tuple(sorted(set(stages))))
+        if (self.mode is CheckpointMode.STAGES) != bool(stages):
+            raise ConfigError(
+                f"ActivationCheckpointing(mode={self.mode.value!r}) takes "
+                + ("the stages that recompute" if self.mode is CheckpointMode.STAGES else "no stages")
+                + f", got stages={stages!r}"
+            )
+
+    @classmethod
+    def of(cls, value: Any) -> ActivationCheckpointing:
+        """`value` as a config: one already, a mode or its text ("off", "auto"), or a tuple/list of stages."""
+        if isinstance(value, ActivationCheckpointing):
+            return value
+        if isinstance(value, (tuple, list)):
+            return cls(mode=CheckpointMode.STAGES, stages=tuple(value))
+        if isinstance(value, str) and value != CheckpointMode.STAGES:
+            return cls(mode=member_of(CheckpointMode, value, "PipelineOptions.activation_checkpointing"))
+        raise ConfigError(
+            "PipelineOptions.activation_checkpointing must be 'off', 'auto', a tuple of stage indices or an "
+            f"ActivationCheckpointing, got {value!r}"
+        )
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PipelineOptions:
     """How a mesh runs the model: stage split, virtual stages, timeouts, timeline, NaN/Inf tolerance, progress."""
@@ -178,6 +229,11 @@ class PipelineOptions:
     step_agreement: StepAgreement = StepAgreement.WORLD
     """Without a preconditioner: whether a world sum ends every step (WORLD) or each agreement set decides
     alone (COPIES). With one, `KFACConfig.kl_clip_scope` decides and this must stay WORLD."""
+    activation_checkpointing: ActivationCheckpointing | CheckpointMode | str | tuple[int, ...] = (
+        ActivationCheckpointing()
+    )
+    """Which stages recompute their forward in their backward: "off", a tuple of stage indices, "auto" (the
+    planner chooses under plan="auto"'s memory budget) or an ActivationCheckpointing (`checkpointing`)."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.virtual_stages, int) and self.virtual_stages >= 1):
@@ -193,6 +249,13 @@ class PipelineOptions:
                 f"PipelineOptions.step_agreement must be a StepAgreement "
                 f"({', '.join(m.name for m in StepAgreement)}), got {self.step_agreement!r}"
             )
+        object.__setattr__(self, "activation_checkpointing", ActivationCheckpointing.of(self.activation_checkpointing))
+
+    @property
+    def checkpointing(self) -> ActivationCheckpointing:
+        """`activation_checkpointing` as the config it is made into."""
+        assert isinstance(self.activation_checkpointing, ActivationCheckpointing), "__post_init__ made it one"
+        return self.activation_checkpointing
 
 
 PROFILE_MARGIN = 1.2

@@ -153,6 +153,16 @@ def _streamed(problem: Problem) -> str:
     return f"{len(streaming.layers)} layer(s) of stage {streaming.stage} applied ({where}), sent {when}"
 
 
+def _recomputed(problem: Problem) -> str:
+    """Which stages recompute their forward in their backward (`Problem.recompute`), and what that costs."""
+    if not problem.recompute:
+        return "off (every stage keeps its activations)"
+    stages = problem.costs.stages
+    added = " ".join(f"+{stages[s].fwd * 1e3:.2f} ms" for s in problem.recompute)
+    listed = ", ".join(map(str, problem.recompute))
+    return f"stages {listed} recompute their forward in each backward ({added} per micro-batch)"
+
+
 def _per_stage(values: tuple[int | None, ...]) -> str:
     return " ".join("-" if v is None else str(v) for v in values)
 
@@ -180,6 +190,7 @@ def plan_rows(plan: Plan) -> list[tuple[str, str]]:
         ),
         ("strategy across copies", strategy_of(plan)),
         ("streamed APPLY", _streamed(p)),
+        ("activation checkpointing", _recomputed(p)),
         (
             "solver",
             f"{m.solver.status} ({_VERDICTS.get(m.solver.status, 'unknown status')}), "

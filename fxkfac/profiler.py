@@ -505,6 +505,7 @@ def _one_round(
     for st in split.stages:
         fed, stage_loss = inputs, loss if st.index == last else None
         fwd, bwd, inputs = _stage_times(st.gm, fed, stage_loss, warmup, repeats)
+        boundary = sum(_nbytes(t) for t in (*fed, *inputs))  # what the stage keeps when it recomputes
         tapped = _tapped_times(taps.get(st.index), fed, stage_loss, warmup, repeats)
         tap_fwd, tap_bwd = (0.0, 0.0) if tapped is None else _extra(tapped, (fwd, bwd))
         with_fused = _tapped_times(fused.get(st.index), fed, stage_loss, warmup, repeats)
@@ -522,6 +523,7 @@ def _one_round(
                 fused_bwd=fused_bwd,
                 param_bytes=sum(map(_nbytes, params.values())),
                 act_bytes=_act_bytes(st.gm),
+                boundary_bytes=boundary,
                 layers=tuple(replace(x, grad_ready=ready.get(x.name)) for x in units),
                 fwd_spread=fwd.spread,
                 bwd_spread=bwd.spread,

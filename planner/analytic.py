@@ -216,6 +216,8 @@ class BlockCost:
     act_bytes: int
     peak_err_bytes: int
     layers: tuple[LayerCost, ...]
+    hidden_bytes: int = 0
+    """Bytes of one micro-batch's hidden state: the block's input, as large as its output."""
 
 
 def block_kernels(
@@ -255,6 +257,7 @@ def block_kernels(
         act_bytes=round(act),
         peak_err_bytes=round(bpe * batch * seq_len * 2 * widest + scores),
         layers=tuple(k.layer for k in kernels if k.layer is not None),
+        hidden_bytes=round(bpe * batch * seq_len * spec.hidden),
     )
 
 
@@ -368,4 +371,5 @@ def _stage_cost(
         if units is None
         else tuple(layer for block in owners for layer in units(block)),
         peak_err_bytes=max(x.peak_err_bytes for x in members),
+        boundary_bytes=members[0].hidden_bytes + members[-1].hidden_bytes,  # the stage's input and output
     )

@@ -266,11 +266,15 @@ class StageCost:
     curvature is fused into it; None where not measured (a fused layer is then priced at its statistics' time)."""
     fused_bwd: float | None = None
     """The same for one micro-batch's backward."""
+    boundary_bytes: int = 0
+    """Bytes one micro-batch keeps from its forward to its backward when the stage recomputes its forward
+    (activation checkpointing, `Problem.recompute`): its inputs and outputs; 0 where not measured (the paper's
+    profiles), counted as nothing."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, tuple) or not all(isinstance(x, LayerCost) for x in self.layers):
             raise CostModelError("StageCost.layers must be a tuple of LayerCost")
-        byte_fields = frozenset({"param_bytes", "act_bytes", "peak_err_bytes"})
+        byte_fields = frozenset({"param_bytes", "act_bytes", "peak_err_bytes", "boundary_bytes"})
         unmeasured = {name for name in ("fused_fwd", "fused_bwd") if getattr(self, name) is None}
         _check_fields(self, "stage", byte_fields, frozenset({"layers", *unmeasured}))
         _check_spreads(self, "stage")
@@ -402,8 +406,8 @@ class CostTable:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able form with the schema version (no "comm" key without a communication model, no
-        `*_spread` key for a time that was not profiled, no `tap_*` or `fused_*` key for a tap not measured: the
-        file of an unprofiled table is as before them)."""
+        `*_spread` key for a time that was not profiled, no `tap_*` or `fused_*` key for a tap not measured, no
+        `boundary_bytes` unmeasured: the file of an unprofiled table is as before them)."""
         body = asdict(self)
         if self.comm is None:
             del body["comm"]
@@ -413,7 +417,7 @@ class CostTable:
             body["family"] = self.family.value
         for stage in body["stages"]:
             _drop_empty_spreads(stage)
-            for key in ("tap_fwd", "tap_bwd"):
+            for key in ("tap_fwd", "tap_bwd", "boundary_bytes"):
                 if not stage[key]:
                     del stage[key]
             for key in ("fused_fwd", "fused_bwd"):
@@ -576,6 +580,7 @@ def _scale_stage(s: StageCost, per_mb: float, fixed: float, mem: float) -> Stage
         bwd_spread=_scaled(s.bwd_spread, per_mb),
         act_bytes=round(s.act_bytes * mem),
         peak_err_bytes=round(s.peak_err_bytes * mem),
+        boundary_bytes=round(s.boundary_bytes * mem),
         layers=layers,
     )
 
@@ -603,6 +608,7 @@ def _untimed(table: CostTable) -> tuple[Any, ...]:
             s.param_bytes,
             s.act_bytes,
             s.peak_err_bytes,
+            s.boundary_bytes,
             tuple(
                 (
                     x.name,

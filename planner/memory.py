@@ -76,7 +76,9 @@ def decomposition_bytes(problem: Problem, device: int, layer: str) -> int:
 
 
 def activation_intervals(problem: Problem, device: int, step: StepTimeline) -> list[tuple[float, float, int]]:
-    """(start, end, bytes) of each micro-batch's activations on `device`: from F start to B end."""
+    """(start, end, bytes) of each micro-batch's activations on `device`: from F start to B end; for a stage that
+    recomputes (`Problem.recompute`), its boundary from F start to B end and its activations, made again, over its
+    B alone."""
     starts = {}
     out = []
     for op, start, end in step.ops[device]:
@@ -84,7 +86,11 @@ def activation_intervals(problem: Problem, device: int, step: StepTimeline) -> l
         if op.kind is OpKind.FWD:
             starts[key] = start
         elif op.kind is OpKind.BWD:
-            out.append((starts[key], end, problem.costs.stages[op.stage_id].act_bytes))
+            cost = problem.costs.stages[op.stage_id]
+            if problem.recomputes(op.stage_id):
+                out += [(starts[key], end, cost.boundary_bytes), (start, end, cost.act_bytes)]
+            else:
+                out.append((starts[key], end, cost.act_bytes))
     return out
 
 

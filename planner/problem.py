@@ -90,6 +90,10 @@ class Problem:
     streaming: Streaming | None = None
     """Layers of a stage held by one rank whose APPLY a helper rank runs, fed during the owner's last backward
     (planner/streaming.py; None: every rank applies its own stages)."""
+    recompute: tuple[int, ...] = ()
+    """Stages that recompute their forward (activation checkpointing), ascending: each keeps only its boundary
+    (`StageCost.boundary_bytes`) per micro-batch in flight, and its BWD runs its forward again first, so lasts
+    `fwd` longer (planner/recompute.py chooses them under a memory budget)."""
 
     def __post_init__(self) -> None:
         kind = validate_schedule_args(self.schedule, self.D, self.N, self.v)
@@ -138,6 +142,11 @@ class Problem:
 
         if self.streaming is not None:
             self._check_streaming(self.streaming)
+        stages = self.recompute
+        if not isinstance(stages, tuple) or list(stages) != sorted(set(stages)):
+            raise PlanError(f"recompute must be a tuple of distinct stages, ascending, got {stages!r}")
+        if any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < S for s in stages):
+            raise PlanError(f"recompute names stages {list(stages)}, but this problem has stages 0..{S - 1}")
 
     def _check_streaming(self, streaming: Streaming) -> None:
         """PlanError unless every helper is a rank that holds no copy of the streamed stage, and each streamed layer is
@@ -214,6 +223,10 @@ class Problem:
         """The ranks that decompose and apply `layer`'s preconditioner (all copies of its stage under COMM-OPT)."""
         return grad_workers(copies_of_stage(self, self.costs.stage_of(layer)), self.where(layer))
 
+    def recomputes(self, stage: int) -> bool:
+        """Whether `stage` recomputes its forward in its backward (`recompute`)."""
+        return stage in self.recompute
+
     @property
     def kind(self) -> ScheduleKind:
         """The schedule as an enum."""
@@ -248,6 +261,7 @@ class Problem:
             **({"warm_start": True} if self.warm_start else {}),
             **({"barrier": self.barrier.value} if self.barrier is not StepBarrier.WORLD else {}),
             **({"streaming": self.streaming.to_dict()} if self.streaming is not None else {}),
+            **({"recompute": list(self.recompute)} if self.recompute else {}),
         }
 
     @classmethod
@@ -256,7 +270,9 @@ class Problem:
         try:
             where = sorted((str(n), LayerDistribution.parse(str(d))) for n, d in data.get("distributions", {}).items())
             streaming = Streaming.from_dict(data["streaming"]) if data.get("streaming") is not None else None
+            recompute = tuple(data.get("recompute", ()))
             body = {**data, "costs": CostTable.from_dict(data["costs"]), "distributions": tuple(where)}
+            body["recompute"] = recompute
             return cls(**{**body, "streaming": streaming})
         except (KeyError, TypeError, ConfigError) as e:
             raise PlanFormatError(f"the plan's problem is malformed: {e}") from e

@@ -182,15 +182,16 @@ def stage_comm(problem: Problem, stage: int) -> StageComm:
 
 
 def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callable[[int, Op], float]:
-    """Op durations in seconds: F/B from the costs (at a refresh step, plus the taps and fused curvature), the
-    gradient all-reduce (the comm model), gradient statistics, APPLY; nothing else (transfers and OPT_STEP take no
-    time)."""
+    """Op durations in seconds: F/B from the costs (at a refresh step, plus the taps and fused curvature; a BWD of a
+    stage that recomputes, plus its FWD, which it runs again as it ran), the gradient all-reduce (the comm model),
+    gradient statistics, APPLY; nothing else (transfers and OPT_STEP take no time)."""
     stages = problem.costs.stages
     allreduce = [gradient_allreduce_seconds(problem, s) for s in range(len(stages))]
     stats = {(op.layer, op.part): secs for s, stage in enumerate(stages) for op, secs in gradient_stats(stage, s)}
 
     fwd = [s.fwd + (s.tap_fwd if refresh else 0.0) + s.fused_curvature(fused, OpKind.FWD) for s in stages]
     bwd = [s.bwd + (s.tap_bwd if refresh else 0.0) + s.fused_curvature(fused, OpKind.BWD) for s in stages]
+    bwd = [b + (fwd[s] if problem.recomputes(s) else 0.0) for s, b in enumerate(bwd)]  # the same forward again
     per_step = {
         (d, op): secs
         for d in problem.devices
@@ -224,13 +225,15 @@ def stream_lead(problem: Problem, duration: Callable[[int, Op], float]) -> Calla
     if streaming is None:
         return None
     fractions = ready(streaming, problem.costs.stages[streaming.stage])
-    bwd = Op(OpKind.BWD, streaming.stage, 0)
+    bwd, fwd = Op(OpKind.BWD, streaming.stage, 0), Op(OpKind.FWD, streaming.stage, 0)
+    again = problem.recomputes(streaming.stage)  # the recomputed forward runs before any gradient is made
 
     def lead(rank: int, op: Op) -> float:
         if op.kind not in LAYER_SENDS or op.layer is None:
             return 0.0
         transfer = problem.costs.collective_seconds(op, 2)
-        early = (1.0 - fractions[op.layer]) * duration(rank, bwd) if op.kind is OpKind.SEND_LGRAD else 0.0
+        backward = duration(rank, bwd) - (duration(rank, fwd) if again else 0.0)
+        early = (1.0 - fractions[op.layer]) * backward if op.kind is OpKind.SEND_LGRAD else 0.0
         return early - transfer
 
     return lead

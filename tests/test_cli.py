@@ -25,6 +25,7 @@ from fxkfac.planner.plan import SCHEMA_VERSION, Plan
 from fxkfac.planner.plan_file import load_plan
 from fxkfac.planner.simulate import Interval, Timeline
 from fxkfac.planner.solve import solve
+from fxkfac.planner.step_timeline import plain_step_time
 from fxkfac.show import chrome_trace, render_timeline, timeline_from_trace
 from tests.planner.kfac_cases import problem, table
 
@@ -616,3 +617,25 @@ def test_auto_chooses_the_largest_block_that_fits(
     side = AUTO_CHOICES[model, hardware]
     assert f"max_preconditioner_dim auto: block side {side}: the largest of" in out
     assert f"{side}: plans" in out and f"{side * 2}: " in out
+
+
+def test_a_budget_refused_without_activation_checkpointing_plans_with_auto(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """GPipe keeps N micro-batches' activations on every rank: 8 GiB is below the least any plan needs (9.3 GiB);
+    with --activation-checkpointing auto the planner recomputes stages 0-2 (rank 3's last stage keeps less) and
+    the plan fits, its backward longer by their forwards."""
+    argv = [*PLAN, "--microbatches", "8", "--schedule", "gpipe", "--memory", "8GiB"]
+    assert main(argv) == 2
+    assert "--activation-checkpointing auto" in _one_line_error(capsys)
+    export = tmp_path / "plan.json"
+    assert main([*argv, "--activation-checkpointing", "auto", "--export", str(export), "--show"]) == 0
+    shown = capsys.readouterr().out
+    assert "stages 0, 1, 2 recompute their forward" in shown
+    plan = load_plan(export)
+    assert plan.problem.recompute == (0, 1, 2)
+    assert max(plan.metrics.peak_memory.values()) <= 8 << 30
+    unbounded = dataclasses.replace(plan.problem, recompute=(), memory_budget=None)  # a shorter step
+    assert plan.metrics.step_time_baseline > plain_step_time(unbounded)
+    assert main([*argv, "--activation-checkpointing", "0,9"]) == 2
+    assert "names stages [9]" in _one_line_error(capsys)

@@ -124,6 +124,19 @@ def test_profiled_times_are_positive_and_within_their_spreads(split: tuple) -> N
     assert CostTable.from_json(table.to_json()) == table
 
 
+def test_a_stage_recomputing_keeps_its_inputs_and_outputs(split: tuple) -> None:
+    """`StageCost.boundary_bytes`: the bytes of the stage's inputs and outputs for one micro-batch."""
+    result, by_stage, layers, x = split
+    table = profiler.profile(
+        result, by_stage, kfac_unit_cost(layers, CFG, warmup=0, repeats=1), [x], _loss, warmup=0, repeats=1
+    )
+    inputs = [x]
+    for st, stage in zip(result.stages, table.stages, strict=True):
+        outputs = [o.detach() for o in st.gm(*inputs)]
+        assert stage.boundary_bytes == sum(t.numel() * t.element_size() for t in (*inputs, *outputs)) > 0
+        inputs = outputs
+
+
 def _backward_alone(result: SplitResult, x: Tensor, repeats: int) -> list[float]:
     """Each stage's backward, timed here independently of the profiler (on its clock): the fastest of `repeats`
     after a forward."""

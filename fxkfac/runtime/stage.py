@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.utils.checkpoint import checkpoint
 
 from fxkfac.passes.eval_mode import eval_graph
 from fxkfac.passes.split_stages import StageGraph
@@ -23,7 +24,8 @@ class StageRunner:
     Forward keeps each micro-batch's inputs and outputs until its backward; backward
     calls `torch.autograd.backward` on the outputs with the received gradients (or on the
     loss, on the last stage) and returns the gradients of the inputs, which the runtime sends
-    to the previous stage.
+    to the previous stage. With `recompute` (activation checkpointing) the forward keeps nothing else
+    and the backward runs it again first (`torch.utils.checkpoint`, non-reentrant: the same random numbers).
     """
 
     graph: StageGraph
@@ -35,10 +37,15 @@ class StageRunner:
     """The torch.compile backend the stage's functions run under (None: eagerly)."""
     _inputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     _outputs: dict[int, Any] = field(default_factory=dict)
+    recompute: bool = False
+    """Whether the stage recomputes its forward in its backward (`Problem.recompute`) instead of keeping its
+    activations."""
     _eval_fn: Callable[..., Any] | None = None
 
     @classmethod
-    def build(cls, graph: StageGraph, pipe: int, is_last: bool, backend: str | None, *, copy: bool) -> StageRunner:
+    def build(
+        cls, graph: StageGraph, pipe: int, is_last: bool, backend: str | None, *, copy: bool, recompute: bool = False
+    ) -> StageRunner:
         """A runner of the stage module, compiled when `backend` is set.
 
         With `copy` it runs on a deep copy: needed when the rank holds several stage copies, which may
@@ -49,7 +56,7 @@ class StageRunner:
         for param in module.parameters():
             param.requires_grad_(True)
         fn = module if backend is None else torch.compile(module, backend=backend, dynamic=False)
-        return cls(graph, pipe, module, fn, is_last, backend)
+        return cls(graph, pipe, module, fn, is_last, backend, recompute=recompute)
 
     @property
     def stage(self) -> int:
@@ -59,7 +66,7 @@ class StageRunner:
     def forward(self, mb: int, inputs: Sequence[torch.Tensor], needs_grad: bool) -> tuple[torch.Tensor, ...]:
         """Run the stage on micro-batch `mb`; float inputs of inner stages become autograd leaves."""
         leaves = [x.requires_grad_(True) if needs_grad and x.is_floating_point() else x for x in inputs]
-        outputs = tuple(self.fn(*leaves))
+        outputs = tuple(self.call(self.fn, leaves))
         self._inputs[mb] = leaves
         self._outputs[mb] = outputs
         return outputs
@@ -75,6 +82,13 @@ class StageRunner:
             self._eval_fn = gm if self.backend is None else torch.compile(gm, backend=self.backend, dynamic=False)
         with torch.no_grad():
             return tuple(self._eval_fn(*inputs))
+
+    def call(self, fn: Callable[..., Any], args: Sequence[Any]) -> Any:
+        """`fn(*args)`, checkpointed where the stage recomputes and autograd records: only `args` are saved, and
+        the backward runs `fn` again before it needs what `fn` would have saved."""
+        if self.recompute and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
 
     def keep_loss(self, mb: int, loss: torch.Tensor) -> None:
         """On the last stage, backward starts from this (already scaled) loss instead of the outputs."""

@@ -47,6 +47,7 @@ class TappedRunner(StageRunner):
             runner.fn,
             runner.is_last,
             backend,
+            recompute=runner.recompute,
             layers=dict(layers),
             sources=sources,
         )
@@ -74,7 +75,7 @@ class TappedRunner(StageRunner):
         device = inputs[0].device if inputs else torch.device("cpu")
         probes = new_probes(taps, device)
         leaves = [x.requires_grad_(True) if needs_grad and x.is_floating_point() else x for x in inputs]
-        outs = tuple(fn(*leaves, *probes))
+        outs = tuple(self.call(fn, [*leaves, *probes]))  # a recomputed forward's captures are dropped: counted once
         user = outs[: taps.n_outputs]
         self._inputs[mb] = leaves
         self._outputs[mb] = user

@@ -136,6 +136,8 @@ class RunSpec:
     fingerprint: str
     distributions: Mapping[str, LayerDistribution] = field(default_factory=dict)
     """Where each unit's work lives across its stage's copies (absent: COMM-OPT; planner/strategy.py)."""
+    recompute: tuple[int, ...] = ()
+    """The stages that recompute their forward in their backward (activation checkpointing)."""
 
 
 def _runners(spec: RunSpec, backend: str | None) -> dict[tuple[int, int], StageRunner]:
@@ -143,7 +145,12 @@ def _runners(spec: RunSpec, backend: str | None) -> dict[tuple[int, int], StageR
     several, so that their parameters are their own)."""
     held = stages_of_rank(spec.kind, spec.layout.D, spec.layout.pp, v=spec.v)
     last = len(spec.split.stages) - 1
-    return {(s, p): StageRunner.build(spec.split.stages[s], p, s == last, backend, copy=len(held) > 1) for s, p in held}
+    return {
+        (s, p): StageRunner.build(
+            spec.split.stages[s], p, s == last, backend, copy=len(held) > 1, recompute=s in spec.recompute
+        )
+        for s, p in held
+    }
 
 
 def _transport(spec: RunSpec, timeout: float) -> Transport:

@@ -142,7 +142,8 @@ def _check_runs(c: Context) -> None:
         if op.kind is OpKind.FWD:
             return stages[op.stage_id].fwd
         if op.kind is OpKind.BWD:
-            return stages[op.stage_id].bwd
+            again = stages[op.stage_id].fwd if c.problem.recomputes(op.stage_id) else 0.0  # activation checkpointing
+            return stages[op.stage_id].bwd + again
         if op.kind is OpKind.ALLREDUCE_GRAD:
             return collective_seconds(c, op)
         if op.kind in LAYER_TRANSFER_KINDS or _fold(c, op):
