@@ -90,16 +90,23 @@ def test_readme_opens_with_the_two_commands_ci_runs() -> None:
 
 
 @pytest.mark.multiproc
-def test_readme_own_model_example_trains_under_torchrun(tmp_path: Path) -> None:
-    """The README's example, as printed there, trains a GPT-2 on 2 ranks, saves the plan it prints and a
-    checkpoint."""
+def test_readme_own_model_example_trains_and_resumes_under_torchrun(tmp_path: Path) -> None:
+    """The README's example, as printed there, trains a GPT-2 on 2 ranks, saves a checkpoint at step 4, evaluates
+    and saves the plan it prints; launched again, it resumes at step 4 on the same plan."""
     (tmp_path / "train.py").write_text(_readme_block("## Use it on your own model", "python"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "train.py"]
-    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    printed = re.search(r"loss (\S+), refresh every \[([\d, ]+)\] steps", done.stdout)
-    assert printed is not None and math.isfinite(float(printed.group(1))), done.stdout
-    plan = load_plan(tmp_path / "plan.json")
-    assert [int(x) for x in printed.group(2).split(",")] == list(plan.metrics.refresh_steps)
-    assert (plan.problem.D, plan.problem.N, str(plan.problem.schedule)) == (2, 4, "1f1b")
-    assert any((tmp_path / "checkpoint").iterdir())
+    printed, plans = [], []
+    for _ in range(2):
+        done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        found = re.search(
+            r"from step (\d+): loss (\S+), validation (\S+), refresh every \[([\d, ]+)\] steps", done.stdout
+        )
+        assert found is not None, done.stdout
+        printed.append(found)
+        plans.append(load_plan(tmp_path / "plan.json"))
+    assert [int(p.group(1)) for p in printed] == [0, 4]
+    assert all(math.isfinite(float(p.group(2))) and math.isfinite(float(p.group(3))) for p in printed)
+    assert [int(x) for x in printed[0].group(4).split(",")] == list(plans[0].metrics.refresh_steps)
+    assert (plans[0].problem.D, plans[0].problem.N, str(plans[0].problem.schedule)) == (2, 4, "1f1b")
+    assert plans[1] == plans[0]  # adopted from the checkpoint, not planned again
