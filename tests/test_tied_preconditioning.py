@@ -42,13 +42,13 @@ FAMILIES: dict[str, Any] = {"shampoo": SHAMPOO, "soap": SOAP, "kfac": KFACConfig
 LR = {"shampoo": 0.01, "soap": 0.01, "kfac": 0.05}
 
 
-def gpt2() -> torch.nn.Module:
+def gpt2(seed: int = 0) -> torch.nn.Module:
     """GPT2LMHeadModel with GPT2Config's defaults (tie_word_embeddings=True, dropout 0.1 off by eval) at tiny sizes;
     n_positions is the sequence length, so that no row of wpe has a zero gradient (SOAP's eigenbasis of a rank-
     deficient statistic is arbitrary in its null space, which rounding noise then picks)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = GPT2Config(
         vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
     )
@@ -68,9 +68,11 @@ def _timings(family: str) -> dict[str, LayerTiming] | None:
     return {TIED: LayerTiming(2, 0, 1, "fused")} if family != "kfac" else None
 
 
-def _compile(family: str, mesh: tuple[int, int] | None, plan: Any = None, **kw: Any) -> fxkfac.Trainer:
+def _compile(
+    family: str, mesh: tuple[int, int] | None, plan: Any = None, *, seed: int = 0, **kw: Any
+) -> fxkfac.Trainer:
     return fxkfac.compile(
-        gpt2(),
+        gpt2(seed),
         mesh,
         plan,
         example_inputs=(_batches()[0][0],),
@@ -167,3 +169,38 @@ def test_planned_tied_weight_is_one_task_on_its_owner_stage() -> None:
     assert not on_rank1, f"rank 1 runs work of the tied weight: {on_rank1}"
     _assert_tied_equal_on_both_stages(results)
     _assert_equal(results, _one_device("shampoo", dict(plan.layers)), "shampoo planned")
+
+
+def _checkpoint_worker(rank: int, world: int, path: str) -> dict[str, Any]:
+    """SOAP pipelined: saved after 2 steps, loaded into a fresh trainer (another init), both run on in lockstep."""
+    batches, timings = _batches(), _timings("soap")
+    a = _compile("soap", (2, 1), schedule="1f1b", layer_timing=timings)
+    for x, y in batches[:2]:
+        a.step(x, y)
+    a.save_checkpoint(path)
+    b = _compile("soap", (2, 1), schedule="1f1b", layer_timing=timings, seed=5)
+    b.load_checkpoint(path)
+    for x, y in batches[2:]:
+        a.step(x, y)
+        b.step(x, y)
+    differ = [
+        n for (n, p), (_, q) in zip(a.named_parameters(), b.named_parameters(), strict=True) if not torch.equal(p, q)
+    ]
+    return {"differ": differ, "holds_state": TIED in a.layer_states, "tied": _tied_copies(b)}
+
+
+@pytest.mark.multiproc
+def test_tied_state_is_saved_once_by_its_owner_and_resumes_on_the_pipeline_and_on_one_device(tmp_path) -> None:
+    path = str(tmp_path / "ckpt")
+    results = run_distributed(_checkpoint_worker, 2, path, timeout=600)
+    assert all(r.ok for r in results), [r.traceback for r in results if not r.ok]
+    assert [r.value["holds_state"] for r in results] == [True, False], "the owner (rank 0) alone holds the state"
+    assert all(not r.value["differ"] for r in results), [(r.rank, r.value["differ"]) for r in results]
+    assert torch.equal(results[0].value["tied"][0], results[1].value["tied"][0])
+    single = _compile("soap", None, layer_timing=_timings("soap"), seed=5)
+    single.load_checkpoint(path)  # resharded: the owner's state of the tied weight, the stages' parameters
+    for x, y in _batches()[2:]:
+        single.step(x, y)
+    want = _one_device("soap", _timings("soap"))
+    for name, p in single.named_parameters():
+        torch.testing.assert_close(p.detach(), want[name], rtol=0, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
