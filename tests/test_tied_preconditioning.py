@@ -17,9 +17,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import fxkfac
+from fxkfac.compile_api import prepare
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.planner.ir import LayerTiming
-from fxkfac.shampoo import GraftType, ShampooConfig, SOAPConfig
+from fxkfac.planner.schedules import ScheduleKind
+from fxkfac.shampoo import GraftType, ShampooConfig, ShampooFamily, SOAPConfig
 from tests.support.distributed import run_distributed
 from tests.support.models import SEQ, VOCAB, token_batch
 
@@ -106,6 +108,16 @@ def _run(trainer: fxkfac.Trainer) -> dict[str, Any]:
         trainer.step(x, y)
         tied.append(_tied_copies(trainer))
     return {"params": {n: copy.deepcopy(p.detach()) for n, p in trainer.named_parameters()}, "tied": tied}
+
+
+@pytest.mark.parametrize("kind,v", [(ScheduleKind.ONE_F_ONE_B, 1), (ScheduleKind.INTERLEAVED, 2)])
+def test_a_tied_parameter_is_a_unit_of_its_lowest_stage_alone(kind: ScheduleKind, v: int) -> None:
+    prepared = prepare(gpt2(), (_batches()[0][0],), ShampooFamily(SHAMPOO), kind=kind, D=2, W=1, N=2, v=v)
+    stages = prepared.split.shared_params[TIED]
+    assert stages == (0, 2 * v - 1), "wte on the first stage, lm_head on the last"
+    assert [s for s, names in prepared.stage_layers.items() if TIED in names] == [0]
+    everything = sorted(n for names in prepared.stage_layers.values() for n in names)
+    assert everything == sorted(u.name for u in prepared.units), "every unit on exactly one stage"
 
 
 def _pipelined_worker(rank: int, world: int, cases: list[tuple[str, str]]) -> list[dict[str, Any]]:
