@@ -35,6 +35,7 @@ from fxkfac.planner.plan_file import load_plan
 from fxkfac.planner.problem import StepBarrier, format_bytes
 from fxkfac.planner.schedules import ScheduleKind, num_stages, stages_of_rank
 from fxkfac.planner.strategy import LayerDistribution, distribute
+from fxkfac.planner.tied import tied_owner
 from fxkfac.preconditioner import Family, PiecewiseFamily, gradient_parts
 from fxkfac.progress import PlanProgress, plan_progress
 from fxkfac.runtime.mesh import MeshLayout
@@ -550,16 +551,17 @@ def _batch_size(example: tuple[Any, ...]) -> int:
 
 
 def stage_units(split: SplitResult, units: Sequence[Any]) -> dict[int, list[str]]:
-    """The names of the units each stage preconditions: a layer on the stage its split tags name, a parameter
-    on the stage that holds it. ConfigError for a parameter several stages share (tied weights)."""
-    shared = sorted(u.name for u in units if u.name in split.shared_params)
-    if shared:
-        raise ConfigError(
-            f"parameters {shared[:4]} are used by several stages (tied weights); a parameter-wise "
-            "preconditioner keeps each parameter's state on one stage: untie them, or put the stages "
-            "that use them together with PipelineOptions(split_points=...)"
-        )
-    return {st.index: [u.name for u in units if u.name in st.layers or u.name in st.params] for st in split.stages}
+    """The names of the units each stage preconditions: a layer on the stage its split tags name, a parameter on the
+    stage that holds it; a parameter several stages share (tied weights) once, on its owner (`tied_owner`)."""
+    owner = {name: tied_owner(stages) for name, stages in split.shared_params.items()}
+    return {
+        st.index: [
+            u.name
+            for u in units
+            if u.name in st.layers or (u.name in st.params and owner.get(u.name, st.index) == st.index)
+        ]
+        for st in split.stages
+    }
 
 
 def layer_timings(units: Sequence[Any], family: Family, given: Mapping[str, LayerTiming]) -> dict[str, LayerTiming]:

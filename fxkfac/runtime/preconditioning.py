@@ -26,6 +26,10 @@ the same handlers, with every collective a no-op):
   device (PipelineError when the previous refresh is not made on the rank by then);
 - ``APPLY s`` activates due inverses and preconditions the stage's gradients; an inverse that is due but
   missing is a plan error (PipelineError), never a silent use of an older one;
+- a parameter several stages use (tied weights) is a unit of its owner stage alone (planner/tied.py): its STATS,
+  APPLY and BCAST_PREC first land the sum of its gradient over those stages, started at each holder's
+  ALLREDUCE_GRAD (PipelineError when it has not started), and OPT_STEP gives its other copies the owner's
+  direction (`GradSync.send_directions`) before the verdict, so every copy takes the same step;
 - OPT_STEP is wrapped: once the gradients are final (collectives settled, tied gradients summed), the
   KL-clip's ``sum <P, G>`` (each stage's share divided by its number of copies) and the NaN/Inf flag of the
   step are all-reduced as the family's `KLClipScope` says (GLOBAL: over all ranks; [Note: KL-clip scope] in
@@ -62,7 +66,7 @@ from fxkfac.runtime.mesh import StageCopies
 from fxkfac.runtime.refresh_record import RefreshRecord
 from fxkfac.runtime.step_end import StepEnd
 from fxkfac.runtime.streaming import StreamedLayers, Streams
-from fxkfac.runtime.sync import flat_gradient, grad_key, split_flat
+from fxkfac.runtime.sync import TIED_KEY, flat_gradient, grad_key, split_flat
 from fxkfac.runtime.tapped_runner import TappedRunner
 
 __all__ = ["StageCopies", "PreconditionerRuntime"]
@@ -228,6 +232,7 @@ class PreconditionerRuntime:
             raise AssertionError("STATS without a stage")
         runner = ctx.stage_runner(op.stage)
         ctx.transport.settle(grad_key(op.stage))
+        self._settle_tied(ctx, self._layers_of(op), op)
         for name in self._layers_of(op):
             for part in self._parts_of(op):
                 if part not in self.gradient_parts:
@@ -429,6 +434,7 @@ class PreconditionerRuntime:
         runner = ctx.stage_runner(op.stage)
         layers = [self.layers[n] for n in self._layers_of(op)]
         ctx.transport.settle(grad_key(op.stage))
+        self._settle_tied(ctx, [layer.name for layer in layers], op)
         for layer in layers:
             self.settle_layer(ctx, layer.name)
             late = [
@@ -445,6 +451,15 @@ class PreconditionerRuntime:
         copies = len(self.workers[layers[0].name]) if op.layer is not None else len(self.groups[op.stage].ranks)
         for members in self._by_clip_group(layers).values():
             self.add_dot(members, self.family.precondition(members, grads, self.states, params) / copies, op.stage)
+
+    def _settle_tied(self, ctx: StepContext, names: Sequence[str], op: Op) -> None:
+        """Land the sums of the tied gradients among `names`' parameters (summed over the stages that share them
+        before their owner reads them: planner/tied.py); PipelineError when a sum has not started."""
+        tied = [p for n in names for p in self.family.params_of(self.layers[n]) if p in ctx.sync.owned]
+        if tied:
+            ctx.transport.settle(TIED_KEY)
+        for p in tied:
+            ctx.sync.require_summed(p, str(op))
 
     def settle_layer(self, ctx: StepContext, name: str) -> None:
         """Land every collective in flight of the layer's parts (its halves' broadcasts: `_maybe_combine` then
@@ -478,6 +493,7 @@ class PreconditionerRuntime:
         name = self._layers_of(op)[0]
         runner = ctx.stage_runner(op.stage)
         ctx.transport.settle(grad_key(op.stage))
+        self._settle_tied(ctx, [name], op)
         params = [runner.param(p) for p in self.family.params_of(self.layers[name])]
         pending = ctx.transport.start_broadcast(flat_gradient(params), op.root, self._group(op, op.stage), str(op))
 
@@ -493,6 +509,7 @@ class PreconditionerRuntime:
         preconditioned gradients by it; then step unless the verdict is to skip. Tied gradients are summed first (as
         the core OPT_STEP does), so a sum that overflows skips the step on every rank."""
         end_gradients(ctx, op)
+        ctx.sync.send_directions(ctx.transport, str(op))
         end = ctx.step_end
         zero = torch.zeros((), dtype=torch.float64)
         groups = range(end.groups) if self.scope is KLClipScope.STAGE else [0]

@@ -5,6 +5,11 @@ all its copies, wherever they live (another replica, the other Chimera pipeline,
 that uses the same tied weight). Each parameter has a holder set (global ranks); parameters with
 the same holder set share one process group and one flattened all-reduce.
 
+A tied parameter a family preconditions (`GradSync.owned`) is summed earlier, at the ALLREDUCE_GRAD of the last
+stage of each rank that holds it, because its owner's statistics read the sum before the step ends
+(planner/tied.py); at the step's end the owner's direction replaces the gradient of every copy
+(`send_directions`), so all copies take the same step.
+
 Deadlock freedom: groups are created by every rank in one sorted order; within one sync call a
 rank visits its groups in that global order, so no two ranks wait on each other in a cycle.
 """
@@ -20,11 +25,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from fxkfac.errors import PipelineError
 from fxkfac.planner.ir import Programs
 from fxkfac.runtime.p2p import Transport
 from fxkfac.runtime.stage import StageRunner
 
-__all__ = ["flat_gradient", "split_flat", "GradSync", "grad_key", "holder_sets", "named_groups"]
+__all__ = ["flat_gradient", "split_flat", "GradSync", "grad_key", "TIED_KEY", "holder_sets", "named_groups"]
 
 Holders = tuple[int, ...]
 
@@ -43,6 +49,10 @@ def holder_sets(
 def grad_key(stage: int) -> tuple[str, int]:
     """The key under which the gradient all-reduce of `stage` is in flight (`Transport.settle`)."""
     return ("gradients", stage)
+
+
+TIED_KEY = ("tied gradients",)
+"""The key under which the sums of owned tied gradients are in flight (`Transport.settle`)."""
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
@@ -80,15 +90,28 @@ class GradSync:
     shared: frozenset[str]
     groups: dict[Holders, dist.ProcessGroup | None]
     runners: Sequence[StageRunner]
+    owned: Mapping[str, tuple[int, int]] = field(default_factory=dict)
+    """Tied parameters a family preconditions -> (owner stage, root): the rank of the owner stage whose direction
+    every copy takes (see the module doc)."""
     _local: Counter[str] = field(init=False)
     """Parameter name -> this rank's copies of it (its stage copies that hold it)."""
+    _reached: set[int] = field(init=False, default_factory=set)
+    """This step's local stages whose gradients are complete (their ALLREDUCE_GRAD ran)."""
+    _summed: set[str] = field(init=False, default_factory=set)
+    """This step's owned tied parameters whose sum has started."""
 
     def __post_init__(self) -> None:
         self._local = Counter(n for r in self.runners for n in r.graph.params)
 
     @classmethod
     def build(
-        cls, rank: int, world: int, holders: dict[str, Holders], shared: Iterable[str], runners: Sequence[StageRunner]
+        cls,
+        rank: int,
+        world: int,
+        holders: dict[str, Holders],
+        shared: Iterable[str],
+        runners: Sequence[StageRunner],
+        owned: Mapping[str, tuple[int, int]] | None = None,
     ) -> GradSync:
         """Create the process groups of every holder set; collective: every rank must call it."""
         groups: dict[Holders, dist.ProcessGroup | None] = {}
@@ -97,7 +120,7 @@ class GradSync:
                 group = None if len(ranks) == world else dist.new_group(list(ranks))
                 if rank in ranks:
                     groups[ranks] = group
-        return cls(rank, holders, frozenset(shared), groups, runners)
+        return cls(rank, holders, frozenset(shared), groups, runners, dict(owned or {}))
 
     def group_of(self, ranks: Holders) -> dist.ProcessGroup | None:
         """The process group of holder set `ranks` (None: the world, or a single rank)."""
@@ -145,11 +168,51 @@ class GradSync:
         under `grad_key(stage)` until a reader of them settles it."""
         runner = next(r for r in self.runners if r.stage == stage)
         self._reduce([n for n in runner.graph.params if n not in self.shared], transport, what, grad_key(stage))
+        self._reached.add(stage)
+        ready = [
+            n
+            for n in self.owned
+            if n not in self._summed
+            and self._local[n]
+            and all(r.stage in self._reached for r in self.runners if n in r.graph.params)
+        ]
+        self._summed.update(ready)
+        self._reduce(ready, transport, f"{what} (tied)", TIED_KEY)
+
+    def require_summed(self, name: str, what: str) -> None:
+        """PipelineError unless the sum of the owned tied parameter `name` has started this step (its owner is about
+        to read it: settle `TIED_KEY` first)."""
+        if name in self.owned and name not in self._summed:
+            raise PipelineError(
+                f"rank {self.rank}: '{what}' reads the gradient of the tied parameter {name} before every "
+                "stage of this rank that uses it has completed its gradient (ALLREDUCE_GRAD): the plan places "
+                "its owner's work too early"
+            )
 
     def shared_params(self, transport: Transport, what: str) -> None:
-        """Sum the gradients of parameters used by several stages (tied weights) over all copies."""
-        local = {n for r in self.runners for n in r.graph.params if n in self.shared}
+        """Sum the gradients of parameters used by several stages (tied weights) over all copies (the owned ones'
+        sums, started earlier, are settled by then); a new step begins."""
+        local = {n for r in self.runners for n in r.graph.params if n in self.shared and n not in self._summed}
         self._reduce(local, transport, what)
+        self._reached, self._summed = set(), set()
+
+    def send_directions(self, transport: Transport, what: str) -> None:
+        """Give every copy of each owned tied parameter its owner's direction (the gradient the owner preconditioned):
+        broadcast from the owner's root over the holders, in one sorted order on every rank (collective)."""
+        local = sorted(n for n in self.owned if self._local[n])
+        for name in local:
+            stage, root = self.owned[name]
+            copies = self._copies(name)
+            if self.rank == root:
+                source = next(r.param(name) for r in self.runners if r.stage == stage and name in r.graph.params)
+                flat = _grad(source).detach().clone()
+            else:
+                flat = torch.zeros_like(copies[0])
+            ranks = self.holders[name]
+            if len(ranks) > 1:
+                transport.broadcast(flat, root, self.group_of(ranks), f"{what}: direction of {name} from rank {root}")
+            for p in copies:
+                p.grad = flat.clone()
 
     def broadcast_weights(self, transport: Transport) -> None:
         """Make every copy start from the value on its lowest holder rank (collective)."""

@@ -206,12 +206,14 @@ class Trainer(Checkpointing):
         self.runners = _runners(spec, backend)
         self.transport = _transport(spec, options.timeout)
         holders = ranks_of_stages(spec.kind, self.layout.D, self.layout.W, spec.v)
+        owner = {n: s for s, names in spec.stage_units.items() for n in names if n in spec.split.shared_params}
         self.sync = GradSync.build(
             self.layout.rank,
             self.layout.world_size,
             holder_sets([st.params for st in spec.split.stages], holders),
             spec.split.shared_params,
             list(self.runners.values()),
+            {n: (s, min(holders[s])) for n, s in owner.items()},
         )
         self.sync.broadcast_weights(self.transport)
         self.interpreter = Interpreter()
