@@ -1,9 +1,11 @@
 """A Hugging Face Llama (RMSNorm, rotary, SwiGLU, grouped-query attention; tiny sizes, default config otherwise)
-trains pipelined over 2 stages with K-FAC, Shampoo and SOAP as on one device."""
+trains pipelined over 2 stages with K-FAC, Shampoo and SOAP as on one device, a last batch of another shape
+included."""
 
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -34,9 +36,9 @@ FAMILIES = {
 }
 
 
-def _loss(out: object, y: Tensor) -> Tensor:
+def _loss(out: Any, y: Tensor) -> Tensor:
     """Token cross-entropy of the model's whole output (a CausalLMOutputWithPast)."""
-    return F.cross_entropy(out.logits.reshape(-1, VOCAB), y.reshape(-1))  # type: ignore[attr-defined]  # HF output
+    return F.cross_entropy(out.logits.reshape(-1, VOCAB), y.reshape(-1))
 
 
 def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -44,7 +46,11 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 def _batches() -> list[tuple[Tensor, Tensor]]:
-    return [token_batch(BATCH, seed=s) for s in range(STEPS)]
+    """STEPS batches of the example's shape, then one with half the samples and a shorter sequence (the rotary
+    embedding and causal mask at another length: the model captured again at that shape)."""
+    full = [token_batch(BATCH, seed=s) for s in range(STEPS)]
+    x, y = token_batch(BATCH, seed=STEPS)
+    return [*full, (x[: BATCH // 2, :-2], y[: BATCH // 2, :-2])]
 
 
 def _compile(family: str, mesh: tuple[int, int] | None) -> fxkfac.Trainer:
