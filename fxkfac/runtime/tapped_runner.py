@@ -34,6 +34,10 @@ class TappedRunner(StageRunner):
     sources: dict[Source, tuple[str, ...]] = field(default_factory=dict)
     modes: dict[str, Capture] = field(default_factory=dict)
     captures: dict[tuple[str, str, int], deque[Tensor]] = field(default_factory=dict)
+    grad_scale: float = 1.0
+    """The step's global batch over the one the stage was built for: output-gradient captures are kept as the
+    built batch would have made them (deferred ones times this, fused ones times its square), so that the
+    family's statistic, scaled by the built batch, weights each of the step's own samples once."""
     _variants: dict[tuple, tuple[FactorTaps, Any]] = field(default_factory=dict)
     _layers_at: dict[Hashable, dict[str, Any]] = field(default_factory=dict)
     _probes: dict[int, dict[str, Tensor]] = field(default_factory=dict)
@@ -53,10 +57,9 @@ class TappedRunner(StageRunner):
             sources=sources,
         )
 
-    grad_scale: float = 1.0
-    """The step's global batch over the one the stage was built for: output-gradient captures are kept as the
-    built batch would have made them (deferred ones times this, fused ones times its square), so that the
-    family's statistic, scaled by the built batch, weights each of the step's own samples once."""
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._layers_at[None] = self.layers
 
     def use_shape(
         self, key: Hashable, graph: StageGraph | None = None, layers: Mapping[str, Any] | None = None
@@ -65,7 +68,7 @@ class TappedRunner(StageRunner):
         super().use_shape(key, graph)
         if layers is not None:
             self._layers_at[key] = dict(layers)
-        self.layers = self._layers_at.setdefault(key, self.layers)
+        self.layers = self._layers_at[key]
 
     def forget_shape(self, key: Hashable) -> None:
         """As StageRunner's, with the capture variants of that shape."""

@@ -349,12 +349,12 @@ class Trainer(Checkpointing):
         """Point every local stage copy at shape `key`'s graph (None: the example's) and its captures at its
         batch."""
         for runner in self.runners.values():
+            graph = variant.split.stages[runner.stage] if variant is not None else None
             if isinstance(runner, TappedRunner):
-                units = variant.stage_units[runner.stage] if variant is not None else None
-                runner.use_shape(key, variant.split.stages[runner.stage] if variant else None, units)
+                runner.use_shape(key, graph, variant.stage_units[runner.stage] if variant is not None else None)
                 runner.grad_scale = batch / self.spec.global_batch
             else:
-                runner.use_shape(key, variant.split.stages[runner.stage] if variant else None)
+                runner.use_shape(key, graph)
 
     def step(self, inputs: Any, targets: Any) -> float | StepLoss:
         """One optimizer step over one global mini-batch; returns the step loss (the same on every rank): a float,
