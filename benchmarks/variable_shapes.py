@@ -84,6 +84,25 @@ def _passes(gm: fx.GraphModule) -> str:
     return "ok"
 
 
+def _trainer_steps(model: torch.nn.Module, inputs: list[torch.Tensor]) -> dict[str, float]:
+    """fxkfac on one device (K-FAC, eager stages): ms of a step at the example's shape, s of the first step at each
+    other shape (its capture included), ms of a later step at it."""
+    import torch.nn.functional as F
+
+    import fxkfac
+
+    def loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.logits.reshape(-1, 64), y.reshape(-1))
+
+    trainer = fxkfac.compile(model, None, None, example_inputs=(inputs[0],), loss_fn=loss, backend=None)
+    seconds = {}
+    for x in inputs:
+        y = torch.randint(0, 64, x.shape)
+        seconds[f"first step {list(x.shape)}"], _ = _seconds(lambda x=x, y=y: trainer.step(x, y))
+        seconds[f"later step {list(x.shape)}"] = min(_seconds(lambda x=x, y=y: trainer.step(x, y))[0] for _ in range(5))
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
@@ -111,6 +130,8 @@ def main() -> None:
     paired = [_step_ms([static, gm], x, args.repeats) for static, x in zip(static_gms, inputs, strict=True)]
     static_ms, dynamic_ms = [p[0] for p in paired], [p[1] for p in paired]
 
+    steps = _trainer_steps(model, inputs)
+
     table = Table(title="variable shapes: tiny Llama, 3 shapes " + " ".join(str(list(s)) for s in SHAPES))
     for column in ("option", "capture s", "F+B ms per shape", "equals eager", "find layers + split"):
         table.add_column(column)
@@ -128,7 +149,9 @@ def main() -> None:
         str(dynamic_ok),
         dynamic_passes,
     )
-    Console(width=160).print(table)
+    console = Console(width=160)
+    console.print(table)
+    console.print("fxkfac one device, K-FAC: " + ", ".join(f"{k} {1e3 * v:.1f} ms" for k, v in steps.items()))
     print(
         json.dumps(
             {
@@ -143,6 +166,7 @@ def main() -> None:
                 "dynamic_equal": dynamic_ok,
                 "static_passes": static_passes,
                 "dynamic_passes": dynamic_passes,
+                "trainer_step_ms": {k: round(1e3 * v, 1) for k, v in steps.items()},
             }
         )
     )

@@ -8,14 +8,15 @@ and layers; each stage copy then runs that graph on its own weights (`StageRunne
 kept in a bounded cache (`PipelineOptions.shape_cache_size`).
 
 Why a capture per shape and not one export with dynamic dimensions (torch.export.Dim), measured by
-benchmarks/variable_shapes.py on a tiny Llama (2026-11-29, 2 shared cores, load 8-10): the dynamic export succeeds
-and equals the eager model, but costs 3.6 s against 1.0-1.2 s for a capture at one shape (after the first), so it
-pays off only from the fourth shape on; its eager forward+backward is as fast (0.98-1.13x); and it does not go
-through the passes fxkfac runs on the graph: the stage split meets symbolic sizes (``sym_size_int``) that later
-stages read, while stages exchange tensors only and every receive allocates its buffer from the boundary's
-concrete shape. torch.compile specializes per shape anyway (``dynamic=False``), so the stages would be compiled
-once per shape either way. A static graph per shape keeps the split, the layer records and the factor taps exact
-and unchanged.
+benchmarks/variable_shapes.py on a tiny Llama (2026-11-29, 2 shared cores, load 3.5): the dynamic export succeeds
+and equals the eager model, but costs 1.0 s against 0.33-0.58 s for a capture at one shape, so it pays off only
+from the third shape on; its eager forward+backward is about as fast (0.97-1.09x); and it does not go through
+the passes fxkfac runs on the graph: the stage split meets symbolic sizes (``sym_size_int``) that later stages
+read, while stages exchange tensors only and every receive allocates its buffer from the boundary's concrete
+shape. torch.compile specializes per shape anyway (``dynamic=False``), so the stages would be compiled once per
+shape either way; and a trainer's first step at a new shape (capture, factor taps, first run: 2.4-4.5 s there)
+costs what its first step at the example's shape costs. A static graph per shape keeps the split, the layer
+records and the factor taps exact and unchanged.
 
 Statistics follow the step's own samples: a micro-batch's factors are averages over its own rows, and the
 output-gradient captures are rescaled to the batch the stages were built for (`TappedRunner.grad_scale`), so a
