@@ -83,10 +83,12 @@ def _train(trainer: fxkfac.Trainer) -> tuple[dict[str, Tensor], list[float]]:
     return {n: copy.deepcopy(p.detach()) for n, p in trainer.named_parameters()}, losses
 
 
-def _worker(rank: int, world: int, cases: list[tuple[bool, str]]) -> list[tuple[dict[str, Tensor], list[float], int]]:
+def _worker(
+    rank: int, world: int, cases: list[tuple[bool, str, tuple[int, int]]]
+) -> list[tuple[dict[str, Tensor], list[float], int]]:
     out = []
-    for kfac, schedule in cases:
-        trainer = _compile((2, 1), kfac, schedule)
+    for kfac, schedule, mesh in cases:
+        trainer = _compile(mesh, kfac, schedule)
         params, losses = _train(trainer)
         out.append((params, losses, len(trainer.shapes)))
         dist.barrier()
@@ -121,14 +123,14 @@ def _plain_reference() -> tuple[dict[str, Tensor], list[float]]:
 
 @pytest.mark.multiproc
 def test_shorter_batches_and_sequences_train_pipelined_as_one_process() -> None:
-    """K-FAC (GPipe) and AdamW (1F1B; Chimera, whose ranks hold two stage copies each with its own weights) over 2
-    stages, steps of five shapes, equal one process to 1e-5."""
-    cases = [(True, "gpipe"), (False, "1f1b"), (False, "chimera")]
+    """K-FAC (GPipe over 2 stages, and 2 replicas of one stage) and AdamW (1F1B; Chimera, whose ranks hold two stage
+    copies each with its own weights), steps of five shapes, equal one process to 1e-5."""
+    cases = [(True, "gpipe", (2, 1)), (True, "gpipe", (1, 2)), (False, "1f1b", (2, 1)), (False, "chimera", (2, 1))]
     results = run_distributed(_worker, 2, cases, timeout=400)
     assert all(r.ok for r in results), [r.traceback for r in results if not r.ok]
     start = dict(_model().named_parameters())
     wants = {True: _kfac_reference(), False: _plain_reference()}
-    for i, (kfac, schedule) in enumerate(cases):
+    for i, (kfac, schedule, mesh) in enumerate(cases):
         want = wants[kfac]
         want_params, want_losses = want
         assert max(float((want_params[n] - p.detach()).abs().max()) for n, p in start.items()) > 1e-2
@@ -137,7 +139,7 @@ def test_shorter_batches_and_sequences_train_pipelined_as_one_process() -> None:
             assert shapes == len(set(SHAPES)) - 1, "each shape other than the example's is captured once"
             torch.testing.assert_close(losses, want_losses, rtol=0, atol=1e-5)
             for name, p in params.items():
-                torch.testing.assert_close(p, want_params[name], rtol=0, atol=1e-5, msg=f"{schedule} {name}")
+                torch.testing.assert_close(p, want_params[name], rtol=0, atol=1e-5, msg=f"{schedule} {mesh} {name}")
 
 
 def test_one_device_with_a_cache_of_one_shape_equals_reference(caplog: pytest.LogCaptureFixture) -> None:
