@@ -40,6 +40,7 @@ from fxkfac.preconditioner import Family, PiecewiseFamily, gradient_parts
 from fxkfac.progress import PlanProgress, plan_progress
 from fxkfac.runtime.mesh import MeshLayout
 from fxkfac.runtime.trainer import OptimizerFactory, RunSpec, Trainer, default_optimizer, plain_sgd, shard_microbatches
+from fxkfac.shapes import Recapture, batch_size
 
 __all__ = ["compile", "prepare", "Prepared", "layer_timings", "stage_units", "auto_budget", "device_memory"]
 
@@ -111,6 +112,7 @@ def compile(  # noqa: A001 - the public name the design card gives
     distributions = _distributions(resolved, family, plan_options, prepared.stage_layers, known, kind, layout, v)
     recompute = _recomputed(pipeline.checkpointing, resolved)
     spec = _run_spec(prepared, resolved, family, known, layout, kind, N, v, timings, distributions, recompute)
+    spec = replace(spec, recapture=Recapture(model, family, N, layout.W, prepared.split, spec.stage_units))
     base = optimizer or (plain_sgd if family is not None and family.full_direction else default_optimizer)
     trainer = Trainer(spec, loss_fn=loss_fn, optimizer=base, options=pipeline, backend=backend)
     if resume is not None:
@@ -357,7 +359,7 @@ def prepare(
     path.py:factory` takes too, so that a plan it exports is one `compile` accepts. `compiled`: the stages will run
     under torch.compile (`Target.compiled`)."""
     example = normalize_inputs(example_inputs)
-    batch = _batch_size(example)
+    batch = batch_size(example, "example_inputs")
     micro = shard_microbatches(example, batch, W, 0, N)[0]
     captured = capture(model, micro, family.layer_config if family is not None else KFACConfig())
     units = family.units(captured.gm, captured.layers) if family is not None else []
@@ -540,14 +542,6 @@ def _plan_of(plan: str | Path | Plan) -> Plan:
 def _surrogate_loss(outputs: Sequence[Tensor]) -> Tensor:
     """A scalar of the last stage's outputs for profiling its backward (no targets are known yet)."""
     return torch.stack([o.float().mean() for o in outputs if o.is_floating_point()]).sum()
-
-
-def _batch_size(example: tuple[Any, ...]) -> int:
-    """Dim 0 of the first tensor of the example inputs: the global mini-batch size."""
-    for leaf in torch.utils._pytree.tree_leaves(example):
-        if isinstance(leaf, Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    raise ConfigError("example_inputs contain no tensor with a batch dimension to split into micro-batches")
 
 
 def stage_units(split: SplitResult, units: Sequence[Any]) -> dict[int, list[str]]:

@@ -234,6 +234,10 @@ class PipelineOptions:
     )
     """Which stages recompute their forward in their backward: "off", a tuple of stage indices, "auto" (the
     planner chooses under plan="auto"'s memory budget) or an ActivationCheckpointing (`checkpointing`)."""
+    shape_cache_size: int = 8
+    """Input shapes (batch size, sequence length) other than `example_inputs`' whose captured stages are kept: a
+    step of a new shape captures the model at it once (fxkfac/shapes.py), the least recently used beyond this many
+    is dropped. 0: every step must be shaped like `example_inputs`."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.virtual_stages, int) and self.virtual_stages >= 1):
@@ -244,6 +248,8 @@ class PipelineOptions:
             raise ConfigError(f"PipelineOptions.max_skipped_steps must be >= 0 or None, got {self.max_skipped_steps!r}")
         if not isinstance(self.progress, bool):
             raise ConfigError(f"PipelineOptions.progress must be True or False, got {self.progress!r}")
+        if not (isinstance(self.shape_cache_size, int) and self.shape_cache_size >= 0):
+            raise ConfigError(f"PipelineOptions.shape_cache_size must be an int >= 0, got {self.shape_cache_size!r}")
         if not isinstance(self.step_agreement, StepAgreement):
             raise ConfigError(
                 f"PipelineOptions.step_agreement must be a StepAgreement "

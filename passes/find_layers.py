@@ -41,7 +41,8 @@ def find_kfac_layers(
 
     A layer is an ``aten.linear`` / ``aten.addmm`` / ``aten.conv2d`` / ``aten.convolution`` node whose
     weight is a parameter of ``gm``; it is named by the innermost ``nn_module_stack`` entry (the
-    module FQN). Skipped (with the reason): names matching a regex of ``skip``; a head whose output
+    module FQN; a weight of a submodule that is not called itself, as nn.MultiheadAttention's ``out_proj``, names
+    its layer by that submodule). Skipped (with the reason): names matching a regex of ``skip``; a head whose output
     width equals the vocabulary (``vocab_size``, inferred from the largest ``aten.embedding`` weight
     when None); frozen weights; weights used by more than one node (tied/shared); grouped,
     transposed or non-2D convolutions (these also warn). The vocabulary rule applies to output
@@ -123,7 +124,7 @@ def _weight_node(node: fx.Node) -> tuple[fx.Node, bool] | None:
 def _describe(node: fx.Node, weight: tuple[fx.Node, bool], gm: fx.GraphModule, batch: int | None) -> _Candidate:
     """A KFACLayer for ``node`` or the reason it cannot be one."""
     w_node, transposed = weight
-    name = _node_name(node)
+    name = _layer_name(node, str(w_node.target))
     w = _param(gm, str(w_node.target))
     if w is None:
         return _Candidate(node, None, "its weight is a buffer or constant, not a parameter")
@@ -263,6 +264,15 @@ def _batch_size(gm: fx.GraphModule) -> int | None:
         if node.op == "placeholder" and isinstance(val, torch.Tensor) and val.dim() > 0:
             return int(val.shape[0])
     return None
+
+
+def _layer_name(node: fx.Node, weight: str) -> str:
+    """A layer's name: its module's FQN (`_node_name`), or the module that owns the weight where that module sits
+    inside it and was never called itself: nn.MultiheadAttention's ``out_proj`` (a Linear whose weight
+    F.multi_head_attention_forward uses directly, which kfac-pytorch misses, their #267)."""
+    name = _node_name(node)
+    owner = weight.rpartition(".")[0]
+    return owner if owner.startswith(f"{name}.") else name
 
 
 def _node_name(node: fx.Node) -> str:

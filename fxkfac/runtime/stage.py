@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,18 +29,28 @@ class StageRunner:
     """
 
     graph: StageGraph
+    """The stage at the shape it runs now (`use_shape`): what a receiver allocates, the parameters it uses."""
     pipe: int
     module: torch.nn.Module
+    """The stage as first captured: the owner of this copy's parameters and buffers, whatever the shape."""
     fn: Callable[..., Any]
     is_last: bool
     backend: str | None = None
     """The torch.compile backend the stage's functions run under (None: eagerly)."""
+    gm: fx.GraphModule = field(init=False)
+    """The graph `fn` runs at the current shape; its parameters and buffers are `module`'s."""
+    shape: Hashable = field(default=None, init=False)
+    """The key of the shape the stage runs now (None: the shape it was built for)."""
+    _shapes: dict[Hashable, tuple[StageGraph, fx.GraphModule, Callable[..., Any]]] = field(
+        default_factory=dict, init=False
+    )
     _inputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     _outputs: dict[int, Any] = field(default_factory=dict)
     recompute: bool = False
     """Whether the stage recomputes its forward in its backward (`Problem.recompute`) instead of keeping its
     activations."""
-    _eval_fn: Callable[..., Any] | None = None
+    _eval_fns: dict[Hashable, Callable[..., Any]] = field(default_factory=dict)
+    """Evaluation's forward per shape key (`infer`), made on first use."""
 
     @classmethod
     def build(
@@ -55,8 +65,30 @@ class StageRunner:
         module: fx.GraphModule = deepcopy(graph.gm) if copy else graph.gm
         for param in module.parameters():
             param.requires_grad_(True)
-        fn = module if backend is None else torch.compile(module, backend=backend, dynamic=False)
-        return cls(graph, pipe, module, fn, is_last, backend, recompute=recompute)
+        return cls(graph, pipe, module, _compiled(module, backend), is_last, backend, recompute=recompute)
+
+    def __post_init__(self) -> None:
+        assert isinstance(self.module, fx.GraphModule), "a stage runner's module is the split's GraphModule"
+        self.gm = self.module
+        self._shapes[None] = (self.graph, self.gm, self.fn)
+
+    def use_shape(self, key: Hashable, graph: StageGraph | None = None) -> None:
+        """Run from now on the stage at the input shape `key` (None: the shape it was built for): `graph`, the stage
+        captured at that shape, reading this copy's parameters and buffers and compiled once, kept until
+        `forget_shape`."""
+        if key not in self._shapes:
+            if graph is None:
+                raise AssertionError(f"stage {self.stage}: shape {key} used before its graph was given")
+            gm = _sharing(graph.gm, self.module)
+            self._shapes[key] = (graph, gm, _compiled(gm, self.backend))
+        self.graph, self.gm, self.fn = self._shapes[key]
+        self.shape = key
+
+    def forget_shape(self, key: Hashable) -> None:
+        """Drop what was kept for shape `key` (never the shape it was built for, nor the current one)."""
+        if key is not None and key != self.shape:
+            self._shapes.pop(key, None)
+            self._eval_fns.pop(key, None)
 
     @property
     def stage(self) -> int:
@@ -74,14 +106,12 @@ class StageRunner:
     def infer(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The stage's outputs in eval mode (dropout off, batch norm by its running statistics), without autograd
         and keeping nothing: evaluation's forward. Its graph (`passes.eval_mode.eval_graph`, on this copy's
-        parameters) is made, and compiled under `backend`, on the first call: a run that never evaluates pays
-        nothing for it."""
-        if self._eval_fn is None:
-            assert isinstance(self.module, fx.GraphModule), "a stage runner's module is the split's GraphModule"
-            gm = eval_graph(self.module)
-            self._eval_fn = gm if self.backend is None else torch.compile(gm, backend=self.backend, dynamic=False)
+        parameters) is made, and compiled under `backend`, on the first call at each shape (`use_shape`): a run that
+        never evaluates pays nothing for it."""
+        if self.shape not in self._eval_fns:
+            self._eval_fns[self.shape] = _compiled(eval_graph(self.gm), self.backend)
         with torch.no_grad():
-            return tuple(self._eval_fn(*inputs))
+            return tuple(self._eval_fns[self.shape](*inputs))
 
     def call(self, fn: Callable[..., Any], args: Sequence[Any]) -> Any:
         """`fn(*args)`, checkpointed where the stage recomputes and autograd records: only `args` are saved, and
@@ -116,3 +146,34 @@ class StageRunner:
     def pending(self) -> list[int]:
         """Micro-batches whose forward ran but whose backward has not."""
         return sorted(self._outputs)
+
+
+def _compiled(gm: torch.nn.Module, backend: str | None) -> Callable[..., Any]:
+    """`gm` itself, or compiled with `backend` for its one shape."""
+    return gm if backend is None else torch.compile(gm, backend=backend, dynamic=False)
+
+
+def _sharing(gm: fx.GraphModule, owner: torch.nn.Module) -> fx.GraphModule:
+    """A copy of `gm` (the stage captured at another input shape) that reads `owner`'s parameters and buffers where
+    `owner` has the name, and `gm`'s own attributes (constants the capture lifted) elsewhere."""
+    attrs: dict[str, Any] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            target = str(node.target)
+            attrs[target] = _attr(owner, target) if _has_attr(owner, target) else _attr(gm, target)
+    return fx.GraphModule(attrs, deepcopy(gm.graph), class_name=type(gm).__name__)
+
+
+def _attr(module: torch.nn.Module, target: str) -> Any:
+    """The attribute at dotted path `target`."""
+    prefix, _, leaf = target.rpartition(".")
+    return getattr(module.get_submodule(prefix), leaf)
+
+
+def _has_attr(module: torch.nn.Module, target: str) -> bool:
+    """Whether `module` has an attribute at dotted path `target`."""
+    try:
+        _attr(module, target)
+    except AttributeError:
+        return False
+    return True

@@ -4,15 +4,16 @@ family's captured parts; the captures wait in FIFOs for the plan's STATS ops (fx
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import Tensor, fx
+from torch import Tensor
 
 from fxkfac.errors import CheckpointError, PipelineError
 from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture, new_probes
+from fxkfac.passes.split_stages import StageGraph
 from fxkfac.planner.ir import Capture, Op
 from fxkfac.preconditioner import Family, Source
 from fxkfac.runtime.stage import StageRunner
@@ -33,7 +34,12 @@ class TappedRunner(StageRunner):
     sources: dict[Source, tuple[str, ...]] = field(default_factory=dict)
     modes: dict[str, Capture] = field(default_factory=dict)
     captures: dict[tuple[str, str, int], deque[Tensor]] = field(default_factory=dict)
+    grad_scale: float = 1.0
+    """The step's global batch over the one the stage was built for: output-gradient captures are kept as the
+    built batch would have made them (deferred ones times this, fused ones times its square), so that the
+    family's statistic, scaled by the built batch, weights each of the step's own samples once."""
     _variants: dict[tuple, tuple[FactorTaps, Any]] = field(default_factory=dict)
+    _layers_at: dict[Hashable, dict[str, Any]] = field(default_factory=dict)
     _probes: dict[int, dict[str, Tensor]] = field(default_factory=dict)
 
     @classmethod
@@ -52,16 +58,35 @@ class TappedRunner(StageRunner):
             sources=sources,
         )
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._layers_at[None] = self.layers
+
+    def use_shape(
+        self, key: Hashable, graph: StageGraph | None = None, layers: Mapping[str, Any] | None = None
+    ) -> None:
+        """As StageRunner's; `layers`: the records of this stage's layers captured at that shape."""
+        super().use_shape(key, graph)
+        if layers is not None:
+            self._layers_at[key] = dict(layers)
+        self.layers = self._layers_at[key]
+
+    def forget_shape(self, key: Hashable) -> None:
+        """As StageRunner's, with the capture variants of that shape."""
+        super().forget_shape(key)
+        if key is not None and key != self.shape:
+            self._layers_at.pop(key, None)
+            self._variants = {k: v for k, v in self._variants.items() if k[0] != key}
+
     def _keep(self, name: str, source: Source, mb: int, value: Tensor) -> None:
         """Queue a capture for every part it feeds (none: the family does not use that side)."""
         for part in self.sources.get(source, ()):
             self.captures.setdefault((name, part, mb), deque()).append(value)
 
     def _variant(self) -> tuple[FactorTaps, Any]:
-        key = tuple(sorted(self.modes.items()))
+        key = (self.shape, tuple(sorted(self.modes.items())))
         if key not in self._variants:
-            assert isinstance(self.module, fx.GraphModule), "a stage runner's module is the split's GraphModule"
-            taps = insert_factor_capture(self.module, list(self.layers.values()), self.modes)
+            taps = insert_factor_capture(self.gm, list(self.layers.values()), self.modes)
             fn = taps.gm if self.backend is None else torch.compile(taps.gm, backend=self.backend, dynamic=False)
             self._variants[key] = (taps, fn)
         return self._variants[key]
@@ -90,6 +115,9 @@ class TappedRunner(StageRunner):
         grads = super().backward(mb, output_grads)
         for name, probe in probes.items():
             value = probe.grad if probe.grad is not None else torch.zeros_like(probe)
+            if self.grad_scale != 1.0:
+                fused = self.modes[name] is Capture.FUSED
+                value = value * (self.grad_scale**2 if fused else self.grad_scale)
             self._keep(name, Source.OUTPUT_GRAD, mb, value)
         return grads
 

@@ -10,6 +10,7 @@ decides what runs: `fxkfac.compile` resolved the programs (planner/lowering.py, 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -48,6 +49,7 @@ from fxkfac.runtime.streaming import ParamShape, StreamedLayers
 from fxkfac.runtime.sync import GradSync, holder_sets, named_groups
 from fxkfac.runtime.tapped_runner import TappedRunner
 from fxkfac.runtime.timeline import Recorder, as_timeline, gather_timelines
+from fxkfac.shapes import Recapture, ShapeVariant, Signature, batch_size, check_signature, elements
 from fxkfac.show import chrome_trace
 
 __all__ = ["RunSpec", "Trainer", "OptimizerFactory", "default_optimizer", "plain_sgd", "shard_microbatches"]
@@ -92,8 +94,9 @@ def shard_microbatches(tree: Any, batch: int, W: int, dp: int, N: int) -> list[A
     """
     if batch % (W * N):
         raise ConfigError(
-            f"microbatches={N} x {W} replica(s) does not divide the mini-batch of {batch} samples; "
-            f"use a batch size that is a multiple of {W * N} or another number of micro-batches"
+            f"microbatches={N} x {W} replica(s) does not divide the mini-batch of {batch} samples (every "
+            f"micro-batch of a step has one shape); use batch sizes that are multiples of {W * N}, drop an "
+            "incomplete last batch (DataLoader(drop_last=True)), or use another number of micro-batches"
         )
     size = batch // (W * N)
     leaves, spec = pytree.tree_flatten(tree)
@@ -138,6 +141,8 @@ class RunSpec:
     """Where each unit's work lives across its stage's copies (absent: COMM-OPT; planner/strategy.py)."""
     recompute: tuple[int, ...] = ()
     """The stages that recompute their forward in their backward (activation checkpointing)."""
+    recapture: Recapture | None = None
+    """How a step of another input shape gets its stages (None: only `signature` trains; fxkfac/shapes.py)."""
 
 
 def _runners(spec: RunSpec, backend: str | None) -> dict[tuple[int, int], StageRunner]:
@@ -225,6 +230,8 @@ class Trainer(Checkpointing):
         self.optimizer = optimizer(params) if params else None  # a stage of only activations holds none
         _check_base(self.optimizer, spec.family if spec.units else None)
         self.timeline = Recorder(self.layout.rank, enabled=options.record_timeline)
+        self.shapes: OrderedDict[Signature, ShapeVariant] = OrderedDict()
+        """Input shapes other than the example's, captured so far, least recently used first."""
         self.steps = 0
         self.skipped_steps = 0
         self._skips_in_a_row = 0
@@ -301,15 +308,65 @@ class Trainer(Checkpointing):
         """The ops this rank runs at global step `step`: its start-up steps, then its program's period."""
         return ops_at(self.spec.programs, self.spec.startup, self.layout.rank, step)
 
-    def _check_inputs(self, inputs: tuple[Any, ...]) -> None:
-        """ConfigError unless the mini-batch has the example's shapes and dtypes (the graph is specialized to them)."""
-        got = input_signature(inputs)
-        if got != self.spec.signature:
+    def _use_shape(self, inputs: tuple[Any, ...]) -> int:
+        """Make every local stage copy run at the mini-batch's input shape, capturing the model at a new one
+        (bounded by `PipelineOptions.shape_cache_size`); returns the mini-batch's samples."""
+        got, spec = input_signature(inputs), self.spec
+        if got == spec.signature:
+            self._activate(None, spec.global_batch, None)
+            return spec.global_batch
+        check_signature(got, spec.signature)
+        if spec.recapture is None or self.options.shape_cache_size == 0:
             raise ConfigError(
-                f"inputs have shapes/dtypes {_words(got)}, but the model was compiled for "
-                f"example_inputs of {_words(self.spec.signature)}; pass mini-batches shaped like "
-                "example_inputs (pad or bucket variable lengths), or compile once per shape"
+                f"inputs have shapes {_words(got)}, but the model was compiled for example_inputs of "
+                f"{_words(spec.signature)} and PipelineOptions.shape_cache_size=0; pass mini-batches shaped like "
+                "example_inputs or allow other shapes with shape_cache_size >= 1"
             )
+        variant = self.shapes.get(got)
+        if variant is None:
+            variant = self._capture_shape(inputs, got)
+        self.shapes.move_to_end(got)
+        self._activate(got, variant.batch, variant)
+        while len(self.shapes) > self.options.shape_cache_size:
+            old, _ = self.shapes.popitem(last=False)
+            for runner in self.runners.values():
+                runner.forget_shape(old)
+        return variant.batch
+
+    def _capture_shape(self, inputs: tuple[Any, ...], got: Signature) -> ShapeVariant:
+        """The model captured at a new input shape (fxkfac/shapes.py), kept; logs how its cost differs from the
+        example's, which the plan was made for."""
+        spec = self.spec
+        assert spec.recapture is not None, "only a run that can recapture captures a new shape"
+        batch = batch_size(inputs)
+        micro = shard_microbatches(inputs, batch, self.layout.W, 0, spec.N)[0]
+        variant = spec.recapture(micro, got, batch)
+        self.shapes[got] = variant
+        ratio = elements(got) / max(elements(spec.signature), 1)
+        log.log(
+            logging.WARNING if ratio > MUCH_MORE_WORK else logging.INFO,
+            "rank %d: captured the model for inputs %s (%.0f%% of example_inputs' %s elements); the plan made "
+            "for example_inputs is kept%s",
+            self.layout.rank,
+            _words(got),
+            100 * ratio,
+            _words(spec.signature),
+            ": its bubbles and memory were sized for less work, compile with example_inputs of the largest shape"
+            if ratio > MUCH_MORE_WORK
+            else "",
+        )
+        return variant
+
+    def _activate(self, key: Signature | None, batch: int, variant: ShapeVariant | None) -> None:
+        """Point every local stage copy at shape `key`'s graph (None: the example's) and its captures at its
+        batch."""
+        for runner in self.runners.values():
+            graph = variant.split.stages[runner.stage] if variant is not None else None
+            if isinstance(runner, TappedRunner):
+                runner.use_shape(key, graph, variant.stage_units[runner.stage] if variant is not None else None)
+                runner.grad_scale = batch / self.spec.global_batch
+            else:
+                runner.use_shape(key, graph)
 
     def step(self, inputs: Any, targets: Any) -> float | StepLoss:
         """One optimizer step over one global mini-batch; returns the step loss (the same on every rank): a float,
@@ -335,11 +392,11 @@ class Trainer(Checkpointing):
 
     def _context(self, inputs: Any, targets: Any) -> StepContext:
         """The context of a step (or an evaluation) over one global mini-batch: this replica's micro-batches of it,
-        checked against the compiled example's shapes."""
+        its stages set to run at its shape (`_use_shape`)."""
         inputs = normalize_inputs(inputs)
-        self._check_inputs(inputs)
+        batch = self._use_shape(inputs)
         spec, W = self.spec, self.layout.W
-        shards = shard_microbatches((inputs, targets), spec.global_batch, W, self.layout.dp, spec.N)
+        shards = shard_microbatches((inputs, targets), batch, W, self.layout.dp, spec.N)
         return StepContext(
             rank=self.layout.rank,
             step=self.steps,
@@ -506,6 +563,10 @@ class Trainer(Checkpointing):
         """Gather every rank's recorded timeline to rank 0 and return (and write) a Chrome trace."""
         events = gather_timelines(self.timeline, self.layout.world_size)
         return None if events is None else chrome_trace(as_timeline(events), path)
+
+
+MUCH_MORE_WORK = 1.25
+"""A shape with this many times the example's input elements is logged as a warning: the plan did not size for it."""
 
 
 def _words(signature: Sequence[tuple[tuple[int, ...], torch.dtype]]) -> str:

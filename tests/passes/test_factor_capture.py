@@ -157,3 +157,52 @@ def test_unknown_mode_or_layer_is_rejected(captured) -> None:
         insert_factor_capture(cap.gm, cap.layers, {cap.layers[0].name: "lazy"})
     with pytest.raises(ValueError, match="no layer node"):
         insert_factor_capture(cap.gm, cap.layers, {"not.a.layer": "fused"})
+
+
+class _SelfAttention(nn.Module):
+    """nn.MultiheadAttention (batch first) then a Linear head: its out_proj is a Linear never called as a module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.att = nn.MultiheadAttention(8, 2, batch_first=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y, _ = self.att(x, x, x, need_weights=False)
+        return self.head(torch.tanh(y))
+
+
+def _dense_attention_factors(model: _SelfAttention, cap: Captured, x: Tensor, y: Tensor) -> dict:
+    """float64 A and B of the attention's input and output projections, the attention written out by hand."""
+    m = copy.deepcopy(model).double()
+    att, (B, L, E), heads = m.att, x.shape, m.att.num_heads
+    x64 = x.double()
+    qkv = F.linear(x64, att.in_proj_weight, att.in_proj_bias)
+    qkv.retain_grad()
+    q, k, v = (t.reshape(B, L, heads, E // heads).transpose(1, 2) for t in qkv.chunk(3, dim=-1))
+    scores = torch.softmax(q @ k.transpose(-1, -2) / (E // heads) ** 0.5, dim=-1)
+    attended = (scores @ v).transpose(1, 2).reshape(B, L, E)
+    out = F.linear(attended, att.out_proj.weight, att.out_proj.bias)
+    out.retain_grad()
+    logits = m.head(torch.tanh(out))
+    torch.testing.assert_close(logits.float(), model(x), rtol=1e-5, atol=1e-6)  # the hand-written attention is MHA's
+    _loss(logits, y).backward()
+    layers = {layer.name: layer for layer in cap.layers}
+    rows = {"att": (x64, qkv.grad), "att.out_proj": (attended.detach(), out.grad)}
+    return {
+        name: (factor(a_rows(a, layers[name]), torch.float64), factor(e_rows(e, layers[name], B), torch.float64))
+        for name, (a, e) in rows.items()
+    }
+
+
+@pytest.mark.parametrize("mode", ["fused", "deferred"])
+def test_multihead_attention_projections_are_layers_with_dense_float64_factors(mode: str) -> None:
+    """kfac-pytorch misses out_proj (their #267): here it is a layer of its own, and the packed input projection
+    one too, both with the factors of the attention computed densely in float64."""
+    model = _SelfAttention()
+    x, y = torch.randn(BATCH, 5, 8), torch.randint(0, 3, (BATCH, 5))
+    cap = capture(model, (x,), KFACConfig())
+    assert [layer.name for layer in cap.layers] == ["att", "att.out_proj", "head"], cap.skipped
+    got = graph_factors(cap, {layer.name: mode for layer in cap.layers}, x, y)
+    _assert_factors_equal({n: got[n] for n in ("att", "att.out_proj")}, _dense_attention_factors(model, cap, x, y))

@@ -55,6 +55,7 @@ _PRELOAD = [
     "networkx",
     "transformers.models.bert.modeling_bert",
     "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.llama.modeling_llama",
     "fxkfac",
     "torch._inductor.sizevars",
     "torch.distributed.checkpoint",

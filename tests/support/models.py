@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["mlp", "cnn", "tiny_bert", "tiny_gpt2", "token_batch", "image_batch", "VOCAB", "SEQ"]
+__all__ = ["mlp", "cnn", "tiny_bert", "tiny_gpt2", "tiny_llama", "token_batch", "image_batch", "VOCAB", "SEQ"]
 
 VOCAB = 96
 SEQ = 8
@@ -84,6 +84,24 @@ def tiny_gpt2(*, layers: int = 2, seed: int = 0) -> nn.Module:
         eos_token_id=0,
     )
     return GPT2LMHeadModel(config).eval()
+
+
+def tiny_llama(*, seed: int = 0) -> nn.Module:
+    """Hugging Face LlamaForCausalLM from a tiny config, the rest default (RMSNorm, rotary, SwiGLU, grouped-query
+    attention with 4 heads over 2 key/value heads, untied head); no weights are downloaded."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
+    return LlamaForCausalLM(config).eval()
 
 
 def token_batch(batch: int, *, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
