@@ -160,13 +160,15 @@ class FactorTaps:
     """The dtype of each probe: the layer output's (deferred: it is added to it) or the fused factor's."""
 
 
-def new_probes(taps: FactorTaps, device: torch.device) -> list[Tensor]:
+def new_probes(taps: FactorTaps, device: torch.device, output_dtype: torch.dtype | None = None) -> list[Tensor]:
     """Zero probes for one call of ``taps.gm``, in its order, each requiring grad. A deferred probe is a zero
-    expanded to the layer output's shape: its gradient is the capture, and no memory is written for it."""
+    expanded to the layer output's shape: its gradient is the capture, and no memory is written for it.
+    `output_dtype`: the dtype the layers' outputs have when it differs from the traced one (under autocast), which a
+    deferred probe takes so that adding it changes no dtype."""
     order = sorted(taps.probes, key=taps.probes.__getitem__)
     return [
         (
-            torch.zeros((), device=device, dtype=taps.probe_dtypes[n]).expand(taps.probe_shapes[n])
+            torch.zeros((), device=device, dtype=output_dtype or taps.probe_dtypes[n]).expand(taps.probe_shapes[n])
             if taps.modes[n] is Capture.DEFERRED
             else torch.zeros(taps.probe_shapes[n], device=device, dtype=taps.probe_dtypes[n])
         ).requires_grad_()

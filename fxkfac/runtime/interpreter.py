@@ -47,6 +47,9 @@ class StepContext:
     """1 / (N * W): each micro-batch's share of the step loss."""
     step_end: StepEnd
     """How OPT_STEP takes the verdict on skipping the step and the loss (fxkfac/runtime/step_end.py)."""
+    loss_scale: float = 1.0
+    """float16's loss scale at this step: the last stage's backward starts from the loss times it ([Note: mixed
+    precision] in fxkfac/runtime/precision.py)."""
     acts: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     """Inputs waiting for FWD (stage, pipe, mb)."""
     grads: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
@@ -118,8 +121,9 @@ def _fwd(ctx: StepContext, op: Op) -> None:
     outs = runner.forward(mb, ins, needs_grad=stage > 0)
     if runner.is_last:
         model_out = pytree.tree_unflatten(list(outs), ctx.out_spec) if ctx.out_spec is not None else outs[0]
-        loss = ctx.loss_fn(model_out, ctx.targets[mb]) * ctx.scale
-        runner.keep_loss(mb, loss)
+        with runner.precision():
+            loss = ctx.loss_fn(model_out, ctx.targets[mb]) * ctx.scale
+        runner.keep_loss(mb, loss * ctx.loss_scale if ctx.loss_scale != 1.0 else loss)
         ctx.losses.append(loss.detach())
     elif (stage + 1, pipe) in ctx.runners:  # next stage is local: hand over without a message
         ctx.acts[(stage + 1, pipe, mb)] = [o.detach() for o in outs]
@@ -146,7 +150,8 @@ def _send_act(ctx: StepContext, op: Op) -> None:
 
 
 def _recv_act(ctx: StepContext, op: Op) -> None:
-    specs = ctx.runner(op).graph.inputs
+    runner = ctx.runner(op)
+    specs = runner.wire(runner.graph.inputs)
     ctx.acts[_key(op)] = ctx.transport.recv(specs, *_message(op), str(op))
 
 
@@ -156,7 +161,8 @@ def _send_grad(ctx: StepContext, op: Op) -> None:
 
 
 def _grad_specs(ctx: StepContext, op: Op) -> list:
-    return [s for s in ctx.runner(op).graph.outputs if s.is_float]
+    runner = ctx.runner(op)
+    return runner.wire([s for s in runner.graph.outputs if s.is_float])
 
 
 def _recv_grad(ctx: StepContext, op: Op) -> None:
@@ -164,7 +170,8 @@ def _recv_grad(ctx: StepContext, op: Op) -> None:
 
 
 def _post_act(ctx: StepContext, op: Op, _: Sequence[Op]) -> None:
-    ctx.transport.post_recv(ctx.runner(op).graph.inputs, *_message(op))
+    runner = ctx.runner(op)
+    ctx.transport.post_recv(runner.wire(runner.graph.inputs), *_message(op))
 
 
 def _post_grad(ctx: StepContext, op: Op, _: Sequence[Op]) -> None:
@@ -207,10 +214,22 @@ def end_gradients(ctx: StepContext, op: Op) -> None:
     ctx.sync.shared_params(ctx.transport, str(op))
 
 
-def step_or_skip(ctx: StepContext) -> None:
-    """Step the optimizer unless the verdict (`ctx.skipped`) is to skip; clear gradients; send what waits."""
+def clip_gradients(ctx: StepContext, factor: float) -> None:
+    """Multiply every local gradient by the verdict's clip factor (`PipelineOptions.max_grad_norm`), as
+    `torch.nn.utils.clip_grad_norm_` does (also by 1: no gradient is left out on one rank and not another)."""
+    for runner in ctx.runners.values():
+        for p in runner.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+
+def step_or_skip(ctx: StepContext, clip: float | None = None) -> None:
+    """Step the optimizer unless the verdict (`ctx.skipped`) is to skip, its gradients first multiplied by `clip`
+    when clipping; clear gradients; send what waits."""
     if ctx.optimizer is not None:
         if not ctx.skipped:
+            if clip is not None:
+                clip_gradients(ctx, clip)
             ctx.optimizer.step()
         ctx.optimizer.zero_grad(set_to_none=True)
     ctx.transport.flush()
@@ -219,9 +238,9 @@ def step_or_skip(ctx: StepContext) -> None:
 def _opt_step(ctx: StepContext, op: Op) -> None:
     """Final gradients, the verdict on skipping the step and the loss (`StepEnd.finish`), then step or not."""
     end_gradients(ctx, op)
-    verdict = ctx.step_end.finish({}, local_nonfinite(ctx), local_loss(ctx), 0.0, None)
+    verdict = ctx.step_end.finish({}, local_nonfinite(ctx), local_loss(ctx), 0.0, None, ctx.sync.take_sqnorm())
     ctx.skipped, ctx.loss = verdict.skip, verdict.loss
-    step_or_skip(ctx)
+    step_or_skip(ctx, verdict.clip if ctx.step_end.max_grad_norm is not None else None)
 
 
 CORE_HANDLERS: Mapping[OpKind, Handler] = {

@@ -499,14 +499,22 @@ class PreconditionerRuntime:
     def opt_step(self, ctx: StepContext, op: Op) -> None:
         """Agree on skipping the step and take each KL-clip group's nu (`StepEnd.finish`: by the scope), scale the
         preconditioned gradients by it; then step unless the verdict is to skip. Tied gradients are summed first (as
-        the core OPT_STEP does), so a sum that overflows skips the step on every rank."""
+        the core OPT_STEP does), so a sum that overflows skips the step on every rank. With
+        `PipelineOptions.max_grad_norm`, every gradient is then multiplied by the clip factor of the raw gradient's
+        global norm (taken before APPLY, `GradSync.take_sqnorm`): K-FAC's preconditioning is linear in the
+        gradient, so this equals clipping before preconditioning, and the nu is already the clipped one's."""
         end_gradients(ctx, op)
         end = ctx.step_end
         zero = torch.zeros((), dtype=torch.float64)
         groups = range(end.groups) if self.scope is KLClipScope.STAGE else [0]
         lr = float(ctx.optimizer.param_groups[0]["lr"]) if ctx.optimizer is not None else 0.0
         verdict = end.finish(
-            {g: self._dots.get(g, zero) for g in groups}, local_nonfinite(ctx), local_loss(ctx), lr, self.family.kl_clip
+            {g: self._dots.get(g, zero) for g in groups},
+            local_nonfinite(ctx),
+            local_loss(ctx),
+            lr,
+            self.family.kl_clip,
+            ctx.sync.take_sqnorm(),
         )
         ctx.skipped, ctx.loss, nus = verdict.skip, verdict.loss, verdict.nus
         if self.family.kl_clip is not None and not ctx.skipped and ctx.optimizer is not None:
@@ -517,7 +525,7 @@ class PreconditionerRuntime:
                     self.family.scale(members, grads, nus[group])
         self._dots = {}
         self._touched = set()
-        step_or_skip(ctx)
+        step_or_skip(ctx, verdict.clip if end.max_grad_norm is not None else None)
 
     # --- skipped steps and checkpoints ------------------------------------------------------------
 

@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from fxkfac.passes.split_stages import StageGraph
+from fxkfac.passes.split_stages import StageGraph, TensorSpec
+from fxkfac.runtime.precision import autocast, to_wire, wire_specs
 
 __all__ = ["StageRunner"]
 
@@ -30,11 +31,23 @@ class StageRunner:
     module: torch.nn.Module
     fn: Callable[..., Any]
     is_last: bool
+    autocast_dtype: torch.dtype | None = None
+    """The dtype the forward runs under autocast in (None: full precision; [Note: mixed precision] in
+    fxkfac/runtime/precision.py)."""
     _inputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     _outputs: dict[int, Any] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, graph: StageGraph, pipe: int, is_last: bool, backend: str | None, *, copy: bool) -> StageRunner:
+    def build(
+        cls,
+        graph: StageGraph,
+        pipe: int,
+        is_last: bool,
+        backend: str | None,
+        *,
+        copy: bool,
+        autocast_dtype: torch.dtype | None = None,
+    ) -> StageRunner:
         """A runner of the stage module, compiled when `backend` is set.
 
         With `copy` it runs on a deep copy: needed when the rank holds several stage copies, which may
@@ -45,7 +58,7 @@ class StageRunner:
         for param in module.parameters():
             param.requires_grad_(True)
         fn = module if backend is None else torch.compile(module, backend=backend, dynamic=False)
-        return cls(graph, pipe, module, fn, is_last)
+        return cls(graph, pipe, module, fn, is_last, autocast_dtype)
 
     @property
     def stage(self) -> int:
@@ -55,10 +68,28 @@ class StageRunner:
     def forward(self, mb: int, inputs: Sequence[torch.Tensor], needs_grad: bool) -> tuple[torch.Tensor, ...]:
         """Run the stage on micro-batch `mb`; float inputs of inner stages become autograd leaves."""
         leaves = [x.requires_grad_(True) if needs_grad and x.is_floating_point() else x for x in inputs]
-        outputs = tuple(self.fn(*leaves))
+        with self.precision():
+            outputs = self.crossing(self.fn(*leaves))
         self._inputs[mb] = leaves
         self._outputs[mb] = outputs
         return outputs
+
+    @property
+    def device(self) -> torch.device:
+        """Where the stage's parameters live (CPU for a stage without any)."""
+        return next((p.device for p in self.module.parameters()), torch.device("cpu"))
+
+    def precision(self) -> Any:
+        """The autocast context the stage's forward and its loss run in."""
+        return autocast(self.autocast_dtype, self.device)
+
+    def crossing(self, outputs: Any) -> tuple[torch.Tensor, ...]:
+        """The stage's outputs as they leave it: at the autocast width, except the last stage's (the loss's)."""
+        return tuple(outputs) if self.is_last else to_wire(tuple(outputs), self.autocast_dtype)
+
+    def wire(self, specs: Sequence[TensorSpec]) -> list[TensorSpec]:
+        """The specs of tensors that cross into or out of this stage as they travel."""
+        return wire_specs(specs, self.autocast_dtype)
 
     def keep_loss(self, mb: int, loss: torch.Tensor) -> None:
         """On the last stage, backward starts from this (already scaled) loss instead of the outputs."""

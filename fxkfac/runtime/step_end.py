@@ -47,7 +47,7 @@ from fxkfac.kfac.precondition import kl_clip_scale
 from fxkfac.planner.lowering import linked_classes
 from fxkfac.runtime.p2p import Pending, Transport
 
-__all__ = ["agreement_sets", "last_to_end", "StepLoss", "StepEnd", "Verdict", "clip_scales"]
+__all__ = ["agreement_sets", "last_to_end", "StepLoss", "StepEnd", "Verdict", "clip_scales", "norm_clip"]
 
 
 def agreement_sets(holders: Iterable[Sequence[int]], world: int) -> list[tuple[int, ...]]:
@@ -70,6 +70,14 @@ def last_to_end(members: Iterable[int], ranks_of_stage: Mapping[int, Sequence[in
 def _total(dots: Mapping[int, torch.Tensor]) -> torch.Tensor:
     """This rank's share of the sum <P, G> over every group (float64)."""
     return sum(dots.values(), torch.zeros((), dtype=torch.float64))
+
+
+def norm_clip(sqnorm: float, max_norm: float | None) -> float:
+    """The factor `torch.nn.utils.clip_grad_norm_` multiplies every gradient by, given the squared global norm:
+    ``min(1, max_norm / (norm + 1e-6))`` (1 without clipping)."""
+    if max_norm is None:
+        return 1.0
+    return min(1.0, max_norm / (math.sqrt(sqnorm) + 1e-6))
 
 
 def clip_scales(sums: Mapping[int, float], lr: float, kappa: float | None) -> dict[int, float]:
@@ -140,6 +148,9 @@ class Verdict:
     skip: bool
     nus: dict[int, float]
     loss: float | None = None
+    clip: float = 1.0
+    """The factor every gradient is multiplied by for `PipelineOptions.max_grad_norm` (1: no clipping); the nus
+    are already those of the clipped gradient."""
 
 
 @dataclass
@@ -162,6 +173,8 @@ class StepEnd:
     """STALE: the last world sum <P, G> that was finite (None before the first step stood)."""
     world_root: int = 0
     """The world's root: STALE's first step ends as GLOBAL does."""
+    max_grad_norm: float | None = None
+    """`PipelineOptions.max_grad_norm`: the global norm rides in GLOBAL's world sum (other scopes refuse it)."""
     _pending: Pending | None = None
 
     @classmethod
@@ -171,6 +184,7 @@ class StepEnd:
         transport: Transport,
         holders: Iterable[Sequence[int]],
         ranks_of_stage: Mapping[int, Sequence[int]],
+        max_grad_norm: float | None = None,
     ) -> StepEnd:
         """This rank's StepEnd from every parameter's holder ranks and every stage's; makes the deferred sums'
         process group (collective) unless the scope is GLOBAL or the world one rank."""
@@ -178,7 +192,16 @@ class StepEnd:
         stages = len(ranks_of_stage)
         world_root = last_to_end(range(world), ranks_of_stage)
         if scope is KLClipScope.GLOBAL or world == 1:
-            return cls(scope, transport, tuple(range(world)), world_root, None, stages, world_root=world_root)
+            return cls(
+                scope,
+                transport,
+                tuple(range(world)),
+                world_root,
+                None,
+                stages,
+                world_root=world_root,
+                max_grad_norm=max_grad_norm,
+            )
         mine = next(ranks for ranks in agreement_sets(holders, world) if rank in ranks)
         root = last_to_end(mine, ranks_of_stage)
         return cls(scope, transport, mine, root, dist.new_group(list(range(world))), stages, world_root=world_root)
@@ -189,13 +212,20 @@ class StepEnd:
         return self.scope is not KLClipScope.GLOBAL
 
     def finish(
-        self, dots: Mapping[int, torch.Tensor], nonfinite: bool, loss: torch.Tensor, lr: float, kappa: float | None
+        self,
+        dots: Mapping[int, torch.Tensor],
+        nonfinite: bool,
+        loss: torch.Tensor,
+        lr: float,
+        kappa: float | None,
+        sqnorm: torch.Tensor | None = None,
     ) -> Verdict:
         """The verdict from this rank's share of each group's sum <P, G> (`dots`, group -> float64 scalar: under
         STAGE every group of the model, 0 where the rank holds none of it; else the one group 0), its NaN/Inf
-        flag and its share of the step loss."""
+        flag, its share of the step loss and, when clipping, its share of the gradient's squared global norm."""
         if self.scope is KLClipScope.GLOBAL or (self.scope is KLClipScope.STALE and self.stale is None):
-            return self._global(dots, nonfinite, loss, lr, kappa)
+            return self._global(dots, nonfinite, loss, lr, kappa, sqnorm)
+        assert self.max_grad_norm is None, "clipping needs the world sum of a GLOBAL step end (the trainer refuses)"
         groups = sorted(dots)
         shares = [dots[g] for g in groups] if self.scope is KLClipScope.STAGE else []
         skip, sums = self._agree(nonfinite, shares)
@@ -208,19 +238,30 @@ class StepEnd:
         return Verdict(skip, dict.fromkeys(dots, kl_clip_scale(self.stale, lr, kappa)))
 
     def _global(
-        self, dots: Mapping[int, torch.Tensor], nonfinite: bool, loss: torch.Tensor, lr: float, kappa: float | None
+        self,
+        dots: Mapping[int, torch.Tensor],
+        nonfinite: bool,
+        loss: torch.Tensor,
+        lr: float,
+        kappa: float | None,
+        sqnorm: torch.Tensor | None,
     ) -> Verdict:
-        """One world sum of [sum <P, G>, flag, loss] at the world's root; under STALE, the sum becomes the next
-        step's."""
-        flat = torch.stack(
-            [_total(dots), torch.tensor(float(nonfinite), dtype=torch.float64), loss.detach().to(torch.float64)]
-        )
+        """One world sum of [sum <P, G>, flag, loss, squared gradient norm] at the world's root; under STALE, the
+        sum becomes the next step's. With clipping, nu is that of the clipped gradient: <P, G> scales by the
+        clip factor squared (P is linear in G)."""
+        norm = torch.zeros((), dtype=torch.float64) if sqnorm is None else sqnorm.to(loss.device, torch.float64)
+        flag = torch.tensor(float(nonfinite), dtype=torch.float64)
+        flat = torch.stack([_total(dots), flag, loss.detach().to(torch.float64), norm])
         world = range(self.transport.world)
-        self.transport.sum_at(flat, world, self.world_root, "OPT_STEP (KL-clip <P, G>, non-finite check and loss sum)")
-        skip = bool(flat[1] > 0)
+        self.transport.sum_at(
+            flat, world, self.world_root, "OPT_STEP (KL-clip <P, G>, non-finite check, loss and gradient norm sums)"
+        )
+        skip = bool(flat[1] > 0) or not math.isfinite(float(flat[3]))
+        clip = norm_clip(float(flat[3]), self.max_grad_norm) if not skip else 1.0
         if self.scope is KLClipScope.STALE and not skip and math.isfinite(float(flat[0])):
             self.stale = float(flat[0])
-        return Verdict(skip, dict.fromkeys(dots, kl_clip_scale(float(flat[0]), lr, kappa)), float(flat[2]))
+        nu = kl_clip_scale(float(flat[0]) * clip * clip, lr, kappa)
+        return Verdict(skip, dict.fromkeys(dots, nu), float(flat[2]), clip)
 
     def _agree(self, nonfinite: bool, shares: Sequence[torch.Tensor]) -> tuple[bool, list[float]]:
         """Sum [flag, shares] over the agreement set: the verdict and the sums of the shares (a stage's copies lie in

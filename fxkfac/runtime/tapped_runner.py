@@ -15,6 +15,7 @@ from fxkfac.errors import CheckpointError, PipelineError
 from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture, new_probes
 from fxkfac.planner.ir import Capture, Op
 from fxkfac.preconditioner import Family, Source
+from fxkfac.runtime.precision import LossScale
 from fxkfac.runtime.stage import StageRunner
 
 __all__ = ["TappedRunner"]
@@ -33,12 +34,21 @@ class TappedRunner(StageRunner):
     sources: dict[Source, tuple[str, ...]] = field(default_factory=dict)
     backend: str | None = None
     modes: dict[str, Capture] = field(default_factory=dict)
+    loss_scale: LossScale | None = None
+    """float16's loss scale, which output-gradient captures are divided by (None: not scaled)."""
     captures: dict[tuple[str, str, int], deque[Tensor]] = field(default_factory=dict)
     _variants: dict[tuple, tuple[FactorTaps, Any]] = field(default_factory=dict)
     _probes: dict[int, dict[str, Tensor]] = field(default_factory=dict)
 
     @classmethod
-    def wrap(cls, runner: StageRunner, layers: Mapping[str, Any], family: Family, backend: str | None) -> TappedRunner:
+    def wrap(
+        cls,
+        runner: StageRunner,
+        layers: Mapping[str, Any],
+        family: Family,
+        backend: str | None,
+        loss_scale: LossScale | None = None,
+    ) -> TappedRunner:
         """The same stage copy (same module and parameters) capturing `layers` for `family`'s parts."""
         sources = {src: tuple(p for p in family.parts if family.source(p) is src) for src in Source}
         return cls(
@@ -47,13 +57,18 @@ class TappedRunner(StageRunner):
             runner.module,
             runner.fn,
             runner.is_last,
+            runner.autocast_dtype,
             layers=dict(layers),
             sources=sources,
             backend=backend,
+            loss_scale=loss_scale,
         )
 
     def _keep(self, name: str, source: Source, mb: int, value: Tensor) -> None:
-        """Queue a capture for every part it feeds (none: the family does not use that side)."""
+        """Queue a capture, as float32 (a capture under autocast may be narrower), for every part it feeds (none:
+        the family does not use that side)."""
+        if value.dtype in (torch.float16, torch.bfloat16):
+            value = value.float()
         for part in self.sources.get(source, ()):
             self.captures.setdefault((name, part, mb), deque()).append(value)
 
@@ -73,10 +88,11 @@ class TappedRunner(StageRunner):
         taps, fn = self._variant()
         order = sorted(taps.probes, key=taps.probes.__getitem__)
         device = inputs[0].device if inputs else torch.device("cpu")
-        probes = new_probes(taps, device)
+        probes = new_probes(taps, device, self.autocast_dtype)
         leaves = [x.requires_grad_(True) if needs_grad and x.is_floating_point() else x for x in inputs]
-        outs = tuple(fn(*leaves, *probes))
-        user = outs[: taps.n_outputs]
+        with self.precision():
+            outs = tuple(fn(*leaves, *probes))
+        user = self.crossing(outs[: taps.n_outputs])
         self._inputs[mb] = leaves
         self._outputs[mb] = user
         for name, index in taps.a_outputs.items():
@@ -90,8 +106,15 @@ class TappedRunner(StageRunner):
         grads = super().backward(mb, output_grads)
         for name, probe in probes.items():
             value = probe.grad if probe.grad is not None else torch.zeros_like(probe)
-            self._keep(name, Source.OUTPUT_GRAD, mb, value)
+            self._keep(name, Source.OUTPUT_GRAD, mb, self._unscaled(value, self.modes.get(name)))
         return grads
+
+    def _unscaled(self, value: Tensor, mode: Capture | None) -> Tensor:
+        """An output-gradient capture made from float16's scaled loss, unscaled: a deferred one (the gradient) divided
+        by the scale, a fused one (its Gram matrix) by its square."""
+        if self.loss_scale is None:
+            return value
+        return self.loss_scale.unscale(value, 1 if mode is Capture.DEFERRED else 2)
 
     def captures_state(self) -> list[list[Any]]:
         """The captures waiting for STATS ops: ``[[layer, part, mb, [tensors, oldest first]], ...]``."""

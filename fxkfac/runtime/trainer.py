@@ -41,6 +41,7 @@ from fxkfac.runtime.param_state import (
     param_names,
     parse_optimizer_state,
 )
+from fxkfac.runtime.precision import LossScale
 from fxkfac.runtime.preconditioning import PreconditionerRuntime, StageCopies
 from fxkfac.runtime.stage import StageRunner
 from fxkfac.runtime.step_end import StepEnd, StepLoss
@@ -138,12 +139,42 @@ class RunSpec:
     """Where each unit's work lives across its stage's copies (absent: COMM-OPT; planner/strategy.py)."""
 
 
-def _runners(spec: RunSpec, backend: str | None) -> dict[tuple[int, int], StageRunner]:
+def _runners(
+    spec: RunSpec, backend: str | None, autocast_dtype: torch.dtype | None
+) -> dict[tuple[int, int], StageRunner]:
     """This rank's stage copies by (stage, pipe), each running its stage graph (a copy of it where the rank holds
-    several, so that their parameters are their own)."""
+    several, so that their parameters are their own) under autocast of `autocast_dtype` (None: full precision)."""
     held = stages_of_rank(spec.kind, spec.layout.D, spec.layout.pp, v=spec.v)
     last = len(spec.split.stages) - 1
-    return {(s, p): StageRunner.build(spec.split.stages[s], p, s == last, backend, copy=len(held) > 1) for s, p in held}
+    return {
+        (s, p): StageRunner.build(
+            spec.split.stages[s], p, s == last, backend, copy=len(held) > 1, autocast_dtype=autocast_dtype
+        )
+        for s, p in held
+    }
+
+
+def _check_precision(options: PipelineOptions, family: Family | None, barrier_free: bool) -> None:
+    """ConfigError where float16's loss scale or gradient clipping cannot be what the user asked: both need every
+    rank to read one world verdict per step, and clipping before preconditioning needs a preconditioner linear in
+    the gradient."""
+    wants = [
+        what
+        for what, on in (("autocast_dtype=torch.float16", options.scales_loss), ("max_grad_norm", options.max_grad_norm))
+        if on
+    ]
+    if wants and barrier_free:
+        raise ConfigError(
+            f"PipelineOptions.{' and '.join(wants)} needs one world verdict per step (the loss scale and the global "
+            "gradient norm must be the same on every rank): use KFACConfig.kl_clip_scope='global' and "
+            "PipelineOptions.step_agreement=StepAgreement.WORLD"
+        )
+    if options.max_grad_norm is not None and family is not None and family.full_direction:
+        raise ConfigError(
+            f"PipelineOptions.max_grad_norm is not supported with {family.name}: its statistics, momentum and "
+            "grafting are not linear in the gradient, so the clip cannot be applied after its preconditioning; "
+            "use K-FAC or the base optimizer, or clip through the learning rate"
+        )
 
 
 def _transport(spec: RunSpec, timeout: float) -> Transport:
@@ -195,7 +226,10 @@ class Trainer(Checkpointing):
         self.units: list[Any] = list(spec.units.values())
         """The units the family preconditions (K-FAC: its layers; Shampoo: parameters); empty without one."""
         self.timings = dict(spec.timings)
-        self.runners = _runners(spec, backend)
+        self.runners = _runners(spec, backend, options.autocast_dtype)
+        self.loss_scale = LossScale.build(options.loss_scaling, options.scales_loss)
+        """float16's dynamic loss scale ([Note: mixed precision] in fxkfac/runtime/precision.py)."""
+        self._unscale_gradients()
         self.transport = _transport(spec, options.timeout)
         holders = ranks_of_stages(spec.kind, self.layout.D, self.layout.W, spec.v)
         self.sync = GradSync.build(
@@ -206,8 +240,11 @@ class Trainer(Checkpointing):
             list(self.runners.values()),
         )
         self.sync.broadcast_weights(self.transport)
+        if options.max_grad_norm is not None:
+            self.sync.sqnorms = []
         self.interpreter = Interpreter()
         self.step_end = self._step_end(holders)
+        _check_precision(options, spec.family if spec.units else None, self.step_end.barrier_free)
         self.preconditioning = self._preconditioning(holders, backend) if spec.units else None
         params = [p for r in self.runners.values() for p in r.module.parameters()]
         self.optimizer = optimizer(params) if params else None  # a stage of only activations holds none
@@ -239,7 +276,8 @@ class Trainer(Checkpointing):
         if gradient_parts(spec.family) != set(spec.family.parts):  # some part is fed by captures: tap the stages
             for key, runner in list(self.runners.items()):
                 held = {n: spec.units[n] for n in spec.stage_units[runner.stage]}
-                self.runners[key] = TappedRunner.wrap(runner, held, spec.family, backend)
+                scale = self.loss_scale if self.loss_scale.enabled else None
+                self.runners[key] = TappedRunner.wrap(runner, held, spec.family, backend, scale)
         streamed = _streamed_layers(spec, self.layout.rank, local)
         groups = {s: StageCopies(holders[s], self.sync.group_of(holders[s])) for s in local}
         groups |= {stage_of[n]: StageCopies(holders[stage_of[n]], None) for n in streamed.replicas}
@@ -278,7 +316,18 @@ class Trainer(Checkpointing):
             scope = getattr(self.spec.family, "kl_clip_scope", KLClipScope.GLOBAL)
         else:
             scope = KLClipScope.STAGE if agreement is StepAgreement.COPIES else KLClipScope.GLOBAL
-        return StepEnd.build(scope, self.transport, self.sync.holders.values(), ranks_of_stage)
+        return StepEnd.build(
+            scope, self.transport, self.sync.holders.values(), ranks_of_stage, self.options.max_grad_norm
+        )
+
+    def _unscale_gradients(self) -> None:
+        """Under float16's loss scale: divide every parameter's gradient by the scale as autograd hands it over
+        (before it is accumulated or read: [Note: mixed precision] in fxkfac/runtime/precision.py)."""
+        if not self.loss_scale.enabled:
+            return
+        for runner in self.runners.values():
+            for param in runner.module.parameters():
+                param.register_hook(self.loss_scale.hook)
 
     @property
     def layer_states(self) -> dict[str, RefreshState]:
@@ -324,9 +373,11 @@ class Trainer(Checkpointing):
             out_spec=spec.captured.out_spec,
             scale=1.0 / (spec.N * W),
             step_end=self.step_end,
+            loss_scale=self.loss_scale.scale,
         )
         self.interpreter.run(self.ops_at(self.steps), ctx, self.timeline)
         loss = self._loss(ctx)
+        self.loss_scale.update(bool(ctx.skipped))
         if ctx.skipped:
             self.interpreter.abort(ctx)
             self._skip()
@@ -391,6 +442,8 @@ class Trainer(Checkpointing):
             "step": self.steps,
             "skipped_steps": self.skipped_steps,
         }
+        if self.loss_scale.enabled:
+            state["loss_scale"] = self.loss_scale.state_dict()
         if self.preconditioning is not None:
             state.update(self.preconditioning.state_dict())
             state["inflight"]["captures"] = {
@@ -408,6 +461,8 @@ class Trainer(Checkpointing):
         check_model_state(self.runners.values(), state["model"])
         optim = parse_optimizer_state(self.optimizer, param_names(self.runners.values()), state["optimizer"])
         restore_kfac = self._parse_kfac(state) if self.preconditioning is not None else None
+        if self.loss_scale.enabled and "loss_scale" in state:
+            self.loss_scale.load_state_dict(state["loss_scale"])
         load_model_state(self.runners.values(), state["model"])
         if self.optimizer is not None:
             assert optim is not None, "parse_optimizer_state returns a state for an optimizer"
