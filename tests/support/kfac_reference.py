@@ -23,7 +23,8 @@ class KFACReference:
     """K-FAC by the book on the eager model: hooks for a / e, fxkfac.kfac for the layer math.
 
     `factor_microbatches[layer]` (default: all) are the micro-batches whose statistics feed the layer's factors:
-    DP-KFAC's owner keeps the factors of its own shard."""
+    DP-KFAC's owner keeps the factors of its own shard. `max_grad_norm`: the gradient is clipped by
+    `torch.nn.utils.clip_grad_norm_` after backward, before K-FAC sees it."""
 
     def __init__(
         self,
@@ -35,7 +36,9 @@ class KFACReference:
         timings: Mapping[str, LayerTiming],
         optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
         factor_microbatches: Mapping[str, Sequence[int]] | None = None,
+        max_grad_norm: float | None = None,
     ) -> None:
+        self.max_grad_norm = max_grad_norm
         self.model, self.layers, self.cfg, self.loss_fn = model, list(layers), cfg, loss_fn
         self.n_mb, self.timings = microbatches, timings
         self.opt = optimizer([p for p in model.parameters() if p.requires_grad])
@@ -62,6 +65,8 @@ class KFACReference:
                         sums.setdefault(name, []).extend([a_m, b_m])
             else:
                 run().backward()
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         if self.cfg is not None:
             self._kfac(t, refresh, sums)
         self.opt.step()
