@@ -152,7 +152,9 @@ def _prepare_and_resolve(
                 stacklevel=3,
             )
         known = {unit.name: unit for unit in prepared.units}
-        resolved = _resolve(plan, single, family, prepared, known, options, layout, progress)
+        resolved = _resolve(
+            plan, single, family, prepared, known, options, layout, progress, autocast_dtype=pipeline.autocast_dtype
+        )
     return prepared, known, resolved
 
 
@@ -328,9 +330,12 @@ def _resolve(
     options: PlanOptions,
     layout: MeshLayout,
     progress: PlanProgress,
+    *,
+    autocast_dtype: torch.dtype | None = None,
 ) -> Plan | None:
     """The plan whose programs the ranks run for the `prepared` model (`known`: its units by name): none on one
-    device or without preconditioned layers; `progress` shows plan="auto"'s phases, solver and plan on rank 0."""
+    device or without preconditioned layers; `progress` shows plan="auto"'s phases, solver and plan on rank 0; a
+    profile runs under the run's `autocast_dtype`."""
     if family is None:
         if plan not in (None, "auto"):
             raise ConfigError("kfac=None trains the plain pipeline, which takes no plan; pass plan=None")
@@ -348,7 +353,7 @@ def _resolve(
                 "free (PlanOptions(memory_budget=...) sets another)"
             )
         options = budgeted
-    made = _resolve_on_mesh(plan, family, prepared, known, options, layout, progress)
+    made = _resolve_on_mesh(plan, family, prepared, known, options, layout, progress, autocast_dtype=autocast_dtype)
     if made is not None and auto:
         progress.done(made)
     return made
@@ -378,6 +383,8 @@ def _resolve_on_mesh(
     options: PlanOptions,
     layout: MeshLayout,
     progress: PlanProgress,
+    *,
+    autocast_dtype: torch.dtype | None = None,
 ) -> Plan | None:
     """`resolve_plan` with plan="auto"'s profile (links and stages measured by every rank), each phase
     and the solver's reports shown by `progress`."""
@@ -396,7 +403,10 @@ def _resolve_on_mesh(
         flat = [x for x in prepared.micro if isinstance(x, Tensor)]
         tapped = gradient_parts(family) != frozenset(family.parts)  # a refresh step taps the captured layers
         captured = {s: [known[n] for n in names] for s, names in stage_layers.items()} if tapped else {}
-        costs = measure(split, stage_layers, _unit_cost(family, known, split), flat, _surrogate_loss, captured=captured)
+        unit_cost = _unit_cost(family, known, split)
+        costs = measure(
+            split, stage_layers, unit_cost, flat, _surrogate_loss, captured=captured, autocast_dtype=autocast_dtype
+        )
         for st in split.stages:  # profiling ran backward on the parameters the runners will train
             for p in st.gm.parameters():
                 p.grad = None
