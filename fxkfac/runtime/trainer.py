@@ -160,7 +160,10 @@ def _check_precision(options: PipelineOptions, family: Family | None, barrier_fr
     the gradient."""
     wants = [
         what
-        for what, on in (("autocast_dtype=torch.float16", options.scales_loss), ("max_grad_norm", options.max_grad_norm))
+        for what, on in (
+            ("autocast_dtype=torch.float16", options.scales_loss),
+            ("max_grad_norm", options.max_grad_norm),
+        )
         if on
     ]
     if wants and barrier_free:

@@ -99,7 +99,7 @@ def test_mixed_precision_and_clipping_equal_single_process() -> None:
             torch.testing.assert_close(got["losses"], want["losses"], rtol=tol, atol=tol, msg=f"{case} losses")
             for name, value in got["params"].items():
                 torch.testing.assert_close(
-                    value, want["params"][name], rtol=tol, atol=tol, msg=lambda m, n=name: f"{case} {n}: {m}"
+                    value, want["params"][name], rtol=tol, atol=tol, msg=lambda m, n=name, c=case: f"{c} {n}: {m}"
                 )
                 covered.add(name)
         assert covered >= {n for n in want["params"] if "wte" not in n and "lm_head" not in n}, f"{case}: coverage"
@@ -116,7 +116,9 @@ def test_kfac_with_clipping_equals_single_process_kfac() -> None:
 
     def reference(max_grad_norm: float | None) -> dict[str, torch.Tensor]:
         model = mlp(seed=1)
-        ref = KFACReference(model, one.units, KFAC, F.mse_loss, 2, dict(one.timings), kfac_sgd, max_grad_norm=max_grad_norm)
+        ref = KFACReference(
+            model, one.units, KFAC, F.mse_loss, 2, dict(one.timings), kfac_sgd, max_grad_norm=max_grad_norm
+        )
         for t, (x, y) in enumerate(kfac_batches()):
             ref.step(t, x, y)
         return {n: p.detach() for n, p in model.named_parameters()}
