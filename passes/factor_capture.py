@@ -61,7 +61,15 @@ def gram(rows: Tensor) -> Tensor:
     A syrk, which torch does not expose: the columns are cut into k panels (up to 8, each at least 128 wide),
     panel i's GEMM makes its block row up to the diagonal and the blocks above are copied from their transposes,
     ``(k + 1) / 2k`` of the GEMM's work (56% at k = 8). Under 256 columns: the one GEMM ``(rows^T rows) / rows``.
+    In the rows' dtype even under autocast (a capture runs inside the stage's autocast, and compiled, its backward
+    too): a factor is never formed narrower than its rows.
     """
+    with torch.autocast(rows.device.type, enabled=False):
+        return _gram(rows)
+
+
+def _gram(rows: Tensor) -> Tensor:
+    """`gram` outside autocast."""
     n = rows.shape[1]
     panels = min(_GRAM_PANELS, n // _GRAM_MIN_WIDTH)
     if panels < 2:

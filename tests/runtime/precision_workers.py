@@ -17,7 +17,16 @@ from fxkfac.planner.ir import LayerTiming
 from tests.runtime.workers import Config, loss_for, make_batches, make_model, make_optimizer
 from tests.support.models import mlp
 
-__all__ = ["Case", "precision_worker", "precision_reference", "kfac_clip_worker", "KFAC", "TIMINGS", "kfac_batches"]
+__all__ = [
+    "DTYPES",
+    "Case",
+    "precision_worker",
+    "precision_reference",
+    "kfac_worker",
+    "KFAC",
+    "TIMINGS",
+    "kfac_batches",
+]
 
 DTYPES = {None: None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -138,8 +147,10 @@ def kfac_sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=KFAC_LR, momentum=0.5)
 
 
-def kfac_compile(mesh: tuple[int, int] | None, schedule: str, max_grad_norm: float) -> fxkfac.Trainer:
-    """K-FAC on the 3-layer MLP with fixed layer timings, clipped to `max_grad_norm`."""
+def kfac_compile(
+    mesh: tuple[int, int] | None, schedule: str, max_grad_norm: float | None, dtype: str | None = None
+) -> fxkfac.Trainer:
+    """K-FAC on the 3-layer MLP with fixed layer timings, clipped to `max_grad_norm`, under autocast of `dtype`."""
     return fxkfac.compile(
         mlp(seed=1),
         mesh,
@@ -152,15 +163,15 @@ def kfac_compile(mesh: tuple[int, int] | None, schedule: str, max_grad_norm: flo
         microbatches=2,
         kfac=KFAC,
         layer_timing=TIMINGS,
-        pipeline=PipelineOptions(timeout=60.0, max_grad_norm=max_grad_norm),
+        pipeline=PipelineOptions(timeout=60.0, max_grad_norm=max_grad_norm, autocast_dtype=DTYPES[dtype]),
     )
 
 
-def kfac_clip_worker(rank: int, world: int, schedules: list[str], max_grad_norm: float) -> list[dict[str, Tensor]]:
-    """K-FAC with clipping pipelined over `world` stages under each schedule: this rank's parameters."""
+def kfac_worker(rank: int, world: int, cases: list[tuple[str, float | None, str | None]]) -> list[dict[str, Tensor]]:
+    """K-FAC pipelined over `world` stages per (schedule, max_grad_norm, dtype): this rank's parameters."""
     out = []
-    for schedule in schedules:
-        trainer = kfac_compile((world, 1), schedule, max_grad_norm)
+    for schedule, max_grad_norm, dtype in cases:
+        trainer = kfac_compile((world, 1), schedule, max_grad_norm, dtype)
         for x, y in kfac_batches():
             trainer.step(x, y)
         out.append({n: p.detach().clone() for n, p in trainer.named_parameters()})

@@ -22,10 +22,11 @@ from fxkfac.config import LossScaling, PipelineOptions, StepAgreement
 from fxkfac.errors import ConfigError
 from fxkfac.shampoo import ShampooConfig
 from tests.runtime.precision_workers import (
+    DTYPES,
     KFAC,
     Case,
     kfac_batches,
-    kfac_clip_worker,
+    kfac_worker,
     kfac_compile,
     kfac_sgd,
     precision_reference,
@@ -105,30 +106,52 @@ def test_mixed_precision_and_clipping_equal_single_process() -> None:
         assert covered >= {n for n in want["params"] if "wte" not in n and "lm_head" not in n}, f"{case}: coverage"
 
 
-@pytest.mark.multiproc
-def test_kfac_with_clipping_equals_single_process_kfac() -> None:
-    """K-FAC over 2 stages (GPipe, 1F1B) with the raw gradient clipped first equals the single-process reference
-    that calls `clip_grad_norm_` before K-FAC (whose KL-clip then sees the clipped gradient)."""
-    schedules = ["gpipe", "1f1b"]
-    results = run_distributed(kfac_clip_worker, 2, schedules, CLIP, timeout=400)
-    assert all(r.ok for r in results), [r.traceback for r in results if not r.ok]
-    one = kfac_compile(None, "gpipe", CLIP)
+KFAC_CASES = [
+    ("gpipe", CLIP, None),
+    ("1f1b", CLIP, None),
+    ("gpipe", None, "bf16"),
+    ("1f1b", None, "fp16"),
+    ("1f1b", CLIP, "bf16"),
+]
+"""(schedule, max_grad_norm, dtype) of the K-FAC runs."""
 
-    def reference(max_grad_norm: float | None) -> dict[str, torch.Tensor]:
+
+@pytest.mark.multiproc
+def test_kfac_with_clipping_and_autocast_equals_single_process_kfac() -> None:
+    """K-FAC over 2 stages equals the single-process reference: with the raw gradient clipped first (GPipe, 1F1B),
+    as `clip_grad_norm_` before K-FAC, whose KL-clip then sees the clipped gradient; under bfloat16 and float16
+    autocast, whose factors are formed in float32 from the upcast captures (float16 scaled by 2**16 and unscaled,
+    against the unscaled reference: scaling by a power of two is exact short of overflow and underflow)."""
+    results = run_distributed(kfac_worker, 2, KFAC_CASES, timeout=400)
+    assert all(r.ok for r in results), [r.traceback for r in results if not r.ok]
+    one = kfac_compile(None, "gpipe", None)
+
+    def reference(max_grad_norm: float | None, dtype: str | None) -> dict[str, torch.Tensor]:
         model = mlp(seed=1)
         ref = KFACReference(
-            model, one.units, KFAC, F.mse_loss, 2, dict(one.timings), kfac_sgd, max_grad_norm=max_grad_norm
+            model,
+            one.units,
+            KFAC,
+            F.mse_loss,
+            2,
+            dict(one.timings),
+            kfac_sgd,
+            max_grad_norm=max_grad_norm,
+            autocast_dtype=DTYPES[dtype],
         )
         for t, (x, y) in enumerate(kfac_batches()):
             ref.step(t, x, y)
         return {n: p.detach() for n, p in model.named_parameters()}
 
-    want, unclipped = reference(CLIP), reference(None)
-    assert max(float((want[n] - p).abs().max()) for n, p in unclipped.items()) > 1e-3, "the clip changed nothing"
-    for r in results:
-        for schedule, got in zip(schedules, r.value):
-            for name, value in got.items():
-                torch.testing.assert_close(value, want[name], rtol=0, atol=1e-5, msg=f"{schedule} {name}")
+    full = reference(None, None)
+    for index, (schedule, max_grad_norm, dtype) in enumerate(KFAC_CASES):
+        want = reference(max_grad_norm, dtype)
+        assert max(float((want[n] - p).abs().max()) for n, p in full.items()) > 1e-4, "clip or autocast did nothing"
+        for r in results:
+            for name, value in r.value[index].items():
+                torch.testing.assert_close(
+                    value, want[name], rtol=0, atol=1e-5, msg=f"{schedule} {max_grad_norm} {dtype} {name}"
+                )
 
 
 def test_loss_scale_is_checkpointed() -> None:
