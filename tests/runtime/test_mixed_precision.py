@@ -26,9 +26,9 @@ from tests.runtime.precision_workers import (
     KFAC,
     Case,
     kfac_batches,
-    kfac_worker,
     kfac_compile,
     kfac_sgd,
+    kfac_worker,
     precision_reference,
     precision_worker,
 )
