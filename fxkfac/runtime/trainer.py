@@ -436,9 +436,9 @@ class Trainer(Checkpointing):
         return self.transport.timeout
 
     def state_dict(self) -> dict[str, Any]:
-        """Parameters (one copy per FQN, detached), optimizer state by parameter FQN, counters; with a
-        preconditioner also ``kfac`` (unit states by unit name) and ``inflight`` (refreshes, decompositions and
-        captures held here)."""
+        """Parameters (one copy per FQN, detached), optimizer state by parameter FQN, counters; under float16 also
+        ``loss_scale`` (the scale and its growth tracker, alike on every rank); with a preconditioner also ``kfac``
+        (unit states by unit name) and ``inflight`` (refreshes, decompositions and captures held here)."""
         state: dict[str, Any] = {
             "model": {n: p.detach() for n, p in self.named_parameters()},
             "optimizer": optimizer_state(self.optimizer, param_names(self.runners.values())),
