@@ -2,9 +2,10 @@
 
 One trainer per (dtype, preconditioner) on one device (a deep MLP, eager stages), each in its own spawned process so
 that its peak resident memory is its own; the dtypes run side by side, alternating, over `--rounds` rounds, and each
-figure is the median over rounds. Memory: the bytes autograd saved for backward in one step (activations, counted
-at their width, parameters excluded) and the process's peak resident set (weights, optimizer and preconditioner
-state are float32 in every run, so the difference is activations). Ratios are against float32 of the same
+figure is the median over rounds. Memory: the bytes autograd saved for backward in one step, parameters excluded,
+split into activations and autocast's narrow copies of the weights (saved by each micro-batch's matmuls: autocast
+caches a cast only within one autocast region, one forward), and the process's peak resident set (weights,
+optimizer and preconditioner state are float32 in every run). Ratios are against float32 of the same
 preconditioner. CPU autocast's speed depends on the CPU's low-precision support (AVX512-BF16/AMX, AVX512-FP16):
 without it the narrow matmuls are emulated and slower than float32.
 
@@ -19,6 +20,7 @@ import multiprocessing as mp
 import resource
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -41,19 +43,21 @@ def make_model(width: int, depth: int, classes: int = 10) -> nn.Module:
     return nn.Sequential(*blocks, nn.Linear(width, classes))
 
 
-def saved_bytes(step: Any, params: set[int]) -> int:
-    """Bytes autograd saves for backward while `step()` runs, parameters excluded."""
-    total = 0
+def saved_bytes(step: Any, params: Sequence[torch.Tensor]) -> tuple[int, int]:
+    """Bytes autograd saves for backward while `step()` runs, parameters excluded: (activations, narrow copies of
+    the weights: tensors of a parameter's shape in another dtype)."""
+    ptrs = {p.data_ptr() for p in params}
+    shapes = {tuple(p.shape) for p in params}
+    totals = [0, 0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        if t.data_ptr() not in params:
-            total += t.numel() * t.element_size()
+        if t.data_ptr() not in ptrs:
+            totals[int(tuple(t.shape) in shapes and t.dtype != torch.float32)] += t.numel() * t.element_size()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         step()
-    return total
+    return totals[0], totals[1]
 
 
 def measure(args: argparse.Namespace, dtype_name: str, family: str) -> dict[str, float]:
@@ -73,16 +77,16 @@ def measure(args: argparse.Namespace, dtype_name: str, family: str) -> dict[str,
         microbatches=args.microbatches,
         pipeline=PipelineOptions(autocast_dtype=DTYPES[dtype_name]),
     )
-    params = {p.data_ptr() for _, p in trainer.named_parameters()}
+    params = [p for _, p in trainer.named_parameters()]
     trainer.step(x, y)  # warm-up
-    saved = saved_bytes(lambda: trainer.step(x, y), params)
+    acts, casts = saved_bytes(lambda: trainer.step(x, y), params)
     times = []
     for _ in range(args.steps):
         start = time.perf_counter()
         trainer.step(x, y)
         times.append(time.perf_counter() - start)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"step_s": statistics.median(times), "saved_bytes": saved, "peak_rss_bytes": rss}
+    return {"step_s": statistics.median(times), "act_bytes": acts, "cast_bytes": casts, "peak_rss_bytes": rss}
 
 
 def _child(args: argparse.Namespace, dtype_name: str, family: str, out: Any) -> None:
@@ -119,24 +123,26 @@ def main() -> None:
         key: {field: statistics.median(s[field] for s in runs) for field in runs[0]} for key, runs in samples.items()
     }
     table = Table(title=f"mixed precision on CPU: MLP {args.depth}x{args.width}, batch {args.batch}, one device")
-    for column in ("optimizer", "dtype", "step ms", "x fp32", "saved MiB", "x fp32", "peak RSS MiB", "x fp32"):
+    columns = ("optimizer", "dtype", "step ms", "x fp32", "activ. MiB", "x fp32", "w. casts MiB", "peak RSS MiB")
+    for column in (*columns, "x fp32"):
         table.add_column(column, justify="right")
     rows = []
     for (family, dtype_name), m in medians.items():
         base = medians[(family, "float32")]
-        ratios = {field: m[field] / base[field] for field in m}
+        ratios = {field: m[field] / base[field] for field in m if base[field]}
         rows.append({"optimizer": family, "dtype": dtype_name, **m, **{f"{k}_ratio": v for k, v in ratios.items()}})
         table.add_row(
             family,
             dtype_name,
             f"{m['step_s'] * 1e3:.1f}",
             f"{ratios['step_s']:.2f}",
-            f"{m['saved_bytes'] / 2**20:.1f}",
-            f"{ratios['saved_bytes']:.2f}",
+            f"{m['act_bytes'] / 2**20:.1f}",
+            f"{ratios['act_bytes']:.2f}",
+            f"{m['cast_bytes'] / 2**20:.1f}",
             f"{m['peak_rss_bytes'] / 2**20:.0f}",
             f"{ratios['peak_rss_bytes']:.2f}",
         )
-    Console().print(table)
+    Console(width=140).print(table)
     print(json.dumps({"benchmark": "mixed_precision", "args": vars(args), "rows": rows}))
 
 

@@ -176,7 +176,7 @@ def _check_precision(options: PipelineOptions, family: Family | None, barrier_fr
         raise ConfigError(
             f"PipelineOptions.max_grad_norm is not supported with {family.name}: its statistics, momentum and "
             "grafting are not linear in the gradient, so the clip cannot be applied after its preconditioning; "
-            "use K-FAC or the base optimizer, or clip through the learning rate"
+            "use K-FAC or the base optimizer alone, or max_grad_norm=None"
         )
 
 
