@@ -211,3 +211,38 @@ def test_refused_settings_say_why(options: dict, preconditioner: object, words: 
             backend=None,
             pipeline=PipelineOptions(**options),
         )
+
+
+def test_compiled_float16_kfac_equals_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inductor-compiled stages under float16 with K-FAC's fused captures train as eager ones do, to float16's
+    tolerance (measured 1.4e-4): its factors are float32 Grams of the unscaled captures (a capture's backward,
+    traced under autocast, once formed float16 Grams of loss-scaled gradients: Inf). Compiled afresh: torch's
+    compile caches key a graph by its ops, not by the Python of a custom op's backward, so a cache written before
+    that fix would hand the old backward back."""
+    import fxkfac
+
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 12, generator=g), torch.randint(0, 5, (8,), generator=g)) for _ in range(3)]
+    runs = {}
+    for backend in (None, "inductor"):
+        trainer = fxkfac.compile(
+            mlp(seed=1),
+            None,
+            None,
+            example_inputs=(data[0][0],),
+            loss_fn=F.cross_entropy,
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+            kfac=KFAC,
+            backend=backend,
+            microbatches=2,
+            pipeline=PipelineOptions(autocast_dtype=torch.float16),
+        )
+        for x, y in data:
+            trainer.step(x, y)
+        assert all(torch.isfinite(s.B).all() for s in trainer.layer_states.values())
+        runs[backend] = {n: p.detach() for n, p in trainer.named_parameters()}
+    for name, value in runs["inductor"].items():
+        torch.testing.assert_close(value, runs[None][name], rtol=1e-3, atol=1e-3, msg=name)
