@@ -406,10 +406,11 @@ class Trainer(Checkpointing):
         self.skipped_steps += 1
         self._skips_in_a_row += 1
         log.warning(
-            "rank %d: step %d skipped: loss or gradients are NaN/Inf on some rank (%d skipped so far)",
+            "rank %d: step %d skipped: loss or gradients are NaN/Inf on some rank (%d skipped so far)%s",
             self.layout.rank,
             self.steps,
             self.skipped_steps,
+            f"; float16 loss scale backed off to {self.loss_scale.scale:g}" if self.loss_scale.enabled else "",
         )
         limit = self.options.max_skipped_steps
         if limit is not None and self._skips_in_a_row > limit:
