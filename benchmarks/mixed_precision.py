@@ -3,8 +3,8 @@
 One trainer per (dtype, preconditioner) on one device (a deep MLP, eager stages), each in its own spawned process so
 that its peak resident memory is its own; the dtypes run side by side, alternating, over `--rounds` rounds, and each
 figure is the median over rounds. Memory: the bytes autograd saved for backward in one step, parameters excluded,
-split into activations and autocast's narrow copies of the weights (saved by each micro-batch's matmuls: autocast
-caches a cast only within one autocast region, one forward), and the process's peak resident set (weights,
+split into activations and autocast's narrow copies of the weights (cast once per step: the trainer keeps autocast's
+cast cache alive over the step's micro-batches), and the process's peak resident set (weights,
 optimizer and preconditioner state are float32 in every run). Ratios are against float32 of the same
 preconditioner. CPU autocast's speed depends on the CPU's low-precision support (AVX512-BF16/AMX, AVX512-FP16):
 without it the narrow matmuls are emulated and slower than float32.
@@ -44,14 +44,15 @@ def make_model(width: int, depth: int, classes: int = 10) -> nn.Module:
 
 
 def saved_bytes(step: Any, params: Sequence[torch.Tensor]) -> tuple[int, int]:
-    """Bytes autograd saves for backward while `step()` runs, parameters excluded: (activations, narrow copies of
-    the weights: tensors of a parameter's shape in another dtype)."""
-    ptrs = {p.data_ptr() for p in params}
+    """Bytes of the tensors autograd saves for backward while `step()` runs, each once, parameters excluded:
+    (activations, narrow copies of the weights: tensors of a parameter's shape in another dtype)."""
+    seen = {p.data_ptr() for p in params}
     shapes = {tuple(p.shape) for p in params}
     totals = [0, 0]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if t.data_ptr() not in ptrs:
+        if t.data_ptr() not in seen:  # each tensor once, however many ops save it
+            seen.add(t.data_ptr())
             totals[int(tuple(t.shape) in shapes and t.dtype != torch.float32)] += t.numel() * t.element_size()
         return t
 

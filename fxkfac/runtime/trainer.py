@@ -9,6 +9,7 @@ decides what runs: `fxkfac.compile` resolved the programs (planner/lowering.py, 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -378,7 +379,8 @@ class Trainer(Checkpointing):
             step_end=self.step_end,
             loss_scale=self.loss_scale.scale,
         )
-        self.interpreter.run(self.ops_at(self.steps), ctx, self.timeline)
+        with self._one_cast_per_step():
+            self.interpreter.run(self.ops_at(self.steps), ctx, self.timeline)
         loss = self._loss(ctx)
         self.loss_scale.update(bool(ctx.skipped))
         if ctx.skipped:
@@ -391,6 +393,15 @@ class Trainer(Checkpointing):
         if self.progress.display is not Display.OFF:  # reading a StepLoss waits for its sum: only to show it
             self.progress.update(self.steps, float(loss))
         return loss
+
+    def _one_cast_per_step(self) -> Any:
+        """Under autocast, a context around the step (autocast itself, off) that keeps autocast's cache of its
+        weight casts alive from one micro-batch's forward to the next, so each weight is cast once per step
+        rather than once per micro-batch (eager stages; the cache empties when the step ends, after OPT_STEP)."""
+        if self.options.autocast_dtype is None:
+            return contextlib.nullcontext()
+        device = next(iter(self.runners.values())).device
+        return torch.autocast(device.type, enabled=False)
 
     def _loss(self, ctx: StepContext) -> float | StepLoss:
         """The step loss over the world: the float OPT_STEP's world sum made, or under a barrier-free
