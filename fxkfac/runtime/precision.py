@@ -6,6 +6,9 @@ float16's dynamic loss scale.
   follow the dtypes of the forward's, as torch prescribes. Parameters are float32 (the master weights), so their
   gradients, the optimizer's state and every preconditioner statistic are float32 too; captured activations and
   output gradients are upcast to float32 before any factor is formed (`TappedRunner`).
+- The trainer runs each step inside an outer autocast context that is itself off (`Trainer._one_cast_per_step`):
+  autocast then keeps its cache of weight casts from one micro-batch's forward to the next, so an eager stage casts
+  each weight once per step; the cache empties when the step ends, after the optimizer changed the weights.
 - A stage's floating outputs are cast to the autocast dtype inside its autograd graph: activations (and their
   gradients) cross stages at that width, on the wire and between two stages of one rank alike, so the result
   does not depend on where stages are placed.
