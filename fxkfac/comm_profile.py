@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from fxkfac.planner.comm import AlphaBeta, Collective, CommModel, LinkCosts, Sample, fit_alpha_beta
+from fxkfac.runtime.p2p import collective_device
 
 __all__ = ["DEFAULT_SIZES", "measure_comm"]
 
@@ -51,7 +52,7 @@ def measure_comm(
         return CommModel.single_link(LinkCosts.uniform(AlphaBeta(0.0, 0.0)), node, source)
     if len(set(sizes)) < 2 or min(sizes) < 4:
         raise ValueError(f"measure_comm needs two or more distinct message sizes of >= 4 bytes, got {list(sizes)}")
-    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    device = collective_device(group)
     times = torch.tensor(
         [[_time(kind, n, group, device, warmup, repeats) for n in sizes] for kind in _TIMED],
         dtype=torch.float64,

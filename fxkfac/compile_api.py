@@ -214,7 +214,17 @@ def _prepare_and_resolve(
             )
         known = {unit.name: unit for unit in prepared.units}
         resolved = _resolve(
-            plan, single, family, prepared, known, options, layout, progress, resume, pipeline.checkpointing
+            plan,
+            single,
+            family,
+            prepared,
+            known,
+            options,
+            layout,
+            progress,
+            resume,
+            pipeline.checkpointing,
+            autocast_dtype=pipeline.autocast_dtype,
         )
     return prepared, known, resolved
 
@@ -394,11 +404,14 @@ def _resolve(
     progress: PlanProgress,
     resume: str | os.PathLike | None,
     checkpointing: ActivationCheckpointing,
+    *,
+    autocast_dtype: torch.dtype | None = None,
 ) -> Plan | None:
     """The plan whose programs the ranks run for the `prepared` model (`known`: its units by name): none on one
     device or without preconditioned layers; `progress` shows plan="auto"'s phases, solver and plan on rank 0.
     plan="auto" adopts the plan of the checkpoint it resumes from (`resume`) when that was made for this run, else
-    plans with `checkpointing`'s stages, or chooses them under AUTO."""
+    plans with `checkpointing`'s stages, or chooses them under AUTO; a profile runs under the run's
+    `autocast_dtype`."""
     if family is None:
         if plan not in (None, "auto"):
             raise ConfigError("preconditioner=None trains the plain pipeline, which takes no plan; pass plan=None")
@@ -424,7 +437,9 @@ def _resolve(
                 "free (PlanOptions(memory_budget=...) sets another)"
             )
         options = budgeted
-    made = _resolve_on_mesh(plan, family, prepared, known, options, layout, progress, checkpointing)
+    made = _resolve_on_mesh(
+        plan, family, prepared, known, options, layout, progress, checkpointing, autocast_dtype=autocast_dtype
+    )
     if made is not None and auto:
         progress.done(made)
     return made
@@ -439,6 +454,8 @@ def _resolve_on_mesh(
     layout: MeshLayout,
     progress: PlanProgress,
     checkpointing: ActivationCheckpointing,
+    *,
+    autocast_dtype: torch.dtype | None = None,
 ) -> Plan | None:
     """`resolve_plan` with plan="auto"'s profile (links and stages measured by every rank), each phase
     and the solver's reports shown by `progress`."""
@@ -458,7 +475,10 @@ def _resolve_on_mesh(
         tapped = gradient_parts(family) != frozenset(family.parts)  # a refresh step taps the captured layers
         captured = {s: [known[n] for n in names] for s, names in stage_layers.items()} if tapped else {}
         params = {n: p for st in split.stages for n, p in st.gm.named_parameters()}
-        costs = measure(split, stage_layers, family.unit_cost(known, params), flat, _surrogate_loss, captured=captured)
+        unit_cost = family.unit_cost(known, params)
+        costs = measure(
+            split, stage_layers, unit_cost, flat, _surrogate_loss, captured=captured, autocast_dtype=autocast_dtype
+        )
         for st in split.stages:  # profiling ran backward on the parameters the runners will train
             for p in st.gm.parameters():
                 p.grad = None

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, TypeVar
 
+import torch
+
 from fxkfac.errors import ConfigError
 from fxkfac.planner.ir import Capture
 from fxkfac.planner.preconditioners import InverseMethod
@@ -18,6 +20,7 @@ __all__ = [
     "CheckpointMode",
     "KFACConfig",
     "KLClipScope",
+    "LossScaling",
     "PipelineOptions",
     "PlanOptions",
     "PROFILE_MARGIN",
@@ -210,8 +213,35 @@ class ActivationCheckpointing:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class LossScaling:
+    """Dynamic loss scaling of a float16 run, with `torch.amp.GradScaler`'s semantics: the loss is multiplied by
+    the scale before backward, gradients are divided by it before anything reads them, a step whose gradients
+    overflow is skipped and halves the scale, and `growth_interval` steps in a row without one double it."""
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        if not self.init_scale > 0:
+            raise ConfigError(f"LossScaling.init_scale must be > 0, got {self.init_scale!r}")
+        if not self.growth_factor > 1:
+            raise ConfigError(f"LossScaling.growth_factor must be > 1, got {self.growth_factor!r}")
+        if not 0 < self.backoff_factor < 1:
+            raise ConfigError(f"LossScaling.backoff_factor must be in (0, 1), got {self.backoff_factor!r}")
+        if not (isinstance(self.growth_interval, int) and self.growth_interval >= 1):
+            raise ConfigError(f"LossScaling.growth_interval must be an int >= 1, got {self.growth_interval!r}")
+
+
+AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+"""The dtypes `PipelineOptions.autocast_dtype` accepts."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class PipelineOptions:
-    """How a mesh runs the model: stage split, virtual stages, timeouts, timeline, NaN/Inf tolerance, progress."""
+    """How a mesh runs the model: stage split, virtual stages, timeouts, timeline, NaN/Inf tolerance, progress,
+    mixed precision and gradient clipping."""
 
     virtual_stages: int = 1
     """Stages per pipeline rank for the interleaved schedule (v)."""
@@ -238,6 +268,20 @@ class PipelineOptions:
     """Input shapes (batch size, sequence length) other than `example_inputs`' whose captured stages are kept: a
     step of a new shape captures the model at it once (fxkfac/shapes.py), the least recently used beyond this many
     is dropped. 0: every step must be shaped like `example_inputs`."""
+    autocast_dtype: torch.dtype | None = None
+    """Run every stage's forward (and the loss) under `torch.autocast` of this dtype (torch.bfloat16 or
+    torch.float16) on the stage's device; backward follows the forward's dtypes, as torch prescribes. Weights,
+    optimizer state and every preconditioner statistic stay float32; activations cross stages at this width.
+    float16 scales the loss (`loss_scaling`). None: full precision."""
+    loss_scaling: LossScaling = LossScaling()
+    """The dynamic loss scale of a float16 run (unused otherwise); checkpointed with the trainer."""
+    max_grad_norm: float | None = None
+    """Clip the gradient to this global L2 norm, taken over every parameter of the model once (replicas and tied
+    copies counted once), as `torch.nn.utils.clip_grad_norm_` on one device: after float16's unscaling, before
+    the preconditioner. K-FAC's KL-clip (`KFACConfig.kl_clip`) is another bound: it scales the *preconditioned*
+    update so that its KL step stays under kappa; both apply, this one to the raw gradient first (the KL-clip's
+    sum <P, G> is that of the clipped gradient). Needs a world sum at each step's end (KLClipScope.GLOBAL,
+    StepAgreement.WORLD) and, with a preconditioner, one linear in the gradient (K-FAC). None: no clipping."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.virtual_stages, int) and self.virtual_stages >= 1):
@@ -256,12 +300,26 @@ class PipelineOptions:
                 f"({', '.join(m.name for m in StepAgreement)}), got {self.step_agreement!r}"
             )
         object.__setattr__(self, "activation_checkpointing", ActivationCheckpointing.of(self.activation_checkpointing))
+        if self.autocast_dtype is not None and self.autocast_dtype not in AUTOCAST_DTYPES:
+            raise ConfigError(
+                f"PipelineOptions.autocast_dtype must be torch.bfloat16, torch.float16 or None, got "
+                f"{self.autocast_dtype!r}"
+            )
+        if not isinstance(self.loss_scaling, LossScaling):
+            raise ConfigError(f"PipelineOptions.loss_scaling must be a LossScaling, got {self.loss_scaling!r}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ConfigError(f"PipelineOptions.max_grad_norm must be > 0 or None, got {self.max_grad_norm!r}")
 
     @property
     def checkpointing(self) -> ActivationCheckpointing:
         """`activation_checkpointing` as the config it is made into."""
         assert isinstance(self.activation_checkpointing, ActivationCheckpointing), "__post_init__ made it one"
         return self.activation_checkpointing
+
+    @property
+    def scales_loss(self) -> bool:
+        """True when the run scales its loss (float16)."""
+        return self.autocast_dtype is torch.float16
 
 
 PROFILE_MARGIN = 1.2

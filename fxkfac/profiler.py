@@ -34,6 +34,7 @@ from fxkfac.planner.costs import CostTable, LayerCost, PartCost, Spread, StageCo
 from fxkfac.planner.ir import Capture, OpKind
 from fxkfac.planner.preconditioners import InverseMethod
 from fxkfac.preconditioner import Family, gradient_parts
+from fxkfac.runtime.precision import autocast, to_wire
 
 __all__ = ["profile", "Timing", "clock", "time_call", "time_after", "UnitCost", "kfac_unit_cost", "gradient_unit_cost"]
 
@@ -164,9 +165,22 @@ def _prec_call(layer: KFACLayer, inverse: Inverse) -> Callable[[], object]:
     return call
 
 
-def kfac_unit_cost(layers: Mapping[str, KFACLayer], cfg: KFACConfig, *, warmup: int = 1, repeats: int = 1) -> UnitCost:
-    """K-FAC's UnitCost: each layer timed by `_layer_cost`."""
-    return lambda name, rows: _layer_cost(layers[name], rows * layers[name].tokens_per_sample, cfg, warmup, repeats)
+def kfac_unit_cost(
+    layers: Mapping[str, KFACLayer],
+    cfg: KFACConfig,
+    *,
+    device: torch.device | None = None,
+    warmup: int = 1,
+    repeats: int = 1,
+) -> UnitCost:
+    """K-FAC's UnitCost: each layer timed by `_layer_cost` on `device` (its random captures, factors and gradients
+    made there: where the layer's parameters train; None: the CPU)."""
+
+    def cost(name: str, rows: int) -> LayerCost:
+        with torch.device(device or "cpu"):
+            return _layer_cost(layers[name], rows * layers[name].tokens_per_sample, cfg, warmup, repeats)
+
+    return cost
 
 
 def _state_bytes(state: Any) -> int:
@@ -295,13 +309,15 @@ def _layer_cost(layer: KFACLayer, rows: int, cfg: KFACConfig, warmup: int, repea
     return replace(cost, state_bytes=(2 * (layer.a_dim + layer.b_dim) + layer.a_dim * layer.b_dim) * item)
 
 
-def _act_bytes(gm: torch.fx.GraphModule) -> int:
-    """Bytes of every intermediate value of a stage graph: an upper bound of what its backward keeps."""
-    total = 0
+def _act_bytes(gm: torch.fx.GraphModule, autocast_dtype: torch.dtype | None = None) -> int:
+    """Bytes of every intermediate value of a stage graph: an upper bound of what its backward keeps. Under
+    autocast, floating values are counted at its width (the ops autocast keeps in float32, such as softmax and the
+    losses, are few and small next to the matmuls' outputs)."""
+    total, width = 0, None if autocast_dtype is None else autocast_dtype.itemsize
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if node.op == "call_function" and isinstance(val, Tensor):
-            total += _nbytes(val)
+            total += val.numel() * width if width is not None and val.is_floating_point() else _nbytes(val)
     return total
 
 
@@ -312,6 +328,7 @@ def _stage_times(
     warmup: int,
     repeats: int,
     taps: FactorTaps | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> tuple[Timing, Timing, list[Tensor]]:
     """Forward and backward of one stage on one micro-batch, each timed alone, and its (detached) outputs; with
     `taps` (`gm` is then `taps.gm`, the stage's graph with captures), its probes are made in the forward.
@@ -320,7 +337,7 @@ def _stage_times(
     output with a gradient of ones), not derived from a timed forward + backward: two figures of separate runs
     differ by their noise, which once left a stage's backward at 0."""
 
-    forward, roots = _stage_calls(gm, inputs, loss, taps)
+    forward, roots = _stage_calls(gm, inputs, loss, taps, autocast_dtype)
     fwd = time_call(forward, warmup=warmup, repeats=repeats)
     bwd = time_after(roots, _backward, warmup=warmup, repeats=repeats)
     gm.zero_grad(set_to_none=True)
@@ -336,22 +353,29 @@ def _stage_calls(
     inputs: Sequence[Tensor],
     loss: Callable[[Sequence[Tensor]], Tensor] | None,
     taps: FactorTaps | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> tuple[Callable[[], tuple[Tensor, ...]], Callable[[], Roots]]:
     """The stage's forward on fresh leaves of `inputs`, and a forward that returns the roots of its backward (the last
-    stage's `loss`, else every output with a gradient of ones)."""
+    stage's `loss`, else every output with a gradient of ones); under autocast of `autocast_dtype` as the runtime runs
+    them (its outputs at that width: [Note: mixed precision] in fxkfac/runtime/precision.py)."""
+    device = _device(inputs)
 
     def leaves() -> list[Tensor]:
         return [x.detach().requires_grad_(True) if x.is_floating_point() else x for x in inputs]
 
     def forward() -> tuple[Tensor, ...]:
-        if taps is None:
-            return tuple(gm(*leaves()))
-        return tuple(gm(*leaves(), *new_probes(taps, _device(inputs)))[: taps.n_outputs])
+        with autocast(autocast_dtype, device):
+            if taps is None:
+                out = tuple(gm(*leaves()))
+            else:
+                out = tuple(gm(*leaves(), *new_probes(taps, device, autocast_dtype))[: taps.n_outputs])
+        return out if loss is not None else to_wire(out, autocast_dtype)
 
     def roots() -> Roots:
         out = forward()
         if loss is not None:
-            return [loss(out)], None
+            with autocast(autocast_dtype, device):
+                return [loss(out)], None
         live = [o for o in out if o.requires_grad]
         return live, [torch.ones_like(o) for o in live]
 
@@ -369,6 +393,7 @@ def _ready_times(
     loss: Callable[[Sequence[Tensor]], Tensor] | None,
     params_of: Mapping[str, Sequence[str]],
     repeats: int,
+    autocast_dtype: torch.dtype | None = None,
 ) -> dict[str, float]:
     """Per layer (its parameters by name), the seconds from the start of the stage's backward until its gradient is
     final, every parameter of it accumulated: the median of `repeats` backwards, each after an untimed forward, read
@@ -376,7 +401,7 @@ def _ready_times(
     waits for (`LayerCost.grad_ready`); a layer the backward does not reach is left out."""
     if not params_of:
         return {}
-    _, roots = _stage_calls(gm, inputs, loss)
+    _, roots = _stage_calls(gm, inputs, loss, autocast_dtype=autocast_dtype)
     samples: dict[str, list[float]] = {name: [] for name in params_of}
     for _ in range(max(1, repeats)):
         made = roots()
@@ -447,11 +472,12 @@ def _tapped_times(
     loss: Callable[[Sequence[Tensor]], Tensor] | None,
     warmup: int,
     repeats: int,
+    autocast_dtype: torch.dtype | None = None,
 ) -> tuple[Timing, Timing] | None:
     """The stage's forward and backward with `taps` (None without taps)."""
     if taps is None:
         return None
-    fwd, bwd, _ = _stage_times(taps.gm, inputs, loss, warmup, repeats, taps)
+    fwd, bwd, _ = _stage_times(taps.gm, inputs, loss, warmup, repeats, taps, autocast_dtype)
     return fwd, bwd
 
 
@@ -495,6 +521,7 @@ def _one_round(
     taps: Mapping[int, FactorTaps],
     fused: Mapping[int, FactorTaps],
     params_of: Mapping[int, Mapping[str, Sequence[str]]],
+    autocast_dtype: torch.dtype | None = None,
 ) -> list[StageCost]:
     """Every stage's forward and backward (`_stage_times`), with its deferred `taps` and with its curvature
     `fused` (`_tapped_times`), its units (`unit_cost`) and when its backward makes each of `params_of`'s layers'
@@ -504,14 +531,14 @@ def _one_round(
     last = len(split.stages) - 1
     for st in split.stages:
         fed, stage_loss = inputs, loss if st.index == last else None
-        fwd, bwd, inputs = _stage_times(st.gm, fed, stage_loss, warmup, repeats)
+        fwd, bwd, inputs = _stage_times(st.gm, fed, stage_loss, warmup, repeats, None, autocast_dtype)
         boundary = sum(_nbytes(t) for t in (*fed, *inputs))  # what the stage keeps when it recomputes
-        tapped = _tapped_times(taps.get(st.index), fed, stage_loss, warmup, repeats)
+        tapped = _tapped_times(taps.get(st.index), fed, stage_loss, warmup, repeats, autocast_dtype)
         tap_fwd, tap_bwd = (0.0, 0.0) if tapped is None else _extra(tapped, (fwd, bwd))
-        with_fused = _tapped_times(fused.get(st.index), fed, stage_loss, warmup, repeats)
+        with_fused = _tapped_times(fused.get(st.index), fed, stage_loss, warmup, repeats, autocast_dtype)
         fused_fwd, fused_bwd = (None, None) if with_fused is None or tapped is None else _extra(with_fused, tapped)
         params = {n: p for n, p in st.gm.named_parameters()}
-        ready = _ready_times(st.gm, fed, stage_loss, params_of.get(st.index, {}), repeats)
+        ready = _ready_times(st.gm, fed, stage_loss, params_of.get(st.index, {}), repeats, autocast_dtype)
         units = tuple(unit_cost(n, batch) for n in stage_layers.get(st.index, ()))
         stages.append(
             StageCost(
@@ -522,7 +549,7 @@ def _one_round(
                 fused_fwd=fused_fwd,
                 fused_bwd=fused_bwd,
                 param_bytes=sum(map(_nbytes, params.values())),
-                act_bytes=_act_bytes(st.gm),
+                act_bytes=_act_bytes(st.gm, autocast_dtype),
                 boundary_bytes=boundary,
                 layers=tuple(replace(x, grad_ready=ready.get(x.name)) for x in units),
                 fwd_spread=fwd.spread,
@@ -544,6 +571,7 @@ def profile(
     rounds: int = 5,
     hardware: str = "cpu",
     captured: Mapping[int, Sequence[KFACLayer]] | None = None,
+    autocast_dtype: torch.dtype | None = None,
 ) -> CostTable:
     """The CostTable of the split model at the micro-batch of `micro_inputs`, measured here, stage by stage.
     `captured`: each stage's layers with captured parts (K-FAC's), which a refresh step taps: their deferred
@@ -553,7 +581,8 @@ def profile(
 
     The stages are chained in this one process (a rank profiles all: every stage copy is the same graph; on a mesh
     every rank does at once, `fxkfac.autoplan.gathered_profile`). `loss(flat_outputs)` is the last stage's scalar
-    loss for one micro-batch. Forward and backward are each timed alone (`_stage_times`) on `clock()`. Each
+    loss for one micro-batch. Forward and backward are each timed alone (`_stage_times`) on `clock()`, under
+    autocast of `autocast_dtype` as the run trains (its activations priced at that width: `_act_bytes`). Each
     preconditioned unit of a stage is timed by `unit_cost` (with the micro-batch's rows) through the functions the
     runtime's STATS, DECOMP and APPLY handlers call.
 
@@ -579,7 +608,9 @@ def profile(
     )
     params_of = {s: {x.name: x.params for x in layers} for s, layers in (captured or {}).items()}
     passes = [
-        _one_round(split, stage_layers, unit_cost, micro_inputs, loss, warmup, repeats, taps, fused, params_of)
+        _one_round(
+            split, stage_layers, unit_cost, micro_inputs, loss, warmup, repeats, taps, fused, params_of, autocast_dtype
+        )
         for _ in range(max(1, rounds))
     ]
     stages = [_trusted(combined_stage(of, min), i) for i, of in enumerate(zip(*passes, strict=True))]

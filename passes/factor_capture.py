@@ -61,7 +61,15 @@ def gram(rows: Tensor) -> Tensor:
     A syrk, which torch does not expose: the columns are cut into k panels (up to 8, each at least 128 wide),
     panel i's GEMM makes its block row up to the diagonal and the blocks above are copied from their transposes,
     ``(k + 1) / 2k`` of the GEMM's work (56% at k = 8). Under 256 columns: the one GEMM ``(rows^T rows) / rows``.
+    In the rows' dtype even under autocast (a capture runs inside the stage's autocast, and compiled, its backward
+    too): a factor is never formed narrower than its rows.
     """
+    with torch.autocast(rows.device.type, enabled=False):
+        return _gram(rows)
+
+
+def _gram(rows: Tensor) -> Tensor:
+    """`gram` outside autocast."""
     n = rows.shape[1]
     panels = min(_GRAM_PANELS, n // _GRAM_MIN_WIDTH)
     if panels < 2:
@@ -160,13 +168,15 @@ class FactorTaps:
     """The dtype of each probe: the layer output's (deferred: it is added to it) or the fused factor's."""
 
 
-def new_probes(taps: FactorTaps, device: torch.device) -> list[Tensor]:
+def new_probes(taps: FactorTaps, device: torch.device, output_dtype: torch.dtype | None = None) -> list[Tensor]:
     """Zero probes for one call of ``taps.gm``, in its order, each requiring grad. A deferred probe is a zero
-    expanded to the layer output's shape: its gradient is the capture, and no memory is written for it."""
+    expanded to the layer output's shape: its gradient is the capture, and no memory is written for it.
+    `output_dtype`: the dtype the layers' outputs have when it differs from the traced one (under autocast), which a
+    deferred probe takes so that adding it changes no dtype."""
     order = sorted(taps.probes, key=taps.probes.__getitem__)
     return [
         (
-            torch.zeros((), device=device, dtype=taps.probe_dtypes[n]).expand(taps.probe_shapes[n])
+            torch.zeros((), device=device, dtype=output_dtype or taps.probe_dtypes[n]).expand(taps.probe_shapes[n])
             if taps.modes[n] is Capture.DEFERRED
             else torch.zeros(taps.probe_shapes[n], device=device, dtype=taps.probe_dtypes[n])
         ).requires_grad_()

@@ -349,3 +349,25 @@ def test_each_captured_layers_gradient_is_timed_from_its_stages_backward(split: 
     assert CostTable.from_json(table.to_json()) == table
     plain = profiler.profile(result, by_stage, cost, [x], _loss, repeats=1, rounds=1)
     assert all(x.grad_ready is None for s in plain.stages for x in s.layers)
+
+
+def test_profile_runs_under_the_runs_autocast(split: tuple) -> None:
+    """With `autocast_dtype` the stages are timed under autocast (the loss sees the last Linear's bfloat16 output)
+    and their activations are priced at its width: half of float32's for an MLP, whose intermediates are all
+    floating."""
+    result, _, _, x = split
+    seen: list[torch.dtype] = []
+
+    def loss(outputs: list[Tensor]) -> Tensor:
+        seen.append(outputs[0].dtype)
+        return _loss(outputs)
+
+    full = profiler.profile(result, {}, kfac_unit_cost({}, CFG), [x], loss, warmup=0, repeats=1, rounds=1)
+    assert set(seen) == {torch.float32}
+    seen.clear()
+    narrow = profiler.profile(
+        result, {}, kfac_unit_cost({}, CFG), [x], loss, warmup=0, repeats=1, rounds=1, autocast_dtype=torch.bfloat16
+    )
+    assert set(seen) == {torch.bfloat16}
+    for a, b in zip(full.stages, narrow.stages, strict=True):
+        assert b.act_bytes * 2 == a.act_bytes

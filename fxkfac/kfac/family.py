@@ -213,8 +213,9 @@ class KFACFamily:
     def unit_cost(
         self, units: Mapping[str, KFACLayer], params: Mapping[str, Tensor]
     ) -> Callable[[str, int], LayerCost]:
-        """Each layer timed on random captures of its real shape (`kfac_unit_cost`)."""
-        return kfac_unit_cost(units, self.cfg)
+        """Each layer timed on random captures of its real shape (`kfac_unit_cost`), on the parameters' device."""
+        device = next((p.device for p in params.values()), None)
+        return kfac_unit_cost(units, self.cfg, device=device)
 
     def half_to_state(self, half: FactorInverse | None) -> dict[str, Any] | None:
         """Method and tensors of one inverted factor."""

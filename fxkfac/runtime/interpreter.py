@@ -57,6 +57,9 @@ class StepContext:
     """1 / (N * W): each micro-batch's share of the step loss."""
     step_end: StepEnd
     """How OPT_STEP takes the verdict on skipping the step and the loss (fxkfac/runtime/step_end.py)."""
+    loss_scale: float = 1.0
+    """float16's loss scale at this step: the last stage's backward starts from the loss times it ([Note: mixed
+    precision] in fxkfac/runtime/precision.py)."""
     acts: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     """Inputs waiting for FWD (stage, pipe, mb)."""
     grads: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
@@ -127,10 +130,12 @@ def _fwd_inputs(ctx: StepContext, op: Op) -> Sequence[torch.Tensor]:
     return ctx.inputs[mb] if stage == 0 else _take(ctx.acts, _key(op), op, "its input was not received")
 
 
-def _scaled_loss(ctx: StepContext, outs: Sequence[torch.Tensor], mb: int) -> torch.Tensor:
-    """The last stage's share of the step loss for micro-batch `mb`: ``loss_fn`` on the model's output, scaled."""
+def _scaled_loss(ctx: StepContext, runner: StageRunner, outs: Sequence[torch.Tensor], mb: int) -> torch.Tensor:
+    """The last stage's share of the step loss for micro-batch `mb`: ``loss_fn`` on the model's output (under the
+    run's autocast, as the forward), scaled."""
     model_out = pytree.tree_unflatten(list(outs), ctx.out_spec) if ctx.out_spec is not None else outs[0]
-    return ctx.loss_fn(model_out, ctx.targets[mb]) * ctx.scale
+    with runner.precision():
+        return ctx.loss_fn(model_out, ctx.targets[mb]) * ctx.scale
 
 
 def _hand_on(ctx: StepContext, op: Op, outs: Sequence[torch.Tensor]) -> None:
@@ -147,8 +152,8 @@ def _fwd(ctx: StepContext, op: Op) -> None:
     stage, _, mb = _key(op)
     outs = runner.forward(mb, _fwd_inputs(ctx, op), needs_grad=stage > 0)
     if runner.is_last:
-        loss = _scaled_loss(ctx, outs, mb)
-        runner.keep_loss(mb, loss)
+        loss = _scaled_loss(ctx, runner, outs, mb)
+        runner.keep_loss(mb, loss * ctx.loss_scale if ctx.loss_scale != 1.0 else loss)  # float16: scaled backward
         ctx.losses.append(loss.detach())
     else:
         _hand_on(ctx, op, outs)
@@ -160,7 +165,7 @@ def _eval_fwd(ctx: StepContext, op: Op) -> None:
     runner = ctx.runner(op)
     outs = runner.infer(_fwd_inputs(ctx, op))
     if runner.is_last:
-        ctx.losses.append(_scaled_loss(ctx, outs, _key(op)[2]))
+        ctx.losses.append(_scaled_loss(ctx, runner, outs, _key(op)[2]))
     else:
         _hand_on(ctx, op, outs)
 
@@ -184,7 +189,8 @@ def _send_act(ctx: StepContext, op: Op) -> None:
 
 
 def _recv_act(ctx: StepContext, op: Op) -> None:
-    specs = ctx.runner(op).graph.inputs
+    runner = ctx.runner(op)
+    specs = runner.wire(runner.graph.inputs)
     ctx.acts[_key(op)] = ctx.transport.recv(specs, *_message(op), str(op))
 
 
@@ -194,7 +200,8 @@ def _send_grad(ctx: StepContext, op: Op) -> None:
 
 
 def _grad_specs(ctx: StepContext, op: Op) -> list:
-    return [s for s in ctx.runner(op).graph.outputs if s.is_float]
+    runner = ctx.runner(op)
+    return runner.wire([s for s in runner.graph.outputs if s.is_float])
 
 
 def _recv_grad(ctx: StepContext, op: Op) -> None:
@@ -202,7 +209,8 @@ def _recv_grad(ctx: StepContext, op: Op) -> None:
 
 
 def _post_act(ctx: StepContext, op: Op, _: Sequence[Op]) -> None:
-    ctx.transport.post_recv(ctx.runner(op).graph.inputs, *_message(op))
+    runner = ctx.runner(op)
+    ctx.transport.post_recv(runner.wire(runner.graph.inputs), *_message(op))
 
 
 def _post_grad(ctx: StepContext, op: Op, _: Sequence[Op]) -> None:
@@ -245,10 +253,22 @@ def end_gradients(ctx: StepContext, op: Op) -> None:
     ctx.sync.shared_params(ctx.transport, str(op))
 
 
-def step_or_skip(ctx: StepContext) -> None:
-    """Step the optimizer unless the verdict (`ctx.skipped`) is to skip; clear gradients; send what waits."""
+def clip_gradients(ctx: StepContext, factor: float) -> None:
+    """Multiply every local gradient by the verdict's clip factor (`PipelineOptions.max_grad_norm`), as
+    `torch.nn.utils.clip_grad_norm_` does (also by 1: no gradient is left out on one rank and not another)."""
+    for runner in ctx.runners.values():
+        for p in runner.module.parameters():
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+
+def step_or_skip(ctx: StepContext, clip: float | None = None) -> None:
+    """Step the optimizer unless the verdict (`ctx.skipped`) is to skip, its gradients first multiplied by `clip`
+    when clipping; clear gradients; send what waits."""
     if ctx.optimizer is not None:
         if not ctx.skipped:
+            if clip is not None:
+                clip_gradients(ctx, clip)
             ctx.optimizer.step()
         ctx.optimizer.zero_grad(set_to_none=True)
     ctx.transport.flush()
@@ -257,9 +277,9 @@ def step_or_skip(ctx: StepContext) -> None:
 def _opt_step(ctx: StepContext, op: Op) -> None:
     """Final gradients, the verdict on skipping the step and the loss (`StepEnd.finish`), then step or not."""
     end_gradients(ctx, op)
-    verdict = ctx.step_end.finish({}, local_nonfinite(ctx), local_loss(ctx), unclipped)
+    verdict = ctx.step_end.finish({}, local_nonfinite(ctx), local_loss(ctx), unclipped, ctx.sync.take_sqnorm())
     ctx.skipped, ctx.loss = verdict.skip, verdict.loss
-    step_or_skip(ctx)
+    step_or_skip(ctx, verdict.clip if ctx.step_end.max_grad_norm is not None else None)
 
 
 CORE_HANDLERS: Mapping[OpKind, Handler] = {

@@ -61,6 +61,14 @@ def _is_timeout(error: BaseException) -> bool:
     return "timed out" in text or "timeout" in text
 
 
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where the tensors of this process's messages and collectives live: the current CUDA device under NCCL (which
+    moves only device memory), else the CPU (gloo; one device, no process group)."""
+    if dist.is_available() and dist.is_initialized() and str(dist.get_backend(group)) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 @dataclass
 class Transport:
     """Sends, receives and collectives of one rank; every wait is bounded by `timeout`.

@@ -507,7 +507,10 @@ class PreconditionerRuntime:
     def opt_step(self, ctx: StepContext, op: Op) -> None:
         """Agree on skipping the step and take each KL-clip group's nu (`StepEnd.finish`: by the scope), scale the
         preconditioned gradients by it; then step unless the verdict is to skip. Tied gradients are summed first (as
-        the core OPT_STEP does), so a sum that overflows skips the step on every rank."""
+        the core OPT_STEP does), so a sum that overflows skips the step on every rank. With
+        `PipelineOptions.max_grad_norm`, every gradient is then multiplied by the clip factor of the raw gradient's
+        global norm (taken before APPLY, `GradSync.take_sqnorm`): K-FAC's preconditioning is linear in the
+        gradient, so this equals clipping before preconditioning, and the nu is already the clipped one's."""
         end_gradients(ctx, op)
         ctx.sync.send_directions(ctx.transport, str(op))
         end = ctx.step_end
@@ -516,7 +519,11 @@ class PreconditionerRuntime:
         lr = float(ctx.optimizer.param_groups[0]["lr"]) if ctx.optimizer is not None else 0.0
         dots = {g: self._dots.get(g, zero) for g in groups}
         verdict = end.finish(
-            dots, local_nonfinite(ctx), local_loss(ctx), lambda dot_sum: self.family.clip_scale(dot_sum, lr)
+            dots,
+            local_nonfinite(ctx),
+            local_loss(ctx),
+            lambda dot_sum: self.family.clip_scale(dot_sum, lr),
+            ctx.sync.take_sqnorm(),
         )
         ctx.skipped, ctx.loss, nus = verdict.skip, verdict.loss, verdict.nus
         if self.family.kl_clip is not None and not ctx.skipped and ctx.optimizer is not None:
@@ -527,7 +534,7 @@ class PreconditionerRuntime:
                     self.family.scale(members, grads, nus[group])
         self._dots = {}
         self._touched = set()
-        step_or_skip(ctx)
+        step_or_skip(ctx, verdict.clip if end.max_grad_norm is not None else None)
 
     # --- skipped steps and checkpoints ------------------------------------------------------------
 

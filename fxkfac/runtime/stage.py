@@ -12,7 +12,8 @@ from torch import fx
 from torch.utils.checkpoint import checkpoint
 
 from fxkfac.passes.eval_mode import eval_graph
-from fxkfac.passes.split_stages import StageGraph
+from fxkfac.passes.split_stages import StageGraph, TensorSpec
+from fxkfac.runtime.precision import autocast, to_wire, wire_specs
 
 __all__ = ["StageRunner"]
 
@@ -44,6 +45,9 @@ class StageRunner:
     _shapes: dict[Hashable, tuple[StageGraph, fx.GraphModule, Callable[..., Any]]] = field(
         default_factory=dict, init=False
     )
+    autocast_dtype: torch.dtype | None = None
+    """The dtype the forward runs under autocast in (None: full precision; [Note: mixed precision] in
+    fxkfac/runtime/precision.py)."""
     _inputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     _outputs: dict[int, Any] = field(default_factory=dict)
     recompute: bool = False
@@ -54,7 +58,15 @@ class StageRunner:
 
     @classmethod
     def build(
-        cls, graph: StageGraph, pipe: int, is_last: bool, backend: str | None, *, copy: bool, recompute: bool = False
+        cls,
+        graph: StageGraph,
+        pipe: int,
+        is_last: bool,
+        backend: str | None,
+        *,
+        copy: bool,
+        recompute: bool = False,
+        autocast_dtype: torch.dtype | None = None,
     ) -> StageRunner:
         """A runner of the stage module, compiled when `backend` is set.
 
@@ -65,7 +77,8 @@ class StageRunner:
         module: fx.GraphModule = deepcopy(graph.gm) if copy else graph.gm
         for param in module.parameters():
             param.requires_grad_(True)
-        return cls(graph, pipe, module, _compiled(module, backend), is_last, backend, recompute=recompute)
+        fn = _compiled(module, backend)
+        return cls(graph, pipe, module, fn, is_last, backend, recompute=recompute, autocast_dtype=autocast_dtype)
 
     def __post_init__(self) -> None:
         assert isinstance(self.module, fx.GraphModule), "a stage runner's module is the split's GraphModule"
@@ -98,7 +111,8 @@ class StageRunner:
     def forward(self, mb: int, inputs: Sequence[torch.Tensor], needs_grad: bool) -> tuple[torch.Tensor, ...]:
         """Run the stage on micro-batch `mb`; float inputs of inner stages become autograd leaves."""
         leaves = [x.requires_grad_(True) if needs_grad and x.is_floating_point() else x for x in inputs]
-        outputs = tuple(self.call(self.fn, leaves))
+        with self.precision():
+            outputs = self.crossing(self.call(self.fn, leaves))
         self._inputs[mb] = leaves
         self._outputs[mb] = outputs
         return outputs
@@ -110,8 +124,8 @@ class StageRunner:
         never evaluates pays nothing for it."""
         if self.shape not in self._eval_fns:
             self._eval_fns[self.shape] = _compiled(eval_graph(self.gm), self.backend)
-        with torch.no_grad():
-            return tuple(self._eval_fns[self.shape](*inputs))
+        with torch.no_grad(), self.precision():
+            return self.crossing(self._eval_fns[self.shape](*inputs))
 
     def call(self, fn: Callable[..., Any], args: Sequence[Any]) -> Any:
         """`fn(*args)`, checkpointed where the stage recomputes and autograd records: only `args` are saved, and
@@ -119,6 +133,23 @@ class StageRunner:
         if self.recompute and torch.is_grad_enabled():
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the stage's parameters live (CPU for a stage without any)."""
+        return next((p.device for p in self.module.parameters()), torch.device("cpu"))
+
+    def precision(self) -> Any:
+        """The autocast context the stage's forward and its loss run in."""
+        return autocast(self.autocast_dtype, self.device)
+
+    def crossing(self, outputs: Any) -> tuple[torch.Tensor, ...]:
+        """The stage's outputs as they leave it: at the autocast width, except the last stage's (the loss's)."""
+        return tuple(outputs) if self.is_last else to_wire(tuple(outputs), self.autocast_dtype)
+
+    def wire(self, specs: Sequence[TensorSpec]) -> list[TensorSpec]:
+        """The specs of tensors that cross into or out of this stage as they travel."""
+        return wire_specs(specs, self.autocast_dtype)
 
     def keep_loss(self, mb: int, loss: torch.Tensor) -> None:
         """On the last stage, backward starts from this (already scaled) loss instead of the outputs."""

@@ -46,7 +46,17 @@ from fxkfac.config import KLClipScope
 from fxkfac.planner.lowering import linked_classes
 from fxkfac.runtime.p2p import Pending, Transport
 
-__all__ = ["agreement_sets", "last_to_end", "StepLoss", "StepEnd", "Verdict", "ClipScale", "unclipped", "clip_scales"]
+__all__ = [
+    "agreement_sets",
+    "last_to_end",
+    "StepLoss",
+    "StepEnd",
+    "Verdict",
+    "ClipScale",
+    "unclipped",
+    "clip_scales",
+    "norm_clip",
+]
 
 ClipScale = Callable[[float], float]
 """A clip group's sum <P, G> -> its nu: the family's `clip_scale` at the step's learning rate."""
@@ -82,6 +92,14 @@ def _total(dots: Mapping[int, torch.Tensor]) -> torch.Tensor:
 def clip_scales(sums: Mapping[int, float], scale: ClipScale) -> dict[int, float]:
     """nu of each group from its own sum <P, G>."""
     return {group: scale(value) for group, value in sums.items()}
+
+
+def norm_clip(sqnorm: float, max_norm: float | None) -> float:
+    """The factor `torch.nn.utils.clip_grad_norm_` multiplies every gradient by, given the squared global norm:
+    ``min(1, max_norm / (norm + 1e-6))`` (1 without clipping)."""
+    if max_norm is None:
+        return 1.0
+    return min(1.0, max_norm / (math.sqrt(sqnorm) + 1e-6))
 
 
 @total_ordering
@@ -147,6 +165,9 @@ class Verdict:
     skip: bool
     nus: dict[int, float]
     loss: float | None = None
+    clip: float = 1.0
+    """The factor every gradient is multiplied by for `PipelineOptions.max_grad_norm` (1: no clipping); the nus
+    are already those of the clipped gradient."""
 
 
 @dataclass
@@ -169,6 +190,8 @@ class StepEnd:
     """STALE: the last world sum <P, G> that was finite (None before the first step stood)."""
     world_root: int = 0
     """The world's root: STALE's first step ends as GLOBAL does."""
+    max_grad_norm: float | None = None
+    """`PipelineOptions.max_grad_norm`: the global norm rides in GLOBAL's world sum (other scopes refuse it)."""
     _pending: Pending | None = None
 
     @classmethod
@@ -178,6 +201,7 @@ class StepEnd:
         transport: Transport,
         holders: Iterable[Sequence[int]],
         ranks_of_stage: Mapping[int, Sequence[int]],
+        max_grad_norm: float | None = None,
     ) -> StepEnd:
         """This rank's StepEnd from every parameter's holder ranks and every stage's; makes the deferred sums'
         process group (collective) unless the scope is GLOBAL or the world one rank."""
@@ -185,7 +209,16 @@ class StepEnd:
         stages = len(ranks_of_stage)
         world_root = last_to_end(range(world), ranks_of_stage)
         if scope is KLClipScope.GLOBAL or world == 1:
-            return cls(scope, transport, tuple(range(world)), world_root, None, stages, world_root=world_root)
+            return cls(
+                scope,
+                transport,
+                tuple(range(world)),
+                world_root,
+                None,
+                stages,
+                world_root=world_root,
+                max_grad_norm=max_grad_norm,
+            )
         mine = next(ranks for ranks in agreement_sets(holders, world) if rank in ranks)
         root = last_to_end(mine, ranks_of_stage)
         return cls(scope, transport, mine, root, dist.new_group(list(range(world))), stages, world_root=world_root)
@@ -196,13 +229,20 @@ class StepEnd:
         return self.scope is not KLClipScope.GLOBAL
 
     def finish(
-        self, dots: Mapping[int, torch.Tensor], nonfinite: bool, loss: torch.Tensor, scale: ClipScale
+        self,
+        dots: Mapping[int, torch.Tensor],
+        nonfinite: bool,
+        loss: torch.Tensor,
+        scale: ClipScale,
+        sqnorm: torch.Tensor | None = None,
     ) -> Verdict:
         """The verdict from this rank's share of each group's sum <P, G> (`dots`, group -> float64 scalar: under
         STAGE every group of the model, 0 where the rank holds none of it; else the one group 0), its NaN/Inf
-        flag and its share of the step loss; `scale` turns a group's sum into its nu."""
+        flag, its share of the step loss and, when clipping, its share of the gradient's squared global norm;
+        `scale` turns a group's sum into its nu."""
         if self.scope is KLClipScope.GLOBAL or (self.scope is KLClipScope.STALE and self.stale is None):
-            return self._global(dots, nonfinite, loss, scale)
+            return self._global(dots, nonfinite, loss, scale, sqnorm)
+        assert self.max_grad_norm is None, "clipping needs the world sum of a GLOBAL step end (the trainer refuses)"
         groups = sorted(dots)
         shares = [dots[g] for g in groups] if self.scope is KLClipScope.STAGE else []
         skip, sums = self._agree(nonfinite, shares)
@@ -211,28 +251,42 @@ class StepEnd:
         self._take_stale()
         assert self.stale is not None, "STALE ends its first step as GLOBAL, which sets the sum"
         total = torch.tensor(math.nan, dtype=torch.float64) if skip else _total(dots)
+        total = total.to(self.transport.device)
         self._pending = self.transport.start_all_reduce(total, self.deferred, "KL-clip <P, G> (stale) all-reduce")
         return Verdict(skip, dict.fromkeys(dots, scale(self.stale)))
 
     def _global(
-        self, dots: Mapping[int, torch.Tensor], nonfinite: bool, loss: torch.Tensor, scale: ClipScale
+        self,
+        dots: Mapping[int, torch.Tensor],
+        nonfinite: bool,
+        loss: torch.Tensor,
+        scale: ClipScale,
+        sqnorm: torch.Tensor | None,
     ) -> Verdict:
-        """One world sum of [sum <P, G>, flag, loss] at the world's root; under STALE, the sum becomes the next
-        step's."""
-        flat = torch.stack(
-            [_total(dots), torch.tensor(float(nonfinite), dtype=torch.float64), loss.detach().to(torch.float64)]
-        )
+        """One world sum of [sum <P, G>, flag, loss, squared gradient norm] at the world's root; under STALE, the
+        sum becomes the next step's. With clipping, nu is that of the clipped gradient: <P, G> scales by the
+        clip factor squared (P is linear in G)."""
+        device = self.transport.device  # every share moves there: NCCL sums device memory, gloo host memory
+        norm = torch.zeros((), dtype=torch.float64, device=device) if sqnorm is None else sqnorm.to(device)
+        flag = torch.tensor(float(nonfinite), dtype=torch.float64, device=device)
+        flat = torch.stack([_total(dots).to(device), flag, loss.detach().to(device, torch.float64), norm.double()])
         world = range(self.transport.world)
-        self.transport.sum_at(flat, world, self.world_root, "OPT_STEP (KL-clip <P, G>, non-finite check and loss sum)")
-        skip = bool(flat[1] > 0)
+        self.transport.sum_at(
+            flat, world, self.world_root, "OPT_STEP (KL-clip <P, G>, non-finite check, loss and gradient norm sums)"
+        )
+        skip = bool(flat[1] > 0) or not math.isfinite(float(flat[3]))
+        clip = norm_clip(float(flat[3]), self.max_grad_norm) if not skip else 1.0
         if self.scope is KLClipScope.STALE and not skip and math.isfinite(float(flat[0])):
             self.stale = float(flat[0])
-        return Verdict(skip, dict.fromkeys(dots, scale(float(flat[0]))), float(flat[2]))
+        nu = scale(float(flat[0]) * clip * clip)
+        return Verdict(skip, dict.fromkeys(dots, nu), float(flat[2]), clip)
 
     def _agree(self, nonfinite: bool, shares: Sequence[torch.Tensor]) -> tuple[bool, list[float]]:
         """Sum [flag, shares] over the agreement set: the verdict and the sums of the shares (a stage's copies lie in
         one set, so a stage's sum is whole there)."""
-        flat = torch.stack([torch.tensor(float(nonfinite), dtype=torch.float64), *shares])
+        device = self.transport.device
+        flag = torch.tensor(float(nonfinite), dtype=torch.float64, device=device)
+        flat = torch.stack([flag, *(share.to(device) for share in shares)])
         self.transport.sum_at(
             flat, self.agreement, self.root, f"OPT_STEP (non-finite check over ranks {list(self.agreement)})"
         )

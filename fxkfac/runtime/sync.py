@@ -93,6 +93,10 @@ class GradSync:
     owned: Mapping[str, tuple[int, int]] = field(default_factory=dict)
     """Tied parameters a family preconditions -> (owner stage, root): the rank of the owner stage whose direction
     every copy takes (see the module doc)."""
+    sqnorms: list[torch.Tensor] | None = None
+    """With gradient clipping, this step's shares of the squared global gradient norm, one per bucket, taken as
+    soon as the bucket's gradient is summed over its copies, before anything preconditions it (None: not clipping;
+    `take_sqnorm`)."""
     _local: Counter[str] = field(init=False)
     """Parameter name -> this rank's copies of it (its stage copies that hold it)."""
     _reached: set[int] = field(init=False, default_factory=set)
@@ -144,6 +148,8 @@ class GradSync:
         (see [Note: collectives in flight] in fxkfac/runtime/p2p.py), else waited for."""
         for ranks, bucket in self._buckets(names):
             if len(ranks) == 1 and all(self._local[n] == 1 for n in bucket):
+                if self.sqnorms is not None:
+                    self._add_sqnorm(flat_gradient([self._copies(n)[0] for n in bucket]), 1)
                 continue  # the only copy: nothing to sum
             copies = [self._copies(n) for n in bucket]
             # local copies summed
@@ -153,7 +159,7 @@ class GradSync:
                     for c in copies
                 ]
             )
-            scatter = functools.partial(_scatter, copies=copies, grad=True)
+            scatter = functools.partial(self._final, copies=copies, holders=len(ranks))
             if len(ranks) == 1:
                 scatter(flat)
                 continue
@@ -162,6 +168,25 @@ class GradSync:
                 scatter(pending.wait())
             else:
                 transport.defer(key, pending, scatter)
+
+    def _final(self, flat: torch.Tensor, copies: Sequence[Sequence[torch.Tensor]], holders: int) -> None:
+        """A bucket's gradient summed over its copies: written into every copy, and its share of the squared norm
+        taken (each of its `holders` ranks adds 1/holders of it: every parameter counts once)."""
+        _scatter(flat, copies, grad=True)
+        self._add_sqnorm(flat, holders)
+
+    def _add_sqnorm(self, flat: torch.Tensor, holders: int) -> None:
+        if self.sqnorms is not None:
+            self.sqnorms.append(torch.linalg.vector_norm(flat).to(torch.float64).square() / holders)
+
+    def take_sqnorm(self) -> torch.Tensor | None:
+        """This rank's share of the step's squared global gradient norm (float64), and start the next step's;
+        None when not clipping."""
+        if self.sqnorms is None:
+            return None
+        total = torch.stack(self.sqnorms).sum().cpu() if self.sqnorms else torch.zeros((), dtype=torch.float64)
+        self.sqnorms = []
+        return total
 
     def stage(self, stage: int, transport: Transport, what: str) -> None:
         """Start summing the gradients of stage `stage`'s own (not shared) parameters over their copies, in flight

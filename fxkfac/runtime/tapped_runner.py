@@ -16,6 +16,7 @@ from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture, new_
 from fxkfac.passes.split_stages import StageGraph
 from fxkfac.planner.ir import Capture, Op
 from fxkfac.preconditioner import Family, Source
+from fxkfac.runtime.precision import LossScale
 from fxkfac.runtime.stage import StageRunner
 
 __all__ = ["TappedRunner"]
@@ -33,6 +34,8 @@ class TappedRunner(StageRunner):
     layers: dict[str, Any] = field(default_factory=dict)
     sources: dict[Source, tuple[str, ...]] = field(default_factory=dict)
     modes: dict[str, Capture] = field(default_factory=dict)
+    loss_scale: LossScale | None = None
+    """float16's loss scale, which output-gradient captures are divided by (None: not scaled)."""
     captures: dict[tuple[str, str, int], deque[Tensor]] = field(default_factory=dict)
     grad_scale: float = 1.0
     """The step's global batch over the one the stage was built for: output-gradient captures are kept as the
@@ -43,7 +46,14 @@ class TappedRunner(StageRunner):
     _probes: dict[int, dict[str, Tensor]] = field(default_factory=dict)
 
     @classmethod
-    def wrap(cls, runner: StageRunner, layers: Mapping[str, Any], family: Family, backend: str | None) -> TappedRunner:
+    def wrap(
+        cls,
+        runner: StageRunner,
+        layers: Mapping[str, Any],
+        family: Family,
+        backend: str | None,
+        loss_scale: LossScale | None = None,
+    ) -> TappedRunner:
         """The same stage copy (same module and parameters) capturing `layers` for `family`'s parts."""
         sources = {src: tuple(p for p in family.parts if family.source(p) is src) for src in Source}
         return cls(
@@ -52,10 +62,12 @@ class TappedRunner(StageRunner):
             runner.module,
             runner.fn,
             runner.is_last,
-            backend,
+            backend=backend,
             recompute=runner.recompute,
+            autocast_dtype=runner.autocast_dtype,
             layers=dict(layers),
             sources=sources,
+            loss_scale=loss_scale,
         )
 
     def __post_init__(self) -> None:
@@ -79,7 +91,10 @@ class TappedRunner(StageRunner):
             self._variants = {k: v for k, v in self._variants.items() if k[0] != key}
 
     def _keep(self, name: str, source: Source, mb: int, value: Tensor) -> None:
-        """Queue a capture for every part it feeds (none: the family does not use that side)."""
+        """Queue a capture, as float32 (a capture under autocast may be narrower), for every part it feeds (none:
+        the family does not use that side)."""
+        if value.dtype in (torch.float16, torch.bfloat16):
+            value = value.float()
         for part in self.sources.get(source, ()):
             self.captures.setdefault((name, part, mb), deque()).append(value)
 
@@ -98,10 +113,11 @@ class TappedRunner(StageRunner):
         taps, fn = self._variant()
         order = sorted(taps.probes, key=taps.probes.__getitem__)
         device = inputs[0].device if inputs else torch.device("cpu")
-        probes = new_probes(taps, device)
+        probes = new_probes(taps, device, self.autocast_dtype)
         leaves = [x.requires_grad_(True) if needs_grad and x.is_floating_point() else x for x in inputs]
-        outs = tuple(self.call(fn, [*leaves, *probes]))  # a recomputed forward's captures are dropped: counted once
-        user = outs[: taps.n_outputs]
+        with self.precision():
+            outs = tuple(self.call(fn, [*leaves, *probes]))  # a recomputed forward's captures are dropped: counted once
+        user = self.crossing(outs[: taps.n_outputs])
         self._inputs[mb] = leaves
         self._outputs[mb] = user
         for name, index in taps.a_outputs.items():
@@ -115,11 +131,19 @@ class TappedRunner(StageRunner):
         grads = super().backward(mb, output_grads)
         for name, probe in probes.items():
             value = probe.grad if probe.grad is not None else torch.zeros_like(probe)
+            value = self._unscaled(value, self.modes.get(name))
             if self.grad_scale != 1.0:
                 fused = self.modes[name] is Capture.FUSED
                 value = value * (self.grad_scale**2 if fused else self.grad_scale)
             self._keep(name, Source.OUTPUT_GRAD, mb, value)
         return grads
+
+    def _unscaled(self, value: Tensor, mode: Capture | None) -> Tensor:
+        """An output-gradient capture made from float16's scaled loss, unscaled: a deferred one (the gradient) divided
+        by the scale, a fused one (its Gram matrix) by its square."""
+        if self.loss_scale is None:
+            return value
+        return self.loss_scale.unscale(value, 1 if mode is Capture.DEFERRED else 2)
 
     def captures_state(self) -> list[list[Any]]:
         """The captures waiting for STATS ops: ``[[layer, part, mb, [tensors, oldest first]], ...]``."""

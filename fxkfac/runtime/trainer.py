@@ -9,6 +9,7 @@ decides what runs: `fxkfac.compile` resolved the programs (planner/lowering.py, 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -34,7 +35,7 @@ from fxkfac.preconditioner import Family, RefreshState, gradient_parts
 from fxkfac.progress import Display, training_progress
 from fxkfac.runtime.interpreter import EVAL_HANDLERS, Interpreter, StepContext, forward_only, local_loss
 from fxkfac.runtime.mesh import MeshLayout, StageCopies
-from fxkfac.runtime.p2p import TagSpace, Transport
+from fxkfac.runtime.p2p import TagSpace, Transport, collective_device
 from fxkfac.runtime.param_state import (
     check_model_state,
     load_model_state,
@@ -42,6 +43,7 @@ from fxkfac.runtime.param_state import (
     param_names,
     parse_optimizer_state,
 )
+from fxkfac.runtime.precision import LossScale
 from fxkfac.runtime.preconditioning import PreconditionerRuntime
 from fxkfac.runtime.stage import StageRunner
 from fxkfac.runtime.step_end import StepEnd, StepLoss
@@ -145,24 +147,58 @@ class RunSpec:
     """How a step of another input shape gets its stages (None: only `signature` trains; fxkfac/shapes.py)."""
 
 
-def _runners(spec: RunSpec, backend: str | None) -> dict[tuple[int, int], StageRunner]:
+def _runners(
+    spec: RunSpec, backend: str | None, autocast_dtype: torch.dtype | None
+) -> dict[tuple[int, int], StageRunner]:
     """This rank's stage copies by (stage, pipe), each running its stage graph (a copy of it where the rank holds
-    several, so that their parameters are their own)."""
+    several, so that their parameters are their own) under autocast of `autocast_dtype` (None: full precision)."""
     held = stages_of_rank(spec.kind, spec.layout.D, spec.layout.pp, v=spec.v)
     last = len(spec.split.stages) - 1
     return {
         (s, p): StageRunner.build(
-            spec.split.stages[s], p, s == last, backend, copy=len(held) > 1, recompute=s in spec.recompute
+            spec.split.stages[s],
+            p,
+            s == last,
+            backend,
+            copy=len(held) > 1,
+            recompute=s in spec.recompute,
+            autocast_dtype=autocast_dtype,
         )
         for s, p in held
     }
+
+
+def _check_precision(options: PipelineOptions, family: Family | None, barrier_free: bool) -> None:
+    """ConfigError where float16's loss scale or gradient clipping cannot be what the user asked: both need every
+    rank to read one world verdict per step, and clipping before preconditioning needs a preconditioner linear in
+    the gradient."""
+    wants = [
+        what
+        for what, on in (
+            ("autocast_dtype=torch.float16", options.scales_loss),
+            ("max_grad_norm", options.max_grad_norm),
+        )
+        if on
+    ]
+    if wants and barrier_free:
+        raise ConfigError(
+            f"PipelineOptions.{' and '.join(wants)} needs one world verdict per step (the loss scale and the global "
+            "gradient norm must be the same on every rank): use KFACConfig.kl_clip_scope='global' and "
+            "PipelineOptions.step_agreement=StepAgreement.WORLD"
+        )
+    if options.max_grad_norm is not None and family is not None and family.full_direction:
+        raise ConfigError(
+            f"PipelineOptions.max_grad_norm is not supported with {family.name}: its statistics, momentum and "
+            "grafting are not linear in the gradient, so the clip cannot be applied after its preconditioning; "
+            "use K-FAC or the base optimizer alone, or max_grad_norm=None"
+        )
 
 
 def _transport(spec: RunSpec, timeout: float) -> Transport:
     """This rank's sends, receives and collectives, each wait bounded by `timeout` seconds."""
     max_tensors = max(len(s.inputs) + len(s.outputs) for s in spec.split.stages)
     tags = TagSpace(len(spec.split.stages), spec.N, max_tensors)
-    return Transport(spec.layout.rank, spec.layout.world_size, tags, timedelta(seconds=timeout))
+    return Transport(spec.layout.rank, spec.layout.world_size, tags, timedelta(seconds=timeout), collective_device())
 
 
 def _streamed_layers(spec: RunSpec, rank: int, local: Sequence[int]) -> StreamedLayers:
@@ -208,7 +244,10 @@ class Trainer(Checkpointing):
         self.units: list[Any] = list(spec.units.values())
         """The units the family preconditions (K-FAC: its layers; Shampoo: parameters); empty without one."""
         self.timings = dict(spec.timings)
-        self.runners = _runners(spec, backend)
+        self.runners = _runners(spec, backend, options.autocast_dtype)
+        self.loss_scale = LossScale.build(options.loss_scaling, options.scales_loss)
+        """float16's dynamic loss scale ([Note: mixed precision] in fxkfac/runtime/precision.py)."""
+        self._unscale_gradients()
         self.transport = _transport(spec, options.timeout)
         holders = ranks_of_stages(spec.kind, self.layout.D, self.layout.W, spec.v)
         owner = {n: s for s, names in spec.stage_units.items() for n in names if n in spec.split.shared_params}
@@ -221,10 +260,13 @@ class Trainer(Checkpointing):
             {n: (s, min(holders[s])) for n, s in owner.items()},
         )
         self.sync.broadcast_weights(self.transport)
+        if options.max_grad_norm is not None:
+            self.sync.sqnorms = []
         self.interpreter = Interpreter()
         self.evaluator = Interpreter(EVAL_HANDLERS)
         """Runs `evaluate`'s forward-only programs."""
         self.step_end = self._step_end(holders)
+        _check_precision(options, spec.family if spec.units else None, self.step_end.barrier_free)
         self.preconditioning = self._preconditioning(holders, backend) if spec.units else None
         params = [p for r in self.runners.values() for p in r.module.parameters()]
         self.optimizer = optimizer(params) if params else None  # a stage of only activations holds none
@@ -258,7 +300,8 @@ class Trainer(Checkpointing):
         if gradient_parts(spec.family) != set(spec.family.parts):  # some part is fed by captures: tap the stages
             for key, runner in list(self.runners.items()):
                 held = {n: spec.units[n] for n in spec.stage_units[runner.stage]}
-                self.runners[key] = TappedRunner.wrap(runner, held, spec.family, backend)
+                scale = self.loss_scale if self.loss_scale.enabled else None
+                self.runners[key] = TappedRunner.wrap(runner, held, spec.family, backend, scale)
         streamed = _streamed_layers(spec, self.layout.rank, local)
         groups = {s: StageCopies(holders[s], self.sync.group_of(holders[s])) for s in local}
         groups |= {stage_of[n]: StageCopies(holders[stage_of[n]], None) for n in streamed.replicas}
@@ -297,7 +340,18 @@ class Trainer(Checkpointing):
             scope = self.spec.family.kl_clip_scope
         else:
             scope = KLClipScope.STAGE if agreement is StepAgreement.COPIES else KLClipScope.GLOBAL
-        return StepEnd.build(scope, self.transport, self.sync.holders.values(), ranks_of_stage)
+        return StepEnd.build(
+            scope, self.transport, self.sync.holders.values(), ranks_of_stage, self.options.max_grad_norm
+        )
+
+    def _unscale_gradients(self) -> None:
+        """Under float16's loss scale: divide every parameter's gradient by the scale as autograd hands it over
+        (before it is accumulated or read: [Note: mixed precision] in fxkfac/runtime/precision.py)."""
+        if not self.loss_scale.enabled:
+            return
+        for runner in self.runners.values():
+            for param in runner.module.parameters():
+                param.register_hook(self.loss_scale.hook)
 
     @property
     def layer_states(self) -> dict[str, RefreshState]:
@@ -377,8 +431,10 @@ class Trainer(Checkpointing):
             for runner in self.runners.values():
                 if isinstance(runner, TappedRunner):
                     runner.modes = self.preconditioning.modes_at(self.steps, list(runner.layers))
-        self.interpreter.run(self.ops_at(self.steps), ctx, self.timeline)
+        with self._one_cast_per_step():
+            self.interpreter.run(self.ops_at(self.steps), ctx, self.timeline)
         loss = self._loss(ctx)
+        self.loss_scale.update(bool(ctx.skipped))
         if ctx.skipped:
             self.interpreter.abort(ctx)
             self._skip()
@@ -410,6 +466,7 @@ class Trainer(Checkpointing):
             out_spec=spec.captured.out_spec,
             scale=1.0 / (spec.N * W),
             step_end=self.step_end,
+            loss_scale=self.loss_scale.scale,
         )
 
     def evaluate(self, inputs: Any, targets: Any) -> float:
@@ -428,6 +485,15 @@ class Trainer(Checkpointing):
             self.transport.flush()
         return float(total)
 
+    def _one_cast_per_step(self) -> Any:
+        """Under autocast, a context around the step (autocast itself, off) that keeps autocast's cache of its
+        weight casts alive from one micro-batch's forward to the next, so each weight is cast once per step
+        rather than once per micro-batch (eager stages; the cache empties when the step ends, after OPT_STEP)."""
+        if self.options.autocast_dtype is None:
+            return contextlib.nullcontext()
+        device = next(iter(self.runners.values())).device
+        return torch.autocast(device.type, enabled=False)
+
     def _loss(self, ctx: StepContext) -> float | StepLoss:
         """The step loss over the world: the float OPT_STEP's world sum made, or under a barrier-free
         KL-clip scope a StepLoss whose sum runs on while the next step trains ([Note: KL-clip scope] in
@@ -442,10 +508,11 @@ class Trainer(Checkpointing):
         self.skipped_steps += 1
         self._skips_in_a_row += 1
         log.warning(
-            "rank %d: step %d skipped: loss or gradients are NaN/Inf on some rank (%d skipped so far)",
+            "rank %d: step %d skipped: loss or gradients are NaN/Inf on some rank (%d skipped so far)%s",
             self.layout.rank,
             self.steps,
             self.skipped_steps,
+            f"; float16 loss scale backed off to {self.loss_scale.scale:g}" if self.loss_scale.enabled else "",
         )
         limit = self.options.max_skipped_steps
         if limit is not None and self._skips_in_a_row > limit:
@@ -472,15 +539,17 @@ class Trainer(Checkpointing):
         return self.transport.timeout
 
     def state_dict(self) -> dict[str, Any]:
-        """Parameters (one copy per FQN, detached), optimizer state by parameter FQN, counters; with a
-        preconditioner also ``kfac`` (unit states by unit name) and ``inflight`` (refreshes, decompositions and
-        captures held here)."""
+        """Parameters (one copy per FQN, detached), optimizer state by parameter FQN, counters; under float16 also
+        ``loss_scale`` (the scale and its growth tracker, alike on every rank); with a preconditioner also ``kfac``
+        (unit states by unit name) and ``inflight`` (refreshes, decompositions and captures held here)."""
         state: dict[str, Any] = {
             "model": {n: p.detach() for n, p in self.named_parameters()},
             "optimizer": optimizer_state(self.optimizer, param_names(self.runners.values())),
             "step": self.steps,
             "skipped_steps": self.skipped_steps,
         }
+        if self.loss_scale.enabled:
+            state["loss_scale"] = self.loss_scale.state_dict()
         if self.preconditioning is not None:
             state.update(self.preconditioning.state_dict())
             state["inflight"]["captures"] = {
@@ -498,6 +567,8 @@ class Trainer(Checkpointing):
         check_model_state(self.runners.values(), state["model"])
         optim = parse_optimizer_state(self.optimizer, param_names(self.runners.values()), state["optimizer"])
         restore_kfac = self._parse_kfac(state) if self.preconditioning is not None else None
+        if self.loss_scale.enabled and "loss_scale" in state:
+            self.loss_scale.load_state_dict(state["loss_scale"])
         load_model_state(self.runners.values(), state["model"])
         if self.optimizer is not None:
             assert optim is not None, "parse_optimizer_state returns a state for an optimizer"

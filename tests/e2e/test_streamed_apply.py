@@ -4,6 +4,8 @@ mid-run bit for bit."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -50,6 +52,28 @@ def test_two_helpers_share_the_streamed_layers_of_two_copies() -> None:
     covered: set[str] = set()
     for r in results:
         assert r.value["losses"] == first["losses"], f"rank {r.rank} reports other losses"
+        bad = w.compare(r.value["params"], want)
+        assert not bad, f"rank {r.rank}: {bad[:4]} differ from the single-device trainer by > 1e-5"
+        covered |= set(r.value["params"])
+    assert covered == set(want)
+
+
+def test_streamed_layers_are_clipped_as_on_one_device() -> None:
+    """`PipelineOptions.max_grad_norm` with stage 0's APPLY streamed to the other rank: the norm is taken from the
+    owner's raw gradient before it is handed off, and the helper's preconditioned gradient is clipped at OPT_STEP
+    like the rest; parameters equal the single-device trainer (clipping as `clip_grad_norm_`,
+    tests/runtime/test_mixed_precision.py) at the plan's timings to 1e-5."""
+    case = w.Case("1f1b", 2, 2, 1, max_grad_norm=0.05)
+    results = run_distributed(w.streamed_worker, 2, case, timeout=600)
+    failed = [f"rank {r.rank}: {r.error_type}: {r.error}\n{r.traceback}" for r in results if not r.ok]
+    assert not failed, "\n".join(failed)
+    first = results[0].value
+    assert first["streaming"] is not None and first["streaming"].ranks == (1,), first["streaming"]
+    want = w.reference_for_plan(case, first["layers"], first["steps"])
+    unclipped = w.reference_for_plan(dataclasses.replace(case, max_grad_norm=None), first["layers"], first["steps"])
+    assert w.compare(unclipped, want, atol=1e-4), "the clip changed nothing"
+    covered: set[str] = set()
+    for r in results:
         bad = w.compare(r.value["params"], want)
         assert not bad, f"rank {r.rank}: {bad[:4]} differ from the single-device trainer by > 1e-5"
         covered |= set(r.value["params"])

@@ -37,6 +37,7 @@ __all__ = [
     "weighted_loss",
     "weighted_batches",
     "streamed_resume_worker",
+    "streamed_worker",
     "reference_with_skip",
 ]
 
@@ -61,6 +62,8 @@ class Case:
     choice: with a forced `strategy`; the joint strategy search fuses nothing)."""
     strategy: str | None = None
     """`PlanOptions.strategy` (None: the planner chooses)."""
+    max_grad_norm: float | None = None
+    """`PipelineOptions.max_grad_norm` of the pipelined run and its single-device reference."""
 
     @property
     def kfac(self) -> KFACConfig:
@@ -128,6 +131,7 @@ def _trained_alone(
         microbatches=case.N * case.W,
         backend=None,
         layer_timing=timings,
+        pipeline=PipelineOptions(max_grad_norm=case.max_grad_norm),
     )
     if stages is not None:
         trainer.preconditioning.clip_groups = dict(stages)
@@ -293,7 +297,7 @@ def pipelined(case: Case, plan: Any, options: PlanOptions | None = None, loss: A
         schedule=case.schedule,
         backend=None,
         microbatches=case.N,
-        pipeline=PipelineOptions(timeout=60.0),
+        pipeline=PipelineOptions(timeout=60.0, max_grad_norm=case.max_grad_norm),
         **({"plan_options": options} if options is not None else {}),
     )
 
@@ -381,6 +385,13 @@ def two_helpers_worker(rank: int, world: int, case: Case) -> dict:
         case, solve(dataclasses.replace(problem, streaming=shared), SolverConfig(time_limit_s=1.5), "greedy")
     )
     return trained(run, data, 2 * max(run.plan.layers[n].period for n in layers))  # two refreshes of each streamed
+
+
+def streamed_worker(rank: int, world: int, case: Case) -> dict:
+    """The case's auto plan, whose first stage streams its APPLY, run for two refresh periods (`trained`)."""
+    options = PlanOptions(costs=synthetic_costs, time_limit_s=1.5, max_overhead=0.0)
+    run = pipelined(case, "auto", options)
+    return trained(run, batches(case), 2 * max(t.period for t in run.plan.layers.values()))
 
 
 def weighted_loss(out, target: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -23,7 +23,10 @@ class KFACReference:
     """K-FAC by the book on the eager model: hooks for a / e, fxkfac.kfac for the layer math.
 
     `factor_microbatches[layer]` (default: all) are the micro-batches whose statistics feed the layer's factors:
-    DP-KFAC's owner keeps the factors of its own shard."""
+    DP-KFAC's owner keeps the factors of its own shard. `max_grad_norm`: the gradient is clipped by
+    `torch.nn.utils.clip_grad_norm_` after backward, before K-FAC sees it. `autocast_dtype`: the forward and
+    loss run under `torch.autocast` (unscaled: no loss scaling), the factors formed in float32 from the hooked
+    values."""
 
     def __init__(
         self,
@@ -35,7 +38,10 @@ class KFACReference:
         timings: Mapping[str, LayerTiming],
         optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
         factor_microbatches: Mapping[str, Sequence[int]] | None = None,
+        max_grad_norm: float | None = None,
+        autocast_dtype: torch.dtype | None = None,
     ) -> None:
+        self.max_grad_norm, self.autocast_dtype = max_grad_norm, autocast_dtype
         self.model, self.layers, self.cfg, self.loss_fn = model, list(layers), cfg, loss_fn
         self.n_mb, self.timings = microbatches, timings
         self.opt = optimizer([p for p in model.parameters() if p.requires_grad])
@@ -55,13 +61,20 @@ class KFACReference:
         ]
         sums: dict[str, list[Tensor]] = {}
         for m, (xm, ym) in enumerate(zip(x.chunk(self.n_mb), y.chunk(self.n_mb))):
-            run = lambda xm=xm, ym=ym: self.loss_fn(self.model(xm), ym) / self.n_mb  # noqa: E731
+
+            def run(xm: Tensor = xm, ym: Tensor = ym) -> Tensor:
+                dtype = self.autocast_dtype
+                with torch.autocast(xm.device.type, dtype=dtype or torch.bfloat16, enabled=dtype is not None):
+                    return self.loss_fn(self.model(xm), ym) / self.n_mb
+
             if refresh:
                 for name, (a_m, b_m) in hook_factors(self.model, refresh, run, n, torch.float32).items():
                     if m in self.factor_mbs[name]:
                         sums.setdefault(name, []).extend([a_m, b_m])
             else:
                 run().backward()
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
         if self.cfg is not None:
             self._kfac(t, refresh, sums)
         self.opt.step()
