@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fxkfac.errors import ConfigError
 from fxkfac.planner.ir import Capture
@@ -14,6 +12,9 @@ from fxkfac.planner.preconditioners import InverseMethod
 from fxkfac.planner.problem import StepBarrier
 from fxkfac.planner.strategy import Strategy, parse_strategy
 from fxkfac.planner.stream_choice import StreamApply
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "ActivationCheckpointing",
@@ -234,7 +235,16 @@ class LossScaling:
             raise ConfigError(f"LossScaling.growth_interval must be an int >= 1, got {self.growth_interval!r}")
 
 
-AUTOCAST_DTYPES = (torch.bfloat16, torch.float16)
+AUTOCAST_DTYPES = ("torch.bfloat16", "torch.float16")
+"""The dtypes `PipelineOptions.autocast_dtype` accepts, as `str(dtype)` writes them (config imports no torch:
+`fxkfac plan` runs without it)."""
+
+
+def _is_autocast_dtype(value: Any) -> bool:
+    """Whether `value` is torch.bfloat16 or torch.float16 (a torch dtype, not its text)."""
+    return type(value).__module__ == "torch" and str(value) in AUTOCAST_DTYPES
+
+
 """The dtypes `PipelineOptions.autocast_dtype` accepts."""
 
 
@@ -300,7 +310,7 @@ class PipelineOptions:
                 f"({', '.join(m.name for m in StepAgreement)}), got {self.step_agreement!r}"
             )
         object.__setattr__(self, "activation_checkpointing", ActivationCheckpointing.of(self.activation_checkpointing))
-        if self.autocast_dtype is not None and self.autocast_dtype not in AUTOCAST_DTYPES:
+        if self.autocast_dtype is not None and not _is_autocast_dtype(self.autocast_dtype):
             raise ConfigError(
                 f"PipelineOptions.autocast_dtype must be torch.bfloat16, torch.float16 or None, got "
                 f"{self.autocast_dtype!r}"
@@ -319,7 +329,7 @@ class PipelineOptions:
     @property
     def scales_loss(self) -> bool:
         """True when the run scales its loss (float16)."""
-        return self.autocast_dtype is torch.float16
+        return str(self.autocast_dtype) == "torch.float16"
 
 
 PROFILE_MARGIN = 1.2

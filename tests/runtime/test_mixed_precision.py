@@ -207,7 +207,6 @@ def test_refused_settings_say_why(options: dict, preconditioner: object, words: 
             example_inputs=(torch.randn(4, 12),),
             loss_fn=F.cross_entropy,
             optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
-            preconditioner=None,
             backend=None,
             pipeline=PipelineOptions(**options),
         )
