@@ -13,9 +13,9 @@ compared). The "ci" set (tests/planner/test_golden.py) is 30 of the random probl
 2 s limit. Each plan is recorded as its refresh periods per stage, step time, peak memory per device and the
 deterministic time its planning spent (CP-SAT's clock, [Note: deterministic budget] in planner/budget.py), which
 repeat on any load unless the wall-clock safety net ends a search first (recorded as "capped": not compared).
-`compare` says per plan: equal, better (something better, nothing worse) or worse (a refresh period, the step, a
-device's peak memory or the deterministic time worse; or no plan where one was). Prints a rich table and one JSON
-line.
+`compare` says per plan: equal, better (something better, nothing worse), "worse: plan" (a refresh period, the
+step or the plan's peak memory worse; or no plan where one was) or "worse: time" (an equal or better plan found in
+more deterministic time). Prints a rich table and one JSON line.
 """
 
 from __future__ import annotations
@@ -268,9 +268,11 @@ def record(case: Case) -> Outcome:
 
 
 def verdict(old: Outcome, new: Outcome) -> str:
-    """equal, better or worse (see the module docstring); "changed problem" where the digests differ, "capped" where
-    the wall-clock safety net ended a search of either (planner/budget.py: that plan depends on the machine's load,
-    so it is not compared)."""
+    """equal, better (something better, nothing worse), "worse: plan" (a refresh period, the step or the peak memory
+    worse, or no plan where one was), or "worse: time" (the plan equal or better, found in more deterministic time);
+    "changed problem" where the digests differ, "capped" where the wall-clock safety net ended a search of either
+    (planner/budget.py: that plan depends on the machine's load, so it is not compared). The peak memory is the
+    plan's, the most of any device (`planner.plan.rank`'s): a plan may hold more on one device and less on another."""
     if old.get("digest", "") != new.get("digest", ""):
         return "changed problem"
     if old.get("capped") or new.get("capped"):
@@ -278,18 +280,20 @@ def verdict(old: Outcome, new: Outcome) -> str:
     if "error" in old or "error" in new:
         if "error" in old and "error" in new:
             return _by_time(old, new, [])
-        return "worse" if "error" in new else "better"
+        return "worse: plan" if "error" in new else "better"
     signs = [_sign(a, b) for a, b in zip(old["refresh"], new["refresh"], strict=True)]
     signs.append(_sign(old["step_ms"], new["step_ms"], 1e-9))
-    signs += [_sign(old["peak"][d], new["peak"].get(d, math.inf)) for d in old["peak"]]
+    signs.append(_sign(max(old["peak"].values()), max(new["peak"].values())))
+    if any(s > 0 for s in signs):
+        return "worse: plan"
     return _by_time(old, new, signs)
 
 
 def _by_time(old: Outcome, new: Outcome, signs: list[int]) -> str:
-    signs = [*signs, _sign(old["dtime"], new["dtime"], DTIME_TOL)]
-    if any(s > 0 for s in signs):
-        return "worse"
-    return "better" if any(s < 0 for s in signs) else "equal"
+    time = _sign(old["dtime"], new["dtime"], DTIME_TOL)
+    if time > 0:
+        return "worse: time"
+    return "better" if any(s < 0 for s in [*signs, time]) else "equal"
 
 
 def _sign(old: float, new: float, rel: float = 0.0) -> int:

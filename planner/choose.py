@@ -4,9 +4,12 @@
 (below) in full by `solve`, as forcing it would, and keeps the best; CP-SAT then chooses each layer's
 distribution together with the placement ([Note: joint strategy] in planner/joint.py) in the CP-SAT time the
 candidates left, and its plan joins them. The candidates that can win (`_hopeful_first`: a reference step within
-max_overhead, and STEP_TIE, of the least) share the time first; one alone has all of it, as forcing it would (issue
-38: the joint model, run first, spent the README snippet's whole limit and kept first-fit's 11 30 where COMM-OPT,
-the one candidate of least reference step, reached 11 25 forced). The joint model
+max_overhead, and STEP_TIE, of the least) share the time. At max_overhead 0 they are planned first, one alone with
+all of it, as forcing it would (issue 38: the joint model, run first, spent the README snippet's whole limit and
+kept first-fit's 11 30 where COMM-OPT, the one candidate of least reference step, reached 11 25 forced; on random
+W=2 problems run first it refreshed less often than forced MEM-OPT). Above it each candidate spends its share on
+the least stretch, and one search over all of them does better: the joint model, whose options hold them, runs
+first and they get the CP-SAT time it left (tests/planner/test_joint_strategy.py). The joint model
 runs only where it has a choice (`has_choice`): a layer of a stage it leaves free with another distribution that
 keeps the reference step within that allowance. Within it: first the option set with the least reference step
 within the static memory, then per stage group the options and placement with the least refresh period, stretch
@@ -201,17 +204,19 @@ def solve_outer(
     joint: bool = False,
 ) -> Plan:
     """The best of `candidate_problems`, each planned in full by `solve` (`_plan_each`) within the time left in
-    `box` (a new one: config's; with the greedy method, which is not timed, every one that can win): first those
-    whose reference step lets them win (`_hopeful_first`), then, with `joint`, the joint choice (`solve_joint`) in
-    the CP-SAT time they left (all of it where none planned), the other candidates only where none of those plans.
-    When none plans, the first's refusal names what would."""
+    `box` (a new one: config's; with the greedy method, which is not timed, every one that can win): those whose
+    reference step lets them win (`_hopeful_first`) and, with `joint`, the joint choice (`solve_joint`): at
+    max_overhead 0 those candidates first, then the joint choice in the CP-SAT time they left (all of it where none
+    planned); above it the other way round ([Note: strategy search]); the other candidates only where none of those
+    plans. When none plans, the first's refusal names what would."""
     box = box or TimeBox(config)
     candidates, hopeful = _hopeful_first(candidate_problems(problem))
     timed = Method(method) is Method.CPSAT
-    plans = _plan_each(candidates[:hopeful], config, method, box, timed)
-    if joint and (not plans or box.solving().solver_time() > 0):  # first-fit alone would not improve on them
-        chosen = solve_joint(problem, config, box)
-        plans += [] if chosen is None else [chosen]
+    joint_first = joint and problem.max_overhead > 0
+    plans = _joint(problem, config, box) if joint_first else []
+    plans += _plan_each(candidates[:hopeful], config, method, box, timed, after=bool(plans))
+    if joint and not joint_first and (not plans or box.solving().solver_time() > 0):
+        plans += _joint(problem, config, box)
     if plans and hopeful < len(candidates):
         log.info(
             "distributions %s not planned: their reference steps are past the allowance",
@@ -225,13 +230,29 @@ def solve_outer(
     return chosen
 
 
+def _joint(problem: Problem, config: SolverConfig, box: TimeBox) -> list[Plan]:
+    """The joint choice's plan (`solve_joint`), none where it made none."""
+    chosen = solve_joint(problem, config, box)
+    return [] if chosen is None else [chosen]
+
+
 def _plan_each(
-    candidates: Sequence[Problem], config: SolverConfig, method: Method | str, box: TimeBox, timed: bool
+    candidates: Sequence[Problem],
+    config: SolverConfig,
+    method: Method | str,
+    box: TimeBox,
+    timed: bool,
+    *,
+    after: bool = False,
 ) -> list[Plan]:
     """The plans of `candidates` in turn, each with an equal share of the solver time left in `box` (one alone: all
-    of it, as forcing it would), until the time is up once one has planned; a candidate that refuses is left out."""
+    of it, as forcing it would), until the time is up once one has planned (`after` another plan: once CP-SAT's is,
+    as first-fit alone would not improve on it); a candidate that refuses is left out."""
     plans: list[Plan] = []
     for n, candidate in enumerate(candidates):
+        if after and timed and box.solving().solver_time() <= 0:
+            log.info("no time left to plan distributions %s", [_words(c) for c in candidates[n:]])
+            break
         if plans and timed and box.over():
             log.info("no time left to plan distributions %s", [_words(c) for c in candidates[n:]])
             break

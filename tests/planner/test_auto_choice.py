@@ -8,7 +8,7 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, Phase, given, settings
 
-from fxkfac.planner.choose import best, candidate_strategies, solve_with_strategy
+from fxkfac.planner.choose import best, candidate_strategies, solve_with_strategy, strategy_of
 from fxkfac.planner.costs import CostTable
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.plan import Plan, rank
@@ -65,8 +65,11 @@ def test_first_fit_alone_shows_the_bound_with_the_collectives() -> None:
     phases=[Phase.generate],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
-@given(problems().filter(lambda p: p.W >= 2))
+@given(problems().filter(lambda p: p.W >= 2 and p.max_overhead == 0))
 def test_random_choices_are_no_worse_than_any_forced_candidate(problem: Problem) -> None:
+    """At max_overhead 0, the default. Above it several candidates may win (`choose._hopeful_first`) and share the
+    time limit, each searching the least stretch with its share: one forced alone, with all of it, may stretch the
+    step less (hypothesis: interleaved D=4 N=4 W=2 under a budget at max_overhead 0.5)."""
     config = SolverConfig(time_limit_s=1.0)
     forced = []
     for strategy in candidate_strategies(problem):
@@ -81,4 +84,4 @@ def test_random_choices_are_no_worse_than_any_forced_candidate(problem: Problem)
         return
     assert validate(chosen.problem, chosen) == []
     for plan in forced:
-        assert _no_worse(chosen, plan), (str(plan.problem.where(plan.problem.costs.layer_names[0])), plan.metrics)
+        assert _no_worse(chosen, plan), (strategy_of(chosen), rank(chosen), strategy_of(plan), rank(plan))
