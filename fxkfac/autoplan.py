@@ -13,11 +13,12 @@ from fxkfac import errors
 from fxkfac.config import ActivationCheckpointing, CheckpointMode, PlanOptions
 from fxkfac.errors import ConfigError, FxkfacError
 from fxkfac.passes.layers import KFACLayer
-from fxkfac.planner.choose import solve_with_strategy
+from fxkfac.planner.choose import least_overhead, solve_with_strategy
 from fxkfac.planner.costs import CostTable, median_of
 from fxkfac.planner.errors import PlanError, PlanMismatchError
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.plan_file import parse_plan, read_plan
+from fxkfac.planner.preconditioners import words_of
 from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StepBarrier
 from fxkfac.planner.profiles import load_cost_table
 from fxkfac.planner.recompute import plan_recomputing
@@ -194,20 +195,17 @@ def solve_for(
         """`solved`, under AUTO checkpointing with the stages that recompute chosen for the budget."""
         return plan_recomputing(problem, solved) if checkpointing.mode is CheckpointMode.AUTO else solved(problem)
 
-    try:
+    if strict:
         return planned(problem)
-    except PlanError as e:
-        value = e.max_overhead
-        if strict or value is None:
-            raise
+    plan, value = least_overhead(lambda value: planned(replace(problem, max_overhead=value)))
+    if value is not None:
         log.warning(
-            "plan='auto': the bubbles alone cannot hold the K-FAC work (%s); planning with "
-            "max_overhead=%.4g, the least the planner found that places it (pass PlanOptions(max_overhead="
-            "...) to decide yourself)",
-            str(e).split(". ")[0],
+            "plan='auto': the bubbles alone cannot hold the %s work; planning with max_overhead=%.4g, the least the "
+            "planner found that places it (pass PlanOptions(max_overhead=...) to decide yourself)",
+            words_of(costs).name,
             value,
         )
-        return planned(replace(problem, max_overhead=value))
+    return plan
 
 
 def check_matches(plan: Any, target: Target, where: str = "the plan") -> None:

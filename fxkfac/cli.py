@@ -141,7 +141,11 @@ def _add_plan_costs(plan: argparse.ArgumentParser) -> None:
         help="memory budget per device, e.g. 16GiB (default: the device's memory, where known)",
     )
     plan.add_argument(
-        "--max-overhead", type=_arg_type(parse_fraction), default=0.0, help="allowed step-time growth, e.g. 5%%"
+        "--max-overhead",
+        type=_arg_type(parse_fraction),
+        default=None,
+        help="allowed step-time growth, e.g. 5%%, 0 for the bubbles alone (default: the bubbles alone where they hold "
+        "the work, else the least growth that places it, as plan='auto')",
     )
     enum_option(
         plan,

@@ -14,7 +14,7 @@ from fxkfac.cli_costs import cost_table
 from fxkfac.cli_explain import explain, explain_choice, explain_comm, explain_plan_comm
 from fxkfac.cli_targets import factory, is_factory
 from fxkfac.config import ActivationCheckpointing, CheckpointMode
-from fxkfac.planner.choose import solve_with_strategy
+from fxkfac.planner.choose import least_overhead, solve_with_strategy
 from fxkfac.planner.costs import CostTable
 from fxkfac.planner.errors import Knob, PlanError, PlannerError, Suggestion
 from fxkfac.planner.hardware import HARDWARE, hardware
@@ -31,6 +31,14 @@ if TYPE_CHECKING:
 
 class RefusedPlan(PlannerError):
     """The planner's refusal in the command line's words: the values it solved with as flags."""
+
+
+class _Refusal(PlanError):
+    """The planner's refusal with the memory budget it planned under, for the command line's words (`_refused`)."""
+
+    def __init__(self, error: PlanError, budget: Budget) -> None:
+        super().__init__(str(error), suggestions=error.suggestions)
+        self.budget = budget
 
 
 @dataclass(frozen=True)
@@ -64,7 +72,7 @@ def problem_of(args: argparse.Namespace, costs: CostTable) -> Problem:
         W=args.dp,
         v=args.virtual_stages,
         memory_budget=memory_budget(args, costs.hardware).bytes,
-        max_overhead=args.max_overhead,
+        max_overhead=args.max_overhead or 0.0,
         fingerprint=fingerprint,
         barrier=args.kl_clip_scope.barrier,
         decomp_pieces=args.decomp_pieces,
@@ -138,9 +146,29 @@ def _auto_block(args: argparse.Namespace, S: int, config: SolverConfig) -> Block
 
 
 def _solved(args: argparse.Namespace, S: int, console: Console) -> Plan:
-    """The plan of the command line: solved, or found by the block-size search (its choice printed as one
-    line, and with --explain every side tried). --explain prints the model before solving (it explains a
-    refusal too), after the search when there is one."""
+    """The plan of the command line at --max-overhead, or, without it, at the least max_overhead that places the
+    work, 0 (the bubbles alone) where they hold it (`planner.choose.least_overhead`, the API's default), said in
+    one line."""
+    if args.max_overhead is not None:
+        return _solved_at(args, S, console)
+    plan, value = least_overhead(lambda value: _solved_at(_at_overhead(args, value), S, console))
+    if value is not None:
+        console.print(
+            f"max overhead: the bubbles alone cannot hold the {words_of(plan.problem.costs).name} work; planned "
+            f"with {_flag(Knob.MAX_OVERHEAD, value)}, the least the planner found that places it",
+            markup=False,
+        )
+    return plan
+
+
+def _at_overhead(args: argparse.Namespace, value: float) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "max_overhead": value})
+
+
+def _solved_at(args: argparse.Namespace, S: int, console: Console) -> Plan:
+    """The plan of the command line at its max_overhead: solved, or found by the block-size search (its choice
+    printed as one line, and with --explain every side tried). --explain prints the model before solving (it
+    explains a refusal too), after the search when there is one. Raises the planner's refusal as a `_Refusal`."""
     from fxkfac.planner.solve import solve
 
     config = SolverConfig(time_limit_s=args.time_limit, deterministic=not args.nondeterministic)
@@ -148,7 +176,7 @@ def _solved(args: argparse.Namespace, S: int, console: Console) -> Plan:
         try:
             choice = _auto_block(args, S, config)
         except PlanError as e:
-            raise _refused(e, memory_budget(args, device(args)), args.activation_checkpointing) from None
+            raise _Refusal(e, memory_budget(args, device(args))) from None
         console.print(f"max_preconditioner_dim auto: {choice.reason}", markup=False)
         if args.explain:
             explain(args, choice.plan.problem.costs, plain_step_time(choice.plan.problem), console)
@@ -174,7 +202,7 @@ def _solved(args: argparse.Namespace, S: int, console: Console) -> Plan:
         auto = args.activation_checkpointing.mode is CheckpointMode.AUTO
         plan = plan_recomputing(problem, streamed) if auto else streamed(problem)
     except PlanError as e:
-        raise _refused(e, memory_budget(args, costs.hardware), args.activation_checkpointing) from None
+        raise _Refusal(e, memory_budget(args, costs.hardware)) from None
     if args.explain:
         explain_plan_comm(plan, console)
     return plan
@@ -192,7 +220,10 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         raise CliError(f"--time-limit must be > 0 seconds, got {args.time_limit:g}")
     if args.decomp_pieces < 1:
         raise CliError(f"--decomp-pieces must be >= 1 (1: each decomposition one task), got {args.decomp_pieces}")
-    plan = _solved(args, S, console)
+    try:
+        plan = _solved(args, S, console)
+    except _Refusal as e:
+        raise _refused(e, e.budget, args.activation_checkpointing) from None
     budget = memory_budget(args, plan.problem.costs.hardware)
     title = f"fxkfac plan {args.target} ({args.method}, time limit {args.time_limit:g} s)"
     if args.show:

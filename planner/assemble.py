@@ -138,7 +138,7 @@ def assemble_attempt(problem: Problem, attempt: Attempt, fused: frozenset[str], 
             per_device[d] = _utilization(problem, w, placed, d)
         for s in group.stages:
             lower = refresh_lower_bound(problem, group, fused, stretch=attempt.allowance.enabled)
-            refresh[s], bound[s] = w.k, max(sol.k_lower_bound, lower)
+            refresh[s], bound[s] = w.k, min(w.k, max(sol.k_lower_bound, lower))  # a bound past a plan bounds another
             greedy_k[s] = g.window.k if g is not None else None
             for x in problem.costs.stages[s].layers:
                 layers[x.name] = LayerTiming(

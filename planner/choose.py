@@ -1,33 +1,38 @@
 """The distribution choice: which distribution (planner/strategy.py) each layer takes when the user forces none.
 
-[Note: strategy search] With the strategy left to the planner, CP-SAT chooses each layer's distribution
-together with the placement ([Note: joint strategy] in planner/joint.py): first the option set with the least
-reference step (the plan's step time at max_overhead 0) within the static memory, then per stage group the
-options and placement with the least refresh period, stretch and staleness, every option a literal of the
-window's model. Stages whose slot moves the step's fixed work (`planner.joint.timeline_stages`: Chimera's,
-interleaved's first stage on a device) cannot be free in a window of fixed F/B work: they take each strategy of
-`candidate_strategies` in turn (KAISA's greedy columns), one joint solve per strategy, the others free in
-each; the plan `best` picks wins (among the plans whose step lies within max_overhead, and STEP_TIE, of the
-shortest reference step, the least by `planner.plan.rank`: refresh periods, then step time, then peak memory).
-Where the joint model does not apply it is not used, and the outer search below plans instead:
+[Note: strategy search] With the strategy left to the planner, the outer search plans each candidate distribution
+(below) in full by `solve`, as forcing it would, and keeps the best; CP-SAT then chooses each layer's
+distribution together with the placement ([Note: joint strategy] in planner/joint.py) in the CP-SAT time the
+candidates left, and its plan joins them. The candidates that can win (`_hopeful_first`: a reference step within
+max_overhead, and STEP_TIE, of the least) share the time. At max_overhead 0 they are planned first, one alone with
+all of it, as forcing it would (issue 38: the joint model, run first, spent the README snippet's whole limit and
+kept first-fit's 11 30 where COMM-OPT, the one candidate of least reference step, reached 11 25 forced; on random
+W=2 problems run first it refreshed less often than forced MEM-OPT). Above it each candidate spends its share on
+the least stretch, and one search over all of them does better: the joint model, whose options hold them, runs
+first and they get the CP-SAT time it left (tests/planner/test_joint_strategy.py). The joint model
+runs only where it has a choice (`has_choice`): a layer of a stage it leaves free with another distribution that
+keeps the reference step within that allowance. Within it: first the option set with the least reference step
+within the static memory, then per stage group the options and placement with the least refresh period, stretch
+and staleness, every option a literal of the window's model. Stages whose slot moves the step's fixed work
+(`planner.joint.timeline_stages`: Chimera's, interleaved's first stage on a device) cannot be free in a window of
+fixed F/B work: they take each strategy of `candidate_strategies` in turn, one joint solve per strategy. Where the
+joint model does not apply it is not used:
 - with the greedy method (no CP-SAT), under `StepBarrier.AGREEMENT_SET` (an early step start depends on the
   slots), and with one copy per stage (nothing to choose);
-- when the joint solve places nothing and `solve` cannot plan its least-step distributions either, or its time is
-  up. Under a memory budget a group the joint model cannot place (it fuses no curvature) takes those
-  distributions (the least reference step within the static memory), and MEM-OPT beside them, to `solve`, which
-  fuses curvature as the budget needs, and `best` of the two is kept; a placement that cannot be moved into the
-  chosen problem's own windows goes to `solve` with its distributions too.
-The outer search plans every candidate in full by `solve`: each KAISA strategy the stages' copies allow
-(COMM-OPT, HYBRID with each grad-worker count that divides the copies, MEM-OPT; layers dealt to columns by
-KAISA's greedy on their decomposition seconds) and one per-layer mix (MEM-OPT on the layers that hold the
-larger half of the statistics bytes, COMM-OPT on the rest), and keeps the best as above (ties: that order,
-least communication first); there CP-SAT places each candidate and does not choose among them. A candidate
-that cannot meet the memory budget or max_overhead drops out; when none plans, the refusal (with its
-suggestions) of the candidate whose least max_overhead gives the least step is raised, so that plan="auto"
-relaxes max_overhead to the value of the fastest distribution, not of the one that plans first. DP-KFAC is
-never chosen: its factors come from one replica's micro-batches, a different algorithm that only the user may
-ask for. Everything shares one time limit of CP-SAT ([Note: time limit] in
-planner/solve.py); a fallback after a failed joint solve gets what it left (at least greedy placement).
+- under a memory budget a group the joint model cannot place (it fuses no curvature) takes its least-step
+  distributions, and MEM-OPT beside them, to `solve`, which fuses curvature as the budget needs; a placement that
+  cannot be moved into the chosen problem's own windows goes to `solve` with its distributions too.
+The candidates: each KAISA strategy the stages' copies allow (COMM-OPT, HYBRID with each grad-worker count that
+divides the copies, MEM-OPT; layers dealt to columns by KAISA's greedy on their decomposition seconds) and one
+per-layer mix (MEM-OPT on the layers that hold the larger half of the statistics bytes, COMM-OPT on the rest).
+`best` picks among the plans (among those whose step lies within max_overhead, and STEP_TIE, of the shortest
+reference step, the least by `planner.plan.rank`: refresh periods, then step time, then peak memory; ties: that
+order, least communication first). A candidate that cannot meet the memory budget or max_overhead drops out;
+when none plans, the refusal (with its suggestions) of the candidate whose least max_overhead gives the least step
+is raised, so that plan="auto" relaxes max_overhead to the value of the fastest distribution, not of the one that
+plans first. DP-KFAC is never chosen: its factors come from one replica's micro-batches, a different algorithm
+that only the user may ask for. Everything shares one time limit of CP-SAT ([Note: time limit] in
+planner/solve.py).
 """
 
 from __future__ import annotations
@@ -35,8 +40,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
+from typing import TypeVar
 
 from fxkfac.planner.assemble import assemble
 from fxkfac.planner.attempt import Method, cheaper_fused, stats_chunk_of
@@ -49,6 +55,7 @@ from fxkfac.planner.joint import (
     bcast_seconds,
     comm_slot_seconds,
     layer_options,
+    reference_step,
     restretch_joint,
     share_seconds,
     step_fixed_end,
@@ -71,6 +78,8 @@ __all__ = [
     "best",
     "candidate_strategies",
     "candidate_problems",
+    "has_choice",
+    "least_overhead",
     "mixed",
     "solve_with_strategy",
     "solve_joint",
@@ -79,6 +88,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def candidate_strategies(problem: Problem) -> list[Strategy]:
@@ -127,23 +138,61 @@ def solve_with_strategy(
     method: Method | str = Method.CPSAT,
     box: TimeBox | None = None,
 ) -> Plan:
-    """`solve` with every layer under `strategy`, or, when it is None, with each layer's distribution chosen by
-    CP-SAT with the placement (`solve_joint`) where that applies, else by the outer search (`solve_outer`; see
-    [Note: strategy search]), all within one time limit (`box`, or a new one)."""
+    """`solve` with every layer under `strategy`, or, when it is None, the best plan of the outer search
+    (`solve_outer`: each candidate distribution planned as a forced one would be) and, where that applies and
+    time is left, of CP-SAT choosing each layer's distribution with the placement (`solve_joint`; see [Note:
+    strategy search]), all within one time limit (`box`, or a new one)."""
     box = box or TimeBox(config)
     if strategy is not None:
         return solve(problem.with_strategy(strategy), config, method, box=box)
-    if _joint_applies(problem, method):
-        plan = solve_joint(problem, config, box)
-        if plan is not None:
-            return plan
-        log.info("the joint choice made no plan: the outer search plans each candidate")
-    return solve_outer(problem, config, method, box)
+    return solve_outer(problem, config, method, box, joint=_joint_applies(problem, method))
+
+
+def least_overhead(planned: Callable[[float], T]) -> tuple[T, float | None]:
+    """The rule of max_overhead None, the default of the API (`PlanOptions`) and of `fxkfac plan`: `planned(0)` (the
+    bubbles alone), or, where that is refused and the refusal names the least max_overhead it found to place the
+    work, `planned` at that value. What it made, and the value taken (None: the bubbles held the work)."""
+    try:
+        return planned(0.0), None
+    except PlanError as e:
+        if e.max_overhead is None:
+            raise
+        log.info("the bubbles alone cannot hold the work: planning with max_overhead %.4g", e.max_overhead)
+        return planned(e.max_overhead), e.max_overhead
 
 
 def _joint_applies(problem: Problem, method: Method | str) -> bool:
-    """Whether CP-SAT can choose the distributions with the placement ([Note: strategy search])."""
-    return Method(method) is Method.CPSAT and problem.barrier is StepBarrier.WORLD and _most_copies(problem) > 1
+    """Whether CP-SAT can choose the distributions with the placement ([Note: strategy search]), and has a choice
+    to make there (`has_choice`)."""
+    return (
+        Method(method) is Method.CPSAT
+        and problem.barrier is StepBarrier.WORLD
+        and _most_copies(problem) > 1
+        and has_choice(problem)
+    )
+
+
+def has_choice(problem: Problem) -> bool:
+    """Whether some layer of a stage the joint model leaves free (not in `timeline_stages`) has a distribution
+    other than the problem's own that, switched alone, keeps the reference step (`planner.joint.reference_step`)
+    within what `best` keeps: max_overhead and STEP_TIE over the least reference step of `candidate_problems`.
+    Where none has, every layer's one option is the problem's own and the joint model is a forced one with more
+    variables; the outer search plans each candidate by the search a forced strategy runs instead ([Note: strategy
+    search]; the README snippet's 2 x 2 mesh got first-fit's 11 30 from the joint model in the whole time limit,
+    11 25 from forced COMM-OPT, issue 38)."""
+    free = frozenset(range(problem.num_stages)) - timeline_stages(problem)
+    names = [x.name for s in sorted(free) for x in problem.costs.stages[s].layers]
+    if not names:
+        return False
+    least = min(step_timeline(c).length for c in candidate_problems(problem))
+    most = least * (1 + problem.max_overhead + STEP_TIE)
+    own = {n: problem.where(n) for n in names}
+    return any(
+        reference_step(problem, free, {**own, n: where}) <= most
+        for n in names
+        for where in layer_options(problem, n)
+        if where != own[n]
+    )
 
 
 def solve_outer(
@@ -151,35 +200,67 @@ def solve_outer(
     config: SolverConfig = SolverConfig(),
     method: Method | str = Method.CPSAT,
     box: TimeBox | None = None,
+    *,
+    joint: bool = False,
 ) -> Plan:
-    """The best of `candidate_problems`, each planned in full by `solve` with an equal share of the solver time
-    left in `box` (a new one: config's; with the greedy method, which is not timed, every one that can win):
-    first those whose reference step lets them win (`_hopeful_first`), the others only where none of those plans.
-    When none plans, the first's refusal names what would."""
+    """The best of `candidate_problems`, each planned in full by `solve` (`_plan_each`) within the time left in
+    `box` (a new one: config's; with the greedy method, which is not timed, every one that can win): those whose
+    reference step lets them win (`_hopeful_first`) and, with `joint`, the joint choice (`solve_joint`): at
+    max_overhead 0 those candidates first, then the joint choice in the CP-SAT time they left (all of it where none
+    planned); above it the other way round ([Note: strategy search]); the other candidates only where none of those
+    plans. When none plans, the first's refusal names what would."""
     box = box or TimeBox(config)
     candidates, hopeful = _hopeful_first(candidate_problems(problem))
-    plans: list[Plan] = []
     timed = Method(method) is Method.CPSAT
-    for n, candidate in enumerate(candidates):
-        if plans and n >= hopeful:
-            log.info(
-                "distributions %s not planned: their reference steps are past the allowance",
-                [_words(c) for c in candidates[n:]],
-            )
-            break
-        if plans and timed and box.over():
-            log.info("no time left to plan distributions %s", [_words(c) for c in candidates[n:]])
-            break
-        shares = hopeful - n if n < hopeful else len(candidates) - n
-        try:
-            plans.append(solve(candidate, config, method, box=box, shares=shares, suggest=False))
-        except PlanError as e:
-            log.info("distribution %s does not plan: %s", _words(candidate), e)
+    joint_first = joint and problem.max_overhead > 0
+    plans = _joint(problem, config, box) if joint_first else []
+    plans += _plan_each(candidates[:hopeful], config, method, box, timed, after=bool(plans))
+    if joint and not joint_first and (not plans or box.solving().solver_time() > 0):
+        plans += _joint(problem, config, box)
+    if plans and hopeful < len(candidates):
+        log.info(
+            "distributions %s not planned: their reference steps are past the allowance",
+            [_words(c) for c in candidates[hopeful:]],
+        )
+    plans = plans or _plan_each(candidates[hopeful:], config, method, box, timed)
     if not plans:
         return _plan_or_least_step_refusal(candidates, config, method, box)
     chosen = best(plans)
     log.info("distribution %s chosen among %s", strategy_of(chosen), [strategy_of(p) for p in plans])
     return chosen
+
+
+def _joint(problem: Problem, config: SolverConfig, box: TimeBox) -> list[Plan]:
+    """The joint choice's plan (`solve_joint`), none where it made none."""
+    chosen = solve_joint(problem, config, box)
+    return [] if chosen is None else [chosen]
+
+
+def _plan_each(
+    candidates: Sequence[Problem],
+    config: SolverConfig,
+    method: Method | str,
+    box: TimeBox,
+    timed: bool,
+    *,
+    after: bool = False,
+) -> list[Plan]:
+    """The plans of `candidates` in turn, each with an equal share of the solver time left in `box` (one alone: all
+    of it, as forcing it would), until the time is up once one has planned (`after` another plan: once CP-SAT's is,
+    as first-fit alone would not improve on it); a candidate that refuses is left out."""
+    plans: list[Plan] = []
+    for n, candidate in enumerate(candidates):
+        if after and timed and box.solving().solver_time() <= 0:
+            log.info("no time left to plan distributions %s", [_words(c) for c in candidates[n:]])
+            break
+        if plans and timed and box.over():
+            log.info("no time left to plan distributions %s", [_words(c) for c in candidates[n:]])
+            break
+        try:
+            plans.append(solve(candidate, config, method, box=box, shares=len(candidates) - n, suggest=False))
+        except PlanError as e:
+            log.info("distribution %s does not plan: %s", _words(candidate), e)
+    return plans
 
 
 def _hopeful_first(candidates: Sequence[Problem]) -> tuple[list[Problem], int]:

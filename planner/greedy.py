@@ -14,12 +14,15 @@ is not monotone in the stretch, so that one is feasible, not proven least).
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
 from fxkfac.planner.budget import Meter
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.lowering import Assignment, assign_decompositions
+from fxkfac.planner.packing_bound import group_lower_bound
+from fxkfac.planner.preconditioners import words_of
 from fxkfac.planner.problem import Problem, StageGroup
 from fxkfac.planner.solution import GroupSolution, use_offsets
 from fxkfac.planner.step_timeline import step_timeline
@@ -175,13 +178,20 @@ def greedy_group(
 ) -> GroupSolution:
     """The paper's rule for one stage group: the smallest k >= min_k (up to problem.max_period) where
     first-fit places everything, with the whole `allowance` of stretch, then the least stretch found;
-    each placement tried is charged to `meter`. Raises PlanError when no k does (a task longer than every
-    bubble)."""
+    each placement tried is charged to `meter`. Periods below the group's lower bound (`group_lower_bound`,
+    kept as the solution's `k_lower_bound`) have no placement and are not tried. Raises PlanError when no k
+    does (a task longer than every bubble)."""
     began = time.perf_counter()
     allowance = allowance if allowance is not None else Allowance(problem, fused, None)
-    for k in range(min_k, problem.max_period + 1):
+
+    @functools.cache
+    def window_at(k: int) -> Window:
+        return allowance.whole(group, k, stats_chunk=stats_chunk, resolution=resolution)
+
+    lower = group_lower_bound(allowance, group, window_at, min_k)
+    for k in range(lower, problem.max_period + 1):
         cap = allowance.ticks(k)
-        window = allowance.window(group, k, cap, stats_chunk=stats_chunk, resolution=resolution)
+        window = window_at(k)
         solution = _first_fit(window, meter)
         if solution is not None:
             if cap > 0:
@@ -196,11 +206,11 @@ def greedy_group(
                 solution.use_offset,
                 "greedy",
                 "FEASIBLE",
-                1,
+                lower,
                 time.perf_counter() - began,
             )
     raise PlanError(
-        f"the greedy rule cannot place the K-FAC work of stages {list(group.stages)} within "
+        f"the greedy rule cannot place the {words_of(problem.costs).name} work of stages {list(group.stages)} within "
         f"{problem.max_period} steps: some curvature or inversion is longer than every bubble; "
         "raise max_period or max_overhead, split the layer, or allow fused curvature"
     )

@@ -148,7 +148,7 @@ def solve_streamed(
     try:
         plan = solve(streamed)
     except PlanError as e:
-        log.warning("no plan with streaming (%s); planning without it", str(e).splitlines()[0])
+        log.info("no plan with streaming (%s); planning without it", str(e).splitlines()[0])
         return solve(problem)
     if policy is StreamApply.SHORTEST_STEP or tuple(plan.metrics.refresh_steps) == _bounds(problem):
         return plan

@@ -9,6 +9,7 @@ from decimal import ROUND_CEILING, Decimal
 
 from fxkfac.planner.attempt import OVERTIME, Clock, Method, Refused, attempt_plan, stats_chunk_of
 from fxkfac.planner.errors import InfeasibleBudgetError, Knob, PlanError, ScheduleError, Suggestion
+from fxkfac.planner.hardware import HARDWARE
 from fxkfac.planner.memory import min_memory_bytes
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig, format_bytes, stage_groups
@@ -31,6 +32,8 @@ def with_suggestions(
     found: list[Suggestion] = []
     searched: list[str] = []
     stages: list[tuple[Knob, ...]] = [(knob,) for knob in refused.knobs if knob is not Knob.MICROBATCHES]
+    if _at_device(problem) and Knob.MEMORY_BUDGET in refused.knobs:  # no more memory: more time, fusing
+        stages = [(Knob.MAX_OVERHEAD,)] + [k for k in stages if k not in ((Knob.MAX_OVERHEAD,), (Knob.MEMORY_BUDGET,))]
     if problem.memory_budget is not None and {Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET} & set(refused.knobs):
         stages.append((Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET))
     if Knob.MICROBATCHES in refused.knobs:
@@ -183,18 +186,33 @@ def _bisect_down(
     return works
 
 
+def device_bytes(problem: Problem) -> int | None:
+    """The memory of the problem's device (`planner.hardware.HARDWARE`), None where it is not a known one."""
+    spec = HARDWARE.get(problem.hardware.lower())
+    return None if spec is None else spec.memory_bytes
+
+
+def _at_device(problem: Problem) -> bool:
+    """Whether the memory budget is already all the device has: no suggestion may raise it."""
+    device = device_bytes(problem)
+    return device is not None and problem.memory_budget is not None and problem.memory_budget >= device
+
+
 def _search_memory(
     problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Clock
 ) -> Suggestion | None:
     """A memory budget that plans at the problem's max_overhead: the peak of the plan made without a
-    budget, rounded up (raised by a quarter while it does not plan)."""
+    budget, rounded up (raised by a quarter while it does not plan), never above the device's memory."""
     free = _plan_or_none(replace(problem, memory_budget=None), config, method, until)
     if free is None:
         return None
     budget = _bytes_up(
         max(max(free.metrics.peak_memory.values()), min_memory_bytes(problem), (problem.memory_budget or 0) + 1)
     )
+    device = device_bytes(problem)
     for _ in range(4):
+        if device is not None and budget > device:
+            return None
         if _plans(replace(problem, memory_budget=budget), config, method, until):
             return Suggestion(((Knob.MEMORY_BUDGET, budget),))
         budget = _bytes_up(budget * 1.25)

@@ -21,7 +21,9 @@ from fxkfac.planner.memory import min_memory_bytes
 from fxkfac.planner.problem import Problem, SolverConfig, format_bytes
 from fxkfac.planner.schedules import num_stages
 from fxkfac.planner.solve import solve
+from fxkfac.planner.suggest import device_bytes
 from fxkfac.planner.validate import validate
+from tests.planner.kfac_cases import problem
 
 CONFIGS = {
     Method.GREEDY: SolverConfig(time_limit_s=2.0, num_workers=2),
@@ -175,3 +177,17 @@ def test_planning_ends_within_the_time_limit_and_says_whether_it_is_optimal() ->
     took = time.perf_counter() - began
     assert took <= WALL_CAP * (limit + OVERTIME) + 2 * greedy + 1.0, (took, greedy)
     assert outcome in ("OPTIMAL", "FEASIBLE", "GREEDY") or "time limit (1 s" in outcome, outcome
+
+
+def test_a_budget_at_the_device_memory_is_never_raised_past_it_and_max_overhead_is_named() -> None:
+    """Issue 36: a budget that is the whole device (here the cpu's 16 GiB) may not grow; the refusal names the least
+    max_overhead that fuses curvature instead (it named a 130 GiB budget first)."""
+    scale = 2**24
+    base = problem(
+        "1f1b", 4, 4, keep=1000 * scale, curv=0.5, inv=1.0, params=100 * scale, act=20 * scale, factor=20 * scale
+    )
+    assert device_bytes(base) == 16 * 2**30
+    with pytest.raises(InfeasibleBudgetError) as info:
+        solve(dataclasses.replace(base, memory_budget=16 * 2**30), SolverConfig(time_limit_s=2.0))
+    knobs = [knob for s in info.value.suggestions for knob, _ in s.changes]
+    assert knobs == [Knob.MAX_OVERHEAD] and info.value.max_overhead is not None
