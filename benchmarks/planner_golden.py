@@ -7,10 +7,10 @@ The set ([issue 36, item 7]): every cell of benchmarks/paper_configs.py's README
 CP-SAT; no barrier, 4 pieces per inversion, per block, sublayer and Linear: CP-SAT), planner_scaling's D=8 and D=64
 (full set only), `fxkfac demo`'s plan="auto" planning of its saved profile (tests/data/demo_costs.json), the README
 snippet's 2 x 2 mesh (tests/data/readme_snippet_2x2_costs.json, issue 38) as `fxkfac plan` plans it (auto,
-comm-opt, mem-opt), and 200 random problems of tests/planner/kfac_cases.py's hypothesis strategy (derandomized:
-the same problems on every run; each recorded with a digest of its JSON, so a changed strategy is reported, not
-compared). The "ci" set (tests/planner/test_golden.py) is 30 of the random problems and the README snippet at a
-2 s limit. Each plan is recorded as its refresh periods per stage, step time, peak memory per device and the
+comm-opt, mem-opt), and 200 random problems drawn once from tests/planner/kfac_cases.py's hypothesis strategy and
+kept in tests/data/planner_golden_problems.json (`draw` draws them anew; each is recorded with a digest of its JSON,
+so a changed problem is reported, not compared). The "ci" set (tests/planner/test_golden.py) is 30 of the random
+problems and the README snippet at a 2 s limit. Each plan is recorded as its refresh periods per stage, step time, peak memory per device and the
 deterministic time its planning spent (CP-SAT's clock, [Note: deterministic budget] in planner/budget.py), which
 repeat on any load unless the wall-clock safety net ends a search first (recorded as "capped": not compared).
 `compare` says per plan: equal, better (something better, nothing worse), "worse: plan" (a refresh period, the
@@ -50,6 +50,8 @@ DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 GOLDEN = DATA / "planner_golden.json"
 README_SNIPPET = DATA / "readme_snippet_2x2_costs.json"
 DEMO = DATA / "demo_costs.json"
+PROBLEMS = DATA / "planner_golden_problems.json"
+"""The random problems of the set, as `Problem.to_dict` wrote them (drawn by `draw_problems`)."""
 RANDOM = 200
 RANDOM_CI = 30
 RANDOM_LIMIT_S = 2.0
@@ -202,7 +204,14 @@ def snippet_case(strategy: Strategy | None, limit: float, ci: bool = False) -> C
 
 
 def random_problems(n: int = RANDOM) -> list[Problem]:
-    """The first `n` problems of kfac_cases' `problems()` strategy, derandomized (the same on every run)."""
+    """The first `n` of the golden set's random problems, read from `PROBLEMS` (`draw_problems` drew them once)."""
+    return [Problem.from_dict(d) for d in json.loads(PROBLEMS.read_text())[:n]]
+
+
+def draw_problems(n: int = RANDOM) -> list[Problem]:
+    """`n` problems of kfac_cases' `problems()` strategy, derandomized. Hypothesis also draws literals it finds in the
+    modules loaded at the time, so the same call draws other problems in another process (a test session that
+    imported more modules): the golden set keeps the problems it drew, in `PROBLEMS`, and reads them from there."""
     from hypothesis import HealthCheck, Phase, given, settings
 
     from tests.planner.kfac_cases import problems
@@ -334,11 +343,15 @@ def load(path: Path = GOLDEN) -> dict[str, Outcome]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", choices=["record", "compare"])
+    parser.add_argument("mode", choices=["record", "compare", "draw"], help="draw: draw the random problems anew")
     parser.add_argument("--set", choices=["full", "ci"], default="full")
     parser.add_argument("--golden", type=Path, default=GOLDEN)
     parser.add_argument("--match", default="", help="only the cases whose name contains this")
     args = parser.parse_args(argv)
+    if args.mode == "draw":
+        PROBLEMS.write_text(json.dumps([p.to_dict() for p in draw_problems()], separators=(",", ":")) + "\n")
+        print(json.dumps({"benchmark": "planner_golden", "drew": RANDOM, "file": str(PROBLEMS)}))
+        return
     now = run_set(args.set == "full", lambda name: args.match in name)
     if args.mode == "record":
         old = load(args.golden) if args.golden.exists() else {}
