@@ -3,19 +3,19 @@
 Run (from the repository root): python -m benchmarks.planner_golden record [--set full|ci] [--golden FILE]
                                 python -m benchmarks.planner_golden compare [--set full|ci] [--golden FILE]
 
-The set ([issue 36, item 7]): every cell of benchmarks/paper_configs.py's README table (global scope greedy and
-CP-SAT; no barrier, 4 pieces per inversion, per block, sublayer and Linear: CP-SAT), planner_scaling's D=8 and D=64
-(full set only), `fxkfac demo`'s plan="auto" planning of its saved profile (tests/data/demo_costs.json), the README
-snippet's 2 x 2 mesh (tests/data/readme_snippet_2x2_costs.json, issue 38) as `fxkfac plan` plans it (auto,
-comm-opt, mem-opt), and 200 random problems drawn once from tests/planner/kfac_cases.py's hypothesis strategy and
-kept in tests/data/planner_golden_problems.json (`draw` draws them anew; each is recorded with a digest of its JSON,
-so a changed problem is reported, not compared). The "ci" set (tests/planner/test_golden.py) is 30 of the random
-problems and the README snippet at a 2 s limit. Each plan is recorded as its refresh periods per stage, step time, peak memory per device and the
-deterministic time its planning spent (CP-SAT's clock, [Note: deterministic budget] in planner/budget.py), which
-repeat on any load unless the wall-clock safety net ends a search first (recorded as "capped": not compared).
-`compare` says per plan: equal, better (something better, nothing worse), "worse: plan" (a refresh period, the
-step or the plan's peak memory worse; or no plan where one was) or "worse: time" (an equal or better plan found in
-more deterministic time). Prints a rich table and one JSON line.
+The set ([issue 36, item 7]): every cell of benchmarks/paper_configs.py's README table (global scope greedy and CP-
+SAT; no barrier, 4 pieces per inversion, per block, sublayer and Linear: CP-SAT), planner_scaling's D=8 and D=64 (full
+set only), `fxkfac demo`'s plan="auto" planning of its saved profile (tests/data/demo_costs.json), the README
+snippet's 2 x 2 mesh (tests/data/readme_snippet_2x2_costs.json, issue 38) as `fxkfac plan` plans it (auto, comm-opt,
+mem-opt), and 200 random problems drawn once from tests/planner/kfac_cases.py's hypothesis strategy and kept in
+tests/data/planner_golden_problems.json (`draw` draws them anew; each is recorded with a digest of its JSON, so a
+changed problem is reported, not compared). The "ci" set (tests/planner/test_golden.py) is 30 of the random problems
+and the README snippet at a 2 s limit. Each plan is recorded as its refresh periods per stage, step time, peak memory
+per device and the deterministic time its planning spent (CP-SAT's clock, [Note: deterministic budget] in
+planner/budget.py), which repeat on any load unless the wall-clock safety net ends a search first (recorded as
+"capped": not compared). `compare` says per plan: equal, better (something better, nothing worse), "worse: plan" (a
+refresh period, the step or the plan's peak memory worse; or no plan where one was) or "worse: time" (an equal or
+better plan found in more deterministic time). Prints a rich table and one JSON line.
 """
 
 from __future__ import annotations
