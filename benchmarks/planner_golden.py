@@ -3,9 +3,9 @@
 Run (from the repository root): python -m benchmarks.planner_golden record [--set full|ci] [--golden FILE]
                                 python -m benchmarks.planner_golden compare [--set full|ci] [--golden FILE]
 
-The set ([issue 36, item 7]): every cell of benchmarks/paper_configs.py's README table (global scope greedy and CP-
-SAT; no barrier, 4 pieces per inversion, per block, sublayer and Linear: CP-SAT), planner_scaling's D=8 and D=64 (full
-set only), `fxkfac demo`'s plan="auto" planning of its saved profile (tests/data/demo_costs.json), the README
+The set ([issue 36, item 7]): every cell of benchmarks/paper_configs.py's README table (global scope greedy and
+CP-SAT; no barrier, 4 pieces per inversion, per block, sublayer and Linear: CP-SAT), planner_scaling's D=8 and D=64
+(full set only), `fxkfac demo`'s plan="auto" planning of its saved profile (tests/data/demo_costs.json), the README
 snippet's 2 x 2 mesh (tests/data/readme_snippet_2x2_costs.json, issue 38) as `fxkfac plan` plans it (auto, comm-opt,
 mem-opt), and 200 random problems drawn once from tests/planner/kfac_cases.py's hypothesis strategy and kept in
 tests/data/planner_golden_problems.json (`draw` draws them anew; each is recorded with a digest of its JSON, so a
