@@ -91,11 +91,12 @@ def plan(problem: Problem, options: SearchOptions = SearchOptions(), *, box: Tim
     box = box or TimeBox(options.solver)
     config, method = options.solver, options.method
 
-    def placed(p: Problem) -> Plan:
-        """The placement, with the distributions chosen, or those of `p` (forced or given)."""
+    def placed(p: Problem, *, suggest: bool = True) -> Plan:
+        """The placement, with the distributions chosen, or those of `p` (forced or given); `suggest` False where
+        the refusal is only logged (`planner.stream_choice.Solver`)."""
         if options.strategy is Distributions.CHOSEN:
-            return solve_with_strategy(p, None, config, method, box=box)
-        return solve(p, config, method, box=box)  # a forced strategy is in `p` (`streamed`)
+            return solve_with_strategy(p, None, config, method, box=box, suggest=suggest)
+        return solve(p, config, method, box=box, suggest=suggest)  # a forced strategy is in `p` (`streamed`)
 
     def streamed(p: Problem) -> Plan:
         """`placed` with streaming where it pays; a forced strategy first, so that only the layers it leaves
