@@ -16,7 +16,6 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from fxkfac.planner.attempt import Method
-from fxkfac.planner.choose import least_overhead, solve_with_strategy
 from fxkfac.planner.errors import ConfigError
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig
@@ -88,6 +87,8 @@ def plan(problem: Problem, options: SearchOptions = SearchOptions(), *, box: Tim
             f"Overhead.LEAST plans at max_overhead 0 first, but the problem has {problem.max_overhead:g}; "
             "use Overhead.STRICT to plan within it"
         )
+    from fxkfac.planner.choose import least_overhead, solve_with_strategy  # loads ortools: at the first plan only
+
     box = box or TimeBox(options.solver)
     config, method = options.solver, options.method
 
