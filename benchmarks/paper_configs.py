@@ -13,7 +13,7 @@ six Linears (the layers K-FAC preconditions: tasks as fine as the paper's code r
 measured costs by their shapes (`planner.profiles.ProfileLayers`). Prints a rich table and one JSON line.
 
 Per configuration: the plain pipeline (simulated here, independently of the planner), then
-planner.choose.solve_with_strategy with the paper's greedy rule and with CP-SAT (each stage's copies sharing the
+planner.plan (one search, one time limit) with the paper's greedy rule and with CP-SAT (each stage's copies sharing the
 work as the planner chooses, as `fxkfac plan` does, unless --strategy forces one; no memory budget; the given
 max_overhead; with --decomp-pieces n every inversion is n tasks of 1/n of its profiled time, the planner's
 model of `KFACConfig.split_inverse`; with --barrier agreement-set a step ends with no world barrier, the plan
@@ -35,9 +35,9 @@ from rich.console import Console
 from rich.table import Table
 
 from fxkfac.cli_args import enum_option, strategy_arg
-from fxkfac.planner.choose import solve_with_strategy, strategy_of
-from fxkfac.planner.costs import CostTable
-from fxkfac.planner.errors import PlanError
+from fxkfac.planner import CostTable, Distributions, Method, PlanError, SearchOptions
+from fxkfac.planner import plan as plan_search
+from fxkfac.planner.choose import strategy_of
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier
@@ -45,7 +45,7 @@ from fxkfac.planner.profiles import ProfileLayers, load_cost_table
 from fxkfac.planner.schedules import schedule_programs, stages_of_rank
 from fxkfac.planner.simulate import Timeline, simulate
 from fxkfac.planner.strategy import Strategy
-from fxkfac.planner.stream_choice import StreamApply, solve_streamed
+from fxkfac.planner.stream_choice import StreamApply
 
 
 @dataclass(frozen=True)
@@ -158,10 +158,15 @@ def planned(
     problem = Problem(
         cfg.schedule, cfg.D, cfg.N, costs, max_overhead=max_overhead, decomp_pieces=pieces, barrier=barrier
     )
-    config = SolverConfig(time_limit_s=time_limit)
+    search = SearchOptions(
+        solver=SolverConfig(time_limit_s=time_limit),
+        method=Method(method),
+        strategy=Distributions.CHOSEN if strategy is None else strategy,
+        stream_apply=stream,
+        whole_backward=False,  # eager stages, as the paper ran them
+    )
     try:
-        # eager stages, as the paper ran them (solve_streamed's whole_backward=False)
-        plan = solve_streamed(problem, lambda p: solve_with_strategy(p, strategy, config, method), stream)
+        plan = plan_search(problem, search)
     except PlanError as e:
         return {"method": method, "error": str(e).splitlines()[0]}
     return _metrics(method, plan)

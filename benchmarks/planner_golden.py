@@ -26,7 +26,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,15 +36,25 @@ from rich.table import Table
 from benchmarks.paper_configs import CONFIGS
 from benchmarks.paper_configs import Config as PaperConfig
 from benchmarks.paper_configs import costs_of as paper_costs
-from fxkfac.planner.choose import solve_with_strategy, strategy_of
-from fxkfac.planner.costs import CostTable
-from fxkfac.planner.errors import PlanError
-from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier
+from fxkfac.planner import (
+    CostTable,
+    Distributions,
+    Method,
+    Overhead,
+    Plan,
+    PlanError,
+    Problem,
+    SearchOptions,
+    SolverConfig,
+    StepBarrier,
+    Strategy,
+    StrategyKind,
+    StreamApply,
+    TimeBox,
+)
+from fxkfac.planner import plan as plan_search
+from fxkfac.planner.choose import strategy_of
 from fxkfac.planner.profiles import ProfileLayers, load_cost_table
-from fxkfac.planner.solve import TimeBox, solve
-from fxkfac.planner.strategy import Strategy, StrategyKind
-from fxkfac.planner.stream_choice import StreamApply, solve_streamed
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 GOLDEN = DATA / "planner_golden.json"
@@ -63,7 +73,7 @@ Outcome = dict[str, Any]
 
 
 class Boxes:
-    """The TimeBoxes of one case's planning (one per solve its caller starts), for the deterministic time spent."""
+    """The TimeBoxes of one case's planning (one per `plan` it runs), for the deterministic time spent."""
 
     def __init__(self) -> None:
         self.boxes: list[TimeBox] = []
@@ -117,16 +127,13 @@ class Case:
 
 def _paper(cfg: PaperConfig, method: str, layers: ProfileLayers, barrier: StepBarrier, pieces: int) -> Case:
     """One paper_configs cell as `paper_configs.planned` plans it (streaming where it keeps the refresh, the
-    distributions chosen, max_overhead 0, a 10 s limit per solve)."""
+    distributions chosen, max_overhead 0, a 10 s limit for the whole search)."""
     config = SolverConfig(time_limit_s=10.0)
 
     def plan(boxes: Boxes) -> Plan:
         problem = Problem(cfg.schedule, cfg.D, cfg.N, paper_costs(cfg, layers), decomp_pieces=pieces, barrier=barrier)
-        return solve_streamed(
-            problem,
-            lambda p: solve_with_strategy(p, None, config, method, box=boxes.new(config)),
-            StreamApply.KEEP_REFRESH,
-        )
+        search = SearchOptions(config, Method(method), stream_apply=StreamApply.KEEP_REFRESH)
+        return plan_search(problem, search, box=boxes.new(config))
 
     scope = "global" if barrier is StepBarrier.WORLD else f"no-barrier/{layers.value}"
     return Case(f"paper {cfg.model} {cfg.schedule} D={cfg.D} {scope} {method}", False, plan)
@@ -143,12 +150,13 @@ def paper_cases() -> list[Case]:
 
 
 def scaling_case(D: int) -> Case:
-    """planner_scaling's depth D: 1F1B, N = D, BERT-Large P100 blocks x3 per stage, `solve` at its 60 s limit."""
+    """planner_scaling's depth D: 1F1B, N = D, BERT-Large P100 blocks x3 per stage, `plan` at its 60 s limit."""
     config = SolverConfig(time_limit_s=60.0)
 
     def plan(boxes: Boxes) -> Plan:
         costs = load_cost_table("paper:bert-large/p100", blocks_per_stage=3, n_stages=D, micro_batch_size=32)
-        return solve(Problem("1f1b", D, D, costs), config, box=boxes.new(config))
+        search = SearchOptions(config, strategy=Distributions.GIVEN, stream_apply=StreamApply.OFF)
+        return plan_search(Problem("1f1b", D, D, costs), search, box=boxes.new(config))
 
     return Case(f"planner_scaling D={D}", False, plan)
 
@@ -160,18 +168,9 @@ def demo_case() -> Case:
     config = SolverConfig(time_limit_s=10.0)
 
     def plan(boxes: Boxes) -> Plan:
-        box = boxes.new(config)
         problem = Problem("1f1b", 2, 4, CostTable.from_json(DEMO.read_text()), W=1, max_period=32)
-
-        def solved(p: Problem) -> Plan:
-            return solve_streamed(p, lambda q: solve_with_strategy(q, None, config, box=box), StreamApply.KEEP_REFRESH)
-
-        try:
-            return solved(problem)
-        except PlanError as e:
-            if e.max_overhead is None:
-                raise
-            return solved(replace(problem, max_overhead=e.max_overhead))
+        search = SearchOptions(config, stream_apply=StreamApply.KEEP_REFRESH, overhead=Overhead.LEAST)
+        return plan_search(problem, search, box=boxes.new(config))
 
     return Case("demo 1f1b D=2 N=4 (plan='auto')", False, plan)
 
@@ -189,15 +188,13 @@ def snippet_case(strategy: Strategy | None, limit: float, ci: bool = False) -> C
     config = SolverConfig(time_limit_s=limit)
 
     def plan(boxes: Boxes) -> Plan:
-        def solved(p: Problem) -> Plan:
-            box = boxes.new(config)
-            if strategy is None:
-                return solve_with_strategy(p, None, config, box=box)
-            return solve(p, config, box=box)
-
-        problem = snippet_problem()
-        problem = problem if strategy is None else problem.with_strategy(strategy)
-        return solve_streamed(problem, solved, StreamApply.KEEP_REFRESH, whole_backward=True)
+        search = SearchOptions(
+            config,
+            strategy=Distributions.CHOSEN if strategy is None else strategy,
+            stream_apply=StreamApply.KEEP_REFRESH,
+            whole_backward=True,
+        )
+        return plan_search(snippet_problem(), search, box=boxes.new(config))
 
     words = "auto" if strategy is None else str(strategy)
     return Case(f"readme snippet 1f1b D=2 N=4 W=2 {words} {limit:g}s", ci, plan)
@@ -240,12 +237,13 @@ def digest(problem: Problem) -> str:
 
 
 def random_cases(n: int = RANDOM) -> list[Case]:
-    """Each random problem planned by `solve_with_strategy` (the distributions chosen) at a 2 s limit."""
+    """Each random problem planned by `plan` (the distributions chosen, no streaming) at a 2 s limit."""
     config = SolverConfig(time_limit_s=RANDOM_LIMIT_S)
 
     def case(i: int, problem: Problem) -> Case:
         def plan(boxes: Boxes) -> Plan:
-            return solve_with_strategy(problem, None, config, box=boxes.new(config))
+            search = SearchOptions(config, stream_apply=StreamApply.OFF)
+            return plan_search(problem, search, box=boxes.new(config))
 
         name = f"random {i:03d} {problem.schedule} D={problem.D} N={problem.N} W={problem.W}"
         return Case(name, i < RANDOM_CI, plan, digest(problem))

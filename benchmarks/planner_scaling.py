@@ -5,7 +5,7 @@ Run: python benchmarks/planner_scaling.py [--time-limit 60] [--depths 4 8 16 32 
 Costs: the measured BERT-Large P100 block costs (the shipped profile paper:bert-large/p100,
 micro-batch 32), 3 blocks per stage, so the model is 3*D blocks deep (the CSV's per-block costs
 repeated: a BERT-Large-like model scaled in depth with the pipeline).
-Per D: the paper's greedy rule and CP-SAT (planner.solve.solve, the given time limit, 2 workers),
+Per D: the paper's greedy rule and CP-SAT (planner.plan, every layer COMM-OPT, the given time limit, 2 workers),
 CP-SAT's status, the gap of its refresh periods to the per-stage lower bounds, and the independent
 validator's verdict on the CP-SAT plan. Targets: D=8 solved to optimality in under 10 s; D=64 a plan
 the validator accepts within 60 s. Prints a rich table and one JSON line.
@@ -21,10 +21,9 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from fxkfac.planner.errors import PlanError
-from fxkfac.planner.problem import Problem, SolverConfig
+from fxkfac.planner import Distributions, Method, PlanError, Problem, SearchOptions, SolverConfig, StreamApply
+from fxkfac.planner import plan as plan_search
 from fxkfac.planner.profiles import load_cost_table
-from fxkfac.planner.solve import solve
 from fxkfac.planner.validate import validate
 
 PROFILE = "paper:bert-large/p100"
@@ -37,25 +36,32 @@ def problem_of(D: int) -> Problem:
     return Problem("1f1b", D, D, costs)
 
 
+def _search(time_limit: float, method: Method) -> SearchOptions:
+    """`solve` as it was: the problem's own distributions (every layer COMM-OPT), no streaming."""
+    return SearchOptions(
+        SolverConfig(time_limit_s=time_limit), method, Distributions.GIVEN, stream_apply=StreamApply.OFF
+    )
+
+
 def run(D: int, time_limit: float) -> dict[str, Any]:
     """Greedy and CP-SAT on depth D, with the validator's verdict and time on the CP-SAT plan."""
     problem = problem_of(D)
     out: dict[str, Any] = {"D": D, "N": D, "time_limit_s": time_limit}
     began = time.perf_counter()
     try:
-        greedy = solve(problem, SolverConfig(time_limit_s=time_limit), method="greedy")
+        greedy = plan_search(problem, _search(time_limit, Method.GREEDY))
         out["greedy_wall_s"] = time.perf_counter() - began
         out["greedy_refresh_sum"] = sum(greedy.metrics.refresh_steps)
     except PlanError as e:
         out["greedy_error"] = str(e).splitlines()[0]
     began = time.perf_counter()
     try:
-        plan = solve(problem, SolverConfig(time_limit_s=time_limit))
+        made = plan_search(problem, _search(time_limit, Method.CPSAT))
     except PlanError as e:
         out["cpsat_error"] = str(e).splitlines()[0]
         return out
     out["cpsat_wall_s"] = time.perf_counter() - began
-    m = plan.metrics
+    m = made.metrics
     out.update(
         cpsat_status=m.solver.status,
         cpsat_refresh_sum=sum(m.refresh_steps),
@@ -65,7 +71,7 @@ def run(D: int, time_limit: float) -> dict[str, Any]:
         utilization=[m.utilization_baseline, m.utilization],
     )
     began = time.perf_counter()
-    errors = validate(problem, plan)
+    errors = validate(problem, made)
     out["validator_s"] = time.perf_counter() - began
     out["valid"] = not errors
     if errors:

@@ -11,7 +11,7 @@ same refresh period per stage in every variant:
 (b) Alg. 3        the same programs with the decompositions dealt by Distributed Shampoo's Alg. 3 (largest
                   first, each to the least-loaded holder; `Assignment.LPT`): the paper's own placement (its
                   data-parallel setting has no pipeline, so no bubbles to use);
-(c) CP-SAT        the plan (`planner.solve.solve`): decompositions in the bubbles, each on the holder the solver
+(c) CP-SAT        the plan (`planner.plan`): decompositions in the bubbles, each on the holder the solver
                   picks, at the least refresh period per stage it can prove or find within --time-limit.
 
 The refresh period: by default the plan's own periods per stage, which (a) and (b) then use too; `--period F`
@@ -48,15 +48,14 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fxkfac.planner.costs import CostTable
-from fxkfac.planner.errors import PlanError
+from fxkfac.planner import CostTable, Distributions, PlanError, SearchOptions, StreamApply
+from fxkfac.planner import plan as plan_search
 from fxkfac.planner.ir import COLLECTIVE_KINDS, Capture, LayerTiming, Op, OpKind, Program
 from fxkfac.planner.lowering import Assignment, decomposition_seconds, naive_programs, ranks_of_stages
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.preconditioners import PreconditionerKind
 from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.simulate import simulate
-from fxkfac.planner.solve import solve
 from fxkfac.planner.step_timeline import step_timeline
 
 __all__ = [
@@ -216,7 +215,9 @@ def _plan(args: argparse.Namespace, config: _Config, solver: SolverConfig) -> tu
     """The CP-SAT plan and its block side (--block, or the one `choose_block_size` picks)."""
     if args.block != "auto":
         block = int(args.block)
-        return solve(_problem(args, config, _table(args, config, block)), solver), block
+        problem = _problem(args, config, _table(args, config, block))
+        search = SearchOptions(solver, strategy=Distributions.GIVEN, stream_apply=StreamApply.OFF)
+        return plan_search(problem, search), block
     from fxkfac.planner.block_size import block_candidates, choose_block_size
     from fxkfac.planner.presets import preset
     from fxkfac.planner.shampoo_costs import largest_dim

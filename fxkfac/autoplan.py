@@ -13,19 +13,27 @@ from fxkfac import errors
 from fxkfac.config import ActivationCheckpointing, CheckpointMode, PlanOptions
 from fxkfac.errors import ConfigError, FxkfacError
 from fxkfac.passes.layers import KFACLayer
-from fxkfac.planner.choose import least_overhead, solve_with_strategy
-from fxkfac.planner.costs import CostTable, median_of
-from fxkfac.planner.errors import PlanError, PlanMismatchError
-from fxkfac.planner.plan import Plan
-from fxkfac.planner.plan_file import parse_plan, read_plan
+from fxkfac.planner import (
+    CostTable,
+    Distributions,
+    Overhead,
+    Plan,
+    PlanError,
+    PlanMismatchError,
+    Problem,
+    ScheduleKind,
+    SearchOptions,
+    SolveProgress,
+    SolverConfig,
+    StepBarrier,
+    check_plan,
+    parse_plan,
+    read_plan,
+)
+from fxkfac.planner import plan as plan_search
+from fxkfac.planner.costs import median_of
 from fxkfac.planner.preconditioners import words_of
-from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StepBarrier
 from fxkfac.planner.profiles import load_cost_table
-from fxkfac.planner.recompute import plan_recomputing
-from fxkfac.planner.schedules import ScheduleKind
-from fxkfac.planner.solve import TimeBox, solve
-from fxkfac.planner.stream_choice import solve_streamed
-from fxkfac.planner.validate import check_plan
 
 __all__ = [
     "Target",
@@ -152,7 +160,8 @@ def solve_for(
     progress: Callable[[SolveProgress], None] | None = None,
     checkpointing: ActivationCheckpointing = ActivationCheckpointing(),
 ) -> Plan:
-    """Plan `target` with CP-SAT over `costs` (the planner's `solve`), stamped with the target's fingerprint.
+    """Plan `target` with CP-SAT over `costs` (the planner's `plan`: one search, one time limit), stamped with the
+    target's fingerprint.
 
     With `options.max_overhead` None the bubbles are tried alone first; when they cannot hold the work, the
     least max_overhead the planner found to place it is used (its refusal names that value), and logged.
@@ -178,34 +187,24 @@ def solve_for(
     )
     if target.max_period is not None:
         problem = replace(problem, max_period=target.max_period)
-    config = SolverConfig(time_limit_s=options.time_limit_s, deterministic=options.deterministic, progress=progress)
+    search = SearchOptions(
+        solver=SolverConfig(time_limit_s=options.time_limit_s, deterministic=options.deterministic, progress=progress),
+        strategy=Distributions.CHOSEN if options.forced_strategy is None else options.forced_strategy,
+        stream_apply=options.stream_apply,
+        whole_backward=target.compiled,
+        choose_recompute=checkpointing.mode is CheckpointMode.AUTO,
+        overhead=Overhead.STRICT if strict else Overhead.LEAST,
+    )
     log.info("solving the plan of %s", target.describe())
-    strategy, box = options.forced_strategy, TimeBox(config)  # one time limit for every try
-
-    def solved(problem: Problem) -> Plan:
-        """Plan with streaming where it pays; a forced strategy first, so that only the layers it leaves COMM-OPT
-        may stream (`with_streaming`)."""
-        if strategy is None:
-            given, solver = problem, lambda p: solve_with_strategy(p, None, config, box=box)
-        else:
-            given, solver = problem.with_strategy(strategy), lambda p: solve(p, config, box=box)
-        return solve_streamed(given, solver, options.stream_apply, whole_backward=target.compiled)
-
-    def planned(problem: Problem) -> Plan:
-        """`solved`, under AUTO checkpointing with the stages that recompute chosen for the budget."""
-        return plan_recomputing(problem, solved) if checkpointing.mode is CheckpointMode.AUTO else solved(problem)
-
-    if strict:
-        return planned(problem)
-    plan, value = least_overhead(lambda value: planned(replace(problem, max_overhead=value)))
-    if value is not None:
+    made = plan_search(problem, search)
+    if not strict and made.problem.max_overhead > 0:
         log.warning(
             "plan='auto': the bubbles alone cannot hold the %s work; planning with max_overhead=%.4g, the least the "
             "planner found that places it (pass PlanOptions(max_overhead=...) to decide yourself)",
             words_of(costs).name,
-            value,
+            made.problem.max_overhead,
         )
-    return plan
+    return made
 
 
 def check_matches(plan: Any, target: Target, where: str = "the plan") -> None:

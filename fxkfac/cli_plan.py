@@ -14,15 +14,25 @@ from fxkfac.cli_costs import cost_table
 from fxkfac.cli_explain import explain, explain_choice, explain_comm, explain_plan_comm
 from fxkfac.cli_targets import factory, is_factory
 from fxkfac.config import ActivationCheckpointing, CheckpointMode
-from fxkfac.planner.choose import least_overhead, solve_with_strategy
-from fxkfac.planner.costs import CostTable
-from fxkfac.planner.errors import Knob, PlanError, PlannerError, Suggestion
+from fxkfac.planner import (
+    CostTable,
+    Distributions,
+    Knob,
+    Method,
+    Overhead,
+    PlanError,
+    PlannerError,
+    Problem,
+    SearchOptions,
+    SolverConfig,
+    Suggestion,
+)
+from fxkfac.planner import plan as plan_search
+from fxkfac.planner.choose import least_overhead
 from fxkfac.planner.hardware import HARDWARE, hardware
 from fxkfac.planner.preconditioners import PreconditionerKind, words_of
-from fxkfac.planner.problem import Problem, SolverConfig
-from fxkfac.planner.recompute import choose_recompute, plan_recomputing
+from fxkfac.planner.recompute import choose_recompute
 from fxkfac.planner.step_timeline import plain_step_time
-from fxkfac.planner.stream_choice import solve_streamed
 
 if TYPE_CHECKING:
     from fxkfac.planner.block_size import BlockChoice
@@ -147,15 +157,15 @@ def _auto_block(args: argparse.Namespace, S: int, config: SolverConfig) -> Block
 
 def _solved(args: argparse.Namespace, S: int, console: Console) -> Plan:
     """The plan of the command line at --max-overhead, or, without it, at the least max_overhead that places the
-    work, 0 (the bubbles alone) where they hold it (`planner.choose.least_overhead`, the API's default), said in
-    one line."""
-    if args.max_overhead is not None:
-        return _solved_at(args, S, console)
-    plan, value = least_overhead(lambda value: _solved_at(_at_overhead(args, value), S, console))
-    if value is not None:
+    work, 0 (the bubbles alone) where they hold it (`planner.Overhead.LEAST`, the API's default), said in one line."""
+    if args.max_overhead is not None or not _searches_block_size(args):
+        plan = _solved_at(args, S, console)
+    else:  # the block-size search plans each side itself (planner/block_size.py)
+        plan, _ = least_overhead(lambda value: _solved_at(_at_overhead(args, value), S, console))
+    if args.max_overhead is None and plan.problem.max_overhead > 0:
         console.print(
             f"max overhead: the bubbles alone cannot hold the {words_of(plan.problem.costs).name} work; planned "
-            f"with {_flag(Knob.MAX_OVERHEAD, value)}, the least the planner found that places it",
+            f"with {_flag(Knob.MAX_OVERHEAD, plan.problem.max_overhead)}, the least the planner found that places it",
             markup=False,
         )
     return plan
@@ -165,16 +175,28 @@ def _at_overhead(args: argparse.Namespace, value: float) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "max_overhead": value})
 
 
-def _solved_at(args: argparse.Namespace, S: int, console: Console) -> Plan:
-    """The plan of the command line at its max_overhead: solved, or found by the block-size search (its choice
-    printed as one line, and with --explain every side tried). --explain prints the model before solving (it
-    explains a refusal too), after the search when there is one. Raises the planner's refusal as a `_Refusal`."""
-    from fxkfac.planner.solve import solve
+def search_options(args: argparse.Namespace) -> SearchOptions:
+    """How the command line asks the planner to search (`planner.plan`): one --time-limit for all of it."""
+    return SearchOptions(
+        solver=SolverConfig(time_limit_s=args.time_limit, deterministic=not args.nondeterministic),
+        method=Method(args.method),
+        strategy=Distributions.CHOSEN if args.strategy is None else args.strategy,
+        stream_apply=args.stream_apply,
+        whole_backward=not args.eager,
+        choose_recompute=args.activation_checkpointing.mode is CheckpointMode.AUTO,
+        overhead=Overhead.LEAST if args.max_overhead is None else Overhead.STRICT,
+    )
 
-    config = SolverConfig(time_limit_s=args.time_limit, deterministic=not args.nondeterministic)
+
+def _solved_at(args: argparse.Namespace, S: int, console: Console) -> Plan:
+    """The plan of the command line (`planner.plan`, under --max-overhead's rule), or the one the block-size search
+    finds at its max_overhead (its choice printed as one line, and with --explain every side tried). --explain
+    prints the model before solving (it explains a refusal too), after the search when there is one. Raises the
+    planner's refusal as a `_Refusal`."""
+    search = search_options(args)
     if _searches_block_size(args):
         try:
-            choice = _auto_block(args, S, config)
+            choice = _auto_block(args, S, search.solver)
         except PlanError as e:
             raise _Refusal(e, memory_budget(args, device(args))) from None
         console.print(f"max_preconditioner_dim auto: {choice.reason}", markup=False)
@@ -189,18 +211,8 @@ def _solved_at(args: argparse.Namespace, S: int, console: Console) -> Plan:
     if args.explain:
         explain(args, costs, plain_step_time(problem), console)
         explain_comm(problem, console)
-
-    def solved(problem: Problem) -> Plan:  # a forced --strategy is in the problem (problem_of), else it is chosen
-        if args.strategy is not None:
-            return solve(problem, config, method=args.method)
-        return solve_with_strategy(problem, None, config, method=args.method)
-
-    def streamed(problem: Problem) -> Plan:
-        return solve_streamed(problem, solved, args.stream_apply, whole_backward=not args.eager)
-
     try:
-        auto = args.activation_checkpointing.mode is CheckpointMode.AUTO
-        plan = plan_recomputing(problem, streamed) if auto else streamed(problem)
+        plan = plan_search(problem, search)
     except PlanError as e:
         raise _Refusal(e, memory_budget(args, costs.hardware)) from None
     if args.explain:

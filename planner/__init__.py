@@ -1,1 +1,68 @@
-"""fxkfac.planner: pure-Python planning of K-FAC work into pipeline bubbles (no torch)."""
+"""fxkfac.planner: pure-Python planning of a preconditioner's work into pipeline bubbles (no torch, no front).
+
+The front door: describe the pipeline and its costs as a `Problem`, say how to search with `SearchOptions`, and
+`plan(problem, options)` returns a `Plan` (or raises a `PlanError` naming what would plan); `check_plan` validates
+one independently, and the plan-file functions read one back. The modules below stay importable for the planner's
+own tests and for what is not planning (cost tables, schedules, the timeline).
+"""
+
+from fxkfac.planner.attempt import Method
+from fxkfac.planner.costs import CostTable
+from fxkfac.planner.errors import (
+    ConfigError,
+    CostModelError,
+    DeadlockError,
+    InfeasibleBudgetError,
+    Knob,
+    PlanError,
+    PlanFormatError,
+    PlanMismatchError,
+    PlannerError,
+    ScheduleError,
+    Suggestion,
+)
+from fxkfac.planner.plan import Plan
+from fxkfac.planner.plan_file import load_plan, parse_plan, read_plan
+from fxkfac.planner.plan_search import Distributions, Overhead, SearchOptions, plan
+from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StepBarrier
+from fxkfac.planner.schedules import ScheduleKind
+from fxkfac.planner.solve import TimeBox
+from fxkfac.planner.strategy import Strategy, StrategyKind, parse_strategy
+from fxkfac.planner.stream_choice import StreamApply
+from fxkfac.planner.validate import check_plan, validate
+
+__all__ = [
+    "ConfigError",
+    "CostModelError",
+    "CostTable",
+    "DeadlockError",
+    "Distributions",
+    "InfeasibleBudgetError",
+    "Knob",
+    "Method",
+    "Overhead",
+    "Plan",
+    "PlanError",
+    "PlanFormatError",
+    "PlanMismatchError",
+    "PlannerError",
+    "Problem",
+    "ScheduleError",
+    "ScheduleKind",
+    "SearchOptions",
+    "SolveProgress",
+    "SolverConfig",
+    "StepBarrier",
+    "Strategy",
+    "StrategyKind",
+    "StreamApply",
+    "Suggestion",
+    "TimeBox",
+    "check_plan",
+    "load_plan",
+    "parse_plan",
+    "parse_strategy",
+    "plan",
+    "read_plan",
+    "validate",
+]

@@ -137,15 +137,18 @@ def solve_with_strategy(
     config: SolverConfig = SolverConfig(),
     method: Method | str = Method.CPSAT,
     box: TimeBox | None = None,
+    *,
+    suggest: bool = True,
 ) -> Plan:
     """`solve` with every layer under `strategy`, or, when it is None, the best plan of the outer search
     (`solve_outer`: each candidate distribution planned as a forced one would be) and, where that applies and
     time is left, of CP-SAT choosing each layer's distribution with the placement (`solve_joint`; see [Note:
-    strategy search]), all within one time limit (`box`, or a new one)."""
+    strategy search]), all within one time limit (`box`, or a new one). `suggest` False: a refusal names nothing
+    that would plan (no time spent searching it; `solve`'s)."""
     box = box or TimeBox(config)
     if strategy is not None:
-        return solve(problem.with_strategy(strategy), config, method, box=box)
-    return solve_outer(problem, config, method, box, joint=_joint_applies(problem, method))
+        return solve(problem.with_strategy(strategy), config, method, box=box, suggest=suggest)
+    return solve_outer(problem, config, method, box, joint=_joint_applies(problem, method), suggest=suggest)
 
 
 def least_overhead(planned: Callable[[float], T]) -> tuple[T, float | None]:
@@ -202,13 +205,14 @@ def solve_outer(
     box: TimeBox | None = None,
     *,
     joint: bool = False,
+    suggest: bool = True,
 ) -> Plan:
     """The best of `candidate_problems`, each planned in full by `solve` (`_plan_each`) within the time left in
     `box` (a new one: config's; with the greedy method, which is not timed, every one that can win): those whose
     reference step lets them win (`_hopeful_first`) and, with `joint`, the joint choice (`solve_joint`): at
     max_overhead 0 those candidates first, then the joint choice in the CP-SAT time they left (all of it where none
     planned); above it the other way round ([Note: strategy search]); the other candidates only where none of those
-    plans. When none plans, the first's refusal names what would."""
+    plans. When none plans, the first's refusal names what would (`suggest`; else a refusal naming nothing)."""
     box = box or TimeBox(config)
     candidates, hopeful = _hopeful_first(candidate_problems(problem))
     timed = Method(method) is Method.CPSAT
@@ -223,6 +227,8 @@ def solve_outer(
             [_words(c) for c in candidates[hopeful:]],
         )
     plans = plans or _plan_each(candidates[hopeful:], config, method, box, timed)
+    if not plans and not suggest:
+        raise PlanError(f"no distribution of {[_words(c) for c in candidates]} plans")
     if not plans:
         return _plan_or_least_step_refusal(candidates, config, method, box)
     chosen = best(plans)

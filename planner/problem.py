@@ -352,10 +352,15 @@ class StageGroup:
     devices: tuple[int, ...]
 
 
-@lru_cache(maxsize=64)
 def _holders(problem: Problem) -> dict[int, tuple[int, ...]]:
-    """Stage -> the ranks holding a copy of it, as the runtime deals them (`ranks_of_stages`)."""
-    return ranks_of_stages(problem.kind, problem.D, problem.W, problem.v)
+    """Stage -> the ranks holding a copy of it, as the runtime deals them (`ranks_of_stages`); cached by the mesh,
+    not the problem, whose hash walks its whole cost table (called for every op of a simulated step)."""
+    return _holders_of(problem.schedule, problem.D, problem.W, problem.v)
+
+
+@lru_cache(maxsize=64)
+def _holders_of(schedule: str, D: int, W: int, v: int) -> dict[int, tuple[int, ...]]:
+    return ranks_of_stages(ScheduleKind(schedule), D, W, v)
 
 
 def copies_of_stage(problem: Problem, stage: int) -> tuple[int, ...]:

@@ -1,6 +1,7 @@
-"""`solve()`, the planner's entry point, and its TimeBox: an attempt, then a refusal's suggestions (top layer).
+"""`solve()`, one problem's placement, and its TimeBox: an attempt, then a refusal's suggestions.
 
-`solve(problem, config, method)` is the planner's single entry point: it refuses a budget below the
+Callers plan through `planner.plan` (planner/plan_search.py), which runs its whole search, every `solve`, in one
+TimeBox. `solve(problem, config, method)` refuses a budget below the
 least memory any plan needs, solves every stage group (greedy, then CP-SAT warm-started by it),
 fuses the curvature of the layers that do not fit the budget deferred (largest kept bytes first,
 when max_overhead allows the time they add), gives every group the same stretch of the step (the

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import replace
 from enum import StrEnum
+from typing import Protocol
 
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.ir import OpKind
@@ -17,7 +17,7 @@ from fxkfac.planner.step_timeline import group_load, refresh_lower_bound, step_t
 from fxkfac.planner.strategy import LayerDistribution
 from fxkfac.planner.streaming import Streaming, ready_fractions
 
-__all__ = ["StreamApply", "with_streaming", "solve_streamed", "STREAMED_STAGE", "HELPER_CANDIDATES"]
+__all__ = ["StreamApply", "Solver", "with_streaming", "solve_streamed", "STREAMED_STAGE", "HELPER_CANDIDATES"]
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +30,13 @@ class StreamApply(StrEnum):
     OFF = "off"
     KEEP_REFRESH = "keep-refresh"
     SHORTEST_STEP = "shortest-step"
+
+
+class Solver(Protocol):
+    """A solve of one problem; `suggest` False where its refusal is only logged, so that no time goes to searching
+    what would plan it (`planner.solve.solve`'s `suggest`)."""
+
+    def __call__(self, problem: Problem, /, *, suggest: bool = True) -> Plan: ...
 
 
 STREAMED_STAGE = 0
@@ -124,7 +131,7 @@ def with_streaming(problem: Problem, whole_backward: bool = False, keep_bounds: 
 
 def solve_streamed(
     problem: Problem,
-    solve: Callable[[Problem], Plan],
+    solve: Solver,
     policy: StreamApply = StreamApply.KEEP_REFRESH,
     whole_backward: bool = False,
 ) -> Plan:
@@ -132,7 +139,8 @@ def solve_streamed(
     KEEP_REFRESH: a streamed plan whose refresh periods are the unstreamed problem's lower bounds is kept (no plan
     without streaming refreshes more often, nor steps faster); otherwise the problem is solved without streaming too
     and the better plan by `planner.plan.rank` (periods first) kept. SHORTEST_STEP: the streamed plan is kept.
-    Without a streamed plan, the unstreamed one; each choice is logged. `whole_backward`: as `with_streaming`'s."""
+    Without a streamed plan, the unstreamed one; each choice is logged. `whole_backward`: as `with_streaming`'s.
+    Only the unstreamed problem's refusal is raised: the other solves search no suggestions (`Solver`)."""
     if policy is StreamApply.OFF:
         return solve(problem)
     streamed = with_streaming(problem, whole_backward, keep_bounds=policy is StreamApply.KEEP_REFRESH)
@@ -146,14 +154,14 @@ def solve_streamed(
         list(streamed.streaming.ranks),
     )
     try:
-        plan = solve(streamed)
+        plan = solve(streamed, suggest=False)
     except PlanError as e:
         log.info("no plan with streaming (%s); planning without it", str(e).splitlines()[0])
         return solve(problem)
     if policy is StreamApply.SHORTEST_STEP or tuple(plan.metrics.refresh_steps) == _bounds(problem):
         return plan
     try:
-        alone = solve(problem)
+        alone = solve(problem, suggest=False)
     except PlanError:
         return plan
     if rank(alone) < rank(plan):

@@ -84,3 +84,22 @@ def test_a_relaunch_adopts_the_plan_of_a_complete_checkpoint_made_for_its_run(tm
     adopted = resumed_plan(ckpt, target, stage_layers, rank=0, world=1)
     assert adopted is not None and adopted.to_dict() == plan.to_dict()
     assert resumed_plan(ckpt, replace(target, N=4), stage_layers, rank=0, world=1) is None  # another layout
+
+
+def test_fxkfac_plan_and_plan_auto_make_one_plan_of_one_problem(tmp_path: Path) -> None:
+    """The command line and plan="auto" ask `planner.plan` for the same search: the bubbles alone first, then the
+    least max_overhead (these costs need some), the distributions chosen over W=2, streaming where it keeps the
+    refresh, compiled stages, the device's memory as the budget."""
+    from fxkfac.cli import main
+    from fxkfac.planner.hardware import hardware
+    from fxkfac.planner.plan_file import read_plan
+
+    costs, exported = tmp_path / "costs.json", tmp_path / "plan.json"
+    _costs(2).save(costs)
+    argv = ["plan", "custom", "-D", "2", "-N", "2", "--dp", "2", "--schedule", "1f1b", "--costs", str(costs)]
+    assert main([*argv, "--time-limit", "2", "--export", str(exported)]) == 0
+    target = Target("", ScheduleKind.ONE_F_ONE_B, 2, 2, 2, compiled=True)
+    options = PlanOptions(time_limit_s=2.0, memory_budget=hardware("cpu").memory_bytes)
+    auto = solve_for(target, _costs(2), options)
+    assert auto.problem.max_overhead > 0
+    assert read_plan(exported) == auto

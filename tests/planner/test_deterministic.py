@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from fxkfac.planner import budget
+from fxkfac.planner import SearchOptions, budget
 from fxkfac.planner.costs import CostTable, StageCost
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.memory import min_memory_bytes
@@ -166,11 +166,11 @@ def test_plan_options_pass_determinism_to_the_solver(monkeypatch: pytest.MonkeyP
 
     seen: list[SolverConfig] = []
 
-    def fake(problem: Problem, strategy: object, config: SolverConfig, box: object) -> Plan:
-        seen.append(config)
+    def fake(problem: Problem, options: SearchOptions) -> Plan:
+        seen.append(options.solver)
         return _first("gpipe")
 
-    monkeypatch.setattr(autoplan, "solve_with_strategy", fake)
+    monkeypatch.setattr(autoplan, "plan_search", fake)
     target = autoplan.Target("g", ScheduleKind.GPIPE, 2, 3, 1)
     costs = CASES["gpipe"]().costs
     autoplan.solve_for(target, costs, PlanOptions(max_overhead=0.0))

@@ -290,21 +290,22 @@ def test_copies_of_the_first_stage_stream_to_one_helper_which_sums_them() -> Non
 
 
 def test_a_problem_without_a_streamed_plan_is_planned_without_streaming(streamed: Problem) -> None:
-    """`solve_streamed` solves the streamed problem first; where that has no plan, the problem as given."""
+    """`solve_streamed` solves the streamed problem first, searching no suggestions (its refusal is only logged);
+    where that has no plan, the problem as given, whose refusal would be raised with its suggestions."""
     base = replace(streamed, streaming=None)
-    tried: list[Streaming | None] = []
+    tried: list[tuple[Streaming | None, bool]] = []
 
-    def refuses_streaming(problem: Problem) -> str:
-        tried.append(problem.streaming)
+    def refuses_streaming(problem: Problem, *, suggest: bool = True) -> str:
+        tried.append((problem.streaming, suggest))
         if problem.streaming is not None:
             raise PlanError("no placement within 32 steps")
         return "planned"
 
     assert solve_streamed(base, refuses_streaming) == "planned"
-    assert tried == [streamed.streaming, None]
+    assert tried == [(streamed.streaming, False), (None, True)]
     tried.clear()
     assert solve_streamed(base, refuses_streaming, StreamApply.OFF) == "planned"
-    assert tried == [None]
+    assert tried == [(None, True)]
 
 
 def _fake_plan(periods: tuple[int, ...], step: float) -> SimpleNamespace:
@@ -328,7 +329,7 @@ def test_a_streamed_plan_that_refreshes_less_often_loses_to_the_plan_without(str
         plans = {True: _fake_plan(streamed_periods, 0.55), False: _fake_plan((3, 3, 3, 3), 0.57)}
         calls: list[bool] = []
 
-        def solve(problem: Problem, plans=plans, calls=calls) -> SimpleNamespace:
+        def solve(problem: Problem, *, suggest: bool = True, plans=plans, calls=calls) -> SimpleNamespace:
             calls.append(problem.streaming is not None)
             return plans[calls[-1]]
 

@@ -1,0 +1,53 @@
+"""`planner.plan`, the one entry point, composes the pieces as their direct calls do: one problem gives the same
+plan through it as through `solve`/`solve_with_strategy`, and the plan passes the independent validator."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxkfac.planner import (
+    ConfigError,
+    Distributions,
+    Overhead,
+    SearchOptions,
+    SolverConfig,
+    Strategy,
+    StrategyKind,
+    StreamApply,
+    TimeBox,
+    plan,
+    validate,
+)
+from fxkfac.planner.choose import solve_with_strategy
+from fxkfac.planner.solve import solve
+from tests.planner.kfac_cases import problem
+
+CONFIG = SolverConfig(time_limit_s=1.0)
+
+
+def test_a_forced_strategy_plans_as_solve_does_on_the_problem_under_it() -> None:
+    p = problem("1f1b", 2, 4, W=2, inv=1.0)
+    mem = Strategy(StrategyKind.MEM_OPT)
+    made = plan(p, SearchOptions(CONFIG, strategy=mem, stream_apply=StreamApply.OFF))
+    assert made == solve(p.with_strategy(mem), CONFIG)
+    assert {made.problem.where(x.name).strategy for s in p.costs.stages for x in s.layers} == {mem}
+    assert validate(made.problem, made) == []
+
+
+def test_the_chosen_distributions_plan_as_the_strategy_search_does() -> None:
+    p = problem("gpipe", 2, 4, W=2, inv=1.0)
+    made = plan(p, SearchOptions(CONFIG, strategy=Distributions.CHOSEN, stream_apply=StreamApply.OFF))
+    assert made == solve_with_strategy(p, None, CONFIG)
+    assert validate(made.problem, made) == []
+
+
+def test_one_box_holds_the_whole_search() -> None:
+    """The box a caller passes is the one every solve spends: what it spent is the search's time."""
+    box = TimeBox(CONFIG)
+    plan(problem("1f1b", 2, 4, W=2, inv=1.0), SearchOptions(CONFIG), box=box)
+    assert 0 < box.meter.spent <= box.end + box.overtime
+
+
+def test_the_least_overhead_rule_starts_from_the_bubbles_alone() -> None:
+    with pytest.raises(ConfigError, match="Overhead.STRICT"):
+        plan(problem("1f1b", 2, 4, max_overhead=0.1), SearchOptions(CONFIG, overhead=Overhead.LEAST))
