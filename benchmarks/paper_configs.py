@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fxkfac.cli_args import enum_option, strategy_arg
-from fxkfac.planner import CostTable, Distributions, Method, PlanError, SearchOptions
+from fxkfac.planner import CostTable, Distributions, Method, PlanError, SearchOptions, TimeLimit
 from fxkfac.planner import plan as plan_search
 from fxkfac.planner.choose import strategy_of
 from fxkfac.planner.ir import OpKind
@@ -164,6 +164,7 @@ def planned(
         strategy=Distributions.CHOSEN if strategy is None else strategy,
         stream_apply=stream,
         whole_backward=False,  # eager stages, as the paper ran them
+        time_limit=TimeLimit.EACH_SOLVE,  # as `fxkfac plan`
     )
     try:
         plan = plan_search(problem, search)

@@ -51,6 +51,7 @@ from fxkfac.planner import (
     StrategyKind,
     StreamApply,
     TimeBox,
+    TimeLimit,
 )
 from fxkfac.planner import plan as plan_search
 from fxkfac.planner.choose import strategy_of
@@ -132,8 +133,10 @@ def _paper(cfg: PaperConfig, method: str, layers: ProfileLayers, barrier: StepBa
 
     def plan(boxes: Boxes) -> Plan:
         problem = Problem(cfg.schedule, cfg.D, cfg.N, paper_costs(cfg, layers), decomp_pieces=pieces, barrier=barrier)
-        search = SearchOptions(config, Method(method), stream_apply=StreamApply.KEEP_REFRESH)
-        return plan_search(problem, search, box=boxes.new(config))
+        search = SearchOptions(
+            config, Method(method), stream_apply=StreamApply.KEEP_REFRESH, time_limit=TimeLimit.EACH_SOLVE
+        )
+        return plan_search(problem, search, new_box=lambda: boxes.new(config))
 
     scope = "global" if barrier is StepBarrier.WORLD else f"no-barrier/{layers.value}"
     return Case(f"paper {cfg.model} {cfg.schedule} D={cfg.D} {scope} {method}", False, plan)
@@ -163,14 +166,16 @@ def scaling_case(D: int) -> Case:
 
 def demo_case() -> Case:
     """`fxkfac demo`'s plan="auto" (`fxkfac.autoplan.solve_for`): TinyBert 1F1B D=2 N=4 W=1, eager stages, its
-    saved profile (K-FAC's longest refresh period 32), a 10 s limit in one box; the bubbles alone first, else the
-    least max_overhead that places it."""
+    saved profile (K-FAC's longest refresh period 32), a 10 s limit per placement; the bubbles alone first, else
+    the least max_overhead that places it."""
     config = SolverConfig(time_limit_s=10.0)
 
     def plan(boxes: Boxes) -> Plan:
         problem = Problem("1f1b", 2, 4, CostTable.from_json(DEMO.read_text()), W=1, max_period=32)
-        search = SearchOptions(config, stream_apply=StreamApply.KEEP_REFRESH, overhead=Overhead.LEAST)
-        return plan_search(problem, search, box=boxes.new(config))
+        search = SearchOptions(
+            config, stream_apply=StreamApply.KEEP_REFRESH, overhead=Overhead.LEAST, time_limit=TimeLimit.EACH_SOLVE
+        )
+        return plan_search(problem, search, new_box=lambda: boxes.new(config))
 
     return Case("demo 1f1b D=2 N=4 (plan='auto')", False, plan)
 
@@ -193,8 +198,9 @@ def snippet_case(strategy: Strategy | None, limit: float, ci: bool = False) -> C
             strategy=Distributions.CHOSEN if strategy is None else strategy,
             stream_apply=StreamApply.KEEP_REFRESH,
             whole_backward=True,
+            time_limit=TimeLimit.EACH_SOLVE,
         )
-        return plan_search(snippet_problem(), search, box=boxes.new(config))
+        return plan_search(snippet_problem(), search, new_box=lambda: boxes.new(config))
 
     words = "auto" if strategy is None else str(strategy)
     return Case(f"readme snippet 1f1b D=2 N=4 W=2 {words} {limit:g}s", ci, plan)

@@ -26,6 +26,7 @@ from fxkfac.planner import (
     SolveProgress,
     SolverConfig,
     StepBarrier,
+    TimeLimit,
     check_plan,
     parse_plan,
     read_plan,
@@ -194,6 +195,7 @@ def solve_for(
         whole_backward=target.compiled,
         choose_recompute=checkpointing.mode is CheckpointMode.AUTO,
         overhead=Overhead.STRICT if strict else Overhead.LEAST,
+        time_limit=TimeLimit.EACH_SOLVE,  # as `fxkfac plan`: one problem, one plan (issue 38's launch)
     )
     log.info("solving the plan of %s", target.describe())
     made = plan_search(problem, search)

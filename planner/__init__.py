@@ -23,7 +23,7 @@ from fxkfac.planner.errors import (
 )
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.plan_file import load_plan, parse_plan, read_plan
-from fxkfac.planner.plan_search import Distributions, Overhead, SearchOptions, plan
+from fxkfac.planner.plan_search import Distributions, Overhead, SearchOptions, TimeLimit, plan
 from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StepBarrier
 from fxkfac.planner.schedules import ScheduleKind
 from fxkfac.planner.solve import TimeBox
@@ -58,6 +58,7 @@ __all__ = [
     "StreamApply",
     "Suggestion",
     "TimeBox",
+    "TimeLimit",
     "check_plan",
     "load_plan",
     "parse_plan",
