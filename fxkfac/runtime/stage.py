@@ -15,7 +15,7 @@ from fxkfac.passes.eval_mode import eval_graph
 from fxkfac.passes.split_stages import StageGraph, TensorSpec
 from fxkfac.runtime.precision import autocast, to_wire, wire_specs
 
-__all__ = ["StageRunner"]
+__all__ = ["StageRunner", "compiled"]
 
 
 @dataclass
@@ -77,7 +77,7 @@ class StageRunner:
         module: fx.GraphModule = deepcopy(graph.gm) if copy else graph.gm
         for param in module.parameters():
             param.requires_grad_(True)
-        fn = _compiled(module, backend)
+        fn = compiled(module, backend)
         return cls(graph, pipe, module, fn, is_last, backend, recompute=recompute, autocast_dtype=autocast_dtype)
 
     def __post_init__(self) -> None:
@@ -93,7 +93,7 @@ class StageRunner:
             if graph is None:
                 raise AssertionError(f"stage {self.stage}: shape {key} used before its graph was given")
             gm = _sharing(graph.gm, self.module)
-            self._shapes[key] = (graph, gm, _compiled(gm, self.backend))
+            self._shapes[key] = (graph, gm, compiled(gm, self.backend))
         self.graph, self.gm, self.fn = self._shapes[key]
         self.shape = key
 
@@ -123,7 +123,7 @@ class StageRunner:
         parameters) is made, and compiled under `backend`, on the first call at each shape (`use_shape`): a run that
         never evaluates pays nothing for it."""
         if self.shape not in self._eval_fns:
-            self._eval_fns[self.shape] = _compiled(eval_graph(self.gm), self.backend)
+            self._eval_fns[self.shape] = compiled(eval_graph(self.gm), self.backend)
         with torch.no_grad(), self.precision():
             return self.crossing(self._eval_fns[self.shape](*inputs))
 
@@ -179,8 +179,8 @@ class StageRunner:
         return sorted(self._outputs)
 
 
-def _compiled(gm: torch.nn.Module, backend: str | None) -> Callable[..., Any]:
-    """`gm` itself, or compiled with `backend` for its one shape."""
+def compiled(gm: torch.nn.Module, backend: str | None) -> Callable[..., Any]:
+    """`gm` itself, or compiled with `backend` for its one shape: how every stage graph, tapped or not, is run."""
     return gm if backend is None else torch.compile(gm, backend=backend, dynamic=False)
 
 

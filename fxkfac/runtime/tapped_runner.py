@@ -17,7 +17,7 @@ from fxkfac.passes.split_stages import StageGraph
 from fxkfac.planner.ir import Capture, Op
 from fxkfac.preconditioner import Family, Source
 from fxkfac.runtime.precision import LossScale
-from fxkfac.runtime.stage import StageRunner
+from fxkfac.runtime.stage import StageRunner, compiled
 
 __all__ = ["TappedRunner"]
 
@@ -51,10 +51,10 @@ class TappedRunner(StageRunner):
         runner: StageRunner,
         layers: Mapping[str, Any],
         family: Family,
-        backend: str | None,
         loss_scale: LossScale | None = None,
     ) -> TappedRunner:
-        """The same stage copy (same module and parameters) capturing `layers` for `family`'s parts."""
+        """The same stage copy (same module and parameters, compiled under the same backend) capturing `layers` for
+        `family`'s parts."""
         sources = {src: tuple(p for p in family.parts if family.source(p) is src) for src in Source}
         return cls(
             runner.graph,
@@ -62,7 +62,7 @@ class TappedRunner(StageRunner):
             runner.module,
             runner.fn,
             runner.is_last,
-            backend=backend,
+            backend=runner.backend,
             recompute=runner.recompute,
             autocast_dtype=runner.autocast_dtype,
             layers=dict(layers),
@@ -102,7 +102,7 @@ class TappedRunner(StageRunner):
         key = (self.shape, tuple(sorted(self.modes.items())))
         if key not in self._variants:
             taps = insert_factor_capture(self.gm, list(self.layers.values()), self.modes)
-            fn = taps.gm if self.backend is None else torch.compile(taps.gm, backend=self.backend, dynamic=False)
+            fn = compiled(taps.gm, self.backend)
             self._variants[key] = (taps, fn)
         return self._variants[key]
 

@@ -267,7 +267,7 @@ class Trainer(Checkpointing):
         """Runs `evaluate`'s forward-only programs."""
         self.step_end = self._step_end(holders)
         _check_precision(options, spec.family if spec.units else None, self.step_end.barrier_free)
-        self.preconditioning = self._preconditioning(holders, backend) if spec.units else None
+        self.preconditioning = self._preconditioning(holders) if spec.units else None
         params = [p for r in self.runners.values() for p in r.module.parameters()]
         self.optimizer = optimizer(params) if params else None  # a stage of only activations holds none
         _check_base(self.optimizer, spec.family if spec.units else None)
@@ -290,7 +290,7 @@ class Trainer(Checkpointing):
             len(spec.programs[self.layout.rank]),
         )
 
-    def _preconditioning(self, holders: Mapping[int, tuple[int, ...]], backend: str | None) -> PreconditionerRuntime:
+    def _preconditioning(self, holders: Mapping[int, tuple[int, ...]]) -> PreconditionerRuntime:
         """Tap this rank's stage copies and install the family's handlers on the interpreter."""
         spec = self.spec
         if spec.family is None:
@@ -301,7 +301,7 @@ class Trainer(Checkpointing):
             for key, runner in list(self.runners.items()):
                 held = {n: spec.units[n] for n in spec.stage_units[runner.stage]}
                 scale = self.loss_scale if self.loss_scale.enabled else None
-                self.runners[key] = TappedRunner.wrap(runner, held, spec.family, backend, scale)
+                self.runners[key] = TappedRunner.wrap(runner, held, spec.family, scale)
         streamed = _streamed_layers(spec, self.layout.rank, local)
         groups = {s: StageCopies(holders[s], self.sync.group_of(holders[s])) for s in local}
         groups |= {stage_of[n]: StageCopies(holders[stage_of[n]], None) for n in streamed.replicas}
