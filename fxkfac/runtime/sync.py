@@ -184,7 +184,7 @@ class GradSync:
         None when not clipping."""
         if self.sqnorms is None:
             return None
-        total = torch.stack(self.sqnorms).sum().cpu() if self.sqnorms else torch.zeros((), dtype=torch.float64)
+        total = torch.stack(self.sqnorms).sum() if self.sqnorms else torch.zeros((), dtype=torch.float64)
         self.sqnorms = []
         return total
 
