@@ -62,6 +62,19 @@ def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.1)
 
 
+def _one_device(model: nn.Module, x: Tensor) -> Trainer:
+    """`model` on one device with K-FAC (damping 1e-2) and SGD, eager: the set-up the tests below share."""
+    return fxkfac.compile(
+        model,
+        None,
+        example_inputs=(x,),
+        loss_fn=_mse,
+        optimizer=_sgd,
+        preconditioner=KFACConfig(damping=1e-2),
+        backend=None,
+    )
+
+
 def test_data_dependent_control_flow_names_the_line_and_the_fix() -> None:
     with pytest.raises(CaptureError) as info:
         capture(_DataDependent(), (torch.randn(2, 4),), None)
@@ -140,15 +153,7 @@ def test_nan_or_indefinite_factor_falls_back_to_previous_inverse(poison: float) 
 
 def test_nan_gradients_skip_the_step_and_leave_state_untouched() -> None:
     x, y = torch.randn(8, 12), torch.randn(8, 5)
-    trainer = fxkfac.compile(
-        mlp(),
-        None,
-        example_inputs=(x,),
-        loss_fn=_mse,
-        optimizer=_sgd,
-        preconditioner=KFACConfig(damping=1e-2),
-        backend=None,
-    )
+    trainer = _one_device(mlp(), x)
     trainer.step(x, y)
     params = {name: p.detach().clone() for name, p in trainer.named_parameters()}
     factors = {name: s.A.clone() for name, s in trainer.layer_states.items()}
@@ -170,15 +175,7 @@ def _state(trainer: Trainer) -> dict[str, Tensor]:
 
 def _trained_mlp_checkpoint(path: str) -> None:
     x, y = torch.randn(8, 12), torch.randn(8, 5)
-    trainer = fxkfac.compile(
-        mlp(),
-        None,
-        example_inputs=(x,),
-        loss_fn=_mse,
-        optimizer=_sgd,
-        preconditioner=KFACConfig(damping=1e-2),
-        backend=None,
-    )
+    trainer = _one_device(mlp(), x)
     trainer.step(x, y)
     trainer.save_checkpoint(path)
 
@@ -186,15 +183,7 @@ def _trained_mlp_checkpoint(path: str) -> None:
 def test_checkpoint_of_another_model_is_refused_and_changes_nothing(tmp_path) -> None:
     _trained_mlp_checkpoint(str(tmp_path / "mlp"))
     x = torch.randn(4, 12)
-    other = fxkfac.compile(
-        mlp(hidden=8),
-        None,
-        example_inputs=(x,),
-        loss_fn=_mse,
-        optimizer=_sgd,
-        preconditioner=KFACConfig(damping=1e-2),
-        backend=None,
-    )
+    other = _one_device(mlp(hidden=8), x)
     before = _state(other)
     with pytest.raises(
         CheckpointError,
@@ -211,15 +200,7 @@ def test_corrupt_checkpoint_metadata_is_refused_and_changes_nothing(tmp_path) ->
     metadata = path / ".metadata.json"
     metadata.write_bytes(metadata.read_bytes()[:100])  # truncated
     x = torch.randn(8, 12)
-    trainer = fxkfac.compile(
-        mlp(),
-        None,
-        example_inputs=(x,),
-        loss_fn=_mse,
-        optimizer=_sgd,
-        preconditioner=KFACConfig(damping=1e-2),
-        backend=None,
-    )
+    trainer = _one_device(mlp(), x)
     before = _state(trainer)
     with pytest.raises(CheckpointError, match=r"tensor metadata .*\.metadata\.json is unreadable or corrupt"):
         trainer.load_checkpoint(str(path))
