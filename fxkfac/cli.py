@@ -86,7 +86,8 @@ def _add_plan_problem(plan: argparse.ArgumentParser) -> None:
         "--preconditioner",
         choices=[k.value for k in PreconditionerKind],
         default=PreconditionerKind.KFAC.value,
-        help="the family planned: kfac (layers' curvature), shampoo or soap (every parameter)",
+        help="the family planned: kfac (layers' curvature), shampoo or soap (every parameter), muon (Newton-Schulz "
+        "of every hidden matrix at every step)",
     )
     plan.add_argument(
         "--max-preconditioner-dim",

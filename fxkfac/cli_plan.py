@@ -133,7 +133,7 @@ def _refused(error: PlanError, budget: Budget, checkpointing: ActivationCheckpoi
 def _searches_block_size(args: argparse.Namespace) -> bool:
     """Whether the planner chooses Shampoo's/SOAP's block side: auto on a preset's analytic costs."""
     return (
-        kind(args) is not PreconditionerKind.KFAC
+        kind(args) in (PreconditionerKind.SHAMPOO, PreconditionerKind.SOAP)
         and args.max_preconditioner_dim == AUTO
         and args.costs is None
         and not is_factory(args.target)

@@ -19,7 +19,7 @@ from fxkfac.planner.strategy import (
     distribute,
     grad_workers,
 )
-from fxkfac.planner.streaming import Streaming
+from fxkfac.planner.streaming import Streaming, can_stream
 
 __all__ = [
     "StepBarrier",
@@ -150,7 +150,7 @@ class Problem:
 
     def _check_streaming(self, streaming: Streaming) -> None:
         """PlanError unless every helper is a rank that holds no copy of the streamed stage, and each streamed layer is
-        one whose APPLY keeps no state, whose statistics come from captures (K-FAC's) and which every copy applies
+        one a helper may apply (`can_stream`) and which every copy applies
         itself (COMM-OPT: the helper's result replaces each copy's gradient)."""
         if not streaming.stage < self.num_stages:
             raise PlanError(f"streaming names stage {streaming.stage}, which this problem does not have")
@@ -162,10 +162,10 @@ class Problem:
             layer = held.get(name)
             if layer is None:
                 raise PlanError(f"streaming names {name!r}, which is not a layer of stage {streaming.stage}")
-            if layer.state_bytes or any(p.after is OpKind.ALLREDUCE_GRAD for p in layer.parts):
+            if not can_stream(self.costs.family, layer):
                 raise PlanError(
                     f"{name}'s APPLY keeps state or its statistics come from the gradient (Shampoo, SOAP): only a "
-                    "layer whose APPLY reads its preconditioner alone (K-FAC) streams"
+                    "layer whose APPLY reads its preconditioner alone (K-FAC) or a Muon matrix streams"
                 )
             if self.where(name) != LayerDistribution():
                 raise PlanError(f"{name} streams, so every copy applies it (COMM-OPT), not {self.where(name)}")

@@ -15,7 +15,7 @@ from fxkfac.planner.plan import Plan, rank
 from fxkfac.planner.problem import Problem, copies_of_stage, stage_groups
 from fxkfac.planner.step_timeline import group_load, refresh_lower_bound, step_timeline
 from fxkfac.planner.strategy import LayerDistribution
-from fxkfac.planner.streaming import Streaming, ready_fractions
+from fxkfac.planner.streaming import Streaming, can_stream, ready_fractions
 
 __all__ = ["StreamApply", "Solver", "with_streaming", "solve_streamed", "STREAMED_STAGE", "HELPER_CANDIDATES"]
 
@@ -49,16 +49,11 @@ them together (m = 2 ..) sharing the layers."""
 
 def _streamable(problem: Problem) -> list[str]:
     """The first stage's layers a helper may apply, in the order its backward makes their gradients final: every
-    layer whose APPLY reads its preconditioner alone (no optimizer state, statistics from captures) and that every
-    copy applies itself (COMM-OPT)."""
+    layer a helper may apply (`can_stream`: K-FAC's, Muon's) that every copy applies itself (COMM-OPT)."""
     layers = problem.costs.stages[STREAMED_STAGE].layers
     fractions = ready_fractions(problem.costs.stages[STREAMED_STAGE])
     ok = [
-        x.name
-        for x in layers
-        if not x.state_bytes
-        and all(p.after is not OpKind.ALLREDUCE_GRAD for p in x.parts)
-        and problem.where(x.name) == LayerDistribution()
+        x.name for x in layers if can_stream(problem.costs.family, x) and problem.where(x.name) == LayerDistribution()
     ]
     return sorted(ok, key=lambda n: fractions[n])
 

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fxkfac.planner.costs import StageCost
+from fxkfac.planner.costs import LayerCost, PreconditionerKind, StageCost
 from fxkfac.planner.errors import PlanFormatError
 from fxkfac.planner.ir import LayerTiming, Op, OpKind, Placement, Program
 
@@ -30,6 +30,7 @@ __all__ = [
     "add_replicas",
     "ready",
     "ready_fractions",
+    "can_stream",
 ]
 
 
@@ -94,6 +95,15 @@ class Streaming:
             return cls(data["stage"], helpers, layers, data.get("whole_backward", False))
         except (KeyError, TypeError) as e:
             raise PlanFormatError(f"the plan's streaming is malformed: {e!r}") from e
+
+
+def can_stream(family: PreconditionerKind, layer: LayerCost) -> bool:
+    """Whether a helper may run `layer`'s APPLY: one that reads its preconditioner alone (no optimizer state,
+    statistics from captures: K-FAC's), or a Muon matrix's (the owner keeps the momentum and sends the Newton-Schulz
+    input, the helper keeps nothing and needs no replica); not Shampoo's or SOAP's, whose APPLY updates state."""
+    if family is PreconditionerKind.MUON:
+        return True
+    return not layer.state_bytes and all(p.after is not OpKind.ALLREDUCE_GRAD for p in layer.parts)
 
 
 def ready(streaming: Streaming, stage: StageCost) -> dict[str, float]:
