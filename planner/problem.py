@@ -209,10 +209,11 @@ class Problem:
 
     def with_strategy(self, strategy: Strategy) -> Problem:
         """Every layer under `strategy`, each stage's layers dealt to its columns by KAISA's greedy on their
-        decomposition seconds (`planner.strategy.distribute`)."""
+        decomposition seconds (`planner.strategy.distribute`); a layer without parts (a Muon matrix, Moonlight's
+        distributed Muon under mem-opt) on its APPLY's seconds, the only work it has."""
         holders = {s: copies_of_stage(self, s) for s in range(self.num_stages)}
         layers = {s: [x.name for x in stage.layers] for s, stage in enumerate(self.costs.stages)}
-        costs = {x.name: x.inv for stage in self.costs.stages for x in stage.layers}
+        costs = {x.name: x.inv if x.parts else x.prec for stage in self.costs.stages for x in stage.layers}
         return self.with_distributions(distribute(strategy, layers, holders, costs))
 
     def where(self, layer: str) -> LayerDistribution:

@@ -71,9 +71,13 @@ def _check_helper_step(
 def _check_replicas(c: Context, streaming: Streaming, owner: int) -> None:
     """Replay the replicas over two periods of every program: the owner sends one after a DECOMP of the layer, the
     layer's helper takes it in the same step, and each helper APPLY finds the refresh its timing makes due (the n-th
-    replica carries the layer's n-th refresh since step 0)."""
+    replica carries the layer's n-th refresh since step 0). A layer without parts (a Muon matrix) has no refresh, so
+    no replica."""
     s = streaming.stage
     for n, helper in zip(streaming.layers, streaming.helpers, strict=True):
+        if not c.problem.costs.layer(n).parts:
+            _check_no_replica(c, streaming, n, owner, helper)
+            continue
         periods = [len(c.plan.programs[r]) + len(c.plan.startup.get(r, [])) for r in (owner, helper)]
         timing = c.plan.layers[n]
         send = Op(OpKind.SEND_REPLICA, s, peer=helper, layer=n)
@@ -97,3 +101,16 @@ def _check_replicas(c: Context, streaming: Streaming, owner: int) -> None:
                 if due >= timing.curv_step and received < (due - timing.curv_step) // timing.period + 1:
                     c.errors.append(f"step {t}: r{helper} applies {n} before the replica of its refresh due arrives")
                     return
+
+
+def _check_no_replica(c: Context, streaming: Streaming, layer: str, owner: int, helper: int) -> None:
+    """A layer without a refresh (a Muon matrix) sends and takes no replica, in any program."""
+    s = streaming.stage
+    replicas = (
+        Op(OpKind.SEND_REPLICA, s, peer=helper, layer=layer),
+        Op(OpKind.RECV_REPLICA, s, peer=owner, layer=layer),
+    )
+    for rank in (owner, helper):
+        ops = [op for body in (*c.plan.startup.get(rank, []), *c.plan.programs[rank]) for op in body]
+        if any(op in replicas for op in ops):
+            c.errors.append(f"r{rank} transfers a replica of {layer}, which has no refresh")
