@@ -83,6 +83,20 @@ def _assign(layers: list[str], helpers: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(helpers[(len(layers) - 1 - i) % m] for i in range(len(layers)))
 
 
+def _balanced(problem: Problem, names: list[str], helpers: tuple[int, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The layers streamed and their helpers when every APPLY is dealt, longest first, to whichever of the owner and
+    `helpers` has the least APPLY time so far (the owner's share stays with it): where the gradients come at once
+    (compiled stages, Muon's large Newton-Schulz tasks) the APPLYs then end together rather than in a row."""
+    seconds = {n: problem.costs.layer(n).prec for n in names}
+    load = {rank: 0.0 for rank in (-1, *helpers)}  # -1: the owner
+    dealt: dict[str, int] = {}
+    for n in sorted(names, key=lambda n: (-seconds[n], names.index(n))):
+        rank = min(load, key=lambda r: (load[r], r))
+        dealt[n], load[rank] = rank, load[rank] + seconds[n]
+    streamed = tuple(n for n in names if dealt[n] >= 0)
+    return streamed, tuple(dealt[n] for n in streamed)
+
+
 def _helper_load(problem: Problem) -> float:
     """The largest share of its bubbles a helper's stage group needs for one refresh per step (inf without
     bubble)."""
@@ -97,7 +111,7 @@ def _helper_load(problem: Problem) -> float:
 
 def with_streaming(problem: Problem, whole_backward: bool = False, keep_bounds: bool = True) -> Problem:
     """`problem` with the first stage's APPLY streamed, for the helpers (`_helper_sets`, the layers shared by
-    `_assign`) and the prefix of its layers (in the order their gradients become final) that give the shortest
+    `_assign`, or all dealt with the owner's by `_balanced`) and the prefix of its layers (in the order their gradients become final) that give the shortest
     reference step without raising any stage group's least refresh period (any, without `keep_bounds`), the
     lowest largest helper load and then the fewest helpers among equals; unchanged where nothing does, where every
     rank holds the stage, or where it already streams. `whole_backward`: the stages run
@@ -112,8 +126,12 @@ def with_streaming(problem: Problem, whole_backward: bool = False, keep_bounds: 
     best: tuple[float, float, int] | None = None
     chosen = problem
     for helpers in _helper_sets(_helpers(problem)):
-        for n in range(len(helpers), len(names) + 1):
-            streaming = Streaming(STREAMED_STAGE, _assign(names[:n], helpers), tuple(names[:n]), whole_backward)
+        tries = [(tuple(names[:n]), _assign(names[:n], helpers)) for n in range(len(helpers), len(names) + 1)]
+        tries += [_balanced(problem, names, helpers)] if len(helpers) > 1 else []
+        for layers, assigned in tries:
+            if not layers:
+                continue
+            streaming = Streaming(STREAMED_STAGE, assigned, layers, whole_backward)
             candidate = replace(problem, streaming=streaming)
             shorter = step_timeline(candidate).length
             if shorter >= length * (1 - 1e-9) or (bounds is not None and _bounds(candidate) != bounds):
