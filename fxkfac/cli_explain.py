@@ -9,7 +9,7 @@ from rich.console import Console
 
 from fxkfac.planner.costs import CostTable, StageCost
 from fxkfac.planner.ir import OpKind
-from fxkfac.planner.preconditioners import WORDS, kind_of
+from fxkfac.planner.preconditioners import WORDS, PreconditionerKind, kind_of
 from fxkfac.planner.problem import Problem
 
 if TYPE_CHECKING:
@@ -107,6 +107,25 @@ def explain_plan_comm(plan: Plan, console: Console) -> None:
         markup=False,
         highlight=False,
     )
+
+
+def explain_ns(plan: Plan, console: Console) -> None:
+    """A Muon plan's Newton-Schulz tasks (planner/ns_placement.py): every APPLY with its rank, where it runs and
+    when in the step, then the step time they add against Muon on the critical path; nothing for another family."""
+    from fxkfac.planner.ns_placement import ns_summary, ns_tasks
+
+    if kind_of(plan.problem.costs) is not PreconditionerKind.MUON:
+        return
+    console.print("Newton-Schulz tasks of the step (ms from the step's start):", markup=False)
+    for t in ns_tasks(plan):
+        what = t.layers[0] if len(t.layers) == 1 else f"all {len(t.layers)} matrices"
+        sends = f", sends {t.transfer * 1e3:.2f} ms" if t.transfer else ""
+        console.print(
+            f"  s{t.stage} {what}: r{t.rank} {t.where.value}, {t.start * 1e3:.2f} -> {t.end * 1e3:.2f}{sends}",
+            markup=False,
+            highlight=False,
+        )
+    console.print(f"Newton-Schulz adds {ns_summary(plan)}", markup=False, highlight=False)
 
 
 def explain_choice(choice: BlockChoice, console: Console) -> None:
