@@ -20,8 +20,8 @@ from rich.console import Group, RenderableType
 from fxkfac.planner.choose import strategy_of
 from fxkfac.planner.ir import Capture, OpKind
 from fxkfac.planner.memory import static_bytes
-from fxkfac.planner.plan import Plan
 from fxkfac.planner.ns_placement import ns_stage_lines, ns_summary
+from fxkfac.planner.plan import Plan
 from fxkfac.planner.preconditioners import PreconditionerKind, words_of
 from fxkfac.planner.problem import Problem, copies_of_stage, format_bytes, is_streamed
 from fxkfac.planner.simulate import BUSY_KINDS, Interval, Timeline
