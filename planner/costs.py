@@ -141,11 +141,12 @@ class PartCost:
 
 @dataclass(frozen=True, slots=True)
 class LayerCost:
-    """What one preconditioned layer costs: its parts (none for a Muon matrix, whose only work is its APPLY), `prec`
-    seconds to apply its preconditioner per step, `state_bytes` of per-step optimizer state besides the parts'
-    statistics (Shampoo's graft state and momentum, SOAP's Adam moments, Muon's momentum), held for the whole run, and `grad_bytes` of its gradient (what a grad worker
-    broadcasts when it preconditions the layer for other copies; 0: unknown, see `gradient_bytes`);
-    `prec_spread` the fastest and slowest repeat of a profiled `prec` (None when not measured here)."""
+    """What one preconditioned layer costs: its parts (none for a Muon matrix, whose only work is its APPLY),
+    `prec` seconds to apply its preconditioner per step, `state_bytes` of per-step optimizer state besides the
+    parts' statistics (Shampoo's graft state and momentum, SOAP's Adam moments, Muon's momentum), held for the whole
+    run, and `grad_bytes` of its gradient (what a grad worker broadcasts when it preconditions the layer for other
+    copies; 0: unknown, see `gradient_bytes`); `prec_spread` the fastest and slowest repeat of a profiled `prec`
+    (None when not measured here)."""
 
     name: str
     parts: tuple[PartCost, ...]

@@ -113,10 +113,10 @@ def with_streaming(problem: Problem, whole_backward: bool = False, keep_bounds: 
     """`problem` with the first stage's APPLY streamed, for the helpers (`_helper_sets`, the layers shared by
     `_assign`, or all dealt with the owner's by `_balanced`) and the prefix of its layers (in the order their
     gradients become final) that give the shortest reference step without raising any stage group's least refresh
-    period (any, without `keep_bounds`), the lowest largest helper load and then the fewest helpers among equals; unchanged where nothing does, where every
-    rank holds the stage, or where it already streams. `whole_backward`: the stages run
-    compiled, each backward making every gradient at its end (`Streaming.whole_backward`): the helper then only
-    applies its layers beside the owner."""
+    period (any, without `keep_bounds`), the lowest largest helper load and then the fewest helpers among equals;
+    unchanged where nothing does, where every rank holds the stage, or where it already streams. `whole_backward`:
+    the stages run compiled, each backward making every gradient at its end (`Streaming.whole_backward`): the
+    helper then only applies its layers beside the owner."""
     if problem.streaming is not None or len(copies_of_stage(problem, STREAMED_STAGE)) == len(problem.devices):
         return problem
     names = _streamable(problem)
