@@ -161,7 +161,8 @@ def _add_plan_costs(plan: argparse.ArgumentParser) -> None:
         default=1,
         help="pieces per decomposition: the run's KFACConfig.split_inverse pieces (K-FAC) or "
         "ShampooConfig.newton_pieces (Shampoo), each the longest decomposition's placed in a bubble of its own, "
-        "a smaller one's pieces together where they fit one piece's time (default 1: one task, exact inversion)",
+        "a smaller one's pieces together where they fit one piece's time (default 1: one task, exact inversion); "
+        "Muon: pieces of each matrix's Newton-Schulz, by iterations (at most 5)",
     )
     plan.add_argument(
         "--strategy",

@@ -119,6 +119,7 @@ def explain_ns(plan: Plan, console: Console) -> None:
     console.print("Newton-Schulz tasks of the step (ms from the step's start):", markup=False)
     for t in ns_tasks(plan):
         what = t.layers[0] if len(t.layers) == 1 else f"all {len(t.layers)} matrices"
+        what += f" piece {t.piece[0]}/{t.piece[1]}" if t.piece is not None else ""
         sends = f", sends {t.transfer * 1e3:.2f} ms" if t.transfer else ""
         console.print(
             f"  s{t.stage} {what}: r{t.rank} {t.where.value}, {t.start * 1e3:.2f} -> {t.end * 1e3:.2f}{sends}",

@@ -178,10 +178,13 @@ _VERDICTS = {
 
 def _ns_rows(plan: Plan) -> list[tuple[str, str]]:
     """A Muon plan's Newton-Schulz tasks per stage and the step time they add (planner/ns_placement.py)."""
-    lines = ns_stage_lines(plan)
-    return [("Newton-Schulz added", ns_summary(plan)), ("Newton-Schulz per stage", lines[0])] + [
-        ("", line) for line in lines[1:]
-    ]
+    lines, n = ns_stage_lines(plan), plan.problem.apply_pieces
+    cut = "one task per matrix" if n == 1 else f"each matrix's NS in {n} pieces by iterations (--decomp-pieces)"
+    return [
+        ("Newton-Schulz added", ns_summary(plan)),
+        ("Newton-Schulz tasks", cut),
+        ("Newton-Schulz per stage", lines[0]),
+    ] + [("", line) for line in lines[1:]]
 
 
 def plan_rows(plan: Plan) -> list[tuple[str, str]]:

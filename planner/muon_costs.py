@@ -16,7 +16,7 @@ kernel timed by the K-FAC model's roofline, `planner.analytic.roofline`, without
   (LayerCost.grad_bytes), fp32.
 
 A piece i of n of a matrix's APPLY (`Op.piece`) runs iterations [i*S//n, (i+1)*S//n) of S = ns_steps
-(`piece_iterations`); its time is that share of the iterations, the first piece also taking the elementwise work.
+(`planner.apply_pieces`); its time is that share of the APPLY.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from fxkfac.planner.analytic import analytic_cost_table, roofline
+from fxkfac.planner.apply_pieces import NS_STEPS
 from fxkfac.planner.costs import CostTable, LayerCost, PreconditionerKind
 from fxkfac.planner.errors import CostModelError
 from fxkfac.planner.hardware import HardwareSpec, Precision
@@ -33,20 +34,15 @@ from fxkfac.planner.preconditioners import tagged_source
 from fxkfac.planner.presets import BlockSpec, ModelSpec, TensorSpec, preset
 
 __all__ = [
-    "NS_STEPS",
     "ELEMENTWISE_PASSES",
     "ns_iteration_flops",
     "ns_seconds",
-    "piece_iterations",
     "matrix_cost",
     "muon_matrices",
     "muon_cost_table",
 ]
 
 _F32 = 4
-
-NS_STEPS = 5
-"""Newton-Schulz iterations per step (torch.optim.Muon's `ns_steps` default)."""
 
 ELEMENTWISE_PASSES = 10
 """fp32 reads and writes per element of a step's elementwise work: momentum (buffer and gradient read, buffer
@@ -68,14 +64,6 @@ def _iteration_seconds(hw: HardwareSpec, rows: int, cols: int, precision: Precis
     square = roofline(hw, 2 * m**3, item * 3 * m * m, peak, hw.matmul_efficiency)
     back = roofline(hw, 2 * m * m * n, item * (m * m + 2 * m * n), peak, hw.matmul_efficiency)
     return gram + square + back
-
-
-def piece_iterations(piece: tuple[int, int] | None, ns_steps: int = NS_STEPS) -> range:
-    """The iterations piece (i, n) of a matrix's APPLY runs: [i*S//n, (i+1)*S//n) of S = ns_steps (all: None)."""
-    if piece is None:
-        return range(ns_steps)
-    i, n = piece
-    return range(i * ns_steps // n, (i + 1) * ns_steps // n)
 
 
 def ns_seconds(

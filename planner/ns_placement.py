@@ -30,8 +30,9 @@ class NSWhere(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class NSTask:
-    """One APPLY of a Muon plan's step: its stage, matrices (`layers`), rank, where, and when it runs in the step
-    (seconds from the step's start); `transfer` the seconds of its streamed sends (the input and the update)."""
+    """One APPLY of a Muon plan's step (or a piece of one): its stage, matrices (`layers`), rank, where, and when it
+    runs in the step (seconds from the step's start); `transfer` the seconds of its streamed sends (the input and the
+    update, counted on its first piece)."""
 
     stage: int
     layers: tuple[str, ...]
@@ -40,6 +41,8 @@ class NSTask:
     start: float
     end: float
     transfer: float = 0.0
+    piece: tuple[int, int] | None = None
+    """Piece (i, n) of a cut APPLY (`Problem.apply_pieces`); None: whole."""
 
 
 def _where(problem: Problem, rank: int, op: Op) -> NSWhere:
@@ -63,14 +66,14 @@ def ns_tasks(plan: Plan) -> list[NSTask]:
             )
             where = _where(problem, rank, op)
             transfer = 0.0
-            if where is NSWhere.STREAMED and op.layer is not None:
+            if where is NSWhere.STREAMED and op.layer is not None and (op.piece is None or op.piece[0] == 0):
                 sends = (
                     Op(kind, op.stage, peer=rank, layer=op.layer)
                     for kind in LAYER_SENDS
                     if kind is not OpKind.SEND_REPLICA
                 )
                 transfer = sum(problem.costs.collective_seconds(s, 2) for s in sends)
-            out.append(NSTask(op.stage, names, rank, where, start, end, transfer))
+            out.append(NSTask(op.stage, names, rank, where, start, end, transfer, op.piece))
     return sorted(out, key=lambda t: (t.stage, t.start, t.rank))
 
 

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from fxkfac.planner.apply_pieces import cut_apply
 from fxkfac.planner.costs import LayerCost, PreconditionerKind, StageCost
 from fxkfac.planner.errors import PlanFormatError
 from fxkfac.planner.ir import LayerTiming, Op, OpKind, Placement, Program
@@ -134,11 +135,14 @@ def _before_step_end(ops: list[Op], extra: Sequence[Op]) -> list[Op]:
     return ops[:at] + list(extra) + ops[at:]
 
 
-def stream_step(ops: Mapping[int, Sequence[Op]], streaming: Streaming, owners: Sequence[int]) -> dict[int, list[Op]]:
+def stream_step(
+    ops: Mapping[int, Sequence[Op]], streaming: Streaming, owners: Sequence[int], pieces: int = 1
+) -> dict[int, list[Op]]:
     """One step's programs with the streamed layers handed over: each owner (a copy of the stage) sends each layer's
     gradient after the stage's last BWD and receives it preconditioned before its step ends; the helper, before its
     step ends, receives each layer from every owner (their sum is the gradient the copies' all-reduce makes),
-    applies it and returns it to every owner, layer by layer (the owners' APPLY of those layers is not in `ops`)."""
+    applies it (in `pieces` pieces, `Problem.apply_pieces`) and returns it to every owner, layer by layer (the owners'
+    APPLY of those layers is not in `ops`)."""
     s, pairs = streaming.stage, list(zip(streaming.layers, streaming.helpers, strict=True))
     out = {rank: list(body) for rank, body in ops.items()}
     for owner in owners:
@@ -153,7 +157,7 @@ def stream_step(ops: Mapping[int, Sequence[Op]], streaming: Streaming, owners: S
             for n in streaming.layers_of(helper)
             for op in (
                 *(Op(OpKind.RECV_LGRAD, s, peer=owner, layer=n) for owner in owners),
-                Op(OpKind.APPLY, s, layer=n),
+                *cut_apply(Op(OpKind.APPLY, s, layer=n), pieces),
                 *(Op(OpKind.SEND_PGRAD, s, peer=owner, layer=n) for owner in owners),
             )
         ]

@@ -8,7 +8,7 @@ import math
 
 from fxkfac.planner.ir import Op, OpKind, ops_at
 from fxkfac.planner.streaming import Streaming
-from fxkfac.planner.validate.context import Context
+from fxkfac.planner.validate.context import Context, apply_ops
 
 __all__ = ["check_streaming"]
 
@@ -52,7 +52,8 @@ def _check_helper_step(
     c: Context, streaming: Streaming, helper: int, owners: tuple[int, ...], j: int, ops: list[Op]
 ) -> None:
     """The helper's step j receives every layer it preconditions from every owner, applies it and returns it to
-    every owner, once each, in that order, and applies no other layer of the stage."""
+    every owner, once each, in that order (a cut APPLY's pieces in order between), and applies no other layer of the
+    stage."""
     s, mine = streaming.stage, streaming.layers_of(helper)
     others = sorted({op.layer or "(all)" for op in ops if op.kind is OpKind.APPLY and op.stage == s} - set(mine))
     if others:
@@ -60,7 +61,7 @@ def _check_helper_step(
     for n in mine:
         chain = [
             *(Op(OpKind.RECV_LGRAD, s, peer=owner, layer=n) for owner in owners),
-            Op(OpKind.APPLY, s, layer=n),
+            *apply_ops(c, s, n),
             *(Op(OpKind.SEND_PGRAD, s, peer=owner, layer=n) for owner in owners),
         ]
         at = [ops.index(op) if ops.count(op) == 1 else -1 for op in chain]

@@ -7,14 +7,17 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from fxkfac.planner.apply_pieces import piece_iterations
 from fxkfac.planner.costs import CostTable, PreconditionerKind
+from fxkfac.planner.errors import PlanError
 from fxkfac.planner.hardware import hardware
 from fxkfac.planner.ir import Op, OpKind
-from fxkfac.planner.muon_costs import muon_cost_table, muon_matrices, ns_iteration_flops, piece_iterations
+from fxkfac.planner.muon_costs import muon_cost_table, muon_matrices, ns_iteration_flops
 from fxkfac.planner.ns_placement import NSWhere, critical_path_step, ns_tasks
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.presets import preset
@@ -146,3 +149,47 @@ def test_fxkfac_plan_muon_runs_without_torch_and_shows_the_ns_tasks(tmp_path: Pa
     assert "Newton-Schulz tasks of the step" in out and "s3 all" in out, out
     assert "refresh steps per stage" not in out, out
     assert json.loads(trace.read_text())["traceEvents"]
+
+
+@pytest.mark.parametrize("pieces", [2, 3])
+def test_cut_ns_runs_its_pieces_in_order_on_one_rank_and_takes_the_same_time(pieces: int) -> None:
+    """Every matrix's APPLY in pieces (the owner's and a helper's): the validator accepts the plan, each layer's
+    pieces follow one another on one rank, and they sum to the uncut APPLY (the step time stays the uncut plan's)."""
+    costs = muon_cost_table("bert-base", 4, 32)
+    whole = with_streaming(Problem("1f1b", 4, 4, costs), whole_backward=True)
+    cut = replace(whole, decomp_pieces=pieces)
+    plan = solve(cut, SolverConfig(time_limit_s=5))
+    assert validate(cut, plan) == []
+    assert plan.metrics.step_time == pytest.approx(solve(whole, SolverConfig(time_limit_s=5)).metrics.step_time)
+    for rank, body in plan.programs.items():
+        applies = [op for op in body[0] if op.kind is OpKind.APPLY]
+        assert applies and all(op.layer is not None and op.piece is not None for op in applies)
+        for layer in {op.layer for op in applies}:
+            assert [op.piece for op in applies if op.layer == layer] == [(i, pieces) for i in range(pieces)], rank
+    tasks = ns_tasks(plan)
+    for layer in costs.stages[0].layers:
+        mine = [t for t in tasks if t.layers == (layer.name,)]
+        assert len({t.rank for t in mine}) == 1
+        assert sum(t.end - t.start for t in mine) == pytest.approx(layer.prec)
+
+
+def test_the_validator_refuses_pieces_out_of_order_and_more_pieces_than_iterations() -> None:
+    costs = muon_cost_table("bert-base", 2, 32)
+    problem = Problem("1f1b", 2, 4, costs, decomp_pieces=2)
+    plan = solve(problem, SolverConfig(time_limit_s=5))
+    assert validate(problem, plan) == []
+    body = list(plan.programs[1][0])
+    first = next(i for i, op in enumerate(body) if op.kind is OpKind.APPLY)
+    body[first], body[first + 1] = body[first + 1], body[first]
+    swapped = Plan(
+        plan.problem,
+        {**plan.programs, 1: [body]},
+        plan.layers,
+        plan.placements,
+        plan.metrics,
+        plan.fingerprint,
+        startup=plan.startup,
+    )
+    assert validate(problem, swapped, run=False)
+    with pytest.raises(PlanError, match="at most 5"):
+        Problem("1f1b", 2, 4, costs, decomp_pieces=6)
