@@ -20,6 +20,7 @@ from fxkfac.planner.ir import Op, OpKind
 from fxkfac.planner.muon_costs import muon_cost_table, muon_matrices, ns_iteration_flops
 from fxkfac.planner.ns_placement import NSWhere, critical_path_step, ns_tasks
 from fxkfac.planner.plan import Plan
+from fxkfac.planner.plan_file import parse_plan
 from fxkfac.planner.presets import preset
 from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.solve import solve
@@ -83,6 +84,7 @@ def streamed() -> tuple[Problem, Plan]:
 def test_stage_zero_streams_to_idle_ranks_and_the_validator_accepts_it(streamed: tuple[Problem, Plan]) -> None:
     problem, plan = streamed
     assert validate(problem, plan) == []
+    assert parse_plan(plan.to_json()) == plan
     assert problem.streaming is not None and len(problem.streaming.ranks) >= 2
     ops = [op for body in plan.programs.values() for step in body for op in step]
     assert not any(op.kind in (OpKind.SEND_REPLICA, OpKind.RECV_REPLICA) for op in ops)  # no refresh, no replica
