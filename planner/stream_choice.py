@@ -44,7 +44,8 @@ STREAMED_STAGE = 0
 
 HELPER_CANDIDATES = 4
 """How many ranks, those that end their step's work first, are tried as helpers: each alone, and the first m of
-them together (m = 2 ..) sharing the layers."""
+them together (m = 2 ..) sharing the layers; beyond them, the first m of every rank idle at the step's end take all
+the layers dealt by `_balanced` (Muon's large tasks, shared by as many ranks as there are)."""
 
 
 def _streamable(problem: Problem) -> list[str]:
@@ -59,8 +60,8 @@ def _streamable(problem: Problem) -> list[str]:
 
 
 def _helpers(problem: Problem) -> list[int]:
-    """The ranks that end their step's F/B and per-step work first (they idle longest before the step ends), the
-    lowest first on a tie; never a copy of the streamed stage."""
+    """Every rank but the streamed stage's copies, those that end their step's F/B and per-step work first (they idle
+    longest before the step ends) first, the lowest first on a tie."""
     step = step_timeline(problem)
     owners = copies_of_stage(problem, STREAMED_STAGE)
     ends = {
@@ -68,7 +69,7 @@ def _helpers(problem: Problem) -> list[int]:
         for d in problem.devices
         if d not in owners
     }
-    return sorted(ends, key=lambda d: (ends[d], d))[:HELPER_CANDIDATES]
+    return sorted(ends, key=lambda d: (ends[d], d))
 
 
 def _helper_sets(helpers: list[int]) -> list[tuple[int, ...]]:
@@ -125,8 +126,12 @@ def with_streaming(problem: Problem, whole_backward: bool = False, keep_bounds: 
     bounds, length = _bounds(problem) if keep_bounds else None, step_timeline(problem).length
     best: tuple[float, float, int] | None = None
     chosen = problem
-    for helpers in _helper_sets(_helpers(problem)):
+    ranked = _helpers(problem)
+    sets = [(h, True) for h in _helper_sets(ranked[:HELPER_CANDIDATES])]
+    sets += [(tuple(ranked[:m]), False) for m in range(HELPER_CANDIDATES + 1, len(ranked) + 1)]
+    for helpers, prefixes in sets:
         tries = [(tuple(names[:n]), _assign(names[:n], helpers)) for n in range(len(helpers), len(names) + 1)]
+        tries = tries if prefixes else []
         tries += [_balanced(problem, names, helpers)] if len(helpers) > 1 else []
         for layers, assigned in tries:
             if not layers:
