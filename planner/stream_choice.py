@@ -9,6 +9,7 @@ from dataclasses import replace
 from enum import StrEnum
 from typing import Protocol
 
+from fxkfac.planner.costs import PreconditionerKind
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.plan import Plan, rank
@@ -44,8 +45,8 @@ STREAMED_STAGE = 0
 
 HELPER_CANDIDATES = 4
 """How many ranks, those that end their step's work first, are tried as helpers: each alone, and the first m of
-them together (m = 2 ..) sharing the layers; beyond them, the first m of every rank idle at the step's end take all
-the layers dealt by `_balanced` (Muon's large tasks, shared by as many ranks as there are)."""
+them together (m = 2 ..) sharing the layers. For Muon, whose large Newton-Schulz tasks all wait for the last
+backward, also the first m of every rank idle at the step's end with all the layers dealt by `_balanced`."""
 
 
 def _streamable(problem: Problem) -> list[str]:
@@ -112,7 +113,7 @@ def _helper_load(problem: Problem) -> float:
 
 def with_streaming(problem: Problem, whole_backward: bool = False, keep_bounds: bool = True) -> Problem:
     """`problem` with the first stage's APPLY streamed, for the helpers (`_helper_sets`, the layers shared by
-    `_assign`, or all dealt with the owner's by `_balanced`) and the prefix of its layers (in the order their
+    `_assign`, or for Muon all dealt with the owner's by `_balanced`) and the prefix of its layers (in the order their
     gradients become final) that give the shortest reference step without raising any stage group's least refresh
     period (any, without `keep_bounds`), the lowest largest helper load and then the fewest helpers among equals;
     unchanged where nothing does, where every rank holds the stage, or where it already streams. `whole_backward`:
@@ -126,13 +127,13 @@ def with_streaming(problem: Problem, whole_backward: bool = False, keep_bounds: 
     bounds, length = _bounds(problem) if keep_bounds else None, step_timeline(problem).length
     best: tuple[float, float, int] | None = None
     chosen = problem
-    ranked = _helpers(problem)
+    ranked, dealt = _helpers(problem), problem.costs.family is PreconditionerKind.MUON
     sets = [(h, True) for h in _helper_sets(ranked[:HELPER_CANDIDATES])]
-    sets += [(tuple(ranked[:m]), False) for m in range(HELPER_CANDIDATES + 1, len(ranked) + 1)]
+    sets += [(tuple(ranked[:m]), False) for m in range(HELPER_CANDIDATES + 1, len(ranked) + 1)] if dealt else []
     for helpers, prefixes in sets:
         tries = [(tuple(names[:n]), _assign(names[:n], helpers)) for n in range(len(helpers), len(names) + 1)]
         tries = tries if prefixes else []
-        tries += [_balanced(problem, names, helpers)] if len(helpers) > 1 else []
+        tries += [_balanced(problem, names, helpers)] if dealt and len(helpers) > 1 else []
         for layers, assigned in tries:
             if not layers:
                 continue
