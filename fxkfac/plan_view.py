@@ -271,6 +271,8 @@ def render_plan(plan: Plan, *, width: int = 80, title: str = "") -> RenderableTy
     what = f"all {k} steps of the refresh window" if shown == k else f"steps 1-{shown} of the {k}-step refresh window"
     ks = sorted(set(periods.values()))
     label = f"planned: {what} (step 1 refreshes; k = {', '.join(map(str, ks))})"
+    if plan.problem.costs.family is PreconditionerKind.MUON:
+        label = "planned: one step (Muon has no refresh: every step is this one)"
     timeline = render_timeline(
         view.timeline, width=width, title=label, window=(0.0, view.end), words=words_of(plan.problem.costs)
     )

@@ -149,8 +149,9 @@ def test_fxkfac_plan_muon_runs_without_torch_and_shows_the_ns_tasks(tmp_path: Pa
     assert "muon:analytic:bert-base" in out and "Muon reference" in out, out
     assert "Newton-Schulz added" in out and "streamed on r" in out and "critical path" in out, out
     assert "Newton-Schulz tasks of the step" in out and "s3 all" in out, out
-    assert "refresh steps per stage" not in out, out
-    assert json.loads(trace.read_text())["traceEvents"]
+    assert "refresh steps per stage" not in out and "T_ns = " in out and "ratio" not in out, out
+    tasks = {e["args"]["task"] for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"}
+    assert "Newton-Schulz" in tasks and "decomposition" not in tasks
 
 
 @pytest.mark.parametrize("pieces", [2, 3])
