@@ -196,3 +196,15 @@ def test_the_validator_refuses_pieces_out_of_order_and_more_pieces_than_iteratio
     assert validate(problem, swapped, run=False)
     with pytest.raises(PlanError, match="at most 5"):
         Problem("1f1b", 2, 4, costs, decomp_pieces=6)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "D", "N", "v"), [("gpipe", 4, 4, 1), ("interleaved", 2, 4, 2), ("chimera", 2, 2, 1)]
+)
+def test_muon_plans_of_every_schedule_pass_the_validator(schedule: str, D: int, N: int, v: int) -> None:
+    """Wherever the planner streams or not, every schedule's Muon plan is valid and no slower than Muon on the
+    critical path."""
+    problem = with_streaming(Problem(schedule, D, N, muon_cost_table("bert-base", D * v, 32), v=v), True)
+    plan = solve(problem, SolverConfig(time_limit_s=5))
+    assert validate(problem, plan) == []
+    assert plan.metrics.step_time <= critical_path_step(problem) + 1e-9
