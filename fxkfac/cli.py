@@ -86,7 +86,8 @@ def _add_plan_problem(plan: argparse.ArgumentParser) -> None:
         "--preconditioner",
         choices=[k.value for k in PreconditionerKind],
         default=PreconditionerKind.KFAC.value,
-        help="the family planned: kfac (layers' curvature), shampoo or soap (every parameter)",
+        help="the family planned: kfac (layers' curvature), shampoo or soap (every parameter), muon (Newton-Schulz "
+        "of every hidden matrix at every step)",
     )
     plan.add_argument(
         "--max-preconditioner-dim",
@@ -160,7 +161,8 @@ def _add_plan_costs(plan: argparse.ArgumentParser) -> None:
         default=1,
         help="pieces per decomposition: the run's KFACConfig.split_inverse pieces (K-FAC) or "
         "ShampooConfig.newton_pieces (Shampoo), each the longest decomposition's placed in a bubble of its own, "
-        "a smaller one's pieces together where they fit one piece's time (default 1: one task, exact inversion)",
+        "a smaller one's pieces together where they fit one piece's time (default 1: one task, exact inversion); "
+        "Muon: pieces of each matrix's Newton-Schulz, by iterations (at most 5)",
     )
     plan.add_argument(
         "--strategy",

@@ -17,9 +17,9 @@ def cost_table(args: argparse.Namespace, S: int, max_dim: int | None = None) -> 
     family = kind(args)
     if family is not PreconditionerKind.KFAC:
         _check_gradient_family(args, family)
-    elif args.max_preconditioner_dim != AUTO:
+    if family in (PreconditionerKind.KFAC, PreconditionerKind.MUON) and args.max_preconditioner_dim != AUTO:
         raise CliError(
-            "--max-preconditioner-dim sets Shampoo's and SOAP's blocks; K-FAC has none (pass "
+            f"--max-preconditioner-dim sets Shampoo's and SOAP's blocks; {WORDS[family].name} has none (pass "
             "--preconditioner shampoo or soap, or drop it)"
         )
     if args.profile_layers is not ProfileLayers.BLOCK and (args.costs is None or not is_profile(args.costs)):
@@ -52,6 +52,10 @@ def cost_table(args: argparse.Namespace, S: int, max_dim: int | None = None) -> 
         from fxkfac.planner.analytic import analytic_cost_table
 
         table = analytic_cost_table(args.target, S, micro_batch_size(args), args.seq_len, device(args))
+    elif family is PreconditionerKind.MUON:
+        from fxkfac.planner.muon_costs import muon_cost_table
+
+        table = muon_cost_table(args.target, S, micro_batch_size(args), args.seq_len, device(args))
     else:
         from fxkfac.planner.shampoo_costs import gradient_cost_table
 

@@ -9,7 +9,7 @@ from rich.console import Console
 
 from fxkfac.planner.costs import CostTable, StageCost
 from fxkfac.planner.ir import OpKind
-from fxkfac.planner.preconditioners import WORDS, kind_of
+from fxkfac.planner.preconditioners import WORDS, PreconditionerKind, kind_of
 from fxkfac.planner.problem import Problem
 
 if TYPE_CHECKING:
@@ -42,6 +42,14 @@ def _stage_means(costs: CostTable) -> dict[str, float]:
     }
 
 
+_MUON_MODEL = (
+    "Muon's work (no statistics, no refresh): T_ns, each stage's Newton-Schulz of its matrices at every step, after "
+    "the stage's last backward and gradient all-reduce, before the optimizer step. It fits the stage's tail bubble "
+    "where the slack allows (on 1F1B stage s has about s*(T_f + T_b) before its next forward); the rest is streamed "
+    "to ranks idle at the step's end, or shared by the stage's copies (mem-opt)."
+)
+
+
 def _slowest_stage(costs: CostTable) -> dict[str, float]:
     """The slowest stage's forward and backward (the pace of a pipeline of unequal stages)."""
     slowest = max(costs.stages, key=lambda s: s.fwd + s.bwd)
@@ -55,15 +63,23 @@ def explain(args: argparse.Namespace, costs: CostTable, simulated: float, consol
     from fxkfac.planner.perf_model import explain as model_text
     from fxkfac.planner.problem import format_bytes
 
-    console.print(model_text(args.schedule, WORDS[kind_of(costs)]), markup=False, highlight=False)
+    muon = kind_of(costs) is PreconditionerKind.MUON
     model = perf_model(args.schedule)
     values = {"D": args.stages, "N": args.microbatches, "v": args.virtual_stages, **_stage_means(costs)}
+    if muon:  # no refresh: the model's statistics, decompositions and refresh ratio are all zero
+        console.print(_MUON_MODEL, markup=False, highlight=False)
+    else:
+        console.print(model_text(args.schedule, WORDS[kind_of(costs)]), markup=False, highlight=False)
     console.print(f"With these costs (stage means, {costs.source}):", markup=False)
-    for name in ("T_pipe", "T_bubble", "T_kfac"):
+    for name in ("T_pipe", "T_bubble") if muon else ("T_pipe", "T_bubble", "T_kfac"):
         console.print(f"  {name} = {evaluate(getattr(model, name), values) * 1e3:.2f} ms", markup=False)
-    for name in ("M_pipe", "M_kfac"):
+    if muon:
+        ns = [s.prec for s in costs.stages]
+        console.print(f"  T_ns = {values['T_prec'] * 1e3:.2f} ms (stages {min(ns) * 1e3:.2f} to {max(ns) * 1e3:.2f})")
+    for name in ("M_pipe",) if muon else ("M_pipe", "M_kfac"):
         console.print(f"  {name} = {format_bytes(evaluate(getattr(model, name), values))}", markup=False)
-    console.print(f"  ratio = {evaluate(model.ratio, values):.2f} steps per refresh", markup=False)
+    if not muon:
+        console.print(f"  ratio = {evaluate(model.ratio, values):.2f} steps per refresh", markup=False)
     slowest = evaluate(model.T_pipe, {**values, **_slowest_stage(costs)})
     console.print(pipe_gap(evaluate(model.T_pipe, values), slowest, simulated, WORDS[kind_of(costs)]), markup=False)
 
@@ -107,6 +123,26 @@ def explain_plan_comm(plan: Plan, console: Console) -> None:
         markup=False,
         highlight=False,
     )
+
+
+def explain_ns(plan: Plan, console: Console) -> None:
+    """A Muon plan's Newton-Schulz tasks (planner/ns_placement.py): every APPLY with its rank, where it runs and
+    when in the step, then the step time they add against Muon on the critical path; nothing for another family."""
+    from fxkfac.planner.ns_placement import ns_summary, ns_tasks
+
+    if kind_of(plan.problem.costs) is not PreconditionerKind.MUON:
+        return
+    console.print("Newton-Schulz tasks of the step (ms from the step's start):", markup=False)
+    for t in ns_tasks(plan):
+        what = t.layers[0] if len(t.layers) == 1 else f"all {len(t.layers)} matrices"
+        what += f" piece {t.piece[0]}/{t.piece[1]}" if t.piece is not None else ""
+        sends = f", sends {t.transfer * 1e3:.2f} ms" if t.transfer else ""
+        console.print(
+            f"  s{t.stage} {what}: r{t.rank} {t.where.value}, {t.start * 1e3:.2f} -> {t.end * 1e3:.2f}{sends}",
+            markup=False,
+            highlight=False,
+        )
+    console.print(f"Newton-Schulz adds {ns_summary(plan)}", markup=False, highlight=False)
 
 
 def explain_choice(choice: BlockChoice, console: Console) -> None:

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from fxkfac.cli_args import AUTO, CliError, check_schedule, device, kind, memory_text
 from fxkfac.cli_costs import cost_table
-from fxkfac.cli_explain import explain, explain_choice, explain_comm, explain_plan_comm
+from fxkfac.cli_explain import explain, explain_choice, explain_comm, explain_ns, explain_plan_comm
 from fxkfac.cli_targets import factory, is_factory
 from fxkfac.config import ActivationCheckpointing, CheckpointMode
 from fxkfac.planner import (
@@ -133,7 +133,7 @@ def _refused(error: PlanError, budget: Budget, checkpointing: ActivationCheckpoi
 def _searches_block_size(args: argparse.Namespace) -> bool:
     """Whether the planner chooses Shampoo's/SOAP's block side: auto on a preset's analytic costs."""
     return (
-        kind(args) is not PreconditionerKind.KFAC
+        kind(args) in (PreconditionerKind.SHAMPOO, PreconditionerKind.SOAP)
         and args.max_preconditioner_dim == AUTO
         and args.costs is None
         and not is_factory(args.target)
@@ -220,6 +220,7 @@ def _solved_at(args: argparse.Namespace, S: int, console: Console) -> Plan:
         raise _Refusal(e, memory_budget(args, costs.hardware)) from None
     if args.explain:
         explain_plan_comm(plan, console)
+        explain_ns(plan, console)
     return plan
 
 

@@ -20,8 +20,9 @@ from rich.console import Group, RenderableType
 from fxkfac.planner.choose import strategy_of
 from fxkfac.planner.ir import Capture, OpKind
 from fxkfac.planner.memory import static_bytes
+from fxkfac.planner.ns_placement import ns_stage_lines, ns_summary
 from fxkfac.planner.plan import Plan
-from fxkfac.planner.preconditioners import words_of
+from fxkfac.planner.preconditioners import PreconditionerKind, words_of
 from fxkfac.planner.problem import Problem, copies_of_stage, format_bytes, is_streamed
 from fxkfac.planner.simulate import BUSY_KINDS, Interval, Timeline
 from fxkfac.planner.step_timeline import (
@@ -175,14 +176,26 @@ _VERDICTS = {
 """What each solver status says about optimality, in words."""
 
 
+def _ns_rows(plan: Plan) -> list[tuple[str, str]]:
+    """A Muon plan's Newton-Schulz tasks per stage and the step time they add (planner/ns_placement.py)."""
+    lines, n = ns_stage_lines(plan), plan.problem.apply_pieces
+    cut = "one task per matrix" if n == 1 else f"each matrix's NS in {n} pieces by iterations (--decomp-pieces)"
+    return [
+        ("Newton-Schulz added", ns_summary(plan)),
+        ("Newton-Schulz tasks", cut),
+        ("Newton-Schulz per stage", lines[0]),
+    ] + [("", line) for line in lines[1:]]
+
+
 def plan_rows(plan: Plan) -> list[tuple[str, str]]:
-    """The summary of a plan: schedule, solver, step time, utilization, refresh periods, memory."""
+    """The summary of a plan: schedule, solver, step time, utilization, refresh periods, memory; a Muon plan, which
+    has no refresh, where each stage's Newton-Schulz ran instead of the refresh periods and decompositions."""
     p, m = plan.problem, plan.metrics
     costs = p.costs
     budget = "unlimited" if p.memory_budget is None else format_bytes(p.memory_budget)
     added = (m.step_time / m.step_time_baseline - 1) if m.step_time_baseline > 0 else 0.0
     name = words_of(costs).name
-    return [
+    rows = [
         ("model costs", f"{costs.source} ({costs.hardware}, micro-batch {costs.micro_batch_size})"),
         ("schedule", f"{p.schedule}  D={p.D} N={p.N} W={p.W}" + (f" v={p.v}" if p.schedule == "interleaved" else "")),
         ("memory budget / max overhead", f"{budget} per device / {p.max_overhead * 100:.3g}%"),
@@ -212,6 +225,12 @@ def plan_rows(plan: Plan) -> list[tuple[str, str]]:
         ("  greedy (paper)", _per_stage(m.greedy_refresh_steps)),
         ("peak memory per device", "  ".join(f"r{d} {format_bytes(b)}" for d, b in m.peak_memory.items())),
     ]
+    if costs.family is not PreconditionerKind.MUON:
+        return rows
+    refresh = {"decompositions", "refresh steps per stage", "  lower bound", "  greedy (paper)"}
+    kept = [row for row in rows if row[0] not in refresh]
+    at = next(i for i, row in enumerate(kept) if row[0] == "utilization before -> after") + 1
+    return kept[:at] + _ns_rows(plan) + kept[at:]
 
 
 def summary_errors(plan: Plan) -> list[str]:
@@ -252,6 +271,8 @@ def render_plan(plan: Plan, *, width: int = 80, title: str = "") -> RenderableTy
     what = f"all {k} steps of the refresh window" if shown == k else f"steps 1-{shown} of the {k}-step refresh window"
     ks = sorted(set(periods.values()))
     label = f"planned: {what} (step 1 refreshes; k = {', '.join(map(str, ks))})"
+    if plan.problem.costs.family is PreconditionerKind.MUON:
+        label = "planned: one step (Muon has no refresh: every step is this one)"
     timeline = render_timeline(
         view.timeline, width=width, title=label, window=(0.0, view.end), words=words_of(plan.problem.costs)
     )

@@ -142,7 +142,7 @@ def assemble_attempt(problem: Problem, attempt: Attempt, fused: frozenset[str], 
             greedy_k[s] = g.window.k if g is not None else None
             for x in problem.costs.stages[s].layers:
                 layers[x.name] = LayerTiming(
-                    w.k, 0, sol.use_offset[x.name], Capture.FUSED if x.name in fused else Capture.DEFERRED
+                    w.k, 0, sol.use_offset.get(x.name, 0), Capture.FUSED if x.name in fused else Capture.DEFERRED
                 )
     sols = [s for s in attempt.solutions if s is not None]
     stats = _solver_stats(sols, wall, refresh, bound, layers)

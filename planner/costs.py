@@ -141,11 +141,12 @@ class PartCost:
 
 @dataclass(frozen=True, slots=True)
 class LayerCost:
-    """What one preconditioned layer costs: its parts, `prec` seconds to apply its preconditioner per step,
-    `state_bytes` of per-step optimizer state besides the parts' statistics (Shampoo's graft state and
-    momentum, SOAP's Adam moments), held for the whole run, and `grad_bytes` of its gradient (what a grad worker
-    broadcasts when it preconditions the layer for other copies; 0: unknown, see `gradient_bytes`);
-    `prec_spread` the fastest and slowest repeat of a profiled `prec` (None when not measured here)."""
+    """What one preconditioned layer costs: its parts (none for a Muon matrix, whose only work is its APPLY),
+    `prec` seconds to apply its preconditioner per step, `state_bytes` of per-step optimizer state besides the
+    parts' statistics (Shampoo's graft state and momentum, SOAP's Adam moments, Muon's momentum), held for the whole
+    run, and `grad_bytes` of its gradient (what a grad worker broadcasts when it preconditions the layer for other
+    copies; 0: unknown, see `gradient_bytes`); `prec_spread` the fastest and slowest repeat of a profiled `prec`
+    (None when not measured here)."""
 
     name: str
     parts: tuple[PartCost, ...]
@@ -162,8 +163,8 @@ class LayerCost:
             raise CostModelError(f"LayerCost.name must be a non-empty string, got {self.name!r}")
         if self.grad_ready is not None:
             _check_number(f"layer {self.name!r}", "grad_ready", self.grad_ready, integer=False)
-        if not isinstance(self.parts, tuple) or not self.parts or not all(isinstance(p, PartCost) for p in self.parts):
-            raise CostModelError(f"layer {self.name!r}: parts must be a non-empty tuple of PartCost")
+        if not isinstance(self.parts, tuple) or not all(isinstance(p, PartCost) for p in self.parts):
+            raise CostModelError(f"layer {self.name!r}: parts must be a tuple of PartCost (empty: Muon's matrices)")
         if len({p.part for p in self.parts}) != len(self.parts):
             raise CostModelError(f"layer {self.name!r}: parts {[p.part for p in self.parts]} repeat a name")
         _check_number(f"layer {self.name!r}", "prec", self.prec, integer=False)
@@ -321,6 +322,7 @@ class PreconditionerKind(StrEnum):
     KFAC = "kfac"
     SHAMPOO = "shampoo"
     SOAP = "soap"
+    MUON = "muon"
 
 
 @dataclass(frozen=True, slots=True)

@@ -252,7 +252,7 @@ def break_layer_symmetry(v: Vars, w: Window) -> None:
     """Layers of one stage with equal costs (BERT's blocks; q, k, v) are interchangeable: relabeling all
     their tasks maps a placement to an equally good one, so the decompositions of their first part start in layer
     order."""
-    first = {x.name: x.parts[0].part for s in w.group.stages for x in w.problem.costs.stages[s].layers}
+    first = {x.name: x.parts[0].part for s in w.group.stages for x in w.problem.costs.stages[s].layers if x.parts}
     inv_a = {
         task.factors[0][0]: i
         for i, task in enumerate(w.tasks)

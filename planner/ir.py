@@ -120,7 +120,7 @@ OP_FIELDS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
     OpKind.SYNC_STATS: (frozenset({_STAGE}), frozenset({_LAYER, _PART})),
     OpKind.DECOMP: (frozenset({_STAGE}), frozenset({_LAYER, _PART, _PIECE})),
     OpKind.BCAST: (frozenset({_STAGE, _ROOT}), frozenset({_LAYER, _PART, _GROUP})),
-    OpKind.APPLY: (frozenset({_STAGE}), frozenset({_PIPE, _LAYER})),
+    OpKind.APPLY: (frozenset({_STAGE}), frozenset({_PIPE, _LAYER, _PIECE})),
     OpKind.BCAST_PREC: (frozenset({_STAGE, _ROOT, _LAYER}), frozenset({_GROUP})),
     OpKind.OPT_STEP: (frozenset(), frozenset()),
     **{k: (frozenset({_STAGE, _PEER, _LAYER}), frozenset()) for k in LAYER_TRANSFER_KINDS},
@@ -130,7 +130,8 @@ stage when absent) and a `part` of it (every part when absent); STATS names a mi
 capture and none for a part fed by the reduced gradient; `peer` is the other end of a transfer, `root` the
 rank a broadcast comes from and `group` the ranks it reaches (every copy of the stage when absent); a DECOMP's
 `piece` ``(i, n)`` makes piece i of a decomposition split into n (KFACConfig.split_inverse,
-ShampooConfig.newton_pieces; whole when absent). APPLY
+ShampooConfig.newton_pieces; whole when absent), an APPLY's piece i of a Muon matrix's Newton-Schulz iterations cut
+into n (planner/muon_costs.py; the pieces of one layer run in order on one rank). APPLY
 without a layer preconditions every layer of the stage; BCAST_PREC sends one layer's preconditioned gradient
 from its grad worker to a row of receivers (planner/strategy.py); a streamed layer's transfers (`LAYER_SENDS`) name
 its stage, its layer and the rank at the other end ("SEND_LGRAD s0 >r1 fc"). An APPLY of a stage the rank does not

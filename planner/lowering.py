@@ -12,6 +12,7 @@ from dataclasses import replace
 from enum import Enum, auto
 from typing import TYPE_CHECKING, TypeVar
 
+from fxkfac.planner.apply_pieces import cut_apply
 from fxkfac.planner.ir import LayerTiming, Op, OpKind, Program, Programs
 from fxkfac.planner.schedules import ScheduleKind, num_stages, schedule_programs, stage_rank
 from fxkfac.planner.strategy import COMM_OPT, LayerDistribution, grad_workers, keeps_statistics, receivers
@@ -236,14 +237,21 @@ def step_applies(
     holders: tuple[int, ...],
     distributions: Mapping[str, LayerDistribution],
     pipe: int = 0,
+    pieces: int = 1,
 ) -> tuple[list[Op], list[Op]]:
     """What `rank` runs of `stage` at every step to precondition it, as (APPLYs, BCAST_PRECs): one APPLY of the
-    stage copy (`pipe`) where every layer is COMM-OPT; otherwise an APPLY of each layer the rank is a grad worker
-    of, then the BCAST_PREC of each layer along the rank's row (planner/strategy.py)."""
+    stage copy (`pipe`) where every layer is COMM-OPT and uncut; otherwise an APPLY of each layer the rank is a grad
+    worker of (in `pieces` pieces, `Problem.apply_pieces`), then the BCAST_PREC of each layer along the rank's row
+    (planner/strategy.py)."""
     where = {n: distributions.get(n, LayerDistribution()) for n in layers}
-    if all(w.strategy == COMM_OPT for w in where.values()):
+    if pieces == 1 and all(w.strategy == COMM_OPT for w in where.values()):
         return [Op(OpKind.APPLY, stage=stage, pipe=pipe)], []
-    applies = [Op(OpKind.APPLY, stage=stage, layer=n) for n in layers if rank in grad_workers(holders, where[n])]
+    applies = [
+        piece
+        for n in layers
+        if rank in grad_workers(holders, where[n])
+        for piece in cut_apply(Op(OpKind.APPLY, stage=stage, layer=n), pieces)
+    ]
     shares = [
         Op(OpKind.BCAST_PREC, stage=stage, root=root, layer=n, group=None if row == holders else row)
         for n in layers

@@ -39,6 +39,7 @@ WORDS: dict[PreconditionerKind, TaskWords] = {
     PreconditionerKind.KFAC: TaskWords("K-FAC", "curvature", "inversion", "precondition", "grad/curv/inverse"),
     PreconditionerKind.SHAMPOO: TaskWords("Shampoo", "statistics", "root inverse", "precondition", "grad/roots"),
     PreconditionerKind.SOAP: TaskWords("SOAP", "statistics", "eigenbasis", "rotate + Adam", "grad/bases"),
+    PreconditionerKind.MUON: TaskWords("Muon", "statistics", "decomposition", "Newton-Schulz", "grad"),
 }
 """The words of every family (the one place they are written)."""
 

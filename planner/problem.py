@@ -8,7 +8,8 @@ from enum import StrEnum
 from functools import cached_property, lru_cache
 from typing import Any
 
-from fxkfac.planner.costs import CostTable
+from fxkfac.planner.apply_pieces import NS_STEPS
+from fxkfac.planner.costs import CostTable, PreconditionerKind
 from fxkfac.planner.errors import ConfigError, PlanError, PlanFormatError
 from fxkfac.planner.ir import LAYER_TRANSFER_KINDS, Op, OpKind
 from fxkfac.planner.lowering import linked_classes, ranks_of_stages
@@ -19,7 +20,7 @@ from fxkfac.planner.strategy import (
     distribute,
     grad_workers,
 )
-from fxkfac.planner.streaming import Streaming
+from fxkfac.planner.streaming import Streaming, can_stream
 
 __all__ = [
     "StepBarrier",
@@ -79,7 +80,8 @@ class Problem:
     """How many DECOMP ops each part's decomposition is cut into (`KFACConfig.split_inverse.pieces`,
     `ShampooConfig.newton_pieces`): piece i costs 1/n of the part's `decomp` and runs after piece i-1 on the same
     rank ("DECOMP s A i/n layer"). The planner places them in tasks no longer than one piece of the stage's longest
-    decomposition, so a small one's pieces run back to back ([Note: piece tasks] in planner/window_build.py)."""
+    decomposition, so a small one's pieces run back to back ([Note: piece tasks] in planner/window_build.py). Muon,
+    which has no decomposition, cuts each matrix's APPLY into as many pieces by iterations (`apply_pieces`)."""
     warm_start: bool = False
     """Whether each decomposition starts from its layer's newest preconditioner (`Family.warm_start`: SOAP's QR
     basis, K-FAC's split inverse): every refresh of a layer is then made and broadcast before the next refresh's
@@ -121,6 +123,11 @@ class Problem:
             raise PlanError(f"barrier must be one of {[b.value for b in StepBarrier]}, got {self.barrier!r}") from None
         if isinstance(self.decomp_pieces, bool) or not isinstance(self.decomp_pieces, int) or self.decomp_pieces < 1:
             raise PlanError(f"decomp_pieces must be an int >= 1, got {self.decomp_pieces!r}")
+        if self.costs.family is PreconditionerKind.MUON and self.decomp_pieces > NS_STEPS:
+            raise PlanError(
+                f"Muon's APPLY pieces run its {NS_STEPS} Newton-Schulz iterations; {self.decomp_pieces} pieces "
+                f"would leave some empty (at most {NS_STEPS})"
+            )
         if not isinstance(self.warm_start, bool):
             raise PlanError(f"warm_start must be a bool, got {self.warm_start!r}")
         if [n for n, _ in self.distributions] != sorted({n for n, _ in self.distributions}):
@@ -150,7 +157,7 @@ class Problem:
 
     def _check_streaming(self, streaming: Streaming) -> None:
         """PlanError unless every helper is a rank that holds no copy of the streamed stage, and each streamed layer is
-        one whose APPLY keeps no state, whose statistics come from captures (K-FAC's) and which every copy applies
+        one a helper may apply (`can_stream`) and which every copy applies
         itself (COMM-OPT: the helper's result replaces each copy's gradient)."""
         if not streaming.stage < self.num_stages:
             raise PlanError(f"streaming names stage {streaming.stage}, which this problem does not have")
@@ -162,13 +169,19 @@ class Problem:
             layer = held.get(name)
             if layer is None:
                 raise PlanError(f"streaming names {name!r}, which is not a layer of stage {streaming.stage}")
-            if layer.state_bytes or any(p.after is OpKind.ALLREDUCE_GRAD for p in layer.parts):
+            if not can_stream(self.costs.family, layer):
                 raise PlanError(
                     f"{name}'s APPLY keeps state or its statistics come from the gradient (Shampoo, SOAP): only a "
-                    "layer whose APPLY reads its preconditioner alone (K-FAC) streams"
+                    "layer whose APPLY reads its preconditioner alone (K-FAC) or a Muon matrix streams"
                 )
             if self.where(name) != LayerDistribution():
                 raise PlanError(f"{name} streams, so every copy applies it (COMM-OPT), not {self.where(name)}")
+
+    @property
+    def apply_pieces(self) -> int:
+        """Pieces each layer's APPLY is cut into ("APPLY s i/n layer", planner/apply_pieces.py): a Muon matrix's
+        Newton-Schulz in `decomp_pieces` pieces by iterations; one for every other family."""
+        return self.decomp_pieces if self.costs.family is PreconditionerKind.MUON else 1
 
     @property
     def stream_owners(self) -> tuple[int, ...]:
@@ -209,10 +222,11 @@ class Problem:
 
     def with_strategy(self, strategy: Strategy) -> Problem:
         """Every layer under `strategy`, each stage's layers dealt to its columns by KAISA's greedy on their
-        decomposition seconds (`planner.strategy.distribute`)."""
+        decomposition seconds (`planner.strategy.distribute`); a layer without parts (a Muon matrix, Moonlight's
+        distributed Muon under mem-opt) on its APPLY's seconds, the only work it has."""
         holders = {s: copies_of_stage(self, s) for s in range(self.num_stages)}
         layers = {s: [x.name for x in stage.layers] for s, stage in enumerate(self.costs.stages)}
-        costs = {x.name: x.inv for stage in self.costs.stages for x in stage.layers}
+        costs = {x.name: x.inv if x.parts else x.prec for stage in self.costs.stages for x in stage.layers}
         return self.with_distributions(distribute(strategy, layers, holders, costs))
 
     def where(self, layer: str) -> LayerDistribution:

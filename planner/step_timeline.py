@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TypeVar
 
+from fxkfac.planner.apply_pieces import cut_apply, piece_share
 from fxkfac.planner.costs import StageCost
 from fxkfac.planner.ir import LAYER_SENDS, Op, OpKind
 from fxkfac.planner.lowering import add_send_recv, capture_stats, expand_dp, step_applies
@@ -29,6 +30,7 @@ __all__ = [
     "base_programs",
     "gradient_stats",
     "prec_work",
+    "apply_seconds",
     "reference_programs",
     "gradient_allreduce_seconds",
     "StageComm",
@@ -113,12 +115,19 @@ def prec_work(problem: Problem, device: int, stage: int) -> list[tuple[Op, float
     ]
     names, streaming = [x.name for x in cost.layers], problem.streaming
     shares: list[Op] = []
+    pieces = problem.apply_pieces
     if streaming is not None and streaming.stage == stage:  # the helper applies the streamed layers
-        applies = [Op(OpKind.APPLY, stage, layer=n) for n in names if n not in streaming.layers]
+        kept = [Op(OpKind.APPLY, stage, layer=n) for n in names if n not in streaming.layers]
+        applies = [piece for op in kept for piece in cut_apply(op, pieces)]
     else:
-        applies, shares = step_applies(device, stage, names, copies, dict(problem.distributions))
-    work += [(op, cost.prec if op.layer is None else problem.costs.layer(op.layer).prec) for op in applies]
+        applies, shares = step_applies(device, stage, names, copies, dict(problem.distributions), pieces=pieces)
+    work += [(op, cost.prec if op.layer is None else apply_seconds(problem, op)) for op in applies]
     return work + [(op, problem.costs.collective_seconds(op, len(op.group or copies))) for op in shares]
+
+
+def apply_seconds(problem: Problem, op: Op) -> float:
+    """Seconds of one layer's APPLY, or of its piece (`planner.apply_pieces.piece_share`)."""
+    return problem.costs.layer(op.layer_name).prec * piece_share(op.piece)
 
 
 @lru_cache(maxsize=64)
@@ -136,7 +145,7 @@ def reference_programs(problem: Problem) -> dict[int, list[Op]]:
                 body += [work for work, _ in prec_work(problem, rank, s)]
         out[rank] = body
     if problem.streaming is not None:
-        out = stream_step(out, problem.streaming, problem.stream_owners)
+        out = stream_step(out, problem.streaming, problem.stream_owners, problem.apply_pieces)
     return out
 
 
@@ -206,7 +215,7 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callabl
             return bwd[op.stage_id]
         if op.kind in (OpKind.APPLY, OpKind.BCAST_PREC):
             streamed = (rank, op) not in per_step and op.kind is OpKind.APPLY and op.layer is not None
-            return problem.costs.layer(op.layer_name).prec if streamed else per_step[rank, op]
+            return apply_seconds(problem, op) if streamed else per_step[rank, op]
         if op.kind is OpKind.STATS:
             return stats[op.layer, op.part]
         if op.kind is OpKind.ALLREDUCE_GRAD and op.stage is not None:

@@ -9,13 +9,14 @@ from dataclasses import replace
 from enum import StrEnum
 from typing import Protocol
 
+from fxkfac.planner.costs import PreconditionerKind
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.plan import Plan, rank
 from fxkfac.planner.problem import Problem, copies_of_stage, stage_groups
 from fxkfac.planner.step_timeline import group_load, refresh_lower_bound, step_timeline
 from fxkfac.planner.strategy import LayerDistribution
-from fxkfac.planner.streaming import Streaming, ready_fractions
+from fxkfac.planner.streaming import Streaming, can_stream, ready_fractions
 
 __all__ = ["StreamApply", "Solver", "with_streaming", "solve_streamed", "STREAMED_STAGE", "HELPER_CANDIDATES"]
 
@@ -44,28 +45,24 @@ STREAMED_STAGE = 0
 
 HELPER_CANDIDATES = 4
 """How many ranks, those that end their step's work first, are tried as helpers: each alone, and the first m of
-them together (m = 2 ..) sharing the layers."""
+them together (m = 2 ..) sharing the layers. For Muon, whose large Newton-Schulz tasks all wait for the last
+backward, also the first m of every rank idle at the step's end with all the layers dealt by `_balanced`."""
 
 
 def _streamable(problem: Problem) -> list[str]:
     """The first stage's layers a helper may apply, in the order its backward makes their gradients final: every
-    layer whose APPLY reads its preconditioner alone (no optimizer state, statistics from captures) and that every
-    copy applies itself (COMM-OPT)."""
+    layer a helper may apply (`can_stream`: K-FAC's, Muon's) that every copy applies itself (COMM-OPT)."""
     layers = problem.costs.stages[STREAMED_STAGE].layers
     fractions = ready_fractions(problem.costs.stages[STREAMED_STAGE])
     ok = [
-        x.name
-        for x in layers
-        if not x.state_bytes
-        and all(p.after is not OpKind.ALLREDUCE_GRAD for p in x.parts)
-        and problem.where(x.name) == LayerDistribution()
+        x.name for x in layers if can_stream(problem.costs.family, x) and problem.where(x.name) == LayerDistribution()
     ]
     return sorted(ok, key=lambda n: fractions[n])
 
 
 def _helpers(problem: Problem) -> list[int]:
-    """The ranks that end their step's F/B and per-step work first (they idle longest before the step ends), the
-    lowest first on a tie; never a copy of the streamed stage."""
+    """Every rank but the streamed stage's copies, those that end their step's F/B and per-step work first (they idle
+    longest before the step ends) first, the lowest first on a tie."""
     step = step_timeline(problem)
     owners = copies_of_stage(problem, STREAMED_STAGE)
     ends = {
@@ -73,7 +70,7 @@ def _helpers(problem: Problem) -> list[int]:
         for d in problem.devices
         if d not in owners
     }
-    return sorted(ends, key=lambda d: (ends[d], d))[:HELPER_CANDIDATES]
+    return sorted(ends, key=lambda d: (ends[d], d))
 
 
 def _helper_sets(helpers: list[int]) -> list[tuple[int, ...]]:
@@ -86,6 +83,20 @@ def _assign(layers: list[str], helpers: tuple[int, ...]) -> tuple[int, ...]:
     layers the backward finishes last, whose APPLYs end the step, run side by side on different helpers."""
     m = len(helpers)
     return tuple(helpers[(len(layers) - 1 - i) % m] for i in range(len(layers)))
+
+
+def _balanced(problem: Problem, names: list[str], helpers: tuple[int, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The layers streamed and their helpers when every APPLY is dealt, longest first, to whichever of the owner and
+    `helpers` has the least APPLY time so far (the owner's share stays with it): where the gradients come at once
+    (compiled stages, Muon's large Newton-Schulz tasks) the APPLYs then end together rather than in a row."""
+    seconds = {n: problem.costs.layer(n).prec for n in names}
+    load = {rank: 0.0 for rank in (-1, *helpers)}  # -1: the owner
+    dealt: dict[str, int] = {}
+    for n in sorted(names, key=lambda n: (-seconds[n], names.index(n))):
+        rank = min(load, key=lambda r: (load[r], r))
+        dealt[n], load[rank] = rank, load[rank] + seconds[n]
+    streamed = tuple(n for n in names if dealt[n] >= 0)
+    return streamed, tuple(dealt[n] for n in streamed)
 
 
 def _helper_load(problem: Problem) -> float:
@@ -102,12 +113,12 @@ def _helper_load(problem: Problem) -> float:
 
 def with_streaming(problem: Problem, whole_backward: bool = False, keep_bounds: bool = True) -> Problem:
     """`problem` with the first stage's APPLY streamed, for the helpers (`_helper_sets`, the layers shared by
-    `_assign`) and the prefix of its layers (in the order their gradients become final) that give the shortest
-    reference step without raising any stage group's least refresh period (any, without `keep_bounds`), the
-    lowest largest helper load and then the fewest helpers among equals; unchanged where nothing does, where every
-    rank holds the stage, or where it already streams. `whole_backward`: the stages run
-    compiled, each backward making every gradient at its end (`Streaming.whole_backward`): the helper then only
-    applies its layers beside the owner."""
+    `_assign`, or for Muon all dealt with the owner's by `_balanced`) and the prefix of its layers (in the order their
+    gradients become final) that give the shortest reference step without raising any stage group's least refresh
+    period (any, without `keep_bounds`), the lowest largest helper load and then the fewest helpers among equals;
+    unchanged where nothing does, where every rank holds the stage, or where it already streams. `whole_backward`:
+    the stages run compiled, each backward making every gradient at its end (`Streaming.whole_backward`): the
+    helper then only applies its layers beside the owner."""
     if problem.streaming is not None or len(copies_of_stage(problem, STREAMED_STAGE)) == len(problem.devices):
         return problem
     names = _streamable(problem)
@@ -116,9 +127,17 @@ def with_streaming(problem: Problem, whole_backward: bool = False, keep_bounds: 
     bounds, length = _bounds(problem) if keep_bounds else None, step_timeline(problem).length
     best: tuple[float, float, int] | None = None
     chosen = problem
-    for helpers in _helper_sets(_helpers(problem)):
-        for n in range(len(helpers), len(names) + 1):
-            streaming = Streaming(STREAMED_STAGE, _assign(names[:n], helpers), tuple(names[:n]), whole_backward)
+    ranked, dealt = _helpers(problem), problem.costs.family is PreconditionerKind.MUON
+    sets = [(h, True) for h in _helper_sets(ranked[:HELPER_CANDIDATES])]
+    sets += [(tuple(ranked[:m]), False) for m in range(HELPER_CANDIDATES + 1, len(ranked) + 1)] if dealt else []
+    for helpers, prefixes in sets:
+        tries = [(tuple(names[:n]), _assign(names[:n], helpers)) for n in range(len(helpers), len(names) + 1)]
+        tries = tries if prefixes else []
+        tries += [_balanced(problem, names, helpers)] if dealt and len(helpers) > 1 else []
+        for layers, assigned in tries:
+            if not layers:
+                continue
+            streaming = Streaming(STREAMED_STAGE, assigned, layers, whole_backward)
             candidate = replace(problem, streaming=streaming)
             shorter = step_timeline(candidate).length
             if shorter >= length * (1 - 1e-9) or (bounds is not None and _bounds(candidate) != bounds):

@@ -17,7 +17,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fxkfac.planner.costs import StageCost
+from fxkfac.planner.apply_pieces import cut_apply
+from fxkfac.planner.costs import LayerCost, PreconditionerKind, StageCost
 from fxkfac.planner.errors import PlanFormatError
 from fxkfac.planner.ir import LayerTiming, Op, OpKind, Placement, Program
 
@@ -30,6 +31,7 @@ __all__ = [
     "add_replicas",
     "ready",
     "ready_fractions",
+    "can_stream",
 ]
 
 
@@ -96,6 +98,15 @@ class Streaming:
             raise PlanFormatError(f"the plan's streaming is malformed: {e!r}") from e
 
 
+def can_stream(family: PreconditionerKind, layer: LayerCost) -> bool:
+    """Whether a helper may run `layer`'s APPLY: one that reads its preconditioner alone (no optimizer state,
+    statistics from captures: K-FAC's), or a Muon matrix's (the owner keeps the momentum and sends the Newton-Schulz
+    input, the helper keeps nothing and needs no replica); not Shampoo's or SOAP's, whose APPLY updates state."""
+    if family is PreconditionerKind.MUON:
+        return True
+    return not layer.state_bytes and all(p.after is not OpKind.ALLREDUCE_GRAD for p in layer.parts)
+
+
 def ready(streaming: Streaming, stage: StageCost) -> dict[str, float]:
     """The share of the owner's backward done when each of its stage's layers has its gradient final: all at the
     end for a stage whose backward makes them together (`Streaming.whole_backward`), else `ready_fractions`."""
@@ -124,11 +135,14 @@ def _before_step_end(ops: list[Op], extra: Sequence[Op]) -> list[Op]:
     return ops[:at] + list(extra) + ops[at:]
 
 
-def stream_step(ops: Mapping[int, Sequence[Op]], streaming: Streaming, owners: Sequence[int]) -> dict[int, list[Op]]:
+def stream_step(
+    ops: Mapping[int, Sequence[Op]], streaming: Streaming, owners: Sequence[int], pieces: int = 1
+) -> dict[int, list[Op]]:
     """One step's programs with the streamed layers handed over: each owner (a copy of the stage) sends each layer's
     gradient after the stage's last BWD and receives it preconditioned before its step ends; the helper, before its
     step ends, receives each layer from every owner (their sum is the gradient the copies' all-reduce makes),
-    applies it and returns it to every owner, layer by layer (the owners' APPLY of those layers is not in `ops`)."""
+    applies it (in `pieces` pieces, `Problem.apply_pieces`) and returns it to every owner, layer by layer (the owners'
+    APPLY of those layers is not in `ops`)."""
     s, pairs = streaming.stage, list(zip(streaming.layers, streaming.helpers, strict=True))
     out = {rank: list(body) for rank, body in ops.items()}
     for owner in owners:
@@ -143,7 +157,7 @@ def stream_step(ops: Mapping[int, Sequence[Op]], streaming: Streaming, owners: S
             for n in streaming.layers_of(helper)
             for op in (
                 *(Op(OpKind.RECV_LGRAD, s, peer=owner, layer=n) for owner in owners),
-                Op(OpKind.APPLY, s, layer=n),
+                *cut_apply(Op(OpKind.APPLY, s, layer=n), pieces),
                 *(Op(OpKind.SEND_PGRAD, s, peer=owner, layer=n) for owner in owners),
             )
         ]

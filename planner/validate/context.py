@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from fxkfac.planner.apply_pieces import NS_STEPS
 from fxkfac.planner.ir import Op, OpKind
 from fxkfac.planner.problem import Problem, agreement_set, copies_of_stage
 from fxkfac.planner.step_timeline import StepTimeline, early_start, step_begins, stream_start, window_length
@@ -86,16 +87,32 @@ def step_ops(c: Context, stage: int, device: int) -> list[Op]:
     ]
     streaming = p.streaming
     if streaming is not None and streaming.stage == stage:  # the helper applies the streamed layers
-        return ops + [Op(OpKind.APPLY, stage, layer=x.name) for x in layers if x.name not in streaming.layers]
-    if all(p.where(x.name).strategy == COMM_OPT for x in layers):
+        return ops + [op for x in layers if x.name not in streaming.layers for op in apply_ops(c, stage, x.name)]
+    if p.apply_pieces == 1 and all(p.where(x.name).strategy == COMM_OPT for x in layers):
         return ops + [Op(OpKind.APPLY, stage)]
-    ops += [Op(OpKind.APPLY, stage, layer=x.name) for x in layers if device in p.workers(x.name)]
+    ops += [op for x in layers if device in p.workers(x.name) for op in apply_ops(c, stage, x.name)]
     return ops + [
         Op(OpKind.BCAST_PREC, stage, root=root, layer=x.name, group=None if row == copies else row)
         for x in layers
         for root, row in receivers(copies, p.where(x.name))
         if device in row
     ]
+
+
+def apply_ops(c: Context, stage: int, layer: str) -> list[Op]:
+    """A layer's APPLY at every step: whole, or a Muon matrix's `Problem.apply_pieces` pieces 0/n .. n-1/n in
+    order, all on one rank."""
+    n = c.problem.apply_pieces
+    return [Op(OpKind.APPLY, stage, layer=layer, piece=None if n == 1 else (i, n)) for i in range(n)]
+
+
+def piece_seconds(prec: float, piece: tuple[int, int] | None) -> float:
+    """Seconds of piece (i, n) of an APPLY of `prec` seconds: the share of the NS_STEPS Newton-Schulz iterations it
+    runs, [i*S//n, (i+1)*S//n)."""
+    if piece is None:
+        return prec
+    i, n = piece
+    return prec * ((i + 1) * NS_STEPS // n - i * NS_STEPS // n) / NS_STEPS
 
 
 def gradient_fed_parts(c: Context, stage: int) -> list[tuple[str, str]]:
@@ -111,7 +128,7 @@ def gradient_fed_parts(c: Context, stage: int) -> list[tuple[str, str]]:
 def op_seconds(c: Context, op: Op) -> float:
     stage = c.problem.costs.stages[op.stage_id]
     if op.kind is OpKind.APPLY:
-        return stage.prec if op.layer is None else c.problem.costs.layer(op.layer).prec
+        return stage.prec if op.layer is None else piece_seconds(c.problem.costs.layer(op.layer).prec, op.piece)
     if op.kind in (OpKind.SYNC_STATS, OpKind.BCAST, OpKind.BCAST_PREC):
         return collective_seconds(c, op)
     part = c.problem.costs.layer(op.layer_name).part(op.part_name)

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
+from dataclasses import replace
 
-from fxkfac.planner.ir import OpKind, Placement
+from fxkfac.planner.ir import Op, OpKind, Placement
 from fxkfac.planner.problem import copies_of_stage
 from fxkfac.planner.validate.context import (
     Context,
@@ -180,11 +181,15 @@ def _check_gradient_refresh(
 
 
 def check_precs_and_offsets(c: Context) -> None:
-    prec: dict[tuple[int | None, str | None, int, int], Placement] = {
-        (p.op.stage, p.op.layer, p.device, p.step): p for p in c.plan.placements if p.op.kind is OpKind.APPLY
+    prec: dict[tuple[Op, int, int], Placement] = {
+        (p.op, p.device, p.step): p for p in c.plan.placements if p.op.kind is OpKind.APPLY
     }
     for p in prec.values():
         s, d, j = p.op.stage, p.device, p.step
+        if p.op.piece is not None and p.op.piece[0] > 0:  # a cut APPLY: piece i after piece i-1, on the same rank
+            before = prec.get((replace(p.op, piece=(p.op.piece[0] - 1, p.op.piece[1])), d, j))
+            if before is None or before.end > p.start + c.tol:
+                c.errors.append(f"'{p.op}' on r{d} step {j} does not follow its previous piece there")
         assert s is not None, "an APPLY names its stage (Op checks it)"
         k = c.period(s)
         lo, hi = c.base(j, k) + c.timeline(j, k).allreduce_end[d, s], c.step_start(d, j + 1, k)

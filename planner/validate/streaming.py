@@ -8,7 +8,7 @@ import math
 
 from fxkfac.planner.ir import Op, OpKind, ops_at
 from fxkfac.planner.streaming import Streaming
-from fxkfac.planner.validate.context import Context
+from fxkfac.planner.validate.context import Context, apply_ops
 
 __all__ = ["check_streaming"]
 
@@ -52,7 +52,8 @@ def _check_helper_step(
     c: Context, streaming: Streaming, helper: int, owners: tuple[int, ...], j: int, ops: list[Op]
 ) -> None:
     """The helper's step j receives every layer it preconditions from every owner, applies it and returns it to
-    every owner, once each, in that order, and applies no other layer of the stage."""
+    every owner, once each, in that order (a cut APPLY's pieces in order between), and applies no other layer of the
+    stage."""
     s, mine = streaming.stage, streaming.layers_of(helper)
     others = sorted({op.layer or "(all)" for op in ops if op.kind is OpKind.APPLY and op.stage == s} - set(mine))
     if others:
@@ -60,7 +61,7 @@ def _check_helper_step(
     for n in mine:
         chain = [
             *(Op(OpKind.RECV_LGRAD, s, peer=owner, layer=n) for owner in owners),
-            Op(OpKind.APPLY, s, layer=n),
+            *apply_ops(c, s, n),
             *(Op(OpKind.SEND_PGRAD, s, peer=owner, layer=n) for owner in owners),
         ]
         at = [ops.index(op) if ops.count(op) == 1 else -1 for op in chain]
@@ -71,9 +72,13 @@ def _check_helper_step(
 def _check_replicas(c: Context, streaming: Streaming, owner: int) -> None:
     """Replay the replicas over two periods of every program: the owner sends one after a DECOMP of the layer, the
     layer's helper takes it in the same step, and each helper APPLY finds the refresh its timing makes due (the n-th
-    replica carries the layer's n-th refresh since step 0)."""
+    replica carries the layer's n-th refresh since step 0). A layer without parts (a Muon matrix) has no refresh, so
+    no replica."""
     s = streaming.stage
     for n, helper in zip(streaming.layers, streaming.helpers, strict=True):
+        if not c.problem.costs.layer(n).parts:
+            _check_no_replica(c, streaming, n, owner, helper)
+            continue
         periods = [len(c.plan.programs[r]) + len(c.plan.startup.get(r, [])) for r in (owner, helper)]
         timing = c.plan.layers[n]
         send = Op(OpKind.SEND_REPLICA, s, peer=helper, layer=n)
@@ -97,3 +102,16 @@ def _check_replicas(c: Context, streaming: Streaming, owner: int) -> None:
                 if due >= timing.curv_step and received < (due - timing.curv_step) // timing.period + 1:
                     c.errors.append(f"step {t}: r{helper} applies {n} before the replica of its refresh due arrives")
                     return
+
+
+def _check_no_replica(c: Context, streaming: Streaming, layer: str, owner: int, helper: int) -> None:
+    """A layer without a refresh (a Muon matrix) sends and takes no replica, in any program."""
+    s = streaming.stage
+    replicas = (
+        Op(OpKind.SEND_REPLICA, s, peer=helper, layer=layer),
+        Op(OpKind.RECV_REPLICA, s, peer=owner, layer=layer),
+    )
+    for rank in (owner, helper):
+        ops = [op for body in (*c.plan.startup.get(rank, []), *c.plan.programs[rank]) for op in body]
+        if any(op in replicas for op in ops):
+            c.errors.append(f"r{rank} transfers a replica of {layer}, which has no refresh")
