@@ -166,7 +166,10 @@ class PreconditionerRuntime:
         return {n: self.timings[n].capture for n in self._refreshing(step, layer_names) if n in self.keeps}
 
     def open_refreshes(self, step: int) -> None:
-        """Open a refresh record at `step` for every layer whose statistics this rank takes that refreshes then."""
+        """Open a refresh record at `step` for every layer whose statistics this rank takes that refreshes then (none
+        for a family without parts: Muon has nothing to refresh)."""
+        if not self.family.parts:
+            return
         for name in self._refreshing(step, sorted(self.keeps)):
             self.refreshes[name].append(RefreshRecord(step, counts=dict.fromkeys(self.family.parts, 0)))
 
