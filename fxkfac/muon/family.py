@@ -77,7 +77,8 @@ class MuonFamily:
     parts: tuple[str, ...] = ()
     kl_clip: float | None = None
     kl_clip_scope: KLClipScope = KLClipScope.GLOBAL
-    layer_config: KFACConfig = KFACConfig()
+    layer_config: KFACConfig = KFACConfig(skip_vocab_head=False)
+    """Every Linear layer, the output head included: `hidden_matrices` tells the head by its place, the last."""
     stats_dtype = "float32"
     refresh_every = 1
     capture: Capture = Capture.FUSED
