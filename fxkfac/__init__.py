@@ -10,7 +10,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["compile", "KFACConfig", "ShampooConfig", "SOAPConfig", "MuonConfig", "PipelineOptions", "PlanOptions", "Plan", "errors"]
+__all__ = [
+    "compile",
+    "KFACConfig",
+    "ShampooConfig",
+    "SOAPConfig",
+    "MuonConfig",
+    "PipelineOptions",
+    "PlanOptions",
+    "Plan",
+    "errors",
+]
 
 _LAZY = {
     "compile": ("fxkfac.compile_api", "compile"),

@@ -1,4 +1,4 @@
-"""What the Muon tests share: the models, the compile call, and hand-edited programs for streamed and piecewise APPLY."""
+"""What the Muon tests share: the models, the compile call, hand-edited programs (streamed and piecewise APPLY)."""
 
 from __future__ import annotations
 

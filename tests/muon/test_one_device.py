@@ -43,9 +43,7 @@ def _compiled(cfg: MuonConfig) -> fxkfac.Trainer:
 def test_one_device_equals_torch_muon_step_for_step(
     nesterov: bool, ns_steps: int, adjust: LrAdjust, weight_decay: float
 ) -> None:
-    cfg = MuonConfig(
-        nesterov=nesterov, ns_steps=ns_steps, adjust_lr_fn=adjust, weight_decay=weight_decay, momentum=0.9
-    )
+    cfg = MuonConfig(nesterov=nesterov, ns_steps=ns_steps, adjust_lr_fn=adjust, weight_decay=weight_decay, momentum=0.9)
     trainer = _compiled(cfg)
     assert {u.name for u in trainer.units if u.kind is UnitKind.MATRIX} == set(MATRICES)
     ref = mlp()

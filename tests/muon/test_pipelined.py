@@ -81,4 +81,6 @@ def test_muon_pipelined_and_streamed_equal_one_device() -> None:
         for case, params in zip(cases, r.value, strict=True):
             assert params, f"{case}: rank {r.rank} holds no parameter"
             for name, p in params.items():
-                torch.testing.assert_close(p, want[case[0]][name], rtol=0, atol=1e-5, msg=f"{case} rank {r.rank} {name}")
+                torch.testing.assert_close(
+                    p, want[case[0]][name], rtol=0, atol=1e-5, msg=f"{case} rank {r.rank} {name}"
+                )
