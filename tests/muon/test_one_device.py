@@ -108,3 +108,23 @@ def test_apply_in_pieces_equals_the_whole_apply(pieces: int) -> None:
         got = train(cfg, None)
     for name, p in got.items():
         assert torch.equal(p, want[name]), name
+
+
+def test_a_checkpoint_resumes_exactly_and_a_nan_step_leaves_no_trace(tmp_path) -> None:
+    """The momentum and AdamW moments are saved and loaded; a step with a NaN loss changes no state."""
+    batches = mlp_batches(STEPS)
+    a = _compiled(MuonConfig())
+    for x, y in batches[:2]:
+        a.step(x, y)
+    a.step(batches[2][0] * float("nan"), batches[2][1])
+    assert a.skipped_steps == 1
+    a.save_checkpoint(str(tmp_path / "ckpt"))
+    b = _compiled(MuonConfig())
+    b.load_checkpoint(str(tmp_path / "ckpt"))
+    c = _compiled(MuonConfig())
+    for x, y in batches[:2]:
+        c.step(x, y)
+    for x, y in batches[2:]:
+        assert a.step(x, y) == b.step(x, y) == c.step(x, y)
+    for (name, p), (_, q), (_, r) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
+        assert torch.equal(p, q) and torch.equal(p, r), name
