@@ -110,3 +110,10 @@ def _captured() -> tuple[Any, Any]:
 
     captured = capture(mlp(), (torch.zeros(2, 12),), MuonFamily.layer_config)
     return captured.gm, captured.layers
+
+
+def test_an_apply_piece_is_written_and_read_back() -> None:
+    from fxkfac.planner.ir import Op, OpKind
+
+    op = Op(OpKind.APPLY, 0, layer="blocks.0.fc.weight", piece=(1, 3))
+    assert str(op) == "APPLY s0 1/3 blocks.0.fc.weight" and Op.parse(str(op)) == op

@@ -128,3 +128,30 @@ def test_a_checkpoint_resumes_exactly_and_a_nan_step_leaves_no_trace(tmp_path) -
         assert a.step(x, y) == b.step(x, y) == c.step(x, y)
     for (name, p), (_, q), (_, r) in zip(a.named_parameters(), b.named_parameters(), c.named_parameters()):
         assert torch.equal(p, q) and torch.equal(p, r), name
+
+
+def test_adamw_options_equal_torch_adamw_at_the_ratio_of_the_lr() -> None:
+    """The parameters Muon does not take step as torch.optim.AdamW at lr * adamw_lr_ratio with the config's betas,
+    eps and weight decay."""
+    cfg = MuonConfig(adamw_lr_ratio=0.5, adamw_betas=(0.8, 0.95), adamw_eps=1e-6, adamw_weight_decay=0.1)
+    trainer = _compiled(cfg)
+    ref = mlp()
+    adamw = torch.optim.AdamW(
+        [p for n, p in ref.named_parameters() if n not in MATRICES],
+        lr=LR * 0.5,
+        betas=(0.8, 0.95),
+        eps=1e-6,
+        weight_decay=0.1,
+    )
+    for step, (x, y) in enumerate(mlp_batches(STEPS)):
+        with torch.no_grad():
+            for (_, got), want in zip(trainer.named_parameters(), ref.parameters(), strict=True):
+                want.copy_(got)
+        trainer.step(x, y)
+        adamw.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        adamw.step()
+        for name, got in trainer.named_parameters():
+            if name not in MATRICES:
+                want = dict(ref.named_parameters())[name]
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-6, msg=f"step {step} {name}")
