@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 import fxkfac
 from fxkfac import compile_api
-from fxkfac.config import PipelineOptions
+from fxkfac.config import PipelineOptions, PlanOptions
 from fxkfac.muon import MuonConfig
 from fxkfac.planner.ir import Op, Programs
 from tests.support.models import mlp, mlp_batches
@@ -45,8 +45,10 @@ def train(
     model: Callable[[], nn.Module] = mlp,
     microbatches: int = 2,
     v: int = 1,
+    strategy: str | None = None,
 ) -> dict[str, Tensor]:
-    """The parameters after STEPS steps of `model` under Muon (plan=None: each stage's APPLY on its own rank)."""
+    """The parameters after STEPS steps of `model` under Muon (plan=None: each stage's APPLY on its own rank; how a
+    stage's copies share its units' APPLYs by `strategy`, planner/strategy.py)."""
     trainer = fxkfac.compile(
         model(),
         mesh,
@@ -59,6 +61,7 @@ def train(
         microbatches=microbatches,
         preconditioner=cfg,
         pipeline=PipelineOptions(timeout=60.0, virtual_stages=v),
+        plan_options=PlanOptions(strategy=strategy),
     )
     for x, y in mlp_batches(STEPS):
         trainer.step(x, y)

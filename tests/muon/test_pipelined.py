@@ -1,5 +1,6 @@
-"""Muon pipelined (GPipe, 1F1B, interleaved, Chimera) and data-parallel (W=2) equals one device to 1e-5, and so does a
-hand-made plan that streams stage 0's matrix to the idle rank, its Newton-Schulz there in two pieces.
+"""Muon pipelined (GPipe, 1F1B, interleaved, Chimera) and data-parallel (W=2: every replica orthogonalizes, or one does
+and broadcasts the direction) equals one device to 1e-5, and so does a hand-made plan that streams stage 0's matrix
+to the idle rank, its Newton-Schulz there in two pieces.
 
 Newton-Schulz runs in float32 here: the micro-batches' gradients are summed in another order on each layout, a float32
 rounding, which bfloat16 (torch.optim.Muon's dtype, `MuonConfig.ns_dtype`'s default) would round to the next bfloat16
@@ -22,13 +23,14 @@ from tests.support.models import mlp
 
 CFG = MuonConfig(ns_dtype="float32", momentum=0.9)
 MODELS = {"mlp": mlp, "mlp6": mlp6}
-CASES = [
-    # (model, D, W, schedule, virtual stages)
-    ("mlp", 2, 1, "gpipe", 1),
-    ("mlp", 2, 1, "1f1b", 1),
-    ("mlp6", 2, 1, "interleaved", 2),
-    ("mlp", 2, 1, "chimera", 1),
-    ("mlp", 1, 2, "gpipe", 1),
+CASES: list[tuple[str, int, int, str, int, str | None]] = [
+    # (model, D, W, schedule, virtual stages, strategy)
+    ("mlp", 2, 1, "gpipe", 1, None),
+    ("mlp", 2, 1, "1f1b", 1, None),
+    ("mlp6", 2, 1, "interleaved", 2, None),
+    ("mlp", 2, 1, "chimera", 1, None),
+    ("mlp", 1, 2, "gpipe", 1, None),
+    ("mlp", 1, 2, "gpipe", 1, "mem-opt"),  # one replica orthogonalizes, BCAST_PREC gives the other the direction
 ]
 N = 2
 
@@ -61,8 +63,11 @@ def _streamed(programs: Programs) -> Programs:
 
 def _worker(rank: int, world: int) -> list[dict[str, Tensor]]:
     out = []
-    for model, D, W, schedule, v in CASES:
-        out.append(train(CFG, (D, W), schedule=schedule, model=MODELS[model], microbatches=N // W, v=v))
+    for model, D, W, schedule, v, strategy in CASES:
+        trained = train(
+            CFG, (D, W), schedule=schedule, model=MODELS[model], microbatches=N // W, v=v, strategy=strategy
+        )
+        out.append(trained)
         dist.barrier()
     with edited_programs(_streamed):
         out.append(train(CFG, (2, 1), schedule="1f1b"))
@@ -76,7 +81,7 @@ def test_muon_pipelined_and_streamed_equal_one_device() -> None:
     want = {name: train(CFG, None, model=model, microbatches=N) for name, model in MODELS.items()}
     start = dict(mlp().named_parameters())
     assert min(float((want["mlp"][n] - p.detach()).abs().max()) for n, p in start.items()) > 1e-3, "nothing moved"
-    cases: list[Any] = [*CASES, ("mlp", 2, 1, "1f1b streamed", 1)]
+    cases: list[Any] = [*CASES, ("mlp", 2, 1, "1f1b streamed", 1, None)]
     for r in results:
         for case, params in zip(cases, r.value, strict=True):
             assert params, f"{case}: rank {r.rank} holds no parameter"
