@@ -15,7 +15,7 @@ from fxkfac import compile_api
 from fxkfac.config import PipelineOptions, PlanOptions
 from fxkfac.muon import MuonConfig
 from fxkfac.planner.ir import Op, Programs
-from tests.support.models import mlp, mlp_batches
+from tests.support.models import VOCAB, mlp, mlp_batches, tiny_llama, token_batch
 
 LR = 0.02
 STEPS = 5
@@ -37,24 +37,44 @@ def mlp6(*, seed: int = 0) -> nn.Module:
     return nn.Sequential(*layers[:-1])
 
 
+def llama_loss(out: Any, y: Tensor) -> Tensor:
+    """Token cross-entropy of a Hugging Face causal LM's output."""
+    return F.cross_entropy(out.logits.reshape(-1, VOCAB), y.reshape(-1))
+
+
+def llama_batches(steps: int) -> list[tuple[Tensor, Tensor]]:
+    """`steps` deterministic token batches for `tiny_llama()`."""
+    return [token_batch(4, seed=s) for s in range(steps)]
+
+
+DATA: dict[str, tuple[Callable[[int], list[tuple[Tensor, Tensor]]], Callable[[Any, Tensor], Tensor]]] = {
+    "mlp": (mlp_batches, F.mse_loss),
+    "mlp6": (mlp_batches, F.mse_loss),
+    "llama": (llama_batches, llama_loss),
+}
+"""Each model's batches and loss."""
+MODELS: dict[str, Callable[[], nn.Module]] = {"mlp": mlp, "mlp6": lambda: mlp6(), "llama": tiny_llama}
+
+
 def train(
     cfg: MuonConfig,
     mesh: tuple[int, int] | None,
     *,
     schedule: str = "1f1b",
-    model: Callable[[], nn.Module] = mlp,
+    model: str = "mlp",
     microbatches: int = 2,
     v: int = 1,
     strategy: str | None = None,
 ) -> dict[str, Tensor]:
     """The parameters after STEPS steps of `model` under Muon (plan=None: each stage's APPLY on its own rank; how a
     stage's copies share its units' APPLYs by `strategy`, planner/strategy.py)."""
+    batches, loss = DATA[model]
     trainer = fxkfac.compile(
-        model(),
+        MODELS[model](),
         mesh,
         None,
-        example_inputs=(mlp_batches(1)[0][0],),
-        loss_fn=F.mse_loss,
+        example_inputs=(batches(1)[0][0],),
+        loss_fn=loss,
         optimizer=sgd,
         backend=None,
         schedule=schedule,
@@ -63,7 +83,7 @@ def train(
         pipeline=PipelineOptions(timeout=60.0, virtual_stages=v),
         plan_options=PlanOptions(strategy=strategy),
     )
-    for x, y in mlp_batches(STEPS):
+    for x, y in batches(STEPS):
         trainer.step(x, y)
     return {n: p.detach().clone() for n, p in trainer.named_parameters()}
 

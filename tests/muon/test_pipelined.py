@@ -17,12 +17,11 @@ from torch import Tensor
 
 from fxkfac.muon import MuonConfig
 from fxkfac.planner.ir import Op, OpKind, Programs
-from tests.muon.support import edited_programs, mlp6, train
+from tests.muon.support import edited_programs, train
 from tests.support.distributed import run_distributed
 from tests.support.models import mlp
 
 CFG = MuonConfig(ns_dtype="float32", momentum=0.9)
-MODELS = {"mlp": mlp, "mlp6": mlp6}
 CASES: list[tuple[str, int, int, str, int, str | None]] = [
     # (model, D, W, schedule, virtual stages, strategy)
     ("mlp", 2, 1, "gpipe", 1, None),
@@ -31,6 +30,7 @@ CASES: list[tuple[str, int, int, str, int, str | None]] = [
     ("mlp", 2, 1, "chimera", 1, None),
     ("mlp", 1, 2, "gpipe", 1, None),
     ("mlp", 1, 2, "gpipe", 1, "mem-opt"),  # one replica orthogonalizes, BCAST_PREC gives the other the direction
+    ("llama", 2, 1, "1f1b", 1, None),
 ]
 N = 2
 
@@ -64,9 +64,7 @@ def _streamed(programs: Programs) -> Programs:
 def _worker(rank: int, world: int) -> list[dict[str, Tensor]]:
     out = []
     for model, D, W, schedule, v, strategy in CASES:
-        trained = train(
-            CFG, (D, W), schedule=schedule, model=MODELS[model], microbatches=N // W, v=v, strategy=strategy
-        )
+        trained = train(CFG, (D, W), schedule=schedule, model=model, microbatches=N // W, v=v, strategy=strategy)
         out.append(trained)
         dist.barrier()
     with edited_programs(_streamed):
@@ -78,7 +76,7 @@ def _worker(rank: int, world: int) -> list[dict[str, Tensor]]:
 def test_muon_pipelined_and_streamed_equal_one_device() -> None:
     results = run_distributed(_worker, 2, timeout=600)
     assert all(r.ok for r in results), [r.traceback for r in results if not r.ok]
-    want = {name: train(CFG, None, model=model, microbatches=N) for name, model in MODELS.items()}
+    want = {name: train(CFG, None, model=name, microbatches=N) for name in ("mlp", "mlp6", "llama")}
     start = dict(mlp().named_parameters())
     assert min(float((want["mlp"][n] - p.detach()).abs().max()) for n, p in start.items()) > 1e-3, "nothing moved"
     cases: list[Any] = [*CASES, ("mlp", 2, 1, "1f1b streamed", 1, None)]
