@@ -19,6 +19,7 @@ import fxkfac
 from fxkfac.muon import LrAdjust, MuonConfig, UnitKind
 from fxkfac.muon.family import lr_scale
 from fxkfac.muon.newton_schulz import iterations_of_piece, ns_end, ns_iterate, ns_start, orthogonalize
+from fxkfac.planner.ir import Op, OpKind
 from tests.muon.support import (
     LR,
     MATRICES,
@@ -109,10 +110,10 @@ def test_apply_in_pieces_equals_the_whole_apply(pieces: int) -> None:
     want = train(cfg, None)
     names = [n for n, _ in mlp().named_parameters()]
 
-    def split(op: fxkfac.planner.ir.Op) -> list[fxkfac.planner.ir.Op]:
+    def split(op: Op) -> list[Op]:
         return [
-            *(op.__class__(op.kind, stage=0, layer="2.weight", piece=(i, pieces)) for i in range(pieces)),
-            *(op.__class__(op.kind, stage=0, layer=n) for n in names if n != "2.weight"),
+            *(Op(OpKind.APPLY, stage=0, layer="2.weight", piece=(i, pieces)) for i in range(pieces)),
+            *(Op(OpKind.APPLY, stage=0, layer=n) for n in names if n != "2.weight"),
         ]
 
     with edited_programs(lambda programs: replace_apply(programs, 0, 0, split)):
