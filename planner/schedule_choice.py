@@ -99,11 +99,11 @@ def choose_schedule(
         raise PlanError("no schedule plans: " + "; ".join(f"{c}: {why}" for c, _, _, why in first))
     period = min(_stalest(p) for p in planned)
     tried = []
-    for c, problem, plan, why in first:
+    for c, made, plan, why in first:
         fresh = plan
-        if problem is not None and plan is not None and _stalest(plan) > period:
+        if made is not None and plan is not None and _stalest(plan) > period:
             try:
-                fresh = plan_of(replace(problem, max_period=period))
+                fresh = plan_of(replace(made, max_period=period))
             except PlanError as e:
                 fresh, why = None, f"cannot refresh every {period} steps: {_first_line(e)}"
         tried.append(Tried(c, plan, fresh, why))
