@@ -41,10 +41,16 @@ __all__ = [
 
 
 class OpKind(StrEnum):
-    """What one instruction of a rank's program does."""
+    """What one instruction of a rank's program does.
+
+    BWD_W ("W") is the weight-gradient half of a backward, split off for zero-bubble schedules: a BWD whose step of
+    the rank's program also holds the BWD_W of its (stage, mb, pipe) computes only the input gradient, and the
+    BWD_W computes the weight gradient later; a BWD without one computes both.
+    """
 
     FWD = "FWD"
     BWD = "BWD"
+    BWD_W = "BWD_W"
     SEND_ACT = "SEND_ACT"
     RECV_ACT = "RECV_ACT"
     SEND_GRAD = "SEND_GRAD"
@@ -91,7 +97,7 @@ PRECONDITIONER_KINDS = frozenset(
 )
 """The ops a preconditioner family plugs into a pipeline's program (the plans place them)."""
 
-_SHORT = {OpKind.FWD: "F", OpKind.BWD: "B"}
+_SHORT = {OpKind.FWD: "F", OpKind.BWD: "B", OpKind.BWD_W: "W"}
 _BY_NAME = {**{k.value: k for k in OpKind}, **{v: k for k, v in _SHORT.items()}}
 # Structured tokens, in the order str(op) writes them; the layer name comes last.
 _FIELD_TOKENS = (
@@ -111,6 +117,7 @@ OP_FIELDS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
     # kind: (required, also allowed)
     OpKind.FWD: (frozenset({_STAGE, _MB}), frozenset({_PIPE})),
     OpKind.BWD: (frozenset({_STAGE, _MB}), frozenset({_PIPE})),
+    OpKind.BWD_W: (frozenset({_STAGE, _MB}), frozenset({_PIPE})),
     **{
         k: (frozenset({_STAGE, _MB, _PEER}), frozenset({_PIPE}))
         for k in (OpKind.SEND_ACT, OpKind.RECV_ACT, OpKind.SEND_GRAD, OpKind.RECV_GRAD)

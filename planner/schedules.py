@@ -1,4 +1,5 @@
-"""Pipeline schedules as data: GPipe, 1F1B, interleaved 1F1B and Chimera as per-pp-rank op lists."""
+"""Pipeline schedules as data: GPipe, 1F1B, interleaved 1F1B, Chimera and the zero-bubble family (ZB-H1, ZB-V,
+interleaved ZB) as per-pp-rank op lists."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ __all__ = [
     "stages_of_rank",
     "num_stages",
     "validate_schedule_args",
+    "ZERO_BUBBLE_KINDS",
+    "weight_gradient_kind",
 ]
 
 
@@ -24,6 +27,26 @@ class ScheduleKind(StrEnum):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"
     CHIMERA = "chimera"
+    ZB_H1 = "zb-h1"
+    ZB_V = "zb-v"
+    ZB_1P = "zb-1p"
+
+
+ZERO_BUBBLE_KINDS = frozenset({ScheduleKind.ZB_H1, ScheduleKind.ZB_V, ScheduleKind.ZB_1P})
+"""Schedules that split each backward into B (input gradient) and a deferred W (weight gradient, OpKind.BWD_W):
+ZB-H1 (Qi et al. 2024: 1F1B's memory, rank r defers its first r W's into the cooldown), ZB-V (two stages per rank
+in a V, torch's ScheduleZBVZeroBubble) and interleaved zero bubble (v stages per rank, torch's
+ScheduleInterleavedZeroBubble; ZB-H1 when v=1)."""
+
+
+def weight_gradient_kind(kind: ScheduleKind | str) -> OpKind:
+    """The op whose end makes one micro-batch's weight gradient of a stage: the zero-bubble family's BWD_W (a fused
+    layer's output-gradient curvature runs with it, on the operands it keeps), BWD otherwise."""
+    return OpKind.BWD_W if _kind(kind) in ZERO_BUBBLE_KINDS else OpKind.BWD
+
+
+_VIRTUAL_KINDS = frozenset({ScheduleKind.INTERLEAVED, ScheduleKind.ZB_1P})
+"""Schedules whose ranks hold v stages, r, r+D, ...; ZB-V holds two, r and 2D-1-r."""
 
 
 def _kind(kind: ScheduleKind | str) -> ScheduleKind:
@@ -40,10 +63,12 @@ def validate_schedule_args(kind: ScheduleKind | str, D: int, N: int, v: int = 1)
     for name, value in (("stages D", D), ("micro-batches N", N), ("virtual stages v", v)):
         if not isinstance(value, int) or value < 1:
             raise ScheduleError(f"{name} must be a positive integer, got {value!r}")
-    if kind is not ScheduleKind.INTERLEAVED and v != 1:
-        raise ScheduleError(f"{kind} runs one stage per rank: use v=1 (virtual stages need 'interleaved')")
-    if kind is ScheduleKind.INTERLEAVED and N % D:
-        raise ScheduleError(f"interleaved 1F1B needs N a multiple of D; got N={N}, D={D} (try N={D * -(-N // D)})")
+    if kind is ScheduleKind.ZB_V and v != 2:
+        raise ScheduleError(f"zb-v runs two stages per rank in a V: use v=2, got v={v}")
+    if kind not in _VIRTUAL_KINDS | {ScheduleKind.ZB_V} and v != 1:
+        raise ScheduleError(f"{kind} runs one stage per rank: use v=1 (virtual stages need 'interleaved' or 'zb-1p')")
+    if kind in _VIRTUAL_KINDS and N % D:
+        raise ScheduleError(f"{kind} needs N a multiple of D; got N={N}, D={D} (try N={D * -(-N // D)})")
     if kind is ScheduleKind.CHIMERA:
         if D % 2:
             raise ScheduleError(f"chimera needs an even number of stages D, got D={D}")
@@ -53,8 +78,11 @@ def validate_schedule_args(kind: ScheduleKind | str, D: int, N: int, v: int = 1)
 
 
 def num_stages(kind: ScheduleKind | str, D: int, v: int = 1) -> int:
-    """The number S of global (virtual) stages: v*D for interleaved, D otherwise."""
-    return D * v if _kind(kind) is ScheduleKind.INTERLEAVED else D
+    """The number S of global (virtual) stages: v*D for interleaved and zb-1p, 2D for zb-v, D otherwise."""
+    kind = _kind(kind)
+    if kind is ScheduleKind.ZB_V:
+        return 2 * D
+    return D * v if kind in _VIRTUAL_KINDS else D
 
 
 def stage_rank(kind: ScheduleKind | str, D: int, stage: int, pipe: int = 0, *, v: int = 1) -> int:
@@ -64,8 +92,10 @@ def stage_rank(kind: ScheduleKind | str, D: int, stage: int, pipe: int = 0, *, v
         raise ScheduleError(f"stage {stage} out of range for {kind} with D={D}, v={v}")
     if pipe not in ((0, 1) if kind is ScheduleKind.CHIMERA else (0,)):
         raise ScheduleError(f"pipe {pipe} does not exist in {kind}")
-    if kind is ScheduleKind.INTERLEAVED:
+    if kind in _VIRTUAL_KINDS:
         return stage % D
+    if kind is ScheduleKind.ZB_V:
+        return stage if stage < D else 2 * D - 1 - stage
     if kind is ScheduleKind.CHIMERA and pipe == 1:
         return D - 1 - stage
     return stage
@@ -74,8 +104,10 @@ def stage_rank(kind: ScheduleKind | str, D: int, stage: int, pipe: int = 0, *, v
 def stages_of_rank(kind: ScheduleKind | str, D: int, rank: int, *, v: int = 1) -> list[tuple[int, int]]:
     """The (stage, pipe) pairs pp rank `rank` holds, stages ascending."""
     kind = _kind(kind)
-    if kind is ScheduleKind.INTERLEAVED:
+    if kind in _VIRTUAL_KINDS:
         return [(rank + c * D, 0) for c in range(v)]
+    if kind is ScheduleKind.ZB_V:
+        return [(rank, 0), (2 * D - 1 - rank, 0)]
     if kind is ScheduleKind.CHIMERA:
         return sorted([(rank, 0), (D - 1 - rank, 1)])
     return [(rank, 0)]
@@ -84,8 +116,8 @@ def stages_of_rank(kind: ScheduleKind | str, D: int, rank: int, *, v: int = 1) -
 def schedule_programs(kind: ScheduleKind | str, D: int, N: int, *, v: int = 1) -> dict[int, list[Op]]:
     """Per pp rank, the ordered compute ops of one training step.
 
-    FWD/BWD in schedule order, then ALLREDUCE_GRAD per stage held (the gradient sync across
-    the copies of the stage), then OPT_STEP. Raises ScheduleError for unsupported (D, N, v).
+    FWD/BWD (and the zero-bubble family's BWD_W) in schedule order, then ALLREDUCE_GRAD per stage held (the
+    gradient sync across the copies of the stage), then OPT_STEP. Raises ScheduleError for unsupported (D, N, v).
     """
     kind = validate_schedule_args(kind, D, N, v)
     if kind is ScheduleKind.CHIMERA:
@@ -94,6 +126,9 @@ def schedule_programs(kind: ScheduleKind | str, D: int, N: int, *, v: int = 1) -
         ScheduleKind.GPIPE: lambda r: _gpipe_rank(N, r),
         ScheduleKind.ONE_F_ONE_B: lambda r: _one_f_one_b_rank(D, N, r),
         ScheduleKind.INTERLEAVED: lambda r: _interleaved_rank(D, N, v, r),
+        ScheduleKind.ZB_H1: lambda r: _zero_bubble_rank(D, N, 1, r),
+        ScheduleKind.ZB_1P: lambda r: _zero_bubble_rank(D, N, v, r),
+        ScheduleKind.ZB_V: lambda r: _zb_v_rank(D, N, r),
     }[kind]
     programs = {}
     for r in range(D):
@@ -134,6 +169,77 @@ def _interleaved_rank(D: int, N: int, v: int, r: int) -> list[Op]:
         ops += [unit(warmup + i, True), unit(i, False)]
     ops += [unit(k, False) for k in range(total - warmup, total)]
     return ops
+
+
+def _zero_bubble_rank(D: int, N: int, v: int, r: int) -> list[Op]:
+    """Interleaved zero bubble (ZB-1P; ZB-H1 when v=1), the order of torch's ScheduleInterleavedZeroBubble.
+
+    Units go as in interleaved 1F1B (chunks in groups of D micro-batches) but with one warm-up forward per hop to
+    the last rank instead of two; the j-th B is followed by the W of B j-r, so rank r holds back r W's and runs
+    them after its last B, in the bubbles its cooldown would leave.
+    """
+
+    def unit(k: int, kind: OpKind) -> Op:
+        chunk = (k // D) % v
+        mb = (k // (D * v)) * D + k % D
+        return Op(kind, (chunk if kind is OpKind.FWD else v - 1 - chunk) * D + r, mb)
+
+    total = N * v
+    warmup = min((v - 1) * D + (D - 1 - r), total)
+    ops = [unit(k, OpKind.FWD) for k in range(warmup)]
+    for j in range(total):
+        if warmup + j < total:
+            ops.append(unit(warmup + j, OpKind.FWD))
+        ops.append(unit(j, OpKind.BWD))
+        if j >= r:
+            ops.append(unit(j - r, OpKind.BWD_W))
+    return ops + [unit(j, OpKind.BWD_W) for j in range(max(total - r, 0), total)]
+
+
+def _zb_v_rank(D: int, N: int, r: int) -> list[Op]:
+    """ZB-V, the order of torch's ScheduleZBVZeroBubble: rank r holds stage r (going down the V) and 2D-1-r
+    (coming back up).
+
+    Phases for max(N, 2D-1) micro-batches (the ops of micro-batches >= N are dropped at the end): 2(D-r)-1
+    forwards of the low stage; r pairs F high, F low; D-r triples F, B, W of the high stage; then F, B, W low and
+    F, B, W high until every forward ran; then r pairs B low, B high with their W's held back; D-r pairs B low, W
+    low; the held W's of the high stage, then of the low.
+    """
+    low, high = r, 2 * D - 1 - r
+    n = max(N, 2 * D - 1)
+    done = {(kind, s): 0 for kind in (OpKind.FWD, OpKind.BWD, OpKind.BWD_W) for s in (low, high)}
+    ops: list[Op] = []
+
+    def emit(kind: OpKind, stage: int) -> None:
+        ops.append(Op(kind, stage, done[kind, stage]))
+        done[kind, stage] += 1
+
+    def triple(stage: int, forward: bool = True) -> None:
+        if forward:
+            emit(OpKind.FWD, stage)
+        emit(OpKind.BWD, stage)
+        emit(OpKind.BWD_W, stage)
+
+    for _ in range(2 * (D - r) - 1):
+        emit(OpKind.FWD, low)
+    for _ in range(r):
+        emit(OpKind.FWD, high)
+        emit(OpKind.FWD, low)
+    for _ in range(D - r):
+        triple(high)
+    while done[OpKind.FWD, high] < done[OpKind.FWD, low] or done[OpKind.FWD, low] < n:
+        triple(low, forward=done[OpKind.FWD, low] < n)
+        triple(high)
+    for _ in range(r):
+        emit(OpKind.BWD, low)
+        emit(OpKind.BWD, high)
+    for _ in range(D - r):
+        emit(OpKind.BWD, low)
+        emit(OpKind.BWD_W, low)
+    for stage in (high, low):
+        while done[OpKind.BWD_W, stage] < done[OpKind.BWD, stage]:
+            emit(OpKind.BWD_W, stage)
+    return [op for op in ops if op.mb_id < N]
 
 
 def _chimera_rank(D: int, N: int, r: int) -> list[Op]:

@@ -170,6 +170,81 @@ def test_every_rank_runs_each_of_its_ops_once_and_in_dependency_order(kind: str,
     )
 
 
+def _torch_zero_bubble(kind: str, D: int, N: int, v: int) -> dict[int, list[Op]]:
+    """torch.distributed.pipelining's ScheduleInterleavedZeroBubble / ScheduleZBVZeroBubble orders (their per-rank
+    builders, run on a stand-in for the schedule object), as Ops."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining import schedules as tps
+
+    if kind == "zb-v":
+        build = tps.ScheduleZBVZeroBubble._calculate_single_rank_operations
+        state = SimpleNamespace(pp_group_size=D, num_stages=2 * D, _n_microbatches=N)
+    else:
+        build = tps.ScheduleInterleavedZeroBubble._calculate_single_rank_operations
+        state = SimpleNamespace(n_local_stages=v, microbatches_per_round=D, pp_group_size=D, _n_microbatches=N)
+    kinds = {
+        tps._ComputationType.FORWARD: OpKind.FWD,
+        tps._ComputationType.BACKWARD_INPUT: OpKind.BWD,
+        tps._ComputationType.BACKWARD_WEIGHT: OpKind.BWD_W,
+    }
+    return {
+        rank: [
+            Op(kinds[a.computation_type], a.stage_index, a.microbatch_index)
+            for a in build(state, rank)
+            if a is not None
+        ]
+        for rank in range(D)
+    }
+
+
+@pytest.mark.parametrize(
+    "kind,D,N,v",
+    [
+        ("zb-h1", 2, 4, 1),
+        ("zb-h1", 4, 8, 1),
+        ("zb-1p", 2, 4, 2),
+        ("zb-1p", 4, 8, 2),
+        ("zb-1p", 3, 6, 3),
+        ("zb-v", 2, 4, 2),
+        ("zb-v", 4, 3, 2),
+        ("zb-v", 4, 12, 2),
+        ("zb-v", 8, 8, 2),
+    ],
+)
+def test_zero_bubble_matches_torch(kind: str, D: int, N: int, v: int) -> None:
+    ours = schedule_programs(kind, D, N, v=v)
+    theirs = _torch_zero_bubble(kind, D, N, v)
+    for r in range(D):
+        assert _zero_bubble_compute(ours[r]) == theirs[r]
+    if kind == "zb-h1":  # ZB-H1 is interleaved zero bubble on one stage per rank
+        assert ours == schedule_programs("zb-1p", D, N, v=1)
+
+
+def _zero_bubble_compute(ops: list[Op]) -> list[Op]:
+    return [op for op in ops if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.BWD_W)]
+
+
+@pytest.mark.parametrize("kind,D,N,v", [("zb-h1", 3, 5, 1), ("zb-1p", 4, 8, 3), ("zb-v", 3, 7, 2), ("zb-v", 4, 2, 2)])
+def test_zero_bubble_runs_one_w_after_each_b_and_holds_a_v(kind: str, D: int, N: int, v: int) -> None:
+    programs = schedule_programs(kind, D, N, v=v)
+    for r, ops in programs.items():
+        held = stages_of_rank(kind, D, r, v=v)
+        assert all(stage_rank(kind, D, s, p, v=v) == r for s, p in held)
+        compute = _zero_bubble_compute(ops)
+        expect = {Op(k, s, m) for s, _ in held for m in range(N) for k in (OpKind.FWD, OpKind.BWD, OpKind.BWD_W)}
+        assert len(compute) == len(expect) and set(compute) == expect
+        for op in compute:
+            if op.kind is not OpKind.FWD:
+                before = OpKind.FWD if op.kind is OpKind.BWD else OpKind.BWD
+                assert compute.index(Op(before, op.stage, op.mb)) < compute.index(op)
+        syncs = [i for i, op in enumerate(ops) if op.kind is OpKind.ALLREDUCE_GRAD]
+        assert len(syncs) == len(held) and min(syncs) > max(ops.index(op) for op in compute)
+    if kind == "zb-v":
+        assert [stage_rank(kind, D, s) for s in range(2 * D)] == [*range(D), *reversed(range(D))]
+    assert num_stages(kind, D, v) == D * v
+
+
 def test_1f1b_warmup_and_gpipe_order() -> None:
     programs = schedule_programs("1f1b", 4, 6)
     for r, ops in programs.items():
@@ -180,7 +255,15 @@ def test_1f1b_warmup_and_gpipe_order() -> None:
     assert "".join(str(op)[0] for op in _compute(gpipe)) == "FFFFBBBB"
 
 
-GOLDEN = [("gpipe", 2, 3, 1), ("1f1b", 4, 4, 1), ("interleaved", 2, 4, 2), ("chimera", 4, 4, 1)]
+GOLDEN = [
+    ("gpipe", 2, 3, 1),
+    ("1f1b", 4, 4, 1),
+    ("interleaved", 2, 4, 2),
+    ("chimera", 4, 4, 1),
+    ("zb-h1", 4, 4, 1),
+    ("zb-v", 2, 4, 2),
+    ("zb-1p", 2, 4, 2),
+]
 
 
 @pytest.mark.parametrize("kind,D,N,v", GOLDEN)
@@ -201,6 +284,9 @@ def test_golden_files(kind: str, D: int, N: int, v: int) -> None:
         ("1f1b", 4, 4, 2, "v=1"),
         ("gpipe", 0, 4, 1, "positive"),
         ("gpipe", 2, 0, 1, "positive"),
+        ("zb-v", 2, 4, 1, "v=2"),
+        ("zb-h1", 2, 4, 2, "v=1"),
+        ("zb-1p", 4, 6, 2, "try N=8"),
     ],
 )
 def test_bad_arguments_say_what_works(kind: str, D: int, N: int, v: int, needle: str) -> None:
@@ -209,4 +295,4 @@ def test_bad_arguments_say_what_works(kind: str, D: int, N: int, v: int, needle:
 
 
 def test_schedule_kind_values() -> None:
-    assert [k.value for k in ScheduleKind] == ["gpipe", "1f1b", "interleaved", "chimera"]
+    assert [k.value for k in ScheduleKind] == ["gpipe", "1f1b", "interleaved", "chimera", "zb-h1", "zb-v", "zb-1p"]
