@@ -1,6 +1,6 @@
-"""CP-SAT choosing each layer's distribution with the placement (planner/joint.py, planner/joint_step.py,
-planner/joint_cpsat.py, planner/joint_search.py): the least step against every option set enumerated, and joint plans
-against every forced strategy and the outer search."""
+"""CP-SAT choosing each layer's distribution with the placement (planner/joint.py, planner/cpsat.py with a
+`Frame`, planner/group_search.py `solve_joint_group`): the least step against every option set enumerated, and
+joint plans against every forced strategy and the outer search."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import pytest
 from fxkfac.planner.budget import Meter
 from fxkfac.planner.choose import solve_outer, solve_with_strategy, strategy_of
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.cpsat import least_step
 from fxkfac.planner.hardware import HARDWARE
 from fxkfac.planner.joint import layer_options, reference_step, step_fixed_end, timeline_stages
-from fxkfac.planner.joint_step import least_step
 from fxkfac.planner.memory import activation_peak, min_memory_bytes, static_bytes
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig
