@@ -387,14 +387,7 @@ def _joint_plan(
         return None if anchor.memory_budget is None else _fused(problem, anchor, config, box)
     step_ticks = max(p.step_ticks for p in placements)
     placements = [restretch_joint(p, step_ticks) for p in placements]
-    chosen = anchor.with_distributions(
-        {
-            x.name: p.choice(x.name)
-            for p in placements
-            for s in p.window.group.stages
-            for x in anchor.costs.stages[s].layers
-        }
-    )
+    chosen = anchor.with_distributions({n: d for p in placements for n, d in p.distributions().items()})
     solutions = [transfer(p, chosen) for p in placements]
     if not all(solutions):
         log.info(

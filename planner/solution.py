@@ -86,6 +86,11 @@ class GroupSolution:
         """`layer`'s distribution in this solution."""
         return self.choices[layer] if layer in self.choices else self.window.problem.where(layer)
 
+    def distributions(self) -> dict[str, LayerDistribution]:
+        """Every layer of the window's stage group with its distribution in this solution."""
+        stages = self.window.problem.costs.stages
+        return {x.name: self.choice(x.name) for s in self.window.group.stages for x in stages[s].layers}
+
 
 def all_placed(solutions: Iterable[GroupSolution | None]) -> list[GroupSolution] | None:
     """Every group's solution, or None when any group found none."""
