@@ -47,10 +47,11 @@ from typing import TypeVar
 from fxkfac.planner.assemble import assemble
 from fxkfac.planner.attempt import Method, cheaper_fused, stats_chunk_of
 from fxkfac.planner.budget import Meter
+from fxkfac.planner.cpsat import least_step
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.greedy import greedy_group
+from fxkfac.planner.group_search import solve_joint_group
 from fxkfac.planner.joint import (
-    JointPlacement,
     apply_seconds,
     bcast_seconds,
     comm_slot_seconds,
@@ -62,8 +63,6 @@ from fxkfac.planner.joint import (
     timeline_stages,
     transfer,
 )
-from fxkfac.planner.joint_search import solve_joint_group
-from fxkfac.planner.joint_step import least_step
 from fxkfac.planner.plan import Plan, rank
 from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier, copies_of_stage, stage_groups
 from fxkfac.planner.solution import GroupSolution
@@ -388,7 +387,7 @@ def _joint_plan(
         return None if anchor.memory_budget is None else _fused(problem, anchor, config, box)
     step_ticks = max(p.step_ticks for p in placements)
     placements = [restretch_joint(p, step_ticks) for p in placements]
-    chosen = anchor.with_distributions({n: d for p in placements for n, d in p.choices.items()})
+    chosen = anchor.with_distributions({n: d for p in placements for n, d in p.distributions().items()})
     solutions = [transfer(p, chosen) for p in placements]
     if not all(solutions):
         log.info(
@@ -425,12 +424,12 @@ def _joint_placements(
     config: SolverConfig,
     meter: Meter,
     deadline: float,
-) -> list[JointPlacement] | None:
+) -> list[GroupSolution] | None:
     """Each stage group's joint placement (`solve_joint_group`, warm-started by first-fit of every forced strategy on
     the group's free layers), the time to `deadline` on `meter`'s clock shared by the groups left; None when a group
     is not placed."""
     groups = stage_groups(anchor)
-    placements: list[JointPlacement] = []
+    placements: list[GroupSolution] = []
     forced = [problem.with_strategy(s) for s in candidate_strategies(problem)]
     for n, group in enumerate(groups):
         names = [x.name for s in group.stages if s in free for x in anchor.costs.stages[s].layers]

@@ -3,7 +3,7 @@
 [Note: joint strategy] With the strategy left to the planner, CP-SAT chooses each layer's distribution
 (planner/strategy.py: COMM-OPT, HYBRID with each grad-worker count that divides the copies, MEM-OPT, each with
 every column; DP-KFAC never, a different algorithm only the user may ask for) in the same model that places the
-refresh work (planner/joint_cpsat.py), where the option of a layer is a Boolean literal:
+refresh work (planner/cpsat.py with a `Frame`), where the option of a layer is a Boolean literal:
 - its DECOMP runs on one rank of the chosen column (one INV task whose device literal implies an option holding
   that rank); its BCAST is one optional interval per option with several grad workers, over that option's
   column, of that group size's price; SYNC_STATS and the curvature are the same under every KAISA option;
@@ -24,7 +24,7 @@ option set:
 - every other stage's slot comes after all fixed work of its copies, so its options change only where the
   step ends: the reference step of an option set P is L(P) = the latest of the fixed work's end and each
   stage's all-reduce end plus its slot (`reference_step`), exactly the simulated step. CP-SAT first finds the
-  least L over the option sets that meet the static memory (planner/joint_step.py `least_step`), which is
+  least L over the option sets that meet the static memory (`planner.cpsat.least_step`), which is
   the plan's step time at max_overhead 0; then every stage group is placed at that step length Λ (plus the
   stretch max_overhead allows, [Note: stretch] in planner/window.py) with its literals free, each slot within
   [its all-reduce end, step end). A window of k steps of length Λ is the same for every option set whose
@@ -38,7 +38,7 @@ its own: lowering, validator, simulator and runtime see a plan like any other.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from fractions import Fraction
 from functools import lru_cache
@@ -53,6 +53,10 @@ from fxkfac.planner.window import TaskKind, Window
 from fxkfac.planner.window_build import build_window
 
 __all__ = [
+    "Option",
+    "Options",
+    "options_of",
+    "ns",
     "layer_options",
     "timeline_stages",
     "apply_seconds",
@@ -63,7 +67,6 @@ __all__ = [
     "base_bytes",
     "reference_step",
     "step_fixed_end",
-    "JointPlacement",
     "anchor_window",
     "restretch_joint",
     "reference_ticks",
@@ -72,6 +75,60 @@ __all__ = [
 ]
 
 _FIXED = frozenset({OpKind.FWD, OpKind.BWD, OpKind.BWD_W, OpKind.ALLREDUCE_GRAD})
+
+
+NS = 1_000_000_000
+"""Nanoseconds per second: the step models' unit (a step of seconds stays far inside CP-SAT's integers)."""
+
+Ticks = Callable[[float], int]
+"""Seconds to a model's integer unit (ticks of a window, rounded up; or nanoseconds)."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One distribution a layer may take, with what it costs in seconds: its DECOMP's ranks (`workers`), the
+    BCAST of each part within them (absent: one worker), the per-step work on each worker and the BCAST_PREC
+    on every copy."""
+
+    where: LayerDistribution
+    workers: tuple[int, ...]
+    bcast: Mapping[str, float]
+    apply: float
+    share: float
+
+    @property
+    def comm_opt(self) -> bool:
+        """Whether it is COMM-OPT (its stage may then have one APPLY and no shared gradients)."""
+        return self.where == LayerDistribution()
+
+
+Options = Mapping[str, tuple[Option, ...]]
+"""Every layer's options, by name."""
+
+
+def options_of(problem: Problem, layer: str, free: bool) -> tuple[Option, ...]:
+    """The options of `layer`: every KAISA distribution when `free`, else the problem's own."""
+    copies = copies_of_stage(problem, problem.costs.stage_of(layer))
+    chosen = layer_options(problem, layer) if free else (problem.where(layer),)
+    out = []
+    for where in chosen:
+        workers = grad_workers(copies, where)
+        parts = {p.part: bcast_seconds(problem, layer, p.part, where) for p in problem.costs.layer(layer).parts}
+        out.append(
+            Option(
+                where,
+                workers,
+                parts if len(workers) > 1 else {},  # as the window has a BCAST task, however short
+                apply_seconds(problem, layer),
+                share_seconds(problem, layer, where),
+            )
+        )
+    return tuple(out)
+
+
+def ns(seconds: float) -> int:
+    """`seconds` in nanoseconds, rounded."""
+    return round(seconds * NS)
 
 
 def layer_options(problem: Problem, layer: str) -> tuple[LayerDistribution, ...]:
@@ -207,30 +264,6 @@ def slot_seconds_of(problem: Problem, stage: int, where: Mapping[str, LayerDistr
     return lead + sum(share_seconds(problem, n, w) for n, w in where.items())
 
 
-@dataclass(frozen=True)
-class JointPlacement:
-    """One stage group's joint solution in `window` (the anchor problem's window, whose tasks are named as every
-    problem's windows name them): the chosen distribution of each of the group's layers, every task's absolute
-    start by name (the chosen option's BCAST as "bcast_{part}_{layer}"), the rank decomposing each (layer, part),
-    each slot's start (in `window.precs` order), the ticks each stage's slot was given, the CP-SAT status and the
-    sum of use offsets."""
-
-    window: Window
-    choices: Mapping[str, LayerDistribution]
-    starts: Mapping[str, int]
-    inv_devices: Mapping[tuple[str, str], int]
-    prec_starts: tuple[int, ...]
-    slot_ticks: Mapping[int, int]
-    status: str
-    staleness: int
-    k_lower_bound: int = 1
-
-    @property
-    def step_ticks(self) -> int:
-        """Ticks of each step of the window, its stretch included (every step alike: nothing is fused)."""
-        return self.window.offsets[1]
-
-
 def anchor_window(
     problem: Problem, group: StageGroup, k: int, stretch: int, scale: tuple[float, bool], *, stats_chunk: int
 ) -> Window:
@@ -238,10 +271,10 @@ def anchor_window(
     return build_window(problem, group, k, stats_chunk=stats_chunk, stretch=stretch, scale=scale)
 
 
-def restretch_joint(placement: JointPlacement, step: int) -> JointPlacement:
-    """`placement` in a window of the same problem whose steps last `step` >= its own ticks: every start in window
-    step j moves j times the added ticks later (as `planner.stretch.restretch`: each op keeps its place inside its
-    step, so it stays valid)."""
+def restretch_joint(placement: GroupSolution, step: int) -> GroupSolution:
+    """`placement` (of a window with nothing fused) in a window of the same problem whose steps last `step` >= its
+    own ticks: every start in window step j moves j times the added ticks later (as `planner.stretch.restretch`:
+    each op keeps its place inside its step, so it stays valid)."""
     w = placement.window
     before = placement.step_ticks
     delta = step - before
@@ -250,15 +283,17 @@ def restretch_joint(placement: JointPlacement, step: int) -> JointPlacement:
     if delta < 0:
         raise AssertionError(f"restretch_joint only lengthens: {before} -> {step} ticks per step")
     new = anchor_window(w.problem, w.group, w.k, w.stretch + delta, (w.scale, w.exact), stats_chunk=w.stats_chunk)
+    tasks = {task.name: task for task in new.tasks}
 
     def move(t: int) -> int:
         return t + (t // before) * delta
 
     return replace(
         placement,
-        window=new,
-        starts={n: move(t) for n, t in placement.starts.items()},
+        window=replace(new, tasks=tuple(replace(tasks[t.name], devices=t.devices) for t in w.tasks)),
+        starts=tuple(move(t) for t in placement.starts),
         prec_starts=tuple(move(t) for t in placement.prec_starts),
+        bcasts={name: move(t) for name, t in placement.bcasts.items()},
     )
 
 
@@ -276,28 +311,22 @@ def window_at(
     return None if stretch < 0 else anchor_window(problem, group, k, stretch, scale, stats_chunk=stats_chunk)
 
 
-def transfer(placement: JointPlacement, problem: Problem) -> GroupSolution | None:
-    """`placement` as a solution of `problem`'s own window of the group (`problem` has the chosen distributions),
-    its stretch what makes its steps as long as the placement's; None when that window is not the placement's
-    (other fixed work, activations, releases or deadlines, a task or slot longer than the one placed), or when it
-    holds a third decomposition over the memory budget (`planner.solution.remade_spans`): the caller then plans
-    `problem` itself."""
+def transfer(placement: GroupSolution, problem: Problem) -> GroupSolution | None:
+    """`placement` (a joint solve's, or first-fit's of a candidate) as a solution of `problem`'s own window of the
+    group (`problem` has the chosen distributions), its stretch what makes its steps as long as the placement's;
+    None when that window is not the placement's (other fixed work, activations, releases or deadlines, a task or
+    slot longer than the one placed), or when it holds a third decomposition over the memory budget
+    (`planner.solution.remade_spans`): the caller then plans `problem` itself."""
     w = placement.window
     target = window_at(problem, w.group, w.k, placement.step_ticks, (w.scale, w.exact), stats_chunk=w.stats_chunk)
-    if (
-        target is None
-        or not _same_frame(w, target)
-        or any(p.ticks > placement.slot_ticks[p.stage] for p in target.precs)
-    ):
+    slot_ticks = {p.stage: p.ticks for p in w.precs} | dict(placement.slot_ticks)
+    if target is None or not _same_frame(w, target) or any(p.ticks > slot_ticks[p.stage] for p in target.precs):
         return None
+    named, inv_devices = placement.named_starts(), placement.inv_devices()
     starts, devices = [], []
     for task in target.tasks:
-        at = placement.starts.get(task.name)
-        device = (
-            placement.inv_devices.get(task.factors[0])
-            if task.kind in (TaskKind.INV, TaskKind.BCAST)
-            else task.devices[0]
-        )
+        at = named.get(task.name)
+        device = inv_devices.get(task.factors[0]) if task.kind in (TaskKind.INV, TaskKind.BCAST) else task.devices[0]
         if at is None or device is None or device not in task.devices:
             return None
         starts.append(at)

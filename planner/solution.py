@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 from fxkfac.planner.ir import LayerTiming, Op, OpKind, Placement
 from fxkfac.planner.memory import decomposition_bytes, peak_level, static_bytes
+from fxkfac.planner.strategy import LayerDistribution
 from fxkfac.planner.streaming import made_refreshes, replica_born
 from fxkfac.planner.window import TaskKind, Window, wrap
 
@@ -39,7 +40,13 @@ __all__ = [
 @dataclass(frozen=True)
 class GroupSolution:
     """A solution for one window: task starts (absolute ticks) and devices, APPLY starts, use offsets,
-    and how it was found (method "greedy"/"cpsat", status, objective, proven lower bound on k)."""
+    and how it was found (method "greedy"/"cpsat", status, objective, proven lower bound on k).
+
+    A joint solve ([Note: joint strategy] in planner/joint.py) places the window's tasks but its broadcasts, which
+    are the options' (`planner.cpsat.placed_tasks`), and says what it chose: each layer's distribution, the start
+    of the chosen option's BCAST of each (layer, part) and the ticks each stage's slot was given
+    (`planner.joint.transfer` makes it a solution of the chosen problem's own window). Empty: the window
+    problem's own distributions, its BCAST tasks and slots."""
 
     window: Window
     starts: tuple[int, ...]
@@ -51,6 +58,38 @@ class GroupSolution:
     k_lower_bound: int
     wall_time: float = field(default=0.0, compare=False)
     """Wall seconds it took (a measurement of this machine now: not part of equality)."""
+    choices: Mapping[str, LayerDistribution] = field(default_factory=dict)
+    bcasts: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    slot_ticks: Mapping[int, int] = field(default_factory=dict)
+
+    @property
+    def step_ticks(self) -> int:
+        """Ticks of the window's first step, its stretch included (every step of a window with nothing fused)."""
+        return self.window.offsets[1]
+
+    @property
+    def staleness(self) -> int:
+        """The sum of use offsets (what a least-staleness solve minimizes)."""
+        return sum(self.use_offset.values())
+
+    def named_starts(self) -> dict[str, int]:
+        """Every placed task's start by name, each chosen broadcast's as "bcast_{part}_{layer}" (the BCAST tasks'
+        names in a window that has them)."""
+        named = {task.name: t for task, t in zip(self.window.tasks, self.starts)}
+        return named | {f"bcast_{part}_{layer}": t for (layer, part), t in self.bcasts.items()}
+
+    def inv_devices(self) -> dict[tuple[str, str], int]:
+        """The rank decomposing each (layer, part)."""
+        return {task.factors[0]: d for task, d in zip(self.window.tasks, self.devices) if task.kind is TaskKind.INV}
+
+    def choice(self, layer: str) -> LayerDistribution:
+        """`layer`'s distribution in this solution."""
+        return self.choices[layer] if layer in self.choices else self.window.problem.where(layer)
+
+    def distributions(self) -> dict[str, LayerDistribution]:
+        """Every layer of the window's stage group with its distribution in this solution."""
+        stages = self.window.problem.costs.stages
+        return {x.name: self.choice(x.name) for s in self.window.group.stages for x in stages[s].layers}
 
 
 def all_placed(solutions: Iterable[GroupSolution | None]) -> list[GroupSolution] | None:
@@ -74,10 +113,13 @@ def prec_steps_ready(window: Window, prec_starts: tuple[int, ...], layer: str, r
     return 2 * k + 1
 
 
-def use_offsets(window: Window, starts: tuple[int, ...], prec_starts: tuple[int, ...]) -> dict[str, int]:
+def use_offsets(
+    window: Window, starts: tuple[int, ...], prec_starts: tuple[int, ...], later: Mapping[str, int] | None = None
+) -> dict[str, int]:
     """Per layer, the step offset from which its new inverse preconditions: the first APPLY after both
-    factors' inverses (and broadcasts) are done."""
-    ready: dict[str, int] = {}
+    factors' inverses (and broadcasts) are done; `later`: per layer, the end of work placed apart from the
+    window's tasks (a joint solve's chosen broadcasts)."""
+    ready: dict[str, int] = dict(later or {})
     for task, start in zip(window.tasks, starts):
         if task.kind in (TaskKind.INV, TaskKind.BCAST):
             for layer, _ in task.factors:

@@ -14,7 +14,6 @@ import math
 from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 from fxkfac.planner.problem import Problem, SolverConfig, StageGroup
 from fxkfac.planner.solution import GroupSolution, use_offsets
@@ -24,7 +23,7 @@ from fxkfac.planner.window_build import build_window, grid_scale
 
 __all__ = ["Allowance", "allowance", "restretch", "stretch_lower_bound", "least_stretch", "bisect_least", "Probe"]
 
-Probe = Callable[[int], tuple[str, "GroupSolution | None"]]
+Probe = Callable[[int], tuple[str, GroupSolution | None]]
 """A solver at one stretch (ticks): (status name, solution or None); "INFEASIBLE" means proven."""
 
 
@@ -152,12 +151,9 @@ def least_stretch(found: GroupSolution, probe: Probe, lower: int) -> tuple[Group
     return bisect_least(max(0, lower), found, probe, lambda solution: solution.window.stretch)
 
 
-S = TypeVar("S")
-
-
 def bisect_least(
-    lower: int, found: S, probe: Callable[[int], tuple[str, S | None]], size: Callable[[S], int]
-) -> tuple[S, bool]:
+    lower: int, found: GroupSolution, probe: Probe, size: Callable[[GroupSolution], int]
+) -> tuple[GroupSolution, bool]:
     """The placement of least `size` (ticks of stretch, or of a whole step) `probe` finds in [lower, found's], by
     bisection (exact where feasibility only grows with the size), and whether it is proven least (every smaller size
     probed was INFEASIBLE)."""

@@ -1,6 +1,6 @@
-"""CP-SAT choosing each layer's distribution with the placement (planner/joint.py, planner/joint_step.py,
-planner/joint_cpsat.py, planner/joint_search.py): the least step against every option set enumerated, and joint plans
-against every forced strategy and the outer search."""
+"""CP-SAT choosing each layer's distribution with the placement (planner/joint.py, planner/cpsat.py with a
+`Frame`, planner/group_search.py `solve_joint_group`): the least step against every option set enumerated, and
+joint plans against every forced strategy and the outer search."""
 
 from __future__ import annotations
 
@@ -13,16 +13,30 @@ import pytest
 from fxkfac.planner.budget import Meter
 from fxkfac.planner.choose import solve_outer, solve_with_strategy, strategy_of
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.cpsat import Frame, least_step, solve_window
+from fxkfac.planner.greedy import greedy_window
 from fxkfac.planner.hardware import HARDWARE
-from fxkfac.planner.joint import layer_options, reference_step, step_fixed_end, timeline_stages
-from fxkfac.planner.joint_step import least_step
+from fxkfac.planner.joint import (
+    layer_options,
+    ns,
+    options_of,
+    reference_step,
+    reference_ticks,
+    step_fixed_end,
+    timeline_stages,
+    transfer,
+    window_at,
+)
 from fxkfac.planner.memory import activation_peak, min_memory_bytes, static_bytes
 from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import Problem, SolverConfig
+from fxkfac.planner.problem import Problem, SolverConfig, copies_of_stage, stage_groups
+from fxkfac.planner.solution import GroupSolution
 from fxkfac.planner.solve import solve
 from fxkfac.planner.step_timeline import step_timeline
 from fxkfac.planner.strategy import parse_strategy
 from fxkfac.planner.validate import validate
+from fxkfac.planner.window import TaskKind, Window
+from fxkfac.planner.window_build import grid_scale
 
 QUICK = SolverConfig(time_limit_s=2.0)
 
@@ -169,3 +183,51 @@ def test_a_budget_that_needs_curvature_fused_plans_with_fusing() -> None:
     plan = _checked(solve_with_strategy(dataclasses.replace(roomy, memory_budget=budget), None, QUICK))
     assert any(t.capture == "fused" for t in plan.layers.values())
     assert max(plan.metrics.peak_memory.values()) <= budget
+
+
+def _first_fit_window(problem: Problem) -> tuple[Window, GroupSolution]:
+    """The first window of the first stage group, on the joint choice's grid, that first-fit places."""
+    scale = grid_scale(problem, range(problem.num_stages), frozenset(), QUICK.time_resolution)
+    group = stage_groups(problem)[0]
+    for k in range(1, problem.max_period + 1):
+        w = window_at(problem, group, k, reference_ticks(problem, scale), scale, stats_chunk=1)
+        assert w is not None
+        placed = greedy_window(w)
+        if placed is not None:
+            return w, placed
+    raise AssertionError("first-fit places no window")
+
+
+def test_a_placement_moves_into_its_own_problems_window_unchanged() -> None:
+    """`transfer` reads a placement by task name (a first-fit one of a candidate, with its BCAST tasks, or a joint
+    one, with the options' broadcasts): into the window it was placed in, it is the same placement."""
+    problem = _problem(W=2).with_strategy(parse_strategy("comm-opt"))
+    w, placed = _first_fit_window(problem)
+    assert any(task.kind is TaskKind.BCAST for task in w.tasks)
+    moved = transfer(placed, problem)
+    assert moved is not None
+    assert (moved.starts, moved.devices, moved.prec_starts) == (placed.starts, placed.devices, placed.prec_starts)
+    assert moved.use_offset == placed.use_offset
+
+
+@pytest.mark.parametrize("strategy", ["comm-opt", "mem-opt"])
+def test_the_model_with_one_option_per_layer_is_the_forced_strategys(strategy: str) -> None:
+    """A forced strategy's window and the joint model given each layer's one option (its own; under COMM-OPT with
+    its broadcasts) find the same least staleness, and the joint one's placement moves into the forced window."""
+    problem = _problem(W=2).with_strategy(parse_strategy(strategy))
+    w, placed = _first_fit_window(problem)
+    group = w.group
+    timeline = step_timeline(problem)
+    frame = Frame(
+        {x.name: options_of(problem, x.name, False) for s in group.stages for x in problem.costs.stages[s].layers},
+        {s: ns(timeline.allreduce_end[copies_of_stage(problem, s)[0], s]) for s in group.stages},
+        (w.scale, w.exact),
+        1,
+    )
+    forced_status, forced = solve_window(w, QUICK, 60.0, Meter(True, time.perf_counter() + 60), placed)
+    joint_status, joint = solve_window(w, QUICK, 60.0, Meter(True, time.perf_counter() + 60), placed, frame=frame)
+    assert (forced_status, joint_status) == ("OPTIMAL", "OPTIMAL")
+    assert forced is not None and joint is not None
+    assert joint.staleness == forced.staleness
+    moved = transfer(joint, problem)
+    assert moved is not None and moved.staleness == forced.staleness
