@@ -116,7 +116,8 @@ class TappedRunner(StageRunner):
         probes = new_probes(taps, device, self.autocast_dtype)
         leaves = [x.requires_grad_(True) if needs_grad and x.is_floating_point() else x for x in inputs]
         with self.precision():
-            outs = tuple(self.call(fn, [*leaves, *probes]))  # a recomputed forward's captures are dropped: counted once
+            variant = ("taps", *sorted(self.modes.items()))  # a recomputed forward's captures are dropped: counted once
+            outs = tuple(self.run(mb, variant, taps.gm, fn, [*leaves, *probes], taps.n_outputs))
         user = self.crossing(outs[: taps.n_outputs])
         self._inputs[mb] = leaves
         self._outputs[mb] = user
@@ -125,10 +126,10 @@ class TappedRunner(StageRunner):
         self._probes[mb] = dict(zip(order, probes))
         return user
 
-    def backward(self, mb: int, output_grads: Sequence[Tensor] | None) -> list[Tensor]:
-        """Backpropagate `mb`; the probes' gradients are the output-gradient captures."""
+    def backward(self, mb: int, output_grads: Sequence[Tensor] | None, defer_weights: bool = False) -> list[Tensor]:
+        """Backpropagate `mb`; the probes' gradients are the output-gradient captures (made by B where W waits)."""
         probes = self._probes.pop(mb, {})
-        grads = super().backward(mb, output_grads)
+        grads = super().backward(mb, output_grads, defer_weights)
         for name, probe in probes.items():
             value = probe.grad if probe.grad is not None else torch.zeros_like(probe)
             value = self._unscaled(value, self.modes.get(name))
