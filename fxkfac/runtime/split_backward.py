@@ -16,6 +16,7 @@ are compiled, which torch's own zero-bubble schedules refuse.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -125,8 +126,10 @@ def _cut(
     after_tangents = _descendants(tangent_nodes)
     fwd = _ancestors([o for o in outs if isinstance(o, fx.Node)]) | {n for n in calls if _impure(n)}
     fwd = {n for n in fwd if n.op == "call_function" and n not in after_tangents}
+    fwd |= {n for n in calls if n.target is operator.getitem and n.args[0] in fwd}  # save parts, not tuples
     backward = [n for n in calls if n not in fwd]
     b_set = _ancestors([g for g in arg_grads if g is not None]) & set(backward)
+    b_set |= {n for n in backward if n.target is operator.getitem and n.args[0] in b_set}
     w_set = (_ancestors([g for g in param_grads if g is not None]) & set(backward)) - b_set
 
     b_nodes = [n for n in backward if n in b_set]
