@@ -9,6 +9,7 @@ from fxkfac.planner.ir import Capture, LayerTiming, Op, OpKind, Placement, Progr
 from fxkfac.planner.lowering import startup_programs
 from fxkfac.planner.plan import Plan, PlanMetrics, SolverStats
 from fxkfac.planner.problem import Problem, is_streamed, stage_groups
+from fxkfac.planner.schedules import weight_gradient_kind
 from fxkfac.planner.simulate import BUSY_KINDS, utilization
 from fxkfac.planner.solution import GroupSolution, all_placed, peak_bytes, placements_of, plan_born
 from fxkfac.planner.step_timeline import (
@@ -73,8 +74,8 @@ appends (OPT_STEP)."""
 def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) -> Program:
     """The device's ops per step of the period, in time order: an op placed in a bubble goes after
     every fixed op that ends by its start (so a RECV still waiting stays after it), and at the refresh step each
-    BWD is followed by the STATS folding its fused layers' statistics (`fused_stats`). Compared in
-    ticks: in seconds, float rounding could put a APPLY before the backward it follows."""
+    BWD (a zero-bubble schedule's W) is followed by the STATS folding its fused layers' statistics (`fused_stats`).
+    Compared in ticks: in seconds, float rounding could put a APPLY before the backward it follows."""
     steps: list[list[tuple[tuple[int, ...], Op]]] = [[] for _ in range(w.k)]
     timelines = [step_timeline(problem, w.fused, refresh=True)] + [step_timeline(problem)] * (w.k - 1)
     for j, st in enumerate(timelines):
@@ -82,7 +83,7 @@ def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) 
             if op.kind not in _PLACED_KINDS or is_streamed(problem, device, op):
                 at = w.offsets[j] + round(end * w.scale)
                 steps[j].append(((at, 0, seq), op))
-                if j == 0 and op.kind is OpKind.BWD and w.fused:
+                if j == 0 and op.kind is weight_gradient_kind(problem.kind) and w.fused:
                     folds = fused_stats(problem, w.fused, device, op)
                     steps[j].extend(((at, 0, seq, i), fold) for i, fold in enumerate(folds))
     for n, p in enumerate(sorted(placed, key=lambda p: (p.start, p.end))):

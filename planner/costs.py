@@ -270,14 +270,24 @@ class StageCost:
     """Bytes one micro-batch keeps from its forward to its backward when the stage recomputes its forward
     (activation checkpointing, `Problem.recompute`): its inputs and outputs; 0 where not measured (the paper's
     profiles), counted as nothing."""
+    wgrad: float | None = None
+    """Seconds of `bwd` that compute the weight gradient (a zero-bubble schedule's W, OpKind.BWD_W); None where not
+    measured: half the backward (a linear layer's input and weight gradients are matmuls of one size)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, tuple) or not all(isinstance(x, LayerCost) for x in self.layers):
             raise CostModelError("StageCost.layers must be a tuple of LayerCost")
         byte_fields = frozenset({"param_bytes", "act_bytes", "peak_err_bytes", "boundary_bytes"})
-        unmeasured = {name for name in ("fused_fwd", "fused_bwd") if getattr(self, name) is None}
+        unmeasured = {name for name in ("fused_fwd", "fused_bwd", "wgrad") if getattr(self, name) is None}
         _check_fields(self, "stage", byte_fields, frozenset({"layers", *unmeasured}))
         _check_spreads(self, "stage")
+        if self.wgrad is not None and self.wgrad > self.bwd:
+            raise CostModelError(f"StageCost.wgrad ({self.wgrad}) is part of the backward ({self.bwd}): at most bwd")
+
+    @property
+    def weight_grad(self) -> float:
+        """Seconds of one micro-batch's W (the backward's weight-gradient part): `wgrad`, else half of `bwd`."""
+        return self.bwd / 2 if self.wgrad is None else self.wgrad
 
     def fused_curvature(self, names: Collection[str], after: OpKind) -> float:
         """Seconds fusing the curvature of the layers `names` adds to one micro-batch's forward (`after` FWD) or
@@ -420,7 +430,7 @@ class CostTable:
             for key in ("tap_fwd", "tap_bwd", "boundary_bytes"):
                 if not stage[key]:
                     del stage[key]
-            for key in ("fused_fwd", "fused_bwd"):
+            for key in ("fused_fwd", "fused_bwd", "wgrad"):
                 if stage[key] is None:
                     del stage[key]
             for layer in stage["layers"]:
@@ -576,6 +586,7 @@ def _scale_stage(s: StageCost, per_mb: float, fixed: float, mem: float) -> Stage
         tap_bwd=s.tap_bwd * per_mb,
         fused_fwd=None if s.fused_fwd is None else s.fused_fwd * per_mb,
         fused_bwd=None if s.fused_bwd is None else s.fused_bwd * per_mb,
+        wgrad=None if s.wgrad is None else s.wgrad * per_mb,
         fwd_spread=_scaled(s.fwd_spread, per_mb),
         bwd_spread=_scaled(s.bwd_spread, per_mb),
         act_bytes=round(s.act_bytes * mem),
@@ -643,6 +654,7 @@ def combined_stage(stages: Sequence[StageCost], time: Reduce) -> StageCost:
         tap_bwd=statistics.median(s.tap_bwd for s in stages),
         fused_fwd=_median(s.fused_fwd for s in stages),
         fused_bwd=_median(s.fused_bwd for s in stages),
+        wgrad=_median(s.wgrad for s in stages),
         layers=layers,
     )
 

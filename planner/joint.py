@@ -71,7 +71,7 @@ __all__ = [
     "transfer",
 ]
 
-_FIXED = frozenset({OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD})
+_FIXED = frozenset({OpKind.FWD, OpKind.BWD, OpKind.BWD_W, OpKind.ALLREDUCE_GRAD})
 
 
 def layer_options(problem: Problem, layer: str) -> tuple[LayerDistribution, ...]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from fxkfac.planner.costs import StageCost
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.problem import Problem, copies_of_stage, stages_on_device
 from fxkfac.planner.step_timeline import StepTimeline, step_timeline
@@ -14,6 +15,7 @@ __all__ = [
     "decomposition_bytes",
     "activation_intervals",
     "peak_level",
+    "w_operand_bytes",
     "activation_peak",
     "min_memory_bytes",
 ]
@@ -78,20 +80,33 @@ def decomposition_bytes(problem: Problem, device: int, layer: str) -> int:
 def activation_intervals(problem: Problem, device: int, step: StepTimeline) -> list[tuple[float, float, int]]:
     """(start, end, bytes) of each micro-batch's activations on `device`: from F start to B end; for a stage that
     recomputes (`Problem.recompute`), its boundary from F start to B end and its activations, made again, over its
-    B alone."""
-    starts = {}
+    B alone. A zero-bubble schedule's deferred W keeps its layers' operands (`w_operand_bytes`) from its B's end
+    until it ends."""
+    starts: dict[tuple[int | None, int | None, int], float] = {}
+    b_ends: dict[tuple[int | None, int | None, int], float] = {}
     out = []
     for op, start, end in step.ops[device]:
         key = (op.stage, op.mb, op.pipe)
         if op.kind is OpKind.FWD:
             starts[key] = start
+        elif op.kind is OpKind.BWD_W:
+            out.append((b_ends[key], end, w_operand_bytes(problem.costs.stages[op.stage_id])))
         elif op.kind is OpKind.BWD:
+            b_ends[key] = end
             cost = problem.costs.stages[op.stage_id]
             if problem.recomputes(op.stage_id):
                 out += [(starts[key], end, cost.boundary_bytes), (start, end, cost.act_bytes)]
             else:
                 out.append((starts[key], end, cost.act_bytes))
     return out
+
+
+def w_operand_bytes(stage: StageCost) -> int:
+    """Bytes one micro-batch's deferred W keeps of the stage: each layer's input and output gradient, of which
+    dW = Gᵀ A is made (the deferred captures of its K-FAC parts, `PartCost.capture_bytes`, are those tensors);
+    the stage's activations where its layers capture none (a table without K-FAC parts)."""
+    captured = sum(p.capture_bytes for x in stage.layers for p in x.parts if p.after is not OpKind.ALLREDUCE_GRAD)
+    return captured if captured else stage.act_bytes
 
 
 def peak_level(spans: Iterable[tuple[float, float, int]]) -> int:

@@ -7,8 +7,9 @@ from dataclasses import dataclass, fields
 
 import sympy as sp
 
+from fxkfac.planner.errors import ScheduleError
 from fxkfac.planner.preconditioners import WORDS, PreconditionerKind, TaskWords
-from fxkfac.planner.schedules import ScheduleKind
+from fxkfac.planner.schedules import ZERO_BUBBLE_KINDS, ScheduleKind
 
 __all__ = ["SYMBOLS", "PerfModel", "perf_model", "explain", "evaluate", "pipe_gap"]
 
@@ -100,6 +101,8 @@ def perf_model(kind: ScheduleKind | str) -> PerfModel:
     in-flight activation peak where the paper writes N*M_act (GPipe's worst case).
     """
     kind = ScheduleKind(kind)
+    if kind in ZERO_BUBBLE_KINDS:
+        raise ScheduleError(f"{kind} has no closed form here (its W's fill the bubbles); simulate its programs")
     C_f, C_b, per_device, mbs, inflight = _shape(kind)
     T_pipe = _chimera_t_pipe() if kind is ScheduleKind.CHIMERA else C_f * T_f + C_b * T_b
     T_bubble = T_pipe - mbs * (T_f + T_b)

@@ -72,7 +72,7 @@ def _check_layers(plan: Plan) -> None:
 
 def _fixed_ops(problem: Problem) -> dict[int, set[tuple[OpKind, int | None, int | None, int]]]:
     return {
-        d: {(op.kind, op.stage, op.mb, op.pipe) for op in ops if op.kind in (OpKind.FWD, OpKind.BWD)}
+        d: {(op.kind, op.stage, op.mb, op.pipe) for op in ops if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.BWD_W)}
         for d, ops in base_programs(problem).items()
     }
 

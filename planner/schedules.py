@@ -16,6 +16,7 @@ __all__ = [
     "num_stages",
     "validate_schedule_args",
     "ZERO_BUBBLE_KINDS",
+    "weight_gradient_kind",
 ]
 
 
@@ -36,6 +37,14 @@ ZERO_BUBBLE_KINDS = frozenset({ScheduleKind.ZB_H1, ScheduleKind.ZB_V, ScheduleKi
 ZB-H1 (Qi et al. 2024: 1F1B's memory, rank r defers its first r W's into the cooldown), ZB-V (two stages per rank
 in a V, torch's ScheduleZBVZeroBubble) and interleaved zero bubble (v stages per rank, torch's
 ScheduleInterleavedZeroBubble; ZB-H1 when v=1)."""
+
+
+def weight_gradient_kind(kind: ScheduleKind | str) -> OpKind:
+    """The op whose end makes one micro-batch's weight gradient of a stage: the zero-bubble family's BWD_W (a fused
+    layer's output-gradient curvature runs with it, on the operands it keeps), BWD otherwise."""
+    return OpKind.BWD_W if _kind(kind) in ZERO_BUBBLE_KINDS else OpKind.BWD
+
+
 _VIRTUAL_KINDS = frozenset({ScheduleKind.INTERLEAVED, ScheduleKind.ZB_1P})
 """Schedules whose ranks hold v stages, r, r+D, ...; ZB-V holds two, r and 2D-1-r."""
 

@@ -12,7 +12,9 @@ from fxkfac.planner.ir import COLLECTIVE_KINDS, LAYER_SENDS, RECV_KINDS, SEND_KI
 
 __all__ = ["Interval", "Timeline", "simulate", "utilization", "COMPUTE_KINDS", "BUSY_KINDS", "SYNCHRONIZING_KINDS"]
 
-COMPUTE_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.STATS, OpKind.DECOMP, OpKind.APPLY, OpKind.OPT_STEP})
+COMPUTE_KINDS = frozenset(
+    {OpKind.FWD, OpKind.BWD, OpKind.BWD_W, OpKind.STATS, OpKind.DECOMP, OpKind.APPLY, OpKind.OPT_STEP}
+)
 """What counts as busy by default: work on the device, not waiting and not communication."""
 
 BUSY_KINDS = COMPUTE_KINDS - {OpKind.OPT_STEP}
@@ -300,7 +302,8 @@ def simulate(
     Each rank executes its ops in order; an op starts when the rank is free and its inputs are
     there. Without SEND/RECV ops, FWD waits for the previous stage's FWD of the same (mb, pipe)
     and BWD for the next stage's BWD (`comm` later when on another rank; with several copies the
-    one in the same replica). With SEND/RECV ops, only RECVs wait: for the matching SEND's end
+    one in the same replica); a BWD_W waits only for its own BWD, earlier on its rank. With SEND/RECV ops,
+    only RECVs wait: for the matching SEND's end
     plus `comm` (sends never block). Collectives (ALLREDUCE_GRAD, SYNC_STATS, BCAST) and OPT_STEP
     start together once every rank holding them reaches them (`SYNCHRONIZING_KINDS`: OPT_STEP is the
     runtime's end-of-step barrier) and last the longest `duration` of their members (the planner's

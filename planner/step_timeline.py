@@ -19,7 +19,7 @@ from fxkfac.planner.problem import (
     copies_of_stage,
     stages_on_device,
 )
-from fxkfac.planner.schedules import schedule_programs
+from fxkfac.planner.schedules import ZERO_BUBBLE_KINDS, schedule_programs
 from fxkfac.planner.simulate import Timeline, simulate, utilization
 from fxkfac.planner.strategy import keeps_statistics
 from fxkfac.planner.streaming import ready, stream_step
@@ -51,7 +51,7 @@ __all__ = [
     "stream_start",
 ]
 
-_FIXED_KINDS = frozenset({OpKind.FWD, OpKind.BWD})
+_FIXED_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.BWD_W})
 _NOT_BUBBLE = frozenset({OpKind.APPLY, OpKind.STATS, OpKind.BCAST_PREC, OpKind.ALLREDUCE_GRAD})
 """Ops besides F/B during which a window places no preconditioner work (the per-step slot's work, and the
 gradient all-reduce: planner/window_build.py `build_window`)."""
@@ -184,13 +184,20 @@ def stage_comm(problem: Problem, stage: int) -> StageComm:
 def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callable[[int, Op], float]:
     """Op durations in seconds: F/B from the costs (at a refresh step, plus the taps and fused curvature; a BWD of a
     stage that recomputes, plus its FWD, which it runs again as it ran), the gradient all-reduce (the comm model),
-    gradient statistics, APPLY; nothing else (transfers and OPT_STEP take no time)."""
+    gradient statistics, APPLY; nothing else (transfers and OPT_STEP take no time). A zero-bubble schedule's BWD
+    is the backward less its W (`StageCost.weight_grad`), and the fused output-gradient curvature runs with the W,
+    which holds the operands it is made of."""
     stages = problem.costs.stages
     allreduce = [gradient_allreduce_seconds(problem, s) for s in range(len(stages))]
     stats = {(op.layer, op.part): secs for s, stage in enumerate(stages) for op, secs in gradient_stats(stage, s)}
 
     fwd = [s.fwd + (s.tap_fwd if refresh else 0.0) + s.fused_curvature(fused, OpKind.FWD) for s in stages]
-    bwd = [s.bwd + (s.tap_bwd if refresh else 0.0) + s.fused_curvature(fused, OpKind.BWD) for s in stages]
+    split = problem.kind in ZERO_BUBBLE_KINDS
+    wgrad = [s.weight_grad + s.fused_curvature(fused, OpKind.BWD) if split else 0.0 for s in stages]
+    bwd = [
+        s.bwd + (s.tap_bwd if refresh else 0.0) + (-s.weight_grad if split else s.fused_curvature(fused, OpKind.BWD))
+        for s in stages
+    ]
     bwd = [b + (fwd[s] if problem.recomputes(s) else 0.0) for s, b in enumerate(bwd)]  # the same forward again
     per_step = {
         (d, op): secs
@@ -204,6 +211,8 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callabl
             return fwd[op.stage_id]
         if op.kind is OpKind.BWD:
             return bwd[op.stage_id]
+        if op.kind is OpKind.BWD_W:
+            return wgrad[op.stage_id]
         if op.kind in (OpKind.APPLY, OpKind.BCAST_PREC):
             streamed = (rank, op) not in per_step and op.kind is OpKind.APPLY and op.layer is not None
             return problem.costs.layer(op.layer_name).prec if streamed else per_step[rank, op]
@@ -365,12 +374,12 @@ def slot_seconds(problem: Problem, device: int, stage: int) -> float:
 
 
 def stream_start(problem: Problem, step: StepTimeline) -> float:
-    """When, in `step`, the first of the streamed stage's owners starts its last backward: a streamed layer's
-    refresh must be made by then to reach its helper in time (`Window.stream_use`)."""
+    """When, in `step`, the first of the streamed stage's owners starts its last backward (or W, in a zero-bubble
+    schedule): a streamed layer's refresh must be made by then to reach its helper in time (`Window.stream_use`)."""
     assert problem.streaming is not None, "only a streaming problem has a streamed stage"
     s = problem.streaming.stage
     return min(
-        max(a for op, a, _ in step.ops[owner] if op.kind is OpKind.BWD and op.stage == s)
+        max(a for op, a, _ in step.ops[owner] if op.kind in (OpKind.BWD, OpKind.BWD_W) and op.stage == s)
         for owner in problem.stream_owners
     )
 
@@ -383,8 +392,9 @@ def tap_extra(problem: Problem) -> float:
 
 def fused_stats(problem: Problem, fused: frozenset[str], rank: int, bwd: Op) -> list[Op]:
     """The STATS a refresh step runs right after `bwd` on `rank` to fold the `fused` layers' statistics, made
-    inside that micro-batch's F/B (`capture_stats`); they take no time of their own (`StageCost.fused_curvature`
-    prices the curvature in the F/B)."""
+    inside that micro-batch's F/B (`capture_stats`; a zero-bubble schedule's `bwd` is the W,
+    `weight_gradient_kind`); they take no time of their own (`StageCost.fused_curvature` prices the curvature in the
+    F/B or W)."""
     if bwd.stage is None:
         raise AssertionError(f"'{bwd}' names no stage")
     parts = {

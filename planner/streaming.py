@@ -133,7 +133,7 @@ def stream_step(ops: Mapping[int, Sequence[Op]], streaming: Streaming, owners: S
     out = {rank: list(body) for rank, body in ops.items()}
     for owner in owners:
         body = out[owner]
-        last = max(i for i, op in enumerate(body) if op.kind is OpKind.BWD and op.stage == s)
+        last = max(i for i, op in enumerate(body) if op.kind in (OpKind.BWD, OpKind.BWD_W) and op.stage == s)
         body[last + 1 : last + 1] = [Op(OpKind.SEND_LGRAD, s, peer=h, layer=n) for n, h in pairs]
         back = [Op(OpKind.RECV_PGRAD, s, peer=h, layer=n) for n, h in pairs]
         out[owner] = _before_step_end(body, back)

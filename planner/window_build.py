@@ -13,6 +13,7 @@ from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.ir import Op, OpKind
 from fxkfac.planner.memory import activation_intervals, static_bytes
 from fxkfac.planner.problem import Problem, StageGroup, copies_of_stage, is_streamed, stages_on_device
+from fxkfac.planner.schedules import weight_gradient_kind
 from fxkfac.planner.step_timeline import (
     StepTimeline,
     early_start,
@@ -296,11 +297,9 @@ def _tasks(
                     continue
                 ready = 0
                 if x.name in fused:
+                    made = weight_gradient_kind(problem.kind) if p.after is OpKind.BWD else p.after  # with the W
                     ready = max(
-                        grid.up(e)
-                        for d in copies
-                        for op, _, e in refresh.fixed(d)
-                        if op.stage == s and op.kind is p.after
+                        grid.up(e) for d in copies for op, _, e in refresh.fixed(d) if op.stage == s and op.kind is made
                     )
                 tasks += _refresh_tasks(problem, s, x.name, p.part, p.decomp, piece, ready, False, grid)
     return tuple(tasks)

@@ -9,6 +9,7 @@ from collections.abc import Mapping
 
 from fxkfac.planner.ir import OpKind, Placement
 from fxkfac.planner.problem import copies_of_stage
+from fxkfac.planner.schedules import weight_gradient_kind
 from fxkfac.planner.validate.context import (
     Context,
     apply_start,
@@ -90,6 +91,7 @@ def _check_factor(c: Context, layer: str, side: str | None, kinds: dict) -> None
         return
     if layer in c.fused:
         kind = c.problem.costs.layer(layer).part(side).after  # type: ignore[arg-type]  # fused: per part
+        kind = weight_gradient_kind(c.problem.kind) if kind is OpKind.BWD else kind  # made with the W
         ready = max(b for d in copies for op, _, b in c.refresh.fixed(d) if op.stage == stage and op.kind is kind)
     else:
         ready = max((p.end for p in curv), default=0.0)

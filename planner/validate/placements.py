@@ -101,12 +101,12 @@ def check_placed_once(c: Context) -> None:
 
 
 def _fixed_intervals(c: Context, device: int, k: int) -> list[tuple[float, float, str]]:
-    """The device's F/B and gradient all-reduces over a window of k steps: nothing else may run then (an op of no
-    duration, such as a backward a noisy profile timed at 0 s, occupies nothing)."""
+    """The device's F/B (and W) and gradient all-reduces over a window of k steps: nothing else may run then (an op
+    of no duration, such as a backward a noisy profile timed at 0 s, occupies nothing)."""
     out = []
     for j in range(k):
         for op, a, b in c.timeline(j, k).ops[device]:
-            if b > a and op.kind in (OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD):
+            if b > a and op.kind in (OpKind.FWD, OpKind.BWD, OpKind.BWD_W, OpKind.ALLREDUCE_GRAD):
                 out.append((c.base(j, k) + a, c.base(j, k) + b, f"{op} (step {j})"))
     return out
 

@@ -9,6 +9,7 @@ import math
 from fxkfac.planner.errors import DeadlockError
 from fxkfac.planner.ir import LAYER_TRANSFER_KINDS, PRECONDITIONER_KINDS, Op, OpKind
 from fxkfac.planner.problem import StepBarrier, agreement_set, copies_of_stage, is_streamed
+from fxkfac.planner.schedules import ZERO_BUBBLE_KINDS, weight_gradient_kind
 from fxkfac.planner.simulate import simulate
 from fxkfac.planner.step_timeline import fused_stats, stream_lead
 from fxkfac.planner.validate.context import Context, collective_seconds, op_seconds, per_step
@@ -73,20 +74,21 @@ def _fold(c: Context, op: Op) -> bool:
 
 
 def _check_folds(c: Context, device: int, prog: list[list[Op]]) -> None:
-    """The refresh step (step 0) follows each BWD with exactly the STATS that fold its fused layers' statistics on
-    this rank (`fused_stats`), and no other step folds any: without them the runtime has no statistic to sync or
-    decompose."""
+    """The refresh step (step 0) follows each BWD (a zero-bubble schedule's W) with exactly the STATS that fold its
+    fused layers' statistics on this rank (`fused_stats`), and no other step folds any: without them the runtime
+    has no statistic to sync or decompose."""
+    anchor = weight_gradient_kind(c.problem.kind)
     for j, ops in enumerate(prog):
         for i, op in enumerate(ops):
-            if not _fold(c, op) and not (j == 0 and op.kind is OpKind.BWD):
+            if not _fold(c, op) and not (j == 0 and op.kind is anchor):
                 continue
-            if op.kind is OpKind.BWD:
+            if op.kind is anchor:
                 want = fused_stats(c.problem, c.fused, device, op)
                 got = ops[i + 1 : i + 1 + len(want)]
                 if got != want:
                     c.errors.append(f"r{device} step 0: '{op}' is not followed by the folds of its fused layers {want}")
-            elif j != 0 or i == 0 or not (ops[i - 1].kind is OpKind.BWD or _fold(c, ops[i - 1])):
-                c.errors.append(f"r{device} step {j}: '{op}' is not right after a BWD of the refresh step")
+            elif j != 0 or i == 0 or not (ops[i - 1].kind is anchor or _fold(c, ops[i - 1])):
+                c.errors.append(f"r{device} step {j}: '{op}' is not right after a {anchor} of the refresh step")
 
 
 def _check_interleaving(c: Context, device: int, k: int, prog: list[list[Op]]) -> None:
@@ -123,10 +125,11 @@ def _check_interleaving(c: Context, device: int, k: int, prog: list[list[Op]]) -
 
 
 def _check_gradient_order(c: Context, device: int, j: int, ops: list[Op], i: int) -> None:
-    """An APPLY or gradient STATS (ops[i]) comes after every BWD and ALLREDUCE_GRAD of its stage in the step (the
-    gradient is complete); a gradient STATS also before its stage's APPLY (which overwrites the gradient)."""
+    """An APPLY or gradient STATS (ops[i]) comes after every BWD, BWD_W and ALLREDUCE_GRAD of its stage in the step
+    (the gradient is complete); a gradient STATS also before its stage's APPLY (which overwrites the gradient)."""
     op = ops[i]
-    after = [o for o in ops[i + 1 :] if o.stage == op.stage and o.kind in (OpKind.BWD, OpKind.ALLREDUCE_GRAD)]
+    gradient = (OpKind.BWD, OpKind.BWD_W, OpKind.ALLREDUCE_GRAD)
+    after = [o for o in ops[i + 1 :] if o.stage == op.stage and o.kind in gradient]
     if after:
         c.errors.append(f"r{device} step {j}: '{op}' comes before '{after[0]}' of its stage")
     if op.kind is OpKind.STATS and not any(o.kind is OpKind.APPLY and o.stage == op.stage for o in ops[i + 1 :]):
@@ -137,13 +140,16 @@ def _check_runs(c: Context) -> None:
     """Simulate the programs (ops in program order, as soon as possible): no deadlock, and the run is
     no slower than planned (the durations of a non-refresh step are used: exact when nothing is fused)."""
     stages = c.problem.costs.stages
+    split = c.problem.kind in ZERO_BUBBLE_KINDS  # a BWD without its W, which runs apart
 
     def duration(rank: int, op: Op) -> float:
         if op.kind is OpKind.FWD:
             return stages[op.stage_id].fwd
         if op.kind is OpKind.BWD:
             again = stages[op.stage_id].fwd if c.problem.recomputes(op.stage_id) else 0.0  # activation checkpointing
-            return stages[op.stage_id].bwd + again
+            return stages[op.stage_id].bwd - (stages[op.stage_id].weight_grad if split else 0.0) + again
+        if op.kind is OpKind.BWD_W:
+            return stages[op.stage_id].weight_grad
         if op.kind is OpKind.ALLREDUCE_GRAD:
             return collective_seconds(c, op)
         if op.kind in LAYER_TRANSFER_KINDS or _fold(c, op):

@@ -36,7 +36,7 @@ def _check_owner_step(c: Context, streaming: Streaming, owner: int, j: int, ops:
     """The owner's step j sends every streamed layer right after its stage's last BWD, takes each back once, and
     applies none of them itself."""
     s, pairs = streaming.stage, list(zip(streaming.layers, streaming.helpers, strict=True))
-    last = max((i for i, op in enumerate(ops) if op.kind is OpKind.BWD and op.stage == s), default=None)
+    last = max((i for i, op in enumerate(ops) if op.kind in (OpKind.BWD, OpKind.BWD_W) and op.stage == s), default=None)
     sends = [Op(OpKind.SEND_LGRAD, s, peer=h, layer=n) for n, h in pairs]
     if last is None or ops[last + 1 : last + 1 + len(sends)] != sends:
         c.errors.append(f"r{owner} step {j}: the streamed layers' SEND_LGRAD do not follow the last BWD of stage {s}")

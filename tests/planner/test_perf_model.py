@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from fxkfac.planner.errors import ScheduleError
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.perf_model import SYMBOLS, evaluate, explain, perf_model
-from fxkfac.planner.schedules import ScheduleKind, schedule_programs
+from fxkfac.planner.schedules import ZERO_BUBBLE_KINDS, ScheduleKind, schedule_programs
 from fxkfac.planner.simulate import simulate
 
 CONFIGS = {
@@ -81,8 +82,14 @@ def test_evaluate_names_missing_and_unknown_symbols() -> None:
         evaluate(perf_model("gpipe").T_pipe, {"Q": 1})
 
 
-@pytest.mark.parametrize("kind", [k.value for k in ScheduleKind])
+@pytest.mark.parametrize("kind", [k.value for k in ScheduleKind if k not in ZERO_BUBBLE_KINDS])
 def test_explain_prints_every_quantity(kind: str) -> None:
     text = explain(kind)
     for name in ("T_pipe", "T_bubble", "M_pipe", "T_kfac", "M_kfac", "ratio", "C_f"):
         assert f"{name} = " in text
+
+
+@pytest.mark.parametrize("kind", sorted(ZERO_BUBBLE_KINDS))
+def test_zero_bubble_has_no_closed_form(kind: str) -> None:
+    with pytest.raises(ScheduleError, match="simulate"):
+        perf_model(kind)

@@ -1,0 +1,66 @@
+"""schedule="auto": the candidates a mesh allows and the least step at the freshest curvature among their plans."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxkfac.planner import Method, Overhead, SearchOptions, TimeLimit
+from fxkfac.planner import plan as plan_search
+from fxkfac.planner.errors import ConfigError, PlanError
+from fxkfac.planner.problem import Problem, SolverConfig
+from fxkfac.planner.schedule_choice import ScheduleCandidate, choose_schedule, schedule_candidates
+from fxkfac.planner.schedules import ScheduleKind
+from fxkfac.planner.validate import validate
+from tests.planner.kfac_cases import problem
+
+OPTIONS = SearchOptions(
+    solver=SolverConfig(time_limit_s=2.0, num_workers=2),
+    method=Method.CPSAT,
+    overhead=Overhead.STRICT,
+    time_limit=TimeLimit.EACH_SOLVE,
+)
+
+
+def test_candidates_are_the_schedules_the_mesh_allows() -> None:
+    assert [str(c) for c in schedule_candidates(2, 4)] == [
+        "gpipe",
+        "1f1b",
+        "interleaved v=2",
+        "chimera",
+        "zb-h1",
+        "zb-v v=2",
+        "zb-1p v=2",
+    ]
+    assert [str(c) for c in schedule_candidates(3, 4, v=3)] == ["gpipe", "1f1b", "zb-h1", "zb-v v=2"]
+    assert ScheduleCandidate(ScheduleKind.ZB_1P, 3) in schedule_candidates(3, 6, v=3)
+
+
+def _problem_for(c: ScheduleCandidate) -> Problem:
+    if c.kind is ScheduleKind.GPIPE:
+        raise ConfigError("the model has too few layers for this cut")  # a candidate the costs refuse
+    return problem(c.kind, 2, 4, v=c.v, fwd=1.0, bwd=2.0, curv=0.25, inv=1.5, max_overhead=0.3, max_period=8)
+
+
+def test_auto_takes_the_least_step_among_plans_at_the_freshest_curvature() -> None:
+    choice = choose_schedule(schedule_candidates(2, 4), _problem_for, lambda p: plan_search(p, OPTIONS))
+    firsts = [t.first for t in choice.tried if t.first is not None]
+    assert choice.period == min(max(p.metrics.refresh_steps) for p in firsts)
+    compared = [t.plan for t in choice.tried if t.plan is not None]
+    assert all(max(p.metrics.refresh_steps) <= choice.period for p in compared)
+    assert choice.plan.metrics.step_time == min(p.metrics.step_time for p in compared)
+    assert validate(choice.plan.problem, choice.plan) == []
+    assert choice.reason.startswith(f"{choice.plan.problem.schedule}")
+    assert "gpipe out: the model has too few layers" in choice.reason
+    for t in choice.tried:  # out of the comparison, each with its reason in the choice's words
+        assert (t.plan is None) == bool(t.why_not)
+        assert not t.why_not or f"{t.candidate} out: {t.why_not}" in choice.reason
+        if t.first is not None and t.plan is None:
+            assert t.why_not.startswith(f"cannot refresh every {choice.period} steps")
+
+
+def test_auto_says_why_when_no_schedule_plans() -> None:
+    def refused(c: ScheduleCandidate) -> Problem:
+        raise ConfigError(f"no cut for {c}")
+
+    with pytest.raises(PlanError, match="1f1b: no cut for 1f1b"):
+        choose_schedule(schedule_candidates(2, 4), refused, lambda p: plan_search(p, OPTIONS))
