@@ -19,6 +19,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -26,7 +27,18 @@ from torch import Tensor, fx
 from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
-__all__ = ["SplitStage", "split_stage"]
+__all__ = ["ArgGrad", "SplitStage", "split_stage"]
+
+
+class ArgGrad(StrEnum):
+    """Which half of the backward makes the gradient of one of the stage's args."""
+
+    NONE = "none"
+    """None: the arg takes no gradient (an integer input, the first stage's inputs)."""
+    INPUT = "input"
+    """B: the previous stage waits for it (an activation), or a deferred capture of a layer's output gradient."""
+    WEIGHT = "weight"
+    """W: nothing waits for it before the weight gradients (a fused capture's curvature of the output gradient)."""
 
 
 @dataclass(frozen=True)
@@ -36,9 +48,9 @@ class SplitStage:
     forward: Callable[..., Any]
     """(*state, *args) -> (*outputs, *saved)."""
     input_grad: Callable[..., Any]
-    """(*saved[b_saved], *tangents) -> (*grads of the differentiable args, *kept for W)."""
+    """(*saved[b_saved], *tangents) -> (*grads of the INPUT args, *kept for W)."""
     weight_grad: Callable[..., Any]
-    """(*saved[w_saved], *kept) -> (*grads of the parameters)."""
+    """(*saved[w_saved], *kept) -> (*grads of the parameters, *grads of the WEIGHT args)."""
     n_outputs: int
     """How many outputs the forward returns before its saved values."""
     tangents: tuple[tuple[torch.Size, torch.dtype], ...]
@@ -48,7 +60,9 @@ class SplitStage:
     w_saved: tuple[int, ...]
     """Indices into the saved values of what W reads."""
     n_arg_grads: int
-    """How many input gradients B returns (one per differentiable arg, None where the arg does not matter)."""
+    """How many arg gradients B returns (one per INPUT arg, None where the arg does not matter)."""
+    n_param_grads: int
+    """How many parameter gradients W returns before the WEIGHT args' gradients."""
 
 
 def split_stage(
@@ -56,14 +70,14 @@ def split_stage(
     state: dict[str, Tensor],
     params: Sequence[str],
     args: Sequence[Tensor],
-    differentiable: Sequence[bool],
+    arg_grads: Sequence[ArgGrad],
     n_diff_outputs: int,
     compile_fn: Callable[[fx.GraphModule], Callable[..., Any]],
 ) -> SplitStage:
     """`gm`'s forward, B and W for `args` at their shapes, each passed through `compile_fn`.
 
     `state`: the tensors `gm` reads by name (parameters and buffers), `params` the names whose gradients W makes;
-    `differentiable`: which args B makes gradients for; the first `n_diff_outputs` outputs take output gradients.
+    `arg_grads`: which half makes each arg's gradient; the first `n_diff_outputs` outputs take output gradients.
     """
     names = list(state)
     grad_names = [n for n in names if n in set(params)]
@@ -84,19 +98,22 @@ def split_stage(
         state_values: list[Tensor], arg_values: list[Tensor], tangents: list[Tensor]
     ) -> tuple[tuple[Tensor, ...], tuple[Tensor | None, ...]]:
         leaves = {n: (v.detach().requires_grad_(True) if n in grad_names else v) for n, v in zip(names, state_values)}
-        arg_leaves = [a.detach().requires_grad_(True) if d else a for a, d in zip(arg_values, differentiable)]
+        arg_leaves = [
+            a if g is ArgGrad.NONE else a.detach().requires_grad_(True) for a, g in zip(arg_values, arg_grads)
+        ]
         outs = functional_call(gm, leaves, tuple(arg_leaves))
         outs = (outs,) if isinstance(outs, Tensor) else tuple(outs)
         pairs = [(o, t) for o, t in zip(outs[:n_diff_outputs], tangents) if o.requires_grad]
-        wrt = [a for a, d in zip(arg_leaves, differentiable) if d] + [leaves[n] for n in grad_names]
+        wrt = [a for side in (ArgGrad.INPUT, ArgGrad.WEIGHT) for a, g in zip(arg_leaves, arg_grads) if g is side]
+        wrt += [leaves[n] for n in grad_names]
         grads: tuple[Tensor | None, ...] = (None,) * len(wrt)
         if pairs:
             grads = torch.autograd.grad([o for o, _ in pairs], wrt, [t for _, t in pairs], allow_unused=True)
         return outs, grads
 
     traced = make_fx(joint, tracing_mode="fake")(example_state, example_args, example_tangents)
-    n_arg_grads = sum(map(bool, differentiable))
-    return _cut(traced, len(names), len(args), n_arg_grads, len(grad_names), tangent_specs, compile_fn)
+    counts = (arg_grads.count(ArgGrad.INPUT), arg_grads.count(ArgGrad.WEIGHT), len(grad_names))
+    return _cut(traced, len(names), len(args), counts, tangent_specs, compile_fn)
 
 
 def _devices(vals: Sequence[Tensor]) -> list[Tensor]:
@@ -108,19 +125,21 @@ def _cut(
     traced: fx.GraphModule,
     n_state: int,
     n_args: int,
-    n_arg_grads: int,
-    n_param_grads: int,
+    counts: tuple[int, int, int],
     tangents: tuple[tuple[torch.Size, torch.dtype], ...],
     compile_fn: Callable[[fx.GraphModule], Callable[..., Any]],
 ) -> SplitStage:
-    """The joint graph cut into forward, B and W ([Note: B/W split])."""
+    """The joint graph cut into forward, B and W ([Note: B/W split]); `counts`: the INPUT args', the WEIGHT args' and
+    the parameters' gradients the joint graph returns after the outputs, in that order."""
     nodes = list(traced.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     tangent_nodes = placeholders[n_state + n_args :]
     output = nodes[-1]
     flat = list(output.args[0])  # make_fx flattens (outputs, grads)
-    split = len(flat) - n_arg_grads - n_param_grads
-    outs, arg_grads, param_grads = flat[:split], flat[split : split + n_arg_grads], flat[split + n_arg_grads :]
+    n_in, n_weight, n_param = counts
+    split = len(flat) - n_in - n_weight - n_param
+    outs, arg_grads = flat[:split], flat[split : split + n_in]
+    param_grads = flat[split + n_in + n_weight :] + flat[split + n_in : split + n_in + n_weight]
     calls = [n for n in nodes if n.op == "call_function"]
 
     after_tangents = _descendants(tangent_nodes)
@@ -153,7 +172,8 @@ def _cut(
         tangents=tangents,
         b_saved=tuple(index[n] for n in b_saved_nodes),
         w_saved=tuple(index[n] for n in w_saved_nodes),
-        n_arg_grads=n_arg_grads,
+        n_arg_grads=n_in,
+        n_param_grads=n_param,
     )
 
 

@@ -15,7 +15,7 @@ from fxkfac.errors import PipelineError
 from fxkfac.passes.eval_mode import eval_graph
 from fxkfac.passes.split_stages import StageGraph, TensorSpec
 from fxkfac.runtime.precision import autocast, to_wire, wire_specs
-from fxkfac.runtime.split_backward import SplitStage, split_stage
+from fxkfac.runtime.split_backward import ArgGrad, SplitStage, split_stage
 
 __all__ = ["StageRunner", "compiled"]
 
@@ -62,14 +62,16 @@ class StageRunner:
     gradients can wait for `backward_weights`: set when the rank's program holds a BWD_W of this stage copy."""
     _splits: dict[Hashable, tuple[SplitStage, list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
     """Per (shape, variant): the split graphs, the state tensors they read and the parameters W makes gradients of."""
-    _saved: dict[int, tuple[SplitStage, list[torch.Tensor], tuple[torch.Tensor, ...], list[torch.Tensor]]] = field(
-        default_factory=dict
-    )
-    """Per micro-batch after a split forward: its graphs, its args, the values its backward reads, the parameters."""
+    _saved: dict[
+        int, tuple[SplitStage, list[tuple[torch.Tensor, ArgGrad]], tuple[torch.Tensor, ...], list[torch.Tensor]]
+    ] = field(default_factory=dict)
+    """Per micro-batch after a split forward: its graphs, its args with the half that makes their gradients, the
+    values its backward reads, the parameters."""
     _last_outputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     """On the last stage, per split micro-batch: its outputs as the autograd leaves its loss was taken from."""
     _weights: dict[int, tuple[SplitStage, list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
-    """Per micro-batch whose B ran and W waits: its graphs, W's operands, the parameters."""
+    """Per micro-batch whose B ran and W waits: its graphs, W's operands, the parameters then the args whose
+    gradients W makes."""
 
     @classmethod
     def build(
@@ -157,10 +159,12 @@ class StageRunner:
         fn: Callable[..., Any],
         args: Sequence[torch.Tensor],
         n_diff_outputs: int | None,
+        to_weights: Sequence[bool] = (),
     ) -> Any:
         """The forward of micro-batch `mb`: `fn(*args)` under autograd, or, where the stage runs `split`, `gm`'s split
         forward (`variant` names `gm` among the stage's graphs at this shape; the first `n_diff_outputs` outputs
-        take gradients, None: all). Args that require grad are the ones the backward makes gradients of."""
+        take gradients, None: all). Args that require grad are the ones the backward makes gradients of: by B, or
+        by W where `to_weights` marks them."""
         if not self.split:
             return self.call(fn, args)
         if self.recompute:
@@ -168,29 +172,33 @@ class StageRunner:
                 f"stage {self.stage}: zero-bubble schedules (BWD_W) do not recompute activations yet; "
                 "turn recompute off or use a schedule without BWD_W"
             )
-        diff = [a.requires_grad for a in args]
-        key = (self.shape, variant, tuple(diff))
+        weights = [*to_weights, *[False] * (len(args) - len(to_weights))]
+        sides = tuple(
+            ArgGrad.NONE if not a.requires_grad else ArgGrad.WEIGHT if w else ArgGrad.INPUT
+            for a, w in zip(args, weights, strict=True)
+        )
+        key = (self.shape, variant, sides)
         if key not in self._splits:
-            self._splits[key] = self._split(gm, args, diff, n_diff_outputs)
+            self._splits[key] = self._split(gm, args, sides, n_diff_outputs)
         split, state, params = self._splits[key]
         with torch.no_grad():
             result = split.forward(*state, *args)
         outputs, saved = result[: split.n_outputs], result[split.n_outputs :]
-        self._saved[mb] = (split, list(args), saved, params)
+        self._saved[mb] = (split, list(zip(args, sides)), saved, params)
         if self.is_last:  # the loss is taken outside the graph: its gradient reaches the outputs through autograd
             outputs = tuple(o.detach().requires_grad_(True) if o.is_floating_point() else o for o in outputs)
             self._last_outputs[mb] = outputs
         return outputs
 
     def _split(
-        self, gm: fx.GraphModule, args: Sequence[torch.Tensor], diff: Sequence[bool], n_diff_outputs: int | None
+        self, gm: fx.GraphModule, args: Sequence[torch.Tensor], sides: Sequence[ArgGrad], n_diff_outputs: int | None
     ) -> tuple[SplitStage, list[torch.Tensor], list[torch.Tensor]]:
         """`gm` split into forward, B and W (compiled under the stage's backend), its state tensors, its parameters."""
         params = dict(gm.named_parameters())
         state = {**params, **dict(gm.named_buffers())}
         n_out = n_diff_outputs if n_diff_outputs is not None else len(self.graph.outputs)
         with self.precision():
-            split = split_stage(gm, state, list(params), args, diff, n_out, lambda g: compiled(g, self.backend))
+            split = split_stage(gm, state, list(params), args, sides, n_out, lambda g: compiled(g, self.backend))
         return split, list(state.values()), list(params.values())
 
     @property
@@ -258,21 +266,26 @@ class StageRunner:
         with torch.no_grad():
             result = split.input_grad(*(saved[i] for i in split.b_saved), *tangents)
         grads = iter(result[: split.n_arg_grads])
-        for arg in args:
-            grad = next(grads) if arg.requires_grad else None
+        for arg, side in args:
+            grad = next(grads) if side is ArgGrad.INPUT else None
             if grad is not None:
                 arg.grad = grad
-        self._weights[mb] = (split, [*(saved[i] for i in split.w_saved), *result[split.n_arg_grads :]], params)
+        later = [arg for arg, side in args if side is ArgGrad.WEIGHT]
+        self._weights[mb] = (split, [*(saved[i] for i in split.w_saved), *result[split.n_arg_grads :]], params + later)
 
     def backward_weights(self, mb: int) -> None:
         """W of micro-batch `mb`: its weight gradients, accumulated into the parameters' `.grad` through autograd (so
-        the parameters' hooks see them as a whole backward's)."""
+        the parameters' hooks see them as a whole backward's), and the gradients of the args W makes into theirs."""
         if mb not in self._weights:
             raise AssertionError(f"stage {self.stage} mb {mb}: BWD_W before its BWD (the program orders them wrongly)")
-        split, operands, params = self._weights.pop(mb)
+        split, operands, targets = self._weights.pop(mb)
         with torch.no_grad():
             grads = split.weight_grad(*operands)
-        pairs = [(p, g) for p, g in zip(params, grads, strict=True) if g is not None]
+        params, args = targets[: split.n_param_grads], targets[split.n_param_grads :]
+        for arg, grad in zip(args, grads[split.n_param_grads :], strict=True):
+            if grad is not None:
+                arg.grad = grad
+        pairs = [(p, g) for p, g in zip(params, grads[: split.n_param_grads], strict=True) if g is not None]
         if pairs:
             with torch.enable_grad():
                 torch.autograd.backward([p.view_as(p) for p, _ in pairs], [g for _, g in pairs])
