@@ -199,3 +199,23 @@ def test_b_makes_input_gradients_and_w_weight_gradients() -> None:
     torch.testing.assert_close(dx, xr.grad)
     for p, q in zip(runner.module.parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad)
+
+
+PLANNED = [kfac.Case("zb-h1", 2, 2, 1)]
+
+
+@pytest.mark.multiproc
+def test_planned_kfac_on_zb_h1_equals_one_device_given_the_plan() -> None:
+    """K-FAC planned on ZB-H1 (curvature in the bubbles W leaves) runs its plan for two refresh periods and equals
+    the single-device trainer given the plan's timings (fused layers, folded after each W, are covered by the
+    given timings of the tests above)."""
+    results = run_distributed(kfac.planned_worker, 2, PLANNED, timeout=600)
+    failed = [f"rank {r.rank}: {r.error_type}: {r.error}\n{r.traceback}" for r in results if not r.ok]
+    assert not failed, "\n".join(failed)
+    for i, case in enumerate(PLANNED):
+        layers, steps = results[0].value[i][2], results[0].value[i][3]
+        assert sum(r.value[i][4] for r in results) > 0, f"{case}: no STATS/DECOMP op in any program"
+        want = kfac.reference_for_plan(case, layers, steps)
+        for r in results:
+            bad = kfac.compare(r.value[i][0], want)
+            assert not bad, f"{case} rank {r.rank}: {bad[:4]} differ from the single-device trainer by > 1e-5"
