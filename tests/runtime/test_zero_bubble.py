@@ -15,6 +15,7 @@ from torch import fx, nn
 
 import fxkfac
 from fxkfac.config import PipelineOptions
+from fxkfac.errors import PipelineError
 from fxkfac.passes.split_stages import StageGraph, TensorSpec
 from fxkfac.planner.ir import OpKind
 from fxkfac.runtime.stage import StageRunner
@@ -219,3 +220,11 @@ def test_planned_kfac_on_zb_h1_equals_one_device_given_the_plan() -> None:
         for r in results:
             bad = kfac.compare(r.value[i][0], want)
             assert not bad, f"{case} rank {r.rank}: {bad[:4]} differ from the single-device trainer by > 1e-5"
+
+
+def test_a_recomputing_stage_refuses_to_split() -> None:
+    """Activation checkpointing would run the forward inside B, which W needs again: refused with what to change."""
+    runner, _ = _runner()
+    runner.recompute = True
+    with pytest.raises(PipelineError, match="recompute"):
+        runner.forward(0, [torch.randn(5, 4)], needs_grad=True)
