@@ -2,6 +2,11 @@
 
 Run: python benchmarks/paper_configs.py [--time-limit 10] [--max-overhead 0] [--decomp-pieces 1] [--barrier world]
     [--layers block] [--stream-apply keep-refresh] [--strategy auto] [--costs 'paper:{model}/p100']
+    [--configs all|paper|zero-bubble]
+
+Besides the paper's configurations (GPipe, 1F1B, Chimera) the zero-bubble schedules ZB-H1 and ZB-V on the same
+models (`ZERO_BUBBLE_CONFIGS`): a BWD is the input-gradient half of the profiled backward and its W the other
+half, which the schedules defer into what would be bubbles, so less is left for K-FAC.
 
 Costs are the profiles shipped as paper:<model>/p100 (planner/data/pipefisher_profiles/; per
 Transformer block, micro-batch 32, 3 blocks per stage); --costs names other per-block profiles, {model} standing
@@ -35,6 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fxkfac.cli_args import enum_option, strategy_arg
+from fxkfac.cli_costs import stage_blocks
 from fxkfac.planner import CostTable, Distributions, Method, PlanError, SearchOptions, TimeLimit
 from fxkfac.planner import plan as plan_search
 from fxkfac.planner.choose import strategy_of
@@ -42,7 +48,7 @@ from fxkfac.planner.ir import OpKind
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier
 from fxkfac.planner.profiles import ProfileLayers, load_cost_table
-from fxkfac.planner.schedules import schedule_programs, stages_of_rank
+from fxkfac.planner.schedules import ZERO_BUBBLE_KINDS, num_stages, schedule_programs, stages_of_rank
 from fxkfac.planner.simulate import Timeline, simulate
 from fxkfac.planner.strategy import Strategy
 from fxkfac.planner.stream_choice import StreamApply
@@ -56,6 +62,8 @@ class Config:
     N: int
     micro_batch_size: int = 32
     blocks_per_stage: int = 3
+    """Blocks per rank: a schedule of v stages per rank cuts them over its v stages (`stage_blocks`)."""
+    v: int = 1
 
 
 CONFIGS = (
@@ -65,6 +73,19 @@ CONFIGS = (
     Config("bert-large", "1f1b", 8, 8),
     Config("bert-large", "chimera", 8, 8),
 )
+"""The paper's configurations (also the planner's golden set, benchmarks/planner_golden.py)."""
+
+ZERO_BUBBLE_CONFIGS = (
+    Config("bert-base", "zb-h1", 4, 4),
+    Config("bert-base", "zb-v", 4, 4, v=2),
+    Config("bert-large", "zb-h1", 8, 8),
+    Config("bert-large", "zb-v", 8, 8, v=2),
+)
+"""The same models on the zero-bubble schedules (issue 37): ZB-H1 at 1F1B's cut, ZB-V with each rank's 3 blocks
+cut 2 + 1 over its two stages; the W takes half of each backward (the profiles do not split it)."""
+
+SETS = {"paper": CONFIGS, "zero-bubble": ZERO_BUBBLE_CONFIGS, "all": CONFIGS + ZERO_BUBBLE_CONFIGS}
+"""--configs: which configurations to plan."""
 
 PAPER_COSTS = "paper:{model}/p100"
 """The block costs planned by default: the PipeFisher paper's P100 profiles ({model}: the configuration's)."""
@@ -75,6 +96,7 @@ PAPER = {  # PipeFisher (Osawa et al. 2023): utilization before -> after, refres
     ("bert-base", "chimera"): "75.9%->93.2% k=5-10 (Fig.7)",
     ("bert-large", "1f1b"): "not reported",
     ("bert-large", "chimera"): "59.8%->97.6% k=2-4 (Fig.4)",
+    **{(c.model, c.schedule): "not in the paper" for c in ZERO_BUBBLE_CONFIGS},
 }
 
 
@@ -82,26 +104,30 @@ def costs_of(cfg: Config, layers: ProfileLayers = ProfileLayers.BLOCK, costs: st
     """The measured cost table of the configuration from the per-block profile `costs` names (`{model}` the
     configuration's model; default the P100 profile shipped with fxkfac), one K-FAC layer per block, sublayer or
     Linear (`layers`)."""
+    S = num_stages(cfg.schedule, cfg.D, cfg.v)
     return load_cost_table(
         costs.format(model=cfg.model),
-        blocks_per_stage=cfg.blocks_per_stage,
-        n_stages=cfg.D,
+        blocks_per_stage=stage_blocks(cfg.model, cfg.blocks_per_stage * cfg.D, cfg.D, S),
         micro_batch_size=cfg.micro_batch_size,
         layers=layers,
     )
 
 
 def base_timeline(cfg: Config, costs: CostTable) -> Timeline:
-    """One step of the plain pipeline (FWD/BWD only), simulated independently of the planner."""
+    """One step of the plain pipeline (FWD/BWD only; a zero-bubble schedule's BWD less its W, half the backward),
+    simulated independently of the planner."""
+    split = cfg.schedule in ZERO_BUBBLE_KINDS
 
     def duration(rank: int, op: Any) -> float:
         if op.kind is OpKind.FWD:
             return costs.stages[op.stage].fwd
         if op.kind is OpKind.BWD:
-            return costs.stages[op.stage].bwd
+            return costs.stages[op.stage].bwd / (2 if split else 1)
+        if op.kind is OpKind.BWD_W:
+            return costs.stages[op.stage].bwd / 2
         return 0.0
 
-    return simulate(schedule_programs(cfg.schedule, cfg.D, cfg.N), duration)
+    return simulate(schedule_programs(cfg.schedule, cfg.D, cfg.N, v=cfg.v), duration)
 
 
 def lower_bounds(cfg: Config, costs: CostTable, base: Timeline) -> list[int]:
@@ -111,8 +137,9 @@ def lower_bounds(cfg: Config, costs: CostTable, base: Timeline) -> list[int]:
     each stage's inversions evenly with the other copies (Chimera: 2 copies of every stage, each
     running N/2 micro-batches); for GPipe/1F1B this is the paper's ceil((N T_curv + T_inv) / T_bubble).
     """
-    held = {r: stages_of_rank(cfg.schedule, cfg.D, r) for r in base.ranks}
-    copies = {s: sum(s == st for pairs in held.values() for st, _ in pairs) for s in range(cfg.D)}
+    held = {r: stages_of_rank(cfg.schedule, cfg.D, r, v=cfg.v) for r in base.ranks}
+    S = num_stages(cfg.schedule, cfg.D, cfg.v)
+    copies = {s: sum(s == st for pairs in held.values() for st, _ in pairs) for s in range(S)}
     bounds = []
     for r in base.ranks:
         work = sum(cfg.N / copies[s] * costs.stages[s].curv + costs.stages[s].inv / copies[s] for s, _ in held[r])
@@ -125,12 +152,15 @@ def baseline(cfg: Config, source: str = PAPER_COSTS) -> dict[str, Any]:
     the planner."""
     costs = costs_of(cfg, costs=source)
     base = base_timeline(cfg, costs)
-    prec = max(sum(costs.stages[s].prec for s, _ in stages_of_rank(cfg.schedule, cfg.D, r)) for r in base.ranks)
+    prec = max(
+        sum(costs.stages[s].prec for s, _ in stages_of_rank(cfg.schedule, cfg.D, r, v=cfg.v)) for r in base.ranks
+    )
     return {
         "model": cfg.model,
         "schedule": cfg.schedule,
         "D": cfg.D,
         "N": cfg.N,
+        "v": cfg.v,
         "utilization_baseline": base.utilization(),
         "step_time_baseline_ms": base.step_time * 1e3,
         "prec_per_step_ms": prec * 1e3,
@@ -156,7 +186,7 @@ def planned(
     the planner chooses as `fxkfac plan` does): its metrics, or the reason there is no plan."""
     costs = costs_of(cfg, layers, source)
     problem = Problem(
-        cfg.schedule, cfg.D, cfg.N, costs, max_overhead=max_overhead, decomp_pieces=pieces, barrier=barrier
+        cfg.schedule, cfg.D, cfg.N, costs, v=cfg.v, max_overhead=max_overhead, decomp_pieces=pieces, barrier=barrier
     )
     search = SearchOptions(
         solver=SolverConfig(time_limit_s=time_limit),
@@ -250,7 +280,7 @@ def render(
     ):
         table.add_column(col)
     for r in results:
-        config = f"{r['model']} {r['schedule']} D={r['D']} N={r['N']}"
+        config = f"{r['model']} {r['schedule']} D={r['D']} N={r['N']}" + (f" v={r['v']}" if r["v"] != 1 else "")
         for method in ("greedy", "cpsat"):
             m = r[method]
             if "error" in m:
@@ -349,9 +379,15 @@ def main(argv: list[str] | None = None) -> None:
         help="the per-block profile of each configuration, {model} its model: paper:{model}/<hw>, "
         "gpu:{model}/<device> or a profile file path (default %(default)s)",
     )
+    parser.add_argument(
+        "--configs",
+        choices=sorted(SETS),
+        default="all",
+        help="the paper's configurations, the zero-bubble ones, or all (default)",
+    )
     args = parser.parse_args(argv)
     results = plan_configs(
-        CONFIGS,
+        SETS[args.configs],
         args.costs,
         time_limit=args.time_limit,
         max_overhead=args.max_overhead,

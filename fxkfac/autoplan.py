@@ -35,6 +35,7 @@ from fxkfac.planner import plan as plan_search
 from fxkfac.planner.costs import median_of
 from fxkfac.planner.preconditioners import words_of
 from fxkfac.planner.profiles import load_cost_table
+from fxkfac.planner.schedule_choice import ScheduleCandidate, choose_schedule, schedule_candidates
 
 __all__ = [
     "Target",
@@ -73,6 +74,9 @@ class Target:
     compiled: bool = False
     """Whether the stages run compiled (`compile(backend=...)`): each backward then makes every gradient at its end,
     so a streamed APPLY overlaps nothing of it (`planner.streaming.Streaming.whole_backward`)."""
+    choices: tuple[tuple[ScheduleKind, str], ...] = ()
+    """compile(schedule="auto"): the schedules plan="auto" chooses among (`planner.schedule_choice`), each with the
+    graph fingerprint of the run under it; empty: `schedule` is the run's."""
 
     def describe(self) -> str:
         """The run in words, for error messages."""
@@ -162,7 +166,8 @@ def solve_for(
     checkpointing: ActivationCheckpointing = ActivationCheckpointing(),
 ) -> Plan:
     """Plan `target` with CP-SAT over `costs` (the planner's `plan`: one search, one time limit), stamped with the
-    target's fingerprint.
+    target's fingerprint; with `Target.choices`, the plan of the schedule the planner chooses among them
+    (`planner.schedule_choice.choose_schedule`: the least step at the freshest curvature), the choice logged.
 
     With `options.max_overhead` None the bubbles are tried alone first; when they cannot hold the work, the
     least max_overhead the planner found to place it is used (its refusal names that value), and logged.
@@ -198,7 +203,7 @@ def solve_for(
         time_limit=TimeLimit.EACH_SOLVE,  # as `fxkfac plan`: one problem, one plan (issue 38's launch)
     )
     log.info("solving the plan of %s", target.describe())
-    made = plan_search(problem, search)
+    made = plan_search(problem, search) if not target.choices else _chosen_schedule(target, problem, search)
     if not strict and made.problem.max_overhead > 0:
         log.warning(
             "plan='auto': the bubbles alone cannot hold the %s work; planning with max_overhead=%.4g, the least the "
@@ -207,6 +212,19 @@ def solve_for(
             made.problem.max_overhead,
         )
     return made
+
+
+def _chosen_schedule(target: Target, problem: Problem, search: SearchOptions) -> Plan:
+    """The plan of the schedule the planner chooses among `target.choices` (same stages: the costs serve all)."""
+    fingerprints = dict(target.choices)
+    candidates = [c for c in schedule_candidates(target.D, target.N, target.v) if c.kind in fingerprints]
+
+    def problem_for(candidate: ScheduleCandidate) -> Problem:
+        return replace(problem, schedule=candidate.kind.value, v=candidate.v, fingerprint=fingerprints[candidate.kind])
+
+    choice = choose_schedule(candidates, problem_for, lambda p: plan_search(p, search))
+    log.warning("schedule='auto': %s", choice.reason)
+    return choice.plan
 
 
 def check_matches(plan: Any, target: Target, where: str = "the plan") -> None:

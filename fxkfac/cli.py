@@ -24,6 +24,7 @@ from fxkfac.cli_args import (
     strategy_arg,
 )
 from fxkfac.cli_plan import run_plan
+from fxkfac.cli_schedule import AUTO_SCHEDULE
 from fxkfac.cli_show import run_show
 from fxkfac.config import ActivationCheckpointing, KLClipScope
 from fxkfac.planner.errors import PlannerError
@@ -100,9 +101,17 @@ def _add_plan_problem(plan: argparse.ArgumentParser) -> None:
         help="refresh at least every F steps: the longest refresh period the planner may choose "
         "(default 32; it picks the shortest that fits)",
     )
-    plan.add_argument("--schedule", choices=[k.value for k in ScheduleKind], default="1f1b")
+    plan.add_argument(
+        "--schedule",
+        choices=[k.value for k in ScheduleKind] + [AUTO_SCHEDULE],
+        default="1f1b",
+        help="the pipeline schedule, or auto: the planner's choice, the least step at the freshest curvature among "
+        "the schedules -D and -N allow (a table says what each planned and why)",
+    )
     plan.add_argument("--dp", type=int, default=1, help="data-parallel replicas W")
-    plan.add_argument("--virtual-stages", "-v", type=int, default=1, help="stages per rank (interleaved)")
+    plan.add_argument(
+        "--virtual-stages", "-v", type=int, default=1, help="stages per rank (interleaved, zb-1p; zb-v: 2)"
+    )
 
 
 def _add_plan_costs(plan: argparse.ArgumentParser) -> None:

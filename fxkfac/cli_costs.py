@@ -11,6 +11,18 @@ from fxkfac.planner.preconditioners import WORDS, PreconditionerKind, kind_of
 from fxkfac.planner.profiles import ProfileLayers, is_profile, load_cost_table
 
 
+def stage_blocks(target: str, blocks: int, D: int, S: int) -> list[int]:
+    """A profile's `blocks` Transformer blocks over S stages on D ranks: evenly, or where S is a multiple of D (v
+    stages per rank) each rank's even share split over its v stages, its earlier chunks the larger (stage s is
+    chunk s // D of its rank in interleaved, zb-1p and zb-v alike); CliError where neither cut is whole."""
+    if blocks % S == 0:
+        return [blocks // S] * S
+    per_rank, v = blocks // D, S // D
+    if blocks % D or S % D or per_rank < v:
+        raise CliError(f"{target} has {blocks} blocks, not divisible into {S} stages; pick another -D")
+    return [per_rank // v + (s // D < per_rank % v) for s in range(S)]
+
+
 def cost_table(args: argparse.Namespace, S: int, max_dim: int | None = None) -> CostTable:
     """The cost table the plan uses: --costs file, a preset's analytic model (Shampoo/SOAP: with blocks of side
     `max_dim`, None for none, when --max-preconditioner-dim is auto), or a captured factory (K-FAC)."""
@@ -29,13 +41,9 @@ def cost_table(args: argparse.Namespace, S: int, max_dim: int | None = None) -> 
         )
     if args.costs is not None:
         if is_profile(args.costs):
-            blocks = _blocks(args.target)
-            if blocks % S:
-                raise CliError(f"{args.target} has {blocks} blocks, not divisible into {S} stages; pick another -D")
             table = load_cost_table(
                 args.costs,
-                blocks_per_stage=blocks // S,
-                n_stages=S,
+                blocks_per_stage=stage_blocks(args.target, _blocks(args.target), args.stages, S),
                 micro_batch_size=micro_batch_size(args),
                 layers=args.profile_layers,
             )

@@ -50,11 +50,20 @@ def _slowest_stage(costs: CostTable) -> dict[str, float]:
 
 def explain(args: argparse.Namespace, costs: CostTable, simulated: float, console: Console) -> None:
     """The performance model with these costs, and how its T_pipe relates to the simulated step time
-    (`simulated`, the step time before preconditioning that the plan's summary shows)."""
+    (`simulated`, the step time before preconditioning that the plan's summary shows); the simulated step alone for
+    a zero-bubble schedule."""
     from fxkfac.planner.perf_model import evaluate, perf_model, pipe_gap
     from fxkfac.planner.perf_model import explain as model_text
     from fxkfac.planner.problem import format_bytes
+    from fxkfac.planner.schedules import ZERO_BUBBLE_KINDS
 
+    if args.schedule in ZERO_BUBBLE_KINDS:
+        console.print(
+            f"{args.schedule}: the paper's performance model has no closed form for a zero-bubble schedule (its W's "
+            f"fill the bubbles); the simulated step before preconditioning is {simulated * 1e3:.2f} ms",
+            markup=False,
+        )
+        return
     console.print(model_text(args.schedule, WORDS[kind_of(costs)]), markup=False, highlight=False)
     model = perf_model(args.schedule)
     values = {"D": args.stages, "N": args.microbatches, "v": args.virtual_stages, **_stage_means(costs)}

@@ -12,6 +12,7 @@ from rich.console import Console
 from fxkfac.cli_args import AUTO, CliError, check_schedule, device, kind, memory_text
 from fxkfac.cli_costs import cost_table
 from fxkfac.cli_explain import explain, explain_choice, explain_comm, explain_plan_comm
+from fxkfac.cli_schedule import AUTO_SCHEDULE, choose, render_choice
 from fxkfac.cli_targets import factory, is_factory
 from fxkfac.config import ActivationCheckpointing, CheckpointMode
 from fxkfac.planner import (
@@ -223,6 +224,17 @@ def _solved_at(args: argparse.Namespace, S: int, console: Console) -> Plan:
     return plan
 
 
+def _auto_schedule(args: argparse.Namespace, console: Console) -> Plan:
+    """--schedule auto: the planner's choice among the schedules of the mesh (fxkfac/cli_schedule.py), the table of
+    what each planned and why the chosen one won printed above the plan."""
+    try:
+        choice = choose(args, cost_table, problem_of, search_options(args))
+    except PlanError as e:
+        raise _refused(e, memory_budget(args, device(args)), args.activation_checkpointing) from None
+    console.print(render_choice(choice))
+    return choice.plan
+
+
 def run_plan(args: argparse.Namespace, console: Console) -> int:
     """`fxkfac plan`: cost the model, plan its preconditioner into the bubbles, and draw/export what was asked.
 
@@ -230,15 +242,18 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     from fxkfac.plan_view import planned_view, render_plan
     from fxkfac.show import chrome_trace
 
-    S = check_schedule(args)
     if args.time_limit <= 0:
         raise CliError(f"--time-limit must be > 0 seconds, got {args.time_limit:g}")
     if args.decomp_pieces < 1:
         raise CliError(f"--decomp-pieces must be >= 1 (1: each decomposition one task), got {args.decomp_pieces}")
-    try:
-        plan = _solved(args, S, console)
-    except _Refusal as e:
-        raise _refused(e, e.budget, args.activation_checkpointing) from None
+    if args.schedule == AUTO_SCHEDULE:
+        plan = _auto_schedule(args, console)
+    else:
+        S = check_schedule(args)
+        try:
+            plan = _solved(args, S, console)
+        except _Refusal as e:
+            raise _refused(e, e.budget, args.activation_checkpointing) from None
     budget = memory_budget(args, plan.problem.costs.hardware)
     title = f"fxkfac plan {args.target} ({args.method}, time limit {args.time_limit:g} s)"
     if args.show:

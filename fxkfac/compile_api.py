@@ -33,6 +33,7 @@ from fxkfac.planner.lowering import naive_programs, ranks_of_stages
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.plan_file import load_plan
 from fxkfac.planner.problem import StepBarrier, format_bytes
+from fxkfac.planner.schedule_choice import schedule_candidates
 from fxkfac.planner.schedules import ScheduleKind, num_stages, stages_of_rank
 from fxkfac.planner.strategy import LayerDistribution, distribute
 from fxkfac.planner.tied import tied_owner
@@ -78,7 +79,10 @@ def compile(  # noqa: A001 - the public name the design card gives
     """Capture ``model``, insert the preconditioner (K-FAC by default) into its graph and return this rank's Trainer.
 
     ``mesh=None`` trains on one device; a DeviceMesh with dims ("pp", "dp") (or a ``(D, W)`` tuple, with
-    torch.distributed initialized) trains pipelined with ``schedule`` and ``microbatches`` per replica.
+    torch.distributed initialized) trains pipelined with ``schedule`` and ``microbatches`` per replica; ``schedule``
+    "auto" (with plan="auto" and a preconditioner) is the planner's choice among gpipe, 1f1b, chimera and zb-h1
+    (one stage per rank, so one capture and profile serve all): the least step at the freshest curvature, logged
+    with why (planner/schedule_choice.py).
     ``plan``: "auto" (on a mesh: every rank profiles, rank 0 solves with ``plan_options``, showing what it does
     (fxkfac/progress.py), every rank gets the plan; on a GPU without ``plan_options.memory_budget`` the
     device's free memory is the budget, on CPU there is none), a plan file or a ``fxkfac.Plan`` (refused
@@ -101,13 +105,32 @@ def compile(  # noqa: A001 - the public name the design card gives
     _check_arguments(microbatches)
     family = _family(_chosen(preconditioner, kfac))
     layout = MeshLayout.local() if mesh is None else MeshLayout.from_mesh(mesh)
-    kind = ScheduleKind.ONE_F_ONE_B if mesh is None else ScheduleKind(schedule)
+    auto_schedule = mesh is not None and schedule == AUTO_SCHEDULE
+    if auto_schedule:
+        _check_auto_schedule(plan, family, pipeline.virtual_stages)
+    kind = ScheduleKind.ONE_F_ONE_B if mesh is None or auto_schedule else ScheduleKind(schedule)
     N, v, single = microbatches, pipeline.virtual_stages, mesh is None
     resume = resume_from if resume_from is not None and found(resume_from, collective=not single) else None
     _check_checkpointing(pipeline.checkpointing, num_stages(kind, layout.D, v))
     prepared, known, resolved = _prepare_and_resolve(
-        model, example_inputs, plan, single, family, kind, layout, N, pipeline, plan_options, backend, resume
+        model,
+        example_inputs,
+        plan,
+        single,
+        family,
+        kind,
+        layout,
+        N,
+        pipeline,
+        plan_options,
+        backend,
+        resume,
+        auto_schedule=auto_schedule,
     )
+    if auto_schedule and resolved is not None:  # the run is the schedule the planner chose
+        kind = ScheduleKind(resolved.problem.schedule)
+        chosen = dict(prepared.target.choices)[kind]
+        prepared = replace(prepared, target=replace(prepared.target, schedule=kind, fingerprint=chosen, choices=()))
     timings = _timings(plan, single, resolved, family, prepared.units, layer_timing)
     distributions = _distributions(resolved, family, plan_options, prepared.stage_layers, known, kind, layout, v)
     recompute = _recomputed(pipeline.checkpointing, resolved)
@@ -118,6 +141,49 @@ def compile(  # noqa: A001 - the public name the design card gives
     if resume is not None:
         trainer.load_checkpoint(resume)
     return trainer
+
+
+AUTO_SCHEDULE = "auto"
+"""compile's `schedule` that lets the planner choose among the schedules of one stage per rank."""
+SAME_CUT = (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.CHIMERA, ScheduleKind.ZB_H1)
+"""The schedules schedule="auto" chooses among: one stage per rank, so one capture, split and profile serves all
+(interleaved, zb-v and zb-1p cut the model into more stages, which compile does not profile twice)."""
+
+
+def _check_auto_schedule(plan: Any, family: Family | None, v: int) -> None:
+    """ConfigError unless schedule="auto" can be chosen: by plan="auto" (the planner) with a preconditioner, on
+    one stage per rank."""
+    if family is None or not (isinstance(plan, str) and plan == "auto"):
+        raise ConfigError(
+            "schedule='auto' is the planner's choice: it needs plan='auto' and a preconditioner; name a schedule"
+        )
+    if v != 1:
+        raise ConfigError(
+            f"schedule='auto' chooses among {[k.value for k in SAME_CUT]} (one stage per rank); "
+            f"virtual_stages={v} needs a named schedule"
+        )
+
+
+def _auto_choices(prepared: Prepared, N: int) -> tuple[tuple[ScheduleKind, str], ...]:
+    """Each schedule of `SAME_CUT` the mesh allows, with the graph fingerprint of the run under it."""
+    t, batch = prepared.target, prepared.batch
+    return tuple(
+        (
+            k,
+            graph_fingerprint(
+                prepared.units,
+                prepared.stage_layers,
+                schedule=k.value,
+                D=t.D,
+                N=N,
+                W=t.W,
+                v=1,
+                micro_batch_size=batch // (N * t.W),
+            ),
+        )
+        for k in SAME_CUT
+        if k in {c.kind for c in schedule_candidates(t.D, N)}
+    )
 
 
 def _check_arguments(microbatches: Any) -> None:
@@ -187,10 +253,13 @@ def _prepare_and_resolve(
     options: PlanOptions,
     backend: str | None,
     resume: str | os.PathLike | None,
+    *,
+    auto_schedule: bool = False,
 ) -> tuple[Prepared, dict[str, Any], Plan | None]:
     """`prepare`, the units by name and the resolved plan, with rank 0 showing what plan="auto" does on a mesh;
     warns (at `compile`'s caller) when the family finds nothing to precondition. `resume`: the checkpoint the run
-    resumes from, whose plan plan="auto" adopts when it fits."""
+    resumes from, whose plan plan="auto" adopts when it fits. `auto_schedule`: the plan's schedule is the planner's
+    choice among `SAME_CUT` (`Target.choices`)."""
     auto = not single and family is not None and isinstance(plan, str) and plan == "auto"
     with plan_progress(auto and layout.rank == 0) as progress:  # rank 0 says what plan="auto" is doing
         progress.phase("capturing the model and splitting it into stages")
@@ -206,6 +275,8 @@ def _prepare_and_resolve(
             split_points=pipeline.split_points,
             compiled=backend is not None,
         )
+        if auto_schedule:
+            prepared = replace(prepared, target=replace(prepared.target, choices=_auto_choices(prepared, N)))
         if family is not None and not prepared.units:
             warnings.warn(
                 f"{type(model).__name__} has nothing {family.name} can precondition (K-FAC: no Linear/Conv2d "

@@ -36,7 +36,7 @@ from fxkfac.show import render_summary, render_timeline
 
 __all__ = ["PlannedView", "planned_view", "planned_utilization", "plan_rows", "summary_errors", "render_plan"]
 
-_DRAWN_FIXED = frozenset({OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD})
+_DRAWN_FIXED = frozenset({OpKind.FWD, OpKind.BWD, OpKind.BWD_W, OpKind.ALLREDUCE_GRAD})
 _MIN_CELLS_PER_STEP = 20
 
 
@@ -184,7 +184,7 @@ def plan_rows(plan: Plan) -> list[tuple[str, str]]:
     name = words_of(costs).name
     return [
         ("model costs", f"{costs.source} ({costs.hardware}, micro-batch {costs.micro_batch_size})"),
-        ("schedule", f"{p.schedule}  D={p.D} N={p.N} W={p.W}" + (f" v={p.v}" if p.schedule == "interleaved" else "")),
+        ("schedule", f"{p.schedule}  D={p.D} N={p.N} W={p.W}" + (f" v={p.v}" if p.v != 1 else "")),
         ("memory budget / max overhead", f"{budget} per device / {p.max_overhead * 100:.3g}%"),
         (
             "decompositions",

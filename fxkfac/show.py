@@ -56,6 +56,7 @@ CATEGORIES: dict[str, Category] = categories()
 _CATEGORY_OF = {
     OpKind.FWD: "fwd",
     OpKind.BWD: "bwd",
+    OpKind.BWD_W: "bwd",  # a zero-bubble schedule's W, the backward's weight-gradient half
     OpKind.STATS: "curv",
     OpKind.DECOMP: "inv",
     OpKind.SYNC_STATS: "sync",

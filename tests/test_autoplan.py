@@ -103,3 +103,17 @@ def test_fxkfac_plan_and_plan_auto_make_one_plan_of_one_problem(tmp_path: Path) 
     auto = solve_for(target, _costs(2), options)
     assert auto.problem.max_overhead > 0
     assert read_plan(exported) == auto
+
+
+def test_schedule_auto_plans_the_schedule_the_planner_chooses_stamped_with_its_fingerprint(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    choices = tuple((k, f"graph-{k.value}") for k in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1))
+    target = Target("graph-1f1b", ScheduleKind.ONE_F_ONE_B, 2, 2, 1, choices=choices)
+    with caplog.at_level(logging.WARNING, logger="fxkfac.autoplan"):
+        plan = solve_for(target, _costs(2), PlanOptions(max_overhead=1.0, time_limit_s=2.0))
+    kind = ScheduleKind(plan.problem.schedule)
+    assert plan.problem.fingerprint == f"graph-{kind.value}" and validate(plan.problem, plan) == []
+    said = [r.getMessage() for r in caplog.records if "schedule='auto'" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"schedule='auto': {kind.value}: the least step")
+    check_matches(plan, replace(target, schedule=kind, fingerprint=f"graph-{kind.value}", choices=()))

@@ -640,3 +640,27 @@ def test_a_budget_refused_without_activation_checkpointing_plans_with_auto(
     assert plan.metrics.step_time_baseline > plain_step_time(unbounded)
     assert main([*argv, "--activation-checkpointing", "0,9"]) == 2
     assert "names stages [9]" in _one_line_error(capsys)
+
+
+def test_plan_schedule_auto_plans_every_schedule_of_the_mesh_and_says_which_and_why(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = ["plan", "bert-base", "-D", "2", "-N", "2", "--schedule", "auto", "--hardware", "p100", "--method"]
+    assert main([*argv, "greedy", "--max-overhead", "50%", "--time-limit", "1"]) == 0
+    out = capsys.readouterr().out
+    chosen = re.search(r"│ (\S+)(?: v=\d)? \(chosen\)", out)
+    assert chosen is not None and "the least step at the freshest curvature" in out
+    for kind in ("gpipe", "1f1b", "interleaved v=2", "chimera", "zb-h1", "zb-v v=2", "zb-1p v=2"):
+        assert kind in out
+    assert re.search(rf"schedule\s+│ {re.escape(chosen.group(1))}\s+D=2 N=2", out)
+
+
+def test_a_profile_cuts_each_ranks_blocks_over_its_stages() -> None:
+    from fxkfac.cli_args import CliError
+    from fxkfac.cli_costs import stage_blocks
+
+    assert stage_blocks("bert-base", 12, 4, 4) == [3, 3, 3, 3]
+    assert stage_blocks("bert-base", 12, 4, 8) == [2, 2, 2, 2, 1, 1, 1, 1]  # zb-v: rank r holds stages r, 7-r
+    assert stage_blocks("bert-large", 24, 8, 24) == [1] * 24
+    with pytest.raises(CliError, match="not divisible into 10 stages"):
+        stage_blocks("bert-base", 12, 5, 10)

@@ -1,0 +1,63 @@
+"""`fxkfac plan --schedule auto`: each schedule the mesh allows costed and planned, the choice and why in a table."""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+from rich.table import Table
+
+from fxkfac.cli_args import CliError, check_schedule
+from fxkfac.planner import ConfigError, Problem
+from fxkfac.planner import plan as plan_search
+from fxkfac.planner.schedule_choice import ScheduleCandidate, ScheduleChoice, choose_schedule, schedule_candidates
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from fxkfac.planner import CostTable, SearchOptions
+
+AUTO_SCHEDULE = "auto"
+"""--schedule's value that lets the planner choose (`planner.schedule_choice`)."""
+
+
+def at_schedule(args: argparse.Namespace, candidate: ScheduleCandidate) -> argparse.Namespace:
+    """The command line with `candidate`'s schedule and stages per rank."""
+    return argparse.Namespace(**{**vars(args), "schedule": candidate.kind.value, "virtual_stages": candidate.v})
+
+
+def choose(
+    args: argparse.Namespace,
+    costs: Callable[[argparse.Namespace, int], CostTable],
+    problem_of: Callable[[argparse.Namespace, CostTable], Problem],
+    search: SearchOptions,
+) -> ScheduleChoice:
+    """The planner's choice among the schedules of --stages and --microbatches (--virtual-stages for interleaved
+    and zb-1p), each costed by `costs` for its stages and planned with `search`."""
+
+    def problem_for(candidate: ScheduleCandidate) -> Problem:
+        at = at_schedule(args, candidate)
+        try:
+            return problem_of(at, costs(at, check_schedule(at)))
+        except CliError as e:  # e.g. a profile's blocks that do not cut into the candidate's stages
+            raise ConfigError(str(e)) from None
+
+    candidates = schedule_candidates(args.stages, args.microbatches, args.virtual_stages)
+    return choose_schedule(candidates, problem_for, lambda problem: plan_search(problem, search))
+
+
+def render_choice(choice: ScheduleChoice) -> Table:
+    """Each candidate's plan as asked and at the freshest curvature, the chosen one marked, the reason below."""
+    table = Table(title="schedule auto: the least step at the freshest curvature", caption=choice.reason)
+    for column in ("schedule", "as asked: refresh / step ms", f"refresh <= {choice.period}: step ms", "out because"):
+        table.add_column(column)
+    for t in choice.tried:
+        chosen = t.plan is choice.plan
+        first = "-" if t.first is None else _refresh_and_step(t.first.metrics.refresh_steps, t.first.metrics.step_time)
+        fresh = "-" if t.plan is None else f"{t.plan.metrics.step_time * 1e3:.1f}"
+        table.add_row(f"{t.candidate}{' (chosen)' if chosen else ''}", first, fresh, t.why_not[:80])
+    return table
+
+
+def _refresh_and_step(steps: tuple[int, ...], step_time: float) -> str:
+    return f"{' '.join(map(str, steps))} / {step_time * 1e3:.1f}"
