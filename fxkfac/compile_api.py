@@ -104,10 +104,10 @@ def compile(  # noqa: A001 - the public name the design card gives
     """
     _check_arguments(microbatches)
     family = _family(_chosen(preconditioner, kfac))
-    layout = MeshLayout.local() if mesh is None else MeshLayout.from_mesh(mesh)
     auto_schedule = mesh is not None and schedule == AUTO_SCHEDULE
     if auto_schedule:
         _check_auto_schedule(plan, family, pipeline.virtual_stages)
+    layout = MeshLayout.local() if mesh is None else MeshLayout.from_mesh(mesh)
     kind = ScheduleKind.ONE_F_ONE_B if mesh is None or auto_schedule else ScheduleKind(schedule)
     N, v, single = microbatches, pipeline.virtual_stages, mesh is None
     resume = resume_from if resume_from is not None and found(resume_from, collective=not single) else None

@@ -53,9 +53,9 @@ class Problem:
     """What to plan: the pipeline, the costs, the device memory and the step-time tolerance.
 
     schedule/D/N/W/v: the pipeline (pp size D, dp size W, N micro-batches per replica, v virtual
-    stages for "interleaved"). costs: one StageCost per (virtual) stage. memory_budget: bytes per
-    device, None for unlimited. max_overhead: how much the step may grow over the plain pipeline
-    with preconditioning, as a fraction of that reference step (0.0: only bubbles are used); fused
+    stages per rank for "interleaved" and "zb-1p", 2 for "zb-v"). costs: one StageCost per (virtual) stage.
+    memory_budget: bytes per device, None for unlimited. max_overhead: how much the step may grow over the plain
+    pipeline with preconditioning, as a fraction of that reference step (0.0: only bubbles are used); fused
     curvature and idle time appended to every step (see [Note: stretch] in planner/window.py) share
     it. fingerprint: the graph the plan is for
     (opaque here). max_period: the longest refresh period the planner may choose. distributions: where each

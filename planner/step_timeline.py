@@ -19,7 +19,7 @@ from fxkfac.planner.problem import (
     copies_of_stage,
     stages_on_device,
 )
-from fxkfac.planner.schedules import ZERO_BUBBLE_KINDS, schedule_programs
+from fxkfac.planner.schedules import ZERO_BUBBLE_KINDS, schedule_programs, weight_gradient_kind
 from fxkfac.planner.simulate import Timeline, simulate, utilization
 from fxkfac.planner.strategy import keeps_statistics
 from fxkfac.planner.streaming import ready, stream_step
@@ -227,15 +227,17 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callabl
 
 def stream_lead(problem: Problem, duration: Callable[[int, Op], float]) -> Callable[[int, Op], float] | None:
     """How long before its send op a streamed layer's message arrives (`simulate`'s lead): a gradient leaves when
-    the backward makes it final (`planner.streaming.ready`), the part of the stage's backward (its `duration`) after
-    that before the SEND_LGRAD; every streamed message then takes its transfer (`CostTable.collective_seconds` of two
-    ranks, 0 without a comm model), which the lead subtracts. None without streaming."""
+    the backward (a zero-bubble schedule's W) makes it final (`planner.streaming.ready`), the part of the stage's
+    backward (its `duration`) after that before the SEND_LGRAD; every streamed message then takes its transfer
+    (`CostTable.collective_seconds` of two ranks, 0 without a comm model), which the lead subtracts. None without
+    streaming."""
     streaming = problem.streaming
     if streaming is None:
         return None
     fractions = ready(streaming, problem.costs.stages[streaming.stage])
-    bwd, fwd = Op(OpKind.BWD, streaming.stage, 0), Op(OpKind.FWD, streaming.stage, 0)
-    again = problem.recomputes(streaming.stage)  # the recomputed forward runs before any gradient is made
+    made_by = weight_gradient_kind(problem.kind)  # the op whose end makes the gradients: a zero-bubble one's W
+    bwd, fwd = Op(made_by, streaming.stage, 0), Op(OpKind.FWD, streaming.stage, 0)
+    again = made_by is OpKind.BWD and problem.recomputes(streaming.stage)  # the recomputed forward runs first
 
     def lead(rank: int, op: Op) -> float:
         if op.kind not in LAYER_SENDS or op.layer is None:

@@ -290,3 +290,29 @@ def test_kfac_inverse_is_an_inverse_method_or_its_text() -> None:
     assert KFACConfig(inverse="eigen").inverse is InverseMethod.EIGEN  # type: ignore[arg-type]  # text is accepted
     with pytest.raises(ConfigError, match="KFACConfig.inverse must be one of 'cholesky', 'eigen'"):
         KFACConfig(inverse="svd")  # type: ignore[arg-type]  # the wrong value is the point
+
+
+@pytest.mark.parametrize(
+    "plan,preconditioner,options,needle",
+    [
+        (None, KFACConfig(), PipelineOptions(), "needs plan='auto' and a preconditioner"),
+        ("auto", None, PipelineOptions(), "needs plan='auto' and a preconditioner"),
+        ("auto", KFACConfig(), PipelineOptions(virtual_stages=2), "virtual_stages=2 needs a named schedule"),
+    ],
+)
+def test_schedule_auto_is_the_planners_choice_on_one_stage_per_rank(
+    plan: str | None, preconditioner: KFACConfig | None, options: PipelineOptions, needle: str
+) -> None:
+    x = torch.randn(8, 16)
+    with pytest.raises(ConfigError, match=needle):  # refused before any capture or process group
+        fxkfac.compile(
+            mlp(),
+            (2, 1),
+            plan,
+            example_inputs=(x,),
+            loss_fn=_mse,
+            preconditioner=preconditioner,
+            schedule="auto",
+            pipeline=options,
+            backend=None,
+        )
