@@ -12,7 +12,9 @@ one run (rounds interleaved, so drift in machine load hits all alike):
     for the layer;
 (e) where (b)'s plan streams the first stage's APPLY to another rank (docs/STREAMED_APPLY.md): the plan of (b)'s
     profiled costs with every APPLY on its stage's rank (`PlanOptions(stream_apply=StreamApply.OFF)`), so b/e is what
-    streaming saves.
+    streaming saves;
+(f) with ``--schedule zb-h1``: PipeFisher planned on 1F1B, so that K-FAC planned on ZB-H1 (b) stands beside plain
+    ZB-H1 (a) and K-FAC planned on 1F1B (f), step times and refresh periods side by side.
 
 The paper's claim (PipeFisher, Table 3: about 6.5% over the pipeline) is b/a <= 1.10 and b < d < c.
 Each round times a block of whole refresh periods per variant; the step time is the median over
@@ -81,8 +83,9 @@ NAMES = {
     "c": "naive K-FAC (every step)",
     "d": "K-FAC+skip (plan's period)",
     "e": "PipeFisher, APPLY not streamed",
+    "f": "PipeFisher on 1F1B (plan=auto)",
 }
-BUSY = ("FWD", "BWD", "STATS", "DECOMP", "APPLY")
+BUSY = ("FWD", "BWD", "BWD_W", "STATS", "DECOMP", "APPLY")
 WAIT = "WAIT"
 """The column of the time ops spend waiting for peers (`Event.wait_ns`)."""
 KFAC = KFACConfig(damping=1e-3, factor_decay=0.95, kl_clip=1e-3)
@@ -155,8 +158,10 @@ def _compile(
     *,
     layer_timing: Mapping[str, LayerTiming] | None = None,
     plan_options: PlanOptions = PlanOptions(),
+    schedule: str | None = None,
 ) -> Trainer:
-    """One variant on the (D, 1) mesh, alike but for K-FAC and its plan: eager stages, AdamW, timeline recorded."""
+    """One variant on the (D, 1) mesh, alike but for K-FAC and its plan (and `schedule`, None: the run's): eager
+    stages, AdamW, timeline recorded."""
     model, loss_fn = (_gpt2(args), _lm_loss) if args.model == "gpt2" else (_model(args), mlm_loss)
     return fxkfac.compile(
         model,
@@ -166,7 +171,7 @@ def _compile(
         loss_fn=loss_fn,
         optimizer=_optimizer,
         preconditioner=kfac,
-        schedule=args.schedule,
+        schedule=schedule or args.schedule,
         microbatches=args.microbatches,
         backend=None,
         layer_timing=layer_timing,
@@ -178,13 +183,8 @@ def _compile(
 def _build(args: argparse.Namespace, example: torch.Tensor) -> dict[str, Trainer]:
     """The four trainers (collective: every rank builds them in the same order)."""
     plain = _compile(args, example, None, None)
-    auto = _compile(
-        args,
-        example,
-        KFAC,
-        "auto",
-        plan_options=PlanOptions(time_limit_s=args.time_limit, kfac_margin=args.kfac_margin, strategy=args.strategy),
-    )
+    options = PlanOptions(time_limit_s=args.time_limit, kfac_margin=args.kfac_margin, strategy=args.strategy)
+    auto = _compile(args, example, KFAC, "auto", plan_options=options)
     every = {n: LayerTiming(1, 0, 0, KFAC.capture) for n in auto.plan.layers}
     skip = {n: LayerTiming(t.period, 0, 0, KFAC.capture) for n, t in auto.plan.layers.items()}
     naive = _compile(args, example, KFAC, None, layer_timing=every)
@@ -193,6 +193,8 @@ def _build(args: argparse.Namespace, example: torch.Tensor) -> dict[str, Trainer
     if auto.plan.problem.streaming is not None:  # (e): (b)'s costs planned with every APPLY on its stage's rank
         own = PlanOptions(costs=auto.plan.problem.costs, time_limit_s=args.time_limit, stream_apply=StreamApply.OFF)
         trainers["e"] = _compile(args, example, KFAC, "auto", plan_options=own)
+    if args.schedule == "zb-h1":  # (f): K-FAC planned on the schedule ZB-H1 replaces
+        trainers["f"] = _compile(args, example, KFAC, "auto", plan_options=options, schedule="1f1b")
     return trainers
 
 
@@ -297,7 +299,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
     built = time.perf_counter()
     trainers = _build(args, batches[0][0])
     build_s = time.perf_counter() - built
-    periods = [t.period for t in trainers["b"].plan.layers.values()]
+    periods = [t.period for v in ("b", "f") if v in trainers for t in trainers[v].plan.layers.values()]
     block = math.lcm(*periods) * args.periods_per_round
     load_before = os.getloadavg()[0]
     result = _measure(args, trainers, batches, block)
@@ -323,6 +325,9 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
             "block_steps": block,
             "build_s": build_s,
             "periods": sorted(set(periods)),
+            "periods_by_variant": {
+                v: sorted({t.period for t in trainers[v].plan.layers.values()}) for v in ("b", "f") if v in trainers
+            },
             "loadavg_1min": [load_before, os.getloadavg()[0]],
         }
         with open(out_path, "w") as f:
@@ -382,7 +387,7 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
             _fmt_ranks(plan_util[v]) if v in plan_util else "-",
         )
     console.print(table)
-    kinds = ("FWD", "BWD", "STATS", "DECOMP", "APPLY", "OPT_STEP", "SYNC_STATS", "BCAST", WAIT)
+    kinds = ("FWD", "BWD", "BWD_W", "STATS", "DECOMP", "APPLY", "OPT_STEP", "SYNC_STATS", "BCAST", WAIT)
     where = Table(
         title="where a step's time goes, ms per step and rank (measured wall time / its thread's CPU time, waits for "
         "peers in any op apart as WAIT; (b) planned in brackets)"
@@ -416,6 +421,14 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
         f"{planned['step_s'] / planned['plain_step_s']:.3f} ({planned['solver']})",
         markup=False,
     )
+    if "f" in row["step_s"]:
+        periods = row["periods_by_variant"]
+        console.print(
+            f"K-FAC on {args.schedule} (b) {row['step_s']['b']:.4f} s/step, refresh periods {periods['b']}; plain "
+            f"{args.schedule} (a) {row['step_s']['a']:.4f}; K-FAC on 1F1B (f) {row['step_s']['f']:.4f}, refresh "
+            f"periods {periods['f']}: f/b = {row['step_s']['f'] / row['step_s']['b']:.3f}",
+            markup=False,
+        )
     if "e" in row["step_s"]:
         streaming = row["streaming"]
         helpers = ", ".join(f"r{h}" for h in dict.fromkeys(streaming["helpers"]))
@@ -430,7 +443,7 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     """The schedule, the TinyBert model and the rounds both overhead benchmarks run (`_model`, `spawn_and_report`)."""
-    parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "chimera"))
+    parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "chimera", "zb-h1"))
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--ffn", type=int, default=512)
     parser.add_argument("--layers", type=int, default=4)

@@ -1,13 +1,18 @@
-"""Throughput of fxkfac's pipeline runtime vs torch.distributed.pipelining (GPipe, 1F1B), 2 ranks, 1 thread each.
+"""Throughput of fxkfac's pipeline runtime vs torch.distributed.pipelining (GPipe, 1F1B, ZB-H1, ZB-V), 2 ranks,
+1 thread each.
 
 Both run the same stage GraphModules (fxkfac's split of the same captured model), the same
-micro-batches and the same SGD step, side by side in one run (alternating rounds). Also prints
-fxkfac's measured bubble fraction per rank (time outside F and B over the step's span) against the
-schedule's: the planner's simulation of the same program with the measured mean op durations (F, B, sends,
-the optimizer step), and the closed form (D-1)/(N+D-1) (F and B alone).
+micro-batches and the same SGD step, side by side in one run (alternating rounds). ZB-H1 runs against torch's
+ScheduleInterleavedZeroBubble with one stage per rank (its order is ZB-H1's), ZB-V against ScheduleZBVZeroBubble;
+torch's side runs eagerly (it refuses compiled stages for a split backward), fxkfac's eagerly and, with
+--compiled, with every stage's forward, B and W compiled by inductor (its own column). Also prints
+fxkfac's measured bubble fraction per rank (time outside F, B and W over the step's span) against the
+schedule's: the planner's simulation of the same program with the measured mean op durations (F, B, W, sends,
+the optimizer step), and the closed form (D-1)/(N+D-1) (1F1B's F and B alone), and each schedule's throughput
+against fxkfac's own 1F1B.
 
 Run: python benchmarks/pipeline_vs_torch.py [--width 512] [--depth 8] [--batch 128] [--microbatches 4]
-    [--step-agreement world|copies]
+    [--step-agreement world|copies] [--schedules gpipe,1f1b,zb-h1,zb-v] [--compiled]
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from fxkfac.runtime.timeline import utilization
 from fxkfac.runtime.trainer import Trainer
 
 D = 2
-BUSY = ("FWD", "BWD")  # OPT_STEP holds the world sum of the NaN/Inf flag: it waits for the peer
+BUSY = ("FWD", "BWD", "BWD_W")  # OPT_STEP holds the world sum of the NaN/Inf flag: it waits for the peer
 
 
 def make_model(width: int, depth: int, classes: int = 10) -> nn.Module:
@@ -60,20 +65,29 @@ class _Unwrap(nn.Module):
 
 
 def _torch_runner(trainer: Trainer, schedule: str, N: int):
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    """torch's schedule over the stages this rank holds in fxkfac's run (ZB-V: stage r and 2D-1-r)."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
+    )
 
-    rank = dist.get_rank()
-    module = _Unwrap(copy.deepcopy(trainer.spec.split.stages[rank].gm))
-    stage = PipelineStage(module, rank, D, torch.device("cpu"))
-    cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
-    sched = cls(stage, N, loss_fn=lambda out, y: F.cross_entropy(out, y))
-    opt = torch.optim.SGD(module.parameters(), lr=0.01)
+    held = sorted(s for s, _ in trainer.runners)
+    stages = trainer.spec.split.stages
+    modules = [_Unwrap(copy.deepcopy(stages[s].gm)) for s in held]
+    pipeline = [PipelineStage(m, s, len(stages), torch.device("cpu")) for m, s in zip(modules, held, strict=True)]
+    loss = lambda out, y: F.cross_entropy(out, y)  # noqa: E731
+    if schedule in ("gpipe", "1f1b"):
+        sched = (ScheduleGPipe if schedule == "gpipe" else Schedule1F1B)(pipeline[0], N, loss_fn=loss)
+    else:
+        sched = (ScheduleZBVZeroBubble if schedule == "zb-v" else ScheduleInterleavedZeroBubble)(pipeline, N, loss)
+    opt = torch.optim.SGD([p for m in modules for p in m.parameters()], lr=0.01)
+    first, last = 0 in held, len(stages) - 1 in held
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
-        if rank == 0:
-            sched.step(x)
-        else:
-            sched.step(target=y, losses=[])
+        sched.step(*((x,) if first else ()), **({"target": y, "losses": []} if last else {}))
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -94,7 +108,7 @@ def _time(step, batch, warmup: int, iters: int) -> list[float]:
     return times
 
 
-def _theory(schedule: str, N: int, events) -> dict[int, float]:
+def _theory(schedule: str, N: int, v: int, events) -> dict[int, float]:
     """Bubble per rank of the planner's simulation of this program with the measured mean op durations: F and B
     per stage, every other op's own time (a send's call, the gradient all-reduce, and OPT_STEP's work: per step
     the least time over ranks, the rank that arrived last having waited for nobody); receives take none (the
@@ -106,7 +120,7 @@ def _theory(schedule: str, N: int, events) -> dict[int, float]:
         if kind == "OPT_STEP":
             opt.setdefault(e.step, []).append(seconds)
             continue
-        stage = int(e.op.split()[1][1:]) if kind in ("FWD", "BWD") else None
+        stage = int(e.op.split()[1][1:]) if kind in BUSY else None
         mean.setdefault((e.rank, kind, stage), []).append(seconds)
     avg = {k: statistics.fmean(v) for k, v in mean.items()}
     opt_step = statistics.fmean(min(v) for v in opt.values())
@@ -116,15 +130,23 @@ def _theory(schedule: str, N: int, events) -> dict[int, float]:
             return opt_step
         if op.kind in (OpKind.RECV_ACT, OpKind.RECV_GRAD):
             return 0.0
-        stage = op.stage if op.kind in (OpKind.FWD, OpKind.BWD) else None
+        stage = op.stage if op.kind.value in BUSY else None
         return avg.get((rank, op.kind.value, stage), 0.0)
 
-    tl = simulate(rank_programs(schedule, D, N, 1), duration)
-    return {r: 1.0 - tl.utilization(r, kinds=(OpKind.FWD, OpKind.BWD)) for r in range(D)}
+    tl = simulate(rank_programs(schedule, D, N, 1, v=v), duration)
+    return {r: 1.0 - tl.utilization(r, kinds=tuple(OpKind(k) for k in BUSY)) for r in range(D)}
 
 
-def _fxkfac_trainer(args: argparse.Namespace, schedule: str, example: torch.Tensor) -> Trainer:
-    """fxkfac's plain pipeline (no K-FAC, eager stages, SGD), recording its timeline for the bubble columns."""
+def _virtual(schedule: str) -> int:
+    """Stages per rank: two in ZB-V's V, one otherwise."""
+    return 2 if schedule == "zb-v" else 1
+
+
+def _fxkfac_trainer(
+    args: argparse.Namespace, schedule: str, example: torch.Tensor, backend: str | None = None
+) -> Trainer:
+    """fxkfac's plain pipeline (no K-FAC, SGD; eager stages or compiled under `backend`), recording its timeline for
+    the bubble columns."""
     return fxkfac.compile(
         make_model(args.width, args.depth),
         (D, 1),
@@ -135,8 +157,12 @@ def _fxkfac_trainer(args: argparse.Namespace, schedule: str, example: torch.Tens
         preconditioner=None,
         schedule=schedule,
         microbatches=args.microbatches,
-        backend=None,
-        pipeline=PipelineOptions(record_timeline=True, step_agreement=StepAgreement(args.step_agreement)),
+        backend=backend,
+        pipeline=PipelineOptions(
+            record_timeline=True,
+            step_agreement=StepAgreement(args.step_agreement),
+            virtual_stages=_virtual(schedule),
+        ),
     )
 
 
@@ -148,15 +174,17 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
     g = torch.Generator().manual_seed(0)
     batch = (torch.randn(args.batch, args.width, generator=g), torch.randint(0, 10, (args.batch,), generator=g))
     rows = []
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in args.schedules.split(","):
         trainer = _fxkfac_trainer(args, schedule, batch[0])
-        ours_step = trainer.step
+        compiled = _fxkfac_trainer(args, schedule, batch[0], "inductor") if args.compiled else None
         theirs_step = _torch_runner(trainer, schedule, args.microbatches)
-        ours, theirs = [], []
+        ours, theirs, ours_compiled = [], [], []
         for _ in range(args.rounds):  # alternate so that drift in machine load hits both
             trainer.timeline.clear()
-            ours += _time(ours_step, batch, args.warmup, args.iters)
+            ours += _time(trainer.step, batch, args.warmup, args.iters)
             theirs += _time(theirs_step, batch, args.warmup, args.iters)
+            if compiled is not None:
+                ours_compiled += _time(compiled.step, batch, args.warmup, args.iters)
         events = [e for e in trainer.timeline.events]
         gathered = [None] * D
         dist.all_gather_object(gathered, events)
@@ -166,13 +194,17 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
             {
                 "schedule": schedule,
                 "fxkfac_step_s": statistics.median(ours),
+                "fxkfac_compiled_step_s": statistics.median(ours_compiled) if ours_compiled else None,
                 "torch_step_s": statistics.median(theirs),
                 "ratio": statistics.median(theirs) / statistics.median(ours),
                 "bubble_measured": measured,
-                "bubble_sim": _theory(schedule, args.microbatches, events),
+                "bubble_sim": _theory(schedule, args.microbatches, _virtual(schedule), events),
                 "bubble_formula": (D - 1) / (args.microbatches + D - 1),
             }
         )
+    base = next((r["fxkfac_step_s"] for r in rows if r["schedule"] == "1f1b"), None)
+    for r in rows:
+        r["vs_fxkfac_1f1b"] = base / r["fxkfac_step_s"] if base is not None else None
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(rows, f)
@@ -191,8 +223,10 @@ def _report(rows: list[dict], args: argparse.Namespace) -> None:
     for col in (
         "schedule",
         "fxkfac s/step",
+        "fxkfac compiled s/step",
         "torch s/step",
         "throughput ratio",
+        "vs fxkfac 1F1B",
         "bubble measured (r0, r1)",
         "bubble simulated (r0, r1)",
         "(D-1)/(N+D-1)",
@@ -203,13 +237,15 @@ def _report(rows: list[dict], args: argparse.Namespace) -> None:
         table.add_row(
             r["schedule"],
             f"{r['fxkfac_step_s']:.4f}",
+            "-" if r["fxkfac_compiled_step_s"] is None else f"{r['fxkfac_compiled_step_s']:.4f}",
             f"{r['torch_step_s']:.4f}",
             f"{r['ratio']:.3f}",
+            "-" if r["vs_fxkfac_1f1b"] is None else f"{r['vs_fxkfac_1f1b']:.3f}",
             fmt(r["bubble_measured"]),
             fmt(r["bubble_sim"]),
             f"{r['bubble_formula']:.3f}",
         )
-    Console().print(table)
+    Console(width=200).print(table)
     print(json.dumps({"benchmark": "pipeline_vs_torch", "args": vars(args), "results": rows}))
 
 
@@ -222,6 +258,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--iters", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--schedules", default="gpipe,1f1b,zb-h1,zb-v", help="comma-separated schedules to run")
+    parser.add_argument(
+        "--compiled", action="store_true", help="also time fxkfac with its stages compiled by inductor (own column)"
+    )
     parser.add_argument(
         "--step-agreement",
         choices=[a.value for a in StepAgreement],

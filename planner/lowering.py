@@ -383,9 +383,13 @@ def _with_kfac(
     seconds: Mapping[Decomposition, float] | None,
     distributions: Mapping[str, LayerDistribution],
 ) -> list[Op]:
-    """One step of a rank's plain program with curvature after each BWD (of the layers whose statistics the rank
-    keeps: `keeps_statistics`) and the K-FAC tail before OPT_STEP."""
+    """One step of a rank's plain program with curvature after each BWD (a zero-bubble schedule's W, where the
+    runtime makes a fused layer's output-gradient curvature) of the layers whose statistics the rank keeps
+    (`keeps_statistics`), and the K-FAC tail before OPT_STEP."""
     copies = sorted({(op.stage, op.pipe) for op in ops if op.kind is OpKind.FWD and op.stage is not None})
+    made = (
+        OpKind.BWD_W if any(op.kind is OpKind.BWD_W for op in ops) else OpKind.BWD
+    )  # a fused curvature is made with W
     body: list[Op] = []
     for op in ops:
         if op.kind is OpKind.OPT_STEP:
@@ -405,7 +409,7 @@ def _with_kfac(
                 )
             )
         body.append(op)
-        if op.kind is OpKind.BWD and op.stage is not None:
+        if op.kind is made and op.stage is not None:
             captured = [side for side in parts if side not in gradient_parts]
             names = refreshing(timings, stage_layers[op.stage], step)
             body.extend(capture_stats(op, rank, {n: captured for n in names}, holders[op.stage], distributions))

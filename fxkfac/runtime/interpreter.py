@@ -1,6 +1,6 @@
 """The per-rank program interpreter: a dispatch table keyed by OpKind over a step's context.
 
-The core handlers (FWD, BWD, SEND/RECV of activations and gradients, ALLREDUCE_GRAD, OPT_STEP)
+The core handlers (FWD, BWD, BWD_W, SEND/RECV of activations and gradients, ALLREDUCE_GRAD, OPT_STEP)
 are registered here; a preconditioner's ops (STATS, SYNC_STATS, DECOMP, BCAST, APPLY) plug in with
 `Interpreter.register(kind, handler)` without touching the loop. A handler takes the
 `StepContext` and the `Op`; state of its own lives in the object that registered it.
@@ -65,6 +65,8 @@ class StepContext:
     grads: dict[Key, list[torch.Tensor]] = field(default_factory=dict)
     """Output gradients waiting for BWD (stage, pipe, mb)."""
     to_send: dict[tuple[str, Key], list[torch.Tensor]] = field(default_factory=dict)
+    deferred: set[Key] = field(default_factory=set)
+    """Backwards whose weight gradients wait for a BWD_W of the step (stage, pipe, mb)."""
     losses: list[torch.Tensor] = field(default_factory=list)
     skipped: bool | None = None
     """Set at OPT_STEP by `step_end` (a sum over the world, or over the agreement set where steps end
@@ -174,13 +176,25 @@ def _bwd(ctx: StepContext, op: Op) -> None:
     runner = ctx.runner(op)
     stage, pipe, mb = _key(op)
     out_grads = None if runner.is_last else _take(ctx.grads, _key(op), op, "its output gradient was not received")
-    in_grads = runner.backward(mb, out_grads)
+    in_grads = runner.backward(mb, out_grads, defer_weights=_key(op) in ctx.deferred)
     if stage == 0:
         return
     if (stage - 1, pipe) in ctx.runners:
         ctx.grads[(stage - 1, pipe, mb)] = in_grads
     else:
         ctx.to_send[("grad", _key(op))] = in_grads
+
+
+def _bwd_w(ctx: StepContext, op: Op) -> None:
+    """The weight-gradient half of a backward whose BWD ran only B."""
+    ctx.deferred.discard(_key(op))
+    ctx.runner(op).backward_weights(_key(op)[2])
+
+
+def _defer_w(ctx: StepContext, op: Op, _: Sequence[Op]) -> None:
+    """A BWD_W in the step: its BWD runs only B, on a stage copy that runs split (`StageRunner.split`)."""
+    ctx.runner(op).split = True
+    ctx.deferred.add(_key(op))
 
 
 def _send_act(ctx: StepContext, op: Op) -> None:
@@ -218,6 +232,9 @@ def _post_grad(ctx: StepContext, op: Op, _: Sequence[Op]) -> None:
 
 
 def _allreduce_grad(ctx: StepContext, op: Op) -> None:
+    waiting = [(s, p, r.waiting_weights()) for (s, p), r in ctx.runners.items() if op.stage in (None, s)]
+    if any(mbs for _, _, mbs in waiting):
+        raise AssertionError(f"'{op}' before the BWD_W of {waiting} (the program orders its instructions wrongly)")
     if op.stage is None:
         for stage, _ in sorted(ctx.runners):
             ctx.sync.stage(stage, ctx.transport, str(op))
@@ -285,6 +302,7 @@ def _opt_step(ctx: StepContext, op: Op) -> None:
 CORE_HANDLERS: Mapping[OpKind, Handler] = {
     OpKind.FWD: _fwd,
     OpKind.BWD: _bwd,
+    OpKind.BWD_W: _bwd_w,
     OpKind.SEND_ACT: _send_act,
     OpKind.RECV_ACT: _recv_act,
     OpKind.SEND_GRAD: _send_grad,
@@ -309,7 +327,11 @@ def forward_only(ops: Iterable[Op]) -> list[Op]:
     return [op for op in ops if op.kind in EVAL_HANDLERS]
 
 
-CORE_PREPARES: Mapping[OpKind, Prepare] = {OpKind.RECV_ACT: _post_act, OpKind.RECV_GRAD: _post_grad}
+CORE_PREPARES: Mapping[OpKind, Prepare] = {
+    OpKind.RECV_ACT: _post_act,
+    OpKind.RECV_GRAD: _post_grad,
+    OpKind.BWD_W: _defer_w,
+}
 
 
 class StepListener(Protocol):

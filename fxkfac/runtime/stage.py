@@ -11,9 +11,11 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import checkpoint
 
+from fxkfac.errors import PipelineError
 from fxkfac.passes.eval_mode import eval_graph
 from fxkfac.passes.split_stages import StageGraph, TensorSpec
 from fxkfac.runtime.precision import autocast, to_wire, wire_specs
+from fxkfac.runtime.split_backward import ArgGrad, SplitStage, split_stage
 
 __all__ = ["StageRunner", "compiled"]
 
@@ -55,6 +57,21 @@ class StageRunner:
     activations."""
     _eval_fns: dict[Hashable, Callable[..., Any]] = field(default_factory=dict)
     """Evaluation's forward per shape key (`infer`), made on first use."""
+    split: bool = False
+    """Whether forward and backward run as the split graphs (`split_backward`), so that a backward's weight
+    gradients can wait for `backward_weights`: set when the rank's program holds a BWD_W of this stage copy."""
+    _splits: dict[Hashable, tuple[SplitStage, list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
+    """Per (shape, variant): the split graphs, the state tensors they read and the parameters W makes gradients of."""
+    _saved: dict[
+        int, tuple[SplitStage, list[tuple[torch.Tensor, ArgGrad]], tuple[torch.Tensor, ...], list[torch.Tensor]]
+    ] = field(default_factory=dict)
+    """Per micro-batch after a split forward: its graphs, its args with the half that makes their gradients, the
+    values its backward reads, the parameters."""
+    _last_outputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    """On the last stage, per split micro-batch: its outputs as the autograd leaves its loss was taken from."""
+    _weights: dict[int, tuple[SplitStage, list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
+    """Per micro-batch whose B ran and W waits: its graphs, W's operands, the parameters then the args whose
+    gradients W makes."""
 
     @classmethod
     def build(
@@ -112,7 +129,7 @@ class StageRunner:
         """Run the stage on micro-batch `mb`; float inputs of inner stages become autograd leaves."""
         leaves = [x.requires_grad_(True) if needs_grad and x.is_floating_point() else x for x in inputs]
         with self.precision():
-            outputs = self.crossing(self.call(self.fn, leaves))
+            outputs = self.crossing(self.run(mb, "plain", self.gm, self.fn, leaves, None))
         self._inputs[mb] = leaves
         self._outputs[mb] = outputs
         return outputs
@@ -133,6 +150,56 @@ class StageRunner:
         if self.recompute and torch.is_grad_enabled():
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
+
+    def run(
+        self,
+        mb: int,
+        variant: Hashable,
+        gm: fx.GraphModule,
+        fn: Callable[..., Any],
+        args: Sequence[torch.Tensor],
+        n_diff_outputs: int | None,
+        to_weights: Sequence[bool] = (),
+    ) -> Any:
+        """The forward of micro-batch `mb`: `fn(*args)` under autograd, or, where the stage runs `split`, `gm`'s split
+        forward (`variant` names `gm` among the stage's graphs at this shape; the first `n_diff_outputs` outputs
+        take gradients, None: all). Args that require grad are the ones the backward makes gradients of: by B, or
+        by W where `to_weights` marks them."""
+        if not self.split:
+            return self.call(fn, args)
+        if self.recompute:
+            raise PipelineError(
+                f"stage {self.stage}: zero-bubble schedules (BWD_W) do not recompute activations yet; "
+                "turn recompute off or use a schedule without BWD_W"
+            )
+        weights = [*to_weights, *[False] * (len(args) - len(to_weights))]
+        sides = tuple(
+            ArgGrad.NONE if not a.requires_grad else ArgGrad.WEIGHT if w else ArgGrad.INPUT
+            for a, w in zip(args, weights, strict=True)
+        )
+        key = (self.shape, variant, sides)
+        if key not in self._splits:
+            self._splits[key] = self._split(gm, args, sides, n_diff_outputs)
+        split, state, params = self._splits[key]
+        with torch.no_grad():
+            result = split.forward(*state, *args)
+        outputs, saved = result[: split.n_outputs], result[split.n_outputs :]
+        self._saved[mb] = (split, list(zip(args, sides)), saved, params)
+        if self.is_last:  # the loss is taken outside the graph: its gradient reaches the outputs through autograd
+            outputs = tuple(o.detach().requires_grad_(True) if o.is_floating_point() else o for o in outputs)
+            self._last_outputs[mb] = outputs
+        return outputs
+
+    def _split(
+        self, gm: fx.GraphModule, args: Sequence[torch.Tensor], sides: Sequence[ArgGrad], n_diff_outputs: int | None
+    ) -> tuple[SplitStage, list[torch.Tensor], list[torch.Tensor]]:
+        """`gm` split into forward, B and W (compiled under the stage's backend), its state tensors, its parameters."""
+        params = dict(gm.named_parameters())
+        state = {**params, **dict(gm.named_buffers())}
+        n_out = n_diff_outputs if n_diff_outputs is not None else len(self.graph.outputs)
+        with self.precision():
+            split = split_stage(gm, state, list(params), args, sides, n_out, lambda g: compiled(g, self.backend))
+        return split, list(state.values()), list(params.values())
 
     @property
     def device(self) -> torch.device:
@@ -155,11 +222,20 @@ class StageRunner:
         """On the last stage, backward starts from this (already scaled) loss instead of the outputs."""
         self._outputs[mb] = loss
 
-    def backward(self, mb: int, output_grads: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
-        """Backpropagate micro-batch `mb`; returns the gradient of every float input (zeros if unused)."""
+    def backward(
+        self, mb: int, output_grads: Sequence[torch.Tensor] | None, defer_weights: bool = False
+    ) -> list[torch.Tensor]:
+        """Backpropagate micro-batch `mb`; returns the gradient of every float input (zeros if unused). With
+        `defer_weights` (a split stage) only B runs: the weight gradients wait for `backward_weights`."""
         outputs = self._outputs.pop(mb)
         inputs = self._inputs.pop(mb)
-        if self.is_last:
+        if mb in self._saved:
+            self._backward_input(mb, outputs, output_grads)
+            if not defer_weights:
+                self.backward_weights(mb)
+        elif defer_weights:
+            raise AssertionError(f"stage {self.stage} mb {mb}: weights deferred by a stage that does not run split")
+        elif self.is_last:
             torch.autograd.backward(outputs)
         else:
             if output_grads is None:
@@ -170,13 +246,61 @@ class StageRunner:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
         return [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs if x.is_floating_point()]
 
+    def _backward_input(self, mb: int, outputs: Any, output_grads: Sequence[torch.Tensor] | None) -> None:
+        """B of a split micro-batch: the gradient of each differentiable arg into its `.grad`; W's operands kept."""
+        split, args, saved, params = self._saved.pop(mb)
+        if self.is_last:
+            leaves = self._last_outputs.pop(mb)
+            wrt = [o for o in leaves if o.requires_grad]
+            got = iter(torch.autograd.grad(outputs, wrt, allow_unused=True))
+            given: list[torch.Tensor | None] = [next(got) if o.requires_grad else None for o in leaves]
+        else:
+            if output_grads is None:
+                raise AssertionError(f"stage {self.stage} mb {mb}: backward without output gradients")
+            floats = iter(output_grads)  # gradients come for float outputs only
+            given = [next(floats) if spec.is_float else None for spec in self.graph.outputs]
+        tangents = [
+            torch.zeros(shape, dtype=dtype, device=self.device) if g is None else g.to(dtype)
+            for (shape, dtype), g in zip(split.tangents, given)
+        ]
+        with torch.no_grad():
+            result = split.input_grad(*(saved[i] for i in split.b_saved), *tangents)
+        grads = iter(result[: split.n_arg_grads])
+        for arg, side in args:
+            grad = next(grads) if side is ArgGrad.INPUT else None
+            if grad is not None:
+                arg.grad = grad
+        later = [arg for arg, side in args if side is ArgGrad.WEIGHT]
+        self._weights[mb] = (split, [*(saved[i] for i in split.w_saved), *result[split.n_arg_grads :]], params + later)
+
+    def backward_weights(self, mb: int) -> None:
+        """W of micro-batch `mb`: its weight gradients, accumulated into the parameters' `.grad` through autograd (so
+        the parameters' hooks see them as a whole backward's), and the gradients of the args W makes into theirs."""
+        if mb not in self._weights:
+            raise AssertionError(f"stage {self.stage} mb {mb}: BWD_W before its BWD (the program orders them wrongly)")
+        split, operands, targets = self._weights.pop(mb)
+        with torch.no_grad():
+            grads = split.weight_grad(*operands)
+        params, args = targets[: split.n_param_grads], targets[split.n_param_grads :]
+        for arg, grad in zip(args, grads[split.n_param_grads :], strict=True):
+            if grad is not None:
+                arg.grad = grad
+        pairs = [(p, g) for p, g in zip(params, grads[: split.n_param_grads], strict=True) if g is not None]
+        if pairs:
+            with torch.enable_grad():
+                torch.autograd.backward([p.view_as(p) for p, _ in pairs], [g for _, g in pairs])
+
+    def waiting_weights(self) -> list[int]:
+        """Micro-batches whose B ran and whose W has not."""
+        return sorted(self._weights)
+
     def param(self, name: str) -> torch.nn.Parameter:
         """This copy's parameter `name` (canonical FQN)."""
         return self.module.get_parameter(name)
 
     def pending(self) -> list[int]:
-        """Micro-batches whose forward ran but whose backward has not."""
-        return sorted(self._outputs)
+        """Micro-batches whose forward ran but whose backward (B and W) has not."""
+        return sorted(set(self._outputs) | set(self._weights))
 
 
 def compiled(gm: torch.nn.Module, backend: str | None) -> Callable[..., Any]:

@@ -44,6 +44,8 @@ class TappedRunner(StageRunner):
     _variants: dict[tuple, tuple[FactorTaps, Any]] = field(default_factory=dict)
     _layers_at: dict[Hashable, dict[str, Any]] = field(default_factory=dict)
     _probes: dict[int, dict[str, Tensor]] = field(default_factory=dict)
+    _later: dict[int, dict[str, Tensor]] = field(default_factory=dict)
+    """Per micro-batch whose W waits: the fused probes whose gradients (captures) W makes."""
 
     @classmethod
     def wrap(
@@ -116,7 +118,11 @@ class TappedRunner(StageRunner):
         probes = new_probes(taps, device, self.autocast_dtype)
         leaves = [x.requires_grad_(True) if needs_grad and x.is_floating_point() else x for x in inputs]
         with self.precision():
-            outs = tuple(self.call(fn, [*leaves, *probes]))  # a recomputed forward's captures are dropped: counted once
+            variant = ("taps", *sorted(self.modes.items()))  # a recomputed forward's captures are dropped: counted once
+            fused = [self.modes[name] is Capture.FUSED for name in order]  # their curvature runs with W
+            outs = tuple(
+                self.run(mb, variant, taps.gm, fn, [*leaves, *probes], taps.n_outputs, [False] * len(leaves) + fused)
+            )
         user = self.crossing(outs[: taps.n_outputs])
         self._inputs[mb] = leaves
         self._outputs[mb] = user
@@ -125,10 +131,24 @@ class TappedRunner(StageRunner):
         self._probes[mb] = dict(zip(order, probes))
         return user
 
-    def backward(self, mb: int, output_grads: Sequence[Tensor] | None) -> list[Tensor]:
-        """Backpropagate `mb`; the probes' gradients are the output-gradient captures."""
+    def backward(self, mb: int, output_grads: Sequence[Tensor] | None, defer_weights: bool = False) -> list[Tensor]:
+        """Backpropagate `mb`; the probes' gradients are the output-gradient captures. Where W waits, a fused layer's
+        (the curvature of its output gradient) is made by W and kept when W runs (`backward_weights`)."""
         probes = self._probes.pop(mb, {})
-        grads = super().backward(mb, output_grads)
+        grads = super().backward(mb, output_grads, defer_weights)
+        later = {n: p for n, p in probes.items() if defer_weights and self.modes.get(n) is Capture.FUSED}
+        if later:
+            self._later[mb] = later
+        self._keep_grads(mb, {n: p for n, p in probes.items() if n not in later})
+        return grads
+
+    def backward_weights(self, mb: int) -> None:
+        """As StageRunner's, then keep the fused output-gradient captures W made."""
+        super().backward_weights(mb)
+        self._keep_grads(mb, self._later.pop(mb, {}))
+
+    def _keep_grads(self, mb: int, probes: Mapping[str, Tensor]) -> None:
+        """Queue the output-gradient captures of `probes` (their gradients), as the built batch would have made them."""
         for name, probe in probes.items():
             value = probe.grad if probe.grad is not None else torch.zeros_like(probe)
             value = self._unscaled(value, self.modes.get(name))
@@ -136,7 +156,6 @@ class TappedRunner(StageRunner):
                 fused = self.modes[name] is Capture.FUSED
                 value = value * (self.grad_scale**2 if fused else self.grad_scale)
             self._keep(name, Source.OUTPUT_GRAD, mb, value)
-        return grads
 
     def _unscaled(self, value: Tensor, mode: Capture | None) -> Tensor:
         """An output-gradient capture made from float16's scaled loss, unscaled: a deferred one (the gradient) divided

@@ -1,0 +1,244 @@
+"""A stage's backward split at the graph level into B (input gradients) and W (weight gradients) for zero-bubble
+schedules ([Note: B/W split] in docs/ZERO_BUBBLE.md).
+
+The stage's forward and its backward are traced together into one aten graph (`make_fx` of a function calling
+`torch.autograd.grad`, on fake tensors: nothing runs, no random number is drawn). That joint graph is cut into three:
+
+- forward: what the stage's outputs need (and side effects such as running statistics), returning the outputs and
+  the values the backward reads (saved);
+- B: what the input gradients need, from the saved values and the output gradients; it also returns the values W
+  reads that only B makes (the gradients flowing into each layer's weight: G);
+- W: the rest of what the weight gradients need, from B's values and the saved ones (each layer's input: A).
+
+Each graph runs eagerly or under torch.compile like any stage graph (`stage.compiled`): both halves of the backward
+are compiled, which torch's own zero-bubble schedules refuse.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import torch
+from torch import Tensor, fx
+from torch.func import functional_call
+from torch.fx.experimental.proxy_tensor import make_fx
+
+__all__ = ["ArgGrad", "SplitStage", "split_stage"]
+
+
+class ArgGrad(StrEnum):
+    """Which half of the backward makes the gradient of one of the stage's args."""
+
+    NONE = "none"
+    """None: the arg takes no gradient (an integer input, the first stage's inputs)."""
+    INPUT = "input"
+    """B: the previous stage waits for it (an activation), or a deferred capture of a layer's output gradient."""
+    WEIGHT = "weight"
+    """W: nothing waits for it before the weight gradients (a fused capture's curvature of the output gradient)."""
+
+
+@dataclass(frozen=True)
+class SplitStage:
+    """The three graphs of one stage graph at one shape, and how their values pass between them."""
+
+    forward: Callable[..., Any]
+    """(*state, *args) -> (*outputs, *saved)."""
+    input_grad: Callable[..., Any]
+    """(*saved[b_saved], *tangents) -> (*grads of the INPUT args, *kept for W)."""
+    weight_grad: Callable[..., Any]
+    """(*saved[w_saved], *kept) -> (*grads of the parameters, *grads of the WEIGHT args)."""
+    n_outputs: int
+    """How many outputs the forward returns before its saved values."""
+    tangents: tuple[tuple[torch.Size, torch.dtype], ...]
+    """Shape and dtype of the output gradient of each of the first `len(tangents)` outputs (zeros where none comes)."""
+    b_saved: tuple[int, ...]
+    """Indices into the saved values of what B reads."""
+    w_saved: tuple[int, ...]
+    """Indices into the saved values of what W reads."""
+    n_arg_grads: int
+    """How many arg gradients B returns (one per INPUT arg, None where the arg does not matter)."""
+    n_param_grads: int
+    """How many parameter gradients W returns before the WEIGHT args' gradients."""
+
+
+def split_stage(
+    gm: fx.GraphModule,
+    state: dict[str, Tensor],
+    params: Sequence[str],
+    args: Sequence[Tensor],
+    arg_grads: Sequence[ArgGrad],
+    n_diff_outputs: int,
+    compile_fn: Callable[[fx.GraphModule], Callable[..., Any]],
+) -> SplitStage:
+    """`gm`'s forward, B and W for `args` at their shapes, each passed through `compile_fn`.
+
+    `state`: the tensors `gm` reads by name (parameters and buffers), `params` the names whose gradients W makes;
+    `arg_grads`: which half makes each arg's gradient; the first `n_diff_outputs` outputs take output gradients.
+    """
+    names = list(state)
+    grad_names = [n for n in names if n in set(params)]
+    example_state = [state[n].detach() for n in names]
+    example_args = [a.detach() for a in args]
+
+    def run(state_values: list[Tensor], arg_values: list[Tensor]) -> tuple[Tensor, ...]:
+        outs = functional_call(gm, dict(zip(names, state_values, strict=True)), tuple(arg_values))
+        return (outs,) if isinstance(outs, Tensor) else tuple(outs)
+
+    metas = make_fx(run, tracing_mode="fake")(example_state, example_args)
+    out_node = next(n for n in metas.graph.nodes if n.op == "output")
+    vals = [n.meta["val"] for n in out_node.args[0][:n_diff_outputs]]
+    tangent_specs = tuple((v.shape, v.dtype) for v in vals)
+    example_tangents = [torch.zeros(s, dtype=d, device=a.device) for (s, d), a in zip(tangent_specs, _devices(vals))]
+
+    def joint(
+        state_values: list[Tensor], arg_values: list[Tensor], tangents: list[Tensor]
+    ) -> tuple[tuple[Tensor, ...], tuple[Tensor | None, ...]]:
+        leaves = {n: (v.detach().requires_grad_(True) if n in grad_names else v) for n, v in zip(names, state_values)}
+        arg_leaves = [
+            a if g is ArgGrad.NONE else a.detach().requires_grad_(True) for a, g in zip(arg_values, arg_grads)
+        ]
+        outs = functional_call(gm, leaves, tuple(arg_leaves))
+        outs = (outs,) if isinstance(outs, Tensor) else tuple(outs)
+        pairs = [(o, t) for o, t in zip(outs[:n_diff_outputs], tangents) if o.requires_grad]
+        wrt = [a for side in (ArgGrad.INPUT, ArgGrad.WEIGHT) for a, g in zip(arg_leaves, arg_grads) if g is side]
+        wrt += [leaves[n] for n in grad_names]
+        grads: tuple[Tensor | None, ...] = (None,) * len(wrt)
+        if pairs:
+            grads = torch.autograd.grad([o for o, _ in pairs], wrt, [t for _, t in pairs], allow_unused=True)
+        return outs, grads
+
+    traced = make_fx(joint, tracing_mode="fake")(example_state, example_args, example_tangents)
+    counts = (arg_grads.count(ArgGrad.INPUT), arg_grads.count(ArgGrad.WEIGHT), len(grad_names))
+    return _cut(traced, len(names), len(args), counts, tangent_specs, compile_fn)
+
+
+def _devices(vals: Sequence[Tensor]) -> list[Tensor]:
+    """Something with each value's device (fake tensors report the real one)."""
+    return [torch.empty(0, device=v.device) for v in vals]
+
+
+def _cut(
+    traced: fx.GraphModule,
+    n_state: int,
+    n_args: int,
+    counts: tuple[int, int, int],
+    tangents: tuple[tuple[torch.Size, torch.dtype], ...],
+    compile_fn: Callable[[fx.GraphModule], Callable[..., Any]],
+) -> SplitStage:
+    """The joint graph cut into forward, B and W ([Note: B/W split]); `counts`: the INPUT args', the WEIGHT args' and
+    the parameters' gradients the joint graph returns after the outputs, in that order."""
+    nodes = list(traced.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    tangent_nodes = placeholders[n_state + n_args :]
+    output = nodes[-1]
+    flat = list(output.args[0])  # make_fx flattens (outputs, grads)
+    n_in, n_weight, n_param = counts
+    split = len(flat) - n_in - n_weight - n_param
+    outs, arg_grads = flat[:split], flat[split : split + n_in]
+    param_grads = flat[split + n_in + n_weight :] + flat[split + n_in : split + n_in + n_weight]
+    calls = [n for n in nodes if n.op == "call_function"]
+
+    after_tangents = _descendants(tangent_nodes)
+    fwd = _ancestors([o for o in outs if isinstance(o, fx.Node)]) | {n for n in calls if _impure(n)}
+    fwd = {n for n in fwd if n.op == "call_function" and n not in after_tangents}
+    fwd |= {n for n in calls if n.target is operator.getitem and n.args[0] in fwd}  # save parts, not tuples
+    backward = [n for n in calls if n not in fwd]
+    b_set = _ancestors([g for g in arg_grads if g is not None]) & set(backward)
+    b_set |= {n for n in backward if n.target is operator.getitem and n.args[0] in b_set}
+    w_set = (_ancestors([g for g in param_grads if g is not None]) & set(backward)) - b_set
+
+    b_nodes = [n for n in backward if n in b_set]
+    w_nodes = [n for n in backward if n in w_set]
+    b_ext = _external(b_nodes, arg_grads)
+    w_ext = _external(w_nodes, param_grads)
+    from_b = [n for n in w_ext if n in b_set or n in tangent_nodes]
+    b_saved_nodes = [n for n in b_ext if n not in tangent_nodes]
+    w_saved_nodes = [n for n in w_ext if n not in from_b]
+    saved = list(dict.fromkeys(b_saved_nodes + w_saved_nodes))
+    index = {n: i for i, n in enumerate(saved)}
+
+    forward = _graph(traced, [n for n in calls if n in fwd], placeholders[: n_state + n_args], list(outs) + saved)
+    b_graph = _graph(traced, b_nodes, b_saved_nodes + tangent_nodes, arg_grads + from_b)
+    w_graph = _graph(traced, w_nodes, w_saved_nodes + from_b, param_grads)
+    return SplitStage(
+        forward=compile_fn(forward),
+        input_grad=compile_fn(b_graph),
+        weight_grad=compile_fn(w_graph),
+        n_outputs=len(outs),
+        tangents=tangents,
+        b_saved=tuple(index[n] for n in b_saved_nodes),
+        w_saved=tuple(index[n] for n in w_saved_nodes),
+        n_arg_grads=n_in,
+        n_param_grads=n_param,
+    )
+
+
+def _impure(node: fx.Node) -> bool:
+    """An op that writes into a tensor (a buffer's running statistics): it stays in the forward."""
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and schema.is_mutable
+
+
+def _ancestors(roots: Sequence[fx.Node]) -> set[fx.Node]:
+    """`roots` and every node they read, transitively."""
+    seen: set[fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
+
+
+def _descendants(roots: Sequence[fx.Node]) -> set[fx.Node]:
+    """`roots` and every node that reads them, transitively."""
+    seen: set[fx.Node] = set()
+    stack = list(roots)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.users)
+    return seen
+
+
+def _external(nodes: Sequence[fx.Node], results: Sequence[fx.Node | None]) -> list[fx.Node]:
+    """The values a graph of `nodes` returning `results` reads from outside (constants excepted), in first-use
+    order."""
+    inside = set(nodes)
+    out: dict[fx.Node, None] = {}
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg not in inside and arg.op != "get_attr":
+                out[arg] = None
+    for result in results:
+        if result is not None and result not in inside and result.op != "get_attr":
+            out[result] = None
+    return list(out)
+
+
+def _graph(
+    traced: fx.GraphModule, nodes: Sequence[fx.Node], inputs: Sequence[fx.Node], results: Sequence[fx.Node | None]
+) -> fx.GraphModule:
+    """A graph of `nodes` (in order) taking `inputs` and returning `results` (None stays None); the constants it
+    reads are copied from `traced`."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, node in enumerate(inputs):
+        env[node] = graph.placeholder(f"in{i}")
+
+    def lookup(node: fx.Node) -> fx.Node:
+        if node not in env:  # a constant lifted by the trace
+            assert node.op == "get_attr", f"{node} is read before it is made"
+            env[node] = graph.node_copy(node)
+        return env[node]
+
+    for node in nodes:
+        env[node] = graph.node_copy(node, lookup)
+    graph.output(tuple(lookup(r) if r is not None else None for r in results))
+    return fx.GraphModule(traced, graph)
