@@ -7,7 +7,7 @@ the next window's early bubbles (absolute start = pos + late*L); NoOverlap per d
 optional intervals choose the inversion's device; a cumulative per device holds activations and the a/e kept
 by deferred curvature under the budget. `solve_window` finds any placement (feasibility) or the least
 staleness, the sum of use offsets. The model stays inside this module: solutions come out as
-`planner.solution.GroupSolution`. Every call runs within a share of the planner's clock (`planner.budget.Meter`:
+`planner.solution.GroupSolution`. Every call runs within a share of the planner's clock (`planner.budget.Budget`:
 CP-SAT's deterministic time by default, so its stopping points, and the plan, do not depend on the machine's
 load) and is charged to it.
 """
@@ -23,7 +23,7 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from fxkfac.planner.budget import MIN_CALL, Meter
+from fxkfac.planner.budget import MIN_CALL, Budget
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.problem import SolveProgress, SolverConfig
 from fxkfac.planner.solution import GroupSolution, use_offsets
@@ -315,7 +315,7 @@ def solve_window(
     w: Window,
     config: SolverConfig,
     time_limit: float,
-    meter: Meter,
+    meter: Budget,
     hint: GroupSolution | None = None,
     *,
     optimize: bool = True,
@@ -399,7 +399,7 @@ CAP_SLACK = 0.99
 """A deterministic search that stopped unproven below this fraction of its budget was stopped by the wall cap."""
 
 
-def set_limits(params: Any, config: SolverConfig, meter: Meter, limit: float) -> None:
+def set_limits(params: Any, config: SolverConfig, meter: Budget, limit: float) -> None:
     """CP-SAT's limits, workers and seed for one call of `limit` in the meter's unit. Deterministic: one
     thread running the few-worker portfolio in turn (CP-SAT's sequential loop; 2 threads are
     deterministic only with interleave_search, which spent more deterministic and wall time for worse

@@ -3,7 +3,7 @@
 `least_period` is the period search both window models run (planner/cpsat.py for a group's fixed distributions,
 planner/joint_search.py for the joint choice); `least_group_period` runs it on the CP-SAT window model, from the
 lower bounds (planner/step_timeline.py, planner/packing_bound.py) and first-fit's placement (planner/greedy.py),
-within a share of the planner's clock (`planner.budget.Meter`); `refine_group` then lowers the stretch and the
+within a share of the planner's clock (`planner.budget.Budget`); `refine_group` then lowers the stretch and the
 staleness at that period. `solve` runs the first for every group before the second for any
 (planner/attempt.py `_solve_groups`): refresh periods come first in how plans rank (`planner.plan.rank`).
 """
@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol, TypeVar
 
-from fxkfac.planner.budget import Meter
+from fxkfac.planner.budget import Budget
 from fxkfac.planner.cpsat import solve_window
 from fxkfac.planner.packing_bound import group_lower_bound
 from fxkfac.planner.problem import Problem, SolverConfig, StageGroup
@@ -49,7 +49,7 @@ def least_group_period(
     fused: frozenset[str],
     config: SolverConfig,
     time_limit: float,
-    meter: Meter,
+    meter: Budget,
     greedy: GroupSolution | None = None,
     *,
     stats_chunk: int = 1,
@@ -87,7 +87,7 @@ def least_group_period(
 
 
 def refine_group(
-    period: Period, allowance: Allowance, config: SolverConfig, time_limit: float, meter: Meter
+    period: Period, allowance: Allowance, config: SolverConfig, time_limit: float, meter: Budget
 ) -> GroupSolution | None:
     """The second pass at the period found: the least stretch, then the least staleness, within `time_limit` of
     `meter`'s clock; None when neither that placement nor first-fit's fits the memory budget."""
@@ -205,7 +205,7 @@ def _climb(probe: Probe[S], left: Left, share: float, lower: int, top: int) -> t
 
 
 def refine_stretch(
-    found: GroupSolution, allowance: Allowance, config: SolverConfig, meter: Meter, time_limit: float
+    found: GroupSolution, allowance: Allowance, config: SolverConfig, meter: Budget, time_limit: float
 ) -> tuple[GroupSolution, bool]:
     """The least stretch at found's k (bisected, CP-SAT feasibility, within `time_limit` of `meter`'s
     clock), and whether it is proven least; `allowance` gives the grid (for errors that say what
@@ -214,7 +214,7 @@ def refine_stretch(
 
 
 def _least_stretch(
-    found: GroupSolution, allowance: Allowance, config: SolverConfig, meter: Meter, deadline: float
+    found: GroupSolution, allowance: Allowance, config: SolverConfig, meter: Budget, deadline: float
 ) -> tuple[GroupSolution, bool]:
     """Bisect the least stretch at found's k, spending at most half the time left (to `deadline` on
     `meter`'s clock) on the probes."""
@@ -242,7 +242,7 @@ def _least_stretch(
 
 
 def _least_stale(
-    found: GroupSolution, config: SolverConfig, meter: Meter, left: float, proven: int, stretch_proven: bool = True
+    found: GroupSolution, config: SolverConfig, meter: Budget, left: float, proven: int, stretch_proven: bool = True
 ) -> GroupSolution:
     """Minimize staleness at the found k and stretch within `left` of `meter`'s clock, warm-started by
     `found` (kept when the solver does worse); its status says whether it is proven optimal."""

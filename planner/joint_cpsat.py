@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 
 from ortools.sat.python import cp_model
 
-from fxkfac.planner.budget import MIN_CALL, Meter
+from fxkfac.planner.budget import MIN_CALL, Budget
 from fxkfac.planner.cpsat import (
     CAP_SLACK,
     Vars,
@@ -275,7 +275,7 @@ def solve_window(
     frame: Frame,
     config: SolverConfig,
     limit: float,
-    meter: Meter,
+    meter: Budget,
     hint: JointPlacement | None,
     optimize: bool,
 ) -> tuple[str, JointPlacement | None]:
@@ -329,7 +329,7 @@ def _extract(
     )
 
 
-def energy_bound(w: Window, frame: Frame, base: int, config: SolverConfig, meter: Meter, limit: float) -> int:
+def energy_bound(w: Window, frame: Frame, base: int, config: SolverConfig, meter: Budget, limit: float) -> int:
     """The least step (ticks) at which some option set's work, each DECOMP on one rank of its option, fits every
     device's time beside its fixed work in w's k steps, at least `base` and at most w's step (`base` when none was
     proven in `limit`)."""

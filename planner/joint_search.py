@@ -10,7 +10,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from fxkfac.planner.budget import Meter
+from fxkfac.planner.budget import Budget
 from fxkfac.planner.greedy import greedy_window
 from fxkfac.planner.group_search import least_period
 from fxkfac.planner.joint import JointPlacement, reference_step, reference_ticks, window_at
@@ -85,7 +85,7 @@ class _Group:
         """The longest step the window of k steps may have: the reference and the whole stretch allowance."""
         return self.base + self.cap(k)
 
-    def first_fit(self, k: int, step: int, meter: Meter) -> JointPlacement | None:
+    def first_fit(self, k: int, step: int, meter: Budget) -> JointPlacement | None:
         """First-fit of each candidate's distributions at period k with steps of `step` ticks: the first that places
         within the budget, as a joint placement."""
         for problem, reference in self.candidates:
@@ -110,7 +110,7 @@ def solve_joint_group(
     cap: Cap,
     config: SolverConfig,
     time_limit: float,
-    meter: Meter,
+    meter: Budget,
     *,
     stats_chunk: int,
 ) -> JointPlacement | None:
@@ -154,7 +154,7 @@ def solve_joint_group(
 
 
 def _least_step(
-    g: _Group, found: JointPlacement, config: SolverConfig, meter: Meter, deadline: float
+    g: _Group, found: JointPlacement, config: SolverConfig, meter: Budget, deadline: float
 ) -> JointPlacement:
     """The shortest step at found's k: first-fit of the candidates bisected first (cheap per probe, but each builds
     a window per candidate: at most half the time left), then CP-SAT feasibility probes below it, spending at most
@@ -201,7 +201,7 @@ def _least_stretch_bound(w: Window, frame: Frame) -> int:
     )
 
 
-def _least_stale(g: _Group, found: JointPlacement, config: SolverConfig, meter: Meter, left: float) -> JointPlacement:
+def _least_stale(g: _Group, found: JointPlacement, config: SolverConfig, meter: Budget, left: float) -> JointPlacement:
     """Least staleness at found's k and step, warm-started by `found` (kept when the solver does worse)."""
     hint = found if config.use_greedy_hint or found.status != "GREEDY" else None
     status, best = solve_window(

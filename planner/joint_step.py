@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
-from fxkfac.planner.budget import MIN_CALL, Meter
+from fxkfac.planner.budget import MIN_CALL, Budget
 from fxkfac.planner.cpsat import set_limits
 from fxkfac.planner.joint import (
     apply_seconds,
@@ -155,7 +155,7 @@ class StepChoice:
 
 
 def least_step(
-    problem: Problem, free: frozenset[int], fixed_end: float, config: SolverConfig, meter: Meter, time_limit: float
+    problem: Problem, free: frozenset[int], fixed_end: float, config: SolverConfig, meter: Budget, time_limit: float
 ) -> StepChoice | None:
     """The free stages' layer distributions that make the least reference step (`planner.joint.reference_step`:
     `fixed_end`, and each free stage's all-reduce end plus its slot) within every device's static bytes and
@@ -225,7 +225,7 @@ def _minimize_decomp_load(
     m.minimize(load)
 
 
-def make_solver(config: SolverConfig, meter: Meter, limit: float) -> cp_model.CpSolver:
+def make_solver(config: SolverConfig, meter: Budget, limit: float) -> cp_model.CpSolver:
     """A solver with the planner's limits for one call of `limit` in `meter`'s unit."""
     solver = cp_model.CpSolver()
     set_limits(solver.parameters, config, meter, max(meter.units(MIN_CALL), limit))

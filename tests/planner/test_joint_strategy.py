@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from fxkfac.planner.budget import Meter
+from fxkfac.planner.budget import Budget
 from fxkfac.planner.choose import solve_outer, solve_with_strategy, strategy_of
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.hardware import HARDWARE
@@ -104,7 +104,7 @@ def test_least_step_is_the_least_over_every_option_set(budget: str | None) -> No
         problem = dataclasses.replace(problem, memory_budget=(least + comm) // 2)
     free = frozenset(range(problem.num_stages)) - timeline_stages(problem)
     assert free == {0, 1}  # 1F1B: each stage's slot comes after its copies' fixed work
-    meter = Meter(True, time.perf_counter() + 60)
+    meter = dataclasses.replace(Budget.untimed(), cap=time.perf_counter() + 60)
     choice = least_step(problem, free, step_fixed_end(problem, free), QUICK, meter, 10.0)
     assert choice is not None
     chosen = problem.with_distributions(choice.distributions)
