@@ -110,6 +110,8 @@ class Budget:
     overtime: float
     deadline: float
     cutoff: float
+    limit: float = float("inf")
+    """The whole time limit in the clock's unit, for a search that takes a fixed fraction of it (not of a part)."""
     tally: _Tally = field(default_factory=_Tally)
     made: dict[Any, Any] = field(default_factory=dict)
 
@@ -128,7 +130,7 @@ class Budget:
         units = DTIME_PER_SECOND if deterministic else 1.0
         now = 0.0 if deterministic else started
         end = now + solving * units
-        return Budget(deterministic, cap, end, overtime * units, end, end + overtime * units)
+        return Budget(deterministic, cap, end, overtime * units, end, end + overtime * units, limit * units)
 
     @staticmethod
     def untimed(deterministic: bool = True) -> Budget:
@@ -215,10 +217,11 @@ class Budget:
 
     def part(self, fraction: float) -> Budget:
         """A candidate's part of the whole that keeps the rest for what follows: the view whose end (and so every
-        share taken of it) lies at `fraction` of the CP-SAT time left; what it leaves unspent stays in the whole."""
+        share taken of it) lies at `fraction` of the CP-SAT time left, its cutoff as far past it as this view's is
+        past its end (`part(1)` is the same time as this view); what it leaves unspent stays in the whole."""
         now = self.now()
         end = now + max(0.0, self.end - now) * fraction
-        return replace(self, end=end, deadline=end, cutoff=end + self.overtime / 2)
+        return replace(self, end=end, deadline=end, cutoff=end + max(0.0, self.cutoff - self.end))
 
     def over(self) -> bool:
         """Whether the time for solving is spent, greedy's half of the overtime past the end included."""

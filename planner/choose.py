@@ -140,6 +140,7 @@ def solve_with_strategy(
     *,
     suggest: bool = True,
     each: Each | None = None,
+    reference: Callable[[Problem], float] | None = None,
 ) -> Plan:
     """`solve` with every layer under `strategy`, or, when it is None, the best plan of the outer search
     (`solve_outer`: each candidate distribution planned as a forced one would be, by `each`) and, where that applies
@@ -149,8 +150,7 @@ def solve_with_strategy(
     budget = budget or Budget.of(config)
     if strategy is not None:
         return solve(problem.with_strategy(strategy), config, method, budget=budget, suggest=suggest)
-    joint = _joint_applies(problem, method, budget)
-    return solve_outer(problem, config, method, budget, joint=joint, suggest=suggest, each=each)
+    return solve_outer(problem, config, method, budget, joint=None, suggest=suggest, each=each, reference=reference)
 
 
 Each = Callable[[Problem, Budget, int], Plan]
@@ -170,6 +170,12 @@ def least_overhead(planned: Callable[[float], T]) -> tuple[T, float | None]:
             raise
         log.info("the bubbles alone cannot hold the work: planning with max_overhead %.4g", e.max_overhead)
         return planned(e.max_overhead), e.max_overhead
+
+
+def _applies(joint: bool | None, problem: Problem, method: Method | str, budget: Budget) -> bool:
+    """`joint` as given, or when None whether the joint choice applies (`_joint_applies`): asked only where it
+    would run, after the candidates at max_overhead 0, so that they are planned in the time a forced one has."""
+    return _joint_applies(problem, method, budget) if joint is None else joint
 
 
 def _joint_applies(problem: Problem, method: Method | str, budget: Budget | None = None) -> bool:
@@ -223,9 +229,10 @@ def solve_outer(
     method: Method | str = Method.CPSAT,
     budget: Budget | None = None,
     *,
-    joint: bool = False,
+    joint: bool | None = False,
     suggest: bool = True,
     each: Each | None = None,
+    reference: Callable[[Problem], float] | None = None,
 ) -> Plan:
     """The best of `candidate_problems`, each planned in full by `each` (`_plan_each`; `solve` when None) within the
     time left in
@@ -233,15 +240,21 @@ def solve_outer(
     reference step lets them win (`_hopeful_first`) and, with `joint`, the joint choice (`solve_joint`): at
     max_overhead 0 those candidates first, then the joint choice in the CP-SAT time they left (all of it where none
     planned); above it the other way round ([Note: strategy search]); the other candidates only where none of those
-    plans. When none plans, the first's refusal names what would (`suggest`; else a refusal naming nothing)."""
+    plans. `joint` None: the joint choice runs where `_joint_applies`, asked when it would run. `reference`: the
+    least reference step a candidate's planning by `each` can reach (its streaming included). When none plans,
+    the first's refusal names what would (`suggest`; else a refusal naming nothing)."""
     budget = budget or Budget.of(config)
-    candidates, hopeful = _hopeful_first(candidate_problems(problem))
+    candidates, hopeful = _hopeful_first(candidate_problems(problem), reference)
     timed = Method(method) is Method.CPSAT
-    joint_first = joint and problem.max_overhead > 0
+    joint_first = problem.max_overhead > 0 and _applies(joint, problem, method, budget)
     plans = _joint(problem, config, budget) if joint_first else []
     plan_one = each or _solve_each(config, method)
     plans += _plan_each(candidates[:hopeful], plan_one, budget, timed, after=bool(plans))
-    if joint and not joint_first and (not plans or budget.solving().solver_time() > 0):
+    if (
+        problem.max_overhead <= 0
+        and (not plans or budget.solving().solver_time() > 0)
+        and _applies(joint, problem, method, budget)
+    ):
         plans += _joint(problem, config, budget)
     if plans and hopeful < len(candidates):
         log.info(
@@ -299,14 +312,19 @@ def _plan_each(
     return plans
 
 
-def _hopeful_first(candidates: Sequence[Problem]) -> tuple[list[Problem], int]:
+def _hopeful_first(
+    candidates: Sequence[Problem], reference: Callable[[Problem], float] | None = None
+) -> tuple[list[Problem], int]:
     """The candidates whose plans can lie within the allowance `best` keeps (a plan's step is not below its reference
     step, which must lie within max_overhead, and STEP_TIE, of the least of all), then the others (planned only where
     none of the first plans), each in its order, and how many come first: the time goes to the distributions that
-    can win (at max_overhead 0, those of the least reference step)."""
+    can win (at max_overhead 0, those of the least reference step). `reference`: the least reference step a
+    candidate's planning reaches (its streaming), where that may be below its own: such a candidate can win against
+    the least of the others' own steps (issue 38: forced COMM-OPT streamed beat MEM-OPT, the least unstreamed)."""
     steps = [step_timeline(c).length for c in candidates]
+    reach = steps if reference is None else [min(t, reference(c)) for c, t in zip(candidates, steps, strict=True)]
     least = min(steps)
-    wins = [t <= least * (1 + c.max_overhead + STEP_TIE) for c, t in zip(candidates, steps, strict=True)]
+    wins = [t <= least * (1 + c.max_overhead + STEP_TIE) for c, t in zip(candidates, reach, strict=True)]
     first = [c for c, w in zip(candidates, wins, strict=True) if w]
     return first + [c for c, w in zip(candidates, wins, strict=True) if not w], len(first)
 

@@ -27,8 +27,9 @@ from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig
 from fxkfac.planner.recompute import plan_recomputing
 from fxkfac.planner.solve import solve
+from fxkfac.planner.step_timeline import step_timeline
 from fxkfac.planner.strategy import Strategy
-from fxkfac.planner.stream_choice import StreamApply, solve_streamed
+from fxkfac.planner.stream_choice import StreamApply, solve_streamed, with_streaming
 
 __all__ = ["Distributions", "Overhead", "SearchOptions", "TimeLimit", "plan"]
 
@@ -133,17 +134,44 @@ def plan(
         """`solved` with streaming where it pays (`planner.stream_choice.solve_streamed`)."""
         return solve_streamed(p, solved, options.stream_apply, whole_backward=options.whole_backward, budget=view)
 
+    choices: dict[int, tuple[Problem, Problem]] = {}
+
+    def streaming_of(p: Problem) -> Problem:
+        """`p` with the streaming a forced planning of it would choose (`with_streaming`, once per candidate)."""
+        if id(p) not in choices:
+            keep = options.stream_apply is StreamApply.KEEP_REFRESH
+            choices[id(p)] = (p, with_streaming(p, options.whole_backward, keep_bounds=keep, budget=whole))
+        return choices[id(p)][1]
+
+    def reference(p: Problem) -> float:
+        """The least reference step a candidate reaches, streaming included: the choice's allowance is of it."""
+        return step_timeline(streaming_of(p)).length
+
     def candidate(p: Problem, view: Budget, shares: int) -> Plan:
-        """One distribution of the choice, planned as forcing it would be (streaming included), in its share."""
-        return streamed(p, view.part(1 / shares))
+        """One distribution of the choice, planned as forcing it would be (streaming included): with all the time
+        left, so the first that can win is planned as forcing it would be, and the others in what it leaves (the
+        `shares` left are not taken); its refusal names nothing (the choice's own refusal searches what would plan)."""
+
+        def quiet(q: Problem, b: Budget, *, suggest: bool = True) -> Plan:
+            return solved(q, b, suggest=False)
+
+        return solve_streamed(
+            p,
+            quiet,
+            options.stream_apply,
+            whole_backward=options.whole_backward,
+            budget=view,
+            streamed=streaming_of(p),
+        )
 
     def placed(p: Problem) -> Plan:
         """The placement: the distributions chosen, each candidate with streaming where it pays (issue 38: so the
         choice is never worse than a forced candidate), or those of `p` (forced, then only the layers the strategy
         leaves COMM-OPT may stream, or given)."""
         if options.strategy is Distributions.CHOSEN:
-            each = None if options.stream_apply is StreamApply.OFF else candidate
-            return solve_with_strategy(p, None, config, method, budget=own(whole), each=each)
+            if options.stream_apply is StreamApply.OFF:
+                return solve_with_strategy(p, None, config, method, budget=own(whole))
+            return solve_with_strategy(p, None, config, method, budget=own(whole), each=candidate, reference=reference)
         given = p.with_strategy(options.strategy) if isinstance(options.strategy, Strategy) else p
         return streamed(given, whole)
 

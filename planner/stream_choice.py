@@ -125,7 +125,8 @@ def with_streaming(
     rank holds the stage, or where it already streams. `whole_backward`: the stages run
     compiled, each backward making every gradient at its end (`Streaming.whole_backward`): the helper then only
     applies its layers beside the owner. Each candidate's simulations are charged to `budget`, and the search keeps
-    the best found so far once its part (STREAM_CHOICE_PART of the time left when it began) is spent."""
+    the best found so far once it has spent STREAM_CHOICE_PART of the whole time limit (of the limit, not of what is
+    left: a candidate distribution of the choice streams as it would forced, `planner.plan`)."""
     if problem.streaming is not None or len(copies_of_stage(problem, STREAMED_STAGE)) == len(problem.devices):
         return problem
     names = _streamable(problem)
@@ -134,10 +135,10 @@ def with_streaming(
     bounds, length = _bounds(problem) if keep_bounds else None, step_timeline(problem).length
     best: tuple[float, float, int] | None = None
     chosen = problem
-    mine = None if budget is None else budget.part(STREAM_CHOICE_PART)
+    stop = None if budget is None else budget.now() + budget.limit * STREAM_CHOICE_PART
     for helpers in _helper_sets(_helpers(problem)):
         for n in range(len(helpers), len(names) + 1):
-            if mine is not None and best is not None and mine.solver_time() <= 0:
+            if budget is not None and stop is not None and best is not None and budget.now() >= stop:
                 log.info("streaming choice: its part of the time limit is spent; the best found so far is kept")
                 return chosen
             streaming = Streaming(STREAMED_STAGE, _assign(names[:n], helpers), tuple(names[:n]), whole_backward)
@@ -160,7 +161,7 @@ def _simulated_ops(step: StepTimeline) -> int:
 
 
 STREAM_CHOICE_PART = 0.1
-"""Of the time left, the most the streaming choice's simulations take before it keeps the best found so far."""
+"""Of the whole time limit, the most the streaming choice's simulations take before it keeps the best found so far."""
 
 
 def solve_streamed(
@@ -169,6 +170,7 @@ def solve_streamed(
     policy: StreamApply = StreamApply.KEEP_REFRESH,
     whole_backward: bool = False,
     budget: Budget | None = None,
+    streamed: Problem | None = None,
 ) -> Plan:
     """`solve` the problem with streaming where `with_streaming` finds some (`policy` not OFF), else as given.
     KEEP_REFRESH: a streamed plan whose refresh periods are the unstreamed problem's lower bounds is kept (no plan
@@ -177,11 +179,13 @@ def solve_streamed(
     Without a streamed plan, the unstreamed one; each choice is logged. `whole_backward`: as `with_streaming`'s.
     Only the unstreamed problem's refusal is raised: the other solves search no suggestions (`Solver`). Everything
     runs in `budget` (a new one of the default SolverConfig when None): the streamed try in STREAMED_PART of it
-    where the unstreamed may follow, the unstreamed one in the rest."""
+    where the unstreamed may follow, the unstreamed one in the rest. `streamed`: the streaming choice, where made
+    already (`with_streaming` of `problem`)."""
     budget = budget or Budget.of(SolverConfig())
     if policy is StreamApply.OFF:
         return solve(problem, budget)
-    streamed = with_streaming(problem, whole_backward, keep_bounds=policy is StreamApply.KEEP_REFRESH, budget=budget)
+    if streamed is None:
+        streamed = with_streaming(problem, whole_backward, policy is StreamApply.KEEP_REFRESH, budget)
     if streamed is problem:
         return solve(problem, budget)
     assert streamed.streaming is not None, "with_streaming returns a streaming problem or the same one"
