@@ -12,7 +12,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from fxkfac.planner.assemble import Attempt, assemble_attempt, same_stretch
-from fxkfac.planner.budget import OVERTIME, Budget
+from fxkfac.planner.budget import Budget
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.errors import InfeasibleBudgetError, Knob, PlanError
 from fxkfac.planner.ir import OpKind
@@ -240,14 +240,13 @@ def _second_pass(
 
 def _share(problem: Problem, clock: Budget, later: int, *, reserve: bool) -> float | None:
     """A group's share of the solver time left, `later` groups sharing it (None: none is left). Under a memory
-    budget, with `reserve` (the group has no placement within it yet), half the time is kept for the rounds that
-    fuse more curvature if this one finds no fit; a group first-fit places within the budget needs none."""
-    left = clock.solver_time()
-    if left <= 0:
-        return None
-    if problem.memory_budget is not None and reserve:
-        left /= 2
-    return max(clock.units(0.1), left / later)
+    budget, with `reserve` (the group has no placement within it yet), FUSING_RESERVE of the time is kept for the
+    rounds that fuse more curvature if this one finds no fit; a group first-fit places within the budget needs none."""
+    return clock.share(later, keep=FUSING_RESERVE if problem.memory_budget is not None and reserve else 0.0)
+
+
+FUSING_RESERVE = 0.5
+"""Of the CP-SAT time left, the part a group with no placement within the memory budget keeps for fusing rounds."""
 
 
 def _next_fused(problem: Problem, attempt: Attempt, fused: frozenset[str], *, by_excess: bool) -> frozenset[str] | None:
@@ -378,10 +377,7 @@ def _fitted(
             why = (
                 "even with all their curvature fused"
                 if nxt is None
-                else (
-                    f"before the time limit ({config.time_limit_s:g} s + {OVERTIME / 2:g} s) ran out, "
-                    f"{len(fused)} layers fused"
-                )
+                else (f"before the time limit ({config.time_limit_s:g} s) ran out, {len(fused)} layers fused")
             )
             raise Refused(
                 InfeasibleBudgetError(

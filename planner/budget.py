@@ -73,6 +73,9 @@ SIMULATED_DTIME_PER_OP = 1e-6
 candidates, the distribution choice's reference steps): BERT-Large Chimera D=8 simulated 267 steps of about
 2,000 ops each in 5.2 s (load ~1.5), about 10 us an op, i.e. 1e-6 deterministic seconds at DTIME_PER_SECOND."""
 
+MIN_SHARE = 0.1
+"""Least time, in seconds of the limit, a share of the CP-SAT time left gives a search (`Budget.share`)."""
+
 MIN_CALL = 0.05
 """Least time one CP-SAT call gets, in the budget's unit of the wall clock (seconds; converted when
 deterministic): enough to load a model and check a hint."""
@@ -222,6 +225,14 @@ class Budget:
         now = self.now()
         end = now + max(0.0, self.end - now) * fraction
         return replace(self, end=end, deadline=end, cutoff=end + max(0.0, self.cutoff - self.end))
+
+    def share(self, shares: int, *, keep: float = 0.0) -> float | None:
+        """One of `shares` searches' share of the CP-SAT time left, in the clock's unit, after `keep` of it is kept
+        for what follows them (at least MIN_SHARE seconds' worth); None when none is left."""
+        left = self.solver_time()
+        if left <= 0:
+            return None
+        return max(self.units(MIN_SHARE), left * (1 - keep) / shares)
 
     def over(self) -> bool:
         """Whether the time for solving is spent, greedy's half of the overtime past the end included."""

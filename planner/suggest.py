@@ -8,7 +8,7 @@ from dataclasses import replace
 from decimal import ROUND_CEILING, Decimal
 
 from fxkfac.planner.attempt import Method, Refused, attempt_plan, stats_chunk_of
-from fxkfac.planner.budget import OVERTIME, Budget
+from fxkfac.planner.budget import Budget
 from fxkfac.planner.errors import InfeasibleBudgetError, Knob, PlanError, ScheduleError, Suggestion
 from fxkfac.planner.hardware import HARDWARE
 from fxkfac.planner.memory import min_memory_bytes
@@ -19,6 +19,9 @@ from fxkfac.planner.stretch import Allowance
 from fxkfac.planner.window_build import grid_scale
 
 __all__ = ["with_suggestions"]
+
+STRETCH_SEARCH_S = 5.0
+"""The most seconds of the limit (and at most half the time left) CP-SAT refines the least stretch of one group."""
 
 
 # Suggestions: each refusal searches the knobs that may lift it, upward from the refused value, and
@@ -61,8 +64,7 @@ def _suggestion_text(
         return "Solved with: " + "; or ".join(_describe(problem, s) for s in found)
     if timed_out:
         return (
-            f"Nothing that plans it was found before the time ran out ({config.time_limit_s:g} s + "
-            f"{OVERTIME:g} s): "
+            f"Nothing that plans it was found before the time ran out (time limit {config.time_limit_s:g} s): "
             f"searched {'; '.join(searched) or 'nothing'}; a longer time limit searches further"
         )
     return f"Nothing plans it: no {'; no '.join(searched)}"
@@ -285,7 +287,7 @@ def _overhead_estimate(
             from fxkfac.planner.group_search import refine_stretch
 
             found, least = refine_stretch(
-                found, grid, config, until, min(until.units(min(5.0, config.time_limit_s)), left / 2)
+                found, grid, config, until, min(until.units(min(STRETCH_SEARCH_S, config.time_limit_s)), left / 2)
             )
         upper, proven = max(upper, found.window.stretch), proven and least
     need = _overhead(problem, fused, problem.max_period, upper, grid)
