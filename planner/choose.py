@@ -322,9 +322,13 @@ def _hopeful_first(
     candidate's planning reaches (its streaming), where that may be below its own: such a candidate can win against
     the least of the others' own steps (issue 38: forced COMM-OPT streamed beat MEM-OPT, the least unstreamed)."""
     steps = [step_timeline(c).length for c in candidates]
-    reach = steps if reference is None else [min(t, reference(c)) for c, t in zip(candidates, steps, strict=True)]
     least = min(steps)
-    wins = [t <= least * (1 + c.max_overhead + STEP_TIE) for c, t in zip(candidates, reach, strict=True)]
+
+    def win(c: Problem, step: float) -> bool:
+        most = least * (1 + c.max_overhead + STEP_TIE)
+        return step <= most or (reference is not None and reference(c) <= most)  # streamed only where it must be
+
+    wins = [win(c, t) for c, t in zip(candidates, steps, strict=True)]
     first = [c for c, w in zip(candidates, wins, strict=True) if w]
     return first + [c for c, w in zip(candidates, wins, strict=True) if not w], len(first)
 

@@ -160,7 +160,7 @@ def _simulated_ops(step: StepTimeline) -> int:
     return sum(len(ops) for ops in step.ops.values())
 
 
-STREAM_CHOICE_PART = 0.1
+STREAM_CHOICE_PART = 0.05
 """Of the whole time limit, the most the streaming choice's simulations take before it keeps the best found so far."""
 
 
