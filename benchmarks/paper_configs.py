@@ -194,7 +194,7 @@ def planned(
         strategy=Distributions.CHOSEN if strategy is None else strategy,
         stream_apply=stream,
         whole_backward=False,  # eager stages, as the paper ran them
-        time_limit=TimeLimit.EACH_SOLVE,  # as `fxkfac plan`
+        time_limit=TimeLimit.EACH_SOLVE,  # each placement the whole limit, as the golden set recorded the table
     )
     try:
         plan = plan_search(problem, search)

@@ -37,6 +37,7 @@ from benchmarks.paper_configs import CONFIGS
 from benchmarks.paper_configs import Config as PaperConfig
 from benchmarks.paper_configs import costs_of as paper_costs
 from fxkfac.planner import (
+    Budget,
     CostTable,
     Distributions,
     Method,
@@ -50,7 +51,6 @@ from fxkfac.planner import (
     Strategy,
     StrategyKind,
     StreamApply,
-    TimeBox,
     TimeLimit,
 )
 from fxkfac.planner import plan as plan_search
@@ -74,24 +74,24 @@ Outcome = dict[str, Any]
 
 
 class Boxes:
-    """The TimeBoxes of one case's planning (one per `plan` it runs), for the deterministic time spent."""
+    """The Budgets of one case's planning (one per placement under EACH_SOLVE), for the deterministic time spent."""
 
     def __init__(self) -> None:
-        self.boxes: list[TimeBox] = []
+        self.boxes: list[Budget] = []
 
-    def new(self, config: SolverConfig) -> TimeBox:
-        box = TimeBox(config)
+    def new(self, config: SolverConfig) -> Budget:
+        box = Budget.of(config)
         self.boxes.append(box)
         return box
 
     @property
     def spent(self) -> float:
-        return sum(b.meter.spent for b in self.boxes)
+        return sum(b.tally.spent for b in self.boxes)
 
     @property
     def capped(self) -> bool:
         """Whether the wall-clock safety net, not the deterministic budget, ended a search (a loaded machine)."""
-        return any(b.meter.capped for b in self.boxes)
+        return any(b.capped for b in self.boxes)
 
 
 def _outcome(plan: Plan, boxes: Boxes) -> Outcome:
@@ -136,7 +136,7 @@ def _paper(cfg: PaperConfig, method: str, layers: ProfileLayers, barrier: StepBa
         search = SearchOptions(
             config, Method(method), stream_apply=StreamApply.KEEP_REFRESH, time_limit=TimeLimit.EACH_SOLVE
         )
-        return plan_search(problem, search, new_box=lambda: boxes.new(config))
+        return plan_search(problem, search, new_budget=lambda: boxes.new(config))
 
     scope = "global" if barrier is StepBarrier.WORLD else f"no-barrier/{layers.value}"
     return Case(f"paper {cfg.model} {cfg.schedule} D={cfg.D} {scope} {method}", False, plan)
@@ -159,7 +159,7 @@ def scaling_case(D: int) -> Case:
     def plan(boxes: Boxes) -> Plan:
         costs = load_cost_table("paper:bert-large/p100", blocks_per_stage=3, n_stages=D, micro_batch_size=32)
         search = SearchOptions(config, strategy=Distributions.GIVEN, stream_apply=StreamApply.OFF)
-        return plan_search(Problem("1f1b", D, D, costs), search, box=boxes.new(config))
+        return plan_search(Problem("1f1b", D, D, costs), search, budget=boxes.new(config))
 
     return Case(f"planner_scaling D={D}", False, plan)
 
@@ -175,7 +175,7 @@ def demo_case() -> Case:
         search = SearchOptions(
             config, stream_apply=StreamApply.KEEP_REFRESH, overhead=Overhead.LEAST, time_limit=TimeLimit.EACH_SOLVE
         )
-        return plan_search(problem, search, new_box=lambda: boxes.new(config))
+        return plan_search(problem, search, new_budget=lambda: boxes.new(config))
 
     return Case("demo 1f1b D=2 N=4 (plan='auto')", False, plan)
 
@@ -200,7 +200,7 @@ def snippet_case(strategy: Strategy | None, limit: float, ci: bool = False) -> C
             whole_backward=True,
             time_limit=TimeLimit.EACH_SOLVE,
         )
-        return plan_search(snippet_problem(), search, new_box=lambda: boxes.new(config))
+        return plan_search(snippet_problem(), search, new_budget=lambda: boxes.new(config))
 
     words = "auto" if strategy is None else str(strategy)
     return Case(f"readme snippet 1f1b D=2 N=4 W=2 {words} {limit:g}s", ci, plan)
@@ -249,7 +249,7 @@ def random_cases(n: int = RANDOM) -> list[Case]:
     def case(i: int, problem: Problem) -> Case:
         def plan(boxes: Boxes) -> Plan:
             search = SearchOptions(config, stream_apply=StreamApply.OFF)
-            return plan_search(problem, search, box=boxes.new(config))
+            return plan_search(problem, search, budget=boxes.new(config))
 
         name = f"random {i:03d} {problem.schedule} D={problem.D} N={problem.N} W={problem.W}"
         return Case(name, i < RANDOM_CI, plan, digest(problem))

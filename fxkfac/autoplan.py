@@ -200,7 +200,7 @@ def solve_for(
         whole_backward=target.compiled,
         choose_recompute=checkpointing.mode is CheckpointMode.AUTO,
         overhead=Overhead.STRICT if strict else Overhead.LEAST,
-        time_limit=TimeLimit.EACH_SOLVE,  # as `fxkfac plan`: one problem, one plan (issue 38's launch)
+        time_limit=TimeLimit.WHOLE_SEARCH,  # as `fxkfac plan`: the time limit bounds the whole search
     )
     log.info("solving the plan of %s", target.describe())
     made = plan_search(problem, search) if not target.choices else _chosen_schedule(target, problem, search)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from dataclasses import dataclass, replace
 from decimal import Decimal
 from typing import TYPE_CHECKING
@@ -15,6 +16,7 @@ from fxkfac.cli_explain import explain, explain_choice, explain_comm, explain_ns
 from fxkfac.cli_schedule import AUTO_SCHEDULE, choose, render_choice
 from fxkfac.cli_targets import factory, is_factory
 from fxkfac.config import ActivationCheckpointing, CheckpointMode
+from fxkfac.planner import Budget as TimeBudget
 from fxkfac.planner import (
     CostTable,
     Distributions,
@@ -141,7 +143,7 @@ def _searches_block_size(args: argparse.Namespace) -> bool:
     )
 
 
-def _auto_block(args: argparse.Namespace, S: int, config: SolverConfig) -> BlockChoice:
+def _auto_block(args: argparse.Namespace, S: int, config: SolverConfig, budget: TimeBudget) -> BlockChoice:
     """The plan at the block side the planner chooses (`planner.block_size.choose_block_size`) for a preset."""
     from fxkfac.planner.block_size import block_candidates, choose_block_size
     from fxkfac.planner.presets import preset
@@ -154,16 +156,17 @@ def _auto_block(args: argparse.Namespace, S: int, config: SolverConfig) -> Block
         made = problem_of(args, cost_table(args, S, side))
         return choose_recompute(made) if auto else made
 
-    return choose_block_size(problem, candidates, config, args.method)
+    return choose_block_size(problem, candidates, config, args.method, budget)
 
 
-def _solved(args: argparse.Namespace, S: int, console: Console) -> Plan:
+def _solved(args: argparse.Namespace, S: int, console: Console, budget: TimeBudget) -> Plan:
     """The plan of the command line at --max-overhead, or, without it, at the least max_overhead that places the
-    work, 0 (the bubbles alone) where they hold it (`planner.Overhead.LEAST`, the API's default), said in one line."""
+    work, 0 (the bubbles alone) where they hold it (`planner.Overhead.LEAST`, the API's default), said in one line;
+    everything within `budget`, the command's --time-limit."""
     if args.max_overhead is not None or not _searches_block_size(args):
-        plan = _solved_at(args, S, console)
+        plan = _solved_at(args, S, console, budget)
     else:  # the block-size search plans each side itself (planner/block_size.py)
-        plan, _ = least_overhead(lambda value: _solved_at(_at_overhead(args, value), S, console))
+        plan, _ = least_overhead(lambda value: _solved_at(_at_overhead(args, value), S, console, budget))
     if args.max_overhead is None and plan.problem.max_overhead > 0:
         console.print(
             f"max overhead: the bubbles alone cannot hold the {words_of(plan.problem.costs).name} work; planned "
@@ -188,11 +191,11 @@ def search_options(args: argparse.Namespace) -> SearchOptions:
         whole_backward=not args.eager,
         choose_recompute=args.activation_checkpointing.mode is CheckpointMode.AUTO,
         overhead=Overhead.LEAST if args.max_overhead is None else Overhead.STRICT,
-        time_limit=TimeLimit.EACH_SOLVE,
+        time_limit=TimeLimit.WHOLE_SEARCH,
     )
 
 
-def _solved_at(args: argparse.Namespace, S: int, console: Console) -> Plan:
+def _solved_at(args: argparse.Namespace, S: int, console: Console, budget: TimeBudget) -> Plan:
     """The plan of the command line (`planner.plan`, under --max-overhead's rule), or the one the block-size search
     finds at its max_overhead (its choice printed as one line, and with --explain every side tried). --explain
     prints the model before solving (it explains a refusal too), after the search when there is one. Raises the
@@ -200,7 +203,7 @@ def _solved_at(args: argparse.Namespace, S: int, console: Console) -> Plan:
     search = search_options(args)
     if _searches_block_size(args):
         try:
-            choice = _auto_block(args, S, search.solver)
+            choice = _auto_block(args, S, search.solver, budget)
         except PlanError as e:
             raise _Refusal(e, memory_budget(args, device(args))) from None
         console.print(f"max_preconditioner_dim auto: {choice.reason}", markup=False)
@@ -216,7 +219,7 @@ def _solved_at(args: argparse.Namespace, S: int, console: Console) -> Plan:
         explain(args, costs, plain_step_time(problem), console)
         explain_comm(problem, console)
     try:
-        plan = plan_search(problem, search)
+        plan = plan_search(problem, search, budget=budget)
     except PlanError as e:
         raise _Refusal(e, memory_budget(args, costs.hardware)) from None
     if args.explain:
@@ -243,6 +246,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     from fxkfac.plan_view import planned_view, render_plan
     from fxkfac.show import chrome_trace
 
+    began = time.perf_counter()  # --time-limit bounds the whole command
     if args.time_limit <= 0:
         raise CliError(f"--time-limit must be > 0 seconds, got {args.time_limit:g}")
     if args.decomp_pieces < 1:
@@ -251,8 +255,9 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         plan = _auto_schedule(args, console)
     else:
         S = check_schedule(args)
+        config = search_options(args).solver
         try:
-            plan = _solved(args, S, console)
+            plan = _solved(args, S, console, TimeBudget.of(config, whole=True, began=began))
         except _Refusal as e:
             raise _refused(e, e.budget, args.activation_checkpointing) from None
     budget = memory_budget(args, plan.problem.costs.hardware)

@@ -7,6 +7,7 @@ own tests and for what is not planning (cost tables, schedules, the timeline).
 """
 
 from fxkfac.planner.attempt import Method
+from fxkfac.planner.budget import Budget
 from fxkfac.planner.costs import CostTable
 from fxkfac.planner.errors import (
     ConfigError,
@@ -26,12 +27,12 @@ from fxkfac.planner.plan_file import load_plan, parse_plan, read_plan
 from fxkfac.planner.plan_search import Distributions, Overhead, SearchOptions, TimeLimit, plan
 from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StepBarrier
 from fxkfac.planner.schedules import ScheduleKind
-from fxkfac.planner.solve import TimeBox
 from fxkfac.planner.strategy import Strategy, StrategyKind, parse_strategy
 from fxkfac.planner.stream_choice import StreamApply
 from fxkfac.planner.validate import check_plan, validate
 
 __all__ = [
+    "Budget",
     "ConfigError",
     "CostModelError",
     "CostTable",
@@ -57,7 +58,6 @@ __all__ = [
     "StrategyKind",
     "StreamApply",
     "Suggestion",
-    "TimeBox",
     "TimeLimit",
     "check_plan",
     "load_plan",

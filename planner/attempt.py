@@ -7,12 +7,12 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from fxkfac.planner.assemble import Attempt, assemble_attempt, same_stretch
-from fxkfac.planner.budget import Meter
+from fxkfac.planner.budget import Budget
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.errors import InfeasibleBudgetError, Knob, PlanError
 from fxkfac.planner.ir import OpKind
@@ -29,7 +29,7 @@ from fxkfac.planner.window import TaskKind, Window, longest_gaps, too_long
 if TYPE_CHECKING:
     from fxkfac.planner.group_search import Period
 
-__all__ = ["OVERTIME", "Method", "Clock", "Refused", "stats_chunk_of", "attempt_plan", "cheaper_fused"]
+__all__ = ["Method", "Refused", "stats_chunk_of", "attempt_plan", "cheaper_fused"]
 
 log = logging.getLogger(__name__)
 
@@ -40,46 +40,6 @@ class Method(StrEnum):
 
     CPSAT = "cpsat"
     GREEDY = "greedy"
-
-
-OVERTIME = 3.0
-"""Seconds planning may run past SolverConfig.time_limit_s: greedy placement once CP-SAT's time is up
-(fusing curvature to fit a memory budget) may take half; a refusal then solves with the values it would
-suggest until OVERTIME past the limit. A single greedy placement is not interrupted, so a planning ends
-within time_limit_s + OVERTIME plus at most that."""
-
-
-@dataclass(frozen=True)
-class Clock:
-    """`deadline`: when CP-SAT stops (greedy placement goes on); `cutoff`: when planning gives up; both
-    on `meter`'s clock (wall seconds, or deterministic seconds: planner/budget.py)."""
-
-    meter: Meter
-    deadline: float
-    cutoff: float
-    made: dict[tuple[Problem, Method], Plan] = field(default_factory=dict)
-    """Plans made on this clock's planning (its TimeBox's), by problem and method."""
-
-    def solver_time(self) -> float:
-        """Time CP-SAT has left, in the meter's unit (<= 0: place greedily)."""
-        return self.deadline - self.meter.now()
-
-    def left(self) -> float:
-        """Time left before planning gives up, in the meter's unit."""
-        return self.cutoff - self.meter.now()
-
-    def out(self) -> bool:
-        """Whether planning must give up now: at the cutoff, or past the meter's wall-clock safety cap."""
-        if self.meter.now() >= self.cutoff:
-            return True
-        if self.meter.wall_left() <= 0:
-            self.meter.note_capped("searching on")
-            return True
-        return False
-
-    def later(self, deadline: float, cutoff: float | None = None) -> Clock:
-        """The same meter with another deadline (and cutoff)."""
-        return Clock(self.meter, deadline, self.cutoff if cutoff is None else cutoff, self.made)
 
 
 class Refused(Exception):
@@ -175,7 +135,7 @@ class _Placing:
 
 
 def _solve_groups(
-    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, min_k: int, clock: Clock
+    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, min_k: int, clock: Budget
 ) -> Attempt:
     """Every stage group's solution at refresh periods >= min_k, in two passes: every group's least period first
     (`_first_pass`, the groups sharing the solver time left), then each one's stretch and staleness
@@ -226,7 +186,7 @@ def _first_pass(
     config: SolverConfig,
     method: Method,
     min_k: int,
-    clock: Clock,
+    clock: Budget,
     allowed: Allowance,
     group: StageGroup,
     stats_chunk: int,
@@ -247,7 +207,7 @@ def _first_pass(
             resolution=config.time_resolution,
             min_k=min_k,
             allowance=allowed,
-            meter=clock.meter,
+            meter=clock,
         )
     except PlanError:
         g = None
@@ -257,13 +217,13 @@ def _first_pass(
     from fxkfac.planner.group_search import least_group_period
 
     period = least_group_period(
-        problem, group, fused, config, share, clock.meter, g, stats_chunk=stats_chunk, min_k=min_k, allowance=allowed
+        problem, group, fused, config, share, clock, g, stats_chunk=stats_chunk, min_k=min_k, allowance=allowed
     )
     return _Placing(group, stats_chunk, g, period=period)
 
 
 def _second_pass(
-    problem: Problem, placing: _Placing, config: SolverConfig, clock: Clock, allowed: Allowance, *, later: int
+    problem: Problem, placing: _Placing, config: SolverConfig, clock: Budget, allowed: Allowance, *, later: int
 ) -> GroupSolution | None:
     """The group's solution: the first pass's, or its period refined (`refine_group`) with its share of the time
     left; without time, the period's placement as found (or first-fit's, where that one breaks the budget)."""
@@ -275,19 +235,18 @@ def _second_pass(
     share = _share(problem, clock, later, reserve=placed is None)
     if share is None:
         return placed
-    return refine_group(placing.period, allowed, config, share, clock.meter)
+    return refine_group(placing.period, allowed, config, share, clock)
 
 
-def _share(problem: Problem, clock: Clock, later: int, *, reserve: bool) -> float | None:
+def _share(problem: Problem, clock: Budget, later: int, *, reserve: bool) -> float | None:
     """A group's share of the solver time left, `later` groups sharing it (None: none is left). Under a memory
-    budget, with `reserve` (the group has no placement within it yet), half the time is kept for the rounds that
-    fuse more curvature if this one finds no fit; a group first-fit places within the budget needs none."""
-    left = clock.solver_time()
-    if left <= 0:
-        return None
-    if problem.memory_budget is not None and reserve:
-        left /= 2
-    return max(clock.meter.units(0.1), left / later)
+    budget, with `reserve` (the group has no placement within it yet), FUSING_RESERVE of the time is kept for the
+    rounds that fuse more curvature if this one finds no fit; a group first-fit places within the budget needs none."""
+    return clock.share(later, keep=FUSING_RESERVE if problem.memory_budget is not None and reserve else 0.0)
+
+
+FUSING_RESERVE = 0.5
+"""Of the CP-SAT time left, the part a group with no placement within the memory budget keeps for fusing rounds."""
 
 
 def _next_fused(problem: Problem, attempt: Attempt, fused: frozenset[str], *, by_excess: bool) -> frozenset[str] | None:
@@ -329,7 +288,7 @@ def _excess(problem: Problem, solution: GroupSolution) -> int:
     return max(peak_bytes(solution, d) - budget for d in solution.window.group.devices)
 
 
-def attempt_plan(problem: Problem, config: SolverConfig, method: Method, clock: Clock, began: float) -> Plan:
+def attempt_plan(problem: Problem, config: SolverConfig, method: Method, clock: Budget, began: float) -> Plan:
     """One planning run as `solve` describes it, without suggestions: Refused when it makes no plan.
     With CP-SAT and a budget, greedy placement fusing by its memory excess runs first: quick, and its
     plan is kept when CP-SAT's own rounds of fusing (fewer layers fused) find none before the deadline."""
@@ -337,7 +296,7 @@ def attempt_plan(problem: Problem, config: SolverConfig, method: Method, clock: 
     if method is Method.GREEDY or problem.memory_budget is None or clock.solver_time() <= 0:
         return _placed(problem, config, method, clock, began)
     try:
-        fallback = _placed(problem, config, method, clock.later(clock.meter.now()), began)
+        fallback = _placed(problem, config, method, clock.later(clock.now()), began)
     except Refused:
         return _placed(problem, config, method, clock, began)
     try:
@@ -347,7 +306,7 @@ def attempt_plan(problem: Problem, config: SolverConfig, method: Method, clock: 
         return replace(fallback, metrics=replace(fallback.metrics, solver=solver))
 
 
-def _placed(problem: Problem, config: SolverConfig, method: Method, clock: Clock, began: float) -> Plan:
+def _placed(problem: Problem, config: SolverConfig, method: Method, clock: Budget, began: float) -> Plan:
     """Place the work (`_fitted`); where fusing some layers' curvature costs less than their statistics deferred
     (`cheaper_fused`), place it with those fused too when the plan without them stretches its steps (the
     statistics found no bubble) or is refused, and keep the better plan by `planner.plan.rank`: fresher curvature
@@ -394,7 +353,7 @@ def cheaper_fused(problem: Problem) -> frozenset[str]:
 
 
 def _fitted(
-    problem: Problem, config: SolverConfig, method: Method, clock: Clock, began: float, fused: frozenset[str]
+    problem: Problem, config: SolverConfig, method: Method, clock: Budget, began: float, fused: frozenset[str]
 ) -> Plan:
     """Place the work with `fused` layers' curvature fused, fusing more each round that misses the budget (one
     layer per group while CP-SAT has time; as many as greedy's excess calls for after that, and always with the
@@ -418,10 +377,7 @@ def _fitted(
             why = (
                 "even with all their curvature fused"
                 if nxt is None
-                else (
-                    f"before the time limit ({config.time_limit_s:g} s + {OVERTIME / 2:g} s) ran out, "
-                    f"{len(fused)} layers fused"
-                )
+                else (f"before the time limit ({config.time_limit_s:g} s) ran out, {len(fused)} layers fused")
             )
             raise Refused(
                 InfeasibleBudgetError(

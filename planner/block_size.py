@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from fxkfac.planner.attempt import Method
+from fxkfac.planner.budget import Budget
 from fxkfac.planner.errors import Knob, PlanError
 from fxkfac.planner.memory import min_memory_bytes
 from fxkfac.planner.plan import Plan
@@ -76,8 +77,11 @@ def choose_block_size(
     candidates: Sequence[int | None],
     config: SolverConfig = SolverConfig(),
     method: Method | str = Method.CPSAT,
+    budget: Budget | None = None,
 ) -> BlockChoice:
-    """The LARGEST block side whose plan fits: `problem_for(side)` is the planning problem with that side's
+    """The LARGEST block side whose plan fits (every side a candidate of one search in `budget`, each with an equal
+    share of what is left; without one, each solve in a budget of its own): `problem_for(side)` is the planning
+    problem with that side's
     costs (its max_overhead and max_period, the refresh frequency, are what "fits" means: 0 is the bubbles
     alone, no step-time overhead beyond the plain pipeline's with preconditioning). Candidates are tried in
     the order given (largest first), each solved with `config`; the first plan found is chosen, since larger
@@ -87,12 +91,12 @@ def choose_block_size(
     PlanError when no side plans even so, naming what each came to."""
     tried: list[tuple[str, str]] = []
     overheads: dict[int | None, float] = {}
-    for side in candidates:
+    for n, side in enumerate(candidates):
         problem = problem_for(side)
         refusal = _quick_refusal(problem)
         if refusal is None:
             try:
-                plan = solve(problem, config, method)
+                plan = _solve(problem, config, method, budget, len(candidates) - n)
             except PlanError as e:
                 refusal = str(e)
                 found = _least_overhead(e)
@@ -107,7 +111,14 @@ def choose_block_size(
                 log.info("max_preconditioner_dim=auto chose %s", reason)
                 return BlockChoice(side, plan, reason, (*tried, (block_label(side), "plans")))
         tried.append((block_label(side), refusal))
-    return _least_overhead_choice(problem_for, candidates, config, method, overheads, tried)
+    return _least_overhead_choice(problem_for, candidates, config, method, overheads, tried, budget)
+
+
+def _solve(problem: Problem, config: SolverConfig, method: Method | str, budget: Budget | None, shares: int) -> Plan:
+    """`solve` as one of `shares` candidates left in `budget`, or in a budget of its own."""
+    if budget is None:
+        return solve(problem, config, method)
+    return solve(problem, config, method, budget=budget, shares=shares)
 
 
 def _least_overhead_choice(
@@ -117,14 +128,18 @@ def _least_overhead_choice(
     method: Method | str,
     overheads: dict[int | None, float],
     tried: list[tuple[str, str]],
+    budget: Budget | None,
 ) -> BlockChoice:
     """No side fits: the one whose refusal names the least max_overhead, planned at that overhead."""
     share = replace(config, time_limit_s=max(1.0, config.time_limit_s / len(candidates)))
-    for side in candidates:
+    for n, side in enumerate(candidates):
         problem = problem_for(side)
         if side not in overheads and _quick_refusal(problem) is None:
             try:
-                solve(problem, share, method)
+                if budget is None:
+                    solve(problem, share, method)
+                else:
+                    solve(problem, config, method, budget=budget, shares=len(candidates) - n + 1)
             except PlanError as e:
                 found = _least_overhead(e)
                 if found is not None:
@@ -133,7 +148,7 @@ def _least_overhead_choice(
         raise PlanError("no block side plans: " + "; ".join(f"{side}: {why}" for side, why in tried))
     side = min(overheads, key=lambda c: (overheads[c], candidates.index(c)))  # a tie: the larger side
     problem = problem_for(side)
-    plan = solve(replace(problem, max_overhead=overheads[side]), config, method)
+    plan = _solve(replace(problem, max_overhead=overheads[side]), config, method, budget, 1)
     reason = (
         f"block side {block_label(side)}: no side fits with max_overhead {problem.max_overhead:.3g}; it needs "
         f"the least, {overheads[side]:.3g} (refresh within {problem.max_period} steps)"

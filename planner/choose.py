@@ -46,7 +46,7 @@ from typing import TypeVar
 
 from fxkfac.planner.assemble import assemble
 from fxkfac.planner.attempt import Method, cheaper_fused, stats_chunk_of
-from fxkfac.planner.budget import Meter
+from fxkfac.planner.budget import Budget
 from fxkfac.planner.cpsat import least_step
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.greedy import greedy_group
@@ -66,7 +66,7 @@ from fxkfac.planner.joint import (
 from fxkfac.planner.plan import Plan, rank
 from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier, copies_of_stage, stage_groups
 from fxkfac.planner.solution import GroupSolution
-from fxkfac.planner.solve import TimeBox, solve
+from fxkfac.planner.solve import solve
 from fxkfac.planner.step_timeline import step_timeline
 from fxkfac.planner.strategy import COMM_OPT, LayerDistribution, Strategy, StrategyKind
 from fxkfac.planner.stretch import Allowance, allowance
@@ -135,19 +135,27 @@ def solve_with_strategy(
     strategy: Strategy | None,
     config: SolverConfig = SolverConfig(),
     method: Method | str = Method.CPSAT,
-    box: TimeBox | None = None,
+    budget: Budget | None = None,
     *,
     suggest: bool = True,
+    each: Each | None = None,
+    reference: Callable[[Problem], float] | None = None,
 ) -> Plan:
     """`solve` with every layer under `strategy`, or, when it is None, the best plan of the outer search
-    (`solve_outer`: each candidate distribution planned as a forced one would be) and, where that applies and
-    time is left, of CP-SAT choosing each layer's distribution with the placement (`solve_joint`; see [Note:
-    strategy search]), all within one time limit (`box`, or a new one). `suggest` False: a refusal names nothing
+    (`solve_outer`: each candidate distribution planned as a forced one would be, by `each`) and, where that applies
+    and time is left, of CP-SAT choosing each layer's distribution with the placement (`solve_joint`; see [Note:
+    strategy search]), all within one time limit (`budget`, or a new one). `suggest` False: a refusal names nothing
     that would plan (no time spent searching it; `solve`'s)."""
-    box = box or TimeBox(config)
+    budget = budget or Budget.of(config)
     if strategy is not None:
-        return solve(problem.with_strategy(strategy), config, method, box=box, suggest=suggest)
-    return solve_outer(problem, config, method, box, joint=_joint_applies(problem, method), suggest=suggest)
+        return solve(problem.with_strategy(strategy), config, method, budget=budget, suggest=suggest)
+    return solve_outer(problem, config, method, budget, joint=None, suggest=suggest, each=each, reference=reference)
+
+
+Each = Callable[[Problem, Budget, int], Plan]
+"""How the outer search plans one candidate as forcing it would: within the budget, as one of `shares` candidates
+still to plan; raises PlanError (with no suggestions) where it does not plan. The default is `solve`; `planner.plan`
+passes the streaming choice around it, as a forced strategy's planning runs."""
 
 
 def least_overhead(planned: Callable[[float], T]) -> tuple[T, float | None]:
@@ -163,127 +171,171 @@ def least_overhead(planned: Callable[[float], T]) -> tuple[T, float | None]:
         return planned(e.max_overhead), e.max_overhead
 
 
-def _joint_applies(problem: Problem, method: Method | str) -> bool:
+def _applies(joint: bool | None, problem: Problem, method: Method | str, budget: Budget) -> bool:
+    """`joint` as given, or when None whether the joint choice applies (`_joint_applies`): asked only where it
+    would run, after the candidates at max_overhead 0, so that they are planned in the time a forced one has."""
+    return _joint_applies(problem, method, budget) if joint is None else joint
+
+
+def _joint_applies(problem: Problem, method: Method | str, budget: Budget | None = None) -> bool:
     """Whether CP-SAT can choose the distributions with the placement ([Note: strategy search]), and has a choice
-    to make there (`has_choice`)."""
+    to make there (`has_choice`, its simulations charged to `budget`)."""
     return (
         Method(method) is Method.CPSAT
         and problem.barrier is StepBarrier.WORLD
         and _most_copies(problem) > 1
-        and has_choice(problem)
+        and has_choice(problem, budget)
     )
 
 
-def has_choice(problem: Problem) -> bool:
+def has_choice(problem: Problem, budget: Budget | None = None) -> bool:
     """Whether some layer of a stage the joint model leaves free (not in `timeline_stages`) has a distribution
     other than the problem's own that, switched alone, keeps the reference step (`planner.joint.reference_step`)
     within what `best` keeps: max_overhead and STEP_TIE over the least reference step of `candidate_problems`.
     Where none has, every layer's one option is the problem's own and the joint model is a forced one with more
     variables; the outer search plans each candidate by the search a forced strategy runs instead ([Note: strategy
     search]; the README snippet's 2 x 2 mesh got first-fit's 11 30 from the joint model in the whole time limit,
-    11 25 from forced COMM-OPT, issue 38)."""
+    11 25 from forced COMM-OPT, issue 38). Each simulated step is charged to `budget` by its ops."""
     free = frozenset(range(problem.num_stages)) - timeline_stages(problem)
     names = [x.name for s in sorted(free) for x in problem.costs.stages[s].layers]
     if not names:
         return False
-    least = min(step_timeline(c).length for c in candidate_problems(problem))
+    steps = [step_timeline(c) for c in candidate_problems(problem)]
+    ops = sum(len(o) for o in steps[0].ops.values())
+    least = min(t.length for t in steps)
     most = least * (1 + problem.max_overhead + STEP_TIE)
     own = {n: problem.where(n) for n in names}
-    return any(
-        reference_step(problem, free, {**own, n: where}) <= most
-        for n in names
-        for where in layer_options(problem, n)
-        if where != own[n]
-    )
+    simulated = len(steps)
+    found = False
+    for n in names:
+        for where in layer_options(problem, n):
+            if where == own[n]:
+                continue
+            simulated += 1
+            if reference_step(problem, free, {**own, n: where}) <= most:
+                found = True
+                break
+        if found:
+            break
+    if budget is not None:
+        budget.charge_simulated(simulated * ops)
+    return found
 
 
 def solve_outer(
     problem: Problem,
     config: SolverConfig = SolverConfig(),
     method: Method | str = Method.CPSAT,
-    box: TimeBox | None = None,
+    budget: Budget | None = None,
     *,
-    joint: bool = False,
+    joint: bool | None = False,
     suggest: bool = True,
+    each: Each | None = None,
+    reference: Callable[[Problem], float] | None = None,
 ) -> Plan:
-    """The best of `candidate_problems`, each planned in full by `solve` (`_plan_each`) within the time left in
-    `box` (a new one: config's; with the greedy method, which is not timed, every one that can win): those whose
+    """The best of `candidate_problems`, each planned in full by `each` (`_plan_each`; `solve` when None) within the
+    time left in
+    `budget` (a new one: config's; with the greedy method, which is not timed, every one that can win): those whose
     reference step lets them win (`_hopeful_first`) and, with `joint`, the joint choice (`solve_joint`): at
     max_overhead 0 those candidates first, then the joint choice in the CP-SAT time they left (all of it where none
     planned); above it the other way round ([Note: strategy search]); the other candidates only where none of those
-    plans. When none plans, the first's refusal names what would (`suggest`; else a refusal naming nothing)."""
-    box = box or TimeBox(config)
-    candidates, hopeful = _hopeful_first(candidate_problems(problem))
+    plans. `joint` None: the joint choice runs where `_joint_applies`, asked when it would run. `reference`: the
+    least reference step a candidate's planning by `each` can reach (its streaming included). When none plans,
+    the first's refusal names what would (`suggest`; else a refusal naming nothing)."""
+    budget = budget or Budget.of(config)
+    candidates, hopeful = _hopeful_first(candidate_problems(problem), reference)
     timed = Method(method) is Method.CPSAT
-    joint_first = joint and problem.max_overhead > 0
-    plans = _joint(problem, config, box) if joint_first else []
-    plans += _plan_each(candidates[:hopeful], config, method, box, timed, after=bool(plans))
-    if joint and not joint_first and (not plans or box.solving().solver_time() > 0):
-        plans += _joint(problem, config, box)
+    joint_first = problem.max_overhead > 0 and _applies(joint, problem, method, budget)
+    plans = _joint(problem, config, budget) if joint_first else []
+    plan_one = each or _solve_each(config, method)
+    plans += _plan_each(candidates[:hopeful], plan_one, budget, timed, after=bool(plans))
+    if (
+        problem.max_overhead <= 0
+        and (not plans or budget.solving().solver_time() > 0)
+        and _applies(joint, problem, method, budget)
+    ):
+        plans += _joint(problem, config, budget)
     if plans and hopeful < len(candidates):
         log.info(
             "distributions %s not planned: their reference steps are past the allowance",
             [_words(c) for c in candidates[hopeful:]],
         )
-    plans = plans or _plan_each(candidates[hopeful:], config, method, box, timed)
+    plans = plans or _plan_each(candidates[hopeful:], plan_one, budget, timed)
     if not plans and not suggest:
         raise PlanError(f"no distribution of {[_words(c) for c in candidates]} plans")
     if not plans:
-        return _plan_or_least_step_refusal(candidates, config, method, box)
+        return _plan_or_least_step_refusal(candidates, config, method, budget)
     chosen = best(plans)
     log.info("distribution %s chosen among %s", strategy_of(chosen), [strategy_of(p) for p in plans])
     return chosen
 
 
-def _joint(problem: Problem, config: SolverConfig, box: TimeBox) -> list[Plan]:
+def _joint(problem: Problem, config: SolverConfig, budget: Budget) -> list[Plan]:
     """The joint choice's plan (`solve_joint`), none where it made none."""
-    chosen = solve_joint(problem, config, box)
+    chosen = solve_joint(problem, config, budget)
     return [] if chosen is None else [chosen]
+
+
+def _solve_each(config: SolverConfig, method: Method | str) -> Each:
+    """`solve`, suggesting nothing, as the outer search's way to plan a candidate."""
+
+    def plan_one(candidate: Problem, budget: Budget, shares: int) -> Plan:
+        return solve(candidate, config, method, budget=budget, shares=shares, suggest=False)
+
+    return plan_one
 
 
 def _plan_each(
     candidates: Sequence[Problem],
-    config: SolverConfig,
-    method: Method | str,
-    box: TimeBox,
+    each: Each,
+    budget: Budget,
     timed: bool,
     *,
     after: bool = False,
 ) -> list[Plan]:
-    """The plans of `candidates` in turn, each with an equal share of the solver time left in `box` (one alone: all
+    """The plans of `candidates` in turn, each with an equal share of the solver time left in `budget` (one alone: all
     of it, as forcing it would), until the time is up once one has planned (`after` another plan: once CP-SAT's is,
     as first-fit alone would not improve on it); a candidate that refuses is left out."""
     plans: list[Plan] = []
     for n, candidate in enumerate(candidates):
-        if after and timed and box.solving().solver_time() <= 0:
+        if after and timed and budget.solving().solver_time() <= 0:
             log.info("no time left to plan distributions %s", [_words(c) for c in candidates[n:]])
             break
-        if plans and timed and box.over():
+        if plans and timed and budget.over():
             log.info("no time left to plan distributions %s", [_words(c) for c in candidates[n:]])
             break
         try:
-            plans.append(solve(candidate, config, method, box=box, shares=len(candidates) - n, suggest=False))
+            plans.append(each(candidate, budget, len(candidates) - n))
         except PlanError as e:
             log.info("distribution %s does not plan: %s", _words(candidate), e)
     return plans
 
 
-def _hopeful_first(candidates: Sequence[Problem]) -> tuple[list[Problem], int]:
+def _hopeful_first(
+    candidates: Sequence[Problem], reference: Callable[[Problem], float] | None = None
+) -> tuple[list[Problem], int]:
     """The candidates whose plans can lie within the allowance `best` keeps (a plan's step is not below its reference
     step, which must lie within max_overhead, and STEP_TIE, of the least of all), then the others (planned only where
     none of the first plans), each in its order, and how many come first: the time goes to the distributions that
-    can win (at max_overhead 0, those of the least reference step)."""
+    can win (at max_overhead 0, those of the least reference step). `reference`: the least reference step a
+    candidate's planning reaches (its streaming), where that may be below its own: such a candidate can win against
+    the least of the others' own steps (issue 38: forced COMM-OPT streamed beat MEM-OPT, the least unstreamed)."""
     steps = [step_timeline(c).length for c in candidates]
     least = min(steps)
-    wins = [t <= least * (1 + c.max_overhead + STEP_TIE) for c, t in zip(candidates, steps, strict=True)]
+
+    def win(c: Problem, step: float) -> bool:
+        most = least * (1 + c.max_overhead + STEP_TIE)
+        return step <= most or (reference is not None and reference(c) <= most)  # streamed only where it must be
+
+    wins = [win(c, t) for c, t in zip(candidates, steps, strict=True)]
     first = [c for c, w in zip(candidates, wins, strict=True) if w]
     return first + [c for c, w in zip(candidates, wins, strict=True) if not w], len(first)
 
 
 def _plan_or_least_step_refusal(
-    candidates: Sequence[Problem], config: SolverConfig, method: Method | str, box: TimeBox
+    candidates: Sequence[Problem], config: SolverConfig, method: Method | str, budget: Budget
 ) -> Plan:
-    """Search each candidate's refusal, least reference step first (the others while `box` leaves time), and raise
+    """Search each candidate's refusal, least reference step first (the others while `budget` leaves time), and raise
     the one whose least max_overhead that plans gives the least step (its reference step stretched by it):
     max_overhead is a fraction of each candidate's own reference step, so the candidate that plans first as it
     grows is not always the one whose steps are shortest. A candidate that plans in this search (it had more time)
@@ -292,10 +344,10 @@ def _plan_or_least_step_refusal(
     order = sorted(range(len(candidates)), key=lambda n: step_timeline(candidates[n]).length)
     for searched, n in enumerate(order):
         candidate = candidates[n]
-        if searched and box.over():
+        if searched and budget.over():
             break
         try:
-            return solve(candidate, config, method, box=box)
+            return solve(candidate, config, method, budget=budget)
         except PlanError as e:
             value = e.max_overhead
             step = math.inf if value is None else step_timeline(candidate).length * (1 + value)
@@ -310,6 +362,9 @@ def _plan_or_least_step_refusal(
     )
     raise error
 
+
+LEAST_STEP_PART = 0.1
+"""Of a joint solve's time, the part its search for the distributions of least step within the memory takes."""
 
 STEP_TIE = 1e-3
 """Steps within this fraction of the least reference step beyond the allowance count as within it to `best`: far
@@ -327,17 +382,17 @@ def best(plans: Sequence[Plan]) -> Plan:
     return min(within or [min(plans, key=lambda p: p.metrics.step_time_reference)], key=rank)
 
 
-def solve_joint(problem: Problem, config: SolverConfig = SolverConfig(), box: TimeBox | None = None) -> Plan | None:
+def solve_joint(problem: Problem, config: SolverConfig = SolverConfig(), budget: Budget | None = None) -> Plan | None:
     """Each layer's distribution chosen by CP-SAT with the placement ([Note: joint strategy] in planner/joint.py),
     once per option set of the stages that move the step's fixed work (`timeline_stages`), each with an equal share
-    of the solver time left in `box`; the best plan, or None when none was made."""
-    box = box or TimeBox(config)
+    of the solver time left in `budget`; the best plan, or None when none was made."""
+    budget = budget or Budget.of(config)
     sets = _timeline_sets(problem)
     plans = []
     for n, fixed in enumerate(sets):
-        clock = box.solving(len(sets) - n)
+        clock = budget.solving(len(sets) - n)
         began = time.perf_counter()
-        plan = _joint_plan(problem, fixed, config, box, clock.solver_time(), began)
+        plan = _joint_plan(problem, fixed, config, budget, clock.solver_time(), began)
         if plan is not None:
             plans.append(plan)
         if clock.out():
@@ -366,25 +421,24 @@ def _joint_plan(
     problem: Problem,
     fixed: Mapping[str, LayerDistribution],
     config: SolverConfig,
-    box: TimeBox,
+    budget: Budget,
     limit: float,
     began: float,
 ) -> Plan | None:
-    """One joint solve with the timeline stages' layers at `fixed`, within `limit` of the box's clock."""
-    meter = box.meter
-    start = meter.now()
+    """One joint solve with the timeline stages' layers at `fixed`, within `limit` of the budget's clock."""
+    start = budget.now()
     anchor = problem.with_distributions(fixed)
     free = frozenset(range(problem.num_stages)) - timeline_stages(problem)
-    step = least_step(anchor, free, step_fixed_end(anchor, free), config, meter, limit / 10)
+    step = least_step(anchor, free, step_fixed_end(anchor, free), config, budget, limit * LEAST_STEP_PART)
     if step is None:
         log.info("joint choice: no distribution of %s meets the memory budget", sorted(free))
         return None
     anchor = anchor.with_distributions({**fixed, **step.distributions})
     scale = grid_scale(anchor, range(anchor.num_stages), frozenset(), config.time_resolution, _option_seconds(anchor))
     allowed = Allowance(anchor, frozenset(), scale if config.stretch and anchor.max_overhead > 0 else None)
-    placements = _joint_placements(problem, anchor, free, scale, allowed, config, meter, start + limit)
+    placements = _joint_placements(problem, anchor, free, scale, allowed, config, budget, start + limit)
     if placements is None:
-        return None if anchor.memory_budget is None else _fused(problem, anchor, config, box)
+        return None if anchor.memory_budget is None else _fused(problem, anchor, config, budget)
     step_ticks = max(p.step_ticks for p in placements)
     placements = [restretch_joint(p, step_ticks) for p in placements]
     chosen = anchor.with_distributions({n: d for p in placements for n, d in p.distributions().items()})
@@ -394,24 +448,24 @@ def _joint_plan(
             "joint choice (%s): its placement does not fit that choice's own windows; planning the choice itself",
             _words(chosen),
         )
-        return _planned(chosen, config, box)
+        return _planned(chosen, config, budget)
     plan = assemble(
         chosen,
         [s for s in solutions if s is not None],
-        _greedy(chosen, config, box),
+        _greedy(chosen, config, budget),
         Allowance(chosen, frozenset(), allowed.scale),
         time.perf_counter() - began,
     )
-    return _fused_for_speed(plan, config, box)
+    return _fused_for_speed(plan, config, budget)
 
 
-def _fused_for_speed(plan: Plan, config: SolverConfig, box: TimeBox) -> Plan:
+def _fused_for_speed(plan: Plan, config: SolverConfig, budget: Budget) -> Plan:
     """The joint plan (nothing fused), or its distributions planned by `solve` where its steps stretch for deferred
     statistics and some layers' fused curvature costs less (`attempt.cheaper_fused`): `solve` also places those
     fused, and the better plan by `rank` is kept."""
     if plan.metrics.stretch <= 0 or not cheaper_fused(plan.problem):
         return plan
-    again = _planned(plan.problem, config, box)
+    again = _planned(plan.problem, config, budget)
     return plan if again is None else min((plan, again), key=rank)
 
 
@@ -422,7 +476,7 @@ def _joint_placements(
     scale: tuple[float, bool],
     allowed: Allowance,
     config: SolverConfig,
-    meter: Meter,
+    meter: Budget,
     deadline: float,
 ) -> list[GroupSolution] | None:
     """Each stage group's joint placement (`solve_joint_group`, warm-started by first-fit of every forced strategy on
@@ -455,29 +509,31 @@ def _joint_placements(
     return placements
 
 
-def _fused(problem: Problem, anchor: Problem, config: SolverConfig, box: TimeBox) -> Plan | None:
+def _fused(problem: Problem, anchor: Problem, config: SolverConfig, budget: Budget) -> Plan | None:
     """Under a budget the joint model cannot meet with nothing fused: `best` of its least-step distributions
     (`anchor`) and MEM-OPT (the fewest decompositions held, the most room for kept captures), each planned by
     `solve`, which fuses curvature as the budget needs (MEM-OPT by greedy placement, which is not timed, where
-    the anchor left CP-SAT too little of the box); None when neither plans."""
-    first = _planned(anchor, config, box)
+    the anchor left CP-SAT too little of the budget); None when neither plans."""
+    first = _planned(anchor, config, budget)
     mem = problem.with_strategy(Strategy(StrategyKind.MEM_OPT))
     plans = [
-        p for p in (first, _planned(mem, config, box) or _planned(mem, config, box, Method.GREEDY)) if p is not None
+        p
+        for p in (first, _planned(mem, config, budget) or _planned(mem, config, budget, Method.GREEDY))
+        if p is not None
     ]
     return best(plans) if plans else None
 
 
-def _planned(problem: Problem, config: SolverConfig, box: TimeBox, method: Method = Method.CPSAT) -> Plan | None:
-    """`problem` planned by `solve` in `box`, None where it refuses."""
+def _planned(problem: Problem, config: SolverConfig, budget: Budget, method: Method = Method.CPSAT) -> Plan | None:
+    """`problem` planned by `solve` in `budget`, None where it refuses."""
     try:
-        return solve(problem, config, method, box=box, shares=2, suggest=False)
+        return solve(problem, config, method, budget=budget, shares=2, suggest=False)
     except PlanError as e:
         log.info("distribution %s does not plan: %s", _words(problem), e)
         return None
 
 
-def _greedy(problem: Problem, config: SolverConfig, box: TimeBox) -> list[GroupSolution | None]:
+def _greedy(problem: Problem, config: SolverConfig, budget: Budget) -> list[GroupSolution | None]:
     """The paper's rule per group of the chosen problem, for the plan's metrics (None where it places nothing)."""
     allowed = allowance(problem, frozenset(), config)
     out: list[GroupSolution | None] = []
@@ -490,7 +546,7 @@ def _greedy(problem: Problem, config: SolverConfig, box: TimeBox) -> list[GroupS
                     stats_chunk=stats_chunk_of(problem, group, config, allowed),
                     resolution=config.time_resolution,
                     allowance=allowed,
-                    meter=box.meter,
+                    meter=budget,
                 )
             )
         except PlanError:

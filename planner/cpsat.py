@@ -14,7 +14,7 @@ each option's BCAST is an optional interval over its column, each stage's slot a
 literals set, each device's capacity the budget less its static bytes as the literals make them); without one, a
 layer has one option, the window problem's own, whose BCAST tasks, slots and capacities the window already holds.
 `energy_bound` and `least_step` are the joint choice's step models. Solutions come out as
-`planner.solution.GroupSolution`. Every call runs within a share of the planner's clock (`planner.budget.Meter`:
+`planner.solution.GroupSolution`. Every call runs within a share of the planner's clock (`planner.budget.Budget`:
 CP-SAT's deterministic time by default, so its stopping points, and the plan, do not depend on the machine's
 load) and is charged to it.
 """
@@ -30,7 +30,7 @@ from typing import Any
 
 from ortools.sat.python import cp_model
 
-from fxkfac.planner.budget import MIN_CALL, Meter
+from fxkfac.planner.budget import MIN_CALL, Budget
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.joint import NS, Options, Ticks, base_bytes, comm_slot_seconds, held_bytes, ns, options_of
 from fxkfac.planner.memory import activation_peak
@@ -509,7 +509,7 @@ def solve_window(
     w: Window,
     config: SolverConfig,
     time_limit: float,
-    meter: Meter,
+    meter: Budget,
     hint: GroupSolution | None = None,
     *,
     optimize: bool = True,
@@ -615,7 +615,7 @@ CAP_SLACK = 0.99
 def _solve(
     model: cp_model.CpModel,
     config: SolverConfig,
-    meter: Meter,
+    meter: Budget,
     limit: float,
     *,
     probing: int | None = None,
@@ -635,7 +635,7 @@ def _solve(
     return solver, status
 
 
-def set_limits(params: Any, config: SolverConfig, meter: Meter, limit: float) -> None:
+def set_limits(params: Any, config: SolverConfig, meter: Budget, limit: float) -> None:
     """CP-SAT's limits, workers and seed for one call of `limit` in the meter's unit. Deterministic: one
     thread running the few-worker portfolio in turn (CP-SAT's sequential loop; 2 threads are
     deterministic only with interleave_search, which spent more deterministic and wall time for worse
@@ -661,7 +661,7 @@ def _root_broadcasts(w: Window, devices: list[int]) -> None:
             devices[i] = inv_device[task.factors[0]]
 
 
-def energy_bound(w: Window, frame: Frame, base: int, config: SolverConfig, meter: Meter, limit: float) -> int:
+def energy_bound(w: Window, frame: Frame, base: int, config: SolverConfig, meter: Budget, limit: float) -> int:
     """The least step (ticks) at which some option set's work, each DECOMP on one rank of its option, fits every
     device's time beside its fixed work in w's k steps, at least `base` and at most w's step (`base` when none was
     proven in `limit`)."""
@@ -767,7 +767,7 @@ class StepChoice:
 
 
 def least_step(
-    problem: Problem, free: frozenset[int], fixed_end: float, config: SolverConfig, meter: Meter, time_limit: float
+    problem: Problem, free: frozenset[int], fixed_end: float, config: SolverConfig, meter: Budget, time_limit: float
 ) -> StepChoice | None:
     """The free stages' layer distributions that make the least reference step (`planner.joint.reference_step`:
     `fixed_end`, and each free stage's all-reduce end plus its slot) within every device's static bytes and

@@ -18,7 +18,7 @@ import functools
 import math
 import time
 
-from fxkfac.planner.budget import Meter
+from fxkfac.planner.budget import Budget
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.lowering import Assignment, assign_decompositions
 from fxkfac.planner.packing_bound import group_lower_bound
@@ -158,7 +158,7 @@ def greedy_window(window: Window) -> GroupSolution | None:
     return GroupSolution(window, tuple(starts), tuple(devices), precs, offsets, "greedy", "FEASIBLE", 1)
 
 
-def _first_fit(window: Window, meter: Meter | None) -> GroupSolution | None:
+def _first_fit(window: Window, meter: Budget | None) -> GroupSolution | None:
     """`greedy_window`, its work charged to `meter` (by the window's size: [Note: deterministic budget])."""
     if meter is not None:
         meter.charge_greedy(len(window.tasks) + len(window.precs))
@@ -174,7 +174,7 @@ def greedy_group(
     resolution: int = 100_000,
     min_k: int = 1,
     allowance: Allowance | None = None,
-    meter: Meter | None = None,
+    meter: Budget | None = None,
 ) -> GroupSolution:
     """The paper's rule for one stage group: the smallest k >= min_k (up to problem.max_period) where
     first-fit places everything, with the whole `allowance` of stretch, then the least stretch found;
@@ -217,7 +217,7 @@ def greedy_group(
 
 
 def _least_stretch(
-    found: GroupSolution, lower: int, allowance: Allowance, stats_chunk: int, resolution: int, meter: Meter | None
+    found: GroupSolution, lower: int, allowance: Allowance, stats_chunk: int, resolution: int, meter: Budget | None
 ) -> GroupSolution:
     """Bisect with first-fit between `lower` and found's stretch (the least one it finds)."""
     w = found.window
@@ -239,7 +239,7 @@ def greedy_overhead(
     stats_chunk: int = 1,
     resolution: int = 100_000,
     limit: float = 10.0,
-    meter: Meter | None = None,
+    meter: Budget | None = None,
 ) -> tuple[int, GroupSolution | None]:
     """The stretch the group's work needs at the longest refresh period (problem.max_period), whatever
     max_overhead says: (ticks any plan needs, the first-fit solution with the least stretch found, or

@@ -4,7 +4,7 @@
 or chosen with the placement (`solve_joint_group`, [Note: joint strategy] in planner/joint.py: the least period,
 then the least step, then the least staleness); `least_group_period` runs it with the distributions fixed, from the
 lower bounds (planner/step_timeline.py, planner/packing_bound.py) and first-fit's placement (planner/greedy.py),
-within a share of the planner's clock (`planner.budget.Meter`); `refine_group` then lowers the stretch and the
+within a share of the planner's clock (`planner.budget.Budget`); `refine_group` then lowers the stretch and the
 staleness at that period. `solve` runs the first for every group before the second for any
 (planner/attempt.py `_solve_groups`): refresh periods come first in how plans rank (`planner.plan.rank`).
 """
@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
-from fxkfac.planner.budget import Meter
+from fxkfac.planner.budget import Budget
 from fxkfac.planner.cpsat import Frame, energy_bound, placed_tasks, solve_window
 from fxkfac.planner.greedy import greedy_window
 from fxkfac.planner.joint import ns, options_of, reference_step, reference_ticks, window_at
@@ -52,7 +52,7 @@ def least_group_period(
     fused: frozenset[str],
     config: SolverConfig,
     time_limit: float,
-    meter: Meter,
+    meter: Budget,
     greedy: GroupSolution | None = None,
     *,
     stats_chunk: int = 1,
@@ -90,7 +90,7 @@ def least_group_period(
 
 
 def refine_group(
-    period: Period, allowance: Allowance, config: SolverConfig, time_limit: float, meter: Meter
+    period: Period, allowance: Allowance, config: SolverConfig, time_limit: float, meter: Budget
 ) -> GroupSolution | None:
     """The second pass at the period found: the least stretch, then the least staleness, within `time_limit` of
     `meter`'s clock; None when neither that placement nor first-fit's fits the memory budget."""
@@ -202,7 +202,7 @@ def _climb(probe: Probe, left: Left, share: float, lower: int, top: int) -> tupl
 
 
 def refine_stretch(
-    found: GroupSolution, allowance: Allowance, config: SolverConfig, meter: Meter, time_limit: float
+    found: GroupSolution, allowance: Allowance, config: SolverConfig, meter: Budget, time_limit: float
 ) -> tuple[GroupSolution, bool]:
     """The least stretch at found's k (bisected, CP-SAT feasibility, within `time_limit` of `meter`'s
     clock), and whether it is proven least; `allowance` gives the grid (for errors that say what
@@ -211,7 +211,7 @@ def refine_stretch(
 
 
 def _least_stretch(
-    found: GroupSolution, allowance: Allowance, config: SolverConfig, meter: Meter, deadline: float
+    found: GroupSolution, allowance: Allowance, config: SolverConfig, meter: Budget, deadline: float
 ) -> tuple[GroupSolution, bool]:
     """Bisect the least stretch at found's k, spending at most half the time left (to `deadline` on
     `meter`'s clock) on the probes."""
@@ -242,7 +242,7 @@ def _least_stale(
     found: GroupSolution,
     w: Window,
     config: SolverConfig,
-    meter: Meter,
+    meter: Budget,
     left: float,
     proven: bool,
     frame: Frame | None = None,
@@ -303,7 +303,7 @@ class _Group:
         """The longest step the window of k steps may have: the reference and the whole stretch allowance."""
         return self.base + self.cap(k)
 
-    def first_fit(self, k: int, step: int, meter: Meter) -> GroupSolution | None:
+    def first_fit(self, k: int, step: int, meter: Budget) -> GroupSolution | None:
         """First-fit of each candidate's distributions at period k with steps of `step` ticks: the first that places
         within the budget."""
         for problem, reference in self.candidates:
@@ -328,7 +328,7 @@ def solve_joint_group(
     cap: Cap,
     config: SolverConfig,
     time_limit: float,
-    meter: Meter,
+    meter: Budget,
     *,
     stats_chunk: int,
 ) -> GroupSolution | None:
@@ -373,7 +373,7 @@ def solve_joint_group(
     return replace(best, k_lower_bound=proven)
 
 
-def _least_step(g: _Group, found: GroupSolution, config: SolverConfig, meter: Meter, deadline: float) -> GroupSolution:
+def _least_step(g: _Group, found: GroupSolution, config: SolverConfig, meter: Budget, deadline: float) -> GroupSolution:
     """The shortest step at found's k: first-fit of the candidates bisected first (cheap per probe, but each builds
     a window per candidate: at most half the time left), then CP-SAT feasibility probes below it, spending at most
     three quarters of the time left then."""

@@ -9,16 +9,26 @@ from dataclasses import replace
 from enum import StrEnum
 from typing import Protocol
 
+from fxkfac.planner.budget import Budget
 from fxkfac.planner.costs import PreconditionerKind
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.plan import Plan, rank
-from fxkfac.planner.problem import Problem, copies_of_stage, stage_groups
-from fxkfac.planner.step_timeline import group_load, refresh_lower_bound, step_timeline
+from fxkfac.planner.problem import Problem, SolverConfig, copies_of_stage, stage_groups
+from fxkfac.planner.step_timeline import StepTimeline, group_load, refresh_lower_bound, step_timeline
 from fxkfac.planner.strategy import LayerDistribution
 from fxkfac.planner.streaming import Streaming, can_stream, ready_fractions
 
-__all__ = ["StreamApply", "Solver", "with_streaming", "solve_streamed", "STREAMED_STAGE", "HELPER_CANDIDATES"]
+__all__ = [
+    "StreamApply",
+    "Solver",
+    "with_streaming",
+    "solve_streamed",
+    "STREAMED_STAGE",
+    "STREAMED_PART",
+    "STREAM_CHOICE_PART",
+    "HELPER_CANDIDATES",
+]
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +44,15 @@ class StreamApply(StrEnum):
 
 
 class Solver(Protocol):
-    """A solve of one problem; `suggest` False where its refusal is only logged, so that no time goes to searching
-    what would plan it (`planner.solve.solve`'s `suggest`)."""
+    """A solve of one problem within `budget` (a part of the search's); `suggest` False where its refusal is only
+    logged, so that no time goes to searching what would plan it (`planner.solve.solve`'s `suggest`)."""
 
-    def __call__(self, problem: Problem, /, *, suggest: bool = True) -> Plan: ...
+    def __call__(self, problem: Problem, budget: Budget, /, *, suggest: bool = True) -> Plan: ...
+
+
+STREAMED_PART = 0.5
+"""Of the time left, the part the streamed try takes where the plan without streaming may follow: the rest, and
+what the streamed try leaves, go to that one."""
 
 
 STREAMED_STAGE = 0
@@ -111,14 +126,19 @@ def _helper_load(problem: Problem) -> float:
     return max(loads)
 
 
-def with_streaming(problem: Problem, whole_backward: bool = False, keep_bounds: bool = True) -> Problem:
+def with_streaming(
+    problem: Problem, whole_backward: bool = False, keep_bounds: bool = True, budget: Budget | None = None
+) -> Problem:
     """`problem` with the first stage's APPLY streamed, for the helpers (`_helper_sets`, the layers shared by
     `_assign`, or for Muon all dealt with the owner's by `_balanced`) and the prefix of its layers (in the order their
     gradients become final) that give the shortest reference step without raising any stage group's least refresh
     period (any, without `keep_bounds`), the lowest largest helper load and then the fewest helpers among equals;
     unchanged where nothing does, where every rank holds the stage, or where it already streams. `whole_backward`:
     the stages run compiled, each backward making every gradient at its end (`Streaming.whole_backward`): the
-    helper then only applies its layers beside the owner."""
+    helper then only applies its layers beside the owner. Each candidate's simulations
+    are charged to `budget`, and the search keeps the best found so far once it has spent STREAM_CHOICE_PART of the
+    whole time limit (of the limit, not of what is left: a candidate distribution of the choice streams as it would
+    forced, `planner.plan`)."""
     if problem.streaming is not None or len(copies_of_stage(problem, STREAMED_STAGE)) == len(problem.devices):
         return problem
     names = _streamable(problem)
@@ -127,6 +147,7 @@ def with_streaming(problem: Problem, whole_backward: bool = False, keep_bounds: 
     bounds, length = _bounds(problem) if keep_bounds else None, step_timeline(problem).length
     best: tuple[float, float, int] | None = None
     chosen = problem
+    stop = None if budget is None else budget.now() + budget.limit * STREAM_CHOICE_PART
     ranked, dealt = _helpers(problem), problem.costs.family is PreconditionerKind.MUON
     sets = [(h, True) for h in _helper_sets(ranked[:HELPER_CANDIDATES])]
     sets += [(tuple(ranked[:m]), False) for m in range(HELPER_CANDIDATES + 1, len(ranked) + 1)] if dealt else []
@@ -137,9 +158,15 @@ def with_streaming(problem: Problem, whole_backward: bool = False, keep_bounds: 
         for layers, assigned in tries:
             if not layers:
                 continue
+            if budget is not None and stop is not None and best is not None and budget.now() >= stop:
+                log.info("streaming choice: its part of the time limit is spent; the best found so far is kept")
+                return chosen
             streaming = Streaming(STREAMED_STAGE, assigned, layers, whole_backward)
             candidate = replace(problem, streaming=streaming)
-            shorter = step_timeline(candidate).length
+            step = step_timeline(candidate)
+            if budget is not None:
+                budget.charge_simulated(_simulated_ops(step) * (1 + len(stage_groups(candidate)) * bool(bounds)))
+            shorter = step.length
             if shorter >= length * (1 - 1e-9) or (bounds is not None and _bounds(candidate) != bounds):
                 continue
             key = (round(shorter, 12), _helper_load(candidate), len(helpers))
@@ -148,23 +175,39 @@ def with_streaming(problem: Problem, whole_backward: bool = False, keep_bounds: 
     return chosen
 
 
+def _simulated_ops(step: StepTimeline) -> int:
+    """The ops of one simulated step, what its simulation is charged by (`Budget.charge_simulated`)."""
+    return sum(len(ops) for ops in step.ops.values())
+
+
+STREAM_CHOICE_PART = 0.05
+"""Of the whole time limit, the most the streaming choice's simulations take before it keeps the best found so far."""
+
+
 def solve_streamed(
     problem: Problem,
     solve: Solver,
     policy: StreamApply = StreamApply.KEEP_REFRESH,
     whole_backward: bool = False,
+    budget: Budget | None = None,
+    streamed: Problem | None = None,
 ) -> Plan:
     """`solve` the problem with streaming where `with_streaming` finds some (`policy` not OFF), else as given.
     KEEP_REFRESH: a streamed plan whose refresh periods are the unstreamed problem's lower bounds is kept (no plan
     without streaming refreshes more often, nor steps faster); otherwise the problem is solved without streaming too
     and the better plan by `planner.plan.rank` (periods first) kept. SHORTEST_STEP: the streamed plan is kept.
     Without a streamed plan, the unstreamed one; each choice is logged. `whole_backward`: as `with_streaming`'s.
-    Only the unstreamed problem's refusal is raised: the other solves search no suggestions (`Solver`)."""
+    Only the unstreamed problem's refusal is raised: the other solves search no suggestions (`Solver`). Everything
+    runs in `budget` (a new one of the default SolverConfig when None): the streamed try in STREAMED_PART of it
+    where the unstreamed may follow, the unstreamed one in the rest. `streamed`: the streaming choice, where made
+    already (`with_streaming` of `problem`)."""
+    budget = budget or Budget.of(SolverConfig())
     if policy is StreamApply.OFF:
-        return solve(problem)
-    streamed = with_streaming(problem, whole_backward, keep_bounds=policy is StreamApply.KEEP_REFRESH)
+        return solve(problem, budget)
+    if streamed is None:
+        streamed = with_streaming(problem, whole_backward, policy is StreamApply.KEEP_REFRESH, budget)
     if streamed is problem:
-        return solve(problem)
+        return solve(problem, budget)
     assert streamed.streaming is not None, "with_streaming returns a streaming problem or the same one"
     log.info(
         "streaming %d layer(s) of stage %d to rank(s) %s (their APPLY leaves the step's cycle)",
@@ -172,15 +215,16 @@ def solve_streamed(
         streamed.streaming.stage,
         list(streamed.streaming.ranks),
     )
+    part = 1.0 if policy is StreamApply.SHORTEST_STEP else STREAMED_PART
     try:
-        plan = solve(streamed, suggest=False)
+        plan = solve(streamed, budget.part(part), suggest=False)
     except PlanError as e:
         log.info("no plan with streaming (%s); planning without it", str(e).splitlines()[0])
-        return solve(problem)
+        return solve(problem, budget)
     if policy is StreamApply.SHORTEST_STEP or tuple(plan.metrics.refresh_steps) == _bounds(problem):
         return plan
     try:
-        alone = solve(problem, suggest=False)
+        alone = solve(problem, budget, suggest=False)
     except PlanError:
         return plan
     if rank(alone) < rank(plan):

@@ -7,7 +7,8 @@ import time
 from dataclasses import replace
 from decimal import ROUND_CEILING, Decimal
 
-from fxkfac.planner.attempt import OVERTIME, Clock, Method, Refused, attempt_plan, stats_chunk_of
+from fxkfac.planner.attempt import Method, Refused, attempt_plan, stats_chunk_of
+from fxkfac.planner.budget import Budget
 from fxkfac.planner.errors import InfeasibleBudgetError, Knob, PlanError, ScheduleError, Suggestion
 from fxkfac.planner.hardware import HARDWARE
 from fxkfac.planner.memory import min_memory_bytes
@@ -19,13 +20,16 @@ from fxkfac.planner.window_build import grid_scale
 
 __all__ = ["with_suggestions"]
 
+STRETCH_SEARCH_S = 5.0
+"""The most seconds of the limit (and at most half the time left) CP-SAT refines the least stretch of one group."""
+
 
 # Suggestions: each refusal searches the knobs that may lift it, upward from the refused value, and
 # names only values it has solved the problem with (everything else unchanged).
 
 
 def with_suggestions(
-    refused: Refused, problem: Problem, config: SolverConfig, method: Method, until: Clock
+    refused: Refused, problem: Problem, config: SolverConfig, method: Method, until: Budget
 ) -> PlanError:
     """The refusal's error with the values that plan, searched until `until`: each knob alone; where
     none does and a budget is set, max_overhead and the budget together; then more micro-batches."""
@@ -60,8 +64,7 @@ def _suggestion_text(
         return "Solved with: " + "; or ".join(_describe(problem, s) for s in found)
     if timed_out:
         return (
-            f"Nothing that plans it was found before the time ran out ({config.time_limit_s:g} s + "
-            f"{OVERTIME:g} s): "
+            f"Nothing that plans it was found before the time ran out (time limit {config.time_limit_s:g} s): "
             f"searched {'; '.join(searched) or 'nothing'}; a longer time limit searches further"
         )
     return f"Nothing plans it: no {'; no '.join(searched)}"
@@ -97,21 +100,21 @@ def _describe(problem: Problem, s: Suggestion) -> str:
     return text
 
 
-def _plans(problem: Problem, config: SolverConfig, method: Method, until: Clock, *, thorough: bool = False) -> bool:
+def _plans(problem: Problem, config: SolverConfig, method: Method, until: Budget, *, thorough: bool = False) -> bool:
     """Whether `solve` makes a plan of `problem`: with greedy placement first (CP-SAT's first pass, whose
     plan it keeps), then, `thorough` and with method CP-SAT, with CP-SAT itself within the time left."""
     return _plan_or_none(problem, config, method, until, thorough=thorough) is not None
 
 
 def _plan_or_none(
-    problem: Problem, config: SolverConfig, method: Method, until: Clock, *, thorough: bool = False
+    problem: Problem, config: SolverConfig, method: Method, until: Budget, *, thorough: bool = False
 ) -> Plan | None:
     made = until.made.get((problem, method))
     if made is not None:
         return made
-    now = until.meter.now()
+    now = until.now()
     tries = [now] + (
-        [min(until.cutoff, now + until.meter.units(config.time_limit_s))] if thorough and method is Method.CPSAT else []
+        [min(until.cutoff, now + until.units(config.time_limit_s))] if thorough and method is Method.CPSAT else []
     )
     for deadline in tries:
         if until.out():
@@ -126,7 +129,7 @@ def _plan_or_none(
 
 
 def _search_overhead(
-    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Clock
+    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
 ) -> Suggestion | None:
     """A max_overhead that plans: from greedy's stretch estimate doubling, checked by greedy placement (then,
     with CP-SAT, by CP-SAT itself); then, while time is left, CP-SAT's least stretch (checked by CP-SAT,
@@ -170,7 +173,7 @@ def _ladder(start: float, above: float) -> list[float]:
 
 
 def _bisect_down(
-    problem: Problem, config: SolverConfig, method: Method, until: Clock, failed: float, works: float
+    problem: Problem, config: SolverConfig, method: Method, until: Budget, failed: float, works: float
 ) -> float:
     """A smaller max_overhead than `works` that still plans (a few probes between it and `failed`)."""
     for _ in range(4):
@@ -199,7 +202,7 @@ def _at_device(problem: Problem) -> bool:
 
 
 def _search_memory(
-    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Clock
+    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
 ) -> Suggestion | None:
     """A memory budget that plans at the problem's max_overhead: the peak of the plan made without a
     budget, rounded up (raised by a quarter while it does not plan), never above the device's memory."""
@@ -220,7 +223,7 @@ def _search_memory(
 
 
 def _search_microbatches(
-    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Clock
+    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
 ) -> Suggestion | None:
     """The nearest N (valid for the schedule) that plans: fewer first (less curvature per step for the
     same bubbles), then more, up to 4 times this one."""
@@ -237,7 +240,7 @@ def _search_microbatches(
 
 
 def _search_together(
-    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Clock
+    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
 ) -> Suggestion | None:
     """A max_overhead that plans without the budget, and a budget that plans at it."""
     overhead = _search_overhead(replace(problem, memory_budget=None), frozenset(), config, method, until)
@@ -256,7 +259,7 @@ _SEARCHES = {
 
 
 def _overhead_estimate(
-    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Clock
+    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
 ) -> tuple[float | None, bool]:
     """The max_overhead that stretching the step needs at the longest refresh period (rounded up to 3
     digits), and whether it is proven least (CP-SAT refines greedy's stretch while time is left); None
@@ -274,7 +277,7 @@ def _overhead_estimate(
             grid,
             stats_chunk=stats_chunk_of(problem, group, config, grid),
             resolution=config.time_resolution,
-            meter=until.meter,
+            meter=until,
         )
         if found is None:
             return None, False
@@ -284,7 +287,7 @@ def _overhead_estimate(
             from fxkfac.planner.group_search import refine_stretch
 
             found, least = refine_stretch(
-                found, grid, config, until.meter, min(until.meter.units(min(5.0, config.time_limit_s)), left / 2)
+                found, grid, config, until, min(until.units(min(STRETCH_SEARCH_S, config.time_limit_s)), left / 2)
             )
         upper, proven = max(upper, found.window.stretch), proven and least
     need = _overhead(problem, fused, problem.max_period, upper, grid)

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 
+from fxkfac.planner.budget import Budget
 from fxkfac.planner.choose import (
     STEP_TIE,
     best,
@@ -21,7 +22,7 @@ from fxkfac.planner.errors import PlanError
 from fxkfac.planner.hardware import HARDWARE
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import Problem, SolverConfig
-from fxkfac.planner.solve import TimeBox, solve
+from fxkfac.planner.solve import solve
 from fxkfac.planner.strategy import parse_strategy
 from fxkfac.planner.validate import validate
 
@@ -88,33 +89,33 @@ def test_a_budget_comm_opt_misses_is_met_by_holding_fewer_decompositions() -> No
 
 
 def test_the_candidates_share_one_time_limit() -> None:
-    """Every candidate is solved in one TimeBox: the search spends (on the deterministic clock, the same under
+    """Every candidate is solved in one Budget: the search spends (on the deterministic clock, the same under
     any load) no more than the limit plus OVERTIME, where each candidate alone may spend nearly the limit."""
     config = SolverConfig(time_limit_s=0.5)
     problem = _problem(W=4)
-    alone = TimeBox(config)
-    solve(problem, config, box=alone)
-    searched = TimeBox(config)
-    plan = solve_with_strategy(problem, None, config, box=searched)
+    alone = Budget.of(config)
+    solve(problem, config, budget=alone)
+    searched = Budget.of(config)
+    plan = solve_with_strategy(problem, None, config, budget=searched)
     assert len(candidate_problems(problem)) == 4
-    assert searched.meter.now() <= searched.end + searched.overtime
-    assert searched.meter.now() < 4 * alone.meter.now()  # four full solves would take about four times one
+    assert searched.now() <= searched.end + searched.overtime
+    assert searched.now() < 4 * alone.now()  # four full solves would take about four times one
     assert validate(plan.problem, plan) == []
 
 
 def test_a_value_the_refusal_names_is_planned_again_at_no_cost() -> None:
-    """The box keeps the plans its suggestion search made: planning at the suggested max_overhead (what
+    """The budget keeps the plans its suggestion search made: planning at the suggested max_overhead (what
     plan='auto' does with none given) returns the plan it verified, spending nothing more."""
     config = SolverConfig(time_limit_s=1.0)
     problem = dataclasses.replace(_problem(W=2), max_overhead=0.0)
-    box = TimeBox(config)
+    box = Budget.of(config)
     with pytest.raises(PlanError) as refused:
-        solve(problem, config, box=box)
+        solve(problem, config, budget=box)
     values = [s.fields()["max_overhead"] for s in refused.value.suggestions if s.fields().keys() == {"max_overhead"}]
     assert values, str(refused.value)
-    spent = box.meter.now()
-    plan = solve(dataclasses.replace(problem, max_overhead=values[0]), config, box=box)
-    assert box.meter.now() == spent
+    spent = box.now()
+    plan = solve(dataclasses.replace(problem, max_overhead=values[0]), config, budget=box)
+    assert box.now() == spent
     assert validate(plan.problem, plan) == []
 
 
@@ -123,10 +124,10 @@ def test_the_greedy_method_plans_every_candidate_whatever_the_time_limit() -> No
     candidate, still leaves the greedy search every candidate, and it keeps the best of them."""
     config = SolverConfig(time_limit_s=0.001)
     problem = _problem(W=4)
-    spent = TimeBox(config)
-    spent.meter.charge(spent.end + spent.overtime)  # the deterministic clock past every deadline
+    spent = Budget.of(config)
+    spent.charge(spent.end + spent.overtime)  # the deterministic clock past every deadline
     assert spent.over()
-    auto = solve_with_strategy(problem, None, config, "greedy", box=spent)
+    auto = solve_with_strategy(problem, None, config, "greedy", budget=spent)
     chosen = best([solve(c, config, "greedy") for c in candidate_problems(problem)])
     assert (strategy_of(auto), auto.metrics.refresh_steps, auto.metrics.step_time) == (
         strategy_of(chosen),
@@ -215,10 +216,9 @@ def _strategies(problem: Problem) -> tuple[str, ...]:
 def test_a_group_first_fit_places_within_the_budget_keeps_no_time_for_fusing() -> None:
     """Under a memory budget a group's share of the solver time is halved for the rounds that fuse curvature only
     while it has no placement within the budget."""
-    from fxkfac.planner.attempt import Clock, _share
-    from fxkfac.planner.budget import Meter
+    from fxkfac.planner.attempt import _share
 
-    clock = Clock(Meter(deterministic=True, cap=float("inf")), deadline=100.0, cutoff=200.0)
+    clock = Budget.untimed().later(100.0, 200.0)
     budgeted = _problem(budget=1 << 40)
     kept = _share(budgeted, clock, 1, reserve=True)
     whole = _share(budgeted, clock, 1, reserve=False)

@@ -158,8 +158,7 @@ def test_planning_ends_within_the_time_limit_and_says_whether_it_is_optimal() ->
     now the solve (suggestions included) ends within the limit plus OVERTIME plus one greedy placement, on
     the deterministic clock; on the wall clock, within its safety cap (WALL_CAP times that) at worst."""
     from fxkfac.planner.analytic import analytic_cost_table
-    from fxkfac.planner.attempt import OVERTIME
-    from fxkfac.planner.budget import WALL_CAP
+    from fxkfac.planner.budget import OVERTIME, WALL_CAP
 
     costs = analytic_cost_table("gpt2", 4, 32, None, "a100")
     free = Problem("1f1b", 4, 8, costs, max_overhead=0.05)

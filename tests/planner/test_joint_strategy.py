@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from fxkfac.planner.budget import Meter
+from fxkfac.planner.budget import Budget
 from fxkfac.planner.choose import solve_outer, solve_with_strategy, strategy_of
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.cpsat import Frame, least_step, solve_window
@@ -118,7 +118,7 @@ def test_least_step_is_the_least_over_every_option_set(budget: str | None) -> No
         problem = dataclasses.replace(problem, memory_budget=(least + comm) // 2)
     free = frozenset(range(problem.num_stages)) - timeline_stages(problem)
     assert free == {0, 1}  # 1F1B: each stage's slot comes after its copies' fixed work
-    meter = Meter(True, time.perf_counter() + 60)
+    meter = dataclasses.replace(Budget.untimed(), cap=time.perf_counter() + 60)
     choice = least_step(problem, free, step_fixed_end(problem, free), QUICK, meter, 10.0)
     assert choice is not None
     chosen = problem.with_distributions(choice.distributions)
@@ -224,8 +224,9 @@ def test_the_model_with_one_option_per_layer_is_the_forced_strategys(strategy: s
         (w.scale, w.exact),
         1,
     )
-    forced_status, forced = solve_window(w, QUICK, 60.0, Meter(True, time.perf_counter() + 60), placed)
-    joint_status, joint = solve_window(w, QUICK, 60.0, Meter(True, time.perf_counter() + 60), placed, frame=frame)
+    budget = dataclasses.replace(Budget.untimed(), cap=time.perf_counter() + 60)
+    forced_status, forced = solve_window(w, QUICK, 60.0, budget, placed)
+    joint_status, joint = solve_window(w, QUICK, 60.0, budget, placed, frame=frame)
     assert (forced_status, joint_status) == ("OPTIMAL", "OPTIMAL")
     assert forced is not None and joint is not None
     assert joint.staleness == forced.staleness

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fxkfac.planner import (
+    Budget,
     ConfigError,
     Distributions,
     Overhead,
@@ -14,7 +15,6 @@ from fxkfac.planner import (
     Strategy,
     StrategyKind,
     StreamApply,
-    TimeBox,
     plan,
     validate,
 )
@@ -41,11 +41,11 @@ def test_the_chosen_distributions_plan_as_the_strategy_search_does() -> None:
     assert validate(made.problem, made) == []
 
 
-def test_one_box_holds_the_whole_search() -> None:
-    """The box a caller passes is the one every solve spends: what it spent is the search's time."""
-    box = TimeBox(CONFIG)
-    plan(problem("1f1b", 2, 4, W=2, inv=1.0), SearchOptions(CONFIG), box=box)
-    assert 0 < box.meter.spent <= box.end + box.overtime
+def test_one_budget_holds_the_whole_search() -> None:
+    """The budget a caller passes is the one every solve spends: what it spent is the search's time."""
+    budget = Budget.of(CONFIG)
+    plan(problem("1f1b", 2, 4, W=2, inv=1.0), SearchOptions(CONFIG), budget=budget)
+    assert 0 < budget.tally.spent <= budget.end + budget.overtime
 
 
 def test_the_least_overhead_rule_starts_from_the_bubbles_alone() -> None:

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from fxkfac.planner.budget import Budget
 from fxkfac.planner.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.errors import PlanError, PlanFormatError
 from fxkfac.planner.ir import LAYER_TRANSFER_KINDS, Op, OpKind, format_programs, parse_programs
@@ -295,7 +296,7 @@ def test_a_problem_without_a_streamed_plan_is_planned_without_streaming(streamed
     base = replace(streamed, streaming=None)
     tried: list[tuple[Streaming | None, bool]] = []
 
-    def refuses_streaming(problem: Problem, *, suggest: bool = True) -> str:
+    def refuses_streaming(problem: Problem, budget: Budget, *, suggest: bool = True) -> str:
         tried.append((problem.streaming, suggest))
         if problem.streaming is not None:
             raise PlanError("no placement within 32 steps")
@@ -329,7 +330,9 @@ def test_a_streamed_plan_that_refreshes_less_often_loses_to_the_plan_without(str
         plans = {True: _fake_plan(streamed_periods, 0.55), False: _fake_plan((3, 3, 3, 3), 0.57)}
         calls: list[bool] = []
 
-        def solve(problem: Problem, *, suggest: bool = True, plans=plans, calls=calls) -> SimpleNamespace:
+        def solve(
+            problem: Problem, budget: Budget, *, suggest: bool = True, plans=plans, calls=calls
+        ) -> SimpleNamespace:
             calls.append(problem.streaming is not None)
             return plans[calls[-1]]
 
