@@ -28,7 +28,7 @@ from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.ir import Capture
 
-__all__ = ["Source", "RefreshState", "Family", "PiecewiseFamily", "gradient_parts"]
+__all__ = ["Source", "RefreshState", "Family", "PiecewiseFamily", "SteppedFamily", "gradient_parts"]
 
 
 class Source(StrEnum):
@@ -237,6 +237,23 @@ class PiecewiseFamily(Protocol):
 
     def carry_from_state(self, saved: Any) -> Any:
         """Inverse of `carry_to_state` (ValueError when malformed)."""
+        ...
+
+
+@runtime_checkable
+class SteppedFamily(Protocol):
+    """A family whose per-step work keeps state in the unit: statistics folded from the reduced gradient and the
+    optimizer's tensors (Shampoo, SOAP). A helper that runs a streamed unit's per-step work holds that state and
+    returns it with each result, so every owner keeps the unit's whole state (docs/STREAMED_APPLY.md, "Stateful
+    units")."""
+
+    def step_state(self, unit: Any, state: RefreshState) -> Tensor:
+        """The per-step part of `state` (fold counts, statistics, optimizer tensors) as one flat float64 tensor whose
+        size depends on the unit alone."""
+        ...
+
+    def load_step_state(self, unit: Any, state: RefreshState, flat: Tensor) -> None:
+        """Inverse of `step_state`: replace those tensors of `state` (never mutating them)."""
         ...
 
 

@@ -8,7 +8,7 @@ from enum import StrEnum
 from functools import cached_property, lru_cache
 from typing import Any
 
-from fxkfac.planner.costs import CostTable
+from fxkfac.planner.costs import CostTable, LayerCost
 from fxkfac.planner.errors import ConfigError, PlanError, PlanFormatError
 from fxkfac.planner.ir import LAYER_TRANSFER_KINDS, Op, OpKind
 from fxkfac.planner.lowering import linked_classes, ranks_of_stages
@@ -31,6 +31,10 @@ __all__ = [
     "copies_of_stage",
     "stages_on_device",
     "is_streamed",
+    "streamable",
+    "streamed_stats",
+    "streamed_seconds",
+    "returned",
     "format_bytes",
     "agreement_set",
 ]
@@ -162,10 +166,11 @@ class Problem:
             layer = held.get(name)
             if layer is None:
                 raise PlanError(f"streaming names {name!r}, which is not a layer of stage {streaming.stage}")
-            if layer.state_bytes or any(p.after is OpKind.ALLREDUCE_GRAD for p in layer.parts):
+            if not streamable(layer):
                 raise PlanError(
-                    f"{name}'s APPLY keeps state or its statistics come from the gradient (Shampoo, SOAP): only a "
-                    "layer whose APPLY reads its preconditioner alone (K-FAC) streams"
+                    f"{name}'s APPLY keeps state besides statistics fed by the gradient: only a layer whose APPLY "
+                    "reads its preconditioner alone (K-FAC) or whose statistics come from the gradient alone "
+                    "(Shampoo, SOAP) streams"
                 )
             if self.where(name) != LayerDistribution():
                 raise PlanError(f"{name} streams, so every copy applies it (COMM-OPT), not {self.where(name)}")
@@ -371,6 +376,41 @@ def copies_of_stage(problem: Problem, stage: int) -> tuple[int, ...]:
 def stages_on_device(problem: Problem, device: int) -> tuple[int, ...]:
     """The stages whose F/B run on `device`, ascending."""
     return tuple(s for s, ranks in _holders(problem).items() if device in ranks)
+
+
+def streamable(layer: LayerCost) -> bool:
+    """Whether a helper can run `layer`'s per-step work: an APPLY that reads its preconditioner alone (no optimizer
+    state, statistics from captures: K-FAC), or one whose statistics all come from the reduced gradient, which the
+    helper then folds and keeps with the rest of the per-step state (Shampoo, SOAP)."""
+    gradient = [p.after is OpKind.ALLREDUCE_GRAD for p in layer.parts]
+    return all(gradient) if any(gradient) else not layer.state_bytes
+
+
+def streamed_stats(problem: Problem, layer: str) -> bool:
+    """Whether `layer` streams and has parts fed by the reduced gradient (Shampoo, SOAP): its helper then folds
+    their statistics with its APPLY (the layer's whole per-step work) and returns them with the result, and its
+    owners take the refresh step's snapshot from that return (docs/STREAMED_APPLY.md, "Stateful units")."""
+    streaming = problem.streaming
+    return (
+        streaming is not None
+        and layer in streaming.layers
+        and any(p.after is OpKind.ALLREDUCE_GRAD for p in problem.costs.layer(layer).parts)
+    )
+
+
+def streamed_seconds(problem: Problem, layer: str) -> float:
+    """Seconds of a streamed layer's per-step work on its helper: its APPLY, and with `streamed_stats` the folds of
+    its gradient-fed statistics, which the helper's APPLY runs first."""
+    cost = problem.costs.layer(layer)
+    folds = sum(p.stats for p in cost.parts) if streamed_stats(problem, layer) else 0.0
+    return cost.prec + folds
+
+
+def returned(problem: Problem, layer: str) -> Op:
+    """The owners' RECV_PGRAD of a streamed `layer`: where its preconditioned gradient (and, for `streamed_stats`,
+    its statistics) lands."""
+    assert problem.streaming is not None, "only a streamed layer is returned"
+    return Op(OpKind.RECV_PGRAD, problem.streaming.stage, peer=problem.streaming.helper_of(layer), layer=layer)
 
 
 def is_streamed(problem: Problem, device: int, op: Op) -> bool:

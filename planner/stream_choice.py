@@ -12,7 +12,7 @@ from typing import Protocol
 from fxkfac.planner.errors import PlanError
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.plan import Plan, rank
-from fxkfac.planner.problem import Problem, copies_of_stage, stage_groups
+from fxkfac.planner.problem import Problem, copies_of_stage, stage_groups, streamable
 from fxkfac.planner.step_timeline import group_load, refresh_lower_bound, step_timeline
 from fxkfac.planner.strategy import LayerDistribution
 from fxkfac.planner.streaming import Streaming, ready_fractions
@@ -49,17 +49,11 @@ them together (m = 2 ..) sharing the layers."""
 
 def _streamable(problem: Problem) -> list[str]:
     """The first stage's layers a helper may apply, in the order its backward makes their gradients final: every
-    layer whose APPLY reads its preconditioner alone (no optimizer state, statistics from captures) and that every
-    copy applies itself (COMM-OPT)."""
+    layer whose per-step work a helper can run (`planner.problem.streamable`: K-FAC's APPLY, Shampoo's and SOAP's
+    statistics fold and APPLY) and that every copy applies itself (COMM-OPT)."""
     layers = problem.costs.stages[STREAMED_STAGE].layers
     fractions = ready_fractions(problem.costs.stages[STREAMED_STAGE])
-    ok = [
-        x.name
-        for x in layers
-        if not x.state_bytes
-        and all(p.after is not OpKind.ALLREDUCE_GRAD for p in x.parts)
-        and problem.where(x.name) == LayerDistribution()
-    ]
+    ok = [x.name for x in layers if streamable(x) and problem.where(x.name) == LayerDistribution()]
     return sorted(ok, key=lambda n: fractions[n])
 
 
