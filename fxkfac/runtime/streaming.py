@@ -314,7 +314,7 @@ class Streams:
         if self.stepped:
             params = self._fold(ctx, name, shapes, grads)
         dot = family.precondition([layer], grads, self.runtime.states, params)  # in place: in flat
-        extra = ()
+        extra: tuple[Tensor, ...] = ()
         if self.stepped:
             assert isinstance(family, SteppedFamily), "only a stepped family returns a state"
             extra = (family.step_state(layer, state).to(ctx.transport.device),)
