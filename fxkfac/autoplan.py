@@ -35,6 +35,7 @@ from fxkfac.planner import plan as plan_search
 from fxkfac.planner.costs import median_of
 from fxkfac.planner.preconditioners import words_of
 from fxkfac.planner.profiles import load_cost_table
+from fxkfac.planner.stream_choice import StreamApply
 
 __all__ = [
     "Target",
@@ -73,6 +74,10 @@ class Target:
     compiled: bool = False
     """Whether the stages run compiled (`compile(backend=...)`): each backward then makes every gradient at its end,
     so a streamed APPLY overlaps nothing of it (`planner.streaming.Streaming.whole_backward`)."""
+    tied_state: bool = False
+    """Whether a parameter several stages share (tied weights) is a unit whose per-step work keeps state (Shampoo,
+    SOAP): its gradient is complete only once the stages' sum lands, after the backward that would stream it, so
+    nothing streams (docs/STREAMED_APPLY.md, "Stateful units")."""
 
     def describe(self) -> str:
         """The run in words, for error messages."""
@@ -191,7 +196,7 @@ def solve_for(
     search = SearchOptions(
         solver=SolverConfig(time_limit_s=options.time_limit_s, deterministic=options.deterministic, progress=progress),
         strategy=Distributions.CHOSEN if options.forced_strategy is None else options.forced_strategy,
-        stream_apply=options.stream_apply,
+        stream_apply=StreamApply.OFF if target.tied_state else options.stream_apply,
         whole_backward=target.compiled,
         choose_recompute=checkpointing.mode is CheckpointMode.AUTO,
         overhead=Overhead.STRICT if strict else Overhead.LEAST,

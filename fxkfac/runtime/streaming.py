@@ -159,7 +159,7 @@ class Streams:
         backwards = sum(1 for o in ops if o.kind is OpKind.BWD and o.stage == op.stage)
         params = self._params(ctx, op)
         tied = [p for p in self.runtime.family.params_of(self.runtime.layers[op.layer]) if p in ctx.sync.owned]
-        if tied:
+        if tied and self.stepped:
             raise PipelineError(
                 f"rank {self.runtime.rank}: '{op}' streams {op.layer}, whose parameters {tied} other stages share: "
                 "its gradient is complete only once their sum lands, after the backward; the plan must not stream it"
