@@ -79,9 +79,7 @@ def _streamed_plan(trainer: fxkfac.Trainer) -> Plan:
     # a replica made at a step's tail delays its end by its transfer, which the window does not price: see
     # docs/STREAMED_APPLY.md, "Not done"); the step may stretch as far as it needs (correctness, not speed)
     costs = dataclasses.replace(problem.costs, comm=None)
-    streamed = dataclasses.replace(
-        problem.with_distributions({}), costs=costs, streaming=streaming, max_overhead=2.0
-    )
+    streamed = dataclasses.replace(problem.with_distributions({}), costs=costs, streaming=streaming, max_overhead=2.0)
     plan = [solve(streamed, SolverConfig(time_limit_s=2.0), "greedy")]
     dist.broadcast_object_list(plan, src=0)
     return plan[0]
