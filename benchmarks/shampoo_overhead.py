@@ -7,14 +7,17 @@ launch (blocks of steps interleaved round by round, so drift in machine load hit
 (plain)          the plain pipeline with AdamW (no preconditioner);
 (F in bubbles)   family F (Shampoo, SOAP) with plan="auto": rank 0 profiles, CP-SAT places each refresh's
                  decompositions (Shampoo's inverse roots, SOAP's eigenbases) into the bubbles and chooses
-                 the refresh period per stage;
+                 the refresh period per stage, and streams stage 0's per-step work (statistics folds and APPLY)
+                 to the other rank where that costs no refresh (docs/STREAMED_APPLY.md, "Stateful units");
+(F unstreamed)   the same with PlanOptions(stream_apply=OFF): stage 0's per-step work on its own rank;
 (F critical)     F with plan=None at the plan's own refresh period per parameter: every decomposition runs
                  in its refresh step before APPLY, on the critical path (`naive_programs`);
 (F critical/f)   F with plan=None at its configured precondition_frequency (Shampoo as usually run).
 
 Every variant also folds the statistics L, R of every parameter every step and preconditions every step
-(APPLY): that per-step work is on the critical path in all of them. The step time is the median over rounds
-of a block's mean (a block is a whole number of the variant's refresh periods, at least --block steps).
+(APPLY): that per-step work is on the critical path in all of them but for what (F in bubbles) streams. The
+step time is the median over rounds of a block's mean (a block is a whole number of the variant's refresh
+periods, at least --block steps).
 Target: (F in bubbles) / (plain) <= 1.05. Utilization per rank is measured from the recorded timeline
 and, for the planned variants, predicted by the plan (its programs simulated with the profiled costs).
 Helpers shared with benchmarks/pipefisher_overhead.py (block timing, timeline gathering, the plan's
@@ -55,6 +58,7 @@ from fxkfac.config import PipelineOptions, PlanOptions
 from fxkfac.data import MaskedLMData, stdlib_corpus
 from fxkfac.models import mlm_loss
 from fxkfac.planner.ir import LayerTiming
+from fxkfac.planner.stream_choice import StreamApply
 from fxkfac.runtime.timeline import utilization
 from fxkfac.runtime.trainer import Trainer
 
@@ -70,6 +74,7 @@ def _compile(
     cfg: Any,
     plan: str | None,
     layer_timing: dict[str, LayerTiming] | None = None,
+    stream_apply: StreamApply = StreamApply.KEEP_REFRESH,
 ) -> Trainer:
     """One variant on the (D, 1) mesh: eager stages, timeline recorded; the family's base optimizer (plain SGD for
     Shampoo/SOAP, which make the whole direction), AdamW for the plain pipeline."""
@@ -87,7 +92,7 @@ def _compile(
         microbatches=args.microbatches,
         backend=None,
         layer_timing=layer_timing,
-        plan_options=PlanOptions(time_limit_s=args.time_limit),
+        plan_options=PlanOptions(time_limit_s=args.time_limit, stream_apply=stream_apply),
         pipeline=PipelineOptions(record_timeline=True, timeout=600.0),
     )
 
@@ -100,6 +105,7 @@ def _build(args: argparse.Namespace, example: torch.Tensor) -> dict[str, Trainer
         auto = _compile(args, example, cfg, "auto")
         at_plan = {n: LayerTiming(t.period, 0, 0, t.capture) for n, t in auto.plan.layers.items()}
         trainers[f"{family} in bubbles"] = auto
+        trainers[f"{family} unstreamed"] = _compile(args, example, cfg, "auto", stream_apply=StreamApply.OFF)
         trainers[f"{family} critical"] = _compile(args, example, cfg, None, at_plan)
         trainers[f"{family} critical/f"] = _compile(args, example, cfg, None)
     return trainers
@@ -138,7 +144,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
     events = {v: _gather(t.timeline.events) for v, t in trainers.items()}
     if rank == 0:
         step_s = {v: statistics.median(ts) for v, ts in times.items()}
-        planned = {v: _planned(t) for v, t in trainers.items() if v.endswith("in bubbles")}
+        planned = {v: _planned(t) for v, t in trainers.items() if v.endswith(("in bubbles", "unstreamed"))}
         row = {
             "step_s": step_s,
             "rounds_s": times,
@@ -208,10 +214,10 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
     )
     for family in args.families:
         r = row["ratio_to_plain"]
-        b, c = r[f"{family} in bubbles"], r[f"{family} critical"]
+        b, c, u = r[f"{family} in bubbles"], r[f"{family} critical"], r[f"{family} unstreamed"]
         console.print(
-            f"{family}: in bubbles / plain = {b:.3f} (target <= {TARGET}: {b <= TARGET}); critical path at "
-            f"the plan's period / plain = {c:.3f}; in bubbles < critical: {b < c}",
+            f"{family}: in bubbles / plain = {b:.3f} (target <= {TARGET}: {b <= TARGET}); unstreamed / plain = "
+            f"{u:.3f}; critical path at the plan's period / plain = {c:.3f}; in bubbles < critical: {b < c}",
             markup=False,
         )
     print(json.dumps({"benchmark": "shampoo_overhead", "args": vars(args), **row}))

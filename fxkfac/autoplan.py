@@ -36,6 +36,7 @@ from fxkfac.planner.costs import median_of
 from fxkfac.planner.preconditioners import words_of
 from fxkfac.planner.profiles import load_cost_table
 from fxkfac.planner.schedule_choice import ScheduleCandidate, choose_schedule, schedule_candidates
+from fxkfac.planner.stream_choice import StreamApply
 
 __all__ = [
     "Target",
@@ -77,6 +78,10 @@ class Target:
     choices: tuple[tuple[ScheduleKind, str], ...] = ()
     """compile(schedule="auto"): the schedules plan="auto" chooses among (`planner.schedule_choice`), each with the
     graph fingerprint of the run under it; empty: `schedule` is the run's."""
+    tied_state: bool = False
+    """Whether a parameter several stages share (tied weights) is a unit whose per-step work keeps state (Shampoo,
+    SOAP): its gradient is complete only once the stages' sum lands, after the backward that would stream it, so
+    nothing streams (docs/STREAMED_APPLY.md, "Stateful units")."""
 
     def describe(self) -> str:
         """The run in words, for error messages."""
@@ -196,7 +201,7 @@ def solve_for(
     search = SearchOptions(
         solver=SolverConfig(time_limit_s=options.time_limit_s, deterministic=options.deterministic, progress=progress),
         strategy=Distributions.CHOSEN if options.forced_strategy is None else options.forced_strategy,
-        stream_apply=options.stream_apply,
+        stream_apply=StreamApply.OFF if target.tied_state else options.stream_apply,
         whole_backward=target.compiled,
         choose_recompute=checkpointing.mode is CheckpointMode.AUTO,
         overhead=Overhead.STRICT if strict else Overhead.LEAST,

@@ -37,7 +37,7 @@ from fxkfac.planner.schedule_choice import schedule_candidates
 from fxkfac.planner.schedules import ScheduleKind, num_stages, stages_of_rank
 from fxkfac.planner.strategy import LayerDistribution, distribute
 from fxkfac.planner.tied import tied_owner
-from fxkfac.preconditioner import Family, PiecewiseFamily, gradient_parts
+from fxkfac.preconditioner import Family, PiecewiseFamily, SteppedFamily, gradient_parts
 from fxkfac.progress import PlanProgress, plan_progress
 from fxkfac.runtime.mesh import MeshLayout
 from fxkfac.runtime.trainer import OptimizerFactory, RunSpec, Trainer, default_optimizer, plain_sgd, shard_microbatches
@@ -460,6 +460,7 @@ def prepare(
         family.kl_clip_scope.barrier if family is not None else StepBarrier.WORLD,
         warm_start=family is not None and family.warm_start,
         compiled=compiled,
+        tied_state=bool(split.shared_params) and isinstance(family, SteppedFamily) and bool(gradient_parts(family)),
     )
     return Prepared(captured, units, split, stage_layers, target, example, batch, micro)
 

@@ -28,7 +28,7 @@ from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.ir import Capture
 
-__all__ = ["Source", "RefreshState", "Family", "PiecewiseFamily", "SplitApplyFamily", "gradient_parts"]
+__all__ = ["Source", "RefreshState", "Family", "PiecewiseFamily", "SplitApplyFamily", "SteppedFamily", "gradient_parts"]
 
 
 class Source(StrEnum):
@@ -258,6 +258,23 @@ class SplitApplyFamily(Protocol):
 
     def apply_output(self, unit: Any, core: Tensor, param: Tensor) -> Tensor:
         """The unit's direction (what `precondition` writes into its gradient) from the core's output."""
+        ...
+
+
+@runtime_checkable
+class SteppedFamily(Protocol):
+    """A family whose per-step work keeps state in the unit: statistics folded from the reduced gradient and the
+    optimizer's tensors (Shampoo, SOAP). A helper that runs a streamed unit's per-step work holds that state and
+    returns it with each result, so every owner keeps the unit's whole state (docs/STREAMED_APPLY.md, "Stateful
+    units")."""
+
+    def step_state(self, unit: Any, state: RefreshState) -> Tensor:
+        """The per-step part of `state` (fold counts, statistics, optimizer tensors) as one flat float64 tensor whose
+        size depends on the unit alone."""
+        ...
+
+    def load_step_state(self, unit: Any, state: RefreshState, flat: Tensor) -> None:
+        """Inverse of `step_state`: replace those tensors of `state` (never mutating them)."""
         ...
 
 

@@ -335,6 +335,17 @@ class PreconditionerKind(StrEnum):
     MUON = "muon"
 
 
+def _streamed_bytes(layer: LayerCost, kind: OpKind) -> int:
+    """Bytes of a streamed layer's hand-off: its gradient each way; a layer whose statistics come from the gradient
+    (Shampoo, SOAP: its helper runs its whole per-step work) also sends its parameter (weight decay reads it) and
+    takes back its statistics and optimizer state (docs/STREAMED_APPLY.md, "Stateful units")."""
+    if not any(p.after is OpKind.ALLREDUCE_GRAD for p in layer.parts):
+        return layer.gradient_bytes
+    if kind is OpKind.SEND_LGRAD:
+        return 2 * layer.gradient_bytes
+    return layer.gradient_bytes + layer.factor_bytes + layer.state_bytes
+
+
 @dataclass(frozen=True, slots=True)
 class CostTable:
     """Costs of every stage of one model at one micro-batch size, and where they came from."""
@@ -389,7 +400,7 @@ class CostTable:
         (`param_bytes`), SYNC_STATS each named part's statistic with its count (`state_bytes` + `COUNT_BYTES`),
         BCAST broadcasts each named part's decomposition (as large as its statistic, `state_bytes`), BCAST_PREC
         the named layer's preconditioned gradient (`LayerCost.gradient_bytes`); a streamed layer's sends (between two
-        ranks) its gradient (SEND_LGRAD, SEND_PGRAD) or each part's decomposition (SEND_REPLICA)."""
+        ranks) its gradient (SEND_LGRAD, SEND_PGRAD; `_streamed_bytes`) or each part's decomposition (SEND_REPLICA)."""
         if op.stage is None:
             raise CostModelError(f"{op} names no stage: its bytes are unknown")
         stage = self.stages[op.stage]
@@ -408,7 +419,7 @@ class CostTable:
         elif op.kind is OpKind.BCAST_PREC:
             messages = [(Collective.BROADCAST, x.gradient_bytes) for x in stage.layers if x.name == op.layer]
         elif op.kind in (OpKind.SEND_LGRAD, OpKind.SEND_PGRAD):
-            messages = [(Collective.SEND, x.gradient_bytes) for x in stage.layers if x.name == op.layer]
+            messages = [(Collective.SEND, _streamed_bytes(x, op.kind)) for x in stage.layers if x.name == op.layer]
         elif op.kind is OpKind.SEND_REPLICA:
             messages = [(Collective.SEND, p.state_bytes) for x in stage.layers if x.name == op.layer for p in x.parts]
         else:

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from fxkfac.planner.costs import StageCost
 from fxkfac.planner.ir import OpKind
-from fxkfac.planner.problem import Problem, copies_of_stage, stages_on_device
+from fxkfac.planner.problem import Problem, copies_of_stage, stages_on_device, streamed_stats
 from fxkfac.planner.step_timeline import StepTimeline, step_timeline
 from fxkfac.planner.strategy import holding
 
@@ -55,7 +55,8 @@ def static_bytes(problem: Problem, device: int) -> int:
 def _streamed_bytes(problem: Problem, device: int) -> int:
     """What streaming adds (planner/streaming.py): on each owner, the buffers its streamed layers' preconditioned
     gradients land in (posted when the step begins); on a helper, for each layer it preconditions, the gradients
-    received from every owner, their preconditioned sum and two decompositions (active and next) of its replica."""
+    received from every owner, their preconditioned sum and two decompositions (active and next) of its replica, and
+    of a unit whose statistics it folds (`streamed_stats`) those statistics and its optimizer state."""
     streaming = problem.streaming
     if streaming is None:
         return 0
@@ -63,7 +64,8 @@ def _streamed_bytes(problem: Problem, device: int) -> int:
         return sum(problem.costs.layer(n).gradient_bytes for n in streaming.layers)
     layers = [problem.costs.layer(n) for n in streaming.layers_of(device)]
     gradients = sum(x.gradient_bytes for x in layers)
-    return (len(problem.stream_owners) + 1) * gradients + 2 * sum(x.factor_bytes for x in layers)
+    kept = sum(x.factor_bytes + x.state_bytes for x in layers if streamed_stats(problem, x.name))
+    return (len(problem.stream_owners) + 1) * gradients + 2 * sum(x.factor_bytes for x in layers) + kept
 
 
 def decomposition_bytes(problem: Problem, device: int, layer: str) -> int:

@@ -8,7 +8,7 @@ from enum import StrEnum
 from functools import cached_property, lru_cache
 from typing import Any
 
-from fxkfac.planner.apply_pieces import NS_STEPS
+from fxkfac.planner.apply_pieces import NS_STEPS, piece_share
 from fxkfac.planner.costs import CostTable, PreconditionerKind
 from fxkfac.planner.errors import ConfigError, PlanError, PlanFormatError
 from fxkfac.planner.ir import LAYER_TRANSFER_KINDS, Op, OpKind
@@ -32,6 +32,9 @@ __all__ = [
     "copies_of_stage",
     "stages_on_device",
     "is_streamed",
+    "streamed_stats",
+    "streamed_seconds",
+    "returned",
     "format_bytes",
     "agreement_set",
 ]
@@ -171,8 +174,9 @@ class Problem:
                 raise PlanError(f"streaming names {name!r}, which is not a layer of stage {streaming.stage}")
             if not can_stream(self.costs.family, layer):
                 raise PlanError(
-                    f"{name}'s APPLY keeps state or its statistics come from the gradient (Shampoo, SOAP): only a "
-                    "layer whose APPLY reads its preconditioner alone (K-FAC) or a Muon matrix streams"
+                    f"{name}'s APPLY keeps state besides statistics fed by the gradient: only a layer whose APPLY "
+                    "reads its preconditioner alone (K-FAC), whose statistics come from the gradient alone "
+                    "(Shampoo, SOAP) or a Muon matrix streams"
                 )
             if self.where(name) != LayerDistribution():
                 raise PlanError(f"{name} streams, so every copy applies it (COMM-OPT), not {self.where(name)}")
@@ -385,6 +389,33 @@ def copies_of_stage(problem: Problem, stage: int) -> tuple[int, ...]:
 def stages_on_device(problem: Problem, device: int) -> tuple[int, ...]:
     """The stages whose F/B run on `device`, ascending."""
     return tuple(s for s, ranks in _holders(problem).items() if device in ranks)
+
+
+def streamed_stats(problem: Problem, layer: str) -> bool:
+    """Whether `layer` streams and has parts fed by the reduced gradient (Shampoo, SOAP): its helper then folds
+    their statistics with its APPLY (the layer's whole per-step work) and returns them with the result, and its
+    owners take the refresh step's snapshot from that return (docs/STREAMED_APPLY.md, "Stateful units")."""
+    streaming = problem.streaming
+    return (
+        streaming is not None
+        and layer in streaming.layers
+        and any(p.after is OpKind.ALLREDUCE_GRAD for p in problem.costs.layer(layer).parts)
+    )
+
+
+def streamed_seconds(problem: Problem, op: Op) -> float:
+    """Seconds of a streamed layer's APPLY on its helper (or of its piece, `planner.apply_pieces.piece_share`), and
+    with `streamed_stats` the folds of its gradient-fed statistics, which the helper's APPLY runs first."""
+    cost = problem.costs.layer(op.layer_name)
+    folds = sum(p.stats for p in cost.parts) if streamed_stats(problem, op.layer_name) else 0.0
+    return cost.prec * piece_share(op.piece) + folds
+
+
+def returned(problem: Problem, layer: str) -> Op:
+    """The owners' RECV_PGRAD of a streamed `layer`: where its preconditioned gradient (and, for `streamed_stats`,
+    its statistics) lands."""
+    assert problem.streaming is not None, "only a streamed layer is returned"
+    return Op(OpKind.RECV_PGRAD, problem.streaming.stage, peer=problem.streaming.helper_of(layer), layer=layer)
 
 
 def is_streamed(problem: Problem, device: int, op: Op) -> bool:

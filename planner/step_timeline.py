@@ -19,6 +19,8 @@ from fxkfac.planner.problem import (
     agreement_set,
     copies_of_stage,
     stages_on_device,
+    streamed_seconds,
+    streamed_stats,
 )
 from fxkfac.planner.schedules import ZERO_BUBBLE_KINDS, schedule_programs, weight_gradient_kind
 from fxkfac.planner.simulate import Timeline, simulate, utilization
@@ -111,7 +113,7 @@ def prec_work(problem: Problem, device: int, stage: int) -> list[tuple[Op, float
     work = [
         (op, secs)
         for op, secs in gradient_stats(cost, stage)
-        if op.layer is not None and device in problem.workers(op.layer)
+        if op.layer is not None and device in problem.workers(op.layer) and not streamed_stats(problem, op.layer)
     ]
     names, streaming = [x.name for x in cost.layers], problem.streaming
     shares: list[Op] = []
@@ -224,7 +226,7 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callabl
             return wgrad[op.stage_id]
         if op.kind in (OpKind.APPLY, OpKind.BCAST_PREC):
             streamed = (rank, op) not in per_step and op.kind is OpKind.APPLY and op.layer is not None
-            return apply_seconds(problem, op) if streamed else per_step[rank, op]
+            return streamed_seconds(problem, op) if streamed else per_step[rank, op]
         if op.kind is OpKind.STATS:
             return stats[op.layer, op.part]
         if op.kind is OpKind.ALLREDUCE_GRAD and op.stage is not None:

@@ -66,7 +66,8 @@ backward, also the first m of every rank idle at the step's end with all the lay
 
 def _streamable(problem: Problem) -> list[str]:
     """The first stage's layers a helper may apply, in the order its backward makes their gradients final: every
-    layer a helper may apply (`can_stream`: K-FAC's, Muon's) that every copy applies itself (COMM-OPT)."""
+    layer a helper may apply (`planner.streaming.can_stream`: K-FAC's APPLY, Shampoo's and
+    SOAP's statistics fold and APPLY, Muon's Newton-Schulz) that every copy applies itself (COMM-OPT)."""
     layers = problem.costs.stages[STREAMED_STAGE].layers
     fractions = ready_fractions(problem.costs.stages[STREAMED_STAGE])
     ok = [

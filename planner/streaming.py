@@ -99,12 +99,15 @@ class Streaming:
 
 
 def can_stream(family: PreconditionerKind, layer: LayerCost) -> bool:
-    """Whether a helper may run `layer`'s APPLY: one that reads its preconditioner alone (no optimizer state,
-    statistics from captures: K-FAC's), or a Muon matrix's (the owner keeps the momentum and sends the Newton-Schulz
-    input, the helper keeps nothing and needs no replica); not Shampoo's or SOAP's, whose APPLY updates state."""
+    """Whether a helper may run `layer`'s per-step work: an APPLY that reads its preconditioner alone (no optimizer
+    state, statistics from captures: K-FAC's); one whose statistics all come from the reduced gradient, which the
+    helper then folds and keeps with the rest of the per-step state (Shampoo, SOAP: docs/STREAMED_APPLY.md, "Stateful
+    units"); or a Muon matrix's (the owner keeps the momentum and sends the Newton-Schulz input, the helper keeps
+    nothing and needs no replica)."""
     if family is PreconditionerKind.MUON:
         return True
-    return not layer.state_bytes and all(p.after is not OpKind.ALLREDUCE_GRAD for p in layer.parts)
+    gradient = [p.after is OpKind.ALLREDUCE_GRAD for p in layer.parts]
+    return all(gradient) if any(gradient) else not layer.state_bytes
 
 
 def ready(streaming: Streaming, stage: StageCost) -> dict[str, float]:

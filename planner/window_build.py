@@ -12,7 +12,15 @@ from functools import lru_cache
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.ir import Op, OpKind
 from fxkfac.planner.memory import activation_intervals, static_bytes
-from fxkfac.planner.problem import Problem, StageGroup, copies_of_stage, is_streamed, stages_on_device
+from fxkfac.planner.problem import (
+    Problem,
+    StageGroup,
+    copies_of_stage,
+    is_streamed,
+    returned,
+    stages_on_device,
+    streamed_stats,
+)
 from fxkfac.planner.schedules import weight_gradient_kind
 from fxkfac.planner.step_timeline import (
     StepTimeline,
@@ -291,6 +299,10 @@ def _tasks(
         piece = _piece_seconds(problem, s)
         for x in problem.costs.stages[s].layers:
             for p in x.parts:
+                if p.after is OpKind.ALLREDUCE_GRAD and streamed_stats(problem, x.name):
+                    ready = max(grid.up(refresh.end_of(d, returned(problem, x.name))) for d in copies)
+                    tasks += _refresh_tasks(problem, s, x.name, p.part, p.decomp, piece, ready, True, grid, False)
+                    continue
                 if p.after is OpKind.ALLREDUCE_GRAD:
                     ready = min(slot.release + slot.ticks for slot in precs if (slot.stage, slot.step) == (s, 0))
                     tasks += _refresh_tasks(problem, s, x.name, p.part, p.decomp, piece, ready, True, grid)
@@ -322,12 +334,14 @@ def _refresh_tasks(
     ready: int,
     gradient: bool,
     grid: Grid,
+    after_slot: bool | None = None,
 ) -> list[Task]:
     """A part's refresh after its statistics: SYNC over the stage's copies (a captured part held more than once),
     DECOMP on one copy, BCAST to the others, the collectives priced by the cost table's comm model (at least one
     tick, [Note: time grid]); `ready`: the earliest tick the statistic is complete anywhere; `gradient`: the part
-    is fed by the reduced gradient ([Note: gradient parts]); `piece`: the longest a DECOMP task lasts
-    (`_piece_seconds`)."""
+    is fed by the reduced gradient ([Note: gradient parts]), and its DECOMP follows the refresh step's slot unless
+    `after_slot` is False (a streamed unit's statistics land with its helper's return, `ready`); `piece`: the longest
+    a DECOMP task lasts (`_piece_seconds`)."""
     copies, workers = copies_of_stage(problem, stage), problem.workers(layer)
     key = ((layer, side),)
     tasks = []
@@ -339,7 +353,8 @@ def _refresh_tasks(
                 f"sync_{side}_{layer}", TaskKind.SYNC, stage, side, (op,), (secs,), grid.span(secs), copies, ready, key
             )
         )
-    tasks += _decomp_tasks(problem.decomp_pieces, piece, stage, layer, side, decomp, workers, ready, gradient, grid)
+    slot = gradient if after_slot is None else after_slot
+    tasks += _decomp_tasks(problem.decomp_pieces, piece, stage, layer, side, decomp, workers, ready, slot, grid)
     if len(workers) > 1:
         op = Op(
             OpKind.BCAST, stage, layer=layer, part=side, root=workers[0], group=None if workers == copies else workers

@@ -256,6 +256,17 @@ class PreconditionerRuntime:
                     record.snapshots[part] = state.snapshot()
                     self._mark_folded(name, part, record)
 
+    def folded_elsewhere(self, step: int, name: str) -> None:
+        """A streamed unit's state after step `step`'s folds came back from its helper (fxkfac/runtime/streaming.py,
+        installed in its state): at its refresh step, snapshot it into the step's record for the DECOMPs, as the
+        STATS that fold it here would."""
+        record = next((r for r in self.refreshes[name] if r.step == step), None)
+        if record is None:
+            return
+        for part in sorted(self.gradient_parts, key=self.family.parts.index):
+            record.snapshots[part] = self.states[name].snapshot()
+            self._mark_folded(name, part, record)
+
     def sync_stats(self, ctx: StepContext, op: Op) -> None:
         """Start summing the refresh's statistic(s) over every copy of the stage; once summed (when a reader
         settles the part: [Note: collectives in flight]) they are folded into the running ones."""

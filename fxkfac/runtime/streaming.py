@@ -3,6 +3,12 @@ helper rank the moment its last backward of the step makes it final, the helper 
 of the layer's preconditioner and sends it back with its <P, G>, which the owner adds to its KL-clip sum as its own
 APPLY would have. The result is the owner's APPLY, exactly; only the rank that computes it moves.
 
+A unit whose statistics come from the reduced gradient (Shampoo, SOAP: `fxkfac.preconditioner.SteppedFamily`) has its
+whole per-step work moved: the owner also sends its parameter (PARAM: weight decay reads it), the helper folds the
+statistics into its copy of the unit's state, preconditions, and returns the state with the result (STATE); every
+owner installs it, so its copy stays the unit's whole state (checkpoints, skipped steps, reshards as without
+streaming), and at a refresh step it snapshots the returned statistics for its DECOMP.
+
 Each streamed layer's transfers use their own tags (`TagSpace.of_layer`): the gradient (LGRAD), the preconditioned
 gradient and its <P, G> (PGRAD), and at each refresh the parts of the made preconditioner with its refresh step
 (REPLICA), sent by the owner right after the DECOMP that completes it and combined by the helper as the owner did.
@@ -27,7 +33,7 @@ from torch import Tensor
 
 from fxkfac.errors import PipelineError
 from fxkfac.planner.ir import LayerTiming, Op, OpKind
-from fxkfac.preconditioner import Family, RefreshState, SplitApplyFamily
+from fxkfac.preconditioner import Family, RefreshState, SplitApplyFamily, SteppedFamily, gradient_parts
 from fxkfac.runtime.apply_pieces import ApplyPieces
 from fxkfac.runtime.interpreter import Interpreter, StepContext
 from fxkfac.runtime.mesh import StageCopies
@@ -59,6 +65,11 @@ class StreamOwner(Protocol):
     @property
     def groups(self) -> Mapping[int, StageCopies]: ...
 
+    @property
+    def n(self) -> int: ...
+
+    def folded_elsewhere(self, step: int, name: str) -> None: ...
+
     def settle_layer(self, ctx: StepContext, name: str) -> None: ...
 
     def add_dot(self, layers: Sequence[Any], dot: Tensor, stage: int) -> None: ...
@@ -66,6 +77,9 @@ class StreamOwner(Protocol):
 
 _LGRAD, _PGRAD, _PDOT, _REPLICA_STEP, _REPLICA_PARTS = 0, 1, 2, 3, 4
 """Each streamed layer's messages, numbered within its tags (`TagSpace.of_layer`); the replica's parts follow."""
+
+_PARAM, _STATE = 6, 7
+"""A stateful unit's parameter (owner to helper) and its per-step state (back), after two replica parts."""
 
 
 @dataclass(frozen=True)
@@ -104,10 +118,17 @@ class Streams:
         self.owned = streamed.owned
         """Layers whose replicas this rank sends (their made preconditioners are kept for SEND_REPLICA)."""
         self.replicas = dict(streamed.replicas)
+        family = runtime.family
+        self.stepped = isinstance(family, SteppedFamily) and bool(gradient_parts(family))
+        """Whether a streamed unit's whole per-step work moves: the helper folds its gradient-fed statistics, keeps its
+        optimizer state and returns it with each result (`SteppedFamily`)."""
+        if self.stepped and _REPLICA_PARTS + len(family.parts) > _PARAM:
+            raise AssertionError(f"{family.name} has more parts than a streamed unit's tags hold")
+        self._params_in: dict[str, Tensor] = {}
         self._hooks: dict[str, list[Any]] = {}
         self._sent: set[str] = set()
         self._inbox: dict[str, Tensor] = {}
-        self._outbox: dict[str, tuple[Tensor, Tensor]] = {}
+        self._outbox: dict[str, tuple[Tensor, ...]] = {}
         self.made: dict[str, deque[tuple[int, dict[str, Any]]]] = {}
         """Preconditioners made here of layers a helper replicates, (refresh step, parts) waiting for SEND_REPLICA."""
         self.pieces = ApplyPieces(runtime.rank)
@@ -146,6 +167,12 @@ class Streams:
         assert op.layer is not None, "SEND_LGRAD names its layer"
         backwards = sum(1 for o in ops if o.kind is OpKind.BWD and o.stage == op.stage)
         params = self._params(ctx, op)
+        tied = [p for p in self.runtime.family.params_of(self.runtime.layers[op.layer]) if p in ctx.sync.owned]
+        if tied and self.stepped:
+            raise PipelineError(
+                f"rank {self.runtime.rank}: '{op}' streams {op.layer}, whose parameters {tied} other stages share: "
+                "its gradient is complete only once their sum lands, after the backward; the plan must not stream it"
+            )
         seen = dict.fromkeys(range(len(params)), 0)
         name = op.layer
 
@@ -165,12 +192,15 @@ class Streams:
         return family if isinstance(family, SplitApplyFamily) else None
 
     def _send_gradient(self, ctx: StepContext, op: Op, params: Sequence[torch.nn.Parameter]) -> None:
-        """Send the layer's flat gradient (zeros for a parameter without one) to its helper; for a split APPLY, the
-        core's input the owner makes of it (`_core_input`)."""
+        """Send the layer's flat gradient (zeros for a parameter without one) to its helper: for a split APPLY, the
+        core's input the owner makes of it (`_core_input`); for a stateful unit, its parameter too."""
         assert op.layer is not None and op.peer is not None, "SEND_LGRAD names its layer and helper"
         split = self._split()
         flat = flat_gradient(params) if split is None else self._core_input(split, op, params)
         ctx.transport.send_tagged(flat, op.peer, self._tag(ctx, op, _LGRAD), str(op))
+        if self.stepped:
+            raw = torch.cat([p.detach().reshape(-1) for p in params])
+            ctx.transport.send_tagged(raw, op.peer, self._tag(ctx, op, _PARAM), str(op))
         self._sent.add(op.layer)
 
     def _core_input(self, family: SplitApplyFamily, op: Op, params: Sequence[torch.nn.Parameter]) -> Tensor:
@@ -206,13 +236,16 @@ class Streams:
             torch.empty(1, dtype=torch.float64, device=first.device),
         ]
         tags = [self._tag(ctx, op, _PGRAD), self._tag(ctx, op, _PDOT)]
+        if self.stepped:
+            buffers.append(torch.empty(self._state_size(op), dtype=torch.float64, device=first.device))
+            tags.append(self._tag(ctx, op, _STATE))
         ctx.transport.post_tagged(("pgrad", op.layer), buffers, op.peer, tags)
 
     def recv_preconditioned(self, ctx: StepContext, op: Op) -> None:
         """Write the preconditioned gradient into the layer's `.grad` and add its share of <P, G> (divided by the
         stage's copies, each of which adds its own) to the layer's KL-clip group, as the owner's APPLY would have."""
         assert op.stage is not None and op.layer is not None, "RECV_PGRAD names its stage and layer"
-        flat, dot = ctx.transport.take(("pgrad", op.layer), str(op))
+        flat, dot, *state = ctx.transport.take(("pgrad", op.layer), str(op))
         ctx.transport.settle(grad_key(op.stage))  # the copies' all-reduce lands first: the result replaces it
         params = self._params(ctx, op)
         split = self._split()
@@ -226,7 +259,21 @@ class Streams:
         for p, chunk in zip(params, split_flat(flat, [p.shape for p in params]), strict=True):
             p.grad = chunk
         copies = len(self.runtime.groups[op.stage].ranks)
-        self.runtime.add_dot([self.runtime.layers[op.layer]], dot[0] / copies, op.stage)
+        layer = self.runtime.layers[op.layer]
+        self.runtime.add_dot([layer], dot[0] / copies, op.stage)
+        if self.stepped:  # the helper's state after this step's folds and APPLY becomes the unit's here too
+            family, unit = self.runtime.family, self.runtime.states[op.layer]
+            assert isinstance(family, SteppedFamily), "only a stepped family returns a state"
+            unit.activate(ctx.step)
+            family.load_step_state(layer, unit, state[0])
+            self.runtime.folded_elsewhere(ctx.step, op.layer)
+
+    def _state_size(self, op: Op) -> int:
+        """Elements of the per-step state of the unit `op` names (`SteppedFamily.step_state`)."""
+        assert op.layer is not None, "a streamed transfer names its layer"
+        family, layer = self.runtime.family, self.runtime.layers[op.layer]
+        assert isinstance(family, SteppedFamily), "only a stepped family returns a state"
+        return int(family.step_state(layer, family.new_state(layer)).numel())
 
     def send_replica(self, ctx: StepContext, op: Op) -> None:
         """Send the helper the layer's preconditioner made here (the parts the owner combined, and its refresh)."""
@@ -263,15 +310,21 @@ class Streams:
         """Post the receive of the layer's gradient."""
         assert op.peer is not None, "RECV_LGRAD names the owner"
         shapes = self._replica(op)
-        flat = torch.empty(sum(s.numel for s in shapes), dtype=shapes[0].dtype, device=ctx.transport.device)
-        ctx.transport.post_tagged(("lgrad", op.layer, op.peer), [flat], op.peer, [self._tag(ctx, op, _LGRAD)])
+        size, device = sum(s.numel for s in shapes), ctx.transport.device
+        buffers, tags = [torch.empty(size, dtype=shapes[0].dtype, device=device)], [self._tag(ctx, op, _LGRAD)]
+        if self.stepped:
+            buffers.append(torch.empty(size, dtype=shapes[0].dtype, device=device))
+            tags.append(self._tag(ctx, op, _PARAM))
+        ctx.transport.post_tagged(("lgrad", op.layer, op.peer), buffers, op.peer, tags)
 
     def recv_gradient(self, ctx: StepContext, op: Op) -> None:
         """Take one owner's gradient of the layer for its APPLY here, summed with the other copies' in program order:
         the gradient their all-reduce makes."""
         assert op.layer is not None, "RECV_LGRAD names its layer"
-        received = ctx.transport.take(("lgrad", op.layer, op.peer), str(op))[0]
+        received, *param = ctx.transport.take(("lgrad", op.layer, op.peer), str(op))
         self._inbox[op.layer] = self._inbox[op.layer] + received if op.layer in self._inbox else received
+        if param:  # every copy's parameter is the same
+            self._params_in[op.layer] = param[0]
 
     def apply(self, ctx: StepContext, op: Op) -> None:
         """Precondition a received gradient with the replica due at this step (PipelineError when a refresh is due
@@ -297,9 +350,37 @@ class Streams:
         state.activate(ctx.step)
         flat = self._inbox.pop(name)
         grads = {s.name: chunk for s, chunk in zip(shapes, split_flat(flat, [s.shape for s in shapes]), strict=True)}
-        layer = self.runtime.layers[name]
-        dot = self.runtime.family.precondition([layer], grads, self.runtime.states, dict(grads))  # in place: in flat
-        self._outbox[name] = (flat, dot.detach().to(torch.float64).reshape(1))
+        layer, family = self.runtime.layers[name], self.runtime.family
+        params = dict(grads)
+        if self.stepped:
+            params = self._fold(ctx, name, shapes, grads)
+        dot = family.precondition([layer], grads, self.runtime.states, params)  # in place: in flat
+        extra: tuple[Tensor, ...] = ()
+        if self.stepped:
+            assert isinstance(family, SteppedFamily), "only a stepped family returns a state"
+            extra = (family.step_state(layer, state).to(ctx.transport.device),)
+        self._outbox[name] = (flat, dot.detach().to(torch.float64).reshape(1), *extra)
+
+    def _fold(
+        self, ctx: StepContext, name: str, shapes: Sequence[ParamShape], grads: Mapping[str, Tensor]
+    ) -> dict[str, Tensor]:
+        """Fold the step's statistics of a stateful unit into this rank's copy of its state, as the owner's STATS
+        would (counting a refresh at its refresh step); returns the unit's parameter by name for its APPLY."""
+        if len(shapes) != 1 or name not in self._params_in:
+            raise PipelineError(
+                f"rank {self.runtime.rank}: the streamed unit {name} came without its one parameter: the program was "
+                "made for another family"
+            )
+        (shape,) = shapes
+        raw = self._params_in.pop(name).view(shape.shape)
+        raw.grad = grads[shape.name].clone()  # what the family's statistic reads; APPLY then overwrites grads
+        family, layer, state = self.runtime.family, self.runtime.layers[name], self.runtime.states[name]
+        for part in sorted(gradient_parts(family), key=family.parts.index):
+            family.fold(state, part, family.statistic(layer, part, None, raw, self.runtime.n))
+        timing = self.runtime.timings[name]
+        if ctx.step % timing.period == timing.curv_step:
+            state.refreshes += 1
+        return {shape.name: raw}
 
     def _apply_core(self, family: SplitApplyFamily, op: Op, shapes: tuple[ParamShape, ...]) -> None:
         """Run the core (or the piece of it `op` names) of the unit on the input its owner sent; after the last piece
@@ -319,9 +400,11 @@ class Streams:
         assert op.layer is not None and op.peer is not None, "SEND_PGRAD names its layer and the owner"
         if op.layer not in self._outbox:
             raise PipelineError(f"rank {self.runtime.rank}: '{op}' before the APPLY of {op.layer}")
-        flat, dot = self._outbox[op.layer]  # one SEND_PGRAD per copy of the stage; the step's start clears it
+        flat, dot, *state = self._outbox[op.layer]  # one SEND_PGRAD per copy of the stage; the step's start clears it
         ctx.transport.send_tagged(flat, op.peer, self._tag(ctx, op, _PGRAD), str(op))
         ctx.transport.send_tagged(dot, op.peer, self._tag(ctx, op, _PDOT), str(op))
+        if state:
+            ctx.transport.send_tagged(state[0], op.peer, self._tag(ctx, op, _STATE), str(op))
 
     def post_replica(self, ctx: StepContext, op: Op, _: Sequence[Op]) -> None:
         """Post the receives of a replica: its refresh step and each part."""
@@ -350,7 +433,7 @@ class Streams:
 
     def begin_step(self) -> None:
         """Forget the last step's gradients and results (each step receives and applies its own)."""
-        self._inbox, self._outbox = {}, {}
+        self._inbox, self._outbox, self._params_in = {}, {}, {}
         self.pieces.clear()
 
     def snapshot(self) -> tuple[dict[str, deque[tuple[int, dict[str, Any]]]], dict[str, int | None]]:
@@ -362,7 +445,7 @@ class Streams:
         made, steps = saved
         self.made = {n: deque(q) for n, q in made.items()}
         self.replica_steps = dict(steps)
-        self._inbox, self._outbox, self._sent = {}, {}, set()
+        self._inbox, self._outbox, self._sent, self._params_in = {}, {}, set(), {}
         self.pieces.clear()
         for handles in self._hooks.values():
             for handle in handles:

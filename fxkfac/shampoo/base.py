@@ -3,6 +3,7 @@ parts L and R, their statistics and running sums, the step count, broadcast pack
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any, cast
@@ -154,6 +155,35 @@ class BlockFamily(ABC):
         for unit in units:
             if grads.get(unit.name) is not None:
                 grads[unit.name].mul_(nu)
+
+    def step_state(self, unit: ParamUnit, state: RefreshState) -> Tensor:
+        """``[folds.L, folds.R, present flag per tensor, each tensor flat (zeros when absent)]`` in float64 (exact for
+        the family's dtypes): what a helper that folds and applies a streamed unit returns to its owners."""
+        if not isinstance(state, BlockState):
+            raise AssertionError(f"a {self.name} state packed from another family's state")
+        shapes = self.new_state(unit).shapes
+        flags, flats = [], []
+        for k in state.TENSORS:
+            value = getattr(state, k)
+            flags.append(0.0 if value is None else 1.0)
+            size = math.prod(shapes[k])
+            flats.append(torch.zeros(size, dtype=torch.float64) if value is None else value.reshape(-1).double().cpu())
+        head = torch.tensor([state.folds["L"], state.folds["R"], *flags], dtype=torch.float64)
+        return torch.cat([head, *flats])
+
+    def load_step_state(self, unit: ParamUnit, state: RefreshState, flat: Tensor) -> None:
+        """Inverse of `step_state`, each tensor back in the family's dtype."""
+        if not isinstance(state, BlockState):
+            raise AssertionError(f"a {self.name} state unpacked into another family's state")
+        shapes, names = self.new_state(unit).shapes, state.TENSORS
+        flat = flat.cpu()
+        state.folds = {"L": int(flat[0]), "R": int(flat[1])}
+        at = 2 + len(names)
+        for i, k in enumerate(names):
+            size = math.prod(shapes[k])
+            value = flat[at : at + size].to(self.dtype).reshape(shapes[k]) if float(flat[2 + i]) != 0.0 else None
+            setattr(state, k, value)
+            at += size
 
     def half_to_state(self, half: Tensor | None) -> dict[str, Any] | None:
         """The flat roots or bases of one part."""

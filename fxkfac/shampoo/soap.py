@@ -132,6 +132,12 @@ class SOAPFamily(BlockFamily):
         left, right = halves["L"], halves["R"]
         return None if left is None or right is None else Sides(left, right)
 
+    def load_step_state(self, unit: ParamUnit, state: RefreshState, flat: Tensor) -> None:
+        """As `BlockFamily`'s, the moments in the active bases (where the helper's APPLY moved them)."""
+        super().load_step_state(unit, state, flat)
+        assert isinstance(state, SOAPState)
+        state.moments_basis = state.active
+
     # --- every step -----------------------------------------------------------------------------------
 
     def precondition(

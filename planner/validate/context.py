@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from fxkfac.planner.apply_pieces import NS_STEPS
 from fxkfac.planner.ir import Op, OpKind
-from fxkfac.planner.problem import Problem, agreement_set, copies_of_stage
+from fxkfac.planner.problem import Problem, agreement_set, copies_of_stage, streamed_stats
 from fxkfac.planner.step_timeline import StepTimeline, early_start, step_begins, stream_start, window_length
 from fxkfac.planner.strategy import COMM_OPT, receivers
 
@@ -83,7 +83,7 @@ def step_ops(c: Context, stage: int, device: int) -> list[Op]:
     ops = [
         Op(OpKind.STATS, stage, layer=layer, part=part)
         for layer, part in gradient_fed_parts(c, stage)
-        if device in p.workers(layer)
+        if device in p.workers(layer) and not streamed_stats(p, layer)
     ]
     streaming = p.streaming
     if streaming is not None and streaming.stage == stage:  # the helper applies the streamed layers
@@ -128,7 +128,11 @@ def gradient_fed_parts(c: Context, stage: int) -> list[tuple[str, str]]:
 def op_seconds(c: Context, op: Op) -> float:
     stage = c.problem.costs.stages[op.stage_id]
     if op.kind is OpKind.APPLY:
-        return stage.prec if op.layer is None else piece_seconds(c.problem.costs.layer(op.layer).prec, op.piece)
+        if op.layer is None:
+            return stage.prec
+        cost = c.problem.costs.layer(op.layer)
+        folds = sum(p.stats for p in cost.parts) if streamed_stats(c.problem, op.layer) else 0.0
+        return piece_seconds(cost.prec, op.piece) + folds
     if op.kind in (OpKind.SYNC_STATS, OpKind.BCAST, OpKind.BCAST_PREC):
         return collective_seconds(c, op)
     part = c.problem.costs.layer(op.layer_name).part(op.part_name)

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 
 from fxkfac.planner.ir import Op, OpKind, Placement
-from fxkfac.planner.problem import copies_of_stage
+from fxkfac.planner.problem import copies_of_stage, returned, streamed_stats
 from fxkfac.planner.schedules import weight_gradient_kind
 from fxkfac.planner.validate.context import (
     Context,
@@ -165,7 +165,14 @@ def _check_gradient_refresh(
         return  # check_placed_once counts them
     decomp = decomps[0]
     snapshot = [p for p in stats if (p.device, p.step) == (decomp.device, 0)]
-    if not snapshot:
+    if streamed_stats(c.problem, layer):  # the helper folds it: the snapshot lands with the refresh step's return
+        landed = c.refresh.end_of(decomp.device, returned(c.problem, layer))
+        if decomp.start < landed - c.tol:
+            c.errors.append(
+                f"{decomp.op} starts at {decomp.start:.6g}, before the refresh step's statistics of {layer} return "
+                f"from its helper to r{decomp.device} ({landed:.6g})"
+            )
+    elif not snapshot:
         c.errors.append(f"{decomp.op} on r{decomp.device}: no STATS of the refresh step on r{decomp.device}")
     elif decomp.start < snapshot[0].end - c.tol:
         c.errors.append(

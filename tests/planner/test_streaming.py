@@ -397,3 +397,39 @@ def test_the_streamed_reference_step_reads_as_its_golden_file() -> None:
     text = format_programs({r: [ops] for r, ops in reference_programs(problem).items()})
     assert text == (ARTIFACTS / "streamed_1f1b_D2_N2.txt").read_text()
     assert parse_programs(text) == {r: [ops] for r, ops in reference_programs(problem).items()}
+
+
+def test_shampoo_streams_its_whole_per_step_work_and_decomposes_what_comes_back() -> None:
+    """Shampoo on BERT-Base 1F1B D=4 (analytic P100 costs, blocks of 512): stage 0's parameters stream with their
+    statistics folds (`streamed_stats`): the owner's reference step keeps neither their STATS nor their APPLY, the
+    helper's APPLY takes both, each DECOMP of a streamed part starts once the refresh step's return has landed on
+    its owner. The plan is valid and the step shorter
+    than without streaming, at the same refresh periods."""
+    from fxkfac.planner.costs import PreconditionerKind
+    from fxkfac.planner.problem import returned, streamed_seconds, streamed_stats
+    from fxkfac.planner.shampoo_costs import gradient_cost_table
+
+    costs = gradient_cost_table("bert-base", 4, 32, hardware="p100", kind=PreconditionerKind.SHAMPOO, max_dim=512)
+    problem = Problem("1f1b", 4, 4, costs, max_period=32)
+    streamed = with_streaming(problem)
+    assert streamed.streaming is not None, "nothing streams"
+    names = streamed.streaming.layers
+    assert all(streamed_stats(streamed, n) for n in names)
+    owner = reference_programs(streamed)[0]
+    assert not [op for op in owner if op.kind in (OpKind.STATS, OpKind.APPLY) and op.layer in names]
+    helper = streamed.streaming.helpers[0]
+    timeline = step_timeline(streamed)
+    applied = [(a, b) for op, a, b in timeline.ops[helper] if op.kind is OpKind.APPLY and op.layer == names[0]]
+    seconds = streamed_seconds(streamed, Op(OpKind.APPLY, 0, layer=names[0]))
+    assert len(applied) == 1 and math.isclose(applied[0][1] - applied[0][0], seconds)
+    x = costs.layer(names[0])
+    assert seconds == x.prec + sum(p.stats for p in x.parts)
+    assert timeline.length < step_timeline(problem).length
+    plan = solve(streamed, SolverConfig(time_limit_s=10))
+    assert validate(streamed, plan) == []
+    for p in plan.placements:
+        if p.op.kind is OpKind.DECOMP and p.op.layer in names and p.step == 0:
+            assert p.start >= timeline.end_of(p.device, returned(streamed, p.op.layer)) - 1e-9
+    alone = solve(problem, SolverConfig(time_limit_s=10))
+    assert plan.metrics.refresh_steps == alone.metrics.refresh_steps
+    assert plan.metrics.step_time < alone.metrics.step_time
