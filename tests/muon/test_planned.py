@@ -81,7 +81,7 @@ def test_muon_planned_and_planner_streamed_equal_one_device() -> None:
     want = {name: train(CFG, None, model=name, microbatches=2) for name in ("mlp", "mlp6")}
     by_rank = {r.rank: r.value for r in results}
     for r, runs in by_rank.items():
-        for model, (program, params, family) in zip(("mlp", "mlp6 streamed"), runs, strict=True):
+        for model, (_program, params, family) in zip(("mlp", "mlp6 streamed"), runs, strict=True):
             assert family == PreconditionerKind.MUON.value, f"{model}: planned as {family}"
             assert params, f"{model}: rank {r} holds no parameter"
             for name, p in params.items():
