@@ -9,9 +9,9 @@ from dataclasses import replace
 from enum import StrEnum
 from typing import Protocol
 
-from fxkfac.planner.costs import PreconditionerKind
+from fxkfac.planner.costs import LayerCost, PreconditionerKind
 from fxkfac.planner.errors import PlanError
-from fxkfac.planner.ir import OpKind
+from fxkfac.planner.ir import Op, OpKind
 from fxkfac.planner.plan import Plan, rank
 from fxkfac.planner.problem import Problem, copies_of_stage, stage_groups
 from fxkfac.planner.step_timeline import group_load, refresh_lower_bound, step_timeline
@@ -55,9 +55,23 @@ def _streamable(problem: Problem) -> list[str]:
     layers = problem.costs.stages[STREAMED_STAGE].layers
     fractions = ready_fractions(problem.costs.stages[STREAMED_STAGE])
     ok = [
-        x.name for x in layers if can_stream(problem.costs.family, x) and problem.where(x.name) == LayerDistribution()
+        x.name
+        for x in layers
+        if can_stream(problem.costs.family, x)
+        and problem.where(x.name) == LayerDistribution()
+        and _worth_a_helper(problem, x)
     ]
     return sorted(ok, key=lambda n: fractions[n])
+
+
+def _worth_a_helper(problem: Problem, layer: LayerCost) -> bool:
+    """Whether a Muon unit's APPLY outlasts its gradient's round trip to a helper: a matrix's Newton-Schulz does,
+    an AdamW parameter's elementwise step (embeddings, the head, 1-D parameters; planner/muon_costs.py) does not,
+    so it stays with its owner. Every other family's layer: always (their choice as before)."""
+    if problem.costs.family is not PreconditionerKind.MUON:
+        return True
+    send = Op(OpKind.SEND_LGRAD, STREAMED_STAGE, peer=STREAMED_STAGE + 1, layer=layer.name)
+    return layer.prec > 2 * problem.costs.collective_seconds(send, 2)
 
 
 def _helpers(problem: Problem) -> list[int]:
