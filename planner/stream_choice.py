@@ -1,5 +1,9 @@
 """Which layers of the first stage to stream, and to which ranks (planner/streaming.py): the choice that shortens
-the reference step most without costing any refresh, and a plan that falls back to none where it cannot place."""
+the reference step most without costing any refresh, and a plan that falls back to none where it cannot place.
+
+A Muon stage with copies (W > 1, Chimera) never streams: its owner sends the Newton-Schulz input, which it makes of
+the reduced gradient, but a streamed gradient leaves during the backward, before the copies' all-reduce, so the
+runtime refuses such a plan (fxkfac/runtime/streaming.py); its copies share its matrices by MEM-OPT instead."""
 
 from __future__ import annotations
 
@@ -135,6 +139,8 @@ def with_streaming(problem: Problem, whole_backward: bool = False, keep_bounds: 
     helper then only applies its layers beside the owner."""
     if problem.streaming is not None or len(copies_of_stage(problem, STREAMED_STAGE)) == len(problem.devices):
         return problem
+    if problem.costs.family is PreconditionerKind.MUON and len(copies_of_stage(problem, STREAMED_STAGE)) > 1:
+        return problem  # the runtime streams a Muon stage with one copy only (module doc)
     names = _streamable(problem)
     if not names:
         return problem

@@ -141,6 +141,15 @@ def test_copies_share_the_matrices_and_broadcast_the_updates_under_mem_opt() -> 
     assert plan.metrics.step_time < solve(everyone, SolverConfig(time_limit_s=5)).metrics.step_time
 
 
+def test_a_stage_with_copies_does_not_stream_its_matrices() -> None:
+    """W=2: the owner's Newton-Schulz input needs the copies' all-reduced gradient, which a streamed send (during the
+    backward) precedes, so the runtime refuses it; the planner streams no Muon stage with copies (W=1 streams)."""
+    costs = muon_cost_table("bert-base", 4, 32)
+    assert with_streaming(Problem("1f1b", 4, 4, costs), whole_backward=True).streaming is not None
+    copies = Problem("1f1b", 4, 4, costs, W=2)
+    assert with_streaming(copies, whole_backward=True) is copies
+
+
 def test_fxkfac_plan_muon_runs_without_torch_and_shows_the_ns_tasks(tmp_path: Path) -> None:
     trace = tmp_path / "t.json"
     argv = ["plan", "bert-base", "-D", "4", "-N", "4", "--preconditioner", "muon", "--method", "greedy"]
