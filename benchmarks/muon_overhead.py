@@ -15,8 +15,8 @@ Embeddings, the output head and 1-D parameters step by AdamW in both Muon varian
 time is the median over rounds of a block's mean. Targets (issue 35): planned / plain <= 1.05, and planned below
 critical by at least half of Muon's added time (critical - plain). On a loaded machine the steps' F/B vary more than
 Muon adds, so the same targets are also checked on rank 0's tail (`_tail_ms`: from its last backward's end to its
-step's end, where Muon's work on stage 0 lies on the critical path of GPipe and 1F1B). The planned variant needs the planner's Muon
-costs (`PreconditionerKind.MUON`); `--variants plain critical` measures the other two without it.
+step's end, where Muon's work on stage 0 lies on the critical path of GPipe and 1F1B). The planned variant needs the
+planner's Muon costs (`PreconditionerKind.MUON`); `--variants plain critical` measures the other two without it.
 
 Run: python benchmarks/muon_overhead.py [--variants plain planned critical] [--schedule 1f1b] [--rounds 5]
 """
