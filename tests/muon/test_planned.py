@@ -2,7 +2,8 @@
 eager stages) profiles every unit (Muon's matrices and the AdamW parameters), plans them as Muon's (the cost table's
 family) and trains equal to one device to 1e-5; and so does a plan the planner streams stage 0's matrices in (to the
 idle rank, its transfers and the helper's APPLYs placed by the planner, not by hand), made from a cost table that
-prices stage 0's Newton-Schulz long enough that keeping it on the owner would lengthen the step.
+prices stage 0's Newton-Schulz long enough that keeping it on the owner would lengthen the step. GPipe, interleaved
+and Chimera (whose stages have copies: never streamed) plan and train equal to one device too.
 
 Newton-Schulz runs in float32, as in tests/muon/test_pipelined.py (why there)."""
 
@@ -43,9 +44,11 @@ def _slow_stage0(stage_layers: Mapping[int, Sequence[str]], layers: Mapping[str,
     return CostTable(stages, 4, "muon:test", "cpu", family=PreconditionerKind.MUON)
 
 
-def _planned(rank: int, model: str, costs: Any = None) -> tuple[list[str], dict[str, Tensor], str]:
-    """`model` trained STEPS steps under plan="auto" on (2, 1) 1F1B: `rank`'s program (one step, as strings),
-    its parameters and the plan's cost table family."""
+def _planned(
+    rank: int, model: str, costs: Any = None, schedule: str = "1f1b", v: int = 1
+) -> tuple[list[str], dict[str, Tensor], str]:
+    """`model` trained STEPS steps under plan="auto" on (2, 1) by `schedule` (`v` virtual stages per rank): `rank`'s
+    program (one step, as strings), its parameters and the plan's cost table family."""
     batches, loss = DATA[model]
     trainer = fxkfac.compile(
         MODELS[model](),
@@ -55,10 +58,10 @@ def _planned(rank: int, model: str, costs: Any = None) -> tuple[list[str], dict[
         loss_fn=loss,
         optimizer=sgd,
         backend=None,
-        schedule="1f1b",
+        schedule=schedule,
         microbatches=2,
         preconditioner=CFG,
-        pipeline=PipelineOptions(timeout=60.0),
+        pipeline=PipelineOptions(timeout=60.0, virtual_stages=v),
         plan_options=PlanOptions(time_limit_s=5.0, costs=costs),
     )
     for x, y in batches(STEPS):
@@ -70,8 +73,17 @@ def _planned(rank: int, model: str, costs: Any = None) -> tuple[list[str], dict[
     return program, params, plan.problem.costs.family.value
 
 
+CASES = ["mlp 1f1b", "mlp6 1f1b streamed", "mlp gpipe", "mlp6 interleaved", "mlp chimera"]
+
+
 def _worker(rank: int, world: int) -> list[tuple[list[str], dict[str, Tensor], str]]:
-    return [_planned(rank, "mlp"), _planned(rank, "mlp6", _slow_stage0)]
+    return [
+        _planned(rank, "mlp"),
+        _planned(rank, "mlp6", _slow_stage0),
+        _planned(rank, "mlp", schedule="gpipe"),
+        _planned(rank, "mlp6", schedule="interleaved", v=2),
+        _planned(rank, "mlp", schedule="chimera"),
+    ]
 
 
 @pytest.mark.multiproc
@@ -81,7 +93,7 @@ def test_muon_planned_and_planner_streamed_equal_one_device() -> None:
     want = {name: train(CFG, None, model=name, microbatches=2) for name in ("mlp", "mlp6")}
     by_rank = {r.rank: r.value for r in results}
     for r, runs in by_rank.items():
-        for model, (_program, params, family) in zip(("mlp", "mlp6 streamed"), runs, strict=True):
+        for model, (_program, params, family) in zip(CASES, runs, strict=True):
             assert family == PreconditionerKind.MUON.value, f"{model}: planned as {family}"
             assert params, f"{model}: rank {r} holds no parameter"
             for name, p in params.items():
