@@ -1,9 +1,9 @@
-"""Analytic costs of Muon: one LayerCost per 2-D weight matrix, no parts, its APPLY the step's Newton-Schulz.
+"""Analytic costs of Muon: one LayerCost per parameter, no parts, its APPLY a matrix's Newton-Schulz or AdamW's step.
 
 Muon (`MuonConfig`, fxkfac/muon/) orthogonalizes each hidden 2-D weight's momentum at every step; embeddings, the
-output head (a Linear K-FAC skips, `LinearSpec.kfac` False) and 1-D parameters go to AdamW, whose elementwise step
-the pipeline's OPT_STEP covers. A matrix of shape (r, c), m = min(r, c) <= n = max(r, c), costs per step (each
-kernel timed by the K-FAC model's roofline, `planner.analytic.roofline`, without a launch-latency floor):
+output head (a Linear K-FAC skips, `LinearSpec.kfac` False) and 1-D parameters go to AdamW (below). A matrix of
+shape (r, c), m = min(r, c) <= n = max(r, c), costs per step (each kernel timed by the K-FAC model's roofline,
+`planner.analytic.roofline`, without a launch-latency floor):
 
 - Newton-Schulz, `ns_steps` iterations (5) of the quintic X <- a X + (b A + c A A) X with A = X X^T, X the m x n
   orientation (the transpose when r > c, as torch.optim.Muon does): A = X X^T is m*m*n multiply-adds, A A is m^3,
