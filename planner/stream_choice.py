@@ -69,13 +69,15 @@ def _streamable(problem: Problem) -> list[str]:
 
 
 def _worth_a_helper(problem: Problem, layer: LayerCost) -> bool:
-    """Whether a Muon unit's APPLY outlasts its gradient's round trip to a helper: a matrix's Newton-Schulz does,
-    an AdamW parameter's elementwise step (embeddings, the head, 1-D parameters; planner/muon_costs.py) does not,
-    so it stays with its owner. Every other family's layer: always (their choice as before)."""
+    """Whether a Muon unit's APPLY outlasts its gradient's transfer to a helper: a matrix's Newton-Schulz (compute on
+    m^2 n, bytes m n) does but for tiny ones, an AdamW parameter's elementwise step (embeddings, the head, 1-D
+    parameters; planner/muon_costs.py: passes at memory bandwidth) only on a link faster than a twelfth of it, so it
+    stays with its owner. Only a bound: the step timeline, which prices both transfers, chooses among the rest.
+    Every other family's layer: always (their choice as before)."""
     if problem.costs.family is not PreconditionerKind.MUON:
         return True
     send = Op(OpKind.SEND_LGRAD, STREAMED_STAGE, peer=STREAMED_STAGE + 1, layer=layer.name)
-    return layer.prec > 2 * problem.costs.collective_seconds(send, 2)
+    return layer.prec > problem.costs.collective_seconds(send, 2)
 
 
 def _helpers(problem: Problem) -> list[int]:
