@@ -14,7 +14,7 @@ of steps interleaved round by round, so drift in machine load hits all alike):
 Embeddings, the output head and 1-D parameters step by AdamW in both Muon variants (fxkfac/muon/family.py). The step
 time is the median over rounds of a block's mean. Targets (issue 35): planned / plain <= 1.05, and planned below
 critical by at least half of Muon's added time (critical - plain). On a loaded machine the steps' F/B vary more than
-Muon adds, so the same targets are also checked on rank 0's tail (`_tail_ms`: from its last backward's end to its
+Muon adds, so the same targets are also checked on rank 0's tail (`_tail_ms`: from its last backward's start to its
 step's end, where Muon's work on stage 0 lies on the critical path of GPipe and 1F1B). The planned variant needs the
 planner's Muon costs (`PreconditionerKind.MUON`); `--variants plain critical` measures the other two without it.
 
@@ -83,16 +83,17 @@ def _compile(args: argparse.Namespace, example: torch.Tensor, variant: str) -> T
 
 
 def _tail_ms(events: list[Event], rank: int = 0) -> float:
-    """Median over steps of `rank`'s tail, ms: from its last backward's end to its step's end (its OPT_STEP, a barrier
-    over all ranks). On GPipe and 1F1B stage 0's last backward ends the plain step's F/B, so the tail is what the
-    step adds after it (Muon's work left on the critical path, or waiting for it), measured over a short interval
-    that machine load stretches far less than a whole step."""
-    ends: dict[int, list[int]] = {}
+    """Median over steps of `rank`'s tail, ms: from its last backward's start to its step's end (its OPT_STEP, a
+    barrier over all ranks). On GPipe and 1F1B stage 0's last backward ends the plain step's F/B, so the tail is that
+    backward (with what a streamed APPLY adds to it: the owner's momentum and sends in its hooks) and what the step
+    adds after it (Muon's work left on the critical path, or waiting for it), measured over a short interval that
+    machine load stretches far less than a whole step."""
+    spans: dict[int, tuple[int, int]] = {}
     for e in events:
         if e.rank == rank:
-            bwd, end = ends.setdefault(e.step, [0, 0])
-            ends[e.step] = [max(bwd, e.end_ns) if e.kind == "BWD" else bwd, max(end, e.end_ns)]
-    return statistics.median((end - bwd) / 1e6 for bwd, end in ends.values() if bwd)
+            start, end = spans.get(e.step, (0, 0))
+            spans[e.step] = (max(start, e.start_ns) if e.kind == "BWD" else start, max(end, e.end_ns))
+    return statistics.median((end - start) / 1e6 for start, end in spans.values() if start)
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
@@ -139,7 +140,7 @@ def _tail_verdict(tail: dict[str, float], step_s: dict[str, float]) -> str | Non
     plain_ms = step_s["plain"] * 1e3
     planned, critical = (tail[v] - tail["plain"] for v in ("Muon planned", "Muon critical"))
     return (
-        f"rank 0's tail after its last backward, over plain's: Muon planned +{planned:.1f} ms "
+        f"rank 0's tail from its last backward, over plain's: Muon planned +{planned:.1f} ms "
         f"({1 + planned / plain_ms:.3f}x the plain step), Muon critical +{critical:.1f} ms "
         f"({1 + critical / plain_ms:.3f}x); planned saves {1 - planned / critical:.0%} of Muon's added time"
         if critical > 0
