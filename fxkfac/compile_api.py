@@ -27,7 +27,7 @@ from fxkfac.errors import ConfigError
 from fxkfac.families import family_of
 from fxkfac.fingerprint import graph_fingerprint
 from fxkfac.passes.split_stages import SplitResult, split_stages
-from fxkfac.planner.costs import CostTable
+from fxkfac.planner.costs import CostTable, PreconditionerKind
 from fxkfac.planner.ir import LayerTiming, Programs
 from fxkfac.planner.lowering import naive_programs, ranks_of_stages
 from fxkfac.planner.plan import Plan
@@ -555,7 +555,7 @@ def _resolve_on_mesh(
             for p in st.gm.parameters():
                 p.grad = None
         progress.phase(SOLVING)
-        return replace(costs, comm=comm)
+        return replace(costs, comm=comm, family=planned_kind(family, costs.family))
 
     if isinstance(plan, str) and plan == "auto" and not profiles:
         progress.phase(SOLVING)
@@ -571,6 +571,13 @@ def _resolve_on_mesh(
         progress=progress.solver if progress.shown else None,
         checkpointing=checkpointing,
     )
+
+
+def planned_kind(family: Family, profiled: PreconditionerKind) -> PreconditionerKind:
+    """The kind the planner plans a profile of `family` as: Muon's (no refresh; its APPLYs, every step, streamed to
+    and dealt over idle ranks, in pieces by iterations; planner/muon_costs.py) for Muon, else what the profiler
+    tagged (`profiled`)."""
+    return PreconditionerKind.MUON if family.name == PreconditionerKind.MUON.value else profiled
 
 
 def auto_budget(options: PlanOptions, available: Callable[[], int | None]) -> PlanOptions:

@@ -1,9 +1,9 @@
-"""Analytic costs of Muon: one LayerCost per 2-D weight matrix, no parts, its APPLY the step's Newton-Schulz.
+"""Analytic costs of Muon: one LayerCost per parameter, no parts, its APPLY a matrix's Newton-Schulz or AdamW's step.
 
 Muon (`MuonConfig`, fxkfac/muon/) orthogonalizes each hidden 2-D weight's momentum at every step; embeddings, the
-output head (a Linear K-FAC skips, `LinearSpec.kfac` False) and 1-D parameters go to AdamW, whose elementwise step
-the pipeline's OPT_STEP covers. A matrix of shape (r, c), m = min(r, c) <= n = max(r, c), costs per step (each
-kernel timed by the K-FAC model's roofline, `planner.analytic.roofline`, without a launch-latency floor):
+output head (a Linear K-FAC skips, `LinearSpec.kfac` False) and 1-D parameters go to AdamW (below). A matrix of
+shape (r, c), m = min(r, c) <= n = max(r, c), costs per step (each kernel timed by the K-FAC model's roofline,
+`planner.analytic.roofline`, without a launch-latency floor):
 
 - Newton-Schulz, `ns_steps` iterations (5) of the quintic X <- a X + (b A + c A A) X with A = X X^T, X the m x n
   orientation (the transpose when r > c, as torch.optim.Muon does): A = X X^T is m*m*n multiply-adds, A A is m^3,
@@ -14,6 +14,12 @@ kernel timed by the K-FAC model's roofline, `planner.analytic.roofline`, without
   normalization before the iterations, the learning-rate adjustment, decoupled weight decay and the update).
 - bytes: the momentum buffer (LayerCost.state_bytes) and the gradient a streamed APPLY sends each way
   (LayerCost.grad_bytes), fp32.
+
+Every other parameter (embedding tables, the head, norms, biases) is a unit too, as `fxkfac.compile` makes one of
+every trainable parameter (`MuonFamily.units`): its APPLY is AdamW's elementwise step, ADAMW_PASSES fp32 passes at
+memory bandwidth (`adamw_cost`), its state the two moments. It is rarely worth a helper (its gradient's transfer
+outlasts it but on a link faster than memory bandwidth / ADAMW_PASSES; planner/stream_choice.py), so it runs on its
+owner, beside the matrices' Newton-Schulz.
 
 A piece i of n of a matrix's APPLY (`Op.piece`) runs iterations [i*S//n, (i+1)*S//n) of S = ns_steps
 (`planner.apply_pieces`); its time is that share of the APPLY.
@@ -38,6 +44,8 @@ __all__ = [
     "ns_iteration_flops",
     "ns_seconds",
     "matrix_cost",
+    "adamw_cost",
+    "ADAMW_PASSES",
     "muon_matrices",
     "muon_cost_table",
 ]
@@ -48,6 +56,12 @@ ELEMENTWISE_PASSES = 10
 """fp32 reads and writes per element of a step's elementwise work: momentum (buffer and gradient read, buffer
 written), Nesterov's blend (read, written), the normalization (norm read, scaled copy written), the update with its
 learning-rate adjustment and weight decay (weight and direction read, weight written)."""
+
+
+ADAMW_PASSES = 12
+"""fp32 reads and writes per element of an AdamW step: the moments (gradient and both read, both written), the
+direction (both moments and the weight read, the direction written), the update (weight and direction read,
+weight written)."""
 
 
 def ns_iteration_flops(rows: int, cols: int) -> int:
@@ -86,6 +100,13 @@ def matrix_cost(
     return LayerCost(tensor.name, (), ns_seconds(hw, (r, c), ns_steps, precision), numel, numel)
 
 
+def adamw_cost(tensor: TensorSpec, hw: HardwareSpec) -> LayerCost:
+    """The LayerCost of a parameter AdamW steps (name: its FQN): no parts, `prec` its elementwise step, its state
+    the two moments."""
+    numel = _F32 * tensor.numel
+    return LayerCost(tensor.name, (), ADAMW_PASSES * numel / hw.mem_bandwidth, 2 * numel, numel)
+
+
 def muon_matrices(block: BlockSpec) -> tuple[TensorSpec, ...]:
     """The block's parameters Muon orthogonalizes: the weights of its Linears other than a vocabulary head (those
     K-FAC skips) or a tied one; embedding tables, norms and biases go to AdamW."""
@@ -108,15 +129,20 @@ def muon_cost_table(
     ns_precision: Precision = Precision.BF16,
 ) -> CostTable:
     """The analytic CostTable of Muon over a preset's pipeline: the K-FAC model's stages (same split, forward,
-    backward and memory at `precision`) with one LayerCost per Muon matrix of each stage (`muon_matrices`), its
-    Newton-Schulz priced at `ns_precision`. The source reads e.g. "muon:analytic:bert-large:seq128:fp32:ns5"."""
+    backward and memory at `precision`) with one LayerCost per parameter of each stage: a Muon matrix's
+    (`muon_matrices`) its Newton-Schulz priced at `ns_precision`, every other's AdamW's step (`adamw_cost`). The
+    source reads e.g. "muon:analytic:bert-large:seq128:fp32:ns5"."""
     if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
         raise CostModelError(f"ns_steps must be an int >= 1, got {ns_steps!r}")
     spec = preset(model_spec) if isinstance(model_spec, str) else model_spec
     hw = get_hardware(hardware)
 
     def units(block: BlockSpec) -> tuple[LayerCost, ...]:
-        return tuple(matrix_cost(t, hw, ns_steps, ns_precision) for t in muon_matrices(block))
+        matrices = {t.name for t in muon_matrices(block)}
+        return tuple(
+            matrix_cost(t, hw, ns_steps, ns_precision) if t.name in matrices else adamw_cost(t, hw)
+            for t in block.parameters
+        )
 
     table = analytic_cost_table(spec, stages, micro_batch_size, seq_len, hw, precision=precision, units=units)
     source = tagged_source(PreconditionerKind.MUON, f"{table.source.rsplit(':', 1)[0]}:ns{ns_steps}")

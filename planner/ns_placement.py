@@ -84,7 +84,8 @@ def critical_path_step(problem: Problem) -> float:
 
 
 def ns_stage_lines(plan: Plan) -> list[str]:
-    """Per stage: its matrices' NS seconds, who ran them, and when the last ended against the plain step's end."""
+    """Per stage: its units' APPLY seconds (the matrices' NS, the AdamW parameters' steps), who ran them, and when
+    the last ended against the plain step's end."""
     problem = plan.problem
     plain = plain_step_time(problem)
     tasks = ns_tasks(plan)
@@ -111,7 +112,7 @@ def ns_stage_lines(plan: Plan) -> list[str]:
             else f"+{(last - plain) * 1e3:.1f} ms past"
         )
         lines.append(
-            f"s{s}: {len(stage.layers)} matrices, NS {stage.prec * 1e3:.1f} ms: "
+            f"s{s}: {len(stage.layers)} units, APPLY {stage.prec * 1e3:.1f} ms: "
             + "; ".join(parts)
             + f"; {verdict} the plain step's end"
         )

@@ -1,5 +1,9 @@
 """Which layers of the first stage to stream, and to which ranks (planner/streaming.py): the choice that shortens
-the reference step most without costing any refresh, and a plan that falls back to none where it cannot place."""
+the reference step most without costing any refresh, and a plan that falls back to none where it cannot place.
+
+A Muon stage with copies (W > 1, Chimera) never streams: its owner sends the Newton-Schulz input, which it makes of
+the reduced gradient, but a streamed gradient leaves during the backward, before the copies' all-reduce, so the
+runtime refuses such a plan (fxkfac/runtime/streaming.py); its copies share its matrices by MEM-OPT instead."""
 
 from __future__ import annotations
 
@@ -10,9 +14,9 @@ from enum import StrEnum
 from typing import Protocol
 
 from fxkfac.planner.budget import Budget
-from fxkfac.planner.costs import PreconditionerKind
+from fxkfac.planner.costs import LayerCost, PreconditionerKind
 from fxkfac.planner.errors import PlanError
-from fxkfac.planner.ir import OpKind
+from fxkfac.planner.ir import Op, OpKind
 from fxkfac.planner.plan import Plan, rank
 from fxkfac.planner.problem import Problem, SolverConfig, copies_of_stage, stage_groups
 from fxkfac.planner.step_timeline import StepTimeline, group_load, refresh_lower_bound, step_timeline
@@ -71,9 +75,25 @@ def _streamable(problem: Problem) -> list[str]:
     layers = problem.costs.stages[STREAMED_STAGE].layers
     fractions = ready_fractions(problem.costs.stages[STREAMED_STAGE])
     ok = [
-        x.name for x in layers if can_stream(problem.costs.family, x) and problem.where(x.name) == LayerDistribution()
+        x.name
+        for x in layers
+        if can_stream(problem.costs.family, x)
+        and problem.where(x.name) == LayerDistribution()
+        and _worth_a_helper(problem, x)
     ]
     return sorted(ok, key=lambda n: fractions[n])
+
+
+def _worth_a_helper(problem: Problem, layer: LayerCost) -> bool:
+    """Whether a Muon unit's APPLY outlasts its gradient's transfer to a helper: a matrix's Newton-Schulz (compute on
+    m^2 n, bytes m n) does but for tiny ones, an AdamW parameter's elementwise step (embeddings, the head, 1-D
+    parameters; planner/muon_costs.py: passes at memory bandwidth) only on a link faster than a twelfth of it, so it
+    stays with its owner. Only a bound: the step timeline, which prices both transfers, chooses among the rest.
+    Every other family's layer: always (their choice as before)."""
+    if problem.costs.family is not PreconditionerKind.MUON:
+        return True
+    send = Op(OpKind.SEND_LGRAD, STREAMED_STAGE, peer=STREAMED_STAGE + 1, layer=layer.name)
+    return layer.prec > problem.costs.collective_seconds(send, 2)
 
 
 def _helpers(problem: Problem) -> list[int]:
@@ -142,6 +162,8 @@ def with_streaming(
     forced, `planner.plan`)."""
     if problem.streaming is not None or len(copies_of_stage(problem, STREAMED_STAGE)) == len(problem.devices):
         return problem
+    if problem.costs.family is PreconditionerKind.MUON and len(copies_of_stage(problem, STREAMED_STAGE)) > 1:
+        return problem  # the runtime streams a Muon stage with one copy only (module doc)
     names = _streamable(problem)
     if not names:
         return problem

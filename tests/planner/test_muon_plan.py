@@ -51,15 +51,23 @@ def test_pieces_cut_the_iterations_in_order() -> None:
 
 
 def test_muon_covers_the_hidden_matrices_and_the_table_round_trips() -> None:
-    """Every Linear weight but the tied decoder: the pooler and the heads' transform are hidden matrices; the
-    embedding tables, norms and biases go to AdamW. Each is a unit without parts whose APPLY is its NS."""
+    """Every Linear weight but the tied decoder: the pooler and the heads' transform are hidden matrices, each a unit
+    without parts whose APPLY is its NS and whose state its momentum; the embedding tables, norms and biases are
+    units too (as compile makes one of every trainable parameter), AdamW's: an elementwise step, two moments."""
     table = muon_cost_table("bert-base", 4, 8)
-    names = [x.name for s in table.stages for x in s.layers]
+    units = [x for s in table.stages for x in s.layers]
     spec = preset("bert-base")
-    assert names == [t.name for b in (spec.embed, *spec.blocks, spec.head) for t in muon_matrices(b)]
-    assert len(names) == 12 * 6 + 3 and "bert.pooler.dense.weight" in names
-    assert not any("embeddings" in n or "decoder" in n or "LayerNorm" in n for n in names)
-    assert all(x.parts == () and x.prec > 0 and x.state_bytes == x.grad_bytes for s in table.stages for x in s.layers)
+    assert [x.name for x in units] == [t.name for b in (spec.embed, *spec.blocks, spec.head) for t in b.parameters]
+    hidden = {t.name for b in (spec.embed, *spec.blocks, spec.head) for t in muon_matrices(b)}
+    assert len(hidden) == 12 * 6 + 3 and "bert.pooler.dense.weight" in hidden
+    assert not any("embeddings" in n or "decoder" in n or "LayerNorm" in n for n in hidden)
+    matrices = [x for x in units if x.name in hidden]
+    adamw = [x for x in units if x.name not in hidden]
+    assert len(matrices) == len(hidden) and any("word_embeddings" in x.name for x in adamw)
+    assert all(x.parts == () and x.prec > 0 and x.state_bytes == x.grad_bytes for x in matrices)
+    assert all(x.parts == () and x.prec > 0 and x.state_bytes == 2 * x.grad_bytes for x in adamw)
+    layer0 = [x.prec for x in matrices if ".layer.0." in x.name]  # an encoder layer's six, 768 x 768 or x 3072
+    assert max(x.prec for x in adamw if "embeddings" not in x.name) < min(layer0) / 100
     assert table.family is PreconditionerKind.MUON and table.source.startswith("muon:analytic:bert-base")
     assert CostTable.from_json(table.to_json()) == table
 
@@ -131,6 +139,15 @@ def test_copies_share_the_matrices_and_broadcast_the_updates_under_mem_opt() -> 
     assert sorted(n for t in tasks for n in t.layers) == sorted(x.name for x in costs.stages[0].layers)
     everyone = Problem("1f1b", 2, 4, costs, W=2)
     assert plan.metrics.step_time < solve(everyone, SolverConfig(time_limit_s=5)).metrics.step_time
+
+
+def test_a_stage_with_copies_does_not_stream_its_matrices() -> None:
+    """W=2: the owner's Newton-Schulz input needs the copies' all-reduced gradient, which a streamed send (during the
+    backward) precedes, so the runtime refuses it; the planner streams no Muon stage with copies (W=1 streams)."""
+    costs = muon_cost_table("bert-base", 4, 32)
+    assert with_streaming(Problem("1f1b", 4, 4, costs), whole_backward=True).streaming is not None
+    copies = Problem("1f1b", 4, 4, costs, W=2)
+    assert with_streaming(copies, whole_backward=True) is copies
 
 
 def test_fxkfac_plan_muon_runs_without_torch_and_shows_the_ns_tasks(tmp_path: Path) -> None:
