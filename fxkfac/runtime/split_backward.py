@@ -112,6 +112,7 @@ def split_stage(
         return outs, grads
 
     traced = make_fx(joint, tracing_mode="fake")(example_state, example_args, example_tangents)
+    _drop_no_ops(traced)
     counts = (arg_grads.count(ArgGrad.INPUT), arg_grads.count(ArgGrad.WEIGHT), len(grad_names))
     return _cut(traced, len(names), len(args), counts, tangent_specs, compile_fn)
 
@@ -175,6 +176,21 @@ def _cut(
         n_arg_grads=n_in,
         n_param_grads=n_param,
     )
+
+
+def _drop_no_ops(traced: fx.GraphModule) -> None:
+    """Remove what the trace adds that does nothing where the graphs run (under no_grad): detaches, and a transpose
+    of a transpose (a weight gradient is traced as t(t(mm))); each is a Python call per op in an eager graph."""
+    aten = torch.ops.aten
+    for node in list(traced.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten.detach.default:
+            node.replace_all_uses_with(node.args[0])
+        elif node.target is aten.t.default and getattr(node.args[0], "target", None) is aten.t.default:
+            node.replace_all_uses_with(node.args[0].args[0])
+    traced.graph.eliminate_dead_code()
+    traced.recompile()
 
 
 def _impure(node: fx.Node) -> bool:

@@ -286,9 +286,8 @@ class StageRunner:
             if grad is not None:
                 arg.grad = grad
         pairs = [(p, g) for p, g in zip(params, grads[: split.n_param_grads], strict=True) if g is not None]
-        if pairs:
-            with torch.enable_grad():
-                torch.autograd.backward([p.view_as(p) for p, _ in pairs], [g for _, g in pairs])
+        if pairs:  # the parameters are leaves: autograd accumulates into them and runs their hooks
+            torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
 
     def waiting_weights(self) -> list[int]:
         """Micro-batches whose B ran and whose W has not."""

@@ -33,6 +33,7 @@ from fxkfac.planner.schedules import ScheduleKind, stages_of_rank
 from fxkfac.planner.strategy import LayerDistribution
 from fxkfac.preconditioner import Family, RefreshState, gradient_parts
 from fxkfac.progress import Display, training_progress
+from fxkfac.runtime.host_memory import keep_freed_host_memory
 from fxkfac.runtime.interpreter import EVAL_HANDLERS, Interpreter, StepContext, forward_only, local_loss
 from fxkfac.runtime.mesh import MeshLayout, StageCopies
 from fxkfac.runtime.p2p import TagSpace, Transport, collective_device
@@ -245,6 +246,8 @@ class Trainer(Checkpointing):
         """The units the family preconditions (K-FAC: its layers; Shampoo: parameters); empty without one."""
         self.timings = dict(spec.timings)
         self.runners = _runners(spec, backend, options.autocast_dtype)
+        if any(r.device.type == "cpu" for r in self.runners.values()):
+            keep_freed_host_memory()  # [Note: host memory] in fxkfac/runtime/host_memory.py
         self.loss_scale = LossScale.build(options.loss_scaling, options.scales_loss)
         """float16's dynamic loss scale ([Note: mixed precision] in fxkfac/runtime/precision.py)."""
         self._unscale_gradients()
