@@ -173,7 +173,9 @@ def with_streaming(
     stop = None if budget is None else budget.now() + budget.limit * STREAM_CHOICE_PART
     ranked, dealt = _helpers(problem), problem.costs.family is PreconditionerKind.MUON
     sets = [(h, True) for h in _helper_sets(ranked[:HELPER_CANDIDATES])]
-    sets += [(tuple(ranked[:m]), False) for m in range(HELPER_CANDIDATES + 1, len(ranked) + 1)] if dealt else []
+    # Muon's matrices dealt over every idle rank first: the streaming choice may stop at its part of the time limit
+    dealt_sets = [(tuple(ranked[:m]), False) for m in range(len(ranked), HELPER_CANDIDATES, -1)] if dealt else []
+    sets = dealt_sets + sets
     for helpers, prefixes in sets:
         tries = [(tuple(names[:n]), _assign(names[:n], helpers)) for n in range(len(helpers), len(names) + 1)]
         tries = tries if prefixes else []
