@@ -1,4 +1,4 @@
-"""fxkfac: pipeline-parallel training with a second-order preconditioner (K-FAC, Shampoo, SOAP) placed into the
+"""fxkfac: pipeline-parallel training with a second-order preconditioner (K-FAC, Shampoo, SOAP, Muon) placed into the
 pipeline's bubbles.
 
 Torch-backed names load lazily, so `import fxkfac.planner` (and the planning CLI)
@@ -10,13 +10,24 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["compile", "KFACConfig", "ShampooConfig", "SOAPConfig", "PipelineOptions", "PlanOptions", "Plan", "errors"]
+__all__ = [
+    "compile",
+    "KFACConfig",
+    "ShampooConfig",
+    "SOAPConfig",
+    "MuonConfig",
+    "PipelineOptions",
+    "PlanOptions",
+    "Plan",
+    "errors",
+]
 
 _LAZY = {
     "compile": ("fxkfac.compile_api", "compile"),
     "KFACConfig": ("fxkfac.config", "KFACConfig"),
     "ShampooConfig": ("fxkfac.shampoo.config", "ShampooConfig"),
     "SOAPConfig": ("fxkfac.shampoo.config", "SOAPConfig"),
+    "MuonConfig": ("fxkfac.muon.config", "MuonConfig"),
     "PipelineOptions": ("fxkfac.config", "PipelineOptions"),
     "PlanOptions": ("fxkfac.config", "PlanOptions"),
     "Plan": ("fxkfac.planner.plan", "Plan"),

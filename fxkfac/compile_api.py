@@ -84,10 +84,10 @@ def compile(  # noqa: A001 - the public name the design card gives
     device's free memory is the budget, on CPU there is none), a plan file or a ``fxkfac.Plan`` (refused
     when made for another graph, mesh or schedule), or None (the preconditioner on the critical path, every layer
     refreshed by ``layer_timing`` or its config's ``refresh_every``). On one device a plan supplies its layer
-    timings. ``preconditioner``: a KFACConfig (omitted: ``KFACConfig()``), ShampooConfig or SOAPConfig, any
-    `fxkfac.preconditioner.Family`, or None: the base ``optimizer`` alone (default AdamW, lr 1e-3), the plain
-    pipeline. Shampoo and SOAP make the whole update direction, so their base optimizer is plain SGD (default
-    lr 1e-3). ``kfac=`` is a deprecated alias of ``preconditioner=`` (a FutureWarning). ``backend`` is a
+    timings. ``preconditioner``: a KFACConfig (omitted: ``KFACConfig()``), ShampooConfig, SOAPConfig or MuonConfig
+    (docs/MUON.md), any `fxkfac.preconditioner.Family`, or None: the base ``optimizer`` alone (default AdamW, lr
+    1e-3), the plain pipeline. Shampoo, SOAP and Muon make the whole update direction, so their base optimizer is
+    plain SGD (default lr 1e-3). ``kfac=``: deprecated alias of ``preconditioner=`` (a FutureWarning). ``backend`` is a
     torch.compile backend, or None for eager stages. ``plan_options.strategy`` says how the copies of a stage
     share each layer's work (comm-opt, mem-opt, hybrid:F, dp-kfac; planner/strategy.py) under ``plan="auto"``
     (None: the planner chooses) and ``plan=None`` (None: comm-opt); a loaded plan brings its own.

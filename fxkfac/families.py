@@ -7,6 +7,7 @@ from typing import Any
 from fxkfac.config import KFACConfig
 from fxkfac.errors import ConfigError
 from fxkfac.kfac.family import KFACFamily
+from fxkfac.muon import MuonConfig, MuonFamily
 from fxkfac.preconditioner import Family
 from fxkfac.shampoo import ShampooConfig, ShampooFamily, SOAPConfig, SOAPFamily
 
@@ -27,7 +28,7 @@ REQUIRED = (
 
 
 def family_of(choice: Any) -> Family:
-    """The Family of a KFACConfig, ShampooConfig or SOAPConfig, or `choice` itself when it already is one;
+    """The Family of a KFACConfig, ShampooConfig, SOAPConfig or MuonConfig, or `choice` itself when it already is one;
     ConfigError otherwise."""
     if isinstance(choice, KFACConfig):
         return KFACFamily(choice)
@@ -35,12 +36,14 @@ def family_of(choice: Any) -> Family:
         return ShampooFamily(choice)
     if isinstance(choice, SOAPConfig):
         return SOAPFamily(choice)
+    if isinstance(choice, MuonConfig):
+        return MuonFamily(choice)
     missing = [attr for attr in REQUIRED if not hasattr(choice, attr)]
     if not missing:
         return choice  # a Family object, checked structurally
     if "parts" not in missing and "precondition" not in missing:
         raise ConfigError(f"{type(choice).__name__} lacks the Family members {missing} (fxkfac.preconditioner.Family)")
     raise ConfigError(
-        f"preconditioner must be a KFACConfig, ShampooConfig, SOAPConfig or a "
+        f"preconditioner must be a KFACConfig, ShampooConfig, SOAPConfig, MuonConfig or a "
         f"fxkfac.preconditioner.Family, got {type(choice).__name__}"
     )

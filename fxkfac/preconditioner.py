@@ -28,7 +28,7 @@ from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.ir import Capture
 
-__all__ = ["Source", "RefreshState", "Family", "PiecewiseFamily", "gradient_parts"]
+__all__ = ["Source", "RefreshState", "Family", "PiecewiseFamily", "SplitApplyFamily", "gradient_parts"]
 
 
 class Source(StrEnum):
@@ -237,6 +237,27 @@ class PiecewiseFamily(Protocol):
 
     def carry_from_state(self, saved: Any) -> Any:
         """Inverse of `carry_to_state` (ValueError when malformed)."""
+        ...
+
+
+@runtime_checkable
+class SplitApplyFamily(Protocol):
+    """A family whose APPLY of one unit is three calls (Muon): the owner's `apply_input` (which updates the unit's
+    state), the stateless `apply_core`, which a plan may run on another rank (a streamed APPLY: the input goes as
+    LGRAD, the core's output comes back as PGRAD) or in pieces (``APPLY s i/n unit``, in order on one rank), and the
+    owner's `apply_output`, the direction. `precondition` is the three in a row, one piece."""
+
+    def apply_input(self, unit: Any, grad: Tensor, state: RefreshState, param: Tensor) -> Tensor:
+        """The core's input from the unit's complete gradient (updating `state`)."""
+        ...
+
+    def apply_core(self, unit: Any, x: Tensor, index: int, pieces: int) -> Tensor:
+        """Piece `index` of `pieces` of the core: piece 0 takes `apply_input`'s output, each hands its result to the
+        next, the last returns what `apply_output` takes."""
+        ...
+
+    def apply_output(self, unit: Any, core: Tensor, param: Tensor) -> Tensor:
+        """The unit's direction (what `precondition` writes into its gradient) from the core's output."""
         ...
 
 

@@ -162,8 +162,8 @@ class LayerCost:
             raise CostModelError(f"LayerCost.name must be a non-empty string, got {self.name!r}")
         if self.grad_ready is not None:
             _check_number(f"layer {self.name!r}", "grad_ready", self.grad_ready, integer=False)
-        if not isinstance(self.parts, tuple) or not self.parts or not all(isinstance(p, PartCost) for p in self.parts):
-            raise CostModelError(f"layer {self.name!r}: parts must be a non-empty tuple of PartCost")
+        if not isinstance(self.parts, tuple) or not all(isinstance(p, PartCost) for p in self.parts):
+            raise CostModelError(f"layer {self.name!r}: parts must be a tuple of PartCost (empty: Muon, APPLY only)")
         if len({p.part for p in self.parts}) != len(self.parts):
             raise CostModelError(f"layer {self.name!r}: parts {[p.part for p in self.parts]} repeat a name")
         _check_number(f"layer {self.name!r}", "prec", self.prec, integer=False)
@@ -321,6 +321,7 @@ class PreconditionerKind(StrEnum):
     KFAC = "kfac"
     SHAMPOO = "shampoo"
     SOAP = "soap"
+    MUON = "muon"
 
 
 @dataclass(frozen=True, slots=True)

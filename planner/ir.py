@@ -120,7 +120,7 @@ OP_FIELDS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
     OpKind.SYNC_STATS: (frozenset({_STAGE}), frozenset({_LAYER, _PART})),
     OpKind.DECOMP: (frozenset({_STAGE}), frozenset({_LAYER, _PART, _PIECE})),
     OpKind.BCAST: (frozenset({_STAGE, _ROOT}), frozenset({_LAYER, _PART, _GROUP})),
-    OpKind.APPLY: (frozenset({_STAGE}), frozenset({_PIPE, _LAYER})),
+    OpKind.APPLY: (frozenset({_STAGE}), frozenset({_PIPE, _LAYER, _PIECE})),
     OpKind.BCAST_PREC: (frozenset({_STAGE, _ROOT, _LAYER}), frozenset({_GROUP})),
     OpKind.OPT_STEP: (frozenset(), frozenset()),
     **{k: (frozenset({_STAGE, _PEER, _LAYER}), frozenset()) for k in LAYER_TRANSFER_KINDS},

@@ -53,7 +53,8 @@ from fxkfac.config import KLClipScope
 from fxkfac.errors import CheckpointError, PipelineError
 from fxkfac.planner.ir import Capture, LayerTiming, Op, OpKind
 from fxkfac.planner.strategy import LayerDistribution, grad_workers, keeps_statistics
-from fxkfac.preconditioner import Family, PiecewiseFamily, RefreshState, gradient_parts
+from fxkfac.preconditioner import Family, PiecewiseFamily, RefreshState, SplitApplyFamily, gradient_parts
+from fxkfac.runtime.apply_pieces import ApplyPieces
 from fxkfac.runtime.interpreter import (
     Interpreter,
     StepContext,
@@ -141,6 +142,8 @@ class PreconditionerRuntime:
         """The state `begin_step` remembered, restored by `abort_step`."""
         self.streams = Streams(self, streamed or StreamedLayers())
         """The layers this rank hands to a helper or preconditions for their owner (fxkfac/runtime/streaming.py)."""
+        self.pieces = ApplyPieces(rank)
+        """The APPLYs of this rank's own units in flight between their pieces (``APPLY s i/n unit``)."""
 
     def install(self, interpreter: Interpreter) -> None:
         """Register the refresh handlers and the KL-clipping OPT_STEP on `interpreter`."""
@@ -166,7 +169,10 @@ class PreconditionerRuntime:
         return {n: self.timings[n].capture for n in self._refreshing(step, layer_names) if n in self.keeps}
 
     def open_refreshes(self, step: int) -> None:
-        """Open a refresh record at `step` for every layer whose statistics this rank takes that refreshes then."""
+        """Open a refresh record at `step` for every layer whose statistics this rank takes that refreshes then (none
+        for a family without parts: Muon has nothing to refresh)."""
+        if not self.family.parts:
+            return
         for name in self._refreshing(step, sorted(self.keeps)):
             self.refreshes[name].append(RefreshRecord(step, counts=dict.fromkeys(self.family.parts, 0)))
 
@@ -446,11 +452,37 @@ class PreconditionerRuntime:
                     f"{layer.name} refreshed at step {late[0]}, which the plan has not made yet"
                 )
             self.states[layer.name].activate(ctx.step)
+        if op.piece is not None:
+            self._apply_piece(ctx, op)
+            return
         params = dict(runner.module.named_parameters())
         grads = {n: p.grad for n, p in params.items() if p.grad is not None}
         copies = len(self.workers[layers[0].name]) if op.layer is not None else len(self.groups[op.stage].ranks)
         for members in self._by_clip_group(layers).values():
             self.add_dot(members, self.family.precondition(members, grads, self.states, params) / copies, op.stage)
+
+    def _apply_piece(self, ctx: StepContext, op: Op) -> None:
+        """Piece ``i/n`` of one unit's APPLY (`SplitApplyFamily`): piece 0 takes the core's input from the unit's
+        gradient (updating its state), the last writes the direction into the gradient and adds its <P, G>."""
+        family = self.family
+        if not isinstance(family, SplitApplyFamily) or op.layer is None:
+            raise PipelineError(
+                f"rank {self.rank}: '{op}' runs a piece of an APPLY, which takes one unit of a family whose APPLY "
+                f"splits (Muon); {family.name} has none, or the op names no unit"
+            )
+        assert op.stage is not None, "APPLY names its stage"
+        name, unit = op.layer, self.layers[op.layer]
+        param = ctx.stage_runner(op.stage).param(name)
+        grad = param.grad
+        if grad is None:  # the backward did not reach it: no step for it, as without pieces
+            return
+        core = self.pieces.run(family, unit, op, lambda: family.apply_input(unit, grad, self.states[name], param))
+        if core is None:
+            return
+        p = family.apply_output(unit, core, param)
+        dot = (p.double() * grad.double()).sum()
+        grad.copy_(p)
+        self.add_dot([unit], dot / len(self.workers[name]), op.stage)
 
     def _settle_tied(self, ctx: StepContext, names: Sequence[str], op: Op) -> None:
         """Land the sums of the tied gradients among `names`' parameters (summed over the stages that share them
@@ -511,6 +543,8 @@ class PreconditionerRuntime:
         `PipelineOptions.max_grad_norm`, every gradient is then multiplied by the clip factor of the raw gradient's
         global norm (taken before APPLY, `GradSync.take_sqnorm`): K-FAC's preconditioning is linear in the
         gradient, so this equals clipping before preconditioning, and the nu is already the clipped one's."""
+        self.pieces.check_done(f"'{op}'")
+        self.streams.pieces.check_done(f"'{op}'")
         end_gradients(ctx, op)
         ctx.sync.send_directions(ctx.transport, str(op))
         end = ctx.step_end
@@ -547,6 +581,7 @@ class PreconditionerRuntime:
         }
         self._at_begin = (self._copy(), captures, self.streams.snapshot())
         self.streams.begin_step()
+        self.pieces.clear()
         self.open_refreshes(ctx.step)
 
     def abort_step(self, ctx: StepContext) -> None:
@@ -554,6 +589,7 @@ class PreconditionerRuntime:
         (states, refreshes, outbox), captures, streams = self._at_begin
         self._install(states, refreshes, outbox)
         self.streams.restore(streams)
+        self.pieces.clear()
         for key, saved in captures.items():
             runner = ctx.runners[key]
             if isinstance(runner, TappedRunner):

@@ -6,6 +6,12 @@ APPLY would have. The result is the owner's APPLY, exactly; only the rank that c
 Each streamed layer's transfers use their own tags (`TagSpace.of_layer`): the gradient (LGRAD), the preconditioned
 gradient and its <P, G> (PGRAD), and at each refresh the parts of the made preconditioner with its refresh step
 (REPLICA), sent by the owner right after the DECOMP that completes it and combined by the helper as the owner did.
+
+A `SplitApplyFamily` (Muon) streams its APPLY's stateless core instead: the owner keeps the unit's state, runs
+`apply_input` (momentum, the Nesterov blend) the moment the gradient is final and sends that as LGRAD; the helper runs
+`apply_core` (Newton-Schulz, whole or in pieces) and returns its output as PGRAD; the owner's `apply_output` makes the
+direction (lr adjustment, weight decay) and its <P, G>. No REPLICA: there is nothing to refresh. The stage must have
+one copy (its gradient is final at its last backward; with copies it is only final after their all-reduce).
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from torch import Tensor
 
 from fxkfac.errors import PipelineError
 from fxkfac.planner.ir import LayerTiming, Op, OpKind
-from fxkfac.preconditioner import Family, RefreshState
+from fxkfac.preconditioner import Family, RefreshState, SplitApplyFamily
+from fxkfac.runtime.apply_pieces import ApplyPieces
 from fxkfac.runtime.interpreter import Interpreter, StepContext
 from fxkfac.runtime.mesh import StageCopies
 from fxkfac.runtime.sync import flat_gradient, grad_key, split_flat
@@ -103,6 +110,8 @@ class Streams:
         self._outbox: dict[str, tuple[Tensor, Tensor]] = {}
         self.made: dict[str, deque[tuple[int, dict[str, Any]]]] = {}
         """Preconditioners made here of layers a helper replicates, (refresh step, parts) waiting for SEND_REPLICA."""
+        self.pieces = ApplyPieces(runtime.rank)
+        """The cores this rank runs for their owners in flight between their pieces (a `SplitApplyFamily`)."""
         self.replica_steps: dict[str, int | None] = {}
         """The refresh step of each replica's newest preconditioner received (checked at its APPLY); None for a
         replica loaded from a checkpoint, trusted until the next arrives, so that checkpoints carry no streaming state
@@ -150,11 +159,32 @@ class Streams:
 
         self._hooks[name] = [p.register_post_accumulate_grad_hook(hook(i)) for i, p in enumerate(params)]
 
+    def _split(self) -> SplitApplyFamily | None:
+        """The family when its APPLY splits (its core is what is streamed), else None."""
+        family = self.runtime.family
+        return family if isinstance(family, SplitApplyFamily) else None
+
     def _send_gradient(self, ctx: StepContext, op: Op, params: Sequence[torch.nn.Parameter]) -> None:
-        """Send the layer's flat gradient (zeros for a parameter without one) to its helper."""
+        """Send the layer's flat gradient (zeros for a parameter without one) to its helper; for a split APPLY, the
+        core's input the owner makes of it (`_core_input`)."""
         assert op.layer is not None and op.peer is not None, "SEND_LGRAD names its layer and helper"
-        ctx.transport.send_tagged(flat_gradient(params), op.peer, self._tag(ctx, op, _LGRAD), str(op))
+        split = self._split()
+        flat = flat_gradient(params) if split is None else self._core_input(split, op, params)
+        ctx.transport.send_tagged(flat, op.peer, self._tag(ctx, op, _LGRAD), str(op))
         self._sent.add(op.layer)
+
+    def _core_input(self, family: SplitApplyFamily, op: Op, params: Sequence[torch.nn.Parameter]) -> Tensor:
+        """The owner's `apply_input` of the unit's final gradient, flat (it updates the unit's state here)."""
+        assert op.layer is not None and op.stage is not None, "SEND_LGRAD names its stage and layer"
+        if len(self.runtime.groups[op.stage].ranks) > 1:
+            raise PipelineError(
+                f"rank {self.runtime.rank}: '{op}' streams the APPLY core of {op.layer}, whose stage has copies: its "
+                f"gradient is final only after their all-reduce; {self.runtime.family.name} streams single-copy stages"
+            )
+        (param,) = params
+        grad = torch.zeros_like(param) if param.grad is None else param.grad
+        x = family.apply_input(self.runtime.layers[op.layer], grad, self.runtime.states[op.layer], param)
+        return x.reshape(-1).to(param.dtype)
 
     def send_gradient(self, ctx: StepContext, op: Op) -> None:
         """The layer's gradient went to its helper during the backward (`arm`); else (a parameter the backward did
@@ -185,6 +215,14 @@ class Streams:
         flat, dot = ctx.transport.take(("pgrad", op.layer), str(op))
         ctx.transport.settle(grad_key(op.stage))  # the copies' all-reduce lands first: the result replaces it
         params = self._params(ctx, op)
+        split = self._split()
+        if split is not None:
+            (param,) = params
+            grad = torch.zeros_like(param) if param.grad is None else param.grad
+            p = split.apply_output(self.runtime.layers[op.layer], flat.reshape(param.shape), param)
+            param.grad = p
+            self.runtime.add_dot([self.runtime.layers[op.layer]], (p.double() * grad.double()).sum(), op.stage)
+            return
         for p, chunk in zip(params, split_flat(flat, [p.shape for p in params]), strict=True):
             p.grad = chunk
         copies = len(self.runtime.groups[op.stage].ranks)
@@ -241,6 +279,10 @@ class Streams:
         SEND_PGRAD."""
         assert op.layer is not None, "an APPLY of a stage held elsewhere names its layer"
         shapes, name = self._replica(op), op.layer
+        split = self._split()
+        if split is not None:
+            self._apply_core(split, op, shapes)
+            return
         if name not in self._inbox:
             raise PipelineError(f"rank {self.runtime.rank}: '{op}' before the RECV_LGRAD of {name}")
         timing, state = self.runtime.timings[name], self.runtime.states[name]
@@ -258,6 +300,19 @@ class Streams:
         layer = self.runtime.layers[name]
         dot = self.runtime.family.precondition([layer], grads, self.runtime.states, dict(grads))  # in place: in flat
         self._outbox[name] = (flat, dot.detach().to(torch.float64).reshape(1))
+
+    def _apply_core(self, family: SplitApplyFamily, op: Op, shapes: tuple[ParamShape, ...]) -> None:
+        """Run the core (or the piece of it `op` names) of the unit on the input its owner sent; after the last piece
+        keep the output, flat in the parameter's dtype, for SEND_PGRAD (<P, G> is the owner's to take)."""
+        assert op.layer is not None, "an APPLY of a stage held elsewhere names its layer"
+        name, (shape,) = op.layer, shapes
+        if (op.piece or (0, 1))[0] == 0 and name not in self._inbox:
+            raise PipelineError(f"rank {self.runtime.rank}: '{op}' before the RECV_LGRAD of {name}")
+        unit = self.runtime.layers[name]
+        core = self.pieces.run(family, unit, op, lambda: self._inbox.pop(name).reshape(shape.shape))
+        if core is not None:
+            flat = core.reshape(-1).to(shape.dtype)
+            self._outbox[name] = (flat, torch.zeros(1, dtype=torch.float64, device=flat.device))
 
     def send_preconditioned(self, ctx: StepContext, op: Op) -> None:
         """Send the owner the layer's preconditioned gradient and its <P, G>."""
@@ -296,6 +351,7 @@ class Streams:
     def begin_step(self) -> None:
         """Forget the last step's gradients and results (each step receives and applies its own)."""
         self._inbox, self._outbox = {}, {}
+        self.pieces.clear()
 
     def snapshot(self) -> tuple[dict[str, deque[tuple[int, dict[str, Any]]]], dict[str, int | None]]:
         """What a skipped step restores (`restore`)."""
@@ -307,6 +363,7 @@ class Streams:
         self.made = {n: deque(q) for n, q in made.items()}
         self.replica_steps = dict(steps)
         self._inbox, self._outbox, self._sent = {}, {}, set()
+        self.pieces.clear()
         for handles in self._hooks.values():
             for handle in handles:
                 handle.remove()

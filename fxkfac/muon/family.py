@@ -1,0 +1,244 @@
+"""Muon (Jordan et al.; torch.optim.Muon) as a `fxkfac.preconditioner.Family` with `MuonConfig`, and AdamW for the
+parameters Muon does not take, in the same family so that one compile call trains them all.
+
+Units are every trainable parameter (`MuonUnit`). The hidden matrices (`UnitKind.MATRIX`: the 2-D weight of a
+captured Linear layer other than the output head, the graph's last) step by Muon; embeddings, the output head,
+convolutions and 1-D parameters (`UnitKind.ADAMW`) by AdamW. Per step t (from 1), with the base optimizer's lr:
+  Muon:  B <- mu B + (1 - mu) G (from zero); X = (1 - mu) G + mu B (Nesterov) or B;
+         O = NS_k(X) (fxkfac/muon/newton_schulz.py, in ns_dtype); P = s O + lambda W, s the lr adjustment of the
+         matrix's shape (A, B) = (rows, columns): sqrt(max(1, A/B)) or 0.2 sqrt(max(A, B)).
+  AdamW: m <- beta1 m + (1 - beta1) G; v <- beta2 v + (1 - beta2) G^2;
+         P = r (m / (1 - beta1^t) / (sqrt(v) / sqrt(1 - beta2^t) + eps) + lambda_a W), r = adamw_lr_ratio.
+The base optimizer is SGD(lr) without momentum or weight decay: W <- W - lr P, which is torch.optim.Muon's and
+torch.optim.AdamW's step. Muon has no statistics and no refreshes (no parts): its per-step work is APPLY alone, and
+that splits in three (`SplitApplyFamily`): the owner's input (momentum, the Nesterov blend), the core (Newton-Schulz,
+which a plan may run on another rank, or in pieces of its iterations) and the owner's output (lr adjustment and weight
+decay).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import torch
+from torch import Tensor, fx
+
+from fxkfac.config import KFACConfig, KLClipScope
+from fxkfac.muon.config import LrAdjust, MuonConfig
+from fxkfac.muon.newton_schulz import iterations_of_piece, ns_end, ns_iterate, ns_start
+from fxkfac.muon.state import MuonState
+from fxkfac.passes.layers import KFACLayer, LayerKind
+from fxkfac.planner.costs import LayerCost
+from fxkfac.planner.ir import Capture
+from fxkfac.preconditioner import RefreshState, Source
+from fxkfac.profiler import time_call
+
+__all__ = ["MuonFamily", "MuonUnit", "UnitKind", "lr_scale"]
+
+
+class UnitKind(StrEnum):
+    """Which optimizer steps a parameter: Muon (a hidden matrix) or AdamW (everything else)."""
+
+    MATRIX = "matrix"
+    ADAMW = "adamw"
+
+
+@dataclass(frozen=True, slots=True)
+class MuonUnit:
+    """One trainable parameter, by FQN, with its shape and the optimizer that steps it."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: UnitKind
+
+
+def lr_scale(adjust: LrAdjust, shape: tuple[int, ...]) -> float:
+    """The factor of a matrix's learning rate (torch.optim.Muon's `_adjust_lr`, over lr)."""
+    rows, cols = shape[:2]
+    if adjust is LrAdjust.ORIGINAL:
+        return math.sqrt(max(1.0, rows / cols))
+    return 0.2 * math.sqrt(max(rows, cols))
+
+
+def hidden_matrices(layers: Sequence[KFACLayer]) -> frozenset[str]:
+    """The weights Muon takes: those of the Linear layers before the graph's last (the output head)."""
+    linear = [layer for layer in layers if layer.kind is LayerKind.LINEAR]
+    return frozenset(layer.weight for layer in linear[:-1])
+
+
+class MuonFamily:
+    """The `Family` of Muon, also a `SplitApplyFamily` (see the module doc)."""
+
+    name = "muon"
+    parts: tuple[str, ...] = ()
+    kl_clip: float | None = None
+    kl_clip_scope: KLClipScope = KLClipScope.GLOBAL
+    layer_config: KFACConfig = KFACConfig(skip_vocab_head=False)
+    """Every Linear layer, the output head included: `hidden_matrices` tells the head by its place, the last."""
+    stats_dtype = "float32"
+    refresh_every = 1
+    capture: Capture = Capture.FUSED
+    refresh_phase = 0
+    max_period: int | None = None
+    warm_start = False
+    full_direction = True
+
+    def __init__(self, cfg: MuonConfig) -> None:
+        self.cfg = cfg
+        self.ns_dtype: torch.dtype = getattr(torch, cfg.ns_dtype)
+
+    # --- units ---------------------------------------------------------------------------------------
+
+    def units(self, gm: fx.GraphModule, layers: Sequence[KFACLayer]) -> list[MuonUnit]:
+        """One unit per trainable parameter of `gm`: a hidden Linear's 2-D weight is a MATRIX, the rest ADAMW."""
+        matrices = hidden_matrices(layers)
+        return [
+            MuonUnit(n, tuple(p.shape), UnitKind.MATRIX if n in matrices and p.dim() == 2 else UnitKind.ADAMW)
+            for n, p in gm.named_parameters()
+            if p.requires_grad
+        ]
+
+    def new_state(self, unit: MuonUnit) -> MuonState:
+        """No momentum, no moments, no step yet."""
+        return MuonState()
+
+    def params_of(self, unit: MuonUnit) -> tuple[str, ...]:
+        """The unit's parameter."""
+        return (unit.name,)
+
+    # --- no parts: the refresh methods are never called -----------------------------------------------
+
+    def _no_parts(self, part: str) -> AssertionError:
+        return AssertionError(f"muon has no parts (no statistics, no refreshes), but part {part!r} was asked for")
+
+    def source(self, part: str) -> Source:
+        raise self._no_parts(part)
+
+    def stats_shape(self, unit: MuonUnit, part: str) -> tuple[int, ...]:
+        raise self._no_parts(part)
+
+    def statistic(self, unit: MuonUnit, part: str, mode: Capture | None, raw: Tensor, n: int) -> Tensor:
+        raise self._no_parts(part)
+
+    def fold(self, state: RefreshState, part: str, mean: Tensor) -> None:
+        raise self._no_parts(part)
+
+    def decompose(self, unit: MuonUnit, state: RefreshState, part: str) -> Any:
+        raise self._no_parts(part)
+
+    def pack(self, unit: MuonUnit, part: str, half: Any) -> Tensor:
+        raise self._no_parts(part)
+
+    def unpack(self, unit: MuonUnit, part: str, flat: Tensor) -> Any:
+        raise self._no_parts(part)
+
+    def combine(self, unit: MuonUnit, state: RefreshState, halves: Mapping[str, Any]) -> Any:
+        raise self._no_parts(",".join(halves))
+
+    def half_to_state(self, half: Any) -> dict[str, Any] | None:
+        raise self._no_parts("-")
+
+    def half_from_state(self, saved: Any) -> Any:
+        raise self._no_parts("-")
+
+    # --- every step ---------------------------------------------------------------------------------
+
+    def apply_input(self, unit: MuonUnit, grad: Tensor, state: RefreshState, param: Tensor) -> Tensor:
+        """The owner's first part of the APPLY, which updates the state: a matrix's Newton-Schulz input (momentum,
+        then the Nesterov blend); an AdamW parameter's whole direction."""
+        assert isinstance(state, MuonState), "a Muon unit's state is a MuonState"
+        cfg = self.cfg
+        g = grad.detach()
+        state.steps += 1
+        if unit.kind is UnitKind.ADAMW:
+            return self._adamw(state, g, param.detach())
+        buf = torch.zeros_like(g) if state.momentum is None else state.momentum
+        state.momentum = torch.lerp(buf, g, 1 - cfg.momentum)
+        return torch.lerp(g, state.momentum, cfg.momentum) if cfg.nesterov else state.momentum
+
+    def apply_core(self, unit: MuonUnit, x: Tensor, index: int, pieces: int) -> Tensor:
+        """Piece `index` of `pieces` of the core, which any rank may run (no state): a matrix's Newton-Schulz
+        iterations [i*S//n, (i+1)*S//n), piece 0 starting from `apply_input`'s output, the last returning O in
+        the matrix's orientation; nothing for an AdamW parameter."""
+        if unit.kind is UnitKind.ADAMW:
+            return x
+        cfg = self.cfg
+        if index == 0:
+            x = ns_start(x, self.ns_dtype, cfg.eps)
+        x = ns_iterate(x, cfg.ns_coefficients, iterations_of_piece(cfg.ns_steps, index, pieces))
+        return ns_end(x, unit.shape) if index == pieces - 1 else x
+
+    def apply_output(self, unit: MuonUnit, core: Tensor, param: Tensor) -> Tensor:
+        """The owner's last part: a matrix's direction s O + lambda W, in the parameter's dtype; an AdamW
+        parameter's direction as `apply_input` made it."""
+        if unit.kind is UnitKind.ADAMW:
+            return core
+        cfg = self.cfg
+        p = param.detach()
+        out = core.to(p.dtype) * lr_scale(cfg.adjust_lr_fn, unit.shape)
+        return out + cfg.weight_decay * p if cfg.weight_decay else out
+
+    def _adamw(self, state: MuonState, g: Tensor, w: Tensor) -> Tensor:
+        """torch.optim.AdamW's step over lr (times adamw_lr_ratio), its moments replaced in `state`."""
+        cfg = self.cfg
+        beta1, beta2 = cfg.adamw_betas
+        m = torch.zeros_like(g) if state.exp_avg is None else state.exp_avg
+        v = torch.zeros_like(g) if state.exp_avg_sq is None else state.exp_avg_sq
+        state.exp_avg = torch.lerp(m, g, 1 - beta1)
+        state.exp_avg_sq = torch.addcmul(v * beta2, g, g, value=1 - beta2)
+        denom = state.exp_avg_sq.sqrt() / math.sqrt(1 - beta2**state.steps) + cfg.adamw_eps
+        out = state.exp_avg / (1 - beta1**state.steps) / denom
+        if cfg.adamw_weight_decay:
+            out = out + cfg.adamw_weight_decay * w
+        return out * cfg.adamw_lr_ratio if cfg.adamw_lr_ratio != 1.0 else out
+
+    def direction(self, unit: MuonUnit, grad: Tensor, state: RefreshState, param: Tensor) -> Tensor:
+        """The unit's whole step direction: input, core in one piece, output."""
+        x = self.apply_input(unit, grad, state, param)
+        return self.apply_output(unit, self.apply_core(unit, x, 0, 1), param)
+
+    def precondition(
+        self,
+        units: Sequence[Any],
+        grads: MutableMapping[str, Tensor],
+        states: Mapping[str, RefreshState],
+        params: Mapping[str, Tensor],
+    ) -> Tensor:
+        """Replace each unit's gradient by its direction P (module doc); returns sum <P, G> (float64)."""
+        dot = torch.zeros((), dtype=torch.float64)
+        for unit in units:
+            grad = grads.get(unit.name)
+            if grad is None:
+                continue
+            p = self.direction(unit, grad, states[unit.name], params[unit.name])
+            dot = dot + (p.double() * grad.double()).sum()
+            grad.copy_(p)
+        return dot
+
+    def clip_scale(self, dot_sum: float, lr: float) -> float:
+        """1.0: Muon has no KL-clip."""
+        return 1.0
+
+    def scale(self, units: Sequence[Any], grads: MutableMapping[str, Tensor], nu: float) -> None:
+        """Multiply the directions by `nu` (unused: no KL-clip)."""
+        for unit in units:
+            if grads.get(unit.name) is not None:
+                grads[unit.name].mul_(nu)
+
+    def unit_cost(self, units: Mapping[str, Any], params: Mapping[str, Tensor]) -> Callable[[str, int], LayerCost]:
+        """A unit's LayerCost: no parts, `prec` the APPLY (momentum and Newton-Schulz, or AdamW) timed on a random
+        gradient of its shape, its state (the momentum, or AdamW's two moments) and its gradient's bytes."""
+
+        def cost(name: str, rows: int) -> LayerCost:
+            unit, p = units[name], params[name].detach()
+            grad, state = torch.randn_like(p), self.new_state(unit)
+            prec = time_call(lambda: self.direction(unit, grad, state, p), warmup=1, repeats=3)
+            nbytes = p.numel() * p.element_size()
+            held = nbytes if unit.kind is UnitKind.MATRIX else 2 * nbytes
+            return LayerCost(name, (), prec.seconds, state_bytes=held, grad_bytes=nbytes, prec_spread=prec.spread)
+
+        return cost
