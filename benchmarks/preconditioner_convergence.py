@@ -1,4 +1,4 @@
-"""AdamW, K-FAC (PipeFisher), Shampoo and SOAP through the pipeline: wall time to AdamW's best validation loss.
+"""AdamW, K-FAC (PipeFisher), Shampoo, SOAP and Muon through the pipeline: wall time to AdamW's best validation loss.
 
 Two models of the same sizes (4 blocks, hidden 64, 4 heads, FFN 256, 64-byte windows), chosen by `--model`, on the
 CPython standard library's own source (fxkfac.data: every 10th file held out for validation):
@@ -10,8 +10,9 @@ Both train over 2 pipeline stages (2 local processes over gloo, one thread each,
 
 - AdamW (weight decay 0.01): the plain pipeline;
 - K-FAC: PipeFisher, K-FAC preconditioning AdamW's gradients (`DEMO_KFAC`), planned into the bubbles;
-- Shampoo and SOAP: they make the whole update direction, so the base optimizer is `torch.optim.SGD(params, lr)`;
-  their root inverses / eigenbases planned into the bubbles.
+- Shampoo, SOAP and Muon: they make the whole update direction, so the base optimizer is
+  `torch.optim.SGD(params, lr)`; their root inverses / eigenbases / Newton-Schulz iterations planned into the
+  bubbles (Muon's embeddings, output head and vectors step by AdamW inside the family).
 
 Every run warms the learning rate up linearly over `--warmup` steps and decays it by a cosine to 0 at the
 last step (`fxkfac.demo.lr_at`). Each family is swept over `--lrs-per-family` peak learning rates (a factor
@@ -22,7 +23,9 @@ drifting machine load hits all families alike.
 Plans are deterministic within a launch: plan="auto" (the ranks profile, CP-SAT) runs once per family, on
 its first run, and that same Plan is reused by every later run of the family (`fxkfac.demo.RunSpec.plan`).
 The plans are written to `--plan-dir` (one file per model and family); `--reuse-plans` loads them from there
-instead of planning, so a second invocation repeats the first one's plans exactly.
+instead of planning, so a second invocation repeats the first one's plans exactly. `--unplanned FAMILY...` trains
+those families without a plan (plan=None: their per-step and refresh work in each stage's own step, on the critical
+path; an upper bound on the planned run's wall time).
 
 Report: for each family, its best learning rate (lowest final validation loss, mean over seeds; flagged
 when it lies at an edge of the sweep), and on the seed-mean curve at that lr the steps and train wall time
@@ -31,8 +34,8 @@ when it lies at an edge of the sweep), and on the seed-mean curve at that lr the
 tables and one JSON line; saves validation loss against wall time as PNG.
 
     python benchmarks/preconditioner_convergence.py [--model tinybert|gpt2] [--steps 250] [--batch-size 128]
-        [--seeds 2] [--lrs-per-family 3] [--families AdamW K-FAC Shampoo SOAP] [--center-lr K-FAC=0.01]
-        [--png out/preconditioner_convergence.png]
+        [--seeds 2] [--lrs-per-family 3] [--families AdamW K-FAC Shampoo SOAP Muon] [--center-lr K-FAC=0.01]
+        [--unplanned Muon] [--png out/preconditioner_convergence.png]
 
 Wall times on a shared machine are noisy; the ratios compare runs interleaved in the same launch.
 """
@@ -123,33 +126,56 @@ def _soap() -> Any:
     )
 
 
+def _muon(model: Model) -> Any:
+    """torch.optim.Muon's defaults (momentum 0.95, Nesterov, 5 quintic Newton-Schulz steps in bfloat16, the original
+    sqrt(max(1, rows/cols)) lr adjustment) on the hidden matrices, AdamW (betas 0.9/0.999, eps 1e-8, weight decay
+    0.01) on embeddings, the output head and vectors, as Muon prescribes. Decoupled weight decay 0.01 on the
+    matrices as on every family (torch's default is 0.1). Muon's lr is the base lr (center 0.02, Muon's practice);
+    AdamW's part steps at `adamw_lr_ratio` times it, set so that at the sweep's center it is AdamW's own center."""
+    from fxkfac.muon.config import MuonConfig
+
+    return MuonConfig(
+        weight_decay=0.01,
+        adamw_weight_decay=0.01,
+        adamw_lr_ratio=FAMILIES["AdamW"].center_lr[model] / FAMILIES["Muon"].center_lr[model],
+    )
+
+
 @dataclass(frozen=True)
 class Family:
-    """A benchmarked optimizer: its name, the middle of its learning-rate sweep (the peak lr of the warm-up/cosine
-    schedule) and its preconditioner (`make()`; None trains the plain AdamW pipeline). A family that makes the whole
-    update direction steps by plain SGD(lr) (`fxkfac.demo.RunSpec.base`)."""
+    """A benchmarked optimizer: its name, the middle of its learning-rate sweep per model (the peak lr of the
+    warm-up/cosine schedule) and its preconditioner for a model (`make(model)`; None trains the plain AdamW
+    pipeline). A family that makes the whole update direction steps by plain SGD(lr) (`fxkfac.demo.RunSpec.base`)."""
 
     name: str
-    center_lr: float
-    make: Callable[[], Any]
+    center_lr: dict[Model, float]
+    make: Callable[[Model], Any]
+
+
+def _both(tinybert: float, gpt2: float) -> dict[Model, float]:
+    return {Model.TINYBERT: tinybert, Model.GPT2: gpt2}
 
 
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
-        Family("AdamW", 8e-3, lambda: None),
-        Family("K-FAC", 1.6e-2, lambda: DEMO_KFAC),
-        Family("Shampoo", 1.6e-2, _shampoo),
-        Family("SOAP", 1.6e-2, _soap),
+        Family("AdamW", _both(8e-3, 2e-3), lambda model: None),
+        Family("K-FAC", _both(1.6e-2, 4e-3), lambda model: DEMO_KFAC),
+        Family("Shampoo", _both(1.6e-2, 4e-3), lambda model: _shampoo()),
+        Family("SOAP", _both(1.6e-2, 4e-3), lambda model: _soap()),
+        Family("Muon", _both(2e-2, 2e-2), _muon),
     )
 }
 """The families, in table order. AdamW (weight decay 0.01) is the plain pipeline; K-FAC is PipeFisher, K-FAC
-preconditioning AdamW's gradients (`DEMO_KFAC`), planned into the bubbles; Shampoo and SOAP make the whole update
-direction, their root inverses / eigenbases planned into the bubbles. Centers: AdamW's best constant lr at batch 128
-was 8e-3 (benchmarks/pipefisher_convergence.py); K-FAC preconditions AdamW's gradients, Shampoo grafts Adam's step
-length and SOAP is Adam in a rotated basis, so all share Adam's lr scale. A first sweep around 8e-3 for all (TinyBert,
-100 steps, batch 64, 2 seeds) found AdamW's best at 8e-3 inside its sweep but K-FAC's, Shampoo's and SOAP's at the
-top edge (1.6e-2), so theirs are centered one factor 2 higher."""
+preconditioning AdamW's gradients (`DEMO_KFAC`), planned into the bubbles; Shampoo, SOAP and Muon make the whole
+update direction, their root inverses / eigenbases / Newton-Schulz iterations planned into the bubbles.
+TinyBert centers: AdamW's best constant lr at batch 128 was 8e-3 (benchmarks/pipefisher_convergence.py); K-FAC
+preconditions AdamW's gradients, Shampoo grafts Adam's step length and SOAP is Adam in a rotated basis, so all share
+Adam's lr scale. A first sweep around 8e-3 for all (TinyBert, 100 steps, batch 64, 2 seeds) found AdamW's best at
+8e-3 inside its sweep but K-FAC's, Shampoo's and SOAP's at the top edge (1.6e-2), so theirs are centered one factor
+2 higher. GPT-2 centers: AdamW's best of 5e-4..8e-3 (100 steps, batch 32, 1 seed) was 2e-3 (GPT-2's 0.02-std
+initialization and tied head take a smaller lr); the Adam-scale families one factor 2 higher, as on TinyBert.
+Muon's matrices step on their own scale (an orthogonalized update), 0.02 for both."""
 STEPS = 250
 BATCH_SIZE = 128
 SEEDS = 2
@@ -159,11 +185,11 @@ EVAL_BATCHES = 4
 TARGET_RATIO = 0.6
 
 
-def family_config(family: str) -> Any:
-    """The preconditioner of a family (None: AdamW alone). Shampoo and SOAP are imported only when asked."""
+def family_config(family: str, model: Model = Model.TINYBERT) -> Any:
+    """The preconditioner of a family for `model` (None: AdamW alone); Shampoo, SOAP and Muon imported when asked."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family {family!r}; choose from {tuple(FAMILIES)}")
-    return FAMILIES[family].make()
+    return FAMILIES[family].make(model)
 
 
 def sweep(center: float, n: int) -> tuple[float, ...]:
@@ -179,7 +205,7 @@ def centers(args: argparse.Namespace) -> dict[str, float]:
         if family not in args.families or not lr:
             raise SystemExit(f"--center-lr {item!r}: expected FAMILY=LR with FAMILY one of {args.families}")
         given[family] = float(lr)
-    return {f: given.get(f, FAMILIES[f].center_lr) for f in args.families}
+    return {f: given.get(f, FAMILIES[f].center_lr[args.model]) for f in args.families}
 
 
 @dataclass(frozen=True)
@@ -199,7 +225,7 @@ def plan_path(plan_dir: Path, model: Model, family: str) -> Path:
 
 def runs(args: argparse.Namespace) -> tuple[tuple[RunSpec, ...], dict[str, Run]]:
     """Every (seed, lr index, family) run, interleaved in that order, and what each name stands for."""
-    configs = {f: family_config(f) for f in args.families}
+    configs = {f: family_config(f, args.model) for f in args.families}
     lrs = {f: sweep(c, args.lrs_per_family) for f, c in centers(args).items()}
     specs, meaning = [], {}
     for seed in range(args.seeds):
@@ -207,8 +233,8 @@ def runs(args: argparse.Namespace) -> tuple[tuple[RunSpec, ...], dict[str, Run]]
             for family in args.families:
                 lr = lrs[family][i]
                 name = f"{family} lr {lr:g} seed {seed}"
-                plan = None
-                if args.reuse_plans and configs[family] is not None:
+                plan, planned = None, family not in args.unplanned
+                if args.reuse_plans and planned and configs[family] is not None:
                     plan = str(plan_path(args.plan_dir, args.model, family))
                 specs.append(
                     RunSpec(
@@ -219,6 +245,7 @@ def runs(args: argparse.Namespace) -> tuple[tuple[RunSpec, ...], dict[str, Run]]
                         warmup_steps=args.warmup,
                         cosine=True,
                         plan=plan,
+                        planned=planned,
                     )
                 )
                 meaning[name] = Run(family, lr, seed)
@@ -336,11 +363,11 @@ def report(summary: dict[str, Any], args: argparse.Namespace, console: Console) 
         "time / AdamW at median",
         "seeds reaching",
     ):
-        table.add_column(col, justify="left" if col == "family" else "right")
+        table.add_column(col, justify="left" if col == "family" else "right", no_wrap=col == "family")
     for family, r in summary["families"].items():
         edge = f" ({r['best_lr_at_edge']} of sweep!)" if r["best_lr_at_edge"] else ""
         table.add_row(
-            family,
+            family + (" (no plan)" if family in args.unplanned else ""),
             f"{r['best_lr']:g}{edge}",
             f"{r['final_val_loss']:.4f}",
             f"{r['ms_per_step']:.1f}",
@@ -421,6 +448,13 @@ def main() -> None:
     parser.add_argument(
         "--center-lr", nargs="*", default=[], metavar="FAMILY=LR", help="another sweep center for a family"
     )
+    parser.add_argument(
+        "--unplanned",
+        nargs="*",
+        default=[],
+        choices=list(FAMILIES),
+        help="families trained without a plan (plan=None: their work in each stage's own step, on the critical path)",
+    )
     parser.add_argument("--plan-dir", type=Path, default=Path("out/preconditioner_convergence_plans"))
     parser.add_argument("--reuse-plans", action="store_true", help="load each family's plan from --plan-dir")
     parser.add_argument("--png", type=Path, default=None, help="default: out/preconditioner_convergence[_gpt2].png")
@@ -474,6 +508,7 @@ def main() -> None:
                 "seeds": args.seeds,
                 "warmup": args.warmup,
                 "families": args.families,
+                "unplanned": args.unplanned,
                 "loadavg": [load, load_after],
                 **row,
             }

@@ -20,6 +20,7 @@ from fxkfac.models import LMConfig, TinyBertConfig
 from fxkfac.planner.plan_file import parse_plan
 
 if TYPE_CHECKING:
+    from fxkfac.muon.config import MuonConfig
     from fxkfac.shampoo.config import ShampooConfig, SOAPConfig
 
 __all__ = [
@@ -59,11 +60,11 @@ class RunSpec:
     learning rate and schedule (`lr_at`), and optionally its own seed and plan file."""
 
     name: str
-    preconditioner: KFACConfig | ShampooConfig | SOAPConfig | None = None
+    preconditioner: KFACConfig | ShampooConfig | SOAPConfig | MuonConfig | None = None
     """The family's hyperparameters (`fxkfac.compile(preconditioner=...)`); None trains the plain pipeline."""
     optimizer: BaseOptimizer | None = None
     """The base optimizer (its text accepted); None: the family's own base, plain SGD for a family that makes the
-    whole update direction (Shampoo, SOAP: compile refuses anything else), AdamW otherwise (the plain pipeline;
+    whole update direction (Shampoo, SOAP, Muon: compile refuses anything else), AdamW otherwise (the plain pipeline;
     PipeFisher's K-FAC over AdamW)."""
     lr: float = 1e-3
     """Peak learning rate."""
@@ -77,6 +78,9 @@ class RunSpec:
     """A plan file for the preconditioner (refused when made for another graph, mesh or schedule); None:
     plan="auto" (profile on rank 0, CP-SAT) by the first run of this preconditioner config in the launch, and
     that Plan reused by every later run of the same config, so runs that differ in lr or seed share one plan."""
+    planned: bool = True
+    """False: no plan (`fxkfac.compile(plan=None)`), the preconditioner's work runs in each stage's own step, on the
+    critical path."""
 
     def __post_init__(self) -> None:
         if self.optimizer is not None:
@@ -87,6 +91,8 @@ class RunSpec:
                 f"run {self.name!r}: lr must be > 0 and warmup_steps >= 0, got lr={self.lr}, "
                 f"warmup_steps={self.warmup_steps}"
             )
+        if self.plan is not None and not self.planned:
+            raise ConfigError(f"run {self.name!r}: a plan file was given but planned=False; drop one of them")
 
     @property
     def base(self) -> BaseOptimizer:
@@ -271,12 +277,12 @@ def _should_stop(cfg: DemoConfig, step: int, elapsed: float) -> bool:
 def _compile_run(cfg: DemoConfig, spec: RunSpec, inputs: Any, plans: dict[str, Any]) -> Any:
     """A new model of `cfg.model` compiled for `spec` over the (pp, dp) mesh: the run's own plan, else the one planned
     for its preconditioner earlier in this launch (kept in `plans`), else plan="auto"; no plan without a
-    preconditioner."""
+    preconditioner or with `spec.planned` False."""
     import fxkfac
     from fxkfac.models import loss_of
 
     key = repr(spec.preconditioner)
-    plan = None if spec.preconditioner is None else spec.plan or plans.get(key, "auto")
+    plan = None if spec.preconditioner is None or not spec.planned else spec.plan or plans.get(key, "auto")
     trainer = fxkfac.compile(
         cfg.model.build(),
         (cfg.stages, cfg.dp),
