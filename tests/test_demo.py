@@ -74,7 +74,7 @@ def test_demo_config_refuses_a_batch_the_mesh_cannot_split() -> None:
 
 
 @pytest.mark.multiproc
-def test_runs_of_one_preconditioner_share_the_first_runs_plan() -> None:
+def test_runs_of_one_preconditioner_share_the_first_runs_plan_and_unplanned_runs_have_none() -> None:
     kfac = KFACConfig(damping=1e-2)
     cfg = replace(
         TINY,
@@ -82,11 +82,13 @@ def test_runs_of_one_preconditioner_share_the_first_runs_plan() -> None:
         runs=(
             RunSpec(name="a", lr=1e-3, preconditioner=kfac),
             RunSpec(name="b", lr=3e-3, preconditioner=kfac, seed=1, warmup_steps=1, cosine=True),
+            RunSpec(name="c", lr=1e-3, preconditioner=kfac, planned=False),
         ),
     )
-    a, b = run_demo(cfg, Console(record=True, width=120)).curves
+    a, b, c = run_demo(cfg, Console(record=True, width=120)).curves
     assert a.plan_json is not None and a.plan_json == b.plan_json
     assert a.train_losses != b.train_losses  # another seed and learning rate
+    assert c.plan_json is None and all(math.isfinite(x) for x in c.train_losses)  # K-FAC inline, no plan
 
 
 def _single_process_next_byte(cfg: DemoConfig, spec: RunSpec) -> list[float]:
@@ -147,3 +149,5 @@ def test_base_optimizer_follows_the_family_and_cosine_needs_steps() -> None:
         RunSpec(name="l", optimizer="lbfgs")  # type: ignore[arg-type]  # the wrong value is the point
     with pytest.raises(ConfigError, match="cosine"):
         DemoConfig(seconds=5.0, runs=(RunSpec(name="c", cosine=True),))
+    with pytest.raises(ConfigError, match="planned=False"):
+        RunSpec(name="p", preconditioner=KFACConfig(), plan="plan.json", planned=False)
