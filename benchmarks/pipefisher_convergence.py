@@ -146,7 +146,15 @@ Line = tuple[list[float], list[float], str, str]
 """One plotted run: wall times, validation losses, label, matplotlib linestyle."""
 
 
-def plot_losses(lines: Sequence[Line], target: float, path: Path, *, xlabel: str, title: str) -> None:
+def plot_losses(
+    lines: Sequence[Line],
+    target: float,
+    path: Path,
+    *,
+    xlabel: str,
+    title: str,
+    ylabel: str = "validation loss (masked bytes)",
+) -> None:
     """Validation loss against train wall time, one line per run, the target dotted (both convergence benchmarks)."""
     import matplotlib
 
@@ -158,7 +166,7 @@ def plot_losses(lines: Sequence[Line], target: float, path: Path, *, xlabel: str
         ax.plot(xs, ys, marker=".", label=label, linestyle=style)
     ax.axhline(target, color="gray", linewidth=0.8, linestyle=":", label=f"target {target:.3f}")
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("validation loss (masked bytes)")
+    ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend()
     ax.grid(alpha=0.3)

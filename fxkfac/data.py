@@ -1,6 +1,6 @@
 """A real, deterministic text corpus that ships with Python: the CPython standard library's source.
 
-Byte-level tokens (0..255) plus a [MASK] token; masked-language-model batches with a fixed
+Byte-level tokens (0..255) plus a [MASK] token; masked-language-model or next-byte batches with a fixed
 generator, and a train/validation split by file, so every run sees the same data without downloads.
 """
 
@@ -8,15 +8,36 @@ from __future__ import annotations
 
 import sysconfig
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 import torch
 
-__all__ = ["MASK_TOKEN", "VOCAB_SIZE", "IGNORE_INDEX", "stdlib_corpus", "MaskedLMData"]
+__all__ = [
+    "MASK_TOKEN",
+    "VOCAB_SIZE",
+    "BYTE_VOCAB_SIZE",
+    "IGNORE_INDEX",
+    "Objective",
+    "stdlib_corpus",
+    "MaskedLMData",
+    "NextByteData",
+    "lm_data",
+]
 
 MASK_TOKEN = 256
 VOCAB_SIZE = 257
+"""The masked LM's vocabulary: the 256 byte values and [MASK]."""
+BYTE_VOCAB_SIZE = 256
+"""The next-byte LM's vocabulary: the byte values alone."""
 IGNORE_INDEX = -100
+
+
+class Objective(StrEnum):
+    """What a language model learns from the byte corpus: masked bytes (BERT-style) or the next byte (causal)."""
+
+    MASKED = "masked"
+    NEXT_BYTE = "next-byte"
 
 
 def stdlib_corpus(max_bytes: int = 2_000_000, *, root: str | None = None) -> tuple[bytes, bytes]:
@@ -55,3 +76,30 @@ class MaskedLMData:
         inputs = windows.masked_fill(masked, MASK_TOKEN)
         targets = windows.masked_fill(~masked, IGNORE_INDEX)
         return inputs, targets
+
+
+@dataclass
+class NextByteData:
+    """Fixed-length windows of a byte corpus for a causal LM: each window's bytes, and as targets the same bytes one
+    on (every position predicts the byte after it)."""
+
+    data: bytes
+    seq_len: int = 64
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self._tokens = torch.frombuffer(bytearray(self.data), dtype=torch.uint8).long()
+        self._gen = torch.Generator().manual_seed(self.seed)
+
+    def batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A random batch: (input ids, next-byte targets), both [batch_size, seq_len]."""
+        starts = torch.randint(0, len(self._tokens) - self.seq_len, (batch_size,), generator=self._gen)
+        windows = torch.stack([self._tokens[s : s + self.seq_len + 1] for s in starts.tolist()])
+        return windows[:, :-1], windows[:, 1:]
+
+
+def lm_data(objective: Objective, data: bytes, *, seq_len: int, seed: int) -> MaskedLMData | NextByteData:
+    """The batches of `objective` over `data`."""
+    if objective is Objective.MASKED:
+        return MaskedLMData(data, seq_len=seq_len, seed=seed)
+    return NextByteData(data, seq_len=seq_len, seed=seed)

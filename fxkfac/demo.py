@@ -16,10 +16,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions, member_of
 from fxkfac.errors import ConfigError
 from fxkfac.launch import RankContext, launch
-from fxkfac.models import TinyBertConfig
+from fxkfac.models import LMConfig, TinyBertConfig
 from fxkfac.planner.plan_file import parse_plan
 
 if TYPE_CHECKING:
+    from fxkfac.muon.config import MuonConfig
     from fxkfac.shampoo.config import ShampooConfig, SOAPConfig
 
 __all__ = [
@@ -59,11 +60,11 @@ class RunSpec:
     learning rate and schedule (`lr_at`), and optionally its own seed and plan file."""
 
     name: str
-    preconditioner: KFACConfig | ShampooConfig | SOAPConfig | None = None
+    preconditioner: KFACConfig | ShampooConfig | SOAPConfig | MuonConfig | None = None
     """The family's hyperparameters (`fxkfac.compile(preconditioner=...)`); None trains the plain pipeline."""
     optimizer: BaseOptimizer | None = None
     """The base optimizer (its text accepted); None: the family's own base, plain SGD for a family that makes the
-    whole update direction (Shampoo, SOAP: compile refuses anything else), AdamW otherwise (the plain pipeline;
+    whole update direction (Shampoo, SOAP, Muon: compile refuses anything else), AdamW otherwise (the plain pipeline;
     PipeFisher's K-FAC over AdamW)."""
     lr: float = 1e-3
     """Peak learning rate."""
@@ -77,6 +78,9 @@ class RunSpec:
     """A plan file for the preconditioner (refused when made for another graph, mesh or schedule); None:
     plan="auto" (profile on rank 0, CP-SAT) by the first run of this preconditioner config in the launch, and
     that Plan reused by every later run of the same config, so runs that differ in lr or seed share one plan."""
+    planned: bool = True
+    """False: no plan (`fxkfac.compile(plan=None)`), the preconditioner's work runs in each stage's own step, on the
+    critical path."""
 
     def __post_init__(self) -> None:
         if self.optimizer is not None:
@@ -87,6 +91,8 @@ class RunSpec:
                 f"run {self.name!r}: lr must be > 0 and warmup_steps >= 0, got lr={self.lr}, "
                 f"warmup_steps={self.warmup_steps}"
             )
+        if self.plan is not None and not self.planned:
+            raise ConfigError(f"run {self.name!r}: a plan file was given but planned=False; drop one of them")
 
     @property
     def base(self) -> BaseOptimizer:
@@ -145,12 +151,13 @@ class DemoConfig:
     batch_size: int = 128
     """Global mini-batch (sequences); divisible by N * W."""
     seq_len: int = 64
-    model: TinyBertConfig = field(default_factory=lambda: TinyBertConfig(max_len=64))
+    model: LMConfig = field(default_factory=lambda: TinyBertConfig(max_len=64))
+    """The model and so the task: TinyBert's masked bytes (the default) or GPT-2's next byte (`ByteGPT2Config`)."""
     corpus_bytes: int = 2_000_000
     eval_every: int = 25
     """Validation loss every this many steps (and after the last)."""
     eval_batches: int = 4
-    """Validation batches of `batch_size` sequences (fixed masks), the same for every run."""
+    """Validation batches of `batch_size` sequences (fixed windows and masks), the same for every run."""
     seed: int = 0
     plan_time_limit_s: float = 10.0
     plan_max_overhead: float | None = None
@@ -241,11 +248,11 @@ def reach(curve: Curve, target: float) -> tuple[int, float] | None:
 
 
 def _validation(cfg: DemoConfig) -> list[tuple[Any, Any]]:
-    """The fixed validation batches (the corpus' held-out files, fixed masks)."""
-    from fxkfac.data import MaskedLMData, stdlib_corpus
+    """The fixed validation batches (the corpus' held-out files, fixed windows and masks)."""
+    from fxkfac.data import lm_data, stdlib_corpus
 
     _, val = stdlib_corpus(cfg.corpus_bytes)
-    data = MaskedLMData(val, seq_len=cfg.seq_len, seed=10_000 + cfg.seed)
+    data = lm_data(cfg.model.objective, val, seq_len=cfg.seq_len, seed=10_000 + cfg.seed)
     return [data.batch(cfg.batch_size) for _ in range(cfg.eval_batches)]
 
 
@@ -268,19 +275,20 @@ def _should_stop(cfg: DemoConfig, step: int, elapsed: float) -> bool:
 
 
 def _compile_run(cfg: DemoConfig, spec: RunSpec, inputs: Any, plans: dict[str, Any]) -> Any:
-    """A new TinyBertMLM compiled for `spec` over the (pp, dp) mesh: the run's own plan, else the one planned for its
-    preconditioner earlier in this launch (kept in `plans`), else plan="auto"; no plan without a preconditioner."""
+    """A new model of `cfg.model` compiled for `spec` over the (pp, dp) mesh: the run's own plan, else the one planned
+    for its preconditioner earlier in this launch (kept in `plans`), else plan="auto"; no plan without a
+    preconditioner or with `spec.planned` False."""
     import fxkfac
-    from fxkfac.models import TinyBertMLM, mlm_loss
+    from fxkfac.models import loss_of
 
     key = repr(spec.preconditioner)
-    plan = None if spec.preconditioner is None else spec.plan or plans.get(key, "auto")
+    plan = None if spec.preconditioner is None or not spec.planned else spec.plan or plans.get(key, "auto")
     trainer = fxkfac.compile(
-        TinyBertMLM(cfg.model),
+        cfg.model.build(),
         (cfg.stages, cfg.dp),
         plan,
         example_inputs=(inputs,),
-        loss_fn=mlm_loss,
+        loss_fn=loss_of(cfg.model.objective),
         optimizer=spec.make_optimizer(),
         preconditioner=spec.preconditioner,
         schedule=cfg.schedule,
@@ -301,11 +309,11 @@ def _train_run(
     `plans` holds the Plan of each preconditioner config planned so far in this launch (see `RunSpec.plan`)."""
     import torch
 
-    from fxkfac.data import MaskedLMData, stdlib_corpus
+    from fxkfac.data import lm_data, stdlib_corpus
 
     seed = cfg.seed if spec.seed is None else spec.seed
     train, _ = stdlib_corpus(cfg.corpus_bytes)
-    data = MaskedLMData(train, seq_len=cfg.seq_len, seed=seed)
+    data = lm_data(cfg.model.objective, train, seq_len=cfg.seq_len, seed=seed)
     torch.manual_seed(seed)
     inputs, targets = data.batch(cfg.batch_size)
     trainer = _compile_run(cfg, spec, inputs, plans)

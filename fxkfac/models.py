@@ -1,16 +1,27 @@
-"""The embedded default model: a small BERT-style masked language model in plain PyTorch."""
+"""The embedded models: the default, a small BERT-style masked language model in plain PyTorch, and a small GPT-2
+(Hugging Face, from a config) for next-byte prediction."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from fxkfac.data import IGNORE_INDEX, VOCAB_SIZE
+from fxkfac.data import BYTE_VOCAB_SIZE, IGNORE_INDEX, VOCAB_SIZE, Objective
 
-__all__ = ["TinyBertConfig", "TinyBertMLM", "mlm_loss"]
+__all__ = [
+    "TinyBertConfig",
+    "TinyBertMLM",
+    "ByteGPT2Config",
+    "LMConfig",
+    "mlm_loss",
+    "next_byte_loss",
+    "loss_of",
+]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -26,6 +37,52 @@ class TinyBertConfig:
     pre_norm: bool = True
     """LayerNorm before attention and FFN (GPT-2 style; trains without the long plateau of post-LN at this
     size) or after the residual sums, as in the original BERT."""
+
+    objective: ClassVar[Objective] = Objective.MASKED
+
+    def build(self) -> TinyBertMLM:
+        """A freshly initialized model (from torch's global generator)."""
+        return TinyBertMLM(self)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ByteGPT2Config:
+    """Sizes of a GPT-2 over the 256 byte values for next-byte prediction: Hugging Face's GPT2LMHeadModel built
+    from a GPT2Config (no weights downloaded), its output head tied to the token embedding as GPT-2's, dropout off
+    (as the MLM's, so that runs differ only by optimizer), no key/value cache."""
+
+    hidden: int = 64
+    heads: int = 4
+    ffn: int = 256
+    layers: int = 4
+    max_len: int = 128
+
+    objective: ClassVar[Objective] = Objective.NEXT_BYTE
+
+    def build(self) -> nn.Module:
+        """A freshly initialized GPT2LMHeadModel (from torch's global generator); it returns a ModelOutput whose
+        `logits` `next_byte_loss` reads."""
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            vocab_size=BYTE_VOCAB_SIZE,
+            n_embd=self.hidden,
+            n_head=self.heads,
+            n_inner=self.ffn,
+            n_layer=self.layers,
+            n_positions=self.max_len,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            use_cache=False,
+            bos_token_id=0,
+            eos_token_id=0,
+        )
+        return GPT2LMHeadModel(config)
+
+
+LMConfig = TinyBertConfig | ByteGPT2Config
+"""An embedded model's sizes; its `objective` says which batches (fxkfac.data.lm_data) and loss (`loss_of`) it takes."""
 
 
 class _Block(nn.Module):
@@ -84,3 +141,13 @@ class TinyBertMLM(nn.Module):
 def mlm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over the masked positions (IGNORE_INDEX elsewhere)."""
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX)
+
+
+def next_byte_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of a Hugging Face causal LM's `logits` against the next bytes, over every position."""
+    return F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+
+
+def loss_of(objective: Objective) -> Callable[[Any, torch.Tensor], torch.Tensor]:
+    """The loss of the models trained for `objective`."""
+    return mlm_loss if objective is Objective.MASKED else next_byte_loss

@@ -6,14 +6,16 @@ import math
 from dataclasses import replace
 
 import pytest
+import torch
 from rich.console import Console
 
 from fxkfac.cli_demo import render_result
 from fxkfac.config import KFACConfig
+from fxkfac.data import NextByteData, stdlib_corpus
 from fxkfac.demo import BaseOptimizer, DemoConfig, RunSpec, lr_at, run_demo
 from fxkfac.errors import ConfigError, PipelineError
 from fxkfac.launch import RankContext, launch
-from fxkfac.models import TinyBertConfig
+from fxkfac.models import ByteGPT2Config, TinyBertConfig, next_byte_loss
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.plan_file import parse_plan
 
@@ -72,7 +74,7 @@ def test_demo_config_refuses_a_batch_the_mesh_cannot_split() -> None:
 
 
 @pytest.mark.multiproc
-def test_runs_of_one_preconditioner_share_the_first_runs_plan() -> None:
+def test_runs_of_one_preconditioner_share_the_first_runs_plan_and_unplanned_runs_have_none() -> None:
     kfac = KFACConfig(damping=1e-2)
     cfg = replace(
         TINY,
@@ -80,11 +82,54 @@ def test_runs_of_one_preconditioner_share_the_first_runs_plan() -> None:
         runs=(
             RunSpec(name="a", lr=1e-3, preconditioner=kfac),
             RunSpec(name="b", lr=3e-3, preconditioner=kfac, seed=1, warmup_steps=1, cosine=True),
+            RunSpec(name="c", lr=1e-3, preconditioner=kfac, planned=False),
         ),
     )
-    a, b = run_demo(cfg, Console(record=True, width=120)).curves
+    a, b, c = run_demo(cfg, Console(record=True, width=120)).curves
     assert a.plan_json is not None and a.plan_json == b.plan_json
     assert a.train_losses != b.train_losses  # another seed and learning rate
+    assert c.plan_json is None and all(math.isfinite(x) for x in c.train_losses)  # K-FAC inline, no plan
+
+
+def _single_process_next_byte(cfg: DemoConfig, spec: RunSpec) -> list[float]:
+    """The run trained on one process in plain PyTorch: its validation losses before and after each step."""
+    train, val = stdlib_corpus(cfg.corpus_bytes)
+    held_out = NextByteData(val, seq_len=cfg.seq_len, seed=10_000 + cfg.seed)
+    val_batches = [held_out.batch(cfg.batch_size) for _ in range(cfg.eval_batches)]
+    data = NextByteData(train, seq_len=cfg.seq_len, seed=cfg.seed)
+    torch.manual_seed(cfg.seed)
+    model = cfg.model.build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.01)
+
+    def validation() -> float:
+        with torch.no_grad():
+            return sum(next_byte_loss(model(x), y).item() for x, y in val_batches) / len(val_batches)
+
+    losses = [validation()]
+    for step in range(cfg.steps):
+        x, y = data.batch(cfg.batch_size)
+        optimizer.param_groups[0]["lr"] = spec.lr_at(step, cfg.steps)
+        optimizer.zero_grad()
+        next_byte_loss(model(x), y).backward()
+        optimizer.step()
+        losses.append(validation())
+    return losses
+
+
+@pytest.mark.multiproc
+def test_gpt2_next_byte_run_equals_single_process_training() -> None:
+    spec = RunSpec(name="AdamW", lr=3e-3, warmup_steps=1, cosine=True)
+    cfg = replace(
+        TINY,
+        steps=2,
+        eval_every=1,
+        model=ByteGPT2Config(hidden=32, heads=2, ffn=64, layers=2, max_len=16),
+        runs=(spec,),
+    )
+    (curve,) = run_demo(cfg, Console(record=True, width=120)).curves
+    reference = _single_process_next_byte(cfg, spec)
+    assert reference[-1] < reference[0]  # it learns
+    assert [v for _, _, v in curve.points] == pytest.approx(reference, rel=1e-5, abs=1e-5)
 
 
 def test_lr_at_warms_up_linearly_then_decays_by_cosine_to_zero() -> None:
@@ -104,3 +149,5 @@ def test_base_optimizer_follows_the_family_and_cosine_needs_steps() -> None:
         RunSpec(name="l", optimizer="lbfgs")  # type: ignore[arg-type]  # the wrong value is the point
     with pytest.raises(ConfigError, match="cosine"):
         DemoConfig(seconds=5.0, runs=(RunSpec(name="c", cosine=True),))
+    with pytest.raises(ConfigError, match="planned=False"):
+        RunSpec(name="p", preconditioner=KFACConfig(), plan="plan.json", planned=False)
