@@ -69,8 +69,7 @@ class MaskedLMData:
 
     def batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A random batch: (input ids with masks, targets with IGNORE_INDEX where not masked)."""
-        starts = torch.randint(0, len(self._tokens) - self.seq_len, (batch_size,), generator=self._gen)
-        windows = torch.stack([self._tokens[s : s + self.seq_len] for s in starts.tolist()])
+        windows = _windows(self._tokens, self._gen, self.seq_len, batch_size)
         masked = torch.rand(windows.shape, generator=self._gen) < self.mask_prob
         masked[:, 0] |= ~masked.any(dim=1)  # every row predicts at least one token
         inputs = windows.masked_fill(masked, MASK_TOKEN)
@@ -93,9 +92,15 @@ class NextByteData:
 
     def batch(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A random batch: (input ids, next-byte targets), both [batch_size, seq_len]."""
-        starts = torch.randint(0, len(self._tokens) - self.seq_len, (batch_size,), generator=self._gen)
-        windows = torch.stack([self._tokens[s : s + self.seq_len + 1] for s in starts.tolist()])
+        windows = _windows(self._tokens, self._gen, self.seq_len, batch_size, extra=1)
         return windows[:, :-1], windows[:, 1:]
+
+
+def _windows(tokens: torch.Tensor, gen: torch.Generator, seq_len: int, batch_size: int, extra: int = 0) -> torch.Tensor:
+    """`batch_size` windows of `seq_len + extra` tokens at starts drawn from `gen` below `len(tokens) - seq_len`:
+    [batch_size, seq_len + extra]."""
+    starts = torch.randint(0, len(tokens) - seq_len, (batch_size,), generator=gen)
+    return torch.stack([tokens[s : s + seq_len + extra] for s in starts.tolist()])
 
 
 def lm_data(objective: Objective, data: bytes, *, seq_len: int, seed: int) -> MaskedLMData | NextByteData:

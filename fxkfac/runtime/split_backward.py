@@ -17,7 +17,7 @@ are compiled, which torch's own zero-bubble schedules refuse.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -201,25 +201,23 @@ def _impure(node: fx.Node) -> bool:
 
 def _ancestors(roots: Sequence[fx.Node]) -> set[fx.Node]:
     """`roots` and every node they read, transitively."""
-    seen: set[fx.Node] = set()
-    stack = list(roots)
-    while stack:
-        node = stack.pop()
-        if node not in seen:
-            seen.add(node)
-            stack.extend(node.all_input_nodes)
-    return seen
+    return _closure(roots, lambda node: node.all_input_nodes)
 
 
 def _descendants(roots: Sequence[fx.Node]) -> set[fx.Node]:
     """`roots` and every node that reads them, transitively."""
+    return _closure(roots, lambda node: node.users)
+
+
+def _closure(roots: Sequence[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]]) -> set[fx.Node]:
+    """`roots` and every node `step` reaches from them, transitively."""
     seen: set[fx.Node] = set()
     stack = list(roots)
     while stack:
         node = stack.pop()
         if node not in seen:
             seen.add(node)
-            stack.extend(node.users)
+            stack.extend(step(node))
     return seen
 
 
