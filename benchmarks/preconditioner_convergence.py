@@ -24,7 +24,7 @@ Plans are deterministic within a launch: plan="auto" (the ranks profile, CP-SAT)
 its first run, and that same Plan is reused by every later run of the family (`fxkfac.demo.RunSpec.plan`).
 The plans are written to `--plan-dir` (one file per model and family); `--reuse-plans` loads them from there
 instead of planning, so a second invocation repeats the first one's plans exactly. `--unplanned FAMILY...`
-(default `UNPLANNED`) trains those families without a plan (plan=None: their per-step and refresh work in each
+(default none) trains those families without a plan (plan=None: their per-step and refresh work in each
 stage's own step, on the critical path, as torch.optim.Muon in a pipeline would run).
 
 Report: for each family, its best learning rate (lowest final validation loss, mean over seeds; flagged
@@ -176,9 +176,6 @@ Adam's lr scale. A first sweep around 8e-3 for all (TinyBert, 100 steps, batch 6
 2 higher. GPT-2 centers: AdamW's best of 5e-4..8e-3 (100 steps, batch 32, 1 seed) was 2e-3 (GPT-2's 0.02-std
 initialization and tied head take a smaller lr); the Adam-scale families one factor 2 higher, as on TinyBert.
 Muon's matrices step on their own scale (an orthogonalized update), 0.02 for both."""
-UNPLANNED = ("Muon",)
-"""Families trained without a plan by default: plan="auto" does not yet place Muon's layers, which have no parts
-(planner/cpsat.py's break_layer_symmetry and planner/assemble.py index them by their first part)."""
 STEPS = 250
 BATCH_SIZE = 128
 SEEDS = 2
@@ -454,10 +451,10 @@ def main() -> None:
     parser.add_argument(
         "--unplanned",
         nargs="*",
-        default=list(UNPLANNED),
+        default=[],
         choices=list(FAMILIES),
         help="families trained without a plan (plan=None: their work in each stage's own step, on the critical "
-        f"path); default {' '.join(UNPLANNED)}; `--unplanned` alone plans every family",
+        "path); by default every family is planned",
     )
     parser.add_argument("--plan-dir", type=Path, default=Path("out/preconditioner_convergence_plans"))
     parser.add_argument("--reuse-plans", action="store_true", help="load each family's plan from --plan-dir")
