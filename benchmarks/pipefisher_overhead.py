@@ -350,6 +350,27 @@ def _fmt_ranks(values: Mapping[Any, float]) -> str:
     return ", ".join(f"{values[k]:.2f}" for k in sorted(values, key=int))
 
 
+def print_time_split(console: Any, row: dict[str, Any], kinds: tuple[str, ...]) -> None:
+    """The table of where each variant's step time goes (ms per step and rank, `row["kind_s"]`) and the machine's
+    load before/after timing (`row["loadavg"]`), as the per-family overhead benchmarks print them."""
+    from rich.table import Table
+
+    where = Table(title="where a step's time goes, ms per step and rank (measured)")
+    where.add_column("variant / rank")
+    for k in kinds:
+        where.add_column(k)
+    for v, per_rank in row["kind_s"].items():
+        for r, secs in sorted(per_rank.items(), key=lambda item: int(item[0])):
+            where.add_row(f"{v} r{r}", *(f"{secs.get(k, 0) * 1e3:.1f}" for k in kinds))
+    console.print(where)
+    (l1, _, _), (l2, _, _) = row["loadavg"]
+    console.print(
+        f"machine load (1-min average) before/after timing: {l1:.1f} / {l2:.1f} on {os.cpu_count()} cores "
+        "(the benchmark itself keeps 2 busy)",
+        markup=False,
+    )
+
+
 def _noise(rounds: list[float]) -> float:
     """How far a variant's rounds spread: half of max - min, over their median."""
     return (max(rounds) - min(rounds)) / 2 / statistics.median(rounds)

@@ -49,6 +49,7 @@ from pipefisher_overhead import (
     _model,
     _planned,
     add_run_arguments,
+    print_time_split,
     spawn_and_report,
 )
 from preconditioner_convergence import family_config
@@ -198,20 +199,7 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
         )
     console.print(table)
     kinds = ("FWD", "BWD", "STATS", "DECOMP", "APPLY", "OPT_STEP", "RECV_ACT", "RECV_GRAD", "BCAST")
-    where = Table(title="where a step's time goes, ms per step and rank (measured)")
-    where.add_column("variant / rank")
-    for k in kinds:
-        where.add_column(k)
-    for v, per_rank in row["kind_s"].items():
-        for r, secs in sorted(per_rank.items(), key=lambda item: int(item[0])):
-            where.add_row(f"{v} r{r}", *(f"{secs.get(k, 0) * 1e3:.1f}" for k in kinds))
-    console.print(where)
-    (l1, _, _), (l2, _, _) = row["loadavg"]
-    console.print(
-        f"machine load (1-min average) before/after timing: {l1:.1f} / {l2:.1f} on {os.cpu_count()} cores "
-        "(the benchmark itself keeps 2 busy)",
-        markup=False,
-    )
+    print_time_split(console, row, kinds)
     for family in args.families:
         r = row["ratio_to_plain"]
         b, c, u = r[f"{family} in bubbles"], r[f"{family} critical"], r[f"{family} unstreamed"]
