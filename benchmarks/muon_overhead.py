@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -36,14 +35,14 @@ import torch.distributed as dist
 from pipefisher_overhead import (
     BUSY,
     D,
-    _block,
     _fmt_ranks,
-    _gather,
     _kind_seconds,
     _model,
     add_run_arguments,
+    init_worker,
     print_time_split,
     spawn_and_report,
+    timed_rounds,
 )
 
 import fxkfac
@@ -98,24 +97,16 @@ def _tail_ms(events: list[Event], rank: int = 0) -> float:
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=D, timeout=timedelta(seconds=600)
-    )
+    init_worker(rank, port)
     data = MaskedLMData(stdlib_corpus()[0], seq_len=args.seq, seed=0)
     batches = [data.batch(args.batch) for _ in range(8)]
     built = time.perf_counter()
     trainers = {VARIANTS[v]: _compile(args, batches[0][0], v) for v in args.variants}
     build_s = time.perf_counter() - built
     load_before = os.getloadavg()
-    for trainer in trainers.values():
-        _block(trainer, batches, args.block * args.warmup_blocks)
-        trainer.timeline.clear()
-    times: dict[str, list[float]] = {v: [] for v in trainers}
-    for _ in range(args.rounds):
-        for v, trainer in trainers.items():
-            times[v].append(_block(trainer, batches, args.block))
-    events = {v: _gather(t.timeline.events) for v, t in trainers.items()}
+    times, events = timed_rounds(
+        trainers, batches, dict.fromkeys(trainers, args.block), args.rounds, args.warmup_blocks
+    )
     if rank == 0:
         step_s = {v: statistics.median(ts) for v, ts in times.items()}
         base = step_s.get("plain")

@@ -209,6 +209,34 @@ def _block(trainer: Trainer, batches: list[tuple[torch.Tensor, torch.Tensor]], s
     return (time.perf_counter() - start) / steps
 
 
+def timed_rounds(
+    trainers: Mapping[str, Trainer],
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    blocks: Mapping[str, int],
+    rounds: int,
+    warmup: int,
+) -> tuple[dict[str, list[float]], dict[str, list[Event]]]:
+    """Warm each variant up for `warmup` of its blocks (`blocks`: steps per block), then time `rounds` interleaved
+    rounds of one block each (seconds per step; drifting load hits every variant alike); with each variant's
+    timeline of the timed steps, gathered from every rank."""
+    for v, trainer in trainers.items():
+        _block(trainer, batches, blocks[v] * warmup)
+        trainer.timeline.clear()
+    times: dict[str, list[float]] = {v: [] for v in trainers}
+    for _ in range(rounds):
+        for v, trainer in trainers.items():
+            times[v].append(_block(trainer, batches, blocks[v]))
+    return times, {v: _gather(t.timeline.events) for v, t in trainers.items()}
+
+
+def init_worker(rank: int, port: int) -> None:
+    """One rank of a benchmark: one thread, gloo over 127.0.0.1 with the other D - 1."""
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=D, timeout=timedelta(seconds=600)
+    )
+
+
 def _gather(events: list[Event]) -> list[Event]:
     parts: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(parts, events)
@@ -272,14 +300,7 @@ def _measure(
     block: int,
 ) -> dict[str, Any]:
     """Warm up, then time interleaved rounds; gather each variant's timeline of the timed steps."""
-    for trainer in trainers.values():
-        _block(trainer, batches, block * args.warmup_periods)
-        trainer.timeline.clear()
-    times: dict[str, list[float]] = {v: [] for v in trainers}
-    for _ in range(args.rounds):
-        for v, trainer in trainers.items():
-            times[v].append(_block(trainer, batches, block))
-    events = {v: _gather(t.timeline.events) for v, t in trainers.items()}
+    times, events = timed_rounds(trainers, batches, dict.fromkeys(trainers, block), args.rounds, args.warmup_periods)
     steps = args.rounds * block
     return {
         "times": times,
@@ -291,10 +312,7 @@ def _measure(
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=D, timeout=timedelta(seconds=600)
-    )
+    init_worker(rank, port)
     batches = _batches(args, 8)
     built = time.perf_counter()
     trainers = _build(args, batches[0][0])

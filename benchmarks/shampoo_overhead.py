@@ -34,7 +34,6 @@ import math
 import os
 import statistics
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -42,15 +41,15 @@ import torch.distributed as dist
 from pipefisher_overhead import (
     BUSY,
     D,
-    _block,
     _fmt_ranks,
-    _gather,
     _kind_seconds,
     _model,
     _planned,
     add_run_arguments,
+    init_worker,
     print_time_split,
     spawn_and_report,
+    timed_rounds,
 )
 from preconditioner_convergence import family_config
 
@@ -123,10 +122,7 @@ def _block_steps(periods: list[int], least: int) -> int:
 
 
 def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=D, timeout=timedelta(seconds=600)
-    )
+    init_worker(rank, port)
     data = MaskedLMData(stdlib_corpus()[0], seq_len=args.seq, seed=0)
     batches = [data.batch(args.batch) for _ in range(8)]
     built = time.perf_counter()
@@ -135,14 +131,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
     periods = {v: _periods(t) for v, t in trainers.items()}
     blocks = {v: _block_steps(ps, args.block) for v, ps in periods.items()}
     load_before = os.getloadavg()
-    for v, trainer in trainers.items():
-        _block(trainer, batches, blocks[v] * args.warmup_blocks)
-        trainer.timeline.clear()
-    times: dict[str, list[float]] = {v: [] for v in trainers}
-    for _ in range(args.rounds):
-        for v, trainer in trainers.items():
-            times[v].append(_block(trainer, batches, blocks[v]))
-    events = {v: _gather(t.timeline.events) for v, t in trainers.items()}
+    times, events = timed_rounds(trainers, batches, blocks, args.rounds, args.warmup_blocks)
     if rank == 0:
         step_s = {v: statistics.median(ts) for v, ts in times.items()}
         planned = {v: _planned(t) for v, t in trainers.items() if v.endswith(("in bubbles", "unstreamed"))}
