@@ -2,7 +2,7 @@
 
 Prints alpha (latency per message step) and bandwidth (1 / beta) of each collective kind, fitted by
 non-negative least squares, for each of `--runs` runs and their median (the cpu preset's comm model in
-planner/hardware.py is the median of three runs at 2 ranks).
+planner/problem/hardware.py is the median of three runs at 2 ranks).
 
 Run: python benchmarks/comm_fit.py [--ranks 2] [--runs 3]
 """
@@ -13,7 +13,7 @@ import argparse
 import statistics
 
 from fxkfac.launch import RankContext, launch
-from fxkfac.planner.comm import Collective, CommModel
+from fxkfac.planner.problem.comm import Collective, CommModel
 
 
 def _measure(ctx: RankContext) -> str:

@@ -10,7 +10,7 @@ One script that runs every GPU path of fxkfac once, in under 8 minutes on one H2
    the first.
 2. profile: one Transformer block of BERT-Base and of BERT-Large (Hugging Face `BertLayer`s, sequence 128,
    micro-batches `--batch-sizes`) in PipeFisher's profile columns, written to `--out` as `<model>_<device>.json`
-   (`fxkfac.planner.profiles.block_profile_json`): forward and backward under the same autocast, timed with
+   (`fxkfac.planner.problem.profiles.block_profile_json`): forward and backward under the same autocast, timed with
    CUDA events (median of repeats after a warm-up); curvature, inversion and preconditioning of the block's six
    Linears timed by fxkfac's own profiler (`fxkfac.profiler.kfac_unit_cost`, the runtime's code paths, fp32
    factors) on the device; memory: parameters, the activations the forward saves for the backward, the
@@ -75,7 +75,7 @@ import fxkfac
 from fxkfac.config import KFACConfig, PipelineOptions
 from fxkfac.models import TinyBertConfig, TinyBertMLM, mlm_loss
 from fxkfac.passes.layers import KFACLayer, LayerKind
-from fxkfac.planner.profiles import PIPEFISHER_COLUMNS, block_profile_json
+from fxkfac.planner.problem.profiles import PIPEFISHER_COLUMNS, block_profile_json
 from fxkfac.profiler import kfac_unit_cost
 
 MIB = 1 << 20

@@ -7,7 +7,7 @@ one run (rounds interleaved, so drift in machine load hits all alike):
 (b) PipeFisher: ``plan="auto"``, every rank profiles the split model and CP-SAT places curvature and
     inversion into the pipeline's bubbles;
 (c) naive K-FAC: curvature and inversion every step, on the critical path
-    (`fxkfac.planner.lowering.naive_programs`, refresh period 1);
+    (`fxkfac.planner.problem.lowering.naive_programs`, refresh period 1);
 (d) K-FAC+skip: the naive programs, refreshing only every k steps, k = the period (b)'s plan chose
     for the layer;
 (e) where (b)'s plan streams the first stage's APPLY to another rank (docs/STREAMED_APPLY.md): the plan of (b)'s
@@ -67,9 +67,9 @@ from fxkfac.data import VOCAB_SIZE, MaskedLMData, stdlib_corpus
 from fxkfac.launch import free_port
 from fxkfac.models import TinyBertConfig, TinyBertMLM, mlm_loss
 from fxkfac.plan_view import planned_utilization, planned_view
-from fxkfac.planner.ir import LayerTiming, OpKind
-from fxkfac.planner.step_timeline import step_timeline
-from fxkfac.planner.stream_choice import StreamApply
+from fxkfac.planner.problem.ir import LayerTiming, OpKind
+from fxkfac.planner.problem.step_timeline import step_timeline
+from fxkfac.planner.search.stream_choice import StreamApply
 from fxkfac.runtime.timeline import Event, as_timeline, utilization
 from fxkfac.runtime.trainer import Trainer
 from fxkfac.show import chrome_trace

@@ -12,7 +12,7 @@ tests/data/planner_golden_problems.json (`draw` draws them anew; each is recorde
 changed problem is reported, not compared). The "ci" set (tests/planner/test_golden.py) is 30 of the random problems
 and the README snippet at a 2 s limit. Each plan is recorded as its refresh periods per stage, step time, peak memory
 per device and the deterministic time its planning spent (CP-SAT's clock, [Note: deterministic budget] in
-planner/budget.py), which repeat on any load unless the wall-clock safety net ends a search first (recorded as
+planner/search/budget.py), which repeat on any load unless the wall-clock safety net ends a search first (recorded as
 "capped": not compared). `compare` says per plan: equal, better (something better, nothing worse), "worse: plan" (a
 refresh period, the step or the plan's peak memory worse; or no plan where one was) or "worse: time" (an equal or
 better plan found in more deterministic time). Prints a rich table and one JSON line.
@@ -54,8 +54,8 @@ from fxkfac.planner import (
     TimeLimit,
 )
 from fxkfac.planner import plan as plan_search
-from fxkfac.planner.choose import strategy_of
-from fxkfac.planner.profiles import ProfileLayers, load_cost_table
+from fxkfac.planner.problem.profiles import ProfileLayers, load_cost_table
+from fxkfac.planner.search.choose import strategy_of
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"
 GOLDEN = DATA / "planner_golden.json"
@@ -284,7 +284,7 @@ def verdict(old: Outcome, new: Outcome) -> str:
     """equal, better (something better, nothing worse), "worse: plan" (a refresh period, the step or the peak memory
     worse, or no plan where one was), or "worse: time" (the plan equal or better, found in more deterministic time);
     "changed problem" where the digests differ, "capped" where the wall-clock safety net ended a search of either
-    (planner/budget.py: that plan depends on the machine's load, so it is not compared). The peak memory is the
+    (planner/search/budget.py: that plan depends on the machine's load, so it is not compared). The peak memory is the
     plan's, the most of any device (`planner.plan.rank`'s): a plan may hold more on one device and less on another."""
     if old.get("digest", "") != new.get("digest", ""):
         return "changed problem"

@@ -13,7 +13,7 @@ Which pairs are compared, and why:
   against COMM-OPT at the same refresh is the strategy's own cost: who inverts, who preconditions, what is
   broadcast. hybrid:0.5 is MEM-OPT at W = 2 (one grad worker) and appears only in the W = 4 check.
 - **planned** (plan="auto"): the same three forced, and ``auto`` (strategy None: CP-SAT chooses each
-  layer's KAISA distribution with the placement, DP-KFAC never; planner/joint.py, planner/choose.py). All
+  layer's KAISA distribution with the placement, DP-KFAC never; planner/search/joint.py, planner/search/choose.py). All
   plan over one cost table (profiled once, by the first planned compile, then passed as
   `PlanOptions.costs`) with the same `--max-overhead` (a pure-DP step has no bubbles: the refresh work goes
   into time appended to the step), and ``auto`` gets the forced runs' time limit once per whole-strategy
@@ -60,11 +60,11 @@ from torch import Tensor
 import fxkfac
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.launch import free_port
-from fxkfac.planner.choose import candidate_problems, strategy_of
-from fxkfac.planner.ir import OpKind
-from fxkfac.planner.preconditioners import InverseMethod
-from fxkfac.planner.problem import copies_of_stage, stages_on_device
-from fxkfac.planner.strategy import holding
+from fxkfac.planner.problem.ir import OpKind
+from fxkfac.planner.problem.preconditioners import InverseMethod
+from fxkfac.planner.problem.problem import copies_of_stage, stages_on_device
+from fxkfac.planner.problem.strategy import holding
+from fxkfac.planner.search.choose import candidate_problems, strategy_of
 from fxkfac.runtime.trainer import Trainer
 
 __all__ = ["main"]

@@ -30,7 +30,7 @@ _LAZY = {
     "MuonConfig": ("fxkfac.muon.config", "MuonConfig"),
     "PipelineOptions": ("fxkfac.config", "PipelineOptions"),
     "PlanOptions": ("fxkfac.config", "PlanOptions"),
-    "Plan": ("fxkfac.planner.plan", "Plan"),
+    "Plan": ("fxkfac.planner.plan.plan", "Plan"),
     "errors": ("fxkfac.errors", None),
 }
 

@@ -32,11 +32,11 @@ from fxkfac.planner import (
     read_plan,
 )
 from fxkfac.planner import plan as plan_search
-from fxkfac.planner.costs import median_of
-from fxkfac.planner.preconditioners import words_of
-from fxkfac.planner.profiles import load_cost_table
-from fxkfac.planner.schedule_choice import ScheduleCandidate, choose_schedule, schedule_candidates
-from fxkfac.planner.stream_choice import StreamApply
+from fxkfac.planner.problem.costs import median_of
+from fxkfac.planner.problem.preconditioners import words_of
+from fxkfac.planner.problem.profiles import load_cost_table
+from fxkfac.planner.search.schedule_choice import ScheduleCandidate, choose_schedule, schedule_candidates
+from fxkfac.planner.search.stream_choice import StreamApply
 
 __all__ = [
     "Target",
@@ -176,7 +176,7 @@ def solve_for(
 
     With `options.max_overhead` None the bubbles are tried alone first; when they cannot hold the work, the
     least max_overhead the planner found to place it is used (its refusal names that value), and logged.
-    `options.strategy` forces a distribution strategy; None lets the planner choose (planner/choose.py).
+    `options.strategy` forces a distribution strategy; None lets the planner choose (planner/search/choose.py).
     `progress` observes the solver (`SolverConfig.progress`). The stages `checkpointing` names recompute their
     forward; under AUTO the planner chooses them for the memory budget (`planner.recompute.choose_recompute`).
     """

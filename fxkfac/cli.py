@@ -27,11 +27,11 @@ from fxkfac.cli_plan import run_plan
 from fxkfac.cli_schedule import AUTO_SCHEDULE
 from fxkfac.cli_show import run_show
 from fxkfac.config import ActivationCheckpointing, KLClipScope
-from fxkfac.planner.errors import PlannerError
-from fxkfac.planner.preconditioners import PreconditionerKind
-from fxkfac.planner.profiles import ProfileLayers
-from fxkfac.planner.schedules import ScheduleKind
-from fxkfac.planner.stream_choice import StreamApply
+from fxkfac.planner.problem.errors import PlannerError
+from fxkfac.planner.problem.preconditioners import PreconditionerKind
+from fxkfac.planner.problem.profiles import ProfileLayers
+from fxkfac.planner.problem.schedules import ScheduleKind
+from fxkfac.planner.search.stream_choice import StreamApply
 
 __all__ = ["main", "build_parser"]
 

@@ -9,10 +9,10 @@ from enum import StrEnum
 from typing import Literal
 
 from fxkfac.config import ActivationCheckpointing, CheckpointMode
-from fxkfac.planner.errors import ConfigError, PlannerError
-from fxkfac.planner.preconditioners import PreconditionerKind
-from fxkfac.planner.schedules import num_stages, validate_schedule_args
-from fxkfac.planner.strategy import Strategy, parse_strategy
+from fxkfac.planner.problem.errors import ConfigError, PlannerError
+from fxkfac.planner.problem.preconditioners import PreconditionerKind
+from fxkfac.planner.problem.schedules import num_stages, validate_schedule_args
+from fxkfac.planner.problem.strategy import Strategy, parse_strategy
 
 AUTO: Literal["auto"] = "auto"
 """--max-preconditioner-dim auto: the planner chooses the block side (planner.block_size.choose_block_size)."""

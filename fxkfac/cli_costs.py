@@ -6,9 +6,9 @@ import argparse
 
 from fxkfac.cli_args import AUTO, CliError, device, kind, micro_batch_size
 from fxkfac.cli_targets import factory, is_factory
-from fxkfac.planner.costs import CostTable
-from fxkfac.planner.preconditioners import WORDS, PreconditionerKind, kind_of
-from fxkfac.planner.profiles import ProfileLayers, is_profile, load_cost_table
+from fxkfac.planner.problem.costs import CostTable
+from fxkfac.planner.problem.preconditioners import WORDS, PreconditionerKind, kind_of
+from fxkfac.planner.problem.profiles import ProfileLayers, is_profile, load_cost_table
 
 
 def stage_blocks(target: str, blocks: int, D: int, S: int) -> list[int]:
@@ -57,15 +57,15 @@ def cost_table(args: argparse.Namespace, S: int, max_dim: int | None = None) -> 
     elif is_factory(args.target):
         table = factory(args, S).costs
     elif family is PreconditionerKind.KFAC:
-        from fxkfac.planner.analytic import analytic_cost_table
+        from fxkfac.planner.problem.analytic import analytic_cost_table
 
         table = analytic_cost_table(args.target, S, micro_batch_size(args), args.seq_len, device(args))
     elif family is PreconditionerKind.MUON:
-        from fxkfac.planner.muon_costs import muon_cost_table
+        from fxkfac.planner.problem.muon_costs import muon_cost_table
 
         table = muon_cost_table(args.target, S, micro_batch_size(args), args.seq_len, device(args))
     else:
-        from fxkfac.planner.shampoo_costs import gradient_cost_table
+        from fxkfac.planner.problem.shampoo_costs import gradient_cost_table
 
         side = max_dim if args.max_preconditioner_dim == AUTO else args.max_preconditioner_dim
         table = gradient_cost_table(
@@ -77,7 +77,7 @@ def cost_table(args: argparse.Namespace, S: int, max_dim: int | None = None) -> 
 
 
 def _blocks(target: str) -> int:
-    from fxkfac.planner.presets import preset
+    from fxkfac.planner.problem.presets import preset
 
     return len(preset(target).blocks)
 

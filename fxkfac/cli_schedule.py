@@ -10,7 +10,12 @@ from rich.table import Table
 from fxkfac.cli_args import CliError, check_schedule
 from fxkfac.planner import ConfigError, Problem
 from fxkfac.planner import plan as plan_search
-from fxkfac.planner.schedule_choice import ScheduleCandidate, ScheduleChoice, choose_schedule, schedule_candidates
+from fxkfac.planner.search.schedule_choice import (
+    ScheduleCandidate,
+    ScheduleChoice,
+    choose_schedule,
+    schedule_candidates,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Callable

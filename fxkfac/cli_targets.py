@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fxkfac.cli_args import CliError, device
-from fxkfac.planner.costs import CostTable
-from fxkfac.planner.errors import ConfigError
+from fxkfac.planner.problem.costs import CostTable
+from fxkfac.planner.problem.errors import ConfigError
 
 
 def is_factory(target: str) -> bool:
@@ -68,9 +68,9 @@ def _prepared(capture: _Capture, S: int) -> Factory:
     from fxkfac.compile_api import prepare
     from fxkfac.config import KFACConfig
     from fxkfac.families import family_of
-    from fxkfac.planner.analytic import analytic_cost_table
-    from fxkfac.planner.presets import model_spec_from_layers
-    from fxkfac.planner.schedules import ScheduleKind
+    from fxkfac.planner.problem.analytic import analytic_cost_table
+    from fxkfac.planner.problem.presets import model_spec_from_layers
+    from fxkfac.planner.problem.schedules import ScheduleKind
 
     target, N, W = capture.target, capture.microbatches, capture.dp
     if not isinstance(model, nn.Module):

@@ -27,16 +27,16 @@ from fxkfac.errors import ConfigError
 from fxkfac.families import family_of
 from fxkfac.fingerprint import graph_fingerprint
 from fxkfac.passes.split_stages import SplitResult, split_stages
-from fxkfac.planner.costs import CostTable, PreconditionerKind
-from fxkfac.planner.ir import LayerTiming, Programs
-from fxkfac.planner.lowering import naive_programs, ranks_of_stages
-from fxkfac.planner.plan import Plan
-from fxkfac.planner.plan_file import load_plan
-from fxkfac.planner.problem import StepBarrier, format_bytes
-from fxkfac.planner.schedule_choice import schedule_candidates
-from fxkfac.planner.schedules import ScheduleKind, num_stages, stages_of_rank
-from fxkfac.planner.strategy import LayerDistribution, distribute
-from fxkfac.planner.tied import tied_owner
+from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.problem.costs import CostTable, PreconditionerKind
+from fxkfac.planner.problem.ir import LayerTiming, Programs
+from fxkfac.planner.problem.lowering import naive_programs, ranks_of_stages
+from fxkfac.planner.problem.problem import StepBarrier, format_bytes
+from fxkfac.planner.problem.schedules import ScheduleKind, num_stages, stages_of_rank
+from fxkfac.planner.problem.strategy import LayerDistribution, distribute
+from fxkfac.planner.problem.tied import tied_owner
+from fxkfac.planner.search.schedule_choice import schedule_candidates
+from fxkfac.planner.validate.plan_file import load_plan
 from fxkfac.preconditioner import Family, PiecewiseFamily, SteppedFamily, gradient_parts
 from fxkfac.progress import PlanProgress, plan_progress
 from fxkfac.runtime.mesh import MeshLayout
@@ -82,7 +82,7 @@ def compile(  # noqa: A001 - the public name the design card gives
     torch.distributed initialized) trains pipelined with ``schedule`` and ``microbatches`` per replica; ``schedule``
     "auto" (with plan="auto" and a preconditioner) is the planner's choice among gpipe, 1f1b, chimera and zb-h1
     (one stage per rank, so one capture and profile serve all): the least step at the freshest curvature, logged
-    with why (planner/schedule_choice.py).
+    with why (planner/search/schedule_choice.py).
     ``plan``: "auto" (on a mesh: every rank profiles, rank 0 solves with ``plan_options``, showing what it does
     (fxkfac/progress.py), every rank gets the plan; on a GPU without ``plan_options.memory_budget`` the
     device's free memory is the budget, on CPU there is none), a plan file or a ``fxkfac.Plan`` (refused
@@ -93,7 +93,7 @@ def compile(  # noqa: A001 - the public name the design card gives
     1e-3), the plain pipeline. Shampoo, SOAP and Muon make the whole update direction, so their base optimizer is
     plain SGD (default lr 1e-3). ``kfac=``: deprecated alias of ``preconditioner=`` (a FutureWarning). ``backend`` is a
     torch.compile backend, or None for eager stages. ``plan_options.strategy`` says how the copies of a stage
-    share each layer's work (comm-opt, mem-opt, hybrid:F, dp-kfac; planner/strategy.py) under ``plan="auto"``
+    share each layer's work (comm-opt, mem-opt, hybrid:F, dp-kfac; planner/problem/strategy.py) under ``plan="auto"``
     (None: the planner chooses) and ``plan=None`` (None: comm-opt); a loaded plan brings its own.
     ``resume_from``: a checkpoint directory (`Trainer.save_checkpoint`) the run resumes from when one is there, so
     that one script serves the first launch and every relaunch. plan="auto" then adopts the plan the checkpoint was
@@ -575,7 +575,7 @@ def _resolve_on_mesh(
 
 def planned_kind(family: Family, profiled: PreconditionerKind) -> PreconditionerKind:
     """The kind the planner plans a profile of `family` as: Muon's (no refresh; its APPLYs, every step, streamed to
-    and dealt over idle ranks, in pieces by iterations; planner/muon_costs.py) for Muon, else what the profiler
+    and dealt over idle ranks, in pieces by iterations; planner/problem/muon_costs.py) for Muon, else what the profiler
     tagged (`profiled`)."""
     return PreconditionerKind.MUON if family.name == PreconditionerKind.MUON.value else profiled
 

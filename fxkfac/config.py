@@ -7,11 +7,11 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fxkfac.errors import ConfigError
-from fxkfac.planner.ir import Capture
-from fxkfac.planner.preconditioners import InverseMethod
-from fxkfac.planner.problem import StepBarrier
-from fxkfac.planner.strategy import Strategy, parse_strategy
-from fxkfac.planner.stream_choice import StreamApply
+from fxkfac.planner.problem.ir import Capture
+from fxkfac.planner.problem.preconditioners import InverseMethod
+from fxkfac.planner.problem.problem import StepBarrier
+from fxkfac.planner.problem.strategy import Strategy, parse_strategy
+from fxkfac.planner.search.stream_choice import StreamApply
 
 if TYPE_CHECKING:
     import torch
@@ -173,7 +173,7 @@ class CheckpointMode(StrEnum):
     """The stages `ActivationCheckpointing.stages` names."""
     AUTO = "auto"
     """The planner's choice under plan="auto": the stages whose recomputation fits the memory budget with the
-    shortest step, none when it fits without (planner/recompute.py)."""
+    shortest step, none when it fits without (planner/search/recompute.py)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -362,7 +362,7 @@ class PlanOptions:
     """Plan the same way on any load, so two runs of one command train identically (given the same costs:
     profiled costs still vary); False: a wall-clock budget, which a slower machine spends on less search."""
     strategy: Strategy | str | None = None
-    """How the copies of a stage share each layer's work (planner/strategy.py): a Strategy or its text
+    """How the copies of a stage share each layer's work (planner/problem/strategy.py): a Strategy or its text
     (``comm-opt``, ``mem-opt``, ``hybrid:0.5``, ``dp-kfac``) forces it on every layer; None or ``auto``: the
     planner chooses (`plan=None`: COMM-OPT)."""
     stream_apply: StreamApply = StreamApply.KEEP_REFRESH

@@ -17,7 +17,7 @@ __all__ = [
     "CostModelError",
 ]
 
-from fxkfac.planner.errors import (  # the planner is torch-free; its errors are ours too
+from fxkfac.planner.problem.errors import (  # the planner is torch-free; its errors are ours too
     ConfigError,
     CostModelError,
     InfeasibleBudgetError,
@@ -25,7 +25,7 @@ from fxkfac.planner.errors import (  # the planner is torch-free; its errors are
     PlanFormatError,
     PlanMismatchError,
 )
-from fxkfac.planner.errors import (
+from fxkfac.planner.problem.errors import (
     PlannerError as FxkfacError,
 )
 

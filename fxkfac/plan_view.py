@@ -17,15 +17,14 @@ from dataclasses import dataclass
 
 from rich.console import Group, RenderableType
 
-from fxkfac.planner.choose import strategy_of
-from fxkfac.planner.ir import Capture, OpKind
-from fxkfac.planner.memory import static_bytes
-from fxkfac.planner.ns_placement import ns_stage_lines, ns_summary
-from fxkfac.planner.plan import Plan
-from fxkfac.planner.preconditioners import PreconditionerKind, words_of
-from fxkfac.planner.problem import Problem, copies_of_stage, format_bytes, is_streamed
-from fxkfac.planner.simulate import BUSY_KINDS, Interval, Timeline
-from fxkfac.planner.step_timeline import (
+from fxkfac.planner.plan.ns_placement import ns_stage_lines, ns_summary
+from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.problem.ir import Capture, OpKind
+from fxkfac.planner.problem.memory import static_bytes
+from fxkfac.planner.problem.preconditioners import PreconditionerKind, words_of
+from fxkfac.planner.problem.problem import Problem, copies_of_stage, format_bytes, is_streamed
+from fxkfac.planner.problem.simulate import BUSY_KINDS, Interval, Timeline
+from fxkfac.planner.problem.step_timeline import (
     StepTimeline,
     plain_step_time,
     plain_utilization,
@@ -33,6 +32,7 @@ from fxkfac.planner.step_timeline import (
     step_timeline,
     window_length,
 )
+from fxkfac.planner.search.choose import strategy_of
 from fxkfac.show import render_summary, render_timeline
 
 __all__ = ["PlannedView", "planned_view", "planned_utilization", "plan_rows", "summary_errors", "render_plan"]
@@ -64,7 +64,7 @@ def _periods(plan: Plan) -> dict[int, int]:
 @dataclass(frozen=True)
 class _Steps:
     """Step timelines of a plan and the absolute start of each step of a window of k; every step ends
-    with `stretch` idle seconds ([Note: stretch] in planner/window.py)."""
+    with `stretch` idle seconds ([Note: stretch] in planner/plan/window.py)."""
 
     refresh: StepTimeline
     normal: StepTimeline
@@ -145,7 +145,7 @@ def planned_utilization(plan: Plan) -> dict[int, float]:
 
 
 def _streamed(problem: Problem) -> str:
-    """Which rank applies which stage's layers, fed during that stage's last backward (planner/streaming.py)."""
+    """Which rank applies which stage's layers, fed during that stage's last backward (planner/problem/streaming.py)."""
     streaming = problem.streaming
     if streaming is None:
         return "none (every stage applies its own layers)"
@@ -177,7 +177,7 @@ _VERDICTS = {
 
 
 def _ns_rows(plan: Plan) -> list[tuple[str, str]]:
-    """A Muon plan's Newton-Schulz tasks per stage and the step time they add (planner/ns_placement.py)."""
+    """A Muon plan's Newton-Schulz tasks per stage and the step time they add (planner/plan/ns_placement.py)."""
     lines, n = ns_stage_lines(plan), plan.problem.apply_pieces
     cut = "one task per matrix" if n == 1 else f"each matrix's NS in {n} pieces by iterations (--decomp-pieces)"
     return [

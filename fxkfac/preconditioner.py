@@ -25,8 +25,8 @@ from torch import Tensor, fx
 
 from fxkfac.config import KFACConfig, KLClipScope
 from fxkfac.passes.layers import KFACLayer
-from fxkfac.planner.costs import LayerCost
-from fxkfac.planner.ir import Capture
+from fxkfac.planner.problem.costs import LayerCost
+from fxkfac.planner.problem.ir import Capture
 
 __all__ = ["Source", "RefreshState", "Family", "PiecewiseFamily", "SplitApplyFamily", "SteppedFamily", "gradient_parts"]
 

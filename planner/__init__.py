@@ -6,10 +6,9 @@ one independently, and the plan-file functions read one back. The modules below 
 own tests and for what is not planning (cost tables, schedules, the timeline).
 """
 
-from fxkfac.planner.attempt import Method
-from fxkfac.planner.budget import Budget
-from fxkfac.planner.costs import CostTable
-from fxkfac.planner.errors import (
+from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.problem.costs import CostTable
+from fxkfac.planner.problem.errors import (
     ConfigError,
     CostModelError,
     DeadlockError,
@@ -22,14 +21,15 @@ from fxkfac.planner.errors import (
     ScheduleError,
     Suggestion,
 )
-from fxkfac.planner.plan import Plan
-from fxkfac.planner.plan_file import load_plan, parse_plan, read_plan
-from fxkfac.planner.plan_search import Distributions, Overhead, SearchOptions, TimeLimit, plan
-from fxkfac.planner.problem import Problem, SolveProgress, SolverConfig, StepBarrier
-from fxkfac.planner.schedules import ScheduleKind
-from fxkfac.planner.strategy import Strategy, StrategyKind, parse_strategy
-from fxkfac.planner.stream_choice import StreamApply
+from fxkfac.planner.problem.problem import Problem, SolveProgress, SolverConfig, StepBarrier
+from fxkfac.planner.problem.schedules import ScheduleKind
+from fxkfac.planner.problem.strategy import Strategy, StrategyKind, parse_strategy
+from fxkfac.planner.search.attempt import Method
+from fxkfac.planner.search.budget import Budget
+from fxkfac.planner.search.plan_search import Distributions, Overhead, SearchOptions, TimeLimit, plan
+from fxkfac.planner.search.stream_choice import StreamApply
 from fxkfac.planner.validate import check_plan, validate
+from fxkfac.planner.validate.plan_file import load_plan, parse_plan, read_plan
 
 __all__ = [
     "Budget",

@@ -11,9 +11,9 @@ import pytest
 
 from fxkfac.autoplan import Target, check_matches, resumed_plan, solve_for
 from fxkfac.config import PlanOptions
-from fxkfac.planner.costs import CostTable, LayerCost, StageCost
-from fxkfac.planner.errors import PlanError, PlanMismatchError
-from fxkfac.planner.schedules import ScheduleKind
+from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.problem.errors import PlanError, PlanMismatchError
+from fxkfac.planner.problem.schedules import ScheduleKind
 from fxkfac.planner.validate import validate
 
 MS = 1e-3
@@ -91,8 +91,8 @@ def test_fxkfac_plan_and_plan_auto_make_one_plan_of_one_problem(tmp_path: Path) 
     least max_overhead (these costs need some), the distributions chosen over W=2, streaming where it keeps the
     refresh, compiled stages, the device's memory as the budget."""
     from fxkfac.cli import main
-    from fxkfac.planner.hardware import hardware
-    from fxkfac.planner.plan_file import read_plan
+    from fxkfac.planner.problem.hardware import hardware
+    from fxkfac.planner.validate.plan_file import read_plan
 
     costs, exported = tmp_path / "costs.json", tmp_path / "plan.json"
     _costs(2).save(costs)

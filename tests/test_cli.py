@@ -18,14 +18,14 @@ from fxkfac.cli_args import parse_block_size, parse_bytes, parse_fraction
 from fxkfac.cli_costs import cost_table
 from fxkfac.cli_plan import problem_of
 from fxkfac.plan_view import planned_utilization, planned_view, render_plan
-from fxkfac.planner.errors import PlannerError
-from fxkfac.planner.ir import Op, OpKind
-from fxkfac.planner.memory import min_memory_bytes
-from fxkfac.planner.plan import SCHEMA_VERSION, Plan
-from fxkfac.planner.plan_file import load_plan
-from fxkfac.planner.simulate import Interval, Timeline
-from fxkfac.planner.solve import solve
-from fxkfac.planner.step_timeline import plain_step_time
+from fxkfac.planner.plan.plan import SCHEMA_VERSION, Plan
+from fxkfac.planner.problem.errors import PlannerError
+from fxkfac.planner.problem.ir import Op, OpKind
+from fxkfac.planner.problem.memory import min_memory_bytes
+from fxkfac.planner.problem.simulate import Interval, Timeline
+from fxkfac.planner.problem.step_timeline import plain_step_time
+from fxkfac.planner.search.solve import solve
+from fxkfac.planner.validate.plan_file import load_plan
 from fxkfac.show import chrome_trace, render_timeline, timeline_from_trace
 from tests.planner.kfac_cases import problem, table
 
@@ -301,7 +301,7 @@ def test_factory_targets_plan_the_layers_compile_finds(
     from fxkfac.compile_api import prepare
     from fxkfac.config import KFACConfig
     from fxkfac.kfac.family import KFACFamily
-    from fxkfac.planner.schedules import ScheduleKind
+    from fxkfac.planner.problem.schedules import ScheduleKind
 
     export = tmp_path / "plan.json"
     argv = [
@@ -479,8 +479,8 @@ def _renamed(text: str, old: str, new: str) -> str:
 
 def test_plan_file_errors_name_the_file(tmp_path: Path) -> None:
     from fxkfac.autoplan import Target, load_plan_for
-    from fxkfac.planner.errors import PlanMismatchError
-    from fxkfac.planner.schedules import ScheduleKind
+    from fxkfac.planner.problem.errors import PlanMismatchError
+    from fxkfac.planner.problem.schedules import ScheduleKind
 
     plan = _plan()
     layers = {s: [x.name for x in stage.layers] for s, stage in enumerate(plan.problem.costs.stages)}

@@ -16,8 +16,8 @@ from fxkfac.demo import BaseOptimizer, DemoConfig, RunSpec, lr_at, run_demo
 from fxkfac.errors import ConfigError, PipelineError
 from fxkfac.launch import RankContext, launch
 from fxkfac.models import ByteGPT2Config, TinyBertConfig, next_byte_loss
-from fxkfac.planner.ir import OpKind
-from fxkfac.planner.plan_file import parse_plan
+from fxkfac.planner.problem.ir import OpKind
+from fxkfac.planner.validate.plan_file import parse_plan
 
 TINY = DemoConfig(
     steps=3,

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fxkfac.planner.plan_file import load_plan
+from fxkfac.planner.validate.plan_file import load_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = [

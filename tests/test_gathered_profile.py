@@ -4,7 +4,7 @@ each figure's median over the ranks (`fxkfac.autoplan.gathered_profile`, `planne
 from __future__ import annotations
 
 from fxkfac.errors import ConfigError
-from fxkfac.planner.costs import CostTable
+from fxkfac.planner.problem.costs import CostTable
 from tests.planner.kfac_cases import table
 from tests.support.distributed import run_distributed
 

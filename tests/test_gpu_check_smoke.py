@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxkfac.planner.profiles import load_cost_table
+from fxkfac.planner.problem.profiles import load_cost_table
 
 sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 import gpu_check  # noqa: E402 - a benchmark script, found on the path just set

@@ -93,3 +93,38 @@ def test_passes_and_planner_never_import_the_front() -> None:
                 if not m.startswith(("fxkfac.passes", "fxkfac.planner")) and m != "fxkfac"
             }
             assert not front, f"{module} imports the front/runtime: {sorted(front)}"
+
+
+PLANNER_LAYERS = {
+    "problem": set(),
+    "plan": {"problem"},
+    "validate": {"problem", "plan"},
+    "search": {"problem", "plan"},
+}
+"""planner/'s sub-packages, each with the ones it may import: the problem and its costs at the bottom, the plan
+(its window, solutions, the Plan) on it, then the search and, beside it, the validator, which never sees the
+search. The package's own __init__ (the front door) may import any."""
+
+
+def _planner_layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[:2] == ["fxkfac", "planner"] else None
+
+
+def test_planner_sub_packages_import_one_way() -> None:
+    known = _modules()
+    layers = {_planner_layer(m) for m in known} - {None}
+    assert layers == set(PLANNER_LAYERS), f"planner/ holds {sorted(layers)}, not {sorted(PLANNER_LAYERS)}"
+    for module, path in known.items():
+        layer = _planner_layer(module)
+        if layer is None:
+            continue
+        for target in _imports(module, path, known):
+            other = _planner_layer(target)
+            if target == "fxkfac.planner" or (other is not None and other != layer):
+                assert other in PLANNER_LAYERS[layer], f"{module} ({layer}) imports {target} ({other})"
+
+
+def test_the_layer_rule_reads_a_module_layer() -> None:
+    assert _planner_layer("fxkfac.planner.search.cpsat") == "search"
+    assert _planner_layer("fxkfac.planner") is None

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 import fxkfac
 from fxkfac.config import KFACConfig, PipelineOptions
-from fxkfac.planner.ir import LayerTiming
+from fxkfac.planner.problem.ir import LayerTiming
 from fxkfac.shampoo import GraftType, ShampooConfig, SOAPConfig
 from tests.support.distributed import run_distributed
 from tests.support.kfac_reference import KFACReference

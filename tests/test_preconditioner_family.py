@@ -14,8 +14,8 @@ from torch import Tensor, nn
 import fxkfac
 from fxkfac.config import PipelineOptions, PlanOptions
 from fxkfac.kfac.factors import e_rows, running_average
-from fxkfac.planner.costs import CostTable, LayerCost, PartCost, StageCost
-from fxkfac.planner.ir import LayerTiming, OpKind
+from fxkfac.planner.problem.costs import CostTable, LayerCost, PartCost, StageCost
+from fxkfac.planner.problem.ir import LayerTiming, OpKind
 from tests.passes.reference import hook_a_e
 from tests.support.diagonal import DiagonalFamily
 from tests.support.distributed import run_distributed

@@ -18,7 +18,7 @@ from fxkfac.capture import capture
 from fxkfac.config import KFACConfig
 from fxkfac.errors import CostModelError
 from fxkfac.passes.split_stages import SplitResult, split_stages
-from fxkfac.planner.costs import CostTable, LayerCost, Spread, StageCost
+from fxkfac.planner.problem.costs import CostTable, LayerCost, Spread, StageCost
 from fxkfac.profiler import Timing, kfac_unit_cost, time_after, time_call
 
 CFG = KFACConfig()
@@ -337,7 +337,7 @@ def test_a_refresh_steps_taps_are_timed_for_the_captured_layers_alone(split: tup
 def test_each_captured_layers_gradient_is_timed_from_its_stages_backward(split: tuple) -> None:
     """With `captured`, every K-FAC layer gets when its stage's backward makes its gradient (`LayerCost.grad_ready`):
     within the backward, later in the backward for a layer earlier in the forward, kept through JSON; without
-    `captured`, none (and the estimate stands: planner/streaming.py `ready_fractions`)."""
+    `captured`, none (and the estimate stands: planner/problem/streaming.py `ready_fractions`)."""
     result, by_stage, layers, x = split
     cost = kfac_unit_cost(layers, CFG)
     captured = {s: [layers[n] for n in names] for s, names in by_stage.items()}

@@ -22,12 +22,12 @@ import fxkfac
 from fxkfac.autoplan import Target, solve_for
 from fxkfac.compile_api import auto_budget, device_memory
 from fxkfac.config import PipelineOptions, PlanOptions
-from fxkfac.planner.errors import InfeasibleBudgetError
-from fxkfac.planner.memory import min_memory_bytes
-from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import SolveProgress, SolverConfig
-from fxkfac.planner.schedules import ScheduleKind
-from fxkfac.planner.solve import solve
+from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.problem.errors import InfeasibleBudgetError
+from fxkfac.planner.problem.memory import min_memory_bytes
+from fxkfac.planner.problem.problem import SolveProgress, SolverConfig
+from fxkfac.planner.problem.schedules import ScheduleKind
+from fxkfac.planner.search.solve import solve
 from fxkfac.progress import Display, PlanProgress, TrainingProgress, solve_text
 from tests.planner.kfac_cases import problem
 

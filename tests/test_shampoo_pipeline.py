@@ -18,8 +18,8 @@ from torch import Tensor, nn
 import fxkfac
 from fxkfac.config import PipelineOptions, PlanOptions
 from fxkfac.errors import ConfigError
-from fxkfac.planner.ir import LayerTiming, OpKind
-from fxkfac.planner.plan_file import parse_plan
+from fxkfac.planner.problem.ir import LayerTiming, OpKind
+from fxkfac.planner.validate.plan_file import parse_plan
 from fxkfac.profiler import gradient_unit_cost
 from fxkfac.shampoo import GraftType, ParamUnit, ShampooConfig, ShampooFamily, SOAPConfig
 from tests.support.distributed import run_distributed

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 import fxkfac
 from fxkfac.config import KFACConfig
-from fxkfac.planner.ir import LayerTiming
+from fxkfac.planner.problem.ir import LayerTiming
 from fxkfac.runtime.trainer import Trainer
 from tests.support.kfac_reference import KFACReference
 from tests.support.models import cnn, image_batch, mlp, mlp_batches, tiny_gpt2, token_batch

@@ -16,11 +16,11 @@ from torch import Tensor, nn
 
 import fxkfac
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
-from fxkfac.planner.costs import CostTable, LayerCost, StageCost
-from fxkfac.planner.hardware import HARDWARE
-from fxkfac.planner.ir import LayerTiming, OpKind
-from fxkfac.planner.lowering import ranks_of_stages
-from fxkfac.planner.strategy import grad_workers
+from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.problem.hardware import HARDWARE
+from fxkfac.planner.problem.ir import LayerTiming, OpKind
+from fxkfac.planner.problem.lowering import ranks_of_stages
+from fxkfac.planner.problem.strategy import grad_workers
 from fxkfac.shampoo import GraftType, ShampooConfig
 from tests.support.distributed import run_distributed
 from tests.support.kfac_reference import KFACReference

@@ -45,10 +45,10 @@ from torch import Tensor, nn
 import fxkfac
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.kfac.state import LayerState
-from fxkfac.planner.ir import LayerTiming, OpKind
-from fxkfac.planner.memory import static_bytes
-from fxkfac.planner.problem import Problem, copies_of_stage, stages_on_device
-from fxkfac.planner.strategy import holding
+from fxkfac.planner.problem.ir import LayerTiming, OpKind
+from fxkfac.planner.problem.memory import static_bytes
+from fxkfac.planner.problem.problem import Problem, copies_of_stage, stages_on_device
+from fxkfac.planner.problem.strategy import holding
 from tests.support.distributed import run_distributed
 
 W, STEPS, BATCH, TOLERANCE = 2, 8, 32, 0.10

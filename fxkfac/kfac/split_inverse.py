@@ -15,7 +15,7 @@ but the factor's off-block entries are dropped, as in Shampoo's blocking.
 A plan runs the pieces as ``DECOMP s A i/n layer`` ops (fxkfac/runtime/preconditioning.py keeps the carry);
 `split_invert_factor`, what one device runs, is their fold, so both make the same inverse from the same start.
 Newton-Schulz starts from the layer's newest inverse when piece 0 runs: the previous refresh's on one device,
-and in a plan too (planner/cpsat.py and the validator finish a layer's refresh before its next first piece).
+and in a plan too (planner/search/cpsat.py and the validator finish a layer's refresh before its next first piece).
 Known limit (benchmarks/split_inverse.py measures how often): a Newton-Schulz fallback runs its Cholesky in the
 last piece, which a plan prices as every other piece (the profiled split's time / n).
 """
@@ -33,7 +33,7 @@ from torch import Tensor
 
 from fxkfac.config import SplitInverse, SplitMethod
 from fxkfac.kfac.inverse import FactorInverse, Inverse, invert_factor
-from fxkfac.planner.preconditioners import InverseMethod
+from fxkfac.planner.problem.preconditioners import InverseMethod
 
 __all__ = [
     "Progress",

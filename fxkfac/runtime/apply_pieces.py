@@ -1,5 +1,5 @@
-"""The APPLY of a `SplitApplyFamily` unit in pieces (``APPLY s i/n unit``, planner/ir.py): piece 0 starts the core
-from its input, each piece runs its share and hands the result to the next, in order on one rank, and the last
+"""The APPLY of a `SplitApplyFamily` unit in pieces (``APPLY s i/n unit``, planner/problem/ir.py): piece 0 starts the
+core from its input, each piece runs its share and hands the result to the next, in order on one rank, and the last
 returns the core's output. One step's pieces: nothing is in flight at a step's end (a plan that leaves a piece
 out is refused at OPT_STEP), so checkpoints hold none."""
 
@@ -11,7 +11,7 @@ from typing import Any
 from torch import Tensor
 
 from fxkfac.errors import PipelineError
-from fxkfac.planner.ir import Op
+from fxkfac.planner.problem.ir import Op
 from fxkfac.preconditioner import SplitApplyFamily
 
 __all__ = ["ApplyPieces"]

@@ -26,7 +26,7 @@ the same handlers, with every collective a no-op):
   device (PipelineError when the previous refresh is not made on the rank by then);
 - ``APPLY s`` activates due inverses and preconditions the stage's gradients; an inverse that is due but
   missing is a plan error (PipelineError), never a silent use of an older one;
-- a parameter several stages use (tied weights) is a unit of its owner stage alone (planner/tied.py): its STATS,
+- a parameter several stages use (tied weights) is a unit of its owner stage alone (planner/problem/tied.py): its STATS,
   APPLY and BCAST_PREC first land the sum of its gradient over those stages, started at each holder's
   ALLREDUCE_GRAD (PipelineError when it has not started), and OPT_STEP gives its other copies the owner's
   direction (`GradSync.send_directions`) before the verdict, so every copy takes the same step;
@@ -51,8 +51,8 @@ from torch import Tensor
 
 from fxkfac.config import KLClipScope
 from fxkfac.errors import CheckpointError, PipelineError
-from fxkfac.planner.ir import Capture, LayerTiming, Op, OpKind
-from fxkfac.planner.strategy import LayerDistribution, grad_workers, keeps_statistics
+from fxkfac.planner.problem.ir import Capture, LayerTiming, Op, OpKind
+from fxkfac.planner.problem.strategy import LayerDistribution, grad_workers, keeps_statistics
 from fxkfac.preconditioner import Family, PiecewiseFamily, RefreshState, SplitApplyFamily, gradient_parts
 from fxkfac.runtime.apply_pieces import ApplyPieces
 from fxkfac.runtime.interpreter import (
@@ -497,7 +497,7 @@ class PreconditionerRuntime:
 
     def _settle_tied(self, ctx: StepContext, names: Sequence[str], op: Op) -> None:
         """Land the sums of the tied gradients among `names`' parameters (summed over the stages that share them
-        before their owner reads them: planner/tied.py); PipelineError when a sum has not started."""
+        before their owner reads them: planner/problem/tied.py); PipelineError when a sum has not started."""
         tied = [p for n in names for p in self.family.params_of(self.layers[n]) if p in ctx.sync.owned]
         if tied:
             ctx.transport.settle(TIED_KEY)
@@ -532,7 +532,7 @@ class PreconditionerRuntime:
     def bcast_prec(self, ctx: StepContext, op: Op) -> None:
         """Broadcast one layer's preconditioned gradient from its grad worker `op.root` along the root's row."""
         if op.root is None or op.stage is None or op.layer is None:
-            raise AssertionError("BCAST_PREC names its stage, root and layer (planner/ir.py OP_FIELDS)")
+            raise AssertionError("BCAST_PREC names its stage, root and layer (planner/problem/ir.py OP_FIELDS)")
         name = self._layers_of(op)[0]
         runner = ctx.stage_runner(op.stage)
         ctx.transport.settle(grad_key(op.stage))

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from fxkfac.errors import PipelineError
-from fxkfac.planner.ir import LayerTiming, Op, OpKind
+from fxkfac.planner.problem.ir import LayerTiming, Op, OpKind
 from fxkfac.preconditioner import Family, RefreshState, SplitApplyFamily, SteppedFamily, gradient_parts
 from fxkfac.runtime.apply_pieces import ApplyPieces
 from fxkfac.runtime.interpreter import Interpreter, StepContext
@@ -149,7 +149,7 @@ class Streams:
 
     def _tag(self, ctx: StepContext, op: Op, message: int) -> int:
         """The tag of `message` of the layer `op` names (both ends number it alike)."""
-        assert op.layer is not None, "a streamed transfer names its layer (planner/ir.py OP_FIELDS)"
+        assert op.layer is not None, "a streamed transfer names its layer (planner/problem/ir.py OP_FIELDS)"
         return ctx.transport.tags.of_layer(self.tags[op.layer], message)
 
     # --- the owner --------------------------------------------------------------------------------

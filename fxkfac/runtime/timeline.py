@@ -9,9 +9,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fxkfac.planner import simulate
-from fxkfac.planner.ir import Op
-from fxkfac.planner.simulate import Interval, Timeline
+from fxkfac.planner.problem import simulate
+from fxkfac.planner.problem.ir import Op
+from fxkfac.planner.problem.simulate import Interval, Timeline
 
 __all__ = ["Event", "Recorder", "as_timeline", "utilization", "gather_timelines"]
 

@@ -4,7 +4,7 @@ act on.
 One class serves one device (`mesh=None`: a 1x1 layout, no process group) and every mesh. A step
 shards the global mini-batch over the replicas and micro-batches, then the interpreter runs the ops the
 plan gives this rank for that step (`Trainer.ops_at`); preconditioner ops act on the family's runtime. Nothing here
-decides what runs: `fxkfac.compile` resolved the programs (planner/lowering.py, planner/assemble.py).
+decides what runs: `fxkfac.compile` resolved the programs (planner/problem/lowering.py, planner/search/assemble.py).
 """
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ from fxkfac.checkpoint import Checkpointing, digest
 from fxkfac.config import KLClipScope, PipelineOptions, StepAgreement
 from fxkfac.errors import CheckpointError, ConfigError, NonFiniteError
 from fxkfac.passes.split_stages import SplitResult
-from fxkfac.planner.ir import LayerTiming, Op, OpKind, Programs, ops_at
-from fxkfac.planner.lowering import ranks_of_stages
-from fxkfac.planner.plan import Plan
-from fxkfac.planner.schedules import ScheduleKind, stages_of_rank
-from fxkfac.planner.strategy import LayerDistribution
+from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.problem.ir import LayerTiming, Op, OpKind, Programs, ops_at
+from fxkfac.planner.problem.lowering import ranks_of_stages
+from fxkfac.planner.problem.schedules import ScheduleKind, stages_of_rank
+from fxkfac.planner.problem.strategy import LayerDistribution
 from fxkfac.preconditioner import Family, RefreshState, gradient_parts
 from fxkfac.progress import Display, training_progress
 from fxkfac.runtime.host_memory import keep_freed_host_memory
@@ -141,7 +141,7 @@ class RunSpec:
     timings: Mapping[str, LayerTiming]
     fingerprint: str
     distributions: Mapping[str, LayerDistribution] = field(default_factory=dict)
-    """Where each unit's work lives across its stage's copies (absent: COMM-OPT; planner/strategy.py)."""
+    """Where each unit's work lives across its stage's copies (absent: COMM-OPT; planner/problem/strategy.py)."""
     recompute: tuple[int, ...] = ()
     """The stages that recompute their forward in their backward (activation checkpointing)."""
     recapture: Recapture | None = None

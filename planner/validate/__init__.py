@@ -3,12 +3,12 @@
 It recomputes what the plan must contain from the problem alone (the simulated step timelines, the
 cost table, whose comm model prices the collectives: the gradient all-reduce, SYNC_STATS and BCAST) and
 shares no code with planner.window, greedy or cpsat. Times may be off by the plan's
-`metrics.time_quantum` (the planner's time grid, see [Note: time grid] in planner/window.py). Every
+`metrics.time_quantum` (the planner's time grid, see [Note: time grid] in planner/plan/window.py). Every
 step is followed by `metrics.stretch` idle seconds ([Note: stretch]); the step time, stretch included,
 must stay within the problem's max_overhead. A part fed by the reduced gradient (`PartCost.after`
 ALLREDUCE_GRAD) has a STATS without micro-batch at every step on every copy of its stage, between the
 stage's gradient all-reduce and its APPLY, and no SYNC_STATS; its DECOMP follows the refresh step's STATS
-on the deciding rank. Each layer's distribution (planner/strategy.py, the definition of KAISA's grid and
+on the deciding rank. Each layer's distribution (planner/problem/strategy.py, the definition of KAISA's grid and
 DP-KFAC's owner) says which copies take its statistics, sync them, decompose (one of its grad workers),
 receive the decomposition, apply it at every step, and broadcast the preconditioned gradient along a row.
 Under `StepBarrier.AGREEMENT_SET` a step begins on a rank once its agreement set (the ranks linked by copies of a
@@ -20,10 +20,10 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from fxkfac.planner.errors import PlanError
-from fxkfac.planner.ir import Capture
-from fxkfac.planner.problem import Problem
-from fxkfac.planner.step_timeline import step_timeline
+from fxkfac.planner.problem.errors import PlanError
+from fxkfac.planner.problem.ir import Capture
+from fxkfac.planner.problem.problem import Problem
+from fxkfac.planner.problem.step_timeline import step_timeline
 from fxkfac.planner.validate.context import Context
 from fxkfac.planner.validate.dependencies import check_dependencies, check_precs_and_offsets
 from fxkfac.planner.validate.placements import (
@@ -37,7 +37,7 @@ from fxkfac.planner.validate.programs import check_programs
 from fxkfac.planner.validate.streaming import check_streaming
 
 if TYPE_CHECKING:
-    from fxkfac.planner.plan import Plan
+    from fxkfac.planner.plan.plan import Plan
 
 __all__ = ["validate", "check_plan"]
 

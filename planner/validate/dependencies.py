@@ -8,9 +8,9 @@ from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import replace
 
-from fxkfac.planner.ir import Op, OpKind, Placement
-from fxkfac.planner.problem import copies_of_stage, returned, streamed_stats
-from fxkfac.planner.schedules import weight_gradient_kind
+from fxkfac.planner.problem.ir import Op, OpKind, Placement
+from fxkfac.planner.problem.problem import copies_of_stage, returned, streamed_stats
+from fxkfac.planner.problem.schedules import weight_gradient_kind
 from fxkfac.planner.validate.context import (
     Context,
     apply_start,

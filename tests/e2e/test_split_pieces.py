@@ -14,8 +14,8 @@ import torch.nn.functional as F
 
 import fxkfac
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions, SplitInverse, SplitMethod
-from fxkfac.planner.costs import CostTable, LayerCost, PartCost, StageCost
-from fxkfac.planner.ir import OpKind
+from fxkfac.planner.problem.costs import CostTable, LayerCost, PartCost, StageCost
+from fxkfac.planner.problem.ir import OpKind
 from fxkfac.shampoo import GraftType, RootInvMethod, ShampooConfig
 from tests.e2e import workers as w
 from tests.support.distributed import run_distributed

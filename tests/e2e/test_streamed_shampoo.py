@@ -17,12 +17,12 @@ from torch import Tensor
 
 import fxkfac
 from fxkfac.config import PipelineOptions, PlanOptions
-from fxkfac.planner.ir import LayerTiming
-from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import SolverConfig, copies_of_stage
-from fxkfac.planner.solve import solve
-from fxkfac.planner.stream_choice import StreamApply
-from fxkfac.planner.streaming import Streaming, ready_fractions
+from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.problem.ir import LayerTiming
+from fxkfac.planner.problem.problem import SolverConfig, copies_of_stage
+from fxkfac.planner.problem.streaming import Streaming, ready_fractions
+from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.stream_choice import StreamApply
 from fxkfac.planner.validate import validate
 from fxkfac.shampoo import GraftType, ShampooConfig, SOAPConfig
 from tests.support.distributed import run_distributed

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import fxkfac
 from fxkfac.config import KFACConfig, KLClipScope, PipelineOptions, PlanOptions
-from fxkfac.planner.ir import LayerTiming
+from fxkfac.planner.problem.ir import LayerTiming
 from tests.support import models
 
 __all__ = [
@@ -244,7 +244,7 @@ def synthetic_costs(stage_layers, layers, fused=None):
     over one bubble per stage: it grows with the stage count as the bubbles do), so that the planner's
     plans refresh every 2-3 steps and put curvature and inversion into the bubbles whatever this
     machine's speed."""
-    from fxkfac.planner.costs import CostTable, LayerCost, StageCost
+    from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
 
     ms = 1e-3 * (len(stage_layers) - 1)
     stages = []
@@ -369,9 +369,9 @@ def two_helpers_worker(rank: int, world: int, case: Case) -> dict:
     """The case's auto plan with its streamed layers shared between the two ranks that do not hold stage 0 (each
     its every other layer), placed by the planner's greedy rule (the same plan on every rank), run for two refresh
     periods of the streamed layers. Returns params, losses, the plan's layers and steps, and its streaming."""
-    from fxkfac.planner.problem import SolverConfig
-    from fxkfac.planner.solve import solve
-    from fxkfac.planner.streaming import Streaming
+    from fxkfac.planner.problem.problem import SolverConfig
+    from fxkfac.planner.problem.streaming import Streaming
+    from fxkfac.planner.search.solve import solve
 
     data = batches(case)
     options = PlanOptions(costs=synthetic_costs, time_limit_s=1.5, max_overhead=max_overhead(case))

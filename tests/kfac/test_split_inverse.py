@@ -29,7 +29,7 @@ from fxkfac.kfac.split_inverse import (
     schulz_start,
     split_invert_factor,
 )
-from fxkfac.planner.ir import LayerTiming, Op, OpKind
+from fxkfac.planner.problem.ir import LayerTiming, Op, OpKind
 from fxkfac.runtime.trainer import Trainer
 from tests.kfac.helpers import layer_of
 from tests.support.kfac_reference import KFACReference

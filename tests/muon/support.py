@@ -14,7 +14,7 @@ import fxkfac
 from fxkfac import compile_api
 from fxkfac.config import PipelineOptions, PlanOptions
 from fxkfac.muon import MuonConfig
-from fxkfac.planner.ir import Op, Programs
+from fxkfac.planner.problem.ir import Op, Programs
 from tests.support.models import VOCAB, mlp, mlp_batches, tiny_llama, token_batch
 
 LR = 0.02
@@ -67,7 +67,7 @@ def train(
     strategy: str | None = None,
 ) -> dict[str, Tensor]:
     """The parameters after STEPS steps of `model` under Muon (plan=None: each stage's APPLY on its own rank; how a
-    stage's copies share its units' APPLYs by `strategy`, planner/strategy.py)."""
+    stage's copies share its units' APPLYs by `strategy`, planner/problem/strategy.py)."""
     batches, loss = DATA[model]
     trainer = fxkfac.compile(
         MODELS[model](),

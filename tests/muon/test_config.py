@@ -15,7 +15,7 @@ from fxkfac.errors import ConfigError
 from fxkfac.families import family_of
 from fxkfac.muon import LrAdjust, MuonConfig, MuonFamily, UnitKind
 from fxkfac.muon.family import lr_scale
-from fxkfac.planner.costs import PreconditionerKind
+from fxkfac.planner.problem.costs import PreconditionerKind
 
 
 @pytest.mark.parametrize(
@@ -113,7 +113,7 @@ def _captured() -> tuple[Any, Any]:
 
 
 def test_an_apply_piece_is_written_and_read_back() -> None:
-    from fxkfac.planner.ir import Op, OpKind
+    from fxkfac.planner.problem.ir import Op, OpKind
 
     op = Op(OpKind.APPLY, 0, layer="blocks.0.fc.weight", piece=(1, 3))
     assert str(op) == "APPLY s0 1/3 blocks.0.fc.weight" and Op.parse(str(op)) == op

@@ -19,7 +19,7 @@ import fxkfac
 from fxkfac.muon import LrAdjust, MuonConfig, UnitKind
 from fxkfac.muon.family import lr_scale
 from fxkfac.muon.newton_schulz import iterations_of_piece, ns_end, ns_iterate, ns_start, orthogonalize
-from fxkfac.planner.ir import Op, OpKind
+from fxkfac.planner.problem.ir import Op, OpKind
 from tests.muon.support import (
     LR,
     MATRICES,

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from fxkfac.muon import MuonConfig
-from fxkfac.planner.ir import Op, OpKind, Programs
+from fxkfac.planner.problem.ir import Op, OpKind, Programs
 from tests.muon.support import edited_programs, train
 from tests.support.distributed import run_distributed
 from tests.support.models import mlp

@@ -19,8 +19,8 @@ from torch import Tensor
 import fxkfac
 from fxkfac.config import PipelineOptions, PlanOptions
 from fxkfac.muon import MuonConfig
-from fxkfac.planner.costs import CostTable, LayerCost, PreconditionerKind, StageCost
-from fxkfac.planner.ir import OpKind
+from fxkfac.planner.problem.costs import CostTable, LayerCost, PreconditionerKind, StageCost
+from fxkfac.planner.problem.ir import OpKind
 from tests.muon.support import DATA, MODELS, STEPS, sgd, train
 from tests.support.distributed import run_distributed
 

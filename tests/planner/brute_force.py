@@ -5,9 +5,9 @@ Independent of planner.window, greedy and cpsat: it walks every start on the int
 
 from __future__ import annotations
 
-from fxkfac.planner.ir import OpKind
-from fxkfac.planner.problem import Problem
-from fxkfac.planner.step_timeline import step_timeline
+from fxkfac.planner.problem.ir import OpKind
+from fxkfac.planner.problem.problem import Problem
+from fxkfac.planner.problem.step_timeline import step_timeline
 
 __all__ = ["brute_feasible"]
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from hypothesis import strategies as st
 
-from fxkfac.planner.costs import CostTable, LayerCost, PartCost, StageCost
-from fxkfac.planner.ir import OpKind
-from fxkfac.planner.problem import Problem
-from fxkfac.planner.schedules import num_stages
+from fxkfac.planner.problem.costs import CostTable, LayerCost, PartCost, StageCost
+from fxkfac.planner.problem.ir import OpKind
+from fxkfac.planner.problem.problem import Problem
+from fxkfac.planner.problem.schedules import num_stages
 
 __all__ = ["layer", "gradient_layer", "table", "problem", "problems"]
 
@@ -111,7 +111,7 @@ def problems(draw: st.DrawFn) -> Problem:
     budget = draw(st.one_of(st.none(), st.integers(0, 400)))
     if budget is None:
         return base
-    from fxkfac.planner.memory import min_memory_bytes
+    from fxkfac.planner.problem.memory import min_memory_bytes
 
     return Problem(
         schedule,

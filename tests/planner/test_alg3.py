@@ -10,22 +10,22 @@ from functools import cache
 
 import pytest
 
-from fxkfac.planner.costs import CostTable, StageCost
-from fxkfac.planner.ir import LayerTiming, Op, OpKind, Placement, Program
-from fxkfac.planner.lowering import (
+from fxkfac.planner.plan.plan import Plan, PlanMetrics, SolverStats
+from fxkfac.planner.problem.costs import CostTable, StageCost
+from fxkfac.planner.problem.ir import LayerTiming, Op, OpKind, Placement, Program
+from fxkfac.planner.problem.lowering import (
     Assignment,
     assign_decompositions,
     decomposition_seconds,
     naive_programs,
     ranks_of_stages,
 )
-from fxkfac.planner.memory import activation_peak, static_bytes
-from fxkfac.planner.plan import Plan, PlanMetrics, SolverStats
-from fxkfac.planner.problem import Problem, SolverConfig
-from fxkfac.planner.schedules import num_stages
-from fxkfac.planner.simulate import simulate
-from fxkfac.planner.solve import solve
-from fxkfac.planner.step_timeline import plain_step_time, step_timeline
+from fxkfac.planner.problem.memory import activation_peak, static_bytes
+from fxkfac.planner.problem.problem import Problem, SolverConfig
+from fxkfac.planner.problem.schedules import num_stages
+from fxkfac.planner.problem.simulate import simulate
+from fxkfac.planner.problem.step_timeline import plain_step_time, step_timeline
+from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import gradient_layer
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fxkfac.planner.analytic import (
+from fxkfac.planner.problem.analytic import (
     SYMBOLS,
     analytic_cost_table,
     balanced_stages,
@@ -17,10 +17,10 @@ from fxkfac.planner.analytic import (
     linear_kernels,
     transformer_block_expressions,
 )
-from fxkfac.planner.errors import CostModelError
-from fxkfac.planner.hardware import HARDWARE, HardwareSpec, hardware
-from fxkfac.planner.presets import LinearSpec, model_spec_from_layers, preset
-from fxkfac.planner.profiles import cost_table_from_pipefisher_csv
+from fxkfac.planner.problem.errors import CostModelError
+from fxkfac.planner.problem.hardware import HARDWARE, HardwareSpec, hardware
+from fxkfac.planner.problem.presets import LinearSpec, model_spec_from_layers, preset
+from fxkfac.planner.problem.profiles import cost_table_from_pipefisher_csv
 
 PROFILES = Path(__file__).resolve().parents[2] / "planner" / "data" / "pipefisher_profiles"  # shipped with fxkfac
 
@@ -187,7 +187,8 @@ def test_cost_modules_import_without_torch() -> None:
     import sys
 
     code = (
-        "import sys, fxkfac.planner.analytic, fxkfac.planner.costs, fxkfac.planner.presets, fxkfac.planner.hardware;"
+        "import sys, fxkfac.planner.problem.analytic, fxkfac.planner.problem.costs, fxkfac.planner.problem.presets, "
+        "fxkfac.planner.problem.hardware;"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -9,13 +9,13 @@ from pathlib import Path
 from hypothesis import HealthCheck, Phase, given, settings
 
 from fxkfac.planner import Distributions, Method, Overhead, SearchOptions, StreamApply, plan
-from fxkfac.planner.choose import best, candidate_strategies, solve_with_strategy, strategy_of
-from fxkfac.planner.costs import CostTable
-from fxkfac.planner.errors import PlanError
-from fxkfac.planner.plan import Plan, rank
-from fxkfac.planner.problem import Problem, SolverConfig
-from fxkfac.planner.solve import solve
-from fxkfac.planner.strategy import COMM_OPT, Strategy, StrategyKind
+from fxkfac.planner.plan.plan import Plan, rank
+from fxkfac.planner.problem.costs import CostTable
+from fxkfac.planner.problem.errors import PlanError
+from fxkfac.planner.problem.problem import Problem, SolverConfig
+from fxkfac.planner.problem.strategy import COMM_OPT, Strategy, StrategyKind
+from fxkfac.planner.search.choose import best, candidate_strategies, solve_with_strategy, strategy_of
+from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import problems
 
@@ -131,7 +131,7 @@ def test_the_whole_search_chooses_no_worse_than_any_forced_candidate(problem: Pr
     """Through `planner.plan`, first-fit (untimed, so every candidate that can win is planned whatever the budget
     left): the choice is no worse than forcing any candidate, at any max_overhead, streaming included. Not validated
     here: a streamed interleaved plan may claim a peak below the validator's, forced as chosen, before this change
-    too (planner/streaming.py's accounting)."""
+    too (planner/problem/streaming.py's accounting)."""
     least, forced = problem.max_overhead == 0, []
     for strategy in candidate_strategies(problem):
         try:

@@ -1,5 +1,5 @@
-"""The step barrier a plan is made for ([Note: step barrier] in planner/window.py): under AGREEMENT_SET the idle at a
-step's end joins the next step's early idle on the devices of an agreement set."""
+"""The step barrier a plan is made for ([Note: step barrier] in planner/plan/window.py): under AGREEMENT_SET the idle at
+a step's end joins the next step's early idle on the devices of an agreement set."""
 
 from __future__ import annotations
 
@@ -7,13 +7,13 @@ from dataclasses import replace
 
 import pytest
 
-from fxkfac.planner.errors import PlanError
-from fxkfac.planner.plan import Plan
-from fxkfac.planner.plan_file import parse_plan
-from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier, stage_groups
-from fxkfac.planner.solve import solve
-from fxkfac.planner.step_timeline import early_start, step_timeline, steps_overlap
+from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.problem.errors import PlanError
+from fxkfac.planner.problem.problem import Problem, SolverConfig, StepBarrier, stage_groups
+from fxkfac.planner.problem.step_timeline import early_start, step_timeline, steps_overlap
+from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate import validate
+from fxkfac.planner.validate.plan_file import parse_plan
 from tests.planner.kfac_cases import problem
 
 CONFIG = SolverConfig(time_limit_s=5)

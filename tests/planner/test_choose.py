@@ -7,8 +7,14 @@ from typing import Any
 
 import pytest
 
-from fxkfac.planner.budget import Budget
-from fxkfac.planner.choose import (
+from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.problem.errors import PlanError
+from fxkfac.planner.problem.hardware import HARDWARE
+from fxkfac.planner.problem.problem import Problem, SolverConfig
+from fxkfac.planner.problem.strategy import parse_strategy
+from fxkfac.planner.search.budget import Budget
+from fxkfac.planner.search.choose import (
     STEP_TIE,
     best,
     candidate_problems,
@@ -17,13 +23,7 @@ from fxkfac.planner.choose import (
     solve_with_strategy,
     strategy_of,
 )
-from fxkfac.planner.costs import CostTable, LayerCost, StageCost
-from fxkfac.planner.errors import PlanError
-from fxkfac.planner.hardware import HARDWARE
-from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import Problem, SolverConfig
-from fxkfac.planner.solve import solve
-from fxkfac.planner.strategy import parse_strategy
+from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate import validate
 
 QUICK = SolverConfig(time_limit_s=2.0)
@@ -179,10 +179,10 @@ def test_at_max_overhead_0_only_the_distributions_of_the_least_reference_step_ar
 ) -> None:
     """A candidate whose reference step is past the allowance of the least one cannot be `best`: the outer search
     gives its time to those that can win, and keeps the plan it would have kept planning them all."""
-    import fxkfac.planner.choose as choose
-    from fxkfac.planner.problem import StepBarrier
-    from fxkfac.planner.profiles import load_cost_table
-    from fxkfac.planner.step_timeline import step_timeline
+    import fxkfac.planner.search.choose as choose
+    from fxkfac.planner.problem.problem import StepBarrier
+    from fxkfac.planner.problem.profiles import load_cost_table
+    from fxkfac.planner.problem.step_timeline import step_timeline
 
     costs = load_cost_table("paper:bert-base/p100", blocks_per_stage=3, n_stages=4, micro_batch_size=32)
     problem = Problem("chimera", 4, 4, costs, barrier=StepBarrier.AGREEMENT_SET)  # max_overhead 0
@@ -216,7 +216,7 @@ def _strategies(problem: Problem) -> tuple[str, ...]:
 def test_a_group_first_fit_places_within_the_budget_keeps_no_time_for_fusing() -> None:
     """Under a memory budget a group's share of the solver time is halved for the rounds that fuse curvature only
     while it has no placement within the budget."""
-    from fxkfac.planner.attempt import _share
+    from fxkfac.planner.search.attempt import _share
 
     clock = Budget.untimed().later(100.0, 200.0)
     budgeted = _problem(budget=1 << 40)

@@ -1,4 +1,4 @@
-"""The communication model (planner/comm.py): formulas by hand, links, JSON, the least-squares fit, the cost
+"""The communication model (planner/problem/comm.py): formulas by hand, links, JSON, the least-squares fit, the cost
 sources that carry it, and the planner pricing collectives with it against the independent validator."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from dataclasses import replace
 
 import pytest
 
-from fxkfac.planner.analytic import analytic_cost_table
-from fxkfac.planner.comm import (
+from fxkfac.planner.problem.analytic import analytic_cost_table
+from fxkfac.planner.problem.comm import (
     ZERO,
     AlphaBeta,
     Collective,
@@ -21,16 +21,16 @@ from fxkfac.planner.comm import (
     seconds,
     wire_bytes,
 )
-from fxkfac.planner.costs import COUNT_BYTES, CostTable, LayerCost, StageCost
-from fxkfac.planner.errors import CostModelError
-from fxkfac.planner.hardware import HARDWARE
-from fxkfac.planner.ir import Op, OpKind, Placement
-from fxkfac.planner.plan_file import parse_plan
-from fxkfac.planner.problem import Problem, SolverConfig
-from fxkfac.planner.profiles import load_cost_table
-from fxkfac.planner.solve import solve
-from fxkfac.planner.step_timeline import plain_step_time, stage_comm, step_timeline
+from fxkfac.planner.problem.costs import COUNT_BYTES, CostTable, LayerCost, StageCost
+from fxkfac.planner.problem.errors import CostModelError
+from fxkfac.planner.problem.hardware import HARDWARE
+from fxkfac.planner.problem.ir import Op, OpKind, Placement
+from fxkfac.planner.problem.problem import Problem, SolverConfig
+from fxkfac.planner.problem.profiles import load_cost_table
+from fxkfac.planner.problem.step_timeline import plain_step_time, stage_comm, step_timeline
+from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate import validate
+from fxkfac.planner.validate.plan_file import parse_plan
 
 A, B = 2e-5, 1e-9  # 20 us per step, 1 GB/s
 LINK = AlphaBeta(A, B)

@@ -12,10 +12,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxkfac.planner.costs import CostTable, LayerCost, StageCost
-from fxkfac.planner.errors import CostModelError
-from fxkfac.planner.presets import preset
-from fxkfac.planner.profiles import (
+from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.problem.errors import CostModelError
+from fxkfac.planner.problem.presets import preset
+from fxkfac.planner.problem.profiles import (
     ProfileLayers,
     cost_table_from_pipefisher_csv,
     load_cost_table,
@@ -308,7 +308,7 @@ def test_any_table_round_trips_through_json_exactly(table: CostTable) -> None:
 def test_the_median_of_ranks_profiles_takes_each_figure_apart_and_refuses_other_splits() -> None:
     """Each time is its own median over the tables (so no one table is returned whole), a figure one table did not
     measure is the median of the others', spreads cover all; a table of another split is refused."""
-    from fxkfac.planner.costs import Spread, median_of
+    from fxkfac.planner.problem.costs import Spread, median_of
     from tests.planner.kfac_cases import table
 
     base = table(2, layers=2)

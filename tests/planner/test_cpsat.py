@@ -10,19 +10,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
-from fxkfac.planner import cpsat
-from fxkfac.planner.costs import CostTable, StageCost
-from fxkfac.planner.errors import InfeasibleBudgetError, PlanError
-from fxkfac.planner.greedy import greedy_window
-from fxkfac.planner.ir import OpKind
-from fxkfac.planner.memory import min_memory_bytes
-from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier, stage_groups
-from fxkfac.planner.profiles import load_cost_table
-from fxkfac.planner.solution import fits_memory
-from fxkfac.planner.solve import solve
-from fxkfac.planner.step_timeline import refresh_lower_bound, step_timeline
+from fxkfac.planner.plan.solution import fits_memory
+from fxkfac.planner.problem.costs import CostTable, StageCost
+from fxkfac.planner.problem.errors import InfeasibleBudgetError, PlanError
+from fxkfac.planner.problem.ir import OpKind
+from fxkfac.planner.problem.memory import min_memory_bytes
+from fxkfac.planner.problem.problem import Problem, SolverConfig, StepBarrier, stage_groups
+from fxkfac.planner.problem.profiles import load_cost_table
+from fxkfac.planner.problem.step_timeline import refresh_lower_bound, step_timeline
+from fxkfac.planner.search import cpsat
+from fxkfac.planner.search.greedy import greedy_window
+from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.window_build import build_window, grid_scale
 from fxkfac.planner.validate import validate
-from fxkfac.planner.window_build import build_window, grid_scale
 from tests.planner.brute_force import brute_feasible
 from tests.planner.kfac_cases import EXHAUSTIVE, EXHAUSTIVE_ABOVE_GREEDY, EXHAUSTIVE_AT_BOUND, layer, problem, problems
 
@@ -200,8 +200,8 @@ def test_the_cpsat_model_accepts_first_fit_where_every_layer_of_the_first_stage_
     empty, at a step boundary that the next step's early F/B spans (no world barrier). An empty interval is a point
     CP-SAT's no-overlap keeps out of other intervals, so while the slot was laid as one the model refused every
     placement of stages 0 and 7; it now holds no interval."""
-    from fxkfac.planner.profiles import ProfileLayers
-    from fxkfac.planner.stream_choice import with_streaming
+    from fxkfac.planner.problem.profiles import ProfileLayers
+    from fxkfac.planner.search.stream_choice import with_streaming
 
     costs = load_cost_table(
         "paper:bert-large/p100", blocks_per_stage=3, n_stages=8, micro_batch_size=32, layers=ProfileLayers.LINEAR

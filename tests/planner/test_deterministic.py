@@ -19,14 +19,15 @@ from typing import Any
 
 import pytest
 
-from fxkfac.planner import SearchOptions, budget
-from fxkfac.planner.costs import CostTable, StageCost
-from fxkfac.planner.errors import PlanError
-from fxkfac.planner.memory import min_memory_bytes
-from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import Problem, SolverConfig
-from fxkfac.planner.schedules import num_stages
-from fxkfac.planner.solve import solve
+from fxkfac.planner import SearchOptions
+from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.problem.costs import CostTable, StageCost
+from fxkfac.planner.problem.errors import PlanError
+from fxkfac.planner.problem.memory import min_memory_bytes
+from fxkfac.planner.problem.problem import Problem, SolverConfig
+from fxkfac.planner.problem.schedules import num_stages
+from fxkfac.planner.search import budget
+from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import gradient_layer, problem
 
@@ -122,7 +123,7 @@ def test_a_refusal_names_the_same_values_every_time() -> None:
 
 _IN_A_PROCESS = """
 import sys
-from fxkfac.planner.solve import solve
+from fxkfac.planner.search.solve import solve
 from tests.planner.test_deterministic import CASES, CONFIG, _text
 print(_text(solve(CASES[sys.argv[1]](), CONFIG)))
 """
@@ -153,7 +154,7 @@ def test_a_wall_clock_solve_still_plans() -> None:
 def test_the_wall_clock_safety_cap_is_logged(monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setattr(budget, "WALL_CAP", 0.0)
     p = CASES["chimera"]()
-    with caplog.at_level(logging.WARNING, logger="fxkfac.planner.budget"):
+    with caplog.at_level(logging.WARNING, logger="fxkfac.planner.search.budget"):
         plan = solve(p, CONFIG)
     assert validate(p, plan) == []
     assert "wall-clock safety cap" in caplog.text and "may differ" in caplog.text
@@ -162,7 +163,7 @@ def test_the_wall_clock_safety_cap_is_logged(monkeypatch: pytest.MonkeyPatch, ca
 def test_plan_options_pass_determinism_to_the_solver(monkeypatch: pytest.MonkeyPatch) -> None:
     from fxkfac import autoplan
     from fxkfac.config import PlanOptions
-    from fxkfac.planner.schedules import ScheduleKind
+    from fxkfac.planner.problem.schedules import ScheduleKind
 
     seen: list[SolverConfig] = []
 

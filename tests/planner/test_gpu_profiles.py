@@ -6,17 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from fxkfac.planner import profiles
-from fxkfac.planner.errors import CostModelError
-from fxkfac.planner.problem import Problem, SolverConfig
-from fxkfac.planner.profiles import (
+from fxkfac.planner.problem import profiles
+from fxkfac.planner.problem.errors import CostModelError
+from fxkfac.planner.problem.problem import Problem, SolverConfig
+from fxkfac.planner.problem.profiles import (
     block_profile_json,
     cost_table_from_pipefisher_csv,
     gpu_profile_names,
     is_profile,
     load_cost_table,
 )
-from fxkfac.planner.solve import solve
+from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate import validate
 
 FIXTURES = Path(__file__).parent.parent / "data" / "gpu_profiles"

@@ -15,18 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from fxkfac.planner.costs import CostTable, StageCost
-from fxkfac.planner.errors import InfeasibleBudgetError, PlanFormatError
-from fxkfac.planner.ir import LayerTiming, Op, OpKind, Program, ops_at
-from fxkfac.planner.lowering import naive_programs
-from fxkfac.planner.memory import min_memory_bytes
-from fxkfac.planner.plan import Plan
-from fxkfac.planner.plan_file import load_plan
-from fxkfac.planner.problem import Problem, SolverConfig
-from fxkfac.planner.schedules import num_stages
-from fxkfac.planner.simulate import simulate
-from fxkfac.planner.solve import solve
+from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.problem.costs import CostTable, StageCost
+from fxkfac.planner.problem.errors import InfeasibleBudgetError, PlanFormatError
+from fxkfac.planner.problem.ir import LayerTiming, Op, OpKind, Program, ops_at
+from fxkfac.planner.problem.lowering import naive_programs
+from fxkfac.planner.problem.memory import min_memory_bytes
+from fxkfac.planner.problem.problem import Problem, SolverConfig
+from fxkfac.planner.problem.schedules import num_stages
+from fxkfac.planner.problem.simulate import simulate
+from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate import validate
+from fxkfac.planner.validate.plan_file import load_plan
 from tests.planner.kfac_cases import gradient_layer
 
 FAST = SolverConfig(time_limit_s=3.0, num_workers=2)
@@ -36,7 +36,7 @@ CASES = {
     "1f1b": ("1f1b", 4, 4, 1, 0.0),
     "1f1b-W2": ("1f1b", 2, 2, 2, 0.0),
     # Chimera's second all-reduce waits for the first stage's statistics and APPLY; the window blocks the tick
-    # before an all-reduce, so both slots go after it and the step must grow a little (planner/window.py notes)
+    # before an all-reduce, so both slots go after it and the step must grow a little (planner/plan/window.py notes)
     "chimera": ("chimera", 4, 4, 1, 0.1),
 }
 """Tiny problems: (schedule, D, N, W, max_overhead), two Shampoo-like layers per stage."""

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from fxkfac.planner import group_search
-from fxkfac.planner.problem import Problem, SolverConfig, StepBarrier
-from fxkfac.planner.profiles import load_cost_table
-from fxkfac.planner.solve import solve
+from fxkfac.planner.problem.problem import Problem, SolverConfig, StepBarrier
+from fxkfac.planner.problem.profiles import load_cost_table
+from fxkfac.planner.search import group_search
+from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import problem
 

@@ -14,14 +14,14 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fxkfac.planner.attempt import Method
-from fxkfac.planner.costs import CostTable, LayerCost, StageCost
-from fxkfac.planner.errors import InfeasibleBudgetError, Knob, PlanError, Suggestion
-from fxkfac.planner.memory import min_memory_bytes
-from fxkfac.planner.problem import Problem, SolverConfig, format_bytes
-from fxkfac.planner.schedules import num_stages
-from fxkfac.planner.solve import solve
-from fxkfac.planner.suggest import device_bytes
+from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.problem.errors import InfeasibleBudgetError, Knob, PlanError, Suggestion
+from fxkfac.planner.problem.memory import min_memory_bytes
+from fxkfac.planner.problem.problem import Problem, SolverConfig, format_bytes
+from fxkfac.planner.problem.schedules import num_stages
+from fxkfac.planner.search.attempt import Method
+from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.suggest import device_bytes
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import problem
 
@@ -157,8 +157,8 @@ def test_planning_ends_within_the_time_limit_and_says_whether_it_is_optimal() ->
     """GPT-2 on 4 A100s under a budget that needs fused curvature took 20 s and more at a 10 s limit:
     now the solve (suggestions included) ends within the limit plus OVERTIME plus one greedy placement, on
     the deterministic clock; on the wall clock, within its safety cap (WALL_CAP times that) at worst."""
-    from fxkfac.planner.analytic import analytic_cost_table
-    from fxkfac.planner.budget import OVERTIME, WALL_CAP
+    from fxkfac.planner.problem.analytic import analytic_cost_table
+    from fxkfac.planner.search.budget import OVERTIME, WALL_CAP
 
     costs = analytic_cost_table("gpt2", 4, 32, None, "a100")
     free = Problem("1f1b", 4, 8, costs, max_overhead=0.05)

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fxkfac.planner.errors import PlanFormatError
-from fxkfac.planner.ir import (
+from fxkfac.planner.problem.errors import PlanFormatError
+from fxkfac.planner.problem.ir import (
     OP_FIELDS,
     Capture,
     LayerTiming,

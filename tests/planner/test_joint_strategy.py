@@ -1,5 +1,5 @@
-"""CP-SAT choosing each layer's distribution with the placement (planner/joint.py, planner/cpsat.py with a
-`Frame`, planner/group_search.py `solve_joint_group`): the least step against every option set enumerated, and
+"""CP-SAT choosing each layer's distribution with the placement (planner/search/joint.py, planner/search/cpsat.py with a
+`Frame`, planner/search/group_search.py `solve_joint_group`): the least step against every option set enumerated, and
 joint plans against every forced strategy and the outer search."""
 
 from __future__ import annotations
@@ -10,13 +10,20 @@ import time
 
 import pytest
 
-from fxkfac.planner.budget import Budget
-from fxkfac.planner.choose import solve_outer, solve_with_strategy, strategy_of
-from fxkfac.planner.costs import CostTable, LayerCost, StageCost
-from fxkfac.planner.cpsat import Frame, least_step, solve_window
-from fxkfac.planner.greedy import greedy_window
-from fxkfac.planner.hardware import HARDWARE
-from fxkfac.planner.joint import (
+from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.plan.solution import GroupSolution
+from fxkfac.planner.plan.window import TaskKind, Window
+from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.problem.hardware import HARDWARE
+from fxkfac.planner.problem.memory import activation_peak, min_memory_bytes, static_bytes
+from fxkfac.planner.problem.problem import Problem, SolverConfig, copies_of_stage, stage_groups
+from fxkfac.planner.problem.step_timeline import step_timeline
+from fxkfac.planner.problem.strategy import parse_strategy
+from fxkfac.planner.search.budget import Budget
+from fxkfac.planner.search.choose import solve_outer, solve_with_strategy, strategy_of
+from fxkfac.planner.search.cpsat import Frame, least_step, solve_window
+from fxkfac.planner.search.greedy import greedy_window
+from fxkfac.planner.search.joint import (
     layer_options,
     ns,
     options_of,
@@ -27,16 +34,9 @@ from fxkfac.planner.joint import (
     transfer,
     window_at,
 )
-from fxkfac.planner.memory import activation_peak, min_memory_bytes, static_bytes
-from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import Problem, SolverConfig, copies_of_stage, stage_groups
-from fxkfac.planner.solution import GroupSolution
-from fxkfac.planner.solve import solve
-from fxkfac.planner.step_timeline import step_timeline
-from fxkfac.planner.strategy import parse_strategy
+from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.window_build import grid_scale
 from fxkfac.planner.validate import validate
-from fxkfac.planner.window import TaskKind, Window
-from fxkfac.planner.window_build import grid_scale
 
 QUICK = SolverConfig(time_limit_s=2.0)
 

@@ -6,11 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from fxkfac.planner.ir import LayerTiming, Op, OpKind, ops_at
-from fxkfac.planner.lowering import Assignment, add_send_recv, expand_dp, kfac_tail, startup_programs
-from fxkfac.planner.schedules import schedule_programs
-from fxkfac.planner.simulate import COMPUTE_KINDS, simulate
-from fxkfac.planner.solution import born_steps
+from fxkfac.planner.plan.solution import born_steps
+from fxkfac.planner.problem.ir import LayerTiming, Op, OpKind, ops_at
+from fxkfac.planner.problem.lowering import Assignment, add_send_recv, expand_dp, kfac_tail, startup_programs
+from fxkfac.planner.problem.schedules import schedule_programs
+from fxkfac.planner.problem.simulate import COMPUTE_KINDS, simulate
 
 
 def _ops(lines: str) -> list[Op]:

@@ -12,22 +12,22 @@ from pathlib import Path
 
 import pytest
 
-from fxkfac.planner.apply_pieces import piece_iterations
-from fxkfac.planner.costs import CostTable, PreconditionerKind
-from fxkfac.planner.errors import PlanError
-from fxkfac.planner.hardware import hardware
-from fxkfac.planner.ir import Op, OpKind
-from fxkfac.planner.muon_costs import muon_cost_table, muon_matrices, ns_iteration_flops
-from fxkfac.planner.ns_placement import NSWhere, critical_path_step, ns_tasks
-from fxkfac.planner.plan import Plan
-from fxkfac.planner.plan_file import parse_plan
-from fxkfac.planner.presets import preset
-from fxkfac.planner.problem import Problem, SolverConfig
-from fxkfac.planner.solve import solve
-from fxkfac.planner.step_timeline import plain_step_time
-from fxkfac.planner.strategy import parse_strategy
-from fxkfac.planner.stream_choice import with_streaming
+from fxkfac.planner.plan.ns_placement import NSWhere, critical_path_step, ns_tasks
+from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.problem.apply_pieces import piece_iterations
+from fxkfac.planner.problem.costs import CostTable, PreconditionerKind
+from fxkfac.planner.problem.errors import PlanError
+from fxkfac.planner.problem.hardware import hardware
+from fxkfac.planner.problem.ir import Op, OpKind
+from fxkfac.planner.problem.muon_costs import muon_cost_table, muon_matrices, ns_iteration_flops
+from fxkfac.planner.problem.presets import preset
+from fxkfac.planner.problem.problem import Problem, SolverConfig
+from fxkfac.planner.problem.step_timeline import plain_step_time
+from fxkfac.planner.problem.strategy import parse_strategy
+from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.stream_choice import with_streaming
 from fxkfac.planner.validate import validate
+from fxkfac.planner.validate.plan_file import parse_plan
 
 
 def _multiply_adds(rows: int, cols: int) -> int:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from fxkfac.planner.errors import ScheduleError
-from fxkfac.planner.ir import OpKind
-from fxkfac.planner.perf_model import SYMBOLS, evaluate, explain, perf_model
-from fxkfac.planner.schedules import ZERO_BUBBLE_KINDS, ScheduleKind, schedule_programs
-from fxkfac.planner.simulate import simulate
+from fxkfac.planner.problem.errors import ScheduleError
+from fxkfac.planner.problem.ir import OpKind
+from fxkfac.planner.problem.perf_model import SYMBOLS, evaluate, explain, perf_model
+from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, ScheduleKind, schedule_programs
+from fxkfac.planner.problem.simulate import simulate
 
 CONFIGS = {
     "gpipe": [(2, 1, 1), (4, 4, 1), (4, 7, 1), (8, 3, 1)],

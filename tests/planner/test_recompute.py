@@ -9,17 +9,17 @@ from itertools import combinations
 
 import pytest
 
-from fxkfac.planner import recompute
-from fxkfac.planner.costs import CostTable, LayerCost, StageCost
-from fxkfac.planner.errors import PlanError
-from fxkfac.planner.ir import OpKind
-from fxkfac.planner.memory import activation_peak, min_memory_bytes, static_bytes
-from fxkfac.planner.plan_file import load_plan
-from fxkfac.planner.problem import Problem, SolverConfig
-from fxkfac.planner.recompute import choose_recompute, plan_recomputing, recompute_choices, recompute_price
-from fxkfac.planner.solve import solve
-from fxkfac.planner.step_timeline import step_timeline
+from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.problem.errors import PlanError
+from fxkfac.planner.problem.ir import OpKind
+from fxkfac.planner.problem.memory import activation_peak, min_memory_bytes, static_bytes
+from fxkfac.planner.problem.problem import Problem, SolverConfig
+from fxkfac.planner.problem.step_timeline import step_timeline
+from fxkfac.planner.search import recompute
+from fxkfac.planner.search.recompute import choose_recompute, plan_recomputing, recompute_choices, recompute_price
+from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate import check_plan
+from fxkfac.planner.validate.plan_file import load_plan
 
 MIB = 1 << 20
 ACT, BOUNDARY = 64 * MIB, MIB

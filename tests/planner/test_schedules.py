@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from fxkfac.planner.errors import ScheduleError
-from fxkfac.planner.ir import Op, OpKind, format_programs, parse_programs
-from fxkfac.planner.schedules import (
+from fxkfac.planner.problem.errors import ScheduleError
+from fxkfac.planner.problem.ir import Op, OpKind, format_programs, parse_programs
+from fxkfac.planner.problem.schedules import (
     ScheduleKind,
     num_stages,
     schedule_programs,

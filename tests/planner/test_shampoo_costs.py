@@ -7,15 +7,14 @@ from dataclasses import replace
 
 import pytest
 
-from fxkfac.planner.block_size import block_candidates
-from fxkfac.planner.blocking import LargeDimMethod, partition
-from fxkfac.planner.costs import CostTable
-from fxkfac.planner.errors import CostModelError
-from fxkfac.planner.hardware import HardwareSpec
-from fxkfac.planner.ir import OpKind
-from fxkfac.planner.preconditioners import WORDS, PreconditionerKind, kind_of, words_of
-from fxkfac.planner.presets import TensorSpec, preset
-from fxkfac.planner.shampoo_costs import (
+from fxkfac.planner.problem.blocking import LargeDimMethod, partition
+from fxkfac.planner.problem.costs import CostTable
+from fxkfac.planner.problem.errors import CostModelError
+from fxkfac.planner.problem.hardware import HardwareSpec
+from fxkfac.planner.problem.ir import OpKind
+from fxkfac.planner.problem.preconditioners import WORDS, PreconditionerKind, kind_of, words_of
+from fxkfac.planner.problem.presets import TensorSpec, preset
+from fxkfac.planner.problem.shampoo_costs import (
     NEWTON_ITERATIONS,
     RootMethod,
     gradient_cost_table,
@@ -23,6 +22,7 @@ from fxkfac.planner.shampoo_costs import (
     newton_matmuls,
     parameter_cost,
 )
+from fxkfac.planner.search.block_size import block_candidates
 
 PEAK = 1e12
 # Compute bound everywhere (bandwidth out of reach), GEMMs at peak, factorizations at half of it: every time is
@@ -106,7 +106,7 @@ def test_cost_tables_carry_their_family() -> None:
     assert kind_of(CostTable.from_json(table.to_json())) is SHAMPOO
     unblocked = gradient_cost_table("bert-base", 4, 32, hardware="p100", kind=SOAP, max_dim=None)
     assert unblocked.source.endswith(":qr:unblocked") and words_of(unblocked) is WORDS[SOAP]
-    from fxkfac.planner.analytic import analytic_cost_table
+    from fxkfac.planner.problem.analytic import analytic_cost_table
 
     assert kind_of(analytic_cost_table("bert-base", 4, 32)) is PreconditionerKind.KFAC
     with pytest.raises(CostModelError, match="analytic_cost_table"):

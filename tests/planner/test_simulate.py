@@ -9,10 +9,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxkfac.planner.errors import DeadlockError
-from fxkfac.planner.ir import Op, OpKind
-from fxkfac.planner.schedules import schedule_programs, stage_rank
-from fxkfac.planner.simulate import simulate
+from fxkfac.planner.problem.errors import DeadlockError
+from fxkfac.planner.problem.ir import Op, OpKind
+from fxkfac.planner.problem.schedules import schedule_programs, stage_rank
+from fxkfac.planner.problem.simulate import simulate
 
 
 def fb(tf: float, tb: float):

@@ -9,13 +9,13 @@ import dataclasses
 
 import pytest
 
-from fxkfac.planner.errors import PlanError
-from fxkfac.planner.ir import OpKind
-from fxkfac.planner.plan import Plan
-from fxkfac.planner.plan_file import parse_plan
-from fxkfac.planner.problem import SolverConfig
-from fxkfac.planner.solve import solve
+from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.problem.errors import PlanError
+from fxkfac.planner.problem.ir import OpKind
+from fxkfac.planner.problem.problem import SolverConfig
+from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate import validate
+from fxkfac.planner.validate.plan_file import parse_plan
 from tests.planner.kfac_cases import problem
 
 FAST = SolverConfig(time_limit_s=4.0, num_workers=2)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from fxkfac.planner.errors import PlanError
-from fxkfac.planner.problem import Problem, SolverConfig
-from fxkfac.planner.solve import solve
+from fxkfac.planner.problem.errors import PlanError
+from fxkfac.planner.problem.problem import Problem, SolverConfig
+from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate import validate
 
 # A profiled BERT (hidden 128, 4 blocks) on Chimera D=2, N=4 (no bubble): at max_overhead 0.06 its STATS tasks
@@ -49,8 +49,8 @@ def test_a_relaxed_max_overhead_is_the_one_of_the_distribution_with_the_least_st
     """No distribution plans within the bubbles alone; the refusal suggests the max_overhead of the candidate whose
     reference step stretched by its own least max_overhead is least (here MEM-OPT: a shorter reference, a slightly
     larger fraction), checked against each candidate's refusal searched alone."""
-    from fxkfac.planner.choose import candidate_problems, solve_with_strategy
-    from fxkfac.planner.step_timeline import step_timeline
+    from fxkfac.planner.problem.step_timeline import step_timeline
+    from fxkfac.planner.search.choose import candidate_problems, solve_with_strategy
 
     bubbles_alone = dataclasses.replace(PROBLEM, max_overhead=0.0)
     steps = {}
@@ -67,7 +67,7 @@ def test_a_relaxed_max_overhead_is_the_one_of_the_distribution_with_the_least_st
 
 
 def test_chunks_are_consecutive_and_even() -> None:
-    from fxkfac.planner.window_build import _chunks
+    from fxkfac.planner.search.window_build import _chunks
 
     layers = [f"l{i}" for i in range(10)]
     assert _chunks(layers, 4) == [layers[0:3], layers[3:6], layers[6:10]]
@@ -80,8 +80,8 @@ def test_per_layer_statistics_pack_a_paper_configuration_at_its_bound_where_a_st
     """BERT-Large Chimera D=8 on the paper's profiles, one K-FAC layer per sublayer (384 STATS tasks a stage group):
     first-fit of one task per layer refreshes every stage at the lower bound; one task per F/B for all of a stage's
     layers (what the planner chose above 256 tasks until 2026-11-28) does not."""
-    from fxkfac.planner.problem import StepBarrier
-    from fxkfac.planner.profiles import ProfileLayers, load_cost_table
+    from fxkfac.planner.problem.problem import StepBarrier
+    from fxkfac.planner.problem.profiles import ProfileLayers, load_cost_table
 
     costs = load_cost_table(
         "paper:bert-large/p100", blocks_per_stage=3, n_stages=8, micro_batch_size=32, layers=ProfileLayers.SUBLAYER

@@ -6,10 +6,10 @@ from fractions import Fraction
 
 import pytest
 
-from fxkfac.planner.errors import ConfigError
-from fxkfac.planner.ir import Op, OpKind
-from fxkfac.planner.lowering import kfac_tail
-from fxkfac.planner.strategy import (
+from fxkfac.planner.problem.errors import ConfigError
+from fxkfac.planner.problem.ir import Op, OpKind
+from fxkfac.planner.problem.lowering import kfac_tail
+from fxkfac.planner.problem.strategy import (
     COMM_OPT,
     LayerDistribution,
     Strategy,
@@ -72,7 +72,7 @@ def test_holdings_per_strategy() -> None:
 
 
 def test_mem_opt_tail_applies_own_layers_and_broadcasts_every_layer() -> None:
-    from fxkfac.planner.ir import LayerTiming
+    from fxkfac.planner.problem.ir import LayerTiming
 
     timings = {n: LayerTiming(1, 0, 0, "deferred") for n in ("x", "y")}
     where = {"x": LayerDistribution(parse_strategy("mem-opt"), 0), "y": LayerDistribution(parse_strategy("mem-opt"), 1)}

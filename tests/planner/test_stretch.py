@@ -9,15 +9,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fxkfac.planner.costs import CostTable, LayerCost, StageCost
-from fxkfac.planner.errors import Knob, PlanError
-from fxkfac.planner.ir import OpKind
-from fxkfac.planner.plan import Plan
-from fxkfac.planner.plan_file import parse_plan
-from fxkfac.planner.problem import Problem, SolverConfig, copies_of_stage
-from fxkfac.planner.solve import solve
-from fxkfac.planner.step_timeline import step_timeline
+from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.problem.errors import Knob, PlanError
+from fxkfac.planner.problem.ir import OpKind
+from fxkfac.planner.problem.problem import Problem, SolverConfig, copies_of_stage
+from fxkfac.planner.problem.step_timeline import step_timeline
+from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate import validate
+from fxkfac.planner.validate.plan_file import parse_plan
 from tests.planner.brute_force import brute_feasible
 from tests.planner.kfac_cases import problem, problems
 

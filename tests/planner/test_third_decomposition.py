@@ -9,14 +9,14 @@ from typing import Any
 
 import pytest
 
-from fxkfac.planner import group_search
-from fxkfac.planner.ir import OpKind
-from fxkfac.planner.memory import decomposition_bytes
-from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import SolverConfig
-from fxkfac.planner.solution import GroupSolution, fits_memory, peak_bytes, remade_spans
-from fxkfac.planner.solve import solve
-from fxkfac.planner.step_timeline import step_timeline, window_length
+from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.plan.solution import GroupSolution, fits_memory, peak_bytes, remade_spans
+from fxkfac.planner.problem.ir import OpKind
+from fxkfac.planner.problem.memory import decomposition_bytes
+from fxkfac.planner.problem.problem import SolverConfig
+from fxkfac.planner.problem.step_timeline import step_timeline, window_length
+from fxkfac.planner.search import group_search
+from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import problem
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from fxkfac.planner.costs import CostTable, LayerCost, StageCost
-from fxkfac.planner.ir import OpKind
-from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import Problem, SolverConfig
-from fxkfac.planner.solve import solve
+from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.problem.ir import OpKind
+from fxkfac.planner.problem.problem import Problem, SolverConfig
+from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate import validate
 
 MS = 1e-3

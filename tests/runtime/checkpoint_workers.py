@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import fxkfac
 from fxkfac.config import KFACConfig, PipelineOptions
-from fxkfac.planner.ir import LayerTiming
+from fxkfac.planner.problem.ir import LayerTiming
 from tests.support import models
 
 __all__ = [
@@ -378,7 +378,7 @@ def nan_run(nan_at: tuple[int, ...], steps: int) -> dict:
 def collective_death_worker(rank: int, world: int, where: str) -> dict:
     """Chimera MLP (both ranks hold every stage): rank 1 dies just before a K-FAC collective of step 1."""
     from fxkfac.errors import PipelineError
-    from fxkfac.planner.ir import OpKind
+    from fxkfac.planner.problem.ir import OpKind
 
     trainer = mlp_trainer(schedule="chimera", timeout=10.0)
     batches = mlp_batches(2)

@@ -12,7 +12,7 @@ from torch import nn
 
 import fxkfac
 from fxkfac.config import KFACConfig, PipelineOptions
-from fxkfac.planner.ir import LayerTiming
+from fxkfac.planner.problem.ir import LayerTiming
 from tests.runtime.checkpoint_workers import same_snapshot, snapshot
 
 __all__ = ["EvalConfig", "dropout_mlp", "evaluate_worker"]

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 import fxkfac
 from fxkfac.config import KFACConfig, LossScaling, PipelineOptions
-from fxkfac.planner.ir import LayerTiming
+from fxkfac.planner.problem.ir import LayerTiming
 from tests.runtime.workers import Config, loss_for, make_batches, make_model, make_optimizer
 from tests.support.models import mlp
 

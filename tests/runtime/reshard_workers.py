@@ -9,7 +9,7 @@ import torch
 
 import fxkfac
 from fxkfac.config import PipelineOptions, PlanOptions
-from fxkfac.planner.ir import LayerTiming
+from fxkfac.planner.problem.ir import LayerTiming
 from tests.runtime import checkpoint_workers as cw
 from tests.support import models
 

@@ -17,9 +17,9 @@ from fxkfac.config import KLClipScope
 from fxkfac.errors import CheckpointError
 from fxkfac.kfac.family import KFACFamily
 from fxkfac.kfac.inverse import FactorInverse, Inverse
-from fxkfac.planner.ir import LayerTiming
-from fxkfac.planner.plan import Plan
-from fxkfac.planner.solve import solve
+from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.problem.ir import LayerTiming
+from fxkfac.planner.search.solve import solve
 from fxkfac.runtime.mesh import StageCopies
 from fxkfac.runtime.p2p import TagSpace, Transport
 from fxkfac.runtime.preconditioning import PreconditionerRuntime
@@ -203,8 +203,8 @@ def test_killed_rank_fails_the_job_and_a_fresh_launch_resumes_exactly(tmp_path: 
 
 def _plan_for_a_2x2_mesh() -> Plan:
     """A plan (the paper's greedy placement on analytic costs) for 1F1B on a 2x2 mesh."""
-    from fxkfac.planner.analytic import analytic_cost_table
-    from fxkfac.planner.problem import Problem, SolverConfig
+    from fxkfac.planner.problem.analytic import analytic_cost_table
+    from fxkfac.planner.problem.problem import Problem, SolverConfig
 
     problem = Problem(
         "1f1b",

@@ -8,7 +8,7 @@ from datetime import timedelta
 
 import torch
 
-from fxkfac.planner.lowering import ranks_of_stages
+from fxkfac.planner.problem.lowering import ranks_of_stages
 from fxkfac.runtime.p2p import TagSpace, Transport
 from fxkfac.runtime.step_end import last_to_end
 from tests.support.distributed import run_distributed

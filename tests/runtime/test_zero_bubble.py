@@ -17,7 +17,7 @@ import fxkfac
 from fxkfac.config import PipelineOptions
 from fxkfac.errors import PipelineError
 from fxkfac.passes.split_stages import StageGraph, TensorSpec
-from fxkfac.planner.ir import OpKind
+from fxkfac.planner.problem.ir import OpKind
 from fxkfac.runtime.stage import StageRunner
 from tests import test_shampoo_pipeline as shampoo
 from tests.e2e import workers as kfac

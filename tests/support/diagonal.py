@@ -18,7 +18,7 @@ from fxkfac.errors import ConfigError
 from fxkfac.kfac.factors import e_rows, running_average
 from fxkfac.kfac.precondition import kl_clip_scale
 from fxkfac.passes.layers import KFACLayer
-from fxkfac.planner.costs import LayerCost
+from fxkfac.planner.problem.costs import LayerCost
 from fxkfac.preconditioner import RefreshState, Source
 
 

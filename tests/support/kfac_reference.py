@@ -13,7 +13,7 @@ from fxkfac.kfac.inverse import Inverse, damping_split, invert
 from fxkfac.kfac.precondition import grad_matrix, kl_clip_scale, precondition, split_grad
 from fxkfac.kfac.split_inverse import previous_half, split_invert_factor
 from fxkfac.passes.layers import KFACLayer
-from fxkfac.planner.ir import LayerTiming
+from fxkfac.planner.problem.ir import LayerTiming
 from tests.passes.reference import hook_factors
 
 __all__ = ["KFACReference"]

@@ -1,0 +1,241 @@
+"""A window's solution and what it says: the placements of its ops (device, step, seconds), each layer's use
+offset, the memory peak on a device, and the step from which each refresh op exists."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
+
+from fxkfac.planner.plan.window import TaskKind, Window, wrap
+from fxkfac.planner.problem.ir import LayerTiming, Op, OpKind, Placement
+from fxkfac.planner.problem.memory import decomposition_bytes, peak_level, static_bytes
+from fxkfac.planner.problem.strategy import LayerDistribution
+from fxkfac.planner.problem.streaming import made_refreshes, replica_born
+
+if TYPE_CHECKING:
+    from fxkfac.planner.problem.problem import Problem
+
+Born = dict[int, dict[Op, int]]
+"""Per device, each op's first window step (`planner.lowering.startup_programs`)."""
+
+__all__ = [
+    "Placement",
+    "GroupSolution",
+    "placements_of",
+    "use_offsets",
+    "prec_steps_ready",
+    "remade_spans",
+    "peak_bytes",
+    "fits_memory",
+    "is_refresh_op",
+    "born_steps",
+    "plan_born",
+    "Born",
+]
+
+
+@dataclass(frozen=True)
+class GroupSolution:
+    """A solution for one window: task starts (absolute ticks) and devices, APPLY starts, use offsets,
+    and how it was found (method "greedy"/"cpsat", status, objective, proven lower bound on k).
+
+    A joint solve ([Note: joint strategy] in planner/search/joint.py) places the window's tasks but its broadcasts,
+    which are the options' (`planner.cpsat.placed_tasks`), and says what it chose: each layer's distribution, the start
+    of the chosen option's BCAST of each (layer, part) and the ticks each stage's slot was given
+    (`planner.joint.transfer` makes it a solution of the chosen problem's own window). Empty: the window
+    problem's own distributions, its BCAST tasks and slots."""
+
+    window: Window
+    starts: tuple[int, ...]
+    devices: tuple[int, ...]
+    prec_starts: tuple[int, ...]
+    use_offset: Mapping[str, int]
+    method: str
+    status: str
+    k_lower_bound: int
+    wall_time: float = field(default=0.0, compare=False)
+    """Wall seconds it took (a measurement of this machine now: not part of equality)."""
+    choices: Mapping[str, LayerDistribution] = field(default_factory=dict)
+    bcasts: Mapping[tuple[str, str], int] = field(default_factory=dict)
+    slot_ticks: Mapping[int, int] = field(default_factory=dict)
+
+    @property
+    def step_ticks(self) -> int:
+        """Ticks of the window's first step, its stretch included (every step of a window with nothing fused)."""
+        return self.window.offsets[1]
+
+    @property
+    def staleness(self) -> int:
+        """The sum of use offsets (what a least-staleness solve minimizes)."""
+        return sum(self.use_offset.values())
+
+    def named_starts(self) -> dict[str, int]:
+        """Every placed task's start by name, each chosen broadcast's as "bcast_{part}_{layer}" (the BCAST tasks'
+        names in a window that has them)."""
+        named = {task.name: t for task, t in zip(self.window.tasks, self.starts)}
+        return named | {f"bcast_{part}_{layer}": t for (layer, part), t in self.bcasts.items()}
+
+    def inv_devices(self) -> dict[tuple[str, str], int]:
+        """The rank decomposing each (layer, part)."""
+        return {task.factors[0]: d for task, d in zip(self.window.tasks, self.devices) if task.kind is TaskKind.INV}
+
+    def choice(self, layer: str) -> LayerDistribution:
+        """`layer`'s distribution in this solution."""
+        return self.choices[layer] if layer in self.choices else self.window.problem.where(layer)
+
+    def distributions(self) -> dict[str, LayerDistribution]:
+        """Every layer of the window's stage group with its distribution in this solution."""
+        stages = self.window.problem.costs.stages
+        return {x.name: self.choice(x.name) for s in self.window.group.stages for x in stages[s].layers}
+
+
+def all_placed(solutions: Iterable[GroupSolution | None]) -> list[GroupSolution] | None:
+    """Every group's solution, or None when any group found none."""
+    placed = list(solutions)
+    return None if any(s is None for s in placed) else [s for s in placed if s is not None]
+
+
+def prec_steps_ready(window: Window, prec_starts: tuple[int, ...], layer: str, ready: int) -> int:
+    """The first step u (0..2k) whose APPLY of `layer`'s stage starts, on every copy, at or after tick `ready` (a
+    streamed layer: whose owner's last backward does; `Window.streamed_use`)."""
+    stage, k, L = window.problem.costs.stage_of(layer), window.k, window.length
+    for u in range(2 * k + 1):
+        streamed = window.streamed_use(layer, u)
+        if all(
+            (streamed if streamed is not None else L * (u // k) + prec_starts[i]) >= ready
+            for i, slot in enumerate(window.precs)
+            if slot.stage == stage and slot.step == u % k
+        ):
+            return u
+    return 2 * k + 1
+
+
+def use_offsets(
+    window: Window, starts: tuple[int, ...], prec_starts: tuple[int, ...], later: Mapping[str, int] | None = None
+) -> dict[str, int]:
+    """Per layer, the step offset from which its new inverse preconditions: the first APPLY after both
+    factors' inverses (and broadcasts) are done; `later`: per layer, the end of work placed apart from the
+    window's tasks (a joint solve's chosen broadcasts)."""
+    ready: dict[str, int] = dict(later or {})
+    for task, start in zip(window.tasks, starts):
+        if task.kind in (TaskKind.INV, TaskKind.BCAST):
+            for layer, _ in task.factors:
+                ready[layer] = max(ready.get(layer, 0), start + task.ticks)
+    return {layer: prec_steps_ready(window, prec_starts, layer, t) for layer, t in ready.items()}
+
+
+def remade_spans(solution: GroupSolution, device: int) -> list[tuple[int, int, int]]:
+    """(start, end, bytes) within the window, on `device`, of each third decomposition of a layer: from its next
+    refresh's first DECOMP end (a window after this one's) until the device's APPLY first uses this refresh (in
+    step `use_offset`), when that comes later. `memory.static_bytes` counts two (the active and the pending one)."""
+    w = solution.window
+    k, L = w.k, w.length
+    first: dict[str, int] = {}  # each layer's first DECOMP or BCAST op's end (a task may hold several layers')
+    for task, start in zip(w.tasks, solution.starts):
+        if task.kind in (TaskKind.INV, TaskKind.BCAST):
+            for op, at in zip(task.ops, itertools.accumulate(task.seconds)):
+                if op.layer is not None and op.kind in (OpKind.DECOMP, OpKind.BCAST):
+                    first[op.layer] = min(first.get(op.layer, start + task.ticks), start + math.ceil(at * w.scale))
+    out = []
+    for layer, made in first.items():
+        nbytes = decomposition_bytes(w.problem, device, layer)
+        stage, u = w.problem.costs.stage_of(layer), solution.use_offset[layer]
+        used = L * (u // k) + max(
+            (
+                solution.prec_starts[i] + math.ceil(at * w.scale)
+                for i, p in enumerate(w.precs)
+                if (p.device, p.stage, p.step) == (device, stage, u % k)
+                for op, at in zip(p.ops, p.offsets)
+                if op.kind is OpKind.APPLY and op.layer in (None, layer)
+            ),
+            default=0,
+        )
+        if nbytes and made + L < used:
+            out += [(s, e, nbytes) for s, e in wrap(made + L, used, L)]
+    return out
+
+
+def placements_of(solution: GroupSolution) -> list[Placement]:
+    """The solution's ops with device, window step and times in seconds (collectives on every member; each
+    APPLY slot's gradient STATS back to back before its APPLY)."""
+    w = solution.window
+    out: list[Placement] = []
+    for task, start, device in zip(w.tasks, solution.starts, solution.devices):
+        members = task.devices if task.kind.collective else (device,)
+        ops = tuple(
+            replace(op, root=device) if task.kind is TaskKind.BCAST else op  # from where it was decomposed
+            for op in task.ops
+        )
+        for member in members:
+            out += _back_to_back(ops, task.seconds, member, w.step_of(member, start), w.seconds(start))
+    for slot, start in zip(w.precs, solution.prec_starts):
+        out += [
+            Placement(op, slot.device, slot.step, w.seconds(start) + at, w.seconds(start) + at + secs)
+            for op, secs, at in zip(slot.ops, slot.durations, slot.offsets)
+        ]
+    return out
+
+
+def _back_to_back(ops: Iterable[Op], durations: Iterable[float], device: int, step: int, t: float) -> list[Placement]:
+    """`ops` placed one after another on `device` from `t` seconds, each for its duration."""
+    out = []
+    for op, secs in zip(ops, durations):
+        out.append(Placement(op, device, step, t, t + secs))
+        t += secs
+    return out
+
+
+def peak_bytes(solution: GroupSolution, device: int) -> int:
+    """Static bytes plus the peak of activations, kept a/e and third decompositions (`remade_spans`) on `device`
+    over the (modular) window."""
+    window = solution.window
+    kept = [
+        (s, e, task.keep_bytes)
+        for task, start in zip(window.tasks, solution.starts)
+        if task.kind is TaskKind.CURV and task.devices[0] == device and task.keep_bytes
+        for s, e in wrap(task.release, start + task.ticks, window.length)
+    ]
+    spans = [*window.acts[device], *kept, *remade_spans(solution, device)]
+    return static_bytes(window.problem, device) + peak_level(spans)
+
+
+def fits_memory(solution: GroupSolution) -> bool:
+    """Whether the solution stays within the memory budget on every device of its group."""
+    w = solution.window
+    budget = w.problem.memory_budget
+    return budget is None or all(peak_bytes(solution, d) <= budget for d in w.group.devices)
+
+
+_REFRESH_KINDS = frozenset({OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST})
+
+
+def is_refresh_op(op: Op) -> bool:
+    """Whether `op` works for one refresh (not a gradient STATS or an APPLY, which run at every step from step 0)."""
+    return op.kind in _REFRESH_KINDS and not (op.kind is OpKind.STATS and op.mb is None)
+
+
+def plan_born(problem: Problem, placements: Iterable[Placement], timings: Mapping[str, LayerTiming]) -> Born:
+    """`born_steps` of a plan's placements, with each streamed layer's replica transfers, first run at the step of
+    the op that makes the refresh they carry (planner/problem/streaming.py `replica_born`)."""
+    placed = list(placements)
+    born = born_steps(placed)
+    if problem.streaming is not None:
+        sender = problem.stream_owners[0]
+        made = made_refreshes(problem.streaming, placed, timings, sender)
+        for rank, ops in replica_born(problem.streaming, sender, made).items():
+            born.setdefault(rank, {}).update(ops)
+    return born
+
+
+def born_steps(placements: Iterable[Placement]) -> Born:
+    """Per device, each refresh op's latest window step: from that global step on its refresh exists
+    (see `planner.lowering.startup_programs`); per-step ops are not listed (they run from step 0)."""
+    born: Born = {}
+    for p in placements:
+        if is_refresh_op(p.op):
+            mine = born.setdefault(p.device, {})
+            mine[p.op] = max(mine.get(p.op, 0), p.step)
+    return born

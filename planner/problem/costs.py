@@ -1,0 +1,698 @@
+"""Cost tables: what each stage and K-FAC layer costs in seconds and bytes (+ JSON), and what communication
+costs between the devices (`CostTable.comm`, planner/problem/comm.py). Reading the PipeFisher paper's measured profiles
+into a cost table, and `load_cost_table`, are planner/problem/profiles.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import asdict, dataclass, fields, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+from fxkfac.planner.problem.comm import Collective, CommModel
+from fxkfac.planner.problem.comm import seconds as comm_seconds
+from fxkfac.planner.problem.errors import CostModelError
+from fxkfac.planner.problem.ir import Op, OpKind
+
+__all__ = [
+    "PreconditionerKind",
+    "Spread",
+    "PartCost",
+    "SCHEMA_VERSION",
+    "COUNT_BYTES",
+    "LayerCost",
+    "StageCost",
+    "CostTable",
+    "median_of",
+    "combined_stage",
+]
+
+SCHEMA_VERSION = 1
+"""Version of the cost-table JSON layout; `CostTable.from_json` refuses any other."""
+
+COUNT_BYTES = 4
+"""Bytes of the micro-batch count a SYNC_STATS all-reduces with each statistic (one element of the fp32
+statistics; the runtime appends it to the flattened sum)."""
+
+
+_SPREAD = "_spread"
+"""Suffix of the field that holds the `Spread` of the time field it follows (`bwd` -> `bwd_spread`)."""
+
+
+def _check_number(owner: str, field: str, value: Any, *, integer: bool) -> None:
+    """Refuse a negative, non-finite or wrongly typed cost, naming where it sits."""
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        want = "an int (bytes)" if integer else "a number (seconds)"
+        raise CostModelError(f"{owner}: {field} must be {want}, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise CostModelError(f"{owner}: {field} must be finite and >= 0, got {value!r}")
+
+
+def _check_fields(obj: Any, owner: str, byte_fields: frozenset[str], skip: frozenset[str]) -> None:
+    for f in fields(obj):
+        if f.name not in skip and not f.name.endswith(_SPREAD):
+            _check_number(owner, f.name, getattr(obj, f.name), integer=f.name in byte_fields)
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    """The fastest and slowest of a profiled time's repeats, in seconds (the profiler plans with the fastest).
+
+    (min, max) rather than quartiles: a profile takes a handful of repeats (5 by default), whose quartiles are
+    barely other samples, and the extremes show at once how far a busy machine moved one figure. Tables from a
+    file or a preset have none (None)."""
+
+    low: float
+    high: float
+
+    def __post_init__(self) -> None:
+        _check_number("Spread", "low", self.low, integer=False)
+        _check_number("Spread", "high", self.high, integer=False)
+        if self.low > self.high:
+            raise CostModelError(f"Spread: low {self.low!r} exceeds high {self.high!r}")
+
+    @property
+    def width(self) -> float:
+        """Seconds between the slowest and the fastest repeat."""
+        return self.high - self.low
+
+    def scaled(self, factor: float) -> Spread:
+        """Both ends multiplied by `factor` (as the time they belong to is)."""
+        return Spread(self.low * factor, self.high * factor)
+
+    @staticmethod
+    def covering(spreads: Iterable[Spread | None]) -> Spread | None:
+        """From the fastest to the slowest repeat of any of `spreads` (None when none was measured)."""
+        known = [s for s in spreads if s is not None]
+        return Spread(min(s.low for s in known), max(s.high for s in known)) if known else None
+
+
+def _check_spreads(obj: Any, owner: str) -> None:
+    """Each `<time>_spread` field is None or a Spread. Whether it still holds its time is not checked: a time
+    changed by hand keeps the spread it was measured with (the CostTable helpers scale both)."""
+    for f in fields(obj):
+        spread = getattr(obj, f.name)
+        if f.name.endswith(_SPREAD) and spread is not None and not isinstance(spread, Spread):
+            raise CostModelError(f"{owner}: {f.name} must be a Spread or None, got {spread!r}")
+
+
+def _scaled(spread: Spread | None, factor: float) -> Spread | None:
+    return None if spread is None else spread.scaled(factor)
+
+
+@dataclass(frozen=True, slots=True)
+class PartCost:
+    """What one part of a layer's preconditioner costs per refresh (K-FAC's parts: the factors A and B).
+
+    after: the op whose end makes the part's capture (FWD: the layer input; BWD: its output gradient;
+    ALLREDUCE_GRAD: the stage's reduced gradient, a statistic taken at every step before APPLY);
+    stats: seconds to turn one micro-batch's capture (a gradient part: one step's gradient) into its
+    statistic; decomp: seconds to decompose (invert) the statistic; capture_bytes: what a *deferred*
+    capture keeps per micro-batch (0 for a gradient part); state_bytes: the statistic (its decomposition
+    is as large); stats_spread, decomp_spread: the fastest and slowest repeat of a profiled stats / decomp
+    (`Spread`; None when not measured here).
+    """
+
+    part: str
+    after: OpKind
+    stats: float
+    decomp: float
+    capture_bytes: int
+    state_bytes: int
+    stats_spread: Spread | None = None
+    decomp_spread: Spread | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.part, str) or len(self.part) != 1 or not self.part.isupper():
+            raise CostModelError(f"PartCost.part must be one capital letter, got {self.part!r}")
+        if self.after not in (OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD):
+            raise CostModelError(f"PartCost.after must be FWD, BWD or ALLREDUCE_GRAD, got {self.after!r}")
+        _check_fields(
+            self, f"part {self.part!r}", frozenset({"capture_bytes", "state_bytes"}), frozenset({"part", "after"})
+        )
+        _check_spreads(self, f"part {self.part!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCost:
+    """What one preconditioned layer costs: its parts (none for a Muon matrix, whose only work is its APPLY),
+    `prec` seconds to apply its preconditioner per step, `state_bytes` of per-step optimizer state besides the
+    parts' statistics (Shampoo's graft state and momentum, SOAP's Adam moments, Muon's momentum), held for the whole
+    run, and `grad_bytes` of its gradient (what a grad worker broadcasts when it preconditions the layer for other
+    copies; 0: unknown, see `gradient_bytes`); `prec_spread` the fastest and slowest repeat of a profiled `prec`
+    (None when not measured here)."""
+
+    name: str
+    parts: tuple[PartCost, ...]
+    prec: float
+    state_bytes: int = 0
+    grad_bytes: int = 0
+    prec_spread: Spread | None = None
+    grad_ready: float | None = None
+    """Seconds from the start of its stage's backward (one micro-batch, eager) until the layer's gradient is final:
+    when a streamed APPLY can take it (planner/problem/streaming.py); None where not measured (an estimate is used)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise CostModelError(f"LayerCost.name must be a non-empty string, got {self.name!r}")
+        if self.grad_ready is not None:
+            _check_number(f"layer {self.name!r}", "grad_ready", self.grad_ready, integer=False)
+        if not isinstance(self.parts, tuple) or not all(isinstance(p, PartCost) for p in self.parts):
+            raise CostModelError(f"layer {self.name!r}: parts must be a tuple of PartCost (empty: Muon's matrices)")
+        if len({p.part for p in self.parts}) != len(self.parts):
+            raise CostModelError(f"layer {self.name!r}: parts {[p.part for p in self.parts]} repeat a name")
+        _check_number(f"layer {self.name!r}", "prec", self.prec, integer=False)
+        _check_number(f"layer {self.name!r}", "state_bytes", self.state_bytes, integer=True)
+        _check_number(f"layer {self.name!r}", "grad_bytes", self.grad_bytes, integer=True)
+        _check_spreads(self, f"layer {self.name!r}")
+
+    @classmethod
+    def kfac(
+        cls,
+        name: str,
+        curv_a: float,
+        curv_b: float,
+        inv_a: float,
+        inv_b: float,
+        prec: float,
+        a_bytes: int,
+        e_bytes: int,
+        factor_a_bytes: int,
+        factor_b_bytes: int,
+        grad_bytes: int = 0,
+    ) -> LayerCost:
+        """A K-FAC layer: A_m / B_m from one micro-batch in curv_a / curv_b seconds, each factor inverted in
+        inv_a / inv_b, B^-1 G A^-1 in prec; a deferred capture keeps a_bytes / e_bytes (the rows of a and of e)
+        per micro-batch; each factor takes factor_a_bytes / factor_b_bytes; the weight and bias gradients
+        grad_bytes."""
+        return cls(
+            name,
+            (
+                PartCost("A", OpKind.FWD, curv_a, inv_a, a_bytes, factor_a_bytes),
+                PartCost("B", OpKind.BWD, curv_b, inv_b, e_bytes, factor_b_bytes),
+            ),
+            prec,
+            grad_bytes=grad_bytes,
+        )
+
+    def part(self, name: str) -> PartCost:
+        """The cost of part `name`; CostModelError when the layer has none such."""
+        for p in self.parts:
+            if p.part == name:
+                return p
+        raise CostModelError(f"layer {self.name!r} has parts {[p.part for p in self.parts]}, not {name!r}")
+
+    @property
+    def curv(self) -> float:
+        """Seconds of the statistics of every part per micro-batch."""
+        return sum(p.stats for p in self.parts)
+
+    @property
+    def inv(self) -> float:
+        """Seconds to decompose every part."""
+        return sum(p.decomp for p in self.parts)
+
+    @property
+    def factor_bytes(self) -> int:
+        """Bytes of every part's statistic (the same again for the decompositions)."""
+        return sum(p.state_bytes for p in self.parts)
+
+    @property
+    def gradient_bytes(self) -> int:
+        """`grad_bytes`, or when unknown (cost files from before it) the product of the sides of a square
+        two-part layer's statistics (K-FAC's a_dim x b_dim gradient) at their element size."""
+        if self.grad_bytes or len(self.parts) != 2:
+            return self.grad_bytes
+        item = 4
+        a, b = (math.isqrt(p.state_bytes // item) for p in self.parts)
+        return a * b * item
+
+    @property
+    def capture_bytes(self) -> int:
+        """Bytes one micro-batch keeps when the layer defers its captures."""
+        return sum(p.capture_bytes for p in self.parts)
+
+
+@dataclass(frozen=True, slots=True)
+class StageCost:
+    """What one pipeline stage costs: per-micro-batch forward/backward, memory, and its K-FAC layers.
+
+    act_bytes is kept per in-flight micro-batch (from its forward until its backward);
+    peak_err_bytes is the transient peak of errors inside one backward (counted once);
+    fwd_spread, bwd_spread: the fastest and slowest repeat of a profiled fwd / bwd (None when not measured here).
+    """
+
+    fwd: float
+    bwd: float
+    param_bytes: int
+    act_bytes: int
+    layers: tuple[LayerCost, ...]
+    peak_err_bytes: int = 0
+    fwd_spread: Spread | None = None
+    bwd_spread: Spread | None = None
+    tap_fwd: float = 0.0
+    """Seconds a refresh step adds to one micro-batch's forward by tapping the stage's captured layers (deferred
+    captures: a probe per layer output, the inputs kept; fused layers add their curvature besides); 0 where not
+    measured (the paper's profiles, analytic tables)."""
+    tap_bwd: float = 0.0
+    """The same for one micro-batch's backward (the probes' gradients)."""
+    fused_fwd: float | None = None
+    """Seconds one micro-batch's forward takes beyond its deferred taps (`tap_fwd`) when every captured layer's
+    curvature is fused into it; None where not measured (a fused layer is then priced at its statistics' time)."""
+    fused_bwd: float | None = None
+    """The same for one micro-batch's backward."""
+    boundary_bytes: int = 0
+    """Bytes one micro-batch keeps from its forward to its backward when the stage recomputes its forward
+    (activation checkpointing, `Problem.recompute`): its inputs and outputs; 0 where not measured (the paper's
+    profiles), counted as nothing."""
+    wgrad: float | None = None
+    """Seconds of `bwd` that compute the weight gradient (a zero-bubble schedule's W, OpKind.BWD_W); None where not
+    measured: half the backward (a linear layer's input and weight gradients are matmuls of one size)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layers, tuple) or not all(isinstance(x, LayerCost) for x in self.layers):
+            raise CostModelError("StageCost.layers must be a tuple of LayerCost")
+        byte_fields = frozenset({"param_bytes", "act_bytes", "peak_err_bytes", "boundary_bytes"})
+        unmeasured = {name for name in ("fused_fwd", "fused_bwd", "wgrad") if getattr(self, name) is None}
+        _check_fields(self, "stage", byte_fields, frozenset({"layers", *unmeasured}))
+        _check_spreads(self, "stage")
+        if self.wgrad is not None and self.wgrad > self.bwd:
+            raise CostModelError(f"StageCost.wgrad ({self.wgrad}) is part of the backward ({self.bwd}): at most bwd")
+
+    @property
+    def weight_grad(self) -> float:
+        """Seconds of one micro-batch's W (the backward's weight-gradient part): `wgrad`, else half of `bwd`."""
+        return self.bwd / 2 if self.wgrad is None else self.wgrad
+
+    def fused_curvature(self, names: Collection[str], after: OpKind) -> float:
+        """Seconds fusing the curvature of the layers `names` adds to one micro-batch's forward (`after` FWD) or
+        backward (BWD) of a refresh step: the measured `fused_fwd` / `fused_bwd` shared out in proportion to the
+        layers' statistics times, or where not measured those times themselves (what deferring them costs)."""
+        priced = sum(p.stats for x in self.layers if x.name in names for p in x.parts if p.after is after)
+        measured = self.fused_fwd if after is OpKind.FWD else self.fused_bwd
+        if measured is None or priced == 0:
+            return priced
+        return measured * priced / sum(p.stats for x in self.layers for p in x.parts if p.after is after)
+
+    @property
+    def curv(self) -> float:
+        """Seconds of curvature of all layers for one micro-batch (T_curv of the paper)."""
+        return sum(layer.curv for layer in self.layers)
+
+    @property
+    def inv(self) -> float:
+        """Seconds to invert every factor of the stage (T_inv)."""
+        return sum(layer.inv for layer in self.layers)
+
+    @property
+    def prec(self) -> float:
+        """Seconds of preconditioning per step (T_prec)."""
+        return sum(layer.prec for layer in self.layers)
+
+    @property
+    def factor_bytes(self) -> int:
+        """Bytes of all factors of the stage (M_curv; the inverses M_inv are as large)."""
+        return sum(layer.factor_bytes for layer in self.layers)
+
+    @property
+    def deferred_bytes(self) -> int:
+        """Bytes one micro-batch keeps when every layer defers its capture (a and e)."""
+        return sum(layer.capture_bytes for layer in self.layers)
+
+
+class PreconditionerKind(StrEnum):
+    """A family the planner has a cost model for: the family a cost table prices (`CostTable.family`)."""
+
+    KFAC = "kfac"
+    SHAMPOO = "shampoo"
+    SOAP = "soap"
+    MUON = "muon"
+
+
+def _streamed_bytes(layer: LayerCost, kind: OpKind) -> int:
+    """Bytes of a streamed layer's hand-off: its gradient each way; a layer whose statistics come from the gradient
+    (Shampoo, SOAP: its helper runs its whole per-step work) also sends its parameter (weight decay reads it) and
+    takes back its statistics and optimizer state (docs/STREAMED_APPLY.md, "Stateful units")."""
+    if not any(p.after is OpKind.ALLREDUCE_GRAD for p in layer.parts):
+        return layer.gradient_bytes
+    if kind is OpKind.SEND_LGRAD:
+        return 2 * layer.gradient_bytes
+    return layer.gradient_bytes + layer.factor_bytes + layer.state_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class CostTable:
+    """Costs of every stage of one model at one micro-batch size, and where they came from."""
+
+    stages: tuple[StageCost, ...]
+    micro_batch_size: int
+    source: str
+    """How the numbers were made, e.g. "pipefisher-csv:bert-base_time_memory_p100.csv"."""
+    hardware: str
+    comm: CommModel | None = None
+    """What collectives cost between the devices (planner/problem/comm.py); None: nothing (tables from before it)."""
+    family: PreconditionerKind = PreconditionerKind.KFAC
+    """The preconditioner family whose tasks the layers' parts price."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.family, PreconditionerKind):
+            raise CostModelError(f"CostTable.family must be a PreconditionerKind, got {self.family!r}")
+        if self.comm is not None and not isinstance(self.comm, CommModel):
+            raise CostModelError(f"CostTable.comm must be a CommModel or None, got {type(self.comm).__name__}")
+        if not isinstance(self.stages, tuple) or not self.stages:
+            raise CostModelError("CostTable.stages must be a non-empty tuple of StageCost")
+        if not all(isinstance(s, StageCost) for s in self.stages):
+            raise CostModelError("CostTable.stages must hold StageCost objects")
+        mbs = self.micro_batch_size
+        if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1:
+            raise CostModelError(f"CostTable.micro_batch_size must be an int >= 1, got {mbs!r}")
+        names = [layer.name for s in self.stages for layer in s.layers]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise CostModelError(f"CostTable: layer names must be unique across stages; repeated: {dupes}")
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        """Every K-FAC layer name, stage by stage."""
+        return tuple(layer.name for s in self.stages for layer in s.layers)
+
+    def layer(self, name: str) -> LayerCost:
+        """The cost of layer `name`."""
+        return next(x for x in self.stages[self.stage_of(name)].layers if x.name == name)
+
+    def stage_of(self, layer: str) -> int:
+        """Index of the stage that holds `layer`."""
+        for i, s in enumerate(self.stages):
+            if any(x.name == layer for x in s.layers):
+                return i
+        raise CostModelError(f"no layer {layer!r} in the cost table; known: {list(self.layer_names)}")
+
+    def collective_seconds(self, op: Op, group_size: int) -> float:
+        """Seconds of collective `op` over `group_size` ranks under `comm`, summed over the collectives the runtime
+        makes of it, rounded up to a whole microsecond (so a table of whole microseconds keeps an exact time
+        grid, [Note: time grid] in planner/plan/window.py): ALLREDUCE_GRAD all-reduces the stage's gradients
+        (`param_bytes`), SYNC_STATS each named part's statistic with its count (`state_bytes` + `COUNT_BYTES`),
+        BCAST broadcasts each named part's decomposition (as large as its statistic, `state_bytes`), BCAST_PREC
+        the named layer's preconditioned gradient (`LayerCost.gradient_bytes`); a streamed layer's sends (between two
+        ranks) its gradient (SEND_LGRAD, SEND_PGRAD; `_streamed_bytes`) or each part's decomposition (SEND_REPLICA)."""
+        if op.stage is None:
+            raise CostModelError(f"{op} names no stage: its bytes are unknown")
+        stage = self.stages[op.stage]
+        if op.kind is OpKind.ALLREDUCE_GRAD:
+            messages = [(Collective.ALL_REDUCE, stage.param_bytes)]
+        elif op.kind in (OpKind.SYNC_STATS, OpKind.BCAST):
+            sync = op.kind is OpKind.SYNC_STATS
+            kind = Collective.ALL_REDUCE if sync else Collective.BROADCAST
+            messages = [
+                (kind, p.state_bytes + (COUNT_BYTES if sync else 0))
+                for x in stage.layers
+                if op.layer in (None, x.name)
+                for p in x.parts
+                if op.part in (None, p.part)
+            ]
+        elif op.kind is OpKind.BCAST_PREC:
+            messages = [(Collective.BROADCAST, x.gradient_bytes) for x in stage.layers if x.name == op.layer]
+        elif op.kind in (OpKind.SEND_LGRAD, OpKind.SEND_PGRAD):
+            messages = [(Collective.SEND, _streamed_bytes(x, op.kind)) for x in stage.layers if x.name == op.layer]
+        elif op.kind is OpKind.SEND_REPLICA:
+            messages = [(Collective.SEND, p.state_bytes) for x in stage.layers if x.name == op.layer for p in x.parts]
+        else:
+            raise CostModelError(f"{op} is not a collective the cost table prices")
+        total = sum(comm_seconds(self.comm, kind, n, group_size) for kind, n in messages)
+        return math.ceil(total * 1e6 - 1e-6) / 1e6
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able form with the schema version (no "comm" key without a communication model, no
+        `*_spread` key for a time that was not profiled, no `tap_*` or `fused_*` key for a tap not measured, no
+        `boundary_bytes` unmeasured: the file of an unprofiled table is as before them)."""
+        body = asdict(self)
+        if self.comm is None:
+            del body["comm"]
+        if self.family is PreconditionerKind.KFAC:
+            del body["family"]
+        else:
+            body["family"] = self.family.value
+        for stage in body["stages"]:
+            _drop_empty_spreads(stage)
+            for key in ("tap_fwd", "tap_bwd", "boundary_bytes"):
+                if not stage[key]:
+                    del stage[key]
+            for key in ("fused_fwd", "fused_bwd", "wgrad"):
+                if stage[key] is None:
+                    del stage[key]
+            for layer in stage["layers"]:
+                _drop_empty_spreads(layer)
+                if layer["grad_ready"] is None:
+                    del layer["grad_ready"]
+                for part in layer["parts"]:
+                    _drop_empty_spreads(part)
+        return {"schema_version": SCHEMA_VERSION, **body}
+
+    def to_json(self, *, indent: int | None = 1) -> str:
+        """JSON text (`from_json` reads it back to an equal table)."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CostTable:
+        """Build from `to_dict` output; every malformed piece raises CostModelError saying which."""
+        if not isinstance(data, dict):
+            raise CostModelError(f"a cost table must be a JSON object, got {type(data).__name__}")
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise CostModelError(
+                f"cost table schema_version {version!r} is not supported (expected {SCHEMA_VERSION}); "
+                "re-create it with this version of fxkfac"
+            )
+        try:
+            stages = tuple(_stage_from_dict(s) for s in data["stages"])
+            comm = CommModel.from_dict(data["comm"]) if data.get("comm") is not None else None
+            family = _family_of_file(data)
+            return cls(stages, data["micro_batch_size"], data["source"], data["hardware"], comm, family)
+        except KeyError as e:
+            raise CostModelError(f"cost table is missing the key {e.args[0]!r}") from e
+        except TypeError as e:
+            raise CostModelError(f"cost table has a malformed entry: {e}") from e
+
+    @classmethod
+    def from_json(cls, text: str) -> CostTable:
+        """Parse `to_json` output."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CostModelError(f"cost table is not valid JSON: {e}") from e
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        """Write the JSON form to `path`."""
+        Path(path).write_text(self.to_json())
+
+    def scale_times(self, factor: float) -> CostTable:
+        """Every time multiplied by `factor` (a faster or slower device); bytes unchanged."""
+        _check_number("scale_times", "factor", factor, integer=False)
+        return replace(self, stages=tuple(_scale_stage(s, factor, factor, 1.0) for s in self.stages))
+
+    def scale_kfac_times(self, factor: float) -> CostTable:
+        """Curvature, inversion and preconditioning times multiplied by `factor`; F/B and bytes unchanged.
+
+        A planning margin: K-FAC kernels timed alone run slower when every rank computes at once
+        (shared memory bandwidth), and a bubble planned full spills the excess onto the critical path.
+        """
+        _check_number("scale_kfac_times", "factor", factor, integer=False)
+        stages = tuple(
+            replace(s, layers=tuple(_scale_layer(x, factor, factor, 1.0) for x in s.layers)) for s in self.stages
+        )
+        return replace(self, stages=stages)
+
+    def with_micro_batch_size(self, micro_batch_size: int) -> CostTable:
+        """Costs at another micro-batch size, assuming per-micro-batch costs grow linearly with it.
+
+        fwd, bwd, curvature, kept activations, a/e and the error peak scale by new/old; inversion,
+        preconditioning, parameters and factors do not depend on the micro-batch size.
+        """
+        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
+            raise CostModelError(f"micro_batch_size must be an int >= 1, got {micro_batch_size!r}")
+        r = micro_batch_size / self.micro_batch_size
+        stages = tuple(_scale_stage(s, r, 1.0, r) for s in self.stages)
+        return replace(self, stages=stages, micro_batch_size=micro_batch_size)
+
+
+def _family_of_file(data: dict[str, Any]) -> PreconditionerKind:
+    """A table file's family: its "family" key; a file without one is K-FAC's, or, when written before the key
+    existed, the family its source begins with ("shampoo:analytic:...")."""
+    if "family" in data:
+        try:
+            return PreconditionerKind(data["family"])
+        except ValueError:
+            known = ", ".join(k.value for k in PreconditionerKind)
+            raise CostModelError(f"cost table family {data['family']!r} is not one of {known}") from None
+    head = str(data["source"]).split(":", 1)[0]
+    return PreconditionerKind(head) if head in {k.value for k in PreconditionerKind} else PreconditionerKind.KFAC
+
+
+def _drop_empty_spreads(body: dict[str, Any]) -> None:
+    """Remove the `*_spread` keys of `body` (one cost object's `asdict`) whose time was not profiled."""
+    for key in [k for k, v in body.items() if k.endswith(_SPREAD) and v is None]:
+        del body[key]
+
+
+def _with_spreads(data: dict[str, Any]) -> dict[str, Any]:
+    """`data` (one cost object's JSON) with each `*_spread` object read as a Spread; files without them load."""
+    out = dict(data)
+    for key, value in data.items():
+        if key.endswith(_SPREAD) and value is not None:
+            if not isinstance(value, dict):
+                raise CostModelError(
+                    f"{key} must be an object {{'low': seconds, 'high': seconds}} or null, got {value!r}"
+                )
+            out[key] = Spread(**value)
+    return out
+
+
+def _layer_from_dict(data: dict[str, Any]) -> LayerCost:
+    """A layer of `CostTable.to_dict`; the K-FAC fields of cost files from before parts read as K-FAC's parts."""
+    if "parts" not in data:
+        return LayerCost.kfac(**data)
+    parts = tuple(PartCost(**_with_spreads({**p, "after": OpKind(p["after"])})) for p in data["parts"])
+    return LayerCost(**_with_spreads({**data, "parts": parts}))
+
+
+def _stage_from_dict(data: dict[str, Any]) -> StageCost:
+    layers = tuple(_layer_from_dict(layer) for layer in data["layers"])
+    return StageCost(**_with_spreads({**data, "layers": layers}))
+
+
+def _scale_layer(x: LayerCost, per_mb: float, fixed: float, mem: float) -> LayerCost:
+    """Statistics times by per_mb, decompositions and preconditioning by fixed, captured bytes by mem (and the
+    times' spreads as their times)."""
+    parts = tuple(
+        replace(
+            p,
+            stats=p.stats * per_mb,
+            decomp=p.decomp * fixed,
+            capture_bytes=round(p.capture_bytes * mem),
+            stats_spread=_scaled(p.stats_spread, per_mb),
+            decomp_spread=_scaled(p.decomp_spread, fixed),
+        )
+        for p in x.parts
+    )
+    return replace(x, parts=parts, prec=x.prec * fixed, prec_spread=_scaled(x.prec_spread, fixed))
+
+
+def _scale_stage(s: StageCost, per_mb: float, fixed: float, mem: float) -> StageCost:
+    """Scale per-micro-batch times by per_mb (a layer's `grad_ready` with the backward), per-step times by fixed,
+    per-micro-batch bytes by mem."""
+    layers = tuple(
+        replace(_scale_layer(x, per_mb, fixed, mem), grad_ready=None if x.grad_ready is None else x.grad_ready * per_mb)
+        for x in s.layers
+    )
+    return replace(
+        s,
+        fwd=s.fwd * per_mb,
+        bwd=s.bwd * per_mb,
+        tap_fwd=s.tap_fwd * per_mb,
+        tap_bwd=s.tap_bwd * per_mb,
+        fused_fwd=None if s.fused_fwd is None else s.fused_fwd * per_mb,
+        fused_bwd=None if s.fused_bwd is None else s.fused_bwd * per_mb,
+        wgrad=None if s.wgrad is None else s.wgrad * per_mb,
+        fwd_spread=_scaled(s.fwd_spread, per_mb),
+        bwd_spread=_scaled(s.bwd_spread, per_mb),
+        act_bytes=round(s.act_bytes * mem),
+        peak_err_bytes=round(s.peak_err_bytes * mem),
+        boundary_bytes=round(s.boundary_bytes * mem),
+        layers=layers,
+    )
+
+
+def median_of(tables: Sequence[CostTable]) -> CostTable:
+    """The figure-wise median of `tables`, each rank's profile of one split (`fxkfac.profiler.profile`): every time
+    the median over the tables (of those that measured it), its spread covering theirs; bytes, names and the rest
+    the first table's, which every other must match. One rank slowed while it profiled moves no figure unless
+    most ranks were."""
+    first = tables[0]
+    for other in tables[1:]:
+        if _untimed(other) != _untimed(first):
+            raise CostModelError(
+                "the ranks' profiles are of different splits or sizes (stages, layers or bytes differ); every rank "
+                "must compile the same model with the same example inputs"
+            )
+    stages = tuple(combined_stage(of, statistics.median) for of in zip(*(t.stages for t in tables), strict=True))
+    return replace(first, stages=stages)
+
+
+def _untimed(table: CostTable) -> tuple[Any, ...]:
+    """What a table says besides its times: its micro-batch size, and its stages' and layers' names and bytes."""
+    return (table.micro_batch_size,) + tuple(
+        (
+            s.param_bytes,
+            s.act_bytes,
+            s.peak_err_bytes,
+            s.boundary_bytes,
+            tuple(
+                (
+                    x.name,
+                    x.state_bytes,
+                    x.grad_bytes,
+                    tuple((p.part, p.after, p.capture_bytes, p.state_bytes) for p in x.parts),
+                )
+                for x in s.layers
+            ),
+        )
+        for s in table.stages
+    )
+
+
+Reduce = Callable[[list[float]], float]
+"""How several measurements of one time make the one planned with (`min`: the fastest; `statistics.median`)."""
+
+
+def combined_stage(stages: Sequence[StageCost], time: Reduce) -> StageCost:
+    """One stage's costs from several measurements of it (a profile's rounds, or ranks' profiles): each time reduced
+    by `time` over them, its spread covering theirs; the taps' and fused curvature's extra the median, over the
+    measurements that have one (each a difference of two times of one measurement, whose fastest would be too
+    low); bytes and names the first's."""
+    layers = tuple(_combined_layer(list(xs), time) for xs in zip(*(s.layers for s in stages), strict=True))
+    return replace(
+        stages[0],
+        fwd=time([s.fwd for s in stages]),
+        bwd=time([s.bwd for s in stages]),
+        fwd_spread=Spread.covering(s.fwd_spread for s in stages),
+        bwd_spread=Spread.covering(s.bwd_spread for s in stages),
+        tap_fwd=statistics.median(s.tap_fwd for s in stages),
+        tap_bwd=statistics.median(s.tap_bwd for s in stages),
+        fused_fwd=_median(s.fused_fwd for s in stages),
+        fused_bwd=_median(s.fused_bwd for s in stages),
+        wgrad=_median(s.wgrad for s in stages),
+        layers=layers,
+    )
+
+
+def _median(values: Iterable[float | None]) -> float | None:
+    """The median of the measured ones among `values` (None when none was measured)."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _combined_layer(layers: list[LayerCost], time: Reduce) -> LayerCost:
+    parts = tuple(
+        replace(
+            ps[0],
+            stats=time([p.stats for p in ps]),
+            decomp=time([p.decomp for p in ps]),
+            stats_spread=Spread.covering(p.stats_spread for p in ps),
+            decomp_spread=Spread.covering(p.decomp_spread for p in ps),
+        )
+        for ps in zip(*(x.parts for x in layers), strict=True)
+    )
+    return replace(
+        layers[0],
+        parts=parts,
+        prec=time([x.prec for x in layers]),
+        prec_spread=Spread.covering(x.prec_spread for x in layers),
+        grad_ready=_median(x.grad_ready for x in layers),
+    )

@@ -1,0 +1,456 @@
+"""The planner's program IR: printable, round-tripping ops, per-step programs, per-layer timing."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fxkfac.planner.problem.errors import PlanFormatError
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
+T = TypeVar("T")
+
+__all__ = [
+    "OpKind",
+    "Placement",
+    "Capture",
+    "Op",
+    "Program",
+    "Programs",
+    "LayerTiming",
+    "COLLECTIVE_KINDS",
+    "PRECONDITIONER_KINDS",
+    "SEND_KINDS",
+    "LAYER_SENDS",
+    "LAYER_TRANSFER_KINDS",
+    "RECV_KINDS",
+    "OP_FIELDS",
+    "as_programs",
+    "ops_at",
+    "format_program",
+    "parse_program",
+    "format_programs",
+    "parse_programs",
+]
+
+
+class OpKind(StrEnum):
+    """What one instruction of a rank's program does.
+
+    BWD_W ("W") is the weight-gradient half of a backward, split off for zero-bubble schedules: a BWD whose step of
+    the rank's program also holds the BWD_W of its (stage, mb, pipe) computes only the input gradient, and the
+    BWD_W computes the weight gradient later; a BWD without one computes both.
+    """
+
+    FWD = "FWD"
+    BWD = "BWD"
+    BWD_W = "BWD_W"
+    SEND_ACT = "SEND_ACT"
+    RECV_ACT = "RECV_ACT"
+    SEND_GRAD = "SEND_GRAD"
+    RECV_GRAD = "RECV_GRAD"
+    ALLREDUCE_GRAD = "ALLREDUCE_GRAD"
+    STATS = "STATS"
+    SYNC_STATS = "SYNC_STATS"
+    DECOMP = "DECOMP"
+    BCAST = "BCAST"
+    APPLY = "APPLY"
+    BCAST_PREC = "BCAST_PREC"
+    OPT_STEP = "OPT_STEP"
+    SEND_LGRAD = "SEND_LGRAD"
+    RECV_LGRAD = "RECV_LGRAD"
+    SEND_PGRAD = "SEND_PGRAD"
+    RECV_PGRAD = "RECV_PGRAD"
+    SEND_REPLICA = "SEND_REPLICA"
+    RECV_REPLICA = "RECV_REPLICA"
+
+
+class Capture(StrEnum):
+    """How a refresh step takes a layer's statistics: FUSED computes the factors inside its F/B, DEFERRED keeps the
+    captured rows for STATS tasks placed in bubbles."""
+
+    FUSED = "fused"
+    DEFERRED = "deferred"
+
+
+LAYER_SENDS: Mapping[OpKind, OpKind] = {
+    OpKind.SEND_LGRAD: OpKind.RECV_LGRAD,
+    OpKind.SEND_PGRAD: OpKind.RECV_PGRAD,
+    OpKind.SEND_REPLICA: OpKind.RECV_REPLICA,
+}
+"""A streamed layer's transfers (docs/STREAMED_APPLY.md), each send with its receive: the owner of the layer's stage
+hands its gradient to a helper rank (LGRAD), which sends it back preconditioned (PGRAD) with a replica of the
+layer's preconditioner it got at each refresh (REPLICA)."""
+SEND_KINDS = frozenset({OpKind.SEND_ACT, OpKind.SEND_GRAD, *LAYER_SENDS})
+RECV_KINDS = frozenset({OpKind.RECV_ACT, OpKind.RECV_GRAD, *LAYER_SENDS.values()})
+COLLECTIVE_KINDS = frozenset({OpKind.ALLREDUCE_GRAD, OpKind.SYNC_STATS, OpKind.BCAST, OpKind.BCAST_PREC})
+LAYER_TRANSFER_KINDS = frozenset({*LAYER_SENDS, *LAYER_SENDS.values()})
+PRECONDITIONER_KINDS = frozenset(
+    {OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST, OpKind.APPLY, OpKind.BCAST_PREC}
+    | LAYER_TRANSFER_KINDS
+)
+"""The ops a preconditioner family plugs into a pipeline's program (the plans place them)."""
+
+_SHORT = {OpKind.FWD: "F", OpKind.BWD: "B", OpKind.BWD_W: "W"}
+_BY_NAME = {**{k.value: k for k in OpKind}, **{v: k for k, v in _SHORT.items()}}
+# Structured tokens, in the order str(op) writes them; the layer name comes last.
+_FIELD_TOKENS = (
+    ("stage", re.compile(r"s(\d+)")),
+    ("mb", re.compile(r"m(\d+)")),
+    ("pipe", re.compile(r"p(\d+)")),
+    ("part", re.compile(r"([A-Z])")),
+    ("piece", re.compile(r"(\d+)/(\d+)")),
+    ("peer", re.compile(r"[<>]r(\d+)")),
+    ("root", re.compile(r"@r(\d+)")),
+    ("group", re.compile(r"\{(\d+(?:,\d+)*)\}")),
+)
+
+_STAGE, _MB, _PIPE, _LAYER, _PART, _PIECE = "stage", "mb", "pipe", "layer", "part", "piece"
+_PEER, _ROOT, _GROUP = "peer", "root", "group"
+OP_FIELDS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
+    # kind: (required, also allowed)
+    OpKind.FWD: (frozenset({_STAGE, _MB}), frozenset({_PIPE})),
+    OpKind.BWD: (frozenset({_STAGE, _MB}), frozenset({_PIPE})),
+    OpKind.BWD_W: (frozenset({_STAGE, _MB}), frozenset({_PIPE})),
+    **{
+        k: (frozenset({_STAGE, _MB, _PEER}), frozenset({_PIPE}))
+        for k in (OpKind.SEND_ACT, OpKind.RECV_ACT, OpKind.SEND_GRAD, OpKind.RECV_GRAD)
+    },
+    OpKind.ALLREDUCE_GRAD: (frozenset(), frozenset({_STAGE})),
+    OpKind.STATS: (frozenset({_STAGE}), frozenset({_MB, _PIPE, _LAYER, _PART})),
+    OpKind.SYNC_STATS: (frozenset({_STAGE}), frozenset({_LAYER, _PART})),
+    OpKind.DECOMP: (frozenset({_STAGE}), frozenset({_LAYER, _PART, _PIECE})),
+    OpKind.BCAST: (frozenset({_STAGE, _ROOT}), frozenset({_LAYER, _PART, _GROUP})),
+    OpKind.APPLY: (frozenset({_STAGE}), frozenset({_PIPE, _LAYER, _PIECE})),
+    OpKind.BCAST_PREC: (frozenset({_STAGE, _ROOT, _LAYER}), frozenset({_GROUP})),
+    OpKind.OPT_STEP: (frozenset(), frozenset()),
+    **{k: (frozenset({_STAGE, _PEER, _LAYER}), frozenset()) for k in LAYER_TRANSFER_KINDS},
+}
+"""The fields each kind of op must have and may have. A preconditioner's ops name a `layer` (all layers of the
+stage when absent) and a `part` of it (every part when absent); STATS names a micro-batch for a part fed by a
+capture and none for a part fed by the reduced gradient; `peer` is the other end of a transfer, `root` the
+rank a broadcast comes from and `group` the ranks it reaches (every copy of the stage when absent); a DECOMP's
+`piece` ``(i, n)`` makes piece i of a decomposition split into n (KFACConfig.split_inverse,
+ShampooConfig.newton_pieces; whole when absent), an APPLY's piece i of a Muon matrix's Newton-Schulz iterations cut
+into n (planner/problem/muon_costs.py; the pieces of one layer run in order on one rank). APPLY
+without a layer preconditions every layer of the stage; BCAST_PREC sends one layer's preconditioned gradient
+from its grad worker to a row of receivers (planner/problem/strategy.py); a streamed layer's transfers (`LAYER_SENDS`)
+name its stage, its layer and the rank at the other end ("SEND_LGRAD s0 >r1 fc"). An APPLY of a stage the rank does not
+hold preconditions a streamed layer's gradient received from the stage's owner."""
+_RAW_LAYER = re.compile(r"[A-Za-z0-9_.:/\-\[\]]+")
+
+
+def _layer_text(layer: str) -> str:
+    """A layer name as one token: raw when unambiguous, else JSON-quoted."""
+    looks_like_field = any(pattern.fullmatch(layer) for _, pattern in _FIELD_TOKENS)
+    if _RAW_LAYER.fullmatch(layer) and not looks_like_field:
+        return layer
+    return json.dumps(layer)
+
+
+def _peer_prefix(kind: OpKind) -> str:
+    """How a transfer writes its peer: ">rN" to send to, "<rN" to receive from."""
+    return ">" if kind in SEND_KINDS else "<"
+
+
+@dataclass(frozen=True, slots=True)
+class Op:
+    """One instruction: `kind` on global (virtual) `stage`, micro-batch `mb` of pipeline `pipe`.
+
+    `layer`/`part` name a preconditioner's work (a part is one capital letter: K-FAC's "A" or "B"), `piece`
+    ``(i, n)`` piece i of a DECOMP made in n ("DECOMP s1 A 0/2 fc");
+    `peer` is the other rank of a SEND/RECV, `root` the rank a BCAST comes from; each kind has its
+    required and allowed fields (`OP_FIELDS`). `str(op)` is compact ("F s1 m0", "SEND_ACT s1 m0 >r2",
+    "STATS s1 m3 A layer", "BCAST s1 A @r2 layer") and `Op.parse(str(op)) == op`.
+    """
+
+    kind: OpKind
+    stage: int | None = None
+    mb: int | None = None
+    pipe: int = 0
+    layer: str | None = None
+    part: str | None = None
+    peer: int | None = None
+    root: int | None = None
+    group: tuple[int, ...] | None = None
+    piece: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, OpKind):
+            object.__setattr__(self, "kind", OpKind(self.kind))
+        for name in (_STAGE, _MB, _PEER, _ROOT):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 0):
+                raise PlanFormatError(f"Op.{name} must be a non-negative int or None, got {value!r}")
+        if not isinstance(self.pipe, int) or self.pipe < 0:
+            raise PlanFormatError(f"Op.pipe must be a non-negative int, got {self.pipe!r}")
+        if self.part is not None and not (isinstance(self.part, str) and re.fullmatch("[A-Z]", self.part)):
+            raise PlanFormatError(f"Op.part must be one capital letter or None, got {self.part!r}")
+        if self.layer is not None and (not isinstance(self.layer, str) or not self.layer):
+            raise PlanFormatError(f"Op.layer must be a non-empty str or None, got {self.layer!r}")
+        if self.group is not None:
+            object.__setattr__(self, "group", _check_group(self.group, self.root))
+        if self.piece is not None:
+            object.__setattr__(self, "piece", _check_piece(self.piece))
+        required, allowed = OP_FIELDS[self.kind]
+        present = {
+            name
+            for name in (_STAGE, _MB, _LAYER, _PART, _PIECE, _PEER, _ROOT, _GROUP)
+            if getattr(self, name) is not None
+        }
+        present |= {_PIPE} if self.pipe else set()
+        if not required <= present or not present <= required | allowed:
+            raise PlanFormatError(
+                f"{self.kind.value} needs {sorted(required)} and may have {sorted(allowed)}, got {sorted(present)}"
+            )
+
+    @property
+    def stage_id(self) -> int:
+        """The stage, for kinds that must name one (OP_FIELDS); PlanFormatError when this op names none."""
+        return _required(self, self.stage, _STAGE)
+
+    @property
+    def mb_id(self) -> int:
+        """The micro-batch, for ops that name one; PlanFormatError when this op names none."""
+        return _required(self, self.mb, _MB)
+
+    @property
+    def peer_rank(self) -> int:
+        """The other end of a transfer; PlanFormatError when this op names none."""
+        return _required(self, self.peer, _PEER)
+
+    @property
+    def layer_name(self) -> str:
+        """The layer a preconditioner's op works on; PlanFormatError when this op covers every layer."""
+        return _required(self, self.layer, _LAYER)
+
+    @property
+    def part_name(self) -> str:
+        """The part of a layer (K-FAC's "A" or "B"); PlanFormatError when this op covers every part."""
+        return _required(self, self.part, _PART)
+
+    def __str__(self) -> str:
+        parts = [_SHORT.get(self.kind, self.kind.value)]
+        if self.stage is not None:
+            parts.append(f"s{self.stage}")
+        if self.mb is not None:
+            parts.append(f"m{self.mb}")
+        if self.pipe:
+            parts.append(f"p{self.pipe}")
+        if self.part is not None:
+            parts.append(self.part)
+        if self.piece is not None:
+            parts.append(f"{self.piece[0]}/{self.piece[1]}")
+        if self.peer is not None:
+            parts.append(f"{_peer_prefix(self.kind)}r{self.peer}")
+        if self.root is not None:
+            parts.append(f"@r{self.root}")
+        if self.group is not None:
+            parts.append("{" + ",".join(map(str, self.group)) + "}")
+        if self.layer is not None:
+            parts.append(_layer_text(self.layer))
+        return " ".join(parts)
+
+    @classmethod
+    def parse(cls, text: str) -> Op:
+        """The op `str(op)` wrote; raises PlanFormatError naming the text otherwise."""
+        head, _, rest = text.strip().partition(" ")
+        if head not in _BY_NAME:
+            raise PlanFormatError(f"unknown op kind {head!r} in {text!r}; kinds: {sorted(_BY_NAME)}")
+        kind = _BY_NAME[head]
+        fields: dict[str, Any] = {}  # int or str by name; Op.__post_init__ checks each
+        rest = rest.strip()
+        for name, pattern in _FIELD_TOKENS:
+            token, _, tail = rest.partition(" ")
+            match = pattern.fullmatch(token) if token else None
+            if match is None:
+                continue
+            if name == _GROUP:
+                fields[name] = tuple(int(r) for r in match.group(1).split(","))
+            elif name == _PIECE:
+                fields[name] = (int(match.group(1)), int(match.group(2)))
+            else:
+                fields[name] = match.group(1) if name == _PART else int(match.group(1))
+            if name == "peer" and token[0] != _peer_prefix(kind):
+                raise PlanFormatError(f"peer of {kind} must be written {_peer_prefix(kind)}rN in {text!r}")
+            rest = tail.strip()
+        if rest:
+            fields["layer"] = _parse_layer(rest, text)
+        return cls(kind, **fields)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where one K-FAC op runs: `device`, from `start` to `end` seconds after the refresh step
+    began; `step` in 0..2k-1 is the step of the window (k.. : the next window's early bubbles)."""
+
+    op: Op
+    device: int
+    step: int
+    start: float
+    end: float
+
+    def to_dict(self) -> dict[str, object]:
+        """JSON-able form."""
+        return {"op": str(self.op), "device": self.device, "step": self.step, "start": self.start, "end": self.end}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Placement:
+        """Inverse of `to_dict`."""
+        return cls(
+            Op.parse(str(data["op"])), int(data["device"]), int(data["step"]), float(data["start"]), float(data["end"])
+        )
+
+
+def _required(op: Op, value: T | None, name: str) -> T:
+    """`value`, the field `name` of `op`; PlanFormatError when a caller needs a field the op does not name."""
+    if value is None:
+        raise PlanFormatError(f"{op} names no {name}, which this use of a {op.kind.value} needs")
+    return value
+
+
+def _check_group(group: object, root: int | None) -> tuple[int, ...]:
+    """A broadcast's group as ascending distinct ranks that include its root; PlanFormatError otherwise."""
+    ranks = tuple(group) if isinstance(group, (tuple, list)) else ()
+    if (
+        len(ranks) < 2
+        or not all(isinstance(r, int) and r >= 0 for r in ranks)
+        or list(ranks) != sorted(set(ranks))
+        or (root is not None and root not in ranks)
+    ):
+        raise PlanFormatError(
+            f"Op.group must be two or more ascending distinct ranks holding the root {root}, got {group!r}"
+        )
+    return ranks
+
+
+def _check_piece(piece: object) -> tuple[int, int]:
+    """A DECOMP's piece as ``(i, n)`` with ``0 <= i < n`` and ``n >= 2``; PlanFormatError otherwise."""
+    if (
+        not isinstance(piece, (tuple, list))
+        or len(piece) != 2
+        or not all(isinstance(v, int) for v in piece)
+        or not 0 <= piece[0] < piece[1]
+        or piece[1] < 2
+    ):
+        raise PlanFormatError(f"Op.piece must be (i, n) with 0 <= i < n and n >= 2, got {piece!r}")
+    return (piece[0], piece[1])
+
+
+def _parse_layer(rest: str, text: str) -> str:
+    if rest.startswith('"'):
+        try:
+            layer = json.loads(rest)
+        except json.JSONDecodeError as e:
+            raise PlanFormatError(f"bad quoted layer name in {text!r}: {e}") from e
+        if isinstance(layer, str):
+            return layer
+    elif _RAW_LAYER.fullmatch(rest):
+        return rest
+    raise PlanFormatError(f"cannot read the layer name {rest!r} in {text!r}")
+
+
+Program = list[list[Op]]
+"""One rank's program: one list of ops per step of the period."""
+Programs = dict[int, Program]
+"""Programs by rank."""
+
+
+def _is_step(body: Sequence[Op] | Program) -> TypeIs[Sequence[Op]]:
+    """One step's ops rather than a period program; an empty body is an (empty) program."""
+    items = list(body)
+    return bool(items) and isinstance(items[0], Op)
+
+
+def as_programs(ops_by_rank: Mapping[int, Sequence[Op]] | Mapping[int, Program]) -> Programs:
+    """Programs from either `{rank: [Op, ...]}` (a period of one step) or `{rank: [[Op, ...], ...]}`."""
+    result: Programs = {}
+    for rank, body in ops_by_rank.items():
+        if _is_step(body):
+            result[rank] = [list(body)]
+        else:
+            result[rank] = [list(step) for step in body]
+    return result
+
+
+def ops_at(programs: Mapping[int, Program], startup: Mapping[int, Program], rank: int, step: int) -> list[Op]:
+    """What `rank` executes at global step `step`: its start-up steps while they last, then its period."""
+    first = startup.get(rank, [])
+    if step < len(first):
+        return first[step]
+    program = programs[rank]
+    return program[step % len(program)]
+
+
+_STEP_MARK = "---"
+_RANK_MARK = "=== rank "
+
+
+def format_program(program: Iterable[Sequence[Op]]) -> str:
+    """One op per line, a `---` line between steps (golden-file text)."""
+    return f"\n{_STEP_MARK}\n".join("\n".join(str(op) for op in step) for step in program) + "\n"
+
+
+def parse_program(text: str) -> Program:
+    """Inverse of `format_program`; blank lines and `#` comments are ignored."""
+    steps: Program = [[]]
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line == _STEP_MARK:
+            steps.append([])
+        else:
+            steps[-1].append(Op.parse(line))
+    return steps
+
+
+def format_programs(programs: Mapping[int, Iterable[Sequence[Op]]]) -> str:
+    """Every rank's program under a `=== rank R` header, ranks ascending."""
+    return "".join(f"{_RANK_MARK}{rank}\n{format_program(programs[rank])}" for rank in sorted(programs))
+
+
+def parse_programs(text: str) -> Programs:
+    """Inverse of `format_programs`."""
+    chunks: dict[int, list[str]] = {}
+    current: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith(_RANK_MARK):
+            rank_text = line[len(_RANK_MARK) :].strip()
+            if not rank_text.isdigit():
+                raise PlanFormatError(f"bad rank header {line!r}; expected '{_RANK_MARK}<int>'")
+            current = chunks.setdefault(int(rank_text), [])
+        elif current is not None:
+            current.append(line)
+        elif line.strip() and not line.strip().startswith("#"):
+            raise PlanFormatError(f"op {line!r} before any '{_RANK_MARK}R' header")
+    return {rank: parse_program("\n".join(lines)) for rank, lines in chunks.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class LayerTiming:
+    """When one layer refreshes its factors and uses the inverse (see docs/ARCHITECTURE.md).
+
+    At global step t with `t % period == curv_step` the micro-batches of step t feed a refresh;
+    the inverse made from it preconditions steps `t + use_offset` onward; `capture` says how its statistics are
+    taken (a plan's JSON and callers may give the value as text).
+    """
+
+    period: int
+    curv_step: int
+    use_offset: int
+    capture: Capture
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "capture", Capture(self.capture))
+        except ValueError:
+            raise PlanFormatError(
+                f"LayerTiming.capture must be one of {[c.value for c in Capture]}, got {self.capture!r}"
+            ) from None

@@ -1,0 +1,506 @@
+"""Pure program -> program passes: transfers, data-parallel expansion, K-FAC on the critical path, start-up steps.
+
+Every program a rank runs comes from here or from the planner's placements (planner/search/assemble.py): the
+runtime only interprets them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
+from enum import Enum, auto
+from typing import TYPE_CHECKING, TypeVar
+
+from fxkfac.planner.problem.apply_pieces import cut_apply
+from fxkfac.planner.problem.ir import LayerTiming, Op, OpKind, Program, Programs
+from fxkfac.planner.problem.schedules import ScheduleKind, num_stages, schedule_programs, stage_rank
+from fxkfac.planner.problem.strategy import COMM_OPT, LayerDistribution, grad_workers, keeps_statistics, receivers
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
+    from fxkfac.planner.problem.costs import CostTable
+
+__all__ = [
+    "add_send_recv",
+    "expand_dp",
+    "rank_programs",
+    "ranks_of_stages",
+    "linked_classes",
+    "refreshing",
+    "Assignment",
+    "assign_decompositions",
+    "decomposition_seconds",
+    "step_applies",
+    "kfac_tail",
+    "naive_programs",
+    "startup_programs",
+]
+
+P = TypeVar("P", list[Op], Program)
+
+KFAC_PARTS = ("A", "B")
+"""K-FAC's parts: the input-side factor A and the output-side factor B (another family names its own)."""
+
+
+def _is_program(body: Sequence[Op] | Program) -> TypeIs[Program]:
+    """A period program (steps of ops) rather than one step's ops; an empty body is one (empty) step."""
+    items = list(body)
+    return bool(items) and not isinstance(items[0], Op)
+
+
+def _transfers(op: Op, kind: ScheduleKind, D: int, v: int, rank: int) -> tuple[list[Op], list[Op]]:
+    """The RECVs to put before `op` and the SENDs to put after it on `rank`."""
+    S = num_stages(kind, D, v)
+    if op.stage is None or op.kind not in (OpKind.FWD, OpKind.BWD):
+        return [], []
+    before, after = [], []
+    prev_rank = stage_rank(kind, D, op.stage - 1, op.pipe, v=v) if op.stage > 0 else None
+    next_rank = stage_rank(kind, D, op.stage + 1, op.pipe, v=v) if op.stage + 1 < S else None
+    stage, mb, pipe = op.stage, op.mb, op.pipe
+    if op.kind is OpKind.FWD:
+        if prev_rank is not None and prev_rank != rank:
+            before.append(Op(OpKind.RECV_ACT, stage=stage, mb=mb, pipe=pipe, peer=prev_rank))
+        if next_rank is not None and next_rank != rank:
+            after.append(Op(OpKind.SEND_ACT, stage=stage, mb=mb, pipe=pipe, peer=next_rank))
+    else:
+        if next_rank is not None and next_rank != rank:
+            before.append(Op(OpKind.RECV_GRAD, stage=stage, mb=mb, pipe=pipe, peer=next_rank))
+        if prev_rank is not None and prev_rank != rank:
+            after.append(Op(OpKind.SEND_GRAD, stage=stage, mb=mb, pipe=pipe, peer=prev_rank))
+    return before, after
+
+
+def _lower_step(ops: Sequence[Op], kind: ScheduleKind, D: int, v: int, rank: int) -> list[Op]:
+    lowered: list[Op] = []
+    for op in ops:
+        before, after = _transfers(op, kind, D, v, rank)
+        lowered += before + [op] + after
+    return lowered
+
+
+def add_send_recv(programs: Mapping[int, P], kind: ScheduleKind | str, D: int, v: int = 1) -> dict[int, P]:
+    """Insert the transfers between stages on different pp ranks.
+
+    A SEND_ACT (SEND_GRAD) goes right after the FWD (BWD) that produces the tensor, a RECV_ACT
+    (RECV_GRAD) right before the FWD (BWD) that consumes it; each carries its own op's stage,
+    micro-batch and pipe, and `peer` the other pp rank. Ranks are pp ranks (apply before
+    `expand_dp`). Accepts one step's ops or a period program per rank; returns the same shape.
+    """
+    kind = ScheduleKind(kind)
+    result: dict[int, P] = {}
+    for rank, body in programs.items():
+        if _is_program(body):
+            result[rank] = [_lower_step(step, kind, D, v, rank) for step in body]
+        else:
+            result[rank] = _lower_step(body, kind, D, v, rank)
+    return result
+
+
+def _remap(op: Op, W: int, dp: int) -> Op:
+    return op if op.peer is None else replace(op, peer=op.peer * W + dp)
+
+
+def expand_dp(programs_by_pp_rank: Mapping[int, P], W: int) -> dict[int, P]:
+    """Copy each pp rank's program to its W data-parallel replicas: global rank = pp * W + dp.
+
+    Peers (pp ranks) become the global rank of the same replica. Collectives keep their ops:
+    their group is every rank that runs them (all copies of the stage).
+    """
+    if W < 1:
+        raise ValueError(f"the data-parallel size W must be >= 1, got {W}")
+    result: dict[int, P] = {}
+    for pp, body in programs_by_pp_rank.items():
+        for dp in range(W):
+            if _is_program(body):
+                result[pp * W + dp] = [[_remap(op, W, dp) for op in step] for step in body]
+            else:
+                result[pp * W + dp] = [_remap(op, W, dp) for op in body]
+    return result
+
+
+def rank_programs(kind: ScheduleKind | str, D: int, N: int, W: int, v: int = 1) -> dict[int, list[Op]]:
+    """One step of the plain pipeline per global rank: the schedule, its transfers, its dp replicas."""
+    return expand_dp(add_send_recv(schedule_programs(kind, D, N, v=v), kind, D, v), W)
+
+
+def ranks_of_stages(kind: ScheduleKind | str, D: int, W: int, v: int = 1) -> dict[int, tuple[int, ...]]:
+    """Stage -> the sorted global ranks holding a copy of it (dp replicas, both Chimera pipelines)."""
+    kind = ScheduleKind(kind)
+    pipes = (0, 1) if kind is ScheduleKind.CHIMERA else (0,)
+    return {
+        s: tuple(sorted({stage_rank(kind, D, s, p, v=v) * W + w for p in pipes for w in range(W)}))
+        for s in range(num_stages(kind, D, v))
+    }
+
+
+def linked_classes(sets: Iterable[Sequence[int]], count: int) -> list[tuple[int, ...]]:
+    """The classes of 0..count-1 linked, transitively, by sharing one of `sets` (each class ascending, the classes
+    by their first member): a stage's holders link ranks into agreement sets, a rank's stages link stages into
+    stage groups."""
+    parent = list(range(count))
+
+    def root(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for members in sets:
+        for x in members[1:]:
+            parent[root(x)] = root(members[0])
+    classes: dict[int, list[int]] = {}
+    for x in range(count):
+        classes.setdefault(root(x), []).append(x)
+    return sorted(tuple(c) for c in classes.values())
+
+
+def refreshing(timings: Mapping[str, LayerTiming], names: Sequence[str], step: int) -> list[str]:
+    """The layers among `names` whose factors global step `step` refreshes (`t % period == curv_step`)."""
+    return [n for n in names if step % timings[n].period == timings[n].curv_step]
+
+
+class Assignment(Enum):
+    """How the critical-path programs deal a stage's decompositions at a refresh to the ranks holding the stage
+    (each decomposes its share and broadcasts it to the others). The plans place them by solver instead."""
+
+    ROUND_ROBIN = auto()
+    """In (layer, part) order, one to each holder in turn, whatever they cost (the default)."""
+    LPT = auto()
+    """Distributed Shampoo's Alg. 3 (longest processing time first): largest decomposition first (by its
+    seconds; ties by layer, then part), each to the holder with the fewest decomposition seconds so far
+    (ties: the first holder, the lowest rank). The paper sorts its blocks by size (variables); this sorts by
+    the cost table's decomposition seconds, what the step time feels."""
+
+
+Decomposition = tuple[str, str]
+"""(layer, part) of one decomposition."""
+
+
+def assign_decompositions(
+    decomps: Sequence[Decomposition],
+    ranks: Sequence[int],
+    assignment: Assignment = Assignment.ROUND_ROBIN,
+    seconds: Mapping[Decomposition, float] | None = None,
+) -> dict[Decomposition, int]:
+    """The rank among `ranks` (a stage's holders, ascending) that runs each of `decomps` (one stage's, at one
+    refresh, in (layer, part) order), by `assignment`; LPT needs `seconds` of every one of them. Loads start
+    at zero for every call: each stage's refresh is balanced on its own."""
+    if not ranks:
+        raise ValueError("no rank to assign decompositions to")
+    if assignment is Assignment.ROUND_ROBIN:
+        return {d: ranks[i % len(ranks)] for i, d in enumerate(decomps)}
+    if seconds is None:
+        raise ValueError("Assignment.LPT deals by cost: pass the seconds of each (layer, part) decomposition")
+    missing = [d for d in decomps if d not in seconds]
+    if missing:
+        raise ValueError(f"no decomposition seconds for {missing[:3]}{' and more' if len(missing) > 3 else ''}")
+    load = dict.fromkeys(ranks, 0.0)
+    out: dict[Decomposition, int] = {}
+    for d in sorted(decomps, key=lambda d: (-seconds[d], d)):
+        rank = min(ranks, key=lambda r: load[r])  # min keeps the first of equals: the lowest rank
+        out[d] = rank
+        load[rank] += seconds[d]
+    return out
+
+
+def decomposition_seconds(costs: CostTable) -> dict[Decomposition, float]:
+    """(layer, part) -> seconds of one decomposition of every part in the cost table (what LPT sorts by)."""
+    return {(x.name, p.part): p.decomp for stage in costs.stages for x in stage.layers for p in x.parts}
+
+
+def _deal(
+    names: Sequence[str],
+    parts: Sequence[str],
+    holders: tuple[int, ...],
+    distributions: Mapping[str, LayerDistribution],
+    assignment: Assignment,
+    seconds: Mapping[Decomposition, float] | None,
+) -> dict[Decomposition, int]:
+    """The rank that decomposes each (layer, part) refreshed at one step of one stage: dealt by `assignment` over
+    the grad workers of the layer's column, layers of one column together (COMM-OPT: one column of every holder)."""
+    by_column: dict[tuple[int, ...], list[Decomposition]] = {}
+    for name in names:
+        workers = grad_workers(holders, distributions.get(name, LayerDistribution()))
+        by_column.setdefault(workers, []).extend((name, part) for part in parts)
+    roots: dict[Decomposition, int] = {}
+    for workers, decomps in by_column.items():
+        roots.update(assign_decompositions(decomps, workers, assignment, seconds))
+    return roots
+
+
+def step_applies(
+    rank: int,
+    stage: int,
+    layers: Sequence[str],
+    holders: tuple[int, ...],
+    distributions: Mapping[str, LayerDistribution],
+    pipe: int = 0,
+    pieces: int = 1,
+) -> tuple[list[Op], list[Op]]:
+    """What `rank` runs of `stage` at every step to precondition it, as (APPLYs, BCAST_PRECs): one APPLY of the
+    stage copy (`pipe`) where every layer is COMM-OPT and uncut; otherwise an APPLY of each layer the rank is a grad
+    worker of (in `pieces` pieces, `Problem.apply_pieces`), then the BCAST_PREC of each layer along the rank's row
+    (planner/problem/strategy.py)."""
+    where = {n: distributions.get(n, LayerDistribution()) for n in layers}
+    if pieces == 1 and all(w.strategy == COMM_OPT for w in where.values()):
+        return [Op(OpKind.APPLY, stage=stage, pipe=pipe)], []
+    applies = [
+        piece
+        for n in layers
+        if rank in grad_workers(holders, where[n])
+        for piece in cut_apply(Op(OpKind.APPLY, stage=stage, layer=n), pieces)
+    ]
+    shares = [
+        Op(OpKind.BCAST_PREC, stage=stage, root=root, layer=n, group=None if row == holders else row)
+        for n in layers
+        for root, row in receivers(holders, where[n])
+        if rank in row
+    ]
+    return applies, shares
+
+
+def kfac_tail(
+    rank: int,
+    copies: Sequence[tuple[int, int]],
+    step: int,
+    timings: Mapping[str, LayerTiming],
+    stage_layers: Mapping[int, Sequence[str]],
+    holders: Mapping[int, tuple[int, ...]],
+    parts: Sequence[str] = KFAC_PARTS,
+    gradient_parts: frozenset[str] = frozenset(),
+    *,
+    assignment: Assignment = Assignment.ROUND_ROBIN,
+    seconds: Mapping[Decomposition, float] | None = None,
+    distributions: Mapping[str, LayerDistribution] | None = None,
+) -> list[Op]:
+    """The preconditioner ops a rank runs between its last ALLREDUCE_GRAD and OPT_STEP at one step of the period.
+
+    Every collective is emitted in (stage, layer, factor) order by every rank of its group, so no two ranks
+    wait on each other; the decompositions a stage refreshes at this step are dealt over the grad workers of
+    each layer (`distributions`, default COMM-OPT: every holder; see planner/problem/strategy.py) by `assignment`
+    (`seconds` for LPT, see `assign_decompositions`) and broadcast within them. `copies` are the (stage, pipe)
+    pairs the rank holds; `parts` the family's parts of every layer (K-FAC: A and B). The `gradient_parts`
+    among them take their statistic from the reduced gradient: one STATS per layer and part at every step on
+    each grad worker, first. A stage whose layers all follow COMM-OPT is preconditioned by one APPLY on every
+    copy; otherwise each grad worker applies its layers one by one and broadcasts them along its row
+    (BCAST_PREC). DP-KFAC layers fold local statistics on their owner: no SYNC_STATS.
+    """
+    where = dict(distributions or {})
+    captured = [part for part in parts if part not in gradient_parts]
+    stats: list[Op] = []
+    syncs: list[Op] = []
+    invs: list[Op] = []
+    bcasts: list[Op] = []
+    precs: list[Op] = []
+    shares: list[Op] = []
+    for s in sorted({s for s, _ in copies}):
+        ranks, layers = holders[s], stage_layers[s]
+        workers = {n: grad_workers(ranks, where.get(n, LayerDistribution())) for n in layers}
+        stats += [
+            Op(OpKind.STATS, stage=s, part=part, layer=n)
+            for n in layers
+            if rank in workers[n]
+            for part in parts
+            if part in gradient_parts
+        ]
+        names = refreshing(timings, layers, step)
+        roots = _deal(names, parts, ranks, where, assignment, seconds)
+        syncs += _syncs(s, names, ranks, captured, gradient_parts, where)
+        invs += _decomps(rank, s, names, parts, roots)
+        bcasts += _bcasts(rank, s, names, parts, ranks, workers, roots)
+        applies, shared = step_applies(rank, s, layers, ranks, where, pipe=next(p for st, p in copies if st == s))
+        precs += applies
+        shares += shared
+    return stats + syncs + invs + bcasts + precs + shares
+
+
+def _syncs(
+    stage: int,
+    names: Sequence[str],
+    holders: tuple[int, ...],
+    captured: Sequence[str],
+    gradient_parts: frozenset[str],
+    distributions: Mapping[str, LayerDistribution],
+) -> list[Op]:
+    """The SYNC_STATS of the refreshing layers `names` of `stage`: the holders average what they captured, except
+    for layers that keep local factors (DP-KFAC); one per layer, or one per captured part when some part is fed by
+    the gradient. None on one holder or without captured parts."""
+    if len(holders) <= 1 or not captured:
+        return []
+    shared = [n for n in names if not distributions.get(n, LayerDistribution()).strategy.local_factors]
+    if not gradient_parts:
+        return [Op(OpKind.SYNC_STATS, stage=stage, layer=n) for n in shared]
+    return [Op(OpKind.SYNC_STATS, stage=stage, part=part, layer=n) for n in shared for part in captured]
+
+
+def _decomps(
+    rank: int, stage: int, names: Sequence[str], parts: Sequence[str], roots: Mapping[Decomposition, int]
+) -> list[Op]:
+    """The DECOMPs `rank` runs of the refreshing layers `names` of `stage`: those dealt to it (`roots`)."""
+    return [
+        Op(OpKind.DECOMP, stage=stage, part=side, layer=n) for n in names for side in parts if roots[n, side] == rank
+    ]
+
+
+def _bcasts(
+    rank: int,
+    stage: int,
+    names: Sequence[str],
+    parts: Sequence[str],
+    holders: tuple[int, ...],
+    workers: Mapping[str, tuple[int, ...]],
+    roots: Mapping[Decomposition, int],
+) -> list[Op]:
+    """The BCASTs of the refreshing layers `names` of `stage` that `rank` takes part in: each decomposition from its
+    root to the layer's other grad workers (group None: every holder)."""
+    return [
+        Op(
+            OpKind.BCAST,
+            stage=stage,
+            part=side,
+            root=roots[n, side],
+            layer=n,
+            group=None if workers[n] == holders else workers[n],
+        )
+        for n in names
+        if len(workers[n]) > 1 and rank in workers[n]
+        for side in parts
+    ]
+
+
+def _with_kfac(
+    ops: Sequence[Op],
+    rank: int,
+    step: int,
+    timings: Mapping[str, LayerTiming],
+    stage_layers: Mapping[int, Sequence[str]],
+    holders: Mapping[int, tuple[int, ...]],
+    parts: Sequence[str],
+    gradient_parts: frozenset[str],
+    assignment: Assignment,
+    seconds: Mapping[Decomposition, float] | None,
+    distributions: Mapping[str, LayerDistribution],
+) -> list[Op]:
+    """One step of a rank's plain program with curvature after each BWD (a zero-bubble schedule's W, where the
+    runtime makes a fused layer's output-gradient curvature) of the layers whose statistics the rank keeps
+    (`keeps_statistics`), and the K-FAC tail before OPT_STEP."""
+    copies = sorted({(op.stage, op.pipe) for op in ops if op.kind is OpKind.FWD and op.stage is not None})
+    made = (
+        OpKind.BWD_W if any(op.kind is OpKind.BWD_W for op in ops) else OpKind.BWD
+    )  # a fused curvature is made with W
+    body: list[Op] = []
+    for op in ops:
+        if op.kind is OpKind.OPT_STEP:
+            body.extend(
+                kfac_tail(
+                    rank,
+                    copies,
+                    step,
+                    timings,
+                    stage_layers,
+                    holders,
+                    parts,
+                    gradient_parts,
+                    assignment=assignment,
+                    seconds=seconds,
+                    distributions=distributions,
+                )
+            )
+        body.append(op)
+        if op.kind is made and op.stage is not None:
+            captured = [side for side in parts if side not in gradient_parts]
+            names = refreshing(timings, stage_layers[op.stage], step)
+            body.extend(capture_stats(op, rank, {n: captured for n in names}, holders[op.stage], distributions))
+    return body
+
+
+def capture_stats(
+    bwd: Op,
+    rank: int,
+    parts: Mapping[str, Sequence[str]],
+    holders: tuple[int, ...],
+    distributions: Mapping[str, LayerDistribution],
+) -> list[Op]:
+    """The STATS right after `bwd` (one micro-batch's BWD of a stage) that fold the captures its F/B made: one per
+    captured part (`parts`, by layer) of each layer whose statistics `rank` keeps. A plan runs them for its fused
+    layers at the refresh step (their curvature is made inside F/B); plan=None runs them for every refreshing
+    layer."""
+    return [
+        Op(OpKind.STATS, stage=bwd.stage, mb=bwd.mb, pipe=bwd.pipe, part=side, layer=name)
+        for name, sides in parts.items()
+        if keeps_statistics(rank, holders, distributions.get(name, LayerDistribution()))
+        for side in sides
+    ]
+
+
+def naive_programs(
+    kind: ScheduleKind | str,
+    D: int,
+    N: int,
+    W: int,
+    timings: Mapping[str, LayerTiming],
+    stage_layers: Mapping[int, Sequence[str]],
+    *,
+    v: int = 1,
+    parts: Sequence[str] = KFAC_PARTS,
+    gradient_parts: frozenset[str] = frozenset(),
+    assignment: Assignment = Assignment.ROUND_ROBIN,
+    seconds: Mapping[Decomposition, float] | None = None,
+    distributions: Mapping[str, LayerDistribution] | None = None,
+) -> Programs:
+    """The preconditioner on the critical path: the plain pipeline with curvature right after each BWD of a
+    refreshing layer, and gradient statistics, sync, inversion, broadcast and precondition before OPT_STEP.
+
+    One list per step of the period (the lcm of the layers' periods). With refresh period 1 this is
+    "naive K-FAC" of the PipeFisher paper; with period k it is "K-FAC+skip". With no timings it is the
+    plain pipeline (period 1, no K-FAC op). Every refresh finishes within its own step, so these
+    programs need no start-up steps. A stage's decompositions at a refresh are dealt over its holders by
+    `assignment` (round-robin by default; `Assignment.LPT`, Distributed Shampoo's Alg. 3, by `seconds` per
+    (layer, part): see `assign_decompositions`) within each layer's grad workers (`distributions`; absent
+    layers follow COMM-OPT: see planner/problem/strategy.py).
+    """
+    if assignment is Assignment.LPT and seconds is None:
+        raise ValueError("Assignment.LPT deals by cost: pass the seconds of each (layer, part) decomposition")
+    holders = ranks_of_stages(kind, D, W, v)
+    period = math.lcm(*(t.period for t in timings.values())) if timings else 1
+    with_prec = bool(timings)
+    out: Programs = {}
+    for rank, ops in rank_programs(kind, D, N, W, v).items():
+        out[rank] = [
+            _with_kfac(
+                ops,
+                rank,
+                step,
+                timings,
+                stage_layers,
+                holders,
+                parts,
+                gradient_parts,
+                assignment,
+                seconds,
+                dict(distributions or {}),
+            )
+            if with_prec
+            else list(ops)
+            for step in range(period)
+        ]
+    return out
+
+
+def startup_programs(programs: Mapping[int, Program], born: Mapping[int, Mapping[Op, int]]) -> Programs:
+    """Each rank's first steps, without the K-FAC work of refreshes from before step 0.
+
+    A planned program is a modulo schedule: in steady state, step t also runs the late curvature and
+    inversions of the refresh of step t - s (a placement's window step s may reach 2k - 1). In the
+    first steps that refresh never happened, so its ops have nothing to consume. `born[rank][op]` is
+    the latest window step that places `op` on `rank`; step t keeps `op` once t reaches it. A rank's
+    list is empty when its steady program runs from step 0.
+    """
+    out: Programs = {}
+    for rank, program in programs.items():
+        late = born.get(rank, {})
+        last = max(late.values(), default=0)
+        out[rank] = [[op for op in program[t % len(program)] if late.get(op, 0) <= t] for t in range(last)]
+    return out

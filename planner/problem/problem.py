@@ -1,0 +1,454 @@
+"""The planning problem: schedule, mesh, costs, budget (step: planner/problem/step_timeline.py; memory:
+planner/problem/memory.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from enum import StrEnum
+from functools import cached_property, lru_cache
+from typing import Any
+
+from fxkfac.planner.problem.apply_pieces import NS_STEPS, piece_share
+from fxkfac.planner.problem.costs import CostTable, PreconditionerKind
+from fxkfac.planner.problem.errors import ConfigError, PlanError, PlanFormatError
+from fxkfac.planner.problem.ir import LAYER_TRANSFER_KINDS, Op, OpKind
+from fxkfac.planner.problem.lowering import linked_classes, ranks_of_stages
+from fxkfac.planner.problem.schedules import ScheduleKind, num_stages, validate_schedule_args
+from fxkfac.planner.problem.strategy import (
+    LayerDistribution,
+    Strategy,
+    distribute,
+    grad_workers,
+)
+from fxkfac.planner.problem.streaming import Streaming, can_stream
+
+__all__ = [
+    "StepBarrier",
+    "Problem",
+    "SolverConfig",
+    "SolveProgress",
+    "StageGroup",
+    "stage_groups",
+    "copies_of_stage",
+    "stages_on_device",
+    "is_streamed",
+    "streamed_stats",
+    "streamed_seconds",
+    "returned",
+    "format_bytes",
+    "agreement_set",
+]
+
+
+class StepBarrier(StrEnum):
+    """Which ranks a step's end waits for ([Note: step barrier] in planner/plan/window.py; the runtime's
+    `KFACConfig.kl_clip_scope`)."""
+
+    WORLD = "world"
+    """Every rank (KL-clip scope global): the idle before and after a step boundary never join."""
+    AGREEMENT_SET = "agreement-set"
+    """The rank's agreement set only (KL-clip scope stage or stale): the ranks holding copies of the same
+    parameters, which the planner takes as the devices of the rank's stage group (tied weights, which can join
+    two groups, are not in the planner's data)."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What to plan: the pipeline, the costs, the device memory and the step-time tolerance.
+
+    schedule/D/N/W/v: the pipeline (pp size D, dp size W, N micro-batches per replica, v virtual
+    stages per rank for "interleaved" and "zb-1p", 2 for "zb-v"). costs: one StageCost per (virtual) stage.
+    memory_budget: bytes per device, None for unlimited. max_overhead: how much the step may grow over the plain
+    pipeline with preconditioning, as a fraction of that reference step (0.0: only bubbles are used); fused
+    curvature and idle time appended to every step (see [Note: stretch] in planner/plan/window.py) share
+    it. fingerprint: the graph the plan is for
+    (opaque here). max_period: the longest refresh period the planner may choose. distributions: where each
+    layer's work lives among its stage's copies, as (layer, distribution) pairs sorted by layer (hashable;
+    `with_distributions` makes them from a mapping; planner/problem/strategy.py; absent layers: COMM-OPT).
+    """
+
+    schedule: str
+    D: int
+    N: int
+    costs: CostTable
+    W: int = 1
+    v: int = 1
+    memory_budget: int | None = None
+    max_overhead: float = 0.0
+    hardware: str = ""
+    fingerprint: str = ""
+    max_period: int = 32
+    distributions: tuple[tuple[str, LayerDistribution], ...] = ()
+    decomp_pieces: int = 1
+    """How many DECOMP ops each part's decomposition is cut into (`KFACConfig.split_inverse.pieces`,
+    `ShampooConfig.newton_pieces`): piece i costs 1/n of the part's `decomp` and runs after piece i-1 on the same
+    rank ("DECOMP s A i/n layer"). The planner places them in tasks no longer than one piece of the stage's longest
+    decomposition, so a small one's pieces run back to back ([Note: piece tasks] in planner/search/window_build.py).
+    Muon, which has no decomposition, cuts each matrix's APPLY into as many pieces by iterations (`apply_pieces`)."""
+    warm_start: bool = False
+    """Whether each decomposition starts from its layer's newest preconditioner (`Family.warm_start`: SOAP's QR
+    basis, K-FAC's split inverse): every refresh of a layer is then made and broadcast before the next refresh's
+    first DECOMP of the layer starts, so it starts from the previous refresh, as on one device. Pieces
+    (`decomp_pieces` > 1) always are."""
+    barrier: StepBarrier = StepBarrier.WORLD
+    """Which ranks each step's end synchronizes ([Note: step barrier] in planner/plan/window.py)."""
+    streaming: Streaming | None = None
+    """Layers of a stage held by one rank whose APPLY a helper rank runs, fed during the owner's last backward
+    (planner/problem/streaming.py; None: every rank applies its own stages)."""
+    recompute: tuple[int, ...] = ()
+    """Stages that recompute their forward (activation checkpointing), ascending: each keeps only its boundary
+    (`StageCost.boundary_bytes`) per micro-batch in flight, and its BWD runs its forward again first, so lasts
+    `fwd` longer (planner/search/recompute.py chooses them under a memory budget)."""
+
+    def __post_init__(self) -> None:
+        kind = validate_schedule_args(self.schedule, self.D, self.N, self.v)
+        object.__setattr__(self, "schedule", kind.value)
+        if not self.hardware:
+            object.__setattr__(self, "hardware", self.costs.hardware)
+        if not isinstance(self.W, int) or self.W < 1:
+            raise PlanError(f"the data-parallel size W must be an int >= 1, got {self.W!r}")
+        S = num_stages(kind, self.D, self.v)
+        if len(self.costs.stages) != S:
+            raise PlanError(
+                f"the cost table has {len(self.costs.stages)} stages but {kind} with D={self.D}, "
+                f"v={self.v} has {S}; make the cost table for {S} stages"
+            )
+        budget = self.memory_budget
+        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
+            raise PlanError(f"memory_budget must be a positive int (bytes) or None, got {budget!r}")
+        if not (isinstance(self.max_overhead, (int, float)) and 0 <= self.max_overhead < 10):
+            raise PlanError(f"max_overhead is a fraction in [0, 10), got {self.max_overhead!r}")
+        if not isinstance(self.max_period, int) or self.max_period < 1:
+            raise PlanError(f"max_period must be an int >= 1, got {self.max_period!r}")
+        try:
+            object.__setattr__(self, "barrier", StepBarrier(self.barrier))
+        except ValueError:
+            raise PlanError(f"barrier must be one of {[b.value for b in StepBarrier]}, got {self.barrier!r}") from None
+        if isinstance(self.decomp_pieces, bool) or not isinstance(self.decomp_pieces, int) or self.decomp_pieces < 1:
+            raise PlanError(f"decomp_pieces must be an int >= 1, got {self.decomp_pieces!r}")
+        if self.costs.family is PreconditionerKind.MUON and self.decomp_pieces > NS_STEPS:
+            raise PlanError(
+                f"Muon's APPLY pieces run its {NS_STEPS} Newton-Schulz iterations; {self.decomp_pieces} pieces "
+                f"would leave some empty (at most {NS_STEPS})"
+            )
+        if not isinstance(self.warm_start, bool):
+            raise PlanError(f"warm_start must be a bool, got {self.warm_start!r}")
+        if [n for n, _ in self.distributions] != sorted({n for n, _ in self.distributions}):
+            raise PlanError(
+                "Problem.distributions must be (layer, distribution) pairs sorted by distinct layer; "
+                "use Problem.with_distributions"
+            )
+        unknown = sorted({n for n, _ in self.distributions} - set(self.costs.layer_names))
+        if unknown:
+            raise PlanError(f"distributions name layers {unknown[:3]} that are not in the cost table")
+        for name, where in self.distributions:
+            grad_workers(copies_of_stage(self, self.costs.stage_of(name)), where)  # ConfigError for a bad column
+            captured = any(p.after is not OpKind.ALLREDUCE_GRAD for p in self.costs.layer(name).parts)
+            if where.strategy.local_factors and not captured:
+                raise ConfigError(
+                    f"{where.strategy} keeps local factors of captures, but {name}'s statistics come "
+                    "from the reduced gradient, the same on every copy; use mem-opt for one owner"
+                )
+
+        if self.streaming is not None:
+            self._check_streaming(self.streaming)
+        stages = self.recompute
+        if not isinstance(stages, tuple) or list(stages) != sorted(set(stages)):
+            raise PlanError(f"recompute must be a tuple of distinct stages, ascending, got {stages!r}")
+        if any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < S for s in stages):
+            raise PlanError(f"recompute names stages {list(stages)}, but this problem has stages 0..{S - 1}")
+
+    def _check_streaming(self, streaming: Streaming) -> None:
+        """PlanError unless every helper is a rank that holds no copy of the streamed stage, and each streamed layer is
+        one a helper may apply (`can_stream`) and which every copy applies
+        itself (COMM-OPT: the helper's result replaces each copy's gradient)."""
+        if not streaming.stage < self.num_stages:
+            raise PlanError(f"streaming names stage {streaming.stage}, which this problem does not have")
+        for helper in streaming.ranks:
+            if helper not in self.devices or helper in self.stream_owners:
+                raise PlanError(f"a streaming helper holds no copy of stage {streaming.stage}, got rank {helper}")
+        held = {x.name: x for x in self.costs.stages[streaming.stage].layers}
+        for name in streaming.layers:
+            layer = held.get(name)
+            if layer is None:
+                raise PlanError(f"streaming names {name!r}, which is not a layer of stage {streaming.stage}")
+            if not can_stream(self.costs.family, layer):
+                raise PlanError(
+                    f"{name}'s APPLY keeps state besides statistics fed by the gradient: only a layer whose APPLY "
+                    "reads its preconditioner alone (K-FAC), whose statistics come from the gradient alone "
+                    "(Shampoo, SOAP) or a Muon matrix streams"
+                )
+            if self.where(name) != LayerDistribution():
+                raise PlanError(f"{name} streams, so every copy applies it (COMM-OPT), not {self.where(name)}")
+
+    @property
+    def apply_pieces(self) -> int:
+        """Pieces each layer's APPLY is cut into ("APPLY s i/n layer", planner/problem/apply_pieces.py): a Muon matrix's
+        Newton-Schulz in `decomp_pieces` pieces by iterations; one for every other family."""
+        return self.decomp_pieces if self.costs.family is PreconditionerKind.MUON else 1
+
+    @property
+    def stream_owners(self) -> tuple[int, ...]:
+        """The ranks holding the streamed stage, ascending (AssertionError without streaming): each sends its own
+        gradient of a streamed layer and takes the result back; the first also sends the replicas."""
+        assert self.streaming is not None, "only a problem with streaming has owners"
+        return copies_of_stage(self, self.streaming.stage)
+
+    @property
+    def chains_refreshes(self) -> bool:
+        """Whether every refresh of a layer is made before the next one's first DECOMP of it starts: decompositions
+        that warm-start (`warm_start`) or run in pieces (Newton-Schulz starts from the previous inverse)."""
+        return self.warm_start or self.decomp_pieces > 1
+
+    def __hash__(self) -> int:
+        """The fields' hash, computed once: the planner's caches (lru_cache) key on problems millions of times,
+        and hashing the cost table each time was most of a data-parallel plan's time."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The fields alone: the cached hash is of this process's string hashes, not another's."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @cached_property
+    def _where(self) -> dict[str, LayerDistribution]:
+        return dict(self.distributions)
+
+    def with_distributions(self, distributions: Mapping[str, LayerDistribution]) -> Problem:
+        """The same problem with these layer distributions (every other layer COMM-OPT, which is not listed: a
+        problem has one form whatever way COMM-OPT is given; a streamed layer stays COMM-OPT)."""
+        streamed = set(self.streaming.layers) if self.streaming is not None else set()
+        named = sorted((n, d) for n, d in distributions.items() if d != LayerDistribution() and n not in streamed)
+        return replace(self, distributions=tuple(named))
+
+    def with_strategy(self, strategy: Strategy) -> Problem:
+        """Every layer under `strategy`, each stage's layers dealt to its columns by KAISA's greedy on their
+        decomposition seconds (`planner.strategy.distribute`); a layer without parts (a Muon matrix, Moonlight's
+        distributed Muon under mem-opt) on its APPLY's seconds, the only work it has."""
+        holders = {s: copies_of_stage(self, s) for s in range(self.num_stages)}
+        layers = {s: [x.name for x in stage.layers] for s, stage in enumerate(self.costs.stages)}
+        costs = {x.name: x.inv if x.parts else x.prec for stage in self.costs.stages for x in stage.layers}
+        return self.with_distributions(distribute(strategy, layers, holders, costs))
+
+    def where(self, layer: str) -> LayerDistribution:
+        """The distribution of `layer` (COMM-OPT unless `distributions` names it)."""
+        return self._where.get(layer, LayerDistribution())
+
+    def workers(self, layer: str) -> tuple[int, ...]:
+        """The ranks that decompose and apply `layer`'s preconditioner (all copies of its stage under COMM-OPT)."""
+        return grad_workers(copies_of_stage(self, self.costs.stage_of(layer)), self.where(layer))
+
+    def recomputes(self, stage: int) -> bool:
+        """Whether `stage` recomputes its forward in its backward (`recompute`)."""
+        return stage in self.recompute
+
+    @property
+    def kind(self) -> ScheduleKind:
+        """The schedule as an enum."""
+        return ScheduleKind(self.schedule)
+
+    @property
+    def num_stages(self) -> int:
+        """S, the number of (virtual) stages."""
+        return len(self.costs.stages)
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        """Global ranks 0..D*W-1 (rank = pp * W + dp)."""
+        return tuple(range(self.D * self.W))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able form (the cost table nested in its own schema)."""
+        return {
+            "schedule": self.schedule,
+            "D": self.D,
+            "N": self.N,
+            "W": self.W,
+            "v": self.v,
+            "costs": self.costs.to_dict(),
+            "memory_budget": self.memory_budget,
+            "max_overhead": self.max_overhead,
+            "hardware": self.hardware,
+            "fingerprint": self.fingerprint,
+            "max_period": self.max_period,
+            **({"distributions": {n: str(d) for n, d in self.distributions}} if self.distributions else {}),
+            **({"decomp_pieces": self.decomp_pieces} if self.decomp_pieces > 1 else {}),
+            **({"warm_start": True} if self.warm_start else {}),
+            **({"barrier": self.barrier.value} if self.barrier is not StepBarrier.WORLD else {}),
+            **({"streaming": self.streaming.to_dict()} if self.streaming is not None else {}),
+            **({"recompute": list(self.recompute)} if self.recompute else {}),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Problem:
+        """Inverse of `to_dict`; a malformed entry raises PlanFormatError."""
+        try:
+            where = sorted((str(n), LayerDistribution.parse(str(d))) for n, d in data.get("distributions", {}).items())
+            streaming = Streaming.from_dict(data["streaming"]) if data.get("streaming") is not None else None
+            recompute = tuple(data.get("recompute", ()))
+            body = {**data, "costs": CostTable.from_dict(data["costs"]), "distributions": tuple(where)}
+            body["recompute"] = recompute
+            return cls(**{**body, "streaming": streaming})
+        except (KeyError, TypeError, ConfigError) as e:
+            raise PlanFormatError(f"the plan's problem is malformed: {e}") from e
+
+
+@dataclass(frozen=True)
+class SolveProgress:
+    """What CP-SAT reports while it places one window (planner/search/cpsat.py): each placement it finds, then the
+    call's end. Plain data, so a front can render it without the planner knowing how."""
+
+    window: str
+    """The window being solved, in words: its stage group, refresh period k and stretch (ticks added to a step)."""
+    status: str
+    """CP-SAT's status: FEASIBLE for each placement found while searching (UNKNOWN for a bound before any),
+    then the call's own status."""
+    objective: float | None
+    """The staleness (sum of use offsets) of the best placement so far; None for a search of any placement
+    (a refresh period or a stretch tried) or when none was found."""
+    bound: float | None
+    """The proven lower bound on the staleness while minimizing it (None for a search of any placement)."""
+    seconds: float
+    """Wall seconds this call has run."""
+    done: bool
+    """Whether this is the call's end (`status` is then CP-SAT's final status)."""
+
+    @property
+    def gap(self) -> float | None:
+        """(objective - bound) / objective, 0 when both are 0; None without an objective."""
+        if self.objective is None or self.bound is None:
+            return None
+        return (self.objective - self.bound) / self.objective if self.objective else 0.0
+
+
+@dataclass(frozen=True)
+class SolverConfig:
+    """How hard the CP-SAT planner works: a time limit, workers, seed, and the greedy warm start.
+
+    stats_chunk: at most this many consecutive layers of a stage in one STATS task per (device, micro-batch, side);
+    1: a task per layer (what packs best); None decides by size (`max_stats_tasks`).
+    """
+
+    time_limit_s: float = 10.0
+    """Seconds of planning (CP-SAT; see [Note: time limit] in planner/search/solve.py). Deterministic, it becomes a
+    budget of CP-SAT deterministic time ([Note: deterministic budget] in planner/search/budget.py)."""
+    num_workers: int = 2
+    """CP-SAT threads when not deterministic (a deterministic search runs one)."""
+    seed: int = 0
+    """CP-SAT's random seed."""
+    deterministic: bool = True
+    """The same problem and options give the same plan (every field but `SolverStats.wall_time`) on a loaded
+    or an idle machine: CP-SAT is budgeted in deterministic time, single-threaded and seeded. False: the
+    budget is wall-clock seconds on `num_workers` threads, so a slower machine may return another plan."""
+    use_greedy_hint: bool = True
+    stats_chunk: int | None = None
+    max_stats_tasks: int = 1536
+    """With `stats_chunk` None, a group's STATS tasks are per layer up to this many, chunked beyond it: CP-SAT's
+    model grows with them (per Linear, BERT-Large Chimera D=8 on the paper's profiles, a stage group has 576 at
+    N=8 and 2304 at N=32; a 10 s solve ran CP-SAT for 10 s and 30 s of wall time on 2 cores)."""
+    time_resolution: int = 100_000
+    """Ticks per step when times are not exact in a decimal unit (see `planner.window`)."""
+    stretch: bool = True
+    """Let the step grow within `Problem.max_overhead` to make room for K-FAC work ([Note: stretch] in
+    planner/plan/window.py); False: max_overhead only pays for fused curvature (bubbles alone)."""
+    progress: Callable[[SolveProgress], None] | None = field(default=None, compare=False)
+    """Called with every `SolveProgress` of every CP-SAT call (None: nothing reported). It only observes: the
+    plan is the same with or without it."""
+
+
+@dataclass(frozen=True)
+class StageGroup:
+    """Stages that share devices (Chimera's stage pairs, interleaved chunks) and those devices.
+
+    A group has one refresh period: its devices' K-FAC work repeats with it.
+    """
+
+    stages: tuple[int, ...]
+    devices: tuple[int, ...]
+
+
+def _holders(problem: Problem) -> dict[int, tuple[int, ...]]:
+    """Stage -> the ranks holding a copy of it, as the runtime deals them (`ranks_of_stages`); cached by the mesh,
+    not the problem, whose hash walks its whole cost table (called for every op of a simulated step)."""
+    return _holders_of(problem.schedule, problem.D, problem.W, problem.v)
+
+
+@lru_cache(maxsize=64)
+def _holders_of(schedule: str, D: int, W: int, v: int) -> dict[int, tuple[int, ...]]:
+    return ranks_of_stages(ScheduleKind(schedule), D, W, v)
+
+
+def copies_of_stage(problem: Problem, stage: int) -> tuple[int, ...]:
+    """The global ranks that run `stage` (dp replicas; both Chimera pipelines)."""
+    return _holders(problem)[stage]
+
+
+def stages_on_device(problem: Problem, device: int) -> tuple[int, ...]:
+    """The stages whose F/B run on `device`, ascending."""
+    return tuple(s for s, ranks in _holders(problem).items() if device in ranks)
+
+
+def streamed_stats(problem: Problem, layer: str) -> bool:
+    """Whether `layer` streams and has parts fed by the reduced gradient (Shampoo, SOAP): its helper then folds
+    their statistics with its APPLY (the layer's whole per-step work) and returns them with the result, and its
+    owners take the refresh step's snapshot from that return (docs/STREAMED_APPLY.md, "Stateful units")."""
+    streaming = problem.streaming
+    return (
+        streaming is not None
+        and layer in streaming.layers
+        and any(p.after is OpKind.ALLREDUCE_GRAD for p in problem.costs.layer(layer).parts)
+    )
+
+
+def streamed_seconds(problem: Problem, op: Op) -> float:
+    """Seconds of a streamed layer's APPLY on its helper (or of its piece, `planner.apply_pieces.piece_share`), and
+    with `streamed_stats` the folds of its gradient-fed statistics, which the helper's APPLY runs first."""
+    cost = problem.costs.layer(op.layer_name)
+    folds = sum(p.stats for p in cost.parts) if streamed_stats(problem, op.layer_name) else 0.0
+    return cost.prec * piece_share(op.piece) + folds
+
+
+def returned(problem: Problem, layer: str) -> Op:
+    """The owners' RECV_PGRAD of a streamed `layer`: where its preconditioned gradient (and, for `streamed_stats`,
+    its statistics) lands."""
+    assert problem.streaming is not None, "only a streamed layer is returned"
+    return Op(OpKind.RECV_PGRAD, problem.streaming.stage, peer=problem.streaming.helper_of(layer), layer=layer)
+
+
+def is_streamed(problem: Problem, device: int, op: Op) -> bool:
+    """Whether `op` on `device` is part of a streamed layer's hand-off (planner/problem/streaming.py): a transfer of
+    one, or its APPLY on the helper, which does not hold the stage. Such ops are fixed by the step, not placed."""
+    return op.kind in LAYER_TRANSFER_KINDS or (
+        op.kind is OpKind.APPLY and op.stage not in stages_on_device(problem, device)
+    )
+
+
+@lru_cache(maxsize=64)
+def stage_groups(problem: Problem) -> tuple[StageGroup, ...]:
+    """The connected components of 'stage runs on device', ordered by their first stage."""
+    linked = linked_classes((stages_on_device(problem, d) for d in problem.devices), problem.num_stages)
+    return tuple(
+        StageGroup(stages, tuple(sorted({d for s in stages for d in copies_of_stage(problem, s)}))) for stages in linked
+    )
+
+
+def agreement_set(problem: Problem, device: int) -> tuple[int, ...]:
+    """The ranks whose step ends `device`'s step end waits for: every rank under `StepBarrier.WORLD`, else the
+    devices of its stage group (ranks linked by holding copies of one stage: the runtime's agreement set; tied
+    weights, which may link two groups, are not in the planner's data)."""
+    if problem.barrier is StepBarrier.WORLD:
+        return problem.devices
+    return next(g.devices for g in stage_groups(problem) if device in g.devices)
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in binary units with one decimal (whole bytes below 1 KiB): the one spelling of every message and view."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

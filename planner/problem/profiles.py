@@ -1,0 +1,412 @@
+"""Cost tables from per-Transformer-block profiles: the PipeFisher paper's (CSV or `paper:` name) and those
+benchmarks/gpu_check.py measures on a GPU (JSON or `gpu:` name); and `load_cost_table`."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Callable, Mapping, Sequence
+from enum import StrEnum
+from importlib.resources import files
+from pathlib import Path, PurePath
+from typing import TYPE_CHECKING, Any
+
+from fxkfac.planner.problem.comm import CommModel
+from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.problem.errors import CostModelError
+from fxkfac.planner.problem.hardware import HARDWARE
+
+if TYPE_CHECKING:
+    from importlib.resources.abc import Traversable
+
+__all__ = [
+    "PIPEFISHER_COLUMNS",
+    "PAPER_PREFIX",
+    "GPU_PREFIX",
+    "BLOCK_PROFILE_FORMAT",
+    "ProfileLayers",
+    "BLOCK_LINEARS",
+    "paper_profile_names",
+    "gpu_profile_names",
+    "block_profile_json",
+    "is_profile",
+    "cost_table_from_pipefisher_csv",
+    "load_cost_table",
+]
+
+PIPEFISHER_COLUMNS = (
+    "bs", "time_f", "time_b", "time_kron", "time_inv", "time_prec",
+    "mem_param", "mem_act", "mem_peak_err", "mem_save_err", "mem_kron",
+)  # fmt: skip
+"""Columns of the PipeFisher profiles (planner/data/pipefisher_profiles/*.csv; ms and MiB per Transformer block)."""
+
+PAPER_PREFIX = "paper:"
+"""`paper:<model>/<hardware>` names a profile shipped in planner/data/pipefisher_profiles/."""
+
+GPU_PREFIX = "gpu:"
+"""`gpu:<model>/<device>` names a profile measured by benchmarks/gpu_check.py, shipped as
+planner/data/gpu_profiles/<model>_<device>.json (`block_profile_json`)."""
+
+BLOCK_PROFILE_FORMAT = "fxkfac-block-profile/1"
+"""The `format` field of a per-block profile JSON: PipeFisher's columns, one row per micro-batch size, and what
+they were measured on."""
+
+
+class ProfileLayers(StrEnum):
+    """What one K-FAC layer of a profiled Transformer block is: the block (the profile's own granularity), its
+    attention (q, k, v, o) and its feed-forward (fc1, fc2), or each of its six Linears (what K-FAC preconditions:
+    the paper's code keeps a factor pair per nn.Linear); the block's measured costs shared among them by their
+    shapes (`BLOCK_LINEARS`). Finer layers give the planner smaller tasks and gradients final earlier in the
+    backward (streamed APPLY), and it more tasks to place."""
+
+    BLOCK = "block"
+    SUBLAYER = "sublayer"
+    LINEAR = "linear"
+
+
+BLOCK_LINEARS = (("q", 1, 1), ("k", 1, 1), ("v", 1, 1), ("o", 1, 1), ("fc1", 1, 4), ("fc2", 4, 1))
+"""The Linears of a profiled block in forward order as (name, d_in / d, d_out / d): attention's four d -> d and the
+feed-forward d -> 4d -> d; every profiled model (BERT, OPT, T5) has f = 4d, so the cost shares need no width."""
+
+_GROUPS: dict[ProfileLayers, tuple[tuple[str, tuple[str, ...]], ...]] = {
+    ProfileLayers.BLOCK: (("", tuple(n for n, _, _ in BLOCK_LINEARS)),),
+    ProfileLayers.SUBLAYER: ((".attn", ("q", "k", "v", "o")), (".ffn", ("fc1", "fc2"))),
+    ProfileLayers.LINEAR: tuple((f".{n}", (n,)) for n, _, _ in BLOCK_LINEARS),
+}
+"""Each granularity's layers of one block, in forward order: the suffix of the layer's name and its Linears."""
+
+_PROFILE_MARK = "_time_memory_"  # the shipped files are <model>_time_memory_<hardware>.csv
+_PROFILE_OPTIONS = ("blocks_per_stage", "micro_batch_size")  # required; `layers` and the rest are optional
+
+_MS = 1e-3
+_MIB = 1 << 20
+
+
+def _profiles_folder() -> Traversable:
+    """planner/data/pipefisher_profiles, read through importlib.resources (package data when installed)."""
+    return files("fxkfac.planner") / "data" / "pipefisher_profiles"
+
+
+def _paper_files() -> dict[str, str]:
+    """Shipped profile file names by their `paper:<model>/<hardware>` name, sorted by name."""
+    names = {}
+    for entry in _profiles_folder().iterdir():
+        stem = PurePath(entry.name).stem
+        if entry.name.endswith(".csv") and _PROFILE_MARK in stem:
+            model, hardware = stem.split(_PROFILE_MARK, 1)
+            names[f"{PAPER_PREFIX}{model}/{hardware}"] = entry.name
+    return dict(sorted(names.items()))
+
+
+def paper_profile_names() -> tuple[str, ...]:
+    """Every `paper:<model>/<hardware>` name of a profile shipped with fxkfac (the PipeFisher paper's)."""
+    return tuple(_paper_files())
+
+
+def _is_paper_name(source: str | Path) -> bool:
+    return str(source).startswith(PAPER_PREFIX)
+
+
+def _is_gpu_name(source: str | Path) -> bool:
+    return str(source).startswith(GPU_PREFIX)
+
+
+def _paper_file(name: str) -> str:
+    """The shipped file a `paper:` name stands for; CostModelError listing the names when unknown."""
+    known = _paper_files()
+    if name not in known:
+        raise CostModelError(f"no shipped PipeFisher profile {name!r}; available: {', '.join(known)}")
+    return known[name]
+
+
+def _gpu_profiles_folder() -> Traversable:
+    """planner/data/gpu_profiles, read through importlib.resources (package data when installed)."""
+    return files("fxkfac.planner") / "data" / "gpu_profiles"
+
+
+def _gpu_files() -> dict[str, str]:
+    """Shipped GPU profile file names (<model>_<device>.json) by their `gpu:<model>/<device>` name, sorted."""
+    folder = _gpu_profiles_folder()
+    if not folder.is_dir():
+        return {}
+    names = {}
+    for entry in folder.iterdir():
+        model, sep, device = PurePath(entry.name).stem.rpartition("_")
+        if entry.name.endswith(".json") and sep and model:
+            names[f"{GPU_PREFIX}{model}/{device}"] = entry.name
+    return dict(sorted(names.items()))
+
+
+def gpu_profile_names() -> tuple[str, ...]:
+    """Every `gpu:<model>/<device>` name of a GPU profile shipped with fxkfac (benchmarks/gpu_check.py's)."""
+    return tuple(_gpu_files())
+
+
+def _gpu_file(name: str) -> str:
+    """The shipped file a `gpu:` name stands for; CostModelError listing the names when unknown."""
+    known = _gpu_files()
+    if name not in known:
+        available = ", ".join(known) or "none yet"
+        raise CostModelError(
+            f"no shipped GPU profile {name!r} (available: {available}); benchmarks/gpu_check.py measures one on a "
+            "CUDA device, and its file can be passed as a path"
+        )
+    return known[name]
+
+
+def _is_block_profile_json(path: Path) -> bool:
+    """Whether `path` is a readable per-block profile JSON (`block_profile_json`), not a CostTable JSON."""
+    if path.suffix.lower() != ".json":
+        return False
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("format") == BLOCK_PROFILE_FORMAT
+
+
+def is_profile(source: str | Path) -> bool:
+    """Whether `source` is a per-block profile (a PipeFisher .csv path or `paper:` name, a GPU profile .json path
+    or `gpu:` name), which needs blocks_per_stage and micro_batch_size to become a cost table."""
+    if _is_paper_name(source) or _is_gpu_name(source):
+        return True
+    path = Path(source)
+    return path.suffix.lower() == ".csv" or _is_block_profile_json(path)
+
+
+def block_profile_json(rows: Sequence[Mapping[str, float]], *, model: str, device: str, **about: Any) -> str:
+    """The text of a per-block profile JSON (what `gpu:` names and profile .json paths load): `rows`, one per
+    micro-batch size with every `PIPEFISHER_COLUMNS` value (ms and MiB per block, as PipeFisher's CSVs), the
+    model and device, and `about` what else the measurement was (dtype, sequence length, torch version ...)."""
+    if not rows:
+        raise CostModelError("a block profile needs at least one row")
+    for row in rows:
+        missing = [c for c in PIPEFISHER_COLUMNS if c not in row]
+        if missing:
+            raise CostModelError(f"a block profile row lacks the columns {missing}")
+    body = {"format": BLOCK_PROFILE_FORMAT, "model": model, "device": device, **about}
+    body["rows"] = [{c: float(row[c]) for c in PIPEFISHER_COLUMNS} for row in rows]
+    return json.dumps(body, indent=1) + "\n"
+
+
+_Rows = dict[int, dict[str, float]]
+
+
+def _profile_rows(source: str | Path) -> tuple[_Rows, str, str | None]:
+    """A per-block profile's rows by micro-batch size, its file name and, for a GPU profile, its device: a shipped
+    one by `paper:` or `gpu:` name, or a .csv or .json file by path."""
+    if _is_paper_name(source):
+        name = _paper_file(str(source))
+        return _read_pipefisher_rows((_profiles_folder() / name).read_text(), str(source)), name, None
+    if _is_gpu_name(source):
+        name = _gpu_file(str(source))
+        rows, device = _read_block_profile_json((_gpu_profiles_folder() / name).read_text(), str(source))
+        return rows, name, device
+    path = Path(source)
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise CostModelError(f"cannot read profile {path}: {e}") from e
+    if path.suffix.lower() == ".json":
+        rows, device = _read_block_profile_json(text, str(path))
+        return rows, path.name, device
+    return _read_pipefisher_rows(text, str(path)), path.name, None
+
+
+def _read_pipefisher_rows(text: str, where: str) -> _Rows:
+    """Rows of a PipeFisher profile CSV by micro-batch size (`where` names it in errors)."""
+    reader = csv.DictReader(io.StringIO(text))
+    missing = [c for c in PIPEFISHER_COLUMNS if c not in (reader.fieldnames or [])]
+    if missing:
+        raise CostModelError(f"{where}: not a PipeFisher profile CSV, missing columns {missing}")
+    return _numeric_rows(list(reader), where)
+
+
+def _read_block_profile_json(text: str, where: str) -> tuple[_Rows, str]:
+    """Rows of a per-block profile JSON (`block_profile_json`) by micro-batch size, and its device."""
+    try:
+        data = json.loads(text)
+    except ValueError as e:
+        raise CostModelError(f"{where}: not JSON ({e})") from e
+    if not isinstance(data, dict) or data.get("format") != BLOCK_PROFILE_FORMAT:
+        raise CostModelError(f"{where}: not a per-block profile (its 'format' is not {BLOCK_PROFILE_FORMAT!r})")
+    rows = data.get("rows")
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise CostModelError(f"{where}: 'rows' must be a list of objects with the columns {list(PIPEFISHER_COLUMNS)}")
+    missing = sorted({c for r in rows for c in PIPEFISHER_COLUMNS if c not in r})
+    if missing:
+        raise CostModelError(f"{where}: rows lack the columns {missing}")
+    return _numeric_rows(rows, where), str(data.get("device", "unknown"))
+
+
+def _numeric_rows(rows: Sequence[Mapping[str, Any]], where: str) -> _Rows:
+    """`rows` (each with every PIPEFISHER_COLUMNS value) as numbers, by micro-batch size."""
+    try:
+        numbers = {int(float(r["bs"])): {c: float(r[c]) for c in PIPEFISHER_COLUMNS} for r in rows}
+    except (ValueError, TypeError) as e:
+        raise CostModelError(f"{where}: a value is not a number ({e})") from e
+    if not numbers:
+        raise CostModelError(f"{where}: the profile has no rows")
+    return numbers
+
+
+def _row_at(rows: dict[int, dict[str, float]], bs: int, where: str) -> dict[str, float]:
+    """The row for micro-batch size bs, linearly interpolated between the nearest measured sizes."""
+    if bs in rows:
+        return rows[bs]
+    sizes = sorted(rows)
+    if not sizes[0] < bs < sizes[-1]:
+        raise CostModelError(
+            f"{where}: micro-batch size {bs} is outside the measured sizes {sizes}; "
+            "pick one in that range (sizes in between are interpolated)"
+        )
+    lo = max(s for s in sizes if s < bs)
+    hi = min(s for s in sizes if s > bs)
+    w = (bs - lo) / (hi - lo)
+    return {c: rows[lo][c] * (1 - w) + rows[hi][c] * w for c in PIPEFISHER_COLUMNS}
+
+
+def _blocks_per_stage(blocks_per_stage: Sequence[int] | int, n_stages: int | None) -> list[int]:
+    if isinstance(blocks_per_stage, int):
+        if n_stages is None:
+            raise CostModelError("blocks_per_stage given as an int needs n_stages (how many stages)")
+        counts = [blocks_per_stage] * n_stages
+    else:
+        counts = list(blocks_per_stage)
+    if not counts or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts):
+        raise CostModelError(f"blocks_per_stage must be positive ints, got {blocks_per_stage!r}")
+    return counts
+
+
+def _block_layers(row: dict[str, float], block: str, layers: ProfileLayers) -> tuple[LayerCost, ...]:
+    """The block's K-FAC layers (`_GROUPS`), each the share of the block's measured cost its Linears
+    (`BLOCK_LINEARS`) do: curvature rows * d^2 and factor memory d^2 per side, inversion d^3 per side, APPLY
+    (B^-1 G A^-1) d_in * d_out * (d_in + d_out), captures rows * d per side, gradient d_in * d_out. The A and B
+    sides of a block are the same multiset of widths, so a whole block splits every cost 50/50 between them."""
+    shape = {n: (i, o) for n, i, o in BLOCK_LINEARS}
+    sides = [d for i, o in shape.values() for d in (i, o)]
+    sq, cube = sum(d**2 for d in sides), sum(d**3 for d in sides)
+    width = sum(i for i, _ in shape.values())
+    apply = sum(i * o * (i + o) for i, o in shape.values())
+    weights = sum(i * o for i, o in shape.values())
+
+    def share(linears: tuple[str, ...], work: Callable[[int, int], int]) -> float:
+        return sum(work(*shape[n]) for n in linears)
+
+    return tuple(
+        LayerCost.kfac(
+            f"{block}{suffix}",
+            curv_a=row["time_kron"] * _MS * share(linears, lambda i, o: i**2) / sq,
+            curv_b=row["time_kron"] * _MS * share(linears, lambda i, o: o**2) / sq,
+            inv_a=row["time_inv"] * _MS * share(linears, lambda i, o: i**3) / cube,
+            inv_b=row["time_inv"] * _MS * share(linears, lambda i, o: o**3) / cube,
+            prec=row["time_prec"] * _MS * share(linears, lambda i, o: i * o * (i + o)) / apply,
+            a_bytes=round(row["mem_save_err"] * _MIB * share(linears, lambda i, o: i) / width),
+            e_bytes=round(row["mem_save_err"] * _MIB * share(linears, lambda i, o: o) / width),
+            factor_a_bytes=round(row["mem_kron"] * _MIB * share(linears, lambda i, o: i**2) / sq),
+            factor_b_bytes=round(row["mem_kron"] * _MIB * share(linears, lambda i, o: o**2) / sq),
+            grad_bytes=round(row["mem_param"] * _MIB * share(linears, lambda i, o: i * o) / weights),
+        )
+        for suffix, linears in _GROUPS[layers]
+    )
+
+
+def cost_table_from_pipefisher_csv(
+    path: str | Path,
+    *,
+    blocks_per_stage: Sequence[int] | int,
+    micro_batch_size: int,
+    n_stages: int | None = None,
+    hardware: str | None = None,
+    layers: ProfileLayers = ProfileLayers.BLOCK,
+) -> CostTable:
+    """A CostTable from a PipeFisher per-Transformer-block profile (ms and MiB per block).
+
+    Every Transformer block is one K-FAC "layer" named ``block{i}`` (i counts blocks over the
+    whole model) of its stage; with `layers` SUBLAYER two, ``block{i}.attn`` and ``block{i}.ffn``, with LINEAR six,
+    ``block{i}.q`` ... ``block{i}.fc2``, sharing the block's costs (`_block_layers`); a stage with k blocks costs
+    k times a block. Mapping (of a whole block):
+
+    - time_f, time_b -> fwd, bwd (per micro-batch); time_prec -> prec of the block.
+    - time_kron -> curv_a + curv_b, split 50/50; time_inv -> inv_a + inv_b, split 50/50. The split
+      follows from the factor dims of the blocks profiled (BERT, OPT, T5): the six Linears map
+      d -> d (q, k, v, o), d -> f and f -> d, so the A sides {d,d,d,d,d,f} and the B sides
+      {d,d,d,d,f,d} are the same multiset: sum d_in^2 = sum d_out^2 (curvature, rows * d^2) and
+      sum d_in^3 = sum d_out^3 (inversion) exactly.
+    - mem_kron -> factor_a_bytes + factor_b_bytes, split 50/50 (it equals 4 bytes * sum of the
+      twelve d^2 without bias columns: 94.5 MiB for d=768, f=3072).
+    - mem_save_err -> e_bytes (errors a deferred B capture keeps per micro-batch); a_bytes is set
+      to the same value since sum of d_in * tokens = sum of d_out * tokens by the same symmetry.
+    - mem_param -> param_bytes, mem_act -> act_bytes (summed over the blocks of the stage),
+      mem_peak_err -> peak_err_bytes (the largest block peak: one backward is transient).
+
+    path is a profile CSV, or `paper:<model>/<hardware>` for one shipped with fxkfac
+    (`paper_profile_names()`); or a per-block profile JSON measured on a GPU (`block_profile_json`, written by
+    benchmarks/gpu_check.py), or `gpu:<model>/<device>` for one shipped (`gpu_profile_names()`), whose device is
+    the table's hardware unless `hardware` is given. A micro-batch size not in the file is linearly interpolated between
+    the nearest measured sizes; one outside the measured range raises CostModelError.
+    blocks_per_stage is a list (one count per stage) or an int with n_stages.
+    """
+    rows, file_name, device = _profile_rows(path)
+    row = _row_at(rows, micro_batch_size, str(path))
+    counts = _blocks_per_stage(blocks_per_stage, n_stages)
+    stages, first = [], 0
+    for k in counts:
+        stages.append(
+            StageCost(
+                fwd=k * row["time_f"] * _MS,
+                bwd=k * row["time_b"] * _MS,
+                param_bytes=round(k * row["mem_param"] * _MIB),
+                act_bytes=round(k * row["mem_act"] * _MIB),
+                layers=tuple(x for j in range(k) for x in _block_layers(row, f"block{first + j}", layers)),
+                peak_err_bytes=round(row["mem_peak_err"] * _MIB),
+            )
+        )
+        first += k
+    hw = hardware or device or _hardware_from_name(PurePath(file_name).stem)
+    kind = "pipefisher-csv" if device is None else "gpu-profile"
+    return CostTable(tuple(stages), micro_batch_size, f"{kind}:{file_name}", hw, _comm_of(hw))
+
+
+def _comm_of(hardware: str) -> CommModel | None:
+    """The analytic comm model of a known hardware preset (planner/problem/hardware.py); None for others (rtx3090)."""
+    spec = HARDWARE.get(hardware.lower())
+    return spec.comm if spec is not None else None
+
+
+def _hardware_from_name(stem: str) -> str:
+    """'bert-base_time_memory_p100' -> 'p100' (the files' naming); 'unknown' otherwise."""
+    parts = stem.rsplit("_", 1)
+    return parts[1] if len(parts) == 2 and "_time_memory" in stem else "unknown"
+
+
+def load_cost_table(path: str | Path, **csv_options: Any) -> CostTable:
+    """Load a cost table from .json (CostTable.to_json), or from a per-block profile: a PipeFisher .csv path or a
+    shipped `paper:<model>/<hardware>` name, a GPU profile .json path or a shipped `gpu:<model>/<device>` name
+    (pass the keyword arguments of `cost_table_from_pipefisher_csv`)."""
+    if is_profile(path):
+        if _is_paper_name(path):
+            _paper_file(str(path))  # an unknown name is the first thing to fix
+        if _is_gpu_name(path):
+            _gpu_file(str(path))
+        missing = [k for k in _PROFILE_OPTIONS if k not in csv_options]
+        if missing:
+            raise CostModelError(
+                f"{path} is a per-Transformer-block profile: pass {missing} to load_cost_table "
+                "(blocks per stage, micro-batch size) and plan with the CostTable it returns"
+            )
+        return cost_table_from_pipefisher_csv(path, **csv_options)
+    path = Path(path)
+    if path.suffix.lower() == ".json":
+        if csv_options:
+            raise CostModelError(f"options {sorted(csv_options)} apply to .csv profiles, not to {path.name}")
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise CostModelError(f"cannot read cost table {path}: {e}") from e
+        return CostTable.from_json(text)
+    raise CostModelError(
+        f"{path}: unknown cost file type {path.suffix.lower()!r}; use .json (a cost table), .csv (a profile) "
+        f"or a shipped profile name such as {PAPER_PREFIX}bert-base/p100"
+    )

@@ -1,0 +1,276 @@
+"""Pipeline schedules as data: GPipe, 1F1B, interleaved 1F1B, Chimera and the zero-bubble family (ZB-H1, ZB-V,
+interleaved ZB) as per-pp-rank op lists."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from fxkfac.planner.problem.errors import ScheduleError
+from fxkfac.planner.problem.ir import Op, OpKind
+
+__all__ = [
+    "ScheduleKind",
+    "schedule_programs",
+    "stage_rank",
+    "stages_of_rank",
+    "num_stages",
+    "validate_schedule_args",
+    "ZERO_BUBBLE_KINDS",
+    "weight_gradient_kind",
+]
+
+
+class ScheduleKind(StrEnum):
+    """The pipeline schedules fxkfac generates."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+    CHIMERA = "chimera"
+    ZB_H1 = "zb-h1"
+    ZB_V = "zb-v"
+    ZB_1P = "zb-1p"
+
+
+ZERO_BUBBLE_KINDS = frozenset({ScheduleKind.ZB_H1, ScheduleKind.ZB_V, ScheduleKind.ZB_1P})
+"""Schedules that split each backward into B (input gradient) and a deferred W (weight gradient, OpKind.BWD_W):
+ZB-H1 (Qi et al. 2024: 1F1B's memory, rank r defers its first r W's into the cooldown), ZB-V (two stages per rank
+in a V, torch's ScheduleZBVZeroBubble) and interleaved zero bubble (v stages per rank, torch's
+ScheduleInterleavedZeroBubble; ZB-H1 when v=1)."""
+
+
+def weight_gradient_kind(kind: ScheduleKind | str) -> OpKind:
+    """The op whose end makes one micro-batch's weight gradient of a stage: the zero-bubble family's BWD_W (a fused
+    layer's output-gradient curvature runs with it, on the operands it keeps), BWD otherwise."""
+    return OpKind.BWD_W if _kind(kind) in ZERO_BUBBLE_KINDS else OpKind.BWD
+
+
+_VIRTUAL_KINDS = frozenset({ScheduleKind.INTERLEAVED, ScheduleKind.ZB_1P})
+"""Schedules whose ranks hold v stages, r, r+D, ...; ZB-V holds two, r and 2D-1-r."""
+
+
+def _kind(kind: ScheduleKind | str) -> ScheduleKind:
+    try:
+        return ScheduleKind(kind)
+    except ValueError:
+        names = ", ".join(k.value for k in ScheduleKind)
+        raise ScheduleError(f"unknown schedule {kind!r}; choose one of: {names}") from None
+
+
+def validate_schedule_args(kind: ScheduleKind | str, D: int, N: int, v: int = 1) -> ScheduleKind:
+    """The schedule kind, after checking that (D, N, v) is a combination it can run."""
+    kind = _kind(kind)
+    for name, value in (("stages D", D), ("micro-batches N", N), ("virtual stages v", v)):
+        if not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{name} must be a positive integer, got {value!r}")
+    if kind is ScheduleKind.ZB_V and v != 2:
+        raise ScheduleError(f"zb-v runs two stages per rank in a V: use v=2, got v={v}")
+    if kind not in _VIRTUAL_KINDS | {ScheduleKind.ZB_V} and v != 1:
+        raise ScheduleError(f"{kind} runs one stage per rank: use v=1 (virtual stages need 'interleaved' or 'zb-1p')")
+    if kind in _VIRTUAL_KINDS and N % D:
+        raise ScheduleError(f"{kind} needs N a multiple of D; got N={N}, D={D} (try N={D * -(-N // D)})")
+    if kind is ScheduleKind.CHIMERA:
+        if D % 2:
+            raise ScheduleError(f"chimera needs an even number of stages D, got D={D}")
+        if N % D:
+            raise ScheduleError(f"chimera needs N a multiple of D; got N={N}, D={D} (try N={D * -(-N // D)})")
+    return kind
+
+
+def num_stages(kind: ScheduleKind | str, D: int, v: int = 1) -> int:
+    """The number S of global (virtual) stages: v*D for interleaved and zb-1p, 2D for zb-v, D otherwise."""
+    kind = _kind(kind)
+    if kind is ScheduleKind.ZB_V:
+        return 2 * D
+    return D * v if kind in _VIRTUAL_KINDS else D
+
+
+def stage_rank(kind: ScheduleKind | str, D: int, stage: int, pipe: int = 0, *, v: int = 1) -> int:
+    """The pp rank that runs `stage` of pipeline `pipe` (Chimera: 0 down, 1 up)."""
+    kind = _kind(kind)
+    if not 0 <= stage < num_stages(kind, D, v):
+        raise ScheduleError(f"stage {stage} out of range for {kind} with D={D}, v={v}")
+    if pipe not in ((0, 1) if kind is ScheduleKind.CHIMERA else (0,)):
+        raise ScheduleError(f"pipe {pipe} does not exist in {kind}")
+    if kind in _VIRTUAL_KINDS:
+        return stage % D
+    if kind is ScheduleKind.ZB_V:
+        return stage if stage < D else 2 * D - 1 - stage
+    if kind is ScheduleKind.CHIMERA and pipe == 1:
+        return D - 1 - stage
+    return stage
+
+
+def stages_of_rank(kind: ScheduleKind | str, D: int, rank: int, *, v: int = 1) -> list[tuple[int, int]]:
+    """The (stage, pipe) pairs pp rank `rank` holds, stages ascending."""
+    kind = _kind(kind)
+    if kind in _VIRTUAL_KINDS:
+        return [(rank + c * D, 0) for c in range(v)]
+    if kind is ScheduleKind.ZB_V:
+        return [(rank, 0), (2 * D - 1 - rank, 0)]
+    if kind is ScheduleKind.CHIMERA:
+        return sorted([(rank, 0), (D - 1 - rank, 1)])
+    return [(rank, 0)]
+
+
+def schedule_programs(kind: ScheduleKind | str, D: int, N: int, *, v: int = 1) -> dict[int, list[Op]]:
+    """Per pp rank, the ordered compute ops of one training step.
+
+    FWD/BWD (and the zero-bubble family's BWD_W) in schedule order, then ALLREDUCE_GRAD per stage held (the
+    gradient sync across the copies of the stage), then OPT_STEP. Raises ScheduleError for unsupported (D, N, v).
+    """
+    kind = validate_schedule_args(kind, D, N, v)
+    if kind is ScheduleKind.CHIMERA:
+        return {r: _chimera_rank(D, N, r) for r in range(D)}
+    make = {
+        ScheduleKind.GPIPE: lambda r: _gpipe_rank(N, r),
+        ScheduleKind.ONE_F_ONE_B: lambda r: _one_f_one_b_rank(D, N, r),
+        ScheduleKind.INTERLEAVED: lambda r: _interleaved_rank(D, N, v, r),
+        ScheduleKind.ZB_H1: lambda r: _zero_bubble_rank(D, N, 1, r),
+        ScheduleKind.ZB_1P: lambda r: _zero_bubble_rank(D, N, v, r),
+        ScheduleKind.ZB_V: lambda r: _zb_v_rank(D, N, r),
+    }[kind]
+    programs = {}
+    for r in range(D):
+        ops = make(r)
+        held = sorted({op.stage for op in ops if op.stage is not None}, reverse=True)  # every op made here has one
+        programs[r] = ops + [Op(OpKind.ALLREDUCE_GRAD, s) for s in held] + [Op(OpKind.OPT_STEP)]
+    return programs
+
+
+def _gpipe_rank(N: int, r: int) -> list[Op]:
+    return [Op(OpKind.FWD, r, m) for m in range(N)] + [Op(OpKind.BWD, r, m) for m in range(N)]
+
+
+def _one_f_one_b_rank(D: int, N: int, r: int) -> list[Op]:
+    """1F1B with flush: min(D-r-1, N) warm-up forwards, then F/B pairs, then the remaining B."""
+    warmup = min(D - r - 1, N)
+    ops = [Op(OpKind.FWD, r, m) for m in range(warmup)]
+    for i in range(N - warmup):
+        ops += [Op(OpKind.FWD, r, warmup + i), Op(OpKind.BWD, r, i)]
+    ops += [Op(OpKind.BWD, r, m) for m in range(N - warmup, N)]
+    return ops
+
+
+def _interleaved_rank(D: int, N: int, v: int, r: int) -> list[Op]:
+    """Megatron's interleaved 1F1B: rank r holds stages r, r+D, ...; micro-batches go in groups of D."""
+    total = N * v
+
+    def unit(k: int, forward: bool) -> Op:
+        chunk = (k // D) % v
+        mb = (k // (D * v)) * D + k % D
+        if forward:
+            return Op(OpKind.FWD, chunk * D + r, mb)
+        return Op(OpKind.BWD, (v - 1 - chunk) * D + r, mb)
+
+    warmup = min((D - r - 1) * 2 + (v - 1) * D, total)
+    ops = [unit(k, True) for k in range(warmup)]
+    for i in range(total - warmup):
+        ops += [unit(warmup + i, True), unit(i, False)]
+    ops += [unit(k, False) for k in range(total - warmup, total)]
+    return ops
+
+
+def _zero_bubble_rank(D: int, N: int, v: int, r: int) -> list[Op]:
+    """Interleaved zero bubble (ZB-1P; ZB-H1 when v=1), the order of torch's ScheduleInterleavedZeroBubble.
+
+    Units go as in interleaved 1F1B (chunks in groups of D micro-batches) but with one warm-up forward per hop to
+    the last rank instead of two; the j-th B is followed by the W of B j-r, so rank r holds back r W's and runs
+    them after its last B, in the bubbles its cooldown would leave.
+    """
+
+    def unit(k: int, kind: OpKind) -> Op:
+        chunk = (k // D) % v
+        mb = (k // (D * v)) * D + k % D
+        return Op(kind, (chunk if kind is OpKind.FWD else v - 1 - chunk) * D + r, mb)
+
+    total = N * v
+    warmup = min((v - 1) * D + (D - 1 - r), total)
+    ops = [unit(k, OpKind.FWD) for k in range(warmup)]
+    for j in range(total):
+        if warmup + j < total:
+            ops.append(unit(warmup + j, OpKind.FWD))
+        ops.append(unit(j, OpKind.BWD))
+        if j >= r:
+            ops.append(unit(j - r, OpKind.BWD_W))
+    return ops + [unit(j, OpKind.BWD_W) for j in range(max(total - r, 0), total)]
+
+
+def _zb_v_rank(D: int, N: int, r: int) -> list[Op]:
+    """ZB-V, the order of torch's ScheduleZBVZeroBubble: rank r holds stage r (going down the V) and 2D-1-r
+    (coming back up).
+
+    Phases for max(N, 2D-1) micro-batches (the ops of micro-batches >= N are dropped at the end): 2(D-r)-1
+    forwards of the low stage; r pairs F high, F low; D-r triples F, B, W of the high stage; then F, B, W low and
+    F, B, W high until every forward ran; then r pairs B low, B high with their W's held back; D-r pairs B low, W
+    low; the held W's of the high stage, then of the low.
+    """
+    low, high = r, 2 * D - 1 - r
+    n = max(N, 2 * D - 1)
+    done = {(kind, s): 0 for kind in (OpKind.FWD, OpKind.BWD, OpKind.BWD_W) for s in (low, high)}
+    ops: list[Op] = []
+
+    def emit(kind: OpKind, stage: int) -> None:
+        ops.append(Op(kind, stage, done[kind, stage]))
+        done[kind, stage] += 1
+
+    def triple(stage: int, forward: bool = True) -> None:
+        if forward:
+            emit(OpKind.FWD, stage)
+        emit(OpKind.BWD, stage)
+        emit(OpKind.BWD_W, stage)
+
+    for _ in range(2 * (D - r) - 1):
+        emit(OpKind.FWD, low)
+    for _ in range(r):
+        emit(OpKind.FWD, high)
+        emit(OpKind.FWD, low)
+    for _ in range(D - r):
+        triple(high)
+    while done[OpKind.FWD, high] < done[OpKind.FWD, low] or done[OpKind.FWD, low] < n:
+        triple(low, forward=done[OpKind.FWD, low] < n)
+        triple(high)
+    for _ in range(r):
+        emit(OpKind.BWD, low)
+        emit(OpKind.BWD, high)
+    for _ in range(D - r):
+        emit(OpKind.BWD, low)
+        emit(OpKind.BWD_W, low)
+    for stage in (high, low):
+        while done[OpKind.BWD_W, stage] < done[OpKind.BWD, stage]:
+            emit(OpKind.BWD_W, stage)
+    return [op for op in ops if op.mb_id < N]
+
+
+def _chimera_rank(D: int, N: int, r: int) -> list[Op]:
+    """Chimera by the slot rule of notes/chimera.md §2 (direct concatenation of N/D units).
+
+    Micro-batch j of unit u: F at stage s in slot 2Du+2j+s, B in slot 2Du+2j+2D-1-s, on the rank
+    holding s in that pipeline; down gets micro-batches uD..uD+D/2-1, up uD+D/2..uD+D-1.
+    Gradient syncs per §4: the high stage right after its last B when it is above D/2
+    (otherwise at the end, first), then the low stage, then OPT_STEP.
+    """
+    slotted: list[tuple[int, Op]] = []
+    half = D // 2
+    for u in range(N // D):
+        for j in range(half):
+            for pipe in (0, 1):
+                mb = u * D + pipe * half + j
+                for stage in range(D):
+                    if stage_rank(ScheduleKind.CHIMERA, D, stage, pipe) != r:
+                        continue
+                    base = 2 * D * u + 2 * j
+                    slotted.append((base + stage, Op(OpKind.FWD, stage, mb, pipe)))
+                    slotted.append((base + 2 * D - 1 - stage, Op(OpKind.BWD, stage, mb, pipe)))
+    slotted.sort(key=lambda item: item[0])
+    if len({slot for slot, _ in slotted}) != len(slotted):
+        raise AssertionError(f"chimera slot collision on rank {r} (D={D}, N={N})")
+    ops = [op for _, op in slotted]
+    low, high = min(r, D - 1 - r), max(r, D - 1 - r)
+    if high > half:
+        last_high_b = max(i for i, op in enumerate(ops) if op.kind is OpKind.BWD and op.stage == high)
+        ops.insert(last_high_b + 1, Op(OpKind.ALLREDUCE_GRAD, high))
+        tail = [Op(OpKind.ALLREDUCE_GRAD, low)]
+    else:
+        tail = [Op(OpKind.ALLREDUCE_GRAD, high), Op(OpKind.ALLREDUCE_GRAD, low)]
+    return ops + tail + [Op(OpKind.OPT_STEP)]

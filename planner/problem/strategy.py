@@ -1,0 +1,224 @@
+"""Distribution strategies: where a layer's preconditioner work and state live across the copies of its stage.
+
+[Note: strategies] The copies of a stage (its holders: data-parallel replicas, and Chimera's two pipelines)
+share each layer's preconditioner work in one of the ways of DP-KFAC (Zhang et al.) and distributed K-FAC
+(Pauloski et al., the KAISA line; its grad-worker fraction as kfac-pytorch defines it):
+- KAISA's grad-worker fraction f (`StrategyKind.COMM_OPT` f = 1, `MEM_OPT` f = 1/H, `HYBRID` in between):
+  every holder folds the stage's all-reduced statistics; with g = f * H grad workers per layer, the H holders
+  (in rank order) form KAISA's grid of n = H / g *columns* ``{c, c + n, ...}`` (the grad-worker groups, g
+  ranks each) and g *rows* ``{j n, ..., j n + n - 1}`` (the receiver groups). A layer belongs to one column:
+  its decompositions are made there and broadcast within the column, every member of the column
+  preconditions the layer, and when g < H each member broadcasts the preconditioned gradient along its row.
+  COMM-OPT is one column of every holder (no gradient broadcast), MEM-OPT H columns of one rank (no
+  decomposition broadcast).
+- DP-KFAC (`StrategyKind.DP_KFAC`): one owner per layer keeps *local* factors from its own micro-batches (no
+  statistic all-reduce), decomposes them, preconditions the reduced gradient and broadcasts it to every
+  holder. It is a different algorithm: factors come from 1/H of the batch.
+Which column a layer takes is the planner's choice (`LayerDistribution.column`); the programs then say
+every op, and the runtime derives the same groups from the same data (`grad_workers`, `receivers`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from fractions import Fraction
+
+from fxkfac.planner.problem.errors import ConfigError
+
+__all__ = [
+    "StrategyKind",
+    "Strategy",
+    "COMM_OPT",
+    "LayerDistribution",
+    "parse_strategy",
+    "grad_workers",
+    "receivers",
+    "columns",
+    "keeps_statistics",
+    "assign_columns",
+    "distribute",
+    "Holding",
+    "holding",
+]
+
+
+class StrategyKind(StrEnum):
+    """How a layer's preconditioner is shared by its stage's copies (see [Note: strategies])."""
+
+    COMM_OPT = "comm-opt"
+    MEM_OPT = "mem-opt"
+    HYBRID = "hybrid"
+    DP_KFAC = "dp-kfac"
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    """One strategy: its kind and, for HYBRID, KAISA's grad-worker fraction f in (0, 1)."""
+
+    kind: StrategyKind
+    fraction: Fraction | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, StrategyKind):
+            object.__setattr__(self, "kind", StrategyKind(self.kind))
+        if (self.kind is StrategyKind.HYBRID) != (self.fraction is not None):
+            raise ConfigError(
+                f"a grad-worker fraction goes with the hybrid strategy only, got {self.kind.value} with {self.fraction}"
+            )
+        if self.fraction is not None and not 0 < self.fraction < 1:
+            raise ConfigError(
+                f"the hybrid grad-worker fraction must be in (0, 1), got {self.fraction}; 1 is comm-opt and 1/W mem-opt"
+            )
+
+    def __str__(self) -> str:
+        return self.kind.value if self.fraction is None else f"{self.kind.value}:{self.fraction}"
+
+    @property
+    def local_factors(self) -> bool:
+        """Whether the owner keeps factors of its own micro-batches (DP-KFAC) instead of all-reduced ones."""
+        return self.kind is StrategyKind.DP_KFAC
+
+    def workers(self, holders: int) -> int:
+        """g: how many of a stage's `holders` copies precondition each layer (and hold its decomposition)."""
+        if self.kind is StrategyKind.COMM_OPT:
+            return holders
+        if self.kind in (StrategyKind.MEM_OPT, StrategyKind.DP_KFAC):
+            return 1
+        assert self.fraction is not None, "a hybrid strategy has its fraction (checked at construction)"
+        g = max(1, round(self.fraction * holders))
+        if holders % g:
+            raise ConfigError(
+                f"{self} gives {g} grad workers of a stage held by {holders} ranks, which does not "
+                f"divide them; choose f so that f * {holders} divides {holders}"
+            )
+        return g
+
+
+COMM_OPT = Strategy(StrategyKind.COMM_OPT)
+"""Today's default: every copy holds every decomposition (all-reduced statistics, broadcast decompositions)."""
+
+_HYBRID = re.compile(r"hybrid:(\d+(?:\.\d+)?|\d+/\d+)")
+
+
+def parse_strategy(text: str) -> Strategy:
+    """``comm-opt``, ``mem-opt``, ``dp-kfac`` or ``hybrid:F`` (F a fraction like 0.5 or 1/4) as a Strategy."""
+    text = text.strip().lower()
+    match = _HYBRID.fullmatch(text)
+    if match:
+        return Strategy(StrategyKind.HYBRID, Fraction(match.group(1)).limit_denominator(1 << 16))
+    try:
+        kind = StrategyKind(text)
+    except ValueError:
+        raise ConfigError(
+            f"unknown strategy {text!r}; use comm-opt, mem-opt, hybrid:F (0 < F < 1, e.g. hybrid:0.5) or dp-kfac"
+        ) from None
+    if kind is StrategyKind.HYBRID:
+        raise ConfigError("hybrid needs its grad-worker fraction: hybrid:F, e.g. hybrid:0.5")
+    return Strategy(kind)
+
+
+@dataclass(frozen=True, slots=True)
+class LayerDistribution:
+    """Where one layer's work lives: its strategy and the column of its stage's holder grid (see
+    [Note: strategies]); `column` counts from 0 up to H / g - 1."""
+
+    strategy: Strategy = COMM_OPT
+    column: int = 0
+
+    def __str__(self) -> str:
+        return f"{self.strategy}@{self.column}"
+
+    @classmethod
+    def parse(cls, text: str) -> LayerDistribution:
+        """Inverse of `str`."""
+        strategy, sep, column = text.rpartition("@")
+        if not sep or not column.isdigit():
+            raise ConfigError(f"a layer distribution is written STRATEGY@COLUMN, got {text!r}")
+        return cls(parse_strategy(strategy), int(column))
+
+
+def columns(holders: tuple[int, ...], strategy: Strategy) -> int:
+    """n = H / g: how many columns (grad-worker groups) the stage's holders form under `strategy`."""
+    return len(holders) // strategy.workers(len(holders))
+
+
+def grad_workers(holders: tuple[int, ...], where: LayerDistribution) -> tuple[int, ...]:
+    """The ranks of the layer's column: they decompose, hold the decomposition and precondition the layer."""
+    n = columns(holders, where.strategy)
+    if not 0 <= where.column < n:
+        raise ConfigError(
+            f"column {where.column} of {where.strategy} does not exist for a stage held by "
+            f"{len(holders)} ranks (columns 0..{n - 1})"
+        )
+    return holders[where.column :: n]
+
+
+def receivers(holders: tuple[int, ...], where: LayerDistribution) -> list[tuple[int, tuple[int, ...]]]:
+    """Each grad worker with its row (in rank order, the worker included): the ranks it broadcasts the layer's
+    preconditioned gradient to; empty when every holder is a grad worker."""
+    n = columns(holders, where.strategy)
+    if n == 1:
+        return []
+    rows = [holders[j * n : (j + 1) * n] for j in range(len(holders) // n)]
+    return [(row[where.column], row) for row in rows]
+
+
+def keeps_statistics(rank: int, holders: tuple[int, ...], where: LayerDistribution, gradient_fed: bool = False) -> bool:
+    """Whether `rank` takes the layer's statistics: every holder when captured statistics are all-reduced; the
+    grad workers alone when the reduced gradient feeds them (Shampoo's, the same on every copy) or when the
+    owner keeps local factors (DP-KFAC)."""
+    if gradient_fed or where.strategy.local_factors:
+        return rank in grad_workers(holders, where)
+    return rank in holders
+
+
+@dataclass(frozen=True, slots=True)
+class Holding:
+    """What one copy of a stage keeps of one layer across steps: its running statistics, its decompositions (and
+    the optimizer state of its direction: Shampoo's graft and momentum), and whether it broadcasts or receives
+    the layer's preconditioned gradient each step (a buffer of the layer's gradient size)."""
+
+    statistics: bool
+    decompositions: bool
+    shares_gradient: bool
+
+
+def holding(rank: int, holders: tuple[int, ...], where: LayerDistribution, gradient_fed: bool = False) -> Holding:
+    """What `rank` (one of `holders`) keeps of a layer distributed as `where` (see [Note: strategies]);
+    `gradient_fed`: every part of the layer's statistics comes from the reduced gradient."""
+    workers = grad_workers(holders, where)
+    return Holding(
+        statistics=keeps_statistics(rank, holders, where, gradient_fed),
+        decompositions=rank in workers,
+        shares_gradient=len(workers) < len(holders),
+    )
+
+
+def assign_columns(costs: Mapping[str, float], n: int) -> dict[str, int]:
+    """KAISA's greedy (longest processing time first): each layer, costliest first (ties by name), to the column
+    with the least cost so far (ties: the lowest column)."""
+    load = [0.0] * n
+    out: dict[str, int] = {}
+    for name in sorted(costs, key=lambda name: (-costs[name], name)):
+        column = min(range(n), key=lambda c: load[c])
+        out[name] = column
+        load[column] += costs[name]
+    return out
+
+
+def distribute(
+    strategy: Strategy,
+    stage_layers: Mapping[int, Sequence[str]],
+    holders: Mapping[int, tuple[int, ...]],
+    costs: Mapping[str, float],
+) -> dict[str, LayerDistribution]:
+    """Every layer under `strategy`, each stage's layers dealt to its columns by `assign_columns` on `costs`
+    (a layer's decomposition cost: KAISA uses the sum of its factors' dim^3)."""
+    out: dict[str, LayerDistribution] = {}
+    for stage, names in stage_layers.items():
+        dealt = assign_columns({name: costs[name] for name in names}, columns(holders[stage], strategy))
+        out.update({name: LayerDistribution(strategy, column) for name, column in dealt.items()})
+    return out

@@ -1,0 +1,245 @@
+"""Planning's one budget: the time of a whole search, on wall seconds or CP-SAT's deterministic time (a plan repeats).
+
+[Note: one budget] `Budget` is the one type that slices planning time. A whole search (`planner.plan`: streaming,
+the distribution choice, block size, fusing, recompute, a refusal's suggestions) opens one; every search in it is a
+candidate that takes a `part` of what is left (`solving(shares)`: an equal share among the candidates still to
+run; `part(f)`: a named fraction of the left, for a search that keeps the rest for what follows) and every view
+shares one tally, so a candidate that ends early leaves its time to the next. Work that CP-SAT does not see is
+charged on the same tally: first-fit by task (GREEDY_DTIME_PER_TASK), step simulations by op
+(`charge_simulated`), so the streaming choice and the distribution choice's checks count against the limit.
+
+[Note: deterministic budget] With `SolverConfig.deterministic` (the default) no planning decision reads
+the wall clock. CP-SAT runs one thread (its sequential loop over `_FEW_WORKER_SUBSOLVERS`, with a fixed
+`random_seed`) and stops at `max_deterministic_time`, a weighted count of its operations; the budget of
+each call is what the whole solve has left in those units, and what a call spent is the solver's own
+`deterministic_time`, so every share and every "time is up" between phases is a function of the problem
+and the options alone. Greedy placement, which CP-SAT does not see, is charged by count: each window it
+places costs GREEDY_DTIME_PER_TASK per task (without it, rounds of fusing curvature ran on for 25 s at a
+1 s limit, as no CP-SAT time passed).
+
+`time_limit_s` (and `OVERTIME`) are wall seconds in the API; `DTIME_PER_SECOND` converts them. Measured
+on the 2-core development machine (ortools 9.15), whole solves at a 10 s limit (1.0 deterministic
+second), deterministic seconds spent (CP-SAT and greedy charges) per wall second:
+
+    problem                               load ~1               load ~3-4 (CP-SAT's only)
+    chimera D=4 N=4 W=2 (tests' sizes)    1.00 in 9.3-10.6 s    1.00 in 11.5-12.1 s
+    bert-base 1f1b D=4 p100               0.74 in 6.0-6.1 s     0.73 in 7.3-7.4 s
+    bert-base chimera D=4 p100, mo 0.1    0.60 in 5.6 s         0.50 in 6.8-10.0 s
+
+so 0.1 per second keeps about the old wall time on a lightly loaded machine (the wall-clock mode finds
+the same refresh periods on these three); at load ~8 single window solves ran at 0.02-0.05 per second,
+so a loaded machine takes longer for the same plan.
+
+A wall-clock safety net stays: CP-SAT calls also stop at `WALL_CAP` times the time limit (plus
+OVERTIME) after planning began. When that net, and not the deterministic budget, ends a search, the
+plan may differ from another run's; it is logged as a warning (`Budget.capped` says so).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fxkfac.planner.problem.problem import SolverConfig
+
+__all__ = [
+    "DTIME_PER_SECOND",
+    "WALL_CAP",
+    "GREEDY_DTIME_PER_TASK",
+    "SIMULATED_DTIME_PER_OP",
+    "MIN_CALL",
+    "OVERTIME",
+    "Budget",
+]
+
+log = logging.getLogger(__name__)
+
+DTIME_PER_SECOND = 0.1
+"""CP-SAT deterministic seconds per second of `SolverConfig.time_limit_s` (see the module note)."""
+
+WALL_CAP = 4.0
+"""A deterministic solve still stops CP-SAT at this many times its wall-clock limit (safety net)."""
+
+GREEDY_DTIME_PER_TASK = 1e-5
+"""Deterministic seconds charged per task of each window first-fit places: building and placing a window
+took 100-150 us per task (GPT-2 on 4 A100s under a memory budget: 102,608 tasks in 15 s of greedy
+placement, load average 2.5), i.e. 1e-5 deterministic seconds at DTIME_PER_SECOND."""
+
+SIMULATED_DTIME_PER_OP = 1e-6
+"""Deterministic seconds charged per op of each step a search simulates outside CP-SAT (the streaming choice's
+candidates, the distribution choice's reference steps): BERT-Large Chimera D=8 simulated 267 steps of about
+2,000 ops each in 5.2 s (load ~1.5), about 10 us an op, i.e. 1e-6 deterministic seconds at DTIME_PER_SECOND."""
+
+MIN_SHARE = 0.1
+"""Least time, in seconds of the limit, a share of the CP-SAT time left gives a search (`Budget.share`)."""
+
+MIN_CALL = 0.05
+"""Least time one CP-SAT call gets, in the budget's unit of the wall clock (seconds; converted when
+deterministic): enough to load a model and check a hint."""
+
+OVERTIME = 3.0
+"""Seconds planning may run past SolverConfig.time_limit_s when the limit is each solve's: greedy placement once
+CP-SAT's time is up (fusing curvature to fit a memory budget) may take half; a refusal then solves with the values
+it would suggest until OVERTIME past the limit. Under a whole search's limit (`Budget.whole`) the same phases lie
+within the limit instead (OVERTIME_SHARE of it)."""
+
+OVERTIME_SHARE = 0.25
+"""Of a whole search's limit (`Budget.whole`), the last part kept for greedy placement past CP-SAT's time (half of
+it) and a refusal's suggestions (all of it)."""
+
+
+@dataclass
+class _Tally:
+    """What every view of one budget shares: the deterministic seconds spent, and whether the wall net ended it."""
+
+    spent: float = 0.0
+    capped: bool = False
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The time of one whole planning and a view of it ([Note: one budget]): `deadline`, when CP-SAT stops (greedy
+    placement goes on); `cutoff`, when planning gives up; `end`, the whole search's CP-SAT end; all on the budget's
+    clock (`now()`: wall seconds, or with `deterministic` the deterministic seconds spent). `cap` is the
+    perf_counter time past which CP-SAT gets no more wall time, whatever the deterministic budget says. `made`
+    keeps the plans made in this planning, by (problem, method), so a retry takes no more time."""
+
+    deterministic: bool
+    cap: float
+    end: float
+    overtime: float
+    deadline: float
+    cutoff: float
+    limit: float = float("inf")
+    """The whole time limit in the clock's unit, for a search that takes a fixed fraction of it (not of a part)."""
+    tally: _Tally = field(default_factory=_Tally)
+    made: dict[Any, Any] = field(default_factory=dict)
+
+    @staticmethod
+    def of(config: SolverConfig, *, whole: bool = False, began: float | None = None) -> Budget:
+        """A fresh budget of `config.time_limit_s`: CP-SAT until the limit and everything else OVERTIME past it; with
+        `whole` (a limit for the whole search, a command's) everything within the limit from `began` (the command's
+        start; now when None), CP-SAT ending OVERTIME_SHARE of it earlier."""
+        started = time.perf_counter() if began is None else began
+        limit, deterministic = config.time_limit_s, config.deterministic
+        overtime = limit * OVERTIME_SHARE if whole else OVERTIME
+        solving = limit - overtime if whole else limit
+        cap = started + (WALL_CAP * limit if whole else WALL_CAP * (limit + OVERTIME))
+        if not deterministic and whole:
+            cap = started + limit
+        units = DTIME_PER_SECOND if deterministic else 1.0
+        now = 0.0 if deterministic else started
+        end = now + solving * units
+        return Budget(deterministic, cap, end, overtime * units, end, end + overtime * units, limit * units)
+
+    @staticmethod
+    def untimed(deterministic: bool = True) -> Budget:
+        """A budget that never runs out: the search around solves that each take a budget of their own
+        (`planner.plan`'s TimeLimit.EACH_SOLVE); what it is charged is counted, nothing is cut."""
+        inf = float("inf")
+        return Budget(deterministic, inf, inf, 0.0, inf, inf)
+
+    # the clock
+
+    def now(self) -> float:
+        """The clock's reading, in its unit."""
+        return self.tally.spent if self.deterministic else time.perf_counter()
+
+    def units(self, seconds: float) -> float:
+        """`seconds` of time limit in the clock's unit."""
+        return seconds * DTIME_PER_SECOND if self.deterministic else seconds
+
+    def charge_greedy(self, tasks: int) -> None:
+        """Count one first-fit placement of a window of `tasks` tasks and APPLY slots (GREEDY_DTIME_PER_TASK each)."""
+        if self.deterministic:
+            self.tally.spent += tasks * GREEDY_DTIME_PER_TASK
+
+    def charge_simulated(self, ops: int) -> None:
+        """Count one simulated step of `ops` ops run outside CP-SAT (SIMULATED_DTIME_PER_OP each)."""
+        if self.deterministic:
+            self.tally.spent += ops * SIMULATED_DTIME_PER_OP
+
+    def charge(self, dtime: float) -> None:
+        """Count the deterministic seconds one CP-SAT call spent (the wall clock counts itself)."""
+        if self.deterministic:
+            self.tally.spent += dtime
+
+    def wall_left(self) -> float:
+        """Wall seconds left before the safety cap."""
+        return self.cap - time.perf_counter()
+
+    def note_capped(self, what: str) -> None:
+        """Log, once per planning, that the wall-clock safety net ended a deterministic search early."""
+        if self.deterministic and not self.tally.capped:
+            self.tally.capped = True
+            log.warning(
+                "planning hit its wall-clock safety cap (%s) before its deterministic budget: this "
+                "plan may differ from another run's; a longer time_limit_s raises the cap",
+                what,
+            )
+
+    @property
+    def capped(self) -> bool:
+        """Whether the wall-clock safety net ended a search of this planning."""
+        return self.tally.capped
+
+    # this view's time
+
+    def solver_time(self) -> float:
+        """Time CP-SAT has left in this view, in the clock's unit (<= 0: place greedily)."""
+        return self.deadline - self.now()
+
+    def left(self) -> float:
+        """Time left in this view before planning gives up, in the clock's unit."""
+        return self.cutoff - self.now()
+
+    def out(self) -> bool:
+        """Whether planning must give up now: at the cutoff, or past the wall-clock safety cap."""
+        if self.now() >= self.cutoff:
+            return True
+        if self.wall_left() <= 0:
+            self.note_capped("searching on")
+            return True
+        return False
+
+    def later(self, deadline: float, cutoff: float | None = None) -> Budget:
+        """The same planning with another deadline (and cutoff)."""
+        return replace(self, deadline=deadline, cutoff=self.cutoff if cutoff is None else cutoff)
+
+    # parts of the whole
+
+    def solving(self, shares: int = 1) -> Budget:
+        """One candidate's view: an equal share of the CP-SAT time left among the `shares` candidates still to run;
+        greedy placement may go on until half the overtime past the end."""
+        now = self.now()
+        deadline = now + max(0.0, self.end - now) / shares
+        return self.later(deadline, max(deadline, self.end + self.overtime / 2))
+
+    def part(self, fraction: float) -> Budget:
+        """A candidate's part of the whole that keeps the rest for what follows: the view whose end (and so every
+        share taken of it) lies at `fraction` of the CP-SAT time left, its cutoff as far past it as this view's is
+        past its end (`part(1)` is the same time as this view); what it leaves unspent stays in the whole."""
+        now = self.now()
+        end = now + max(0.0, self.end - now) * fraction
+        return replace(self, end=end, deadline=end, cutoff=end + max(0.0, self.cutoff - self.end))
+
+    def share(self, shares: int, *, keep: float = 0.0) -> float | None:
+        """One of `shares` searches' share of the CP-SAT time left, in the clock's unit, after `keep` of it is kept
+        for what follows them (at least MIN_SHARE seconds' worth); None when none is left."""
+        left = self.solver_time()
+        if left <= 0:
+            return None
+        return max(self.units(MIN_SHARE), left * (1 - keep) / shares)
+
+    def over(self) -> bool:
+        """Whether the time for solving is spent, greedy's half of the overtime past the end included."""
+        return self.solving().out()
+
+    def suggesting(self) -> Budget:
+        """The view of a refusal's search for values that plan: until the overtime past the end (or half of it
+        from now, when an uninterrupted greedy placement ran past that)."""
+        until = max(self.end + self.overtime, self.now() + self.overtime / 2)
+        return self.later(until, until)

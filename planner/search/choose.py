@@ -1,0 +1,582 @@
+"""The distribution choice: which distribution (planner/problem/strategy.py) each layer takes when the user forces none.
+
+[Note: strategy search] With the strategy left to the planner, the outer search plans each candidate distribution
+(below) in full by `solve`, as forcing it would, and keeps the best; CP-SAT then chooses each layer's
+distribution together with the placement ([Note: joint strategy] in planner/search/joint.py) in the CP-SAT time the
+candidates left, and its plan joins them. The candidates that can win (`_hopeful_first`: a reference step within
+max_overhead, and STEP_TIE, of the least) share the time. At max_overhead 0 they are planned first, one alone with
+all of it, as forcing it would (issue 38: the joint model, run first, spent the README snippet's whole limit and
+kept first-fit's 11 30 where COMM-OPT, the one candidate of least reference step, reached 11 25 forced; on random
+W=2 problems run first it refreshed less often than forced MEM-OPT). Above it each candidate spends its share on
+the least stretch, and one search over all of them does better: the joint model, whose options hold them, runs
+first and they get the CP-SAT time it left (tests/planner/test_joint_strategy.py). The joint model
+runs only where it has a choice (`has_choice`): a layer of a stage it leaves free with another distribution that
+keeps the reference step within that allowance. Within it: first the option set with the least reference step
+within the static memory, then per stage group the options and placement with the least refresh period, stretch
+and staleness, every option a literal of the window's model. Stages whose slot moves the step's fixed work
+(`planner.joint.timeline_stages`: Chimera's, interleaved's first stage on a device) cannot be free in a window of
+fixed F/B work: they take each strategy of `candidate_strategies` in turn, one joint solve per strategy. Where the
+joint model does not apply it is not used:
+- with the greedy method (no CP-SAT), under `StepBarrier.AGREEMENT_SET` (an early step start depends on the
+  slots), and with one copy per stage (nothing to choose);
+- under a memory budget a group the joint model cannot place (it fuses no curvature) takes its least-step
+  distributions, and MEM-OPT beside them, to `solve`, which fuses curvature as the budget needs; a placement that
+  cannot be moved into the chosen problem's own windows goes to `solve` with its distributions too.
+The candidates: each KAISA strategy the stages' copies allow (COMM-OPT, HYBRID with each grad-worker count that
+divides the copies, MEM-OPT; layers dealt to columns by KAISA's greedy on their decomposition seconds) and one
+per-layer mix (MEM-OPT on the layers that hold the larger half of the statistics bytes, COMM-OPT on the rest).
+`best` picks among the plans (among those whose step lies within max_overhead, and STEP_TIE, of the shortest
+reference step, the least by `planner.plan.rank`: refresh periods, then step time, then peak memory; ties: that
+order, least communication first). A candidate that cannot meet the memory budget or max_overhead drops out;
+when none plans, the refusal (with its suggestions) of the candidate whose least max_overhead gives the least step
+is raised, so that plan="auto" relaxes max_overhead to the value of the fastest distribution, not of the one that
+plans first. DP-KFAC is never chosen: its factors come from one replica's micro-batches, a different algorithm
+that only the user may ask for. Everything shares one time limit of CP-SAT ([Note: time limit] in
+planner/search/solve.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from fractions import Fraction
+from typing import TypeVar
+
+from fxkfac.planner.plan.plan import Plan, rank
+from fxkfac.planner.plan.solution import GroupSolution
+from fxkfac.planner.problem.errors import PlanError
+from fxkfac.planner.problem.problem import Problem, SolverConfig, StepBarrier, copies_of_stage, stage_groups
+from fxkfac.planner.problem.step_timeline import step_timeline
+from fxkfac.planner.problem.strategy import COMM_OPT, LayerDistribution, Strategy, StrategyKind
+from fxkfac.planner.search.assemble import assemble
+from fxkfac.planner.search.attempt import Method, cheaper_fused, stats_chunk_of
+from fxkfac.planner.search.budget import Budget
+from fxkfac.planner.search.cpsat import least_step
+from fxkfac.planner.search.greedy import greedy_group
+from fxkfac.planner.search.group_search import solve_joint_group
+from fxkfac.planner.search.joint import (
+    apply_seconds,
+    bcast_seconds,
+    comm_slot_seconds,
+    layer_options,
+    reference_step,
+    restretch_joint,
+    share_seconds,
+    step_fixed_end,
+    timeline_stages,
+    transfer,
+)
+from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.stretch import Allowance, allowance
+from fxkfac.planner.search.window_build import grid_scale
+
+__all__ = [
+    "STEP_TIE",
+    "best",
+    "candidate_strategies",
+    "candidate_problems",
+    "has_choice",
+    "least_overhead",
+    "mixed",
+    "solve_with_strategy",
+    "solve_joint",
+    "solve_outer",
+    "strategy_of",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+def candidate_strategies(problem: Problem) -> list[Strategy]:
+    """COMM-OPT, then HYBRID for each grad-worker count between 1 and H that divides H (the copies of the
+    stage held most often), then MEM-OPT; COMM-OPT alone when no stage has several copies."""
+    H = _most_copies(problem)
+    if H == 1:
+        return [COMM_OPT]
+    hybrids = [Strategy(StrategyKind.HYBRID, Fraction(g, H)) for g in range(H - 1, 1, -1) if H % g == 0]
+    return [COMM_OPT, *hybrids, Strategy(StrategyKind.MEM_OPT)]
+
+
+def _most_copies(problem: Problem) -> int:
+    return max(len(copies_of_stage(problem, s)) for s in range(problem.num_stages))
+
+
+def mixed(problem: Problem) -> Problem | None:
+    """MEM-OPT on the layers holding the larger half of the statistics bytes (largest first), COMM-OPT on the
+    others; None when that is one strategy on every layer."""
+    layers = sorted(
+        (x for stage in problem.costs.stages for x in stage.layers), key=lambda x: (-x.factor_bytes, x.name)
+    )
+    total, big, held = sum(x.factor_bytes for x in layers), [], 0
+    for x in layers:
+        if 2 * held >= total:
+            break
+        big.append(x.name)
+        held += x.factor_bytes
+    if not big or len(big) == len(layers):
+        return None
+    mem = problem.with_strategy(Strategy(StrategyKind.MEM_OPT))
+    return problem.with_distributions({name: mem.where(name) for name in big})
+
+
+def candidate_problems(problem: Problem) -> list[Problem]:
+    """The problem under each of `candidate_strategies`, then under the `mixed` distribution where it differs."""
+    out = [problem.with_strategy(s) for s in candidate_strategies(problem)]
+    mix = mixed(problem) if len(out) > 1 else None
+    return out + ([mix] if mix is not None else [])
+
+
+def solve_with_strategy(
+    problem: Problem,
+    strategy: Strategy | None,
+    config: SolverConfig = SolverConfig(),
+    method: Method | str = Method.CPSAT,
+    budget: Budget | None = None,
+    *,
+    suggest: bool = True,
+    each: Each | None = None,
+    reference: Callable[[Problem], float] | None = None,
+) -> Plan:
+    """`solve` with every layer under `strategy`, or, when it is None, the best plan of the outer search
+    (`solve_outer`: each candidate distribution planned as a forced one would be, by `each`) and, where that applies
+    and time is left, of CP-SAT choosing each layer's distribution with the placement (`solve_joint`; see [Note:
+    strategy search]), all within one time limit (`budget`, or a new one). `suggest` False: a refusal names nothing
+    that would plan (no time spent searching it; `solve`'s)."""
+    budget = budget or Budget.of(config)
+    if strategy is not None:
+        return solve(problem.with_strategy(strategy), config, method, budget=budget, suggest=suggest)
+    return solve_outer(problem, config, method, budget, joint=None, suggest=suggest, each=each, reference=reference)
+
+
+Each = Callable[[Problem, Budget, int], Plan]
+"""How the outer search plans one candidate as forcing it would: within the budget, as one of `shares` candidates
+still to plan; raises PlanError (with no suggestions) where it does not plan. The default is `solve`; `planner.plan`
+passes the streaming choice around it, as a forced strategy's planning runs."""
+
+
+def least_overhead(planned: Callable[[float], T]) -> tuple[T, float | None]:
+    """The rule of max_overhead None, the default of the API (`PlanOptions`) and of `fxkfac plan`: `planned(0)` (the
+    bubbles alone), or, where that is refused and the refusal names the least max_overhead it found to place the
+    work, `planned` at that value. What it made, and the value taken (None: the bubbles held the work)."""
+    try:
+        return planned(0.0), None
+    except PlanError as e:
+        if e.max_overhead is None:
+            raise
+        log.info("the bubbles alone cannot hold the work: planning with max_overhead %.4g", e.max_overhead)
+        return planned(e.max_overhead), e.max_overhead
+
+
+def _applies(joint: bool | None, problem: Problem, method: Method | str, budget: Budget) -> bool:
+    """`joint` as given, or when None whether the joint choice applies (`_joint_applies`): asked only where it
+    would run, after the candidates at max_overhead 0, so that they are planned in the time a forced one has."""
+    return _joint_applies(problem, method, budget) if joint is None else joint
+
+
+def _joint_applies(problem: Problem, method: Method | str, budget: Budget | None = None) -> bool:
+    """Whether CP-SAT can choose the distributions with the placement ([Note: strategy search]), and has a choice
+    to make there (`has_choice`, its simulations charged to `budget`)."""
+    return (
+        Method(method) is Method.CPSAT
+        and problem.barrier is StepBarrier.WORLD
+        and _most_copies(problem) > 1
+        and has_choice(problem, budget)
+    )
+
+
+def has_choice(problem: Problem, budget: Budget | None = None) -> bool:
+    """Whether some layer of a stage the joint model leaves free (not in `timeline_stages`) has a distribution
+    other than the problem's own that, switched alone, keeps the reference step (`planner.joint.reference_step`)
+    within what `best` keeps: max_overhead and STEP_TIE over the least reference step of `candidate_problems`.
+    Where none has, every layer's one option is the problem's own and the joint model is a forced one with more
+    variables; the outer search plans each candidate by the search a forced strategy runs instead ([Note: strategy
+    search]; the README snippet's 2 x 2 mesh got first-fit's 11 30 from the joint model in the whole time limit,
+    11 25 from forced COMM-OPT, issue 38). Each simulated step is charged to `budget` by its ops."""
+    free = frozenset(range(problem.num_stages)) - timeline_stages(problem)
+    names = [x.name for s in sorted(free) for x in problem.costs.stages[s].layers]
+    if not names:
+        return False
+    steps = [step_timeline(c) for c in candidate_problems(problem)]
+    ops = sum(len(o) for o in steps[0].ops.values())
+    least = min(t.length for t in steps)
+    most = least * (1 + problem.max_overhead + STEP_TIE)
+    own = {n: problem.where(n) for n in names}
+    simulated = len(steps)
+    found = False
+    for n in names:
+        for where in layer_options(problem, n):
+            if where == own[n]:
+                continue
+            simulated += 1
+            if reference_step(problem, free, {**own, n: where}) <= most:
+                found = True
+                break
+        if found:
+            break
+    if budget is not None:
+        budget.charge_simulated(simulated * ops)
+    return found
+
+
+def solve_outer(
+    problem: Problem,
+    config: SolverConfig = SolverConfig(),
+    method: Method | str = Method.CPSAT,
+    budget: Budget | None = None,
+    *,
+    joint: bool | None = False,
+    suggest: bool = True,
+    each: Each | None = None,
+    reference: Callable[[Problem], float] | None = None,
+) -> Plan:
+    """The best of `candidate_problems`, each planned in full by `each` (`_plan_each`; `solve` when None) within the
+    time left in
+    `budget` (a new one: config's; with the greedy method, which is not timed, every one that can win): those whose
+    reference step lets them win (`_hopeful_first`) and, with `joint`, the joint choice (`solve_joint`): at
+    max_overhead 0 those candidates first, then the joint choice in the CP-SAT time they left (all of it where none
+    planned); above it the other way round ([Note: strategy search]); the other candidates only where none of those
+    plans. `joint` None: the joint choice runs where `_joint_applies`, asked when it would run. `reference`: the
+    least reference step a candidate's planning by `each` can reach (its streaming included). When none plans,
+    the first's refusal names what would (`suggest`; else a refusal naming nothing)."""
+    budget = budget or Budget.of(config)
+    candidates, hopeful = _hopeful_first(candidate_problems(problem), reference)
+    timed = Method(method) is Method.CPSAT
+    joint_first = problem.max_overhead > 0 and _applies(joint, problem, method, budget)
+    plans = _joint(problem, config, budget) if joint_first else []
+    plan_one = each or _solve_each(config, method)
+    plans += _plan_each(candidates[:hopeful], plan_one, budget, timed, after=bool(plans))
+    if (
+        problem.max_overhead <= 0
+        and (not plans or budget.solving().solver_time() > 0)
+        and _applies(joint, problem, method, budget)
+    ):
+        plans += _joint(problem, config, budget)
+    if plans and hopeful < len(candidates):
+        log.info(
+            "distributions %s not planned: their reference steps are past the allowance",
+            [_words(c) for c in candidates[hopeful:]],
+        )
+    plans = plans or _plan_each(candidates[hopeful:], plan_one, budget, timed)
+    if not plans and not suggest:
+        raise PlanError(f"no distribution of {[_words(c) for c in candidates]} plans")
+    if not plans:
+        return _plan_or_least_step_refusal(candidates, config, method, budget)
+    chosen = best(plans)
+    log.info("distribution %s chosen among %s", strategy_of(chosen), [strategy_of(p) for p in plans])
+    return chosen
+
+
+def _joint(problem: Problem, config: SolverConfig, budget: Budget) -> list[Plan]:
+    """The joint choice's plan (`solve_joint`), none where it made none."""
+    chosen = solve_joint(problem, config, budget)
+    return [] if chosen is None else [chosen]
+
+
+def _solve_each(config: SolverConfig, method: Method | str) -> Each:
+    """`solve`, suggesting nothing, as the outer search's way to plan a candidate."""
+
+    def plan_one(candidate: Problem, budget: Budget, shares: int) -> Plan:
+        return solve(candidate, config, method, budget=budget, shares=shares, suggest=False)
+
+    return plan_one
+
+
+def _plan_each(
+    candidates: Sequence[Problem],
+    each: Each,
+    budget: Budget,
+    timed: bool,
+    *,
+    after: bool = False,
+) -> list[Plan]:
+    """The plans of `candidates` in turn, each with an equal share of the solver time left in `budget` (one alone: all
+    of it, as forcing it would), until the time is up once one has planned (`after` another plan: once CP-SAT's is,
+    as first-fit alone would not improve on it); a candidate that refuses is left out."""
+    plans: list[Plan] = []
+    for n, candidate in enumerate(candidates):
+        if after and timed and budget.solving().solver_time() <= 0:
+            log.info("no time left to plan distributions %s", [_words(c) for c in candidates[n:]])
+            break
+        if plans and timed and budget.over():
+            log.info("no time left to plan distributions %s", [_words(c) for c in candidates[n:]])
+            break
+        try:
+            plans.append(each(candidate, budget, len(candidates) - n))
+        except PlanError as e:
+            log.info("distribution %s does not plan: %s", _words(candidate), e)
+    return plans
+
+
+def _hopeful_first(
+    candidates: Sequence[Problem], reference: Callable[[Problem], float] | None = None
+) -> tuple[list[Problem], int]:
+    """The candidates whose plans can lie within the allowance `best` keeps (a plan's step is not below its reference
+    step, which must lie within max_overhead, and STEP_TIE, of the least of all), then the others (planned only where
+    none of the first plans), each in its order, and how many come first: the time goes to the distributions that
+    can win (at max_overhead 0, those of the least reference step). `reference`: the least reference step a
+    candidate's planning reaches (its streaming), where that may be below its own: such a candidate can win against
+    the least of the others' own steps (issue 38: forced COMM-OPT streamed beat MEM-OPT, the least unstreamed)."""
+    steps = [step_timeline(c).length for c in candidates]
+    least = min(steps)
+
+    def win(c: Problem, step: float) -> bool:
+        most = least * (1 + c.max_overhead + STEP_TIE)
+        return step <= most or (reference is not None and reference(c) <= most)  # streamed only where it must be
+
+    wins = [win(c, t) for c, t in zip(candidates, steps, strict=True)]
+    first = [c for c, w in zip(candidates, wins, strict=True) if w]
+    return first + [c for c, w in zip(candidates, wins, strict=True) if not w], len(first)
+
+
+def _plan_or_least_step_refusal(
+    candidates: Sequence[Problem], config: SolverConfig, method: Method | str, budget: Budget
+) -> Plan:
+    """Search each candidate's refusal, least reference step first (the others while `budget` leaves time), and raise
+    the one whose least max_overhead that plans gives the least step (its reference step stretched by it):
+    max_overhead is a fraction of each candidate's own reference step, so the candidate that plans first as it
+    grows is not always the one whose steps are shortest. A candidate that plans in this search (it had more time)
+    is returned."""
+    refusals: list[tuple[float, int, PlanError]] = []
+    order = sorted(range(len(candidates)), key=lambda n: step_timeline(candidates[n]).length)
+    for searched, n in enumerate(order):
+        candidate = candidates[n]
+        if searched and budget.over():
+            break
+        try:
+            return solve(candidate, config, method, budget=budget)
+        except PlanError as e:
+            value = e.max_overhead
+            step = math.inf if value is None else step_timeline(candidate).length * (1 + value)
+            refusals.append((step, n, e))
+    step, n, error = min(refusals, key=lambda r: r[:2])
+    log.info(
+        "distribution %s gives the least step once max_overhead grows (%.4g ms; %d of %d searched)",
+        _words(candidates[n]),
+        step * 1e3,
+        len(refusals),
+        len(candidates),
+    )
+    raise error
+
+
+LEAST_STEP_PART = 0.1
+"""Of a joint solve's time, the part its search for the distributions of least step within the memory takes."""
+
+STEP_TIE = 1e-3
+"""Steps within this fraction of the least reference step beyond the allowance count as within it to `best`: far
+below what a cost model resolves, so fresher curvature decides there, not a modelled 0.01% of a step."""
+
+
+def best(plans: Sequence[Plan]) -> Plan:
+    """The least by `rank` of the plans whose step lies within the allowance (max_overhead, plus STEP_TIE) of the least
+    reference step (the step time at max_overhead 0) of any of them: the allowance is the step growth the user
+    accepts over the fastest plain K-FAC step, whichever distribution gives it. At max_overhead 0 that is the
+    plans of least reference step; above it a distribution with a longer reference step but less stretch wins."""
+    least = min(p.metrics.step_time_reference for p in plans)
+    most = least * (1 + plans[0].problem.max_overhead + STEP_TIE)
+    within = [p for p in plans if p.metrics.step_time <= most]
+    return min(within or [min(plans, key=lambda p: p.metrics.step_time_reference)], key=rank)
+
+
+def solve_joint(problem: Problem, config: SolverConfig = SolverConfig(), budget: Budget | None = None) -> Plan | None:
+    """Each layer's distribution chosen by CP-SAT with the placement ([Note: joint strategy] in
+    planner/search/joint.py), once per option set of the stages that move the step's fixed work (`timeline_stages`),
+    each with an equal share of the solver time left in `budget`; the best plan, or None when none was made."""
+    budget = budget or Budget.of(config)
+    sets = _timeline_sets(problem)
+    plans = []
+    for n, fixed in enumerate(sets):
+        clock = budget.solving(len(sets) - n)
+        began = time.perf_counter()
+        plan = _joint_plan(problem, fixed, config, budget, clock.solver_time(), began)
+        if plan is not None:
+            plans.append(plan)
+        if clock.out():
+            break
+    if not plans:
+        return None
+    chosen = best(plans)
+    log.info("joint choice: %s", strategy_of(chosen))
+    return chosen
+
+
+def _timeline_sets(problem: Problem) -> list[dict[str, LayerDistribution]]:
+    """The distributions the timeline stages take in turn: each of `candidate_strategies` (one empty set when no
+    stage moves the step's fixed work)."""
+    moving = timeline_stages(problem)
+    if not moving:
+        return [{}]
+    names = [x.name for s in sorted(moving) for x in problem.costs.stages[s].layers]
+    return [
+        {n: forced.where(n) for n in names}
+        for forced in (problem.with_strategy(s) for s in candidate_strategies(problem))
+    ]
+
+
+def _joint_plan(
+    problem: Problem,
+    fixed: Mapping[str, LayerDistribution],
+    config: SolverConfig,
+    budget: Budget,
+    limit: float,
+    began: float,
+) -> Plan | None:
+    """One joint solve with the timeline stages' layers at `fixed`, within `limit` of the budget's clock."""
+    start = budget.now()
+    anchor = problem.with_distributions(fixed)
+    free = frozenset(range(problem.num_stages)) - timeline_stages(problem)
+    step = least_step(anchor, free, step_fixed_end(anchor, free), config, budget, limit * LEAST_STEP_PART)
+    if step is None:
+        log.info("joint choice: no distribution of %s meets the memory budget", sorted(free))
+        return None
+    anchor = anchor.with_distributions({**fixed, **step.distributions})
+    scale = grid_scale(anchor, range(anchor.num_stages), frozenset(), config.time_resolution, _option_seconds(anchor))
+    allowed = Allowance(anchor, frozenset(), scale if config.stretch and anchor.max_overhead > 0 else None)
+    placements = _joint_placements(problem, anchor, free, scale, allowed, config, budget, start + limit)
+    if placements is None:
+        return None if anchor.memory_budget is None else _fused(problem, anchor, config, budget)
+    step_ticks = max(p.step_ticks for p in placements)
+    placements = [restretch_joint(p, step_ticks) for p in placements]
+    chosen = anchor.with_distributions({n: d for p in placements for n, d in p.distributions().items()})
+    solutions = [transfer(p, chosen) for p in placements]
+    if not all(solutions):
+        log.info(
+            "joint choice (%s): its placement does not fit that choice's own windows; planning the choice itself",
+            _words(chosen),
+        )
+        return _planned(chosen, config, budget)
+    plan = assemble(
+        chosen,
+        [s for s in solutions if s is not None],
+        _greedy(chosen, config, budget),
+        Allowance(chosen, frozenset(), allowed.scale),
+        time.perf_counter() - began,
+    )
+    return _fused_for_speed(plan, config, budget)
+
+
+def _fused_for_speed(plan: Plan, config: SolverConfig, budget: Budget) -> Plan:
+    """The joint plan (nothing fused), or its distributions planned by `solve` where its steps stretch for deferred
+    statistics and some layers' fused curvature costs less (`attempt.cheaper_fused`): `solve` also places those
+    fused, and the better plan by `rank` is kept."""
+    if plan.metrics.stretch <= 0 or not cheaper_fused(plan.problem):
+        return plan
+    again = _planned(plan.problem, config, budget)
+    return plan if again is None else min((plan, again), key=rank)
+
+
+def _joint_placements(
+    problem: Problem,
+    anchor: Problem,
+    free: frozenset[int],
+    scale: tuple[float, bool],
+    allowed: Allowance,
+    config: SolverConfig,
+    meter: Budget,
+    deadline: float,
+) -> list[GroupSolution] | None:
+    """Each stage group's joint placement (`solve_joint_group`, warm-started by first-fit of every forced strategy on
+    the group's free layers), the time to `deadline` on `meter`'s clock shared by the groups left; None when a group
+    is not placed."""
+    groups = stage_groups(anchor)
+    placements: list[GroupSolution] = []
+    forced = [problem.with_strategy(s) for s in candidate_strategies(problem)]
+    for n, group in enumerate(groups):
+        names = [x.name for s in group.stages if s in free for x in anchor.costs.stages[s].layers]
+        candidates = [
+            anchor.with_distributions({**dict(anchor.distributions), **{m: f.where(m) for m in names}}) for f in forced
+        ]
+        placement = solve_joint_group(
+            anchor,
+            group,
+            free,
+            candidates,
+            scale,
+            allowed.ticks,
+            config,
+            max(0.0, deadline - meter.now()) / (len(groups) - n),
+            meter,
+            stats_chunk=stats_chunk_of(anchor, group, config, allowed),
+        )
+        if placement is None:
+            log.info("joint choice: stages %s not placed", list(group.stages))
+            return None
+        placements.append(placement)
+    return placements
+
+
+def _fused(problem: Problem, anchor: Problem, config: SolverConfig, budget: Budget) -> Plan | None:
+    """Under a budget the joint model cannot meet with nothing fused: `best` of its least-step distributions
+    (`anchor`) and MEM-OPT (the fewest decompositions held, the most room for kept captures), each planned by
+    `solve`, which fuses curvature as the budget needs (MEM-OPT by greedy placement, which is not timed, where
+    the anchor left CP-SAT too little of the budget); None when neither plans."""
+    first = _planned(anchor, config, budget)
+    mem = problem.with_strategy(Strategy(StrategyKind.MEM_OPT))
+    plans = [
+        p
+        for p in (first, _planned(mem, config, budget) or _planned(mem, config, budget, Method.GREEDY))
+        if p is not None
+    ]
+    return best(plans) if plans else None
+
+
+def _planned(problem: Problem, config: SolverConfig, budget: Budget, method: Method = Method.CPSAT) -> Plan | None:
+    """`problem` planned by `solve` in `budget`, None where it refuses."""
+    try:
+        return solve(problem, config, method, budget=budget, shares=2, suggest=False)
+    except PlanError as e:
+        log.info("distribution %s does not plan: %s", _words(problem), e)
+        return None
+
+
+def _greedy(problem: Problem, config: SolverConfig, budget: Budget) -> list[GroupSolution | None]:
+    """The paper's rule per group of the chosen problem, for the plan's metrics (None where it places nothing)."""
+    allowed = allowance(problem, frozenset(), config)
+    out: list[GroupSolution | None] = []
+    for group in stage_groups(problem):
+        try:
+            out.append(
+                greedy_group(
+                    problem,
+                    group,
+                    stats_chunk=stats_chunk_of(problem, group, config, allowed),
+                    resolution=config.time_resolution,
+                    allowance=allowed,
+                    meter=budget,
+                )
+            )
+        except PlanError:
+            out.append(None)
+    return out
+
+
+def _option_seconds(problem: Problem) -> list[float]:
+    """Every duration an option of a layer may give a task or slot, for an exact grid where the costs allow one."""
+    out = []
+    for s, stage in enumerate(problem.costs.stages):
+        out.append(comm_slot_seconds(problem, s))
+        for x in stage.layers:
+            out.append(apply_seconds(problem, x.name))
+            for where in layer_options(problem, x.name):
+                out.append(share_seconds(problem, x.name, where))
+                out += [bcast_seconds(problem, x.name, p.part, where) for p in x.parts]
+    return out
+
+
+def strategy_of(plan: Plan) -> str:
+    """The plan's strategy in words: the one every layer follows, else how many layers follow each."""
+    return _words(plan.problem)
+
+
+def _words(problem: Problem) -> str:
+    counts: dict[str, int] = {}
+    for name in problem.costs.layer_names:
+        key = str(problem.where(name).strategy)
+        counts[key] = counts.get(key, 0) + 1
+    if len(counts) == 1:
+        return next(iter(counts))
+    return ", ".join(f"{key} on {n} layers" for key, n in sorted(counts.items()))

@@ -1,0 +1,834 @@
+"""The CP-SAT models of the planner (the only ortools user) and its one solver call (`_solve`).
+
+The window model places one stage group's refresh work into the bubbles of a k-step window at one refresh period
+and stretch (planner/search/group_search.py chooses which): `_build` makes a modulo-scheduling model of the window
+(planner.window): every task is an interval at position `pos` in [0, L) with `late` telling whether it runs in
+the next window's early bubbles (absolute start = pos + late*L); NoOverlap per device with the fixed F/B work;
+optional intervals choose the inversion's device; a cumulative per device holds activations and the a/e kept
+by deferred curvature under the budget. `solve_window` finds any placement (feasibility) or the least
+staleness, the sum of use offsets.
+
+One model serves both a forced strategy and the joint choice of distributions ([Note: joint strategy] in
+planner/search/joint.py): a `Frame` gives every layer's options as literals (a DECOMP's rank implies an option holding
+it, each option's BCAST is an optional interval over its column, each stage's slot an interval whose length the
+literals set, each device's capacity the budget less its static bytes as the literals make them); without one, a
+layer has one option, the window problem's own, whose BCAST tasks, slots and capacities the window already holds.
+`energy_bound` and `least_step` are the joint choice's step models. Solutions come out as
+`planner.solution.GroupSolution`. Every call runs within a share of the planner's clock (`planner.budget.Budget`:
+CP-SAT's deterministic time by default, so its stopping points, and the plan, do not depend on the machine's
+load) and is charged to it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ortools.sat.python import cp_model
+
+from fxkfac.planner.plan.solution import GroupSolution, use_offsets
+from fxkfac.planner.plan.window import Task, TaskKind, Window, done_by, inv_chains, warm_starts
+from fxkfac.planner.problem.costs import LayerCost
+from fxkfac.planner.problem.memory import activation_peak
+from fxkfac.planner.problem.problem import Problem, SolveProgress, SolverConfig, copies_of_stage, stages_on_device
+from fxkfac.planner.problem.step_timeline import step_timeline
+from fxkfac.planner.problem.strategy import LayerDistribution
+from fxkfac.planner.search.budget import MIN_CALL, Budget
+from fxkfac.planner.search.joint import NS, Options, Ticks, base_bytes, comm_slot_seconds, held_bytes, ns, options_of
+
+__all__ = ["Frame", "solve_window", "placed_tasks", "energy_bound", "StepChoice", "least_step"]
+
+log = logging.getLogger(__name__)
+
+_FEW_WORKER_SUBSOLVERS = ("quick_restart_no_lp", "default_lp")
+"""With 2 workers CP-SAT runs one full-problem subsolver (default_lp), which often finds no window
+placement within seconds where quick_restart_no_lp (in the 8-worker portfolio) finds one in well under
+a second (benchmarks/paper_configs.py, Chimera), and proves the least staleness 5x sooner
+(benchmarks/planner_scaling.py, D=8): with few workers, it comes first."""
+
+
+FEASIBILITY_PROBING_LEVEL = 0
+"""CP-SAT's presolve probing (`cp_model_probing_level`; its default, 2, probes every Boolean) when a window solve only
+looks for a placement (a period search's probe), where it spent the probe's share of the budget before any search:
+`fxkfac plan bert-large -D 8 -N 8 --schedule chimera --costs paper:bert-large/p100 --kl-clip-scope stale
+--profile-layers sublayer --decomp-pieces 4` spent 17.0 s in CP-SAT (61 calls; one probe given 0.005 deterministic
+s took 0.37 s of wall time with probing, 0.07-0.11 s without) and kept an unstreamed plan, +1.8% a step; without probing
+in the probes 8.9 s (41 calls) and a plan streamed at the bound, +0.9%. The small Chimera case of
+tests/planner/test_cpsat.py reaches its bound in 1 s only without. Solves that optimize keep it, as it shortens their
+proofs (planner_scaling's D=8 optimal in 2.5 s, 4.0 s with no probing anywhere), and so do the joint models
+(a `Frame`'s), whose layer options are Booleans (without it a joint 1F1B plan stretched its step 2.1%
+where forcing MEM-OPT stretched 1.3%, tests/planner/test_joint_strategy.py)."""
+
+
+@dataclass
+class Vars:
+    """The model and its variables, by task index / APPLY slot index; with a `Frame`, the options': per layer its
+    literals; per (layer, part) its BCAST's start, position, whether it has one, and its end; per stage its slot's
+    ticks; per device the (ticks, literal) of each optional BCAST on it."""
+
+    model: cp_model.CpModel
+    start: list[cp_model.IntVar] = field(default_factory=list)
+    pos: list[cp_model.IntVar] = field(default_factory=list)
+    late: list[cp_model.IntVar] = field(default_factory=list)
+    present: list[dict[int, cp_model.IntVar]] = field(default_factory=list)
+    prec: list[cp_model.IntVar] = field(default_factory=list)
+    intervals_of_device: dict[int, list[cp_model.IntervalVar]] = field(default_factory=dict)
+    lits: dict[str, list[cp_model.IntVar]] = field(default_factory=dict)
+    bcast: dict[tuple[str, str], tuple[cp_model.IntVar, cp_model.IntVar, cp_model.IntVar, cp_model.LinearExprT]] = (
+        field(default_factory=dict)
+    )
+    slot_ticks: dict[int, cp_model.IntVar] = field(default_factory=dict)
+    bcast_load: dict[int, list[tuple[int, cp_model.IntVar]]] = field(default_factory=dict)
+
+
+def modular(
+    v: Vars, name: str, lo: int, hi: int, ticks: int, length: int, wraps: bool = False
+) -> tuple[cp_model.IntVar, ...]:
+    """An absolute start in [lo, hi] that lies, with its length, inside one window, or with `wraps` may run past its
+    end into the next: (start, pos, late)."""
+    m = v.model
+    start = m.new_int_var(lo, max(lo, hi), f"start_{name}")
+    pos = m.new_int_var(0, length - (1 if wraps else ticks), f"pos_{name}")
+    late = m.new_bool_var(f"late_{name}")
+    m.add(start == pos + length * late)
+    return start, pos, late
+
+
+def add_tasks(v: Vars, w: Window) -> None:
+    """Every task on its device(s). At refresh period 1, where the window's end is no step boundary of the group
+    (`Window.leads`[0] > 0, [Note: step barrier] in planner/plan/window.py), a task may run past it: its interval is
+    laid twice, at pos and at pos - L, so that no-overlap within [-L, 2L) is no-overlap modulo L (every other interval
+    lies in [0, L)). At k >= 2 the window's inner boundaries already join each step's idle, and the doubled intervals
+    slowed the search more than they helped (BERT-Large Chimera D=8: refresh 4-6 with them, 4-5 without)."""
+    L = w.length
+    wraps = w.k == 1 and w.leads[0] > 0
+    for task in w.tasks:
+        lo = (
+            max(w.earliest(task, d) for d in task.devices)
+            if task.kind is not TaskKind.INV
+            else min(w.earliest(task, d) for d in task.devices)
+        )
+        start, pos, late = modular(v, task.name, lo, w.horizon - task.ticks, task.ticks, L, wraps)
+        laid = (pos, pos - L) if wraps else (pos,)
+        v.start.append(start)
+        v.pos.append(pos)
+        v.late.append(late)
+        present: dict[int, cp_model.IntVar] = {}
+        if task.kind is TaskKind.INV:
+            for d in task.devices:
+                present[d] = v.model.new_bool_var(f"on_r{d}_{task.name}")
+                v.intervals_of_device[d] += [
+                    v.model.new_optional_fixed_size_interval_var(at, task.ticks, present[d], f"{task.name}_r{d}")
+                    for at in laid
+                ]
+                v.model.add(start >= w.earliest(task, d)).only_enforce_if(present[d])
+            v.model.add_exactly_one(present.values())
+        else:
+            ivs = [v.model.new_fixed_size_interval_var(at, task.ticks, task.name) for at in laid]
+            for d in task.devices:
+                v.intervals_of_device[d] += ivs
+        v.present.append(present)
+
+
+def add_precedences(v: Vars, w: Window) -> None:
+    """sync after every curvature of its factor, inversion after sync (or curvature), broadcast after
+    inversion; the next refresh (L later) must find the factor's buffers free and its a/e consumed."""
+    L, m = w.length, v.model
+    by_factor: dict[tuple[str, str], dict[TaskKind, list[int]]] = {}
+    for i, task in enumerate(w.tasks):
+        for f in task.factors:
+            by_factor.setdefault(f, {}).setdefault(task.kind, []).append(i)
+    for i, task in enumerate(w.tasks):
+        if task.kind is TaskKind.CURV:
+            m.add(v.start[i] + task.ticks <= task.release + L)
+    for kinds in by_factor.values():
+        chain = [kinds[k] for k in TaskKind if k in kinds]  # curv, sync, inv, bcast
+        for before, after in zip(chain, chain[1:]):
+            for b in before:
+                for a in after:
+                    m.add(v.start[a] >= v.start[b] + w.tasks[b].ticks)
+        first, last = kinds[TaskKind.INV][0], kinds[TaskKind.INV][-1]
+        for c in kinds.get(TaskKind.CURV, []):
+            m.add(v.start[last] + w.tasks[last].ticks <= v.start[c] + L)
+        for b in kinds.get(TaskKind.BCAST, []):
+            m.add(v.start[b] + 1 <= v.start[first] + L)
+
+
+def add_piece_chains(v: Vars, w: Window) -> None:
+    """The pieces of one decomposition run in order on one rank (its carry lives there), and a refresh that the
+    next one warm-starts from is made and broadcast before that one's first decomposition starts (`warm_starts`)."""
+    m = v.model
+    for chain in inv_chains(w):
+        for a, b in zip(chain, chain[1:]):
+            m.add(v.start[b] >= v.start[a] + w.tasks[a].ticks)
+            for d, present in v.present[a].items():
+                m.add(v.present[b][d] == present)
+    for i, f in warm_starts(w):
+        m.add(v.start[i] + done_by(w.tasks[i]) <= v.start[f] + w.length)
+
+
+def _add_precs(v: Vars, w: Window) -> None:
+    """Every APPLY slot on its device; the slots of one stage and step that broadcast preconditioned gradients
+    start together on every copy (`PrecSlot.shares`). An empty slot (every layer of its stage streamed to helpers)
+    runs nothing and holds no interval: CP-SAT's no-overlap takes an empty interval for a point no other interval
+    may hold inside, so at its reference place, inside the next step's early F/B, it made the window infeasible."""
+    first: dict[tuple[int, int], int] = {}
+    for n, slot in enumerate(w.precs):
+        name = f"prec_s{slot.stage}_r{slot.device}_j{slot.step}"
+        start, pos, _ = modular(v, name, slot.release, slot.deadline - slot.ticks, slot.ticks, w.length)
+        v.prec.append(start)
+        if slot.ticks > 0:
+            v.intervals_of_device[slot.device].append(v.model.new_fixed_size_interval_var(pos, slot.ticks, name))
+        if slot.shares:
+            m = first.setdefault((slot.stage, slot.step), n)
+            if m != n:
+                v.model.add(start == v.prec[m])
+
+
+@dataclass(frozen=True)
+class Frame:
+    """What one group's joint models share: every layer's options, each stage's all-reduce end (ns) and the grid."""
+
+    options: Options
+    release_ns: Mapping[int, int]
+    scale: tuple[float, bool]
+    stats_chunk: int
+
+
+def placed_tasks(w: Window, options: Options) -> tuple[Task, ...]:
+    """The window's tasks other than BCAST (an option's, placed apart), each DECOMP on any rank an option allows."""
+    out = []
+    for task in w.tasks:
+        if task.kind is TaskKind.BCAST:
+            continue
+        if task.kind is TaskKind.INV:
+            ranks = {d for o in options[task.factors[0][0]] for d in o.workers}
+            task = replace(task, devices=tuple(d for d in copies_of_stage(w.problem, task.stage) if d in ranks))
+        out.append(task)
+    return tuple(out)
+
+
+def _add_choices(v: Vars, w: Window, options: Options) -> None:
+    """The option literals; a DECOMP runs only on a rank of its layer's chosen column."""
+    v.lits = literals(v.model, options)
+    for i, task in enumerate(w.tasks):
+        if task.kind is TaskKind.INV:
+            layer = task.factors[0][0]
+            for d, present in v.present[i].items():
+                allowed = [lit for o, lit in zip(options[layer], v.lits[layer]) if d in o.workers]
+                v.model.add_bool_or([~present, *allowed])
+
+
+def _add_bcasts(v: Vars, w: Window, options: Options) -> None:
+    """Per (layer, part), one start for the BCAST of whichever option is chosen and an optional interval on each rank
+    of each option's column; after the part's DECOMP, before the next refresh's first DECOMP of the layer."""
+    m, L = v.model, w.length
+    chains = {w.tasks[c[0]].factors[0]: c for c in inv_chains(w)}
+    firsts: dict[str, set[int]] = {}
+    for (layer, _), chain in chains.items():
+        firsts.setdefault(layer, set()).add(chain[0])
+    for (layer, part), chain in chains.items():
+        chosen = [
+            (n, w.span(o.bcast[part]), o.workers, lit)
+            for n, (o, lit) in enumerate(zip(options[layer], v.lits[layer]))
+            if part in o.bcast
+        ]
+        if not chosen:
+            continue
+        name = f"bcast_{part}_{layer}"
+        shortest = min(ticks for _, ticks, _, _ in chosen)
+        start, pos, _ = modular(v, name, 0, w.horizon - shortest, shortest, L)
+        has = m.new_bool_var(f"has_{name}")
+        m.add(sum(lit for *_, lit in chosen) == has)
+        for n, ticks, workers, lit in chosen:
+            for d in workers:
+                v.intervals_of_device[d].append(
+                    m.new_optional_fixed_size_interval_var(pos, ticks, lit, f"{name}_o{n}_r{d}")
+                )
+                v.bcast_load.setdefault(d, []).append((ticks, lit))
+            m.add(pos + ticks <= L).only_enforce_if(lit)
+            m.add(start + ticks <= w.horizon).only_enforce_if(lit)
+        m.add(start == 0).only_enforce_if(~has)
+        m.add(start >= v.start[chain[-1]] + w.tasks[chain[-1]].ticks).only_enforce_if(has)
+        for first in sorted(firsts[layer]):
+            m.add(start + 1 <= v.start[first] + L).only_enforce_if(has)
+        v.bcast[layer, part] = (start, pos, has, start + sum(ticks * lit for _, ticks, _, lit in chosen))
+
+
+def _add_slots(v: Vars, w: Window, options: Options, release_ns: Mapping[int, int]) -> None:
+    """Every slot on its device, as long as its stage's options make it (clamped to the room between its release and
+    deadline, as the window clamps its own); each stage's reference slot, from its all-reduce end (`release_ns`),
+    ends where the window's step rounds to (so the chosen problem's reference step fits it); the copies start a
+    slot that broadcasts preconditioned gradients together."""
+    m, L = v.model, w.length
+    tick_ns = NS / w.scale
+    bound = ns((w.offsets[1] + 0.5) / w.scale) - min(1000, round(tick_ns / 4))
+    starts: dict[int, cp_model.IntVar] = {}
+    for s in w.group.stages:
+        slots = [n for n, p in enumerate(w.precs) if p.stage == s]
+        room = max(1, min(w.precs[n].deadline - w.precs[n].release for n in slots))
+        need, _ = slot_need(m, s, w.problem, v.lits, options, w.up, f"s{s}")
+        need_ns, _ = slot_need(m, s, w.problem, v.lits, options, ns, f"ns_s{s}")
+        m.add(release_ns[s] + need_ns <= bound)
+        ticks = m.new_int_var(1, room, f"slot_ticks_s{s}")
+        m.add_min_equality(ticks, [need, room])
+        v.slot_ticks[s] = ticks
+        sharing = [
+            lit
+            for x in w.problem.costs.stages[s].layers
+            for o, lit in zip(options[x.name], v.lits[x.name])
+            if not o.comm_opt
+        ]
+        shares = m.new_bool_var(f"shares_s{s}")
+        m.add_bool_or(sharing or [m.new_constant(0)]).only_enforce_if(shares)
+        for lit in sharing:
+            m.add_implication(lit, shares)
+        first: dict[int, cp_model.IntVar] = {}
+        for n in slots:
+            slot = w.precs[n]
+            name = f"prec_s{s}_r{slot.device}_j{slot.step}"
+            start = m.new_int_var(slot.release, max(slot.release, slot.deadline - 1), f"start_{name}")
+            pos = m.new_int_var(0, L - 1, f"pos_{name}")
+            late = m.new_bool_var(f"late_{name}")
+            m.add(start == pos + L * late)
+            m.add(start + ticks <= slot.deadline)
+            end = m.new_int_var(1, L, f"end_{name}")
+            m.add(end == pos + ticks)
+            v.intervals_of_device[slot.device].append(m.new_interval_var(pos, ticks, end, name))
+            starts[n] = start
+            if slot.step in first:
+                m.add(start == first[slot.step]).only_enforce_if(shares)
+            else:
+                first[slot.step] = start
+    v.prec = [starts[n] for n in range(len(w.precs))]
+
+
+def _add_energy(v: Vars, w: Window) -> None:
+    """Redundant: the work each device runs (tasks, BCASTs of the chosen options, slots) fits the time the fixed work
+    leaves it in the window (a linear bound the no-overlap implies, which proves a step too short at once)."""
+    m = v.model
+    for d in w.group.devices:
+        load = []
+        for i, task in enumerate(w.tasks):
+            if d in task.devices:
+                load.append(task.ticks * v.present[i][d] if task.kind is TaskKind.INV else task.ticks)
+        load += [v.slot_ticks[p.stage] for p in w.precs if p.device == d]
+        load += [ticks * lit for ticks, lit in v.bcast_load.get(d, [])]
+        m.add(sum(load) <= w.length - sum(e - s for s, e in w.fixed[d]))
+
+
+def _add_slot_releases(v: Vars, w: Window) -> None:
+    """A decomposition of a gradient-fed part starts after the refresh step's slot of its stage on the device it
+    runs on, whose STATS snapshot its statistic ([Note: gradient parts] in planner/plan/window.py)."""
+    for i, task in enumerate(w.tasks):
+        if task.after_slot:
+            for d, present in v.present[i].items():
+                n = w.refresh_slot(d, task.stage)
+                ticks = v.slot_ticks.get(task.stage, w.precs[n].ticks)
+                v.model.add(v.start[i] >= v.prec[n] + ticks).only_enforce_if(present)
+
+
+def _add_memory(v: Vars, w: Window, options: Options | None) -> None:
+    """Per device: activations (fixed) + a/e kept from F/B end to the curvature's end <= its capacity: the
+    window's, or with `options` the budget less the static bytes the literals make."""
+    budget = w.problem.memory_budget
+    caps = [c for c in w.capacity.values() if c is not None]
+    top = budget if options is not None else max(caps, default=None)
+    if top is None:
+        return
+    unit = max(1, math.ceil(top / 2**30))
+    for d in w.group.devices:
+        cap: int | cp_model.IntVar
+        if options is not None and budget is not None:
+            cap = v.model.new_int_var(0, budget // unit, f"cap_r{d}")
+            v.model.add(unit * cap <= budget - static_bytes(v.model, w.problem, d, v.lits, options))
+        elif (fixed := w.capacity[d]) is not None:
+            cap = max(0, fixed // unit)
+        else:
+            continue
+        v.model.add_cumulative(*memory_items(v, w, d, unit), cap)
+
+
+def memory_items(v: Vars, w: Window, d: int, unit: int) -> tuple[list[cp_model.IntervalVar], list[int]]:
+    """Device d's memory users besides its static bytes, as intervals and demands in `unit` bytes (rounded up):
+    the activations (fixed), and the a/e each deferred curvature keeps from its F/B's end to its own end."""
+    L, m = w.length, v.model
+    intervals, demands = [], []
+    for s, e, nbytes in w.acts[d]:
+        intervals.append(m.new_fixed_size_interval_var(s, e - s, f"act_r{d}_{s}"))
+        demands.append(math.ceil(nbytes / unit))
+    for i, task in enumerate(w.tasks):
+        if task.kind is not TaskKind.CURV or task.devices[0] != d or task.keep_bytes == 0:
+            continue
+        t0 = task.release % L
+        room = L - t0
+        held = m.new_int_var(task.ticks, L, f"held_{task.name}")
+        m.add(held == v.start[i] + task.ticks - task.release)
+        first = m.new_int_var(0, room, f"keep1_{task.name}")
+        second = m.new_int_var(0, L, f"keep2_{task.name}")
+        m.add_min_equality(first, [held, room])
+        m.add_max_equality(second, [held - room, 0])
+        intervals.append(m.new_interval_var(t0, first, t0 + first, f"keep_{task.name}"))
+        intervals.append(m.new_interval_var(0, second, second, f"keep_wrap_{task.name}"))
+        demands += [math.ceil(task.keep_bytes / unit)] * 2
+    return intervals, demands
+
+
+def _add_staleness(v: Vars, w: Window) -> list[cp_model.LiteralT]:
+    """use_offset(layer) = number of the window's steps whose slot starts before its decompositions and their
+    broadcasts are done (`planner.solution.use_offsets`; with options, the chosen option's broadcast, through one
+    'ready' variable per layer); returns the negated 'ready by step j' flags."""
+    m = v.model
+    ends: dict[str, list[cp_model.LinearExprT]] = {}
+    for i, task in enumerate(w.tasks):
+        if task.kind not in (TaskKind.INV, TaskKind.BCAST):
+            continue
+        if not v.lits:
+            for layer, _ in task.factors:
+                ends.setdefault(layer, []).append(v.start[i] + task.ticks)
+            continue
+        layer = task.factors[0][0]
+        if layer not in ends:
+            ends[layer] = [m.new_int_var(0, 2 * w.horizon, f"ready_{layer}")]
+        m.add(ends[layer][0] >= v.start[i] + task.ticks)
+    for (layer, _), (_, _, has, end) in v.bcast.items():
+        m.add(ends[layer][0] >= end).only_enforce_if(has)
+    return not_ready_flags(v, w, ends)
+
+
+def not_ready_flags(v: Vars, w: Window, ends: Mapping[str, Sequence[cp_model.LinearExprT]]) -> list[cp_model.LiteralT]:
+    """Per layer and window step j (of 2k), a flag 'every one of `ends` is done by the layer's slot in step j',
+    monotone in j; returns the negated flags, whose sum is the window's use offsets (the staleness objective)."""
+    m, k, L = v.model, w.k, w.length
+    not_ready: list[cp_model.LiteralT] = []
+    for layer, items in ends.items():
+        stage = w.problem.costs.stage_of(layer)
+        flags = [m.new_bool_var(f"ready_{layer}_j{j}") for j in range(2 * k)]
+        for j, flag in enumerate(flags):
+            for n, slot in enumerate(w.precs):
+                if slot.stage == stage and slot.step == j % k:
+                    streamed = w.streamed_use(layer, j)
+                    for end in items:
+                        limit = streamed if streamed is not None else v.prec[n] + L * (j // k)
+                        m.add(end <= limit).only_enforce_if(flag)
+            if j + 1 < len(flags):
+                m.add_implication(flag, flags[j + 1])
+        not_ready += [~flag for flag in flags]
+    return not_ready
+
+
+def break_layer_symmetry(v: Vars, w: Window) -> None:
+    """Layers of one stage with equal costs (BERT's blocks; q, k, v) are interchangeable: relabeling all
+    their tasks maps a placement to an equally good one, so the decompositions of their first part start in layer
+    order."""
+    first = {x.name: x.parts[0].part for s in w.group.stages for x in w.problem.costs.stages[s].layers if x.parts}
+    inv_a = {
+        task.factors[0][0]: i
+        for i, task in enumerate(w.tasks)
+        if task.kind is TaskKind.INV and task.side == first[task.factors[0][0]]
+    }
+    for s in w.group.stages:
+        layers = w.problem.costs.stages[s].layers
+        for a, b in zip(layers, layers[1:]):
+            if a.name in inv_a and b.name in inv_a and _interchangeable(a, b, w.fused):
+                v.model.add(v.start[inv_a[a.name]] <= v.start[inv_a[b.name]])
+
+
+def _interchangeable(a: LayerCost, b: LayerCost, fused: frozenset[str]) -> bool:
+    def key(x: LayerCost) -> tuple[object, ...]:
+        return (x.parts, x.prec, x.name in fused)
+
+    return key(a) == key(b)
+
+
+def add_fixed(v: Vars, w: Window) -> None:
+    """The window's fixed work (F/B, the gradient all-reduce, step boundaries) as fixed intervals per device."""
+    for d in w.group.devices:
+        for s, e in w.fixed[d]:
+            v.intervals_of_device[d].append(v.model.new_fixed_size_interval_var(s, e - s, f"fixed_r{d}_{s}"))
+
+
+def _build(w: Window, frame: Frame | None, optimize: bool, break_symmetry: bool = True) -> tuple[Vars, Window]:
+    """The window's CP-SAT model, every constraint of a valid placement and (`break_symmetry`) an order among
+    interchangeable layers that prunes relabeled twins (`optimize`: with the staleness objective), and the window of
+    the tasks it places: with a `frame`, the options' (BCAST apart, each DECOMP on any rank an option allows)."""
+    v = Vars(cp_model.CpModel(), intervals_of_device={d: [] for d in w.group.devices})
+    placed = w if frame is None else replace(w, tasks=placed_tasks(w, frame.options))
+    add_fixed(v, placed)
+    add_tasks(v, placed)
+    add_precedences(v, placed)
+    add_piece_chains(v, placed)
+    if frame is None:
+        _add_precs(v, placed)
+    else:
+        _add_choices(v, placed, frame.options)
+        _add_bcasts(v, placed, frame.options)
+        _add_slots(v, placed, frame.options, frame.release_ns)
+    _add_slot_releases(v, placed)
+    if frame is not None:
+        _add_energy(v, placed)
+    for intervals in v.intervals_of_device.values():
+        v.model.add_no_overlap(intervals)
+    _add_memory(v, placed, None if frame is None else frame.options)
+    if break_symmetry:
+        break_layer_symmetry(v, placed)
+    if optimize:
+        v.model.minimize(sum(_add_staleness(v, placed)))
+    return v, placed
+
+
+def _hint(v: Vars, w: Window, hint: GroupSolution, options: Options | None) -> None:
+    """Warm-start every variable from `hint` (a placement in a window of the same steps), by task name."""
+    m, L = v.model, w.length
+    named, inv_devices = hint.named_starts(), hint.inv_devices()
+    for i, task in enumerate(w.tasks):
+        at = named.get(task.name)
+        if at is not None:
+            m.add_hint(v.start[i], at)
+            m.add_hint(v.pos[i], at % L)
+            m.add_hint(v.late[i], at // L)
+        for d, flag in v.present[i].items():
+            m.add_hint(flag, inv_devices.get(task.factors[0]) == d)
+    for layer, lits in v.lits.items():
+        for o, lit in zip(options[layer] if options is not None else (), lits):
+            m.add_hint(lit, hint.choice(layer) == o.where)
+    for (layer, part), (start, pos, has, _) in v.bcast.items():
+        at = named.get(f"bcast_{part}_{layer}", 0)
+        m.add_hint(has, f"bcast_{part}_{layer}" in named)
+        m.add_hint(start, at)
+        m.add_hint(pos, at % L)
+    for n, prec_start in enumerate(hint.prec_starts):
+        m.add_hint(v.prec[n], prec_start)
+
+
+def solve_window(
+    w: Window,
+    config: SolverConfig,
+    time_limit: float,
+    meter: Budget,
+    hint: GroupSolution | None = None,
+    *,
+    optimize: bool = True,
+    frame: Frame | None = None,
+) -> tuple[str, GroupSolution | None]:
+    """Solve one window (optimize: least staleness, else any feasible placement), with `frame` choosing every
+    layer's distribution (else the window problem's own), within `time_limit` of `meter`'s clock, charged to it:
+    (status, solution)."""
+    if frame is None and (
+        any(t.ticks > w.length for t in w.tasks) or any(p.deadline - p.release < p.ticks for p in w.precs)
+    ):
+        return "INFEASIBLE", None
+    where = f"{'' if frame is None else 'joint '}stages {list(w.group.stages)} k={w.k}"
+    if meter.deterministic and meter.wall_left() <= 0:
+        meter.note_capped(f"{where} not searched")
+        return "UNKNOWN", None
+    v, placed = _build(w, frame, optimize)
+    if hint is not None and hint.window.offsets == w.offsets:
+        _hint(v, placed, hint, None if frame is None else frame.options)
+    limit = max(meter.units(MIN_CALL), time_limit)
+    reporter = _Reporter(config.progress, w, optimize) if config.progress is not None else None
+    probing = None if optimize or frame is not None else FEASIBILITY_PROBING_LEVEL
+    solver, status = _solve(v.model, config, meter, limit, probing=probing, reporter=reporter)
+    name = solver.status_name(status)
+    if reporter is not None:
+        reporter.finish(solver, name)
+    if (
+        meter.deterministic
+        and status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
+        and solver.deterministic_time < limit * CAP_SLACK
+    ):
+        meter.note_capped(where)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return name, None
+    return name, _extract(solver, v, placed, None if frame is None else frame.options, name)
+
+
+def _extract(solver: cp_model.CpSolver, v: Vars, w: Window, options: Options | None, status: str) -> GroupSolution:
+    """The solver's values as a solution of `w` (the window of the tasks placed), with the options chosen."""
+    starts = tuple(solver.value(x) for x in v.start)
+    devices = []
+    for i, task in enumerate(w.tasks):
+        chosen = [d for d, flag in v.present[i].items() if solver.boolean_value(flag)]
+        devices.append(chosen[0] if chosen else task.devices[0])
+    _root_broadcasts(w, devices)
+    precs = tuple(solver.value(x) for x in v.prec)
+    choices: dict[str, LayerDistribution] = {}
+    for layer, lits in v.lits.items():
+        assert options is not None, "literals come with options"
+        choices[layer] = next(o.where for o, lit in zip(options[layer], lits) if solver.boolean_value(lit))
+    chosen_bcasts = [(key, start, end) for key, (start, _, has, end) in v.bcast.items() if solver.boolean_value(has)]
+    return GroupSolution(
+        w,
+        starts,
+        tuple(devices),
+        precs,
+        use_offsets(w, starts, precs, {layer: solver.value(end) for (layer, _), _, end in chosen_bcasts}),
+        "cpsat",
+        status,
+        1,
+        solver.wall_time,
+        choices,
+        {key: solver.value(start) for key, start, _ in chosen_bcasts},
+        {s: solver.value(t) for s, t in v.slot_ticks.items()},
+    )
+
+
+class _Reporter(cp_model.CpSolverSolutionCallback):
+    """Passes what one CP-SAT call finds to `SolverConfig.progress`: each placement (with its staleness and the
+    bound when optimizing), each better bound, then the call's status. It only observes the search."""
+
+    def __init__(self, report: Callable[[SolveProgress], None], w: Window, optimize: bool) -> None:
+        super().__init__()
+        self.report, self.optimize = report, optimize
+        self.window = f"stages {list(w.group.stages)} k={w.k}" + (f" stretch={w.stretch}" if w.stretch else "")
+        self.objective: float | None = None
+        self.began = time.perf_counter()
+
+    def on_solution_callback(self) -> None:
+        if self.optimize:
+            self.objective = self.objective_value
+        self._send("FEASIBLE", self.objective, self.best_objective_bound if self.optimize else None, False)
+
+    def on_bound(self, bound: float) -> None:
+        """CP-SAT proved a better lower bound on the staleness (UNKNOWN: before any placement is found)."""
+        self._send("FEASIBLE" if self.objective is not None else "UNKNOWN", self.objective, bound, False)
+
+    def finish(self, solver: cp_model.CpSolver, status: str) -> None:
+        """The call's end: its status, and with a placement found its staleness and bound."""
+        found = self.optimize and status in ("OPTIMAL", "FEASIBLE")
+        self._send(
+            status, solver.objective_value if found else None, solver.best_objective_bound if found else None, True
+        )
+
+    def _send(self, status: str, objective: float | None, bound: float | None, done: bool) -> None:
+        self.report(SolveProgress(self.window, status, objective, bound, time.perf_counter() - self.began, done))
+
+
+CAP_SLACK = 0.99
+"""A deterministic search that stopped unproven below this fraction of its budget was stopped by the wall cap."""
+
+
+def _solve(
+    model: cp_model.CpModel,
+    config: SolverConfig,
+    meter: Budget,
+    limit: float,
+    *,
+    probing: int | None = None,
+    reporter: _Reporter | None = None,
+) -> tuple[cp_model.CpSolver, Any]:
+    """The planner's one CP-SAT call: `model` solved with the planner's limits for `limit` in `meter`'s unit (at
+    least `MIN_CALL`), presolve's probing level where given, passing what it finds to `reporter`; charged to
+    `meter`: (the solver, its status)."""
+    solver = cp_model.CpSolver()
+    set_limits(solver.parameters, config, meter, max(meter.units(MIN_CALL), limit))
+    if probing is not None:
+        solver.parameters.cp_model_probing_level = probing
+    if reporter is not None and reporter.optimize:
+        solver.best_bound_callback = reporter.on_bound
+    status = solver.solve(model, reporter)
+    meter.charge(solver.deterministic_time)
+    return solver, status
+
+
+def set_limits(params: Any, config: SolverConfig, meter: Budget, limit: float) -> None:
+    """CP-SAT's limits, workers and seed for one call of `limit` in the meter's unit. Deterministic: one
+    thread running the few-worker portfolio in turn (CP-SAT's sequential loop; 2 threads are
+    deterministic only with interleave_search, which spent more deterministic and wall time for worse
+    placements on BERT-Base Chimera), stopped by max_deterministic_time, with the wall cap as a net."""
+    params.random_seed = config.seed
+    if meter.deterministic:
+        params.max_deterministic_time = limit
+        params.max_time_in_seconds = max(MIN_CALL, meter.wall_left())
+        params.num_workers = 1
+        params.subsolvers.extend(_FEW_WORKER_SUBSOLVERS)
+        return
+    params.max_time_in_seconds = limit
+    params.num_workers = config.num_workers
+    if config.num_workers <= 2:
+        params.subsolvers.extend(_FEW_WORKER_SUBSOLVERS)
+
+
+def _root_broadcasts(w: Window, devices: list[int]) -> None:
+    """A broadcast's device is the root: the device of its factor's inversion."""
+    inv_device = {task.factors[0]: devices[i] for i, task in enumerate(w.tasks) if task.kind is TaskKind.INV}
+    for i, task in enumerate(w.tasks):
+        if task.kind is TaskKind.BCAST:
+            devices[i] = inv_device[task.factors[0]]
+
+
+def energy_bound(w: Window, frame: Frame, base: int, config: SolverConfig, meter: Budget, limit: float) -> int:
+    """The least step (ticks) at which some option set's work, each DECOMP on one rank of its option, fits every
+    device's time beside its fixed work in w's k steps, at least `base` and at most w's step (`base` when none was
+    proven in `limit`)."""
+    k, upper = w.k, w.offsets[1]
+    m = cp_model.CpModel()
+    lits = literals(m, frame.options)
+    step = m.new_int_var(base, upper, "step")
+    load: dict[int, list[cp_model.LinearExprT]] = {d: [] for d in w.group.devices}
+    for task in placed_tasks(w, frame.options):
+        if task.kind is not TaskKind.INV:
+            for d in task.devices:
+                load[d].append(task.ticks)
+            continue
+        layer = task.factors[0][0]
+        on = {d: m.new_bool_var(f"on_{task.name}_r{d}") for d in task.devices}
+        m.add_exactly_one(on.values())
+        for d, flag in on.items():
+            m.add_bool_or([~flag, *[lit for o, lit in zip(frame.options[layer], lits[layer]) if d in o.workers]])
+            load[d].append(task.ticks * flag)
+    for layer, opts in frame.options.items():
+        for o, lit in zip(opts, lits[layer]):
+            for secs in o.bcast.values():
+                for d in o.workers:
+                    load[d].append(w.span(secs) * lit)
+    for s in w.group.stages:
+        need, _ = slot_need(m, s, w.problem, lits, frame.options, w.up, f"s{s}")
+        for d in copies_of_stage(w.problem, s):
+            load[d] += [need] * k
+    per_step = {d: sum(e - s for s, e in w.fixed[d]) // k for d in w.group.devices}
+    for d, items in load.items():
+        m.add(sum(items) <= k * (step - per_step[d]))
+    m.minimize(step)
+    solver, status = _solve(m, config, meter, limit)
+    return round(solver.best_objective_bound) if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else base
+
+
+def literals(m: cp_model.CpModel, options: Options) -> dict[str, list[cp_model.IntVar]]:
+    """One Boolean per option of every layer, exactly one true per layer."""
+    lits = {}
+    for name, opts in options.items():
+        lits[name] = [m.new_bool_var(f"opt_{name}_{i}") for i in range(len(opts))]
+        m.add_exactly_one(lits[name])
+    return lits
+
+
+def slot_need(
+    m: cp_model.CpModel,
+    stage: int,
+    problem: Problem,
+    lits: Mapping[str, list[cp_model.IntVar]],
+    options: Options,
+    unit: Ticks,
+    name: str,
+) -> tuple[cp_model.IntVar, int]:
+    """(a variable at least the length of `stage`'s slot on each copy, its upper bound), in `unit`: the all-COMM-OPT
+    slot when every layer is COMM-OPT, else the longest apply work on a copy and then every BCAST_PREC."""
+    layers = [x.name for x in problem.costs.stages[stage].layers]
+    comm = [lits[n][i] for n in layers for i, o in enumerate(options[n]) if o.comm_opt]
+    all_comm = m.new_bool_var(f"allcomm_{name}")
+    if len(comm) == len(layers):
+        m.add_bool_and(comm).only_enforce_if(all_comm)
+        m.add_bool_or([all_comm, *[~x for x in comm]])
+    else:
+        m.add(all_comm == 0)
+    comm_slot = unit(comm_slot_seconds(problem, stage))
+    top = comm_slot + sum(max(unit(o.apply) + unit(o.share) for o in options[n]) for n in layers) + 1
+    lead = m.new_int_var(0, top, f"lead_{name}")
+    for c in copies_of_stage(problem, stage):
+        m.add(lead >= sum(unit(o.apply) * x for n in layers for o, x in zip(options[n], lits[n]) if c in o.workers))
+    need = m.new_int_var(1, top, f"need_{name}")
+    m.add(need >= comm_slot).only_enforce_if(all_comm)
+    m.add(need >= lead + sum(unit(o.share) * x for n in layers for o, x in zip(options[n], lits[n]))).only_enforce_if(
+        ~all_comm
+    )
+    return need, top
+
+
+def static_bytes(
+    m: cp_model.CpModel, problem: Problem, device: int, lits: Mapping[str, list[cp_model.IntVar]], options: Options
+) -> cp_model.LinearExprT:
+    """`planner.memory.static_bytes` of `device` as a linear expression of the option literals."""
+    kept, buffers = [], []
+    for s in stages_on_device(problem, device):
+        for x in problem.costs.stages[s].layers:
+            for option, lit in zip(options[x.name], lits[x.name]):
+                held, shared = held_bytes(problem, device, x.name, option.where)
+                kept.append(held * lit)
+                if shared:
+                    buffers.append((shared, lit))
+    largest = m.new_int_var(0, max((b for b, _ in buffers), default=0), f"shared_r{device}")
+    for nbytes, lit in buffers:
+        m.add(largest >= nbytes * lit)
+    return base_bytes(problem, device) + sum(kept) + largest
+
+
+@dataclass(frozen=True)
+class StepChoice:
+    """The least-step model's answer: the free layers' distributions and the reference step they make (seconds, as
+    the model sums it)."""
+
+    distributions: Mapping[str, LayerDistribution]
+    step: float
+
+
+def least_step(
+    problem: Problem, free: frozenset[int], fixed_end: float, config: SolverConfig, meter: Budget, time_limit: float
+) -> StepChoice | None:
+    """The free stages' layer distributions that make the least reference step (`planner.joint.reference_step`:
+    `fixed_end`, and each free stage's all-reduce end plus its slot) within every device's static bytes and
+    activation peak; among those, the least decomposition seconds on any one rank (KAISA's balance, for the warm
+    start's refresh). None when no option set meets the memory budget or none was found in time."""
+    m = cp_model.CpModel()
+    options = {
+        x.name: options_of(problem, x.name, s in free)
+        for s, stage in enumerate(problem.costs.stages)
+        for x in stage.layers
+    }
+    lits = literals(m, options)
+    timeline = step_timeline(problem)
+    ends: list[tuple[int, cp_model.IntVar | int]] = [(ns(fixed_end), 0)]
+    top = ns(fixed_end)
+    for s in sorted(free):
+        need, most = slot_need(m, s, problem, lits, options, ns, f"s{s}")
+        release = ns(timeline.allreduce_end[copies_of_stage(problem, s)[0], s])
+        ends.append((release, need))
+        top = max(top, release + most)
+    step = m.new_int_var(0, top, "step")
+    for release, length in ends:
+        m.add(step >= release + length)
+    if problem.memory_budget is not None:
+        for d in problem.devices:
+            m.add(static_bytes(m, problem, d, lits, options) + activation_peak(problem, d) <= problem.memory_budget)
+    m.minimize(step)
+    solver, status = _solve(m, config, meter, time_limit / 2)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return None
+    least = solver.value(step)
+    m.add(step <= least)
+    for x in lits.values():
+        for lit in x:
+            m.add_hint(lit, solver.boolean_value(lit))
+    _minimize_decomp_load(m, problem, options, lits)
+    balanced, status = _solve(m, config, meter, time_limit / 2)
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        solver = balanced
+    chosen = {
+        n: next(o.where for o, lit in zip(options[n], lits[n]) if solver.boolean_value(lit))
+        for s in sorted(free)
+        for n in (x.name for x in problem.costs.stages[s].layers)
+    }
+    return StepChoice(chosen, least / NS)
+
+
+def _minimize_decomp_load(
+    m: cp_model.CpModel, problem: Problem, options: Options, lits: Mapping[str, list[cp_model.IntVar]]
+) -> None:
+    """Make `m` minimize the most decomposition seconds (ns) any one rank takes under the chosen options (KAISA's
+    balance: each layer's decomposition shared by its grad workers)."""
+    load = m.new_int_var(0, sum(ns(x.inv) for stage in problem.costs.stages for x in stage.layers), "load")
+    for d in problem.devices:
+        m.add(
+            load
+            >= sum(
+                ns(problem.costs.layer(n).inv / len(o.workers)) * lit
+                for n, opts in options.items()
+                for o, lit in zip(opts, lits[n])
+                if d in o.workers
+            )
+        )
+    m.minimize(load)
