@@ -48,7 +48,7 @@ from fxkfac.planner.problem.ir import OpKind
 from fxkfac.planner.problem.problem import Problem, SolverConfig, StepBarrier
 from fxkfac.planner.problem.profiles import ProfileLayers, load_cost_table
 from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, num_stages, schedule_programs, stages_of_rank
-from fxkfac.planner.problem.simulate import Timeline, simulate
+from fxkfac.planner.problem.step_timeline import Timeline, simulate
 from fxkfac.planner.problem.strategy import Strategy
 from fxkfac.planner.search.choose import strategy_of
 from fxkfac.planner.search.stream_choice import StreamApply

@@ -37,7 +37,7 @@ from fxkfac.config import PipelineOptions, StepAgreement
 from fxkfac.launch import free_port
 from fxkfac.planner.problem.ir import OpKind
 from fxkfac.planner.problem.lowering import rank_programs
-from fxkfac.planner.problem.simulate import simulate
+from fxkfac.planner.problem.step_timeline import simulate
 from fxkfac.runtime.timeline import utilization
 from fxkfac.runtime.trainer import Trainer
 

@@ -51,12 +51,11 @@ from typing import Any
 from fxkfac.planner import CostTable, Distributions, PlanError, SearchOptions, StreamApply
 from fxkfac.planner import plan as plan_search
 from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.problem.costs import PreconditionerKind
 from fxkfac.planner.problem.ir import COLLECTIVE_KINDS, Capture, LayerTiming, Op, OpKind, Program
 from fxkfac.planner.problem.lowering import Assignment, decomposition_seconds, naive_programs, ranks_of_stages
-from fxkfac.planner.problem.preconditioners import PreconditionerKind
 from fxkfac.planner.problem.problem import Problem, SolverConfig
-from fxkfac.planner.problem.simulate import simulate
-from fxkfac.planner.problem.step_timeline import step_timeline
+from fxkfac.planner.problem.step_timeline import simulate, step_timeline
 
 __all__ = [
     "main",
@@ -191,7 +190,7 @@ class _Config:
 
 
 def _table(args: argparse.Namespace, config: _Config, block: int | None) -> CostTable:
-    from fxkfac.planner.problem.shampoo_costs import gradient_cost_table
+    from fxkfac.planner.problem.analytic import gradient_cost_table
 
     return gradient_cost_table(
         config.model,
@@ -218,8 +217,7 @@ def _plan(args: argparse.Namespace, config: _Config, solver: SolverConfig) -> tu
         problem = _problem(args, config, _table(args, config, block))
         search = SearchOptions(solver, strategy=Distributions.GIVEN, stream_apply=StreamApply.OFF)
         return plan_search(problem, search), block
-    from fxkfac.planner.problem.presets import preset
-    from fxkfac.planner.problem.shampoo_costs import largest_dim
+    from fxkfac.planner.problem.analytic import largest_dim, preset
     from fxkfac.planner.search.block_size import block_candidates, choose_block_size
 
     choice = choose_block_size(

@@ -32,8 +32,7 @@ from fxkfac.planner import (
     read_plan,
 )
 from fxkfac.planner import plan as plan_search
-from fxkfac.planner.problem.costs import median_of
-from fxkfac.planner.problem.preconditioners import words_of
+from fxkfac.planner.problem.costs import median_of, words_of
 from fxkfac.planner.problem.profiles import load_cost_table
 from fxkfac.planner.search.schedule_choice import ScheduleCandidate, choose_schedule, schedule_candidates
 from fxkfac.planner.search.stream_choice import StreamApply

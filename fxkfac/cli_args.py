@@ -9,8 +9,8 @@ from enum import StrEnum
 from typing import Literal
 
 from fxkfac.config import ActivationCheckpointing, CheckpointMode
+from fxkfac.planner.problem.costs import PreconditionerKind
 from fxkfac.planner.problem.errors import ConfigError, PlannerError
-from fxkfac.planner.problem.preconditioners import PreconditionerKind
 from fxkfac.planner.problem.schedules import num_stages, validate_schedule_args
 from fxkfac.planner.problem.strategy import Strategy, parse_strategy
 

@@ -6,8 +6,7 @@ import argparse
 
 from fxkfac.cli_args import AUTO, CliError, device, kind, micro_batch_size
 from fxkfac.cli_targets import factory, is_factory
-from fxkfac.planner.problem.costs import CostTable
-from fxkfac.planner.problem.preconditioners import WORDS, PreconditionerKind, kind_of
+from fxkfac.planner.problem.costs import WORDS, CostTable, PreconditionerKind, kind_of
 from fxkfac.planner.problem.profiles import ProfileLayers, is_profile, load_cost_table
 
 
@@ -61,11 +60,11 @@ def cost_table(args: argparse.Namespace, S: int, max_dim: int | None = None) -> 
 
         table = analytic_cost_table(args.target, S, micro_batch_size(args), args.seq_len, device(args))
     elif family is PreconditionerKind.MUON:
-        from fxkfac.planner.problem.muon_costs import muon_cost_table
+        from fxkfac.planner.problem.analytic import muon_cost_table
 
         table = muon_cost_table(args.target, S, micro_batch_size(args), args.seq_len, device(args))
     else:
-        from fxkfac.planner.problem.shampoo_costs import gradient_cost_table
+        from fxkfac.planner.problem.analytic import gradient_cost_table
 
         side = max_dim if args.max_preconditioner_dim == AUTO else args.max_preconditioner_dim
         table = gradient_cost_table(
@@ -77,7 +76,7 @@ def cost_table(args: argparse.Namespace, S: int, max_dim: int | None = None) -> 
 
 
 def _blocks(target: str) -> int:
-    from fxkfac.planner.problem.presets import preset
+    from fxkfac.planner.problem.analytic import preset
 
     return len(preset(target).blocks)
 

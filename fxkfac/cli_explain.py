@@ -7,9 +7,8 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from fxkfac.planner.problem.costs import CostTable, StageCost
+from fxkfac.planner.problem.costs import WORDS, CostTable, PreconditionerKind, StageCost, kind_of
 from fxkfac.planner.problem.ir import OpKind
-from fxkfac.planner.problem.preconditioners import WORDS, PreconditionerKind, kind_of
 from fxkfac.planner.problem.problem import Problem
 
 if TYPE_CHECKING:
@@ -96,7 +95,7 @@ def explain(args: argparse.Namespace, costs: CostTable, simulated: float, consol
 def explain_comm(problem: Problem, console: Console) -> None:
     """The cost table's comm model, and what each stage's collectives cost: the gradient all-reduce at every
     step, SYNC_STATS and BCAST at every refresh."""
-    from fxkfac.planner.problem.comm import describe
+    from fxkfac.planner.problem.hardware import describe
     from fxkfac.planner.problem.step_timeline import stage_comm
 
     for line in describe(problem.costs.comm):

@@ -32,8 +32,8 @@ from fxkfac.planner import (
     TimeLimit,
 )
 from fxkfac.planner import plan as plan_search
+from fxkfac.planner.problem.costs import PreconditionerKind, words_of
 from fxkfac.planner.problem.hardware import HARDWARE, hardware
-from fxkfac.planner.problem.preconditioners import PreconditionerKind, words_of
 from fxkfac.planner.problem.step_timeline import plain_step_time
 from fxkfac.planner.search.choose import least_overhead
 from fxkfac.planner.search.recompute import choose_recompute
@@ -145,8 +145,7 @@ def _searches_block_size(args: argparse.Namespace) -> bool:
 
 def _auto_block(args: argparse.Namespace, S: int, config: SolverConfig, budget: TimeBudget) -> BlockChoice:
     """The plan at the block side the planner chooses (`planner.block_size.choose_block_size`) for a preset."""
-    from fxkfac.planner.problem.presets import preset
-    from fxkfac.planner.problem.shampoo_costs import largest_dim
+    from fxkfac.planner.problem.analytic import largest_dim, preset
     from fxkfac.planner.search.block_size import block_candidates, choose_block_size
 
     candidates = block_candidates(largest_dim(preset(args.target)))

@@ -68,8 +68,7 @@ def _prepared(capture: _Capture, S: int) -> Factory:
     from fxkfac.compile_api import prepare
     from fxkfac.config import KFACConfig
     from fxkfac.families import family_of
-    from fxkfac.planner.problem.analytic import analytic_cost_table
-    from fxkfac.planner.problem.presets import model_spec_from_layers
+    from fxkfac.planner.problem.analytic import analytic_cost_table, model_spec_from_layers
     from fxkfac.planner.problem.schedules import ScheduleKind
 
     target, N, W = capture.target, capture.microbatches, capture.dp

@@ -3,7 +3,7 @@
 Every rank of the group times all_reduce, broadcast and all_gather at a few message sizes (and a send between
 its first two ranks, as a ping-pong), the ranks agree on the slowest time of each (one all-reduce with MAX),
 and each fits the same alpha and beta per kind by non-negative least squares
-(`fxkfac.planner.problem.comm.fit_alpha_beta`): every rank returns the same `CommModel` and so plans the same.
+(`fxkfac.planner.problem.hardware.fit_alpha_beta`): every rank returns the same `CommModel` and so plans the same.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from fxkfac.planner.problem.comm import AlphaBeta, Collective, CommModel, LinkCosts, Sample, fit_alpha_beta
+from fxkfac.planner.problem.hardware import AlphaBeta, Collective, CommModel, LinkCosts, Sample, fit_alpha_beta
 from fxkfac.runtime.p2p import collective_device
 
 __all__ = ["DEFAULT_SIZES", "measure_comm"]

@@ -28,13 +28,12 @@ from fxkfac.families import family_of
 from fxkfac.fingerprint import graph_fingerprint
 from fxkfac.passes.split_stages import SplitResult, split_stages
 from fxkfac.planner.plan.plan import Plan
-from fxkfac.planner.problem.costs import CostTable, PreconditionerKind
+from fxkfac.planner.problem.costs import CostTable, PreconditionerKind, tied_owner
 from fxkfac.planner.problem.ir import LayerTiming, Programs
 from fxkfac.planner.problem.lowering import naive_programs, ranks_of_stages
 from fxkfac.planner.problem.problem import StepBarrier, format_bytes
 from fxkfac.planner.problem.schedules import ScheduleKind, num_stages, stages_of_rank
 from fxkfac.planner.problem.strategy import LayerDistribution, distribute
-from fxkfac.planner.problem.tied import tied_owner
 from fxkfac.planner.search.schedule_choice import schedule_candidates
 from fxkfac.planner.validate.plan_file import load_plan
 from fxkfac.preconditioner import Family, PiecewiseFamily, SteppedFamily, gradient_parts
@@ -575,7 +574,7 @@ def _resolve_on_mesh(
 
 def planned_kind(family: Family, profiled: PreconditionerKind) -> PreconditionerKind:
     """The kind the planner plans a profile of `family` as: Muon's (no refresh; its APPLYs, every step, streamed to
-    and dealt over idle ranks, in pieces by iterations; planner/problem/muon_costs.py) for Muon, else what the profiler
+    and dealt over idle ranks, in pieces by iterations; planner/problem/analytic.py) for Muon, else what the profiler
     tagged (`profiled`)."""
     return PreconditionerKind.MUON if family.name == PreconditionerKind.MUON.value else profiled
 

@@ -19,15 +19,17 @@ from rich.console import Group, RenderableType
 
 from fxkfac.planner.plan.ns_placement import ns_stage_lines, ns_summary
 from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.problem.costs import PreconditionerKind, words_of
 from fxkfac.planner.problem.ir import Capture, OpKind
-from fxkfac.planner.problem.memory import static_bytes
-from fxkfac.planner.problem.preconditioners import PreconditionerKind, words_of
 from fxkfac.planner.problem.problem import Problem, copies_of_stage, format_bytes, is_streamed
-from fxkfac.planner.problem.simulate import BUSY_KINDS, Interval, Timeline
 from fxkfac.planner.problem.step_timeline import (
+    BUSY_KINDS,
+    Interval,
     StepTimeline,
+    Timeline,
     plain_step_time,
     plain_utilization,
+    static_bytes,
     step_begins,
     step_timeline,
     window_length,
@@ -145,7 +147,7 @@ def planned_utilization(plan: Plan) -> dict[int, float]:
 
 
 def _streamed(problem: Problem) -> str:
-    """Which rank applies which stage's layers, fed during that stage's last backward (planner/problem/streaming.py)."""
+    """Which rank applies which stage's layers, fed during that stage's last backward (planner/problem/lowering.py)."""
     streaming = problem.streaming
     if streaming is None:
         return "none (every stage applies its own layers)"

@@ -30,9 +30,16 @@ from fxkfac.kfac.state import LayerState
 from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture, new_probes
 from fxkfac.passes.layers import KFACLayer, LayerKind
 from fxkfac.passes.split_stages import SplitResult
-from fxkfac.planner.problem.costs import CostTable, LayerCost, PartCost, Spread, StageCost, combined_stage
+from fxkfac.planner.problem.costs import (
+    CostTable,
+    InverseMethod,
+    LayerCost,
+    PartCost,
+    Spread,
+    StageCost,
+    combined_stage,
+)
 from fxkfac.planner.problem.ir import Capture, OpKind
-from fxkfac.planner.problem.preconditioners import InverseMethod
 from fxkfac.preconditioner import Family, gradient_parts
 from fxkfac.runtime.precision import autocast, to_wire
 

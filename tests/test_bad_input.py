@@ -13,8 +13,8 @@ import fxkfac
 from fxkfac.capture import capture
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions, StepAgreement
 from fxkfac.errors import CaptureError, CheckpointError, ConfigError, NonFiniteError
+from fxkfac.planner.problem.costs import InverseMethod
 from fxkfac.planner.problem.ir import Capture
-from fxkfac.planner.problem.preconditioners import InverseMethod
 from fxkfac.runtime.trainer import Trainer
 from tests.support.models import mlp, tiny_bert, token_batch
 

@@ -21,9 +21,7 @@ from fxkfac.plan_view import planned_utilization, planned_view, render_plan
 from fxkfac.planner.plan.plan import SCHEMA_VERSION, Plan
 from fxkfac.planner.problem.errors import PlannerError
 from fxkfac.planner.problem.ir import Op, OpKind
-from fxkfac.planner.problem.memory import min_memory_bytes
-from fxkfac.planner.problem.simulate import Interval, Timeline
-from fxkfac.planner.problem.step_timeline import plain_step_time
+from fxkfac.planner.problem.step_timeline import Interval, Timeline, min_memory_bytes, plain_step_time
 from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate.plan_file import load_plan
 from fxkfac.show import chrome_trace, render_timeline, timeline_from_trace

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from fxkfac.comm_profile import measure_comm
-from fxkfac.planner.problem.comm import Collective, CommModel
+from fxkfac.planner.problem.hardware import Collective, CommModel
 from tests.support import models
 from tests.support.distributed import run_distributed
 

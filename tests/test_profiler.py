@@ -337,7 +337,7 @@ def test_a_refresh_steps_taps_are_timed_for_the_captured_layers_alone(split: tup
 def test_each_captured_layers_gradient_is_timed_from_its_stages_backward(split: tuple) -> None:
     """With `captured`, every K-FAC layer gets when its stage's backward makes its gradient (`LayerCost.grad_ready`):
     within the backward, later in the backward for a layer earlier in the forward, kept through JSON; without
-    `captured`, none (and the estimate stands: planner/problem/streaming.py `ready_fractions`)."""
+    `captured`, none (and the estimate stands: planner/problem/lowering.py `ready_fractions`)."""
     result, by_stage, layers, x = split
     cost = kfac_unit_cost(layers, CFG)
     captured = {s: [layers[n] for n in names] for s, names in by_stage.items()}

@@ -24,9 +24,9 @@ from fxkfac.compile_api import auto_budget, device_memory
 from fxkfac.config import PipelineOptions, PlanOptions
 from fxkfac.planner.plan.plan import Plan
 from fxkfac.planner.problem.errors import InfeasibleBudgetError
-from fxkfac.planner.problem.memory import min_memory_bytes
 from fxkfac.planner.problem.problem import SolveProgress, SolverConfig
 from fxkfac.planner.problem.schedules import ScheduleKind
+from fxkfac.planner.problem.step_timeline import min_memory_bytes
 from fxkfac.planner.search.solve import solve
 from fxkfac.progress import Display, PlanProgress, TrainingProgress, solve_text
 from tests.planner.kfac_cases import problem

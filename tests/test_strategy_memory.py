@@ -46,8 +46,8 @@ import fxkfac
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.kfac.state import LayerState
 from fxkfac.planner.problem.ir import LayerTiming, OpKind
-from fxkfac.planner.problem.memory import static_bytes
 from fxkfac.planner.problem.problem import Problem, copies_of_stage, stages_on_device
+from fxkfac.planner.problem.step_timeline import static_bytes
 from fxkfac.planner.problem.strategy import holding
 from tests.support.distributed import run_distributed
 

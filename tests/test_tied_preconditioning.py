@@ -1,6 +1,6 @@
 """Tied weights under every family: default-config GPT-2 (wte tied to lm_head, on the first and the last stage)
 pipelined over 2 ranks (1F1B, GPipe, and Chimera, which holds two copies of each stage). Shampoo and SOAP
-precondition the tied weight once, on its owner stage (the first, planner/problem/tied.py), and send the direction to
+precondition the tied weight once, on its owner stage (the first, planner/problem/costs.py), and send the direction to
 the other copies: the run equals one device to 1e-5 and every copy of the tied weight is equal after every step. K-FAC,
 which leaves the tied weight to the base optimizer, still equals one device. plan="auto" places the tied weight's
 work once, on its owner; its state is saved once, by the owner, and resumes on the pipeline and on one device."""

@@ -26,8 +26,8 @@ the same handlers, with every collective a no-op):
   device (PipelineError when the previous refresh is not made on the rank by then);
 - ``APPLY s`` activates due inverses and preconditions the stage's gradients; an inverse that is due but
   missing is a plan error (PipelineError), never a silent use of an older one;
-- a parameter several stages use (tied weights) is a unit of its owner stage alone (planner/problem/tied.py): its STATS,
-  APPLY and BCAST_PREC first land the sum of its gradient over those stages, started at each holder's
+- a parameter several stages use (tied weights) is a unit of its owner stage alone (planner/problem/costs.py): its
+  STATS, APPLY and BCAST_PREC first land the sum of its gradient over those stages, started at each holder's
   ALLREDUCE_GRAD (PipelineError when it has not started), and OPT_STEP gives its other copies the owner's
   direction (`GradSync.send_directions`) before the verdict, so every copy takes the same step;
 - OPT_STEP is wrapped: once the gradients are final (collectives settled, tied gradients summed), the
@@ -497,7 +497,7 @@ class PreconditionerRuntime:
 
     def _settle_tied(self, ctx: StepContext, names: Sequence[str], op: Op) -> None:
         """Land the sums of the tied gradients among `names`' parameters (summed over the stages that share them
-        before their owner reads them: planner/problem/tied.py); PipelineError when a sum has not started."""
+        before their owner reads them: planner/problem/costs.py); PipelineError when a sum has not started."""
         tied = [p for n in names for p in self.family.params_of(self.layers[n]) if p in ctx.sync.owned]
         if tied:
             ctx.transport.settle(TIED_KEY)

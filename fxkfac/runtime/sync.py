@@ -7,7 +7,7 @@ the same holder set share one process group and one flattened all-reduce.
 
 A tied parameter a family preconditions (`GradSync.owned`) is summed earlier, at the ALLREDUCE_GRAD of the last
 stage of each rank that holds it, because its owner's statistics read the sum before the step ends
-(planner/problem/tied.py); at the step's end the owner's direction replaces the gradient of every copy
+(planner/problem/costs.py); at the step's end the owner's direction replaces the gradient of every copy
 (`send_directions`), so all copies take the same step.
 
 Deadlock freedom: groups are created by every rank in one sorted order; within one sync call a

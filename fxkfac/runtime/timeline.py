@@ -9,9 +9,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fxkfac.planner.problem import simulate
 from fxkfac.planner.problem.ir import Op
-from fxkfac.planner.problem.simulate import Interval, Timeline
+from fxkfac.planner.problem.step_timeline import Interval, Timeline
+from fxkfac.planner.problem.step_timeline import utilization as simulated_utilization
 
 __all__ = ["Event", "Recorder", "as_timeline", "utilization", "gather_timelines"]
 
@@ -109,7 +109,7 @@ def utilization(events: Iterable[Event], kinds: Sequence[str] = PIPELINE_KINDS) 
             spans[step] = (min(lo, *(e.start_ns for e in evs)), max(hi, *(e.end_ns for e in evs)))
     total = sum(hi - lo for lo, hi in spans.values())
     return {
-        rank: simulate.utilization(
+        rank: simulated_utilization(
             sum(e.end_ns - e.start_ns for evs in steps.values() for e in evs if e.kind in kinds), total
         )
         for rank, steps in sorted(table.items())

@@ -2,7 +2,7 @@
 
 `ShampooFamily(ShampooConfig(...))` and `SOAPFamily(SOAPConfig(...))` implement `fxkfac.preconditioner.Family`;
 their semantics are in fxkfac/shampoo/family.py and fxkfac/shampoo/soap.py, the blocking rules in
-fxkfac/planner/problem/blocking.py (torch-free, shared with the planner's cost model).
+fxkfac/planner/problem/analytic.py (torch-free, shared with the planner's cost model).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from fxkfac.config import member_of
 from fxkfac.errors import ConfigError
-from fxkfac.planner.problem.blocking import DEFAULT_MAX_DIM, LargeDimMethod
+from fxkfac.planner.problem.analytic import DEFAULT_MAX_DIM, LargeDimMethod
 
 __all__ = [
     "GraftType",
@@ -144,7 +144,7 @@ class ShampooConfig:
     max_preconditioner_dim: int | Literal["auto"] = "auto"
     """Block side b; "auto": the planner's choice, DEFAULT_MAX_DIM (1024) without a plan."""
     large_dim_method: LargeDimMethod = LargeDimMethod.BLOCKING
-    """What happens to sides longer than b (fxkfac.planner.problem.blocking)."""
+    """What happens to sides longer than b (fxkfac.planner.problem.analytic)."""
     use_merge_dims: bool = True
     """Merge consecutive dimensions while their product stays <= b."""
     precondition_frequency: int = 50

@@ -1,6 +1,6 @@
 """Distributed Shampoo (Shi et al., Alg. 2) as a `fxkfac.preconditioner.Family` with `ShampooConfig`.
 
-Per parameter, seen as a 1-D or 2-D view cut into blocks (fxkfac.planner.problem.blocking), each step t (from 0):
+Per parameter, seen as a 1-D or 2-D view cut into blocks (fxkfac.planner.problem.analytic), each step t (from 0):
   1. G <- G + lambda W when weight decay is coupled (L2); it feeds everything below.
   2. (fold, every step) L <- beta2 L + (1 - beta2) G_b G_b^T and R <- ... G_b^T G_b per block (from zero;
      beta2 = 1: plain sums); a side longer than b under DIAGONAL keeps the diagonal only.
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fxkfac.planner.problem.blocking import DEFAULT_MAX_DIM, FactorKind
+from fxkfac.planner.problem.analytic import DEFAULT_MAX_DIM, FactorKind
 from fxkfac.preconditioner import RefreshState
 from fxkfac.shampoo import graft
 from fxkfac.shampoo.base import BlockFamily, block_side

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from fxkfac.planner.problem.blocking import Block, FactorKind, LargeDimMethod, partition
+from fxkfac.planner.problem.analytic import Block, FactorKind, LargeDimMethod, partition
 
 __all__ = ["PARTS", "ParamUnit", "Factor", "Layout", "make_layout", "side_statistic", "running_sum"]
 

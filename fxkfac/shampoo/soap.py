@@ -1,6 +1,6 @@
 """SOAP (Vyas et al., "SOAP: Improving and Stabilizing Shampoo using Adam") as a `Family` with `SOAPConfig`.
 
-Per parameter, seen as a 1-D or 2-D view cut into blocks like Shampoo's (fxkfac.planner.problem.blocking), step t:
+Per parameter, seen as a 1-D or 2-D view cut into blocks like Shampoo's (fxkfac.planner.problem.analytic), step t:
   1. (fold, every step) L <- b L + (1 - b) G_b G_b^T, R <- b R + (1 - b) G_b^T G_b per block, b = shampoo_beta
      (from zero; b = 1: sums).
   2. (refresh, t = start mod precondition_frequency, t >= start; earlier snapshots decompose to None) the
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from fxkfac.planner.problem.blocking import DEFAULT_MAX_DIM, FactorKind, matrix_view
+from fxkfac.planner.problem.analytic import DEFAULT_MAX_DIM, FactorKind, matrix_view
 from fxkfac.preconditioner import RefreshState
 from fxkfac.shampoo.base import BlockFamily, block_side
 from fxkfac.shampoo.config import BasisMethod, SOAPConfig

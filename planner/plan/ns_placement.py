@@ -1,6 +1,6 @@
 """Where a Muon plan runs each matrix's Newton-Schulz (its APPLY), read back from the plan's step: on a rank of the
 matrix's own stage after its last backward (its tail bubble, or the step's cycle where the slack is short), on a
-helper rank idle at the step's end (streamed, planner/problem/streaming.py), or on one copy that broadcasts the result
+helper rank idle at the step's end (streamed, planner/problem/lowering.py), or on one copy that broadcasts the result
 (mem-opt, Moonlight's distributed Muon, planner/problem/strategy.py). The plan view and `fxkfac plan --explain` show
 it."""
 

@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING
 
 from fxkfac.planner.plan.window import TaskKind, Window, wrap
 from fxkfac.planner.problem.ir import LayerTiming, Op, OpKind, Placement
-from fxkfac.planner.problem.memory import decomposition_bytes, peak_level, static_bytes
+from fxkfac.planner.problem.lowering import made_refreshes, replica_born
+from fxkfac.planner.problem.step_timeline import decomposition_bytes, peak_level, static_bytes
 from fxkfac.planner.problem.strategy import LayerDistribution
-from fxkfac.planner.problem.streaming import made_refreshes, replica_born
 
 if TYPE_CHECKING:
     from fxkfac.planner.problem.problem import Problem
@@ -219,7 +219,7 @@ def is_refresh_op(op: Op) -> bool:
 
 def plan_born(problem: Problem, placements: Iterable[Placement], timings: Mapping[str, LayerTiming]) -> Born:
     """`born_steps` of a plan's placements, with each streamed layer's replica transfers, first run at the step of
-    the op that makes the refresh they carry (planner/problem/streaming.py `replica_born`)."""
+    the op that makes the refresh they carry (planner/problem/lowering.py `replica_born`)."""
     placed = list(placements)
     born = born_steps(placed)
     if problem.streaming is not None:

@@ -6,8 +6,8 @@ whole number of 10^-e seconds (e <= 6, at most 10^7 ticks per step) the grid is 
 step is `SolverConfig.time_resolution` ticks, fixed times round to the nearest tick and task
 durations round up, so a plan is off by at most one tick (`Window.tick` seconds) anywhere; the
 validator allows that much. The collectives SYNC_STATS and BCAST last what the cost table's comm model
-(`CostTable.collective_seconds`, planner/problem/comm.py) says, and at least one tick on every member, so that even a
-free one (no comm model, or a group of one) never falls inside another op; the gradient all-reduce's
+(`CostTable.collective_seconds`, planner/problem/hardware.py) says, and at least one tick on every member, so that even
+a free one (no comm model, or a group of one) never falls inside another op; the gradient all-reduce's
 interval of the step timeline is blocked where the stage has copies, and where it takes no tick (no comm model) the
 instant, an empty interval (t, t) of `Window.fixed`, which no task or slot may span but either may end or start at
 (one copy's all-reduce is a no-op, which nothing need keep clear). An APPLY slot spans its
@@ -199,7 +199,7 @@ class Window:
     stream_use: tuple[int, ...] = ()
     """Per step of the window, the tick at which the streamed stage's owner starts its last backward (empty without
     streaming): a streamed layer's inverse must be made by then to reach its helper, which applies it during that
-    backward (planner/problem/streaming.py)."""
+    backward (planner/problem/lowering.py)."""
 
     def streamed_use(self, layer: str, u: int) -> int | None:
         """For a streamed layer, the tick by which its inverse must be made for window step `u` (0..2k) to use it:

@@ -1,6 +1,19 @@
 """Cost tables: what each stage and K-FAC layer costs in seconds and bytes (+ JSON), and what communication
-costs between the devices (`CostTable.comm`, planner/problem/comm.py). Reading the PipeFisher paper's measured profiles
-into a cost table, and `load_cost_table`, are planner/problem/profiles.py.
+costs between the devices (`CostTable.comm`, planner/problem/hardware.py). Reading the PipeFisher paper's measured
+profiles into a cost table, and `load_cost_table`, are planner/problem/profiles.py.
+
+The preconditioner families the planner costs, and the words each uses for its tasks: one table.
+
+A cost table says which family it is for in `CostTable.family` (K-FAC's for the analytic model, profiles and
+measured tables). Views, traces and explanations take
+their labels from `WORDS` so a Shampoo plan speaks of statistics and root inverses, not curvature and inversion.
+
+Where the preconditioning of a parameter several stages use (tied weights: GPT-2's wte and lm_head) lives.
+
+Such a parameter is one unit of work: its statistics, decompositions and per-step direction are made once, on one
+owner stage, which the planner places and prices like any other unit of that stage (its memory counted once). The
+runtime sums the parameter's gradient over its stages before the owner's statistics and sends the owner's
+direction to the other stages, so every copy takes the same step (fxkfac/runtime/preconditioning.py).
 """
 
 from __future__ import annotations
@@ -14,9 +27,9 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from fxkfac.planner.problem.comm import Collective, CommModel
-from fxkfac.planner.problem.comm import seconds as comm_seconds
 from fxkfac.planner.problem.errors import CostModelError
+from fxkfac.planner.problem.hardware import Collective, CommModel
+from fxkfac.planner.problem.hardware import seconds as comm_seconds
 from fxkfac.planner.problem.ir import Op, OpKind
 
 __all__ = [
@@ -30,6 +43,13 @@ __all__ = [
     "CostTable",
     "median_of",
     "combined_stage",
+    "InverseMethod",
+    "TaskWords",
+    "WORDS",
+    "tagged_source",
+    "kind_of",
+    "words_of",
+    "tied_owner",
 ]
 
 SCHEMA_VERSION = 1
@@ -156,7 +176,7 @@ class LayerCost:
     prec_spread: Spread | None = None
     grad_ready: float | None = None
     """Seconds from the start of its stage's backward (one micro-batch, eager) until the layer's gradient is final:
-    when a streamed APPLY can take it (planner/problem/streaming.py); None where not measured (an estimate is used)."""
+    when a streamed APPLY can take it (planner/problem/lowering.py); None where not measured (an estimate is used)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -356,7 +376,8 @@ class CostTable:
     """How the numbers were made, e.g. "pipefisher-csv:bert-base_time_memory_p100.csv"."""
     hardware: str
     comm: CommModel | None = None
-    """What collectives cost between the devices (planner/problem/comm.py); None: nothing (tables from before it)."""
+    """What collectives cost between the devices (planner/problem/hardware.py); None: nothing (tables from before
+    it)."""
     family: PreconditionerKind = PreconditionerKind.KFAC
     """The preconditioner family whose tasks the layers' parts price."""
 
@@ -696,3 +717,58 @@ def _combined_layer(layers: list[LayerCost], time: Reduce) -> LayerCost:
         prec_spread=Spread.covering(x.prec_spread for x in layers),
         grad_ready=_median(x.grad_ready for x in layers),
     )
+
+
+class InverseMethod(StrEnum):
+    """How K-FAC inverts a damped factor (`KFACConfig.inverse`), which its cost models price: a Cholesky inverse,
+    or an eigendecomposition that also serves the eigenbasis form of the preconditioner."""
+
+    CHOLESKY = "cholesky"
+    EIGEN = "eigen"
+
+
+@dataclass(frozen=True, slots=True)
+class TaskWords:
+    """How one family names itself and its tasks: STATS (`stats`), DECOMP (`decomp`), APPLY (`apply`), and what its
+    collectives carry (`synced`: the gradient, the statistics, the decompositions, in short)."""
+
+    name: str
+    stats: str
+    decomp: str
+    apply: str
+    synced: str
+
+
+WORDS: dict[PreconditionerKind, TaskWords] = {
+    PreconditionerKind.KFAC: TaskWords("K-FAC", "curvature", "inversion", "precondition", "grad/curv/inverse"),
+    PreconditionerKind.SHAMPOO: TaskWords("Shampoo", "statistics", "root inverse", "precondition", "grad/roots"),
+    PreconditionerKind.SOAP: TaskWords("SOAP", "statistics", "eigenbasis", "rotate + Adam", "grad/bases"),
+    PreconditionerKind.MUON: TaskWords("Muon", "statistics", "decomposition", "Newton-Schulz", "grad"),
+}
+"""The words of every family (the one place they are written)."""
+
+
+def tagged_source(kind: PreconditionerKind, source: str) -> str:
+    """`source` with the family's name in front, for the views (K-FAC's stay unmarked, as they always were)."""
+    return source if kind is PreconditionerKind.KFAC else f"{kind.value}:{source}"
+
+
+def kind_of(costs: CostTable) -> PreconditionerKind:
+    """The family a cost table is for."""
+    return costs.family
+
+
+def words_of(costs: CostTable) -> TaskWords:
+    """The words of the family a cost table is for."""
+    return WORDS[kind_of(costs)]
+
+
+def tied_owner(stages: Sequence[int]) -> int:
+    """The owner of a parameter the `stages` share: the lowest. A pipeline's backward runs the stages in reverse, so
+    the lowest stage's gradient is complete last in every schedule: when its ALLREDUCE_GRAD ends, every other
+    stage's share of the tied gradient is there too, and the statistics the planner places after that op (as for any
+    unit of the stage) see the summed gradient without a dependency across devices. A higher owner would wait, idle
+    or not, for a gradient another device completes later."""
+    if not stages:
+        raise ValueError("a tied parameter is used by at least one stage")
+    return min(stages)

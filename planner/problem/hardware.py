@@ -1,14 +1,292 @@
-"""Hardware specs (peak FLOP/s, memory bandwidth and size, achievable efficiency, links) for the analytic cost model."""
+"""Hardware specs (peak FLOP/s, memory bandwidth and size, achievable efficiency, links) for the analytic cost
+model, and communication costs: an alpha-beta model of each collective kind over a group of ranks (torch-free).
+
+A message step costs `alpha` seconds of latency and every byte on the wire `beta` seconds (1 / bandwidth).
+Each kind's time is `alpha * latency_steps(kind, p) + beta * wire_bytes(kind, n, p)`, with the standard
+algorithms' counts for n bytes over a group of p ranks (p = 1 costs nothing: no message is sent):
+
+- ALL_REDUCE, ring (reduce-scatter then all-gather): 2(p-1) alpha + 2(p-1)/p n beta.
+  Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of workstations", JPDC 69(2),
+  2009; Thakur, Rabenseifner & Gropp, "Optimization of collective communication operations in MPICH",
+  IJHPCA 19(1), 2005, §4.4 (Rabenseifner's algorithm has the same bandwidth term). NCCL's ring all-reduce.
+- BROADCAST, long messages: scatter then ring all-gather (van de Geijn):
+  (ceil(log2 p) + p - 1) alpha + 2(p-1)/p n beta. Thakur et al. 2005, §4.1. The messages here are factors
+  and their decompositions (KiB to MiB), which is the long-message regime.
+- ALL_GATHER, ring, n the gathered (output) bytes: (p-1) alpha + (p-1)/p n beta. Thakur et al. 2005, §3.1.
+- SEND, one point-to-point message (an activation or its gradient between stages): alpha + n beta
+  (Hockney's model, "The communication challenge for MPP", Parallel Computing 20(3), 1994).
+
+Which link a group uses: a group of at most `CommModel.devices_per_node` ranks is taken to lie within one
+node (the `intra` link: NVLink, PCIe, loopback), a larger one to cross nodes (the `inter` link: InfiniBand),
+whose slower hops pace a ring. A measured model (fxkfac.comm_profile) fits alpha and beta per kind, which
+absorbs a backend's own algorithms (gloo's are not all rings) into the kind's two numbers.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
+from typing import Any
 
-from fxkfac.planner.problem.comm import AlphaBeta, CommModel, LinkCosts
 from fxkfac.planner.problem.errors import CostModelError
 
-__all__ = ["Precision", "HardwareSpec", "HARDWARE", "hardware"]
+__all__ = [
+    "Collective",
+    "AlphaBeta",
+    "LinkCosts",
+    "CommModel",
+    "latency_steps",
+    "wire_bytes",
+    "seconds",
+    "ZERO",
+    "Sample",
+    "fit_alpha_beta",
+    "describe",
+    "Precision",
+    "HardwareSpec",
+    "HARDWARE",
+    "hardware",
+]
+
+
+class Collective(StrEnum):
+    """A kind of communication the planner prices."""
+
+    ALL_REDUCE = "all_reduce"
+    BROADCAST = "broadcast"
+    ALL_GATHER = "all_gather"
+    SEND = "send"
+
+
+def _check_size(nbytes: float, group_size: int) -> None:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise CostModelError(f"a group has an int >= 1 of ranks, got {group_size!r}")
+    if not (isinstance(nbytes, (int, float)) and math.isfinite(nbytes) and nbytes >= 0):
+        raise CostModelError(f"a message has a finite number >= 0 of bytes, got {nbytes!r}")
+
+
+def latency_steps(kind: Collective, group_size: int) -> float:
+    """How many alphas `kind` pays over `group_size` ranks (the module docstring's algorithms)."""
+    _check_size(0, group_size)
+    p = group_size
+    if p == 1:
+        return 0.0
+    if kind is Collective.ALL_REDUCE:
+        return 2.0 * (p - 1)
+    if kind is Collective.BROADCAST:
+        return math.ceil(math.log2(p)) + p - 1.0
+    if kind is Collective.ALL_GATHER:
+        return p - 1.0
+    return 1.0
+
+
+def wire_bytes(kind: Collective, nbytes: float, group_size: int) -> float:
+    """How many betas (bytes on each rank's busiest link) `kind` of `nbytes` pays over `group_size` ranks."""
+    _check_size(nbytes, group_size)
+    p = group_size
+    if p == 1:
+        return 0.0
+    if kind in (Collective.ALL_REDUCE, Collective.BROADCAST):
+        return 2.0 * (p - 1) / p * nbytes
+    if kind is Collective.ALL_GATHER:
+        return (p - 1) / p * nbytes
+    return float(nbytes)
+
+
+def _check_nonnegative(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise CostModelError(f"{owner}: {name} must be a finite number >= 0, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class AlphaBeta:
+    """One link's costs: `alpha` seconds per message step (latency), `beta` seconds per byte (1 / bandwidth)."""
+
+    alpha: float
+    beta: float
+
+    def __post_init__(self) -> None:
+        _check_nonnegative("AlphaBeta", "alpha", self.alpha)
+        _check_nonnegative("AlphaBeta", "beta", self.beta)
+
+    @classmethod
+    def of_link(cls, latency_s: float, bandwidth: float) -> AlphaBeta:
+        """From a latency in seconds and a bandwidth in bytes per second (one direction)."""
+        if not bandwidth > 0:
+            raise CostModelError(f"a link's bandwidth must be > 0 bytes/s, got {bandwidth!r}")
+        return cls(latency_s, 1.0 / bandwidth)
+
+    def seconds(self, kind: Collective, nbytes: float, group_size: int) -> float:
+        """Seconds of `kind` moving `nbytes` over `group_size` ranks on this link."""
+        return self.alpha * latency_steps(kind, group_size) + self.beta * wire_bytes(kind, nbytes, group_size)
+
+
+@dataclass(frozen=True, slots=True)
+class LinkCosts:
+    """Alpha and beta of every collective kind over one kind of link (the same for all kinds on a datasheet link;
+    fitted per kind when measured)."""
+
+    all_reduce: AlphaBeta
+    broadcast: AlphaBeta
+    all_gather: AlphaBeta
+    send: AlphaBeta
+
+    @classmethod
+    def uniform(cls, link: AlphaBeta) -> LinkCosts:
+        """Every kind over the same link."""
+        return cls(link, link, link, link)
+
+    def of(self, kind: Collective) -> AlphaBeta:
+        """The alpha-beta pair of `kind`."""
+        value: AlphaBeta = getattr(self, kind.value)
+        return value
+
+
+@dataclass(frozen=True, slots=True)
+class CommModel:
+    """How long each collective takes over a group: `intra` for groups within one node of `devices_per_node`
+    devices, `inter` for larger ones (see the module docstring); `source` says where the numbers come from."""
+
+    intra: LinkCosts
+    inter: LinkCosts
+    devices_per_node: int
+    source: str
+
+    def __post_init__(self) -> None:
+        n = self.devices_per_node
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise CostModelError(f"CommModel.devices_per_node must be an int >= 1, got {n!r}")
+        if not all(isinstance(x, LinkCosts) for x in (self.intra, self.inter)):
+            raise CostModelError("CommModel.intra and .inter must be LinkCosts")
+
+    @classmethod
+    def single_link(cls, link: LinkCosts, devices_per_node: int, source: str) -> CommModel:
+        """A model where every group, inside a node or across nodes, uses `link`."""
+        return cls(link, link, devices_per_node, source)
+
+    def link(self, group_size: int) -> LinkCosts:
+        """The link a group of `group_size` ranks uses."""
+        return self.intra if group_size <= self.devices_per_node else self.inter
+
+    def seconds(self, kind: Collective, nbytes: float, group_size: int) -> float:
+        """Seconds of `kind` moving `nbytes` over `group_size` ranks (0 for one rank)."""
+        return self.link(group_size).of(kind).seconds(kind, nbytes, group_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able form."""
+        return asdict(self)
+
+    def to_json(self) -> str:
+        """JSON text (`from_json` reads it back to an equal model)."""
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: Any) -> CommModel:
+        """Inverse of `to_dict`; CostModelError naming what is malformed."""
+        try:
+            links = {
+                name: LinkCosts(**{f.name: AlphaBeta(**data[name][f.name]) for f in fields(LinkCosts)})
+                for name in ("intra", "inter")
+            }
+            return cls(links["intra"], links["inter"], data["devices_per_node"], data["source"])
+        except KeyError as e:
+            raise CostModelError(f"the communication model is missing the key {e.args[0]!r}") from e
+        except TypeError as e:
+            raise CostModelError(f"the communication model has a malformed entry: {e}") from e
+
+    @classmethod
+    def from_json(cls, text: str) -> CommModel:
+        """Parse `to_json` output."""
+        try:
+            return cls.from_dict(json.loads(text))
+        except json.JSONDecodeError as e:
+            raise CostModelError(f"the communication model is not valid JSON: {e}") from e
+
+
+ZERO = CommModel.single_link(LinkCosts.uniform(AlphaBeta(0.0, 0.0)), 1, "none")
+"""Communication that takes no time (a table without a model: the planner's behaviour before it had one)."""
+
+
+def seconds(model: CommModel | None, kind: Collective, nbytes: float, group_size: int) -> float:
+    """Seconds of `kind` moving `nbytes` over `group_size` ranks under `model` (None: no time, as `ZERO`)."""
+    return (model or ZERO).seconds(kind, nbytes, group_size)
+
+
+Sample = tuple[int, float, float]
+"""One timed collective: (group size, bytes, seconds)."""
+
+
+def fit_alpha_beta(kind: Collective, samples: Sequence[Sample]) -> AlphaBeta:
+    """The alpha and beta >= 0 of `kind` whose times best fit `samples` in least squares (non-negative: a
+    negative fitted latency or per-byte cost, which noise can produce, is pinned at 0 and the other refitted).
+
+    Each sample predicts alpha * latency_steps + beta * wire_bytes; CostModelError without two distinct sizes.
+    """
+    raw = [(latency_steps(kind, p), wire_bytes(kind, n, p), t) for p, n, t in samples]
+    if len({(x, y) for x, y, _ in raw}) < 2:
+        raise CostModelError(
+            f"fitting {kind} needs samples at two or more message sizes or group sizes, got {list(samples)}"
+        )
+    for _, _, t in raw:
+        _check_nonnegative(f"a {kind} sample", "seconds", t)
+    unit = max(y for _, y, _ in raw) or 1.0  # bytes in units of the largest message: a well-conditioned system
+    rows = [(x, y / unit, t) for x, y, t in raw]
+    candidates = [_only(rows, 0), _only(rows, 1)]
+    both = _unconstrained(rows)
+    if both is not None and min(both) >= 0:
+        candidates.append(AlphaBeta(*both))
+    best = min(candidates, key=lambda ab: _residual(rows, ab))
+    return AlphaBeta(best.alpha, best.beta / unit)
+
+
+def _residual(rows: Sequence[tuple[float, float, float]], ab: AlphaBeta) -> float:
+    return sum((ab.alpha * x + ab.beta * y - t) ** 2 for x, y, t in rows)
+
+
+def _only(rows: Sequence[tuple[float, float, float]], column: int) -> AlphaBeta:
+    """The best fit with the other coefficient at 0 (column 0: alpha alone, 1: beta alone)."""
+    xx = sum(r[column] ** 2 for r in rows)
+    value = max(0.0, sum(r[column] * r[2] for r in rows) / xx) if xx > 0 else 0.0
+    return AlphaBeta(value, 0.0) if column == 0 else AlphaBeta(0.0, value)
+
+
+def _unconstrained(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """The ordinary least-squares (alpha, beta) from the 2x2 normal equations; None when they are singular."""
+    sxx = sum(x * x for x, _, _ in rows)
+    sxy = sum(x * y for x, y, _ in rows)
+    syy = sum(y * y for _, y, _ in rows)
+    sxt = sum(x * t for x, _, t in rows)
+    syt = sum(y * t for _, y, t in rows)
+    det = sxx * syy - sxy * sxy
+    if abs(det) <= 1e-12 * max(sxx * syy, 1e-300):
+        return None
+    return (syy * sxt - sxy * syt) / det, (sxx * syt - sxy * sxt) / det
+
+
+def describe(model: CommModel | None) -> list[str]:
+    """The model in words, one line per link and kind (alpha in microseconds, 1 / beta in GB/s), for --explain."""
+    if model is None:
+        return ["Communication: no model in the cost table; collectives are planned as free"]
+    lines = [f"Communication ({model.source}; alpha per message step, bandwidth 1/beta):"]
+    tiers = [("within a node", model.intra)]
+    if model.inter != model.intra:
+        tiers.append(("across nodes", model.inter))
+    for where, link in tiers:
+        size = f"<= {model.devices_per_node}" if where == "within a node" else f"> {model.devices_per_node}"
+        uniform = len({link.of(kind) for kind in Collective}) == 1
+        lines.append(f"  {where} (groups of {size} ranks):")
+        for kind in (Collective.ALL_REDUCE,) if uniform else tuple(Collective):
+            lines.append(f"    {'every kind' if uniform else kind.value:<10} {_pair_text(link.of(kind))}")
+    return lines
+
+
+def _pair_text(ab: AlphaBeta) -> str:
+    bandwidth = f"{1e-9 / ab.beta:.4g} GB/s" if ab.beta > 0 else "unlimited"
+    return f"alpha {ab.alpha * 1e6:.3g} us, beta {ab.beta:.3g} s/B ({bandwidth})"
+
 
 _T = 1e12
 _GB = 1e9
@@ -40,7 +318,8 @@ class HardwareSpec:
     factorization_efficiency: float = 0.1
     """Fraction of peak a Cholesky + cholesky_inverse of a K-FAC factor (d <= 4096) reaches."""
     comm: CommModel | None = None
-    """The links between devices (planner/problem/comm.py: within a node, across nodes); None: communication is free."""
+    """The links between devices (planner/problem/hardware.py: within a node, across nodes); None: communication is
+    free."""
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "peak_flops_tensor", "mem_bandwidth"):

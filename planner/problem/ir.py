@@ -1,11 +1,16 @@
-"""The planner's program IR: printable, round-tripping ops, per-step programs, per-layer timing."""
+"""The planner's program IR: printable, round-tripping ops, per-step programs, per-layer timing.
+
+Pieces of a Muon matrix's APPLY ("APPLY s0 i/n layer"): piece i of n runs Newton-Schulz iterations
+[i*S//n, (i+1)*S//n) of S = `NS_STEPS`, after piece i-1 on the same rank; a Muon problem cuts every matrix's APPLY
+into `Problem.apply_pieces` of them (its `decomp_pieces`: Muon has no decomposition).
+"""
 
 from __future__ import annotations
 
 import json
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -13,8 +18,6 @@ from fxkfac.planner.problem.errors import PlanFormatError
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
-
-T = TypeVar("T")
 
 __all__ = [
     "OpKind",
@@ -37,7 +40,13 @@ __all__ = [
     "parse_program",
     "format_programs",
     "parse_programs",
+    "NS_STEPS",
+    "piece_iterations",
+    "piece_share",
+    "cut_apply",
 ]
+
+T = TypeVar("T")
 
 
 class OpKind(StrEnum):
@@ -138,7 +147,7 @@ capture and none for a part fed by the reduced gradient; `peer` is the other end
 rank a broadcast comes from and `group` the ranks it reaches (every copy of the stage when absent); a DECOMP's
 `piece` ``(i, n)`` makes piece i of a decomposition split into n (KFACConfig.split_inverse,
 ShampooConfig.newton_pieces; whole when absent), an APPLY's piece i of a Muon matrix's Newton-Schulz iterations cut
-into n (planner/problem/muon_costs.py; the pieces of one layer run in order on one rank). APPLY
+into n (planner/problem/analytic.py; the pieces of one layer run in order on one rank). APPLY
 without a layer preconditions every layer of the stage; BCAST_PREC sends one layer's preconditioned gradient
 from its grad worker to a row of receivers (planner/problem/strategy.py); a streamed layer's transfers (`LAYER_SENDS`)
 name its stage, its layer and the rank at the other end ("SEND_LGRAD s0 >r1 fc"). An APPLY of a stage the rank does not
@@ -454,3 +463,28 @@ class LayerTiming:
             raise PlanFormatError(
                 f"LayerTiming.capture must be one of {[c.value for c in Capture]}, got {self.capture!r}"
             ) from None
+
+
+NS_STEPS = 5
+"""Newton-Schulz iterations per step the planner prices pieces with (torch.optim.Muon's and MuonConfig's
+`ns_steps` default)."""
+
+
+def piece_iterations(piece: tuple[int, int] | None, ns_steps: int = NS_STEPS) -> range:
+    """The iterations piece (i, n) of a matrix's APPLY runs: [i*S//n, (i+1)*S//n) of S = ns_steps (all: None)."""
+    if piece is None:
+        return range(ns_steps)
+    i, n = piece
+    return range(i * ns_steps // n, (i + 1) * ns_steps // n)
+
+
+def piece_share(piece: tuple[int, int] | None) -> float:
+    """The share of its matrix's APPLY seconds piece (i, n) takes: its iterations' share of `NS_STEPS` (the step's
+    elementwise work, a few percent of it, spread with them)."""
+    return len(piece_iterations(piece)) / NS_STEPS
+
+
+def cut_apply(op: Op, pieces: int) -> list[Op]:
+    """A layer's APPLY as `pieces` pieces in order (itself when 1)."""
+    assert op.kind is OpKind.APPLY and op.layer is not None, "only one layer's APPLY is cut"
+    return [op] if pieces == 1 else [replace(op, piece=(i, pieces)) for i in range(pieces)]

@@ -7,8 +7,8 @@ from dataclasses import dataclass, fields
 
 import sympy as sp
 
+from fxkfac.planner.problem.costs import WORDS, PreconditionerKind, TaskWords
 from fxkfac.planner.problem.errors import ScheduleError
-from fxkfac.planner.problem.preconditioners import WORDS, PreconditionerKind, TaskWords
 from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, ScheduleKind
 
 __all__ = ["SYMBOLS", "PerfModel", "perf_model", "explain", "evaluate", "pipe_gap"]

@@ -1,5 +1,5 @@
 """The planning problem: schedule, mesh, costs, budget (step: planner/problem/step_timeline.py; memory:
-planner/problem/memory.py)."""
+planner/problem/step_timeline.py)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ from enum import StrEnum
 from functools import cached_property, lru_cache
 from typing import Any
 
-from fxkfac.planner.problem.apply_pieces import NS_STEPS, piece_share
 from fxkfac.planner.problem.costs import CostTable, PreconditionerKind
 from fxkfac.planner.problem.errors import ConfigError, PlanError, PlanFormatError
-from fxkfac.planner.problem.ir import LAYER_TRANSFER_KINDS, Op, OpKind
-from fxkfac.planner.problem.lowering import linked_classes, ranks_of_stages
+from fxkfac.planner.problem.ir import LAYER_TRANSFER_KINDS, NS_STEPS, Op, OpKind, piece_share
+from fxkfac.planner.problem.lowering import Streaming, can_stream, linked_classes, ranks_of_stages
 from fxkfac.planner.problem.schedules import ScheduleKind, num_stages, validate_schedule_args
 from fxkfac.planner.problem.strategy import (
     LayerDistribution,
@@ -21,7 +20,6 @@ from fxkfac.planner.problem.strategy import (
     distribute,
     grad_workers,
 )
-from fxkfac.planner.problem.streaming import Streaming, can_stream
 
 __all__ = [
     "StepBarrier",
@@ -95,7 +93,7 @@ class Problem:
     """Which ranks each step's end synchronizes ([Note: step barrier] in planner/plan/window.py)."""
     streaming: Streaming | None = None
     """Layers of a stage held by one rank whose APPLY a helper rank runs, fed during the owner's last backward
-    (planner/problem/streaming.py; None: every rank applies its own stages)."""
+    (planner/problem/lowering.py; None: every rank applies its own stages)."""
     recompute: tuple[int, ...] = ()
     """Stages that recompute their forward (activation checkpointing), ascending: each keeps only its boundary
     (`StageCost.boundary_bytes`) per micro-batch in flight, and its BWD runs its forward again first, so lasts
@@ -184,7 +182,7 @@ class Problem:
 
     @property
     def apply_pieces(self) -> int:
-        """Pieces each layer's APPLY is cut into ("APPLY s i/n layer", planner/problem/apply_pieces.py): a Muon matrix's
+        """Pieces each layer's APPLY is cut into ("APPLY s i/n layer", planner/problem/ir.py): a Muon matrix's
         Newton-Schulz in `decomp_pieces` pieces by iterations; one for every other family."""
         return self.decomp_pieces if self.costs.family is PreconditionerKind.MUON else 1
 
@@ -420,7 +418,7 @@ def returned(problem: Problem, layer: str) -> Op:
 
 
 def is_streamed(problem: Problem, device: int, op: Op) -> bool:
-    """Whether `op` on `device` is part of a streamed layer's hand-off (planner/problem/streaming.py): a transfer of
+    """Whether `op` on `device` is part of a streamed layer's hand-off (planner/problem/lowering.py): a transfer of
     one, or its APPLY on the helper, which does not hold the stage. Such ops are fixed by the step, not placed."""
     return op.kind in LAYER_TRANSFER_KINDS or (
         op.kind is OpKind.APPLY and op.stage not in stages_on_device(problem, device)

@@ -12,10 +12,9 @@ from importlib.resources import files
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any
 
-from fxkfac.planner.problem.comm import CommModel
 from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.problem.errors import CostModelError
-from fxkfac.planner.problem.hardware import HARDWARE
+from fxkfac.planner.problem.hardware import HARDWARE, CommModel
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable

@@ -9,18 +9,18 @@ from fxkfac.planner.plan.plan import Plan, PlanMetrics, SolverStats
 from fxkfac.planner.plan.solution import GroupSolution, all_placed, peak_bytes, placements_of, plan_born
 from fxkfac.planner.plan.window import Window
 from fxkfac.planner.problem.ir import Capture, LayerTiming, Op, OpKind, Placement, Program
-from fxkfac.planner.problem.lowering import startup_programs
+from fxkfac.planner.problem.lowering import add_replicas, made_refreshes, startup_programs
 from fxkfac.planner.problem.problem import Problem, is_streamed, stage_groups
 from fxkfac.planner.problem.schedules import weight_gradient_kind
-from fxkfac.planner.problem.simulate import BUSY_KINDS, utilization
 from fxkfac.planner.problem.step_timeline import (
+    BUSY_KINDS,
     fused_stats,
     plain_step_time,
     plain_utilization,
     refresh_lower_bound,
     step_timeline,
+    utilization,
 )
-from fxkfac.planner.problem.streaming import add_replicas, made_refreshes
 from fxkfac.planner.search.stretch import Allowance, restretch
 
 __all__ = ["Attempt", "assemble", "assemble_attempt", "same_stretch"]

@@ -14,13 +14,11 @@ from typing import TYPE_CHECKING
 from fxkfac.planner.plan.plan import Plan, rank
 from fxkfac.planner.plan.solution import GroupSolution, all_placed, fits_memory, peak_bytes
 from fxkfac.planner.plan.window import TaskKind, Window, longest_gaps, too_long
-from fxkfac.planner.problem.costs import LayerCost
+from fxkfac.planner.problem.costs import LayerCost, words_of
 from fxkfac.planner.problem.errors import InfeasibleBudgetError, Knob, PlanError
 from fxkfac.planner.problem.ir import OpKind
-from fxkfac.planner.problem.memory import min_memory_bytes
-from fxkfac.planner.problem.preconditioners import words_of
 from fxkfac.planner.problem.problem import Problem, SolverConfig, StageGroup, format_bytes, stage_groups
-from fxkfac.planner.problem.step_timeline import fused_extra, refresh_lower_bound, step_timeline
+from fxkfac.planner.problem.step_timeline import fused_extra, min_memory_bytes, refresh_lower_bound, step_timeline
 from fxkfac.planner.search.assemble import Attempt, assemble_attempt, same_stretch
 from fxkfac.planner.search.budget import Budget
 from fxkfac.planner.search.packing_bound import group_lower_bound

@@ -8,9 +8,8 @@ from dataclasses import dataclass, replace
 
 from fxkfac.planner.plan.plan import Plan
 from fxkfac.planner.problem.errors import Knob, PlanError
-from fxkfac.planner.problem.memory import min_memory_bytes
 from fxkfac.planner.problem.problem import Problem, SolverConfig, format_bytes
-from fxkfac.planner.problem.step_timeline import step_timeline
+from fxkfac.planner.problem.step_timeline import min_memory_bytes, step_timeline
 from fxkfac.planner.search.attempt import Method
 from fxkfac.planner.search.budget import Budget
 from fxkfac.planner.search.solve import solve

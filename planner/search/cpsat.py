@@ -33,9 +33,8 @@ from ortools.sat.python import cp_model
 from fxkfac.planner.plan.solution import GroupSolution, use_offsets
 from fxkfac.planner.plan.window import Task, TaskKind, Window, done_by, inv_chains, warm_starts
 from fxkfac.planner.problem.costs import LayerCost
-from fxkfac.planner.problem.memory import activation_peak
 from fxkfac.planner.problem.problem import Problem, SolveProgress, SolverConfig, copies_of_stage, stages_on_device
-from fxkfac.planner.problem.step_timeline import step_timeline
+from fxkfac.planner.problem.step_timeline import activation_peak, step_timeline
 from fxkfac.planner.problem.strategy import LayerDistribution
 from fxkfac.planner.search.budget import MIN_CALL, Budget
 from fxkfac.planner.search.joint import NS, Options, Ticks, base_bytes, comm_slot_seconds, held_bytes, ns, options_of

@@ -20,9 +20,9 @@ import time
 
 from fxkfac.planner.plan.solution import GroupSolution, use_offsets
 from fxkfac.planner.plan.window import Task, TaskKind, Window, done_by, warm_starts
+from fxkfac.planner.problem.costs import words_of
 from fxkfac.planner.problem.errors import PlanError
 from fxkfac.planner.problem.lowering import Assignment, assign_decompositions
-from fxkfac.planner.problem.preconditioners import words_of
 from fxkfac.planner.problem.problem import Problem, StageGroup
 from fxkfac.planner.problem.step_timeline import step_timeline
 from fxkfac.planner.search.budget import Budget

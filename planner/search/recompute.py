@@ -1,8 +1,8 @@
 """Activation checkpointing under a memory budget: which stages recompute their forward (`Problem.recompute`).
 
 A stage that recomputes keeps only its boundary per micro-batch in flight and runs its forward again in its
-backward (planner/problem/memory.py, planner/problem/step_timeline.py). Each choice of stages is priced by the least
-memory any plan of it needs (`min_memory_bytes`: every layer's curvature fused) and by its reference step
+backward (planner/problem/step_timeline.py). Each choice of stages is priced by the
+least memory any plan of it needs (`min_memory_bytes`: every layer's curvature fused) and by its reference step
 (`step_timeline`). `recompute_choices` lists the choices that fit, the shortest step first (none recomputing first where
 that fits): with few stages every subset, else the stages added greedily, the one that saves the most bytes per second
 it adds first. `plan_recomputing` plans the first that the planner places: a choice that fits only with fused curvature
@@ -18,9 +18,8 @@ from itertools import combinations
 from typing import TypeVar
 
 from fxkfac.planner.problem.errors import PlanError
-from fxkfac.planner.problem.memory import min_memory_bytes
 from fxkfac.planner.problem.problem import Problem, format_bytes
-from fxkfac.planner.problem.step_timeline import step_timeline
+from fxkfac.planner.problem.step_timeline import min_memory_bytes, step_timeline
 
 __all__ = [
     "EXHAUSTIVE_STAGES",

@@ -1,4 +1,4 @@
-"""Which layers of the first stage to stream, and to which ranks (planner/problem/streaming.py): the choice that
+"""Which layers of the first stage to stream, and to which ranks (planner/problem/lowering.py): the choice that
 shortens the reference step most without costing any refresh, and a plan that falls back to none where it cannot place.
 
 A Muon stage with copies (W > 1, Chimera) never streams: its owner sends the Newton-Schulz input, which it makes of
@@ -17,10 +17,10 @@ from fxkfac.planner.plan.plan import Plan, rank
 from fxkfac.planner.problem.costs import LayerCost, PreconditionerKind
 from fxkfac.planner.problem.errors import PlanError
 from fxkfac.planner.problem.ir import Op, OpKind
+from fxkfac.planner.problem.lowering import Streaming, can_stream, ready_fractions
 from fxkfac.planner.problem.problem import Problem, SolverConfig, copies_of_stage, stage_groups
 from fxkfac.planner.problem.step_timeline import StepTimeline, group_load, refresh_lower_bound, step_timeline
 from fxkfac.planner.problem.strategy import LayerDistribution
-from fxkfac.planner.problem.streaming import Streaming, can_stream, ready_fractions
 from fxkfac.planner.search.budget import Budget
 
 __all__ = [
@@ -87,7 +87,7 @@ def _streamable(problem: Problem) -> list[str]:
 def _worth_a_helper(problem: Problem, layer: LayerCost) -> bool:
     """Whether a Muon unit's APPLY outlasts its gradient's transfer to a helper: a matrix's Newton-Schulz (compute on
     m^2 n, bytes m n) does but for tiny ones, an AdamW parameter's elementwise step (embeddings, the head, 1-D
-    parameters; planner/problem/muon_costs.py: passes at memory bandwidth) only on a link faster than a twelfth of it,
+    parameters; planner/problem/analytic.py: passes at memory bandwidth) only on a link faster than a twelfth of it,
     so it stays with its owner. Only a bound: the step timeline, which prices both transfers, chooses among the rest.
     Every other family's layer: always (their choice as before)."""
     if problem.costs.family is not PreconditionerKind.MUON:

@@ -10,9 +10,8 @@ from decimal import ROUND_CEILING, Decimal
 from fxkfac.planner.plan.plan import Plan
 from fxkfac.planner.problem.errors import InfeasibleBudgetError, Knob, PlanError, ScheduleError, Suggestion
 from fxkfac.planner.problem.hardware import HARDWARE
-from fxkfac.planner.problem.memory import min_memory_bytes
 from fxkfac.planner.problem.problem import Problem, SolverConfig, format_bytes, stage_groups
-from fxkfac.planner.problem.step_timeline import fused_extra, step_timeline
+from fxkfac.planner.problem.step_timeline import fused_extra, min_memory_bytes, step_timeline
 from fxkfac.planner.search.attempt import Method, Refused, attempt_plan, stats_chunk_of
 from fxkfac.planner.search.budget import Budget
 from fxkfac.planner.search.stretch import Allowance

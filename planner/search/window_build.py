@@ -12,7 +12,6 @@ from functools import lru_cache
 from fxkfac.planner.plan.window import Grid, Interval, PrecSlot, Task, TaskKind, Window, step_start_tick, wrap
 from fxkfac.planner.problem.costs import LayerCost
 from fxkfac.planner.problem.ir import Op, OpKind
-from fxkfac.planner.problem.memory import activation_intervals, static_bytes
 from fxkfac.planner.problem.problem import (
     Problem,
     StageGroup,
@@ -25,8 +24,10 @@ from fxkfac.planner.problem.problem import (
 from fxkfac.planner.problem.schedules import weight_gradient_kind
 from fxkfac.planner.problem.step_timeline import (
     StepTimeline,
+    activation_intervals,
     early_start,
     prec_work,
+    static_bytes,
     step_begins,
     step_timeline,
     stream_start,

@@ -7,8 +7,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
-from fxkfac.planner.problem.apply_pieces import NS_STEPS
-from fxkfac.planner.problem.ir import Op, OpKind
+from fxkfac.planner.problem.ir import NS_STEPS, Op, OpKind
 from fxkfac.planner.problem.problem import Problem, agreement_set, copies_of_stage, streamed_stats
 from fxkfac.planner.problem.step_timeline import StepTimeline, early_start, step_begins, stream_start, window_length
 from fxkfac.planner.problem.strategy import COMM_OPT, receivers

@@ -7,9 +7,14 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from fxkfac.planner.problem.ir import Op, OpKind
-from fxkfac.planner.problem.memory import activation_intervals, decomposition_bytes, peak_level, static_bytes
 from fxkfac.planner.problem.problem import copies_of_stage, stage_groups
-from fxkfac.planner.problem.step_timeline import tap_extra
+from fxkfac.planner.problem.step_timeline import (
+    activation_intervals,
+    decomposition_bytes,
+    peak_level,
+    static_bytes,
+    tap_extra,
+)
 from fxkfac.planner.problem.strategy import keeps_statistics
 from fxkfac.planner.validate.context import (
     Context,

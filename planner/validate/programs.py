@@ -10,8 +10,7 @@ from fxkfac.planner.problem.errors import DeadlockError
 from fxkfac.planner.problem.ir import LAYER_TRANSFER_KINDS, PRECONDITIONER_KINDS, Op, OpKind
 from fxkfac.planner.problem.problem import StepBarrier, agreement_set, copies_of_stage, is_streamed
 from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, weight_gradient_kind
-from fxkfac.planner.problem.simulate import simulate
-from fxkfac.planner.problem.step_timeline import fused_stats, stream_lead
+from fxkfac.planner.problem.step_timeline import fused_stats, simulate, stream_lead
 from fxkfac.planner.validate.context import Context, collective_seconds, op_seconds, per_step
 
 
@@ -55,7 +54,7 @@ def check_programs(c: Context, run: bool) -> None:
 
 def _program_length(c: Context, device: int, k: int) -> int:
     """The steps of the device's program: its stages' period, or where it helps a streamed stage the lcm of that and
-    the owner's (its replicas arrive on the owner's period: planner/problem/streaming.py `add_replicas`)."""
+    the owner's (its replicas arrive on the owner's period: planner/problem/lowering.py `add_replicas`)."""
     streaming = c.problem.streaming
     if streaming is None or device not in streaming.ranks:
         return k

@@ -1,4 +1,4 @@
-"""Checks of a streamed stage's hand-offs (planner/problem/streaming.py): every step the owner sends each streamed
+"""Checks of a streamed stage's hand-offs (planner/problem/lowering.py): every step the owner sends each streamed
 layer's gradient after the stage's last backward and takes it back before its step ends, the layer's helper receives,
 applies and returns it, and every refresh's preconditioner reaches the helper before the helper's first APPLY that uses
 it."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from fxkfac.planner.problem.ir import Op, OpKind, ops_at
-from fxkfac.planner.problem.streaming import Streaming
+from fxkfac.planner.problem.lowering import Streaming
 from fxkfac.planner.validate.context import Context, apply_ops
 
 __all__ = ["check_streaming"]

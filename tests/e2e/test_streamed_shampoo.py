@@ -19,8 +19,8 @@ import fxkfac
 from fxkfac.config import PipelineOptions, PlanOptions
 from fxkfac.planner.plan.plan import Plan
 from fxkfac.planner.problem.ir import LayerTiming
+from fxkfac.planner.problem.lowering import Streaming, ready_fractions
 from fxkfac.planner.problem.problem import SolverConfig, copies_of_stage
-from fxkfac.planner.problem.streaming import Streaming, ready_fractions
 from fxkfac.planner.search.solve import solve
 from fxkfac.planner.search.stream_choice import StreamApply
 from fxkfac.planner.validate import validate

@@ -369,8 +369,8 @@ def two_helpers_worker(rank: int, world: int, case: Case) -> dict:
     """The case's auto plan with its streamed layers shared between the two ranks that do not hold stage 0 (each
     its every other layer), placed by the planner's greedy rule (the same plan on every rank), run for two refresh
     periods of the streamed layers. Returns params, losses, the plan's layers and steps, and its streaming."""
+    from fxkfac.planner.problem.lowering import Streaming
     from fxkfac.planner.problem.problem import SolverConfig
-    from fxkfac.planner.problem.streaming import Streaming
     from fxkfac.planner.search.solve import solve
 
     data = batches(case)

@@ -111,7 +111,7 @@ def problems(draw: st.DrawFn) -> Problem:
     budget = draw(st.one_of(st.none(), st.integers(0, 400)))
     if budget is None:
         return base
-    from fxkfac.planner.problem.memory import min_memory_bytes
+    from fxkfac.planner.problem.step_timeline import min_memory_bytes
 
     return Problem(
         schedule,

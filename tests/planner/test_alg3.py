@@ -20,11 +20,9 @@ from fxkfac.planner.problem.lowering import (
     naive_programs,
     ranks_of_stages,
 )
-from fxkfac.planner.problem.memory import activation_peak, static_bytes
 from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.problem.schedules import num_stages
-from fxkfac.planner.problem.simulate import simulate
-from fxkfac.planner.problem.step_timeline import plain_step_time, step_timeline
+from fxkfac.planner.problem.step_timeline import activation_peak, plain_step_time, simulate, static_bytes, step_timeline
 from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import gradient_layer

@@ -10,16 +10,18 @@ import pytest
 
 from fxkfac.planner.problem.analytic import (
     SYMBOLS,
+    LinearSpec,
     analytic_cost_table,
     balanced_stages,
     explain,
     linear_expressions,
     linear_kernels,
+    model_spec_from_layers,
+    preset,
     transformer_block_expressions,
 )
 from fxkfac.planner.problem.errors import CostModelError
 from fxkfac.planner.problem.hardware import HARDWARE, HardwareSpec, hardware
-from fxkfac.planner.problem.presets import LinearSpec, model_spec_from_layers, preset
 from fxkfac.planner.problem.profiles import cost_table_from_pipefisher_csv
 
 PROFILES = Path(__file__).resolve().parents[2] / "planner" / "data" / "pipefisher_profiles"  # shipped with fxkfac
@@ -187,7 +189,7 @@ def test_cost_modules_import_without_torch() -> None:
     import sys
 
     code = (
-        "import sys, fxkfac.planner.problem.analytic, fxkfac.planner.problem.costs, fxkfac.planner.problem.presets, "
+        "import sys, fxkfac.planner.problem.analytic, fxkfac.planner.problem.costs, fxkfac.planner.problem.analytic, "
         "fxkfac.planner.problem.hardware;"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )

@@ -131,7 +131,7 @@ def test_the_whole_search_chooses_no_worse_than_any_forced_candidate(problem: Pr
     """Through `planner.plan`, first-fit (untimed, so every candidate that can win is planned whatever the budget
     left): the choice is no worse than forcing any candidate, at any max_overhead, streaming included. Not validated
     here: a streamed interleaved plan may claim a peak below the validator's, forced as chosen, before this change
-    too (planner/problem/streaming.py's accounting)."""
+    too (planner/problem/lowering.py's accounting)."""
     least, forced = problem.max_overhead == 0, []
     for strategy in candidate_strategies(problem):
         try:

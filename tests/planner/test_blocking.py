@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from fxkfac.planner.problem.blocking import (
+from fxkfac.planner.problem.analytic import (
     Block,
     FactorKind,
     LargeDimMethod,
@@ -105,7 +105,7 @@ def test_bad_arguments_name_themselves() -> None:
 
 def test_blocking_imports_no_torch() -> None:
     code = (
-        "import sys, fxkfac.planner.problem.blocking\n"
+        "import sys, fxkfac.planner.problem.analytic\n"
         "assert not [m for m in sys.modules if m == 'torch' or m.startswith('torch.')], 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,4 +1,4 @@
-"""The communication model (planner/problem/comm.py): formulas by hand, links, JSON, the least-squares fit, the cost
+"""The communication model (planner/problem/hardware.py): formulas by hand, links, JSON, the least-squares fit, the cost
 sources that carry it, and the planner pricing collectives with it against the independent validator."""
 
 from __future__ import annotations
@@ -10,7 +10,10 @@ from dataclasses import replace
 import pytest
 
 from fxkfac.planner.problem.analytic import analytic_cost_table
-from fxkfac.planner.problem.comm import (
+from fxkfac.planner.problem.costs import COUNT_BYTES, CostTable, LayerCost, StageCost
+from fxkfac.planner.problem.errors import CostModelError
+from fxkfac.planner.problem.hardware import (
+    HARDWARE,
     ZERO,
     AlphaBeta,
     Collective,
@@ -21,9 +24,6 @@ from fxkfac.planner.problem.comm import (
     seconds,
     wire_bytes,
 )
-from fxkfac.planner.problem.costs import COUNT_BYTES, CostTable, LayerCost, StageCost
-from fxkfac.planner.problem.errors import CostModelError
-from fxkfac.planner.problem.hardware import HARDWARE
 from fxkfac.planner.problem.ir import Op, OpKind, Placement
 from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.problem.profiles import load_cost_table

@@ -12,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fxkfac.planner.problem.analytic import preset
 from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.problem.errors import CostModelError
-from fxkfac.planner.problem.presets import preset
 from fxkfac.planner.problem.profiles import (
     ProfileLayers,
     cost_table_from_pipefisher_csv,

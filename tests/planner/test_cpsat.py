@@ -14,10 +14,9 @@ from fxkfac.planner.plan.solution import fits_memory
 from fxkfac.planner.problem.costs import CostTable, StageCost
 from fxkfac.planner.problem.errors import InfeasibleBudgetError, PlanError
 from fxkfac.planner.problem.ir import OpKind
-from fxkfac.planner.problem.memory import min_memory_bytes
 from fxkfac.planner.problem.problem import Problem, SolverConfig, StepBarrier, stage_groups
 from fxkfac.planner.problem.profiles import load_cost_table
-from fxkfac.planner.problem.step_timeline import refresh_lower_bound, step_timeline
+from fxkfac.planner.problem.step_timeline import min_memory_bytes, refresh_lower_bound, step_timeline
 from fxkfac.planner.search import cpsat
 from fxkfac.planner.search.greedy import greedy_window
 from fxkfac.planner.search.solve import solve

@@ -23,9 +23,9 @@ from fxkfac.planner import SearchOptions
 from fxkfac.planner.plan.plan import Plan
 from fxkfac.planner.problem.costs import CostTable, StageCost
 from fxkfac.planner.problem.errors import PlanError
-from fxkfac.planner.problem.memory import min_memory_bytes
 from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.problem.schedules import num_stages
+from fxkfac.planner.problem.step_timeline import min_memory_bytes
 from fxkfac.planner.search import budget
 from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate import validate

@@ -20,10 +20,9 @@ from fxkfac.planner.problem.costs import CostTable, StageCost
 from fxkfac.planner.problem.errors import InfeasibleBudgetError, PlanFormatError
 from fxkfac.planner.problem.ir import LayerTiming, Op, OpKind, Program, ops_at
 from fxkfac.planner.problem.lowering import naive_programs
-from fxkfac.planner.problem.memory import min_memory_bytes
 from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.problem.schedules import num_stages
-from fxkfac.planner.problem.simulate import simulate
+from fxkfac.planner.problem.step_timeline import min_memory_bytes, simulate
 from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate import validate
 from fxkfac.planner.validate.plan_file import load_plan

@@ -16,9 +16,9 @@ from hypothesis import strategies as st
 
 from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.problem.errors import InfeasibleBudgetError, Knob, PlanError, Suggestion
-from fxkfac.planner.problem.memory import min_memory_bytes
 from fxkfac.planner.problem.problem import Problem, SolverConfig, format_bytes
 from fxkfac.planner.problem.schedules import num_stages
+from fxkfac.planner.problem.step_timeline import min_memory_bytes
 from fxkfac.planner.search.attempt import Method
 from fxkfac.planner.search.solve import solve
 from fxkfac.planner.search.suggest import device_bytes

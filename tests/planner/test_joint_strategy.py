@@ -15,9 +15,8 @@ from fxkfac.planner.plan.solution import GroupSolution
 from fxkfac.planner.plan.window import TaskKind, Window
 from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.problem.hardware import HARDWARE
-from fxkfac.planner.problem.memory import activation_peak, min_memory_bytes, static_bytes
 from fxkfac.planner.problem.problem import Problem, SolverConfig, copies_of_stage, stage_groups
-from fxkfac.planner.problem.step_timeline import step_timeline
+from fxkfac.planner.problem.step_timeline import activation_peak, min_memory_bytes, static_bytes, step_timeline
 from fxkfac.planner.problem.strategy import parse_strategy
 from fxkfac.planner.search.budget import Budget
 from fxkfac.planner.search.choose import solve_outer, solve_with_strategy, strategy_of

@@ -10,7 +10,7 @@ from fxkfac.planner.plan.solution import born_steps
 from fxkfac.planner.problem.ir import LayerTiming, Op, OpKind, ops_at
 from fxkfac.planner.problem.lowering import Assignment, add_send_recv, expand_dp, kfac_tail, startup_programs
 from fxkfac.planner.problem.schedules import schedule_programs
-from fxkfac.planner.problem.simulate import COMPUTE_KINDS, simulate
+from fxkfac.planner.problem.step_timeline import COMPUTE_KINDS, simulate
 
 
 def _ops(lines: str) -> list[Op]:

@@ -14,13 +14,11 @@ import pytest
 
 from fxkfac.planner.plan.ns_placement import NSWhere, critical_path_step, ns_tasks
 from fxkfac.planner.plan.plan import Plan
-from fxkfac.planner.problem.apply_pieces import piece_iterations
+from fxkfac.planner.problem.analytic import muon_cost_table, muon_matrices, ns_iteration_flops, preset
 from fxkfac.planner.problem.costs import CostTable, PreconditionerKind
 from fxkfac.planner.problem.errors import PlanError
 from fxkfac.planner.problem.hardware import hardware
-from fxkfac.planner.problem.ir import Op, OpKind
-from fxkfac.planner.problem.muon_costs import muon_cost_table, muon_matrices, ns_iteration_flops
-from fxkfac.planner.problem.presets import preset
+from fxkfac.planner.problem.ir import Op, OpKind, piece_iterations
 from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.problem.step_timeline import plain_step_time
 from fxkfac.planner.problem.strategy import parse_strategy

@@ -8,7 +8,7 @@ from fxkfac.planner.problem.errors import ScheduleError
 from fxkfac.planner.problem.ir import OpKind
 from fxkfac.planner.problem.perf_model import SYMBOLS, evaluate, explain, perf_model
 from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, ScheduleKind, schedule_programs
-from fxkfac.planner.problem.simulate import simulate
+from fxkfac.planner.problem.step_timeline import simulate
 
 CONFIGS = {
     "gpipe": [(2, 1, 1), (4, 4, 1), (4, 7, 1), (8, 3, 1)],

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
+from fxkfac.planner.problem.analytic import PRESETS, preset
 from fxkfac.planner.problem.errors import CostModelError
-from fxkfac.planner.problem.presets import PRESETS, preset
 
 # Published parameter counts, and where they are published:
 PUBLISHED = {

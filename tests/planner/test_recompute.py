@@ -12,9 +12,8 @@ import pytest
 from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.problem.errors import PlanError
 from fxkfac.planner.problem.ir import OpKind
-from fxkfac.planner.problem.memory import activation_peak, min_memory_bytes, static_bytes
 from fxkfac.planner.problem.problem import Problem, SolverConfig
-from fxkfac.planner.problem.step_timeline import step_timeline
+from fxkfac.planner.problem.step_timeline import activation_peak, min_memory_bytes, static_bytes, step_timeline
 from fxkfac.planner.search import recompute
 from fxkfac.planner.search.recompute import choose_recompute, plan_recomputing, recompute_choices, recompute_price
 from fxkfac.planner.search.solve import solve

@@ -7,21 +7,22 @@ from dataclasses import replace
 
 import pytest
 
-from fxkfac.planner.problem.blocking import LargeDimMethod, partition
-from fxkfac.planner.problem.costs import CostTable
-from fxkfac.planner.problem.errors import CostModelError
-from fxkfac.planner.problem.hardware import HardwareSpec
-from fxkfac.planner.problem.ir import OpKind
-from fxkfac.planner.problem.preconditioners import WORDS, PreconditionerKind, kind_of, words_of
-from fxkfac.planner.problem.presets import TensorSpec, preset
-from fxkfac.planner.problem.shampoo_costs import (
+from fxkfac.planner.problem.analytic import (
     NEWTON_ITERATIONS,
+    LargeDimMethod,
     RootMethod,
+    TensorSpec,
     gradient_cost_table,
     largest_dim,
     newton_matmuls,
     parameter_cost,
+    partition,
+    preset,
 )
+from fxkfac.planner.problem.costs import WORDS, CostTable, PreconditionerKind, kind_of, words_of
+from fxkfac.planner.problem.errors import CostModelError
+from fxkfac.planner.problem.hardware import HardwareSpec
+from fxkfac.planner.problem.ir import OpKind
 from fxkfac.planner.search.block_size import block_candidates
 
 PEAK = 1e12

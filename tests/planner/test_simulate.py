@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from fxkfac.planner.problem.errors import DeadlockError
 from fxkfac.planner.problem.ir import Op, OpKind
 from fxkfac.planner.problem.schedules import schedule_programs, stage_rank
-from fxkfac.planner.problem.simulate import simulate
+from fxkfac.planner.problem.step_timeline import simulate
 
 
 def fb(tf: float, tb: float):

@@ -11,8 +11,14 @@ from hypothesis import strategies as st
 from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.problem.ir import Op, OpKind
 from fxkfac.planner.problem.problem import Problem
-from fxkfac.planner.problem.simulate import Timeline, simulate
-from fxkfac.planner.problem.step_timeline import base_programs, plain_step_time, reference_programs, step_timeline
+from fxkfac.planner.problem.step_timeline import (
+    Timeline,
+    base_programs,
+    plain_step_time,
+    reference_programs,
+    simulate,
+    step_timeline,
+)
 
 # (schedule, v, N for a given D): interleaved and chimera need N a multiple of D.
 SHAPES = [

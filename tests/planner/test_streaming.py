@@ -1,4 +1,4 @@
-"""Streamed preconditioning in the planner (planner/problem/streaming.py): the hand-off ops, the step they make, the
+"""Streamed preconditioning in the planner (planner/problem/lowering.py): the hand-off ops, the step they make, the
 choice of helper and layers, plans at their bound that the validator accepts, and the validator refusing broken
 hand-offs."""
 
@@ -15,13 +15,18 @@ from fxkfac.planner.plan.plan import Plan
 from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.problem.errors import PlanError, PlanFormatError
 from fxkfac.planner.problem.ir import LAYER_TRANSFER_KINDS, Op, OpKind, format_programs, parse_programs
-from fxkfac.planner.problem.memory import static_bytes
+from fxkfac.planner.problem.lowering import Streaming, ready_fractions, stream_step
 from fxkfac.planner.problem.problem import Problem, SolverConfig, stage_groups
 from fxkfac.planner.problem.profiles import load_cost_table
-from fxkfac.planner.problem.simulate import simulate
-from fxkfac.planner.problem.step_timeline import plain_step_time, reference_programs, refresh_lower_bound, step_timeline
+from fxkfac.planner.problem.step_timeline import (
+    plain_step_time,
+    reference_programs,
+    refresh_lower_bound,
+    simulate,
+    static_bytes,
+    step_timeline,
+)
 from fxkfac.planner.problem.strategy import LayerDistribution, Strategy, StrategyKind
-from fxkfac.planner.problem.streaming import Streaming, ready_fractions, stream_step
 from fxkfac.planner.search.budget import Budget
 from fxkfac.planner.search.solve import solve
 from fxkfac.planner.search.stream_choice import StreamApply, solve_streamed, with_streaming
@@ -406,9 +411,9 @@ def test_shampoo_streams_its_whole_per_step_work_and_decomposes_what_comes_back(
     helper's APPLY takes both, each DECOMP of a streamed part starts once the refresh step's return has landed on
     its owner. The plan is valid and the step shorter
     than without streaming, at the same refresh periods."""
+    from fxkfac.planner.problem.analytic import gradient_cost_table
     from fxkfac.planner.problem.costs import PreconditionerKind
     from fxkfac.planner.problem.problem import returned, streamed_seconds, streamed_stats
-    from fxkfac.planner.problem.shampoo_costs import gradient_cost_table
 
     costs = gradient_cost_table("bert-base", 4, 32, hardware="p100", kind=PreconditionerKind.SHAMPOO, max_dim=512)
     problem = Problem("1f1b", 4, 4, costs, max_period=32)

@@ -12,9 +12,8 @@ import pytest
 from fxkfac.planner.plan.plan import Plan
 from fxkfac.planner.plan.solution import GroupSolution, fits_memory, peak_bytes, remade_spans
 from fxkfac.planner.problem.ir import OpKind
-from fxkfac.planner.problem.memory import decomposition_bytes
 from fxkfac.planner.problem.problem import SolverConfig
-from fxkfac.planner.problem.step_timeline import step_timeline, window_length
+from fxkfac.planner.problem.step_timeline import decomposition_bytes, step_timeline, window_length
 from fxkfac.planner.search import group_search
 from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate import validate

@@ -8,10 +8,15 @@ from dataclasses import replace
 import pytest
 
 from fxkfac.planner.problem.ir import Capture, OpKind
-from fxkfac.planner.problem.memory import activation_intervals, activation_peak, min_memory_bytes
 from fxkfac.planner.problem.problem import SolverConfig
 from fxkfac.planner.problem.schedules import stages_of_rank
-from fxkfac.planner.problem.step_timeline import plain_step_time, step_timeline
+from fxkfac.planner.problem.step_timeline import (
+    activation_intervals,
+    activation_peak,
+    min_memory_bytes,
+    plain_step_time,
+    step_timeline,
+)
 from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import problem

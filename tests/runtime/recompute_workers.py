@@ -15,9 +15,9 @@ import fxkfac.runtime.stage as stage_module
 from fxkfac.compile_api import prepare
 from fxkfac.config import PipelineOptions, PlanOptions
 from fxkfac.kfac.family import KFACFamily
-from fxkfac.planner.problem.memory import min_memory_bytes
 from fxkfac.planner.problem.problem import Problem
 from fxkfac.planner.problem.schedules import ScheduleKind
+from fxkfac.planner.problem.step_timeline import min_memory_bytes
 from tests.e2e import workers as e2e
 from tests.runtime import workers as rt
 

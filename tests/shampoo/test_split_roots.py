@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fxkfac.errors import ConfigError
-from fxkfac.planner.problem.blocking import FactorKind, LargeDimMethod
+from fxkfac.planner.problem.analytic import FactorKind, LargeDimMethod
 from fxkfac.preconditioner import PiecewiseFamily
 from fxkfac.shampoo import ParamUnit, RootInvMethod, ShampooConfig, ShampooFamily, ShampooState, SOAPConfig, SOAPFamily
 from fxkfac.shampoo.roots import newton_residual, newton_root_inverse, newton_share, newton_start, newton_steps
