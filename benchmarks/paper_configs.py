@@ -51,7 +51,7 @@ from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, num_stages, sche
 from fxkfac.planner.problem.step_timeline import Timeline, simulate
 from fxkfac.planner.problem.strategy import Strategy
 from fxkfac.planner.search.choose import strategy_of
-from fxkfac.planner.search.stream_choice import StreamApply
+from fxkfac.planner.search.plan_search import StreamApply
 
 
 @dataclass(frozen=True)

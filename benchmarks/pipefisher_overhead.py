@@ -69,7 +69,7 @@ from fxkfac.models import TinyBertConfig, TinyBertMLM, mlm_loss
 from fxkfac.plan_view import planned_utilization, planned_view
 from fxkfac.planner.problem.ir import LayerTiming, OpKind
 from fxkfac.planner.problem.step_timeline import step_timeline
-from fxkfac.planner.search.stream_choice import StreamApply
+from fxkfac.planner.search.plan_search import StreamApply
 from fxkfac.runtime.timeline import Event, as_timeline, utilization
 from fxkfac.runtime.trainer import Trainer
 from fxkfac.show import chrome_trace

@@ -218,7 +218,7 @@ def _plan(args: argparse.Namespace, config: _Config, solver: SolverConfig) -> tu
         search = SearchOptions(solver, strategy=Distributions.GIVEN, stream_apply=StreamApply.OFF)
         return plan_search(problem, search), block
     from fxkfac.planner.problem.analytic import largest_dim, preset
-    from fxkfac.planner.search.block_size import block_candidates, choose_block_size
+    from fxkfac.planner.search.plan_search import block_candidates, choose_block_size
 
     choice = choose_block_size(
         lambda side: _problem(args, config, _table(args, config, side)),

@@ -58,7 +58,7 @@ from fxkfac.config import PipelineOptions, PlanOptions
 from fxkfac.data import MaskedLMData, stdlib_corpus
 from fxkfac.models import mlm_loss
 from fxkfac.planner.problem.ir import LayerTiming
-from fxkfac.planner.search.stream_choice import StreamApply
+from fxkfac.planner.search.plan_search import StreamApply
 from fxkfac.runtime.timeline import utilization
 from fxkfac.runtime.trainer import Trainer
 

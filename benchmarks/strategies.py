@@ -13,7 +13,7 @@ Which pairs are compared, and why:
   against COMM-OPT at the same refresh is the strategy's own cost: who inverts, who preconditions, what is
   broadcast. hybrid:0.5 is MEM-OPT at W = 2 (one grad worker) and appears only in the W = 4 check.
 - **planned** (plan="auto"): the same three forced, and ``auto`` (strategy None: CP-SAT chooses each
-  layer's KAISA distribution with the placement, DP-KFAC never; planner/search/joint.py, planner/search/choose.py). All
+  layer's KAISA distribution with the placement, DP-KFAC never; planner/search/cpsat.py, planner/search/choose.py). All
   plan over one cost table (profiled once, by the first planned compile, then passed as
   `PlanOptions.costs`) with the same `--max-overhead` (a pure-DP step has no bubbles: the refresh work goes
   into time appended to the step), and ``auto`` gets the forced runs' time limit once per whole-strategy

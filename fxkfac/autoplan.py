@@ -34,8 +34,7 @@ from fxkfac.planner import (
 from fxkfac.planner import plan as plan_search
 from fxkfac.planner.problem.costs import median_of, words_of
 from fxkfac.planner.problem.profiles import load_cost_table
-from fxkfac.planner.search.schedule_choice import ScheduleCandidate, choose_schedule, schedule_candidates
-from fxkfac.planner.search.stream_choice import StreamApply
+from fxkfac.planner.search.plan_search import ScheduleCandidate, StreamApply, choose_schedule, schedule_candidates
 
 __all__ = [
     "Target",

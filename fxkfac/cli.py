@@ -31,7 +31,7 @@ from fxkfac.planner.problem.costs import PreconditionerKind
 from fxkfac.planner.problem.errors import PlannerError
 from fxkfac.planner.problem.profiles import ProfileLayers
 from fxkfac.planner.problem.schedules import ScheduleKind
-from fxkfac.planner.search.stream_choice import StreamApply
+from fxkfac.planner.search.plan_search import StreamApply
 
 __all__ = ["main", "build_parser"]
 

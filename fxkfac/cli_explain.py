@@ -13,7 +13,7 @@ from fxkfac.planner.problem.problem import Problem
 
 if TYPE_CHECKING:
     from fxkfac.planner.plan.plan import Plan
-    from fxkfac.planner.search.block_size import BlockChoice
+    from fxkfac.planner.search.plan_search import BlockChoice
 
 
 def _stage_means(costs: CostTable) -> dict[str, float]:
@@ -134,9 +134,9 @@ def explain_plan_comm(plan: Plan, console: Console) -> None:
 
 
 def explain_ns(plan: Plan, console: Console) -> None:
-    """A Muon plan's Newton-Schulz tasks (planner/plan/ns_placement.py): every APPLY with its rank, where it runs and
+    """A Muon plan's Newton-Schulz tasks (planner/plan/plan.py): every APPLY with its rank, where it runs and
     when in the step, then the step time they add against Muon on the critical path; nothing for another family."""
-    from fxkfac.planner.plan.ns_placement import ns_summary, ns_tasks
+    from fxkfac.planner.plan.plan import ns_summary, ns_tasks
 
     if kind_of(plan.problem.costs) is not PreconditionerKind.MUON:
         return

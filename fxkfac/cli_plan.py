@@ -36,11 +36,11 @@ from fxkfac.planner.problem.costs import PreconditionerKind, words_of
 from fxkfac.planner.problem.hardware import HARDWARE, hardware
 from fxkfac.planner.problem.step_timeline import plain_step_time
 from fxkfac.planner.search.choose import least_overhead
-from fxkfac.planner.search.recompute import choose_recompute
+from fxkfac.planner.search.plan_search import choose_recompute
 
 if TYPE_CHECKING:
     from fxkfac.planner.plan.plan import Plan
-    from fxkfac.planner.search.block_size import BlockChoice
+    from fxkfac.planner.search.plan_search import BlockChoice
 
 
 class RefusedPlan(PlannerError):
@@ -146,7 +146,7 @@ def _searches_block_size(args: argparse.Namespace) -> bool:
 def _auto_block(args: argparse.Namespace, S: int, config: SolverConfig, budget: TimeBudget) -> BlockChoice:
     """The plan at the block side the planner chooses (`planner.block_size.choose_block_size`) for a preset."""
     from fxkfac.planner.problem.analytic import largest_dim, preset
-    from fxkfac.planner.search.block_size import block_candidates, choose_block_size
+    from fxkfac.planner.search.plan_search import block_candidates, choose_block_size
 
     candidates = block_candidates(largest_dim(preset(args.target)))
     auto = args.activation_checkpointing.mode is CheckpointMode.AUTO
@@ -164,7 +164,7 @@ def _solved(args: argparse.Namespace, S: int, console: Console, budget: TimeBudg
     everything within `budget`, the command's --time-limit."""
     if args.max_overhead is not None or not _searches_block_size(args):
         plan = _solved_at(args, S, console, budget)
-    else:  # the block-size search plans each side itself (planner/search/block_size.py)
+    else:  # the block-size search plans each side itself (planner/search/plan_search.py)
         plan, _ = least_overhead(lambda value: _solved_at(_at_overhead(args, value), S, console, budget))
     if args.max_overhead is None and plan.problem.max_overhead > 0:
         console.print(

@@ -34,7 +34,7 @@ from fxkfac.planner.problem.lowering import naive_programs, ranks_of_stages
 from fxkfac.planner.problem.problem import StepBarrier, format_bytes
 from fxkfac.planner.problem.schedules import ScheduleKind, num_stages, stages_of_rank
 from fxkfac.planner.problem.strategy import LayerDistribution, distribute
-from fxkfac.planner.search.schedule_choice import schedule_candidates
+from fxkfac.planner.search.plan_search import schedule_candidates
 from fxkfac.planner.validate.plan_file import load_plan
 from fxkfac.preconditioner import Family, PiecewiseFamily, SteppedFamily, gradient_parts
 from fxkfac.progress import PlanProgress, plan_progress
@@ -81,7 +81,7 @@ def compile(  # noqa: A001 - the public name the design card gives
     torch.distributed initialized) trains pipelined with ``schedule`` and ``microbatches`` per replica; ``schedule``
     "auto" (with plan="auto" and a preconditioner) is the planner's choice among gpipe, 1f1b, chimera and zb-h1
     (one stage per rank, so one capture and profile serve all): the least step at the freshest curvature, logged
-    with why (planner/search/schedule_choice.py).
+    with why (planner/search/plan_search.py).
     ``plan``: "auto" (on a mesh: every rank profiles, rank 0 solves with ``plan_options``, showing what it does
     (fxkfac/progress.py), every rank gets the plan; on a GPU without ``plan_options.memory_budget`` the
     device's free memory is the budget, on CPU there is none), a plan file or a ``fxkfac.Plan`` (refused

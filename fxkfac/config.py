@@ -11,7 +11,7 @@ from fxkfac.planner.problem.costs import InverseMethod
 from fxkfac.planner.problem.ir import Capture
 from fxkfac.planner.problem.problem import StepBarrier
 from fxkfac.planner.problem.strategy import Strategy, parse_strategy
-from fxkfac.planner.search.stream_choice import StreamApply
+from fxkfac.planner.search.plan_search import StreamApply
 
 if TYPE_CHECKING:
     import torch
@@ -173,7 +173,7 @@ class CheckpointMode(StrEnum):
     """The stages `ActivationCheckpointing.stages` names."""
     AUTO = "auto"
     """The planner's choice under plan="auto": the stages whose recomputation fits the memory budget with the
-    shortest step, none when it fits without (planner/search/recompute.py)."""
+    shortest step, none when it fits without (planner/search/plan_search.py)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

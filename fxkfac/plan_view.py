@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 from rich.console import Group, RenderableType
 
-from fxkfac.planner.plan.ns_placement import ns_stage_lines, ns_summary
-from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.plan.plan import Plan, ns_stage_lines, ns_summary
 from fxkfac.planner.problem.costs import PreconditionerKind, words_of
 from fxkfac.planner.problem.ir import Capture, OpKind
 from fxkfac.planner.problem.problem import Problem, copies_of_stage, format_bytes, is_streamed
@@ -179,7 +178,7 @@ _VERDICTS = {
 
 
 def _ns_rows(plan: Plan) -> list[tuple[str, str]]:
-    """A Muon plan's Newton-Schulz tasks per stage and the step time they add (planner/plan/ns_placement.py)."""
+    """A Muon plan's Newton-Schulz tasks per stage and the step time they add (planner/plan/plan.py)."""
     lines, n = ns_stage_lines(plan), plan.problem.apply_pieces
     cut = "one task per matrix" if n == 1 else f"each matrix's NS in {n} pieces by iterations (--decomp-pieces)"
     return [

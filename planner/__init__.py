@@ -26,8 +26,7 @@ from fxkfac.planner.problem.schedules import ScheduleKind
 from fxkfac.planner.problem.strategy import Strategy, StrategyKind, parse_strategy
 from fxkfac.planner.search.attempt import Method
 from fxkfac.planner.search.budget import Budget
-from fxkfac.planner.search.plan_search import Distributions, Overhead, SearchOptions, TimeLimit, plan
-from fxkfac.planner.search.stream_choice import StreamApply
+from fxkfac.planner.search.plan_search import Distributions, Overhead, SearchOptions, StreamApply, TimeLimit, plan
 from fxkfac.planner.validate import check_plan, validate
 from fxkfac.planner.validate.plan_file import load_plan, parse_plan, read_plan
 

@@ -22,7 +22,7 @@ from fxkfac.planner.plan.plan import SCHEMA_VERSION, Plan
 from fxkfac.planner.problem.errors import PlannerError
 from fxkfac.planner.problem.ir import Op, OpKind
 from fxkfac.planner.problem.step_timeline import Interval, Timeline, min_memory_bytes, plain_step_time
-from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.validate.plan_file import load_plan
 from fxkfac.show import chrome_trace, render_timeline, timeline_from_trace
 from tests.planner.kfac_cases import problem, table

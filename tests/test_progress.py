@@ -27,7 +27,7 @@ from fxkfac.planner.problem.errors import InfeasibleBudgetError
 from fxkfac.planner.problem.problem import SolveProgress, SolverConfig
 from fxkfac.planner.problem.schedules import ScheduleKind
 from fxkfac.planner.problem.step_timeline import min_memory_bytes
-from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.attempt import solve
 from fxkfac.progress import Display, PlanProgress, TrainingProgress, solve_text
 from tests.planner.kfac_cases import problem
 

@@ -4,7 +4,7 @@ act on.
 One class serves one device (`mesh=None`: a 1x1 layout, no process group) and every mesh. A step
 shards the global mini-batch over the replicas and micro-batches, then the interpreter runs the ops the
 plan gives this rank for that step (`Trainer.ops_at`); preconditioner ops act on the family's runtime. Nothing here
-decides what runs: `fxkfac.compile` resolved the programs (planner/problem/lowering.py, planner/search/assemble.py).
+decides what runs: `fxkfac.compile` resolved the programs (planner/problem/lowering.py, planner/search/attempt.py).
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ class GroupSolution:
     """A solution for one window: task starts (absolute ticks) and devices, APPLY starts, use offsets,
     and how it was found (method "greedy"/"cpsat", status, objective, proven lower bound on k).
 
-    A joint solve ([Note: joint strategy] in planner/search/joint.py) places the window's tasks but its broadcasts,
+    A joint solve ([Note: joint strategy] in planner/search/cpsat.py) places the window's tasks but its broadcasts,
     which are the options' (`planner.cpsat.placed_tasks`), and says what it chose: each layer's distribution, the start
     of the chosen option's BCAST of each (layer, part) and the ticks each stage's slot was given
     (`planner.joint.transfer` makes it a solution of the chosen problem's own window). Empty: the window

@@ -66,7 +66,7 @@ shape (r, c), m = min(r, c) <= n = max(r, c), costs per step (each kernel timed 
 Every other parameter (embedding tables, the head, norms, biases) is a unit too, as `fxkfac.compile` makes one of
 every trainable parameter (`MuonFamily.units`): its APPLY is AdamW's elementwise step, ADAMW_PASSES fp32 passes at
 memory bandwidth (`adamw_cost`), its state the two moments. It is rarely worth a helper (its gradient's transfer
-outlasts it but on a link faster than memory bandwidth / ADAMW_PASSES; planner/search/stream_choice.py), so it runs on
+outlasts it but on a link faster than memory bandwidth / ADAMW_PASSES; planner/search/plan_search.py), so it runs on
 its owner, beside the matrices' Newton-Schulz.
 
 A piece i of n of a matrix's APPLY (`Op.piece`) runs iterations [i*S//n, (i+1)*S//n) of S = ns_steps

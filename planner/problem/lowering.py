@@ -1,6 +1,6 @@
 """Pure program -> program passes: transfers, data-parallel expansion, K-FAC on the critical path, start-up steps.
 
-Every program a rank runs comes from here or from the planner's placements (planner/search/assemble.py): the
+Every program a rank runs comes from here or from the planner's placements (planner/search/attempt.py): the
 runtime only interprets them.
 
 Streamed preconditioning in programs (docs/STREAMED_APPLY.md): layers of a stage whose APPLY a helper rank runs,

@@ -82,7 +82,7 @@ class Problem:
     """How many DECOMP ops each part's decomposition is cut into (`KFACConfig.split_inverse.pieces`,
     `ShampooConfig.newton_pieces`): piece i costs 1/n of the part's `decomp` and runs after piece i-1 on the same
     rank ("DECOMP s A i/n layer"). The planner places them in tasks no longer than one piece of the stage's longest
-    decomposition, so a small one's pieces run back to back ([Note: piece tasks] in planner/search/window_build.py).
+    decomposition, so a small one's pieces run back to back ([Note: piece tasks] in planner/plan/window.py).
     Muon, which has no decomposition, cuts each matrix's APPLY into as many pieces by iterations (`apply_pieces`)."""
     warm_start: bool = False
     """Whether each decomposition starts from its layer's newest preconditioner (`Family.warm_start`: SOAP's QR
@@ -97,7 +97,7 @@ class Problem:
     recompute: tuple[int, ...] = ()
     """Stages that recompute their forward (activation checkpointing), ascending: each keeps only its boundary
     (`StageCost.boundary_bytes`) per micro-batch in flight, and its BWD runs its forward again first, so lasts
-    `fwd` longer (planner/search/recompute.py chooses them under a memory budget)."""
+    `fwd` longer (planner/search/plan_search.py chooses them under a memory budget)."""
 
     def __post_init__(self) -> None:
         kind = validate_schedule_args(self.schedule, self.D, self.N, self.v)
@@ -332,7 +332,7 @@ class SolverConfig:
     """
 
     time_limit_s: float = 10.0
-    """Seconds of planning (CP-SAT; see [Note: time limit] in planner/search/solve.py). Deterministic, it becomes a
+    """Seconds of planning (CP-SAT; see [Note: time limit] in planner/search/attempt.py). Deterministic, it becomes a
     budget of CP-SAT deterministic time ([Note: deterministic budget] in planner/search/budget.py)."""
     num_workers: int = 2
     """CP-SAT threads when not deterministic (a deterministic search runs one)."""

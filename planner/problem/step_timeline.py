@@ -402,7 +402,7 @@ def simulate(
 _FIXED_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.BWD_W})
 _NOT_BUBBLE = frozenset({OpKind.APPLY, OpKind.STATS, OpKind.BCAST_PREC, OpKind.ALLREDUCE_GRAD})
 """Ops besides F/B during which a window places no preconditioner work (the per-step slot's work, and the
-gradient all-reduce: planner/search/window_build.py `build_window`)."""
+gradient all-reduce: planner/plan/window.py `build_window`)."""
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,30 @@
-"""One planning attempt: every stage group placed, curvature fused to fit the budget, or a refusal to suggest on."""
+"""One planning attempt: every stage group placed, curvature fused to fit the budget, or a refusal to suggest on.
+
+A Plan built from one solution per stage group: one assembly, shared by `solve` and planner/search/choose.py.
+
+A refusal's suggestions: max_overhead, budget or N values shown to plan by attempts run in the time left.
+
+`solve()`, one problem's placement within its part of the budget: an attempt, then a refusal's suggestions.
+
+Callers plan through `planner.plan` (planner/search/plan_search.py), which runs its whole search, every `solve`, in one
+`planner.budget.Budget`. `solve(problem, config, method)` refuses a budget below the
+least memory any plan needs, solves every stage group (greedy, then CP-SAT warm-started by it),
+fuses the curvature of the layers that do not fit the budget deferred (largest kept bytes first,
+when max_overhead allows the time they add), gives every group the same stretch of the step (the
+largest any group needs, [Note: stretch] in planner/plan/window.py), and assembles the Plan.
+
+[Note: time limit] One planning, every solve and retry of it, runs in one `Budget`: CP-SAT stops
+config.time_limit_s after the budget opened (several solves in one budget, such as the strategy candidates of
+planner/search/choose.py, each get an equal share of what is left; a whole search's budget, `Budget.of(...,
+whole=True)`, holds what follows within the limit too); greedy placement (and fusing by greedy's
+memory excess) goes on until at most OVERTIME / 2 past that. A refusal then searches, until OVERTIME
+past the limit, for values of max_overhead, the memory budget or N that plan the same problem, and
+names only those it has solved with (`PlanError.suggestions`); the budget keeps every plan it made, so
+planning again at a suggested value takes no more time. With config.deterministic (the default) these
+times are on CP-SAT's deterministic clock, converted from seconds ([Note: deterministic budget] in
+planner/search/budget.py), so the same problem and options give the same plan, or the same refusal, on any
+load; `SolverStats.wall_time` is then the only field of a plan that differs between runs.
+"""
 
 from __future__ import annotations
 
@@ -6,28 +32,204 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from decimal import ROUND_CEILING, Decimal
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from fxkfac.planner.plan.plan import Plan, rank
-from fxkfac.planner.plan.solution import GroupSolution, all_placed, fits_memory, peak_bytes
-from fxkfac.planner.plan.window import TaskKind, Window, longest_gaps, too_long
+from fxkfac.planner.plan.plan import Plan, PlanMetrics, SolverStats, rank
+from fxkfac.planner.plan.solution import GroupSolution, all_placed, fits_memory, peak_bytes, placements_of, plan_born
+from fxkfac.planner.plan.window import TaskKind, Window, grid_scale, longest_gaps, too_long
 from fxkfac.planner.problem.costs import LayerCost, words_of
-from fxkfac.planner.problem.errors import InfeasibleBudgetError, Knob, PlanError
-from fxkfac.planner.problem.ir import OpKind
-from fxkfac.planner.problem.problem import Problem, SolverConfig, StageGroup, format_bytes, stage_groups
-from fxkfac.planner.problem.step_timeline import fused_extra, min_memory_bytes, refresh_lower_bound, step_timeline
-from fxkfac.planner.search.assemble import Attempt, assemble_attempt, same_stretch
+from fxkfac.planner.problem.errors import InfeasibleBudgetError, Knob, PlanError, ScheduleError, Suggestion
+from fxkfac.planner.problem.hardware import HARDWARE
+from fxkfac.planner.problem.ir import Capture, LayerTiming, Op, OpKind, Placement, Program
+from fxkfac.planner.problem.lowering import add_replicas, made_refreshes, startup_programs
+from fxkfac.planner.problem.problem import Problem, SolverConfig, StageGroup, format_bytes, is_streamed, stage_groups
+from fxkfac.planner.problem.schedules import weight_gradient_kind
+from fxkfac.planner.problem.step_timeline import (
+    BUSY_KINDS,
+    fused_extra,
+    fused_stats,
+    min_memory_bytes,
+    plain_step_time,
+    plain_utilization,
+    refresh_lower_bound,
+    step_timeline,
+    utilization,
+)
 from fxkfac.planner.search.budget import Budget
-from fxkfac.planner.search.packing_bound import group_lower_bound
-from fxkfac.planner.search.stretch import Allowance, allowance
+from fxkfac.planner.search.greedy import Allowance, allowance, group_lower_bound, restretch
 
 if TYPE_CHECKING:
     from fxkfac.planner.search.group_search import Period
 
-__all__ = ["Method", "Refused", "stats_chunk_of", "attempt_plan", "cheaper_fused"]
+__all__ = [
+    "Attempt",
+    "assemble",
+    "assemble_attempt",
+    "same_stretch",
+    "Method",
+    "Refused",
+    "stats_chunk_of",
+    "attempt_plan",
+    "cheaper_fused",
+    "with_suggestions",
+    "solve",
+]
+
+
+@dataclass
+class Attempt:
+    """Solutions per group for one set of fused layers (None where no k worked)."""
+
+    solutions: list[GroupSolution | None]
+    greedy: list[GroupSolution | None]
+    allowance: Allowance
+
+
+def same_stretch(solutions: list[GroupSolution | None]) -> list[GroupSolution | None]:
+    """Every group at the largest stretch any needs: the step is one for all ranks ([Note: stretch] in
+    planner/plan/window.py). A group moved to a longer stretch keeps its staleness, which the longer one might
+    better: no longer proven optimal (unless it is 0)."""
+    placed = all_placed(solutions)
+    if placed is None:
+        return solutions
+    stretch = max(s.window.stretch for s in placed)
+    out: list[GroupSolution | None] = []
+    for s in placed:
+        moved = restretch(s, stretch)
+        if moved is not s and moved.status == "OPTIMAL" and any(moved.use_offset.values()):
+            moved = replace(moved, status="FEASIBLE")
+        out.append(moved)
+    return out
+
+
+def assemble(
+    problem: Problem,
+    solutions: Sequence[GroupSolution],
+    greedy: list[GroupSolution | None],
+    allowed: Allowance,
+    wall: float,
+) -> Plan:
+    """The plan of one solution per stage group, nothing fused, assembled as `solve` assembles its own (`greedy`:
+    the paper's rule per group, for the metrics): the entry of a distribution choice made beside `solve`
+    (planner/search/choose.py), whose solutions are of `problem`'s own windows."""
+    placed: list[GroupSolution | None] = list(solutions)
+    return assemble_attempt(problem, Attempt(same_stretch(placed), greedy, allowed), frozenset(), wall)
+
+
+_PLACED_KINDS = frozenset({OpKind.STATS, OpKind.APPLY, OpKind.BCAST_PREC, OpKind.OPT_STEP})
+"""Ops of the reference step that a plan places itself (the per-step slot: gradient STATS, APPLY, BCAST_PREC) or
+appends (OPT_STEP)."""
+
+
+def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) -> Program:
+    """The device's ops per step of the period, in time order: an op placed in a bubble goes after
+    every fixed op that ends by its start (so a RECV still waiting stays after it), and at the refresh step each
+    BWD (a zero-bubble schedule's W) is followed by the STATS folding its fused layers' statistics (`fused_stats`).
+    Compared in ticks: in seconds, float rounding could put a APPLY before the backward it follows."""
+    steps: list[list[tuple[tuple[int, ...], Op]]] = [[] for _ in range(w.k)]
+    timelines = [step_timeline(problem, w.fused, refresh=True)] + [step_timeline(problem)] * (w.k - 1)
+    for j, st in enumerate(timelines):
+        for seq, (op, _, end) in enumerate(st.ops[device]):
+            if op.kind not in _PLACED_KINDS or is_streamed(problem, device, op):
+                at = w.offsets[j] + round(end * w.scale)
+                steps[j].append(((at, 0, seq), op))
+                if j == 0 and op.kind is weight_gradient_kind(problem.kind) and w.fused:
+                    folds = fused_stats(problem, w.fused, device, op)
+                    steps[j].extend(((at, 0, seq, i), fold) for i, fold in enumerate(folds))
+    for n, p in enumerate(sorted(placed, key=lambda p: (p.start, p.end))):
+        steps[p.step % w.k].append(((round(p.start * w.scale) - w.length * (p.step // w.k), 1, n), p.op))
+    return [[op for _, op in sorted(items, key=lambda item: item[0])] + [Op(OpKind.OPT_STEP)] for items in steps]
+
+
+def _utilization(problem: Problem, w: Window, placed: list[Placement], device: int) -> float:
+    """The device's planned utilization: its F/B, placed work and (a helper's) streamed APPLYs over the window."""
+    timelines = [step_timeline(problem, w.fused, refresh=True)] + [step_timeline(problem)] * (w.k - 1)
+    busy = sum(b - a for st in timelines for _, a, b in st.fixed(device))
+    busy += sum(
+        b - a
+        for st in timelines
+        for op, a, b in st.ops[device]
+        if is_streamed(problem, device, op) and op.kind is OpKind.APPLY
+    )
+    busy += sum(p.end - p.start for p in placed if p.device == device and p.op.kind in BUSY_KINDS)
+    return utilization(busy, w.seconds(w.length))
+
+
+def _solver_stats(
+    sols: list[GroupSolution], wall: float, refresh: list[int], bound: list[int], layers: Mapping[str, LayerTiming]
+) -> SolverStats:
+    """How the groups were solved: GREEDY when first-fit placed them all, OPTIMAL when CP-SAT proved every group,
+    else FEASIBLE; the objective (refresh steps, staleness) and its gap to the lower bounds."""
+    statuses = {s.status for s in sols}
+    status = (
+        "GREEDY" if all(s.method == "greedy" for s in sols) else "OPTIMAL" if statuses == {"OPTIMAL"} else "FEASIBLE"
+    )
+    objective = (sum(refresh), sum(t.use_offset for t in layers.values()))
+    return SolverStats(status, wall, objective, (sum(refresh) - sum(bound)) / max(1, sum(refresh)))
+
+
+def assemble_attempt(problem: Problem, attempt: Attempt, fused: frozenset[str], wall: float) -> Plan:
+    """The plan of an attempt that placed every group, `fused` layers' curvature fused: programs, layer timings,
+    placements and metrics (`wall`: seconds the planning took)."""
+    groups = stage_groups(problem)
+    programs: dict[int, Program] = {}
+    layers: dict[str, LayerTiming] = {}
+    placements: list[Placement] = []
+    peak: dict[int, int] = {}
+    per_device: dict[int, float] = {}
+    refresh, bound = [0] * problem.num_stages, [0] * problem.num_stages
+    greedy_k: list[int | None] = [None] * problem.num_stages
+    for group, sol, g in zip(groups, attempt.solutions, attempt.greedy):
+        assert sol is not None
+        w, placed = sol.window, placements_of(sol)
+        placements += placed
+        for d in group.devices:
+            programs[d] = _program(problem, w, d, [p for p in placed if p.device == d])
+            peak[d] = peak_bytes(sol, d)
+            per_device[d] = _utilization(problem, w, placed, d)
+        for s in group.stages:
+            lower = refresh_lower_bound(problem, group, fused, stretch=attempt.allowance.enabled)
+            refresh[s], bound[s] = w.k, min(w.k, max(sol.k_lower_bound, lower))  # a bound past a plan bounds another
+            greedy_k[s] = g.window.k if g is not None else None
+            for x in problem.costs.stages[s].layers:
+                layers[x.name] = LayerTiming(
+                    w.k, 0, sol.use_offset.get(x.name, 0), Capture.FUSED if x.name in fused else Capture.DEFERRED
+                )
+    sols = [s for s in attempt.solutions if s is not None]
+    stats = _solver_stats(sols, wall, refresh, bound, layers)
+    metrics = PlanMetrics(
+        utilization_baseline=plain_utilization(problem),
+        utilization=sum(per_device.values()) / len(per_device),
+        refresh_steps=tuple(refresh),
+        step_time_baseline=plain_step_time(problem),
+        step_time=max(s.window.seconds(s.window.length) / s.window.k for s in sols),
+        step_time_reference=step_timeline(problem).length,
+        peak_memory=dict(sorted(peak.items())),
+        lower_bound_steps=tuple(bound),
+        solver=stats,
+        greedy_refresh_steps=tuple(greedy_k),
+        time_quantum=0.0 if all(s.window.exact for s in sols) else max(s.window.tick for s in sols),
+        stretch=max(s.window.seconds(s.window.stretch) for s in sols),
+    )
+    if problem.streaming is not None:
+        sender = problem.stream_owners[0]
+        made = made_refreshes(problem.streaming, placements, layers, sender)
+        programs = add_replicas(programs, problem.streaming, sender, made)
+    programs = dict(sorted(programs.items()))
+    return Plan(
+        problem,
+        programs,
+        layers,
+        tuple(placements),
+        metrics,
+        problem.fingerprint,
+        startup=startup_programs(programs, plan_born(problem, placements, layers)),
+    )
+
 
 log = logging.getLogger(__name__)
 
@@ -469,3 +671,343 @@ def _fusing_refused(problem: Problem, fused: frozenset[str]) -> InfeasibleBudget
         f"for deferred curvature; fusing the curvature of {len(names)} layers ({shown}) adds {extra:.4g} s to each "
         f"refresh step, more than max_overhead={problem.max_overhead:g} allows within {problem.max_period} steps"
     )
+
+
+STRETCH_SEARCH_S = 5.0
+"""The most seconds of the limit (and at most half the time left) CP-SAT refines the least stretch of one group."""
+
+
+# Suggestions: each refusal searches the knobs that may lift it, upward from the refused value, and
+# names only values it has solved the problem with (everything else unchanged).
+
+
+def with_suggestions(
+    refused: Refused, problem: Problem, config: SolverConfig, method: Method, until: Budget
+) -> PlanError:
+    """The refusal's error with the values that plan, searched until `until`: each knob alone; where
+    none does and a budget is set, max_overhead and the budget together; then more micro-batches."""
+    found: list[Suggestion] = []
+    searched: list[str] = []
+    stages: list[tuple[Knob, ...]] = [(knob,) for knob in refused.knobs if knob is not Knob.MICROBATCHES]
+    if _at_device(problem) and Knob.MEMORY_BUDGET in refused.knobs:  # no more memory: more time, fusing
+        stages = [(Knob.MAX_OVERHEAD,)] + [k for k in stages if k not in ((Knob.MAX_OVERHEAD,), (Knob.MEMORY_BUDGET,))]
+    if problem.memory_budget is not None and {Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET} & set(refused.knobs):
+        stages.append((Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET))
+    if Knob.MICROBATCHES in refused.knobs:
+        stages.append((Knob.MICROBATCHES,))
+    for knobs in stages:
+        if until.out() or (len(knobs) > 1 or knobs == (Knob.MICROBATCHES,)) and found:
+            break
+        searched.append(_SEARCHED[knobs].format(N=4 * problem.N))
+        search = _search_together if len(knobs) > 1 else _SEARCHES[knobs[0]]
+        suggestion = search(problem, refused.fused, config, method, until)
+        if suggestion is not None:
+            found.append(suggestion)
+    text = f"{refused.error}. {_suggestion_text(problem, config, found, searched, until.out())}"
+    error = refused.error
+    if isinstance(error, InfeasibleBudgetError):
+        return InfeasibleBudgetError(text, error.needed_bytes, suggestions=tuple(found))
+    return PlanError(text, suggestions=tuple(found))
+
+
+def _suggestion_text(
+    problem: Problem, config: SolverConfig, found: list[Suggestion], searched: list[str], timed_out: bool
+) -> str:
+    if found:
+        return "Solved with: " + "; or ".join(_describe(problem, s) for s in found)
+    if timed_out:
+        return (
+            f"Nothing that plans it was found before the time ran out (time limit {config.time_limit_s:g} s): "
+            f"searched {'; '.join(searched) or 'nothing'}; a longer time limit searches further"
+        )
+    return f"Nothing plans it: no {'; no '.join(searched)}"
+
+
+_SEARCHED = {
+    (Knob.MAX_OVERHEAD,): "max_overhead below 10",
+    (Knob.MEMORY_BUDGET,): "memory budget from the peak of a plan made without one",
+    (Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET): "max_overhead with a memory budget",
+    (Knob.MICROBATCHES,): "number of micro-batches from 1 to {N}",
+}
+"""What each search tries, for the message that says none of it plans."""
+
+
+def _describe(problem: Problem, s: Suggestion) -> str:
+    """A suggestion in words: every value as `field=value`."""
+    words = []
+    for knob, value in s.changes:
+        if knob is Knob.MAX_OVERHEAD:
+            words.append(f"max_overhead={value:g}")
+        elif knob is Knob.MEMORY_BUDGET:
+            words.append(f"memory_budget={value} bytes ({format_bytes(value)})")
+        else:
+            words.append(f"N={value} micro-batches (of the same size)")
+    text = " with ".join(words)
+    if s.least:
+        text += (
+            ", the least max_overhead that places it (rounded up to 3 digits; refresh every "
+            f"{problem.max_period} steps)"
+        )
+    if [knob for knob, _ in s.changes] == [Knob.MEMORY_BUDGET]:
+        text += f" at max_overhead={problem.max_overhead:g}"
+    return text
+
+
+def _plans(problem: Problem, config: SolverConfig, method: Method, until: Budget, *, thorough: bool = False) -> bool:
+    """Whether `solve` makes a plan of `problem`: with greedy placement first (CP-SAT's first pass, whose
+    plan it keeps), then, `thorough` and with method CP-SAT, with CP-SAT itself within the time left."""
+    return _plan_or_none(problem, config, method, until, thorough=thorough) is not None
+
+
+def _plan_or_none(
+    problem: Problem, config: SolverConfig, method: Method, until: Budget, *, thorough: bool = False
+) -> Plan | None:
+    made = until.made.get((problem, method))
+    if made is not None:
+        return made
+    now = until.now()
+    tries = [now] + (
+        [min(until.cutoff, now + until.units(config.time_limit_s))] if thorough and method is Method.CPSAT else []
+    )
+    for deadline in tries:
+        if until.out():
+            return None
+        try:
+            plan = attempt_plan(problem, config, method, until.later(deadline), time.perf_counter())
+        except Refused:
+            continue
+        until.made[(problem, method)] = plan
+        return plan
+    return None
+
+
+def _search_overhead(
+    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
+) -> Suggestion | None:
+    """A max_overhead that plans: from greedy's stretch estimate doubling, checked by greedy placement (then,
+    with CP-SAT, by CP-SAT itself); then, while time is left, CP-SAT's least stretch (checked by CP-SAT,
+    named least where proven) or a few bisection probes below it."""
+    estimate, proven = _overhead_estimate(problem, fused, config, Method.GREEDY, until)
+    ladder = _ladder(max(estimate or 0.0, problem.max_overhead * 1.01, 1e-4), problem.max_overhead)
+    for thorough in (False, True) if method is Method.CPSAT else (False,):
+        failed = problem.max_overhead
+        for candidate in ladder:
+            if _plans(replace(problem, max_overhead=candidate), config, method, until, thorough=thorough):
+                break
+            if until.out():
+                return None
+            failed = candidate
+        else:
+            continue
+        break
+    else:
+        return None
+    if proven and candidate == estimate:
+        return Suggestion(((Knob.MAX_OVERHEAD, candidate),), least=True)
+    if method is Method.CPSAT:
+        least, proven = _overhead_estimate(problem, fused, config, method, until)
+        if (
+            least is not None
+            and failed < least < candidate
+            and _plans(replace(problem, max_overhead=least), config, method, until, thorough=True)
+        ):
+            return Suggestion(((Knob.MAX_OVERHEAD, least),), least=proven)
+    return Suggestion(((Knob.MAX_OVERHEAD, _bisect_down(problem, config, method, until, failed, candidate)),))
+
+
+def _ladder(start: float, above: float) -> list[float]:
+    """max_overhead values to try: `start` doubling, 3 significant digits, above `above` and below 10."""
+    values, x = [], _sig_up(start)
+    while x < 10:
+        if x > above:
+            values.append(x)
+        x = _sig_up(x * 2)
+    return values
+
+
+def _bisect_down(
+    problem: Problem, config: SolverConfig, method: Method, until: Budget, failed: float, works: float
+) -> float:
+    """A smaller max_overhead than `works` that still plans (a few probes between it and `failed`)."""
+    for _ in range(4):
+        middle = _sig_up((failed + works) / 2)
+        if not failed < middle < works:
+            break
+        if _plans(replace(problem, max_overhead=middle), config, method, until):
+            works = middle
+        elif until.out():
+            break
+        else:
+            failed = middle
+    return works
+
+
+def device_bytes(problem: Problem) -> int | None:
+    """The memory of the problem's device (`planner.hardware.HARDWARE`), None where it is not a known one."""
+    spec = HARDWARE.get(problem.hardware.lower())
+    return None if spec is None else spec.memory_bytes
+
+
+def _at_device(problem: Problem) -> bool:
+    """Whether the memory budget is already all the device has: no suggestion may raise it."""
+    device = device_bytes(problem)
+    return device is not None and problem.memory_budget is not None and problem.memory_budget >= device
+
+
+def _search_memory(
+    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
+) -> Suggestion | None:
+    """A memory budget that plans at the problem's max_overhead: the peak of the plan made without a
+    budget, rounded up (raised by a quarter while it does not plan), never above the device's memory."""
+    free = _plan_or_none(replace(problem, memory_budget=None), config, method, until)
+    if free is None:
+        return None
+    budget = _bytes_up(
+        max(max(free.metrics.peak_memory.values()), min_memory_bytes(problem), (problem.memory_budget or 0) + 1)
+    )
+    device = device_bytes(problem)
+    for _ in range(4):
+        if device is not None and budget > device:
+            return None
+        if _plans(replace(problem, memory_budget=budget), config, method, until):
+            return Suggestion(((Knob.MEMORY_BUDGET, budget),))
+        budget = _bytes_up(budget * 1.25)
+    return None
+
+
+def _search_microbatches(
+    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
+) -> Suggestion | None:
+    """The nearest N (valid for the schedule) that plans: fewer first (less curvature per step for the
+    same bubbles), then more, up to 4 times this one."""
+    for n in [*range(problem.N - 1, 0, -1), *range(problem.N + 1, 4 * problem.N + 1)]:
+        try:
+            candidate = replace(problem, N=n)
+        except ScheduleError:
+            continue
+        if _plans(candidate, config, method, until):
+            return Suggestion(((Knob.MICROBATCHES, n),))
+        if until.out():
+            return None
+    return None
+
+
+def _search_together(
+    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
+) -> Suggestion | None:
+    """A max_overhead that plans without the budget, and a budget that plans at it."""
+    overhead = _search_overhead(replace(problem, memory_budget=None), frozenset(), config, method, until)
+    if overhead is None:
+        return None
+    value = overhead.fields()["max_overhead"]
+    memory = _search_memory(replace(problem, max_overhead=value), fused, config, method, until)
+    return None if memory is None else Suggestion(((Knob.MAX_OVERHEAD, value),) + memory.changes)
+
+
+_SEARCHES = {
+    Knob.MAX_OVERHEAD: _search_overhead,
+    Knob.MEMORY_BUDGET: _search_memory,
+    Knob.MICROBATCHES: _search_microbatches,
+}
+
+
+def _overhead_estimate(
+    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
+) -> tuple[float | None, bool]:
+    """The max_overhead that stretching the step needs at the longest refresh period (rounded up to 3
+    digits), and whether it is proven least (CP-SAT refines greedy's stretch while time is left); None
+    when stretching is off or no stretch up to 10 reference steps places the work."""
+    from fxkfac.planner.search.greedy import greedy_overhead
+
+    if not config.stretch:
+        return None, False
+    grid = Allowance(problem, fused, grid_scale(problem, range(problem.num_stages), fused, config.time_resolution))
+    upper, proven = 0, True
+    for group in stage_groups(problem):
+        low, found = greedy_overhead(
+            problem,
+            group,
+            grid,
+            stats_chunk=stats_chunk_of(problem, group, config, grid),
+            resolution=config.time_resolution,
+            meter=until,
+        )
+        if found is None:
+            return None, False
+        least = found.window.stretch <= low
+        left = until.left()
+        if method is Method.CPSAT and not least and left > 0:
+            from fxkfac.planner.search.group_search import refine_stretch
+
+            found, least = refine_stretch(
+                found, grid, config, until, min(until.units(min(STRETCH_SEARCH_S, config.time_limit_s)), left / 2)
+            )
+        upper, proven = max(upper, found.window.stretch), proven and least
+    need = _overhead(problem, fused, problem.max_period, upper, grid)
+    return (_sig_up(need) if need > 0 else None), proven
+
+
+def _overhead(problem: Problem, fused: frozenset[str], k: int, ticks: int, grid: Allowance) -> float:
+    """max_overhead that a stretch of `ticks` per step at period k needs, fused curvature included."""
+    normal = step_timeline(problem).length
+    return (ticks / grid.scale[0] + fused_extra(problem, fused) / k) / normal  # type: ignore[index]  # the allowance has a grid
+
+
+def _sig_up(x: float, digits: int = 3) -> float:
+    """`x` > 0 rounded up to `digits` significant digits: a value to type that is never short (its
+    shortest decimal text is what `f"{x:g}"` prints and float() reads back)."""
+    quantum = Decimal(1).scaleb(math.floor(math.log10(x)) - digits + 1)
+    return float((Decimal(repr(x)) / quantum).to_integral_value(rounding=ROUND_CEILING) * quantum)
+
+
+_BYTE_UNITS = ((1 << 30), (1 << 20), (1 << 10))
+
+
+def _bytes_up(n: float) -> int:
+    """`n` bytes rounded up to two decimals of GiB, MiB or KiB (whole bytes below 1 KiB), as the CLI
+    reads '84.47GiB': int(float('84.47') * 2**30)."""
+    for unit in _BYTE_UNITS:
+        if n >= unit:
+            hundredths = math.ceil(n * 100 / unit - 1e-6)
+            while int(float(f"{hundredths / 100:.2f}") * unit) < n:
+                hundredths += 1
+            return int(float(f"{hundredths / 100:.2f}") * unit)
+    return math.ceil(n)
+
+
+def solve(
+    problem: Problem,
+    config: SolverConfig = SolverConfig(),
+    method: Method | str = Method.CPSAT,
+    *,
+    budget: Budget | None = None,
+    shares: int = 1,
+    suggest: bool = True,
+) -> Plan:
+    """Plan the K-FAC work of `problem` (Method.CPSAT: optimal placement warm-started by greedy; GREEDY:
+    the paper's rule, fusing curvature by its excess over a memory budget) within config.time_limit_s plus
+    OVERTIME, or within `budget` (a planning that solves several problems: this one gets 1/`shares` of the
+    solver time left). Raises InfeasibleBudgetError when the memory budget cannot be met and PlanError
+    when the work cannot be placed within problem.max_period steps; unless `suggest` is False, the error's
+    message and `suggestions` name values of max_overhead, the budget or N that the planner has solved this
+    problem with (the rest unchanged), or say that none was found in time."""
+    how = _method(method)
+    budget = budget or Budget.of(config)
+    made = budget.made.get((problem, how))
+    if made is not None:
+        return made  # solved in this planning already: while searching for the value a refusal names
+    try:
+        plan = attempt_plan(problem, config, how, budget.solving(shares), time.perf_counter())
+    except Refused as refused:
+        if not suggest:
+            raise refused.error from None
+        raise with_suggestions(refused, problem, config, how, budget.suggesting()) from None
+    budget.made[(problem, how)] = plan
+    return plan
+
+
+def _method(method: Method | str) -> Method:
+    try:
+        return Method(method)
+    except ValueError:
+        raise PlanError(f"unknown planning method {method!r}; use 'cpsat' or 'greedy'") from None

@@ -2,7 +2,7 @@
 
 [Note: strategy search] With the strategy left to the planner, the outer search plans each candidate distribution
 (below) in full by `solve`, as forcing it would, and keeps the best; CP-SAT then chooses each layer's
-distribution together with the placement ([Note: joint strategy] in planner/search/joint.py) in the CP-SAT time the
+distribution together with the placement ([Note: joint strategy] in planner/search/cpsat.py) in the CP-SAT time the
 candidates left, and its plan joins them. The candidates that can win (`_hopeful_first`: a reference step within
 max_overhead, and STEP_TIE, of the least) share the time. At max_overhead 0 they are planned first, one alone with
 all of it, as forcing it would (issue 38: the joint model, run first, spent the README snippet's whole limit and
@@ -32,7 +32,7 @@ when none plans, the refusal (with its suggestions) of the candidate whose least
 is raised, so that plan="auto" relaxes max_overhead to the value of the fastest distribution, not of the one that
 plans first. DP-KFAC is never chosen: its factors come from one replica's micro-batches, a different algorithm
 that only the user may ask for. Everything shares one time limit of CP-SAT ([Note: time limit] in
-planner/search/solve.py).
+planner/search/attempt.py).
 """
 
 from __future__ import annotations
@@ -46,21 +46,19 @@ from typing import TypeVar
 
 from fxkfac.planner.plan.plan import Plan, rank
 from fxkfac.planner.plan.solution import GroupSolution
+from fxkfac.planner.plan.window import grid_scale
 from fxkfac.planner.problem.errors import PlanError
 from fxkfac.planner.problem.problem import Problem, SolverConfig, StepBarrier, copies_of_stage, stage_groups
 from fxkfac.planner.problem.step_timeline import step_timeline
 from fxkfac.planner.problem.strategy import COMM_OPT, LayerDistribution, Strategy, StrategyKind
-from fxkfac.planner.search.assemble import assemble
-from fxkfac.planner.search.attempt import Method, cheaper_fused, stats_chunk_of
+from fxkfac.planner.search.attempt import Method, assemble, cheaper_fused, solve, stats_chunk_of
 from fxkfac.planner.search.budget import Budget
-from fxkfac.planner.search.cpsat import least_step
-from fxkfac.planner.search.greedy import greedy_group
-from fxkfac.planner.search.group_search import solve_joint_group
-from fxkfac.planner.search.joint import (
+from fxkfac.planner.search.cpsat import (
     apply_seconds,
     bcast_seconds,
     comm_slot_seconds,
     layer_options,
+    least_step,
     reference_step,
     restretch_joint,
     share_seconds,
@@ -68,9 +66,8 @@ from fxkfac.planner.search.joint import (
     timeline_stages,
     transfer,
 )
-from fxkfac.planner.search.solve import solve
-from fxkfac.planner.search.stretch import Allowance, allowance
-from fxkfac.planner.search.window_build import grid_scale
+from fxkfac.planner.search.greedy import Allowance, allowance, greedy_group
+from fxkfac.planner.search.group_search import solve_joint_group
 
 __all__ = [
     "STEP_TIE",
@@ -384,7 +381,7 @@ def best(plans: Sequence[Plan]) -> Plan:
 
 def solve_joint(problem: Problem, config: SolverConfig = SolverConfig(), budget: Budget | None = None) -> Plan | None:
     """Each layer's distribution chosen by CP-SAT with the placement ([Note: joint strategy] in
-    planner/search/joint.py), once per option set of the stages that move the step's fixed work (`timeline_stages`),
+    planner/search/cpsat.py), once per option set of the stages that move the step's fixed work (`timeline_stages`),
     each with an equal share of the solver time left in `budget`; the best plan, or None when none was made."""
     budget = budget or Budget.of(config)
     sets = _timeline_sets(problem)

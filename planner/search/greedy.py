@@ -10,26 +10,405 @@ right after the gradient all-reduce, and memory is not considered (the paper's r
 the result). Where the problem allows a stretch ([Note: stretch] in planner/plan/window.py), each k is tried with
 the whole allowance and the least stretch first-fit still places everything with is then bisected (first-fit
 is not monotone in the stretch, so that one is feasible, not proven least).
+
+Idle time appended to every step when bubbles are too short ([Note: stretch] in planner/plan/window.py).
+
+The allowance says how many ticks a window of k steps may add per step; `restretch` moves a solution
+to a longer stretch (so every stage group of a plan shares one); `stretch_lower_bound` is what any
+placement needs, and `least_stretch` bisects the stretch at a refresh period with a solver's probe
+(`bisect_least`, which the joint choice's least step runs too).
+Feasibility only grows with the stretch (`restretch` turns a placement into one with more), which is
+what makes the bisection exact.
+
+A lower bound on a group's refresh period that counts the idle time no whole task fits in.
+
+`planner.step_timeline.refresh_lower_bound` pours the refresh's work into the bubbles like a fluid. Tasks are
+not fluid: a statistic or a decomposition piece runs whole, inside one bubble, so a 20 ms bubble takes one
+12.8 ms statistic and loses the rest when no shorter task exists. Here every bubble of a window holds at most
+the longest sum of task lengths that fits in it (`Packer`), the per-step APPLY slots taken where they leave the
+most of that, and a period whose bubbles cannot hold its refresh's work that way has no placement. On the
+PipeFisher paper's BERT-Base Chimera D=4 profiles this raises the bound from 7 to 8 steps.
+
+A collective (the statistics' all-reduce, a decomposition's broadcast) holds every device it runs on at once, so it
+counts as one task of its length on each of them (issue 38: on the README snippet's 2 x 2 mesh the statistics'
+all-reduces are 70% of the refresh's device time; without them the bound read 3 5 where CP-SAT proves 9 14).
+
+Every simplification enlarges what a window may hold, so the bound stays valid: releases, memory and the
+collectives' simultaneity are ignored, tasks may go to any device of the group, and a task may repeat without
+limit.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import time
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 from fxkfac.planner.plan.solution import GroupSolution, use_offsets
-from fxkfac.planner.plan.window import Task, TaskKind, Window, done_by, warm_starts
+from fxkfac.planner.plan.window import (
+    Interval,
+    PrecSlot,
+    Task,
+    TaskKind,
+    Window,
+    build_window,
+    done_by,
+    grid_scale,
+    warm_starts,
+    wrap,
+)
 from fxkfac.planner.problem.costs import words_of
 from fxkfac.planner.problem.errors import PlanError
 from fxkfac.planner.problem.lowering import Assignment, assign_decompositions
-from fxkfac.planner.problem.problem import Problem, StageGroup
-from fxkfac.planner.problem.step_timeline import step_timeline
+from fxkfac.planner.problem.problem import Problem, SolverConfig, StageGroup
+from fxkfac.planner.problem.step_timeline import refresh_lower_bound, step_timeline, stretch_allowance
 from fxkfac.planner.search.budget import Budget
-from fxkfac.planner.search.packing_bound import group_lower_bound
-from fxkfac.planner.search.stretch import Allowance, least_stretch, stretch_lower_bound
 
-__all__ = ["MARGIN", "greedy_group", "greedy_window", "greedy_overhead"]
+__all__ = [
+    "Allowance",
+    "allowance",
+    "restretch",
+    "stretch_lower_bound",
+    "least_stretch",
+    "bisect_least",
+    "Probe",
+    "Packer",
+    "idle_regions",
+    "window_capacity",
+    "window_work",
+    "device_loads",
+    "packing_lower_bound",
+    "group_lower_bound",
+    "MARGIN",
+    "greedy_group",
+    "greedy_window",
+    "greedy_overhead",
+]
+
+Probe = Callable[[int], tuple[str, GroupSolution | None]]
+"""A solver at one stretch (ticks): (status name, solution or None); "INFEASIBLE" means proven."""
+
+
+@dataclass(frozen=True)
+class Allowance:
+    """The stretch a problem allows: `ticks(k)` per step at refresh period k, on the grid `scale`
+    shared by every stage group. `scale` None: stretching is off, and windows keep their groups' own
+    grids (exactly the plans made without stretching)."""
+
+    problem: Problem
+    fused: frozenset[str]
+    scale: tuple[float, bool] | None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the step may stretch at all."""
+        return self.scale is not None
+
+    def ticks(self, k: int) -> int:
+        """The most idle ticks per step at refresh period k (0 when off)."""
+        if self.scale is None:
+            return 0
+        return max(0, math.floor(stretch_allowance(self.problem, self.fused, k) * self.scale[0] + 1e-6))
+
+    def window(self, group: StageGroup, k: int, stretch: int, *, stats_chunk: int, resolution: int) -> Window:
+        """The window of `group` at period k with `stretch` ticks per step on this allowance's grid."""
+        return build_window(
+            self.problem,
+            group,
+            k,
+            self.fused,
+            stats_chunk=stats_chunk,
+            resolution=resolution,
+            stretch=stretch,
+            scale=self.scale,
+        )
+
+    def whole(self, group: StageGroup, k: int, *, stats_chunk: int, resolution: int) -> Window:
+        """The window of `group` at period k with the whole allowance of stretch (`ticks(k)`): what a period search
+        solves."""
+        return self.window(group, k, self.ticks(k), stats_chunk=stats_chunk, resolution=resolution)
+
+
+def allowance(problem: Problem, fused: frozenset[str], config: SolverConfig) -> Allowance:
+    """The allowance of `problem` with `fused` layers: on when config.stretch and max_overhead > 0,
+    on one grid for all stages (so that the groups' stretches are the same seconds)."""
+    if not (config.stretch and problem.max_overhead > 0):
+        return Allowance(problem, fused, None)
+    return Allowance(problem, fused, grid_scale(problem, range(problem.num_stages), fused, config.time_resolution))
+
+
+def restretch(solution: GroupSolution, stretch: int) -> GroupSolution:
+    """The same placement in a window with `stretch` >= the solution's ticks per step: every start in
+    window step j moves j * (added ticks) later, so each op keeps its place inside its step (an op in a
+    step's idle tail stays at the head of the longer tail). Order, overlaps, memory and use offsets are
+    unchanged, so a valid solution stays valid."""
+    w = solution.window
+    delta = stretch - w.stretch
+    if delta == 0:
+        return solution
+    if delta < 0:
+        raise AssertionError(f"restretch only lengthens: {w.stretch} -> {stretch}")
+    new = build_window(
+        w.problem, w.group, w.k, w.fused, stats_chunk=w.stats_chunk, stretch=stretch, scale=(w.scale, w.exact)
+    )
+    bounds = [w.step_start(w.group.devices[0], j) for j in range(2 * w.k + 1)]  # where each step begins
+
+    def move(t: int) -> int:
+        return t + max(0, bisect_right(bounds, t) - 1) * delta
+
+    starts = tuple(move(t) for t in solution.starts)
+    precs = tuple(move(t) for t in solution.prec_starts)
+    return GroupSolution(
+        new,
+        starts,
+        solution.devices,
+        precs,
+        use_offsets(new, starts, precs),
+        solution.method,
+        solution.status,
+        solution.k_lower_bound,
+        solution.wall_time,
+    )
+
+
+def _boundary_gaps(window: Window, device: int) -> tuple[int, int]:
+    """(longest free stretch away from step boundaries, longest free stretch across one) of `device`
+    in `window`; only the second grows with the stretch."""
+    busy, L = window.fixed[device], window.length
+    ends = [e for _, e in busy]
+    across = 0
+    bounds = [window.step_start(device, j) % L for j in range(window.k)]  # each blocked boundary tick
+    for b in bounds:
+        if any(s < b < e for s, e in busy):
+            continue
+        before = max((e for e in ends if e <= b), default=ends[-1] - L)
+        after = min((s for s, _ in busy if s >= b), default=busy[0][0] + L)
+        across = max(across, after - before)
+    inside = 0
+    for (_, e1), (s2, _) in zip(busy, busy[1:] + ((busy[0][0] + L, 0),)):
+        if not any(e1 <= b <= s2 or e1 <= b + L <= s2 for b in bounds):
+            inside = max(inside, s2 - e1)
+    return inside, across
+
+
+def stretch_lower_bound(window: Window) -> int:
+    """Ticks per step any placement of `window`'s work needs (computed at the window's stretch, valid
+    for every stretch): each task must fit one free stretch of its device(s), and all the work (tasks
+    and APPLY) must fit the free time of the window's devices."""
+    x, k, n = window.stretch, window.k, len(window.group.devices)
+    gaps = {d: _boundary_gaps(window, d) for d in window.group.devices}
+    need = 0
+    for task in window.tasks:
+        per_device = [0 if task.ticks <= gaps[d][0] else task.ticks - (gaps[d][1] - x) for d in task.devices]
+        need = max(need, min(per_device) if task.kind is TaskKind.INV else max(per_device))
+    work = sum(t.ticks * (len(t.devices) if t.kind.collective else 1) for t in window.tasks)
+    work += sum(p.ticks for p in window.precs)
+    free = n * window.length - sum(e - s for d in window.group.devices for s, e in window.fixed[d])
+    return max(need, x + math.ceil((work - free) / (k * n)), 0)
+
+
+def least_stretch(found: GroupSolution, probe: Probe, lower: int) -> tuple[GroupSolution, bool]:
+    """Bisect the stretch in [lower, found's]: the solution with the least stretch `probe` finds, and
+    whether it is proven least (every smaller stretch probed was INFEASIBLE or below `lower`)."""
+    return bisect_least(max(0, lower), found, probe, lambda solution: solution.window.stretch)
+
+
+def bisect_least(
+    lower: int, found: GroupSolution, probe: Probe, size: Callable[[GroupSolution], int]
+) -> tuple[GroupSolution, bool]:
+    """The placement of least `size` (ticks of stretch, or of a whole step) `probe` finds in [lower, found's], by
+    bisection (exact where feasibility only grows with the size), and whether it is proven least (every smaller size
+    probed was INFEASIBLE)."""
+    lo, hi, best, proven = lower, size(found), found, True
+    while lo < hi:
+        mid = (lo + hi) // 2
+        status, solution = probe(mid)
+        if solution is not None:
+            hi, best = size(solution), solution
+        else:
+            proven = proven and status == "INFEASIBLE"
+            lo = mid + 1
+    return best, proven
+
+
+UNITS_PER_STEP = 2000
+"""The packing table's resolution: a step of the window is this many of its units (task lengths round down to
+them, bubble lengths up, so the table only over-counts what fits)."""
+
+MAX_CHOICES = 4096
+"""The most placements of the APPLY slots that share bubbles one bound tries; beyond it those bubbles count their
+idle time less the slots' (still an upper bound)."""
+
+
+class Packer:
+    """The most ticks of tasks (lengths `sizes`, each usable any number of times) that fit in a bubble."""
+
+    def __init__(self, sizes: Iterable[int], unit: int) -> None:
+        if unit < 1:
+            raise ValueError(f"a packing unit is at least one tick, got {unit}")
+        self.unit = unit
+        by_weight: dict[int, int] = {}
+        for size in sizes:
+            if size > 0:
+                weight = size // unit
+                by_weight[weight] = max(by_weight.get(weight, 0), size)
+        self.free = 0 in by_weight
+        """Some task is shorter than a unit: every bubble counts as full."""
+        self.items = sorted(by_weight.items())
+        self._best = [0]
+
+    def packable(self, length: int) -> int:
+        """An upper bound on the ticks of whole tasks that fit in `length` ticks (exact when task lengths are
+        whole units)."""
+        if length <= 0 or not self.items:
+            return 0
+        if self.free:
+            return length
+        units = -(-length // self.unit)
+        best = self._best
+        while len(best) <= units:
+            n = len(best)
+            best.append(max([best[n - 1]] + [best[n - w] + v for w, v in self.items if w <= n]))
+        return min(length, best[units])
+
+
+def idle_regions(fixed: Sequence[Interval], length: int) -> list[list[Interval]]:
+    """The maximal idle spans of a device over a window of `length` ticks, each as its pieces in [0, length):
+    one piece, or two where a span runs over the window's end into its start (tasks wrap modulo the window)."""
+    gaps: list[Interval] = []
+    at = 0
+    for start, end in sorted(fixed):
+        if start > at:
+            gaps.append((at, start))
+        at = max(at, end)
+    if at < length:
+        gaps.append((at, length))
+    if len(gaps) > 1 and gaps[0][0] == 0 and gaps[-1][1] == length:
+        return [[gaps[-1], gaps[0]]] + [[g] for g in gaps[1:-1]]
+    return [[g] for g in gaps]
+
+
+def _span(region: Sequence[Interval]) -> int:
+    return sum(end - start for start, end in region)
+
+
+def _meets(region: Sequence[Interval], allowed: Sequence[Interval]) -> bool:
+    return any(a < d and c < b for a, b in region for c, d in allowed)
+
+
+def _device_capacity(window: Window, device: int, packer: Packer) -> int:
+    """The most task ticks the device's bubbles may hold, its APPLY slots placed where they cost the least."""
+    regions = idle_regions(window.fixed[device], window.length)
+    slots = [s for s in window.precs if s.device == device and s.ticks > 0]
+    candidates = [
+        [i for i, r in enumerate(regions) if _span(r) >= slot.ticks and _meets(r, _allowed(slot, window.length))]
+        for slot in slots
+    ]
+    total, seen = 0, set()
+    for component in _components(candidates):
+        members = {i for j in component for i in candidates[j]}
+        seen |= members
+        chosen = [slots[j] for j in component], [candidates[j] for j in component]
+        total += _best_placement(regions, members, *chosen, packer)
+    return total + sum(packer.packable(_span(r)) for i, r in enumerate(regions) if i not in seen)
+
+
+def _allowed(slot: PrecSlot, length: int) -> list[Interval]:
+    return wrap(slot.release, max(slot.deadline, slot.release + slot.ticks), length)
+
+
+def _components(candidates: Sequence[Sequence[int]]) -> list[list[int]]:
+    """The slots in groups that share no candidate bubble with another group."""
+    groups: list[tuple[set[int], list[int]]] = []
+    for j, regions in enumerate(candidates):
+        joined = [g for g in groups if g[0] & set(regions)]
+        merged = (set(regions).union(*(g[0] for g in joined)), [x for g in joined for x in g[1]] + [j])
+        groups = [g for g in groups if g not in joined] + [merged]
+    return sorted(sorted(slots) for _, slots in groups)
+
+
+def _best_placement(
+    regions: Sequence[Sequence[Interval]],
+    members: set[int],
+    slots: Sequence[PrecSlot],
+    candidates: Sequence[Sequence[int]],
+    packer: Packer,
+) -> int:
+    """The most task ticks of the bubbles `members` with `slots` each in one of its candidates (a slot set flush
+    against its bubble's end leaves one piece, which holds at least what any split of it holds)."""
+    spans = {i: _span(regions[i]) for i in members}
+    loose = min(
+        sum(packer.packable(s) for s in spans.values()),
+        sum(spans.values()) - sum(s.ticks for s in slots),
+    )
+    if not all(candidates) or math.prod(len(c) for c in candidates) > MAX_CHOICES:
+        return max(0, loose)
+    best = 0
+    for choice in itertools.product(*candidates):
+        load = dict.fromkeys(members, 0)
+        for slot, i in zip(slots, choice):
+            load[i] += slot.ticks
+        if all(load[i] <= spans[i] for i in members):
+            best = max(best, sum(packer.packable(spans[i] - load[i]) for i in members))
+    return best
+
+
+def _bubble_tasks(window: Window) -> list[Task]:
+    """The refresh's computations that bubbles must hold: its statistics and decomposition pieces."""
+    return [t for t in window.tasks if t.kind in (TaskKind.CURV, TaskKind.INV)]
+
+
+def window_work(window: Window) -> int:
+    """Ticks of the refresh's computations that bubbles must hold (`_bubble_tasks`), the same under every
+    distribution of a layer."""
+    return sum(t.ticks for t in _bubble_tasks(window))
+
+
+def device_loads(window: Window) -> list[int]:
+    """The ticks each task holds a device for: a computation one, a collective one on each of its devices."""
+    return [t.ticks for t in window.tasks for _ in (t.devices if t.kind.collective else (0,))]
+
+
+def window_capacity(window: Window, packer: Packer) -> int:
+    """The most of that work the window's bubbles may hold, over every device of the group."""
+    return sum(_device_capacity(window, d, packer) for d in window.group.devices)
+
+
+def packing_lower_bound(window_at: Callable[[int], Window], lower: int, top: int) -> int:
+    """The least refresh period from `lower` to `top` whose window (`window_at(k)`, the one a search solves) may
+    hold its refresh's computations whole, and all its tasks with them (`device_loads`: collectives on each of
+    their devices; each a necessary condition, counted apart: short collectives would let the bubbles count as
+    full to the computations); `top + 1` when none may. No period from `lower` below it has a placement in its
+    window."""
+    packers: tuple[Packer, Packer] | None = None
+    for k in range(lower, top + 1):
+        window = window_at(k)
+        loads = device_loads(window)
+        if packers is None:
+            unit = max(1, window.offsets[1] // UNITS_PER_STEP)
+            packers = Packer((t.ticks for t in _bubble_tasks(window)), unit), Packer(loads, unit)
+        computations, every = packers
+        if window_work(window) <= window_capacity(window, computations) and sum(loads) <= window_capacity(
+            window, every
+        ):
+            return k
+    return top + 1
+
+
+def group_lower_bound(
+    allowance: Allowance, group: StageGroup, window_at: Callable[[int], Window], min_k: int = 1
+) -> int:
+    """The least refresh period `group` may have in `window_at`'s windows: the fluid bound (`refresh_lower_bound` of
+    the allowance's problem and fused layers, at least `min_k`) raised by whole tasks (`packing_lower_bound`);
+    max_period + 1 when no period up to it may hold the work."""
+    problem = allowance.problem
+    fluid = max(min_k, refresh_lower_bound(problem, group, allowance.fused, stretch=allowance.enabled))
+    return packing_lower_bound(window_at, fluid, problem.max_period)
+
 
 MARGIN = 0.05
 """pipe-fisher's margin_ratio: a task needs duration * (1 + MARGIN) of free gap."""

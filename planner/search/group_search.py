@@ -1,9 +1,9 @@
 """One stage group's plan: the least refresh period, then the least stretch, then the least staleness.
 
 `least_period` is the period search of the one window model (planner/search/cpsat.py), with a group's distributions
-fixed or chosen with the placement (`solve_joint_group`, [Note: joint strategy] in planner/search/joint.py: the least
+fixed or chosen with the placement (`solve_joint_group`, [Note: joint strategy] in planner/search/cpsat.py: the least
 period, then the least step, then the least staleness); `least_group_period` runs it with the distributions fixed, from
-the lower bounds (planner/problem/step_timeline.py, planner/search/packing_bound.py) and first-fit's placement
+the lower bounds (planner/problem/step_timeline.py, planner/search/greedy.py) and first-fit's placement
 (planner/search/greedy.py), within a share of the planner's clock (`planner.budget.Budget`); `refine_group` then lowers
 the stretch and the staleness at that period. `solve` runs the first for every group before the second for any
 (planner/search/attempt.py `_solve_groups`): refresh periods come first in how plans rank (`planner.plan.rank`).
@@ -23,11 +23,27 @@ from fxkfac.planner.plan.window import Window, too_long
 from fxkfac.planner.problem.problem import Problem, SolverConfig, StageGroup, copies_of_stage
 from fxkfac.planner.problem.step_timeline import step_timeline
 from fxkfac.planner.search.budget import Budget
-from fxkfac.planner.search.cpsat import Frame, energy_bound, placed_tasks, solve_window
-from fxkfac.planner.search.greedy import greedy_window
-from fxkfac.planner.search.joint import ns, options_of, reference_step, reference_ticks, window_at
-from fxkfac.planner.search.packing_bound import group_lower_bound, window_work
-from fxkfac.planner.search.stretch import Allowance, bisect_least, least_stretch, restretch, stretch_lower_bound
+from fxkfac.planner.search.cpsat import (
+    Frame,
+    energy_bound,
+    ns,
+    options_of,
+    placed_tasks,
+    reference_step,
+    reference_ticks,
+    solve_window,
+    window_at,
+)
+from fxkfac.planner.search.greedy import (
+    Allowance,
+    bisect_least,
+    greedy_window,
+    group_lower_bound,
+    least_stretch,
+    restretch,
+    stretch_lower_bound,
+    window_work,
+)
 
 __all__ = ["Period", "least_group_period", "refine_group", "least_period", "refine_stretch", "solve_joint_group"]
 

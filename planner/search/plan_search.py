@@ -12,26 +12,652 @@ of what is left, and the streaming and distribution choices' simulations are cha
 TimeLimit.WHOLE_SEARCH (`fxkfac plan`, plan="auto") the time limit bounds it all; TimeLimit.EACH_SOLVE gives each
 placement the whole limit (the benchmarks' golden records were made that way). A budget keeps every plan it made, so
 a retry of a problem it planned takes no more time.
+
+Activation checkpointing under a memory budget: which stages recompute their forward (`Problem.recompute`).
+
+A stage that recomputes keeps only its boundary per micro-batch in flight and runs its forward again in its
+backward (planner/problem/step_timeline.py). Each choice of stages is priced by the
+least memory any plan of it needs (`min_memory_bytes`: every layer's curvature fused) and by its reference step
+(`step_timeline`). `recompute_choices` lists the choices that fit, the shortest step first (none recomputing first where
+that fits): with few stages every subset, else the stages added greedily, the one that saves the most bytes per second
+it adds first. `plan_recomputing` plans the first that the planner places: a choice that fits only with fused curvature
+may need more step than max_overhead allows, where one more stage recomputing leaves room for deferred captures.
+
+schedule="auto": the pipeline schedule the planner chooses among those the mesh allows.
+
+Every candidate (`schedule_candidates`: each kind that runs D ranks and N micro-batches) is planned as asked; a
+candidate whose costs cannot be cut, or whose plan is refused (the memory budget, max_overhead), drops out with
+its reason. The freshest curvature any plan reaches sets the bar: the least, over the plans, of the longest refresh
+period of a plan. Each plan that refreshes less often is planned again with that period as its longest
+(`Problem.max_period`; under `Overhead.LEAST` at the least step growth that places it), and of the plans that
+refresh that often the one with the least step time wins (ties: the order of `ScheduleKind`). So the choice is
+the least step at the freshest curvature, the same curvature for every schedule compared.
+
+Which layers of the first stage to stream, and to which ranks (planner/problem/lowering.py): the choice that
+shortens the reference step most without costing any refresh, and a plan that falls back to none where it cannot place.
+
+A Muon stage with copies (W > 1, Chimera) never streams: its owner sends the Newton-Schulz input, which it makes of
+the reduced gradient, but a streamed gradient leaves during the backward, before the copies' all-reduce, so the
+runtime refuses such a plan (fxkfac/runtime/streaming.py); its copies share its matrices by MEM-OPT instead.
+
+`max_preconditioner_dim="auto"`: the largest Shampoo/SOAP block side whose plan fits the pipeline's bubbles.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from itertools import combinations
+from typing import Protocol, TypeVar
 
-from fxkfac.planner.plan.plan import Plan
-from fxkfac.planner.problem.errors import ConfigError
-from fxkfac.planner.problem.problem import Problem, SolverConfig
-from fxkfac.planner.problem.step_timeline import step_timeline
-from fxkfac.planner.problem.strategy import Strategy
-from fxkfac.planner.search.attempt import Method
+from fxkfac.planner.plan.plan import Plan, rank
+from fxkfac.planner.problem.costs import LayerCost, PreconditionerKind
+from fxkfac.planner.problem.errors import ConfigError, Knob, PlanError, PlannerError, ScheduleError
+from fxkfac.planner.problem.ir import Op, OpKind
+from fxkfac.planner.problem.lowering import Streaming, can_stream, ready_fractions
+from fxkfac.planner.problem.problem import Problem, SolverConfig, copies_of_stage, format_bytes, stage_groups
+from fxkfac.planner.problem.schedules import ScheduleKind, validate_schedule_args
+from fxkfac.planner.problem.step_timeline import (
+    StepTimeline,
+    group_load,
+    min_memory_bytes,
+    refresh_lower_bound,
+    step_timeline,
+)
+from fxkfac.planner.problem.strategy import LayerDistribution, Strategy
+from fxkfac.planner.search.attempt import Method, solve
 from fxkfac.planner.search.budget import Budget
-from fxkfac.planner.search.recompute import plan_recomputing
-from fxkfac.planner.search.solve import solve
-from fxkfac.planner.search.stream_choice import StreamApply, solve_streamed, with_streaming
 
-__all__ = ["Distributions", "Overhead", "SearchOptions", "TimeLimit", "plan"]
+__all__ = [
+    "EXHAUSTIVE_STAGES",
+    "MAX_TRIES",
+    "choose_recompute",
+    "plan_recomputing",
+    "recompute_choices",
+    "recompute_price",
+    "ScheduleCandidate",
+    "Tried",
+    "ScheduleChoice",
+    "schedule_candidates",
+    "choose_schedule",
+    "StreamApply",
+    "Solver",
+    "with_streaming",
+    "solve_streamed",
+    "STREAMED_STAGE",
+    "STREAMED_PART",
+    "STREAM_CHOICE_PART",
+    "HELPER_CANDIDATES",
+    "SMALLEST_BLOCK",
+    "BlockChoice",
+    "block_candidates",
+    "block_label",
+    "choose_block_size",
+    "Distributions",
+    "Overhead",
+    "SearchOptions",
+    "TimeLimit",
+    "plan",
+]
+
+log = logging.getLogger(__name__)
+
+EXHAUSTIVE_STAGES = 8
+"""Up to this many stages every subset is priced (256 step simulations at most); beyond, the greedy search."""
+MAX_TRIES = 4
+"""`plan_recomputing` solves at most this many choices (each a full solve) before it gives up."""
+
+T = TypeVar("T")
+
+
+def recompute_price(problem: Problem, stages: Iterable[int]) -> tuple[int, float]:
+    """(least bytes per device any plan needs, reference step seconds) of `problem` with `stages` recomputing."""
+    candidate = replace(problem, recompute=tuple(sorted(set(stages))))
+    return min_memory_bytes(candidate), step_timeline(candidate).length
+
+
+def recompute_choices(problem: Problem) -> list[tuple[int, ...]]:
+    """The choices of recomputing stages that fit `problem`'s budget, the shortest reference step first (fewest
+    stages on a tie; so none first where that fits): [()] without a budget; every stage alone when no choice fits,
+    so that the planner's refusal names the least memory checkpointing reaches."""
+    budget, S = problem.memory_budget, problem.num_stages
+    if budget is None:
+        return [()]
+    if S <= EXHAUSTIVE_STAGES:
+        candidates = [c for n in range(S + 1) for c in combinations(range(S), n)]
+    else:
+        candidates = [(), *_greedy(problem)]
+    priced = {c: recompute_price(problem, c) for c in candidates}
+    fitting = sorted((step, len(c), c) for c, (memory, step) in priced.items() if memory <= budget)
+    return [c for _, _, c in fitting] or [tuple(range(S))]
+
+
+def choose_recompute(problem: Problem) -> Problem:
+    """`problem` with the first of its `recompute_choices` recomputing."""
+    return replace(problem, recompute=recompute_choices(problem)[0])
+
+
+def plan_recomputing(problem: Problem, solve: Callable[[Problem], T]) -> T:
+    """`solve` of `problem` with the first of its `recompute_choices` (at most `MAX_TRIES`) the planner places;
+    where none is placed, the first choice's refusal."""
+    first: PlanError | None = None
+    for chosen in recompute_choices(problem)[:MAX_TRIES]:
+        if chosen:
+            memory, step = recompute_price(problem, chosen)
+            log.info(
+                "activation checkpointing: stages %s recompute (least memory %s per device for a budget of %s, "
+                "reference step %.4g s)",
+                list(chosen),
+                format_bytes(memory),
+                format_bytes(problem.memory_budget or 0),
+                step,
+            )
+        try:
+            return solve(replace(problem, recompute=chosen))
+        except PlanError as e:
+            log.info("activation checkpointing: stages %s recomputing do not plan (%s)", list(chosen), e)
+            first = first or e
+    assert first is not None, "recompute_choices returns at least one choice"
+    raise first
+
+
+def _greedy(problem: Problem) -> list[tuple[int, ...]]:
+    """The stages added one at a time, each the one that saves the most bytes per second of step it adds (the most
+    bytes when it adds none): every choice on the way, the first (one stage) first."""
+    chosen: tuple[int, ...] = ()
+    memory, step = recompute_price(problem, chosen)
+    out = []
+    while len(chosen) < problem.num_stages:
+        priced = {s: recompute_price(problem, (*chosen, s)) for s in range(problem.num_stages) if s not in chosen}
+        worth = {s: _worth(memory - m, t - step) for s, (m, t) in priced.items()}
+        best = max(sorted(worth), key=worth.__getitem__)
+        chosen = tuple(sorted((*chosen, best)))
+        memory, step = priced[best]
+        out.append(chosen)
+    return out
+
+
+def _worth(saved: int, added: float) -> tuple[bool, float]:
+    """How a stage ranks by the bytes it saves and the step seconds it adds: any that adds none first (by bytes),
+    then by bytes per added second."""
+    return (added <= 0, saved if added <= 0 else saved / added)
+
+
+@dataclass(frozen=True)
+class ScheduleCandidate:
+    """One schedule with its stages per rank `v`."""
+
+    kind: ScheduleKind
+    v: int = 1
+
+    def __str__(self) -> str:
+        return f"{self.kind.value} v={self.v}" if self.v != 1 else self.kind.value
+
+
+def schedule_candidates(D: int, N: int, v: int = 1) -> tuple[ScheduleCandidate, ...]:
+    """Every schedule that runs D ranks and N micro-batches (`validate_schedule_args`), in `ScheduleKind`'s order:
+    one stage per rank, ZB-V's two, interleaved's and zb-1p's `v` (2 where the mesh names 1, which is 1F1B)."""
+    out = []
+    for kind in ScheduleKind:
+        stages = {ScheduleKind.ZB_V: 2, ScheduleKind.INTERLEAVED: max(v, 2), ScheduleKind.ZB_1P: max(v, 2)}.get(kind, 1)
+        try:
+            validate_schedule_args(kind, D, N, stages)
+        except ScheduleError:
+            continue
+        out.append(ScheduleCandidate(kind, stages))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Tried:
+    """One candidate: its plan as asked (`first`), its plan at the freshest curvature (`plan`, None when it
+    cannot refresh that often or has no plan at all) and why it is out of the comparison ('' when in)."""
+
+    candidate: ScheduleCandidate
+    first: Plan | None
+    plan: Plan | None
+    why_not: str = ""
+
+
+@dataclass(frozen=True)
+class ScheduleChoice:
+    """The chosen plan, every candidate tried, the refresh period compared at, and the choice in words."""
+
+    plan: Plan
+    tried: tuple[Tried, ...]
+    period: int
+    reason: str
+
+
+ProblemFor = Callable[[ScheduleCandidate], Problem]
+"""The problem of one candidate (its costs cut into its stages); raises a PlannerError where it cannot be made."""
+PlanOf = Callable[[Problem], Plan]
+"""The caller's planner run (`planner.plan` with its SearchOptions); raises PlanError when nothing plans."""
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).splitlines()[0] if str(error) else type(error).__name__
+
+
+def _stalest(plan: Plan) -> int:
+    return max(plan.metrics.refresh_steps)
+
+
+def choose_schedule(
+    candidates: Sequence[ScheduleCandidate], problem_for: ProblemFor, plan_of: PlanOf
+) -> ScheduleChoice:
+    """The least step at the freshest curvature among `candidates` (see the module's docstring); PlanError naming
+    each candidate's reason when none plans."""
+    first: list[tuple[ScheduleCandidate, Problem | None, Plan | None, str]] = []
+    for c in candidates:
+        try:
+            problem = problem_for(c)
+            first.append((c, problem, plan_of(problem), ""))
+        except PlannerError as e:  # a cut the costs do not allow, a budget refused: out, with the reason
+            first.append((c, None, None, _first_line(e)))
+    planned = [plan for _, _, plan, _ in first if plan is not None]
+    if not planned:
+        raise PlanError("no schedule plans: " + "; ".join(f"{c}: {why}" for c, _, _, why in first))
+    period = min(_stalest(p) for p in planned)
+    tried = []
+    for c, made, plan, why in first:
+        fresh = plan
+        if made is not None and plan is not None and _stalest(plan) > period:
+            try:
+                fresh = plan_of(replace(made, max_period=period))
+            except PlanError as e:
+                fresh, why = None, f"cannot refresh every {period} steps: {_first_line(e)}"
+        tried.append(Tried(c, plan, fresh, why))
+    compared = [t for t in tried if t.plan is not None]
+    best = min(compared, key=lambda t: t.plan.metrics.step_time if t.plan is not None else 0.0)
+    assert best.plan is not None, "compared candidates have a plan"
+    others = ", ".join(
+        f"{t.candidate} {t.plan.metrics.step_time * 1e3:.1f} ms" for t in compared if t is not best and t.plan
+    )
+    reason = (
+        f"{best.candidate}: the least step, {best.plan.metrics.step_time * 1e3:.1f} ms, with every layer refreshed at "
+        f"least every {period} steps (the freshest curvature any schedule plans)"
+        + (f"; {others}" if others else "")
+        + "".join(f"; {t.candidate} out: {t.why_not}" for t in tried if t.why_not)
+    )
+    return ScheduleChoice(best.plan, tuple(tried), period, reason)
+
+
+class StreamApply(StrEnum):
+    """When the first stage's APPLY streams to idle ranks: never; where that costs no refresh (the plan refreshing
+    as often as without it, plans ranking periods first); or wherever it shortens the step, refreshes or not (a
+    shorter step shortens every other rank's bubbles too, so on Chimera it costs refreshes)."""
+
+    OFF = "off"
+    KEEP_REFRESH = "keep-refresh"
+    SHORTEST_STEP = "shortest-step"
+
+
+class Solver(Protocol):
+    """A solve of one problem within `budget` (a part of the search's); `suggest` False where its refusal is only
+    logged, so that no time goes to searching what would plan it (`planner.solve.solve`'s `suggest`)."""
+
+    def __call__(self, problem: Problem, budget: Budget, /, *, suggest: bool = True) -> Plan: ...
+
+
+STREAMED_PART = 0.5
+"""Of the time left, the part the streamed try takes where the plan without streaming may follow: the rest, and
+what the streamed try leaves, go to that one."""
+
+
+STREAMED_STAGE = 0
+"""The stage whose APPLY lies on the cycle every step repeats (GPipe, 1F1B): its last backward ends the step."""
+
+HELPER_CANDIDATES = 4
+"""How many ranks, those that end their step's work first, are tried as helpers: each alone, and the first m of
+them together (m = 2 ..) sharing the layers. For Muon, whose large Newton-Schulz tasks all wait for the last
+backward, also the first m of every rank idle at the step's end with all the layers dealt by `_balanced`."""
+
+
+def _streamable(problem: Problem) -> list[str]:
+    """The first stage's layers a helper may apply, in the order its backward makes their gradients final: every
+    layer a helper may apply (`planner.streaming.can_stream`: K-FAC's APPLY, Shampoo's and
+    SOAP's statistics fold and APPLY, Muon's Newton-Schulz) that every copy applies itself (COMM-OPT)."""
+    layers = problem.costs.stages[STREAMED_STAGE].layers
+    fractions = ready_fractions(problem.costs.stages[STREAMED_STAGE])
+    ok = [
+        x.name
+        for x in layers
+        if can_stream(problem.costs.family, x)
+        and problem.where(x.name) == LayerDistribution()
+        and _worth_a_helper(problem, x)
+    ]
+    return sorted(ok, key=lambda n: fractions[n])
+
+
+def _worth_a_helper(problem: Problem, layer: LayerCost) -> bool:
+    """Whether a Muon unit's APPLY outlasts its gradient's transfer to a helper: a matrix's Newton-Schulz (compute on
+    m^2 n, bytes m n) does but for tiny ones, an AdamW parameter's elementwise step (embeddings, the head, 1-D
+    parameters; planner/problem/analytic.py: passes at memory bandwidth) only on a link faster than a twelfth of it,
+    so it stays with its owner. Only a bound: the step timeline, which prices both transfers, chooses among the rest.
+    Every other family's layer: always (their choice as before)."""
+    if problem.costs.family is not PreconditionerKind.MUON:
+        return True
+    send = Op(OpKind.SEND_LGRAD, STREAMED_STAGE, peer=STREAMED_STAGE + 1, layer=layer.name)
+    return layer.prec > problem.costs.collective_seconds(send, 2)
+
+
+def _helpers(problem: Problem) -> list[int]:
+    """Every rank but the streamed stage's copies, those that end their step's F/B and per-step work first (they idle
+    longest before the step ends) first, the lowest first on a tie."""
+    step = step_timeline(problem)
+    owners = copies_of_stage(problem, STREAMED_STAGE)
+    ends = {
+        d: max((end for op, _, end in step.ops[d] if op.kind is not OpKind.OPT_STEP), default=0.0)
+        for d in problem.devices
+        if d not in owners
+    }
+    return sorted(ends, key=lambda d: (ends[d], d))
+
+
+def _helper_sets(helpers: list[int]) -> list[tuple[int, ...]]:
+    """The helper sets tried: each candidate alone, then the first m candidates together (m = 2 ..)."""
+    return [(h,) for h in helpers] + [tuple(helpers[:m]) for m in range(2, len(helpers) + 1)]
+
+
+def _assign(layers: list[str], helpers: tuple[int, ...]) -> tuple[int, ...]:
+    """A helper for each of `layers` (in the order their gradients become final): round robin from the last, so the
+    layers the backward finishes last, whose APPLYs end the step, run side by side on different helpers."""
+    m = len(helpers)
+    return tuple(helpers[(len(layers) - 1 - i) % m] for i in range(len(layers)))
+
+
+def _balanced(problem: Problem, names: list[str], helpers: tuple[int, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The layers streamed and their helpers when every APPLY is dealt, longest first, to whichever of the owner and
+    `helpers` has the least APPLY time so far (the owner's share stays with it): where the gradients come at once
+    (compiled stages, Muon's large Newton-Schulz tasks) the APPLYs then end together rather than in a row."""
+    seconds = {n: problem.costs.layer(n).prec for n in names}
+    load = {rank: 0.0 for rank in (-1, *helpers)}  # -1: the owner
+    dealt: dict[str, int] = {}
+    for n in sorted(names, key=lambda n: (-seconds[n], names.index(n))):
+        rank = min(load, key=lambda r: (load[r], r))
+        dealt[n], load[rank] = rank, load[rank] + seconds[n]
+    streamed = tuple(n for n in names if dealt[n] >= 0)
+    return streamed, tuple(dealt[n] for n in streamed)
+
+
+def _helper_load(problem: Problem) -> float:
+    """The largest share of its bubbles a helper's stage group needs for one refresh per step (inf without
+    bubble)."""
+    assert problem.streaming is not None, "only a streaming problem has helpers"
+    loads = []
+    for helper in problem.streaming.ranks:
+        group = next(g for g in stage_groups(problem) if helper in g.devices)
+        work, bubble = group_load(problem, group)
+        loads.append(work / bubble if bubble > 0 else math.inf)
+    return max(loads)
+
+
+def with_streaming(
+    problem: Problem, whole_backward: bool = False, keep_bounds: bool = True, budget: Budget | None = None
+) -> Problem:
+    """`problem` with the first stage's APPLY streamed, for the helpers (`_helper_sets`, the layers shared by
+    `_assign`, or for Muon all dealt with the owner's by `_balanced`) and the prefix of its layers (in the order their
+    gradients become final) that give the shortest reference step without raising any stage group's least refresh
+    period (any, without `keep_bounds`), the lowest largest helper load and then the fewest helpers among equals;
+    unchanged where nothing does, where every rank holds the stage, or where it already streams. `whole_backward`:
+    the stages run compiled, each backward making every gradient at its end (`Streaming.whole_backward`): the
+    helper then only applies its layers beside the owner. Each candidate's simulations
+    are charged to `budget`, and the search keeps the best found so far once it has spent STREAM_CHOICE_PART of the
+    whole time limit (of the limit, not of what is left: a candidate distribution of the choice streams as it would
+    forced, `planner.plan`)."""
+    if problem.streaming is not None or len(copies_of_stage(problem, STREAMED_STAGE)) == len(problem.devices):
+        return problem
+    if problem.costs.family is PreconditionerKind.MUON and len(copies_of_stage(problem, STREAMED_STAGE)) > 1:
+        return problem  # the runtime streams a Muon stage with one copy only (module doc)
+    names = _streamable(problem)
+    if not names:
+        return problem
+    bounds, length = _bounds(problem) if keep_bounds else None, step_timeline(problem).length
+    best: tuple[float, float, int] | None = None
+    chosen = problem
+    stop = None if budget is None else budget.now() + budget.limit * STREAM_CHOICE_PART
+    ranked, dealt = _helpers(problem), problem.costs.family is PreconditionerKind.MUON
+    sets = [(h, True) for h in _helper_sets(ranked[:HELPER_CANDIDATES])]
+    # Muon's matrices dealt over every idle rank first: the streaming choice may stop at its part of the time limit
+    dealt_sets = [(tuple(ranked[:m]), False) for m in range(len(ranked), HELPER_CANDIDATES, -1)] if dealt else []
+    sets = dealt_sets + sets
+    for helpers, prefixes in sets:
+        tries = [(tuple(names[:n]), _assign(names[:n], helpers)) for n in range(len(helpers), len(names) + 1)]
+        tries = tries if prefixes else []
+        tries += [_balanced(problem, names, helpers)] if dealt and len(helpers) > 1 else []
+        for layers, assigned in tries:
+            if not layers:
+                continue
+            if budget is not None and stop is not None and best is not None and budget.now() >= stop:
+                log.info("streaming choice: its part of the time limit is spent; the best found so far is kept")
+                return chosen
+            streaming = Streaming(STREAMED_STAGE, assigned, layers, whole_backward)
+            candidate = replace(problem, streaming=streaming)
+            step = step_timeline(candidate)
+            if budget is not None:
+                budget.charge_simulated(_simulated_ops(step) * (1 + len(stage_groups(candidate)) * bool(bounds)))
+            shorter = step.length
+            if shorter >= length * (1 - 1e-9) or (bounds is not None and _bounds(candidate) != bounds):
+                continue
+            key = (round(shorter, 12), _helper_load(candidate), len(helpers))
+            if best is None or key < best:
+                best, chosen = key, candidate
+    return chosen
+
+
+def _simulated_ops(step: StepTimeline) -> int:
+    """The ops of one simulated step, what its simulation is charged by (`Budget.charge_simulated`)."""
+    return sum(len(ops) for ops in step.ops.values())
+
+
+STREAM_CHOICE_PART = 0.05
+"""Of the whole time limit, the most the streaming choice's simulations take before it keeps the best found so far."""
+
+
+def solve_streamed(
+    problem: Problem,
+    solve: Solver,
+    policy: StreamApply = StreamApply.KEEP_REFRESH,
+    whole_backward: bool = False,
+    budget: Budget | None = None,
+    streamed: Problem | None = None,
+) -> Plan:
+    """`solve` the problem with streaming where `with_streaming` finds some (`policy` not OFF), else as given.
+    KEEP_REFRESH: a streamed plan whose refresh periods are the unstreamed problem's lower bounds is kept (no plan
+    without streaming refreshes more often, nor steps faster); otherwise the problem is solved without streaming too
+    and the better plan by `planner.plan.rank` (periods first) kept. SHORTEST_STEP: the streamed plan is kept.
+    Without a streamed plan, the unstreamed one; each choice is logged. `whole_backward`: as `with_streaming`'s.
+    Only the unstreamed problem's refusal is raised: the other solves search no suggestions (`Solver`). Everything
+    runs in `budget` (a new one of the default SolverConfig when None): the streamed try in STREAMED_PART of it
+    where the unstreamed may follow, the unstreamed one in the rest. `streamed`: the streaming choice, where made
+    already (`with_streaming` of `problem`)."""
+    budget = budget or Budget.of(SolverConfig())
+    if policy is StreamApply.OFF:
+        return solve(problem, budget)
+    if streamed is None:
+        streamed = with_streaming(problem, whole_backward, policy is StreamApply.KEEP_REFRESH, budget)
+    if streamed is problem:
+        return solve(problem, budget)
+    assert streamed.streaming is not None, "with_streaming returns a streaming problem or the same one"
+    log.info(
+        "streaming %d layer(s) of stage %d to rank(s) %s (their APPLY leaves the step's cycle)",
+        len(streamed.streaming.layers),
+        streamed.streaming.stage,
+        list(streamed.streaming.ranks),
+    )
+    part = 1.0 if policy is StreamApply.SHORTEST_STEP else STREAMED_PART
+    try:
+        plan = solve(streamed, budget.part(part), suggest=False)
+    except PlanError as e:
+        log.info("no plan with streaming (%s); planning without it", str(e).splitlines()[0])
+        return solve(problem, budget)
+    if policy is StreamApply.SHORTEST_STEP or tuple(plan.metrics.refresh_steps) == _bounds(problem):
+        return plan
+    try:
+        alone = solve(problem, budget, suggest=False)
+    except PlanError:
+        return plan
+    if rank(alone) < rank(plan):
+        log.info(
+            "planned without streaming: refresh every %s steps, where streaming's plan refreshes every %s",
+            list(alone.metrics.refresh_steps),
+            list(plan.metrics.refresh_steps),
+        )
+        return alone
+    return plan
+
+
+def _bounds(problem: Problem) -> tuple[int, ...]:
+    """Each stage's least refresh period: its stage group's `refresh_lower_bound`. Streaming shortens the step, which
+    shortens every bubble, and adds the helper's APPLYs to its own; a choice that raises any bound would trade
+    refreshes, which plans value first, for step time."""
+    out = [0] * problem.num_stages
+    for group in stage_groups(problem):
+        for s in group.stages:
+            out[s] = refresh_lower_bound(problem, group)
+    return tuple(out)
+
+
+SMALLEST_BLOCK = 256
+"""The smallest block side tried: below it launch overhead dominates (the paper recommends 1024-8192)."""
+
+
+def block_candidates(largest: int) -> list[int | None]:
+    """The block sides tried, largest first: no blocking (None), then the powers of two from SMALLEST_BLOCK
+    below `largest` (the longest side of any parameter: a block that long blocks nothing)."""
+    sides = []
+    side = SMALLEST_BLOCK
+    while side < largest:
+        sides.append(side)
+        side *= 2
+    return [None, *reversed(sides)]
+
+
+def block_label(max_dim: int | None) -> str:
+    """A block side in words."""
+    return "no blocking" if max_dim is None else f"{max_dim}"
+
+
+@dataclass(frozen=True)
+class BlockChoice:
+    """The block side chosen (None: no blocking), its plan, why, and what each side tried came to."""
+
+    max_dim: int | None
+    plan: Plan
+    reason: str
+    tried: tuple[tuple[str, str], ...]
+
+
+def _quick_refusal(problem: Problem) -> str | None:
+    """Why `problem` cannot plan, when a check cheaper than solving shows it: a decomposition longer than the
+    longest step max_overhead allows (no task spans a step boundary), or a budget below the least memory any
+    plan needs. None when only solving can tell."""
+    longest = (1 + problem.max_overhead) * step_timeline(problem).length
+    task = max(
+        ((p.decomp, f"{x.name} {p.part}") for s in problem.costs.stages for x in s.layers for p in x.parts),
+        default=(0.0, ""),
+    )
+    if task[0] > longest:
+        return f"decomposing {task[1]} takes {task[0]:.3g} s, longer than a step ({longest:.3g} s)"
+    budget = problem.memory_budget
+    if budget is not None and min_memory_bytes(problem) > budget:
+        return f"needs at least {format_bytes(min_memory_bytes(problem))} per device, over {format_bytes(budget)}"
+    return None
+
+
+def _least_overhead(error: PlanError) -> float | None:
+    """The max_overhead alone that the planner's refusal says places the work, if it names one."""
+    values = [s.changes[0][1] for s in error.suggestions if [k for k, _ in s.changes] == [Knob.MAX_OVERHEAD]]
+    return float(min(values)) if values else None
+
+
+def choose_block_size(
+    problem_for: Callable[[int | None], Problem],
+    candidates: Sequence[int | None],
+    config: SolverConfig = SolverConfig(),
+    method: Method | str = Method.CPSAT,
+    budget: Budget | None = None,
+) -> BlockChoice:
+    """The LARGEST block side whose plan fits (every side a candidate of one search in `budget`, each with an equal
+    share of what is left; without one, each solve in a budget of its own): `problem_for(side)` is the planning
+    problem with that side's
+    costs (its max_overhead and max_period, the refresh frequency, are what "fits" means: 0 is the bubbles
+    alone, no step-time overhead beyond the plain pipeline's with preconditioning). Candidates are tried in
+    the order given (largest first), each solved with `config`; the first plan found is chosen, since larger
+    blocks precondition better (Shampoo's full-matrix statistics of a block) and every smaller one only
+    costs less. When none fits, each candidate's refusal names the least max_overhead that places it
+    (solved with an equal share of the time limit) and the side needing the least is planned at that overhead.
+    PlanError when no side plans even so, naming what each came to."""
+    tried: list[tuple[str, str]] = []
+    overheads: dict[int | None, float] = {}
+    for n, side in enumerate(candidates):
+        problem = problem_for(side)
+        refusal = _quick_refusal(problem)
+        if refusal is None:
+            try:
+                plan = _solve(problem, config, method, budget, len(candidates) - n)
+            except PlanError as e:
+                refusal = str(e)
+                found = _least_overhead(e)
+                if found is not None:
+                    overheads[side] = found
+            else:
+                reason = (
+                    f"block side {block_label(side)}: the largest of {[block_label(c) for c in candidates]} "
+                    f"whose plan fits (max_overhead {problem.max_overhead:.3g}, refresh within "
+                    f"{problem.max_period} steps)"
+                )
+                log.info("max_preconditioner_dim=auto chose %s", reason)
+                return BlockChoice(side, plan, reason, (*tried, (block_label(side), "plans")))
+        tried.append((block_label(side), refusal))
+    return _least_overhead_choice(problem_for, candidates, config, method, overheads, tried, budget)
+
+
+def _solve(problem: Problem, config: SolverConfig, method: Method | str, budget: Budget | None, shares: int) -> Plan:
+    """`solve` as one of `shares` candidates left in `budget`, or in a budget of its own."""
+    if budget is None:
+        return solve(problem, config, method)
+    return solve(problem, config, method, budget=budget, shares=shares)
+
+
+def _least_overhead_choice(
+    problem_for: Callable[[int | None], Problem],
+    candidates: Sequence[int | None],
+    config: SolverConfig,
+    method: Method | str,
+    overheads: dict[int | None, float],
+    tried: list[tuple[str, str]],
+    budget: Budget | None,
+) -> BlockChoice:
+    """No side fits: the one whose refusal names the least max_overhead, planned at that overhead."""
+    share = replace(config, time_limit_s=max(1.0, config.time_limit_s / len(candidates)))
+    for n, side in enumerate(candidates):
+        problem = problem_for(side)
+        if side not in overheads and _quick_refusal(problem) is None:
+            try:
+                if budget is None:
+                    solve(problem, share, method)
+                else:
+                    solve(problem, config, method, budget=budget, shares=len(candidates) - n + 1)
+            except PlanError as e:
+                found = _least_overhead(e)
+                if found is not None:
+                    overheads[side] = found
+    if not overheads:
+        raise PlanError("no block side plans: " + "; ".join(f"{side}: {why}" for side, why in tried))
+    side = min(overheads, key=lambda c: (overheads[c], candidates.index(c)))  # a tie: the larger side
+    problem = problem_for(side)
+    plan = _solve(replace(problem, max_overhead=overheads[side]), config, method, budget, 1)
+    reason = (
+        f"block side {block_label(side)}: no side fits with max_overhead {problem.max_overhead:.3g}; it needs "
+        f"the least, {overheads[side]:.3g} (refresh within {problem.max_period} steps)"
+    )
+    log.info("max_preconditioner_dim=auto chose %s", reason)
+    return BlockChoice(side, plan, reason, tuple(tried))
 
 
 class Distributions(StrEnum):

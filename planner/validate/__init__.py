@@ -24,17 +24,18 @@ from fxkfac.planner.problem.errors import PlanError
 from fxkfac.planner.problem.ir import Capture
 from fxkfac.planner.problem.problem import Problem
 from fxkfac.planner.problem.step_timeline import step_timeline
-from fxkfac.planner.validate.context import Context
-from fxkfac.planner.validate.dependencies import check_dependencies, check_precs_and_offsets
-from fxkfac.planner.validate.placements import (
+from fxkfac.planner.validate.checks import (
+    Context,
+    check_dependencies,
     check_layers,
     check_memory,
     check_overlap,
     check_placed_once,
+    check_precs_and_offsets,
+    check_programs,
     check_step_time,
+    check_streaming,
 )
-from fxkfac.planner.validate.programs import check_programs
-from fxkfac.planner.validate.streaming import check_streaming
 
 if TYPE_CHECKING:
     from fxkfac.planner.plan.plan import Plan

@@ -1,22 +1,228 @@
-"""Plan files read back: parsed, structure-checked (planner/validate/plan_check.py) and, on `load_plan`, validated
+"""Plan files read back: parsed, structure-checked (planner/validate/plan_file.py) and, on `load_plan`, validated
 against their own problem (planner/validate/). Writing is `Plan.save`; this module sits above the plan and its
-checks."""
+checks.
+
+Shape checks of a plan read from a file, before the validator: types, ranges and references.
+
+The validator (planner/validate/) checks a plan's constraints assuming the plan is well formed: its
+ops name layers, stages and devices of its problem, its numbers are finite. A file can break those
+assumptions in ways the validator was not written for (an op on a rank that never runs its stage, a
+NaN tolerance that would make every comparison pass); these checks refuse such files with a
+PlanFormatError that says what is wrong, so loading never ends in another exception.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Mapping
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fxkfac.planner.plan.plan import SCHEMA_VERSION, Plan, PlanMetrics, SolverStats
+from fxkfac.planner.plan.solution import plan_born
 from fxkfac.planner.problem.errors import PlanError, PlanFormatError, PlanMismatchError
-from fxkfac.planner.problem.ir import LayerTiming, Placement, Program, parse_program
-from fxkfac.planner.problem.problem import Problem
+from fxkfac.planner.problem.ir import PRECONDITIONER_KINDS, LayerTiming, Op, OpKind, Placement, Program, parse_program
+from fxkfac.planner.problem.lowering import startup_programs
+from fxkfac.planner.problem.problem import Problem, copies_of_stage, is_streamed
+from fxkfac.planner.problem.step_timeline import base_programs
 from fxkfac.planner.validate import check_plan
-from fxkfac.planner.validate.plan_check import check_structure
 
-__all__ = ["parse_plan", "read_plan", "load_plan"]
+if TYPE_CHECKING:
+    from fxkfac.planner.plan.plan import Plan
+
+__all__ = ["MAX_QUANTUM_SHARE", "check_structure", "parse_plan", "read_plan", "load_plan"]
+
+MAX_QUANTUM_SHARE = 0.01
+"""The coarsest time grid a file may claim, as a share of the step (the planner's is 1e-5 or exact):
+the validator's tolerance is the grid, so a coarse claimed grid would let overlaps pass."""
+
+_KFAC_KINDS = PRECONDITIONER_KINDS
+_LAYER_KINDS = frozenset({OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST})
+_NAMED_KINDS = frozenset({OpKind.APPLY, OpKind.BCAST_PREC})
+"""Ops that may (APPLY) or must (BCAST_PREC) name a layer, and no part."""
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)) and math.isfinite(value)
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise PlanFormatError(f"the plan file is malformed: {message}; make the plan again (fxkfac plan ... --export)")
+
+
+def _check_problem(problem: Problem) -> None:
+    for name in ("schedule", "hardware", "fingerprint"):
+        _need(isinstance(getattr(problem, name), str), f"problem.{name} must be a string")
+    _need(_is_int(problem.N) and _is_int(problem.D) and _is_int(problem.v), "problem.D/N/v must be ints")
+    try:
+        hash(problem)
+    except TypeError as e:
+        raise PlanFormatError(
+            f"the plan file is malformed: the problem holds a value of the wrong type ({e})"
+        ) from None
+
+
+def _check_layers(plan: Plan) -> None:
+    names = set(plan.problem.costs.layer_names)
+    _need(set(plan.layers) == names, f"layers {sorted(plan.layers)} are not the cost table's {sorted(names)}")
+    for name, t in plan.layers.items():
+        _need(
+            all(_is_int(v) and v >= 0 for v in (t.period, t.curv_step, t.use_offset)) and t.period >= 1,
+            f"layer {name}: period, curv_step and use_offset must be ints (period >= 1)",
+        )
+
+
+def _fixed_ops(problem: Problem) -> dict[int, set[tuple[OpKind, int | None, int | None, int]]]:
+    return {
+        d: {(op.kind, op.stage, op.mb, op.pipe) for op in ops if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.BWD_W)}
+        for d, ops in base_programs(problem).items()
+    }
+
+
+def _check_op(problem: Problem, op: Op, device: int, fixed: dict[int, set]) -> None:
+    _need(op.kind in _KFAC_KINDS, f"placement of {op}: only K-FAC ops are placed")
+    _need(op.stage is not None and op.stage < problem.num_stages, f"placement of {op}: no such stage")
+    assert op.stage is not None  # _need raised otherwise
+    _need(device in copies_of_stage(problem, op.stage), f"{op} is placed on r{device}, which does not run its stage")
+    if op.kind in _LAYER_KINDS:
+        names = {x.name for x in problem.costs.stages[op.stage].layers}
+        parts = {p.part for x in problem.costs.stages[op.stage].layers if x.name == op.layer for p in x.parts}
+        _need(
+            op.layer in names and op.part in parts,
+            f"{op}: stage {op.stage} has no layer {op.layer!r} or the layer has no such part",
+        )
+    if op.kind in _NAMED_KINDS and op.layer is not None:
+        _need(
+            op.layer in {x.name for x in problem.costs.stages[op.stage].layers},
+            f"{op}: stage {op.stage} has no layer {op.layer!r}",
+        )
+    if op.kind is OpKind.STATS:
+        kind = problem.costs.layer(op.layer_name).part(op.part_name).after
+        if kind is OpKind.ALLREDUCE_GRAD:
+            _need(
+                op.mb is None and op.pipe == 0,
+                f"{op}: part {op.part} is fed by the reduced gradient, so its "
+                "STATS names no micro-batch and no pipe (one per step and copy of the stage)",
+            )
+        else:
+            _need(op.mb is not None, f"{op}: part {op.part} is fed by a capture, so its STATS names a micro-batch")
+            _need(
+                (kind, op.stage, op.mb, op.pipe) in fixed[device],
+                f"{op} on r{device}: r{device} runs no such micro-batch of the stage",
+            )
+
+
+def _check_placements(plan: Plan) -> None:
+    problem = plan.problem
+    fixed = _fixed_ops(problem)
+    for p in plan.placements:
+        _need(_is_int(p.device) and p.device in fixed, f"placement of {p.op}: no rank {p.device}")
+        _need(_is_int(p.step) and p.step >= 0, f"placement of {p.op}: step must be an int >= 0")
+        _need(
+            _is_number(p.start) and _is_number(p.end) and p.start <= p.end,
+            f"placement of {p.op}: start and end must be finite, start <= end",
+        )
+        _check_op(problem, p.op, p.device, fixed)
+
+
+def _check_programs(plan: Plan) -> None:
+    _need(
+        plan.problem.D * plan.problem.W == len(plan.programs),
+        f"programs for {len(plan.programs)} ranks, the mesh has D x W = {plan.problem.D * plan.problem.W}",
+    )  # before the ranks are listed: a mutated D or W
+    devices = set(plan.problem.devices)
+    _need(set(plan.programs) == devices, f"programs for ranks {sorted(plan.programs)}, the mesh has {sorted(devices)}")
+    _need(all(len(steps) >= 1 for steps in plan.programs.values()), "every rank's program needs at least one step")
+    forwards = sum(op.kind is OpKind.FWD for steps in plan.programs.values() for op in steps[0])
+    _need(
+        plan.problem.N <= forwards,
+        f"N={plan.problem.N} micro-batches, but the programs' first step runs only {forwards} forwards",
+    )  # before the schedule of N is built: a mutated N must not cost gigabytes
+    fixed = _fixed_ops(plan.problem)
+    for device, steps in plan.programs.items():
+        for op in (op for ops in steps for op in ops if op.kind in _KFAC_KINDS):
+            if is_streamed(plan.problem, device, op):
+                _check_streamed_op(plan.problem, op, device)
+            else:
+                _check_op(plan.problem, op, device, fixed)  # the same rules as a placed op's
+
+
+def _check_streamed_op(problem: Problem, op: Op, device: int) -> None:
+    """A streamed layer's op names a layer the problem streams, between its stage's owners and the layer's helper."""
+    streaming = problem.streaming
+    _need(
+        streaming is not None and op.layer in streaming.layers, f"{op} on r{device}: the problem streams no such layer"
+    )
+    assert streaming is not None and op.layer is not None  # _need raised otherwise
+    ends = {*problem.stream_owners, streaming.helper_of(op.layer)}
+    _need(
+        op.stage == streaming.stage and device in ends,
+        f"{op} on r{device}: not between the stage's owners and the layer's helper",
+    )
+    _need(op.peer is None or op.peer in ends - {device}, f"{op} on r{device}: its peer is not the other end")
+
+
+def _check_metrics(plan: Plan) -> None:
+    m = plan.metrics
+    for f in fields(m):
+        value = getattr(m, f.name)
+        if isinstance(value, float) or f.type in ("float", float):
+            _need(_is_number(value) and value >= 0, f"metrics.{f.name} must be a finite number >= 0")
+    for name in ("refresh_steps", "lower_bound_steps", "greedy_refresh_steps"):
+        values = getattr(m, name)
+        _need(len(values) == plan.problem.num_stages, f"metrics.{name} needs one entry per stage")
+        _need(
+            all(_is_int(v) or (v is None and name == "greedy_refresh_steps") for v in values),
+            f"metrics.{name} must hold ints",
+        )
+    _need(all(_is_int(d) and _is_int(b) for d, b in m.peak_memory.items()), "metrics.peak_memory maps ranks to bytes")
+    _need(
+        isinstance(m.solver.status, str)
+        and _is_number(m.solver.wall_time)
+        and _is_number(m.solver.gap)
+        and all(_is_int(v) for v in m.solver.objective),
+        "metrics.solver is malformed",
+    )
+    _need(
+        m.time_quantum <= MAX_QUANTUM_SHARE * max(m.step_time_reference, 0.0),
+        f"metrics.time_quantum {m.time_quantum!r} s is coarser than {MAX_QUANTUM_SHARE:.0%} of the step",
+    )
+    _need(m.utilization <= 1 + 1e-9 and m.utilization_baseline <= 1 + 1e-9, "utilization above 100%")
+
+
+def _check_startup(plan: Plan) -> None:
+    """The start-up steps are what `startup_programs` derives; their count is compared first, so a placement
+    claiming a huge window step is refused without building that many steps."""
+    born = plan_born(plan.problem, plan.placements, plan.layers)
+    _need(set(plan.startup) <= set(plan.programs), "start-up steps for ranks that have no program")
+    for rank in plan.programs:
+        last = max(born.get(rank, {}).values(), default=0)
+        _need(
+            len(plan.startup.get(rank, [])) == last,
+            f"rank {rank} has {len(plan.startup.get(rank, []))} start-up steps, its placements call for {last}",
+        )
+    _need(
+        dict(plan.startup) == {r: s for r, s in startup_programs(plan.programs, born).items()},
+        "the start-up steps are not the programs' first steps without the refreshes from before step 0",
+    )
+
+
+def check_structure(plan: Plan) -> None:
+    """Raise PlanFormatError unless `plan` is well formed for its own problem (see the module doc)."""
+    _check_problem(plan.problem)
+    _need(isinstance(plan.fingerprint, str), "fingerprint must be a string")
+    _check_layers(plan)
+    _check_programs(plan)
+    _check_placements(plan)
+    _check_startup(plan)
+    _check_metrics(plan)
 
 
 def parse_plan(text: str) -> Plan:

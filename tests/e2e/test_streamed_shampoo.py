@@ -21,8 +21,8 @@ from fxkfac.planner.plan.plan import Plan
 from fxkfac.planner.problem.ir import LayerTiming
 from fxkfac.planner.problem.lowering import Streaming, ready_fractions
 from fxkfac.planner.problem.problem import SolverConfig, copies_of_stage
-from fxkfac.planner.search.solve import solve
-from fxkfac.planner.search.stream_choice import StreamApply
+from fxkfac.planner.search.attempt import solve
+from fxkfac.planner.search.plan_search import StreamApply
 from fxkfac.planner.validate import validate
 from fxkfac.shampoo import GraftType, ShampooConfig, SOAPConfig
 from tests.support.distributed import run_distributed

@@ -371,7 +371,7 @@ def two_helpers_worker(rank: int, world: int, case: Case) -> dict:
     periods of the streamed layers. Returns params, losses, the plan's layers and steps, and its streaming."""
     from fxkfac.planner.problem.lowering import Streaming
     from fxkfac.planner.problem.problem import SolverConfig
-    from fxkfac.planner.search.solve import solve
+    from fxkfac.planner.search.attempt import solve
 
     data = batches(case)
     options = PlanOptions(costs=synthetic_costs, time_limit_s=1.5, max_overhead=max_overhead(case))

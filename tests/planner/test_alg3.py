@@ -23,7 +23,7 @@ from fxkfac.planner.problem.lowering import (
 from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.problem.schedules import num_stages
 from fxkfac.planner.problem.step_timeline import activation_peak, plain_step_time, simulate, static_bytes, step_timeline
-from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import gradient_layer
 

@@ -14,8 +14,8 @@ from fxkfac.planner.problem.costs import CostTable
 from fxkfac.planner.problem.errors import PlanError
 from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.problem.strategy import COMM_OPT, Strategy, StrategyKind
+from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.search.choose import best, candidate_strategies, solve_with_strategy, strategy_of
-from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import problems
 

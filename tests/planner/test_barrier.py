@@ -11,7 +11,7 @@ from fxkfac.planner.plan.plan import Plan
 from fxkfac.planner.problem.errors import PlanError
 from fxkfac.planner.problem.problem import Problem, SolverConfig, StepBarrier, stage_groups
 from fxkfac.planner.problem.step_timeline import early_start, step_timeline, steps_overlap
-from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.validate import validate
 from fxkfac.planner.validate.plan_file import parse_plan
 from tests.planner.kfac_cases import problem

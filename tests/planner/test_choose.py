@@ -13,6 +13,7 @@ from fxkfac.planner.problem.errors import PlanError
 from fxkfac.planner.problem.hardware import HARDWARE
 from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.problem.strategy import parse_strategy
+from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.search.budget import Budget
 from fxkfac.planner.search.choose import (
     STEP_TIE,
@@ -23,7 +24,6 @@ from fxkfac.planner.search.choose import (
     solve_with_strategy,
     strategy_of,
 )
-from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate import validate
 
 QUICK = SolverConfig(time_limit_s=2.0)

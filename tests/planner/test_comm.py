@@ -28,7 +28,7 @@ from fxkfac.planner.problem.ir import Op, OpKind, Placement
 from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.problem.profiles import load_cost_table
 from fxkfac.planner.problem.step_timeline import plain_step_time, stage_comm, step_timeline
-from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.validate import validate
 from fxkfac.planner.validate.plan_file import parse_plan
 

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from ortools.sat.python import cp_model
 
 from fxkfac.planner.plan.solution import fits_memory
+from fxkfac.planner.plan.window import build_window, grid_scale
 from fxkfac.planner.problem.costs import CostTable, StageCost
 from fxkfac.planner.problem.errors import InfeasibleBudgetError, PlanError
 from fxkfac.planner.problem.ir import OpKind
@@ -18,9 +19,8 @@ from fxkfac.planner.problem.problem import Problem, SolverConfig, StepBarrier, s
 from fxkfac.planner.problem.profiles import load_cost_table
 from fxkfac.planner.problem.step_timeline import min_memory_bytes, refresh_lower_bound, step_timeline
 from fxkfac.planner.search import cpsat
+from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.search.greedy import greedy_window
-from fxkfac.planner.search.solve import solve
-from fxkfac.planner.search.window_build import build_window, grid_scale
 from fxkfac.planner.validate import validate
 from tests.planner.brute_force import brute_feasible
 from tests.planner.kfac_cases import EXHAUSTIVE, EXHAUSTIVE_ABOVE_GREEDY, EXHAUSTIVE_AT_BOUND, layer, problem, problems
@@ -200,7 +200,7 @@ def test_the_cpsat_model_accepts_first_fit_where_every_layer_of_the_first_stage_
     CP-SAT's no-overlap keeps out of other intervals, so while the slot was laid as one the model refused every
     placement of stages 0 and 7; it now holds no interval."""
     from fxkfac.planner.problem.profiles import ProfileLayers
-    from fxkfac.planner.search.stream_choice import with_streaming
+    from fxkfac.planner.search.plan_search import with_streaming
 
     costs = load_cost_table(
         "paper:bert-large/p100", blocks_per_stage=3, n_stages=8, micro_batch_size=32, layers=ProfileLayers.LINEAR

@@ -27,7 +27,7 @@ from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.problem.schedules import num_stages
 from fxkfac.planner.problem.step_timeline import min_memory_bytes
 from fxkfac.planner.search import budget
-from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import gradient_layer, problem
 
@@ -123,7 +123,7 @@ def test_a_refusal_names_the_same_values_every_time() -> None:
 
 _IN_A_PROCESS = """
 import sys
-from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.attempt import solve
 from tests.planner.test_deterministic import CASES, CONFIG, _text
 print(_text(solve(CASES[sys.argv[1]](), CONFIG)))
 """

@@ -11,9 +11,8 @@ from fxkfac.planner.problem.costs import CostTable
 from fxkfac.planner.problem.ir import OpKind
 from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.problem.step_timeline import step_timeline
-from fxkfac.planner.search.attempt import cheaper_fused
+from fxkfac.planner.search.attempt import cheaper_fused, solve
 from fxkfac.planner.search.choose import solve_with_strategy
-from fxkfac.planner.search.solve import solve
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import layer, problem
 

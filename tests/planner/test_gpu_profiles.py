@@ -16,7 +16,7 @@ from fxkfac.planner.problem.profiles import (
     is_profile,
     load_cost_table,
 )
-from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.validate import validate
 
 FIXTURES = Path(__file__).parent.parent / "data" / "gpu_profiles"

@@ -23,7 +23,7 @@ from fxkfac.planner.problem.lowering import naive_programs
 from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.problem.schedules import num_stages
 from fxkfac.planner.problem.step_timeline import min_memory_bytes, simulate
-from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.validate import validate
 from fxkfac.planner.validate.plan_file import load_plan
 from tests.planner.kfac_cases import gradient_layer

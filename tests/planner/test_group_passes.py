@@ -10,7 +10,7 @@ import pytest
 from fxkfac.planner.problem.problem import Problem, SolverConfig, StepBarrier
 from fxkfac.planner.problem.profiles import load_cost_table
 from fxkfac.planner.search import group_search
-from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import problem
 

@@ -19,9 +19,7 @@ from fxkfac.planner.problem.errors import InfeasibleBudgetError, Knob, PlanError
 from fxkfac.planner.problem.problem import Problem, SolverConfig, format_bytes
 from fxkfac.planner.problem.schedules import num_stages
 from fxkfac.planner.problem.step_timeline import min_memory_bytes
-from fxkfac.planner.search.attempt import Method
-from fxkfac.planner.search.solve import solve
-from fxkfac.planner.search.suggest import device_bytes
+from fxkfac.planner.search.attempt import Method, device_bytes, solve
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import problem
 

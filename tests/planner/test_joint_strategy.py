@@ -1,4 +1,4 @@
-"""CP-SAT choosing each layer's distribution with the placement (planner/search/joint.py, planner/search/cpsat.py with a
+"""CP-SAT choosing each layer's distribution with the placement (planner/search/cpsat.py, planner/search/cpsat.py with a
 `Frame`, planner/search/group_search.py `solve_joint_group`): the least step against every option set enumerated, and
 joint plans against every forced strategy and the outer search."""
 
@@ -12,29 +12,30 @@ import pytest
 
 from fxkfac.planner.plan.plan import Plan
 from fxkfac.planner.plan.solution import GroupSolution
-from fxkfac.planner.plan.window import TaskKind, Window
+from fxkfac.planner.plan.window import TaskKind, Window, grid_scale
 from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.problem.hardware import HARDWARE
 from fxkfac.planner.problem.problem import Problem, SolverConfig, copies_of_stage, stage_groups
 from fxkfac.planner.problem.step_timeline import activation_peak, min_memory_bytes, static_bytes, step_timeline
 from fxkfac.planner.problem.strategy import parse_strategy
+from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.search.budget import Budget
 from fxkfac.planner.search.choose import solve_outer, solve_with_strategy, strategy_of
-from fxkfac.planner.search.cpsat import Frame, least_step, solve_window
-from fxkfac.planner.search.greedy import greedy_window
-from fxkfac.planner.search.joint import (
+from fxkfac.planner.search.cpsat import (
+    Frame,
     layer_options,
+    least_step,
     ns,
     options_of,
     reference_step,
     reference_ticks,
+    solve_window,
     step_fixed_end,
     timeline_stages,
     transfer,
     window_at,
 )
-from fxkfac.planner.search.solve import solve
-from fxkfac.planner.search.window_build import grid_scale
+from fxkfac.planner.search.greedy import greedy_window
 from fxkfac.planner.validate import validate
 
 QUICK = SolverConfig(time_limit_s=2.0)

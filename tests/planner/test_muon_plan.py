@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fxkfac.planner.plan.ns_placement import NSWhere, critical_path_step, ns_tasks
-from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.plan.plan import NSWhere, Plan, critical_path_step, ns_tasks
 from fxkfac.planner.problem.analytic import muon_cost_table, muon_matrices, ns_iteration_flops, preset
 from fxkfac.planner.problem.costs import CostTable, PreconditionerKind
 from fxkfac.planner.problem.errors import PlanError
@@ -22,8 +21,8 @@ from fxkfac.planner.problem.ir import Op, OpKind, piece_iterations
 from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.problem.step_timeline import plain_step_time
 from fxkfac.planner.problem.strategy import parse_strategy
-from fxkfac.planner.search.solve import solve
-from fxkfac.planner.search.stream_choice import with_streaming
+from fxkfac.planner.search.attempt import solve
+from fxkfac.planner.search.plan_search import with_streaming
 from fxkfac.planner.validate import validate
 from fxkfac.planner.validate.plan_file import parse_plan
 

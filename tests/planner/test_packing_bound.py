@@ -9,13 +9,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fxkfac.planner.plan.window import build_window
 from fxkfac.planner.problem.errors import PlanError
 from fxkfac.planner.problem.problem import Problem, SolverConfig, StageGroup, StepBarrier, stage_groups
 from fxkfac.planner.problem.profiles import load_cost_table
 from fxkfac.planner.problem.step_timeline import refresh_lower_bound
-from fxkfac.planner.search.packing_bound import Packer, idle_regions, packing_lower_bound
-from fxkfac.planner.search.solve import solve
-from fxkfac.planner.search.window_build import build_window
+from fxkfac.planner.search.attempt import solve
+from fxkfac.planner.search.greedy import Packer, idle_regions, packing_lower_bound
 from fxkfac.planner.validate import validate
 from tests.planner.brute_force import brute_feasible
 from tests.planner.kfac_cases import EXHAUSTIVE, EXHAUSTIVE_ABOVE_GREEDY, EXHAUSTIVE_AT_BOUND, problem, problems

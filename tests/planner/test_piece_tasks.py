@@ -1,15 +1,14 @@
 """A stage's decompositions made in pieces (`Problem.decomp_pieces`) are placed in tasks no longer than one piece of
-its longest decomposition ([Note: piece tasks] in planner/search/window_build.py): the longest keeps a task per piece, a
+its longest decomposition ([Note: piece tasks] in planner/plan/window.py): the longest keeps a task per piece, a
 small one runs all its pieces in one task, on one rank, in order."""
 
 from __future__ import annotations
 
-from fxkfac.planner.plan.window import TaskKind, Window
+from fxkfac.planner.plan.window import TaskKind, Window, build_window
 from fxkfac.planner.problem.ir import OpKind
 from fxkfac.planner.problem.problem import Problem, SolverConfig, StepBarrier, stage_groups
 from fxkfac.planner.problem.profiles import ProfileLayers, load_cost_table
-from fxkfac.planner.search.solve import solve
-from fxkfac.planner.search.window_build import build_window
+from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.validate import validate
 
 PIECES = 4

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from fxkfac.errors import FxkfacError
 from fxkfac.planner.plan.plan import SCHEMA_VERSION
 from fxkfac.planner.problem.errors import PlanFormatError
-from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.validate import validate
 from fxkfac.planner.validate.plan_file import load_plan
 from tests.planner.kfac_cases import problem

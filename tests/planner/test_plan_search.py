@@ -18,8 +18,8 @@ from fxkfac.planner import (
     plan,
     validate,
 )
+from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.search.choose import solve_with_strategy
-from fxkfac.planner.search.solve import solve
 from tests.planner.kfac_cases import problem
 
 CONFIG = SolverConfig(time_limit_s=1.0)

@@ -14,9 +14,9 @@ from fxkfac.planner.problem.errors import PlanError
 from fxkfac.planner.problem.ir import OpKind
 from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.problem.step_timeline import activation_peak, min_memory_bytes, static_bytes, step_timeline
-from fxkfac.planner.search import recompute
-from fxkfac.planner.search.recompute import choose_recompute, plan_recomputing, recompute_choices, recompute_price
-from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search import plan_search
+from fxkfac.planner.search.attempt import solve
+from fxkfac.planner.search.plan_search import choose_recompute, plan_recomputing, recompute_choices, recompute_price
 from fxkfac.planner.validate import check_plan
 from fxkfac.planner.validate.plan_file import load_plan
 
@@ -107,7 +107,7 @@ def test_nothing_recomputes_where_the_budget_holds_without() -> None:
 def test_greedy_search_fits_beyond_the_exhaustive_size(monkeypatch: pytest.MonkeyPatch) -> None:
     free = _problem()
     budget = min_memory_bytes(free) - ACT // 2
-    monkeypatch.setattr(recompute, "EXHAUSTIVE_STAGES", 0)
+    monkeypatch.setattr(plan_search, "EXHAUSTIVE_STAGES", 0)
     chosen = choose_recompute(replace(free, memory_budget=budget))
     assert chosen.recompute == (0,)
     assert min_memory_bytes(chosen) <= budget

@@ -9,7 +9,7 @@ from fxkfac.planner import plan as plan_search
 from fxkfac.planner.problem.errors import ConfigError, PlanError
 from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.problem.schedules import ScheduleKind
-from fxkfac.planner.search.schedule_choice import ScheduleCandidate, choose_schedule, schedule_candidates
+from fxkfac.planner.search.plan_search import ScheduleCandidate, choose_schedule, schedule_candidates
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import problem
 

@@ -23,7 +23,7 @@ from fxkfac.planner.problem.costs import WORDS, CostTable, PreconditionerKind, k
 from fxkfac.planner.problem.errors import CostModelError
 from fxkfac.planner.problem.hardware import HardwareSpec
 from fxkfac.planner.problem.ir import OpKind
-from fxkfac.planner.search.block_size import block_candidates
+from fxkfac.planner.search.plan_search import block_candidates
 
 PEAK = 1e12
 # Compute bound everywhere (bandwidth out of reach), GEMMs at peak, factorizations at half of it: every time is

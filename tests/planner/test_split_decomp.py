@@ -13,7 +13,7 @@ from fxkfac.planner.plan.plan import Plan
 from fxkfac.planner.problem.errors import PlanError
 from fxkfac.planner.problem.ir import OpKind
 from fxkfac.planner.problem.problem import SolverConfig
-from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.validate import validate
 from fxkfac.planner.validate.plan_file import parse_plan
 from tests.planner.kfac_cases import problem

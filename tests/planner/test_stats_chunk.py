@@ -12,7 +12,7 @@ import pytest
 
 from fxkfac.planner.problem.errors import PlanError
 from fxkfac.planner.problem.problem import Problem, SolverConfig
-from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.validate import validate
 
 # A profiled BERT (hidden 128, 4 blocks) on Chimera D=2, N=4 (no bubble): at max_overhead 0.06 its STATS tasks
@@ -67,7 +67,7 @@ def test_a_relaxed_max_overhead_is_the_one_of_the_distribution_with_the_least_st
 
 
 def test_chunks_are_consecutive_and_even() -> None:
-    from fxkfac.planner.search.window_build import _chunks
+    from fxkfac.planner.plan.window import _chunks
 
     layers = [f"l{i}" for i in range(10)]
     assert _chunks(layers, 4) == [layers[0:3], layers[3:6], layers[6:10]]

@@ -27,9 +27,9 @@ from fxkfac.planner.problem.step_timeline import (
     step_timeline,
 )
 from fxkfac.planner.problem.strategy import LayerDistribution, Strategy, StrategyKind
+from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.search.budget import Budget
-from fxkfac.planner.search.solve import solve
-from fxkfac.planner.search.stream_choice import StreamApply, solve_streamed, with_streaming
+from fxkfac.planner.search.plan_search import StreamApply, solve_streamed, with_streaming
 from fxkfac.planner.validate import validate
 from fxkfac.planner.validate.plan_file import parse_plan
 

@@ -15,7 +15,7 @@ from fxkfac.planner.problem.errors import Knob, PlanError
 from fxkfac.planner.problem.ir import OpKind
 from fxkfac.planner.problem.problem import Problem, SolverConfig, copies_of_stage
 from fxkfac.planner.problem.step_timeline import step_timeline
-from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.validate import validate
 from fxkfac.planner.validate.plan_file import parse_plan
 from tests.planner.brute_force import brute_feasible

@@ -9,7 +9,7 @@ import pytest
 
 from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.problem.step_timeline import step_timeline, tap_extra
-from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import problem
 

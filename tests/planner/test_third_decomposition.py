@@ -15,7 +15,7 @@ from fxkfac.planner.problem.ir import OpKind
 from fxkfac.planner.problem.problem import SolverConfig
 from fxkfac.planner.problem.step_timeline import decomposition_bytes, step_timeline, window_length
 from fxkfac.planner.search import group_search
-from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import problem
 

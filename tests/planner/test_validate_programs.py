@@ -8,7 +8,7 @@ from fxkfac.planner.plan.plan import Plan
 from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.problem.ir import OpKind
 from fxkfac.planner.problem.problem import Problem, SolverConfig
-from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.validate import validate
 
 MS = 1e-3

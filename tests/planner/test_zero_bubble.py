@@ -17,7 +17,7 @@ from fxkfac.planner.problem.step_timeline import (
     plain_step_time,
     step_timeline,
 )
-from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import problem
 

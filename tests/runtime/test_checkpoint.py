@@ -19,7 +19,7 @@ from fxkfac.kfac.family import KFACFamily
 from fxkfac.kfac.inverse import FactorInverse, Inverse
 from fxkfac.planner.plan.plan import Plan
 from fxkfac.planner.problem.ir import LayerTiming
-from fxkfac.planner.search.solve import solve
+from fxkfac.planner.search.attempt import solve
 from fxkfac.runtime.mesh import StageCopies
 from fxkfac.runtime.p2p import TagSpace, Transport
 from fxkfac.runtime.preconditioning import PreconditionerRuntime

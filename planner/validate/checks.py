@@ -1,0 +1,862 @@
+"""What every check of the validator reads: the plan and its problem, the step timelines simulated from the problem
+alone, and the costs and times of each op, recomputed from the cost table.
+
+Checks of the order of a refresh's tasks: statistics after the F/B they read, the synchronization, decomposition
+(its pieces in a row) and broadcast after them and before the next refresh, APPLY after the gradient is reduced, and
+each layer's `use_offset`: the first step its new decomposition can be used.
+
+Checks of where and when the preconditioner's ops are placed: each op placed as often as the problem asks, for
+its cost, inside its window step, never over the pipeline's F/B or another op, within the memory budget and the step
+time.
+
+Checks of the per-rank programs: each rank's steps run the schedule's pipeline ops and the placed ops in time
+order, every gradient is complete before it is read, and the programs, simulated, neither deadlock nor run slower
+than planned.
+
+Checks of a streamed stage's hand-offs (planner/problem/lowering.py): every step the owner sends each streamed
+layer's gradient after the stage's last backward and takes it back before its step ends, the layer's helper receives,
+applies and returns it, and every refresh's preconditioner reaches the helper before the helper's first APPLY that uses
+it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+from fxkfac.planner.problem.errors import DeadlockError
+from fxkfac.planner.problem.ir import (
+    LAYER_TRANSFER_KINDS,
+    NS_STEPS,
+    PRECONDITIONER_KINDS,
+    Op,
+    OpKind,
+    Placement,
+    ops_at,
+)
+from fxkfac.planner.problem.lowering import Streaming
+from fxkfac.planner.problem.problem import (
+    Problem,
+    StepBarrier,
+    agreement_set,
+    copies_of_stage,
+    is_streamed,
+    returned,
+    stage_groups,
+    streamed_stats,
+)
+from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, weight_gradient_kind
+from fxkfac.planner.problem.step_timeline import (
+    StepTimeline,
+    activation_intervals,
+    decomposition_bytes,
+    early_start,
+    fused_stats,
+    peak_level,
+    simulate,
+    static_bytes,
+    step_begins,
+    stream_lead,
+    stream_start,
+    tap_extra,
+    window_length,
+)
+from fxkfac.planner.problem.strategy import COMM_OPT, keeps_statistics, receivers
+
+if TYPE_CHECKING:
+    from fxkfac.planner.plan.plan import Plan
+
+__all__ = ["check_streaming"]
+
+
+@dataclass
+class Context:
+    """One validation: the problem, the plan, the tolerance, the simulated step timelines and the violations found."""
+
+    problem: Problem
+    plan: Plan
+    tol: float
+    fused: frozenset[str]
+    refresh: StepTimeline
+    normal: StepTimeline
+    errors: list[str]
+    stretch: float = 0.0
+
+    def period(self, stage: int) -> int:
+        return self.plan.layers[self.problem.costs.stages[stage].layers[0].name].period
+
+    def length(self, k: int) -> float:
+        return window_length(self.refresh.length, self.normal.length, self.stretch, k)
+
+    def base(self, j: int, k: int) -> float:
+        """Absolute start of window step j (0..2k)."""
+        return step_begins(self.refresh.length, self.normal.length, self.stretch, j, k)
+
+    def step_start(self, device: int, j: int, k: int) -> float:
+        """When window step j begins on `device`: at the step's start on every device under a world barrier;
+        under `StepBarrier.AGREEMENT_SET` once every rank of the device's agreement set can have ended step j-1's
+        work, F/B, all-reduces and per-step slots (its OPT_STEP waits for them alone: `early_start`)."""
+        return self.base(j, k) - early_start(self.problem, self.timeline(j - 1, k), agreement_set(self.problem, device))
+
+    def timeline(self, j: int, k: int) -> StepTimeline:
+        return self.refresh if j % k == 0 else self.normal
+
+    @cached_property
+    def starts(self) -> dict[tuple[Op, int, int], float]:
+        """Each placed op's start by (op, device, window step)."""
+        return {(p.op, p.device, p.step): p.start for p in self.plan.placements}
+
+    @cached_property
+    def made(self) -> dict[str, list[float]]:
+        """Per layer, the ends of its refresh's DECOMP and BCAST placements: when its decompositions exist."""
+        out: dict[str, list[float]] = {}
+        for p in self.plan.placements:
+            if p.op.kind in (OpKind.DECOMP, OpKind.BCAST):
+                out.setdefault(p.op.layer_name, []).append(p.end)
+        return out
+
+
+def placed_key(op: Op) -> Op:
+    """An op without the root of its broadcast (which `_check_chains` checks against the inversion)."""
+    return replace(op, root=op.group[0] if op.group else 0) if op.kind is OpKind.BCAST else op
+
+
+def per_step(op: Op) -> bool:
+    """Whether `op` runs at every step of the period (APPLY, BCAST_PREC, a gradient STATS) rather than once per
+    refresh."""
+    return op.kind in (OpKind.APPLY, OpKind.BCAST_PREC) or (op.kind is OpKind.STATS and op.mb is None)
+
+
+def step_ops(c: Context, stage: int, device: int) -> list[Op]:
+    """What `device` runs of `stage` at every step: the gradient STATS of the layers it applies, then APPLY of
+    the stage (every layer COMM-OPT) or of each layer it applies and the BCAST_PREC of each layer of its row."""
+    p, layers = c.problem, c.problem.costs.stages[stage].layers
+    copies = copies_of_stage(p, stage)
+    ops = [
+        Op(OpKind.STATS, stage, layer=layer, part=part)
+        for layer, part in gradient_fed_parts(c, stage)
+        if device in p.workers(layer) and not streamed_stats(p, layer)
+    ]
+    streaming = p.streaming
+    if streaming is not None and streaming.stage == stage:  # the helper applies the streamed layers
+        return ops + [op for x in layers if x.name not in streaming.layers for op in apply_ops(c, stage, x.name)]
+    if p.apply_pieces == 1 and all(p.where(x.name).strategy == COMM_OPT for x in layers):
+        return ops + [Op(OpKind.APPLY, stage)]
+    ops += [op for x in layers if device in p.workers(x.name) for op in apply_ops(c, stage, x.name)]
+    return ops + [
+        Op(OpKind.BCAST_PREC, stage, root=root, layer=x.name, group=None if row == copies else row)
+        for x in layers
+        for root, row in receivers(copies, p.where(x.name))
+        if device in row
+    ]
+
+
+def apply_ops(c: Context, stage: int, layer: str) -> list[Op]:
+    """A layer's APPLY at every step: whole, or a Muon matrix's `Problem.apply_pieces` pieces 0/n .. n-1/n in
+    order, all on one rank."""
+    n = c.problem.apply_pieces
+    return [Op(OpKind.APPLY, stage, layer=layer, piece=None if n == 1 else (i, n)) for i in range(n)]
+
+
+def piece_seconds(prec: float, piece: tuple[int, int] | None) -> float:
+    """Seconds of piece (i, n) of an APPLY of `prec` seconds: the share of the NS_STEPS Newton-Schulz iterations it
+    runs, [i*S//n, (i+1)*S//n)."""
+    if piece is None:
+        return prec
+    i, n = piece
+    return prec * ((i + 1) * NS_STEPS // n - i * NS_STEPS // n) / NS_STEPS
+
+
+def gradient_fed_parts(c: Context, stage: int) -> list[tuple[str, str]]:
+    """(layer, part) of the stage's parts fed by the reduced gradient."""
+    return [
+        (x.name, p.part)
+        for x in c.problem.costs.stages[stage].layers
+        for p in x.parts
+        if p.after is OpKind.ALLREDUCE_GRAD
+    ]
+
+
+def op_seconds(c: Context, op: Op) -> float:
+    stage = c.problem.costs.stages[op.stage_id]
+    if op.kind is OpKind.APPLY:
+        if op.layer is None:
+            return stage.prec
+        cost = c.problem.costs.layer(op.layer)
+        folds = sum(p.stats for p in cost.parts) if streamed_stats(c.problem, op.layer) else 0.0
+        return piece_seconds(cost.prec, op.piece) + folds
+    if op.kind in (OpKind.SYNC_STATS, OpKind.BCAST, OpKind.BCAST_PREC):
+        return collective_seconds(c, op)
+    part = c.problem.costs.layer(op.layer_name).part(op.part_name)
+    return part.stats if op.kind is OpKind.STATS else part.decomp / (1 if op.piece is None else op.piece[1])
+
+
+def decomp_pieces(n: int) -> list[tuple[int, int] | None]:
+    """The `piece` of each DECOMP of one part's decomposition made in n pieces (None: whole)."""
+    return [None] if n == 1 else [(i, n) for i in range(n)]
+
+
+def collective_seconds(c: Context, op: Op) -> float:
+    """Seconds of a collective (ALLREDUCE_GRAD, SYNC_STATS, BCAST, BCAST_PREC) over the ranks it names, else every
+    copy of its stage, by the cost table's comm model."""
+    group = op.group if op.group is not None else copies_of_stage(c.problem, op.stage_id)
+    return c.problem.costs.collective_seconds(op, len(group))
+
+
+def wrapped(start: float, end: float, length: float) -> list[tuple[float, float]]:
+    s = start % length
+    if length - s < 1e-12:
+        s = 0.0
+    e = s + (end - start)
+    return [(s, e)] if e <= length + 1e-12 else [(s, length), (0.0, e - length)]
+
+
+def end_of(timeline: StepTimeline, device: int, kind: OpKind, stage: int, mb: int, pipe: int) -> float:
+    return next(
+        b for op, _, b in timeline.ops[device] if op.kind is kind and (op.stage, op.mb, op.pipe) == (stage, mb, pipe)
+    )
+
+
+def capture_after(c: Context, op: Op) -> OpKind:
+    """The op (FWD or BWD) whose end makes the capture a STATS op consumes."""
+    return c.problem.costs.layer(op.layer_name).part(op.part_name).after
+
+
+def apply_start(c: Context, layer: str, u: int, device: int) -> float:
+    """When window step `u` (0..2k) on `device` starts the APPLY that preconditions `layer` (the stage's, or the
+    layer's own where the stage has them; a streamed layer: when its owner starts the backward that streams it),
+    counted from the window's start (0 where there is none)."""
+    s = c.problem.costs.stage_of(layer)
+    k = c.period(s)
+    streaming = c.problem.streaming
+    if streaming is not None and layer in streaming.layers:  # needed once the owner starts streaming it
+        return c.base(u % k, k) + stream_start(c.problem, c.timeline(u, k)) + c.length(k) * (u // k)
+    apply = (
+        Op(OpKind.APPLY, s)
+        if Op(OpKind.APPLY, s) in step_ops(c, s, c.problem.workers(layer)[0])
+        else Op(OpKind.APPLY, s, layer=layer)
+    )
+    return c.starts.get((apply, device, u % k), 0.0) + c.length(k) * (u // k)
+
+
+def check_dependencies(c: Context) -> None:
+    factor_tasks: defaultdict[tuple[str, str | None], defaultdict[OpKind, list[Placement]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
+    applies = {(p.op.stage, p.device, p.step): p.start for p in c.plan.placements if p.op.kind is OpKind.APPLY}
+    for p in c.plan.placements:
+        if p.op.kind is OpKind.STATS and p.op.mb is None:
+            _check_gradient_stats(c, p, applies)
+        elif p.op.kind is OpKind.STATS:
+            kind = capture_after(c, p.op)
+            ready = end_of(c.refresh, p.device, kind, p.op.stage_id, p.op.mb_id, p.op.pipe)
+            if p.start < ready - c.tol:
+                c.errors.append(f"{p.op} on r{p.device} starts at {p.start:.6g} before its {kind} ends ({ready:.6g})")
+            if p.end > ready + c.length(c.period(p.op.stage_id)) + c.tol:
+                c.errors.append(f"{p.op} on r{p.device} keeps its a/e longer than one window")
+        if p.op.kind is OpKind.BCAST_PREC:
+            _check_shared_gradient(c, p)
+        elif p.op.kind is not OpKind.APPLY:
+            # STATS, SYNC_STATS (no factor), DECOMP and BCAST name their layer
+            factor_tasks[p.op.layer_name, p.op.part][p.op.kind].append(p)
+    for (layer, side), kinds in factor_tasks.items():
+        _check_factor(c, layer, side, kinds)
+    _check_warm_starts(c, factor_tasks)
+
+
+def _check_shared_gradient(c: Context, p: Placement) -> None:
+    """A BCAST_PREC of window step j starts on every member of its row at once, after its root's APPLY of the
+    layer in that step (which made the preconditioned gradient)."""
+    same = [q for q in c.plan.placements if q.op == p.op and q.step == p.step]
+    if max(q.start for q in same) - min(q.start for q in same) > c.tol:
+        c.errors.append(f"{p.op} at step {p.step}: the row starts it at different times")
+    made = [
+        q
+        for q in c.plan.placements
+        if q.op.kind is OpKind.APPLY and q.device == p.op.root and q.step == p.step and q.op.layer == p.op.layer
+    ]
+    if not made or p.start < made[0].end - c.tol:
+        c.errors.append(f"{p.op} on r{p.device} at step {p.step} starts before r{p.op.root} applied {p.op.layer}")
+
+
+def _check_gradient_stats(c: Context, p: Placement, applies: Mapping[tuple[int | None, int, int], float]) -> None:
+    """A gradient STATS of window step j starts after its stage's gradient all-reduce of that step on its device
+    and ends by the start of the stage's APPLY there (`applies`: APPLY starts by stage, device and step), which
+    overwrites the gradient."""
+    s = p.op.stage
+    assert s is not None, "a STATS names its stage (Op checks it)"
+    k = c.period(s)
+    if (p.device, s) not in c.refresh.allreduce_end or not 0 <= p.step < k:
+        return  # check_placed_once says where it should be
+    ready = c.base(p.step, k) + c.timeline(p.step, k).allreduce_end[p.device, s]
+    if p.start < ready - c.tol:
+        c.errors.append(
+            f"{p.op} on r{p.device} at step {p.step} starts at {p.start:.6g} before the stage's "
+            f"gradient is reduced ({ready:.6g})"
+        )
+    apply = applies.get((s, p.device, p.step))
+    if apply is not None and p.end > apply + c.tol:
+        c.errors.append(
+            f"{p.op} on r{p.device} at step {p.step} ends at {p.end:.6g}, after APPLY s{s} starts ({apply:.6g})"
+        )
+
+
+def _check_factor(c: Context, layer: str, side: str | None, kinds: dict) -> None:
+    stage = c.problem.costs.stage_of(layer)
+    L = c.length(c.period(stage))
+    copies = copies_of_stage(c.problem, stage)
+    curv, sync, inv, bcast = (kinds.get(k, []) for k in (OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST))
+    if (layer, side) in gradient_fed_parts(c, stage):
+        _check_gradient_refresh(c, layer, side, L, curv, inv + bcast)
+        return
+    if layer in c.fused:
+        kind = c.problem.costs.layer(layer).part(side).after  # type: ignore[arg-type]  # fused: per part
+        kind = weight_gradient_kind(c.problem.kind) if kind is OpKind.BWD else kind  # made with the W
+        ready = max(b for d in copies for op, _, b in c.refresh.fixed(d) if op.stage == stage and op.kind is kind)
+    else:
+        ready = max((p.end for p in curv), default=0.0)
+    for group in (sync, bcast):
+        if group and max(p.start for p in group) - min(p.start for p in group) > c.tol:
+            c.errors.append(f"{group[0].op}: the copies start it at different times")
+    chain = [x for x in (sync, inv, bcast) if x]
+    for x in chain:
+        if min(p.start for p in x) < ready - c.tol:
+            c.errors.append(f"{x[0].op} starts before the work it depends on ends ({ready:.6g})")
+        ready = max(p.end for p in x)
+    if inv:
+        inv = sorted(inv, key=lambda p: p.op.piece or (0, 1))
+        _check_pieces(c, layer, side, inv)
+        if any(p.op.root != inv[-1].device for p in bcast):
+            c.errors.append(f"broadcast of {layer} {side} does not come from r{inv[-1].device}, where it was inverted")
+        if any(inv[-1].end > p.start + L + c.tol for p in curv):
+            c.errors.append(f"DECOMP {layer} {side} ends after the next refresh starts its curvature")
+        if any(p.end > inv[0].start + L + c.tol for p in bcast):
+            c.errors.append(f"BCAST {layer} {side} ends after the next refresh's inversion starts")
+
+
+def _check_warm_starts(c: Context, factor_tasks: Mapping[tuple[str, str | None], dict]) -> None:
+    """A layer whose decompositions start from its previous preconditioner (pieces: Newton-Schulz; any DECOMP of a
+    `Problem.warm_start`) makes each refresh before the next refresh's first DECOMP of any part starts, and starts
+    its broadcasts before it (collectives keep their order)."""
+    layers: dict[str, list[Placement]] = {}
+    for (layer, _), kinds in factor_tasks.items():
+        layers.setdefault(layer, []).extend(kinds.get(OpKind.DECOMP, []) + kinds.get(OpKind.BCAST, []))
+    for layer, refresh in layers.items():
+        firsts = [
+            p
+            for p in refresh
+            if p.op.kind is OpKind.DECOMP and (p.op.piece[0] == 0 if p.op.piece is not None else c.problem.warm_start)
+        ]
+        if not firsts:
+            continue
+        L = c.length(c.period(c.problem.costs.stage_of(layer)))
+        start = min(p.start for p in firsts)
+        for p in refresh:
+            done = p.end if p.op.kind is OpKind.DECOMP else p.start
+            if done > start + L + c.tol:
+                c.errors.append(
+                    f"{p.op} is done after the next refresh of {layer} starts decomposing: that refresh "
+                    "would not start from this one's preconditioner"
+                )
+
+
+def _check_pieces(c: Context, layer: str, side: str | None, pieces: list[Placement]) -> None:
+    """The pieces of one decomposition (sorted by index) run one after another on one rank."""
+    for a, b in zip(pieces, pieces[1:]):
+        if b.device != a.device:
+            c.errors.append(
+                f"{b.op} runs on r{b.device}, piece {a.op.piece} of {layer} {side} on r{a.device}: the "
+                "pieces of a decomposition run on one rank"
+            )
+        if b.start < a.end - c.tol:
+            c.errors.append(f"{b.op} starts at {b.start:.6g}, before {a.op} ends ({a.end:.6g})")
+
+
+def _check_gradient_refresh(
+    c: Context, layer: str, side: str | None, L: float, stats: list[Placement], refresh: list[Placement]
+) -> None:
+    """A gradient-fed part's DECOMP starts after the refresh step's STATS of the part on its rank (which
+    snapshots the statistic), its BCASTs after the DECOMP, together, from the DECOMP's rank, and before the next
+    refresh's DECOMP (`L`: the window's length)."""
+    decomps = [p for p in refresh if p.op.kind is OpKind.DECOMP]
+    bcasts = [p for p in refresh if p.op.kind is OpKind.BCAST]
+    if len(decomps) != 1:
+        return  # check_placed_once counts them
+    decomp = decomps[0]
+    snapshot = [p for p in stats if (p.device, p.step) == (decomp.device, 0)]
+    if streamed_stats(c.problem, layer):  # the helper folds it: the snapshot lands with the refresh step's return
+        landed = c.refresh.end_of(decomp.device, returned(c.problem, layer))
+        if decomp.start < landed - c.tol:
+            c.errors.append(
+                f"{decomp.op} starts at {decomp.start:.6g}, before the refresh step's statistics of {layer} return "
+                f"from its helper to r{decomp.device} ({landed:.6g})"
+            )
+    elif not snapshot:
+        c.errors.append(f"{decomp.op} on r{decomp.device}: no STATS of the refresh step on r{decomp.device}")
+    elif decomp.start < snapshot[0].end - c.tol:
+        c.errors.append(
+            f"{decomp.op} starts at {decomp.start:.6g}, before the refresh step's {snapshot[0].op} "
+            f"on r{decomp.device} ends ({snapshot[0].end:.6g})"
+        )
+    if bcasts and max(p.start for p in bcasts) - min(p.start for p in bcasts) > c.tol:
+        c.errors.append(f"{bcasts[0].op}: the copies start it at different times")
+    if any(p.start < decomp.end - c.tol for p in bcasts):
+        c.errors.append(f"{bcasts[0].op} starts before the work it depends on ends ({decomp.end:.6g})")
+    if any(p.op.root != decomp.device for p in bcasts):
+        c.errors.append(f"broadcast of {layer} {side} does not come from r{decomp.device}, where it was decomposed")
+    if any(p.end > decomp.start + L + c.tol for p in bcasts):
+        c.errors.append(f"BCAST {layer} {side} ends after the next refresh's DECOMP starts")
+
+
+def check_precs_and_offsets(c: Context) -> None:
+    prec: dict[tuple[Op, int, int], Placement] = {
+        (p.op, p.device, p.step): p for p in c.plan.placements if p.op.kind is OpKind.APPLY
+    }
+    for p in prec.values():
+        s, d, j = p.op.stage, p.device, p.step
+        if p.op.piece is not None and p.op.piece[0] > 0:  # a cut APPLY: piece i after piece i-1, on the same rank
+            before = prec.get((replace(p.op, piece=(p.op.piece[0] - 1, p.op.piece[1])), d, j))
+            if before is None or before.end > p.start + c.tol:
+                c.errors.append(f"'{p.op}' on r{d} step {j} does not follow its previous piece there")
+        assert s is not None, "an APPLY names its stage (Op checks it)"
+        k = c.period(s)
+        lo, hi = c.base(j, k) + c.timeline(j, k).allreduce_end[d, s], c.step_start(d, j + 1, k)
+        if p.start < lo - c.tol or p.end > hi + c.tol:
+            c.errors.append(f"APPLY s{s} step {j} on r{d} [{p.start:.6g}, {p.end:.6g}) is outside [{lo:.6g}, {hi:.6g})")
+    for layer, ends in c.made.items():
+        t = max(ends)
+        k = c.period(c.problem.costs.stage_of(layer))
+        workers = c.problem.workers(layer)
+        u = next(
+            (u for u in range(2 * k + 1) if all(apply_start(c, layer, u, d) >= t - c.tol for d in workers)), 2 * k + 1
+        )
+        claimed = c.plan.layers[layer].use_offset
+        if claimed != u:
+            c.errors.append(f"layer {layer}: use_offset {claimed} claimed, but its inverse is first usable at step {u}")
+
+
+def _expected(c: Context) -> Counter:
+    """(op, device) of every K-FAC op the plan must place, with multiplicity (DECOMP: on one copy)."""
+    want: Counter = Counter()
+    p = c.problem
+    for s, stage in enumerate(p.costs.stages):
+        copies = copies_of_stage(p, s)
+        for d in copies:
+            for op, _, _ in c.refresh.fixed(d):
+                if op.stage != s:
+                    continue
+                for x in stage.layers:
+                    for side in (part.part for part in x.parts if part.after is op.kind):
+                        if x.name not in c.fused and keeps_statistics(d, copies, p.where(x.name)):
+                            want[Op(OpKind.STATS, s, op.mb, op.pipe, layer=x.name, part=side), d] += 1
+            for j in range(c.period(s)):
+                for op in step_ops(c, s, d):
+                    want[op, d, j] += 1
+        for x in stage.layers:
+            workers = p.workers(x.name)
+            for side, after in ((part.part, part.after) for part in x.parts):
+                for piece in decomp_pieces(p.decomp_pieces):
+                    want[Op(OpKind.DECOMP, s, layer=x.name, part=side, piece=piece), None] += 1
+                synced = after is not OpKind.ALLREDUCE_GRAD and not p.where(x.name).strategy.local_factors
+                for d in copies if synced and len(copies) > 1 else ():
+                    want[Op(OpKind.SYNC_STATS, s, layer=x.name, part=side), d] += 1
+                group = None if workers == copies else workers
+                for d in workers if len(workers) > 1 else ():
+                    want[placed_key(Op(OpKind.BCAST, s, layer=x.name, part=side, root=workers[0], group=group)), d] += 1
+    return want
+
+
+def check_layers(c: Context) -> None:
+    p = c.problem
+    names = set(p.costs.layer_names)
+    if set(c.plan.layers) != names:
+        c.errors.append(f"layers timed {sorted(c.plan.layers)} differ from the cost table's {sorted(names)}")
+        return
+    for group in stage_groups(p):
+        periods = {c.plan.layers[x.name].period for s in group.stages for x in p.costs.stages[s].layers}
+        if len(periods) != 1:
+            c.errors.append(f"stages {group.stages} share devices but have refresh periods {sorted(periods)}")
+    for name, t in c.plan.layers.items():
+        if not 1 <= t.period <= p.max_period or t.curv_step != 0:
+            c.errors.append(f"layer {name}: bad timing {t}")
+    if c.fused and len({t.period for t in c.plan.layers.values()}) != 1:
+        c.errors.append("with fused curvature every layer must share one refresh period")
+
+
+def check_placed_once(c: Context) -> None:
+    got: Counter = Counter()
+    for p in c.plan.placements:
+        if per_step(p.op):
+            got[placed_key(p.op), p.device, p.step] += 1
+        else:
+            got[placed_key(p.op), None if p.op.kind is OpKind.DECOMP else p.device] += 1
+        if abs(p.end - p.start - op_seconds(c, p.op)) > c.tol + 1e-9 * max(1.0, p.end):
+            c.errors.append(f"{p.op} on r{p.device}: lasts {p.end - p.start:.6g} s, costs {op_seconds(c, p.op):.6g} s")
+        k = c.period(p.op.stage_id)
+        if (
+            not 0 <= p.step < 2 * k
+            or not c.step_start(p.device, p.step, k) - c.tol <= p.start
+            or p.end > c.step_start(p.device, p.step + 1, k) + c.tol
+        ):
+            c.errors.append(
+                f"{p.op} on r{p.device} at [{p.start:.6g}, {p.end:.6g}) s is not within window step {p.step} (k={k})"
+            )
+        if p.op.kind is OpKind.DECOMP:
+            workers = c.problem.workers(p.op.layer_name)
+            if p.device not in workers:
+                c.errors.append(f"{p.op} runs on r{p.device}, not a grad worker of {p.op.layer} {list(workers)}")
+    want = _expected(c)
+    for item in sorted(set(want) | set(got), key=str):
+        if want[item] != got[item]:
+            c.errors.append(f"{item[0]} on {item[1:]} placed {got[item]} times, expected {want[item]}")
+
+
+def _fixed_intervals(c: Context, device: int, k: int) -> list[tuple[float, float, str]]:
+    """The device's F/B (and W) and gradient all-reduces over a window of k steps: nothing else may run then (an op
+    of no duration, such as a backward a noisy profile timed at 0 s, occupies nothing)."""
+    out = []
+    for j in range(k):
+        for op, a, b in c.timeline(j, k).ops[device]:
+            if b > a and op.kind in (OpKind.FWD, OpKind.BWD, OpKind.BWD_W, OpKind.ALLREDUCE_GRAD):
+                out.append((c.base(j, k) + a, c.base(j, k) + b, f"{op} (step {j})"))
+    return out
+
+
+def check_overlap(c: Context) -> None:
+    by_device = defaultdict(list)
+    for p in c.plan.placements:
+        by_device[p.device].append(p)
+    for d in c.problem.devices:
+        ks = {c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s)}
+        k = max(ks)
+        L = c.length(k)
+        items = [(s, e, name) for a, b, name in _fixed_intervals(c, d, k) for s, e in wrapped(a, b, L)]
+        items += [(s, e, f"{p.op}") for p in by_device[d] for s, e in wrapped(p.start, p.end, L)]
+        items.sort()
+        for i, (s1, e1, n1) in enumerate(items):
+            for s2, e2, n2 in items[i + 1 :]:
+                if s2 >= max(e1, s1 + c.tol) - c.tol:
+                    break
+                if min(e1, e2) - s2 > c.tol or (s1 + c.tol < s2 < e1 - c.tol):
+                    c.errors.append(f"r{d}: {n1} [{s1:.6g}, {e1:.6g}) overlaps {n2} [{s2:.6g}, {e2:.6g}) (mod {L:.6g})")
+
+
+def check_memory(c: Context) -> None:
+    budget = c.problem.memory_budget
+    keeps = defaultdict(list)
+    for p in c.plan.placements:
+        if p.op.kind is OpKind.STATS and p.op.mb is not None:
+            part = c.problem.costs.layer(p.op.layer_name).part(p.op.part_name)
+            since = end_of(c.refresh, p.device, part.after, p.op.stage_id, p.op.mb_id, p.op.pipe)
+            keeps[p.device].append((since, p.end, part.capture_bytes))
+    for d in c.problem.devices:
+        k = max(c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s))
+        L = c.length(k)
+        spans = [
+            (c.base(j, k) + a, c.base(j, k) + b, n)
+            for j in range(k)
+            for a, b, n in activation_intervals(c.problem, d, c.timeline(j, k))
+        ] + keeps[d]
+        for layer, ends in c.made.items():  # a third decomposition: the next refresh's made before this one is used
+            nbytes = decomposition_bytes(c.problem, d, layer)
+            next_made = min(ends) + c.length(c.period(c.problem.costs.stage_of(layer)))
+            used = apply_start(c, layer, c.plan.layers[layer].use_offset, d)
+            if nbytes and next_made < used:
+                spans.append((next_made, used, nbytes))
+        held = [(s + c.tol, e - c.tol, n) for a, b, n in spans for s, e in wrapped(a, b, L) if e - s > 2 * c.tol]
+        total = static_bytes(c.problem, d) + peak_level(held)
+        if budget is not None and total > budget:
+            c.errors.append(f"r{d}: memory peaks at {total} bytes, over the budget of {budget}")
+        claimed = c.plan.metrics.peak_memory.get(d)
+        if claimed is None or claimed < total:  # what a user budgets by: never below what the placements hold
+            c.errors.append(f"r{d}: peak memory {claimed} claimed, {total} found")
+
+
+def check_step_time(c: Context) -> None:
+    """The step (the longest window over its period) within max_overhead of the reference step, besides the
+    refresh step's taps (`tap_extra`, paid once per window), and as the plan claims."""
+    periods = {t.period for t in c.plan.layers.values()}
+    step = max(c.length(k) / k for k in periods)
+    taps = tap_extra(c.problem)
+    for k in sorted(periods):
+        allowed = c.normal.length * (1 + c.problem.max_overhead) + taps / k
+        if c.length(k) / k > allowed + c.tol:
+            c.errors.append(
+                f"step time {c.length(k) / k:.6g} s at period {k} exceeds {allowed:.6g} s (reference "
+                f"{c.normal.length:.6g} s, max_overhead {c.problem.max_overhead:g}, taps {taps:.6g} s per "
+                f"refresh, stretch {c.stretch:.6g} s per step)"
+            )
+    if abs(c.plan.metrics.step_time - step) > c.tol + 1e-9 * step:
+        c.errors.append(f"step time {c.plan.metrics.step_time:.6g} s claimed, {step:.6g} s found")
+
+
+def check_programs(c: Context, run: bool) -> None:
+    plan = c.plan
+    for d in c.problem.devices:
+        prog = plan.programs.get(d)
+        k = max(c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s))
+        length = _program_length(c, d, k)
+        if prog is None or len(prog) != length:
+            c.errors.append(f"r{d}: the program must have {length} steps")
+            continue
+        if any(_placed(c, d, prog[j]) != _placed(c, d, prog[j % k]) for j in range(k, length)):
+            c.errors.append(f"r{d}: the program repeats its own {k} steps but for streamed layers' replicas")
+        prog = prog[:k]
+        for j, ops in enumerate(prog):
+            want = [op for op, _, _ in c.timeline(j, k).ops[d] if op.kind not in PRECONDITIONER_KINDS]
+            if [op for op in ops if op.kind not in PRECONDITIONER_KINDS] != want:
+                c.errors.append(f"r{d} step {j}: the pipeline ops differ from the schedule's")
+        times = {
+            (p.step % k, str(p.op)): (p.start - c.length(k) * (p.step // k), p.end - c.length(k) * (p.step // k))
+            for p in plan.placements
+            if p.device == d
+        }
+        listed = [
+            (j, str(op))
+            for j, ops in enumerate(prog)
+            for op in ops
+            if op.kind in PRECONDITIONER_KINDS and not _fold(c, op) and not is_streamed(c.problem, d, op)
+        ]
+        _check_folds(c, d, prog)
+        if sorted(listed) != sorted(times):
+            c.errors.append(f"r{d}: the program's K-FAC ops differ from the placements")
+            continue
+        if any(a[0] == b[0] and times[a] > times[b] for a, b in zip(listed, listed[1:])):
+            c.errors.append(f"r{d}: the program's K-FAC ops are not in time order")
+        _check_interleaving(c, d, k, prog)
+    if run:
+        _check_runs(c)
+
+
+def _program_length(c: Context, device: int, k: int) -> int:
+    """The steps of the device's program: its stages' period, or where it helps a streamed stage the lcm of that and
+    the owner's (its replicas arrive on the owner's period: planner/problem/lowering.py `add_replicas`)."""
+    streaming = c.problem.streaming
+    if streaming is None or device not in streaming.ranks:
+        return k
+    return math.lcm(k, c.period(streaming.stage))
+
+
+def _placed(c: Context, device: int, ops: list[Op]) -> list[Op]:
+    """A step's ops but a streamed layer's (which `check_streaming` checks)."""
+    return [op for op in ops if not is_streamed(c.problem, device, op)]
+
+
+def _fold(c: Context, op: Op) -> bool:
+    """Whether `op` folds a fused layer's capture (a STATS of a micro-batch of a fused layer): part of the refresh
+    step's F/B, not placed work."""
+    return op.kind is OpKind.STATS and op.mb is not None and op.layer in c.fused
+
+
+def _check_folds(c: Context, device: int, prog: list[list[Op]]) -> None:
+    """The refresh step (step 0) follows each BWD (a zero-bubble schedule's W) with exactly the STATS that fold its
+    fused layers' statistics on this rank (`fused_stats`), and no other step folds any: without them the runtime
+    has no statistic to sync or decompose."""
+    anchor = weight_gradient_kind(c.problem.kind)
+    for j, ops in enumerate(prog):
+        for i, op in enumerate(ops):
+            if not _fold(c, op) and not (j == 0 and op.kind is anchor):
+                continue
+            if op.kind is anchor:
+                want = fused_stats(c.problem, c.fused, device, op)
+                got = ops[i + 1 : i + 1 + len(want)]
+                if got != want:
+                    c.errors.append(f"r{device} step 0: '{op}' is not followed by the folds of its fused layers {want}")
+            elif j != 0 or i == 0 or not (ops[i - 1].kind is anchor or _fold(c, ops[i - 1])):
+                c.errors.append(f"r{device} step {j}: '{op}' is not right after a {anchor} of the refresh step")
+
+
+def _check_interleaving(c: Context, device: int, k: int, prog: list[list[Op]]) -> None:
+    """Within each step, a K-FAC op comes after every pipeline op that ended before it was placed and
+    before every pipeline op that ends after its start (a RECV still waiting included); APPLY follows
+    its stage's backwards and gradient all-reduce; OPT_STEP ends the step. The runtime executes the
+    program in order, so a program that disagrees with its placements runs other semantics."""
+    starts = {(p.step % k, str(p.op)): p.start - c.base(p.step, k) for p in c.plan.placements if p.device == device}
+    for j, ops in enumerate(prog):
+        fixed = iter(c.timeline(j, k).ops[device])
+        times: list[tuple[Op, float, float] | None] = []
+        for op in ops:
+            pipeline = op.kind not in PRECONDITIONER_KINDS
+            times.append(next((x for x in fixed if x[0].kind not in PRECONDITIONER_KINDS), None) if pipeline else None)
+        for i, op in enumerate(ops):
+            if op.kind is OpKind.OPT_STEP and i != len(ops) - 1:
+                c.errors.append(f"r{device} step {j}: OPT_STEP is not the last op")
+            if op.kind not in PRECONDITIONER_KINDS or _fold(c, op) or is_streamed(c.problem, device, op):
+                continue  # a streamed layer's ops: check_streaming
+            t = starts[(j, str(op))]
+            for n, item in enumerate(times):
+                if item is None or item[0].kind is OpKind.OPT_STEP:
+                    continue  # OPT_STEP ends the step (the barrier): work placed in the stretch runs before it
+                other, a, b = item
+                before = b <= t + c.tol and a < t - c.tol
+                if (n > i and before) or (n < i and b > t + c.tol):
+                    c.errors.append(
+                        f"r{device} step {j}: '{op}' (placed at {t:.6g} s) and "
+                        f"'{other}' ({a:.6g}-{b:.6g} s)"
+                        " are in the wrong order in the program"
+                    )
+            if per_step(op):
+                _check_gradient_order(c, device, j, ops, i)
+
+
+def _check_gradient_order(c: Context, device: int, j: int, ops: list[Op], i: int) -> None:
+    """An APPLY or gradient STATS (ops[i]) comes after every BWD, BWD_W and ALLREDUCE_GRAD of its stage in the step
+    (the gradient is complete); a gradient STATS also before its stage's APPLY (which overwrites the gradient)."""
+    op = ops[i]
+    gradient = (OpKind.BWD, OpKind.BWD_W, OpKind.ALLREDUCE_GRAD)
+    after = [o for o in ops[i + 1 :] if o.stage == op.stage and o.kind in gradient]
+    if after:
+        c.errors.append(f"r{device} step {j}: '{op}' comes before '{after[0]}' of its stage")
+    if op.kind is OpKind.STATS and not any(o.kind is OpKind.APPLY and o.stage == op.stage for o in ops[i + 1 :]):
+        c.errors.append(f"r{device} step {j}: '{op}' does not come before the APPLY of its stage")
+
+
+def _check_runs(c: Context) -> None:
+    """Simulate the programs (ops in program order, as soon as possible): no deadlock, and the run is
+    no slower than planned (the durations of a non-refresh step are used: exact when nothing is fused)."""
+    stages = c.problem.costs.stages
+    split = c.problem.kind in ZERO_BUBBLE_KINDS  # a BWD without its W, which runs apart
+
+    def duration(rank: int, op: Op) -> float:
+        if op.kind is OpKind.FWD:
+            return stages[op.stage_id].fwd
+        if op.kind is OpKind.BWD:
+            again = stages[op.stage_id].fwd if c.problem.recomputes(op.stage_id) else 0.0  # activation checkpointing
+            return stages[op.stage_id].bwd - (stages[op.stage_id].weight_grad if split else 0.0) + again
+        if op.kind is OpKind.BWD_W:
+            return stages[op.stage_id].weight_grad
+        if op.kind is OpKind.ALLREDUCE_GRAD:
+            return collective_seconds(c, op)
+        if op.kind in LAYER_TRANSFER_KINDS or _fold(c, op):
+            return 0.0
+        return op_seconds(c, op) if op.kind in PRECONDITIONER_KINDS else 0.0
+
+    periods = [len(p) for p in c.plan.programs.values()]
+    steps = max(periods) * 2
+    try:
+        barrier = (
+            None
+            if c.problem.barrier is StepBarrier.WORLD
+            else {d: agreement_set(c.problem, d) for d in c.problem.devices}
+        )
+        timeline = simulate(
+            c.plan.programs, duration, steps=steps, barrier=barrier, lead=stream_lead(c.problem, duration)
+        )
+    except DeadlockError as e:
+        c.errors.append(f"the programs deadlock: {e}")
+        return
+    if not c.fused:
+        limit = c.plan.metrics.step_time * steps + max(c.length(k) for k in set(periods))
+        if timeline.makespan > limit + c.tol * steps:
+            c.errors.append(
+                f"the simulated programs take {timeline.makespan:.6g} s for {steps} steps, over {limit:.6g}"
+            )
+
+
+_MAKES = (OpKind.DECOMP, OpKind.BCAST)
+"""The ops after which a refresh is made on the replicas' sender (a copied stage's halves made elsewhere arrive by
+BCAST)."""
+
+
+def check_streaming(c: Context) -> None:
+    """The hand-offs of every step and the replicas of every refresh (nothing to check without streaming)."""
+    streaming = c.problem.streaming
+    if streaming is None:
+        return
+    owners = c.problem.stream_owners
+    for owner in owners:
+        for j, ops in enumerate(c.plan.programs[owner]):
+            _check_owner_step(c, streaming, owner, j, ops)
+    for helper in streaming.ranks:
+        for j, ops in enumerate(c.plan.programs[helper]):
+            _check_helper_step(c, streaming, helper, owners, j, ops)
+    _check_replicas(c, streaming, owners[0])
+
+
+def _check_owner_step(c: Context, streaming: Streaming, owner: int, j: int, ops: list[Op]) -> None:
+    """The owner's step j sends every streamed layer right after its stage's last BWD, takes each back once, and
+    applies none of them itself."""
+    s, pairs = streaming.stage, list(zip(streaming.layers, streaming.helpers, strict=True))
+    last = max((i for i, op in enumerate(ops) if op.kind in (OpKind.BWD, OpKind.BWD_W) and op.stage == s), default=None)
+    sends = [Op(OpKind.SEND_LGRAD, s, peer=h, layer=n) for n, h in pairs]
+    if last is None or ops[last + 1 : last + 1 + len(sends)] != sends:
+        c.errors.append(f"r{owner} step {j}: the streamed layers' SEND_LGRAD do not follow the last BWD of stage {s}")
+    for n, helper in pairs:
+        recv = Op(OpKind.RECV_PGRAD, s, peer=helper, layer=n)
+        if ops.count(recv) != 1:
+            c.errors.append(f"r{owner} step {j}: '{recv}' must run once")
+        if any(op.kind is OpKind.APPLY and op.stage == s and op.layer in (None, n) for op in ops):
+            c.errors.append(f"r{owner} step {j}: applies {n}, which r{helper} preconditions")
+
+
+def _check_helper_step(
+    c: Context, streaming: Streaming, helper: int, owners: tuple[int, ...], j: int, ops: list[Op]
+) -> None:
+    """The helper's step j receives every layer it preconditions from every owner, applies it and returns it to
+    every owner, once each, in that order (a cut APPLY's pieces in order between), and applies no other layer of the
+    stage."""
+    s, mine = streaming.stage, streaming.layers_of(helper)
+    others = sorted({op.layer or "(all)" for op in ops if op.kind is OpKind.APPLY and op.stage == s} - set(mine))
+    if others:
+        c.errors.append(f"r{helper} step {j}: applies {others} of stage {s}, which it does not precondition")
+    for n in mine:
+        chain = [
+            *(Op(OpKind.RECV_LGRAD, s, peer=owner, layer=n) for owner in owners),
+            *apply_ops(c, s, n),
+            *(Op(OpKind.SEND_PGRAD, s, peer=owner, layer=n) for owner in owners),
+        ]
+        at = [ops.index(op) if ops.count(op) == 1 else -1 for op in chain]
+        if min(at) < 0 or at != sorted(at):
+            c.errors.append(f"r{helper} step {j}: {n} is not received, applied and returned once, in order")
+
+
+def _check_replicas(c: Context, streaming: Streaming, owner: int) -> None:
+    """Replay the replicas over two periods of every program: the owner sends one after a DECOMP of the layer, the
+    layer's helper takes it in the same step, and each helper APPLY finds the refresh its timing makes due (the n-th
+    replica carries the layer's n-th refresh since step 0). A layer without parts (a Muon matrix) has no refresh, so
+    no replica."""
+    s = streaming.stage
+    for n, helper in zip(streaming.layers, streaming.helpers, strict=True):
+        if not c.problem.costs.layer(n).parts:
+            _check_no_replica(c, streaming, n, owner, helper)
+            continue
+        periods = [len(c.plan.programs[r]) + len(c.plan.startup.get(r, [])) for r in (owner, helper)]
+        timing = c.plan.layers[n]
+        send = Op(OpKind.SEND_REPLICA, s, peer=helper, layer=n)
+        recv = Op(OpKind.RECV_REPLICA, s, peer=owner, layer=n)
+        received = 0
+        for t in range(2 * math.lcm(*periods) + max(periods)):
+            mine = ops_at(c.plan.programs, c.plan.startup, owner, t)
+            theirs = ops_at(c.plan.programs, c.plan.startup, helper, t)
+            if mine.count(send) != theirs.count(recv):
+                c.errors.append(
+                    f"step {t}: r{owner} sends {mine.count(send)} replicas of {n}, r{helper} takes {theirs.count(recv)}"
+                )
+                return
+            if send in mine and not any(op.kind in _MAKES and op.layer == n for op in mine[: mine.index(send)]):
+                c.errors.append(f"step {t}: r{owner} sends a replica of {n} before any DECOMP or BCAST of it there")
+            for op in theirs:
+                received += op == recv
+                if op != Op(OpKind.APPLY, s, layer=n):
+                    continue
+                due = t - timing.use_offset
+                if due >= timing.curv_step and received < (due - timing.curv_step) // timing.period + 1:
+                    c.errors.append(f"step {t}: r{helper} applies {n} before the replica of its refresh due arrives")
+                    return
+
+
+def _check_no_replica(c: Context, streaming: Streaming, layer: str, owner: int, helper: int) -> None:
+    """A layer without a refresh (a Muon matrix) sends and takes no replica, in any program."""
+    s = streaming.stage
+    replicas = (
+        Op(OpKind.SEND_REPLICA, s, peer=helper, layer=layer),
+        Op(OpKind.RECV_REPLICA, s, peer=owner, layer=layer),
+    )
+    for rank in (owner, helper):
+        ops = [op for body in (*c.plan.startup.get(rank, []), *c.plan.programs[rank]) for op in body]
+        if any(op in replicas for op in ops):
+            c.errors.append(f"r{rank} transfers a replica of {layer}, which has no refresh")
