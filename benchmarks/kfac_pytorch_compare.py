@@ -71,8 +71,7 @@ import fxkfac
 from fxkfac import KFACConfig
 from fxkfac.cli_args import enum_option
 from fxkfac.config import PlanOptions
-from fxkfac.planner.problem.costs import InverseMethod
-from fxkfac.planner.problem.ir import Capture
+from fxkfac.planner.problem import Capture, InverseMethod
 
 DAMPING, FACTOR_DECAY, KL_CLIP, LR, MOMENTUM = 1e-3, 0.95, 1e-3, 0.05, 0.9
 FXKFAC_METHOD = {"inverse": InverseMethod.CHOLESKY, "eigen": InverseMethod.EIGEN}

@@ -43,15 +43,24 @@ from fxkfac.cli_args import enum_option, strategy_arg
 from fxkfac.cli_costs import stage_blocks
 from fxkfac.planner import CostTable, Distributions, Method, PlanError, SearchOptions, TimeLimit
 from fxkfac.planner import plan as plan_search
-from fxkfac.planner.plan.plan import Plan
-from fxkfac.planner.problem.ir import OpKind
-from fxkfac.planner.problem.problem import Problem, SolverConfig, StepBarrier
-from fxkfac.planner.problem.profiles import ProfileLayers, load_cost_table
-from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, num_stages, schedule_programs, stages_of_rank
-from fxkfac.planner.problem.step_timeline import Timeline, simulate
-from fxkfac.planner.problem.strategy import Strategy
+from fxkfac.planner.plan import Plan
+from fxkfac.planner.problem import (
+    ZERO_BUBBLE_KINDS,
+    OpKind,
+    Problem,
+    ProfileLayers,
+    SolverConfig,
+    StepBarrier,
+    Strategy,
+    Timeline,
+    load_cost_table,
+    num_stages,
+    schedule_programs,
+    simulate,
+    stages_of_rank,
+)
+from fxkfac.planner.search import StreamApply
 from fxkfac.planner.search.choose import strategy_of
-from fxkfac.planner.search.plan_search import StreamApply
 
 
 @dataclass(frozen=True)

@@ -67,9 +67,9 @@ from fxkfac.data import VOCAB_SIZE, MaskedLMData, stdlib_corpus
 from fxkfac.launch import free_port
 from fxkfac.models import TinyBertConfig, TinyBertMLM, mlm_loss
 from fxkfac.plan_view import planned_utilization, planned_view
-from fxkfac.planner.problem.ir import LayerTiming, OpKind
+from fxkfac.planner.problem import LayerTiming, OpKind
 from fxkfac.planner.problem.step_timeline import step_timeline
-from fxkfac.planner.search.plan_search import StreamApply
+from fxkfac.planner.search import StreamApply
 from fxkfac.runtime.timeline import Event, as_timeline, utilization
 from fxkfac.runtime.trainer import Trainer
 from fxkfac.show import chrome_trace

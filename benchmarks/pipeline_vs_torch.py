@@ -35,9 +35,7 @@ from torch import nn
 import fxkfac
 from fxkfac.config import PipelineOptions, StepAgreement
 from fxkfac.launch import free_port
-from fxkfac.planner.problem.ir import OpKind
-from fxkfac.planner.problem.lowering import rank_programs
-from fxkfac.planner.problem.step_timeline import simulate
+from fxkfac.planner.problem import OpKind, rank_programs, simulate
 from fxkfac.runtime.timeline import utilization
 from fxkfac.runtime.trainer import Trainer
 

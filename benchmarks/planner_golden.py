@@ -54,7 +54,7 @@ from fxkfac.planner import (
     TimeLimit,
 )
 from fxkfac.planner import plan as plan_search
-from fxkfac.planner.problem.profiles import ProfileLayers, load_cost_table
+from fxkfac.planner.problem import ProfileLayers, load_cost_table
 from fxkfac.planner.search.choose import strategy_of
 
 DATA = Path(__file__).resolve().parent.parent / "tests" / "data"

@@ -23,7 +23,7 @@ from rich.table import Table
 
 from fxkfac.planner import Distributions, Method, PlanError, Problem, SearchOptions, SolverConfig, StreamApply
 from fxkfac.planner import plan as plan_search
-from fxkfac.planner.problem.profiles import load_cost_table
+from fxkfac.planner.problem import load_cost_table
 from fxkfac.planner.validate import validate
 
 PROFILE = "paper:bert-large/p100"

@@ -33,9 +33,9 @@ from typing import Any
 
 from fxkfac.demo import DEMO_KFAC, DemoConfig
 from fxkfac.launch import RankContext, launch
-from fxkfac.planner.plan.plan import Plan
-from fxkfac.planner.problem.costs import StageCost
-from fxkfac.planner.validate.plan_file import parse_plan
+from fxkfac.planner.plan import Plan
+from fxkfac.planner.problem import StageCost
+from fxkfac.planner.validate import parse_plan
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 GPT2_SEQ = 32

@@ -50,11 +50,22 @@ from typing import Any
 
 from fxkfac.planner import CostTable, Distributions, PlanError, SearchOptions, StreamApply
 from fxkfac.planner import plan as plan_search
-from fxkfac.planner.plan.plan import Plan
-from fxkfac.planner.problem.costs import PreconditionerKind
-from fxkfac.planner.problem.ir import COLLECTIVE_KINDS, Capture, LayerTiming, Op, OpKind, Program
-from fxkfac.planner.problem.lowering import Assignment, decomposition_seconds, naive_programs, ranks_of_stages
-from fxkfac.planner.problem.problem import Problem, SolverConfig
+from fxkfac.planner.plan import Plan
+from fxkfac.planner.problem import (
+    COLLECTIVE_KINDS,
+    Assignment,
+    Capture,
+    LayerTiming,
+    Op,
+    OpKind,
+    PreconditionerKind,
+    Problem,
+    Program,
+    SolverConfig,
+    decomposition_seconds,
+    naive_programs,
+    ranks_of_stages,
+)
 from fxkfac.planner.problem.step_timeline import simulate, step_timeline
 
 __all__ = [
@@ -218,7 +229,7 @@ def _plan(args: argparse.Namespace, config: _Config, solver: SolverConfig) -> tu
         search = SearchOptions(solver, strategy=Distributions.GIVEN, stream_apply=StreamApply.OFF)
         return plan_search(problem, search), block
     from fxkfac.planner.problem.analytic import largest_dim, preset
-    from fxkfac.planner.search.plan_search import block_candidates, choose_block_size
+    from fxkfac.planner.search import block_candidates, choose_block_size
 
     choice = choose_block_size(
         lambda side: _problem(args, config, _table(args, config, side)),

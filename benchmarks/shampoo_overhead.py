@@ -57,8 +57,8 @@ import fxkfac
 from fxkfac.config import PipelineOptions, PlanOptions
 from fxkfac.data import MaskedLMData, stdlib_corpus
 from fxkfac.models import mlm_loss
-from fxkfac.planner.problem.ir import LayerTiming
-from fxkfac.planner.search.plan_search import StreamApply
+from fxkfac.planner.problem import LayerTiming
+from fxkfac.planner.search import StreamApply
 from fxkfac.runtime.timeline import utilization
 from fxkfac.runtime.trainer import Trainer
 

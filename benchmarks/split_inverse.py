@@ -42,7 +42,7 @@ from fxkfac.kfac import grad_matrix
 from fxkfac.kfac.inverse import factor_dampings
 from fxkfac.kfac.split_inverse import Progress, block_bounds, damped, previous_half, schulz_piece, schulz_start
 from fxkfac.models import TinyBertConfig, TinyBertMLM, mlm_loss
-from fxkfac.planner.problem.costs import InverseMethod
+from fxkfac.planner.problem import InverseMethod
 from fxkfac.runtime.trainer import Trainer
 
 SEQ_LEN = 64

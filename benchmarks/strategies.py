@@ -60,10 +60,7 @@ from torch import Tensor
 import fxkfac
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.launch import free_port
-from fxkfac.planner.problem.costs import InverseMethod
-from fxkfac.planner.problem.ir import OpKind
-from fxkfac.planner.problem.problem import copies_of_stage, stages_on_device
-from fxkfac.planner.problem.strategy import holding
+from fxkfac.planner.problem import InverseMethod, OpKind, copies_of_stage, holding, stages_on_device
 from fxkfac.planner.search.choose import candidate_problems, strategy_of
 from fxkfac.runtime.trainer import Trainer
 

@@ -32,9 +32,8 @@ from fxkfac.planner import (
     read_plan,
 )
 from fxkfac.planner import plan as plan_search
-from fxkfac.planner.problem.costs import median_of, words_of
-from fxkfac.planner.problem.profiles import load_cost_table
-from fxkfac.planner.search.plan_search import ScheduleCandidate, StreamApply, choose_schedule, schedule_candidates
+from fxkfac.planner.problem import load_cost_table, median_of, words_of
+from fxkfac.planner.search import ScheduleCandidate, StreamApply, choose_schedule, schedule_candidates
 
 __all__ = [
     "Target",

@@ -27,11 +27,8 @@ from fxkfac.cli_plan import run_plan
 from fxkfac.cli_schedule import AUTO_SCHEDULE
 from fxkfac.cli_show import run_show
 from fxkfac.config import ActivationCheckpointing, KLClipScope
-from fxkfac.planner.problem.costs import PreconditionerKind
-from fxkfac.planner.problem.errors import PlannerError
-from fxkfac.planner.problem.profiles import ProfileLayers
-from fxkfac.planner.problem.schedules import ScheduleKind
-from fxkfac.planner.search.plan_search import StreamApply
+from fxkfac.planner.problem import PlannerError, PreconditionerKind, ProfileLayers, ScheduleKind
+from fxkfac.planner.search import StreamApply
 
 __all__ = ["main", "build_parser"]
 

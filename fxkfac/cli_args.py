@@ -9,10 +9,15 @@ from enum import StrEnum
 from typing import Literal
 
 from fxkfac.config import ActivationCheckpointing, CheckpointMode
-from fxkfac.planner.problem.costs import PreconditionerKind
-from fxkfac.planner.problem.errors import ConfigError, PlannerError
-from fxkfac.planner.problem.schedules import num_stages, validate_schedule_args
-from fxkfac.planner.problem.strategy import Strategy, parse_strategy
+from fxkfac.planner.problem import (
+    ConfigError,
+    PlannerError,
+    PreconditionerKind,
+    Strategy,
+    num_stages,
+    parse_strategy,
+    validate_schedule_args,
+)
 
 AUTO: Literal["auto"] = "auto"
 """--max-preconditioner-dim auto: the planner chooses the block side (planner.block_size.choose_block_size)."""

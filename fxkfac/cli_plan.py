@@ -32,15 +32,14 @@ from fxkfac.planner import (
     TimeLimit,
 )
 from fxkfac.planner import plan as plan_search
-from fxkfac.planner.problem.costs import PreconditionerKind, words_of
+from fxkfac.planner.problem import PreconditionerKind, plain_step_time, words_of
 from fxkfac.planner.problem.hardware import HARDWARE, hardware
-from fxkfac.planner.problem.step_timeline import plain_step_time
+from fxkfac.planner.search import choose_recompute
 from fxkfac.planner.search.choose import least_overhead
-from fxkfac.planner.search.plan_search import choose_recompute
 
 if TYPE_CHECKING:
-    from fxkfac.planner.plan.plan import Plan
-    from fxkfac.planner.search.plan_search import BlockChoice
+    from fxkfac.planner.plan import Plan
+    from fxkfac.planner.search import BlockChoice
 
 
 class RefusedPlan(PlannerError):
@@ -146,7 +145,7 @@ def _searches_block_size(args: argparse.Namespace) -> bool:
 def _auto_block(args: argparse.Namespace, S: int, config: SolverConfig, budget: TimeBudget) -> BlockChoice:
     """The plan at the block side the planner chooses (`planner.block_size.choose_block_size`) for a preset."""
     from fxkfac.planner.problem.analytic import largest_dim, preset
-    from fxkfac.planner.search.plan_search import block_candidates, choose_block_size
+    from fxkfac.planner.search import block_candidates, choose_block_size
 
     candidates = block_candidates(largest_dim(preset(args.target)))
     auto = args.activation_checkpointing.mode is CheckpointMode.AUTO

@@ -10,7 +10,7 @@ from rich.table import Table
 from fxkfac.cli_args import CliError, check_schedule
 from fxkfac.planner import ConfigError, Problem
 from fxkfac.planner import plan as plan_search
-from fxkfac.planner.search.plan_search import (
+from fxkfac.planner.search import (
     ScheduleCandidate,
     ScheduleChoice,
     choose_schedule,

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fxkfac.cli_args import CliError, device
-from fxkfac.planner.problem.costs import CostTable
-from fxkfac.planner.problem.errors import ConfigError
+from fxkfac.planner.problem import ConfigError, CostTable
 
 
 def is_factory(target: str) -> bool:
@@ -68,8 +67,8 @@ def _prepared(capture: _Capture, S: int) -> Factory:
     from fxkfac.compile_api import prepare
     from fxkfac.config import KFACConfig
     from fxkfac.families import family_of
+    from fxkfac.planner.problem import ScheduleKind
     from fxkfac.planner.problem.analytic import analytic_cost_table, model_spec_from_layers
-    from fxkfac.planner.problem.schedules import ScheduleKind
 
     target, N, W = capture.target, capture.microbatches, capture.dp
     if not isinstance(model, nn.Module):

@@ -27,15 +27,25 @@ from fxkfac.errors import ConfigError
 from fxkfac.families import family_of
 from fxkfac.fingerprint import graph_fingerprint
 from fxkfac.passes.split_stages import SplitResult, split_stages
-from fxkfac.planner.plan.plan import Plan
-from fxkfac.planner.problem.costs import CostTable, PreconditionerKind, tied_owner
-from fxkfac.planner.problem.ir import LayerTiming, Programs
-from fxkfac.planner.problem.lowering import naive_programs, ranks_of_stages
-from fxkfac.planner.problem.problem import StepBarrier, format_bytes
-from fxkfac.planner.problem.schedules import ScheduleKind, num_stages, stages_of_rank
-from fxkfac.planner.problem.strategy import LayerDistribution, distribute
-from fxkfac.planner.search.plan_search import schedule_candidates
-from fxkfac.planner.validate.plan_file import load_plan
+from fxkfac.planner.plan import Plan
+from fxkfac.planner.problem import (
+    CostTable,
+    LayerDistribution,
+    LayerTiming,
+    PreconditionerKind,
+    Programs,
+    ScheduleKind,
+    StepBarrier,
+    distribute,
+    format_bytes,
+    naive_programs,
+    num_stages,
+    ranks_of_stages,
+    stages_of_rank,
+    tied_owner,
+)
+from fxkfac.planner.search import schedule_candidates
+from fxkfac.planner.validate import load_plan
 from fxkfac.preconditioner import Family, PiecewiseFamily, SteppedFamily, gradient_parts
 from fxkfac.progress import PlanProgress, plan_progress
 from fxkfac.runtime.mesh import MeshLayout

@@ -7,11 +7,8 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fxkfac.errors import ConfigError
-from fxkfac.planner.problem.costs import InverseMethod
-from fxkfac.planner.problem.ir import Capture
-from fxkfac.planner.problem.problem import StepBarrier
-from fxkfac.planner.problem.strategy import Strategy, parse_strategy
-from fxkfac.planner.search.plan_search import StreamApply
+from fxkfac.planner.problem import Capture, InverseMethod, StepBarrier, Strategy, parse_strategy
+from fxkfac.planner.search import StreamApply
 
 if TYPE_CHECKING:
     import torch

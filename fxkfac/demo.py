@@ -17,7 +17,7 @@ from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions, member_of
 from fxkfac.errors import ConfigError
 from fxkfac.launch import RankContext, launch
 from fxkfac.models import LMConfig, TinyBertConfig
-from fxkfac.planner.validate.plan_file import parse_plan
+from fxkfac.planner.validate import parse_plan
 
 if TYPE_CHECKING:
     from fxkfac.muon.config import MuonConfig

@@ -17,7 +17,7 @@ __all__ = [
     "CostModelError",
 ]
 
-from fxkfac.planner.problem.errors import (  # the planner is torch-free; its errors are ours too
+from fxkfac.planner.problem import (  # the planner is torch-free; its errors are ours too
     ConfigError,
     CostModelError,
     InfeasibleBudgetError,
@@ -25,7 +25,7 @@ from fxkfac.planner.problem.errors import (  # the planner is torch-free; its er
     PlanFormatError,
     PlanMismatchError,
 )
-from fxkfac.planner.problem.errors import (
+from fxkfac.planner.problem import (
     PlannerError as FxkfacError,
 )
 

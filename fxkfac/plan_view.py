@@ -17,10 +17,17 @@ from dataclasses import dataclass
 
 from rich.console import Group, RenderableType
 
-from fxkfac.planner.plan.plan import Plan, ns_stage_lines, ns_summary
-from fxkfac.planner.problem.costs import PreconditionerKind, words_of
-from fxkfac.planner.problem.ir import Capture, OpKind
-from fxkfac.planner.problem.problem import Problem, copies_of_stage, format_bytes, is_streamed
+from fxkfac.planner.plan import Plan, ns_stage_lines, ns_summary
+from fxkfac.planner.problem import (
+    Capture,
+    OpKind,
+    PreconditionerKind,
+    Problem,
+    copies_of_stage,
+    format_bytes,
+    is_streamed,
+    words_of,
+)
 from fxkfac.planner.problem.step_timeline import (
     BUSY_KINDS,
     Interval,

@@ -25,8 +25,7 @@ from torch import Tensor, fx
 
 from fxkfac.config import KFACConfig, KLClipScope
 from fxkfac.passes.layers import KFACLayer
-from fxkfac.planner.problem.costs import LayerCost
-from fxkfac.planner.problem.ir import Capture
+from fxkfac.planner.problem import Capture, LayerCost
 
 __all__ = ["Source", "RefreshState", "Family", "PiecewiseFamily", "SplitApplyFamily", "SteppedFamily", "gradient_parts"]
 

@@ -30,16 +30,17 @@ from fxkfac.kfac.state import LayerState
 from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture, new_probes
 from fxkfac.passes.layers import KFACLayer, LayerKind
 from fxkfac.passes.split_stages import SplitResult
-from fxkfac.planner.problem.costs import (
+from fxkfac.planner.problem import (
+    Capture,
     CostTable,
     InverseMethod,
     LayerCost,
+    OpKind,
     PartCost,
     Spread,
     StageCost,
     combined_stage,
 )
-from fxkfac.planner.problem.ir import Capture, OpKind
 from fxkfac.preconditioner import Family, gradient_parts
 from fxkfac.runtime.precision import autocast, to_wire
 

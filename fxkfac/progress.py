@@ -23,10 +23,10 @@ from rich.progress import Progress, SpinnerColumn, TaskID, TextColumn, TimeElaps
 from rich.status import Status
 from rich.text import Text
 
-from fxkfac.planner.problem.problem import SolveProgress
+from fxkfac.planner.problem import SolveProgress
 
 if TYPE_CHECKING:
-    from fxkfac.planner.plan.plan import Plan
+    from fxkfac.planner.plan import Plan
 
 __all__ = [
     "Display",

@@ -12,10 +12,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from fxkfac.planner.problem.costs import WORDS, PreconditionerKind, TaskWords
-from fxkfac.planner.problem.errors import PlanFormatError
-from fxkfac.planner.problem.ir import Op, OpKind
-from fxkfac.planner.problem.step_timeline import Interval, Timeline
+from fxkfac.planner.problem import WORDS, Interval, Op, OpKind, PlanFormatError, PreconditionerKind, TaskWords, Timeline
 
 __all__ = [
     "CATEGORIES",

@@ -27,7 +27,7 @@ from torch import Tensor, fx
 from fxkfac.passes.find_layers import layer_input
 from fxkfac.passes.layers import KFACLayer, LayerKind
 from fxkfac.passes.meta import LAYER, NN_MODULE_STACK, TAP
-from fxkfac.planner.problem.ir import Capture
+from fxkfac.planner.problem import Capture
 
 __all__ = ["FactorTaps", "gram", "insert_factor_capture", "new_probes", "tap_a", "tap_e", "probe_shape"]
 

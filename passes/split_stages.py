@@ -29,7 +29,7 @@ from torch import fx
 
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.passes.meta import LAYER, NN_MODULE_STACK, STAGE
-from fxkfac.planner.problem.errors import ConfigError
+from fxkfac.planner.problem import ConfigError
 
 __all__ = ["SplitCost", "TensorSpec", "StageGraph", "SplitResult", "block_key", "split_stages"]
 

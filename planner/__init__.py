@@ -3,14 +3,15 @@
 The front door: describe the pipeline and its costs as a `Problem`, say how to search with `SearchOptions`, and
 `plan(problem, options)` returns a `Plan` (or raises a `PlanError` naming what would plan); `check_plan` validates
 one independently, and the plan-file functions read one back. The modules below stay importable for the planner's
-own tests and for what is not planning (cost tables, schedules, the timeline).
+own tests and for what is not planning (cost tables, schedules, the timeline); the sub-packages problem, plan,
+search and validate each export their own surface.
 """
 
-from fxkfac.planner.plan.plan import Plan
-from fxkfac.planner.problem.costs import CostTable
-from fxkfac.planner.problem.errors import (
+from fxkfac.planner.plan import Plan
+from fxkfac.planner.problem import (
     ConfigError,
     CostModelError,
+    CostTable,
     DeadlockError,
     InfeasibleBudgetError,
     Knob,
@@ -18,17 +19,19 @@ from fxkfac.planner.problem.errors import (
     PlanFormatError,
     PlanMismatchError,
     PlannerError,
+    Problem,
     ScheduleError,
+    ScheduleKind,
+    SolveProgress,
+    SolverConfig,
+    StepBarrier,
+    Strategy,
+    StrategyKind,
     Suggestion,
+    parse_strategy,
 )
-from fxkfac.planner.problem.problem import Problem, SolveProgress, SolverConfig, StepBarrier
-from fxkfac.planner.problem.schedules import ScheduleKind
-from fxkfac.planner.problem.strategy import Strategy, StrategyKind, parse_strategy
-from fxkfac.planner.search.attempt import Method
-from fxkfac.planner.search.budget import Budget
-from fxkfac.planner.search.plan_search import Distributions, Overhead, SearchOptions, StreamApply, TimeLimit, plan
-from fxkfac.planner.validate import check_plan, validate
-from fxkfac.planner.validate.plan_file import load_plan, parse_plan, read_plan
+from fxkfac.planner.search import Budget, Distributions, Method, Overhead, SearchOptions, StreamApply, TimeLimit, plan
+from fxkfac.planner.validate import check_plan, load_plan, parse_plan, read_plan, validate
 
 __all__ = [
     "Budget",

@@ -24,8 +24,7 @@ from fxkfac.kfac.split_inverse import (
 )
 from fxkfac.kfac.state import LayerState
 from fxkfac.passes.layers import KFACLayer
-from fxkfac.planner.problem.costs import InverseMethod, LayerCost
-from fxkfac.planner.problem.ir import Capture
+from fxkfac.planner.problem import Capture, InverseMethod, LayerCost
 from fxkfac.preconditioner import RefreshState, Source
 from fxkfac.profiler import kfac_unit_cost
 

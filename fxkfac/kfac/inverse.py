@@ -12,7 +12,7 @@ from torch import Tensor
 
 from fxkfac.config import member_of
 from fxkfac.errors import CheckpointError, ConfigError
-from fxkfac.planner.problem.costs import InverseMethod
+from fxkfac.planner.problem import InverseMethod
 
 __all__ = [
     "Inverse",

@@ -12,7 +12,7 @@ from fxkfac.errors import ConfigError
 from fxkfac.kfac.inverse import Inverse
 from fxkfac.kfac.state import LayerState
 from fxkfac.passes.layers import KFACLayer, LayerKind
-from fxkfac.planner.problem.costs import InverseMethod
+from fxkfac.planner.problem import InverseMethod
 
 __all__ = ["grad_matrix", "split_grad", "precondition", "kl_clip_scale", "Preconditioner"]
 

@@ -33,7 +33,7 @@ from torch import Tensor
 
 from fxkfac.config import SplitInverse, SplitMethod
 from fxkfac.kfac.inverse import FactorInverse, Inverse, invert_factor
-from fxkfac.planner.problem.costs import InverseMethod
+from fxkfac.planner.problem import InverseMethod
 
 __all__ = [
     "Progress",

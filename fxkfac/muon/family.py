@@ -32,8 +32,7 @@ from fxkfac.muon.config import LrAdjust, MuonConfig
 from fxkfac.muon.newton_schulz import iterations_of_piece, ns_end, ns_iterate, ns_start
 from fxkfac.muon.state import MuonState
 from fxkfac.passes.layers import KFACLayer, LayerKind
-from fxkfac.planner.problem.costs import LayerCost
-from fxkfac.planner.problem.ir import Capture
+from fxkfac.planner.problem import Capture, LayerCost
 from fxkfac.preconditioner import RefreshState, Source
 from fxkfac.profiler import time_call
 

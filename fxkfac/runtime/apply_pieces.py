@@ -11,7 +11,7 @@ from typing import Any
 from torch import Tensor
 
 from fxkfac.errors import PipelineError
-from fxkfac.planner.problem.ir import Op
+from fxkfac.planner.problem import Op
 from fxkfac.preconditioner import SplitApplyFamily
 
 __all__ = ["ApplyPieces"]

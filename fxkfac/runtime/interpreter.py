@@ -16,7 +16,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fxkfac.errors import PipelineError
-from fxkfac.planner.problem.ir import Op, OpKind
+from fxkfac.planner.problem import Op, OpKind
 from fxkfac.runtime.p2p import Transport
 from fxkfac.runtime.stage import StageRunner
 from fxkfac.runtime.step_end import StepEnd, unclipped

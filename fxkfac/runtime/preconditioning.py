@@ -51,8 +51,7 @@ from torch import Tensor
 
 from fxkfac.config import KLClipScope
 from fxkfac.errors import CheckpointError, PipelineError
-from fxkfac.planner.problem.ir import Capture, LayerTiming, Op, OpKind
-from fxkfac.planner.problem.strategy import LayerDistribution, grad_workers, keeps_statistics
+from fxkfac.planner.problem import Capture, LayerDistribution, LayerTiming, Op, OpKind, grad_workers, keeps_statistics
 from fxkfac.preconditioner import Family, PiecewiseFamily, RefreshState, SplitApplyFamily, gradient_parts
 from fxkfac.runtime.apply_pieces import ApplyPieces
 from fxkfac.runtime.interpreter import (

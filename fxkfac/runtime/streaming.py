@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from fxkfac.errors import PipelineError
-from fxkfac.planner.problem.ir import LayerTiming, Op, OpKind
+from fxkfac.planner.problem import LayerTiming, Op, OpKind
 from fxkfac.preconditioner import Family, RefreshState, SplitApplyFamily, SteppedFamily, gradient_parts
 from fxkfac.runtime.apply_pieces import ApplyPieces
 from fxkfac.runtime.interpreter import Interpreter, StepContext

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from fxkfac.errors import PipelineError
-from fxkfac.planner.problem.ir import Programs
+from fxkfac.planner.problem import Programs
 from fxkfac.runtime.p2p import Transport
 from fxkfac.runtime.stage import StageRunner
 

@@ -14,7 +14,7 @@ from torch import Tensor
 from fxkfac.errors import CheckpointError, PipelineError
 from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture, new_probes
 from fxkfac.passes.split_stages import StageGraph
-from fxkfac.planner.problem.ir import Capture, Op
+from fxkfac.planner.problem import Capture, Op
 from fxkfac.preconditioner import Family, Source
 from fxkfac.runtime.precision import LossScale
 from fxkfac.runtime.stage import StageRunner, compiled

@@ -26,11 +26,18 @@ from fxkfac.checkpoint import Checkpointing, digest
 from fxkfac.config import KLClipScope, PipelineOptions, StepAgreement
 from fxkfac.errors import CheckpointError, ConfigError, NonFiniteError
 from fxkfac.passes.split_stages import SplitResult
-from fxkfac.planner.plan.plan import Plan
-from fxkfac.planner.problem.ir import LayerTiming, Op, OpKind, Programs, ops_at
-from fxkfac.planner.problem.lowering import ranks_of_stages
-from fxkfac.planner.problem.schedules import ScheduleKind, stages_of_rank
-from fxkfac.planner.problem.strategy import LayerDistribution
+from fxkfac.planner.plan import Plan
+from fxkfac.planner.problem import (
+    LayerDistribution,
+    LayerTiming,
+    Op,
+    OpKind,
+    Programs,
+    ScheduleKind,
+    ops_at,
+    ranks_of_stages,
+    stages_of_rank,
+)
 from fxkfac.preconditioner import Family, RefreshState, gradient_parts
 from fxkfac.progress import Display, training_progress
 from fxkfac.runtime.host_memory import keep_freed_host_memory

@@ -14,8 +14,7 @@ from torch import Tensor, fx
 from fxkfac.config import KFACConfig, KLClipScope
 from fxkfac.errors import ConfigError
 from fxkfac.passes.layers import KFACLayer
-from fxkfac.planner.problem.costs import LayerCost
-from fxkfac.planner.problem.ir import Capture
+from fxkfac.planner.problem import Capture, LayerCost
 from fxkfac.preconditioner import Family, RefreshState, Source
 from fxkfac.profiler import gradient_unit_cost
 from fxkfac.shampoo.layout import PARTS, Layout, ParamUnit, running_sum, side_statistic

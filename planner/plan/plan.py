@@ -24,20 +24,6 @@ from fxkfac.planner.problem.problem import Problem, stages_on_device
 from fxkfac.planner.problem.step_timeline import plain_step_time, step_timeline
 from fxkfac.planner.problem.strategy import LayerDistribution
 
-__all__ = [
-    "SCHEMA_VERSION",
-    "SolverStats",
-    "PlanMetrics",
-    "Plan",
-    "rank",
-    "NSWhere",
-    "NSTask",
-    "ns_tasks",
-    "critical_path_step",
-    "ns_stage_lines",
-    "ns_summary",
-]
-
 SCHEMA_VERSION = 3
 """Version of the plan JSON layout; a newer file asks the user to upgrade fxkfac, an older one to re-plan.
 2: every step ends with a barrier (the KL-clip and loss all-reduces), so no K-FAC task spans a step boundary.

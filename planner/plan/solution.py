@@ -21,21 +21,6 @@ if TYPE_CHECKING:
 Born = dict[int, dict[Op, int]]
 """Per device, each op's first window step (`planner.lowering.startup_programs`)."""
 
-__all__ = [
-    "Placement",
-    "GroupSolution",
-    "placements_of",
-    "use_offsets",
-    "prec_steps_ready",
-    "remade_spans",
-    "peak_bytes",
-    "fits_memory",
-    "is_refresh_op",
-    "born_steps",
-    "plan_born",
-    "Born",
-]
-
 
 @dataclass(frozen=True)
 class GroupSolution:

@@ -93,23 +93,6 @@ from fxkfac.planner.problem.step_timeline import (
 )
 from fxkfac.planner.problem.strategy import keeps_statistics
 
-__all__ = [
-    "TaskKind",
-    "Task",
-    "PrecSlot",
-    "Window",
-    "Grid",
-    "wrap",
-    "step_start_tick",
-    "inv_chains",
-    "warm_starts",
-    "done_by",
-    "longest_gaps",
-    "too_long",
-    "build_window",
-    "grid_scale",
-]
-
 Interval = tuple[int, int]
 
 

@@ -32,26 +32,6 @@ from fxkfac.planner.problem.hardware import Collective, CommModel
 from fxkfac.planner.problem.hardware import seconds as comm_seconds
 from fxkfac.planner.problem.ir import Op, OpKind
 
-__all__ = [
-    "PreconditionerKind",
-    "Spread",
-    "PartCost",
-    "SCHEMA_VERSION",
-    "COUNT_BYTES",
-    "LayerCost",
-    "StageCost",
-    "CostTable",
-    "median_of",
-    "combined_stage",
-    "InverseMethod",
-    "TaskWords",
-    "WORDS",
-    "tagged_source",
-    "kind_of",
-    "words_of",
-    "tied_owner",
-]
-
 SCHEMA_VERSION = 1
 """Version of the cost-table JSON layout; `CostTable.from_json` refuses any other."""
 

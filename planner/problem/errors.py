@@ -6,20 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = [
-    "Knob",
-    "Suggestion",
-    "PlannerError",
-    "ConfigError",
-    "PlanError",
-    "PlanFormatError",
-    "PlanMismatchError",
-    "InfeasibleBudgetError",
-    "ScheduleError",
-    "DeadlockError",
-    "CostModelError",
-]
-
 
 class PlannerError(Exception):
     """Base of every fxkfac error (named FxkfacError in `fxkfac.errors`)."""

@@ -33,24 +33,6 @@ from typing import Any
 
 from fxkfac.planner.problem.errors import CostModelError
 
-__all__ = [
-    "Collective",
-    "AlphaBeta",
-    "LinkCosts",
-    "CommModel",
-    "latency_steps",
-    "wire_bytes",
-    "seconds",
-    "ZERO",
-    "Sample",
-    "fit_alpha_beta",
-    "describe",
-    "Precision",
-    "HardwareSpec",
-    "HARDWARE",
-    "hardware",
-]
-
 
 class Collective(StrEnum):
     """A kind of communication the planner prices."""

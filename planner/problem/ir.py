@@ -19,33 +19,6 @@ from fxkfac.planner.problem.errors import PlanFormatError
 if TYPE_CHECKING:
     from typing_extensions import TypeIs
 
-__all__ = [
-    "OpKind",
-    "Placement",
-    "Capture",
-    "Op",
-    "Program",
-    "Programs",
-    "LayerTiming",
-    "COLLECTIVE_KINDS",
-    "PRECONDITIONER_KINDS",
-    "SEND_KINDS",
-    "LAYER_SENDS",
-    "LAYER_TRANSFER_KINDS",
-    "RECV_KINDS",
-    "OP_FIELDS",
-    "as_programs",
-    "ops_at",
-    "format_program",
-    "parse_program",
-    "format_programs",
-    "parse_programs",
-    "NS_STEPS",
-    "piece_iterations",
-    "piece_share",
-    "cut_apply",
-]
-
 T = TypeVar("T")
 
 

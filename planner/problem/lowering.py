@@ -34,31 +34,6 @@ if TYPE_CHECKING:
 
     from fxkfac.planner.problem.costs import CostTable
 
-__all__ = [
-    "add_send_recv",
-    "expand_dp",
-    "rank_programs",
-    "ranks_of_stages",
-    "linked_classes",
-    "refreshing",
-    "Assignment",
-    "assign_decompositions",
-    "decomposition_seconds",
-    "step_applies",
-    "kfac_tail",
-    "naive_programs",
-    "startup_programs",
-    "Streaming",
-    "Made",
-    "stream_step",
-    "made_refreshes",
-    "replica_born",
-    "add_replicas",
-    "ready",
-    "ready_fractions",
-    "can_stream",
-]
-
 P = TypeVar("P", list[Op], Program)
 
 KFAC_PARTS = ("A", "B")

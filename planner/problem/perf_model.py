@@ -11,8 +11,6 @@ from fxkfac.planner.problem.costs import WORDS, PreconditionerKind, TaskWords
 from fxkfac.planner.problem.errors import ScheduleError
 from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, ScheduleKind
 
-__all__ = ["SYMBOLS", "PerfModel", "perf_model", "explain", "evaluate", "pipe_gap"]
-
 T_f, T_b = sp.symbols("T_f T_b", positive=True)
 D, N, v, W = sp.symbols("D N v W", positive=True, integer=True)
 M_theta, M_act, M_err_peak, M_err_save, M_curv, M_inv = sp.symbols(

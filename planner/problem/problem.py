@@ -21,23 +21,6 @@ from fxkfac.planner.problem.strategy import (
     grad_workers,
 )
 
-__all__ = [
-    "StepBarrier",
-    "Problem",
-    "SolverConfig",
-    "SolveProgress",
-    "StageGroup",
-    "stage_groups",
-    "copies_of_stage",
-    "stages_on_device",
-    "is_streamed",
-    "streamed_stats",
-    "streamed_seconds",
-    "returned",
-    "format_bytes",
-    "agreement_set",
-]
-
 
 class StepBarrier(StrEnum):
     """Which ranks a step's end waits for ([Note: step barrier] in planner/plan/window.py; the runtime's

@@ -19,21 +19,6 @@ from fxkfac.planner.problem.hardware import HARDWARE, CommModel
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
 
-__all__ = [
-    "PIPEFISHER_COLUMNS",
-    "PAPER_PREFIX",
-    "GPU_PREFIX",
-    "BLOCK_PROFILE_FORMAT",
-    "ProfileLayers",
-    "BLOCK_LINEARS",
-    "paper_profile_names",
-    "gpu_profile_names",
-    "block_profile_json",
-    "is_profile",
-    "cost_table_from_pipefisher_csv",
-    "load_cost_table",
-]
-
 PIPEFISHER_COLUMNS = (
     "bs", "time_f", "time_b", "time_kron", "time_inv", "time_prec",
     "mem_param", "mem_act", "mem_peak_err", "mem_save_err", "mem_kron",

@@ -8,17 +8,6 @@ from enum import StrEnum
 from fxkfac.planner.problem.errors import ScheduleError
 from fxkfac.planner.problem.ir import Op, OpKind
 
-__all__ = [
-    "ScheduleKind",
-    "schedule_programs",
-    "stage_rank",
-    "stages_of_rank",
-    "num_stages",
-    "validate_schedule_args",
-    "ZERO_BUBBLE_KINDS",
-    "weight_gradient_kind",
-]
-
 
 class ScheduleKind(StrEnum):
     """The pipeline schedules fxkfac generates."""

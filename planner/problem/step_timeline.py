@@ -42,48 +42,6 @@ from fxkfac.planner.problem.problem import (
 from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, schedule_programs, weight_gradient_kind
 from fxkfac.planner.problem.strategy import holding, keeps_statistics
 
-__all__ = [
-    "Interval",
-    "Timeline",
-    "simulate",
-    "utilization",
-    "COMPUTE_KINDS",
-    "BUSY_KINDS",
-    "SYNCHRONIZING_KINDS",
-    "StepTimeline",
-    "base_programs",
-    "gradient_stats",
-    "prec_work",
-    "apply_seconds",
-    "reference_programs",
-    "gradient_allreduce_seconds",
-    "StageComm",
-    "stage_comm",
-    "step_timeline",
-    "plain_step_time",
-    "plain_utilization",
-    "steps_overlap",
-    "window_length",
-    "step_begins",
-    "early_start",
-    "slot_seconds",
-    "stretch_allowance",
-    "tap_extra",
-    "fused_extra",
-    "fused_stats",
-    "refresh_lower_bound",
-    "group_load",
-    "stream_lead",
-    "stream_start",
-    "static_bytes",
-    "decomposition_bytes",
-    "activation_intervals",
-    "peak_level",
-    "w_operand_bytes",
-    "activation_peak",
-    "min_memory_bytes",
-]
-
 COMPUTE_KINDS = frozenset(
     {OpKind.FWD, OpKind.BWD, OpKind.BWD_W, OpKind.STATS, OpKind.DECOMP, OpKind.APPLY, OpKind.OPT_STEP}
 )

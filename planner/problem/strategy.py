@@ -28,22 +28,6 @@ from fractions import Fraction
 
 from fxkfac.planner.problem.errors import ConfigError
 
-__all__ = [
-    "StrategyKind",
-    "Strategy",
-    "COMM_OPT",
-    "LayerDistribution",
-    "parse_strategy",
-    "grad_workers",
-    "receivers",
-    "columns",
-    "keeps_statistics",
-    "assign_columns",
-    "distribute",
-    "Holding",
-    "holding",
-]
-
 
 class StrategyKind(StrEnum):
     """How a layer's preconditioner is shared by its stage's copies (see [Note: strategies])."""

@@ -65,20 +65,6 @@ from fxkfac.planner.search.greedy import Allowance, allowance, group_lower_bound
 if TYPE_CHECKING:
     from fxkfac.planner.search.group_search import Period
 
-__all__ = [
-    "Attempt",
-    "assemble",
-    "assemble_attempt",
-    "same_stretch",
-    "Method",
-    "Refused",
-    "stats_chunk_of",
-    "attempt_plan",
-    "cheaper_fused",
-    "with_suggestions",
-    "solve",
-]
-
 
 @dataclass
 class Attempt:

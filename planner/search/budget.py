@@ -45,16 +45,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from fxkfac.planner.problem.problem import SolverConfig
 
-__all__ = [
-    "DTIME_PER_SECOND",
-    "WALL_CAP",
-    "GREEDY_DTIME_PER_TASK",
-    "SIMULATED_DTIME_PER_OP",
-    "MIN_CALL",
-    "OVERTIME",
-    "Budget",
-]
-
 log = logging.getLogger(__name__)
 
 DTIME_PER_SECOND = 0.1

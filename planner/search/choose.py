@@ -69,20 +69,6 @@ from fxkfac.planner.search.cpsat import (
 from fxkfac.planner.search.greedy import Allowance, allowance, greedy_group
 from fxkfac.planner.search.group_search import solve_joint_group
 
-__all__ = [
-    "STEP_TIE",
-    "best",
-    "candidate_strategies",
-    "candidate_problems",
-    "has_choice",
-    "least_overhead",
-    "mixed",
-    "solve_with_strategy",
-    "solve_joint",
-    "solve_outer",
-    "strategy_of",
-]
-
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")

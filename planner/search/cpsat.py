@@ -85,34 +85,6 @@ from fxkfac.planner.problem.step_timeline import activation_peak, base_programs,
 from fxkfac.planner.problem.strategy import LayerDistribution, Strategy, StrategyKind, grad_workers, holding, receivers
 from fxkfac.planner.search.budget import MIN_CALL, Budget
 
-__all__ = [
-    "Option",
-    "Options",
-    "options_of",
-    "ns",
-    "layer_options",
-    "timeline_stages",
-    "apply_seconds",
-    "share_seconds",
-    "bcast_seconds",
-    "comm_slot_seconds",
-    "held_bytes",
-    "base_bytes",
-    "reference_step",
-    "step_fixed_end",
-    "anchor_window",
-    "restretch_joint",
-    "reference_ticks",
-    "window_at",
-    "transfer",
-    "Frame",
-    "solve_window",
-    "placed_tasks",
-    "energy_bound",
-    "StepChoice",
-    "least_step",
-]
-
 _FIXED = frozenset({OpKind.FWD, OpKind.BWD, OpKind.BWD_W, OpKind.ALLREDUCE_GRAD})
 
 

@@ -68,27 +68,6 @@ from fxkfac.planner.problem.problem import Problem, SolverConfig, StageGroup
 from fxkfac.planner.problem.step_timeline import refresh_lower_bound, step_timeline, stretch_allowance
 from fxkfac.planner.search.budget import Budget
 
-__all__ = [
-    "Allowance",
-    "allowance",
-    "restretch",
-    "stretch_lower_bound",
-    "least_stretch",
-    "bisect_least",
-    "Probe",
-    "Packer",
-    "idle_regions",
-    "window_capacity",
-    "window_work",
-    "device_loads",
-    "packing_lower_bound",
-    "group_lower_bound",
-    "MARGIN",
-    "greedy_group",
-    "greedy_window",
-    "greedy_overhead",
-]
-
 Probe = Callable[[int], tuple[str, GroupSolution | None]]
 """A solver at one stretch (ticks): (status name, solution or None); "INFEASIBLE" means proven."""
 

@@ -45,8 +45,6 @@ from fxkfac.planner.search.greedy import (
     window_work,
 )
 
-__all__ = ["Period", "least_group_period", "refine_group", "least_period", "refine_stretch", "solve_joint_group"]
-
 log = logging.getLogger(__name__)
 
 

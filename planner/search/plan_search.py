@@ -71,38 +71,6 @@ from fxkfac.planner.problem.strategy import LayerDistribution, Strategy
 from fxkfac.planner.search.attempt import Method, solve
 from fxkfac.planner.search.budget import Budget
 
-__all__ = [
-    "EXHAUSTIVE_STAGES",
-    "MAX_TRIES",
-    "choose_recompute",
-    "plan_recomputing",
-    "recompute_choices",
-    "recompute_price",
-    "ScheduleCandidate",
-    "Tried",
-    "ScheduleChoice",
-    "schedule_candidates",
-    "choose_schedule",
-    "StreamApply",
-    "Solver",
-    "with_streaming",
-    "solve_streamed",
-    "STREAMED_STAGE",
-    "STREAMED_PART",
-    "STREAM_CHOICE_PART",
-    "HELPER_CANDIDATES",
-    "SMALLEST_BLOCK",
-    "BlockChoice",
-    "block_candidates",
-    "block_label",
-    "choose_block_size",
-    "Distributions",
-    "Overhead",
-    "SearchOptions",
-    "TimeLimit",
-    "plan",
-]
-
 log = logging.getLogger(__name__)
 
 EXHAUSTIVE_STAGES = 8

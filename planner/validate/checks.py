@@ -1,4 +1,20 @@
-"""What every check of the validator reads: the plan and its problem, the step timelines simulated from the problem
+"""Checks a plan against its problem, independently of the solvers: every constraint, in seconds.
+
+It recomputes what the plan must contain from the problem alone (the simulated step timelines, the
+cost table, whose comm model prices the collectives: the gradient all-reduce, SYNC_STATS and BCAST) and
+shares no code with planner.window, greedy or cpsat. Times may be off by the plan's
+`metrics.time_quantum` (the planner's time grid, see [Note: time grid] in planner/plan/window.py). Every
+step is followed by `metrics.stretch` idle seconds ([Note: stretch]); the step time, stretch included,
+must stay within the problem's max_overhead. A part fed by the reduced gradient (`PartCost.after`
+ALLREDUCE_GRAD) has a STATS without micro-batch at every step on every copy of its stage, between the
+stage's gradient all-reduce and its APPLY, and no SYNC_STATS; its DECOMP follows the refresh step's STATS
+on the deciding rank. Each layer's distribution (planner/problem/strategy.py, the definition of KAISA's grid and
+DP-KFAC's owner) says which copies take its statistics, sync them, decompose (one of its grad workers),
+receive the decomposition, apply it at every step, and broadcast the preconditioned gradient along a row.
+Under `StepBarrier.AGREEMENT_SET` a step begins on a rank once its agreement set (the ranks linked by copies of a
+stage) can have ended the step before, and the programs are simulated with OPT_STEP over agreement sets only.
+
+What every check of the validator reads: the plan and its problem, the step timelines simulated from the problem
 alone, and the costs and times of each op, recomputed from the cost table.
 
 Checks of the order of a refresh's tasks: statistics after the F/B they read, the synchronization, decomposition
@@ -28,11 +44,12 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
-from fxkfac.planner.problem.errors import DeadlockError
+from fxkfac.planner.problem.errors import DeadlockError, PlanError
 from fxkfac.planner.problem.ir import (
     LAYER_TRANSFER_KINDS,
     NS_STEPS,
     PRECONDITIONER_KINDS,
+    Capture,
     Op,
     OpKind,
     Placement,
@@ -60,6 +77,7 @@ from fxkfac.planner.problem.step_timeline import (
     simulate,
     static_bytes,
     step_begins,
+    step_timeline,
     stream_lead,
     stream_start,
     tap_extra,
@@ -69,8 +87,6 @@ from fxkfac.planner.problem.strategy import COMM_OPT, keeps_statistics, receiver
 
 if TYPE_CHECKING:
     from fxkfac.planner.plan.plan import Plan
-
-__all__ = ["check_streaming"]
 
 
 @dataclass
@@ -860,3 +876,48 @@ def _check_no_replica(c: Context, streaming: Streaming, layer: str, owner: int, 
         ops = [op for body in (*c.plan.startup.get(rank, []), *c.plan.programs[rank]) for op in body]
         if any(op in replicas for op in ops):
             c.errors.append(f"r{rank} transfers a replica of {layer}, which has no refresh")
+
+
+def validate(problem: Problem, plan: Plan, *, run: bool = True) -> list[str]:
+    """Every way `plan` breaks `problem`'s constraints, as readable lines (empty: valid). `run` also
+    simulates the programs (deadlock, speed)."""
+    fused = frozenset(n for n, t in plan.layers.items() if t.capture is Capture.FUSED)
+    tol = plan.metrics.time_quantum + 1e-9 * step_timeline(problem).length
+    stretch = plan.metrics.stretch
+    c = Context(
+        problem,
+        plan,
+        tol,
+        fused,
+        step_timeline(problem, fused, refresh=True),
+        step_timeline(problem),
+        [],
+        stretch if isinstance(stretch, (int, float)) and 0 <= stretch < math.inf else 0.0,
+    )
+    if plan.problem != problem:
+        c.errors.append("the plan was made for another problem")
+    if c.stretch != stretch:
+        c.errors.append(f"the step stretch must be a finite number of seconds >= 0, got {stretch!r}")
+    check_layers(c)
+    if c.errors:
+        return c.errors
+    for check in (
+        check_placed_once,
+        check_overlap,
+        check_dependencies,
+        check_precs_and_offsets,
+        check_memory,
+        check_step_time,
+    ):
+        check(c)
+    check_programs(c, run)
+    check_streaming(c)
+    return c.errors
+
+
+def check_plan(problem: Problem, plan: Plan, *, run: bool = True) -> None:
+    """Raise PlanError listing every violation of `validate`."""
+    errors = validate(problem, plan, run=run)
+    if errors:
+        shown = "\n  ".join(errors[:20]) + (f"\n  ... and {len(errors) - 20} more" if len(errors) > 20 else "")
+        raise PlanError(f"the plan is not valid for its problem ({len(errors)} violations):\n  {shown}")

@@ -27,12 +27,10 @@ from fxkfac.planner.problem.ir import PRECONDITIONER_KINDS, LayerTiming, Op, OpK
 from fxkfac.planner.problem.lowering import startup_programs
 from fxkfac.planner.problem.problem import Problem, copies_of_stage, is_streamed
 from fxkfac.planner.problem.step_timeline import base_programs
-from fxkfac.planner.validate import check_plan
+from fxkfac.planner.validate.checks import check_plan
 
 if TYPE_CHECKING:
     from fxkfac.planner.plan.plan import Plan
-
-__all__ = ["MAX_QUANTUM_SHARE", "check_structure", "parse_plan", "read_plan", "load_plan"]
 
 MAX_QUANTUM_SHARE = 0.01
 """The coarsest time grid a file may claim, as a share of the step (the planner's is 1e-5 or exact):
