@@ -15,7 +15,7 @@ The paper's profiles include the embeddings and the heads (on the first and last
 these CSVs are Transformer blocks only, so its figures are shown beside ours for orientation, not as the same
 measurement. With --layers sublayer each block is its attention and its feed-forward, with --layers linear its
 six Linears (the layers K-FAC preconditions: tasks as fine as the paper's code runs them), sharing the block's
-measured costs by their shapes (`planner.profiles.ProfileLayers`). Prints a rich table and one JSON line.
+measured costs by their shapes (`planner.problem.profiles.ProfileLayers`). Prints a rich table and one JSON line.
 
 Per configuration: the plain pipeline (simulated here, independently of the planner), then
 planner.plan (one search, one time limit) with the paper's greedy rule and with CP-SAT (each stage's copies sharing the

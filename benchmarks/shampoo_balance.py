@@ -2,10 +2,10 @@
 own placement (Alg. 3, greedy largest-first) and against round-robin, from the analytic cost model (no torch).
 
 For each preset, hardware and data-parallel size W (pipeline: --schedule, D stages, N micro-batches), on one
-Shampoo cost table (`planner.shampoo_costs.gradient_cost_table`, eigh roots, blocks of side --block) and with the
+Shampoo cost table (`planner.problem.analytic.gradient_cost_table`, eigh roots, blocks of side --block) and with the
 same refresh period per stage in every variant:
 
-(a) round-robin   Shampoo on the critical path (`planner.lowering.naive_programs`): at a refresh step each rank
+(a) round-robin   Shampoo on the critical path (`planner.problem.lowering.naive_programs`): at a refresh step each rank
                   decomposes its share of its stage's blocks after the gradient all-reduce, broadcasts them, then
                   applies; the stage's (layer, part) decompositions dealt to its W holders in turn;
 (b) Alg. 3        the same programs with the decompositions dealt by Distributed Shampoo's Alg. 3 (largest
@@ -19,10 +19,10 @@ makes (a) and (b) refresh every F steps and lets the plan refresh every F steps 
 (`Problem.max_period = F`; its periods are shown). Every variant also folds L and R and applies the
 preconditioner at every step on the critical path (the statistics and APPLY are the same work in all three).
 
-Per-step time: the programs simulated (`planner.simulate`) with this script's own op durations (`duration_of`:
-F/B, statistics, decompositions and APPLY from the cost table; the collectives the programs run, the gradient
-all-reduce, BCAST of roots from their grad worker, SYNC_STATS and BCAST_PREC where a strategy has them, priced by
-the table's alpha-beta comm model `CostTable.collective_seconds` over the ranks they name; point-to-point
+Per-step time: the programs simulated (`planner.problem.step_timeline`) with this script's own op durations
+(`duration_of`: F/B, statistics, decompositions and APPLY from the cost table; the collectives the programs run, the
+gradient all-reduce, BCAST of roots from their grad worker, SYNC_STATS and BCAST_PREC where a strategy has them, priced
+by the table's alpha-beta comm model `CostTable.collective_seconds` over the ranks they name; point-to-point
 transfers take no time, as in the planner) over a whole number of refresh periods, makespan / steps (every step
 ends with a barrier, so this is the steady average; ops run as soon as they can, so a plan that stretches the step
 runs faster here than its own `metrics.step_time`, shown beside it, which counts the stretch as idle time). The

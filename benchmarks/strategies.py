@@ -29,7 +29,7 @@ noise is the spread of a variant's round means, (max - min) / 2 / median. K-FAC 
 `trainer.layer_states` after the timed steps (factors A, B; active and pending inverses), and the live bytes
 with the runtime's skip-rollback copy (the state of the step's beginning, which keeps the previous factors
 and inverse alive until the next step begins). Planned rows also show the plan's accounting of that state
-(the preconditioner part of `planner.memory.static_bytes`, checked against the runtime by
+(the preconditioner part of `planner.problem.step_timeline.static_bytes`, checked against the runtime by
 tests/test_strategy_memory.py) and its predicted peak memory per rank. The load average (`uptime`) is
 recorded before and after.
 

@@ -71,9 +71,9 @@ class Target:
     """Whether the family's decompositions start from the previous one (`Family.warm_start`)."""
     compiled: bool = False
     """Whether the stages run compiled (`compile(backend=...)`): each backward then makes every gradient at its end,
-    so a streamed APPLY overlaps nothing of it (`planner.streaming.Streaming.whole_backward`)."""
+    so a streamed APPLY overlaps nothing of it (`planner.problem.lowering.Streaming.whole_backward`)."""
     choices: tuple[tuple[ScheduleKind, str], ...] = ()
-    """compile(schedule="auto"): the schedules plan="auto" chooses among (`planner.schedule_choice`), each with the
+    """compile(schedule="auto"): the schedules plan="auto" chooses among (`planner.search.plan_search`), each with the
     graph fingerprint of the run under it; empty: `schedule` is the run's."""
     tied_state: bool = False
     """Whether a parameter several stages share (tied weights) is a unit whose per-step work keeps state (Shampoo,
@@ -169,13 +169,13 @@ def solve_for(
 ) -> Plan:
     """Plan `target` with CP-SAT over `costs` (the planner's `plan`: one search, one time limit), stamped with the
     target's fingerprint; with `Target.choices`, the plan of the schedule the planner chooses among them
-    (`planner.schedule_choice.choose_schedule`: the least step at the freshest curvature), the choice logged.
+    (`planner.search.plan_search.choose_schedule`: the least step at the freshest curvature), the choice logged.
 
     With `options.max_overhead` None the bubbles are tried alone first; when they cannot hold the work, the
     least max_overhead the planner found to place it is used (its refusal names that value), and logged.
     `options.strategy` forces a distribution strategy; None lets the planner choose (planner/search/choose.py).
     `progress` observes the solver (`SolverConfig.progress`). The stages `checkpointing` names recompute their
-    forward; under AUTO the planner chooses them for the memory budget (`planner.recompute.choose_recompute`).
+    forward; under AUTO the planner chooses them for the memory budget (`planner.search.plan_search.choose_recompute`).
     """
     strict = options.max_overhead is not None
     problem = Problem(
@@ -339,7 +339,7 @@ def _unpacked(sent: str | list[str] | None, context: str) -> Plan | FxkfacError 
 
 def gathered_profile(profile: Callable[[], CostTable], rank: int, dst: int = 0) -> CostTable | FxkfacError | None:
     """Every rank's `profile()` at once, as every rank computes in training, combined on rank `dst` into one table
-    of each figure's median over the ranks (`planner.costs.median_of`), or the first rank's error; None on the
+    of each figure's median over the ranks (`planner.problem.costs.median_of`), or the first rank's error; None on the
     other ranks (collective over the default group)."""
     import torch.distributed as dist
 

@@ -7,7 +7,7 @@
   fingerprint, plan and layer timings). Written last: a directory without it is incomplete.
 - ``rank-<r>.json``: rank r's state skeleton: the trainer's ``state_dict()`` with every tensor replaced
   by ``{"__tensor__": key}`` (ints, floats, bools, strings stay as they are).
-- ``plan.json``: the plan in use, when there is one (``planner.plan_file.load_plan`` reads it back; the header
+- ``plan.json``: the plan in use, when there is one (``planner.validate.plan_file.load_plan`` reads it back; the header
   holds its digest).
 - ``__<r>_0.distcp`` and ``.metadata.json``: the tensors, written by `torch.distributed.checkpoint`
   (DCP) with a JSON metadata file in place of DCP's pickled ``.metadata``. Keys are global wherever the

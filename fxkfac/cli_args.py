@@ -20,7 +20,7 @@ from fxkfac.planner.problem import (
 )
 
 AUTO: Literal["auto"] = "auto"
-"""--max-preconditioner-dim auto: the planner chooses the block side (planner.block_size.choose_block_size)."""
+"""--max-preconditioner-dim auto: the planner chooses the block side (planner.search.plan_search.choose_block_size)."""
 
 MICRO_BATCH_SIZE = 32
 """Samples per micro-batch of a preset or a PipeFisher profile when --micro-batch-size is not given (the paper's)."""

@@ -143,7 +143,7 @@ def _searches_block_size(args: argparse.Namespace) -> bool:
 
 
 def _auto_block(args: argparse.Namespace, S: int, config: SolverConfig, budget: TimeBudget) -> BlockChoice:
-    """The plan at the block side the planner chooses (`planner.block_size.choose_block_size`) for a preset."""
+    """The plan at the block side the planner chooses (`planner.search.plan_search.choose_block_size`) for a preset."""
     from fxkfac.planner.problem.analytic import largest_dim, preset
     from fxkfac.planner.search import block_candidates, choose_block_size
 

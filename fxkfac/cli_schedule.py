@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from fxkfac.planner import CostTable, SearchOptions
 
 AUTO_SCHEDULE = "auto"
-"""--schedule's value that lets the planner choose (`planner.schedule_choice`)."""
+"""--schedule's value that lets the planner choose (`planner.search.plan_search`)."""
 
 
 def at_schedule(args: argparse.Namespace, candidate: ScheduleCandidate) -> argparse.Namespace:

@@ -5,7 +5,7 @@ shape (`kfac_unit_cost`); a family fed by the gradient (Shampoo, SOAP) is timed 
 random gradient of the parameter's shape (`gradient_unit_cost`).
 
 Every time is the fastest of its repeats, with their fastest and slowest kept beside it (`Timing`,
-`planner.costs.Spread`); a stage's backward is timed alone, after an untimed forward of its own.
+`planner.problem.costs.Spread`); a stage's backward is timed alone, after an untimed forward of its own.
 """
 
 from __future__ import annotations

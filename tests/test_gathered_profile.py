@@ -1,5 +1,5 @@
 """plan="auto" profiles the stages on every rank at once, as every rank computes in training, and rank 0 plans with
-each figure's median over the ranks (`fxkfac.autoplan.gathered_profile`, `planner.costs.median_of`)."""
+each figure's median over the ranks (`fxkfac.autoplan.gathered_profile`, `planner.problem.costs.median_of`)."""
 
 from __future__ import annotations
 

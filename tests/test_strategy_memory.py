@@ -6,10 +6,10 @@ step) and planned (plan="auto", the strategy forced, one profiled cost table for
 each rank's preconditioner state is measured as tensor byte counts of `trainer.layer_states` (the running factors A
 and B, the active inverse and every pending one, and an eigen Inverse's cached divisor once made); its peak over 8
 steps (more where a plan's first decompositions come later) is compared with the preconditioner part of
-`planner.memory.static_bytes` for that rank, from the plan's cost table and the run's distributions: ``factor_bytes
-* (statistics + 2 * decompositions) + state_bytes * decompositions`` per layer the rank holds
-(`planner.strategy.holding`). The test checks that this part is what `static_bytes` adds up (parameters, gradients
-and the two transients are the rest).
+`planner.problem.step_timeline.static_bytes` for that rank, from the plan's cost table and the run's distributions:
+``factor_bytes * (statistics + 2 * decompositions) + state_bytes * decompositions`` per layer the rank holds
+(`planner.problem.strategy.holding`). The test checks that this part is what `static_bytes` adds up (parameters,
+gradients and the two transients are the rest).
 
 Two decompositions: a refresh makes the next one beside the active one, which stays in use until the next is
 activated `use_offset` steps after the refresh; planned runs hold it across step ends (seen with MEM-OPT at
@@ -17,10 +17,10 @@ period 2, use_offset 2). The accounting is therefore an upper bound, met within 
 layer's next decomposition is made before APPLY uses any) and by any plan whose refreshes coincide; a plan that
 staggers its layers' refreshes peaks lower, so planned runs are checked to lie between the bound and the state
 with one decomposition per layer. The exact peak of a staggered plan needs the window's own events (from a
-layer's DECOMP to its use, as `planner.solution.peak_bytes` does for deferred captures). A plan whose refresh is
+layer's DECOMP to its use, as `planner.plan.solution.peak_bytes` does for deferred captures). A plan whose refresh is
 first used no sooner than its next refresh begins (use_offset >= period, seen once under load: period 6, use_offset
-11) may make the next decomposition before that use and hold a third while it waits (`planner.solution.remade_spans`
-adds it to the plan's peak); the bound adds one for each such layer.
+11) may make the next decomposition before that use and hold a third while it waits
+(`planner.plan.solution.remade_spans` adds it to the plan's peak); the bound adds one for each such layer.
 
 The BCAST_PREC buffer is transient: the runtime packs one layer's gradient, broadcasts it along the row and the
 receivers' copy replaces their own gradient, so nothing of it is held across steps; `static_bytes` counts one

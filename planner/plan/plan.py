@@ -77,7 +77,7 @@ class Plan:
 
     `startup[rank]` lists the rank's first steps, which run once before its steady `programs` take
     over (global step t runs `startup[rank][t]` while t is in range, else `programs[rank][t % period]`):
-    see `planner.lowering.startup_programs`. Together they are every op a rank executes."""
+    see `planner.problem.lowering.startup_programs`. Together they are every op a rank executes."""
 
     problem: Problem
     programs: Mapping[int, Program]
@@ -106,7 +106,7 @@ class Plan:
         }
 
     def to_json(self, *, indent: int | None = 1) -> str:
-        """JSON text; `planner.plan_file.parse_plan` reads it back to an equal plan."""
+        """JSON text; `planner.validate.plan_file.parse_plan` reads it back to an equal plan."""
         return json.dumps(self.to_dict(), indent=indent)
 
     def save(self, path: str | Path) -> None:

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from fxkfac.planner.problem.problem import Problem
 
 Born = dict[int, dict[Op, int]]
-"""Per device, each op's first window step (`planner.lowering.startup_programs`)."""
+"""Per device, each op's first window step (`planner.problem.lowering.startup_programs`)."""
 
 
 @dataclass(frozen=True)
@@ -28,9 +28,9 @@ class GroupSolution:
     and how it was found (method "greedy"/"cpsat", status, objective, proven lower bound on k).
 
     A joint solve ([Note: joint strategy] in planner/search/cpsat.py) places the window's tasks but its broadcasts,
-    which are the options' (`planner.cpsat.placed_tasks`), and says what it chose: each layer's distribution, the start
-    of the chosen option's BCAST of each (layer, part) and the ticks each stage's slot was given
-    (`planner.joint.transfer` makes it a solution of the chosen problem's own window). Empty: the window
+    which are the options' (`planner.search.cpsat.placed_tasks`), and says what it chose: each layer's distribution, the
+    start of the chosen option's BCAST of each (layer, part) and the ticks each stage's slot was given
+    (`planner.search.cpsat.transfer` makes it a solution of the chosen problem's own window). Empty: the window
     problem's own distributions, its BCAST tasks and slots."""
 
     window: Window
@@ -217,7 +217,7 @@ def plan_born(problem: Problem, placements: Iterable[Placement], timings: Mappin
 
 def born_steps(placements: Iterable[Placement]) -> Born:
     """Per device, each refresh op's latest window step: from that global step on its refresh exists
-    (see `planner.lowering.startup_programs`); per-step ops are not listed (they run from step 0)."""
+    (see `planner.problem.lowering.startup_programs`); per-step ops are not listed (they run from step 0)."""
     born: Born = {}
     for p in placements:
         if is_refresh_op(p.op):

@@ -11,7 +11,7 @@ a free one (no comm model, or a group of one) never falls inside another op; the
 interval of the step timeline is blocked where the stage has copies, and where it takes no tick (no comm model) the
 instant, an empty interval (t, t) of `Window.fixed`, which no task or slot may span but either may end or start at
 (one copy's all-reduce is a no-op, which nothing need keep clear). An APPLY slot spans its
-reference position's rounded ends (`planner.window_build`), so the reference step fits its own grid.
+reference position's rounded ends (`planner.plan.window`), so the reference step fits its own grid.
 
 [Note: stretch] With `Problem.max_overhead > 0` the planner may append `Window.stretch` idle ticks to
 the end of every step of the window, on every device: the runtime ends each step with a global loss
@@ -30,10 +30,10 @@ spans a boundary (it would hold the barrier up on every rank).
 Under `StepBarrier.AGREEMENT_SET` (KL-clip scope stage or stale) OPT_STEP waits only for the rank's agreement
 set, the devices of its stage group, so the group's step j+1 may begin `Window.leads[j+1]` ticks before
 `offsets[j+1]`: once the last of its devices has ended step j's F/B, all-reduces and (reference) APPLY
-(`planner.step_timeline.early_start`). The boundary, its blocked tick and APPLY's deadline move there; the idle
+(`planner.problem.step_timeline.early_start`). The boundary, its blocked tick and APPLY's deadline move there; the idle
 after it belongs to step j+1 and joins the device's idle before its first F/B of step j+1 (in WORLD the
 boundary cut it in two). F/B keep their times: the planner does so only where a steady run without the world
-barrier repeats the one-step timeline (`planner.step_timeline.steps_overlap`; else leads are 0, WORLD's step).
+barrier repeats the one-step timeline (`planner.problem.step_timeline.steps_overlap`; else leads are 0, WORLD's step).
 A task may run past the window's own end (the refresh step's world start) only in CP-SAT at k = 1
 (planner/search/cpsat.py `add_tasks`); at k >= 2 CP-SAT, and greedy always, keep each task inside [0, L), so there the
 joined idle is used at the k-1 boundaries inside the window.
@@ -44,14 +44,14 @@ reduced gradient, so there is no SYNC_STATS), after the stage's gradient all-red
 (which overwrites the gradient). That work is per step like APPLY, so it is modelled as APPLY is: the
 stage's gradient STATS run back to back at the head of its APPLY slot (`PrecSlot.ops`: STATS of every
 layer and part, then APPLY; the slot's ticks cover them all), which CP-SAT places inside [gradient ready,
-step end), in the end-of-step bubble; the reference step (`planner.step_timeline.reference_programs`) runs them
+step end), in the end-of-step bubble; the reference step (`planner.problem.step_timeline.reference_programs`) runs them
 right after the all-reduce, as it runs APPLY, so max_overhead is measured against a step that holds them.
 A refresh snapshots the statistic at the refresh step's STATS, so the part's DECOMP task (and its BCAST)
 is released by the refresh step's slot of its stage on the device that decomposes it (`Task.after_slot`:
 a precedence on the slot's start in CP-SAT, the slot's reference place in greedy); it may run in any
 later bubble, like K-FAC's deferred inversions. The snapshot the runtime keeps until DECOMP is, like
 K-FAC's statistic sums in flight, not counted in memory; `LayerCost.state_bytes` (optimizer state held
-for the whole run) is, in `planner.memory.static_bytes`. Layers mixing captured and gradient parts plan
+for the whole run) is, in `planner.problem.step_timeline.static_bytes`. Layers mixing captured and gradient parts plan
 each part by its own rule (not tuned for them, but correct). Known cost: where a device holds several
 stages with copies (Chimera, interleaved with W > 1) the reference step runs the second stage's all-reduce right
 after the first stage's slot; where that all-reduce takes time, CP-SAT may not move the slot across it.
@@ -137,11 +137,11 @@ class Task:
 
 @dataclass(frozen=True)
 class PrecSlot:
-    """The per-step preconditioner work of `stage` on `device` at window step `step` (`planner.step_timeline.prec_work`:
-    gradient STATS, APPLY, BCAST_PREC): `ops` run for `durations` seconds within [release, deadline) (absolute
-    ticks), back to back, except that the broadcasts of preconditioned gradients begin `lead` seconds after
-    the slot starts, on every copy of the stage at once (`lead`: the longest work before them on any copy; the
-    copies' slots start together); `reference` is where the plain K-FAC step puts them (right after the
+    """The per-step preconditioner work of `stage` on `device` at window step `step`
+    (`planner.problem.step_timeline.prec_work`: gradient STATS, APPLY, BCAST_PREC): `ops` run for `durations` seconds
+    within [release, deadline) (absolute ticks), back to back, except that the broadcasts of preconditioned gradients
+    begin `lead` seconds after the slot starts, on every copy of the stage at once (`lead`: the longest work before them
+    on any copy; the copies' slots start together); `reference` is where the plain K-FAC step puts them (right after the
     all-reduce)."""
 
     device: int

@@ -24,10 +24,10 @@ The paper's rules (Shi et al., Distributed Shampoo, §4.2, Table 1) under one hy
 
 Analytic costs of Shampoo and SOAP: one LayerCost per parameter, parts L and R fed by the reduced gradient.
 
-Every parameter of the model is cut into blocks by `planner.blocking` (Shampoo: merged dims, as
+Every parameter of the model is cut into blocks by `planner.problem.analytic` (Shampoo: merged dims, as
 `ShampooConfig.use_merge_dims`; SOAP: unmerged, and its 1-D parameters left to plain AdamW, as
 `SOAPConfig.precondition_1d=False`). A block of shape (r, c) (a 1-D block is (r, 1)) with factor sides (m, n)
-costs, each kernel timed by the K-FAC model's roofline (`planner.analytic.roofline`, fp32 peak, the hardware's
+costs, each kernel timed by the K-FAC model's roofline (`planner.problem.analytic.roofline`, fp32 peak, the hardware's
 matmul and factorization efficiencies; that model has no launch-latency floor, so neither has this one):
 
 - statistics, every step (parts L and R, `after=ALLREDUCE_GRAD`): L += G G^T, 2 r^2 c FLOPs; R += G^T G,
@@ -51,7 +51,7 @@ Analytic costs of Muon: one LayerCost per parameter, no parts, its APPLY a matri
 Muon (`MuonConfig`, fxkfac/muon/) orthogonalizes each hidden 2-D weight's momentum at every step; embeddings, the
 output head (a Linear K-FAC skips, `LinearSpec.kfac` False) and 1-D parameters go to AdamW (below). A matrix of
 shape (r, c), m = min(r, c) <= n = max(r, c), costs per step (each kernel timed by the K-FAC model's roofline,
-`planner.analytic.roofline`, without a launch-latency floor):
+`planner.problem.analytic.roofline`, without a launch-latency floor):
 
 - Newton-Schulz, `ns_steps` iterations (5) of the quintic X <- a X + (b A + c A A) X with A = X X^T, X the m x n
   orientation (the transpose when r > c, as torch.optim.Muon does): A = X X^T is m*m*n multiply-adds, A A is m^3,
@@ -70,7 +70,7 @@ outlasts it but on a link faster than memory bandwidth / ADAMW_PASSES; planner/s
 its owner, beside the matrices' Newton-Schulz.
 
 A piece i of n of a matrix's APPLY (`Op.piece`) runs iterations [i*S//n, (i+1)*S//n) of S = ns_steps
-(`planner.apply_pieces`); its time is that share of the APPLY.
+(`planner.problem.ir`); its time is that share of the APPLY.
 """
 
 from __future__ import annotations

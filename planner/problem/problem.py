@@ -208,7 +208,7 @@ class Problem:
 
     def with_strategy(self, strategy: Strategy) -> Problem:
         """Every layer under `strategy`, each stage's layers dealt to its columns by KAISA's greedy on their
-        decomposition seconds (`planner.strategy.distribute`); a layer without parts (a Muon matrix, Moonlight's
+        decomposition seconds (`planner.problem.strategy.distribute`); a layer without parts (a Muon matrix, Moonlight's
         distributed Muon under mem-opt) on its APPLY's seconds, the only work it has."""
         holders = {s: copies_of_stage(self, s) for s in range(self.num_stages)}
         layers = {s: [x.name for x in stage.layers] for s, stage in enumerate(self.costs.stages)}
@@ -332,7 +332,7 @@ class SolverConfig:
     model grows with them (per Linear, BERT-Large Chimera D=8 on the paper's profiles, a stage group has 576 at
     N=8 and 2304 at N=32; a 10 s solve ran CP-SAT for 10 s and 30 s of wall time on 2 cores)."""
     time_resolution: int = 100_000
-    """Ticks per step when times are not exact in a decimal unit (see `planner.window`)."""
+    """Ticks per step when times are not exact in a decimal unit (see `planner.plan.window`)."""
     stretch: bool = True
     """Let the step grow within `Problem.max_overhead` to make room for K-FAC work ([Note: stretch] in
     planner/plan/window.py); False: max_overhead only pays for fused curvature (bubbles alone)."""
@@ -386,7 +386,7 @@ def streamed_stats(problem: Problem, layer: str) -> bool:
 
 
 def streamed_seconds(problem: Problem, op: Op) -> float:
-    """Seconds of a streamed layer's APPLY on its helper (or of its piece, `planner.apply_pieces.piece_share`), and
+    """Seconds of a streamed layer's APPLY on its helper (or of its piece, `planner.problem.ir.piece_share`), and
     with `streamed_stats` the folds of its gradient-fed statistics, which the helper's APPLY runs first."""
     cost = problem.costs.layer(op.layer_name)
     folds = sum(p.stats for p in cost.parts) if streamed_stats(problem, op.layer_name) else 0.0

@@ -430,7 +430,7 @@ def prec_work(problem: Problem, device: int, stage: int) -> list[tuple[Op, float
 
 
 def apply_seconds(problem: Problem, op: Op) -> float:
-    """Seconds of one layer's APPLY, or of its piece (`planner.apply_pieces.piece_share`)."""
+    """Seconds of one layer's APPLY, or of its piece (`planner.problem.ir.piece_share`)."""
     return problem.costs.layer(op.layer_name).prec * piece_share(op.piece)
 
 
@@ -540,7 +540,7 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callabl
 
 def stream_lead(problem: Problem, duration: Callable[[int, Op], float]) -> Callable[[int, Op], float] | None:
     """How long before its send op a streamed layer's message arrives (`simulate`'s lead): a gradient leaves when
-    the backward (a zero-bubble schedule's W) makes it final (`planner.streaming.ready`), the part of the stage's
+    the backward (a zero-bubble schedule's W) makes it final (`planner.problem.lowering.ready`), the part of the stage's
     backward (its `duration`) after that before the SEND_LGRAD; every streamed message then takes its transfer
     (`CostTable.collective_seconds` of two ranks, 0 without a comm model), which the lead subtracts. None without
     streaming."""
@@ -788,14 +788,14 @@ def static_bytes(problem: Problem, device: int) -> int:
     decompositions (each as large as the statistics: the active one and the next, which a refresh makes beside
     it and which waits until it is used, `LayerTiming.use_offset` steps after the refresh, across step ends
     when that is later) and the optimizer state besides them (`LayerCost.state_bytes`: grafting, momentum,
-    Adam moments) where the device keeps them (`planner.strategy.holding`); and two transients, each counted
+    Adam moments) where the device keeps them (`planner.problem.strategy.holding`); and two transients, each counted
     once: the largest error peak of one backward, and the largest buffer of a layer's gradient whose
     preconditioned gradient the device broadcasts or receives (BCAST_PREC packs one layer at a time and frees
     the buffer after it; the received gradient replaces the layer's own, so nothing is kept across steps).
     Measured against the runtime in tests/test_strategy_memory.py: an upper bound, met where every layer's
     next decomposition is made before any is used (a critical-path refresh); a plan that staggers them holds
     less. A plan whose next refresh makes a decomposition before this one is used holds a third while it
-    waits: a placement's peak adds it (`planner.solution.remade_spans`)."""
+    waits: a placement's peak adds it (`planner.plan.solution.remade_spans`)."""
     stages = stages_on_device(problem, device)
     total = shared = 0
     for s in stages:
@@ -832,7 +832,7 @@ def _streamed_bytes(problem: Problem, device: int) -> int:
 
 def decomposition_bytes(problem: Problem, device: int, layer: str) -> int:
     """Bytes of one decomposition of `layer` on `device` (as large as its statistics), 0 where the device keeps
-    none (`planner.strategy.holding`)."""
+    none (`planner.problem.strategy.holding`)."""
     x = problem.costs.layer(layer)
     gradient_fed = all(p.after is OpKind.ALLREDUCE_GRAD for p in x.parts)
     copies = copies_of_stage(problem, problem.costs.stage_of(layer))

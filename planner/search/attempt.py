@@ -7,7 +7,7 @@ A refusal's suggestions: max_overhead, budget or N values shown to plan by attem
 `solve()`, one problem's placement within its part of the budget: an attempt, then a refusal's suggestions.
 
 Callers plan through `planner.plan` (planner/search/plan_search.py), which runs its whole search, every `solve`, in one
-`planner.budget.Budget`. `solve(problem, config, method)` refuses a budget below the
+`planner.search.budget.Budget`. `solve(problem, config, method)` refuses a budget below the
 least memory any plan needs, solves every stage group (greedy, then CP-SAT warm-started by it),
 fuses the curvature of the layers that do not fit the budget deferred (largest kept bytes first,
 when max_overhead allows the time they add), gives every group the same stretch of the step (the
@@ -829,7 +829,7 @@ def _bisect_down(
 
 
 def device_bytes(problem: Problem) -> int | None:
-    """The memory of the problem's device (`planner.hardware.HARDWARE`), None where it is not a known one."""
+    """The memory of the problem's device (`planner.problem.hardware.HARDWARE`), None where it is not a known one."""
     spec = HARDWARE.get(problem.hardware.lower())
     return None if spec is None else spec.memory_bytes
 

@@ -14,7 +14,7 @@ runs only where it has a choice (`has_choice`): a layer of a stage it leaves fre
 keeps the reference step within that allowance. Within it: first the option set with the least reference step
 within the static memory, then per stage group the options and placement with the least refresh period, stretch
 and staleness, every option a literal of the window's model. Stages whose slot moves the step's fixed work
-(`planner.joint.timeline_stages`: Chimera's, interleaved's first stage on a device) cannot be free in a window of
+(`planner.search.cpsat.timeline_stages`: Chimera's, interleaved's first stage on a device) cannot be free in a window of
 fixed F/B work: they take each strategy of `candidate_strategies` in turn, one joint solve per strategy. Where the
 joint model does not apply it is not used:
 - with the greedy method (no CP-SAT), under `StepBarrier.AGREEMENT_SET` (an early step start depends on the
@@ -173,7 +173,7 @@ def _joint_applies(problem: Problem, method: Method | str, budget: Budget | None
 
 def has_choice(problem: Problem, budget: Budget | None = None) -> bool:
     """Whether some layer of a stage the joint model leaves free (not in `timeline_stages`) has a distribution
-    other than the problem's own that, switched alone, keeps the reference step (`planner.joint.reference_step`)
+    other than the problem's own that, switched alone, keeps the reference step (`planner.search.cpsat.reference_step`)
     within what `best` keeps: max_overhead and STEP_TIE over the least reference step of `candidate_problems`.
     Where none has, every layer's one option is the problem's own and the joint model is a forced one with more
     variables; the outer search plans each candidate by the search a forced strategy runs instead ([Note: strategy

@@ -2,7 +2,7 @@
 
 The window model places one stage group's refresh work into the bubbles of a k-step window at one refresh period
 and stretch (planner/search/group_search.py chooses which): `_build` makes a modulo-scheduling model of the window
-(planner.window): every task is an interval at position `pos` in [0, L) with `late` telling whether it runs in
+(planner.plan.window): every task is an interval at position `pos` in [0, L) with `late` telling whether it runs in
 the next window's early bubbles (absolute start = pos + late*L); NoOverlap per device with the fixed F/B work;
 optional intervals choose the inversion's device; a cumulative per device holds activations and the a/e kept
 by deferred curvature under the budget. `solve_window` finds any placement (feasibility) or the least
@@ -14,9 +14,9 @@ it, each option's BCAST is an optional interval over its column, each stage's sl
 literals set, each device's capacity the budget less its static bytes as the literals make them); without one, a
 layer has one option, the window problem's own, whose BCAST tasks, slots and capacities the window already holds.
 `energy_bound` and `least_step` are the joint choice's step models. Solutions come out as
-`planner.solution.GroupSolution`. Every call runs within a share of the planner's clock (`planner.budget.Budget`:
-CP-SAT's deterministic time by default, so its stopping points, and the plan, do not depend on the machine's
-load) and is charged to it.
+`planner.plan.solution.GroupSolution`. Every call runs within a share of the planner's clock
+(`planner.search.budget.Budget`: CP-SAT's deterministic time by default, so its stopping points, and the plan, do not
+depend on the machine's load) and is charged to it.
 
 The data of the joint choice: every layer's distribution options, what each costs, and the window they share.
 
@@ -30,21 +30,21 @@ refresh work (planner/search/cpsat.py with a `Frame`), where the option of a lay
 - each stage's per-step slot lasts a linear function of the literals: every copy's gradient STATS and APPLY of
   the layers it works on, the longest of those on any copy, then every BCAST_PREC (each copy is in one row of
   every layer that is not COMM-OPT); the stage's single APPLY where every layer is COMM-OPT;
-- each device's memory is `planner.memory.static_bytes` as a linear expression of the literals (statistics,
-  two decompositions and the optimizer state where it keeps them, the largest shared-gradient buffer) under
+- each device's memory is `planner.problem.step_timeline.static_bytes` as a linear expression of the literals
+  (statistics, two decompositions and the optimizer state where it keeps them, the largest shared-gradient buffer) under
   the cumulative of activations and kept a/e.
 
 The step timeline is what the literals cannot move inside a window of fixed F/B work, so it is fixed per
 option set:
-- a stage whose slot, in the reference step (`planner.step_timeline.reference_programs`), precedes an F/B or a
+- a stage whose slot, in the reference step (`planner.problem.step_timeline.reference_programs`), precedes an F/B or a
   gradient all-reduce on one of its copies (Chimera's first stage of each device, the first chunk of
   interleaved; `timeline_stages`) moves that work with its distribution: such stages keep one option set per
-  joint solve, the strategies of `planner.choose.candidate_strategies` in turn (an enumeration, stated as
+  joint solve, the strategies of `planner.search.choose.candidate_strategies` in turn (an enumeration, stated as
   such), and CP-SAT chooses per layer on every other stage;
 - every other stage's slot comes after all fixed work of its copies, so its options change only where the
   step ends: the reference step of an option set P is L(P) = the latest of the fixed work's end and each
   stage's all-reduce end plus its slot (`reference_step`), exactly the simulated step. CP-SAT first finds the
-  least L over the option sets that meet the static memory (`planner.cpsat.least_step`), which is
+  least L over the option sets that meet the static memory (`planner.search.cpsat.least_step`), which is
   the plan's step time at max_overhead 0; then every stage group is placed at that step length Λ (plus the
   stretch max_overhead allows, [Note: stretch] in planner/plan/window.py) with its literals free, each slot within
   [its all-reduce end, step end). A window of k steps of length Λ is the same for every option set whose
@@ -220,7 +220,7 @@ def _gradient_fed(layer: LayerCost) -> bool:
 
 def held_bytes(problem: Problem, device: int, layer: str, where: LayerDistribution) -> tuple[int, int]:
     """(bytes `device` keeps of `layer` across steps, its shared-gradient buffer) under `where`: the terms of
-    `planner.memory.static_bytes`."""
+    `planner.problem.step_timeline.static_bytes`."""
     x = problem.costs.layer(layer)
     copies = copies_of_stage(problem, problem.costs.stage_of(layer))
     held = holding(device, copies, where, _gradient_fed(x))
@@ -229,8 +229,8 @@ def held_bytes(problem: Problem, device: int, layer: str, where: LayerDistributi
 
 
 def base_bytes(problem: Problem, device: int) -> int:
-    """What `planner.memory.static_bytes` counts on `device` whatever the distributions: parameters and gradients
-    (twice) and the largest error peak of one backward."""
+    """What `planner.problem.step_timeline.static_bytes` counts on `device` whatever the distributions: parameters and
+    gradients (twice) and the largest error peak of one backward."""
     stages = stages_on_device(problem, device)
     return sum(2 * problem.costs.stages[s].param_bytes for s in stages) + max(
         (problem.costs.stages[s].peak_err_bytes for s in stages), default=0
@@ -284,7 +284,7 @@ def anchor_window(
 
 def restretch_joint(placement: GroupSolution, step: int) -> GroupSolution:
     """`placement` (of a window with nothing fused) in a window of the same problem whose steps last `step` >= its
-    own ticks: every start in window step j moves j times the added ticks later (as `planner.stretch.restretch`:
+    own ticks: every start in window step j moves j times the added ticks later (as `planner.search.greedy.restretch`:
     each op keeps its place inside its step, so it stays valid)."""
     w = placement.window
     before = placement.step_ticks
@@ -327,7 +327,7 @@ def transfer(placement: GroupSolution, problem: Problem) -> GroupSolution | None
     group (`problem` has the chosen distributions), its stretch what makes its steps as long as the placement's;
     None when that window is not the placement's (other fixed work, activations, releases or deadlines, a task or
     slot longer than the one placed), or when it holds a third decomposition over the memory budget
-    (`planner.solution.remade_spans`): the caller then plans `problem` itself."""
+    (`planner.plan.solution.remade_spans`): the caller then plans `problem` itself."""
     w = placement.window
     target = window_at(problem, w.group, w.k, placement.step_ticks, (w.scale, w.exact), stats_chunk=w.stats_chunk)
     slot_ticks = {p.stage: p.ticks for p in w.precs} | dict(placement.slot_ticks)
@@ -703,7 +703,7 @@ def memory_items(v: Vars, w: Window, d: int, unit: int) -> tuple[list[cp_model.I
 
 def _add_staleness(v: Vars, w: Window) -> list[cp_model.LiteralT]:
     """use_offset(layer) = number of the window's steps whose slot starts before its decompositions and their
-    broadcasts are done (`planner.solution.use_offsets`; with options, the chosen option's broadcast, through one
+    broadcasts are done (`planner.plan.solution.use_offsets`; with options, the chosen option's broadcast, through one
     'ready' variable per layer); returns the negated 'ready by step j' flags."""
     m = v.model
     ends: dict[str, list[cp_model.LinearExprT]] = {}
@@ -1065,7 +1065,7 @@ def slot_need(
 def static_bytes(
     m: cp_model.CpModel, problem: Problem, device: int, lits: Mapping[str, list[cp_model.IntVar]], options: Options
 ) -> cp_model.LinearExprT:
-    """`planner.memory.static_bytes` of `device` as a linear expression of the option literals."""
+    """`planner.problem.step_timeline.static_bytes` of `device` as a linear expression of the option literals."""
     kept, buffers = [], []
     for s in stages_on_device(problem, device):
         for x in problem.costs.stages[s].layers:
@@ -1092,7 +1092,7 @@ class StepChoice:
 def least_step(
     problem: Problem, free: frozenset[int], fixed_end: float, config: SolverConfig, meter: Budget, time_limit: float
 ) -> StepChoice | None:
-    """The free stages' layer distributions that make the least reference step (`planner.joint.reference_step`:
+    """The free stages' layer distributions that make the least reference step (`planner.search.cpsat.reference_step`:
     `fixed_end`, and each free stage's all-reduce end plus its slot) within every device's static bytes and
     activation peak; among those, the least decomposition seconds on any one rank (KAISA's balance, for the warm
     start's refresh). None when no option set meets the memory budget or none was found in time."""

@@ -22,7 +22,7 @@ what makes the bisection exact.
 
 A lower bound on a group's refresh period that counts the idle time no whole task fits in.
 
-`planner.step_timeline.refresh_lower_bound` pours the refresh's work into the bubbles like a fluid. Tasks are
+`planner.problem.step_timeline.refresh_lower_bound` pours the refresh's work into the bubbles like a fluid. Tasks are
 not fluid: a statistic or a decomposition piece runs whole, inside one bubble, so a 20 ms bubble takes one
 12.8 ms statistic and loses the rest when no shorter task exists. Here every bubble of a window holds at most
 the longest sum of task lengths that fits in it (`Packer`), the per-step APPLY slots taken where they leave the

@@ -4,8 +4,8 @@
 fixed or chosen with the placement (`solve_joint_group`, [Note: joint strategy] in planner/search/cpsat.py: the least
 period, then the least step, then the least staleness); `least_group_period` runs it with the distributions fixed, from
 the lower bounds (planner/problem/step_timeline.py, planner/search/greedy.py) and first-fit's placement
-(planner/search/greedy.py), within a share of the planner's clock (`planner.budget.Budget`); `refine_group` then lowers
-the stretch and the staleness at that period. `solve` runs the first for every group before the second for any
+(planner/search/greedy.py), within a share of the planner's clock (`planner.search.budget.Budget`); `refine_group` then
+lowers the stretch and the staleness at that period. `solve` runs the first for every group before the second for any
 (planner/search/attempt.py `_solve_groups`): refresh periods come first in how plans rank (`planner.plan.rank`).
 """
 
@@ -298,7 +298,7 @@ class _Group:
     anchor: Problem
     group: StageGroup
     candidates: tuple[tuple[Problem, int], ...]
-    """Each with its reference step in ticks (`planner.joint.reference_step`, which needs no simulation)."""
+    """Each with its reference step in ticks (`planner.search.cpsat.reference_step`, which needs no simulation)."""
     frame: Frame
     cap: Cap
 
@@ -418,7 +418,7 @@ def _least_step(g: _Group, found: GroupSolution, config: SolverConfig, meter: Bu
 
 
 def _least_stretch_bound(w: Window, frame: Frame) -> int:
-    """Stretch ticks any option set needs at w's k (`planner.stretch.stretch_lower_bound` of the work every option
+    """Stretch ticks any option set needs at w's k (`planner.search.greedy.stretch_lower_bound` of the work every option
     has: curvature, SYNC_STATS, decompositions on any rank an option allows; slots and broadcasts as nothing)."""
     return stretch_lower_bound(
         replace(w, tasks=placed_tasks(w, frame.options), precs=tuple(replace(p, ticks=0) for p in w.precs))

@@ -2,13 +2,13 @@
 
 [Note: plan search] Every caller (plan="auto", `fxkfac plan`, the benchmarks) plans through `plan`, which composes,
 outside in: the max_overhead rule (`Overhead`: the problem's own, or the bubbles alone first and else the least the
-refusal names, `planner.choose.least_overhead`), activation checkpointing's choice of stages
-(`planner.recompute.plan_recomputing`), the distributions (forced, as given, or chosen by
-`planner.choose.solve_with_strategy`, which plans each candidate as forcing it would) and streaming the first stage's
-APPLY (`planner.stream_choice.solve_streamed`) around each placement. Every search of it is a candidate of one search
-in one `planner.budget.Budget` ([Note: one budget]): the streamed try and the plan without streaming, each candidate
-distribution and the joint choice, fusing rounds, the recompute choices and a refusal's suggestions each take a part
-of what is left, and the streaming and distribution choices' simulations are charged to it. Under
+refusal names, `planner.search.choose.least_overhead`), activation checkpointing's choice of stages
+(`planner.search.plan_search.plan_recomputing`), the distributions (forced, as given, or chosen by
+`planner.search.choose.solve_with_strategy`, which plans each candidate as forcing it would) and streaming the first
+stage's APPLY (`planner.search.plan_search.solve_streamed`) around each placement. Every search of it is a candidate of
+one search in one `planner.search.budget.Budget` ([Note: one budget]): the streamed try and the plan without streaming,
+each candidate distribution and the joint choice, fusing rounds, the recompute choices and a refusal's suggestions each
+take a part of what is left, and the streaming and distribution choices' simulations are charged to it. Under
 TimeLimit.WHOLE_SEARCH (`fxkfac plan`, plan="auto") the time limit bounds it all; TimeLimit.EACH_SOLVE gives each
 placement the whole limit (the benchmarks' golden records were made that way). A budget keeps every plan it made, so
 a retry of a problem it planned takes no more time.
@@ -266,7 +266,7 @@ class StreamApply(StrEnum):
 
 class Solver(Protocol):
     """A solve of one problem within `budget` (a part of the search's); `suggest` False where its refusal is only
-    logged, so that no time goes to searching what would plan it (`planner.solve.solve`'s `suggest`)."""
+    logged, so that no time goes to searching what would plan it (`planner.search.attempt.solve`'s `suggest`)."""
 
     def __call__(self, problem: Problem, budget: Budget, /, *, suggest: bool = True) -> Plan: ...
 
@@ -287,7 +287,7 @@ backward, also the first m of every rank idle at the step's end with all the lay
 
 def _streamable(problem: Problem) -> list[str]:
     """The first stage's layers a helper may apply, in the order its backward makes their gradients final: every
-    layer a helper may apply (`planner.streaming.can_stream`: K-FAC's APPLY, Shampoo's and
+    layer a helper may apply (`planner.problem.lowering.can_stream`: K-FAC's APPLY, Shampoo's and
     SOAP's statistics fold and APPLY, Muon's Newton-Schulz) that every copy applies itself (COMM-OPT)."""
     layers = problem.costs.stages[STREAMED_STAGE].layers
     fractions = ready_fractions(problem.costs.stages[STREAMED_STAGE])
@@ -649,7 +649,7 @@ class TimeLimit(StrEnum):
 class Overhead(StrEnum):
     """How the problem's max_overhead is read: STRICT, a bound the plan keeps; LEAST, the rule of max_overhead None
     (the API's and `fxkfac plan`'s default): the bubbles alone (0) first, else the least max_overhead the refusal
-    names (`planner.choose.least_overhead`)."""
+    names (`planner.search.choose.least_overhead`)."""
 
     STRICT = "strict"
     LEAST = "least"
@@ -667,7 +667,7 @@ class SearchOptions:
     """A Strategy every layer follows, or `Distributions` (chosen by the planner, or the problem's own)."""
     stream_apply: StreamApply = StreamApply.KEEP_REFRESH
     whole_backward: bool = False
-    """The stages run compiled: a backward makes every gradient at its end (`planner.streaming.Streaming`)."""
+    """The stages run compiled: a backward makes every gradient at its end (`planner.problem.lowering.Streaming`)."""
     choose_recompute: bool = False
     """Activation checkpointing AUTO: the planner chooses which stages recompute for the memory budget; False:
     the problem's own `recompute`."""
@@ -728,7 +728,7 @@ def plan(
         return solve(p, config, method, budget=own(view), suggest=suggest)
 
     def streamed(p: Problem, view: Budget) -> Plan:
-        """`solved` with streaming where it pays (`planner.stream_choice.solve_streamed`)."""
+        """`solved` with streaming where it pays (`planner.search.plan_search.solve_streamed`)."""
         return solve_streamed(p, solved, options.stream_apply, whole_backward=options.whole_backward, budget=view)
 
     choices: dict[int, tuple[Problem, Problem]] = {}

@@ -2,7 +2,7 @@
 
 It recomputes what the plan must contain from the problem alone (the simulated step timelines, the
 cost table, whose comm model prices the collectives: the gradient all-reduce, SYNC_STATS and BCAST) and
-shares no code with planner.window, greedy or cpsat. Times may be off by the plan's
+shares no code with planner.plan.window, greedy or cpsat. Times may be off by the plan's
 `metrics.time_quantum` (the planner's time grid, see [Note: time grid] in planner/plan/window.py). Every
 step is followed by `metrics.stretch` idle seconds ([Note: stretch]); the step time, stretch included,
 must stay within the problem's max_overhead. A part fed by the reduced gradient (`PartCost.after`

@@ -1,6 +1,6 @@
 """An exhaustive reference for the planner's tests: can one stage's K-FAC work be placed with period k?
 
-Independent of planner.window, greedy and cpsat: it walks every start on the integer time grid.
+Independent of planner.plan.window, greedy and cpsat: it walks every start on the integer time grid.
 """
 
 from __future__ import annotations

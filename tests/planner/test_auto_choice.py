@@ -1,5 +1,5 @@
 """The planner's own choice of distributions (`solve_with_strategy(problem, None)`) against forcing each candidate
-(issue 38): never worse by the planner's own ranking (`planner.choose.best`), at the same time limit, and a lower
+(issue 38): never worse by the planner's own ranking (`planner.search.choose.best`), at the same time limit, and a lower
 bound that counts the collectives the forced searches count."""
 
 from __future__ import annotations

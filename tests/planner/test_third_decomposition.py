@@ -1,6 +1,6 @@
 """A refresh first used after its next refresh has made a decomposition holds a third one meanwhile (the active, the
-pending and the newest). `planner.memory.static_bytes` counts two; a plan's peak memory adds the third
-(`planner.solution.remade_spans`) and the validator counts it from the placements alone."""
+pending and the newest). `planner.problem.step_timeline.static_bytes` counts two; a plan's peak memory adds the third
+(`planner.plan.solution.remade_spans`) and the validator counts it from the placements alone."""
 
 from __future__ import annotations
 
