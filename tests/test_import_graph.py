@@ -4,6 +4,8 @@ imports behind TYPE_CHECKING and inside functions (a cycle hidden there is still
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -128,3 +130,14 @@ def test_planner_sub_packages_import_one_way() -> None:
 def test_the_layer_rule_reads_a_module_layer() -> None:
     assert _planner_layer("fxkfac.planner.search.cpsat") == "search"
     assert _planner_layer("fxkfac.planner") is None
+
+
+def test_the_planner_front_door_loads_neither_sympy_nor_ortools() -> None:
+    """The sub-packages' `__init__` export only what loads without them: the analytic model and CP-SAT load when
+    used (and `fxkfac plan` runs without torch)."""
+    code = (
+        "import sys, fxkfac.planner, fxkfac.planner.problem, fxkfac.planner.plan, fxkfac.planner.search, "
+        "fxkfac.planner.validate; heavy = {'sympy', 'ortools', 'torch'} & set(sys.modules); "
+        "assert not heavy, f'loaded {heavy}'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
