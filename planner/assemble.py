@@ -21,6 +21,7 @@ from fxkfac.planner.step_timeline import (
 )
 from fxkfac.planner.streaming import add_replicas, made_refreshes
 from fxkfac.planner.stretch import Allowance, restretch
+from fxkfac.planner.w_tasks import placed_w
 from fxkfac.planner.window import Window
 
 __all__ = ["Attempt", "assemble", "assemble_attempt", "same_stretch"]
@@ -78,8 +79,11 @@ def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) 
     Compared in ticks: in seconds, float rounding could put a APPLY before the backward it follows."""
     steps: list[list[tuple[tuple[int, ...], Op]]] = [[] for _ in range(w.k)]
     timelines = [step_timeline(problem, w.fused, refresh=True)] + [step_timeline(problem)] * (w.k - 1)
+    tasks = placed_w(problem)  # the W's are placed ops ([Note: placed W] in planner/w_tasks.py)
     for j, st in enumerate(timelines):
         for seq, (op, _, end) in enumerate(st.ops[device]):
+            if tasks and op.kind is OpKind.BWD_W:
+                continue
             if op.kind not in _PLACED_KINDS or is_streamed(problem, device, op):
                 at = w.offsets[j] + round(end * w.scale)
                 steps[j].append(((at, 0, seq), op))
@@ -87,7 +91,10 @@ def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) 
                     folds = fused_stats(problem, w.fused, device, op)
                     steps[j].extend(((at, 0, seq, i), fold) for i, fold in enumerate(folds))
     for n, p in enumerate(sorted(placed, key=lambda p: (p.start, p.end))):
-        steps[p.step % w.k].append(((round(p.start * w.scale) - w.length * (p.step // w.k), 1, n), p.op))
+        at = round(p.start * w.scale) - w.length * (p.step // w.k)
+        steps[p.step % w.k].append(((at, 1, n), p.op))
+        if p.step == 0 and p.op.kind is OpKind.BWD_W and w.fused:
+            steps[0].extend(((at, 1, n, i), fold) for i, fold in enumerate(fused_stats(problem, w.fused, device, p.op)))
     return [[op for _, op in sorted(items, key=lambda item: item[0])] + [Op(OpKind.OPT_STEP)] for items in steps]
 
 
@@ -101,7 +108,11 @@ def _utilization(problem: Problem, w: Window, placed: list[Placement], device: i
         for op, a, b in st.ops[device]
         if is_streamed(problem, device, op) and op.kind is OpKind.APPLY
     )
-    busy += sum(p.end - p.start for p in placed if p.device == device and p.op.kind in BUSY_KINDS)
+    busy += sum(  # a placed W is in the F/B above
+        p.end - p.start
+        for p in placed
+        if p.device == device and p.op.kind in BUSY_KINDS and p.op.kind is not OpKind.BWD_W
+    )
     return utilization(busy, w.seconds(w.length))
 
 

@@ -112,7 +112,8 @@ def add_tasks(v: Vars, w: Window) -> None:
             if task.kind is not TaskKind.INV
             else min(w.earliest(task, d) for d in task.devices)
         )
-        start, pos, late = modular(v, task.name, lo, w.horizon - task.ticks, task.ticks, L, wraps)
+        due = w.horizon if task.deadline is None else task.deadline  # a W's: its stage's all-reduce
+        start, pos, late = modular(v, task.name, lo, due - task.ticks, task.ticks, L, wraps)
         laid = (pos, pos - L) if wraps else (pos,)
         v.start.append(start)
         v.pos.append(pos)
@@ -135,8 +136,9 @@ def add_tasks(v: Vars, w: Window) -> None:
 
 
 def add_precedences(v: Vars, w: Window) -> None:
-    """sync after every curvature of its factor, inversion after sync (or curvature), broadcast after
-    inversion; the next refresh (L later) must find the factor's buffers free and its a/e consumed."""
+    """sync after every curvature of its factor (a fused part's: every W of the refresh step that folds it),
+    inversion after sync (or curvature), broadcast after inversion; the next refresh (L later) must find the
+    factor's buffers free and its a/e consumed."""
     L, m = w.length, v.model
     by_factor: dict[tuple[str, str], dict[TaskKind, list[int]]] = {}
     for i, task in enumerate(w.tasks):
@@ -152,7 +154,7 @@ def add_precedences(v: Vars, w: Window) -> None:
                 for a in after:
                     m.add(v.start[a] >= v.start[b] + w.tasks[b].ticks)
         first, last = kinds[TaskKind.INV][0], kinds[TaskKind.INV][-1]
-        for c in kinds.get(TaskKind.CURV, []):
+        for c in kinds.get(TaskKind.CURV, []) + kinds.get(TaskKind.WGRAD, []):  # a W folds a fused part's
             m.add(v.start[last] + w.tasks[last].ticks <= v.start[c] + L)
         for b in kinds.get(TaskKind.BCAST, []):
             m.add(v.start[b] + 1 <= v.start[first] + L)
@@ -355,14 +357,15 @@ def _add_memory(v: Vars, w: Window, options: Options | None) -> None:
 
 def memory_items(v: Vars, w: Window, d: int, unit: int) -> tuple[list[cp_model.IntervalVar], list[int]]:
     """Device d's memory users besides its static bytes, as intervals and demands in `unit` bytes (rounded up):
-    the activations (fixed), and the a/e each deferred curvature keeps from its F/B's end to its own end."""
+    the activations (fixed), and the a/e each deferred curvature keeps from its F/B's end to its own end (a W's
+    operands, from its B's end to its own end)."""
     L, m = w.length, v.model
     intervals, demands = [], []
     for s, e, nbytes in w.acts[d]:
         intervals.append(m.new_fixed_size_interval_var(s, e - s, f"act_r{d}_{s}"))
         demands.append(math.ceil(nbytes / unit))
     for i, task in enumerate(w.tasks):
-        if task.kind is not TaskKind.CURV or task.devices[0] != d or task.keep_bytes == 0:
+        if task.kind not in (TaskKind.CURV, TaskKind.WGRAD) or task.devices[0] != d or task.keep_bytes == 0:
             continue
         t0 = task.release % L
         room = L - t0

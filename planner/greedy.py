@@ -128,12 +128,27 @@ def greedy_window(window: Window) -> GroupSolution | None:
         for x in window.problem.costs.stages[s].layers
         for j, p in enumerate(x.parts)
     }
-    order = sorted(
-        range(len(window.tasks)),
-        key=lambda i: (_ORDER[window.tasks[i].kind], rank[window.tasks[i].side], window.tasks[i].release, i),
-    )
     starts, devices = [0] * len(window.tasks), [0] * len(window.tasks)
     done: dict[tuple[str, str], int] = {}  # factor -> end of its latest placed task
+    for i, task in enumerate(window.tasks):  # the W's first, where the schedule runs them ([Note: placed W])
+        if task.kind is TaskKind.WGRAD:
+            assert task.home is not None and task.deadline is not None, "a W task has a home and a deadline"
+            gap = gaps[task.devices[0]]
+            start = (
+                task.home
+                if gap.first_fit(task.home, task.ticks) == task.home
+                else gap.first_fit(task.release, task.ticks)
+            )
+            if start is None or start + task.ticks > task.deadline:
+                return None
+            gap.occupy(start, task.ticks)
+            starts[i], devices[i] = start, task.devices[0]
+            for f in task.factors:
+                done[f] = max(done.get(f, 0), start + task.ticks)
+    order = sorted(
+        (i for i, task in enumerate(window.tasks) if task.kind is not TaskKind.WGRAD),
+        key=lambda i: (_ORDER[window.tasks[i].kind], rank[window.tasks[i].side], window.tasks[i].release, i),
+    )
     inv_device = _inv_devices(window)
     for i in order:
         task = window.tasks[i]

@@ -160,8 +160,9 @@ def _best_placement(
 
 
 def _bubble_tasks(window: Window) -> list[Task]:
-    """The refresh's computations that bubbles must hold: its statistics and decomposition pieces."""
-    return [t for t in window.tasks if t.kind in (TaskKind.CURV, TaskKind.INV)]
+    """The window's computations that bubbles must hold: the refresh's statistics and decomposition pieces, and the
+    W's placed as tasks (planner/w_tasks.py)."""
+    return [t for t in window.tasks if t.kind in (TaskKind.CURV, TaskKind.INV, TaskKind.WGRAD)]
 
 
 def window_work(window: Window) -> int:

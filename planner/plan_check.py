@@ -19,6 +19,7 @@ from fxkfac.planner.lowering import startup_programs
 from fxkfac.planner.problem import Problem, copies_of_stage, is_streamed
 from fxkfac.planner.solution import plan_born
 from fxkfac.planner.step_timeline import base_programs
+from fxkfac.planner.w_tasks import placed_w
 
 if TYPE_CHECKING:
     from fxkfac.planner.plan import Plan
@@ -120,7 +121,13 @@ def _check_placements(plan: Plan) -> None:
             _is_number(p.start) and _is_number(p.end) and p.start <= p.end,
             f"placement of {p.op}: start and end must be finite, start <= end",
         )
-        _check_op(problem, p.op, p.device, fixed)
+        if p.op.kind is OpKind.BWD_W:  # a zero-bubble schedule's W, placed among the preconditioner's work
+            _need(
+                placed_w(problem) and (p.op.kind, p.op.stage, p.op.mb, p.op.pipe) in fixed[p.device],
+                f"placement of {p.op} on r{p.device}: no such W of the schedule is placed",
+            )
+        else:
+            _check_op(problem, p.op, p.device, fixed)
 
 
 def _check_programs(plan: Plan) -> None:

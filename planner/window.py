@@ -88,9 +88,11 @@ Interval = tuple[int, int]
 class TaskKind(StrEnum):
     """What a window task does: CURV (statistics of captures, on its device after `release`: the end of its
     F/B), SYNC and BCAST (collectives on every device of the task at once), INV (a decomposition, on exactly
-    one of the task's devices)."""
+    one of the task's devices), WGRAD (a zero-bubble schedule's W, on its rank between its B and its stage's
+    all-reduce: [Note: placed W] in planner/w_tasks.py)."""
 
     CURV = "curv"
+    WGRAD = "wgrad"
     SYNC = "sync"
     INV = "inv"
     BCAST = "bcast"
@@ -107,7 +109,8 @@ class Task:
 
     `factors` are the (layer, side) pairs it serves; keep_bytes is held from `release` until the task ends
     (deferred). after_slot: an INV of a part fed by the reduced gradient, which starts after the refresh
-    step's APPLY slot of its stage on the device that runs it ([Note: gradient parts]).
+    step's APPLY slot of its stage on the device that runs it ([Note: gradient parts]). deadline: the tick by which
+    a WGRAD task ends; home: where the schedule runs it ([Note: placed W] in planner/w_tasks.py).
     """
 
     name: str
@@ -122,6 +125,8 @@ class Task:
     factors: tuple[tuple[str, str], ...]
     keep_bytes: int = 0
     after_slot: bool = False
+    deadline: int | None = None
+    home: int | None = None
 
 
 @dataclass(frozen=True)

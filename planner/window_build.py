@@ -31,6 +31,7 @@ from fxkfac.planner.step_timeline import (
     stream_start,
 )
 from fxkfac.planner.strategy import keeps_statistics
+from fxkfac.planner.w_tasks import placed_w, w_tasks, w_window
 from fxkfac.planner.window import Grid, Interval, PrecSlot, Task, TaskKind, Window, step_start_tick, wrap
 
 __all__ = ["build_window", "grid_scale"]
@@ -123,6 +124,7 @@ def build_window(
         capacity[d] = None if budget is None else budget - static_bytes(problem, d)
     precs = _prec_slots(problem, group, steps, offsets, leads, grid)
     tasks = _tasks(problem, group, refresh, fused, stats_chunk, grid, precs)
+    tasks += tuple(w_tasks(problem, group.devices, steps, offsets, grid, fused))
     return Window(
         problem,
         group,
@@ -168,8 +170,10 @@ def _device_work(
     pieces: list[tuple[int, int, int]] = []
     for j, st in enumerate(steps):
         off = offsets[j]
+        tasks = {op for op, _, _ in w_window(problem, st, device, grid)}  # W's placed as tasks ([Note: placed W])
         for _op, a, b in st.fixed(device):
-            busy += wrap(off + grid.at(a), off + grid.at(b), length)
+            if _op not in tasks:
+                busy += wrap(off + grid.at(a), off + grid.at(b), length)
         for op, a, b in st.ops[device]:
             if (
                 op.kind is OpKind.ALLREDUCE_GRAD
@@ -184,7 +188,7 @@ def _device_work(
                 busy += wrap(off + grid.at(a), off + grid.at(b), length)
         begin = step_start_tick(offsets, leads, j)
         busy += wrap(begin, begin + 1, length)  # no task spans a boundary ([Note: step barrier])
-        for a, b, nbytes in activation_intervals(problem, device, st):
+        for a, b, nbytes in activation_intervals(problem, device, st, not placed_w(problem)):
             pieces += [(s, e, nbytes) for s, e in wrap(off + grid.at(a), off + grid.at(b), length)]
     return _merge(busy), tuple(pieces)
 
@@ -310,6 +314,9 @@ def _tasks(
                 ready = 0
                 if x.name in fused:
                     made = weight_gradient_kind(problem.kind) if p.after is OpKind.BWD else p.after  # with the W
+                    made = (
+                        OpKind.BWD if placed_w(problem) and p.after is OpKind.BWD else made
+                    )  # then W's tasks (planner/w_tasks.py)
                     ready = max(
                         grid.up(e) for d in copies for op, _, e in refresh.fixed(d) if op.stage == s and op.kind is made
                     )

@@ -18,6 +18,7 @@ from fxkfac.planner.validate.context import (
     end_of,
     gradient_fed_parts,
 )
+from fxkfac.planner.w_tasks import placed_w
 
 
 def check_dependencies(c: Context) -> None:
@@ -35,7 +36,9 @@ def check_dependencies(c: Context) -> None:
                 c.errors.append(f"{p.op} on r{p.device} starts at {p.start:.6g} before its {kind} ends ({ready:.6g})")
             if p.end > ready + c.length(c.period(p.op.stage_id)) + c.tol:
                 c.errors.append(f"{p.op} on r{p.device} keeps its a/e longer than one window")
-        if p.op.kind is OpKind.BCAST_PREC:
+        if p.op.kind is OpKind.BWD_W:
+            _check_w(c, p)
+        elif p.op.kind is OpKind.BCAST_PREC:
             _check_shared_gradient(c, p)
         elif p.op.kind is not OpKind.APPLY:
             # STATS, SYNC_STATS (no factor), DECOMP and BCAST name their layer
@@ -43,6 +46,22 @@ def check_dependencies(c: Context) -> None:
     for (layer, side), kinds in factor_tasks.items():
         _check_factor(c, layer, side, kinds)
     _check_warm_starts(c, factor_tasks)
+
+
+def _check_w(c: Context, p: Placement) -> None:
+    """A placed W starts after its B ends and ends by its stage's gradient all-reduce, in its own step
+    ([Note: placed W] in planner/w_tasks.py)."""
+    k = c.period(p.op.stage_id)
+    timeline, base = c.timeline(p.step, k), c.base(p.step, k)
+    ready = base + end_of(timeline, p.device, OpKind.BWD, p.op.stage_id, p.op.mb_id, p.op.pipe)
+    due = base + next(
+        a for op, a, _ in timeline.ops[p.device] if op.kind is OpKind.ALLREDUCE_GRAD and op.stage == p.op.stage
+    )
+    if p.start < ready - c.tol or p.end > due + c.tol:
+        c.errors.append(
+            f"{p.op} on r{p.device} at step {p.step} is not between its B ({ready:.6g}) and its "
+            f"stage's all-reduce ({due:.6g})"
+        )
 
 
 def _check_shared_gradient(c: Context, p: Placement) -> None:
@@ -94,6 +113,8 @@ def _check_factor(c: Context, layer: str, side: str | None, kinds: dict) -> None
         kind = c.problem.costs.layer(layer).part(side).after  # type: ignore[arg-type]  # fused: per part
         kind = weight_gradient_kind(c.problem.kind) if kind is OpKind.BWD else kind  # made with the W
         ready = max(b for d in copies for op, _, b in c.refresh.fixed(d) if op.stage == stage and op.kind is kind)
+        if kind is OpKind.BWD_W and placed_w(c.problem):  # the refresh step's W's, placed
+            ready = max(q.end for q in c.plan.placements if q.op.kind is kind and q.op.stage == stage and q.step == 0)
     else:
         ready = max((p.end for p in curv), default=0.0)
     for group in (sync, bcast):

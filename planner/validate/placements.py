@@ -6,8 +6,14 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from fxkfac.planner.ir import Op, OpKind
-from fxkfac.planner.memory import activation_intervals, decomposition_bytes, peak_level, static_bytes
+from fxkfac.planner.ir import Op, OpKind, Placement
+from fxkfac.planner.memory import (
+    activation_intervals,
+    decomposition_bytes,
+    peak_level,
+    static_bytes,
+    w_operand_bytes,
+)
 from fxkfac.planner.problem import copies_of_stage, stage_groups
 from fxkfac.planner.step_timeline import tap_extra
 from fxkfac.planner.strategy import keeps_statistics
@@ -22,6 +28,7 @@ from fxkfac.planner.validate.context import (
     step_ops,
     wrapped,
 )
+from fxkfac.planner.w_tasks import placed_w
 
 
 def _expected(c: Context) -> Counter:
@@ -41,6 +48,9 @@ def _expected(c: Context) -> Counter:
             for j in range(c.period(s)):
                 for op in step_ops(c, s, d):
                     want[op, d, j] += 1
+                for op, _, _ in c.timeline(j, c.period(s)).fixed(d) if placed_w(p) else ():
+                    if op.kind is OpKind.BWD_W and op.stage == s:  # placed W's ([Note: placed W], planner/w_tasks.py)
+                        want[op, d, j] += 1
         for x in stage.layers:
             workers = p.workers(x.name)
             for side, after in ((part.part, part.after) for part in x.parts):
@@ -75,13 +85,14 @@ def check_layers(c: Context) -> None:
 def check_placed_once(c: Context) -> None:
     got: Counter = Counter()
     for p in c.plan.placements:
-        if per_step(p.op):
+        k = c.period(p.op.stage_id)
+        if per_step(p.op) or p.op.kind is OpKind.BWD_W:
             got[placed_key(p.op), p.device, p.step] += 1
         else:
             got[placed_key(p.op), None if p.op.kind is OpKind.DECOMP else p.device] += 1
-        if abs(p.end - p.start - op_seconds(c, p.op)) > c.tol + 1e-9 * max(1.0, p.end):
-            c.errors.append(f"{p.op} on r{p.device}: lasts {p.end - p.start:.6g} s, costs {op_seconds(c, p.op):.6g} s")
-        k = c.period(p.op.stage_id)
+        cost = _w_seconds(c, p, k) if p.op.kind is OpKind.BWD_W else op_seconds(c, p.op)
+        if abs(p.end - p.start - cost) > c.tol + 1e-9 * max(1.0, p.end):
+            c.errors.append(f"{p.op} on r{p.device}: lasts {p.end - p.start:.6g} s, costs {cost:.6g} s")
         if (
             not 0 <= p.step < 2 * k
             or not c.step_start(p.device, p.step, k) - c.tol <= p.start
@@ -100,13 +111,19 @@ def check_placed_once(c: Context) -> None:
             c.errors.append(f"{item[0]} on {item[1:]} placed {got[item]} times, expected {want[item]}")
 
 
+def _w_seconds(c: Context, p: Placement, k: int) -> float:
+    """Seconds of a placed W: its interval in its step's timeline (the refresh step's holds the fused curvature)."""
+    return next((b - a for op, a, b in c.timeline(p.step, k).ops[p.device] if op == p.op), 0.0)
+
+
 def _fixed_intervals(c: Context, device: int, k: int) -> list[tuple[float, float, str]]:
     """The device's F/B (and W) and gradient all-reduces over a window of k steps: nothing else may run then (an op
     of no duration, such as a backward a noisy profile timed at 0 s, occupies nothing)."""
     out = []
+    fixed_w = () if placed_w(c.problem) else (OpKind.BWD_W,)  # placed W's are placements
     for j in range(k):
         for op, a, b in c.timeline(j, k).ops[device]:
-            if b > a and op.kind in (OpKind.FWD, OpKind.BWD, OpKind.BWD_W, OpKind.ALLREDUCE_GRAD):
+            if b > a and op.kind in (OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD, *fixed_w):
                 out.append((c.base(j, k) + a, c.base(j, k) + b, f"{op} (step {j})"))
     return out
 
@@ -138,13 +155,17 @@ def check_memory(c: Context) -> None:
             part = c.problem.costs.layer(p.op.layer_name).part(p.op.part_name)
             since = end_of(c.refresh, p.device, part.after, p.op.stage_id, p.op.mb_id, p.op.pipe)
             keeps[p.device].append((since, p.end, part.capture_bytes))
+        elif p.op.kind is OpKind.BWD_W:  # a placed W holds its layers' operands from its B's end
+            k = c.period(p.op.stage_id)
+            since = c.base(p.step, k) + end_of(c.timeline(p.step, k), p.device, OpKind.BWD, *_key(p.op))
+            keeps[p.device].append((since, p.end, w_operand_bytes(c.problem.costs.stages[p.op.stage_id])))
     for d in c.problem.devices:
         k = max(c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s))
         L = c.length(k)
         spans = [
             (c.base(j, k) + a, c.base(j, k) + b, n)
             for j in range(k)
-            for a, b, n in activation_intervals(c.problem, d, c.timeline(j, k))
+            for a, b, n in activation_intervals(c.problem, d, c.timeline(j, k), not placed_w(c.problem))
         ] + keeps[d]
         for layer, ends in c.made.items():  # a third decomposition: the next refresh's made before this one is used
             nbytes = decomposition_bytes(c.problem, d, layer)
@@ -159,6 +180,10 @@ def check_memory(c: Context) -> None:
         claimed = c.plan.metrics.peak_memory.get(d)
         if claimed is None or claimed < total:  # what a user budgets by: never below what the placements hold
             c.errors.append(f"r{d}: peak memory {claimed} claimed, {total} found")
+
+
+def _key(op: Op) -> tuple[int, int, int]:
+    return op.stage_id, op.mb_id, op.pipe
 
 
 def check_step_time(c: Context) -> None:

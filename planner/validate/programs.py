@@ -13,10 +13,18 @@ from fxkfac.planner.schedules import ZERO_BUBBLE_KINDS, weight_gradient_kind
 from fxkfac.planner.simulate import simulate
 from fxkfac.planner.step_timeline import fused_stats, stream_lead
 from fxkfac.planner.validate.context import Context, collective_seconds, op_seconds, per_step
+from fxkfac.planner.w_tasks import placed_w
+
+
+def _placed_kinds(c: Context) -> frozenset[OpKind]:
+    """The ops a program holds where its placements say: the preconditioner's, and a zero-bubble schedule's W's
+    where plans place them ([Note: placed W] in planner/w_tasks.py)."""
+    return PRECONDITIONER_KINDS | ({OpKind.BWD_W} if placed_w(c.problem) else set())
 
 
 def check_programs(c: Context, run: bool) -> None:
     plan = c.plan
+    placed_kinds = _placed_kinds(c)
     for d in c.problem.devices:
         prog = plan.programs.get(d)
         k = max(c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s))
@@ -28,8 +36,8 @@ def check_programs(c: Context, run: bool) -> None:
             c.errors.append(f"r{d}: the program repeats its own {k} steps but for streamed layers' replicas")
         prog = prog[:k]
         for j, ops in enumerate(prog):
-            want = [op for op, _, _ in c.timeline(j, k).ops[d] if op.kind not in PRECONDITIONER_KINDS]
-            if [op for op in ops if op.kind not in PRECONDITIONER_KINDS] != want:
+            want = [op for op, _, _ in c.timeline(j, k).ops[d] if op.kind not in placed_kinds]
+            if [op for op in ops if op.kind not in placed_kinds] != want:
                 c.errors.append(f"r{d} step {j}: the pipeline ops differ from the schedule's")
         times = {
             (p.step % k, str(p.op)): (p.start - c.length(k) * (p.step // k), p.end - c.length(k) * (p.step // k))
@@ -40,7 +48,7 @@ def check_programs(c: Context, run: bool) -> None:
             (j, str(op))
             for j, ops in enumerate(prog)
             for op in ops
-            if op.kind in PRECONDITIONER_KINDS and not _fold(c, op) and not is_streamed(c.problem, d, op)
+            if op.kind in placed_kinds and not _fold(c, op) and not is_streamed(c.problem, d, op)
         ]
         _check_folds(c, d, prog)
         if sorted(listed) != sorted(times):
@@ -96,17 +104,18 @@ def _check_interleaving(c: Context, device: int, k: int, prog: list[list[Op]]) -
     before every pipeline op that ends after its start (a RECV still waiting included); APPLY follows
     its stage's backwards and gradient all-reduce; OPT_STEP ends the step. The runtime executes the
     program in order, so a program that disagrees with its placements runs other semantics."""
+    placed_kinds = _placed_kinds(c)
     starts = {(p.step % k, str(p.op)): p.start - c.base(p.step, k) for p in c.plan.placements if p.device == device}
     for j, ops in enumerate(prog):
         fixed = iter(c.timeline(j, k).ops[device])
         times: list[tuple[Op, float, float] | None] = []
         for op in ops:
-            pipeline = op.kind not in PRECONDITIONER_KINDS
-            times.append(next((x for x in fixed if x[0].kind not in PRECONDITIONER_KINDS), None) if pipeline else None)
+            pipeline = op.kind not in placed_kinds
+            times.append(next((x for x in fixed if x[0].kind not in placed_kinds), None) if pipeline else None)
         for i, op in enumerate(ops):
             if op.kind is OpKind.OPT_STEP and i != len(ops) - 1:
                 c.errors.append(f"r{device} step {j}: OPT_STEP is not the last op")
-            if op.kind not in PRECONDITIONER_KINDS or _fold(c, op) or is_streamed(c.problem, device, op):
+            if op.kind not in placed_kinds or _fold(c, op) or is_streamed(c.problem, device, op):
                 continue  # a streamed layer's ops: check_streaming
             t = starts[(j, str(op))]
             for n, item in enumerate(times):
