@@ -21,7 +21,7 @@ from fxkfac.planner.step_timeline import (
 )
 from fxkfac.planner.streaming import add_replicas, made_refreshes
 from fxkfac.planner.stretch import Allowance, restretch
-from fxkfac.planner.w_tasks import placed_w
+from fxkfac.planner.w_tasks import allreduce_after_w, placed_w
 from fxkfac.planner.window import Window
 
 __all__ = ["Attempt", "assemble", "assemble_attempt", "same_stretch"]
@@ -95,6 +95,7 @@ def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) 
         steps[p.step % w.k].append(((at, 1, n), p.op))
         if p.step == 0 and p.op.kind is OpKind.BWD_W and w.fused:
             steps[0].extend(((at, 1, n, i), fold) for i, fold in enumerate(fused_stats(problem, w.fused, device, p.op)))
+    steps = [allreduce_after_w(problem, items) for items in steps] if tasks else steps
     return [[op for _, op in sorted(items, key=lambda item: item[0])] + [Op(OpKind.OPT_STEP)] for items in steps]
 
 

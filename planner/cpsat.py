@@ -323,6 +323,17 @@ def _add_energy(v: Vars, w: Window) -> None:
         m.add(sum(load) <= w.length - sum(e - s for s, e in w.fixed[d]))
 
 
+def _add_w_updates(v: Vars, w: Window) -> None:
+    """A W ends before its stage's per-step slot of its step starts on its rank (the slot reads the gradient it
+    completes: [Note: placed W] in planner/w_tasks.py)."""
+    for i, task in enumerate(w.tasks):
+        if task.kind is TaskKind.WGRAD and task.home is not None:
+            d = task.devices[0]
+            j = w.step_of(d, task.home)
+            n = next(n for n, p in enumerate(w.precs) if (p.device, p.stage, p.step) == (d, task.stage, j))
+            v.model.add(v.start[i] + task.ticks <= v.prec[n])
+
+
 def _add_slot_releases(v: Vars, w: Window) -> None:
     """A decomposition of a gradient-fed part starts after the refresh step's slot of its stage on the device it
     runs on, whose STATS snapshot its statistic ([Note: gradient parts] in planner/window.py)."""
@@ -472,6 +483,7 @@ def _build(w: Window, frame: Frame | None, optimize: bool, break_symmetry: bool 
         _add_bcasts(v, placed, frame.options)
         _add_slots(v, placed, frame.options, frame.release_ns)
     _add_slot_releases(v, placed)
+    _add_w_updates(v, placed)
     if frame is not None:
         _add_energy(v, placed)
     for intervals in v.intervals_of_device.values():

@@ -4,7 +4,8 @@ preconditioner's work, instead of at the schedule's positions.
 [Note: placed W] A W (OpKind.BWD_W, the weight-gradient half of a backward) depends on its own B alone and is
 needed by its stage's gradient all-reduce, the step's update. It is flexible work with a release and a deadline,
 as a deferred STATS is: in a window (planner/window.py) each W of each step becomes a `TaskKind.WGRAD` task on
-its rank, released at its B's end, due by the start of its stage's ALLREDUCE_GRAD in the same step, holding its
+its rank, released at its B's end, due by its stage's update in the same step (the start of its ALLREDUCE_GRAD
+where the stage has copies; else its per-step slot, the no-op all-reduce following the last W: `shared`), holding its
 layers' operands (`planner.memory.w_operand_bytes`) from its release until it ends (the window's memory model
 counts them as it counts a deferred STATS's captures). Its length is its interval in the simulated step (the
 refresh step's includes the fused layers' curvature, which runs with it), and the schedule's position (`home`)
@@ -21,12 +22,12 @@ from collections.abc import Sequence
 
 from fxkfac.planner.ir import Op, OpKind
 from fxkfac.planner.memory import w_operand_bytes
-from fxkfac.planner.problem import Problem
+from fxkfac.planner.problem import Problem, copies_of_stage
 from fxkfac.planner.schedules import ZERO_BUBBLE_KINDS
 from fxkfac.planner.step_timeline import StepTimeline
 from fxkfac.planner.window import Grid, Task, TaskKind
 
-__all__ = ["placed_w", "w_window", "w_tasks", "w_bounds"]
+__all__ = ["placed_w", "shared", "w_window", "w_tasks", "w_bounds", "allreduce_after_w"]
 
 
 def placed_w(problem: Problem) -> bool:
@@ -34,13 +35,36 @@ def placed_w(problem: Problem) -> bool:
     return problem.kind in ZERO_BUBBLE_KINDS and problem.streaming is None
 
 
+def shared(problem: Problem, stage: int) -> bool:
+    """Whether `stage`'s gradient all-reduce is a collective (the stage has copies): its W's are due by its start,
+    a fixed time of the step; with one copy it is a no-op that follows the stage's last W wherever it is placed, and
+    the W's are due by the stage's per-step slot (its gradient STATS and APPLY, which read the gradient)."""
+    return len(copies_of_stage(problem, stage)) > 1
+
+
 def w_bounds(step: StepTimeline, device: int, w: Op) -> tuple[float, float]:
-    """(release, deadline) of W `w` on `device` in `step`, seconds from the step's start: the end of its B, and the
+    """(release, due) of W `w` on `device` in `step`, seconds from the step's start: the end of its B, and the
     start of its stage's ALLREDUCE_GRAD (the schedule's position lies between them)."""
     b = Op(OpKind.BWD, w.stage, w.mb, w.pipe)
     release = next(end for op, _, end in step.ops[device] if op == b)
     due = next(start for op, start, _ in step.ops[device] if op.kind is OpKind.ALLREDUCE_GRAD and op.stage == w.stage)
     return release, due
+
+
+def allreduce_after_w(problem: Problem, items: list[tuple[tuple[int, ...], Op]]) -> list[tuple[tuple[int, ...], Op]]:
+    """One step's program items (sort key, op) with each one-copy stage's ALLREDUCE_GRAD keyed right after the
+    stage's last placed W where that W comes later (`shared`): the runtime refuses an all-reduce while a W of its
+    stage waits."""
+    last: dict[int | None, tuple[int, ...]] = {}
+    for key, op in items:
+        if op.kind is OpKind.BWD_W:
+            last[op.stage] = max(last.get(op.stage, key), key)
+    out = []
+    for key, op in items:
+        if op.kind is OpKind.ALLREDUCE_GRAD and op.stage in last and not shared(problem, op.stage_id):
+            key = max(key, (*last[op.stage][:3], 1 << 30))  # after the W's folds, which share its first 3 keys
+        out.append((key, op))
+    return out
 
 
 def w_window(problem: Problem, step: StepTimeline, device: int, grid: Grid) -> list[tuple[Op, int, int]]:
@@ -65,6 +89,7 @@ def w_tasks(
         for j, st in enumerate(steps):
             for op, a, b in w_window(problem, st, d, grid):
                 release, due = w_bounds(st, d, op)
+                deadline = offsets[j] + max(grid.at(due), b) if shared(problem, op.stage_id) else offsets[j + 1]
                 stage = problem.costs.stages[op.stage_id]
                 feeds = tuple(
                     (x.name, p.part) for x in stage.layers if x.name in fused for p in x.parts if p.after is OpKind.BWD
@@ -82,7 +107,7 @@ def w_tasks(
                         offsets[j] + grid.at(release),
                         feeds if j == 0 else (),
                         w_operand_bytes(stage),
-                        deadline=offsets[j] + max(grid.at(due), b),
+                        deadline=deadline,
                         home=offsets[j] + a,
                     )
                 )

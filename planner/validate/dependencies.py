@@ -4,6 +4,7 @@ each layer's `use_offset`: the first step its new decomposition can be used."""
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import replace
@@ -17,6 +18,7 @@ from fxkfac.planner.validate.context import (
     capture_after,
     end_of,
     gradient_fed_parts,
+    per_step,
 )
 from fxkfac.planner.w_tasks import placed_w
 
@@ -26,6 +28,11 @@ def check_dependencies(c: Context) -> None:
         lambda: defaultdict(list)
     )
     applies = {(p.op.stage, p.device, p.step): p.start for p in c.plan.placements if p.op.kind is OpKind.APPLY}
+    updates: dict[tuple[int | None, int, int], float] = {}  # the first per-step op's start by stage, device, step
+    for p in c.plan.placements:
+        if per_step(p.op):
+            key = (p.op.stage, p.device, p.step)
+            updates[key] = min(updates.get(key, p.start), p.start)
     for p in c.plan.placements:
         if p.op.kind is OpKind.STATS and p.op.mb is None:
             _check_gradient_stats(c, p, applies)
@@ -37,7 +44,7 @@ def check_dependencies(c: Context) -> None:
             if p.end > ready + c.length(c.period(p.op.stage_id)) + c.tol:
                 c.errors.append(f"{p.op} on r{p.device} keeps its a/e longer than one window")
         if p.op.kind is OpKind.BWD_W:
-            _check_w(c, p)
+            _check_w(c, p, updates)
         elif p.op.kind is OpKind.BCAST_PREC:
             _check_shared_gradient(c, p)
         elif p.op.kind is not OpKind.APPLY:
@@ -48,19 +55,23 @@ def check_dependencies(c: Context) -> None:
     _check_warm_starts(c, factor_tasks)
 
 
-def _check_w(c: Context, p: Placement) -> None:
-    """A placed W starts after its B ends and ends by its stage's gradient all-reduce, in its own step
-    ([Note: placed W] in planner/w_tasks.py)."""
+def _check_w(c: Context, p: Placement, updates: Mapping[tuple[int | None, int, int], float]) -> None:
+    """A placed W starts after its B ends and ends by its stage's gradient all-reduce, in its own step, or where
+    the stage has one copy (a no-op all-reduce, after its W's in the program) by its per-step slot ([Note: placed W]
+    in planner/w_tasks.py)."""
     k = c.period(p.op.stage_id)
     timeline, base = c.timeline(p.step, k), c.base(p.step, k)
+    key = (p.op.stage, p.device, p.step)
     ready = base + end_of(timeline, p.device, OpKind.BWD, p.op.stage_id, p.op.mb_id, p.op.pipe)
     due = base + next(
         a for op, a, _ in timeline.ops[p.device] if op.kind is OpKind.ALLREDUCE_GRAD and op.stage == p.op.stage
     )
+    if len(copies_of_stage(c.problem, p.op.stage_id)) == 1:  # a no-op all-reduce: due by the stage's update
+        due = min(c.base(p.step + 1, k), updates.get(key, math.inf))
     if p.start < ready - c.tol or p.end > due + c.tol:
         c.errors.append(
             f"{p.op} on r{p.device} at step {p.step} is not between its B ({ready:.6g}) and its "
-            f"stage's all-reduce ({due:.6g})"
+            f"stage's update ({due:.6g})"
         )
 
 

@@ -22,6 +22,26 @@ def _placed_kinds(c: Context) -> frozenset[OpKind]:
     return PRECONDITIONER_KINDS | ({OpKind.BWD_W} if placed_w(c.problem) else set())
 
 
+def _follows_w(c: Context, op: Op) -> bool:
+    """Whether `op` is a no-op all-reduce (of a stage without copies) that follows its stage's placed W's wherever
+    they are, not the schedule's position (`_check_w_order` checks it)."""
+    return (
+        op.kind is OpKind.ALLREDUCE_GRAD
+        and placed_w(c.problem)
+        and op.stage is not None
+        and len(copies_of_stage(c.problem, op.stage)) == 1
+    )
+
+
+def _check_w_order(c: Context, device: int, j: int, ops: list[Op]) -> None:
+    """Each stage's gradient all-reduce comes after every W of the stage in the step (the runtime refuses it while
+    one waits)."""
+    for i, op in enumerate(ops):
+        later = [o for o in ops[i + 1 :] if o.kind is OpKind.BWD_W and o.stage == op.stage]
+        if op.kind is OpKind.ALLREDUCE_GRAD and later:
+            c.errors.append(f"r{device} step {j}: '{op}' comes before '{later[0]}' of its stage")
+
+
 def check_programs(c: Context, run: bool) -> None:
     plan = c.plan
     placed_kinds = _placed_kinds(c)
@@ -36,9 +56,13 @@ def check_programs(c: Context, run: bool) -> None:
             c.errors.append(f"r{d}: the program repeats its own {k} steps but for streamed layers' replicas")
         prog = prog[:k]
         for j, ops in enumerate(prog):
-            want = [op for op, _, _ in c.timeline(j, k).ops[d] if op.kind not in placed_kinds]
-            if [op for op in ops if op.kind not in placed_kinds] != want:
+            want = [op for op, _, _ in c.timeline(j, k).ops[d] if op.kind not in placed_kinds and not _follows_w(c, op)]
+            if [op for op in ops if op.kind not in placed_kinds and not _follows_w(c, op)] != want:
                 c.errors.append(f"r{d} step {j}: the pipeline ops differ from the schedule's")
+            moved = [op for op, _, _ in c.timeline(j, k).ops[d] if _follows_w(c, op)]
+            if sorted(map(str, (op for op in ops if _follows_w(c, op)))) != sorted(map(str, moved)):
+                c.errors.append(f"r{d} step {j}: the gradient all-reduces differ from the schedule's")
+            _check_w_order(c, d, j, ops)
         times = {
             (p.step % k, str(p.op)): (p.start - c.length(k) * (p.step // k), p.end - c.length(k) * (p.step // k))
             for p in plan.placements
@@ -110,8 +134,9 @@ def _check_interleaving(c: Context, device: int, k: int, prog: list[list[Op]]) -
         fixed = iter(c.timeline(j, k).ops[device])
         times: list[tuple[Op, float, float] | None] = []
         for op in ops:
-            pipeline = op.kind not in placed_kinds
-            times.append(next((x for x in fixed if x[0].kind not in placed_kinds), None) if pipeline else None)
+            pipeline = op.kind not in placed_kinds and not _follows_w(c, op)
+            nxt = (x for x in fixed if x[0].kind not in placed_kinds and not _follows_w(c, x[0]))
+            times.append(next(nxt, None) if pipeline else None)
         for i, op in enumerate(ops):
             if op.kind is OpKind.OPT_STEP and i != len(ops) - 1:
                 c.errors.append(f"r{device} step {j}: OPT_STEP is not the last op")
