@@ -98,12 +98,14 @@ def modular(
     return start, pos, late
 
 
-def add_tasks(v: Vars, w: Window) -> None:
+def add_tasks(v: Vars, w: Window, free_w: bool = True) -> None:
     """Every task on its device(s). At refresh period 1, where the window's end is no step boundary of the group
     (`Window.leads`[0] > 0, [Note: step barrier] in planner/window.py), a task may run past it: its interval is laid
     twice, at pos and at pos - L, so that no-overlap within [-L, 2L) is no-overlap modulo L (every other interval
     lies in [0, L)). At k >= 2 the window's inner boundaries already join each step's idle, and the doubled intervals
-    slowed the search more than they helped (BERT-Large Chimera D=8: refresh 4-6 with them, 4-5 without)."""
+    slowed the search more than they helped (BERT-Large Chimera D=8: refresh 4-6 with them, 4-5 without).
+    `free_w` False: each W task at its schedule position (a search for any placement, [Note: placed W] in
+    planner/w_tasks.py)."""
     L = w.length
     wraps = w.k == 1 and w.leads[0] > 0
     for task in w.tasks:
@@ -112,7 +114,9 @@ def add_tasks(v: Vars, w: Window) -> None:
             if task.kind is not TaskKind.INV
             else min(w.earliest(task, d) for d in task.devices)
         )
-        due = w.horizon if task.deadline is None else task.deadline  # a W's: its stage's all-reduce
+        due = w.horizon if task.deadline is None else task.deadline  # a W's: its stage's update
+        if task.kind is TaskKind.WGRAD and not free_w and task.home is not None:
+            lo, due = task.home, task.home + task.ticks  # where the schedule runs it
         start, pos, late = modular(v, task.name, lo, due - task.ticks, task.ticks, L, wraps)
         laid = (pos, pos - L) if wraps else (pos,)
         v.start.append(start)
@@ -466,14 +470,16 @@ def add_fixed(v: Vars, w: Window) -> None:
             v.intervals_of_device[d].append(v.model.new_fixed_size_interval_var(s, e - s, f"fixed_r{d}_{s}"))
 
 
-def _build(w: Window, frame: Frame | None, optimize: bool, break_symmetry: bool = True) -> tuple[Vars, Window]:
+def _build(
+    w: Window, frame: Frame | None, optimize: bool, break_symmetry: bool = True, *, free_w: bool = True
+) -> tuple[Vars, Window]:
     """The window's CP-SAT model, every constraint of a valid placement and (`break_symmetry`) an order among
     interchangeable layers that prunes relabeled twins (`optimize`: with the staleness objective), and the window of
     the tasks it places: with a `frame`, the options' (BCAST apart, each DECOMP on any rank an option allows)."""
     v = Vars(cp_model.CpModel(), intervals_of_device={d: [] for d in w.group.devices})
     placed = w if frame is None else replace(w, tasks=placed_tasks(w, frame.options))
     add_fixed(v, placed)
-    add_tasks(v, placed)
+    add_tasks(v, placed, free_w=free_w)
     add_precedences(v, placed)
     add_piece_chains(v, placed)
     if frame is None:
@@ -541,7 +547,28 @@ def solve_window(
     if meter.deterministic and meter.wall_left() <= 0:
         meter.note_capped(f"{where} not searched")
         return "UNKNOWN", None
-    v, placed = _build(w, frame, optimize)
+    status, found = _solve_built(w, config, time_limit, meter, hint, optimize, frame, where, free_w=optimize)
+    if status == "INFEASIBLE" and not optimize and any(t.kind is TaskKind.WGRAD for t in w.tasks):
+        status, found = _solve_built(w, config, time_limit, meter, hint, optimize, frame, where, free_w=True)
+    return status, found
+
+
+def _solve_built(
+    w: Window,
+    config: SolverConfig,
+    time_limit: float,
+    meter: Budget,
+    hint: GroupSolution | None,
+    optimize: bool,
+    frame: Frame | None,
+    where: str,
+    *,
+    free_w: bool,
+) -> tuple[str, GroupSolution | None]:
+    """`solve_window`'s one CP-SAT call, the W tasks free or at the schedule's positions (`free_w`, [Note: placed W]
+    in planner/w_tasks.py: a search for any placement keeps them there first, and frees them only where that is
+    proven to have none)."""
+    v, placed = _build(w, frame, optimize, free_w=free_w)
     if hint is not None and hint.window.offsets == w.offsets:
         _hint(v, placed, hint, None if frame is None else frame.options)
     limit = max(meter.units(MIN_CALL), time_limit)

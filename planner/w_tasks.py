@@ -8,12 +8,15 @@ its rank, released at its B's end, due by its stage's update in the same step (t
 where the stage has copies; else its per-step slot, the no-op all-reduce following the last W: `shared`), holding its
 layers' operands (`planner.memory.w_operand_bytes`) from its release until it ends (the window's memory model
 counts them as it counts a deferred STATS's captures). Its length is its interval in the simulated step (the
-refresh step's includes the fused layers' curvature, which runs with it), and the schedule's position (`home`)
-is where first-fit puts it and CP-SAT's hint: the plain schedule is a valid placement, so a W moves only where
-that leaves the DECOMP, APPLY and deferred STATS tasks more room. The F/B keep their simulated times: a W
-moves only within its rank's idle time, so no step grows. A fused layer's decomposition waits for the refresh
-step's W's of its stage (they fold its statistics). Plans place W's where `placed_w` holds: a zero-bubble
-schedule without streaming (a streamed layer's hand-off follows the stage's last backward in the program).
+refresh step's includes the fused layers' curvature, which runs with it). The schedule's position (`home`) is where
+first-fit puts it and where CP-SAT keeps it while it searches for any placement (the refresh period and the stretch
+are searched so, as with W's fixed: free W's made those searches slower, and some found a longer period), freeing
+them only where that search proves there is none (a period that only moved W's make room for); CP-SAT's
+least-staleness solve then moves the W's, from that placement, where that leaves the DECOMP, APPLY and deferred
+STATS tasks more room (a placement it finds worse is not kept). The F/B keep their simulated times: a W moves only
+within its rank's idle time, so no step grows. A fused layer's decomposition waits for the refresh step's W's of
+its stage (they fold its statistics). Plans place W's where `placed_w` holds: a zero-bubble schedule without
+streaming (a streamed layer's hand-off follows the stage's last backward in the program).
 """
 
 from __future__ import annotations
