@@ -34,7 +34,7 @@ from fxkfac.planner.plan import Plan
 from fxkfac.planner.plan_file import load_plan
 from fxkfac.planner.problem import StepBarrier, format_bytes
 from fxkfac.planner.schedule_choice import schedule_candidates
-from fxkfac.planner.schedules import ScheduleKind, num_stages, stages_of_rank
+from fxkfac.planner.schedules import ZERO_BUBBLE_KINDS, ScheduleKind, num_stages, stages_of_rank
 from fxkfac.planner.strategy import LayerDistribution, distribute
 from fxkfac.planner.tied import tied_owner
 from fxkfac.preconditioner import Family, PiecewiseFamily, SteppedFamily, gradient_parts
@@ -517,6 +517,13 @@ def _resolve(
     return made
 
 
+def _splits_backward(target: Target) -> bool:
+    """Whether a plan for `target` may run a zero-bubble schedule (its own, or one `schedule="auto"` chooses among),
+    whose planner takes each stage's W out of its backward: the profile then times W (`profile`'s split_backward)."""
+    kinds = {target.schedule, *(kind for kind, _ in target.choices)}
+    return bool(kinds & ZERO_BUBBLE_KINDS)
+
+
 def _resolve_on_mesh(
     plan: Any,
     family: Family,
@@ -549,7 +556,14 @@ def _resolve_on_mesh(
         params = {n: p for st in split.stages for n, p in st.gm.named_parameters()}
         unit_cost = family.unit_cost(known, params)
         costs = measure(
-            split, stage_layers, unit_cost, flat, _surrogate_loss, captured=captured, autocast_dtype=autocast_dtype
+            split,
+            stage_layers,
+            unit_cost,
+            flat,
+            _surrogate_loss,
+            captured=captured,
+            autocast_dtype=autocast_dtype,
+            split_backward=_splits_backward(prepared.target),
         )
         for st in split.stages:  # profiling ran backward on the parameters the runners will train
             for p in st.gm.parameters():

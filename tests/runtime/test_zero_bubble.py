@@ -222,7 +222,7 @@ def test_planned_kfac_on_zb_h1_equals_one_device_given_the_plan() -> None:
             assert not bad, f"{case} rank {r.rank}: {bad[:4]} differ from the single-device trainer by > 1e-5"
 
 
-def uneven_costs(stage_layers, layers, fused=None):  # type: ignore[no-untyped-def]  # the planner's cost callback
+def uneven_costs(stage_layers, layers, fused=None):
     """Costs under which the plan defers a W to join two bubbles (tests/planner/test_zero_bubble.py's uneven ZB-H1):
     stage 0 (B 1 ms, W 2 ms) waits for stage 1's long B (4 ms; W 3 ms), and its first layer's decompositions take
     4 ms each, as long as the bubble before its first B and the one W m0 leaves when it moves past B m1."""
