@@ -104,7 +104,12 @@ def _meets(region: Sequence[Interval], allowed: Sequence[Interval]) -> bool:
 
 def _device_capacity(window: Window, device: int, packer: Packer) -> int:
     """The most task ticks the device's bubbles may hold, its APPLY slots placed where they cost the least."""
-    regions = idle_regions(window.fixed[device], window.length)
+    homes = tuple(  # W's where the schedule runs them: the bound is of the search, which keeps them there
+        wrap(t.home, t.home + t.ticks, window.length)[0]
+        for t in window.tasks
+        if t.kind is TaskKind.WGRAD and t.home is not None and t.devices[0] == device
+    )
+    regions = idle_regions(window.fixed[device] + homes, window.length)
     slots = [s for s in window.precs if s.device == device and s.ticks > 0]
     candidates = [
         [i for i, r in enumerate(regions) if _span(r) >= slot.ticks and _meets(r, _allowed(slot, window.length))]
@@ -160,9 +165,8 @@ def _best_placement(
 
 
 def _bubble_tasks(window: Window) -> list[Task]:
-    """The window's computations that bubbles must hold: the refresh's statistics and decomposition pieces, and the
-    W's placed as tasks (planner/w_tasks.py)."""
-    return [t for t in window.tasks if t.kind in (TaskKind.CURV, TaskKind.INV, TaskKind.WGRAD)]
+    """The refresh's computations that bubbles must hold: its statistics and decomposition pieces."""
+    return [t for t in window.tasks if t.kind in (TaskKind.CURV, TaskKind.INV)]
 
 
 def window_work(window: Window) -> int:
@@ -172,8 +176,14 @@ def window_work(window: Window) -> int:
 
 
 def device_loads(window: Window) -> list[int]:
-    """The ticks each task holds a device for: a computation one, a collective one on each of its devices."""
-    return [t.ticks for t in window.tasks for _ in (t.devices if t.kind.collective else (0,))]
+    """The ticks each task holds a device for: a computation one, a collective one on each of its devices (a W none:
+    it holds its place, `_device_capacity`)."""
+    return [
+        t.ticks
+        for t in window.tasks
+        if t.kind is not TaskKind.WGRAD
+        for _ in (t.devices if t.kind.collective else (0,))
+    ]
 
 
 def window_capacity(window: Window, packer: Packer) -> int:
