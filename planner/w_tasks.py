@@ -16,7 +16,8 @@ least-staleness solve then moves the W's, from that placement, where that leaves
 STATS tasks more room (a placement it finds worse is not kept). The F/B keep their simulated times: a W moves only
 within its rank's idle time, so no step grows. A fused layer's decomposition waits for the refresh step's W's of
 its stage (they fold its statistics). Plans place W's where `placed_w` holds: a zero-bubble schedule without
-streaming (a streamed layer's hand-off follows the stage's last backward in the program).
+streaming (a streamed layer's hand-off follows the stage's last backward in the program) whose windows hold at most
+`MAX_W_TASKS` of them.
 """
 
 from __future__ import annotations
@@ -30,12 +31,21 @@ from fxkfac.planner.schedules import ZERO_BUBBLE_KINDS
 from fxkfac.planner.step_timeline import StepTimeline
 from fxkfac.planner.window import Grid, Task, TaskKind
 
-__all__ = ["placed_w", "shared", "w_window", "w_tasks", "w_bounds", "allreduce_after_w"]
+__all__ = ["MAX_W_TASKS", "placed_w", "shared", "w_window", "w_tasks", "w_bounds", "allreduce_after_w"]
+
+
+MAX_W_TASKS = 4096
+"""The most W tasks a problem's longest window may hold (N micro-batches x S stages x `Problem.max_period` steps)
+for its plans to place W's: beyond it they stay at the schedule's places. CP-SAT's model grows with them: BERT-Large
+ZB-H1 D=8 N=32 on the paper's profiles (8192) took 14 s of CP-SAT where W's at their places took 3.6 s, and refreshed
+stages 4 and 5 a step later (18 16 against 17 15); ZB-V D=8 N=8 (4096) plans better with them."""
 
 
 def placed_w(problem: Problem) -> bool:
-    """Whether the problem's plans place its W's as tasks ([Note: placed W]): a zero-bubble schedule, no streaming."""
-    return problem.kind in ZERO_BUBBLE_KINDS and problem.streaming is None
+    """Whether the problem's plans place its W's as tasks ([Note: placed W]): a zero-bubble schedule, no streaming,
+    at most `MAX_W_TASKS` W's in its longest window."""
+    few = problem.N * problem.num_stages * problem.max_period <= MAX_W_TASKS
+    return problem.kind in ZERO_BUBBLE_KINDS and problem.streaming is None and few
 
 
 def shared(problem: Problem, stage: int) -> bool:
