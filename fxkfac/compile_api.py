@@ -29,6 +29,7 @@ from fxkfac.fingerprint import graph_fingerprint
 from fxkfac.passes.split_stages import SplitResult, split_stages
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import (
+    ZERO_BUBBLE_KINDS,
     CostTable,
     LayerDistribution,
     LayerTiming,
@@ -526,6 +527,13 @@ def _resolve(
     return made
 
 
+def _splits_backward(target: Target) -> bool:
+    """Whether a plan for `target` may run a zero-bubble schedule (its own, or one `schedule="auto"` chooses among),
+    whose planner takes each stage's W out of its backward: the profile then times W (`profile`'s split_backward)."""
+    kinds = {target.schedule, *(kind for kind, _ in target.choices)}
+    return bool(kinds & ZERO_BUBBLE_KINDS)
+
+
 def _resolve_on_mesh(
     plan: Any,
     family: Family,
@@ -558,7 +566,14 @@ def _resolve_on_mesh(
         params = {n: p for st in split.stages for n, p in st.gm.named_parameters()}
         unit_cost = family.unit_cost(known, params)
         costs = measure(
-            split, stage_layers, unit_cost, flat, _surrogate_loss, captured=captured, autocast_dtype=autocast_dtype
+            split,
+            stage_layers,
+            unit_cost,
+            flat,
+            _surrogate_loss,
+            captured=captured,
+            autocast_dtype=autocast_dtype,
+            split_backward=_splits_backward(prepared.target),
         )
         for st in split.stages:  # profiling ran backward on the parameters the runners will train
             for p in st.gm.parameters():

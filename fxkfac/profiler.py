@@ -43,6 +43,7 @@ from fxkfac.planner.problem import (
 )
 from fxkfac.preconditioner import Family, gradient_parts
 from fxkfac.runtime.precision import autocast, to_wire
+from fxkfac.runtime.split_backward import ArgGrad, split_stage
 
 __all__ = ["profile", "Timing", "clock", "time_call", "time_after", "UnitCost", "kfac_unit_cost", "gradient_unit_cost"]
 
@@ -390,6 +391,51 @@ def _stage_calls(
     return forward, roots
 
 
+def _w_share(
+    gm: torch.fx.GraphModule,
+    inputs: Sequence[Tensor],
+    warmup: int,
+    repeats: int,
+    autocast_dtype: torch.dtype | None = None,
+) -> float:
+    """The share of the stage's backward its W takes (a zero-bubble schedule's weight gradient, `StageCost.wgrad`):
+    B and W of the split the runtime runs ([Note: B/W split] in docs/ZERO_BUBBLE.md, eager), each timed after an
+    untimed forward (and B, for W), output gradients of ones. A share, applied to the backward timed whole
+    (`_stage_times`): the split's B and W run the same aten ops as autograd's backward, and the planner takes W out
+    of that backward."""
+    params = dict(gm.named_parameters())
+    state = {**params, **dict(gm.named_buffers())}
+    args = [x.detach().requires_grad_(True) if x.is_floating_point() else x for x in inputs]
+    sides = [ArgGrad.INPUT if a.requires_grad else ArgGrad.NONE for a in args]
+    device, values = _device(inputs), list(state.values())
+    with autocast(autocast_dtype, device):
+        outs = gm(*args)
+    outs = (outs,) if isinstance(outs, Tensor) else tuple(outs)
+    split = split_stage(gm, state, list(params), args, sides, len(outs), lambda g: g)
+
+    def before_b() -> tuple[list[Tensor], list[Tensor]]:
+        with torch.no_grad(), autocast(autocast_dtype, device):
+            saved = split.forward(*values, *args)[split.n_outputs :]
+        return list(saved), [torch.ones(shape, dtype=dtype, device=device) for shape, dtype in split.tangents]
+
+    def b(made: tuple[list[Tensor], list[Tensor]]) -> tuple[Tensor, ...]:
+        saved, tangents = made
+        with torch.no_grad(), autocast(autocast_dtype, device):
+            return tuple(split.input_grad(*(saved[i] for i in split.b_saved), *tangents))
+
+    def before_w() -> list[Tensor]:
+        made = before_b()
+        return [*(made[0][i] for i in split.w_saved), *b(made)[split.n_arg_grads :]]
+
+    def w(operands: list[Tensor]) -> object:
+        with torch.no_grad(), autocast(autocast_dtype, device):
+            return split.weight_grad(*operands)
+
+    b_time = time_after(before_b, b, warmup=warmup, repeats=repeats).seconds
+    w_time = time_after(before_w, w, warmup=warmup, repeats=repeats).seconds
+    return w_time / (b_time + w_time) if b_time + w_time > 0 else 0.5
+
+
 def _backward(made: Roots) -> None:
     """The stage's backward from the roots a forward made."""
     torch.autograd.backward(made[0], made[1])
@@ -530,10 +576,12 @@ def _one_round(
     fused: Mapping[int, FactorTaps],
     params_of: Mapping[int, Mapping[str, Sequence[str]]],
     autocast_dtype: torch.dtype | None = None,
+    split_backward: bool = False,
 ) -> list[StageCost]:
     """Every stage's forward and backward (`_stage_times`), with its deferred `taps` and with its curvature
-    `fused` (`_tapped_times`), its units (`unit_cost`) and when its backward makes each of `params_of`'s layers'
-    gradients (`_ready_times`), timed once over."""
+    `fused` (`_tapped_times`), its units (`unit_cost`), when its backward makes each of `params_of`'s layers'
+    gradients (`_ready_times`) and with `split_backward` its W's share of the backward (`_w_share`), timed once
+    over."""
     batch = int(micro_inputs[0].shape[0])
     inputs, stages = list(micro_inputs), []
     last = len(split.stages) - 1
@@ -548,6 +596,7 @@ def _one_round(
         params = {n: p for n, p in st.gm.named_parameters()}
         ready = _ready_times(st.gm, fed, stage_loss, params_of.get(st.index, {}), repeats, autocast_dtype)
         units = tuple(unit_cost(n, batch) for n in stage_layers.get(st.index, ()))
+        share = _w_share(st.gm, fed, warmup, repeats, autocast_dtype) if split_backward else None
         stages.append(
             StageCost(
                 fwd=fwd.seconds,
@@ -562,6 +611,7 @@ def _one_round(
                 layers=tuple(replace(x, grad_ready=ready.get(x.name)) for x in units),
                 fwd_spread=fwd.spread,
                 bwd_spread=bwd.spread,
+                wgrad=None if share is None else share * bwd.seconds,
             )
         )
     return stages
@@ -580,6 +630,7 @@ def profile(
     hardware: str = "cpu",
     captured: Mapping[int, Sequence[KFACLayer]] | None = None,
     autocast_dtype: torch.dtype | None = None,
+    split_backward: bool = False,
 ) -> CostTable:
     """The CostTable of the split model at the micro-batch of `micro_inputs`, measured here, stage by stage.
     `captured`: each stage's layers with captured parts (K-FAC's), which a refresh step taps: their deferred
@@ -598,7 +649,8 @@ def profile(
     fastest of all rounds (`Timing`), its spread from the fastest to the slowest repeat of any round: the
     repeats of one figure lie spread over the whole profile, so a moment when another process takes the device
     slows one round of every figure, not all repeats of a few. A stage time of 0 raises CostModelError (no plan
-    is made from it); times whose repeats varied more than `NOISY`-fold are logged as a warning.
+    is made from it); times whose repeats varied more than `NOISY`-fold are logged as a warning. `split_backward`
+    (a zero-bubble schedule's run): each stage's W is timed too, as its share of the backward (`StageCost.wgrad`).
     """
     log.info(
         "profiling %d stages, %d rounds, on %s",
@@ -617,7 +669,18 @@ def profile(
     params_of = {s: {x.name: x.params for x in layers} for s, layers in (captured or {}).items()}
     passes = [
         _one_round(
-            split, stage_layers, unit_cost, micro_inputs, loss, warmup, repeats, taps, fused, params_of, autocast_dtype
+            split,
+            stage_layers,
+            unit_cost,
+            micro_inputs,
+            loss,
+            warmup,
+            repeats,
+            taps,
+            fused,
+            params_of,
+            autocast_dtype,
+            split_backward,
         )
         for _ in range(max(1, rounds))
     ]

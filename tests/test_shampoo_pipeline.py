@@ -166,7 +166,13 @@ def _planned_worker(rank: int, world: int, family: str, mesh: tuple[int, int], s
 @pytest.mark.multiproc
 @pytest.mark.parametrize(
     "family,mesh,schedule",
-    [("shampoo", (2, 1), "1f1b"), ("soap", (2, 1), "1f1b"), ("shampoo", (2, 1), "chimera"), ("soap", (1, 2), "gpipe")],
+    [
+        ("shampoo", (2, 1), "1f1b"),
+        ("soap", (2, 1), "1f1b"),
+        ("shampoo", (2, 1), "chimera"),
+        ("soap", (1, 2), "gpipe"),
+        ("shampoo", (2, 1), "zb-h1"),  # W profiled, and placed by the planner (planner/plan/window.py)
+    ],
 )
 def test_planned_shampoo_and_soap_run_their_plan_and_equal_one_device_given_it(
     family: str, mesh: tuple[int, int], schedule: str
@@ -175,7 +181,9 @@ def test_planned_shampoo_and_soap_run_their_plan_and_equal_one_device_given_it(
     assert all(r.ok for r in results), [r.traceback for r in results if not r.ok]
     layers = results[0].value["layers"]
     assert set(layers) == {n for n, _ in mlp().named_parameters()}
-    assert {OpKind.DECOMP, OpKind.APPLY} <= results[0].value["placed"] | results[1].value["placed"]
+    placed = results[0].value["placed"] | results[1].value["placed"]
+    assert {OpKind.DECOMP, OpKind.APPLY} <= placed
+    assert (OpKind.BWD_W in placed) == (schedule == "zb-h1")
     assert min(t.use_offset for t in layers.values()) >= 1, "a planned gradient part decomposes after its step"
     assert max(t.period for t in layers.values()) <= FAMILIES[family].precondition_frequency
     _assert_equal_one_device(results, family, layers)

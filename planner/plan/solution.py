@@ -174,13 +174,13 @@ def _back_to_back(ops: Iterable[Op], durations: Iterable[float], device: int, st
 
 
 def peak_bytes(solution: GroupSolution, device: int) -> int:
-    """Static bytes plus the peak of activations, kept a/e and third decompositions (`remade_spans`) on `device`
-    over the (modular) window."""
+    """Static bytes plus the peak of activations, kept a/e, W operands (planner/plan/window.py) and third decompositions
+    (`remade_spans`) on `device` over the (modular) window."""
     window = solution.window
     kept = [
         (s, e, task.keep_bytes)
         for task, start in zip(window.tasks, solution.starts)
-        if task.kind is TaskKind.CURV and task.devices[0] == device and task.keep_bytes
+        if task.kind in (TaskKind.CURV, TaskKind.WGRAD) and task.devices[0] == device and task.keep_bytes
         for s, e in wrap(task.release, start + task.ticks, window.length)
     ]
     spans = [*window.acts[device], *kept, *remade_spans(solution, device)]

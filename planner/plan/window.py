@@ -80,7 +80,7 @@ from fxkfac.planner.problem.problem import (
     stages_on_device,
     streamed_stats,
 )
-from fxkfac.planner.problem.schedules import weight_gradient_kind
+from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, weight_gradient_kind
 from fxkfac.planner.problem.step_timeline import (
     StepTimeline,
     activation_intervals,
@@ -90,6 +90,7 @@ from fxkfac.planner.problem.step_timeline import (
     step_begins,
     step_timeline,
     stream_start,
+    w_operand_bytes,
 )
 from fxkfac.planner.problem.strategy import keeps_statistics
 
@@ -99,9 +100,11 @@ Interval = tuple[int, int]
 class TaskKind(StrEnum):
     """What a window task does: CURV (statistics of captures, on its device after `release`: the end of its
     F/B), SYNC and BCAST (collectives on every device of the task at once), INV (a decomposition, on exactly
-    one of the task's devices)."""
+    one of the task's devices), WGRAD (a zero-bubble schedule's W, on its rank between its B and its stage's
+    all-reduce: [Note: placed W])."""
 
     CURV = "curv"
+    WGRAD = "wgrad"
     SYNC = "sync"
     INV = "inv"
     BCAST = "bcast"
@@ -118,7 +121,8 @@ class Task:
 
     `factors` are the (layer, side) pairs it serves; keep_bytes is held from `release` until the task ends
     (deferred). after_slot: an INV of a part fed by the reduced gradient, which starts after the refresh
-    step's APPLY slot of its stage on the device that runs it ([Note: gradient parts]).
+    step's APPLY slot of its stage on the device that runs it ([Note: gradient parts]). deadline: the tick by which
+    a WGRAD task ends; home: where the schedule runs it ([Note: placed W]).
     """
 
     name: str
@@ -133,6 +137,8 @@ class Task:
     factors: tuple[tuple[str, str], ...]
     keep_bytes: int = 0
     after_slot: bool = False
+    deadline: int | None = None
+    home: int | None = None
 
 
 @dataclass(frozen=True)
@@ -449,6 +455,7 @@ def build_window(
         capacity[d] = None if budget is None else budget - static_bytes(problem, d)
     precs = _prec_slots(problem, group, steps, offsets, leads, grid)
     tasks = _tasks(problem, group, refresh, fused, stats_chunk, grid, precs)
+    tasks += tuple(w_tasks(problem, group.devices, steps, offsets, grid, fused))
     return Window(
         problem,
         group,
@@ -494,8 +501,10 @@ def _device_work(
     pieces: list[tuple[int, int, int]] = []
     for j, st in enumerate(steps):
         off = offsets[j]
+        tasks = {op for op, _, _ in w_window(problem, st, device, grid)}  # W's placed as tasks ([Note: placed W])
         for _op, a, b in st.fixed(device):
-            busy += wrap(off + grid.at(a), off + grid.at(b), length)
+            if _op not in tasks:
+                busy += wrap(off + grid.at(a), off + grid.at(b), length)
         for op, a, b in st.ops[device]:
             if (
                 op.kind is OpKind.ALLREDUCE_GRAD
@@ -510,7 +519,7 @@ def _device_work(
                 busy += wrap(off + grid.at(a), off + grid.at(b), length)
         begin = step_start_tick(offsets, leads, j)
         busy += wrap(begin, begin + 1, length)  # no task spans a boundary ([Note: step barrier])
-        for a, b, nbytes in activation_intervals(problem, device, st):
+        for a, b, nbytes in activation_intervals(problem, device, st, not placed_w(problem)):
             pieces += [(s, e, nbytes) for s, e in wrap(off + grid.at(a), off + grid.at(b), length)]
     return _merge(busy), tuple(pieces)
 
@@ -636,6 +645,9 @@ def _tasks(
                 ready = 0
                 if x.name in fused:
                     made = weight_gradient_kind(problem.kind) if p.after is OpKind.BWD else p.after  # with the W
+                    made = (
+                        OpKind.BWD if placed_w(problem) and p.after is OpKind.BWD else made
+                    )  # then W's tasks ([Note: placed W])
                     ready = max(
                         grid.up(e) for d in copies for op, _, e in refresh.fixed(d) if op.stage == s and op.kind is made
                     )
@@ -737,3 +749,118 @@ def _decomp_tasks(
         )
         for a, b in zip(bounds, bounds[1:])
     ]
+
+
+# The zero-bubble schedules' W's as planner tasks (issue 37 item 3): placed by the window's solvers among the
+# preconditioner's work, instead of at the schedule's positions.
+#
+# [Note: placed W] A W (OpKind.BWD_W, the weight-gradient half of a backward) depends on its own B alone and is
+# needed by its stage's gradient all-reduce, the step's update. It is flexible work with a release and a deadline,
+# as a deferred STATS is: in a window (planner/window.py) each W of each step becomes a `TaskKind.WGRAD` task on
+# its rank, released at its B's end, due by its stage's update in the same step (the start of its ALLREDUCE_GRAD
+# where the stage has copies; else its per-step slot, the no-op all-reduce following the last W: `shared`), holding its
+# layers' operands (`planner.memory.w_operand_bytes`) from its release until it ends (the window's memory model
+# counts them as it counts a deferred STATS's captures). Its length is its interval in the simulated step (the
+# refresh step's includes the fused layers' curvature, which runs with it). The schedule's position (`home`) is where
+# first-fit puts it and where CP-SAT keeps it while it searches for any placement (the refresh period and the stretch
+# are searched so, as with W's fixed: free W's made those searches slower, and some found a longer period), freeing
+# them only where that search proves there is none (a period that only moved W's make room for); CP-SAT's
+# least-staleness solve then moves the W's, from that placement, where that leaves the DECOMP, APPLY and deferred
+# STATS tasks more room (a placement it finds worse is not kept). The F/B keep their simulated times: a W moves only
+# within its rank's idle time, so no step grows. A fused layer's decomposition waits for the refresh step's W's of
+# its stage (they fold its statistics). Plans place W's where `placed_w` holds: a zero-bubble schedule without
+# streaming (a streamed layer's hand-off follows the stage's last backward in the program) whose windows hold at most
+# `MAX_W_TASKS` of them.
+
+
+MAX_W_TASKS = 4096
+"""The most W tasks a problem's longest window may hold (N micro-batches x S stages x `Problem.max_period` steps)
+for its plans to place W's: beyond it they stay at the schedule's places. CP-SAT's model grows with them: BERT-Large
+ZB-H1 D=8 N=32 on the paper's profiles (8192) took 14 s of CP-SAT where W's at their places took 3.6 s, and refreshed
+stages 4 and 5 a step later (18 16 against 17 15); ZB-V D=8 N=8 (4096) plans better with them."""
+
+
+def placed_w(problem: Problem) -> bool:
+    """Whether the problem's plans place its W's as tasks ([Note: placed W]): a zero-bubble schedule, no streaming,
+    at most `MAX_W_TASKS` W's in its longest window."""
+    few = problem.N * problem.num_stages * problem.max_period <= MAX_W_TASKS
+    return problem.kind in ZERO_BUBBLE_KINDS and problem.streaming is None and few
+
+
+def shared(problem: Problem, stage: int) -> bool:
+    """Whether `stage`'s gradient all-reduce is a collective (the stage has copies): its W's are due by its start,
+    a fixed time of the step; with one copy it is a no-op that follows the stage's last W wherever it is placed, and
+    the W's are due by the stage's per-step slot (its gradient STATS and APPLY, which read the gradient)."""
+    return len(copies_of_stage(problem, stage)) > 1
+
+
+def w_bounds(step: StepTimeline, device: int, w: Op) -> tuple[float, float]:
+    """(release, due) of W `w` on `device` in `step`, seconds from the step's start: the end of its B, and the
+    start of its stage's ALLREDUCE_GRAD (the schedule's position lies between them)."""
+    b = Op(OpKind.BWD, w.stage, w.mb, w.pipe)
+    release = next(end for op, _, end in step.ops[device] if op == b)
+    due = next(start for op, start, _ in step.ops[device] if op.kind is OpKind.ALLREDUCE_GRAD and op.stage == w.stage)
+    return release, due
+
+
+def allreduce_after_w(problem: Problem, items: list[tuple[tuple[int, ...], Op]]) -> list[tuple[tuple[int, ...], Op]]:
+    """One step's program items (sort key, op) with each one-copy stage's ALLREDUCE_GRAD keyed right after the
+    stage's last placed W where that W comes later (`shared`): the runtime refuses an all-reduce while a W of its
+    stage waits."""
+    last: dict[int | None, tuple[int, ...]] = {}
+    for key, op in items:
+        if op.kind is OpKind.BWD_W:
+            last[op.stage] = max(last.get(op.stage, key), key)
+    out = []
+    for key, op in items:
+        if op.kind is OpKind.ALLREDUCE_GRAD and op.stage in last and not shared(problem, op.stage_id):
+            key = max(key, (*last[op.stage][:3], 1 << 30))  # after the W's folds, which share its first 3 keys
+        out.append((key, op))
+    return out
+
+
+def w_window(problem: Problem, step: StepTimeline, device: int, grid: Grid) -> list[tuple[Op, int, int]]:
+    """The device's W's of `step` that become tasks, each with its home interval in ticks from the step's start."""
+    if not placed_w(problem):
+        return []
+    return [(op, grid.at(a), grid.at(b)) for op, a, b in step.fixed(device) if op.kind is OpKind.BWD_W]
+
+
+def w_tasks(
+    problem: Problem,
+    devices: Sequence[int],
+    steps: Sequence[StepTimeline],
+    offsets: Sequence[int],
+    grid: Grid,
+    fused: frozenset[str] = frozenset(),
+) -> list[Task]:
+    """The WGRAD task of every W of every window step on `devices` ([Note: placed W]); the refresh step's (j = 0)
+    list, as `factors`, the fused parts their curvature feeds: those parts' decompositions follow them."""
+    tasks = []
+    for d in devices:
+        for j, st in enumerate(steps):
+            for op, a, b in w_window(problem, st, d, grid):
+                release, due = w_bounds(st, d, op)
+                deadline = offsets[j] + max(grid.at(due), b) if shared(problem, op.stage_id) else offsets[j + 1]
+                stage = problem.costs.stages[op.stage_id]
+                feeds = tuple(
+                    (x.name, p.part) for x in stage.layers if x.name in fused for p in x.parts if p.after is OpKind.BWD
+                )
+                tasks.append(
+                    Task(
+                        f"w_s{op.stage}_m{op.mb}_p{op.pipe}_r{d}_j{j}",
+                        TaskKind.WGRAD,
+                        op.stage_id,
+                        "",
+                        (op,),
+                        (next(y - x for o, x, y in st.fixed(d) if o == op),),
+                        max(1, b - a),
+                        (d,),
+                        offsets[j] + grid.at(release),
+                        feeds if j == 0 else (),
+                        w_operand_bytes(stage),
+                        deadline=deadline,
+                        home=offsets[j] + a,
+                    )
+                )
+    return tasks

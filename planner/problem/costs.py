@@ -656,19 +656,20 @@ def combined_stage(stages: Sequence[StageCost], time: Reduce) -> StageCost:
     """One stage's costs from several measurements of it (a profile's rounds, or ranks' profiles): each time reduced
     by `time` over them, its spread covering theirs; the taps' and fused curvature's extra the median, over the
     measurements that have one (each a difference of two times of one measurement, whose fastest would be too
-    low); bytes and names the first's."""
+    low), and so W's (`wgrad`, at most the backward); bytes and names the first's."""
     layers = tuple(_combined_layer(list(xs), time) for xs in zip(*(s.layers for s in stages), strict=True))
+    bwd, wgrad = time([s.bwd for s in stages]), _median(s.wgrad for s in stages)
     return replace(
         stages[0],
         fwd=time([s.fwd for s in stages]),
-        bwd=time([s.bwd for s in stages]),
+        bwd=bwd,
         fwd_spread=Spread.covering(s.fwd_spread for s in stages),
         bwd_spread=Spread.covering(s.bwd_spread for s in stages),
         tap_fwd=statistics.median(s.tap_fwd for s in stages),
         tap_bwd=statistics.median(s.tap_bwd for s in stages),
         fused_fwd=_median(s.fused_fwd for s in stages),
         fused_bwd=_median(s.fused_bwd for s in stages),
-        wgrad=_median(s.wgrad for s in stages),
+        wgrad=None if wgrad is None else min(wgrad, bwd),  # a part of the backward, as reduced
         layers=layers,
     )
 

@@ -841,11 +841,13 @@ def decomposition_bytes(problem: Problem, device: int, layer: str) -> int:
     return x.factor_bytes
 
 
-def activation_intervals(problem: Problem, device: int, step: StepTimeline) -> list[tuple[float, float, int]]:
+def activation_intervals(
+    problem: Problem, device: int, step: StepTimeline, w_operands: bool = True
+) -> list[tuple[float, float, int]]:
     """(start, end, bytes) of each micro-batch's activations on `device`: from F start to B end; for a stage that
     recomputes (`Problem.recompute`), its boundary from F start to B end and its activations, made again, over its
     B alone. A zero-bubble schedule's deferred W keeps its layers' operands (`w_operand_bytes`) from its B's end
-    until it ends."""
+    until it ends (`w_operands` False: not listed, where W's are placed tasks that hold them, [Note: placed W])."""
     starts: dict[tuple[int | None, int | None, int], float] = {}
     b_ends: dict[tuple[int | None, int | None, int], float] = {}
     out = []
@@ -853,7 +855,7 @@ def activation_intervals(problem: Problem, device: int, step: StepTimeline) -> l
         key = (op.stage, op.mb, op.pipe)
         if op.kind is OpKind.FWD:
             starts[key] = start
-        elif op.kind is OpKind.BWD_W:
+        elif op.kind is OpKind.BWD_W and w_operands:
             out.append((b_ends[key], end, w_operand_bytes(problem.costs.stages[op.stage_id])))
         elif op.kind is OpKind.BWD:
             b_ends[key] = end

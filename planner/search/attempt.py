@@ -40,7 +40,15 @@ from typing import TYPE_CHECKING
 
 from fxkfac.planner.plan.plan import Plan, PlanMetrics, SolverStats, rank
 from fxkfac.planner.plan.solution import GroupSolution, all_placed, fits_memory, peak_bytes, placements_of, plan_born
-from fxkfac.planner.plan.window import TaskKind, Window, grid_scale, longest_gaps, too_long
+from fxkfac.planner.plan.window import (
+    TaskKind,
+    Window,
+    allreduce_after_w,
+    grid_scale,
+    longest_gaps,
+    placed_w,
+    too_long,
+)
 from fxkfac.planner.problem.costs import LayerCost, words_of
 from fxkfac.planner.problem.errors import InfeasibleBudgetError, Knob, PlanError, ScheduleError, Suggestion
 from fxkfac.planner.problem.hardware import HARDWARE
@@ -118,8 +126,11 @@ def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) 
     Compared in ticks: in seconds, float rounding could put a APPLY before the backward it follows."""
     steps: list[list[tuple[tuple[int, ...], Op]]] = [[] for _ in range(w.k)]
     timelines = [step_timeline(problem, w.fused, refresh=True)] + [step_timeline(problem)] * (w.k - 1)
+    tasks = placed_w(problem)  # the W's are placed ops ([Note: placed W] in planner/plan/window.py)
     for j, st in enumerate(timelines):
         for seq, (op, _, end) in enumerate(st.ops[device]):
+            if tasks and op.kind is OpKind.BWD_W:
+                continue
             if op.kind not in _PLACED_KINDS or is_streamed(problem, device, op):
                 at = w.offsets[j] + round(end * w.scale)
                 steps[j].append(((at, 0, seq), op))
@@ -127,7 +138,11 @@ def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) 
                     folds = fused_stats(problem, w.fused, device, op)
                     steps[j].extend(((at, 0, seq, i), fold) for i, fold in enumerate(folds))
     for n, p in enumerate(sorted(placed, key=lambda p: (p.start, p.end))):
-        steps[p.step % w.k].append(((round(p.start * w.scale) - w.length * (p.step // w.k), 1, n), p.op))
+        at = round(p.start * w.scale) - w.length * (p.step // w.k)
+        steps[p.step % w.k].append(((at, 1, n), p.op))
+        if p.step == 0 and p.op.kind is OpKind.BWD_W and w.fused:
+            steps[0].extend(((at, 1, n, i), fold) for i, fold in enumerate(fused_stats(problem, w.fused, device, p.op)))
+    steps = [allreduce_after_w(problem, items) for items in steps] if tasks else steps
     return [[op for _, op in sorted(items, key=lambda item: item[0])] + [Op(OpKind.OPT_STEP)] for items in steps]
 
 
@@ -141,7 +156,11 @@ def _utilization(problem: Problem, w: Window, placed: list[Placement], device: i
         for op, a, b in st.ops[device]
         if is_streamed(problem, device, op) and op.kind is OpKind.APPLY
     )
-    busy += sum(p.end - p.start for p in placed if p.device == device and p.op.kind in BUSY_KINDS)
+    busy += sum(  # a placed W is in the F/B above
+        p.end - p.start
+        for p in placed
+        if p.device == device and p.op.kind in BUSY_KINDS and p.op.kind is not OpKind.BWD_W
+    )
     return utilization(busy, w.seconds(w.length))
 
 

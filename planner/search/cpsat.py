@@ -421,12 +421,14 @@ def modular(
     return start, pos, late
 
 
-def add_tasks(v: Vars, w: Window) -> None:
+def add_tasks(v: Vars, w: Window, free_w: bool = True) -> None:
     """Every task on its device(s). At refresh period 1, where the window's end is no step boundary of the group
     (`Window.leads`[0] > 0, [Note: step barrier] in planner/plan/window.py), a task may run past it: its interval is
     laid twice, at pos and at pos - L, so that no-overlap within [-L, 2L) is no-overlap modulo L (every other interval
     lies in [0, L)). At k >= 2 the window's inner boundaries already join each step's idle, and the doubled intervals
-    slowed the search more than they helped (BERT-Large Chimera D=8: refresh 4-6 with them, 4-5 without)."""
+    slowed the search more than they helped (BERT-Large Chimera D=8: refresh 4-6 with them, 4-5 without).
+    `free_w` False: each W task at its schedule position (a search for any placement, [Note: placed W] in
+    planner/plan/window.py)."""
     L = w.length
     wraps = w.k == 1 and w.leads[0] > 0
     for task in w.tasks:
@@ -435,7 +437,10 @@ def add_tasks(v: Vars, w: Window) -> None:
             if task.kind is not TaskKind.INV
             else min(w.earliest(task, d) for d in task.devices)
         )
-        start, pos, late = modular(v, task.name, lo, w.horizon - task.ticks, task.ticks, L, wraps)
+        due = w.horizon if task.deadline is None else task.deadline  # a W's: its stage's update
+        if task.kind is TaskKind.WGRAD and not free_w and task.home is not None:
+            lo, due = task.home, task.home + task.ticks  # where the schedule runs it
+        start, pos, late = modular(v, task.name, lo, due - task.ticks, task.ticks, L, wraps)
         laid = (pos, pos - L) if wraps else (pos,)
         v.start.append(start)
         v.pos.append(pos)
@@ -458,8 +463,9 @@ def add_tasks(v: Vars, w: Window) -> None:
 
 
 def add_precedences(v: Vars, w: Window) -> None:
-    """sync after every curvature of its factor, inversion after sync (or curvature), broadcast after
-    inversion; the next refresh (L later) must find the factor's buffers free and its a/e consumed."""
+    """sync after every curvature of its factor (a fused part's: every W of the refresh step that folds it),
+    inversion after sync (or curvature), broadcast after inversion; the next refresh (L later) must find the
+    factor's buffers free and its a/e consumed."""
     L, m = w.length, v.model
     by_factor: dict[tuple[str, str], dict[TaskKind, list[int]]] = {}
     for i, task in enumerate(w.tasks):
@@ -475,7 +481,7 @@ def add_precedences(v: Vars, w: Window) -> None:
                 for a in after:
                     m.add(v.start[a] >= v.start[b] + w.tasks[b].ticks)
         first, last = kinds[TaskKind.INV][0], kinds[TaskKind.INV][-1]
-        for c in kinds.get(TaskKind.CURV, []):
+        for c in kinds.get(TaskKind.CURV, []) + kinds.get(TaskKind.WGRAD, []):  # a W folds a fused part's
             m.add(v.start[last] + w.tasks[last].ticks <= v.start[c] + L)
         for b in kinds.get(TaskKind.BCAST, []):
             m.add(v.start[b] + 1 <= v.start[first] + L)
@@ -644,6 +650,17 @@ def _add_energy(v: Vars, w: Window) -> None:
         m.add(sum(load) <= w.length - sum(e - s for s, e in w.fixed[d]))
 
 
+def _add_w_updates(v: Vars, w: Window) -> None:
+    """A W ends before its stage's per-step slot of its step starts on its rank (the slot reads the gradient it
+    completes: [Note: placed W] in planner/plan/window.py)."""
+    for i, task in enumerate(w.tasks):
+        if task.kind is TaskKind.WGRAD and task.home is not None:
+            d = task.devices[0]
+            j = w.step_of(d, task.home)
+            n = next(n for n, p in enumerate(w.precs) if (p.device, p.stage, p.step) == (d, task.stage, j))
+            v.model.add(v.start[i] + task.ticks <= v.prec[n])
+
+
 def _add_slot_releases(v: Vars, w: Window) -> None:
     """A decomposition of a gradient-fed part starts after the refresh step's slot of its stage on the device it
     runs on, whose STATS snapshot its statistic ([Note: gradient parts] in planner/plan/window.py)."""
@@ -678,14 +695,15 @@ def _add_memory(v: Vars, w: Window, options: Options | None) -> None:
 
 def memory_items(v: Vars, w: Window, d: int, unit: int) -> tuple[list[cp_model.IntervalVar], list[int]]:
     """Device d's memory users besides its static bytes, as intervals and demands in `unit` bytes (rounded up):
-    the activations (fixed), and the a/e each deferred curvature keeps from its F/B's end to its own end."""
+    the activations (fixed), and the a/e each deferred curvature keeps from its F/B's end to its own end (a W's
+    operands, from its B's end to its own end)."""
     L, m = w.length, v.model
     intervals, demands = [], []
     for s, e, nbytes in w.acts[d]:
         intervals.append(m.new_fixed_size_interval_var(s, e - s, f"act_r{d}_{s}"))
         demands.append(math.ceil(nbytes / unit))
     for i, task in enumerate(w.tasks):
-        if task.kind is not TaskKind.CURV or task.devices[0] != d or task.keep_bytes == 0:
+        if task.kind not in (TaskKind.CURV, TaskKind.WGRAD) or task.devices[0] != d or task.keep_bytes == 0:
             continue
         t0 = task.release % L
         room = L - t0
@@ -775,14 +793,16 @@ def add_fixed(v: Vars, w: Window) -> None:
             v.intervals_of_device[d].append(v.model.new_fixed_size_interval_var(s, e - s, f"fixed_r{d}_{s}"))
 
 
-def _build(w: Window, frame: Frame | None, optimize: bool, break_symmetry: bool = True) -> tuple[Vars, Window]:
+def _build(
+    w: Window, frame: Frame | None, optimize: bool, break_symmetry: bool = True, *, free_w: bool = True
+) -> tuple[Vars, Window]:
     """The window's CP-SAT model, every constraint of a valid placement and (`break_symmetry`) an order among
     interchangeable layers that prunes relabeled twins (`optimize`: with the staleness objective), and the window of
     the tasks it places: with a `frame`, the options' (BCAST apart, each DECOMP on any rank an option allows)."""
     v = Vars(cp_model.CpModel(), intervals_of_device={d: [] for d in w.group.devices})
     placed = w if frame is None else replace(w, tasks=placed_tasks(w, frame.options))
     add_fixed(v, placed)
-    add_tasks(v, placed)
+    add_tasks(v, placed, free_w=free_w)
     add_precedences(v, placed)
     add_piece_chains(v, placed)
     if frame is None:
@@ -792,6 +812,7 @@ def _build(w: Window, frame: Frame | None, optimize: bool, break_symmetry: bool 
         _add_bcasts(v, placed, frame.options)
         _add_slots(v, placed, frame.options, frame.release_ns)
     _add_slot_releases(v, placed)
+    _add_w_updates(v, placed)
     if frame is not None:
         _add_energy(v, placed)
     for intervals in v.intervals_of_device.values():
@@ -849,7 +870,28 @@ def solve_window(
     if meter.deterministic and meter.wall_left() <= 0:
         meter.note_capped(f"{where} not searched")
         return "UNKNOWN", None
-    v, placed = _build(w, frame, optimize)
+    status, found = _solve_built(w, config, time_limit, meter, hint, optimize, frame, where, free_w=optimize)
+    if status == "INFEASIBLE" and not optimize and any(t.kind is TaskKind.WGRAD for t in w.tasks):
+        status, found = _solve_built(w, config, time_limit, meter, hint, optimize, frame, where, free_w=True)
+    return status, found
+
+
+def _solve_built(
+    w: Window,
+    config: SolverConfig,
+    time_limit: float,
+    meter: Budget,
+    hint: GroupSolution | None,
+    optimize: bool,
+    frame: Frame | None,
+    where: str,
+    *,
+    free_w: bool,
+) -> tuple[str, GroupSolution | None]:
+    """`solve_window`'s one CP-SAT call, the W tasks free or at the schedule's positions (`free_w`, [Note: placed W]
+    in planner/plan/window.py: a search for any placement keeps them there first, and frees them only where that is
+    proven to have none)."""
+    v, placed = _build(w, frame, optimize, free_w=free_w)
     if hint is not None and hint.window.offsets == w.offsets:
         _hint(v, placed, hint, None if frame is None else frame.options)
     limit = max(meter.units(MIN_CALL), time_limit)

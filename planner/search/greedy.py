@@ -281,7 +281,12 @@ def _meets(region: Sequence[Interval], allowed: Sequence[Interval]) -> bool:
 
 def _device_capacity(window: Window, device: int, packer: Packer) -> int:
     """The most task ticks the device's bubbles may hold, its APPLY slots placed where they cost the least."""
-    regions = idle_regions(window.fixed[device], window.length)
+    homes = tuple(  # W's where the schedule runs them: the bound is of the search, which keeps them there
+        wrap(t.home, t.home + t.ticks, window.length)[0]
+        for t in window.tasks
+        if t.kind is TaskKind.WGRAD and t.home is not None and t.devices[0] == device
+    )
+    regions = idle_regions(window.fixed[device] + homes, window.length)
     slots = [s for s in window.precs if s.device == device and s.ticks > 0]
     candidates = [
         [i for i, r in enumerate(regions) if _span(r) >= slot.ticks and _meets(r, _allowed(slot, window.length))]
@@ -348,8 +353,14 @@ def window_work(window: Window) -> int:
 
 
 def device_loads(window: Window) -> list[int]:
-    """The ticks each task holds a device for: a computation one, a collective one on each of its devices."""
-    return [t.ticks for t in window.tasks for _ in (t.devices if t.kind.collective else (0,))]
+    """The ticks each task holds a device for: a computation one, a collective one on each of its devices (a W none:
+    it holds its place, `_device_capacity`)."""
+    return [
+        t.ticks
+        for t in window.tasks
+        if t.kind is not TaskKind.WGRAD
+        for _ in (t.devices if t.kind.collective else (0,))
+    ]
 
 
 def window_capacity(window: Window, packer: Packer) -> int:
@@ -486,12 +497,27 @@ def greedy_window(window: Window) -> GroupSolution | None:
         for x in window.problem.costs.stages[s].layers
         for j, p in enumerate(x.parts)
     }
-    order = sorted(
-        range(len(window.tasks)),
-        key=lambda i: (_ORDER[window.tasks[i].kind], rank[window.tasks[i].side], window.tasks[i].release, i),
-    )
     starts, devices = [0] * len(window.tasks), [0] * len(window.tasks)
     done: dict[tuple[str, str], int] = {}  # factor -> end of its latest placed task
+    for i, task in enumerate(window.tasks):  # the W's first, where the schedule runs them ([Note: placed W])
+        if task.kind is TaskKind.WGRAD:
+            assert task.home is not None and task.deadline is not None, "a W task has a home and a deadline"
+            gap = gaps[task.devices[0]]
+            start = (
+                task.home
+                if gap.first_fit(task.home, task.ticks) == task.home
+                else gap.first_fit(task.release, task.ticks)
+            )
+            if start is None or start + task.ticks > task.deadline:
+                return None
+            gap.occupy(start, task.ticks)
+            starts[i], devices[i] = start, task.devices[0]
+            for f in task.factors:
+                done[f] = max(done.get(f, 0), start + task.ticks)
+    order = sorted(
+        (i for i, task in enumerate(window.tasks) if task.kind is not TaskKind.WGRAD),
+        key=lambda i: (_ORDER[window.tasks[i].kind], rank[window.tasks[i].side], window.tasks[i].release, i),
+    )
     inv_device = _inv_devices(window)
     for i in order:
         task = window.tasks[i]

@@ -44,6 +44,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
+from fxkfac.planner.plan.window import placed_w
 from fxkfac.planner.problem.errors import DeadlockError, PlanError
 from fxkfac.planner.problem.ir import (
     LAYER_TRANSFER_KINDS,
@@ -81,6 +82,7 @@ from fxkfac.planner.problem.step_timeline import (
     stream_lead,
     stream_start,
     tap_extra,
+    w_operand_bytes,
     window_length,
 )
 from fxkfac.planner.problem.strategy import COMM_OPT, keeps_statistics, receivers
@@ -264,6 +266,11 @@ def check_dependencies(c: Context) -> None:
         lambda: defaultdict(list)
     )
     applies = {(p.op.stage, p.device, p.step): p.start for p in c.plan.placements if p.op.kind is OpKind.APPLY}
+    updates: dict[tuple[int | None, int, int], float] = {}  # the first per-step op's start by stage, device, step
+    for p in c.plan.placements:
+        if per_step(p.op):
+            key = (p.op.stage, p.device, p.step)
+            updates[key] = min(updates.get(key, p.start), p.start)
     for p in c.plan.placements:
         if p.op.kind is OpKind.STATS and p.op.mb is None:
             _check_gradient_stats(c, p, applies)
@@ -274,7 +281,9 @@ def check_dependencies(c: Context) -> None:
                 c.errors.append(f"{p.op} on r{p.device} starts at {p.start:.6g} before its {kind} ends ({ready:.6g})")
             if p.end > ready + c.length(c.period(p.op.stage_id)) + c.tol:
                 c.errors.append(f"{p.op} on r{p.device} keeps its a/e longer than one window")
-        if p.op.kind is OpKind.BCAST_PREC:
+        if p.op.kind is OpKind.BWD_W:
+            _check_w(c, p, updates)
+        elif p.op.kind is OpKind.BCAST_PREC:
             _check_shared_gradient(c, p)
         elif p.op.kind is not OpKind.APPLY:
             # STATS, SYNC_STATS (no factor), DECOMP and BCAST name their layer
@@ -282,6 +291,26 @@ def check_dependencies(c: Context) -> None:
     for (layer, side), kinds in factor_tasks.items():
         _check_factor(c, layer, side, kinds)
     _check_warm_starts(c, factor_tasks)
+
+
+def _check_w(c: Context, p: Placement, updates: Mapping[tuple[int | None, int, int], float]) -> None:
+    """A placed W starts after its B ends and ends by its stage's gradient all-reduce, in its own step, or where
+    the stage has one copy (a no-op all-reduce, after its W's in the program) by its per-step slot ([Note: placed W]
+    in planner/plan/window.py)."""
+    k = c.period(p.op.stage_id)
+    timeline, base = c.timeline(p.step, k), c.base(p.step, k)
+    key = (p.op.stage, p.device, p.step)
+    ready = base + end_of(timeline, p.device, OpKind.BWD, p.op.stage_id, p.op.mb_id, p.op.pipe)
+    due = base + next(
+        a for op, a, _ in timeline.ops[p.device] if op.kind is OpKind.ALLREDUCE_GRAD and op.stage == p.op.stage
+    )
+    if len(copies_of_stage(c.problem, p.op.stage_id)) == 1:  # a no-op all-reduce: due by the stage's update
+        due = min(c.base(p.step + 1, k), updates.get(key, math.inf))
+    if p.start < ready - c.tol or p.end > due + c.tol:
+        c.errors.append(
+            f"{p.op} on r{p.device} at step {p.step} is not between its B ({ready:.6g}) and its "
+            f"stage's update ({due:.6g})"
+        )
 
 
 def _check_shared_gradient(c: Context, p: Placement) -> None:
@@ -333,6 +362,8 @@ def _check_factor(c: Context, layer: str, side: str | None, kinds: dict) -> None
         kind = c.problem.costs.layer(layer).part(side).after  # type: ignore[arg-type]  # fused: per part
         kind = weight_gradient_kind(c.problem.kind) if kind is OpKind.BWD else kind  # made with the W
         ready = max(b for d in copies for op, _, b in c.refresh.fixed(d) if op.stage == stage and op.kind is kind)
+        if kind is OpKind.BWD_W and placed_w(c.problem):  # the refresh step's W's, placed
+            ready = max(q.end for q in c.plan.placements if q.op.kind is kind and q.op.stage == stage and q.step == 0)
     else:
         ready = max((p.end for p in curv), default=0.0)
     for group in (sync, bcast):
@@ -472,6 +503,9 @@ def _expected(c: Context) -> Counter:
             for j in range(c.period(s)):
                 for op in step_ops(c, s, d):
                     want[op, d, j] += 1
+                for op, _, _ in c.timeline(j, c.period(s)).fixed(d) if placed_w(p) else ():
+                    if op.kind is OpKind.BWD_W and op.stage == s:  # placed W.s ([Note: placed W])
+                        want[op, d, j] += 1
         for x in stage.layers:
             workers = p.workers(x.name)
             for side, after in ((part.part, part.after) for part in x.parts):
@@ -506,13 +540,14 @@ def check_layers(c: Context) -> None:
 def check_placed_once(c: Context) -> None:
     got: Counter = Counter()
     for p in c.plan.placements:
-        if per_step(p.op):
+        k = c.period(p.op.stage_id)
+        if per_step(p.op) or p.op.kind is OpKind.BWD_W:
             got[placed_key(p.op), p.device, p.step] += 1
         else:
             got[placed_key(p.op), None if p.op.kind is OpKind.DECOMP else p.device] += 1
-        if abs(p.end - p.start - op_seconds(c, p.op)) > c.tol + 1e-9 * max(1.0, p.end):
-            c.errors.append(f"{p.op} on r{p.device}: lasts {p.end - p.start:.6g} s, costs {op_seconds(c, p.op):.6g} s")
-        k = c.period(p.op.stage_id)
+        cost = _w_seconds(c, p, k) if p.op.kind is OpKind.BWD_W else op_seconds(c, p.op)
+        if abs(p.end - p.start - cost) > c.tol + 1e-9 * max(1.0, p.end):
+            c.errors.append(f"{p.op} on r{p.device}: lasts {p.end - p.start:.6g} s, costs {cost:.6g} s")
         if (
             not 0 <= p.step < 2 * k
             or not c.step_start(p.device, p.step, k) - c.tol <= p.start
@@ -531,13 +566,19 @@ def check_placed_once(c: Context) -> None:
             c.errors.append(f"{item[0]} on {item[1:]} placed {got[item]} times, expected {want[item]}")
 
 
+def _w_seconds(c: Context, p: Placement, k: int) -> float:
+    """Seconds of a placed W: its interval in its step's timeline (the refresh step's holds the fused curvature)."""
+    return next((b - a for op, a, b in c.timeline(p.step, k).ops[p.device] if op == p.op), 0.0)
+
+
 def _fixed_intervals(c: Context, device: int, k: int) -> list[tuple[float, float, str]]:
     """The device's F/B (and W) and gradient all-reduces over a window of k steps: nothing else may run then (an op
     of no duration, such as a backward a noisy profile timed at 0 s, occupies nothing)."""
     out = []
+    fixed_w = () if placed_w(c.problem) else (OpKind.BWD_W,)  # placed W's are placements
     for j in range(k):
         for op, a, b in c.timeline(j, k).ops[device]:
-            if b > a and op.kind in (OpKind.FWD, OpKind.BWD, OpKind.BWD_W, OpKind.ALLREDUCE_GRAD):
+            if b > a and op.kind in (OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD, *fixed_w):
                 out.append((c.base(j, k) + a, c.base(j, k) + b, f"{op} (step {j})"))
     return out
 
@@ -569,13 +610,17 @@ def check_memory(c: Context) -> None:
             part = c.problem.costs.layer(p.op.layer_name).part(p.op.part_name)
             since = end_of(c.refresh, p.device, part.after, p.op.stage_id, p.op.mb_id, p.op.pipe)
             keeps[p.device].append((since, p.end, part.capture_bytes))
+        elif p.op.kind is OpKind.BWD_W:  # a placed W holds its layers' operands from its B's end
+            k = c.period(p.op.stage_id)
+            since = c.base(p.step, k) + end_of(c.timeline(p.step, k), p.device, OpKind.BWD, *_key(p.op))
+            keeps[p.device].append((since, p.end, w_operand_bytes(c.problem.costs.stages[p.op.stage_id])))
     for d in c.problem.devices:
         k = max(c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s))
         L = c.length(k)
         spans = [
             (c.base(j, k) + a, c.base(j, k) + b, n)
             for j in range(k)
-            for a, b, n in activation_intervals(c.problem, d, c.timeline(j, k))
+            for a, b, n in activation_intervals(c.problem, d, c.timeline(j, k), not placed_w(c.problem))
         ] + keeps[d]
         for layer, ends in c.made.items():  # a third decomposition: the next refresh's made before this one is used
             nbytes = decomposition_bytes(c.problem, d, layer)
@@ -590,6 +635,10 @@ def check_memory(c: Context) -> None:
         claimed = c.plan.metrics.peak_memory.get(d)
         if claimed is None or claimed < total:  # what a user budgets by: never below what the placements hold
             c.errors.append(f"r{d}: peak memory {claimed} claimed, {total} found")
+
+
+def _key(op: Op) -> tuple[int, int, int]:
+    return op.stage_id, op.mb_id, op.pipe
 
 
 def check_step_time(c: Context) -> None:
@@ -610,8 +659,35 @@ def check_step_time(c: Context) -> None:
         c.errors.append(f"step time {c.plan.metrics.step_time:.6g} s claimed, {step:.6g} s found")
 
 
+def _placed_kinds(c: Context) -> frozenset[OpKind]:
+    """The ops a program holds where its placements say: the preconditioner's, and a zero-bubble schedule's W's
+    where plans place them ([Note: placed W] in planner/plan/window.py)."""
+    return PRECONDITIONER_KINDS | ({OpKind.BWD_W} if placed_w(c.problem) else set())
+
+
+def _follows_w(c: Context, op: Op) -> bool:
+    """Whether `op` is a no-op all-reduce (of a stage without copies) that follows its stage's placed W's wherever
+    they are, not the schedule's position (`_check_w_order` checks it)."""
+    return (
+        op.kind is OpKind.ALLREDUCE_GRAD
+        and placed_w(c.problem)
+        and op.stage is not None
+        and len(copies_of_stage(c.problem, op.stage)) == 1
+    )
+
+
+def _check_w_order(c: Context, device: int, j: int, ops: list[Op]) -> None:
+    """Each stage's gradient all-reduce comes after every W of the stage in the step (the runtime refuses it while
+    one waits)."""
+    for i, op in enumerate(ops):
+        later = [o for o in ops[i + 1 :] if o.kind is OpKind.BWD_W and o.stage == op.stage]
+        if op.kind is OpKind.ALLREDUCE_GRAD and later:
+            c.errors.append(f"r{device} step {j}: '{op}' comes before '{later[0]}' of its stage")
+
+
 def check_programs(c: Context, run: bool) -> None:
     plan = c.plan
+    placed_kinds = _placed_kinds(c)
     for d in c.problem.devices:
         prog = plan.programs.get(d)
         k = max(c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s))
@@ -623,9 +699,13 @@ def check_programs(c: Context, run: bool) -> None:
             c.errors.append(f"r{d}: the program repeats its own {k} steps but for streamed layers' replicas")
         prog = prog[:k]
         for j, ops in enumerate(prog):
-            want = [op for op, _, _ in c.timeline(j, k).ops[d] if op.kind not in PRECONDITIONER_KINDS]
-            if [op for op in ops if op.kind not in PRECONDITIONER_KINDS] != want:
+            want = [op for op, _, _ in c.timeline(j, k).ops[d] if op.kind not in placed_kinds and not _follows_w(c, op)]
+            if [op for op in ops if op.kind not in placed_kinds and not _follows_w(c, op)] != want:
                 c.errors.append(f"r{d} step {j}: the pipeline ops differ from the schedule's")
+            moved = [op for op, _, _ in c.timeline(j, k).ops[d] if _follows_w(c, op)]
+            if sorted(map(str, (op for op in ops if _follows_w(c, op)))) != sorted(map(str, moved)):
+                c.errors.append(f"r{d} step {j}: the gradient all-reduces differ from the schedule's")
+            _check_w_order(c, d, j, ops)
         times = {
             (p.step % k, str(p.op)): (p.start - c.length(k) * (p.step // k), p.end - c.length(k) * (p.step // k))
             for p in plan.placements
@@ -635,7 +715,7 @@ def check_programs(c: Context, run: bool) -> None:
             (j, str(op))
             for j, ops in enumerate(prog)
             for op in ops
-            if op.kind in PRECONDITIONER_KINDS and not _fold(c, op) and not is_streamed(c.problem, d, op)
+            if op.kind in placed_kinds and not _fold(c, op) and not is_streamed(c.problem, d, op)
         ]
         _check_folds(c, d, prog)
         if sorted(listed) != sorted(times):
@@ -691,17 +771,19 @@ def _check_interleaving(c: Context, device: int, k: int, prog: list[list[Op]]) -
     before every pipeline op that ends after its start (a RECV still waiting included); APPLY follows
     its stage's backwards and gradient all-reduce; OPT_STEP ends the step. The runtime executes the
     program in order, so a program that disagrees with its placements runs other semantics."""
+    placed_kinds = _placed_kinds(c)
     starts = {(p.step % k, str(p.op)): p.start - c.base(p.step, k) for p in c.plan.placements if p.device == device}
     for j, ops in enumerate(prog):
         fixed = iter(c.timeline(j, k).ops[device])
         times: list[tuple[Op, float, float] | None] = []
         for op in ops:
-            pipeline = op.kind not in PRECONDITIONER_KINDS
-            times.append(next((x for x in fixed if x[0].kind not in PRECONDITIONER_KINDS), None) if pipeline else None)
+            pipeline = op.kind not in placed_kinds and not _follows_w(c, op)
+            nxt = (x for x in fixed if x[0].kind not in placed_kinds and not _follows_w(c, x[0]))
+            times.append(next(nxt, None) if pipeline else None)
         for i, op in enumerate(ops):
             if op.kind is OpKind.OPT_STEP and i != len(ops) - 1:
                 c.errors.append(f"r{device} step {j}: OPT_STEP is not the last op")
-            if op.kind not in PRECONDITIONER_KINDS or _fold(c, op) or is_streamed(c.problem, device, op):
+            if op.kind not in placed_kinds or _fold(c, op) or is_streamed(c.problem, device, op):
                 continue  # a streamed layer's ops: check_streaming
             t = starts[(j, str(op))]
             for n, item in enumerate(times):

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from fxkfac.planner.plan.plan import SCHEMA_VERSION, Plan, PlanMetrics, SolverStats
 from fxkfac.planner.plan.solution import plan_born
+from fxkfac.planner.plan.window import placed_w
 from fxkfac.planner.problem.errors import PlanError, PlanFormatError, PlanMismatchError
 from fxkfac.planner.problem.ir import PRECONDITIONER_KINDS, LayerTiming, Op, OpKind, Placement, Program, parse_program
 from fxkfac.planner.problem.lowering import startup_programs
@@ -127,7 +128,13 @@ def _check_placements(plan: Plan) -> None:
             _is_number(p.start) and _is_number(p.end) and p.start <= p.end,
             f"placement of {p.op}: start and end must be finite, start <= end",
         )
-        _check_op(problem, p.op, p.device, fixed)
+        if p.op.kind is OpKind.BWD_W:  # a zero-bubble schedule's W, placed among the preconditioner's work
+            _need(
+                placed_w(problem) and (p.op.kind, p.op.stage, p.op.mb, p.op.pipe) in fixed[p.device],
+                f"placement of {p.op} on r{p.device}: no such W of the schedule is placed",
+            )
+        else:
+            _check_op(problem, p.op, p.device, fixed)
 
 
 def _check_programs(plan: Plan) -> None:

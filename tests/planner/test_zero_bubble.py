@@ -7,8 +7,9 @@ from dataclasses import replace
 
 import pytest
 
+from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.problem.ir import Capture, OpKind
-from fxkfac.planner.problem.problem import SolverConfig
+from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.problem.schedules import stages_of_rank
 from fxkfac.planner.problem.step_timeline import (
     activation_intervals,
@@ -85,3 +86,37 @@ def test_a_fused_layer_folds_its_curvature_after_its_w(kind: str, D: int, N: int
             if op.kind is OpKind.STATS and op.mb is not None:
                 anchor = next(o for o in reversed(refresh[:i]) if o.kind is not OpKind.STATS)
                 assert (anchor.kind, anchor.stage, anchor.mb) == (OpKind.BWD_W, op.stage, op.mb)
+
+
+def _uneven_zb_h1() -> Problem:
+    """ZB-H1 on 2 ranks, N=2: stage 0 (F 1 s, B 1 s, W 2 s, one layer whose decompositions take 4 s each) waits
+    4 s, then 2 s, for stage 1's long B (4 s; W 3 s)."""
+
+    def stage(s: int, bwd: float, wgrad: float, inv: float) -> StageCost:
+        layer = LayerCost.kfac(f"s{s}.l0", 0.125, 0.125, inv, inv, 0.125, 10, 10, 100, 100)
+        return StageCost(1.0, bwd, 1000, 50, (layer,), wgrad=wgrad)
+
+    return Problem("zb-h1", 2, 2, CostTable((stage(0, 3.0, 2.0, 4.0), stage(1, 7.0, 3.0, 0.125)), 1, "t", "cpu"))
+
+
+def test_a_w_moves_where_it_joins_bubbles_for_a_decomposition() -> None:
+    """At the schedule's places rank 0's bubbles are 4 s (waiting for m0's gradient), 2 s (for m1's, after W m0) and
+    3 s (after its update): two 4 s decompositions need two steps. Deferring W m0 past B m1 joins its 2 s with the
+    2 s bubble after it, so the plan refreshes at every step."""
+    p = _uneven_zb_h1()
+    plan = solve(p, FAST, "cpsat")
+    assert plan.metrics.refresh_steps == (1, 1)
+    assert validate(p, plan) == []
+    placed = {(x.op.stage, x.op.mb, x.step): x for x in plan.placements if x.op.kind is OpKind.BWD_W}
+    b_m1 = next(b for op, _, b in step_timeline(p, refresh=True).ops[0] if str(op) == "B s0 m1")
+    assert placed[0, 0, 0].start >= b_m1
+
+
+def test_the_validator_refuses_a_w_before_its_b_or_after_its_update() -> None:
+    p = _uneven_zb_h1()
+    plan = solve(p, FAST, "cpsat")
+    w = next(x for x in plan.placements if x.op.kind is OpKind.BWD_W and x.device == 0)
+    for shift, words in ((-20.0, "is not between its B"), (20.0, "is not between its B")):
+        moved = replace(w, start=w.start + shift, end=w.end + shift)
+        placements = tuple(moved if x is w else x for x in plan.placements)
+        assert any(words in e for e in validate(p, replace(plan, placements=placements), run=False))

@@ -222,6 +222,77 @@ def test_planned_kfac_on_zb_h1_equals_one_device_given_the_plan() -> None:
             assert not bad, f"{case} rank {r.rank}: {bad[:4]} differ from the single-device trainer by > 1e-5"
 
 
+def uneven_costs(stage_layers, layers, fused=None):
+    """Costs under which the plan defers a W to join two bubbles (tests/planner/test_zero_bubble.py's uneven ZB-H1):
+    stage 0 (B 1 ms, W 2 ms) waits for stage 1's long B (4 ms; W 3 ms), and its first layer's decompositions take
+    4 ms each, as long as the bubble before its first B and the one W m0 leaves when it moves past B m1."""
+    from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
+
+    ms, stages = 1e-3, []
+    for s in sorted(stage_layers):
+        costs = tuple(
+            LayerCost.kfac(
+                name,
+                curv_a=0.01 * ms,
+                curv_b=0.01 * ms,
+                inv_a=4 * ms if (s, i) == (0, 0) else 0.01 * ms,
+                inv_b=4 * ms if (s, i) == (0, 0) else 0.01 * ms,
+                prec=0.01 * ms,
+                a_bytes=4096,
+                e_bytes=4096,
+                factor_a_bytes=layers[name].a_dim ** 2 * 4,
+                factor_b_bytes=layers[name].b_dim ** 2 * 4,
+            )
+            for i, name in enumerate(stage_layers[s])
+        )
+        bwd, wgrad = (3 * ms, 2 * ms) if s == 0 else (7 * ms, 3 * ms)
+        stages.append(StageCost(ms, bwd, 1 << 20, 1 << 16, costs, wgrad=wgrad))
+    return CostTable(tuple(stages), 2, "synthetic:uneven", "cpu")
+
+
+def placed_w_worker(rank: int, world: int, cases: list[kfac.Case]) -> dict:
+    """Each case planned over `uneven_costs` (rank 0 solves, every rank runs it) for two refresh periods: {case
+    index: (params, losses, plan layers, steps, the rank's programs)}."""
+    out = {}
+    for i, case in enumerate(cases):
+        options = fxkfac.PlanOptions(costs=uneven_costs, time_limit_s=3.0)
+        trainer = kfac.pipelined(case, "auto", options)
+        steps = 2 * max(t.period for t in trainer.plan.layers.values())
+        data = kfac.batches(case)
+        for ids, y in (data * steps)[:steps]:
+            trainer.step((ids,), y)
+        params = {n: p.detach().clone() for n, p in trainer.named_parameters()}
+        out[i] = (
+            params,
+            dict(trainer.plan.layers),
+            steps,
+            [[str(op) for op in st] for st in trainer.plan.programs[rank]],
+        )
+    return out
+
+
+PLACED_W = [kfac.Case("zb-h1", 2, 2, 1), kfac.Case("zb-h1", 2, 2, 2)]
+
+
+@pytest.mark.multiproc
+def test_kfac_with_planner_placed_ws_equals_one_device() -> None:
+    """K-FAC on ZB-H1 whose W's the planner placed (a W moved past a later B where W = 1, every W due by its stage's
+    gradient all-reduce where W = 2) runs its plan for two refresh periods and equals the single-device trainer given
+    the plan's timings to 1e-5."""
+    for case in PLACED_W:
+        results = run_distributed(placed_w_worker, case.D * case.W, [case], timeout=600)
+        failed = [f"rank {r.rank}: {r.error_type}: {r.error}\n{r.traceback}" for r in results if not r.ok]
+        assert not failed, "\n".join(failed)
+        _, layers, steps, program = results[0].value[0]
+        if case.W == 1:  # rank 0 defers W m0 of its refresh step past B m1 (the decomposition's room)
+            refresh = program[0]
+            assert refresh.index("W s0 m0") > refresh.index("B s0 m1"), refresh
+        want = kfac.reference_for_plan(case, layers, steps)
+        for r in results:
+            bad = kfac.compare(r.value[0][0], want)
+            assert not bad, f"{case} rank {r.rank}: {bad[:4]} differ from the single-device trainer by > 1e-5"
+
+
 def test_a_recomputing_stage_refuses_to_split() -> None:
     """Activation checkpointing would run the forward inside B, which W needs again: refused with what to change."""
     runner, _ = _runner()
