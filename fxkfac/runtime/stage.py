@@ -274,8 +274,9 @@ class StageRunner:
         self._weights[mb] = (split, [*(saved[i] for i in split.w_saved), *result[split.n_arg_grads :]], params + later)
 
     def backward_weights(self, mb: int) -> None:
-        """W of micro-batch `mb`: its weight gradients, accumulated into the parameters' `.grad` through autograd (so
-        the parameters' hooks see them as a whole backward's), and the gradients of the args W makes into theirs."""
+        """W of micro-batch `mb`: its weight gradients, accumulated into the parameters' `.grad` as autograd's
+        AccumulateGrad does (the same add), through autograd itself where a parameter has hooks (so they see them
+        as a whole backward's), and the gradients of the args W makes into theirs."""
         if mb not in self._weights:
             raise AssertionError(f"stage {self.stage} mb {mb}: BWD_W before its BWD (the program orders them wrongly)")
         split, operands, targets = self._weights.pop(mb)
@@ -286,8 +287,15 @@ class StageRunner:
             if grad is not None:
                 arg.grad = grad
         pairs = [(p, g) for p, g in zip(params, grads[: split.n_param_grads], strict=True) if g is not None]
-        if pairs:  # the parameters are leaves: autograd accumulates into them and runs their hooks
+        if any(_hooked(p) for p, _ in pairs):  # the parameters are leaves: autograd accumulates and runs their hooks
             torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
+            return
+        with torch.no_grad():  # without hooks, one engine run (~40 us a W on CPU) does nothing but these adds
+            for p, g in pairs:
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.add_(g)
 
     def waiting_weights(self) -> list[int]:
         """Micro-batches whose B ran and whose W has not."""
@@ -300,6 +308,12 @@ class StageRunner:
     def pending(self) -> list[int]:
         """Micro-batches whose forward ran but whose backward (B and W) has not."""
         return sorted(set(self._outputs) | set(self._weights))
+
+
+def _hooked(param: torch.Tensor) -> bool:
+    """Whether `param` has a gradient hook or a post-accumulate one (`Tensor.register_hook`,
+    `register_post_accumulate_grad_hook`: loss-scale unscaling, streaming, the profiler's stamps)."""
+    return bool(param._backward_hooks) or bool(param._post_accumulate_grad_hooks)
 
 
 def compiled(gm: torch.nn.Module, backend: str | None) -> Callable[..., Any]:

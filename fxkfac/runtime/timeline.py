@@ -23,7 +23,8 @@ PIPELINE_KINDS = ("FWD", "BWD")
 class Event:
     """One executed instruction: its text, kind, step, wall-clock start/end in ns, how much of it was spent
     waiting for peers (a receive, a collective settled by its reader, a step-end sum), and the CPU time its
-    thread took (`cpu_ns`; below the wall time when the rank was preempted or blocked)."""
+    thread took since the previous instruction ended (`cpu_ns`, the interpreter's microseconds between two included;
+    below the wall time when the rank was preempted or blocked)."""
 
     rank: int
     op: str
