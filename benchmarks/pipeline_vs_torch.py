@@ -9,7 +9,9 @@ torch's side runs eagerly (it refuses compiled stages for a split backward), fxk
 fxkfac's measured bubble fraction per rank (time outside F, B and W over the step's span) against the
 schedule's: the planner's simulation of the same program with the measured mean op durations (F, B, W, sends,
 the optimizer step), and the closed form (D-1)/(N+D-1) (1F1B's F and B alone), and each schedule's throughput
-against fxkfac's own 1F1B.
+against fxkfac's own 1F1B. "descheduled" is the part of the step spans each rank spent neither running nor
+waiting for its peer (other processes held its core, `timeline.descheduled`): on a loaded host the measured
+bubble exceeds the simulated one by about that much.
 
 Run: python benchmarks/pipeline_vs_torch.py [--width 512] [--depth 8] [--batch 128] [--microbatches 4]
     [--step-agreement world|copies] [--schedules gpipe,1f1b,zb-h1,zb-v] [--compiled]
@@ -38,7 +40,7 @@ from fxkfac.launch import free_port
 from fxkfac.planner.ir import OpKind
 from fxkfac.planner.lowering import rank_programs
 from fxkfac.planner.simulate import simulate
-from fxkfac.runtime.timeline import utilization
+from fxkfac.runtime.timeline import descheduled, utilization
 from fxkfac.runtime.trainer import Trainer
 
 D = 2
@@ -200,6 +202,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
                 "bubble_measured": measured,
                 "bubble_sim": _theory(schedule, args.microbatches, _virtual(schedule), events),
                 "bubble_formula": (D - 1) / (args.microbatches + D - 1),
+                "descheduled": descheduled(events),
             }
         )
     base = next((r["fxkfac_step_s"] for r in rows if r["schedule"] == "1f1b"), None)
@@ -229,6 +232,7 @@ def _report(rows: list[dict], args: argparse.Namespace) -> None:
         "vs fxkfac 1F1B",
         "bubble measured (r0, r1)",
         "bubble simulated (r0, r1)",
+        "descheduled (r0, r1)",
         "(D-1)/(N+D-1)",
     ):
         table.add_column(col)
@@ -243,6 +247,7 @@ def _report(rows: list[dict], args: argparse.Namespace) -> None:
             "-" if r["vs_fxkfac_1f1b"] is None else f"{r['vs_fxkfac_1f1b']:.3f}",
             fmt(r["bubble_measured"]),
             fmt(r["bubble_sim"]),
+            fmt(r["descheduled"]),
             f"{r['bubble_formula']:.3f}",
         )
     Console(width=200).print(table)

@@ -13,7 +13,7 @@ from fxkfac.planner import simulate
 from fxkfac.planner.ir import Op
 from fxkfac.planner.simulate import Interval, Timeline
 
-__all__ = ["Event", "Recorder", "as_timeline", "utilization", "gather_timelines"]
+__all__ = ["Event", "Recorder", "as_timeline", "utilization", "descheduled", "gather_timelines"]
 
 PIPELINE_KINDS = ("FWD", "BWD")
 """What measured utilization counts: the pipeline's own work."""
@@ -103,15 +103,38 @@ def utilization(events: Iterable[Event], kinds: Sequence[str] = PIPELINE_KINDS) 
     of that step over all ranks, so waiting for peers counts as idle.
     """
     table = _by_rank_step(events)
-    spans: dict[int, tuple[int, int]] = {}
-    for steps in table.values():
-        for step, evs in steps.items():
-            lo, hi = spans.get(step, (min(e.start_ns for e in evs), max(e.end_ns for e in evs)))
-            spans[step] = (min(lo, *(e.start_ns for e in evs)), max(hi, *(e.end_ns for e in evs)))
-    total = sum(hi - lo for lo, hi in spans.values())
+    total = _total_span(table)
     return {
         rank: simulate.utilization(
             sum(e.end_ns - e.start_ns for evs in steps.values() for e in evs if e.kind in kinds), total
         )
         for rank, steps in sorted(table.items())
     }
+
+
+def _total_span(table: dict[int, dict[int, list[Event]]]) -> int:
+    """The steps' spans summed, each from the earliest start to the latest end of that step over all ranks."""
+    spans: dict[int, tuple[int, int]] = {}
+    for steps in table.values():
+        for step, evs in steps.items():
+            lo, hi = spans.get(step, (min(e.start_ns for e in evs), max(e.end_ns for e in evs)))
+            spans[step] = (min(lo, *(e.start_ns for e in evs)), max(hi, *(e.end_ns for e in evs)))
+    return sum(hi - lo for lo, hi in spans.values())
+
+
+def descheduled(events: Iterable[Event]) -> dict[int, float]:
+    """Per rank: the part of the step spans (as `utilization`'s) its thread was neither running nor waiting for a
+    peer, from each instruction's end to the next one's: wall time less CPU time (`Event.cpu_ns`, which counts the
+    interpreter's time between two) less waits. That is the time other processes of the host took its core: on a
+    quiet host with a core per rank, near 0."""
+    table = _by_rank_step(events)
+    total = _total_span(table)
+    lost: dict[int, int] = {}
+    for rank, steps in table.items():
+        for evs in steps.values():
+            evs = sorted(evs, key=lambda e: e.start_ns)
+            ends = [evs[0].start_ns] + [e.end_ns for e in evs[:-1]]
+            lost[rank] = lost.get(rank, 0) + sum(
+                max(0, e.end_ns - since - e.cpu_ns - e.wait_ns) for e, since in zip(evs, ends, strict=True)
+            )
+    return {rank: simulate.utilization(ns, total) for rank, ns in sorted(lost.items())}
