@@ -125,8 +125,9 @@ def _total_span(table: dict[int, dict[int, list[Event]]]) -> int:
 def descheduled(events: Iterable[Event]) -> dict[int, float]:
     """Per rank: the part of the step spans (as `utilization`'s) its thread was neither running nor waiting for a
     peer, from each instruction's end to the next one's: wall time less CPU time (`Event.cpu_ns`, which counts the
-    interpreter's time between two) less waits. That is the time other processes of the host took its core: on a
-    quiet host with a core per rank, near 0."""
+    interpreter's time between two) less the transport's waits: the time other processes of the host took its
+    core, or that a send blocked in gloo (whose threads need a core too); on a quiet host with cores to spare,
+    near 0."""
     table = _by_rank_step(events)
     total = _total_span(table)
     lost: dict[int, int] = {}
