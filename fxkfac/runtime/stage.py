@@ -228,8 +228,9 @@ class StageRunner:
     def backward(
         self, mb: int, output_grads: Sequence[torch.Tensor] | None, defer_weights: bool = False
     ) -> list[torch.Tensor]:
-        """Backpropagate micro-batch `mb`; returns the gradient of every float input (zeros if unused). With
-        `defer_weights` (a split stage) only B runs: the weight gradients wait for `backward_weights`."""
+        """Backpropagate micro-batch `mb`; returns the gradient of every float input that takes one (zeros if unused;
+        none on the first stage, whose inputs take none: nothing would read them). With `defer_weights` (a split
+        stage) only B runs: the weight gradients wait for `backward_weights`."""
         outputs = self._outputs.pop(mb)
         inputs = self._inputs.pop(mb)
         if mb in self._saved:
@@ -247,7 +248,7 @@ class StageRunner:
             pairs = [(o, g) for o, g in zip(floats, output_grads, strict=True) if o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs if x.is_floating_point()]
+        return [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs if x.requires_grad]
 
     def _backward_input(self, mb: int, outputs: Any, output_grads: Sequence[torch.Tensor] | None) -> None:
         """B of a split micro-batch: the gradient of each differentiable arg into its `.grad`; W's operands kept."""
