@@ -8,7 +8,8 @@ torch's side runs eagerly (it refuses compiled stages for a split backward), fxk
 --compiled, with every stage's forward, B and W compiled by inductor (its own column). Also prints
 fxkfac's measured bubble fraction per rank (time outside F, B and W over the step's span) against the
 schedule's: the planner's simulation of the same program with the measured mean op durations (F, B, W, sends,
-the optimizer step) and of each measured step with its own durations (`_theory_per_step`), and the closed form
+the optimizer step; each message arriving the measured link latency after its send, `_latency`) and of each
+measured step with its own durations (`_theory_per_step`), and the closed form
 (D-1)/(N+D-1) (1F1B's F and B alone), and each schedule's throughput
 against fxkfac's own 1F1B. The CPU columns are the CPU time of each rank's thread per step (median) and torch's
 summed over ranks against fxkfac's: what each runtime costs, which the host's load barely moves (wall-clock
@@ -41,7 +42,7 @@ from torch import nn
 import fxkfac
 from fxkfac.config import PipelineOptions, StepAgreement
 from fxkfac.launch import free_port
-from fxkfac.planner.ir import OpKind
+from fxkfac.planner.ir import Op, OpKind
 from fxkfac.planner.lowering import rank_programs
 from fxkfac.planner.simulate import simulate
 from fxkfac.runtime.timeline import descheduled, utilization
@@ -119,11 +120,34 @@ def _time(step, batch, warmup: int, iters: int, cpu: list[float]) -> list[float]
     return times
 
 
+def _latency(events) -> float:
+    """The link's latency as the runtime met it: the median over receives that were posted before their send ended of
+    the receive's end less the send's end (a send returns once gloo has its data; the receiver then waits for
+    the bytes and its wake-up), in seconds."""
+    sends, late = {}, []
+    for e in events:
+        op = Op.parse(e.op)
+        if op.kind in (OpKind.SEND_ACT, OpKind.SEND_GRAD):
+            sends[(e.step, op.kind, op.stage, op.pipe, op.mb)] = e
+    for e in events:
+        op = Op.parse(e.op)
+        if op.kind not in (OpKind.RECV_ACT, OpKind.RECV_GRAD) or op.stage is None:
+            continue
+        kind, stage = (
+            (OpKind.SEND_ACT, op.stage - 1) if op.kind is OpKind.RECV_ACT else (OpKind.SEND_GRAD, op.stage + 1)
+        )
+        send = sends.get((e.step, kind, stage, op.pipe, op.mb))
+        if send is not None and e.start_ns < send.end_ns:
+            late.append(max(0.0, (e.end_ns - send.end_ns) / 1e9))  # a send can return after its receive ended
+    return statistics.median(late) if late else 0.0
+
+
 def _theory(schedule: str, N: int, v: int, events) -> dict[int, float]:
     """Bubble per rank of the planner's simulation of this program with the measured mean op durations: F and B
     per stage, every other op's own time (a send's call, the gradient all-reduce, and OPT_STEP's work: per step
     the least time over ranks, the rank that arrived last having waited for nobody); receives take none (the
-    simulation computes their waits). What the measured bubble has beyond this is the runtime's own overhead."""
+    simulation computes their waits, each message arriving `_latency` after its send ends). What the measured
+    bubble has beyond this is the runtime's own overhead."""
     mean: dict[tuple[int, str, int | None], list[float]] = {}
     opt: dict[int, list[float]] = {}
     for e in events:
@@ -144,7 +168,7 @@ def _theory(schedule: str, N: int, v: int, events) -> dict[int, float]:
         stage = op.stage if op.kind.value in BUSY else None
         return avg.get((rank, op.kind.value, stage), 0.0)
 
-    tl = simulate(rank_programs(schedule, D, N, 1, v=v), duration)
+    tl = simulate(rank_programs(schedule, D, N, 1, v=v), duration, comm=_latency(events))
     return {r: 1.0 - tl.utilization(r, kinds=tuple(OpKind(k) for k in BUSY)) for r in range(D)}
 
 
@@ -156,7 +180,7 @@ def _theory_per_step(schedule: str, N: int, v: int, events) -> dict[int, float]:
     steps: dict[int, list] = {}
     for e in events:
         steps.setdefault(e.step, []).append(e)
-    programs = rank_programs(schedule, D, N, 1, v=v)
+    programs, comm = rank_programs(schedule, D, N, 1, v=v), _latency(events)
     idle, span = dict.fromkeys(range(D), 0.0), 0.0
     for evs in steps.values():
         took = {(e.rank, e.op): (e.end_ns - e.start_ns) / 1e9 for e in evs}
@@ -169,7 +193,7 @@ def _theory_per_step(schedule: str, N: int, v: int, events) -> dict[int, float]:
                 return 0.0
             return took.get((rank, str(op)), 0.0)
 
-        tl = simulate(programs, duration)
+        tl = simulate(programs, duration, comm=comm)
         span += tl.makespan
         for r in range(D):
             idle[r] += tl.makespan * (1.0 - tl.utilization(r, kinds=tuple(OpKind(k) for k in BUSY)))
@@ -245,6 +269,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
                 "bubble_sim": _theory(schedule, args.microbatches, _virtual(schedule), events),
                 "bubble_sim_steps": _theory_per_step(schedule, args.microbatches, _virtual(schedule), events),
                 "bubble_formula": (D - 1) / (args.microbatches + D - 1),
+                "latency_s": _latency(events),
                 "descheduled": descheduled(events),
             }
         )
@@ -280,6 +305,7 @@ def _report(rows: list[dict], args: argparse.Namespace) -> None:
         "bubble simulated (r0, r1)",
         "bubble simulated per step (r0, r1)",
         "descheduled (r0, r1)",
+        "link latency us",
         "(D-1)/(N+D-1)",
     ):
         table.add_column(col)
@@ -299,6 +325,7 @@ def _report(rows: list[dict], args: argparse.Namespace) -> None:
             fmt(r["bubble_sim"]),
             fmt(r["bubble_sim_steps"]),
             fmt(r["descheduled"]),
+            f"{1e6 * r['latency_s']:.0f}",
             f"{r['bubble_formula']:.3f}",
         )
     Console(width=200).print(table)
