@@ -126,7 +126,7 @@ def accumulating(weight_grad: fx.GraphModule, n_params: int) -> fx.GraphModule:
     after), anything else by `add_`. It returns the WEIGHT args' gradients alone. The sums are autograd's up to
     float32 rounding (BLAS adds the product to the buffer inside its kernel)."""
     aten = torch.ops.aten
-    gm = fx.GraphModule(weight_grad, copy_graph(weight_grad.graph))
+    gm = fx.GraphModule(weight_grad, _copy_graph(weight_grad.graph))
     graph = gm.graph
     output = next(n for n in graph.nodes if n.op == "output")
     results = list(output.args[0])
@@ -145,7 +145,7 @@ def accumulating(weight_grad: fx.GraphModule, n_params: int) -> fx.GraphModule:
     return gm
 
 
-def copy_graph(graph: fx.Graph) -> fx.Graph:
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
     """A copy of `graph` (its nodes new, the same targets)."""
     new = fx.Graph()
     out = new.graph_copy(graph, {})

@@ -280,7 +280,7 @@ class StageRunner:
     def backward_weights(self, mb: int) -> None:
         """W of micro-batch `mb`: its weight gradients, accumulated into the parameters' `.grad`, and the gradients
         of the args W makes into theirs. Where a parameter has hooks, through autograd (so they see them as a whole
-        backward's); else an eager stage adds each product into `.grad` in place (`accumulating`: ~30% of W on
+        backward's); else an eager stage adds each product into `.grad` in place (`accumulating`: a third of W on
         CPU, benchmarks/split_backward.py), or sets or adds it as autograd's AccumulateGrad does."""
         if mb not in self._weights:
             raise AssertionError(f"stage {self.stage} mb {mb}: BWD_W before its BWD (the program orders them wrongly)")
