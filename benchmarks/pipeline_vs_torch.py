@@ -8,8 +8,15 @@ torch's side runs eagerly (it refuses compiled stages for a split backward), fxk
 --compiled, with every stage's forward, B and W compiled by inductor (its own column). Also prints
 fxkfac's measured bubble fraction per rank (time outside F, B and W over the step's span) against the
 schedule's: the planner's simulation of the same program with the measured mean op durations (F, B, W, sends,
-the optimizer step), and the closed form (D-1)/(N+D-1) (1F1B's F and B alone), and each schedule's throughput
-against fxkfac's own 1F1B.
+the optimizer step; each message arriving the measured link latency after its send, `_latency`) and of each
+measured step with its own durations (`_theory_per_step`), and the closed form
+(D-1)/(N+D-1) (1F1B's F and B alone), and each schedule's throughput
+against fxkfac's own 1F1B. The CPU columns are the CPU time of each rank's thread per step (median) and torch's
+summed over ranks against fxkfac's: what each runtime costs, which the host's load barely moves (wall-clock
+ratios on a loaded host mostly measure who was preempted). "descheduled" is the part of the step spans each rank
+spent neither running nor waiting for its peer in the transport (preempted by other processes, or blocked inside
+gloo's send; `timeline.descheduled`): on a loaded host the measured bubble exceeds the simulated one by about
+that much.
 
 Run: python benchmarks/pipeline_vs_torch.py [--width 512] [--depth 8] [--batch 128] [--microbatches 4]
     [--step-agreement world|copies] [--schedules gpipe,1f1b,zb-h1,zb-v] [--compiled]
@@ -35,8 +42,8 @@ from torch import nn
 import fxkfac
 from fxkfac.config import PipelineOptions, StepAgreement
 from fxkfac.launch import free_port
-from fxkfac.planner.problem import OpKind, rank_programs, simulate
-from fxkfac.runtime.timeline import utilization
+from fxkfac.planner.problem import Op, OpKind, rank_programs, simulate
+from fxkfac.runtime.timeline import descheduled, utilization
 from fxkfac.runtime.trainer import Trainer
 
 D = 2
@@ -92,25 +99,53 @@ def _torch_runner(trainer: Trainer, schedule: str, N: int):
     return step
 
 
-def _time(step, batch, warmup: int, iters: int) -> list[float]:
+def _time(step, batch, warmup: int, iters: int, cpu: list[float]) -> list[float]:
+    """Wall seconds of each step (between barriers); appends the CPU seconds this rank's thread took in each to
+    `cpu` (what a step costs the rank whatever else the host runs: compute and the runtime's own work, not its
+    waits nor gloo's threads)."""
     x, y = batch
     for _ in range(warmup):
         step(x, y)
     times = []
     for _ in range(iters):
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         step(x, y)
+        c1 = time.thread_time()
         dist.barrier()
         times.append(time.perf_counter() - t0)
+        cpu.append(c1 - c0)
     return times
+
+
+def _latency(events) -> float:
+    """The link's latency as the runtime met it: the median over receives that were posted before their send ended of
+    the receive's end less the send's end (a send returns once gloo has its data; the receiver then waits for
+    the bytes and its wake-up), in seconds."""
+    sends, late = {}, []
+    for e in events:
+        op = Op.parse(e.op)
+        if op.kind in (OpKind.SEND_ACT, OpKind.SEND_GRAD):
+            sends[(e.step, op.kind, op.stage, op.pipe, op.mb)] = e
+    for e in events:
+        op = Op.parse(e.op)
+        if op.kind not in (OpKind.RECV_ACT, OpKind.RECV_GRAD) or op.stage is None:
+            continue
+        kind, stage = (
+            (OpKind.SEND_ACT, op.stage - 1) if op.kind is OpKind.RECV_ACT else (OpKind.SEND_GRAD, op.stage + 1)
+        )
+        send = sends.get((e.step, kind, stage, op.pipe, op.mb))
+        if send is not None and e.start_ns < send.end_ns:
+            late.append(max(0.0, (e.end_ns - send.end_ns) / 1e9))  # a send can return after its receive ended
+    return statistics.median(late) if late else 0.0
 
 
 def _theory(schedule: str, N: int, v: int, events) -> dict[int, float]:
     """Bubble per rank of the planner's simulation of this program with the measured mean op durations: F and B
     per stage, every other op's own time (a send's call, the gradient all-reduce, and OPT_STEP's work: per step
     the least time over ranks, the rank that arrived last having waited for nobody); receives take none (the
-    simulation computes their waits). What the measured bubble has beyond this is the runtime's own overhead."""
+    simulation computes their waits, each message arriving `_latency` after its send ends). What the measured
+    bubble has beyond this is the runtime's own overhead."""
     mean: dict[tuple[int, str, int | None], list[float]] = {}
     opt: dict[int, list[float]] = {}
     for e in events:
@@ -131,8 +166,36 @@ def _theory(schedule: str, N: int, v: int, events) -> dict[int, float]:
         stage = op.stage if op.kind.value in BUSY else None
         return avg.get((rank, op.kind.value, stage), 0.0)
 
-    tl = simulate(rank_programs(schedule, D, N, 1, v=v), duration)
+    tl = simulate(rank_programs(schedule, D, N, 1, v=v), duration, comm=_latency(events))
     return {r: 1.0 - tl.utilization(r, kinds=tuple(OpKind(k) for k in BUSY)) for r in range(D)}
+
+
+def _theory_per_step(schedule: str, N: int, v: int, events) -> dict[int, float]:
+    """Bubble per rank of the simulation of each measured step with that step's own op durations (as `_theory`'s,
+    op by op), idle time summed over the steps against their simulated spans: unlike the simulation of the mean
+    durations, what a loaded host's uneven op times cost the schedule (a late op delays its peer; the mean hides
+    it) is in here too, so what the measured bubble has beyond this is the runtime's own gaps."""
+    steps: dict[int, list] = {}
+    for e in events:
+        steps.setdefault(e.step, []).append(e)
+    programs, comm = rank_programs(schedule, D, N, 1, v=v), _latency(events)
+    idle, span = dict.fromkeys(range(D), 0.0), 0.0
+    for evs in steps.values():
+        took = {(e.rank, e.op): (e.end_ns - e.start_ns) / 1e9 for e in evs}
+        opt_step = min(t for (_, op), t in took.items() if op == "OPT_STEP")
+
+        def duration(rank: int, op, took=took, opt_step=opt_step) -> float:
+            if op.kind is OpKind.OPT_STEP:
+                return opt_step
+            if op.kind in (OpKind.RECV_ACT, OpKind.RECV_GRAD):
+                return 0.0
+            return took.get((rank, str(op)), 0.0)
+
+        tl = simulate(programs, duration, comm=comm)
+        span += tl.makespan
+        for r in range(D):
+            idle[r] += tl.makespan * (1.0 - tl.utilization(r, kinds=tuple(OpKind(k) for k in BUSY)))
+    return {r: idle[r] / span for r in range(D)}
 
 
 def _virtual(schedule: str) -> int:
@@ -177,12 +240,15 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
         compiled = _fxkfac_trainer(args, schedule, batch[0], "inductor") if args.compiled else None
         theirs_step = _torch_runner(trainer, schedule, args.microbatches)
         ours, theirs, ours_compiled = [], [], []
+        cpu: dict[str, list[float]] = {"fxkfac": [], "torch": [], "compiled": []}
         for _ in range(args.rounds):  # alternate so that drift in machine load hits both
             trainer.timeline.clear()
-            ours += _time(trainer.step, batch, args.warmup, args.iters)
-            theirs += _time(theirs_step, batch, args.warmup, args.iters)
+            ours += _time(trainer.step, batch, args.warmup, args.iters, cpu["fxkfac"])
+            theirs += _time(theirs_step, batch, args.warmup, args.iters, cpu["torch"])
             if compiled is not None:
-                ours_compiled += _time(compiled.step, batch, args.warmup, args.iters)
+                ours_compiled += _time(compiled.step, batch, args.warmup, args.iters, cpu["compiled"])
+        cpu_medians = [None] * D
+        dist.all_gather_object(cpu_medians, {k: statistics.median(v) for k, v in cpu.items() if v})
         events = [e for e in trainer.timeline.events]
         gathered = [None] * D
         dist.all_gather_object(gathered, events)
@@ -195,9 +261,14 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
                 "fxkfac_compiled_step_s": statistics.median(ours_compiled) if ours_compiled else None,
                 "torch_step_s": statistics.median(theirs),
                 "ratio": statistics.median(theirs) / statistics.median(ours),
+                "cpu_s": {side: [m[side] for m in cpu_medians] for side in cpu_medians[0]},
+                "cpu_ratio": sum(m["torch"] for m in cpu_medians) / sum(m["fxkfac"] for m in cpu_medians),
                 "bubble_measured": measured,
                 "bubble_sim": _theory(schedule, args.microbatches, _virtual(schedule), events),
+                "bubble_sim_steps": _theory_per_step(schedule, args.microbatches, _virtual(schedule), events),
                 "bubble_formula": (D - 1) / (args.microbatches + D - 1),
+                "latency_s": _latency(events),
+                "descheduled": descheduled(events),
             }
         )
     base = next((r["fxkfac_step_s"] for r in rows if r["schedule"] == "1f1b"), None)
@@ -224,9 +295,15 @@ def _report(rows: list[dict], args: argparse.Namespace) -> None:
         "fxkfac compiled s/step",
         "torch s/step",
         "throughput ratio",
+        "CPU ms/step fxkfac (r0, r1)",
+        "CPU ms/step torch (r0, r1)",
+        "CPU ratio",
         "vs fxkfac 1F1B",
         "bubble measured (r0, r1)",
         "bubble simulated (r0, r1)",
+        "bubble simulated per step (r0, r1)",
+        "descheduled (r0, r1)",
+        "link latency us",
         "(D-1)/(N+D-1)",
     ):
         table.add_column(col)
@@ -238,9 +315,15 @@ def _report(rows: list[dict], args: argparse.Namespace) -> None:
             "-" if r["fxkfac_compiled_step_s"] is None else f"{r['fxkfac_compiled_step_s']:.4f}",
             f"{r['torch_step_s']:.4f}",
             f"{r['ratio']:.3f}",
+            ", ".join(f"{1e3 * v:.2f}" for v in r["cpu_s"]["fxkfac"]),
+            ", ".join(f"{1e3 * v:.2f}" for v in r["cpu_s"]["torch"]),
+            f"{r['cpu_ratio']:.3f}",
             "-" if r["vs_fxkfac_1f1b"] is None else f"{r['vs_fxkfac_1f1b']:.3f}",
             fmt(r["bubble_measured"]),
             fmt(r["bubble_sim"]),
+            fmt(r["bubble_sim_steps"]),
+            fmt(r["descheduled"]),
+            f"{1e6 * r['latency_s']:.0f}",
             f"{r['bubble_formula']:.3f}",
         )
     Console(width=200).print(table)

@@ -2,7 +2,8 @@
 1 thread: the time of each part, with glibc's default malloc and with freed host memory kept
 ([Note: host memory] in fxkfac/runtime/host_memory.py), and the aten ops of each side by torch.profiler.
 
-Run: python benchmarks/split_backward.py [--width 512] [--layers 4] [--batch 32] [--iters 200] [--profile]
+Run: python benchmarks/split_backward.py [--width 512] [--layers 4] [--batch 32] [--iters 200] [--stat median|min]
+    [--profile]
 """
 
 from __future__ import annotations
@@ -51,9 +52,10 @@ def parts(runner: StageRunner, x: torch.Tensor, g: torch.Tensor) -> dict[str, Ca
 
 
 def measure(
-    sides: dict[str, dict[str, Callable[[], object]]], iters: int, warmup: int = 10
+    sides: dict[str, dict[str, Callable[[], object]]], iters: int, warmup: int = 10, stat: Callable = statistics.median
 ) -> dict[str, dict[str, float]]:
-    """Median milliseconds of each part, the sides alternating micro-batch by micro-batch."""
+    """Milliseconds of each part (`stat` over the iterations: the median, or the least, which a loaded machine's
+    preemptions do not reach), the sides alternating micro-batch by micro-batch."""
     times: dict[str, dict[str, list[float]]] = {s: {p: [] for p in ps} for s, ps in sides.items()}
     for i in range(warmup + iters):
         for side, ps in sides.items():
@@ -62,7 +64,7 @@ def measure(
                 fn()
                 if i >= warmup:
                     times[side][part].append(time.perf_counter() - t0)
-    return {s: {p: statistics.median(v) * 1e3 for p, v in ps.items()} for s, ps in times.items()}
+    return {s: {p: stat(v) * 1e3 for p, v in ps.items()} for s, ps in times.items()}
 
 
 def profile(sides: dict[str, dict[str, Callable[[], object]]]) -> None:
@@ -86,6 +88,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32, help="the micro-batch")
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--profile", action="store_true", help="also print torch.profiler's op tables")
+    parser.add_argument(
+        "--stat", choices=("median", "min"), default="median", help="of each part's times (min: on a loaded machine)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     x, g = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
@@ -93,9 +98,10 @@ def main() -> None:
         name: parts(make_stage(args.width, args.layers, args.batch, split), x, g)
         for name, split in (("autograd", False), ("split", True))
     }
-    results = {"default malloc": measure(sides, args.iters)}
+    stat = statistics.median if args.stat == "median" else min
+    results = {"default malloc": measure(sides, args.iters, stat=stat)}
     if keep_freed_host_memory():
-        results["freed memory kept"] = measure(sides, args.iters)
+        results["freed memory kept"] = measure(sides, args.iters, stat=stat)
     if args.profile:
         profile(sides)
 
@@ -103,7 +109,7 @@ def main() -> None:
     from rich.table import Table
 
     table = Table(
-        title=f"one stage: {args.layers} x Linear({args.width}) + GELU, micro-batch {args.batch}, ms (median)"
+        title=f"one stage: {args.layers} x Linear({args.width}) + GELU, micro-batch {args.batch}, ms ({args.stat})"
     )
     for col in (
         "host memory",

@@ -27,7 +27,7 @@ from torch import Tensor, fx
 from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
-__all__ = ["ArgGrad", "SplitStage", "split_stage"]
+__all__ = ["ArgGrad", "SplitStage", "split_stage", "accumulating"]
 
 
 class ArgGrad(StrEnum):
@@ -63,6 +63,9 @@ class SplitStage:
     """How many arg gradients B returns (one per INPUT arg, None where the arg does not matter)."""
     n_param_grads: int
     """How many parameter gradients W returns before the WEIGHT args' gradients."""
+    weight_grad_into: Callable[..., Any] | None = None
+    """(*saved[w_saved], *kept, *the parameters' .grad) -> (*grads of the WEIGHT args): W adding the parameters'
+    gradients into their `.grad` in place (`accumulating`; eager stages only, None otherwise)."""
 
 
 def split_stage(
@@ -115,6 +118,39 @@ def split_stage(
     _drop_no_ops(traced)
     counts = (arg_grads.count(ArgGrad.INPUT), arg_grads.count(ArgGrad.WEIGHT), len(grad_names))
     return _cut(traced, len(names), len(args), counts, tangent_specs, compile_fn)
+
+
+def accumulating(weight_grad: fx.GraphModule, n_params: int) -> fx.GraphModule:
+    """An eager W graph that adds the parameters' gradients into buffers it takes after its operands (their `.grad`),
+    in place, instead of returning them: a product into its buffer by one `addmm_` (no product allocated and added
+    after), anything else by `add_`. It returns the WEIGHT args' gradients alone. The sums are autograd's up to
+    float32 rounding (BLAS adds the product to the buffer inside its kernel)."""
+    aten = torch.ops.aten
+    gm = fx.GraphModule(weight_grad, _copy_graph(weight_grad.graph))
+    graph = gm.graph
+    output = next(n for n in graph.nodes if n.op == "output")
+    results = list(output.args[0])
+    with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):
+        buffers = [graph.placeholder(f"grad{i}") for i in range(n_params)]
+    with graph.inserting_before(output):
+        for buffer, result in zip(buffers, results[:n_params], strict=True):
+            if result is None:
+                continue
+            if result.target is aten.mm.default and len(result.users) == 1 and results.count(result) == 1:
+                result.target, result.args = aten.addmm_.default, (buffer, *result.args)
+            else:
+                graph.call_function(aten.add_.Tensor, (buffer, result))
+    output.args = (tuple(results[n_params:]),)
+    gm.recompile()
+    return gm
+
+
+def _copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy of `graph` (its nodes new, the same targets)."""
+    new = fx.Graph()
+    out = new.graph_copy(graph, {})
+    new.output(out)
+    return new
 
 
 def _devices(vals: Sequence[Tensor]) -> list[Tensor]:

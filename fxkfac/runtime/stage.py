@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 from copy import deepcopy
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -15,7 +15,7 @@ from fxkfac.errors import PipelineError
 from fxkfac.passes.eval_mode import eval_graph
 from fxkfac.passes.split_stages import StageGraph, TensorSpec
 from fxkfac.runtime.precision import autocast, to_wire, wire_specs
-from fxkfac.runtime.split_backward import ArgGrad, SplitStage, split_stage
+from fxkfac.runtime.split_backward import ArgGrad, SplitStage, accumulating, split_stage
 
 __all__ = ["StageRunner", "compiled"]
 
@@ -199,6 +199,9 @@ class StageRunner:
         n_out = n_diff_outputs if n_diff_outputs is not None else len(self.graph.outputs)
         with self.precision():
             split = split_stage(gm, state, list(params), args, sides, n_out, lambda g: compiled(g, self.backend))
+        if self.backend is None:
+            assert isinstance(split.weight_grad, fx.GraphModule), "an eager stage runs its graphs as they are"
+            split = replace(split, weight_grad_into=accumulating(split.weight_grad, split.n_param_grads))
         return split, list(state.values()), list(params.values())
 
     @property
@@ -225,8 +228,9 @@ class StageRunner:
     def backward(
         self, mb: int, output_grads: Sequence[torch.Tensor] | None, defer_weights: bool = False
     ) -> list[torch.Tensor]:
-        """Backpropagate micro-batch `mb`; returns the gradient of every float input (zeros if unused). With
-        `defer_weights` (a split stage) only B runs: the weight gradients wait for `backward_weights`."""
+        """Backpropagate micro-batch `mb`; returns the gradient of every float input that takes one (zeros if unused;
+        none on the first stage, whose inputs take none: nothing would read them). With `defer_weights` (a split
+        stage) only B runs: the weight gradients wait for `backward_weights`."""
         outputs = self._outputs.pop(mb)
         inputs = self._inputs.pop(mb)
         if mb in self._saved:
@@ -244,7 +248,7 @@ class StageRunner:
             pairs = [(o, g) for o, g in zip(floats, output_grads, strict=True) if o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
-        return [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs if x.is_floating_point()]
+        return [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs if x.requires_grad]
 
     def _backward_input(self, mb: int, outputs: Any, output_grads: Sequence[torch.Tensor] | None) -> None:
         """B of a split micro-batch: the gradient of each differentiable arg into its `.grad`; W's operands kept."""
@@ -274,20 +278,39 @@ class StageRunner:
         self._weights[mb] = (split, [*(saved[i] for i in split.w_saved), *result[split.n_arg_grads :]], params + later)
 
     def backward_weights(self, mb: int) -> None:
-        """W of micro-batch `mb`: its weight gradients, accumulated into the parameters' `.grad` through autograd (so
-        the parameters' hooks see them as a whole backward's), and the gradients of the args W makes into theirs."""
+        """W of micro-batch `mb`: its weight gradients, accumulated into the parameters' `.grad`, and the gradients
+        of the args W makes into theirs. Where a parameter has hooks, through autograd (so they see them as a whole
+        backward's); else an eager stage adds each product into `.grad` in place (`accumulating`: a third of W on
+        CPU, benchmarks/split_backward.py), or sets or adds it as autograd's AccumulateGrad does."""
         if mb not in self._weights:
             raise AssertionError(f"stage {self.stage} mb {mb}: BWD_W before its BWD (the program orders them wrongly)")
         split, operands, targets = self._weights.pop(mb)
+        params, args = targets[: split.n_param_grads], targets[split.n_param_grads :]
+        into = split.weight_grad_into
+        if into is not None and all(p.grad is not None and not _hooked(p) for p in params):
+            with torch.no_grad():  # one addmm_ per layer into .grad: no product allocated, no add after it
+                self._set_grads(args, into(*operands, *(p.grad for p in params)))
+            return
         with torch.no_grad():
             grads = split.weight_grad(*operands)
-        params, args = targets[: split.n_param_grads], targets[split.n_param_grads :]
-        for arg, grad in zip(args, grads[split.n_param_grads :], strict=True):
+        self._set_grads(args, grads[split.n_param_grads :])
+        pairs = [(p, g) for p, g in zip(params, grads[: split.n_param_grads], strict=True) if g is not None]
+        if any(_hooked(p) for p, _ in pairs):  # the parameters are leaves: autograd accumulates and runs their hooks
+            torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
+            return
+        with torch.no_grad():  # without hooks, one engine run (~40 us a W on CPU) does nothing but these adds
+            for p, g in pairs:
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad.add_(g)
+
+    @staticmethod
+    def _set_grads(args: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> None:
+        """The gradients W makes of the WEIGHT args into their `.grad`."""
+        for arg, grad in zip(args, grads, strict=True):
             if grad is not None:
                 arg.grad = grad
-        pairs = [(p, g) for p, g in zip(params, grads[: split.n_param_grads], strict=True) if g is not None]
-        if pairs:  # the parameters are leaves: autograd accumulates into them and runs their hooks
-            torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
 
     def waiting_weights(self) -> list[int]:
         """Micro-batches whose B ran and whose W has not."""
@@ -300,6 +323,12 @@ class StageRunner:
     def pending(self) -> list[int]:
         """Micro-batches whose forward ran but whose backward (B and W) has not."""
         return sorted(set(self._outputs) | set(self._weights))
+
+
+def _hooked(param: torch.Tensor) -> bool:
+    """Whether `param` has a gradient hook or a post-accumulate one (`Tensor.register_hook`,
+    `register_post_accumulate_grad_hook`: loss-scale unscaling, streaming, the profiler's stamps)."""
+    return bool(param._backward_hooks) or bool(param._post_accumulate_grad_hooks)
 
 
 def compiled(gm: torch.nn.Module, backend: str | None) -> Callable[..., Any]:

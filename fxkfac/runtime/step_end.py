@@ -274,12 +274,13 @@ class StepEnd:
         self.transport.sum_at(
             flat, world, self.world_root, "OPT_STEP (KL-clip <P, G>, non-finite check, loss and gradient norm sums)"
         )
-        skip = bool(flat[1] > 0) or not math.isfinite(float(flat[3]))
-        clip = norm_clip(float(flat[3]), self.max_grad_norm) if not skip else 1.0
-        if self.scope is KLClipScope.STALE and not skip and math.isfinite(float(flat[0])):
-            self.stale = float(flat[0])
-        nu = scale(float(flat[0]) * clip * clip)
-        return Verdict(skip, dict.fromkeys(dots, nu), float(flat[2]), clip)
+        dot, flagged, total_loss, sqnorm_sum = flat.tolist()  # one read of the four sums
+        skip = flagged > 0 or not math.isfinite(sqnorm_sum)
+        clip = norm_clip(sqnorm_sum, self.max_grad_norm) if not skip else 1.0
+        if self.scope is KLClipScope.STALE and not skip and math.isfinite(dot):
+            self.stale = dot
+        nu = scale(dot * clip * clip)
+        return Verdict(skip, dict.fromkeys(dots, nu), total_loss, clip)
 
     def _agree(self, nonfinite: bool, shares: Sequence[torch.Tensor]) -> tuple[bool, list[float]]:
         """Sum [flag, shares] over the agreement set: the verdict and the sums of the shares (a stage's copies lie in

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from fxkfac.planner.problem import Interval, Op, Timeline
 from fxkfac.planner.problem import utilization as simulated_utilization
 
-__all__ = ["Event", "Recorder", "as_timeline", "utilization", "gather_timelines"]
+__all__ = ["Event", "Recorder", "as_timeline", "utilization", "descheduled", "gather_timelines"]
 
 PIPELINE_KINDS = ("FWD", "BWD")
 """What measured utilization counts: the pipeline's own work."""
@@ -22,7 +22,8 @@ PIPELINE_KINDS = ("FWD", "BWD")
 class Event:
     """One executed instruction: its text, kind, step, wall-clock start/end in ns, how much of it was spent
     waiting for peers (a receive, a collective settled by its reader, a step-end sum), and the CPU time its
-    thread took (`cpu_ns`; below the wall time when the rank was preempted or blocked)."""
+    thread took since the previous instruction ended (`cpu_ns`, the interpreter's microseconds between two included;
+    below the wall time when the rank was preempted or blocked)."""
 
     rank: int
     op: str
@@ -101,15 +102,39 @@ def utilization(events: Iterable[Event], kinds: Sequence[str] = PIPELINE_KINDS) 
     of that step over all ranks, so waiting for peers counts as idle.
     """
     table = _by_rank_step(events)
-    spans: dict[int, tuple[int, int]] = {}
-    for steps in table.values():
-        for step, evs in steps.items():
-            lo, hi = spans.get(step, (min(e.start_ns for e in evs), max(e.end_ns for e in evs)))
-            spans[step] = (min(lo, *(e.start_ns for e in evs)), max(hi, *(e.end_ns for e in evs)))
-    total = sum(hi - lo for lo, hi in spans.values())
+    total = _total_span(table)
     return {
         rank: simulated_utilization(
             sum(e.end_ns - e.start_ns for evs in steps.values() for e in evs if e.kind in kinds), total
         )
         for rank, steps in sorted(table.items())
     }
+
+
+def _total_span(table: dict[int, dict[int, list[Event]]]) -> int:
+    """The steps' spans summed, each from the earliest start to the latest end of that step over all ranks."""
+    spans: dict[int, tuple[int, int]] = {}
+    for steps in table.values():
+        for step, evs in steps.items():
+            lo, hi = spans.get(step, (min(e.start_ns for e in evs), max(e.end_ns for e in evs)))
+            spans[step] = (min(lo, *(e.start_ns for e in evs)), max(hi, *(e.end_ns for e in evs)))
+    return sum(hi - lo for lo, hi in spans.values())
+
+
+def descheduled(events: Iterable[Event]) -> dict[int, float]:
+    """Per rank: the part of the step spans (as `utilization`'s) its thread was neither running nor waiting for a
+    peer, from each instruction's end to the next one's: wall time less CPU time (`Event.cpu_ns`, which counts the
+    interpreter's time between two) less the transport's waits: the time other processes of the host took its
+    core, or that a send blocked in gloo (whose threads need a core too); on a quiet host with cores to spare,
+    near 0."""
+    table = _by_rank_step(events)
+    total = _total_span(table)
+    lost: dict[int, int] = {}
+    for rank, steps in table.items():
+        for evs in steps.values():
+            evs = sorted(evs, key=lambda e: e.start_ns)
+            ends = [evs[0].start_ns] + [e.end_ns for e in evs[:-1]]
+            lost[rank] = lost.get(rank, 0) + sum(
+                max(0, e.end_ns - since - e.cpu_ns - e.wait_ns) for e, since in zip(evs, ends, strict=True)
+            )
+    return {rank: simulated_utilization(ns, total) for rank, ns in sorted(lost.items())}

@@ -462,7 +462,8 @@ class Trainer(Checkpointing):
         inputs = normalize_inputs(inputs)
         batch = self._use_shape(inputs)
         spec, W = self.spec, self.layout.W
-        shards = shard_microbatches((inputs, targets), batch, W, self.layout.dp, spec.N)
+        flat = spec.captured.flat_inputs(inputs)  # flattened once, then sharded: a pytree walk per step, not per mb
+        shards = shard_microbatches((flat, targets), batch, W, self.layout.dp, spec.N)
         return StepContext(
             rank=self.layout.rank,
             step=self.steps,
@@ -470,7 +471,7 @@ class Trainer(Checkpointing):
             transport=self.transport,
             sync=self.sync,
             optimizer=self.optimizer,
-            inputs=[spec.captured.flat_inputs(args) for args, _ in shards],
+            inputs=[args for args, _ in shards],
             targets=[t for _, t in shards],
             loss_fn=self.loss_fn,
             out_spec=spec.captured.out_spec,

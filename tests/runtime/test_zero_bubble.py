@@ -202,6 +202,35 @@ def test_b_makes_input_gradients_and_w_weight_gradients() -> None:
         torch.testing.assert_close(p.grad, q.grad)
 
 
+def test_w_accumulates_over_micro_batches_and_runs_parameter_hooks() -> None:
+    """W of two micro-batches sums into the weights' gradients as autograd's backward of both does (the second W
+    adds its products into `.grad` in place), with and without a hook on a parameter (the hooked parameter's
+    gradient passes through its hook, as autograd's would)."""
+    seen: list[torch.Tensor] = []
+
+    def double(grad: torch.Tensor) -> torch.Tensor:
+        seen.append(grad)
+        return grad * 2
+
+    for hooked in (False, True):
+        runner, model = _runner()
+        seen.clear()
+        if hooked:
+            next(runner.module.parameters()).register_hook(double)
+            next(model.parameters()).register_hook(lambda grad: grad * 2)
+        xs, gs = [torch.randn(5, 4) for _ in range(2)], [torch.randn(5, 3) for _ in range(2)]
+        for mb in range(2):
+            runner.forward(mb, [xs[mb].clone()], needs_grad=True)
+            runner.backward(mb, [gs[mb]], defer_weights=True)
+        for mb in range(2):
+            runner.backward_weights(mb)
+        for x, g in zip(xs, gs, strict=True):
+            model(x.clone().requires_grad_(True)).backward(g)
+        assert len(seen) == (2 if hooked else 0)
+        for p, q in zip(runner.module.parameters(), model.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad)  # float32 rounding: BLAS adds into .grad
+
+
 PLANNED = [kfac.Case("zb-h1", 2, 2, 1)]
 
 
