@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor, fx
 
 from fxkfac.config import KFACConfig, KLClipScope
@@ -28,7 +29,16 @@ from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.costs import LayerCost
 from fxkfac.planner.ir import Capture
 
-__all__ = ["Source", "RefreshState", "Family", "PiecewiseFamily", "SplitApplyFamily", "SteppedFamily", "gradient_parts"]
+__all__ = [
+    "Source",
+    "RefreshState",
+    "Family",
+    "PiecewiseFamily",
+    "SplitApplyFamily",
+    "SteppedFamily",
+    "gradient_parts",
+    "direction_dot",
+]
 
 
 class Source(StrEnum):
@@ -186,7 +196,8 @@ class Family(Protocol):
         params: Mapping[str, Tensor],
     ) -> Tensor:
         """Turn `grads` (parameter FQN -> gradient) of `units` in place into the direction the base optimizer
-        steps along (`params`: the parameters by FQN, read-only); returns sum <P, G> (float64)."""
+        steps along (`params`: the parameters by FQN, read-only); returns sum <P, G> (float64; `direction_dot`: 0
+        for a family without a KL-clip)."""
         ...
 
     def clip_scale(self, dot_sum: float, lr: float) -> float:
@@ -281,3 +292,11 @@ class SteppedFamily(Protocol):
 def gradient_parts(family: Family) -> frozenset[str]:
     """The parts of `family` fed by the reduced gradient (the others are fed by captures the stages must tap)."""
     return frozenset(part for part in family.parts if family.source(part) is Source.GRADIENT)
+
+
+def direction_dot(family: Family, p: Tensor, grad: Tensor) -> Tensor:
+    """<P, G> of one unit in float64 (a 0-d tensor), what its APPLY adds to its KL-clip group's sum; 0 for a family
+    without a KL-clip (Shampoo, SOAP, Muon), whose `clip_scale` reads no sum, so no step pays for it."""
+    if family.kl_clip is None:
+        return torch.zeros((), dtype=torch.float64, device=p.device)
+    return (p.double() * grad.double()).sum()

@@ -53,7 +53,7 @@ from fxkfac.config import KLClipScope
 from fxkfac.errors import CheckpointError, PipelineError
 from fxkfac.planner.ir import Capture, LayerTiming, Op, OpKind
 from fxkfac.planner.strategy import LayerDistribution, grad_workers, keeps_statistics
-from fxkfac.preconditioner import Family, PiecewiseFamily, RefreshState, SplitApplyFamily, gradient_parts
+from fxkfac.preconditioner import Family, PiecewiseFamily, RefreshState, SplitApplyFamily, direction_dot, gradient_parts
 from fxkfac.runtime.apply_pieces import ApplyPieces
 from fxkfac.runtime.interpreter import (
     Interpreter,
@@ -491,7 +491,7 @@ class PreconditionerRuntime:
         if core is None:
             return
         p = family.apply_output(unit, core, param)
-        dot = (p.double() * grad.double()).sum()
+        dot = direction_dot(family, p, grad)
         grad.copy_(p)
         self.add_dot([unit], dot / len(self.workers[name]), op.stage)
 

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from fxkfac.planner.blocking import DEFAULT_MAX_DIM, FactorKind
-from fxkfac.preconditioner import RefreshState
+from fxkfac.preconditioner import RefreshState, direction_dot
 from fxkfac.shampoo import graft
 from fxkfac.shampoo.base import BlockFamily, block_side
 from fxkfac.shampoo.config import RootInvMethod, ShampooConfig
@@ -241,7 +241,7 @@ class ShampooFamily(BlockFamily):
                 continue
             assert isinstance(state, ShampooState)
             p = self._direction(unit, state, grad, params[unit.name]).reshape(grad.shape)
-            dot = dot + (p.double() * grad.double()).sum()
+            dot = dot + direction_dot(self, p, grad)
             grad.copy_(p)
         return dot
 

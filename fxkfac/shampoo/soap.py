@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from fxkfac.planner.blocking import DEFAULT_MAX_DIM, FactorKind, matrix_view
-from fxkfac.preconditioner import RefreshState
+from fxkfac.preconditioner import RefreshState, direction_dot
 from fxkfac.shampoo.base import BlockFamily, block_side
 from fxkfac.shampoo.config import BasisMethod, SOAPConfig
 from fxkfac.shampoo.layout import Factor, Layout, ParamUnit, make_layout, running_sum
@@ -69,8 +69,8 @@ def _blockwise(layout: Layout, x: Tensor, left: Side, right: Side) -> Tensor:
     factor: the identity); a new tensor. The blocks of a `Grid` go through one batched product per side."""
     grid = layout.grid
     if grid is not None:
-        lefts = torch.stack([left(lf) for lf, _ in layout.sides if lf is not None])
-        rights = torch.stack([right(rf) for _, rf in layout.sides if rf is not None])
+        lefts = _stacked([left(lf) for lf, _ in layout.sides if lf is not None])
+        rights = _stacked([right(rf) for _, rf in layout.sides if rf is not None])
         return grid.join(torch.bmm(torch.bmm(lefts, grid.split(x)), rights))
     out = x.clone()
     for index, (lf, rf) in enumerate(layout.sides):
@@ -84,6 +84,11 @@ def _blockwise(layout: Layout, x: Tensor, left: Side, right: Side) -> Tensor:
             xb = xb @ right(rf)
         out[region] = xb
     return out
+
+
+def _stacked(matrices: list[Tensor]) -> Tensor:
+    """The matrices as one (k, m, n) batch: a view of a single one (no copy of a whole parameter's basis)."""
+    return matrices[0].unsqueeze(0) if len(matrices) == 1 else torch.stack(matrices)
 
 
 class SOAPFamily(BlockFamily):
@@ -165,7 +170,7 @@ class SOAPFamily(BlockFamily):
             if grad is None:
                 continue
             p = self._direction(unit, state, grad, params[unit.name]).reshape(grad.shape)
-            dot = dot + (p.double() * grad.double()).sum()
+            dot = dot + direction_dot(self, p, grad)
             grad.copy_(p)
         return dot
 
