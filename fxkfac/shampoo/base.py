@@ -162,14 +162,17 @@ class BlockFamily(ABC):
         if not isinstance(state, BlockState):
             raise AssertionError(f"a {self.name} state packed from another family's state")
         shapes = self.new_state(unit).shapes
-        flags, flats = [], []
-        for k in state.TENSORS:
-            value = getattr(state, k)
-            flags.append(0.0 if value is None else 1.0)
-            size = math.prod(shapes[k])
-            flats.append(torch.zeros(size, dtype=torch.float64) if value is None else value.reshape(-1).double().cpu())
-        head = torch.tensor([state.folds["L"], state.folds["R"], *flags], dtype=torch.float64)
-        return torch.cat([head, *flats])
+        values = [getattr(state, k) for k in state.TENSORS]
+        sizes = [math.prod(shapes[k]) for k in state.TENSORS]
+        out = torch.zeros(2 + len(values) + sum(sizes), dtype=torch.float64)  # one buffer: each tensor cast into it
+        out[:2] = torch.tensor([state.folds["L"], state.folds["R"]], dtype=torch.float64)
+        at = 2 + len(values)
+        for i, (value, size) in enumerate(zip(values, sizes, strict=True)):
+            if value is not None:
+                out[2 + i] = 1.0
+                out[at : at + size].copy_(value.reshape(-1))
+            at += size
+        return out
 
     def load_step_state(self, unit: ParamUnit, state: RefreshState, flat: Tensor) -> None:
         """Inverse of `step_state`, each tensor back in the family's dtype."""
