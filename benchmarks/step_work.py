@@ -10,9 +10,8 @@ Muon           input the owner's part of each unit's APPLY (`apply_input`: momen
                      matrix, AdamW's whole step of the rest), which streaming runs in the gradient hooks;
                apply the whole direction of every unit (`precondition`).
 
-Variants are timed round by round, interleaved (so drift in the machine's load hits all alike); each number is the
-fastest round's mean (the least disturbed by other processes on a loaded machine; the JSON line also has the
-medians). The ratio is to `torch.optim.AdamW`'s step on the same parameters (foreach), the plain pipeline's per-step
+Variants are timed in this thread's CPU time (not wall-clock time, which a loaded machine stretches), round by round,
+interleaved; each number is the fastest round's mean (the JSON line also has the medians). The ratio is to `torch.optim.AdamW`'s step on the same parameters (foreach), the plain pipeline's per-step
 work. Run it on two commits (PYTHONPATH=<the old tree>) for a before/after.
 
 Run: python benchmarks/step_work.py [--rounds 7] [--repeats 5] [--stage 0]
@@ -116,10 +115,12 @@ def _adamw(params: dict[str, torch.nn.Parameter]) -> Callable[[], None]:
 
 
 def _time(fn: Callable[[], object], repeats: int) -> float:
-    start = time.perf_counter()
+    """Seconds of this thread's CPU per call (torch runs every op on it with one thread): other processes on a
+    loaded machine take turns on the cores but add nothing to it, as they would to wall-clock time."""
+    start = time.thread_time()
     for _ in range(repeats):
         fn()
-    return (time.perf_counter() - start) / repeats
+    return (time.thread_time() - start) / repeats
 
 
 def main() -> None:
