@@ -4,15 +4,16 @@ What `benchmarks/shampoo_overhead.py` and `benchmarks/muon_overhead.py` measure 
 one thread, the TinyBertMLM of those benchmarks (hidden 128, FFN 512, 4 layers), a random gradient per parameter. Per
 family, the work a stage runs every step after its gradient is final, through the family's own methods:
 
-Shampoo, SOAP  fold  the statistics L and R of every parameter (`statistic` then `fold`, as STATS does);
+Shampoo, SOAP  fold  the statistics L and R of every parameter (`fold_gradient`, as STATS does);
                apply the direction of every parameter (`precondition`, as APPLY does), with roots / bases active;
 Muon           input the owner's part of each unit's APPLY (`apply_input`: momentum and the Nesterov blend of a
                      matrix, AdamW's whole step of the rest), which streaming runs in the gradient hooks;
                apply the whole direction of every unit (`precondition`).
 
 Variants are timed in this thread's CPU time (not wall-clock time, which a loaded machine stretches), round by round,
-interleaved; each number is the fastest round's mean (the JSON line also has the medians). The ratio is to `torch.optim.AdamW`'s step on the same parameters (foreach), the plain pipeline's per-step
-work. Run it on two commits (PYTHONPATH=<the old tree>) for a before/after.
+interleaved; each number is the fastest round's mean (the JSON line also has the medians). The ratio is to
+`torch.optim.AdamW`'s step on the same parameters (foreach), the plain pipeline's per-step work. Run it on two commits
+(PYTHONPATH=<the old tree>) for a before/after.
 
 Run: python benchmarks/step_work.py [--rounds 7] [--repeats 5] [--stage 0]
 """
@@ -25,8 +26,10 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch import Tensor
 
 from fxkfac.models import TinyBertConfig, TinyBertMLM
 from fxkfac.muon import MuonConfig
@@ -57,6 +60,17 @@ def _grads(params: dict[str, torch.nn.Parameter]) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in params.items() if p.grad is not None}
 
 
+def _fold_gradient(family: ShampooFamily | SOAPFamily, unit: ParamUnit, state: Any, part: str, raw: Tensor) -> None:
+    """The runtime's STATS of a gradient part: `fxkfac.preconditioner.fold_gradient` (a tree from before it: the
+    family's `fold` of its `statistic`, which it replaced)."""
+    try:
+        from fxkfac.preconditioner import fold_gradient
+    except ImportError:
+        family.fold(state, part, family.statistic(unit, part, None, raw, 1))
+        return
+    fold_gradient(family, unit, state, part, raw, 1)
+
+
 def _block_family(family: ShampooFamily | SOAPFamily, params: dict[str, torch.nn.Parameter]) -> dict[str, Callable]:
     """Fold and apply of a Shampoo or SOAP family, its roots or bases made once from a first fold."""
     units = [ParamUnit(n, tuple(p.shape)) for n, p in params.items()]
@@ -65,7 +79,7 @@ def _block_family(family: ShampooFamily | SOAPFamily, params: dict[str, torch.nn
     def fold() -> None:
         for u in units:
             for part in family.parts:
-                family.fold(states[u.name], part, family.statistic(u, part, None, params[u.name], 1))
+                _fold_gradient(family, u, states[u.name], part, params[u.name])
 
     def apply() -> None:
         family.precondition(units, _grads(params), states, params)

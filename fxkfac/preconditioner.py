@@ -38,6 +38,7 @@ __all__ = [
     "SteppedFamily",
     "gradient_parts",
     "direction_dot",
+    "fold_gradient",
 ]
 
 
@@ -288,6 +289,11 @@ class SteppedFamily(Protocol):
         """Inverse of `step_state`: replace those tensors of `state` (never mutating them)."""
         ...
 
+    def fold_gradient(self, unit: Any, state: RefreshState, part: str, raw: Tensor) -> None:
+        """`Family.fold` of the step's `Family.statistic` of a GRADIENT part from `raw` (the unit's parameter with its
+        complete `.grad`), equal up to rounding, where the family can fuse the two (a new tensor in `state`)."""
+        ...
+
 
 def gradient_parts(family: Family) -> frozenset[str]:
     """The parts of `family` fed by the reduced gradient (the others are fed by captures the stages must tap)."""
@@ -300,3 +306,13 @@ def direction_dot(family: Family, p: Tensor, grad: Tensor) -> Tensor:
     if family.kl_clip is None:
         return torch.zeros((), dtype=torch.float64, device=p.device)
     return (p.double() * grad.double()).sum()
+
+
+def fold_gradient(family: Family, unit: Any, state: RefreshState, part: str, raw: Tensor, n: int) -> None:
+    """Fold the step's statistic of the GRADIENT part `part` of `unit` from `raw` (its parameter with its complete
+    `.grad`; `n`: samples in the global mini-batch): the family's fused `SteppedFamily.fold_gradient` where it has
+    one, else its `fold` of its `statistic`."""
+    if isinstance(family, SteppedFamily):
+        family.fold_gradient(unit, state, part, raw)
+    else:
+        family.fold(state, part, family.statistic(unit, part, None, raw, n))

@@ -33,7 +33,7 @@ from fxkfac.passes.split_stages import SplitResult
 from fxkfac.planner.costs import CostTable, LayerCost, PartCost, Spread, StageCost, combined_stage
 from fxkfac.planner.ir import Capture, OpKind
 from fxkfac.planner.preconditioners import InverseMethod
-from fxkfac.preconditioner import Family, SteppedFamily, gradient_parts
+from fxkfac.preconditioner import Family, SteppedFamily, fold_gradient, gradient_parts
 from fxkfac.runtime.precision import autocast, to_wire
 from fxkfac.runtime.sync import flat_gradient
 
@@ -212,7 +212,7 @@ def gradient_unit_cost(
                 return family.statistic(unit, part, None, p, rows)
 
             def fold(part: str = part) -> None:  # the step's STATS: the statistic and its fold (from the 2nd on)
-                family.fold(scratch, part, statistic(part))
+                fold_gradient(family, unit, scratch, part, p, rows)
 
             stats[part] = time_call(fold, warmup=max(1, warmup), repeats=repeats)
             folded[part] = _nbytes(statistic())

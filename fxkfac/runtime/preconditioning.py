@@ -53,7 +53,15 @@ from fxkfac.config import KLClipScope
 from fxkfac.errors import CheckpointError, PipelineError
 from fxkfac.planner.ir import Capture, LayerTiming, Op, OpKind
 from fxkfac.planner.strategy import LayerDistribution, grad_workers, keeps_statistics
-from fxkfac.preconditioner import Family, PiecewiseFamily, RefreshState, SplitApplyFamily, direction_dot, gradient_parts
+from fxkfac.preconditioner import (
+    Family,
+    PiecewiseFamily,
+    RefreshState,
+    SplitApplyFamily,
+    direction_dot,
+    fold_gradient,
+    gradient_parts,
+)
 from fxkfac.runtime.apply_pieces import ApplyPieces
 from fxkfac.runtime.interpreter import (
     Interpreter,
@@ -248,9 +256,7 @@ class PreconditionerRuntime:
                     )
                 ctx.transport.settle(_unit_key(name, part))
                 state = self.states[name]
-                self.family.fold(
-                    state, part, self.family.statistic(self.layers[name], part, None, runner.param(name), self.n)
-                )
+                fold_gradient(self.family, self.layers[name], state, part, runner.param(name), self.n)
                 record = next((r for r in self.refreshes[name] if r.step == ctx.step), None)
                 if record is not None:
                     record.snapshots[part] = state.snapshot()

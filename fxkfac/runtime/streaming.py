@@ -33,7 +33,15 @@ from torch import Tensor
 
 from fxkfac.errors import PipelineError
 from fxkfac.planner.ir import LayerTiming, Op, OpKind
-from fxkfac.preconditioner import Family, RefreshState, SplitApplyFamily, SteppedFamily, direction_dot, gradient_parts
+from fxkfac.preconditioner import (
+    Family,
+    RefreshState,
+    SplitApplyFamily,
+    SteppedFamily,
+    direction_dot,
+    fold_gradient,
+    gradient_parts,
+)
 from fxkfac.runtime.apply_pieces import ApplyPieces
 from fxkfac.runtime.interpreter import Interpreter, StepContext
 from fxkfac.runtime.mesh import StageCopies
@@ -376,7 +384,7 @@ class Streams:
         raw.grad = grads[shape.name].clone()  # what the family's statistic reads; APPLY then overwrites grads
         family, layer, state = self.runtime.family, self.runtime.layers[name], self.runtime.states[name]
         for part in sorted(gradient_parts(family), key=family.parts.index):
-            family.fold(state, part, family.statistic(layer, part, None, raw, self.runtime.n))
+            fold_gradient(family, layer, state, part, raw, self.runtime.n)
         timing = self.runtime.timings[name]
         if ctx.step % timing.period == timing.curv_step:
             state.refreshes += 1

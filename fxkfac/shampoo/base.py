@@ -114,6 +114,20 @@ class BlockFamily(ABC):
         else:
             state.R = running_sum(state.R, mean, self.stat_beta)
 
+    def fold_gradient(self, unit: ParamUnit, state: RefreshState, part: str, raw: Tensor) -> None:
+        """`fold` of the step's `statistic` of `part` from `raw`: for a `Grid` layout folded by the statistic's own
+        batched product (beta old + (1 - beta) G G^T as one `torch.baddbmm`, no pass over the statistic alone)."""
+        grid, old = self.layout(unit).grid, getattr(state, part, None)
+        if grid is None or old is None or self.stat_beta == 1.0 or not isinstance(state, BlockState):
+            self.fold(state, part, self.statistic(unit, part, None, raw, 1))
+            return
+        blocks = grid.split(self.gradient(unit, raw.grad, raw.detach()).to(self.dtype))
+        side = blocks if part == "L" else blocks.transpose(1, 2)
+        beta = self.stat_beta
+        new = torch.baddbmm(grid.factors(old, part), side, side.transpose(1, 2), beta=beta, alpha=1.0 - beta)
+        state.folds = {**state.folds, part: state.folds[part] + 1}
+        setattr(state, part, new.reshape(-1))
+
     def statistic_to_decompose(self, unit: ParamUnit, state: RefreshState, part: str) -> Tensor | None:
         """The folded statistic of `part` in `state` (a snapshot after the part's fold), or None when it was taken
         at a step before start_preconditioning_step (nothing to decompose yet); ValueError if never folded."""

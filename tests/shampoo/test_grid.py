@@ -1,5 +1,6 @@
 """The batched products of a `Grid` layout (equal dense blocks) equal the per-block loop they replace, for Shampoo's
-and SOAP's statistics, folds and directions (the loop is what the float64 reference tests check)."""
+and SOAP's statistics, folds (the runtime's `fold_gradient`, fused for a grid) and directions (the loop is what the
+float64 reference tests check)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 from fxkfac.planner.blocking import FactorKind, LargeDimMethod
+from fxkfac.preconditioner import fold_gradient
 from fxkfac.shampoo.config import ShampooConfig, SOAPConfig
 from fxkfac.shampoo.family import ShampooFamily
 from fxkfac.shampoo.layout import Grid, ParamUnit, make_layout
@@ -31,8 +33,8 @@ def _run(family: ShampooFamily | SOAPFamily, unit: ParamUnit, grads: list[torch.
     for t, g in enumerate(grads):
         raw = param.detach().clone().requires_grad_(True)
         raw.grad = g.clone()
-        for part in family.parts:
-            family.fold(state, part, family.statistic(unit, part, None, raw, 1))
+        for part in family.parts:  # the runtime's fold: fused for a grid, the statistic then its fold without
+            fold_gradient(family, unit, state, part, raw, 1)
         if t == 1:
             made = family.combine(unit, state, {p: family.decompose(unit, state, p) for p in family.parts})
             state.set_pending(made, t)
