@@ -21,13 +21,24 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor, fx
 
 from fxkfac.config import KFACConfig, KLClipScope
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.problem import Capture, LayerCost
 
-__all__ = ["Source", "RefreshState", "Family", "PiecewiseFamily", "SplitApplyFamily", "SteppedFamily", "gradient_parts"]
+__all__ = [
+    "Source",
+    "RefreshState",
+    "Family",
+    "PiecewiseFamily",
+    "SplitApplyFamily",
+    "SteppedFamily",
+    "gradient_parts",
+    "direction_dot",
+    "fold_gradient",
+]
 
 
 class Source(StrEnum):
@@ -185,7 +196,8 @@ class Family(Protocol):
         params: Mapping[str, Tensor],
     ) -> Tensor:
         """Turn `grads` (parameter FQN -> gradient) of `units` in place into the direction the base optimizer
-        steps along (`params`: the parameters by FQN, read-only); returns sum <P, G> (float64)."""
+        steps along (`params`: the parameters by FQN, read-only); returns sum <P, G> (float64; `direction_dot`: 0
+        for a family without a KL-clip)."""
         ...
 
     def clip_scale(self, dot_sum: float, lr: float) -> float:
@@ -276,7 +288,30 @@ class SteppedFamily(Protocol):
         """Inverse of `step_state`: replace those tensors of `state` (never mutating them)."""
         ...
 
+    def fold_gradient(self, unit: Any, state: RefreshState, part: str, raw: Tensor) -> None:
+        """`Family.fold` of the step's `Family.statistic` of a GRADIENT part from `raw` (the unit's parameter with its
+        complete `.grad`), equal up to rounding, where the family can fuse the two (a new tensor in `state`)."""
+        ...
+
 
 def gradient_parts(family: Family) -> frozenset[str]:
     """The parts of `family` fed by the reduced gradient (the others are fed by captures the stages must tap)."""
     return frozenset(part for part in family.parts if family.source(part) is Source.GRADIENT)
+
+
+def direction_dot(family: Family, p: Tensor, grad: Tensor) -> Tensor:
+    """<P, G> of one unit in float64 (a 0-d tensor), what its APPLY adds to its KL-clip group's sum; 0 for a family
+    without a KL-clip (Shampoo, SOAP, Muon), whose `clip_scale` reads no sum, so no step pays for it."""
+    if family.kl_clip is None:
+        return torch.zeros((), dtype=torch.float64, device=p.device)
+    return (p.double() * grad.double()).sum()
+
+
+def fold_gradient(family: Family, unit: Any, state: RefreshState, part: str, raw: Tensor, n: int) -> None:
+    """Fold the step's statistic of the GRADIENT part `part` of `unit` from `raw` (its parameter with its complete
+    `.grad`; `n`: samples in the global mini-batch): the family's fused `SteppedFamily.fold_gradient` where it has
+    one, else its `fold` of its `statistic`."""
+    if isinstance(family, SteppedFamily):
+        family.fold_gradient(unit, state, part, raw)
+    else:
+        family.fold(state, part, family.statistic(unit, part, None, raw, n))

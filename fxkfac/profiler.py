@@ -41,9 +41,10 @@ from fxkfac.planner.problem import (
     StageCost,
     combined_stage,
 )
-from fxkfac.preconditioner import Family, gradient_parts
+from fxkfac.preconditioner import Family, SteppedFamily, fold_gradient, gradient_parts
 from fxkfac.runtime.precision import autocast, to_wire
 from fxkfac.runtime.split_backward import ArgGrad, split_stage
+from fxkfac.runtime.sync import flat_gradient
 
 __all__ = ["profile", "Timing", "clock", "time_call", "time_after", "UnitCost", "kfac_unit_cost", "gradient_unit_cost"]
 
@@ -213,12 +214,16 @@ def gradient_unit_cost(
         grad = torch.randn_like(p)
         p.grad = grad
         stats, decomp, folded = {}, {}, {}
+        scratch = family.new_state(unit)
         for part in family.parts:
 
             def statistic(part: str = part) -> Tensor:
                 return family.statistic(unit, part, None, p, rows)
 
-            stats[part] = time_call(statistic, warmup=warmup, repeats=repeats)
+            def fold(part: str = part) -> None:  # the step's STATS: the statistic and its fold (from the 2nd on)
+                fold_gradient(family, unit, scratch, part, p, rows)
+
+            stats[part] = time_call(fold, warmup=max(1, warmup), repeats=repeats)
             folded[part] = _nbytes(statistic())
         state, snap, halves = _warm_state(family, name, unit, p, rows)
         for part in family.parts:
@@ -248,9 +253,33 @@ def gradient_unit_cost(
             for part in family.parts
         )
         extra = max(0, _state_bytes(state) - 2 * sum(folded.values()))
-        return LayerCost(name, parts, prec.seconds, extra, p.numel() * p.element_size(), prec.spread)
+        hand_off, take_back = _stepped_hand_off(family, unit, state, p, warmup, repeats)
+        return LayerCost(
+            name,
+            parts,
+            prec.seconds,
+            extra,
+            p.numel() * p.element_size(),
+            prec.spread,
+            hand_off=hand_off,
+            take_back=take_back,
+        )
 
     return cost
+
+
+def _stepped_hand_off(
+    family: Family, unit: Any, state: Any, p: Tensor, warmup: int, repeats: int
+) -> tuple[float, float]:
+    """A streamed stateful unit's owner-side seconds (`LayerCost.hand_off`, `take_back`): its flat gradient and
+    parameter made in the gradient hook, and the state its helper returns installed (fxkfac/runtime/streaming.py);
+    (0, 0) for a family that returns no state."""
+    if not isinstance(family, SteppedFamily):
+        return 0.0, 0.0
+    flat, scratch = family.step_state(unit, state), family.new_state(unit)
+    send = time_call(lambda: (flat_gradient([p]), torch.cat([p.detach().reshape(-1)])), warmup=warmup, repeats=repeats)
+    land = time_call(lambda: family.load_step_state(unit, scratch, flat), warmup=warmup, repeats=repeats)
+    return send.seconds, land.seconds
 
 
 def _warm_state(family: Family, name: str, unit: Any, p: Tensor, rows: int) -> tuple[Any, Any, dict[str, Any]]:

@@ -8,6 +8,7 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -386,3 +387,31 @@ def test_a_zero_bubble_profile_times_each_stages_w_as_its_share_of_the_backward(
     for stage in table.stages:
         assert stage.wgrad is not None and 0.1 * stage.bwd < stage.wgrad < 0.9 * stage.bwd, (stage.wgrad, stage.bwd)
     assert CostTable.from_json(table.to_json()) == table
+
+
+@pytest.mark.parametrize("family_name", ["shampoo", "soap", "muon"])
+def test_streamed_units_price_their_owners_hand_off_and_it_round_trips(family_name: str) -> None:
+    """Shampoo's, SOAP's and Muon's unit costs carry the owner's side of a streamed unit (`LayerCost.hand_off`, the
+    message made in the gradient hook; `take_back`, the result installed), which a cost table's JSON keeps; a table
+    without them (0) writes no key, as before them."""
+    from fxkfac.muon import MuonConfig
+    from fxkfac.muon.family import MuonFamily, MuonUnit, UnitKind
+    from fxkfac.shampoo.config import ShampooConfig, SOAPConfig
+    from fxkfac.shampoo.family import ShampooFamily
+    from fxkfac.shampoo.layout import ParamUnit
+    from fxkfac.shampoo.soap import SOAPFamily
+
+    param = torch.randn(32, 16)
+    family: Any
+    if family_name == "muon":
+        family, unit = MuonFamily(MuonConfig()), MuonUnit("w", (32, 16), UnitKind.MATRIX)
+    else:
+        cls, cfg = (ShampooFamily, ShampooConfig) if family_name == "shampoo" else (SOAPFamily, SOAPConfig)
+        family, unit = cls(cfg(max_preconditioner_dim=16)), ParamUnit("w", (32, 16))
+    cost = family.unit_cost({"w": unit}, {"w": param})("w", 8)
+    assert cost.hand_off > 0 and cost.take_back > 0
+    table = CostTable((StageCost(1e-3, 2e-3, 0, 0, (cost,)),), 1, "test", "test")
+    assert CostTable.from_dict(json.loads(table.to_json())) == table
+    plain = replace(cost, hand_off=0.0, take_back=0.0)
+    layer = CostTable((StageCost(1e-3, 2e-3, 0, 0, (plain,)),), 1, "test", "test").to_dict()["stages"][0]["layers"][0]
+    assert "hand_off" not in layer and "take_back" not in layer

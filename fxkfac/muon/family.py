@@ -33,7 +33,7 @@ from fxkfac.muon.newton_schulz import iterations_of_piece, ns_end, ns_iterate, n
 from fxkfac.muon.state import MuonState
 from fxkfac.passes.layers import KFACLayer, LayerKind
 from fxkfac.planner.problem import Capture, LayerCost
-from fxkfac.preconditioner import RefreshState, Source
+from fxkfac.preconditioner import RefreshState, Source, direction_dot
 from fxkfac.profiler import time_call
 
 __all__ = ["MuonFamily", "MuonUnit", "UnitKind", "lr_scale"]
@@ -214,7 +214,7 @@ class MuonFamily:
             if grad is None:
                 continue
             p = self.direction(unit, grad, states[unit.name], params[unit.name])
-            dot = dot + (p.double() * grad.double()).sum()
+            dot = dot + direction_dot(self, p, grad)
             grad.copy_(p)
         return dot
 
@@ -230,14 +230,27 @@ class MuonFamily:
 
     def unit_cost(self, units: Mapping[str, Any], params: Mapping[str, Tensor]) -> Callable[[str, int], LayerCost]:
         """A unit's LayerCost: no parts, `prec` the APPLY (momentum and Newton-Schulz, or AdamW) timed on a random
-        gradient of its shape, its state (the momentum, or AdamW's two moments) and its gradient's bytes."""
+        gradient of its shape, its state (the momentum, or AdamW's two moments) and its gradient's bytes, and what its
+        owner runs when it streams (`hand_off`: `apply_input`, `take_back`: `apply_output`)."""
 
         def cost(name: str, rows: int) -> LayerCost:
             unit, p = units[name], params[name].detach()
             grad, state = torch.randn_like(p), self.new_state(unit)
             prec = time_call(lambda: self.direction(unit, grad, state, p), warmup=1, repeats=3)
+            # a streamed matrix's owner: the core's input made in the gradient hook, the output when it lands
+            send = time_call(lambda: self.apply_input(unit, grad, state, p).reshape(-1).to(p.dtype), repeats=3)
+            land = time_call(lambda: self.apply_output(unit, grad, p), repeats=3)
             nbytes = p.numel() * p.element_size()
             held = nbytes if unit.kind is UnitKind.MATRIX else 2 * nbytes
-            return LayerCost(name, (), prec.seconds, state_bytes=held, grad_bytes=nbytes, prec_spread=prec.spread)
+            return LayerCost(
+                name,
+                (),
+                prec.seconds,
+                state_bytes=held,
+                grad_bytes=nbytes,
+                prec_spread=prec.spread,
+                hand_off=send.seconds,
+                take_back=land.seconds,
+            )
 
         return cost

@@ -52,7 +52,15 @@ from torch import Tensor
 from fxkfac.config import KLClipScope
 from fxkfac.errors import CheckpointError, PipelineError
 from fxkfac.planner.problem import Capture, LayerDistribution, LayerTiming, Op, OpKind, grad_workers, keeps_statistics
-from fxkfac.preconditioner import Family, PiecewiseFamily, RefreshState, SplitApplyFamily, gradient_parts
+from fxkfac.preconditioner import (
+    Family,
+    PiecewiseFamily,
+    RefreshState,
+    SplitApplyFamily,
+    direction_dot,
+    fold_gradient,
+    gradient_parts,
+)
 from fxkfac.runtime.apply_pieces import ApplyPieces
 from fxkfac.runtime.interpreter import (
     Interpreter,
@@ -247,9 +255,7 @@ class PreconditionerRuntime:
                     )
                 ctx.transport.settle(_unit_key(name, part))
                 state = self.states[name]
-                self.family.fold(
-                    state, part, self.family.statistic(self.layers[name], part, None, runner.param(name), self.n)
-                )
+                fold_gradient(self.family, self.layers[name], state, part, runner.param(name), self.n)
                 record = next((r for r in self.refreshes[name] if r.step == ctx.step), None)
                 if record is not None:
                     record.snapshots[part] = state.snapshot()
@@ -490,7 +496,7 @@ class PreconditionerRuntime:
         if core is None:
             return
         p = family.apply_output(unit, core, param)
-        dot = (p.double() * grad.double()).sum()
+        dot = direction_dot(family, p, grad)
         grad.copy_(p)
         self.add_dot([unit], dot / len(self.workers[name]), op.stage)
 

@@ -33,7 +33,15 @@ from torch import Tensor
 
 from fxkfac.errors import PipelineError
 from fxkfac.planner.problem import LayerTiming, Op, OpKind
-from fxkfac.preconditioner import Family, RefreshState, SplitApplyFamily, SteppedFamily, gradient_parts
+from fxkfac.preconditioner import (
+    Family,
+    RefreshState,
+    SplitApplyFamily,
+    SteppedFamily,
+    direction_dot,
+    fold_gradient,
+    gradient_parts,
+)
 from fxkfac.runtime.apply_pieces import ApplyPieces
 from fxkfac.runtime.interpreter import Interpreter, StepContext
 from fxkfac.runtime.mesh import StageCopies
@@ -254,7 +262,7 @@ class Streams:
             grad = torch.zeros_like(param) if param.grad is None else param.grad
             p = split.apply_output(self.runtime.layers[op.layer], flat.reshape(param.shape), param)
             param.grad = p
-            self.runtime.add_dot([self.runtime.layers[op.layer]], (p.double() * grad.double()).sum(), op.stage)
+            self.runtime.add_dot([self.runtime.layers[op.layer]], direction_dot(self.runtime.family, p, grad), op.stage)
             return
         for p, chunk in zip(params, split_flat(flat, [p.shape for p in params]), strict=True):
             p.grad = chunk
@@ -376,7 +384,7 @@ class Streams:
         raw.grad = grads[shape.name].clone()  # what the family's statistic reads; APPLY then overwrites grads
         family, layer, state = self.runtime.family, self.runtime.layers[name], self.runtime.states[name]
         for part in sorted(gradient_parts(family), key=family.parts.index):
-            family.fold(state, part, family.statistic(layer, part, None, raw, self.runtime.n))
+            fold_gradient(family, layer, state, part, raw, self.runtime.n)
         timing = self.runtime.timings[name]
         if ctx.step % timing.period == timing.curv_step:
             state.refreshes += 1

@@ -113,6 +113,20 @@ class BlockFamily(ABC):
         else:
             state.R = running_sum(state.R, mean, self.stat_beta)
 
+    def fold_gradient(self, unit: ParamUnit, state: RefreshState, part: str, raw: Tensor) -> None:
+        """`fold` of the step's `statistic` of `part` from `raw`: for a `Grid` layout folded by the statistic's own
+        batched product (beta old + (1 - beta) G G^T as one `torch.baddbmm`, no pass over the statistic alone)."""
+        grid, old = self.layout(unit).grid, getattr(state, part, None)
+        if grid is None or old is None or self.stat_beta == 1.0 or not isinstance(state, BlockState):
+            self.fold(state, part, self.statistic(unit, part, None, raw, 1))
+            return
+        blocks = grid.split(self.gradient(unit, raw.grad, raw.detach()).to(self.dtype))
+        side = blocks if part == "L" else blocks.transpose(1, 2)
+        beta = self.stat_beta
+        new = torch.baddbmm(grid.factors(old, part), side, side.transpose(1, 2), beta=beta, alpha=1.0 - beta)
+        state.folds = {**state.folds, part: state.folds[part] + 1}
+        setattr(state, part, new.reshape(-1))
+
     def statistic_to_decompose(self, unit: ParamUnit, state: RefreshState, part: str) -> Tensor | None:
         """The folded statistic of `part` in `state` (a snapshot after the part's fold), or None when it was taken
         at a step before start_preconditioning_step (nothing to decompose yet); ValueError if never folded."""
@@ -161,14 +175,17 @@ class BlockFamily(ABC):
         if not isinstance(state, BlockState):
             raise AssertionError(f"a {self.name} state packed from another family's state")
         shapes = self.new_state(unit).shapes
-        flags, flats = [], []
-        for k in state.TENSORS:
-            value = getattr(state, k)
-            flags.append(0.0 if value is None else 1.0)
-            size = math.prod(shapes[k])
-            flats.append(torch.zeros(size, dtype=torch.float64) if value is None else value.reshape(-1).double().cpu())
-        head = torch.tensor([state.folds["L"], state.folds["R"], *flags], dtype=torch.float64)
-        return torch.cat([head, *flats])
+        values = [getattr(state, k) for k in state.TENSORS]
+        sizes = [math.prod(shapes[k]) for k in state.TENSORS]
+        out = torch.zeros(2 + len(values) + sum(sizes), dtype=torch.float64)  # one buffer: each tensor cast into it
+        out[:2] = torch.tensor([state.folds["L"], state.folds["R"]], dtype=torch.float64)
+        at = 2 + len(values)
+        for i, (value, size) in enumerate(zip(values, sizes, strict=True)):
+            if value is not None:
+                out[2 + i] = 1.0
+                out[at : at + size].copy_(value.reshape(-1))
+            at += size
+        return out
 
     def load_step_state(self, unit: ParamUnit, state: RefreshState, flat: Tensor) -> None:
         """Inverse of `step_state`, each tensor back in the family's dtype."""

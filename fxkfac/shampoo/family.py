@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from fxkfac.planner.problem.analytic import DEFAULT_MAX_DIM, FactorKind
-from fxkfac.preconditioner import RefreshState
+from fxkfac.preconditioner import RefreshState, direction_dot
 from fxkfac.shampoo import graft
 from fxkfac.shampoo.base import BlockFamily, block_side
 from fxkfac.shampoo.config import RootInvMethod, ShampooConfig
@@ -241,7 +241,7 @@ class ShampooFamily(BlockFamily):
                 continue
             assert isinstance(state, ShampooState)
             p = self._direction(unit, state, grad, params[unit.name]).reshape(grad.shape)
-            dot = dot + (p.double() * grad.double()).sum()
+            dot = dot + direction_dot(self, p, grad)
             grad.copy_(p)
         return dot
 
@@ -278,7 +278,13 @@ class ShampooFamily(BlockFamily):
 
     def _grafted(self, layout: Layout, roots: Sides, g_hat: Tensor, p_graft: Tensor) -> Tensor:
         """Per block: the Shampoo direction with the graft direction's Frobenius norm (the graft itself for a
-        block without factors)."""
+        block without factors); the blocks of a `Grid` batched."""
+        grid = layout.grid
+        if grid is not None:
+            s = torch.bmm(torch.bmm(grid.factors(roots.L, "L"), grid.split(g_hat)), grid.factors(roots.R, "R"))
+            norm = torch.linalg.vector_norm(s, dim=(1, 2), keepdim=True)
+            ratio = torch.linalg.vector_norm(grid.split(p_graft), dim=(1, 2), keepdim=True) / norm
+            return grid.join(s * torch.where(norm > 0, ratio, torch.zeros_like(ratio)))
         out = p_graft.clone()
         for index, (left, right) in enumerate(layout.sides):
             if left is None and right is None:

@@ -8,6 +8,9 @@ SGD's direction is the gradient itself.
 
 from __future__ import annotations
 
+import math
+
+import torch
 from torch import Tensor
 
 from fxkfac.shampoo.config import GraftType
@@ -20,7 +23,10 @@ def accumulate(kind: GraftType, acc: Tensor | None, grad: Tensor, beta2: float) 
     """The new accumulator (a new tensor): sum of G^2 (AdaGrad), its EMA (RMSProp, Adam), none (SGD)."""
     if kind is GraftType.SGD:
         return None
-    return running_sum(acc, grad * grad, 1.0 if kind is GraftType.ADAGRAD else beta2)
+    beta = 1.0 if kind is GraftType.ADAGRAD else beta2
+    if acc is None or beta == 1.0:
+        return running_sum(acc, grad * grad, beta)
+    return torch.addcmul(acc * beta, grad, grad, value=1.0 - beta)  # beta A + (1 - beta) G^2 in two passes
 
 
 def direction(
@@ -32,6 +38,7 @@ def direction(
         return grad
     if acc is None:
         raise AssertionError(f"the {kind} graft direction is taken before its accumulator was ever updated")
+    denom = acc.sqrt()
     if kind is GraftType.ADAM and bias_correction and beta2 < 1.0:
-        acc = acc / (1.0 - beta2**count)
-    return grad / (acc.sqrt() + eps)
+        denom.mul_(1.0 / math.sqrt(1.0 - beta2**count))  # sqrt(A / c) as sqrt(A) / sqrt(c): no pass over A / c
+    return grad / denom.add_(eps)

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from fxkfac.planner.problem.analytic import Block, FactorKind, LargeDimMethod, partition
 
-__all__ = ["PARTS", "ParamUnit", "Factor", "Layout", "make_layout", "side_statistic", "running_sum"]
+__all__ = ["PARTS", "ParamUnit", "Factor", "Grid", "Layout", "make_layout", "side_statistic", "running_sum"]
 
 PARTS: tuple[str, str] = ("L", "R")
 """Part L is side 0 (rows) of every block, R side 1 (columns; 1-D blocks have none)."""
@@ -50,14 +50,41 @@ class Factor:
 
 
 @dataclass(frozen=True, slots=True)
+class Grid:
+    """Blocks of one shape b1 x b2, each with dense L and R factors, tiling a 2-D view as `rows` x `cols` in
+    row-major order: the per-block products of such a layout run batched (one `torch.bmm` for all blocks)."""
+
+    rows: int
+    cols: int
+    b1: int
+    b2: int
+
+    def split(self, x: Tensor) -> Tensor:
+        """The blocks of a view-shaped `x` as a (blocks, b1, b2) stack, in block order (a view where the strides
+        allow: one block row or one block column)."""
+        return x.reshape(self.rows, self.b1, self.cols, self.b2).transpose(1, 2).reshape(-1, self.b1, self.b2)
+
+    def join(self, blocks: Tensor) -> Tensor:
+        """Inverse of `split`: the view-shaped tensor of a (blocks, b1, b2) stack."""
+        x = blocks.reshape(self.rows, self.cols, self.b1, self.b2).transpose(1, 2)
+        return x.reshape(self.rows * self.b1, self.cols * self.b2)
+
+    def factors(self, flat: Tensor, part: str) -> Tensor:
+        """A part's flat tensor (statistic, roots, bases) as the (blocks, b, b) stack of its factors (a view)."""
+        side = self.b1 if part == "L" else self.b2
+        return flat.view(-1, side, side)
+
+
+@dataclass(frozen=True, slots=True)
 class Layout:
     """A parameter's view shape, blocks, and per part the factors of its blocks (`sides[block]`: L and R
-    factor of the block, None where it has none)."""
+    factor of the block, None where it has none); `grid` when the blocks form one (`Grid`), else None."""
 
     view: tuple[int, ...]
     blocks: tuple[Block, ...]
     factors: dict[str, tuple[Factor, ...]]
     sides: tuple[tuple[Factor | None, Factor | None], ...]
+    grid: Grid | None = None
 
     def size(self, part: str) -> int:
         """Elements of the part's flat statistic (0: the part is trivial)."""
@@ -87,22 +114,46 @@ def make_layout(
                 factors[part].append(factor)
                 offsets[part] += factor.size
         sides.append((pair[0], pair[1]))
-    return Layout(view, tuple(blocks), {p: tuple(fs) for p, fs in factors.items()}, tuple(sides))
+    return Layout(view, tuple(blocks), {p: tuple(fs) for p, fs in factors.items()}, tuple(sides), _grid(view, sides))
+
+
+def _grid(view: tuple[int, ...], sides: list[tuple[Factor | None, Factor | None]]) -> Grid | None:
+    """The `Grid` of a 2-D view whose blocks (in row-major order, as fxkfac.planner.blocking cuts them) all have the
+    same shape and two dense factors; None otherwise (ragged edges, diagonal or missing factors, a 1-D view)."""
+    if len(view) != 2 or not all(
+        lf is not None and rf is not None and lf.kind is rf.kind is FactorKind.DENSE for lf, rf in sides
+    ):
+        return None
+    first = sides[0]
+    assert first[0] is not None and first[1] is not None
+    b1, b2 = first[0].dim, first[1].dim
+    if view[0] % b1 or view[1] % b2 or len(sides) != (view[0] // b1) * (view[1] // b2):
+        return None
+    if any(lf is None or rf is None or (lf.dim, rf.dim) != (b1, b2) for lf, rf in sides):
+        return None
+    return Grid(view[0] // b1, view[1] // b2, b1, b2)
 
 
 def side_statistic(layout: Layout, part: str, grad: Tensor) -> Tensor:
     """The flat statistic of `part` from `grad` (view shape, already in the statistics dtype)."""
+    if layout.grid is not None:
+        blocks = layout.grid.split(grad)
+        left = blocks if part == "L" else blocks.transpose(1, 2)
+        return torch.bmm(left, left.transpose(1, 2)).reshape(-1)
     side = PARTS.index(part)
     pieces = []
     for f in layout.factors[part]:
         g = grad[layout.region(f.block)]
         g = g.reshape(-1, 1) if g.dim() == 1 else (g if side == 0 else g.t())
         pieces.append((g @ g.t()).reshape(-1) if f.kind is FactorKind.DENSE else (g * g).sum(1))
+    if len(pieces) == 1:  # one factor: its tensor is the flat statistic (no copy)
+        return pieces[0]
     return torch.cat(pieces) if pieces else grad.new_zeros(0)
 
 
 def running_sum(old: Tensor | None, new: Tensor, beta: float) -> Tensor:
-    """beta * old + (1 - beta) * new (from zero), or old + new when beta is 1: a new tensor, never in place."""
+    """beta * old + (1 - beta) * new (from zero), or old + new when beta is 1: a new tensor, never in place. One
+    pass over the tensors (`torch.lerp`: old + (1 - beta) (new - old), equal up to rounding)."""
     if beta == 1.0:
         return new.clone() if old is None else old + new
-    return (1.0 - beta) * new if old is None else beta * old + (1.0 - beta) * new
+    return (1.0 - beta) * new if old is None else torch.lerp(old, new, 1.0 - beta)

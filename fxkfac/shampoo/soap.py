@@ -24,6 +24,7 @@ precondition_1d. The base optimizer is SGD(lr): W <- W - lr P. Moments are kept 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from typing import Any
 
@@ -31,7 +32,7 @@ import torch
 from torch import Tensor
 
 from fxkfac.planner.problem.analytic import DEFAULT_MAX_DIM, FactorKind, matrix_view
-from fxkfac.preconditioner import RefreshState
+from fxkfac.preconditioner import RefreshState, direction_dot
 from fxkfac.shampoo.base import BlockFamily, block_side
 from fxkfac.shampoo.config import BasisMethod, SOAPConfig
 from fxkfac.shampoo.layout import Factor, Layout, ParamUnit, make_layout, running_sum
@@ -65,7 +66,12 @@ Side = Callable[[Factor], Tensor]
 
 def _blockwise(layout: Layout, x: Tensor, left: Side, right: Side) -> Tensor:
     """x with every block that has factors replaced by left(L-factor) @ x_b @ right(R-factor) (a side without a
-    factor: the identity)."""
+    factor: the identity); a new tensor. The blocks of a `Grid` go through one batched product per side."""
+    grid = layout.grid
+    if grid is not None:
+        lefts = _stacked([left(lf) for lf, _ in layout.sides if lf is not None])
+        rights = _stacked([right(rf) for _, rf in layout.sides if rf is not None])
+        return grid.join(torch.bmm(torch.bmm(lefts, grid.split(x)), rights))
     out = x.clone()
     for index, (lf, rf) in enumerate(layout.sides):
         if lf is None and rf is None:
@@ -78,6 +84,11 @@ def _blockwise(layout: Layout, x: Tensor, left: Side, right: Side) -> Tensor:
             xb = xb @ right(rf)
         out[region] = xb
     return out
+
+
+def _stacked(matrices: list[Tensor]) -> Tensor:
+    """The matrices as one (k, m, n) batch: a view of a single one (no copy of a whole parameter's basis)."""
+    return matrices[0].unsqueeze(0) if len(matrices) == 1 else torch.stack(matrices)
 
 
 class SOAPFamily(BlockFamily):
@@ -159,7 +170,7 @@ class SOAPFamily(BlockFamily):
             if grad is None:
                 continue
             p = self._direction(unit, state, grad, params[unit.name]).reshape(grad.shape)
-            dot = dot + (p.double() * grad.double()).sum()
+            dot = dot + direction_dot(self, p, grad)
             grad.copy_(p)
         return dot
 
@@ -187,11 +198,14 @@ class SOAPFamily(BlockFamily):
         if bases is not None:
             g = _blockwise(layout, g, lambda f: f.take(bases.L).t(), lambda f: f.take(bases.R))
         state.exp_avg = running_sum(state.exp_avg, g, beta1)
-        state.exp_avg_sq = running_sum(state.exp_avg_sq, g * g, beta2)
+        v = state.exp_avg_sq
+        state.exp_avg_sq = (1.0 - beta2) * g * g if v is None else torch.addcmul(v * beta2, g, g, value=1.0 - beta2)
         m, v = state.exp_avg, state.exp_avg_sq
-        if cfg.use_bias_correction:
-            m, v = m / (1.0 - beta1**state.count), v / (1.0 - beta2**state.count)
-        n = m / (v.sqrt() + cfg.epsilon)
+        # m_hat / (sqrt(v_hat) + eps) with the bias corrections as scalars (one pass each, no m_hat or v_hat)
+        c1, c2 = (1.0 - beta1**state.count, 1.0 - beta2**state.count) if cfg.use_bias_correction else (1.0, 1.0)
+        n = torch.div(m, v.sqrt().mul_(1.0 / math.sqrt(c2)).add_(cfg.epsilon)).mul_(1.0 / c1)
         if bases is not None:
             n = _blockwise(layout, n, lambda f: f.take(bases.L), lambda f: f.take(bases.R).t())
-        return n + cfg.weight_decay * param.detach().reshape(layout.view).to(self.dtype)
+        if not cfg.weight_decay:
+            return n
+        return n.add_(param.detach().reshape(layout.view).to(self.dtype), alpha=cfg.weight_decay)

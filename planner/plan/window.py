@@ -494,8 +494,8 @@ def _device_work(
     grid: Grid,
 ) -> tuple[tuple[Interval, ...], tuple[tuple[int, int, int], ...]]:
     """The device's busy ticks over the window (F/B, each gradient all-reduce over copies, an instant where it takes
-    no tick, the first tick of every step) merged, and its activation pieces (start, end, bytes), all modulo the
-    window."""
+    no tick, a streamed layer's APPLY on its helper and hand-off on its owner, the first tick of every step) merged,
+    and its activation pieces (start, end, bytes), all modulo the window."""
     length = offsets[-1]
     busy: list[Interval] = []
     pieces: list[tuple[int, int, int]] = []
@@ -517,6 +517,11 @@ def _device_work(
                 busy += wrap(start, end, length) if end > start else [(end % length, end % length)]
             elif op.kind is OpKind.APPLY and is_streamed(problem, device, op):  # the helper's APPLY of a streamed layer
                 busy += wrap(off + grid.at(a), off + grid.at(b), length)
+            elif op.kind in (OpKind.SEND_LGRAD, OpKind.RECV_PGRAD) and op.layer is not None:  # the owner's hand-off
+                layer = problem.costs.layer(op.layer)
+                work = layer.hand_off if op.kind is OpKind.SEND_LGRAD else layer.take_back  # a RECV's wait is idle
+                if work > 0:
+                    busy += wrap(off + grid.at(b - work), off + grid.at(b), length)
         begin = step_start_tick(offsets, leads, j)
         busy += wrap(begin, begin + 1, length)  # no task spans a boundary ([Note: step barrier])
         for a, b, nbytes in activation_intervals(problem, device, st, not placed_w(problem)):

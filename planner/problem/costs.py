@@ -157,6 +157,13 @@ class LayerCost:
     grad_ready: float | None = None
     """Seconds from the start of its stage's backward (one micro-batch, eager) until the layer's gradient is final:
     when a streamed APPLY can take it (planner/problem/lowering.py); None where not measured (an estimate is used)."""
+    hand_off: float = 0.0
+    """Seconds the owner of a streamed layer spends making its message in the last backward's gradient hook (Muon:
+    the momentum and Nesterov blend; Shampoo, SOAP: the flat gradient and parameter); 0 where not measured."""
+    take_back: float = 0.0
+    """Seconds the owner of a streamed layer spends installing what its helper returns (Muon: the lr adjustment and
+    weight decay; Shampoo, SOAP: the returned per-step state, which the helper packs in about as long); 0 where not
+    measured."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -170,6 +177,8 @@ class LayerCost:
         _check_number(f"layer {self.name!r}", "prec", self.prec, integer=False)
         _check_number(f"layer {self.name!r}", "state_bytes", self.state_bytes, integer=True)
         _check_number(f"layer {self.name!r}", "grad_bytes", self.grad_bytes, integer=True)
+        _check_number(f"layer {self.name!r}", "hand_off", self.hand_off, integer=False)
+        _check_number(f"layer {self.name!r}", "take_back", self.take_back, integer=False)
         _check_spreads(self, f"layer {self.name!r}")
 
     @classmethod
@@ -451,6 +460,9 @@ class CostTable:
                 _drop_empty_spreads(layer)
                 if layer["grad_ready"] is None:
                     del layer["grad_ready"]
+                for key in ("hand_off", "take_back"):
+                    if not layer[key]:
+                        del layer[key]
                 for part in layer["parts"]:
                     _drop_empty_spreads(part)
         return {"schema_version": SCHEMA_VERSION, **body}
@@ -582,7 +594,14 @@ def _scale_layer(x: LayerCost, per_mb: float, fixed: float, mem: float) -> Layer
         )
         for p in x.parts
     )
-    return replace(x, parts=parts, prec=x.prec * fixed, prec_spread=_scaled(x.prec_spread, fixed))
+    return replace(
+        x,
+        parts=parts,
+        prec=x.prec * fixed,
+        prec_spread=_scaled(x.prec_spread, fixed),
+        hand_off=x.hand_off * fixed,
+        take_back=x.take_back * fixed,
+    )
 
 
 def _scale_stage(s: StageCost, per_mb: float, fixed: float, mem: float) -> StageCost:
@@ -697,6 +716,8 @@ def _combined_layer(layers: list[LayerCost], time: Reduce) -> LayerCost:
         prec=time([x.prec for x in layers]),
         prec_spread=Spread.covering(x.prec_spread for x in layers),
         grad_ready=_median(x.grad_ready for x in layers),
+        hand_off=time([x.hand_off for x in layers]),
+        take_back=time([x.take_back for x in layers]),
     )
 
 

@@ -387,9 +387,11 @@ def streamed_stats(problem: Problem, layer: str) -> bool:
 
 def streamed_seconds(problem: Problem, op: Op) -> float:
     """Seconds of a streamed layer's APPLY on its helper (or of its piece, `planner.problem.ir.piece_share`), and
-    with `streamed_stats` the folds of its gradient-fed statistics, which the helper's APPLY runs first."""
+    with `streamed_stats` the folds of its gradient-fed statistics, which the helper's APPLY runs first, and the
+    packing of the state it returns (priced as its owner's `LayerCost.take_back`)."""
     cost = problem.costs.layer(op.layer_name)
-    folds = sum(p.stats for p in cost.parts) if streamed_stats(problem, op.layer_name) else 0.0
+    stepped = streamed_stats(problem, op.layer_name)
+    folds = sum(p.stats for p in cost.parts) + cost.take_back if stepped else 0.0
     return cost.prec * piece_share(op.piece) + folds
 
 

@@ -497,7 +497,9 @@ def stage_comm(problem: Problem, stage: int) -> StageComm:
 def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callable[[int, Op], float]:
     """Op durations in seconds: F/B from the costs (at a refresh step, plus the taps and fused curvature; a BWD of a
     stage that recomputes, plus its FWD, which it runs again as it ran), the gradient all-reduce (the comm model),
-    gradient statistics, APPLY; nothing else (transfers and OPT_STEP take no time). A zero-bubble schedule's BWD
+    gradient statistics, APPLY, a streamed layer's hand-off on its owner (`LayerCost.hand_off` in its SEND_LGRAD, which
+    the backward's gradient hooks run, `LayerCost.take_back` in its RECV_PGRAD); nothing else (the transfers and
+    OPT_STEP take no time). A zero-bubble schedule's BWD
     is the backward less its W (`StageCost.weight_grad`), and the fused output-gradient curvature runs with the W,
     which holds the operands it is made of."""
     stages = problem.costs.stages
@@ -533,6 +535,9 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callabl
             return stats[op.layer, op.part]
         if op.kind is OpKind.ALLREDUCE_GRAD and op.stage is not None:
             return allreduce[op.stage]
+        if op.kind in (OpKind.SEND_LGRAD, OpKind.RECV_PGRAD) and op.layer is not None:  # the owner's hand-off
+            layer = problem.costs.layer(op.layer)
+            return layer.hand_off if op.kind is OpKind.SEND_LGRAD else layer.take_back
         return 0.0
 
     return duration

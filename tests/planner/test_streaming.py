@@ -388,6 +388,45 @@ def test_streamed_transfers_take_their_time_on_the_comm_model(streamed: Problem)
     assert math.isclose(step_timeline(every).length, want, rel_tol=1e-9)
 
 
+def test_the_owner_pays_its_hand_off_in_the_backward_and_its_take_back_when_the_result_lands(
+    streamed: Problem,
+) -> None:
+    """With each streamed layer's owner-side work priced (1 ms making its message in the gradient hooks, 2 ms
+    installing the result), the owner's backward ends its three hooks later, the last layer's message leaves after
+    them, and its return costs the owner 2 ms more: the step grows by 3 x 1 ms + 2 ms over the same step unpriced."""
+    every = replace(
+        streamed, streaming=Streaming(0, streamed.streaming.helpers[:1] * 3, ("block2", "block1", "block0"))
+    )
+    first = every.costs.stages[0]
+    layers = tuple(replace(x, hand_off=1e-3, take_back=2e-3) for x in first.layers)
+    priced = replace(every, costs=replace(every.costs, stages=(replace(first, layers=layers), *every.costs.stages[1:])))
+    timeline = step_timeline(priced)
+    assert math.isclose(timeline.length, step_timeline(every).length + 3 * 1e-3 + 2e-3, rel_tol=1e-9)
+    sends = [b - a for op, a, b in timeline.ops[0] if op.kind is OpKind.SEND_LGRAD]
+    assert sends == pytest.approx([1e-3] * 3)
+    assert plain_step_time(priced) == plain_step_time(every)  # the plain pipeline streams nothing
+
+
+def test_a_plan_places_nothing_over_the_owners_hand_off(streamed: Problem) -> None:
+    """With 20 ms of hand-off per streamed layer, the owner is busy in its SEND_LGRADs and after each result lands
+    (its RECV_PGRAD's last `take_back`): the plan puts no curvature, decomposition or other task there (without
+    pricing them, it filled that time with the stage's STATS and DECOMPs)."""
+    every = replace(
+        streamed, streaming=Streaming(0, streamed.streaming.helpers[:1] * 3, ("block2", "block1", "block0"))
+    )
+    first = every.costs.stages[0]
+    layers = tuple(replace(x, hand_off=20e-3, take_back=20e-3) for x in first.layers)
+    priced = replace(every, costs=replace(every.costs, stages=(replace(first, layers=layers), *every.costs.stages[1:])))
+    ops = step_timeline(priced).ops[0]
+    busy = [(a, b) for op, a, b in ops if op.kind is OpKind.SEND_LGRAD]
+    busy += [(b - 20e-3, b) for op, _, b in ops if op.kind is OpKind.RECV_PGRAD]
+    plan = solve(priced, SolverConfig(time_limit_s=10))
+    assert validate(priced, plan) == []
+    owner = [p for p in plan.placements if p.device == 0 and p.step == 0]
+    assert owner, "nothing placed on the owner"
+    assert not [p.op for p in owner if any(p.start < b - 1e-9 and p.end > a + 1e-9 for a, b in busy)]
+
+
 def _two_stages() -> CostTable:
     """Two stages of two K-FAC layers each (1 ms F, 2 ms B, 0.1 ms APPLY a layer)."""
     layer = LayerCost.kfac("x", 1e-4, 1e-4, 1e-3, 1e-3, 1e-4, 0, 0, 64, 64)

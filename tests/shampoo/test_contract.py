@@ -146,6 +146,24 @@ def test_packing_has_a_fixed_size(name: str) -> None:
         family.half_from_state({"q": 1})
 
 
+@pytest.mark.parametrize("name", FAMILIES)
+def test_the_step_state_round_trips_at_a_fixed_size(name: str) -> None:
+    """What a streamed unit's helper returns (`step_state`) loads into a fresh state as the same counts and tensors,
+    absent ones included (a fresh state's message is as long)."""
+    family = FAMILIES[name]()
+    net = model()
+    states = train(family, net, batches(4), 0.05)
+    for unit in family.units(net, []):  # type: ignore[arg-type]  # a plain module
+        state, loaded = states[unit.name], family.new_state(unit)
+        flat = family.step_state(unit, state)
+        assert flat.shape == family.step_state(unit, family.new_state(unit)).shape
+        family.load_step_state(unit, loaded, flat)
+        assert loaded.folds == state.folds
+        for k in state.TENSORS:
+            a, b = getattr(state, k), getattr(loaded, k)
+            assert (a is None and b is None) or torch.equal(a, b), k
+
+
 def test_family_attributes() -> None:
     for family in (
         ShampooFamily(replace(SHAMPOO, start_preconditioning_step=5, precondition_frequency=3)),
