@@ -15,7 +15,9 @@ per device and the deterministic time its planning spent (CP-SAT's clock, [Note:
 planner/budget.py), which repeat on any load unless the wall-clock safety net ends a search first (recorded as
 "capped": not compared). `compare` says per plan: equal, better (something better, nothing worse), "worse: plan" (a
 refresh period, the step or the plan's peak memory worse; or no plan where one was) or "worse: time" (an equal or
-better plan found in more deterministic time). Prints a rich table and one JSON line.
+better plan found in more deterministic time). The deterministic time compared is counted as the records count it:
+CP-SAT's own, and first-fit's tasks at the rate charged when they were recorded (RECORDED_GREEDY_DTIME_PER_TASK),
+without the step simulations the recorded planner did not charge. Prints a rich table and one JSON line.
 """
 
 from __future__ import annotations

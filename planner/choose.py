@@ -4,8 +4,11 @@
 (below) in full by `solve`, as forcing it would, and keeps the best; CP-SAT then chooses each layer's
 distribution together with the placement ([Note: joint strategy] in planner/joint.py) in the CP-SAT time the
 candidates left, and its plan joins them. The candidates that can win (`_hopeful_first`: a reference step within
-max_overhead, and STEP_TIE, of the least) share the time. At max_overhead 0 they are planned first, one alone with
-all of it, as forcing it would (issue 38: the joint model, run first, spent the README snippet's whole limit and
+max_overhead, and STEP_TIE, of the least) share the time, each with all that is left when its turn comes, or,
+where the caller gives no budget (and under `planner.TimeLimit.EACH_SOLVE`), each in a budget of its own, the one
+forcing it gets: so the choice is never worse than forcing any of them (an equal share placed time-bound candidates
+worse than forced). At max_overhead 0 they are planned first (issue 38: the joint model, run first, spent the
+README snippet's whole limit and
 kept first-fit's 11 30 where COMM-OPT, the one candidate of least reference step, reached 11 25 forced; on random
 W=2 problems run first it refreshed less often than forced MEM-OPT). Above it each candidate spends its share on
 the least stretch, and one search over all of them does better: the joint model, whose options hold them, runs
@@ -327,7 +330,7 @@ def _plan_each(
     *,
     after: bool = False,
 ) -> list[Plan]:
-    """The plans of `candidates` in turn, each with an equal share of the solver time left in `budget` (one alone: all
+    """The plans of `candidates` in turn, each planned by `each` with the solver time left in `budget` (one alone: all
     of it, as forcing it would), until the time is up once one has planned (`after` another plan: once CP-SAT's is,
     as first-fit alone would not improve on it); a candidate that refuses is left out."""
     plans: list[Plan] = []

@@ -11,8 +11,8 @@ distribution and the joint choice, fusing rounds, the recompute choices and a re
 of what is left, and the streaming and distribution choices' simulations are charged to it. Under
 TimeLimit.WHOLE_SEARCH (`fxkfac plan`, plan="auto") the time limit bounds it all; TimeLimit.EACH_SOLVE gives each
 placement the whole limit (the benchmarks' golden records were made that way), each candidate distribution of the
-choice too: the budget forcing it gets, so the choice is never worse than forcing any candidate (issue 38). A budget keeps every plan it made, so
-a retry of a problem it planned takes no more time.
+choice too: the budget forcing it gets, so the choice is never worse than forcing any candidate (issue 38). A budget
+keeps every plan it made, so a retry of a problem it planned takes no more time.
 """
 
 from __future__ import annotations
