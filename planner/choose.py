@@ -4,13 +4,13 @@
 (below) in full by `solve`, as forcing it would, and keeps the best; CP-SAT then chooses each layer's
 distribution together with the placement ([Note: joint strategy] in planner/joint.py) in the CP-SAT time the
 candidates left, and its plan joins them. The candidates that can win (`_hopeful_first`: a reference step within
-max_overhead, and STEP_TIE, of the least) share the time, each with all that is left when its turn comes, or,
-where the caller gives no budget (and under `planner.TimeLimit.EACH_SOLVE`), each in a budget of its own, the one
-forcing it gets: so the choice is never worse than forcing any of them (an equal share placed time-bound candidates
-worse than forced). At max_overhead 0 they are planned first (issue 38: the joint model, run first, spent the
-README snippet's whole limit and
-kept first-fit's 11 30 where COMM-OPT, the one candidate of least reference step, reached 11 25 forced; on random
-W=2 problems run first it refreshed less often than forced MEM-OPT). Above it each candidate spends its share on
+max_overhead, and STEP_TIE, of the least) share the time, or, where the caller gives no budget (and under
+`planner.TimeLimit.EACH_SOLVE`), each is planned in a budget of its own, the one forcing it gets: so the choice is
+never worse than forcing any of them (sharing one, time-bound candidates placed worse than forced: chimera D=4 N=8
+W=2, MEM-OPT 1 3 3 1 where forced HYBRID 1/2 made 1 2 2 1). At max_overhead 0 they are planned first (issue 38:
+the joint model, run first, spent the README snippet's whole limit and kept first-fit's 11 30 where COMM-OPT, the
+one candidate of least reference step, reached 11 25 forced; on random W=2 problems run first it refreshed less
+often than forced MEM-OPT). Above it each candidate spends its share on
 the least stretch, and one search over all of them does better: the joint model, whose options hold them, runs
 first and they get the CP-SAT time it left (tests/planner/test_joint_strategy.py). The joint model
 runs only where it has a choice (`has_choice`): a layer of a stage it leaves free with another distribution that
@@ -303,12 +303,11 @@ def _joint(problem: Problem, config: SolverConfig, budget: Budget) -> list[Plan]
 
 
 def _solve_each(config: SolverConfig, method: Method | str) -> Each:
-    """`solve`, suggesting nothing, as the outer search's way to plan a candidate: with all the time left, as forcing
-    it would (the `shares` still to plan are not taken: an equal share placed every time-bound candidate worse than
-    forcing it, issue 38)."""
+    """`solve`, suggesting nothing, as the outer search's way to plan a candidate (an equal share of the time left
+    among the `shares` still to plan: all of it went to a subproblem CP-SAT could not decide, golden random 077)."""
 
     def plan_one(candidate: Problem, budget: Budget, shares: int) -> Plan:
-        return solve(candidate, config, method, budget=budget, suggest=False)
+        return solve(candidate, config, method, budget=budget, shares=shares, suggest=False)
 
     return plan_one
 
