@@ -179,8 +179,9 @@ def _at_overhead(args: argparse.Namespace, value: float) -> argparse.Namespace:
 
 
 def search_options(args: argparse.Namespace) -> SearchOptions:
-    """How the command line asks the planner to search (`planner.plan`): --time-limit for each placement
-    (TimeLimit.EACH_SOLVE: one box for the whole search made worse plans on the paper's Chimera configurations)."""
+    """How the command line asks the planner to search (`planner.plan`): --time-limit for the whole search
+    (TimeLimit.WHOLE_SEARCH, the budget opened at the command's start), max_overhead by the API's rule unless
+    --max-overhead is given (Overhead.LEAST: the bubbles alone, else the least growth that places the work)."""
     return SearchOptions(
         solver=SolverConfig(time_limit_s=args.time_limit, deterministic=not args.nondeterministic),
         method=Method(args.method),

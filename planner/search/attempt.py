@@ -1002,13 +1002,23 @@ def solve(
     if made is not None:
         return made  # solved in this planning already: while searching for the value a refusal names
     try:
-        plan = attempt_plan(problem, config, how, budget.solving(shares), time.perf_counter())
+        refused = budget.made.get((REFUSED, problem, how))
+        if refused is None or not budget.over():
+            plan = attempt_plan(problem, config, how, budget.solving(shares), time.perf_counter())
+        else:  # refused in this planning already, and no time is left to try again: its suggestions are searched
+            raise refused
     except Refused as refused:
+        budget.made[(REFUSED, problem, how)] = refused
         if not suggest:
             raise refused.error from None
         raise with_suggestions(refused, problem, config, how, budget.suggesting()) from None
     budget.made[(problem, how)] = plan
     return plan
+
+
+REFUSED = "refused"
+"""The key's first part under which a budget keeps a problem's refusal (`Budget.made`): a later `solve` of it with no
+solver time left searches the refusal's suggestions without placing it again."""
 
 
 def _method(method: Method | str) -> Method:

@@ -53,10 +53,13 @@ DTIME_PER_SECOND = 0.1
 WALL_CAP = 4.0
 """A deterministic solve still stops CP-SAT at this many times its wall-clock limit (safety net)."""
 
-GREEDY_DTIME_PER_TASK = 1e-5
-"""Deterministic seconds charged per task of each window first-fit places: building and placing a window
-took 100-150 us per task (GPT-2 on 4 A100s under a memory budget: 102,608 tasks in 15 s of greedy
-placement, load average 2.5), i.e. 1e-5 deterministic seconds at DTIME_PER_SECOND."""
+GREEDY_DTIME_PER_TASK = 2e-6
+"""Deterministic seconds charged per task of each window first-fit places: building and placing a window takes
+about 12 us per task (GPT-2 on 4 A100s under a memory budget, `fxkfac plan gpt2 -D 4 -N 8 --max-overhead 5%`:
+129,000 tasks in 1.5 s of greedy placement, load average 0.1; it took 100-150 us when this was first measured,
+at 1e-5, which charged a 10 s limit's budget in 2 s and refused that command), i.e. 2e-6 deterministic seconds at
+DTIME_PER_SECOND with room for a loaded machine. `_Tally.greedy_tasks` counts the tasks, so a comparison with
+records made at another rate (benchmarks/planner_golden.py) can count them at its own."""
 
 SIMULATED_DTIME_PER_OP = 1e-6
 """Deterministic seconds charged per op of each step a search simulates outside CP-SAT (the streaming choice's
@@ -87,6 +90,10 @@ class _Tally:
 
     spent: float = 0.0
     capped: bool = False
+    greedy_tasks: int = 0
+    """The tasks first-fit placed (charged GREEDY_DTIME_PER_TASK each in `spent`)."""
+    simulated: float = 0.0
+    """Of `spent`, what step simulations were charged (`charge_simulated`)."""
 
 
 @dataclass(frozen=True)
@@ -146,11 +153,13 @@ class Budget:
         """Count one first-fit placement of a window of `tasks` tasks and APPLY slots (GREEDY_DTIME_PER_TASK each)."""
         if self.deterministic:
             self.tally.spent += tasks * GREEDY_DTIME_PER_TASK
+            self.tally.greedy_tasks += tasks
 
     def charge_simulated(self, ops: int) -> None:
         """Count one simulated step of `ops` ops run outside CP-SAT (SIMULATED_DTIME_PER_OP each)."""
         if self.deterministic:
             self.tally.spent += ops * SIMULATED_DTIME_PER_OP
+            self.tally.simulated += ops * SIMULATED_DTIME_PER_OP
 
     def charge(self, dtime: float) -> None:
         """Count the deterministic seconds one CP-SAT call spent (the wall clock counts itself)."""

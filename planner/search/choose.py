@@ -4,10 +4,13 @@
 (below) in full by `solve`, as forcing it would, and keeps the best; CP-SAT then chooses each layer's
 distribution together with the placement ([Note: joint strategy] in planner/search/cpsat.py) in the CP-SAT time the
 candidates left, and its plan joins them. The candidates that can win (`_hopeful_first`: a reference step within
-max_overhead, and STEP_TIE, of the least) share the time. At max_overhead 0 they are planned first, one alone with
-all of it, as forcing it would (issue 38: the joint model, run first, spent the README snippet's whole limit and
-kept first-fit's 11 30 where COMM-OPT, the one candidate of least reference step, reached 11 25 forced; on random
-W=2 problems run first it refreshed less often than forced MEM-OPT). Above it each candidate spends its share on
+max_overhead, and STEP_TIE, of the least) share the time, or, where the caller gives no budget (and under
+`planner.TimeLimit.EACH_SOLVE`), each is planned in a budget of its own, the one forcing it gets: so the choice is
+never worse than forcing any of them (sharing one, time-bound candidates placed worse than forced: chimera D=4 N=8
+W=2, MEM-OPT 1 3 3 1 where forced HYBRID 1/2 made 1 2 2 1). At max_overhead 0 they are planned first (issue 38:
+the joint model, run first, spent the README snippet's whole limit and kept first-fit's 11 30 where COMM-OPT, the
+one candidate of least reference step, reached 11 25 forced; on random W=2 problems run first it refreshed less
+often than forced MEM-OPT). Above it each candidate spends its share on
 the least stretch, and one search over all of them does better: the joint model, whose options hold them, runs
 first and they get the CP-SAT time it left (tests/planner/test_joint_strategy.py). The joint model
 runs only where it has a choice (`has_choice`): a layer of a stage it leaves free with another distribution that
@@ -123,16 +126,32 @@ def solve_with_strategy(
     suggest: bool = True,
     each: Each | None = None,
     reference: Callable[[Problem], float] | None = None,
+    own: Callable[[], Budget] | None = None,
 ) -> Plan:
     """`solve` with every layer under `strategy`, or, when it is None, the best plan of the outer search
     (`solve_outer`: each candidate distribution planned as a forced one would be, by `each`) and, where that applies
     and time is left, of CP-SAT choosing each layer's distribution with the placement (`solve_joint`; see [Note:
-    strategy search]), all within one time limit (`budget`, or a new one). `suggest` False: a refusal names nothing
-    that would plan (no time spent searching it; `solve`'s)."""
-    budget = budget or Budget.of(config)
+    strategy search]), all within one time limit (`budget`), or, without `budget`, each candidate and the joint
+    choice in a budget of its own (`own()`, else a new one of `config`): the one forcing that candidate gets, so the
+    choice is never worse than forcing any candidate (issue 38: sharing one, a candidate with less than a forced
+    run's time placed worse). `suggest` False: a refusal names nothing that would plan (no time spent searching it;
+    `solve`'s)."""
     if strategy is not None:
-        return solve(problem.with_strategy(strategy), config, method, budget=budget, suggest=suggest)
-    return solve_outer(problem, config, method, budget, joint=None, suggest=suggest, each=each, reference=reference)
+        forced = problem.with_strategy(strategy)
+        return solve(forced, config, method, budget=budget or Budget.of(config), suggest=suggest)
+    if budget is None:
+        own = own or (lambda: Budget.of(config))
+    return solve_outer(
+        problem,
+        config,
+        method,
+        budget or Budget.untimed(config.deterministic),
+        joint=None,
+        suggest=suggest,
+        each=each,
+        reference=reference,
+        own=own,
+    )
 
 
 Each = Callable[[Problem, Budget, int], Plan]
@@ -173,21 +192,25 @@ def _joint_applies(problem: Problem, method: Method | str, budget: Budget | None
 
 def has_choice(problem: Problem, budget: Budget | None = None) -> bool:
     """Whether some layer of a stage the joint model leaves free (not in `timeline_stages`) has a distribution
-    other than the problem's own that, switched alone, keeps the reference step (`planner.search.cpsat.reference_step`)
-    within what `best` keeps: max_overhead and STEP_TIE over the least reference step of `candidate_problems`.
-    Where none has, every layer's one option is the problem's own and the joint model is a forced one with more
-    variables; the outer search plans each candidate by the search a forced strategy runs instead ([Note: strategy
-    search]; the README snippet's 2 x 2 mesh got first-fit's 11 30 from the joint model in the whole time limit,
-    11 25 from forced COMM-OPT, issue 38). Each simulated step is charged to `budget` by its ops."""
+    other than its own in the candidate of least reference step (`candidate_problems`) that, switched alone, keeps
+    the reference step (`planner.search.cpsat.reference_step`) within what `best` keeps: max_overhead and STEP_TIE over
+    that least. Where none has, every layer's one option is that candidate's and the joint model is a forced one
+    with more variables; the outer search plans each candidate by the search a forced strategy runs instead ([Note:
+    strategy search]; the README snippet's 2 x 2 mesh got first-fit's 11 30 from the joint model in the whole time
+    limit, 11 25 from forced COMM-OPT, issue 38). The least candidate, not the problem's own distributions (COMM-OPT,
+    whose step may lie past the allowance): golden random 006 (1F1B D=4 W=2, MEM-OPT least) lost the joint choice's
+    plan of less peak memory. Each simulated step is charged to `budget` by its ops."""
     free = frozenset(range(problem.num_stages)) - timeline_stages(problem)
     names = [x.name for s in sorted(free) for x in problem.costs.stages[s].layers]
     if not names:
         return False
-    steps = [step_timeline(c) for c in candidate_problems(problem)]
+    candidates = candidate_problems(problem)
+    steps = [step_timeline(c) for c in candidates]
     ops = sum(len(o) for o in steps[0].ops.values())
     least = min(t.length for t in steps)
     most = least * (1 + problem.max_overhead + STEP_TIE)
-    own = {n: problem.where(n) for n in names}
+    base = candidates[min(range(len(steps)), key=lambda i: steps[i].length)]
+    own = {n: base.where(n) for n in names}
     simulated = len(steps)
     found = False
     for n in names:
@@ -195,7 +218,7 @@ def has_choice(problem: Problem, budget: Budget | None = None) -> bool:
             if where == own[n]:
                 continue
             simulated += 1
-            if reference_step(problem, free, {**own, n: where}) <= most:
+            if reference_step(base, free, {**own, n: where}) <= most:
                 found = True
                 break
         if found:
@@ -215,10 +238,11 @@ def solve_outer(
     suggest: bool = True,
     each: Each | None = None,
     reference: Callable[[Problem], float] | None = None,
+    own: Callable[[], Budget] | None = None,
 ) -> Plan:
     """The best of `candidate_problems`, each planned in full by `each` (`_plan_each`; `solve` when None) within the
-    time left in
-    `budget` (a new one: config's; with the greedy method, which is not timed, every one that can win): those whose
+    time left in `budget` (a new one: config's; with the greedy method, which is not timed, every one that can win),
+    or each in a budget of its own (`own()`, the joint choice and a refusal's search too): those whose
     reference step lets them win (`_hopeful_first`) and, with `joint`, the joint choice (`solve_joint`): at
     max_overhead 0 those candidates first, then the joint choice in the CP-SAT time they left (all of it where none
     planned); above it the other way round ([Note: strategy search]); the other candidates only where none of those
@@ -227,17 +251,19 @@ def solve_outer(
     the first's refusal names what would (`suggest`; else a refusal naming nothing)."""
     budget = budget or Budget.of(config)
     candidates, hopeful = _hopeful_first(candidate_problems(problem), reference)
-    timed = Method(method) is Method.CPSAT
+    timed = Method(method) is Method.CPSAT and own is None
     joint_first = problem.max_overhead > 0 and _applies(joint, problem, method, budget)
-    plans = _joint(problem, config, budget) if joint_first else []
+    plans = _joint(problem, config, own() if own else budget) if joint_first else []
     plan_one = each or _solve_each(config, method)
+    if own is not None:
+        plan_one = _in_own(plan_one, own)
     plans += _plan_each(candidates[:hopeful], plan_one, budget, timed, after=bool(plans))
     if (
         problem.max_overhead <= 0
-        and (not plans or budget.solving().solver_time() > 0)
+        and (not plans or own is not None or budget.solving().solver_time() > 0)
         and _applies(joint, problem, method, budget)
     ):
-        plans += _joint(problem, config, budget)
+        plans += _joint(problem, config, own() if own else budget)
     if plans and hopeful < len(candidates):
         log.info(
             "distributions %s not planned: their reference steps are past the allowance",
@@ -247,7 +273,7 @@ def solve_outer(
     if not plans and not suggest:
         raise PlanError(f"no distribution of {[_words(c) for c in candidates]} plans")
     if not plans:
-        return _plan_or_least_step_refusal(candidates, config, method, budget)
+        return _plan_or_least_step_refusal(candidates, config, method, own() if own else budget)
     chosen = best(plans)
     log.info("distribution %s chosen among %s", strategy_of(chosen), [strategy_of(p) for p in plans])
     return chosen
@@ -260,10 +286,20 @@ def _joint(problem: Problem, config: SolverConfig, budget: Budget) -> list[Plan]
 
 
 def _solve_each(config: SolverConfig, method: Method | str) -> Each:
-    """`solve`, suggesting nothing, as the outer search's way to plan a candidate."""
+    """`solve`, suggesting nothing, as the outer search's way to plan a candidate (an equal share of the time left
+    among the `shares` still to plan: all of it went to a subproblem CP-SAT could not decide, golden random 077)."""
 
     def plan_one(candidate: Problem, budget: Budget, shares: int) -> Plan:
         return solve(candidate, config, method, budget=budget, shares=shares, suggest=False)
+
+    return plan_one
+
+
+def _in_own(each: Each, own: Callable[[], Budget]) -> Each:
+    """`each` with every candidate in a budget of its own (`own()`), the one forcing it gets."""
+
+    def plan_one(candidate: Problem, budget: Budget, shares: int) -> Plan:
+        return each(candidate, own(), 1)
 
     return plan_one
 
@@ -276,7 +312,7 @@ def _plan_each(
     *,
     after: bool = False,
 ) -> list[Plan]:
-    """The plans of `candidates` in turn, each with an equal share of the solver time left in `budget` (one alone: all
+    """The plans of `candidates` in turn, each planned by `each` with the solver time left in `budget` (one alone: all
     of it, as forcing it would), until the time is up once one has planned (`after` another plan: once CP-SAT's is,
     as first-fit alone would not improve on it); a candidate that refuses is left out."""
     plans: list[Plan] = []

@@ -10,8 +10,9 @@ one search in one `planner.search.budget.Budget` ([Note: one budget]): the strea
 each candidate distribution and the joint choice, fusing rounds, the recompute choices and a refusal's suggestions each
 take a part of what is left, and the streaming and distribution choices' simulations are charged to it. Under
 TimeLimit.WHOLE_SEARCH (`fxkfac plan`, plan="auto") the time limit bounds it all; TimeLimit.EACH_SOLVE gives each
-placement the whole limit (the benchmarks' golden records were made that way). A budget keeps every plan it made, so
-a retry of a problem it planned takes no more time.
+placement the whole limit (the benchmarks' golden records were made that way), each candidate distribution of the
+choice too: the budget forcing it gets, so the choice is never worse than forcing any candidate (issue 38). A budget
+keeps every plan it made, so a retry of a problem it planned takes no more time.
 
 Activation checkpointing under a memory budget: which stages recompute their forward (`Problem.recompute`).
 
@@ -766,9 +767,11 @@ def plan(
         choice is never worse than a forced candidate), or those of `p` (forced, then only the layers the strategy
         leaves COMM-OPT may stream, or given)."""
         if options.strategy is Distributions.CHOSEN:
-            if options.stream_apply is StreamApply.OFF:
-                return solve_with_strategy(p, None, config, method, budget=own(whole))
-            return solve_with_strategy(p, None, config, method, budget=own(whole), each=candidate, reference=reference)
+            off = options.stream_apply is StreamApply.OFF
+            each, ref = (None, None) if off else (candidate, reference)
+            if each_solve:  # each candidate in a budget of its own, as forcing it would be planned
+                return solve_with_strategy(p, None, config, method, each=each, reference=ref, own=lambda: own(whole))
+            return solve_with_strategy(p, None, config, method, budget=whole, each=each, reference=ref)
         given = p.with_strategy(options.strategy) if isinstance(options.strategy, Strategy) else p
         return streamed(given, whole)
 

@@ -60,18 +60,18 @@ def test_first_fit_alone_shows_the_bound_with_the_collectives() -> None:
 
 
 @settings(
-    max_examples=6,
+    max_examples=4,
     deadline=None,
     database=None,
-    derandomize=True,  # the same six problems every run: fresh draws found counterexamples, open in issue 38
     phases=[Phase.generate],
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 @given(problems().filter(lambda p: p.W >= 2 and p.max_overhead == 0))
 def test_random_choices_are_no_worse_than_any_forced_candidate(problem: Problem) -> None:
-    """At max_overhead 0, the default. Above it several candidates may win (`choose._hopeful_first`) and share the
-    time limit, each searching the least stretch with its share: one forced alone, with all of it, may stretch the
-    step less (hypothesis: interleaved D=4 N=4 W=2 under a budget at max_overhead 0.5)."""
+    """At max_overhead 0, the default, fresh draws every run. Each candidate is planned in the budget forcing it
+    gets (`solve_with_strategy` without a budget): sharing one, a time-bound candidate placed worse than forced
+    (chimera D=4 N=8 W=2: MEM-OPT 1 3 3 1 where forced HYBRID 1/2 made 1 2 2 1; interleaved D=4 N=8 W=2: MEM-OPT
+    10 where forced 8)."""
     config = SolverConfig(time_limit_s=1.0)
     forced = []
     for strategy in candidate_strategies(problem):
@@ -85,8 +85,12 @@ def test_random_choices_are_no_worse_than_any_forced_candidate(problem: Problem)
         assert not forced, "a forced candidate plans where the choice refuses"
         return
     assert validate(chosen.problem, chosen) == []
+    m = chosen.metrics
+    assert all(b <= k for b, k in zip(m.lower_bound_steps, m.refresh_steps, strict=True))
     for made in forced:
         assert _no_worse(chosen, made), (strategy_of(chosen), rank(chosen), strategy_of(made), rank(made))
+        if made.problem.distributions == chosen.problem.distributions:  # the bound counts what the forced one counts
+            assert m.lower_bound_steps == made.metrics.lower_bound_steps
 
 
 def _searched(

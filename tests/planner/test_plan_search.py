@@ -10,6 +10,7 @@ from fxkfac.planner import (
     ConfigError,
     Distributions,
     Overhead,
+    Problem,
     SearchOptions,
     SolverConfig,
     Strategy,
@@ -51,3 +52,23 @@ def test_one_budget_holds_the_whole_search() -> None:
 def test_the_least_overhead_rule_starts_from_the_bubbles_alone() -> None:
     with pytest.raises(ConfigError, match="Overhead.STRICT"):
         plan(problem("1f1b", 2, 4, max_overhead=0.1), SearchOptions(CONFIG, overhead=Overhead.LEAST))
+
+
+def test_gpt2_on_a100s_plans_at_the_cli_defaults_with_the_least_overhead() -> None:
+    """`fxkfac plan gpt2 --stages 4 --microbatches 8 --schedule 1f1b --hardware a100` (issue 36): the bubbles alone
+    cannot hold the K-FAC work within the card's 80 GiB (the kept statistics need fusing, which max_overhead 0 does
+    not allow), so the default rule plans at the least max_overhead the refusal found, within the device's memory.
+    Refused before: first-fit was charged 1e-5 deterministic seconds a task, 8x its time, and the refusal's search
+    ran out of the 10 s limit in 5 s. The deterministic budget makes this the same plan on any load."""
+    from fxkfac.planner.analytic import analytic_cost_table
+    from fxkfac.planner.hardware import hardware
+
+    device = hardware("a100").memory_bytes
+    costs = analytic_cost_table("gpt2", 4, 32, None, "a100")
+    search = SearchOptions(SolverConfig(time_limit_s=10.0), overhead=Overhead.LEAST, whole_backward=True)
+    made = plan(Problem("1f1b", 4, 8, costs, memory_budget=device), search)
+    m = made.metrics
+    assert 0 < made.problem.max_overhead < 0.01
+    assert max(m.peak_memory.values()) <= device
+    assert m.step_time <= m.step_time_reference * (1 + made.problem.max_overhead) * (1 + 1e-9)
+    assert validate(made.problem, made) == []
