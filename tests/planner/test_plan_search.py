@@ -60,8 +60,8 @@ def test_gpt2_on_a100s_plans_at_the_cli_defaults_with_the_least_overhead() -> No
     not allow), so the default rule plans at the least max_overhead the refusal found, within the device's memory.
     Refused before: first-fit was charged 1e-5 deterministic seconds a task, 8x its time, and the refusal's search
     ran out of the 10 s limit in 5 s. The deterministic budget makes this the same plan on any load."""
-    from fxkfac.planner.analytic import analytic_cost_table
-    from fxkfac.planner.hardware import hardware
+    from fxkfac.planner.problem.analytic import analytic_cost_table
+    from fxkfac.planner.problem.hardware import hardware
 
     device = hardware("a100").memory_bytes
     costs = analytic_cost_table("gpt2", 4, 32, None, "a100")

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from fxkfac.planner.blocking import FactorKind, LargeDimMethod
+from fxkfac.planner.problem.analytic import FactorKind, LargeDimMethod
 from fxkfac.preconditioner import fold_gradient
 from fxkfac.shampoo.config import ShampooConfig, SOAPConfig
 from fxkfac.shampoo.family import ShampooFamily
