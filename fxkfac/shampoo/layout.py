@@ -118,8 +118,8 @@ def make_layout(
 
 
 def _grid(view: tuple[int, ...], sides: list[tuple[Factor | None, Factor | None]]) -> Grid | None:
-    """The `Grid` of a 2-D view whose blocks (in row-major order, as fxkfac.planner.blocking cuts them) all have the
-    same shape and two dense factors; None otherwise (ragged edges, diagonal or missing factors, a 1-D view)."""
+    """The `Grid` of a 2-D view whose blocks (in row-major order, as fxkfac.planner.problem.analytic cuts them) all
+    have the same shape and two dense factors; None otherwise (ragged edges, diagonal or missing factors, 1-D)."""
     if len(view) != 2 or not all(
         lf is not None and rf is not None and lf.kind is rf.kind is FactorKind.DENSE for lf, rf in sides
     ):
