@@ -395,9 +395,7 @@ def _factors(trainer: fxkfac.Trainer) -> dict[str, torch.Tensor]:
 
 def _trained_wide(trainer: fxkfac.Trainer, case: kfac.Case) -> dict:
     """`trainer` after the case's batches: parameters, factors, and the warnings fxkfac logged meanwhile."""
-    warnings: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]  # a collector
+    handler = _Warnings()
     logging.getLogger("fxkfac").addHandler(handler)
     try:
         for ids, y in kfac.batches(case):
@@ -405,7 +403,18 @@ def _trained_wide(trainer: fxkfac.Trainer, case: kfac.Case) -> dict:
     finally:
         logging.getLogger("fxkfac").removeHandler(handler)
     params = {n: p.detach().clone() for n, p in trainer.named_parameters()}
-    return {"params": params, "factors": _factors(trainer), "warnings": warnings}
+    return {"params": params, "factors": _factors(trainer), "warnings": handler.messages}
+
+
+class _Warnings(logging.Handler):
+    """The messages of the warnings (and worse) logged while it is attached."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def naive_worker(rank: int, world: int, cases: tuple[kfac.Case, ...]) -> list[dict]:
