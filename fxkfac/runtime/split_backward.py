@@ -178,15 +178,16 @@ def _cut(
     outs, arg_grads = flat[:split], flat[split : split + n_in]
     param_grads = flat[split + n_in + n_weight :] + flat[split + n_in : split + n_in + n_weight]
     calls = [n for n in nodes if n.op == "call_function"]
+    reads = _reads(nodes)
 
-    after_tangents = _descendants(tangent_nodes)
-    fwd = _ancestors([o for o in outs if isinstance(o, fx.Node)]) | {n for n in calls if _impure(n)}
+    after_tangents = _descendants(tangent_nodes, reads)
+    fwd = _ancestors([o for o in outs if isinstance(o, fx.Node)], reads) | {n for n in calls if _impure(n)}
     fwd = {n for n in fwd if n.op == "call_function" and n not in after_tangents}
     fwd |= {n for n in calls if n.target is operator.getitem and n.args[0] in fwd}  # save parts, not tuples
     backward = [n for n in calls if n not in fwd]
-    b_set = _ancestors([g for g in arg_grads if g is not None]) & set(backward)
+    b_set = _ancestors([g for g in arg_grads if g is not None], reads) & set(backward)
     b_set |= {n for n in backward if n.target is operator.getitem and n.args[0] in b_set}
-    w_set = (_ancestors([g for g in param_grads if g is not None]) & set(backward)) - b_set
+    w_set = (_ancestors([g for g in param_grads if g is not None], reads) & set(backward)) - b_set
 
     b_nodes = [n for n in backward if n in b_set]
     w_nodes = [n for n in backward if n in w_set]
@@ -235,14 +236,61 @@ def _impure(node: fx.Node) -> bool:
     return schema is not None and schema.is_mutable
 
 
-def _ancestors(roots: Sequence[fx.Node]) -> set[fx.Node]:
-    """`roots` and every node they read, transitively."""
-    return _closure(roots, lambda node: node.all_input_nodes)
+def _reads(nodes: Sequence[fx.Node]) -> dict[fx.Node, list[fx.Node]]:
+    """What each node of a graph (`nodes`, in order) reads: its inputs, and the in-place writes before it into the
+    tensors those inputs are or view. A tensor filled by writes into its views (`gram`'s panels: slices of a
+    `new_empty` written by `copy_`) is read after them, though no write is an input of its readers."""
+    writes: dict[fx.Node, list[fx.Node]] = {}
+    out: dict[fx.Node, list[fx.Node]] = {}
+    for node in nodes:
+        inputs = node.all_input_nodes
+        out[node] = inputs + [w for base in dict.fromkeys(map(_base, inputs)) for w in writes.get(base, ())]
+        for written in _schema_args(node, write=True):
+            writes.setdefault(_base(written), []).append(node)
+    return out
 
 
-def _descendants(roots: Sequence[fx.Node]) -> set[fx.Node]:
-    """`roots` and every node that reads them, transitively."""
-    return _closure(roots, lambda node: node.users)
+def _schema_args(node: fx.Node, *, write: bool) -> list[fx.Node]:
+    """The tensor args of an aten op that it writes into (`write`), or that its result aliases (a view's base, an
+    in-place op's self)."""
+    schema = getattr(node.target, "_schema", None)
+    if node.op != "call_function" or schema is None:
+        return []
+    aliased = {a for r in schema.returns if r.alias_info is not None for a in r.alias_info.before_set}
+    out = []
+    for i, arg in enumerate(schema.arguments):
+        info = arg.alias_info
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if info is not None and isinstance(value, fx.Node) and (info.is_write if write else info.before_set & aliased):
+            out.append(value)
+    return out
+
+
+def _base(node: fx.Node) -> fx.Node:
+    """The tensor whose memory `node` is: through views, in-place ops and items of their results, the first node
+    that aliases nothing it reads."""
+    while True:
+        if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[0], fx.Node):
+            node = node.args[0]
+            continue
+        aliased = _schema_args(node, write=False)
+        if not aliased:
+            return node
+        node = aliased[0]
+
+
+def _ancestors(roots: Sequence[fx.Node], reads: dict[fx.Node, list[fx.Node]]) -> set[fx.Node]:
+    """`roots` and every node they read (`reads`), transitively."""
+    return _closure(roots, lambda node: reads[node])
+
+
+def _descendants(roots: Sequence[fx.Node], reads: dict[fx.Node, list[fx.Node]]) -> set[fx.Node]:
+    """`roots` and every node that reads them (`reads`), transitively."""
+    readers: dict[fx.Node, list[fx.Node]] = {}
+    for node, inputs in reads.items():
+        for read in inputs:
+            readers.setdefault(read, []).append(node)
+    return _closure(roots, lambda node: readers.get(node, ()))
 
 
 def _closure(roots: Sequence[fx.Node], step: Callable[[fx.Node], Iterable[fx.Node]]) -> set[fx.Node]:

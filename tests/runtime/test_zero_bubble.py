@@ -5,6 +5,7 @@ the input gradients, the BWD_W the weight gradients; pipelined training equals o
 from __future__ import annotations
 
 import copy
+import logging
 from dataclasses import dataclass
 
 import pytest
@@ -17,11 +18,13 @@ import fxkfac
 from fxkfac.config import PipelineOptions
 from fxkfac.errors import PipelineError
 from fxkfac.passes.split_stages import StageGraph, TensorSpec
-from fxkfac.planner.problem.ir import OpKind
+from fxkfac.planner.problem.ir import LayerTiming, OpKind
+from fxkfac.runtime.split_backward import ArgGrad, split_stage
 from fxkfac.runtime.stage import StageRunner
 from tests import test_shampoo_pipeline as shampoo
 from tests.e2e import workers as kfac
 from tests.runtime.workers import Config, loss_for, make_batches, make_model, make_optimizer, reference_run
+from tests.support import models
 from tests.support.distributed import run_distributed
 
 
@@ -320,6 +323,130 @@ def test_kfac_with_planner_placed_ws_equals_one_device() -> None:
         for r in results:
             bad = kfac.compare(r.value[0][0], want)
             assert not bad, f"{case} rank {r.rank}: {bad[:4]} differ from the single-device trainer by > 1e-5"
+
+
+class _Wide(nn.Module):
+    """A layer 256 wide (`gram` makes its Gram by column panels) whose output gradient a fused tap captures."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(4, 256), nn.Linear(256, 3)
+
+    def forward(self, x: torch.Tensor, probe: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.out(torch.ops.fxkfac.tap_e(self.fc(x), probe, False).tanh()),)
+
+
+def test_w_makes_a_wide_fused_capture_as_autograd_does() -> None:
+    """A fused output-gradient capture 256 wide, made by W, equals autograd's and the dense float64 G^T G / rows:
+    `gram` fills its buffer by in-place writes into its panels, which no value W returns is computed from, and W
+    keeps them (it once returned the buffer unwritten: uninitialized memory as a K-FAC factor)."""
+    torch.manual_seed(0)
+    model = _Wide()
+    gm = fx.symbolic_trace(model)
+    state = dict(gm.named_parameters())
+    x, g, probe = torch.randn(5, 4), torch.randn(5, 3), torch.zeros(256, 256)
+    sides = [ArgGrad.INPUT, ArgGrad.WEIGHT]
+    split = split_stage(gm, state, list(state), [x, probe], sides, 1, lambda graph: graph)
+    with torch.no_grad():
+        saved = split.forward(*state.values(), x, probe)[split.n_outputs :]
+        kept = split.input_grad(*(saved[i] for i in split.b_saved), g)[split.n_arg_grads :]
+        capture = split.weight_grad(*(saved[i] for i in split.w_saved), *kept)[split.n_param_grads]
+    tapped = probe.clone().requires_grad_(True)
+    model(x, tapped)[0].backward(g)
+    torch.testing.assert_close(capture, tapped.grad)
+    h = model.fc(x).double()
+    rows = (g.double() @ model.out.weight.double()) * (1 - h.tanh() ** 2)
+    torch.testing.assert_close(capture.double(), rows.T @ rows / 5, rtol=1e-5, atol=1e-7)
+
+
+NAIVE = (kfac.Case("zb-h1", 2, 2, 1), kfac.Case("zb-v", 2, 2, 1))
+WIDE = 256
+"""The FFN width of `naive_worker`'s BERT: its intermediate layers' fused B captures are made by `gram`'s panels."""
+
+
+def _wide_kfac(case: kfac.Case, mesh: tuple[int, int] | None) -> fxkfac.Trainer:
+    """K-FAC on the critical path (plan=None, every layer refreshed every step, fused: made by W on zero-bubble
+    schedules) of the tiny BERT with a 256-wide FFN, eager, over `mesh` (None: one device, N*W micro-batches)."""
+    data = kfac.batches(case)
+    names = kfac._names_for(case)
+    return fxkfac.compile(
+        models.tiny_bert(layers=2, intermediate=WIDE),
+        mesh,
+        None,
+        preconditioner=kfac.KFAC,
+        example_inputs=(data[0][0],),
+        loss_fn=kfac.loss_fn,
+        optimizer=kfac.optimizer,
+        schedule=case.schedule if mesh is not None else None,
+        backend=None,
+        microbatches=case.N * (1 if mesh is not None else case.W),
+        layer_timing={n: LayerTiming(1, 0, 0, "fused") for n in names},
+        pipeline=PipelineOptions(virtual_stages=1 if case.schedule == "zb-h1" else 2, timeout=120.0)
+        if mesh is not None
+        else PipelineOptions(),
+    )
+
+
+def _factors(trainer: fxkfac.Trainer) -> dict[str, torch.Tensor]:
+    """Each K-FAC factor the trainer holds, by "layer.A" / "layer.B"."""
+    states = trainer.preconditioning.states
+    return {f"{n}.{k}": getattr(s, k).clone() for n, s in states.items() for k in "AB" if getattr(s, k) is not None}
+
+
+def _trained_wide(trainer: fxkfac.Trainer, case: kfac.Case) -> dict:
+    """`trainer` after the case's batches: parameters, factors, and the warnings fxkfac logged meanwhile."""
+    handler = _Warnings()
+    logging.getLogger("fxkfac").addHandler(handler)
+    try:
+        for ids, y in kfac.batches(case):
+            trainer.step((ids,), y)
+    finally:
+        logging.getLogger("fxkfac").removeHandler(handler)
+    params = {n: p.detach().clone() for n, p in trainer.named_parameters()}
+    return {"params": params, "factors": _factors(trainer), "warnings": handler.messages}
+
+
+class _Warnings(logging.Handler):
+    """The messages of the warnings (and worse) logged while it is attached."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def naive_worker(rank: int, world: int, cases: tuple[kfac.Case, ...]) -> list[dict]:
+    """Each case's `_wide_kfac` on its (D, W) mesh, trained (`_trained_wide`)."""
+    return [_trained_wide(_wide_kfac(case, (case.D, case.W)), case) for case in cases]
+
+
+@pytest.mark.multiproc
+def test_naive_kfac_on_zero_bubble_equals_one_device_with_wide_fused_captures() -> None:
+    """Naive K-FAC (plan=None: curvature every step, fused, made by W) on ZB-H1 and ZB-V, on a BERT whose FFN is 256
+    wide, equals one device to 1e-5 in parameters and factors, and logs no warning (it once folded uninitialized
+    memory into the FFN's B factors: NaN/Inf and failed Cholesky)."""
+    results = run_distributed(naive_worker, 2, NAIVE, timeout=600)
+    failed = [f"rank {r.rank}: {r.error_type}: {r.error}\n{r.traceback}" for r in results if not r.ok]
+    assert not failed, "\n".join(failed)
+    for i, case in enumerate(NAIVE):
+        torch.manual_seed(0)
+        want = _trained_wide(_wide_kfac(case, None), case)
+        assert not want["warnings"], want["warnings"]
+        wide = [n for n, f in want["factors"].items() if n.endswith(".B") and f.shape[0] == WIDE]
+        assert wide, f"{case}: no {WIDE}-wide B factor on one device"
+        held: set[str] = set()
+        for r in results:
+            run = r.value[i]
+            assert not run["warnings"], f"{case} rank {r.rank}: {run['warnings'][:4]}"
+            bad = kfac.compare(run["params"], want["params"])
+            assert not bad, f"{case} rank {r.rank}: {bad[:4]} differ from one device by > 1e-5"
+            for name, factor in run["factors"].items():
+                assert torch.isfinite(factor).all(), f"{case} rank {r.rank}: {name} has NaN/Inf"
+                torch.testing.assert_close(factor, want["factors"][name], rtol=1e-5, atol=1e-5, msg=f"{case} {name}")
+            held |= set(run["factors"])
+        assert held >= set(wide), f"{case}: the wide B factors {sorted(set(wide) - held)} are on no rank"
 
 
 def test_a_recomputing_stage_refuses_to_split() -> None:

@@ -48,8 +48,8 @@ def cnn(*, seed: int = 0) -> nn.Module:
     return _CNN()
 
 
-def tiny_bert(*, layers: int = 2, seed: int = 0) -> nn.Module:
-    """Hugging Face BertForMaskedLM from a small config (no weights are downloaded)."""
+def tiny_bert(*, layers: int = 2, seed: int = 0, intermediate: int = 64) -> nn.Module:
+    """Hugging Face BertForMaskedLM from a small config (no weights are downloaded); `intermediate`: its FFN width."""
     from transformers import BertConfig, BertForMaskedLM
 
     torch.manual_seed(seed)
@@ -58,7 +58,7 @@ def tiny_bert(*, layers: int = 2, seed: int = 0) -> nn.Module:
         hidden_size=32,
         num_hidden_layers=layers,
         num_attention_heads=2,
-        intermediate_size=64,
+        intermediate_size=intermediate,
         max_position_embeddings=4 * SEQ,
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
