@@ -40,8 +40,8 @@ leave no bubble (planned utilization 1.00): every K-FAC op lies on the critical 
 to hold it, so the run measures what the planner does without a bubble, not PipeFisher's gain (D >= 4 ranks would
 share the 2 cores here, which makes their timings meaningless).
 
-Run: python benchmarks/pipefisher_overhead.py [--model bert] [--schedule 1f1b|gpipe|chimera] [--hidden 128]
-[--ffn 512] [--rounds 5]
+Run: python benchmarks/pipefisher_overhead.py [--model bert] [--schedule 1f1b|gpipe|chimera|zb-h1] [--hidden 128]
+[--ffn 512] [--rounds 5] [--block 10]
 """
 
 from __future__ import annotations
