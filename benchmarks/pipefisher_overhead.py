@@ -17,8 +17,10 @@ one run (rounds interleaved, so drift in machine load hits all alike):
     ZB-H1 (a) and K-FAC planned on 1F1B (f), step times and refresh periods side by side.
 
 The paper's claim (PipeFisher, Table 3: about 6.5% over the pipeline) is b/a <= 1.10 and b < d < c.
-Each round times a block of whole refresh periods per variant; the step time is the median over
-rounds of the block's mean (a refresh step and the steps between weigh as they do in training).
+Each round times one block per variant, the fewest whole common refresh periods of that variant's own layers
+that make at least --block steps (`block_steps`: (a) and (c) --block steps, (b) and (d) whole cycles of (b)'s
+periods, (f) of its own), so variants with different periods need not share one long block; the step time
+is the median over rounds of the block's mean (a refresh step and the steps between weigh as they do in training).
 Utilization per rank is measured from the recorded timeline (time in F, B, STATS, DECOMP and APPLY over
 the step span, waiting counts as idle) and printed beside the plan's prediction (its own timeline:
 the op placements at their planned, profiled costs).
@@ -38,8 +40,8 @@ leave no bubble (planned utilization 1.00): every K-FAC op lies on the critical 
 to hold it, so the run measures what the planner does without a bubble, not PipeFisher's gain (D >= 4 ranks would
 share the 2 cores here, which makes their timings meaningless).
 
-Run: python benchmarks/pipefisher_overhead.py [--model bert] [--schedule 1f1b|gpipe|chimera] [--hidden 128]
-[--ffn 512] [--rounds 5]
+Run: python benchmarks/pipefisher_overhead.py [--model bert] [--schedule 1f1b|gpipe|chimera|zb-h1] [--hidden 128]
+[--ffn 512] [--rounds 5] [--block 10]
 """
 
 from __future__ import annotations
@@ -198,6 +200,18 @@ def _build(args: argparse.Namespace, example: torch.Tensor) -> dict[str, Trainer
     return trainers
 
 
+def block_steps(periods: list[int], least: int) -> int:
+    """A variant's block: the fewest whole common refresh periods of its layers (`periods`) that make at least
+    `least` steps, so every layer refreshes as often in the block as in training."""
+    cycle = math.lcm(*periods)
+    return cycle * math.ceil(least / cycle)
+
+
+def _periods(trainer: Trainer) -> list[int]:
+    """The distinct refresh periods of a variant's layers ([1] without a preconditioner)."""
+    return sorted({t.period for t in trainer.timings.values()}) or [1]
+
+
 def _block(trainer: Trainer, batches: list[tuple[torch.Tensor, torch.Tensor]], steps: int) -> float:
     """Mean seconds per step over `steps` steps, between two barriers."""
     dist.barrier()
@@ -297,17 +311,17 @@ def _measure(
     args: argparse.Namespace,
     trainers: Mapping[str, Trainer],
     batches: list[tuple[torch.Tensor, torch.Tensor]],
-    block: int,
+    blocks: Mapping[str, int],
 ) -> dict[str, Any]:
-    """Warm up, then time interleaved rounds; gather each variant's timeline of the timed steps."""
-    times, events = timed_rounds(trainers, batches, dict.fromkeys(trainers, block), args.rounds, args.warmup_periods)
-    steps = args.rounds * block
+    """Warm up, then time interleaved rounds of each variant's block (`blocks`: steps); gather each variant's
+    timeline of the timed steps."""
+    times, events = timed_rounds(trainers, batches, blocks, args.rounds, args.warmup_blocks)
     return {
         "times": times,
         "events": events,
         "utilization": {v: utilization(events[v], BUSY) for v in ("a", "b")},
-        "kind_s": {v: _kind_seconds(events[v], steps) for v in trainers},
-        "kind_cpu_s": {v: _kind_cpu_seconds(events[v], steps) for v in trainers},
+        "kind_s": {v: _kind_seconds(events[v], args.rounds * blocks[v]) for v in trainers},
+        "kind_cpu_s": {v: _kind_cpu_seconds(events[v], args.rounds * blocks[v]) for v in trainers},
     }
 
 
@@ -317,10 +331,10 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
     built = time.perf_counter()
     trainers = _build(args, batches[0][0])
     build_s = time.perf_counter() - built
-    periods = [t.period for v in ("b", "f") if v in trainers for t in trainers[v].plan.layers.values()]
-    block = math.lcm(*periods) * args.periods_per_round
+    periods = {v: _periods(t) for v, t in trainers.items()}
+    blocks = {v: block_steps(ps, args.block) for v, ps in periods.items()}
     load_before = os.getloadavg()[0]
-    result = _measure(args, trainers, batches, block)
+    result = _measure(args, trainers, batches, blocks)
     if rank == 0:
         if args.save_plan:
             trainers["b"].plan.save(args.save_plan)
@@ -340,12 +354,10 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
             "planned": planned,
             "kind_s": result["kind_s"],
             "kind_cpu_s": result["kind_cpu_s"],
-            "block_steps": block,
+            "block_steps": blocks,
             "build_s": build_s,
-            "periods": sorted(set(periods)),
-            "periods_by_variant": {
-                v: sorted({t.period for t in trainers[v].plan.layers.values()}) for v in ("b", "f") if v in trainers
-            },
+            "periods": sorted({p for v in ("b", "f") if v in periods for p in periods[v]}),
+            "periods_by_variant": periods,
             "loadavg_1min": [load_before, os.getloadavg()[0]],
         }
         with open(out_path, "w") as f:
@@ -404,13 +416,15 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
     title = (
         f"PipeFisher overhead ({args.schedule}, D={D}, N={args.microbatches}, {model} h{args.hidden} "
         f"ffn{args.ffn} x{args.layers}, batch {args.batch}x{args.seq}, 1 thread/rank; refresh period "
-        f"{row['periods']}, {row['block_steps']} steps x {args.rounds} rounds)"
+        f"{row['periods']}, {args.rounds} rounds of each variant's block)"
     )
     table = Table(title=title)
     for col in (
         "variant",
         "s/step (median of rounds, ± half their spread)",
         "ratio to (a)",
+        "refresh periods",
+        "block (steps)",
         "utilization measured (r0, r1)",
         "utilization planned (r0, r1)",
     ):
@@ -422,6 +436,8 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
             f"({v}) {NAMES[v]}",
             f"{row['step_s'][v]:.4f} ±{row['noise'][v]:.1%}",
             f"{row['ratio_to_a'][v]:.3f}",
+            " ".join(map(str, row["periods_by_variant"][v])) if v != "a" else "-",
+            str(row["block_steps"][v]),
             _fmt_ranks(measured) if measured else "-",
             _fmt_ranks(plan_util[v]) if v in plan_util else "-",
         )
@@ -503,8 +519,13 @@ def main() -> None:
         choices=("bert", "gpt2"),
         help="the embedded BERT-style MLM, or Hugging Face GPT-2 as a causal LM",
     )
-    parser.add_argument("--periods-per-round", type=int, default=1)
-    parser.add_argument("--warmup-periods", type=int, default=1)
+    parser.add_argument(
+        "--block",
+        type=int,
+        default=10,
+        help="steps per variant per round, rounded up to whole common refresh periods of the variant's layers",
+    )
+    parser.add_argument("--warmup-blocks", type=int, default=1)
     parser.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time limit (s)")
     parser.add_argument(
         "--kfac-margin",

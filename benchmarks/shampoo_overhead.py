@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import time
@@ -44,8 +43,10 @@ from pipefisher_overhead import (
     _fmt_ranks,
     _kind_seconds,
     _model,
+    _periods,
     _planned,
     add_run_arguments,
+    block_steps,
     init_worker,
     print_time_split,
     spawn_and_report,
@@ -111,16 +112,6 @@ def _build(args: argparse.Namespace, example: torch.Tensor) -> dict[str, Trainer
     return trainers
 
 
-def _periods(trainer: Trainer) -> list[int]:
-    return sorted({t.period for t in trainer.timings.values()}) or [1]
-
-
-def _block_steps(periods: list[int], least: int) -> int:
-    """A variant's block: the fewest whole common refresh periods of its units that make at least `least` steps."""
-    cycle = math.lcm(*periods)
-    return cycle * math.ceil(least / cycle)
-
-
 def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> None:
     init_worker(rank, port)
     data = MaskedLMData(stdlib_corpus()[0], seq_len=args.seq, seed=0)
@@ -129,7 +120,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
     trainers = _build(args, batches[0][0])
     build_s = time.perf_counter() - built
     periods = {v: _periods(t) for v, t in trainers.items()}
-    blocks = {v: _block_steps(ps, args.block) for v, ps in periods.items()}
+    blocks = {v: block_steps(ps, args.block) for v, ps in periods.items()}
     load_before = os.getloadavg()
     times, events = timed_rounds(trainers, batches, blocks, args.rounds, args.warmup_blocks)
     if rank == 0:

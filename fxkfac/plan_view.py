@@ -99,13 +99,17 @@ def _steps(plan: Plan) -> _Steps:
 
 
 def _fixed(plan: Plan, steps: _Steps, device: int, k: int, count: int) -> list[Interval]:
-    """The device's F/B, gradient all-reduces and (on a helper) streamed layers' APPLY over `count` steps."""
+    """The device's F/B, gradient all-reduces and (on a helper) streamed layers' APPLY over `count` steps; its
+    weight gradients (W) too, unless the plan placed them as tasks (zero-bubble schedules), drawn with the other
+    placements (`_kfac`)."""
+    placed_w = any(p.device == device and p.op.kind is OpKind.BWD_W for p in plan.placements)
+    drawn = _DRAWN_FIXED - {OpKind.BWD_W} if placed_w else _DRAWN_FIXED
     out = []
     for j in range(count):
         base = steps.base(j, k)
         for op, a, b in steps.of(j, k).ops[device]:
             streamed = op.kind is OpKind.APPLY and is_streamed(plan.problem, device, op)
-            if op.kind in _DRAWN_FIXED or streamed:
+            if op.kind in drawn or streamed:
                 out.append(Interval(device, j, op, base + a, base + b))
     return out
 

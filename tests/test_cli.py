@@ -108,8 +108,9 @@ def test_plan_view_fits_the_terminal(width: int, schedule: str) -> None:
     assert "c" in cells and "P" in cells
 
 
-def test_planned_view_holds_each_placement_once_and_nothing_overlaps() -> None:
-    plan = _plan()
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_planned_view_holds_each_placement_once_and_nothing_overlaps(schedule: str) -> None:
+    plan = _plan(schedule)  # zb-h1: the plan places W tasks, drawn once (not also as the step's own W)
     for d in plan.problem.devices:
         k = len(plan.programs[d])  # the device's refresh period
         view = planned_view(plan, k)
@@ -120,7 +121,7 @@ def test_planned_view_holds_each_placement_once_and_nothing_overlaps() -> None:
         drawn = sorted(
             (str(iv.op), round(iv.start % view.end, 9))
             for iv in mine
-            if iv.op.kind in KFAC_KINDS and 0 <= iv.start < view.end
+            if iv.op.kind in (*KFAC_KINDS, OpKind.BWD_W) and 0 <= iv.start < view.end
         )
         placed = sorted((str(p.op), round(p.start % view.end, 9)) for p in plan.placements if p.device == d)
         assert drawn == placed
@@ -129,7 +130,7 @@ def test_planned_view_holds_each_placement_once_and_nothing_overlaps() -> None:
 
 
 def test_planned_utilization_agrees_with_the_plan_metrics() -> None:
-    for plan in (_plan(), _plan("chimera", 1)):
+    for plan in (_plan(), _plan("chimera", 1), _plan("zb-h1", 1)):
         per_device = planned_utilization(plan)
         assert sum(per_device.values()) / len(per_device) == pytest.approx(plan.metrics.utilization, rel=1e-9)
 
