@@ -637,6 +637,16 @@ class Distributions(StrEnum):
     GIVEN = "given"
 
 
+def candidate_part(shares: int) -> float:
+    """The part of the time left one candidate distribution of a shared budget takes, `shares` candidates still to
+    plan: half of it, and an equal share of the other half. With all of it (forcing it would), the first took the
+    whole limit: `fxkfac plan bert-large -D 8 -N 8 --schedule chimera --costs paper:bert-large/p100 --max-overhead 0`,
+    COMM-OPT refused after its streamed try and its plan without streaming, and the others kept first-fit's
+    5 5 6 4 4 6 5 5 (4 5 5 5 5 5 5 4 now); with an equal share the README snippet's COMM-OPT, which needs three
+    quarters, refreshed 11 30 where forcing it reaches 11 28 (it still does)."""
+    return (shares + 1) / (2 * shares)
+
+
 class TimeLimit(StrEnum):
     """What `SolverConfig.time_limit_s` bounds: the WHOLE_SEARCH (one Budget for all of it, off-clock simulations
     and suggestions included: what plan="auto" and `fxkfac plan` use, so `--time-limit` bounds the command), or
@@ -746,9 +756,9 @@ def plan(
         return step_timeline(streaming_of(p)).length
 
     def candidate(p: Problem, view: Budget, shares: int) -> Plan:
-        """One distribution of the choice, planned as forcing it would be (streaming included): with all the time
-        left, so the first that can win is planned as forcing it would be, and the others in what it leaves (the
-        `shares` left are not taken); its refusal names nothing (the choice's own refusal searches what would plan)."""
+        """One distribution of the choice, planned as forcing it would be (streaming included), in its part of the
+        time left (`candidate_part`; under EACH_SOLVE `view` is a budget of its own and `shares` 1); its refusal
+        names nothing (the choice's own refusal searches what would plan)."""
 
         def quiet(q: Problem, b: Budget, *, suggest: bool = True) -> Plan:
             return solved(q, b, suggest=False)
@@ -758,7 +768,7 @@ def plan(
             quiet,
             options.stream_apply,
             whole_backward=options.whole_backward,
-            budget=view,
+            budget=view if shares == 1 else view.part(candidate_part(shares)),
             streamed=streaming_of(p),
         )
 
