@@ -501,7 +501,7 @@ def _device_work(
     pieces: list[tuple[int, int, int]] = []
     for j, st in enumerate(steps):
         off = offsets[j]
-        tasks = {op for op, _, _ in w_window(problem, st, device, grid)}  # W's placed as tasks ([Note: placed W])
+        tasks = {op for op, _, _ in w_window(problem, st, device)}  # W's placed as tasks ([Note: placed W])
         for _op, a, b in st.fixed(device):
             if _op not in tasks:
                 busy += wrap(off + grid.at(a), off + grid.at(b), length)
@@ -761,11 +761,11 @@ def _decomp_tasks(
 #
 # [Note: placed W] A W (OpKind.BWD_W, the weight-gradient half of a backward) depends on its own B alone and is
 # needed by its stage's gradient all-reduce, the step's update. It is flexible work with a release and a deadline,
-# as a deferred STATS is: in a window (planner/window.py) each W of each step becomes a `TaskKind.WGRAD` task on
+# as a deferred STATS is: in a window (above) each W of each step becomes a `TaskKind.WGRAD` task on
 # its rank, released at its B's end, due by its stage's update in the same step (the start of its ALLREDUCE_GRAD
 # where the stage has copies; else its per-step slot, the no-op all-reduce following the last W: `shared`), holding its
-# layers' operands (`planner.memory.w_operand_bytes`) from its release until it ends (the window's memory model
-# counts them as it counts a deferred STATS's captures). Its length is its interval in the simulated step (the
+# layers' operands (`w_operand_bytes`) from its release until it ends (the window's memory model counts them as
+# it counts a deferred STATS's captures). Its length is its interval in the simulated step (the
 # refresh step's includes the fused layers' curvature, which runs with it). The schedule's position (`home`) is where
 # first-fit puts it and where CP-SAT keeps it while it searches for any placement (the refresh period and the stretch
 # are searched so, as with W's fixed: free W's made those searches slower, and some found a longer period), freeing
@@ -824,11 +824,11 @@ def allreduce_after_w(problem: Problem, items: list[tuple[tuple[int, ...], Op]])
     return out
 
 
-def w_window(problem: Problem, step: StepTimeline, device: int, grid: Grid) -> list[tuple[Op, int, int]]:
-    """The device's W's of `step` that become tasks, each with its home interval in ticks from the step's start."""
+def w_window(problem: Problem, step: StepTimeline, device: int) -> list[tuple[Op, float, float]]:
+    """The device's W's of `step` that become tasks, each with its home interval in seconds from the step's start."""
     if not placed_w(problem):
         return []
-    return [(op, grid.at(a), grid.at(b)) for op, a, b in step.fixed(device) if op.kind is OpKind.BWD_W]
+    return [(op, a, b) for op, a, b in step.fixed(device) if op.kind is OpKind.BWD_W]
 
 
 def w_tasks(
@@ -844,7 +844,8 @@ def w_tasks(
     tasks = []
     for d in devices:
         for j, st in enumerate(steps):
-            for op, a, b in w_window(problem, st, d, grid):
+            for op, start, end in w_window(problem, st, d):
+                a, b = grid.at(start), grid.at(end)
                 release, due = w_bounds(st, d, op)
                 deadline = offsets[j] + max(grid.at(due), b) if shared(problem, op.stage_id) else offsets[j + 1]
                 stage = problem.costs.stages[op.stage_id]
@@ -858,7 +859,7 @@ def w_tasks(
                         op.stage_id,
                         "",
                         (op,),
-                        (next(y - x for o, x, y in st.fixed(d) if o == op),),
+                        (end - start,),
                         max(1, b - a),
                         (d,),
                         offsets[j] + grid.at(release),
