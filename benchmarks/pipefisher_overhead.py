@@ -60,14 +60,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 from torch import nn
 
 import fxkfac
 from fxkfac.config import PROFILE_MARGIN, KFACConfig, PipelineOptions, PlanOptions
-from fxkfac.data import VOCAB_SIZE, MaskedLMData, stdlib_corpus
+from fxkfac.data import Objective, lm_data, stdlib_corpus
 from fxkfac.launch import free_port
-from fxkfac.models import TinyBertConfig, TinyBertMLM, mlm_loss
+from fxkfac.models import ByteGPT2Config, TinyBertConfig, TinyBertMLM, mlm_loss, next_byte_loss
 from fxkfac.plan_view import planned_utilization, planned_view
 from fxkfac.planner.problem import LayerTiming, OpKind
 from fxkfac.planner.problem.step_timeline import step_timeline
@@ -105,50 +104,17 @@ def _model(args: argparse.Namespace) -> TinyBertMLM:
 
 
 def _gpt2(args: argparse.Namespace) -> nn.Module:
-    """Hugging Face GPT-2 of the run's sizes over the byte vocabulary, dropout off."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
+    """The embedded byte-level GPT-2 (fxkfac.models.ByteGPT2Config) at the run's sizes."""
     torch.manual_seed(0)
-    return GPT2LMHeadModel(
-        GPT2Config(
-            vocab_size=VOCAB_SIZE,
-            n_embd=args.hidden,
-            n_inner=args.ffn,
-            n_layer=args.layers,
-            n_head=args.heads,
-            n_positions=args.seq,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-            use_cache=False,
-            bos_token_id=0,
-            eos_token_id=0,
-        )
-    )
-
-
-def _lm_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy of a Hugging Face causal LM's logits."""
-    return F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
-
-
-def _causal_batches(args: argparse.Namespace, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """`count` batches of corpus windows and the same windows one byte on (a fixed generator)."""
-    tokens = torch.frombuffer(bytearray(stdlib_corpus()[0]), dtype=torch.uint8).long()
-    g = torch.Generator().manual_seed(0)
-    batches = []
-    for _ in range(count):
-        starts = torch.randint(0, len(tokens) - args.seq - 1, (args.batch,), generator=g)
-        windows = torch.stack([tokens[s : s + args.seq + 1] for s in starts.tolist()])
-        batches.append((windows[:, :-1], windows[:, 1:]))
-    return batches
+    return ByteGPT2Config(
+        hidden=args.hidden, heads=args.heads, ffn=args.ffn, layers=args.layers, max_len=args.seq
+    ).build()
 
 
 def _batches(args: argparse.Namespace, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The run's mini-batches: masked windows for BERT, next-byte windows for GPT-2."""
-    if args.model == "gpt2":
-        return _causal_batches(args, count)
-    data = MaskedLMData(stdlib_corpus()[0], seq_len=args.seq, seed=0)
+    objective = Objective.NEXT_BYTE if args.model == "gpt2" else Objective.MASKED
+    data = lm_data(objective, stdlib_corpus()[0], seq_len=args.seq, seed=0)
     return [data.batch(args.batch) for _ in range(count)]
 
 
@@ -164,7 +130,7 @@ def _compile(
 ) -> Trainer:
     """One variant on the (D, 1) mesh, alike but for K-FAC and its plan (and `schedule`, None: the run's): eager
     stages, AdamW, timeline recorded."""
-    model, loss_fn = (_gpt2(args), _lm_loss) if args.model == "gpt2" else (_model(args), mlm_loss)
+    model, loss_fn = (_gpt2(args), next_byte_loss) if args.model == "gpt2" else (_model(args), mlm_loss)
     return fxkfac.compile(
         model,
         (D, 1),
