@@ -72,21 +72,15 @@ class TensorSpec:
 class LinearSpec:
     """One Linear (or a GEMM-shaped layer such as GPT-2's Conv1D or an im2col Conv2d)."""
 
-    name: str
-    """Module FQN, e.g. "bert.encoder.layer.3.attention.self.query"."""
+    name: str  # module FQN, e.g. "bert.encoder.layer.3.attention.self.query"
     d_in: int
     d_out: int
     bias: bool = True
-    tokens: int | None = None
-    """Rows per sample (None: the model's sequence length; a pooler: 1; a conv: output positions)."""
-    kfac: bool = True
-    """False for layers K-FAC skips (a vocabulary head): costed in fwd/bwd, no curvature work."""
-    tied: bool = False
-    """The weight is another module's (tied to the embedding): not counted again as parameters."""
-    transposed: bool = False
-    """The weight is stored [d_in, d_out] (GPT-2's Conv1D), not [d_out, d_in]."""
-    bias_name: str | None = None
-    """FQN of the bias parameter when it is not `<name>.bias` (BERT's decoder bias is `cls.predictions.bias`)."""
+    tokens: int | None = None  # rows per sample (None: the sequence length; a pooler: 1; a conv: output positions)
+    kfac: bool = True  # False for layers K-FAC skips (a vocabulary head): costed in fwd/bwd only
+    tied: bool = False  # the weight is another module's (tied to the embedding): not counted again
+    transposed: bool = False  # the weight is stored [d_in, d_out] (GPT-2's Conv1D), not [d_out, d_in]
+    bias_name: str | None = None  # the bias's FQN when not `<name>.bias` (BERT's decoder: `cls.predictions.bias`)
 
     @property
     def params(self) -> int:
@@ -106,20 +100,15 @@ class LinearSpec:
 class BlockSpec:
     """A run of layers that stays together on one stage: a Transformer block, or the embeddings/head."""
 
-    name: str
-    """FQN prefix, e.g. "bert.encoder.layer.3" (used in messages only; Linears carry full names)."""
+    name: str  # FQN prefix, e.g. "bert.encoder.layer.3" (messages only; Linears carry full names)
     linears: tuple[LinearSpec, ...] = ()
-    attention: int = 0
-    """Attention cores (Q K^T, softmax, A V): 1 per self-attention, 1 more per cross-attention."""
+    attention: int = 0  # attention cores (Q K^T, softmax, A V): 1 per self-attention, 1 more per cross-attention
     elementwise_per_token: int = 0
     """Elements per token that forward's elementwise kernels (norms, residuals, dropout, activation,
     embedding gathers) each read and write once; attention scores are counted from `attention`."""
-    saved_per_token: int = 0
-    """Activation elements per token kept from forward to backward (besides attention scores)."""
-    saved_mask_bytes_per_token: int = 0
-    """1-byte dropout masks kept per token (besides the attention-probability mask)."""
-    tensors: tuple[TensorSpec, ...] = ()
-    """Parameters outside the Linears: norms, embedding tables, relative position bias, ..."""
+    saved_per_token: int = 0  # activation elements per token kept for the backward (besides attention scores)
+    saved_mask_bytes_per_token: int = 0  # 1-byte dropout masks kept per token (besides attention's)
+    tensors: tuple[TensorSpec, ...] = ()  # parameters outside the Linears: norms, embedding tables, ...
 
     @property
     def parameters(self) -> tuple[TensorSpec, ...]:
@@ -141,13 +130,10 @@ class ModelSpec:
     ffn: int
     heads: int
     vocab: int
-    seq_len: int
-    """Default sequence length (the one the model is profiled / trained at)."""
+    seq_len: int  # the default, the one the model is profiled / trained at
     blocks: tuple[BlockSpec, ...]
-    embed: BlockSpec
-    """Costed on the first stage."""
-    head: BlockSpec
-    """Costed on the last stage (final norm, LM / pre-training heads)."""
+    embed: BlockSpec  # costed on the first stage
+    head: BlockSpec  # costed on the last stage (final norm, LM / pre-training heads)
 
     @property
     def params(self) -> int:
@@ -324,6 +310,7 @@ def preset(name: str) -> ModelSpec:
 
 
 def _as_linear(item: LinearSpec | Sequence[object], where: str) -> LinearSpec:
+    """`item` as a LinearSpec, checked."""
     if isinstance(item, LinearSpec):
         return item
     if not isinstance(item, (tuple, list)) or len(item) not in (4, 5):
@@ -338,13 +325,11 @@ def _as_linear(item: LinearSpec | Sequence[object], where: str) -> LinearSpec:
 def model_spec_from_layers(
     stages: Sequence[Sequence[LinearSpec | Sequence[object]]], *, name: str = "model"
 ) -> ModelSpec:
-    """A ModelSpec for a captured user model: one block per stage, made of its K-FAC layers.
+    """A ModelSpec for a captured user model: one block per stage, of its K-FAC layers, each a LinearSpec or
+    (name, d_in, d_out, tokens[, bias]), tokens the rows per sample (a conv's output positions, d_in = C_in*kh*kw).
 
-    Each layer is (name, d_in, d_out, tokens) or (name, d_in, d_out, tokens, bias) with tokens =
-    rows per sample (sequence length; conv: output positions, d_in = C_in*kh*kw), or a LinearSpec.
-    seq_len is 1, so every per-token quantity is per sample. Only the layers' GEMMs are costed
-    (kept activations: each layer's input; elementwise: each layer's output once): non-Linear
-    work of the model is not known here, so measured profiles are preferable where available.
+    seq_len is 1 (per-token means per sample). Only the GEMMs are costed (kept: each layer's input; elementwise:
+    each output once); the rest of the model is unknown here, so measured profiles are preferable.
     """
     if not stages:
         raise CostModelError("model_spec_from_layers needs at least one stage")
@@ -436,16 +421,12 @@ def matrix_view(shape: Sequence[int], max_dim: int, merge: bool = True) -> tuple
     return dims if len(dims) <= 2 else (dims[0], math.prod(dims[1:]))
 
 
-def _chunks(d: int, max_dim: int) -> list[tuple[int, int]]:
-    """[0, d) cut into pieces of length `max_dim`, the last one ragged (none for d = 0)."""
-    return [(start, min(start + max_dim, d)) for start in range(0, d, max_dim)]
-
-
 def block_ranges(shape: Sequence[int], max_dim: int) -> list[tuple[tuple[int, int], ...]]:
     """Blocks of side <= `max_dim` covering `shape` (a view), ragged at the far edges, in row-major order:
     ``(start, end)`` per dimension. (25, 7) with max_dim 10: rows (0,10) (10,20) (20,25) x cols (0,7)."""
     _check(shape, max_dim)
-    return list(itertools.product(*(_chunks(d, max_dim) for d in shape)))
+    chunks = ([(start, min(start + max_dim, d)) for start in range(0, d, max_dim)] for d in shape)
+    return list(itertools.product(*chunks))
 
 
 def block_shapes(shape: Sequence[int], max_dim: int) -> list[tuple[int, ...]]:

@@ -43,12 +43,15 @@ def _check_number(owner: str, field: str, value: Any, *, integer: bool) -> None:
         raise CostModelError(f"{owner}: {field} must be finite and >= 0, got {value!r}")
 
 
-def _check_fields(obj: Any, owner: str, byte_fields: frozenset[str], skip: frozenset[str]) -> None:
-    """`_check_number` of each field of `obj` but `skip`, the spreads and those unmeasured (None by default)."""
+def _check_fields(obj: Any, owner: str, *skip: str) -> None:
+    """`_check_number` of each field of `obj` (`*_bytes` ints) but `skip` and those unmeasured (None by default); each
+    `*_spread` None or a Spread (whether it still holds its time is not checked)."""
     for f in fields(obj):
         value = getattr(obj, f.name)
+        if f.name.endswith(_SPREAD) and value is not None and not isinstance(value, Spread):
+            raise CostModelError(f"{owner}: {f.name} must be a Spread or None, got {value!r}")
         if f.name not in skip and not f.name.endswith(_SPREAD) and not (value is None and f.default is None):
-            _check_number(owner, f.name, value, integer=f.name in byte_fields)
+            _check_number(owner, f.name, value, integer=f.name.endswith("_bytes"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,14 +84,6 @@ class Spread:
         return Spread(min(s.low for s in known), max(s.high for s in known)) if known else None
 
 
-def _check_spreads(obj: Any, owner: str) -> None:
-    """Each `<time>_spread` field is None or a Spread (whether it still holds its time is not checked)."""
-    for f in fields(obj):
-        spread = getattr(obj, f.name)
-        if f.name.endswith(_SPREAD) and spread is not None and not isinstance(spread, Spread):
-            raise CostModelError(f"{owner}: {f.name} must be a Spread or None, got {spread!r}")
-
-
 def _scaled(spread: Spread | None, factor: float) -> Spread | None:
     return None if spread is None else spread.scaled(factor)
 
@@ -117,10 +112,7 @@ class PartCost:
             raise CostModelError(f"PartCost.part must be one capital letter, got {self.part!r}")
         if self.after not in (OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD):
             raise CostModelError(f"PartCost.after must be FWD, BWD or ALLREDUCE_GRAD, got {self.after!r}")
-        _check_fields(
-            self, f"part {self.part!r}", frozenset({"capture_bytes", "state_bytes"}), frozenset({"part", "after"})
-        )
-        _check_spreads(self, f"part {self.part!r}")
+        _check_fields(self, f"part {self.part!r}", "part", "after")
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,10 +142,7 @@ class LayerCost:
             raise CostModelError(f"layer {self.name!r}: parts must be a tuple of PartCost (empty: Muon's matrices)")
         if len({p.part for p in self.parts}) != len(self.parts):
             raise CostModelError(f"layer {self.name!r}: parts {[p.part for p in self.parts]} repeat a name")
-        _check_fields(
-            self, f"layer {self.name!r}", frozenset({"state_bytes", "grad_bytes"}), frozenset({"name", "parts"})
-        )
-        _check_spreads(self, f"layer {self.name!r}")
+        _check_fields(self, f"layer {self.name!r}", "name", "parts")
 
     @classmethod
     def kfac(
@@ -251,9 +240,7 @@ class StageCost:
     def __post_init__(self) -> None:
         if not isinstance(self.layers, tuple) or not all(isinstance(x, LayerCost) for x in self.layers):
             raise CostModelError("StageCost.layers must be a tuple of LayerCost")
-        byte_fields = frozenset({"param_bytes", "act_bytes", "peak_err_bytes", "boundary_bytes"})
-        _check_fields(self, "stage", byte_fields, frozenset({"layers"}))
-        _check_spreads(self, "stage")
+        _check_fields(self, "stage", "layers")
         if self.wgrad is not None and self.wgrad > self.bwd:
             raise CostModelError(f"StageCost.wgrad ({self.wgrad}) is part of the backward ({self.bwd}): at most bwd")
 
