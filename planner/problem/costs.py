@@ -84,10 +84,6 @@ class Spread:
         return Spread(min(s.low for s in known), max(s.high for s in known)) if known else None
 
 
-def _scaled(spread: Spread | None, factor: float) -> Spread | None:
-    return None if spread is None else spread.scaled(factor)
-
-
 @dataclass(frozen=True, slots=True)
 class PartCost:
     """What one part of a layer's preconditioner costs (K-FAC's parts: the factors A and B).
@@ -514,53 +510,38 @@ def _stage_from_dict(data: dict[str, Any]) -> StageCost:
     return StageCost(**_with_spreads({**data, "layers": layers}))
 
 
+_SCALES = dict.fromkeys(("stats", "fwd", "bwd", "tap_fwd", "tap_bwd", "fused_fwd", "fused_bwd", "wgrad"), 0)
+_SCALES |= dict.fromkeys(("decomp", "prec", "hand_off", "take_back"), 1)
+_SCALES |= dict.fromkeys(("capture_bytes", "act_bytes", "peak_err_bytes", "boundary_bytes"), 2)
+"""How each cost field scales: 0 a per-micro-batch time, 1 a per-step time, 2 per-micro-batch bytes (spreads too)."""
+
+
+def _scaled_fields(obj: Any, factors: tuple[float, float, float]) -> Any:
+    """`obj` (a PartCost, LayerCost or StageCost) with each field of `_SCALES` measured scaled by its factor."""
+    changes: dict[str, Any] = {}
+    for f in fields(obj):
+        value, kind = getattr(obj, f.name), _SCALES.get(f.name.removesuffix(_SPREAD))
+        if kind is not None and value is not None:
+            factor = factors[kind]
+            scaled = value.scaled(factor) if isinstance(value, Spread) else value * factor
+            changes[f.name] = round(scaled) if kind == 2 else scaled
+    return replace(obj, **changes)
+
+
 def _scale_layer(x: LayerCost, per_mb: float, fixed: float, mem: float) -> LayerCost:
-    """Statistics times by per_mb, decompositions and preconditioning by fixed, captured bytes by mem (and the
-    times' spreads as their times)."""
-    parts = tuple(
-        replace(
-            p,
-            stats=p.stats * per_mb,
-            decomp=p.decomp * fixed,
-            capture_bytes=round(p.capture_bytes * mem),
-            stats_spread=_scaled(p.stats_spread, per_mb),
-            decomp_spread=_scaled(p.decomp_spread, fixed),
-        )
-        for p in x.parts
-    )
-    return replace(
-        x,
-        parts=parts,
-        prec=x.prec * fixed,
-        prec_spread=_scaled(x.prec_spread, fixed),
-        hand_off=x.hand_off * fixed,
-        take_back=x.take_back * fixed,
-    )
+    """Statistics times by per_mb, decompositions and preconditioning by fixed, captured bytes by mem."""
+    factors = (per_mb, fixed, mem)
+    return replace(_scaled_fields(x, factors), parts=tuple(_scaled_fields(p, factors) for p in x.parts))
 
 
 def _scale_stage(s: StageCost, per_mb: float, fixed: float, mem: float) -> StageCost:
-    """Scale per-micro-batch times by per_mb (a layer's `grad_ready` with the backward), per-step times by fixed,
+    """Per-micro-batch times by per_mb (a layer's `grad_ready` with the backward), per-step times by fixed,
     per-micro-batch bytes by mem."""
     layers = tuple(
         replace(_scale_layer(x, per_mb, fixed, mem), grad_ready=None if x.grad_ready is None else x.grad_ready * per_mb)
         for x in s.layers
     )
-    return replace(
-        s,
-        fwd=s.fwd * per_mb,
-        bwd=s.bwd * per_mb,
-        tap_fwd=s.tap_fwd * per_mb,
-        tap_bwd=s.tap_bwd * per_mb,
-        fused_fwd=None if s.fused_fwd is None else s.fused_fwd * per_mb,
-        fused_bwd=None if s.fused_bwd is None else s.fused_bwd * per_mb,
-        wgrad=None if s.wgrad is None else s.wgrad * per_mb,
-        fwd_spread=_scaled(s.fwd_spread, per_mb),
-        bwd_spread=_scaled(s.bwd_spread, per_mb),
-        act_bytes=round(s.act_bytes * mem),
-        peak_err_bytes=round(s.peak_err_bytes * mem),
-        boundary_bytes=round(s.boundary_bytes * mem),
-        layers=layers,
-    )
+    return replace(_scaled_fields(s, (per_mb, fixed, mem)), layers=layers)
 
 
 def median_of(tables: Sequence[CostTable]) -> CostTable:
