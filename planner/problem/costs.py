@@ -584,53 +584,41 @@ Reduce = Callable[[list[float]], float]
 """How several measurements of one time make the one planned with (`min`: the fastest; `statistics.median`)."""
 
 
+_DIFFERENCES = frozenset({"tap_fwd", "tap_bwd", "fused_fwd", "fused_bwd", "wgrad", "grad_ready"})
+"""Times measured as a difference of two times of one measurement, whose fastest would be too low."""
+
+
+def _combined(objs: Sequence[Any], time: Reduce) -> dict[str, Any]:
+    """The fields of several measurements of one cost object that combine: each time reduced by `time`, each
+    `_DIFFERENCES` time the median of those measured, each spread covering theirs."""
+    out: dict[str, Any] = {}
+    for f in fields(objs[0]):
+        values = [getattr(x, f.name) for x in objs]
+        if f.name.endswith(_SPREAD):
+            out[f.name] = Spread.covering(values)
+        elif f.name in _DIFFERENCES:
+            known = [v for v in values if v is not None]
+            out[f.name] = statistics.median(known) if known else None
+        elif _SCALES.get(f.name, 2) < 2:
+            out[f.name] = time(values)
+    return out
+
+
 def combined_stage(stages: Sequence[StageCost], time: Reduce) -> StageCost:
-    """One stage's costs from several measurements of it: each time reduced by `time`, its spread covering theirs;
-    the taps', fused curvature's and W's extra the median of those measured (a difference of two times, whose
-    fastest would be too low); bytes and names the first's."""
-    layers = tuple(_combined_layer(list(xs), time) for xs in zip(*(s.layers for s in stages), strict=True))
-    bwd, wgrad = time([s.bwd for s in stages]), _median(s.wgrad for s in stages)
-    return replace(
-        stages[0],
-        fwd=time([s.fwd for s in stages]),
-        bwd=bwd,
-        fwd_spread=Spread.covering(s.fwd_spread for s in stages),
-        bwd_spread=Spread.covering(s.bwd_spread for s in stages),
-        tap_fwd=statistics.median(s.tap_fwd for s in stages),
-        tap_bwd=statistics.median(s.tap_bwd for s in stages),
-        fused_fwd=_median(s.fused_fwd for s in stages),
-        fused_bwd=_median(s.fused_bwd for s in stages),
-        wgrad=None if wgrad is None else min(wgrad, bwd),  # a part of the backward, as reduced
-        layers=layers,
-    )
-
-
-def _median(values: Iterable[float | None]) -> float | None:
-    """The median of the measured ones among `values` (None when none was measured)."""
-    known = [v for v in values if v is not None]
-    return statistics.median(known) if known else None
-
-
-def _combined_layer(layers: list[LayerCost], time: Reduce) -> LayerCost:
-    parts = tuple(
+    """One stage's costs from several measurements of it (`_combined`; W at most the backward, as reduced); bytes
+    and names the first's."""
+    layers = tuple(
         replace(
-            ps[0],
-            stats=time([p.stats for p in ps]),
-            decomp=time([p.decomp for p in ps]),
-            stats_spread=Spread.covering(p.stats_spread for p in ps),
-            decomp_spread=Spread.covering(p.decomp_spread for p in ps),
+            xs[0],
+            **_combined(xs, time),
+            parts=tuple(replace(ps[0], **_combined(ps, time)) for ps in zip(*(x.parts for x in xs), strict=True)),
         )
-        for ps in zip(*(x.parts for x in layers), strict=True)
+        for xs in zip(*(s.layers for s in stages), strict=True)
     )
-    return replace(
-        layers[0],
-        parts=parts,
-        prec=time([x.prec for x in layers]),
-        prec_spread=Spread.covering(x.prec_spread for x in layers),
-        grad_ready=_median(x.grad_ready for x in layers),
-        hand_off=time([x.hand_off for x in layers]),
-        take_back=time([x.take_back for x in layers]),
-    )
+    combined = _combined(stages, time)
+    if combined["wgrad"] is not None:
+        combined["wgrad"] = min(combined["wgrad"], combined["bwd"])
+    return replace(stages[0], **combined, layers=layers)
 
 
 class InverseMethod(StrEnum):
