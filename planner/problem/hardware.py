@@ -209,12 +209,8 @@ def fit_alpha_beta(kind: Collective, samples: Sequence[Sample]) -> AlphaBeta:
     both = _unconstrained(rows)
     if both is not None and min(both) >= 0:
         candidates.append(AlphaBeta(*both))
-    best = min(candidates, key=lambda ab: _residual(rows, ab))
+    best = min(candidates, key=lambda ab: sum((ab.alpha * x + ab.beta * y - t) ** 2 for x, y, t in rows))
     return AlphaBeta(best.alpha, best.beta / unit)
-
-
-def _residual(rows: Sequence[tuple[float, float, float]], ab: AlphaBeta) -> float:
-    return sum((ab.alpha * x + ab.beta * y - t) ** 2 for x, y, t in rows)
 
 
 def _only(rows: Sequence[tuple[float, float, float]], column: int) -> AlphaBeta:
