@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.problem.errors import CostModelError
-from fxkfac.planner.problem.hardware import HARDWARE, CommModel
+from fxkfac.planner.problem.hardware import HARDWARE
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -311,21 +311,11 @@ def cost_table_from_pipefisher_csv(
             )
         )
         first += k
-    hw = hardware or device or _hardware_from_name(PurePath(file_name).stem)
+    stem = PurePath(file_name).stem  # the paper's files: <model>_time_memory_<hardware>
+    hw = hardware or device or (stem.rsplit("_", 1)[1] if "_time_memory" in stem else "unknown")
     kind = "pipefisher-csv" if device is None else "gpu-profile"
-    return CostTable(tuple(stages), micro_batch_size, f"{kind}:{file_name}", hw, _comm_of(hw))
-
-
-def _comm_of(hardware: str) -> CommModel | None:
-    """The analytic comm model of a known hardware preset (planner/problem/hardware.py); None for others (rtx3090)."""
-    spec = HARDWARE.get(hardware.lower())
-    return spec.comm if spec is not None else None
-
-
-def _hardware_from_name(stem: str) -> str:
-    """'bert-base_time_memory_p100' -> 'p100' (the files' naming); 'unknown' otherwise."""
-    parts = stem.rsplit("_", 1)
-    return parts[1] if len(parts) == 2 and "_time_memory" in stem else "unknown"
+    spec = HARDWARE.get(hw.lower())  # a known preset's analytic links; none for others (rtx3090)
+    return CostTable(tuple(stages), micro_batch_size, f"{kind}:{file_name}", hw, spec.comm if spec else None)
 
 
 def load_cost_table(path: str | Path, **csv_options: Any) -> CostTable:
