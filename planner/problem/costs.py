@@ -523,8 +523,10 @@ def _scaled_fields(obj: Any, factors: tuple[float, float, float]) -> Any:
         value, kind = getattr(obj, f.name), _SCALES.get(f.name.removesuffix(_SPREAD))
         if kind is not None and value is not None:
             factor = factors[kind]
-            scaled = value.scaled(factor) if isinstance(value, Spread) else value * factor
-            changes[f.name] = round(scaled) if kind == 2 else scaled
+            if isinstance(value, Spread):
+                changes[f.name] = value.scaled(factor)
+            else:
+                changes[f.name] = round(value * factor) if kind == 2 else value * factor
     return replace(obj, **changes)
 
 
