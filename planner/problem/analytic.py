@@ -1,76 +1,32 @@
-"""Analytic cost model: sympy FLOP and byte expressions over a hardware spec, turned into a CostTable.
+"""Analytic cost model: FLOP and byte counts over a hardware spec, turned into a CostTable, for K-FAC (sympy
+expressions over one Linear), Shampoo and SOAP (one LayerCost per parameter block) and Muon (one per parameter).
 
-Every kernel takes max(flops / (peak * efficiency), bytes / bandwidth) (a roofline). FLOPs count a
-multiply-add as 2. Symbols: b micro-batch size, s rows per sample (tokens), d_in/d_out Linear
-widths, beta 1 with a bias (the A factor gets a ones column) else 0, h heads, d_h head width,
-n a factor's side, p bytes per activation element (4 fp32, 2 bf16); factors are kept in fp32.
+Every kernel takes max(flops / (peak * efficiency), bytes / bandwidth) (`roofline`); a multiply-add is 2 FLOPs.
+Symbols: b micro-batch size, s rows per sample (tokens), d_in/d_out Linear widths, beta 1 with a bias (the A factor
+gets a ones column) else 0, h heads, d_h head width, n a factor's side, p bytes per activation element; factors fp32.
 
-Torch-free model specs (widths, blocks, per-block Linears with Hugging Face names) for the analytic cost model.
+Shampoo and SOAP blocks (Shi et al., Distributed Shampoo, §4.2) under ``max_dim`` (b): size-1 dims dropped, then
+(with merging) consecutive dims merged while their product stays <= b, an order > 2 result viewed as
+(d0, d1*...*dk), so a view is 1-D or 2-D (parts L rows, R columns). ``LargeDimMethod.BLOCKING`` cuts the view into
+blocks of side <= b (ragged at the far edges, row-major), each side a dense factor; ``DIAGONAL`` keeps one block
+whose sides longer than b keep only their factor's diagonal; ``ADAGRAD`` keeps one block with no factors when a side
+is longer than b (the parameter follows the graft), else dense ones. A block (r, c) with factor sides (m, n) costs:
+- statistics every step (parts L, R after ALLREDUCE_GRAD): L += G G^T, 2 r^2 c FLOPs; R += G^T G, 2 r c^2;
+- a decomposition per refresh and side b: Shampoo's eigh (EIGH_FLOPS b^3 at factorization efficiency, then
+  Q diag(lambda^-1/p) Q^T, 2 b^3) or coupled Newton (NEWTON_ITERATIONS x `newton_matmuls(p)` products of 2 b^3);
+  SOAP's power step and QR (2 b^3, then QR_FLOPS b^3 = geqrf + orgqr, Golub & Van Loan sec. 5.2.2) plus
+  re-projecting Adam's first moment (two products, 2 r c b each);
+- APPLY every step: Shampoo L^-1/p G R^-1/p, 2 r c (r + c) FLOPs, SOAP twice that (rotate in and out), plus
+  ELEMENTWISE_PASSES fp32 passes over the parameter at memory bandwidth;
+- bytes: each factor 4 b^2 (its root or basis as large); state: Shampoo's momentum, SOAP's Adam moments.
+Shampoo blocks merged dims (`ShampooConfig.use_merge_dims`); SOAP unmerged and leaves 1-D parameters to AdamW.
 
-How Shampoo and SOAP cut a parameter into preconditioned blocks (torch-free: the planner counts them too).
-
-The paper's rules (Shi et al., Distributed Shampoo, §4.2, Table 1) under one hyperparameter ``max_dim`` (b):
-
-- *view*: size-1 dimensions are dropped; with merging, consecutive dimensions are merged while their product
-  stays <= b (b=8: (10, 2, 2, 4) -> (10, 4, 4)); a tensor still of order > 2 is then viewed as the matrix
-  (d0, d1*...*dk). The paper keeps one factor per dimension with root 2*order; fxkfac's families have two
-  parts, L (rows) and R (columns), so a view is always 1-D or 2-D. A scalar (or all-ones shape) is (1,).
-- ``LargeDimMethod.BLOCKING``: the view is cut into blocks of side <= b, ragged at the far edges, in row-major
-  order; every side of every block gets a dense factor.
-- ``LargeDimMethod.DIAGONAL``: one block (the whole view); a side longer than b keeps only the diagonal of its
-  factor (matdiag), the others a dense factor.
-- ``LargeDimMethod.ADAGRAD``: one block; when any side of the view is longer than b, the block has no factors
-  (the parameter follows the diagonal graft method); otherwise every side gets a dense factor.
-
-Analytic costs of Shampoo and SOAP: one LayerCost per parameter, parts L and R fed by the reduced gradient.
-
-Every parameter of the model is cut into blocks by `planner.problem.analytic` (Shampoo: merged dims, as
-`ShampooConfig.use_merge_dims`; SOAP: unmerged, and its 1-D parameters left to plain AdamW, as
-`SOAPConfig.precondition_1d=False`). A block of shape (r, c) (a 1-D block is (r, 1)) with factor sides (m, n)
-costs, each kernel timed by the K-FAC model's roofline (`planner.problem.analytic.roofline`, fp32 peak, the hardware's
-matmul and factorization efficiencies; that model has no launch-latency floor, so neither has this one):
-
-- statistics, every step (parts L and R, `after=ALLREDUCE_GRAD`): L += G G^T, 2 r^2 c FLOPs; R += G^T G,
-  2 r c^2 FLOPs; bytes: G read, the factor read and written.
-- decomposition, every refresh, per side of b = m or n:
-  Shampoo by eigh (`RootMethod.EIGH`, its default): EIGH_FLOPS b^3 = 9 b^3 at factorization efficiency (Golub &
-  Van Loan sec. 8.3.6), then Q diag(lambda^-1/p) Q^T, 2 b^3 at matmul efficiency;
-  Shampoo by coupled Newton (`RootMethod.NEWTON`): NEWTON_ITERATIONS x `newton_matmuls(p)` products of 2 b^3;
-  SOAP by one power step and QR (`RootMethod.QR`, its default): L Q (2 b^3, matmul) then Householder QR with Q
-  formed, QR_FLOPS b^3 = 8/3 b^3 (geqrf 4/3 + orgqr 4/3, Golub & Van Loan sec. 5.2.2), plus re-projecting
-  Adam's first moment into the new basis on that side (two products, 2 r c b each).
-- preconditioning, every step (LayerCost.prec): Shampoo L^-1/p G R^-1/p, 2 r c (r + c) FLOPs; SOAP rotates
-  the gradient in and the Adam direction out, twice that; plus ELEMENTWISE_PASSES fp32 passes over the
-  parameter (graft norms, momentum, weight decay; SOAP: Adam's moments) at memory bandwidth.
-- bytes: each factor 4 b^2 (PartCost.state_bytes; its root or basis is as large, as K-FAC's inverse is);
-  LayerCost.state_bytes: Shampoo's momentum (ShampooConfig: momentum 0.9, SGD graft, beta1 0: no graft or
-  filtered-gradient state), SOAP's Adam moments m and v.
-
-Analytic costs of Muon: one LayerCost per parameter, no parts, its APPLY a matrix's Newton-Schulz or AdamW's step.
-
-Muon (`MuonConfig`, fxkfac/muon/) orthogonalizes each hidden 2-D weight's momentum at every step; embeddings, the
-output head (a Linear K-FAC skips, `LinearSpec.kfac` False) and 1-D parameters go to AdamW (below). A matrix of
-shape (r, c), m = min(r, c) <= n = max(r, c), costs per step (each kernel timed by the K-FAC model's roofline,
-`planner.problem.analytic.roofline`, without a launch-latency floor):
-
-- Newton-Schulz, `ns_steps` iterations (5) of the quintic X <- a X + (b A + c A A) X with A = X X^T, X the m x n
-  orientation (the transpose when r > c, as torch.optim.Muon does): A = X X^T is m*m*n multiply-adds, A A is m^3,
-  (b A + c A A) X is m*m*n, so one iteration is 2 m^2 n + m^3 multiply-adds, 2 (2 m^2 n + m^3) FLOPs
-  (`ns_iteration_flops`); the scaling by b, c and the sum are elementwise on m x m and ride in the products'
-  epilogues. Priced at `precision`'s peak: BF16 by default, as torch.optim.Muon runs the iterations in bfloat16.
-- elementwise: ELEMENTWISE_PASSES fp32 passes over the matrix at memory bandwidth (momentum, Nesterov, the
-  normalization before the iterations, the learning-rate adjustment, decoupled weight decay and the update).
-- bytes: the momentum buffer (LayerCost.state_bytes) and the gradient a streamed APPLY sends each way
-  (LayerCost.grad_bytes), fp32.
-
-Every other parameter (embedding tables, the head, norms, biases) is a unit too, as `fxkfac.compile` makes one of
-every trainable parameter (`MuonFamily.units`): its APPLY is AdamW's elementwise step, ADAMW_PASSES fp32 passes at
-memory bandwidth (`adamw_cost`), its state the two moments. It is rarely worth a helper (its gradient's transfer
-outlasts it but on a link faster than memory bandwidth / ADAMW_PASSES; planner/search/plan_search.py), so it runs on
-its owner, beside the matrices' Newton-Schulz.
-
-A piece i of n of a matrix's APPLY (`Op.piece`) runs iterations [i*S//n, (i+1)*S//n) of S = ns_steps
-(`planner.problem.ir`); its time is that share of the APPLY.
+Muon (fxkfac/muon/) orthogonalizes each hidden 2-D weight's momentum every step; a matrix (r, c), m = min <= n = max,
+runs `ns_steps` quintic Newton-Schulz iterations X <- a X + (b A + c A A) X, A = X X^T, each 2 (2 m^2 n + m^3)
+FLOPs (`ns_iteration_flops`) at BF16 by default (as torch.optim.Muon), plus ELEMENTWISE_PASSES fp32 passes; its
+state the momentum. Every other parameter (embeddings, the head, norms, biases) is a unit stepped by AdamW,
+ADAMW_PASSES passes at memory bandwidth (`adamw_cost`), run on its owner. Piece i of n of an APPLY (`Op.piece`)
+runs iterations [i*S//n, (i+1)*S//n) of S = ns_steps.
 """
 
 from __future__ import annotations
@@ -116,21 +72,15 @@ class TensorSpec:
 class LinearSpec:
     """One Linear (or a GEMM-shaped layer such as GPT-2's Conv1D or an im2col Conv2d)."""
 
-    name: str
-    """Module FQN, e.g. "bert.encoder.layer.3.attention.self.query"."""
+    name: str  # module FQN, e.g. "bert.encoder.layer.3.attention.self.query"
     d_in: int
     d_out: int
     bias: bool = True
-    tokens: int | None = None
-    """Rows per sample (None: the model's sequence length; a pooler: 1; a conv: output positions)."""
-    kfac: bool = True
-    """False for layers K-FAC skips (a vocabulary head): costed in fwd/bwd, no curvature work."""
-    tied: bool = False
-    """The weight is another module's (tied to the embedding): not counted again as parameters."""
-    transposed: bool = False
-    """The weight is stored [d_in, d_out] (GPT-2's Conv1D), not [d_out, d_in]."""
-    bias_name: str | None = None
-    """FQN of the bias parameter when it is not `<name>.bias` (BERT's decoder bias is `cls.predictions.bias`)."""
+    tokens: int | None = None  # rows per sample (None: the sequence length; a pooler: 1; a conv: output positions)
+    kfac: bool = True  # False for layers K-FAC skips (a vocabulary head): costed in fwd/bwd only
+    tied: bool = False  # the weight is another module's (tied to the embedding): not counted again
+    transposed: bool = False  # the weight is stored [d_in, d_out] (GPT-2's Conv1D), not [d_out, d_in]
+    bias_name: str | None = None  # the bias's FQN when not `<name>.bias` (BERT's decoder: `cls.predictions.bias`)
 
     @property
     def params(self) -> int:
@@ -150,20 +100,15 @@ class LinearSpec:
 class BlockSpec:
     """A run of layers that stays together on one stage: a Transformer block, or the embeddings/head."""
 
-    name: str
-    """FQN prefix, e.g. "bert.encoder.layer.3" (used in messages only; Linears carry full names)."""
+    name: str  # FQN prefix, e.g. "bert.encoder.layer.3" (messages only; Linears carry full names)
     linears: tuple[LinearSpec, ...] = ()
-    attention: int = 0
-    """Attention cores (Q K^T, softmax, A V): 1 per self-attention, 1 more per cross-attention."""
+    attention: int = 0  # attention cores (Q K^T, softmax, A V): 1 per self-attention, 1 more per cross-attention
     elementwise_per_token: int = 0
     """Elements per token that forward's elementwise kernels (norms, residuals, dropout, activation,
     embedding gathers) each read and write once; attention scores are counted from `attention`."""
-    saved_per_token: int = 0
-    """Activation elements per token kept from forward to backward (besides attention scores)."""
-    saved_mask_bytes_per_token: int = 0
-    """1-byte dropout masks kept per token (besides the attention-probability mask)."""
-    tensors: tuple[TensorSpec, ...] = ()
-    """Parameters outside the Linears: norms, embedding tables, relative position bias, ..."""
+    saved_per_token: int = 0  # activation elements per token kept for the backward (besides attention scores)
+    saved_mask_bytes_per_token: int = 0  # 1-byte dropout masks kept per token (besides attention's)
+    tensors: tuple[TensorSpec, ...] = ()  # parameters outside the Linears: norms, embedding tables, ...
 
     @property
     def parameters(self) -> tuple[TensorSpec, ...]:
@@ -185,13 +130,10 @@ class ModelSpec:
     ffn: int
     heads: int
     vocab: int
-    seq_len: int
-    """Default sequence length (the one the model is profiled / trained at)."""
+    seq_len: int  # the default, the one the model is profiled / trained at
     blocks: tuple[BlockSpec, ...]
-    embed: BlockSpec
-    """Costed on the first stage."""
-    head: BlockSpec
-    """Costed on the last stage (final norm, LM / pre-training heads)."""
+    embed: BlockSpec  # costed on the first stage
+    head: BlockSpec  # costed on the last stage (final norm, LM / pre-training heads)
 
     @property
     def params(self) -> int:
@@ -210,71 +152,55 @@ class ModelSpec:
         return tuple(t for part in (self.embed, *self.blocks, self.head) for t in part.parameters)
 
 
-def _lin(
-    prefix: str, rows: Sequence[tuple[str, int, int]], bias: bool = True, transposed: bool = False
-) -> tuple[LinearSpec, ...]:
-    return tuple(LinearSpec(f"{prefix}.{name}", d_in, d_out, bias, transposed=transposed) for name, d_in, d_out in rows)
-
-
 def _norms(names: Sequence[str], width: int, bias: bool = True) -> tuple[TensorSpec, ...]:
     """The weight (and bias) of each norm module in `names` (LayerNorm; T5's RMS norms have no bias)."""
     kinds = ("weight", "bias") if bias else ("weight",)
     return tuple(TensorSpec(f"{name}.{kind}", (width,)) for name in names for kind in kinds)
 
 
-def _transformer_block(
-    name: str,
-    linears: tuple[LinearSpec, ...],
+def _rows(attention: Sequence[str], mlp: Sequence[str], h: int, ffn: int) -> list[tuple[str, int, int]]:
+    """(name, d_in, d_out) of a block's Linears: each attention projection h -> h, then the MLP h -> ffn -> h."""
+    return [(x, h, h) for x in attention] + [(mlp[0], h, ffn), (mlp[1], ffn, h)]
+
+
+def _block(
+    p: str,
+    rows: Sequence[tuple[str, int, int]],
+    norms: Sequence[str],
     *,
-    hidden: int,
+    h: int,
     ffn: int,
     attention: int = 1,
-    tensors: tuple[TensorSpec, ...],
+    bias: bool = True,
+    transposed: bool = False,
+    extra: tuple[TensorSpec, ...] = (),
 ) -> BlockSpec:
-    """A block with `attention` attention sub-layers and one MLP, each wrapped in norm + residual;
-    `tensors` are its parameters outside the Linears (the norms, ...).
+    """A block `p` with `attention` attention sub-layers and one MLP, each wrapped in norm + residual: its Linears
+    `rows`, its norms (names under `p`) after `extra` parameters.
 
-    Saved activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-    Transformer Models", sec. 4.1): per attention sub-layer 5h elements + an h mask, the MLP
-    h + 2f + an h mask, 1h per norm input; their 34sbh at 16 bits is (8h + 2f) elements + 2h mask
-    bytes at f = 4h. Elementwise forward: dropout, residual add and norm over h per sub-layer,
-    the activation over f.
+    Saved activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+    Models", sec. 4.1): per attention sub-layer 5h elements + an h mask, the MLP h + 2f + an h mask, 1h per norm
+    input. Elementwise forward: dropout, residual add and norm over h per sub-layer, the activation over f.
     """
     sublayers = attention + 1
     return BlockSpec(
-        name=name,
-        linears=linears,
+        name=p,
+        linears=tuple(LinearSpec(f"{p}.{x}", i, o, bias, transposed=transposed) for x, i, o in rows),
         attention=attention,
-        elementwise_per_token=3 * hidden * sublayers + ffn,
-        saved_per_token=5 * hidden * attention + hidden + 2 * ffn + hidden * sublayers,
-        saved_mask_bytes_per_token=hidden * sublayers,
-        tensors=tensors,
+        elementwise_per_token=3 * h * sublayers + ffn,
+        saved_per_token=5 * h * attention + h + 2 * ffn + h * sublayers,
+        saved_mask_bytes_per_token=h * sublayers,
+        tensors=extra + _norms([f"{p}.{x}" for x in norms], h, bias),
     )
 
 
-def _bert(name: str, hidden: int, layers: int, heads: int, ffn: int) -> ModelSpec:
+def _bert(name: str, h: int, layers: int, heads: int, ffn: int) -> ModelSpec:
     """BertForPreTraining (MLM + NSP heads, decoder tied to the word embedding), vocab 30522."""
-    vocab, h, pre = 30522, hidden, "bert.embeddings"
-    blocks = tuple(
-        _transformer_block(
-            p := f"bert.encoder.layer.{i}",
-            _lin(
-                p,
-                [
-                    ("attention.self.query", h, h),
-                    ("attention.self.key", h, h),
-                    ("attention.self.value", h, h),
-                    ("attention.output.dense", h, h),
-                    ("intermediate.dense", h, ffn),
-                    ("output.dense", ffn, h),
-                ],
-            ),
-            hidden=h,
-            ffn=ffn,
-            tensors=_norms([f"{p}.attention.output.LayerNorm", f"{p}.output.LayerNorm"], h),
-        )  # fmt: skip
-        for i in range(layers)
-    )
+    vocab, pre = 30522, "bert.embeddings"
+    attention = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense")
+    rows = _rows(attention, ("intermediate.dense", "output.dense"), h, ffn)
+    norms = ("attention.output.LayerNorm", "output.LayerNorm")
+    blocks = tuple(_block(f"bert.encoder.layer.{i}", rows, norms, h=h, ffn=ffn) for i in range(layers))
     tables = (
         TensorSpec(f"{pre}.word_embeddings.weight", (vocab, h)),
         TensorSpec(f"{pre}.position_embeddings.weight", (512, h)),
@@ -295,123 +221,72 @@ def _bert(name: str, hidden: int, layers: int, heads: int, ffn: int) -> ModelSpe
     return ModelSpec(name, h, ffn, heads, vocab, 128, blocks, embed, head)
 
 
-def _gpt2() -> ModelSpec:
-    """GPT2LMHeadModel (124M): Conv1D layers (weights stored [d_in, d_out]) costed as Linears, lm_head tied
-    to wte."""
-    vocab, h, ffn = 50257, 768, 3072
-    blocks = tuple(
-        _transformer_block(
-            p := f"transformer.h.{i}",
-            _lin(
-                p,
-                [("attn.c_attn", h, 3 * h), ("attn.c_proj", h, h), ("mlp.c_fc", h, ffn), ("mlp.c_proj", ffn, h)],
-                transposed=True,
-            ),
-            hidden=h,
-            ffn=ffn,
-            tensors=_norms([f"{p}.ln_1", f"{p}.ln_2"], h),
-        )  # fmt: skip
-        for i in range(12)
-    )
-    embed = BlockSpec(
-        "transformer",
-        elementwise_per_token=3 * h,
-        tensors=(TensorSpec("transformer.wte.weight", (vocab, h)), TensorSpec("transformer.wpe.weight", (1024, h))),
-    )
-    head = BlockSpec(
+def _lm_head(h: int, vocab: int, norms: Sequence[str], elementwise: int, bias: bool = True) -> BlockSpec:
+    """A language model's head: final norms and a bias-free vocabulary Linear tied to the token embedding."""
+    return BlockSpec(
         "lm_head",
         linears=(LinearSpec("lm_head", h, vocab, bias=False, kfac=False, tied=True),),
-        elementwise_per_token=h + vocab,
-        tensors=_norms(["transformer.ln_f"], h),
+        elementwise_per_token=elementwise + vocab,
+        tensors=_norms(norms, h, bias),
     )
-    return ModelSpec("gpt2", h, ffn, 12, vocab, 1024, blocks, embed, head)
 
 
-def _opt(name: str, hidden: int, layers: int, heads: int, ffn: int, proj: int) -> ModelSpec:
-    """OPTForCausalLM; OPT-350m projects a 512-wide embedding in and out and has no final norm."""
-    vocab, h, pre = 50272, hidden, "model.decoder"
+def _gpt2() -> ModelSpec:
+    """GPT2LMHeadModel (124M): Conv1D layers (weights stored [d_in, d_out]) costed as Linears, lm_head tied to wte."""
+    vocab, h, ffn = 50257, 768, 3072
+    rows = [("attn.c_attn", h, 3 * h), ("attn.c_proj", h, h), ("mlp.c_fc", h, ffn), ("mlp.c_proj", ffn, h)]
     blocks = tuple(
-        _transformer_block(
-            p := f"{pre}.layers.{i}",
-            _lin(
-                p,
-                [
-                    ("self_attn.q_proj", h, h),
-                    ("self_attn.k_proj", h, h),
-                    ("self_attn.v_proj", h, h),
-                    ("self_attn.out_proj", h, h),
-                    ("fc1", h, ffn),
-                    ("fc2", ffn, h),
-                ],
-            ),
-            hidden=h,
-            ffn=ffn,
-            tensors=_norms([f"{p}.self_attn_layer_norm", f"{p}.final_layer_norm"], h),
-        )  # fmt: skip
-        for i in range(layers)
+        _block(f"transformer.h.{i}", rows, ("ln_1", "ln_2"), h=h, ffn=ffn, transposed=True) for i in range(12)
     )
-    projected = proj != h
+    tables = (TensorSpec("transformer.wte.weight", (vocab, h)), TensorSpec("transformer.wpe.weight", (1024, h)))
+    embed = BlockSpec("transformer", elementwise_per_token=3 * h, tensors=tables)
+    return ModelSpec("gpt2", h, ffn, 12, vocab, 1024, blocks, embed, _lm_head(h, vocab, ["transformer.ln_f"], h))
+
+
+def _opt(name: str, h: int, layers: int, heads: int, ffn: int, proj: int) -> ModelSpec:
+    """OPTForCausalLM; OPT-350m projects a 512-wide embedding in and out and has no final norm (post-norm)."""
+    vocab, pre, projected = 50272, "model.decoder", proj != h
+    rows = _rows([f"self_attn.{x}_proj" for x in ("q", "k", "v", "out")], ("fc1", "fc2"), h, ffn)
+    norms = ("self_attn_layer_norm", "final_layer_norm")
+    blocks = tuple(_block(f"{pre}.layers.{i}", rows, norms, h=h, ffn=ffn) for i in range(layers))
     embed = BlockSpec(
         pre,
         linears=(LinearSpec(f"{pre}.project_in", proj, h, bias=False),) if projected else (),
         elementwise_per_token=3 * h,
         tensors=(
             TensorSpec(f"{pre}.embed_tokens.weight", (vocab, proj)),
-            TensorSpec(f"{pre}.embed_positions.weight", (2048 + 2, h)),
-        ),  # learned positions: an offset of 2
-    )
-    head = BlockSpec(
-        "lm_head",
-        linears=(
-            *((LinearSpec(f"{pre}.project_out", h, proj, bias=False),) if projected else ()),
-            LinearSpec("lm_head", proj, vocab, bias=False, kfac=False, tied=True),
+            TensorSpec(f"{pre}.embed_positions.weight", (2048 + 2, h)),  # learned positions: an offset of 2
         ),
-        elementwise_per_token=h + vocab,
-        tensors=() if projected else _norms([f"{pre}.final_layer_norm"], h),  # OPT-350m (post-norm) has none
     )
+    head = _lm_head(proj, vocab, [] if projected else [f"{pre}.final_layer_norm"], h)
+    if projected:
+        head = replace(head, linears=(LinearSpec(f"{pre}.project_out", h, proj, bias=False), *head.linears))
     return ModelSpec(name, h, ffn, heads, vocab, 2048, blocks, embed, head)
 
 
 def _t5_base() -> ModelSpec:
     """T5ForConditionalGeneration t5-base: 12 encoder then 12 decoder blocks, no biases, RMS norms.
 
-    Simplifications: the pipeline runs the 24 blocks in one sequence (the encoder output feeding
-    every decoder block's cross-attention is not modelled as a transfer), the decoder length equals
-    the encoder length, and the relative position bias lives in block 0 of each stack.
+    Simplifications: the 24 blocks run in one sequence (the encoder output feeding every decoder block's
+    cross-attention is no transfer), the decoder length is the encoder's, and the relative position bias lives in
+    block 0 of each stack.
     """
     vocab, h, ffn, heads = 32128, 768, 3072, 12
-
-    def attn(p: str, kind: str) -> list[tuple[str, int, int]]:
-        return [(f"{p}.{kind}.{w}", h, h) for w in "qkvo"]
-
     blocks = []
     for stack, n_sub in (("encoder", 2), ("decoder", 3)):
+        attention = [f"layer.0.SelfAttention.{w}" for w in "qkvo"]
+        if stack == "decoder":
+            attention += [f"layer.1.EncDecAttention.{w}" for w in "qkvo"]
+        mlp = f"layer.{n_sub - 1}.DenseReluDense"
+        rows = _rows(attention, (f"{mlp}.wi", f"{mlp}.wo"), h, ffn)
+        norms = [f"layer.{j}.layer_norm" for j in range(n_sub)]
         for i in range(12):
             p = f"{stack}.block.{i}"
-            rows = attn("layer.0", "SelfAttention")
-            if stack == "decoder":
-                rows += attn("layer.1", "EncDecAttention")
-            mlp = f"layer.{n_sub - 1}.DenseReluDense"
-            rows += [(f"{mlp}.wi", h, ffn), (f"{mlp}.wo", ffn, h)]
             bias = (TensorSpec(f"{p}.layer.0.SelfAttention.relative_attention_bias.weight", (32, heads)),)
-            norms = _norms([f"{p}.layer.{j}.layer_norm" for j in range(n_sub)], h, bias=False)
-            blocks.append(
-                _transformer_block(
-                    p,
-                    _lin(p, rows, bias=False),
-                    hidden=h,
-                    ffn=ffn,
-                    attention=n_sub - 1,
-                    tensors=(bias if i == 0 else ()) + norms,
-                )  # fmt: skip
-            )
+            extra = bias if i == 0 else ()
+            blocks.append(_block(p, rows, norms, h=h, ffn=ffn, attention=n_sub - 1, bias=False, extra=extra))
     embed = BlockSpec("shared", elementwise_per_token=2 * h, tensors=(TensorSpec("shared.weight", (vocab, h)),))
-    head = BlockSpec(
-        "lm_head",
-        linears=(LinearSpec("lm_head", h, vocab, bias=False, kfac=False, tied=True),),
-        elementwise_per_token=2 * h + vocab,
-        tensors=_norms(["encoder.final_layer_norm", "decoder.final_layer_norm"], h, bias=False),
-    )
+    head = _lm_head(h, vocab, ["encoder.final_layer_norm", "decoder.final_layer_norm"], 2 * h, bias=False)
     return ModelSpec("t5-base", h, ffn, heads, vocab, 512, tuple(blocks), embed, head)
 
 
@@ -435,6 +310,7 @@ def preset(name: str) -> ModelSpec:
 
 
 def _as_linear(item: LinearSpec | Sequence[object], where: str) -> LinearSpec:
+    """`item` as a LinearSpec, checked."""
     if isinstance(item, LinearSpec):
         return item
     if not isinstance(item, (tuple, list)) or len(item) not in (4, 5):
@@ -449,13 +325,11 @@ def _as_linear(item: LinearSpec | Sequence[object], where: str) -> LinearSpec:
 def model_spec_from_layers(
     stages: Sequence[Sequence[LinearSpec | Sequence[object]]], *, name: str = "model"
 ) -> ModelSpec:
-    """A ModelSpec for a captured user model: one block per stage, made of its K-FAC layers.
+    """A ModelSpec for a captured user model: one block per stage, of its K-FAC layers, each a LinearSpec or
+    (name, d_in, d_out, tokens[, bias]), tokens the rows per sample (a conv's output positions, d_in = C_in*kh*kw).
 
-    Each layer is (name, d_in, d_out, tokens) or (name, d_in, d_out, tokens, bias) with tokens =
-    rows per sample (sequence length; conv: output positions, d_in = C_in*kh*kw), or a LinearSpec.
-    seq_len is 1, so every per-token quantity is per sample. Only the layers' GEMMs are costed
-    (kept activations: each layer's input; elementwise: each layer's output once): non-Linear
-    work of the model is not known here, so measured profiles are preferable where available.
+    seq_len is 1 (per-token means per sample). Only the GEMMs are costed (kept: each layer's input; elementwise:
+    each output once); the rest of the model is unknown here, so measured profiles are preferable.
     """
     if not stages:
         raise CostModelError("model_spec_from_layers needs at least one stage")
@@ -547,16 +421,12 @@ def matrix_view(shape: Sequence[int], max_dim: int, merge: bool = True) -> tuple
     return dims if len(dims) <= 2 else (dims[0], math.prod(dims[1:]))
 
 
-def _chunks(d: int, max_dim: int) -> list[tuple[int, int]]:
-    """[0, d) cut into pieces of length `max_dim`, the last one ragged (none for d = 0)."""
-    return [(start, min(start + max_dim, d)) for start in range(0, d, max_dim)]
-
-
 def block_ranges(shape: Sequence[int], max_dim: int) -> list[tuple[tuple[int, int], ...]]:
     """Blocks of side <= `max_dim` covering `shape` (a view), ragged at the far edges, in row-major order:
     ``(start, end)`` per dimension. (25, 7) with max_dim 10: rows (0,10) (10,20) (20,25) x cols (0,7)."""
     _check(shape, max_dim)
-    return list(itertools.product(*(_chunks(d, max_dim) for d in shape)))
+    chunks = ([(start, min(start + max_dim, d)) for start in range(0, d, max_dim)] for d in shape)
+    return list(itertools.product(*chunks))
 
 
 def block_shapes(shape: Sequence[int], max_dim: int) -> list[tuple[int, ...]]:
@@ -597,19 +467,14 @@ SYMBOLS = {x.name: x for x in (b, s, d_in, d_out, beta, h, d_h, n, p, d, f)}
 _FACTOR_BYTES = 4  # factors, inverses and curvature kernels are fp32
 
 EIGH_FLOPS = 9
-"""FLOPs of a symmetric eigendecomposition with eigenvectors, per n^3: ~9n^3 for the symmetric QR algorithm
-(Golub & Van Loan, Matrix Computations, 4th ed., sec. 8.3.6; tridiagonal reduction 4n^3/3, QR sweeps and
-accumulating Q the rest). LAPACK/cuSOLVER syevd (divide and conquer) does no more than this."""
+"""FLOPs per n^3 of a symmetric eigendecomposition with eigenvectors by the symmetric QR algorithm (Golub & Van Loan,
+Matrix Computations, 4th ed., sec. 8.3.6); LAPACK/cuSOLVER syevd does no more."""
 
 
 @cache
 def linear_expressions(inverse: InverseMethod = InverseMethod.CHOLESKY) -> dict[str, sympy.Expr]:
-    """FLOPs and bytes of one Linear's forward, backward and K-FAC kernels, and the memory K-FAC keeps.
-
-    Inversion of an n x n factor: Cholesky (n^3/3) + cholesky_inverse (potri: 2n^3/3) = n^3; an
-    eigendecomposition (symmetric QR with eigenvectors, Golub & Van Loan, Matrix Computations,
-    sec. 8.3) ~ 9n^3. Precondition B^-1 G A^-1: two GEMMs, 2 d_out d_a (d_a + d_out) FLOPs.
-    """
+    """FLOPs and bytes of one Linear's forward, backward and K-FAC kernels, and the memory K-FAC keeps: inverting an
+    n x n factor is Cholesky + potri, n^3, or an eigendecomposition, EIGH_FLOPS n^3; B^-1 G A^-1 two GEMMs."""
     if inverse not in set(InverseMethod):
         raise CostModelError(f"inverse must be one of {[m.value for m in InverseMethod]}, got {inverse!r}")
     d_a = d_in + beta
@@ -667,15 +532,10 @@ def transformer_block_expressions() -> dict[str, sympy.Expr]:
     return out
 
 
-def kernel_time_expression() -> sympy.Expr:
-    """Roofline time of one kernel: max(F / (P * eta), Q / W)."""
-    flops, peak, eff, nbytes, bw = sympy.symbols("F P eta Q W", positive=True)
-    return sympy.Max(flops / (peak * eff), nbytes / bw)
-
-
 def explain() -> str:
-    """The expressions as text (for `fxkfac plan --explain`)."""
-    lines = [f"kernel time = {kernel_time_expression()}"]
+    """The expressions as text (for `fxkfac plan --explain`), after a kernel's roofline time."""
+    flops, peak, eff, nbytes, bw = sympy.symbols("F P eta Q W", positive=True)
+    lines = [f"kernel time = {sympy.Max(flops / (peak * eff), nbytes / bw)}"]
     for title, exprs in (
         ("Linear", linear_expressions()),
         ("attention core", attention_expressions()),
@@ -701,12 +561,11 @@ def _eval(group: str, inverse: InverseMethod = InverseMethod.CHOLESKY, **values:
 
 @dataclass(frozen=True, slots=True)
 class KernelCost:
-    """Seconds of one Linear's work on a device, and the bytes K-FAC keeps for it."""
+    """Seconds of one Linear's forward and backward per micro-batch, and its K-FAC layer (None: K-FAC skips it)."""
 
     fwd: float
     bwd: float
     layer: LayerCost | None
-    """None for a layer K-FAC skips."""
 
 
 def roofline(hw: HardwareSpec, flops: float, nbytes: float, peak: float, eff: float) -> float:
@@ -750,6 +609,7 @@ def linear_kernels(
 
 
 def _precision(hw: HardwareSpec, precision: Precision) -> tuple[float, int]:
+    """The peak FLOP/s and bytes per element of `precision` on `hw`."""
     if precision == Precision.FP32:
         return hw.peak_flops, 4
     if precision == Precision.BF16:
@@ -759,7 +619,8 @@ def _precision(hw: HardwareSpec, precision: Precision) -> tuple[float, int]:
 
 @dataclass(frozen=True, slots=True)
 class BlockCost:
-    """Seconds (fwd, bwd per micro-batch) and memory of one block, and its K-FAC layers' costs."""
+    """Seconds (fwd, bwd per micro-batch) and memory of one block, its K-FAC layers, and the bytes of one
+    micro-batch's hidden state (the block's input, as large as its output)."""
 
     fwd: float
     bwd: float
@@ -768,7 +629,6 @@ class BlockCost:
     peak_err_bytes: int
     layers: tuple[LayerCost, ...]
     hidden_bytes: int = 0
-    """Bytes of one micro-batch's hidden state: the block's input, as large as its output."""
 
 
 def block_kernels(
@@ -838,6 +698,7 @@ def balanced_stages(costs: Sequence[float], n_stages: int) -> list[range]:
 
 
 def _stage_ranges(stages: int | Sequence[range | tuple[int, int]], block_costs: list[float]) -> list[range]:
+    """The blocks of each stage: a balanced split into `stages` stages, or the given ranges once checked."""
     if isinstance(stages, int) and not isinstance(stages, bool):
         return balanced_stages(block_costs, stages)
     assert not isinstance(stages, bool), "stages is an int or block ranges, not a bool"
@@ -854,6 +715,10 @@ def _stage_ranges(stages: int | Sequence[range | tuple[int, int]], block_costs: 
     return ranges
 
 
+Units = Callable[[BlockSpec], tuple[LayerCost, ...]]
+"""A family's preconditioned units of one block, in place of its K-FAC Linears."""
+
+
 def analytic_cost_table(
     model_spec: ModelSpec | str,
     stages: int | Sequence[range | tuple[int, int]],
@@ -863,15 +728,13 @@ def analytic_cost_table(
     *,
     precision: Precision = Precision.FP32,
     inverse: InverseMethod = InverseMethod.CHOLESKY,
-    units: Callable[[BlockSpec], tuple[LayerCost, ...]] | None = None,
+    units: Units | None = None,
 ) -> CostTable:
-    """A CostTable from the analytic model, one LayerCost per K-FAC Linear (Hugging Face FQNs).
+    """A CostTable from the analytic model, one LayerCost per K-FAC Linear (Hugging Face FQNs), or per `units` of
+    each block (another family's); fp32 master weights (4 bytes a parameter).
 
-    stages: an int (balanced contiguous split by fwd+bwd time) or block ranges per stage
-    (e.g. [range(0, 3), range(3, 6)] or [(0, 3), (3, 6)]). The embeddings are costed on the
-    first stage and the head on the last. Parameters count fp32 master weights (4 bytes).
-    units: the preconditioned units of a block (another family's, e.g. Shampoo's parameters) in place
-    of its K-FAC Linears; the pipeline's costs and split are the same either way.
+    stages: an int (balanced contiguous split by fwd+bwd time) or block ranges per stage ([range(0, 3), (3, 6)]);
+    the embeddings are costed on the first stage and the head on the last.
     """
     spec = preset(model_spec) if isinstance(model_spec, str) else model_spec
     hw = get_hardware(hardware)
@@ -895,35 +758,32 @@ def analytic_cost_table(
         first, last = i == 0, i == len(ranges) - 1
         members = ([embed] if first else []) + [parts[j] for j in r] + ([head] if last else [])
         owners = ([spec.embed] if first else []) + [spec.blocks[j] for j in r] + ([spec.head] if last else [])
-        out.append(_stage_cost(members, owners, units))
+        layers = (
+            tuple(x for m in members for x in m.layers) if units is None else tuple(x for o in owners for x in units(o))
+        )
+        stage = StageCost(
+            fwd=sum(x.fwd for x in members),
+            bwd=sum(x.bwd for x in members),
+            param_bytes=4 * sum(x.params for x in members),
+            act_bytes=sum(x.act_bytes for x in members),
+            layers=layers,
+            peak_err_bytes=max(x.peak_err_bytes for x in members),
+            boundary_bytes=members[0].hidden_bytes + members[-1].hidden_bytes,  # the stage's input and output
+        )
+        out.append(stage)
     source = f"analytic:{spec.name}:seq{seq}:{precision}:{inverse}"
     return CostTable(tuple(out), micro_batch_size, source, hw.name, hw.comm)
 
 
-def _check_size(name: str, value: object) -> None:
-    """CostModelError unless `value` is an int >= 1 (a bool is not): a batch or sequence size."""
+def _check_size(name: str, value: object, *, none: str = "") -> None:
+    """CostModelError unless `value` is an int >= 1 (a bool is not): a batch, sequence or block size."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CostModelError(f"{name} must be an int >= 1, got {value!r}")
+        raise CostModelError(f"{name} must be an int >= 1{none}, got {value!r}")
 
 
-def _stage_cost(
-    members: Sequence[BlockCost],
-    owners: Sequence[BlockSpec],
-    units: Callable[[BlockSpec], tuple[LayerCost, ...]] | None,
-) -> StageCost:
-    """One stage's costs: the sums over its blocks' costs `members`; its layers are those blocks' K-FAC Linears, or
-    `units` of each of its blocks `owners` when given."""
-    return StageCost(
-        fwd=sum(x.fwd for x in members),
-        bwd=sum(x.bwd for x in members),
-        param_bytes=4 * sum(x.params for x in members),
-        act_bytes=sum(x.act_bytes for x in members),
-        layers=tuple(layer for x in members for layer in x.layers)
-        if units is None
-        else tuple(layer for block in owners for layer in units(block)),
-        peak_err_bytes=max(x.peak_err_bytes for x in members),
-        boundary_bytes=members[0].hidden_bytes + members[-1].hidden_bytes,  # the stage's input and output
-    )
+def _tagged(table: CostTable, kind: PreconditionerKind, tag: str) -> CostTable:
+    """`table` as family `kind`'s, its source's last field replaced by `tag`."""
+    return replace(table, source=tagged_source(kind, f"{table.source.rsplit(':', 1)[0]}:{tag}"), family=kind)
 
 
 _F32 = 4
@@ -932,18 +792,13 @@ QR_FLOPS = 8 / 3
 """FLOPs per b^3 of a Householder QR of a b x b matrix with Q formed (geqrf 4b^3/3 + orgqr 4b^3/3)."""
 
 NEWTON_ITERATIONS = 20
-"""Coupled inverse Newton iterations per root (an estimate): the paper gives no count, the reference
-implementations cap it at 100 (`num_iters=100` in google-research scalable_shampoo; ShampooConfig's
-newton_max_iterations) and stop at ||M_k - I|| < 1e-6; from the scaled start X0 = I/c the error shrinks
-linearly, then quadratically, which takes about 20 steps for float32 factors of condition number <= 1e6."""
+"""Coupled inverse Newton iterations per root (an estimate; reference implementations cap it at 100 and stop at
+||M_k - I|| < 1e-6, about 20 steps for float32 factors of condition number <= 1e6)."""
 
 ELEMENTWISE_PASSES: dict[PreconditionerKind, int] = {
     PreconditionerKind.SHAMPOO: 8,  # G and P for the two norms, P and W read + P written (decay), M read + written
     PreconditionerKind.SOAP: 8,  # rotated G read, m and v read + written, W read, the direction written twice
-    # momentum (buffer and gradient read, buffer written), Nesterov's blend (read, written), the normalization (norm
-    # read, scaled copy written), the update with its learning-rate adjustment and weight decay (W and direction
-    # read, W written)
-    PreconditionerKind.MUON: 10,
+    PreconditionerKind.MUON: 10,  # momentum 3, Nesterov 2, normalization 2, update with lr and decay 3
 }
 """fp32 reads and writes per parameter element of a step's elementwise work (besides the matmuls)."""
 
@@ -972,14 +827,6 @@ def newton_matmuls(p: int) -> int:
     return p.bit_length() - 1 + p.bit_count() - 1 + 2
 
 
-@dataclass(frozen=True, slots=True)
-class SideCost:
-    """One side's share of a block: seconds of its statistic per step and of its decomposition per refresh."""
-
-    stats: float
-    decomp: float
-
-
 def _gemm(hw: HardwareSpec, flops: float, nbytes: float) -> float:
     return roofline(hw, flops, nbytes, hw.peak_flops, hw.matmul_efficiency)
 
@@ -997,13 +844,6 @@ def _decomp(hw: HardwareSpec, method: RootMethod, b: int, other: int, order: int
         return NEWTON_ITERATIONS * newton_matmuls(2 * order) * _gemm(hw, 2 * b**3, square)
     reproject = 2 * _gemm(hw, 2 * b * b * other, _F32 * (b * b + 2 * b * other))
     return _gemm(hw, 2 * b**3, square) + _factorization(hw, QR_FLOPS * b**3, b) + reproject
-
-
-def side_cost(hw: HardwareSpec, method: RootMethod, side: int, other: int, order: int) -> SideCost:
-    """The cost of one factor of side `side` of a block side x other (`order` 2), or of a vector block of
-    `side` elements (`order` 1, other = 1): its statistic G G^T (or G^T G) and its decomposition."""
-    stats = _gemm(hw, 2 * side * side * other, _F32 * (side * other + 2 * side * side))
-    return SideCost(stats, _decomp(hw, method, side, other, order))
 
 
 def _apply_flops(kind: PreconditionerKind, shape: tuple[int, int], sides: tuple[int, int]) -> tuple[int, int]:
@@ -1026,21 +866,20 @@ def parameter_cost(
     view, blocks = partition(tensor.shape, max_dim, LargeDimMethod.BLOCKING, merge=kind is PreconditionerKind.SHAMPOO)
     if kind is PreconditionerKind.SOAP and len(view) == 1:
         return None
-    sides: dict[str, list[SideCost]] = {"L": [], "R": []}
+    sides: dict[str, list[tuple[float, float]]] = {"L": [], "R": []}  # (statistic, decomposition) per factor
     bytes_of = {"L": 0, "R": 0}
     prec = 0.0
     for block in blocks:
         shape = (block.shape[0], block.shape[1] if len(view) == 2 else 1)
         for part, side, other in (("L", block.sides[0], shape[1]), ("R", block.sides[1], shape[0])):
-            if side:
-                sides[part].append(side_cost(hw, method, side, other, len(view)))
+            if side:  # G G^T (or G^T G) of the factor, and its decomposition
+                stats = _gemm(hw, 2 * side * side * other, _F32 * (side * other + 2 * side * side))
+                sides[part].append((stats, _decomp(hw, method, side, other, len(view))))
                 bytes_of[part] += _F32 * side * side
         prec += _gemm(hw, *_apply_flops(kind, shape, block.sides))
     prec += ELEMENTWISE_PASSES[kind] * _F32 * tensor.numel / hw.mem_bandwidth
     parts = tuple(
-        PartCost(
-            part, OpKind.ALLREDUCE_GRAD, sum(x.stats for x in costs), sum(x.decomp for x in costs), 0, bytes_of[part]
-        )
+        PartCost(part, OpKind.ALLREDUCE_GRAD, sum(x for x, _ in costs), sum(y for _, y in costs), 0, bytes_of[part])
         for part, costs in sides.items()
         if costs
     )
@@ -1064,19 +903,14 @@ def gradient_cost_table(
     method: RootMethod | None = None,
     precision: Precision = Precision.FP32,
 ) -> CostTable:
-    """The analytic CostTable of Shampoo or SOAP over a preset's pipeline: the K-FAC model's stages (same split,
-    forward, backward and memory) with one LayerCost per parameter of each stage in place of the K-FAC layers.
-
-    max_dim: the block side (`max_preconditioner_dim`); None blocks nothing (the largest parameter dimension).
-    The source reads e.g. "shampoo:analytic:bert-base:seq128:fp32:eigh:block1024".
-    """
+    """The analytic CostTable of Shampoo or SOAP: one LayerCost per parameter, blocks of side `max_dim` (None:
+    unblocked). The source reads e.g. "shampoo:analytic:bert-base:seq128:fp32:eigh:block1024"."""
     if kind is PreconditionerKind.KFAC:
         raise CostModelError("gradient_cost_table costs Shampoo or SOAP; K-FAC's is analytic_cost_table")
     spec = preset(model_spec) if isinstance(model_spec, str) else model_spec
     hw = get_hardware(hardware)
     side = largest_dim(spec) if max_dim is None else max_dim
-    if isinstance(side, bool) or not isinstance(side, int) or side < 1:
-        raise CostModelError(f"max_dim must be an int >= 1 or None (no blocking), got {max_dim!r}")
+    _check_size("max_dim", side, none=" or None (no blocking)")
     how = _METHODS[kind][0] if method is None else method
 
     def units(block: BlockSpec) -> tuple[LayerCost, ...]:
@@ -1084,9 +918,7 @@ def gradient_cost_table(
         return tuple(c for c in costs if c is not None)
 
     table = analytic_cost_table(spec, stages, micro_batch_size, seq_len, hw, precision=precision, units=units)
-    blocking = "unblocked" if max_dim is None else f"block{max_dim}"
-    source = tagged_source(kind, f"{table.source.rsplit(':', 1)[0]}:{how.value}:{blocking}")
-    return replace(table, source=source, family=kind)
+    return _tagged(table, kind, f"{how.value}:{'unblocked' if max_dim is None else f'block{max_dim}'}")
 
 
 ADAMW_PASSES = 12
@@ -1101,34 +933,22 @@ def ns_iteration_flops(rows: int, cols: int) -> int:
     return 2 * (2 * m * m * n + m**3)
 
 
-def _iteration_seconds(hw: HardwareSpec, rows: int, cols: int, precision: Precision) -> float:
-    """One iteration's three products, each by the roofline at `precision` (operands read, result written)."""
-    peak, item = (hw.peak_flops_tensor, 2) if precision is Precision.BF16 else (hw.peak_flops, _F32)
-    m, n = sorted((rows, cols))
-    gram = roofline(hw, 2 * m * m * n, item * (2 * m * n + m * m), peak, hw.matmul_efficiency)
-    square = roofline(hw, 2 * m**3, item * 3 * m * m, peak, hw.matmul_efficiency)
-    back = roofline(hw, 2 * m * m * n, item * (m * m + 2 * m * n), peak, hw.matmul_efficiency)
-    return gram + square + back
-
-
-def ns_seconds(
-    hw: HardwareSpec, shape: tuple[int, int], ns_steps: int = NS_STEPS, precision: Precision = Precision.BF16
-) -> float:
-    """Seconds of a step's Muon APPLY of one matrix: its `ns_steps` iterations and its elementwise work."""
-    r, c = shape
-    elementwise = ELEMENTWISE_PASSES[PreconditionerKind.MUON] * _F32 * r * c / hw.mem_bandwidth
-    return ns_steps * _iteration_seconds(hw, r, c, precision) + elementwise
-
-
 def matrix_cost(
     tensor: TensorSpec, hw: HardwareSpec, ns_steps: int = NS_STEPS, precision: Precision = Precision.BF16
 ) -> LayerCost:
-    """The LayerCost of one Muon matrix (name: its FQN): no parts, `prec` its step's APPLY."""
+    """The LayerCost of one Muon matrix (name: its FQN): no parts, `prec` its step's APPLY, the `ns_steps`
+    iterations' three products each by the roofline at `precision`, and its elementwise work."""
     if len(tensor.shape) != 2:
         raise CostModelError(f"Muon orthogonalizes 2-D matrices; {tensor.name} has shape {tensor.shape}")
     r, c = tensor.shape
+    peak, item = (hw.peak_flops_tensor, 2) if precision is Precision.BF16 else (hw.peak_flops, _F32)
+    m, n = sorted((r, c))
+    gram = roofline(hw, 2 * m * m * n, item * (2 * m * n + m * m), peak, hw.matmul_efficiency)
+    square = roofline(hw, 2 * m**3, item * 3 * m * m, peak, hw.matmul_efficiency)
+    back = roofline(hw, 2 * m * m * n, item * (m * m + 2 * m * n), peak, hw.matmul_efficiency)
+    elementwise = ELEMENTWISE_PASSES[PreconditionerKind.MUON] * _F32 * r * c / hw.mem_bandwidth
     numel = _F32 * r * c
-    return LayerCost(tensor.name, (), ns_seconds(hw, (r, c), ns_steps, precision), numel, numel)
+    return LayerCost(tensor.name, (), ns_steps * (gram + square + back) + elementwise, numel, numel)
 
 
 def adamw_cost(tensor: TensorSpec, hw: HardwareSpec) -> LayerCost:
@@ -1141,11 +961,7 @@ def adamw_cost(tensor: TensorSpec, hw: HardwareSpec) -> LayerCost:
 def muon_matrices(block: BlockSpec) -> tuple[TensorSpec, ...]:
     """The block's parameters Muon orthogonalizes: the weights of its Linears other than a vocabulary head (those
     K-FAC skips) or a tied one; embedding tables, norms and biases go to AdamW."""
-    return tuple(
-        TensorSpec(f"{x.name}.weight", (x.d_in, x.d_out) if x.transposed else (x.d_out, x.d_in))
-        for x in block.linears
-        if x.kfac and not x.tied
-    )
+    return tuple(x.tensors[0] for x in block.linears if x.kfac and not x.tied)
 
 
 def muon_cost_table(
@@ -1159,12 +975,10 @@ def muon_cost_table(
     precision: Precision = Precision.FP32,
     ns_precision: Precision = Precision.BF16,
 ) -> CostTable:
-    """The analytic CostTable of Muon over a preset's pipeline: the K-FAC model's stages (same split, forward,
-    backward and memory at `precision`) with one LayerCost per parameter of each stage: a Muon matrix's
-    (`muon_matrices`) its Newton-Schulz priced at `ns_precision`, every other's AdamW's step (`adamw_cost`). The
-    source reads e.g. "muon:analytic:bert-large:seq128:fp32:ns5"."""
-    if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
-        raise CostModelError(f"ns_steps must be an int >= 1, got {ns_steps!r}")
+    """The analytic CostTable of Muon: one LayerCost per parameter, a Muon matrix's (`muon_matrices`) its
+    Newton-Schulz at `ns_precision`, every other's AdamW's step. The source reads e.g.
+    "muon:analytic:bert-large:seq128:fp32:ns5"."""
+    _check_size("ns_steps", ns_steps)
     spec = preset(model_spec) if isinstance(model_spec, str) else model_spec
     hw = get_hardware(hardware)
 
@@ -1176,5 +990,4 @@ def muon_cost_table(
         )
 
     table = analytic_cost_table(spec, stages, micro_batch_size, seq_len, hw, precision=precision, units=units)
-    source = tagged_source(PreconditionerKind.MUON, f"{table.source.rsplit(':', 1)[0]}:ns{ns_steps}")
-    return replace(table, source=source, family=PreconditionerKind.MUON)
+    return _tagged(table, PreconditionerKind.MUON, f"ns{ns_steps}")

@@ -1,19 +1,9 @@
-"""Cost tables: what each stage and K-FAC layer costs in seconds and bytes (+ JSON), and what communication
-costs between the devices (`CostTable.comm`, planner/problem/hardware.py). Reading the PipeFisher paper's measured
-profiles into a cost table, and `load_cost_table`, are planner/problem/profiles.py.
+"""Cost tables: what each stage and preconditioned layer costs in seconds and bytes (+ JSON), which family they are
+for (`CostTable.family`, whose `WORDS` the views speak in), and what collectives cost (`CostTable.comm`,
+planner/problem/hardware.py). Profiles and `load_cost_table` are planner/problem/profiles.py.
 
-The preconditioner families the planner costs, and the words each uses for its tasks: one table.
-
-A cost table says which family it is for in `CostTable.family` (K-FAC's for the analytic model, profiles and
-measured tables). Views, traces and explanations take
-their labels from `WORDS` so a Shampoo plan speaks of statistics and root inverses, not curvature and inversion.
-
-Where the preconditioning of a parameter several stages use (tied weights: GPT-2's wte and lm_head) lives.
-
-Such a parameter is one unit of work: its statistics, decompositions and per-step direction are made once, on one
-owner stage, which the planner places and prices like any other unit of that stage (its memory counted once). The
-runtime sums the parameter's gradient over its stages before the owner's statistics and sends the owner's
-direction to the other stages, so every copy takes the same step (fxkfac/runtime/preconditioning.py).
+A parameter several stages use (tied weights: GPT-2's wte and lm_head) is one unit of work on one owner stage
+(`tied_owner`); the runtime sums its gradient over its stages first and sends the owner's direction to the others.
 """
 
 from __future__ import annotations
@@ -39,7 +29,6 @@ COUNT_BYTES = 4
 """Bytes of the micro-batch count a SYNC_STATS all-reduces with each statistic (one element of the fp32
 statistics; the runtime appends it to the flattened sum)."""
 
-
 _SPREAD = "_spread"
 """Suffix of the field that holds the `Spread` of the time field it follows (`bwd` -> `bwd_spread`)."""
 
@@ -54,19 +43,21 @@ def _check_number(owner: str, field: str, value: Any, *, integer: bool) -> None:
         raise CostModelError(f"{owner}: {field} must be finite and >= 0, got {value!r}")
 
 
-def _check_fields(obj: Any, owner: str, byte_fields: frozenset[str], skip: frozenset[str]) -> None:
+def _check_fields(obj: Any, owner: str, *skip: str) -> None:
+    """`_check_number` of each field of `obj` (`*_bytes` ints) but `skip` and those unmeasured (None by default); each
+    `*_spread` None or a Spread (whether it still holds its time is not checked)."""
     for f in fields(obj):
-        if f.name not in skip and not f.name.endswith(_SPREAD):
-            _check_number(owner, f.name, getattr(obj, f.name), integer=f.name in byte_fields)
+        value = getattr(obj, f.name)
+        if f.name.endswith(_SPREAD) and value is not None and not isinstance(value, Spread):
+            raise CostModelError(f"{owner}: {f.name} must be a Spread or None, got {value!r}")
+        if f.name not in skip and not f.name.endswith(_SPREAD) and not (value is None and f.default is None):
+            _check_number(owner, f.name, value, integer=f.name.endswith("_bytes"))
 
 
 @dataclass(frozen=True, slots=True)
 class Spread:
-    """The fastest and slowest of a profiled time's repeats, in seconds (the profiler plans with the fastest).
-
-    (min, max) rather than quartiles: a profile takes a handful of repeats (5 by default), whose quartiles are
-    barely other samples, and the extremes show at once how far a busy machine moved one figure. Tables from a
-    file or a preset have none (None)."""
+    """The fastest and slowest of a profiled time's repeats, in seconds (the profiler plans with the fastest):
+    extremes rather than quartiles of a handful of repeats show at once how far a busy machine moved a figure."""
 
     low: float
     high: float
@@ -93,30 +84,14 @@ class Spread:
         return Spread(min(s.low for s in known), max(s.high for s in known)) if known else None
 
 
-def _check_spreads(obj: Any, owner: str) -> None:
-    """Each `<time>_spread` field is None or a Spread. Whether it still holds its time is not checked: a time
-    changed by hand keeps the spread it was measured with (the CostTable helpers scale both)."""
-    for f in fields(obj):
-        spread = getattr(obj, f.name)
-        if f.name.endswith(_SPREAD) and spread is not None and not isinstance(spread, Spread):
-            raise CostModelError(f"{owner}: {f.name} must be a Spread or None, got {spread!r}")
-
-
-def _scaled(spread: Spread | None, factor: float) -> Spread | None:
-    return None if spread is None else spread.scaled(factor)
-
-
 @dataclass(frozen=True, slots=True)
 class PartCost:
-    """What one part of a layer's preconditioner costs per refresh (K-FAC's parts: the factors A and B).
+    """What one part of a layer's preconditioner costs (K-FAC's parts: the factors A and B).
 
     after: the op whose end makes the part's capture (FWD: the layer input; BWD: its output gradient;
-    ALLREDUCE_GRAD: the stage's reduced gradient, a statistic taken at every step before APPLY);
-    stats: seconds to turn one micro-batch's capture (a gradient part: one step's gradient) into its
-    statistic; decomp: seconds to decompose (invert) the statistic; capture_bytes: what a *deferred*
-    capture keeps per micro-batch (0 for a gradient part); state_bytes: the statistic (its decomposition
-    is as large); stats_spread, decomp_spread: the fastest and slowest repeat of a profiled stats / decomp
-    (`Spread`; None when not measured here).
+    ALLREDUCE_GRAD: the reduced gradient, every step before APPLY); stats: seconds to turn one micro-batch's capture
+    into its statistic; decomp: seconds to decompose it; capture_bytes: what a deferred capture keeps per
+    micro-batch; state_bytes: the statistic (its decomposition is as large); *_spread: profiled repeats.
     """
 
     part: str
@@ -133,20 +108,14 @@ class PartCost:
             raise CostModelError(f"PartCost.part must be one capital letter, got {self.part!r}")
         if self.after not in (OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD):
             raise CostModelError(f"PartCost.after must be FWD, BWD or ALLREDUCE_GRAD, got {self.after!r}")
-        _check_fields(
-            self, f"part {self.part!r}", frozenset({"capture_bytes", "state_bytes"}), frozenset({"part", "after"})
-        )
-        _check_spreads(self, f"part {self.part!r}")
+        _check_fields(self, f"part {self.part!r}", "part", "after")
 
 
 @dataclass(frozen=True, slots=True)
 class LayerCost:
-    """What one preconditioned layer costs: its parts (none for a Muon matrix, whose only work is its APPLY),
-    `prec` seconds to apply its preconditioner per step, `state_bytes` of per-step optimizer state besides the
-    parts' statistics (Shampoo's graft state and momentum, SOAP's Adam moments, Muon's momentum), held for the whole
-    run, and `grad_bytes` of its gradient (what a grad worker broadcasts when it preconditions the layer for other
-    copies; 0: unknown, see `gradient_bytes`); `prec_spread` the fastest and slowest repeat of a profiled `prec`
-    (None when not measured here)."""
+    """What one preconditioned layer costs: its parts (none for a Muon matrix), `prec` seconds of its APPLY per
+    step, `state_bytes` of optimizer state besides the parts' statistics (momentum, Adam moments), `grad_bytes` of
+    its gradient (0: unknown, see `gradient_bytes`), `prec_spread` profiled repeats."""
 
     name: str
     parts: tuple[PartCost, ...]
@@ -155,31 +124,21 @@ class LayerCost:
     grad_bytes: int = 0
     prec_spread: Spread | None = None
     grad_ready: float | None = None
-    """Seconds from the start of its stage's backward (one micro-batch, eager) until the layer's gradient is final:
-    when a streamed APPLY can take it (planner/problem/lowering.py); None where not measured (an estimate is used)."""
+    """Seconds from its stage's backward start (one micro-batch) until its gradient is final, when a streamed APPLY
+    can take it (planner/problem/lowering.py); None where not measured (an estimate is used)."""
     hand_off: float = 0.0
-    """Seconds the owner of a streamed layer spends making its message in the last backward's gradient hook (Muon:
-    the momentum and Nesterov blend; Shampoo, SOAP: the flat gradient and parameter); 0 where not measured."""
+    """Seconds a streamed layer's owner spends making its message in the last backward's gradient hook."""
     take_back: float = 0.0
-    """Seconds the owner of a streamed layer spends installing what its helper returns (Muon: the lr adjustment and
-    weight decay; Shampoo, SOAP: the returned per-step state, which the helper packs in about as long); 0 where not
-    measured."""
+    """Seconds the owner spends installing what its helper returns (the helper packs it in about as long)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise CostModelError(f"LayerCost.name must be a non-empty string, got {self.name!r}")
-        if self.grad_ready is not None:
-            _check_number(f"layer {self.name!r}", "grad_ready", self.grad_ready, integer=False)
         if not isinstance(self.parts, tuple) or not all(isinstance(p, PartCost) for p in self.parts):
             raise CostModelError(f"layer {self.name!r}: parts must be a tuple of PartCost (empty: Muon's matrices)")
         if len({p.part for p in self.parts}) != len(self.parts):
             raise CostModelError(f"layer {self.name!r}: parts {[p.part for p in self.parts]} repeat a name")
-        _check_number(f"layer {self.name!r}", "prec", self.prec, integer=False)
-        _check_number(f"layer {self.name!r}", "state_bytes", self.state_bytes, integer=True)
-        _check_number(f"layer {self.name!r}", "grad_bytes", self.grad_bytes, integer=True)
-        _check_number(f"layer {self.name!r}", "hand_off", self.hand_off, integer=False)
-        _check_number(f"layer {self.name!r}", "take_back", self.take_back, integer=False)
-        _check_spreads(self, f"layer {self.name!r}")
+        _check_fields(self, f"layer {self.name!r}", "name", "parts")
 
     @classmethod
     def kfac(
@@ -196,10 +155,8 @@ class LayerCost:
         factor_b_bytes: int,
         grad_bytes: int = 0,
     ) -> LayerCost:
-        """A K-FAC layer: A_m / B_m from one micro-batch in curv_a / curv_b seconds, each factor inverted in
-        inv_a / inv_b, B^-1 G A^-1 in prec; a deferred capture keeps a_bytes / e_bytes (the rows of a and of e)
-        per micro-batch; each factor takes factor_a_bytes / factor_b_bytes; the weight and bias gradients
-        grad_bytes."""
+        """A K-FAC layer: factors A (after FWD) and B (after BWD), each made from one micro-batch in curv_*, inverted
+        in inv_*, kept in factor_*_bytes, a deferred capture keeping a_bytes / e_bytes; B^-1 G A^-1 in prec."""
         return cls(
             name,
             (
@@ -234,8 +191,7 @@ class LayerCost:
 
     @property
     def gradient_bytes(self) -> int:
-        """`grad_bytes`, or when unknown (cost files from before it) the product of the sides of a square
-        two-part layer's statistics (K-FAC's a_dim x b_dim gradient) at their element size."""
+        """`grad_bytes`, or when unknown (older files) a two-part layer's factor sides' product, fp32."""
         if self.grad_bytes or len(self.parts) != 2:
             return self.grad_bytes
         item = 4
@@ -250,12 +206,9 @@ class LayerCost:
 
 @dataclass(frozen=True, slots=True)
 class StageCost:
-    """What one pipeline stage costs: per-micro-batch forward/backward, memory, and its K-FAC layers.
-
-    act_bytes is kept per in-flight micro-batch (from its forward until its backward);
-    peak_err_bytes is the transient peak of errors inside one backward (counted once);
-    fwd_spread, bwd_spread: the fastest and slowest repeat of a profiled fwd / bwd (None when not measured here).
-    """
+    """What one pipeline stage costs: per-micro-batch forward/backward, memory, and its layers. act_bytes: kept per
+    micro-batch in flight; peak_err_bytes: the transient peak of one backward's errors; *_spread: profiled repeats.
+    The optional fields are 0 or None where not measured (the paper's profiles, analytic tables)."""
 
     fwd: float
     bwd: float
@@ -266,20 +219,16 @@ class StageCost:
     fwd_spread: Spread | None = None
     bwd_spread: Spread | None = None
     tap_fwd: float = 0.0
-    """Seconds a refresh step adds to one micro-batch's forward by tapping the stage's captured layers (deferred
-    captures: a probe per layer output, the inputs kept; fused layers add their curvature besides); 0 where not
-    measured (the paper's profiles, analytic tables)."""
+    """Seconds a refresh step adds to one micro-batch's forward by tapping the captured layers (probes, inputs kept)."""
     tap_bwd: float = 0.0
     """The same for one micro-batch's backward (the probes' gradients)."""
     fused_fwd: float | None = None
-    """Seconds one micro-batch's forward takes beyond its deferred taps (`tap_fwd`) when every captured layer's
-    curvature is fused into it; None where not measured (a fused layer is then priced at its statistics' time)."""
+    """Seconds a forward takes beyond `tap_fwd` with every captured layer's curvature fused (None: its statistics')."""
     fused_bwd: float | None = None
     """The same for one micro-batch's backward."""
     boundary_bytes: int = 0
     """Bytes one micro-batch keeps from its forward to its backward when the stage recomputes its forward
-    (activation checkpointing, `Problem.recompute`): its inputs and outputs; 0 where not measured (the paper's
-    profiles), counted as nothing."""
+    (`Problem.recompute`): its inputs and outputs."""
     wgrad: float | None = None
     """Seconds of `bwd` that compute the weight gradient (a zero-bubble schedule's W, OpKind.BWD_W); None where not
     measured: half the backward (a linear layer's input and weight gradients are matmuls of one size)."""
@@ -287,10 +236,7 @@ class StageCost:
     def __post_init__(self) -> None:
         if not isinstance(self.layers, tuple) or not all(isinstance(x, LayerCost) for x in self.layers):
             raise CostModelError("StageCost.layers must be a tuple of LayerCost")
-        byte_fields = frozenset({"param_bytes", "act_bytes", "peak_err_bytes", "boundary_bytes"})
-        unmeasured = {name for name in ("fused_fwd", "fused_bwd", "wgrad") if getattr(self, name) is None}
-        _check_fields(self, "stage", byte_fields, frozenset({"layers", *unmeasured}))
-        _check_spreads(self, "stage")
+        _check_fields(self, "stage", "layers")
         if self.wgrad is not None and self.wgrad > self.bwd:
             raise CostModelError(f"StageCost.wgrad ({self.wgrad}) is part of the backward ({self.bwd}): at most bwd")
 
@@ -345,9 +291,8 @@ class PreconditionerKind(StrEnum):
 
 
 def _streamed_bytes(layer: LayerCost, kind: OpKind) -> int:
-    """Bytes of a streamed layer's hand-off: its gradient each way; a layer whose statistics come from the gradient
-    (Shampoo, SOAP: its helper runs its whole per-step work) also sends its parameter (weight decay reads it) and
-    takes back its statistics and optimizer state (docs/STREAMED_APPLY.md, "Stateful units")."""
+    """Bytes of a streamed layer's hand-off: its gradient each way; one with gradient-fed statistics also sends its
+    parameter and takes back its statistics and state (docs/STREAMED_APPLY.md, "Stateful units")."""
     if not any(p.after is OpKind.ALLREDUCE_GRAD for p in layer.parts):
         return layer.gradient_bytes
     if kind is OpKind.SEND_LGRAD:
@@ -404,13 +349,10 @@ class CostTable:
         raise CostModelError(f"no layer {layer!r} in the cost table; known: {list(self.layer_names)}")
 
     def collective_seconds(self, op: Op, group_size: int) -> float:
-        """Seconds of collective `op` over `group_size` ranks under `comm`, summed over the collectives the runtime
-        makes of it, rounded up to a whole microsecond (so a table of whole microseconds keeps an exact time
-        grid, [Note: time grid] in planner/plan/window.py): ALLREDUCE_GRAD all-reduces the stage's gradients
-        (`param_bytes`), SYNC_STATS each named part's statistic with its count (`state_bytes` + `COUNT_BYTES`),
-        BCAST broadcasts each named part's decomposition (as large as its statistic, `state_bytes`), BCAST_PREC
-        the named layer's preconditioned gradient (`LayerCost.gradient_bytes`); a streamed layer's sends (between two
-        ranks) its gradient (SEND_LGRAD, SEND_PGRAD; `_streamed_bytes`) or each part's decomposition (SEND_REPLICA)."""
+        """Seconds of collective `op` over `group_size` ranks under `comm`, summed over the messages the runtime makes
+        of it (the stage's gradients, each named part's statistic with its count or its decomposition, a layer's
+        preconditioned gradient, a streamed layer's hand-off), rounded up to a whole microsecond (an exact time
+        grid, [Note: time grid] in planner/plan/window.py)."""
         if op.stage is None:
             raise CostModelError(f"{op} names no stage: its bytes are unknown")
         stage = self.stages[op.stage]
@@ -438,9 +380,8 @@ class CostTable:
         return math.ceil(total * 1e6 - 1e-6) / 1e6
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able form with the schema version (no "comm" key without a communication model, no
-        `*_spread` key for a time that was not profiled, no `tap_*` or `fused_*` key for a tap not measured, no
-        `boundary_bytes` unmeasured: the file of an unprofiled table is as before them)."""
+        """Plain JSON-able form with the schema version; a field not measured is left out (`_drop_unmeasured`), so
+        the file of an unprofiled table is as before it existed."""
         body = asdict(self)
         if self.comm is None:
             del body["comm"]
@@ -449,22 +390,11 @@ class CostTable:
         else:
             body["family"] = self.family.value
         for stage in body["stages"]:
-            _drop_empty_spreads(stage)
-            for key in ("tap_fwd", "tap_bwd", "boundary_bytes"):
-                if not stage[key]:
-                    del stage[key]
-            for key in ("fused_fwd", "fused_bwd", "wgrad"):
-                if stage[key] is None:
-                    del stage[key]
+            _drop_unmeasured(stage, StageCost)
             for layer in stage["layers"]:
-                _drop_empty_spreads(layer)
-                if layer["grad_ready"] is None:
-                    del layer["grad_ready"]
-                for key in ("hand_off", "take_back"):
-                    if not layer[key]:
-                        del layer[key]
+                _drop_unmeasured(layer, LayerCost)
                 for part in layer["parts"]:
-                    _drop_empty_spreads(part)
+                    _drop_unmeasured(part, PartCost)
         return {"schema_version": SCHEMA_VERSION, **body}
 
     def to_json(self, *, indent: int | None = 1) -> str:
@@ -511,11 +441,8 @@ class CostTable:
         return replace(self, stages=tuple(_scale_stage(s, factor, factor, 1.0) for s in self.stages))
 
     def scale_kfac_times(self, factor: float) -> CostTable:
-        """Curvature, inversion and preconditioning times multiplied by `factor`; F/B and bytes unchanged.
-
-        A planning margin: K-FAC kernels timed alone run slower when every rank computes at once
-        (shared memory bandwidth), and a bubble planned full spills the excess onto the critical path.
-        """
+        """Curvature, inversion and preconditioning times multiplied by `factor`; F/B and bytes unchanged (a margin:
+        kernels timed alone run slower when every rank computes at once)."""
         _check_number("scale_kfac_times", "factor", factor, integer=False)
         stages = tuple(
             replace(s, layers=tuple(_scale_layer(x, factor, factor, 1.0) for x in s.layers)) for s in self.stages
@@ -523,11 +450,7 @@ class CostTable:
         return replace(self, stages=stages)
 
     def with_micro_batch_size(self, micro_batch_size: int) -> CostTable:
-        """Costs at another micro-batch size, assuming per-micro-batch costs grow linearly with it.
-
-        fwd, bwd, curvature, kept activations, a/e and the error peak scale by new/old; inversion,
-        preconditioning, parameters and factors do not depend on the micro-batch size.
-        """
+        """Costs at another micro-batch size: per-micro-batch times and bytes scale by new/old, the rest stay."""
         if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
             raise CostModelError(f"micro_batch_size must be an int >= 1, got {micro_batch_size!r}")
         r = micro_batch_size / self.micro_batch_size
@@ -536,8 +459,7 @@ class CostTable:
 
 
 def _family_of_file(data: dict[str, Any]) -> PreconditionerKind:
-    """A table file's family: its "family" key; a file without one is K-FAC's, or, when written before the key
-    existed, the family its source begins with ("shampoo:analytic:...")."""
+    """A table file's family: its "family" key, else the family its source begins with, else K-FAC."""
     if "family" in data:
         try:
             return PreconditionerKind(data["family"])
@@ -548,10 +470,17 @@ def _family_of_file(data: dict[str, Any]) -> PreconditionerKind:
     return PreconditionerKind(head) if head in {k.value for k in PreconditionerKind} else PreconditionerKind.KFAC
 
 
-def _drop_empty_spreads(body: dict[str, Any]) -> None:
-    """Remove the `*_spread` keys of `body` (one cost object's `asdict`) whose time was not profiled."""
-    for key in [k for k, v in body.items() if k.endswith(_SPREAD) and v is None]:
-        del body[key]
+_OPTIONAL = frozenset(
+    {"tap_fwd", "tap_bwd", "boundary_bytes", "fused_fwd", "fused_bwd", "wgrad", "grad_ready", "hand_off", "take_back"}
+)
+"""Fields a cost file leaves out at their default (besides every unprofiled `*_spread`)."""
+
+
+def _drop_unmeasured(body: dict[str, Any], cls: type) -> None:
+    """Remove from `body` (one `cls` object's `asdict`) each optional field and spread at its default."""
+    for f in fields(cls):
+        if (f.name in _OPTIONAL or f.name.endswith(_SPREAD)) and body[f.name] == f.default:
+            del body[f.name]
 
 
 def _with_spreads(data: dict[str, Any]) -> dict[str, Any]:
@@ -576,64 +505,50 @@ def _layer_from_dict(data: dict[str, Any]) -> LayerCost:
 
 
 def _stage_from_dict(data: dict[str, Any]) -> StageCost:
+    """A stage of `CostTable.to_dict`."""
     layers = tuple(_layer_from_dict(layer) for layer in data["layers"])
     return StageCost(**_with_spreads({**data, "layers": layers}))
 
 
+_SCALES = dict.fromkeys(("stats", "fwd", "bwd", "tap_fwd", "tap_bwd", "fused_fwd", "fused_bwd", "wgrad"), 0)
+_SCALES |= dict.fromkeys(("decomp", "prec", "hand_off", "take_back"), 1)
+_SCALES |= dict.fromkeys(("capture_bytes", "act_bytes", "peak_err_bytes", "boundary_bytes"), 2)
+"""How each cost field scales: 0 a per-micro-batch time, 1 a per-step time, 2 per-micro-batch bytes (spreads too)."""
+
+
+def _scaled_fields(obj: Any, factors: tuple[float, float, float]) -> Any:
+    """`obj` (a PartCost, LayerCost or StageCost) with each field of `_SCALES` measured scaled by its factor."""
+    changes: dict[str, Any] = {}
+    for f in fields(obj):
+        value, kind = getattr(obj, f.name), _SCALES.get(f.name.removesuffix(_SPREAD))
+        if kind is not None and value is not None:
+            factor = factors[kind]
+            if isinstance(value, Spread):
+                changes[f.name] = value.scaled(factor)
+            else:
+                changes[f.name] = round(value * factor) if kind == 2 else value * factor
+    return replace(obj, **changes)
+
+
 def _scale_layer(x: LayerCost, per_mb: float, fixed: float, mem: float) -> LayerCost:
-    """Statistics times by per_mb, decompositions and preconditioning by fixed, captured bytes by mem (and the
-    times' spreads as their times)."""
-    parts = tuple(
-        replace(
-            p,
-            stats=p.stats * per_mb,
-            decomp=p.decomp * fixed,
-            capture_bytes=round(p.capture_bytes * mem),
-            stats_spread=_scaled(p.stats_spread, per_mb),
-            decomp_spread=_scaled(p.decomp_spread, fixed),
-        )
-        for p in x.parts
-    )
-    return replace(
-        x,
-        parts=parts,
-        prec=x.prec * fixed,
-        prec_spread=_scaled(x.prec_spread, fixed),
-        hand_off=x.hand_off * fixed,
-        take_back=x.take_back * fixed,
-    )
+    """Statistics times by per_mb, decompositions and preconditioning by fixed, captured bytes by mem."""
+    factors = (per_mb, fixed, mem)
+    return replace(_scaled_fields(x, factors), parts=tuple(_scaled_fields(p, factors) for p in x.parts))
 
 
 def _scale_stage(s: StageCost, per_mb: float, fixed: float, mem: float) -> StageCost:
-    """Scale per-micro-batch times by per_mb (a layer's `grad_ready` with the backward), per-step times by fixed,
+    """Per-micro-batch times by per_mb (a layer's `grad_ready` with the backward), per-step times by fixed,
     per-micro-batch bytes by mem."""
     layers = tuple(
         replace(_scale_layer(x, per_mb, fixed, mem), grad_ready=None if x.grad_ready is None else x.grad_ready * per_mb)
         for x in s.layers
     )
-    return replace(
-        s,
-        fwd=s.fwd * per_mb,
-        bwd=s.bwd * per_mb,
-        tap_fwd=s.tap_fwd * per_mb,
-        tap_bwd=s.tap_bwd * per_mb,
-        fused_fwd=None if s.fused_fwd is None else s.fused_fwd * per_mb,
-        fused_bwd=None if s.fused_bwd is None else s.fused_bwd * per_mb,
-        wgrad=None if s.wgrad is None else s.wgrad * per_mb,
-        fwd_spread=_scaled(s.fwd_spread, per_mb),
-        bwd_spread=_scaled(s.bwd_spread, per_mb),
-        act_bytes=round(s.act_bytes * mem),
-        peak_err_bytes=round(s.peak_err_bytes * mem),
-        boundary_bytes=round(s.boundary_bytes * mem),
-        layers=layers,
-    )
+    return replace(_scaled_fields(s, (per_mb, fixed, mem)), layers=layers)
 
 
 def median_of(tables: Sequence[CostTable]) -> CostTable:
-    """The figure-wise median of `tables`, each rank's profile of one split (`fxkfac.profiler.profile`): every time
-    the median over the tables (of those that measured it), its spread covering theirs; bytes, names and the rest
-    the first table's, which every other must match. One rank slowed while it profiled moves no figure unless
-    most ranks were."""
+    """The figure-wise median of `tables`, each rank's profile of one split (`fxkfac.profiler.profile`), its spreads
+    covering theirs; bytes and names the first's, which every other must match."""
     first = tables[0]
     for other in tables[1:]:
         if _untimed(other) != _untimed(first):
@@ -671,54 +586,41 @@ Reduce = Callable[[list[float]], float]
 """How several measurements of one time make the one planned with (`min`: the fastest; `statistics.median`)."""
 
 
+_DIFFERENCES = frozenset({"tap_fwd", "tap_bwd", "fused_fwd", "fused_bwd", "wgrad", "grad_ready"})
+"""Times measured as a difference of two times of one measurement, whose fastest would be too low."""
+
+
+def _combined(objs: Sequence[Any], time: Reduce) -> dict[str, Any]:
+    """The fields of several measurements of one cost object that combine: each time reduced by `time`, each
+    `_DIFFERENCES` time the median of those measured, each spread covering theirs."""
+    out: dict[str, Any] = {}
+    for f in fields(objs[0]):
+        values = [getattr(x, f.name) for x in objs]
+        if f.name.endswith(_SPREAD):
+            out[f.name] = Spread.covering(values)
+        elif f.name in _DIFFERENCES:
+            known = [v for v in values if v is not None]
+            out[f.name] = statistics.median(known) if known else None
+        elif _SCALES.get(f.name, 2) < 2:
+            out[f.name] = time(values)
+    return out
+
+
 def combined_stage(stages: Sequence[StageCost], time: Reduce) -> StageCost:
-    """One stage's costs from several measurements of it (a profile's rounds, or ranks' profiles): each time reduced
-    by `time` over them, its spread covering theirs; the taps' and fused curvature's extra the median, over the
-    measurements that have one (each a difference of two times of one measurement, whose fastest would be too
-    low), and so W's (`wgrad`, at most the backward); bytes and names the first's."""
-    layers = tuple(_combined_layer(list(xs), time) for xs in zip(*(s.layers for s in stages), strict=True))
-    bwd, wgrad = time([s.bwd for s in stages]), _median(s.wgrad for s in stages)
-    return replace(
-        stages[0],
-        fwd=time([s.fwd for s in stages]),
-        bwd=bwd,
-        fwd_spread=Spread.covering(s.fwd_spread for s in stages),
-        bwd_spread=Spread.covering(s.bwd_spread for s in stages),
-        tap_fwd=statistics.median(s.tap_fwd for s in stages),
-        tap_bwd=statistics.median(s.tap_bwd for s in stages),
-        fused_fwd=_median(s.fused_fwd for s in stages),
-        fused_bwd=_median(s.fused_bwd for s in stages),
-        wgrad=None if wgrad is None else min(wgrad, bwd),  # a part of the backward, as reduced
-        layers=layers,
-    )
-
-
-def _median(values: Iterable[float | None]) -> float | None:
-    """The median of the measured ones among `values` (None when none was measured)."""
-    known = [v for v in values if v is not None]
-    return statistics.median(known) if known else None
-
-
-def _combined_layer(layers: list[LayerCost], time: Reduce) -> LayerCost:
-    parts = tuple(
+    """One stage's costs from several measurements of it (`_combined`; W at most the backward, as reduced); bytes
+    and names the first's."""
+    layers = tuple(
         replace(
-            ps[0],
-            stats=time([p.stats for p in ps]),
-            decomp=time([p.decomp for p in ps]),
-            stats_spread=Spread.covering(p.stats_spread for p in ps),
-            decomp_spread=Spread.covering(p.decomp_spread for p in ps),
+            xs[0],
+            **_combined(xs, time),
+            parts=tuple(replace(ps[0], **_combined(ps, time)) for ps in zip(*(x.parts for x in xs), strict=True)),
         )
-        for ps in zip(*(x.parts for x in layers), strict=True)
+        for xs in zip(*(s.layers for s in stages), strict=True)
     )
-    return replace(
-        layers[0],
-        parts=parts,
-        prec=time([x.prec for x in layers]),
-        prec_spread=Spread.covering(x.prec_spread for x in layers),
-        grad_ready=_median(x.grad_ready for x in layers),
-        hand_off=time([x.hand_off for x in layers]),
-        take_back=time([x.take_back for x in layers]),
-    )
+    combined = _combined(stages, time)
+    if combined["wgrad"] is not None:
+        combined["wgrad"] = min(combined["wgrad"], combined["bwd"])
+    return replace(stages[0], **combined, layers=layers)
 
 
 class InverseMethod(StrEnum):
@@ -731,8 +633,7 @@ class InverseMethod(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class TaskWords:
-    """How one family names itself and its tasks: STATS (`stats`), DECOMP (`decomp`), APPLY (`apply`), and what its
-    collectives carry (`synced`: the gradient, the statistics, the decompositions, in short)."""
+    """How one family names itself, its STATS, DECOMP and APPLY, and what its collectives carry (`synced`)."""
 
     name: str
     stats: str
@@ -766,11 +667,8 @@ def words_of(costs: CostTable) -> TaskWords:
 
 
 def tied_owner(stages: Sequence[int]) -> int:
-    """The owner of a parameter the `stages` share: the lowest. A pipeline's backward runs the stages in reverse, so
-    the lowest stage's gradient is complete last in every schedule: when its ALLREDUCE_GRAD ends, every other
-    stage's share of the tied gradient is there too, and the statistics the planner places after that op (as for any
-    unit of the stage) see the summed gradient without a dependency across devices. A higher owner would wait, idle
-    or not, for a gradient another device completes later."""
+    """The owner of a parameter the `stages` share: the lowest, whose gradient the backward completes last, so that
+    after its ALLREDUCE_GRAD every stage's share is there without a dependency across devices."""
     if not stages:
         raise ValueError("a tied parameter is used by at least one stage")
     return min(stages)

@@ -25,8 +25,7 @@ class Knob(Enum):
 
 @dataclass(frozen=True)
 class Suggestion:
-    """Values of one knob, or of a few together (`changes`), that the planner has solved the refused
-    problem with, everything else unchanged; `least`: the (one) value is proven the least that plans."""
+    """Values of one knob, or a few (`changes`), the planner solved the refused problem with; `least`: proven least."""
 
     changes: tuple[tuple[Knob, float | int], ...]
     least: bool = False
@@ -46,8 +45,7 @@ class PlanError(PlannerError):
 
     @property
     def max_overhead(self) -> float | None:
-        """The max_overhead of the first suggestion that changes it alone (what plan="auto" relaxes to); None when
-        no suggestion does."""
+        """The max_overhead of the first suggestion that changes it alone (what plan="auto" relaxes to), or None."""
         relaxed = [s for s in self.suggestions if {knob for knob, _ in s.changes} == {Knob.MAX_OVERHEAD}]
         return float(relaxed[0].changes[0][1]) if relaxed else None
 

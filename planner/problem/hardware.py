@@ -1,25 +1,13 @@
-"""Hardware specs (peak FLOP/s, memory bandwidth and size, achievable efficiency, links) for the analytic cost
-model, and communication costs: an alpha-beta model of each collective kind over a group of ranks (torch-free).
+"""Hardware specs (peak FLOP/s, memory bandwidth and size, efficiencies, links) for the analytic cost model, and an
+alpha-beta model of each collective over a group of p ranks: alpha per message step, beta per byte on the wire.
 
-A message step costs `alpha` seconds of latency and every byte on the wire `beta` seconds (1 / bandwidth).
-Each kind's time is `alpha * latency_steps(kind, p) + beta * wire_bytes(kind, n, p)`, with the standard
-algorithms' counts for n bytes over a group of p ranks (p = 1 costs nothing: no message is sent):
-
-- ALL_REDUCE, ring (reduce-scatter then all-gather): 2(p-1) alpha + 2(p-1)/p n beta.
-  Patarasuk & Yuan, "Bandwidth optimal all-reduce algorithms for clusters of workstations", JPDC 69(2),
-  2009; Thakur, Rabenseifner & Gropp, "Optimization of collective communication operations in MPICH",
-  IJHPCA 19(1), 2005, §4.4 (Rabenseifner's algorithm has the same bandwidth term). NCCL's ring all-reduce.
-- BROADCAST, long messages: scatter then ring all-gather (van de Geijn):
-  (ceil(log2 p) + p - 1) alpha + 2(p-1)/p n beta. Thakur et al. 2005, §4.1. The messages here are factors
-  and their decompositions (KiB to MiB), which is the long-message regime.
-- ALL_GATHER, ring, n the gathered (output) bytes: (p-1) alpha + (p-1)/p n beta. Thakur et al. 2005, §3.1.
-- SEND, one point-to-point message (an activation or its gradient between stages): alpha + n beta
-  (Hockney's model, "The communication challenge for MPP", Parallel Computing 20(3), 1994).
-
-Which link a group uses: a group of at most `CommModel.devices_per_node` ranks is taken to lie within one
-node (the `intra` link: NVLink, PCIe, loopback), a larger one to cross nodes (the `inter` link: InfiniBand),
-whose slower hops pace a ring. A measured model (fxkfac.comm_profile) fits alpha and beta per kind, which
-absorbs a backend's own algorithms (gloo's are not all rings) into the kind's two numbers.
+- ALL_REDUCE, ring: 2(p-1) alpha + 2(p-1)/p n beta (Patarasuk & Yuan, JPDC 2009; NCCL's ring).
+- BROADCAST, long messages, scatter + ring all-gather: (ceil(log2 p) + p - 1) alpha + 2(p-1)/p n beta (Thakur,
+  Rabenseifner & Gropp, IJHPCA 2005, §4.1).
+- ALL_GATHER, ring, n the gathered bytes: (p-1) alpha + (p-1)/p n beta (ibid., §3.1).
+- SEND, one point-to-point message: alpha + n beta (Hockney 1994).
+A group of at most `CommModel.devices_per_node` ranks uses the `intra` link, a larger one the `inter` link. A
+measured model (fxkfac.comm_profile) fits alpha and beta per kind, absorbing a backend's own algorithms.
 """
 
 from __future__ import annotations
@@ -44,6 +32,7 @@ class Collective(StrEnum):
 
 
 def _check_size(nbytes: float, group_size: int) -> None:
+    """CostModelError unless `group_size` is an int >= 1 and `nbytes` a finite number >= 0."""
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise CostModelError(f"a group has an int >= 1 of ranks, got {group_size!r}")
     if not (isinstance(nbytes, (int, float)) and math.isfinite(nbytes) and nbytes >= 0):
@@ -220,12 +209,8 @@ def fit_alpha_beta(kind: Collective, samples: Sequence[Sample]) -> AlphaBeta:
     both = _unconstrained(rows)
     if both is not None and min(both) >= 0:
         candidates.append(AlphaBeta(*both))
-    best = min(candidates, key=lambda ab: _residual(rows, ab))
+    best = min(candidates, key=lambda ab: sum((ab.alpha * x + ab.beta * y - t) ** 2 for x, y, t in rows))
     return AlphaBeta(best.alpha, best.beta / unit)
-
-
-def _residual(rows: Sequence[tuple[float, float, float]], ab: AlphaBeta) -> float:
-    return sum((ab.alpha * x + ab.beta * y - t) ** 2 for x, y, t in rows)
 
 
 def _only(rows: Sequence[tuple[float, float, float]], column: int) -> AlphaBeta:
@@ -300,8 +285,7 @@ class HardwareSpec:
     factorization_efficiency: float = 0.1
     """Fraction of peak a Cholesky + cholesky_inverse of a K-FAC factor (d <= 4096) reaches."""
     comm: CommModel | None = None
-    """The links between devices (planner/problem/hardware.py: within a node, across nodes); None: communication is
-    free."""
+    """The links between devices (within a node, across nodes); None: communication is free."""
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "peak_flops_tensor", "mem_bandwidth"):
@@ -314,106 +298,67 @@ class HardwareSpec:
 
 _US = 1e-6
 _NODE = 8  # DGX-1 (P100, V100), DGX A100 and DGX H100 hold 8 GPUs per node
-
-
-def _links(
-    intra_latency: float, intra_bandwidth: float, inter_latency: float, inter_bandwidth: float, source: str
-) -> CommModel:
-    """A datasheet comm model: every kind over an intra-node link (within 8 GPUs) and an inter-node one, each
-    from its latency (s) and one-direction bandwidth (bytes/s)."""
-    return CommModel(
-        LinkCosts.uniform(AlphaBeta.of_link(intra_latency, intra_bandwidth)),
-        LinkCosts.uniform(AlphaBeta.of_link(inter_latency, inter_bandwidth)),
-        _NODE,
-        source,
-    )
-
-
-# Links: bandwidth is the datasheet's peak per direction (NVLink datasheets quote both directions together, so
-# half of it), all of a GPU's links together (NCCL runs one ring per link); across nodes, the GPU's share of
-# its node's InfiniBand ports (the DGX system datasheets). Latency per message step is no datasheet figure:
-# NCCL's own model of it is used, src/graph/tuning.cc `hwLat`, Ring / Simple protocol: NVLink 3.4 us,
-# PCIe 5.7 us, network 9.6 us.
 _NVLINK_US, _NET_US = 3.4 * _US, 9.6 * _US
+"""Latency per message step: NCCL's own model (src/graph/tuning.cc `hwLat`, Ring / Simple), NVLink and network."""
 
-# factorization_efficiency 0.1 on GPUs: calibrated from planner/data/pipefisher_profiles, where
-# Cholesky + cholesky_inverse of a BERT-Base block's factors (d^3 FLOPs each: 10 of d=768, 2 of
-# 3072, 62.5 GFLOP) takes 71.7 ms on a P100 (8% of peak), BERT-Large's (148 GFLOP) 126.7 ms (11%),
-# and 49 ms on a V100 (8%): batched-free small factorizations are latency bound.
-HARDWARE: dict[str, HardwareSpec] = {
-    # NVIDIA Tesla P100 SXM2 16 GB datasheet (2016): 10.6 TFLOPS FP32, 21.2 TFLOPS FP16,
-    # 732 GB/s HBM2. The PipeFisher profiles were measured on P100s. Links: NVLink 1.0, 160 GB/s
-    # bidirectional (4 links x 20 GB/s each way); DGX-1 (P100) datasheet: 4x InfiniBand EDR 100 Gb/s per 8 GPUs
-    # (6.25 GB/s per GPU). (A P100 for PCIe would have PCIe 3.0 x16, 16 GB/s each way, instead of NVLink.)
-    "p100": HardwareSpec(
-        "p100",
-        10.6 * _T,
-        21.2 * _T,
-        732 * _GB,
-        16 * _GIB,
-        comm=_links(_NVLINK_US, 80 * _GB, _NET_US, 6.25 * _GB, "analytic:p100 NVLink 1.0 / IB EDR"),
-    ),
-    # NVIDIA Tesla V100 SXM2 datasheet (2017/2020): 15.7 TFLOPS FP32, 125 TFLOPS tensor (FP16),
-    # 900 GB/s HBM2, 16 or 32 GB (32 GB here). Links: NVLink 2.0, 300 GB/s bidirectional (6 links x 25 GB/s each
-    # way); DGX-1 (V100) datasheet: 4x InfiniBand EDR 100 Gb/s per 8 GPUs (6.25 GB/s per GPU).
-    "v100": HardwareSpec(
-        "v100",
-        15.7 * _T,
-        125 * _T,
-        900 * _GB,
-        32 * _GIB,
-        comm=_links(_NVLINK_US, 150 * _GB, _NET_US, 6.25 * _GB, "analytic:v100 NVLink 2.0 / IB EDR"),
-    ),
-    # NVIDIA A100 80GB SXM datasheet (2021): 19.5 TFLOPS FP32, 312 TFLOPS BF16 tensor (dense),
-    # 2,039 GB/s HBM2e, 80 GB. Links: NVLink 3.0, 600 GB/s bidirectional; DGX A100 datasheet: 8x ConnectX-6
-    # InfiniBand HDR 200 Gb/s, one per GPU (25 GB/s).
-    "a100": HardwareSpec(
-        "a100",
-        19.5 * _T,
-        312 * _T,
-        2039 * _GB,
-        80 * _GIB,
-        comm=_links(_NVLINK_US, 300 * _GB, _NET_US, 25 * _GB, "analytic:a100 NVLink 3.0 / IB HDR"),
-    ),
-    # NVIDIA H100 SXM5 datasheet (2023): 67 TFLOPS FP32, 989 TFLOPS BF16 tensor (dense; 1,979 with
-    # sparsity), 3.35 TB/s HBM3, 80 GB. Links: NVLink 4.0, 900 GB/s bidirectional; DGX H100 datasheet: 8x
-    # ConnectX-7 InfiniBand NDR 400 Gb/s, one per GPU (50 GB/s).
-    "h100": HardwareSpec(
-        "h100",
-        67 * _T,
-        989 * _T,
-        3350 * _GB,
-        80 * _GIB,
-        comm=_links(_NVLINK_US, 450 * _GB, _NET_US, 50 * _GB, "analytic:h100 NVLink 4.0 / IB NDR"),
-    ),
-    # A nominal 2-core AVX2/FMA laptop-class CPU, not a datasheet: 2 cores x 2.5 GHz x 32 FP32
-    # FLOP/cycle (two 8-wide FMA units) = 160 GFLOP/s, no faster 16-bit path; ~20 GB/s DDR4 dual
-    # channel; 16 GiB. LAPACK potrf/potri reach a larger share of a CPU's peak than cuSOLVER's of a GPU.
-    # Links: gloo over TCP loopback between processes of one host (every group: no second node), fitted per kind
-    # by fxkfac.comm_profile.measure_comm on this project's 2-core machine, 2 ranks, the median of three runs of
-    # `python benchmarks/comm_fit.py` (load average 6 from other jobs; single runs vary by 2-3x):
-    # all_reduce 441 us + 1.44 GB/s, broadcast 152 us + 2.64 GB/s, all_gather 356 us + 0.44 GB/s, send 318 us +
-    # 3.41 GB/s.
-    "cpu": HardwareSpec(
-        "cpu",
-        0.16 * _T,
-        0.16 * _T,
-        20 * _GB,
-        16 * _GIB,
-        matmul_efficiency=0.6,
-        factorization_efficiency=0.3,
-        comm=CommModel.single_link(
-            LinkCosts(
-                AlphaBeta.of_link(441 * _US, 1.44 * _GB),
-                AlphaBeta.of_link(152 * _US, 2.64 * _GB),
-                AlphaBeta.of_link(356 * _US, 0.44 * _GB),
-                AlphaBeta.of_link(318 * _US, 3.41 * _GB),
-            ),
-            _NODE,
-            "analytic:cpu gloo loopback (measured)",
-        ),
-    ),
+
+def _links(intra_bandwidth: float, inter_bandwidth: float, source: str) -> CommModel:
+    """A datasheet comm model: every kind over NVLink within a node of 8 GPUs and the network across nodes, each
+    from its one-direction bandwidth (bytes/s)."""
+    intra = LinkCosts.uniform(AlphaBeta.of_link(_NVLINK_US, intra_bandwidth))
+    return CommModel(intra, LinkCosts.uniform(AlphaBeta.of_link(_NET_US, inter_bandwidth)), _NODE, source)
+
+
+_DATASHEETS = {
+    # NVIDIA Tesla P100 SXM2 16 GB (2016); NVLink 1.0, 4 links x 20 GB/s each way; DGX-1: 4x IB EDR per 8 GPUs.
+    "p100": (10.6, 21.2, 732, 16, 80, 6.25, "NVLink 1.0 / IB EDR"),
+    # NVIDIA Tesla V100 SXM2 32 GB (2017/2020); NVLink 2.0, 6 links x 25 GB/s each way; DGX-1: 4x IB EDR per 8 GPUs.
+    "v100": (15.7, 125, 900, 32, 150, 6.25, "NVLink 2.0 / IB EDR"),
+    # NVIDIA A100 80GB SXM (2021), BF16 tensor dense; NVLink 3.0, 600 GB/s both ways; DGX A100: IB HDR per GPU.
+    "a100": (19.5, 312, 2039, 80, 300, 25, "NVLink 3.0 / IB HDR"),
+    # NVIDIA H100 SXM5 (2023), BF16 tensor dense; NVLink 4.0, 900 GB/s both ways; DGX H100: IB NDR per GPU.
+    "h100": (67, 989, 3350, 80, 450, 50, "NVLink 4.0 / IB NDR"),
 }
+"""Datasheet figures per GPU: FP32 and 16-bit tensor TFLOP/s, memory GB/s and GiB, then GB/s per direction of all
+its NVLinks together (NCCL runs a ring per link) and of its share of the node's InfiniBand ports."""
+
+# factorization_efficiency 0.1 on GPUs: calibrated from planner/data/pipefisher_profiles, where Cholesky +
+# cholesky_inverse of a BERT-Base block's factors (62.5 GFLOP) takes 71.7 ms on a P100 (8% of peak), BERT-Large's
+# (148 GFLOP) 126.7 ms (11%), and 49 ms on a V100 (8%): small factorizations are latency bound.
+HARDWARE: dict[str, HardwareSpec] = {
+    name: HardwareSpec(
+        name,
+        fp32 * _T,
+        tensor * _T,
+        bandwidth * _GB,
+        gib * _GIB,
+        comm=_links(nvlink * _GB, network * _GB, f"analytic:{name} {links}"),
+    )
+    for name, (fp32, tensor, bandwidth, gib, nvlink, network, links) in _DATASHEETS.items()
+}
+# A nominal 2-core AVX2/FMA CPU, not a datasheet: 2 cores x 2.5 GHz x 32 FP32 FLOP/cycle = 160 GFLOP/s, no faster
+# 16-bit path, ~20 GB/s DDR4, 16 GiB; LAPACK reaches a larger share of a CPU's peak than cuSOLVER of a GPU's. Links:
+# gloo over TCP loopback, fitted per kind by fxkfac.comm_profile.measure_comm on this project's 2-core machine, 2
+# ranks, the median of three runs of `python benchmarks/comm_fit.py` (load average 6; single runs vary by 2-3x).
+HARDWARE["cpu"] = HardwareSpec(
+    "cpu",
+    0.16 * _T,
+    0.16 * _T,
+    20 * _GB,
+    16 * _GIB,
+    matmul_efficiency=0.6,
+    factorization_efficiency=0.3,
+    comm=CommModel.single_link(
+        LinkCosts(
+            AlphaBeta.of_link(441 * _US, 1.44 * _GB),
+            AlphaBeta.of_link(152 * _US, 2.64 * _GB),
+            AlphaBeta.of_link(356 * _US, 0.44 * _GB),
+            AlphaBeta.of_link(318 * _US, 3.41 * _GB),
+        ),
+        _NODE,
+        "analytic:cpu gloo loopback (measured)",
+    ),
+)
 
 
 def hardware(name: str | HardwareSpec) -> HardwareSpec:

@@ -18,31 +18,10 @@ M_theta, M_act, M_err_peak, M_err_save, M_curv, M_inv = sp.symbols(
 )
 T_curv, T_inv, T_prec, T_gstat = sp.symbols("T_curv T_inv T_prec T_gstat", nonnegative=True)
 
-SYMBOLS: dict[str, sp.Symbol] = {
-    s.name: s
-    for s in (
-        T_f,
-        T_b,
-        D,
-        N,
-        v,
-        W,
-        M_theta,
-        M_act,
-        M_err_peak,
-        M_err_save,
-        M_curv,
-        M_inv,
-        T_curv,
-        T_inv,
-        T_prec,
-        T_gstat,
-    )
-}
-"""Every symbol by name. Times and memories are per (virtual) stage: T_f/T_b per micro-batch,
-T_curv per micro-batch, T_inv/T_prec/M_curv/M_inv per stage, M_act/M_err_* per micro-batch; T_gstat per stage
-and step: the statistics a gradient-fed family (Shampoo, SOAP) takes from the reduced gradient at every step
-(0 for K-FAC)."""
+_ALL = (T_f, T_b, D, N, v, W, M_theta, M_act, M_err_peak, M_err_save, M_curv, M_inv, T_curv, T_inv, T_prec, T_gstat)
+SYMBOLS: dict[str, sp.Symbol] = {s.name: s for s in _ALL}
+"""Every symbol by name; per (virtual) stage, T_f, T_b, T_curv, M_act, M_err_* per micro-batch, T_gstat per step
+(a gradient-fed family's statistics; 0 for K-FAC)."""
 
 _DESCRIPTIONS = {
     "T_pipe": "time of one pipeline step (all F and B of the step, critical path)",
@@ -91,13 +70,9 @@ def _shape(kind: ScheduleKind) -> tuple[sp.Expr, sp.Expr, sp.Expr, sp.Expr, sp.E
 
 
 def perf_model(kind: ScheduleKind | str) -> PerfModel:
-    """The paper's §3.3 expressions for `kind`, exact for uniform stages (checked against simulate).
-
-    GPipe/1F1B: C_f = C_b = N+D-1 (the paper's 2D-1 at N = D). Interleaved: the same in virtual
-    stages, N*v+D-1. Chimera (N = kD): C_f = D+2(k-1), C_b = k(2D-2) for T_b >= T_f (the paper's
-    D and 2D-2 at k = 1); T_pipe is written for any T_f, T_b. M_pipe uses each schedule's exact
-    in-flight activation peak where the paper writes N*M_act (GPipe's worst case).
-    """
+    """The paper's §3.3 expressions for `kind`, exact for uniform stages (checked against simulate): C_f = C_b =
+    N+D-1 for GPipe/1F1B (N*v+D-1 interleaved); Chimera (N = kD) C_f = D+2(k-1), C_b = k(2D-2) for T_b >= T_f. M_pipe
+    uses each schedule's exact in-flight peak where the paper writes N*M_act."""
     kind = ScheduleKind(kind)
     if kind in ZERO_BUBBLE_KINDS:
         raise ScheduleError(f"{kind} has no closed form here (its W's fill the bubbles); simulate its programs")
@@ -142,19 +117,14 @@ def explain(kind: ScheduleKind | str, words: TaskWords = WORDS[PreconditionerKin
     preconditioner family's `words`."""
     model = perf_model(kind)
     lines = [f"Performance model for {model.kind} (PipeFisher §3.3; times per micro-batch, per stage):"]
-    lines.append(
-        f"  C_f = {model.C_f},  C_b = {model.C_b}"
-        + ("  (for T_b >= T_f)" if model.kind is ScheduleKind.CHIMERA else "")
-    )
+    chimera = "  (for T_b >= T_f)" if model.kind is ScheduleKind.CHIMERA else ""
+    lines.append(f"  C_f = {model.C_f},  C_b = {model.C_b}{chimera}")
     for f in fields(model):
         if f.name in _DESCRIPTIONS:
-            lines.append(f"  {f.name} = {sp.sstr(getattr(model, f.name))}")
-            lines.append(
-                "      "
-                + _DESCRIPTIONS[f.name].format(
-                    name=words.name, stats=words.stats, decomp=words.decomp, apply=words.apply
-                )
+            text = _DESCRIPTIONS[f.name].format(
+                name=words.name, stats=words.stats, decomp=words.decomp, apply=words.apply
             )
+            lines += [f"  {f.name} = {sp.sstr(getattr(model, f.name))}", f"      {text}"]
     if model.kind is ScheduleKind.CHIMERA:
         lines.append("  for T_b >= T_f (the usual case):")
         for name in ("T_pipe", "T_bubble", "ratio"):

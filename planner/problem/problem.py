@@ -1,4 +1,4 @@
-"""The planning problem: schedule, mesh, costs, budget (step: planner/problem/step_timeline.py; memory:
+"""The planning problem: schedule, mesh, costs, budget; its stage copies and groups (its step and memory:
 planner/problem/step_timeline.py)."""
 
 from __future__ import annotations
@@ -24,29 +24,22 @@ from fxkfac.planner.problem.strategy import (
 
 class StepBarrier(StrEnum):
     """Which ranks a step's end waits for ([Note: step barrier] in planner/plan/window.py; the runtime's
-    `KFACConfig.kl_clip_scope`)."""
+    `kl_clip_scope`): every rank (scope global), or the rank's agreement set, the devices of its stage group."""
 
     WORLD = "world"
-    """Every rank (KL-clip scope global): the idle before and after a step boundary never join."""
     AGREEMENT_SET = "agreement-set"
-    """The rank's agreement set only (KL-clip scope stage or stale): the ranks holding copies of the same
-    parameters, which the planner takes as the devices of the rank's stage group (tied weights, which can join
-    two groups, are not in the planner's data)."""
 
 
 @dataclass(frozen=True)
 class Problem:
     """What to plan: the pipeline, the costs, the device memory and the step-time tolerance.
 
-    schedule/D/N/W/v: the pipeline (pp size D, dp size W, N micro-batches per replica, v virtual
-    stages per rank for "interleaved" and "zb-1p", 2 for "zb-v"). costs: one StageCost per (virtual) stage.
-    memory_budget: bytes per device, None for unlimited. max_overhead: how much the step may grow over the plain
-    pipeline with preconditioning, as a fraction of that reference step (0.0: only bubbles are used); fused
-    curvature and idle time appended to every step (see [Note: stretch] in planner/plan/window.py) share
-    it. fingerprint: the graph the plan is for
-    (opaque here). max_period: the longest refresh period the planner may choose. distributions: where each
-    layer's work lives among its stage's copies, as (layer, distribution) pairs sorted by layer (hashable;
-    `with_distributions` makes them from a mapping; planner/problem/strategy.py; absent layers: COMM-OPT).
+    schedule/D/N/W/v: the pipeline (pp size D, dp size W, N micro-batches per replica, v stages per rank for
+    "interleaved" and "zb-1p", 2 for "zb-v"); costs: one StageCost per (virtual) stage; memory_budget: bytes per
+    device (None: unlimited); max_overhead: how much the step may grow over the reference step with preconditioning,
+    a fraction (0.0: bubbles only), shared by fused curvature and stretch ([Note: stretch] in
+    planner/plan/window.py); fingerprint: the graph the plan is for; max_period: the longest refresh period;
+    distributions: (layer, LayerDistribution) pairs sorted by layer, absent layers COMM-OPT (`with_distributions`).
     """
 
     schedule: str
@@ -62,25 +55,18 @@ class Problem:
     max_period: int = 32
     distributions: tuple[tuple[str, LayerDistribution], ...] = ()
     decomp_pieces: int = 1
-    """How many DECOMP ops each part's decomposition is cut into (`KFACConfig.split_inverse.pieces`,
-    `ShampooConfig.newton_pieces`): piece i costs 1/n of the part's `decomp` and runs after piece i-1 on the same
-    rank ("DECOMP s A i/n layer"). The planner places them in tasks no longer than one piece of the stage's longest
-    decomposition, so a small one's pieces run back to back ([Note: piece tasks] in planner/plan/window.py).
-    Muon, which has no decomposition, cuts each matrix's APPLY into as many pieces by iterations (`apply_pieces`)."""
+    """How many DECOMP ops each part's decomposition is cut into, each 1/n of it, in order on one rank ([Note: piece
+    tasks] in planner/plan/window.py); Muon's APPLY is cut so by iterations (`apply_pieces`)."""
     warm_start: bool = False
-    """Whether each decomposition starts from its layer's newest preconditioner (`Family.warm_start`: SOAP's QR
-    basis, K-FAC's split inverse): every refresh of a layer is then made and broadcast before the next refresh's
-    first DECOMP of the layer starts, so it starts from the previous refresh, as on one device. Pieces
-    (`decomp_pieces` > 1) always are."""
+    """Whether each decomposition starts from its layer's newest preconditioner (`Family.warm_start`), so every
+    refresh is made and broadcast before the next one's first DECOMP (`chains_refreshes`)."""
     barrier: StepBarrier = StepBarrier.WORLD
     """Which ranks each step's end synchronizes ([Note: step barrier] in planner/plan/window.py)."""
     streaming: Streaming | None = None
-    """Layers of a stage held by one rank whose APPLY a helper rank runs, fed during the owner's last backward
-    (planner/problem/lowering.py; None: every rank applies its own stages)."""
+    """Layers whose APPLY a helper rank runs, fed during the owner's last backward (planner/problem/lowering.py)."""
     recompute: tuple[int, ...] = ()
-    """Stages that recompute their forward (activation checkpointing), ascending: each keeps only its boundary
-    (`StageCost.boundary_bytes`) per micro-batch in flight, and its BWD runs its forward again first, so lasts
-    `fwd` longer (planner/search/plan_search.py chooses them under a memory budget)."""
+    """Stages that recompute their forward (activation checkpointing), ascending: each keeps only its boundary per
+    micro-batch in flight, and its BWD runs the forward again first."""
 
     def __post_init__(self) -> None:
         kind = validate_schedule_args(self.schedule, self.D, self.N, self.v)
@@ -141,9 +127,8 @@ class Problem:
             raise PlanError(f"recompute names stages {list(stages)}, but this problem has stages 0..{S - 1}")
 
     def _check_streaming(self, streaming: Streaming) -> None:
-        """PlanError unless every helper is a rank that holds no copy of the streamed stage, and each streamed layer is
-        one a helper may apply (`can_stream`) and which every copy applies
-        itself (COMM-OPT: the helper's result replaces each copy's gradient)."""
+        """PlanError unless every helper holds no copy of the streamed stage and each streamed layer may stream
+        (`can_stream`) under COMM-OPT (the helper's result replaces each copy's gradient)."""
         if not streaming.stage < self.num_stages:
             raise PlanError(f"streaming names stage {streaming.stage}, which this problem does not have")
         for helper in streaming.ranks:
@@ -165,26 +150,24 @@ class Problem:
 
     @property
     def apply_pieces(self) -> int:
-        """Pieces each layer's APPLY is cut into ("APPLY s i/n layer", planner/problem/ir.py): a Muon matrix's
-        Newton-Schulz in `decomp_pieces` pieces by iterations; one for every other family."""
+        """Pieces each layer's APPLY is cut into: Muon's `decomp_pieces` (by iterations), one for other families."""
         return self.decomp_pieces if self.costs.family is PreconditionerKind.MUON else 1
 
     @property
     def stream_owners(self) -> tuple[int, ...]:
-        """The ranks holding the streamed stage, ascending (AssertionError without streaming): each sends its own
-        gradient of a streamed layer and takes the result back; the first also sends the replicas."""
+        """The ranks holding the streamed stage, ascending: each sends its gradient of a streamed layer and takes the
+        result back; the first also sends the replicas."""
         assert self.streaming is not None, "only a problem with streaming has owners"
         return copies_of_stage(self, self.streaming.stage)
 
     @property
     def chains_refreshes(self) -> bool:
-        """Whether every refresh of a layer is made before the next one's first DECOMP of it starts: decompositions
-        that warm-start (`warm_start`) or run in pieces (Newton-Schulz starts from the previous inverse)."""
+        """Whether every refresh of a layer is made before the next one's first DECOMP of it: decompositions that
+        warm-start or run in pieces."""
         return self.warm_start or self.decomp_pieces > 1
 
     def __hash__(self) -> int:
-        """The fields' hash, computed once: the planner's caches (lru_cache) key on problems millions of times,
-        and hashing the cost table each time was most of a data-parallel plan's time."""
+        """The fields' hash, computed once: the planner's caches key on problems millions of times."""
         cached = self.__dict__.get("_hash")
         if cached is None:
             cached = hash(tuple(getattr(self, f.name) for f in fields(self)))
@@ -200,16 +183,15 @@ class Problem:
         return dict(self.distributions)
 
     def with_distributions(self, distributions: Mapping[str, LayerDistribution]) -> Problem:
-        """The same problem with these layer distributions (every other layer COMM-OPT, which is not listed: a
-        problem has one form whatever way COMM-OPT is given; a streamed layer stays COMM-OPT)."""
+        """The same problem with these layer distributions (COMM-OPT ones and streamed layers not listed, so a
+        problem has one form)."""
         streamed = set(self.streaming.layers) if self.streaming is not None else set()
         named = sorted((n, d) for n, d in distributions.items() if d != LayerDistribution() and n not in streamed)
         return replace(self, distributions=tuple(named))
 
     def with_strategy(self, strategy: Strategy) -> Problem:
-        """Every layer under `strategy`, each stage's layers dealt to its columns by KAISA's greedy on their
-        decomposition seconds (`planner.problem.strategy.distribute`); a layer without parts (a Muon matrix, Moonlight's
-        distributed Muon under mem-opt) on its APPLY's seconds, the only work it has."""
+        """Every layer under `strategy`, dealt to its stage's columns by KAISA's greedy on its decomposition seconds
+        (`distribute`), a layer without parts (a Muon matrix) on its APPLY's."""
         holders = {s: copies_of_stage(self, s) for s in range(self.num_stages)}
         layers = {s: [x.name for x in stage.layers] for s, stage in enumerate(self.costs.stages)}
         costs = {x.name: x.inv if x.parts else x.prec for stage in self.costs.stages for x in stage.layers}
@@ -280,23 +262,16 @@ class Problem:
 
 @dataclass(frozen=True)
 class SolveProgress:
-    """What CP-SAT reports while it places one window (planner/search/cpsat.py): each placement it finds, then the
-    call's end. Plain data, so a front can render it without the planner knowing how."""
+    """What CP-SAT reports while it places one window (planner/search/cpsat.py), plain data for a front to render:
+    the window in words, CP-SAT's status (FEASIBLE per placement found, then the call's own), the best staleness
+    and its proven bound (None when searching any placement), wall seconds so far, and whether the call ended."""
 
     window: str
-    """The window being solved, in words: its stage group, refresh period k and stretch (ticks added to a step)."""
     status: str
-    """CP-SAT's status: FEASIBLE for each placement found while searching (UNKNOWN for a bound before any),
-    then the call's own status."""
     objective: float | None
-    """The staleness (sum of use offsets) of the best placement so far; None for a search of any placement
-    (a refresh period or a stretch tried) or when none was found."""
     bound: float | None
-    """The proven lower bound on the staleness while minimizing it (None for a search of any placement)."""
     seconds: float
-    """Wall seconds this call has run."""
     done: bool
-    """Whether this is the call's end (`status` is then CP-SAT's final status)."""
 
     @property
     def gap(self) -> float | None:
@@ -315,46 +290,38 @@ class SolverConfig:
     """
 
     time_limit_s: float = 10.0
-    """Seconds of planning (CP-SAT; see [Note: time limit] in planner/search/attempt.py). Deterministic, it becomes a
-    budget of CP-SAT deterministic time ([Note: deterministic budget] in planner/search/budget.py)."""
+    """Seconds of planning ([Note: time limit] in planner/search/attempt.py; deterministic: [Note: deterministic
+    budget] in planner/search/budget.py)."""
     num_workers: int = 2
     """CP-SAT threads when not deterministic (a deterministic search runs one)."""
     seed: int = 0
     """CP-SAT's random seed."""
     deterministic: bool = True
-    """The same problem and options give the same plan (every field but `SolverStats.wall_time`) on a loaded
-    or an idle machine: CP-SAT is budgeted in deterministic time, single-threaded and seeded. False: the
-    budget is wall-clock seconds on `num_workers` threads, so a slower machine may return another plan."""
+    """The same problem and options give the same plan on any machine (CP-SAT budgeted in deterministic time,
+    single-threaded, seeded); False: wall-clock seconds on `num_workers` threads."""
     use_greedy_hint: bool = True
     stats_chunk: int | None = None
     max_stats_tasks: int = 1536
-    """With `stats_chunk` None, a group's STATS tasks are per layer up to this many, chunked beyond it: CP-SAT's
-    model grows with them (per Linear, BERT-Large Chimera D=8 on the paper's profiles, a stage group has 576 at
-    N=8 and 2304 at N=32; a 10 s solve ran CP-SAT for 10 s and 30 s of wall time on 2 cores)."""
+    """With `stats_chunk` None, a group's STATS tasks are per layer up to this many, chunked beyond it (CP-SAT's
+    model grows with them)."""
     time_resolution: int = 100_000
     """Ticks per step when times are not exact in a decimal unit (see `planner.plan.window`)."""
     stretch: bool = True
-    """Let the step grow within `Problem.max_overhead` to make room for K-FAC work ([Note: stretch] in
-    planner/plan/window.py); False: max_overhead only pays for fused curvature (bubbles alone)."""
+    """Let the step grow within `Problem.max_overhead` for refresh work ([Note: stretch] in planner/plan/window.py)."""
     progress: Callable[[SolveProgress], None] | None = field(default=None, compare=False)
-    """Called with every `SolveProgress` of every CP-SAT call (None: nothing reported). It only observes: the
-    plan is the same with or without it."""
+    """Called with every `SolveProgress` of every CP-SAT call; it only observes."""
 
 
 @dataclass(frozen=True)
 class StageGroup:
-    """Stages that share devices (Chimera's stage pairs, interleaved chunks) and those devices.
-
-    A group has one refresh period: its devices' K-FAC work repeats with it.
-    """
+    """Stages that share devices (Chimera's stage pairs, interleaved chunks) and those devices: one refresh period."""
 
     stages: tuple[int, ...]
     devices: tuple[int, ...]
 
 
 def _holders(problem: Problem) -> dict[int, tuple[int, ...]]:
-    """Stage -> the ranks holding a copy of it, as the runtime deals them (`ranks_of_stages`); cached by the mesh,
-    not the problem, whose hash walks its whole cost table (called for every op of a simulated step)."""
+    """Stage -> the ranks holding a copy of it (`ranks_of_stages`), cached by the mesh, cheaper to hash."""
     return _holders_of(problem.schedule, problem.D, problem.W, problem.v)
 
 
@@ -374,9 +341,8 @@ def stages_on_device(problem: Problem, device: int) -> tuple[int, ...]:
 
 
 def streamed_stats(problem: Problem, layer: str) -> bool:
-    """Whether `layer` streams and has parts fed by the reduced gradient (Shampoo, SOAP): its helper then folds
-    their statistics with its APPLY (the layer's whole per-step work) and returns them with the result, and its
-    owners take the refresh step's snapshot from that return (docs/STREAMED_APPLY.md, "Stateful units")."""
+    """Whether `layer` streams with gradient-fed parts (Shampoo, SOAP): its helper folds their statistics with its
+    APPLY and returns them (docs/STREAMED_APPLY.md, "Stateful units")."""
     streaming = problem.streaming
     return (
         streaming is not None
@@ -386,9 +352,8 @@ def streamed_stats(problem: Problem, layer: str) -> bool:
 
 
 def streamed_seconds(problem: Problem, op: Op) -> float:
-    """Seconds of a streamed layer's APPLY on its helper (or of its piece, `planner.problem.ir.piece_share`), and
-    with `streamed_stats` the folds of its gradient-fed statistics, which the helper's APPLY runs first, and the
-    packing of the state it returns (priced as its owner's `LayerCost.take_back`)."""
+    """Seconds of a streamed layer's APPLY (or piece) on its helper, with `streamed_stats` plus its folds and the
+    packing of what it returns (priced as the owner's `LayerCost.take_back`)."""
     cost = problem.costs.layer(op.layer_name)
     stepped = streamed_stats(problem, op.layer_name)
     folds = sum(p.stats for p in cost.parts) + cost.take_back if stepped else 0.0
@@ -396,15 +361,14 @@ def streamed_seconds(problem: Problem, op: Op) -> float:
 
 
 def returned(problem: Problem, layer: str) -> Op:
-    """The owners' RECV_PGRAD of a streamed `layer`: where its preconditioned gradient (and, for `streamed_stats`,
-    its statistics) lands."""
+    """The owners' RECV_PGRAD of a streamed `layer`, where its result lands."""
     assert problem.streaming is not None, "only a streamed layer is returned"
     return Op(OpKind.RECV_PGRAD, problem.streaming.stage, peer=problem.streaming.helper_of(layer), layer=layer)
 
 
 def is_streamed(problem: Problem, device: int, op: Op) -> bool:
-    """Whether `op` on `device` is part of a streamed layer's hand-off (planner/problem/lowering.py): a transfer of
-    one, or its APPLY on the helper, which does not hold the stage. Such ops are fixed by the step, not placed."""
+    """Whether `op` on `device` is part of a streamed layer's hand-off (a transfer, or the helper's APPLY): fixed by
+    the step, not placed."""
     return op.kind in LAYER_TRANSFER_KINDS or (
         op.kind is OpKind.APPLY and op.stage not in stages_on_device(problem, device)
     )
@@ -420,9 +384,8 @@ def stage_groups(problem: Problem) -> tuple[StageGroup, ...]:
 
 
 def agreement_set(problem: Problem, device: int) -> tuple[int, ...]:
-    """The ranks whose step ends `device`'s step end waits for: every rank under `StepBarrier.WORLD`, else the
-    devices of its stage group (ranks linked by holding copies of one stage: the runtime's agreement set; tied
-    weights, which may link two groups, are not in the planner's data)."""
+    """The ranks whose step ends `device`'s step end waits for: all under `StepBarrier.WORLD`, else its stage group's
+    devices (tied weights, which may link two groups, are not in the planner's data)."""
     if problem.barrier is StepBarrier.WORLD:
         return problem.devices
     return next(g.devices for g in stage_groups(problem) if device in g.devices)

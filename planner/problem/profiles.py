@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.problem.errors import CostModelError
-from fxkfac.planner.problem.hardware import HARDWARE, CommModel
+from fxkfac.planner.problem.hardware import HARDWARE
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -38,11 +38,9 @@ they were measured on."""
 
 
 class ProfileLayers(StrEnum):
-    """What one K-FAC layer of a profiled Transformer block is: the block (the profile's own granularity), its
-    attention (q, k, v, o) and its feed-forward (fc1, fc2), or each of its six Linears (what K-FAC preconditions:
-    the paper's code keeps a factor pair per nn.Linear); the block's measured costs shared among them by their
-    shapes (`BLOCK_LINEARS`). Finer layers give the planner smaller tasks and gradients final earlier in the
-    backward (streamed APPLY), and it more tasks to place."""
+    """What one K-FAC layer of a profiled Transformer block is: the block, its attention and feed-forward, or each
+    of its six Linears (as the paper's code preconditions), sharing the block's costs by their shapes. Finer layers
+    give the planner smaller tasks and gradients final earlier, and more tasks to place."""
 
     BLOCK = "block"
     SUBLAYER = "sublayer"
@@ -72,71 +70,52 @@ def _profiles_folder() -> Traversable:
     return files("fxkfac.planner") / "data" / "pipefisher_profiles"
 
 
-def _paper_files() -> dict[str, str]:
-    """Shipped profile file names by their `paper:<model>/<hardware>` name, sorted by name."""
-    names = {}
-    for entry in _profiles_folder().iterdir():
-        stem = PurePath(entry.name).stem
-        if entry.name.endswith(".csv") and _PROFILE_MARK in stem:
-            model, hardware = stem.split(_PROFILE_MARK, 1)
-            names[f"{PAPER_PREFIX}{model}/{hardware}"] = entry.name
-    return dict(sorted(names.items()))
-
-
-def paper_profile_names() -> tuple[str, ...]:
-    """Every `paper:<model>/<hardware>` name of a profile shipped with fxkfac (the PipeFisher paper's)."""
-    return tuple(_paper_files())
-
-
-def _is_paper_name(source: str | Path) -> bool:
-    return str(source).startswith(PAPER_PREFIX)
-
-
-def _is_gpu_name(source: str | Path) -> bool:
-    return str(source).startswith(GPU_PREFIX)
-
-
-def _paper_file(name: str) -> str:
-    """The shipped file a `paper:` name stands for; CostModelError listing the names when unknown."""
-    known = _paper_files()
-    if name not in known:
-        raise CostModelError(f"no shipped PipeFisher profile {name!r}; available: {', '.join(known)}")
-    return known[name]
-
-
 def _gpu_profiles_folder() -> Traversable:
     """planner/data/gpu_profiles, read through importlib.resources (package data when installed)."""
     return files("fxkfac.planner") / "data" / "gpu_profiles"
 
 
-def _gpu_files() -> dict[str, str]:
-    """Shipped GPU profile file names (<model>_<device>.json) by their `gpu:<model>/<device>` name, sorted."""
-    folder = _gpu_profiles_folder()
+def _shipped(prefix: str) -> dict[str, str]:
+    """Shipped profile file names by name, sorted: PipeFisher's <model>_time_memory_<hardware>.csv as
+    `paper:<model>/<hardware>`, GPU profiles <model>_<device>.json as `gpu:<model>/<device>`."""
+    paper = prefix == PAPER_PREFIX
+    folder = _profiles_folder() if paper else _gpu_profiles_folder()
     if not folder.is_dir():
         return {}
     names = {}
     for entry in folder.iterdir():
-        model, sep, device = PurePath(entry.name).stem.rpartition("_")
-        if entry.name.endswith(".json") and sep and model:
-            names[f"{GPU_PREFIX}{model}/{device}"] = entry.name
+        stem = PurePath(entry.name).stem
+        model, sep, device = stem.partition(_PROFILE_MARK) if paper else stem.rpartition("_")
+        if entry.name.endswith(".csv" if paper else ".json") and sep and model:
+            names[f"{prefix}{model}/{device}"] = entry.name
     return dict(sorted(names.items()))
+
+
+def paper_profile_names() -> tuple[str, ...]:
+    """Every `paper:<model>/<hardware>` name of a profile shipped with fxkfac (the PipeFisher paper's)."""
+    return tuple(_shipped(PAPER_PREFIX))
 
 
 def gpu_profile_names() -> tuple[str, ...]:
     """Every `gpu:<model>/<device>` name of a GPU profile shipped with fxkfac (benchmarks/gpu_check.py's)."""
-    return tuple(_gpu_files())
+    return tuple(_shipped(GPU_PREFIX))
 
 
-def _gpu_file(name: str) -> str:
-    """The shipped file a `gpu:` name stands for; CostModelError listing the names when unknown."""
-    known = _gpu_files()
-    if name not in known:
-        available = ", ".join(known) or "none yet"
-        raise CostModelError(
-            f"no shipped GPU profile {name!r} (available: {available}); benchmarks/gpu_check.py measures one on a "
-            "CUDA device, and its file can be passed as a path"
-        )
-    return known[name]
+def _shipped_file(name: str) -> str | None:
+    """The shipped file a `paper:` or `gpu:` name stands for (CostModelError listing the names when unknown); None
+    for a path."""
+    prefix = next((x for x in (PAPER_PREFIX, GPU_PREFIX) if name.startswith(x)), None)
+    if prefix is None:
+        return None
+    known = _shipped(prefix)
+    if name in known:
+        return known[name]
+    if prefix == PAPER_PREFIX:
+        raise CostModelError(f"no shipped PipeFisher profile {name!r}; available: {', '.join(known)}")
+    raise CostModelError(
+        f"no shipped GPU profile {name!r} (available: {', '.join(known) or 'none yet'}); benchmarks/gpu_check.py "
+        "measures one on a CUDA device, and its file can be passed as a path"
+    )
 
 
 def _is_block_profile_json(path: Path) -> bool:
@@ -153,7 +132,7 @@ def _is_block_profile_json(path: Path) -> bool:
 def is_profile(source: str | Path) -> bool:
     """Whether `source` is a per-block profile (a PipeFisher .csv path or `paper:` name, a GPU profile .json path
     or `gpu:` name), which needs blocks_per_stage and micro_batch_size to become a cost table."""
-    if _is_paper_name(source) or _is_gpu_name(source):
+    if str(source).startswith((PAPER_PREFIX, GPU_PREFIX)):
         return True
     path = Path(source)
     return path.suffix.lower() == ".csv" or _is_block_profile_json(path)
@@ -180,11 +159,10 @@ _Rows = dict[int, dict[str, float]]
 def _profile_rows(source: str | Path) -> tuple[_Rows, str, str | None]:
     """A per-block profile's rows by micro-batch size, its file name and, for a GPU profile, its device: a shipped
     one by `paper:` or `gpu:` name, or a .csv or .json file by path."""
-    if _is_paper_name(source):
-        name = _paper_file(str(source))
+    name = _shipped_file(str(source))
+    if name is not None and str(source).startswith(PAPER_PREFIX):
         return _read_pipefisher_rows((_profiles_folder() / name).read_text(), str(source)), name, None
-    if _is_gpu_name(source):
-        name = _gpu_file(str(source))
+    if name is not None:
         rows, device = _read_block_profile_json((_gpu_profiles_folder() / name).read_text(), str(source))
         return rows, name, device
     path = Path(source)
@@ -264,10 +242,9 @@ def _blocks_per_stage(blocks_per_stage: Sequence[int] | int, n_stages: int | Non
 
 
 def _block_layers(row: dict[str, float], block: str, layers: ProfileLayers) -> tuple[LayerCost, ...]:
-    """The block's K-FAC layers (`_GROUPS`), each the share of the block's measured cost its Linears
-    (`BLOCK_LINEARS`) do: curvature rows * d^2 and factor memory d^2 per side, inversion d^3 per side, APPLY
-    (B^-1 G A^-1) d_in * d_out * (d_in + d_out), captures rows * d per side, gradient d_in * d_out. The A and B
-    sides of a block are the same multiset of widths, so a whole block splits every cost 50/50 between them."""
+    """The block's K-FAC layers (`_GROUPS`), each the share of the block's measured cost its Linears do: curvature
+    and factor memory by d^2 per side, inversion d^3, APPLY d_in d_out (d_in + d_out), captures d, gradient
+    d_in d_out."""
     shape = {n: (i, o) for n, i, o in BLOCK_LINEARS}
     sides = [d for i, o in shape.values() for d in (i, o)]
     sq, cube = sum(d**2 for d in sides), sum(d**3 for d in sides)
@@ -305,32 +282,18 @@ def cost_table_from_pipefisher_csv(
     hardware: str | None = None,
     layers: ProfileLayers = ProfileLayers.BLOCK,
 ) -> CostTable:
-    """A CostTable from a PipeFisher per-Transformer-block profile (ms and MiB per block).
+    """A CostTable from a per-Transformer-block profile (ms and MiB per block; a stage of k blocks costs k blocks).
 
-    Every Transformer block is one K-FAC "layer" named ``block{i}`` (i counts blocks over the
-    whole model) of its stage; with `layers` SUBLAYER two, ``block{i}.attn`` and ``block{i}.ffn``, with LINEAR six,
-    ``block{i}.q`` ... ``block{i}.fc2``, sharing the block's costs (`_block_layers`); a stage with k blocks costs
-    k times a block. Mapping (of a whole block):
+    Each block is one K-FAC layer ``block{i}`` (`layers` SUBLAYER: ``block{i}.attn``, ``.ffn``; LINEAR: ``.q`` ...
+    ``.fc2``, sharing the block's costs, `_block_layers`). time_f, time_b -> fwd, bwd; time_prec -> prec;
+    time_kron, time_inv, mem_kron, mem_save_err split 50/50 between A and B (a block's A sides {d,d,d,d,d,f} and B
+    sides {d,d,d,d,f,d} are the same multiset); mem_param, mem_act summed over the stage's blocks; mem_peak_err one
+    block's (one backward is transient).
 
-    - time_f, time_b -> fwd, bwd (per micro-batch); time_prec -> prec of the block.
-    - time_kron -> curv_a + curv_b, split 50/50; time_inv -> inv_a + inv_b, split 50/50. The split
-      follows from the factor dims of the blocks profiled (BERT, OPT, T5): the six Linears map
-      d -> d (q, k, v, o), d -> f and f -> d, so the A sides {d,d,d,d,d,f} and the B sides
-      {d,d,d,d,f,d} are the same multiset: sum d_in^2 = sum d_out^2 (curvature, rows * d^2) and
-      sum d_in^3 = sum d_out^3 (inversion) exactly.
-    - mem_kron -> factor_a_bytes + factor_b_bytes, split 50/50 (it equals 4 bytes * sum of the
-      twelve d^2 without bias columns: 94.5 MiB for d=768, f=3072).
-    - mem_save_err -> e_bytes (errors a deferred B capture keeps per micro-batch); a_bytes is set
-      to the same value since sum of d_in * tokens = sum of d_out * tokens by the same symmetry.
-    - mem_param -> param_bytes, mem_act -> act_bytes (summed over the blocks of the stage),
-      mem_peak_err -> peak_err_bytes (the largest block peak: one backward is transient).
-
-    path is a profile CSV, or `paper:<model>/<hardware>` for one shipped with fxkfac
-    (`paper_profile_names()`); or a per-block profile JSON measured on a GPU (`block_profile_json`, written by
-    benchmarks/gpu_check.py), or `gpu:<model>/<device>` for one shipped (`gpu_profile_names()`), whose device is
-    the table's hardware unless `hardware` is given. A micro-batch size not in the file is linearly interpolated between
-    the nearest measured sizes; one outside the measured range raises CostModelError.
-    blocks_per_stage is a list (one count per stage) or an int with n_stages.
+    path: a PipeFisher CSV, a GPU profile JSON (`block_profile_json`; its device is the table's hardware unless
+    `hardware` is given), or a shipped `paper:` or `gpu:` name (`paper_profile_names`, `gpu_profile_names`). A
+    micro-batch size between measured ones is interpolated linearly. blocks_per_stage: a count per stage, or an int
+    with n_stages.
     """
     rows, file_name, device = _profile_rows(path)
     row = _row_at(rows, micro_batch_size, str(path))
@@ -348,21 +311,11 @@ def cost_table_from_pipefisher_csv(
             )
         )
         first += k
-    hw = hardware or device or _hardware_from_name(PurePath(file_name).stem)
+    stem = PurePath(file_name).stem  # the paper's files: <model>_time_memory_<hardware>
+    hw = hardware or device or (stem.rsplit("_", 1)[1] if "_time_memory" in stem else "unknown")
     kind = "pipefisher-csv" if device is None else "gpu-profile"
-    return CostTable(tuple(stages), micro_batch_size, f"{kind}:{file_name}", hw, _comm_of(hw))
-
-
-def _comm_of(hardware: str) -> CommModel | None:
-    """The analytic comm model of a known hardware preset (planner/problem/hardware.py); None for others (rtx3090)."""
-    spec = HARDWARE.get(hardware.lower())
-    return spec.comm if spec is not None else None
-
-
-def _hardware_from_name(stem: str) -> str:
-    """'bert-base_time_memory_p100' -> 'p100' (the files' naming); 'unknown' otherwise."""
-    parts = stem.rsplit("_", 1)
-    return parts[1] if len(parts) == 2 and "_time_memory" in stem else "unknown"
+    spec = HARDWARE.get(hw.lower())  # a known preset's analytic links; none for others (rtx3090)
+    return CostTable(tuple(stages), micro_batch_size, f"{kind}:{file_name}", hw, spec.comm if spec else None)
 
 
 def load_cost_table(path: str | Path, **csv_options: Any) -> CostTable:
@@ -370,10 +323,7 @@ def load_cost_table(path: str | Path, **csv_options: Any) -> CostTable:
     shipped `paper:<model>/<hardware>` name, a GPU profile .json path or a shipped `gpu:<model>/<device>` name
     (pass the keyword arguments of `cost_table_from_pipefisher_csv`)."""
     if is_profile(path):
-        if _is_paper_name(path):
-            _paper_file(str(path))  # an unknown name is the first thing to fix
-        if _is_gpu_name(path):
-            _gpu_file(str(path))
+        _shipped_file(str(path))  # an unknown name is the first thing to fix
         missing = [k for k in _PROFILE_OPTIONS if k not in csv_options]
         if missing:
             raise CostModelError(

@@ -4,6 +4,7 @@ interleaved ZB) as per-pp-rank op lists."""
 from __future__ import annotations
 
 from enum import StrEnum
+from functools import partial
 
 from fxkfac.planner.problem.errors import ScheduleError
 from fxkfac.planner.problem.ir import Op, OpKind
@@ -22,10 +23,8 @@ class ScheduleKind(StrEnum):
 
 
 ZERO_BUBBLE_KINDS = frozenset({ScheduleKind.ZB_H1, ScheduleKind.ZB_V, ScheduleKind.ZB_1P})
-"""Schedules that split each backward into B (input gradient) and a deferred W (weight gradient, OpKind.BWD_W):
-ZB-H1 (Qi et al. 2024: 1F1B's memory, rank r defers its first r W's into the cooldown), ZB-V (two stages per rank
-in a V, torch's ScheduleZBVZeroBubble) and interleaved zero bubble (v stages per rank, torch's
-ScheduleInterleavedZeroBubble; ZB-H1 when v=1)."""
+"""Schedules that split each backward into B (input gradient) and a deferred W (weight gradient, OpKind.BWD_W): ZB-H1
+(Qi et al. 2024), ZB-V (two stages per rank in a V) and interleaved zero bubble (v stages per rank)."""
 
 
 def weight_gradient_kind(kind: ScheduleKind | str) -> OpKind:
@@ -141,39 +140,30 @@ def _one_f_one_b_rank(D: int, N: int, r: int) -> list[Op]:
     return ops
 
 
+def _unit(D: int, v: int, r: int, k: int, kind: OpKind) -> Op:
+    """The k-th `kind` op of rank r in an interleaved order: chunks in groups of D micro-batches, forwards through the
+    chunks r, r+D, ... and backwards back."""
+    chunk = (k // D) % v
+    mb = (k // (D * v)) * D + k % D
+    return Op(kind, (chunk if kind is OpKind.FWD else v - 1 - chunk) * D + r, mb)
+
+
 def _interleaved_rank(D: int, N: int, v: int, r: int) -> list[Op]:
     """Megatron's interleaved 1F1B: rank r holds stages r, r+D, ...; micro-batches go in groups of D."""
-    total = N * v
-
-    def unit(k: int, forward: bool) -> Op:
-        chunk = (k // D) % v
-        mb = (k // (D * v)) * D + k % D
-        if forward:
-            return Op(OpKind.FWD, chunk * D + r, mb)
-        return Op(OpKind.BWD, (v - 1 - chunk) * D + r, mb)
-
+    total, unit = N * v, partial(_unit, D, v, r)
     warmup = min((D - r - 1) * 2 + (v - 1) * D, total)
-    ops = [unit(k, True) for k in range(warmup)]
+    ops = [unit(k, OpKind.FWD) for k in range(warmup)]
     for i in range(total - warmup):
-        ops += [unit(warmup + i, True), unit(i, False)]
-    ops += [unit(k, False) for k in range(total - warmup, total)]
-    return ops
+        ops += [unit(warmup + i, OpKind.FWD), unit(i, OpKind.BWD)]
+    return ops + [unit(k, OpKind.BWD) for k in range(total - warmup, total)]
 
 
 def _zero_bubble_rank(D: int, N: int, v: int, r: int) -> list[Op]:
-    """Interleaved zero bubble (ZB-1P; ZB-H1 when v=1), the order of torch's ScheduleInterleavedZeroBubble.
-
-    Units go as in interleaved 1F1B (chunks in groups of D micro-batches) but with one warm-up forward per hop to
-    the last rank instead of two; the j-th B is followed by the W of B j-r, so rank r holds back r W's and runs
-    them after its last B, in the bubbles its cooldown would leave.
+    """Interleaved zero bubble (ZB-1P; ZB-H1 when v=1), the order of torch's ScheduleInterleavedZeroBubble: units as
+    in interleaved 1F1B with one warm-up forward per hop, the j-th B followed by the W of B j-r, so rank r holds back
+    r W's and runs them in its cooldown's bubbles.
     """
-
-    def unit(k: int, kind: OpKind) -> Op:
-        chunk = (k // D) % v
-        mb = (k // (D * v)) * D + k % D
-        return Op(kind, (chunk if kind is OpKind.FWD else v - 1 - chunk) * D + r, mb)
-
-    total = N * v
+    total, unit = N * v, partial(_unit, D, v, r)
     warmup = min((v - 1) * D + (D - 1 - r), total)
     ops = [unit(k, OpKind.FWD) for k in range(warmup)]
     for j in range(total):
@@ -186,13 +176,11 @@ def _zero_bubble_rank(D: int, N: int, v: int, r: int) -> list[Op]:
 
 
 def _zb_v_rank(D: int, N: int, r: int) -> list[Op]:
-    """ZB-V, the order of torch's ScheduleZBVZeroBubble: rank r holds stage r (going down the V) and 2D-1-r
-    (coming back up).
+    """ZB-V, the order of torch's ScheduleZBVZeroBubble: rank r holds stage r (down the V) and 2D-1-r (back up).
 
-    Phases for max(N, 2D-1) micro-batches (the ops of micro-batches >= N are dropped at the end): 2(D-r)-1
-    forwards of the low stage; r pairs F high, F low; D-r triples F, B, W of the high stage; then F, B, W low and
-    F, B, W high until every forward ran; then r pairs B low, B high with their W's held back; D-r pairs B low, W
-    low; the held W's of the high stage, then of the low.
+    Phases for max(N, 2D-1) micro-batches (those >= N dropped): 2(D-r)-1 forwards low; r pairs F high, F low; D-r
+    triples F, B, W high; F, B, W low and high until every forward ran; r pairs B low, B high (W's held); D-r pairs
+    B low, W low; the held W's, high then low.
     """
     low, high = r, 2 * D - 1 - r
     n = max(N, 2 * D - 1)
@@ -232,12 +220,9 @@ def _zb_v_rank(D: int, N: int, r: int) -> list[Op]:
 
 
 def _chimera_rank(D: int, N: int, r: int) -> list[Op]:
-    """Chimera by the slot rule of notes/chimera.md §2 (direct concatenation of N/D units).
-
-    Micro-batch j of unit u: F at stage s in slot 2Du+2j+s, B in slot 2Du+2j+2D-1-s, on the rank
-    holding s in that pipeline; down gets micro-batches uD..uD+D/2-1, up uD+D/2..uD+D-1.
-    Gradient syncs per §4: the high stage right after its last B when it is above D/2
-    (otherwise at the end, first), then the low stage, then OPT_STEP.
+    """Chimera by the slot rule of notes/chimera.md §2 (N/D units concatenated): micro-batch j of unit u runs F at
+    stage s in slot 2Du+2j+s and B in slot 2Du+2j+2D-1-s (down: uD..uD+D/2-1, up: the rest). Gradient syncs per §4:
+    the high stage right after its last B when above D/2 (else at the end, first), then the low, then OPT_STEP.
     """
     slotted: list[tuple[int, Op]] = []
     half = D // 2

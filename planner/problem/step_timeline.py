@@ -1,8 +1,5 @@
-"""One simulated step of the pipeline per problem (the reference step, its programs, collectives and bubbles).
-
-Event simulation of per-rank programs with op durations: the timeline, its step time and bubbles.
-
-Memory accounting of a problem: what each device holds all step, its activations in flight, and their peak.
+"""Event simulation of per-rank programs (`simulate`), one simulated step of a problem (`step_timeline`: the
+reference step, its collectives and bubbles), and a problem's memory (held all step, activations in flight, peaks).
 """
 
 from __future__ import annotations
@@ -51,16 +48,15 @@ BUSY_KINDS = COMPUTE_KINDS - {OpKind.OPT_STEP}
 """What a plan's utilization counts as busy, planned and measured: F/B and the preconditioner's own work."""
 
 SYNCHRONIZING_KINDS = COLLECTIVE_KINDS | {OpKind.OPT_STEP}
-"""Ops that start together on every rank holding them: the collectives, and OPT_STEP, which the runtime
-runs with an all-reduce (KL-clip <P, G> and the non-finite flag) over the world, or over the rank's agreement
-set under a barrier-free KL-clip scope (`simulate`'s `barrier`), so every step ends with a barrier."""
+"""Ops that start together on every rank holding them: the collectives, and OPT_STEP, whose all-reduce (KL-clip,
+non-finite flag) over the world or the rank's agreement set (`simulate`'s `barrier`) ends every step."""
 
 Duration = Callable[[int, Op], float]
 
 
 def utilization(busy: float, span: float) -> float:
-    """The fraction of device time spent busy: `busy` seconds (or ns) over the `span` of device time they lie in,
-    0 for no device time. The one definition behind every utilization the planner, the views and the runtime give."""
+    """The fraction of device time spent busy: `busy` over the `span` it lies in (0 for none); the one definition
+    behind every utilization the planner, the views and the runtime give."""
     return busy / span if span > 0 else 0.0
 
 
@@ -90,8 +86,8 @@ class Timeline:
 
     @property
     def step_time(self) -> float:
-        """Steady-state period: start of the last step's first op on the lowest rank minus that of
-        the step before; for steps=1 the makespan (one step of a flushed pipeline)."""
+        """Steady-state period: the start of the last step's first op on the lowest rank less the step before's; for
+        steps=1 the makespan."""
         if self.steps == 1:
             return self.makespan
         first: dict[int, float] = {}
@@ -118,8 +114,7 @@ class Timeline:
         kinds: Iterable[OpKind] = COMPUTE_KINDS,
         window: tuple[float, float] | None = None,
     ) -> float:
-        """`utilization` of one rank, or of all ranks together when `rank` is None, over `window` (start, end)
-        (default: the makespan)."""
+        """`utilization` of one rank, or of all when `rank` is None, over `window` (default: the makespan)."""
         ranks = self.ranks if rank is None else (rank,)
         span = self.makespan if window is None else window[1] - window[0]
         clip = (-math.inf, math.inf) if window is None else window
@@ -172,7 +167,7 @@ def _flatten(programs: Mapping[int, Program], steps: int) -> _Flat:
     return _Flat(ops, occurrence, where, {op: sorted(r) for op, r in holders.items()})
 
 
-def _producer(rank: int, op: Op, flat: _Flat, num_stages: Mapping[int, int]) -> Op | None:
+def _producer(op: Op, num_stages: Mapping[int, int]) -> Op | None:
     """The op whose result `op` consumes from another stage (inferred mode: no SEND/RECV ops)."""
     if op.kind is OpKind.FWD and op.stage:
         return Op(OpKind.FWD, op.stage - 1, op.mb, op.pipe)
@@ -262,7 +257,7 @@ class _Sim:
             return (arrivals[n], "") if n < len(arrivals) else (None, f"a matching send on rank {op.peer}")
         if self.explicit:
             return 0.0, ""
-        producer = _producer(rank, op, self.flat, self.num_stages)
+        producer = _producer(op, self.num_stages)
         if producer is None:
             return 0.0, ""
         src = _producer_rank(rank, op, producer, self.flat)
@@ -327,21 +322,14 @@ def simulate(
     barrier: Mapping[int, tuple[int, ...]] | None = None,
     lead: Duration | None = None,
 ) -> Timeline:
-    """Run `programs` (per rank: one step's ops, or a period of steps) for `steps` steps.
+    """Run `programs` (per rank: one step's ops, or a period of steps; step j runs j % period) for `steps` steps.
 
-    Each rank executes its ops in order; an op starts when the rank is free and its inputs are
-    there. Without SEND/RECV ops, FWD waits for the previous stage's FWD of the same (mb, pipe)
-    and BWD for the next stage's BWD (`comm` later when on another rank; with several copies the
-    one in the same replica); a BWD_W waits only for its own BWD, earlier on its rank. With SEND/RECV ops,
-    only RECVs wait: for the matching SEND's end
-    plus `comm` (sends never block). Collectives (ALLREDUCE_GRAD, SYNC_STATS, BCAST) and OPT_STEP
-    start together once every rank holding them reaches them (`SYNCHRONIZING_KINDS`: OPT_STEP is the
-    runtime's end-of-step barrier) and last the longest `duration` of their members (the planner's
-    callers price collectives with the cost table's comm model, `CostTable.collective_seconds`); other
-    K-FAC ops follow program order. `barrier`: per rank, the ranks its OPT_STEP waits for (its agreement set;
-    None: every rank holding OPT_STEP, a world barrier). `lead`: seconds before a SEND's start that its message
-    leaves (a streamed send's: the part of the BWD before it that ran after the data was final).
-    Step j runs the period's step j % period. Raises DeadlockError naming the blocked ops.
+    Each rank runs its ops in order, each when the rank is free and its inputs are there. Without SEND/RECV ops,
+    FWD waits for the previous stage's FWD of its (mb, pipe) and BWD for the next stage's BWD (`comm` later on
+    another rank; of several copies the one in its replica); with them, only a RECV waits, for its SEND's end plus
+    `comm`. `SYNCHRONIZING_KINDS` start together once every rank holding them reaches them and last their members'
+    longest `duration`. `barrier`: per rank, the ranks its OPT_STEP waits for (None: a world barrier). `lead`:
+    seconds before a SEND's start that its message leaves. Raises DeadlockError naming the blocked ops.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
@@ -365,12 +353,8 @@ gradient all-reduce: planner/plan/window.py `build_window`)."""
 
 @dataclass(frozen=True)
 class StepTimeline:
-    """One step of the pipeline, per device: fixed F/B intervals and the points the K-FAC work uses.
-
-    ops: (op, start, end) of every op of the step in program order (RECV intervals include waits; with
-    preconditioning, each stage's gradient STATS and APPLY right after its all-reduce);
-    allreduce_end[(device, stage)]: end of ALLREDUCE_GRAD(stage); length: the step time.
-    """
+    """One step of the pipeline: per device, (op, start, end) of every op in program order (a RECV's with its
+    wait); allreduce_end[(device, stage)]: the end of ALLREDUCE_GRAD(stage); length: the step time."""
 
     ops: Mapping[int, tuple[tuple[Op, float, float], ...]]
     allreduce_end: Mapping[tuple[int, int], float]
@@ -396,8 +380,8 @@ def base_programs(problem: Problem) -> dict[int, list[Op]]:
 
 
 def gradient_stats(stage: StageCost, index: int) -> list[tuple[Op, float]]:
-    """The STATS ops (with their seconds) of stage `index`'s parts fed by the reduced gradient, in the order every
-    step runs them: layer by layer, each layer's parts in their order, right before the stage's APPLY."""
+    """The STATS ops (with their seconds) of stage `index`'s gradient-fed parts, in the order every step runs them
+    (layer by layer, before the stage's APPLY)."""
     return [
         (Op(OpKind.STATS, index, layer=x.name, part=p.part), p.stats)
         for x in stage.layers
@@ -407,9 +391,8 @@ def gradient_stats(stage: StageCost, index: int) -> list[tuple[Op, float]]:
 
 
 def prec_work(problem: Problem, device: int, stage: int) -> list[tuple[Op, float]]:
-    """The per-step preconditioner work of `stage` on `device` in the order it runs, with seconds: the gradient
-    statistics of the layers it keeps, then APPLY(stage) where every layer is COMM-OPT; otherwise APPLY of each
-    layer it is a grad worker of, then the BCAST_PREC of each layer along its row (planner/problem/strategy.py)."""
+    """The per-step preconditioner work of `stage` on `device` in order, with seconds: the gradient statistics of
+    the layers it keeps, then its APPLYs (one of the stage where every layer is COMM-OPT), then its BCAST_PRECs."""
     copies = copies_of_stage(problem, stage)
     cost = problem.costs.stages[stage]
     work = [
@@ -436,8 +419,7 @@ def apply_seconds(problem: Problem, op: Op) -> float:
 
 @lru_cache(maxsize=64)
 def reference_programs(problem: Problem) -> dict[int, list[Op]]:
-    """The base programs with the stage's per-step preconditioner work (`prec_work`) right after each
-    ALLREDUCE_GRAD(s): the paper's K-FAC step (per-step work on the critical path, refresh work nowhere)."""
+    """The base programs with each stage's `prec_work` right after its ALLREDUCE_GRAD: the paper's K-FAC step."""
     out = {}
     for rank, ops in base_programs(problem).items():
         body: list[Op] = []
@@ -460,10 +442,8 @@ def gradient_allreduce_seconds(problem: Problem, stage: int) -> float:
 
 @dataclass(frozen=True)
 class StageComm:
-    """What one stage's collectives cost over its `group` copies (seconds, the cost table's comm model): the
-    gradient all-reduce and the broadcasts of preconditioned gradients (`share`, strategies other than
-    COMM-OPT) at every step, and the SYNC_STATS and BCAST of all its parts at every refresh, each over the ranks
-    its layer's strategy names."""
+    """Seconds of one stage's collectives over its `group` copies: the gradient all-reduce and the broadcasts of
+    preconditioned gradients (`share`) every step, its parts' SYNC_STATS and BCAST every refresh."""
 
     group: int
     allreduce: float
@@ -495,13 +475,9 @@ def stage_comm(problem: Problem, stage: int) -> StageComm:
 
 
 def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callable[[int, Op], float]:
-    """Op durations in seconds: F/B from the costs (at a refresh step, plus the taps and fused curvature; a BWD of a
-    stage that recomputes, plus its FWD, which it runs again as it ran), the gradient all-reduce (the comm model),
-    gradient statistics, APPLY, a streamed layer's hand-off on its owner (`LayerCost.hand_off` in its SEND_LGRAD, which
-    the backward's gradient hooks run, `LayerCost.take_back` in its RECV_PGRAD); nothing else (the transfers and
-    OPT_STEP take no time). A zero-bubble schedule's BWD
-    is the backward less its W (`StageCost.weight_grad`), and the fused output-gradient curvature runs with the W,
-    which holds the operands it is made of."""
+    """Op durations in seconds: F/B (a refresh step's with taps and fused curvature; a recomputing stage's BWD with
+    its FWD again; a zero-bubble BWD less its W, whose fused output-gradient curvature runs with the W), the gradient
+    all-reduce, gradient statistics, APPLY, a streamed layer's hand-off on its owner; transfers and OPT_STEP none."""
     stages = problem.costs.stages
     allreduce = [gradient_allreduce_seconds(problem, s) for s in range(len(stages))]
     stats = {(op.layer, op.part): secs for s, stage in enumerate(stages) for op, secs in gradient_stats(stage, s)}
@@ -544,11 +520,8 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callabl
 
 
 def stream_lead(problem: Problem, duration: Callable[[int, Op], float]) -> Callable[[int, Op], float] | None:
-    """How long before its send op a streamed layer's message arrives (`simulate`'s lead): a gradient leaves when
-    the backward (a zero-bubble schedule's W) makes it final (`planner.problem.lowering.ready`), the part of the stage's
-    backward (its `duration`) after that before the SEND_LGRAD; every streamed message then takes its transfer
-    (`CostTable.collective_seconds` of two ranks, 0 without a comm model), which the lead subtracts. None without
-    streaming."""
+    """`simulate`'s lead of streamed sends: a gradient leaves when the backward (a zero-bubble one's W) makes it
+    final (`planner.problem.lowering.ready`), less its transfer between two ranks. None without streaming."""
     streaming = problem.streaming
     if streaming is None:
         return None
@@ -573,32 +546,20 @@ def step_timeline(
     problem: Problem, fused: frozenset[str] = frozenset(), with_prec: bool = True, *, refresh: bool = False
 ) -> StepTimeline:
     """One simulated step (plain or with APPLY; `refresh`: a refresh step, whose F/B also tap the captured layers
-    (`StageCost.tap_fwd`) and hold the fused layers' curvature): the step a steady run repeats.
-
-    Every step ends with OPT_STEP, a barrier over all ranks (the runtime's KL-clip and non-finite
-    all-reduce; the simulator runs it as one), so the next step begins with every rank idle and no
-    message in flight: a run repeats this step every `length` seconds, whatever the costs
-    (tests/planner/test_step_timeline.py checks it against multi-step simulations). Under
-    `StepBarrier.AGREEMENT_SET` this is still the step's timeline, a world barrier's: the planner uses it only
-    where a steady run without the world barrier repeats it (`steps_overlap`); an agreement set may then begin
-    its next step early (`early_start`), which changes no F/B time.
+    and hold the fused layers' curvature): the step a steady run repeats, as every step ends with OPT_STEP's barrier.
+    Under `StepBarrier.AGREEMENT_SET` the planner uses it only where a steady run repeats it (`steps_overlap`).
     """
     programs = reference_programs(problem) if with_prec else base_programs(problem)
     duration = _duration(problem, fused, refresh)
     one = simulate(programs, duration, steps=1, lead=stream_lead(problem, duration))
-    return _step_from(one, one.makespan)
-
-
-def _step_from(timeline: Timeline, length: float) -> StepTimeline:
-    ops: dict[int, tuple[tuple[Op, float, float], ...]] = {}
-    allreduce: dict[tuple[int, int], float] = {}
-    for rank in timeline.ranks:
-        items = tuple((iv.op, iv.start, iv.end) for iv in timeline.of_rank(rank))
-        ops[rank] = items
-        for op, _, end in items:
-            if op.kind is OpKind.ALLREDUCE_GRAD:
-                allreduce[rank, op.stage_id] = end
-    return StepTimeline(ops, allreduce, length)
+    ops = {rank: tuple((iv.op, iv.start, iv.end) for iv in one.of_rank(rank)) for rank in one.ranks}
+    allreduce = {
+        (rank, op.stage_id): end
+        for rank, items in ops.items()
+        for op, _, end in items
+        if op.kind is OpKind.ALLREDUCE_GRAD
+    }
+    return StepTimeline(ops, allreduce, one.makespan)
 
 
 def plain_step_time(problem: Problem) -> float:
@@ -615,10 +576,9 @@ def plain_utilization(problem: Problem) -> float:
 
 @lru_cache(maxsize=64)
 def steps_overlap(problem: Problem) -> bool:
-    """Whether, with each OPT_STEP synchronizing only its agreement set, some op of a steady run ends at another time
-    than the one-step timeline repeated every `length` seconds says (a later step overlapping an earlier one):
-    checked over 3 simulated steps, plain and refresh-step (every layer's curvature fused) durations alike.
-    The window models a step by the one-step timeline, so there the planner keeps the world barrier's step."""
+    """Whether, with each OPT_STEP synchronizing only its agreement set, some op of 3 simulated steps (plain and
+    refresh-step durations) ends off the one-step timeline repeated (steps overlap); the window then keeps the world
+    barrier's step."""
     if problem.barrier is StepBarrier.WORLD:
         return False
     programs = reference_programs(problem)
@@ -650,19 +610,17 @@ def window_length(refresh: Time, normal: Time, stretch: Time, k: int) -> Time:
 
 
 def step_begins(refresh: Time, normal: Time, stretch: Time, j: int, k: int) -> Time:
-    """Where window step j begins after the start of window step 0 (j >= k: a later window, which repeats it),
-    before any lead ([Note: step barrier] in planner/plan/window.py): the one step start of the window, the plan's view
-    and the validator."""
+    """Where window step j begins after window step 0 starts (j >= k: a later window), before any lead ([Note: step
+    barrier] in planner/plan/window.py): the one step start of the window, the plan's view and the validator."""
     within = j % k
     start = 0 if within == 0 else refresh + (within - 1) * normal
     return start + within * stretch + window_length(refresh, normal, stretch, k) * (j // k)
 
 
 def early_start(problem: Problem, step: StepTimeline, devices: Iterable[int]) -> float:
-    """Seconds before the end of `step` at which the step after it may begin on `devices` (an agreement set): once
-    each of them has ended its F/B and all-reduces and then run its per-step slots back to back (`slot_seconds`:
-    where a plan may put them, not just where the reference step does); 0 under `StepBarrier.WORLD` or where steps
-    overlap (`steps_overlap`)."""
+    """Seconds before the end of `step` at which the next step may begin on `devices` (an agreement set): once each
+    has ended its F/B and all-reduces and run its per-step slots back to back; 0 under `StepBarrier.WORLD` or where
+    steps overlap."""
     if problem.barrier is StepBarrier.WORLD or steps_overlap(problem):
         return 0.0
     last = max(
@@ -694,8 +652,8 @@ def slot_seconds(problem: Problem, device: int, stage: int) -> float:
 
 
 def stream_start(problem: Problem, step: StepTimeline) -> float:
-    """When, in `step`, the first of the streamed stage's owners starts its last backward (or W, in a zero-bubble
-    schedule): a streamed layer's refresh must be made by then to reach its helper in time (`Window.stream_use`)."""
+    """When, in `step`, the first streamed-stage owner starts its last backward (or W): a streamed layer's refresh
+    must be made by then to reach its helper in time (`Window.stream_use`)."""
     assert problem.streaming is not None, "only a streaming problem has a streamed stage"
     s = problem.streaming.stage
     return min(
@@ -705,16 +663,14 @@ def stream_start(problem: Problem, step: StepTimeline) -> float:
 
 
 def tap_extra(problem: Problem) -> float:
-    """Seconds the refresh step's taps (`StageCost.tap_fwd`) add to a step: the price of refreshing at all, which
-    a plan pays once per refresh period and max_overhead does not count (as it does not count APPLY)."""
+    """Seconds the refresh step's taps add to a step: the price of refreshing at all, which max_overhead does not
+    count."""
     return step_timeline(problem, refresh=True).length - step_timeline(problem).length
 
 
 def fused_stats(problem: Problem, fused: frozenset[str], rank: int, bwd: Op) -> list[Op]:
-    """The STATS a refresh step runs right after `bwd` on `rank` to fold the `fused` layers' statistics, made
-    inside that micro-batch's F/B (`capture_stats`; a zero-bubble schedule's `bwd` is the W,
-    `weight_gradient_kind`); they take no time of their own (`StageCost.fused_curvature` prices the curvature in the
-    F/B or W)."""
+    """The STATS a refresh step runs right after `bwd` (a zero-bubble one's W) on `rank` to fold the `fused` layers'
+    statistics, made inside that micro-batch's F/B; no time of their own (`StageCost.fused_curvature`)."""
     if bwd.stage is None:
         raise AssertionError(f"'{bwd}' names no stage")
     parts = {
@@ -732,8 +688,8 @@ def fused_extra(problem: Problem, fused: frozenset[str]) -> float:
 
 
 def stretch_allowance(problem: Problem, fused: frozenset[str], k: int) -> float:
-    """Seconds of idle time the planner may append to every step at refresh period k: max_overhead of
-    the reference step, less what the refresh step's fused curvature adds per step of the window."""
+    """Seconds of idle the planner may append to every step at refresh period k: max_overhead of the reference step,
+    less the refresh step's fused curvature per step of the window."""
     normal = step_timeline(problem).length
     return max(0.0, problem.max_overhead * normal - fused_extra(problem, fused) / k)
 
@@ -741,13 +697,8 @@ def stretch_allowance(problem: Problem, fused: frozenset[str], k: int) -> float:
 def refresh_lower_bound(
     problem: Problem, group: StageGroup, fused: frozenset[str] = frozenset(), stretch: bool = False
 ) -> int:
-    """ceil(K-FAC work of the group / its bubble time per step): curvature of every micro-batch on
-    every copy that keeps the layer's statistics (unfused layers) plus all inversions, over the idle time of
-    the reference step (whose F/B, per-step preconditioner work and gradient all-reduces are busy).
-
-    stretch: the idle time appended to every step within max_overhead (`stretch_allowance`) counts as
-    bubble on every device of the group: the least k whose k steps hold the work.
-    """
+    """ceil(refresh work of the group / its bubble per step) (`group_load`); `stretch`: the idle appended to every
+    step within max_overhead counts as bubble, the least k whose k steps hold the work."""
     work, bubble = group_load(problem, group, fused)
     if work <= 0:
         return 1
@@ -762,9 +713,9 @@ def refresh_lower_bound(
 
 
 def group_load(problem: Problem, group: StageGroup, fused: frozenset[str] = frozenset()) -> tuple[float, float]:
-    """(seconds of K-FAC work of one refresh, seconds of bubble per step) of the group's devices: the curvature of
-    every micro-batch on every copy that keeps the layer's statistics (unfused layers) plus all inversions, and the
-    idle time of the reference step (whose F/B, per-step preconditioner work and gradient all-reduces are busy)."""
+    """(seconds of one refresh's work, seconds of bubble per step) of the group's devices: the unfused layers'
+    curvature of every micro-batch on every copy keeping their statistics plus all inversions, and the reference
+    step's idle (besides F/B, per-step work and gradient all-reduces)."""
     step = step_timeline(problem, fused)
     work = 0.0
     for device in group.devices:
@@ -789,18 +740,11 @@ def group_load(problem: Problem, group: StageGroup, fused: frozenset[str] = froz
 
 
 def static_bytes(problem: Problem, device: int) -> int:
-    """Memory held all step on `device`: parameters and gradients (2x); of each layer, the statistics, two
-    decompositions (each as large as the statistics: the active one and the next, which a refresh makes beside
-    it and which waits until it is used, `LayerTiming.use_offset` steps after the refresh, across step ends
-    when that is later) and the optimizer state besides them (`LayerCost.state_bytes`: grafting, momentum,
-    Adam moments) where the device keeps them (`planner.problem.strategy.holding`); and two transients, each counted
-    once: the largest error peak of one backward, and the largest buffer of a layer's gradient whose
-    preconditioned gradient the device broadcasts or receives (BCAST_PREC packs one layer at a time and frees
-    the buffer after it; the received gradient replaces the layer's own, so nothing is kept across steps).
-    Measured against the runtime in tests/test_strategy_memory.py: an upper bound, met where every layer's
-    next decomposition is made before any is used (a critical-path refresh); a plan that staggers them holds
-    less. A plan whose next refresh makes a decomposition before this one is used holds a third while it
-    waits: a placement's peak adds it (`planner.plan.solution.remade_spans`)."""
+    """Memory held all step on `device`: parameters and gradients; of each layer it keeps (`holding`), the
+    statistics, two decompositions (the active one and the next, made beside it until used) and its optimizer
+    state; the largest error peak of one backward; the largest gradient buffer of a BCAST_PREC; and streaming's.
+    An upper bound (tests/test_strategy_memory.py); a third decomposition a placement holds adds to its peak
+    (`planner.plan.solution.remade_spans`)."""
     stages = stages_on_device(problem, device)
     total = shared = 0
     for s in stages:
@@ -820,10 +764,8 @@ def static_bytes(problem: Problem, device: int) -> int:
 
 
 def _streamed_bytes(problem: Problem, device: int) -> int:
-    """What streaming adds (planner/problem/lowering.py): on each owner, the buffers its streamed layers'
-    preconditioned gradients land in (posted when the step begins); on a helper, for each layer it preconditions, the
-    gradients received from every owner, their preconditioned sum and two decompositions (active and next) of its
-    replica, and of a unit whose statistics it folds (`streamed_stats`) those statistics and its optimizer state."""
+    """What streaming adds: on an owner, the buffers its streamed layers' results land in; on a helper, per layer,
+    every owner's gradient, their preconditioned sum, two decompositions and any folded statistics and state."""
     streaming = problem.streaming
     if streaming is None:
         return 0
@@ -836,8 +778,7 @@ def _streamed_bytes(problem: Problem, device: int) -> int:
 
 
 def decomposition_bytes(problem: Problem, device: int, layer: str) -> int:
-    """Bytes of one decomposition of `layer` on `device` (as large as its statistics), 0 where the device keeps
-    none (`planner.problem.strategy.holding`)."""
+    """Bytes of one decomposition of `layer` on `device` (as large as its statistics), 0 where it keeps none."""
     x = problem.costs.layer(layer)
     gradient_fed = all(p.after is OpKind.ALLREDUCE_GRAD for p in x.parts)
     copies = copies_of_stage(problem, problem.costs.stage_of(layer))
@@ -849,10 +790,9 @@ def decomposition_bytes(problem: Problem, device: int, layer: str) -> int:
 def activation_intervals(
     problem: Problem, device: int, step: StepTimeline, w_operands: bool = True
 ) -> list[tuple[float, float, int]]:
-    """(start, end, bytes) of each micro-batch's activations on `device`: from F start to B end; for a stage that
-    recomputes (`Problem.recompute`), its boundary from F start to B end and its activations, made again, over its
-    B alone. A zero-bubble schedule's deferred W keeps its layers' operands (`w_operand_bytes`) from its B's end
-    until it ends (`w_operands` False: not listed, where W's are placed tasks that hold them, [Note: placed W])."""
+    """(start, end, bytes) of each micro-batch's activations on `device`, F start to B end (a recomputing stage's
+    boundary so, its activations over its B alone); a deferred W's operands from its B's end to its own
+    (`w_operands` False: not listed, where W's are placed tasks that hold them, [Note: placed W])."""
     starts: dict[tuple[int | None, int | None, int], float] = {}
     b_ends: dict[tuple[int | None, int | None, int], float] = {}
     out = []
@@ -873,16 +813,15 @@ def activation_intervals(
 
 
 def w_operand_bytes(stage: StageCost) -> int:
-    """Bytes one micro-batch's deferred W keeps of the stage: each layer's input and output gradient, of which
-    dW = Gᵀ A is made (the deferred captures of its K-FAC parts, `PartCost.capture_bytes`, are those tensors);
-    the stage's activations where its layers capture none (a table without K-FAC parts)."""
+    """Bytes one micro-batch's deferred W keeps of the stage: each layer's input and output gradient (its K-FAC
+    parts' captures), or the stage's activations where its layers capture none."""
     captured = sum(p.capture_bytes for x in stage.layers for p in x.parts if p.after is not OpKind.ALLREDUCE_GRAD)
     return captured if captured else stage.act_bytes
 
 
 def peak_level(spans: Iterable[tuple[float, float, int]]) -> int:
-    """The most bytes held at once by (start, end, bytes) spans, each held over [start, end) (a span that ends when
-    another starts is released first): the one memory sweep of the planner, its window and the validator."""
+    """The most bytes held at once by (start, end, bytes) spans over [start, end): the one memory sweep of the
+    planner, its window and the validator."""
     events = sorted(event for start, end, nbytes in spans for event in ((start, nbytes), (end, -nbytes)))
     level = peak = 0
     for _, delta in events:
@@ -897,7 +836,6 @@ def activation_peak(problem: Problem, device: int, fused: frozenset[str] = froze
 
 
 def min_memory_bytes(problem: Problem) -> int:
-    """The least per-device memory any plan needs: static bytes plus the activation peak with every
-    layer's curvature fused (nothing kept for later)."""
+    """The least per-device memory any plan needs: static bytes plus the activation peak, every layer fused."""
     fused = frozenset(problem.costs.layer_names)
     return max(static_bytes(problem, d) + activation_peak(problem, d, fused) for d in problem.devices)

@@ -1,21 +1,15 @@
 """Distribution strategies: where a layer's preconditioner work and state live across the copies of its stage.
 
-[Note: strategies] The copies of a stage (its holders: data-parallel replicas, and Chimera's two pipelines)
-share each layer's preconditioner work in one of the ways of DP-KFAC (Zhang et al.) and distributed K-FAC
-(Pauloski et al., the KAISA line; its grad-worker fraction as kfac-pytorch defines it):
-- KAISA's grad-worker fraction f (`StrategyKind.COMM_OPT` f = 1, `MEM_OPT` f = 1/H, `HYBRID` in between):
-  every holder folds the stage's all-reduced statistics; with g = f * H grad workers per layer, the H holders
-  (in rank order) form KAISA's grid of n = H / g *columns* ``{c, c + n, ...}`` (the grad-worker groups, g
-  ranks each) and g *rows* ``{j n, ..., j n + n - 1}`` (the receiver groups). A layer belongs to one column:
-  its decompositions are made there and broadcast within the column, every member of the column
-  preconditions the layer, and when g < H each member broadcasts the preconditioned gradient along its row.
-  COMM-OPT is one column of every holder (no gradient broadcast), MEM-OPT H columns of one rank (no
-  decomposition broadcast).
-- DP-KFAC (`StrategyKind.DP_KFAC`): one owner per layer keeps *local* factors from its own micro-batches (no
-  statistic all-reduce), decomposes them, preconditions the reduced gradient and broadcasts it to every
-  holder. It is a different algorithm: factors come from 1/H of the batch.
-Which column a layer takes is the planner's choice (`LayerDistribution.column`); the programs then say
-every op, and the runtime derives the same groups from the same data (`grad_workers`, `receivers`).
+[Note: strategies] The copies of a stage (its H holders: data-parallel replicas, Chimera's two pipelines) share
+each layer's preconditioner work as distributed K-FAC (Pauloski et al., KAISA) or DP-KFAC (Zhang et al.) do:
+- KAISA's grad-worker fraction f (`COMM_OPT` f = 1, `MEM_OPT` f = 1/H, `HYBRID` in between): every holder folds the
+  all-reduced statistics; the holders form a grid of n = H / g *columns* ``{c, c + n, ...}`` of g = f * H grad
+  workers and g *rows* ``{j n, ..., j n + n - 1}``. A layer's column decomposes it (broadcast within the column)
+  and preconditions it; when g < H each member broadcasts the preconditioned gradient along its row.
+- DP-KFAC: one owner keeps *local* factors of its own micro-batches (no statistic all-reduce), decomposes them and
+  broadcasts the preconditioned reduced gradient to every holder: factors from 1/H of the batch.
+The planner chooses each layer's column (`LayerDistribution.column`); the runtime derives the same groups from the
+same data (`grad_workers`, `receivers`).
 """
 
 from __future__ import annotations
@@ -151,9 +145,8 @@ def receivers(holders: tuple[int, ...], where: LayerDistribution) -> list[tuple[
 
 
 def keeps_statistics(rank: int, holders: tuple[int, ...], where: LayerDistribution, gradient_fed: bool = False) -> bool:
-    """Whether `rank` takes the layer's statistics: every holder when captured statistics are all-reduced; the
-    grad workers alone when the reduced gradient feeds them (Shampoo's, the same on every copy) or when the
-    owner keeps local factors (DP-KFAC)."""
+    """Whether `rank` takes the layer's statistics: every holder when captured statistics are all-reduced; the grad
+    workers alone when the reduced gradient feeds them or the owner keeps local factors (DP-KFAC)."""
     if gradient_fed or where.strategy.local_factors:
         return rank in grad_workers(holders, where)
     return rank in holders
@@ -161,9 +154,8 @@ def keeps_statistics(rank: int, holders: tuple[int, ...], where: LayerDistributi
 
 @dataclass(frozen=True, slots=True)
 class Holding:
-    """What one copy of a stage keeps of one layer across steps: its running statistics, its decompositions (and
-    the optimizer state of its direction: Shampoo's graft and momentum), and whether it broadcasts or receives
-    the layer's preconditioned gradient each step (a buffer of the layer's gradient size)."""
+    """What one copy of a stage keeps of one layer across steps: its statistics, its decompositions (and optimizer
+    state), and whether it broadcasts or receives the preconditioned gradient each step (a gradient-sized buffer)."""
 
     statistics: bool
     decompositions: bool
