@@ -388,17 +388,20 @@ PLACED_W = [kfac.Case("zb-h1", 2, 2, 1), kfac.Case("zb-h1", 2, 2, 2)]
 
 @pytest.mark.multiproc
 def test_kfac_with_planner_placed_ws_equals_one_device() -> None:
-    """K-FAC on ZB-H1 whose W's the planner placed (a W moved past a later B where W = 1, every W due by its stage's
-    gradient all-reduce where W = 2) runs its plan for two refresh periods and equals the single-device trainer given
+    """K-FAC on ZB-H1 whose W's the planner placed, one per layer (a W moved past a later B where W = 1, every W due by
+    its stage's gradient all-reduce where W = 2), runs its plan for two refresh periods and equals the single-device trainer given
     the plan's timings to 1e-5."""
     for case in PLACED_W:
         results = run_distributed(placed_w_worker, case.D * case.W, [case], timeout=600)
         failed = [f"rank {r.rank}: {r.error_type}: {r.error}\n{r.traceback}" for r in results if not r.ok]
         assert not failed, "\n".join(failed)
         _, layers, steps, program = results[0].value[0]
-        if case.W == 1:  # rank 0 defers W m0 of its refresh step past B m1 (the decomposition's room)
-            refresh = program[0]
-            assert refresh.index("W s0 m0") > refresh.index("B s0 m1"), refresh
+        refresh = program[0]
+        ws = [i for i, op in enumerate(refresh) if op.startswith("W s0 m0 ")]  # one W per layer ([Note: per-layer W])
+        stats = {op.split()[-1] for op in refresh if op.startswith("STATS s0 ")}  # stage 0's layers, refreshed
+        assert len(ws) > 1 and {refresh[i].split()[-1] for i in ws} == stats, refresh
+        if case.W == 1:  # rank 0 defers a W of m0 of its refresh step past B m1 (the decomposition's room)
+            assert max(ws) > refresh.index("B s0 m1"), refresh
         want = kfac.reference_for_plan(case, layers, steps)
         for r in results:
             bad = kfac.compare(r.value[0][0], want)
