@@ -871,6 +871,7 @@ def w_tasks(
             items = w_window(problem, st, d, fused if j == 0 else frozenset())
             for _, group in itertools.groupby(items, key=lambda item: (item[0].stage, item[0].mb, item[0].pipe)):
                 run = list(group)
+                ws: list[tuple[tuple[Op, ...], tuple[float, ...], float, float]]
                 ws = [((op,), (b - a,), a, b) for op, a, b in run]
                 if any(grid.at(b) <= grid.at(a) for _, a, b in run):
                     ws = [(tuple(op for op, _, _ in run), tuple(b - a for _, a, b in run), run[0][1], run[-1][2])]

@@ -389,8 +389,8 @@ PLACED_W = [kfac.Case("zb-h1", 2, 2, 1), kfac.Case("zb-h1", 2, 2, 2)]
 @pytest.mark.multiproc
 def test_kfac_with_planner_placed_ws_equals_one_device() -> None:
     """K-FAC on ZB-H1 whose W's the planner placed, one per layer (a W moved past a later B where W = 1, every W due by
-    its stage's gradient all-reduce where W = 2), runs its plan for two refresh periods and equals the single-device trainer given
-    the plan's timings to 1e-5."""
+    its stage's gradient all-reduce where W = 2), runs its plan for two refresh periods and equals the single-device
+    trainer given the plan's timings to 1e-5."""
     for case in PLACED_W:
         results = run_distributed(placed_w_worker, case.D * case.W, [case], timeout=600)
         failed = [f"rank {r.rank}: {r.error_type}: {r.error}\n{r.traceback}" for r in results if not r.ok]
