@@ -899,8 +899,20 @@ def w_operand_bytes(stage: StageCost, layer: str | None = None) -> int:
 # holding only its own layer's operands (`w_operand_bytes`) until it runs. The schedule's W interval is cut into them
 # in the stage's layer order (`w_layer_ops`): each takes its layer's share of the W (`w_share`: the share of the
 # stage's parameters, `LayerCost.grad_bytes`, or an even one where none is known; a cost table has no per-layer W
-# time) plus, at the refresh step, its own fused curvature. Parameters of no layer (a LayerNorm's) are the runtime's
-# shared piece, which runs with the first of the layers' W's.
+# time) plus, at the refresh step, its own fused curvature, cut at a decimal a hundredth of the interval's ends' own
+# (`_cut_quantum`), so that the time grid stays exact where it was. Parameters of no layer (a LayerNorm's) are the
+# runtime's shared piece, which runs with the first of the layers' W's.
+
+
+def _cut_quantum(start: float, end: float) -> float | None:
+    """Where per-layer W's cut a W's interval: at 1/100 of the finest decimal unit its ends are whole in (at most
+    10^-6 s), so that a time grid exact for the step stays exact for them ([Note: time grid] in planner/plan/window.py:
+    an inexact grid rounds every op and can cost a tight plan a longer step); None where the ends are whole in none."""
+    for e in range(5):
+        m = 10.0**e
+        if all(abs(t * m - round(t * m)) <= 1e-9 * max(1.0, t * m) for t in (start, end)):
+            return 10.0 ** -(e + 2)
+    return None
 
 
 def w_share(stage: StageCost, layer: str) -> float:
@@ -920,10 +932,12 @@ def w_layer_ops(
     whose curvature the interval holds); `w` itself where the stage has no layers."""
     if not stage.layers:
         return [(w, start, end)]
+    quantum = _cut_quantum(start, end)
     out, at = [], start
     for i, x in enumerate(stage.layers):
         seconds = w_share(stage, x.name) * stage.weight_grad + stage.fused_curvature({x.name} & fused, OpKind.BWD)
-        stop = end if i == len(stage.layers) - 1 else min(end, at + seconds)
+        cut = at + seconds if quantum is None else round((at + seconds) / quantum) * quantum
+        stop = end if i == len(stage.layers) - 1 else min(end, max(at, cut))
         out.append((Op(OpKind.BWD_W, w.stage, w.mb, w.pipe, layer=x.name), at, stop))
         at = stop
     return out

@@ -172,7 +172,7 @@ def test_placed_ws_are_one_per_layer_with_its_share_and_its_operands(method: str
             s = p.costs.stages[x.op.stage_id]
             curvature = s.fused_curvature({x.op.layer_name} & fused, OpKind.BWD) if x.step == 0 else 0.0
             share = (1 if x.op.layer_name.endswith("l0") else 2) / 3
-            assert x.end - x.start == pytest.approx(share * s.weight_grad + curvature, abs=1e-3), x
+            assert x.end - x.start == pytest.approx(share * s.weight_grad + curvature, abs=0.01), x  # cut at 1/100 s
 
 
 def test_the_validator_refuses_a_per_layer_w_before_its_b_or_after_its_update() -> None:
