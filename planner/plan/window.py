@@ -789,9 +789,11 @@ def _decomp_tasks(
 
 MAX_W_TASKS = 4096
 """The most W tasks a problem's longest window may hold (N micro-batches x S stages x `Problem.max_period` steps)
-for its plans to place W's: beyond it they stay at the schedule's places. CP-SAT's model grows with them: BERT-Large
-ZB-H1 D=8 N=32 on the paper's profiles (8192) took 14 s of CP-SAT where W's at their places took 3.6 s, and refreshed
-stages 4 and 5 a step later (18 16 against 17 15); ZB-V D=8 N=8 (4096) plans better with them."""
+for its plans to place W's: beyond it they stay at the schedule's places. Counted per layer (N x the stages' layers x
+max_period), it decides whether the placed W's are one per layer (`w_by_layer`) or one per stage. CP-SAT's model
+grows with them: BERT-Large ZB-H1 D=8 N=32 on the paper's profiles (8192) took 14 s of CP-SAT where W's at their
+places took 3.6 s, and refreshed stages 4 and 5 a step later (18 16 against 17 15); ZB-V D=8 N=8 (4096) plans better
+with them."""
 
 
 def placed_w(problem: Problem) -> bool:
