@@ -458,7 +458,7 @@ def _w_share(
 
     def w(operands: list[Tensor]) -> object:
         with torch.no_grad(), autocast(autocast_dtype, device):
-            return split.weight_grad(*operands)
+            return split.weights(operands)
 
     b_time = time_after(before_b, b, warmup=warmup, repeats=repeats).seconds
     w_time = time_after(before_w, w, warmup=warmup, repeats=repeats).seconds

@@ -160,6 +160,7 @@ def _planned_worker(rank: int, world: int, family: str, mesh: tuple[int, int], s
         "params": {n: copy.deepcopy(p.detach()) for n, p in trainer.named_parameters()},
         "layers": dict(trainer.plan.layers),
         "placed": {p.op.kind for p in trainer.plan.placements},
+        "w_layers": {p.op.layer for p in trainer.plan.placements if p.op.kind is OpKind.BWD_W},
     }
 
 
@@ -171,7 +172,7 @@ def _planned_worker(rank: int, world: int, family: str, mesh: tuple[int, int], s
         ("soap", (2, 1), "1f1b"),
         ("shampoo", (2, 1), "chimera"),
         ("soap", (1, 2), "gpipe"),
-        ("shampoo", (2, 1), "zb-h1"),  # W profiled, and placed by the planner (planner/plan/window.py)
+        ("shampoo", (2, 1), "zb-h1"),  # W profiled, and placed by the planner one per unit (planner/plan/window.py)
     ],
 )
 def test_planned_shampoo_and_soap_run_their_plan_and_equal_one_device_given_it(
@@ -184,6 +185,8 @@ def test_planned_shampoo_and_soap_run_their_plan_and_equal_one_device_given_it(
     placed = results[0].value["placed"] | results[1].value["placed"]
     assert {OpKind.DECOMP, OpKind.APPLY} <= placed
     assert (OpKind.BWD_W in placed) == (schedule == "zb-h1")
+    w_layers = results[0].value["w_layers"] | results[1].value["w_layers"]
+    assert w_layers == (set(layers) if schedule == "zb-h1" else set()), "one W per unit ([Note: per-layer W])"
     assert min(t.use_offset for t in layers.values()) >= 1, "a planned gradient part decomposes after its step"
     assert max(t.period for t in layers.values()) <= FAMILIES[family].precondition_frequency
     _assert_equal_one_device(results, family, layers)

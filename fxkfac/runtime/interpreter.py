@@ -186,14 +186,20 @@ def _bwd(ctx: StepContext, op: Op) -> None:
 
 
 def _bwd_w(ctx: StepContext, op: Op) -> None:
-    """The weight-gradient half of a backward whose BWD ran only B."""
-    ctx.deferred.discard(_key(op))
-    ctx.runner(op).backward_weights(_key(op)[2])
+    """The weight-gradient half of a backward whose BWD ran only B (one layer's piece of it where the op names one)."""
+    runner = ctx.runner(op)
+    runner.backward_weights(_key(op)[2], op.layer)
+    if _key(op)[2] not in runner.waiting_weights():
+        ctx.deferred.discard(_key(op))
 
 
 def _defer_w(ctx: StepContext, op: Op, _: Sequence[Op]) -> None:
-    """A BWD_W in the step: its BWD runs only B, on a stage copy that runs split (`StageRunner.split`)."""
-    ctx.runner(op).split = True
+    """A BWD_W in the step: its BWD runs only B, on a stage copy that runs split (`StageRunner.split`), W cut into
+    the pieces of the layers BWD_W ops name (`StageRunner.w_layers`)."""
+    runner = ctx.runner(op)
+    runner.split = True
+    if op.layer is not None:
+        runner.w_layers.add(op.layer)
     ctx.deferred.add(_key(op))
 
 

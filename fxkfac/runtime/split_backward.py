@@ -8,7 +8,10 @@ The stage's forward and its backward are traced together into one aten graph (`m
   the values the backward reads (saved);
 - B: what the input gradients need, from the saved values and the output gradients; it also returns the values W
   reads that only B makes (the gradients flowing into each layer's weight: G);
-- W: the rest of what the weight gradients need, from B's values and the saved ones (each layer's input: A).
+- W: the rest of what the weight gradients need, from B's values and the saved ones (each layer's input: A), cut
+  into pieces ([Note: W pieces]): one per layer the caller names (its parameters' gradients and the curvature
+  captures made from the same operands), each run on its own and releasing what only it reads, after a shared piece
+  (what several layers or no named layer need).
 
 Each graph runs eagerly or under torch.compile like any stage graph (`stage.compiled`): both halves of the backward
 are compiled, which torch's own zero-bubble schedules refuse.
@@ -17,7 +20,7 @@ are compiled, which torch's own zero-bubble schedules refuse.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -27,7 +30,7 @@ from torch import Tensor, fx
 from torch.func import functional_call
 from torch.fx.experimental.proxy_tensor import make_fx
 
-__all__ = ["ArgGrad", "SplitStage", "split_stage", "accumulating"]
+__all__ = ["ArgGrad", "PendingW", "SplitStage", "WPiece", "split_stage", "accumulating"]
 
 
 class ArgGrad(StrEnum):
@@ -42,6 +45,28 @@ class ArgGrad(StrEnum):
 
 
 @dataclass(frozen=True)
+class WPiece:
+    """One piece of a stage's W ([Note: W pieces]): the gradients of one layer's parameters and of the WEIGHT args
+    made from the same operands, or (`layer` None) the shared piece, which runs before the others."""
+
+    layer: str | None
+    """The layer the piece belongs to (None: the shared piece)."""
+    fn: Callable[..., Any]
+    """(*pool[reads]) -> (*grads of `params`, *grads of `weight_args`, *kept)."""
+    reads: tuple[int, ...]
+    """Indices into W's operand pool (`PendingW.pool`) of what the piece reads."""
+    params: tuple[int, ...]
+    """Indices into the stage's parameters (`split_stage`'s `params`) of the gradients it returns first."""
+    weight_args: tuple[int, ...]
+    """Indices into the WEIGHT args of the gradients it returns next."""
+    kept: tuple[int, ...] = ()
+    """The pool indices the values it returns last go to (the shared piece's values that later pieces read)."""
+    into: Callable[..., Any] | None = None
+    """(*pool[reads], *the `params`' .grad) -> (*grads of `weight_args`, *kept): the piece adding its parameters'
+    gradients into their `.grad` in place (`accumulating`; eager stages only, None otherwise)."""
+
+
+@dataclass(frozen=True)
 class SplitStage:
     """The three graphs of one stage graph at one shape, and how their values pass between them."""
 
@@ -49,8 +74,9 @@ class SplitStage:
     """(*state, *args) -> (*outputs, *saved)."""
     input_grad: Callable[..., Any]
     """(*saved[b_saved], *tangents) -> (*grads of the INPUT args, *kept for W)."""
-    weight_grad: Callable[..., Any]
-    """(*saved[w_saved], *kept) -> (*grads of the parameters, *grads of the WEIGHT args)."""
+    pieces: tuple[WPiece, ...]
+    """W in pieces, the shared one (if any) first; together they make the gradients of the parameters and of the
+    WEIGHT args from W's operands (*saved[w_saved], *kept from B), the first `n_operands` entries of the pool."""
     n_outputs: int
     """How many outputs the forward returns before its saved values."""
     tangents: tuple[tuple[torch.Size, torch.dtype], ...]
@@ -62,10 +88,65 @@ class SplitStage:
     n_arg_grads: int
     """How many arg gradients B returns (one per INPUT arg, None where the arg does not matter)."""
     n_param_grads: int
-    """How many parameter gradients W returns before the WEIGHT args' gradients."""
-    weight_grad_into: Callable[..., Any] | None = None
-    """(*saved[w_saved], *kept, *the parameters' .grad) -> (*grads of the WEIGHT args): W adding the parameters'
-    gradients into their `.grad` in place (`accumulating`; eager stages only, None otherwise)."""
+    """How many parameters W makes gradients of."""
+    n_weight_grads: int
+    """How many WEIGHT args W makes gradients of."""
+    n_operands: int
+    """How many operands W starts from (the saved values it reads, then B's kept values)."""
+    n_pool: int
+    """The pool's size: the operands, then the values the shared piece keeps for the others."""
+
+    def weights(self, operands: Sequence[Tensor]) -> tuple[list[Tensor | None], list[Tensor | None]]:
+        """Every piece run in order on `operands`: the parameters' gradients and the WEIGHT args' (the whole W)."""
+        pending = PendingW(self, list(operands))
+        params: list[Tensor | None] = [None] * self.n_param_grads
+        args: list[Tensor | None] = [None] * self.n_weight_grads
+        for piece in pending.take(None):
+            out = piece.fn(*pending.operands(piece))
+            n, m = len(piece.params), len(piece.weight_args)
+            for i, g in zip(piece.params, out[:n], strict=True):
+                params[i] = g
+            for i, g in zip(piece.weight_args, out[n : n + m], strict=True):
+                args[i] = g
+            pending.ran(piece, out[n + m :])
+        return params, args
+
+
+class PendingW:
+    """One micro-batch's W between its B and its last piece: the pool of values the pieces left read (each dropped
+    once no piece left reads it, so a layer's operands live until its piece has run) and the pieces left."""
+
+    def __init__(self, split: SplitStage, operands: list[Tensor]) -> None:
+        assert len(operands) == split.n_operands, f"W takes {split.n_operands} operands, got {len(operands)}"
+        self.split = split
+        self.pool: list[Tensor | None] = [*operands, *[None] * (split.n_pool - split.n_operands)]
+        self.left: list[WPiece] = list(split.pieces)
+
+    def take(self, layer: str | None) -> list[WPiece]:
+        """The pieces to run now, in order, for `layer` (None: all left): the shared piece first while it has not
+        run. Each is left until `ran`."""
+        return [p for p in self.left if layer is None or p.layer in (None, layer)]
+
+    def operands(self, piece: WPiece) -> list[Tensor]:
+        """What `piece` reads."""
+        values = [self.pool[i] for i in piece.reads]
+        assert all(v is not None for v in values), f"W piece {piece.layer} reads a value already released"
+        return values  # type: ignore[return-value]  # checked just above
+
+    def ran(self, piece: WPiece, kept: Sequence[Tensor]) -> None:
+        """`piece` has run and returned `kept`: keep those, release what no piece left reads."""
+        self.left = [p for p in self.left if p is not piece]
+        for i, value in zip(piece.kept, kept, strict=True):
+            self.pool[i] = value
+        needed = {i for p in self.left for i in p.reads}
+        for i in range(len(self.pool)):
+            if i not in needed:
+                self.pool[i] = None
+
+    @property
+    def done(self) -> bool:
+        """Whether every piece has run."""
+        return not self.left
 
 
 def split_stage(
@@ -76,11 +157,13 @@ def split_stage(
     arg_grads: Sequence[ArgGrad],
     n_diff_outputs: int,
     compile_fn: Callable[[fx.GraphModule], Callable[..., Any]],
+    layers: Mapping[str, Sequence[str]] | None = None,
 ) -> SplitStage:
     """`gm`'s forward, B and W for `args` at their shapes, each passed through `compile_fn`.
 
     `state`: the tensors `gm` reads by name (parameters and buffers), `params` the names whose gradients W makes;
-    `arg_grads`: which half makes each arg's gradient; the first `n_diff_outputs` outputs take output gradients.
+    `arg_grads`: which half makes each arg's gradient; the first `n_diff_outputs` outputs take output gradients;
+    `layers`: layer -> its parameters' names, one W piece each ([Note: W pieces]; none: W is one piece).
     """
     names = list(state)
     grad_names = [n for n in names if n in set(params)]
@@ -117,7 +200,9 @@ def split_stage(
     traced = make_fx(joint, tracing_mode="fake")(example_state, example_args, example_tangents)
     _drop_no_ops(traced)
     counts = (arg_grads.count(ArgGrad.INPUT), arg_grads.count(ArgGrad.WEIGHT), len(grad_names))
-    return _cut(traced, len(names), len(args), counts, tangent_specs, compile_fn)
+    owner = {p: layer for layer, ps in (layers or {}).items() for p in ps}
+    param_layers = [owner.get(n) for n in grad_names]
+    return _cut(traced, len(names), len(args), counts, tangent_specs, compile_fn, (list(layers or {}), param_layers))
 
 
 def accumulating(weight_grad: fx.GraphModule, n_params: int) -> fx.GraphModule:
@@ -165,9 +250,11 @@ def _cut(
     counts: tuple[int, int, int],
     tangents: tuple[tuple[torch.Size, torch.dtype], ...],
     compile_fn: Callable[[fx.GraphModule], Callable[..., Any]],
+    layering: tuple[list[str], list[str | None]],
 ) -> SplitStage:
     """The joint graph cut into forward, B and W ([Note: B/W split]); `counts`: the INPUT args', the WEIGHT args' and
-    the parameters' gradients the joint graph returns after the outputs, in that order."""
+    the parameters' gradients the joint graph returns after the outputs, in that order; `layering`: the layers W is
+    cut by, in order, and each parameter's layer (None: none)."""
     nodes = list(traced.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     tangent_nodes = placeholders[n_state + n_args :]
@@ -201,18 +288,119 @@ def _cut(
 
     forward = _graph(traced, [n for n in calls if n in fwd], placeholders[: n_state + n_args], list(outs) + saved)
     b_graph = _graph(traced, b_nodes, b_saved_nodes + tangent_nodes, arg_grads + from_b)
-    w_graph = _graph(traced, w_nodes, w_saved_nodes + from_b, param_grads)
+    order, param_layers = layering
+    result_layers = param_layers + _weight_arg_layers(param_grads, param_layers, w_set, reads)
+    pieces, pool = _w_pieces(
+        traced, w_nodes, w_saved_nodes + from_b, param_grads, (order, result_layers), reads, n_param, compile_fn
+    )
     return SplitStage(
         forward=compile_fn(forward),
         input_grad=compile_fn(b_graph),
-        weight_grad=compile_fn(w_graph),
+        pieces=tuple(pieces),
         n_outputs=len(outs),
         tangents=tangents,
         b_saved=tuple(index[n] for n in b_saved_nodes),
         w_saved=tuple(index[n] for n in w_saved_nodes),
         n_arg_grads=n_in,
         n_param_grads=n_param,
+        n_weight_grads=n_weight,
+        n_operands=len(w_saved_nodes) + len(from_b),
+        n_pool=pool,
     )
+
+
+# Note [W pieces]
+# ~~~~~~~~~~~~~~~
+# W is cut by layer so that a zero-bubble schedule can run each layer's weight gradient on its own (a per-layer
+# BWD_W, "W s0 m1 fc"), and each layer's operands (its input A, the output gradient G B kept for it) are released
+# as soon as its piece has run rather than when the stage's whole W ends. Each of W's results has a layer: a
+# parameter's gradient the layer that owns the parameter, a WEIGHT arg's gradient (a fused capture's curvature of
+# an output gradient) the layer whose gradients read the most of the same values (the G both are made from), or
+# none. A node of W goes to the piece of the one layer whose results need it; a node that several layers' results
+# need, or results of no layer, goes to the shared piece, which runs first (whichever layer's piece is asked for
+# first) and keeps for the later pieces the values they read of it (on the first stage, whose B makes nothing, the
+# shared piece is the backward through the stage: every layer's G). Items of a multi-output op stay with it.
+
+
+def _weight_arg_layers(
+    results: Sequence[fx.Node | None],
+    param_layers: Sequence[str | None],
+    w_set: set[fx.Node],
+    reads: dict[fx.Node, list[fx.Node]],
+) -> list[str | None]:
+    """The layer of each WEIGHT arg's gradient (the results after the parameters' gradients): the one whose
+    parameters' gradients share the most of W's nodes and operands with it (None: no layer shares any, or a tie)."""
+    n_param = len(param_layers)
+    reach = {layer: set[fx.Node]() for layer in param_layers if layer is not None}
+    for result, layer in zip(results[:n_param], param_layers, strict=True):
+        if result is not None and layer is not None:
+            reach[layer] |= _w_ancestors(result, w_set, reads)
+    out: list[str | None] = []
+    for result in results[n_param:]:
+        mine = _w_ancestors(result, w_set, reads) if result is not None else set()
+        shares = sorted(((len(mine & r), layer) for layer, r in reach.items()), reverse=True)
+        best = shares[0] if shares and shares[0][0] > 0 else None
+        tied = best is not None and len(shares) > 1 and shares[1][0] == best[0]
+        out.append(best[1] if best is not None and not tied else None)
+    return out
+
+
+def _w_ancestors(root: fx.Node, w_set: set[fx.Node], reads: dict[fx.Node, list[fx.Node]]) -> set[fx.Node]:
+    """`root`, the nodes of W it reads, transitively, and the values from outside W they read."""
+    return _closure([root], lambda node: reads[node] if node in w_set else ())
+
+
+def _w_pieces(
+    traced: fx.GraphModule,
+    w_nodes: Sequence[fx.Node],
+    operands: Sequence[fx.Node],
+    results: Sequence[fx.Node | None],
+    layering: tuple[list[str], list[str | None]],
+    reads: dict[fx.Node, list[fx.Node]],
+    n_param: int,
+    compile_fn: Callable[[fx.GraphModule], Callable[..., Any]],
+) -> tuple[list[WPiece], int]:
+    """W cut into pieces ([Note: W pieces]) over `operands` (the pool's first entries), each passed through
+    `compile_fn`, and the pool's size. `results`: the `n_param` parameters' gradients then the WEIGHT args';
+    `layering`: the layers in order and each result's."""
+    order, result_layers = layering
+    w_set = set(w_nodes)
+    owners: dict[fx.Node, set[str | None]] = {}
+    for result, layer in zip(results, result_layers, strict=True):
+        if result is not None:
+            for node in _w_ancestors(result, w_set, reads) & w_set:
+                owners.setdefault(node, set()).add(layer)
+    home = {n: next(iter(o)) if len(o) == 1 else None for n, o in owners.items()}
+    for node in w_nodes:  # items of a multi-output op stay with it
+        parent = node.args[0] if node.target is operator.getitem else None
+        if isinstance(parent, fx.Node) and parent in w_set and home[parent] is None:
+            home[node] = None
+    names: list[str | None] = [None, *order]
+    members = {layer: [n for n in w_nodes if home[n] == layer] for layer in names}
+    mine = {layer: [i for i, r in enumerate(result_layers) if r == layer] for layer in names}
+    inputs = {layer: _external(members[layer], [results[i] for i in mine[layer]]) for layer in order}
+    shared = set(members[None])
+    kept = list(dict.fromkeys(n for layer in order for n in inputs[layer] if n in shared))
+    pool = {n: i for i, n in enumerate([*operands, *kept])}
+    pieces = []
+    for layer in names:
+        own = [results[i] for i in mine[layer]]
+        if not members[layer] and all(r is None for r in own) and (layer is not None or not kept):
+            continue
+        outs = own + (kept if layer is None else [])
+        ext = _external(members[layer], outs) if layer is None else inputs[layer]
+        params = tuple(i for i in mine[layer] if i < n_param)
+        pieces.append(
+            WPiece(
+                layer,
+                compile_fn(_graph(traced, members[layer], ext, outs)),
+                tuple(pool[n] for n in ext),
+                params,
+                tuple(i - n_param for i in mine[layer] if i >= n_param),
+                tuple(pool[n] for n in kept) if layer is None else (),
+            )
+        )
+    return pieces, len(pool)
 
 
 def _drop_no_ops(traced: fx.GraphModule) -> None:

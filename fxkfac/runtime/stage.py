@@ -15,7 +15,7 @@ from fxkfac.errors import PipelineError
 from fxkfac.passes.eval_mode import eval_graph
 from fxkfac.passes.split_stages import StageGraph, TensorSpec
 from fxkfac.runtime.precision import autocast, to_wire, wire_specs
-from fxkfac.runtime.split_backward import ArgGrad, SplitStage, accumulating, split_stage
+from fxkfac.runtime.split_backward import ArgGrad, PendingW, SplitStage, WPiece, accumulating, split_stage
 
 __all__ = ["StageRunner", "compiled"]
 
@@ -69,9 +69,14 @@ class StageRunner:
     values its backward reads, the parameters."""
     _last_outputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
     """On the last stage, per split micro-batch: its outputs as the autograd leaves its loss was taken from."""
-    _weights: dict[int, tuple[SplitStage, list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
-    """Per micro-batch whose B ran and W waits: its graphs, W's operands, the parameters then the args whose
-    gradients W makes."""
+    _weights: dict[int, tuple[PendingW, list[torch.Tensor], list[torch.Tensor]]] = field(default_factory=dict)
+    """Per micro-batch whose B ran and whose W has pieces left: those and their operands, the parameters and the args
+    whose gradients W makes."""
+    layer_params: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """The stage's layers (a preconditioner's units) and their parameters' names: what a per-layer BWD_W names."""
+    w_layers: set[str] = field(default_factory=set)
+    """The layers the rank's program runs W of one by one ("W s0 m1 fc"): W is cut into their pieces ([Note: W
+    pieces] in fxkfac/runtime/split_backward.py); set when the step's BWD_W ops are prepared."""
 
     @classmethod
     def build(
@@ -177,7 +182,7 @@ class StageRunner:
             ArgGrad.NONE if not a.requires_grad else ArgGrad.WEIGHT if w else ArgGrad.INPUT
             for a, w in zip(args, weights, strict=True)
         )
-        key = (self.shape, variant, sides)
+        key = (self.shape, variant, sides, tuple(sorted(self.w_layers)))
         if key not in self._splits:
             self._splits[key] = self._split(gm, args, sides, n_diff_outputs)
         split, state, params = self._splits[key]
@@ -197,11 +202,16 @@ class StageRunner:
         params = dict(gm.named_parameters())
         state = {**params, **dict(gm.named_buffers())}
         n_out = n_diff_outputs if n_diff_outputs is not None else len(self.graph.outputs)
+        unknown = sorted(self.w_layers - set(self.layer_params))
+        if unknown:
+            raise AssertionError(f"stage {self.stage}: the program runs W of layers {unknown} the stage does not hold")
+        layers = {n: ps for n, ps in self.layer_params.items() if n in self.w_layers}
         with self.precision():
-            split = split_stage(gm, state, list(params), args, sides, n_out, lambda g: compiled(g, self.backend))
+            split = split_stage(
+                gm, state, list(params), args, sides, n_out, lambda g: compiled(g, self.backend), layers
+            )
         if self.backend is None:
-            assert isinstance(split.weight_grad, fx.GraphModule), "an eager stage runs its graphs as they are"
-            split = replace(split, weight_grad_into=accumulating(split.weight_grad, split.n_param_grads))
+            split = replace(split, pieces=tuple(_accumulating(p) for p in split.pieces))
         return split, list(state.values()), list(params.values())
 
     @property
@@ -275,26 +285,42 @@ class StageRunner:
             if grad is not None:
                 arg.grad = grad
         later = [arg for arg, side in args if side is ArgGrad.WEIGHT]
-        self._weights[mb] = (split, [*(saved[i] for i in split.w_saved), *result[split.n_arg_grads :]], params + later)
+        operands = [*(saved[i] for i in split.w_saved), *result[split.n_arg_grads :]]
+        self._weights[mb] = (PendingW(split, operands), params, later)
 
-    def backward_weights(self, mb: int) -> None:
-        """W of micro-batch `mb`: its weight gradients, accumulated into the parameters' `.grad`, and the gradients
-        of the args W makes into theirs. Where a parameter has hooks, through autograd (so they see them as a whole
-        backward's); else an eager stage adds each product into `.grad` in place (`accumulating`: a third of W on
-        CPU, benchmarks/split_backward.py), or sets or adds it as autograd's AccumulateGrad does."""
+    def backward_weights(self, mb: int, layer: str | None = None) -> None:
+        """W of micro-batch `mb` (its pieces of `layer` alone, after the shared piece if that has not run; None:
+        every piece left): its weight gradients, accumulated into the parameters' `.grad`, and the gradients of the
+        args W makes into theirs; each piece's operands are released once no piece left reads them."""
         if mb not in self._weights:
             raise AssertionError(f"stage {self.stage} mb {mb}: BWD_W before its BWD (the program orders them wrongly)")
-        split, operands, targets = self._weights.pop(mb)
-        params, args = targets[: split.n_param_grads], targets[split.n_param_grads :]
-        into = split.weight_grad_into
-        if into is not None and all(p.grad is not None and not _hooked(p) for p in params):
+        pending, params, args = self._weights[mb]
+        for piece in pending.take(layer):
+            self._run_piece(pending, piece, params, args)
+        if pending.done:
+            del self._weights[mb]
+
+    def _run_piece(
+        self, pending: PendingW, piece: WPiece, all_params: list[torch.Tensor], all_args: list[torch.Tensor]
+    ) -> None:
+        """One piece of W. Where a parameter has hooks, its gradients go through autograd (so the hooks see them as
+        a whole backward's); else an eager stage adds each product into `.grad` in place (`accumulating`: a third of
+        W on CPU, benchmarks/split_backward.py), or sets or adds it as autograd's AccumulateGrad does."""
+        params = [all_params[i] for i in piece.params]
+        args = [all_args[i] for i in piece.weight_args]
+        operands = pending.operands(piece)
+        n = len(args)
+        if piece.into is not None and all(p.grad is not None and not _hooked(p) for p in params):
             with torch.no_grad():  # one addmm_ per layer into .grad: no product allocated, no add after it
-                self._set_grads(args, into(*operands, *(p.grad for p in params)))
+                out = piece.into(*operands, *(p.grad for p in params))
+            self._set_grads(args, out[:n])
+            pending.ran(piece, out[n:])
             return
         with torch.no_grad():
-            grads = split.weight_grad(*operands)
-        self._set_grads(args, grads[split.n_param_grads :])
-        pairs = [(p, g) for p, g in zip(params, grads[: split.n_param_grads], strict=True) if g is not None]
+            grads = piece.fn(*operands)
+        self._set_grads(args, grads[len(params) : len(params) + n])
+        pending.ran(piece, grads[len(params) + n :])
+        pairs = [(p, g) for p, g in zip(params, grads[: len(params)], strict=True) if g is not None]
         if any(_hooked(p) for p, _ in pairs):  # the parameters are leaves: autograd accumulates and runs their hooks
             torch.autograd.backward([p for p, _ in pairs], [g for _, g in pairs])
             return
@@ -323,6 +349,12 @@ class StageRunner:
     def pending(self) -> list[int]:
         """Micro-batches whose forward ran but whose backward (B and W) has not."""
         return sorted(set(self._outputs) | set(self._weights))
+
+
+def _accumulating(piece: WPiece) -> WPiece:
+    """An eager piece with its variant that adds its parameters' gradients into their `.grad` (`accumulating`)."""
+    assert isinstance(piece.fn, fx.GraphModule), "an eager stage runs its graphs as they are"
+    return replace(piece, into=accumulating(piece.fn, len(piece.params)))
 
 
 def _hooked(param: torch.Tensor) -> bool:

@@ -65,6 +65,7 @@ class TappedRunner(StageRunner):
             runner.fn,
             runner.is_last,
             backend=runner.backend,
+            layer_params=runner.layer_params,
             recompute=runner.recompute,
             autocast_dtype=runner.autocast_dtype,
             layers=dict(layers),
@@ -142,10 +143,18 @@ class TappedRunner(StageRunner):
         self._keep_grads(mb, {n: p for n, p in probes.items() if n not in later})
         return grads
 
-    def backward_weights(self, mb: int) -> None:
-        """As StageRunner's, then keep the fused output-gradient captures W made."""
-        super().backward_weights(mb)
-        self._keep_grads(mb, self._later.pop(mb, {}))
+    def backward_weights(self, mb: int, layer: str | None = None) -> None:
+        """As StageRunner's, then keep the fused output-gradient captures W made (a piece's as it runs, so that a
+        layer's STATS may follow its own W; every one left when the micro-batch's last piece has run)."""
+        super().backward_weights(mb, layer)
+        later = self._later.get(mb, {})
+        done = mb not in self._weights
+        made = {n: p for n, p in later.items() if done or p.grad is not None}
+        self._keep_grads(mb, made)
+        for name in made:
+            del later[name]
+        if done:
+            self._later.pop(mb, None)
 
     def _keep_grads(self, mb: int, probes: Mapping[str, Tensor]) -> None:
         """Queue the output-gradient captures of `probes` (their gradients), as the built batch would have made them."""

@@ -162,7 +162,7 @@ def _runners(
     several, so that their parameters are their own) under autocast of `autocast_dtype` (None: full precision)."""
     held = stages_of_rank(spec.kind, spec.layout.D, spec.layout.pp, v=spec.v)
     last = len(spec.split.stages) - 1
-    return {
+    runners = {
         (s, p): StageRunner.build(
             spec.split.stages[s],
             p,
@@ -174,6 +174,11 @@ def _runners(
         )
         for s, p in held
     }
+    family = spec.family
+    if family is not None:  # what a per-layer BWD_W names ("W s0 m1 fc")
+        for (s, _), runner in runners.items():
+            runner.layer_params = {n: family.params_of(spec.units[n]) for n in spec.stage_units.get(s, ())}
+    return runners
 
 
 def _check_precision(options: PipelineOptions, family: Family | None, barrier_free: bool) -> None:

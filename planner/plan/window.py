@@ -63,6 +63,7 @@ tasks (statistics, synchronization, decomposition in pieces, broadcast) with the
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -90,6 +91,7 @@ from fxkfac.planner.problem.step_timeline import (
     step_begins,
     step_timeline,
     stream_start,
+    w_layer_ops,
     w_operand_bytes,
 )
 from fxkfac.planner.problem.strategy import keeps_statistics
@@ -420,6 +422,13 @@ def grid_scale(
         )
     ]
     times = [t for st in (refresh, normal) for items in st.ops.values() for _, a, b in items for t in (a, b)]
+    times += [  # the per-layer W's cut of each W's interval ([Note: per-layer W])
+        t
+        for st, with_fused in ((refresh, fused), (normal, frozenset[str]()))
+        for d in st.ops
+        for _, a, b in w_window(problem, st, d, with_fused)
+        for t in (a, b)
+    ]
     return _scale(times + durations + list(extra), normal.length, resolution)
 
 
@@ -501,9 +510,9 @@ def _device_work(
     pieces: list[tuple[int, int, int]] = []
     for j, st in enumerate(steps):
         off = offsets[j]
-        tasks = {op for op, _, _ in w_window(problem, st, device)}  # W's placed as tasks ([Note: placed W])
+        tasks = placed_w(problem)  # W's placed as tasks ([Note: placed W])
         for _op, a, b in st.fixed(device):
-            if _op not in tasks:
+            if not (tasks and _op.kind is OpKind.BWD_W):
                 busy += wrap(off + grid.at(a), off + grid.at(b), length)
         for op, a, b in st.ops[device]:
             if (
@@ -780,9 +789,11 @@ def _decomp_tasks(
 
 MAX_W_TASKS = 4096
 """The most W tasks a problem's longest window may hold (N micro-batches x S stages x `Problem.max_period` steps)
-for its plans to place W's: beyond it they stay at the schedule's places. CP-SAT's model grows with them: BERT-Large
-ZB-H1 D=8 N=32 on the paper's profiles (8192) took 14 s of CP-SAT where W's at their places took 3.6 s, and refreshed
-stages 4 and 5 a step later (18 16 against 17 15); ZB-V D=8 N=8 (4096) plans better with them."""
+for its plans to place W's: beyond it they stay at the schedule's places. Counted per layer (N x the stages' layers x
+max_period), it decides whether the placed W's are one per layer (`w_by_layer`) or one per stage. CP-SAT's model
+grows with them: BERT-Large ZB-H1 D=8 N=32 on the paper's profiles (8192) took 14 s of CP-SAT where W's at their
+places took 3.6 s, and refreshed stages 4 and 5 a step later (18 16 against 17 15); ZB-V D=8 N=8 (4096) plans better
+with them."""
 
 
 def placed_w(problem: Problem) -> bool:
@@ -790,6 +801,13 @@ def placed_w(problem: Problem) -> bool:
     at most `MAX_W_TASKS` W's in its longest window."""
     few = problem.N * problem.num_stages * problem.max_period <= MAX_W_TASKS
     return problem.kind in ZERO_BUBBLE_KINDS and problem.streaming is None and few
+
+
+def w_by_layer(problem: Problem) -> bool:
+    """Whether the problem's placed W's are one per layer ([Note: per-layer W] in planner/problem/step_timeline.py):
+    W's placed, and at most `MAX_W_TASKS` per-layer W's in its longest window (beyond it, one W per stage)."""
+    layers = sum(max(1, len(stage.layers)) for stage in problem.costs.stages)
+    return placed_w(problem) and problem.N * layers * problem.max_period <= MAX_W_TASKS
 
 
 def shared(problem: Problem, stage: int) -> bool:
@@ -824,11 +842,17 @@ def allreduce_after_w(problem: Problem, items: list[tuple[tuple[int, ...], Op]])
     return out
 
 
-def w_window(problem: Problem, step: StepTimeline, device: int) -> list[tuple[Op, float, float]]:
-    """The device's W's of `step` that become tasks, each with its home interval in seconds from the step's start."""
+def w_window(
+    problem: Problem, step: StepTimeline, device: int, fused: frozenset[str] = frozenset()
+) -> list[tuple[Op, float, float]]:
+    """The device's W's of `step` that become tasks, each with its home interval in seconds from the step's start:
+    one per layer where `w_by_layer` (`fused`: the layers whose curvature the step's W's hold, at a refresh step)."""
     if not placed_w(problem):
         return []
-    return [(op, a, b) for op, a, b in step.fixed(device) if op.kind is OpKind.BWD_W]
+    ws = [(op, a, b) for op, a, b in step.fixed(device) if op.kind is OpKind.BWD_W]
+    if not w_by_layer(problem):
+        return ws
+    return [item for op, a, b in ws for item in w_layer_ops(problem.costs.stages[op.stage_id], op, a, b, fused)]
 
 
 def w_tasks(
@@ -840,33 +864,63 @@ def w_tasks(
     fused: frozenset[str] = frozenset(),
 ) -> list[Task]:
     """The WGRAD task of every W of every window step on `devices` ([Note: placed W]); the refresh step's (j = 0)
-    list, as `factors`, the fused parts their curvature feeds: those parts' decompositions follow them."""
+    list, as `factors`, the fused parts their curvature feeds: those parts' decompositions follow them. Per-layer W's
+    ([Note: per-layer W]) are a task each where each spans a tick of the grid at home; else one task holds a stage
+    W's layers' W's back to back."""
     tasks = []
     for d in devices:
         for j, st in enumerate(steps):
-            for op, start, end in w_window(problem, st, d):
-                a, b = grid.at(start), grid.at(end)
-                release, due = w_bounds(st, d, op)
-                deadline = offsets[j] + max(grid.at(due), b) if shared(problem, op.stage_id) else offsets[j + 1]
-                stage = problem.costs.stages[op.stage_id]
-                feeds = tuple(
-                    (x.name, p.part) for x in stage.layers if x.name in fused for p in x.parts if p.after is OpKind.BWD
-                )
-                tasks.append(
-                    Task(
-                        f"w_s{op.stage}_m{op.mb}_p{op.pipe}_r{d}_j{j}",
-                        TaskKind.WGRAD,
-                        op.stage_id,
-                        "",
-                        (op,),
-                        (end - start,),
-                        max(1, b - a),
-                        (d,),
-                        offsets[j] + grid.at(release),
-                        feeds if j == 0 else (),
-                        w_operand_bytes(stage),
-                        deadline=deadline,
-                        home=offsets[j] + a,
-                    )
-                )
+            items = w_window(problem, st, d, fused if j == 0 else frozenset())
+            for _, group in itertools.groupby(items, key=lambda item: (item[0].stage, item[0].mb, item[0].pipe)):
+                run = list(group)
+                ws: list[tuple[tuple[Op, ...], tuple[float, ...], float, float]]
+                ws = [((op,), (b - a,), a, b) for op, a, b in run]
+                if any(grid.at(b) <= grid.at(a) for _, a, b in run):
+                    ws = [(tuple(op for op, _, _ in run), tuple(b - a for _, a, b in run), run[0][1], run[-1][2])]
+                tasks += [_w_task(problem, d, j, st, offsets, grid, fused, *w) for w in ws]
     return tasks
+
+
+def _w_task(
+    problem: Problem,
+    device: int,
+    j: int,
+    step: StepTimeline,
+    offsets: Sequence[int],
+    grid: Grid,
+    fused: frozenset[str],
+    ops: tuple[Op, ...],
+    seconds: tuple[float, ...],
+    start: float,
+    end: float,
+) -> Task:
+    """The WGRAD task of `ops` (one stage W, or its layers' W's back to back) whose home is [start, end) of window
+    step j, each op lasting its `seconds` ([Note: placed W])."""
+    op = ops[0]
+    a, b = grid.at(start), grid.at(end)
+    release, due = w_bounds(step, device, op)
+    deadline = offsets[j] + max(grid.at(due), b) if shared(problem, op.stage_id) else offsets[j + 1]
+    stage = problem.costs.stages[op.stage_id]
+    layers = {w.layer for w in ops}
+    feeds = tuple(
+        (x.name, p.part)
+        for x in stage.layers
+        if x.name in fused and (None in layers or x.name in layers)  # a per-layer W feeds its own layer's
+        for p in x.parts
+        if p.after is OpKind.BWD
+    )
+    return Task(
+        f"w_s{op.stage}_m{op.mb}_p{op.pipe}_r{device}_j{j}" + (f"_{op.layer}" if len(ops) == 1 and op.layer else ""),
+        TaskKind.WGRAD,
+        op.stage_id,
+        "",
+        ops,
+        seconds,
+        max(1, b - a),
+        (device,),
+        offsets[j] + grid.at(release),
+        feeds if j == 0 else (),
+        sum(w_operand_bytes(stage, w.layer) for w in ops),
+        deadline=deadline,
+        home=offsets[j] + a,
+    )

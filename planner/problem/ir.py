@@ -27,7 +27,9 @@ class OpKind(StrEnum):
 
     BWD_W ("W") is the weight-gradient half of a backward, split off for zero-bubble schedules: a BWD whose step of
     the rank's program also holds the BWD_W of its (stage, mb, pipe) computes only the input gradient, and the
-    BWD_W computes the weight gradient later; a BWD without one computes both.
+    BWD_W computes the weight gradient later; a BWD without one computes both. A BWD_W naming a layer ("W s0 m1 fc")
+    computes that layer's weight gradient alone (per-layer W, docs/ZERO_BUBBLE.md); one without ("W s0 m1") every
+    layer's of the stage that no BWD_W of the micro-batch has computed yet.
     """
 
     FWD = "FWD"
@@ -99,7 +101,7 @@ OP_FIELDS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
     # kind: (required, also allowed)
     OpKind.FWD: (frozenset({_STAGE, _MB}), frozenset({_PIPE})),
     OpKind.BWD: (frozenset({_STAGE, _MB}), frozenset({_PIPE})),
-    OpKind.BWD_W: (frozenset({_STAGE, _MB}), frozenset({_PIPE})),
+    OpKind.BWD_W: (frozenset({_STAGE, _MB}), frozenset({_PIPE, _LAYER})),
     **{
         k: (frozenset({_STAGE, _MB, _PEER}), frozenset({_PIPE}))
         for k in (OpKind.SEND_ACT, OpKind.RECV_ACT, OpKind.SEND_GRAD, OpKind.RECV_GRAD)

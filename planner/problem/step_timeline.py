@@ -676,7 +676,7 @@ def fused_stats(problem: Problem, fused: frozenset[str], rank: int, bwd: Op) -> 
     parts = {
         x.name: [p.part for p in x.parts if p.after is not OpKind.ALLREDUCE_GRAD]
         for x in problem.costs.stages[bwd.stage].layers
-        if x.name in fused
+        if x.name in fused and bwd.layer in (None, x.name)  # a per-layer W folds its own layer's
     }
     where = {name: problem.where(name) for name in parts}
     return capture_stats(bwd, rank, parts, copies_of_stage(problem, bwd.stage), where)
@@ -801,7 +801,7 @@ def activation_intervals(
         if op.kind is OpKind.FWD:
             starts[key] = start
         elif op.kind is OpKind.BWD_W and w_operands:
-            out.append((b_ends[key], end, w_operand_bytes(problem.costs.stages[op.stage_id])))
+            out.append((b_ends[key], end, w_operand_bytes(problem.costs.stages[op.stage_id], op.layer)))
         elif op.kind is OpKind.BWD:
             b_ends[key] = end
             cost = problem.costs.stages[op.stage_id]
@@ -812,11 +812,74 @@ def activation_intervals(
     return out
 
 
-def w_operand_bytes(stage: StageCost) -> int:
+def w_operand_bytes(stage: StageCost, layer: str | None = None) -> int:
     """Bytes one micro-batch's deferred W keeps of the stage: each layer's input and output gradient (its K-FAC
-    parts' captures), or the stage's activations where its layers capture none."""
+    parts' captures), or the stage's activations where its layers capture none. With `layer`: what that layer's W
+    keeps ([Note: per-layer W]), its captures, or its share (`w_share`) of the activations."""
     captured = sum(p.capture_bytes for x in stage.layers for p in x.parts if p.after is not OpKind.ALLREDUCE_GRAD)
-    return captured if captured else stage.act_bytes
+    if layer is None:
+        return captured if captured else stage.act_bytes
+    if not captured:
+        return round(stage.act_bytes * w_share(stage, layer))
+    return sum(
+        p.capture_bytes
+        for x in stage.layers
+        if x.name == layer
+        for p in x.parts
+        if p.after is not OpKind.ALLREDUCE_GRAD
+    )
+
+
+# Note [per-layer W]
+# ~~~~~~~~~~~~~~~~~~
+# Where plans place W's as tasks ([Note: placed W] in planner/plan/window.py) and the per-layer tasks are few enough
+# (`w_by_layer`), a stage's W is planned as one W per layer of the stage ("W s0 m1 fc", the runtime's W pieces:
+# [Note: W pieces] in fxkfac/runtime/split_backward.py), each released at its B, due by its stage's update and
+# holding only its own layer's operands (`w_operand_bytes`) until it runs. The schedule's W interval is cut into them
+# in the stage's layer order (`w_layer_ops`): each takes its layer's share of the W (`w_share`: the share of the
+# stage's parameters, `LayerCost.grad_bytes`, or an even one where none is known; a cost table has no per-layer W
+# time) plus, at the refresh step, its own fused curvature, cut at a decimal a hundredth of the interval's ends' own
+# (`_cut_quantum`), so that the time grid stays exact where it was. Parameters of no layer (a LayerNorm's) are the
+# runtime's shared piece, which runs with the first of the layers' W's.
+
+
+def _cut_quantum(start: float, end: float) -> float | None:
+    """Where per-layer W's cut a W's interval: at 1/100 of the finest decimal unit its ends are whole in (at most
+    10^-6 s), so that a time grid exact for the step stays exact for them ([Note: time grid] in planner/plan/window.py:
+    an inexact grid rounds every op and can cost a tight plan a longer step); None where the ends are whole in none."""
+    for e in range(5):
+        m = 10.0**e
+        if all(abs(t * m - round(t * m)) <= 1e-9 * max(1.0, t * m) for t in (start, end)):
+            return 10.0 ** -(e + 2)
+    return None
+
+
+def w_share(stage: StageCost, layer: str) -> float:
+    """The share of the stage's W that one layer's takes ([Note: per-layer W]): its parameters' share of the stage's
+    (`LayerCost.grad_bytes`), the same for every layer where those are not known."""
+    total = sum(x.grad_bytes for x in stage.layers)
+    if total == 0:
+        return 1 / len(stage.layers)
+    return next(x.grad_bytes for x in stage.layers if x.name == layer) / total
+
+
+def w_layer_ops(
+    stage: StageCost, w: Op, start: float, end: float, fused: frozenset[str] = frozenset()
+) -> list[tuple[Op, float, float]]:
+    """A stage's W `w` over [start, end) as one W per layer ([Note: per-layer W]), consecutive in the stage's layer
+    order, each its share of the W's seconds plus its own curvature where `fused` (the refresh step's fused layers,
+    whose curvature the interval holds); `w` itself where the stage has no layers."""
+    if not stage.layers:
+        return [(w, start, end)]
+    quantum = _cut_quantum(start, end)
+    out, at = [], start
+    for i, x in enumerate(stage.layers):
+        seconds = w_share(stage, x.name) * stage.weight_grad + stage.fused_curvature({x.name} & fused, OpKind.BWD)
+        cut = at + seconds if quantum is None else round((at + seconds) / quantum) * quantum
+        stop = end if i == len(stage.layers) - 1 else min(end, max(at, cut))
+        out.append((Op(OpKind.BWD_W, w.stage, w.mb, w.pipe, layer=x.name), at, stop))
+        at = stop
+    return out
 
 
 def peak_level(spans: Iterable[tuple[float, float, int]]) -> int:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING
 
-from fxkfac.planner.plan.window import placed_w
+from fxkfac.planner.plan.window import placed_w, w_window
 from fxkfac.planner.problem.errors import DeadlockError, PlanError
 from fxkfac.planner.problem.ir import (
     LAYER_TRANSFER_KINDS,
@@ -83,6 +83,7 @@ from fxkfac.planner.problem.step_timeline import (
     stream_start,
     tap_extra,
     w_operand_bytes,
+    w_share,
     window_length,
 )
 from fxkfac.planner.problem.strategy import COMM_OPT, keeps_statistics, receivers
@@ -363,7 +364,11 @@ def _check_factor(c: Context, layer: str, side: str | None, kinds: dict) -> None
         kind = weight_gradient_kind(c.problem.kind) if kind is OpKind.BWD else kind  # made with the W
         ready = max(b for d in copies for op, _, b in c.refresh.fixed(d) if op.stage == stage and op.kind is kind)
         if kind is OpKind.BWD_W and placed_w(c.problem):  # the refresh step's W's, placed
-            ready = max(q.end for q in c.plan.placements if q.op.kind is kind and q.op.stage == stage and q.step == 0)
+            ready = max(
+                q.end
+                for q in c.plan.placements
+                if q.op.kind is kind and q.op.stage == stage and q.step == 0 and q.op.layer in (None, layer)
+            )  # a per-layer W ([Note: per-layer W]) folds its own layer's
     else:
         ready = max((p.end for p in curv), default=0.0)
     for group in (sync, bcast):
@@ -503,8 +508,8 @@ def _expected(c: Context) -> Counter:
             for j in range(c.period(s)):
                 for op in step_ops(c, s, d):
                     want[op, d, j] += 1
-                for op, _, _ in c.timeline(j, c.period(s)).fixed(d) if placed_w(p) else ():
-                    if op.kind is OpKind.BWD_W and op.stage == s:  # placed W.s ([Note: placed W])
+                for op, _, _ in w_window(p, c.timeline(j, c.period(s)), d):
+                    if op.stage == s:  # placed W.s ([Note: placed W]), per layer where they are
                         want[op, d, j] += 1
         for x in stage.layers:
             workers = p.workers(x.name)
@@ -567,8 +572,10 @@ def check_placed_once(c: Context) -> None:
 
 
 def _w_seconds(c: Context, p: Placement, k: int) -> float:
-    """Seconds of a placed W: its interval in its step's timeline (the refresh step's holds the fused curvature)."""
-    return next((b - a for op, a, b in c.timeline(p.step, k).ops[p.device] if op == p.op), 0.0)
+    """Seconds of a placed W: its interval in its step's timeline (the refresh step's holds the fused curvature; a
+    per-layer W's, its part of it: [Note: per-layer W])."""
+    fused = c.fused if p.step % k == 0 else frozenset()
+    return next((b - a for op, a, b in w_window(c.problem, c.timeline(p.step, k), p.device, fused) if op == p.op), 0.0)
 
 
 def _fixed_intervals(c: Context, device: int, k: int) -> list[tuple[float, float, str]]:
@@ -613,7 +620,7 @@ def check_memory(c: Context) -> None:
         elif p.op.kind is OpKind.BWD_W:  # a placed W holds its layers' operands from its B's end
             k = c.period(p.op.stage_id)
             since = c.base(p.step, k) + end_of(c.timeline(p.step, k), p.device, OpKind.BWD, *_key(p.op))
-            keeps[p.device].append((since, p.end, w_operand_bytes(c.problem.costs.stages[p.op.stage_id])))
+            keeps[p.device].append((since, p.end, w_operand_bytes(c.problem.costs.stages[p.op.stage_id], p.op.layer)))
     for d in c.problem.devices:
         k = max(c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s))
         L = c.length(k)
@@ -825,8 +832,9 @@ def _check_runs(c: Context) -> None:
         if op.kind is OpKind.BWD:
             again = stages[op.stage_id].fwd if c.problem.recomputes(op.stage_id) else 0.0  # activation checkpointing
             return stages[op.stage_id].bwd - (stages[op.stage_id].weight_grad if split else 0.0) + again
-        if op.kind is OpKind.BWD_W:
-            return stages[op.stage_id].weight_grad
+        if op.kind is OpKind.BWD_W:  # a per-layer W: its layer's share ([Note: per-layer W])
+            stage = stages[op.stage_id]
+            return stage.weight_grad * (w_share(stage, op.layer) if op.layer is not None else 1.0)
         if op.kind is OpKind.ALLREDUCE_GRAD:
             return collective_seconds(c, op)
         if op.kind in LAYER_TRANSFER_KINDS or _fold(c, op):

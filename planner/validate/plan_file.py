@@ -133,6 +133,8 @@ def _check_placements(plan: Plan) -> None:
                 placed_w(problem) and (p.op.kind, p.op.stage, p.op.mb, p.op.pipe) in fixed[p.device],
                 f"placement of {p.op} on r{p.device}: no such W of the schedule is placed",
             )
+            layers = [x.name for x in problem.costs.stages[p.op.stage_id].layers]
+            _need(p.op.layer in (None, *layers), f"placement of {p.op} on r{p.device}: no layer {p.op.layer} there")
         else:
             _check_op(problem, p.op, p.device, fixed)
 

@@ -26,6 +26,9 @@ from fxkfac.planner.problem.ir import (
 EXAMPLES = {
     "F s1 m0": Op(OpKind.FWD, 1, 0),
     "B s3 m2 p1": Op(OpKind.BWD, 3, 2, pipe=1),
+    "W s0 m1": Op(OpKind.BWD_W, 0, 1),
+    "W s0 m1 p1 fc2": Op(OpKind.BWD_W, 0, 1, pipe=1, layer="fc2"),
+    "W s2 m0 bert.encoder.layer.0.output.dense": Op(OpKind.BWD_W, 2, 0, layer="bert.encoder.layer.0.output.dense"),
     "SEND_ACT s1 m0 >r2": Op(OpKind.SEND_ACT, 1, 0, peer=2),
     "RECV_GRAD s1 m0 <r2": Op(OpKind.RECV_GRAD, 1, 0, peer=2),
     "STATS s1 m3 A bert.encoder.layer.0.output.dense": Op(

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from fxkfac.planner.plan import window
 from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.problem.ir import Capture, OpKind
 from fxkfac.planner.problem.problem import Problem, SolverConfig
@@ -17,6 +18,7 @@ from fxkfac.planner.problem.step_timeline import (
     min_memory_bytes,
     plain_step_time,
     step_timeline,
+    w_operand_bytes,
 )
 from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.validate import validate
@@ -120,3 +122,75 @@ def test_the_validator_refuses_a_w_before_its_b_or_after_its_update() -> None:
         moved = replace(w, start=w.start + shift, end=w.end + shift)
         placements = tuple(moved if x is w else x for x in plan.placements)
         assert any(words in e for e in validate(p, replace(plan, placements=placements), run=False))
+
+
+def _two_layer_zb_h1() -> Problem:
+    """`_uneven_zb_h1` with two layers a stage: l1 has twice l0's parameters and operands, and quick decompositions."""
+
+    def stage(s: int, bwd: float, wgrad: float, inv: float) -> StageCost:
+        layers = tuple(
+            LayerCost.kfac(
+                f"s{s}.l{i}",
+                0.125,
+                0.125,
+                inv if i == 0 else 0.125,
+                inv if i == 0 else 0.125,
+                0.125,
+                10 * (i + 1),
+                10 * (i + 1),
+                100,
+                100,
+                grad_bytes=100 * (i + 1),
+            )  # fmt: skip
+            for i in range(2)
+        )
+        return StageCost(1.0, bwd, 1000, 50, layers, wgrad=wgrad)
+
+    costs = CostTable((stage(0, 3.0, 2.0, 4.0), stage(1, 7.0, 3.0, 0.125)), 1, "t", "cpu")
+    return Problem("zb-h1", 2, 2, costs, max_overhead=0.5)
+
+
+@pytest.mark.parametrize("method", ["greedy", "cpsat"])
+def test_placed_ws_are_one_per_layer_with_its_share_and_its_operands(method: str) -> None:
+    """A stage's W is planned as one W per layer ("W s0 m1 s0.l1"): each in every step's program once, lasting its
+    layer's share of the stage's W (by parameters: l1 twice l0) plus its own fused curvature, holding its own layer's
+    operands; the plan validates."""
+    p = _two_layer_zb_h1()
+    stage = p.costs.stages[0]
+    assert [w_operand_bytes(stage, x.name) for x in stage.layers] == [20, 40]
+    assert w_operand_bytes(stage) == 60
+    plan = solve(p, FAST, method)
+    assert validate(p, plan) == []
+    for rank, program in plan.programs.items():
+        (held,) = {s for s, _ in stages_of_rank("zb-h1", 2, rank)}
+        for step in program:
+            ws = sorted(str(op) for op in step if op.kind is OpKind.BWD_W)
+            assert ws == [f"W s{held} m{m} s{held}.l{i}" for m in range(2) for i in range(2)]
+    fused = {n for n, t in plan.layers.items() if t.capture is Capture.FUSED}
+    for x in plan.placements:
+        if x.op.kind is OpKind.BWD_W:
+            s = p.costs.stages[x.op.stage_id]
+            curvature = s.fused_curvature({x.op.layer_name} & fused, OpKind.BWD) if x.step == 0 else 0.0
+            share = (1 if x.op.layer_name.endswith("l0") else 2) / 3
+            assert x.end - x.start == pytest.approx(share * s.weight_grad + curvature, abs=0.01), x  # cut at 1/100 s
+
+
+def test_the_validator_refuses_a_per_layer_w_before_its_b_or_after_its_update() -> None:
+    p = _two_layer_zb_h1()
+    plan = solve(p, FAST, "cpsat")
+    w = next(x for x in plan.placements if x.op.kind is OpKind.BWD_W and x.op.layer == "s0.l1" and x.device == 0)
+    for shift in (-20.0, 20.0):
+        moved = replace(w, start=w.start + shift, end=w.end + shift)
+        placements = tuple(moved if x is w else x for x in plan.placements)
+        errors = validate(p, replace(plan, placements=placements), run=False)
+        assert any(str(w.op) in e and "is not between its B" in e for e in errors), errors
+
+
+def test_too_many_per_layer_ws_are_placed_a_stage_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the per-layer W's of the longest window would pass `MAX_W_TASKS`, the plan places one W per stage."""
+    p = _two_layer_zb_h1()
+    monkeypatch.setattr(window, "MAX_W_TASKS", p.N * p.num_stages * p.max_period)
+    plan = solve(p, FAST, "cpsat")
+    assert validate(p, plan) == []
+    placed = [x.op for x in plan.placements if x.op.kind is OpKind.BWD_W]
+    assert placed and all(op.layer is None for op in placed)

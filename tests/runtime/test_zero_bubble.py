@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import weakref
 from dataclasses import dataclass
 
 import pytest
@@ -19,7 +20,7 @@ from fxkfac.config import PipelineOptions
 from fxkfac.errors import PipelineError
 from fxkfac.passes.split_stages import StageGraph, TensorSpec
 from fxkfac.planner.problem.ir import LayerTiming, OpKind
-from fxkfac.runtime.split_backward import ArgGrad, split_stage
+from fxkfac.runtime.split_backward import ArgGrad, PendingW, split_stage
 from fxkfac.runtime.stage import StageRunner
 from tests import test_shampoo_pipeline as shampoo
 from tests.e2e import workers as kfac
@@ -234,6 +235,85 @@ def test_w_accumulates_over_micro_batches_and_runs_parameter_hooks() -> None:
             torch.testing.assert_close(p.grad, q.grad)  # float32 rounding: BLAS adds into .grad
 
 
+def _chain() -> nn.Module:
+    """Three Linear layers (tanh between them) and a LayerNorm, whose parameters no named layer holds."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 3), nn.LayerNorm(3)
+    ).double()
+
+
+CHAIN_LAYERS = {"0": ("0.weight", "0.bias"), "2": ("2.weight", "2.bias"), "4": ("4.weight", "4.bias")}
+
+
+@pytest.mark.parametrize("side", [ArgGrad.INPUT, ArgGrad.NONE])
+def test_w_pieces_equal_the_fused_backward_and_release_their_operands(side: ArgGrad) -> None:
+    """W cut by layer ([Note: W pieces]), its pieces run in another order than the layers', makes the weight
+    gradients of autograd's fused backward (float64, to 1e-12), also on a first stage (side NONE: B makes nothing,
+    W the whole backward); after each piece the operands no piece left reads are released (their tensors freed)."""
+    model = _chain()
+    gm = fx.symbolic_trace(model)
+    state = dict(gm.named_parameters())
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=side is ArgGrad.INPUT)
+    g = torch.randn(5, 3, dtype=torch.float64)
+    split = split_stage(gm, state, list(state), [x], [side], 1, lambda graph: graph, CHAIN_LAYERS)
+    assert [p.layer for p in split.pieces] == [None, "0", "2", "4"]  # the LayerNorm's gradients are shared
+    with torch.no_grad():
+        saved = split.forward(*state.values(), x)[split.n_outputs :]
+        kept = split.input_grad(*(saved[i] for i in split.b_saved), g)[split.n_arg_grads :]
+    pending = PendingW(split, [*(saved[i] for i in split.w_saved), *kept])
+    held = {_storage(t) for t in [*state.values(), x, g]}
+    del saved, kept
+    grads: dict[int, torch.Tensor] = {}
+    for layer in ("2", "0", "4"):
+        for piece in pending.take(layer):
+            with torch.no_grad():  # as the runner runs W: no autograd record keeps an operand
+                out = piece.fn(*pending.operands(piece))
+            mine = held | {_storage(v) for v in out if v is not None}  # a gradient B made passes W unchanged
+            alive = [None if _storage(v) in mine else weakref.ref(v) for v in pending.operands(piece)]
+            grads |= dict(zip(piece.params, out, strict=False))
+            pending.ran(piece, out[len(piece.params) + len(piece.weight_args) :])
+            left = {i for p in pending.left for i in p.reads}
+            for i, ref in zip(piece.reads, alive, strict=True):
+                assert (pending.pool[i] is None) == (i not in left), (layer, i)
+                if ref is not None:  # not the parameters, input, output gradient and gradients the test holds
+                    assert (ref() is None) == (i not in left), f"piece {piece.layer}: operand {i} outlives its readers"
+    assert pending.done and all(v is None for v in pending.pool)
+    model(x.detach().clone().requires_grad_(True)).backward(g)
+    for i, (name, p) in enumerate(model.named_parameters()):
+        torch.testing.assert_close(grads[i], p.grad, rtol=0, atol=1e-12, msg=name)
+
+
+def _storage(t: torch.Tensor) -> int:
+    """Where `t`'s memory is (a view's is its base's)."""
+    return t.untyped_storage().data_ptr()
+
+
+def test_runner_runs_the_w_of_each_layer_the_program_names() -> None:
+    """A runner whose program names layers' W's ("W s0 m0 2") runs each layer's piece on its own (the LayerNorm's,
+    shared, with the first): a layer's gradients appear with its piece, and the micro-batch waits until the last."""
+    model = _chain()
+    gm = fx.symbolic_trace(copy.deepcopy(model))
+    specs = (TensorSpec("x", (5, 4), torch.float64),), (TensorSpec("y", (5, 3), torch.float64),)
+    runner = StageRunner.build(
+        StageGraph(0, gm, *specs, tuple(n for n, _ in gm.named_parameters())), 0, False, None, copy=False
+    )
+    runner.split, runner.layer_params, runner.w_layers = True, dict(CHAIN_LAYERS), set(CHAIN_LAYERS)
+    x, g = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    runner.forward(0, [x.clone()], needs_grad=True)
+    runner.backward(0, [g], defer_weights=True)
+    params = dict(runner.module.named_parameters())
+    runner.backward_weights(0, "2")
+    assert {n for n, p in params.items() if p.grad is not None} == {"2.weight", "2.bias", "5.weight", "5.bias"}
+    assert runner.waiting_weights() == [0]
+    runner.backward_weights(0, "4")
+    runner.backward_weights(0, "0")
+    assert runner.waiting_weights() == []
+    model(x.clone().requires_grad_(True)).backward(g)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(params[name].grad, p.grad, rtol=0, atol=1e-12, msg=name)
+
+
 PLANNED = [kfac.Case("zb-h1", 2, 2, 1)]
 
 
@@ -308,17 +388,20 @@ PLACED_W = [kfac.Case("zb-h1", 2, 2, 1), kfac.Case("zb-h1", 2, 2, 2)]
 
 @pytest.mark.multiproc
 def test_kfac_with_planner_placed_ws_equals_one_device() -> None:
-    """K-FAC on ZB-H1 whose W's the planner placed (a W moved past a later B where W = 1, every W due by its stage's
-    gradient all-reduce where W = 2) runs its plan for two refresh periods and equals the single-device trainer given
-    the plan's timings to 1e-5."""
+    """K-FAC on ZB-H1 whose W's the planner placed, one per layer (a W moved past a later B where W = 1, every W due by
+    its stage's gradient all-reduce where W = 2), runs its plan for two refresh periods and equals the single-device
+    trainer given the plan's timings to 1e-5."""
     for case in PLACED_W:
         results = run_distributed(placed_w_worker, case.D * case.W, [case], timeout=600)
         failed = [f"rank {r.rank}: {r.error_type}: {r.error}\n{r.traceback}" for r in results if not r.ok]
         assert not failed, "\n".join(failed)
         _, layers, steps, program = results[0].value[0]
-        if case.W == 1:  # rank 0 defers W m0 of its refresh step past B m1 (the decomposition's room)
-            refresh = program[0]
-            assert refresh.index("W s0 m0") > refresh.index("B s0 m1"), refresh
+        refresh = program[0]
+        ws = [i for i, op in enumerate(refresh) if op.startswith("W s0 m0 ")]  # one W per layer ([Note: per-layer W])
+        stats = {op.split()[-1] for op in refresh if op.startswith("STATS s0 ")}  # stage 0's layers, refreshed
+        assert len(ws) > 1 and {refresh[i].split()[-1] for i in ws} == stats, refresh
+        if case.W == 1:  # rank 0 defers a W of m0 of its refresh step past B m1 (the decomposition's room)
+            assert max(ws) > refresh.index("B s0 m1"), refresh
         want = kfac.reference_for_plan(case, layers, steps)
         for r in results:
             bad = kfac.compare(r.value[0][0], want)
@@ -350,13 +433,16 @@ def test_w_makes_a_wide_fused_capture_as_autograd_does() -> None:
     with torch.no_grad():
         saved = split.forward(*state.values(), x, probe)[split.n_outputs :]
         kept = split.input_grad(*(saved[i] for i in split.b_saved), g)[split.n_arg_grads :]
-        capture = split.weight_grad(*(saved[i] for i in split.w_saved), *kept)[split.n_param_grads]
+        capture = split.weights([*(saved[i] for i in split.w_saved), *kept])[1][0]
     tapped = probe.clone().requires_grad_(True)
     model(x, tapped)[0].backward(g)
     torch.testing.assert_close(capture, tapped.grad)
     h = model.fc(x).double()
     rows = (g.double() @ model.out.weight.double()) * (1 - h.tanh() ** 2)
     torch.testing.assert_close(capture.double(), rows.T @ rows / 5, rtol=1e-5, atol=1e-7)
+    layers = {"fc": ("fc.weight", "fc.bias"), "out": ("out.weight", "out.bias")}
+    pieces = split_stage(gm, state, list(state), [x, probe], sides, 1, lambda graph: graph, layers).pieces
+    assert [p.layer for p in pieces if p.weight_args] == ["fc"], "the capture goes with the W of the layer it taps"
 
 
 NAIVE = (kfac.Case("zb-h1", 2, 2, 1), kfac.Case("zb-v", 2, 2, 1))
