@@ -1,38 +1,21 @@
 """Checks a plan against its problem, independently of the solvers: every constraint, in seconds.
 
-It recomputes what the plan must contain from the problem alone (the simulated step timelines, the
-cost table, whose comm model prices the collectives: the gradient all-reduce, SYNC_STATS and BCAST) and
-shares no code with planner.plan.window, greedy or cpsat. Times may be off by the plan's
-`metrics.time_quantum` (the planner's time grid, see [Note: time grid] in planner/plan/window.py). Every
-step is followed by `metrics.stretch` idle seconds ([Note: stretch]); the step time, stretch included,
-must stay within the problem's max_overhead. A part fed by the reduced gradient (`PartCost.after`
-ALLREDUCE_GRAD) has a STATS without micro-batch at every step on every copy of its stage, between the
-stage's gradient all-reduce and its APPLY, and no SYNC_STATS; its DECOMP follows the refresh step's STATS
-on the deciding rank. Each layer's distribution (planner/problem/strategy.py, the definition of KAISA's grid and
-DP-KFAC's owner) says which copies take its statistics, sync them, decompose (one of its grad workers),
-receive the decomposition, apply it at every step, and broadcast the preconditioned gradient along a row.
-Under `StepBarrier.AGREEMENT_SET` a step begins on a rank once its agreement set (the ranks linked by copies of a
-stage) can have ended the step before, and the programs are simulated with OPT_STEP over agreement sets only.
+It recomputes what the plan must contain from the problem alone (the simulated step timelines; the cost table,
+whose comm model prices the collectives) and shares no code with the search. Times may be off by the plan's
+`metrics.time_quantum` ([Note: time grid] in planner/plan/window.py); every step is followed by `metrics.stretch`
+idle seconds ([Note: stretch]) and the step time, stretch included, stays within max_overhead. Each layer's
+distribution (planner/problem/strategy.py) says which copies take its statistics, sync them, decompose, receive the
+decomposition, apply it and broadcast the preconditioned gradient. A part fed by the reduced gradient has a STATS
+without micro-batch at every step on every copy, between the all-reduce and APPLY, and no SYNC_STATS. Under
+`StepBarrier.AGREEMENT_SET` a step begins on a rank once its agreement set can have ended the step before.
 
-What every check of the validator reads: the plan and its problem, the step timelines simulated from the problem
-alone, and the costs and times of each op, recomputed from the cost table.
-
-Checks of the order of a refresh's tasks: statistics after the F/B they read, the synchronization, decomposition
-(its pieces in a row) and broadcast after them and before the next refresh, APPLY after the gradient is reduced, and
-each layer's `use_offset`: the first step its new decomposition can be used.
-
-Checks of where and when the preconditioner's ops are placed: each op placed as often as the problem asks, for
-its cost, inside its window step, never over the pipeline's F/B or another op, within the memory budget and the step
-time.
-
-Checks of the per-rank programs: each rank's steps run the schedule's pipeline ops and the placed ops in time
-order, every gradient is complete before it is read, and the programs, simulated, neither deadlock nor run slower
-than planned.
-
-Checks of a streamed stage's hand-offs (planner/problem/lowering.py): every step the owner sends each streamed
-layer's gradient after the stage's last backward and takes it back before its step ends, the layer's helper receives,
-applies and returns it, and every refresh's preconditioner reaches the helper before the helper's first APPLY that uses
-it.
+The checks: a refresh's order (statistics after the F/B they read; sync, decomposition pieces and broadcast after
+them and before the next refresh; APPLY after the gradient is reduced; each layer's `use_offset`); where and when ops
+are placed (as often as the problem asks, for their cost, inside their window step, never over the F/B or each
+other, within the memory budget and the step time); the per-rank programs (the schedule's ops and the placed ones in
+time order, no gradient read early, no deadlock, no slower than planned); and a streamed stage's hand-offs
+(planner/problem/lowering.py: the owner sends each streamed layer's gradient after the stage's last backward and
+takes it back within the step, the helper applies and returns it, and every refresh reaches the helper in time).
 """
 
 from __future__ import annotations
