@@ -90,6 +90,10 @@ class Context:
     def period(self, stage: int) -> int:
         return self.plan.layers[self.problem.costs.stages[stage].layers[0].name].period
 
+    def device_period(self, device: int) -> int:
+        """The longest refresh period of the device's stages: its window."""
+        return max(self.period(s) for s in range(self.problem.num_stages) if device in copies_of_stage(self.problem, s))
+
     def length(self, k: int) -> float:
         return window_length(self.refresh.length, self.normal.length, self.stretch, k)
 
@@ -98,9 +102,8 @@ class Context:
         return step_begins(self.refresh.length, self.normal.length, self.stretch, j, k)
 
     def step_start(self, device: int, j: int, k: int) -> float:
-        """When window step j begins on `device`: at the step's start on every device under a world barrier;
-        under `StepBarrier.AGREEMENT_SET` once every rank of the device's agreement set can have ended step j-1's
-        work, F/B, all-reduces and per-step slots (its OPT_STEP waits for them alone: `early_start`)."""
+        """When window step j begins on `device`: at its start under a world barrier, else once the device's
+        agreement set can have ended step j-1's F/B, all-reduces and per-step slots (`early_start`)."""
         return self.base(j, k) - early_start(self.problem, self.timeline(j - 1, k), agreement_set(self.problem, device))
 
     def timeline(self, j: int, k: int) -> StepTimeline:
@@ -113,7 +116,7 @@ class Context:
 
     @cached_property
     def made(self) -> dict[str, list[float]]:
-        """Per layer, the ends of its refresh's DECOMP and BCAST placements: when its decompositions exist."""
+        """Per layer, the ends of its refresh's DECOMP and BCAST placements."""
         out: dict[str, list[float]] = {}
         for p in self.plan.placements:
             if p.op.kind in (OpKind.DECOMP, OpKind.BCAST):
@@ -122,19 +125,18 @@ class Context:
 
 
 def placed_key(op: Op) -> Op:
-    """An op without the root of its broadcast (which `_check_chains` checks against the inversion)."""
+    """An op without the root of its broadcast (which `_check_factor` checks against the decomposition)."""
     return replace(op, root=op.group[0] if op.group else 0) if op.kind is OpKind.BCAST else op
 
 
 def per_step(op: Op) -> bool:
-    """Whether `op` runs at every step of the period (APPLY, BCAST_PREC, a gradient STATS) rather than once per
-    refresh."""
+    """Whether `op` runs at every step (APPLY, BCAST_PREC, a gradient STATS) rather than once per refresh."""
     return op.kind in (OpKind.APPLY, OpKind.BCAST_PREC) or (op.kind is OpKind.STATS and op.mb is None)
 
 
 def step_ops(c: Context, stage: int, device: int) -> list[Op]:
-    """What `device` runs of `stage` at every step: the gradient STATS of the layers it applies, then APPLY of
-    the stage (every layer COMM-OPT) or of each layer it applies and the BCAST_PREC of each layer of its row."""
+    """What `device` runs of `stage` at every step: the gradient STATS of the layers it applies, then the stage's
+    APPLY (every layer COMM-OPT) or each layer's it applies and the BCAST_PREC of each layer of its row."""
     p, layers = c.problem, c.problem.costs.stages[stage].layers
     copies = copies_of_stage(p, stage)
     ops = [
@@ -157,15 +159,13 @@ def step_ops(c: Context, stage: int, device: int) -> list[Op]:
 
 
 def apply_ops(c: Context, stage: int, layer: str) -> list[Op]:
-    """A layer's APPLY at every step: whole, or a Muon matrix's `Problem.apply_pieces` pieces 0/n .. n-1/n in
-    order, all on one rank."""
+    """A layer's APPLY at every step: whole, or a Muon matrix's `Problem.apply_pieces` pieces in order."""
     n = c.problem.apply_pieces
     return [Op(OpKind.APPLY, stage, layer=layer, piece=None if n == 1 else (i, n)) for i in range(n)]
 
 
 def piece_seconds(prec: float, piece: tuple[int, int] | None) -> float:
-    """Seconds of piece (i, n) of an APPLY of `prec` seconds: the share of the NS_STEPS Newton-Schulz iterations it
-    runs, [i*S//n, (i+1)*S//n)."""
+    """Seconds of piece (i, n) of an APPLY of `prec` seconds: its share of the NS_STEPS Newton-Schulz iterations."""
     if piece is None:
         return prec
     i, n = piece
@@ -196,14 +196,8 @@ def op_seconds(c: Context, op: Op) -> float:
     return part.stats if op.kind is OpKind.STATS else part.decomp / (1 if op.piece is None else op.piece[1])
 
 
-def decomp_pieces(n: int) -> list[tuple[int, int] | None]:
-    """The `piece` of each DECOMP of one part's decomposition made in n pieces (None: whole)."""
-    return [None] if n == 1 else [(i, n) for i in range(n)]
-
-
 def collective_seconds(c: Context, op: Op) -> float:
-    """Seconds of a collective (ALLREDUCE_GRAD, SYNC_STATS, BCAST, BCAST_PREC) over the ranks it names, else every
-    copy of its stage, by the cost table's comm model."""
+    """Seconds of a collective over the ranks it names, else every copy of its stage, by the comm model."""
     group = op.group if op.group is not None else copies_of_stage(c.problem, op.stage_id)
     return c.problem.costs.collective_seconds(op, len(group))
 
@@ -222,15 +216,9 @@ def end_of(timeline: StepTimeline, device: int, kind: OpKind, stage: int, mb: in
     )
 
 
-def capture_after(c: Context, op: Op) -> OpKind:
-    """The op (FWD or BWD) whose end makes the capture a STATS op consumes."""
-    return c.problem.costs.layer(op.layer_name).part(op.part_name).after
-
-
 def apply_start(c: Context, layer: str, u: int, device: int) -> float:
-    """When window step `u` (0..2k) on `device` starts the APPLY that preconditions `layer` (the stage's, or the
-    layer's own where the stage has them; a streamed layer: when its owner starts the backward that streams it),
-    counted from the window's start (0 where there is none)."""
+    """When window step `u` (0..2k) on `device` starts the APPLY that preconditions `layer` (a streamed layer: when
+    its owner starts the backward that streams it), from the window's start (0 where there is none)."""
     s = c.problem.costs.stage_of(layer)
     k = c.period(s)
     streaming = c.problem.streaming
@@ -258,7 +246,7 @@ def check_dependencies(c: Context) -> None:
         if p.op.kind is OpKind.STATS and p.op.mb is None:
             _check_gradient_stats(c, p, applies)
         elif p.op.kind is OpKind.STATS:
-            kind = capture_after(c, p.op)
+            kind = c.problem.costs.layer(p.op.layer_name).part(p.op.part_name).after  # the F/B its capture ends
             ready = end_of(c.refresh, p.device, kind, p.op.stage_id, p.op.mb_id, p.op.pipe)
             if p.start < ready - c.tol:
                 c.errors.append(f"{p.op} on r{p.device} starts at {p.start:.6g} before its {kind} ends ({ready:.6g})")
@@ -277,9 +265,8 @@ def check_dependencies(c: Context) -> None:
 
 
 def _check_w(c: Context, p: Placement, updates: Mapping[tuple[int | None, int, int], float]) -> None:
-    """A placed W starts after its B ends and ends by its stage's gradient all-reduce, in its own step, or where
-    the stage has one copy (a no-op all-reduce, after its W's in the program) by its per-step slot ([Note: placed W]
-    in planner/plan/window.py)."""
+    """A placed W runs after its B and by its stage's gradient all-reduce in its own step (with one copy, a no-op
+    all-reduce: by its per-step slot; [Note: placed W] in planner/plan/window.py)."""
     k = c.period(p.op.stage_id)
     timeline, base = c.timeline(p.step, k), c.base(p.step, k)
     key = (p.op.stage, p.device, p.step)
@@ -297,8 +284,7 @@ def _check_w(c: Context, p: Placement, updates: Mapping[tuple[int | None, int, i
 
 
 def _check_shared_gradient(c: Context, p: Placement) -> None:
-    """A BCAST_PREC of window step j starts on every member of its row at once, after its root's APPLY of the
-    layer in that step (which made the preconditioned gradient)."""
+    """A BCAST_PREC starts on every member of its row at once, after its root's APPLY of the layer in that step."""
     same = [q for q in c.plan.placements if q.op == p.op and q.step == p.step]
     if max(q.start for q in same) - min(q.start for q in same) > c.tol:
         c.errors.append(f"{p.op} at step {p.step}: the row starts it at different times")
@@ -312,9 +298,8 @@ def _check_shared_gradient(c: Context, p: Placement) -> None:
 
 
 def _check_gradient_stats(c: Context, p: Placement, applies: Mapping[tuple[int | None, int, int], float]) -> None:
-    """A gradient STATS of window step j starts after its stage's gradient all-reduce of that step on its device
-    and ends by the start of the stage's APPLY there (`applies`: APPLY starts by stage, device and step), which
-    overwrites the gradient."""
+    """A gradient STATS runs after its stage's gradient all-reduce of its step and before the stage's APPLY there
+    (`applies`: APPLY starts by stage, device and step), which overwrites the gradient."""
     s = p.op.stage
     assert s is not None, "a STATS names its stage (Op checks it)"
     k = c.period(s)
@@ -369,9 +354,8 @@ def _check_factor(c: Context, layer: str, side: str | None, kinds: dict) -> None
 
 
 def _check_warm_starts(c: Context, factor_tasks: Mapping[tuple[str, str | None], dict]) -> None:
-    """A layer whose decompositions start from its previous preconditioner (pieces: Newton-Schulz; any DECOMP of a
-    `Problem.warm_start`) makes each refresh before the next refresh's first DECOMP of any part starts, and starts
-    its broadcasts before it (collectives keep their order)."""
+    """A layer whose decompositions start from its previous preconditioner (pieces, or `Problem.warm_start`) makes
+    each refresh before the next one's first DECOMP starts, and starts its broadcasts before it."""
     layers: dict[str, list[Placement]] = {}
     for (layer, _), kinds in factor_tasks.items():
         layers.setdefault(layer, []).extend(kinds.get(OpKind.DECOMP, []) + kinds.get(OpKind.BCAST, []))
@@ -409,9 +393,8 @@ def _check_pieces(c: Context, layer: str, side: str | None, pieces: list[Placeme
 def _check_gradient_refresh(
     c: Context, layer: str, side: str | None, L: float, stats: list[Placement], refresh: list[Placement]
 ) -> None:
-    """A gradient-fed part's DECOMP starts after the refresh step's STATS of the part on its rank (which
-    snapshots the statistic), its BCASTs after the DECOMP, together, from the DECOMP's rank, and before the next
-    refresh's DECOMP (`L`: the window's length)."""
+    """A gradient-fed part's DECOMP starts after the refresh step's STATS on its rank (the snapshot), its BCASTs
+    after it, together, from its rank, and before the next refresh's DECOMP (`L`: the window's length)."""
     decomps = [p for p in refresh if p.op.kind is OpKind.DECOMP]
     bcasts = [p for p in refresh if p.op.kind is OpKind.BCAST]
     if len(decomps) != 1:
@@ -470,7 +453,7 @@ def check_precs_and_offsets(c: Context) -> None:
 
 
 def _expected(c: Context) -> Counter:
-    """(op, device) of every K-FAC op the plan must place, with multiplicity (DECOMP: on one copy)."""
+    """(op, device) of every op the plan must place, with multiplicity (DECOMP: on any one copy)."""
     want: Counter = Counter()
     p = c.problem
     for s, stage in enumerate(p.costs.stages):
@@ -492,7 +475,8 @@ def _expected(c: Context) -> Counter:
         for x in stage.layers:
             workers = p.workers(x.name)
             for side, after in ((part.part, part.after) for part in x.parts):
-                for piece in decomp_pieces(p.decomp_pieces):
+                n = p.decomp_pieces
+                for piece in [None] if n == 1 else [(i, n) for i in range(n)]:
                     want[Op(OpKind.DECOMP, s, layer=x.name, part=side, piece=piece), None] += 1
                 synced = after is not OpKind.ALLREDUCE_GRAD and not p.where(x.name).strategy.local_factors
                 for d in copies if synced and len(copies) > 1 else ():
@@ -550,13 +534,13 @@ def check_placed_once(c: Context) -> None:
 
 
 def _w_seconds(c: Context, p: Placement, k: int) -> float:
-    """Seconds of a placed W: its interval in its step's timeline (the refresh step's holds the fused curvature)."""
+    """Seconds of a placed W: its interval in its step's timeline."""
     return next((b - a for op, a, b in c.timeline(p.step, k).ops[p.device] if op == p.op), 0.0)
 
 
 def _fixed_intervals(c: Context, device: int, k: int) -> list[tuple[float, float, str]]:
-    """The device's F/B (and W) and gradient all-reduces over a window of k steps: nothing else may run then (an op
-    of no duration, such as a backward a noisy profile timed at 0 s, occupies nothing)."""
+    """The device's F/B (W) and gradient all-reduces over a window of k steps, when nothing else may run (an op of no
+    duration occupies nothing)."""
     out = []
     fixed_w = () if placed_w(c.problem) else (OpKind.BWD_W,)  # placed W's are placements
     for j in range(k):
@@ -571,8 +555,7 @@ def check_overlap(c: Context) -> None:
     for p in c.plan.placements:
         by_device[p.device].append(p)
     for d in c.problem.devices:
-        ks = {c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s)}
-        k = max(ks)
+        k = c.device_period(d)
         L = c.length(k)
         items = [(s, e, name) for a, b, name in _fixed_intervals(c, d, k) for s, e in wrapped(a, b, L)]
         items += [(s, e, f"{p.op}") for p in by_device[d] for s, e in wrapped(p.start, p.end, L)]
@@ -595,10 +578,12 @@ def check_memory(c: Context) -> None:
             keeps[p.device].append((since, p.end, part.capture_bytes))
         elif p.op.kind is OpKind.BWD_W:  # a placed W holds its layers' operands from its B's end
             k = c.period(p.op.stage_id)
-            since = c.base(p.step, k) + end_of(c.timeline(p.step, k), p.device, OpKind.BWD, *_key(p.op))
+            since = c.base(p.step, k) + end_of(
+                c.timeline(p.step, k), p.device, OpKind.BWD, p.op.stage_id, p.op.mb_id, p.op.pipe
+            )
             keeps[p.device].append((since, p.end, w_operand_bytes(c.problem.costs.stages[p.op.stage_id])))
     for d in c.problem.devices:
-        k = max(c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s))
+        k = c.device_period(d)
         L = c.length(k)
         spans = [
             (c.base(j, k) + a, c.base(j, k) + b, n)
@@ -618,10 +603,6 @@ def check_memory(c: Context) -> None:
         claimed = c.plan.metrics.peak_memory.get(d)
         if claimed is None or claimed < total:  # what a user budgets by: never below what the placements hold
             c.errors.append(f"r{d}: peak memory {claimed} claimed, {total} found")
-
-
-def _key(op: Op) -> tuple[int, int, int]:
-    return op.stage_id, op.mb_id, op.pipe
 
 
 def check_step_time(c: Context) -> None:
@@ -673,7 +654,7 @@ def check_programs(c: Context, run: bool) -> None:
     placed_kinds = _placed_kinds(c)
     for d in c.problem.devices:
         prog = plan.programs.get(d)
-        k = max(c.period(s) for s in range(c.problem.num_stages) if d in copies_of_stage(c.problem, s))
+        k = c.device_period(d)
         length = _program_length(c, d, k)
         if prog is None or len(prog) != length:
             c.errors.append(f"r{d}: the program must have {length} steps")
