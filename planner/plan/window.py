@@ -296,17 +296,30 @@ def done_by(task: Task) -> int:
     return task.ticks if task.kind is TaskKind.INV else 1
 
 
+def free_gaps(busy: Iterable[Interval], length: int) -> list[Interval]:
+    """The free [start, end) gaps of [0, length) between the `busy` intervals, in order."""
+    gaps: list[Interval] = []
+    at = 0
+    for start, end in sorted(busy):
+        if start > at:
+            gaps.append((at, start))
+        at = max(at, end)
+    return gaps + [(at, length)] if at < length else gaps
+
+
+def idle_regions(busy: Sequence[Interval], length: int) -> list[list[Interval]]:
+    """A device's maximal idle spans over a window of `length` ticks, each as its pieces in [0, length) (two where
+    it runs over the window's end into its start)."""
+    gaps = free_gaps(busy, length)
+    if len(gaps) > 1 and gaps[0][0] == 0 and gaps[-1][1] == length:
+        return [[gaps[-1], gaps[0]]] + [[g] for g in gaps[1:-1]]
+    return [[g] for g in gaps]
+
+
 def longest_gaps(window: Window) -> dict[int, int]:
     """Per device, the longest free stretch (ticks) between fixed work, cyclically, APPLY ignored."""
-    out = {}
-    for d, busy in window.fixed.items():
-        if not busy:
-            out[d] = window.length
-            continue
-        gaps = [s2 - e1 for (_, e1), (s2, _) in zip(busy, busy[1:])]
-        gaps.append(window.length - busy[-1][1] + busy[0][0])
-        out[d] = max(gaps)
-    return out
+    regions = {d: idle_regions(busy, window.length) for d, busy in window.fixed.items()}
+    return {d: max((sum(e - s for s, e in r) for r in rs), default=0) for d, rs in regions.items()}
 
 
 def too_long(window: Window) -> list[str]:

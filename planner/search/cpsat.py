@@ -275,17 +275,9 @@ def transfer(placement: GroupSolution, problem: Problem) -> GroupSolution | None
             return None
         starts.append(at)
         devices.append(device)
-    chosen = tuple(starts)
-    solution = GroupSolution(
-        target,
-        chosen,
-        tuple(devices),
-        placement.prec_starts,
-        use_offsets(target, chosen, placement.prec_starts),
-        "cpsat",
-        placement.status,
-        placement.k_lower_bound,
-    )
+    chosen, precs, lower = tuple(starts), placement.prec_starts, placement.k_lower_bound
+    offsets = use_offsets(target, chosen, precs)
+    solution = GroupSolution(target, chosen, tuple(devices), precs, offsets, "cpsat", placement.status, lower)
     return solution if fits_memory(solution) else None  # a third decomposition over the budget: planned apart
 
 
@@ -760,44 +752,31 @@ def solve_window(
     if meter.deterministic and meter.wall_left() <= 0:
         meter.note_capped(f"{where} not searched")
         return "UNKNOWN", None
-    status, found = _solve_built(w, config, time_limit, meter, hint, optimize, frame, where, free_w=optimize)
-    if status == "INFEASIBLE" and not optimize and any(t.kind is TaskKind.WGRAD for t in w.tasks):
-        status, found = _solve_built(w, config, time_limit, meter, hint, optimize, frame, where, free_w=True)
-    return status, found
-
-
-def _solve_built(
-    w: Window,
-    config: SolverConfig,
-    time_limit: float,
-    meter: Budget,
-    hint: GroupSolution | None,
-    optimize: bool,
-    frame: Frame | None,
-    where: str,
-    *,
-    free_w: bool,
-) -> tuple[str, GroupSolution | None]:
-    """`solve_window`'s one CP-SAT call, the W tasks free or at the schedule's positions (`free_w`)."""
-    v, placed = _build(w, frame, optimize, free_w=free_w)
-    if hint is not None and hint.window.offsets == w.offsets:
-        _hint(v, placed, hint, None if frame is None else frame.options)
+    options = None if frame is None else frame.options
     limit = max(meter.units(MIN_CALL), time_limit)
-    reporter = _Reporter(config.progress, w, optimize) if config.progress is not None else None
     probing = None if optimize or frame is not None else FEASIBILITY_PROBING_LEVEL
-    solver, status = _solve(v.model, config, meter, limit, probing=probing, reporter=reporter)
-    name = solver.status_name(status)
-    if reporter is not None:
-        reporter.finish(solver, name)
-    if (
-        meter.deterministic
-        and status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
-        and solver.deterministic_time < limit * CAP_SLACK
-    ):
-        meter.note_capped(where)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return name, None
-    return name, _extract(solver, v, placed, None if frame is None else frame.options, name)
+
+    def attempt(free_w: bool) -> tuple[str, GroupSolution | None]:
+        """One CP-SAT call, the W tasks free or at the schedule's positions."""
+        v, placed = _build(w, frame, optimize, free_w=free_w)
+        if hint is not None and hint.window.offsets == w.offsets:
+            _hint(v, placed, hint, options)
+        reporter = _Reporter(config.progress, w, optimize) if config.progress is not None else None
+        solver, status = _solve(v.model, config, meter, limit, probing=probing, reporter=reporter)
+        name = solver.status_name(status)
+        if reporter is not None:
+            reporter.finish(solver, name)
+        unproven = status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
+        if meter.deterministic and unproven and solver.deterministic_time < limit * CAP_SLACK:
+            meter.note_capped(where)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return name, None
+        return name, _extract(solver, v, placed, options, name)
+
+    status, found = attempt(free_w=optimize)
+    if status == "INFEASIBLE" and not optimize and any(t.kind is TaskKind.WGRAD for t in w.tasks):
+        status, found = attempt(free_w=True)
+    return status, found
 
 
 def _extract(solver: cp_model.CpSolver, v: Vars, w: Window, options: Options | None, status: str) -> GroupSolution:
@@ -818,20 +797,11 @@ def _extract(solver: cp_model.CpSolver, v: Vars, w: Window, options: Options | N
         assert options is not None, "literals come with options"
         choices[layer] = next(o.where for o, lit in zip(options[layer], lits) if solver.boolean_value(lit))
     chosen_bcasts = [(key, start, end) for key, (start, _, has, end) in v.bcast.items() if solver.boolean_value(has)]
-    return GroupSolution(
-        w,
-        starts,
-        tuple(devices),
-        precs,
-        use_offsets(w, starts, precs, {layer: solver.value(end) for (layer, _), _, end in chosen_bcasts}),
-        "cpsat",
-        status,
-        1,
-        solver.wall_time,
-        choices,
-        {key: solver.value(start) for key, start, _ in chosen_bcasts},
-        {s: solver.value(t) for s, t in v.slot_ticks.items()},
-    )
+    offsets = use_offsets(w, starts, precs, {layer: solver.value(end) for (layer, _), _, end in chosen_bcasts})
+    bcasts = {key: solver.value(start) for key, start, _ in chosen_bcasts}
+    slots = {s: solver.value(t) for s, t in v.slot_ticks.items()}
+    wall = solver.wall_time
+    return GroupSolution(w, starts, tuple(devices), precs, offsets, "cpsat", status, 1, wall, choices, bcasts, slots)
 
 
 class _Reporter(cp_model.CpSolverSolutionCallback):

@@ -40,7 +40,9 @@ from fxkfac.planner.plan.window import (
     Window,
     build_window,
     done_by,
+    free_gaps,
     grid_scale,
+    idle_regions,
     warm_starts,
     wrap,
 )
@@ -117,19 +119,10 @@ def restretch(solution: GroupSolution, stretch: int) -> GroupSolution:
     def move(t: int) -> int:
         return t + max(0, bisect_right(bounds, t) - 1) * delta
 
-    starts = tuple(move(t) for t in solution.starts)
-    precs = tuple(move(t) for t in solution.prec_starts)
-    return GroupSolution(
-        new,
-        starts,
-        solution.devices,
-        precs,
-        use_offsets(new, starts, precs),
-        solution.method,
-        solution.status,
-        solution.k_lower_bound,
-        solution.wall_time,
-    )
+    s = solution
+    starts, precs = tuple(move(t) for t in s.starts), tuple(move(t) for t in s.prec_starts)
+    offsets = use_offsets(new, starts, precs)
+    return GroupSolution(new, starts, s.devices, precs, offsets, s.method, s.status, s.k_lower_bound, s.wall_time)
 
 
 def _boundary_gaps(window: Window, device: int) -> tuple[int, int]:
@@ -225,22 +218,6 @@ class Packer:
             n = len(best)
             best.append(max([best[n - 1]] + [best[n - w] + v for w, v in self.items if w <= n]))
         return min(length, best[units])
-
-
-def idle_regions(fixed: Sequence[Interval], length: int) -> list[list[Interval]]:
-    """A device's maximal idle spans over a window of `length` ticks, each as its pieces in [0, length) (two where
-    it runs over the window's end into its start)."""
-    gaps: list[Interval] = []
-    at = 0
-    for start, end in sorted(fixed):
-        if start > at:
-            gaps.append((at, start))
-        at = max(at, end)
-    if at < length:
-        gaps.append((at, length))
-    if len(gaps) > 1 and gaps[0][0] == 0 and gaps[-1][1] == length:
-        return [[gaps[-1], gaps[0]]] + [[g] for g in gaps[1:-1]]
-    return [[g] for g in gaps]
 
 
 def _span(region: Sequence[Interval]) -> int:
@@ -372,14 +349,7 @@ class _Gaps:
     """Free time of one device in [0, length) as sorted [start, end) gaps."""
 
     def __init__(self, busy: tuple[tuple[int, int], ...], length: int) -> None:
-        self.gaps: list[list[int]] = []
-        cursor = 0
-        for s, e in sorted(busy):
-            if s > cursor:
-                self.gaps.append([cursor, s])
-            cursor = max(cursor, e)
-        if cursor < length:
-            self.gaps.append([cursor, length])
+        self.gaps = [list(gap) for gap in free_gaps(busy, length)]
 
     def first_fit(self, earliest: int, need: int) -> int | None:
         """The earliest start >= `earliest` with `need` free ticks, or None."""
