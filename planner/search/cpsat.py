@@ -82,6 +82,9 @@ class Option:
 Options = Mapping[str, tuple[Option, ...]]
 """Every layer's options, by name."""
 
+Literals = Mapping[str, list[cp_model.IntVar]]
+"""One Boolean per option of every layer, by name."""
+
 
 def options_of(problem: Problem, layer: str, free: bool) -> tuple[Option, ...]:
     """The options of `layer`: every KAISA distribution when `free`, else the problem's own."""
@@ -918,13 +921,7 @@ def literals(m: cp_model.CpModel, options: Options) -> dict[str, list[cp_model.I
 
 
 def slot_need(
-    m: cp_model.CpModel,
-    stage: int,
-    problem: Problem,
-    lits: Mapping[str, list[cp_model.IntVar]],
-    options: Options,
-    unit: Ticks,
-    name: str,
+    m: cp_model.CpModel, stage: int, problem: Problem, lits: Literals, options: Options, unit: Ticks, name: str
 ) -> tuple[cp_model.IntVar, int]:
     """(a variable at least `stage`'s slot length on each copy, its upper bound) in `unit`: the all-COMM-OPT slot
     when every layer is COMM-OPT, else the longest apply work on a copy and then every BCAST_PREC."""
@@ -943,14 +940,13 @@ def slot_need(
         m.add(lead >= sum(unit(o.apply) * x for n in layers for o, x in zip(options[n], lits[n]) if c in o.workers))
     need = m.new_int_var(1, top, f"need_{name}")
     m.add(need >= comm_slot).only_enforce_if(all_comm)
-    m.add(need >= lead + sum(unit(o.share) * x for n in layers for o, x in zip(options[n], lits[n]))).only_enforce_if(
-        ~all_comm
-    )
+    shared = sum(unit(o.share) * x for n in layers for o, x in zip(options[n], lits[n]))
+    m.add(need >= lead + shared).only_enforce_if(~all_comm)
     return need, top
 
 
 def static_bytes(
-    m: cp_model.CpModel, problem: Problem, device: int, lits: Mapping[str, list[cp_model.IntVar]], options: Options
+    m: cp_model.CpModel, problem: Problem, device: int, lits: Literals, options: Options
 ) -> cp_model.LinearExprT:
     """`planner.problem.step_timeline.static_bytes` of `device` as a linear expression of the option literals:
     parameters and gradients (twice), the largest error peak of a backward, and what the options keep."""
