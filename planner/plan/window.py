@@ -423,7 +423,7 @@ def build_window(
     precs = _prec_slots(problem, group, steps, offsets, leads, grid)
     tasks = _tasks(problem, group, refresh, fused, stats_chunk, grid, precs)
     tasks += tuple(w_tasks(problem, group.devices, steps, offsets, grid, fused))
-    use = ()  # per step, when the first of the streamed stage's owners starts its last backward
+    use: tuple[int, ...] = ()  # per step, when the first of the streamed stage's owners starts its last backward
     if problem.streaming is not None:
         use = tuple(o + grid.at(stream_start(problem, st)) for o, st in zip(offsets, steps))
     return Window(

@@ -319,14 +319,19 @@ def _check_gradient_stats(c: Context, p: Placement, applies: Mapping[tuple[int |
 
 
 def _check_factor(c: Context, layer: str, side: str | None, kinds: dict) -> None:
+    """A factor's refresh: statistics, SYNC_STATS, DECOMP pieces and BCAST in order (a gradient-fed part's DECOMP after
+    the refresh step's STATS on its rank, the snapshot), the collectives started together on every copy, the
+    broadcast from the decomposing rank, all done before the next refresh needs the factor's buffers."""
     stage = c.problem.costs.stage_of(layer)
     L = c.length(c.period(stage))
     copies = copies_of_stage(c.problem, stage)
     curv, sync, inv, bcast = (kinds.get(k, []) for k in (OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST))
     if (layer, side) in gradient_fed_parts(c, stage):
-        _check_gradient_refresh(c, layer, side, L, curv, inv + bcast)
-        return
-    if layer in c.fused:
+        if len(inv) != 1:
+            return  # check_placed_once counts them
+        _check_snapshot(c, layer, inv[0], curv)
+        ready, curv = -math.inf, []  # its per-step STATS are no refresh's curvature
+    elif layer in c.fused:
         kind = c.problem.costs.layer(layer).part(side).after  # type: ignore[arg-type]  # fused: per part
         kind = weight_gradient_kind(c.problem.kind) if kind is OpKind.BWD else kind  # made with the W
         ready = max(b for d in copies for op, _, b in c.refresh.fixed(d) if op.stage == stage and op.kind is kind)
@@ -346,11 +351,33 @@ def _check_factor(c: Context, layer: str, side: str | None, kinds: dict) -> None
         inv = sorted(inv, key=lambda p: p.op.piece or (0, 1))
         _check_pieces(c, layer, side, inv)
         if any(p.op.root != inv[-1].device for p in bcast):
-            c.errors.append(f"broadcast of {layer} {side} does not come from r{inv[-1].device}, where it was inverted")
+            c.errors.append(
+                f"broadcast of {layer} {side} does not come from r{inv[-1].device}, where it was decomposed"
+            )
         if any(inv[-1].end > p.start + L + c.tol for p in curv):
             c.errors.append(f"DECOMP {layer} {side} ends after the next refresh starts its curvature")
         if any(p.end > inv[0].start + L + c.tol for p in bcast):
-            c.errors.append(f"BCAST {layer} {side} ends after the next refresh's inversion starts")
+            c.errors.append(f"BCAST {layer} {side} ends after the next refresh's DECOMP starts")
+
+
+def _check_snapshot(c: Context, layer: str, decomp: Placement, stats: list[Placement]) -> None:
+    """A gradient-fed part's DECOMP starts after the refresh step's STATS on its rank, or where its helper folds it,
+    after the refresh step's statistics return."""
+    snapshot = [p for p in stats if (p.device, p.step) == (decomp.device, 0)]
+    if streamed_stats(c.problem, layer):
+        landed = c.refresh.end_of(decomp.device, returned(c.problem, layer))
+        if decomp.start < landed - c.tol:
+            c.errors.append(
+                f"{decomp.op} starts at {decomp.start:.6g}, before the refresh step's statistics of {layer} return "
+                f"from its helper to r{decomp.device} ({landed:.6g})"
+            )
+    elif not snapshot:
+        c.errors.append(f"{decomp.op} on r{decomp.device}: no STATS of the refresh step on r{decomp.device}")
+    elif decomp.start < snapshot[0].end - c.tol:
+        c.errors.append(
+            f"{decomp.op} starts at {decomp.start:.6g}, before the refresh step's {snapshot[0].op} "
+            f"on r{decomp.device} ends ({snapshot[0].end:.6g})"
+        )
 
 
 def _check_warm_starts(c: Context, factor_tasks: Mapping[tuple[str, str | None], dict]) -> None:
@@ -388,41 +415,6 @@ def _check_pieces(c: Context, layer: str, side: str | None, pieces: list[Placeme
             )
         if b.start < a.end - c.tol:
             c.errors.append(f"{b.op} starts at {b.start:.6g}, before {a.op} ends ({a.end:.6g})")
-
-
-def _check_gradient_refresh(
-    c: Context, layer: str, side: str | None, L: float, stats: list[Placement], refresh: list[Placement]
-) -> None:
-    """A gradient-fed part's DECOMP starts after the refresh step's STATS on its rank (the snapshot), its BCASTs
-    after it, together, from its rank, and before the next refresh's DECOMP (`L`: the window's length)."""
-    decomps = [p for p in refresh if p.op.kind is OpKind.DECOMP]
-    bcasts = [p for p in refresh if p.op.kind is OpKind.BCAST]
-    if len(decomps) != 1:
-        return  # check_placed_once counts them
-    decomp = decomps[0]
-    snapshot = [p for p in stats if (p.device, p.step) == (decomp.device, 0)]
-    if streamed_stats(c.problem, layer):  # the helper folds it: the snapshot lands with the refresh step's return
-        landed = c.refresh.end_of(decomp.device, returned(c.problem, layer))
-        if decomp.start < landed - c.tol:
-            c.errors.append(
-                f"{decomp.op} starts at {decomp.start:.6g}, before the refresh step's statistics of {layer} return "
-                f"from its helper to r{decomp.device} ({landed:.6g})"
-            )
-    elif not snapshot:
-        c.errors.append(f"{decomp.op} on r{decomp.device}: no STATS of the refresh step on r{decomp.device}")
-    elif decomp.start < snapshot[0].end - c.tol:
-        c.errors.append(
-            f"{decomp.op} starts at {decomp.start:.6g}, before the refresh step's {snapshot[0].op} "
-            f"on r{decomp.device} ends ({snapshot[0].end:.6g})"
-        )
-    if bcasts and max(p.start for p in bcasts) - min(p.start for p in bcasts) > c.tol:
-        c.errors.append(f"{bcasts[0].op}: the copies start it at different times")
-    if any(p.start < decomp.end - c.tol for p in bcasts):
-        c.errors.append(f"{bcasts[0].op} starts before the work it depends on ends ({decomp.end:.6g})")
-    if any(p.op.root != decomp.device for p in bcasts):
-        c.errors.append(f"broadcast of {layer} {side} does not come from r{decomp.device}, where it was decomposed")
-    if any(p.end > decomp.start + L + c.tol for p in bcasts):
-        c.errors.append(f"BCAST {layer} {side} ends after the next refresh's DECOMP starts")
 
 
 def check_precs_and_offsets(c: Context) -> None:
