@@ -875,13 +875,16 @@ def _check_replicas(c: Context, streaming: Streaming, owner: int) -> None:
     no replica."""
     s = streaming.stage
     for n, helper in zip(streaming.layers, streaming.helpers, strict=True):
-        if not c.problem.costs.layer(n).parts:
-            _check_no_replica(c, streaming, n, owner, helper)
+        send = Op(OpKind.SEND_REPLICA, s, peer=helper, layer=n)
+        recv = Op(OpKind.RECV_REPLICA, s, peer=owner, layer=n)
+        if not c.problem.costs.layer(n).parts:  # no refresh (a Muon matrix): no replica in any program
+            for rank in (owner, helper):
+                ops = [op for body in (*c.plan.startup.get(rank, []), *c.plan.programs[rank]) for op in body]
+                if send in ops or recv in ops:
+                    c.errors.append(f"r{rank} transfers a replica of {n}, which has no refresh")
             continue
         periods = [len(c.plan.programs[r]) + len(c.plan.startup.get(r, [])) for r in (owner, helper)]
         timing = c.plan.layers[n]
-        send = Op(OpKind.SEND_REPLICA, s, peer=helper, layer=n)
-        recv = Op(OpKind.RECV_REPLICA, s, peer=owner, layer=n)
         received = 0
         for t in range(2 * math.lcm(*periods) + max(periods)):
             mine = ops_at(c.plan.programs, c.plan.startup, owner, t)
@@ -901,19 +904,6 @@ def _check_replicas(c: Context, streaming: Streaming, owner: int) -> None:
                 if due >= timing.curv_step and received < (due - timing.curv_step) // timing.period + 1:
                     c.errors.append(f"step {t}: r{helper} applies {n} before the replica of its refresh due arrives")
                     return
-
-
-def _check_no_replica(c: Context, streaming: Streaming, layer: str, owner: int, helper: int) -> None:
-    """A layer without a refresh (a Muon matrix) sends and takes no replica, in any program."""
-    s = streaming.stage
-    replicas = (
-        Op(OpKind.SEND_REPLICA, s, peer=helper, layer=layer),
-        Op(OpKind.RECV_REPLICA, s, peer=owner, layer=layer),
-    )
-    for rank in (owner, helper):
-        ops = [op for body in (*c.plan.startup.get(rank, []), *c.plan.programs[rank]) for op in body]
-        if any(op in replicas for op in ops):
-            c.errors.append(f"r{rank} transfers a replica of {layer}, which has no refresh")
 
 
 def validate(problem: Problem, plan: Plan, *, run: bool = True) -> list[str]:
