@@ -338,11 +338,8 @@ def add_tasks(v: Vars, w: Window, free_w: bool = True) -> None:
     L = w.length
     wraps = w.k == 1 and w.leads[0] > 0
     for task in w.tasks:
-        lo = (
-            max(w.earliest(task, d) for d in task.devices)
-            if task.kind is not TaskKind.INV
-            else min(w.earliest(task, d) for d in task.devices)
-        )
+        earliest = [w.earliest(task, d) for d in task.devices]
+        lo = min(earliest) if task.kind is TaskKind.INV else max(earliest)  # an INV's device is chosen
         due = w.horizon if task.deadline is None else task.deadline  # a W's: its stage's update
         if task.kind is TaskKind.WGRAD and not free_w and task.home is not None:
             lo, due = task.home, task.home + task.ticks  # where the schedule runs it

@@ -502,14 +502,12 @@ def greedy_group(
 
     lower = group_lower_bound(allowance, group, window_at, min_k)
     for k in range(lower, problem.max_period + 1):
-        cap = allowance.ticks(k)
         window = window_at(k)
         solution = _first_fit(window, meter)
         if solution is not None:
-            if cap > 0:
-                solution = _least_stretch(
-                    solution, stretch_lower_bound(window), allowance, stats_chunk, resolution, meter
-                )
+            if allowance.ticks(k) > 0:
+                least = stretch_lower_bound(window)
+                solution = _least_stretch(solution, least, allowance, stats_chunk, resolution, meter)
             return replace(solution, k_lower_bound=lower, wall_time=time.perf_counter() - began)
     raise PlanError(
         f"the greedy rule cannot place the {words_of(problem.costs).name} work of stages {list(group.stages)} within "
@@ -525,9 +523,8 @@ def _least_stretch(
     w = found.window
 
     def probe(stretch: int) -> tuple[str, GroupSolution | None]:
-        solution = _first_fit(
-            allowance.window(w.group, w.k, stretch, stats_chunk=stats_chunk, resolution=resolution), meter
-        )
+        window = allowance.window(w.group, w.k, stretch, stats_chunk=stats_chunk, resolution=resolution)
+        solution = _first_fit(window, meter)
         return ("FEASIBLE", solution) if solution is not None else ("UNKNOWN", None)
 
     return least_stretch(found, probe, lower)[0]
