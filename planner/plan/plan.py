@@ -1,11 +1,7 @@
-"""Plans as data: per-rank programs, layer timings, placements, metrics, written as JSON (one schema; read back,
-checked, by planner/validate/plan_file.py).
-
-Where a Muon plan runs each matrix's Newton-Schulz (its APPLY), read back from the plan's step: on a rank of the
-matrix's own stage after its last backward (its tail bubble, or the step's cycle where the slack is short), on a
-helper rank idle at the step's end (streamed, planner/problem/lowering.py), or on one copy that broadcasts the result
-(mem-opt, Moonlight's distributed Muon, planner/problem/strategy.py). The plan view and `fxkfac plan --explain` show
-it.
+"""Plans as data: per-rank programs, layer timings, placements and metrics, written as JSON (read back and checked
+by planner/validate/plan_file.py); and where a Muon plan runs each matrix's Newton-Schulz (its APPLY): on its own
+stage's ranks, on a helper rank idle at the step's end (streamed), or on one copy that broadcasts the result
+(mem-opt, Moonlight's distributed Muon), for the plan view and `fxkfac plan --explain`.
 """
 
 from __future__ import annotations
@@ -25,21 +21,16 @@ from fxkfac.planner.problem.step_timeline import plain_step_time, step_timeline
 from fxkfac.planner.problem.strategy import LayerDistribution
 
 SCHEMA_VERSION = 3
-"""Version of the plan JSON layout; a newer file asks the user to upgrade fxkfac, an older one to re-plan.
-2: every step ends with a barrier (the KL-clip and loss all-reduces), so no K-FAC task spans a step boundary.
-3: the plan holds its start-up steps (`Plan.startup`), so it lists every op every rank runs. Its problem may name
-its step barrier (`Problem.barrier`, absent: world): under agreement-set a task may begin a step before the step's
-world start, once the rank's agreement set has ended the step before ([Note: step barrier] in
-planner/plan/window.py)."""
+"""Version of the plan JSON layout; a newer file asks the user to upgrade fxkfac, an older one to re-plan. 2: no task
+spans a step's closing barrier. 3: the plan holds its start-up steps (`Plan.startup`), and its problem may name its
+step barrier ([Note: step barrier] in planner/plan/window.py)."""
 
 
 @dataclass(frozen=True)
 class SolverStats:
-    """How the plan was found: status (OPTIMAL: every refresh period proven minimal and staleness
-    optimal; FEASIBLE; GREEDY: the greedy plan was kept), wall time (s), objective (sum of refresh
-    periods over stages, sum of use offsets) and gap (of the refresh periods to the proven bounds).
-    wall_time measures this machine at that moment: it is left out of equality (`Plan ==`), and it is
-    the one field whose JSON differs between two deterministic solves of one problem."""
+    """How the plan was found: status (OPTIMAL: every refresh period proven minimal and staleness optimal; FEASIBLE;
+    GREEDY: the greedy plan was kept), wall time (s; not part of equality, the one field two deterministic solves
+    differ in), objective (sums of refresh periods and of use offsets) and gap (of the periods to their bounds)."""
 
     status: str
     wall_time: float = field(compare=False)
@@ -49,12 +40,10 @@ class SolverStats:
 
 @dataclass(frozen=True)
 class PlanMetrics:
-    """What a plan achieves: utilization before/after (busy / device time, mean over devices),
-    refresh period and lower bound per stage, step times (plain pipeline, with preconditioning as
-    planned, the reference with APPLY after the all-reduce), peak memory per device, the greedy
-    periods, `time_quantum`: the planner's time grid in seconds (see [Note: time grid] in planner/plan/window.py),
-    and `stretch`: the idle seconds appended to every step ([Note: stretch] in planner/plan/window.py; left out of
-    the JSON when 0, so files from before it load as 0)."""
+    """What a plan achieves: utilization before/after (mean busy share), refresh period and lower bound per stage,
+    step times (plain, as planned, the reference with APPLY after the all-reduce), peak memory per device, the greedy
+    periods, the time grid in seconds and the idle seconds after every step ([Note: time grid], [Note: stretch] in
+    planner/plan/window.py; a stretch of 0 is left out of the JSON)."""
 
     utilization_baseline: float
     utilization: float
@@ -72,12 +61,9 @@ class PlanMetrics:
 
 @dataclass(frozen=True)
 class Plan:
-    """A placement of K-FAC work: per global rank one op list per step of its period, when each layer
-    refreshes (`layers`), where every K-FAC op runs (`placements`), and the metrics.
-
-    `startup[rank]` lists the rank's first steps, which run once before its steady `programs` take
-    over (global step t runs `startup[rank][t]` while t is in range, else `programs[rank][t % period]`):
-    see `planner.problem.lowering.startup_programs`. Together they are every op a rank executes."""
+    """A placement of the preconditioner's work: per rank one op list per step of its period, when each layer
+    refreshes, where every placed op runs, and the metrics. `startup[rank]`: the rank's first steps, run once
+    before `programs` take over (`planner.problem.lowering.startup_programs`)."""
 
     problem: Problem
     programs: Mapping[int, Program]
@@ -89,7 +75,7 @@ class Plan:
     startup: Mapping[int, Program] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able form (programs in the IR's text format, one string per step)."""
+        """Plain JSON-able form (programs in the IR's text format, a string per step)."""
         metrics = asdict(self.metrics)
         metrics["peak_memory"] = {str(d): b for d, b in self.metrics.peak_memory.items()}
         if not self.metrics.stretch:
@@ -106,7 +92,7 @@ class Plan:
         }
 
     def to_json(self, *, indent: int | None = 1) -> str:
-        """JSON text; `planner.validate.plan_file.parse_plan` reads it back to an equal plan."""
+        """JSON text; `planner.validate.plan_file.parse_plan` reads it back."""
         return json.dumps(self.to_dict(), indent=indent)
 
     def save(self, path: str | Path) -> None:
@@ -126,7 +112,6 @@ class Plan:
 
 
 def _programs_dict(programs: Mapping[int, Program]) -> dict[str, list[str]]:
-    """Programs in the IR's text format, one string per step."""
     return {str(r): [format_program([step]) for step in prog] for r, prog in programs.items()}
 
 
@@ -135,28 +120,25 @@ def _timing_dict(t: LayerTiming) -> dict[str, Any]:
 
 
 def rank(plan: Plan) -> tuple[int, float, int, float]:
-    """How plans of one problem compare, the least first: the sum of refresh periods (within the allowance fresher
-    curvature comes first), then the step time (the stretch used), then the peak memory, then the reference step."""
+    """How plans of one problem compare, the least first: sum of refresh periods, step time, peak memory, reference
+    step."""
     m = plan.metrics
     return (sum(m.refresh_steps), m.step_time, max(m.peak_memory.values(), default=0), m.step_time_reference)
 
 
 class NSWhere(StrEnum):
-    """Where one Newton-Schulz task runs."""
+    """Where one Newton-Schulz task runs: on each rank of the matrix's stage, on a helper rank (input and update
+    sent), or on one copy of the stage that broadcasts the update (BCAST_PREC)."""
 
     OWN = "own"
-    """On each rank holding the matrix's stage, after its gradient all-reduce."""
     STREAMED = "streamed"
-    """On a helper rank, the NS input sent there and the update sent back."""
     SHARED = "shared"
-    """On one copy of the stage (a grad worker), the update broadcast to the others (BCAST_PREC)."""
 
 
 @dataclass(frozen=True, slots=True)
 class NSTask:
-    """One APPLY of a Muon plan's step (or a piece of one): its stage, matrices (`layers`), rank, where, and when it
-    runs in the step (seconds from the step's start); `transfer` the seconds of its streamed sends (the input and the
-    update, counted on its first piece)."""
+    """One APPLY of a Muon plan's step (or piece (i, n) of one): its stage, matrices, rank, where, when it runs in the
+    step (seconds) and the seconds of its streamed sends (counted on its first piece)."""
 
     stage: int
     layers: tuple[str, ...]
@@ -166,7 +148,6 @@ class NSTask:
     end: float
     transfer: float = 0.0
     piece: tuple[int, int] | None = None
-    """Piece (i, n) of a cut APPLY (`Problem.apply_pieces`); None: whole."""
 
 
 def _where(problem: Problem, rank: int, op: Op) -> NSWhere:
@@ -202,14 +183,12 @@ def ns_tasks(plan: Plan) -> list[NSTask]:
 
 
 def critical_path_step(problem: Problem) -> float:
-    """The step with every stage orthogonalizing its own matrices after its last backward, on every copy (no
-    streaming, no sharing): Muon as torch.optim.Muon would run in a pipeline."""
+    """The step with every stage orthogonalizing its own matrices on every copy: Muon as torch.optim.Muon runs."""
     return step_timeline(replace(problem, streaming=None, distributions=())).length
 
 
 def ns_stage_lines(plan: Plan) -> list[str]:
-    """Per stage: its units' APPLY seconds (the matrices' NS, the AdamW parameters' steps), who ran them, and when
-    the last ended against the plain step's end."""
+    """Per stage: its units' APPLY seconds, who ran them, and when the last ended against the plain step's end."""
     problem = plan.problem
     plain = plain_step_time(problem)
     tasks = ns_tasks(plan)

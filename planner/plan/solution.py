@@ -1,5 +1,5 @@
-"""A window's solution and what it says: the placements of its ops (device, step, seconds), each layer's use
-offset, the memory peak on a device, and the step from which each refresh op exists."""
+"""A window's solution and what it says: its ops' placements, each layer's use offset, a device's memory peak, and
+the step from which each refresh op exists."""
 
 from __future__ import annotations
 
@@ -24,14 +24,10 @@ Born = dict[int, dict[Op, int]]
 
 @dataclass(frozen=True)
 class GroupSolution:
-    """A solution for one window: task starts (absolute ticks) and devices, APPLY starts, use offsets,
-    and how it was found (method "greedy"/"cpsat", status, objective, proven lower bound on k).
-
-    A joint solve ([Note: joint strategy] in planner/search/cpsat.py) places the window's tasks but its broadcasts,
-    which are the options' (`planner.search.cpsat.placed_tasks`), and says what it chose: each layer's distribution, the
-    start of the chosen option's BCAST of each (layer, part) and the ticks each stage's slot was given
-    (`planner.search.cpsat.transfer` makes it a solution of the chosen problem's own window). Empty: the window
-    problem's own distributions, its BCAST tasks and slots."""
+    """A solution for one window: task starts (absolute ticks) and devices, APPLY starts, use offsets, and how it was
+    found (method "greedy"/"cpsat", status, proven lower bound on k). A joint solve ([Note: joint strategy] in
+    planner/search/cpsat.py) also says what it chose: each layer's distribution, the start of the chosen BCAST of each
+    (layer, part) and each stage's slot ticks (empty: the window problem's own)."""
 
     window: Window
     starts: tuple[int, ...]
@@ -41,25 +37,22 @@ class GroupSolution:
     method: str
     status: str
     k_lower_bound: int
-    wall_time: float = field(default=0.0, compare=False)
-    """Wall seconds it took (a measurement of this machine now: not part of equality)."""
+    wall_time: float = field(default=0.0, compare=False)  # a measurement of this machine now
     choices: Mapping[str, LayerDistribution] = field(default_factory=dict)
     bcasts: Mapping[tuple[str, str], int] = field(default_factory=dict)
     slot_ticks: Mapping[int, int] = field(default_factory=dict)
 
     @property
     def step_ticks(self) -> int:
-        """Ticks of the window's first step, its stretch included (every step of a window with nothing fused)."""
+        """Ticks of the window's first step, its stretch included."""
         return self.window.offsets[1]
 
     @property
     def staleness(self) -> int:
-        """The sum of use offsets (what a least-staleness solve minimizes)."""
         return sum(self.use_offset.values())
 
     def named_starts(self) -> dict[str, int]:
-        """Every placed task's start by name, each chosen broadcast's as "bcast_{part}_{layer}" (the BCAST tasks'
-        names in a window that has them)."""
+        """Every placed task's start by name, each chosen broadcast's as its BCAST task's name."""
         named = {task.name: t for task, t in zip(self.window.tasks, self.starts)}
         return named | {f"bcast_{part}_{layer}": t for (layer, part), t in self.bcasts.items()}
 
@@ -68,11 +61,10 @@ class GroupSolution:
         return {task.factors[0]: d for task, d in zip(self.window.tasks, self.devices) if task.kind is TaskKind.INV}
 
     def choice(self, layer: str) -> LayerDistribution:
-        """`layer`'s distribution in this solution."""
         return self.choices[layer] if layer in self.choices else self.window.problem.where(layer)
 
     def distributions(self) -> dict[str, LayerDistribution]:
-        """Every layer of the window's stage group with its distribution in this solution."""
+        """Every layer of the window's stage group with its distribution."""
         stages = self.window.problem.costs.stages
         return {x.name: self.choice(x.name) for s in self.window.group.stages for x in stages[s].layers}
 
@@ -83,39 +75,33 @@ def all_placed(solutions: Iterable[GroupSolution | None]) -> list[GroupSolution]
     return None if any(s is None for s in placed) else [s for s in placed if s is not None]
 
 
-def prec_steps_ready(window: Window, prec_starts: tuple[int, ...], layer: str, ready: int) -> int:
-    """The first step u (0..2k) whose APPLY of `layer`'s stage starts, on every copy, at or after tick `ready` (a
-    streamed layer: whose owner's last backward does; `Window.streamed_use`)."""
-    stage, k, L = window.problem.costs.stage_of(layer), window.k, window.length
-    for u in range(2 * k + 1):
-        streamed = window.streamed_use(layer, u)
-        if all(
-            (streamed if streamed is not None else L * (u // k) + prec_starts[i]) >= ready
-            for i, slot in enumerate(window.precs)
-            if slot.stage == stage and slot.step == u % k
-        ):
-            return u
-    return 2 * k + 1
-
-
 def use_offsets(
     window: Window, starts: tuple[int, ...], prec_starts: tuple[int, ...], later: Mapping[str, int] | None = None
 ) -> dict[str, int]:
-    """Per layer, the step offset from which its new inverse preconditions: the first APPLY after both
-    factors' inverses (and broadcasts) are done; `later`: per layer, the end of work placed apart from the
-    window's tasks (a joint solve's chosen broadcasts)."""
+    """Per layer, the first window step u (0..2k) whose APPLY of its stage starts on every copy once its
+    decompositions and broadcasts are done (a streamed layer: whose owner's last backward does); `later`: per layer,
+    the end of work placed apart from the window's tasks (a joint solve's chosen broadcasts)."""
     ready: dict[str, int] = dict(later or {})
     for task, start in zip(window.tasks, starts):
         if task.kind in (TaskKind.INV, TaskKind.BCAST):
             for layer, _ in task.factors:
                 ready[layer] = max(ready.get(layer, 0), start + task.ticks)
-    return {layer: prec_steps_ready(window, prec_starts, layer, t) for layer, t in ready.items()}
+    k, L = window.k, window.length
+    out = {}
+    for layer, t in ready.items():
+        stage, out[layer] = window.problem.costs.stage_of(layer), 2 * k + 1
+        for u in range(2 * k + 1):
+            streamed = window.streamed_use(layer, u)
+            slots = [i for i, p in enumerate(window.precs) if p.stage == stage and p.step == u % k]
+            if all((streamed if streamed is not None else L * (u // k) + prec_starts[i]) >= t for i in slots):
+                out[layer] = u
+                break
+    return out
 
 
 def remade_spans(solution: GroupSolution, device: int) -> list[tuple[int, int, int]]:
-    """(start, end, bytes) within the window, on `device`, of each third decomposition of a layer: from its next
-    refresh's first DECOMP end (a window after this one's) until the device's APPLY first uses this refresh (in
-    step `use_offset`), when that comes later. `memory.static_bytes` counts two (the active and the pending one)."""
+    """(start, end, bytes) on `device` of each layer's third decomposition (`static_bytes` counts two): from its next
+    refresh's first DECOMP end until the device's APPLY first uses this refresh, when that comes later."""
     w = solution.window
     k, L = w.k, w.length
     first: dict[str, int] = {}  # each layer's first DECOMP or BCAST op's end (a task may hold several layers')
@@ -144,18 +130,18 @@ def remade_spans(solution: GroupSolution, device: int) -> list[tuple[int, int, i
 
 
 def placements_of(solution: GroupSolution) -> list[Placement]:
-    """The solution's ops with device, window step and times in seconds (collectives on every member; each
-    APPLY slot's gradient STATS back to back before its APPLY)."""
+    """The solution's ops with device, window step and times in seconds (collectives on every member, a task's ops
+    back to back)."""
     w = solution.window
     out: list[Placement] = []
     for task, start, device in zip(w.tasks, solution.starts, solution.devices):
         members = task.devices if task.kind.collective else (device,)
-        ops = tuple(
-            replace(op, root=device) if task.kind is TaskKind.BCAST else op  # from where it was decomposed
-            for op in task.ops
-        )
         for member in members:
-            out += _back_to_back(ops, task.seconds, member, w.step_of(member, start), w.seconds(start))
+            step, t = w.step_of(member, start), w.seconds(start)
+            for op, secs in zip(task.ops, task.seconds):
+                placed = replace(op, root=device) if task.kind is TaskKind.BCAST else op  # from where it was decomposed
+                out.append(Placement(placed, member, step, t, t + secs))
+                t += secs
     for slot, start in zip(w.precs, solution.prec_starts):
         out += [
             Placement(op, slot.device, slot.step, w.seconds(start) + at, w.seconds(start) + at + secs)
@@ -164,18 +150,8 @@ def placements_of(solution: GroupSolution) -> list[Placement]:
     return out
 
 
-def _back_to_back(ops: Iterable[Op], durations: Iterable[float], device: int, step: int, t: float) -> list[Placement]:
-    """`ops` placed one after another on `device` from `t` seconds, each for its duration."""
-    out = []
-    for op, secs in zip(ops, durations):
-        out.append(Placement(op, device, step, t, t + secs))
-        t += secs
-    return out
-
-
 def peak_bytes(solution: GroupSolution, device: int) -> int:
-    """Static bytes plus the peak of activations, kept a/e, W operands (planner/plan/window.py) and third decompositions
-    (`remade_spans`) on `device` over the (modular) window."""
+    """Static bytes plus the peak of activations, kept a/e, W operands and third decompositions on `device`."""
     window = solution.window
     kept = [
         (s, e, task.keep_bytes)
@@ -197,11 +173,6 @@ def fits_memory(solution: GroupSolution) -> bool:
 _REFRESH_KINDS = frozenset({OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST})
 
 
-def is_refresh_op(op: Op) -> bool:
-    """Whether `op` works for one refresh (not a gradient STATS or an APPLY, which run at every step from step 0)."""
-    return op.kind in _REFRESH_KINDS and not (op.kind is OpKind.STATS and op.mb is None)
-
-
 def plan_born(problem: Problem, placements: Iterable[Placement], timings: Mapping[str, LayerTiming]) -> Born:
     """`born_steps` of a plan's placements, with each streamed layer's replica transfers, first run at the step of
     the op that makes the refresh they carry (planner/problem/lowering.py `replica_born`)."""
@@ -217,10 +188,10 @@ def plan_born(problem: Problem, placements: Iterable[Placement], timings: Mappin
 
 def born_steps(placements: Iterable[Placement]) -> Born:
     """Per device, each refresh op's latest window step: from that global step on its refresh exists
-    (see `planner.problem.lowering.startup_programs`); per-step ops are not listed (they run from step 0)."""
+    (`planner.problem.lowering.startup_programs`); per-step ops (a gradient STATS, APPLY) run from step 0."""
     born: Born = {}
     for p in placements:
-        if is_refresh_op(p.op):
+        if p.op.kind in _REFRESH_KINDS and not (p.op.kind is OpKind.STATS and p.op.mb is None):
             mine = born.setdefault(p.device, {})
             mine[p.op] = max(mine.get(p.op, 0), p.step)
     return born

@@ -1,64 +1,43 @@
-"""A refresh window of k steps on an integer time grid and the K-FAC tasks in it (built by
-planner/plan/window.py; their placements, once solved: planner/plan/solution.py).
+"""A stage group's refresh window: k steps on an integer time grid, the fixed F/B and activations in them, the
+per-step APPLY slots and the refresh's tasks (statistics, sync, decomposition in pieces, broadcast) with their
+releases and devices. Their placements, once solved: planner/plan/solution.py.
 
-[Note: time grid] Times become integer ticks. When every op time and duration of the problem is a
-whole number of 10^-e seconds (e <= 6, at most 10^7 ticks per step) the grid is exact; otherwise a
-step is `SolverConfig.time_resolution` ticks, fixed times round to the nearest tick and task
-durations round up, so a plan is off by at most one tick (`Window.tick` seconds) anywhere; the
-validator allows that much. The collectives SYNC_STATS and BCAST last what the cost table's comm model
-(`CostTable.collective_seconds`, planner/problem/hardware.py) says, and at least one tick on every member, so that even
-a free one (no comm model, or a group of one) never falls inside another op; the gradient all-reduce's
-interval of the step timeline is blocked where the stage has copies, and where it takes no tick (no comm model) the
-instant, an empty interval (t, t) of `Window.fixed`, which no task or slot may span but either may end or start at
-(one copy's all-reduce is a no-op, which nothing need keep clear). An APPLY slot spans its
-reference position's rounded ends (`planner.plan.window`), so the reference step fits its own grid.
+[Note: time grid] Times become integer ticks. When every op time and duration of the problem is a whole number of
+10^-e seconds (e <= 6, at most 10^7 ticks per step) the grid is exact; otherwise a step is
+`SolverConfig.time_resolution` ticks, fixed times round to the nearest tick and durations up, so a plan is off by at
+most one tick (`Window.tick`) anywhere, which the validator allows. SYNC_STATS and BCAST last what the cost table's
+comm model says (`CostTable.collective_seconds`), at least one tick on every member, so even a free one never falls
+inside another op. A gradient all-reduce over copies is blocked, and where it takes no tick it is an instant (t, t)
+of `Window.fixed` that no work may span (one copy's is a no-op). An APPLY slot spans its reference position's rounded
+ends, so the reference step fits its own grid.
 
-[Note: stretch] With `Problem.max_overhead > 0` the planner may append `Window.stretch` idle ticks to
-the end of every step of the window, on every device: the runtime ends each step with a global loss
-all-reduce, so steps are synchronous and work placed there delays the next step on every rank. Step j
-then starts at `offsets[j] = sum over i < j of (length of step i + stretch)`; the F/B work keeps its
-times inside its step. Every stage group of a plan uses the same stretch (the step is one for all
-ranks), on one time grid. The added step time (stretch, plus what fused curvature adds per step) is
-at most `max_overhead` times the reference step; planner/search/greedy.py searches the least stretch.
+[Note: stretch] With `Problem.max_overhead > 0` the planner may append `Window.stretch` idle ticks to every step on
+every device: each step ends with a global loss all-reduce, so work placed there delays the next step on every rank.
+Step j starts at `offsets[j]`, the sum of the steps before it and their stretches; F/B keep their times inside their
+step. Every group of a plan uses the same stretch on one grid, and the added step time (stretch, and what fused
+curvature adds) is at most `max_overhead` times the reference step; planner/search/greedy.py searches the least.
 
-[Note: step barrier] Under `StepBarrier.WORLD` every step ends with collectives over all ranks (the
-KL-clip's <P, G> in OPT_STEP and the loss all-reduce), so step j+1 begins at `offsets[j+1]` on every device,
-also on one whose first F/B comes later. An op placed in such a device's early bubble belongs to step j+1's
-program (it runs after the barrier, while the device waits for its first input); APPLY of step j ends by
-`offsets[j+1]` (before OPT_STEP); and the first tick of every step is blocked on every device, so no task
-spans a boundary (it would hold the barrier up on every rank).
-Under `StepBarrier.AGREEMENT_SET` (KL-clip scope stage or stale) OPT_STEP waits only for the rank's agreement
-set, the devices of its stage group, so the group's step j+1 may begin `Window.leads[j+1]` ticks before
-`offsets[j+1]`: once the last of its devices has ended step j's F/B, all-reduces and (reference) APPLY
-(`planner.problem.step_timeline.early_start`). The boundary, its blocked tick and APPLY's deadline move there; the idle
-after it belongs to step j+1 and joins the device's idle before its first F/B of step j+1 (in WORLD the
-boundary cut it in two). F/B keep their times: the planner does so only where a steady run without the world
-barrier repeats the one-step timeline (`planner.problem.step_timeline.steps_overlap`; else leads are 0, WORLD's step).
-A task may run past the window's own end (the refresh step's world start) only in CP-SAT at k = 1
-(planner/search/cpsat.py `add_tasks`); at k >= 2 CP-SAT, and greedy always, keep each task inside [0, L), so there the
-joined idle is used at the k-1 boundaries inside the window.
+[Note: step barrier] Under `StepBarrier.WORLD` every step ends with collectives over all ranks (the KL-clip's
+<P, G> in OPT_STEP and the loss all-reduce), so step j+1 begins at `offsets[j+1]` on every device: an op in a
+device's early bubble belongs to step j+1's program, APPLY of step j ends by `offsets[j+1]`, and every step's first
+tick is blocked on every device, so no task spans a boundary. Under `StepBarrier.AGREEMENT_SET` (KL-clip scope stage
+or stale) OPT_STEP waits only for the stage group's devices, so the group's step j+1 may begin `Window.leads[j+1]`
+ticks early, once its last device has ended step j's F/B, all-reduces and reference APPLY
+(`planner.problem.step_timeline.early_start`); the boundary, its blocked tick and APPLY's deadline move there, and
+the idle after it joins the next step's. F/B keep their times, so leads are nonzero only where a steady run without
+the world barrier repeats the one-step timeline (`planner.problem.step_timeline.steps_overlap`). Only CP-SAT at k = 1
+lets a task run past the window's end (planner/search/cpsat.py `add_tasks`).
 
-[Note: gradient parts] A part fed by the reduced gradient (`PartCost.after` ALLREDUCE_GRAD: Shampoo's and
-SOAP's L and R) takes its statistic at *every* step, on every copy of its stage (each folds the same
-reduced gradient, so there is no SYNC_STATS), after the stage's gradient all-reduce and before its APPLY
-(which overwrites the gradient). That work is per step like APPLY, so it is modelled as APPLY is: the
-stage's gradient STATS run back to back at the head of its APPLY slot (`PrecSlot.ops`: STATS of every
-layer and part, then APPLY; the slot's ticks cover them all), which CP-SAT places inside [gradient ready,
-step end), in the end-of-step bubble; the reference step (`planner.problem.step_timeline.reference_programs`) runs them
-right after the all-reduce, as it runs APPLY, so max_overhead is measured against a step that holds them.
-A refresh snapshots the statistic at the refresh step's STATS, so the part's DECOMP task (and its BCAST)
-is released by the refresh step's slot of its stage on the device that decomposes it (`Task.after_slot`:
-a precedence on the slot's start in CP-SAT, the slot's reference place in greedy); it may run in any
-later bubble, like K-FAC's deferred inversions. The snapshot the runtime keeps until DECOMP is, like
-K-FAC's statistic sums in flight, not counted in memory; `LayerCost.state_bytes` (optimizer state held
-for the whole run) is, in `planner.problem.step_timeline.static_bytes`. Layers mixing captured and gradient parts plan
-each part by its own rule (not tuned for them, but correct). Known cost: where a device holds several
-stages with copies (Chimera, interleaved with W > 1) the reference step runs the second stage's all-reduce right
-after the first stage's slot; where that all-reduce takes time, CP-SAT may not move the slot across it.
-
-A stage group's refresh window built from its problem: the time grid's scale ([Note: time grid] in
-planner/plan/window.py), the fixed F/B and activations of k simulated steps, the per-step APPLY slots and the refresh's
-tasks (statistics, synchronization, decomposition in pieces, broadcast) with their releases and devices.
+[Note: gradient parts] A part fed by the reduced gradient (`PartCost.after` ALLREDUCE_GRAD: Shampoo's and SOAP's L
+and R) takes its statistic at every step on every copy of its stage (each folds the same reduced gradient, so no
+SYNC_STATS), after the gradient all-reduce and before APPLY (which overwrites the gradient). That is per-step work,
+so it runs at the head of its stage's APPLY slot (`PrecSlot.ops`: every STATS, then APPLY), which CP-SAT places in
+[gradient ready, step end); the reference step runs it right after the all-reduce, so max_overhead is measured
+against a step that holds it. A refresh snapshots the statistic at the refresh step's STATS, so the part's DECOMP
+follows the refresh step's slot on its device (`Task.after_slot`) and may run in any later bubble. The snapshot is,
+like K-FAC's sums in flight, not counted in memory; the optimizer state (`LayerCost.state_bytes`) is. Known cost:
+where a device holds several stages with copies (Chimera, interleaved with W > 1) the reference step runs the second
+stage's all-reduce right after the first stage's slot, and CP-SAT may not move the slot across it.
 """
 
 from __future__ import annotations
@@ -100,10 +79,9 @@ Interval = tuple[int, int]
 
 
 class TaskKind(StrEnum):
-    """What a window task does: CURV (statistics of captures, on its device after `release`: the end of its
-    F/B), SYNC and BCAST (collectives on every device of the task at once), INV (a decomposition, on exactly
-    one of the task's devices), WGRAD (a zero-bubble schedule's W, on its rank between its B and its stage's
-    all-reduce: [Note: placed W])."""
+    """What a window task does: CURV (statistics of captures, after its F/B), SYNC and BCAST (collectives on all its
+    devices at once), INV (a decomposition, on one of its devices), WGRAD (a zero-bubble schedule's W: [Note: placed
+    W])."""
 
     CURV = "curv"
     WGRAD = "wgrad"
@@ -113,19 +91,14 @@ class TaskKind(StrEnum):
 
     @property
     def collective(self) -> bool:
-        """Whether the task runs on every one of its devices at once."""
         return self in (TaskKind.SYNC, TaskKind.BCAST)
 
 
 @dataclass(frozen=True)
 class Task:
-    """One piece of K-FAC work: ops run back to back for `ticks` on one of `devices` (see `TaskKind`).
-
-    `factors` are the (layer, side) pairs it serves; keep_bytes is held from `release` until the task ends
-    (deferred). after_slot: an INV of a part fed by the reduced gradient, which starts after the refresh
-    step's APPLY slot of its stage on the device that runs it ([Note: gradient parts]). deadline: the tick by which
-    a WGRAD task ends; home: where the schedule runs it ([Note: placed W]).
-    """
+    """One piece of refresh work: `ops` back to back for `ticks` on one of `devices` (see `TaskKind`), serving the
+    (layer, side) `factors`, holding keep_bytes from `release` until it ends. after_slot: an INV that follows its
+    stage's refresh-step slot ([Note: gradient parts]); deadline and home: a WGRAD's ([Note: placed W])."""
 
     name: str
     kind: TaskKind
@@ -145,12 +118,9 @@ class Task:
 
 @dataclass(frozen=True)
 class PrecSlot:
-    """The per-step preconditioner work of `stage` on `device` at window step `step`
-    (`planner.problem.step_timeline.prec_work`: gradient STATS, APPLY, BCAST_PREC): `ops` run for `durations` seconds
-    within [release, deadline) (absolute ticks), back to back, except that the broadcasts of preconditioned gradients
-    begin `lead` seconds after the slot starts, on every copy of the stage at once (`lead`: the longest work before them
-    on any copy; the copies' slots start together); `reference` is where the plain K-FAC step puts them (right after the
-    all-reduce)."""
+    """The per-step preconditioner work (`planner.problem.step_timeline.prec_work`) of `stage` on `device` at window
+    step `step`: `ops` back to back within [release, deadline), but the BCAST_PRECs, which begin `lead` seconds in on
+    every copy at once; `reference` is where the plain step puts them (right after the all-reduce)."""
 
     device: int
     stage: int
@@ -165,7 +135,7 @@ class PrecSlot:
 
     @property
     def shares(self) -> bool:
-        """Whether the slot broadcasts preconditioned gradients (its stage's copies start their slots together)."""
+        """Whether it broadcasts preconditioned gradients (its stage's copies start their slots together)."""
         return any(op.kind is OpKind.BCAST_PREC for op in self.ops)
 
     @property
@@ -189,16 +159,11 @@ class PrecSlot:
 
 @dataclass(frozen=True)
 class Window:
-    """k steps of the pipeline for one stage group, fixed work wrapped modulo the window length.
-
-    fixed[d]: merged busy intervals of F/B in [0, length), and instants (t, t) no work may span; acts[d]:
-    (start, end, bytes) activation pieces; capacity[d]: bytes left for activations and kept a/e (None:
-    unlimited); offsets[j]: start of step j (offsets[k] == length); leads[j]: ticks by which step j begins
-    before offsets[j] on the group's devices ([Note: step barrier]). Tasks of a refresh may run until 2*length
-    (the next window's early bubbles): their occupation is taken modulo `length`. stretch: idle ticks appended to
-    every step ([Note: stretch]); stats_chunk: at most this many consecutive layers per STATS task (1: a task a
-    layer; `SolverConfig.stats_chunk`).
-    """
+    """k steps of the pipeline for one stage group, fixed work wrapped modulo the window length. fixed[d]: merged
+    busy intervals in [0, length) and instants (t, t) no work may span; acts[d]: (start, end, bytes) activations;
+    capacity[d]: bytes left for activations and kept a/e (None: unlimited); offsets[j]: start of step j; leads[j]:
+    ticks by which step j begins early ([Note: step barrier]); stretch: idle ticks after every step ([Note: stretch]);
+    stats_chunk: the most layers per STATS task. Tasks may run until 2*length, taken modulo `length`."""
 
     problem: Problem
     group: StageGroup
@@ -216,13 +181,12 @@ class Window:
     stretch: int = 0
     stats_chunk: int = 1
     stream_use: tuple[int, ...] = ()
-    """Per step of the window, the tick at which the streamed stage's owner starts its last backward (empty without
-    streaming): a streamed layer's inverse must be made by then to reach its helper, which applies it during that
-    backward (planner/problem/lowering.py)."""
+    """Per window step, the tick at which the streamed stage's owner starts its last backward (empty without
+    streaming): a streamed layer's inverse must be made by then to reach its helper (planner/problem/lowering.py)."""
 
     def streamed_use(self, layer: str, u: int) -> int | None:
-        """For a streamed layer, the tick by which its inverse must be made for window step `u` (0..2k) to use it:
-        its owner's last backward's start there; None for any other layer (its stage's APPLY slot start)."""
+        """For a streamed layer, the tick by which its inverse must be made for window step `u` (0..2k) to use it;
+        None for any other layer (its stage's APPLY slot start)."""
         streaming = self.problem.streaming
         if streaming is None or layer not in streaming.layers:
             return None
@@ -239,42 +203,36 @@ class Window:
         return 1.0 / self.scale
 
     def seconds(self, ticks: float) -> float:
-        """Ticks to seconds."""
         return ticks / self.scale
 
     def up(self, seconds: float) -> int:
-        """`seconds` in whole ticks, rounded up as task durations are ([Note: time grid])."""
         return Grid(self.scale).up(seconds)
 
     def span(self, seconds: float) -> int:
-        """The ticks of a task of `seconds`: rounded up, at least one ([Note: time grid])."""
         return Grid(self.scale).span(seconds)
 
     def step_of(self, device: int, t: int) -> int:
-        """The window step (0..2k-1) whose program holds an op starting at absolute tick t on device: steps
-        begin at their offsets less their leads ([Note: step barrier])."""
+        """The window step (0..2k-1) whose program holds an op starting at absolute tick t on device."""
         for j in range(2 * self.k - 1, 0, -1):
             if t >= self.step_start(device, j):
                 return j
         return 0
 
     def step_start(self, device: int, j: int) -> int:
-        """Absolute tick at which window step j (0..2k) begins on `device` (the same on every device of the
-        group)."""
+        """Absolute tick at which window step j (0..2k) begins on `device` (the same on the whole group)."""
         return step_start_tick(self.offsets, self.leads, j)
 
     @property
     def horizon(self) -> int:
-        """The tick by which every task ends: the end of window step 2k-1 (the next window's last step)."""
+        """The tick by which every task ends: the end of window step 2k-1."""
         return 2 * self.length - self.leads[0]
 
     def earliest(self, task: Task, device: int) -> int:
-        """The earliest start of `task` on `device`: its release, and not before the refresh step
-        began there (so every op sits in a step of the refresh's own window)."""
+        """The earliest start of `task` on `device`: its release, not before the refresh step began there."""
         return max(task.release, self.step_start(device, 0))
 
     def refresh_slot(self, device: int, stage: int) -> int:
-        """The index in `precs` of stage's APPLY slot on `device` at the refresh step (window step 0)."""
+        """The index in `precs` of stage's slot on `device` at the refresh step (window step 0)."""
         return next(n for n, p in enumerate(self.precs) if (p.device, p.stage, p.step) == (device, stage, 0))
 
 
@@ -288,26 +246,23 @@ def wrap(start: int, end: int, length: int) -> list[Interval]:
 
 @dataclass
 class Grid:
-    """`scale` ticks per second ([Note: time grid]): fixed times round to the nearest tick, durations up."""
+    """`scale` ticks per second ([Note: time grid]): fixed times (`at`) round to the nearest tick, durations up
+    (`up`), a task lasts at least one tick (`span`)."""
 
     scale: float
 
     def at(self, t: float) -> int:
-        """A fixed time `t` (seconds) at its nearest tick."""
         return round(t * self.scale)
 
     def up(self, t: float) -> int:
-        """`t` seconds in whole ticks, rounded up."""
         return math.ceil(t * self.scale - 1e-6)
 
     def span(self, d: float) -> int:
-        """The ticks of a task of `d` seconds: rounded up, at least one."""
         return max(1, self.up(d))
 
 
 def step_start_tick(offsets: Sequence[int], leads: Sequence[int], j: int) -> int:
-    """Absolute tick at which window step j (0..2k) begins on a group's devices: its offset in its window, less its
-    lead ([Note: step barrier])."""
+    """Absolute tick at which window step j (0..2k) begins on a group's devices: its offset less its lead."""
     k = len(leads)
     return offsets[j % k] + offsets[k] * (j // k) - leads[j % k]
 
@@ -322,9 +277,9 @@ def inv_chains(window: Window) -> list[list[int]]:
 
 
 def warm_starts(window: Window) -> list[tuple[int, int]]:
-    """Pairs (i, f): INV or BCAST task i of a refresh is done (an INV ends, a BCAST starts: collectives keep their
-    order) before the next refresh's first INV f of its layer starts, L later, because f starts from the
-    preconditioner i makes (`Problem.chains_refreshes`)."""
+    """Pairs (i, f): INV or BCAST task i is done (an INV ends, a BCAST starts: collectives keep their order) before
+    the next refresh's first INV f of its layer starts, L later, as f starts from what i makes
+    (`Problem.chains_refreshes`)."""
     if not window.problem.chains_refreshes:
         return []
     firsts: dict[str, list[int]] = {}
@@ -339,21 +294,34 @@ def warm_starts(window: Window) -> list[tuple[int, int]]:
 
 
 def done_by(task: Task) -> int:
-    """Ticks after its start by which `task` is done for a warm start that follows it (`warm_starts`)."""
+    """Ticks after its start by which `task` is done for a warm start (`warm_starts`)."""
     return task.ticks if task.kind is TaskKind.INV else 1
+
+
+def free_gaps(busy: Iterable[Interval], length: int) -> list[Interval]:
+    """The free [start, end) gaps of [0, length) between the `busy` intervals, in order."""
+    gaps: list[Interval] = []
+    at = 0
+    for start, end in sorted(busy):
+        if start > at:
+            gaps.append((at, start))
+        at = max(at, end)
+    return gaps + [(at, length)] if at < length else gaps
+
+
+def idle_regions(busy: Sequence[Interval], length: int) -> list[list[Interval]]:
+    """A device's maximal idle spans over a window of `length` ticks, each as its pieces in [0, length) (two where
+    it runs over the window's end into its start)."""
+    gaps = free_gaps(busy, length)
+    if len(gaps) > 1 and gaps[0][0] == 0 and gaps[-1][1] == length:
+        return [[gaps[-1], gaps[0]]] + [[g] for g in gaps[1:-1]]
+    return [[g] for g in gaps]
 
 
 def longest_gaps(window: Window) -> dict[int, int]:
     """Per device, the longest free stretch (ticks) between fixed work, cyclically, APPLY ignored."""
-    out = {}
-    for d, busy in window.fixed.items():
-        if not busy:
-            out[d] = window.length
-            continue
-        gaps = [s2 - e1 for (_, e1), (s2, _) in zip(busy, busy[1:])]
-        gaps.append(window.length - busy[-1][1] + busy[0][0])
-        out[d] = max(gaps)
-    return out
+    regions = {d: idle_regions(busy, window.length) for d, busy in window.fixed.items()}
+    return {d: max((sum(e - s for s, e in r) for r in rs), default=0) for d, rs in regions.items()}
 
 
 def too_long(window: Window) -> list[str]:
@@ -371,8 +339,8 @@ def too_long(window: Window) -> list[str]:
 
 
 def _scale(times: Iterable[float], period: float, resolution: int) -> tuple[float, bool]:
-    """The exact grid's ticks per second, 10^e for the least e that makes every time whole (up to float error, 1e-9
-    of it: a relative 1e-6 took 519687.5 ticks for whole), or `resolution` ticks per period and False."""
+    """The exact grid's ticks per second, 10^e for the least e that makes every time whole (within 1e-9: 1e-6 took
+    519687.5 ticks for whole), or `resolution` ticks per period and False."""
     values = [t for t in times if t > 0]
     for e in range(7):
         m = 10.0**e
@@ -384,8 +352,8 @@ def _scale(times: Iterable[float], period: float, resolution: int) -> tuple[floa
 
 
 def _merge(intervals: Iterable[Interval]) -> tuple[Interval, ...]:
-    """The intervals merged, sorted; an empty one (t, t), an instant no work may span, kept where no interval holds t
-    inside (CP-SAT's no-overlap, first-fit's gaps and the packing bound's idle regions all split at it)."""
+    """The intervals merged, sorted; an empty one (t, t), an instant no work may span, kept where no interval holds
+    t inside."""
     out: list[list[int]] = []
     instants = []
     for s, e in sorted(intervals):
@@ -443,9 +411,8 @@ def build_window(
     stretch: int = 0,
     scale: tuple[float, bool] | None = None,
 ) -> Window:
-    """The window of `k` steps for `group` (step 0 is the refresh step, F/B grown by taps and fused curvature),
-    each step followed by `stretch` idle ticks; `scale`: a (ticks per second, exact) grid to use instead
-    of the group's own (`grid_scale`), so that windows of several groups share one."""
+    """The window of `k` steps for `group` (step 0 the refresh step, grown by taps and fused curvature), each followed
+    by `stretch` idle ticks; `scale`: a (ticks per second, exact) grid shared by several groups (else its own)."""
     if stretch < 0:
         raise AssertionError(f"negative stretch {stretch}")
     refresh, normal = step_timeline(problem, fused, refresh=True), step_timeline(problem)
@@ -465,6 +432,9 @@ def build_window(
     precs = _prec_slots(problem, group, steps, offsets, leads, grid)
     tasks = _tasks(problem, group, refresh, fused, stats_chunk, grid, precs)
     tasks += tuple(w_tasks(problem, group.devices, steps, offsets, grid, fused))
+    use: tuple[int, ...] = ()  # per step, when the first of the streamed stage's owners starts its last backward
+    if problem.streaming is not None:
+        use = tuple(o + grid.at(stream_start(problem, st)) for o, st in zip(offsets, steps))
     return Window(
         problem,
         group,
@@ -481,17 +451,8 @@ def build_window(
         leads,
         stretch,
         stats_chunk,
-        _stream_use(problem, steps, offsets, grid),
+        use,
     )
-
-
-def _stream_use(problem: Problem, steps: Sequence[StepTimeline], offsets: Sequence[int], grid: Grid) -> tuple[int, ...]:
-    """Per step, the tick at which the first of the streamed stage's owners starts its last backward
-    (`Window.stream_use`)."""
-    streaming = problem.streaming
-    if streaming is None:
-        return ()
-    return tuple(offsets[j] + grid.at(stream_start(problem, st)) for j, st in enumerate(steps))
 
 
 def _device_work(
@@ -502,9 +463,8 @@ def _device_work(
     leads: Sequence[int],
     grid: Grid,
 ) -> tuple[tuple[Interval, ...], tuple[tuple[int, int, int], ...]]:
-    """The device's busy ticks over the window (F/B, each gradient all-reduce over copies, an instant where it takes
-    no tick, a streamed layer's APPLY on its helper and hand-off on its owner, the first tick of every step) merged,
-    and its activation pieces (start, end, bytes), all modulo the window."""
+    """The device's busy ticks over the window, merged (F/B, gradient all-reduces over copies, a streamed layer's
+    APPLY on its helper and hand-off on its owner, every step's first tick), and its activations (start, end, bytes)."""
     length = offsets[-1]
     busy: list[Interval] = []
     pieces: list[tuple[int, int, int]] = []
@@ -546,7 +506,7 @@ def _prec_slots(
     leads: tuple[int, ...],
     grid: Grid,
 ) -> tuple[PrecSlot, ...]:
-    """Every (device, stage, step)'s slot: the stage's gradient STATS, then its APPLY ([Note: gradient parts])."""
+    """Every (device, stage, step)'s slot ([Note: gradient parts])."""
     slots = []
     lead = {
         s: max(
@@ -612,20 +572,11 @@ def _curv_tasks(
                     secs = tuple(x.part(side).stats for x in chunk)
                     ops = tuple(_stats_op(stage, op.mb, op.pipe, x.name, side) for x in chunk)
                     keep = sum(x.part(side).capture_bytes for x in chunk)
+                    name = f"curv_{side}_s{stage}_m{op.mb}_p{op.pipe}_r{d}_{chunk[0].name}"
+                    factors = tuple((x.name, side) for x in chunk)
+                    span = grid.span(sum(secs))
                     tasks.append(
-                        Task(
-                            f"curv_{side}_s{stage}_m{op.mb}_p{op.pipe}_r{d}_{chunk[0].name}",
-                            TaskKind.CURV,
-                            stage,
-                            side,
-                            ops,
-                            secs,
-                            grid.span(sum(secs)),
-                            (d,),
-                            grid.up(end),
-                            tuple((x.name, side) for x in chunk),
-                            keep,
-                        )
+                        Task(name, TaskKind.CURV, stage, side, ops, secs, span, (d,), grid.up(end), factors, keep)
                     )
     return tasks
 
@@ -645,7 +596,8 @@ def _tasks(
         tasks += _curv_tasks(problem, s, refresh, [x for x in layers if x.name not in fused], stats_chunk, grid)
     for s in group.stages:
         copies = copies_of_stage(problem, s)
-        piece = _piece_seconds(problem, s)
+        longest = max((p.decomp for x in problem.costs.stages[s].layers for p in x.parts), default=0.0)
+        piece = longest / problem.decomp_pieces  # the longest a DECOMP task lasts
         for x in problem.costs.stages[s].layers:
             for p in x.parts:
                 if p.after is OpKind.ALLREDUCE_GRAD and streamed_stats(problem, x.name):
@@ -654,7 +606,7 @@ def _tasks(
                     continue
                 if p.after is OpKind.ALLREDUCE_GRAD:
                     ready = min(slot.release + slot.ticks for slot in precs if (slot.stage, slot.step) == (s, 0))
-                    tasks += _refresh_tasks(problem, s, x.name, p.part, p.decomp, piece, ready, True, grid)
+                    tasks += _refresh_tasks(problem, s, x.name, p.part, p.decomp, piece, ready, True, grid, True)
                     continue
                 ready = 0
                 if x.name in fused:
@@ -665,15 +617,8 @@ def _tasks(
                     ready = max(
                         grid.up(e) for d in copies for op, _, e in refresh.fixed(d) if op.stage == s and op.kind is made
                     )
-                tasks += _refresh_tasks(problem, s, x.name, p.part, p.decomp, piece, ready, False, grid)
+                tasks += _refresh_tasks(problem, s, x.name, p.part, p.decomp, piece, ready, False, grid, False)
     return tuple(tasks)
-
-
-def _piece_seconds(problem: Problem, stage: int) -> float:
-    """The longest a DECOMP task of the stage lasts: one piece (`Problem.decomp_pieces`) of its longest
-    decomposition."""
-    longest = max((p.decomp for x in problem.costs.stages[stage].layers for p in x.parts), default=0.0)
-    return longest / problem.decomp_pieces
 
 
 def _refresh_tasks(
@@ -686,14 +631,19 @@ def _refresh_tasks(
     ready: int,
     gradient: bool,
     grid: Grid,
-    after_slot: bool | None = None,
+    after_slot: bool,
 ) -> list[Task]:
-    """A part's refresh after its statistics: SYNC over the stage's copies (a captured part held more than once),
-    DECOMP on one copy, BCAST to the others, the collectives priced by the cost table's comm model (at least one
-    tick, [Note: time grid]); `ready`: the earliest tick the statistic is complete anywhere; `gradient`: the part
-    is fed by the reduced gradient ([Note: gradient parts]), and its DECOMP follows the refresh step's slot unless
-    `after_slot` is False (a streamed unit's statistics land with its helper's return, `ready`); `piece`: the longest
-    a DECOMP task lasts (`_piece_seconds`)."""
+    """A part's refresh once its statistic is complete (tick `ready`): SYNC over the stage's copies (a captured part
+    held more than once), DECOMP on one copy, BCAST to the others. `gradient`: the part is fed by the reduced gradient
+    ([Note: gradient parts]); `after_slot`: its DECOMP follows the refresh step's slot (not where a streamed unit's
+    statistics land with its helper's return).
+
+    [Note: piece tasks] The decomposition is one INV task, or `Problem.decomp_pieces` DECOMP ops ("DECOMP s A i/n
+    layer") run back to back in tasks no longer than `piece` (as few as that allows, the pieces dealt evenly), chained
+    in order on one rank (`inv_chains`), so that no task outlasts the bubbles while a stage's small decompositions
+    need fewer tasks than its largest: cut in the same 4 pieces, BERT-Large's d-wide factors (1/64 of the 4d-wide
+    ones' decomposition) made 288 of 1F1B's 432 tasks a stage, and CP-SAT found the streamed plan at the bound only
+    with 30 s; as one task each, within 10 s. The runtime runs the same pieces."""
     copies, workers = copies_of_stage(problem, stage), problem.workers(layer)
     key = ((layer, side),)
     tasks = []
@@ -705,8 +655,33 @@ def _refresh_tasks(
                 f"sync_{side}_{layer}", TaskKind.SYNC, stage, side, (op,), (secs,), grid.span(secs), copies, ready, key
             )
         )
-    slot = gradient if after_slot is None else after_slot
-    tasks += _decomp_tasks(problem.decomp_pieces, piece, stage, layer, side, decomp, workers, ready, slot, grid)
+    pieces = problem.decomp_pieces
+    share = decomp / pieces
+    most = max(1, math.floor(piece / share + 1e-9)) if share > 0 else pieces  # pieces a task may hold
+    runs = math.ceil(pieces / most)
+    bounds = [pieces * i // runs for i in range(runs + 1)]
+    whole = pieces == 1
+    for a, b in zip(bounds, bounds[1:]):
+        name = f"inv_{side}_{layer}" if whole else f"inv_{side}_{layer}_{a}"
+        ops = tuple(
+            Op(OpKind.DECOMP, stage, layer=layer, part=side, piece=None if whole else (i, pieces)) for i in range(a, b)
+        )
+        span = grid.span(share * (b - a))
+        tasks.append(
+            Task(
+                name,
+                TaskKind.INV,
+                stage,
+                side,
+                ops,
+                (share,) * (b - a),
+                span,
+                workers,
+                ready,
+                key,
+                after_slot=after_slot,
+            )
+        )
     if len(workers) > 1:
         op = Op(
             OpKind.BCAST, stage, layer=layer, part=side, root=workers[0], group=None if workers == copies else workers
@@ -716,53 +691,6 @@ def _refresh_tasks(
             Task(f"bcast_{side}_{layer}", TaskKind.BCAST, stage, side, (op,), (secs,), grid.span(secs), workers, 0, key)
         )
     return tasks
-
-
-def _decomp_tasks(
-    pieces: int,
-    piece: float,
-    stage: int,
-    layer: str,
-    side: str,
-    decomp: float,
-    workers: tuple[int, ...],
-    ready: int,
-    gradient: bool,
-    grid: Grid,
-) -> list[Task]:
-    """A part's decomposition as one INV task, or made in `pieces` DECOMP ops ("DECOMP s A i/n layer") of
-    ``decomp / pieces`` seconds each, run back to back in tasks no longer than `piece` (each as few as that allows,
-    the pieces dealt evenly), which the solvers chain in order on one rank (`inv_chains`).
-
-    [Note: piece tasks] The pieces exist so that no task outlasts the bubbles; a stage's small decompositions need
-    fewer tasks than its largest. Per Linear, a Transformer block's 4d-wide factors take 64 times the d-wide ones'
-    decomposition: cut in the same 4 pieces, the d-wide ones made 288 of BERT-Large 1F1B's 432 tasks a stage, and
-    CP-SAT found the streamed plan at the bound only with 30 s; as one task each, within 10 s. The runtime runs the
-    same pieces; a task only keeps them adjacent on one rank."""
-    share = decomp / pieces
-    most = max(1, math.floor(piece / share + 1e-9)) if share > 0 else pieces  # pieces a task may hold
-    runs = math.ceil(pieces / most)
-    bounds = [pieces * i // runs for i in range(runs + 1)]
-    whole = pieces == 1
-    return [
-        Task(
-            f"inv_{side}_{layer}" if whole else f"inv_{side}_{layer}_{a}",
-            TaskKind.INV,
-            stage,
-            side,
-            tuple(
-                Op(OpKind.DECOMP, stage, layer=layer, part=side, piece=None if whole else (i, pieces))
-                for i in range(a, b)
-            ),
-            (share,) * (b - a),
-            grid.span(share * (b - a)),
-            workers,
-            ready,
-            ((layer, side),),
-            after_slot=gradient,
-        )
-        for a, b in zip(bounds, bounds[1:])
-    ]
 
 
 # The zero-bubble schedules' W's as planner tasks (issue 37 item 3): placed by the window's solvers among the

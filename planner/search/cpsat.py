@@ -1,67 +1,35 @@
-"""The CP-SAT models of the planner (the only ortools user) and its one solver call (`_solve`).
+"""The planner's CP-SAT models (the only ortools user) and its one solver call (`_solve`).
 
-The window model places one stage group's refresh work into the bubbles of a k-step window at one refresh period
-and stretch (planner/search/group_search.py chooses which): `_build` makes a modulo-scheduling model of the window
-(planner.plan.window): every task is an interval at position `pos` in [0, L) with `late` telling whether it runs in
-the next window's early bubbles (absolute start = pos + late*L); NoOverlap per device with the fixed F/B work;
-optional intervals choose the inversion's device; a cumulative per device holds activations and the a/e kept
-by deferred curvature under the budget. `solve_window` finds any placement (feasibility) or the least
-staleness, the sum of use offsets.
+`_build` is the window model: one stage group's refresh work placed in the bubbles of a k-step window
+(planner.plan.window) at one refresh period and stretch. Every task is an interval at `pos` in [0, L), `late` saying
+whether it runs in the next window's early bubbles (start = pos + late*L); NoOverlap per device with the fixed F/B;
+optional intervals choose a decomposition's device; a cumulative per device holds activations and the a/e kept by
+deferred curvature. `solve_window` finds any placement or the least staleness (the sum of use offsets) within a share
+of the planner's `Budget` (CP-SAT's deterministic time by default, so the plan does not depend on the machine's load).
 
-One model serves both a forced strategy and the joint choice of distributions ([Note: joint strategy] in
-planner/search/cpsat.py): a `Frame` gives every layer's options as literals (a DECOMP's rank implies an option holding
-it, each option's BCAST is an optional interval over its column, each stage's slot an interval whose length the
-literals set, each device's capacity the budget less its static bytes as the literals make them); without one, a
-layer has one option, the window problem's own, whose BCAST tasks, slots and capacities the window already holds.
-`energy_bound` and `least_step` are the joint choice's step models. Solutions come out as
-`planner.plan.solution.GroupSolution`. Every call runs within a share of the planner's clock
-(`planner.search.budget.Budget`: CP-SAT's deterministic time by default, so its stopping points, and the plan, do not
-depend on the machine's load) and is charged to it.
-
-The data of the joint choice: every layer's distribution options, what each costs, and the window they share.
-
-[Note: joint strategy] With the strategy left to the planner, CP-SAT chooses each layer's distribution
-(planner/problem/strategy.py: COMM-OPT, HYBRID with each grad-worker count that divides the copies, MEM-OPT, each with
-every column; DP-KFAC never, a different algorithm only the user may ask for) in the same model that places the
-refresh work (planner/search/cpsat.py with a `Frame`), where the option of a layer is a Boolean literal:
-- its DECOMP runs on one rank of the chosen column (one INV task whose device literal implies an option holding
-  that rank); its BCAST is one optional interval per option with several grad workers, over that option's
-  column, of that group size's price; SYNC_STATS and the curvature are the same under every KAISA option;
-- each stage's per-step slot lasts a linear function of the literals: every copy's gradient STATS and APPLY of
-  the layers it works on, the longest of those on any copy, then every BCAST_PREC (each copy is in one row of
-  every layer that is not COMM-OPT); the stage's single APPLY where every layer is COMM-OPT;
-- each device's memory is `planner.problem.step_timeline.static_bytes` as a linear expression of the literals
-  (statistics, two decompositions and the optimizer state where it keeps them, the largest shared-gradient buffer) under
-  the cumulative of activations and kept a/e.
-
-The step timeline is what the literals cannot move inside a window of fixed F/B work, so it is fixed per
-option set:
-- a stage whose slot, in the reference step (`planner.problem.step_timeline.reference_programs`), precedes an F/B or a
-  gradient all-reduce on one of its copies (Chimera's first stage of each device, the first chunk of
-  interleaved; `timeline_stages`) moves that work with its distribution: such stages keep one option set per
-  joint solve, the strategies of `planner.search.choose.candidate_strategies` in turn (an enumeration, stated as
-  such), and CP-SAT chooses per layer on every other stage;
-- every other stage's slot comes after all fixed work of its copies, so its options change only where the
-  step ends: the reference step of an option set P is L(P) = the latest of the fixed work's end and each
-  stage's all-reduce end plus its slot (`reference_step`), exactly the simulated step. CP-SAT first finds the
-  least L over the option sets that meet the static memory (`planner.search.cpsat.least_step`), which is
-  the plan's step time at max_overhead 0; then every stage group is placed at that step length Λ (plus the
-  stretch max_overhead allows, [Note: stretch] in planner/plan/window.py) with its literals free, each slot within
-  [its all-reduce end, step end). A window of k steps of length Λ is the same for every option set whose
-  reference step fits Λ: the plan's reference step is its own option set's L (the validator's), and its
-  max_overhead is measured against that L, as for a forced strategy; L is never below the least one, so the
-  stretch a plan uses is within what its own reference allows.
-The chosen distributions become `Problem.with_distributions(...)`; each group's placement is moved into that
-problem's own windows (`transfer`, which checks they are the same windows) and assembled as `solve` assembles
-its own: lowering, validator, simulator and runtime see a plan like any other.
+[Note: joint strategy] With the strategy left to the planner, the same model chooses each layer's KAISA distribution
+(planner/problem/strategy.py: COMM-OPT, HYBRID per grad-worker count dividing the copies, MEM-OPT, each per column;
+DP-KFAC only when the user asks for it) while it places the refresh work. A `Frame` makes every layer's options
+Boolean literals:
+- a DECOMP runs on a rank of the chosen option's column; each option's BCAST is an optional interval over it;
+- each stage's per-step slot lasts a linear function of the literals (`slot_need`);
+- each device's memory is `static_bytes` as a linear expression of the literals, under the cumulative.
+The literals cannot move the step's fixed work, except on stages whose slot precedes an F/B or all-reduce of their
+copies (`timeline_stages`: Chimera's first stage per device, interleaved's first chunk): those keep one option set per
+solve (`planner.search.choose.candidate_strategies`, enumerated). Elsewhere an option set P changes only where the
+step ends: its reference step L(P) is the latest of the fixed work's end and each free stage's all-reduce end plus its
+slot (`reference_step`, exactly the simulated step). `least_step` finds the least L within static memory (the step at
+max_overhead 0); each group is placed at that length plus the allowed stretch with its literals free, and a plan's
+max_overhead is measured against its own option set's L, never below the least. The chosen distributions become
+`Problem.with_distributions(...)` and each placement moves into that problem's own window (`transfer`), so lowering,
+validator, simulator and runtime see a plan like any other.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from functools import lru_cache
@@ -89,17 +57,16 @@ _FIXED = frozenset({OpKind.FWD, OpKind.BWD, OpKind.BWD_W, OpKind.ALLREDUCE_GRAD}
 
 
 NS = 1_000_000_000
-"""Nanoseconds per second: the step models' unit (a step of seconds stays far inside CP-SAT's integers)."""
+"""Nanoseconds per second: the step models' unit."""
 
 Ticks = Callable[[float], int]
-"""Seconds to a model's integer unit (ticks of a window, rounded up; or nanoseconds)."""
+"""Seconds to a model's integer unit (window ticks, rounded up; or nanoseconds)."""
 
 
 @dataclass(frozen=True)
 class Option:
-    """One distribution a layer may take, with what it costs in seconds: its DECOMP's ranks (`workers`), the
-    BCAST of each part within them (absent: one worker), the per-step work on each worker and the BCAST_PREC
-    on every copy."""
+    """One distribution a layer may take and its seconds: its DECOMP's ranks (`workers`), the BCAST of each part
+    among them (none with one worker), the per-step work on each worker and the BCAST_PREC on every copy."""
 
     where: LayerDistribution
     workers: tuple[int, ...]
@@ -109,31 +76,25 @@ class Option:
 
     @property
     def comm_opt(self) -> bool:
-        """Whether it is COMM-OPT (its stage may then have one APPLY and no shared gradients)."""
         return self.where == LayerDistribution()
 
 
 Options = Mapping[str, tuple[Option, ...]]
 """Every layer's options, by name."""
 
+Literals = Mapping[str, list[cp_model.IntVar]]
+"""One Boolean per option of every layer, by name."""
+
 
 def options_of(problem: Problem, layer: str, free: bool) -> tuple[Option, ...]:
     """The options of `layer`: every KAISA distribution when `free`, else the problem's own."""
     copies = copies_of_stage(problem, problem.costs.stage_of(layer))
-    chosen = layer_options(problem, layer) if free else (problem.where(layer),)
     out = []
-    for where in chosen:
+    for where in layer_options(problem, layer) if free else (problem.where(layer),):
         workers = grad_workers(copies, where)
         parts = {p.part: bcast_seconds(problem, layer, p.part, where) for p in problem.costs.layer(layer).parts}
-        out.append(
-            Option(
-                where,
-                workers,
-                parts if len(workers) > 1 else {},  # as the window has a BCAST task, however short
-                apply_seconds(problem, layer),
-                share_seconds(problem, layer, where),
-            )
-        )
+        bcast = parts if len(workers) > 1 else {}  # as the window has a BCAST task, however short
+        out.append(Option(where, workers, bcast, apply_seconds(problem, layer), share_seconds(problem, layer, where)))
     return tuple(out)
 
 
@@ -143,15 +104,15 @@ def ns(seconds: float) -> int:
 
 
 def layer_options(problem: Problem, layer: str) -> tuple[LayerDistribution, ...]:
-    """Every KAISA distribution of `layer` over its stage's copies: COMM-OPT, HYBRID per grad-worker count g
-    (1 < g < H, g divides H) with each of its H / g columns, MEM-OPT with each of its H columns; COMM-OPT alone
-    on a stage with one copy, and for a streamed layer (its helper's result replaces every copy's gradient)."""
+    """Every KAISA distribution of `layer` over its stage's H copies: COMM-OPT, HYBRID per grad-worker count g
+    dividing H with each of its H / g columns, MEM-OPT with each of its H columns; COMM-OPT alone for a streamed layer
+    (its helper's result replaces every copy's gradient)."""
     H = len(copies_of_stage(problem, problem.costs.stage_of(layer)))
     out = [LayerDistribution()]
     if problem.streaming is not None and layer in problem.streaming.layers:
         return tuple(out)
     for g in range(H - 1, 0, -1):
-        if H % g or H == 1:
+        if H % g:
             continue
         strategy = Strategy(StrategyKind.MEM_OPT) if g == 1 else Strategy(StrategyKind.HYBRID, Fraction(g, H))
         out += [LayerDistribution(strategy, column) for column in range(H // g)]
@@ -171,17 +132,12 @@ def timeline_stages(problem: Problem) -> frozenset[int]:
     return frozenset(out)
 
 
-def _gradient_seconds(problem: Problem, layer: LayerCost) -> float:
-    """Seconds of the layer's gradient STATS at every step on each of its grad workers."""
-    stage = problem.costs.stage_of(layer.name)
-    return sum(secs for op, secs in gradient_stats(problem.costs.stages[stage], stage) if op.layer == layer.name)
-
-
 def apply_seconds(problem: Problem, layer: str) -> float:
-    """Seconds of `layer`'s per-step work on each of its grad workers in a stage that is not all COMM-OPT:
-    its gradient STATS and its own APPLY."""
-    x = problem.costs.layer(layer)
-    return _gradient_seconds(problem, x) + x.prec
+    """Seconds of `layer`'s per-step work on each grad worker where its stage is not all COMM-OPT: its gradient
+    STATS and its own APPLY."""
+    stage = problem.costs.stage_of(layer)
+    stats = sum(secs for op, secs in gradient_stats(problem.costs.stages[stage], stage) if op.layer == layer)
+    return stats + problem.costs.layer(layer).prec
 
 
 def comm_slot_seconds(problem: Problem, stage: int) -> float:
@@ -191,8 +147,7 @@ def comm_slot_seconds(problem: Problem, stage: int) -> float:
 
 
 def share_seconds(problem: Problem, layer: str, where: LayerDistribution) -> float:
-    """Seconds of `layer`'s BCAST_PREC on every copy of its stage under `where` (each copy is in one row; 0
-    under COMM-OPT)."""
+    """Seconds of `layer`'s BCAST_PREC on every copy under `where` (each copy is in one row; 0 under COMM-OPT)."""
     stage = problem.costs.stage_of(layer)
     copies = copies_of_stage(problem, stage)
     rows = receivers(copies, where)
@@ -214,32 +169,18 @@ def bcast_seconds(problem: Problem, layer: str, part: str, where: LayerDistribut
     return problem.costs.collective_seconds(op, len(workers))
 
 
-def _gradient_fed(layer: LayerCost) -> bool:
-    return all(p.after is OpKind.ALLREDUCE_GRAD for p in layer.parts)
-
-
 def held_bytes(problem: Problem, device: int, layer: str, where: LayerDistribution) -> tuple[int, int]:
     """(bytes `device` keeps of `layer` across steps, its shared-gradient buffer) under `where`: the terms of
     `planner.problem.step_timeline.static_bytes`."""
     x = problem.costs.layer(layer)
     copies = copies_of_stage(problem, problem.costs.stage_of(layer))
-    held = holding(device, copies, where, _gradient_fed(x))
+    held = holding(device, copies, where, all(p.after is OpKind.ALLREDUCE_GRAD for p in x.parts))
     kept = x.factor_bytes * (held.statistics + 2 * held.decompositions) + x.state_bytes * held.decompositions
     return kept, x.gradient_bytes * held.shares_gradient
 
 
-def base_bytes(problem: Problem, device: int) -> int:
-    """What `planner.problem.step_timeline.static_bytes` counts on `device` whatever the distributions: parameters and
-    gradients (twice) and the largest error peak of one backward."""
-    stages = stages_on_device(problem, device)
-    return sum(2 * problem.costs.stages[s].param_bytes for s in stages) + max(
-        (problem.costs.stages[s].peak_err_bytes for s in stages), default=0
-    )
-
-
 def step_fixed_end(problem: Problem, free: frozenset[int]) -> float:
-    """The end of the reference step's work other than the slots of the `free` stages (which come last on every
-    copy): F/B, all-reduces and the other stages' slots, as the problem's own distributions make them."""
+    """The end of the reference step's work but the `free` stages' slots (which come last on every copy)."""
     step = step_timeline(problem)
     return max(
         (
@@ -253,39 +194,28 @@ def step_fixed_end(problem: Problem, free: frozenset[int]) -> float:
 
 
 def reference_step(problem: Problem, free: frozenset[int], distributions: Mapping[str, LayerDistribution]) -> float:
-    """L(P) of [Note: joint strategy]: the reference step of `problem` with the `free` stages' layers distributed
-    as `distributions` (the others as in `problem`), from the fixed end and the free slots' sums alone."""
+    """L(P) of [Note: joint strategy]: `problem`'s reference step with the `free` stages' layers distributed as
+    `distributions` (the others as in `problem`): each free slot is its all-COMM-OPT APPLY, or the longest apply
+    work on a copy and then every BCAST_PREC."""
     step = step_timeline(problem)
     end = step_fixed_end(problem, free)
     for s in sorted(free):
-        names = [x.name for x in problem.costs.stages[s].layers]
-        where = {n: distributions.get(n, LayerDistribution()) for n in names}
-        released = step.allreduce_end[copies_of_stage(problem, s)[0], s]
-        end = max(end, released + slot_seconds_of(problem, s, where))
+        where = {x.name: distributions.get(x.name, LayerDistribution()) for x in problem.costs.stages[s].layers}
+        copies = copies_of_stage(problem, s)
+        if all(w == LayerDistribution() for w in where.values()):
+            slot = comm_slot_seconds(problem, s)
+        else:
+            work = [
+                sum(apply_seconds(problem, n) for n, w in where.items() if c in grad_workers(copies, w)) for c in copies
+            ]
+            slot = max(work) + sum(share_seconds(problem, n, w) for n, w in where.items())
+        end = max(end, step.allreduce_end[copies[0], s] + slot)
     return end
 
 
-def slot_seconds_of(problem: Problem, stage: int, where: Mapping[str, LayerDistribution]) -> float:
-    """Seconds of `stage`'s slot on each copy with its layers distributed as `where` (see [Note: joint
-    strategy]): its all-COMM-OPT APPLY, or the longest apply work on a copy and then every BCAST_PREC."""
-    if all(w == LayerDistribution() for w in where.values()):
-        return comm_slot_seconds(problem, stage)
-    copies = copies_of_stage(problem, stage)
-    lead = max(sum(apply_seconds(problem, n) for n, w in where.items() if c in grad_workers(copies, w)) for c in copies)
-    return lead + sum(share_seconds(problem, n, w) for n, w in where.items())
-
-
-def anchor_window(
-    problem: Problem, group: StageGroup, k: int, stretch: int, scale: tuple[float, bool], *, stats_chunk: int
-) -> Window:
-    """The window of `group` at period k with `stretch` idle ticks per step on the grid `scale`, nothing fused."""
-    return build_window(problem, group, k, stats_chunk=stats_chunk, stretch=stretch, scale=scale)
-
-
 def restretch_joint(placement: GroupSolution, step: int) -> GroupSolution:
-    """`placement` (of a window with nothing fused) in a window of the same problem whose steps last `step` >= its
-    own ticks: every start in window step j moves j times the added ticks later (as `planner.search.greedy.restretch`:
-    each op keeps its place inside its step, so it stays valid)."""
+    """`placement` (nothing fused) in its problem's window whose steps last `step` >= its own ticks: a start in window
+    step j moves j times the added ticks later, keeping its place in its step (as `planner.search.greedy.restretch`)."""
     w = placement.window
     before = placement.step_ticks
     delta = step - before
@@ -293,7 +223,8 @@ def restretch_joint(placement: GroupSolution, step: int) -> GroupSolution:
         return placement
     if delta < 0:
         raise AssertionError(f"restretch_joint only lengthens: {before} -> {step} ticks per step")
-    new = anchor_window(w.problem, w.group, w.k, w.stretch + delta, (w.scale, w.exact), stats_chunk=w.stats_chunk)
+    scale = (w.scale, w.exact)
+    new = build_window(w.problem, w.group, w.k, stats_chunk=w.stats_chunk, stretch=w.stretch + delta, scale=scale)
     tasks = {task.name: task for task in new.tasks}
 
     def move(t: int) -> int:
@@ -319,19 +250,24 @@ def window_at(
     """`problem`'s window of `group` at period k whose steps last `step` ticks (its reference and a stretch); None
     when its reference step is longer."""
     stretch = step - reference_ticks(problem, scale)
-    return None if stretch < 0 else anchor_window(problem, group, k, stretch, scale, stats_chunk=stats_chunk)
+    if stretch < 0:
+        return None
+    return build_window(problem, group, k, stats_chunk=stats_chunk, stretch=stretch, scale=scale)
 
 
 def transfer(placement: GroupSolution, problem: Problem) -> GroupSolution | None:
     """`placement` (a joint solve's, or first-fit's of a candidate) as a solution of `problem`'s own window of the
-    group (`problem` has the chosen distributions), its stretch what makes its steps as long as the placement's;
-    None when that window is not the placement's (other fixed work, activations, releases or deadlines, a task or
-    slot longer than the one placed), or when it holds a third decomposition over the memory budget
-    (`planner.plan.solution.remade_spans`): the caller then plans `problem` itself."""
+    group (`problem` has the chosen distributions) with steps as long; None when that window differs (fixed work,
+    activations, slots' places, a task or slot longer than the one placed) or holds a third decomposition over the
+    memory budget: the caller then plans `problem` itself."""
     w = placement.window
     target = window_at(problem, w.group, w.k, placement.step_ticks, (w.scale, w.exact), stats_chunk=w.stats_chunk)
+    if target is None:
+        return None
     slot_ticks = {p.stage: p.ticks for p in w.precs} | dict(placement.slot_ticks)
-    if target is None or not _same_frame(w, target) or any(p.ticks > slot_ticks[p.stage] for p in target.precs):
+    slots = [[(p.device, p.stage, p.step, p.release, p.deadline) for p in x.precs] for x in (w, target)]
+    frame = [(x.offsets, x.leads, x.fixed, x.acts) for x in (w, target)]
+    if frame[0] != frame[1] or slots[0] != slots[1] or any(p.ticks > slot_ticks[p.stage] for p in target.precs):
         return None
     named, inv_devices = placement.named_starts(), placement.inv_devices()
     starts, devices = [], []
@@ -342,56 +278,29 @@ def transfer(placement: GroupSolution, problem: Problem) -> GroupSolution | None
             return None
         starts.append(at)
         devices.append(device)
-    chosen = tuple(starts)
-    solution = GroupSolution(
-        target,
-        chosen,
-        tuple(devices),
-        placement.prec_starts,
-        use_offsets(target, chosen, placement.prec_starts),
-        "cpsat",
-        placement.status,
-        placement.k_lower_bound,
-    )
+    chosen, precs, lower = tuple(starts), placement.prec_starts, placement.k_lower_bound
+    offsets = use_offsets(target, chosen, precs)
+    solution = GroupSolution(target, chosen, tuple(devices), precs, offsets, "cpsat", placement.status, lower)
     return solution if fits_memory(solution) else None  # a third decomposition over the budget: planned apart
 
 
-def _same_frame(a: Window, b: Window) -> bool:
-    """Whether windows `a` and `b` have the same steps, fixed work, activations and slots' places (release,
-    deadline), so that a placement in one is a placement in the other."""
-    slots = [(p.device, p.stage, p.step, p.release, p.deadline) for p in a.precs]
-    return (a.offsets, a.leads, a.fixed, a.acts) == (b.offsets, b.leads, b.fixed, b.acts) and slots == [
-        (p.device, p.stage, p.step, p.release, p.deadline) for p in b.precs
-    ]
-
-
-log = logging.getLogger(__name__)
-
 _FEW_WORKER_SUBSOLVERS = ("quick_restart_no_lp", "default_lp")
-"""With 2 workers CP-SAT runs one full-problem subsolver (default_lp), which often finds no window
-placement within seconds where quick_restart_no_lp (in the 8-worker portfolio) finds one in well under
-a second (benchmarks/paper_configs.py, Chimera), and proves the least staleness 5x sooner
-(benchmarks/planner_scaling.py, D=8): with few workers, it comes first."""
-
+"""With few workers quick_restart_no_lp comes first: alone, default_lp often found no window placement within
+seconds where it finds one in under a second (benchmarks/paper_configs.py, Chimera), and it proves the least
+staleness 5x sooner (benchmarks/planner_scaling.py, D=8)."""
 
 FEASIBILITY_PROBING_LEVEL = 0
-"""CP-SAT's presolve probing (`cp_model_probing_level`; its default, 2, probes every Boolean) when a window solve only
-looks for a placement (a period search's probe), where it spent the probe's share of the budget before any search:
-`fxkfac plan bert-large -D 8 -N 8 --schedule chimera --costs paper:bert-large/p100 --kl-clip-scope stale
---profile-layers sublayer --decomp-pieces 4` spent 17.0 s in CP-SAT (61 calls; one probe given 0.005 deterministic
-s took 0.37 s of wall time with probing, 0.07-0.11 s without) and kept an unstreamed plan, +1.8% a step; without probing
-in the probes 8.9 s (41 calls) and a plan streamed at the bound, +0.9%. The small Chimera case of
-tests/planner/test_cpsat.py reaches its bound in 1 s only without. Solves that optimize keep it, as it shortens their
-proofs (planner_scaling's D=8 optimal in 2.5 s, 4.0 s with no probing anywhere), and so do the joint models
-(a `Frame`'s), whose layer options are Booleans (without it a joint 1F1B plan stretched its step 2.1%
-where forcing MEM-OPT stretched 1.3%, tests/planner/test_joint_strategy.py)."""
+"""CP-SAT's presolve probing (default 2) when a window solve only looks for a placement: probing spent a probe's
+budget before any search (BERT-Large Chimera D=8 on the paper profiles: 17.0 s of CP-SAT and an unstreamed plan at
++1.8% with it, 8.9 s and a streamed plan at the bound, +0.9%, without). Solves that optimize and the joint models keep
+the default, which shortens their proofs (planner_scaling's D=8 optimal in 2.5 s rather than 4.0 s)."""
 
 
 @dataclass
 class Vars:
-    """The model and its variables, by task index / APPLY slot index; with a `Frame`, the options': per layer its
-    literals; per (layer, part) its BCAST's start, position, whether it has one, and its end; per stage its slot's
-    ticks; per device the (ticks, literal) of each optional BCAST on it."""
+    """The model and its variables, by task and APPLY slot index; with a `Frame`, per layer its option literals,
+    per (layer, part) its BCAST's (start, pos, has one, end), per stage its slot's ticks, per device the (ticks,
+    literal) of each optional BCAST on it."""
 
     model: cp_model.CpModel
     start: list[cp_model.IntVar] = field(default_factory=list)
@@ -411,8 +320,8 @@ class Vars:
 def modular(
     v: Vars, name: str, lo: int, hi: int, ticks: int, length: int, wraps: bool = False
 ) -> tuple[cp_model.IntVar, ...]:
-    """An absolute start in [lo, hi] that lies, with its length, inside one window, or with `wraps` may run past its
-    end into the next: (start, pos, late)."""
+    """An absolute start in [lo, hi] whose interval lies inside one window (with `wraps`, may run past its end):
+    (start, pos, late)."""
     m = v.model
     start = m.new_int_var(lo, max(lo, hi), f"start_{name}")
     pos = m.new_int_var(0, length - (1 if wraps else ticks), f"pos_{name}")
@@ -422,21 +331,15 @@ def modular(
 
 
 def add_tasks(v: Vars, w: Window, free_w: bool = True) -> None:
-    """Every task on its device(s). At refresh period 1, where the window's end is no step boundary of the group
-    (`Window.leads`[0] > 0, [Note: step barrier] in planner/plan/window.py), a task may run past it: its interval is
-    laid twice, at pos and at pos - L, so that no-overlap within [-L, 2L) is no-overlap modulo L (every other interval
-    lies in [0, L)). At k >= 2 the window's inner boundaries already join each step's idle, and the doubled intervals
-    slowed the search more than they helped (BERT-Large Chimera D=8: refresh 4-6 with them, 4-5 without).
-    `free_w` False: each W task at its schedule position (a search for any placement, [Note: placed W] in
-    planner/plan/window.py)."""
+    """Every task on its device(s). At k = 1 with `Window.leads`[0] > 0 ([Note: step barrier] in
+    planner/plan/window.py) a task may run past the window's end: its interval is laid at pos and at pos - L, so
+    no-overlap in [-L, 2L) is no-overlap modulo L (at k >= 2 doubled intervals slowed the search more than they
+    helped). `free_w` False: each W at its schedule position ([Note: placed W] in planner/plan/window.py)."""
     L = w.length
     wraps = w.k == 1 and w.leads[0] > 0
     for task in w.tasks:
-        lo = (
-            max(w.earliest(task, d) for d in task.devices)
-            if task.kind is not TaskKind.INV
-            else min(w.earliest(task, d) for d in task.devices)
-        )
+        earliest = [w.earliest(task, d) for d in task.devices]
+        lo = min(earliest) if task.kind is TaskKind.INV else max(earliest)  # an INV's device is chosen
         due = w.horizon if task.deadline is None else task.deadline  # a W's: its stage's update
         if task.kind is TaskKind.WGRAD and not free_w and task.home is not None:
             lo, due = task.home, task.home + task.ticks  # where the schedule runs it
@@ -463,9 +366,8 @@ def add_tasks(v: Vars, w: Window, free_w: bool = True) -> None:
 
 
 def add_precedences(v: Vars, w: Window) -> None:
-    """sync after every curvature of its factor (a fused part's: every W of the refresh step that folds it),
-    inversion after sync (or curvature), broadcast after inversion; the next refresh (L later) must find the
-    factor's buffers free and its a/e consumed."""
+    """Per factor: curvature (a fused part's: the refresh step's W's that fold it), sync, decomposition, broadcast
+    in order; the next refresh (L later) finds the factor's buffers free and its a/e consumed."""
     L, m = w.length, v.model
     by_factor: dict[tuple[str, str], dict[TaskKind, list[int]]] = {}
     for i, task in enumerate(w.tasks):
@@ -488,8 +390,8 @@ def add_precedences(v: Vars, w: Window) -> None:
 
 
 def add_piece_chains(v: Vars, w: Window) -> None:
-    """The pieces of one decomposition run in order on one rank (its carry lives there), and a refresh that the
-    next one warm-starts from is made and broadcast before that one's first decomposition starts (`warm_starts`)."""
+    """A decomposition's pieces run in order on one rank (its carry lives there); a refresh the next one warm-starts
+    from is made and broadcast before that one's first decomposition (`warm_starts`)."""
     m = v.model
     for chain in inv_chains(w):
         for a, b in zip(chain, chain[1:]):
@@ -501,10 +403,9 @@ def add_piece_chains(v: Vars, w: Window) -> None:
 
 
 def _add_precs(v: Vars, w: Window) -> None:
-    """Every APPLY slot on its device; the slots of one stage and step that broadcast preconditioned gradients
-    start together on every copy (`PrecSlot.shares`). An empty slot (every layer of its stage streamed to helpers)
-    runs nothing and holds no interval: CP-SAT's no-overlap takes an empty interval for a point no other interval
-    may hold inside, so at its reference place, inside the next step's early F/B, it made the window infeasible."""
+    """Every APPLY slot on its device, the slots of a stage and step that broadcast preconditioned gradients starting
+    together (`PrecSlot.shares`). An empty slot (its stage's layers all streamed) holds no interval: CP-SAT's
+    no-overlap takes one for a point nothing may hold inside, which made windows infeasible."""
     first: dict[tuple[int, int], int] = {}
     for n, slot in enumerate(w.precs):
         name = f"prec_s{slot.stage}_r{slot.device}_j{slot.step}"
@@ -520,7 +421,7 @@ def _add_precs(v: Vars, w: Window) -> None:
 
 @dataclass(frozen=True)
 class Frame:
-    """What one group's joint models share: every layer's options, each stage's all-reduce end (ns) and the grid."""
+    """What a group's joint models share: every layer's options, each stage's all-reduce end (ns) and the grid."""
 
     options: Options
     release_ns: Mapping[int, int]
@@ -553,8 +454,8 @@ def _add_choices(v: Vars, w: Window, options: Options) -> None:
 
 
 def _add_bcasts(v: Vars, w: Window, options: Options) -> None:
-    """Per (layer, part), one start for the BCAST of whichever option is chosen and an optional interval on each rank
-    of each option's column; after the part's DECOMP, before the next refresh's first DECOMP of the layer."""
+    """Per (layer, part), one start for the chosen option's BCAST and an optional interval on each rank of each
+    option's column; after the part's DECOMP, before the next refresh's first DECOMP of the layer."""
     m, L = v.model, w.length
     chains = {w.tasks[c[0]].factors[0]: c for c in inv_chains(w)}
     firsts: dict[str, set[int]] = {}
@@ -589,10 +490,9 @@ def _add_bcasts(v: Vars, w: Window, options: Options) -> None:
 
 
 def _add_slots(v: Vars, w: Window, options: Options, release_ns: Mapping[int, int]) -> None:
-    """Every slot on its device, as long as its stage's options make it (clamped to the room between its release and
-    deadline, as the window clamps its own); each stage's reference slot, from its all-reduce end (`release_ns`),
-    ends where the window's step rounds to (so the chosen problem's reference step fits it); the copies start a
-    slot that broadcasts preconditioned gradients together."""
+    """Every slot on its device, as long as its stage's options make it (within its room, as the window clamps its
+    own); each stage's reference slot from its all-reduce end (`release_ns`) ends where the window's step rounds to
+    (so the chosen problem's reference step fits it); copies start a slot that broadcasts gradients together."""
     m, L = v.model, w.length
     tick_ns = NS / w.scale
     bound = ns((w.offsets[1] + 0.5) / w.scale) - min(1000, round(tick_ns / 4))
@@ -620,10 +520,7 @@ def _add_slots(v: Vars, w: Window, options: Options, release_ns: Mapping[int, in
         for n in slots:
             slot = w.precs[n]
             name = f"prec_s{s}_r{slot.device}_j{slot.step}"
-            start = m.new_int_var(slot.release, max(slot.release, slot.deadline - 1), f"start_{name}")
-            pos = m.new_int_var(0, L - 1, f"pos_{name}")
-            late = m.new_bool_var(f"late_{name}")
-            m.add(start == pos + L * late)
+            start, pos, _ = modular(v, name, slot.release, slot.deadline - 1, 1, L)
             m.add(start + ticks <= slot.deadline)
             end = m.new_int_var(1, L, f"end_{name}")
             m.add(end == pos + ticks)
@@ -637,8 +534,8 @@ def _add_slots(v: Vars, w: Window, options: Options, release_ns: Mapping[int, in
 
 
 def _add_energy(v: Vars, w: Window) -> None:
-    """Redundant: the work each device runs (tasks, BCASTs of the chosen options, slots) fits the time the fixed work
-    leaves it in the window (a linear bound the no-overlap implies, which proves a step too short at once)."""
+    """Redundant: each device's work (tasks, chosen BCASTs, slots) fits the time its fixed work leaves in the window
+    (implied by the no-overlap, but it proves a step too short at once)."""
     m = v.model
     for d in w.group.devices:
         load = []
@@ -662,8 +559,8 @@ def _add_w_updates(v: Vars, w: Window) -> None:
 
 
 def _add_slot_releases(v: Vars, w: Window) -> None:
-    """A decomposition of a gradient-fed part starts after the refresh step's slot of its stage on the device it
-    runs on, whose STATS snapshot its statistic ([Note: gradient parts] in planner/plan/window.py)."""
+    """A gradient-fed part's decomposition starts after its stage's refresh-step slot on its device, whose STATS
+    snapshot its statistic ([Note: gradient parts] in planner/plan/window.py)."""
     for i, task in enumerate(w.tasks):
         if task.after_slot:
             for d, present in v.present[i].items():
@@ -673,8 +570,8 @@ def _add_slot_releases(v: Vars, w: Window) -> None:
 
 
 def _add_memory(v: Vars, w: Window, options: Options | None) -> None:
-    """Per device: activations (fixed) + a/e kept from F/B end to the curvature's end <= its capacity: the
-    window's, or with `options` the budget less the static bytes the literals make."""
+    """Per device, activations and kept a/e within its capacity: the window's, or with `options` the budget less the
+    static bytes the literals make."""
     budget = w.problem.memory_budget
     caps = [c for c in w.capacity.values() if c is not None]
     top = budget if options is not None else max(caps, default=None)
@@ -694,9 +591,8 @@ def _add_memory(v: Vars, w: Window, options: Options | None) -> None:
 
 
 def memory_items(v: Vars, w: Window, d: int, unit: int) -> tuple[list[cp_model.IntervalVar], list[int]]:
-    """Device d's memory users besides its static bytes, as intervals and demands in `unit` bytes (rounded up):
-    the activations (fixed), and the a/e each deferred curvature keeps from its F/B's end to its own end (a W's
-    operands, from its B's end to its own end)."""
+    """Device d's memory users besides its static bytes, as intervals and demands in `unit` bytes (rounded up): the
+    activations, and what each deferred curvature (a W) keeps from its F/B's (B's) end to its own end."""
     L, m = w.length, v.model
     intervals, demands = [], []
     for s, e, nbytes in w.acts[d]:
@@ -720,9 +616,9 @@ def memory_items(v: Vars, w: Window, d: int, unit: int) -> tuple[list[cp_model.I
 
 
 def _add_staleness(v: Vars, w: Window) -> list[cp_model.LiteralT]:
-    """use_offset(layer) = number of the window's steps whose slot starts before its decompositions and their
-    broadcasts are done (`planner.plan.solution.use_offsets`; with options, the chosen option's broadcast, through one
-    'ready' variable per layer); returns the negated 'ready by step j' flags."""
+    """The negated flags 'layer ready by its slot in window step j' (of 2k, monotone in j), whose sum is the use
+    offsets (`planner.plan.solution.use_offsets`): ready once its decompositions and broadcasts are done (with
+    options, the chosen option's broadcast, through one 'ready' variable per layer)."""
     m = v.model
     ends: dict[str, list[cp_model.LinearExprT]] = {}
     for i, task in enumerate(w.tasks):
@@ -738,13 +634,7 @@ def _add_staleness(v: Vars, w: Window) -> list[cp_model.LiteralT]:
         m.add(ends[layer][0] >= v.start[i] + task.ticks)
     for (layer, _), (_, _, has, end) in v.bcast.items():
         m.add(ends[layer][0] >= end).only_enforce_if(has)
-    return not_ready_flags(v, w, ends)
-
-
-def not_ready_flags(v: Vars, w: Window, ends: Mapping[str, Sequence[cp_model.LinearExprT]]) -> list[cp_model.LiteralT]:
-    """Per layer and window step j (of 2k), a flag 'every one of `ends` is done by the layer's slot in step j',
-    monotone in j; returns the negated flags, whose sum is the window's use offsets (the staleness objective)."""
-    m, k, L = v.model, w.k, w.length
+    k, L = w.k, w.length
     not_ready: list[cp_model.LiteralT] = []
     for layer, items in ends.items():
         stage = w.problem.costs.stage_of(layer)
@@ -763,9 +653,12 @@ def not_ready_flags(v: Vars, w: Window, ends: Mapping[str, Sequence[cp_model.Lin
 
 
 def break_layer_symmetry(v: Vars, w: Window) -> None:
-    """Layers of one stage with equal costs (BERT's blocks; q, k, v) are interchangeable: relabeling all
-    their tasks maps a placement to an equally good one, so the decompositions of their first part start in layer
-    order."""
+    """Layers of a stage with equal costs (BERT's blocks; q, k, v) are interchangeable (relabeling their tasks maps a
+    placement to an equally good one), so their first part's decompositions start in layer order."""
+
+    def key(x: LayerCost) -> tuple[object, ...]:
+        return (x.parts, x.prec, x.name in w.fused)
+
     first = {x.name: x.parts[0].part for s in w.group.stages for x in w.problem.costs.stages[s].layers if x.parts}
     inv_a = {
         task.factors[0][0]: i
@@ -775,33 +668,21 @@ def break_layer_symmetry(v: Vars, w: Window) -> None:
     for s in w.group.stages:
         layers = w.problem.costs.stages[s].layers
         for a, b in zip(layers, layers[1:]):
-            if a.name in inv_a and b.name in inv_a and _interchangeable(a, b, w.fused):
+            if a.name in inv_a and b.name in inv_a and key(a) == key(b):
                 v.model.add(v.start[inv_a[a.name]] <= v.start[inv_a[b.name]])
-
-
-def _interchangeable(a: LayerCost, b: LayerCost, fused: frozenset[str]) -> bool:
-    def key(x: LayerCost) -> tuple[object, ...]:
-        return (x.parts, x.prec, x.name in fused)
-
-    return key(a) == key(b)
-
-
-def add_fixed(v: Vars, w: Window) -> None:
-    """The window's fixed work (F/B, the gradient all-reduce, step boundaries) as fixed intervals per device."""
-    for d in w.group.devices:
-        for s, e in w.fixed[d]:
-            v.intervals_of_device[d].append(v.model.new_fixed_size_interval_var(s, e - s, f"fixed_r{d}_{s}"))
 
 
 def _build(
     w: Window, frame: Frame | None, optimize: bool, break_symmetry: bool = True, *, free_w: bool = True
 ) -> tuple[Vars, Window]:
-    """The window's CP-SAT model, every constraint of a valid placement and (`break_symmetry`) an order among
-    interchangeable layers that prunes relabeled twins (`optimize`: with the staleness objective), and the window of
-    the tasks it places: with a `frame`, the options' (BCAST apart, each DECOMP on any rank an option allows)."""
+    """The window's CP-SAT model (`optimize`: with the staleness objective; `break_symmetry`: interchangeable layers
+    ordered) and the window of the tasks it places: with a `frame`, the options' (BCAST apart, each DECOMP on any
+    rank an option allows)."""
     v = Vars(cp_model.CpModel(), intervals_of_device={d: [] for d in w.group.devices})
     placed = w if frame is None else replace(w, tasks=placed_tasks(w, frame.options))
-    add_fixed(v, placed)
+    for d in placed.group.devices:  # the fixed work: F/B, gradient all-reduces, step boundaries
+        for s, e in placed.fixed[d]:
+            v.intervals_of_device[d].append(v.model.new_fixed_size_interval_var(s, e - s, f"fixed_r{d}_{s}"))
     add_tasks(v, placed, free_w=free_w)
     add_precedences(v, placed)
     add_piece_chains(v, placed)
@@ -859,9 +740,10 @@ def solve_window(
     optimize: bool = True,
     frame: Frame | None = None,
 ) -> tuple[str, GroupSolution | None]:
-    """Solve one window (optimize: least staleness, else any feasible placement), with `frame` choosing every
-    layer's distribution (else the window problem's own), within `time_limit` of `meter`'s clock, charged to it:
-    (status, solution)."""
+    """Solve one window (optimize: least staleness, else any placement), with `frame` choosing every layer's
+    distribution (else the window problem's own), within `time_limit` of `meter`'s clock: (status, solution). A
+    search for any placement keeps the W's at their schedule positions, freeing them only where that is proven to have
+    none ([Note: placed W] in planner/plan/window.py)."""
     if frame is None and (
         any(t.ticks > w.length for t in w.tasks) or any(p.deadline - p.release < p.ticks for p in w.precs)
     ):
@@ -870,81 +752,61 @@ def solve_window(
     if meter.deterministic and meter.wall_left() <= 0:
         meter.note_capped(f"{where} not searched")
         return "UNKNOWN", None
-    status, found = _solve_built(w, config, time_limit, meter, hint, optimize, frame, where, free_w=optimize)
+    options = None if frame is None else frame.options
+    limit = max(meter.units(MIN_CALL), time_limit)
+    probing = None if optimize or frame is not None else FEASIBILITY_PROBING_LEVEL
+
+    def attempt(free_w: bool) -> tuple[str, GroupSolution | None]:
+        """One CP-SAT call, the W tasks free or at the schedule's positions."""
+        v, placed = _build(w, frame, optimize, free_w=free_w)
+        if hint is not None and hint.window.offsets == w.offsets:
+            _hint(v, placed, hint, options)
+        reporter = _Reporter(config.progress, w, optimize) if config.progress is not None else None
+        solver, status = _solve(v.model, config, meter, limit, probing=probing, reporter=reporter)
+        name = solver.status_name(status)
+        if reporter is not None:
+            reporter.finish(solver, name)
+        unproven = status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
+        if meter.deterministic and unproven and solver.deterministic_time < limit * CAP_SLACK:
+            meter.note_capped(where)
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return name, None
+        return name, _extract(solver, v, placed, options, name)
+
+    status, found = attempt(free_w=optimize)
     if status == "INFEASIBLE" and not optimize and any(t.kind is TaskKind.WGRAD for t in w.tasks):
-        status, found = _solve_built(w, config, time_limit, meter, hint, optimize, frame, where, free_w=True)
+        status, found = attempt(free_w=True)
     return status, found
 
 
-def _solve_built(
-    w: Window,
-    config: SolverConfig,
-    time_limit: float,
-    meter: Budget,
-    hint: GroupSolution | None,
-    optimize: bool,
-    frame: Frame | None,
-    where: str,
-    *,
-    free_w: bool,
-) -> tuple[str, GroupSolution | None]:
-    """`solve_window`'s one CP-SAT call, the W tasks free or at the schedule's positions (`free_w`, [Note: placed W]
-    in planner/plan/window.py: a search for any placement keeps them there first, and frees them only where that is
-    proven to have none)."""
-    v, placed = _build(w, frame, optimize, free_w=free_w)
-    if hint is not None and hint.window.offsets == w.offsets:
-        _hint(v, placed, hint, None if frame is None else frame.options)
-    limit = max(meter.units(MIN_CALL), time_limit)
-    reporter = _Reporter(config.progress, w, optimize) if config.progress is not None else None
-    probing = None if optimize or frame is not None else FEASIBILITY_PROBING_LEVEL
-    solver, status = _solve(v.model, config, meter, limit, probing=probing, reporter=reporter)
-    name = solver.status_name(status)
-    if reporter is not None:
-        reporter.finish(solver, name)
-    if (
-        meter.deterministic
-        and status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
-        and solver.deterministic_time < limit * CAP_SLACK
-    ):
-        meter.note_capped(where)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return name, None
-    return name, _extract(solver, v, placed, None if frame is None else frame.options, name)
-
-
 def _extract(solver: cp_model.CpSolver, v: Vars, w: Window, options: Options | None, status: str) -> GroupSolution:
-    """The solver's values as a solution of `w` (the window of the tasks placed), with the options chosen."""
+    """The solver's values as a solution of `w` (the window of the tasks placed), with the options chosen; a
+    broadcast's device is its root, its factor's decomposition's."""
     starts = tuple(solver.value(x) for x in v.start)
     devices = []
     for i, task in enumerate(w.tasks):
         chosen = [d for d, flag in v.present[i].items() if solver.boolean_value(flag)]
         devices.append(chosen[0] if chosen else task.devices[0])
-    _root_broadcasts(w, devices)
+    inv_device = {task.factors[0]: devices[i] for i, task in enumerate(w.tasks) if task.kind is TaskKind.INV}
+    for i, task in enumerate(w.tasks):
+        if task.kind is TaskKind.BCAST:
+            devices[i] = inv_device[task.factors[0]]
     precs = tuple(solver.value(x) for x in v.prec)
     choices: dict[str, LayerDistribution] = {}
     for layer, lits in v.lits.items():
         assert options is not None, "literals come with options"
         choices[layer] = next(o.where for o, lit in zip(options[layer], lits) if solver.boolean_value(lit))
     chosen_bcasts = [(key, start, end) for key, (start, _, has, end) in v.bcast.items() if solver.boolean_value(has)]
-    return GroupSolution(
-        w,
-        starts,
-        tuple(devices),
-        precs,
-        use_offsets(w, starts, precs, {layer: solver.value(end) for (layer, _), _, end in chosen_bcasts}),
-        "cpsat",
-        status,
-        1,
-        solver.wall_time,
-        choices,
-        {key: solver.value(start) for key, start, _ in chosen_bcasts},
-        {s: solver.value(t) for s, t in v.slot_ticks.items()},
-    )
+    offsets = use_offsets(w, starts, precs, {layer: solver.value(end) for (layer, _), _, end in chosen_bcasts})
+    bcasts = {key: solver.value(start) for key, start, _ in chosen_bcasts}
+    slots = {s: solver.value(t) for s, t in v.slot_ticks.items()}
+    wall = solver.wall_time
+    return GroupSolution(w, starts, tuple(devices), precs, offsets, "cpsat", status, 1, wall, choices, bcasts, slots)
 
 
 class _Reporter(cp_model.CpSolverSolutionCallback):
-    """Passes what one CP-SAT call finds to `SolverConfig.progress`: each placement (with its staleness and the
-    bound when optimizing), each better bound, then the call's status. It only observes the search."""
+    """Passes what one CP-SAT call finds to `SolverConfig.progress` (each placement, each better bound, then the
+    call's status); it only observes the search."""
 
     def __init__(self, report: Callable[[SolveProgress], None], w: Window, optimize: bool) -> None:
         super().__init__()
@@ -959,11 +821,9 @@ class _Reporter(cp_model.CpSolverSolutionCallback):
         self._send("FEASIBLE", self.objective, self.best_objective_bound if self.optimize else None, False)
 
     def on_bound(self, bound: float) -> None:
-        """CP-SAT proved a better lower bound on the staleness (UNKNOWN: before any placement is found)."""
         self._send("FEASIBLE" if self.objective is not None else "UNKNOWN", self.objective, bound, False)
 
     def finish(self, solver: cp_model.CpSolver, status: str) -> None:
-        """The call's end: its status, and with a placement found its staleness and bound."""
         found = self.optimize and status in ("OPTIMAL", "FEASIBLE")
         self._send(
             status, solver.objective_value if found else None, solver.best_objective_bound if found else None, True
@@ -986,13 +846,25 @@ def _solve(
     probing: int | None = None,
     reporter: _Reporter | None = None,
 ) -> tuple[cp_model.CpSolver, Any]:
-    """The planner's one CP-SAT call: `model` solved with the planner's limits for `limit` in `meter`'s unit (at
-    least `MIN_CALL`), presolve's probing level where given, passing what it finds to `reporter`; charged to
-    `meter`: (the solver, its status)."""
+    """The planner's one CP-SAT call, for `limit` in `meter`'s unit (at least `MIN_CALL`), charged to `meter`: (the
+    solver, its status). Deterministic: one thread running the few-worker portfolio in turn (2 threads are
+    deterministic only with interleave_search, which spent more time for worse placements on BERT-Base Chimera),
+    stopped by max_deterministic_time, with the wall cap as a net."""
     solver = cp_model.CpSolver()
-    set_limits(solver.parameters, config, meter, max(meter.units(MIN_CALL), limit))
+    params, limit = solver.parameters, max(meter.units(MIN_CALL), limit)
+    params.random_seed = config.seed
+    if meter.deterministic:
+        params.max_deterministic_time = limit
+        params.max_time_in_seconds = max(MIN_CALL, meter.wall_left())
+        params.num_workers = 1
+        params.subsolvers.extend(_FEW_WORKER_SUBSOLVERS)
+    else:
+        params.max_time_in_seconds = limit
+        params.num_workers = config.num_workers
+        if config.num_workers <= 2:
+            params.subsolvers.extend(_FEW_WORKER_SUBSOLVERS)
     if probing is not None:
-        solver.parameters.cp_model_probing_level = probing
+        params.cp_model_probing_level = probing
     if reporter is not None and reporter.optimize:
         solver.best_bound_callback = reporter.on_bound
     status = solver.solve(model, reporter)
@@ -1000,36 +872,9 @@ def _solve(
     return solver, status
 
 
-def set_limits(params: Any, config: SolverConfig, meter: Budget, limit: float) -> None:
-    """CP-SAT's limits, workers and seed for one call of `limit` in the meter's unit. Deterministic: one
-    thread running the few-worker portfolio in turn (CP-SAT's sequential loop; 2 threads are
-    deterministic only with interleave_search, which spent more deterministic and wall time for worse
-    placements on BERT-Base Chimera), stopped by max_deterministic_time, with the wall cap as a net."""
-    params.random_seed = config.seed
-    if meter.deterministic:
-        params.max_deterministic_time = limit
-        params.max_time_in_seconds = max(MIN_CALL, meter.wall_left())
-        params.num_workers = 1
-        params.subsolvers.extend(_FEW_WORKER_SUBSOLVERS)
-        return
-    params.max_time_in_seconds = limit
-    params.num_workers = config.num_workers
-    if config.num_workers <= 2:
-        params.subsolvers.extend(_FEW_WORKER_SUBSOLVERS)
-
-
-def _root_broadcasts(w: Window, devices: list[int]) -> None:
-    """A broadcast's device is the root: the device of its factor's inversion."""
-    inv_device = {task.factors[0]: devices[i] for i, task in enumerate(w.tasks) if task.kind is TaskKind.INV}
-    for i, task in enumerate(w.tasks):
-        if task.kind is TaskKind.BCAST:
-            devices[i] = inv_device[task.factors[0]]
-
-
 def energy_bound(w: Window, frame: Frame, base: int, config: SolverConfig, meter: Budget, limit: float) -> int:
-    """The least step (ticks) at which some option set's work, each DECOMP on one rank of its option, fits every
-    device's time beside its fixed work in w's k steps, at least `base` and at most w's step (`base` when none was
-    proven in `limit`)."""
+    """The least step (ticks, from `base` to w's step) at which some option set's work, each DECOMP on a rank of its
+    option, fits every device's time beside its fixed work in w's k steps (`base` when none was proven in time)."""
     k, upper = w.k, w.offsets[1]
     m = cp_model.CpModel()
     lits = literals(m, frame.options)
@@ -1073,16 +918,10 @@ def literals(m: cp_model.CpModel, options: Options) -> dict[str, list[cp_model.I
 
 
 def slot_need(
-    m: cp_model.CpModel,
-    stage: int,
-    problem: Problem,
-    lits: Mapping[str, list[cp_model.IntVar]],
-    options: Options,
-    unit: Ticks,
-    name: str,
+    m: cp_model.CpModel, stage: int, problem: Problem, lits: Literals, options: Options, unit: Ticks, name: str
 ) -> tuple[cp_model.IntVar, int]:
-    """(a variable at least the length of `stage`'s slot on each copy, its upper bound), in `unit`: the all-COMM-OPT
-    slot when every layer is COMM-OPT, else the longest apply work on a copy and then every BCAST_PREC."""
+    """(a variable at least `stage`'s slot length on each copy, its upper bound) in `unit`: the all-COMM-OPT slot
+    when every layer is COMM-OPT, else the longest apply work on a copy and then every BCAST_PREC."""
     layers = [x.name for x in problem.costs.stages[stage].layers]
     comm = [lits[n][i] for n in layers for i, o in enumerate(options[n]) if o.comm_opt]
     all_comm = m.new_bool_var(f"allcomm_{name}")
@@ -1098,18 +937,21 @@ def slot_need(
         m.add(lead >= sum(unit(o.apply) * x for n in layers for o, x in zip(options[n], lits[n]) if c in o.workers))
     need = m.new_int_var(1, top, f"need_{name}")
     m.add(need >= comm_slot).only_enforce_if(all_comm)
-    m.add(need >= lead + sum(unit(o.share) * x for n in layers for o, x in zip(options[n], lits[n]))).only_enforce_if(
-        ~all_comm
-    )
+    shared = sum(unit(o.share) * x for n in layers for o, x in zip(options[n], lits[n]))
+    m.add(need >= lead + shared).only_enforce_if(~all_comm)
     return need, top
 
 
 def static_bytes(
-    m: cp_model.CpModel, problem: Problem, device: int, lits: Mapping[str, list[cp_model.IntVar]], options: Options
+    m: cp_model.CpModel, problem: Problem, device: int, lits: Literals, options: Options
 ) -> cp_model.LinearExprT:
-    """`planner.problem.step_timeline.static_bytes` of `device` as a linear expression of the option literals."""
+    """`planner.problem.step_timeline.static_bytes` of `device` as a linear expression of the option literals:
+    parameters and gradients (twice), the largest error peak of a backward, and what the options keep."""
+    stages = stages_on_device(problem, device)
+    base = sum(2 * problem.costs.stages[s].param_bytes for s in stages)
+    base += max((problem.costs.stages[s].peak_err_bytes for s in stages), default=0)
     kept, buffers = [], []
-    for s in stages_on_device(problem, device):
+    for s in stages:
         for x in problem.costs.stages[s].layers:
             for option, lit in zip(options[x.name], lits[x.name]):
                 held, shared = held_bytes(problem, device, x.name, option.where)
@@ -1119,13 +961,12 @@ def static_bytes(
     largest = m.new_int_var(0, max((b for b, _ in buffers), default=0), f"shared_r{device}")
     for nbytes, lit in buffers:
         m.add(largest >= nbytes * lit)
-    return base_bytes(problem, device) + sum(kept) + largest
+    return base + sum(kept) + largest
 
 
 @dataclass(frozen=True)
 class StepChoice:
-    """The least-step model's answer: the free layers' distributions and the reference step they make (seconds, as
-    the model sums it)."""
+    """The least-step model's answer: the free layers' distributions and the reference step they make (seconds)."""
 
     distributions: Mapping[str, LayerDistribution]
     step: float
@@ -1134,10 +975,9 @@ class StepChoice:
 def least_step(
     problem: Problem, free: frozenset[int], fixed_end: float, config: SolverConfig, meter: Budget, time_limit: float
 ) -> StepChoice | None:
-    """The free stages' layer distributions that make the least reference step (`planner.search.cpsat.reference_step`:
-    `fixed_end`, and each free stage's all-reduce end plus its slot) within every device's static bytes and
-    activation peak; among those, the least decomposition seconds on any one rank (KAISA's balance, for the warm
-    start's refresh). None when no option set meets the memory budget or none was found in time."""
+    """The free stages' layer distributions that make the least reference step (`reference_step`) within every
+    device's static bytes and activation peak; among those, the least decomposition seconds on any one rank (KAISA's
+    balance). None when no option set meets the memory budget or none was found in time."""
     m = cp_model.CpModel()
     options = {
         x.name: options_of(problem, x.name, s in free)
@@ -1168,7 +1008,16 @@ def least_step(
     for x in lits.values():
         for lit in x:
             m.add_hint(lit, solver.boolean_value(lit))
-    _minimize_decomp_load(m, problem, options, lits)
+    load = m.new_int_var(0, sum(ns(x.inv) for stage in problem.costs.stages for x in stage.layers), "load")
+    for d in problem.devices:  # decomposition ns on rank d: each layer's shared by its grad workers
+        work = [
+            ns(problem.costs.layer(n).inv / len(o.workers)) * lit
+            for n, opts in options.items()
+            for o, lit in zip(opts, lits[n])
+            if d in o.workers
+        ]
+        m.add(load >= sum(work))
+    m.minimize(load)
     balanced, status = _solve(m, config, meter, time_limit / 2)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         solver = balanced
@@ -1178,22 +1027,3 @@ def least_step(
         for n in (x.name for x in problem.costs.stages[s].layers)
     }
     return StepChoice(chosen, least / NS)
-
-
-def _minimize_decomp_load(
-    m: cp_model.CpModel, problem: Problem, options: Options, lits: Mapping[str, list[cp_model.IntVar]]
-) -> None:
-    """Make `m` minimize the most decomposition seconds (ns) any one rank takes under the chosen options (KAISA's
-    balance: each layer's decomposition shared by its grad workers)."""
-    load = m.new_int_var(0, sum(ns(x.inv) for stage in problem.costs.stages for x in stage.layers), "load")
-    for d in problem.devices:
-        m.add(
-            load
-            >= sum(
-                ns(problem.costs.layer(n).inv / len(o.workers)) * lit
-                for n, opts in options.items()
-                for o, lit in zip(opts, lits[n])
-                if d in o.workers
-            )
-        )
-    m.minimize(load)

@@ -1,41 +1,24 @@
-"""The PipeFisher paper's greedy first-fit of K-FAC work into bubbles: the baseline and warm start.
+"""The PipeFisher paper's greedy first-fit of K-FAC work into bubbles (the baseline and warm start), the stretch
+allowance, and a lower bound on a group's refresh period.
 
-As in pipe-fisher's `assign_workloads_to_bubbles` (notes/anchors.md §1): per device, tasks in
-priority order (curvature A, curvature B, sync, inversion; broadcasts after their inversion) go into
-the first gap between pipeline ops where `duration * 1.05` fits, after their dependencies; when
-something does not fit the window grows by one pipeline step and everything is placed again. The
-number of steps is the refresh period. Each stage's inversions go to its copies by a fixed partition,
-longest first to the least loaded (the paper's round robin by layer where layers cost the same), APPLY stays
-right after the gradient all-reduce, and memory is not considered (the paper's rule; the planner validates
-the result). Where the problem allows a stretch ([Note: stretch] in planner/plan/window.py), each k is tried with
-the whole allowance and the least stretch first-fit still places everything with is then bisected (first-fit
-is not monotone in the stretch, so that one is feasible, not proven least).
+First-fit follows pipe-fisher's `assign_workloads_to_bubbles` (notes/anchors.md §1): per device, tasks in priority
+order (curvature, sync, decomposition; broadcasts after their decomposition) go into the first gap between pipeline
+ops where `duration * 1.05` fits, after their dependencies; when something does not fit the window grows by one step
+and everything is placed again, so the number of steps is the refresh period. Each stage's decompositions go to its
+copies longest first to the least loaded, APPLY stays right after the gradient all-reduce, and memory is not
+considered (the paper's rule; the planner validates the result). With a stretch allowed ([Note: stretch] in
+planner/plan/window.py) each k is tried with the whole allowance, then the least stretch first-fit still places
+everything with is bisected (first-fit is not monotone in the stretch, so it is feasible, not proven least).
+`restretch` moves a solution to a longer stretch: feasibility only grows with the stretch, which makes bisection with
+a solver's probe exact (`bisect_least`).
 
-Idle time appended to every step when bubbles are too short ([Note: stretch] in planner/plan/window.py).
-
-The allowance says how many ticks a window of k steps may add per step; `restretch` moves a solution
-to a longer stretch (so every stage group of a plan shares one); `stretch_lower_bound` is what any
-placement needs, and `least_stretch` bisects the stretch at a refresh period with a solver's probe
-(`bisect_least`, which the joint choice's least step runs too).
-Feasibility only grows with the stretch (`restretch` turns a placement into one with more), which is
-what makes the bisection exact.
-
-A lower bound on a group's refresh period that counts the idle time no whole task fits in.
-
-`planner.problem.step_timeline.refresh_lower_bound` pours the refresh's work into the bubbles like a fluid. Tasks are
-not fluid: a statistic or a decomposition piece runs whole, inside one bubble, so a 20 ms bubble takes one
-12.8 ms statistic and loses the rest when no shorter task exists. Here every bubble of a window holds at most
-the longest sum of task lengths that fits in it (`Packer`), the per-step APPLY slots taken where they leave the
-most of that, and a period whose bubbles cannot hold its refresh's work that way has no placement. On the
-PipeFisher paper's BERT-Base Chimera D=4 profiles this raises the bound from 7 to 8 steps.
-
-A collective (the statistics' all-reduce, a decomposition's broadcast) holds every device it runs on at once, so it
-counts as one task of its length on each of them (issue 38: on the README snippet's 2 x 2 mesh the statistics'
-all-reduces are 70% of the refresh's device time; without them the bound read 3 5 where CP-SAT proves 9 14).
-
-Every simplification enlarges what a window may hold, so the bound stays valid: releases, memory and the
-collectives' simultaneity are ignored, tasks may go to any device of the group, and a task may repeat without
-limit.
+The packing bound: `planner.problem.step_timeline.refresh_lower_bound` pours the refresh's work into the bubbles like
+a fluid, but a statistic or decomposition piece runs whole inside one bubble. Here each bubble holds at most the
+longest sum of task lengths that fits in it (`Packer`), the APPLY slots placed where they leave the most, and a
+collective counts as one task on each of its devices (on the README snippet's 2 x 2 mesh the statistics' all-reduces
+are 70% of the refresh's device time). Every simplification only enlarges what a window may hold (releases, memory
+and the collectives' simultaneity ignored, tasks on any device of the group, repeated without limit), so the bound
+stays valid: on the PipeFisher paper's BERT-Base Chimera D=4 profiles it raises the bound from 7 to 8 steps.
 """
 
 from __future__ import annotations
@@ -46,7 +29,7 @@ import math
 import time
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fxkfac.planner.plan.solution import GroupSolution, use_offsets
 from fxkfac.planner.plan.window import (
@@ -57,7 +40,9 @@ from fxkfac.planner.plan.window import (
     Window,
     build_window,
     done_by,
+    free_gaps,
     grid_scale,
+    idle_regions,
     warm_starts,
     wrap,
 )
@@ -74,9 +59,8 @@ Probe = Callable[[int], tuple[str, GroupSolution | None]]
 
 @dataclass(frozen=True)
 class Allowance:
-    """The stretch a problem allows: `ticks(k)` per step at refresh period k, on the grid `scale`
-    shared by every stage group. `scale` None: stretching is off, and windows keep their groups' own
-    grids (exactly the plans made without stretching)."""
+    """The stretch a problem allows: `ticks(k)` per step at refresh period k on the grid `scale` shared by every
+    stage group (None: stretching is off, and windows keep their groups' own grids)."""
 
     problem: Problem
     fused: frozenset[str]
@@ -84,7 +68,6 @@ class Allowance:
 
     @property
     def enabled(self) -> bool:
-        """Whether the step may stretch at all."""
         return self.scale is not None
 
     def ticks(self, k: int) -> int:
@@ -107,24 +90,21 @@ class Allowance:
         )
 
     def whole(self, group: StageGroup, k: int, *, stats_chunk: int, resolution: int) -> Window:
-        """The window of `group` at period k with the whole allowance of stretch (`ticks(k)`): what a period search
-        solves."""
+        """The window at period k with the whole allowance of stretch: what a period search solves."""
         return self.window(group, k, self.ticks(k), stats_chunk=stats_chunk, resolution=resolution)
 
 
 def allowance(problem: Problem, fused: frozenset[str], config: SolverConfig) -> Allowance:
-    """The allowance of `problem` with `fused` layers: on when config.stretch and max_overhead > 0,
-    on one grid for all stages (so that the groups' stretches are the same seconds)."""
+    """The allowance of `problem` with `fused` layers: on when config.stretch and max_overhead > 0, on one grid for
+    all stages (so the groups' stretches are the same seconds)."""
     if not (config.stretch and problem.max_overhead > 0):
         return Allowance(problem, fused, None)
     return Allowance(problem, fused, grid_scale(problem, range(problem.num_stages), fused, config.time_resolution))
 
 
 def restretch(solution: GroupSolution, stretch: int) -> GroupSolution:
-    """The same placement in a window with `stretch` >= the solution's ticks per step: every start in
-    window step j moves j * (added ticks) later, so each op keeps its place inside its step (an op in a
-    step's idle tail stays at the head of the longer tail). Order, overlaps, memory and use offsets are
-    unchanged, so a valid solution stays valid."""
+    """The same placement in a window with `stretch` >= the solution's: a start in window step j moves j * (added
+    ticks) later, keeping its place in its step, so order, overlaps, memory and use offsets, and validity, hold."""
     w = solution.window
     delta = stretch - w.stretch
     if delta == 0:
@@ -139,24 +119,15 @@ def restretch(solution: GroupSolution, stretch: int) -> GroupSolution:
     def move(t: int) -> int:
         return t + max(0, bisect_right(bounds, t) - 1) * delta
 
-    starts = tuple(move(t) for t in solution.starts)
-    precs = tuple(move(t) for t in solution.prec_starts)
-    return GroupSolution(
-        new,
-        starts,
-        solution.devices,
-        precs,
-        use_offsets(new, starts, precs),
-        solution.method,
-        solution.status,
-        solution.k_lower_bound,
-        solution.wall_time,
-    )
+    s = solution
+    starts, precs = tuple(move(t) for t in s.starts), tuple(move(t) for t in s.prec_starts)
+    offsets = use_offsets(new, starts, precs)
+    return GroupSolution(new, starts, s.devices, precs, offsets, s.method, s.status, s.k_lower_bound, s.wall_time)
 
 
 def _boundary_gaps(window: Window, device: int) -> tuple[int, int]:
-    """(longest free stretch away from step boundaries, longest free stretch across one) of `device`
-    in `window`; only the second grows with the stretch."""
+    """(longest free stretch away from step boundaries, longest across one) of `device`; only the second grows
+    with the stretch."""
     busy, L = window.fixed[device], window.length
     ends = [e for _, e in busy]
     across = 0
@@ -175,9 +146,8 @@ def _boundary_gaps(window: Window, device: int) -> tuple[int, int]:
 
 
 def stretch_lower_bound(window: Window) -> int:
-    """Ticks per step any placement of `window`'s work needs (computed at the window's stretch, valid
-    for every stretch): each task must fit one free stretch of its device(s), and all the work (tasks
-    and APPLY) must fit the free time of the window's devices."""
+    """Ticks of stretch per step any placement of `window`'s work needs (valid at every stretch): each task fits one
+    free stretch of its device(s), and all the work (tasks and APPLY) fits the devices' free time."""
     x, k, n = window.stretch, window.k, len(window.group.devices)
     gaps = {d: _boundary_gaps(window, d) for d in window.group.devices}
     need = 0
@@ -191,17 +161,15 @@ def stretch_lower_bound(window: Window) -> int:
 
 
 def least_stretch(found: GroupSolution, probe: Probe, lower: int) -> tuple[GroupSolution, bool]:
-    """Bisect the stretch in [lower, found's]: the solution with the least stretch `probe` finds, and
-    whether it is proven least (every smaller stretch probed was INFEASIBLE or below `lower`)."""
+    """`bisect_least` over the stretch."""
     return bisect_least(max(0, lower), found, probe, lambda solution: solution.window.stretch)
 
 
 def bisect_least(
     lower: int, found: GroupSolution, probe: Probe, size: Callable[[GroupSolution], int]
 ) -> tuple[GroupSolution, bool]:
-    """The placement of least `size` (ticks of stretch, or of a whole step) `probe` finds in [lower, found's], by
-    bisection (exact where feasibility only grows with the size), and whether it is proven least (every smaller size
-    probed was INFEASIBLE)."""
+    """The placement of least `size` (ticks of stretch, or of a step) `probe` finds in [lower, found's] by bisection,
+    and whether it is proven least (every smaller size probed was INFEASIBLE)."""
     lo, hi, best, proven = lower, size(found), found, True
     while lo < hi:
         mid = (lo + hi) // 2
@@ -215,12 +183,11 @@ def bisect_least(
 
 
 UNITS_PER_STEP = 2000
-"""The packing table's resolution: a step of the window is this many of its units (task lengths round down to
-them, bubble lengths up, so the table only over-counts what fits)."""
+"""The packing table's units per step (task lengths round down to them, bubbles up: it only over-counts)."""
 
 MAX_CHOICES = 4096
-"""The most placements of the APPLY slots that share bubbles one bound tries; beyond it those bubbles count their
-idle time less the slots' (still an upper bound)."""
+"""The most placements of bubble-sharing APPLY slots one bound tries; beyond, those bubbles count their idle time
+less the slots'."""
 
 
 class Packer:
@@ -235,14 +202,12 @@ class Packer:
             if size > 0:
                 weight = size // unit
                 by_weight[weight] = max(by_weight.get(weight, 0), size)
-        self.free = 0 in by_weight
-        """Some task is shorter than a unit: every bubble counts as full."""
+        self.free = 0 in by_weight  # some task is shorter than a unit: every bubble counts as full
         self.items = sorted(by_weight.items())
         self._best = [0]
 
     def packable(self, length: int) -> int:
-        """An upper bound on the ticks of whole tasks that fit in `length` ticks (exact when task lengths are
-        whole units)."""
+        """An upper bound on the ticks of whole tasks that fit in `length` ticks."""
         if length <= 0 or not self.items:
             return 0
         if self.free:
@@ -255,22 +220,6 @@ class Packer:
         return min(length, best[units])
 
 
-def idle_regions(fixed: Sequence[Interval], length: int) -> list[list[Interval]]:
-    """The maximal idle spans of a device over a window of `length` ticks, each as its pieces in [0, length):
-    one piece, or two where a span runs over the window's end into its start (tasks wrap modulo the window)."""
-    gaps: list[Interval] = []
-    at = 0
-    for start, end in sorted(fixed):
-        if start > at:
-            gaps.append((at, start))
-        at = max(at, end)
-    if at < length:
-        gaps.append((at, length))
-    if len(gaps) > 1 and gaps[0][0] == 0 and gaps[-1][1] == length:
-        return [[gaps[-1], gaps[0]]] + [[g] for g in gaps[1:-1]]
-    return [[g] for g in gaps]
-
-
 def _span(region: Sequence[Interval]) -> int:
     return sum(end - start for start, end in region)
 
@@ -280,7 +229,7 @@ def _meets(region: Sequence[Interval], allowed: Sequence[Interval]) -> bool:
 
 
 def _device_capacity(window: Window, device: int, packer: Packer) -> int:
-    """The most task ticks the device's bubbles may hold, its APPLY slots placed where they cost the least."""
+    """The most task ticks the device's bubbles may hold, its APPLY slots where they cost the least."""
     homes = tuple(  # W's where the schedule runs them: the bound is of the search, which keeps them there
         wrap(t.home, t.home + t.ticks, window.length)[0]
         for t in window.tasks
@@ -322,8 +271,8 @@ def _best_placement(
     candidates: Sequence[Sequence[int]],
     packer: Packer,
 ) -> int:
-    """The most task ticks of the bubbles `members` with `slots` each in one of its candidates (a slot set flush
-    against its bubble's end leaves one piece, which holds at least what any split of it holds)."""
+    """The most task ticks of the bubbles `members` with `slots` each in one of its candidates (a slot flush with
+    its bubble's end leaves one piece, which holds at least what any split holds)."""
     spans = {i: _span(regions[i]) for i in members}
     loose = min(
         sum(packer.packable(s) for s in spans.values()),
@@ -347,8 +296,7 @@ def _bubble_tasks(window: Window) -> list[Task]:
 
 
 def window_work(window: Window) -> int:
-    """Ticks of the refresh's computations that bubbles must hold (`_bubble_tasks`), the same under every
-    distribution of a layer."""
+    """Ticks of the refresh's computations (the same under every distribution of a layer)."""
     return sum(t.ticks for t in _bubble_tasks(window))
 
 
@@ -363,17 +311,10 @@ def device_loads(window: Window) -> list[int]:
     ]
 
 
-def window_capacity(window: Window, packer: Packer) -> int:
-    """The most of that work the window's bubbles may hold, over every device of the group."""
-    return sum(_device_capacity(window, d, packer) for d in window.group.devices)
-
-
 def packing_lower_bound(window_at: Callable[[int], Window], lower: int, top: int) -> int:
-    """The least refresh period from `lower` to `top` whose window (`window_at(k)`, the one a search solves) may
-    hold its refresh's computations whole, and all its tasks with them (`device_loads`: collectives on each of
-    their devices; each a necessary condition, counted apart: short collectives would let the bubbles count as
-    full to the computations); `top + 1` when none may. No period from `lower` below it has a placement in its
-    window."""
+    """The least refresh period from `lower` to `top` (`top + 1`: none) whose window may hold its refresh's
+    computations whole, and all its tasks with them (`device_loads`); each is a necessary condition, counted apart
+    (short collectives would let the bubbles count as full to the computations)."""
     packers: tuple[Packer, Packer] | None = None
     for k in range(lower, top + 1):
         window = window_at(k)
@@ -381,10 +322,8 @@ def packing_lower_bound(window_at: Callable[[int], Window], lower: int, top: int
         if packers is None:
             unit = max(1, window.offsets[1] // UNITS_PER_STEP)
             packers = Packer((t.ticks for t in _bubble_tasks(window)), unit), Packer(loads, unit)
-        computations, every = packers
-        if window_work(window) <= window_capacity(window, computations) and sum(loads) <= window_capacity(
-            window, every
-        ):
+        capacity = [sum(_device_capacity(window, d, packer) for d in window.group.devices) for packer in packers]
+        if window_work(window) <= capacity[0] and sum(loads) <= capacity[1]:
             return k
     return top + 1
 
@@ -392,9 +331,8 @@ def packing_lower_bound(window_at: Callable[[int], Window], lower: int, top: int
 def group_lower_bound(
     allowance: Allowance, group: StageGroup, window_at: Callable[[int], Window], min_k: int = 1
 ) -> int:
-    """The least refresh period `group` may have in `window_at`'s windows: the fluid bound (`refresh_lower_bound` of
-    the allowance's problem and fused layers, at least `min_k`) raised by whole tasks (`packing_lower_bound`);
-    max_period + 1 when no period up to it may hold the work."""
+    """The least refresh period `group` may have in `window_at`'s windows (max_period + 1: none): the fluid bound
+    (`refresh_lower_bound`, at least `min_k`) raised by whole tasks (`packing_lower_bound`)."""
     problem = allowance.problem
     fluid = max(min_k, refresh_lower_bound(problem, group, allowance.fused, stretch=allowance.enabled))
     return packing_lower_bound(window_at, fluid, problem.max_period)
@@ -408,17 +346,10 @@ _ORDER = {kind: n for n, kind in enumerate(TaskKind)}
 
 
 class _Gaps:
-    """Free time of one device inside [0, length) as sorted [start, end) gaps."""
+    """Free time of one device in [0, length) as sorted [start, end) gaps."""
 
     def __init__(self, busy: tuple[tuple[int, int], ...], length: int) -> None:
-        self.gaps: list[list[int]] = []
-        cursor = 0
-        for s, e in sorted(busy):
-            if s > cursor:
-                self.gaps.append([cursor, s])
-            cursor = max(cursor, e)
-        if cursor < length:
-            self.gaps.append([cursor, length])
+        self.gaps = [list(gap) for gap in free_gaps(busy, length)]
 
     def first_fit(self, earliest: int, need: int) -> int | None:
         """The earliest start >= `earliest` with `need` free ticks, or None."""
@@ -455,9 +386,8 @@ def _fit_together(gaps: list[_Gaps], earliest: int, need: int) -> int | None:
 
 def _inv_devices(window: Window) -> dict[tuple[str, str], int]:
     """The device of each factor's decomposition: a stage's factors dealt over their grad workers longest first, each
-    to the least loaded (`Assignment.LPT`). The paper deals its blocks round robin by layer, which is the same
-    where every layer costs the same (its profiles' Transformer blocks); where they differ (an attention and a
-    feed-forward, 16x its decomposition seconds) round robin by layer sent every feed-forward to one copy."""
+    to the least loaded (`Assignment.LPT`; the paper's round robin by layer is the same where layers cost the same,
+    and sent every feed-forward to one copy where they did not)."""
     seconds: dict[tuple[str, str], float] = {}
     dealt: dict[tuple[int, tuple[int, ...]], list[tuple[str, str]]] = {}
     for task in window.tasks:
@@ -473,8 +403,8 @@ def _inv_devices(window: Window) -> dict[tuple[str, str], int]:
 
 
 def _slot_release(window: Window, task: Task, device: int) -> int:
-    """For a decomposition of a gradient-fed part, the end of its stage's refresh-step APPLY slot on `device`
-    (where greedy leaves it: the reference place); 0 for other tasks."""
+    """For a gradient-fed part's decomposition, the end of its stage's refresh-step slot on `device` (at its
+    reference place); 0 for other tasks."""
     if not task.after_slot:
         return 0
     slot = window.precs[window.refresh_slot(device, task.stage)]
@@ -560,11 +490,9 @@ def greedy_group(
     allowance: Allowance | None = None,
     meter: Budget | None = None,
 ) -> GroupSolution:
-    """The paper's rule for one stage group: the smallest k >= min_k (up to problem.max_period) where
-    first-fit places everything, with the whole `allowance` of stretch, then the least stretch found;
-    each placement tried is charged to `meter`. Periods below the group's lower bound (`group_lower_bound`,
-    kept as the solution's `k_lower_bound`) have no placement and are not tried. Raises PlanError when no k
-    does (a task longer than every bubble)."""
+    """The paper's rule for one stage group: the least k from the group's lower bound (`group_lower_bound`, kept as
+    `k_lower_bound`) to max_period where first-fit places everything with the whole `allowance`, then the least
+    stretch found; each placement tried is charged to `meter`. PlanError when no k does."""
     began = time.perf_counter()
     allowance = allowance if allowance is not None else Allowance(problem, fused, None)
 
@@ -574,25 +502,13 @@ def greedy_group(
 
     lower = group_lower_bound(allowance, group, window_at, min_k)
     for k in range(lower, problem.max_period + 1):
-        cap = allowance.ticks(k)
         window = window_at(k)
         solution = _first_fit(window, meter)
         if solution is not None:
-            if cap > 0:
-                solution = _least_stretch(
-                    solution, stretch_lower_bound(window), allowance, stats_chunk, resolution, meter
-                )
-            return GroupSolution(
-                solution.window,
-                solution.starts,
-                solution.devices,
-                solution.prec_starts,
-                solution.use_offset,
-                "greedy",
-                "FEASIBLE",
-                lower,
-                time.perf_counter() - began,
-            )
+            if allowance.ticks(k) > 0:
+                least = stretch_lower_bound(window)
+                solution = _least_stretch(solution, least, allowance, stats_chunk, resolution, meter)
+            return replace(solution, k_lower_bound=lower, wall_time=time.perf_counter() - began)
     raise PlanError(
         f"the greedy rule cannot place the {words_of(problem.costs).name} work of stages {list(group.stages)} within "
         f"{problem.max_period} steps: some curvature or inversion is longer than every bubble; "
@@ -607,9 +523,8 @@ def _least_stretch(
     w = found.window
 
     def probe(stretch: int) -> tuple[str, GroupSolution | None]:
-        solution = _first_fit(
-            allowance.window(w.group, w.k, stretch, stats_chunk=stats_chunk, resolution=resolution), meter
-        )
+        window = allowance.window(w.group, w.k, stretch, stats_chunk=stats_chunk, resolution=resolution)
+        solution = _first_fit(window, meter)
         return ("FEASIBLE", solution) if solution is not None else ("UNKNOWN", None)
 
     return least_stretch(found, probe, lower)[0]
@@ -625,10 +540,9 @@ def greedy_overhead(
     limit: float = 10.0,
     meter: Budget | None = None,
 ) -> tuple[int, GroupSolution | None]:
-    """The stretch the group's work needs at the longest refresh period (problem.max_period), whatever
-    max_overhead says: (ticks any plan needs, the first-fit solution with the least stretch found, or
-    None when no stretch up to `limit` reference steps places it). For errors that tell the user what
-    max_overhead to ask for; `allowance` gives the grid (its own ticks are not used)."""
+    """The stretch the group's work needs at max_period whatever max_overhead says, for errors that name the
+    max_overhead to ask for: (ticks any plan needs, first-fit's solution with the least stretch found, or None when
+    none up to `limit` reference steps places it). `allowance` gives the grid."""
     scale = allowance.scale
     if scale is None:
         raise AssertionError("greedy_overhead needs an allowance with a grid")

@@ -1,14 +1,9 @@
-"""Plan files read back: parsed, structure-checked (planner/validate/plan_file.py) and, on `load_plan`, validated
-against their own problem (planner/validate/). Writing is `Plan.save`; this module sits above the plan and its
-checks.
+"""Plan files read back (written by `Plan.save`): parsed, shape-checked and, on `load_plan`, validated.
 
-Shape checks of a plan read from a file, before the validator: types, ranges and references.
-
-The validator (planner/validate/) checks a plan's constraints assuming the plan is well formed: its
-ops name layers, stages and devices of its problem, its numbers are finite. A file can break those
-assumptions in ways the validator was not written for (an op on a rank that never runs its stage, a
-NaN tolerance that would make every comparison pass); these checks refuse such files with a
-PlanFormatError that says what is wrong, so loading never ends in another exception.
+The validator assumes a well-formed plan (its ops name layers, stages and devices of its problem; its numbers are
+finite). A file can break that in ways it was not written for (an op on a rank that never runs its stage, a NaN
+tolerance that makes every comparison pass): the shape checks refuse such files with a PlanFormatError that says what
+is wrong, so loading never ends in another exception.
 """
 
 from __future__ import annotations
@@ -18,7 +13,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fxkfac.planner.plan.plan import SCHEMA_VERSION, Plan, PlanMetrics, SolverStats
 from fxkfac.planner.plan.solution import plan_born
@@ -30,14 +25,10 @@ from fxkfac.planner.problem.problem import Problem, copies_of_stage, is_streamed
 from fxkfac.planner.problem.step_timeline import base_programs
 from fxkfac.planner.validate.checks import check_plan
 
-if TYPE_CHECKING:
-    from fxkfac.planner.plan.plan import Plan
-
 MAX_QUANTUM_SHARE = 0.01
-"""The coarsest time grid a file may claim, as a share of the step (the planner's is 1e-5 or exact):
-the validator's tolerance is the grid, so a coarse claimed grid would let overlaps pass."""
+"""The coarsest time grid a file may claim, as a share of the step (the planner's is 1e-5 or exact): the
+validator's tolerance is the grid, so a coarse claimed grid would let overlaps pass."""
 
-_KFAC_KINDS = PRECONDITIONER_KINDS
 _LAYER_KINDS = frozenset({OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST})
 _NAMED_KINDS = frozenset({OpKind.APPLY, OpKind.BCAST_PREC})
 """Ops that may (APPLY) or must (BCAST_PREC) name a layer, and no part."""
@@ -86,7 +77,7 @@ def _fixed_ops(problem: Problem) -> dict[int, set[tuple[OpKind, int | None, int 
 
 
 def _check_op(problem: Problem, op: Op, device: int, fixed: dict[int, set]) -> None:
-    _need(op.kind in _KFAC_KINDS, f"placement of {op}: only K-FAC ops are placed")
+    _need(op.kind in PRECONDITIONER_KINDS, f"placement of {op}: only the preconditioner's ops are placed")
     _need(op.stage is not None and op.stage < problem.num_stages, f"placement of {op}: no such stage")
     assert op.stage is not None  # _need raised otherwise
     _need(device in copies_of_stage(problem, op.stage), f"{op} is placed on r{device}, which does not run its stage")
@@ -154,7 +145,7 @@ def _check_programs(plan: Plan) -> None:
     )  # before the schedule of N is built: a mutated N must not cost gigabytes
     fixed = _fixed_ops(plan.problem)
     for device, steps in plan.programs.items():
-        for op in (op for ops in steps for op in ops if op.kind in _KFAC_KINDS):
+        for op in (op for ops in steps for op in ops if op.kind in PRECONDITIONER_KINDS):
             if is_streamed(plan.problem, device, op):
                 _check_streamed_op(plan.problem, op, device)
             else:
@@ -205,8 +196,8 @@ def _check_metrics(plan: Plan) -> None:
 
 
 def _check_startup(plan: Plan) -> None:
-    """The start-up steps are what `startup_programs` derives; their count is compared first, so a placement
-    claiming a huge window step is refused without building that many steps."""
+    """The start-up steps are what `startup_programs` derives (their count compared first, so a placement claiming a
+    huge window step is refused without building that many steps)."""
     born = plan_born(plan.problem, plan.placements, plan.layers)
     _need(set(plan.startup) <= set(plan.programs), "start-up steps for ranks that have no program")
     for rank in plan.programs:
@@ -280,15 +271,12 @@ def _plan_from_dict(data: Any) -> Plan:
     version = data.get("schema_version")
     if type(version) is int and version > SCHEMA_VERSION:  # not bool: true is not a version
         raise PlanFormatError(
-            f"the plan has schema_version {version}, newer than this fxkfac reads "
-            f"({SCHEMA_VERSION}); upgrade fxkfac to load it"
+            f"the plan has schema_version {version}, newer than this fxkfac reads ({SCHEMA_VERSION}); upgrade fxkfac"
         )
     if type(version) is int and 1 <= version < SCHEMA_VERSION:
         raise PlanFormatError(
-            f"the plan has schema_version {version}, older than this fxkfac's ({SCHEMA_VERSION}): "
-            "it may place K-FAC work across a step's closing barrier (version 1) or lack its "
-            "start-up steps (version 2); re-plan it (fxkfac plan ... --export plan.json, or "
-            "plan='auto')"
+            f"the plan has schema_version {version}, older than this fxkfac's ({SCHEMA_VERSION}): it may place work "
+            "across a step's closing barrier (1) or lack its start-up steps (2); re-plan it (fxkfac plan ... --export)"
         )
     if type(version) is not int or version != SCHEMA_VERSION:
         raise PlanFormatError(f"unknown plan schema_version {version!r} (expected {SCHEMA_VERSION})")
