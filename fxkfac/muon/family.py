@@ -207,16 +207,38 @@ class MuonFamily:
         states: Mapping[str, RefreshState],
         params: Mapping[str, Tensor],
     ) -> Tensor:
-        """Replace each unit's gradient by its direction P (module doc); returns sum <P, G> (float64)."""
+        """Replace each unit's gradient by its direction P (module doc); returns sum <P, G> (float64). Each unit's
+        `direction`, with the Newton-Schulz iterations of equally shaped matrices run together (`_cores`)."""
+        live = [unit for unit in units if grads.get(unit.name) is not None]
+        inputs = [self.apply_input(u, grads[u.name], states[u.name], params[u.name]) for u in live]
         dot = torch.zeros((), dtype=torch.float64)
-        for unit in units:
-            grad = grads.get(unit.name)
-            if grad is None:
-                continue
-            p = self.direction(unit, grad, states[unit.name], params[unit.name])
+        for unit, core in zip(live, self._cores(live, inputs), strict=True):
+            grad = grads[unit.name]
+            p = self.apply_output(unit, core, params[unit.name])
             dot = dot + direction_dot(self, p, grad)
             grad.copy_(p)
         return dot
+
+    def _cores(self, units: Sequence[MuonUnit], inputs: Sequence[Tensor]) -> list[Tensor]:
+        """`apply_core` of each unit in one piece, the matrices of one shape (after `ns_start`'s orientation) iterated
+        as one stack: a batched product per term instead of one per matrix, each matrix's numbers unchanged (the
+        batched kernels compute every product as the single-matrix ones do; tests/muon/test_one_device.py)."""
+        cfg = self.cfg
+        cores = list(inputs)
+        starts: dict[tuple[tuple[int, ...], bool], list[tuple[int, Tensor]]] = {}
+        for i, (unit, x) in enumerate(zip(units, inputs, strict=True)):
+            if unit.kind is UnitKind.MATRIX:
+                x0 = ns_start(x, self.ns_dtype, cfg.eps)
+                starts.setdefault((tuple(x0.shape), x0.is_contiguous()), []).append((i, x0))
+        for (_, rowwise), group in starts.items():
+            if len(group) == 1:
+                stack = group[0][1]
+            else:  # a tall matrix's X_0 is a transposed view: stacked as such, so each product sees its layout
+                stack = torch.stack([x0 for _, x0 in group]) if rowwise else torch.stack([x0.T for _, x0 in group]).mT
+            done = ns_iterate(stack, cfg.ns_coefficients, cfg.ns_steps)
+            for (i, _), x in zip(group, [done] if len(group) == 1 else done.unbind(0), strict=True):
+                cores[i] = ns_end(x, units[i].shape)
+        return cores
 
     def clip_scale(self, dot_sum: float, lr: float) -> float:
         """1.0: Muon has no KL-clip."""
