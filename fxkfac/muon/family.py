@@ -179,7 +179,7 @@ class MuonFamily:
         cfg = self.cfg
         p = param.detach()
         out = core.to(p.dtype) * lr_scale(cfg.adjust_lr_fn, unit.shape)
-        return out + cfg.weight_decay * p if cfg.weight_decay else out
+        return torch.add(out, p, alpha=cfg.weight_decay) if cfg.weight_decay else out
 
     def _adamw(self, state: MuonState, g: Tensor, w: Tensor) -> Tensor:
         """torch.optim.AdamW's step over lr (times adamw_lr_ratio), its moments replaced in `state`."""
@@ -189,10 +189,10 @@ class MuonFamily:
         v = torch.zeros_like(g) if state.exp_avg_sq is None else state.exp_avg_sq
         state.exp_avg = torch.lerp(m, g, 1 - beta1)
         state.exp_avg_sq = torch.addcmul(v * beta2, g, g, value=1 - beta2)
-        denom = state.exp_avg_sq.sqrt() / math.sqrt(1 - beta2**state.steps) + cfg.adamw_eps
-        out = state.exp_avg / (1 - beta1**state.steps) / denom
+        denom = state.exp_avg_sq.sqrt().div_(math.sqrt(1 - beta2**state.steps)).add_(cfg.adamw_eps)  # a new tensor
+        out = torch.div(state.exp_avg, 1 - beta1**state.steps).div_(denom)
         if cfg.adamw_weight_decay:
-            out = out + cfg.adamw_weight_decay * w
+            out.add_(w, alpha=cfg.adamw_weight_decay)
         return out * cfg.adamw_lr_ratio if cfg.adamw_lr_ratio != 1.0 else out
 
     def direction(self, unit: MuonUnit, grad: Tensor, state: RefreshState, param: Tensor) -> Tensor:
@@ -215,7 +215,8 @@ class MuonFamily:
         for unit, core in zip(live, self._cores(live, inputs), strict=True):
             grad = grads[unit.name]
             p = self.apply_output(unit, core, params[unit.name])
-            dot = dot + direction_dot(self, p, grad)
+            if self.kl_clip is not None:  # without a KL-clip <P, G> is never read: no zero per unit to add
+                dot = dot + direction_dot(self, p, grad)
             grad.copy_(p)
         return dot
 

@@ -115,8 +115,13 @@ class BlockFamily(ABC):
 
     def fold_gradient(self, unit: ParamUnit, state: RefreshState, part: str, raw: Tensor) -> None:
         """`fold` of the step's `statistic` of `part` from `raw`: for a `Grid` layout folded by the statistic's own
-        batched product (beta old + (1 - beta) G G^T as one `torch.baddbmm`, no pass over the statistic alone)."""
-        grid, old = self.layout(unit).grid, getattr(state, part, None)
+        batched product (beta old + (1 - beta) G G^T as one `torch.baddbmm`, no pass over the statistic alone); a part
+        without factors (the R of a vector, SOAP's identity sides) only counts the fold."""
+        layout, old = self.layout(unit), getattr(state, part, None)
+        if old is not None and layout.size(part) == 0 and isinstance(state, BlockState):  # a trivial part (no factor)
+            state.folds = {**state.folds, part: state.folds[part] + 1}  # stays empty: only its count moves
+            return
+        grid = layout.grid
         if grid is None or old is None or self.stat_beta == 1.0 or not isinstance(state, BlockState):
             self.fold(state, part, self.statistic(unit, part, None, raw, 1))
             return

@@ -241,7 +241,8 @@ class ShampooFamily(BlockFamily):
                 continue
             assert isinstance(state, ShampooState)
             p = self._direction(unit, state, grad, params[unit.name]).reshape(grad.shape)
-            dot = dot + direction_dot(self, p, grad)
+            if self.kl_clip is not None:  # without a KL-clip <P, G> is never read: no zero per unit to add
+                dot = dot + direction_dot(self, p, grad)
             grad.copy_(p)
         return dot
 
@@ -262,7 +263,7 @@ class ShampooFamily(BlockFamily):
         )
         p = p_graft if state.active is None else self._grafted(layout, state.active, g_hat, p_graft)
         if self.decays(unit) and cfg.use_decoupled_weight_decay:
-            p = p + cfg.weight_decay * param.detach().reshape(layout.view).to(self.dtype)
+            p = torch.add(p, param.detach().reshape(layout.view).to(self.dtype), alpha=cfg.weight_decay)
         if cfg.momentum > 0:
             state.momentum = p if state.momentum is None else cfg.momentum * state.momentum + p
             p = cfg.momentum * state.momentum + p if cfg.use_nesterov else state.momentum
@@ -284,17 +285,22 @@ class ShampooFamily(BlockFamily):
             s = torch.bmm(torch.bmm(grid.factors(roots.L, "L"), grid.split(g_hat)), grid.factors(roots.R, "R"))
             norm = torch.linalg.vector_norm(s, dim=(1, 2), keepdim=True)
             ratio = torch.linalg.vector_norm(grid.split(p_graft), dim=(1, 2), keepdim=True) / norm
-            return grid.join(s * torch.where(norm > 0, ratio, torch.zeros_like(ratio)))
+            return grid.join(s * torch.where(norm > 0, ratio, 0.0))
+        if len(layout.sides) == 1 and layout.sides[0] != (None, None):  # one block (a vector): no copy to write into
+            return _graft_block(_kron_apply(g_hat, *layout.sides[0], roots), p_graft)
         out = p_graft.clone()
         for index, (left, right) in enumerate(layout.sides):
             if left is None and right is None:
                 continue
             region = layout.region(index)
-            s = _kron_apply(g_hat[region], left, right, roots)
-            norm = torch.linalg.vector_norm(s)  # tensors throughout: no host sync per block on an accelerator
-            ratio = torch.linalg.vector_norm(p_graft[region]) / norm
-            out[region] = s * torch.where(norm > 0, ratio, torch.zeros_like(ratio))
+            out[region] = _graft_block(_kron_apply(g_hat[region], left, right, roots), p_graft[region])
         return out
+
+
+def _graft_block(s: Tensor, p_graft: Tensor) -> Tensor:
+    """s with the Frobenius norm of `p_graft` (0 where s = 0), tensors throughout: no host sync on an accelerator."""
+    norm = torch.linalg.vector_norm(s)
+    return s * torch.where(norm > 0, torch.linalg.vector_norm(p_graft) / norm, 0.0)
 
 
 def _kron_apply(g: Tensor, left: Factor | None, right: Factor | None, roots: Sides) -> Tensor:

@@ -170,7 +170,8 @@ class SOAPFamily(BlockFamily):
             if grad is None:
                 continue
             p = self._direction(unit, state, grad, params[unit.name]).reshape(grad.shape)
-            dot = dot + direction_dot(self, p, grad)
+            if self.kl_clip is not None:  # without a KL-clip <P, G> is never read: no zero per unit to add
+                dot = dot + direction_dot(self, p, grad)
             grad.copy_(p)
         return dot
 
