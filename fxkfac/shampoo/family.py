@@ -39,7 +39,7 @@ from fxkfac.preconditioner import RefreshState, direction_dot
 from fxkfac.shampoo import graft
 from fxkfac.shampoo.base import BlockFamily, block_side
 from fxkfac.shampoo.config import RootInvMethod, ShampooConfig
-from fxkfac.shampoo.layout import Factor, Layout, ParamUnit, make_layout, running_sum
+from fxkfac.shampoo.layout import Factor, Layout, ParamUnit, make_layout, running_sums
 from fxkfac.shampoo.roots import (
     NewtonIterate,
     diagonal_root_inverse,
@@ -233,49 +233,90 @@ class ShampooFamily(BlockFamily):
         params: Mapping[str, Tensor],
     ) -> Tensor:
         """Replace each unit's gradient by its search direction P (module doc, steps 5-9); returns sum <P, G>."""
+        live = [unit for unit in units if grads.get(unit.name) is not None]
+        shampoo_states = [states[unit.name] for unit in live]
+        assert all(isinstance(state, ShampooState) for state in shampoo_states), "a Shampoo unit's state"
+        directions = self._directions(
+            live,
+            [state for state in shampoo_states if isinstance(state, ShampooState)],
+            [grads[unit.name] for unit in live],
+            [params[unit.name] for unit in live],
+        )
         dot = torch.zeros((), dtype=torch.float64)
-        for unit in units:
-            grad = grads.get(unit.name)
-            state = states[unit.name]
-            if grad is None:
-                continue
-            assert isinstance(state, ShampooState)
-            p = self._direction(unit, state, grad, params[unit.name]).reshape(grad.shape)
+        for unit, p in zip(live, directions, strict=True):
+            grad = grads[unit.name]
+            p = p.reshape(grad.shape)
             if self.kl_clip is not None:  # without a KL-clip <P, G> is never read: no zero per unit to add
                 dot = dot + direction_dot(self, p, grad)
             grad.copy_(p)
         return dot
 
-    def _direction(self, unit: ParamUnit, state: ShampooState, grad: Tensor, param: Tensor) -> Tensor:
-        """P of one parameter, in its view shape; replaces the state's per-step tensors."""
-        cfg, layout = self.cfg, self.layout(unit)
-        g = self.gradient(unit, grad, param).to(self.dtype, copy=True)  # never an alias of `grad`, overwritten last
-        state.graft = graft.accumulate(cfg.grafting_type, state.graft, g, cfg.grafting_beta2)
-        g_hat = self._filtered(state, g)
-        p_graft = graft.direction(
+    def _directions(
+        self,
+        units: Sequence[ParamUnit],
+        states: Sequence[ShampooState],
+        grads: Sequence[Tensor],
+        params: Sequence[Tensor],
+    ) -> list[Tensor]:
+        """P of each parameter, in its view shape; replaces the states' per-step tensors. The elementwise steps run
+        over all the parameters at once (one `torch._foreach_*` op per pass: the same op per tensor, without a Python
+        op per parameter), the blocks' products per parameter."""
+        cfg = self.cfg
+        # never an alias of a gradient, which is overwritten last
+        gs = [self.gradient(u, g, w).to(self.dtype, copy=True) for u, g, w in zip(units, grads, params, strict=True)]
+        accs = graft.accumulate(cfg.grafting_type, [state.graft for state in states], gs, cfg.grafting_beta2)
+        for state, acc in zip(states, accs, strict=True):
+            state.graft = acc
+        g_hats = self._filtered(states, gs)
+        p_grafts = graft.direction(
             cfg.grafting_type,
-            state.graft,
-            g_hat,
-            state.count,
+            accs,
+            g_hats,
+            [state.count for state in states],
             eps=cfg.grafting_epsilon,
             beta2=cfg.grafting_beta2,
             bias_correction=cfg.use_bias_correction,
         )
-        p = p_graft if state.active is None else self._grafted(layout, state.active, g_hat, p_graft)
-        if self.decays(unit) and cfg.use_decoupled_weight_decay:
-            p = torch.add(p, param.detach().reshape(layout.view).to(self.dtype), alpha=cfg.weight_decay)
-        if cfg.momentum > 0:
-            state.momentum = p if state.momentum is None else cfg.momentum * state.momentum + p
-            p = cfg.momentum * state.momentum + p if cfg.use_nesterov else state.momentum
-        return p
+        ps = [
+            p_graft if state.active is None else self._grafted(self.layout(unit), state.active, g_hat, p_graft)
+            for unit, state, g_hat, p_graft in zip(units, states, g_hats, p_grafts, strict=True)
+        ]
+        decayed = [i for i, unit in enumerate(units) if self.decays(unit)] if cfg.use_decoupled_weight_decay else []
+        if decayed:
+            weights = [params[i].detach().reshape(self.layout(units[i]).view).to(self.dtype) for i in decayed]
+            for i, p in zip(decayed, torch._foreach_add([ps[i] for i in decayed], weights, alpha=cfg.weight_decay)):
+                ps[i] = p
+        return self._momentum(states, ps) if cfg.momentum > 0 and ps else ps
 
-    def _filtered(self, state: ShampooState, g: Tensor) -> Tensor:
-        """G^: the beta1-filtered gradient, bias-corrected (G itself when beta1 = 0)."""
+    def _momentum(self, states: Sequence[ShampooState], ps: list[Tensor]) -> list[Tensor]:
+        """M <- mu M + P (M = P at first); mu M + P (Nesterov) or M."""
+        mu = self.cfg.momentum
+        old = [(i, state.momentum) for i, state in enumerate(states) if state.momentum is not None]
+        momenta = list(ps)
+        if old:
+            summed = torch._foreach_mul([m for _, m in old], mu)
+            torch._foreach_add_(summed, [ps[i] for i, _ in old])
+            for (i, _), m in zip(old, summed, strict=True):
+                momenta[i] = m
+        for state, m in zip(states, momenta, strict=True):
+            state.momentum = m
+        if not self.cfg.use_nesterov:
+            return momenta
+        nesterov = torch._foreach_mul(momenta, mu)
+        torch._foreach_add_(nesterov, ps)
+        return list(nesterov)
+
+    def _filtered(self, states: Sequence[ShampooState], gs: list[Tensor]) -> list[Tensor]:
+        """G^ of each parameter: the beta1-filtered gradient, bias-corrected (G itself when beta1 = 0)."""
         beta1 = self.cfg.betas[0]
-        if beta1 == 0.0:
-            return g
-        state.filtered = running_sum(state.filtered, g, beta1)
-        return state.filtered / (1.0 - beta1**state.count) if self.cfg.use_bias_correction else state.filtered
+        if beta1 == 0.0 or not gs:
+            return gs
+        filtered = running_sums([state.filtered for state in states], gs, beta1)
+        for state, f in zip(states, filtered, strict=True):
+            state.filtered = f
+        if not self.cfg.use_bias_correction:
+            return filtered
+        return list(torch._foreach_div(filtered, [1.0 - beta1**state.count for state in states]))
 
     def _grafted(self, layout: Layout, roots: Sides, g_hat: Tensor, p_graft: Tensor) -> Tensor:
         """Per block: the Shampoo direction with the graft direction's Frobenius norm (the graft itself for a
