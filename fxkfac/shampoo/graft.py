@@ -15,30 +15,19 @@ import torch
 from torch import Tensor
 
 from fxkfac.shampoo.config import GraftType
-from fxkfac.shampoo.layout import running_sum
+from fxkfac.shampoo.layout import running_squares
 
 __all__ = ["accumulate", "direction"]
 
 
 def accumulate(
     kind: GraftType, accs: Sequence[Tensor | None], grads: Sequence[Tensor], beta2: float
-) -> list[Tensor | None]:
+) -> list[Tensor] | list[None]:
     """The new accumulators of parameters' gradients (new tensors): sum of G^2 (AdaGrad), its EMA (RMSProp, Adam),
-    none (SGD). The EMAs of accumulators that exist run as one `torch._foreach_*` op per pass."""
+    none (SGD)."""
     if kind is GraftType.SGD:
         return [None] * len(grads)
-    beta = 1.0 if kind is GraftType.ADAGRAD else beta2
-    out: list[Tensor | None] = [
-        running_sum(acc, grad * grad, beta) if acc is None or beta == 1.0 else None
-        for acc, grad in zip(accs, grads, strict=True)
-    ]
-    ema = [(i, acc) for i, acc in enumerate(accs) if acc is not None and beta != 1.0]
-    if ema:  # beta A + (1 - beta) G^2 in two passes
-        new = torch._foreach_mul([acc for _, acc in ema], beta)
-        torch._foreach_addcmul_(new, [grads[i] for i, _ in ema], [grads[i] for i, _ in ema], value=1.0 - beta)
-        for (i, _), value in zip(ema, new, strict=True):
-            out[i] = value
-    return out
+    return running_squares(accs, grads, 1.0 if kind is GraftType.ADAGRAD else beta2)
 
 
 def direction(

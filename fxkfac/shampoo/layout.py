@@ -25,6 +25,7 @@ __all__ = [
     "side_statistic",
     "running_sum",
     "running_sums",
+    "running_squares",
 ]
 
 PARTS: tuple[str, str] = ("L", "R")
@@ -178,5 +179,20 @@ def running_sums(olds: Sequence[Tensor | None], news: Sequence[Tensor], beta: fl
     if ema:
         lerped = torch._foreach_lerp([old for _, old in ema], [news[i] for i, _ in ema], 1.0 - beta)
         for (i, _), value in zip(ema, lerped, strict=True):
+            out[i] = value
+    return out
+
+
+def running_squares(olds: Sequence[Tensor | None], news: Sequence[Tensor], beta: float) -> list[Tensor]:
+    """`running_sum` of each new tensor's square (beta A + (1 - beta) G^2, from zero; beta = 1: sums), new tensors,
+    the EMAs of the old ones in two `torch._foreach_*` passes in all (no G^2 made)."""
+    pairs = zip(olds, news, strict=True)
+    out = [running_sum(old, new * new, beta) if old is None or beta == 1.0 else new for old, new in pairs]
+    ema = [(i, old) for i, old in enumerate(olds) if old is not None and beta != 1.0]
+    if ema:
+        squared = [news[i] for i, _ in ema]
+        summed = torch._foreach_mul([old for _, old in ema], beta)
+        torch._foreach_addcmul_(summed, squared, squared, value=1.0 - beta)
+        for (i, _), value in zip(ema, summed, strict=True):
             out[i] = value
     return out
