@@ -234,11 +234,9 @@ class ShampooFamily(BlockFamily):
     ) -> Tensor:
         """Replace each unit's gradient by its search direction P (module doc, steps 5-9); returns sum <P, G>."""
         live = [unit for unit in units if grads.get(unit.name) is not None]
-        shampoo_states = [states[unit.name] for unit in live]
-        assert all(isinstance(state, ShampooState) for state in shampoo_states), "a Shampoo unit's state"
         directions = self._directions(
             live,
-            [state for state in shampoo_states if isinstance(state, ShampooState)],
+            [_shampoo_state(states[unit.name]) for unit in live],
             [grads[unit.name] for unit in live],
             [params[unit.name] for unit in live],
         )
@@ -342,6 +340,12 @@ def _graft_block(s: Tensor, p_graft: Tensor) -> Tensor:
     """s with the Frobenius norm of `p_graft` (0 where s = 0), tensors throughout: no host sync on an accelerator."""
     norm = torch.linalg.vector_norm(s)
     return s * torch.where(norm > 0, torch.linalg.vector_norm(p_graft) / norm, 0.0)
+
+
+def _shampoo_state(state: RefreshState) -> ShampooState:
+    """`state`, which a Shampoo unit's is."""
+    assert isinstance(state, ShampooState), "a Shampoo unit's state is a ShampooState"
+    return state
 
 
 def _kron_apply(g: Tensor, left: Factor | None, right: Factor | None, roots: Sides) -> Tensor:
