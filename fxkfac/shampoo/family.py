@@ -275,10 +275,7 @@ class ShampooFamily(BlockFamily):
             beta2=cfg.grafting_beta2,
             bias_correction=cfg.use_bias_correction,
         )
-        ps = [
-            p_graft if state.active is None else self._grafted(self.layout(unit), state.active, g_hat, p_graft)
-            for unit, state, g_hat, p_graft in zip(units, states, g_hats, p_grafts, strict=True)
-        ]
+        ps = self._grafted(units, states, g_hats, p_grafts)
         decayed = [i for i, unit in enumerate(units) if self.decays(unit)] if cfg.use_decoupled_weight_decay else []
         if decayed:
             weights = [params[i].detach().reshape(self.layout(units[i]).view).to(self.dtype) for i in decayed]
@@ -316,30 +313,57 @@ class ShampooFamily(BlockFamily):
             return filtered
         return list(torch._foreach_div(filtered, [1.0 - beta1**state.count for state in states]))
 
-    def _grafted(self, layout: Layout, roots: Sides, g_hat: Tensor, p_graft: Tensor) -> Tensor:
-        """Per block: the Shampoo direction with the graft direction's Frobenius norm (the graft itself for a
-        block without factors); the blocks of a `Grid` batched."""
-        grid = layout.grid
-        if grid is not None:
-            s = torch.bmm(torch.bmm(grid.factors(roots.L, "L"), grid.split(g_hat)), grid.factors(roots.R, "R"))
-            norm = torch.linalg.vector_norm(s, dim=(1, 2), keepdim=True)
-            ratio = torch.linalg.vector_norm(grid.split(p_graft), dim=(1, 2), keepdim=True) / norm
-            return grid.join(s * torch.where(norm > 0, ratio, 0.0))
-        if len(layout.sides) == 1 and layout.sides[0] != (None, None):  # one block (a vector): no copy to write into
-            return _graft_block(_kron_apply(g_hat, *layout.sides[0], roots), p_graft)
-        out = p_graft.clone()
-        for index, (left, right) in enumerate(layout.sides):
-            if left is None and right is None:
-                continue
-            region = layout.region(index)
-            out[region] = _graft_block(_kron_apply(g_hat[region], left, right, roots), p_graft[region])
+    def _grafted(
+        self, units: Sequence[ParamUnit], states: Sequence[ShampooState], g_hats: list[Tensor], p_grafts: list[Tensor]
+    ) -> list[Tensor]:
+        """Per block of each parameter: the Shampoo direction S_b with the graft direction's Frobenius norm (the graft
+        itself for a block without factors or a parameter without roots yet). S per parameter (a `Grid`'s blocks as
+        one batched product); the norms and the rescaling of every block of every parameter as a few foreach ops."""
+        out = list(p_grafts)
+        found = [
+            (i, self.layout(unit), _shampoo_blocks(self.layout(unit), state.active, g_hat, p_graft))
+            for i, (unit, state, g_hat, p_graft) in enumerate(zip(units, states, g_hats, p_grafts, strict=True))
+            if state.active is not None
+        ]
+        blocks = [block for _, _, blocks in found for block in blocks]
+        if not blocks:
+            return out
+        scaled = iter(_rescaled([s for _, s, _ in blocks], [target for _, _, target in blocks]))
+        for i, layout, mine in found:
+            done = [next(scaled) for _ in mine]
+            if layout.grid is not None:
+                out[i] = layout.grid.join(done[0].unsqueeze(0) if len(done) == 1 else torch.stack(done))
+            elif len(layout.sides) == 1 and done:  # one block (a vector): no copy to write into
+                out[i] = done[0]
+            else:
+                out[i] = p_grafts[i].clone()
+                for (index, _, _), s in zip(mine, done, strict=True):
+                    out[i][layout.region(index)] = s
         return out
 
 
-def _graft_block(s: Tensor, p_graft: Tensor) -> Tensor:
-    """s with the Frobenius norm of `p_graft` (0 where s = 0), tensors throughout: no host sync on an accelerator."""
-    norm = torch.linalg.vector_norm(s)
-    return s * torch.where(norm > 0, torch.linalg.vector_norm(p_graft) / norm, 0.0)
+def _shampoo_blocks(layout: Layout, roots: Sides, g_hat: Tensor, p_graft: Tensor) -> list[tuple[int, Tensor, Tensor]]:
+    """(index, S_b = L^ G^_b R^, the graft direction's block) of each block with factors, in block order; a `Grid`'s
+    S_b as one batched product (views of it)."""
+    grid = layout.grid
+    if grid is not None:
+        s = torch.bmm(torch.bmm(grid.factors(roots.L, "L"), grid.split(g_hat)), grid.factors(roots.R, "R"))
+        return [
+            (i, s_b, p_b) for i, (s_b, p_b) in enumerate(zip(s.unbind(0), grid.split(p_graft).unbind(0), strict=True))
+        ]
+    out = []
+    for index, (left, right) in enumerate(layout.sides):
+        if left is not None or right is not None:
+            region = layout.region(index)
+            out.append((index, _kron_apply(g_hat[region], left, right, roots), p_graft[region]))
+    return out
+
+
+def _rescaled(ss: list[Tensor], targets: list[Tensor]) -> list[Tensor]:
+    """Each s with the Frobenius norm of its target (0 where s = 0): `torch._foreach_norm` over all, tensors
+    throughout (no host sync on an accelerator)."""
+    norms, wanted = torch.stack(torch._foreach_norm(ss)), torch.stack(torch._foreach_norm(targets))
+    return list(torch._foreach_mul(ss, list(torch.where(norms > 0, wanted / norms, 0.0).unbind(0))))
 
 
 def _shampoo_state(state: RefreshState) -> ShampooState:
