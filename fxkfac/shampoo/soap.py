@@ -87,8 +87,9 @@ def _blockwise(layout: Layout, x: Tensor, left: Side, right: Side) -> Tensor:
 
 
 def _rotated(layout: Layout, x: Tensor, bases: Sides | None, *, back: bool) -> Tensor:
-    """x into the bases, Q_L^T x_b Q_R per block, or `back` from them, Q_L x_b Q_R^T (x itself without bases)."""
-    if bases is None:
+    """x into the bases, Q_L^T x_b Q_R per block, or `back` from them, Q_L x_b Q_R^T (x itself without bases or
+    without factors, as a vector that is not preconditioned)."""
+    if bases is None or not any(layout.factors.values()):
         return x
     if back:
         return _blockwise(layout, x, lambda f: f.take(bases.L), lambda f: f.take(bases.R).t())
