@@ -38,7 +38,7 @@ from fxkfac.planner.problem.analytic import DEFAULT_MAX_DIM, FactorKind
 from fxkfac.preconditioner import RefreshState, direction_dot
 from fxkfac.shampoo import graft
 from fxkfac.shampoo.base import BlockFamily, block_side
-from fxkfac.shampoo.config import RootInvMethod, ShampooConfig
+from fxkfac.shampoo.config import GraftType, RootInvMethod, ShampooConfig
 from fxkfac.shampoo.layout import Factor, Layout, ParamUnit, make_layout, running_sums
 from fxkfac.shampoo.roots import (
     NewtonIterate,
@@ -49,7 +49,7 @@ from fxkfac.shampoo.roots import (
     newton_steps,
     protected_eigh_root_inverse,
 )
-from fxkfac.shampoo.state import ShampooState, Sides
+from fxkfac.shampoo.state import BlockState, ShampooState, Sides
 
 __all__ = ["ShampooFamily", "NewtonCarry"]
 
@@ -95,6 +95,17 @@ class ShampooFamily(BlockFamily):
         if self.decays(unit) and not self.cfg.use_decoupled_weight_decay:
             g = g + self.cfg.weight_decay * param.detach().reshape(g.shape)
         return g
+
+    def step_tensors(self, state: BlockState) -> tuple[str, ...]:
+        """L, R and those of the graft accumulator (not with SGD grafting), the filtered gradient (beta1 > 0) and the
+        momentum (momentum > 0) that the config makes: the others stay None, so a streamed unit does not send them."""
+        cfg = self.cfg
+        never = {
+            "graft": cfg.grafting_type is GraftType.SGD,
+            "filtered": cfg.betas[0] == 0.0,
+            "momentum": cfg.momentum == 0.0,
+        }
+        return tuple(k for k in state.TENSORS if not never.get(k, False))
 
     # --- refresh ------------------------------------------------------------------------------------
 
