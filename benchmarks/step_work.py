@@ -13,7 +13,10 @@ Muon           input the owner's part of each unit's APPLY (`apply_input`: momen
 Variants are timed in this thread's CPU time (not wall-clock time, which a loaded machine stretches), round by round,
 interleaved; each number is the fastest round's mean (the JSON line also has the medians). The ratio is to
 `torch.optim.AdamW`'s step on the same parameters (foreach), the plain pipeline's per-step work. Run it on two commits
-(PYTHONPATH=<the old tree>) for a before/after.
+(PYTHONPATH=<the old tree>) for a before/after. Two counts of one more call, which no load changes, say where the time
+goes: the aten ops it dispatches (each costs microseconds on small tensors, whatever its size; a `torch._foreach_*` op
+is one) and its matrix products' floating-point operations (`torch.utils.flop_counter`; at a core's matmul rate, the
+part no overhead cut removes).
 
 Run: python benchmarks/step_work.py [--rounds 7] [--repeats 5] [--stage 0]
 """
@@ -30,6 +33,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
 
 from fxkfac.models import TinyBertConfig, TinyBertMLM
 from fxkfac.muon import MuonConfig
@@ -128,6 +133,28 @@ def _adamw(params: dict[str, torch.nn.Parameter]) -> Callable[[], None]:
     return opt.step  # type: ignore[return-value]  # step() returns the optional loss, unused here
 
 
+class _OpCount(TorchDispatchMode):
+    """Counts the aten ops dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _counts(fn: Callable[[], object]) -> tuple[int, float]:
+    """The aten ops one call of `fn` dispatches and its matrix products' MFLOP."""
+    with _OpCount() as ops:
+        fn()
+    flops = FlopCounterMode(display=False)
+    with flops:
+        fn()
+    return ops.ops, flops.get_total_flops() / 1e6
+
+
 def _time(fn: Callable[[], object], repeats: int) -> float:
     """Seconds of this thread's CPU per call (torch runs every op on it with one thread): other processes on a
     loaded machine take turns on the cores but add nothing to it, as they would to wall-clock time."""
@@ -169,6 +196,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for k, fn in calls.items():
             times[k].append(_time(fn, args.repeats))
+    counts = {k: _counts(fn) for k, fn in calls.items()}
     ms = {k: 1e3 * min(v) for k, v in times.items()}
     median_ms = {k: 1e3 * statistics.median(v) for k, v in times.items()}
     base = ms["AdamW step"]
@@ -179,10 +207,10 @@ def main() -> None:
     table = Table(
         title=f"per-step work, 1 thread, TinyBert h{args.hidden} ffn{args.ffn} x{args.layers}, stage {args.stage}"
     )
-    for col in ("work", "ms (fastest round)", "ratio to AdamW's step"):
+    for col in ("work", "ms (fastest round)", "ratio to AdamW's step", "aten ops", "MFLOP (matmuls)"):
         table.add_column(col)
     for k, v in ms.items():
-        table.add_row(k, f"{v:.2f}", f"{v / base:.2f}")
+        table.add_row(k, f"{v:.2f}", f"{v / base:.2f}", str(counts[k][0]), f"{counts[k][1]:.0f}")
     console = Console(width=120)
     console.print(table)
     console.print(f"load average before: {load[0]:.2f}, after: {os.getloadavg()[0]:.2f}", markup=False)
@@ -194,6 +222,8 @@ def main() -> None:
                 "ms": ms,
                 "median_ms": median_ms,
                 "ratio_to_adamw": {k: v / base for k, v in ms.items()},
+                "aten_ops": {k: c[0] for k, c in counts.items()},
+                "mflop": {k: c[1] for k, c in counts.items()},
                 "loadavg": [load[0], os.getloadavg()[0]],
             }
         )

@@ -149,12 +149,10 @@ class MuonFamily:
     def apply_input(self, unit: MuonUnit, grad: Tensor, state: RefreshState, param: Tensor) -> Tensor:
         """The owner's first part of the APPLY, which updates the state: a matrix's Newton-Schulz input (momentum,
         then the Nesterov blend); an AdamW parameter's whole direction."""
-        assert isinstance(state, MuonState), "a Muon unit's state is a MuonState"
-        cfg = self.cfg
-        g = grad.detach()
-        state.steps += 1
+        state, cfg, g = _muon_state(state), self.cfg, grad.detach()
         if unit.kind is UnitKind.ADAMW:
-            return self._adamw(state, g, param.detach())
+            return self._adamw([state], [g], [param.detach()])[0]
+        state.steps += 1
         buf = torch.zeros_like(g) if state.momentum is None else state.momentum
         state.momentum = torch.lerp(buf, g, 1 - cfg.momentum)
         return torch.lerp(g, state.momentum, cfg.momentum) if cfg.nesterov else state.momentum
@@ -179,21 +177,32 @@ class MuonFamily:
         cfg = self.cfg
         p = param.detach()
         out = core.to(p.dtype) * lr_scale(cfg.adjust_lr_fn, unit.shape)
-        return out + cfg.weight_decay * p if cfg.weight_decay else out
+        return torch.add(out, p, alpha=cfg.weight_decay) if cfg.weight_decay else out
 
-    def _adamw(self, state: MuonState, g: Tensor, w: Tensor) -> Tensor:
-        """torch.optim.AdamW's step over lr (times adamw_lr_ratio), its moments replaced in `state`."""
+    def _adamw(self, states: Sequence[MuonState], gs: list[Tensor], ws: list[Tensor]) -> list[Tensor]:
+        """torch.optim.AdamW's step over lr (times adamw_lr_ratio) of each parameter, its moments replaced in its state
+        (the step counted); each pass one `torch._foreach_*` op over the parameters (the same op per tensor)."""
         cfg = self.cfg
         beta1, beta2 = cfg.adamw_betas
-        m = torch.zeros_like(g) if state.exp_avg is None else state.exp_avg
-        v = torch.zeros_like(g) if state.exp_avg_sq is None else state.exp_avg_sq
-        state.exp_avg = torch.lerp(m, g, 1 - beta1)
-        state.exp_avg_sq = torch.addcmul(v * beta2, g, g, value=1 - beta2)
-        denom = state.exp_avg_sq.sqrt() / math.sqrt(1 - beta2**state.steps) + cfg.adamw_eps
-        out = state.exp_avg / (1 - beta1**state.steps) / denom
+        for state in states:
+            state.steps += 1
+        ms = [torch.zeros_like(g) if s.exp_avg is None else s.exp_avg for s, g in zip(states, gs, strict=True)]
+        vs = [torch.zeros_like(g) if s.exp_avg_sq is None else s.exp_avg_sq for s, g in zip(states, gs, strict=True)]
+        ms = list(torch._foreach_lerp(ms, gs, 1 - beta1))
+        vs = list(torch._foreach_mul(vs, beta2))
+        torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
+        for state, m, v in zip(states, ms, vs, strict=True):
+            state.exp_avg, state.exp_avg_sq = m, v
+        denoms = torch._foreach_sqrt(vs)
+        torch._foreach_div_(denoms, [math.sqrt(1 - beta2**s.steps) for s in states])
+        torch._foreach_add_(denoms, cfg.adamw_eps)
+        out = torch._foreach_div(ms, [1 - beta1**s.steps for s in states])
+        torch._foreach_div_(out, denoms)
         if cfg.adamw_weight_decay:
-            out = out + cfg.adamw_weight_decay * w
-        return out * cfg.adamw_lr_ratio if cfg.adamw_lr_ratio != 1.0 else out
+            torch._foreach_add_(out, ws, alpha=cfg.adamw_weight_decay)
+        if cfg.adamw_lr_ratio != 1.0:
+            torch._foreach_mul_(out, cfg.adamw_lr_ratio)
+        return list(out)
 
     def direction(self, unit: MuonUnit, grad: Tensor, state: RefreshState, param: Tensor) -> Tensor:
         """The unit's whole step direction: input, core in one piece, output."""
@@ -207,16 +216,53 @@ class MuonFamily:
         states: Mapping[str, RefreshState],
         params: Mapping[str, Tensor],
     ) -> Tensor:
-        """Replace each unit's gradient by its direction P (module doc); returns sum <P, G> (float64)."""
+        """Replace each unit's gradient by its direction P (module doc); returns sum <P, G> (float64). Each unit's
+        `direction`, with the Newton-Schulz iterations of equally shaped matrices run together (`_cores`)."""
+        live = [unit for unit in units if grads.get(unit.name) is not None]
+        inputs = [
+            grads[u.name]
+            if u.kind is UnitKind.ADAMW
+            else self.apply_input(u, grads[u.name], states[u.name], params[u.name])
+            for u in live
+        ]
+        adamw = [i for i, unit in enumerate(live) if unit.kind is UnitKind.ADAMW]
+        if adamw:  # AdamW's whole step, `apply_input` of these units, as one pass per op over them all
+            done = self._adamw(
+                [_muon_state(states[live[i].name]) for i in adamw],
+                [inputs[i].detach() for i in adamw],
+                [params[live[i].name].detach() for i in adamw],
+            )
+            for i, direction in zip(adamw, done, strict=True):
+                inputs[i] = direction
         dot = torch.zeros((), dtype=torch.float64)
-        for unit in units:
-            grad = grads.get(unit.name)
-            if grad is None:
-                continue
-            p = self.direction(unit, grad, states[unit.name], params[unit.name])
-            dot = dot + direction_dot(self, p, grad)
+        for unit, core in zip(live, self._cores(live, inputs), strict=True):
+            grad = grads[unit.name]
+            p = self.apply_output(unit, core, params[unit.name])
+            if self.kl_clip is not None:  # without a KL-clip <P, G> is never read: no zero per unit to add
+                dot = dot + direction_dot(self, p, grad)
             grad.copy_(p)
         return dot
+
+    def _cores(self, units: Sequence[MuonUnit], inputs: Sequence[Tensor]) -> list[Tensor]:
+        """`apply_core` of each unit in one piece, the matrices of one shape (after `ns_start`'s orientation) iterated
+        as one stack: a batched product per term instead of one per matrix, each matrix's numbers unchanged (the
+        batched kernels compute every product as the single-matrix ones do; tests/muon/test_one_device.py)."""
+        cfg = self.cfg
+        cores = list(inputs)
+        starts: dict[tuple[tuple[int, ...], bool], list[tuple[int, Tensor]]] = {}
+        for i, (unit, x) in enumerate(zip(units, inputs, strict=True)):
+            if unit.kind is UnitKind.MATRIX:
+                x0 = ns_start(x, self.ns_dtype, cfg.eps)
+                starts.setdefault((tuple(x0.shape), x0.is_contiguous()), []).append((i, x0))
+        for (_, rowwise), group in starts.items():
+            if len(group) == 1:
+                stack = group[0][1]
+            else:  # a tall matrix's X_0 is a transposed view: stacked as such, so each product sees its layout
+                stack = torch.stack([x0 for _, x0 in group]) if rowwise else torch.stack([x0.T for _, x0 in group]).mT
+            done = ns_iterate(stack, cfg.ns_coefficients, cfg.ns_steps)
+            for (i, _), x in zip(group, [done] if len(group) == 1 else done.unbind(0), strict=True):
+                cores[i] = ns_end(x, units[i].shape)
+        return cores
 
     def clip_scale(self, dot_sum: float, lr: float) -> float:
         """1.0: Muon has no KL-clip."""
@@ -254,3 +300,9 @@ class MuonFamily:
             )
 
         return cost
+
+
+def _muon_state(state: RefreshState) -> MuonState:
+    """`state`, which a Muon unit's is."""
+    assert isinstance(state, MuonState), "a Muon unit's state is a MuonState"
+    return state

@@ -21,8 +21,14 @@ def ns_start(x: Tensor, dtype: torch.dtype, eps: float) -> Tensor:
 
 
 def ns_iterate(x: Tensor, coefficients: tuple[float, float, float], steps: int) -> Tensor:
-    """`steps` quintic iterations X <- a X + (b A + c A A) X, A = X X^T (a new tensor; `x` is not changed)."""
+    """`steps` quintic iterations X <- a X + (b A + c A A) X, A = X X^T (a new tensor; `x` is not changed). `x` may
+    be a (k, m, n) stack of equally shaped matrices, iterated together: one batched product per term for all k."""
     a, b, c = coefficients
+    if x.dim() == 3:
+        for _ in range(steps):
+            gram = torch.bmm(x, x.mT)
+            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        return x
     for _ in range(steps):
         gram = x @ x.T
         x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)

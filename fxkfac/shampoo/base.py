@@ -115,8 +115,13 @@ class BlockFamily(ABC):
 
     def fold_gradient(self, unit: ParamUnit, state: RefreshState, part: str, raw: Tensor) -> None:
         """`fold` of the step's `statistic` of `part` from `raw`: for a `Grid` layout folded by the statistic's own
-        batched product (beta old + (1 - beta) G G^T as one `torch.baddbmm`, no pass over the statistic alone)."""
-        grid, old = self.layout(unit).grid, getattr(state, part, None)
+        batched product (beta old + (1 - beta) G G^T as one `torch.baddbmm`, no pass over the statistic alone); a part
+        without factors (the R of a vector, SOAP's identity sides) only counts the fold."""
+        layout, old = self.layout(unit), getattr(state, part, None)
+        if old is not None and layout.size(part) == 0 and isinstance(state, BlockState):  # a trivial part (no factor)
+            state.folds = {**state.folds, part: state.folds[part] + 1}  # stays empty: only its count moves
+            return
+        grid = layout.grid
         if grid is None or old is None or self.stat_beta == 1.0 or not isinstance(state, BlockState):
             self.fold(state, part, self.statistic(unit, part, None, raw, 1))
             return
@@ -169,29 +174,37 @@ class BlockFamily(ABC):
             if grads.get(unit.name) is not None:
                 grads[unit.name].mul_(nu)
 
+    def step_tensors(self, state: BlockState) -> tuple[str, ...]:
+        """The tensors of `state` that the per-step work may make: all its `TENSORS` (Shampoo leaves out those its
+        config never makes)."""
+        return state.TENSORS
+
     def step_state(self, unit: ParamUnit, state: RefreshState) -> Tensor:
         """``[folds.L, folds.R, present flag per tensor, each tensor flat (zeros when absent)]`` in float64 (exact for
-        the family's dtypes): what a helper that folds and applies a streamed unit returns to its owners."""
+        the family's dtypes), over the `step_tensors` alone (its size depends on the unit and the config): what a
+        helper that folds and applies a streamed unit returns to its owners."""
         if not isinstance(state, BlockState):
             raise AssertionError(f"a {self.name} state packed from another family's state")
-        shapes = self.new_state(unit).shapes
-        values = [getattr(state, k) for k in state.TENSORS]
-        sizes = [math.prod(shapes[k]) for k in state.TENSORS]
-        out = torch.zeros(2 + len(values) + sum(sizes), dtype=torch.float64)  # one buffer: each tensor cast into it
+        shapes, names = self.new_state(unit).shapes, self.step_tensors(state)
+        values = [getattr(state, k) for k in names]
+        sizes = [math.prod(shapes[k]) for k in names]
+        out = torch.empty(2 + len(values) + sum(sizes), dtype=torch.float64)  # one buffer: each tensor cast into it
         out[:2] = torch.tensor([state.folds["L"], state.folds["R"]], dtype=torch.float64)
         at = 2 + len(values)
         for i, (value, size) in enumerate(zip(values, sizes, strict=True)):
-            if value is not None:
-                out[2 + i] = 1.0
+            out[2 + i] = 0.0 if value is None else 1.0
+            if value is None:
+                out[at : at + size].zero_()
+            else:
                 out[at : at + size].copy_(value.reshape(-1))
             at += size
         return out
 
     def load_step_state(self, unit: ParamUnit, state: RefreshState, flat: Tensor) -> None:
-        """Inverse of `step_state`, each tensor back in the family's dtype."""
+        """Inverse of `step_state`, each tensor back in the family's dtype (the others, which stay None, untouched)."""
         if not isinstance(state, BlockState):
             raise AssertionError(f"a {self.name} state unpacked into another family's state")
-        shapes, names = self.new_state(unit).shapes, state.TENSORS
+        shapes, names = self.new_state(unit).shapes, self.step_tensors(state)
         flat = flat.cpu()
         state.folds = {"L": int(flat[0]), "R": int(flat[1])}
         at = 2 + len(names)

@@ -38,8 +38,8 @@ from fxkfac.planner.problem.analytic import DEFAULT_MAX_DIM, FactorKind
 from fxkfac.preconditioner import RefreshState, direction_dot
 from fxkfac.shampoo import graft
 from fxkfac.shampoo.base import BlockFamily, block_side
-from fxkfac.shampoo.config import RootInvMethod, ShampooConfig
-from fxkfac.shampoo.layout import Factor, Layout, ParamUnit, make_layout, running_sum
+from fxkfac.shampoo.config import GraftType, RootInvMethod, ShampooConfig
+from fxkfac.shampoo.layout import Factor, Layout, ParamUnit, make_layout, running_sums
 from fxkfac.shampoo.roots import (
     NewtonIterate,
     diagonal_root_inverse,
@@ -49,7 +49,7 @@ from fxkfac.shampoo.roots import (
     newton_steps,
     protected_eigh_root_inverse,
 )
-from fxkfac.shampoo.state import ShampooState, Sides
+from fxkfac.shampoo.state import BlockState, ShampooState, Sides
 
 __all__ = ["ShampooFamily", "NewtonCarry"]
 
@@ -95,6 +95,17 @@ class ShampooFamily(BlockFamily):
         if self.decays(unit) and not self.cfg.use_decoupled_weight_decay:
             g = g + self.cfg.weight_decay * param.detach().reshape(g.shape)
         return g
+
+    def step_tensors(self, state: BlockState) -> tuple[str, ...]:
+        """L, R and those of the graft accumulator (not with SGD grafting), the filtered gradient (beta1 > 0) and the
+        momentum (momentum > 0) that the config makes: the others stay None, so a streamed unit does not send them."""
+        cfg = self.cfg
+        never = {
+            "graft": cfg.grafting_type is GraftType.SGD,
+            "filtered": cfg.betas[0] == 0.0,
+            "momentum": cfg.momentum == 0.0,
+        }
+        return tuple(k for k in state.TENSORS if not never.get(k, False))
 
     # --- refresh ------------------------------------------------------------------------------------
 
@@ -233,68 +244,143 @@ class ShampooFamily(BlockFamily):
         params: Mapping[str, Tensor],
     ) -> Tensor:
         """Replace each unit's gradient by its search direction P (module doc, steps 5-9); returns sum <P, G>."""
+        live = [unit for unit in units if grads.get(unit.name) is not None]
+        directions = self._directions(
+            live,
+            [_shampoo_state(states[unit.name]) for unit in live],
+            [grads[unit.name] for unit in live],
+            [params[unit.name] for unit in live],
+        )
         dot = torch.zeros((), dtype=torch.float64)
-        for unit in units:
-            grad = grads.get(unit.name)
-            state = states[unit.name]
-            if grad is None:
-                continue
-            assert isinstance(state, ShampooState)
-            p = self._direction(unit, state, grad, params[unit.name]).reshape(grad.shape)
-            dot = dot + direction_dot(self, p, grad)
+        for unit, p in zip(live, directions, strict=True):
+            grad = grads[unit.name]
+            p = p.reshape(grad.shape)
+            if self.kl_clip is not None:  # without a KL-clip <P, G> is never read: no zero per unit to add
+                dot = dot + direction_dot(self, p, grad)
             grad.copy_(p)
         return dot
 
-    def _direction(self, unit: ParamUnit, state: ShampooState, grad: Tensor, param: Tensor) -> Tensor:
-        """P of one parameter, in its view shape; replaces the state's per-step tensors."""
-        cfg, layout = self.cfg, self.layout(unit)
-        g = self.gradient(unit, grad, param).to(self.dtype, copy=True)  # never an alias of `grad`, overwritten last
-        state.graft = graft.accumulate(cfg.grafting_type, state.graft, g, cfg.grafting_beta2)
-        g_hat = self._filtered(state, g)
-        p_graft = graft.direction(
+    def _directions(
+        self,
+        units: Sequence[ParamUnit],
+        states: Sequence[ShampooState],
+        grads: Sequence[Tensor],
+        params: Sequence[Tensor],
+    ) -> list[Tensor]:
+        """P of each parameter, in its view shape; replaces the states' per-step tensors. The elementwise steps run
+        over all the parameters at once (one `torch._foreach_*` op per pass: the same op per tensor, without a Python
+        op per parameter), the blocks' products per parameter."""
+        cfg = self.cfg
+        # never an alias of a gradient, which is overwritten last
+        gs = [self.gradient(u, g, w).to(self.dtype, copy=True) for u, g, w in zip(units, grads, params, strict=True)]
+        accs = graft.accumulate(cfg.grafting_type, [state.graft for state in states], gs, cfg.grafting_beta2)
+        for state, acc in zip(states, accs, strict=True):
+            state.graft = acc
+        g_hats = self._filtered(states, gs)
+        p_grafts = graft.direction(
             cfg.grafting_type,
-            state.graft,
-            g_hat,
-            state.count,
+            accs,
+            g_hats,
+            [state.count for state in states],
             eps=cfg.grafting_epsilon,
             beta2=cfg.grafting_beta2,
             bias_correction=cfg.use_bias_correction,
         )
-        p = p_graft if state.active is None else self._grafted(layout, state.active, g_hat, p_graft)
-        if self.decays(unit) and cfg.use_decoupled_weight_decay:
-            p = p + cfg.weight_decay * param.detach().reshape(layout.view).to(self.dtype)
-        if cfg.momentum > 0:
-            state.momentum = p if state.momentum is None else cfg.momentum * state.momentum + p
-            p = cfg.momentum * state.momentum + p if cfg.use_nesterov else state.momentum
-        return p
+        ps = self._grafted(units, states, g_hats, p_grafts)
+        decayed = [i for i, unit in enumerate(units) if self.decays(unit)] if cfg.use_decoupled_weight_decay else []
+        if decayed:
+            weights = [params[i].detach().reshape(self.layout(units[i]).view).to(self.dtype) for i in decayed]
+            for i, p in zip(decayed, torch._foreach_add([ps[i] for i in decayed], weights, alpha=cfg.weight_decay)):
+                ps[i] = p
+        return self._momentum(states, ps) if cfg.momentum > 0 and ps else ps
 
-    def _filtered(self, state: ShampooState, g: Tensor) -> Tensor:
-        """G^: the beta1-filtered gradient, bias-corrected (G itself when beta1 = 0)."""
+    def _momentum(self, states: Sequence[ShampooState], ps: list[Tensor]) -> list[Tensor]:
+        """M <- mu M + P (M = P at first); mu M + P (Nesterov) or M."""
+        mu = self.cfg.momentum
+        old = [(i, state.momentum) for i, state in enumerate(states) if state.momentum is not None]
+        momenta = list(ps)
+        if old:
+            summed = torch._foreach_mul([m for _, m in old], mu)
+            torch._foreach_add_(summed, [ps[i] for i, _ in old])
+            for (i, _), m in zip(old, summed, strict=True):
+                momenta[i] = m
+        for state, m in zip(states, momenta, strict=True):
+            state.momentum = m
+        if not self.cfg.use_nesterov:
+            return momenta
+        nesterov = torch._foreach_mul(momenta, mu)
+        torch._foreach_add_(nesterov, ps)
+        return list(nesterov)
+
+    def _filtered(self, states: Sequence[ShampooState], gs: list[Tensor]) -> list[Tensor]:
+        """G^ of each parameter: the beta1-filtered gradient, bias-corrected (G itself when beta1 = 0)."""
         beta1 = self.cfg.betas[0]
-        if beta1 == 0.0:
-            return g
-        state.filtered = running_sum(state.filtered, g, beta1)
-        return state.filtered / (1.0 - beta1**state.count) if self.cfg.use_bias_correction else state.filtered
+        if beta1 == 0.0 or not gs:
+            return gs
+        filtered = running_sums([state.filtered for state in states], gs, beta1)
+        for state, f in zip(states, filtered, strict=True):
+            state.filtered = f
+        if not self.cfg.use_bias_correction:
+            return filtered
+        return list(torch._foreach_div(filtered, [1.0 - beta1**state.count for state in states]))
 
-    def _grafted(self, layout: Layout, roots: Sides, g_hat: Tensor, p_graft: Tensor) -> Tensor:
-        """Per block: the Shampoo direction with the graft direction's Frobenius norm (the graft itself for a
-        block without factors); the blocks of a `Grid` batched."""
-        grid = layout.grid
-        if grid is not None:
-            s = torch.bmm(torch.bmm(grid.factors(roots.L, "L"), grid.split(g_hat)), grid.factors(roots.R, "R"))
-            norm = torch.linalg.vector_norm(s, dim=(1, 2), keepdim=True)
-            ratio = torch.linalg.vector_norm(grid.split(p_graft), dim=(1, 2), keepdim=True) / norm
-            return grid.join(s * torch.where(norm > 0, ratio, torch.zeros_like(ratio)))
-        out = p_graft.clone()
-        for index, (left, right) in enumerate(layout.sides):
-            if left is None and right is None:
-                continue
-            region = layout.region(index)
-            s = _kron_apply(g_hat[region], left, right, roots)
-            norm = torch.linalg.vector_norm(s)  # tensors throughout: no host sync per block on an accelerator
-            ratio = torch.linalg.vector_norm(p_graft[region]) / norm
-            out[region] = s * torch.where(norm > 0, ratio, torch.zeros_like(ratio))
+    def _grafted(
+        self, units: Sequence[ParamUnit], states: Sequence[ShampooState], g_hats: list[Tensor], p_grafts: list[Tensor]
+    ) -> list[Tensor]:
+        """Per block of each parameter: the Shampoo direction S_b with the graft direction's Frobenius norm (the graft
+        itself for a block without factors or a parameter without roots yet). S per parameter (a `Grid`'s blocks as
+        one batched product); the norms and the rescaling of every block of every parameter as a few foreach ops."""
+        out = list(p_grafts)
+        found = [
+            (i, self.layout(unit), _shampoo_blocks(self.layout(unit), state.active, g_hat, p_graft))
+            for i, (unit, state, g_hat, p_graft) in enumerate(zip(units, states, g_hats, p_grafts, strict=True))
+            if state.active is not None
+        ]
+        blocks = [block for _, _, blocks in found for block in blocks]
+        if not blocks:
+            return out
+        scaled = iter(_rescaled([s for _, s, _ in blocks], [target for _, _, target in blocks]))
+        for i, layout, mine in found:
+            done = [next(scaled) for _ in mine]
+            if layout.grid is not None:
+                out[i] = layout.grid.join(done[0].unsqueeze(0) if len(done) == 1 else torch.stack(done))
+            elif len(layout.sides) == 1 and done:  # one block (a vector): no copy to write into
+                out[i] = done[0]
+            else:
+                out[i] = p_grafts[i].clone()
+                for (index, _, _), s in zip(mine, done, strict=True):
+                    out[i][layout.region(index)] = s
         return out
+
+
+def _shampoo_blocks(layout: Layout, roots: Sides, g_hat: Tensor, p_graft: Tensor) -> list[tuple[int, Tensor, Tensor]]:
+    """(index, S_b = L^ G^_b R^, the graft direction's block) of each block with factors, in block order; a `Grid`'s
+    S_b as one batched product (views of it)."""
+    grid = layout.grid
+    if grid is not None:
+        s = torch.bmm(torch.bmm(grid.factors(roots.L, "L"), grid.split(g_hat)), grid.factors(roots.R, "R"))
+        return [
+            (i, s_b, p_b) for i, (s_b, p_b) in enumerate(zip(s.unbind(0), grid.split(p_graft).unbind(0), strict=True))
+        ]
+    out = []
+    for index, (left, right) in enumerate(layout.sides):
+        if left is not None or right is not None:
+            region = layout.region(index)
+            out.append((index, _kron_apply(g_hat[region], left, right, roots), p_graft[region]))
+    return out
+
+
+def _rescaled(ss: list[Tensor], targets: list[Tensor]) -> list[Tensor]:
+    """Each s with the Frobenius norm of its target (0 where s = 0): `torch._foreach_norm` over all, tensors
+    throughout (no host sync on an accelerator)."""
+    norms, wanted = torch.stack(torch._foreach_norm(ss)), torch.stack(torch._foreach_norm(targets))
+    return list(torch._foreach_mul(ss, list(torch.where(norms > 0, wanted / norms, 0.0).unbind(0))))
+
+
+def _shampoo_state(state: RefreshState) -> ShampooState:
+    """`state`, which a Shampoo unit's is."""
+    assert isinstance(state, ShampooState), "a Shampoo unit's state is a ShampooState"
+    return state
 
 
 def _kron_apply(g: Tensor, left: Factor | None, right: Factor | None, roots: Sides) -> Tensor:

@@ -7,7 +7,7 @@ Roots (Shampoo) and bases (SOAP) of a part use the same flat layout.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +15,18 @@ from torch import Tensor
 
 from fxkfac.planner.problem.analytic import Block, FactorKind, LargeDimMethod, partition
 
-__all__ = ["PARTS", "ParamUnit", "Factor", "Grid", "Layout", "make_layout", "side_statistic", "running_sum"]
+__all__ = [
+    "PARTS",
+    "ParamUnit",
+    "Factor",
+    "Grid",
+    "Layout",
+    "make_layout",
+    "side_statistic",
+    "running_sum",
+    "running_sums",
+    "running_squares",
+]
 
 PARTS: tuple[str, str] = ("L", "R")
 """Part L is side 0 (rows) of every block, R side 1 (columns; 1-D blocks have none)."""
@@ -157,3 +168,31 @@ def running_sum(old: Tensor | None, new: Tensor, beta: float) -> Tensor:
     if beta == 1.0:
         return new.clone() if old is None else old + new
     return (1.0 - beta) * new if old is None else torch.lerp(old, new, 1.0 - beta)
+
+
+def running_sums(olds: Sequence[Tensor | None], news: Sequence[Tensor], beta: float) -> list[Tensor]:
+    """`running_sum` of each pair (new tensors, never in place), the pairs with an old tensor as one
+    `torch._foreach_lerp`: the same lerp per tensor, without a Python op per tensor."""
+    pairs = zip(olds, news, strict=True)
+    out = [running_sum(old, new, beta) if old is None or beta == 1.0 else new for old, new in pairs]
+    ema = [(i, old) for i, old in enumerate(olds) if old is not None and beta != 1.0]
+    if ema:
+        lerped = torch._foreach_lerp([old for _, old in ema], [news[i] for i, _ in ema], 1.0 - beta)
+        for (i, _), value in zip(ema, lerped, strict=True):
+            out[i] = value
+    return out
+
+
+def running_squares(olds: Sequence[Tensor | None], news: Sequence[Tensor], beta: float) -> list[Tensor]:
+    """`running_sum` of each new tensor's square (beta A + (1 - beta) G^2, from zero; beta = 1: sums), new tensors,
+    the EMAs of the old ones in two `torch._foreach_*` passes in all (no G^2 made)."""
+    pairs = zip(olds, news, strict=True)
+    out = [running_sum(old, new * new, beta) if old is None or beta == 1.0 else new for old, new in pairs]
+    ema = [(i, old) for i, old in enumerate(olds) if old is not None and beta != 1.0]
+    if ema:
+        squared = [news[i] for i, _ in ema]
+        summed = torch._foreach_mul([old for _, old in ema], beta)
+        torch._foreach_addcmul_(summed, squared, squared, value=1.0 - beta)
+        for (i, _), value in zip(ema, summed, strict=True):
+            out[i] = value
+    return out

@@ -35,7 +35,7 @@ from fxkfac.planner.problem.analytic import DEFAULT_MAX_DIM, FactorKind, matrix_
 from fxkfac.preconditioner import RefreshState, direction_dot
 from fxkfac.shampoo.base import BlockFamily, block_side
 from fxkfac.shampoo.config import BasisMethod, SOAPConfig
-from fxkfac.shampoo.layout import Factor, Layout, ParamUnit, make_layout, running_sum
+from fxkfac.shampoo.layout import Factor, Layout, ParamUnit, make_layout, running_squares, running_sums
 from fxkfac.shampoo.state import Sides, SOAPState
 
 __all__ = ["SOAPFamily", "eigh_basis", "qr_basis"]
@@ -84,6 +84,16 @@ def _blockwise(layout: Layout, x: Tensor, left: Side, right: Side) -> Tensor:
             xb = xb @ right(rf)
         out[region] = xb
     return out
+
+
+def _rotated(layout: Layout, x: Tensor, bases: Sides | None, *, back: bool) -> Tensor:
+    """x into the bases, Q_L^T x_b Q_R per block, or `back` from them, Q_L x_b Q_R^T (x itself without bases or
+    without factors, as a vector that is not preconditioned)."""
+    if bases is None or not any(layout.factors.values()):
+        return x
+    if back:
+        return _blockwise(layout, x, lambda f: f.take(bases.L), lambda f: f.take(bases.R).t())
+    return _blockwise(layout, x, lambda f: f.take(bases.L).t(), lambda f: f.take(bases.R))
 
 
 def _stacked(matrices: list[Tensor]) -> Tensor:
@@ -160,17 +170,26 @@ class SOAPFamily(BlockFamily):
     ) -> Tensor:
         """Move moments into newly active bases, then replace each gradient by its AdamW direction in its bases;
         returns sum <P, G>."""
-        dot = torch.zeros((), dtype=torch.float64)
+        soap_states: dict[str, SOAPState] = {}
         for unit in units:
             state = states[unit.name]
             assert isinstance(state, SOAPState)
             if state.moments_basis is not state.active:
                 self._move_moments(self.layout(unit), state)
-            grad = grads.get(unit.name)
-            if grad is None:
-                continue
-            p = self._direction(unit, state, grad, params[unit.name]).reshape(grad.shape)
-            dot = dot + direction_dot(self, p, grad)
+            soap_states[unit.name] = state
+        live = [unit for unit in units if grads.get(unit.name) is not None]
+        directions = self._directions(
+            live,
+            [soap_states[u.name] for u in live],
+            [grads[u.name] for u in live],
+            [params[u.name] for u in live],
+        )
+        dot = torch.zeros((), dtype=torch.float64)
+        for unit, p in zip(live, directions, strict=True):
+            grad = grads[unit.name]
+            p = p.reshape(grad.shape)
+            if self.kl_clip is not None:  # without a KL-clip <P, G> is never read: no zero per unit to add
+                dot = dot + direction_dot(self, p, grad)
             grad.copy_(p)
         return dot
 
@@ -190,22 +209,38 @@ class SOAPFamily(BlockFamily):
             )
         state.moments_basis = new
 
-    def _direction(self, unit: ParamUnit, state: SOAPState, grad: Tensor, param: Tensor) -> Tensor:
-        """P of one parameter in its view shape; replaces the moments."""
-        cfg, layout = self.cfg, self.layout(unit)
-        (beta1, beta2), bases = cfg.betas, state.active
-        g = grad.detach().reshape(layout.view).to(self.dtype)
-        if bases is not None:
-            g = _blockwise(layout, g, lambda f: f.take(bases.L).t(), lambda f: f.take(bases.R))
-        state.exp_avg = running_sum(state.exp_avg, g, beta1)
-        v = state.exp_avg_sq
-        state.exp_avg_sq = (1.0 - beta2) * g * g if v is None else torch.addcmul(v * beta2, g, g, value=1.0 - beta2)
-        m, v = state.exp_avg, state.exp_avg_sq
+    def _directions(
+        self, units: Sequence[ParamUnit], states: Sequence[SOAPState], grads: Sequence[Tensor], params: Sequence[Tensor]
+    ) -> list[Tensor]:
+        """P of each parameter in its view shape; replaces the moments. The rotations per parameter, Adam's
+        elementwise passes over all the parameters at once (one `torch._foreach_*` op each: the same op per tensor,
+        without a Python op per parameter)."""
+        cfg = self.cfg
+        (beta1, beta2), layouts = cfg.betas, [self.layout(unit) for unit in units]
+        gs = [
+            _rotated(layout, grad.detach().reshape(layout.view).to(self.dtype), state.active, back=False)
+            for layout, state, grad in zip(layouts, states, grads, strict=True)
+        ]
+        ms = running_sums([state.exp_avg for state in states], gs, beta1)
+        vs = running_squares([state.exp_avg_sq for state in states], gs, beta2)
+        for state, m, v in zip(states, ms, vs, strict=True):
+            state.exp_avg, state.exp_avg_sq = m, v
+        if not gs:
+            return []
         # m_hat / (sqrt(v_hat) + eps) with the bias corrections as scalars (one pass each, no m_hat or v_hat)
-        c1, c2 = (1.0 - beta1**state.count, 1.0 - beta2**state.count) if cfg.use_bias_correction else (1.0, 1.0)
-        n = torch.div(m, v.sqrt().mul_(1.0 / math.sqrt(c2)).add_(cfg.epsilon)).mul_(1.0 / c1)
-        if bases is not None:
-            n = _blockwise(layout, n, lambda f: f.take(bases.L), lambda f: f.take(bases.R).t())
-        if not cfg.weight_decay:
-            return n
-        return n.add_(param.detach().reshape(layout.view).to(self.dtype), alpha=cfg.weight_decay)
+        counts = [state.count if cfg.use_bias_correction else 0 for state in states]  # beta^0: no correction
+        denoms = torch._foreach_sqrt(vs)
+        torch._foreach_mul_(denoms, [1.0 / math.sqrt(1.0 - beta2**c) if c else 1.0 for c in counts])
+        torch._foreach_add_(denoms, cfg.epsilon)
+        ns = torch._foreach_div(ms, denoms)
+        torch._foreach_mul_(ns, [1.0 / (1.0 - beta1**c) if c else 1.0 for c in counts])
+        out = [
+            _rotated(layout, n, state.active, back=True) for layout, state, n in zip(layouts, states, ns, strict=True)
+        ]
+        if cfg.weight_decay:  # every direction is a new tensor
+            weights = [
+                param.detach().reshape(layout.view).to(self.dtype)
+                for layout, param in zip(layouts, params, strict=True)
+            ]
+            torch._foreach_add_(out, weights, alpha=cfg.weight_decay)
+        return out

@@ -17,7 +17,7 @@ from torch.optim._muon import _zeropower_via_newtonschulz
 
 import fxkfac
 from fxkfac.muon import LrAdjust, MuonConfig, UnitKind
-from fxkfac.muon.family import lr_scale
+from fxkfac.muon.family import MuonFamily, MuonUnit, lr_scale
 from fxkfac.muon.newton_schulz import iterations_of_piece, ns_end, ns_iterate, ns_start, orthogonalize
 from fxkfac.planner.problem.ir import Op, OpKind
 from tests.muon.support import (
@@ -100,6 +100,25 @@ def test_newton_schulz_equals_torch_and_its_pieces_equal_the_whole(shape: tuple[
             x = ns_iterate(x, coefficients, iterations_of_piece(5, i, pieces))
         assert torch.equal(ns_end(x, shape), whole), pieces
     assert sum(iterations_of_piece(5, i, 3) for i in range(3)) == 5
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_stage_apply_iterates_equal_shapes_together_bit_for_bit(dtype: str) -> None:
+    """`precondition` of a stage runs the Newton-Schulz iterations of the matrices of one shape (a tall one in its
+    transposed orientation included) as one batch: each direction equals the unit's own `direction` bit for bit."""
+    family = MuonFamily(MuonConfig(ns_dtype=dtype))
+    shapes = {"a": (16, 8), "b": (8, 16), "c": (16, 8), "d": (8, 8), "v": (8,)}
+    units = [MuonUnit(n, s, UnitKind.MATRIX if len(s) == 2 else UnitKind.ADAMW) for n, s in shapes.items()]
+    gen = torch.Generator().manual_seed(3)
+    params = {n: torch.randn(*s, generator=gen) for n, s in shapes.items()}
+    grads = {n: torch.randn(*s, generator=gen) for n, s in shapes.items()}
+    batched, alone = ({u.name: family.new_state(u) for u in units} for _ in range(2))
+    for _ in range(2):  # the second step with momentum
+        got = {n: g.clone() for n, g in grads.items()}
+        family.precondition(units, got, batched, params)
+        for unit in units:
+            want = family.direction(unit, grads[unit.name], alone[unit.name], params[unit.name])
+            assert torch.equal(got[unit.name], want), unit.name
 
 
 @pytest.mark.parametrize("pieces", [2, 3])

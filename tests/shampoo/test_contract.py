@@ -4,6 +4,7 @@ fixed-size broadcasts, failures that keep the previous preconditioner, and the F
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from typing import Any
@@ -159,6 +160,35 @@ def test_the_step_state_round_trips_at_a_fixed_size(name: str) -> None:
         assert flat.shape == family.step_state(unit, family.new_state(unit)).shape
         family.load_step_state(unit, loaded, flat)
         assert loaded.folds == state.folds
+        for k in state.TENSORS:
+            a, b = getattr(state, k), getattr(loaded, k)
+            assert (a is None and b is None) or torch.equal(a, b), k
+
+
+@pytest.mark.parametrize(
+    ("options", "left_out"),
+    [
+        ({}, ()),
+        ({"momentum": 0.0}, ("momentum",)),
+        ({"betas": (0.0, 0.99), "grafting_type": GraftType.SGD, "momentum": 0.0}, ("graft", "filtered", "momentum")),
+    ],
+)
+def test_the_step_state_leaves_out_what_the_config_never_makes(
+    options: dict[str, Any], left_out: tuple[str, ...]
+) -> None:
+    """A streamed Shampoo unit returns L, R and only the per-step tensors its config makes (no zeros for a momentum
+    of 0, SGD grafting or beta1 = 0 on the wire each step), and still trains to the same state."""
+    family = ShampooFamily(replace(SHAMPOO, **options))
+    net = model()
+    states = train(family, net, batches(3), 0.05)
+    for unit in family.units(net, []):  # type: ignore[arg-type]  # a plain module
+        state, loaded = states[unit.name], family.new_state(unit)
+        kept = [k for k in state.TENSORS if k not in left_out]
+        assert family.step_tensors(state) == tuple(kept)
+        assert all(getattr(state, k) is None for k in left_out)
+        shapes = state.shapes
+        assert family.step_state(unit, state).numel() == 2 + len(kept) + sum(math.prod(shapes[k]) for k in kept)
+        family.load_step_state(unit, loaded, family.step_state(unit, state))
         for k in state.TENSORS:
             a, b = getattr(state, k), getattr(loaded, k)
             assert (a is None and b is None) or torch.equal(a, b), k

@@ -66,3 +66,43 @@ def test_no_grid_for_ragged_diagonal_or_1d_layouts() -> None:
     assert make_layout((8,), 2, LargeDimMethod.BLOCKING, False, FactorKind).grid is None  # a 1-D view
     assert make_layout((8, 2), 2, LargeDimMethod.DIAGONAL, False, FactorKind).grid is None  # a diagonal side
     assert make_layout((4, 4), 2, LargeDimMethod.BLOCKING, False, ()).grid is None  # no factors kept
+
+
+@pytest.mark.parametrize("kind", ["shampoo", "soap"])
+def test_a_stage_apply_equals_each_unit_alone_bit_for_bit(kind: str) -> None:
+    """`precondition` of many units runs each elementwise pass as one `torch._foreach_*` op over them all: every
+    direction and state tensor equals the unit's own `precondition`, bit for bit (a streamed APPLY runs one unit), over
+    steps from the first (no moments yet) through a refresh; one unit has no gradient in one step."""
+    shapes = {"w": (8, 4), "v": (6,), "x": (5, 4), "b": (4,)}
+    family = _family(kind, 4)
+    units = [ParamUnit(n, s) for n, s in shapes.items()]
+    gen = torch.Generator().manual_seed(2)
+    params = {n: torch.randn(s, generator=gen, dtype=torch.float64) for n, s in shapes.items()}
+    together, alone = ({u.name: family.new_state(u) for u in units} for _ in range(2))
+    for t in range(3):
+        grads = {n: torch.randn(s, generator=gen, dtype=torch.float64) for n, s in shapes.items()}
+        if t == 2:
+            del grads["x"]
+        for states in (together, alone):
+            for unit in units:
+                raw = params[unit.name].clone().requires_grad_(True)
+                raw.grad = grads.get(unit.name, torch.zeros(shapes[unit.name], dtype=torch.float64))
+                for part in family.parts:
+                    fold_gradient(family, unit, states[unit.name], part, raw, 1)
+                if t == 1:
+                    made = family.combine(
+                        unit, states[unit.name], {p: family.decompose(unit, states[unit.name], p) for p in family.parts}
+                    )
+                    states[unit.name].set_pending(made, t)
+                states[unit.name].activate(t)
+        got = {n: g.clone() for n, g in grads.items()}
+        family.precondition(units, got, together, params)
+        for unit in units:
+            want = {n: g.clone() for n, g in grads.items() if n == unit.name}
+            family.precondition([unit], want, alone, params)
+            if unit.name in grads:
+                assert torch.equal(got[unit.name], want[unit.name]), (t, unit.name)
+            a, b = together[unit.name].state_dict(), alone[unit.name].state_dict()
+            assert a.keys() == b.keys(), (t, unit.name)
+            for key, value in a.items():
+                assert torch.equal(value, b[key]) if isinstance(value, torch.Tensor) else value == b[key], (t, key)
