@@ -574,6 +574,7 @@ def _resolve_on_mesh(
             captured=captured,
             autocast_dtype=autocast_dtype,
             split_backward=_splits_backward(prepared.target),
+            unit_params={n: family.params_of(known[n]) for names in stage_layers.values() for n in names},
         )
         for st in split.stages:  # profiling ran backward on the parameters the runners will train
             for p in st.gm.parameters():

@@ -43,7 +43,7 @@ from fxkfac.planner.problem import (
 )
 from fxkfac.preconditioner import Family, SteppedFamily, fold_gradient, gradient_parts
 from fxkfac.runtime.precision import autocast, to_wire
-from fxkfac.runtime.split_backward import ArgGrad, split_stage
+from fxkfac.runtime.split_backward import ArgGrad, PendingW, split_stage
 from fxkfac.runtime.sync import flat_gradient
 
 __all__ = ["profile", "Timing", "clock", "time_call", "time_after", "UnitCost", "kfac_unit_cost", "gradient_unit_cost"]
@@ -420,18 +420,30 @@ def _stage_calls(
     return forward, roots
 
 
-def _w_share(
+@dataclass(frozen=True, slots=True)
+class _WShares:
+    """A stage's W as shares of its backward (`_w_shares`): the whole W's, and each named layer's piece's."""
+
+    stage: float
+    layers: dict[str, float]
+
+
+def _w_shares(
     gm: torch.fx.GraphModule,
     inputs: Sequence[Tensor],
+    layers: Mapping[str, Sequence[str]],
     warmup: int,
     repeats: int,
     autocast_dtype: torch.dtype | None = None,
-) -> float:
-    """The share of the stage's backward its W takes (a zero-bubble schedule's weight gradient, `StageCost.wgrad`):
-    B and W of the split the runtime runs ([Note: B/W split] in docs/ZERO_BUBBLE.md, eager), each timed after an
-    untimed forward (and B, for W), output gradients of ones. A share, applied to the backward timed whole
-    (`_stage_times`): the split's B and W run the same aten ops as autograd's backward, and the planner takes W out
-    of that backward."""
+) -> _WShares:
+    """The shares of the stage's backward its W and each of `layers`' W pieces take (a zero-bubble schedule's weight
+    gradient, `StageCost.wgrad`, `LayerCost.wgrad`): B and W of the split the runtime runs ([Note: B/W split] in
+    docs/ZERO_BUBBLE.md, eager), W cut into the pieces of `layers` (layer -> its parameters' names) as a program of
+    per-layer W's cuts it, output gradients of ones. B is timed after an untimed forward; W's pieces one after
+    another after an untimed forward and B, each alone on the clock: W is the fastest repeat of their sum, a layer
+    its piece's fastest, and the shared piece ([Note: W pieces]) counts in W alone. Shares, applied to the backward
+    timed whole (`_stage_times`): the split's B and W run the same aten ops as autograd's backward, and the planner
+    takes W out of that backward."""
     params = dict(gm.named_parameters())
     state = {**params, **dict(gm.named_buffers())}
     args = [x.detach().requires_grad_(True) if x.is_floating_point() else x for x in inputs]
@@ -440,7 +452,7 @@ def _w_share(
     with autocast(autocast_dtype, device):
         outs = gm(*args)
     outs = (outs,) if isinstance(outs, Tensor) else tuple(outs)
-    split = split_stage(gm, state, list(params), args, sides, len(outs), lambda g: g)
+    split = split_stage(gm, state, list(params), args, sides, len(outs), lambda g: g, layers)
 
     def before_b() -> tuple[list[Tensor], list[Tensor]]:
         with torch.no_grad(), autocast(autocast_dtype, device):
@@ -452,17 +464,33 @@ def _w_share(
         with torch.no_grad(), autocast(autocast_dtype, device):
             return tuple(split.input_grad(*(saved[i] for i in split.b_saved), *tangents))
 
-    def before_w() -> list[Tensor]:
+    def w_pieces() -> list[float]:
+        """One W after an untimed forward and B: the seconds of each piece, in `split.pieces`' order."""
         made = before_b()
-        return [*(made[0][i] for i in split.w_saved), *b(made)[split.n_arg_grads :]]
-
-    def w(operands: list[Tensor]) -> object:
-        with torch.no_grad(), autocast(autocast_dtype, device):
-            return split.weights(operands)
+        pending = PendingW(split, [*(made[0][i] for i in split.w_saved), *b(made)[split.n_arg_grads :]])
+        seconds = []
+        for piece in pending.take(None):
+            operands, now = pending.operands(piece), clock()
+            _sync()
+            start = now()
+            with torch.no_grad(), autocast(autocast_dtype, device):
+                out = piece.fn(*operands)
+            _sync()
+            seconds.append(now() - start)
+            pending.ran(piece, out[len(piece.params) + len(piece.weight_args) :])
+        return seconds
 
     b_time = time_after(before_b, b, warmup=warmup, repeats=repeats).seconds
-    w_time = time_after(before_w, w, warmup=warmup, repeats=repeats).seconds
-    return w_time / (b_time + w_time) if b_time + w_time > 0 else 0.5
+    for _ in range(warmup):
+        w_pieces()
+    samples = [w_pieces() for _ in range(max(1, repeats))]
+    w_time = min(map(sum, samples))
+    total = b_time + w_time
+    if not total > 0:
+        return _WShares(0.5, {})
+    fastest = [min(times) for times in zip(*samples, strict=True)]
+    shares = {p.layer: t / total for p, t in zip(split.pieces, fastest, strict=True) if p.layer is not None}
+    return _WShares(w_time / total, shares)
 
 
 def _backward(made: Roots) -> None:
@@ -605,12 +633,12 @@ def _one_round(
     fused: Mapping[int, FactorTaps],
     params_of: Mapping[int, Mapping[str, Sequence[str]]],
     autocast_dtype: torch.dtype | None = None,
-    split_backward: bool = False,
+    w_layers: Mapping[int, Mapping[str, Sequence[str]]] | None = None,
 ) -> list[StageCost]:
     """Every stage's forward and backward (`_stage_times`), with its deferred `taps` and with its curvature
     `fused` (`_tapped_times`), its units (`unit_cost`), when its backward makes each of `params_of`'s layers'
-    gradients (`_ready_times`) and with `split_backward` its W's share of the backward (`_w_share`), timed once
-    over."""
+    gradients (`_ready_times`) and with `w_layers` (each stage's layers and their parameters) its W and each
+    layer's W piece (`_w_shares`), timed once over."""
     batch = int(micro_inputs[0].shape[0])
     inputs, stages = list(micro_inputs), []
     last = len(split.stages) - 1
@@ -625,7 +653,10 @@ def _one_round(
         params = {n: p for n, p in st.gm.named_parameters()}
         ready = _ready_times(st.gm, fed, stage_loss, params_of.get(st.index, {}), repeats, autocast_dtype)
         units = tuple(unit_cost(n, batch) for n in stage_layers.get(st.index, ()))
-        share = _w_share(st.gm, fed, warmup, repeats, autocast_dtype) if split_backward else None
+        w = None
+        if w_layers is not None:
+            w = _w_shares(st.gm, fed, w_layers.get(st.index, {}), warmup, repeats, autocast_dtype)
+        w_of = {} if w is None else {n: share * bwd.seconds for n, share in w.layers.items()}
         stages.append(
             StageCost(
                 fwd=fwd.seconds,
@@ -637,10 +668,10 @@ def _one_round(
                 param_bytes=sum(map(_nbytes, params.values())),
                 act_bytes=_act_bytes(st.gm, autocast_dtype),
                 boundary_bytes=boundary,
-                layers=tuple(replace(x, grad_ready=ready.get(x.name)) for x in units),
+                layers=tuple(replace(x, grad_ready=ready.get(x.name), wgrad=w_of.get(x.name)) for x in units),
                 fwd_spread=fwd.spread,
                 bwd_spread=bwd.spread,
-                wgrad=None if share is None else share * bwd.seconds,
+                wgrad=None if w is None else w.stage * bwd.seconds,
             )
         )
     return stages
@@ -660,6 +691,7 @@ def profile(
     captured: Mapping[int, Sequence[KFACLayer]] | None = None,
     autocast_dtype: torch.dtype | None = None,
     split_backward: bool = False,
+    unit_params: Mapping[str, Sequence[str]] | None = None,
 ) -> CostTable:
     """The CostTable of the split model at the micro-batch of `micro_inputs`, measured here, stage by stage.
     `captured`: each stage's layers with captured parts (K-FAC's), which a refresh step taps: their deferred
@@ -679,7 +711,9 @@ def profile(
     repeats of one figure lie spread over the whole profile, so a moment when another process takes the device
     slows one round of every figure, not all repeats of a few. A stage time of 0 raises CostModelError (no plan
     is made from it); times whose repeats varied more than `NOISY`-fold are logged as a warning. `split_backward`
-    (a zero-bubble schedule's run): each stage's W is timed too, as its share of the backward (`StageCost.wgrad`).
+    (a zero-bubble schedule's run): each stage's W is timed too, as its share of the backward (`StageCost.wgrad`),
+    and each unit's own W piece, as its (`LayerCost.wgrad`; W cut as a program of per-layer W's cuts it, by the
+    parameters of each unit, `unit_params`, the family's `params_of`; none: W is one piece, the layers untimed).
     """
     log.info(
         "profiling %d stages, %d rounds, on %s",
@@ -696,6 +730,10 @@ def profile(
         for mode in (Capture.DEFERRED, Capture.FUSED)
     )
     params_of = {s: {x.name: x.params for x in layers} for s, layers in (captured or {}).items()}
+    w_layers = None
+    if split_backward:
+        known = unit_params or {}
+        w_layers = {s: {n: known[n] for n in names if n in known} for s, names in stage_layers.items()}
     passes = [
         _one_round(
             split,
@@ -709,7 +747,7 @@ def profile(
             fused,
             params_of,
             autocast_dtype,
-            split_backward,
+            w_layers,
         )
         for _ in range(max(1, rounds))
     ]

@@ -389,6 +389,30 @@ def test_a_zero_bubble_profile_times_each_stages_w_as_its_share_of_the_backward(
     assert CostTable.from_json(table.to_json()) == table
 
 
+def test_a_zero_bubble_profile_times_each_layers_w_piece_as_a_part_of_its_stages_w(split: tuple) -> None:
+    """With the units' parameters, each layer's own W piece (`LayerCost.wgrad`) is timed on the split a program of
+    per-layer W's runs, in the same W runs as the stage's W: each positive, together about the stage's W and never
+    more (each piece's fastest repeat against the fastest of their sums; the shared piece counts in W alone).
+    Without them W is one piece and the layers are left untimed. The JSON keeps them."""
+    result, by_stage, layers, x = split
+    units = kfac_unit_cost(layers, CFG)
+    params = {n: layer.params for n, layer in layers.items()}
+
+    def zero_bubble(**given: Any) -> CostTable:
+        return profiler.profile(
+            result, by_stage, units, [x], _loss, warmup=1, repeats=3, rounds=1, split_backward=True, **given
+        )
+
+    table = zero_bubble(unit_params=params)
+    for stage in table.stages:
+        times = [layer.wgrad or 0.0 for layer in stage.layers]
+        assert stage.wgrad is not None and len(times) == 2 and min(times) > 0, stage
+        assert 0.6 * stage.wgrad < sum(times) <= stage.wgrad * (1 + 1e-9), (times, stage.wgrad)
+    assert CostTable.from_json(table.to_json()) == table
+    whole = zero_bubble()
+    assert all(s.wgrad is not None and all(x.wgrad is None for x in s.layers) for s in whole.stages)
+
+
 @pytest.mark.parametrize("family_name", ["shampoo", "soap", "muon"])
 def test_streamed_units_price_their_owners_hand_off_and_it_round_trips(family_name: str) -> None:
     """Shampoo's, SOAP's and Muon's unit costs carry the owner's side of a streamed unit (`LayerCost.hand_off`, the

@@ -130,6 +130,10 @@ class LayerCost:
     """Seconds a streamed layer's owner spends making its message in the last backward's gradient hook."""
     take_back: float = 0.0
     """Seconds the owner spends installing what its helper returns (the helper packs it in about as long)."""
+    wgrad: float | None = None
+    """Seconds of one micro-batch's W piece of this layer alone (a zero-bubble schedule's per-layer W: the gradients
+    of its parameters, [Note: W pieces] in fxkfac/runtime/split_backward.py); None where not measured. A part of its
+    stage's `StageCost.wgrad`, which also holds the stage's shared piece."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -441,11 +445,12 @@ class CostTable:
         return replace(self, stages=tuple(_scale_stage(s, factor, factor, 1.0) for s in self.stages))
 
     def scale_kfac_times(self, factor: float) -> CostTable:
-        """Curvature, inversion and preconditioning times multiplied by `factor`; F/B and bytes unchanged (a margin:
-        kernels timed alone run slower when every rank computes at once)."""
+        """Curvature, inversion and preconditioning times multiplied by `factor`; F/B (a layer's W too) and bytes
+        unchanged (a margin: kernels timed alone run slower when every rank computes at once)."""
         _check_number("scale_kfac_times", "factor", factor, integer=False)
         stages = tuple(
-            replace(s, layers=tuple(_scale_layer(x, factor, factor, 1.0) for x in s.layers)) for s in self.stages
+            replace(s, layers=tuple(replace(_scale_layer(x, factor, factor, 1.0), wgrad=x.wgrad) for x in s.layers))
+            for s in self.stages
         )
         return replace(self, stages=stages)
 
@@ -473,7 +478,8 @@ def _family_of_file(data: dict[str, Any]) -> PreconditionerKind:
 _OPTIONAL = frozenset(
     {"tap_fwd", "tap_bwd", "boundary_bytes", "fused_fwd", "fused_bwd", "wgrad", "grad_ready", "hand_off", "take_back"}
 )
-"""Fields a cost file leaves out at their default (besides every unprofiled `*_spread`)."""
+"""Fields a cost file leaves out at their default (besides every unprofiled `*_spread`); these tables go by name,
+for every cost class that has the field (`wgrad`: the stage's W and each layer's piece of it)."""
 
 
 def _drop_unmeasured(body: dict[str, Any], cls: type) -> None:

@@ -855,8 +855,13 @@ def _cut_quantum(start: float, end: float) -> float | None:
 
 
 def w_share(stage: StageCost, layer: str) -> float:
-    """The share of the stage's W that one layer's takes ([Note: per-layer W]): its parameters' share of the stage's
-    (`LayerCost.grad_bytes`), the same for every layer where those are not known."""
+    """The share of the stage's W that one layer's takes ([Note: per-layer W]): its measured W piece's share of the
+    layers' (`LayerCost.wgrad`, where every layer of the stage has one: the stage's shared piece, which runs with
+    whichever layer's W comes first, spread over them so), else its parameters' share of the stage's
+    (`LayerCost.grad_bytes`), else the same for every layer."""
+    timed = {x.name: x.wgrad for x in stage.layers if x.wgrad is not None}
+    if len(timed) == len(stage.layers) and sum(timed.values()) > 0:
+        return timed[layer] / sum(timed.values())
     total = sum(x.grad_bytes for x in stage.layers)
     if total == 0:
         return 1 / len(stage.layers)

@@ -334,3 +334,39 @@ def test_the_median_of_ranks_profiles_takes_each_figure_apart_and_refuses_other_
     )
     with pytest.raises(CostModelError, match="different splits"):
         median_of([base, other])
+
+
+def _with_layer_w(table: CostTable, seconds: Callable[[int], float]) -> CostTable:
+    """`table` with each stage's W measured (half its backward) and each stage's layer j's W piece `seconds(j)`."""
+    return replace(
+        table,
+        stages=tuple(
+            replace(s, wgrad=s.bwd / 2, layers=tuple(replace(x, wgrad=seconds(j)) for j, x in enumerate(s.layers)))
+            for s in table.stages
+        ),
+    )
+
+
+def test_a_layers_w_round_trips_scales_with_its_micro_batch_and_old_files_load_without_it() -> None:
+    """`LayerCost.wgrad` (a layer's W piece per micro-batch) is kept by the JSON, scales with the micro-batch and the
+    device as the stage's W does and not with the K-FAC margin, and combines over rank profiles as the stage's W
+    does (the median); a file without it (every file before it) loads unmeasured and writes as before."""
+    from fxkfac.planner.problem.costs import median_of
+
+    old = cost_table_from_pipefisher_csv(BERT_P100, blocks_per_stage=[1, 2], micro_batch_size=16)
+    ms = [1e-4 * (j + 1) for j in range(len(old.stages[1].layers))]
+    timed = _with_layer_w(old, lambda j: ms[j])
+    assert CostTable.from_json(timed.to_json()) == timed
+    assert all("wgrad" in x for s in timed.to_dict()["stages"] for x in s["layers"])
+    assert all("wgrad" not in x for s in old.to_dict()["stages"] for x in s["layers"])
+    assert CostTable.from_json(old.to_json()) == old
+    assert all(x.wgrad is None for s in old.stages for x in s.layers)
+
+    def layer_w(table: CostTable) -> list[float | None]:
+        return [x.wgrad for x in table.stages[1].layers]
+
+    assert layer_w(timed.with_micro_batch_size(32)) == pytest.approx([2 * t for t in ms])
+    assert layer_w(timed.scale_times(2.5)) == pytest.approx([2.5 * t for t in ms])
+    assert layer_w(timed.scale_kfac_times(3.0)) == ms
+    ranks = [_with_layer_w(old, lambda j, r=r: r * 1e-4) for r in (1, 3, 2)]
+    assert {x.wgrad for s in median_of(ranks).stages for x in s.layers} == {2e-4}

@@ -194,3 +194,43 @@ def test_too_many_per_layer_ws_are_placed_a_stage_at_a_time(monkeypatch: pytest.
     assert validate(p, plan) == []
     placed = [x.op for x in plan.placements if x.op.kind is OpKind.BWD_W]
     assert placed and all(op.layer is None for op in placed)
+
+
+def _timed_layer_w(p: Problem, pieces: dict[str, float]) -> Problem:
+    """`p` with each layer's measured W piece (`LayerCost.wgrad`, seconds): less in all than its stage's W, which
+    also holds the shared piece."""
+    stages = tuple(replace(s, layers=tuple(replace(x, wgrad=pieces[x.name]) for x in s.layers)) for s in p.costs.stages)
+    return replace(p, costs=replace(p.costs, stages=stages))
+
+
+@pytest.mark.parametrize("method", ["greedy", "cpsat"])
+def test_measured_per_layer_ws_last_their_share_of_the_stages_w(method: str) -> None:
+    """Where every layer of a stage has its W piece measured, its W task lasts the piece's share of the layers'
+    (the shared piece spread over them so; l0 three times l1, against its parameters' half) of the stage's W, plus
+    its fused curvature; the plan validates, and a W lasting its parameters' share instead is refused."""
+    p = _timed_layer_w(_two_layer_zb_h1(), {"s0.l0": 1.2, "s0.l1": 0.4, "s1.l0": 2.1, "s1.l1": 0.7})
+    plan = solve(p, FAST, method)
+    assert validate(p, plan) == []
+    fused = {n for n, t in plan.layers.items() if t.capture is Capture.FUSED}
+    ws = [x for x in plan.placements if x.op.kind is OpKind.BWD_W]
+    assert {x.op.layer for x in ws} == {"s0.l0", "s0.l1", "s1.l0", "s1.l1"}
+    for x in ws:
+        s = p.costs.stages[x.op.stage_id]
+        curvature = s.fused_curvature({x.op.layer_name} & fused, OpKind.BWD) if x.step == 0 else 0.0
+        share = 3 / 4 if x.op.layer_name.endswith("l0") else 1 / 4
+        assert x.end - x.start == pytest.approx(share * s.weight_grad + curvature, abs=0.01), x  # cut at 1/100 s
+    w = next(x for x in ws if x.op.layer == "s0.l0")
+    by_parameters = replace(w, end=w.end - (3 / 4 - 1 / 3) * p.costs.stages[0].weight_grad)
+    placements = tuple(by_parameters if x is w else x for x in plan.placements)
+    errors = validate(p, replace(plan, placements=placements), run=False)
+    assert any(str(w.op) in e and "lasts" in e for e in errors), errors
+
+
+def test_measured_per_layer_ws_in_the_parameters_proportion_plan_as_a_table_without_them() -> None:
+    """A table without per-layer W times (every table before them) plans its W's by parameters; one whose
+    measured pieces are in that proportion plans the same W's, at the same places."""
+    old = _two_layer_zb_h1()
+    timed = _timed_layer_w(old, {"s0.l0": 0.5, "s0.l1": 1.0, "s1.l0": 0.9, "s1.l1": 1.8})
+    plans = [solve(p, FAST, "greedy") for p in (old, timed)]
+    assert plans[0].programs == plans[1].programs
+    assert plans[0].placements == plans[1].placements
