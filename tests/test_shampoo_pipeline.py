@@ -161,6 +161,7 @@ def _planned_worker(rank: int, world: int, family: str, mesh: tuple[int, int], s
         "layers": dict(trainer.plan.layers),
         "placed": {p.op.kind for p in trainer.plan.placements},
         "w_layers": {p.op.layer for p in trainer.plan.placements if p.op.kind is OpKind.BWD_W},
+        "w_pieces": {x.name: x.wgrad for s in trainer.plan.problem.costs.stages for x in s.layers},
     }
 
 
@@ -187,6 +188,8 @@ def test_planned_shampoo_and_soap_run_their_plan_and_equal_one_device_given_it(
     assert (OpKind.BWD_W in placed) == (schedule == "zb-h1")
     w_layers = results[0].value["w_layers"] | results[1].value["w_layers"]
     assert w_layers == (set(layers) if schedule == "zb-h1" else set()), "one W per unit ([Note: per-layer W])"
+    pieces = results[0].value["w_pieces"]  # each unit's own W piece profiled where the schedule splits W
+    assert all((t is not None and t > 0) if schedule == "zb-h1" else t is None for t in pieces.values()), pieces
     assert min(t.use_offset for t in layers.values()) >= 1, "a planned gradient part decomposes after its step"
     assert max(t.period for t in layers.values()) <= FAMILIES[family].precondition_frequency
     _assert_equal_one_device(results, family, layers)
