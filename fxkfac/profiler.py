@@ -435,18 +435,22 @@ def _w_shares(
     warmup: int,
     repeats: int,
     autocast_dtype: torch.dtype | None = None,
+    *,
+    first: bool = False,
 ) -> _WShares:
     """The shares of the stage's backward its W and each of `layers`' W pieces take (a zero-bubble schedule's weight
     gradient, `StageCost.wgrad`, `LayerCost.wgrad`): B and W of the split the runtime runs ([Note: B/W split] in
     docs/ZERO_BUBBLE.md, eager), W cut into the pieces of `layers` (layer -> its parameters' names) as a program of
-    per-layer W's cuts it, output gradients of ones. B is timed after an untimed forward; W's pieces one after
+    per-layer W's cuts it, output gradients of ones; the `first` stage's inputs take no gradient, as the runtime's
+    (its B makes nothing, its W is the backward through the stage: a layer's piece also makes its output gradient
+    G, or the shared piece where several layers' need it). B is timed after an untimed forward; W's pieces one after
     another after an untimed forward and B, each alone on the clock: W is the fastest repeat of their sum, a layer
     its piece's fastest, and the shared piece ([Note: W pieces]) counts in W alone. Shares, applied to the backward
     timed whole (`_stage_times`): the split's B and W run the same aten ops as autograd's backward, and the planner
     takes W out of that backward."""
     params = dict(gm.named_parameters())
     state = {**params, **dict(gm.named_buffers())}
-    args = [x.detach().requires_grad_(True) if x.is_floating_point() else x for x in inputs]
+    args = [x.detach().requires_grad_(not first) if x.is_floating_point() else x for x in inputs]
     sides = [ArgGrad.INPUT if a.requires_grad else ArgGrad.NONE for a in args]
     device, values = _device(inputs), list(state.values())
     with autocast(autocast_dtype, device):
@@ -655,7 +659,7 @@ def _one_round(
         units = tuple(unit_cost(n, batch) for n in stage_layers.get(st.index, ()))
         w = None
         if w_layers is not None:
-            w = _w_shares(st.gm, fed, w_layers.get(st.index, {}), warmup, repeats, autocast_dtype)
+            w = _w_shares(st.gm, fed, w_layers.get(st.index, {}), warmup, repeats, autocast_dtype, first=st.index == 0)
         w_of = {} if w is None else {n: share * bwd.seconds for n, share in w.layers.items()}
         stages.append(
             StageCost(
