@@ -600,24 +600,21 @@ def _tasks(
         piece = longest / problem.decomp_pieces  # the longest a DECOMP task lasts
         for x in problem.costs.stages[s].layers:
             for p in x.parts:
-                if p.after is OpKind.ALLREDUCE_GRAD and streamed_stats(problem, x.name):
-                    ready = max(grid.up(refresh.end_of(d, returned(problem, x.name))) for d in copies)
-                    tasks += _refresh_tasks(problem, s, x.name, p.part, p.decomp, piece, ready, True, grid, False)
-                    continue
-                if p.after is OpKind.ALLREDUCE_GRAD:
-                    ready = min(slot.release + slot.ticks for slot in precs if (slot.stage, slot.step) == (s, 0))
-                    tasks += _refresh_tasks(problem, s, x.name, p.part, p.decomp, piece, ready, True, grid, True)
-                    continue
+                gradient = p.after is OpKind.ALLREDUCE_GRAD
+                after_slot = gradient and not streamed_stats(problem, x.name)  # a streamed one's: with the return
                 ready = 0
-                if x.name in fused:
+                if gradient and not after_slot:
+                    ready = max(grid.up(refresh.end_of(d, returned(problem, x.name))) for d in copies)
+                elif after_slot:
+                    ready = min(slot.release + slot.ticks for slot in precs if (slot.stage, slot.step) == (s, 0))
+                elif x.name in fused:
                     made = weight_gradient_kind(problem.kind) if p.after is OpKind.BWD else p.after  # with the W
-                    made = (
-                        OpKind.BWD if placed_w(problem) and p.after is OpKind.BWD else made
-                    )  # then W's tasks ([Note: placed W])
+                    if placed_w(problem) and p.after is OpKind.BWD:  # then the W's tasks ([Note: placed W])
+                        made = OpKind.BWD
                     ready = max(
                         grid.up(e) for d in copies for op, _, e in refresh.fixed(d) if op.stage == s and op.kind is made
                     )
-                tasks += _refresh_tasks(problem, s, x.name, p.part, p.decomp, piece, ready, False, grid, False)
+                tasks += _refresh_tasks(problem, s, x.name, p.part, p.decomp, piece, ready, gradient, grid, after_slot)
     return tuple(tasks)
 
 
@@ -650,11 +647,8 @@ def _refresh_tasks(
     if len(copies) > 1 and not gradient and not problem.where(layer).strategy.local_factors:
         op = Op(OpKind.SYNC_STATS, stage, layer=layer, part=side)
         secs = problem.costs.collective_seconds(op, len(copies))
-        tasks.append(
-            Task(
-                f"sync_{side}_{layer}", TaskKind.SYNC, stage, side, (op,), (secs,), grid.span(secs), copies, ready, key
-            )
-        )
+        span = grid.span(secs)
+        tasks.append(Task(f"sync_{side}_{layer}", TaskKind.SYNC, stage, side, (op,), (secs,), span, copies, ready, key))
     pieces = problem.decomp_pieces
     share = decomp / pieces
     most = max(1, math.floor(piece / share + 1e-9)) if share > 0 else pieces  # pieces a task may hold
@@ -666,30 +660,14 @@ def _refresh_tasks(
         ops = tuple(
             Op(OpKind.DECOMP, stage, layer=layer, part=side, piece=None if whole else (i, pieces)) for i in range(a, b)
         )
-        span = grid.span(share * (b - a))
-        tasks.append(
-            Task(
-                name,
-                TaskKind.INV,
-                stage,
-                side,
-                ops,
-                (share,) * (b - a),
-                span,
-                workers,
-                ready,
-                key,
-                after_slot=after_slot,
-            )
-        )
+        span, secs = grid.span(share * (b - a)), (share,) * (b - a)
+        tasks.append(Task(name, TaskKind.INV, stage, side, ops, secs, span, workers, ready, key, after_slot=after_slot))
     if len(workers) > 1:
-        op = Op(
-            OpKind.BCAST, stage, layer=layer, part=side, root=workers[0], group=None if workers == copies else workers
-        )
+        group = None if workers == copies else workers
+        op = Op(OpKind.BCAST, stage, layer=layer, part=side, root=workers[0], group=group)
         secs = problem.costs.collective_seconds(op, len(workers))
-        tasks.append(
-            Task(f"bcast_{side}_{layer}", TaskKind.BCAST, stage, side, (op,), (secs,), grid.span(secs), workers, 0, key)
-        )
+        span = grid.span(secs)
+        tasks.append(Task(f"bcast_{side}_{layer}", TaskKind.BCAST, stage, side, (op,), (secs,), span, workers, 0, key))
     return tasks
 
 
