@@ -72,6 +72,7 @@ from fxkfac.planner.problem.step_timeline import (
     stream_start,
     w_layer_ops,
     w_operand_bytes,
+    whole_decimal,
 )
 from fxkfac.planner.problem.strategy import keeps_statistics
 
@@ -340,15 +341,10 @@ def too_long(window: Window) -> list[str]:
 
 def _scale(times: Iterable[float], period: float, resolution: int) -> tuple[float, bool]:
     """The exact grid's ticks per second, 10^e for the least e that makes every time whole (within 1e-9: 1e-6 took
-    519687.5 ticks for whole), or `resolution` ticks per period and False."""
-    values = [t for t in times if t > 0]
-    for e in range(7):
-        m = 10.0**e
-        if period * m > 1e7:
-            break
-        if all(abs(t * m - round(t * m)) <= 1e-9 * max(1.0, t * m) for t in values):
-            return m, True
-    return resolution / period, False
+    519687.5 ticks for whole) with at most 10^7 ticks a period, or `resolution` ticks per period and False."""
+    most = next((e for e in range(7) if period * 10.0**e > 1e7), 7)
+    e = whole_decimal((t for t in times if t > 0), most)
+    return (10.0**e, True) if e is not None else (resolution / period, False)
 
 
 def _merge(intervals: Iterable[Interval]) -> tuple[Interval, ...]:

@@ -47,26 +47,23 @@ def _is_program(body: Sequence[Op] | Program) -> TypeIs[Program]:
     return bool(items) and not isinstance(items[0], Op)
 
 
+_TRANSFERS = {
+    OpKind.FWD: ((OpKind.RECV_ACT, -1), (OpKind.SEND_ACT, 1)),
+    OpKind.BWD: ((OpKind.RECV_GRAD, 1), (OpKind.SEND_GRAD, -1)),
+}
+"""Per F/B: (the RECV before it, the stage it comes from), (the SEND after it, the stage it goes to), as offsets."""
+
+
 def _transfers(op: Op, kind: ScheduleKind, D: int, v: int, rank: int) -> tuple[list[Op], list[Op]]:
     """The RECVs to put before `op` and the SENDs to put after it on `rank`."""
-    S = num_stages(kind, D, v)
-    if op.stage is None or op.kind not in (OpKind.FWD, OpKind.BWD):
+    if op.stage is None or op.kind not in _TRANSFERS:
         return [], []
-    before, after = [], []
-    prev_rank = stage_rank(kind, D, op.stage - 1, op.pipe, v=v) if op.stage > 0 else None
-    next_rank = stage_rank(kind, D, op.stage + 1, op.pipe, v=v) if op.stage + 1 < S else None
-    stage, mb, pipe = op.stage, op.mb, op.pipe
-    if op.kind is OpKind.FWD:
-        if prev_rank is not None and prev_rank != rank:
-            before.append(Op(OpKind.RECV_ACT, stage=stage, mb=mb, pipe=pipe, peer=prev_rank))
-        if next_rank is not None and next_rank != rank:
-            after.append(Op(OpKind.SEND_ACT, stage=stage, mb=mb, pipe=pipe, peer=next_rank))
-    else:
-        if next_rank is not None and next_rank != rank:
-            before.append(Op(OpKind.RECV_GRAD, stage=stage, mb=mb, pipe=pipe, peer=next_rank))
-        if prev_rank is not None and prev_rank != rank:
-            after.append(Op(OpKind.SEND_GRAD, stage=stage, mb=mb, pipe=pipe, peer=prev_rank))
-    return before, after
+    out: list[list[Op]] = []
+    for transfer, offset in _TRANSFERS[op.kind]:
+        other = op.stage + offset
+        peer = stage_rank(kind, D, other, op.pipe, v=v) if 0 <= other < num_stages(kind, D, v) else rank
+        out.append([Op(transfer, op.stage, op.mb, op.pipe, peer=peer)] if peer != rank else [])
+    return out[0], out[1]
 
 
 def _lower_step(ops: Sequence[Op], kind: ScheduleKind, D: int, v: int, rank: int) -> list[Op]:

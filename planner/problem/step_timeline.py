@@ -37,7 +37,7 @@ from fxkfac.planner.problem.problem import (
     streamed_stats,
 )
 from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, schedule_programs, weight_gradient_kind
-from fxkfac.planner.problem.strategy import holding, keeps_statistics
+from fxkfac.planner.problem.strategy import LayerDistribution, holding, keeps_statistics
 
 COMPUTE_KINDS = frozenset(
     {OpKind.FWD, OpKind.BWD, OpKind.BWD_W, OpKind.STATS, OpKind.DECOMP, OpKind.APPLY, OpKind.OPT_STEP}
@@ -729,19 +729,28 @@ def static_bytes(problem: Problem, device: int) -> int:
     stages = stages_on_device(problem, device)
     total = shared = 0
     for s in stages:
-        cost, copies = problem.costs.stages[s], copies_of_stage(problem, s)
+        cost = problem.costs.stages[s]
         total += 2 * cost.param_bytes
         for x in cost.layers:
-            gradient_fed = all(p.after is OpKind.ALLREDUCE_GRAD for p in x.parts)
-            held = holding(device, copies, problem.where(x.name), gradient_fed)
-            total += x.factor_bytes * (held.statistics + 2 * held.decompositions) + x.state_bytes * held.decompositions
-            shared = max(shared, x.gradient_bytes * held.shares_gradient)
+            kept, buffer = held_bytes(problem, device, x.name, problem.where(x.name))
+            total += kept
+            shared = max(shared, buffer)
     return (
         total
         + shared
         + max((problem.costs.stages[s].peak_err_bytes for s in stages), default=0)
         + _streamed_bytes(problem, device)
     )
+
+
+def held_bytes(problem: Problem, device: int, layer: str, where: LayerDistribution) -> tuple[int, int]:
+    """(bytes `device` keeps of `layer` across steps under `where`: its statistics, two decompositions and optimizer
+    state as `holding` says; its buffer for a BCAST_PREC's gradient): the per-layer terms of `static_bytes`."""
+    x = problem.costs.layer(layer)
+    copies = copies_of_stage(problem, problem.costs.stage_of(layer))
+    held = holding(device, copies, where, all(p.after is OpKind.ALLREDUCE_GRAD for p in x.parts))
+    kept = x.factor_bytes * (held.statistics + 2 * held.decompositions) + x.state_bytes * held.decompositions
+    return kept, x.gradient_bytes * held.shares_gradient
 
 
 def _streamed_bytes(problem: Problem, device: int) -> int:
@@ -824,15 +833,23 @@ def w_operand_bytes(stage: StageCost, layer: str | None = None) -> int:
 # runtime's shared piece, which runs with the first of the layers' W's.
 
 
+def whole_decimal(values: Iterable[float], most: int) -> int | None:
+    """The least e < `most` for which every value is a whole number of 10^-e (within 1e-9), else None: the one test
+    behind the exact time grid ([Note: time grid] in planner/plan/window.py) and the per-layer W's cuts."""
+    values = list(values)
+    for e in range(most):
+        m = 10.0**e
+        if all(abs(t * m - round(t * m)) <= 1e-9 * max(1.0, t * m) for t in values):
+            return e
+    return None
+
+
 def _cut_quantum(start: float, end: float) -> float | None:
     """Where per-layer W's cut a W's interval: at 1/100 of the finest decimal unit its ends are whole in (at most
-    10^-6 s), so that a time grid exact for the step stays exact for them ([Note: time grid] in planner/plan/window.py:
-    an inexact grid rounds every op and can cost a tight plan a longer step); None where the ends are whole in none."""
-    for e in range(5):
-        m = 10.0**e
-        if all(abs(t * m - round(t * m)) <= 1e-9 * max(1.0, t * m) for t in (start, end)):
-            return 10.0 ** -(e + 2)
-    return None
+    10^-6 s), so that a time grid exact for the step stays exact for them (an inexact grid rounds every op and can
+    cost a tight plan a longer step); None where the ends are whole in none."""
+    e = whole_decimal((start, end), 5)
+    return None if e is None else 10.0 ** -(e + 2)
 
 
 def w_share(stage: StageCost, layer: str) -> float:
