@@ -656,8 +656,8 @@ def _refresh_tasks(
         ops = tuple(
             Op(OpKind.DECOMP, stage, layer=layer, part=side, piece=None if whole else (i, pieces)) for i in range(a, b)
         )
-        span, secs = grid.span(share * (b - a)), (share,) * (b - a)
-        tasks.append(Task(name, TaskKind.INV, stage, side, ops, secs, span, workers, ready, key, after_slot=after_slot))
+        span, each = grid.span(share * (b - a)), (share,) * (b - a)
+        tasks.append(Task(name, TaskKind.INV, stage, side, ops, each, span, workers, ready, key, after_slot=after_slot))
     if len(workers) > 1:
         group = None if workers == copies else workers
         op = Op(OpKind.BCAST, stage, layer=layer, part=side, root=workers[0], group=group)
