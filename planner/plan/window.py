@@ -72,6 +72,7 @@ from fxkfac.planner.problem.step_timeline import (
     stream_start,
     w_layer_ops,
     w_operand_bytes,
+    whole_decimal,
 )
 from fxkfac.planner.problem.strategy import keeps_statistics
 
@@ -340,15 +341,10 @@ def too_long(window: Window) -> list[str]:
 
 def _scale(times: Iterable[float], period: float, resolution: int) -> tuple[float, bool]:
     """The exact grid's ticks per second, 10^e for the least e that makes every time whole (within 1e-9: 1e-6 took
-    519687.5 ticks for whole), or `resolution` ticks per period and False."""
-    values = [t for t in times if t > 0]
-    for e in range(7):
-        m = 10.0**e
-        if period * m > 1e7:
-            break
-        if all(abs(t * m - round(t * m)) <= 1e-9 * max(1.0, t * m) for t in values):
-            return m, True
-    return resolution / period, False
+    519687.5 ticks for whole) with at most 10^7 ticks a period, or `resolution` ticks per period and False."""
+    most = next((e for e in range(7) if period * 10.0**e > 1e7), 7)
+    e = whole_decimal((t for t in times if t > 0), most)
+    return (10.0**e, True) if e is not None else (resolution / period, False)
 
 
 def _merge(intervals: Iterable[Interval]) -> tuple[Interval, ...]:
@@ -600,24 +596,21 @@ def _tasks(
         piece = longest / problem.decomp_pieces  # the longest a DECOMP task lasts
         for x in problem.costs.stages[s].layers:
             for p in x.parts:
-                if p.after is OpKind.ALLREDUCE_GRAD and streamed_stats(problem, x.name):
-                    ready = max(grid.up(refresh.end_of(d, returned(problem, x.name))) for d in copies)
-                    tasks += _refresh_tasks(problem, s, x.name, p.part, p.decomp, piece, ready, True, grid, False)
-                    continue
-                if p.after is OpKind.ALLREDUCE_GRAD:
-                    ready = min(slot.release + slot.ticks for slot in precs if (slot.stage, slot.step) == (s, 0))
-                    tasks += _refresh_tasks(problem, s, x.name, p.part, p.decomp, piece, ready, True, grid, True)
-                    continue
+                gradient = p.after is OpKind.ALLREDUCE_GRAD
+                after_slot = gradient and not streamed_stats(problem, x.name)  # a streamed one's: with the return
                 ready = 0
-                if x.name in fused:
+                if gradient and not after_slot:
+                    ready = max(grid.up(refresh.end_of(d, returned(problem, x.name))) for d in copies)
+                elif after_slot:
+                    ready = min(slot.release + slot.ticks for slot in precs if (slot.stage, slot.step) == (s, 0))
+                elif x.name in fused:
                     made = weight_gradient_kind(problem.kind) if p.after is OpKind.BWD else p.after  # with the W
-                    made = (
-                        OpKind.BWD if placed_w(problem) and p.after is OpKind.BWD else made
-                    )  # then W's tasks ([Note: placed W])
+                    if placed_w(problem) and p.after is OpKind.BWD:  # then the W's tasks ([Note: placed W])
+                        made = OpKind.BWD
                     ready = max(
                         grid.up(e) for d in copies for op, _, e in refresh.fixed(d) if op.stage == s and op.kind is made
                     )
-                tasks += _refresh_tasks(problem, s, x.name, p.part, p.decomp, piece, ready, False, grid, False)
+                tasks += _refresh_tasks(problem, s, x.name, p.part, p.decomp, piece, ready, gradient, grid, after_slot)
     return tuple(tasks)
 
 
@@ -650,11 +643,8 @@ def _refresh_tasks(
     if len(copies) > 1 and not gradient and not problem.where(layer).strategy.local_factors:
         op = Op(OpKind.SYNC_STATS, stage, layer=layer, part=side)
         secs = problem.costs.collective_seconds(op, len(copies))
-        tasks.append(
-            Task(
-                f"sync_{side}_{layer}", TaskKind.SYNC, stage, side, (op,), (secs,), grid.span(secs), copies, ready, key
-            )
-        )
+        span = grid.span(secs)
+        tasks.append(Task(f"sync_{side}_{layer}", TaskKind.SYNC, stage, side, (op,), (secs,), span, copies, ready, key))
     pieces = problem.decomp_pieces
     share = decomp / pieces
     most = max(1, math.floor(piece / share + 1e-9)) if share > 0 else pieces  # pieces a task may hold
@@ -666,30 +656,14 @@ def _refresh_tasks(
         ops = tuple(
             Op(OpKind.DECOMP, stage, layer=layer, part=side, piece=None if whole else (i, pieces)) for i in range(a, b)
         )
-        span = grid.span(share * (b - a))
-        tasks.append(
-            Task(
-                name,
-                TaskKind.INV,
-                stage,
-                side,
-                ops,
-                (share,) * (b - a),
-                span,
-                workers,
-                ready,
-                key,
-                after_slot=after_slot,
-            )
-        )
+        span, each = grid.span(share * (b - a)), (share,) * (b - a)
+        tasks.append(Task(name, TaskKind.INV, stage, side, ops, each, span, workers, ready, key, after_slot=after_slot))
     if len(workers) > 1:
-        op = Op(
-            OpKind.BCAST, stage, layer=layer, part=side, root=workers[0], group=None if workers == copies else workers
-        )
+        group = None if workers == copies else workers
+        op = Op(OpKind.BCAST, stage, layer=layer, part=side, root=workers[0], group=group)
         secs = problem.costs.collective_seconds(op, len(workers))
-        tasks.append(
-            Task(f"bcast_{side}_{layer}", TaskKind.BCAST, stage, side, (op,), (secs,), grid.span(secs), workers, 0, key)
-        )
+        span = grid.span(secs)
+        tasks.append(Task(f"bcast_{side}_{layer}", TaskKind.BCAST, stage, side, (op,), (secs,), span, workers, 0, key))
     return tasks
 
 

@@ -83,20 +83,21 @@ PRECONDITIONER_KINDS = frozenset(
 
 _SHORT = {OpKind.FWD: "F", OpKind.BWD: "B", OpKind.BWD_W: "W"}
 _BY_NAME = {**{k.value: k for k in OpKind}, **{v: k for k, v in _SHORT.items()}}
-# Structured tokens, in the order str(op) writes them; the layer name comes last.
-_FIELD_TOKENS = (
-    ("stage", re.compile(r"s(\d+)")),
-    ("mb", re.compile(r"m(\d+)")),
-    ("pipe", re.compile(r"p(\d+)")),
-    ("part", re.compile(r"([A-Z])")),
-    ("piece", re.compile(r"(\d+)/(\d+)")),
-    ("peer", re.compile(r"[<>]r(\d+)")),
-    ("root", re.compile(r"@r(\d+)")),
-    ("group", re.compile(r"\{(\d+(?:,\d+)*)\}")),
-)
-
 _STAGE, _MB, _PIPE, _LAYER, _PART, _PIECE = "stage", "mb", "pipe", "layer", "part", "piece"
 _PEER, _ROOT, _GROUP = "peer", "root", "group"
+_FIELD_TOKENS = (
+    (_STAGE, re.compile(r"s\d+"), "s{}"),
+    (_MB, re.compile(r"m\d+"), "m{}"),
+    (_PIPE, re.compile(r"p\d+"), "p{}"),
+    (_PART, re.compile(r"[A-Z]"), "{}"),
+    (_PIECE, re.compile(r"\d+/\d+"), "{}/{}"),
+    (_PEER, re.compile(r"[<>]r\d+"), "{to}r{}"),
+    (_ROOT, re.compile(r"@r\d+"), "@r{}"),
+    (_GROUP, re.compile(r"\{\d+(?:,\d+)*\}"), "{{{}}}"),
+)
+"""Each structured token of an op's text: its field, pattern and template, in the order `str(op)` writes them (the
+layer name comes last; a transfer's peer is written ">rN" to send to, "<rN" to receive from)."""
+
 OP_FIELDS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
     # kind: (required, also allowed)
     OpKind.FWD: (frozenset({_STAGE, _MB}), frozenset({_PIPE})),
@@ -132,7 +133,7 @@ _RAW_LAYER = re.compile(r"[A-Za-z0-9_.:/\-\[\]]+")
 
 def _layer_text(layer: str) -> str:
     """A layer name as one token: raw when unambiguous, else JSON-quoted."""
-    looks_like_field = any(pattern.fullmatch(layer) for _, pattern in _FIELD_TOKENS)
+    looks_like_field = any(pattern.fullmatch(layer) for _, pattern, _ in _FIELD_TOKENS)
     if _RAW_LAYER.fullmatch(layer) and not looks_like_field:
         return layer
     return json.dumps(layer)
@@ -184,15 +185,16 @@ class Op:
             object.__setattr__(self, "piece", _check_piece(self.piece))
         required, allowed = OP_FIELDS[self.kind]
         present = {
-            name
-            for name in (_STAGE, _MB, _LAYER, _PART, _PIECE, _PEER, _ROOT, _GROUP)
-            if getattr(self, name) is not None
+            name for name in (_STAGE, _MB, _PIPE, _LAYER, _PART, _PIECE, _PEER, _ROOT, _GROUP) if self._has(name)
         }
-        present |= {_PIPE} if self.pipe else set()
         if not required <= present or not present <= required | allowed:
             raise PlanFormatError(
                 f"{self.kind.value} needs {sorted(required)} and may have {sorted(allowed)}, got {sorted(present)}"
             )
+
+    def _has(self, name: str) -> bool:
+        """Whether the op names field `name` (a pipe other than 0, any other field set)."""
+        return getattr(self, name) is not None and (name != _PIPE or self.pipe != 0)
 
     @property
     def stage_id(self) -> int:
@@ -221,22 +223,11 @@ class Op:
 
     def __str__(self) -> str:
         parts = [_SHORT.get(self.kind, self.kind.value)]
-        if self.stage is not None:
-            parts.append(f"s{self.stage}")
-        if self.mb is not None:
-            parts.append(f"m{self.mb}")
-        if self.pipe:
-            parts.append(f"p{self.pipe}")
-        if self.part is not None:
-            parts.append(self.part)
-        if self.piece is not None:
-            parts.append(f"{self.piece[0]}/{self.piece[1]}")
-        if self.peer is not None:
-            parts.append(f"{_peer_prefix(self.kind)}r{self.peer}")
-        if self.root is not None:
-            parts.append(f"@r{self.root}")
-        if self.group is not None:
-            parts.append("{" + ",".join(map(str, self.group)) + "}")
+        for name, _, template in _FIELD_TOKENS:
+            if self._has(name):
+                value = getattr(self, name)
+                args = value if name == _PIECE else [",".join(map(str, value))] if name == _GROUP else [value]
+                parts.append(template.format(*args, to=_peer_prefix(self.kind)))
         if self.layer is not None:
             parts.append(_layer_text(self.layer))
         return " ".join(parts)
@@ -248,24 +239,19 @@ class Op:
         if head not in _BY_NAME:
             raise PlanFormatError(f"unknown op kind {head!r} in {text!r}; kinds: {sorted(_BY_NAME)}")
         kind = _BY_NAME[head]
-        fields: dict[str, Any] = {}  # int or str by name; Op.__post_init__ checks each
+        fields: dict[str, Any] = {}  # int, str or tuple by name; Op.__post_init__ checks each
         rest = rest.strip()
-        for name, pattern in _FIELD_TOKENS:
+        for name, pattern, _ in _FIELD_TOKENS:
             token, _, tail = rest.partition(" ")
-            match = pattern.fullmatch(token) if token else None
-            if match is None:
+            if not token or pattern.fullmatch(token) is None:
                 continue
-            if name == _GROUP:
-                fields[name] = tuple(int(r) for r in match.group(1).split(","))
-            elif name == _PIECE:
-                fields[name] = (int(match.group(1)), int(match.group(2)))
-            else:
-                fields[name] = match.group(1) if name == _PART else int(match.group(1))
-            if name == "peer" and token[0] != _peer_prefix(kind):
+            numbers = tuple(int(n) for n in re.findall(r"\d+", token))
+            fields[name] = token if name == _PART else numbers if name in (_PIECE, _GROUP) else numbers[0]
+            if name == _PEER and token[0] != _peer_prefix(kind):
                 raise PlanFormatError(f"peer of {kind} must be written {_peer_prefix(kind)}rN in {text!r}")
             rest = tail.strip()
         if rest:
-            fields["layer"] = _parse_layer(rest, text)
+            fields[_LAYER] = _parse_layer(rest, text)
         return cls(kind, **fields)
 
 

@@ -21,6 +21,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum, auto
+from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fxkfac.planner.problem.costs import LayerCost, PreconditionerKind, StageCost
@@ -46,26 +47,23 @@ def _is_program(body: Sequence[Op] | Program) -> TypeIs[Program]:
     return bool(items) and not isinstance(items[0], Op)
 
 
+_TRANSFERS = {
+    OpKind.FWD: ((OpKind.RECV_ACT, -1), (OpKind.SEND_ACT, 1)),
+    OpKind.BWD: ((OpKind.RECV_GRAD, 1), (OpKind.SEND_GRAD, -1)),
+}
+"""Per F/B: (the RECV before it, the stage it comes from), (the SEND after it, the stage it goes to), as offsets."""
+
+
 def _transfers(op: Op, kind: ScheduleKind, D: int, v: int, rank: int) -> tuple[list[Op], list[Op]]:
     """The RECVs to put before `op` and the SENDs to put after it on `rank`."""
-    S = num_stages(kind, D, v)
-    if op.stage is None or op.kind not in (OpKind.FWD, OpKind.BWD):
+    if op.stage is None or op.kind not in _TRANSFERS:
         return [], []
-    before, after = [], []
-    prev_rank = stage_rank(kind, D, op.stage - 1, op.pipe, v=v) if op.stage > 0 else None
-    next_rank = stage_rank(kind, D, op.stage + 1, op.pipe, v=v) if op.stage + 1 < S else None
-    stage, mb, pipe = op.stage, op.mb, op.pipe
-    if op.kind is OpKind.FWD:
-        if prev_rank is not None and prev_rank != rank:
-            before.append(Op(OpKind.RECV_ACT, stage=stage, mb=mb, pipe=pipe, peer=prev_rank))
-        if next_rank is not None and next_rank != rank:
-            after.append(Op(OpKind.SEND_ACT, stage=stage, mb=mb, pipe=pipe, peer=next_rank))
-    else:
-        if next_rank is not None and next_rank != rank:
-            before.append(Op(OpKind.RECV_GRAD, stage=stage, mb=mb, pipe=pipe, peer=next_rank))
-        if prev_rank is not None and prev_rank != rank:
-            after.append(Op(OpKind.SEND_GRAD, stage=stage, mb=mb, pipe=pipe, peer=prev_rank))
-    return before, after
+    out: list[list[Op]] = []
+    for transfer, offset in _TRANSFERS[op.kind]:
+        other = op.stage + offset
+        peer = stage_rank(kind, D, other, op.pipe, v=v) if 0 <= other < num_stages(kind, D, v) else rank
+        out.append([Op(transfer, op.stage, op.mb, op.pipe, peer=peer)] if peer != rank else [])
+    return out[0], out[1]
 
 
 def _lower_step(ops: Sequence[Op], kind: ScheduleKind, D: int, v: int, rank: int) -> list[Op]:
@@ -303,113 +301,22 @@ def kfac_tail(
         ]
         names = refreshing(timings, layers, step)
         roots = _deal(names, parts, ranks, where, assignment, seconds)
-        syncs += _syncs(s, names, ranks, captured, gradient_parts, where)
-        invs += _decomps(rank, s, names, parts, roots)
-        bcasts += _bcasts(rank, s, names, parts, ranks, workers, roots)
+        if len(ranks) > 1 and captured:  # the holders average what they captured, but DP-KFAC's local factors
+            averaged = [n for n in names if not where.get(n, LayerDistribution()).strategy.local_factors]
+            sides: Sequence[str | None] = captured if gradient_parts else [None]  # one per captured part, or layer
+            syncs += [Op(OpKind.SYNC_STATS, stage=s, part=side, layer=n) for n in averaged for side in sides]
+        invs += [Op(OpKind.DECOMP, s, part=side, layer=n) for n in names for side in parts if roots[n, side] == rank]
+        groups = {n: None if w == ranks else w for n, w in workers.items()}  # None: every holder
+        bcasts += [  # each decomposition from its root to the layer's other grad workers
+            Op(OpKind.BCAST, s, part=side, root=roots[n, side], layer=n, group=groups[n])
+            for n in names
+            if len(workers[n]) > 1 and rank in workers[n]
+            for side in parts
+        ]
         applies, shared = step_applies(rank, s, layers, ranks, where, pipe=next(p for st, p in copies if st == s))
         precs += applies
         shares += shared
     return stats + syncs + invs + bcasts + precs + shares
-
-
-def _syncs(
-    stage: int,
-    names: Sequence[str],
-    holders: tuple[int, ...],
-    captured: Sequence[str],
-    gradient_parts: frozenset[str],
-    distributions: Mapping[str, LayerDistribution],
-) -> list[Op]:
-    """The SYNC_STATS of the refreshing layers `names` of `stage`: the holders average what they captured, except
-    for layers that keep local factors (DP-KFAC); one per layer, or one per captured part when some part is fed by
-    the gradient. None on one holder or without captured parts."""
-    if len(holders) <= 1 or not captured:
-        return []
-    shared = [n for n in names if not distributions.get(n, LayerDistribution()).strategy.local_factors]
-    if not gradient_parts:
-        return [Op(OpKind.SYNC_STATS, stage=stage, layer=n) for n in shared]
-    return [Op(OpKind.SYNC_STATS, stage=stage, part=part, layer=n) for n in shared for part in captured]
-
-
-def _decomps(
-    rank: int, stage: int, names: Sequence[str], parts: Sequence[str], roots: Mapping[Decomposition, int]
-) -> list[Op]:
-    """The DECOMPs `rank` runs of the refreshing layers `names` of `stage`: those dealt to it (`roots`)."""
-    return [
-        Op(OpKind.DECOMP, stage=stage, part=side, layer=n) for n in names for side in parts if roots[n, side] == rank
-    ]
-
-
-def _bcasts(
-    rank: int,
-    stage: int,
-    names: Sequence[str],
-    parts: Sequence[str],
-    holders: tuple[int, ...],
-    workers: Mapping[str, tuple[int, ...]],
-    roots: Mapping[Decomposition, int],
-) -> list[Op]:
-    """The BCASTs of the refreshing layers `names` of `stage` that `rank` takes part in: each decomposition from its
-    root to the layer's other grad workers (group None: every holder)."""
-    return [
-        Op(
-            OpKind.BCAST,
-            stage=stage,
-            part=side,
-            root=roots[n, side],
-            layer=n,
-            group=None if workers[n] == holders else workers[n],
-        )
-        for n in names
-        if len(workers[n]) > 1 and rank in workers[n]
-        for side in parts
-    ]
-
-
-def _with_kfac(
-    ops: Sequence[Op],
-    rank: int,
-    step: int,
-    timings: Mapping[str, LayerTiming],
-    stage_layers: Mapping[int, Sequence[str]],
-    holders: Mapping[int, tuple[int, ...]],
-    parts: Sequence[str],
-    gradient_parts: frozenset[str],
-    assignment: Assignment,
-    seconds: Mapping[Decomposition, float] | None,
-    distributions: Mapping[str, LayerDistribution],
-) -> list[Op]:
-    """One step of a rank's plain program with curvature after each BWD (a zero-bubble schedule's W, where the
-    runtime makes a fused layer's output-gradient curvature) of the layers whose statistics the rank keeps
-    (`keeps_statistics`), and the K-FAC tail before OPT_STEP."""
-    copies = sorted({(op.stage, op.pipe) for op in ops if op.kind is OpKind.FWD and op.stage is not None})
-    made = (
-        OpKind.BWD_W if any(op.kind is OpKind.BWD_W for op in ops) else OpKind.BWD
-    )  # a fused curvature is made with W
-    body: list[Op] = []
-    for op in ops:
-        if op.kind is OpKind.OPT_STEP:
-            body.extend(
-                kfac_tail(
-                    rank,
-                    copies,
-                    step,
-                    timings,
-                    stage_layers,
-                    holders,
-                    parts,
-                    gradient_parts,
-                    assignment=assignment,
-                    seconds=seconds,
-                    distributions=distributions,
-                )
-            )
-        body.append(op)
-        if op.kind is made and op.stage is not None:
-            captured = [side for side in parts if side not in gradient_parts]
-            names = refreshing(timings, stage_layers[op.stage], step)
-            body.extend(capture_stats(op, rank, {n: captured for n in names}, holders[op.stage], distributions))
-    return body
 
 
 def capture_stats(
@@ -461,28 +368,30 @@ def naive_programs(
         raise ValueError("Assignment.LPT deals by cost: pass the seconds of each (layer, part) decomposition")
     holders = ranks_of_stages(kind, D, W, v)
     period = math.lcm(*(t.period for t in timings.values())) if timings else 1
-    with_prec = bool(timings)
-    out: Programs = {}
-    for rank, ops in rank_programs(kind, D, N, W, v).items():
-        out[rank] = [
-            _with_kfac(
-                ops,
-                rank,
-                step,
-                timings,
-                stage_layers,
-                holders,
-                parts,
-                gradient_parts,
-                assignment,
-                seconds,
-                dict(distributions or {}),
-            )
-            if with_prec
-            else list(ops)
-            for step in range(period)
-        ]
-    return out
+    where = dict(distributions or {})
+    captured = [side for side in parts if side not in gradient_parts]
+    tail = partial(kfac_tail, assignment=assignment, seconds=seconds, distributions=where)
+
+    def with_prec(ops: Sequence[Op], rank: int, step: int) -> list[Op]:
+        """One step of the rank's plain program with curvature after each BWD (a zero-bubble schedule's W, where
+        the runtime makes a fused layer's output-gradient curvature) of the layers whose statistics the rank keeps
+        (`keeps_statistics`), and the tail before OPT_STEP."""
+        copies = sorted({(op.stage, op.pipe) for op in ops if op.kind is OpKind.FWD and op.stage is not None})
+        made = OpKind.BWD_W if any(op.kind is OpKind.BWD_W for op in ops) else OpKind.BWD
+        body: list[Op] = []
+        for op in ops:
+            if op.kind is OpKind.OPT_STEP:
+                body += tail(rank, copies, step, timings, stage_layers, holders, parts, gradient_parts)
+            body.append(op)
+            if op.kind is made and op.stage is not None:
+                names = refreshing(timings, stage_layers[op.stage], step)
+                body.extend(capture_stats(op, rank, {n: captured for n in names}, holders[op.stage], where))
+        return body
+
+    return {
+        rank: [with_prec(ops, rank, step) if timings else list(ops) for step in range(period)]
+        for rank, ops in rank_programs(kind, D, N, W, v).items()
+    }
 
 
 def startup_programs(programs: Mapping[int, Program], born: Mapping[int, Mapping[Op, int]]) -> Programs:

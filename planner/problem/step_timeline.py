@@ -37,7 +37,7 @@ from fxkfac.planner.problem.problem import (
     streamed_stats,
 )
 from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, schedule_programs, weight_gradient_kind
-from fxkfac.planner.problem.strategy import holding, keeps_statistics
+from fxkfac.planner.problem.strategy import LayerDistribution, holding, keeps_statistics
 
 COMPUTE_KINDS = frozenset(
     {OpKind.FWD, OpKind.BWD, OpKind.BWD_W, OpKind.STATS, OpKind.DECOMP, OpKind.APPLY, OpKind.OPT_STEP}
@@ -140,33 +140,6 @@ class Timeline:
 _Slot = tuple[int, int]  # (rank, index into that rank's flat op list)
 
 
-@dataclass
-class _Flat:
-    """Programs unrolled over the simulated steps, with occurrence counts for matching."""
-
-    ops: dict[int, list[tuple[int, Op]]]
-    occurrence: dict[_Slot, int]
-    where: dict[tuple[int, Op, int], int]  # (rank, op, k) -> index of the k-th occurrence
-    holders: dict[Op, list[int]]  # ranks whose programs contain the op, ascending
-
-
-def _flatten(programs: Mapping[int, Program], steps: int) -> _Flat:
-    ops: dict[int, list[tuple[int, Op]]] = {}
-    occurrence: dict[_Slot, int] = {}
-    where: dict[tuple[int, Op, int], int] = {}
-    holders: dict[Op, set[int]] = defaultdict(set)
-    for rank, program in programs.items():
-        flat = [(j, op) for j in range(steps) for op in program[j % len(program)]]
-        ops[rank] = flat
-        seen: Counter[Op] = Counter()
-        for i, (_, op) in enumerate(flat):
-            occurrence[rank, i] = seen[op]
-            where[rank, op, seen[op]] = i
-            seen[op] += 1
-            holders[op].add(rank)
-    return _Flat(ops, occurrence, where, {op: sorted(r) for op, r in holders.items()})
-
-
 def _producer(op: Op, num_stages: Mapping[int, int]) -> Op | None:
     """The op whose result `op` consumes from another stage (inferred mode: no SEND/RECV ops)."""
     if op.kind is OpKind.FWD and op.stage:
@@ -178,14 +151,14 @@ def _producer(op: Op, num_stages: Mapping[int, int]) -> Op | None:
     return None
 
 
-def _producer_rank(rank: int, op: Op, producer: Op, flat: _Flat) -> int:
-    """The producer's rank in the consumer's replica (same position among the holders)."""
-    candidates = flat.holders.get(producer)
+def _producer_rank(rank: int, op: Op, producer: Op, holders: Mapping[Op, list[int]]) -> int:
+    """The producer's rank in the consumer's replica (same position among the `holders` of each op)."""
+    candidates = holders.get(producer)
     if not candidates:
         raise DeadlockError(f"rank {rank}: {op} needs {producer}, which no rank's program runs")
     if len(candidates) == 1:
         return candidates[0]
-    own = flat.holders[op]
+    own = holders[op]
     if len(own) != len(candidates):
         raise DeadlockError(
             f"rank {rank}: {op} cannot tell which copy of {producer} it needs "
@@ -216,36 +189,46 @@ def _sync_key(op: Op, rank: int, barrier: Mapping[int, tuple[int, ...]] | None) 
 
 
 class _Sim:
-    """The state of one simulation: per-rank cursor and free time, finished ends, messages."""
+    """The state of one simulation: the programs unrolled over the steps with each op's occurrence (for matching),
+    per-rank cursor and free time, finished ends, messages."""
 
     def __init__(
         self,
-        flat: _Flat,
+        programs: Mapping[int, Program],
+        steps: int,
         duration: Duration,
         comm: float,
         barrier: Mapping[int, tuple[int, ...]] | None,
         lead: Duration | None,
     ) -> None:
-        self.flat, self.duration, self.comm, self.lead = flat, duration, comm, lead
-        self.explicit = any(op.kind in SEND_KINDS | RECV_KINDS for ops in flat.ops.values() for _, op in ops)
+        self.duration, self.comm, self.lead = duration, comm, lead
+        self.ops = {r: [(j, op) for j in range(steps) for op in p[j % len(p)]] for r, p in programs.items()}
+        self.occurrence: dict[_Slot, int] = {}
+        self.where: dict[tuple[int, Op, int], int] = {}  # (rank, op, k) -> index of the k-th occurrence
+        holders: dict[Op, set[int]] = defaultdict(set)
         self.num_stages: dict[int, int] = defaultdict(int)
-        for ops in flat.ops.values():
-            for _, op in ops:
-                if op.stage is not None and op.kind in (OpKind.FWD, OpKind.BWD):
-                    self.num_stages[op.pipe] = max(self.num_stages[op.pipe], op.stage + 1)
-        self.pos = {r: 0 for r in flat.ops}
-        self.free = {r: 0.0 for r in flat.ops}
-        self.ends: dict[_Slot, float] = {}
-        self.sent: dict[tuple, list[float]] = defaultdict(list)
-        self.recv_count: Counter[tuple] = Counter()
         self.keys: dict[_Slot, Hashable] = {}
         members: dict[Hashable, set[int]] = defaultdict(set)
-        for r, ops in flat.ops.items():
+        for r, ops in self.ops.items():
+            seen: Counter[Op] = Counter()
             for i, (_, op) in enumerate(ops):
+                self.occurrence[r, i] = seen[op]
+                self.where[r, op, seen[op]] = i
+                seen[op] += 1
+                holders[op].add(r)
+                if op.stage is not None and op.kind in (OpKind.FWD, OpKind.BWD):
+                    self.num_stages[op.pipe] = max(self.num_stages[op.pipe], op.stage + 1)
                 if op.kind in SYNCHRONIZING_KINDS:
                     self.keys[r, i] = _sync_key(op, r, barrier)  # every member runs the same op
                     members[self.keys[r, i]].add(r)
+        self.holders = {op: sorted(ranks) for op, ranks in holders.items()}  # ascending ranks whose programs hold it
         self.groups = {key: sorted(ranks) for key, ranks in members.items()}
+        self.explicit = any(op.kind in SEND_KINDS | RECV_KINDS for ops in self.ops.values() for _, op in ops)
+        self.pos = {r: 0 for r in self.ops}
+        self.free = {r: 0.0 for r in self.ops}
+        self.ends: dict[_Slot, float] = {}
+        self.sent: dict[tuple, list[float]] = defaultdict(list)
+        self.recv_count: Counter[tuple] = Counter()
         self.intervals: list[Interval] = []
 
     def ready_time(self, rank: int, op: Op) -> tuple[float | None, str]:
@@ -260,15 +243,15 @@ class _Sim:
         producer = _producer(op, self.num_stages)
         if producer is None:
             return 0.0, ""
-        src = _producer_rank(rank, op, producer, self.flat)
-        k = self.flat.occurrence[rank, self.pos[rank]]
-        slot = (src, self.flat.where.get((src, producer, k), -1))
+        src = _producer_rank(rank, op, producer, self.holders)
+        k = self.occurrence[rank, self.pos[rank]]
+        slot = (src, self.where.get((src, producer, k), -1))
         if slot not in self.ends:
             return None, f"{producer} on rank {src}"
         return self.ends[slot] + (self.comm if src != rank else 0.0), ""
 
     def record(self, rank: int, start: float, end: float) -> None:
-        step, op = self.flat.ops[rank][self.pos[rank]]
+        step, op = self.ops[rank][self.pos[rank]]
         self.intervals.append(Interval(rank, step, op, start, end))
         self.ends[rank, self.pos[rank]] = end
         self.free[rank] = end
@@ -283,22 +266,20 @@ class _Sim:
         """Run the collective if every member stands at the same occurrence; else what it waits for."""
         key = self.keys[rank, self.pos[rank]]
         members = self.groups[key]
-        k = self.flat.occurrence[rank, self.pos[rank]]
-        waiting = [
-            m for m in members if self.keys.get((m, self.pos[m])) != key or self.flat.occurrence[m, self.pos[m]] != k
-        ]
+        k = self.occurrence[rank, self.pos[rank]]
+        waiting = [m for m in members if self.keys.get((m, self.pos[m])) != key or self.occurrence[m, self.pos[m]] != k]
         if waiting:
             return f"ranks {waiting} to reach it"
         start = max(self.free[m] for m in members)
-        end = start + max(self.duration(m, self.flat.ops[m][self.pos[m]][1]) for m in members)
+        end = start + max(self.duration(m, self.ops[m][self.pos[m]][1]) for m in members)
         for m in members:
             self.record(m, start, end)
         return ""
 
     def advance(self, rank: int) -> str:
         """Run the rank's ops as far as inputs allow; returns what blocks it ('' when done)."""
-        while self.pos[rank] < len(self.flat.ops[rank]):
-            step, op = self.flat.ops[rank][self.pos[rank]]
+        while self.pos[rank] < len(self.ops[rank]):
+            step, op = self.ops[rank][self.pos[rank]]
             if op.kind in SYNCHRONIZING_KINDS:
                 blocked = self.try_collective(rank, op)
                 if blocked:
@@ -333,7 +314,7 @@ def simulate(
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    sim = _Sim(_flatten(as_programs(programs), steps), duration, comm, barrier, lead)
+    sim = _Sim(as_programs(programs), steps, duration, comm, barrier, lead)
     while True:
         before = len(sim.intervals)
         blocked = [msg for msg in (sim.advance(r) for r in sorted(sim.pos)) if msg]
@@ -748,19 +729,28 @@ def static_bytes(problem: Problem, device: int) -> int:
     stages = stages_on_device(problem, device)
     total = shared = 0
     for s in stages:
-        cost, copies = problem.costs.stages[s], copies_of_stage(problem, s)
+        cost = problem.costs.stages[s]
         total += 2 * cost.param_bytes
         for x in cost.layers:
-            gradient_fed = all(p.after is OpKind.ALLREDUCE_GRAD for p in x.parts)
-            held = holding(device, copies, problem.where(x.name), gradient_fed)
-            total += x.factor_bytes * (held.statistics + 2 * held.decompositions) + x.state_bytes * held.decompositions
-            shared = max(shared, x.gradient_bytes * held.shares_gradient)
+            kept, buffer = held_bytes(problem, device, x.name, problem.where(x.name))
+            total += kept
+            shared = max(shared, buffer)
     return (
         total
         + shared
         + max((problem.costs.stages[s].peak_err_bytes for s in stages), default=0)
         + _streamed_bytes(problem, device)
     )
+
+
+def held_bytes(problem: Problem, device: int, layer: str, where: LayerDistribution) -> tuple[int, int]:
+    """(bytes `device` keeps of `layer` across steps under `where`: its statistics, two decompositions and optimizer
+    state as `holding` says; its buffer for a BCAST_PREC's gradient): the per-layer terms of `static_bytes`."""
+    x = problem.costs.layer(layer)
+    copies = copies_of_stage(problem, problem.costs.stage_of(layer))
+    held = holding(device, copies, where, all(p.after is OpKind.ALLREDUCE_GRAD for p in x.parts))
+    kept = x.factor_bytes * (held.statistics + 2 * held.decompositions) + x.state_bytes * held.decompositions
+    return kept, x.gradient_bytes * held.shares_gradient
 
 
 def _streamed_bytes(problem: Problem, device: int) -> int:
@@ -843,15 +833,23 @@ def w_operand_bytes(stage: StageCost, layer: str | None = None) -> int:
 # runtime's shared piece, which runs with the first of the layers' W's.
 
 
+def whole_decimal(values: Iterable[float], most: int) -> int | None:
+    """The least e < `most` for which every value is a whole number of 10^-e (within 1e-9), else None: the one test
+    behind the exact time grid ([Note: time grid] in planner/plan/window.py) and the per-layer W's cuts."""
+    values = list(values)
+    for e in range(most):
+        m = 10.0**e
+        if all(abs(t * m - round(t * m)) <= 1e-9 * max(1.0, t * m) for t in values):
+            return e
+    return None
+
+
 def _cut_quantum(start: float, end: float) -> float | None:
     """Where per-layer W's cut a W's interval: at 1/100 of the finest decimal unit its ends are whole in (at most
-    10^-6 s), so that a time grid exact for the step stays exact for them ([Note: time grid] in planner/plan/window.py:
-    an inexact grid rounds every op and can cost a tight plan a longer step); None where the ends are whole in none."""
-    for e in range(5):
-        m = 10.0**e
-        if all(abs(t * m - round(t * m)) <= 1e-9 * max(1.0, t * m) for t in (start, end)):
-            return 10.0 ** -(e + 2)
-    return None
+    10^-6 s), so that a time grid exact for the step stays exact for them (an inexact grid rounds every op and can
+    cost a tight plan a longer step); None where the ends are whole in none."""
+    e = whole_decimal((start, end), 5)
+    return None if e is None else 10.0 ** -(e + 2)
 
 
 def w_share(stage: StageCost, layer: str) -> float:

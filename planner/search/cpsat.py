@@ -49,8 +49,14 @@ from fxkfac.planner.problem.problem import (
     copies_of_stage,
     stages_on_device,
 )
-from fxkfac.planner.problem.step_timeline import activation_peak, base_programs, gradient_stats, step_timeline
-from fxkfac.planner.problem.strategy import LayerDistribution, Strategy, StrategyKind, grad_workers, holding, receivers
+from fxkfac.planner.problem.step_timeline import (
+    activation_peak,
+    base_programs,
+    gradient_stats,
+    held_bytes,
+    step_timeline,
+)
+from fxkfac.planner.problem.strategy import LayerDistribution, Strategy, StrategyKind, grad_workers, receivers
 from fxkfac.planner.search.budget import MIN_CALL, Budget
 
 _FIXED = frozenset({OpKind.FWD, OpKind.BWD, OpKind.BWD_W, OpKind.ALLREDUCE_GRAD})
@@ -167,16 +173,6 @@ def bcast_seconds(problem: Problem, layer: str, part: str, where: LayerDistribut
         return 0.0
     op = Op(OpKind.BCAST, stage, layer=layer, part=part, root=workers[0], group=None if workers == copies else workers)
     return problem.costs.collective_seconds(op, len(workers))
-
-
-def held_bytes(problem: Problem, device: int, layer: str, where: LayerDistribution) -> tuple[int, int]:
-    """(bytes `device` keeps of `layer` across steps, its shared-gradient buffer) under `where`: the terms of
-    `planner.problem.step_timeline.static_bytes`."""
-    x = problem.costs.layer(layer)
-    copies = copies_of_stage(problem, problem.costs.stage_of(layer))
-    held = holding(device, copies, where, all(p.after is OpKind.ALLREDUCE_GRAD for p in x.parts))
-    kept = x.factor_bytes * (held.statistics + 2 * held.decompositions) + x.state_bytes * held.decompositions
-    return kept, x.gradient_bytes * held.shares_gradient
 
 
 def step_fixed_end(problem: Problem, free: frozenset[int]) -> float:

@@ -31,12 +31,12 @@ from fxkfac.planner.plan.window import placed_w, w_window
 from fxkfac.planner.problem.errors import DeadlockError, PlanError
 from fxkfac.planner.problem.ir import (
     LAYER_TRANSFER_KINDS,
-    NS_STEPS,
     PRECONDITIONER_KINDS,
     Capture,
     Op,
     OpKind,
     Placement,
+    cut_apply,
     ops_at,
 )
 from fxkfac.planner.problem.lowering import Streaming
@@ -54,10 +54,12 @@ from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, weight_gradient_
 from fxkfac.planner.problem.step_timeline import (
     StepTimeline,
     activation_intervals,
+    apply_seconds,
     decomposition_bytes,
     early_start,
     fused_stats,
     peak_level,
+    prec_work,
     simulate,
     static_bytes,
     step_begins,
@@ -69,7 +71,7 @@ from fxkfac.planner.problem.step_timeline import (
     w_share,
     window_length,
 )
-from fxkfac.planner.problem.strategy import COMM_OPT, keeps_statistics, receivers
+from fxkfac.planner.problem.strategy import keeps_statistics
 
 if TYPE_CHECKING:
     from fxkfac.planner.plan.plan import Plan
@@ -135,42 +137,9 @@ def per_step(op: Op) -> bool:
     return op.kind in (OpKind.APPLY, OpKind.BCAST_PREC) or (op.kind is OpKind.STATS and op.mb is None)
 
 
-def step_ops(c: Context, stage: int, device: int) -> list[Op]:
-    """What `device` runs of `stage` at every step: the gradient STATS of the layers it applies, then the stage's
-    APPLY (every layer COMM-OPT) or each layer's it applies and the BCAST_PREC of each layer of its row."""
-    p, layers = c.problem, c.problem.costs.stages[stage].layers
-    copies = copies_of_stage(p, stage)
-    ops = [
-        Op(OpKind.STATS, stage, layer=layer, part=part)
-        for layer, part in gradient_fed_parts(c, stage)
-        if device in p.workers(layer) and not streamed_stats(p, layer)
-    ]
-    streaming = p.streaming
-    if streaming is not None and streaming.stage == stage:  # the helper applies the streamed layers
-        return ops + [op for x in layers if x.name not in streaming.layers for op in apply_ops(c, stage, x.name)]
-    if p.apply_pieces == 1 and all(p.where(x.name).strategy == COMM_OPT for x in layers):
-        return ops + [Op(OpKind.APPLY, stage)]
-    ops += [op for x in layers if device in p.workers(x.name) for op in apply_ops(c, stage, x.name)]
-    return ops + [
-        Op(OpKind.BCAST_PREC, stage, root=root, layer=x.name, group=None if row == copies else row)
-        for x in layers
-        for root, row in receivers(copies, p.where(x.name))
-        if device in row
-    ]
-
-
-def apply_ops(c: Context, stage: int, layer: str) -> list[Op]:
-    """A layer's APPLY at every step: whole, or a Muon matrix's `Problem.apply_pieces` pieces in order."""
-    n = c.problem.apply_pieces
-    return [Op(OpKind.APPLY, stage, layer=layer, piece=None if n == 1 else (i, n)) for i in range(n)]
-
-
-def piece_seconds(prec: float, piece: tuple[int, int] | None) -> float:
-    """Seconds of piece (i, n) of an APPLY of `prec` seconds: its share of the NS_STEPS Newton-Schulz iterations."""
-    if piece is None:
-        return prec
-    i, n = piece
-    return prec * ((i + 1) * NS_STEPS // n - i * NS_STEPS // n) / NS_STEPS
+def step_ops(problem: Problem, device: int, stage: int) -> list[Op]:
+    """What `device` runs of `stage` at every step (`prec_work`: gradient STATS, APPLYs, BCAST_PRECs)."""
+    return [op for op, _ in prec_work(problem, device, stage)]
 
 
 def gradient_fed_parts(c: Context, stage: int) -> list[tuple[str, str]]:
@@ -190,7 +159,7 @@ def op_seconds(c: Context, op: Op) -> float:
             return stage.prec
         cost = c.problem.costs.layer(op.layer)
         folds = sum(p.stats for p in cost.parts) if streamed_stats(c.problem, op.layer) else 0.0
-        return piece_seconds(cost.prec, op.piece) + folds
+        return apply_seconds(c.problem, op) + folds
     if op.kind in (OpKind.SYNC_STATS, OpKind.BCAST, OpKind.BCAST_PREC):
         return collective_seconds(c, op)
     part = c.problem.costs.layer(op.layer_name).part(op.part_name)
@@ -227,7 +196,7 @@ def apply_start(c: Context, layer: str, u: int, device: int) -> float:
         return c.base(u % k, k) + stream_start(c.problem, c.timeline(u, k)) + c.length(k) * (u // k)
     apply = (
         Op(OpKind.APPLY, s)
-        if Op(OpKind.APPLY, s) in step_ops(c, s, c.problem.workers(layer)[0])
+        if Op(OpKind.APPLY, s) in step_ops(c.problem, c.problem.workers(layer)[0], s)
         else Op(OpKind.APPLY, s, layer=layer)
     )
     return c.starts.get((apply, device, u % k), 0.0) + c.length(k) * (u // k)
@@ -464,7 +433,7 @@ def _expected(c: Context) -> Counter:
                         if x.name not in c.fused and keeps_statistics(d, copies, p.where(x.name)):
                             want[Op(OpKind.STATS, s, op.mb, op.pipe, layer=x.name, part=side), d] += 1
             for j in range(c.period(s)):
-                for op in step_ops(c, s, d):
+                for op in step_ops(p, d, s):
                     want[op, d, j] += 1
                 for op, _, _ in w_window(p, c.timeline(j, c.period(s)), d):
                     if op.stage == s:  # placed W.s ([Note: placed W]), per layer where they are
@@ -868,7 +837,7 @@ def _check_helper_step(
     for n in mine:
         chain = [
             *(Op(OpKind.RECV_LGRAD, s, peer=owner, layer=n) for owner in owners),
-            *apply_ops(c, s, n),
+            *cut_apply(Op(OpKind.APPLY, s, layer=n), c.problem.apply_pieces),
             *(Op(OpKind.SEND_PGRAD, s, peer=owner, layer=n) for owner in owners),
         ]
         at = [ops.index(op) if ops.count(op) == 1 else -1 for op in chain]
