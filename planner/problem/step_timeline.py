@@ -826,9 +826,10 @@ def w_operand_bytes(stage: StageCost, layer: str | None = None) -> int:
 # (`w_by_layer`), a stage's W is planned as one W per layer of the stage ("W s0 m1 fc", the runtime's W pieces:
 # [Note: W pieces] in fxkfac/runtime/split_backward.py), each released at its B, due by its stage's update and
 # holding only its own layer's operands (`w_operand_bytes`) until it runs. The schedule's W interval is cut into them
-# in the stage's layer order (`w_layer_ops`): each takes its layer's share of the W (`w_share`: the share of the
-# stage's parameters, `LayerCost.grad_bytes`, or an even one where none is known; a cost table has no per-layer W
-# time) plus, at the refresh step, its own fused curvature, cut at a decimal a hundredth of the interval's ends' own
+# in the stage's layer order (`w_layer_ops`): each takes its layer's share of the W (`w_share`: its measured W
+# piece's share, `LayerCost.wgrad`, the shared piece spread in proportion, where every layer's is measured; else its
+# share of the parameters, `LayerCost.grad_bytes`, else an even one) plus, at the refresh step, its own fused
+# curvature, cut at a decimal a hundredth of the interval's ends' own
 # (`_cut_quantum`), so that the time grid stays exact where it was. Parameters of no layer (a LayerNorm's) are the
 # runtime's shared piece, which runs with the first of the layers' W's.
 
