@@ -829,9 +829,9 @@ def w_operand_bytes(stage: StageCost, layer: str | None = None) -> int:
 # in the stage's layer order (`w_layer_ops`): each takes its layer's share of the W (`w_share`: its measured W
 # piece's share, `LayerCost.wgrad`, the shared piece spread in proportion, where every layer's is measured; else its
 # share of the parameters, `LayerCost.grad_bytes`, else an even one) plus, at the refresh step, its own fused
-# curvature, cut at a decimal a hundredth of the interval's ends' own
-# (`_cut_quantum`), so that the time grid stays exact where it was. Parameters of no layer (a LayerNorm's) are the
-# runtime's shared piece, which runs with the first of the layers' W's.
+# curvature, cut at a decimal a hundredth of the interval's ends' own (`_cut_quantum`), so that the time grid stays
+# exact where it was. Parameters of no layer (a LayerNorm's) are the runtime's shared piece, which runs with the
+# first of the layers' W's.
 
 
 def whole_decimal(values: Iterable[float], most: int) -> int | None:
