@@ -21,6 +21,7 @@ from fxkfac.planner import (
 )
 from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.search.choose import solve_with_strategy
+from fxkfac.planner.search.plan_search import choose_block_size
 from tests.planner.kfac_cases import problem
 
 CONFIG = SolverConfig(time_limit_s=1.0)
@@ -72,3 +73,18 @@ def test_gpt2_on_a100s_plans_at_the_cli_defaults_with_the_least_overhead() -> No
     assert max(m.peak_memory.values()) <= device
     assert m.step_time <= m.step_time_reference * (1 + made.problem.max_overhead) * (1 + 1e-9)
     assert validate(made.problem, made) == []
+
+
+def test_the_block_size_search_plans_each_side_by_the_whole_search_in_one_budget() -> None:
+    """Each block side is a candidate of the one `plan` search it is given (here a forced MEM-OPT, which `solve` of
+    the side's own problem would not place) in one budget: the side too long for any step is refused without
+    solving, the next plans, and what both spent is the budget's."""
+    mem = Strategy(StrategyKind.MEM_OPT)
+    sides = {None: problem("1f1b", 2, 4, W=2, inv=100.0), 256: problem("1f1b", 2, 4, W=2, inv=1.0)}
+    budget = Budget.of(CONFIG, whole=True)
+    options = SearchOptions(CONFIG, strategy=mem, stream_apply=StreamApply.OFF)
+    choice = choose_block_size(sides.__getitem__, [None, 256], options, budget)
+    assert choice.max_dim == 256 and choice.tried[0][0] == "no blocking" and "longer than a step" in choice.tried[0][1]
+    assert {choice.plan.problem.where(x.name).strategy for s in sides[256].costs.stages for x in s.layers} == {mem}
+    assert validate(choice.plan.problem, choice.plan) == []
+    assert 0 < budget.tally.spent <= budget.end + budget.overtime
