@@ -208,8 +208,9 @@ def _add_plan_solver(plan: argparse.ArgumentParser) -> None:
     plan.add_argument(
         "--nondeterministic",
         action="store_true",
-        help="budget CP-SAT in wall-clock seconds on 2 threads (a slower or busier machine may plan "
-        "differently); default: deterministic time, the same plan under any load",
+        help="budget CP-SAT in wall-clock seconds on 2 threads; default: one seeded thread stopped at deterministic "
+        "time, the command's --time-limit converted at the rate CP-SAT ran so far (either way a slower or busier "
+        "machine may plan differently; planner.plan's deterministic budget repeats under any load)",
     )
     plan.add_argument(
         "--time-limit",

@@ -30,6 +30,16 @@ so 0.1 per second keeps about the old wall time on a lightly loaded machine (the
 the same refresh periods on these three); at load ~8 single window solves ran at 0.02-0.05 per second,
 so a loaded machine takes longer for the same plan.
 
+[Note: calibrated budget] A command's limit is wall seconds (`fxkfac plan --time-limit`), but CP-SAT runs 0.2-0.45
+deterministic seconds per wall second on the commands measured (BERT-Large Chimera D=8: 0.27), not DTIME_PER_SECOND:
+that command's deterministic budget ended it in 4.4 s of a 10 s limit. A calibrated budget (`Budget.of(...,
+calibrated=True)`, the command's) keeps every call deterministic (one seeded thread, stopped at
+`max_deterministic_time`) and every share as the deterministic budget cuts it, but converts at the rate measured in
+this planning: CP-SAT's deterministic seconds per wall second since its first call (`rate`), everything between the
+calls included. A call of a share L gets L * rate / DTIME_PER_SECOND (`solver_limit`) and advances the clock by what
+it spent at that rate, so the limit's CP-SAT part takes about its wall seconds. The plan then depends on the
+machine's speed, as the wall-clock mode's does; a plain deterministic budget does not.
+
 A wall-clock safety net stays: CP-SAT calls also stop at `WALL_CAP` times the time limit (plus
 OVERTIME) after planning began. When that net, and not the deterministic budget, ends a search, the
 plan may differ from another run's; it is logged as a warning (`Budget.capped` says so).
@@ -66,6 +76,12 @@ SIMULATED_DTIME_PER_OP = 1e-6
 candidates, the distribution choice's reference steps): BERT-Large Chimera D=8 simulated 267 steps of about
 2,000 ops each in 5.2 s (load ~1.5), about 10 us an op, i.e. 1e-6 deterministic seconds at DTIME_PER_SECOND."""
 
+CALIBRATION_WALL = 0.2
+"""Wall seconds after CP-SAT's first call in a calibrated budget before its measured rate replaces DTIME_PER_SECOND."""
+
+MIN_RATE = 0.01
+"""The least rate a calibrated budget converts at (a machine so busy that CP-SAT barely ran)."""
+
 MIN_SHARE = 0.1
 """Least time, in seconds of the limit, a share of the CP-SAT time left gives a search (`Budget.share`)."""
 
@@ -83,6 +99,9 @@ OVERTIME_SHARE = 0.25
 """Of a whole search's limit (`Budget.whole`), the last part kept for greedy placement past CP-SAT's time (half of
 it) and a refusal's suggestions (all of it)."""
 
+CALIBRATED_OVERTIME_SHARE = 0.1
+"""OVERTIME_SHARE of a calibrated budget, whose wall cap at the limit ends what runs past it anyway."""
+
 
 @dataclass
 class _Tally:
@@ -94,6 +113,12 @@ class _Tally:
     """The tasks first-fit placed (charged GREEDY_DTIME_PER_TASK each in `spent`)."""
     simulated: float = 0.0
     """Of `spent`, what step simulations were charged (`charge_simulated`)."""
+    solver_dtime: float = 0.0
+    first_call: float | None = None
+    """CP-SAT's deterministic seconds in this planning, and the perf_counter time its first call began: the rate of a
+    calibrated budget ([Note: calibrated budget])."""
+    calibrated: float = 0.0
+    """A calibrated budget's clock: CP-SAT's deterministic seconds each at the rate of its call, and the charges."""
 
 
 @dataclass(frozen=True)
@@ -114,23 +139,40 @@ class Budget:
     """The whole time limit in the clock's unit, for a search that takes a fixed fraction of it (not of a part)."""
     tally: _Tally = field(default_factory=_Tally)
     made: dict[Any, Any] = field(default_factory=dict)
+    calibrated: bool = False
+    """Deterministic CP-SAT calls on a wall-clock budget ([Note: calibrated budget])."""
 
     @staticmethod
-    def of(config: SolverConfig, *, whole: bool = False, began: float | None = None) -> Budget:
+    def of(
+        config: SolverConfig, *, whole: bool = False, began: float | None = None, calibrated: bool = False
+    ) -> Budget:
         """A fresh budget of `config.time_limit_s`: CP-SAT until the limit and everything else OVERTIME past it; with
         `whole` (a limit for the whole search, a command's) everything within the limit from `began` (the command's
-        start; now when None), CP-SAT ending OVERTIME_SHARE of it earlier."""
+        start; now when None), CP-SAT ending OVERTIME_SHARE of it earlier; `calibrated` (with `whole`, deterministic):
+        the limit in wall seconds ([Note: calibrated budget])."""
         started = time.perf_counter() if began is None else began
         limit, deterministic = config.time_limit_s, config.deterministic
-        overtime = limit * OVERTIME_SHARE if whole else OVERTIME
+        calibrated = calibrated and whole and deterministic
+        overtime = limit * (CALIBRATED_OVERTIME_SHARE if calibrated else OVERTIME_SHARE) if whole else OVERTIME
         solving = limit - overtime if whole else limit
         cap = started + (WALL_CAP * limit if whole else WALL_CAP * (limit + OVERTIME))
-        if not deterministic and whole:
+        if (calibrated or not deterministic) and whole:
             cap = started + limit
         units = DTIME_PER_SECOND if deterministic else 1.0
         now = 0.0 if deterministic else started
         end = now + solving * units
-        return Budget(deterministic, cap, end, overtime * units, end, end + overtime * units, limit * units)
+        return Budget(
+            deterministic,
+            cap,
+            end,
+            overtime * units,
+            end,
+            end + overtime * units,
+            limit * units,
+            _Tally(),
+            {},
+            calibrated,
+        )
 
     @staticmethod
     def untimed(deterministic: bool = True) -> Budget:
@@ -143,7 +185,22 @@ class Budget:
 
     def now(self) -> float:
         """The clock's reading, in its unit."""
+        if self.calibrated:
+            return self.tally.calibrated
         return self.tally.spent if self.deterministic else time.perf_counter()
+
+    def rate(self) -> float:
+        """Deterministic seconds per wall second: CP-SAT's since its first call in a calibrated budget (once
+        CALIBRATION_WALL has passed), else DTIME_PER_SECOND."""
+        first = self.tally.first_call
+        wall = 0.0 if first is None else time.perf_counter() - first
+        if not self.calibrated or wall < CALIBRATION_WALL:
+            return DTIME_PER_SECOND
+        return max(self.tally.solver_dtime / wall, MIN_RATE)
+
+    def solver_limit(self, limit: float) -> float:
+        """CP-SAT's deterministic limit for a call of `limit` in the clock's unit (`rate`)."""
+        return limit * self.rate() / DTIME_PER_SECOND
 
     def units(self, seconds: float) -> float:
         """`seconds` of time limit in the clock's unit."""
@@ -153,18 +210,24 @@ class Budget:
         """Count one first-fit placement of a window of `tasks` tasks and APPLY slots (GREEDY_DTIME_PER_TASK each)."""
         if self.deterministic:
             self.tally.spent += tasks * GREEDY_DTIME_PER_TASK
+            self.tally.calibrated += tasks * GREEDY_DTIME_PER_TASK
             self.tally.greedy_tasks += tasks
 
     def charge_simulated(self, ops: int) -> None:
         """Count one simulated step of `ops` ops run outside CP-SAT (SIMULATED_DTIME_PER_OP each)."""
         if self.deterministic:
             self.tally.spent += ops * SIMULATED_DTIME_PER_OP
+            self.tally.calibrated += ops * SIMULATED_DTIME_PER_OP
             self.tally.simulated += ops * SIMULATED_DTIME_PER_OP
 
-    def charge(self, dtime: float) -> None:
-        """Count the deterministic seconds one CP-SAT call spent (the wall clock counts itself)."""
+    def charge(self, dtime: float, wall: float = 0.0) -> None:
+        """Count the deterministic seconds one CP-SAT call of `wall` seconds spent (the wall clock counts itself)."""
+        if self.tally.first_call is None:
+            self.tally.first_call = time.perf_counter() - wall
+        self.tally.solver_dtime += dtime
         if self.deterministic:
             self.tally.spent += dtime
+            self.tally.calibrated += dtime * DTIME_PER_SECOND / self.rate()
 
     def wall_left(self) -> float:
         """Wall seconds left before the safety cap."""
@@ -172,7 +235,7 @@ class Budget:
 
     def note_capped(self, what: str) -> None:
         """Log, once per planning, that the wall-clock safety net ended a deterministic search early."""
-        if self.deterministic and not self.tally.capped:
+        if self.deterministic and not self.calibrated and not self.tally.capped:
             self.tally.capped = True
             log.warning(
                 "planning hit its wall-clock safety cap (%s) before its deterministic budget: this "

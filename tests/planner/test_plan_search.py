@@ -21,6 +21,7 @@ from fxkfac.planner import (
 )
 from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.search.choose import solve_with_strategy
+from fxkfac.planner.search.budget import DTIME_PER_SECOND
 from fxkfac.planner.search.plan_search import choose_block_size
 from tests.planner.kfac_cases import problem
 
@@ -88,3 +89,19 @@ def test_the_block_size_search_plans_each_side_by_the_whole_search_in_one_budget
     assert {choice.plan.problem.where(x.name).strategy for s in sides[256].costs.stages for x in s.layers} == {mem}
     assert validate(choice.plan.problem, choice.plan) == []
     assert 0 < budget.tally.spent <= budget.end + budget.overtime
+
+
+def test_a_calibrated_budget_converts_at_the_rate_cpsat_ran() -> None:
+    """A command's budget (`fxkfac plan`): each CP-SAT call gets the deterministic time its share is worth at the rate
+    measured so far (DTIME_PER_SECOND before), and advances the clock by what it spent at that rate; a plain
+    deterministic budget converts at DTIME_PER_SECOND always, and a budget of each solve is never calibrated."""
+    whole = SolverConfig(time_limit_s=10.0)
+    calibrated, plain = Budget.of(whole, whole=True, calibrated=True), Budget.of(whole, whole=True)
+    assert not Budget.of(whole, calibrated=True).calibrated
+    assert not Budget.of(SolverConfig(time_limit_s=10.0, deterministic=False), whole=True, calibrated=True).calibrated
+    for b in (calibrated, plain):
+        assert b.solver_limit(0.01) == 0.01
+        b.charge(0.3, wall=1.0)  # CP-SAT's first call: 0.3 deterministic s in 1 wall s (a fast machine)
+    assert plain.now() == plain.tally.spent == 0.3 and plain.solver_limit(0.01) == 0.01
+    assert DTIME_PER_SECOND < calibrated.rate() <= 0.3 and 0.01 < calibrated.solver_limit(0.01) <= 0.03
+    assert calibrated.now() < 0.3 and calibrated.tally.spent == 0.3
