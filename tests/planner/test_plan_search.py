@@ -20,8 +20,8 @@ from fxkfac.planner import (
     validate,
 )
 from fxkfac.planner.search.attempt import solve
-from fxkfac.planner.search.choose import solve_with_strategy
 from fxkfac.planner.search.budget import DTIME_PER_SECOND
+from fxkfac.planner.search.choose import solve_with_strategy
 from fxkfac.planner.search.plan_search import choose_block_size
 from tests.planner.kfac_cases import problem
 
