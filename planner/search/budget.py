@@ -17,18 +17,10 @@ and the options alone. Greedy placement, which CP-SAT does not see, is charged b
 places costs GREEDY_DTIME_PER_TASK per task (without it, rounds of fusing curvature ran on for 25 s at a
 1 s limit, as no CP-SAT time passed).
 
-`time_limit_s` (and `OVERTIME`) are wall seconds in the API; `DTIME_PER_SECOND` converts them. Measured
-on the 2-core development machine (ortools 9.15), whole solves at a 10 s limit (1.0 deterministic
-second), deterministic seconds spent (CP-SAT and greedy charges) per wall second:
-
-    problem                               load ~1               load ~3-4 (CP-SAT's only)
-    chimera D=4 N=4 W=2 (tests' sizes)    1.00 in 9.3-10.6 s    1.00 in 11.5-12.1 s
-    bert-base 1f1b D=4 p100               0.74 in 6.0-6.1 s     0.73 in 7.3-7.4 s
-    bert-base chimera D=4 p100, mo 0.1    0.60 in 5.6 s         0.50 in 6.8-10.0 s
-
-so 0.1 per second keeps about the old wall time on a lightly loaded machine (the wall-clock mode finds
-the same refresh periods on these three); at load ~8 single window solves ran at 0.02-0.05 per second,
-so a loaded machine takes longer for the same plan.
+`time_limit_s` (and `OVERTIME`) are wall seconds in the API; `DTIME_PER_SECOND` converts them: whole solves at a
+10 s limit on the 2-core development machine (ortools 9.15, load ~1) spent 0.6-1.0 deterministic seconds (CP-SAT and
+the charges) in 5.6-10.6 s, so 0.1 per second keeps about the wall time of a lightly loaded machine; a loaded one
+takes longer for the same plan (single window solves ran at 0.02-0.05 per second at load ~8).
 
 [Note: calibrated budget] A command's limit is wall seconds (`fxkfac plan --time-limit`), but CP-SAT runs 0.2-0.45
 deterministic seconds per wall second on the commands measured (BERT-Large Chimera D=8: 0.27), not DTIME_PER_SECOND:
@@ -64,17 +56,13 @@ WALL_CAP = 4.0
 """A deterministic solve still stops CP-SAT at this many times its wall-clock limit (safety net)."""
 
 GREEDY_DTIME_PER_TASK = 2e-6
-"""Deterministic seconds charged per task of each window first-fit places: building and placing a window takes
-about 12 us per task (GPT-2 on 4 A100s under a memory budget, `fxkfac plan gpt2 -D 4 -N 8 --max-overhead 5%`:
-129,000 tasks in 1.5 s of greedy placement, load average 0.1; it took 100-150 us when this was first measured,
-at 1e-5, which charged a 10 s limit's budget in 2 s and refused that command), i.e. 2e-6 deterministic seconds at
-DTIME_PER_SECOND with room for a loaded machine. `_Tally.greedy_tasks` counts the tasks, so a comparison with
-records made at another rate (benchmarks/planner_golden.py) can count them at its own."""
+"""Deterministic seconds charged per task of each window first-fit places: about 12 us a task (`fxkfac plan gpt2 -D 4
+-N 8 --max-overhead 5%`: 129,000 tasks in 1.5 s, load 0.1) at DTIME_PER_SECOND, with room for a loaded machine (1e-5,
+from an older 100-150 us, refused that command). `_Tally.greedy_tasks` lets a comparison count them at its own rate."""
 
 SIMULATED_DTIME_PER_OP = 1e-6
-"""Deterministic seconds charged per op of each step a search simulates outside CP-SAT (the streaming choice's
-candidates, the distribution choice's reference steps): BERT-Large Chimera D=8 simulated 267 steps of about
-2,000 ops each in 5.2 s (load ~1.5), about 10 us an op, i.e. 1e-6 deterministic seconds at DTIME_PER_SECOND."""
+"""Deterministic seconds charged per op of each step a search simulates outside CP-SAT (streaming and distribution
+choices): about 10 us an op at DTIME_PER_SECOND (BERT-Large Chimera D=8: 267 steps of ~2,000 ops in 5.2 s)."""
 
 CALIBRATION_WALL = 0.2
 """Wall seconds after CP-SAT's first call in a calibrated budget before its measured rate replaces DTIME_PER_SECOND."""

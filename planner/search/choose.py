@@ -1,41 +1,18 @@
 """The distribution choice: which distribution (planner/problem/strategy.py) each layer takes when the user forces none.
 
-[Note: strategy search] With the strategy left to the planner, the outer search plans each candidate distribution
-(below) in full by `solve`, as forcing it would, and keeps the best; CP-SAT then chooses each layer's
-distribution together with the placement ([Note: joint strategy] in planner/search/cpsat.py) in the CP-SAT time the
-candidates left, and its plan joins them. The candidates that can win (`_hopeful_first`: a reference step within
-max_overhead, and STEP_TIE, of the least) share the time, or, where the caller gives no budget (and under
-`planner.TimeLimit.EACH_SOLVE`), each is planned in a budget of its own, the one forcing it gets: so the choice is
-never worse than forcing any of them (sharing one, time-bound candidates placed worse than forced: chimera D=4 N=8
-W=2, MEM-OPT 1 3 3 1 where forced HYBRID 1/2 made 1 2 2 1). At max_overhead 0 they are planned first (issue 38:
-the joint model, run first, spent the README snippet's whole limit and kept first-fit's 11 30 where COMM-OPT, the
-one candidate of least reference step, reached 11 25 forced; on random W=2 problems run first it refreshed less
-often than forced MEM-OPT). Above it each candidate spends its share on
-the least stretch, and one search over all of them does better: the joint model, whose options hold them, runs
-first and they get the CP-SAT time it left (tests/planner/test_joint_strategy.py). The joint model
-runs only where it has a choice (`has_choice`): a layer of a stage it leaves free with another distribution that
-keeps the reference step within that allowance. Within it: first the option set with the least reference step
-within the static memory, then per stage group the options and placement with the least refresh period, stretch
-and staleness, every option a literal of the window's model. Stages whose slot moves the step's fixed work
-(`planner.search.cpsat.timeline_stages`: Chimera's, interleaved's first stage on a device) cannot be free in a window of
-fixed F/B work: they take each strategy of `candidate_strategies` in turn, one joint solve per strategy. Where the
-joint model does not apply it is not used:
-- with the greedy method (no CP-SAT), under `StepBarrier.AGREEMENT_SET` (an early step start depends on the
-  slots), and with one copy per stage (nothing to choose);
-- under a memory budget a group the joint model cannot place (it fuses no curvature) takes its least-step
-  distributions, and MEM-OPT beside them, to `solve`, which fuses curvature as the budget needs; a placement that
-  cannot be moved into the chosen problem's own windows goes to `solve` with its distributions too.
-The candidates: each KAISA strategy the stages' copies allow (COMM-OPT, HYBRID with each grad-worker count that
-divides the copies, MEM-OPT; layers dealt to columns by KAISA's greedy on their decomposition seconds) and one
-per-layer mix (MEM-OPT on the layers that hold the larger half of the statistics bytes, COMM-OPT on the rest).
-`best` picks among the plans (among those whose step lies within max_overhead, and STEP_TIE, of the shortest
-reference step, the least by `planner.plan.rank`: refresh periods, then step time, then peak memory; ties: that
-order, least communication first). A candidate that cannot meet the memory budget or max_overhead drops out;
-when none plans, the refusal (with its suggestions) of the candidate whose least max_overhead gives the least step
-is raised, so that plan="auto" relaxes max_overhead to the value of the fastest distribution, not of the one that
-plans first. DP-KFAC is never chosen: its factors come from one replica's micro-batches, a different algorithm
-that only the user may ask for. Everything shares one time limit of CP-SAT ([Note: time limit] in
-planner/search/attempt.py).
+[Note: strategy search] The candidates (`candidate_problems`): each KAISA strategy the stages' copies allow (COMM-OPT,
+HYBRID per grad-worker count dividing the copies, MEM-OPT) and one per-layer mix (MEM-OPT on the larger half of the
+statistics bytes). The outer search (`solve_outer`) plans those that can win (`_hopeful_first`: a reference step
+within max_overhead, and STEP_TIE, of the least) in full, as forcing each would, and CP-SAT's joint choice
+([Note: joint strategy] in planner/search/cpsat.py: each layer's distribution a literal of the window's model) joins
+them where it `has_choice`; `best` keeps the least by `planner.plan.rank` within the allowance. At max_overhead 0 the
+candidates go first (issue 38: the joint model run first spent the README snippet's limit on first-fit's 11 30 where
+forced COMM-OPT reached 11 25), above it the joint model (one search over all of them does better there). Under a
+caller's budget they share it; without one (`planner.TimeLimit.EACH_SOLVE`) each gets the budget forcing it would, so
+the choice is never worse than any forced candidate. The joint model is not used with the greedy method, under
+`StepBarrier.AGREEMENT_SET` or with one copy per stage; a group it cannot place within a memory budget goes to `solve`
+(which fuses curvature) with its least-step distributions and MEM-OPT. When none plans, the refusal of the candidate
+whose least max_overhead gives the least step is raised. DP-KFAC is never chosen (another algorithm: the user's call).
 """
 
 from __future__ import annotations
@@ -174,19 +151,17 @@ def least_overhead(planned: Callable[[float], T]) -> tuple[T, float | None]:
 
 
 def _applies(joint: bool | None, problem: Problem, method: Method | str, budget: Budget) -> bool:
-    """`joint` as given, or when None whether the joint choice applies (`_joint_applies`): asked only where it
-    would run, after the candidates at max_overhead 0, so that they are planned in the time a forced one has."""
-    return _joint_applies(problem, method, budget) if joint is None else joint
-
-
-def _joint_applies(problem: Problem, method: Method | str, budget: Budget | None = None) -> bool:
-    """Whether CP-SAT can choose the distributions with the placement ([Note: strategy search]), and has a choice
-    to make there (`has_choice`, its simulations charged to `budget`)."""
+    """`joint` as given, or when None whether CP-SAT can choose the distributions with the placement ([Note: strategy
+    search]) and has a choice there (`has_choice`, charged to `budget`): asked only where it would run."""
     return (
-        Method(method) is Method.CPSAT
-        and problem.barrier is StepBarrier.WORLD
-        and _most_copies(problem) > 1
-        and has_choice(problem, budget)
+        joint
+        if joint is not None
+        else (
+            Method(method) is Method.CPSAT
+            and problem.barrier is StepBarrier.WORLD
+            and _most_copies(problem) > 1
+            and has_choice(problem, budget)
+        )
     )
 
 
@@ -246,7 +221,7 @@ def solve_outer(
     reference step lets them win (`_hopeful_first`) and, with `joint`, the joint choice (`solve_joint`): at
     max_overhead 0 those candidates first, then the joint choice in the CP-SAT time they left (all of it where none
     planned); above it the other way round ([Note: strategy search]); the other candidates only where none of those
-    plans. `joint` None: the joint choice runs where `_joint_applies`, asked when it would run. `reference`: the
+    plans. `joint` None: the joint choice runs where `_applies`. `reference`: the
     least reference step a candidate's planning by `each` can reach (its streaming included). When none plans,
     the first's refusal names what would (`suggest`; else a refusal naming nothing)."""
     budget = budget or Budget.of(config)

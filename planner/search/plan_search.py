@@ -1,47 +1,20 @@
 """`plan(problem, options)`: the planner's one entry point, the whole search (streaming, strategy, recompute, overhead).
 
 [Note: plan search] Every caller (plan="auto", `fxkfac plan`, the benchmarks) plans through `plan`, which composes,
-outside in: the max_overhead rule (`Overhead`: the problem's own, or the bubbles alone first and else the least the
-refusal names, `planner.search.choose.least_overhead`), activation checkpointing's choice of stages
-(`planner.search.plan_search.plan_recomputing`), the distributions (forced, as given, or chosen by
-`planner.search.choose.solve_with_strategy`, which plans each candidate as forcing it would) and streaming the first
-stage's APPLY (`planner.search.plan_search.solve_streamed`) around each placement. Every search of it is a candidate of
-one search in one `planner.search.budget.Budget` ([Note: one budget]): the streamed try and the plan without streaming,
-each candidate distribution and the joint choice, fusing rounds, the recompute choices and a refusal's suggestions each
-take a part of what is left, and the streaming and distribution choices' simulations are charged to it. Under
+outside in: the max_overhead rule (`Overhead`), activation checkpointing's choice of stages (`plan_recomputing`), the
+distributions (forced, given, or chosen by `planner.search.choose.solve_with_strategy`, each candidate planned as
+forcing it would be) and streaming the first stage's APPLY (`solve_streamed`) around each placement. Every search of
+it is a candidate of one search in one `Budget` ([Note: one budget]): each takes a part of what is left. Under
 TimeLimit.WHOLE_SEARCH (`fxkfac plan`, plan="auto") the time limit bounds it all; TimeLimit.EACH_SOLVE gives each
-placement the whole limit (the benchmarks' golden records were made that way), each candidate distribution of the
-choice too: the budget forcing it gets, so the choice is never worse than forcing any candidate (issue 38). A budget
-keeps every plan it made, so a retry of a problem it planned takes no more time.
+placement the whole limit (as the golden records were planned), so the choice is never worse than forcing any
+candidate (issue 38). A budget keeps every plan it made: a retry of a problem it planned takes no more time.
 
-Activation checkpointing under a memory budget: which stages recompute their forward (`Problem.recompute`).
-
-A stage that recomputes keeps only its boundary per micro-batch in flight and runs its forward again in its
-backward (planner/problem/step_timeline.py). Each choice of stages is priced by the
-least memory any plan of it needs (`min_memory_bytes`: every layer's curvature fused) and by its reference step
-(`step_timeline`). `recompute_choices` lists the choices that fit, the shortest step first (none recomputing first where
-that fits): with few stages every subset, else the stages added greedily, the one that saves the most bytes per second
-it adds first. `plan_recomputing` plans the first that the planner places: a choice that fits only with fused curvature
-may need more step than max_overhead allows, where one more stage recomputing leaves room for deferred captures.
-
-schedule="auto": the pipeline schedule the planner chooses among those the mesh allows.
-
-Every candidate (`schedule_candidates`: each kind that runs D ranks and N micro-batches) is planned as asked; a
-candidate whose costs cannot be cut, or whose plan is refused (the memory budget, max_overhead), drops out with
-its reason. The freshest curvature any plan reaches sets the bar: the least, over the plans, of the longest refresh
-period of a plan. Each plan that refreshes less often is planned again with that period as its longest
-(`Problem.max_period`; under `Overhead.LEAST` at the least step growth that places it), and of the plans that
-refresh that often the one with the least step time wins (ties: the order of `ScheduleKind`). So the choice is
-the least step at the freshest curvature, the same curvature for every schedule compared.
-
-Which layers of the first stage to stream, and to which ranks (planner/problem/lowering.py): the choice that
-shortens the reference step most without costing any refresh, and a plan that falls back to none where it cannot place.
-
-A Muon stage with copies (W > 1, Chimera) never streams: its owner sends the Newton-Schulz input, which it makes of
-the reduced gradient, but a streamed gradient leaves during the backward, before the copies' all-reduce, so the
-runtime refuses such a plan (fxkfac/runtime/streaming.py); its copies share its matrices by MEM-OPT instead.
-
-`max_preconditioner_dim="auto"`: the largest Shampoo/SOAP block side whose plan fits the pipeline's bubbles.
+Also here, each a candidate search around `plan`: which stages recompute their forward under a memory budget
+(`recompute_choices`: the shortest reference step first among the choices that fit), the pipeline schedule of
+schedule="auto" (`choose_schedule`: the least step at the freshest curvature any schedule reaches), which layers of the
+first stage stream their APPLY to idle ranks (`with_streaming`), and Shampoo/SOAP's block side of
+`max_preconditioner_dim="auto"` (`choose_block_size`: the largest whose plan fits). A Muon stage with copies never
+streams (the runtime refuses it: fxkfac/runtime/streaming.py); its copies share its matrices by MEM-OPT instead.
 """
 
 from __future__ import annotations
@@ -218,8 +191,10 @@ def _stalest(plan: Plan) -> int:
 def choose_schedule(
     candidates: Sequence[ScheduleCandidate], problem_for: ProblemFor, plan_of: PlanOf
 ) -> ScheduleChoice:
-    """The least step at the freshest curvature among `candidates` (see the module's docstring); PlanError naming
-    each candidate's reason when none plans."""
+    """The least step at the freshest curvature among `candidates`: each planned as asked (a cut or refusal drops it
+    out with its reason), those refreshing less often than the freshest plan's longest period planned again with that
+    period as `max_period`, and the least step time wins (ties: `ScheduleKind`'s order); PlanError naming each
+    candidate's reason when none plans."""
     first: list[tuple[ScheduleCandidate, Problem | None, Plan | None, str]] = []
     for c in candidates:
         try:
@@ -368,16 +343,13 @@ def _helper_load(problem: Problem) -> float:
 def with_streaming(
     problem: Problem, whole_backward: bool = False, keep_bounds: bool = True, budget: Budget | None = None
 ) -> Problem:
-    """`problem` with the first stage's APPLY streamed, for the helpers (`_helper_sets`, the layers shared by
-    `_assign`, or for Muon all dealt with the owner's by `_balanced`) and the prefix of its layers (in the order their
-    gradients become final) that give the shortest reference step without raising any stage group's least refresh
-    period (any, without `keep_bounds`), the lowest largest helper load and then the fewest helpers among equals;
-    unchanged where nothing does, where every rank holds the stage, or where it already streams. `whole_backward`:
-    the stages run compiled, each backward making every gradient at its end (`Streaming.whole_backward`): the
-    helper then only applies its layers beside the owner. Each candidate's simulations
-    are charged to `budget`, and the search keeps the best found so far once it has spent STREAM_CHOICE_PART of the
-    whole time limit (of the limit, not of what is left: a candidate distribution of the choice streams as it would
-    forced, `planner.plan`)."""
+    """`problem` with the first stage's APPLY streamed: of the helper sets (`_helper_sets`, layers shared by `_assign`;
+    for Muon also every idle rank dealt by `_balanced`) and prefixes of its layers (in the order their gradients become
+    final), the choice of the shortest reference step that raises no stage group's least refresh period (any, without
+    `keep_bounds`), then the lowest largest helper load, then the fewest helpers; unchanged where nothing does, every
+    rank holds the stage, or it already streams. `whole_backward`: compiled stages (a helper applies its layers beside
+    the owner). Simulations are charged to `budget`; past STREAM_CHOICE_PART of its whole limit the best so far is
+    kept (of the limit, not of what is left: a candidate distribution streams as it would forced)."""
     if problem.streaming is not None or len(copies_of_stage(problem, STREAMED_STAGE)) == len(problem.devices):
         return problem
     if problem.costs.family is PreconditionerKind.MUON and len(copies_of_stage(problem, STREAMED_STAGE)) > 1:
@@ -436,14 +408,10 @@ def solve_streamed(
     streamed: Problem | None = None,
 ) -> Plan:
     """`solve` the problem with streaming where `with_streaming` finds some (`policy` not OFF), else as given.
-    KEEP_REFRESH: a streamed plan whose refresh periods are the unstreamed problem's lower bounds is kept (no plan
-    without streaming refreshes more often, nor steps faster); otherwise the problem is solved without streaming too
-    and the better plan by `planner.plan.rank` (periods first) kept. SHORTEST_STEP: the streamed plan is kept.
-    Without a streamed plan, the unstreamed one; each choice is logged. `whole_backward`: as `with_streaming`'s.
-    Only the unstreamed problem's refusal is raised: the other solves search no suggestions (`Solver`). Everything
-    runs in `budget` (a new one of the default SolverConfig when None): the streamed try in STREAMED_PART of it
-    where the unstreamed may follow, the unstreamed one in the rest. `streamed`: the streaming choice, where made
-    already (`with_streaming` of `problem`)."""
+    KEEP_REFRESH: a streamed plan at the unstreamed problem's refresh lower bounds is kept, else the problem is solved
+    without streaming too and the better by `planner.plan.rank` kept; SHORTEST_STEP: the streamed plan is kept. Only
+    the unstreamed problem's refusal is raised. In `budget` (a new one when None): the streamed try in STREAMED_PART
+    where the unstreamed may follow. `streamed`: the streaming choice, where made already."""
     budget = budget or Budget.of(SolverConfig())
     if policy is StreamApply.OFF:
         return solve(problem, budget)
