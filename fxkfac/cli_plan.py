@@ -257,8 +257,8 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         S = check_schedule(args)
         config = search_options(args).solver
         try:
-            budget = TimeBudget.of(config, whole=True, began=began, calibrated=True)  # the limit is the command's
-            plan = _solved(args, S, console, budget)
+            clock = TimeBudget.of(config, whole=True, began=began, calibrated=True)  # the limit is the command's
+            plan = _solved(args, S, console, clock)
         except _Refusal as e:
             raise _refused(e, e.budget, args.activation_checkpointing) from None
     budget = memory_budget(args, plan.problem.costs.hardware)
