@@ -970,13 +970,11 @@ def solve(
     shares: int = 1,
     suggest: bool = True,
 ) -> Plan:
-    """Plan the K-FAC work of `problem` (Method.CPSAT: optimal placement warm-started by greedy; GREEDY:
-    the paper's rule, fusing curvature by its excess over a memory budget) within config.time_limit_s plus
-    OVERTIME, or within `budget` (a planning that solves several problems: this one gets 1/`shares` of the
-    solver time left). Raises InfeasibleBudgetError when the memory budget cannot be met and PlanError
-    when the work cannot be placed within problem.max_period steps; unless `suggest` is False, the error's
-    message and `suggestions` name values of max_overhead, the budget or N that the planner has solved this
-    problem with (the rest unchanged), or say that none was found in time."""
+    """Plan the preconditioner's work of `problem` (CPSAT: warm-started by first-fit; GREEDY: the paper's rule) in
+    1/`shares` of the solver time left in `budget` (a new one of `config` when None) ([Note: time limit]). Raises
+    InfeasibleBudgetError when the memory budget cannot be met and PlanError when nothing places the work within
+    max_period steps; unless `suggest` is False, its `suggestions` name values of max_overhead, the memory budget or N
+    the planner solved this problem with, or say that none was found in time."""
     how = _method(method)
     budget = budget or Budget.of(config)
     made = budget.made.get((problem, how))

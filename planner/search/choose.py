@@ -105,14 +105,10 @@ def solve_with_strategy(
     reference: Callable[[Problem], float] | None = None,
     own: Callable[[], Budget] | None = None,
 ) -> Plan:
-    """`solve` with every layer under `strategy`, or, when it is None, the best plan of the outer search
-    (`solve_outer`: each candidate distribution planned as a forced one would be, by `each`) and, where that applies
-    and time is left, of CP-SAT choosing each layer's distribution with the placement (`solve_joint`; see [Note:
-    strategy search]), all within one time limit (`budget`), or, without `budget`, each candidate and the joint
-    choice in a budget of its own (`own()`, else a new one of `config`): the one forcing that candidate gets, so the
-    choice is never worse than forcing any candidate (issue 38: sharing one, a candidate with less than a forced
-    run's time placed worse). `suggest` False: a refusal names nothing that would plan (no time spent searching it;
-    `solve`'s)."""
+    """`solve` with every layer under `strategy`, or, when it is None, the outer search's best ([Note: strategy
+    search]: `solve_outer`, each candidate planned by `each` as forcing it would be, and the joint choice), all in
+    `budget`, or without one each in a budget of its own (`own()`, else a new one of `config`), so the choice is never
+    worse than forcing any candidate (issue 38). `suggest` False: a refusal names nothing (no time spent searching)."""
     if strategy is not None:
         forced = problem.with_strategy(strategy)
         return solve(forced, config, method, budget=budget or Budget.of(config), suggest=suggest)
@@ -166,15 +162,10 @@ def _applies(joint: bool | None, problem: Problem, method: Method | str, budget:
 
 
 def has_choice(problem: Problem, budget: Budget | None = None) -> bool:
-    """Whether some layer of a stage the joint model leaves free (not in `timeline_stages`) has a distribution
-    other than its own in the candidate of least reference step (`candidate_problems`) that, switched alone, keeps
-    the reference step (`planner.search.cpsat.reference_step`) within what `best` keeps: max_overhead and STEP_TIE over
-    that least. Where none has, every layer's one option is that candidate's and the joint model is a forced one
-    with more variables; the outer search plans each candidate by the search a forced strategy runs instead ([Note:
-    strategy search]; the README snippet's 2 x 2 mesh got first-fit's 11 30 from the joint model in the whole time
-    limit, 11 25 from forced COMM-OPT, issue 38). The least candidate, not the problem's own distributions (COMM-OPT,
-    whose step may lie past the allowance): golden random 006 (1F1B D=4 W=2, MEM-OPT least) lost the joint choice's
-    plan of less peak memory. Each simulated step is charged to `budget` by its ops."""
+    """Whether some layer of a stage the joint model leaves free (not in `timeline_stages`) has a distribution other
+    than its own in the candidate of least reference step that, switched alone, keeps the reference step within what
+    `best` keeps (max_overhead and STEP_TIE over that least). Where none has, the joint model is a forced one with
+    more variables, and the candidates' own searches do better (issue 38). Simulations are charged to `budget`."""
     free = frozenset(range(problem.num_stages)) - timeline_stages(problem)
     names = [x.name for s in sorted(free) for x in problem.costs.stages[s].layers]
     if not names:
@@ -215,15 +206,12 @@ def solve_outer(
     reference: Callable[[Problem], float] | None = None,
     own: Callable[[], Budget] | None = None,
 ) -> Plan:
-    """The best of `candidate_problems`, each planned in full by `each` (`_plan_each`; `solve` when None) within the
-    time left in `budget` (a new one: config's; with the greedy method, which is not timed, every one that can win),
-    or each in a budget of its own (`own()`, the joint choice and a refusal's search too): those whose
-    reference step lets them win (`_hopeful_first`) and, with `joint`, the joint choice (`solve_joint`): at
-    max_overhead 0 those candidates first, then the joint choice in the CP-SAT time they left (all of it where none
-    planned); above it the other way round ([Note: strategy search]); the other candidates only where none of those
-    plans. `joint` None: the joint choice runs where `_applies`. `reference`: the
-    least reference step a candidate's planning by `each` can reach (its streaming included). When none plans,
-    the first's refusal names what would (`suggest`; else a refusal naming nothing)."""
+    """The best of `candidate_problems`, each planned in full by `each` (`solve` when None) in `budget` (a new one of
+    `config`; the greedy method, untimed, plans every one that can win), or each in a budget of its own (`own()`):
+    those that can win (`_hopeful_first`) and, with `joint` (None: where `_applies`), the joint choice: at max_overhead
+    0 after them in the CP-SAT time they left, above it before them ([Note: strategy search]); the others only where
+    none of those plans. `reference`: the least reference step a candidate's planning reaches (its streaming). When
+    none plans, the refusal of `_plan_or_least_step_refusal` (with `suggest`; else one naming nothing)."""
     budget = budget or Budget.of(config)
     candidates, hopeful = _hopeful_first(candidate_problems(problem), reference)
     timed = Method(method) is Method.CPSAT and own is None
@@ -308,12 +296,9 @@ def _plan_each(
 def _hopeful_first(
     candidates: Sequence[Problem], reference: Callable[[Problem], float] | None = None
 ) -> tuple[list[Problem], int]:
-    """The candidates whose plans can lie within the allowance `best` keeps (a plan's step is not below its reference
-    step, which must lie within max_overhead, and STEP_TIE, of the least of all), then the others (planned only where
-    none of the first plans), each in its order, and how many come first: the time goes to the distributions that
-    can win (at max_overhead 0, those of the least reference step). `reference`: the least reference step a
-    candidate's planning reaches (its streaming), where that may be below its own: such a candidate can win against
-    the least of the others' own steps (issue 38: forced COMM-OPT streamed beat MEM-OPT, the least unstreamed)."""
+    """The candidates whose plans can lie within the allowance `best` keeps (their reference step, or with
+    `reference` their streamed one, within max_overhead and STEP_TIE of the least of all), then the others, and how
+    many come first: the time goes to those that can win (issue 38: forced COMM-OPT streamed beat MEM-OPT)."""
     steps = [step_timeline(c).length for c in candidates]
     least = min(steps)
 

@@ -468,12 +468,9 @@ class Distributions(StrEnum):
 
 
 def candidate_part(shares: int) -> float:
-    """The part of the time left one candidate distribution of a shared budget takes, `shares` candidates still to
-    plan: half of it, and an equal share of the other half. With all of it (forcing it would), the first took the
-    whole limit: `fxkfac plan bert-large -D 8 -N 8 --schedule chimera --costs paper:bert-large/p100 --max-overhead 0`,
-    COMM-OPT refused after its streamed try and its plan without streaming, and the others kept first-fit's
-    5 5 6 4 4 6 5 5 (4 5 5 5 5 5 5 4 now); with an equal share the README snippet's COMM-OPT, which needs three
-    quarters, refreshed 11 30 where forcing it reaches 11 28 (it still does)."""
+    """The part of the time left one candidate distribution of a shared budget takes, `shares` still to plan: half of
+    it and an equal share of the other half (all of it left the bert-large chimera command's later candidates at
+    first-fit behind a refused COMM-OPT; an equal share left the README snippet's COMM-OPT short of forced 11 28)."""
     return (shares + 1) / (2 * shares)
 
 
