@@ -257,8 +257,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         S = check_schedule(args)
         config = search_options(args).solver
         try:
-            clock = TimeBudget.of(config, whole=True, began=began, calibrated=True)  # the limit is the command's
-            plan = _solved(args, S, console, clock)
+            plan = _solved(args, S, console, TimeBudget.of(config, whole=True, began=began))
         except _Refusal as e:
             raise _refused(e, e.budget, args.activation_checkpointing) from None
     budget = memory_budget(args, plan.problem.costs.hardware)

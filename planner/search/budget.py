@@ -22,15 +22,16 @@ places costs GREEDY_DTIME_PER_TASK per task (without it, rounds of fusing curvat
 the charges) in 5.6-10.6 s, so 0.1 per second keeps about the wall time of a lightly loaded machine; a loaded one
 takes longer for the same plan (single window solves ran at 0.02-0.05 per second at load ~8).
 
-[Note: calibrated budget] A command's limit is wall seconds (`fxkfac plan --time-limit`), but CP-SAT runs 0.2-0.45
-deterministic seconds per wall second on the commands measured (BERT-Large Chimera D=8: 0.27), not DTIME_PER_SECOND:
-that command's deterministic budget ended it in 4.4 s of a 10 s limit. A calibrated budget (`Budget.of(...,
-calibrated=True)`, the command's) keeps every call deterministic (one seeded thread, stopped at
-`max_deterministic_time`) and every share as the deterministic budget cuts it, but converts at the rate measured in
-this planning: CP-SAT's deterministic seconds per wall second since its first call (`rate`), everything between the
-calls included. A call of a share L gets L * rate / DTIME_PER_SECOND (`solver_limit`) and advances the clock by what
-it spent at that rate, so the limit's CP-SAT part takes about its wall seconds. The plan then depends on the
-machine's speed, as the wall-clock mode's does; a plain deterministic budget does not.
+[Note: calibrated budget] A whole search's wall-clock mode (`SolverConfig(deterministic=False)`, `fxkfac plan
+--nondeterministic`): the limit is wall seconds, but its CP-SAT calls stay as in the deterministic mode (one seeded
+thread, stopped at `max_deterministic_time`, every share cut as the deterministic budget cuts it), converted at the rate
+measured in this planning, not DTIME_PER_SECOND (CP-SAT runs 0.2-0.45 deterministic seconds per wall second on the
+commands measured, BERT-Large Chimera D=8 0.27: its deterministic budget ended it in 4.4 s of a 10 s limit). `rate` is
+CP-SAT's deterministic seconds per wall second since its first call, everything between the calls included; a call of
+a share L gets L * rate / DTIME_PER_SECOND (`solver_limit`) and advances the clock by what it spent at that rate, so
+the CP-SAT part of the limit takes about its wall seconds; the clock never reads less than the wall time since the
+search began, and the wall cap at the limit ends it. The plan depends on the machine's speed; the deterministic
+mode's does not.
 
 A wall-clock safety net stays: CP-SAT calls also stop at `WALL_CAP` times the time limit (plus
 OVERTIME) after planning began. When that net, and not the deterministic budget, ends a search, the
@@ -107,6 +108,8 @@ class _Tally:
     calibrated budget ([Note: calibrated budget])."""
     calibrated: float = 0.0
     """A calibrated budget's clock: CP-SAT's deterministic seconds each at the rate of its call, and the charges."""
+    began: float = 0.0
+    """The perf_counter time the planning began: a calibrated clock never reads less than the wall time since."""
 
 
 @dataclass(frozen=True)
@@ -128,39 +131,25 @@ class Budget:
     tally: _Tally = field(default_factory=_Tally)
     made: dict[Any, Any] = field(default_factory=dict)
     calibrated: bool = False
-    """Deterministic CP-SAT calls on a wall-clock budget ([Note: calibrated budget])."""
+    """Deterministic CP-SAT calls on a whole search's wall-clock budget ([Note: calibrated budget])."""
 
     @staticmethod
-    def of(
-        config: SolverConfig, *, whole: bool = False, began: float | None = None, calibrated: bool = False
-    ) -> Budget:
+    def of(config: SolverConfig, *, whole: bool = False, began: float | None = None) -> Budget:
         """A fresh budget of `config.time_limit_s`: CP-SAT until the limit and everything else OVERTIME past it; with
         `whole` (a limit for the whole search, a command's) everything within the limit from `began` (the command's
-        start; now when None), CP-SAT ending OVERTIME_SHARE of it earlier; `calibrated` (with `whole`, deterministic):
-        the limit in wall seconds ([Note: calibrated budget])."""
+        start; now when None), CP-SAT ending OVERTIME_SHARE of it earlier, and in the wall-clock mode calibrated
+        ([Note: calibrated budget])."""
         started = time.perf_counter() if began is None else began
-        limit, deterministic = config.time_limit_s, config.deterministic
-        calibrated = calibrated and whole and deterministic
+        limit, calibrated = config.time_limit_s, whole and not config.deterministic
+        deterministic = config.deterministic or calibrated
         overtime = limit * (CALIBRATED_OVERTIME_SHARE if calibrated else OVERTIME_SHARE) if whole else OVERTIME
         solving = limit - overtime if whole else limit
-        cap = started + (WALL_CAP * limit if whole else WALL_CAP * (limit + OVERTIME))
-        if (calibrated or not deterministic) and whole:
-            cap = started + limit
+        cap = started + (limit if calibrated else WALL_CAP * limit if whole else WALL_CAP * (limit + OVERTIME))
         units = DTIME_PER_SECOND if deterministic else 1.0
-        now = 0.0 if deterministic else started
-        end = now + solving * units
-        return Budget(
-            deterministic,
-            cap,
-            end,
-            overtime * units,
-            end,
-            end + overtime * units,
-            limit * units,
-            _Tally(),
-            {},
-            calibrated,
-        )
+        end = (0.0 if deterministic else started) + solving * units
+        overtime *= units
+        tally = _Tally(began=started)
+        return Budget(deterministic, cap, end, overtime, end, end + overtime, limit * units, tally, {}, calibrated)
 
     @staticmethod
     def untimed(deterministic: bool = True) -> Budget:
@@ -174,7 +163,7 @@ class Budget:
     def now(self) -> float:
         """The clock's reading, in its unit."""
         if self.calibrated:
-            return self.tally.calibrated
+            return max(self.tally.calibrated, (time.perf_counter() - self.tally.began) * DTIME_PER_SECOND)
         return self.tally.spent if self.deterministic else time.perf_counter()
 
     def rate(self) -> float:

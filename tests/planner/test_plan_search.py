@@ -91,14 +91,15 @@ def test_the_block_size_search_plans_each_side_by_the_whole_search_in_one_budget
     assert 0 < budget.tally.spent <= budget.end + budget.overtime
 
 
-def test_a_calibrated_budget_converts_at_the_rate_cpsat_ran() -> None:
-    """A command's budget (`fxkfac plan`): each CP-SAT call gets the deterministic time its share is worth at the rate
-    measured so far (DTIME_PER_SECOND before), and advances the clock by what it spent at that rate; a plain
-    deterministic budget converts at DTIME_PER_SECOND always, and a budget of each solve is never calibrated."""
-    whole = SolverConfig(time_limit_s=10.0)
-    calibrated, plain = Budget.of(whole, whole=True, calibrated=True), Budget.of(whole, whole=True)
-    assert not Budget.of(whole, calibrated=True).calibrated
-    assert not Budget.of(SolverConfig(time_limit_s=10.0, deterministic=False), whole=True, calibrated=True).calibrated
+def test_a_whole_search_on_the_wall_clock_converts_at_the_rate_cpsat_ran() -> None:
+    """The wall-clock mode of a whole search (`fxkfac plan --nondeterministic`) is calibrated: each CP-SAT call gets the
+    deterministic time its share is worth at the rate measured so far (DTIME_PER_SECOND before) and advances the clock
+    by what it spent at that rate; the deterministic mode converts at DTIME_PER_SECOND always, and a budget of one
+    solve on the wall clock stays in wall seconds."""
+    calibrated = Budget.of(SolverConfig(time_limit_s=10.0, deterministic=False), whole=True)
+    plain = Budget.of(SolverConfig(time_limit_s=10.0), whole=True)
+    assert calibrated.calibrated and calibrated.deterministic and not plain.calibrated
+    assert not Budget.of(SolverConfig(time_limit_s=10.0, deterministic=False)).deterministic
     for b in (calibrated, plain):
         assert b.solver_limit(0.01) == 0.01
         b.charge(0.3, wall=1.0)  # CP-SAT's first call: 0.3 deterministic s in 1 wall s (a fast machine)
