@@ -106,3 +106,12 @@ def test_a_whole_search_on_the_wall_clock_converts_at_the_rate_cpsat_ran() -> No
     assert plain.now() == plain.tally.spent == 0.3 and plain.solver_limit(0.01) == 0.01
     assert DTIME_PER_SECOND < calibrated.rate() <= 0.3 and 0.01 < calibrated.solver_limit(0.01) <= 0.03
     assert calibrated.now() < 0.3 and calibrated.tally.spent == 0.3
+
+
+def test_a_whole_search_on_the_wall_clock_plans_what_the_deterministic_one_proves() -> None:
+    p = problem("1f1b", 4, 4, layers=2)
+    deterministic = plan(p, SearchOptions(CONFIG))
+    wall = plan(p, SearchOptions(SolverConfig(time_limit_s=1.0, deterministic=False)))
+    assert validate(wall.problem, wall) == []
+    assert deterministic.metrics.solver.status == "OPTIMAL"
+    assert wall.metrics.refresh_steps == deterministic.metrics.refresh_steps
