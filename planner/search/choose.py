@@ -513,7 +513,8 @@ def _planned(problem: Problem, config: SolverConfig, budget: Budget, method: Met
 
 
 def _greedy(problem: Problem, config: SolverConfig, budget: Budget) -> list[GroupSolution | None]:
-    """The paper's rule per group of the chosen problem, for the plan's metrics (None where it places nothing)."""
+    """The paper's refresh period per group of the chosen problem, for the plan's metrics (None where it places
+    nothing): its least stretch is not searched, as the metrics read only the period."""
     allowed = allowance(problem, frozenset(), config)
     out: list[GroupSolution | None] = []
     for group in stage_groups(problem):
@@ -526,6 +527,7 @@ def _greedy(problem: Problem, config: SolverConfig, budget: Budget) -> list[Grou
                     resolution=config.time_resolution,
                     allowance=allowed,
                     meter=budget,
+                    least_stretch=False,
                 )
             )
         except PlanError:

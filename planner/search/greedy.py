@@ -559,9 +559,10 @@ def greedy_group(
     min_k: int = 1,
     allowance: Allowance | None = None,
     meter: Budget | None = None,
+    least_stretch: bool = True,
 ) -> GroupSolution:
     """The paper's rule for one stage group: the smallest k >= min_k (up to problem.max_period) where
-    first-fit places everything, with the whole `allowance` of stretch, then the least stretch found;
+    first-fit places everything, with the whole `allowance` of stretch, then (`least_stretch`) the least stretch found;
     each placement tried is charged to `meter`. Periods below the group's lower bound (`group_lower_bound`,
     kept as the solution's `k_lower_bound`) have no placement and are not tried. Raises PlanError when no k
     does (a task longer than every bubble)."""
@@ -578,7 +579,7 @@ def greedy_group(
         window = window_at(k)
         solution = _first_fit(window, meter)
         if solution is not None:
-            if cap > 0:
+            if cap > 0 and least_stretch:
                 solution = _least_stretch(
                     solution, stretch_lower_bound(window), allowance, stats_chunk, resolution, meter
                 )
