@@ -45,10 +45,10 @@ import json
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from fxkfac.planner import CostTable, Distributions, PlanError, SearchOptions, StreamApply
+from fxkfac.planner import CostTable, Distributions, PlanError, SearchOptions, StreamApply, TimeLimit
 from fxkfac.planner import plan as plan_search
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import (
@@ -223,18 +223,17 @@ def _problem(args: argparse.Namespace, config: _Config, costs: CostTable) -> Pro
 
 def _plan(args: argparse.Namespace, config: _Config, solver: SolverConfig) -> tuple[Plan, int | None]:
     """The CP-SAT plan and its block side (--block, or the one `choose_block_size` picks)."""
+    search = SearchOptions(solver, strategy=Distributions.GIVEN, stream_apply=StreamApply.OFF)
     if args.block != "auto":
         block = int(args.block)
-        problem = _problem(args, config, _table(args, config, block))
-        search = SearchOptions(solver, strategy=Distributions.GIVEN, stream_apply=StreamApply.OFF)
-        return plan_search(problem, search), block
+        return plan_search(_problem(args, config, _table(args, config, block)), search), block
     from fxkfac.planner.problem.analytic import largest_dim, preset
     from fxkfac.planner.search import block_candidates, choose_block_size
 
     choice = choose_block_size(
         lambda side: _problem(args, config, _table(args, config, side)),
         block_candidates(largest_dim(preset(config.model))),
-        solver,
+        replace(search, time_limit=TimeLimit.EACH_SOLVE),  # each side the whole limit, as recorded
     )
     return choice.plan, choice.max_dim
 

@@ -208,8 +208,9 @@ def _add_plan_solver(plan: argparse.ArgumentParser) -> None:
     plan.add_argument(
         "--nondeterministic",
         action="store_true",
-        help="budget CP-SAT in wall-clock seconds on 2 threads (a slower or busier machine may plan "
-        "differently); default: deterministic time, the same plan under any load",
+        help="budget the command in wall-clock seconds: each CP-SAT call (one seeded thread) gets the deterministic "
+        "time its share is worth at the rate CP-SAT ran so far (a slower or busier machine may plan differently); "
+        "default: deterministic time, the same plan under any load",
     )
     plan.add_argument(
         "--time-limit",

@@ -142,8 +142,9 @@ def _searches_block_size(args: argparse.Namespace) -> bool:
     )
 
 
-def _auto_block(args: argparse.Namespace, S: int, config: SolverConfig, budget: TimeBudget) -> BlockChoice:
-    """The plan at the block side the planner chooses (`planner.search.plan_search.choose_block_size`) for a preset."""
+def _auto_block(args: argparse.Namespace, S: int, search: SearchOptions, budget: TimeBudget) -> BlockChoice:
+    """The plan at the block side the planner chooses for a preset: each side a candidate of the command's search in
+    its budget (`planner.search.plan_search.choose_block_size`)."""
     from fxkfac.planner.problem.analytic import largest_dim, preset
     from fxkfac.planner.search import block_candidates, choose_block_size
 
@@ -154,7 +155,7 @@ def _auto_block(args: argparse.Namespace, S: int, config: SolverConfig, budget: 
         made = problem_of(args, cost_table(args, S, side))
         return choose_recompute(made) if auto else made
 
-    return choose_block_size(problem, candidates, config, args.method, budget)
+    return choose_block_size(problem, candidates, search, budget)
 
 
 def _solved(args: argparse.Namespace, S: int, console: Console, budget: TimeBudget) -> Plan:
@@ -202,7 +203,7 @@ def _solved_at(args: argparse.Namespace, S: int, console: Console, budget: TimeB
     search = search_options(args)
     if _searches_block_size(args):
         try:
-            choice = _auto_block(args, S, search.solver, budget)
+            choice = _auto_block(args, S, search, budget)
         except PlanError as e:
             raise _Refusal(e, memory_budget(args, device(args))) from None
         console.print(f"max_preconditioner_dim auto: {choice.reason}", markup=False)

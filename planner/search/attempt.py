@@ -1,29 +1,16 @@
-"""One planning attempt: every stage group placed, curvature fused to fit the budget, or a refusal to suggest on.
+"""`solve()`: one problem's placement within its part of the budget: an attempt, then a refusal's suggestions.
 
-A Plan built from one solution per stage group: one assembly, shared by `solve` and planner/search/choose.py.
+An attempt refuses a budget below the least memory any plan needs, places every stage group (first-fit, then CP-SAT
+warm-started by it), fuses the curvature of the layers that do not fit the memory budget (largest kept bytes first,
+where max_overhead allows the time they add), gives every group the largest stretch any needs ([Note: stretch] in
+planner/plan/window.py) and assembles the Plan (`assemble_attempt`, shared with planner/search/choose.py).
 
-A refusal's suggestions: max_overhead, budget or N values shown to plan by attempts run in the time left.
-
-`solve()`, one problem's placement within its part of the budget: an attempt, then a refusal's suggestions.
-
-Callers plan through `planner.plan` (planner/search/plan_search.py), which runs its whole search, every `solve`, in one
-`planner.search.budget.Budget`. `solve(problem, config, method)` refuses a budget below the
-least memory any plan needs, solves every stage group (greedy, then CP-SAT warm-started by it),
-fuses the curvature of the layers that do not fit the budget deferred (largest kept bytes first,
-when max_overhead allows the time they add), gives every group the same stretch of the step (the
-largest any group needs, [Note: stretch] in planner/plan/window.py), and assembles the Plan.
-
-[Note: time limit] One planning, every solve and retry of it, runs in one `Budget`: CP-SAT stops
-config.time_limit_s after the budget opened (several solves in one budget, such as the strategy candidates of
-planner/search/choose.py, each get an equal share of what is left; a whole search's budget, `Budget.of(...,
-whole=True)`, holds what follows within the limit too); greedy placement (and fusing by greedy's
-memory excess) goes on until at most OVERTIME / 2 past that. A refusal then searches, until OVERTIME
-past the limit, for values of max_overhead, the memory budget or N that plan the same problem, and
-names only those it has solved with (`PlanError.suggestions`); the budget keeps every plan it made, so
-planning again at a suggested value takes no more time. With config.deterministic (the default) these
-times are on CP-SAT's deterministic clock, converted from seconds ([Note: deterministic budget] in
-planner/search/budget.py), so the same problem and options give the same plan, or the same refusal, on any
-load; `SolverStats.wall_time` is then the only field of a plan that differs between runs.
+[Note: time limit] Every solve runs in a `Budget` ([Note: one budget]): CP-SAT stops at its part's deadline, greedy
+placement (and fusing by greedy's memory excess) goes on to half the overtime past it, and a refusal then searches, to
+the overtime's end, for values of max_overhead, the memory budget or N that plan the same problem, naming only those it
+solved with (`PlanError.suggestions`); the budget keeps every plan made, so planning again at a suggested value takes no
+more time. On the deterministic clock ([Note: deterministic budget]) the same problem and options give the same plan or
+refusal on any load; `SolverStats.wall_time` is then the only field that differs between runs.
 """
 
 from __future__ import annotations
@@ -257,12 +244,6 @@ class Refused(Exception):
 
 
 def stats_chunk_of(problem: Problem, group: StageGroup, config: SolverConfig, allowed: Allowance) -> int:
-    """How many consecutive layers `solve` places in one STATS task for the group (`_stats_chunk`): for a distribution
-    choice made beside `solve` (planner/search/choose.py), which places the same tasks."""
-    return _stats_chunk(problem, group, config, allowed)
-
-
-def _stats_chunk(problem: Problem, group: StageGroup, config: SolverConfig, allowed: Allowance) -> int:
     """Layers per STATS task (`SolverConfig.stats_chunk` when set): one where the group has at most
     `max_stats_tasks` per-layer tasks (each F/B makes one a layer), else the fewest that bring it there, halved
     while such a task is longer than every bubble the allowance leaves. Small tasks pack best: one per Linear
@@ -345,14 +326,14 @@ def _solve_groups(
     """Every stage group's solution at refresh periods >= min_k, in two passes: every group's least period first
     (`_first_pass`, the groups sharing the solver time left), then each one's stretch and staleness
     (`_second_pass`) with the time the first left, so a group found at its bound at once leaves its time to the
-    groups still searching. Curvature is one STATS task per chunk of layers where `_stats_chunk` says so and per
+    groups still searching. Curvature is one STATS task per chunk of layers where `stats_chunk_of` says so and per
     layer when that places nothing (chunked tasks that each fit a bubble may still not all fit)."""
     groups = stage_groups(problem)
     allowed = allowance(problem, fused, config)
     first = functools.partial(_first_pass, problem, fused, config, method, min_k, clock, allowed)
     placings = []
     for n, group in enumerate(groups):
-        chunk = _stats_chunk(problem, group, config, allowed)
+        chunk = stats_chunk_of(problem, group, config, allowed)
         try:
             placing = first(group, chunk, later=len(groups) - n)
         except Refused:
@@ -989,13 +970,11 @@ def solve(
     shares: int = 1,
     suggest: bool = True,
 ) -> Plan:
-    """Plan the K-FAC work of `problem` (Method.CPSAT: optimal placement warm-started by greedy; GREEDY:
-    the paper's rule, fusing curvature by its excess over a memory budget) within config.time_limit_s plus
-    OVERTIME, or within `budget` (a planning that solves several problems: this one gets 1/`shares` of the
-    solver time left). Raises InfeasibleBudgetError when the memory budget cannot be met and PlanError
-    when the work cannot be placed within problem.max_period steps; unless `suggest` is False, the error's
-    message and `suggestions` name values of max_overhead, the budget or N that the planner has solved this
-    problem with (the rest unchanged), or say that none was found in time."""
+    """Plan the preconditioner's work of `problem` (CPSAT: warm-started by first-fit; GREEDY: the paper's rule) in
+    1/`shares` of the solver time left in `budget` (a new one of `config` when None) ([Note: time limit]). Raises
+    InfeasibleBudgetError when the memory budget cannot be met and PlanError when nothing places the work within
+    max_period steps; unless `suggest` is False, its `suggestions` name values of max_overhead, the memory budget or N
+    the planner solved this problem with, or say that none was found in time."""
     how = _method(method)
     budget = budget or Budget.of(config)
     made = budget.made.get((problem, how))

@@ -17,18 +17,21 @@ and the options alone. Greedy placement, which CP-SAT does not see, is charged b
 places costs GREEDY_DTIME_PER_TASK per task (without it, rounds of fusing curvature ran on for 25 s at a
 1 s limit, as no CP-SAT time passed).
 
-`time_limit_s` (and `OVERTIME`) are wall seconds in the API; `DTIME_PER_SECOND` converts them. Measured
-on the 2-core development machine (ortools 9.15), whole solves at a 10 s limit (1.0 deterministic
-second), deterministic seconds spent (CP-SAT and greedy charges) per wall second:
+`time_limit_s` (and `OVERTIME`) are wall seconds in the API; `DTIME_PER_SECOND` converts them: whole solves at a
+10 s limit on the 2-core development machine (ortools 9.15, load ~1) spent 0.6-1.0 deterministic seconds (CP-SAT and
+the charges) in 5.6-10.6 s, so 0.1 per second keeps about the wall time of a lightly loaded machine; a loaded one
+takes longer for the same plan (single window solves ran at 0.02-0.05 per second at load ~8).
 
-    problem                               load ~1               load ~3-4 (CP-SAT's only)
-    chimera D=4 N=4 W=2 (tests' sizes)    1.00 in 9.3-10.6 s    1.00 in 11.5-12.1 s
-    bert-base 1f1b D=4 p100               0.74 in 6.0-6.1 s     0.73 in 7.3-7.4 s
-    bert-base chimera D=4 p100, mo 0.1    0.60 in 5.6 s         0.50 in 6.8-10.0 s
-
-so 0.1 per second keeps about the old wall time on a lightly loaded machine (the wall-clock mode finds
-the same refresh periods on these three); at load ~8 single window solves ran at 0.02-0.05 per second,
-so a loaded machine takes longer for the same plan.
+[Note: calibrated budget] A whole search's wall-clock mode (`SolverConfig(deterministic=False)`, `fxkfac plan
+--nondeterministic`): the limit is wall seconds, but its CP-SAT calls stay as in the deterministic mode (one seeded
+thread, stopped at `max_deterministic_time`, every share cut as the deterministic budget cuts it), converted at the rate
+measured in this planning, not DTIME_PER_SECOND (CP-SAT runs 0.2-0.45 deterministic seconds per wall second on the
+commands measured, BERT-Large Chimera D=8 0.27: its deterministic budget ended it in 4.4 s of a 10 s limit). `rate` is
+CP-SAT's deterministic seconds per wall second since its first call, everything between the calls included; a call of
+a share L gets L * rate / DTIME_PER_SECOND (`solver_limit`) and advances the clock by what it spent at that rate, so
+the CP-SAT part of the limit takes about its wall seconds; the clock never reads less than the wall time since the
+search began, and the wall cap at the limit ends it. The plan depends on the machine's speed; the deterministic
+mode's does not.
 
 A wall-clock safety net stays: CP-SAT calls also stop at `WALL_CAP` times the time limit (plus
 OVERTIME) after planning began. When that net, and not the deterministic budget, ends a search, the
@@ -54,17 +57,19 @@ WALL_CAP = 4.0
 """A deterministic solve still stops CP-SAT at this many times its wall-clock limit (safety net)."""
 
 GREEDY_DTIME_PER_TASK = 2e-6
-"""Deterministic seconds charged per task of each window first-fit places: building and placing a window takes
-about 12 us per task (GPT-2 on 4 A100s under a memory budget, `fxkfac plan gpt2 -D 4 -N 8 --max-overhead 5%`:
-129,000 tasks in 1.5 s of greedy placement, load average 0.1; it took 100-150 us when this was first measured,
-at 1e-5, which charged a 10 s limit's budget in 2 s and refused that command), i.e. 2e-6 deterministic seconds at
-DTIME_PER_SECOND with room for a loaded machine. `_Tally.greedy_tasks` counts the tasks, so a comparison with
-records made at another rate (benchmarks/planner_golden.py) can count them at its own."""
+"""Deterministic seconds charged per task of each window first-fit places: about 12 us a task (`fxkfac plan gpt2 -D 4
+-N 8 --max-overhead 5%`: 129,000 tasks in 1.5 s, load 0.1) at DTIME_PER_SECOND, with room for a loaded machine (1e-5,
+from an older 100-150 us, refused that command). `_Tally.greedy_tasks` lets a comparison count them at its own rate."""
 
 SIMULATED_DTIME_PER_OP = 1e-6
-"""Deterministic seconds charged per op of each step a search simulates outside CP-SAT (the streaming choice's
-candidates, the distribution choice's reference steps): BERT-Large Chimera D=8 simulated 267 steps of about
-2,000 ops each in 5.2 s (load ~1.5), about 10 us an op, i.e. 1e-6 deterministic seconds at DTIME_PER_SECOND."""
+"""Deterministic seconds charged per op of each step a search simulates outside CP-SAT (streaming and distribution
+choices): about 10 us an op at DTIME_PER_SECOND (BERT-Large Chimera D=8: 267 steps of ~2,000 ops in 5.2 s)."""
+
+CALIBRATION_WALL = 0.2
+"""Wall seconds after CP-SAT's first call in a calibrated budget before its measured rate replaces DTIME_PER_SECOND."""
+
+MIN_RATE = 0.01
+"""The least rate a calibrated budget converts at (a machine so busy that CP-SAT barely ran)."""
 
 MIN_SHARE = 0.1
 """Least time, in seconds of the limit, a share of the CP-SAT time left gives a search (`Budget.share`)."""
@@ -83,6 +88,9 @@ OVERTIME_SHARE = 0.25
 """Of a whole search's limit (`Budget.whole`), the last part kept for greedy placement past CP-SAT's time (half of
 it) and a refusal's suggestions (all of it)."""
 
+CALIBRATED_OVERTIME_SHARE = 0.1
+"""OVERTIME_SHARE of a calibrated budget, whose wall cap at the limit ends what runs past it anyway."""
+
 
 @dataclass
 class _Tally:
@@ -94,6 +102,14 @@ class _Tally:
     """The tasks first-fit placed (charged GREEDY_DTIME_PER_TASK each in `spent`)."""
     simulated: float = 0.0
     """Of `spent`, what step simulations were charged (`charge_simulated`)."""
+    solver_dtime: float = 0.0
+    first_call: float | None = None
+    """CP-SAT's deterministic seconds in this planning, and the perf_counter time its first call began: the rate of a
+    calibrated budget ([Note: calibrated budget])."""
+    calibrated: float = 0.0
+    """A calibrated budget's clock: CP-SAT's deterministic seconds each at the rate of its call, and the charges."""
+    began: float = 0.0
+    """The perf_counter time the planning began: a calibrated clock never reads less than the wall time since."""
 
 
 @dataclass(frozen=True)
@@ -114,23 +130,26 @@ class Budget:
     """The whole time limit in the clock's unit, for a search that takes a fixed fraction of it (not of a part)."""
     tally: _Tally = field(default_factory=_Tally)
     made: dict[Any, Any] = field(default_factory=dict)
+    calibrated: bool = False
+    """Deterministic CP-SAT calls on a whole search's wall-clock budget ([Note: calibrated budget])."""
 
     @staticmethod
     def of(config: SolverConfig, *, whole: bool = False, began: float | None = None) -> Budget:
         """A fresh budget of `config.time_limit_s`: CP-SAT until the limit and everything else OVERTIME past it; with
         `whole` (a limit for the whole search, a command's) everything within the limit from `began` (the command's
-        start; now when None), CP-SAT ending OVERTIME_SHARE of it earlier."""
+        start; now when None), CP-SAT ending OVERTIME_SHARE of it earlier, and in the wall-clock mode calibrated
+        ([Note: calibrated budget])."""
         started = time.perf_counter() if began is None else began
-        limit, deterministic = config.time_limit_s, config.deterministic
-        overtime = limit * OVERTIME_SHARE if whole else OVERTIME
+        limit, calibrated = config.time_limit_s, whole and not config.deterministic
+        deterministic = config.deterministic or calibrated
+        overtime = limit * (CALIBRATED_OVERTIME_SHARE if calibrated else OVERTIME_SHARE) if whole else OVERTIME
         solving = limit - overtime if whole else limit
-        cap = started + (WALL_CAP * limit if whole else WALL_CAP * (limit + OVERTIME))
-        if not deterministic and whole:
-            cap = started + limit
+        cap = started + (limit if calibrated else WALL_CAP * limit if whole else WALL_CAP * (limit + OVERTIME))
         units = DTIME_PER_SECOND if deterministic else 1.0
-        now = 0.0 if deterministic else started
-        end = now + solving * units
-        return Budget(deterministic, cap, end, overtime * units, end, end + overtime * units, limit * units)
+        end = (0.0 if deterministic else started) + solving * units
+        overtime *= units
+        tally = _Tally(began=started)
+        return Budget(deterministic, cap, end, overtime, end, end + overtime, limit * units, tally, {}, calibrated)
 
     @staticmethod
     def untimed(deterministic: bool = True) -> Budget:
@@ -143,7 +162,22 @@ class Budget:
 
     def now(self) -> float:
         """The clock's reading, in its unit."""
+        if self.calibrated:
+            return max(self.tally.calibrated, (time.perf_counter() - self.tally.began) * DTIME_PER_SECOND)
         return self.tally.spent if self.deterministic else time.perf_counter()
+
+    def rate(self) -> float:
+        """Deterministic seconds per wall second: CP-SAT's since its first call in a calibrated budget (once
+        CALIBRATION_WALL has passed), else DTIME_PER_SECOND."""
+        first = self.tally.first_call
+        wall = 0.0 if first is None else time.perf_counter() - first
+        if not self.calibrated or wall < CALIBRATION_WALL:
+            return DTIME_PER_SECOND
+        return max(self.tally.solver_dtime / wall, MIN_RATE)
+
+    def solver_limit(self, limit: float) -> float:
+        """CP-SAT's deterministic limit for a call of `limit` in the clock's unit (`rate`)."""
+        return limit * self.rate() / DTIME_PER_SECOND
 
     def units(self, seconds: float) -> float:
         """`seconds` of time limit in the clock's unit."""
@@ -153,18 +187,24 @@ class Budget:
         """Count one first-fit placement of a window of `tasks` tasks and APPLY slots (GREEDY_DTIME_PER_TASK each)."""
         if self.deterministic:
             self.tally.spent += tasks * GREEDY_DTIME_PER_TASK
+            self.tally.calibrated += tasks * GREEDY_DTIME_PER_TASK
             self.tally.greedy_tasks += tasks
 
     def charge_simulated(self, ops: int) -> None:
         """Count one simulated step of `ops` ops run outside CP-SAT (SIMULATED_DTIME_PER_OP each)."""
         if self.deterministic:
             self.tally.spent += ops * SIMULATED_DTIME_PER_OP
+            self.tally.calibrated += ops * SIMULATED_DTIME_PER_OP
             self.tally.simulated += ops * SIMULATED_DTIME_PER_OP
 
-    def charge(self, dtime: float) -> None:
-        """Count the deterministic seconds one CP-SAT call spent (the wall clock counts itself)."""
+    def charge(self, dtime: float, wall: float = 0.0) -> None:
+        """Count the deterministic seconds one CP-SAT call of `wall` seconds spent (the wall clock counts itself)."""
+        if self.tally.first_call is None:
+            self.tally.first_call = time.perf_counter() - wall
+        self.tally.solver_dtime += dtime
         if self.deterministic:
             self.tally.spent += dtime
+            self.tally.calibrated += dtime * DTIME_PER_SECOND / self.rate()
 
     def wall_left(self) -> float:
         """Wall seconds left before the safety cap."""
@@ -172,7 +212,7 @@ class Budget:
 
     def note_capped(self, what: str) -> None:
         """Log, once per planning, that the wall-clock safety net ended a deterministic search early."""
-        if self.deterministic and not self.tally.capped:
+        if self.deterministic and not self.calibrated and not self.tally.capped:
             self.tally.capped = True
             log.warning(
                 "planning hit its wall-clock safety cap (%s) before its deterministic budget: this "

@@ -1,41 +1,18 @@
 """The distribution choice: which distribution (planner/problem/strategy.py) each layer takes when the user forces none.
 
-[Note: strategy search] With the strategy left to the planner, the outer search plans each candidate distribution
-(below) in full by `solve`, as forcing it would, and keeps the best; CP-SAT then chooses each layer's
-distribution together with the placement ([Note: joint strategy] in planner/search/cpsat.py) in the CP-SAT time the
-candidates left, and its plan joins them. The candidates that can win (`_hopeful_first`: a reference step within
-max_overhead, and STEP_TIE, of the least) share the time, or, where the caller gives no budget (and under
-`planner.TimeLimit.EACH_SOLVE`), each is planned in a budget of its own, the one forcing it gets: so the choice is
-never worse than forcing any of them (sharing one, time-bound candidates placed worse than forced: chimera D=4 N=8
-W=2, MEM-OPT 1 3 3 1 where forced HYBRID 1/2 made 1 2 2 1). At max_overhead 0 they are planned first (issue 38:
-the joint model, run first, spent the README snippet's whole limit and kept first-fit's 11 30 where COMM-OPT, the
-one candidate of least reference step, reached 11 25 forced; on random W=2 problems run first it refreshed less
-often than forced MEM-OPT). Above it each candidate spends its share on
-the least stretch, and one search over all of them does better: the joint model, whose options hold them, runs
-first and they get the CP-SAT time it left (tests/planner/test_joint_strategy.py). The joint model
-runs only where it has a choice (`has_choice`): a layer of a stage it leaves free with another distribution that
-keeps the reference step within that allowance. Within it: first the option set with the least reference step
-within the static memory, then per stage group the options and placement with the least refresh period, stretch
-and staleness, every option a literal of the window's model. Stages whose slot moves the step's fixed work
-(`planner.search.cpsat.timeline_stages`: Chimera's, interleaved's first stage on a device) cannot be free in a window of
-fixed F/B work: they take each strategy of `candidate_strategies` in turn, one joint solve per strategy. Where the
-joint model does not apply it is not used:
-- with the greedy method (no CP-SAT), under `StepBarrier.AGREEMENT_SET` (an early step start depends on the
-  slots), and with one copy per stage (nothing to choose);
-- under a memory budget a group the joint model cannot place (it fuses no curvature) takes its least-step
-  distributions, and MEM-OPT beside them, to `solve`, which fuses curvature as the budget needs; a placement that
-  cannot be moved into the chosen problem's own windows goes to `solve` with its distributions too.
-The candidates: each KAISA strategy the stages' copies allow (COMM-OPT, HYBRID with each grad-worker count that
-divides the copies, MEM-OPT; layers dealt to columns by KAISA's greedy on their decomposition seconds) and one
-per-layer mix (MEM-OPT on the layers that hold the larger half of the statistics bytes, COMM-OPT on the rest).
-`best` picks among the plans (among those whose step lies within max_overhead, and STEP_TIE, of the shortest
-reference step, the least by `planner.plan.rank`: refresh periods, then step time, then peak memory; ties: that
-order, least communication first). A candidate that cannot meet the memory budget or max_overhead drops out;
-when none plans, the refusal (with its suggestions) of the candidate whose least max_overhead gives the least step
-is raised, so that plan="auto" relaxes max_overhead to the value of the fastest distribution, not of the one that
-plans first. DP-KFAC is never chosen: its factors come from one replica's micro-batches, a different algorithm
-that only the user may ask for. Everything shares one time limit of CP-SAT ([Note: time limit] in
-planner/search/attempt.py).
+[Note: strategy search] The candidates (`candidate_problems`): each KAISA strategy the stages' copies allow (COMM-OPT,
+HYBRID per grad-worker count dividing the copies, MEM-OPT) and one per-layer mix (MEM-OPT on the larger half of the
+statistics bytes). The outer search (`solve_outer`) plans those that can win (`_hopeful_first`: a reference step
+within max_overhead, and STEP_TIE, of the least) in full, as forcing each would, and CP-SAT's joint choice
+([Note: joint strategy] in planner/search/cpsat.py: each layer's distribution a literal of the window's model) joins
+them where it `has_choice`; `best` keeps the least by `planner.plan.rank` within the allowance. At max_overhead 0 the
+candidates go first (issue 38: the joint model run first spent the README snippet's limit on first-fit's 11 30 where
+forced COMM-OPT reached 11 25), above it the joint model (one search over all of them does better there). Under a
+caller's budget they share it; without one (`planner.TimeLimit.EACH_SOLVE`) each gets the budget forcing it would, so
+the choice is never worse than any forced candidate. The joint model is not used with the greedy method, under
+`StepBarrier.AGREEMENT_SET` or with one copy per stage; a group it cannot place within a memory budget goes to `solve`
+(which fuses curvature) with its least-step distributions and MEM-OPT. When none plans, the refusal of the candidate
+whose least max_overhead gives the least step is raised. DP-KFAC is never chosen (another algorithm: the user's call).
 """
 
 from __future__ import annotations
@@ -128,14 +105,10 @@ def solve_with_strategy(
     reference: Callable[[Problem], float] | None = None,
     own: Callable[[], Budget] | None = None,
 ) -> Plan:
-    """`solve` with every layer under `strategy`, or, when it is None, the best plan of the outer search
-    (`solve_outer`: each candidate distribution planned as a forced one would be, by `each`) and, where that applies
-    and time is left, of CP-SAT choosing each layer's distribution with the placement (`solve_joint`; see [Note:
-    strategy search]), all within one time limit (`budget`), or, without `budget`, each candidate and the joint
-    choice in a budget of its own (`own()`, else a new one of `config`): the one forcing that candidate gets, so the
-    choice is never worse than forcing any candidate (issue 38: sharing one, a candidate with less than a forced
-    run's time placed worse). `suggest` False: a refusal names nothing that would plan (no time spent searching it;
-    `solve`'s)."""
+    """`solve` with every layer under `strategy`, or, when it is None, the outer search's best ([Note: strategy
+    search]: `solve_outer`, each candidate planned by `each` as forcing it would be, and the joint choice), all in
+    `budget`, or without one each in a budget of its own (`own()`, else a new one of `config`), so the choice is never
+    worse than forcing any candidate (issue 38). `suggest` False: a refusal names nothing (no time spent searching)."""
     if strategy is not None:
         forced = problem.with_strategy(strategy)
         return solve(forced, config, method, budget=budget or Budget.of(config), suggest=suggest)
@@ -174,32 +147,25 @@ def least_overhead(planned: Callable[[float], T]) -> tuple[T, float | None]:
 
 
 def _applies(joint: bool | None, problem: Problem, method: Method | str, budget: Budget) -> bool:
-    """`joint` as given, or when None whether the joint choice applies (`_joint_applies`): asked only where it
-    would run, after the candidates at max_overhead 0, so that they are planned in the time a forced one has."""
-    return _joint_applies(problem, method, budget) if joint is None else joint
-
-
-def _joint_applies(problem: Problem, method: Method | str, budget: Budget | None = None) -> bool:
-    """Whether CP-SAT can choose the distributions with the placement ([Note: strategy search]), and has a choice
-    to make there (`has_choice`, its simulations charged to `budget`)."""
+    """`joint` as given, or when None whether CP-SAT can choose the distributions with the placement ([Note: strategy
+    search]) and has a choice there (`has_choice`, charged to `budget`): asked only where it would run."""
     return (
-        Method(method) is Method.CPSAT
-        and problem.barrier is StepBarrier.WORLD
-        and _most_copies(problem) > 1
-        and has_choice(problem, budget)
+        joint
+        if joint is not None
+        else (
+            Method(method) is Method.CPSAT
+            and problem.barrier is StepBarrier.WORLD
+            and _most_copies(problem) > 1
+            and has_choice(problem, budget)
+        )
     )
 
 
 def has_choice(problem: Problem, budget: Budget | None = None) -> bool:
-    """Whether some layer of a stage the joint model leaves free (not in `timeline_stages`) has a distribution
-    other than its own in the candidate of least reference step (`candidate_problems`) that, switched alone, keeps
-    the reference step (`planner.search.cpsat.reference_step`) within what `best` keeps: max_overhead and STEP_TIE over
-    that least. Where none has, every layer's one option is that candidate's and the joint model is a forced one
-    with more variables; the outer search plans each candidate by the search a forced strategy runs instead ([Note:
-    strategy search]; the README snippet's 2 x 2 mesh got first-fit's 11 30 from the joint model in the whole time
-    limit, 11 25 from forced COMM-OPT, issue 38). The least candidate, not the problem's own distributions (COMM-OPT,
-    whose step may lie past the allowance): golden random 006 (1F1B D=4 W=2, MEM-OPT least) lost the joint choice's
-    plan of less peak memory. Each simulated step is charged to `budget` by its ops."""
+    """Whether some layer of a stage the joint model leaves free (not in `timeline_stages`) has a distribution other
+    than its own in the candidate of least reference step that, switched alone, keeps the reference step within what
+    `best` keeps (max_overhead and STEP_TIE over that least). Where none has, the joint model is a forced one with
+    more variables, and the candidates' own searches do better (issue 38). Simulations are charged to `budget`."""
     free = frozenset(range(problem.num_stages)) - timeline_stages(problem)
     names = [x.name for s in sorted(free) for x in problem.costs.stages[s].layers]
     if not names:
@@ -240,15 +206,12 @@ def solve_outer(
     reference: Callable[[Problem], float] | None = None,
     own: Callable[[], Budget] | None = None,
 ) -> Plan:
-    """The best of `candidate_problems`, each planned in full by `each` (`_plan_each`; `solve` when None) within the
-    time left in `budget` (a new one: config's; with the greedy method, which is not timed, every one that can win),
-    or each in a budget of its own (`own()`, the joint choice and a refusal's search too): those whose
-    reference step lets them win (`_hopeful_first`) and, with `joint`, the joint choice (`solve_joint`): at
-    max_overhead 0 those candidates first, then the joint choice in the CP-SAT time they left (all of it where none
-    planned); above it the other way round ([Note: strategy search]); the other candidates only where none of those
-    plans. `joint` None: the joint choice runs where `_joint_applies`, asked when it would run. `reference`: the
-    least reference step a candidate's planning by `each` can reach (its streaming included). When none plans,
-    the first's refusal names what would (`suggest`; else a refusal naming nothing)."""
+    """The best of `candidate_problems`, each planned in full by `each` (`solve` when None) in `budget` (a new one of
+    `config`; the greedy method, untimed, plans every one that can win), or each in a budget of its own (`own()`):
+    those that can win (`_hopeful_first`) and, with `joint` (None: where `_applies`), the joint choice: at max_overhead
+    0 after them in the CP-SAT time they left, above it before them ([Note: strategy search]); the others only where
+    none of those plans. `reference`: the least reference step a candidate's planning reaches (its streaming). When
+    none plans, the refusal of `_plan_or_least_step_refusal` (with `suggest`; else one naming nothing)."""
     budget = budget or Budget.of(config)
     candidates, hopeful = _hopeful_first(candidate_problems(problem), reference)
     timed = Method(method) is Method.CPSAT and own is None
@@ -333,12 +296,9 @@ def _plan_each(
 def _hopeful_first(
     candidates: Sequence[Problem], reference: Callable[[Problem], float] | None = None
 ) -> tuple[list[Problem], int]:
-    """The candidates whose plans can lie within the allowance `best` keeps (a plan's step is not below its reference
-    step, which must lie within max_overhead, and STEP_TIE, of the least of all), then the others (planned only where
-    none of the first plans), each in its order, and how many come first: the time goes to the distributions that
-    can win (at max_overhead 0, those of the least reference step). `reference`: the least reference step a
-    candidate's planning reaches (its streaming), where that may be below its own: such a candidate can win against
-    the least of the others' own steps (issue 38: forced COMM-OPT streamed beat MEM-OPT, the least unstreamed)."""
+    """The candidates whose plans can lie within the allowance `best` keeps (their reference step, or with
+    `reference` their streamed one, within max_overhead and STEP_TIE of the least of all), then the others, and how
+    many come first: the time goes to those that can win (issue 38: forced COMM-OPT streamed beat MEM-OPT)."""
     steps = [step_timeline(c).length for c in candidates]
     least = min(steps)
 
@@ -553,7 +513,8 @@ def _planned(problem: Problem, config: SolverConfig, budget: Budget, method: Met
 
 
 def _greedy(problem: Problem, config: SolverConfig, budget: Budget) -> list[GroupSolution | None]:
-    """The paper's rule per group of the chosen problem, for the plan's metrics (None where it places nothing)."""
+    """The paper's refresh period per group of the chosen problem, for the plan's metrics (None where it places
+    nothing): its least stretch is not searched, as the metrics read only the period."""
     allowed = allowance(problem, frozenset(), config)
     out: list[GroupSolution | None] = []
     for group in stage_groups(problem):
@@ -566,6 +527,7 @@ def _greedy(problem: Problem, config: SolverConfig, budget: Budget) -> list[Grou
                     resolution=config.time_resolution,
                     allowance=allowed,
                     meter=budget,
+                    shrink_stretch=False,
                 )
             )
         except PlanError:

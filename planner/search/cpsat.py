@@ -850,7 +850,7 @@ def _solve(
     params, limit = solver.parameters, max(meter.units(MIN_CALL), limit)
     params.random_seed = config.seed
     if meter.deterministic:
-        params.max_deterministic_time = limit
+        params.max_deterministic_time = meter.solver_limit(limit)
         params.max_time_in_seconds = max(MIN_CALL, meter.wall_left())
         params.num_workers = 1
         params.subsolvers.extend(_FEW_WORKER_SUBSOLVERS)
@@ -864,7 +864,7 @@ def _solve(
     if reporter is not None and reporter.optimize:
         solver.best_bound_callback = reporter.on_bound
     status = solver.solve(model, reporter)
-    meter.charge(solver.deterministic_time)
+    meter.charge(solver.deterministic_time, solver.wall_time)
     return solver, status
 
 

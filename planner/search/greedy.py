@@ -489,10 +489,11 @@ def greedy_group(
     min_k: int = 1,
     allowance: Allowance | None = None,
     meter: Budget | None = None,
+    shrink_stretch: bool = True,
 ) -> GroupSolution:
     """The paper's rule for one stage group: the least k from the group's lower bound (`group_lower_bound`, kept as
-    `k_lower_bound`) to max_period where first-fit places everything with the whole `allowance`, then the least
-    stretch found; each placement tried is charged to `meter`. PlanError when no k does."""
+    `k_lower_bound`) to max_period where first-fit places everything with the whole `allowance`, then (`shrink_stretch`)
+    the least stretch found; each placement tried is charged to `meter`. PlanError when no k does."""
     began = time.perf_counter()
     allowance = allowance if allowance is not None else Allowance(problem, fused, None)
 
@@ -505,7 +506,7 @@ def greedy_group(
         window = window_at(k)
         solution = _first_fit(window, meter)
         if solution is not None:
-            if allowance.ticks(k) > 0:
+            if allowance.ticks(k) > 0 and shrink_stretch:
                 least = stretch_lower_bound(window)
                 solution = _least_stretch(solution, least, allowance, stats_chunk, resolution, meter)
             return replace(solution, k_lower_bound=lower, wall_time=time.perf_counter() - began)

@@ -263,7 +263,10 @@ def _least_stale(
 ) -> GroupSolution:
     """Minimize staleness in `w`, the window of found's k and step (with `frame`, choosing the distributions too),
     within `left` of `meter`'s clock, warm-started by `found` (kept when the solver does worse); its status says
-    whether it is proven optimal: the least staleness where the k and step are `proven` least."""
+    whether it is proven optimal: the least staleness where the k and step are `proven` least. Nothing stale: no
+    solve (its answer is found's)."""
+    if found.staleness == 0:
+        return replace(found, status="OPTIMAL" if proven else "FEASIBLE")
     hint = found if config.use_greedy_hint or found.method != "greedy" else None
     status, best = solve_window(w, config, left, meter, hint, frame=frame)
     if best is None or found.staleness < best.staleness:

@@ -1,47 +1,20 @@
 """`plan(problem, options)`: the planner's one entry point, the whole search (streaming, strategy, recompute, overhead).
 
 [Note: plan search] Every caller (plan="auto", `fxkfac plan`, the benchmarks) plans through `plan`, which composes,
-outside in: the max_overhead rule (`Overhead`: the problem's own, or the bubbles alone first and else the least the
-refusal names, `planner.search.choose.least_overhead`), activation checkpointing's choice of stages
-(`planner.search.plan_search.plan_recomputing`), the distributions (forced, as given, or chosen by
-`planner.search.choose.solve_with_strategy`, which plans each candidate as forcing it would) and streaming the first
-stage's APPLY (`planner.search.plan_search.solve_streamed`) around each placement. Every search of it is a candidate of
-one search in one `planner.search.budget.Budget` ([Note: one budget]): the streamed try and the plan without streaming,
-each candidate distribution and the joint choice, fusing rounds, the recompute choices and a refusal's suggestions each
-take a part of what is left, and the streaming and distribution choices' simulations are charged to it. Under
+outside in: the max_overhead rule (`Overhead`), activation checkpointing's choice of stages (`plan_recomputing`), the
+distributions (forced, given, or chosen by `planner.search.choose.solve_with_strategy`, each candidate planned as
+forcing it would be) and streaming the first stage's APPLY (`solve_streamed`) around each placement. Every search of
+it is a candidate of one search in one `Budget` ([Note: one budget]): each takes a part of what is left. Under
 TimeLimit.WHOLE_SEARCH (`fxkfac plan`, plan="auto") the time limit bounds it all; TimeLimit.EACH_SOLVE gives each
-placement the whole limit (the benchmarks' golden records were made that way), each candidate distribution of the
-choice too: the budget forcing it gets, so the choice is never worse than forcing any candidate (issue 38). A budget
-keeps every plan it made, so a retry of a problem it planned takes no more time.
+placement the whole limit (as the golden records were planned), so the choice is never worse than forcing any
+candidate (issue 38). A budget keeps every plan it made: a retry of a problem it planned takes no more time.
 
-Activation checkpointing under a memory budget: which stages recompute their forward (`Problem.recompute`).
-
-A stage that recomputes keeps only its boundary per micro-batch in flight and runs its forward again in its
-backward (planner/problem/step_timeline.py). Each choice of stages is priced by the
-least memory any plan of it needs (`min_memory_bytes`: every layer's curvature fused) and by its reference step
-(`step_timeline`). `recompute_choices` lists the choices that fit, the shortest step first (none recomputing first where
-that fits): with few stages every subset, else the stages added greedily, the one that saves the most bytes per second
-it adds first. `plan_recomputing` plans the first that the planner places: a choice that fits only with fused curvature
-may need more step than max_overhead allows, where one more stage recomputing leaves room for deferred captures.
-
-schedule="auto": the pipeline schedule the planner chooses among those the mesh allows.
-
-Every candidate (`schedule_candidates`: each kind that runs D ranks and N micro-batches) is planned as asked; a
-candidate whose costs cannot be cut, or whose plan is refused (the memory budget, max_overhead), drops out with
-its reason. The freshest curvature any plan reaches sets the bar: the least, over the plans, of the longest refresh
-period of a plan. Each plan that refreshes less often is planned again with that period as its longest
-(`Problem.max_period`; under `Overhead.LEAST` at the least step growth that places it), and of the plans that
-refresh that often the one with the least step time wins (ties: the order of `ScheduleKind`). So the choice is
-the least step at the freshest curvature, the same curvature for every schedule compared.
-
-Which layers of the first stage to stream, and to which ranks (planner/problem/lowering.py): the choice that
-shortens the reference step most without costing any refresh, and a plan that falls back to none where it cannot place.
-
-A Muon stage with copies (W > 1, Chimera) never streams: its owner sends the Newton-Schulz input, which it makes of
-the reduced gradient, but a streamed gradient leaves during the backward, before the copies' all-reduce, so the
-runtime refuses such a plan (fxkfac/runtime/streaming.py); its copies share its matrices by MEM-OPT instead.
-
-`max_preconditioner_dim="auto"`: the largest Shampoo/SOAP block side whose plan fits the pipeline's bubbles.
+Also here, each a candidate search around `plan`: which stages recompute their forward under a memory budget
+(`recompute_choices`: the shortest reference step first among the choices that fit), the pipeline schedule of
+schedule="auto" (`choose_schedule`: the least step at the freshest curvature any schedule reaches), which layers of the
+first stage stream their APPLY to idle ranks (`with_streaming`), and Shampoo/SOAP's block side of
+`max_preconditioner_dim="auto"` (`choose_block_size`: the largest whose plan fits). A Muon stage with copies never
+streams (the runtime refuses it: fxkfac/runtime/streaming.py); its copies share its matrices by MEM-OPT instead.
 """
 
 from __future__ import annotations
@@ -218,8 +191,10 @@ def _stalest(plan: Plan) -> int:
 def choose_schedule(
     candidates: Sequence[ScheduleCandidate], problem_for: ProblemFor, plan_of: PlanOf
 ) -> ScheduleChoice:
-    """The least step at the freshest curvature among `candidates` (see the module's docstring); PlanError naming
-    each candidate's reason when none plans."""
+    """The least step at the freshest curvature among `candidates`: each planned as asked (a cut or refusal drops it
+    out with its reason), those refreshing less often than the freshest plan's longest period planned again with that
+    period as `max_period`, and the least step time wins (ties: `ScheduleKind`'s order); PlanError naming each
+    candidate's reason when none plans."""
     first: list[tuple[ScheduleCandidate, Problem | None, Plan | None, str]] = []
     for c in candidates:
         try:
@@ -368,16 +343,13 @@ def _helper_load(problem: Problem) -> float:
 def with_streaming(
     problem: Problem, whole_backward: bool = False, keep_bounds: bool = True, budget: Budget | None = None
 ) -> Problem:
-    """`problem` with the first stage's APPLY streamed, for the helpers (`_helper_sets`, the layers shared by
-    `_assign`, or for Muon all dealt with the owner's by `_balanced`) and the prefix of its layers (in the order their
-    gradients become final) that give the shortest reference step without raising any stage group's least refresh
-    period (any, without `keep_bounds`), the lowest largest helper load and then the fewest helpers among equals;
-    unchanged where nothing does, where every rank holds the stage, or where it already streams. `whole_backward`:
-    the stages run compiled, each backward making every gradient at its end (`Streaming.whole_backward`): the
-    helper then only applies its layers beside the owner. Each candidate's simulations
-    are charged to `budget`, and the search keeps the best found so far once it has spent STREAM_CHOICE_PART of the
-    whole time limit (of the limit, not of what is left: a candidate distribution of the choice streams as it would
-    forced, `planner.plan`)."""
+    """`problem` with the first stage's APPLY streamed: of the helper sets (`_helper_sets`, layers shared by `_assign`;
+    for Muon also every idle rank dealt by `_balanced`) and prefixes of its layers (in the order their gradients become
+    final), the choice of the shortest reference step that raises no stage group's least refresh period (any, without
+    `keep_bounds`), then the lowest largest helper load, then the fewest helpers; unchanged where nothing does, every
+    rank holds the stage, or it already streams. `whole_backward`: compiled stages (a helper applies its layers beside
+    the owner). Simulations are charged to `budget`; past STREAM_CHOICE_PART of its whole limit the best so far is
+    kept (of the limit, not of what is left: a candidate distribution streams as it would forced)."""
     if problem.streaming is not None or len(copies_of_stage(problem, STREAMED_STAGE)) == len(problem.devices):
         return problem
     if problem.costs.family is PreconditionerKind.MUON and len(copies_of_stage(problem, STREAMED_STAGE)) > 1:
@@ -436,14 +408,10 @@ def solve_streamed(
     streamed: Problem | None = None,
 ) -> Plan:
     """`solve` the problem with streaming where `with_streaming` finds some (`policy` not OFF), else as given.
-    KEEP_REFRESH: a streamed plan whose refresh periods are the unstreamed problem's lower bounds is kept (no plan
-    without streaming refreshes more often, nor steps faster); otherwise the problem is solved without streaming too
-    and the better plan by `planner.plan.rank` (periods first) kept. SHORTEST_STEP: the streamed plan is kept.
-    Without a streamed plan, the unstreamed one; each choice is logged. `whole_backward`: as `with_streaming`'s.
-    Only the unstreamed problem's refusal is raised: the other solves search no suggestions (`Solver`). Everything
-    runs in `budget` (a new one of the default SolverConfig when None): the streamed try in STREAMED_PART of it
-    where the unstreamed may follow, the unstreamed one in the rest. `streamed`: the streaming choice, where made
-    already (`with_streaming` of `problem`)."""
+    KEEP_REFRESH: a streamed plan at the unstreamed problem's refresh lower bounds is kept, else the problem is solved
+    without streaming too and the better by `planner.plan.rank` kept; SHORTEST_STEP: the streamed plan is kept. Only
+    the unstreamed problem's refusal is raised. In `budget` (a new one when None): the streamed try in STREAMED_PART
+    where the unstreamed may follow. `streamed`: the streaming choice, where made already."""
     budget = budget or Budget.of(SolverConfig())
     if policy is StreamApply.OFF:
         return solve(problem, budget)
@@ -491,144 +459,6 @@ def _bounds(problem: Problem) -> tuple[int, ...]:
     return tuple(out)
 
 
-SMALLEST_BLOCK = 256
-"""The smallest block side tried: below it launch overhead dominates (the paper recommends 1024-8192)."""
-
-
-def block_candidates(largest: int) -> list[int | None]:
-    """The block sides tried, largest first: no blocking (None), then the powers of two from SMALLEST_BLOCK
-    below `largest` (the longest side of any parameter: a block that long blocks nothing)."""
-    sides = []
-    side = SMALLEST_BLOCK
-    while side < largest:
-        sides.append(side)
-        side *= 2
-    return [None, *reversed(sides)]
-
-
-def block_label(max_dim: int | None) -> str:
-    """A block side in words."""
-    return "no blocking" if max_dim is None else f"{max_dim}"
-
-
-@dataclass(frozen=True)
-class BlockChoice:
-    """The block side chosen (None: no blocking), its plan, why, and what each side tried came to."""
-
-    max_dim: int | None
-    plan: Plan
-    reason: str
-    tried: tuple[tuple[str, str], ...]
-
-
-def _quick_refusal(problem: Problem) -> str | None:
-    """Why `problem` cannot plan, when a check cheaper than solving shows it: a decomposition longer than the
-    longest step max_overhead allows (no task spans a step boundary), or a budget below the least memory any
-    plan needs. None when only solving can tell."""
-    longest = (1 + problem.max_overhead) * step_timeline(problem).length
-    task = max(
-        ((p.decomp, f"{x.name} {p.part}") for s in problem.costs.stages for x in s.layers for p in x.parts),
-        default=(0.0, ""),
-    )
-    if task[0] > longest:
-        return f"decomposing {task[1]} takes {task[0]:.3g} s, longer than a step ({longest:.3g} s)"
-    budget = problem.memory_budget
-    if budget is not None and min_memory_bytes(problem) > budget:
-        return f"needs at least {format_bytes(min_memory_bytes(problem))} per device, over {format_bytes(budget)}"
-    return None
-
-
-def _least_overhead(error: PlanError) -> float | None:
-    """The max_overhead alone that the planner's refusal says places the work, if it names one."""
-    values = [s.changes[0][1] for s in error.suggestions if [k for k, _ in s.changes] == [Knob.MAX_OVERHEAD]]
-    return float(min(values)) if values else None
-
-
-def choose_block_size(
-    problem_for: Callable[[int | None], Problem],
-    candidates: Sequence[int | None],
-    config: SolverConfig = SolverConfig(),
-    method: Method | str = Method.CPSAT,
-    budget: Budget | None = None,
-) -> BlockChoice:
-    """The LARGEST block side whose plan fits (every side a candidate of one search in `budget`, each with an equal
-    share of what is left; without one, each solve in a budget of its own): `problem_for(side)` is the planning
-    problem with that side's
-    costs (its max_overhead and max_period, the refresh frequency, are what "fits" means: 0 is the bubbles
-    alone, no step-time overhead beyond the plain pipeline's with preconditioning). Candidates are tried in
-    the order given (largest first), each solved with `config`; the first plan found is chosen, since larger
-    blocks precondition better (Shampoo's full-matrix statistics of a block) and every smaller one only
-    costs less. When none fits, each candidate's refusal names the least max_overhead that places it
-    (solved with an equal share of the time limit) and the side needing the least is planned at that overhead.
-    PlanError when no side plans even so, naming what each came to."""
-    tried: list[tuple[str, str]] = []
-    overheads: dict[int | None, float] = {}
-    for n, side in enumerate(candidates):
-        problem = problem_for(side)
-        refusal = _quick_refusal(problem)
-        if refusal is None:
-            try:
-                plan = _solve(problem, config, method, budget, len(candidates) - n)
-            except PlanError as e:
-                refusal = str(e)
-                found = _least_overhead(e)
-                if found is not None:
-                    overheads[side] = found
-            else:
-                reason = (
-                    f"block side {block_label(side)}: the largest of {[block_label(c) for c in candidates]} "
-                    f"whose plan fits (max_overhead {problem.max_overhead:.3g}, refresh within "
-                    f"{problem.max_period} steps)"
-                )
-                log.info("max_preconditioner_dim=auto chose %s", reason)
-                return BlockChoice(side, plan, reason, (*tried, (block_label(side), "plans")))
-        tried.append((block_label(side), refusal))
-    return _least_overhead_choice(problem_for, candidates, config, method, overheads, tried, budget)
-
-
-def _solve(problem: Problem, config: SolverConfig, method: Method | str, budget: Budget | None, shares: int) -> Plan:
-    """`solve` as one of `shares` candidates left in `budget`, or in a budget of its own."""
-    if budget is None:
-        return solve(problem, config, method)
-    return solve(problem, config, method, budget=budget, shares=shares)
-
-
-def _least_overhead_choice(
-    problem_for: Callable[[int | None], Problem],
-    candidates: Sequence[int | None],
-    config: SolverConfig,
-    method: Method | str,
-    overheads: dict[int | None, float],
-    tried: list[tuple[str, str]],
-    budget: Budget | None,
-) -> BlockChoice:
-    """No side fits: the one whose refusal names the least max_overhead, planned at that overhead."""
-    share = replace(config, time_limit_s=max(1.0, config.time_limit_s / len(candidates)))
-    for n, side in enumerate(candidates):
-        problem = problem_for(side)
-        if side not in overheads and _quick_refusal(problem) is None:
-            try:
-                if budget is None:
-                    solve(problem, share, method)
-                else:
-                    solve(problem, config, method, budget=budget, shares=len(candidates) - n + 1)
-            except PlanError as e:
-                found = _least_overhead(e)
-                if found is not None:
-                    overheads[side] = found
-    if not overheads:
-        raise PlanError("no block side plans: " + "; ".join(f"{side}: {why}" for side, why in tried))
-    side = min(overheads, key=lambda c: (overheads[c], candidates.index(c)))  # a tie: the larger side
-    problem = problem_for(side)
-    plan = _solve(replace(problem, max_overhead=overheads[side]), config, method, budget, 1)
-    reason = (
-        f"block side {block_label(side)}: no side fits with max_overhead {problem.max_overhead:.3g}; it needs "
-        f"the least, {overheads[side]:.3g} (refresh within {problem.max_period} steps)"
-    )
-    log.info("max_preconditioner_dim=auto chose %s", reason)
-    return BlockChoice(side, plan, reason, tuple(tried))
-
-
 class Distributions(StrEnum):
     """Where each layer's work lives among its stage's copies when no Strategy is forced: chosen by the planner
     ([Note: strategy search] in planner/search/choose.py), or the problem's own `distributions` as given."""
@@ -638,12 +468,9 @@ class Distributions(StrEnum):
 
 
 def candidate_part(shares: int) -> float:
-    """The part of the time left one candidate distribution of a shared budget takes, `shares` candidates still to
-    plan: half of it, and an equal share of the other half. With all of it (forcing it would), the first took the
-    whole limit: `fxkfac plan bert-large -D 8 -N 8 --schedule chimera --costs paper:bert-large/p100 --max-overhead 0`,
-    COMM-OPT refused after its streamed try and its plan without streaming, and the others kept first-fit's
-    5 5 6 4 4 6 5 5 (4 5 5 5 5 5 5 4 now); with an equal share the README snippet's COMM-OPT, which needs three
-    quarters, refreshed 11 30 where forcing it reaches 11 28 (it still does)."""
+    """The part of the time left one candidate distribution of a shared budget takes, `shares` still to plan: half of
+    it and an equal share of the other half (all of it left the bert-large chimera command's later candidates at
+    first-fit behind a refused COMM-OPT; an equal share left the README snippet's COMM-OPT short of forced 11 28)."""
     return (shares + 1) / (2 * shares)
 
 
@@ -792,3 +619,109 @@ def plan(
         return recomputing(problem)
     made, _ = least_overhead(lambda value: recomputing(replace(problem, max_overhead=value)))
     return made
+
+
+SMALLEST_BLOCK = 256
+"""The smallest block side tried: below it launch overhead dominates (the paper recommends 1024-8192)."""
+
+
+def block_candidates(largest: int) -> list[int | None]:
+    """The block sides tried, largest first: no blocking (None), then the powers of two from SMALLEST_BLOCK
+    below `largest` (the longest side of any parameter: a block that long blocks nothing)."""
+    sides = []
+    side = SMALLEST_BLOCK
+    while side < largest:
+        sides.append(side)
+        side *= 2
+    return [None, *reversed(sides)]
+
+
+def block_label(max_dim: int | None) -> str:
+    """A block side in words."""
+    return "no blocking" if max_dim is None else f"{max_dim}"
+
+
+@dataclass(frozen=True)
+class BlockChoice:
+    """The block side chosen (None: no blocking), its plan, why, and what each side tried came to."""
+
+    max_dim: int | None
+    plan: Plan
+    reason: str
+    tried: tuple[tuple[str, str], ...]
+
+
+def _quick_refusal(problem: Problem) -> str | None:
+    """Why `problem` cannot plan, when a check cheaper than solving shows it: a decomposition longer than the
+    longest step max_overhead allows, or a budget below the least memory any plan needs; None: only solving tells."""
+    longest = (1 + problem.max_overhead) * step_timeline(problem).length
+    task = max(
+        ((p.decomp, f"{x.name} {p.part}") for s in problem.costs.stages for x in s.layers for p in x.parts),
+        default=(0.0, ""),
+    )
+    if task[0] > longest:
+        return f"decomposing {task[1]} takes {task[0]:.3g} s, longer than a step ({longest:.3g} s)"
+    budget = problem.memory_budget
+    if budget is not None and min_memory_bytes(problem) > budget:
+        return f"needs at least {format_bytes(min_memory_bytes(problem))} per device, over {format_bytes(budget)}"
+    return None
+
+
+def _least_overhead(error: PlanError) -> float | None:
+    """The max_overhead alone that the planner's refusal says places the work, if it names one."""
+    values = [s.changes[0][1] for s in error.suggestions if [k for k, _ in s.changes] == [Knob.MAX_OVERHEAD]]
+    return float(min(values)) if values else None
+
+
+def choose_block_size(
+    problem_for: Callable[[int | None], Problem],
+    candidates: Sequence[int | None],
+    options: SearchOptions | None = None,
+    budget: Budget | None = None,
+) -> BlockChoice:
+    """The LARGEST block side whose plan fits: each side, largest first, a candidate of one `plan` search (`options`,
+    max_overhead read strictly) in one budget (`budget`, else a new one of the whole search), each with an equal part
+    of what is left. `problem_for(side)` is the problem with that side's costs; its max_overhead and max_period say
+    what "fits" means. The first side that plans is chosen (larger blocks precondition better, smaller ones only
+    cost less). When none fits, the side whose refusal names the least max_overhead is planned at that overhead.
+    PlanError when no side plans even so, naming what each came to."""
+    options = replace(options or SearchOptions(), overhead=Overhead.STRICT)
+    whole = budget or Budget.of(options.solver, whole=True)
+    tried: list[tuple[str, str]] = []
+    overheads: dict[int | None, float] = {}
+
+    def planned(side: int | None, problem: Problem, left: int) -> Plan | str:
+        """The side's plan in its part of the time left (`left` sides still to plan), or its refusal in words (the
+        least max_overhead it names kept in `overheads`)."""
+        try:
+            return plan(problem, options, budget=whole.part(1 / left))
+        except PlanError as e:
+            if (found := _least_overhead(e)) is not None:
+                overheads[side] = found
+            return str(e)
+
+    for n, side in enumerate(candidates):
+        problem = problem_for(side)
+        made = _quick_refusal(problem) or planned(side, problem, len(candidates) - n)
+        if isinstance(made, Plan):
+            limits = f"max_overhead {problem.max_overhead:.3g}, refresh within {problem.max_period} steps"
+            labels = [block_label(c) for c in candidates]
+            reason = f"block side {block_label(side)}: the largest of {labels} whose plan fits ({limits})"
+            log.info("max_preconditioner_dim=auto chose %s", reason)
+            return BlockChoice(side, made, reason, (*tried, (block_label(side), "plans")))
+        tried.append((block_label(side), made))
+    for n, side in enumerate(candidates):  # no side fits: price those whose refusal named no max_overhead
+        problem = problem_for(side)
+        if side not in overheads and _quick_refusal(problem) is None:
+            planned(side, problem, len(candidates) - n + 1)
+    if not overheads:
+        raise PlanError("no block side plans: " + "; ".join(f"{side}: {why}" for side, why in tried))
+    side = min(overheads, key=lambda c: (overheads[c], candidates.index(c)))  # a tie: the larger side
+    problem = problem_for(side)
+    made = plan(replace(problem, max_overhead=overheads[side]), options, budget=whole)
+    reason = (
+        f"block side {block_label(side)}: no side fits with max_overhead {problem.max_overhead:.3g}; it needs "
+        f"the least, {overheads[side]:.3g} (refresh within {problem.max_period} steps)"
+    )
+    log.info("max_preconditioner_dim=auto chose %s", reason)
+    return BlockChoice(side, made, reason, tuple(tried))

@@ -1,4 +1,4 @@
-"""Curvature placed as one STATS task per chunk of layers (`_stats_chunk`, for groups of many layers) or per layer: a
+"""Curvature placed as one STATS task per chunk of layers (`stats_chunk_of`, for groups of many layers) or per layer: a
 group whose chunked tasks each fit a bubble but do not all fit is placed per layer, so a larger max_overhead never
 refuses what a smaller one planned; per layer packs better where it is affordable."""
 
