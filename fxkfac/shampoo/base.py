@@ -15,7 +15,7 @@ from fxkfac.config import KFACConfig, KLClipScope
 from fxkfac.errors import ConfigError
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner.problem import Capture, LayerCost
-from fxkfac.preconditioner import Family, RefreshState, Source
+from fxkfac.preconditioner import Family, RefreshState, Source, direction_dot
 from fxkfac.profiler import gradient_unit_cost
 from fxkfac.shampoo.layout import PARTS, Layout, ParamUnit, running_sum, side_statistic
 from fxkfac.shampoo.state import BlockState
@@ -167,6 +167,20 @@ class BlockFamily(ABC):
         """Each parameter's statistics, roots and preconditioning timed through this family's own methods on a
         random gradient of its shape (`gradient_unit_cost`)."""
         return gradient_unit_cost(cast(Family, self), units, params)  # each concrete subclass is a Family
+
+    def write_directions(
+        self, units: Sequence[ParamUnit], directions: Sequence[Tensor], grads: MutableMapping[str, Tensor]
+    ) -> Tensor:
+        """Replace each unit's gradient by its direction P; returns sum <P, G>, left at 0 without a KL-clip (which
+        alone reads it)."""
+        dot = torch.zeros((), dtype=torch.float64)
+        for unit, p in zip(units, directions, strict=True):
+            grad = grads[unit.name]
+            p = p.reshape(grad.shape)
+            if self.kl_clip is not None:
+                dot = dot + direction_dot(cast(Family, self), p, grad)
+            grad.copy_(p)
+        return dot
 
     def scale(self, units: Sequence[Any], grads: MutableMapping[str, Tensor], nu: float) -> None:
         """Multiply the directions by `nu` (unused: these families have no KL-clip)."""

@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from fxkfac.planner.problem.analytic import DEFAULT_MAX_DIM, FactorKind
-from fxkfac.preconditioner import RefreshState, direction_dot
+from fxkfac.preconditioner import RefreshState
 from fxkfac.shampoo import graft
 from fxkfac.shampoo.base import BlockFamily, block_side
 from fxkfac.shampoo.config import GraftType, RootInvMethod, ShampooConfig
@@ -251,14 +251,7 @@ class ShampooFamily(BlockFamily):
             [grads[unit.name] for unit in live],
             [params[unit.name] for unit in live],
         )
-        dot = torch.zeros((), dtype=torch.float64)
-        for unit, p in zip(live, directions, strict=True):
-            grad = grads[unit.name]
-            p = p.reshape(grad.shape)
-            if self.kl_clip is not None:  # without a KL-clip <P, G> is never read: no zero per unit to add
-                dot = dot + direction_dot(self, p, grad)
-            grad.copy_(p)
-        return dot
+        return self.write_directions(live, directions, grads)
 
     def _directions(
         self,

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from fxkfac.planner.problem.analytic import DEFAULT_MAX_DIM, FactorKind, matrix_view
-from fxkfac.preconditioner import RefreshState, direction_dot
+from fxkfac.preconditioner import RefreshState
 from fxkfac.shampoo.base import BlockFamily, block_side
 from fxkfac.shampoo.config import BasisMethod, SOAPConfig
 from fxkfac.shampoo.layout import Factor, Layout, ParamUnit, make_layout, running_squares, running_sums
@@ -184,14 +184,7 @@ class SOAPFamily(BlockFamily):
             [grads[u.name] for u in live],
             [params[u.name] for u in live],
         )
-        dot = torch.zeros((), dtype=torch.float64)
-        for unit, p in zip(live, directions, strict=True):
-            grad = grads[unit.name]
-            p = p.reshape(grad.shape)
-            if self.kl_clip is not None:  # without a KL-clip <P, G> is never read: no zero per unit to add
-                dot = dot + direction_dot(self, p, grad)
-            grad.copy_(p)
-        return dot
+        return self.write_directions(live, directions, grads)
 
     def _move_moments(self, layout: Layout, state: SOAPState) -> None:
         """Express the moments in the active bases (module doc, step 3)."""
