@@ -16,8 +16,8 @@ gradient and its <P, G> (PGRAD), and at each refresh the parts of the made preco
 A `SplitApplyFamily` (Muon) streams its APPLY's stateless core instead: the owner keeps the unit's state, runs
 `apply_input` (momentum, the Nesterov blend) the moment the gradient is final and sends that as LGRAD; the helper runs
 `apply_core` (Newton-Schulz, whole or in pieces) and returns its output as PGRAD; the owner's `apply_output` makes the
-direction (lr adjustment, weight decay) and its <P, G>. No REPLICA: there is nothing to refresh. The stage must have
-one copy (its gradient is final at its last backward; with copies it is only final after their all-reduce).
+direction (lr adjustment, weight decay) and its <P, G>, so no PDOT travels. No REPLICA: there is nothing to refresh.
+The stage must have one copy (its gradient is final at its last backward; with copies only after their all-reduce).
 """
 
 from __future__ import annotations
@@ -132,6 +132,11 @@ class Streams:
         optimizer state and returns it with each result (`SteppedFamily`)."""
         if self.stepped and _REPLICA_PARTS + len(family.parts) > _PARAM:
             raise AssertionError(f"{family.name} has more parts than a streamed unit's tags hold")
+        self.split: SplitApplyFamily | None = family if isinstance(family, SplitApplyFamily) else None
+        """The family when its APPLY splits (its core is what is streamed), else None (looked up once: an isinstance of
+        a runtime-checkable Protocol takes ~10 us)."""
+        self._layer_params: dict[tuple[int, str], tuple[Any, list[torch.nn.Parameter]]] = {}
+        """(stage, layer) -> the stage copy and its parameters of the layer (`_params`), looked up once."""
         self._params_in: dict[str, Tensor] = {}
         self._hooks: dict[str, list[Any]] = {}
         self._sent: set[str] = set()
@@ -163,11 +168,16 @@ class Streams:
     # --- the owner --------------------------------------------------------------------------------
 
     def _params(self, ctx: StepContext, op: Op) -> list[torch.nn.Parameter]:
-        """This rank's parameters of the layer `op` names, in the family's order (the flat gradient's)."""
+        """This rank's parameters of the layer `op` names, in the family's order (the flat gradient's); looked up
+        once per stage copy."""
         assert op.stage is not None and op.layer is not None, "a streamed transfer names its stage and layer"
         runner = ctx.stage_runner(op.stage)
-        layer = self.runtime.layers[op.layer]
-        return [runner.param(p) for p in self.runtime.family.params_of(layer)]
+        known = self._layer_params.get((op.stage, op.layer))
+        if known is not None and known[0] is runner:
+            return known[1]
+        params = [runner.param(p) for p in self.runtime.family.params_of(self.runtime.layers[op.layer])]
+        self._layer_params[(op.stage, op.layer)] = (runner, params)
+        return params
 
     def arm(self, ctx: StepContext, op: Op, ops: Sequence[Op]) -> None:
         """Hook the layer's parameters so that the stage's last backward of the step sends the gradient as soon as
@@ -181,29 +191,27 @@ class Streams:
                 f"rank {self.runtime.rank}: '{op}' streams {op.layer}, whose parameters {tied} other stages share: "
                 "its gradient is complete only once their sum lands, after the backward; the plan must not stream it"
             )
-        seen = dict.fromkeys(range(len(params)), 0)
+        seen = [0] * len(params)
+        final = [0]  # parameters accumulated by every backward of the stage
         name = op.layer
 
         def hook(index: int) -> Callable[[Tensor], None]:
             def count(_: Tensor) -> None:
                 seen[index] += 1
-                if name not in self._sent and all(c == backwards for c in seen.values()):
-                    self._send_gradient(ctx, op, params)
+                if seen[index] == backwards:
+                    final[0] += 1
+                    if final[0] == len(params) and name not in self._sent:
+                        self._send_gradient(ctx, op, params)
 
             return count
 
         self._hooks[name] = [p.register_post_accumulate_grad_hook(hook(i)) for i, p in enumerate(params)]
 
-    def _split(self) -> SplitApplyFamily | None:
-        """The family when its APPLY splits (its core is what is streamed), else None."""
-        family = self.runtime.family
-        return family if isinstance(family, SplitApplyFamily) else None
-
     def _send_gradient(self, ctx: StepContext, op: Op, params: Sequence[torch.nn.Parameter]) -> None:
         """Send the layer's flat gradient (zeros for a parameter without one) to its helper: for a split APPLY, the
         core's input the owner makes of it (`_core_input`); for a stateful unit, its parameter too."""
         assert op.layer is not None and op.peer is not None, "SEND_LGRAD names its layer and helper"
-        split = self._split()
+        split = self.split
         flat = flat_gradient(params) if split is None else self._core_input(split, op, params)
         ctx.transport.send_tagged(flat, op.peer, self._tag(ctx, op, _LGRAD), str(op))
         if self.stepped:
@@ -235,15 +243,16 @@ class Streams:
         self._sent.discard(op.layer)
 
     def post_preconditioned(self, ctx: StepContext, op: Op, _: Sequence[Op]) -> None:
-        """Post the receive of the layer's preconditioned gradient and its <P, G>."""
+        """Post the receive of the layer's preconditioned gradient and its <P, G> (none for a split APPLY: the owner
+        takes it)."""
         assert op.peer is not None, "RECV_PGRAD names its helper"
         params = self._params(ctx, op)
         size, first = sum(p.numel() for p in params), params[0]
-        buffers = [
-            torch.empty(size, dtype=first.dtype, device=first.device),
-            torch.empty(1, dtype=torch.float64, device=first.device),
-        ]
-        tags = [self._tag(ctx, op, _PGRAD), self._tag(ctx, op, _PDOT)]
+        buffers = [torch.empty(size, dtype=first.dtype, device=first.device)]
+        tags = [self._tag(ctx, op, _PGRAD)]
+        if self.split is None:
+            buffers.append(torch.empty(1, dtype=torch.float64, device=first.device))
+            tags.append(self._tag(ctx, op, _PDOT))
         if self.stepped:
             buffers.append(torch.empty(self._state_size(op), dtype=torch.float64, device=first.device))
             tags.append(self._tag(ctx, op, _STATE))
@@ -253,17 +262,19 @@ class Streams:
         """Write the preconditioned gradient into the layer's `.grad` and add its share of <P, G> (divided by the
         stage's copies, each of which adds its own) to the layer's KL-clip group, as the owner's APPLY would have."""
         assert op.stage is not None and op.layer is not None, "RECV_PGRAD names its stage and layer"
-        flat, dot, *state = ctx.transport.take(("pgrad", op.layer), str(op))
+        received = ctx.transport.take(("pgrad", op.layer), str(op))
         ctx.transport.settle(grad_key(op.stage))  # the copies' all-reduce lands first: the result replaces it
         params = self._params(ctx, op)
-        split = self._split()
+        split = self.split
         if split is not None:
+            (flat,) = received
             (param,) = params
             grad = torch.zeros_like(param) if param.grad is None else param.grad
             p = split.apply_output(self.runtime.layers[op.layer], flat.reshape(param.shape), param)
             param.grad = p
             self.runtime.add_dot([self.runtime.layers[op.layer]], direction_dot(self.runtime.family, p, grad), op.stage)
             return
+        flat, dot, *state = received
         for p, chunk in zip(params, split_flat(flat, [p.shape for p in params]), strict=True):
             p.grad = chunk
         copies = len(self.runtime.groups[op.stage].ranks)
@@ -340,9 +351,8 @@ class Streams:
         SEND_PGRAD."""
         assert op.layer is not None, "an APPLY of a stage held elsewhere names its layer"
         shapes, name = self._replica(op), op.layer
-        split = self._split()
-        if split is not None:
-            self._apply_core(split, op, shapes)
+        if self.split is not None:
+            self._apply_core(self.split, op, shapes)
             return
         if name not in self._inbox:
             raise PipelineError(f"rank {self.runtime.rank}: '{op}' before the RECV_LGRAD of {name}")
@@ -401,18 +411,17 @@ class Streams:
         core = self.pieces.run(family, unit, op, lambda: self._inbox.pop(name).reshape(shape.shape))
         if core is not None:
             flat = core.reshape(-1).to(shape.dtype)
-            self._outbox[name] = (flat, torch.zeros(1, dtype=torch.float64, device=flat.device))
+            self._outbox[name] = (flat,)
 
     def send_preconditioned(self, ctx: StepContext, op: Op) -> None:
-        """Send the owner the layer's preconditioned gradient and its <P, G>."""
+        """Send the owner the layer's preconditioned gradient and its <P, G> (a split APPLY's core output alone)."""
         assert op.layer is not None and op.peer is not None, "SEND_PGRAD names its layer and the owner"
         if op.layer not in self._outbox:
             raise PipelineError(f"rank {self.runtime.rank}: '{op}' before the APPLY of {op.layer}")
-        flat, dot, *state = self._outbox[op.layer]  # one SEND_PGRAD per copy of the stage; the step's start clears it
+        flat, *rest = self._outbox[op.layer]  # one SEND_PGRAD per copy of the stage; the step's start clears it
         ctx.transport.send_tagged(flat, op.peer, self._tag(ctx, op, _PGRAD), str(op))
-        ctx.transport.send_tagged(dot, op.peer, self._tag(ctx, op, _PDOT), str(op))
-        if state:
-            ctx.transport.send_tagged(state[0], op.peer, self._tag(ctx, op, _STATE), str(op))
+        for message, tensor in zip((_PDOT, _STATE), rest):
+            ctx.transport.send_tagged(tensor, op.peer, self._tag(ctx, op, message), str(op))
 
     def post_replica(self, ctx: StepContext, op: Op, _: Sequence[Op]) -> None:
         """Post the receives of a replica: its refresh step and each part."""
