@@ -495,7 +495,7 @@ class PreconditionerRuntime:
         if core is None:
             return
         p = family.apply_output(unit, core, param)
-        dot = direction_dot(family, p, grad)
+        dot = direction_dot(self.family, p, grad)
         grad.copy_(p)
         self.add_dot([unit], dot / len(self.workers[name]), op.stage)
 
