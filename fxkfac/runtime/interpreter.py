@@ -350,6 +350,21 @@ class StepListener(Protocol):
     def commit_step(self, ctx: StepContext) -> None: ...
 
 
+_PROGRAMS_KEPT = 64
+"""Op lists an interpreter keeps looked up: more than a rank's start-up steps and program period."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Program:
+    """A step's ops as the interpreter runs them, looked up once per op list (a rank's programs are the same lists
+    every period): what each op needs when the step begins, then each op with its handler, text and kind."""
+
+    ops: Sequence[Op]
+    """The op list this was made of (kept: its id is the cache key)."""
+    prepares: tuple[tuple[Prepare, Op], ...]
+    steps: tuple[tuple[Handler, Op, str, str], ...]
+
+
 class Interpreter:
     """Runs a list of ops through a dispatch table, recording each into a Recorder."""
 
@@ -358,6 +373,8 @@ class Interpreter:
         self.prepares: dict[OpKind, Prepare] = dict(CORE_PREPARES)
         self.listeners: list[StepListener] = []
         """Told when a step begins and when it is skipped (`abort`), to restore their state."""
+        self._programs: dict[int, _Program] = {}
+        """Op lists looked up so far by their id (`_program`); emptied by `register`."""
 
     def abort(self, ctx: StepContext) -> None:
         """The step of `ctx` is skipped: every listener restores the state it had when the step began."""
@@ -374,33 +391,47 @@ class Interpreter:
         self.handlers[kind] = handler
         if prepare is not None:
             self.prepares[kind] = prepare
+        self._programs.clear()
+
+    def _program(self, ops: Sequence[Op], rank: int) -> _Program:
+        """`ops` with every op's prepare, handler and text looked up (once per op list: the per-op dictionary
+        lookups and texts are not paid again each step); PipelineError for an op without a handler."""
+        program = self._programs.get(id(ops))
+        if program is not None and program.ops is ops:
+            return program
+        missing = next((op for op in ops if op.kind not in self.handlers), None)
+        if missing is not None:
+            raise PipelineError(
+                f"rank {rank} has no handler for '{missing}'; register one with "
+                f"Interpreter.register(OpKind.{missing.kind.name}, fn) (preconditioner ops need the family's runtime)"
+            )
+        prepares = tuple((self.prepares[op.kind], op) for op in ops if op.kind in self.prepares)
+        steps = tuple((self.handlers[op.kind], op, str(op), op.kind.value) for op in ops)
+        if len(self._programs) >= _PROGRAMS_KEPT:  # op lists made anew per call (evaluation's) must not pile up
+            self._programs.clear()
+        program = self._programs[id(ops)] = _Program(ops, prepares, steps)
+        return program
 
     def run(self, ops: Sequence[Op], ctx: StepContext, timeline: Recorder | None = None) -> None:
         """Execute `ops` in order on `ctx`, each op's `prepares` entry run first (every receive of the step is
         posted up front)."""
+        program = self._program(ops, ctx.rank)
         for listener in self.listeners:
             listener.begin_step(ctx)
-        for op in ops:
-            prepare = self.prepares.get(op.kind)
-            if prepare is not None:
-                prepare(ctx, op, ops)
+        for prepare, op in program.prepares:
+            prepare(ctx, op, ops)
         recorder = timeline if timeline is not None and timeline.enabled else None  # no clock read otherwise
-        cpu = Recorder.cpu_now() if recorder is not None else 0
-        for op in ops:
-            handler = self.handlers.get(op.kind)
-            if handler is None:
-                raise PipelineError(
-                    f"rank {ctx.rank} has no handler for '{op}'; register one with "
-                    f"Interpreter.register(OpKind.{op.kind.name}, fn) (preconditioner ops need the family's runtime)"
-                )
-            if recorder is None:
+        if recorder is None:
+            for handler, op, _, _ in program.steps:
                 handler(ctx, op)
-                continue
-            start, waited = Recorder.now(), ctx.transport.waited_ns
-            handler(ctx, op)
-            end, took = Recorder.now(), -cpu
-            cpu = Recorder.cpu_now()  # one CPU clock read per op: a system call (1-3 us)
-            recorder.record(str(op), op.kind.value, ctx.step, start, end, ctx.transport.waited_ns - waited, took + cpu)
+        else:
+            cpu = Recorder.cpu_now()
+            for handler, op, text, kind in program.steps:
+                start, waited = Recorder.now(), ctx.transport.waited_ns
+                handler(ctx, op)
+                end, took = Recorder.now(), -cpu
+                cpu = Recorder.cpu_now()  # one CPU clock read per op: a system call (1-3 us)
+                recorder.record(text, kind, ctx.step, start, end, ctx.transport.waited_ns - waited, took + cpu)
         leftovers = [r for r in ctx.runners.values() if r.pending()]
         if leftovers or ctx.acts or ctx.grads or ctx.to_send or ctx.transport.in_flight():
             raise AssertionError(

@@ -56,7 +56,6 @@ from fxkfac.preconditioner import (
     Family,
     PiecewiseFamily,
     RefreshState,
-    SplitApplyFamily,
     direction_dot,
     fold_gradient,
     gradient_parts,
@@ -480,11 +479,11 @@ class PreconditionerRuntime:
     def _apply_piece(self, ctx: StepContext, op: Op) -> None:
         """Piece ``i/n`` of one unit's APPLY (`SplitApplyFamily`): piece 0 takes the core's input from the unit's
         gradient (updating its state), the last writes the direction into the gradient and adds its <P, G>."""
-        family = self.family
-        if not isinstance(family, SplitApplyFamily) or op.layer is None:
+        family = self.streams.split  # the family when its APPLY splits, looked up once
+        if family is None or op.layer is None:
             raise PipelineError(
                 f"rank {self.rank}: '{op}' runs a piece of an APPLY, which takes one unit of a family whose APPLY "
-                f"splits (Muon); {family.name} has none, or the op names no unit"
+                f"splits (Muon); {self.family.name} has none, or the op names no unit"
             )
         assert op.stage is not None, "APPLY names its stage"
         name, unit = op.layer, self.layers[op.layer]
@@ -496,7 +495,7 @@ class PreconditionerRuntime:
         if core is None:
             return
         p = family.apply_output(unit, core, param)
-        dot = direction_dot(family, p, grad)
+        dot = direction_dot(self.family, p, grad)
         grad.copy_(p)
         self.add_dot([unit], dot / len(self.workers[name]), op.stage)
 

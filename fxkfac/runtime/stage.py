@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Hashable, Sequence
 from copy import deepcopy
 from dataclasses import dataclass, field, replace
@@ -220,8 +221,9 @@ class StageRunner:
         return next((p.device for p in self.module.parameters()), torch.device("cpu"))
 
     def precision(self) -> Any:
-        """The autocast context the stage's forward and its loss run in."""
-        return autocast(self.autocast_dtype, self.device)
+        """The autocast context the stage's forward and its loss run in (full precision: a no-op, without looking up
+        the device, which walks the module's parameters)."""
+        return _FULL_PRECISION if self.autocast_dtype is None else autocast(self.autocast_dtype, self.device)
 
     def crossing(self, outputs: Any) -> tuple[torch.Tensor, ...]:
         """The stage's outputs as they leave it: at the autocast width, except the last stage's (the loss's)."""
@@ -355,6 +357,10 @@ def _accumulating(piece: WPiece) -> WPiece:
     """An eager piece with its variant that adds its parameters' gradients into their `.grad` (`accumulating`)."""
     assert isinstance(piece.fn, fx.GraphModule), "an eager stage runs its graphs as they are"
     return replace(piece, into=accumulating(piece.fn, len(piece.params)))
+
+
+_FULL_PRECISION = contextlib.nullcontext()
+"""The context a full-precision stage runs in (reusable: it does nothing)."""
 
 
 def _hooked(param: torch.Tensor) -> bool:

@@ -16,8 +16,19 @@ gradient and its <P, G> (PGRAD), and at each refresh the parts of the made preco
 A `SplitApplyFamily` (Muon) streams its APPLY's stateless core instead: the owner keeps the unit's state, runs
 `apply_input` (momentum, the Nesterov blend) the moment the gradient is final and sends that as LGRAD; the helper runs
 `apply_core` (Newton-Schulz, whole or in pieces) and returns its output as PGRAD; the owner's `apply_output` makes the
-direction (lr adjustment, weight decay) and its <P, G>. No REPLICA: there is nothing to refresh. The stage must have
-one copy (its gradient is final at its last backward; with copies it is only final after their all-reduce).
+direction (lr adjustment, weight decay) and its <P, G>, so no PDOT travels. No REPLICA: there is nothing to refresh.
+The stage must have one copy (its gradient is final at its last backward; with copies only after their all-reduce).
+
+[Note: streamed buckets]
+A lone gloo send costs its caller about 0.1 ms of CPU however small, what 0.7 MB more add to it; a split APPLY streams
+one matrix a message, dozens a step, each way. So where the programs allow (`bucketable`), the units one owner streams
+to one helper from one stage travel together: both ends cut the step's units of that pair and stage, in descending unit
+order (the order the backward finishes them in), into buckets of at least `BUCKET_BYTES` (`buckets`), and each bucket
+is one message each way. The owner writes each unit's core input into its bucket's flat buffer as its hook makes it and
+sends the bucket with its last unit; the helper takes a bucket at the first of its units' RECV_LGRAD, writes each
+core output into the return bucket at its SEND_PGRAD and sends it with the last; the owner takes it at the first of its
+RECV_PGRADs. A bucket waits for its last unit, so the programs must not wait between a bucket's first and last op
+(`bucketable` checks every rank's programs, which every rank holds, so both ends agree).
 """
 
 from __future__ import annotations
@@ -47,7 +58,7 @@ from fxkfac.runtime.interpreter import Interpreter, StepContext
 from fxkfac.runtime.mesh import StageCopies
 from fxkfac.runtime.sync import flat_gradient, grad_key, split_flat
 
-__all__ = ["ParamShape", "StreamedLayers", "StreamOwner", "Streams"]
+__all__ = ["ParamShape", "StreamedLayers", "StreamOwner", "Streams", "Bucket", "buckets", "bucketable", "BUCKET_BYTES"]
 
 
 class StreamOwner(Protocol):
@@ -104,6 +115,122 @@ class ParamShape:
         return math.prod(self.shape)
 
 
+BUCKET_BYTES = 1 << 20
+"""A bucket of a split APPLY's streamed units closes once it holds this many bytes ([Note: streamed buckets]): its
+message's fixed cost is then a small part of it, and the helper starts on the first bucket while the owner's backward
+makes the next."""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Units of one stage that one owner and one helper exchange in one message each way ([Note: streamed
+    buckets]): each unit's span (offset, elements) in the flat message, which its first unit's tags name."""
+
+    peer: int
+    """The other end."""
+    stage: int
+    units: tuple[str, ...]
+    spans: Mapping[str, tuple[int, int]]
+    numel: int
+    dtype: torch.dtype
+
+    @property
+    def key(self) -> tuple[int, int, str]:
+        """(peer, stage, first unit): what names the bucket's receives and buffers."""
+        return (self.peer, self.stage, self.units[0])
+
+    def part(self, flat: Tensor, unit: str) -> Tensor:
+        """`unit`'s span of the bucket's flat message."""
+        start, numel = self.spans[unit]
+        return flat[start : start + numel]
+
+
+def buckets(
+    units: Sequence[tuple[int, int, str, int, torch.dtype]], order: Mapping[str, int], cap: int = BUCKET_BYTES
+) -> dict[str, Bucket]:
+    """Each unit's bucket, given the step's (peer, stage, unit, elements, dtype) of one end: per peer and stage, the
+    units in descending `order`, a bucket closed once it holds `cap` bytes. Both ends of a transfer list the same units,
+    so they cut the same buckets."""
+    groups: dict[tuple[int, int], list[tuple[str, int, torch.dtype]]] = {}
+    for peer, stage, unit, numel, dtype in units:
+        groups.setdefault((peer, stage), []).append((unit, numel, dtype))
+    out: dict[str, Bucket] = {}
+    for (peer, stage), members in groups.items():
+        members.sort(key=lambda m: -order[m[0]])
+        start = 0
+        while start < len(members):
+            spans: dict[str, tuple[int, int]] = {}
+            size, dtype = 0, members[start][2]
+            end = start
+            while end < len(members) and members[end][2] == dtype and (size * dtype.itemsize < cap or not spans):
+                spans[members[end][0]] = (size, members[end][1])
+                size += members[end][1]
+                end += 1
+            bucket = Bucket(peer, stage, tuple(spans), spans, size, dtype)
+            out.update(dict.fromkeys(spans, bucket))
+            start = end
+    return out
+
+
+_BETWEEN_RETURNS = frozenset({OpKind.APPLY, OpKind.SEND_PGRAD, OpKind.RECV_LGRAD})
+"""What a helper may run between the first and the last SEND_PGRAD of one owner's stage for them to travel in buckets
+(of that stage): nothing that waits on a message the owner sends after it waits for a bucket."""
+
+
+def _waits(op: Op) -> bool:
+    """Whether `op` waits for a message of another rank (a receive, or the step's end)."""
+    return op.kind.value.startswith("RECV_") or op.kind is OpKind.OPT_STEP
+
+
+def _sends_in_a_row(ops: Sequence[Op], where: Sequence[int], stage: int) -> bool:
+    """Whether an owner's SEND_LGRADs of `stage` (at `where` in `ops`) run in a row, and nothing from the stage's last
+    backward before them to the last of them waits on a peer (a bucket's units are all in by its last)."""
+    if where[-1] - where[0] + 1 != len(where):
+        return False
+    last_backward = max(
+        (i for i, op in enumerate(ops[: where[0]]) if op.kind in (OpKind.BWD, OpKind.BWD_W) and op.stage == stage),
+        default=-1,
+    )
+    return not any(_waits(op) for op in ops[last_backward + 1 : where[-1] + 1])
+
+
+def bucketable(programs: Mapping[int, Sequence[Sequence[Op]]]) -> frozenset[tuple[int, int, int]]:
+    """The (owner, helper, stage) whose split-APPLY transfers travel in buckets ([Note: streamed buckets]), given each
+    rank's step op lists: on the owner, the stage's SEND_LGRADs to the helper are consecutive, and so are its
+    RECV_PGRADs from it, and it waits on no peer from the stage's last backward to its last SEND_LGRAD; on the helper,
+    nothing but that pair's RECV_LGRADs, APPLYs and SEND_PGRADs of the stage runs between its first and last SEND_PGRAD
+    to the owner. Then no rank waits for a bucket whose last unit waits on it."""
+    seen: set[tuple[int, int, int]] = set()
+    refused: set[tuple[int, int, int]] = set()
+    for rank, steps in programs.items():
+        for ops in steps:
+            at: dict[tuple[OpKind, int, int], list[int]] = {}
+            for i, op in enumerate(ops):
+                if op.kind in (OpKind.SEND_LGRAD, OpKind.RECV_PGRAD, OpKind.SEND_PGRAD, OpKind.RECV_LGRAD):
+                    assert op.peer is not None and op.stage is not None, "a streamed transfer names its peer and stage"
+                    at.setdefault((op.kind, op.peer, op.stage), []).append(i)
+            for (kind, peer, stage), where in at.items():
+                owner, helper = (rank, peer) if kind in (OpKind.SEND_LGRAD, OpKind.RECV_PGRAD) else (peer, rank)
+                pair = (owner, helper, stage)
+                seen.add(pair)
+                if kind is OpKind.SEND_LGRAD:
+                    ok = _sends_in_a_row(ops, where, stage)
+                elif kind is OpKind.RECV_PGRAD:
+                    ok = where[-1] - where[0] + 1 == len(where)
+                elif kind is OpKind.SEND_PGRAD:
+                    ok = all(
+                        op.kind in _BETWEEN_RETURNS
+                        and op.stage == stage
+                        and (op.kind is OpKind.APPLY or op.peer == peer)
+                        for op in ops[where[0] : where[-1] + 1]
+                    )
+                else:
+                    ok = True
+                if not ok:
+                    refused.add(pair)
+    return frozenset(seen - refused)
+
+
 @dataclass(frozen=True)
 class StreamedLayers:
     """What one rank streams, read from its programs by the trainer: the layers of its stages whose replicas it sends
@@ -114,6 +241,8 @@ class StreamedLayers:
     tags: Mapping[str, int] = field(default_factory=dict)
     owned: frozenset[str] = frozenset()
     replicas: Mapping[str, tuple[ParamShape, ...]] = field(default_factory=dict)
+    bucketed: frozenset[tuple[int, int, int]] = frozenset()
+    """(owner, helper, stage) whose split-APPLY transfers travel in buckets (`bucketable`)."""
 
 
 class Streams:
@@ -132,6 +261,21 @@ class Streams:
         optimizer state and returns it with each result (`SteppedFamily`)."""
         if self.stepped and _REPLICA_PARTS + len(family.parts) > _PARAM:
             raise AssertionError(f"{family.name} has more parts than a streamed unit's tags hold")
+        self.split: SplitApplyFamily | None = family if isinstance(family, SplitApplyFamily) else None
+        """The family when its APPLY splits (its core is what is streamed), else None (looked up once: an isinstance of
+        a runtime-checkable Protocol takes ~10 us)."""
+        self._layer_params: dict[tuple[int, str], tuple[Any, list[torch.nn.Parameter]]] = {}
+        """(stage, layer) -> the stage copy and its parameters of the layer (`_params`), looked up once."""
+        self.bucketed = streamed.bucketed if self.split is not None else frozenset()
+        """(owner, helper, stage) whose transfers travel in buckets ([Note: streamed buckets])."""
+        self._buckets: dict[OpKind, dict[str, Bucket]] | None = None
+        """The step's buckets by the kind of the transfer and unit (`_step_buckets`; None: not cut yet this step)."""
+        self._filling: dict[tuple[OpKind, tuple[int, int, str]], tuple[Tensor, set[str]]] = {}
+        """Buckets this rank is writing, by kind and key: the flat message and the units not written yet."""
+        self._posted: set[tuple[OpKind, tuple[int, int, str]]] = set()
+        """Buckets whose receive this step posted, by kind and key."""
+        self._landed: dict[tuple[OpKind, tuple[int, int, str]], Tensor] = {}
+        """Buckets received this step, by kind and key."""
         self._params_in: dict[str, Tensor] = {}
         self._hooks: dict[str, list[Any]] = {}
         self._sent: set[str] = set()
@@ -155,6 +299,66 @@ class Streams:
         interpreter.register(OpKind.SEND_REPLICA, self.send_replica)
         interpreter.register(OpKind.RECV_REPLICA, self.recv_replica, self.post_replica)
 
+    def _step_buckets(self, ctx: StepContext, ops: Sequence[Op]) -> dict[OpKind, dict[str, Bucket]]:
+        """The step's buckets of each streamed transfer kind this rank runs, cut once per step from its ops."""
+        if self._buckets is not None:
+            return self._buckets
+        units: dict[OpKind, list[tuple[int, int, str, int, torch.dtype]]] = {}
+        for op in ops:
+            if op.kind not in (OpKind.SEND_LGRAD, OpKind.RECV_LGRAD, OpKind.SEND_PGRAD, OpKind.RECV_PGRAD):
+                continue
+            assert op.peer is not None and op.stage is not None and op.layer is not None, "streamed ops name them"
+            owns = op.kind in (OpKind.SEND_LGRAD, OpKind.RECV_PGRAD)
+            pair = (self.runtime.rank, op.peer, op.stage) if owns else (op.peer, self.runtime.rank, op.stage)
+            if pair not in self.bucketed:
+                continue
+            if owns:
+                (param,) = self._params(ctx, op)
+                numel, dtype = param.numel(), param.dtype
+            else:
+                (shape,) = self._replica(op)
+                numel, dtype = shape.numel, shape.dtype
+            units.setdefault(op.kind, []).append((op.peer, op.stage, op.layer, numel, dtype))
+        self._buckets = {kind: buckets(found, self.tags, BUCKET_BYTES) for kind, found in units.items()}
+        return self._buckets
+
+    def _bucket(self, kind: OpKind, op: Op) -> Bucket | None:
+        """The bucket `op`'s unit travels in this step (None: alone)."""
+        assert op.layer is not None, "a streamed transfer names its layer"
+        return None if self._buckets is None else self._buckets.get(kind, {}).get(op.layer)
+
+    def _fill(self, ctx: StepContext, kind: OpKind, bucket: Bucket, unit: str, value: Tensor, message: int) -> None:
+        """Write `unit`'s `value` into its bucket's flat message; send the bucket once every unit is in."""
+        flat, waiting = self._filling.get((kind, bucket.key)) or (
+            torch.empty(bucket.numel, dtype=bucket.dtype, device=value.device),
+            set(bucket.units),
+        )
+        bucket.part(flat, unit).copy_(value.reshape(-1))
+        waiting.discard(unit)
+        if waiting:
+            self._filling[(kind, bucket.key)] = (flat, waiting)
+            return
+        self._filling.pop((kind, bucket.key), None)
+        tag = ctx.transport.tags.of_layer(self.tags[bucket.units[0]], message)
+        ctx.transport.send_tagged(flat, bucket.peer, tag, f"{kind.value} bucket {bucket.key}")
+
+    def _post_bucket(self, ctx: StepContext, kind: OpKind, bucket: Bucket, message: int) -> None:
+        """Post the receive of `bucket` (once a step, at the first of its units)."""
+        key = (kind, bucket.key)
+        if key in self._posted:
+            return
+        self._posted.add(key)
+        flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=ctx.transport.device)
+        tag = ctx.transport.tags.of_layer(self.tags[bucket.units[0]], message)
+        ctx.transport.post_tagged(key, [flat], bucket.peer, [tag])
+
+    def _landed_part(self, ctx: StepContext, kind: OpKind, bucket: Bucket, unit: str, what: str) -> Tensor:
+        """`unit`'s span of the received `bucket`, waiting for it at the first of its units."""
+        key = (kind, bucket.key)
+        if key not in self._landed:
+            (self._landed[key],) = ctx.transport.take(key, what)
+        return bucket.part(self._landed[key], unit)
+
     def _tag(self, ctx: StepContext, op: Op, message: int) -> int:
         """The tag of `message` of the layer `op` names (both ends number it alike)."""
         assert op.layer is not None, "a streamed transfer names its layer (planner/problem/ir.py OP_FIELDS)"
@@ -163,16 +367,22 @@ class Streams:
     # --- the owner --------------------------------------------------------------------------------
 
     def _params(self, ctx: StepContext, op: Op) -> list[torch.nn.Parameter]:
-        """This rank's parameters of the layer `op` names, in the family's order (the flat gradient's)."""
+        """This rank's parameters of the layer `op` names, in the family's order (the flat gradient's); looked up
+        once per stage copy."""
         assert op.stage is not None and op.layer is not None, "a streamed transfer names its stage and layer"
         runner = ctx.stage_runner(op.stage)
-        layer = self.runtime.layers[op.layer]
-        return [runner.param(p) for p in self.runtime.family.params_of(layer)]
+        known = self._layer_params.get((op.stage, op.layer))
+        if known is not None and known[0] is runner:
+            return known[1]
+        params = [runner.param(p) for p in self.runtime.family.params_of(self.runtime.layers[op.layer])]
+        self._layer_params[(op.stage, op.layer)] = (runner, params)
+        return params
 
     def arm(self, ctx: StepContext, op: Op, ops: Sequence[Op]) -> None:
         """Hook the layer's parameters so that the stage's last backward of the step sends the gradient as soon as
         it is final (each parameter accumulated once per backward of the stage in `ops`)."""
         assert op.layer is not None, "SEND_LGRAD names its layer"
+        self._step_buckets(ctx, ops)
         backwards = sum(1 for o in ops if o.kind is OpKind.BWD and o.stage == op.stage)
         params = self._params(ctx, op)
         tied = [p for p in self.runtime.family.params_of(self.runtime.layers[op.layer]) if p in ctx.sync.owned]
@@ -181,31 +391,33 @@ class Streams:
                 f"rank {self.runtime.rank}: '{op}' streams {op.layer}, whose parameters {tied} other stages share: "
                 "its gradient is complete only once their sum lands, after the backward; the plan must not stream it"
             )
-        seen = dict.fromkeys(range(len(params)), 0)
+        seen = [0] * len(params)
+        final = [0]  # parameters accumulated by every backward of the stage
         name = op.layer
 
         def hook(index: int) -> Callable[[Tensor], None]:
             def count(_: Tensor) -> None:
                 seen[index] += 1
-                if name not in self._sent and all(c == backwards for c in seen.values()):
-                    self._send_gradient(ctx, op, params)
+                if seen[index] == backwards:
+                    final[0] += 1
+                    if final[0] == len(params) and name not in self._sent:
+                        self._send_gradient(ctx, op, params)
 
             return count
 
         self._hooks[name] = [p.register_post_accumulate_grad_hook(hook(i)) for i, p in enumerate(params)]
 
-    def _split(self) -> SplitApplyFamily | None:
-        """The family when its APPLY splits (its core is what is streamed), else None."""
-        family = self.runtime.family
-        return family if isinstance(family, SplitApplyFamily) else None
-
     def _send_gradient(self, ctx: StepContext, op: Op, params: Sequence[torch.nn.Parameter]) -> None:
         """Send the layer's flat gradient (zeros for a parameter without one) to its helper: for a split APPLY, the
         core's input the owner makes of it (`_core_input`); for a stateful unit, its parameter too."""
         assert op.layer is not None and op.peer is not None, "SEND_LGRAD names its layer and helper"
-        split = self._split()
+        split = self.split
         flat = flat_gradient(params) if split is None else self._core_input(split, op, params)
-        ctx.transport.send_tagged(flat, op.peer, self._tag(ctx, op, _LGRAD), str(op))
+        bucket = self._bucket(OpKind.SEND_LGRAD, op)
+        if bucket is not None:
+            self._fill(ctx, OpKind.SEND_LGRAD, bucket, op.layer, flat, _LGRAD)
+        else:
+            ctx.transport.send_tagged(flat, op.peer, self._tag(ctx, op, _LGRAD), str(op))
         if self.stepped:
             raw = torch.cat([p.detach().reshape(-1) for p in params])
             ctx.transport.send_tagged(raw, op.peer, self._tag(ctx, op, _PARAM), str(op))
@@ -234,16 +446,22 @@ class Streams:
             self._send_gradient(ctx, op, self._params(ctx, op))
         self._sent.discard(op.layer)
 
-    def post_preconditioned(self, ctx: StepContext, op: Op, _: Sequence[Op]) -> None:
-        """Post the receive of the layer's preconditioned gradient and its <P, G>."""
+    def post_preconditioned(self, ctx: StepContext, op: Op, ops: Sequence[Op]) -> None:
+        """Post the receive of the layer's preconditioned gradient and its <P, G> (none for a split APPLY: the owner
+        takes it)."""
         assert op.peer is not None, "RECV_PGRAD names its helper"
+        self._step_buckets(ctx, ops)
+        bucket = self._bucket(OpKind.RECV_PGRAD, op)
+        if bucket is not None:
+            self._post_bucket(ctx, OpKind.RECV_PGRAD, bucket, _PGRAD)
+            return
         params = self._params(ctx, op)
         size, first = sum(p.numel() for p in params), params[0]
-        buffers = [
-            torch.empty(size, dtype=first.dtype, device=first.device),
-            torch.empty(1, dtype=torch.float64, device=first.device),
-        ]
-        tags = [self._tag(ctx, op, _PGRAD), self._tag(ctx, op, _PDOT)]
+        buffers = [torch.empty(size, dtype=first.dtype, device=first.device)]
+        tags = [self._tag(ctx, op, _PGRAD)]
+        if self.split is None:
+            buffers.append(torch.empty(1, dtype=torch.float64, device=first.device))
+            tags.append(self._tag(ctx, op, _PDOT))
         if self.stepped:
             buffers.append(torch.empty(self._state_size(op), dtype=torch.float64, device=first.device))
             tags.append(self._tag(ctx, op, _STATE))
@@ -253,17 +471,24 @@ class Streams:
         """Write the preconditioned gradient into the layer's `.grad` and add its share of <P, G> (divided by the
         stage's copies, each of which adds its own) to the layer's KL-clip group, as the owner's APPLY would have."""
         assert op.stage is not None and op.layer is not None, "RECV_PGRAD names its stage and layer"
-        flat, dot, *state = ctx.transport.take(("pgrad", op.layer), str(op))
+        bucket = self._bucket(OpKind.RECV_PGRAD, op)
+        received = (
+            [self._landed_part(ctx, OpKind.RECV_PGRAD, bucket, op.layer, str(op))]
+            if bucket is not None
+            else ctx.transport.take(("pgrad", op.layer), str(op))
+        )
         ctx.transport.settle(grad_key(op.stage))  # the copies' all-reduce lands first: the result replaces it
         params = self._params(ctx, op)
-        split = self._split()
+        split = self.split
         if split is not None:
+            (flat,) = received
             (param,) = params
             grad = torch.zeros_like(param) if param.grad is None else param.grad
             p = split.apply_output(self.runtime.layers[op.layer], flat.reshape(param.shape), param)
             param.grad = p
             self.runtime.add_dot([self.runtime.layers[op.layer]], direction_dot(self.runtime.family, p, grad), op.stage)
             return
+        flat, dot, *state = received
         for p, chunk in zip(params, split_flat(flat, [p.shape for p in params]), strict=True):
             p.grad = chunk
         copies = len(self.runtime.groups[op.stage].ranks)
@@ -314,9 +539,14 @@ class Streams:
             )
         return self.replicas[op.layer]
 
-    def post_gradient(self, ctx: StepContext, op: Op, _: Sequence[Op]) -> None:
-        """Post the receive of the layer's gradient."""
+    def post_gradient(self, ctx: StepContext, op: Op, ops: Sequence[Op]) -> None:
+        """Post the receive of the layer's gradient (of its bucket, at the first of its units)."""
         assert op.peer is not None, "RECV_LGRAD names the owner"
+        self._step_buckets(ctx, ops)
+        bucket = self._bucket(OpKind.RECV_LGRAD, op)
+        if bucket is not None:
+            self._post_bucket(ctx, OpKind.RECV_LGRAD, bucket, _LGRAD)
+            return
         shapes = self._replica(op)
         size, device = sum(s.numel for s in shapes), ctx.transport.device
         buffers, tags = [torch.empty(size, dtype=shapes[0].dtype, device=device)], [self._tag(ctx, op, _LGRAD)]
@@ -329,6 +559,10 @@ class Streams:
         """Take one owner's gradient of the layer for its APPLY here, summed with the other copies' in program order:
         the gradient their all-reduce makes."""
         assert op.layer is not None, "RECV_LGRAD names its layer"
+        bucket = self._bucket(OpKind.RECV_LGRAD, op)
+        if bucket is not None:  # a split APPLY's stage has one copy: nothing to sum
+            self._inbox[op.layer] = self._landed_part(ctx, OpKind.RECV_LGRAD, bucket, op.layer, str(op))
+            return
         received, *param = ctx.transport.take(("lgrad", op.layer, op.peer), str(op))
         self._inbox[op.layer] = self._inbox[op.layer] + received if op.layer in self._inbox else received
         if param:  # every copy's parameter is the same
@@ -340,9 +574,8 @@ class Streams:
         SEND_PGRAD."""
         assert op.layer is not None, "an APPLY of a stage held elsewhere names its layer"
         shapes, name = self._replica(op), op.layer
-        split = self._split()
-        if split is not None:
-            self._apply_core(split, op, shapes)
+        if self.split is not None:
+            self._apply_core(self.split, op, shapes)
             return
         if name not in self._inbox:
             raise PipelineError(f"rank {self.runtime.rank}: '{op}' before the RECV_LGRAD of {name}")
@@ -401,18 +634,21 @@ class Streams:
         core = self.pieces.run(family, unit, op, lambda: self._inbox.pop(name).reshape(shape.shape))
         if core is not None:
             flat = core.reshape(-1).to(shape.dtype)
-            self._outbox[name] = (flat, torch.zeros(1, dtype=torch.float64, device=flat.device))
+            self._outbox[name] = (flat,)
 
     def send_preconditioned(self, ctx: StepContext, op: Op) -> None:
-        """Send the owner the layer's preconditioned gradient and its <P, G>."""
+        """Send the owner the layer's preconditioned gradient and its <P, G> (a split APPLY's core output alone)."""
         assert op.layer is not None and op.peer is not None, "SEND_PGRAD names its layer and the owner"
         if op.layer not in self._outbox:
             raise PipelineError(f"rank {self.runtime.rank}: '{op}' before the APPLY of {op.layer}")
-        flat, dot, *state = self._outbox[op.layer]  # one SEND_PGRAD per copy of the stage; the step's start clears it
+        flat, *rest = self._outbox[op.layer]  # one SEND_PGRAD per copy of the stage; the step's start clears it
+        bucket = self._bucket(OpKind.SEND_PGRAD, op)
+        if bucket is not None:
+            self._fill(ctx, OpKind.SEND_PGRAD, bucket, op.layer, flat, _PGRAD)
+            return
         ctx.transport.send_tagged(flat, op.peer, self._tag(ctx, op, _PGRAD), str(op))
-        ctx.transport.send_tagged(dot, op.peer, self._tag(ctx, op, _PDOT), str(op))
-        if state:
-            ctx.transport.send_tagged(state[0], op.peer, self._tag(ctx, op, _STATE), str(op))
+        for message, tensor in zip((_PDOT, _STATE), rest):
+            ctx.transport.send_tagged(tensor, op.peer, self._tag(ctx, op, message), str(op))
 
     def post_replica(self, ctx: StepContext, op: Op, _: Sequence[Op]) -> None:
         """Post the receives of a replica: its refresh step and each part."""
@@ -442,6 +678,7 @@ class Streams:
     def begin_step(self) -> None:
         """Forget the last step's gradients and results (each step receives and applies its own)."""
         self._inbox, self._outbox, self._params_in = {}, {}, {}
+        self._buckets, self._filling, self._posted, self._landed = None, {}, set(), {}
         self.pieces.clear()
 
     def snapshot(self) -> tuple[dict[str, deque[tuple[int, dict[str, Any]]]], dict[str, int | None]]:
@@ -454,6 +691,7 @@ class Streams:
         self.made = {n: deque(q) for n, q in made.items()}
         self.replica_steps = dict(steps)
         self._inbox, self._outbox, self._sent, self._params_in = {}, {}, set(), {}
+        self._buckets, self._filling, self._posted, self._landed = None, {}, set(), {}
         self.pieces.clear()
         for handles in self._hooks.values():
             for handle in handles:

@@ -55,7 +55,7 @@ from fxkfac.runtime.precision import LossScale
 from fxkfac.runtime.preconditioning import PreconditionerRuntime
 from fxkfac.runtime.stage import StageRunner
 from fxkfac.runtime.step_end import StepEnd, StepLoss
-from fxkfac.runtime.streaming import ParamShape, StreamedLayers
+from fxkfac.runtime.streaming import ParamShape, StreamedLayers, bucketable
 from fxkfac.runtime.sync import GradSync, holder_sets, named_groups
 from fxkfac.runtime.tapped_runner import TappedRunner
 from fxkfac.runtime.timeline import Recorder, as_timeline, gather_timelines
@@ -227,7 +227,9 @@ def _streamed_layers(spec: RunSpec, rank: int, local: Sequence[int]) -> Streamed
             gm = spec.split.stages[op.stage].gm
             params = {n: gm.get_parameter(n) for n in family.params_of(spec.units[op.layer])}
             replicas[op.layer] = tuple(ParamShape(n, tuple(p.shape), p.dtype) for n, p in params.items())
-    return StreamedLayers({name: i for i, name in enumerate(spec.units)}, owned, replicas)
+    programs = {r: [*spec.startup.get(r, []), *steps] for r, steps in spec.programs.items()}
+    tags = {name: i for i, name in enumerate(spec.units)}
+    return StreamedLayers(tags, owned, replicas, bucketable(programs))
 
 
 class Trainer(Checkpointing):
