@@ -54,15 +54,7 @@ from fxkfac.runtime.mesh import MeshLayout
 from fxkfac.runtime.trainer import OptimizerFactory, RunSpec, Trainer, default_optimizer, plain_sgd, shard_microbatches
 from fxkfac.shapes import Recapture, batch_size
 
-__all__ = [
-    "compile",
-    "prepare",
-    "Prepared",
-    "layer_timings",
-    "stage_units",
-    "auto_budget",
-    "device_memory",
-]
+__all__ = ["compile", "prepare", "Prepared", "layer_timings", "stage_units", "auto_budget", "device_memory"]
 
 
 class _Omitted(Enum):
@@ -130,7 +122,7 @@ def compile(  # noqa: A001 - the public name the design card gives
         _check_auto_schedule(plan, family)
     layout = MeshLayout.local() if mesh is None else MeshLayout.from_mesh(mesh)
     N, v, single = microbatches, pipeline.virtual_stages, mesh is None
-    candidates = auto_candidates(layout.D, N, v) if auto_schedule else ()
+    candidates = _cuttable(auto_candidates(layout.D, N, v), layout.D, pipeline.split_points) if auto_schedule else ()
     kind = ScheduleKind.ONE_F_ONE_B if mesh is None or auto_schedule else ScheduleKind(schedule)
     kind, v = (candidates[0].kind, candidates[0].v) if candidates else (kind, v)  # re-chosen after the plan
     resume = resume_from if resume_from is not None and found(resume_from, collective=not single) else None
@@ -169,6 +161,22 @@ def _check_auto_schedule(plan: Any, family: Family | None) -> None:
         raise ConfigError(
             "schedule='auto' is the planner's choice: it needs plan='auto' and a preconditioner; name a schedule"
         )
+
+
+def _cuttable(
+    candidates: tuple[ScheduleCandidate, ...], D: int, split_points: Sequence[str] | None
+) -> tuple[ScheduleCandidate, ...]:
+    """The `candidates` whose stages `split_points` cut (all without them); ConfigError when none is left."""
+    if split_points is None:
+        return candidates
+    S = len(split_points) + 1
+    kept = tuple(c for c in candidates if num_stages(c.kind, D, c.v) == S)
+    if not kept:
+        raise ConfigError(
+            f"schedule='auto' with {len(split_points)} split points cuts {S} stages, which none of "
+            f"{', '.join(map(str, candidates))} runs on D={D}; pass split_points for D or 2D stages, or none"
+        )
+    return kept
 
 
 def _cut_for(prepared: Prepared, S: int, split_points: Sequence[str] | None) -> Prepared:
