@@ -202,3 +202,14 @@ def test_virtual_stages_keep_schedule_auto_to_that_many_stages_per_rank(caplog: 
     assert "chooses among interleaved v=2, zb-v v=2, zb-1p v=2 only: virtual_stages=2" in caplog.text
     with pytest.raises(ConfigError, match="no schedule of 3 stages per rank for D=2, N=3"):
         auto_candidates(2, 3, 3)
+
+
+def test_split_points_keep_schedule_auto_to_the_candidates_of_their_stage_count() -> None:
+    from fxkfac.compile_api import _cuttable
+
+    every = auto_candidates(2, 4, 1)
+    assert _cuttable(every, 2, None) == every
+    assert [str(c) for c in _cuttable(every, 2, ["b.1", "b.2", "b.3"])] == ["interleaved v=2", "zb-v v=2", "zb-1p v=2"]
+    assert {c.v for c in _cuttable(every, 2, ["b.1"])} == {1}
+    with pytest.raises(ConfigError, match="2 split points cuts 3 stages, which none of"):
+        _cuttable(every, 2, ["b.1", "b.2"])
