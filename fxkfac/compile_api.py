@@ -339,8 +339,15 @@ def _chosen_cut(plan: Plan, cuts: Mapping[int, Prepared], D: int) -> Prepared:
     """The cut of the schedule `plan` was made for, its target that schedule's (one of `_auto_cuts`)."""
     kind, v = ScheduleKind(plan.problem.schedule), plan.problem.v
     cut = cuts[num_stages(kind, D, v)]
-    fingerprint = next(fp for c, fp in cut.target.choices if (c.kind, c.v) == (kind, v))
-    return replace(cut, target=replace(cut.target, schedule=kind, v=v, fingerprint=fingerprint, choices=()))
+    return next(at for at in _at_each_choice(cut) if (at.target.schedule, at.target.v) == (kind, v))
+
+
+def _at_each_choice(cut: Prepared) -> list[Prepared]:
+    """`cut` (one of `_auto_cuts`) as the run of each of its candidates: its target that schedule's."""
+    return [
+        replace(cut, target=replace(cut.target, schedule=c.kind, v=c.v, fingerprint=fingerprint, choices=()))
+        for c, fingerprint in cut.target.choices
+    ]
 
 
 def _timings(
@@ -525,7 +532,8 @@ def _resolve(
 ) -> Plan | None:
     """The plan whose programs the ranks run for the `prepared` model (`known`: its units by name): none on one
     device or without preconditioned layers; `progress` shows plan="auto"'s phases, solver and plan on rank 0.
-    plan="auto" adopts the plan of the checkpoint it resumes from (`resume`) when that was made for this run, else
+    plan="auto" adopts the plan of the checkpoint it resumes from (`resume`) when that was made for this run (under
+    schedule="auto": for any of its candidates, on that candidate's cut), else
     plans with `checkpointing`'s stages, or chooses them under AUTO; a profile runs under the run's
     `autocast_dtype`; schedule="auto" plans each candidate on its own cut of `cuts` (`_auto_cuts`)."""
     if family is None:
@@ -536,9 +544,12 @@ def _resolve(
         return None
     auto = isinstance(plan, str) and plan == "auto"
     adopted = None
-    if auto and resume is not None:
-        target, rank, world = prepared.target, layout.rank, layout.world_size
-        adopted = resumed_plan(resume, target, prepared.stage_layers, rank=rank, world=world)
+    if auto and resume is not None:  # schedule="auto": the plan of any candidate it was saved with
+        runs = [at for cut in cuts.values() for at in _at_each_choice(cut)] if cuts else [prepared]
+        for run in runs:
+            adopted = resumed_plan(resume, run.target, run.stage_layers, rank=layout.rank, world=layout.world_size)
+            if adopted is not None:
+                break
     if adopted is not None:
         progress.note(f"adopting the plan checkpoint {resume} was saved with (made for this graph, mesh and schedule)")
         progress.done(adopted)
