@@ -32,11 +32,12 @@ from fxkfac.planner import (
     read_plan,
 )
 from fxkfac.planner import plan as plan_search
-from fxkfac.planner.problem import load_cost_table, median_of, words_of
-from fxkfac.planner.search import ScheduleCandidate, StreamApply, choose_schedule, schedule_candidates
+from fxkfac.planner.problem import load_cost_table, median_of, num_stages, words_of
+from fxkfac.planner.search import ScheduleCandidate, StreamApply, choose_schedule
 
 __all__ = [
     "Target",
+    "Cut",
     "resolve_plan",
     "solve_for",
     "check_matches",
@@ -72,9 +73,9 @@ class Target:
     compiled: bool = False
     """Whether the stages run compiled (`compile(backend=...)`): each backward then makes every gradient at its end,
     so a streamed APPLY overlaps nothing of it (`planner.problem.lowering.Streaming.whole_backward`)."""
-    choices: tuple[tuple[ScheduleKind, str], ...] = ()
+    choices: tuple[tuple[ScheduleCandidate, str], ...] = ()
     """compile(schedule="auto"): the schedules plan="auto" chooses among (`planner.search.plan_search`), each with the
-    graph fingerprint of the run under it; empty: `schedule` is the run's."""
+    graph fingerprint of the run under it (on its own cut: `Cut`); empty: `schedule` is the run's."""
     tied_state: bool = False
     """Whether a parameter several stages share (tied weights) is a unit whose per-step work keeps state (Shampoo,
     SOAP): its gradient is complete only once the stages' sum lands, after the backward that would stream it, so
@@ -83,6 +84,20 @@ class Target:
     def describe(self) -> str:
         """The run in words, for error messages."""
         return f"{self.schedule.value} D={self.D} N={self.N} W={self.W} v={self.v}, graph {self.fingerprint}"
+
+
+@dataclass(frozen=True)
+class Cut:
+    """One more cut of the model into stages that schedule="auto" plans candidates on (those of `Target.choices` that
+    run its stage count): its stages' units and its profile, both as `resolve_plan` takes the run's own."""
+
+    stage_layers: Mapping[int, Sequence[str]]
+    profile: Callable[[], CostTable]
+
+
+CutCosts = Mapping[int, Callable[[], CostTable]]
+"""The cost table of each more cut, by its stage count; the call raises where it has none (a profile failed, a given
+cost table of another stage count), which leaves that cut's candidates out of the choice with the reason."""
 
 
 def resolve_plan(
@@ -97,6 +112,7 @@ def resolve_plan(
     layers: Mapping[str, KFACLayer],
     progress: Callable[[SolveProgress], None] | None = None,
     checkpointing: ActivationCheckpointing = ActivationCheckpointing(),
+    cuts: Mapping[int, Cut] | None = None,
 ) -> Plan | None:
     """The Plan every rank runs: None, a checked Plan, a loaded file, or the auto plan rank 0 makes and shares.
 
@@ -104,23 +120,29 @@ def resolve_plan(
     ``(stage_layers, layers) -> CostTable``), or with `profile()` times scaled by `options.kfac_margin`: every
     rank profiles at once and rank 0 plans with the median of their tables (`gathered_profile`);
     `progress` observes the solver (`SolverConfig.progress`); `checkpointing` says which stages recompute
-    (`solve_for`).
+    (`solve_for`). `cuts` (schedule="auto"): the other cuts the candidates of `target.choices` run, by stage count,
+    each profiled as the run's own (every rank, in the order given) and planned with its own table.
     """
     if plan is None:
         return None
     if isinstance(plan, str) and plan == "auto":
+        more = dict(cuts or {})
         if world == 1:
-            return solve_for(target, _costs(options, profile, stage_layers, layers), options, progress, checkpointing)
-        profiled = gathered_profile(profile, rank) if options.costs is None else None
+            lazy = {S: _later(options, cut.profile, cut.stage_layers, layers) for S, cut in more.items()}
+            costs = _costs(options, profile, stage_layers, layers)
+            return solve_for(target, costs, options, progress, checkpointing, lazy)
+        gather = options.costs is None
+        profiled = gathered_profile(profile, rank) if gather else None
+        others = {S: gathered_profile(cut.profile, rank) if gather else None for S, cut in more.items()}
         made: Plan | FxkfacError | None = None
         if rank == 0:
             try:
-                if isinstance(profiled, FxkfacError):
-                    raise profiled
-                gathered = profile if profiled is None else lambda: profiled
-                made = solve_for(
-                    target, _costs(options, gathered, stage_layers, layers), options, progress, checkpointing
-                )
+                cut_costs = {
+                    S: _later(options, _measured(cut.profile, others[S]), cut.stage_layers, layers)
+                    for S, cut in more.items()
+                }
+                costs = _costs(options, _measured(profile, profiled), stage_layers, layers)
+                made = solve_for(target, costs, options, progress, checkpointing, cut_costs)
             except FxkfacError as e:  # every rank raises it, instead of waiting for a plan that never comes
                 made = e
         return share_plan(made)
@@ -130,6 +152,37 @@ def resolve_plan(
         check_matches(plan, target)
         return plan
     raise ConfigError(f"plan must be 'auto', None, a plan file path or a fxkfac.Plan, got {type(plan).__name__}")
+
+
+def _measured(profile: Callable[[], CostTable], gathered: CostTable | FxkfacError | None) -> Callable[[], CostTable]:
+    """The profile rank 0 plans with: the ranks' `gathered` table (`gathered_profile`), its error raised, or
+    `profile` itself where none was gathered (`PlanOptions.costs` given)."""
+    if gathered is None:
+        return profile
+
+    def table() -> CostTable:
+        if isinstance(gathered, FxkfacError):
+            raise gathered
+        return gathered
+
+    return table
+
+
+def _later(
+    options: PlanOptions,
+    profile: Callable[[], CostTable],
+    stage_layers: Mapping[int, Sequence[str]],
+    layers: Mapping[str, KFACLayer],
+) -> Callable[[], CostTable]:
+    """`_costs` of one more cut when the choice first asks for it, then the same table (one profile per cut)."""
+    made: list[CostTable] = []
+
+    def costs() -> CostTable:
+        if not made:
+            made.append(_costs(options, profile, stage_layers, layers))
+        return made[0]
+
+    return costs
 
 
 def _costs(
@@ -166,10 +219,12 @@ def solve_for(
     options: PlanOptions,
     progress: Callable[[SolveProgress], None] | None = None,
     checkpointing: ActivationCheckpointing = ActivationCheckpointing(),
+    cut_costs: CutCosts | None = None,
 ) -> Plan:
     """Plan `target` with CP-SAT over `costs` (the planner's `plan`: one search, one time limit), stamped with the
     target's fingerprint; with `Target.choices`, the plan of the schedule the planner chooses among them
-    (`planner.search.plan_search.choose_schedule`: the least step at the freshest curvature), the choice logged.
+    (`planner.search.plan_search.choose_schedule`: the least step at the freshest curvature), the choice logged,
+    each candidate planned over `costs` where it runs their stage count, else over its cut's (`cut_costs`).
 
     With `options.max_overhead` None the bubbles are tried alone first; when they cannot hold the work, the
     least max_overhead the planner found to place it is used (its refusal names that value), and logged.
@@ -205,7 +260,7 @@ def solve_for(
         time_limit=TimeLimit.WHOLE_SEARCH,  # as `fxkfac plan`: the time limit bounds the whole search
     )
     log.info("solving the plan of %s", target.describe())
-    made = plan_search(problem, search) if not target.choices else _chosen_schedule(target, problem, search)
+    made = plan_search(problem, search) if not target.choices else _chosen_schedule(target, problem, search, cut_costs)
     if not strict and made.problem.max_overhead > 0:
         log.warning(
             "plan='auto': the bubbles alone cannot hold the %s work; planning with max_overhead=%.4g, the least the "
@@ -216,15 +271,24 @@ def solve_for(
     return made
 
 
-def _chosen_schedule(target: Target, problem: Problem, search: SearchOptions) -> Plan:
-    """The plan of the schedule the planner chooses among `target.choices` (same stages: the costs serve all)."""
+def _chosen_schedule(target: Target, problem: Problem, search: SearchOptions, cut_costs: CutCosts | None) -> Plan:
+    """The plan of the schedule the planner chooses among `target.choices`, each over the costs of its own cut."""
     fingerprints = dict(target.choices)
-    candidates = [c for c in schedule_candidates(target.D, target.N, target.v) if c.kind in fingerprints]
+    tables = {problem.num_stages: lambda: problem.costs, **(cut_costs or {})}
 
     def problem_for(candidate: ScheduleCandidate) -> Problem:
-        return replace(problem, schedule=candidate.kind.value, v=candidate.v, fingerprint=fingerprints[candidate.kind])
+        S = num_stages(candidate.kind, target.D, candidate.v)
+        if S not in tables:
+            raise PlanError(f"no cost table of its {S} stages to plan it with")
+        return replace(
+            problem,
+            costs=tables[S](),
+            schedule=candidate.kind.value,
+            v=candidate.v,
+            fingerprint=fingerprints[candidate],
+        )
 
-    choice = choose_schedule(candidates, problem_for, lambda p: plan_search(p, search))
+    choice = choose_schedule(list(fingerprints), problem_for, lambda p: plan_search(p, search))
     log.warning("schedule='auto': %s", choice.reason)
     return choice.plan
 

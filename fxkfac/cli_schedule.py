@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from typing import TYPE_CHECKING
 
 from rich.table import Table
@@ -23,7 +24,27 @@ if TYPE_CHECKING:
     from fxkfac.planner import CostTable, SearchOptions
 
 AUTO_SCHEDULE = "auto"
-"""--schedule's value that lets the planner choose (`planner.search.plan_search`)."""
+"""The schedule that lets the planner choose (`planner.search.plan_search`): `fxkfac plan --schedule` and
+`fxkfac.compile(schedule=...)` both take it from here (torch-free, so the command line stays light)."""
+
+
+log = logging.getLogger(__name__)
+
+
+def auto_candidates(D: int, N: int, v: int) -> tuple[ScheduleCandidate, ...]:
+    """The schedules "auto" chooses among: every one D ranks and N micro-batches allow
+    (`planner.search.schedule_candidates`: one stage per rank, zb-v's two, interleaved's and zb-1p's two); a
+    `virtual_stages` v > 1 keeps those of v stages per rank (said in the log). ConfigError when none is left."""
+    found = schedule_candidates(D, N, v)
+    kept = found if v == 1 else tuple(c for c in found if c.v == v)
+    if not kept:
+        raise ConfigError(
+            f"schedule 'auto' has no schedule of {v} stages per rank for D={D}, N={N} (the mesh allows "
+            f"{', '.join(map(str, found))}); pass virtual_stages=1 to choose among them all"
+        )
+    if v != 1:
+        log.warning("schedule 'auto' chooses among %s only: virtual_stages=%d", ", ".join(map(str, kept)), v)
+    return kept
 
 
 def at_schedule(args: argparse.Namespace, candidate: ScheduleCandidate) -> argparse.Namespace:
@@ -37,8 +58,9 @@ def choose(
     problem_of: Callable[[argparse.Namespace, CostTable], Problem],
     search: SearchOptions,
 ) -> ScheduleChoice:
-    """The planner's choice among the schedules of --stages and --microbatches (--virtual-stages for interleaved
-    and zb-1p), each costed by `costs` for its stages and planned with `search`."""
+    """The planner's choice among the schedules of --stages and --microbatches (`auto_candidates`: --virtual-stages
+    above 1 keeps those of that many stages per rank), each costed by `costs` for its stages and planned with
+    `search`."""
 
     def problem_for(candidate: ScheduleCandidate) -> Problem:
         at = at_schedule(args, candidate)
@@ -47,7 +69,7 @@ def choose(
         except CliError as e:  # e.g. a profile's blocks that do not cut into the candidate's stages
             raise ConfigError(str(e)) from None
 
-    candidates = schedule_candidates(args.stages, args.microbatches, args.virtual_stages)
+    candidates = auto_candidates(args.stages, args.microbatches, args.virtual_stages)
     return choose_schedule(candidates, problem_for, lambda problem: plan_search(problem, search))
 
 

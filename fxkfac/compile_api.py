@@ -19,9 +19,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from fxkfac.autoplan import Target, resolve_plan, resumed_plan
+from fxkfac.autoplan import Cut, Target, resolve_plan, resumed_plan
 from fxkfac.capture import Captured, capture, input_signature, normalize_inputs
 from fxkfac.checkpoint import found
+from fxkfac.cli_schedule import AUTO_SCHEDULE, auto_candidates
 from fxkfac.config import ActivationCheckpointing, CheckpointMode, KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.errors import ConfigError
 from fxkfac.families import family_of
@@ -45,7 +46,7 @@ from fxkfac.planner.problem import (
     stages_of_rank,
     tied_owner,
 )
-from fxkfac.planner.search import schedule_candidates
+from fxkfac.planner.search import ScheduleCandidate
 from fxkfac.planner.validate import load_plan
 from fxkfac.preconditioner import Family, PiecewiseFamily, SteppedFamily, gradient_parts
 from fxkfac.progress import PlanProgress, plan_progress
@@ -90,9 +91,11 @@ def compile(  # noqa: A001 - the public name the design card gives
 
     ``mesh=None`` trains on one device; a DeviceMesh with dims ("pp", "dp") (or a ``(D, W)`` tuple, with
     torch.distributed initialized) trains pipelined with ``schedule`` and ``microbatches`` per replica; ``schedule``
-    "auto" (with plan="auto" and a preconditioner) is the planner's choice among gpipe, 1f1b, chimera and zb-h1
-    (one stage per rank, so one capture and profile serve all): the least step at the freshest curvature, logged
-    with why (planner/search/plan_search.py).
+    "auto" (with plan="auto" and a preconditioner) is the planner's choice among every schedule the mesh allows
+    (`auto_candidates`; ``virtual_stages`` > 1 keeps those of that many stages per rank): one capture, cut once per
+    stage count the candidates run (one and two stages per rank), each cut profiled, each candidate planned on its
+    own cut's profile; the least step at the freshest curvature wins, logged with why
+    (planner/search/plan_search.py), and the run keeps the chosen schedule's cut.
     ``plan``: "auto" (on a mesh: every rank profiles, rank 0 solves with ``plan_options``, showing what it does
     (fxkfac/progress.py), every rank gets the plan; on a GPU without ``plan_options.memory_budget`` the
     device's free memory is the budget, on CPU there is none), a plan file or a ``fxkfac.Plan`` (refused
@@ -116,10 +119,12 @@ def compile(  # noqa: A001 - the public name the design card gives
     family = _family(_chosen(preconditioner, kfac))
     auto_schedule = mesh is not None and schedule == AUTO_SCHEDULE
     if auto_schedule:
-        _check_auto_schedule(plan, family, pipeline.virtual_stages)
+        _check_auto_schedule(plan, family)
     layout = MeshLayout.local() if mesh is None else MeshLayout.from_mesh(mesh)
-    kind = ScheduleKind.ONE_F_ONE_B if mesh is None or auto_schedule else ScheduleKind(schedule)
     N, v, single = microbatches, pipeline.virtual_stages, mesh is None
+    candidates = _cuttable(auto_candidates(layout.D, N, v), layout.D, pipeline.split_points) if auto_schedule else ()
+    kind = ScheduleKind.ONE_F_ONE_B if mesh is None or auto_schedule else ScheduleKind(schedule)
+    kind, v = (candidates[0].kind, candidates[0].v) if candidates else (kind, v)  # re-chosen after the plan
     resume = resume_from if resume_from is not None and found(resume_from, collective=not single) else None
     _check_checkpointing(pipeline.checkpointing, num_stages(kind, layout.D, v))
     prepared, known, resolved = _prepare_and_resolve(
@@ -135,12 +140,9 @@ def compile(  # noqa: A001 - the public name the design card gives
         plan_options,
         backend,
         resume,
-        auto_schedule=auto_schedule,
+        candidates=candidates,
     )
-    if auto_schedule and resolved is not None:  # the run is the schedule the planner chose
-        kind = ScheduleKind(resolved.problem.schedule)
-        chosen = dict(prepared.target.choices)[kind]
-        prepared = replace(prepared, target=replace(prepared.target, schedule=kind, fingerprint=chosen, choices=()))
+    kind, v = prepared.target.schedule, prepared.target.v  # schedule="auto": the chosen schedule
     timings = _timings(plan, single, resolved, family, prepared.units, layer_timing)
     distributions = _distributions(resolved, family, plan_options, prepared.stage_layers, known, kind, layout, v)
     recompute = _recomputed(pipeline.checkpointing, resolved)
@@ -153,47 +155,62 @@ def compile(  # noqa: A001 - the public name the design card gives
     return trainer
 
 
-AUTO_SCHEDULE = "auto"
-"""compile's `schedule` that lets the planner choose among the schedules of one stage per rank."""
-SAME_CUT = (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B, ScheduleKind.CHIMERA, ScheduleKind.ZB_H1)
-"""The schedules schedule="auto" chooses among: one stage per rank, so one capture, split and profile serves all
-(interleaved, zb-v and zb-1p cut the model into more stages, which compile does not profile twice)."""
-
-
-def _check_auto_schedule(plan: Any, family: Family | None, v: int) -> None:
-    """ConfigError unless schedule="auto" can be chosen: by plan="auto" (the planner) with a preconditioner, on
-    one stage per rank."""
+def _check_auto_schedule(plan: Any, family: Family | None) -> None:
+    """ConfigError unless schedule="auto" can be chosen: by plan="auto" (the planner) with a preconditioner."""
     if family is None or not (isinstance(plan, str) and plan == "auto"):
         raise ConfigError(
             "schedule='auto' is the planner's choice: it needs plan='auto' and a preconditioner; name a schedule"
         )
-    if v != 1:
+
+
+def _cuttable(
+    candidates: tuple[ScheduleCandidate, ...], D: int, split_points: Sequence[str] | None
+) -> tuple[ScheduleCandidate, ...]:
+    """The `candidates` whose stages `split_points` cut (all without them); ConfigError when none is left."""
+    if split_points is None:
+        return candidates
+    S = len(split_points) + 1
+    kept = tuple(c for c in candidates if num_stages(c.kind, D, c.v) == S)
+    if not kept:
         raise ConfigError(
-            f"schedule='auto' chooses among {[k.value for k in SAME_CUT]} (one stage per rank); "
-            f"virtual_stages={v} needs a named schedule"
+            f"schedule='auto' with {len(split_points)} split points cuts {S} stages, which none of "
+            f"{', '.join(map(str, candidates))} runs on D={D}; pass split_points for D or 2D stages, or none"
         )
+    return kept
 
 
-def _auto_choices(prepared: Prepared, N: int) -> tuple[tuple[ScheduleKind, str], ...]:
-    """Each schedule of `SAME_CUT` the mesh allows, with the graph fingerprint of the run under it."""
-    t, batch = prepared.target, prepared.batch
-    return tuple(
-        (
-            k,
-            graph_fingerprint(
-                prepared.units,
-                prepared.stage_layers,
-                schedule=k.value,
-                D=t.D,
-                N=N,
-                W=t.W,
-                v=1,
-                micro_batch_size=batch // (N * t.W),
-            ),
+def _cut_for(prepared: Prepared, S: int, split_points: Sequence[str] | None) -> Prepared:
+    """`prepared`'s captured graph and units cut again into S stages (no re-capture), for schedule="auto"'s
+    candidates of another stage count; its target is `prepared`'s with no schedule chosen yet."""
+    if len(prepared.split.stages) == S:
+        return prepared
+    layers = prepared.captured.layers
+    split = split_stages(prepared.captured.gm, S, split_points=split_points, layers=layers)
+    return replace(prepared, split=split, stage_layers=stage_units(split, prepared.units))
+
+
+def _auto_cuts(
+    prepared: Prepared, candidates: Sequence[ScheduleCandidate], N: int, split_points: Sequence[str] | None
+) -> dict[int, Prepared]:
+    """One cut per stage count the `candidates` run (D, 2D, vD), keyed by it, each with its candidates in
+    `Target.choices` (each with the graph fingerprint of the run under it)."""
+    t = prepared.target
+    cuts: dict[int, Prepared] = {}
+    for c in candidates:
+        S = num_stages(c.kind, t.D, c.v)
+        cut = cuts.get(S) or _cut_for(prepared, S, split_points)
+        fingerprint = graph_fingerprint(
+            cut.units,
+            cut.stage_layers,
+            schedule=c.kind.value,
+            D=t.D,
+            N=N,
+            W=t.W,
+            v=c.v,
+            micro_batch_size=cut.batch // (N * t.W),
         )
-        for k in SAME_CUT
-        if k in {c.kind for c in schedule_candidates(t.D, N)}
-    )
+        cuts[S] = replace(cut, target=replace(cut.target, choices=(*cut.target.choices, (c, fingerprint))))
+    return cuts
 
 
 def _check_arguments(microbatches: Any) -> None:
@@ -264,12 +281,13 @@ def _prepare_and_resolve(
     backend: str | None,
     resume: str | os.PathLike | None,
     *,
-    auto_schedule: bool = False,
+    candidates: Sequence[ScheduleCandidate] = (),
 ) -> tuple[Prepared, dict[str, Any], Plan | None]:
     """`prepare`, the units by name and the resolved plan, with rank 0 showing what plan="auto" does on a mesh;
     warns (at `compile`'s caller) when the family finds nothing to precondition. `resume`: the checkpoint the run
-    resumes from, whose plan plan="auto" adopts when it fits. `auto_schedule`: the plan's schedule is the planner's
-    choice among `SAME_CUT` (`Target.choices`)."""
+    resumes from, whose plan plan="auto" adopts when it fits. `candidates` (schedule="auto"): the plan's schedule is
+    the planner's choice among them, each profiled on its own cut (`_auto_cuts`; `Target.choices`), and the returned
+    Prepared is the chosen schedule's cut, kept from the choice (no re-capture)."""
     auto = not single and family is not None and isinstance(plan, str) and plan == "auto"
     with plan_progress(auto and layout.rank == 0) as progress:  # rank 0 says what plan="auto" is doing
         progress.phase("capturing the model and splitting it into stages")
@@ -285,8 +303,11 @@ def _prepare_and_resolve(
             split_points=pipeline.split_points,
             compiled=backend is not None,
         )
-        if auto_schedule:
-            prepared = replace(prepared, target=replace(prepared.target, choices=_auto_choices(prepared, N)))
+        cuts = _auto_cuts(prepared, candidates, N, pipeline.split_points) if candidates else {}
+        if cuts:
+            prepared = cuts[len(prepared.split.stages)]
+            every = tuple(choice for cut in cuts.values() for choice in cut.target.choices)
+            prepared = replace(prepared, target=replace(prepared.target, choices=every))
         if family is not None and not prepared.units:
             warnings.warn(
                 f"{type(model).__name__} has nothing {family.name} can precondition (K-FAC: no Linear/Conv2d "
@@ -306,8 +327,27 @@ def _prepare_and_resolve(
             resume,
             pipeline.checkpointing,
             autocast_dtype=pipeline.autocast_dtype,
+            cuts=cuts,
         )
+    if cuts and resolved is not None:  # the run is the schedule the planner chose, on its own cut
+        chosen = _chosen_cut(resolved, cuts, prepared.target.D)
+        return chosen, {unit.name: unit for unit in chosen.units}, resolved
     return prepared, known, resolved
+
+
+def _chosen_cut(plan: Plan, cuts: Mapping[int, Prepared], D: int) -> Prepared:
+    """The cut of the schedule `plan` was made for, its target that schedule's (one of `_auto_cuts`)."""
+    kind, v = ScheduleKind(plan.problem.schedule), plan.problem.v
+    cut = cuts[num_stages(kind, D, v)]
+    return next(at for at in _at_each_choice(cut) if (at.target.schedule, at.target.v) == (kind, v))
+
+
+def _at_each_choice(cut: Prepared) -> list[Prepared]:
+    """`cut` (one of `_auto_cuts`) as the run of each of its candidates: its target that schedule's."""
+    return [
+        replace(cut, target=replace(cut.target, schedule=c.kind, v=c.v, fingerprint=fingerprint, choices=()))
+        for c, fingerprint in cut.target.choices
+    ]
 
 
 def _timings(
@@ -488,12 +528,14 @@ def _resolve(
     checkpointing: ActivationCheckpointing,
     *,
     autocast_dtype: torch.dtype | None = None,
+    cuts: Mapping[int, Prepared] | None = None,
 ) -> Plan | None:
     """The plan whose programs the ranks run for the `prepared` model (`known`: its units by name): none on one
     device or without preconditioned layers; `progress` shows plan="auto"'s phases, solver and plan on rank 0.
-    plan="auto" adopts the plan of the checkpoint it resumes from (`resume`) when that was made for this run, else
+    plan="auto" adopts the plan of the checkpoint it resumes from (`resume`) when that was made for this run (under
+    schedule="auto": for any of its candidates, on that candidate's cut), else
     plans with `checkpointing`'s stages, or chooses them under AUTO; a profile runs under the run's
-    `autocast_dtype`."""
+    `autocast_dtype`; schedule="auto" plans each candidate on its own cut of `cuts` (`_auto_cuts`)."""
     if family is None:
         if plan not in (None, "auto"):
             raise ConfigError("preconditioner=None trains the plain pipeline, which takes no plan; pass plan=None")
@@ -502,9 +544,12 @@ def _resolve(
         return None
     auto = isinstance(plan, str) and plan == "auto"
     adopted = None
-    if auto and resume is not None:
-        target, rank, world = prepared.target, layout.rank, layout.world_size
-        adopted = resumed_plan(resume, target, prepared.stage_layers, rank=rank, world=world)
+    if auto and resume is not None:  # schedule="auto": the plan of any candidate it was saved with
+        runs = [at for cut in cuts.values() for at in _at_each_choice(cut)] if cuts else [prepared]
+        for run in runs:
+            adopted = resumed_plan(resume, run.target, run.stage_layers, rank=layout.rank, world=layout.world_size)
+            if adopted is not None:
+                break
     if adopted is not None:
         progress.note(f"adopting the plan checkpoint {resume} was saved with (made for this graph, mesh and schedule)")
         progress.done(adopted)
@@ -520,7 +565,16 @@ def _resolve(
             )
         options = budgeted
     made = _resolve_on_mesh(
-        plan, family, prepared, known, options, layout, progress, checkpointing, autocast_dtype=autocast_dtype
+        plan,
+        family,
+        prepared,
+        known,
+        options,
+        layout,
+        progress,
+        checkpointing,
+        autocast_dtype=autocast_dtype,
+        cuts=cuts,
     )
     if made is not None and auto:
         progress.done(made)
@@ -530,7 +584,7 @@ def _resolve(
 def _splits_backward(target: Target) -> bool:
     """Whether a plan for `target` may run a zero-bubble schedule (its own, or one `schedule="auto"` chooses among),
     whose planner takes each stage's W out of its backward: the profile then times W (`profile`'s split_backward)."""
-    kinds = {target.schedule, *(kind for kind, _ in target.choices)}
+    kinds = {target.schedule, *(c.kind for c, _ in target.choices)}
     return bool(kinds & ZERO_BUBBLE_KINDS)
 
 
@@ -545,43 +599,23 @@ def _resolve_on_mesh(
     checkpointing: ActivationCheckpointing,
     *,
     autocast_dtype: torch.dtype | None = None,
+    cuts: Mapping[int, Prepared] | None = None,
 ) -> Plan | None:
     """`resolve_plan` with plan="auto"'s profile (links and stages measured by every rank), each phase
-    and the solver's reports shown by `progress`."""
+    and the solver's reports shown by `progress`; schedule="auto"'s `cuts` (`_auto_cuts`) each profiled alike, W
+    timed on those a zero-bubble candidate runs."""
     from fxkfac.comm_profile import measure_comm
 
-    split, stage_layers = prepared.split, prepared.stage_layers
     profiles = isinstance(plan, str) and plan == "auto" and options.costs is None
     if profiles:
         progress.phase("measuring the links between ranks")
     comm = measure_comm() if profiles else None  # collective: every rank, before every rank profiles the stages
 
-    def profile() -> CostTable:
-        from fxkfac.profiler import profile as measure
+    def profile_of(cut: Prepared) -> Callable[[], CostTable]:
+        return lambda: _profiled(cut, family, known, progress, comm, autocast_dtype)
 
-        progress.phase(f"profiling the {len(split.stages)} stage(s)")
-        flat = [x for x in prepared.micro if isinstance(x, Tensor)]
-        tapped = gradient_parts(family) != frozenset(family.parts)  # a refresh step taps the captured layers
-        captured = {s: [known[n] for n in names] for s, names in stage_layers.items()} if tapped else {}
-        params = {n: p for st in split.stages for n, p in st.gm.named_parameters()}
-        unit_cost = family.unit_cost(known, params)
-        costs = measure(
-            split,
-            stage_layers,
-            unit_cost,
-            flat,
-            _surrogate_loss,
-            captured=captured,
-            autocast_dtype=autocast_dtype,
-            split_backward=_splits_backward(prepared.target),
-            unit_params={n: family.params_of(known[n]) for names in stage_layers.values() for n in names},
-        )
-        for st in split.stages:  # profiling ran backward on the parameters the runners will train
-            for p in st.gm.parameters():
-                p.grad = None
-        progress.phase(SOLVING)
-        return replace(costs, comm=comm, family=planned_kind(family, costs.family))
-
+    own = len(prepared.split.stages)
+    more = {S: Cut(cut.stage_layers, profile_of(cut)) for S, cut in (cuts or {}).items() if S != own}
     if isinstance(plan, str) and plan == "auto" and not profiles:
         progress.phase(SOLVING)
     return resolve_plan(
@@ -590,12 +624,50 @@ def _resolve_on_mesh(
         options,
         rank=layout.rank,
         world=layout.world_size,
-        profile=profile,
-        stage_layers=stage_layers,
+        profile=profile_of((cuts or {}).get(own, prepared)),
+        stage_layers=prepared.stage_layers,
         layers=known,
         progress=progress.solver if progress.shown else None,
         checkpointing=checkpointing,
+        cuts=more,
     )
+
+
+def _profiled(
+    prepared: Prepared,
+    family: Family,
+    known: Mapping[str, Any],
+    progress: PlanProgress,
+    comm: Any,
+    autocast_dtype: torch.dtype | None,
+) -> CostTable:
+    """The profile of `prepared`'s stages (`fxkfac.profiler.profile`, W timed where its target may run a zero-bubble
+    schedule) with the links' `comm`, as the planner plans `family`."""
+    from fxkfac.profiler import profile as measure
+
+    split, stage_layers = prepared.split, prepared.stage_layers
+    progress.phase(f"profiling the {len(split.stages)} stage(s)")
+    flat = [x for x in prepared.micro if isinstance(x, Tensor)]
+    tapped = gradient_parts(family) != frozenset(family.parts)  # a refresh step taps the captured layers
+    captured = {s: [known[n] for n in names] for s, names in stage_layers.items()} if tapped else {}
+    params = {n: p for st in split.stages for n, p in st.gm.named_parameters()}
+    unit_cost = family.unit_cost(known, params)
+    costs = measure(
+        split,
+        stage_layers,
+        unit_cost,
+        flat,
+        _surrogate_loss,
+        captured=captured,
+        autocast_dtype=autocast_dtype,
+        split_backward=_splits_backward(prepared.target),
+        unit_params={n: family.params_of(known[n]) for names in stage_layers.values() for n in names},
+    )
+    for st in split.stages:  # profiling ran backward on the parameters the runners will train
+        for p in st.gm.parameters():
+            p.grad = None
+    progress.phase(SOLVING)
+    return replace(costs, comm=comm, family=planned_kind(family, costs.family))
 
 
 def planned_kind(family: Family, profiled: PreconditionerKind) -> PreconditionerKind:

@@ -10,10 +10,13 @@ from pathlib import Path
 import pytest
 
 from fxkfac.autoplan import Target, check_matches, resumed_plan, solve_for
+from fxkfac.cli_schedule import auto_candidates
 from fxkfac.config import PlanOptions
+from fxkfac.errors import ConfigError
 from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.problem.errors import PlanError, PlanMismatchError
 from fxkfac.planner.problem.schedules import ScheduleKind
+from fxkfac.planner.search import ScheduleCandidate
 from fxkfac.planner.validate import validate
 
 MS = 1e-3
@@ -108,12 +111,105 @@ def test_fxkfac_plan_and_plan_auto_make_one_plan_of_one_problem(tmp_path: Path) 
 def test_schedule_auto_plans_the_schedule_the_planner_chooses_stamped_with_its_fingerprint(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    choices = tuple((k, f"graph-{k.value}") for k in (ScheduleKind.ONE_F_ONE_B, ScheduleKind.ZB_H1))
+    one, zb = ScheduleCandidate(ScheduleKind.ONE_F_ONE_B), ScheduleCandidate(ScheduleKind.ZB_H1)
+    choices = tuple((c, f"graph-{c}") for c in (one, zb))
     target = Target("graph-1f1b", ScheduleKind.ONE_F_ONE_B, 2, 2, 1, choices=choices)
     with caplog.at_level(logging.WARNING, logger="fxkfac.autoplan"):
         plan = solve_for(target, _costs(2), PlanOptions(max_overhead=1.0, time_limit_s=2.0))
     kind = ScheduleKind(plan.problem.schedule)
     assert plan.problem.fingerprint == f"graph-{kind.value}" and validate(plan.problem, plan) == []
-    said = [r.getMessage() for r in caplog.records if "schedule='auto'" in r.getMessage()]
+    said = _said(caplog)
     assert len(said) == 1 and said[0].startswith(f"schedule='auto': {kind.value}: the least step")
     check_matches(plan, replace(target, schedule=kind, fingerprint=f"graph-{kind.value}", choices=()))
+
+
+def _cut(stages: int, param_bytes: int = 1 << 20) -> CostTable:
+    """One pipeline (4 ms forward, 8 ms backward per micro-batch, half of it W; four light K-FAC layers) cut into
+    `stages` even stages, each holding `param_bytes` of parameters."""
+    per = 4 // stages
+    return CostTable(
+        tuple(
+            StageCost(
+                4 * MS / stages,
+                8 * MS / stages,
+                param_bytes,
+                1 << 16,
+                tuple(
+                    LayerCost.kfac(f"l{s * per + i}", 0.05 * MS, 0.05 * MS, 0.2 * MS, 0.2 * MS, 0.01 * MS, *[4096] * 4)
+                    for i in range(per)
+                ),
+                wgrad=4 * MS / stages,
+            )
+            for s in range(stages)
+        ),
+        2,
+        "test",
+        "cpu",
+    )
+
+
+def _said(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith("schedule='auto'")]
+
+
+def _auto_target(D: int, N: int) -> Target:
+    """compile(schedule="auto")'s target on D ranks and N micro-batches: every candidate, each its own fingerprint."""
+    candidates = auto_candidates(D, N, 1)
+    choices = tuple((c, f"graph-{c}") for c in candidates)
+    return Target(choices[0][1], candidates[0].kind, D, N, 1, v=candidates[0].v, choices=choices)
+
+
+def test_schedule_auto_plans_each_candidate_on_its_own_cut(caplog: pytest.LogCaptureFixture) -> None:
+    """D=2, N=3: the one-stage-per-rank schedules plan over the 2-stage table, zb-v over the 4-stage cut's; with the
+    bubble zb-v leaves least, it wins, and its plan is of 4 stages, stamped with its own fingerprint."""
+    target = _auto_target(2, 3)
+    assert {str(c) for c, _ in target.choices} == {"gpipe", "1f1b", "zb-h1", "zb-v v=2"}
+    with caplog.at_level(logging.WARNING, logger="fxkfac.autoplan"):
+        plan = solve_for(target, _cut(2), PlanOptions(time_limit_s=1.0), cut_costs={4: lambda: _cut(4)})
+    assert (plan.problem.schedule, plan.problem.v, plan.problem.num_stages) == ("zb-v", 2, 4)
+    assert plan.fingerprint == "graph-zb-v v=2" and validate(plan.problem, plan) == []
+    (said,) = _said(caplog)
+    assert said.startswith("schedule='auto': zb-v v=2: the least step") and all(
+        name in said for name in ("gpipe", "1f1b", "zb-h1")
+    )
+
+
+def test_schedule_auto_says_when_memory_rules_a_cut_out(caplog: pytest.LogCaptureFixture) -> None:
+    """A 4-stage cut whose stages hold more than the memory budget (its table says 2 GiB of parameters each): zb-v
+    is out, with the budget as its reason, and the choice is among the one-stage-per-rank schedules."""
+    options = PlanOptions(time_limit_s=1.0, memory_budget=3 << 30)
+    with caplog.at_level(logging.WARNING, logger="fxkfac.autoplan"):
+        plan = solve_for(_auto_target(2, 3), _cut(2), options, cut_costs={4: lambda: _cut(4, param_bytes=2 << 30)})
+    assert plan.problem.v == 1 and plan.problem.num_stages == 2
+    (said,) = _said(caplog)
+    assert "; zb-v v=2 out: memory budget 3221225472 bytes (3.0 GiB) per device is below the least" in said
+
+
+def test_schedule_auto_leaves_out_a_cut_it_has_no_costs_for(caplog: pytest.LogCaptureFixture) -> None:
+    """A given cost table of one stage count (PlanOptions.costs) plans the candidates of that count; the others are
+    out, saying why."""
+    with caplog.at_level(logging.WARNING, logger="fxkfac.autoplan"):
+        plan = solve_for(_auto_target(2, 3), _cut(2), PlanOptions(time_limit_s=1.0))
+    assert plan.problem.v == 1
+    (said,) = _said(caplog)
+    assert "; zb-v v=2 out: no cost table of its 4 stages to plan it with" in said
+
+
+def test_virtual_stages_keep_schedule_auto_to_that_many_stages_per_rank(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="fxkfac.cli_schedule"):
+        kept = auto_candidates(2, 4, 2)
+    assert [str(c) for c in kept] == ["interleaved v=2", "zb-v v=2", "zb-1p v=2"]
+    assert "chooses among interleaved v=2, zb-v v=2, zb-1p v=2 only: virtual_stages=2" in caplog.text
+    with pytest.raises(ConfigError, match="no schedule of 3 stages per rank for D=2, N=3"):
+        auto_candidates(2, 3, 3)
+
+
+def test_split_points_keep_schedule_auto_to_the_candidates_of_their_stage_count() -> None:
+    from fxkfac.compile_api import _cuttable
+
+    every = auto_candidates(2, 4, 1)
+    assert _cuttable(every, 2, None) == every
+    assert [str(c) for c in _cuttable(every, 2, ["b.1", "b.2", "b.3"])] == ["interleaved v=2", "zb-v v=2", "zb-1p v=2"]
+    assert {c.v for c in _cuttable(every, 2, ["b.1"])} == {1}
+    with pytest.raises(ConfigError, match="2 split points cuts 3 stages, which none of"):
+        _cuttable(every, 2, ["b.1", "b.2"])

@@ -278,10 +278,9 @@ def test_kfac_inverse_is_an_inverse_method_or_its_text() -> None:
     [
         (None, KFACConfig(), PipelineOptions(), "needs plan='auto' and a preconditioner"),
         ("auto", None, PipelineOptions(), "needs plan='auto' and a preconditioner"),
-        ("auto", KFACConfig(), PipelineOptions(virtual_stages=2), "virtual_stages=2 needs a named schedule"),
     ],
 )
-def test_schedule_auto_is_the_planners_choice_on_one_stage_per_rank(
+def test_schedule_auto_is_the_planners_choice_among_the_schedules_of_the_mesh(
     plan: str | None, preconditioner: KFACConfig | None, options: PipelineOptions, needle: str
 ) -> None:
     x = torch.randn(8, 16)
