@@ -162,7 +162,9 @@ def _overhead_problems(draw: st.DrawFn) -> Problem:
 
 
 def _key(plan: Plan) -> tuple[tuple[int, ...], float]:
-    return plan.metrics.refresh_steps, plan.metrics.stretch
+    """The planner's ranking: refresh periods, then the simulated step (the stretch alone leaves out the time that
+    curvature fused into the backward to fit a memory budget adds)."""
+    return plan.metrics.refresh_steps, plan.metrics.step_time
 
 
 @settings(max_examples=10, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
@@ -182,7 +184,7 @@ def test_random_plans_with_an_allowance_are_valid_and_never_worse_than_greedy(p:
     assert _added(plan) <= p.max_overhead * plan.metrics.step_time_reference * (1 + 1e-9)
     if greedy is not None:
         assert validate(p, greedy) == []
-        steps, stretch = _key(plan)
+        steps, step_time = _key(plan)
         assert all(c <= g for c, g in zip(steps, greedy.metrics.refresh_steps))
         if steps == greedy.metrics.refresh_steps:
-            assert stretch <= greedy.metrics.stretch + 1e-12
+            assert step_time <= greedy.metrics.step_time * (1 + 1e-9)
