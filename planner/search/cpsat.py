@@ -23,6 +23,13 @@ max_overhead 0); each group is placed at that length plus the allowed stretch wi
 max_overhead is measured against its own option set's L, never below the least. The chosen distributions become
 `Problem.with_distributions(...)` and each placement moves into that problem's own window (`transfer`), so lowering,
 validator, simulator and runtime see a plan like any other.
+
+[Note: no twin intervals] A model never holds two interval constraints alike (same start, size, enforcement): work
+seen by several devices is one interval in each device's no-overlap or cumulative (`constant_interval` for the fixed
+work and activations, one per BCAST option). OR-Tools 9.15's presolve merges such twins (DetectDuplicateConstraints)
+and, when the merge proves the model infeasible ("duplicate: false after merging"), then raises
+`IndexError: raw_hash_map<>::at` out of `CpSolver.solve` instead of answering INFEASIBLE (Chimera D=2 with
+max_period=1: tests/planner/test_cpsat_twins.py).
 """
 
 from __future__ import annotations
@@ -311,6 +318,15 @@ class Vars:
     )
     slot_ticks: dict[int, cp_model.IntVar] = field(default_factory=dict)
     bcast_load: dict[int, list[tuple[int, cp_model.IntVar]]] = field(default_factory=dict)
+    constant: dict[tuple[int, int], cp_model.IntervalVar] = field(default_factory=dict)
+
+
+def constant_interval(v: Vars, start: int, size: int) -> cp_model.IntervalVar:
+    """The one interval [start, start + size) every device's no-overlap and cumulative share ([Note: no twin
+    intervals])."""
+    if (start, size) not in v.constant:
+        v.constant[start, size] = v.model.new_fixed_size_interval_var(start, size, f"fixed_{start}_{size}")
+    return v.constant[start, size]
 
 
 def modular(
@@ -450,8 +466,9 @@ def _add_choices(v: Vars, w: Window, options: Options) -> None:
 
 
 def _add_bcasts(v: Vars, w: Window, options: Options) -> None:
-    """Per (layer, part), one start for the chosen option's BCAST and an optional interval on each rank of each
-    option's column; after the part's DECOMP, before the next refresh's first DECOMP of the layer."""
+    """Per (layer, part), one start for the chosen option's BCAST and per option an optional interval on every rank
+    of its column ([Note: no twin intervals]); after the part's DECOMP, before the next refresh's first DECOMP of the
+    layer."""
     m, L = v.model, w.length
     chains = {w.tasks[c[0]].factors[0]: c for c in inv_chains(w)}
     firsts: dict[str, set[int]] = {}
@@ -471,10 +488,9 @@ def _add_bcasts(v: Vars, w: Window, options: Options) -> None:
         has = m.new_bool_var(f"has_{name}")
         m.add(sum(lit for *_, lit in chosen) == has)
         for n, ticks, workers, lit in chosen:
+            interval = m.new_optional_fixed_size_interval_var(pos, ticks, lit, f"{name}_o{n}")
             for d in workers:
-                v.intervals_of_device[d].append(
-                    m.new_optional_fixed_size_interval_var(pos, ticks, lit, f"{name}_o{n}_r{d}")
-                )
+                v.intervals_of_device[d].append(interval)
                 v.bcast_load.setdefault(d, []).append((ticks, lit))
             m.add(pos + ticks <= L).only_enforce_if(lit)
             m.add(start + ticks <= w.horizon).only_enforce_if(lit)
@@ -592,7 +608,7 @@ def memory_items(v: Vars, w: Window, d: int, unit: int) -> tuple[list[cp_model.I
     L, m = w.length, v.model
     intervals, demands = [], []
     for s, e, nbytes in w.acts[d]:
-        intervals.append(m.new_fixed_size_interval_var(s, e - s, f"act_r{d}_{s}"))
+        intervals.append(constant_interval(v, s, e - s))
         demands.append(math.ceil(nbytes / unit))
     for i, task in enumerate(w.tasks):
         if task.kind not in (TaskKind.CURV, TaskKind.WGRAD) or task.devices[0] != d or task.keep_bytes == 0:
@@ -678,7 +694,7 @@ def _build(
     placed = w if frame is None else replace(w, tasks=placed_tasks(w, frame.options))
     for d in placed.group.devices:  # the fixed work: F/B, gradient all-reduces, step boundaries
         for s, e in placed.fixed[d]:
-            v.intervals_of_device[d].append(v.model.new_fixed_size_interval_var(s, e - s, f"fixed_r{d}_{s}"))
+            v.intervals_of_device[d].append(constant_interval(v, s, e - s))
     add_tasks(v, placed, free_w=free_w)
     add_precedences(v, placed)
     add_piece_chains(v, placed)

@@ -91,7 +91,10 @@ class Context:
     stretch: float = 0.0
 
     def period(self, stage: int) -> int:
-        return self.plan.layers[self.problem.costs.stages[stage].layers[0].name].period
+        """The stage's refresh period: its layers' (`check_layers` makes them agree), or for a stage without
+        preconditioned layers (a BERT's embeddings alone) the plan's `refresh_steps`: its group's window."""
+        layers = self.problem.costs.stages[stage].layers
+        return self.plan.layers[layers[0].name].period if layers else self.plan.metrics.refresh_steps[stage]
 
     def device_period(self, device: int) -> int:
         """The longest refresh period of the device's stages: its window."""
@@ -459,10 +462,17 @@ def check_layers(c: Context) -> None:
     if set(c.plan.layers) != names:
         c.errors.append(f"layers timed {sorted(c.plan.layers)} differ from the cost table's {sorted(names)}")
         return
+    if len(c.plan.metrics.refresh_steps) != p.num_stages:
+        c.errors.append(f"{len(c.plan.metrics.refresh_steps)} refresh periods in the metrics for {p.num_stages} stages")
+        return
     for group in stage_groups(p):
-        periods = {c.plan.layers[x.name].period for s in group.stages for x in p.costs.stages[s].layers}
+        periods = {c.period(s) for s in group.stages}
+        periods |= {c.plan.layers[x.name].period for s in group.stages for x in p.costs.stages[s].layers}
         if len(periods) != 1:
             c.errors.append(f"stages {group.stages} share devices but have refresh periods {sorted(periods)}")
+    for s, stage in enumerate(p.costs.stages):
+        if not stage.layers and not 1 <= c.period(s) <= p.max_period:
+            c.errors.append(f"stage {s} (no preconditioned layer): bad refresh period {c.period(s)}")
     for name, t in c.plan.layers.items():
         if not 1 <= t.period <= p.max_period or t.curv_step != 0:
             c.errors.append(f"layer {name}: bad timing {t}")
@@ -576,7 +586,7 @@ def check_memory(c: Context) -> None:
 def check_step_time(c: Context) -> None:
     """The step (the longest window over its period) within max_overhead of the reference step, besides the
     refresh step's taps (`tap_extra`, paid once per window), and as the plan claims."""
-    periods = {t.period for t in c.plan.layers.values()}
+    periods = {c.period(s) for s in range(c.problem.num_stages)}
     step = max(c.length(k) / k for k in periods)
     taps = tap_extra(c.problem)
     for k in sorted(periods):
