@@ -63,7 +63,7 @@ def _periods(plan: Plan) -> dict[int, int]:
     problem = plan.problem
     out: dict[int, int] = {}
     for s, stage in enumerate(problem.costs.stages):
-        k = plan.layers[stage.layers[0].name].period
+        k = plan.layers[stage.layers[0].name].period if stage.layers else plan.metrics.refresh_steps[s]
         for d in copies_of_stage(problem, s):
             out[d] = max(out.get(d, 1), k)
     return out
@@ -250,7 +250,10 @@ def summary_errors(plan: Plan) -> list[str]:
     the placements themselves, not these metrics): what `fxkfac show` refuses to draw."""
     p, m = plan.problem, plan.metrics
     errors = []
-    periods = tuple(max(plan.layers[x.name].period for x in stage.layers) for stage in p.costs.stages)
+    periods = tuple(  # a stage without preconditioned layers has the period its metrics say
+        max((plan.layers[x.name].period for x in stage.layers), default=k)
+        for stage, k in zip(p.costs.stages, m.refresh_steps, strict=False)
+    )
     if tuple(m.refresh_steps) != periods:
         errors.append(f"refresh steps per stage {list(m.refresh_steps)}, but its layers refresh every {list(periods)}")
     if any(not 1 <= b <= k for b, k in zip(m.lower_bound_steps, periods)) or len(m.lower_bound_steps) != len(periods):

@@ -68,3 +68,18 @@ def test_a_stage_without_layers_shares_its_devices_period() -> None:
     k = made.metrics.refresh_steps[0]
     bad = _with_period(made, 0, k + 1)
     assert any("share devices but have refresh periods" in e for e in validate(bad.problem, bad))
+
+
+def test_the_plan_view_draws_a_stage_without_layers() -> None:
+    """`fxkfac plan --show`'s summary finds nothing to contradict, and the view and its table render."""
+    from rich.console import Console
+
+    from fxkfac.plan_view import planned_view, render_plan, summary_errors
+
+    made = _plan("1f1b")
+    assert summary_errors(made) == []
+    view = planned_view(made)
+    assert view.steps >= made.metrics.refresh_steps[0] and view.end > 0
+    console = Console(width=100, record=True)
+    console.print(render_plan(made))
+    assert "refresh" in console.export_text()
