@@ -18,8 +18,8 @@ from tests.support.distributed import run_distributed
 CASES = ((kfac.Case("auto", 2, 3, 1), 1, True), (kfac.Case("auto", 2, 2, 1), 2, False))
 """(case, virtual_stages, relaunched): N=3 allows gpipe, 1f1b and zb-h1 on the 2-stage cut and zb-v on the 4-stage one
 (both cut and profiled); virtual_stages=2 at N=2 keeps interleaved, zb-v and zb-1p, so the run is on the 4-stage cut.
-The second is not relaunched: its cut leaves stage 0 without a K-FAC layer, and the plan file's validator does not
-take such a plan yet (planner/validate/checks.py, `Context.period`: IndexError)."""
+The second is not relaunched (the first covers adoption; its cut leaves stage 0 without a K-FAC layer, whose plan
+file tests/planner/test_stage_without_layers.py reloads)."""
 STEPS = 4
 """Steps each run trains and its single-device reference repeats (a few: the plans here refresh every 4-14 steps)."""
 
