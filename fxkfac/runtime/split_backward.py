@@ -129,9 +129,9 @@ class PendingW:
 
     def operands(self, piece: WPiece) -> list[Tensor]:
         """What `piece` reads."""
-        values = [self.pool[i] for i in piece.reads]
-        assert all(v is not None for v in values), f"W piece {piece.layer} reads a value already released"
-        return values  # type: ignore[return-value]  # checked just above
+        values = [v for i in piece.reads if (v := self.pool[i]) is not None]
+        assert len(values) == len(piece.reads), f"W piece {piece.layer} reads a value already released"
+        return values
 
     def ran(self, piece: WPiece, kept: Sequence[Tensor]) -> None:
         """`piece` has run and returned `kept`: keep those, release what no piece left reads."""
