@@ -52,8 +52,8 @@ class PerfModel:
 
 
 def _chimera_t_pipe() -> sp.Expr:
-    """notes/chimera.md §5: D*T_f + (2D-2)*T_b per unit of D micro-batches when T_b >= T_f (the roles
-    of T_f and T_b swap otherwise), plus D(T_f+T_b) + (D-2)|T_b-T_f| per extra unit."""
+    """Chimera's critical path (Li & Hoefler, SC 2021): D*T_f + (2D-2)*T_b per unit of D micro-batches when
+    T_b >= T_f (the roles of T_f and T_b swap otherwise), plus D(T_f+T_b) + (D-2)|T_b-T_f| per extra unit."""
     lo, hi = sp.Min(T_f, T_b), sp.Max(T_f, T_b)
     return D * lo + (2 * D - 2) * hi + (N / D - 1) * (D * (T_f + T_b) + (D - 2) * sp.Abs(T_b - T_f))
 

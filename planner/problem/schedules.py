@@ -220,8 +220,8 @@ def _zb_v_rank(D: int, N: int, r: int) -> list[Op]:
 
 
 def _chimera_rank(D: int, N: int, r: int) -> list[Op]:
-    """Chimera by the slot rule of notes/chimera.md §2 (N/D units concatenated): micro-batch j of unit u runs F at
-    stage s in slot 2Du+2j+s and B in slot 2Du+2j+2D-1-s (down: uD..uD+D/2-1, up: the rest). Gradient syncs per §4:
+    """Chimera by its paper's slot rule (Li & Hoefler, SC 2021), N/D units concatenated: micro-batch j of unit u runs
+    F at stage s in slot 2Du+2j+s and B in slot 2Du+2j+2D-1-s (down: uD..uD+D/2-1, up: the rest). Gradient syncs:
     the high stage right after its last B when above D/2 (else at the end, first), then the low, then OPT_STEP.
     """
     slotted: list[tuple[int, Op]] = []

@@ -1,7 +1,7 @@
 """The PipeFisher paper's greedy first-fit of K-FAC work into bubbles (the baseline and warm start), the stretch
 allowance, and a lower bound on a group's refresh period.
 
-First-fit follows pipe-fisher's `assign_workloads_to_bubbles` (notes/anchors.md §1): per device, tasks in priority
+First-fit follows `assign_workloads_to_bubbles` of kazukiosawa/pipe-fisher (the paper's code): per device, tasks in priority
 order (curvature, sync, decomposition; broadcasts after their decomposition) go into the first gap between pipeline
 ops where `duration * 1.05` fits, after their dependencies; when something does not fit the window grows by one step
 and everything is placed again, so the number of steps is the refresh period. Each stage's decompositions go to its

@@ -18,7 +18,7 @@ from fxkfac.planner.problem.schedules import (
 
 ARTIFACTS = Path(__file__).parent / "artifacts"
 
-# notes/chimera.md §2, verbatim (↓ = pipe 0, ↑ = pipe 1; P_r holds ↓ stage r and ↑ stage D-1-r).
+# Chimera's per-device order (Li & Hoefler, SC 2021) (↓ = pipe 0, ↑ = pipe 1; P_r holds ↓ stage r and ↑ stage D-1-r).
 CHIMERA_D4 = {
     4: [
         "F↓0 F↓1 F↑2 B↑2 F↑3 B↑3 B↓0 B↓1",
@@ -60,7 +60,7 @@ def test_chimera_d2() -> None:
 
 
 def _chimera_loop_form(D: int, N: int, r: int) -> list[Op]:
-    """notes/chimera.md §2, the PipeFisher loop form: an implementation independent of the slot rule."""
+    """Chimera's order in the PipeFisher code's loop form: an implementation independent of the slot rule."""
     p = min(r, D - 1 - r)
     a, b = D // 2 - p, p
     low_pipe = 0 if r < D // 2 else 1

@@ -19,7 +19,7 @@ def fb(tf: float, tb: float):
     return lambda rank, op: tf if op.kind is OpKind.FWD else tb if op.kind is OpKind.BWD else 0.0
 
 
-# notes/chimera.md §2: D=4, N=4, T_f=T_b=1, each op as early as possible ("·" = bubble).
+# Chimera (Li & Hoefler, SC 2021), Fig. 3's setting: D=4, N=4, T_f=T_b=1, each op as early as possible ("·" = bubble).
 CHIMERA_GRID = [
     "F↓0 F↓1  ·  F↑2 B↑2 F↑3 B↑3 B↓0  ·  B↓1",
     " ·  F↓0 F↑2 F↓1 F↑3 B↑2 B↓0 B↑3 B↓1  · ",
