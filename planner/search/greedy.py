@@ -1,16 +1,16 @@
 """The PipeFisher paper's greedy first-fit of K-FAC work into bubbles (the baseline and warm start), the stretch
 allowance, and a lower bound on a group's refresh period.
 
-First-fit follows `assign_workloads_to_bubbles` of kazukiosawa/pipe-fisher (the paper's code): per device, tasks in priority
-order (curvature, sync, decomposition; broadcasts after their decomposition) go into the first gap between pipeline
-ops where `duration * 1.05` fits, after their dependencies; when something does not fit the window grows by one step
-and everything is placed again, so the number of steps is the refresh period. Each stage's decompositions go to its
-copies longest first to the least loaded, APPLY stays right after the gradient all-reduce, and memory is not
-considered (the paper's rule; the planner validates the result). With a stretch allowed ([Note: stretch] in
-planner/plan/window.py) each k is tried with the whole allowance, then the least stretch first-fit still places
-everything with is bisected (first-fit is not monotone in the stretch, so it is feasible, not proven least).
-`restretch` moves a solution to a longer stretch: feasibility only grows with the stretch, which makes bisection with
-a solver's probe exact (`bisect_least`).
+First-fit follows `assign_workloads_to_bubbles` of kazukiosawa/pipe-fisher (the paper's code): per device, tasks in
+priority order (curvature, sync, decomposition; broadcasts after their decomposition) go into the first gap between
+pipeline ops where `duration * 1.05` fits, after their dependencies; when something does not fit the window grows by one
+step and everything is placed again, so the number of steps is the refresh period. Each stage's decompositions go to its
+copies longest first to the least loaded, APPLY stays right after the gradient all-reduce, and memory is not considered
+(the paper's rule; the planner validates the result). With a stretch allowed ([Note: stretch] in planner/plan/window.py)
+each k is tried with the whole allowance, then the least stretch first-fit still places everything with is bisected
+(first-fit is not monotone in the stretch, so it is feasible, not proven least). `restretch` moves a solution to a
+longer stretch: feasibility only grows with the stretch, which makes bisection with a solver's probe exact
+(`bisect_least`).
 
 The packing bound: `planner.problem.step_timeline.refresh_lower_bound` pours the refresh's work into the bubbles like
 a fluid, but a statistic or decomposition piece runs whole inside one bubble. Here each bubble holds at most the
