@@ -361,8 +361,15 @@ class _Program:
 
     ops: Sequence[Op]
     """The op list this was made of (kept: its id is the cache key)."""
+    made_of: tuple[Op, ...]
+    """Its ops when this was made: a list changed in place since is looked up again."""
     prepares: tuple[tuple[Prepare, Op], ...]
     steps: tuple[tuple[Handler, Op, str, str], ...]
+
+
+def _same_ops(made_of: tuple[Op, ...], ops: Sequence[Op]) -> bool:
+    """Whether `ops` still holds the very ops it held (by identity: a few ns an op, no hashing of op fields)."""
+    return len(made_of) == len(ops) and all(a is b for a, b in zip(made_of, ops, strict=True))
 
 
 class Interpreter:
@@ -397,7 +404,7 @@ class Interpreter:
         """`ops` with every op's prepare, handler and text looked up (once per op list: the per-op dictionary
         lookups and texts are not paid again each step); PipelineError for an op without a handler."""
         program = self._programs.get(id(ops))
-        if program is not None and program.ops is ops:
+        if program is not None and program.ops is ops and _same_ops(program.made_of, ops):
             return program
         missing = next((op for op in ops if op.kind not in self.handlers), None)
         if missing is not None:
@@ -409,7 +416,7 @@ class Interpreter:
         steps = tuple((self.handlers[op.kind], op, str(op), op.kind.value) for op in ops)
         if len(self._programs) >= _PROGRAMS_KEPT:  # op lists made anew per call (evaluation's) must not pile up
             self._programs.clear()
-        program = self._programs[id(ops)] = _Program(ops, prepares, steps)
+        program = self._programs[id(ops)] = _Program(ops, tuple(ops), prepares, steps)
         return program
 
     def run(self, ops: Sequence[Op], ctx: StepContext, timeline: Recorder | None = None) -> None:
