@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TypeVar
 
+from fxkfac.planner.problem.buckets import send_buckets
 from fxkfac.planner.problem.costs import StageCost
 from fxkfac.planner.problem.errors import DeadlockError
 from fxkfac.planner.problem.ir import (
@@ -200,8 +201,10 @@ class _Sim:
         comm: float,
         barrier: Mapping[int, tuple[int, ...]] | None,
         lead: Duration | None,
+        buckets: Mapping[tuple[int, Op], frozenset[Op]],
     ) -> None:
-        self.duration, self.comm, self.lead = duration, comm, lead
+        self.duration, self.comm, self.lead, self.buckets = duration, comm, lead, buckets
+        self.filling: dict[tuple[int, frozenset[Op]], list[tuple[tuple, float]]] = {}
         self.ops = {r: [(j, op) for j in range(steps) for op in p[j % len(p)]] for r, p in programs.items()}
         self.occurrence: dict[_Slot, int] = {}
         self.where: dict[tuple[int, Op, int], int] = {}  # (rank, op, k) -> index of the k-th occurrence
@@ -257,10 +260,26 @@ class _Sim:
         self.free[rank] = end
         if op.kind in SEND_KINDS:
             early = self.lead(rank, op) if self.lead is not None else 0.0
-            self.sent[_message_key(rank, op.peer_rank, op)].append(end + self.comm - early)
+            self.send(rank, op, end + self.comm - early)
         if op.kind in RECV_KINDS:
             self.recv_count[_message_key(op.peer_rank, rank, op)] += 1
         self.pos[rank] += 1
+
+    def send(self, rank: int, op: Op, arrival: float) -> None:
+        """Post `op`'s message to arrive at `arrival`; one of a bucket waits for the bucket's last SEND, and every
+        message of the bucket arrives with the latest (each SEND's `lead` prices the whole bucket's transfer)."""
+        key = _message_key(rank, op.peer_rank, op)
+        together = self.buckets.get((rank, op))
+        if together is None:
+            self.sent[key].append(arrival)
+            return
+        filling = self.filling.setdefault((rank, together), [])
+        filling.append((key, arrival))
+        if len(filling) == len(together):
+            del self.filling[rank, together]
+            latest = max(a for _, a in filling)
+            for k, _ in filling:
+                self.sent[k].append(latest)
 
     def try_collective(self, rank: int, op: Op) -> str:
         """Run the collective if every member stands at the same occurrence; else what it waits for."""
@@ -302,6 +321,7 @@ def simulate(
     comm: float = 0.0,
     barrier: Mapping[int, tuple[int, ...]] | None = None,
     lead: Duration | None = None,
+    buckets: Mapping[tuple[int, Op], frozenset[Op]] | None = None,
 ) -> Timeline:
     """Run `programs` (per rank: one step's ops, or a period of steps; step j runs j % period) for `steps` steps.
 
@@ -310,11 +330,12 @@ def simulate(
     another rank; of several copies the one in its replica); with them, only a RECV waits, for its SEND's end plus
     `comm`. `SYNCHRONIZING_KINDS` start together once every rank holding them reaches them and last their members'
     longest `duration`. `barrier`: per rank, the ranks its OPT_STEP waits for (None: a world barrier). `lead`:
-    seconds before a SEND's start that its message leaves. Raises DeadlockError naming the blocked ops.
+    seconds before a SEND's start that its message leaves. `buckets`: per (rank, SEND) that travels with others, the
+    SENDs of its message (`planner.problem.buckets.send_buckets`). Raises DeadlockError naming the blocked ops.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    sim = _Sim(as_programs(programs), steps, duration, comm, barrier, lead)
+    sim = _Sim(as_programs(programs), steps, duration, comm, barrier, lead, buckets or {})
     while True:
         before = len(sim.intervals)
         blocked = [msg for msg in (sim.advance(r) for r in sorted(sim.pos)) if msg]
@@ -500,9 +521,14 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callabl
     return duration
 
 
-def stream_lead(problem: Problem, duration: Callable[[int, Op], float]) -> Callable[[int, Op], float] | None:
+def stream_lead(
+    problem: Problem,
+    duration: Callable[[int, Op], float],
+    buckets: Mapping[tuple[int, Op], frozenset[Op]] | None = None,
+) -> Callable[[int, Op], float] | None:
     """`simulate`'s lead of streamed sends: a gradient leaves when the backward (a zero-bubble one's W) makes it
-    final (`planner.problem.lowering.ready`), less its transfer between two ranks. None without streaming."""
+    final (`planner.problem.lowering.ready`), less its transfer between two ranks (its bucket's, once for all its
+    units, where it travels in one of `buckets`). None without streaming."""
     streaming = problem.streaming
     if streaming is None:
         return None
@@ -514,12 +540,26 @@ def stream_lead(problem: Problem, duration: Callable[[int, Op], float]) -> Calla
     def lead(rank: int, op: Op) -> float:
         if op.kind not in LAYER_SENDS or op.layer is None:
             return 0.0
-        transfer = problem.costs.collective_seconds(op, 2)
+        together = (buckets or {}).get((rank, op))
+        transfer = (
+            problem.costs.collective_seconds(op, 2) if together is None else problem.costs.bucket_seconds(together)
+        )
         backward = duration(rank, bwd) - (duration(rank, fwd) if again else 0.0)
         early = (1.0 - fractions[op.layer]) * backward if op.kind is OpKind.SEND_LGRAD else 0.0
         return early - transfer
 
     return lead
+
+
+def problem_buckets(
+    problem: Problem, programs: Mapping[int, Sequence[Sequence[Op]]]
+) -> dict[tuple[int, Op], frozenset[Op]]:
+    """The streamed SENDs of `programs` that travel together, cut as the runtime cuts them
+    (`planner.problem.buckets.send_buckets`)."""
+    if problem.streaming is None:
+        return {}
+    layers = [x for stage in problem.costs.stages for x in stage.layers]
+    return send_buckets(programs, layers, problem.costs.family)
 
 
 @lru_cache(maxsize=256)
@@ -532,7 +572,8 @@ def step_timeline(
     """
     programs = reference_programs(problem) if with_prec else base_programs(problem)
     duration = _duration(problem, fused, refresh)
-    one = simulate(programs, duration, steps=1, lead=stream_lead(problem, duration))
+    buckets = problem_buckets(problem, as_programs(programs))
+    one = simulate(programs, duration, steps=1, lead=stream_lead(problem, duration, buckets), buckets=buckets)
     ops = {rank: tuple((iv.op, iv.start, iv.end) for iv in one.of_rank(rank)) for rank in one.ranks}
     allreduce = {
         (rank, op.stage_id): end

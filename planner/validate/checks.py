@@ -60,6 +60,7 @@ from fxkfac.planner.problem.step_timeline import (
     fused_stats,
     peak_level,
     prec_work,
+    problem_buckets,
     simulate,
     static_bytes,
     step_begins,
@@ -784,9 +785,9 @@ def _check_runs(c: Context) -> None:
             if c.problem.barrier is StepBarrier.WORLD
             else {d: agreement_set(c.problem, d) for d in c.problem.devices}
         )
-        timeline = simulate(
-            c.plan.programs, duration, steps=steps, barrier=barrier, lead=stream_lead(c.problem, duration)
-        )
+        buckets = problem_buckets(c.problem, c.plan.programs)
+        lead = stream_lead(c.problem, duration, buckets)
+        timeline = simulate(c.plan.programs, duration, steps=steps, barrier=barrier, lead=lead, buckets=buckets)
     except DeadlockError as e:
         c.errors.append(f"the programs deadlock: {e}")
         return
