@@ -66,6 +66,7 @@ from fxkfac.planner.problem.step_timeline import (
     step_begins,
     step_timeline,
     stream_lead,
+    stream_link,
     stream_start,
     tap_extra,
     w_operand_bytes,
@@ -786,8 +787,10 @@ def _check_runs(c: Context) -> None:
             else {d: agreement_set(c.problem, d) for d in c.problem.devices}
         )
         buckets = problem_buckets(c.problem, c.plan.programs)
-        lead = stream_lead(c.problem, duration, buckets)
-        timeline = simulate(c.plan.programs, duration, steps=steps, barrier=barrier, lead=lead, buckets=buckets)
+        lead, link = stream_lead(c.problem, duration), stream_link(c.problem, buckets)
+        timeline = simulate(
+            c.plan.programs, duration, steps=steps, barrier=barrier, lead=lead, link=link, buckets=buckets
+        )
     except DeadlockError as e:
         c.errors.append(f"the programs deadlock: {e}")
         return
