@@ -28,7 +28,8 @@ is one message each way. The owner writes each unit's core input into its bucket
 sends the bucket with its last unit; the helper takes a bucket at the first of its units' RECV_LGRAD, writes each
 core output into the return bucket at its SEND_PGRAD and sends it with the last; the owner takes it at the first of its
 RECV_PGRADs. A bucket waits for its last unit, so the programs must not wait between a bucket's first and last op
-(`bucketable` checks every rank's programs, which every rank holds, so both ends agree).
+(`bucketable` checks every rank's programs, which every rank holds, so both ends agree). The rule and the cut are
+planner/problem/buckets.py's, which the planner prices the same buckets by.
 """
 
 from __future__ import annotations
