@@ -28,7 +28,8 @@ is one message each way. The owner writes each unit's core input into its bucket
 sends the bucket with its last unit; the helper takes a bucket at the first of its units' RECV_LGRAD, writes each
 core output into the return bucket at its SEND_PGRAD and sends it with the last; the owner takes it at the first of its
 RECV_PGRADs. A bucket waits for its last unit, so the programs must not wait between a bucket's first and last op
-(`bucketable` checks every rank's programs, which every rank holds, so both ends agree).
+(`bucketable` checks every rank's programs, which every rank holds, so both ends agree). The rule and the cut are
+planner/problem/buckets.py's, which the planner prices the same buckets by.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from torch import Tensor
 
 from fxkfac.errors import PipelineError
 from fxkfac.planner.problem import LayerTiming, Op, OpKind
+from fxkfac.planner.problem.buckets import BUCKET_BYTES, bucketable, cut
 from fxkfac.preconditioner import (
     Family,
     RefreshState,
@@ -115,12 +117,6 @@ class ParamShape:
         return math.prod(self.shape)
 
 
-BUCKET_BYTES = 1 << 20
-"""A bucket of a split APPLY's streamed units closes once it holds this many bytes ([Note: streamed buckets]): its
-message's fixed cost is then a small part of it, and the helper starts on the first bucket while the owner's backward
-makes the next."""
-
-
 @dataclass(frozen=True)
 class Bucket:
     """Units of one stage that one owner and one helper exchange in one message each way ([Note: streamed
@@ -148,87 +144,23 @@ class Bucket:
 def buckets(
     units: Sequence[tuple[int, int, str, int, torch.dtype]], order: Mapping[str, int], cap: int = BUCKET_BYTES
 ) -> dict[str, Bucket]:
-    """Each unit's bucket, given the step's (peer, stage, unit, elements, dtype) of one end: per peer and stage, the
-    units in descending `order`, a bucket closed once it holds `cap` bytes. Both ends of a transfer list the same units,
-    so they cut the same buckets."""
-    groups: dict[tuple[int, int], list[tuple[str, int, torch.dtype]]] = {}
-    for peer, stage, unit, numel, dtype in units:
-        groups.setdefault((peer, stage), []).append((unit, numel, dtype))
+    """Each unit's bucket, given the step's (peer, stage, unit, elements, dtype) of one end, cut as the planner prices
+    them (`planner.problem.buckets.cut`): per peer and stage, the units in descending `order`, a bucket closed once
+    it holds `cap` bytes. Both ends of a transfer list the same units, so they cut the same buckets."""
+    found = {unit: (numel, dtype) for _, _, unit, numel, dtype in units}
     out: dict[str, Bucket] = {}
-    for (peer, stage), members in groups.items():
-        members.sort(key=lambda m: -order[m[0]])
-        start = 0
-        while start < len(members):
-            spans: dict[str, tuple[int, int]] = {}
-            size, dtype = 0, members[start][2]
-            end = start
-            while end < len(members) and members[end][2] == dtype and (size * dtype.itemsize < cap or not spans):
-                spans[members[end][0]] = (size, members[end][1])
-                size += members[end][1]
-                end += 1
-            bucket = Bucket(peer, stage, tuple(spans), spans, size, dtype)
-            out.update(dict.fromkeys(spans, bucket))
-            start = end
-    return out
-
-
-_BETWEEN_RETURNS = frozenset({OpKind.APPLY, OpKind.SEND_PGRAD, OpKind.RECV_LGRAD})
-"""What a helper may run between the first and the last SEND_PGRAD of one owner's stage for them to travel in buckets
-(of that stage): nothing that waits on a message the owner sends after it waits for a bucket."""
-
-
-def _waits(op: Op) -> bool:
-    """Whether `op` waits for a message of another rank (a receive, or the step's end)."""
-    return op.kind.value.startswith("RECV_") or op.kind is OpKind.OPT_STEP
-
-
-def _sends_in_a_row(ops: Sequence[Op], where: Sequence[int], stage: int) -> bool:
-    """Whether an owner's SEND_LGRADs of `stage` (at `where` in `ops`) run in a row, and nothing from the stage's last
-    backward before them to the last of them waits on a peer (a bucket's units are all in by its last)."""
-    if where[-1] - where[0] + 1 != len(where):
-        return False
-    last_backward = max(
-        (i for i, op in enumerate(ops[: where[0]]) if op.kind in (OpKind.BWD, OpKind.BWD_W) and op.stage == stage),
-        default=-1,
+    cuts = cut(
+        [((peer, stage), unit, numel * dtype.itemsize, dtype) for peer, stage, unit, numel, dtype in units], order, cap
     )
-    return not any(_waits(op) for op in ops[last_backward + 1 : where[-1] + 1])
-
-
-def bucketable(programs: Mapping[int, Sequence[Sequence[Op]]]) -> frozenset[tuple[int, int, int]]:
-    """The (owner, helper, stage) whose split-APPLY transfers travel in buckets ([Note: streamed buckets]), given each
-    rank's step op lists: on the owner, the stage's SEND_LGRADs to the helper are consecutive, and so are its
-    RECV_PGRADs from it, and it waits on no peer from the stage's last backward to its last SEND_LGRAD; on the helper,
-    nothing but that pair's RECV_LGRADs, APPLYs and SEND_PGRADs of the stage runs between its first and last SEND_PGRAD
-    to the owner. Then no rank waits for a bucket whose last unit waits on it."""
-    seen: set[tuple[int, int, int]] = set()
-    refused: set[tuple[int, int, int]] = set()
-    for rank, steps in programs.items():
-        for ops in steps:
-            at: dict[tuple[OpKind, int, int], list[int]] = {}
-            for i, op in enumerate(ops):
-                if op.kind in (OpKind.SEND_LGRAD, OpKind.RECV_PGRAD, OpKind.SEND_PGRAD, OpKind.RECV_LGRAD):
-                    assert op.peer is not None and op.stage is not None, "a streamed transfer names its peer and stage"
-                    at.setdefault((op.kind, op.peer, op.stage), []).append(i)
-            for (kind, peer, stage), where in at.items():
-                owner, helper = (rank, peer) if kind in (OpKind.SEND_LGRAD, OpKind.RECV_PGRAD) else (peer, rank)
-                pair = (owner, helper, stage)
-                seen.add(pair)
-                if kind is OpKind.SEND_LGRAD:
-                    ok = _sends_in_a_row(ops, where, stage)
-                elif kind is OpKind.RECV_PGRAD:
-                    ok = where[-1] - where[0] + 1 == len(where)
-                elif kind is OpKind.SEND_PGRAD:
-                    ok = all(
-                        op.kind in _BETWEEN_RETURNS
-                        and op.stage == stage
-                        and (op.kind is OpKind.APPLY or op.peer == peer)
-                        for op in ops[where[0] : where[-1] + 1]
-                    )
-                else:
-                    ok = True
-                if not ok:
-                    refused.add(pair)
-    return frozenset(seen - refused)
+    for (peer, stage), names in cuts:
+        spans: dict[str, tuple[int, int]] = {}
+        size = 0
+        for name in names:
+            spans[name] = (size, found[name][0])
+            size += found[name][0]
+        bucket = Bucket(peer, stage, names, spans, size, found[names[0]][1])
+        out.update(dict.fromkeys(names, bucket))
+    return out
 
 
 @dataclass(frozen=True)

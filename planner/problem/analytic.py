@@ -953,9 +953,11 @@ def matrix_cost(
 
 def adamw_cost(tensor: TensorSpec, hw: HardwareSpec) -> LayerCost:
     """The LayerCost of a parameter AdamW steps (name: its FQN): no parts, `prec` its elementwise step, its state
-    the two moments."""
+    the two moments; streamed, its owner still runs the whole step, in the gradient hook (`hand_off`: Muon's
+    `apply_input`), so a helper saves it nothing."""
     numel = _F32 * tensor.numel
-    return LayerCost(tensor.name, (), ADAMW_PASSES * numel / hw.mem_bandwidth, 2 * numel, numel)
+    step = ADAMW_PASSES * numel / hw.mem_bandwidth
+    return LayerCost(tensor.name, (), step, 2 * numel, numel, hand_off=step)
 
 
 def muon_matrices(block: BlockSpec) -> tuple[TensorSpec, ...]:

@@ -294,7 +294,7 @@ class PreconditionerKind(StrEnum):
     MUON = "muon"
 
 
-def _streamed_bytes(layer: LayerCost, kind: OpKind) -> int:
+def streamed_bytes(layer: LayerCost, kind: OpKind) -> int:
     """Bytes of a streamed layer's hand-off: its gradient each way; one with gradient-fed statistics also sends its
     parameter and takes back its statistics and state (docs/STREAMED_APPLY.md, "Stateful units")."""
     if not any(p.after is OpKind.ALLREDUCE_GRAD for p in layer.parts):
@@ -375,13 +375,20 @@ class CostTable:
         elif op.kind is OpKind.BCAST_PREC:
             messages = [(Collective.BROADCAST, x.gradient_bytes) for x in stage.layers if x.name == op.layer]
         elif op.kind in (OpKind.SEND_LGRAD, OpKind.SEND_PGRAD):
-            messages = [(Collective.SEND, _streamed_bytes(x, op.kind)) for x in stage.layers if x.name == op.layer]
+            messages = [(Collective.SEND, streamed_bytes(x, op.kind)) for x in stage.layers if x.name == op.layer]
         elif op.kind is OpKind.SEND_REPLICA:
             messages = [(Collective.SEND, p.state_bytes) for x in stage.layers if x.name == op.layer for p in x.parts]
         else:
             raise CostModelError(f"{op} is not a collective the cost table prices")
         total = sum(comm_seconds(self.comm, kind, n, group_size) for kind, n in messages)
         return math.ceil(total * 1e6 - 1e-6) / 1e6
+
+    def bucket_seconds(self, sends: Iterable[Op]) -> float:
+        """Seconds of one message between two ranks carrying the streamed `sends` together (a bucket, planner/problem/
+        buckets.py): the fixed cost once, every unit's bytes, rounded up to a whole microsecond as `collective_seconds`.
+        """
+        nbytes = sum(streamed_bytes(self.layer(op.layer), op.kind) for op in sends if op.layer is not None)
+        return math.ceil(comm_seconds(self.comm, Collective.SEND, nbytes, 2) * 1e6 - 1e-6) / 1e6
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able form with the schema version; a field not measured is left out (`_drop_unmeasured`), so

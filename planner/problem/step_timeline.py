@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import TypeVar
 
+from fxkfac.planner.problem.buckets import send_buckets
 from fxkfac.planner.problem.costs import StageCost
 from fxkfac.planner.problem.errors import DeadlockError
 from fxkfac.planner.problem.ir import (
@@ -200,8 +201,12 @@ class _Sim:
         comm: float,
         barrier: Mapping[int, tuple[int, ...]] | None,
         lead: Duration | None,
+        link: Duration | None,
+        buckets: Mapping[tuple[int, Op], frozenset[Op]],
     ) -> None:
-        self.duration, self.comm, self.lead = duration, comm, lead
+        self.duration, self.comm, self.lead, self.link, self.buckets = duration, comm, lead, link, buckets
+        self.filling: dict[tuple[int, frozenset[Op]], list[tuple[tuple, float]]] = {}
+        self.link_free: dict[tuple[int, int], float] = {}
         self.ops = {r: [(j, op) for j in range(steps) for op in p[j % len(p)]] for r, p in programs.items()}
         self.occurrence: dict[_Slot, int] = {}
         self.where: dict[tuple[int, Op, int], int] = {}  # (rank, op, k) -> index of the k-th occurrence
@@ -257,10 +262,36 @@ class _Sim:
         self.free[rank] = end
         if op.kind in SEND_KINDS:
             early = self.lead(rank, op) if self.lead is not None else 0.0
-            self.sent[_message_key(rank, op.peer_rank, op)].append(end + self.comm - early)
+            self.send(rank, op, end + self.comm - early)
         if op.kind in RECV_KINDS:
             self.recv_count[_message_key(op.peer_rank, rank, op)] += 1
         self.pos[rank] += 1
+
+    def send(self, rank: int, op: Op, depart: float) -> None:
+        """Post `op`'s message, ready to leave at `depart`; one of a bucket waits for the bucket's last SEND and
+        leaves with the latest of its messages, all of them in one message."""
+        key = _message_key(rank, op.peer_rank, op)
+        together = self.buckets.get((rank, op))
+        if together is None:
+            self.sent[key].append(self.arrival(rank, op, depart))
+            return
+        filling = self.filling.setdefault((rank, together), [])
+        filling.append((key, depart))
+        if len(filling) == len(together):
+            del self.filling[rank, together]
+            arrival = self.arrival(rank, op, max(d for _, d in filling))
+            for k, _ in filling:
+                self.sent[k].append(arrival)
+
+    def arrival(self, rank: int, op: Op, depart: float) -> float:
+        """When a message leaving at `depart` arrives: a streamed transfer under `link` after the earlier ones between
+        the same two ranks (they queue on one connection, each holding it its `link` seconds), any other at once."""
+        if self.link is None or op.kind not in LAYER_SENDS:
+            return depart
+        pair = (rank, op.peer_rank)
+        start = max(depart, self.link_free.get(pair, depart))
+        self.link_free[pair] = start + self.link(rank, op)
+        return self.link_free[pair]
 
     def try_collective(self, rank: int, op: Op) -> str:
         """Run the collective if every member stands at the same occurrence; else what it waits for."""
@@ -302,6 +333,8 @@ def simulate(
     comm: float = 0.0,
     barrier: Mapping[int, tuple[int, ...]] | None = None,
     lead: Duration | None = None,
+    link: Duration | None = None,
+    buckets: Mapping[tuple[int, Op], frozenset[Op]] | None = None,
 ) -> Timeline:
     """Run `programs` (per rank: one step's ops, or a period of steps; step j runs j % period) for `steps` steps.
 
@@ -310,11 +343,14 @@ def simulate(
     another rank; of several copies the one in its replica); with them, only a RECV waits, for its SEND's end plus
     `comm`. `SYNCHRONIZING_KINDS` start together once every rank holding them reaches them and last their members'
     longest `duration`. `barrier`: per rank, the ranks its OPT_STEP waits for (None: a world barrier). `lead`:
-    seconds before a SEND's start that its message leaves. Raises DeadlockError naming the blocked ops.
+    seconds before a SEND's start that its message leaves. `link`: seconds a streamed transfer's message holds the
+    connection between its two ranks, where such messages queue (None: each arrives as it leaves). `buckets`: per
+    (rank, SEND) that travels with others, the SENDs of its message (`planner.problem.buckets.send_buckets`; `link`
+    prices the bucket's message, once). Raises DeadlockError naming the blocked ops.
     """
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    sim = _Sim(as_programs(programs), steps, duration, comm, barrier, lead)
+    sim = _Sim(as_programs(programs), steps, duration, comm, barrier, lead, link, buckets or {})
     while True:
         before = len(sim.intervals)
         blocked = [msg for msg in (sim.advance(r) for r in sorted(sim.pos)) if msg]
@@ -502,7 +538,7 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callabl
 
 def stream_lead(problem: Problem, duration: Callable[[int, Op], float]) -> Callable[[int, Op], float] | None:
     """`simulate`'s lead of streamed sends: a gradient leaves when the backward (a zero-bubble one's W) makes it
-    final (`planner.problem.lowering.ready`), less its transfer between two ranks. None without streaming."""
+    final (`planner.problem.lowering.ready`). None without streaming."""
     streaming = problem.streaming
     if streaming is None:
         return None
@@ -514,12 +550,34 @@ def stream_lead(problem: Problem, duration: Callable[[int, Op], float]) -> Calla
     def lead(rank: int, op: Op) -> float:
         if op.kind not in LAYER_SENDS or op.layer is None:
             return 0.0
-        transfer = problem.costs.collective_seconds(op, 2)
         backward = duration(rank, bwd) - (duration(rank, fwd) if again else 0.0)
-        early = (1.0 - fractions[op.layer]) * backward if op.kind is OpKind.SEND_LGRAD else 0.0
-        return early - transfer
+        return (1.0 - fractions[op.layer]) * backward if op.kind is OpKind.SEND_LGRAD else 0.0
 
     return lead
+
+
+def stream_link(problem: Problem, buckets: Mapping[tuple[int, Op], frozenset[Op]]) -> Callable[[int, Op], float] | None:
+    """`simulate`'s link of streamed transfers: a message between two ranks holds their connection its transfer's
+    seconds (a bucket's once for all its units, as the runtime sends it). None without streaming."""
+    if problem.streaming is None:
+        return None
+
+    def link(rank: int, op: Op) -> float:
+        together = buckets.get((rank, op))
+        return problem.costs.collective_seconds(op, 2) if together is None else problem.costs.bucket_seconds(together)
+
+    return link
+
+
+def problem_buckets(
+    problem: Problem, programs: Mapping[int, Sequence[Sequence[Op]]]
+) -> dict[tuple[int, Op], frozenset[Op]]:
+    """The streamed SENDs of `programs` that travel together, cut as the runtime cuts them
+    (`planner.problem.buckets.send_buckets`)."""
+    if problem.streaming is None:
+        return {}
+    layers = [x for stage in problem.costs.stages for x in stage.layers]
+    return send_buckets(programs, layers, problem.costs.family)
 
 
 @lru_cache(maxsize=256)
@@ -532,7 +590,9 @@ def step_timeline(
     """
     programs = reference_programs(problem) if with_prec else base_programs(problem)
     duration = _duration(problem, fused, refresh)
-    one = simulate(programs, duration, steps=1, lead=stream_lead(problem, duration))
+    buckets = problem_buckets(problem, as_programs(programs))
+    lead, link = stream_lead(problem, duration), stream_link(problem, buckets)
+    one = simulate(programs, duration, steps=1, lead=lead, link=link, buckets=buckets)
     ops = {rank: tuple((iv.op, iv.start, iv.end) for iv in one.of_rank(rank)) for rank in one.ranks}
     allreduce = {
         (rank, op.stage_id): end

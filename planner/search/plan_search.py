@@ -278,15 +278,17 @@ def _streamable(problem: Problem) -> list[str]:
 
 
 def _worth_a_helper(problem: Problem, layer: LayerCost) -> bool:
-    """Whether a Muon unit's APPLY outlasts its gradient's transfer to a helper: a matrix's Newton-Schulz (compute on
-    m^2 n, bytes m n) does but for tiny ones, an AdamW parameter's elementwise step (embeddings, the head, 1-D
-    parameters; planner/problem/analytic.py: passes at memory bandwidth) only on a link faster than a twelfth of it,
-    so it stays with its owner. Only a bound: the step timeline, which prices both transfers, chooses among the rest.
-    Every other family's layer: always (their choice as before)."""
+    """Whether what a helper takes off a Muon unit's owner (its APPLY less what the owner still runs in the gradient
+    hook, `LayerCost.hand_off`) outlasts what the unit adds to its bucket's transfer (its bytes: the units travel in
+    buckets, planner/problem/buckets.py, one fixed cost a bucket): a matrix's Newton-Schulz (compute on m^2 n, bytes
+    m n) does but for tiny ones; an AdamW parameter's elementwise step runs whole in its owner's hook, so it stays
+    there. Only a bound: the step timeline, which prices both transfers, chooses among the rest. Every other family's
+    layer: always (their choice as before)."""
     if problem.costs.family is not PreconditionerKind.MUON:
         return True
     send = Op(OpKind.SEND_LGRAD, STREAMED_STAGE, peer=STREAMED_STAGE + 1, layer=layer.name)
-    return layer.prec > problem.costs.collective_seconds(send, 2)
+    added = problem.costs.bucket_seconds([send]) - problem.costs.bucket_seconds([])
+    return layer.prec - layer.hand_off > added
 
 
 def _helpers(problem: Problem) -> list[int]:

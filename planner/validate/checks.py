@@ -60,11 +60,13 @@ from fxkfac.planner.problem.step_timeline import (
     fused_stats,
     peak_level,
     prec_work,
+    problem_buckets,
     simulate,
     static_bytes,
     step_begins,
     step_timeline,
     stream_lead,
+    stream_link,
     stream_start,
     tap_extra,
     w_operand_bytes,
@@ -784,8 +786,10 @@ def _check_runs(c: Context) -> None:
             if c.problem.barrier is StepBarrier.WORLD
             else {d: agreement_set(c.problem, d) for d in c.problem.devices}
         )
+        buckets = problem_buckets(c.problem, c.plan.programs)
+        lead, link = stream_lead(c.problem, duration), stream_link(c.problem, buckets)
         timeline = simulate(
-            c.plan.programs, duration, steps=steps, barrier=barrier, lead=stream_lead(c.problem, duration)
+            c.plan.programs, duration, steps=steps, barrier=barrier, lead=lead, link=link, buckets=buckets
         )
     except DeadlockError as e:
         c.errors.append(f"the programs deadlock: {e}")

@@ -13,13 +13,22 @@ from pathlib import Path
 import pytest
 
 from fxkfac.planner.plan.plan import NSWhere, Plan, critical_path_step, ns_tasks
-from fxkfac.planner.problem.analytic import muon_cost_table, muon_matrices, ns_iteration_flops, preset
+from fxkfac.planner.problem import buckets
+from fxkfac.planner.problem.analytic import (
+    Precision,
+    model_spec_from_layers,
+    muon_cost_table,
+    muon_matrices,
+    ns_iteration_flops,
+    preset,
+)
+from fxkfac.planner.problem.buckets import bucketable, bundles_streams
 from fxkfac.planner.problem.costs import CostTable, PreconditionerKind
 from fxkfac.planner.problem.errors import PlanError
 from fxkfac.planner.problem.hardware import hardware
-from fxkfac.planner.problem.ir import Op, OpKind, piece_iterations
+from fxkfac.planner.problem.ir import Op, OpKind, as_programs, piece_iterations
 from fxkfac.planner.problem.problem import Problem, SolverConfig
-from fxkfac.planner.problem.step_timeline import plain_step_time
+from fxkfac.planner.problem.step_timeline import plain_step_time, problem_buckets, reference_programs, step_timeline
 from fxkfac.planner.problem.strategy import parse_strategy
 from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.search.plan_search import with_streaming
@@ -222,3 +231,59 @@ def test_muon_plans_of_every_schedule_pass_the_validator(schedule: str, D: int, 
     plan = solve(problem, SolverConfig(time_limit_s=5))
     assert validate(problem, plan) == []
     assert plan.metrics.step_time <= critical_path_step(problem) + 1e-9
+
+
+def _small_matrices() -> Problem:
+    """1F1B D=2, twelve 64 x 64 matrices a stage on the measured gloo-loopback links ("cpu"): each one's
+    Newton-Schulz is shorter than its own message's fixed cost, far longer than its bytes."""
+    spec = model_spec_from_layers([[(f"s{s}.fc{i}", 64, 64, 256, False) for i in range(12)] for s in range(2)])
+    return Problem("1f1b", 2, 4, muon_cost_table(spec, 2, 8, hardware="cpu", ns_precision=Precision.FP32))
+
+
+def test_small_matrices_stream_in_buckets_each_priced_as_one_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled stages make every gradient final at once, so a message a matrix queues on the link, each paying the
+    fixed cost that is longer than the matrix's Newton-Schulz. Priced as the runtime sends them, in buckets (one fixed
+    cost, the bytes together), stage 0 streams more matrices than priced a message a matrix, at a shorter predicted
+    step; the same streaming priced a message a matrix is slower; the validator, which prices buckets alike, accepts
+    the plan."""
+    base = _small_matrices()
+    costs = base.costs
+    send = [Op(OpKind.SEND_LGRAD, 0, peer=1, layer=x.name) for x in costs.stages[0].layers]
+    assert all(x.prec < costs.collective_seconds(op, 2) for x, op in zip(costs.stages[0].layers, send, strict=True))
+    problem = with_streaming(base, whole_backward=True)
+    assert problem.streaming is not None and len(problem.streaming.layers) >= 2
+    cut = problem_buckets(problem, as_programs(reference_programs(problem)))
+    sent = {cut[0, op] for op in send if (0, op) in cut}
+    assert len(sent) == 1, "a bucket holds 1 MiB: the streamed matrices' 16 KiB each fit one"
+    (bucket,) = sent
+    assert len(bucket) == len(problem.streaming.layers)
+    assert costs.bucket_seconds(bucket) < sum(costs.collective_seconds(op, 2) for op in bucket) / 1.5
+    bucketed = step_timeline(problem).length
+    assert bucketed < critical_path_step(problem)
+    plan = solve(problem, SolverConfig(time_limit_s=5))
+    assert validate(problem, plan) == []
+    step_timeline.cache_clear()
+    monkeypatch.setattr(buckets, "bundles_streams", lambda family: False)
+    try:
+        assert problem_buckets(problem, as_programs(reference_programs(problem))) == {}
+        assert bucketed < step_timeline(problem).length, "priced a message a matrix, the same streaming is slower"
+        alone = with_streaming(base, whole_backward=True)
+        streamed = 0 if alone.streaming is None else len(alone.streaming.layers)
+        assert streamed < len(problem.streaming.layers) and bucketed < step_timeline(alone).length
+    finally:
+        step_timeline.cache_clear()
+
+
+def test_only_a_split_apply_bundles_and_only_where_every_program_allows() -> None:
+    """K-FAC's, Shampoo's and SOAP's streamed units travel alone (each returns its state); a Muon owner whose
+    streamed sends are not in a row sends each alone (the runtime's `bucketable`, the same function)."""
+    assert [bundles_streams(k) for k in PreconditionerKind] == [
+        k is PreconditionerKind.MUON for k in PreconditionerKind
+    ]
+    problem = with_streaming(_small_matrices(), whole_backward=True)
+    programs = as_programs(reference_programs(problem))
+    owner = programs[0][0]
+    at = next(i for i, op in enumerate(owner) if op.kind is OpKind.SEND_LGRAD)
+    split = [*owner[: at + 1], Op(OpKind.RECV_ACT, 1, 0, peer=1), *owner[at + 1 :]]
+    assert (0, 1, 0) in bucketable(programs)
+    assert (0, 1, 0) not in bucketable({**programs, 0: [split]})

@@ -1,0 +1,137 @@
+"""Streamed buckets ([Note: streamed buckets] in fxkfac/runtime/streaming.py), owned here for the runtime and the
+planner alike: which (owner, helper, stage) of a plan's programs may send their split-APPLY transfers together
+(`bucketable`), and how the units one owner streams to one helper from one stage are cut into buckets (`cut`). The
+runtime sends each bucket as one message each way; the planner prices it as one (`send_buckets`)."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from typing import TypeVar
+
+from fxkfac.planner.problem.costs import LayerCost, PreconditionerKind, streamed_bytes
+from fxkfac.planner.problem.ir import Op, OpKind
+
+__all__ = ["BUCKET_BYTES", "bucketable", "bundles_streams", "cut", "send_buckets"]
+
+BUCKET_BYTES = 1 << 20
+"""A bucket of a split APPLY's streamed units closes once it holds this many bytes ([Note: streamed buckets]): its
+message's fixed cost is then a small part of it, and the helper starts on the first bucket while the owner's backward
+makes the next."""
+
+K = TypeVar("K", bound=Hashable)
+
+
+def cut(
+    units: Sequence[tuple[K, str, int, Hashable]], order: Mapping[str, int], cap: int = BUCKET_BYTES
+) -> list[tuple[K, tuple[str, ...]]]:
+    """The buckets (group, units in message order) of one end's (group, unit, bytes, element type) units: per group,
+    the units in descending `order`, a bucket closed once it holds `cap` bytes or when the next unit's element type
+    differs. Both ends of a transfer list the same units, so they cut the same buckets."""
+    groups: dict[K, list[tuple[str, int, Hashable]]] = {}
+    for group, unit, nbytes, dtype in units:
+        groups.setdefault(group, []).append((unit, nbytes, dtype))
+    out: list[tuple[K, tuple[str, ...]]] = []
+    for group, members in groups.items():
+        members.sort(key=lambda m: -order[m[0]])
+        start = 0
+        while start < len(members):
+            size, dtype, end = 0, members[start][2], start
+            while end < len(members) and members[end][2] == dtype and (size < cap or end == start):
+                size += members[end][1]
+                end += 1
+            out.append((group, tuple(m[0] for m in members[start:end])))
+            start = end
+    return out
+
+
+_BETWEEN_RETURNS = frozenset({OpKind.APPLY, OpKind.SEND_PGRAD, OpKind.RECV_LGRAD})
+"""What a helper may run between the first and the last SEND_PGRAD of one owner's stage for them to travel in buckets
+(of that stage): nothing that waits on a message the owner sends after it waits for a bucket."""
+
+
+def _waits(op: Op) -> bool:
+    """Whether `op` waits for a message of another rank (a receive, or the step's end)."""
+    return op.kind.value.startswith("RECV_") or op.kind is OpKind.OPT_STEP
+
+
+def _sends_in_a_row(ops: Sequence[Op], where: Sequence[int], stage: int) -> bool:
+    """Whether an owner's SEND_LGRADs of `stage` (at `where` in `ops`) run in a row, and nothing from the stage's last
+    backward before them to the last of them waits on a peer (a bucket's units are all in by its last)."""
+    if where[-1] - where[0] + 1 != len(where):
+        return False
+    last_backward = max(
+        (i for i, op in enumerate(ops[: where[0]]) if op.kind in (OpKind.BWD, OpKind.BWD_W) and op.stage == stage),
+        default=-1,
+    )
+    return not any(_waits(op) for op in ops[last_backward + 1 : where[-1] + 1])
+
+
+def bucketable(programs: Mapping[int, Sequence[Sequence[Op]]]) -> frozenset[tuple[int, int, int]]:
+    """The (owner, helper, stage) whose split-APPLY transfers travel in buckets ([Note: streamed buckets]), given each
+    rank's step op lists: on the owner, the stage's SEND_LGRADs to the helper are consecutive, and so are its
+    RECV_PGRADs from it, and it waits on no peer from the stage's last backward to its last SEND_LGRAD; on the helper,
+    nothing but that pair's RECV_LGRADs, APPLYs and SEND_PGRADs of the stage runs between its first and last SEND_PGRAD
+    to the owner. Then no rank waits for a bucket whose last unit waits on it."""
+    seen: set[tuple[int, int, int]] = set()
+    refused: set[tuple[int, int, int]] = set()
+    for rank, steps in programs.items():
+        for ops in steps:
+            at: dict[tuple[OpKind, int, int], list[int]] = {}
+            for i, op in enumerate(ops):
+                if op.kind in (OpKind.SEND_LGRAD, OpKind.RECV_PGRAD, OpKind.SEND_PGRAD, OpKind.RECV_LGRAD):
+                    assert op.peer is not None and op.stage is not None, "a streamed transfer names its peer and stage"
+                    at.setdefault((op.kind, op.peer, op.stage), []).append(i)
+            for (kind, peer, stage), where in at.items():
+                owner, helper = (rank, peer) if kind in (OpKind.SEND_LGRAD, OpKind.RECV_PGRAD) else (peer, rank)
+                pair = (owner, helper, stage)
+                seen.add(pair)
+                if kind is OpKind.SEND_LGRAD:
+                    ok = _sends_in_a_row(ops, where, stage)
+                elif kind is OpKind.RECV_PGRAD:
+                    ok = where[-1] - where[0] + 1 == len(where)
+                elif kind is OpKind.SEND_PGRAD:
+                    ok = all(
+                        op.kind in _BETWEEN_RETURNS
+                        and op.stage == stage
+                        and (op.kind is OpKind.APPLY or op.peer == peer)
+                        for op in ops[where[0] : where[-1] + 1]
+                    )
+                else:
+                    ok = True
+                if not ok:
+                    refused.add(pair)
+    return frozenset(seen - refused)
+
+
+def bundles_streams(family: PreconditionerKind) -> bool:
+    """Whether the runtime sends `family`'s streamed transfers in buckets: a split APPLY's (Muon: its core's input and
+    output, no state); every other family's streamed unit travels alone (its state returns with it)."""
+    return family is PreconditionerKind.MUON
+
+
+def send_buckets(
+    programs: Mapping[int, Sequence[Sequence[Op]]], layers: Sequence[LayerCost], family: PreconditionerKind
+) -> dict[tuple[int, Op], frozenset[Op]]:
+    """Per (rank, streamed SEND) that travels with others, the SENDs of its bucket on that rank, as the runtime cuts
+    them from the same programs: `layers` every unit of the model in the order the runtime numbers them (the cost
+    table's), priced by its streamed bytes (one element type). Empty where `family` does not bundle."""
+    if not bundles_streams(family):
+        return {}
+    pairs = bucketable(programs)
+    order = {x.name: i for i, x in enumerate(layers)}
+    size = {x.name: x for x in layers}
+    out: dict[tuple[int, Op], frozenset[Op]] = {}
+    for rank, steps in programs.items():
+        for ops in steps:
+            units: list[tuple[tuple[OpKind, int, int], str, int, Hashable]] = []
+            for op in ops:
+                if op.kind not in (OpKind.SEND_LGRAD, OpKind.SEND_PGRAD) or op.layer is None:
+                    continue
+                assert op.peer is not None and op.stage is not None, "a streamed transfer names its peer and stage"
+                owns = op.kind is OpKind.SEND_LGRAD
+                if ((rank, op.peer, op.stage) if owns else (op.peer, rank, op.stage)) in pairs:
+                    units.append(((op.kind, op.peer, op.stage), op.layer, streamed_bytes(size[op.layer], op.kind), 0))
+            for (kind, peer, stage), names in cut(units, order):
+                together = frozenset(Op(kind, stage, peer=peer, layer=n) for n in names)
+                out.update(dict.fromkeys(((rank, op) for op in together), together))
+    return out
