@@ -188,9 +188,10 @@ def test_schedule_auto_charges_the_whole_choice_to_the_time_limit(monkeypatch: p
         return plan_search(problem, search, budget=budget)
 
     monkeypatch.setattr(autoplan, "plan_search", recorded)
-    solve_for(_auto_target(2, 3), _cut(2), PlanOptions(time_limit_s=1.0), cut_costs={4: lambda: _cut(4)})
+    options = PlanOptions(time_limit_s=1.0)
+    solve_for(_auto_target(2, 3), _cut(2), options, cut_costs={4: lambda: _cut(4)})
     assert len(parts) >= 4 and all(b.tally is parts[0].tally for b in parts)  # one budget's views
-    assert 0 < parts[0].tally.spent <= parts[0].limit * 1.1
+    assert 0 < parts[0].tally.spent <= parts[0].units(options.time_limit_s) * 1.1
 
 
 def test_schedule_auto_says_when_memory_rules_a_cut_out(caplog: pytest.LogCaptureFixture) -> None:
