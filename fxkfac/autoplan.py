@@ -14,6 +14,7 @@ from fxkfac.config import ActivationCheckpointing, CheckpointMode, PlanOptions
 from fxkfac.errors import ConfigError, FxkfacError
 from fxkfac.passes.layers import KFACLayer
 from fxkfac.planner import (
+    Budget,
     CostTable,
     Distributions,
     Overhead,
@@ -272,7 +273,8 @@ def solve_for(
 
 
 def _chosen_schedule(target: Target, problem: Problem, search: SearchOptions, cut_costs: CutCosts | None) -> Plan:
-    """The plan of the schedule the planner chooses among `target.choices`, each over the costs of its own cut."""
+    """The plan of the schedule the planner chooses among `target.choices`, each over the costs of its own cut, all of
+    it in one budget of `search`'s time limit (`planner.search.choose_schedule`)."""
     fingerprints = dict(target.choices)
     tables = {problem.num_stages: lambda: problem.costs, **(cut_costs or {})}
 
@@ -288,7 +290,10 @@ def _chosen_schedule(target: Target, problem: Problem, search: SearchOptions, cu
             fingerprint=fingerprints[candidate],
         )
 
-    choice = choose_schedule(list(fingerprints), problem_for, lambda p: plan_search(p, search))
+    whole = Budget.of(search.solver, whole=True)  # PlanOptions.time_limit_s bounds the whole choice
+    choice = choose_schedule(
+        list(fingerprints), problem_for, lambda p, part: plan_search(p, search, budget=part), whole
+    )
     log.warning("schedule='auto': %s", choice.reason)
     return choice.plan
 

@@ -228,11 +228,13 @@ def _solved_at(args: argparse.Namespace, S: int, console: Console, budget: TimeB
     return plan
 
 
-def _auto_schedule(args: argparse.Namespace, console: Console) -> Plan:
-    """--schedule auto: the planner's choice among the schedules of the mesh (fxkfac/cli_schedule.py), the table of
-    what each planned and why the chosen one won printed above the plan."""
+def _auto_schedule(args: argparse.Namespace, console: Console, budget: TimeBudget) -> Plan:
+    """--schedule auto: the planner's choice among the schedules of the mesh (fxkfac/cli_schedule.py), all of it
+    within `budget` (the command's --time-limit), the table of what each planned and why the chosen one won printed
+    above the plan."""
+    search = search_options(args)
     try:
-        choice = choose(args, cost_table, problem_of, search_options(args))
+        choice = choose(args, cost_table, problem_of, search, budget)
     except PlanError as e:
         raise _refused(e, memory_budget(args, device(args)), args.activation_checkpointing) from None
     console.print(render_choice(choice))
@@ -251,13 +253,13 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
         raise CliError(f"--time-limit must be > 0 seconds, got {args.time_limit:g}")
     if args.decomp_pieces < 1:
         raise CliError(f"--decomp-pieces must be >= 1 (1: each decomposition one task), got {args.decomp_pieces}")
+    whole = TimeBudget.of(search_options(args).solver, whole=True, began=began)
     if args.schedule == AUTO_SCHEDULE:
-        plan = _auto_schedule(args, console)
+        plan = _auto_schedule(args, console, whole)
     else:
         S = check_schedule(args)
-        config = search_options(args).solver
         try:
-            plan = _solved(args, S, console, TimeBudget.of(config, whole=True, began=began))
+            plan = _solved(args, S, console, whole)
         except _Refusal as e:
             raise _refused(e, e.budget, args.activation_checkpointing) from None
     budget = memory_budget(args, plan.problem.costs.hardware)

@@ -21,7 +21,7 @@ from fxkfac.planner.search import (
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from fxkfac.planner import CostTable, SearchOptions
+    from fxkfac.planner import Budget, CostTable, SearchOptions
 
 AUTO_SCHEDULE = "auto"
 """The schedule that lets the planner choose (`planner.search.plan_search`): `fxkfac plan --schedule` and
@@ -57,10 +57,11 @@ def choose(
     costs: Callable[[argparse.Namespace, int], CostTable],
     problem_of: Callable[[argparse.Namespace, CostTable], Problem],
     search: SearchOptions,
+    budget: Budget,
 ) -> ScheduleChoice:
     """The planner's choice among the schedules of --stages and --microbatches (`auto_candidates`: --virtual-stages
     above 1 keeps those of that many stages per rank), each costed by `costs` for its stages and planned with
-    `search`."""
+    `search` in its part of `budget`, the command's --time-limit (`planner.search.choose_schedule`)."""
 
     def problem_for(candidate: ScheduleCandidate) -> Problem:
         at = at_schedule(args, candidate)
@@ -70,7 +71,9 @@ def choose(
             raise ConfigError(str(e)) from None
 
     candidates = auto_candidates(args.stages, args.microbatches, args.virtual_stages)
-    return choose_schedule(candidates, problem_for, lambda problem: plan_search(problem, search))
+    return choose_schedule(
+        candidates, problem_for, lambda problem, part: plan_search(problem, search, budget=part), budget
+    )
 
 
 def render_choice(choice: ScheduleChoice) -> Table:

@@ -13,6 +13,8 @@ from fxkfac.autoplan import Target, check_matches, resumed_plan, solve_for
 from fxkfac.cli_schedule import auto_candidates
 from fxkfac.config import PlanOptions
 from fxkfac.errors import ConfigError
+from fxkfac.planner import Budget, Plan, Problem, SearchOptions
+from fxkfac.planner import plan as plan_search
 from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.problem.errors import PlanError, PlanMismatchError
 from fxkfac.planner.problem.schedules import ScheduleKind
@@ -172,6 +174,24 @@ def test_schedule_auto_plans_each_candidate_on_its_own_cut(caplog: pytest.LogCap
     assert said.startswith("schedule='auto': zb-v v=2: the least step") and all(
         name in said for name in ("gpipe", "1f1b", "zb-h1")
     )
+
+
+def test_schedule_auto_charges_the_whole_choice_to_the_time_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PlanOptions.time_limit_s bounds compile(schedule="auto")'s whole choice: every candidate's plan runs in a part
+    of one budget, and together they spend no more than the limit's deterministic time (plus 10%)."""
+    import fxkfac.autoplan as autoplan
+
+    parts: list[Budget] = []
+
+    def recorded(problem: Problem, search: SearchOptions, *, budget: Budget) -> Plan:
+        parts.append(budget)
+        return plan_search(problem, search, budget=budget)
+
+    monkeypatch.setattr(autoplan, "plan_search", recorded)
+    options = PlanOptions(time_limit_s=1.0)
+    solve_for(_auto_target(2, 3), _cut(2), options, cut_costs={4: lambda: _cut(4)})
+    assert len(parts) >= 4 and all(b.tally is parts[0].tally for b in parts)  # one budget's views
+    assert 0 < parts[0].tally.spent <= parts[0].units(options.time_limit_s) * 1.1
 
 
 def test_schedule_auto_says_when_memory_rules_a_cut_out(caplog: pytest.LogCaptureFixture) -> None:

@@ -176,8 +176,16 @@ class ScheduleChoice:
 
 ProblemFor = Callable[[ScheduleCandidate], Problem]
 """The problem of one candidate (its costs cut into its stages); raises a PlannerError where it cannot be made."""
-PlanOf = Callable[[Problem], Plan]
-"""The caller's planner run (`planner.plan` with its SearchOptions); raises PlanError when nothing plans."""
+PlanOf = Callable[[Problem, Budget], Plan]
+"""The caller's planner run of one problem in its part of the choice's budget (`planner.plan` with its SearchOptions
+and `budget=`); raises PlanError when nothing plans."""
+
+FIRST_PLANS_PART = 0.5
+"""Of a schedule choice's time, the part the candidates' plans as asked share (each an equal part of what is left of
+it); the re-plans at the freshest period share the rest and whatever the first plans left unspent."""
+
+NO_TIME = "no time left to plan it (a longer time limit plans it)"
+"""Why a schedule is out when the choice's budget is spent before its turn (one has planned already)."""
 
 
 def _first_line(error: Exception) -> str:
@@ -188,33 +196,56 @@ def _stalest(plan: Plan) -> int:
     return max(plan.metrics.refresh_steps)
 
 
+def _part(view: Budget, fraction: float) -> Budget:
+    """`view.part(fraction)` as the whole of one `plan` search: that fraction of its overtime (greedy placement past
+    CP-SAT's time, a refusal's suggestions) and of its limit (the streaming choice's STREAM_CHOICE_PART) too, which
+    each of the choice's many searches would otherwise take whole."""
+    part = view.part(fraction)
+    overtime = view.overtime * fraction
+    return replace(part, overtime=overtime, cutoff=part.end + overtime, limit=view.limit * fraction)
+
+
 def choose_schedule(
-    candidates: Sequence[ScheduleCandidate], problem_for: ProblemFor, plan_of: PlanOf
+    candidates: Sequence[ScheduleCandidate], problem_for: ProblemFor, plan_of: PlanOf, budget: Budget
 ) -> ScheduleChoice:
     """The least step at the freshest curvature among `candidates`: each planned as asked (a cut or refusal drops it
     out with its reason), those refreshing less often than the freshest plan's longest period planned again with that
     period as `max_period`, and the least step time wins (ties: `ScheduleKind`'s order); PlanError naming each
-    candidate's reason when none plans."""
-    first: list[tuple[ScheduleCandidate, Problem | None, Plan | None, str]] = []
-    for c in candidates:
+    candidate's reason when none plans. Every plan is a candidate of one `budget` ([Note: one budget]): the plans as
+    asked share FIRST_PLANS_PART of it, the re-plans the rest, each an equal part of what is left to those to run;
+    once the budget is spent (and one has planned), those left are out with NO_TIME."""
+    problems: dict[int, Problem] = {}  # by the candidate's index, those whose problem could be made
+    first: list[Plan | None] = [None] * len(candidates)
+    why_not = [""] * len(candidates)
+    for n, c in enumerate(candidates):
         try:
-            problem = problem_for(c)
-            first.append((c, problem, plan_of(problem), ""))
-        except PlannerError as e:  # a cut the costs do not allow, a budget refused: out, with the reason
-            first.append((c, None, None, _first_line(e)))
-    planned = [plan for _, _, plan, _ in first if plan is not None]
+            problems[n] = problem_for(c)
+        except PlannerError as e:  # a cut the costs do not allow: out, with the reason
+            why_not[n] = _first_line(e)
+    firsts = _part(budget, FIRST_PLANS_PART)
+    for left, n in enumerate(problems):  # ScheduleKind's order: GPipe's wide bubbles, often the freshest, first
+        if any(plan is not None for plan in first) and firsts.over():
+            why_not[n] = NO_TIME
+            continue
+        try:
+            first[n] = plan_of(problems[n], _part(firsts, 1 / (len(problems) - left)))
+        except PlannerError as e:  # a budget refused: out, with the reason
+            why_not[n] = _first_line(e)
+    planned = [plan for plan in first if plan is not None]
     if not planned:
-        raise PlanError("no schedule plans: " + "; ".join(f"{c}: {why}" for c, _, _, why in first))
+        raise PlanError("no schedule plans: " + "; ".join(f"{c}: {why}" for c, why in zip(candidates, why_not)))
     period = min(_stalest(p) for p in planned)
-    tried = []
-    for c, made, plan, why in first:
-        fresh = plan
-        if made is not None and plan is not None and _stalest(plan) > period:
-            try:
-                fresh = plan_of(replace(made, max_period=period))
-            except PlanError as e:
-                fresh, why = None, f"cannot refresh every {period} steps: {_first_line(e)}"
-        tried.append(Tried(c, plan, fresh, why))
+    fresh = list(first)
+    stale = [n for n, plan in enumerate(first) if plan is not None and _stalest(plan) > period]
+    for left, n in enumerate(stale):
+        if budget.over():
+            fresh[n], why_not[n] = None, f"cannot refresh every {period} steps: {NO_TIME}"
+            continue
+        try:
+            fresh[n] = plan_of(replace(problems[n], max_period=period), _part(budget, 1 / (len(stale) - left)))
+        except PlanError as e:
+            fresh[n], why_not[n] = None, f"cannot refresh every {period} steps: {_first_line(e)}"
+    tried = [Tried(c, first[n], fresh[n], why_not[n]) for n, c in enumerate(candidates)]
     compared = [t for t in tried if t.plan is not None]
     best = min(compared, key=lambda t: t.plan.metrics.step_time if t.plan is not None else 0.0)
     assert best.plan is not None, "compared candidates have a plan"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fxkfac.planner import Method, Overhead, SearchOptions, TimeLimit
+from fxkfac.planner import Budget, Method, Overhead, Plan, SearchOptions, TimeLimit
 from fxkfac.planner import plan as plan_search
 from fxkfac.planner.problem.errors import ConfigError, PlanError
 from fxkfac.planner.problem.problem import Problem, SolverConfig
@@ -41,8 +41,12 @@ def _problem_for(c: ScheduleCandidate) -> Problem:
     return problem(c.kind, 2, 4, v=c.v, fwd=1.0, bwd=2.0, curv=0.25, inv=1.5, max_overhead=0.3, max_period=8)
 
 
+def _each_solve(p: Problem, part: Budget) -> Plan:  # EACH_SOLVE: every placement the whole limit, `part` unused
+    return plan_search(p, OPTIONS, budget=part)
+
+
 def test_auto_takes_the_least_step_among_plans_at_the_freshest_curvature() -> None:
-    choice = choose_schedule(schedule_candidates(2, 4), _problem_for, lambda p: plan_search(p, OPTIONS))
+    choice = choose_schedule(schedule_candidates(2, 4), _problem_for, _each_solve, Budget.of(OPTIONS.solver))
     firsts = [t.first for t in choice.tried if t.first is not None]
     assert choice.period == min(max(p.metrics.refresh_steps) for p in firsts)
     compared = [t.plan for t in choice.tried if t.plan is not None]
@@ -63,4 +67,22 @@ def test_auto_says_why_when_no_schedule_plans() -> None:
         raise ConfigError(f"no cut for {c}")
 
     with pytest.raises(PlanError, match="1f1b: no cut for 1f1b"):
-        choose_schedule(schedule_candidates(2, 4), refused, lambda p: plan_search(p, OPTIONS))
+        choose_schedule(schedule_candidates(2, 4), refused, _each_solve, Budget.of(OPTIONS.solver))
+
+
+def test_auto_charges_the_whole_choice_to_one_budget() -> None:
+    """`--time-limit` bounds the whole choice: every candidate's plan and re-plan takes its part of one deterministic
+    budget, so what they spent together (CP-SAT's deterministic time and the charges) stays within the limit's."""
+    whole = SearchOptions(solver=SolverConfig(time_limit_s=1.0), overhead=Overhead.STRICT)
+    budget = Budget.of(whole.solver, whole=True)
+    parts: list[tuple[float, float]] = []  # (clock at the call, the part's end)
+
+    def plan_of(p: Problem, part: Budget) -> Plan:
+        parts.append((budget.now(), part.end))
+        return plan_search(p, whole, budget=part)
+
+    choice = choose_schedule(schedule_candidates(2, 4), _problem_for, plan_of, budget)
+    assert validate(choice.plan.problem, choice.plan) == []
+    assert len(parts) > len(schedule_candidates(2, 4)) - 1  # every schedule gpipe's cut leaves, and re-plans
+    assert all(end <= max(now, budget.end) for now, end in parts)  # each part within the one budget (or none left)
+    assert 0 < budget.tally.spent <= budget.limit * 1.1  # the issue's T plus 10%, on the deterministic clock
