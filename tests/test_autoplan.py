@@ -20,6 +20,7 @@ from fxkfac.planner.problem.errors import PlanError, PlanMismatchError
 from fxkfac.planner.problem.schedules import ScheduleKind
 from fxkfac.planner.search import ScheduleCandidate
 from fxkfac.planner.validate import validate
+from tests.support.cost_tables import light_pipeline
 
 MS = 1e-3
 
@@ -125,31 +126,6 @@ def test_schedule_auto_plans_the_schedule_the_planner_chooses_stamped_with_its_f
     check_matches(plan, replace(target, schedule=kind, fingerprint=f"graph-{kind.value}", choices=()))
 
 
-def _cut(stages: int, param_bytes: int = 1 << 20) -> CostTable:
-    """One pipeline (4 ms forward, 8 ms backward per micro-batch, half of it W; four light K-FAC layers) cut into
-    `stages` even stages, each holding `param_bytes` of parameters."""
-    per = 4 // stages
-    return CostTable(
-        tuple(
-            StageCost(
-                4 * MS / stages,
-                8 * MS / stages,
-                param_bytes,
-                1 << 16,
-                tuple(
-                    LayerCost.kfac(f"l{s * per + i}", 0.05 * MS, 0.05 * MS, 0.2 * MS, 0.2 * MS, 0.01 * MS, *[4096] * 4)
-                    for i in range(per)
-                ),
-                wgrad=4 * MS / stages,
-            )
-            for s in range(stages)
-        ),
-        2,
-        "test",
-        "cpu",
-    )
-
-
 def _said(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.getMessage().startswith("schedule='auto'")]
 
@@ -161,13 +137,15 @@ def _auto_target(D: int, N: int) -> Target:
     return Target(choices[0][1], candidates[0].kind, D, N, 1, v=candidates[0].v, choices=choices)
 
 
-def test_schedule_auto_plans_each_candidate_on_its_own_cut(caplog: pytest.LogCaptureFixture) -> None:
+def test_schedule_auto_plans_each_candidate_on_its_ownlight_pipeline(caplog: pytest.LogCaptureFixture) -> None:
     """D=2, N=3: the one-stage-per-rank schedules plan over the 2-stage table, zb-v over the 4-stage cut's; with the
     bubble zb-v leaves least, it wins, and its plan is of 4 stages, stamped with its own fingerprint."""
     target = _auto_target(2, 3)
     assert {str(c) for c, _ in target.choices} == {"gpipe", "1f1b", "zb-h1", "zb-v v=2"}
     with caplog.at_level(logging.WARNING, logger="fxkfac.autoplan"):
-        plan = solve_for(target, _cut(2), PlanOptions(time_limit_s=1.0), cut_costs={4: lambda: _cut(4)})
+        plan = solve_for(
+            target, light_pipeline(2), PlanOptions(time_limit_s=1.0), cut_costs={4: lambda: light_pipeline(4)}
+        )
     assert (plan.problem.schedule, plan.problem.v, plan.problem.num_stages) == ("zb-v", 2, 4)
     assert plan.fingerprint == "graph-zb-v v=2" and validate(plan.problem, plan) == []
     (said,) = _said(caplog)
@@ -189,7 +167,7 @@ def test_schedule_auto_charges_the_whole_choice_to_the_time_limit(monkeypatch: p
 
     monkeypatch.setattr(autoplan, "plan_search", recorded)
     options = PlanOptions(time_limit_s=1.0)
-    solve_for(_auto_target(2, 3), _cut(2), options, cut_costs={4: lambda: _cut(4)})
+    solve_for(_auto_target(2, 3), light_pipeline(2), options, cut_costs={4: lambda: light_pipeline(4)})
     assert len(parts) >= 4 and all(b.tally is parts[0].tally for b in parts)  # one budget's views
     assert 0 < parts[0].tally.spent <= parts[0].units(options.time_limit_s) * 1.1
 
@@ -199,7 +177,12 @@ def test_schedule_auto_says_when_memory_rules_a_cut_out(caplog: pytest.LogCaptur
     is out, with the budget as its reason, and the choice is among the one-stage-per-rank schedules."""
     options = PlanOptions(time_limit_s=1.0, memory_budget=3 << 30)
     with caplog.at_level(logging.WARNING, logger="fxkfac.autoplan"):
-        plan = solve_for(_auto_target(2, 3), _cut(2), options, cut_costs={4: lambda: _cut(4, param_bytes=2 << 30)})
+        plan = solve_for(
+            _auto_target(2, 3),
+            light_pipeline(2),
+            options,
+            cut_costs={4: lambda: light_pipeline(4, param_bytes=2 << 30)},
+        )
     assert plan.problem.v == 1 and plan.problem.num_stages == 2
     (said,) = _said(caplog)
     assert "; zb-v v=2 out: memory budget 3221225472 bytes (3.0 GiB) per device is below the least" in said
@@ -209,7 +192,7 @@ def test_schedule_auto_leaves_out_a_cut_it_has_no_costs_for(caplog: pytest.LogCa
     """A given cost table of one stage count (PlanOptions.costs) plans the candidates of that count; the others are
     out, saying why."""
     with caplog.at_level(logging.WARNING, logger="fxkfac.autoplan"):
-        plan = solve_for(_auto_target(2, 3), _cut(2), PlanOptions(time_limit_s=1.0))
+        plan = solve_for(_auto_target(2, 3), light_pipeline(2), PlanOptions(time_limit_s=1.0))
     assert plan.problem.v == 1
     (said,) = _said(caplog)
     assert "; zb-v v=2 out: no cost table of its 4 stages to plan it with" in said

@@ -11,33 +11,7 @@ import pytest
 from ortools.sat.python import cp_model
 
 from fxkfac.planner import Overhead, Problem, SearchOptions, SolverConfig, TimeLimit, plan, validate
-from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
-
-MS = 1e-3
-
-
-def _costs(stages: int, layers: int = 4) -> CostTable:
-    """Even stages of `layers` K-FAC layers in all, each layer's work longer than Chimera D=2's bubbles."""
-    per = layers // stages
-    return CostTable(
-        tuple(
-            StageCost(
-                4 * MS / stages,
-                8 * MS / stages,
-                1 << 20,
-                1 << 16,
-                tuple(
-                    LayerCost.kfac(f"l{s * per + i}", 0.05 * MS, 0.05 * MS, 0.2 * MS, 0.2 * MS, 0.01 * MS, *[4096] * 4)
-                    for i in range(per)
-                ),
-                wgrad=4 * MS / stages,
-            )
-            for s in range(stages)
-        ),
-        2,
-        "test",
-        "cpu",
-    )
+from tests.support.cost_tables import light_pipeline
 
 
 def _twins(model: cp_model.CpModel) -> int:
@@ -61,7 +35,7 @@ def solved_models(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 
 
 def test_chimera_at_period_one_plans_at_the_least_overhead_without_twin_intervals(solved_models: list[int]) -> None:
-    p = Problem("chimera", 2, 4, _costs(2), W=1, max_period=1)
+    p = Problem("chimera", 2, 4, light_pipeline(2), W=1, max_period=1)
     search = SearchOptions(SolverConfig(time_limit_s=1.0), overhead=Overhead.LEAST, time_limit=TimeLimit.WHOLE_SEARCH)
     made = plan(p, search)
     assert made.problem.max_overhead > 0  # the bubbles alone refused it: the least-overhead search ran
