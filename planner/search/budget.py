@@ -265,6 +265,14 @@ class Budget:
         end = now + max(0.0, self.end - now) * fraction
         return replace(self, end=end, deadline=end, cutoff=end + max(0.0, self.cutoff - self.end))
 
+    def search_part(self, fraction: float) -> Budget:
+        """`part(fraction)` as the whole of one `plan` search (a schedule candidate's): that fraction of this view's
+        overtime (greedy placement past CP-SAT's time, a refusal's suggestions) and of its limit (the streaming choice's
+        STREAM_CHOICE_PART) too, which each of many searches would otherwise take whole."""
+        part = self.part(fraction)
+        overtime = self.overtime * fraction
+        return replace(part, overtime=overtime, cutoff=part.end + overtime, limit=self.limit * fraction)
+
     def share(self, shares: int, *, keep: float = 0.0) -> float | None:
         """One of `shares` searches' share of the CP-SAT time left, in the clock's unit, after `keep` of it is kept
         for what follows them (at least MIN_SHARE seconds' worth); None when none is left."""

@@ -196,15 +196,6 @@ def _stalest(plan: Plan) -> int:
     return max(plan.metrics.refresh_steps)
 
 
-def _part(view: Budget, fraction: float) -> Budget:
-    """`view.part(fraction)` as the whole of one `plan` search: that fraction of its overtime (greedy placement past
-    CP-SAT's time, a refusal's suggestions) and of its limit (the streaming choice's STREAM_CHOICE_PART) too, which
-    each of the choice's many searches would otherwise take whole."""
-    part = view.part(fraction)
-    overtime = view.overtime * fraction
-    return replace(part, overtime=overtime, cutoff=part.end + overtime, limit=view.limit * fraction)
-
-
 def choose_schedule(
     candidates: Sequence[ScheduleCandidate], problem_for: ProblemFor, plan_of: PlanOf, budget: Budget
 ) -> ScheduleChoice:
@@ -222,13 +213,13 @@ def choose_schedule(
             problems[n] = problem_for(c)
         except PlannerError as e:  # a cut the costs do not allow: out, with the reason
             why_not[n] = _first_line(e)
-    firsts = _part(budget, FIRST_PLANS_PART)
+    firsts = budget.search_part(FIRST_PLANS_PART)
     for left, n in enumerate(problems):  # ScheduleKind's order: GPipe's wide bubbles, often the freshest, first
         if any(plan is not None for plan in first) and firsts.over():
             why_not[n] = NO_TIME
             continue
         try:
-            first[n] = plan_of(problems[n], _part(firsts, 1 / (len(problems) - left)))
+            first[n] = plan_of(problems[n], firsts.search_part(1 / (len(problems) - left)))
         except PlannerError as e:  # a budget refused: out, with the reason
             why_not[n] = _first_line(e)
     planned = [plan for plan in first if plan is not None]
@@ -242,7 +233,7 @@ def choose_schedule(
             fresh[n], why_not[n] = None, f"cannot refresh every {period} steps: {NO_TIME}"
             continue
         try:
-            fresh[n] = plan_of(replace(problems[n], max_period=period), _part(budget, 1 / (len(stale) - left)))
+            fresh[n] = plan_of(replace(problems[n], max_period=period), budget.search_part(1 / (len(stale) - left)))
         except PlanError as e:
             fresh[n], why_not[n] = None, f"cannot refresh every {period} steps: {_first_line(e)}"
     tried = [Tried(c, first[n], fresh[n], why_not[n]) for n, c in enumerate(candidates)]
