@@ -45,7 +45,7 @@ from torch import Tensor
 
 from fxkfac.errors import PipelineError
 from fxkfac.planner.problem import LayerTiming, Op, OpKind
-from fxkfac.planner.problem.buckets import BUCKET_BYTES, bucketable, cut
+from fxkfac.planner.problem.buckets import BUCKET_BYTES, cut
 from fxkfac.preconditioner import (
     Family,
     RefreshState,
@@ -60,7 +60,7 @@ from fxkfac.runtime.interpreter import Interpreter, StepContext
 from fxkfac.runtime.mesh import StageCopies
 from fxkfac.runtime.sync import flat_gradient, grad_key, split_flat
 
-__all__ = ["ParamShape", "StreamedLayers", "StreamOwner", "Streams", "Bucket", "buckets", "bucketable", "BUCKET_BYTES"]
+__all__ = ["ParamShape", "StreamedLayers", "StreamOwner", "Streams", "Bucket", "buckets"]
 
 
 class StreamOwner(Protocol):

@@ -38,6 +38,7 @@ from fxkfac.planner.problem import (
     ranks_of_stages,
     stages_of_rank,
 )
+from fxkfac.planner.problem.buckets import bucketable
 from fxkfac.preconditioner import Family, RefreshState, gradient_parts
 from fxkfac.progress import Display, training_progress
 from fxkfac.runtime.host_memory import keep_freed_host_memory
@@ -55,7 +56,7 @@ from fxkfac.runtime.precision import LossScale
 from fxkfac.runtime.preconditioning import PreconditionerRuntime
 from fxkfac.runtime.stage import StageRunner
 from fxkfac.runtime.step_end import StepEnd, StepLoss
-from fxkfac.runtime.streaming import ParamShape, StreamedLayers, bucketable
+from fxkfac.runtime.streaming import ParamShape, StreamedLayers
 from fxkfac.runtime.sync import GradSync, holder_sets, named_groups
 from fxkfac.runtime.tapped_runner import TappedRunner
 from fxkfac.runtime.timeline import Recorder, as_timeline, gather_timelines

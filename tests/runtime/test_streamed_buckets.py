@@ -9,10 +9,11 @@ import torch
 from torch import Tensor
 
 from fxkfac.muon import MuonConfig
+from fxkfac.planner.problem.buckets import bucketable
 from fxkfac.planner.problem.ir import Op, OpKind, Programs
 from fxkfac.runtime import streaming
 from fxkfac.runtime.p2p import Transport
-from fxkfac.runtime.streaming import bucketable, buckets
+from fxkfac.runtime.streaming import buckets
 from tests.muon.support import STEPS, edited_programs, train
 from tests.support.distributed import run_distributed
 
