@@ -36,7 +36,8 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from functools import cache
+from functools import cache, partial
+from typing import Any
 
 import sympy
 
@@ -175,13 +176,9 @@ def _block(
     transposed: bool = False,
     extra: tuple[TensorSpec, ...] = (),
 ) -> BlockSpec:
-    """A block `p` with `attention` attention sub-layers and one MLP, each wrapped in norm + residual: its Linears
-    `rows`, its norms (names under `p`) after `extra` parameters.
-
-    Saved activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-    Models", sec. 4.1): per attention sub-layer 5h elements + an h mask, the MLP h + 2f + an h mask, 1h per norm
-    input. Elementwise forward: dropout, residual add and norm over h per sub-layer, the activation over f.
-    """
+    """A block `p` of `attention` attention sub-layers and an MLP, each with norm + residual (Linears `rows`, norms
+    under `p`). Saved activations per Korthikanti et al. 2022, sec. 4.1: per attention 5h + an h mask, the MLP h + 2f
+    + an h mask, h per norm; elementwise forward: dropout, residual and norm over h per sub-layer, activation over f."""
     sublayers = attention + 1
     return BlockSpec(
         name=p,
@@ -265,12 +262,8 @@ def _opt(name: str, h: int, layers: int, heads: int, ffn: int, proj: int) -> Mod
 
 
 def _t5_base() -> ModelSpec:
-    """T5ForConditionalGeneration t5-base: 12 encoder then 12 decoder blocks, no biases, RMS norms.
-
-    Simplifications: the 24 blocks run in one sequence (the encoder output feeding every decoder block's
-    cross-attention is no transfer), the decoder length is the encoder's, and the relative position bias lives in
-    block 0 of each stack.
-    """
+    """T5ForConditionalGeneration t5-base: 12 encoder then 12 decoder blocks in one sequence (the encoder output
+    is no transfer), no biases, RMS norms, the decoder as long as the encoder, position bias in each stack's block 0."""
     vocab, h, ffn, heads = 32128, 768, 3072, 12
     blocks = []
     for stack, n_sub in (("encoder", 2), ("decoder", 3)):
@@ -325,12 +318,9 @@ def _as_linear(item: LinearSpec | Sequence[object], where: str) -> LinearSpec:
 def model_spec_from_layers(
     stages: Sequence[Sequence[LinearSpec | Sequence[object]]], *, name: str = "model"
 ) -> ModelSpec:
-    """A ModelSpec for a captured user model: one block per stage, of its K-FAC layers, each a LinearSpec or
-    (name, d_in, d_out, tokens[, bias]), tokens the rows per sample (a conv's output positions, d_in = C_in*kh*kw).
-
-    seq_len is 1 (per-token means per sample). Only the GEMMs are costed (kept: each layer's input; elementwise:
-    each output once); the rest of the model is unknown here, so measured profiles are preferable.
-    """
+    """A ModelSpec for a captured user model: one block per stage of its K-FAC layers, each a LinearSpec or (name,
+    d_in, d_out, tokens[, bias]), tokens the rows per sample; seq_len 1. Only the GEMMs are costed (kept: each
+    input; elementwise: each output), so measured profiles are preferable."""
     if not stages:
         raise CostModelError("model_spec_from_layers needs at least one stage")
     blocks = []
@@ -373,8 +363,7 @@ class FactorKind(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class Block:
-    """One block of a view: ``(start, end)`` per dimension of the view and the factor kind of each side
-    (``kinds`` is empty when the block has no factors: ``LargeDimMethod.ADAGRAD`` on a large view)."""
+    """One block of a view: ``(start, end)`` per dimension and each side's factor kind (none: ADAGRAD, large)."""
 
     ranges: tuple[tuple[int, int], ...]
     kinds: tuple[FactorKind, ...]
@@ -386,8 +375,7 @@ class Block:
 
     @property
     def sides(self) -> tuple[int, int]:
-        """(m, n): the sides of its dense L and R factors, 0 where that side has none (a 1-D block's R, a
-        diagonal factor, no factors at all)."""
+        """(m, n): the sides of its dense L and R factors, 0 where that side has none."""
         dense = [d if kind is FactorKind.DENSE else 0 for d, kind in zip(self.shape, self.kinds)]
         dense += [0] * (2 - len(dense))
         return dense[0], dense[1]
@@ -414,16 +402,14 @@ def merge_dims(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
 
 
 def matrix_view(shape: Sequence[int], max_dim: int, merge: bool = True) -> tuple[int, ...]:
-    """The 1-D or 2-D shape a parameter is preconditioned as: size-1 dims dropped, merged when `merge`, and an
-    order > 2 result viewed as (d0, d1*...*dk) (L on the first dimension, R on the rest)."""
+    """The 1-D or 2-D shape a parameter is preconditioned as (the module doc)."""
     _check(shape, max_dim)
     dims = merge_dims(shape, max_dim) if merge else (tuple(d for d in shape if d != 1) or (1,))
     return dims if len(dims) <= 2 else (dims[0], math.prod(dims[1:]))
 
 
 def block_ranges(shape: Sequence[int], max_dim: int) -> list[tuple[tuple[int, int], ...]]:
-    """Blocks of side <= `max_dim` covering `shape` (a view), ragged at the far edges, in row-major order:
-    ``(start, end)`` per dimension. (25, 7) with max_dim 10: rows (0,10) (10,20) (20,25) x cols (0,7)."""
+    """Blocks of side <= `max_dim` covering `shape`, ragged at the far edges, row-major: ``(start, end)`` per dim."""
     _check(shape, max_dim)
     chunks = ([(start, min(start + max_dim, d)) for start in range(0, d, max_dim)] for d in shape)
     return list(itertools.product(*chunks))
@@ -454,8 +440,7 @@ def partition(
 def factor_sides(
     shape: Sequence[int], max_dim: int, method: LargeDimMethod, merge: bool = True
 ) -> list[tuple[int, int]]:
-    """(m, n) per block of a parameter of `shape`: the sides of its dense L and R factors (what eigh and the
-    preconditioning matmuls cost), 0 where a side has none (`Block.sides`). Block sizes: `partition`."""
+    """`Block.sides` of each block of a parameter of `shape` (`partition`)."""
     return [block.sides for block in partition(shape, max_dim, method, merge)[1]]
 
 
@@ -473,8 +458,8 @@ Matrix Computations, 4th ed., sec. 8.3.6); LAPACK/cuSOLVER syevd does no more.""
 
 @cache
 def linear_expressions(inverse: InverseMethod = InverseMethod.CHOLESKY) -> dict[str, sympy.Expr]:
-    """FLOPs and bytes of one Linear's forward, backward and K-FAC kernels, and the memory K-FAC keeps: inverting an
-    n x n factor is Cholesky + potri, n^3, or an eigendecomposition, EIGH_FLOPS n^3; B^-1 G A^-1 two GEMMs."""
+    """FLOPs and bytes of one Linear's kernels and K-FAC's memory: an n x n inverse by Cholesky + potri (n^3) or
+    eigh (EIGH_FLOPS n^3); B^-1 G A^-1 two GEMMs."""
     if inverse not in set(InverseMethod):
         raise CostModelError(f"inverse must be one of {[m.value for m in InverseMethod]}, got {inverse!r}")
     d_a = d_in + beta
@@ -619,8 +604,7 @@ def _precision(hw: HardwareSpec, precision: Precision) -> tuple[float, int]:
 
 @dataclass(frozen=True, slots=True)
 class BlockCost:
-    """Seconds (fwd, bwd per micro-batch) and memory of one block, its K-FAC layers, and the bytes of one
-    micro-batch's hidden state (the block's input, as large as its output)."""
+    """Seconds (fwd, bwd per micro-batch), memory and K-FAC layers of one block; `hidden_bytes`: its input's."""
 
     fwd: float
     bwd: float
@@ -730,12 +714,8 @@ def analytic_cost_table(
     inverse: InverseMethod = InverseMethod.CHOLESKY,
     units: Units | None = None,
 ) -> CostTable:
-    """A CostTable from the analytic model, one LayerCost per K-FAC Linear (Hugging Face FQNs), or per `units` of
-    each block (another family's); fp32 master weights (4 bytes a parameter).
-
-    stages: an int (balanced contiguous split by fwd+bwd time) or block ranges per stage ([range(0, 3), (3, 6)]);
-    the embeddings are costed on the first stage and the head on the last.
-    """
+    """A CostTable from the analytic model, one LayerCost per K-FAC Linear or per `units` of each block (another
+    family's), fp32 weights. stages: a count (balanced by fwd+bwd) or block ranges; embeddings first, head last."""
     spec = preset(model_spec) if isinstance(model_spec, str) else model_spec
     hw = get_hardware(hardware)
     _check_size("micro_batch_size", micro_batch_size)
@@ -781,8 +761,16 @@ def _check_size(name: str, value: object, *, none: str = "") -> None:
         raise CostModelError(f"{name} must be an int >= 1{none}, got {value!r}")
 
 
-def _tagged(table: CostTable, kind: PreconditionerKind, tag: str) -> CostTable:
-    """`table` as family `kind`'s, its source's last field replaced by `tag`."""
+def _family_table(
+    *args: Any, precision: Precision, kind: PreconditionerKind, tag: str, unit: Callable[..., LayerCost | None]
+) -> CostTable:
+    """`analytic_cost_table(*args)` of family `kind`: `unit` of each parameter and its block (None: none), the
+    source's last field replaced by `tag`."""
+
+    def units(block: BlockSpec) -> tuple[LayerCost, ...]:
+        return tuple(c for c in (unit(t, block) for t in block.parameters) if c is not None)
+
+    table = analytic_cost_table(*args, precision=precision, units=units)
     return replace(table, source=tagged_source(kind, f"{table.source.rsplit(':', 1)[0]}:{tag}"), family=kind)
 
 
@@ -792,8 +780,7 @@ QR_FLOPS = 8 / 3
 """FLOPs per b^3 of a Householder QR of a b x b matrix with Q formed (geqrf 4b^3/3 + orgqr 4b^3/3)."""
 
 NEWTON_ITERATIONS = 20
-"""Coupled inverse Newton iterations per root (an estimate; reference implementations cap it at 100 and stop at
-||M_k - I|| < 1e-6, about 20 steps for float32 factors of condition number <= 1e6)."""
+"""Coupled inverse Newton iterations per root (about 20 to ||M_k - I|| < 1e-6 at float32, condition <= 1e6)."""
 
 ELEMENTWISE_PASSES: dict[PreconditionerKind, int] = {
     PreconditionerKind.SHAMPOO: 8,  # G and P for the two norms, P and W read + P written (decay), M read + written
@@ -822,8 +809,7 @@ _METHODS = {
 
 
 def newton_matmuls(p: int) -> int:
-    """Matrix products of one coupled Newton step for the inverse p-th root: Z^p by repeated squaring
-    (floor(log2 p) squarings and popcount(p) - 1 products), Z^p M_k, and X_k Z."""
+    """Matrix products of one coupled Newton step for the inverse p-th root: Z^p by squaring, Z^p M_k, X_k Z."""
     return p.bit_length() - 1 + p.bit_count() - 1 + 2
 
 
@@ -858,8 +844,7 @@ def _apply_flops(kind: PreconditionerKind, shape: tuple[int, int], sides: tuple[
 def parameter_cost(
     tensor: TensorSpec, hw: HardwareSpec, kind: PreconditionerKind, max_dim: int, method: RootMethod | None = None
 ) -> LayerCost | None:
-    """The LayerCost of one parameter (name: its FQN) cut into blocks of side <= max_dim; None when the family
-    leaves it to its diagonal method (SOAP's 1-D parameters). `method`: the family's default when None."""
+    """The LayerCost of one parameter in blocks of side <= max_dim; None where the family leaves it to AdamW."""
     method = _METHODS[kind][0] if method is None else method
     if method not in _METHODS[kind]:
         raise CostModelError(f"{kind} decomposes by {[m.value for m in _METHODS[kind]]}, not {method.value!r}")
@@ -904,7 +889,7 @@ def gradient_cost_table(
     precision: Precision = Precision.FP32,
 ) -> CostTable:
     """The analytic CostTable of Shampoo or SOAP: one LayerCost per parameter, blocks of side `max_dim` (None:
-    unblocked). The source reads e.g. "shampoo:analytic:bert-base:seq128:fp32:eigh:block1024"."""
+    unblocked), source e.g. "shampoo:analytic:bert-base:seq128:fp32:eigh:block1024"."""
     if kind is PreconditionerKind.KFAC:
         raise CostModelError("gradient_cost_table costs Shampoo or SOAP; K-FAC's is analytic_cost_table")
     spec = preset(model_spec) if isinstance(model_spec, str) else model_spec
@@ -912,19 +897,14 @@ def gradient_cost_table(
     side = largest_dim(spec) if max_dim is None else max_dim
     _check_size("max_dim", side, none=" or None (no blocking)")
     how = _METHODS[kind][0] if method is None else method
-
-    def units(block: BlockSpec) -> tuple[LayerCost, ...]:
-        costs = (parameter_cost(t, hw, kind, side, how) for t in block.parameters)
-        return tuple(c for c in costs if c is not None)
-
-    table = analytic_cost_table(spec, stages, micro_batch_size, seq_len, hw, precision=precision, units=units)
-    return _tagged(table, kind, f"{how.value}:{'unblocked' if max_dim is None else f'block{max_dim}'}")
+    tag = f"{how.value}:{'unblocked' if max_dim is None else f'block{max_dim}'}"
+    args = (spec, stages, micro_batch_size, seq_len, hw)
+    unit = partial(parameter_cost, hw=hw, kind=kind, max_dim=side, method=how)
+    return _family_table(*args, precision=precision, kind=kind, tag=tag, unit=lambda t, _: unit(t))
 
 
 ADAMW_PASSES = 12
-"""fp32 reads and writes per element of an AdamW step: the moments (gradient and both read, both written), the
-direction (both moments and the weight read, the direction written), the update (weight and direction read,
-weight written)."""
+"""fp32 reads and writes per element of an AdamW step: moments 5, direction 4, update 3."""
 
 
 def ns_iteration_flops(rows: int, cols: int) -> int:
@@ -936,8 +916,7 @@ def ns_iteration_flops(rows: int, cols: int) -> int:
 def matrix_cost(
     tensor: TensorSpec, hw: HardwareSpec, ns_steps: int = NS_STEPS, precision: Precision = Precision.BF16
 ) -> LayerCost:
-    """The LayerCost of one Muon matrix (name: its FQN): no parts, `prec` its step's APPLY, the `ns_steps`
-    iterations' three products each by the roofline at `precision`, and its elementwise work."""
+    """The LayerCost of one Muon matrix: no parts, `prec` its `ns_steps` iterations at `precision` and elementwise."""
     if len(tensor.shape) != 2:
         raise CostModelError(f"Muon orthogonalizes 2-D matrices; {tensor.name} has shape {tensor.shape}")
     r, c = tensor.shape
@@ -952,17 +931,15 @@ def matrix_cost(
 
 
 def adamw_cost(tensor: TensorSpec, hw: HardwareSpec) -> LayerCost:
-    """The LayerCost of a parameter AdamW steps (name: its FQN): no parts, `prec` its elementwise step, its state
-    the two moments; streamed, its owner still runs the whole step, in the gradient hook (`hand_off`: Muon's
-    `apply_input`), so a helper saves it nothing."""
+    """The LayerCost of a parameter AdamW steps: `prec` its elementwise step, state two moments; streamed, its owner
+    still runs the step in the gradient hook (`hand_off`)."""
     numel = _F32 * tensor.numel
     step = ADAMW_PASSES * numel / hw.mem_bandwidth
     return LayerCost(tensor.name, (), step, 2 * numel, numel, hand_off=step)
 
 
 def muon_matrices(block: BlockSpec) -> tuple[TensorSpec, ...]:
-    """The block's parameters Muon orthogonalizes: the weights of its Linears other than a vocabulary head (those
-    K-FAC skips) or a tied one; embedding tables, norms and biases go to AdamW."""
+    """The weights Muon orthogonalizes: its Linears' but a vocabulary head's or a tied one's (the rest: AdamW)."""
     return tuple(x.tensors[0] for x in block.linears if x.kfac and not x.tied)
 
 
@@ -977,19 +954,14 @@ def muon_cost_table(
     precision: Precision = Precision.FP32,
     ns_precision: Precision = Precision.BF16,
 ) -> CostTable:
-    """The analytic CostTable of Muon: one LayerCost per parameter, a Muon matrix's (`muon_matrices`) its
-    Newton-Schulz at `ns_precision`, every other's AdamW's step. The source reads e.g.
-    "muon:analytic:bert-large:seq128:fp32:ns5"."""
+    """The analytic CostTable of Muon: one LayerCost per parameter, a matrix's Newton-Schulz at `ns_precision`, the
+    others' AdamW's step; source e.g. "muon:analytic:bert-large:seq128:fp32:ns5"."""
     _check_size("ns_steps", ns_steps)
-    spec = preset(model_spec) if isinstance(model_spec, str) else model_spec
     hw = get_hardware(hardware)
 
-    def units(block: BlockSpec) -> tuple[LayerCost, ...]:
-        matrices = {t.name for t in muon_matrices(block)}
-        return tuple(
-            matrix_cost(t, hw, ns_steps, ns_precision) if t.name in matrices else adamw_cost(t, hw)
-            for t in block.parameters
-        )
+    def unit(t: TensorSpec, block: BlockSpec) -> LayerCost:
+        return matrix_cost(t, hw, ns_steps, ns_precision) if t in muon_matrices(block) else adamw_cost(t, hw)
 
-    table = analytic_cost_table(spec, stages, micro_batch_size, seq_len, hw, precision=precision, units=units)
-    return _tagged(table, PreconditionerKind.MUON, f"ns{ns_steps}")
+    kind = PreconditionerKind.MUON
+    args = (model_spec, stages, micro_batch_size, seq_len, hw)
+    return _family_table(*args, precision=precision, kind=kind, tag=f"ns{ns_steps}", unit=unit)

@@ -1,10 +1,5 @@
-"""Cost tables: what each stage and preconditioned layer costs in seconds and bytes (+ JSON), which family they are
-for (`CostTable.family`, whose `WORDS` the views speak in), and what collectives cost (`CostTable.comm`,
-planner/problem/hardware.py). Profiles and `load_cost_table` are planner/problem/profiles.py.
-
-A parameter several stages use (tied weights: GPT-2's wte and lm_head) is one unit of work on one owner stage
-(`tied_owner`); the runtime sums its gradient over its stages first and sends the owner's direction to the others.
-"""
+"""Cost tables: what each stage and preconditioned layer costs in seconds and bytes (+ JSON), the family they price
+(`CostTable.family`, whose `WORDS` the views speak in), and what collectives cost (`CostTable.comm`)."""
 
 from __future__ import annotations
 
@@ -26,8 +21,7 @@ SCHEMA_VERSION = 1
 """Version of the cost-table JSON layout; `CostTable.from_json` refuses any other."""
 
 COUNT_BYTES = 4
-"""Bytes of the micro-batch count a SYNC_STATS all-reduces with each statistic (one element of the fp32
-statistics; the runtime appends it to the flattened sum)."""
+"""Bytes of the micro-batch count a SYNC_STATS all-reduces with each statistic (one fp32 element)."""
 
 _SPREAD = "_spread"
 """Suffix of the field that holds the `Spread` of the time field it follows (`bwd` -> `bwd_spread`)."""
@@ -44,8 +38,7 @@ def _check_number(owner: str, field: str, value: Any, *, integer: bool) -> None:
 
 
 def _check_fields(obj: Any, owner: str, *skip: str) -> None:
-    """`_check_number` of each field of `obj` (`*_bytes` ints) but `skip` and those unmeasured (None by default); each
-    `*_spread` None or a Spread (whether it still holds its time is not checked)."""
+    """`_check_number` of each field of `obj` (`*_bytes` ints) but `skip` and the unmeasured; spreads checked."""
     for f in fields(obj):
         value = getattr(obj, f.name)
         if f.name.endswith(_SPREAD) and value is not None and not isinstance(value, Spread):
@@ -56,8 +49,7 @@ def _check_fields(obj: Any, owner: str, *skip: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Spread:
-    """The fastest and slowest of a profiled time's repeats, in seconds (the profiler plans with the fastest):
-    extremes rather than quartiles of a handful of repeats show at once how far a busy machine moved a figure."""
+    """The fastest and slowest of a profiled time's repeats, in seconds (the profiler plans with the fastest)."""
 
     low: float
     high: float
@@ -86,13 +78,9 @@ class Spread:
 
 @dataclass(frozen=True, slots=True)
 class PartCost:
-    """What one part of a layer's preconditioner costs (K-FAC's parts: the factors A and B).
-
-    after: the op whose end makes the part's capture (FWD: the layer input; BWD: its output gradient;
-    ALLREDUCE_GRAD: the reduced gradient, every step before APPLY); stats: seconds to turn one micro-batch's capture
-    into its statistic; decomp: seconds to decompose it; capture_bytes: what a deferred capture keeps per
-    micro-batch; state_bytes: the statistic (its decomposition is as large); *_spread: profiled repeats.
-    """
+    """One part of a layer's preconditioner (K-FAC's factors A and B): `after` the op whose end makes its capture
+    (FWD, BWD, or ALLREDUCE_GRAD every step), `stats` seconds per micro-batch's statistic, `decomp` seconds,
+    `capture_bytes` a deferred capture's, `state_bytes` the statistic's (its decomposition's too)."""
 
     part: str
     after: OpKind
@@ -113,9 +101,8 @@ class PartCost:
 
 @dataclass(frozen=True, slots=True)
 class LayerCost:
-    """What one preconditioned layer costs: its parts (none for a Muon matrix), `prec` seconds of its APPLY per
-    step, `state_bytes` of optimizer state besides the parts' statistics (momentum, Adam moments), `grad_bytes` of
-    its gradient (0: unknown, see `gradient_bytes`), `prec_spread` profiled repeats."""
+    """One preconditioned layer: its parts (none for a Muon matrix), `prec` seconds of its APPLY per step,
+    `state_bytes` of optimizer state besides the statistics, `grad_bytes` of its gradient (0: unknown)."""
 
     name: str
     parts: tuple[PartCost, ...]
@@ -124,16 +111,14 @@ class LayerCost:
     grad_bytes: int = 0
     prec_spread: Spread | None = None
     grad_ready: float | None = None
-    """Seconds from its stage's backward start (one micro-batch) until its gradient is final, when a streamed APPLY
-    can take it (planner/problem/lowering.py); None where not measured (an estimate is used)."""
+    """Seconds from its stage's backward start until its gradient is final (streaming); None: estimated."""
     hand_off: float = 0.0
     """Seconds a streamed layer's owner spends making its message in the last backward's gradient hook."""
     take_back: float = 0.0
     """Seconds the owner spends installing what its helper returns (the helper packs it in about as long)."""
     wgrad: float | None = None
-    """Seconds of one micro-batch's W piece of this layer alone (a zero-bubble schedule's per-layer W: the gradients
-    of its parameters, [Note: W pieces] in fxkfac/runtime/split_backward.py); None where not measured. A part of its
-    stage's `StageCost.wgrad`, which also holds the stage's shared piece."""
+    """Seconds of one micro-batch's W piece of this layer alone (per-layer W), part of its stage's `wgrad`; None:
+    not measured."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -159,8 +144,7 @@ class LayerCost:
         factor_b_bytes: int,
         grad_bytes: int = 0,
     ) -> LayerCost:
-        """A K-FAC layer: factors A (after FWD) and B (after BWD), each made from one micro-batch in curv_*, inverted
-        in inv_*, kept in factor_*_bytes, a deferred capture keeping a_bytes / e_bytes; B^-1 G A^-1 in prec."""
+        """A K-FAC layer: factors A (after FWD) and B (after BWD); B^-1 G A^-1 in prec."""
         return cls(
             name,
             (
@@ -210,9 +194,8 @@ class LayerCost:
 
 @dataclass(frozen=True, slots=True)
 class StageCost:
-    """What one pipeline stage costs: per-micro-batch forward/backward, memory, and its layers. act_bytes: kept per
-    micro-batch in flight; peak_err_bytes: the transient peak of one backward's errors; *_spread: profiled repeats.
-    The optional fields are 0 or None where not measured (the paper's profiles, analytic tables)."""
+    """One pipeline stage: per-micro-batch forward/backward seconds, memory (`act_bytes` per micro-batch in flight,
+    `peak_err_bytes` one backward's transient peak) and its layers; optional fields 0 or None where not measured."""
 
     fwd: float
     bwd: float
@@ -223,7 +206,7 @@ class StageCost:
     fwd_spread: Spread | None = None
     bwd_spread: Spread | None = None
     tap_fwd: float = 0.0
-    """Seconds a refresh step adds to one micro-batch's forward by tapping the captured layers (probes, inputs kept)."""
+    """Seconds a refresh step adds to one micro-batch's forward by tapping the captured layers."""
     tap_bwd: float = 0.0
     """The same for one micro-batch's backward (the probes' gradients)."""
     fused_fwd: float | None = None
@@ -231,11 +214,9 @@ class StageCost:
     fused_bwd: float | None = None
     """The same for one micro-batch's backward."""
     boundary_bytes: int = 0
-    """Bytes one micro-batch keeps from its forward to its backward when the stage recomputes its forward
-    (`Problem.recompute`): its inputs and outputs."""
+    """Bytes one micro-batch keeps from forward to backward when the stage recomputes its forward."""
     wgrad: float | None = None
-    """Seconds of `bwd` that compute the weight gradient (a zero-bubble schedule's W, OpKind.BWD_W); None where not
-    measured: half the backward (a linear layer's input and weight gradients are matmuls of one size)."""
+    """Seconds of `bwd` computing the weight gradient (a zero-bubble W); None: half the backward."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, tuple) or not all(isinstance(x, LayerCost) for x in self.layers):
@@ -250,9 +231,8 @@ class StageCost:
         return self.bwd / 2 if self.wgrad is None else self.wgrad
 
     def fused_curvature(self, names: Collection[str], after: OpKind) -> float:
-        """Seconds fusing the curvature of the layers `names` adds to one micro-batch's forward (`after` FWD) or
-        backward (BWD) of a refresh step: the measured `fused_fwd` / `fused_bwd` shared out in proportion to the
-        layers' statistics times, or where not measured those times themselves (what deferring them costs)."""
+        """Seconds fusing the curvature of `names` adds to a refresh step's forward (`after` FWD) or backward: the
+        measured `fused_fwd` / `fused_bwd` shared in proportion to their statistics' times, else those times."""
         priced = sum(p.stats for x in self.layers if x.name in names for p in x.parts if p.after is after)
         measured = self.fused_fwd if after is OpKind.FWD else self.fused_bwd
         if measured is None or priced == 0:
@@ -295,8 +275,8 @@ class PreconditionerKind(StrEnum):
 
 
 def streamed_bytes(layer: LayerCost, kind: OpKind) -> int:
-    """Bytes of a streamed layer's hand-off: its gradient each way; one with gradient-fed statistics also sends its
-    parameter and takes back its statistics and state (docs/STREAMED_APPLY.md, "Stateful units")."""
+    """Bytes of a streamed layer's hand-off: its gradient each way, with gradient-fed statistics also its parameter
+    out and its statistics and state back."""
     if not any(p.after is OpKind.ALLREDUCE_GRAD for p in layer.parts):
         return layer.gradient_bytes
     if kind is OpKind.SEND_LGRAD:
@@ -314,8 +294,7 @@ class CostTable:
     """How the numbers were made, e.g. "pipefisher-csv:bert-base_time_memory_p100.csv"."""
     hardware: str
     comm: CommModel | None = None
-    """What collectives cost between the devices (planner/problem/hardware.py); None: nothing (tables from before
-    it)."""
+    """What collectives cost between the devices; None: nothing."""
     family: PreconditionerKind = PreconditionerKind.KFAC
     """The preconditioner family whose tasks the layers' parts price."""
 
@@ -353,10 +332,8 @@ class CostTable:
         raise CostModelError(f"no layer {layer!r} in the cost table; known: {list(self.layer_names)}")
 
     def collective_seconds(self, op: Op, group_size: int) -> float:
-        """Seconds of collective `op` over `group_size` ranks under `comm`, summed over the messages the runtime makes
-        of it (the stage's gradients, each named part's statistic with its count or its decomposition, a layer's
-        preconditioned gradient, a streamed layer's hand-off), rounded up to a whole microsecond (an exact time
-        grid, [Note: time grid] in planner/plan/window.py)."""
+        """Seconds of collective `op` over `group_size` ranks under `comm`, summed over the runtime's messages, rounded
+        up to a whole microsecond (an exact time grid)."""
         if op.stage is None:
             raise CostModelError(f"{op} names no stage: its bytes are unknown")
         stage = self.stages[op.stage]
@@ -384,15 +361,12 @@ class CostTable:
         return math.ceil(total * 1e6 - 1e-6) / 1e6
 
     def bucket_seconds(self, sends: Iterable[Op]) -> float:
-        """Seconds of one message between two ranks carrying the streamed `sends` together (a bucket, planner/problem/
-        buckets.py): the fixed cost once, every unit's bytes, rounded up to a whole microsecond as `collective_seconds`.
-        """
+        """Seconds of one message carrying the streamed `sends` together (a bucket), rounded as `collective_seconds`."""
         nbytes = sum(streamed_bytes(self.layer(op.layer), op.kind) for op in sends if op.layer is not None)
         return math.ceil(comm_seconds(self.comm, Collective.SEND, nbytes, 2) * 1e6 - 1e-6) / 1e6
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able form with the schema version; a field not measured is left out (`_drop_unmeasured`), so
-        the file of an unprofiled table is as before it existed."""
+        """Plain JSON-able form with the schema version; fields not measured left out."""
         body = asdict(self)
         if self.comm is None:
             del body["comm"]
@@ -452,8 +426,7 @@ class CostTable:
         return replace(self, stages=tuple(_scale_stage(s, factor, factor, 1.0) for s in self.stages))
 
     def scale_kfac_times(self, factor: float) -> CostTable:
-        """Curvature, inversion and preconditioning times multiplied by `factor`; F/B (a layer's W too) and bytes
-        unchanged (a margin: kernels timed alone run slower when every rank computes at once)."""
+        """Preconditioner times multiplied by `factor` (a margin); F/B (a layer's W too) and bytes unchanged."""
         _check_number("scale_kfac_times", "factor", factor, integer=False)
         stages = tuple(
             replace(s, layers=tuple(replace(_scale_layer(x, factor, factor, 1.0), wgrad=x.wgrad) for x in s.layers))
@@ -485,8 +458,7 @@ def _family_of_file(data: dict[str, Any]) -> PreconditionerKind:
 _OPTIONAL = frozenset(
     {"tap_fwd", "tap_bwd", "boundary_bytes", "fused_fwd", "fused_bwd", "wgrad", "grad_ready", "hand_off", "take_back"}
 )
-"""Fields a cost file leaves out at their default (besides every unprofiled `*_spread`); these tables go by name,
-for every cost class that has the field (`wgrad`: the stage's W and each layer's piece of it)."""
+"""Fields a cost file leaves out at their default (besides every unprofiled `*_spread`), in any cost class."""
 
 
 def _drop_unmeasured(body: dict[str, Any], cls: type) -> None:
@@ -550,8 +522,7 @@ def _scale_layer(x: LayerCost, per_mb: float, fixed: float, mem: float) -> Layer
 
 
 def _scale_stage(s: StageCost, per_mb: float, fixed: float, mem: float) -> StageCost:
-    """Per-micro-batch times by per_mb (a layer's `grad_ready` with the backward), per-step times by fixed,
-    per-micro-batch bytes by mem."""
+    """Per-micro-batch times (a layer's `grad_ready` too) by per_mb, per-step times by fixed, bytes by mem."""
     layers = tuple(
         replace(_scale_layer(x, per_mb, fixed, mem), grad_ready=None if x.grad_ready is None else x.grad_ready * per_mb)
         for x in s.layers
@@ -560,8 +531,7 @@ def _scale_stage(s: StageCost, per_mb: float, fixed: float, mem: float) -> Stage
 
 
 def median_of(tables: Sequence[CostTable]) -> CostTable:
-    """The figure-wise median of `tables`, each rank's profile of one split (`fxkfac.profiler.profile`), its spreads
-    covering theirs; bytes and names the first's, which every other must match."""
+    """The figure-wise median of the ranks' profiles of one split, spreads covering theirs, bytes the first's."""
     first = tables[0]
     for other in tables[1:]:
         if _untimed(other) != _untimed(first):
@@ -604,8 +574,8 @@ _DIFFERENCES = frozenset({"tap_fwd", "tap_bwd", "fused_fwd", "fused_bwd", "wgrad
 
 
 def _combined(objs: Sequence[Any], time: Reduce) -> dict[str, Any]:
-    """The fields of several measurements of one cost object that combine: each time reduced by `time`, each
-    `_DIFFERENCES` time the median of those measured, each spread covering theirs."""
+    """The combined fields of several measurements of one cost object: times by `time`, `_DIFFERENCES` by the
+    median of those measured, spreads covering theirs."""
     out: dict[str, Any] = {}
     for f in fields(objs[0]):
         values = [getattr(x, f.name) for x in objs]
@@ -620,8 +590,7 @@ def _combined(objs: Sequence[Any], time: Reduce) -> dict[str, Any]:
 
 
 def combined_stage(stages: Sequence[StageCost], time: Reduce) -> StageCost:
-    """One stage's costs from several measurements of it (`_combined`; W at most the backward, as reduced); bytes
-    and names the first's."""
+    """One stage's costs from several measurements of it (`_combined`; W at most the backward), bytes the first's."""
     layers = tuple(
         replace(
             xs[0],
@@ -637,8 +606,7 @@ def combined_stage(stages: Sequence[StageCost], time: Reduce) -> StageCost:
 
 
 class InverseMethod(StrEnum):
-    """How K-FAC inverts a damped factor (`KFACConfig.inverse`), which its cost models price: a Cholesky inverse,
-    or an eigendecomposition that also serves the eigenbasis form of the preconditioner."""
+    """How K-FAC inverts a damped factor (`KFACConfig.inverse`): Cholesky, or an eigendecomposition."""
 
     CHOLESKY = "cholesky"
     EIGEN = "eigen"
@@ -680,8 +648,8 @@ def words_of(costs: CostTable) -> TaskWords:
 
 
 def tied_owner(stages: Sequence[int]) -> int:
-    """The owner of a parameter the `stages` share: the lowest, whose gradient the backward completes last, so that
-    after its ALLREDUCE_GRAD every stage's share is there without a dependency across devices."""
+    """The owner of a parameter the `stages` share (tied weights): the lowest, whose gradient the backward completes
+    last, so that after its ALLREDUCE_GRAD every stage's share is there."""
     if not stages:
         raise ValueError("a tied parameter is used by at least one stage")
     return min(stages)

@@ -1,24 +1,12 @@
-"""Pure program -> program passes: transfers, data-parallel expansion, K-FAC on the critical path, start-up steps.
-
-Every program a rank runs comes from here or from the planner's placements (planner/search/attempt.py): the
-runtime only interprets them.
-
-Streamed preconditioning in programs (docs/STREAMED_APPLY.md): layers of a stage whose APPLY a helper rank runs,
-fed their gradients while the last backward of the step makes them on each rank holding the stage (its owners).
-
-On GPipe and 1F1B the first stage's last backward, its APPLY and its next forward lie on the cycle every step
-repeats, so that APPLY adds its whole length to the step however the plan places the rest. Streaming takes it
-off the cycle: the owner sends each streamed layer's gradient the moment it is final (SEND_LGRAD, placed after the
-backward it streams from), the helper receives it (RECV_LGRAD), applies its replica of the layer's preconditioner
-(APPLY of the owner's stage naming the layer) and sends the result back (SEND_PGRAD); the owner writes it into the
-gradient before OPT_STEP (RECV_PGRAD). At each refresh the owner sends the helper the made preconditioner right
-after the DECOMP that completes it (SEND_REPLICA), and the helper takes it in the same step (RECV_REPLICA).
-"""
+"""Pure program -> program passes: transfers, data-parallel expansion, the preconditioner on the critical path,
+start-up steps, and streamed preconditioning (docs/STREAMED_APPLY.md: a helper rank applies layers of a stage, fed
+their gradients during its owners' last backward, and gets a replica of each refresh). The runtime only interprets
+the programs made here and by the planner's placements."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum, auto
 from functools import partial
@@ -66,52 +54,38 @@ def _transfers(op: Op, kind: ScheduleKind, D: int, v: int, rank: int) -> tuple[l
     return out[0], out[1]
 
 
-def _lower_step(ops: Sequence[Op], kind: ScheduleKind, D: int, v: int, rank: int) -> list[Op]:
-    lowered: list[Op] = []
-    for op in ops:
-        before, after = _transfers(op, kind, D, v, rank)
-        lowered += before + [op] + after
-    return lowered
+def _per_step(body: P, lower: Callable[[Sequence[Op]], list[Op]]) -> P:
+    """`lower` of each step of a period program, or of one step's ops."""
+    return [lower(step) for step in body] if _is_program(body) else lower(body)
 
 
 def add_send_recv(programs: Mapping[int, P], kind: ScheduleKind | str, D: int, v: int = 1) -> dict[int, P]:
-    """Insert the transfers between stages on different pp ranks.
-
-    A SEND_ACT (SEND_GRAD) goes right after the FWD (BWD) that produces the tensor, a RECV_ACT
-    (RECV_GRAD) right before the FWD (BWD) that consumes it; each carries its own op's stage,
-    micro-batch and pipe, and `peer` the other pp rank. Ranks are pp ranks (apply before
-    `expand_dp`). Accepts one step's ops or a period program per rank; returns the same shape.
-    """
-    kind = ScheduleKind(kind)
-    result: dict[int, P] = {}
-    for rank, body in programs.items():
-        if _is_program(body):
-            result[rank] = [_lower_step(step, kind, D, v, rank) for step in body]
-        else:
-            result[rank] = _lower_step(body, kind, D, v, rank)
-    return result
+    """Each FWD (BWD) between the RECV of its input and the SEND of its output from and to other pp ranks (`peer`;
+    apply before `expand_dp`), for one step's ops or a period program per rank."""
+    lower = partial(_lower_step, ScheduleKind(kind), D, v)
+    return {rank: _per_step(body, partial(lower, rank)) for rank, body in programs.items()}
 
 
-def _remap(op: Op, W: int, dp: int) -> Op:
-    return op if op.peer is None else replace(op, peer=op.peer * W + dp)
+def _lower_step(kind: ScheduleKind, D: int, v: int, rank: int, ops: Sequence[Op]) -> list[Op]:
+    out: list[Op] = []
+    for op in ops:
+        before, after = _transfers(op, kind, D, v, rank)
+        out += [*before, op, *after]
+    return out
 
 
 def expand_dp(programs_by_pp_rank: Mapping[int, P], W: int) -> dict[int, P]:
-    """Copy each pp rank's program to its W data-parallel replicas: global rank = pp * W + dp.
-
-    Peers (pp ranks) become the global rank of the same replica. Collectives keep their ops:
-    their group is every rank that runs them (all copies of the stage).
-    """
+    """Each pp rank's program copied to its W data-parallel replicas (global rank pp * W + dp, peers the same
+    replica's); a collective's group is every rank that runs it."""
     if W < 1:
         raise ValueError(f"the data-parallel size W must be >= 1, got {W}")
-    result: dict[int, P] = {}
-    for pp, body in programs_by_pp_rank.items():
-        for dp in range(W):
-            if _is_program(body):
-                result[pp * W + dp] = [[_remap(op, W, dp) for op in step] for step in body]
-            else:
-                result[pp * W + dp] = [_remap(op, W, dp) for op in body]
-    return result
+
+    def remap(dp: int, ops: Sequence[Op]) -> list[Op]:
+        return [op if op.peer is None else replace(op, peer=op.peer * W + dp) for op in ops]
+
+    return {
+        pp * W + dp: _per_step(body, partial(remap, dp)) for pp, body in programs_by_pp_rank.items() for dp in range(W)
+    }
 
 
 def rank_programs(kind: ScheduleKind | str, D: int, N: int, W: int, v: int = 1) -> dict[int, list[Op]]:
@@ -120,7 +94,7 @@ def rank_programs(kind: ScheduleKind | str, D: int, N: int, W: int, v: int = 1) 
 
 
 def ranks_of_stages(kind: ScheduleKind | str, D: int, W: int, v: int = 1) -> dict[int, tuple[int, ...]]:
-    """Stage -> the sorted global ranks holding a copy of it (dp replicas, both Chimera pipelines)."""
+    """Stage -> the sorted global ranks holding a copy of it."""
     kind = ScheduleKind(kind)
     pipes = (0, 1) if kind is ScheduleKind.CHIMERA else (0,)
     return {
@@ -130,9 +104,7 @@ def ranks_of_stages(kind: ScheduleKind | str, D: int, W: int, v: int = 1) -> dic
 
 
 def linked_classes(sets: Iterable[Sequence[int]], count: int) -> list[tuple[int, ...]]:
-    """The classes of 0..count-1 linked, transitively, by sharing one of `sets` (each class ascending, the classes
-    by their first member): a stage's holders link ranks into agreement sets, a rank's stages link stages into
-    stage groups."""
+    """The classes of 0..count-1 linked transitively by sharing one of `sets`, each ascending, by first member."""
     parent = list(range(count))
 
     def root(x: int) -> int:
@@ -156,16 +128,11 @@ def refreshing(timings: Mapping[str, LayerTiming], names: Sequence[str], step: i
 
 
 class Assignment(Enum):
-    """How the critical-path programs deal a stage's decompositions at a refresh to the ranks holding the stage
-    (each decomposes its share and broadcasts it to the others). The plans place them by solver instead."""
+    """How the critical-path programs deal a stage's decompositions at a refresh to its holders (plans use the
+    solver): ROUND_ROBIN in (layer, part) order; LPT, Distributed Shampoo's Alg. 3 by the cost table's seconds."""
 
     ROUND_ROBIN = auto()
-    """In (layer, part) order, one to each holder in turn, whatever they cost (the default)."""
     LPT = auto()
-    """Distributed Shampoo's Alg. 3 (longest processing time first): largest decomposition first (by its
-    seconds; ties by layer, then part), each to the holder with the fewest decomposition seconds so far
-    (ties: the first holder, the lowest rank). The paper sorts its blocks by size (variables); this sorts by
-    the cost table's decomposition seconds, what the step time feels."""
 
 
 Decomposition = tuple[str, str]
@@ -178,9 +145,8 @@ def assign_decompositions(
     assignment: Assignment = Assignment.ROUND_ROBIN,
     seconds: Mapping[Decomposition, float] | None = None,
 ) -> dict[Decomposition, int]:
-    """The rank among `ranks` (a stage's holders, ascending) that runs each of `decomps` (one stage's, at one
-    refresh, in (layer, part) order), by `assignment`; LPT needs `seconds` of every one of them. Loads start
-    at zero for every call: each stage's refresh is balanced on its own."""
+    """The rank among `ranks` (ascending) that runs each of `decomps` (one stage's refresh, in (layer, part) order):
+    LPT gives the largest first (ties by name) to the least loaded rank (ties: the lowest), loads from zero."""
     if not ranks:
         raise ValueError("no rank to assign decompositions to")
     if assignment is Assignment.ROUND_ROBIN:
@@ -212,8 +178,7 @@ def _deal(
     assignment: Assignment,
     seconds: Mapping[Decomposition, float] | None,
 ) -> dict[Decomposition, int]:
-    """The rank that decomposes each (layer, part) refreshed at one step of one stage: dealt by `assignment` over
-    the grad workers of the layer's column, layers of one column together (COMM-OPT: one column of every holder)."""
+    """The rank that decomposes each (layer, part) a stage refreshes at one step, dealt over each column's workers."""
     by_column: dict[tuple[int, ...], list[Decomposition]] = {}
     for name in names:
         workers = grad_workers(holders, distributions.get(name, LayerDistribution()))
@@ -233,10 +198,8 @@ def step_applies(
     pipe: int = 0,
     pieces: int = 1,
 ) -> tuple[list[Op], list[Op]]:
-    """What `rank` runs of `stage` at every step to precondition it, as (APPLYs, BCAST_PRECs): one APPLY of the
-    stage copy (`pipe`) where every layer is COMM-OPT and uncut; otherwise an APPLY of each layer the rank is a grad
-    worker of (in `pieces` pieces, `Problem.apply_pieces`), then the BCAST_PREC of each layer along the rank's row
-    (planner/problem/strategy.py)."""
+    """(APPLYs, BCAST_PRECs) `rank` runs of `stage` every step: one APPLY of the stage copy where every layer is
+    COMM-OPT and uncut, else one per layer it is a grad worker of (`pieces` each), then its row's BCAST_PRECs."""
     where = {n: distributions.get(n, LayerDistribution()) for n in layers}
     if pieces == 1 and all(w.strategy == COMM_OPT for w in where.values()):
         return [Op(OpKind.APPLY, stage=stage, pipe=pipe)], []
@@ -269,18 +232,10 @@ def kfac_tail(
     seconds: Mapping[Decomposition, float] | None = None,
     distributions: Mapping[str, LayerDistribution] | None = None,
 ) -> list[Op]:
-    """The preconditioner ops a rank runs between its last ALLREDUCE_GRAD and OPT_STEP at one step of the period.
-
-    Every collective is emitted in (stage, layer, factor) order by every rank of its group, so no two ranks
-    wait on each other; the decompositions a stage refreshes at this step are dealt over the grad workers of
-    each layer (`distributions`, default COMM-OPT: every holder; see planner/problem/strategy.py) by `assignment`
-    (`seconds` for LPT, see `assign_decompositions`) and broadcast within them. `copies` are the (stage, pipe)
-    pairs the rank holds; `parts` the family's parts of every layer (K-FAC: A and B). The `gradient_parts`
-    among them take their statistic from the reduced gradient: one STATS per layer and part at every step on
-    each grad worker, first. A stage whose layers all follow COMM-OPT is preconditioned by one APPLY on every
-    copy; otherwise each grad worker applies its layers one by one and broadcasts them along its row
-    (BCAST_PREC). DP-KFAC layers fold local statistics on their owner: no SYNC_STATS.
-    """
+    """The preconditioner ops `rank` (holding the (stage, pipe) `copies`) runs between its last ALLREDUCE_GRAD and
+    OPT_STEP at one step: gradient STATS (`gradient_parts`), SYNC_STATS (none for local factors), DECOMPs dealt by
+    `assignment` over each layer's grad workers, BCASTs, APPLYs and BCAST_PRECs, each collective in (stage, layer,
+    part) order on every member so that none waits on another."""
     where = dict(distributions or {})
     captured = [part for part in parts if part not in gradient_parts]
     stats: list[Op] = []
@@ -326,10 +281,8 @@ def capture_stats(
     holders: tuple[int, ...],
     distributions: Mapping[str, LayerDistribution],
 ) -> list[Op]:
-    """The STATS right after `bwd` (one micro-batch's BWD of a stage) that fold the captures its F/B made: one per
-    captured part (`parts`, by layer) of each layer whose statistics `rank` keeps. A plan runs them for its fused
-    layers at the refresh step (their curvature is made inside F/B); plan=None runs them for every refreshing
-    layer."""
+    """The STATS right after `bwd` folding its micro-batch's captures: one per captured part (`parts`, by layer) of
+    each layer whose statistics `rank` keeps (a plan's fused layers, plan=None's refreshing ones)."""
     return [
         Op(OpKind.STATS, stage=bwd.stage, mb=bwd.mb, pipe=bwd.pipe, part=side, layer=name)
         for name, sides in parts.items()
@@ -353,17 +306,9 @@ def naive_programs(
     seconds: Mapping[Decomposition, float] | None = None,
     distributions: Mapping[str, LayerDistribution] | None = None,
 ) -> Programs:
-    """The preconditioner on the critical path: the plain pipeline with curvature right after each BWD of a
-    refreshing layer, and gradient statistics, sync, inversion, broadcast and precondition before OPT_STEP.
-
-    One list per step of the period (the lcm of the layers' periods). With refresh period 1 this is
-    "naive K-FAC" of the PipeFisher paper; with period k it is "K-FAC+skip". With no timings it is the
-    plain pipeline (period 1, no K-FAC op). Every refresh finishes within its own step, so these
-    programs need no start-up steps. A stage's decompositions at a refresh are dealt over its holders by
-    `assignment` (round-robin by default; `Assignment.LPT`, Distributed Shampoo's Alg. 3, by `seconds` per
-    (layer, part): see `assign_decompositions`) within each layer's grad workers (`distributions`; absent
-    layers follow COMM-OPT: see planner/problem/strategy.py).
-    """
+    """The preconditioner on the critical path (PipeFisher's "naive K-FAC", "K-FAC+skip" at period k): the plain
+    pipeline with curvature after each BWD of a refreshing layer and `kfac_tail` before OPT_STEP, one step per step
+    of the periods' lcm (no timings: the plain pipeline); every refresh ends in its step, so no start-up steps."""
     if assignment is Assignment.LPT and seconds is None:
         raise ValueError("Assignment.LPT deals by cost: pass the seconds of each (layer, part) decomposition")
     holders = ranks_of_stages(kind, D, W, v)
@@ -373,9 +318,6 @@ def naive_programs(
     tail = partial(kfac_tail, assignment=assignment, seconds=seconds, distributions=where)
 
     def with_prec(ops: Sequence[Op], rank: int, step: int) -> list[Op]:
-        """One step of the rank's plain program with curvature after each BWD (a zero-bubble schedule's W, where
-        the runtime makes a fused layer's output-gradient curvature) of the layers whose statistics the rank keeps
-        (`keeps_statistics`), and the tail before OPT_STEP."""
         copies = sorted({(op.stage, op.pipe) for op in ops if op.kind is OpKind.FWD and op.stage is not None})
         made = OpKind.BWD_W if any(op.kind is OpKind.BWD_W for op in ops) else OpKind.BWD
         body: list[Op] = []
@@ -395,14 +337,8 @@ def naive_programs(
 
 
 def startup_programs(programs: Mapping[int, Program], born: Mapping[int, Mapping[Op, int]]) -> Programs:
-    """Each rank's first steps, without the K-FAC work of refreshes from before step 0.
-
-    A planned program is a modulo schedule: in steady state, step t also runs the late curvature and
-    inversions of the refresh of step t - s (a placement's window step s may reach 2k - 1). In the
-    first steps that refresh never happened, so its ops have nothing to consume. `born[rank][op]` is
-    the latest window step that places `op` on `rank`; step t keeps `op` once t reaches it. A rank's
-    list is empty when its steady program runs from step 0.
-    """
+    """Each rank's first steps of its modulo schedule, without the work of refreshes from before step 0: step t keeps
+    `op` once t reaches `born[rank][op]`, the latest window step placing it (empty: the period runs from step 0)."""
     out: Programs = {}
     for rank, program in programs.items():
         late = born.get(rank, {})
@@ -413,17 +349,15 @@ def startup_programs(programs: Mapping[int, Program], born: Mapping[int, Mapping
 
 @dataclass(frozen=True)
 class Streaming:
-    """Layers of `stage` (held by its owners, `Problem.stream_owners`), in the order the owners' backward makes their
-    gradients final, and the rank that preconditions each (`helpers`, one per layer: several helpers share the
-    load where one alone would have too little room)."""
+    """Layers of `stage` in the order its owners' backward makes their gradients final, and the helper rank that
+    preconditions each."""
 
     stage: int
     helpers: tuple[int, ...]
     layers: tuple[str, ...]
     whole_backward: bool = False
-    """Whether the owner's backward makes every gradient at its end (a stage run compiled: torch.compile's backward
-    is one autograd node), so nothing streams during it and the helper only applies its layers beside the owner's;
-    else each layer's gradient is final as the backward reaches it (`ready_fractions`)."""
+    """Whether the owner's backward makes every gradient at its end (compiled: one autograd node), so nothing streams
+    during it; else each layer's is final as the backward reaches it (`ready_fractions`)."""
 
     def __post_init__(self) -> None:
         ok = (
@@ -464,8 +398,7 @@ class Streaming:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Streaming:
-        """Inverse of `to_dict` (a plan of one helper, {"helper": rank}, as written before helpers were several);
-        PlanFormatError when malformed."""
+        """Inverse of `to_dict` (also an older plan's one {"helper": rank}); PlanFormatError when malformed."""
         try:
             layers = tuple(data["layers"])
             helpers = tuple(data["helpers"]) if "helpers" in data else (data["helper"],) * len(layers)
@@ -475,11 +408,8 @@ class Streaming:
 
 
 def can_stream(family: PreconditionerKind, layer: LayerCost) -> bool:
-    """Whether a helper may run `layer`'s per-step work: an APPLY that reads its preconditioner alone (no optimizer
-    state, statistics from captures: K-FAC's); one whose statistics all come from the reduced gradient, which the
-    helper then folds and keeps with the rest of the per-step state (Shampoo, SOAP: docs/STREAMED_APPLY.md, "Stateful
-    units"); or a Muon matrix's (the owner keeps the momentum and sends the Newton-Schulz input, the helper keeps
-    nothing and needs no replica)."""
+    """Whether a helper may run `layer`'s per-step work: an APPLY reading its preconditioner alone (K-FAC), one whose
+    statistics all come from the gradient (Shampoo, SOAP: the helper keeps that state), or a Muon matrix's."""
     if family is PreconditionerKind.MUON:
         return True
     gradient = [p.after is OpKind.ALLREDUCE_GRAD for p in layer.parts]
@@ -487,16 +417,13 @@ def can_stream(family: PreconditionerKind, layer: LayerCost) -> bool:
 
 
 def ready(streaming: Streaming, stage: StageCost) -> dict[str, float]:
-    """The share of the owner's backward done when each of its stage's layers has its gradient final: all at the
-    end for a stage whose backward makes them together (`Streaming.whole_backward`), else `ready_fractions`."""
+    """The share of the owner's backward done when each layer's gradient is final (`Streaming.whole_backward`: 1)."""
     return dict.fromkeys((x.name for x in stage.layers), 1.0) if streaming.whole_backward else ready_fractions(stage)
 
 
 def ready_fractions(stage: StageCost) -> dict[str, float]:
-    """The share of the stage's (eager) backward done when each layer's gradient is final: as profiled
-    (`LayerCost.grad_ready` over the backward, at most 1) where every layer has it; else estimated, the layers (in
-    forward order) taking the backward in reverse, each a share as large as its gradient (a linear layer's backward
-    FLOPs are proportional to it; the stage's other ops, attention's products and norms, spread with them)."""
+    """The share of the stage's eager backward done when each layer's gradient is final: as profiled
+    (`LayerCost.grad_ready`) where every layer has it, else the layers in reverse, each a share its gradient's size."""
     layers, measured = stage.layers, [x.grad_ready for x in stage.layers]
     if layers and stage.bwd > 0 and all(t is not None for t in measured):
         return {x.name: min(1.0, t / stage.bwd) for x, t in zip(layers, measured, strict=True) if t is not None}
@@ -517,11 +444,9 @@ def _before_step_end(ops: list[Op], extra: Sequence[Op]) -> list[Op]:
 def stream_step(
     ops: Mapping[int, Sequence[Op]], streaming: Streaming, owners: Sequence[int], pieces: int = 1
 ) -> dict[int, list[Op]]:
-    """One step's programs with the streamed layers handed over: each owner (a copy of the stage) sends each layer's
-    gradient after the stage's last BWD and receives it preconditioned before its step ends; the helper, before its
-    step ends, receives each layer from every owner (their sum is the gradient the copies' all-reduce makes),
-    applies it (in `pieces` pieces, `Problem.apply_pieces`) and returns it to every owner, layer by layer (the owners'
-    APPLY of those layers is not in `ops`)."""
+    """One step's programs with the streamed layers handed over: each owner sends each layer's gradient after its
+    last BWD and takes it back before OPT_STEP; each helper, before its OPT_STEP, receives a layer from every owner,
+    applies it (`pieces` pieces) and returns it, layer by layer."""
     s, pairs = streaming.stage, list(zip(streaming.layers, streaming.helpers, strict=True))
     out = {rank: list(body) for rank, body in ops.items()}
     for owner in owners:
@@ -545,15 +470,13 @@ def stream_step(
 
 
 Made = Mapping[str, tuple[Op, int, int]]
-"""Per streamed layer: the DECOMP or BCAST that completes a refresh on the first owner, its window step, and the
-layer's use offset."""
+"""Per streamed layer: the op completing a refresh on the first owner, its window step, the layer's use offset."""
 
 
 def made_refreshes(
     streaming: Streaming, placements: Iterable[Placement], timings: Mapping[str, LayerTiming], sender: int
 ) -> Made:
-    """Each streamed layer's op on `sender` (the first owner) after which its refresh is made there: of its DECOMPs
-    and BCASTs there (a copied stage broadcasts the halves other copies made), the one its window places last."""
+    """Each streamed layer's DECOMP or BCAST on `sender` (the first owner) that its window places last."""
     decomps: dict[str, list[Placement]] = {}
     for p in placements:
         if p.op.kind in (OpKind.DECOMP, OpKind.BCAST) and p.device == sender and p.op.layer in streaming.layers:
@@ -566,8 +489,7 @@ def made_refreshes(
 
 
 def replica_born(streaming: Streaming, owner: int, made: Made) -> dict[int, dict[Op, int]]:
-    """The window step from which each replica transfer runs, on the owner and the helper (`startup_programs`):
-    its DECOMP's, so that no step sends or awaits a refresh from before step 0."""
+    """The window step from which each replica transfer runs on the owner and the helper (`startup_programs`)."""
     s = streaming.stage
     out: dict[int, dict[Op, int]] = {owner: {}}
     for n, (_, step, _) in made.items():
@@ -578,10 +500,9 @@ def replica_born(streaming: Streaming, owner: int, made: Made) -> dict[int, dict
 
 
 def add_replicas(programs: Mapping[int, Program], streaming: Streaming, owner: int, made: Made) -> dict[int, Program]:
-    """The period programs with each streamed layer's replica transfers (`made`: `made_refreshes`, on `owner`, the
-    first owner): SEND_REPLICA follows the op that completes a refresh there; RECV_REPLICA runs in the same step on
-    the layer's helper (each helper's program unrolled to its and the owner's periods' lcm): before the helper's first
-    RECV_LGRAD of the layer when the refresh is first used in that step, else before its step ends."""
+    """The period programs with each streamed layer's replica transfers: SEND_REPLICA after the op of `made` on
+    `owner`, RECV_REPLICA in that step on the helper (unrolled to both periods' lcm), before its first RECV_LGRAD of
+    the layer when the refresh is used in that step, else before its OPT_STEP."""
     s = streaming.stage
     out = {rank: [list(step) for step in body] for rank, body in programs.items()}
     k_owner = len(out[owner])

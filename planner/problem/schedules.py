@@ -111,9 +111,9 @@ def schedule_programs(kind: ScheduleKind | str, D: int, N: int, *, v: int = 1) -
     if kind is ScheduleKind.CHIMERA:
         return {r: _chimera_rank(D, N, r) for r in range(D)}
     make = {
-        ScheduleKind.GPIPE: lambda r: _gpipe_rank(N, r),
-        ScheduleKind.ONE_F_ONE_B: lambda r: _one_f_one_b_rank(D, N, r),
-        ScheduleKind.INTERLEAVED: lambda r: _interleaved_rank(D, N, v, r),
+        ScheduleKind.GPIPE: lambda r: _warmup_rank(D, 1, r, N, N),
+        ScheduleKind.ONE_F_ONE_B: lambda r: _warmup_rank(D, 1, r, N, D - r - 1),
+        ScheduleKind.INTERLEAVED: lambda r: _warmup_rank(D, v, r, N * v, (D - r - 1) * 2 + (v - 1) * D),
         ScheduleKind.ZB_H1: lambda r: _zero_bubble_rank(D, N, 1, r),
         ScheduleKind.ZB_1P: lambda r: _zero_bubble_rank(D, N, v, r),
         ScheduleKind.ZB_V: lambda r: _zb_v_rank(D, N, r),
@@ -126,20 +126,6 @@ def schedule_programs(kind: ScheduleKind | str, D: int, N: int, *, v: int = 1) -
     return programs
 
 
-def _gpipe_rank(N: int, r: int) -> list[Op]:
-    return [Op(OpKind.FWD, r, m) for m in range(N)] + [Op(OpKind.BWD, r, m) for m in range(N)]
-
-
-def _one_f_one_b_rank(D: int, N: int, r: int) -> list[Op]:
-    """1F1B with flush: min(D-r-1, N) warm-up forwards, then F/B pairs, then the remaining B."""
-    warmup = min(D - r - 1, N)
-    ops = [Op(OpKind.FWD, r, m) for m in range(warmup)]
-    for i in range(N - warmup):
-        ops += [Op(OpKind.FWD, r, warmup + i), Op(OpKind.BWD, r, i)]
-    ops += [Op(OpKind.BWD, r, m) for m in range(N - warmup, N)]
-    return ops
-
-
 def _unit(D: int, v: int, r: int, k: int, kind: OpKind) -> Op:
     """The k-th `kind` op of rank r in an interleaved order: chunks in groups of D micro-batches, forwards through the
     chunks r, r+D, ... and backwards back."""
@@ -148,10 +134,10 @@ def _unit(D: int, v: int, r: int, k: int, kind: OpKind) -> Op:
     return Op(kind, (chunk if kind is OpKind.FWD else v - 1 - chunk) * D + r, mb)
 
 
-def _interleaved_rank(D: int, N: int, v: int, r: int) -> list[Op]:
-    """Megatron's interleaved 1F1B: rank r holds stages r, r+D, ...; micro-batches go in groups of D."""
-    total, unit = N * v, partial(_unit, D, v, r)
-    warmup = min((D - r - 1) * 2 + (v - 1) * D, total)
+def _warmup_rank(D: int, v: int, r: int, total: int, warmup: int) -> list[Op]:
+    """`warmup` forwards, F/B pairs, the remaining B's of `total` units (`_unit`): GPipe (every forward first), 1F1B
+    with flush (v=1) and Megatron's interleaved 1F1B (stages r, r+D, ...)."""
+    unit, warmup = partial(_unit, D, v, r), min(warmup, total)
     ops = [unit(k, OpKind.FWD) for k in range(warmup)]
     for i in range(total - warmup):
         ops += [unit(warmup + i, OpKind.FWD), unit(i, OpKind.BWD)]

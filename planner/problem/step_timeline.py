@@ -26,7 +26,7 @@ from fxkfac.planner.problem.ir import (
     cut_apply,
     piece_share,
 )
-from fxkfac.planner.problem.lowering import add_send_recv, capture_stats, expand_dp, ready, step_applies, stream_step
+from fxkfac.planner.problem.lowering import capture_stats, rank_programs, ready, step_applies, stream_step
 from fxkfac.planner.problem.problem import (
     Problem,
     StageGroup,
@@ -37,7 +37,7 @@ from fxkfac.planner.problem.problem import (
     streamed_seconds,
     streamed_stats,
 )
-from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, schedule_programs, weight_gradient_kind
+from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, weight_gradient_kind
 from fxkfac.planner.problem.strategy import LayerDistribution, holding, keeps_statistics
 
 COMPUTE_KINDS = frozenset(
@@ -56,8 +56,7 @@ Duration = Callable[[int, Op], float]
 
 
 def utilization(busy: float, span: float) -> float:
-    """The fraction of device time spent busy: `busy` over the `span` it lies in (0 for none); the one definition
-    behind every utilization the planner, the views and the runtime give."""
+    """`busy` over the `span` it lies in (0 for none): every utilization the planner, views and runtime give."""
     return busy / span if span > 0 else 0.0
 
 
@@ -87,8 +86,7 @@ class Timeline:
 
     @property
     def step_time(self) -> float:
-        """Steady-state period: the start of the last step's first op on the lowest rank less the step before's; for
-        steps=1 the makespan."""
+        """Steady-state period: the lowest rank's last step start less the one before (steps=1: the makespan)."""
         if self.steps == 1:
             return self.makespan
         first: dict[int, float] = {}
@@ -115,7 +113,7 @@ class Timeline:
         kinds: Iterable[OpKind] = COMPUTE_KINDS,
         window: tuple[float, float] | None = None,
     ) -> float:
-        """`utilization` of one rank, or of all when `rank` is None, over `window` (default: the makespan)."""
+        """`utilization` of one rank (None: all) over `window` (default: the makespan)."""
         ranks = self.ranks if rank is None else (rank,)
         span = self.makespan if window is None else window[1] - window[0]
         clip = (-math.inf, math.inf) if window is None else window
@@ -153,7 +151,7 @@ def _producer(op: Op, num_stages: Mapping[int, int]) -> Op | None:
 
 
 def _producer_rank(rank: int, op: Op, producer: Op, holders: Mapping[Op, list[int]]) -> int:
-    """The producer's rank in the consumer's replica (same position among the `holders` of each op)."""
+    """The producer's rank in the consumer's replica (the same position among each op's `holders`)."""
     candidates = holders.get(producer)
     if not candidates:
         raise DeadlockError(f"rank {rank}: {op} needs {producer}, which no rank's program runs")
@@ -172,8 +170,7 @@ _LAYER_RECVS = {recv: send for send, recv in LAYER_SENDS.items()}
 
 
 def _message_key(src: int, dst: int, op: Op) -> tuple:
-    """Matches a SEND on src with the RECV on dst of the same tensor (by consumer stage; a streamed layer's by its
-    stage and layer)."""
+    """Matches a SEND on src with the RECV on dst of the same tensor (a streamed layer's by stage and layer)."""
     if op.kind in LAYER_SENDS or op.kind in _LAYER_RECVS:
         return (src, dst, _LAYER_RECVS.get(op.kind, op.kind), op.stage, op.layer)
     if op.kind is OpKind.SEND_ACT:
@@ -184,14 +181,12 @@ def _message_key(src: int, dst: int, op: Op) -> tuple:
 
 
 def _sync_key(op: Op, rank: int, barrier: Mapping[int, tuple[int, ...]] | None) -> Hashable:
-    """What the members of a synchronizing op share: the op, and for OPT_STEP under `barrier` the rank's agreement
-    set (each set ends its steps apart from the others)."""
+    """What the members of a synchronizing op share: the op, and for OPT_STEP under `barrier` the agreement set."""
     return (op, barrier[rank]) if barrier is not None and op.kind is OpKind.OPT_STEP else op
 
 
 class _Sim:
-    """The state of one simulation: the programs unrolled over the steps with each op's occurrence (for matching),
-    per-rank cursor and free time, finished ends, messages."""
+    """One simulation's state: the unrolled programs, each op's occurrence, per-rank cursor and free time, messages."""
 
     def __init__(
         self,
@@ -268,8 +263,7 @@ class _Sim:
         self.pos[rank] += 1
 
     def send(self, rank: int, op: Op, depart: float) -> None:
-        """Post `op`'s message, ready to leave at `depart`; one of a bucket waits for the bucket's last SEND and
-        leaves with the latest of its messages, all of them in one message."""
+        """Post `op`'s message, leaving at `depart`; a bucket's leave together with its last SEND's."""
         key = _message_key(rank, op.peer_rank, op)
         together = self.buckets.get((rank, op))
         if together is None:
@@ -284,8 +278,8 @@ class _Sim:
                 self.sent[k].append(arrival)
 
     def arrival(self, rank: int, op: Op, depart: float) -> float:
-        """When a message leaving at `depart` arrives: a streamed transfer under `link` after the earlier ones between
-        the same two ranks (they queue on one connection, each holding it its `link` seconds), any other at once."""
+        """When a message leaving at `depart` arrives: a streamed one under `link` after those queued before it on the
+        same two ranks' connection, any other at once."""
         if self.link is None or op.kind not in LAYER_SENDS:
             return depart
         pair = (rank, op.peer_rank)
@@ -336,18 +330,11 @@ def simulate(
     link: Duration | None = None,
     buckets: Mapping[tuple[int, Op], frozenset[Op]] | None = None,
 ) -> Timeline:
-    """Run `programs` (per rank: one step's ops, or a period of steps; step j runs j % period) for `steps` steps.
-
-    Each rank runs its ops in order, each when the rank is free and its inputs are there. Without SEND/RECV ops,
-    FWD waits for the previous stage's FWD of its (mb, pipe) and BWD for the next stage's BWD (`comm` later on
-    another rank; of several copies the one in its replica); with them, only a RECV waits, for its SEND's end plus
-    `comm`. `SYNCHRONIZING_KINDS` start together once every rank holding them reaches them and last their members'
-    longest `duration`. `barrier`: per rank, the ranks its OPT_STEP waits for (None: a world barrier). `lead`:
-    seconds before a SEND's start that its message leaves. `link`: seconds a streamed transfer's message holds the
-    connection between its two ranks, where such messages queue (None: each arrives as it leaves). `buckets`: per
-    (rank, SEND) that travels with others, the SENDs of its message (`planner.problem.buckets.send_buckets`; `link`
-    prices the bucket's message, once). Raises DeadlockError naming the blocked ops.
-    """
+    """Run `programs` (per rank one step's ops or a period) for `steps` steps, each op when its rank is free and its
+    inputs are there: a RECV its SEND's message (`comm` later; `lead`: seconds it leaves early; `link`: seconds a
+    streamed one holds its connection; `buckets`: SENDs sent as one), else, without transfers, an F/B its neighbour
+    stage's. `SYNCHRONIZING_KINDS` start together on their members (`barrier`: the ranks each OPT_STEP waits for,
+    None: all). DeadlockError names the blocked ops."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     sim = _Sim(as_programs(programs), steps, duration, comm, barrier, lead, link, buckets or {})
@@ -364,14 +351,13 @@ def simulate(
 
 _FIXED_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.BWD_W})
 _NOT_BUBBLE = frozenset({OpKind.APPLY, OpKind.STATS, OpKind.BCAST_PREC, OpKind.ALLREDUCE_GRAD})
-"""Ops besides F/B during which a window places no preconditioner work (the per-step slot's work, and the
-gradient all-reduce: planner/plan/window.py `build_window`)."""
+"""Ops besides F/B during which a window places no preconditioner work (planner/plan/window.py)."""
 
 
 @dataclass(frozen=True)
 class StepTimeline:
-    """One step of the pipeline: per device, (op, start, end) of every op in program order (a RECV's with its
-    wait); allreduce_end[(device, stage)]: the end of ALLREDUCE_GRAD(stage); length: the step time."""
+    """One step: per device, (op, start, end) of every op in program order; allreduce_end[(device, stage)]: the end
+    of ALLREDUCE_GRAD(stage); length: the step time."""
 
     ops: Mapping[int, tuple[tuple[Op, float, float], ...]]
     allreduce_end: Mapping[tuple[int, int], float]
@@ -392,13 +378,11 @@ class StepTimeline:
 @lru_cache(maxsize=64)
 def base_programs(problem: Problem) -> dict[int, list[Op]]:
     """Per global rank, one step of the plain pipeline with its transfers and collectives."""
-    kind, D, v = problem.kind, problem.D, problem.v
-    return expand_dp(add_send_recv(schedule_programs(kind, D, problem.N, v=v), kind, D, v), problem.W)
+    return rank_programs(problem.kind, problem.D, problem.N, problem.W, problem.v)
 
 
 def gradient_stats(stage: StageCost, index: int) -> list[tuple[Op, float]]:
-    """The STATS ops (with their seconds) of stage `index`'s gradient-fed parts, in the order every step runs them
-    (layer by layer, before the stage's APPLY)."""
+    """The STATS ops (with their seconds) of stage `index`'s gradient-fed parts, in the order every step runs them."""
     return [
         (Op(OpKind.STATS, index, layer=x.name, part=p.part), p.stats)
         for x in stage.layers
@@ -408,8 +392,7 @@ def gradient_stats(stage: StageCost, index: int) -> list[tuple[Op, float]]:
 
 
 def prec_work(problem: Problem, device: int, stage: int) -> list[tuple[Op, float]]:
-    """The per-step preconditioner work of `stage` on `device` in order, with seconds: the gradient statistics of
-    the layers it keeps, then its APPLYs (one of the stage where every layer is COMM-OPT), then its BCAST_PRECs."""
+    """The per-step preconditioner work of `stage` on `device` with seconds: gradient STATS, APPLYs, BCAST_PRECs."""
     copies = copies_of_stage(problem, stage)
     cost = problem.costs.stages[stage]
     work = [
@@ -459,8 +442,8 @@ def gradient_allreduce_seconds(problem: Problem, stage: int) -> float:
 
 @dataclass(frozen=True)
 class StageComm:
-    """Seconds of one stage's collectives over its `group` copies: the gradient all-reduce and the broadcasts of
-    preconditioned gradients (`share`) every step, its parts' SYNC_STATS and BCAST every refresh."""
+    """Seconds of one stage's collectives over its `group` copies: ALLREDUCE_GRAD and BCAST_PREC (`share`) every step,
+    SYNC_STATS and BCAST every refresh."""
 
     group: int
     allreduce: float
@@ -492,9 +475,8 @@ def stage_comm(problem: Problem, stage: int) -> StageComm:
 
 
 def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callable[[int, Op], float]:
-    """Op durations in seconds: F/B (a refresh step's with taps and fused curvature; a recomputing stage's BWD with
-    its FWD again; a zero-bubble BWD less its W, whose fused output-gradient curvature runs with the W), the gradient
-    all-reduce, gradient statistics, APPLY, a streamed layer's hand-off on its owner; transfers and OPT_STEP none."""
+    """Op durations in seconds: F/B (a refresh step's with taps and fused curvature, a recomputing BWD with its FWD, a
+    zero-bubble BWD less its W), collectives, per-step work, a streamed hand-off; transfers and OPT_STEP none."""
     stages = problem.costs.stages
     allreduce = [gradient_allreduce_seconds(problem, s) for s in range(len(stages))]
     stats = {(op.layer, op.part): secs for s, stage in enumerate(stages) for op, secs in gradient_stats(stage, s)}
@@ -537,8 +519,7 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callabl
 
 
 def stream_lead(problem: Problem, duration: Callable[[int, Op], float]) -> Callable[[int, Op], float] | None:
-    """`simulate`'s lead of streamed sends: a gradient leaves when the backward (a zero-bubble one's W) makes it
-    final (`planner.problem.lowering.ready`). None without streaming."""
+    """`simulate`'s lead of streamed sends: a gradient leaves when the backward (or W) makes it final (`ready`)."""
     streaming = problem.streaming
     if streaming is None:
         return None
@@ -557,8 +538,7 @@ def stream_lead(problem: Problem, duration: Callable[[int, Op], float]) -> Calla
 
 
 def stream_link(problem: Problem, buckets: Mapping[tuple[int, Op], frozenset[Op]]) -> Callable[[int, Op], float] | None:
-    """`simulate`'s link of streamed transfers: a message between two ranks holds their connection its transfer's
-    seconds (a bucket's once for all its units, as the runtime sends it). None without streaming."""
+    """`simulate`'s link of streamed transfers: a message (a bucket's once) holds its connection its seconds."""
     if problem.streaming is None:
         return None
 
@@ -572,8 +552,7 @@ def stream_link(problem: Problem, buckets: Mapping[tuple[int, Op], frozenset[Op]
 def problem_buckets(
     problem: Problem, programs: Mapping[int, Sequence[Sequence[Op]]]
 ) -> dict[tuple[int, Op], frozenset[Op]]:
-    """The streamed SENDs of `programs` that travel together, cut as the runtime cuts them
-    (`planner.problem.buckets.send_buckets`)."""
+    """The streamed SENDs of `programs` that travel together, as the runtime cuts them (`send_buckets`)."""
     if problem.streaming is None:
         return {}
     layers = [x for stage in problem.costs.stages for x in stage.layers]
@@ -584,10 +563,8 @@ def problem_buckets(
 def step_timeline(
     problem: Problem, fused: frozenset[str] = frozenset(), with_prec: bool = True, *, refresh: bool = False
 ) -> StepTimeline:
-    """One simulated step (plain or with APPLY; `refresh`: a refresh step, whose F/B also tap the captured layers
-    and hold the fused layers' curvature): the step a steady run repeats, as every step ends with OPT_STEP's barrier.
-    Under `StepBarrier.AGREEMENT_SET` the planner uses it only where a steady run repeats it (`steps_overlap`).
-    """
+    """One simulated step (plain or with the per-step work; `refresh`: a refresh step, F/B with taps and the fused
+    layers' curvature): the step a steady run repeats (under agreement sets only where `steps_overlap` is False)."""
     programs = reference_programs(problem) if with_prec else base_programs(problem)
     duration = _duration(problem, fused, refresh)
     buckets = problem_buckets(problem, as_programs(programs))
@@ -617,9 +594,8 @@ def plain_utilization(problem: Problem) -> float:
 
 @lru_cache(maxsize=64)
 def steps_overlap(problem: Problem) -> bool:
-    """Whether, with each OPT_STEP synchronizing only its agreement set, some op of 3 simulated steps (plain and
-    refresh-step durations) ends off the one-step timeline repeated (steps overlap); the window then keeps the world
-    barrier's step."""
+    """Whether, each OPT_STEP synchronizing its agreement set alone, some op of 3 simulated steps ends off the
+    one-step timeline repeated; the window then keeps the world barrier's step."""
     if problem.barrier is StepBarrier.WORLD:
         return False
     programs = reference_programs(problem)
@@ -645,23 +621,21 @@ Time = TypeVar("Time", int, float)
 
 
 def window_length(refresh: Time, normal: Time, stretch: Time, k: int) -> Time:
-    """The length of a window of k steps: the refresh step lasts `refresh`, the others `normal`, each followed by
-    `stretch` idle time ([Note: stretch] in planner/plan/window.py); in ticks or seconds."""
+    """The length of a window of k steps, the first `refresh` long, the others `normal`, each then `stretch` idle."""
     return refresh + (k - 1) * normal + k * stretch
 
 
 def step_begins(refresh: Time, normal: Time, stretch: Time, j: int, k: int) -> Time:
-    """Where window step j begins after window step 0 starts (j >= k: a later window), before any lead ([Note: step
-    barrier] in planner/plan/window.py): the one step start of the window, the plan's view and the validator."""
+    """Where window step j (j >= k: a later window's) begins after step 0 starts, before any lead: the one step
+    start of the window, the plan's view and the validator."""
     within = j % k
     start = 0 if within == 0 else refresh + (within - 1) * normal
     return start + within * stretch + window_length(refresh, normal, stretch, k) * (j // k)
 
 
 def early_start(problem: Problem, step: StepTimeline, devices: Iterable[int]) -> float:
-    """Seconds before the end of `step` at which the next step may begin on `devices` (an agreement set): once each
-    has ended its F/B and all-reduces and run its per-step slots back to back; 0 under `StepBarrier.WORLD` or where
-    steps overlap."""
+    """Seconds before the end of `step` at which the next may begin on `devices` (an agreement set): once each has
+    run its fixed work and per-step slots; 0 under `StepBarrier.WORLD` or where steps overlap."""
     if problem.barrier is StepBarrier.WORLD or steps_overlap(problem):
         return 0.0
     last = max(
@@ -679,8 +653,7 @@ _SLOT_KINDS = frozenset({OpKind.APPLY, OpKind.STATS, OpKind.BCAST_PREC, OpKind.O
 
 
 def slot_seconds(problem: Problem, device: int, stage: int) -> float:
-    """Seconds of `stage`'s per-step slot on `device` (`prec_work`), its broadcasts of preconditioned gradients
-    starting together on every copy, after the longest work before them on any copy."""
+    """Seconds of `stage`'s per-step slot on `device`, its BCAST_PRECs after the longest work before them on a copy."""
     work = prec_work(problem, device, stage)
     shares = [secs for op, secs in work if op.kind is OpKind.BCAST_PREC]
     if not shares:
@@ -693,8 +666,7 @@ def slot_seconds(problem: Problem, device: int, stage: int) -> float:
 
 
 def stream_start(problem: Problem, step: StepTimeline) -> float:
-    """When, in `step`, the first streamed-stage owner starts its last backward (or W): a streamed layer's refresh
-    must be made by then to reach its helper in time (`Window.stream_use`)."""
+    """When the first streamed-stage owner starts its last backward (or W): a streamed refresh's deadline."""
     assert problem.streaming is not None, "only a streaming problem has a streamed stage"
     s = problem.streaming.stage
     return min(
@@ -704,14 +676,12 @@ def stream_start(problem: Problem, step: StepTimeline) -> float:
 
 
 def tap_extra(problem: Problem) -> float:
-    """Seconds the refresh step's taps add to a step: the price of refreshing at all, which max_overhead does not
-    count."""
+    """Seconds the refresh step's taps add to a step (not counted against max_overhead)."""
     return step_timeline(problem, refresh=True).length - step_timeline(problem).length
 
 
 def fused_stats(problem: Problem, fused: frozenset[str], rank: int, bwd: Op) -> list[Op]:
-    """The STATS a refresh step runs right after `bwd` (a zero-bubble one's W) on `rank` to fold the `fused` layers'
-    statistics, made inside that micro-batch's F/B; no time of their own (`StageCost.fused_curvature`)."""
+    """The STATS a refresh step runs right after `bwd` (or W) on `rank` for the `fused` layers (timed in F/B)."""
     if bwd.stage is None:
         raise AssertionError(f"'{bwd}' names no stage")
     parts = {
@@ -729,8 +699,7 @@ def fused_extra(problem: Problem, fused: frozenset[str]) -> float:
 
 
 def stretch_allowance(problem: Problem, fused: frozenset[str], k: int) -> float:
-    """Seconds of idle the planner may append to every step at refresh period k: max_overhead of the reference step,
-    less the refresh step's fused curvature per step of the window."""
+    """Idle seconds the planner may append to every step at period k: max_overhead less fused curvature per step."""
     normal = step_timeline(problem).length
     return max(0.0, problem.max_overhead * normal - fused_extra(problem, fused) / k)
 
@@ -738,8 +707,7 @@ def stretch_allowance(problem: Problem, fused: frozenset[str], k: int) -> float:
 def refresh_lower_bound(
     problem: Problem, group: StageGroup, fused: frozenset[str] = frozenset(), stretch: bool = False
 ) -> int:
-    """ceil(refresh work of the group / its bubble per step) (`group_load`); `stretch`: the idle appended to every
-    step within max_overhead counts as bubble, the least k whose k steps hold the work."""
+    """ceil(refresh work / bubble per step) of the group (`group_load`); `stretch`: counting the allowed stretch."""
     work, bubble = group_load(problem, group, fused)
     if work <= 0:
         return 1
@@ -754,9 +722,7 @@ def refresh_lower_bound(
 
 
 def group_load(problem: Problem, group: StageGroup, fused: frozenset[str] = frozenset()) -> tuple[float, float]:
-    """(seconds of one refresh's work, seconds of bubble per step) of the group's devices: the unfused layers'
-    curvature of every micro-batch on every copy keeping their statistics plus all inversions, and the reference
-    step's idle (besides F/B, per-step work and gradient all-reduces)."""
+    """(seconds of one refresh's unfused curvature and decompositions, seconds of bubble per step) of the group."""
     step = step_timeline(problem, fused)
     work = 0.0
     for device in group.devices:
@@ -781,11 +747,8 @@ def group_load(problem: Problem, group: StageGroup, fused: frozenset[str] = froz
 
 
 def static_bytes(problem: Problem, device: int) -> int:
-    """Memory held all step on `device`: parameters and gradients; of each layer it keeps (`holding`), the
-    statistics, two decompositions (the active one and the next, made beside it until used) and its optimizer
-    state; the largest error peak of one backward; the largest gradient buffer of a BCAST_PREC; and streaming's.
-    An upper bound (tests/test_strategy_memory.py); a third decomposition a placement holds adds to its peak
-    (`planner.plan.solution.remade_spans`)."""
+    """Memory held all step on `device` (an upper bound): parameters and gradients, each kept layer's `held_bytes`,
+    the largest BCAST_PREC buffer and backward error peak, and streaming's buffers."""
     stages = stages_on_device(problem, device)
     total = shared = 0
     for s in stages:
@@ -804,8 +767,8 @@ def static_bytes(problem: Problem, device: int) -> int:
 
 
 def held_bytes(problem: Problem, device: int, layer: str, where: LayerDistribution) -> tuple[int, int]:
-    """(bytes `device` keeps of `layer` across steps under `where`: its statistics, two decompositions and optimizer
-    state as `holding` says; its buffer for a BCAST_PREC's gradient): the per-layer terms of `static_bytes`."""
+    """(bytes `device` keeps of `layer` under `where`: statistics, two decompositions (active and next) and state;
+    its BCAST_PREC buffer)."""
     x = problem.costs.layer(layer)
     copies = copies_of_stage(problem, problem.costs.stage_of(layer))
     held = holding(device, copies, where, all(p.after is OpKind.ALLREDUCE_GRAD for p in x.parts))
@@ -814,8 +777,7 @@ def held_bytes(problem: Problem, device: int, layer: str, where: LayerDistributi
 
 
 def _streamed_bytes(problem: Problem, device: int) -> int:
-    """What streaming adds: on an owner, the buffers its streamed layers' results land in; on a helper, per layer,
-    every owner's gradient, their preconditioned sum, two decompositions and any folded statistics and state."""
+    """Streaming's buffers: an owner's results; a helper's gradients, sum, decompositions and folded state."""
     streaming = problem.streaming
     if streaming is None:
         return 0
@@ -841,8 +803,7 @@ def activation_intervals(
     problem: Problem, device: int, step: StepTimeline, w_operands: bool = True
 ) -> list[tuple[float, float, int]]:
     """(start, end, bytes) of each micro-batch's activations on `device`, F start to B end (a recomputing stage's
-    boundary so, its activations over its B alone); a deferred W's operands from its B's end to its own
-    (`w_operands` False: not listed, where W's are placed tasks that hold them, [Note: placed W])."""
+    boundary so, its activations over its B), and a deferred W's operands from its B to it (`w_operands`)."""
     starts: dict[tuple[int | None, int | None, int], float] = {}
     b_ends: dict[tuple[int | None, int | None, int], float] = {}
     out = []
@@ -863,9 +824,8 @@ def activation_intervals(
 
 
 def w_operand_bytes(stage: StageCost, layer: str | None = None) -> int:
-    """Bytes one micro-batch's deferred W keeps of the stage: each layer's input and output gradient (its K-FAC
-    parts' captures), or the stage's activations where its layers capture none. With `layer`: what that layer's W
-    keeps ([Note: per-layer W]), its captures, or its share (`w_share`) of the activations."""
+    """Bytes one micro-batch's deferred W (of `layer` alone, [Note: per-layer W]) keeps: its layers' captures, or
+    where they capture none the activations (`w_share` of them)."""
     captured = sum(p.capture_bytes for x in stage.layers for p in x.parts if p.after is not OpKind.ALLREDUCE_GRAD)
     if layer is None:
         return captured if captured else stage.act_bytes
@@ -895,8 +855,7 @@ def w_operand_bytes(stage: StageCost, layer: str | None = None) -> int:
 
 
 def whole_decimal(values: Iterable[float], most: int) -> int | None:
-    """The least e < `most` for which every value is a whole number of 10^-e (within 1e-9), else None: the one test
-    behind the exact time grid ([Note: time grid] in planner/plan/window.py) and the per-layer W's cuts."""
+    """The least e < `most` for which every value is a whole number of 10^-e (within 1e-9), else None."""
     values = list(values)
     for e in range(most):
         m = 10.0**e
@@ -906,18 +865,14 @@ def whole_decimal(values: Iterable[float], most: int) -> int | None:
 
 
 def _cut_quantum(start: float, end: float) -> float | None:
-    """Where per-layer W's cut a W's interval: at 1/100 of the finest decimal unit its ends are whole in (at most
-    10^-6 s), so that a time grid exact for the step stays exact for them (an inexact grid rounds every op and can
-    cost a tight plan a longer step); None where the ends are whole in none."""
+    """Where per-layer W's cut a W's interval: 1/100 of the decimal unit its ends are whole in (at most 10^-6 s), so
+    an exact time grid stays exact; None where there is none."""
     e = whole_decimal((start, end), 5)
     return None if e is None else 10.0 ** -(e + 2)
 
 
 def w_share(stage: StageCost, layer: str) -> float:
-    """The share of the stage's W that one layer's takes ([Note: per-layer W]): its measured W piece's share of the
-    layers' (`LayerCost.wgrad`, where every layer of the stage has one: the stage's shared piece, which runs with
-    whichever layer's W comes first, spread over them so), else its parameters' share of the stage's
-    (`LayerCost.grad_bytes`), else the same for every layer."""
+    """The share of the stage's W one layer's takes ([Note: per-layer W])."""
     timed = {x.name: x.wgrad for x in stage.layers if x.wgrad is not None}
     if len(timed) == len(stage.layers) and sum(timed.values()) > 0:
         return timed[layer] / sum(timed.values())
@@ -930,9 +885,8 @@ def w_share(stage: StageCost, layer: str) -> float:
 def w_layer_ops(
     stage: StageCost, w: Op, start: float, end: float, fused: frozenset[str] = frozenset()
 ) -> list[tuple[Op, float, float]]:
-    """A stage's W `w` over [start, end) as one W per layer ([Note: per-layer W]), consecutive in the stage's layer
-    order, each its share of the W's seconds plus its own curvature where `fused` (the refresh step's fused layers,
-    whose curvature the interval holds); `w` itself where the stage has no layers."""
+    """A stage's W over [start, end) as one W per layer in order ([Note: per-layer W]), each its share plus its
+    `fused` curvature; `w` itself where the stage has no layers."""
     if not stage.layers:
         return [(w, start, end)]
     quantum = _cut_quantum(start, end)
@@ -947,8 +901,7 @@ def w_layer_ops(
 
 
 def peak_level(spans: Iterable[tuple[float, float, int]]) -> int:
-    """The most bytes held at once by (start, end, bytes) spans over [start, end): the one memory sweep of the
-    planner, its window and the validator."""
+    """The most bytes held at once by (start, end, bytes) spans over [start, end): the planner's one memory sweep."""
     events = sorted(event for start, end, nbytes in spans for event in ((start, nbytes), (end, -nbytes)))
     level = peak = 0
     for _, delta in events:
