@@ -1,7 +1,6 @@
-"""Streamed buckets ([Note: streamed buckets] in fxkfac/runtime/streaming.py), owned here for the runtime and the
-planner alike: which (owner, helper, stage) of a plan's programs may send their split-APPLY transfers together
-(`bucketable`), and how the units one owner streams to one helper from one stage are cut into buckets (`cut`). The
-runtime sends each bucket as one message each way; the planner prices it as one (`send_buckets`)."""
+"""Streamed buckets ([Note: streamed buckets] in fxkfac/runtime/streaming.py) for the runtime and the planner: which
+(owner, helper, stage) may send their split-APPLY transfers together (`bucketable`) and how their units are cut
+(`cut`); each bucket is one message each way."""
 
 from __future__ import annotations
 
@@ -14,9 +13,7 @@ from fxkfac.planner.problem.ir import Op, OpKind
 __all__ = ["BUCKET_BYTES", "bucketable", "bundles_streams", "cut", "send_buckets"]
 
 BUCKET_BYTES = 1 << 20
-"""A bucket of a split APPLY's streamed units closes once it holds this many bytes ([Note: streamed buckets]): its
-message's fixed cost is then a small part of it, and the helper starts on the first bucket while the owner's backward
-makes the next."""
+"""A bucket of streamed units closes once it holds this many bytes (its fixed cost then small)."""
 
 K = TypeVar("K", bound=Hashable)
 
@@ -24,9 +21,8 @@ K = TypeVar("K", bound=Hashable)
 def cut(
     units: Sequence[tuple[K, str, int, Hashable]], order: Mapping[str, int], cap: int = BUCKET_BYTES
 ) -> list[tuple[K, tuple[str, ...]]]:
-    """The buckets (group, units in message order) of one end's (group, unit, bytes, element type) units: per group,
-    the units in descending `order`, a bucket closed once it holds `cap` bytes or when the next unit's element type
-    differs. Both ends of a transfer list the same units, so they cut the same buckets."""
+    """The buckets (group, units) of one end's (group, unit, bytes, element type) units: per group in descending
+    `order`, closed at `cap` bytes or an element type change (both ends cut the same)."""
     groups: dict[K, list[tuple[str, int, Hashable]]] = {}
     for group, unit, nbytes, dtype in units:
         groups.setdefault(group, []).append((unit, nbytes, dtype))
@@ -45,8 +41,7 @@ def cut(
 
 
 _BETWEEN_RETURNS = frozenset({OpKind.APPLY, OpKind.SEND_PGRAD, OpKind.RECV_LGRAD})
-"""What a helper may run between the first and the last SEND_PGRAD of one owner's stage for them to travel in buckets
-(of that stage): nothing that waits on a message the owner sends after it waits for a bucket."""
+"""What a helper may run between the first and last SEND_PGRAD of one owner's stage for them to travel in buckets."""
 
 
 def _waits(op: Op) -> bool:
@@ -55,8 +50,7 @@ def _waits(op: Op) -> bool:
 
 
 def _sends_in_a_row(ops: Sequence[Op], where: Sequence[int], stage: int) -> bool:
-    """Whether an owner's SEND_LGRADs of `stage` (at `where` in `ops`) run in a row, and nothing from the stage's last
-    backward before them to the last of them waits on a peer (a bucket's units are all in by its last)."""
+    """Whether an owner's SEND_LGRADs of `stage` (at `where`) run in a row, none waiting on a peer since its last B."""
     if where[-1] - where[0] + 1 != len(where):
         return False
     last_backward = max(
@@ -67,11 +61,8 @@ def _sends_in_a_row(ops: Sequence[Op], where: Sequence[int], stage: int) -> bool
 
 
 def bucketable(programs: Mapping[int, Sequence[Sequence[Op]]]) -> frozenset[tuple[int, int, int]]:
-    """The (owner, helper, stage) whose split-APPLY transfers travel in buckets ([Note: streamed buckets]), given each
-    rank's step op lists: on the owner, the stage's SEND_LGRADs to the helper are consecutive, and so are its
-    RECV_PGRADs from it, and it waits on no peer from the stage's last backward to its last SEND_LGRAD; on the helper,
-    nothing but that pair's RECV_LGRADs, APPLYs and SEND_PGRADs of the stage runs between its first and last SEND_PGRAD
-    to the owner. Then no rank waits for a bucket whose last unit waits on it."""
+    """The (owner, helper, stage) whose split-APPLY transfers travel in buckets: the owner's SEND_LGRADs in a row
+    (`_sends_in_a_row`) and RECV_PGRADs in a row, the helper's SEND_PGRADs with only `_BETWEEN_RETURNS` between."""
     seen: set[tuple[int, int, int]] = set()
     refused: set[tuple[int, int, int]] = set()
     for rank, steps in programs.items():
@@ -104,17 +95,15 @@ def bucketable(programs: Mapping[int, Sequence[Sequence[Op]]]) -> frozenset[tupl
 
 
 def bundles_streams(family: PreconditionerKind) -> bool:
-    """Whether the runtime sends `family`'s streamed transfers in buckets: a split APPLY's (Muon: its core's input and
-    output, no state); every other family's streamed unit travels alone (its state returns with it)."""
+    """Whether the runtime sends `family`'s streamed transfers in buckets (Muon's; stateful units travel alone)."""
     return family is PreconditionerKind.MUON
 
 
 def send_buckets(
     programs: Mapping[int, Sequence[Sequence[Op]]], layers: Sequence[LayerCost], family: PreconditionerKind
 ) -> dict[tuple[int, Op], frozenset[Op]]:
-    """Per (rank, streamed SEND) that travels with others, the SENDs of its bucket on that rank, as the runtime cuts
-    them from the same programs: `layers` every unit of the model in the order the runtime numbers them (the cost
-    table's), priced by its streamed bytes (one element type). Empty where `family` does not bundle."""
+    """Per (rank, streamed SEND) that travels with others, the SENDs of its bucket, as the runtime cuts them (`layers`
+    in the runtime's order, by streamed bytes)."""
     if not bundles_streams(family):
         return {}
     pairs = bucketable(programs)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
 from typing import Any
@@ -39,32 +39,25 @@ def _check_size(nbytes: float, group_size: int) -> None:
         raise CostModelError(f"a message has a finite number >= 0 of bytes, got {nbytes!r}")
 
 
+_ALGORITHMS: dict[Collective, tuple[Callable[[int], float], Callable[[int], float]]] = {
+    Collective.ALL_REDUCE: (lambda p: 2.0 * (p - 1), lambda p: 2.0 * (p - 1) / p),
+    Collective.BROADCAST: (lambda p: math.ceil(math.log2(p)) + p - 1.0, lambda p: 2.0 * (p - 1) / p),
+    Collective.ALL_GATHER: (lambda p: p - 1.0, lambda p: (p - 1) / p),
+    Collective.SEND: (lambda p: 1.0, lambda p: 1.0),
+}
+"""Per kind over p > 1 ranks (the module docstring's algorithms): (alphas, the share of the bytes each beta)."""
+
+
 def latency_steps(kind: Collective, group_size: int) -> float:
-    """How many alphas `kind` pays over `group_size` ranks (the module docstring's algorithms)."""
+    """How many alphas `kind` pays over `group_size` ranks."""
     _check_size(0, group_size)
-    p = group_size
-    if p == 1:
-        return 0.0
-    if kind is Collective.ALL_REDUCE:
-        return 2.0 * (p - 1)
-    if kind is Collective.BROADCAST:
-        return math.ceil(math.log2(p)) + p - 1.0
-    if kind is Collective.ALL_GATHER:
-        return p - 1.0
-    return 1.0
+    return 0.0 if group_size == 1 else _ALGORITHMS[kind][0](group_size)
 
 
 def wire_bytes(kind: Collective, nbytes: float, group_size: int) -> float:
     """How many betas (bytes on each rank's busiest link) `kind` of `nbytes` pays over `group_size` ranks."""
     _check_size(nbytes, group_size)
-    p = group_size
-    if p == 1:
-        return 0.0
-    if kind in (Collective.ALL_REDUCE, Collective.BROADCAST):
-        return 2.0 * (p - 1) / p * nbytes
-    if kind is Collective.ALL_GATHER:
-        return (p - 1) / p * nbytes
-    return float(nbytes)
+    return 0.0 if group_size == 1 else _ALGORITHMS[kind][1](group_size) * nbytes
 
 
 def _check_nonnegative(owner: str, name: str, value: Any) -> None:
@@ -74,7 +67,7 @@ def _check_nonnegative(owner: str, name: str, value: Any) -> None:
 
 @dataclass(frozen=True, slots=True)
 class AlphaBeta:
-    """One link's costs: `alpha` seconds per message step (latency), `beta` seconds per byte (1 / bandwidth)."""
+    """One link: `alpha` seconds per message step (latency), `beta` seconds per byte (1 / bandwidth)."""
 
     alpha: float
     beta: float
@@ -97,8 +90,7 @@ class AlphaBeta:
 
 @dataclass(frozen=True, slots=True)
 class LinkCosts:
-    """Alpha and beta of every collective kind over one kind of link (the same for all kinds on a datasheet link;
-    fitted per kind when measured)."""
+    """Alpha and beta of every collective kind over one kind of link (fitted per kind when measured)."""
 
     all_reduce: AlphaBeta
     broadcast: AlphaBeta
@@ -118,8 +110,7 @@ class LinkCosts:
 
 @dataclass(frozen=True, slots=True)
 class CommModel:
-    """How long each collective takes over a group: `intra` for groups within one node of `devices_per_node`
-    devices, `inter` for larger ones (see the module docstring); `source` says where the numbers come from."""
+    """Collective costs: `intra` for groups within one node of `devices_per_node` devices, `inter` for larger."""
 
     intra: LinkCosts
     inter: LinkCosts
@@ -191,11 +182,8 @@ Sample = tuple[int, float, float]
 
 
 def fit_alpha_beta(kind: Collective, samples: Sequence[Sample]) -> AlphaBeta:
-    """The alpha and beta >= 0 of `kind` whose times best fit `samples` in least squares (non-negative: a
-    negative fitted latency or per-byte cost, which noise can produce, is pinned at 0 and the other refitted).
-
-    Each sample predicts alpha * latency_steps + beta * wire_bytes; CostModelError without two distinct sizes.
-    """
+    """The alpha and beta >= 0 of `kind` that best fit `samples` (alpha * latency_steps + beta * wire_bytes) in
+    least squares, a negative one pinned at 0 and the other refitted; CostModelError without two distinct sizes."""
     raw = [(latency_steps(kind, p), wire_bytes(kind, n, p), t) for p, n, t in samples]
     if len({(x, y) for x, y, _ in raw}) < 2:
         raise CostModelError(
@@ -303,8 +291,7 @@ _NVLINK_US, _NET_US = 3.4 * _US, 9.6 * _US
 
 
 def _links(intra_bandwidth: float, inter_bandwidth: float, source: str) -> CommModel:
-    """A datasheet comm model: every kind over NVLink within a node of 8 GPUs and the network across nodes, each
-    from its one-direction bandwidth (bytes/s)."""
+    """A datasheet comm model: NVLink within a node of 8 GPUs, the network across, one-direction bytes/s."""
     intra = LinkCosts.uniform(AlphaBeta.of_link(_NVLINK_US, intra_bandwidth))
     return CommModel(intra, LinkCosts.uniform(AlphaBeta.of_link(_NET_US, inter_bandwidth)), _NODE, source)
 

@@ -1,9 +1,4 @@
-"""The planner's program IR: printable, round-tripping ops, per-step programs, per-layer timing.
-
-Pieces of a Muon matrix's APPLY ("APPLY s0 i/n layer"): piece i of n runs Newton-Schulz iterations
-[i*S//n, (i+1)*S//n) of S = `NS_STEPS`, after piece i-1 on the same rank; a Muon problem cuts every matrix's APPLY
-into `Problem.apply_pieces` of them (its `decomp_pieces`: Muon has no decomposition).
-"""
+"""The planner's program IR: printable, round-tripping ops, per-step programs, per-layer timing."""
 
 from __future__ import annotations
 
@@ -23,14 +18,9 @@ T = TypeVar("T")
 
 
 class OpKind(StrEnum):
-    """What one instruction of a rank's program does.
-
-    BWD_W ("W") is the weight-gradient half of a backward, split off for zero-bubble schedules: a BWD whose step of
-    the rank's program also holds the BWD_W of its (stage, mb, pipe) computes only the input gradient, and the
-    BWD_W computes the weight gradient later; a BWD without one computes both. A BWD_W naming a layer ("W s0 m1 fc")
-    computes that layer's weight gradient alone (per-layer W, docs/ZERO_BUBBLE.md); one without ("W s0 m1") every
-    layer's of the stage that no BWD_W of the micro-batch has computed yet.
-    """
+    """What one instruction of a rank's program does. BWD_W ("W", zero-bubble schedules) is the weight-gradient half
+    of its step's BWD of the same (stage, mb, pipe); naming a layer ("W s0 m1 fc"), that layer's alone
+    (docs/ZERO_BUBBLE.md), else every layer's not yet computed."""
 
     FWD = "FWD"
     BWD = "BWD"
@@ -68,9 +58,8 @@ LAYER_SENDS: Mapping[OpKind, OpKind] = {
     OpKind.SEND_PGRAD: OpKind.RECV_PGRAD,
     OpKind.SEND_REPLICA: OpKind.RECV_REPLICA,
 }
-"""A streamed layer's transfers (docs/STREAMED_APPLY.md), each send with its receive: the owner of the layer's stage
-hands its gradient to a helper rank (LGRAD), which sends it back preconditioned (PGRAD) with a replica of the
-layer's preconditioner it got at each refresh (REPLICA)."""
+"""A streamed layer's transfers (docs/STREAMED_APPLY.md), each send with its receive: its gradient to the helper
+(LGRAD), back preconditioned (PGRAD), and its preconditioner at each refresh (REPLICA)."""
 SEND_KINDS = frozenset({OpKind.SEND_ACT, OpKind.SEND_GRAD, *LAYER_SENDS})
 RECV_KINDS = frozenset({OpKind.RECV_ACT, OpKind.RECV_GRAD, *LAYER_SENDS.values()})
 COLLECTIVE_KINDS = frozenset({OpKind.ALLREDUCE_GRAD, OpKind.SYNC_STATS, OpKind.BCAST, OpKind.BCAST_PREC})
@@ -117,17 +106,10 @@ OP_FIELDS: dict[OpKind, tuple[frozenset[str], frozenset[str]]] = {
     OpKind.OPT_STEP: (frozenset(), frozenset()),
     **{k: (frozenset({_STAGE, _PEER, _LAYER}), frozenset()) for k in LAYER_TRANSFER_KINDS},
 }
-"""The fields each kind of op must have and may have. A preconditioner's ops name a `layer` (all layers of the
-stage when absent) and a `part` of it (every part when absent); STATS names a micro-batch for a part fed by a
-capture and none for a part fed by the reduced gradient; `peer` is the other end of a transfer, `root` the
-rank a broadcast comes from and `group` the ranks it reaches (every copy of the stage when absent); a DECOMP's
-`piece` ``(i, n)`` makes piece i of a decomposition split into n (KFACConfig.split_inverse,
-ShampooConfig.newton_pieces; whole when absent), an APPLY's piece i of a Muon matrix's Newton-Schulz iterations cut
-into n (planner/problem/analytic.py; the pieces of one layer run in order on one rank). APPLY
-without a layer preconditions every layer of the stage; BCAST_PREC sends one layer's preconditioned gradient
-from its grad worker to a row of receivers (planner/problem/strategy.py); a streamed layer's transfers (`LAYER_SENDS`)
-name its stage, its layer and the rank at the other end ("SEND_LGRAD s0 >r1 fc"). An APPLY of a stage the rank does not
-hold preconditions a streamed layer's gradient received from the stage's owner."""
+"""The fields each kind of op must have and may have. A preconditioner's op covers every layer (part) of the stage
+without `layer` (`part`); STATS names a micro-batch where a capture feeds the part; `group`: the ranks a broadcast
+reaches (all copies when absent); `piece` (i, n): piece i of a DECOMP in n, or of a Muon APPLY's Newton-Schulz
+iterations (in order on one rank). An APPLY of a stage the rank does not hold is a streamed layer's."""
 _RAW_LAYER = re.compile(r"[A-Za-z0-9_.:/\-\[\]]+")
 
 
@@ -146,14 +128,9 @@ def _peer_prefix(kind: OpKind) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Op:
-    """One instruction: `kind` on global (virtual) `stage`, micro-batch `mb` of pipeline `pipe`.
-
-    `layer`/`part` name a preconditioner's work (a part is one capital letter: K-FAC's "A" or "B"), `piece`
-    ``(i, n)`` piece i of a DECOMP made in n ("DECOMP s1 A 0/2 fc");
-    `peer` is the other rank of a SEND/RECV, `root` the rank a BCAST comes from; each kind has its
-    required and allowed fields (`OP_FIELDS`). `str(op)` is compact ("F s1 m0", "SEND_ACT s1 m0 >r2",
-    "STATS s1 m3 A layer", "BCAST s1 A @r2 layer") and `Op.parse(str(op)) == op`.
-    """
+    """One instruction: `kind` on global (virtual) `stage`, micro-batch `mb` of pipeline `pipe`, with the fields
+    `OP_FIELDS` allows; `str(op)` is compact ("F s1 m0", "SEND_ACT s1 m0 >r2", "BCAST s1 A @r2 layer") and
+    `Op.parse(str(op)) == op`."""
 
     kind: OpKind
     stage: int | None = None
@@ -257,8 +234,8 @@ class Op:
 
 @dataclass(frozen=True)
 class Placement:
-    """Where one K-FAC op runs: `device`, from `start` to `end` seconds after the refresh step
-    began; `step` in 0..2k-1 is the step of the window (k.. : the next window's early bubbles)."""
+    """Where one preconditioner op runs: `device`, window step `step` (0..2k-1), `start` to `end` seconds after the
+    refresh step began."""
 
     op: Op
     device: int
@@ -405,12 +382,8 @@ def parse_programs(text: str) -> Programs:
 
 @dataclass(frozen=True, slots=True)
 class LayerTiming:
-    """When one layer refreshes its factors and uses the inverse (see docs/ARCHITECTURE.md).
-
-    At global step t with `t % period == curv_step` the micro-batches of step t feed a refresh;
-    the inverse made from it preconditions steps `t + use_offset` onward; `capture` says how its statistics are
-    taken (a plan's JSON and callers may give the value as text).
-    """
+    """When one layer refreshes: step t with `t % period == curv_step` feeds a refresh, used from step
+    `t + use_offset` on; `capture` how its statistics are taken."""
 
     period: int
     curv_step: int
@@ -427,8 +400,7 @@ class LayerTiming:
 
 
 NS_STEPS = 5
-"""Newton-Schulz iterations per step the planner prices pieces with (torch.optim.Muon's and MuonConfig's
-`ns_steps` default)."""
+"""Newton-Schulz iterations per step the planner prices pieces with (MuonConfig's `ns_steps` default)."""
 
 
 def piece_iterations(piece: tuple[int, int] | None, ns_steps: int = NS_STEPS) -> range:
@@ -440,8 +412,7 @@ def piece_iterations(piece: tuple[int, int] | None, ns_steps: int = NS_STEPS) ->
 
 
 def piece_share(piece: tuple[int, int] | None) -> float:
-    """The share of its matrix's APPLY seconds piece (i, n) takes: its iterations' share of `NS_STEPS` (the step's
-    elementwise work, a few percent of it, spread with them)."""
+    """The share of its matrix's APPLY seconds piece (i, n) takes: its iterations' share of `NS_STEPS`."""
     return len(piece_iterations(piece)) / NS_STEPS
 
 

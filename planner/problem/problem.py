@@ -32,15 +32,10 @@ class StepBarrier(StrEnum):
 
 @dataclass(frozen=True)
 class Problem:
-    """What to plan: the pipeline, the costs, the device memory and the step-time tolerance.
-
-    schedule/D/N/W/v: the pipeline (pp size D, dp size W, N micro-batches per replica, v stages per rank for
-    "interleaved" and "zb-1p", 2 for "zb-v"); costs: one StageCost per (virtual) stage; memory_budget: bytes per
-    device (None: unlimited); max_overhead: how much the step may grow over the reference step with preconditioning,
-    a fraction (0.0: bubbles only), shared by fused curvature and stretch ([Note: stretch] in
-    planner/plan/window.py); fingerprint: the graph the plan is for; max_period: the longest refresh period;
-    distributions: (layer, LayerDistribution) pairs sorted by layer, absent layers COMM-OPT (`with_distributions`).
-    """
+    """What to plan: the pipeline (pp size D, dp size W, N micro-batches, v stages per rank), one StageCost per
+    stage, bytes per device (None: unlimited), max_overhead the fraction the step may grow over the reference step
+    (0.0: bubbles only), the graph's fingerprint, the longest refresh period, and non-COMM-OPT layer distributions
+    sorted by layer (`with_distributions`)."""
 
     schedule: str
     D: int
@@ -55,26 +50,25 @@ class Problem:
     max_period: int = 32
     distributions: tuple[tuple[str, LayerDistribution], ...] = ()
     decomp_pieces: int = 1
-    """How many DECOMP ops each part's decomposition is cut into, each 1/n of it, in order on one rank ([Note: piece
-    tasks] in planner/plan/window.py); Muon's APPLY is cut so by iterations (`apply_pieces`)."""
+    """How many DECOMP ops each decomposition is cut into, in order on one rank (Muon: its APPLY, `apply_pieces`)."""
     warm_start: bool = False
-    """Whether each decomposition starts from its layer's newest preconditioner (`Family.warm_start`), so every
-    refresh is made and broadcast before the next one's first DECOMP (`chains_refreshes`)."""
+    """Whether each decomposition starts from its layer's newest preconditioner (`chains_refreshes`)."""
     barrier: StepBarrier = StepBarrier.WORLD
     """Which ranks each step's end synchronizes ([Note: step barrier] in planner/plan/window.py)."""
     streaming: Streaming | None = None
-    """Layers whose APPLY a helper rank runs, fed during the owner's last backward (planner/problem/lowering.py)."""
+    """Layers whose APPLY a helper rank runs, fed during the owner's last backward."""
     recompute: tuple[int, ...] = ()
-    """Stages that recompute their forward (activation checkpointing), ascending: each keeps only its boundary per
-    micro-batch in flight, and its BWD runs the forward again first."""
+    """Stages that recompute their forward in their BWD (activation checkpointing), ascending."""
 
     def __post_init__(self) -> None:
         kind = validate_schedule_args(self.schedule, self.D, self.N, self.v)
         object.__setattr__(self, "schedule", kind.value)
         if not self.hardware:
             object.__setattr__(self, "hardware", self.costs.hardware)
-        if not isinstance(self.W, int) or self.W < 1:
-            raise PlanError(f"the data-parallel size W must be an int >= 1, got {self.W!r}")
+        for name in ("W", "max_period", "decomp_pieces"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise PlanError(f"{name} must be an int >= 1, got {value!r}")
         S = num_stages(kind, self.D, self.v)
         if len(self.costs.stages) != S:
             raise PlanError(
@@ -86,14 +80,10 @@ class Problem:
             raise PlanError(f"memory_budget must be a positive int (bytes) or None, got {budget!r}")
         if not (isinstance(self.max_overhead, (int, float)) and 0 <= self.max_overhead < 10):
             raise PlanError(f"max_overhead is a fraction in [0, 10), got {self.max_overhead!r}")
-        if not isinstance(self.max_period, int) or self.max_period < 1:
-            raise PlanError(f"max_period must be an int >= 1, got {self.max_period!r}")
         try:
             object.__setattr__(self, "barrier", StepBarrier(self.barrier))
         except ValueError:
             raise PlanError(f"barrier must be one of {[b.value for b in StepBarrier]}, got {self.barrier!r}") from None
-        if isinstance(self.decomp_pieces, bool) or not isinstance(self.decomp_pieces, int) or self.decomp_pieces < 1:
-            raise PlanError(f"decomp_pieces must be an int >= 1, got {self.decomp_pieces!r}")
         if self.costs.family is PreconditionerKind.MUON and self.decomp_pieces > NS_STEPS:
             raise PlanError(
                 f"Muon's APPLY pieces run its {NS_STEPS} Newton-Schulz iterations; {self.decomp_pieces} pieces "
@@ -127,8 +117,7 @@ class Problem:
             raise PlanError(f"recompute names stages {list(stages)}, but this problem has stages 0..{S - 1}")
 
     def _check_streaming(self, streaming: Streaming) -> None:
-        """PlanError unless every helper holds no copy of the streamed stage and each streamed layer may stream
-        (`can_stream`) under COMM-OPT (the helper's result replaces each copy's gradient)."""
+        """PlanError unless no helper holds the streamed stage and each streamed layer may stream under COMM-OPT."""
         if not streaming.stage < self.num_stages:
             raise PlanError(f"streaming names stage {streaming.stage}, which this problem does not have")
         for helper in streaming.ranks:
@@ -155,15 +144,13 @@ class Problem:
 
     @property
     def stream_owners(self) -> tuple[int, ...]:
-        """The ranks holding the streamed stage, ascending: each sends its gradient of a streamed layer and takes the
-        result back; the first also sends the replicas."""
+        """The ranks holding the streamed stage, ascending (the first also sends the replicas)."""
         assert self.streaming is not None, "only a problem with streaming has owners"
         return copies_of_stage(self, self.streaming.stage)
 
     @property
     def chains_refreshes(self) -> bool:
-        """Whether every refresh of a layer is made before the next one's first DECOMP of it: decompositions that
-        warm-start or run in pieces."""
+        """Whether each refresh is made before the next one's first DECOMP (warm starts, pieces)."""
         return self.warm_start or self.decomp_pieces > 1
 
     def __hash__(self) -> int:
@@ -183,15 +170,13 @@ class Problem:
         return dict(self.distributions)
 
     def with_distributions(self, distributions: Mapping[str, LayerDistribution]) -> Problem:
-        """The same problem with these layer distributions (COMM-OPT ones and streamed layers not listed, so a
-        problem has one form)."""
+        """The same problem with these layer distributions (COMM-OPT and streamed layers left out: one form)."""
         streamed = set(self.streaming.layers) if self.streaming is not None else set()
         named = sorted((n, d) for n, d in distributions.items() if d != LayerDistribution() and n not in streamed)
         return replace(self, distributions=tuple(named))
 
     def with_strategy(self, strategy: Strategy) -> Problem:
-        """Every layer under `strategy`, dealt to its stage's columns by KAISA's greedy on its decomposition seconds
-        (`distribute`), a layer without parts (a Muon matrix) on its APPLY's."""
+        """Every layer under `strategy`, dealt to columns by `distribute` on its decomposition (Muon: APPLY) seconds."""
         holders = {s: copies_of_stage(self, s) for s in range(self.num_stages)}
         layers = {s: [x.name for x in stage.layers] for s, stage in enumerate(self.costs.stages)}
         costs = {x.name: x.inv if x.parts else x.prec for stage in self.costs.stages for x in stage.layers}
@@ -262,9 +247,8 @@ class Problem:
 
 @dataclass(frozen=True)
 class SolveProgress:
-    """What CP-SAT reports while it places one window (planner/search/cpsat.py), plain data for a front to render:
-    the window in words, CP-SAT's status (FEASIBLE per placement found, then the call's own), the best staleness
-    and its proven bound (None when searching any placement), wall seconds so far, and whether the call ended."""
+    """What CP-SAT reports while it places one window, for a front to render: the window, status, best staleness and
+    its bound (None when searching any placement), wall seconds so far, whether the call ended."""
 
     window: str
     status: str
@@ -283,11 +267,8 @@ class SolveProgress:
 
 @dataclass(frozen=True)
 class SolverConfig:
-    """How hard the CP-SAT planner works: a time limit, workers, seed, and the greedy warm start.
-
-    stats_chunk: at most this many consecutive layers of a stage in one STATS task per (device, micro-batch, side);
-    1: a task per layer (what packs best); None decides by size (`max_stats_tasks`).
-    """
+    """How hard the CP-SAT planner works. stats_chunk: at most this many layers in one STATS task (None: by
+    `max_stats_tasks`)."""
 
     time_limit_s: float = 10.0
     """Seconds of planning ([Note: time limit] in planner/search/attempt.py; deterministic: [Note: deterministic
@@ -297,13 +278,11 @@ class SolverConfig:
     seed: int = 0
     """CP-SAT's random seed."""
     deterministic: bool = True
-    """The same problem and options give the same plan on any machine (CP-SAT budgeted in deterministic time,
-    single-threaded, seeded); False: wall-clock seconds on `num_workers` threads."""
+    """The same plan on any machine (deterministic time, one thread); False: wall-clock on `num_workers` threads."""
     use_greedy_hint: bool = True
     stats_chunk: int | None = None
     max_stats_tasks: int = 1536
-    """With `stats_chunk` None, a group's STATS tasks are per layer up to this many, chunked beyond it (CP-SAT's
-    model grows with them)."""
+    """With `stats_chunk` None, a group's STATS tasks are per layer up to this many, chunked beyond."""
     time_resolution: int = 100_000
     """Ticks per step when times are not exact in a decimal unit (see `planner.plan.window`)."""
     stretch: bool = True
@@ -321,13 +300,11 @@ class StageGroup:
 
 
 def _holders(problem: Problem) -> dict[int, tuple[int, ...]]:
-    """Stage -> the ranks holding a copy of it (`ranks_of_stages`), cached by the mesh, cheaper to hash."""
-    return _holders_of(problem.schedule, problem.D, problem.W, problem.v)
+    """Stage -> the ranks holding a copy of it, cached by the mesh (cheaper to hash than the problem)."""
+    return _ranks_of_stages(problem.schedule, problem.D, problem.W, problem.v)
 
 
-@lru_cache(maxsize=64)
-def _holders_of(schedule: str, D: int, W: int, v: int) -> dict[int, tuple[int, ...]]:
-    return ranks_of_stages(ScheduleKind(schedule), D, W, v)
+_ranks_of_stages = lru_cache(maxsize=64)(ranks_of_stages)
 
 
 def copies_of_stage(problem: Problem, stage: int) -> tuple[int, ...]:

@@ -29,18 +29,15 @@ PAPER_PREFIX = "paper:"
 """`paper:<model>/<hardware>` names a profile shipped in planner/data/pipefisher_profiles/."""
 
 GPU_PREFIX = "gpu:"
-"""`gpu:<model>/<device>` names a profile measured by benchmarks/gpu_check.py, shipped as
-planner/data/gpu_profiles/<model>_<device>.json (`block_profile_json`)."""
+"""`gpu:<model>/<device>` names a profile benchmarks/gpu_check.py measured, in planner/data/gpu_profiles/."""
 
 BLOCK_PROFILE_FORMAT = "fxkfac-block-profile/1"
-"""The `format` field of a per-block profile JSON: PipeFisher's columns, one row per micro-batch size, and what
-they were measured on."""
+"""The `format` field of a per-block profile JSON (PipeFisher's columns, a row per micro-batch size)."""
 
 
 class ProfileLayers(StrEnum):
-    """What one K-FAC layer of a profiled Transformer block is: the block, its attention and feed-forward, or each
-    of its six Linears (as the paper's code preconditions), sharing the block's costs by their shapes. Finer layers
-    give the planner smaller tasks and gradients final earlier, and more tasks to place."""
+    """What one K-FAC layer of a profiled block is: the block, its attention and feed-forward, or each of its six
+    Linears (as the paper's code), sharing the block's costs by their shapes."""
 
     BLOCK = "block"
     SUBLAYER = "sublayer"
@@ -48,8 +45,7 @@ class ProfileLayers(StrEnum):
 
 
 BLOCK_LINEARS = (("q", 1, 1), ("k", 1, 1), ("v", 1, 1), ("o", 1, 1), ("fc1", 1, 4), ("fc2", 4, 1))
-"""The Linears of a profiled block in forward order as (name, d_in / d, d_out / d): attention's four d -> d and the
-feed-forward d -> 4d -> d; every profiled model (BERT, OPT, T5) has f = 4d, so the cost shares need no width."""
+"""The Linears of a profiled block in forward order as (name, d_in / d, d_out / d); every profiled model has f = 4d."""
 
 _GROUPS: dict[ProfileLayers, tuple[tuple[str, tuple[str, ...]], ...]] = {
     ProfileLayers.BLOCK: (("", tuple(n for n, _, _ in BLOCK_LINEARS)),),
@@ -76,8 +72,7 @@ def _gpu_profiles_folder() -> Traversable:
 
 
 def _shipped(prefix: str) -> dict[str, str]:
-    """Shipped profile file names by name, sorted: PipeFisher's <model>_time_memory_<hardware>.csv as
-    `paper:<model>/<hardware>`, GPU profiles <model>_<device>.json as `gpu:<model>/<device>`."""
+    """Shipped profile file names by `paper:<model>/<hardware>` or `gpu:<model>/<device>` name, sorted."""
     paper = prefix == PAPER_PREFIX
     folder = _profiles_folder() if paper else _gpu_profiles_folder()
     if not folder.is_dir():
@@ -102,8 +97,7 @@ def gpu_profile_names() -> tuple[str, ...]:
 
 
 def _shipped_file(name: str) -> str | None:
-    """The shipped file a `paper:` or `gpu:` name stands for (CostModelError listing the names when unknown); None
-    for a path."""
+    """The shipped file a `paper:` or `gpu:` name stands for (CostModelError when unknown); None for a path."""
     prefix = next((x for x in (PAPER_PREFIX, GPU_PREFIX) if name.startswith(x)), None)
     if prefix is None:
         return None
@@ -130,8 +124,7 @@ def _is_block_profile_json(path: Path) -> bool:
 
 
 def is_profile(source: str | Path) -> bool:
-    """Whether `source` is a per-block profile (a PipeFisher .csv path or `paper:` name, a GPU profile .json path
-    or `gpu:` name), which needs blocks_per_stage and micro_batch_size to become a cost table."""
+    """Whether `source` is a per-block profile (.csv, `paper:`, a profile .json, `gpu:`), not a cost table."""
     if str(source).startswith((PAPER_PREFIX, GPU_PREFIX)):
         return True
     path = Path(source)
@@ -139,9 +132,8 @@ def is_profile(source: str | Path) -> bool:
 
 
 def block_profile_json(rows: Sequence[Mapping[str, float]], *, model: str, device: str, **about: Any) -> str:
-    """The text of a per-block profile JSON (what `gpu:` names and profile .json paths load): `rows`, one per
-    micro-batch size with every `PIPEFISHER_COLUMNS` value (ms and MiB per block, as PipeFisher's CSVs), the
-    model and device, and `about` what else the measurement was (dtype, sequence length, torch version ...)."""
+    """The text of a per-block profile JSON: `rows`, one per micro-batch size with every `PIPEFISHER_COLUMNS` value
+    (ms and MiB per block), the model and device, and `about` the measurement (dtype, sequence length ...)."""
     if not rows:
         raise CostModelError("a block profile needs at least one row")
     for row in rows:
@@ -157,23 +149,23 @@ _Rows = dict[int, dict[str, float]]
 
 
 def _profile_rows(source: str | Path) -> tuple[_Rows, str, str | None]:
-    """A per-block profile's rows by micro-batch size, its file name and, for a GPU profile, its device: a shipped
-    one by `paper:` or `gpu:` name, or a .csv or .json file by path."""
-    name = _shipped_file(str(source))
-    if name is not None and str(source).startswith(PAPER_PREFIX):
-        return _read_pipefisher_rows((_profiles_folder() / name).read_text(), str(source)), name, None
+    """A per-block profile's rows by micro-batch size, its file name and a GPU profile's device: a shipped one by
+    `paper:` or `gpu:` name, or a .csv or .json file by path."""
+    name, where = _shipped_file(str(source)), str(source)
     if name is not None:
-        rows, device = _read_block_profile_json((_gpu_profiles_folder() / name).read_text(), str(source))
-        return rows, name, device
-    path = Path(source)
-    try:
-        text = path.read_text()
-    except OSError as e:
-        raise CostModelError(f"cannot read profile {path}: {e}") from e
-    if path.suffix.lower() == ".json":
-        rows, device = _read_block_profile_json(text, str(path))
-        return rows, path.name, device
-    return _read_pipefisher_rows(text, str(path)), path.name, None
+        paper = where.startswith(PAPER_PREFIX)
+        text = ((_profiles_folder() if paper else _gpu_profiles_folder()) / name).read_text()
+    else:
+        path = Path(source)
+        name, paper = path.name, path.suffix.lower() != ".json"
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise CostModelError(f"cannot read profile {path}: {e}") from e
+    if paper:
+        return _read_pipefisher_rows(text, where), name, None
+    rows, device = _read_block_profile_json(text, where)
+    return rows, name, device
 
 
 def _read_pipefisher_rows(text: str, where: str) -> _Rows:
@@ -242,9 +234,8 @@ def _blocks_per_stage(blocks_per_stage: Sequence[int] | int, n_stages: int | Non
 
 
 def _block_layers(row: dict[str, float], block: str, layers: ProfileLayers) -> tuple[LayerCost, ...]:
-    """The block's K-FAC layers (`_GROUPS`), each the share of the block's measured cost its Linears do: curvature
-    and factor memory by d^2 per side, inversion d^3, APPLY d_in d_out (d_in + d_out), captures d, gradient
-    d_in d_out."""
+    """The block's K-FAC layers (`_GROUPS`), each its Linears' share of the block's cost: curvature and factors by
+    d^2 a side, inversion d^3, APPLY d_in d_out (d_in + d_out), captures d, gradient d_in d_out."""
     shape = {n: (i, o) for n, i, o in BLOCK_LINEARS}
     sides = [d for i, o in shape.values() for d in (i, o)]
     sq, cube = sum(d**2 for d in sides), sum(d**3 for d in sides)
@@ -282,19 +273,9 @@ def cost_table_from_pipefisher_csv(
     hardware: str | None = None,
     layers: ProfileLayers = ProfileLayers.BLOCK,
 ) -> CostTable:
-    """A CostTable from a per-Transformer-block profile (ms and MiB per block; a stage of k blocks costs k blocks).
-
-    Each block is one K-FAC layer ``block{i}`` (`layers` SUBLAYER: ``block{i}.attn``, ``.ffn``; LINEAR: ``.q`` ...
-    ``.fc2``, sharing the block's costs, `_block_layers`). time_f, time_b -> fwd, bwd; time_prec -> prec;
-    time_kron, time_inv, mem_kron, mem_save_err split 50/50 between A and B (a block's A sides {d,d,d,d,d,f} and B
-    sides {d,d,d,d,f,d} are the same multiset); mem_param, mem_act summed over the stage's blocks; mem_peak_err one
-    block's (one backward is transient).
-
-    path: a PipeFisher CSV, a GPU profile JSON (`block_profile_json`; its device is the table's hardware unless
-    `hardware` is given), or a shipped `paper:` or `gpu:` name (`paper_profile_names`, `gpu_profile_names`). A
-    micro-batch size between measured ones is interpolated linearly. blocks_per_stage: a count per stage, or an int
-    with n_stages.
-    """
+    """A CostTable from a per-block profile (a PipeFisher CSV, a GPU profile JSON or a shipped name): a stage of k
+    blocks costs k blocks (peak error one block's), each block's K-FAC layers as `layers` says (`_block_layers`);
+    micro-batch sizes between measured ones interpolated. blocks_per_stage: per stage, or an int with n_stages."""
     rows, file_name, device = _profile_rows(path)
     row = _row_at(rows, micro_batch_size, str(path))
     counts = _blocks_per_stage(blocks_per_stage, n_stages)
@@ -319,9 +300,8 @@ def cost_table_from_pipefisher_csv(
 
 
 def load_cost_table(path: str | Path, **csv_options: Any) -> CostTable:
-    """Load a cost table from .json (CostTable.to_json), or from a per-block profile: a PipeFisher .csv path or a
-    shipped `paper:<model>/<hardware>` name, a GPU profile .json path or a shipped `gpu:<model>/<device>` name
-    (pass the keyword arguments of `cost_table_from_pipefisher_csv`)."""
+    """A cost table from .json (CostTable.to_json) or a per-block profile (`is_profile`; pass the keyword arguments
+    of `cost_table_from_pipefisher_csv`)."""
     if is_profile(path):
         _shipped_file(str(path))  # an unknown name is the first thing to fix
         missing = [k for k in _PROFILE_OPTIONS if k not in csv_options]

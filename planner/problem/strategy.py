@@ -100,8 +100,7 @@ def parse_strategy(text: str) -> Strategy:
 
 @dataclass(frozen=True, slots=True)
 class LayerDistribution:
-    """Where one layer's work lives: its strategy and the column of its stage's holder grid (see
-    [Note: strategies]); `column` counts from 0 up to H / g - 1."""
+    """Where one layer's work lives: its strategy and its column (0..H/g-1) of the holder grid ([Note: strategies])."""
 
     strategy: Strategy = COMM_OPT
     column: int = 0
@@ -135,8 +134,7 @@ def grad_workers(holders: tuple[int, ...], where: LayerDistribution) -> tuple[in
 
 
 def receivers(holders: tuple[int, ...], where: LayerDistribution) -> list[tuple[int, tuple[int, ...]]]:
-    """Each grad worker with its row (in rank order, the worker included): the ranks it broadcasts the layer's
-    preconditioned gradient to; empty when every holder is a grad worker."""
+    """Each grad worker with its row, the ranks it broadcasts the preconditioned gradient to (none: all work)."""
     n = columns(holders, where.strategy)
     if n == 1:
         return []
@@ -145,8 +143,8 @@ def receivers(holders: tuple[int, ...], where: LayerDistribution) -> list[tuple[
 
 
 def keeps_statistics(rank: int, holders: tuple[int, ...], where: LayerDistribution, gradient_fed: bool = False) -> bool:
-    """Whether `rank` takes the layer's statistics: every holder when captured statistics are all-reduced; the grad
-    workers alone when the reduced gradient feeds them or the owner keeps local factors (DP-KFAC)."""
+    """Whether `rank` takes the layer's statistics: every holder, or the grad workers alone when the reduced gradient
+    feeds them or they are local (DP-KFAC)."""
     if gradient_fed or where.strategy.local_factors:
         return rank in grad_workers(holders, where)
     return rank in holders
@@ -154,8 +152,7 @@ def keeps_statistics(rank: int, holders: tuple[int, ...], where: LayerDistributi
 
 @dataclass(frozen=True, slots=True)
 class Holding:
-    """What one copy of a stage keeps of one layer across steps: its statistics, its decompositions (and optimizer
-    state), and whether it broadcasts or receives the preconditioned gradient each step (a gradient-sized buffer)."""
+    """What one copy of a stage keeps of one layer: statistics, decompositions (and state), a BCAST_PREC buffer."""
 
     statistics: bool
     decompositions: bool
@@ -163,8 +160,7 @@ class Holding:
 
 
 def holding(rank: int, holders: tuple[int, ...], where: LayerDistribution, gradient_fed: bool = False) -> Holding:
-    """What `rank` (one of `holders`) keeps of a layer distributed as `where` (see [Note: strategies]);
-    `gradient_fed`: every part of the layer's statistics comes from the reduced gradient."""
+    """What `rank` keeps of a layer distributed as `where`; `gradient_fed`: statistics all from the gradient."""
     workers = grad_workers(holders, where)
     return Holding(
         statistics=keeps_statistics(rank, holders, where, gradient_fed),
@@ -174,8 +170,7 @@ def holding(rank: int, holders: tuple[int, ...], where: LayerDistribution, gradi
 
 
 def assign_columns(costs: Mapping[str, float], n: int) -> dict[str, int]:
-    """KAISA's greedy (longest processing time first): each layer, costliest first (ties by name), to the column
-    with the least cost so far (ties: the lowest column)."""
+    """KAISA's greedy: each layer, costliest first (ties by name), to the least loaded column (ties: the lowest)."""
     load = [0.0] * n
     out: dict[str, int] = {}
     for name in sorted(costs, key=lambda name: (-costs[name], name)):
@@ -191,8 +186,7 @@ def distribute(
     holders: Mapping[int, tuple[int, ...]],
     costs: Mapping[str, float],
 ) -> dict[str, LayerDistribution]:
-    """Every layer under `strategy`, each stage's layers dealt to its columns by `assign_columns` on `costs`
-    (a layer's decomposition cost: KAISA uses the sum of its factors' dim^3)."""
+    """Every layer under `strategy`, each stage's dealt to its columns by `assign_columns` on `costs`."""
     out: dict[str, LayerDistribution] = {}
     for stage, names in stage_layers.items():
         dealt = assign_columns({name: costs[name] for name in names}, columns(holders[stage], strategy))
