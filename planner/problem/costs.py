@@ -60,11 +60,6 @@ class Spread:
         if self.low > self.high:
             raise CostModelError(f"Spread: low {self.low!r} exceeds high {self.high!r}")
 
-    @property
-    def width(self) -> float:
-        """Seconds between the slowest and the fastest repeat."""
-        return self.high - self.low
-
     def scaled(self, factor: float) -> Spread:
         """Both ends multiplied by `factor` (as the time they belong to is)."""
         return Spread(self.low * factor, self.high * factor)

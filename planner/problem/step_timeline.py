@@ -307,15 +307,13 @@ class _Sim:
             step, op = self.ops[rank][self.pos[rank]]
             if op.kind in SYNCHRONIZING_KINDS:
                 blocked = self.try_collective(rank, op)
-                if blocked:
-                    return f"rank {rank}: {op} (step {step}) waits for {blocked}"
-                continue
-            ready, blocked = self.ready_time(rank, op)
-            if ready is None:
+            else:
+                ready, blocked = self.ready_time(rank, op)
+                if ready is not None:
+                    start = max(self.free[rank], ready if op.kind not in RECV_KINDS else 0.0)
+                    self.record(rank, start, max(start, ready) + self.duration(rank, op))
+            if blocked:
                 return f"rank {rank}: {op} (step {step}) waits for {blocked}"
-            start = max(self.free[rank], ready if op.kind not in RECV_KINDS else 0.0)
-            end = max(start, ready) + self.duration(rank, op)
-            self.record(rank, start, end)
         return ""
 
 
@@ -682,15 +680,13 @@ def tap_extra(problem: Problem) -> float:
 
 def fused_stats(problem: Problem, fused: frozenset[str], rank: int, bwd: Op) -> list[Op]:
     """The STATS a refresh step runs right after `bwd` (or W) on `rank` for the `fused` layers (timed in F/B)."""
-    if bwd.stage is None:
-        raise AssertionError(f"'{bwd}' names no stage")
     parts = {
         x.name: [p.part for p in x.parts if p.after is not OpKind.ALLREDUCE_GRAD]
-        for x in problem.costs.stages[bwd.stage].layers
+        for x in problem.costs.stages[bwd.stage_id].layers
         if x.name in fused and bwd.layer in (None, x.name)  # a per-layer W folds its own layer's
     }
     where = {name: problem.where(name) for name in parts}
-    return capture_stats(bwd, rank, parts, copies_of_stage(problem, bwd.stage), where)
+    return capture_stats(bwd, rank, parts, copies_of_stage(problem, bwd.stage_id), where)
 
 
 def fused_extra(problem: Problem, fused: frozenset[str]) -> float:
