@@ -70,8 +70,7 @@ def bucketable(programs: Mapping[int, Sequence[Sequence[Op]]]) -> frozenset[tupl
             at: dict[tuple[OpKind, int, int], list[int]] = {}
             for i, op in enumerate(ops):
                 if op.kind in (OpKind.SEND_LGRAD, OpKind.RECV_PGRAD, OpKind.SEND_PGRAD, OpKind.RECV_LGRAD):
-                    assert op.peer is not None and op.stage is not None, "a streamed transfer names its peer and stage"
-                    at.setdefault((op.kind, op.peer, op.stage), []).append(i)
+                    at.setdefault((op.kind, op.peer_rank, op.stage_id), []).append(i)
             for (kind, peer, stage), where in at.items():
                 owner, helper = (rank, peer) if kind in (OpKind.SEND_LGRAD, OpKind.RECV_PGRAD) else (peer, rank)
                 pair = (owner, helper, stage)
@@ -116,10 +115,9 @@ def send_buckets(
             for op in ops:
                 if op.kind not in (OpKind.SEND_LGRAD, OpKind.SEND_PGRAD) or op.layer is None:
                     continue
-                assert op.peer is not None and op.stage is not None, "a streamed transfer names its peer and stage"
-                owns = op.kind is OpKind.SEND_LGRAD
-                if ((rank, op.peer, op.stage) if owns else (op.peer, rank, op.stage)) in pairs:
-                    units.append(((op.kind, op.peer, op.stage), op.layer, streamed_bytes(size[op.layer], op.kind), 0))
+                peer, stage = op.peer_rank, op.stage_id
+                if ((rank, peer, stage) if op.kind is OpKind.SEND_LGRAD else (peer, rank, stage)) in pairs:
+                    units.append(((op.kind, peer, stage), op.layer, streamed_bytes(size[op.layer], op.kind), 0))
             for (kind, peer, stage), names in cut(units, order):
                 together = frozenset(Op(kind, stage, peer=peer, layer=n) for n in names)
                 out.update(dict.fromkeys(((rank, op) for op in together), together))

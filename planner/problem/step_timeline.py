@@ -424,9 +424,7 @@ def reference_programs(problem: Problem) -> dict[int, list[Op]]:
         for op in ops:
             body.append(op)
             if op.kind is OpKind.ALLREDUCE_GRAD:
-                s = op.stage
-                assert s is not None, "the schedules' ALLREDUCE_GRAD names its stage"
-                body += [work for work, _ in prec_work(problem, rank, s)]
+                body += [work for work, _ in prec_work(problem, rank, op.stage_id)]
         out[rank] = body
     if problem.streaming is not None:
         out = stream_step(out, problem.streaming, problem.stream_owners, problem.apply_pieces)
@@ -723,11 +721,10 @@ def group_load(problem: Problem, group: StageGroup, fused: frozenset[str] = froz
     work = 0.0
     for device in group.devices:
         for op, _, _ in step.fixed(device):
-            assert op.stage is not None, "F/B name their stage"
-            copies = copies_of_stage(problem, op.stage)
+            copies = copies_of_stage(problem, op.stage_id)
             work += sum(
                 p.stats
-                for x in problem.costs.stages[op.stage].layers
+                for x in problem.costs.stages[op.stage_id].layers
                 if x.name not in fused and keeps_statistics(device, copies, problem.where(x.name))
                 for p in x.parts
                 if p.after is op.kind
