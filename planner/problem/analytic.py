@@ -1,32 +1,22 @@
 """Analytic cost model: FLOP and byte counts over a hardware spec, turned into a CostTable, for K-FAC (sympy
-expressions over one Linear), Shampoo and SOAP (one LayerCost per parameter block) and Muon (one per parameter).
+expressions over one Linear), Shampoo and SOAP (one LayerCost per parameter, in blocks) and Muon (one per parameter).
 
 Every kernel takes max(flops / (peak * efficiency), bytes / bandwidth) (`roofline`); a multiply-add is 2 FLOPs.
 Symbols: b micro-batch size, s rows per sample (tokens), d_in/d_out Linear widths, beta 1 with a bias (the A factor
 gets a ones column) else 0, h heads, d_h head width, n a factor's side, p bytes per activation element; factors fp32.
 
 Shampoo and SOAP blocks (Shi et al., Distributed Shampoo, §4.2) under ``max_dim`` (b): size-1 dims dropped, then
-(with merging) consecutive dims merged while their product stays <= b, an order > 2 result viewed as
-(d0, d1*...*dk), so a view is 1-D or 2-D (parts L rows, R columns). ``LargeDimMethod.BLOCKING`` cuts the view into
-blocks of side <= b (ragged at the far edges, row-major), each side a dense factor; ``DIAGONAL`` keeps one block
-whose sides longer than b keep only their factor's diagonal; ``ADAGRAD`` keeps one block with no factors when a side
-is longer than b (the parameter follows the graft), else dense ones. A block (r, c) with factor sides (m, n) costs:
-- statistics every step (parts L, R after ALLREDUCE_GRAD): L += G G^T, 2 r^2 c FLOPs; R += G^T G, 2 r c^2;
-- a decomposition per refresh and side b: Shampoo's eigh (EIGH_FLOPS b^3 at factorization efficiency, then
-  Q diag(lambda^-1/p) Q^T, 2 b^3) or coupled Newton (NEWTON_ITERATIONS x `newton_matmuls(p)` products of 2 b^3);
-  SOAP's power step and QR (2 b^3, then QR_FLOPS b^3 = geqrf + orgqr, Golub & Van Loan sec. 5.2.2) plus
-  re-projecting Adam's first moment (two products, 2 r c b each);
-- APPLY every step: Shampoo L^-1/p G R^-1/p, 2 r c (r + c) FLOPs, SOAP twice that (rotate in and out), plus
-  ELEMENTWISE_PASSES fp32 passes over the parameter at memory bandwidth;
-- bytes: each factor 4 b^2 (its root or basis as large); state: Shampoo's momentum, SOAP's Adam moments.
-Shampoo blocks merged dims (`ShampooConfig.use_merge_dims`); SOAP unmerged and leaves 1-D parameters to AdamW.
+(with merging: Shampoo) consecutive dims merged while their product stays <= b, an order > 2 result viewed as
+(d0, d1*...*dk); ``LargeDimMethod`` BLOCKING cuts the view into blocks of side <= b, each side a dense factor,
+DIAGONAL keeps the diagonal of a side longer than b, ADAGRAD no factors then. A block (r, c) costs its statistics
+every step (L += G G^T, 2 r^2 c FLOPs; R += G^T G, 2 r c^2), a decomposition per side and refresh (Shampoo: eigh or
+coupled Newton; SOAP: a power step and QR, re-projecting Adam's first moment), and its APPLY every step (Shampoo
+L^-1/p G R^-1/p, 2 r c (r + c) FLOPs; SOAP twice that) plus ELEMENTWISE_PASSES fp32 passes; SOAP leaves 1-D
+parameters to AdamW.
 
-Muon (fxkfac/muon/) orthogonalizes each hidden 2-D weight's momentum every step; a matrix (r, c), m = min <= n = max,
-runs `ns_steps` quintic Newton-Schulz iterations X <- a X + (b A + c A A) X, A = X X^T, each 2 (2 m^2 n + m^3)
-FLOPs (`ns_iteration_flops`) at BF16 by default (as torch.optim.Muon), plus ELEMENTWISE_PASSES fp32 passes; its
-state the momentum. Every other parameter (embeddings, the head, norms, biases) is a unit stepped by AdamW,
-ADAMW_PASSES passes at memory bandwidth (`adamw_cost`), run on its owner. Piece i of n of an APPLY (`Op.piece`)
-runs iterations [i*S//n, (i+1)*S//n) of S = ns_steps.
+Muon orthogonalizes each hidden 2-D weight's momentum every step by `ns_steps` quintic Newton-Schulz iterations
+(`ns_iteration_flops` each, BF16 by default) plus ELEMENTWISE_PASSES; every other parameter is stepped by AdamW
+(`adamw_cost`) on its owner.
 """
 
 from __future__ import annotations

@@ -835,16 +835,12 @@ def w_operand_bytes(stage: StageCost, layer: str | None = None) -> int:
 
 # Note [per-layer W]
 # ~~~~~~~~~~~~~~~~~~
-# Where plans place W's as tasks ([Note: placed W] in planner/plan/window.py) and the per-layer tasks are few enough
-# (`w_by_layer`), a stage's W is planned as one W per layer of the stage ("W s0 m1 fc", the runtime's W pieces:
-# [Note: W pieces] in fxkfac/runtime/split_backward.py), each released at its B, due by its stage's update and
-# holding only its own layer's operands (`w_operand_bytes`) until it runs. The schedule's W interval is cut into them
-# in the stage's layer order (`w_layer_ops`): each takes its layer's share of the W (`w_share`: its measured W
-# piece's share, `LayerCost.wgrad`, the shared piece spread in proportion, where every layer's is measured; else its
-# share of the parameters, `LayerCost.grad_bytes`, else an even one) plus, at the refresh step, its own fused
-# curvature, cut at a decimal a hundredth of the interval's ends' own (`_cut_quantum`), so that the time grid stays
-# exact where it was. Parameters of no layer (a LayerNorm's) are the runtime's shared piece, which runs with the
-# first of the layers' W's.
+# Where plans place W's as tasks ([Note: placed W] in planner/plan/window.py) and they are few enough (`w_by_layer`),
+# a stage's W is one W per layer ("W s0 m1 fc", [Note: W pieces] in fxkfac/runtime/split_backward.py), each released
+# at its B, due by its stage's update, holding its own layer's operands (`w_operand_bytes`). The schedule's W interval
+# is cut into them in layer order (`w_layer_ops`), each its layer's share (`w_share`: of the measured pieces,
+# `LayerCost.wgrad`, else of the parameters, else even) plus its fused curvature at the refresh step, cut on a
+# decimal grid (`_cut_quantum`). Parameters of no layer (a LayerNorm's) run with the first layer's W.
 
 
 def whole_decimal(values: Iterable[float], most: int) -> int | None:
