@@ -102,11 +102,8 @@ def stages_of_rank(kind: ScheduleKind | str, D: int, rank: int, *, v: int = 1) -
 
 
 def schedule_programs(kind: ScheduleKind | str, D: int, N: int, *, v: int = 1) -> dict[int, list[Op]]:
-    """Per pp rank, the ordered compute ops of one training step.
-
-    FWD/BWD (and the zero-bubble family's BWD_W) in schedule order, then ALLREDUCE_GRAD per stage held (the
-    gradient sync across the copies of the stage), then OPT_STEP. Raises ScheduleError for unsupported (D, N, v).
-    """
+    """Per pp rank, one step's F/B (and W) in schedule order, an ALLREDUCE_GRAD per stage held, then OPT_STEP;
+    ScheduleError for an unsupported (D, N, v)."""
     kind = validate_schedule_args(kind, D, N, v)
     if kind is ScheduleKind.CHIMERA:
         return {r: _chimera_rank(D, N, r) for r in range(D)}
@@ -145,10 +142,8 @@ def _warmup_rank(D: int, v: int, r: int, total: int, warmup: int) -> list[Op]:
 
 
 def _zero_bubble_rank(D: int, N: int, v: int, r: int) -> list[Op]:
-    """Interleaved zero bubble (ZB-1P; ZB-H1 when v=1), the order of torch's ScheduleInterleavedZeroBubble: units as
-    in interleaved 1F1B with one warm-up forward per hop, the j-th B followed by the W of B j-r, so rank r holds back
-    r W's and runs them in its cooldown's bubbles.
-    """
+    """Interleaved zero bubble (ZB-1P; ZB-H1 when v=1) in the order of torch's ScheduleInterleavedZeroBubble: units
+    as in interleaved 1F1B, one warm-up forward per hop, the j-th B followed by the W of B j-r (r W's held back)."""
     total, unit = N * v, partial(_unit, D, v, r)
     warmup = min((v - 1) * D + (D - 1 - r), total)
     ops = [unit(k, OpKind.FWD) for k in range(warmup)]
@@ -207,9 +202,8 @@ def _zb_v_rank(D: int, N: int, r: int) -> list[Op]:
 
 def _chimera_rank(D: int, N: int, r: int) -> list[Op]:
     """Chimera by its paper's slot rule (Li & Hoefler, SC 2021), N/D units concatenated: micro-batch j of unit u runs
-    F at stage s in slot 2Du+2j+s and B in slot 2Du+2j+2D-1-s (down: uD..uD+D/2-1, up: the rest). Gradient syncs:
-    the high stage right after its last B when above D/2 (else at the end, first), then the low, then OPT_STEP.
-    """
+    F at stage s in slot 2Du+2j+s and B in slot 2Du+2j+2D-1-s; the high stage's gradient sync right after its last B
+    when above D/2 (else at the end, first), then the low's, then OPT_STEP."""
     slotted: list[tuple[int, Op]] = []
     half = D // 2
     for u in range(N // D):
