@@ -114,11 +114,27 @@ def _data(case: Case) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
     return [((x,), y) for x, y in shampoo.mlp_batches(shampoo.STEPS)]
 
 
+def _read_after_w(programs: list[list[Op]], layers: set[str]) -> bool:
+    """Whether a program step reads an output-gradient capture (K-FAC's B part) of one of `layers` after the W of its
+    micro-batch: W makes it ([Note: late captures] in fxkfac/runtime/tapped_runner.py)."""
+    for step in programs:
+        w_ran = set()
+        for op in step:
+            if op.kind is OpKind.BWD_W:
+                w_ran.add((op.stage, op.pipe, op.mb))
+            elif op.kind is OpKind.STATS and op.part == "B" and op.layer in layers:
+                if (op.stage, op.pipe, op.mb) in w_ran:
+                    return True
+    return False
+
+
 def _worker(rank: int, world: int, cases: list[Case]) -> list[dict]:
     out = []
     for case in cases:
         trainer = _trainer(case)
         ops = [op for step in trainer.spec.programs[rank] for op in step]
+        timings = trainer.spec.timings if case.family == "kfac" else {}
+        deferred = {n for n, t in timings.items() if t.capture is Capture.DEFERRED}
         for inputs, y in _data(case):
             trainer.step(inputs, y)
         out.append(
@@ -127,6 +143,7 @@ def _worker(rank: int, world: int, cases: list[Case]) -> list[dict]:
                 "weights_deferred": any(op.kind is OpKind.BWD_W for op in ops),
                 "split": all(r.split for r in trainer.runners.values()),
                 "aliases": trainer.spec.split.param_aliases,
+                "deferred_made_by_w": _read_after_w(trainer.spec.programs[rank], deferred),
             }
         )
         dist.barrier()
@@ -157,6 +174,8 @@ def _check(cases: list[Case], world: int) -> None:
             for name, value in run["params"].items():
                 torch.testing.assert_close(value, want[name], rtol=0, atol=1e-5, msg=f"{case} rank {r.rank} {name}")
                 covered.add(name)
+        if case.family == "kfac":  # deferred captures read after their W, made by it: its G equals one device's
+            assert any(r.value[i]["deferred_made_by_w"] for r in results), f"{case}: no deferred capture read after W"
         aliases = {a for r in results for a in r.value[i]["aliases"]}
         assert covered | aliases >= set(want), f"{case}: parameters {sorted(set(want) - covered)} are on no rank"
 
