@@ -39,9 +39,11 @@ class ArgGrad(StrEnum):
     NONE = "none"
     """None: the arg takes no gradient (an integer input, the first stage's inputs)."""
     INPUT = "input"
-    """B: the previous stage waits for it (an activation), or a deferred capture of a layer's output gradient."""
+    """B: the previous stage waits for it (an activation), or a deferred capture of a layer's output gradient that the
+    program reads before W ([Note: late captures] in fxkfac/runtime/tapped_runner.py)."""
     WEIGHT = "weight"
-    """W: nothing waits for it before the weight gradients (a fused capture's curvature of the output gradient)."""
+    """W: nothing waits for it before the weight gradients (a fused capture's curvature of the output gradient, a
+    deferred capture read after W)."""
 
 
 @dataclass(frozen=True)

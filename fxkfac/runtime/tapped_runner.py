@@ -4,7 +4,7 @@ family's captured parts; the captures wait in FIFOs for the plan's STATS ops (fx
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,12 +14,12 @@ from torch import Tensor
 from fxkfac.errors import CheckpointError, PipelineError
 from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture, new_probes
 from fxkfac.passes.split_stages import StageGraph
-from fxkfac.planner.problem import Capture, Op
+from fxkfac.planner.problem import Capture, Op, OpKind
 from fxkfac.preconditioner import Family, Source
 from fxkfac.runtime.precision import LossScale
 from fxkfac.runtime.stage import StageRunner, compiled
 
-__all__ = ["TappedRunner"]
+__all__ = ["TappedRunner", "read_before_w"]
 
 
 @dataclass
@@ -45,7 +45,10 @@ class TappedRunner(StageRunner):
     _layers_at: dict[Hashable, dict[str, Any]] = field(default_factory=dict)
     _probes: dict[int, dict[str, Tensor]] = field(default_factory=dict)
     _later: dict[int, dict[str, Tensor]] = field(default_factory=dict)
-    """Per micro-batch whose W waits: the fused probes whose gradients (captures) W makes."""
+    """Per micro-batch whose W waits: the probes whose gradients (captures) W makes ([Note: late captures])."""
+    early: set[int] = field(default_factory=set)
+    """The micro-batches of this step whose deferred output-gradient captures B makes: the program reads one of them
+    between the micro-batch's B and its W (`read_before_w`; set by the trainer each step). W makes the others'."""
 
     @classmethod
     def wrap(
@@ -93,6 +96,13 @@ class TappedRunner(StageRunner):
             self._layers_at.pop(key, None)
             self._variants = {k: v for k, v in self._variants.items() if k[0] != key}
 
+    def begin_step(self, modes: dict[str, Capture], ops: Sequence[Op]) -> None:
+        """A step begins: its capture `modes`, and from its program `ops` the micro-batches whose deferred
+        output-gradient captures B makes (`early`, [Note: late captures])."""
+        self.modes = modes
+        grads = self.sources.get(Source.OUTPUT_GRAD, ())
+        self.early = read_before_w(ops, self.stage, self.pipe, grads) if modes and grads else set()
+
     def _keep(self, name: str, source: Source, mb: int, value: Tensor) -> None:
         """Queue a capture, as float32 (a capture under autocast may be narrower), for every part it feeds (none:
         the family does not use that side)."""
@@ -120,9 +130,9 @@ class TappedRunner(StageRunner):
         leaves = [x.requires_grad_(True) if needs_grad and x.is_floating_point() else x for x in inputs]
         with self.precision():
             variant = ("taps", *sorted(self.modes.items()))  # a recomputed forward's captures are dropped: counted once
-            fused = [self.modes[name] is Capture.FUSED for name in order]  # their curvature runs with W
+            late = [self._late(mb, name) for name in order]
             outs = tuple(
-                self.run(mb, variant, taps.gm, fn, [*leaves, *probes], taps.n_outputs, [False] * len(leaves) + fused)
+                self.run(mb, variant, taps.gm, fn, [*leaves, *probes], taps.n_outputs, [False] * len(leaves) + late)
             )
         user = self.crossing(outs[: taps.n_outputs])
         self._inputs[mb] = leaves
@@ -132,20 +142,26 @@ class TappedRunner(StageRunner):
         self._probes[mb] = dict(zip(order, probes))
         return user
 
+    def _late(self, mb: int, name: str) -> bool:
+        """Whether W, not B, makes layer `name`'s output-gradient capture of `mb` ([Note: late captures]): a fused
+        one's always (the curvature of the output gradient), a deferred one's unless the program reads it before W."""
+        mode = self.modes[name]
+        return mode is Capture.FUSED or (mode is Capture.DEFERRED and mb not in self.early)
+
     def backward(self, mb: int, output_grads: Sequence[Tensor] | None, defer_weights: bool = False) -> list[Tensor]:
-        """Backpropagate `mb`; the probes' gradients are the output-gradient captures. Where W waits, a fused layer's
-        (the curvature of its output gradient) is made by W and kept when W runs (`backward_weights`)."""
+        """Backpropagate `mb`; the probes' gradients are the output-gradient captures. Where W waits, those W makes
+        ([Note: late captures]) are kept when W runs (`backward_weights`)."""
         probes = self._probes.pop(mb, {})
         grads = super().backward(mb, output_grads, defer_weights)
-        later = {n: p for n, p in probes.items() if defer_weights and self.modes.get(n) is Capture.FUSED}
+        later = {n: p for n, p in probes.items() if defer_weights and self._late(mb, n)}
         if later:
             self._later[mb] = later
         self._keep_grads(mb, {n: p for n, p in probes.items() if n not in later})
         return grads
 
     def backward_weights(self, mb: int, layer: str | None = None) -> None:
-        """As StageRunner's, then keep the fused output-gradient captures W made (a piece's as it runs, so that a
-        layer's STATS may follow its own W; every one left when the micro-batch's last piece has run)."""
+        """As StageRunner's, then keep the output-gradient captures W made (a piece's as it runs, so that a layer's
+        STATS may follow its own W; every one left when the micro-batch's last piece has run)."""
         super().backward_weights(mb, layer)
         later = self._later.get(mb, {})
         done = mb not in self._weights
@@ -204,3 +220,41 @@ class TappedRunner(StageRunner):
         if not queue:
             del self.captures[(layer, part, mb)]
         return value
+
+
+# Note [late captures]
+# ~~~~~~~~~~~~~~~~~~~~
+# On a zero-bubble schedule a refresh step's output-gradient capture of a layer, G (deferred: the gradient of its
+# zero probe), is made by W, not B, unless the step's program reads it (a STATS of its part) between the
+# micro-batch's B and the W of that layer (`read_before_w`: then B makes it, as the STATS needs it). G is what W reads
+# anyway: on a stage whose inputs take no gradient (the first), B makes nothing but for the captures, and made by B
+# they cost the stage's whole backward chain in B (the BERT-MLM of benchmarks/pipefisher_overhead.py: stage 0's B
+# 11 ms against 0.04 ms, a micro-batch's W 10.5 against 21.6 ms), which the profile and the plan price in W; on the
+# other stages B makes G anyway for the input gradient, and W hands the same tensor on. A micro-batch's deferred
+# captures go one way together (two variants of the split at most, not one per layer pattern). The planner places
+# a deferred STATS after its B; where it places it after the layer's W too (W's at their places: B then W at once,
+# the bubbles after), the program reads G after W and B stays as small as on other steps.
+
+
+def read_before_w(ops: Iterable[Op], stage: int, pipe: int, parts: Iterable[str]) -> set[int]:
+    """The micro-batches of (`stage`, `pipe`) whose output-gradient capture of some layer a STATS of `parts` in the
+    step's `ops` reads after the micro-batch's BWD and before the BWD_W that makes the layer's weight gradient (one
+    naming the layer, or the first whole W): B must make those ([Note: late captures]). A micro-batch without a BWD_W
+    in the step runs W with its B: never among them."""
+    wanted = set(parts)
+    reads: dict[int, set[str | None]] = {}  # per micro-batch since its BWD: layers read whose W has not run
+    done: dict[int, set[str | None]] = {}  # per micro-batch: layers whose W has run (None: every layer's)
+    early: set[int] = set()
+    for op in ops:
+        if op.stage != stage or op.pipe != pipe or op.mb is None:
+            continue
+        if op.kind is OpKind.BWD:
+            reads[op.mb], done[op.mb] = set(), set()
+        elif op.kind is OpKind.STATS and op.part in wanted and op.mb in reads:
+            if None not in done[op.mb] and op.layer not in done[op.mb]:
+                reads[op.mb].add(op.layer)
+        elif op.kind is OpKind.BWD_W and op.mb in reads:
+            if reads[op.mb] and (op.layer is None or op.layer in reads[op.mb]):
+                early.add(op.mb)
+            done[op.mb].add(op.layer)
+    return early

@@ -445,12 +445,13 @@ class Trainer(Checkpointing):
         or on a mesh whose steps end without a world barrier (KLClipScope STAGE or STALE; without a preconditioner,
         StepAgreement.COPIES) a StepLoss, which waits for the loss's world sum when read."""
         ctx = self._context(inputs, targets)
+        ops = self.ops_at(self.steps)
         if self.preconditioning is not None:
             for runner in self.runners.values():
                 if isinstance(runner, TappedRunner):
-                    runner.modes = self.preconditioning.modes_at(self.steps, list(runner.layers))
+                    runner.begin_step(self.preconditioning.modes_at(self.steps, list(runner.layers)), ops)
         with self._one_cast_per_step():
-            self.interpreter.run(self.ops_at(self.steps), ctx, self.timeline)
+            self.interpreter.run(ops, ctx, self.timeline)
         loss = self._loss(ctx)
         self.loss_scale.update(bool(ctx.skipped))
         if ctx.skipped:

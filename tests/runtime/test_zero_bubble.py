@@ -7,7 +7,9 @@ from __future__ import annotations
 import copy
 import logging
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -16,12 +18,16 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 import fxkfac
+from fxkfac.capture import capture
 from fxkfac.config import PipelineOptions
 from fxkfac.errors import PipelineError
-from fxkfac.passes.split_stages import StageGraph, TensorSpec
-from fxkfac.planner.problem.ir import LayerTiming, OpKind
+from fxkfac.families import family_of
+from fxkfac.passes.split_stages import StageGraph, TensorSpec, split_stages
+from fxkfac.planner.problem import Capture
+from fxkfac.planner.problem.ir import LayerTiming, Op, OpKind
 from fxkfac.runtime.split_backward import ArgGrad, PendingW, split_stage
 from fxkfac.runtime.stage import StageRunner
+from fxkfac.runtime.tapped_runner import TappedRunner, read_before_w
 from tests import test_shampoo_pipeline as shampoo
 from tests.e2e import workers as kfac
 from tests.runtime.workers import Config, loss_for, make_batches, make_model, make_optimizer, reference_run
@@ -108,11 +114,27 @@ def _data(case: Case) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
     return [((x,), y) for x, y in shampoo.mlp_batches(shampoo.STEPS)]
 
 
+def _read_after_w(programs: list[list[Op]], layers: set[str]) -> bool:
+    """Whether a program step reads an output-gradient capture (K-FAC's B part) of one of `layers` after the W of its
+    micro-batch: W makes it ([Note: late captures] in fxkfac/runtime/tapped_runner.py)."""
+    for step in programs:
+        w_ran = set()
+        for op in step:
+            if op.kind is OpKind.BWD_W:
+                w_ran.add((op.stage, op.pipe, op.mb))
+            elif op.kind is OpKind.STATS and op.part == "B" and op.layer in layers:
+                if (op.stage, op.pipe, op.mb) in w_ran:
+                    return True
+    return False
+
+
 def _worker(rank: int, world: int, cases: list[Case]) -> list[dict]:
     out = []
     for case in cases:
         trainer = _trainer(case)
         ops = [op for step in trainer.spec.programs[rank] for op in step]
+        timings = trainer.spec.timings if case.family == "kfac" else {}
+        deferred = {n for n, t in timings.items() if t.capture is Capture.DEFERRED}
         for inputs, y in _data(case):
             trainer.step(inputs, y)
         out.append(
@@ -121,6 +143,7 @@ def _worker(rank: int, world: int, cases: list[Case]) -> list[dict]:
                 "weights_deferred": any(op.kind is OpKind.BWD_W for op in ops),
                 "split": all(r.split for r in trainer.runners.values()),
                 "aliases": trainer.spec.split.param_aliases,
+                "deferred_made_by_w": _read_after_w(trainer.spec.programs[rank], deferred),
             }
         )
         dist.barrier()
@@ -151,6 +174,8 @@ def _check(cases: list[Case], world: int) -> None:
             for name, value in run["params"].items():
                 torch.testing.assert_close(value, want[name], rtol=0, atol=1e-5, msg=f"{case} rank {r.rank} {name}")
                 covered.add(name)
+        if case.family == "kfac":  # deferred captures read after their W, made by it: its G equals one device's
+            assert any(r.value[i]["deferred_made_by_w"] for r in results), f"{case}: no deferred capture read after W"
         aliases = {a for r in results for a in r.value[i]["aliases"]}
         assert covered | aliases >= set(want), f"{case}: parameters {sorted(set(want) - covered)} are on no rank"
 
@@ -541,3 +566,89 @@ def test_a_recomputing_stage_refuses_to_split() -> None:
     runner.recompute = True
     with pytest.raises(PipelineError, match="recompute"):
         runner.forward(0, [torch.randn(5, 4)], needs_grad=True)
+
+
+def _tapped_first_stage() -> tuple[TappedRunner, nn.Module, list[str]]:
+    """`_chain` captured for K-FAC as one first stage (its input takes no gradient), run split, every layer's W named:
+    the runner, the model it shares its parameters with, and the K-FAC layers in order."""
+    model = _chain()
+    captured = capture(model, (torch.randn(5, 4, dtype=torch.float64),), kfac.KFAC)
+    (graph,) = split_stages(captured.gm, 1, layers=captured.layers).stages
+    layers = {layer.name: layer for layer in captured.layers}
+    runner = TappedRunner.wrap(StageRunner.build(graph, 0, False, None, copy=False), layers, family_of(kfac.KFAC))
+    runner.split, runner.layer_params = True, {n: x.params for n, x in layers.items()}
+    runner.w_layers = set(layers)
+    return runner, model, list(layers)
+
+
+def _autograd(
+    model: nn.Module, x: torch.Tensor, g: torch.Tensor, names: list[str]
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Autograd's backward of a copy of `model`: the gradient of each named layer's output (the deferred
+    output-gradient capture, unscaled), and each parameter's."""
+    model = copy.deepcopy(model)
+    out: dict[str, torch.Tensor] = {}
+
+    def keep(name: str) -> Callable[[nn.Module, Any, torch.Tensor], None]:
+        def hook(_: nn.Module, __: Any, y: torch.Tensor) -> None:
+            y.register_hook(lambda grad: out.update({name: grad}))
+
+        return hook
+
+    for n in names:
+        model.get_submodule(n).register_forward_hook(keep(n))
+    model(x.clone()).backward(g)
+    return out, {name: p.grad for name, p in model.named_parameters()}
+
+
+def test_w_makes_a_first_stages_deferred_captures_unless_the_program_reads_them_before_it() -> None:
+    """On a first stage a refresh step's deferred output-gradient captures (G, the gradient of each layer's output) are
+    made by W where the program reads them only after the layer's W: B then makes nothing, as on other steps (the
+    stage's whole backward chain stays out of B); where it reads them between B and W, B makes them. Either way each
+    capture is autograd's output gradient (float64, to 1e-12) and the weight gradients autograd's."""
+    names = _tapped_first_stage()[2]
+    stats = [Op(OpKind.STATS, 0, 0, layer=n, part="B") for n in names]
+    b, whole = Op(OpKind.BWD, 0, 0), Op(OpKind.BWD_W, 0, 0)
+    for program, early in (([b, whole, *stats], False), ([b, stats[1], whole, *stats[:1]], True)):
+        runner, model, names = _tapped_first_stage()
+        x, g = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+        want, grads = _autograd(model, x, g, names)
+        runner.begin_step(dict.fromkeys(names, Capture.DEFERRED), program)
+        assert runner.early == ({0} if early else set())
+        runner.forward(0, [x.clone()], needs_grad=False)
+        runner.backward(0, [g], defer_weights=True)
+        split = runner._weights[0][0].split
+        made_by_b = {n for n in names if (n, "B", 0) in runner.captures}
+        assert made_by_b == (set(names) if early else set()), program
+        b_ops = [n for n in split.input_grad.graph.nodes if n.op == "call_function"]
+        assert bool(b_ops) == early, f"B computes {len(b_ops)} ops on a first stage"
+        runner.backward_weights(0)
+        for n in names:
+            (capture_,) = runner.captures[(n, "B", 0)]
+            torch.testing.assert_close(capture_, want[n], rtol=0, atol=1e-12, msg=n)
+        for name, p in model.named_parameters():  # the runner's stage trains the model's own parameters
+            torch.testing.assert_close(p.grad, grads[name], rtol=0, atol=1e-12, msg=name)
+
+
+def test_a_program_read_before_w_marks_the_micro_batch_whose_captures_b_makes() -> None:
+    """`read_before_w`: a micro-batch whose output-gradient capture a STATS reads after its B and before the W of its
+    layer (a per-layer W naming it, or the first whole W), of this stage and pipe; not one read after that W, one of
+    another part (the layer input's), one whose W runs with its B (no BWD_W), or another stage's."""
+
+    def program(text: str) -> list[Op]:
+        return [Op.parse(line.strip()) for line in text.strip().splitlines()]
+
+    cases = {
+        "B s0 m0\nW s0 m0\nSTATS s0 m0 B fc": set(),
+        "B s0 m0\nSTATS s0 m0 B fc\nW s0 m0": {0},
+        "B s0 m0\nSTATS s0 m0 A fc\nW s0 m0": set(),
+        "B s0 m0\nW s0 m0 fc\nSTATS s0 m0 B fc\nW s0 m0 out": set(),
+        "B s0 m0\nW s0 m0 out\nSTATS s0 m0 B fc\nW s0 m0 fc": {0},
+        "B s0 m0\nW s0 m0 fc\nSTATS s0 m0 B out\nW s0 m0": {0},
+        "B s0 m0\nSTATS s0 m0 B fc\nB s0 m1\nW s0 m1\nW s0 m0": {0},
+        "B s0 m1\nSTATS s0 m1 B fc": set(),
+        "B s1 m0\nSTATS s1 m0 B fc\nW s1 m0": set(),
+        "B s0 m0 p1\nSTATS s0 m0 p1 B fc\nW s0 m0 p1": set(),
+    }
+    for text, want in cases.items():
+        assert read_before_w(program(text), 0, 0, ["B"]) == want, text
