@@ -31,7 +31,7 @@ from fxkfac.planner.problem.errors import PlanError
 from fxkfac.planner.problem.problem import Problem, SolverConfig, StepBarrier, copies_of_stage, stage_groups
 from fxkfac.planner.problem.step_timeline import step_timeline
 from fxkfac.planner.problem.strategy import COMM_OPT, LayerDistribution, Strategy, StrategyKind
-from fxkfac.planner.search.attempt import Method, assemble, cheaper_fused, solve, stats_chunk_of
+from fxkfac.planner.search.attempt import Attempt, Method, assemble, cheaper_fused, same_stretch, solve, stats_chunk_of
 from fxkfac.planner.search.budget import Budget
 from fxkfac.planner.search.cpsat import (
     apply_seconds,
@@ -428,13 +428,9 @@ def _joint_plan(
             _words(chosen),
         )
         return _planned(chosen, config, budget)
-    plan = assemble(
-        chosen,
-        [s for s in solutions if s is not None],
-        _greedy(chosen, config, budget),
-        Allowance(chosen, frozenset(), allowed.scale),
-        time.perf_counter() - began,
-    )
+    placed = same_stretch(list(solutions))
+    attempt = Attempt(placed, _greedy(chosen, config, budget), Allowance(chosen, frozenset(), allowed.scale))
+    plan = assemble(chosen, attempt, frozenset(), time.perf_counter() - began)
     return _fused_for_speed(plan, config, budget)
 
 
