@@ -17,7 +17,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from decimal import ROUND_CEILING, Decimal
 from enum import StrEnum
@@ -612,8 +612,8 @@ def with_suggestions(
     for knobs in stages:
         if until.out() or (len(knobs) > 1 or knobs == (Knob.MICROBATCHES,)) and found:
             break
-        searched.append(_SEARCHED[knobs].format(N=4 * problem.N))
-        search = _search_together if len(knobs) > 1 else _SEARCHES[knobs[0]]
+        what, search = _SEARCHES[knobs]
+        searched.append(what.format(N=4 * problem.N))
         suggestion = search(problem, refused.fused, config, method, until)
         if suggestion is not None:
             found.append(suggestion)
@@ -630,15 +630,6 @@ def with_suggestions(
     if isinstance(error, InfeasibleBudgetError):
         return InfeasibleBudgetError(f"{error}. {text}", error.needed_bytes, suggestions=tuple(found))
     return PlanError(f"{error}. {text}", suggestions=tuple(found))
-
-
-_SEARCHED = {
-    (Knob.MAX_OVERHEAD,): "max_overhead below 10",
-    (Knob.MEMORY_BUDGET,): "memory budget from the peak of a plan made without one",
-    (Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET): "max_overhead with a memory budget",
-    (Knob.MICROBATCHES,): "number of micro-batches from 1 to {N}",
-}
-"""What each search tries, for the message that says none of it plans."""
 
 
 def _describe(problem: Problem, s: Suggestion) -> str:
@@ -805,11 +796,14 @@ def _search_together(
     return None if memory is None else Suggestion(((Knob.MAX_OVERHEAD, value),) + memory.changes)
 
 
-_SEARCHES = {
-    Knob.MAX_OVERHEAD: _search_overhead,
-    Knob.MEMORY_BUDGET: _search_memory,
-    Knob.MICROBATCHES: _search_microbatches,
+Search = Callable[[Problem, frozenset[str], SolverConfig, Method, Budget], Suggestion | None]
+_SEARCHES: dict[tuple[Knob, ...], tuple[str, Search]] = {
+    (Knob.MAX_OVERHEAD,): ("max_overhead below 10", _search_overhead),
+    (Knob.MEMORY_BUDGET,): ("memory budget from the peak of a plan made without one", _search_memory),
+    (Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET): ("max_overhead with a memory budget", _search_together),
+    (Knob.MICROBATCHES,): ("number of micro-batches from 1 to {N}", _search_microbatches),
 }
+"""Each knob set's search, and what it tries (for the message that says none of it plans)."""
 
 
 def _overhead_estimate(
