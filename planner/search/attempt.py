@@ -1,16 +1,14 @@
 """`solve()`: one problem's placement within its part of the budget: an attempt, then a refusal's suggestions.
 
-An attempt refuses a budget below the least memory any plan needs, places every stage group (first-fit, then CP-SAT
-warm-started by it), fuses the curvature of the layers that do not fit the memory budget (largest kept bytes first,
-where max_overhead allows the time they add), gives every group the largest stretch any needs ([Note: stretch] in
-planner/plan/window.py) and assembles the Plan (`assemble_attempt`, shared with planner/search/choose.py).
+An attempt places every stage group (first-fit, then CP-SAT warm-started by it), fuses the curvature of layers that
+miss the memory budget (largest kept bytes first, as max_overhead allows), gives every group the largest stretch any
+needs ([Note: stretch] in planner/plan/window.py) and assembles the Plan.
 
 [Note: time limit] Every solve runs in a `Budget` ([Note: one budget]): CP-SAT stops at its part's deadline, greedy
-placement (and fusing by greedy's memory excess) goes on to half the overtime past it, and a refusal then searches, to
-the overtime's end, for values of max_overhead, the memory budget or N that plan the same problem, naming only those it
-solved with (`PlanError.suggestions`); the budget keeps every plan made, so planning again at a suggested value takes no
-more time. On the deterministic clock ([Note: deterministic budget]) the same problem and options give the same plan or
-refusal on any load; `SolverStats.wall_time` is then the only field that differs between runs.
+placement goes on to half the overtime past it, and a refusal then searches, to the overtime's end, for values of
+max_overhead, the memory budget or N that plan it, naming only those it solved with (`PlanError.suggestions`). The
+budget keeps every plan made, so planning again at a suggested value takes no more time. On the deterministic clock
+([Note: deterministic budget]) the same inputs give the same plan or refusal on any load.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from decimal import ROUND_CEILING, Decimal
 from enum import StrEnum
@@ -60,10 +58,20 @@ from fxkfac.planner.search.greedy import Allowance, allowance, group_lower_bound
 if TYPE_CHECKING:
     from fxkfac.planner.search.group_search import Period
 
+log = logging.getLogger(__name__)
+
+
+class Method(StrEnum):
+    """How the work is placed: CP-SAT (least periods, then staleness; warm-started by first-fit, whose plan it keeps
+    when it finds none better) or the PipeFisher paper's greedy first-fit."""
+
+    CPSAT = "cpsat"
+    GREEDY = "greedy"
+
 
 @dataclass
 class Attempt:
-    """Solutions per group for one set of fused layers (None where no k worked)."""
+    """Solutions per group for one set of fused layers (None where no k worked), first-fit's, and the allowance."""
 
     solutions: list[GroupSolution | None]
     greedy: list[GroupSolution | None]
@@ -71,9 +79,8 @@ class Attempt:
 
 
 def same_stretch(solutions: list[GroupSolution | None]) -> list[GroupSolution | None]:
-    """Every group at the largest stretch any needs: the step is one for all ranks ([Note: stretch] in
-    planner/plan/window.py). A group moved to a longer stretch keeps its staleness, which the longer one might
-    better: no longer proven optimal (unless it is 0)."""
+    """Every group at the largest stretch any needs (one step for all ranks); a group moved to a longer stretch might
+    be less stale there, so it is no longer proven optimal (unless nothing is stale)."""
     placed = all_placed(solutions)
     if placed is None:
         return solutions
@@ -87,30 +94,13 @@ def same_stretch(solutions: list[GroupSolution | None]) -> list[GroupSolution | 
     return out
 
 
-def assemble(
-    problem: Problem,
-    solutions: Sequence[GroupSolution],
-    greedy: list[GroupSolution | None],
-    allowed: Allowance,
-    wall: float,
-) -> Plan:
-    """The plan of one solution per stage group, nothing fused, assembled as `solve` assembles its own (`greedy`:
-    the paper's rule per group, for the metrics): the entry of a distribution choice made beside `solve`
-    (planner/search/choose.py), whose solutions are of `problem`'s own windows."""
-    placed: list[GroupSolution | None] = list(solutions)
-    return assemble_attempt(problem, Attempt(same_stretch(placed), greedy, allowed), frozenset(), wall)
-
-
 _PLACED_KINDS = frozenset({OpKind.STATS, OpKind.APPLY, OpKind.BCAST_PREC, OpKind.OPT_STEP})
-"""Ops of the reference step that a plan places itself (the per-step slot: gradient STATS, APPLY, BCAST_PREC) or
-appends (OPT_STEP)."""
+"""Ops of the reference step a plan places itself (the per-step slot) or appends (OPT_STEP)."""
 
 
 def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) -> Program:
-    """The device's ops per step of the period, in time order: an op placed in a bubble goes after
-    every fixed op that ends by its start (so a RECV still waiting stays after it), and at the refresh step each
-    BWD (a zero-bubble schedule's W) is followed by the STATS folding its fused layers' statistics (`fused_stats`).
-    Compared in ticks: in seconds, float rounding could put a APPLY before the backward it follows."""
+    """The device's ops per step of the period in time order (compared in ticks, not float seconds): a placed op after
+    every fixed op ending by its start, and at the refresh step each W followed by its fused layers' STATS folds."""
     steps: list[list[tuple[tuple[int, ...], Op]]] = [[] for _ in range(w.k)]
     timelines = [step_timeline(problem, w.fused, refresh=True)] + [step_timeline(problem)] * (w.k - 1)
     tasks = placed_w(problem)  # the W's are placed ops ([Note: placed W] in planner/plan/window.py)
@@ -154,8 +144,8 @@ def _utilization(problem: Problem, w: Window, placed: list[Placement], device: i
 def _solver_stats(
     sols: list[GroupSolution], wall: float, refresh: list[int], bound: list[int], layers: Mapping[str, LayerTiming]
 ) -> SolverStats:
-    """How the groups were solved: GREEDY when first-fit placed them all, OPTIMAL when CP-SAT proved every group,
-    else FEASIBLE; the objective (refresh steps, staleness) and its gap to the lower bounds."""
+    """GREEDY when first-fit placed every group, OPTIMAL when CP-SAT proved every one, else FEASIBLE; the objective
+    (refresh steps, staleness) and its gap to the lower bounds."""
     statuses = {s.status for s in sols}
     status = (
         "GREEDY" if all(s.method == "greedy" for s in sols) else "OPTIMAL" if statuses == {"OPTIMAL"} else "FEASIBLE"
@@ -164,9 +154,8 @@ def _solver_stats(
     return SolverStats(status, wall, objective, (sum(refresh) - sum(bound)) / max(1, sum(refresh)))
 
 
-def assemble_attempt(problem: Problem, attempt: Attempt, fused: frozenset[str], wall: float) -> Plan:
-    """The plan of an attempt that placed every group, `fused` layers' curvature fused: programs, layer timings,
-    placements and metrics (`wall`: seconds the planning took)."""
+def assemble(problem: Problem, attempt: Attempt, fused: frozenset[str], wall: float) -> Plan:
+    """The plan of an attempt that placed every group, `fused` layers fused (`wall`: seconds the planning took)."""
     groups = stage_groups(problem)
     programs: dict[int, Program] = {}
     layers: dict[str, LayerTiming] = {}
@@ -192,7 +181,6 @@ def assemble_attempt(problem: Problem, attempt: Attempt, fused: frozenset[str], 
                     w.k, 0, sol.use_offset.get(x.name, 0), Capture.FUSED if x.name in fused else Capture.DEFERRED
                 )
     sols = [s for s in attempt.solutions if s is not None]
-    stats = _solver_stats(sols, wall, refresh, bound, layers)
     metrics = PlanMetrics(
         utilization_baseline=plain_utilization(problem),
         utilization=sum(per_device.values()) / len(per_device),
@@ -202,7 +190,7 @@ def assemble_attempt(problem: Problem, attempt: Attempt, fused: frozenset[str], 
         step_time_reference=step_timeline(problem).length,
         peak_memory=dict(sorted(peak.items())),
         lower_bound_steps=tuple(bound),
-        solver=stats,
+        solver=_solver_stats(sols, wall, refresh, bound, layers),
         greedy_refresh_steps=tuple(greedy_k),
         time_quantum=0.0 if all(s.window.exact for s in sols) else max(s.window.tick for s in sols),
         stretch=max(s.window.seconds(s.window.stretch) for s in sols),
@@ -212,31 +200,13 @@ def assemble_attempt(problem: Problem, attempt: Attempt, fused: frozenset[str], 
         made = made_refreshes(problem.streaming, placements, layers, sender)
         programs = add_replicas(programs, problem.streaming, sender, made)
     programs = dict(sorted(programs.items()))
-    return Plan(
-        problem,
-        programs,
-        layers,
-        tuple(placements),
-        metrics,
-        problem.fingerprint,
-        startup=startup_programs(programs, plan_born(problem, placements, layers)),
-    )
-
-
-log = logging.getLogger(__name__)
-
-
-class Method(StrEnum):
-    """How the K-FAC work is placed: CP-SAT (least refresh periods, then staleness; warm-started by
-    greedy, whose plan it keeps when it finds none better) or the PipeFisher paper's greedy first-fit."""
-
-    CPSAT = "cpsat"
-    GREEDY = "greedy"
+    startup = startup_programs(programs, plan_born(problem, placements, layers))
+    return Plan(problem, programs, layers, tuple(placements), metrics, problem.fingerprint, startup=startup)
 
 
 class Refused(Exception):
-    """A refusal before suggestions: the error for the user, the knobs that may lift it (searched in
-    this order), and the layers fused by then."""
+    """A refusal before suggestions: the user's error, the knobs that may lift it (searched in order), the layers
+    fused by then."""
 
     def __init__(self, error: PlanError, knobs: tuple[Knob, ...], fused: frozenset[str] = frozenset()) -> None:
         super().__init__(str(error))
@@ -244,11 +214,8 @@ class Refused(Exception):
 
 
 def stats_chunk_of(problem: Problem, group: StageGroup, config: SolverConfig, allowed: Allowance) -> int:
-    """Layers per STATS task (`SolverConfig.stats_chunk` when set): one where the group has at most
-    `max_stats_tasks` per-layer tasks (each F/B makes one a layer), else the fewest that bring it there, halved
-    while such a task is longer than every bubble the allowance leaves. Small tasks pack best: one per Linear
-    placed BERT-Large Chimera D=8 (the paper's profiles) at its bound, refresh 4, one per F/B for all of a
-    stage's layers at 5-7."""
+    """Layers per STATS task (`SolverConfig.stats_chunk` when set): the fewest that keep the group within
+    `max_stats_tasks` per-layer tasks, halved while such a task is longer than every bubble (small tasks pack best)."""
     if config.stats_chunk is not None:
         return config.stats_chunk
     stages = [op.stage for d in group.devices for op, _, _ in step_timeline(problem).fixed(d) if op.stage is not None]
@@ -266,8 +233,7 @@ def stats_chunk_of(problem: Problem, group: StageGroup, config: SolverConfig, al
 
 
 def _overhead_period(problem: Problem, fused: frozenset[str]) -> int:
-    """The least common period that amortizes the fused curvature's extra time on the refresh step within
-    max_overhead."""
+    """The least period that amortizes the fused curvature's extra refresh-step time within max_overhead."""
     extra = fused_extra(problem, fused)
     if extra <= 1e-12:
         return 1
@@ -286,19 +252,13 @@ def _check_fits(
     stats_chunk: int,
     min_k: int,
 ) -> None:
-    """Refuse a group whose work no refresh period holds: a task longer than every bubble, or more work than the idle
-    time of `max_period` steps (each refusal names the knobs that may lift it)."""
+    """Refuse a group whose work no period holds: a task longer than every bubble, or more work than the idle time of
+    `max_period` steps."""
     stretched = f", even with the step stretched by max_overhead={problem.max_overhead:g}" if allowed.enabled else ""
     knobs = (Knob.MAX_OVERHEAD, Knob.MICROBATCHES) if config.stretch else (Knob.MICROBATCHES,)
     work = words_of(problem.costs).name
-    window = allowed.window(
-        group,
-        max(2, min_k),
-        allowed.ticks(problem.max_period),
-        stats_chunk=stats_chunk,
-        resolution=config.time_resolution,
-    )
-    long = too_long(window)
+    k, most = max(2, min_k), allowed.ticks(problem.max_period)
+    long = too_long(allowed.window(group, k, most, stats_chunk=stats_chunk, resolution=config.time_resolution))
     if long:
         off = "" if config.stretch else ". Stretching the step is off (SolverConfig.stretch=False)"
         message = f"some {work} work cannot fit any bubble, whatever the refresh period{stretched}: "
@@ -310,8 +270,7 @@ def _check_fits(
 
 @dataclass
 class _Placing:
-    """One group between `_solve_groups`' passes: first-fit's placement and either the group's final solution
-    (greedy method, no CP-SAT time left, nothing found) or its least period, which the second pass refines."""
+    """One group between the passes: first-fit's placement and either its final solution or its least period."""
 
     group: StageGroup
     stats_chunk: int
@@ -319,18 +278,26 @@ class _Placing:
     period: Period | None = None
     solution: GroupSolution | None = None
 
+    def nothing_chunked(self, config: SolverConfig) -> bool:
+        """Nothing placed with the planner's chunked STATS tasks: placed again per layer."""
+        nothing = self.period is None and self.solution is None and self.greedy is None
+        return self.stats_chunk > 1 and config.stats_chunk is None and nothing
+
 
 def _solve_groups(
     problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, min_k: int, clock: Budget
 ) -> Attempt:
-    """Every stage group's solution at refresh periods >= min_k, in two passes: every group's least period first
-    (`_first_pass`, the groups sharing the solver time left), then each one's stretch and staleness
-    (`_second_pass`) with the time the first left, so a group found at its bound at once leaves its time to the
-    groups still searching. Curvature is one STATS task per chunk of layers where `stats_chunk_of` says so and per
-    layer when that places nothing (chunked tasks that each fit a bubble may still not all fit)."""
+    """Every group's solution at periods >= min_k in two passes: every group's least period first (sharing the solver
+    time left), then each one's stretch and staleness with the time the first left; chunked STATS tasks per
+    `stats_chunk_of`, per layer where that places nothing."""
     groups = stage_groups(problem)
     allowed = allowance(problem, fused, config)
     first = functools.partial(_first_pass, problem, fused, config, method, min_k, clock, allowed)
+
+    def per_layer(group: StageGroup, later: int) -> _Placing:
+        log.info("stages %s: no placement with chunked STATS tasks; placing them per layer", list(group.stages))
+        return first(group, 1, later=later)
+
     placings = []
     for n, group in enumerate(groups):
         chunk = stats_chunk_of(problem, group, config, allowed)
@@ -340,30 +307,15 @@ def _solve_groups(
             if chunk == 1 or config.stats_chunk is not None:
                 raise
             placing = _Placing(group, chunk, None)
-        if _per_layer_instead(placing, config):
-            placing = _again_per_layer(first, group, later=len(groups) - n)
-        placings.append(placing)
+        placings.append(per_layer(group, len(groups) - n) if placing.nothing_chunked(config) else placing)
     solutions = []
     for n, placing in enumerate(placings):
         solution = _second_pass(problem, placing, config, clock, allowed, later=len(groups) - n)
-        if solution is None and _per_layer_instead(placing, config):
-            placings[n] = _again_per_layer(first, placing.group, later=len(groups) - n)
+        if solution is None and placing.nothing_chunked(config):
+            placings[n] = per_layer(placing.group, len(groups) - n)
             solution = _second_pass(problem, placings[n], config, clock, allowed, later=len(groups) - n)
         solutions.append(solution)
     return Attempt(same_stretch(solutions), [p.greedy for p in placings], allowed)
-
-
-def _per_layer_instead(placing: _Placing, config: SolverConfig) -> bool:
-    """Whether a group placed with chunked STATS tasks is placed again per layer: nothing was placed, and the
-    chunking was the planner's choice."""
-    nothing = placing.period is None and placing.solution is None and placing.greedy is None
-    return placing.stats_chunk > 1 and config.stats_chunk is None and nothing
-
-
-def _again_per_layer(first: Callable[..., _Placing], group: StageGroup, *, later: int) -> _Placing:
-    """The first pass of `group` again with one STATS task per layer (`first`: `_first_pass` of the attempt)."""
-    log.info("stages %s: no placement with chunked STATS tasks; placing them per layer", list(group.stages))
-    return first(group, 1, later=later)
 
 
 def _first_pass(
@@ -379,8 +331,8 @@ def _first_pass(
     *,
     later: int,
 ) -> _Placing:
-    """First-fit's placement, then CP-SAT's least period warm-started by it with the group's share of the solver time
-    left (`later` groups share it, this one included); first-fit's alone with the greedy method or no time left."""
+    """First-fit's placement, then CP-SAT's least period warm-started by it in the group's share of the solver time
+    left (`later` groups share it); first-fit's alone with the greedy method or no time left."""
     from fxkfac.planner.search.greedy import greedy_group
 
     _check_fits(problem, group, fused, config, allowed, stats_chunk, min_k)
@@ -411,8 +363,8 @@ def _first_pass(
 def _second_pass(
     problem: Problem, placing: _Placing, config: SolverConfig, clock: Budget, allowed: Allowance, *, later: int
 ) -> GroupSolution | None:
-    """The group's solution: the first pass's, or its period refined (`refine_group`) with its share of the time
-    left; without time, the period's placement as found (or first-fit's, where that one breaks the budget)."""
+    """The first pass's solution, or its period refined (`refine_group`) in the group's share of the time left;
+    without time, the period's placement (or first-fit's, where that one breaks the budget)."""
     if placing.period is None:
         return placing.solution
     from fxkfac.planner.search.group_search import refine_group, within_budget
@@ -425,9 +377,8 @@ def _second_pass(
 
 
 def _share(problem: Problem, clock: Budget, later: int, *, reserve: bool) -> float | None:
-    """A group's share of the solver time left, `later` groups sharing it (None: none is left). Under a memory
-    budget, with `reserve` (the group has no placement within it yet), FUSING_RESERVE of the time is kept for the
-    rounds that fuse more curvature if this one finds no fit; a group first-fit places within the budget needs none."""
+    """A group's share of the solver time left among `later` groups (None: none left), FUSING_RESERVE of it kept for
+    fusing rounds under a memory budget while the group has no placement within it (`reserve`)."""
     return clock.share(later, keep=FUSING_RESERVE if problem.memory_budget is not None and reserve else 0.0)
 
 
@@ -436,10 +387,8 @@ FUSING_RESERVE = 0.5
 
 
 def _next_fused(problem: Problem, attempt: Attempt, fused: frozenset[str], *, by_excess: bool) -> frozenset[str] | None:
-    """Fuse more layers (largest kept bytes first) in every group that found no plan: one, or with
-    `by_excess` as many as the greedy placement's bytes over the budget call for (a layer saves at most
-    its a and e of every micro-batch, so this never fuses more than that placement needs); None if none
-    is left."""
+    """More layers fused (largest kept bytes first) in every group with no plan: one, or `by_excess` as many as
+    first-fit's bytes over the budget call for; None if none is left."""
     groups = stage_groups(problem)
     more = set(fused)
     for group, solution, first in zip(groups, attempt.solutions, attempt.greedy):
@@ -452,7 +401,10 @@ def _next_fused(problem: Problem, attempt: Attempt, fused: frozenset[str], *, by
         )
         if not candidates:
             return None
-        excess = _excess(problem, first) if by_excess and first is not None else 0
+        budget = problem.memory_budget or 0
+        excess = 0
+        if by_excess and first is not None:
+            excess = max(peak_bytes(first, d) - budget for d in first.window.group.devices)
         saved = 0
         for x in candidates:
             more.add(x.name)
@@ -463,21 +415,13 @@ def _next_fused(problem: Problem, attempt: Attempt, fused: frozenset[str], *, by
 
 
 def _captures(layer: LayerCost) -> bool:
-    """Whether the layer has a part fed by a capture of its F/B (only those can be fused; a gradient-fed part
-    keeps nothing per micro-batch)."""
+    """Whether the layer has a part fed by a capture of its F/B (only those can be fused)."""
     return any(p.after is not OpKind.ALLREDUCE_GRAD for p in layer.parts)
 
 
-def _excess(problem: Problem, solution: GroupSolution) -> int:
-    """Bytes the solution's worst device holds over the memory budget."""
-    budget = problem.memory_budget or 0
-    return max(peak_bytes(solution, d) - budget for d in solution.window.group.devices)
-
-
 def attempt_plan(problem: Problem, config: SolverConfig, method: Method, clock: Budget, began: float) -> Plan:
-    """One planning run as `solve` describes it, without suggestions: Refused when it makes no plan.
-    With CP-SAT and a budget, greedy placement fusing by its memory excess runs first: quick, and its
-    plan is kept when CP-SAT's own rounds of fusing (fewer layers fused) find none before the deadline."""
+    """One planning run without suggestions (Refused when it makes none). With CP-SAT and a budget, first-fit fusing
+    by its memory excess runs first; its plan is kept when CP-SAT's rounds of fusing find none in time."""
     _check_budget(problem)
     if method is Method.GREEDY or problem.memory_budget is None or clock.solver_time() <= 0:
         return _placed(problem, config, method, clock, began)
@@ -493,10 +437,8 @@ def attempt_plan(problem: Problem, config: SolverConfig, method: Method, clock: 
 
 
 def _placed(problem: Problem, config: SolverConfig, method: Method, clock: Budget, began: float) -> Plan:
-    """Place the work (`_fitted`); where fusing some layers' curvature costs less than their statistics deferred
-    (`cheaper_fused`), place it with those fused too when the plan without them stretches its steps (the
-    statistics found no bubble) or is refused, and keep the better plan by `planner.plan.rank`: fresher curvature
-    (the sum of refresh periods), then the shorter step, then the smaller peak memory."""
+    """The work placed (`_fitted`); where fusing some layers costs less than deferring them (`cheaper_fused`), also
+    with those fused when the plan stretches its steps or is refused, the better by `rank` kept."""
     cheaper = cheaper_fused(problem)
     try:
         plan = _fitted(problem, config, method, clock, began, frozenset())
@@ -526,8 +468,7 @@ def _placed(problem: Problem, config: SolverConfig, method: Method, clock: Budge
 
 
 def cheaper_fused(problem: Problem) -> frozenset[str]:
-    """The captured layers whose curvature fused into F/B (`StageCost.fused_curvature`, where profiled) costs less
-    than their statistics deferred: worth fusing where no bubble would hide the statistics."""
+    """The captured layers whose curvature fused into F/B (where profiled) costs less than their statistics deferred."""
     return frozenset(
         x.name
         for stage in problem.costs.stages
@@ -541,9 +482,8 @@ def cheaper_fused(problem: Problem) -> frozenset[str]:
 def _fitted(
     problem: Problem, config: SolverConfig, method: Method, clock: Budget, began: float, fused: frozenset[str]
 ) -> Plan:
-    """Place the work with `fused` layers' curvature fused, fusing more each round that misses the budget (one
-    layer per group while CP-SAT has time; as many as greedy's excess calls for after that, and always with the
-    greedy method, whose rounds are not timed) until every group is placed."""
+    """The work placed with `fused` layers fused, fusing more each round that misses the budget (one layer per group
+    while CP-SAT has time; as many as first-fit's excess calls for after, and with the greedy method)."""
     while True:
         min_k = _overhead_period(problem, fused)
         if min_k > problem.max_period:
@@ -553,8 +493,10 @@ def _fitted(
             common = max(s.window.k for s in placed)
             attempt = _solve_groups(problem, fused, config, method, common, clock)
         if all(attempt.solutions):
-            return assemble_attempt(problem, attempt, fused, time.perf_counter() - began)
-        if problem.memory_budget is None or _short_of_time(attempt, fused):
+            return assemble(problem, attempt, fused, time.perf_counter() - began)
+        # unplaced for want of time, not memory: before any fusing, first-fit (blind to the budget) placed it nowhere
+        short = not fused and any(s is None and g is None for s, g in zip(attempt.solutions, attempt.greedy))
+        if problem.memory_budget is None or short:
             raise _unplaced(problem, attempt, fused, config, method)
         greedy = method is Method.GREEDY
         nxt = _next_fused(problem, attempt, fused, by_excess=greedy or clock.solver_time() <= 0)
@@ -577,26 +519,30 @@ def _fitted(
         fused = nxt
 
 
-def _short_of_time(attempt: Attempt, fused: frozenset[str]) -> bool:
-    """Whether a group is unplaced for want of time, not memory: before any fusing, greedy (which ignores the
-    budget) placed it nowhere either, and fusing only lengthens F/B. Its refusal then names max_overhead or N,
-    not the memory budget (pure data parallelism at max_overhead 0 has no bubble to fill)."""
-    return not fused and any(s is None and g is None for s, g in zip(attempt.solutions, attempt.greedy))
-
-
 def _unplaced(
     problem: Problem, attempt: Attempt, fused: frozenset[str], config: SolverConfig, method: Method
 ) -> Refused:
-    """The refusal when some group has no placement for want of bubble time (no budget, or greedy placed it
-    nowhere before any fusing)."""
+    """The refusal when some group has no placement for want of bubble time."""
     groups = [g for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
     bad, work = [g.stages for g in groups], words_of(problem.costs).name
     knobs = (Knob.MAX_OVERHEAD, Knob.MICROBATCHES)
-    if all(_whole_tasks_exceed(problem, g, config, attempt.allowance) for g in groups):
+    stretched = (
+        f", the step stretched by up to max_overhead={problem.max_overhead:g}"
+        if config.stretch and problem.max_overhead > 0
+        else ""
+    )
+
+    def window_at(group: StageGroup, k: int) -> Window:
+        return attempt.allowance.whole(group, k, stats_chunk=1, resolution=config.time_resolution)
+
+    # one STATS task per layer (what packs best) fits in no window up to max_period: no search could place it
+    if all(
+        group_lower_bound(attempt.allowance, g, functools.partial(window_at, g)) > problem.max_period for g in groups
+    ):
         return Refused(
             PlanError(
                 f"the {work} work of stages {bad} is more than the idle time of {problem.max_period} steps holds in "
-                f"whole tasks{_stretched(problem, config)}: its statistics and decomposition pieces leave part of "
+                f"whole tasks{stretched}: its statistics and decomposition pieces leave part of "
                 "every bubble they cannot fill"
             ),
             knobs,
@@ -606,28 +552,10 @@ def _unplaced(
     return Refused(
         PlanError(
             f"no placement of the {work} work of stages {bad} within {problem.max_period} steps "
-            f"({method.value}{_stretched(problem, config)}): the bubbles are too short{timed}"
+            f"({method.value}{stretched}): the bubbles are too short{timed}"
         ),
         knobs,
         fused,
-    )
-
-
-def _whole_tasks_exceed(problem: Problem, group: StageGroup, config: SolverConfig, allowed: Allowance) -> bool:
-    """Whether the group's work, one STATS task per layer (what packs best), fits in no window up to max_period
-    (`group_lower_bound`): then no search could have placed it, whatever its time."""
-
-    def window_at(k: int) -> Window:
-        return allowed.whole(group, k, stats_chunk=1, resolution=config.time_resolution)
-
-    return group_lower_bound(allowed, group, window_at) > problem.max_period
-
-
-def _stretched(problem: Problem, config: SolverConfig) -> str:
-    return (
-        f", the step stretched by up to max_overhead={problem.max_overhead:g}"
-        if config.stretch and problem.max_overhead > 0
-        else ""
     )
 
 
@@ -670,8 +598,8 @@ STRETCH_SEARCH_S = 5.0
 def with_suggestions(
     refused: Refused, problem: Problem, config: SolverConfig, method: Method, until: Budget
 ) -> PlanError:
-    """The refusal's error with the values that plan, searched until `until`: each knob alone; where
-    none does and a budget is set, max_overhead and the budget together; then more micro-batches."""
+    """The refusal's error with the values that plan, searched until `until`: each knob alone; where none does and a
+    budget is set, max_overhead and the budget together; then more micro-batches."""
     found: list[Suggestion] = []
     searched: list[str] = []
     stages: list[tuple[Knob, ...]] = [(knob,) for knob in refused.knobs if knob is not Knob.MICROBATCHES]
@@ -684,38 +612,24 @@ def with_suggestions(
     for knobs in stages:
         if until.out() or (len(knobs) > 1 or knobs == (Knob.MICROBATCHES,)) and found:
             break
-        searched.append(_SEARCHED[knobs].format(N=4 * problem.N))
-        search = _search_together if len(knobs) > 1 else _SEARCHES[knobs[0]]
+        what, search = _SEARCHES[knobs]
+        searched.append(what.format(N=4 * problem.N))
         suggestion = search(problem, refused.fused, config, method, until)
         if suggestion is not None:
             found.append(suggestion)
-    text = f"{refused.error}. {_suggestion_text(problem, config, found, searched, until.out())}"
-    error = refused.error
-    if isinstance(error, InfeasibleBudgetError):
-        return InfeasibleBudgetError(text, error.needed_bytes, suggestions=tuple(found))
-    return PlanError(text, suggestions=tuple(found))
-
-
-def _suggestion_text(
-    problem: Problem, config: SolverConfig, found: list[Suggestion], searched: list[str], timed_out: bool
-) -> str:
     if found:
-        return "Solved with: " + "; or ".join(_describe(problem, s) for s in found)
-    if timed_out:
-        return (
+        text = "Solved with: " + "; or ".join(_describe(problem, s) for s in found)
+    elif until.out():
+        text = (
             f"Nothing that plans it was found before the time ran out (time limit {config.time_limit_s:g} s): "
             f"searched {'; '.join(searched) or 'nothing'}; a longer time limit searches further"
         )
-    return f"Nothing plans it: no {'; no '.join(searched)}"
-
-
-_SEARCHED = {
-    (Knob.MAX_OVERHEAD,): "max_overhead below 10",
-    (Knob.MEMORY_BUDGET,): "memory budget from the peak of a plan made without one",
-    (Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET): "max_overhead with a memory budget",
-    (Knob.MICROBATCHES,): "number of micro-batches from 1 to {N}",
-}
-"""What each search tries, for the message that says none of it plans."""
+    else:
+        text = f"Nothing plans it: no {'; no '.join(searched)}"
+    error = refused.error
+    if isinstance(error, InfeasibleBudgetError):
+        return InfeasibleBudgetError(f"{error}. {text}", error.needed_bytes, suggestions=tuple(found))
+    return PlanError(f"{error}. {text}", suggestions=tuple(found))
 
 
 def _describe(problem: Problem, s: Suggestion) -> str:
@@ -739,15 +653,11 @@ def _describe(problem: Problem, s: Suggestion) -> str:
     return text
 
 
-def _plans(problem: Problem, config: SolverConfig, method: Method, until: Budget, *, thorough: bool = False) -> bool:
-    """Whether `solve` makes a plan of `problem`: with greedy placement first (CP-SAT's first pass, whose
-    plan it keeps), then, `thorough` and with method CP-SAT, with CP-SAT itself within the time left."""
-    return _plan_or_none(problem, config, method, until, thorough=thorough) is not None
-
-
 def _plan_or_none(
     problem: Problem, config: SolverConfig, method: Method, until: Budget, *, thorough: bool = False
 ) -> Plan | None:
+    """`problem`'s plan (kept in `until`): first-fit first (CP-SAT's first pass), then, `thorough` with CP-SAT, CP-SAT
+    itself in the time left; None where neither plans."""
     made = until.made.get((problem, method))
     if made is not None:
         return made
@@ -767,12 +677,15 @@ def _plan_or_none(
     return None
 
 
+def _plans(problem: Problem, config: SolverConfig, method: Method, until: Budget, *, thorough: bool = False) -> bool:
+    return _plan_or_none(problem, config, method, until, thorough=thorough) is not None
+
+
 def _search_overhead(
     problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
 ) -> Suggestion | None:
-    """A max_overhead that plans: from greedy's stretch estimate doubling, checked by greedy placement (then,
-    with CP-SAT, by CP-SAT itself); then, while time is left, CP-SAT's least stretch (checked by CP-SAT,
-    named least where proven) or a few bisection probes below it."""
+    """A max_overhead that plans: from greedy's stretch estimate doubling, checked by first-fit (then with CP-SAT, by
+    CP-SAT); then while time is left, CP-SAT's least stretch (least where proven) or bisection probes below it."""
     estimate, proven = _overhead_estimate(problem, fused, config, Method.GREEDY, until)
     ladder = _ladder(max(estimate or 0.0, problem.max_overhead * 1.01, 1e-4), problem.max_overhead)
     for thorough in (False, True) if method is Method.CPSAT else (False,):
@@ -798,7 +711,17 @@ def _search_overhead(
             and _plans(replace(problem, max_overhead=least), config, method, until, thorough=True)
         ):
             return Suggestion(((Knob.MAX_OVERHEAD, least),), least=proven)
-    return Suggestion(((Knob.MAX_OVERHEAD, _bisect_down(problem, config, method, until, failed, candidate)),))
+    for _ in range(4):  # a few bisection probes between the last that failed and the one that plans
+        middle = _sig_up((failed + candidate) / 2)
+        if not failed < middle < candidate:
+            break
+        if _plans(replace(problem, max_overhead=middle), config, method, until):
+            candidate = middle
+        elif until.out():
+            break
+        else:
+            failed = middle
+    return Suggestion(((Knob.MAX_OVERHEAD, candidate),))
 
 
 def _ladder(start: float, above: float) -> list[float]:
@@ -809,23 +732,6 @@ def _ladder(start: float, above: float) -> list[float]:
             values.append(x)
         x = _sig_up(x * 2)
     return values
-
-
-def _bisect_down(
-    problem: Problem, config: SolverConfig, method: Method, until: Budget, failed: float, works: float
-) -> float:
-    """A smaller max_overhead than `works` that still plans (a few probes between it and `failed`)."""
-    for _ in range(4):
-        middle = _sig_up((failed + works) / 2)
-        if not failed < middle < works:
-            break
-        if _plans(replace(problem, max_overhead=middle), config, method, until):
-            works = middle
-        elif until.out():
-            break
-        else:
-            failed = middle
-    return works
 
 
 def device_bytes(problem: Problem) -> int | None:
@@ -843,8 +749,8 @@ def _at_device(problem: Problem) -> bool:
 def _search_memory(
     problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
 ) -> Suggestion | None:
-    """A memory budget that plans at the problem's max_overhead: the peak of the plan made without a
-    budget, rounded up (raised by a quarter while it does not plan), never above the device's memory."""
+    """A memory budget that plans at the problem's max_overhead: the peak of the plan made without one, rounded up
+    (raised by a quarter while it does not plan), never above the device's memory."""
     free = _plan_or_none(replace(problem, memory_budget=None), config, method, until)
     if free is None:
         return None
@@ -864,8 +770,8 @@ def _search_memory(
 def _search_microbatches(
     problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
 ) -> Suggestion | None:
-    """The nearest N (valid for the schedule) that plans: fewer first (less curvature per step for the
-    same bubbles), then more, up to 4 times this one."""
+    """The nearest N valid for the schedule that plans: fewer first (less work for the same bubbles), then more, up to
+    4 times this one."""
     for n in [*range(problem.N - 1, 0, -1), *range(problem.N + 1, 4 * problem.N + 1)]:
         try:
             candidate = replace(problem, N=n)
@@ -890,19 +796,21 @@ def _search_together(
     return None if memory is None else Suggestion(((Knob.MAX_OVERHEAD, value),) + memory.changes)
 
 
-_SEARCHES = {
-    Knob.MAX_OVERHEAD: _search_overhead,
-    Knob.MEMORY_BUDGET: _search_memory,
-    Knob.MICROBATCHES: _search_microbatches,
+Search = Callable[[Problem, frozenset[str], SolverConfig, Method, Budget], Suggestion | None]
+_SEARCHES: dict[tuple[Knob, ...], tuple[str, Search]] = {
+    (Knob.MAX_OVERHEAD,): ("max_overhead below 10", _search_overhead),
+    (Knob.MEMORY_BUDGET,): ("memory budget from the peak of a plan made without one", _search_memory),
+    (Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET): ("max_overhead with a memory budget", _search_together),
+    (Knob.MICROBATCHES,): ("number of micro-batches from 1 to {N}", _search_microbatches),
 }
+"""Each knob set's search, and what it tries (for the message that says none of it plans)."""
 
 
 def _overhead_estimate(
     problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
 ) -> tuple[float | None, bool]:
-    """The max_overhead that stretching the step needs at the longest refresh period (rounded up to 3
-    digits), and whether it is proven least (CP-SAT refines greedy's stretch while time is left); None
-    when stretching is off or no stretch up to 10 reference steps places the work."""
+    """The max_overhead the stretch at max_period needs (3 digits, rounded up) and whether it is proven least (CP-SAT
+    refines first-fit's while time is left); None when stretching is off or no stretch up to 10 steps places it."""
     from fxkfac.planner.search.greedy import greedy_overhead
 
     if not config.stretch:
@@ -923,42 +831,36 @@ def _overhead_estimate(
         least = found.window.stretch <= low
         left = until.left()
         if method is Method.CPSAT and not least and left > 0:
-            from fxkfac.planner.search.group_search import refine_stretch
+            from fxkfac.planner.search.group_search import least_stretch_at
 
-            found, least = refine_stretch(
-                found, grid, config, until, min(until.units(min(STRETCH_SEARCH_S, config.time_limit_s)), left / 2)
-            )
+            limit = min(until.units(min(STRETCH_SEARCH_S, config.time_limit_s)), left / 2)
+            found, least = least_stretch_at(found, grid, config, until, until.now() + 2 * limit)
         upper, proven = max(upper, found.window.stretch), proven and least
-    need = _overhead(problem, fused, problem.max_period, upper, grid)
+    assert grid.scale is not None, "the allowance has a grid"
+    need = (upper / grid.scale[0] + fused_extra(problem, fused) / problem.max_period) / step_timeline(problem).length
     return (_sig_up(need) if need > 0 else None), proven
 
 
-def _overhead(problem: Problem, fused: frozenset[str], k: int, ticks: int, grid: Allowance) -> float:
-    """max_overhead that a stretch of `ticks` per step at period k needs, fused curvature included."""
-    normal = step_timeline(problem).length
-    return (ticks / grid.scale[0] + fused_extra(problem, fused) / k) / normal  # type: ignore[index]  # the allowance has a grid
-
-
 def _sig_up(x: float, digits: int = 3) -> float:
-    """`x` > 0 rounded up to `digits` significant digits: a value to type that is never short (its
-    shortest decimal text is what `f"{x:g}"` prints and float() reads back)."""
+    """`x` > 0 rounded up to `digits` significant digits: a value to type that is never short."""
     quantum = Decimal(1).scaleb(math.floor(math.log10(x)) - digits + 1)
     return float((Decimal(repr(x)) / quantum).to_integral_value(rounding=ROUND_CEILING) * quantum)
 
 
-_BYTE_UNITS = ((1 << 30), (1 << 20), (1 << 10))
-
-
 def _bytes_up(n: float) -> int:
-    """`n` bytes rounded up to two decimals of GiB, MiB or KiB (whole bytes below 1 KiB), as the CLI
-    reads '84.47GiB': int(float('84.47') * 2**30)."""
-    for unit in _BYTE_UNITS:
+    """`n` bytes rounded up to two decimals of GiB, MiB or KiB (whole bytes below 1 KiB), as the CLI reads
+    '84.47GiB': int(float('84.47') * 2**30)."""
+    for unit in ((1 << 30), (1 << 20), (1 << 10)):
         if n >= unit:
             hundredths = math.ceil(n * 100 / unit - 1e-6)
             while int(float(f"{hundredths / 100:.2f}") * unit) < n:
                 hundredths += 1
             return int(float(f"{hundredths / 100:.2f}") * unit)
     return math.ceil(n)
+
+
+REFUSED = "refused"
+"""The first part of the key under which a budget keeps a problem's refusal (`Budget.made`)."""
 
 
 def solve(
@@ -970,12 +872,14 @@ def solve(
     shares: int = 1,
     suggest: bool = True,
 ) -> Plan:
-    """Plan the preconditioner's work of `problem` (CPSAT: warm-started by first-fit; GREEDY: the paper's rule) in
-    1/`shares` of the solver time left in `budget` (a new one of `config` when None) ([Note: time limit]). Raises
-    InfeasibleBudgetError when the memory budget cannot be met and PlanError when nothing places the work within
-    max_period steps; unless `suggest` is False, its `suggestions` name values of max_overhead, the memory budget or N
-    the planner solved this problem with, or say that none was found in time."""
-    how = _method(method)
+    """Plan `problem`'s preconditioner work (CPSAT warm-started by first-fit, or GREEDY) in 1/`shares` of the solver
+    time left in `budget` (a new one of `config` when None) ([Note: time limit]). Raises InfeasibleBudgetError when
+    the memory budget cannot be met, PlanError when nothing places the work; unless `suggest` is False, with
+    `suggestions` of max_overhead, the memory budget or N that it solved with."""
+    try:
+        how = Method(method)
+    except ValueError:
+        raise PlanError(f"unknown planning method {method!r}; use 'cpsat' or 'greedy'") from None
     budget = budget or Budget.of(config)
     made = budget.made.get((problem, how))
     if made is not None:
@@ -984,7 +888,7 @@ def solve(
         refused = budget.made.get((REFUSED, problem, how))
         if refused is None or not budget.over():
             plan = attempt_plan(problem, config, how, budget.solving(shares), time.perf_counter())
-        else:  # refused in this planning already, and no time is left to try again: its suggestions are searched
+        else:  # refused in this planning already and no time left to try again: its suggestions are searched
             raise refused
     except Refused as refused:
         budget.made[(REFUSED, problem, how)] = refused
@@ -993,15 +897,3 @@ def solve(
         raise with_suggestions(refused, problem, config, how, budget.suggesting()) from None
     budget.made[(problem, how)] = plan
     return plan
-
-
-REFUSED = "refused"
-"""The key's first part under which a budget keeps a problem's refusal (`Budget.made`): a later `solve` of it with no
-solver time left searches the refusal's suggestions without placing it again."""
-
-
-def _method(method: Method | str) -> Method:
-    try:
-        return Method(method)
-    except ValueError:
-        raise PlanError(f"unknown planning method {method!r}; use 'cpsat' or 'greedy'") from None

@@ -1,18 +1,13 @@
 """The distribution choice: which distribution (planner/problem/strategy.py) each layer takes when the user forces none.
 
-[Note: strategy search] The candidates (`candidate_problems`): each KAISA strategy the stages' copies allow (COMM-OPT,
-HYBRID per grad-worker count dividing the copies, MEM-OPT) and one per-layer mix (MEM-OPT on the larger half of the
-statistics bytes). The outer search (`solve_outer`) plans those that can win (`_hopeful_first`: a reference step
-within max_overhead, and STEP_TIE, of the least) in full, as forcing each would, and CP-SAT's joint choice
-([Note: joint strategy] in planner/search/cpsat.py: each layer's distribution a literal of the window's model) joins
-them where it `has_choice`; `best` keeps the least by `planner.plan.rank` within the allowance. At max_overhead 0 the
-candidates go first (issue 38: the joint model run first spent the README snippet's limit on first-fit's 11 30 where
-forced COMM-OPT reached 11 25), above it the joint model (one search over all of them does better there). Under a
-caller's budget they share it; without one (`planner.TimeLimit.EACH_SOLVE`) each gets the budget forcing it would, so
-the choice is never worse than any forced candidate. The joint model is not used with the greedy method, under
-`StepBarrier.AGREEMENT_SET` or with one copy per stage; a group it cannot place within a memory budget goes to `solve`
-(which fuses curvature) with its least-step distributions and MEM-OPT. When none plans, the refusal of the candidate
-whose least max_overhead gives the least step is raised. DP-KFAC is never chosen (another algorithm: the user's call).
+[Note: strategy search] The candidates (`candidate_problems`) are each KAISA strategy the copies allow and one
+per-layer mix. The outer search (`solve_outer`) plans those that can win (`_hopeful_first`: a reference step within
+max_overhead and STEP_TIE of the least) as forcing each would, and CP-SAT's joint choice ([Note: joint strategy] in
+planner/search/cpsat.py) joins them where it `has_choice`: after them at max_overhead 0 (issue 38: run first it spent
+the README snippet's limit on first-fit's 11 30 where forced COMM-OPT reached 11 25), before them above it. `best`
+keeps the least by `rank` within the allowance. Under a caller's budget they share it; without one each gets its own,
+so the choice is never worse than a forced candidate. No joint model with the greedy method, under
+`StepBarrier.AGREEMENT_SET` or with one copy per stage. DP-KFAC is never chosen (another algorithm: the user's call).
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ from fxkfac.planner.problem.errors import PlanError
 from fxkfac.planner.problem.problem import Problem, SolverConfig, StepBarrier, copies_of_stage, stage_groups
 from fxkfac.planner.problem.step_timeline import step_timeline
 from fxkfac.planner.problem.strategy import COMM_OPT, LayerDistribution, Strategy, StrategyKind
-from fxkfac.planner.search.attempt import Method, assemble, cheaper_fused, solve, stats_chunk_of
+from fxkfac.planner.search.attempt import Attempt, Method, assemble, cheaper_fused, same_stretch, solve, stats_chunk_of
 from fxkfac.planner.search.budget import Budget
 from fxkfac.planner.search.cpsat import (
     apply_seconds,
@@ -55,8 +50,8 @@ T = TypeVar("T")
 
 
 def candidate_strategies(problem: Problem) -> list[Strategy]:
-    """COMM-OPT, then HYBRID for each grad-worker count between 1 and H that divides H (the copies of the
-    stage held most often), then MEM-OPT; COMM-OPT alone when no stage has several copies."""
+    """COMM-OPT, HYBRID for each grad-worker count dividing H (the most copies of a stage), MEM-OPT; COMM-OPT alone
+    when no stage has several copies."""
     H = _most_copies(problem)
     if H == 1:
         return [COMM_OPT]
@@ -69,8 +64,8 @@ def _most_copies(problem: Problem) -> int:
 
 
 def mixed(problem: Problem) -> Problem | None:
-    """MEM-OPT on the layers holding the larger half of the statistics bytes (largest first), COMM-OPT on the
-    others; None when that is one strategy on every layer."""
+    """MEM-OPT on the layers holding the larger half of the statistics bytes, COMM-OPT on the others; None when that
+    is one strategy on every layer."""
     layers = sorted(
         (x for stage in problem.costs.stages for x in stage.layers), key=lambda x: (-x.factor_bytes, x.name)
     )
@@ -93,6 +88,11 @@ def candidate_problems(problem: Problem) -> list[Problem]:
     return out + ([mix] if mix is not None else [])
 
 
+Each = Callable[[Problem, Budget, int], Plan]
+"""How the outer search plans a candidate as forcing it would, in the budget as one of `shares` still to plan; raises
+PlanError (naming nothing) where it does not plan. `planner.plan` passes the streaming choice around `solve`."""
+
+
 def solve_with_strategy(
     problem: Problem,
     strategy: Strategy | None,
@@ -105,10 +105,9 @@ def solve_with_strategy(
     reference: Callable[[Problem], float] | None = None,
     own: Callable[[], Budget] | None = None,
 ) -> Plan:
-    """`solve` with every layer under `strategy`, or, when it is None, the outer search's best ([Note: strategy
-    search]: `solve_outer`, each candidate planned by `each` as forcing it would be, and the joint choice), all in
-    `budget`, or without one each in a budget of its own (`own()`, else a new one of `config`), so the choice is never
-    worse than forcing any candidate (issue 38). `suggest` False: a refusal names nothing (no time spent searching)."""
+    """`solve` with every layer under `strategy`, or when None the outer search's best ([Note: strategy search]), in
+    `budget`, else each candidate in a budget of its own (`own()`, else a new one of `config`). `suggest` False: a
+    refusal names nothing."""
     if strategy is not None:
         forced = problem.with_strategy(strategy)
         return solve(forced, config, method, budget=budget or Budget.of(config), suggest=suggest)
@@ -127,16 +126,9 @@ def solve_with_strategy(
     )
 
 
-Each = Callable[[Problem, Budget, int], Plan]
-"""How the outer search plans one candidate as forcing it would: within the budget, as one of `shares` candidates
-still to plan; raises PlanError (with no suggestions) where it does not plan. The default is `solve`; `planner.plan`
-passes the streaming choice around it, as a forced strategy's planning runs."""
-
-
 def least_overhead(planned: Callable[[float], T]) -> tuple[T, float | None]:
-    """The rule of max_overhead None, the default of the API (`PlanOptions`) and of `fxkfac plan`: `planned(0)` (the
-    bubbles alone), or, where that is refused and the refusal names the least max_overhead it found to place the
-    work, `planned` at that value. What it made, and the value taken (None: the bubbles held the work)."""
+    """The rule of max_overhead None: `planned(0)` (the bubbles alone), else `planned` at the least max_overhead the
+    refusal names; what it made and the value taken (None: the bubbles held the work)."""
     try:
         return planned(0.0), None
     except PlanError as e:
@@ -146,26 +138,10 @@ def least_overhead(planned: Callable[[float], T]) -> tuple[T, float | None]:
         return planned(e.max_overhead), e.max_overhead
 
 
-def _applies(joint: bool | None, problem: Problem, method: Method | str, budget: Budget) -> bool:
-    """`joint` as given, or when None whether CP-SAT can choose the distributions with the placement ([Note: strategy
-    search]) and has a choice there (`has_choice`, charged to `budget`): asked only where it would run."""
-    return (
-        joint
-        if joint is not None
-        else (
-            Method(method) is Method.CPSAT
-            and problem.barrier is StepBarrier.WORLD
-            and _most_copies(problem) > 1
-            and has_choice(problem, budget)
-        )
-    )
-
-
 def has_choice(problem: Problem, budget: Budget | None = None) -> bool:
-    """Whether some layer of a stage the joint model leaves free (not in `timeline_stages`) has a distribution other
-    than its own in the candidate of least reference step that, switched alone, keeps the reference step within what
-    `best` keeps (max_overhead and STEP_TIE over that least). Where none has, the joint model is a forced one with
-    more variables, and the candidates' own searches do better (issue 38). Simulations are charged to `budget`."""
+    """Whether some layer of a free stage has another distribution that, switched alone in the candidate of least
+    reference step, keeps its reference step within what `best` keeps; where none has, the joint model is a forced
+    one with more variables (issue 38). Simulations are charged to `budget`."""
     free = frozenset(range(problem.num_stages)) - timeline_stages(problem)
     names = [x.name for s in sorted(free) for x in problem.costs.stages[s].layers]
     if not names:
@@ -173,8 +149,7 @@ def has_choice(problem: Problem, budget: Budget | None = None) -> bool:
     candidates = candidate_problems(problem)
     steps = [step_timeline(c) for c in candidates]
     ops = sum(len(o) for o in steps[0].ops.values())
-    least = min(t.length for t in steps)
-    most = least * (1 + problem.max_overhead + STEP_TIE)
+    most = min(t.length for t in steps) * (1 + problem.max_overhead + STEP_TIE)
     base = candidates[min(range(len(steps)), key=lambda i: steps[i].length)]
     own = {n: base.where(n) for n in names}
     simulated = len(steps)
@@ -206,27 +181,35 @@ def solve_outer(
     reference: Callable[[Problem], float] | None = None,
     own: Callable[[], Budget] | None = None,
 ) -> Plan:
-    """The best of `candidate_problems`, each planned in full by `each` (`solve` when None) in `budget` (a new one of
-    `config`; the greedy method, untimed, plans every one that can win), or each in a budget of its own (`own()`):
-    those that can win (`_hopeful_first`) and, with `joint` (None: where `_applies`), the joint choice: at max_overhead
-    0 after them in the CP-SAT time they left, above it before them ([Note: strategy search]); the others only where
-    none of those plans. `reference`: the least reference step a candidate's planning reaches (its streaming). When
-    none plans, the refusal of `_plan_or_least_step_refusal` (with `suggest`; else one naming nothing)."""
+    """The best of `candidate_problems` planned by `each` (`solve` when None) in `budget` (a new one of `config`), or
+    each in its own (`own()`): those that can win and, with `joint` (None: where CP-SAT has a choice), the joint
+    choice ([Note: strategy search]); the others only where none of those plans. `reference`: a candidate's least
+    reference step, streaming included. When none plans, `_plan_or_least_step_refusal` (with `suggest`)."""
     budget = budget or Budget.of(config)
     candidates, hopeful = _hopeful_first(candidate_problems(problem), reference)
     timed = Method(method) is Method.CPSAT and own is None
-    joint_first = problem.max_overhead > 0 and _applies(joint, problem, method, budget)
-    plans = _joint(problem, config, own() if own else budget) if joint_first else []
-    plan_one = each or _solve_each(config, method)
-    if own is not None:
-        plan_one = _in_own(plan_one, own)
+
+    def applies() -> bool:
+        if joint is not None:
+            return joint
+        barrier = problem.barrier is StepBarrier.WORLD
+        return Method(method) is Method.CPSAT and barrier and _most_copies(problem) > 1 and has_choice(problem, budget)
+
+    def joint_plans() -> list[Plan]:
+        chosen = solve_joint(problem, config, own() if own else budget)
+        return [] if chosen is None else [chosen]
+
+    def plan_one(candidate: Problem, view: Budget, shares: int) -> Plan:
+        if own is not None:
+            view, shares = own(), 1
+        if each is not None:
+            return each(candidate, view, shares)
+        return solve(candidate, config, method, budget=view, shares=shares, suggest=False)
+
+    plans = joint_plans() if problem.max_overhead > 0 and applies() else []
     plans += _plan_each(candidates[:hopeful], plan_one, budget, timed, after=bool(plans))
-    if (
-        problem.max_overhead <= 0
-        and (not plans or own is not None or budget.solving().solver_time() > 0)
-        and _applies(joint, problem, method, budget)
-    ):
-        plans += _joint(problem, config, own() if own else budget)
+    if problem.max_overhead <= 0 and (not plans or own is not None or budget.solving().solver_time() > 0) and applies():
+        plans += joint_plans()
     if plans and hopeful < len(candidates):
         log.info(
             "distributions %s not planned: their reference steps are past the allowance",
@@ -242,48 +225,14 @@ def solve_outer(
     return chosen
 
 
-def _joint(problem: Problem, config: SolverConfig, budget: Budget) -> list[Plan]:
-    """The joint choice's plan (`solve_joint`), none where it made none."""
-    chosen = solve_joint(problem, config, budget)
-    return [] if chosen is None else [chosen]
-
-
-def _solve_each(config: SolverConfig, method: Method | str) -> Each:
-    """`solve`, suggesting nothing, as the outer search's way to plan a candidate (an equal share of the time left
-    among the `shares` still to plan: all of it went to a subproblem CP-SAT could not decide, golden random 077)."""
-
-    def plan_one(candidate: Problem, budget: Budget, shares: int) -> Plan:
-        return solve(candidate, config, method, budget=budget, shares=shares, suggest=False)
-
-    return plan_one
-
-
-def _in_own(each: Each, own: Callable[[], Budget]) -> Each:
-    """`each` with every candidate in a budget of its own (`own()`), the one forcing it gets."""
-
-    def plan_one(candidate: Problem, budget: Budget, shares: int) -> Plan:
-        return each(candidate, own(), 1)
-
-    return plan_one
-
-
 def _plan_each(
-    candidates: Sequence[Problem],
-    each: Each,
-    budget: Budget,
-    timed: bool,
-    *,
-    after: bool = False,
+    candidates: Sequence[Problem], each: Each, budget: Budget, timed: bool, *, after: bool = False
 ) -> list[Plan]:
-    """The plans of `candidates` in turn, each planned by `each` with the solver time left in `budget` (one alone: all
-    of it, as forcing it would), until the time is up once one has planned (`after` another plan: once CP-SAT's is,
-    as first-fit alone would not improve on it); a candidate that refuses is left out."""
+    """The plans of `candidates` in turn (a refusal left out), each with its share of the solver time left, until the
+    time is up once one has planned (`after` another plan: once CP-SAT's time is)."""
     plans: list[Plan] = []
     for n, candidate in enumerate(candidates):
-        if after and timed and budget.solving().solver_time() <= 0:
-            log.info("no time left to plan distributions %s", [_words(c) for c in candidates[n:]])
-            break
-        if plans and timed and budget.over():
+        if timed and ((after and budget.solving().solver_time() <= 0) or (plans and budget.over())):
             log.info("no time left to plan distributions %s", [_words(c) for c in candidates[n:]])
             break
         try:
@@ -296,9 +245,8 @@ def _plan_each(
 def _hopeful_first(
     candidates: Sequence[Problem], reference: Callable[[Problem], float] | None = None
 ) -> tuple[list[Problem], int]:
-    """The candidates whose plans can lie within the allowance `best` keeps (their reference step, or with
-    `reference` their streamed one, within max_overhead and STEP_TIE of the least of all), then the others, and how
-    many come first: the time goes to those that can win (issue 38: forced COMM-OPT streamed beat MEM-OPT)."""
+    """The candidates whose plans can lie within `best`'s allowance (reference step, or streamed with `reference`),
+    then the others, and how many come first."""
     steps = [step_timeline(c).length for c in candidates]
     least = min(steps)
 
@@ -314,11 +262,9 @@ def _hopeful_first(
 def _plan_or_least_step_refusal(
     candidates: Sequence[Problem], config: SolverConfig, method: Method | str, budget: Budget
 ) -> Plan:
-    """Search each candidate's refusal, least reference step first (the others while `budget` leaves time), and raise
-    the one whose least max_overhead that plans gives the least step (its reference step stretched by it):
-    max_overhead is a fraction of each candidate's own reference step, so the candidate that plans first as it
-    grows is not always the one whose steps are shortest. A candidate that plans in this search (it had more time)
-    is returned."""
+    """Each candidate's refusal searched, least reference step first (the others while time is left), raising the one
+    whose least max_overhead gives the least step (max_overhead is of each one's own reference step); a candidate
+    that plans here (it had more time) is returned."""
     refusals: list[tuple[float, int, PlanError]] = []
     order = sorted(range(len(candidates)), key=lambda n: step_timeline(candidates[n]).length)
     for searched, n in enumerate(order):
@@ -346,15 +292,13 @@ LEAST_STEP_PART = 0.1
 """Of a joint solve's time, the part its search for the distributions of least step within the memory takes."""
 
 STEP_TIE = 1e-3
-"""Steps within this fraction of the least reference step beyond the allowance count as within it to `best`: far
-below what a cost model resolves, so fresher curvature decides there, not a modelled 0.01% of a step."""
+"""Steps within this fraction of the least reference step beyond the allowance count as within it to `best` (far
+below what a cost model resolves: fresher curvature decides there)."""
 
 
 def best(plans: Sequence[Plan]) -> Plan:
-    """The least by `rank` of the plans whose step lies within the allowance (max_overhead, plus STEP_TIE) of the least
-    reference step (the step time at max_overhead 0) of any of them: the allowance is the step growth the user
-    accepts over the fastest plain K-FAC step, whichever distribution gives it. At max_overhead 0 that is the
-    plans of least reference step; above it a distribution with a longer reference step but less stretch wins."""
+    """The least by `rank` of the plans whose step lies within max_overhead (and STEP_TIE) of the least reference step
+    of any: the growth the user accepts over the fastest plain step, whichever distribution gives it."""
     least = min(p.metrics.step_time_reference for p in plans)
     most = least * (1 + plans[0].problem.max_overhead + STEP_TIE)
     within = [p for p in plans if p.metrics.step_time <= most]
@@ -362,16 +306,17 @@ def best(plans: Sequence[Plan]) -> Plan:
 
 
 def solve_joint(problem: Problem, config: SolverConfig = SolverConfig(), budget: Budget | None = None) -> Plan | None:
-    """Each layer's distribution chosen by CP-SAT with the placement ([Note: joint strategy] in
-    planner/search/cpsat.py), once per option set of the stages that move the step's fixed work (`timeline_stages`),
-    each with an equal share of the solver time left in `budget`; the best plan, or None when none was made."""
+    """The joint choice ([Note: joint strategy]), once per option set of the `timeline_stages`, each an equal share of
+    the solver time left; the best plan, or None when none was made."""
     budget = budget or Budget.of(config)
-    sets = _timeline_sets(problem)
+    moving = timeline_stages(problem)
+    names = [x.name for s in sorted(moving) for x in problem.costs.stages[s].layers]
+    forced = [problem.with_strategy(s) for s in candidate_strategies(problem)] if moving else []
+    sets = [{n: f.where(n) for n in names} for f in forced] or [{}]
     plans = []
     for n, fixed in enumerate(sets):
         clock = budget.solving(len(sets) - n)
-        began = time.perf_counter()
-        plan = _joint_plan(problem, fixed, config, budget, clock.solver_time(), began)
+        plan = _joint_plan(problem, fixed, config, budget, clock.solver_time(), time.perf_counter())
         if plan is not None:
             plans.append(plan)
         if clock.out():
@@ -381,19 +326,6 @@ def solve_joint(problem: Problem, config: SolverConfig = SolverConfig(), budget:
     chosen = best(plans)
     log.info("joint choice: %s", strategy_of(chosen))
     return chosen
-
-
-def _timeline_sets(problem: Problem) -> list[dict[str, LayerDistribution]]:
-    """The distributions the timeline stages take in turn: each of `candidate_strategies` (one empty set when no
-    stage moves the step's fixed work)."""
-    moving = timeline_stages(problem)
-    if not moving:
-        return [{}]
-    names = [x.name for s in sorted(moving) for x in problem.costs.stages[s].layers]
-    return [
-        {n: forced.where(n) for n in names}
-        for forced in (problem.with_strategy(s) for s in candidate_strategies(problem))
-    ]
 
 
 def _joint_plan(
@@ -428,22 +360,12 @@ def _joint_plan(
             _words(chosen),
         )
         return _planned(chosen, config, budget)
-    plan = assemble(
-        chosen,
-        [s for s in solutions if s is not None],
-        _greedy(chosen, config, budget),
-        Allowance(chosen, frozenset(), allowed.scale),
-        time.perf_counter() - began,
-    )
-    return _fused_for_speed(plan, config, budget)
-
-
-def _fused_for_speed(plan: Plan, config: SolverConfig, budget: Budget) -> Plan:
-    """The joint plan (nothing fused), or its distributions planned by `solve` where its steps stretch for deferred
-    statistics and some layers' fused curvature costs less (`attempt.cheaper_fused`): `solve` also places those
-    fused, and the better plan by `rank` is kept."""
+    placed = same_stretch(list(solutions))
+    attempt = Attempt(placed, _greedy(chosen, config, budget), Allowance(chosen, frozenset(), allowed.scale))
+    plan = assemble(chosen, attempt, frozenset(), time.perf_counter() - began)
     if plan.metrics.stretch <= 0 or not cheaper_fused(plan.problem):
         return plan
+    # the steps stretch for deferred statistics where fusing some costs less: `solve` places those fused too
     again = _planned(plan.problem, config, budget)
     return plan if again is None else min((plan, again), key=rank)
 
@@ -458,9 +380,8 @@ def _joint_placements(
     meter: Budget,
     deadline: float,
 ) -> list[GroupSolution] | None:
-    """Each stage group's joint placement (`solve_joint_group`, warm-started by first-fit of every forced strategy on
-    the group's free layers), the time to `deadline` on `meter`'s clock shared by the groups left; None when a group
-    is not placed."""
+    """Each group's joint placement, warm-started by first-fit of every forced strategy on its free layers, the time
+    to `deadline` shared by the groups left; None when a group is not placed."""
     groups = stage_groups(anchor)
     placements: list[GroupSolution] = []
     forced = [problem.with_strategy(s) for s in candidate_strategies(problem)]
@@ -489,10 +410,8 @@ def _joint_placements(
 
 
 def _fused(problem: Problem, anchor: Problem, config: SolverConfig, budget: Budget) -> Plan | None:
-    """Under a budget the joint model cannot meet with nothing fused: `best` of its least-step distributions
-    (`anchor`) and MEM-OPT (the fewest decompositions held, the most room for kept captures), each planned by
-    `solve`, which fuses curvature as the budget needs (MEM-OPT by greedy placement, which is not timed, where
-    the anchor left CP-SAT too little of the budget); None when neither plans."""
+    """Under a budget the joint model cannot meet unfused: `best` of the least-step distributions and MEM-OPT, each
+    planned by `solve`, which fuses curvature as needed (MEM-OPT by first-fit where CP-SAT had too little time)."""
     first = _planned(anchor, config, budget)
     mem = problem.with_strategy(Strategy(StrategyKind.MEM_OPT))
     plans = [
@@ -513,8 +432,7 @@ def _planned(problem: Problem, config: SolverConfig, budget: Budget, method: Met
 
 
 def _greedy(problem: Problem, config: SolverConfig, budget: Budget) -> list[GroupSolution | None]:
-    """The paper's refresh period per group of the chosen problem, for the plan's metrics (None where it places
-    nothing): its least stretch is not searched, as the metrics read only the period."""
+    """The paper's refresh period per group, for the plan's metrics (None where it places nothing)."""
     allowed = allowance(problem, frozenset(), config)
     out: list[GroupSolution | None] = []
     for group in stage_groups(problem):
@@ -536,7 +454,7 @@ def _greedy(problem: Problem, config: SolverConfig, budget: Budget) -> list[Grou
 
 
 def _option_seconds(problem: Problem) -> list[float]:
-    """Every duration an option of a layer may give a task or slot, for an exact grid where the costs allow one."""
+    """Every duration an option may give a task or slot, for an exact grid where the costs allow one."""
     out = []
     for s, stage in enumerate(problem.costs.stages):
         out.append(comm_slot_seconds(problem, s))

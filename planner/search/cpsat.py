@@ -1,35 +1,23 @@
 """The planner's CP-SAT models (the only ortools user) and its one solver call (`_solve`).
 
-`_build` is the window model: one stage group's refresh work placed in the bubbles of a k-step window
-(planner.plan.window) at one refresh period and stretch. Every task is an interval at `pos` in [0, L), `late` saying
-whether it runs in the next window's early bubbles (start = pos + late*L); NoOverlap per device with the fixed F/B;
-optional intervals choose a decomposition's device; a cumulative per device holds activations and the a/e kept by
-deferred curvature. `solve_window` finds any placement or the least staleness (the sum of use offsets) within a share
-of the planner's `Budget` (CP-SAT's deterministic time by default, so the plan does not depend on the machine's load).
+`_build` is the window model: a stage group's refresh work in the bubbles of a k-step window (planner.plan.window).
+Each task is an interval at `pos` in [0, L), `late` saying it runs in the next window's early bubbles; NoOverlap per
+device beside the fixed F/B; optional intervals choose a decomposition's rank; a cumulative per device holds the
+activations and the a/e deferred curvature keeps. `solve_window` finds any placement or the least staleness.
 
-[Note: joint strategy] With the strategy left to the planner, the same model chooses each layer's KAISA distribution
-(planner/problem/strategy.py: COMM-OPT, HYBRID per grad-worker count dividing the copies, MEM-OPT, each per column;
-DP-KFAC only when the user asks for it) while it places the refresh work. A `Frame` makes every layer's options
-Boolean literals:
-- a DECOMP runs on a rank of the chosen option's column; each option's BCAST is an optional interval over it;
-- each stage's per-step slot lasts a linear function of the literals (`slot_need`);
-- each device's memory is `static_bytes` as a linear expression of the literals, under the cumulative.
-The literals cannot move the step's fixed work, except on stages whose slot precedes an F/B or all-reduce of their
-copies (`timeline_stages`: Chimera's first stage per device, interleaved's first chunk): those keep one option set per
-solve (`planner.search.choose.candidate_strategies`, enumerated). Elsewhere an option set P changes only where the
-step ends: its reference step L(P) is the latest of the fixed work's end and each free stage's all-reduce end plus its
-slot (`reference_step`, exactly the simulated step). `least_step` finds the least L within static memory (the step at
-max_overhead 0); each group is placed at that length plus the allowed stretch with its literals free, and a plan's
-max_overhead is measured against its own option set's L, never below the least. The chosen distributions become
-`Problem.with_distributions(...)` and each placement moves into that problem's own window (`transfer`), so lowering,
-validator, simulator and runtime see a plan like any other.
+[Note: joint strategy] Left to the planner, the same model chooses each layer's KAISA distribution while it places
+the work: a `Frame` makes every layer's options Boolean literals (a DECOMP on a rank of the chosen column, each
+option's BCAST an optional interval, each stage's slot and each device's static bytes linear in the literals). The
+literals cannot move the step's fixed work except on `timeline_stages` (Chimera's first stage per device,
+interleaved's first chunk), which keep one option set per solve. Elsewhere an option set P moves only the step's end,
+L(P) (`reference_step`, exactly the simulated step); `least_step` finds the least L within static memory and each
+group is placed at it plus the allowed stretch. The chosen distributions become `Problem.with_distributions(...)`
+and each placement moves into that problem's own window (`transfer`): downstream sees a plan like any other.
 
-[Note: no twin intervals] A model never holds two interval constraints alike (same start, size, enforcement): work
-seen by several devices is one interval in each device's no-overlap or cumulative (`constant_interval` for the fixed
-work and activations, one per BCAST option). OR-Tools 9.15's presolve merges such twins (DetectDuplicateConstraints)
-and, when the merge proves the model infeasible ("duplicate: false after merging"), then raises
-`IndexError: raw_hash_map<>::at` out of `CpSolver.solve` instead of answering INFEASIBLE (Chimera D=2 with
-max_period=1: tests/planner/test_cpsat_twins.py).
+[Note: no twin intervals] A model never holds two interval constraints alike: work seen by several devices is one
+interval in each device's constraint (`constant_interval`, one per BCAST option). OR-Tools 9.15's presolve merges
+twins and, where the merge proves the model infeasible, raises `IndexError: raw_hash_map<>::at` instead of answering
+INFEASIBLE (Chimera D=2, max_period=1: tests/planner/test_cpsat_twins.py).
 """
 
 from __future__ import annotations
@@ -78,8 +66,8 @@ Ticks = Callable[[float], int]
 
 @dataclass(frozen=True)
 class Option:
-    """One distribution a layer may take and its seconds: its DECOMP's ranks (`workers`), the BCAST of each part
-    among them (none with one worker), the per-step work on each worker and the BCAST_PREC on every copy."""
+    """One distribution of a layer: its DECOMP's ranks, each part's BCAST among them (none with one worker), the
+    per-step work on each worker and the BCAST_PREC on every copy (seconds)."""
 
     where: LayerDistribution
     workers: tuple[int, ...]
@@ -117,9 +105,8 @@ def ns(seconds: float) -> int:
 
 
 def layer_options(problem: Problem, layer: str) -> tuple[LayerDistribution, ...]:
-    """Every KAISA distribution of `layer` over its stage's H copies: COMM-OPT, HYBRID per grad-worker count g
-    dividing H with each of its H / g columns, MEM-OPT with each of its H columns; COMM-OPT alone for a streamed layer
-    (its helper's result replaces every copy's gradient)."""
+    """Every KAISA distribution of `layer` over its stage's H copies: COMM-OPT, HYBRID per grad-worker count dividing
+    H and column, MEM-OPT per column; COMM-OPT alone for a streamed layer."""
     H = len(copies_of_stage(problem, problem.costs.stage_of(layer)))
     out = [LayerDistribution()]
     if problem.streaming is not None and layer in problem.streaming.layers:
@@ -134,8 +121,7 @@ def layer_options(problem: Problem, layer: str) -> tuple[LayerDistribution, ...]
 
 @lru_cache(maxsize=64)
 def timeline_stages(problem: Problem) -> frozenset[int]:
-    """Stages whose per-step slot precedes, in the reference step, an F/B or gradient all-reduce on one of their
-    copies: their distribution moves the step's fixed work (see [Note: joint strategy])."""
+    """Stages whose slot precedes an F/B or all-reduce on a copy: their distribution moves the fixed work."""
     out = set()
     for ops in base_programs(problem).values():
         for i, op in enumerate(ops):
@@ -146,21 +132,20 @@ def timeline_stages(problem: Problem) -> frozenset[int]:
 
 
 def apply_seconds(problem: Problem, layer: str) -> float:
-    """Seconds of `layer`'s per-step work on each grad worker where its stage is not all COMM-OPT: its gradient
-    STATS and its own APPLY."""
+    """Seconds of `layer`'s per-step work on each grad worker (its gradient STATS and APPLY) off COMM-OPT."""
     stage = problem.costs.stage_of(layer)
     stats = sum(secs for op, secs in gradient_stats(problem.costs.stages[stage], stage) if op.layer == layer)
     return stats + problem.costs.layer(layer).prec
 
 
 def comm_slot_seconds(problem: Problem, stage: int) -> float:
-    """Seconds of the stage's slot on every copy when every layer is COMM-OPT: all gradient STATS, one APPLY."""
+    """Seconds of the stage's slot when every layer is COMM-OPT: all gradient STATS, one APPLY."""
     cost = problem.costs.stages[stage]
     return sum(secs for _, secs in gradient_stats(cost, stage)) + cost.prec
 
 
 def share_seconds(problem: Problem, layer: str, where: LayerDistribution) -> float:
-    """Seconds of `layer`'s BCAST_PREC on every copy under `where` (each copy is in one row; 0 under COMM-OPT)."""
+    """Seconds of `layer`'s BCAST_PREC on every copy under `where` (0 under COMM-OPT)."""
     stage = problem.costs.stage_of(layer)
     copies = copies_of_stage(problem, stage)
     rows = receivers(copies, where)
@@ -172,7 +157,7 @@ def share_seconds(problem: Problem, layer: str, where: LayerDistribution) -> flo
 
 
 def bcast_seconds(problem: Problem, layer: str, part: str, where: LayerDistribution) -> float:
-    """Seconds of the BCAST of `layer`'s `part` decomposition within its column under `where` (0: one worker)."""
+    """Seconds of the BCAST of `layer`'s `part` within its column under `where` (0: one worker)."""
     stage = problem.costs.stage_of(layer)
     copies = copies_of_stage(problem, stage)
     workers = grad_workers(copies, where)
@@ -183,7 +168,7 @@ def bcast_seconds(problem: Problem, layer: str, part: str, where: LayerDistribut
 
 
 def step_fixed_end(problem: Problem, free: frozenset[int]) -> float:
-    """The end of the reference step's work but the `free` stages' slots (which come last on every copy)."""
+    """The end of the reference step's work but the `free` stages' slots."""
     step = step_timeline(problem)
     return max(
         (
@@ -197,9 +182,7 @@ def step_fixed_end(problem: Problem, free: frozenset[int]) -> float:
 
 
 def reference_step(problem: Problem, free: frozenset[int], distributions: Mapping[str, LayerDistribution]) -> float:
-    """L(P) of [Note: joint strategy]: `problem`'s reference step with the `free` stages' layers distributed as
-    `distributions` (the others as in `problem`): each free slot is its all-COMM-OPT APPLY, or the longest apply
-    work on a copy and then every BCAST_PREC."""
+    """L(P) of [Note: joint strategy]: the reference step with the `free` stages' layers as `distributions`."""
     step = step_timeline(problem)
     end = step_fixed_end(problem, free)
     for s in sorted(free):
@@ -217,8 +200,8 @@ def reference_step(problem: Problem, free: frozenset[int], distributions: Mappin
 
 
 def restretch_joint(placement: GroupSolution, step: int) -> GroupSolution:
-    """`placement` (nothing fused) in its problem's window whose steps last `step` >= its own ticks: a start in window
-    step j moves j times the added ticks later, keeping its place in its step (as `planner.search.greedy.restretch`)."""
+    """`placement` (nothing fused) in steps of `step` >= its own ticks: a start in step j moves j times the added
+    ticks later."""
     w = placement.window
     before = placement.step_ticks
     delta = step - before
@@ -243,15 +226,14 @@ def restretch_joint(placement: GroupSolution, step: int) -> GroupSolution:
 
 
 def reference_ticks(problem: Problem, scale: tuple[float, bool]) -> int:
-    """`problem`'s reference step on the grid `scale`: its windows' steps without stretch (nothing fused)."""
+    """`problem`'s reference step on the grid `scale` (nothing fused)."""
     return round(step_timeline(problem).length * scale[0])
 
 
 def window_at(
     problem: Problem, group: StageGroup, k: int, step: int, scale: tuple[float, bool], *, stats_chunk: int
 ) -> Window | None:
-    """`problem`'s window of `group` at period k whose steps last `step` ticks (its reference and a stretch); None
-    when its reference step is longer."""
+    """`problem`'s window of `group` at period k with steps of `step` ticks; None below its reference step."""
     stretch = step - reference_ticks(problem, scale)
     if stretch < 0:
         return None
@@ -259,10 +241,8 @@ def window_at(
 
 
 def transfer(placement: GroupSolution, problem: Problem) -> GroupSolution | None:
-    """`placement` (a joint solve's, or first-fit's of a candidate) as a solution of `problem`'s own window of the
-    group (`problem` has the chosen distributions) with steps as long; None when that window differs (fixed work,
-    activations, slots' places, a task or slot longer than the one placed) or holds a third decomposition over the
-    memory budget: the caller then plans `problem` itself."""
+    """`placement` as a solution of `problem`'s (the chosen distributions') own window with steps as long; None when
+    that window differs or a third decomposition breaks the budget: the caller then plans `problem` itself."""
     w = placement.window
     target = window_at(problem, w.group, w.k, placement.step_ticks, (w.scale, w.exact), stats_chunk=w.stats_chunk)
     if target is None:
@@ -288,22 +268,18 @@ def transfer(placement: GroupSolution, problem: Problem) -> GroupSolution | None
 
 
 _FEW_WORKER_SUBSOLVERS = ("quick_restart_no_lp", "default_lp")
-"""With few workers quick_restart_no_lp comes first: alone, default_lp often found no window placement within
-seconds where it finds one in under a second (benchmarks/paper_configs.py, Chimera), and it proves the least
-staleness 5x sooner (benchmarks/planner_scaling.py, D=8)."""
+"""With few workers quick_restart_no_lp first: it places Chimera windows in under a second where default_lp alone
+found none in seconds, and proves the least staleness 5x sooner (planner_scaling D=8)."""
 
 FEASIBILITY_PROBING_LEVEL = 0
-"""CP-SAT's presolve probing (default 2) when a window solve only looks for a placement: probing spent a probe's
-budget before any search (BERT-Large Chimera D=8 on the paper profiles: 17.0 s of CP-SAT and an unstreamed plan at
-+1.8% with it, 8.9 s and a streamed plan at the bound, +0.9%, without). Solves that optimize and the joint models keep
-the default, which shortens their proofs (planner_scaling's D=8 optimal in 2.5 s rather than 4.0 s)."""
+"""CP-SAT's presolve probing (default 2) for a feasibility probe: probing spent the probe's budget before any search
+(BERT-Large Chimera D=8: 17.0 s and +1.8% with it, 8.9 s and +0.9% without); optimizing and joint solves keep it."""
 
 
 @dataclass
 class Vars:
-    """The model and its variables, by task and APPLY slot index; with a `Frame`, per layer its option literals,
-    per (layer, part) its BCAST's (start, pos, has one, end), per stage its slot's ticks, per device the (ticks,
-    literal) of each optional BCAST on it."""
+    """The model and its variables by task and slot; with a `Frame` also the option literals, each (layer, part)'s
+    BCAST (start, pos, has, end), each stage's slot ticks and each device's optional BCASTs (ticks, literal)."""
 
     model: cp_model.CpModel
     start: list[cp_model.IntVar] = field(default_factory=list)
@@ -322,8 +298,7 @@ class Vars:
 
 
 def constant_interval(v: Vars, start: int, size: int) -> cp_model.IntervalVar:
-    """The one interval [start, start + size) every device's no-overlap and cumulative share ([Note: no twin
-    intervals])."""
+    """The one interval [start, start + size) all devices share ([Note: no twin intervals])."""
     if (start, size) not in v.constant:
         v.constant[start, size] = v.model.new_fixed_size_interval_var(start, size, f"fixed_{start}_{size}")
     return v.constant[start, size]
@@ -332,8 +307,7 @@ def constant_interval(v: Vars, start: int, size: int) -> cp_model.IntervalVar:
 def modular(
     v: Vars, name: str, lo: int, hi: int, ticks: int, length: int, wraps: bool = False
 ) -> tuple[cp_model.IntVar, ...]:
-    """An absolute start in [lo, hi] whose interval lies inside one window (with `wraps`, may run past its end):
-    (start, pos, late)."""
+    """(start, pos, late) of a start in [lo, hi] whose interval lies in one window (or may pass its end: `wraps`)."""
     m = v.model
     start = m.new_int_var(lo, max(lo, hi), f"start_{name}")
     pos = m.new_int_var(0, length - (1 if wraps else ticks), f"pos_{name}")
@@ -343,10 +317,8 @@ def modular(
 
 
 def add_tasks(v: Vars, w: Window, free_w: bool = True) -> None:
-    """Every task on its device(s). At k = 1 with `Window.leads`[0] > 0 ([Note: step barrier] in
-    planner/plan/window.py) a task may run past the window's end: its interval is laid at pos and at pos - L, so
-    no-overlap in [-L, 2L) is no-overlap modulo L (at k >= 2 doubled intervals slowed the search more than they
-    helped). `free_w` False: each W at its schedule position ([Note: placed W] in planner/plan/window.py)."""
+    """Every task on its device(s); at k = 1 with a lead ([Note: step barrier] in planner/plan/window.py) laid at pos
+    and pos - L (no-overlap modulo L). `free_w` False: each W at its schedule position ([Note: placed W])."""
     L = w.length
     wraps = w.k == 1 and w.leads[0] > 0
     for task in w.tasks:
@@ -378,8 +350,8 @@ def add_tasks(v: Vars, w: Window, free_w: bool = True) -> None:
 
 
 def add_precedences(v: Vars, w: Window) -> None:
-    """Per factor: curvature (a fused part's: the refresh step's W's that fold it), sync, decomposition, broadcast
-    in order; the next refresh (L later) finds the factor's buffers free and its a/e consumed."""
+    """Per factor curvature (or the W's folding it), sync, decomposition, broadcast in order, all done before the
+    next refresh (L later) needs its buffers."""
     L, m = w.length, v.model
     by_factor: dict[tuple[str, str], dict[TaskKind, list[int]]] = {}
     for i, task in enumerate(w.tasks):
@@ -402,8 +374,7 @@ def add_precedences(v: Vars, w: Window) -> None:
 
 
 def add_piece_chains(v: Vars, w: Window) -> None:
-    """A decomposition's pieces run in order on one rank (its carry lives there); a refresh the next one warm-starts
-    from is made and broadcast before that one's first decomposition (`warm_starts`)."""
+    """A decomposition's pieces in order on one rank; a refresh the next warm-starts from done before it starts."""
     m = v.model
     for chain in inv_chains(w):
         for a, b in zip(chain, chain[1:]):
@@ -415,9 +386,8 @@ def add_piece_chains(v: Vars, w: Window) -> None:
 
 
 def _add_precs(v: Vars, w: Window) -> None:
-    """Every APPLY slot on its device, the slots of a stage and step that broadcast preconditioned gradients starting
-    together (`PrecSlot.shares`). An empty slot (its stage's layers all streamed) holds no interval: CP-SAT's
-    no-overlap takes one for a point nothing may hold inside, which made windows infeasible."""
+    """Every APPLY slot on its device, the sharing slots of a stage and step together (`PrecSlot.shares`); an empty
+    slot holds no interval (no-overlap takes a zero interval for a point nothing may hold)."""
     first: dict[tuple[int, int], int] = {}
     for n, slot in enumerate(w.precs):
         name = f"prec_s{slot.stage}_r{slot.device}_j{slot.step}"
@@ -433,7 +403,7 @@ def _add_precs(v: Vars, w: Window) -> None:
 
 @dataclass(frozen=True)
 class Frame:
-    """What a group's joint models share: every layer's options, each stage's all-reduce end (ns) and the grid."""
+    """A group's joint models' data: every layer's options, each stage's all-reduce end (ns), grid, STATS chunk."""
 
     options: Options
     release_ns: Mapping[int, int]
@@ -442,7 +412,7 @@ class Frame:
 
 
 def placed_tasks(w: Window, options: Options) -> tuple[Task, ...]:
-    """The window's tasks other than BCAST (an option's, placed apart), each DECOMP on any rank an option allows."""
+    """The window's tasks but BCAST (placed per option), each DECOMP on any rank an option allows."""
     out = []
     for task in w.tasks:
         if task.kind is TaskKind.BCAST:
@@ -466,9 +436,8 @@ def _add_choices(v: Vars, w: Window, options: Options) -> None:
 
 
 def _add_bcasts(v: Vars, w: Window, options: Options) -> None:
-    """Per (layer, part), one start for the chosen option's BCAST and per option an optional interval on every rank
-    of its column ([Note: no twin intervals]); after the part's DECOMP, before the next refresh's first DECOMP of the
-    layer."""
+    """Per (layer, part) one start for the chosen option's BCAST, an optional interval per option on its column's
+    ranks; after the part's DECOMP, before the next refresh's first."""
     m, L = v.model, w.length
     chains = {w.tasks[c[0]].factors[0]: c for c in inv_chains(w)}
     firsts: dict[str, set[int]] = {}
@@ -502,9 +471,8 @@ def _add_bcasts(v: Vars, w: Window, options: Options) -> None:
 
 
 def _add_slots(v: Vars, w: Window, options: Options, release_ns: Mapping[int, int]) -> None:
-    """Every slot on its device, as long as its stage's options make it (within its room, as the window clamps its
-    own); each stage's reference slot from its all-reduce end (`release_ns`) ends where the window's step rounds to
-    (so the chosen problem's reference step fits it); copies start a slot that broadcasts gradients together."""
+    """Every slot on its device, as long as its stage's options make it (within its room); the reference slot from
+    the all-reduce end ends within the window's step; copies start a sharing slot together."""
     m, L = v.model, w.length
     tick_ns = NS / w.scale
     bound = ns((w.offsets[1] + 0.5) / w.scale) - min(1000, round(tick_ns / 4))
@@ -546,8 +514,7 @@ def _add_slots(v: Vars, w: Window, options: Options, release_ns: Mapping[int, in
 
 
 def _add_energy(v: Vars, w: Window) -> None:
-    """Redundant: each device's work (tasks, chosen BCASTs, slots) fits the time its fixed work leaves in the window
-    (implied by the no-overlap, but it proves a step too short at once)."""
+    """Redundant: each device's work fits the time its fixed work leaves (proves a step too short at once)."""
     m = v.model
     for d in w.group.devices:
         load = []
@@ -560,8 +527,7 @@ def _add_energy(v: Vars, w: Window) -> None:
 
 
 def _add_w_updates(v: Vars, w: Window) -> None:
-    """A W ends before its stage's per-step slot of its step starts on its rank (the slot reads the gradient it
-    completes: [Note: placed W] in planner/plan/window.py)."""
+    """A W ends before its stage's slot of its step on its rank ([Note: placed W] in planner/plan/window.py)."""
     for i, task in enumerate(w.tasks):
         if task.kind is TaskKind.WGRAD and task.home is not None:
             d = task.devices[0]
@@ -571,8 +537,7 @@ def _add_w_updates(v: Vars, w: Window) -> None:
 
 
 def _add_slot_releases(v: Vars, w: Window) -> None:
-    """A gradient-fed part's decomposition starts after its stage's refresh-step slot on its device, whose STATS
-    snapshot its statistic ([Note: gradient parts] in planner/plan/window.py)."""
+    """A gradient-fed part's DECOMP after its refresh-step slot ([Note: gradient parts] in planner/plan/window.py)."""
     for i, task in enumerate(w.tasks):
         if task.after_slot:
             for d, present in v.present[i].items():
@@ -582,8 +547,7 @@ def _add_slot_releases(v: Vars, w: Window) -> None:
 
 
 def _add_memory(v: Vars, w: Window, options: Options | None) -> None:
-    """Per device, activations and kept a/e within its capacity: the window's, or with `options` the budget less the
-    static bytes the literals make."""
+    """Per device, activations and kept a/e within its capacity (with `options`: the budget less static bytes)."""
     budget = w.problem.memory_budget
     caps = [c for c in w.capacity.values() if c is not None]
     top = budget if options is not None else max(caps, default=None)
@@ -603,8 +567,7 @@ def _add_memory(v: Vars, w: Window, options: Options | None) -> None:
 
 
 def memory_items(v: Vars, w: Window, d: int, unit: int) -> tuple[list[cp_model.IntervalVar], list[int]]:
-    """Device d's memory users besides its static bytes, as intervals and demands in `unit` bytes (rounded up): the
-    activations, and what each deferred curvature (a W) keeps from its F/B's (B's) end to its own end."""
+    """Device d's activations and a/e kept by deferred curvature (or a W), as intervals and demands in `unit`s."""
     L, m = w.length, v.model
     intervals, demands = [], []
     for s, e, nbytes in w.acts[d]:
@@ -628,9 +591,7 @@ def memory_items(v: Vars, w: Window, d: int, unit: int) -> tuple[list[cp_model.I
 
 
 def _add_staleness(v: Vars, w: Window) -> list[cp_model.LiteralT]:
-    """The negated flags 'layer ready by its slot in window step j' (of 2k, monotone in j), whose sum is the use
-    offsets (`planner.plan.solution.use_offsets`): ready once its decompositions and broadcasts are done (with
-    options, the chosen option's broadcast, through one 'ready' variable per layer)."""
+    """The negated flags 'layer ready by its slot in step j' (of 2k, monotone), whose sum is the use offsets."""
     m = v.model
     ends: dict[str, list[cp_model.LinearExprT]] = {}
     for i, task in enumerate(w.tasks):
@@ -665,8 +626,7 @@ def _add_staleness(v: Vars, w: Window) -> list[cp_model.LiteralT]:
 
 
 def break_layer_symmetry(v: Vars, w: Window) -> None:
-    """Layers of a stage with equal costs (BERT's blocks; q, k, v) are interchangeable (relabeling their tasks maps a
-    placement to an equally good one), so their first part's decompositions start in layer order."""
+    """Interchangeable layers of a stage (equal costs) start their first part's decompositions in layer order."""
 
     def key(x: LayerCost) -> tuple[object, ...]:
         return (x.parts, x.prec, x.name in w.fused)
@@ -687,9 +647,8 @@ def break_layer_symmetry(v: Vars, w: Window) -> None:
 def _build(
     w: Window, frame: Frame | None, optimize: bool, break_symmetry: bool = True, *, free_w: bool = True
 ) -> tuple[Vars, Window]:
-    """The window's CP-SAT model (`optimize`: with the staleness objective; `break_symmetry`: interchangeable layers
-    ordered) and the window of the tasks it places: with a `frame`, the options' (BCAST apart, each DECOMP on any
-    rank an option allows)."""
+    """The window's model (`optimize`: least staleness) and the window of the tasks it places (`placed_tasks` with a
+    `frame`)."""
     v = Vars(cp_model.CpModel(), intervals_of_device={d: [] for d in w.group.devices})
     placed = w if frame is None else replace(w, tasks=placed_tasks(w, frame.options))
     for d in placed.group.devices:  # the fixed work: F/B, gradient all-reduces, step boundaries
@@ -752,10 +711,8 @@ def solve_window(
     optimize: bool = True,
     frame: Frame | None = None,
 ) -> tuple[str, GroupSolution | None]:
-    """Solve one window (optimize: least staleness, else any placement), with `frame` choosing every layer's
-    distribution (else the window problem's own), within `time_limit` of `meter`'s clock: (status, solution). A
-    search for any placement keeps the W's at their schedule positions, freeing them only where that is proven to have
-    none ([Note: placed W] in planner/plan/window.py)."""
+    """(status, solution) of one window (`optimize`: least staleness, else any placement; `frame`: distributions
+    chosen) within `time_limit` of `meter`'s clock; a feasibility search frees the W's only where placed ones fail."""
     if frame is None and (
         any(t.ticks > w.length for t in w.tasks) or any(p.deadline - p.release < p.ticks for p in w.precs)
     ):
@@ -792,8 +749,7 @@ def solve_window(
 
 
 def _extract(solver: cp_model.CpSolver, v: Vars, w: Window, options: Options | None, status: str) -> GroupSolution:
-    """The solver's values as a solution of `w` (the window of the tasks placed), with the options chosen; a
-    broadcast's device is its root, its factor's decomposition's."""
+    """The solver's values as a solution of `w`, with the options chosen (a BCAST on its DECOMP's rank)."""
     starts = tuple(solver.value(x) for x in v.start)
     devices = []
     for i, task in enumerate(w.tasks):
@@ -817,8 +773,7 @@ def _extract(solver: cp_model.CpSolver, v: Vars, w: Window, options: Options | N
 
 
 class _Reporter(cp_model.CpSolverSolutionCallback):
-    """Passes what one CP-SAT call finds to `SolverConfig.progress` (each placement, each better bound, then the
-    call's status); it only observes the search."""
+    """Passes each placement, better bound and final status of one CP-SAT call to `SolverConfig.progress`."""
 
     def __init__(self, report: Callable[[SolveProgress], None], w: Window, optimize: bool) -> None:
         super().__init__()
@@ -858,10 +813,8 @@ def _solve(
     probing: int | None = None,
     reporter: _Reporter | None = None,
 ) -> tuple[cp_model.CpSolver, Any]:
-    """The planner's one CP-SAT call, for `limit` in `meter`'s unit (at least `MIN_CALL`), charged to `meter`: (the
-    solver, its status). Deterministic: one thread running the few-worker portfolio in turn (2 threads are
-    deterministic only with interleave_search, which spent more time for worse placements on BERT-Base Chimera),
-    stopped by max_deterministic_time, with the wall cap as a net."""
+    """The one CP-SAT call, for `limit` of `meter`'s unit, charged to it: (solver, status). Deterministic: one thread
+    running the few-worker portfolio, stopped by max_deterministic_time, the wall cap as a net."""
     solver = cp_model.CpSolver()
     params, limit = solver.parameters, max(meter.units(MIN_CALL), limit)
     params.random_seed = config.seed
@@ -885,8 +838,8 @@ def _solve(
 
 
 def energy_bound(w: Window, frame: Frame, base: int, config: SolverConfig, meter: Budget, limit: float) -> int:
-    """The least step (ticks, from `base` to w's step) at which some option set's work, each DECOMP on a rank of its
-    option, fits every device's time beside its fixed work in w's k steps (`base` when none was proven in time)."""
+    """The least step (ticks, from `base`) at which some option set's work fits every device's free time in w's k
+    steps (`base` when none was proven in time)."""
     k, upper = w.k, w.offsets[1]
     m = cp_model.CpModel()
     lits = literals(m, frame.options)
@@ -932,8 +885,8 @@ def literals(m: cp_model.CpModel, options: Options) -> dict[str, list[cp_model.I
 def slot_need(
     m: cp_model.CpModel, stage: int, problem: Problem, lits: Literals, options: Options, unit: Ticks, name: str
 ) -> tuple[cp_model.IntVar, int]:
-    """(a variable at least `stage`'s slot length on each copy, its upper bound) in `unit`: the all-COMM-OPT slot
-    when every layer is COMM-OPT, else the longest apply work on a copy and then every BCAST_PREC."""
+    """(a variable at least `stage`'s slot on each copy, its bound) in `unit`: the all-COMM-OPT slot, else the
+    longest apply work on a copy and then every BCAST_PREC."""
     layers = [x.name for x in problem.costs.stages[stage].layers]
     comm = [lits[n][i] for n in layers for i, o in enumerate(options[n]) if o.comm_opt]
     all_comm = m.new_bool_var(f"allcomm_{name}")
@@ -957,8 +910,7 @@ def slot_need(
 def static_bytes(
     m: cp_model.CpModel, problem: Problem, device: int, lits: Literals, options: Options
 ) -> cp_model.LinearExprT:
-    """`planner.problem.step_timeline.static_bytes` of `device` as a linear expression of the option literals:
-    parameters and gradients (twice), the largest error peak of a backward, and what the options keep."""
+    """`step_timeline.static_bytes` of `device` as a linear expression of the option literals."""
     stages = stages_on_device(problem, device)
     base = sum(2 * problem.costs.stages[s].param_bytes for s in stages)
     base += max((problem.costs.stages[s].peak_err_bytes for s in stages), default=0)
@@ -987,9 +939,8 @@ class StepChoice:
 def least_step(
     problem: Problem, free: frozenset[int], fixed_end: float, config: SolverConfig, meter: Budget, time_limit: float
 ) -> StepChoice | None:
-    """The free stages' layer distributions that make the least reference step (`reference_step`) within every
-    device's static bytes and activation peak; among those, the least decomposition seconds on any one rank (KAISA's
-    balance). None when no option set meets the memory budget or none was found in time."""
+    """The free stages' distributions of least reference step within memory, then of least DECOMP seconds on any
+    rank (KAISA's balance); None when none meets the budget or none was found in time."""
     m = cp_model.CpModel()
     options = {
         x.name: options_of(problem, x.name, s in free)

@@ -1,20 +1,16 @@
 """`plan(problem, options)`: the planner's one entry point, the whole search (streaming, strategy, recompute, overhead).
 
 [Note: plan search] Every caller (plan="auto", `fxkfac plan`, the benchmarks) plans through `plan`, which composes,
-outside in: the max_overhead rule (`Overhead`), activation checkpointing's choice of stages (`plan_recomputing`), the
-distributions (forced, given, or chosen by `planner.search.choose.solve_with_strategy`, each candidate planned as
-forcing it would be) and streaming the first stage's APPLY (`solve_streamed`) around each placement. Every search of
-it is a candidate of one search in one `Budget` ([Note: one budget]): each takes a part of what is left. Under
-TimeLimit.WHOLE_SEARCH (`fxkfac plan`, plan="auto") the time limit bounds it all; TimeLimit.EACH_SOLVE gives each
-placement the whole limit (as the golden records were planned), so the choice is never worse than forcing any
-candidate (issue 38). A budget keeps every plan it made: a retry of a problem it planned takes no more time.
+outside in: the max_overhead rule (`Overhead`), the recomputing stages (`plan_recomputing`), the distributions
+(forced, given, or chosen by `planner.search.choose.solve_with_strategy`) and streaming the first stage's APPLY
+(`solve_streamed`) around each placement. Each is a candidate of one search in one `Budget` ([Note: one budget]),
+taking a part of what is left. TimeLimit.WHOLE_SEARCH bounds it all; TimeLimit.EACH_SOLVE gives each placement the
+whole limit (as the golden records were planned). A budget keeps every plan it made: a retry takes no more time.
 
-Also here, each a candidate search around `plan`: which stages recompute their forward under a memory budget
-(`recompute_choices`: the shortest reference step first among the choices that fit), the pipeline schedule of
-schedule="auto" (`choose_schedule`: the least step at the freshest curvature any schedule reaches), which layers of the
-first stage stream their APPLY to idle ranks (`with_streaming`), and Shampoo/SOAP's block side of
-`max_preconditioner_dim="auto"` (`choose_block_size`: the largest whose plan fits). A Muon stage with copies never
-streams (the runtime refuses it: fxkfac/runtime/streaming.py); its copies share its matrices by MEM-OPT instead.
+Also here, each a candidate search around `plan`: the recomputing stages under a memory budget (`recompute_choices`),
+the schedule of schedule="auto" (`choose_schedule`), the first stage's layers that stream their APPLY to idle ranks
+(`with_streaming`; never a Muon stage with copies, which the runtime refuses) and Shampoo/SOAP's block side
+(`choose_block_size`: the largest whose plan fits).
 """
 
 from __future__ import annotations
@@ -62,9 +58,8 @@ def recompute_price(problem: Problem, stages: Iterable[int]) -> tuple[int, float
 
 
 def recompute_choices(problem: Problem) -> list[tuple[int, ...]]:
-    """The choices of recomputing stages that fit `problem`'s budget, the shortest reference step first (fewest
-    stages on a tie; so none first where that fits): [()] without a budget; every stage alone when no choice fits,
-    so that the planner's refusal names the least memory checkpointing reaches."""
+    """The choices of recomputing stages that fit the budget, shortest reference step (then fewest stages) first:
+    [()] without a budget; every stage alone when none fits (so the refusal names the least memory reached)."""
     budget, S = problem.memory_budget, problem.num_stages
     if budget is None:
         return [()]
@@ -83,8 +78,7 @@ def choose_recompute(problem: Problem) -> Problem:
 
 
 def plan_recomputing(problem: Problem, solve: Callable[[Problem], T]) -> T:
-    """`solve` of `problem` with the first of its `recompute_choices` (at most `MAX_TRIES`) the planner places;
-    where none is placed, the first choice's refusal."""
+    """`solve` of the first of `recompute_choices` (at most `MAX_TRIES`) that plans; else the first one's refusal."""
     first: PlanError | None = None
     for chosen in recompute_choices(problem)[:MAX_TRIES]:
         if chosen:
@@ -107,25 +101,20 @@ def plan_recomputing(problem: Problem, solve: Callable[[Problem], T]) -> T:
 
 
 def _greedy(problem: Problem) -> list[tuple[int, ...]]:
-    """The stages added one at a time, each the one that saves the most bytes per second of step it adds (the most
-    bytes when it adds none): every choice on the way, the first (one stage) first."""
+    """Stages added one at a time, each the one saving the most bytes per second of step it adds (any adding none
+    first, by bytes): every choice on the way."""
     chosen: tuple[int, ...] = ()
     memory, step = recompute_price(problem, chosen)
     out = []
     while len(chosen) < problem.num_stages:
         priced = {s: recompute_price(problem, (*chosen, s)) for s in range(problem.num_stages) if s not in chosen}
-        worth = {s: _worth(memory - m, t - step) for s, (m, t) in priced.items()}
+        saved = {s: memory - m for s, (m, _) in priced.items()}
+        worth = {s: (t <= step, saved[s] if t <= step else saved[s] / (t - step)) for s, (_, t) in priced.items()}
         best = max(sorted(worth), key=worth.__getitem__)
         chosen = tuple(sorted((*chosen, best)))
         memory, step = priced[best]
         out.append(chosen)
     return out
-
-
-def _worth(saved: int, added: float) -> tuple[bool, float]:
-    """How a stage ranks by the bytes it saves and the step seconds it adds: any that adds none first (by bytes),
-    then by bytes per added second."""
-    return (added <= 0, saved if added <= 0 else saved / added)
 
 
 @dataclass(frozen=True)
@@ -253,9 +242,8 @@ def choose_schedule(
 
 
 class StreamApply(StrEnum):
-    """When the first stage's APPLY streams to idle ranks: never; where that costs no refresh (the plan refreshing
-    as often as without it, plans ranking periods first); or wherever it shortens the step, refreshes or not (a
-    shorter step shortens every other rank's bubbles too, so on Chimera it costs refreshes)."""
+    """When the first stage's APPLY streams to idle ranks: never; where that costs no refresh; or wherever it shortens
+    the step (a shorter step shortens every rank's bubbles too, so on Chimera it costs refreshes)."""
 
     OFF = "off"
     KEEP_REFRESH = "keep-refresh"
@@ -263,30 +251,25 @@ class StreamApply(StrEnum):
 
 
 class Solver(Protocol):
-    """A solve of one problem within `budget` (a part of the search's); `suggest` False where its refusal is only
-    logged, so that no time goes to searching what would plan it (`planner.search.attempt.solve`'s `suggest`)."""
+    """A solve of one problem within `budget`; `suggest` False where its refusal is only logged (no time goes to
+    searching what would plan it)."""
 
     def __call__(self, problem: Problem, budget: Budget, /, *, suggest: bool = True) -> Plan: ...
 
 
 STREAMED_PART = 0.5
-"""Of the time left, the part the streamed try takes where the plan without streaming may follow: the rest, and
-what the streamed try leaves, go to that one."""
-
-
+"""Of the time left, the part the streamed try takes where the plan without streaming may follow."""
 STREAMED_STAGE = 0
 """The stage whose APPLY lies on the cycle every step repeats (GPipe, 1F1B): its last backward ends the step."""
-
 HELPER_CANDIDATES = 4
-"""How many ranks, those that end their step's work first, are tried as helpers: each alone, and the first m of
-them together (m = 2 ..) sharing the layers. For Muon, whose large Newton-Schulz tasks all wait for the last
-backward, also the first m of every rank idle at the step's end with all the layers dealt by `_balanced`."""
+"""How many ranks, those ending their step's work first, are tried as helpers: each alone and the first m together;
+for Muon (whose Newton-Schulz tasks all wait for the last backward) also every idle rank, dealt by `_balanced`."""
+STREAM_CHOICE_PART = 0.05
+"""Of the whole time limit, the most the streaming choice's simulations take before it keeps the best found so far."""
 
 
 def _streamable(problem: Problem) -> list[str]:
-    """The first stage's layers a helper may apply, in the order its backward makes their gradients final: every
-    layer a helper may apply (`planner.problem.lowering.can_stream`: K-FAC's APPLY, Shampoo's and
-    SOAP's statistics fold and APPLY, Muon's Newton-Schulz) that every copy applies itself (COMM-OPT)."""
+    """The first stage's COMM-OPT layers a helper may apply (`can_stream`), in the order their gradients get final."""
     layers = problem.costs.stages[STREAMED_STAGE].layers
     fractions = ready_fractions(problem.costs.stages[STREAMED_STAGE])
     ok = [
@@ -300,12 +283,8 @@ def _streamable(problem: Problem) -> list[str]:
 
 
 def _worth_a_helper(problem: Problem, layer: LayerCost) -> bool:
-    """Whether what a helper takes off a Muon unit's owner (its APPLY less what the owner still runs in the gradient
-    hook, `LayerCost.hand_off`) outlasts what the unit adds to its bucket's transfer (its bytes: the units travel in
-    buckets, planner/problem/buckets.py, one fixed cost a bucket): a matrix's Newton-Schulz (compute on m^2 n, bytes
-    m n) does but for tiny ones; an AdamW parameter's elementwise step runs whole in its owner's hook, so it stays
-    there. Only a bound: the step timeline, which prices both transfers, chooses among the rest. Every other family's
-    layer: always (their choice as before)."""
+    """Whether what a helper takes off a Muon unit's owner (its APPLY less `hand_off`) outlasts what the unit adds to
+    its bucket's transfer (a bound; the step timeline chooses among the rest); any other family's layer: always."""
     if problem.costs.family is not PreconditionerKind.MUON:
         return True
     send = Op(OpKind.SEND_LGRAD, STREAMED_STAGE, peer=STREAMED_STAGE + 1, layer=layer.name)
@@ -314,8 +293,7 @@ def _worth_a_helper(problem: Problem, layer: LayerCost) -> bool:
 
 
 def _helpers(problem: Problem) -> list[int]:
-    """Every rank but the streamed stage's copies, those that end their step's F/B and per-step work first (they idle
-    longest before the step ends) first, the lowest first on a tie."""
+    """Every rank but the streamed stage's copies, those that end their step's work first first (lowest on a tie)."""
     step = step_timeline(problem)
     owners = copies_of_stage(problem, STREAMED_STAGE)
     ends = {
@@ -326,22 +304,15 @@ def _helpers(problem: Problem) -> list[int]:
     return sorted(ends, key=lambda d: (ends[d], d))
 
 
-def _helper_sets(helpers: list[int]) -> list[tuple[int, ...]]:
-    """The helper sets tried: each candidate alone, then the first m candidates together (m = 2 ..)."""
-    return [(h,) for h in helpers] + [tuple(helpers[:m]) for m in range(2, len(helpers) + 1)]
-
-
 def _assign(layers: list[str], helpers: tuple[int, ...]) -> tuple[int, ...]:
-    """A helper for each of `layers` (in the order their gradients become final): round robin from the last, so the
-    layers the backward finishes last, whose APPLYs end the step, run side by side on different helpers."""
+    """A helper for each of `layers`, round robin from the last (the APPLYs that end the step run side by side)."""
     m = len(helpers)
     return tuple(helpers[(len(layers) - 1 - i) % m] for i in range(len(layers)))
 
 
 def _balanced(problem: Problem, names: list[str], helpers: tuple[int, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """The layers streamed and their helpers when every APPLY is dealt, longest first, to whichever of the owner and
-    `helpers` has the least APPLY time so far (the owner's share stays with it): where the gradients come at once
-    (compiled stages, Muon's large Newton-Schulz tasks) the APPLYs then end together rather than in a row."""
+    `helpers` has the least so far: where the gradients come at once the APPLYs then end together."""
     seconds = {n: problem.costs.layer(n).prec for n in names}
     load = {rank: 0.0 for rank in (-1, *helpers)}  # -1: the owner
     dealt: dict[str, int] = {}
@@ -353,8 +324,7 @@ def _balanced(problem: Problem, names: list[str], helpers: tuple[int, ...]) -> t
 
 
 def _helper_load(problem: Problem) -> float:
-    """The largest share of its bubbles a helper's stage group needs for one refresh per step (inf without
-    bubble)."""
+    """The largest share of its bubbles a helper's stage group needs for one refresh per step (inf without bubble)."""
     assert problem.streaming is not None, "only a streaming problem has helpers"
     loads = []
     for helper in problem.streaming.ranks:
@@ -367,13 +337,10 @@ def _helper_load(problem: Problem) -> float:
 def with_streaming(
     problem: Problem, whole_backward: bool = False, keep_bounds: bool = True, budget: Budget | None = None
 ) -> Problem:
-    """`problem` with the first stage's APPLY streamed: of the helper sets (`_helper_sets`, layers shared by `_assign`;
-    for Muon also every idle rank dealt by `_balanced`) and prefixes of its layers (in the order their gradients become
-    final), the choice of the shortest reference step that raises no stage group's least refresh period (any, without
-    `keep_bounds`), then the lowest largest helper load, then the fewest helpers; unchanged where nothing does, every
-    rank holds the stage, or it already streams. `whole_backward`: compiled stages (a helper applies its layers beside
-    the owner). Simulations are charged to `budget`; past STREAM_CHOICE_PART of its whole limit the best so far is
-    kept (of the limit, not of what is left: a candidate distribution streams as it would forced)."""
+    """`problem` with the first stage's APPLY streamed: of the helper sets and prefixes of its layers (for Muon also
+    every idle rank dealt by `_balanced`), the shortest reference step that raises no group's least period (any,
+    without `keep_bounds`), then the lowest helper load, then the fewest helpers; unchanged where nothing does.
+    Simulations are charged to `budget`; past STREAM_CHOICE_PART of its whole limit the best so far is kept."""
     if problem.streaming is not None or len(copies_of_stage(problem, STREAMED_STAGE)) == len(problem.devices):
         return problem
     if problem.costs.family is PreconditionerKind.MUON and len(copies_of_stage(problem, STREAMED_STAGE)) > 1:
@@ -386,11 +353,11 @@ def with_streaming(
     chosen = problem
     stop = None if budget is None else budget.now() + budget.limit * STREAM_CHOICE_PART
     ranked, dealt = _helpers(problem), problem.costs.family is PreconditionerKind.MUON
-    sets = [(h, True) for h in _helper_sets(ranked[:HELPER_CANDIDATES])]
+    firsts = ranked[:HELPER_CANDIDATES]
+    sets = [((h,), True) for h in firsts] + [(tuple(firsts[:m]), True) for m in range(2, len(firsts) + 1)]
     # Muon's matrices dealt over every idle rank first: the streaming choice may stop at its part of the time limit
     dealt_sets = [(tuple(ranked[:m]), False) for m in range(len(ranked), HELPER_CANDIDATES, -1)] if dealt else []
-    sets = dealt_sets + sets
-    for helpers, prefixes in sets:
+    for helpers, prefixes in dealt_sets + sets:
         tries = [(tuple(names[:n]), _assign(names[:n], helpers)) for n in range(len(helpers), len(names) + 1)]
         tries = tries if prefixes else []
         tries += [_balanced(problem, names, helpers)] if dealt and len(helpers) > 1 else []
@@ -400,8 +367,7 @@ def with_streaming(
             if budget is not None and stop is not None and best is not None and budget.now() >= stop:
                 log.info("streaming choice: its part of the time limit is spent; the best found so far is kept")
                 return chosen
-            streaming = Streaming(STREAMED_STAGE, assigned, layers, whole_backward)
-            candidate = replace(problem, streaming=streaming)
+            candidate = replace(problem, streaming=Streaming(STREAMED_STAGE, assigned, layers, whole_backward))
             step = step_timeline(candidate)
             if budget is not None:
                 budget.charge_simulated(_simulated_ops(step) * (1 + len(stage_groups(candidate)) * bool(bounds)))
@@ -419,10 +385,6 @@ def _simulated_ops(step: StepTimeline) -> int:
     return sum(len(ops) for ops in step.ops.values())
 
 
-STREAM_CHOICE_PART = 0.05
-"""Of the whole time limit, the most the streaming choice's simulations take before it keeps the best found so far."""
-
-
 def solve_streamed(
     problem: Problem,
     solve: Solver,
@@ -431,11 +393,9 @@ def solve_streamed(
     budget: Budget | None = None,
     streamed: Problem | None = None,
 ) -> Plan:
-    """`solve` the problem with streaming where `with_streaming` finds some (`policy` not OFF), else as given.
-    KEEP_REFRESH: a streamed plan at the unstreamed problem's refresh lower bounds is kept, else the problem is solved
-    without streaming too and the better by `planner.plan.rank` kept; SHORTEST_STEP: the streamed plan is kept. Only
-    the unstreamed problem's refusal is raised. In `budget` (a new one when None): the streamed try in STREAMED_PART
-    where the unstreamed may follow. `streamed`: the streaming choice, where made already."""
+    """`solve` with streaming where `with_streaming` finds some (`streamed`: where chosen already), else as given.
+    KEEP_REFRESH keeps a streamed plan at the unstreamed bounds, else the better by `rank` of it and the unstreamed
+    plan (the streamed try in STREAMED_PART); SHORTEST_STEP keeps it. Only the unstreamed refusal is raised."""
     budget = budget or Budget.of(SolverConfig())
     if policy is StreamApply.OFF:
         return solve(problem, budget)
@@ -473,8 +433,7 @@ def solve_streamed(
 
 
 def _bounds(problem: Problem) -> tuple[int, ...]:
-    """Each stage's least refresh period: its stage group's `refresh_lower_bound`. Streaming shortens the step, which
-    shortens every bubble, and adds the helper's APPLYs to its own; a choice that raises any bound would trade
+    """Each stage's least refresh period (`refresh_lower_bound` of its group): a streaming that raises one trades
     refreshes, which plans value first, for step time."""
     out = [0] * problem.num_stages
     for group in stage_groups(problem):
@@ -484,34 +443,30 @@ def _bounds(problem: Problem) -> tuple[int, ...]:
 
 
 class Distributions(StrEnum):
-    """Where each layer's work lives among its stage's copies when no Strategy is forced: chosen by the planner
-    ([Note: strategy search] in planner/search/choose.py), or the problem's own `distributions` as given."""
+    """Where each layer's work lives when no Strategy is forced: CHOSEN by the planner ([Note: strategy search] in
+    planner/search/choose.py), or the problem's own `distributions` as GIVEN."""
 
     CHOSEN = "chosen"
     GIVEN = "given"
 
 
 def candidate_part(shares: int) -> float:
-    """The part of the time left one candidate distribution of a shared budget takes, `shares` still to plan: half of
-    it and an equal share of the other half (all of it left the bert-large chimera command's later candidates at
-    first-fit behind a refused COMM-OPT; an equal share left the README snippet's COMM-OPT short of forced 11 28)."""
+    """The part of the time left one candidate distribution takes, `shares` still to plan: half of it and an equal
+    share of the other half (all of it, or an equal share, left later candidates short)."""
     return (shares + 1) / (2 * shares)
 
 
 class TimeLimit(StrEnum):
-    """What `SolverConfig.time_limit_s` bounds: the WHOLE_SEARCH (one Budget for all of it, off-clock simulations
-    and suggestions included: what plan="auto" and `fxkfac plan` use, so `--time-limit` bounds the command), or
-    EACH_SOLVE (a budget per placement: the streamed try, the plan without streaming, each candidate distribution
-    and the least-overhead retry each get the whole limit, as the golden records were planned)."""
+    """What `SolverConfig.time_limit_s` bounds: the WHOLE_SEARCH (one Budget: what plan="auto" and `fxkfac plan` use),
+    or EACH_SOLVE (a budget per placement, as the golden records were planned)."""
 
     WHOLE_SEARCH = "whole-search"
     EACH_SOLVE = "each-solve"
 
 
 class Overhead(StrEnum):
-    """How the problem's max_overhead is read: STRICT, a bound the plan keeps; LEAST, the rule of max_overhead None
-    (the API's and `fxkfac plan`'s default): the bubbles alone (0) first, else the least max_overhead the refusal
-    names (`planner.search.choose.least_overhead`)."""
+    """How max_overhead is read: STRICT, a bound the plan keeps; LEAST (max_overhead None, the default): the bubbles
+    alone first, else the least max_overhead the refusal names (`planner.search.choose.least_overhead`)."""
 
     STRICT = "strict"
     LEAST = "least"
@@ -519,8 +474,7 @@ class Overhead(StrEnum):
 
 @dataclass(frozen=True)
 class SearchOptions:
-    """What `plan` searches besides the placement: the solver's limits, the distributions, streaming, activation
-    checkpointing and the max_overhead rule."""
+    """What `plan` searches besides the placement."""
 
     solver: SolverConfig = field(default_factory=SolverConfig)
     """Time limit (read by `time_limit`), deterministic clock, progress observer."""
@@ -531,8 +485,7 @@ class SearchOptions:
     whole_backward: bool = False
     """The stages run compiled: a backward makes every gradient at its end (`planner.problem.lowering.Streaming`)."""
     choose_recompute: bool = False
-    """Activation checkpointing AUTO: the planner chooses which stages recompute for the memory budget; False:
-    the problem's own `recompute`."""
+    """Activation checkpointing AUTO: the planner chooses which stages recompute; False: the problem's own."""
     overhead: Overhead = Overhead.STRICT
     time_limit: TimeLimit = TimeLimit.WHOLE_SEARCH
 
@@ -559,12 +512,10 @@ def plan(
     budget: Budget | None = None,
     new_budget: Callable[[], Budget] | None = None,
 ) -> Plan:
-    """The plan of `problem` by the whole search `options` ask for ([Note: plan search]). TimeLimit.WHOLE_SEARCH:
-    everything in `budget`, else a new one of `options.solver` that ends the whole search within its time limit
-    (`Budget.of(..., whole=True)`; a command passes one opened at its start). TimeLimit.EACH_SOLVE: each placement in
-    a budget of its own (`new_budget()`, else a new one), the search around them untimed. Raises the planner's
-    PlanError (with its suggestions) when nothing plans. Under Overhead.LEAST the problem's max_overhead must be 0
-    (the rule's first try); the plan's `problem.max_overhead` is the value it took."""
+    """The plan of `problem` by the whole search `options` ask for ([Note: plan search]): under WHOLE_SEARCH all in
+    `budget` (else a new one ending within the time limit), under EACH_SOLVE each placement in its own
+    (`new_budget()`). Raises PlanError (with suggestions) when nothing plans. Under Overhead.LEAST max_overhead must
+    be 0; the plan's `problem.max_overhead` is the value it took."""
     if options.overhead is Overhead.LEAST and problem.max_overhead != 0:
         raise ConfigError(
             f"Overhead.LEAST plans at max_overhead 0 first, but the problem has {problem.max_overhead:g}; "
@@ -586,47 +537,33 @@ def plan(
         return new_budget() if new_budget is not None else Budget.of(config)
 
     def solved(p: Problem, view: Budget, *, suggest: bool = True) -> Plan:
-        """The placement of `p`'s own distributions (forced or given)."""
         return solve(p, config, method, budget=own(view), suggest=suggest)
 
-    def streamed(p: Problem, view: Budget) -> Plan:
-        """`solved` with streaming where it pays (`planner.search.plan_search.solve_streamed`)."""
-        return solve_streamed(p, solved, options.stream_apply, whole_backward=options.whole_backward, budget=view)
+    def quiet(p: Problem, view: Budget, *, suggest: bool = True) -> Plan:
+        return solved(p, view, suggest=False)
 
     choices: dict[int, tuple[Problem, Problem]] = {}
 
     def streaming_of(p: Problem) -> Problem:
-        """`p` with the streaming a forced planning of it would choose (`with_streaming`, once per candidate)."""
+        """`p` with the streaming a forced planning of it would choose (once per candidate)."""
         if id(p) not in choices:
             keep = options.stream_apply is StreamApply.KEEP_REFRESH
             choices[id(p)] = (p, with_streaming(p, options.whole_backward, keep_bounds=keep, budget=whole))
         return choices[id(p)][1]
 
     def reference(p: Problem) -> float:
-        """The least reference step a candidate reaches, streaming included: the choice's allowance is of it."""
         return step_timeline(streaming_of(p)).length
 
     def candidate(p: Problem, view: Budget, shares: int) -> Plan:
-        """One distribution of the choice, planned as forcing it would be (streaming included), in its part of the
-        time left (`candidate_part`; under EACH_SOLVE `view` is a budget of its own and `shares` 1); its refusal
-        names nothing (the choice's own refusal searches what would plan)."""
-
-        def quiet(q: Problem, b: Budget, *, suggest: bool = True) -> Plan:
-            return solved(q, b, suggest=False)
-
-        return solve_streamed(
-            p,
-            quiet,
-            options.stream_apply,
-            whole_backward=options.whole_backward,
-            budget=view if shares == 1 else view.part(candidate_part(shares)),
-            streamed=streaming_of(p),
-        )
+        """One distribution of the choice, planned as forcing it would be, in its `candidate_part` of the time left;
+        its refusal names nothing (the choice's own refusal searches what would plan)."""
+        part = view if shares == 1 else view.part(candidate_part(shares))
+        streamed = streaming_of(p)
+        return solve_streamed(p, quiet, options.stream_apply, options.whole_backward, part, streamed)
 
     def placed(p: Problem) -> Plan:
-        """The placement: the distributions chosen, each candidate with streaming where it pays (issue 38: so the
-        choice is never worse than a forced candidate), or those of `p` (forced, then only the layers the strategy
-        leaves COMM-OPT may stream, or given)."""
+        """The distributions chosen (each candidate streamed where it pays, so never worse than forcing it), or `p`'s
+        own (forced: only the layers left COMM-OPT may stream; or given)."""
         if options.strategy is Distributions.CHOSEN:
             off = options.stream_apply is StreamApply.OFF
             each, ref = (None, None) if off else (candidate, reference)
@@ -634,7 +571,7 @@ def plan(
                 return solve_with_strategy(p, None, config, method, each=each, reference=ref, own=lambda: own(whole))
             return solve_with_strategy(p, None, config, method, budget=whole, each=each, reference=ref)
         given = p.with_strategy(options.strategy) if isinstance(options.strategy, Strategy) else p
-        return streamed(given, whole)
+        return solve_streamed(given, solved, options.stream_apply, whole_backward=options.whole_backward, budget=whole)
 
     def recomputing(p: Problem) -> Plan:
         return plan_recomputing(p, placed) if options.choose_recompute else placed(p)
@@ -650,8 +587,8 @@ SMALLEST_BLOCK = 256
 
 
 def block_candidates(largest: int) -> list[int | None]:
-    """The block sides tried, largest first: no blocking (None), then the powers of two from SMALLEST_BLOCK
-    below `largest` (the longest side of any parameter: a block that long blocks nothing)."""
+    """The block sides tried, largest first: no blocking (None), then the powers of two from SMALLEST_BLOCK below
+    `largest` (the longest side of any parameter)."""
     sides = []
     side = SMALLEST_BLOCK
     while side < largest:
@@ -676,8 +613,8 @@ class BlockChoice:
 
 
 def _quick_refusal(problem: Problem) -> str | None:
-    """Why `problem` cannot plan, when a check cheaper than solving shows it: a decomposition longer than the
-    longest step max_overhead allows, or a budget below the least memory any plan needs; None: only solving tells."""
+    """Why `problem` cannot plan where a check cheaper than solving shows it (a decomposition longer than the longest
+    step allowed, a budget below the least memory); None: only solving tells."""
     longest = (1 + problem.max_overhead) * step_timeline(problem).length
     task = max(
         ((p.decomp, f"{x.name} {p.part}") for s in problem.costs.stages for x in s.layers for p in x.parts),
@@ -691,37 +628,28 @@ def _quick_refusal(problem: Problem) -> str | None:
     return None
 
 
-def _least_overhead(error: PlanError) -> float | None:
-    """The max_overhead alone that the planner's refusal says places the work, if it names one."""
-    values = [s.changes[0][1] for s in error.suggestions if [k for k, _ in s.changes] == [Knob.MAX_OVERHEAD]]
-    return float(min(values)) if values else None
-
-
 def choose_block_size(
     problem_for: Callable[[int | None], Problem],
     candidates: Sequence[int | None],
     options: SearchOptions | None = None,
     budget: Budget | None = None,
 ) -> BlockChoice:
-    """The LARGEST block side whose plan fits: each side, largest first, a candidate of one `plan` search (`options`,
-    max_overhead read strictly) in one budget (`budget`, else a new one of the whole search), each with an equal part
-    of what is left. `problem_for(side)` is the problem with that side's costs; its max_overhead and max_period say
-    what "fits" means. The first side that plans is chosen (larger blocks precondition better, smaller ones only
-    cost less). When none fits, the side whose refusal names the least max_overhead is planned at that overhead.
-    PlanError when no side plans even so, naming what each came to."""
+    """The LARGEST block side whose plan fits (larger blocks precondition better): each side, largest first, a
+    candidate of one `plan` search (max_overhead strict) in one budget, each an equal part of what is left. When none
+    fits, the side whose refusal names the least max_overhead is planned at it; PlanError when none plans even so."""
     options = replace(options or SearchOptions(), overhead=Overhead.STRICT)
     whole = budget or Budget.of(options.solver, whole=True)
     tried: list[tuple[str, str]] = []
     overheads: dict[int | None, float] = {}
 
     def planned(side: int | None, problem: Problem, left: int) -> Plan | str:
-        """The side's plan in its part of the time left (`left` sides still to plan), or its refusal in words (the
-        least max_overhead it names kept in `overheads`)."""
+        """The side's plan in its part of the time left, or its refusal in words (its least max_overhead kept)."""
         try:
             return plan(problem, options, budget=whole.part(1 / left))
         except PlanError as e:
-            if (found := _least_overhead(e)) is not None:
-                overheads[side] = found
+            values = [s.changes[0][1] for s in e.suggestions if [k for k, _ in s.changes] == [Knob.MAX_OVERHEAD]]
+            if values:
+                overheads[side] = float(min(values))
             return str(e)
 
     for n, side in enumerate(candidates):
