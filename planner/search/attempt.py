@@ -555,7 +555,7 @@ def _fitted(
         if all(attempt.solutions):
             return assemble_attempt(problem, attempt, fused, time.perf_counter() - began)
         if problem.memory_budget is None or _short_of_time(attempt, fused):
-            raise _unplaced(problem, attempt, fused, config, method)
+            raise _unplaced(problem, attempt, fused, config, method, clock)
         greedy = method is Method.GREEDY
         nxt = _next_fused(problem, attempt, fused, by_excess=greedy or clock.solver_time() <= 0)
         if nxt is None or (clock.out() and not greedy):
@@ -585,14 +585,14 @@ def _short_of_time(attempt: Attempt, fused: frozenset[str]) -> bool:
 
 
 def _unplaced(
-    problem: Problem, attempt: Attempt, fused: frozenset[str], config: SolverConfig, method: Method
+    problem: Problem, attempt: Attempt, fused: frozenset[str], config: SolverConfig, method: Method, clock: Budget
 ) -> Refused:
     """The refusal when some group has no placement for want of bubble time (no budget, or greedy placed it
-    nowhere before any fusing)."""
+    nowhere before any fusing); its whole-task check is charged to `clock`."""
     groups = [g for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
     bad, work = [g.stages for g in groups], words_of(problem.costs).name
     knobs = (Knob.MAX_OVERHEAD, Knob.MICROBATCHES)
-    if all(_whole_tasks_exceed(problem, g, config, attempt.allowance) for g in groups):
+    if all(_whole_tasks_exceed(problem, g, config, attempt.allowance, clock) for g in groups):
         return Refused(
             PlanError(
                 f"the {work} work of stages {bad} is more than the idle time of {problem.max_period} steps holds in "
@@ -613,14 +613,17 @@ def _unplaced(
     )
 
 
-def _whole_tasks_exceed(problem: Problem, group: StageGroup, config: SolverConfig, allowed: Allowance) -> bool:
+def _whole_tasks_exceed(
+    problem: Problem, group: StageGroup, config: SolverConfig, allowed: Allowance, clock: Budget
+) -> bool:
     """Whether the group's work, one STATS task per layer (what packs best), fits in no window up to max_period
-    (`group_lower_bound`): then no search could have placed it, whatever its time."""
+    (`group_lower_bound`, charged to `clock`; False when its time runs out first): then no search could have placed
+    it, whatever its time."""
 
     def window_at(k: int) -> Window:
-        return allowed.whole(group, k, stats_chunk=1, resolution=config.time_resolution)
+        return allowed.whole(group, k, stats_chunk=1, resolution=config.time_resolution, meter=clock)
 
-    return group_lower_bound(allowed, group, window_at) > problem.max_period
+    return group_lower_bound(allowed, group, window_at, meter=clock) > problem.max_period
 
 
 def _stretched(problem: Problem, config: SolverConfig) -> str:

@@ -205,7 +205,7 @@ less the slots'."""
 
 class Packer:
     """The most ticks of tasks (lengths `sizes`, each usable any number of times) that fit in a bubble; `work` counts
-    its lookups and table cells (`packing_work`)."""
+    its lookups, table cells and slot placements tried (what `packing_lower_bound` charges)."""
 
     def __init__(self, sizes: Iterable[int], unit: int) -> None:
         if unit < 1:
@@ -547,8 +547,8 @@ def greedy_group(
         if _spent(meter):
             raise PlanError(
                 f"the time limit ran out while the greedy rule placed the {words_of(problem.costs).name} work of "
-                f"stages {list(group.stages)} (refresh periods {lower} to {k - 1} tried); a longer time limit "
-                "searches further"
+                f"stages {list(group.stages)} ({k - lower} refresh period(s) from {lower} tried); a longer time "
+                "limit searches further"
             )
         window = window_at(k)
         solution = greedy_window(window, meter)
