@@ -9,18 +9,19 @@ the same tally: the greedy rule by the work it does ([Note: greedy charge]), ste
 (`charge_simulated`), so the streaming choice and the distribution choice's checks count against the limit.
 
 [Note: greedy charge] The greedy rule (planner/search/greedy.py: the windows it builds, the packing bound,
-first-fit) is charged by counts of its work, each at a rate measured as CPU seconds per unit (`time.process_time`,
-so a loaded machine measures the same) times DTIME_PER_SECOND: a window by its size (busy intervals, tasks twice:
-WINDOW_DTIME_PER_ITEM), the packing bound by `Packer.work` (PACKING_DTIME_PER_UNIT), first-fit by the tasks it
-places and the gaps it examines (GREEDY_DTIME_PER_TASK, GREEDY_DTIME_PER_SCAN). Charged by task alone (2e-6 each) a
-zero-bubble window's first-fit, bound and window cost 60-100 us a task where 20 were charged, so `fxkfac plan
-bert-base -D 4 -N 4 --schedule auto --time-limit 10` spent 2.7 deterministic seconds' worth in 30 s of CPU; charged
-by work, the greedy rule's charge is within about 30% of its CPU time on 1F1B D=4 windows and on ZB-V and Chimera
-D=8 N=8 ones (each window alone within a factor 2; the rates are least-squares fits of relative error over 96
-windows of those and GPipe, ZB-H1 and interleaved at k 2-24). The greedy rule stops when its view of the budget runs
-out (`left`, on the budget's clock): a group's first-fit raises PlanError, the packing bound returns the period it
-reached (still a bound), a stretch bisection keeps what it found; so no greedy search runs on past its cutoff by
-more than one window.
+first-fit) is charged by counts of its work, each at a rate measured as CPU seconds per unit (`time.process_time`)
+times DTIME_PER_SECOND: a window by its size (busy intervals and tasks, a W task twice: WINDOW_DTIME_PER_ITEM), the
+packing bound by `Packer.work` (PACKING_DTIME_PER_UNIT), first-fit by the tasks it places and the gaps it examines
+(GREEDY_DTIME_PER_TASK, GREEDY_DTIME_PER_SCAN). Charged by task alone (2e-6 each, what a zero-bubble window's
+first-fit, bound and window cost in 50-100 us of CPU a task) `fxkfac plan bert-base -D 4 -N 4 --schedule auto
+--time-limit 10` counted 2.7 deterministic seconds' worth in 30 s of CPU. By work, the greedy rule's charge on every
+stage group of a problem is 0.91-1.12 of its CPU time on ZB-V D=8 N=8 and ZB-H1 D=4 (0.2-0.7 s), 1.04-1.07 on 1F1B
+D=4 and Chimera D=8 with a stretch (0.04-0.2 s), 0.73-0.74 where they place in a few windows (0.01-0.04 s):
+least-squares fits of relative error over the greedy rule on GPipe, 1F1B, interleaved, ZB-H1, ZB-V and Chimera,
+measured on the 2-core development machine at load ~9. The greedy rule stops when its view of the budget runs out
+(`left`, on the budget's clock): a group's first-fit raises PlanError, the packing bound returns the period it
+reached (still a bound), a stretch bisection keeps what it found; so none runs past its cutoff by more than a
+window.
 
 [Note: deterministic budget] With `SolverConfig.deterministic` (the default) no planning decision reads
 the wall clock. CP-SAT runs one thread (its sequential loop over `_FEW_WORKER_SUBSOLVERS`, with a fixed
@@ -69,24 +70,21 @@ DTIME_PER_SECOND = 0.1
 WALL_CAP = 4.0
 """A deterministic solve still stops CP-SAT at this many times its wall-clock limit (safety net)."""
 
-GREEDY_DTIME_PER_TASK = 2.7e-7
-"""Deterministic seconds charged per task and APPLY slot of each window first-fit places (about 2.7 us of CPU at
+GREEDY_DTIME_PER_TASK = 4e-7
+"""Deterministic seconds charged per task and APPLY slot of each window first-fit places (about 4 us of CPU at
 DTIME_PER_SECOND), besides its scans ([Note: greedy charge])."""
 
 GREEDY_DTIME_PER_SCAN = 5e-9
-"""Deterministic seconds charged per gap first-fit examines (a fixed interval read, a gap scanned for a start or split:
-about 0.05 us)."""
+"""Deterministic seconds charged per gap first-fit examines (a busy interval read, a gap scanned for a start or a
+split: about 0.05 us)."""
 
-WINDOW_DTIME_PER_ITEM = 7e-7
-"""Deterministic seconds charged per item of a window the greedy rule builds: each busy interval of its devices, each
-task WINDOW_TASK_ITEMS (about 7 us of CPU an item)."""
+WINDOW_DTIME_PER_ITEM = 1.3e-6
+"""Deterministic seconds charged per item of a window the greedy rule builds: each busy interval of its devices and
+each task, a W task twice (it reads its stage's ops to find its bounds): about 13 us of CPU an item."""
 
-WINDOW_TASK_ITEMS = 2
-"""Items a task of a window counts as (a task costs about twice a busy interval to build)."""
-
-PACKING_DTIME_PER_UNIT = 4.5e-8
+PACKING_DTIME_PER_UNIT = 4e-8
 """Deterministic seconds charged per unit of the packing bound's work (`Packer.work`: a lookup, a table cell, a
-placement of APPLY slots tried; about 0.45 us)."""
+placement of APPLY slots tried; about 0.4 us)."""
 
 SIMULATED_DTIME_PER_OP = 1e-6
 """Deterministic seconds charged per op of each step a search simulates outside CP-SAT (streaming and distribution
@@ -218,9 +216,9 @@ class Budget:
         if self.deterministic:
             self.tally.greedy_tasks += tasks
 
-    def charge_window(self, fixed: int, tasks: int) -> None:
-        """Count building one window of `fixed` busy intervals and `tasks` tasks for the greedy rule."""
-        self._charge_greedy((fixed + WINDOW_TASK_ITEMS * tasks) * WINDOW_DTIME_PER_ITEM)
+    def charge_window(self, items: int) -> None:
+        """Count building one window of `items` for the greedy rule (WINDOW_DTIME_PER_ITEM each)."""
+        self._charge_greedy(items * WINDOW_DTIME_PER_ITEM)
 
     def charge_packing(self, units: int) -> None:
         """Count `units` of the packing bound's work (lookups, table cells, slot choices)."""

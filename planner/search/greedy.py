@@ -102,9 +102,10 @@ class Allowance:
 
 
 def charge_built(window: Window, meter: Budget | None) -> None:
-    """Charge building `window` to `meter` by its size: its devices' busy intervals and its tasks."""
+    """Charge building `window` to `meter` by its size: its devices' busy intervals and its tasks, a W task twice."""
     if meter is not None:
-        meter.charge_window(sum(len(busy) for busy in window.fixed.values()), len(window.tasks))
+        w_tasks = sum(1 for task in window.tasks if task.kind is TaskKind.WGRAD)
+        meter.charge_window(sum(len(busy) for busy in window.fixed.values()) + len(window.tasks) + w_tasks)
 
 
 def allowance(problem: Problem, fused: frozenset[str], config: SolverConfig) -> Allowance:
