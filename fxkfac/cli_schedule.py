@@ -80,8 +80,9 @@ def render_choice(choice: ScheduleChoice) -> Table:
     """Each candidate's plain step (the order they were planned in), plan as asked and at the freshest curvature, the
     chosen one marked, the reason below."""
     table = Table(title="schedule auto: the least step at the freshest curvature", caption=choice.reason)
-    columns = ("schedule", "plain step ms", "as asked: refresh / step ms", f"refresh <= {choice.period}: step ms")
-    for column in (*columns, "out because"):
+    table.add_column("schedule", no_wrap=True)
+    columns = ("plain step ms", "as asked: refresh / step ms", f"refresh <= {choice.period}: step ms", "out because")
+    for column in columns:
         table.add_column(column)
     for t in choice.tried:
         chosen = t.plan is choice.plan
