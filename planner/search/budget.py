@@ -12,16 +12,17 @@ the same tally: the greedy rule by the work it does ([Note: greedy charge]), ste
 first-fit) is charged by counts of its work, each at a rate measured as CPU seconds per unit (`time.process_time`)
 times DTIME_PER_SECOND: a window by its size (busy intervals and tasks, a W task twice: WINDOW_DTIME_PER_ITEM), the
 packing bound by `Packer.work` (PACKING_DTIME_PER_UNIT), first-fit by the tasks it places and the gaps it examines
-(GREEDY_DTIME_PER_TASK, GREEDY_DTIME_PER_SCAN). Charged by task alone (2e-6 each, what a zero-bubble window's
-first-fit, bound and window cost in 50-100 us of CPU a task) `fxkfac plan bert-base -D 4 -N 4 --schedule auto
---time-limit 10` counted 2.7 deterministic seconds' worth in 30 s of CPU. By work, the greedy rule's charge on every
-stage group of a problem is 0.91-1.12 of its CPU time on ZB-V D=8 N=8 and ZB-H1 D=4 (0.2-0.7 s), 1.04-1.07 on 1F1B
-D=4 and Chimera D=8 with a stretch (0.04-0.2 s), 0.73-0.74 where they place in a few windows (0.01-0.04 s):
-least-squares fits of relative error over the greedy rule on GPipe, 1F1B, interleaved, ZB-H1, ZB-V and Chimera,
-measured on the 2-core development machine at load ~9. The greedy rule stops when its view of the budget runs out
-(`left`, on the budget's clock): a group's first-fit raises PlanError, the packing bound returns the period it
-reached (still a bound), a stretch bisection keeps what it found; so none runs past its cutoff by more than a
-window.
+(GREEDY_DTIME_PER_TASK, GREEDY_DTIME_PER_SCAN). It was charged by task alone, 2e-6 (20 us at DTIME_PER_SECOND),
+where windows, bound and first-fit together take 22-55 us of CPU per task placed (the most on zero-bubble windows,
+whose W tasks each read their stage's ops), and the refusal's whole-task check was not charged: `fxkfac plan
+bert-base -D 4 -N 4 --schedule auto --time-limit 10` counted 2.7 deterministic seconds' worth in 30 s of CPU. By
+work, the greedy rule's charge on every stage group of a problem is 0.91-1.12 of its CPU time on ZB-V D=8 N=8 and
+ZB-H1 D=4 (0.2-0.7 s), 1.04-1.07 on 1F1B D=4 and Chimera D=8 with a stretch (0.04-0.2 s), 0.73-0.74 where they place
+in a few windows (0.01-0.04 s): least-squares fits of relative error over the greedy rule on GPipe, 1F1B,
+interleaved, ZB-H1, ZB-V and Chimera, measured on the 2-core development machine at load ~9. The greedy rule stops
+when its view of the budget runs out (`left`, on the budget's clock): a group's first-fit raises PlanError, the
+packing bound returns the period it reached (still a bound), a stretch bisection keeps what it found; so none runs
+past its cutoff by more than a window.
 
 [Note: deterministic budget] With `SolverConfig.deterministic` (the default) no planning decision reads
 the wall clock. CP-SAT runs one thread (its sequential loop over `_FEW_WORKER_SUBSOLVERS`, with a fixed
@@ -124,7 +125,7 @@ class _Tally:
     spent: float = 0.0
     capped: bool = False
     greedy: float = 0.0
-    """Of `spent`, what first-fit's work was charged (`charge_greedy`)."""
+    """Of `spent`, what the greedy rule's work was charged ([Note: greedy charge])."""
     greedy_tasks: int = 0
     """The tasks and slots of the windows first-fit placed, for a comparison that charges by task."""
     simulated: float = 0.0
@@ -225,6 +226,7 @@ class Budget:
         self._charge_greedy(units * PACKING_DTIME_PER_UNIT)
 
     def _charge_greedy(self, dtime: float) -> None:
+        """Count `dtime` deterministic seconds of the greedy rule's work (the wall clock counts itself)."""
         if self.deterministic:
             self.tally.spent += dtime
             self.tally.calibrated += dtime
