@@ -38,7 +38,6 @@ from fxkfac.planner.problem.step_timeline import (
     StepTimeline,
     group_load,
     min_memory_bytes,
-    plain_step_time,
     refresh_lower_bound,
     step_timeline,
 )
@@ -156,9 +155,10 @@ def schedule_candidates(D: int, N: int, v: int = 1) -> tuple[ScheduleCandidate, 
 
 @dataclass(frozen=True)
 class Tried:
-    """One candidate: its plain step (`plain_step_time`, the least step any plan of it has; 0 where its problem could
-    not be made), its plan as asked (`first`), its plan at the freshest curvature (`plan`, None when it cannot refresh
-    that often, cannot beat the best plan, or has no plan at all) and why it is out of the comparison ('' when in)."""
+    """One candidate: its plain step (the pipeline without preconditioner work, `plain_step_time`: the least step
+    any plan of it has; 0 where its problem could not be made), its plan as asked (`first`), its plan at the
+    freshest curvature (`plan`, None when it cannot refresh that often, cannot beat the best plan, or has no plan at
+    all) and why it is out of the comparison ('' when in)."""
 
     candidate: ScheduleCandidate
     first: Plan | None
@@ -226,7 +226,9 @@ def choose_schedule(
     for n, c in enumerate(candidates):
         try:
             problems[n] = problem_for(c)
-            plain[n] = plain_step_time(problems[n])
+            step = step_timeline(problems[n], frozenset(), False)  # the plain pipeline, charged as simulated
+            budget.charge_simulated(_simulated_ops(step))
+            plain[n] = step.length
         except PlannerError as e:  # a cut the costs do not allow: out, with the reason
             why_not[n] = _first_line(e)
     order = sorted(problems, key=lambda n: (plain[n], n))
