@@ -77,15 +77,19 @@ def choose(
 
 
 def render_choice(choice: ScheduleChoice) -> Table:
-    """Each candidate's plan as asked and at the freshest curvature, the chosen one marked, the reason below."""
+    """Each candidate's plain step (the order they were planned in), plan as asked and at the freshest curvature, the
+    chosen one marked, the reason below."""
     table = Table(title="schedule auto: the least step at the freshest curvature", caption=choice.reason)
-    for column in ("schedule", "as asked: refresh / step ms", f"refresh <= {choice.period}: step ms", "out because"):
+    table.add_column("schedule", no_wrap=True)
+    columns = ("plain step ms", "as asked: refresh / step ms", f"refresh <= {choice.period}: step ms", "out because")
+    for column in columns:
         table.add_column(column)
     for t in choice.tried:
         chosen = t.plan is choice.plan
+        plain = f"{t.plain * 1e3:.1f}" if t.plain > 0 else "-"
         first = "-" if t.first is None else _refresh_and_step(t.first.metrics.refresh_steps, t.first.metrics.step_time)
         fresh = "-" if t.plan is None else f"{t.plan.metrics.step_time * 1e3:.1f}"
-        table.add_row(f"{t.candidate}{' (chosen)' if chosen else ''}", first, fresh, t.why_not[:80])
+        table.add_row(f"{t.candidate}{' (chosen)' if chosen else ''}", plain, first, fresh, t.why_not[:80])
     return table
 
 

@@ -497,7 +497,7 @@ def _fitted(
         # unplaced for want of time, not memory: before any fusing, first-fit (blind to the budget) placed it nowhere
         short = not fused and any(s is None and g is None for s, g in zip(attempt.solutions, attempt.greedy))
         if problem.memory_budget is None or short:
-            raise _unplaced(problem, attempt, fused, config, method)
+            raise _unplaced(problem, attempt, fused, config, method, clock)
         greedy = method is Method.GREEDY
         nxt = _next_fused(problem, attempt, fused, by_excess=greedy or clock.solver_time() <= 0)
         if nxt is None or (clock.out() and not greedy):
@@ -520,9 +520,10 @@ def _fitted(
 
 
 def _unplaced(
-    problem: Problem, attempt: Attempt, fused: frozenset[str], config: SolverConfig, method: Method
+    problem: Problem, attempt: Attempt, fused: frozenset[str], config: SolverConfig, method: Method, clock: Budget
 ) -> Refused:
-    """The refusal when some group has no placement for want of bubble time."""
+    """The refusal when some group has no placement for want of bubble time; its whole-task check is charged to
+    `clock` (and counts as not exceeding when the time runs out first)."""
     groups = [g for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
     bad, work = [g.stages for g in groups], words_of(problem.costs).name
     knobs = (Knob.MAX_OVERHEAD, Knob.MICROBATCHES)
@@ -533,11 +534,12 @@ def _unplaced(
     )
 
     def window_at(group: StageGroup, k: int) -> Window:
-        return attempt.allowance.whole(group, k, stats_chunk=1, resolution=config.time_resolution)
+        return attempt.allowance.whole(group, k, stats_chunk=1, resolution=config.time_resolution, meter=clock)
 
     # one STATS task per layer (what packs best) fits in no window up to max_period: no search could place it
     if all(
-        group_lower_bound(attempt.allowance, g, functools.partial(window_at, g)) > problem.max_period for g in groups
+        group_lower_bound(attempt.allowance, g, functools.partial(window_at, g), meter=clock) > problem.max_period
+        for g in groups
     ):
         return Refused(
             PlanError(

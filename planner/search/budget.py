@@ -2,20 +2,35 @@
 
 [Note: one budget] `Budget` is the one type that slices planning time. A whole search (`planner.plan`: streaming,
 the distribution choice, block size, fusing, recompute, a refusal's suggestions) opens one; every search in it is a
-candidate that takes a `part` of what is left (`solving(shares)`: an equal share among the candidates still to
-run; `part(f)`: a named fraction of the left, for a search that keeps the rest for what follows) and every view
-shares one tally, so a candidate that ends early leaves its time to the next. Work that CP-SAT does not see is
-charged on the same tally: first-fit by task (GREEDY_DTIME_PER_TASK), step simulations by op
+candidate that takes a `part` of what is left (`solving(shares)`: an equal share among the candidates still to run;
+`part(f)`: a named fraction of the left, for a search that keeps the rest for what follows) and every view shares
+one tally, so a candidate that ends early leaves its time to the next. Work that CP-SAT does not see is charged on
+the same tally: the greedy rule by the work it does ([Note: greedy charge]), step simulations by op
 (`charge_simulated`), so the streaming choice and the distribution choice's checks count against the limit.
+
+[Note: greedy charge] The greedy rule (planner/search/greedy.py: the windows it builds, the packing bound,
+first-fit) is charged by counts of its work, each at a rate measured as CPU seconds per unit (`time.process_time`)
+times DTIME_PER_SECOND: a window by its size (busy intervals and tasks, a W task twice: WINDOW_DTIME_PER_ITEM), the
+packing bound by `Packer.work` (PACKING_DTIME_PER_UNIT), first-fit by the tasks it places and the gaps it examines
+(GREEDY_DTIME_PER_TASK, GREEDY_DTIME_PER_SCAN). It was charged by task alone, 2e-6 (20 us at DTIME_PER_SECOND),
+where windows, bound and first-fit together take 22-55 us of CPU per task placed (the most on zero-bubble windows,
+whose W tasks each read their stage's ops), and the refusal's whole-task check was not charged: `fxkfac plan
+bert-base -D 4 -N 4 --schedule auto --time-limit 10` counted 2.7 deterministic seconds' worth in 30 s of CPU. By
+work, the greedy rule's charge on every stage group of a problem is 0.91-1.12 of its CPU time on ZB-V D=8 N=8 and
+ZB-H1 D=4 (0.2-0.7 s), 1.04-1.07 on 1F1B D=4 and Chimera D=8 with a stretch (0.04-0.2 s), 0.73-0.74 where they place
+in a few windows (0.01-0.04 s): least-squares fits of relative error over the greedy rule on GPipe, 1F1B,
+interleaved, ZB-H1, ZB-V and Chimera, measured on the 2-core development machine at load ~9. The greedy rule stops
+when its view of the budget runs out (`left`, on the budget's clock): a group's first-fit raises PlanError, the
+packing bound returns the period it reached (still a bound), a stretch bisection keeps what it found; so none runs
+past its cutoff by more than a window.
 
 [Note: deterministic budget] With `SolverConfig.deterministic` (the default) no planning decision reads
 the wall clock. CP-SAT runs one thread (its sequential loop over `_FEW_WORKER_SUBSOLVERS`, with a fixed
 `random_seed`) and stops at `max_deterministic_time`, a weighted count of its operations; the budget of
 each call is what the whole solve has left in those units, and what a call spent is the solver's own
 `deterministic_time`, so every share and every "time is up" between phases is a function of the problem
-and the options alone. Greedy placement, which CP-SAT does not see, is charged by count: each window it
-places costs GREEDY_DTIME_PER_TASK per task (without it, rounds of fusing curvature ran on for 25 s at a
-1 s limit, as no CP-SAT time passed).
+and the options alone. Greedy placement, which CP-SAT does not see, is charged by count ([Note: greedy charge];
+without a charge, rounds of fusing curvature ran on for 25 s at a 1 s limit, as no CP-SAT time passed).
 
 `time_limit_s` (and `OVERTIME`) are wall seconds in the API; `DTIME_PER_SECOND` converts them: whole solves at a
 10 s limit on the 2-core development machine (ortools 9.15, load ~1) spent 0.6-1.0 deterministic seconds (CP-SAT and
@@ -56,10 +71,21 @@ DTIME_PER_SECOND = 0.1
 WALL_CAP = 4.0
 """A deterministic solve still stops CP-SAT at this many times its wall-clock limit (safety net)."""
 
-GREEDY_DTIME_PER_TASK = 2e-6
-"""Deterministic seconds charged per task of each window first-fit places: about 12 us a task (`fxkfac plan gpt2 -D 4
--N 8 --max-overhead 5%`: 129,000 tasks in 1.5 s, load 0.1) at DTIME_PER_SECOND, with room for a loaded machine (1e-5,
-from an older 100-150 us, refused that command). `_Tally.greedy_tasks` lets a comparison count them at its own rate."""
+GREEDY_DTIME_PER_TASK = 4e-7
+"""Deterministic seconds charged per task and APPLY slot of each window first-fit places (about 4 us of CPU at
+DTIME_PER_SECOND), besides its scans ([Note: greedy charge])."""
+
+GREEDY_DTIME_PER_SCAN = 5e-9
+"""Deterministic seconds charged per gap first-fit examines (a busy interval read, a gap scanned for a start or a
+split: about 0.05 us)."""
+
+WINDOW_DTIME_PER_ITEM = 1.3e-6
+"""Deterministic seconds charged per item of a window the greedy rule builds: each busy interval of its devices and
+each task, a W task twice (it reads its stage's ops to find its bounds): about 13 us of CPU an item."""
+
+PACKING_DTIME_PER_UNIT = 4e-8
+"""Deterministic seconds charged per unit of the packing bound's work (`Packer.work`: a lookup, a table cell, a
+placement of APPLY slots tried; about 0.4 us)."""
 
 SIMULATED_DTIME_PER_OP = 1e-6
 """Deterministic seconds charged per op of each step a search simulates outside CP-SAT (streaming and distribution
@@ -98,8 +124,10 @@ class _Tally:
 
     spent: float = 0.0
     capped: bool = False
+    greedy: float = 0.0
+    """Of `spent`, what the greedy rule's work was charged ([Note: greedy charge])."""
     greedy_tasks: int = 0
-    """The tasks first-fit placed (charged GREEDY_DTIME_PER_TASK each in `spent`)."""
+    """The tasks and slots of the windows first-fit placed, for a comparison that charges by task."""
     simulated: float = 0.0
     """Of `spent`, what step simulations were charged (`charge_simulated`)."""
     solver_dtime: float = 0.0
@@ -183,12 +211,26 @@ class Budget:
         """`seconds` of time limit in the clock's unit."""
         return seconds * DTIME_PER_SECOND if self.deterministic else seconds
 
-    def charge_greedy(self, tasks: int) -> None:
-        """Count one first-fit placement of a window of `tasks` tasks and APPLY slots (GREEDY_DTIME_PER_TASK each)."""
+    def charge_first_fit(self, tasks: int, scans: int) -> None:
+        """Count one first-fit placement of `tasks` tasks and APPLY slots that examined `scans` gaps."""
+        self._charge_greedy(tasks * GREEDY_DTIME_PER_TASK + scans * GREEDY_DTIME_PER_SCAN)
         if self.deterministic:
-            self.tally.spent += tasks * GREEDY_DTIME_PER_TASK
-            self.tally.calibrated += tasks * GREEDY_DTIME_PER_TASK
             self.tally.greedy_tasks += tasks
+
+    def charge_window(self, items: int) -> None:
+        """Count building one window of `items` for the greedy rule (WINDOW_DTIME_PER_ITEM each)."""
+        self._charge_greedy(items * WINDOW_DTIME_PER_ITEM)
+
+    def charge_packing(self, units: int) -> None:
+        """Count `units` of the packing bound's work (lookups, table cells, slot choices)."""
+        self._charge_greedy(units * PACKING_DTIME_PER_UNIT)
+
+    def _charge_greedy(self, dtime: float) -> None:
+        """Count `dtime` deterministic seconds of the greedy rule's work (the wall clock counts itself)."""
+        if self.deterministic:
+            self.tally.spent += dtime
+            self.tally.calibrated += dtime
+            self.tally.greedy += dtime
 
     def charge_simulated(self, ops: int) -> None:
         """Count one simulated step of `ops` ops run outside CP-SAT (SIMULATED_DTIME_PER_OP each)."""
@@ -271,7 +313,8 @@ class Budget:
         STREAM_CHOICE_PART) too, which each of many searches would otherwise take whole."""
         part = self.part(fraction)
         overtime = self.overtime * fraction
-        return replace(part, overtime=overtime, cutoff=part.end + overtime, limit=self.limit * fraction)
+        cutoff = min(part.end + overtime, self.cutoff)  # never past the whole's: a late part has only what is left
+        return replace(part, overtime=overtime, cutoff=cutoff, limit=self.limit * fraction)
 
     def share(self, shares: int, *, keep: float = 0.0) -> float | None:
         """One of `shares` searches' share of the CP-SAT time left, in the clock's unit, after `keep` of it is kept

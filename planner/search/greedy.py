@@ -76,9 +76,12 @@ class Allowance:
             return 0
         return max(0, math.floor(stretch_allowance(self.problem, self.fused, k) * self.scale[0] + 1e-6))
 
-    def window(self, group: StageGroup, k: int, stretch: int, *, stats_chunk: int, resolution: int) -> Window:
-        """The window of `group` at period k with `stretch` ticks per step on this allowance's grid."""
-        return build_window(
+    def window(
+        self, group: StageGroup, k: int, stretch: int, *, stats_chunk: int, resolution: int, meter: Budget | None = None
+    ) -> Window:
+        """The window of `group` at period k with `stretch` ticks per step on this allowance's grid, its building
+        charged to `meter` (`charge_built`)."""
+        window = build_window(
             self.problem,
             group,
             k,
@@ -88,10 +91,21 @@ class Allowance:
             stretch=stretch,
             scale=self.scale,
         )
+        charge_built(window, meter)
+        return window
 
-    def whole(self, group: StageGroup, k: int, *, stats_chunk: int, resolution: int) -> Window:
+    def whole(
+        self, group: StageGroup, k: int, *, stats_chunk: int, resolution: int, meter: Budget | None = None
+    ) -> Window:
         """The window at period k with the whole allowance of stretch: what a period search solves."""
-        return self.window(group, k, self.ticks(k), stats_chunk=stats_chunk, resolution=resolution)
+        return self.window(group, k, self.ticks(k), stats_chunk=stats_chunk, resolution=resolution, meter=meter)
+
+
+def charge_built(window: Window, meter: Budget | None) -> None:
+    """Charge building `window` to `meter` by its size: its devices' busy intervals and its tasks, a W task twice."""
+    if meter is not None:
+        w_tasks = sum(1 for task in window.tasks if task.kind is TaskKind.WGRAD)
+        meter.charge_window(sum(len(busy) for busy in window.fixed.values()) + len(window.tasks) + w_tasks)
 
 
 def allowance(problem: Problem, fused: frozenset[str], config: SolverConfig) -> Allowance:
@@ -191,7 +205,8 @@ less the slots'."""
 
 
 class Packer:
-    """The most ticks of tasks (lengths `sizes`, each usable any number of times) that fit in a bubble."""
+    """The most ticks of tasks (lengths `sizes`, each usable any number of times) that fit in a bubble; `work` counts
+    its lookups, table cells and slot placements tried (what `packing_lower_bound` charges)."""
 
     def __init__(self, sizes: Iterable[int], unit: int) -> None:
         if unit < 1:
@@ -205,15 +220,18 @@ class Packer:
         self.free = 0 in by_weight  # some task is shorter than a unit: every bubble counts as full
         self.items = sorted(by_weight.items())
         self._best = [0]
+        self.work = 0
 
     def packable(self, length: int) -> int:
         """An upper bound on the ticks of whole tasks that fit in `length` ticks."""
+        self.work += 1
         if length <= 0 or not self.items:
             return 0
         if self.free:
             return length
         units = -(-length // self.unit)
         best = self._best
+        self.work += max(0, units + 1 - len(best)) * len(self.items)
         while len(best) <= units:
             n = len(best)
             best.append(max([best[n - 1]] + [best[n - w] + v for w, v in self.items if w <= n]))
@@ -241,6 +259,7 @@ def _device_capacity(window: Window, device: int, packer: Packer) -> int:
         [i for i, r in enumerate(regions) if _span(r) >= slot.ticks and _meets(r, _allowed(slot, window.length))]
         for slot in slots
     ]
+    packer.work += len(window.tasks) + len(window.fixed[device]) + len(slots) * len(regions)
     total, seen = 0, set()
     for component in _components(candidates):
         members = {i for j in component for i in candidates[j]}
@@ -281,6 +300,7 @@ def _best_placement(
     if not all(candidates) or math.prod(len(c) for c in candidates) > MAX_CHOICES:
         return max(0, loose)
     best = 0
+    packer.work += math.prod(len(c) for c in candidates) * len(members)
     for choice in itertools.product(*candidates):
         load = dict.fromkeys(members, 0)
         for slot, i in zip(slots, choice):
@@ -311,11 +331,13 @@ def device_loads(window: Window) -> list[int]:
     ]
 
 
-def packing_lower_bound(window_at: Callable[[int], Window], lower: int, top: int) -> int:
+def packing_lower_bound(window_at: Callable[[int], Window], lower: int, top: int, meter: Budget | None = None) -> int:
     """The least refresh period from `lower` to `top` (`top + 1`: none) whose window may hold its refresh's
     computations whole, and all its tasks with them (`device_loads`); each is a necessary condition, counted apart
-    (short collectives would let the bubbles count as full to the computations)."""
+    (short collectives would let the bubbles count as full to the computations). Its work is charged to `meter`, and
+    when `meter` runs out the bound stops where it got (a weaker bound, still valid)."""
     packers: tuple[Packer, Packer] | None = None
+    found = top + 1
     for k in range(lower, top + 1):
         window = window_at(k)
         loads = device_loads(window)
@@ -323,19 +345,26 @@ def packing_lower_bound(window_at: Callable[[int], Window], lower: int, top: int
             unit = max(1, window.offsets[1] // UNITS_PER_STEP)
             packers = Packer((t.ticks for t in _bubble_tasks(window)), unit), Packer(loads, unit)
         capacity = [sum(_device_capacity(window, d, packer) for d in window.group.devices) for packer in packers]
-        if window_work(window) <= capacity[0] and sum(loads) <= capacity[1]:
-            return k
-    return top + 1
+        if window_work(window) <= capacity[0] and sum(loads) <= capacity[1] or _spent(meter):
+            found = k  # with no time left, k: every smaller period was ruled out, so it still bounds
+            break
+    if meter is not None and packers is not None:
+        meter.charge_packing(sum(packer.work for packer in packers))
+    return found
 
 
 def group_lower_bound(
-    allowance: Allowance, group: StageGroup, window_at: Callable[[int], Window], min_k: int = 1
+    allowance: Allowance,
+    group: StageGroup,
+    window_at: Callable[[int], Window],
+    min_k: int = 1,
+    meter: Budget | None = None,
 ) -> int:
     """The least refresh period `group` may have in `window_at`'s windows (max_period + 1: none): the fluid bound
-    (`refresh_lower_bound`, at least `min_k`) raised by whole tasks (`packing_lower_bound`)."""
+    (`refresh_lower_bound`, at least `min_k`) raised by whole tasks (`packing_lower_bound`, charged to `meter`)."""
     problem = allowance.problem
     fluid = max(min_k, refresh_lower_bound(problem, group, allowance.fused, stretch=allowance.enabled))
-    return packing_lower_bound(window_at, fluid, problem.max_period)
+    return packing_lower_bound(window_at, fluid, problem.max_period, meter)
 
 
 MARGIN = 0.05
@@ -346,23 +375,27 @@ _ORDER = {kind: n for n, kind in enumerate(TaskKind)}
 
 
 class _Gaps:
-    """Free time of one device in [0, length) as sorted [start, end) gaps."""
+    """Free time of one device in [0, length) as sorted [start, end) gaps; `scanned` counts the gaps examined."""
 
     def __init__(self, busy: tuple[tuple[int, int], ...], length: int) -> None:
         self.gaps = [list(gap) for gap in free_gaps(busy, length)]
+        self.scanned = len(busy)
 
     def first_fit(self, earliest: int, need: int) -> int | None:
         """The earliest start >= `earliest` with `need` free ticks, or None."""
-        for s, e in self.gaps:
+        for n, (s, e) in enumerate(self.gaps):
             t = max(s, earliest)
             if t + need <= e:
+                self.scanned += n + 1
                 return t
+        self.scanned += len(self.gaps)
         return None
 
     def occupy(self, start: int, ticks: int) -> None:
         """Mark [start, start + ticks) busy (it lies inside one gap)."""
         for i, (s, e) in enumerate(self.gaps):
             if s <= start and start + ticks <= e:
+                self.scanned += i + 1
                 pieces = [[s, start]] if start > s else []
                 pieces += [[start + ticks, e]] if start + ticks < e else []
                 self.gaps[i : i + 1] = pieces
@@ -411,8 +444,9 @@ def _slot_release(window: Window, task: Task, device: int) -> int:
     return slot.reference + slot.ticks
 
 
-def greedy_window(window: Window) -> GroupSolution | None:
-    """Place every task of `window` first-fit in priority order; None when something does not fit."""
+def greedy_window(window: Window, meter: Budget | None = None) -> GroupSolution | None:
+    """Place every task of `window` first-fit in priority order; None when something does not fit. Its work (the
+    window's tasks and slots and every gap it examined) is charged to `meter` ([Note: greedy charge])."""
     gaps = {
         d: _Gaps(
             window.fixed[d]
@@ -421,6 +455,14 @@ def greedy_window(window: Window) -> GroupSolution | None:
         )
         for d in window.group.devices
     }
+    solution = _place(window, gaps)
+    if meter is not None:
+        meter.charge_first_fit(len(window.tasks) + len(window.precs), sum(g.scanned for g in gaps.values()))
+    return solution
+
+
+def _place(window: Window, gaps: dict[int, _Gaps]) -> GroupSolution | None:
+    """`greedy_window`'s placement into the devices' `gaps`."""
     rank = {
         p.part: j
         for s in window.group.stages
@@ -472,11 +514,10 @@ def greedy_window(window: Window) -> GroupSolution | None:
     return GroupSolution(window, tuple(starts), tuple(devices), precs, offsets, "greedy", "FEASIBLE", 1)
 
 
-def _first_fit(window: Window, meter: Budget | None) -> GroupSolution | None:
-    """`greedy_window`, its work charged to `meter` (by the window's size: [Note: deterministic budget])."""
-    if meter is not None:
-        meter.charge_greedy(len(window.tasks) + len(window.precs))
-    return greedy_window(window)
+def _spent(meter: Budget | None) -> bool:
+    """Whether `meter`'s time is up on its clock (not its wall-clock safety net, which stops CP-SAT only): the greedy
+    rule stops searching further ([Note: greedy charge])."""
+    return meter is not None and meter.left() <= 0
 
 
 def greedy_group(
@@ -493,18 +534,25 @@ def greedy_group(
 ) -> GroupSolution:
     """The paper's rule for one stage group: the least k from the group's lower bound (`group_lower_bound`, kept as
     `k_lower_bound`) to max_period where first-fit places everything with the whole `allowance`, then (`shrink_stretch`)
-    the least stretch found; each placement tried is charged to `meter`. PlanError when no k does."""
+    the least stretch found; each window, bound and placement tried is charged to `meter`. PlanError when no k does,
+    or when `meter` runs out first."""
     began = time.perf_counter()
     allowance = allowance if allowance is not None else Allowance(problem, fused, None)
 
     @functools.cache
     def window_at(k: int) -> Window:
-        return allowance.whole(group, k, stats_chunk=stats_chunk, resolution=resolution)
+        return allowance.whole(group, k, stats_chunk=stats_chunk, resolution=resolution, meter=meter)
 
-    lower = group_lower_bound(allowance, group, window_at, min_k)
+    lower = group_lower_bound(allowance, group, window_at, min_k, meter)
     for k in range(lower, problem.max_period + 1):
+        if _spent(meter):
+            raise PlanError(
+                f"the time limit ran out while the greedy rule placed the {words_of(problem.costs).name} work of "
+                f"stages {list(group.stages)} ({k - lower} refresh period(s) from {lower} tried); a longer time "
+                "limit searches further"
+            )
         window = window_at(k)
-        solution = _first_fit(window, meter)
+        solution = greedy_window(window, meter)
         if solution is not None:
             if allowance.ticks(k) > 0 and shrink_stretch:
                 least = stretch_lower_bound(window)
@@ -524,8 +572,10 @@ def _least_stretch(
     w = found.window
 
     def probe(stretch: int) -> tuple[str, GroupSolution | None]:
-        window = allowance.window(w.group, w.k, stretch, stats_chunk=stats_chunk, resolution=resolution)
-        solution = _first_fit(window, meter)
+        if _spent(meter):
+            return "UNKNOWN", None
+        window = allowance.window(w.group, w.k, stretch, stats_chunk=stats_chunk, resolution=resolution, meter=meter)
+        solution = greedy_window(window, meter)
         return ("FEASIBLE", solution) if solution is not None else ("UNKNOWN", None)
 
     return least_stretch(found, probe, lower)[0]
@@ -543,7 +593,7 @@ def greedy_overhead(
 ) -> tuple[int, GroupSolution | None]:
     """The stretch the group's work needs at max_period whatever max_overhead says, for errors that name the
     max_overhead to ask for: (ticks any plan needs, first-fit's solution with the least stretch found, or None when
-    none up to `limit` reference steps places it). `allowance` gives the grid."""
+    none up to `limit` reference steps places it before `meter` runs out). `allowance` gives the grid."""
     scale = allowance.scale
     if scale is None:
         raise AssertionError("greedy_overhead needs an allowance with a grid")
@@ -551,12 +601,12 @@ def greedy_overhead(
     most = math.floor(limit * step_timeline(problem).length * scale[0])
 
     def window(ticks: int) -> Window:
-        return allowance.window(group, k, ticks, stats_chunk=stats_chunk, resolution=resolution)
+        return allowance.window(group, k, ticks, stats_chunk=stats_chunk, resolution=resolution, meter=meter)
 
     lower = stretch_lower_bound(window(0))
     failed, ticks = lower - 1, lower
-    while ticks <= most:
-        found = _first_fit(window(ticks), meter)
+    while ticks <= most and not _spent(meter):
+        found = greedy_window(window(ticks), meter)
         if found is not None:
             return lower, _least_stretch(found, failed + 1, allowance, stats_chunk, resolution, meter)
         failed, ticks = ticks, max(ticks + 1, math.ceil(ticks * 1.25))

@@ -288,8 +288,7 @@ class _Group:
             w = window_at(problem, self.group, k, step, self.frame.scale, stats_chunk=self.frame.stats_chunk)
             if w is None:
                 continue
-            meter.charge_greedy(len(w.tasks) + len(w.precs))
-            solution = greedy_window(w)
+            solution = greedy_window(w, meter)
             if solution is not None and fits_memory(solution):
                 return solution
         return None
