@@ -346,6 +346,7 @@ def _first_pass(
             min_k=min_k,
             allowance=allowed,
             meter=clock,
+            cut=method is not Method.GREEDY,
         )
     except PlanError:
         g = None

@@ -531,11 +531,12 @@ def greedy_group(
     allowance: Allowance | None = None,
     meter: Budget | None = None,
     shrink_stretch: bool = True,
+    cut: bool = True,
 ) -> GroupSolution:
     """The paper's rule for one stage group: the least k from the group's lower bound (`group_lower_bound`, kept as
     `k_lower_bound`) to max_period where first-fit places everything with the whole `allowance`, then (`shrink_stretch`)
     the least stretch found; each window, bound and placement tried is charged to `meter`. PlanError when no k does,
-    or when `meter` runs out first."""
+    or (`cut`) when `meter` runs out first; the greedy method runs to its end, as the paper's rule does."""
     began = time.perf_counter()
     allowance = allowance if allowance is not None else Allowance(problem, fused, None)
 
@@ -545,7 +546,7 @@ def greedy_group(
 
     lower = group_lower_bound(allowance, group, window_at, min_k, meter)
     for k in range(lower, problem.max_period + 1):
-        if _spent(meter):
+        if cut and _spent(meter):
             raise PlanError(
                 f"the time limit ran out while the greedy rule placed the {words_of(problem.costs).name} work of "
                 f"stages {list(group.stages)} ({k - lower} refresh period(s) from {lower} tried); a longer time "
@@ -556,7 +557,7 @@ def greedy_group(
         if solution is not None:
             if allowance.ticks(k) > 0 and shrink_stretch:
                 least = stretch_lower_bound(window)
-                solution = _least_stretch(solution, least, allowance, stats_chunk, resolution, meter)
+                solution = _least_stretch(solution, least, allowance, stats_chunk, resolution, meter, cut)
             return replace(solution, k_lower_bound=lower, wall_time=time.perf_counter() - began)
     raise PlanError(
         f"the greedy rule cannot place the {words_of(problem.costs).name} work of stages {list(group.stages)} within "
@@ -566,13 +567,20 @@ def greedy_group(
 
 
 def _least_stretch(
-    found: GroupSolution, lower: int, allowance: Allowance, stats_chunk: int, resolution: int, meter: Budget | None
+    found: GroupSolution,
+    lower: int,
+    allowance: Allowance,
+    stats_chunk: int,
+    resolution: int,
+    meter: Budget | None,
+    cut: bool,
 ) -> GroupSolution:
-    """Bisect with first-fit between `lower` and found's stretch (the least one it finds)."""
+    """Bisect with first-fit between `lower` and found's stretch (the least one it finds; `cut`: until `meter` runs
+    out)."""
     w = found.window
 
     def probe(stretch: int) -> tuple[str, GroupSolution | None]:
-        if _spent(meter):
+        if cut and _spent(meter):
             return "UNKNOWN", None
         window = allowance.window(w.group, w.k, stretch, stats_chunk=stats_chunk, resolution=resolution, meter=meter)
         solution = greedy_window(window, meter)
@@ -608,6 +616,6 @@ def greedy_overhead(
     while ticks <= most and not _spent(meter):
         found = greedy_window(window(ticks), meter)
         if found is not None:
-            return lower, _least_stretch(found, failed + 1, allowance, stats_chunk, resolution, meter)
+            return lower, _least_stretch(found, failed + 1, allowance, stats_chunk, resolution, meter, cut=True)
         failed, ticks = ticks, max(ticks + 1, math.ceil(ticks * 1.25))
     return lower, None
