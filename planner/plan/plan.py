@@ -1,8 +1,6 @@
 """Plans as data: per-rank programs, layer timings, placements and metrics, written as JSON (read back and checked
-by planner/validate/plan_file.py); and where a Muon plan runs each matrix's Newton-Schulz (its APPLY): on its own
-stage's ranks, on a helper rank idle at the step's end (streamed), or on one copy that broadcasts the result
-(mem-opt, Moonlight's distributed Muon), for the plan view and `fxkfac plan --explain`.
-"""
+by planner/validate/plan_file.py); and where a Muon plan runs each matrix's Newton-Schulz (its APPLY), for the plan
+view and `fxkfac plan --explain`."""
 
 from __future__ import annotations
 
@@ -21,16 +19,14 @@ from fxkfac.planner.problem.step_timeline import plain_step_time, step_timeline
 from fxkfac.planner.problem.strategy import LayerDistribution
 
 SCHEMA_VERSION = 3
-"""Version of the plan JSON layout; a newer file asks the user to upgrade fxkfac, an older one to re-plan. 2: no task
-spans a step's closing barrier. 3: the plan holds its start-up steps (`Plan.startup`), and its problem may name its
-step barrier ([Note: step barrier] in planner/plan/window.py)."""
+"""Version of the plan JSON layout (a newer file asks to upgrade fxkfac, an older one to re-plan). 2: no task spans a
+step's closing barrier. 3: the plan holds its start-up steps, and its problem may name its step barrier."""
 
 
 @dataclass(frozen=True)
 class SolverStats:
-    """How the plan was found: status (OPTIMAL: every refresh period proven minimal and staleness optimal; FEASIBLE;
-    GREEDY: the greedy plan was kept), wall time (s; not part of equality, the one field two deterministic solves
-    differ in), objective (sums of refresh periods and of use offsets) and gap (of the periods to their bounds)."""
+    """How the plan was found: status (OPTIMAL: periods proven minimal, staleness optimal; FEASIBLE; GREEDY), wall
+    time (not compared: deterministic solves differ in it alone), objective (sums of periods, use offsets), gap."""
 
     status: str
     wall_time: float = field(compare=False)
@@ -40,10 +36,9 @@ class SolverStats:
 
 @dataclass(frozen=True)
 class PlanMetrics:
-    """What a plan achieves: utilization before/after (mean busy share), refresh period and lower bound per stage,
-    step times (plain, as planned, the reference with APPLY after the all-reduce), peak memory per device, the greedy
-    periods, the time grid in seconds and the idle seconds after every step ([Note: time grid], [Note: stretch] in
-    planner/plan/window.py; a stretch of 0 is left out of the JSON)."""
+    """What a plan achieves: utilization before/after, refresh period and bound per stage, step times (plain, planned,
+    with APPLY after the all-reduce), peak memory per device, the greedy periods, the time grid (s) and the idle
+    seconds after every step ([Note: time grid], [Note: stretch] in planner/plan/window.py; 0 left out of the JSON)."""
 
     utilization_baseline: float
     utilization: float
@@ -127,8 +122,8 @@ def rank(plan: Plan) -> tuple[int, float, int, float]:
 
 
 class NSWhere(StrEnum):
-    """Where one Newton-Schulz task runs: on each rank of the matrix's stage, on a helper rank (input and update
-    sent), or on one copy of the stage that broadcasts the update (BCAST_PREC)."""
+    """Where one Newton-Schulz task runs: on each rank of its stage, on a helper rank idle at the step's end (input
+    and update sent), or on one copy that broadcasts the update (mem-opt, Moonlight's distributed Muon)."""
 
     OWN = "own"
     STREAMED = "streamed"
@@ -166,18 +161,15 @@ def ns_tasks(plan: Plan) -> list[NSTask]:
         for op, start, end in ops:
             if op.kind is not OpKind.APPLY or op.stage is None:
                 continue
-            names = (
-                (op.layer,) if op.layer is not None else tuple(x.name for x in problem.costs.stages[op.stage].layers)
-            )
+            everything = tuple(x.name for x in problem.costs.stages[op.stage].layers)
+            names = (op.layer,) if op.layer is not None else everything
             where = _where(problem, rank, op)
             transfer = 0.0
             if where is NSWhere.STREAMED and op.layer is not None and (op.piece is None or op.piece[0] == 0):
-                sends = (
-                    Op(kind, op.stage, peer=rank, layer=op.layer)
-                    for kind in LAYER_SENDS
-                    if kind is not OpKind.SEND_REPLICA
+                sends = [Op(kind, op.stage, peer=rank, layer=op.layer) for kind in LAYER_SENDS]
+                transfer = sum(
+                    problem.costs.collective_seconds(s, 2) for s in sends if s.kind is not OpKind.SEND_REPLICA
                 )
-                transfer = sum(problem.costs.collective_seconds(s, 2) for s in sends)
             out.append(NSTask(op.stage, names, rank, where, start, end, transfer, op.piece))
     return sorted(out, key=lambda t: (t.stage, t.start, t.rank))
 
@@ -209,16 +201,10 @@ def ns_stage_lines(plan: Plan) -> list[str]:
             text = f"{count} {where.value} on {ranks} ({busy:.1f} ms"
             parts.append(text + (f", sends {sends:.1f} ms)" if sends else ")"))
         last = max(t.end for t in mine)
-        verdict = (
-            f"hidden, ends {(plain - last) * 1e3:.1f} ms before"
-            if last <= plain
-            else f"+{(last - plain) * 1e3:.1f} ms past"
-        )
-        lines.append(
-            f"s{s}: {len(stage.layers)} units, APPLY {stage.prec * 1e3:.1f} ms: "
-            + "; ".join(parts)
-            + f"; {verdict} the plain step's end"
-        )
+        early = (plain - last) * 1e3
+        verdict = f"hidden, ends {early:.1f} ms before" if last <= plain else f"+{-early:.1f} ms past"
+        head = f"s{s}: {len(stage.layers)} units, APPLY {stage.prec * 1e3:.1f} ms: "
+        lines.append(head + "; ".join(parts) + f"; {verdict} the plain step's end")
     return lines
 
 

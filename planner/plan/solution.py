@@ -24,10 +24,9 @@ Born = dict[int, dict[Op, int]]
 
 @dataclass(frozen=True)
 class GroupSolution:
-    """A solution for one window: task starts (absolute ticks) and devices, APPLY starts, use offsets, and how it was
-    found (method "greedy"/"cpsat", status, proven lower bound on k). A joint solve ([Note: joint strategy] in
-    planner/search/cpsat.py) also says what it chose: each layer's distribution, the start of the chosen BCAST of each
-    (layer, part) and each stage's slot ticks (empty: the window problem's own)."""
+    """One window's solution: task starts (absolute ticks) and devices, APPLY starts, use offsets, how it was found
+    (method, status, proven lower bound on k), and what a joint solve chose ([Note: joint strategy] in
+    planner/search/cpsat.py): each layer's distribution, each chosen BCAST's start, each stage's slot ticks."""
 
     window: Window
     starts: tuple[int, ...]
@@ -37,7 +36,7 @@ class GroupSolution:
     method: str
     status: str
     k_lower_bound: int
-    wall_time: float = field(default=0.0, compare=False)  # a measurement of this machine now
+    wall_time: float = field(default=0.0, compare=False)
     choices: Mapping[str, LayerDistribution] = field(default_factory=dict)
     bcasts: Mapping[tuple[str, str], int] = field(default_factory=dict)
     slot_ticks: Mapping[int, int] = field(default_factory=dict)

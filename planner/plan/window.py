@@ -1,43 +1,32 @@
 """A stage group's refresh window: k steps on an integer time grid, the fixed F/B and activations in them, the
-per-step APPLY slots and the refresh's tasks (statistics, sync, decomposition in pieces, broadcast) with their
-releases and devices. Their placements, once solved: planner/plan/solution.py.
+per-step APPLY slots and the refresh's tasks with their releases and devices (solved: planner/plan/solution.py).
 
-[Note: time grid] Times become integer ticks. When every op time and duration of the problem is a whole number of
-10^-e seconds (e <= 6, at most 10^7 ticks per step) the grid is exact; otherwise a step is
-`SolverConfig.time_resolution` ticks, fixed times round to the nearest tick and durations up, so a plan is off by at
-most one tick (`Window.tick`) anywhere, which the validator allows. SYNC_STATS and BCAST last what the cost table's
-comm model says (`CostTable.collective_seconds`), at least one tick on every member, so even a free one never falls
-inside another op. A gradient all-reduce over copies is blocked, and where it takes no tick it is an instant (t, t)
-of `Window.fixed` that no work may span (one copy's is a no-op). An APPLY slot spans its reference position's rounded
-ends, so the reference step fits its own grid.
+[Note: time grid] Times are integer ticks: exact when every time of the problem is a whole number of 10^-e s (e <= 6,
+at most 10^7 ticks a step), else `SolverConfig.time_resolution` ticks a step, fixed times rounded to the nearest
+tick and durations up, so a plan is off by at most one tick (`Window.tick`), which the validator allows. SYNC_STATS
+and BCAST last the comm model's time, at least one tick. A blocked gradient all-reduce of no tick is an instant
+(t, t) in `Window.fixed` that no work may span. An APPLY slot spans its reference position's rounded ends.
 
-[Note: stretch] With `Problem.max_overhead > 0` the planner may append `Window.stretch` idle ticks to every step on
-every device: each step ends with a global loss all-reduce, so work placed there delays the next step on every rank.
-Step j starts at `offsets[j]`, the sum of the steps before it and their stretches; F/B keep their times inside their
-step. Every group of a plan uses the same stretch on one grid, and the added step time (stretch, and what fused
-curvature adds) is at most `max_overhead` times the reference step; planner/search/greedy.py searches the least.
+[Note: stretch] With `Problem.max_overhead > 0` every step may be followed by `Window.stretch` idle ticks on every
+device (each step ends with a global loss all-reduce); step j starts at `offsets[j]` and F/B keep their times in
+it. A plan's groups share one stretch on one grid, and the step time added is at most `max_overhead` times the
+reference step; planner/search/greedy.py searches the least.
 
-[Note: step barrier] Under `StepBarrier.WORLD` every step ends with collectives over all ranks (the KL-clip's
-<P, G> in OPT_STEP and the loss all-reduce), so step j+1 begins at `offsets[j+1]` on every device: an op in a
-device's early bubble belongs to step j+1's program, APPLY of step j ends by `offsets[j+1]`, and every step's first
-tick is blocked on every device, so no task spans a boundary. Under `StepBarrier.AGREEMENT_SET` (KL-clip scope stage
-or stale) OPT_STEP waits only for the stage group's devices, so the group's step j+1 may begin `Window.leads[j+1]`
-ticks early, once its last device has ended step j's F/B, all-reduces and reference APPLY
-(`planner.problem.step_timeline.early_start`); the boundary, its blocked tick and APPLY's deadline move there, and
-the idle after it joins the next step's. F/B keep their times, so leads are nonzero only where a steady run without
-the world barrier repeats the one-step timeline (`planner.problem.step_timeline.steps_overlap`). Only CP-SAT at k = 1
-lets a task run past the window's end (planner/search/cpsat.py `add_tasks`).
+[Note: step barrier] Under `StepBarrier.WORLD` every step ends with collectives over all ranks, so step j+1 begins
+at `offsets[j+1]` everywhere: work in a device's early bubble belongs to step j+1, APPLY of step j ends by then,
+and every step's first tick is blocked, so no task spans a boundary. Under `StepBarrier.AGREEMENT_SET` OPT_STEP waits
+for the stage group alone, so its step j+1 may begin `Window.leads[j+1]` ticks early, once its last device has ended
+step j's F/B, all-reduces and reference APPLY (`planner.problem.step_timeline.early_start`); leads are nonzero only
+where a steady run repeats the one-step timeline (`steps_overlap`). Only CP-SAT at k = 1 lets a task run past the
+window's end (planner/search/cpsat.py `add_tasks`).
 
 [Note: gradient parts] A part fed by the reduced gradient (`PartCost.after` ALLREDUCE_GRAD: Shampoo's and SOAP's L
-and R) takes its statistic at every step on every copy of its stage (each folds the same reduced gradient, so no
-SYNC_STATS), after the gradient all-reduce and before APPLY (which overwrites the gradient). That is per-step work,
-so it runs at the head of its stage's APPLY slot (`PrecSlot.ops`: every STATS, then APPLY), which CP-SAT places in
-[gradient ready, step end); the reference step runs it right after the all-reduce, so max_overhead is measured
-against a step that holds it. A refresh snapshots the statistic at the refresh step's STATS, so the part's DECOMP
-follows the refresh step's slot on its device (`Task.after_slot`) and may run in any later bubble. The snapshot is,
-like K-FAC's sums in flight, not counted in memory; the optimizer state (`LayerCost.state_bytes`) is. Known cost:
-where a device holds several stages with copies (Chimera, interleaved with W > 1) the reference step runs the second
-stage's all-reduce right after the first stage's slot, and CP-SAT may not move the slot across it.
+and R) takes its statistic at every step on every copy (no SYNC_STATS), after the all-reduce and before APPLY: per-
+step work at the head of the stage's APPLY slot (`PrecSlot.ops`), which the reference step holds too. A refresh
+snapshots it at the refresh step, so the part's DECOMP follows that step's slot on its device (`Task.after_slot`).
+The snapshot, like K-FAC's sums in flight, is not counted in memory; the optimizer state is. Known cost: where a
+device holds several stages with copies (Chimera, interleaved W > 1) CP-SAT may not move a slot across the next
+stage's all-reduce.
 """
 
 from __future__ import annotations
@@ -49,7 +38,7 @@ from dataclasses import dataclass, replace
 from enum import StrEnum
 from functools import lru_cache
 
-from fxkfac.planner.problem.costs import LayerCost
+from fxkfac.planner.problem.costs import LayerCost, PartCost
 from fxkfac.planner.problem.ir import Op, OpKind
 from fxkfac.planner.problem.problem import (
     Problem,
@@ -80,9 +69,8 @@ Interval = tuple[int, int]
 
 
 class TaskKind(StrEnum):
-    """What a window task does: CURV (statistics of captures, after its F/B), SYNC and BCAST (collectives on all its
-    devices at once), INV (a decomposition, on one of its devices), WGRAD (a zero-bubble schedule's W: [Note: placed
-    W])."""
+    """A window task's work: CURV (statistics), SYNC and BCAST (collectives on all its devices at once), INV (a
+    decomposition on one of its devices), WGRAD (a zero-bubble schedule's W: [Note: placed W])."""
 
     CURV = "curv"
     WGRAD = "wgrad"
@@ -97,9 +85,8 @@ class TaskKind(StrEnum):
 
 @dataclass(frozen=True)
 class Task:
-    """One piece of refresh work: `ops` back to back for `ticks` on one of `devices` (see `TaskKind`), serving the
-    (layer, side) `factors`, holding keep_bytes from `release` until it ends. after_slot: an INV that follows its
-    stage's refresh-step slot ([Note: gradient parts]); deadline and home: a WGRAD's ([Note: placed W])."""
+    """`ops` back to back for `ticks` on one of `devices`, serving the (layer, side) `factors`, holding keep_bytes
+    from `release` to its end; after_slot: [Note: gradient parts]; deadline, home: [Note: placed W]."""
 
     name: str
     kind: TaskKind
@@ -119,9 +106,8 @@ class Task:
 
 @dataclass(frozen=True)
 class PrecSlot:
-    """The per-step preconditioner work (`planner.problem.step_timeline.prec_work`) of `stage` on `device` at window
-    step `step`: `ops` back to back within [release, deadline), but the BCAST_PRECs, which begin `lead` seconds in on
-    every copy at once; `reference` is where the plain step puts them (right after the all-reduce)."""
+    """The per-step work (`prec_work`) of `stage` on `device` at window step `step`: `ops` back to back in
+    [release, deadline), BCAST_PRECs `lead` seconds in on every copy at once; `reference`: the plain step's start."""
 
     device: int
     stage: int
@@ -154,17 +140,16 @@ class PrecSlot:
 
     @property
     def seconds(self) -> float:
-        """Seconds from the slot's start to the end of its last op."""
+        """Seconds from the slot's start to its last op's end."""
         return max((a + d for a, d in zip(self.offsets, self.durations)), default=0.0)
 
 
 @dataclass(frozen=True)
 class Window:
-    """k steps of the pipeline for one stage group, fixed work wrapped modulo the window length. fixed[d]: merged
-    busy intervals in [0, length) and instants (t, t) no work may span; acts[d]: (start, end, bytes) activations;
-    capacity[d]: bytes left for activations and kept a/e (None: unlimited); offsets[j]: start of step j; leads[j]:
-    ticks by which step j begins early ([Note: step barrier]); stretch: idle ticks after every step ([Note: stretch]);
-    stats_chunk: the most layers per STATS task. Tasks may run until 2*length, taken modulo `length`."""
+    """k steps of one stage group, fixed work modulo the window length: fixed[d] busy intervals and instants,
+    acts[d] (start, end, bytes), capacity[d] bytes left (None: unlimited), offsets[j] step j's start, leads[j]
+    ([Note: step barrier]), stretch ([Note: stretch]), the most layers per STATS task, and per step the tick at which
+    the streamed stage's owner starts its last backward (`stream_use`). Tasks may run until 2*length."""
 
     problem: Problem
     group: StageGroup
@@ -182,12 +167,9 @@ class Window:
     stretch: int = 0
     stats_chunk: int = 1
     stream_use: tuple[int, ...] = ()
-    """Per window step, the tick at which the streamed stage's owner starts its last backward (empty without
-    streaming): a streamed layer's inverse must be made by then to reach its helper (planner/problem/lowering.py)."""
 
     def streamed_use(self, layer: str, u: int) -> int | None:
-        """For a streamed layer, the tick by which its inverse must be made for window step `u` (0..2k) to use it;
-        None for any other layer (its stage's APPLY slot start)."""
+        """The tick by which a streamed layer's inverse must be made for window step `u` to use it (else None)."""
         streaming = self.problem.streaming
         if streaming is None or layer not in streaming.layers:
             return None
@@ -195,12 +177,10 @@ class Window:
 
     @property
     def length(self) -> int:
-        """L, the window length in ticks."""
         return self.offsets[-1]
 
     @property
     def tick(self) -> float:
-        """Seconds per tick."""
         return 1.0 / self.scale
 
     def seconds(self, ticks: float) -> float:
@@ -214,13 +194,10 @@ class Window:
 
     def step_of(self, device: int, t: int) -> int:
         """The window step (0..2k-1) whose program holds an op starting at absolute tick t on device."""
-        for j in range(2 * self.k - 1, 0, -1):
-            if t >= self.step_start(device, j):
-                return j
-        return 0
+        return next((j for j in range(2 * self.k - 1, 0, -1) if t >= self.step_start(device, j)), 0)
 
     def step_start(self, device: int, j: int) -> int:
-        """Absolute tick at which window step j (0..2k) begins on `device` (the same on the whole group)."""
+        """Absolute tick at which window step j (0..2k) begins (on the whole group)."""
         return step_start_tick(self.offsets, self.leads, j)
 
     @property
@@ -229,11 +206,10 @@ class Window:
         return 2 * self.length - self.leads[0]
 
     def earliest(self, task: Task, device: int) -> int:
-        """The earliest start of `task` on `device`: its release, not before the refresh step began there."""
         return max(task.release, self.step_start(device, 0))
 
     def refresh_slot(self, device: int, stage: int) -> int:
-        """The index in `precs` of stage's slot on `device` at the refresh step (window step 0)."""
+        """The index in `precs` of stage's slot on `device` at the refresh step."""
         return next(n for n, p in enumerate(self.precs) if (p.device, p.stage, p.step) == (device, stage, 0))
 
 
@@ -339,14 +315,6 @@ def too_long(window: Window) -> list[str]:
     return out
 
 
-def _scale(times: Iterable[float], period: float, resolution: int) -> tuple[float, bool]:
-    """The exact grid's ticks per second, 10^e for the least e that makes every time whole (within 1e-9: 1e-6 took
-    519687.5 ticks for whole) with at most 10^7 ticks a period, or `resolution` ticks per period and False."""
-    most = next((e for e in range(7) if period * 10.0**e > 1e7), 7)
-    e = whole_decimal((t for t in times if t > 0), most)
-    return (10.0**e, True) if e is not None else (resolution / period, False)
-
-
 def _merge(intervals: Iterable[Interval]) -> tuple[Interval, ...]:
     """The intervals merged, sorted; an empty one (t, t), an instant no work may span, kept where no interval holds
     t inside."""
@@ -368,32 +336,26 @@ def _merge(intervals: Iterable[Interval]) -> tuple[Interval, ...]:
 def grid_scale(
     problem: Problem, stages: Iterable[int], fused: frozenset[str], resolution: int, extra: Iterable[float] = ()
 ) -> tuple[float, bool]:
-    """Ticks per second for windows of `stages` and whether the grid is exact ([Note: time grid]); `extra`: more
+    """Ticks per second for windows of `stages` and whether the grid is exact ([Note: time grid]): 10^e for the least
+    e that makes every time whole with at most 10^7 ticks a step, else `resolution` ticks a step; `extra`: more
     durations it must hold exactly (the options of a joint choice, planner/search/cpsat.py)."""
     refresh, normal = step_timeline(problem, fused, refresh=True), step_timeline(problem)
-    stages = list(stages)
-    layers = [x for s in stages for x in problem.costs.stages[s].layers]
-    durations = [t for x in layers for p in x.parts for t in (p.stats, p.decomp)]
-    durations += [problem.costs.stages[s].prec for s in stages]
-    durations += [
-        problem.costs.collective_seconds(op, len(copies_of_stage(problem, s)))
-        for s in stages
-        for x in problem.costs.stages[s].layers
-        for p in x.parts
-        for op in (
-            Op(OpKind.SYNC_STATS, s, layer=x.name, part=p.part),
-            Op(OpKind.BCAST, s, layer=x.name, part=p.part, root=0),
-        )
-    ]
-    times = [t for st in (refresh, normal) for items in st.ops.values() for _, a, b in items for t in (a, b)]
-    times += [  # the per-layer W's cut of each W's interval ([Note: per-layer W])
-        t
-        for st, with_fused in ((refresh, fused), (normal, frozenset[str]()))
-        for d in st.ops
-        for _, a, b in w_window(problem, st, d, with_fused)
-        for t in (a, b)
-    ]
-    return _scale(times + durations + list(extra), normal.length, resolution)
+    costs, times = problem.costs, list(extra)
+    for s in stages:
+        times.append(costs.stages[s].prec)
+        for x in costs.stages[s].layers:
+            for p in x.parts:
+                sync = Op(OpKind.SYNC_STATS, s, layer=x.name, part=p.part)
+                bcast = Op(OpKind.BCAST, s, layer=x.name, part=p.part, root=0)
+                n = len(copies_of_stage(problem, s))
+                times += [p.stats, p.decomp, costs.collective_seconds(sync, n), costs.collective_seconds(bcast, n)]
+    for st, with_fused in ((refresh, fused), (normal, frozenset[str]())):
+        times += [t for items in st.ops.values() for _, a, b in items for t in (a, b)]
+        # the per-layer W's cut of each W's interval ([Note: per-layer W])
+        times += [t for d in st.ops for _, a, b in w_window(problem, st, d, with_fused) for t in (a, b)]
+    most = next((e for e in range(7) if normal.length * 10.0**e > 1e7), 7)
+    e = whole_decimal((t for t in times if t > 0), most)  # within 1e-9: 1e-6 took 519687.5 ticks for whole
+    return (10.0**e, True) if e is not None else (resolution / normal.length, False)
 
 
 def build_window(
@@ -412,123 +374,244 @@ def build_window(
     if stretch < 0:
         raise AssertionError(f"negative stretch {stretch}")
     refresh, normal = step_timeline(problem, fused, refresh=True), step_timeline(problem)
-    ticks_per_s, exact = scale if scale is not None else grid_scale(problem, group.stages, fused, resolution)
-    grid = Grid(ticks_per_s)
-    steps = [refresh] + [normal] * (k - 1)
-    offsets = [step_begins(grid.at(refresh.length), grid.at(normal.length), stretch, j, k) for j in range(k + 1)]
+    scale = scale if scale is not None else grid_scale(problem, group.stages, fused, resolution)
+    grid = Grid(scale[0])
+    steps = (refresh,) + (normal,) * (k - 1)
+    offsets = tuple(step_begins(grid.at(refresh.length), grid.at(normal.length), stretch, j, k) for j in range(k + 1))
     leads = tuple(
         grid.at(steps[j - 1].length) - grid.at(steps[j - 1].length - early_start(problem, steps[j - 1], group.devices))
         for j in range(k)
     )
-    fixed, acts, capacity = {}, {}, {}
-    for d in group.devices:
-        fixed[d], acts[d] = _device_work(problem, d, steps, offsets, leads, grid)
-        budget = problem.memory_budget
-        capacity[d] = None if budget is None else budget - static_bytes(problem, d)
-    precs = _prec_slots(problem, group, steps, offsets, leads, grid)
-    tasks = _tasks(problem, group, refresh, fused, stats_chunk, grid, precs)
-    tasks += tuple(w_tasks(problem, group.devices, steps, offsets, grid, fused))
+    frame = _Frame(problem, group, fused, grid, steps, offsets, leads)
+    work = {d: frame.device_work(d) for d in group.devices}
+    budget = problem.memory_budget
+    capacity = {d: None if budget is None else budget - static_bytes(problem, d) for d in group.devices}
+    precs = frame.prec_slots()
+    tasks = (*frame.tasks(stats_chunk, precs), *frame.w_tasks())
     use: tuple[int, ...] = ()  # per step, when the first of the streamed stage's owners starts its last backward
     if problem.streaming is not None:
         use = tuple(o + grid.at(stream_start(problem, st)) for o, st in zip(offsets, steps))
+    fixed, acts = {d: w[0] for d, w in work.items()}, {d: w[1] for d, w in work.items()}
     return Window(
-        problem,
-        group,
-        k,
-        fused,
-        ticks_per_s,
-        exact,
-        tuple(offsets),
-        fixed,
-        acts,
-        capacity,
-        tasks,
-        precs,
-        leads,
-        stretch,
-        stats_chunk,
-        use,
+        problem, group, k, fused, *scale, offsets, fixed, acts, capacity, tasks, precs, leads, stretch, stats_chunk, use
     )
 
 
-def _device_work(
-    problem: Problem,
-    device: int,
-    steps: Sequence[StepTimeline],
-    offsets: Sequence[int],
-    leads: Sequence[int],
-    grid: Grid,
-) -> tuple[tuple[Interval, ...], tuple[tuple[int, int, int], ...]]:
-    """The device's busy ticks over the window, merged (F/B, gradient all-reduces over copies, a streamed layer's
-    APPLY on its helper and hand-off on its owner, every step's first tick), and its activations (start, end, bytes)."""
-    length = offsets[-1]
-    busy: list[Interval] = []
-    pieces: list[tuple[int, int, int]] = []
-    for j, st in enumerate(steps):
-        off = offsets[j]
-        tasks = placed_w(problem)  # W's placed as tasks ([Note: placed W])
-        for _op, a, b in st.fixed(device):
-            if not (tasks and _op.kind is OpKind.BWD_W):
-                busy += wrap(off + grid.at(a), off + grid.at(b), length)
-        for op, a, b in st.ops[device]:
-            if (
-                op.kind is OpKind.ALLREDUCE_GRAD
-                and op.stage is not None
-                and len(copies_of_stage(problem, op.stage)) > 1
-            ):
-                # a collective: its interval, or where it takes no tick the instant no work may span (one copy's
-                # is a no-op)
-                start, end = off + grid.at(a), off + grid.at(b)
-                busy += wrap(start, end, length) if end > start else [(end % length, end % length)]
-            elif op.kind is OpKind.APPLY and is_streamed(problem, device, op):  # the helper's APPLY of a streamed layer
-                busy += wrap(off + grid.at(a), off + grid.at(b), length)
-            elif op.kind in (OpKind.SEND_LGRAD, OpKind.RECV_PGRAD) and op.layer is not None:  # the owner's hand-off
-                layer = problem.costs.layer(op.layer)
-                work = layer.hand_off if op.kind is OpKind.SEND_LGRAD else layer.take_back  # a RECV's wait is idle
-                if work > 0:
-                    busy += wrap(off + grid.at(b - work), off + grid.at(b), length)
-        begin = step_start_tick(offsets, leads, j)
-        busy += wrap(begin, begin + 1, length)  # no task spans a boundary ([Note: step barrier])
-        for a, b, nbytes in activation_intervals(problem, device, st, not placed_w(problem)):
-            pieces += [(s, e, nbytes) for s, e in wrap(off + grid.at(a), off + grid.at(b), length)]
-    return _merge(busy), tuple(pieces)
+@dataclass(frozen=True)
+class _Frame:
+    """What a window's pieces are built from: its k steps' timelines (step 0 the refresh step) on a grid, with their
+    offsets and leads."""
 
+    problem: Problem
+    group: StageGroup
+    fused: frozenset[str]
+    grid: Grid
+    steps: tuple[StepTimeline, ...]
+    offsets: tuple[int, ...]
+    leads: tuple[int, ...]
 
-def _prec_slots(
-    problem: Problem,
-    group: StageGroup,
-    steps: list[StepTimeline],
-    offsets: list[int],
-    leads: tuple[int, ...],
-    grid: Grid,
-) -> tuple[PrecSlot, ...]:
-    """Every (device, stage, step)'s slot ([Note: gradient parts])."""
-    slots = []
-    lead = {
-        s: max(
-            sum(secs for op, secs in prec_work(problem, c, s) if op.kind is not OpKind.BCAST_PREC)
-            for c in copies_of_stage(problem, s)
+    def wrap(self, j: int, start: float, end: float) -> list[Interval]:
+        """[start, end) seconds of window step j, on the grid, modulo the window length."""
+        return wrap(self.offsets[j] + self.grid.at(start), self.offsets[j] + self.grid.at(end), self.offsets[-1])
+
+    def device_work(self, device: int) -> tuple[tuple[Interval, ...], tuple[tuple[int, int, int], ...]]:
+        """The device's busy ticks, merged (F/B, gradient all-reduces over copies, a streamed layer's APPLY on its
+        helper and hand-off on its owner, every step's first tick), and its activations (start, end, bytes)."""
+        problem, placed = self.problem, placed_w(self.problem)  # W's placed as tasks ([Note: placed W])
+        busy: list[Interval] = []
+        acts: list[tuple[int, int, int]] = []
+        for j, st in enumerate(self.steps):
+            for op, a, b in st.ops[device]:
+                if (
+                    op.kind in (OpKind.FWD, OpKind.BWD)
+                    or (op.kind is OpKind.BWD_W and not placed)
+                    or (op.kind is OpKind.ALLREDUCE_GRAD and len(copies_of_stage(problem, op.stage_id)) > 1)
+                    or (op.kind is OpKind.APPLY and is_streamed(problem, device, op))
+                ):  # F/B, a collective (of no tick: an instant), a streamed layer's APPLY
+                    busy += self.wrap(j, a, b)
+                elif op.kind in (OpKind.SEND_LGRAD, OpKind.RECV_PGRAD) and op.layer is not None:  # the owner's hand-off
+                    layer = problem.costs.layer(op.layer)
+                    work = layer.hand_off if op.kind is OpKind.SEND_LGRAD else layer.take_back  # a RECV's wait is idle
+                    busy += self.wrap(j, b - work, b) if work > 0 else []
+            begin = step_start_tick(self.offsets, self.leads, j)
+            busy += wrap(begin, begin + 1, self.offsets[-1])  # no task spans a boundary ([Note: step barrier])
+            acts += [
+                (s, e, n)
+                for a, b, n in activation_intervals(problem, device, st, not placed)
+                for s, e in self.wrap(j, a, b)
+            ]
+        return _merge(busy), tuple(acts)
+
+    def prec_slots(self) -> tuple[PrecSlot, ...]:
+        """Every (device, stage, step)'s slot ([Note: gradient parts])."""
+        problem, grid, slots = self.problem, self.grid, []
+        lead = {
+            s: max(
+                sum(secs for op, secs in prec_work(problem, c, s) if op.kind is not OpKind.BCAST_PREC)
+                for c in copies_of_stage(problem, s)
+            )
+            for s in self.group.stages
+        }
+        for d in self.group.devices:
+            for s in stages_on_device(problem, d):
+                work = prec_work(problem, d, s)
+                ops, durations = tuple(op for op, _ in work), tuple(secs for _, secs in work)
+                shape = PrecSlot(d, s, 0, 0, 0, 0, 0, ops, durations)
+                lead_s = lead[s] if shape.shares else 0.0
+                seconds = replace(shape, lead=lead_s).seconds
+                for j, st in enumerate(self.steps):
+                    release = self.offsets[j] + grid.at(st.allreduce_end[d, s])
+                    # APPLY ends before OPT_STEP ([Note: step barrier])
+                    deadline = step_start_tick(self.offsets, self.leads, j + 1)
+                    end = st.end_of(d, ops[-1]) if ops else st.allreduce_end[d, s]  # every layer streamed: no work
+                    reference = max(release, self.offsets[j] + grid.at(end - seconds))
+                    # the reference's rounded ends, not its rounded-up length: the op after it starts at grid.at(end)
+                    ticks = min(max(1, grid.at(end) - grid.at(end - seconds)), deadline - release)
+                    slots.append(PrecSlot(d, s, j, release, deadline, reference, ticks, ops, durations, lead_s))
+        return tuple(slots)
+
+    def tasks(self, stats_chunk: int, precs: tuple[PrecSlot, ...]) -> list[Task]:
+        """The refresh's tasks: every deferred STATS, then per part its SYNC, DECOMP pieces and BCAST."""
+        problem, grid, refresh = self.problem, self.grid, self.steps[0]
+        tasks: list[Task] = []
+        for s in self.group.stages:
+            deferred = [x for x in problem.costs.stages[s].layers if x.name not in self.fused]
+            tasks += self.curv_tasks(s, deferred, stats_chunk)
+        for s in self.group.stages:
+            copies = copies_of_stage(problem, s)
+            longest = max((p.decomp for x in problem.costs.stages[s].layers for p in x.parts), default=0.0)
+            for x in problem.costs.stages[s].layers:
+                for p in x.parts:
+                    gradient = p.after is OpKind.ALLREDUCE_GRAD
+                    after_slot = gradient and not streamed_stats(problem, x.name)  # a streamed one's: with the return
+                    ready = 0
+                    if gradient and not after_slot:
+                        ready = max(grid.up(refresh.end_of(d, returned(problem, x.name))) for d in copies)
+                    elif after_slot:
+                        ready = min(slot.release + slot.ticks for slot in precs if (slot.stage, slot.step) == (s, 0))
+                    elif x.name in self.fused:
+                        made = weight_gradient_kind(problem.kind) if p.after is OpKind.BWD else p.after  # with the W
+                        if placed_w(problem) and p.after is OpKind.BWD:  # then the W's tasks ([Note: placed W])
+                            made = OpKind.BWD
+                        ready = max(
+                            grid.up(e)
+                            for d in copies
+                            for op, _, e in refresh.fixed(d)
+                            if op.stage == s and op.kind is made
+                        )
+                    # the longest a DECOMP task lasts
+                    tasks += self.refresh_tasks(s, x.name, p, longest / problem.decomp_pieces, ready, after_slot)
+        return tasks
+
+    def curv_tasks(self, stage: int, deferred: list[LayerCost], stats_chunk: int) -> list[Task]:
+        """Per copy of `stage` and F/B of the refresh step, STATS tasks of `stats_chunk` deferred layers each."""
+        tasks, copies = [], copies_of_stage(self.problem, stage)
+        for d in copies:
+            kept = [x for x in deferred if keeps_statistics(d, copies, self.problem.where(x.name))]
+            for op, _, end in self.steps[0].fixed(d):
+                for side in _parts_after(kept, op.kind) if op.stage == stage else ():
+                    for chunk in _chunks(kept, stats_chunk):
+                        secs = tuple(x.part(side).stats for x in chunk)
+                        ops = tuple(_stats_op(stage, op.mb, op.pipe, x.name, side) for x in chunk)
+                        keep = sum(x.part(side).capture_bytes for x in chunk)
+                        name = f"curv_{side}_s{stage}_m{op.mb}_p{op.pipe}_r{d}_{chunk[0].name}"
+                        factors = tuple((x.name, side) for x in chunk)
+                        span, release = self.grid.span(sum(secs)), self.grid.up(end)
+                        tasks.append(
+                            Task(name, TaskKind.CURV, stage, side, ops, secs, span, (d,), release, factors, keep)
+                        )
+        return tasks
+
+    def refresh_tasks(
+        self, stage: int, layer: str, p: PartCost, piece: float, ready: int, after_slot: bool
+    ) -> list[Task]:
+        """A part's refresh once its statistic is complete (tick `ready`): SYNC over the stage's copies (a captured part
+        held more than once), DECOMP on one copy, BCAST to the others; `after_slot`: [Note: gradient parts].
+
+        [Note: piece tasks] The decomposition is one INV task, or `Problem.decomp_pieces` DECOMP ops ("DECOMP s A i/n
+        layer") back to back in tasks no longer than `piece` (as few as that allows, dealt evenly), chained in order
+        on one rank (`inv_chains`), so that no task outlasts the bubbles while small decompositions need fewer tasks
+        than the largest: cut in the same 4 pieces, BERT-Large's d-wide factors made 288 of 1F1B's 432 tasks a stage,
+        and CP-SAT found the streamed plan at the bound only with 30 s; as one task each, within 10 s. The runtime
+        runs the same pieces."""
+        problem, side, grid = self.problem, p.part, self.grid
+        copies, workers, key = copies_of_stage(problem, stage), problem.workers(layer), ((layer, p.part),)
+
+        def collective(kind: TaskKind, op: Op, devices: tuple[int, ...], release: int) -> Task:
+            secs = problem.costs.collective_seconds(op, len(devices))
+            return Task(
+                f"{kind}_{side}_{layer}", kind, stage, side, (op,), (secs,), grid.span(secs), devices, release, key
+            )
+
+        tasks = []
+        gradient = p.after is OpKind.ALLREDUCE_GRAD
+        if len(copies) > 1 and not gradient and not problem.where(layer).strategy.local_factors:
+            tasks.append(collective(TaskKind.SYNC, Op(OpKind.SYNC_STATS, stage, layer=layer, part=side), copies, ready))
+        pieces = problem.decomp_pieces
+        share = p.decomp / pieces
+        most = max(1, math.floor(piece / share + 1e-9)) if share > 0 else pieces  # pieces a task may hold
+        runs = math.ceil(pieces / most)
+        bounds = [pieces * i // runs for i in range(runs + 1)]
+        for a, b in zip(bounds, bounds[1:]):
+            name = f"inv_{side}_{layer}" if pieces == 1 else f"inv_{side}_{layer}_{a}"
+            ops = tuple(
+                Op(OpKind.DECOMP, stage, layer=layer, part=side, piece=None if pieces == 1 else (i, pieces))
+                for i in range(a, b)
+            )
+            span, each = grid.span(share * (b - a)), (share,) * (b - a)
+            tasks.append(
+                Task(name, TaskKind.INV, stage, side, ops, each, span, workers, ready, key, after_slot=after_slot)
+            )
+        if len(workers) > 1:
+            group = None if workers == copies else workers
+            op = Op(OpKind.BCAST, stage, layer=layer, part=side, root=workers[0], group=group)
+            tasks.append(collective(TaskKind.BCAST, op, workers, 0))
+        return tasks
+
+    def w_tasks(self) -> list[Task]:
+        """The WGRAD task of every W of every window step on the group's devices ([Note: placed W]); the refresh
+        step's list, as `factors`, the fused parts their curvature feeds (those parts' decompositions follow them).
+        Per-layer W's ([Note: per-layer W]) are a task each where each spans a tick at home; else one task holds a
+        stage W's layers' W's back to back."""
+        tasks = []
+        for d in self.group.devices:
+            for j, st in enumerate(self.steps):
+                items = w_window(self.problem, st, d, self.fused if j == 0 else frozenset())
+                for _, group in itertools.groupby(items, key=lambda item: (item[0].stage, item[0].mb, item[0].pipe)):
+                    run = list(group)
+                    ws: list[tuple[tuple[Op, ...], tuple[float, ...], float, float]]
+                    ws = [((op,), (b - a,), a, b) for op, a, b in run]
+                    if any(self.grid.at(b) <= self.grid.at(a) for _, a, b in run):
+                        ws = [(tuple(op for op, _, _ in run), tuple(b - a for _, a, b in run), run[0][1], run[-1][2])]
+                    tasks += [self.w_task(d, j, *w) for w in ws]
+        return tasks
+
+    def w_task(
+        self, device: int, j: int, ops: tuple[Op, ...], seconds: tuple[float, ...], start: float, end: float
+    ) -> Task:
+        """The WGRAD task of `ops` whose home is [start, end) of window step j: released at its B's end, due by its
+        stage's ALLREDUCE_GRAD (with one copy, by the step's end)."""
+        op, s, at, timeline = ops[0], ops[0].stage_id, self.grid.at, self.steps[j].ops[device]
+        b_op = Op(OpKind.BWD, op.stage, op.mb, op.pipe)
+        release = self.offsets[j] + at(next(e for o, _, e in timeline if o == b_op))
+        reduce = next(t for o, t, _ in timeline if o.kind is OpKind.ALLREDUCE_GRAD and o.stage == op.stage)
+        due = self.offsets[j] + max(at(reduce), at(end)) if shared(self.problem, s) else self.offsets[j + 1]
+        stage = self.problem.costs.stages[s]
+        layers = {w.layer for w in ops}
+        feeds = tuple(
+            (x.name, p.part)
+            for x in stage.layers
+            if j == 0 and x.name in self.fused and (None in layers or x.name in layers)  # a per-layer W: its layer's
+            for p in x.parts
+            if p.after is OpKind.BWD
         )
-        for s in group.stages
-    }
-    for d in group.devices:
-        for s in stages_on_device(problem, d):
-            work = prec_work(problem, d, s)
-            ops, durations = tuple(op for op, _ in work), tuple(secs for _, secs in work)
-            shape = PrecSlot(d, s, 0, 0, 0, 0, 0, ops, durations, lead[s])
-            lead_s = shape.lead if shape.shares else 0.0
-            seconds = replace(shape, lead=lead_s).seconds
-            for j, st in enumerate(steps):
-                release = offsets[j] + grid.at(st.allreduce_end[d, s])
-                deadline = step_start_tick(offsets, leads, j + 1)  # before OPT_STEP ([Note: step barrier])
-                end = st.end_of(d, ops[-1]) if ops else st.allreduce_end[d, s]  # every layer streamed: no work
-                reference = offsets[j] + grid.at(end - seconds)
-                # the reference's rounded ends, not its rounded-up length: the op after it starts at grid.at(end)
-                ticks = min(max(1, grid.at(end) - grid.at(end - seconds)), deadline - release)
-                slots.append(
-                    PrecSlot(d, s, j, release, deadline, max(release, reference), ticks, ops, durations, lead_s)
-                )
-    return tuple(slots)
+        suffix = f"_{op.layer}" if len(ops) == 1 and op.layer else ""
+        name = f"w_s{op.stage}_m{op.mb}_p{op.pipe}_r{device}_j{j}{suffix}"
+        ticks, home = max(1, at(end) - at(start)), self.offsets[j] + at(start)
+        keep = sum(w_operand_bytes(stage, w.layer) for w in ops)
+        return Task(
+            name, TaskKind.WGRAD, s, "", ops, seconds, ticks, (device,), release, feeds, keep, deadline=due, home=home
+        )
 
 
 def _parts_after(layers: Iterable[LayerCost], kind: OpKind) -> list[str]:
@@ -550,152 +633,25 @@ def _chunks(layers: Sequence[LayerCost], size: int) -> list[list[LayerCost]]:
     return [list(layers[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
-def _curv_tasks(
-    problem: Problem, stage: int, refresh: StepTimeline, deferred: list[LayerCost], stats_chunk: int, grid: Grid
-) -> list[Task]:
-    tasks = []
-    copies = copies_of_stage(problem, stage)
-    for d in copies:
-        kept = [x for x in deferred if keeps_statistics(d, copies, problem.where(x.name))]
-        for op, _, end in refresh.fixed(d):
-            if op.stage != stage:
-                continue
-            chunks = _chunks(kept, stats_chunk)
-            for side in _parts_after(kept, op.kind):
-                for chunk in chunks:
-                    if not chunk:
-                        continue
-                    secs = tuple(x.part(side).stats for x in chunk)
-                    ops = tuple(_stats_op(stage, op.mb, op.pipe, x.name, side) for x in chunk)
-                    keep = sum(x.part(side).capture_bytes for x in chunk)
-                    name = f"curv_{side}_s{stage}_m{op.mb}_p{op.pipe}_r{d}_{chunk[0].name}"
-                    factors = tuple((x.name, side) for x in chunk)
-                    span = grid.span(sum(secs))
-                    tasks.append(
-                        Task(name, TaskKind.CURV, stage, side, ops, secs, span, (d,), grid.up(end), factors, keep)
-                    )
-    return tasks
-
-
-def _tasks(
-    problem: Problem,
-    group: StageGroup,
-    refresh: StepTimeline,
-    fused: frozenset[str],
-    stats_chunk: int,
-    grid: Grid,
-    precs: tuple[PrecSlot, ...],
-) -> tuple[Task, ...]:
-    tasks: list[Task] = []
-    for s in group.stages:
-        layers = problem.costs.stages[s].layers
-        tasks += _curv_tasks(problem, s, refresh, [x for x in layers if x.name not in fused], stats_chunk, grid)
-    for s in group.stages:
-        copies = copies_of_stage(problem, s)
-        longest = max((p.decomp for x in problem.costs.stages[s].layers for p in x.parts), default=0.0)
-        piece = longest / problem.decomp_pieces  # the longest a DECOMP task lasts
-        for x in problem.costs.stages[s].layers:
-            for p in x.parts:
-                gradient = p.after is OpKind.ALLREDUCE_GRAD
-                after_slot = gradient and not streamed_stats(problem, x.name)  # a streamed one's: with the return
-                ready = 0
-                if gradient and not after_slot:
-                    ready = max(grid.up(refresh.end_of(d, returned(problem, x.name))) for d in copies)
-                elif after_slot:
-                    ready = min(slot.release + slot.ticks for slot in precs if (slot.stage, slot.step) == (s, 0))
-                elif x.name in fused:
-                    made = weight_gradient_kind(problem.kind) if p.after is OpKind.BWD else p.after  # with the W
-                    if placed_w(problem) and p.after is OpKind.BWD:  # then the W's tasks ([Note: placed W])
-                        made = OpKind.BWD
-                    ready = max(
-                        grid.up(e) for d in copies for op, _, e in refresh.fixed(d) if op.stage == s and op.kind is made
-                    )
-                tasks += _refresh_tasks(problem, s, x.name, p.part, p.decomp, piece, ready, gradient, grid, after_slot)
-    return tuple(tasks)
-
-
-def _refresh_tasks(
-    problem: Problem,
-    stage: int,
-    layer: str,
-    side: str,
-    decomp: float,
-    piece: float,
-    ready: int,
-    gradient: bool,
-    grid: Grid,
-    after_slot: bool,
-) -> list[Task]:
-    """A part's refresh once its statistic is complete (tick `ready`): SYNC over the stage's copies (a captured part
-    held more than once), DECOMP on one copy, BCAST to the others. `gradient`: the part is fed by the reduced gradient
-    ([Note: gradient parts]); `after_slot`: its DECOMP follows the refresh step's slot (not where a streamed unit's
-    statistics land with its helper's return).
-
-    [Note: piece tasks] The decomposition is one INV task, or `Problem.decomp_pieces` DECOMP ops ("DECOMP s A i/n
-    layer") run back to back in tasks no longer than `piece` (as few as that allows, the pieces dealt evenly), chained
-    in order on one rank (`inv_chains`), so that no task outlasts the bubbles while a stage's small decompositions
-    need fewer tasks than its largest: cut in the same 4 pieces, BERT-Large's d-wide factors (1/64 of the 4d-wide
-    ones' decomposition) made 288 of 1F1B's 432 tasks a stage, and CP-SAT found the streamed plan at the bound only
-    with 30 s; as one task each, within 10 s. The runtime runs the same pieces."""
-    copies, workers = copies_of_stage(problem, stage), problem.workers(layer)
-    key = ((layer, side),)
-    tasks = []
-    if len(copies) > 1 and not gradient and not problem.where(layer).strategy.local_factors:
-        op = Op(OpKind.SYNC_STATS, stage, layer=layer, part=side)
-        secs = problem.costs.collective_seconds(op, len(copies))
-        span = grid.span(secs)
-        tasks.append(Task(f"sync_{side}_{layer}", TaskKind.SYNC, stage, side, (op,), (secs,), span, copies, ready, key))
-    pieces = problem.decomp_pieces
-    share = decomp / pieces
-    most = max(1, math.floor(piece / share + 1e-9)) if share > 0 else pieces  # pieces a task may hold
-    runs = math.ceil(pieces / most)
-    bounds = [pieces * i // runs for i in range(runs + 1)]
-    whole = pieces == 1
-    for a, b in zip(bounds, bounds[1:]):
-        name = f"inv_{side}_{layer}" if whole else f"inv_{side}_{layer}_{a}"
-        ops = tuple(
-            Op(OpKind.DECOMP, stage, layer=layer, part=side, piece=None if whole else (i, pieces)) for i in range(a, b)
-        )
-        span, each = grid.span(share * (b - a)), (share,) * (b - a)
-        tasks.append(Task(name, TaskKind.INV, stage, side, ops, each, span, workers, ready, key, after_slot=after_slot))
-    if len(workers) > 1:
-        group = None if workers == copies else workers
-        op = Op(OpKind.BCAST, stage, layer=layer, part=side, root=workers[0], group=group)
-        secs = problem.costs.collective_seconds(op, len(workers))
-        span = grid.span(secs)
-        tasks.append(Task(f"bcast_{side}_{layer}", TaskKind.BCAST, stage, side, (op,), (secs,), span, workers, 0, key))
-    return tasks
-
-
-# The zero-bubble schedules' W's as planner tasks (issue 37 item 3): placed by the window's solvers among the
-# preconditioner's work, instead of at the schedule's positions.
-#
-# [Note: placed W] A W (OpKind.BWD_W, the weight-gradient half of a backward) depends on its own B alone and is
-# needed by its stage's gradient all-reduce, the step's update. It is flexible work with a release and a deadline,
-# as a deferred STATS is: in a window (above) each W of each step becomes a `TaskKind.WGRAD` task on
-# its rank, released at its B's end, due by its stage's update in the same step (the start of its ALLREDUCE_GRAD
-# where the stage has copies; else its per-step slot, the no-op all-reduce following the last W: `shared`), holding its
-# layers' operands (`w_operand_bytes`) from its release until it ends (the window's memory model counts them as
-# it counts a deferred STATS's captures). Its length is its interval in the simulated step (the
-# refresh step's includes the fused layers' curvature, which runs with it). The schedule's position (`home`) is where
-# first-fit puts it and where CP-SAT keeps it while it searches for any placement (the refresh period and the stretch
-# are searched so, as with W's fixed: free W's made those searches slower, and some found a longer period), freeing
-# them only where that search proves there is none (a period that only moved W's make room for); CP-SAT's
-# least-staleness solve then moves the W's, from that placement, where that leaves the DECOMP, APPLY and deferred
-# STATS tasks more room (a placement it finds worse is not kept). The F/B keep their simulated times: a W moves only
-# within its rank's idle time, so no step grows. A fused layer's decomposition waits for the refresh step's W's of
-# its stage (they fold its statistics). Plans place W's where `placed_w` holds: a zero-bubble schedule without
-# streaming (a streamed layer's hand-off follows the stage's last backward in the program) whose windows hold at most
-# `MAX_W_TASKS` of them.
+# [Note: placed W] The zero-bubble schedules' W's (OpKind.BWD_W, a backward's weight-gradient half) as planner tasks
+# (issue 37 item 3). A W depends on its own B alone and is needed by its stage's update: in a window each W of each
+# step is a `TaskKind.WGRAD` task on its rank, released at its B's end, due by its stage's ALLREDUCE_GRAD where the
+# stage has copies (else by its per-step slot, the no-op all-reduce following the last W: `shared`), holding its
+# layers' operands (`w_operand_bytes`) until it ends, as a deferred STATS holds its captures. It lasts its interval in
+# the simulated step (at the refresh step, with the fused curvature it runs). Its schedule position (`home`) is where
+# first-fit puts it and where CP-SAT keeps it while searching the period and stretch (free W's made those searches
+# slower and some longer); CP-SAT frees them only where that search proves there is no placement, and its
+# least-staleness solve then moves them where that leaves the other tasks more room (a worse placement is not kept).
+# F/B keep their times, so no step grows. A fused layer's decomposition waits for the refresh step's W's of its stage.
+# W's are placed where `placed_w` holds: a zero-bubble schedule without streaming (a streamed hand-off follows the
+# stage's last backward in the program) of at most `MAX_W_TASKS` W's a window.
 
 
 MAX_W_TASKS = 4096
-"""The most W tasks a problem's longest window may hold (N micro-batches x S stages x `Problem.max_period` steps)
-for its plans to place W's: beyond it they stay at the schedule's places. Counted per layer (N x the stages' layers x
-max_period), it decides whether the placed W's are one per layer (`w_by_layer`) or one per stage. CP-SAT's model
-grows with them: BERT-Large ZB-H1 D=8 N=32 on the paper's profiles (8192) took 14 s of CP-SAT where W's at their
-places took 3.6 s, and refreshed stages 4 and 5 a step later (18 16 against 17 15); ZB-V D=8 N=8 (4096) plans better
-with them."""
+"""The most W tasks a problem's longest window may hold (N x S x `Problem.max_period`) for its plans to place W's;
+counted per layer, it decides whether they are one per layer (`w_by_layer`) or one per stage. CP-SAT's model grows
+with them: BERT-Large ZB-H1 D=8 N=32 on the paper's profiles (8192) took 14 s of CP-SAT against 3.6 s with W's in
+place, and refreshed stages 4 and 5 a step later; ZB-V D=8 N=8 (4096) plans better with them."""
 
 
 def placed_w(problem: Problem) -> bool:
@@ -717,15 +673,6 @@ def shared(problem: Problem, stage: int) -> bool:
     a fixed time of the step; with one copy it is a no-op that follows the stage's last W wherever it is placed, and
     the W's are due by the stage's per-step slot (its gradient STATS and APPLY, which read the gradient)."""
     return len(copies_of_stage(problem, stage)) > 1
-
-
-def w_bounds(step: StepTimeline, device: int, w: Op) -> tuple[float, float]:
-    """(release, due) of W `w` on `device` in `step`, seconds from the step's start: the end of its B, and the
-    start of its stage's ALLREDUCE_GRAD (the schedule's position lies between them)."""
-    b = Op(OpKind.BWD, w.stage, w.mb, w.pipe)
-    release = next(end for op, _, end in step.ops[device] if op == b)
-    due = next(start for op, start, _ in step.ops[device] if op.kind is OpKind.ALLREDUCE_GRAD and op.stage == w.stage)
-    return release, due
 
 
 def allreduce_after_w(problem: Problem, items: list[tuple[tuple[int, ...], Op]]) -> list[tuple[tuple[int, ...], Op]]:
@@ -755,74 +702,3 @@ def w_window(
     if not w_by_layer(problem):
         return ws
     return [item for op, a, b in ws for item in w_layer_ops(problem.costs.stages[op.stage_id], op, a, b, fused)]
-
-
-def w_tasks(
-    problem: Problem,
-    devices: Sequence[int],
-    steps: Sequence[StepTimeline],
-    offsets: Sequence[int],
-    grid: Grid,
-    fused: frozenset[str] = frozenset(),
-) -> list[Task]:
-    """The WGRAD task of every W of every window step on `devices` ([Note: placed W]); the refresh step's (j = 0)
-    list, as `factors`, the fused parts their curvature feeds: those parts' decompositions follow them. Per-layer W's
-    ([Note: per-layer W]) are a task each where each spans a tick of the grid at home; else one task holds a stage
-    W's layers' W's back to back."""
-    tasks = []
-    for d in devices:
-        for j, st in enumerate(steps):
-            items = w_window(problem, st, d, fused if j == 0 else frozenset())
-            for _, group in itertools.groupby(items, key=lambda item: (item[0].stage, item[0].mb, item[0].pipe)):
-                run = list(group)
-                ws: list[tuple[tuple[Op, ...], tuple[float, ...], float, float]]
-                ws = [((op,), (b - a,), a, b) for op, a, b in run]
-                if any(grid.at(b) <= grid.at(a) for _, a, b in run):
-                    ws = [(tuple(op for op, _, _ in run), tuple(b - a for _, a, b in run), run[0][1], run[-1][2])]
-                tasks += [_w_task(problem, d, j, st, offsets, grid, fused, *w) for w in ws]
-    return tasks
-
-
-def _w_task(
-    problem: Problem,
-    device: int,
-    j: int,
-    step: StepTimeline,
-    offsets: Sequence[int],
-    grid: Grid,
-    fused: frozenset[str],
-    ops: tuple[Op, ...],
-    seconds: tuple[float, ...],
-    start: float,
-    end: float,
-) -> Task:
-    """The WGRAD task of `ops` (one stage W, or its layers' W's back to back) whose home is [start, end) of window
-    step j, each op lasting its `seconds` ([Note: placed W])."""
-    op = ops[0]
-    a, b = grid.at(start), grid.at(end)
-    release, due = w_bounds(step, device, op)
-    deadline = offsets[j] + max(grid.at(due), b) if shared(problem, op.stage_id) else offsets[j + 1]
-    stage = problem.costs.stages[op.stage_id]
-    layers = {w.layer for w in ops}
-    feeds = tuple(
-        (x.name, p.part)
-        for x in stage.layers
-        if x.name in fused and (None in layers or x.name in layers)  # a per-layer W feeds its own layer's
-        for p in x.parts
-        if p.after is OpKind.BWD
-    )
-    return Task(
-        f"w_s{op.stage}_m{op.mb}_p{op.pipe}_r{device}_j{j}" + (f"_{op.layer}" if len(ops) == 1 and op.layer else ""),
-        TaskKind.WGRAD,
-        op.stage_id,
-        "",
-        ops,
-        seconds,
-        max(1, b - a),
-        (device,),
-        offsets[j] + grid.at(release),
-        feeds if j == 0 else (),
-        sum(w_operand_bytes(stage, w.layer) for w in ops),
-        deadline=deadline,
-        home=offsets[j] + a,
-    )

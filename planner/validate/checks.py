@@ -1,21 +1,15 @@
 """Checks a plan against its problem, independently of the solvers: every constraint, in seconds.
 
-It recomputes what the plan must contain from the problem alone (the simulated step timelines; the cost table,
-whose comm model prices the collectives) and shares no code with the search. Times may be off by the plan's
-`metrics.time_quantum` ([Note: time grid] in planner/plan/window.py); every step is followed by `metrics.stretch`
-idle seconds ([Note: stretch]) and the step time, stretch included, stays within max_overhead. Each layer's
-distribution (planner/problem/strategy.py) says which copies take its statistics, sync them, decompose, receive the
-decomposition, apply it and broadcast the preconditioned gradient. A part fed by the reduced gradient has a STATS
-without micro-batch at every step on every copy, between the all-reduce and APPLY, and no SYNC_STATS. Under
-`StepBarrier.AGREEMENT_SET` a step begins on a rank once its agreement set can have ended the step before.
-
-The checks: a refresh's order (statistics after the F/B they read; sync, decomposition pieces and broadcast after
-them and before the next refresh; APPLY after the gradient is reduced; each layer's `use_offset`); where and when ops
-are placed (as often as the problem asks, for their cost, inside their window step, never over the F/B or each
-other, within the memory budget and the step time); the per-rank programs (the schedule's ops and the placed ones in
-time order, no gradient read early, no deadlock, no slower than planned); and a streamed stage's hand-offs
-(planner/problem/lowering.py: the owner sends each streamed layer's gradient after the stage's last backward and
-takes it back within the step, the helper applies and returns it, and every refresh reaches the helper in time).
+It recomputes what the plan must contain from the problem alone (the simulated step timelines; the cost table's comm
+model) and shares no code with the search. Times may be off by the plan's `metrics.time_quantum` ([Note: time grid]
+in planner/plan/window.py); every step is followed by `metrics.stretch` idle seconds ([Note: stretch]), and the step
+stays within max_overhead. Each layer's distribution (planner/problem/strategy.py) says which copies take its
+statistics, sync, decompose, receive, apply and broadcast it. Checked: a refresh's order (statistics after the F/B
+they read; sync, decomposition pieces and broadcast after them and before the next refresh; APPLY after the reduced
+gradient; each `use_offset`); the placements (as often as the problem asks, for their cost, inside their window step,
+never over the F/B or each other, within memory and step time); the per-rank programs (the schedule's ops and the
+placed ones in time order, no gradient read early, no deadlock, no slower than planned); and a streamed stage's
+hand-offs and replicas (planner/problem/lowering.py).
 """
 
 from __future__ import annotations
@@ -78,6 +72,9 @@ from fxkfac.planner.problem.strategy import keeps_statistics
 if TYPE_CHECKING:
     from fxkfac.planner.plan.plan import Plan
 
+Key = tuple[int | None, int, int]
+"""(stage, device, window step)."""
+
 
 @dataclass
 class Context:
@@ -117,10 +114,24 @@ class Context:
     def timeline(self, j: int, k: int) -> StepTimeline:
         return self.refresh if j % k == 0 else self.normal
 
+    def end_of(self, j: int, k: int, device: int, kind: OpKind, op: Op) -> float:
+        """When the `kind` op of `op`'s stage, micro-batch and pipe ends on `device` in window step j (absolute)."""
+        key = (op.stage, op.mb, op.pipe)
+        found = (b for x, _, b in self.timeline(j, k).ops[device] if x.kind is kind and (x.stage, x.mb, x.pipe) == key)
+        return self.base(j, k) + next(found)
+
     @cached_property
     def starts(self) -> dict[tuple[Op, int, int], float]:
         """Each placed op's start by (op, device, window step)."""
         return {(p.op, p.device, p.step): p.start for p in self.plan.placements}
+
+    @cached_property
+    def kinds(self) -> defaultdict[OpKind, list[Placement]]:
+        """The placements of each kind, in the plan's order."""
+        out = defaultdict(list)
+        for p in self.plan.placements:
+            out[p.op.kind].append(p)
+        return out
 
     @cached_property
     def made(self) -> dict[str, list[float]]:
@@ -130,6 +141,31 @@ class Context:
             if p.op.kind in (OpKind.DECOMP, OpKind.BCAST):
                 out.setdefault(p.op.layer_name, []).append(p.end)
         return out
+
+    @cached_property
+    def placed_kinds(self) -> frozenset[OpKind]:
+        """The ops a program holds where its placements say: the preconditioner's, and a zero-bubble schedule's W's
+        where plans place them ([Note: placed W] in planner/plan/window.py)."""
+        return PRECONDITIONER_KINDS | ({OpKind.BWD_W} if placed_w(self.problem) else set())
+
+    def follows_w(self, op: Op) -> bool:
+        """Whether `op` is a no-op all-reduce (of a stage without copies) that follows its stage's placed W's wherever
+        they are, not the schedule's position."""
+        return (
+            op.kind is OpKind.ALLREDUCE_GRAD
+            and placed_w(self.problem)
+            and op.stage is not None
+            and len(copies_of_stage(self.problem, op.stage)) == 1
+        )
+
+    def pipeline(self, op: Op) -> bool:
+        """Whether `op` is at the schedule's place in a program: neither placed nor following placed W's."""
+        return op.kind not in self.placed_kinds and not self.follows_w(op)
+
+    def fold(self, op: Op) -> bool:
+        """Whether `op` folds a fused layer's capture (a STATS of a micro-batch of a fused layer): part of the refresh
+        step's F/B, not placed work."""
+        return op.kind is OpKind.STATS and op.mb is not None and op.layer in self.fused
 
 
 def placed_key(op: Op) -> Op:
@@ -142,21 +178,6 @@ def per_step(op: Op) -> bool:
     return op.kind in (OpKind.APPLY, OpKind.BCAST_PREC) or (op.kind is OpKind.STATS and op.mb is None)
 
 
-def step_ops(problem: Problem, device: int, stage: int) -> list[Op]:
-    """What `device` runs of `stage` at every step (`prec_work`: gradient STATS, APPLYs, BCAST_PRECs)."""
-    return [op for op, _ in prec_work(problem, device, stage)]
-
-
-def gradient_fed_parts(c: Context, stage: int) -> list[tuple[str, str]]:
-    """(layer, part) of the stage's parts fed by the reduced gradient."""
-    return [
-        (x.name, p.part)
-        for x in c.problem.costs.stages[stage].layers
-        for p in x.parts
-        if p.after is OpKind.ALLREDUCE_GRAD
-    ]
-
-
 def op_seconds(c: Context, op: Op) -> float:
     stage = c.problem.costs.stages[op.stage_id]
     if op.kind is OpKind.APPLY:
@@ -165,16 +186,12 @@ def op_seconds(c: Context, op: Op) -> float:
         cost = c.problem.costs.layer(op.layer)
         folds = sum(p.stats for p in cost.parts) if streamed_stats(c.problem, op.layer) else 0.0
         return apply_seconds(c.problem, op) + folds
-    if op.kind in (OpKind.SYNC_STATS, OpKind.BCAST, OpKind.BCAST_PREC):
-        return collective_seconds(c, op)
+    if op.kind in (OpKind.SYNC_STATS, OpKind.BCAST, OpKind.BCAST_PREC, OpKind.ALLREDUCE_GRAD):
+        # a collective over the ranks it names, else every copy of its stage, by the comm model
+        group = op.group if op.group is not None else copies_of_stage(c.problem, op.stage_id)
+        return c.problem.costs.collective_seconds(op, len(group))
     part = c.problem.costs.layer(op.layer_name).part(op.part_name)
     return part.stats if op.kind is OpKind.STATS else part.decomp / (1 if op.piece is None else op.piece[1])
-
-
-def collective_seconds(c: Context, op: Op) -> float:
-    """Seconds of a collective over the ranks it names, else every copy of its stage, by the comm model."""
-    group = op.group if op.group is not None else copies_of_stage(c.problem, op.stage_id)
-    return c.problem.costs.collective_seconds(op, len(group))
 
 
 def wrapped(start: float, end: float, length: float) -> list[tuple[float, float]]:
@@ -185,12 +202,6 @@ def wrapped(start: float, end: float, length: float) -> list[tuple[float, float]
     return [(s, e)] if e <= length + 1e-12 else [(s, length), (0.0, e - length)]
 
 
-def end_of(timeline: StepTimeline, device: int, kind: OpKind, stage: int, mb: int, pipe: int) -> float:
-    return next(
-        b for op, _, b in timeline.ops[device] if op.kind is kind and (op.stage, op.mb, op.pipe) == (stage, mb, pipe)
-    )
-
-
 def apply_start(c: Context, layer: str, u: int, device: int) -> float:
     """When window step `u` (0..2k) on `device` starts the APPLY that preconditions `layer` (a streamed layer: when
     its owner starts the backward that streams it), from the window's start (0 where there is none)."""
@@ -199,11 +210,9 @@ def apply_start(c: Context, layer: str, u: int, device: int) -> float:
     streaming = c.problem.streaming
     if streaming is not None and layer in streaming.layers:  # needed once the owner starts streaming it
         return c.base(u % k, k) + stream_start(c.problem, c.timeline(u, k)) + c.length(k) * (u // k)
-    apply = (
-        Op(OpKind.APPLY, s)
-        if Op(OpKind.APPLY, s) in step_ops(c.problem, c.problem.workers(layer)[0], s)
-        else Op(OpKind.APPLY, s, layer=layer)
-    )
+    whole = Op(OpKind.APPLY, s)
+    worker = c.problem.workers(layer)[0]
+    apply = whole if any(op == whole for op, _ in prec_work(c.problem, worker, s)) else Op(OpKind.APPLY, s, layer=layer)
     return c.starts.get((apply, device, u % k), 0.0) + c.length(k) * (u // k)
 
 
@@ -211,8 +220,8 @@ def check_dependencies(c: Context) -> None:
     factor_tasks: defaultdict[tuple[str, str | None], defaultdict[OpKind, list[Placement]]] = defaultdict(
         lambda: defaultdict(list)
     )
-    applies = {(p.op.stage, p.device, p.step): p.start for p in c.plan.placements if p.op.kind is OpKind.APPLY}
-    updates: dict[tuple[int | None, int, int], float] = {}  # the first per-step op's start by stage, device, step
+    applies = {(p.op.stage, p.device, p.step): p.start for p in c.kinds[OpKind.APPLY]}
+    updates: dict[Key, float] = {}  # the first per-step op's start by stage, device, step
     for p in c.plan.placements:
         if per_step(p.op):
             key = (p.op.stage, p.device, p.step)
@@ -222,7 +231,7 @@ def check_dependencies(c: Context) -> None:
             _check_gradient_stats(c, p, applies)
         elif p.op.kind is OpKind.STATS:
             kind = c.problem.costs.layer(p.op.layer_name).part(p.op.part_name).after  # the F/B its capture ends
-            ready = end_of(c.refresh, p.device, kind, p.op.stage_id, p.op.mb_id, p.op.pipe)
+            ready = c.end_of(0, 1, p.device, kind, p.op)
             if p.start < ready - c.tol:
                 c.errors.append(f"{p.op} on r{p.device} starts at {p.start:.6g} before its {kind} ends ({ready:.6g})")
             if p.end > ready + c.length(c.period(p.op.stage_id)) + c.tol:
@@ -231,26 +240,25 @@ def check_dependencies(c: Context) -> None:
             _check_w(c, p, updates)
         elif p.op.kind is OpKind.BCAST_PREC:
             _check_shared_gradient(c, p)
-        elif p.op.kind is not OpKind.APPLY:
-            # STATS, SYNC_STATS (no factor), DECOMP and BCAST name their layer
+        elif p.op.kind is not OpKind.APPLY:  # STATS, SYNC_STATS, DECOMP and BCAST name their layer
             factor_tasks[p.op.layer_name, p.op.part][p.op.kind].append(p)
     for (layer, side), kinds in factor_tasks.items():
         _check_factor(c, layer, side, kinds)
     _check_warm_starts(c, factor_tasks)
 
 
-def _check_w(c: Context, p: Placement, updates: Mapping[tuple[int | None, int, int], float]) -> None:
+def _check_w(c: Context, p: Placement, updates: Mapping[Key, float]) -> None:
     """A placed W runs after its B and by its stage's gradient all-reduce in its own step (with one copy, a no-op
     all-reduce: by its per-step slot; [Note: placed W] in planner/plan/window.py)."""
     k = c.period(p.op.stage_id)
-    timeline, base = c.timeline(p.step, k), c.base(p.step, k)
-    key = (p.op.stage, p.device, p.step)
-    ready = base + end_of(timeline, p.device, OpKind.BWD, p.op.stage_id, p.op.mb_id, p.op.pipe)
-    due = base + next(
-        a for op, a, _ in timeline.ops[p.device] if op.kind is OpKind.ALLREDUCE_GRAD and op.stage == p.op.stage
+    ready = c.end_of(p.step, k, p.device, OpKind.BWD, p.op)
+    due = c.base(p.step, k) + next(
+        a
+        for op, a, _ in c.timeline(p.step, k).ops[p.device]
+        if op.kind is OpKind.ALLREDUCE_GRAD and op.stage == p.op.stage
     )
     if len(copies_of_stage(c.problem, p.op.stage_id)) == 1:  # a no-op all-reduce: due by the stage's update
-        due = min(c.base(p.step + 1, k), updates.get(key, math.inf))
+        due = min(c.base(p.step + 1, k), updates.get((p.op.stage, p.device, p.step), math.inf))
     if p.start < ready - c.tol or p.end > due + c.tol:
         c.errors.append(
             f"{p.op} on r{p.device} at step {p.step} is not between its B ({ready:.6g}) and its "
@@ -260,23 +268,18 @@ def _check_w(c: Context, p: Placement, updates: Mapping[tuple[int | None, int, i
 
 def _check_shared_gradient(c: Context, p: Placement) -> None:
     """A BCAST_PREC starts on every member of its row at once, after its root's APPLY of the layer in that step."""
-    same = [q for q in c.plan.placements if q.op == p.op and q.step == p.step]
-    if max(q.start for q in same) - min(q.start for q in same) > c.tol:
+    same = [q.start for q in c.kinds[OpKind.BCAST_PREC] if q.op == p.op and q.step == p.step]
+    if max(same) - min(same) > c.tol:
         c.errors.append(f"{p.op} at step {p.step}: the row starts it at different times")
-    made = [
-        q
-        for q in c.plan.placements
-        if q.op.kind is OpKind.APPLY and q.device == p.op.root and q.step == p.step and q.op.layer == p.op.layer
-    ]
+    made = [q for q in c.kinds[OpKind.APPLY] if (q.device, q.step, q.op.layer) == (p.op.root, p.step, p.op.layer)]
     if not made or p.start < made[0].end - c.tol:
         c.errors.append(f"{p.op} on r{p.device} at step {p.step} starts before r{p.op.root} applied {p.op.layer}")
 
 
-def _check_gradient_stats(c: Context, p: Placement, applies: Mapping[tuple[int | None, int, int], float]) -> None:
+def _check_gradient_stats(c: Context, p: Placement, applies: Mapping[Key, float]) -> None:
     """A gradient STATS runs after its stage's gradient all-reduce of its step and before the stage's APPLY there
     (`applies`: APPLY starts by stage, device and step), which overwrites the gradient."""
-    s = p.op.stage
-    assert s is not None, "a STATS names its stage (Op checks it)"
+    s = p.op.stage_id
     k = c.period(s)
     if (p.device, s) not in c.refresh.allreduce_end or not 0 <= p.step < k:
         return  # check_placed_once says where it should be
@@ -293,7 +296,7 @@ def _check_gradient_stats(c: Context, p: Placement, applies: Mapping[tuple[int |
         )
 
 
-def _check_factor(c: Context, layer: str, side: str | None, kinds: dict) -> None:
+def _check_factor(c: Context, layer: str, side: str | None, kinds: Mapping[OpKind, list[Placement]]) -> None:
     """A factor's refresh: statistics, SYNC_STATS, DECOMP pieces and BCAST in order (a gradient-fed part's DECOMP after
     the refresh step's STATS on its rank, the snapshot), the collectives started together on every copy, the
     broadcast from the decomposing rank, all done before the next refresh needs the factor's buffers."""
@@ -301,34 +304,37 @@ def _check_factor(c: Context, layer: str, side: str | None, kinds: dict) -> None
     L = c.length(c.period(stage))
     copies = copies_of_stage(c.problem, stage)
     curv, sync, inv, bcast = (kinds.get(k, []) for k in (OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST))
-    if (layer, side) in gradient_fed_parts(c, stage):
+    after = None if side is None else c.problem.costs.layer(layer).part(side).after
+    if after is OpKind.ALLREDUCE_GRAD:
         if len(inv) != 1:
             return  # check_placed_once counts them
         _check_snapshot(c, layer, inv[0], curv)
         ready, curv = -math.inf, []  # its per-step STATS are no refresh's curvature
     elif layer in c.fused:
-        kind = c.problem.costs.layer(layer).part(side).after  # type: ignore[arg-type]  # fused: per part
-        kind = weight_gradient_kind(c.problem.kind) if kind is OpKind.BWD else kind  # made with the W
+        kind = weight_gradient_kind(c.problem.kind) if after is OpKind.BWD else after  # made with the W
         ready = max(b for d in copies for op, _, b in c.refresh.fixed(d) if op.stage == stage and op.kind is kind)
         if kind is OpKind.BWD_W and placed_w(c.problem):  # the refresh step's W's, placed
-            ready = max(
-                q.end
-                for q in c.plan.placements
-                if q.op.kind is kind and q.op.stage == stage and q.step == 0 and q.op.layer in (None, layer)
-            )  # a per-layer W ([Note: per-layer W]) folds its own layer's
+            ws = c.kinds[OpKind.BWD_W]  # a per-layer W ([Note: per-layer W]) folds its own layer's
+            ready = max(q.end for q in ws if q.op.stage == stage and q.step == 0 and q.op.layer in (None, layer))
     else:
         ready = max((p.end for p in curv), default=0.0)
     for group in (sync, bcast):
         if group and max(p.start for p in group) - min(p.start for p in group) > c.tol:
             c.errors.append(f"{group[0].op}: the copies start it at different times")
-    chain = [x for x in (sync, inv, bcast) if x]
-    for x in chain:
+    for x in (x for x in (sync, inv, bcast) if x):
         if min(p.start for p in x) < ready - c.tol:
             c.errors.append(f"{x[0].op} starts before the work it depends on ends ({ready:.6g})")
         ready = max(p.end for p in x)
     if inv:
         inv = sorted(inv, key=lambda p: p.op.piece or (0, 1))
-        _check_pieces(c, layer, side, inv)
+        for a, b in zip(inv, inv[1:]):  # the pieces of one decomposition run one after another on one rank
+            if b.device != a.device:
+                c.errors.append(
+                    f"{b.op} runs on r{b.device}, piece {a.op.piece} of {layer} {side} on r{a.device}: the "
+                    "pieces of a decomposition run on one rank"
+                )
+            if b.start < a.end - c.tol:
+                c.errors.append(f"{b.op} starts at {b.start:.6g}, before {a.op} ends ({a.end:.6g})")
         if any(p.op.root != inv[-1].device for p in bcast):
             c.errors.append(
                 f"broadcast of {layer} {side} does not come from r{inv[-1].device}, where it was decomposed"
@@ -359,54 +365,36 @@ def _check_snapshot(c: Context, layer: str, decomp: Placement, stats: list[Place
         )
 
 
-def _check_warm_starts(c: Context, factor_tasks: Mapping[tuple[str, str | None], dict]) -> None:
+def _check_warm_starts(c: Context, factor_tasks: Mapping[tuple[str, str | None], Mapping]) -> None:
     """A layer whose decompositions start from its previous preconditioner (pieces, or `Problem.warm_start`) makes
     each refresh before the next one's first DECOMP starts, and starts its broadcasts before it."""
     layers: dict[str, list[Placement]] = {}
     for (layer, _), kinds in factor_tasks.items():
         layers.setdefault(layer, []).extend(kinds.get(OpKind.DECOMP, []) + kinds.get(OpKind.BCAST, []))
     for layer, refresh in layers.items():
+        warm = c.problem.warm_start
         firsts = [
-            p
-            for p in refresh
-            if p.op.kind is OpKind.DECOMP and (p.op.piece[0] == 0 if p.op.piece is not None else c.problem.warm_start)
+            p.start for p in refresh if p.op.kind is OpKind.DECOMP and (p.op.piece[0] == 0 if p.op.piece else warm)
         ]
         if not firsts:
             continue
-        L = c.length(c.period(c.problem.costs.stage_of(layer)))
-        start = min(p.start for p in firsts)
+        start = min(firsts) + c.length(c.period(c.problem.costs.stage_of(layer)))
         for p in refresh:
-            done = p.end if p.op.kind is OpKind.DECOMP else p.start
-            if done > start + L + c.tol:
+            if (p.end if p.op.kind is OpKind.DECOMP else p.start) > start + c.tol:
                 c.errors.append(
                     f"{p.op} is done after the next refresh of {layer} starts decomposing: that refresh "
                     "would not start from this one's preconditioner"
                 )
 
 
-def _check_pieces(c: Context, layer: str, side: str | None, pieces: list[Placement]) -> None:
-    """The pieces of one decomposition (sorted by index) run one after another on one rank."""
-    for a, b in zip(pieces, pieces[1:]):
-        if b.device != a.device:
-            c.errors.append(
-                f"{b.op} runs on r{b.device}, piece {a.op.piece} of {layer} {side} on r{a.device}: the "
-                "pieces of a decomposition run on one rank"
-            )
-        if b.start < a.end - c.tol:
-            c.errors.append(f"{b.op} starts at {b.start:.6g}, before {a.op} ends ({a.end:.6g})")
-
-
 def check_precs_and_offsets(c: Context) -> None:
-    prec: dict[tuple[Op, int, int], Placement] = {
-        (p.op, p.device, p.step): p for p in c.plan.placements if p.op.kind is OpKind.APPLY
-    }
+    prec = {(p.op, p.device, p.step): p for p in c.kinds[OpKind.APPLY]}
     for p in prec.values():
-        s, d, j = p.op.stage, p.device, p.step
+        s, d, j = p.op.stage_id, p.device, p.step
         if p.op.piece is not None and p.op.piece[0] > 0:  # a cut APPLY: piece i after piece i-1, on the same rank
             before = prec.get((replace(p.op, piece=(p.op.piece[0] - 1, p.op.piece[1])), d, j))
             if before is None or before.end > p.start + c.tol:
                 c.errors.append(f"'{p.op}' on r{d} step {j} does not follow its previous piece there")
-        assert s is not None, "an APPLY names its stage (Op checks it)"
         k = c.period(s)
         lo, hi = c.base(j, k) + c.timeline(j, k).allreduce_end[d, s], c.step_start(d, j + 1, k)
         if p.start < lo - c.tol or p.end > hi + c.tol:
@@ -424,21 +412,20 @@ def check_precs_and_offsets(c: Context) -> None:
 
 
 def _expected(c: Context) -> Counter:
-    """(op, device) of every op the plan must place, with multiplicity (DECOMP: on any one copy)."""
+    """(op, device) of every op the plan must place, with multiplicity (DECOMP: on any one copy; per-step ops and
+    W's: (op, device, step))."""
     want: Counter = Counter()
     p = c.problem
     for s, stage in enumerate(p.costs.stages):
         copies = copies_of_stage(p, s)
         for d in copies:
             for op, _, _ in c.refresh.fixed(d):
-                if op.stage != s:
-                    continue
-                for x in stage.layers:
+                for x in stage.layers if op.stage == s else ():
                     for side in (part.part for part in x.parts if part.after is op.kind):
                         if x.name not in c.fused and keeps_statistics(d, copies, p.where(x.name)):
                             want[Op(OpKind.STATS, s, op.mb, op.pipe, layer=x.name, part=side), d] += 1
             for j in range(c.period(s)):
-                for op in step_ops(p, d, s):
+                for op, _ in prec_work(p, d, s):
                     want[op, d, j] += 1
                 for op, _, _ in w_window(p, c.timeline(j, c.period(s)), d):
                     if op.stage == s:  # placed W.s ([Note: placed W]), per layer where they are
@@ -490,7 +477,12 @@ def check_placed_once(c: Context) -> None:
             got[placed_key(p.op), p.device, p.step] += 1
         else:
             got[placed_key(p.op), None if p.op.kind is OpKind.DECOMP else p.device] += 1
-        cost = _w_seconds(c, p, k) if p.op.kind is OpKind.BWD_W else op_seconds(c, p.op)
+        if p.op.kind is OpKind.BWD_W:  # its interval in its step's timeline, a per-layer W's its part of it
+            fused = c.fused if p.step % k == 0 else frozenset()
+            ws = w_window(c.problem, c.timeline(p.step, k), p.device, fused)
+            cost = next((b - a for op, a, b in ws if op == p.op), 0.0)
+        else:
+            cost = op_seconds(c, p.op)
         if abs(p.end - p.start - cost) > c.tol + 1e-9 * max(1.0, p.end):
             c.errors.append(f"{p.op} on r{p.device}: lasts {p.end - p.start:.6g} s, costs {cost:.6g} s")
         if (
@@ -501,43 +493,32 @@ def check_placed_once(c: Context) -> None:
             c.errors.append(
                 f"{p.op} on r{p.device} at [{p.start:.6g}, {p.end:.6g}) s is not within window step {p.step} (k={k})"
             )
-        if p.op.kind is OpKind.DECOMP:
-            workers = c.problem.workers(p.op.layer_name)
-            if p.device not in workers:
-                c.errors.append(f"{p.op} runs on r{p.device}, not a grad worker of {p.op.layer} {list(workers)}")
+        workers = c.problem.workers(p.op.layer_name) if p.op.kind is OpKind.DECOMP else (p.device,)
+        if p.device not in workers:
+            c.errors.append(f"{p.op} runs on r{p.device}, not a grad worker of {p.op.layer} {list(workers)}")
     want = _expected(c)
     for item in sorted(set(want) | set(got), key=str):
         if want[item] != got[item]:
             c.errors.append(f"{item[0]} on {item[1:]} placed {got[item]} times, expected {want[item]}")
 
 
-def _w_seconds(c: Context, p: Placement, k: int) -> float:
-    """Seconds of a placed W: its interval in its step's timeline (the refresh step's holds the fused curvature; a
-    per-layer W's, its part of it: [Note: per-layer W])."""
-    fused = c.fused if p.step % k == 0 else frozenset()
-    return next((b - a for op, a, b in w_window(c.problem, c.timeline(p.step, k), p.device, fused) if op == p.op), 0.0)
-
-
-def _fixed_intervals(c: Context, device: int, k: int) -> list[tuple[float, float, str]]:
-    """The device's F/B (W) and gradient all-reduces over a window of k steps, when nothing else may run (an op of no
-    duration occupies nothing)."""
-    out = []
-    fixed_w = () if placed_w(c.problem) else (OpKind.BWD_W,)  # placed W's are placements
-    for j in range(k):
-        for op, a, b in c.timeline(j, k).ops[device]:
-            if b > a and op.kind in (OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD, *fixed_w):
-                out.append((c.base(j, k) + a, c.base(j, k) + b, f"{op} (step {j})"))
-    return out
-
-
 def check_overlap(c: Context) -> None:
+    """Per device, over its window modulo the window's length: no placed op overlaps another or the F/B (W) and
+    gradient all-reduces, when nothing else may run (an op of no duration occupies nothing)."""
     by_device = defaultdict(list)
     for p in c.plan.placements:
         by_device[p.device].append(p)
+    fixed_kinds = (OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD, *(() if placed_w(c.problem) else (OpKind.BWD_W,)))
     for d in c.problem.devices:
         k = c.device_period(d)
         L = c.length(k)
-        items = [(s, e, name) for a, b, name in _fixed_intervals(c, d, k) for s, e in wrapped(a, b, L)]
+        items = [
+            (s, e, f"{op} (step {j})")
+            for j in range(k)
+            for op, a, b in c.timeline(j, k).ops[d]
+            if b > a and op.kind in fixed_kinds
+            for s, e in wrapped(c.base(j, k) + a, c.base(j, k) + b, L)
+        ]
         items += [(s, e, f"{p.op}") for p in by_device[d] for s, e in wrapped(p.start, p.end, L)]
         items.sort()
         for i, (s1, e1, n1) in enumerate(items):
@@ -554,13 +535,9 @@ def check_memory(c: Context) -> None:
     for p in c.plan.placements:
         if p.op.kind is OpKind.STATS and p.op.mb is not None:
             part = c.problem.costs.layer(p.op.layer_name).part(p.op.part_name)
-            since = end_of(c.refresh, p.device, part.after, p.op.stage_id, p.op.mb_id, p.op.pipe)
-            keeps[p.device].append((since, p.end, part.capture_bytes))
+            keeps[p.device].append((c.end_of(0, 1, p.device, part.after, p.op), p.end, part.capture_bytes))
         elif p.op.kind is OpKind.BWD_W:  # a placed W holds its layers' operands from its B's end
-            k = c.period(p.op.stage_id)
-            since = c.base(p.step, k) + end_of(
-                c.timeline(p.step, k), p.device, OpKind.BWD, p.op.stage_id, p.op.mb_id, p.op.pipe
-            )
+            since = c.end_of(p.step, c.period(p.op.stage_id), p.device, OpKind.BWD, p.op)
             keeps[p.device].append((since, p.end, w_operand_bytes(c.problem.costs.stages[p.op.stage_id], p.op.layer)))
     for d in c.problem.devices:
         k = c.device_period(d)
@@ -603,39 +580,14 @@ def check_step_time(c: Context) -> None:
         c.errors.append(f"step time {c.plan.metrics.step_time:.6g} s claimed, {step:.6g} s found")
 
 
-def _placed_kinds(c: Context) -> frozenset[OpKind]:
-    """The ops a program holds where its placements say: the preconditioner's, and a zero-bubble schedule's W's
-    where plans place them ([Note: placed W] in planner/plan/window.py)."""
-    return PRECONDITIONER_KINDS | ({OpKind.BWD_W} if placed_w(c.problem) else set())
-
-
-def _follows_w(c: Context, op: Op) -> bool:
-    """Whether `op` is a no-op all-reduce (of a stage without copies) that follows its stage's placed W's wherever
-    they are, not the schedule's position (`_check_w_order` checks it)."""
-    return (
-        op.kind is OpKind.ALLREDUCE_GRAD
-        and placed_w(c.problem)
-        and op.stage is not None
-        and len(copies_of_stage(c.problem, op.stage)) == 1
-    )
-
-
-def _check_w_order(c: Context, device: int, j: int, ops: list[Op]) -> None:
-    """Each stage's gradient all-reduce comes after every W of the stage in the step (the runtime refuses it while
-    one waits)."""
-    for i, op in enumerate(ops):
-        later = [o for o in ops[i + 1 :] if o.kind is OpKind.BWD_W and o.stage == op.stage]
-        if op.kind is OpKind.ALLREDUCE_GRAD and later:
-            c.errors.append(f"r{device} step {j}: '{op}' comes before '{later[0]}' of its stage")
-
-
 def check_programs(c: Context, run: bool) -> None:
-    plan = c.plan
-    placed_kinds = _placed_kinds(c)
+    """Each rank's program: its length, its repetition, the schedule's ops at their places and the placed ones as
+    placed, each step checked by `_check_step`."""
     for d in c.problem.devices:
-        prog = plan.programs.get(d)
+        prog = c.plan.programs.get(d)
         k = c.device_period(d)
-        length = _program_length(c, d, k)
+        streaming = c.problem.streaming  # a helper's program: the lcm of its period and the owner's (`add_replicas`)
+        length = math.lcm(k, c.period(streaming.stage)) if streaming is not None and d in streaming.ranks else k
         if prog is None or len(prog) != length:
             c.errors.append(f"r{d}: the program must have {length} steps")
             continue
@@ -643,23 +595,27 @@ def check_programs(c: Context, run: bool) -> None:
             c.errors.append(f"r{d}: the program repeats its own {k} steps but for streamed layers' replicas")
         prog = prog[:k]
         for j, ops in enumerate(prog):
-            want = [op for op, _, _ in c.timeline(j, k).ops[d] if op.kind not in placed_kinds and not _follows_w(c, op)]
-            if [op for op in ops if op.kind not in placed_kinds and not _follows_w(c, op)] != want:
+            if [op for op in ops if c.pipeline(op)] != [op for op, _, _ in c.timeline(j, k).ops[d] if c.pipeline(op)]:
                 c.errors.append(f"r{d} step {j}: the pipeline ops differ from the schedule's")
-            moved = [op for op, _, _ in c.timeline(j, k).ops[d] if _follows_w(c, op)]
-            if sorted(map(str, (op for op in ops if _follows_w(c, op)))) != sorted(map(str, moved)):
+            moved = [op for op, _, _ in c.timeline(j, k).ops[d] if c.follows_w(op)]
+            if sorted(map(str, (op for op in ops if c.follows_w(op)))) != sorted(map(str, moved)):
                 c.errors.append(f"r{d} step {j}: the gradient all-reduces differ from the schedule's")
-            _check_w_order(c, d, j, ops)
+            for i, op in enumerate(
+                ops
+            ):  # each stage's all-reduce after its W's: the runtime refuses it while one waits
+                later = [o for o in ops[i + 1 :] if o.kind is OpKind.BWD_W and o.stage == op.stage]
+                if op.kind is OpKind.ALLREDUCE_GRAD and later:
+                    c.errors.append(f"r{d} step {j}: '{op}' comes before '{later[0]}' of its stage")
         times = {
             (p.step % k, str(p.op)): (p.start - c.length(k) * (p.step // k), p.end - c.length(k) * (p.step // k))
-            for p in plan.placements
+            for p in c.plan.placements
             if p.device == d
         }
         listed = [
             (j, str(op))
             for j, ops in enumerate(prog)
             for op in ops
-            if op.kind in placed_kinds and not _fold(c, op) and not is_streamed(c.problem, d, op)
+            if op.kind in c.placed_kinds and not c.fold(op) and not is_streamed(c.problem, d, op)
         ]
         _check_folds(c, d, prog)
         if sorted(listed) != sorted(times):
@@ -672,24 +628,9 @@ def check_programs(c: Context, run: bool) -> None:
         _check_runs(c)
 
 
-def _program_length(c: Context, device: int, k: int) -> int:
-    """The steps of the device's program: its stages' period, or where it helps a streamed stage the lcm of that and
-    the owner's (its replicas arrive on the owner's period: planner/problem/lowering.py `add_replicas`)."""
-    streaming = c.problem.streaming
-    if streaming is None or device not in streaming.ranks:
-        return k
-    return math.lcm(k, c.period(streaming.stage))
-
-
 def _placed(c: Context, device: int, ops: list[Op]) -> list[Op]:
     """A step's ops but a streamed layer's (which `check_streaming` checks)."""
     return [op for op in ops if not is_streamed(c.problem, device, op)]
-
-
-def _fold(c: Context, op: Op) -> bool:
-    """Whether `op` folds a fused layer's capture (a STATS of a micro-batch of a fused layer): part of the refresh
-    step's F/B, not placed work."""
-    return op.kind is OpKind.STATS and op.mb is not None and op.layer in c.fused
 
 
 def _check_folds(c: Context, device: int, prog: list[list[Op]]) -> None:
@@ -699,35 +640,28 @@ def _check_folds(c: Context, device: int, prog: list[list[Op]]) -> None:
     anchor = weight_gradient_kind(c.problem.kind)
     for j, ops in enumerate(prog):
         for i, op in enumerate(ops):
-            if not _fold(c, op) and not (j == 0 and op.kind is anchor):
-                continue
-            if op.kind is anchor:
+            if j == 0 and op.kind is anchor:
                 want = fused_stats(c.problem, c.fused, device, op)
-                got = ops[i + 1 : i + 1 + len(want)]
-                if got != want:
+                if ops[i + 1 : i + 1 + len(want)] != want:
                     c.errors.append(f"r{device} step 0: '{op}' is not followed by the folds of its fused layers {want}")
-            elif j != 0 or i == 0 or not (ops[i - 1].kind is anchor or _fold(c, ops[i - 1])):
+            elif c.fold(op) and (j != 0 or i == 0 or not (ops[i - 1].kind is anchor or c.fold(ops[i - 1]))):
                 c.errors.append(f"r{device} step {j}: '{op}' is not right after a {anchor} of the refresh step")
 
 
 def _check_interleaving(c: Context, device: int, k: int, prog: list[list[Op]]) -> None:
-    """Within each step, a K-FAC op comes after every pipeline op that ended before it was placed and
-    before every pipeline op that ends after its start (a RECV still waiting included); APPLY follows
-    its stage's backwards and gradient all-reduce; OPT_STEP ends the step. The runtime executes the
-    program in order, so a program that disagrees with its placements runs other semantics."""
-    placed_kinds = _placed_kinds(c)
+    """Within each step, a K-FAC op comes after every pipeline op that ended before it was placed and before every
+    pipeline op that ends after its start (a RECV still waiting included); APPLY and a gradient STATS follow their
+    stage's backwards and gradient all-reduce, a gradient STATS precedes its stage's APPLY; OPT_STEP ends the step.
+    The runtime executes the program in order, so a program that disagrees with its placements runs other semantics."""
     starts = {(p.step % k, str(p.op)): p.start - c.base(p.step, k) for p in c.plan.placements if p.device == device}
+    gradient = (OpKind.BWD, OpKind.BWD_W, OpKind.ALLREDUCE_GRAD)
     for j, ops in enumerate(prog):
-        fixed = iter(c.timeline(j, k).ops[device])
-        times: list[tuple[Op, float, float] | None] = []
-        for op in ops:
-            pipeline = op.kind not in placed_kinds and not _follows_w(c, op)
-            nxt = (x for x in fixed if x[0].kind not in placed_kinds and not _follows_w(c, x[0]))
-            times.append(next(nxt, None) if pipeline else None)
+        fixed = iter([item for item in c.timeline(j, k).ops[device] if c.pipeline(item[0])])
+        times = [next(fixed, None) if c.pipeline(op) else None for op in ops]
         for i, op in enumerate(ops):
             if op.kind is OpKind.OPT_STEP and i != len(ops) - 1:
                 c.errors.append(f"r{device} step {j}: OPT_STEP is not the last op")
-            if op.kind not in placed_kinds or _fold(c, op) or is_streamed(c.problem, device, op):
+            if op.kind not in c.placed_kinds or c.fold(op) or is_streamed(c.problem, device, op):
                 continue  # a streamed layer's ops: check_streaming
             t = starts[(j, str(op))]
             for n, item in enumerate(times):
@@ -741,20 +675,15 @@ def _check_interleaving(c: Context, device: int, k: int, prog: list[list[Op]]) -
                         f"'{other}' ({a:.6g}-{b:.6g} s)"
                         " are in the wrong order in the program"
                     )
-            if per_step(op):
-                _check_gradient_order(c, device, j, ops, i)
-
-
-def _check_gradient_order(c: Context, device: int, j: int, ops: list[Op], i: int) -> None:
-    """An APPLY or gradient STATS (ops[i]) comes after every BWD, BWD_W and ALLREDUCE_GRAD of its stage in the step
-    (the gradient is complete); a gradient STATS also before its stage's APPLY (which overwrites the gradient)."""
-    op = ops[i]
-    gradient = (OpKind.BWD, OpKind.BWD_W, OpKind.ALLREDUCE_GRAD)
-    after = [o for o in ops[i + 1 :] if o.stage == op.stage and o.kind in gradient]
-    if after:
-        c.errors.append(f"r{device} step {j}: '{op}' comes before '{after[0]}' of its stage")
-    if op.kind is OpKind.STATS and not any(o.kind is OpKind.APPLY and o.stage == op.stage for o in ops[i + 1 :]):
-        c.errors.append(f"r{device} step {j}: '{op}' does not come before the APPLY of its stage")
+            if not per_step(op):
+                continue
+            after = [o for o in ops[i + 1 :] if o.stage == op.stage and o.kind in gradient]  # the gradient is complete
+            if after:
+                c.errors.append(f"r{device} step {j}: '{op}' comes before '{after[0]}' of its stage")
+            if op.kind is OpKind.STATS and not any(
+                o.kind is OpKind.APPLY and o.stage == op.stage for o in ops[i + 1 :]
+            ):
+                c.errors.append(f"r{device} step {j}: '{op}' does not come before the APPLY of its stage")
 
 
 def _check_runs(c: Context) -> None:
@@ -762,6 +691,7 @@ def _check_runs(c: Context) -> None:
     no slower than planned (the durations of a non-refresh step are used: exact when nothing is fused)."""
     stages = c.problem.costs.stages
     split = c.problem.kind in ZERO_BUBBLE_KINDS  # a BWD without its W, which runs apart
+    timed = PRECONDITIONER_KINDS | {OpKind.ALLREDUCE_GRAD}
 
     def duration(rank: int, op: Op) -> float:
         if op.kind is OpKind.FWD:
@@ -772,20 +702,15 @@ def _check_runs(c: Context) -> None:
         if op.kind is OpKind.BWD_W:  # a per-layer W: its layer's share ([Note: per-layer W])
             stage = stages[op.stage_id]
             return stage.weight_grad * (w_share(stage, op.layer) if op.layer is not None else 1.0)
-        if op.kind is OpKind.ALLREDUCE_GRAD:
-            return collective_seconds(c, op)
-        if op.kind in LAYER_TRANSFER_KINDS or _fold(c, op):
+        if op.kind in LAYER_TRANSFER_KINDS or c.fold(op):
             return 0.0
-        return op_seconds(c, op) if op.kind in PRECONDITIONER_KINDS else 0.0
+        return op_seconds(c, op) if op.kind in timed else 0.0
 
     periods = [len(p) for p in c.plan.programs.values()]
     steps = max(periods) * 2
     try:
-        barrier = (
-            None
-            if c.problem.barrier is StepBarrier.WORLD
-            else {d: agreement_set(c.problem, d) for d in c.problem.devices}
-        )
+        world = c.problem.barrier is StepBarrier.WORLD
+        barrier = None if world else {d: agreement_set(c.problem, d) for d in c.problem.devices}
         buckets = problem_buckets(c.problem, c.plan.programs)
         lead, link = stream_lead(c.problem, duration), stream_link(c.problem, buckets)
         timeline = simulate(
@@ -794,17 +719,9 @@ def _check_runs(c: Context) -> None:
     except DeadlockError as e:
         c.errors.append(f"the programs deadlock: {e}")
         return
-    if not c.fused:
-        limit = c.plan.metrics.step_time * steps + max(c.length(k) for k in set(periods))
-        if timeline.makespan > limit + c.tol * steps:
-            c.errors.append(
-                f"the simulated programs take {timeline.makespan:.6g} s for {steps} steps, over {limit:.6g}"
-            )
-
-
-_MAKES = (OpKind.DECOMP, OpKind.BCAST)
-"""The ops after which a refresh is made on the replicas' sender (a copied stage's halves made elsewhere arrive by
-BCAST)."""
+    limit = c.plan.metrics.step_time * steps + max(c.length(k) for k in set(periods))
+    if not c.fused and timeline.makespan > limit + c.tol * steps:
+        c.errors.append(f"the simulated programs take {timeline.makespan:.6g} s for {steps} steps, over {limit:.6g}")
 
 
 def check_streaming(c: Context) -> None:
@@ -820,6 +737,11 @@ def check_streaming(c: Context) -> None:
         for j, ops in enumerate(c.plan.programs[helper]):
             _check_helper_step(c, streaming, helper, owners, j, ops)
     _check_replicas(c, streaming, owners[0])
+
+
+_MAKES = (OpKind.DECOMP, OpKind.BCAST)
+"""The ops after which a refresh is made on the replicas' sender (a copied stage's halves made elsewhere arrive by
+BCAST)."""
 
 
 def _check_owner_step(c: Context, streaming: Streaming, owner: int, j: int, ops: list[Op]) -> None:

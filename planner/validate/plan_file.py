@@ -1,10 +1,7 @@
-"""Plan files read back (written by `Plan.save`): parsed, shape-checked and, on `load_plan`, validated.
-
-The validator assumes a well-formed plan (its ops name layers, stages and devices of its problem; its numbers are
-finite). A file can break that in ways it was not written for (an op on a rank that never runs its stage, a NaN
-tolerance that makes every comparison pass): the shape checks refuse such files with a PlanFormatError that says what
-is wrong, so loading never ends in another exception.
-"""
+"""Plan files read back (written by `Plan.save`): parsed, shape-checked and, on `load_plan`, validated. The validator
+assumes a well-formed plan (ops naming its problem's layers, stages and devices; finite numbers); the shape checks
+refuse a file that is not (an op on a rank without its stage, a NaN that makes every comparison pass) with a
+PlanFormatError that says what is wrong, so loading never ends in another exception."""
 
 from __future__ import annotations
 
@@ -81,18 +78,12 @@ def _check_op(problem: Problem, op: Op, device: int, fixed: dict[int, set]) -> N
     _need(op.stage is not None and op.stage < problem.num_stages, f"placement of {op}: no such stage")
     assert op.stage is not None  # _need raised otherwise
     _need(device in copies_of_stage(problem, op.stage), f"{op} is placed on r{device}, which does not run its stage")
+    layers = {x.name: x for x in problem.costs.stages[op.stage].layers}
     if op.kind in _LAYER_KINDS:
-        names = {x.name for x in problem.costs.stages[op.stage].layers}
-        parts = {p.part for x in problem.costs.stages[op.stage].layers if x.name == op.layer for p in x.parts}
-        _need(
-            op.layer in names and op.part in parts,
-            f"{op}: stage {op.stage} has no layer {op.layer!r} or the layer has no such part",
-        )
+        parts = {p.part for p in layers[op.layer_name].parts} if op.layer in layers else set()
+        _need(op.part in parts, f"{op}: stage {op.stage} has no layer {op.layer!r} or the layer has no such part")
     if op.kind in _NAMED_KINDS and op.layer is not None:
-        _need(
-            op.layer in {x.name for x in problem.costs.stages[op.stage].layers},
-            f"{op}: stage {op.stage} has no layer {op.layer!r}",
-        )
+        _need(op.layer in layers, f"{op}: stage {op.stage} has no layer {op.layer!r}")
     if op.kind is OpKind.STATS:
         kind = problem.costs.layer(op.layer_name).part(op.part_name).after
         if kind is OpKind.ALLREDUCE_GRAD:
@@ -264,6 +255,10 @@ def _programs_of(data: Mapping[str, Any]) -> dict[int, Program]:
     return {int(r): [parse_program(text)[0] if text.strip() else [] for text in steps] for r, steps in data.items()}
 
 
+def _tupled(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: tuple(value) if isinstance(value, list) else value for key, value in data.items()}
+
+
 def _plan_from_dict(data: Any) -> Plan:
     """The plan `data` describes (the JSON object of `Plan.to_dict`), structure-checked."""
     if not isinstance(data, dict):
@@ -281,20 +276,9 @@ def _plan_from_dict(data: Any) -> Plan:
     if type(version) is not int or version != SCHEMA_VERSION:
         raise PlanFormatError(f"unknown plan schema_version {version!r} (expected {SCHEMA_VERSION})")
     try:
-        m = data["metrics"]
-        solver = SolverStats(
-            m["solver"]["status"], m["solver"]["wall_time"], tuple(m["solver"]["objective"]), m["solver"]["gap"]
-        )
-        metrics = PlanMetrics(
-            **{
-                **m,
-                "solver": solver,
-                "refresh_steps": tuple(m["refresh_steps"]),
-                "lower_bound_steps": tuple(m["lower_bound_steps"]),
-                "greedy_refresh_steps": tuple(m["greedy_refresh_steps"]),
-                "peak_memory": {int(d): b for d, b in m["peak_memory"].items()},
-            }
-        )
+        m = _tupled(data["metrics"])  # its lists are tuples, its solver SolverStats, its ranks ints
+        peak_memory = {int(d): b for d, b in m["peak_memory"].items()}
+        metrics = PlanMetrics(**{**m, "solver": SolverStats(**_tupled(m["solver"])), "peak_memory": peak_memory})
         programs = _programs_of(data["programs"])
         layers = {name: LayerTiming(**t) for name, t in data["layers"].items()}
         placements = tuple(Placement.from_dict(p) for p in data["placements"])
