@@ -228,15 +228,16 @@ def solve_outer(
 def _plan_each(
     candidates: Sequence[Problem], each: Each, budget: Budget, timed: bool, *, after: bool = False
 ) -> list[Plan]:
-    """The plans of `candidates` in turn (a refusal left out), each with its share of the solver time left, until the
-    time is up once one has planned (`after` another plan: once CP-SAT's time is)."""
+    """The plans of `candidates` in turn (a refusal left out), until the time is up once one has planned (`after`
+    another plan: once CP-SAT's time is): the first (least reference step) in all the time left, as forcing it would
+    be planned, so the choice is never worse than forcing it (issue 38); each later one in its share of what is left."""
     plans: list[Plan] = []
     for n, candidate in enumerate(candidates):
         if timed and ((after and budget.solving().solver_time() <= 0) or (plans and budget.over())):
             log.info("no time left to plan distributions %s", [_words(c) for c in candidates[n:]])
             break
         try:
-            plans.append(each(candidate, budget, len(candidates) - n))
+            plans.append(each(candidate, budget, 1 if n == 0 else len(candidates) - n))
         except PlanError as e:
             log.info("distribution %s does not plan: %s", _words(candidate), e)
     return plans
