@@ -27,9 +27,11 @@ def test_both_ends_cut_the_same_buckets_in_descending_unit_order() -> None:
     f32 = torch.float32
     units = [(1, 0, "a", 100, f32), (1, 0, "c", 300, f32), (1, 0, "b", 200, f32), (2, 0, "d", 50, f32)]
     cut = buckets(units, order, cap=4 * 400)  # closes once it holds 400 float32 elements
-    assert cut["c"].units == ("c", "b") and cut["c"] is cut["b"]
-    assert cut["c"].spans == {"c": (0, 300), "b": (300, 200)} and cut["c"].numel == 500
-    assert cut["a"].units == ("a",) and cut["d"].units == ("d",) and cut["d"].peer == 2
+    assert cut[1, "c"].units == ("c", "b") and cut[1, "c"] is cut[1, "b"]
+    assert cut[1, "c"].spans == {"c": (0, 300), "b": (300, 200)} and cut[1, "c"].numel == 500
+    assert cut[1, "a"].units == ("a",) and cut[2, "d"].units == ("d",) and cut[2, "d"].peer == 2
+    copies = buckets([*units, (3, 0, "a", 100, f32)], order, cap=4 * 400)  # a stage's copies: one bucket a peer
+    assert copies[3, "a"].peer == 3 and copies[1, "a"].peer == 1 and copies[1, "c"] == cut[1, "c"]
     assert buckets(units[::-1], order, cap=4 * 400) == cut, "both ends list the units in another order"
     assert {b.units for b in buckets(units, order, cap=1).values()} == {("a",), ("b",), ("c",), ("d",)}
 
