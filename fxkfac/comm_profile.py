@@ -96,7 +96,8 @@ def _message_cpu(
                 post = dist.isend if me == 0 else dist.irecv
                 works = [post(x, peer, group=group, tag=j) for j, x in enumerate(xs)]
                 for work in works:
-                    work.wait()
+                    if work is not None:  # None: this rank is not in `group` (it is: me < 2)
+                        work.wait()
                 _sync(device)
             runs.append((time.process_time() - start) / _BURST)
         cpu[i] = sorted(runs)[len(runs) // 2]

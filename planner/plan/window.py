@@ -62,6 +62,7 @@ from fxkfac.planner.problem.problem import (
 )
 from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, weight_gradient_kind
 from fxkfac.planner.problem.step_timeline import (
+    STREAMED_TRANSFERS,
     StepTimeline,
     activation_intervals,
     early_start,
@@ -482,9 +483,10 @@ def _device_work(
                 busy += wrap(start, end, length) if end > start else [(end % length, end % length)]
             elif op.kind is OpKind.APPLY and is_streamed(problem, device, op):  # the helper's APPLY of a streamed layer
                 busy += wrap(off + grid.at(a), off + grid.at(b), length)
-            elif op.kind in (OpKind.SEND_LGRAD, OpKind.RECV_PGRAD) and op.layer is not None:  # the owner's hand-off
+            elif op.kind in STREAMED_TRANSFERS and op.layer is not None:  # the owner's hand-off; a message's CPU
                 layer = problem.costs.layer(op.layer)
-                work = layer.hand_off if op.kind is OpKind.SEND_LGRAD else layer.take_back  # a RECV's wait is idle
+                own = {OpKind.SEND_LGRAD: layer.hand_off, OpKind.RECV_PGRAD: layer.take_back}.get(op.kind, 0.0)
+                work = own + problem.costs.message_cpu(op)  # a RECV's wait is idle; a bucket's fixed cost whole
                 if work > 0:
                     busy += wrap(off + grid.at(b - work), off + grid.at(b), length)
         begin = step_start_tick(offsets, leads, j)

@@ -510,7 +510,9 @@ def _duration(
             return stats[op.layer, op.part]
         if op.kind is OpKind.ALLREDUCE_GRAD and op.stage is not None:
             return allreduce[op.stage]
-        if op.kind in _STREAMED and op.layer is not None:  # the owner's hand-off; either end's CPU of the message
+        if (
+            op.kind in STREAMED_TRANSFERS and op.layer is not None
+        ):  # the owner's hand-off; either end's CPU of the message
             layer = problem.costs.layer(op.layer)
             own = {OpKind.SEND_LGRAD: layer.hand_off, OpKind.RECV_PGRAD: layer.take_back}.get(op.kind, 0.0)
             send = (rank, op) if op.kind in LAYER_SENDS else (op.peer_rank, _sent_as(rank, op))
@@ -520,7 +522,7 @@ def _duration(
     return duration
 
 
-_STREAMED = frozenset({OpKind.SEND_LGRAD, OpKind.RECV_LGRAD, OpKind.SEND_PGRAD, OpKind.RECV_PGRAD})
+STREAMED_TRANSFERS = frozenset({OpKind.SEND_LGRAD, OpKind.RECV_LGRAD, OpKind.SEND_PGRAD, OpKind.RECV_PGRAD})
 """A streamed unit's per-step transfers (a REPLICA's, once a refresh, are not priced on either end's CPU)."""
 
 

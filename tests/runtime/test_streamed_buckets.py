@@ -36,6 +36,18 @@ def test_both_ends_cut_the_same_buckets_in_descending_unit_order() -> None:
     assert {b.units for b in buckets(units, order, cap=1).values()} == {("a",), ("b",), ("c",), ("d",)}
 
 
+def test_a_packed_message_returns_each_piece_bit_for_bit() -> None:
+    """A stateful unit's message (`Packing`): pieces of mixed dtypes and odd sizes, each at an aligned offset of one
+    uint8 tensor, come back equal bit for bit (NaN and a denormal included), as views of it."""
+    pieces = [torch.randn(3, 5), torch.tensor([float("nan"), 1e-310], dtype=torch.float64), torch.arange(7.0)]
+    packing = streaming.Packing(tuple((x.numel(), x.dtype) for x in pieces))
+    flat = packing.pack(pieces)
+    assert flat.dtype == torch.uint8 and flat.numel() == packing.nbytes == 64 + 16 + 32
+    out = packing.unpack(flat)
+    assert all(torch.equal(a.reshape(-1).view(torch.uint8), b.view(torch.uint8)) for a, b in zip(pieces, out))
+    assert all(b.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for b in out)
+
+
 def _owner(sends: list[Op], tail: list[Op]) -> list[Op]:
     return [Op(OpKind.BWD, stage=0, mb=0), *sends, *tail, Op(OpKind.OPT_STEP)]
 
