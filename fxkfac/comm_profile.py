@@ -82,7 +82,8 @@ def _message_cpu(
 ) -> tuple[AlphaBeta, AlphaBeta]:
     """CPU seconds one message costs its sender's and its receiver's process, fitted over `sizes`: the median over
     `repeats` of the process CPU time (gloo's threads included) of a burst of `_BURST` sends from the group's rank 0
-    to its rank 1, per message; the ranks agree on the largest."""
+    to its rank 1, per message, each received into a new buffer as the runtime's are (its first touch is part of the
+    cost); the ranks agree on the largest."""
     me = dist.get_rank(group)
     cpu = torch.zeros(len(sizes), dtype=torch.float64)
     for i, n in enumerate(sizes):
@@ -93,8 +94,10 @@ def _message_cpu(
             start = time.process_time()
             if me < 2:
                 peer = _global(group, 1 - me)
-                post = dist.isend if me == 0 else dist.irecv
-                works = [post(x, peer, group=group, tag=j) for j, x in enumerate(xs)]
+                if me == 0:
+                    works = [dist.isend(x, peer, group=group, tag=j) for j, x in enumerate(xs)]
+                else:
+                    works = [dist.irecv(torch.empty_like(x), peer, group=group, tag=j) for j, x in enumerate(xs)]
                 for work in works:
                     if work is not None:  # None: this rank is not in `group` (it is: me < 2)
                         work.wait()
