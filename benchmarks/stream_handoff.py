@@ -78,6 +78,17 @@ def _cpu(fn: Callable[[], object], reps: int) -> float:
     return best
 
 
+def _owner_side(
+    unit: tuple[Any, Any, Any, torch.nn.Parameter], flat_state: torch.Tensor, reps: int
+) -> tuple[float, float]:
+    """The owner's `LayerCost.hand_off` and `take_back` as the profiler times them: the flat gradient and parameter
+    copied, and a returned state installed."""
+    family, layer, _, p = unit
+    hand_off = _cpu(lambda: (p.grad.reshape(-1).clone(), p.detach().reshape(-1).clone()), reps)
+    take_back = _cpu(lambda: family.load_step_state(layer, family.new_state(layer), flat_state), reps)
+    return hand_off, take_back
+
+
 def _exchange(rank: int, unit: tuple[Any, Any, Any, torch.nn.Parameter], reps: int) -> dict[str, float]:
     """This rank's CPU seconds per step of the hand-off (rank 0 the owner, rank 1 the helper), and the message sizes."""
     family, layer, state, p = unit
@@ -122,11 +133,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
             if rank != 0:
                 continue
             flat_state = family.step_state(layer, state)
-            hand_off = _cpu(lambda p=p: (p.grad.reshape(-1).clone(), p.detach().reshape(-1).clone()), args.reps)
-            take_back = _cpu(
-                lambda f=family, u=layer, s=flat_state: f.load_step_state(u, f.new_state(u), s),  # type: ignore[misc]  # bound per unit
-                args.reps,
-            )
+            hand_off, take_back = _owner_side(unit, flat_state, args.reps)
             cpu = comm.send_cpu.alpha + comm.send_cpu.beta * mine["out_bytes"]
             cpu += comm.recv_cpu.alpha + comm.recv_cpu.beta * mine["back_bytes"]
             rows.append(
