@@ -98,6 +98,31 @@ def _compile(
     )
 
 
+class _CPUTimed:
+    """A trainer whose steps' process CPU time on this rank (gloo's threads included) is recorded: on a loaded host
+    the CPU a step costs each rank compares variants side by side where their wall time does not."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer, self.cpu = trainer, list[float]()
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> Any:
+        start = time.process_time()
+        out = self.trainer.step(x, y)
+        self.cpu.append(time.process_time() - start)
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.trainer, name)
+
+
+def _cpu_per_step(timed: dict[str, _CPUTimed], steps: dict[str, int]) -> dict[str, list[float]]:
+    """Each variant's CPU seconds per step per rank over its last `steps` (the timed rounds), gathered on every rank."""
+    mine = {v: statistics.fmean(t.cpu[-steps[v] :]) for v, t in timed.items()}
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {v: [part[v] for part in parts] for v in timed}
+
+
 def _build(args: argparse.Namespace, example: torch.Tensor) -> dict[str, Trainer]:
     """Every variant's trainer (collective: every rank builds them in the same order)."""
     trainers = {"plain": _compile(args, example, None, None)}
@@ -122,7 +147,9 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
     periods = {v: _periods(t) for v, t in trainers.items()}
     blocks = {v: block_steps(ps, args.block) for v, ps in periods.items()}
     load_before = os.getloadavg()
-    times, events = timed_rounds(trainers, batches, blocks, args.rounds, args.warmup_blocks)
+    timed = {v: _CPUTimed(t) for v, t in trainers.items()}
+    times, events = timed_rounds(timed, batches, blocks, args.rounds, args.warmup_blocks)  # type: ignore[arg-type]  # a Trainer's step, timed
+    cpu = _cpu_per_step(timed, {v: args.rounds * b for v, b in blocks.items()})
     if rank == 0:
         step_s = {v: statistics.median(ts) for v, ts in times.items()}
         planned = {v: _planned(t) for v, t in trainers.items() if v.endswith(("in bubbles", "unstreamed"))}
@@ -130,6 +157,8 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
             "step_s": step_s,
             "rounds_s": times,
             "ratio_to_plain": {v: s / step_s["plain"] for v, s in step_s.items()},
+            "cpu_s": cpu,
+            "cpu_ratio_to_plain": {v: [c / p for c, p in zip(cs, cpu["plain"], strict=True)] for v, cs in cpu.items()},
             "utilization_measured": {v: utilization(e, BUSY) for v, e in events.items()},
             "kind_s": {v: _kind_seconds(e, args.rounds * blocks[v]) for v, e in events.items()},
             "planned": planned,
@@ -163,6 +192,9 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
         "utilization measured (r0, r1)",
         "planned (r0, r1)",
         "plan's step / plain",
+        "CPU ms/step (r0, r1)",
+        "CPU / plain (r0, r1)",
+        "plan's busy / plain (r0, r1)",
     ):
         table.add_column(col)
     for v, s in row["step_s"].items():
@@ -176,6 +208,9 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
             _fmt_ranks(row["utilization_measured"][v]),
             _fmt_ranks(plan["utilization"]) if plan else "-",
             f"{plan['step_s'] / plan['plain_step_s']:.3f}" if plan else "-",
+            ", ".join(f"{1e3 * c:.1f}" for c in row["cpu_s"][v]),
+            ", ".join(f"{c:.3f}" for c in row["cpu_ratio_to_plain"][v]),
+            _fmt_ranks(_busy_ratio(plan)) if plan else "-",
         )
     console.print(table)
     kinds = ("FWD", "BWD", "STATS", "DECOMP", "APPLY", "OPT_STEP", "RECV_ACT", "RECV_GRAD", "BCAST")
@@ -189,6 +224,13 @@ def _report(row: dict[str, Any], args: argparse.Namespace) -> None:
             markup=False,
         )
     print(json.dumps({"benchmark": "shampoo_overhead", "args": vars(args), **row}))
+
+
+def _busy_ratio(plan: dict[str, Any]) -> dict[str, float]:
+    """The plan's busy seconds per rank (utilization x step) over the plain pipeline's: what the CPU / plain column
+    measures."""
+    step, plain = plan["step_s"], plan["plain_step_s"]
+    return {r: u * step / (plan["utilization_plain"][r] * plain) for r, u in plan["utilization"].items()}
 
 
 def main() -> None:

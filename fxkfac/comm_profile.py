@@ -4,6 +4,8 @@ Every rank of the group times all_reduce, broadcast and all_gather at a few mess
 its first two ranks, as a ping-pong), the ranks agree on the slowest time of each (one all-reduce with MAX),
 and each fits the same alpha and beta per kind by non-negative least squares
 (`fxkfac.planner.problem.hardware.fit_alpha_beta`): every rank returns the same `CommModel` and so plans the same.
+The CPU a message costs each end's process (`CommModel.send_cpu`, `recv_cpu`) is fitted the same way from the
+process CPU time of a burst of messages between the first two ranks.
 """
 
 from __future__ import annotations
@@ -67,7 +69,47 @@ def measure_comm(
         fitted[Collective.ALL_GATHER],
         fitted[Collective.SEND],
     )
-    return CommModel.single_link(link, node, source)
+    send_cpu, recv_cpu = _message_cpu(group, device, sizes, repeats)
+    return CommModel(link, link, node, source, send_cpu, recv_cpu)
+
+
+_BURST = 8
+"""Messages a `_message_cpu` sample sends at once (gloo's threads work while the caller posts the rest)."""
+
+
+def _message_cpu(
+    group: dist.ProcessGroup | None, device: torch.device, sizes: Sequence[int], repeats: int
+) -> tuple[AlphaBeta, AlphaBeta]:
+    """CPU seconds one message costs its sender's and its receiver's process, fitted over `sizes`: the median over
+    `repeats` of the process CPU time (gloo's threads included) of a burst of `_BURST` sends from the group's rank 0
+    to its rank 1, per message, each received into a new buffer as the runtime's are (its first touch is part of the
+    cost); the ranks agree on the largest."""
+    me = dist.get_rank(group)
+    cpu = torch.zeros(len(sizes), dtype=torch.float64)
+    for i, n in enumerate(sizes):
+        xs = [torch.ones(max(1, n // 4), dtype=torch.float32, device=device) for _ in range(_BURST)]
+        runs = []
+        for _ in range(max(1, repeats)):
+            dist.barrier(group=group)
+            start = time.process_time()
+            if me < 2:
+                peer = _global(group, 1 - me)
+                if me == 0:
+                    works = [dist.isend(x, peer, group=group, tag=j) for j, x in enumerate(xs)]
+                else:
+                    works = [dist.irecv(torch.empty_like(x), peer, group=group, tag=j) for j, x in enumerate(xs)]
+                for work in works:
+                    if work is not None:  # None: this rank is not in `group` (it is: me < 2)
+                        work.wait()
+                _sync(device)
+            runs.append((time.process_time() - start) / _BURST)
+        cpu[i] = sorted(runs)[len(runs) // 2]
+    ends = torch.zeros(2, len(sizes), dtype=torch.float64, device=device)
+    if me < 2:
+        ends[me] = cpu.to(device)
+    dist.all_reduce(ends, op=dist.ReduceOp.MAX, group=group)
+    send, recv = ([(2, n, t) for n, t in zip(sizes, row, strict=True)] for row in ends.cpu().tolist())
+    return fit_alpha_beta(Collective.SEND, send), fit_alpha_beta(Collective.SEND, recv)
 
 
 def _samples(kind: Collective, sizes: Sequence[int], seconds: Sequence[float], group_size: int) -> list[Sample]:

@@ -281,8 +281,8 @@ class SteppedFamily(Protocol):
     units")."""
 
     def step_state(self, unit: Any, state: RefreshState) -> Tensor:
-        """The per-step part of `state` (fold counts, statistics, optimizer tensors) as one flat float64 tensor whose
-        size depends on the unit alone."""
+        """The per-step part of `state` (fold counts, statistics, optimizer tensors) as one flat tensor whose size and
+        dtype depend on the unit alone."""
         ...
 
     def load_step_state(self, unit: Any, state: RefreshState, flat: Tensor) -> None:

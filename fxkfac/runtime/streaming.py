@@ -4,9 +4,10 @@ of the layer's preconditioner and sends it back with its <P, G>, which the owner
 APPLY would have. The result is the owner's APPLY, exactly; only the rank that computes it moves.
 
 A unit whose statistics come from the reduced gradient (Shampoo, SOAP: `fxkfac.preconditioner.SteppedFamily`) has its
-whole per-step work moved: the owner also sends its parameter (PARAM: weight decay reads it), the helper folds the
-statistics into its copy of the unit's state, preconditions, and returns the state with the result (STATE); every
-owner installs it, so its copy stays the unit's whole state (checkpoints, skipped steps, reshards as without
+whole per-step work moved: the owner sends its parameter with the gradient (weight decay reads it), the helper folds
+the statistics into its copy of the unit's state, preconditions, and returns the state with the result and its <P, G>;
+each way one message of bytes (`Packing`), which travels in the stage's buckets like a split APPLY's; every owner
+installs it, so its copy stays the unit's whole state (checkpoints, skipped steps, reshards as without
 streaming), and at a refresh step it snapshots the returned statistics for its DECOMP.
 
 Each streamed layer's transfers use their own tags (`TagSpace.of_layer`): the gradient (LGRAD), the preconditioned
@@ -21,12 +22,13 @@ The stage must have one copy (its gradient is final at its last backward; with c
 
 [Note: streamed buckets]
 A lone gloo send costs its caller about 0.1 ms of CPU however small, what 0.7 MB more add to it; a split APPLY streams
-one matrix a message, dozens a step, each way. So where the programs allow (`bucketable`), the units one owner streams
-to one helper from one stage travel together: both ends cut the step's units of that pair and stage, in descending unit
-order (the order the backward finishes them in), into buckets of at least `BUCKET_BYTES` (`buckets`), and each bucket
-is one message each way. The owner writes each unit's core input into its bucket's flat buffer as its hook makes it and
-sends the bucket with its last unit; the helper takes a bucket at the first of its units' RECV_LGRAD, writes each
-core output into the return bucket at its SEND_PGRAD and sends it with the last; the owner takes it at the first of its
+one matrix a message, dozens a step, each way, a stateful unit one packed message each way (`Packing`). So where the
+programs allow (`bucketable`), the units one owner streams to one helper from one stage travel together: both ends cut
+the step's units of that pair and stage, in descending unit order (the order the backward finishes them in), into
+buckets of at least `BUCKET_BYTES` (`buckets`), and each bucket is one message each way. The owner writes each unit's
+message (a core input; a stateful unit's packed gradient and parameter) into its bucket's flat buffer as its hook makes
+it and sends the bucket with its last unit; the helper takes a bucket at the first of its units' RECV_LGRAD, writes
+each result into the return bucket at its SEND_PGRAD and sends it with the last; the owner takes it at the first of its
 RECV_PGRADs. A bucket waits for its last unit, so the programs must not wait between a bucket's first and last op
 (`bucketable` checks every rank's programs, which every rank holds, so both ends agree). The rule and the cut are
 planner/problem/buckets.py's, which the planner prices the same buckets by.
@@ -99,8 +101,42 @@ class StreamOwner(Protocol):
 _LGRAD, _PGRAD, _PDOT, _REPLICA_STEP, _REPLICA_PARTS = 0, 1, 2, 3, 4
 """Each streamed layer's messages, numbered within its tags (`TagSpace.of_layer`); the replica's parts follow."""
 
-_PARAM, _STATE = 6, 7
-"""A stateful unit's parameter (owner to helper) and its per-step state (back), after two replica parts."""
+_ALIGN = 8
+"""Bytes each piece of a packed message starts at a multiple of (any dtype's view of it is then aligned)."""
+
+
+@dataclass(frozen=True)
+class Packing:
+    """The pieces (elements, dtype) of one stateful unit's message, packed as bytes into one flat uint8 tensor, each
+    piece at an `_ALIGN` boundary: one message where there were one per piece (a gloo send's fixed cost once)."""
+
+    pieces: tuple[tuple[int, torch.dtype], ...]
+
+    @property
+    def spans(self) -> tuple[int, ...]:
+        """Each piece's first byte."""
+        out, at = [], 0
+        for numel, dtype in self.pieces:
+            out.append(at)
+            at += -(-numel * dtype.itemsize // _ALIGN) * _ALIGN
+        return tuple(out)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed message."""
+        numel, dtype = self.pieces[-1]
+        return self.spans[-1] + -(-numel * dtype.itemsize // _ALIGN) * _ALIGN
+
+    def pack(self, values: Sequence[Tensor], out: Tensor | None = None) -> Tensor:
+        """`values` (one a piece, any shape) written into `out` (a new uint8 tensor when None)."""
+        flat = torch.empty(self.nbytes, dtype=torch.uint8, device=values[0].device) if out is None else out
+        for at, (numel, dtype), value in zip(self.spans, self.pieces, values, strict=True):
+            flat[at : at + numel * dtype.itemsize].view(dtype).copy_(value.reshape(-1))
+        return flat
+
+    def unpack(self, flat: Tensor) -> list[Tensor]:
+        """The pieces of a packed message, flat views of it."""
+        return [flat[at : at + n * d.itemsize].view(d) for at, (n, d) in zip(self.spans, self.pieces, strict=True)]
 
 
 @dataclass(frozen=True)
@@ -141,14 +177,20 @@ class Bucket:
         return flat[start : start + numel]
 
 
+def _flat(tensors: Sequence[Tensor]) -> Tensor:
+    """`tensors` as one flat tensor (a view of a lone one: `Packing.pack` copies it once)."""
+    return tensors[0].reshape(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
+
+
 def buckets(
     units: Sequence[tuple[int, int, str, int, torch.dtype]], order: Mapping[str, int], cap: int = BUCKET_BYTES
-) -> dict[str, Bucket]:
-    """Each unit's bucket, given the step's (peer, stage, unit, elements, dtype) of one end, cut as the planner prices
-    them (`planner.problem.buckets.cut`): per peer and stage, the units in descending `order`, a bucket closed once
-    it holds `cap` bytes. Both ends of a transfer list the same units, so they cut the same buckets."""
+) -> dict[tuple[int, str], Bucket]:
+    """Each (peer, unit)'s bucket, given the step's (peer, stage, unit, elements, dtype) of one end, cut as the planner
+    prices them (`planner.problem.buckets.cut`): per peer and stage, the units in descending `order`, a bucket closed
+    once it holds `cap` bytes (a helper of a stage with copies exchanges a unit with each). Both ends of a transfer
+    list the same units, so they cut the same buckets."""
     found = {unit: (numel, dtype) for _, _, unit, numel, dtype in units}
-    out: dict[str, Bucket] = {}
+    out: dict[tuple[int, str], Bucket] = {}
     cuts = cut(
         [((peer, stage), unit, numel * dtype.itemsize, dtype) for peer, stage, unit, numel, dtype in units], order, cap
     )
@@ -159,7 +201,7 @@ def buckets(
             spans[name] = (size, found[name][0])
             size += found[name][0]
         bucket = Bucket(peer, stage, names, spans, size, found[names[0]][1])
-        out.update(dict.fromkeys(names, bucket))
+        out.update(dict.fromkeys(((peer, name) for name in names), bucket))
     return out
 
 
@@ -191,16 +233,16 @@ class Streams:
         self.stepped = isinstance(family, SteppedFamily) and bool(gradient_parts(family))
         """Whether a streamed unit's whole per-step work moves: the helper folds its gradient-fed statistics, keeps its
         optimizer state and returns it with each result (`SteppedFamily`)."""
-        if self.stepped and _REPLICA_PARTS + len(family.parts) > _PARAM:
-            raise AssertionError(f"{family.name} has more parts than a streamed unit's tags hold")
         self.split: SplitApplyFamily | None = family if isinstance(family, SplitApplyFamily) else None
         """The family when its APPLY splits (its core is what is streamed), else None (looked up once: an isinstance of
         a runtime-checkable Protocol takes ~10 us)."""
         self._layer_params: dict[tuple[int, str], tuple[Any, list[torch.nn.Parameter]]] = {}
+        self._packings: dict[tuple[OpKind, str], Packing] = {}
+        """A stateful unit's message each way by (LGRAD or PGRAD kind, unit) (`packing`), made once."""
         """(stage, layer) -> the stage copy and its parameters of the layer (`_params`), looked up once."""
-        self.bucketed = streamed.bucketed if self.split is not None else frozenset()
+        self.bucketed = streamed.bucketed if self.split is not None or self.stepped else frozenset()
         """(owner, helper, stage) whose transfers travel in buckets ([Note: streamed buckets])."""
-        self._buckets: dict[OpKind, dict[str, Bucket]] | None = None
+        self._buckets: dict[OpKind, dict[tuple[int, str], Bucket]] | None = None
         """The step's buckets by the kind of the transfer and unit (`_step_buckets`; None: not cut yet this step)."""
         self._filling: dict[tuple[OpKind, tuple[int, int, str]], tuple[Tensor, set[str]]] = {}
         """Buckets this rank is writing, by kind and key: the flat message and the units not written yet."""
@@ -231,7 +273,7 @@ class Streams:
         interpreter.register(OpKind.SEND_REPLICA, self.send_replica)
         interpreter.register(OpKind.RECV_REPLICA, self.recv_replica, self.post_replica)
 
-    def _step_buckets(self, ctx: StepContext, ops: Sequence[Op]) -> dict[OpKind, dict[str, Bucket]]:
+    def _step_buckets(self, ctx: StepContext, ops: Sequence[Op]) -> dict[OpKind, dict[tuple[int, str], Bucket]]:
         """The step's buckets of each streamed transfer kind this rank runs, cut once per step from its ops."""
         if self._buckets is not None:
             return self._buckets
@@ -244,7 +286,9 @@ class Streams:
             pair = (self.runtime.rank, op.peer, op.stage) if owns else (op.peer, self.runtime.rank, op.stage)
             if pair not in self.bucketed:
                 continue
-            if owns:
+            if self.stepped:
+                numel, dtype = self.packing(ctx, op).nbytes, torch.uint8
+            elif owns:
                 (param,) = self._params(ctx, op)
                 numel, dtype = param.numel(), param.dtype
             else:
@@ -254,10 +298,35 @@ class Streams:
         self._buckets = {kind: buckets(found, self.tags, BUCKET_BYTES) for kind, found in units.items()}
         return self._buckets
 
+    def packing(self, ctx: StepContext, op: Op) -> Packing:
+        """A stateful unit's message in the direction of `op`: its gradient and parameter to the helper; its result,
+        <P, G> and per-step state (`SteppedFamily.step_state`) back."""
+        assert op.layer is not None, "a streamed transfer names its layer"
+        out = op.kind in (OpKind.SEND_LGRAD, OpKind.RECV_LGRAD)
+        key = (OpKind.SEND_LGRAD if out else OpKind.SEND_PGRAD, op.layer)
+        known = self._packings.get(key)
+        if known is not None:
+            return known
+        if op.kind in (OpKind.SEND_LGRAD, OpKind.RECV_PGRAD):
+            params = self._params(ctx, op)
+            numel, dtype = sum(p.numel() for p in params), params[0].dtype
+        else:
+            shapes = self._replica(op)
+            numel, dtype = sum(s.numel for s in shapes), shapes[0].dtype
+        if out:
+            packing = Packing(((numel, dtype), (numel, dtype)))
+        else:
+            family, layer = self.runtime.family, self.runtime.layers[op.layer]
+            assert isinstance(family, SteppedFamily), "only a stepped family returns a state"
+            state = family.step_state(layer, family.new_state(layer))
+            packing = Packing(((numel, dtype), (1, torch.float64), (state.numel(), state.dtype)))
+        self._packings[key] = packing
+        return packing
+
     def _bucket(self, kind: OpKind, op: Op) -> Bucket | None:
         """The bucket `op`'s unit travels in this step (None: alone)."""
-        assert op.layer is not None, "a streamed transfer names its layer"
-        return None if self._buckets is None else self._buckets.get(kind, {}).get(op.layer)
+        assert op.layer is not None and op.peer is not None, "a streamed transfer names its layer and peer"
+        return None if self._buckets is None else self._buckets.get(kind, {}).get((op.peer, op.layer))
 
     def _fill(self, ctx: StepContext, kind: OpKind, bucket: Bucket, unit: str, value: Tensor, message: int) -> None:
         """Write `unit`'s `value` into its bucket's flat message; send the bucket once every unit is in."""
@@ -344,15 +413,16 @@ class Streams:
         core's input the owner makes of it (`_core_input`); for a stateful unit, its parameter too."""
         assert op.layer is not None and op.peer is not None, "SEND_LGRAD names its layer and helper"
         split = self.split
-        flat = flat_gradient(params) if split is None else self._core_input(split, op, params)
+        if self.stepped:  # one copy each: into the message
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+            flat = self.packing(ctx, op).pack([_flat(grads), _flat([p.detach() for p in params])])
+        else:
+            flat = flat_gradient(params) if split is None else self._core_input(split, op, params)
         bucket = self._bucket(OpKind.SEND_LGRAD, op)
         if bucket is not None:
             self._fill(ctx, OpKind.SEND_LGRAD, bucket, op.layer, flat, _LGRAD)
         else:
             ctx.transport.send_tagged(flat, op.peer, self._tag(ctx, op, _LGRAD), str(op))
-        if self.stepped:
-            raw = torch.cat([p.detach().reshape(-1) for p in params])
-            ctx.transport.send_tagged(raw, op.peer, self._tag(ctx, op, _PARAM), str(op))
         self._sent.add(op.layer)
 
     def _core_input(self, family: SplitApplyFamily, op: Op, params: Sequence[torch.nn.Parameter]) -> Tensor:
@@ -389,14 +459,15 @@ class Streams:
             return
         params = self._params(ctx, op)
         size, first = sum(p.numel() for p in params), params[0]
-        buffers = [torch.empty(size, dtype=first.dtype, device=first.device)]
+        if self.stepped:
+            size, dtype = self.packing(ctx, op).nbytes, torch.uint8
+        else:
+            dtype = first.dtype
+        buffers = [torch.empty(size, dtype=dtype, device=first.device)]
         tags = [self._tag(ctx, op, _PGRAD)]
-        if self.split is None:
+        if self.split is None and not self.stepped:
             buffers.append(torch.empty(1, dtype=torch.float64, device=first.device))
             tags.append(self._tag(ctx, op, _PDOT))
-        if self.stepped:
-            buffers.append(torch.empty(self._state_size(op), dtype=torch.float64, device=first.device))
-            tags.append(self._tag(ctx, op, _STATE))
         ctx.transport.post_tagged(("pgrad", op.layer), buffers, op.peer, tags)
 
     def recv_preconditioned(self, ctx: StepContext, op: Op) -> None:
@@ -420,7 +491,11 @@ class Streams:
             param.grad = p
             self.runtime.add_dot([self.runtime.layers[op.layer]], direction_dot(self.runtime.family, p, grad), op.stage)
             return
-        flat, dot, *state = received
+        if self.stepped:
+            flat, dot, *state = self.packing(ctx, op).unpack(received[0])
+        else:
+            flat, dot = received
+            state = []
         for p, chunk in zip(params, split_flat(flat, [p.shape for p in params]), strict=True):
             p.grad = chunk
         copies = len(self.runtime.groups[op.stage].ranks)
@@ -432,13 +507,6 @@ class Streams:
             unit.activate(ctx.step)
             family.load_step_state(layer, unit, state[0])
             self.runtime.folded_elsewhere(ctx.step, op.layer)
-
-    def _state_size(self, op: Op) -> int:
-        """Elements of the per-step state of the unit `op` names (`SteppedFamily.step_state`)."""
-        assert op.layer is not None, "a streamed transfer names its layer"
-        family, layer = self.runtime.family, self.runtime.layers[op.layer]
-        assert isinstance(family, SteppedFamily), "only a stepped family returns a state"
-        return int(family.step_state(layer, family.new_state(layer)).numel())
 
     def send_replica(self, ctx: StepContext, op: Op) -> None:
         """Send the helper the layer's preconditioner made here (the parts the owner combined, and its refresh)."""
@@ -480,22 +548,24 @@ class Streams:
             self._post_bucket(ctx, OpKind.RECV_LGRAD, bucket, _LGRAD)
             return
         shapes = self._replica(op)
-        size, device = sum(s.numel for s in shapes), ctx.transport.device
-        buffers, tags = [torch.empty(size, dtype=shapes[0].dtype, device=device)], [self._tag(ctx, op, _LGRAD)]
+        size, dtype = sum(s.numel for s in shapes), shapes[0].dtype
         if self.stepped:
-            buffers.append(torch.empty(size, dtype=shapes[0].dtype, device=device))
-            tags.append(self._tag(ctx, op, _PARAM))
-        ctx.transport.post_tagged(("lgrad", op.layer, op.peer), buffers, op.peer, tags)
+            size, dtype = self.packing(ctx, op).nbytes, torch.uint8
+        buffers = [torch.empty(size, dtype=dtype, device=ctx.transport.device)]
+        ctx.transport.post_tagged(("lgrad", op.layer, op.peer), buffers, op.peer, [self._tag(ctx, op, _LGRAD)])
 
     def recv_gradient(self, ctx: StepContext, op: Op) -> None:
         """Take one owner's gradient of the layer for its APPLY here, summed with the other copies' in program order:
         the gradient their all-reduce makes."""
         assert op.layer is not None, "RECV_LGRAD names its layer"
         bucket = self._bucket(OpKind.RECV_LGRAD, op)
-        if bucket is not None:  # a split APPLY's stage has one copy: nothing to sum
-            self._inbox[op.layer] = self._landed_part(ctx, OpKind.RECV_LGRAD, bucket, op.layer, str(op))
-            return
-        received, *param = ctx.transport.take(("lgrad", op.layer, op.peer), str(op))
+        if bucket is not None:
+            received = self._landed_part(ctx, OpKind.RECV_LGRAD, bucket, op.layer, str(op))
+        else:
+            (received,) = ctx.transport.take(("lgrad", op.layer, op.peer), str(op))
+        param: list[Tensor] = []
+        if self.stepped:
+            received, *param = self.packing(ctx, op).unpack(received)
         self._inbox[op.layer] = self._inbox[op.layer] + received if op.layer in self._inbox else received
         if param:  # every copy's parameter is the same
             self._params_in[op.layer] = param[0]
@@ -574,12 +644,14 @@ class Streams:
         if op.layer not in self._outbox:
             raise PipelineError(f"rank {self.runtime.rank}: '{op}' before the APPLY of {op.layer}")
         flat, *rest = self._outbox[op.layer]  # one SEND_PGRAD per copy of the stage; the step's start clears it
+        if self.stepped:
+            flat, rest = self.packing(ctx, op).pack([flat, *rest]), []
         bucket = self._bucket(OpKind.SEND_PGRAD, op)
         if bucket is not None:
             self._fill(ctx, OpKind.SEND_PGRAD, bucket, op.layer, flat, _PGRAD)
             return
         ctx.transport.send_tagged(flat, op.peer, self._tag(ctx, op, _PGRAD), str(op))
-        for message, tensor in zip((_PDOT, _STATE), rest):
+        for message, tensor in zip((_PDOT,), rest):
             ctx.transport.send_tagged(tensor, op.peer, self._tag(ctx, op, message), str(op))
 
     def post_replica(self, ctx: StepContext, op: Op, _: Sequence[Op]) -> None:

@@ -20,6 +20,9 @@ from fxkfac.profiler import gradient_unit_cost
 from fxkfac.shampoo.layout import PARTS, Layout, ParamUnit, running_sum, side_statistic
 from fxkfac.shampoo.state import BlockState
 
+_COUNT_BYTES = 16
+"""Bytes of `step_state`'s two fold counts (int64, carried bit for bit in the family's dtype)."""
+
 __all__ = ["BlockFamily", "block_side"]
 
 
@@ -194,19 +197,22 @@ class BlockFamily(ABC):
         return state.TENSORS
 
     def step_state(self, unit: ParamUnit, state: RefreshState) -> Tensor:
-        """``[folds.L, folds.R, present flag per tensor, each tensor flat (zeros when absent)]`` in float64 (exact for
-        the family's dtypes), over the `step_tensors` alone (its size depends on the unit and the config): what a
-        helper that folds and applies a streamed unit returns to its owners."""
+        """``[folds.L, folds.R (their int64 bytes), present flag per tensor, each tensor flat (zeros when absent)]``
+        in the family's dtype (the tensors' own: exact, half float64's bytes), over the `step_tensors` alone (its size
+        depends on the unit and the config): what a helper that folds and applies a streamed unit returns to its
+        owners."""
         if not isinstance(state, BlockState):
             raise AssertionError(f"a {self.name} state packed from another family's state")
         shapes, names = self.new_state(unit).shapes, self.step_tensors(state)
         values = [getattr(state, k) for k in names]
         sizes = [math.prod(shapes[k]) for k in names]
-        out = torch.empty(2 + len(values) + sum(sizes), dtype=torch.float64)  # one buffer: each tensor cast into it
-        out[:2] = torch.tensor([state.folds["L"], state.folds["R"]], dtype=torch.float64)
-        at = 2 + len(values)
+        counts = torch.tensor([state.folds["L"], state.folds["R"]], dtype=torch.int64).view(self.dtype)
+        head = _COUNT_BYTES // self.dtype.itemsize
+        out = torch.empty(head + len(values) + sum(sizes), dtype=self.dtype)  # one buffer: each tensor copied in
+        out[:head] = counts
+        at = head + len(values)
         for i, (value, size) in enumerate(zip(values, sizes, strict=True)):
-            out[2 + i] = 0.0 if value is None else 1.0
+            out[head + i] = 0.0 if value is None else 1.0
             if value is None:
                 out[at : at + size].zero_()
             else:
@@ -215,16 +221,19 @@ class BlockFamily(ABC):
         return out
 
     def load_step_state(self, unit: ParamUnit, state: RefreshState, flat: Tensor) -> None:
-        """Inverse of `step_state`, each tensor back in the family's dtype (the others, which stay None, untouched)."""
+        """Inverse of `step_state`, each tensor a copy (`flat` may be a view of a received message; the others, which
+        stay None, untouched)."""
         if not isinstance(state, BlockState):
             raise AssertionError(f"a {self.name} state unpacked into another family's state")
         shapes, names = self.new_state(unit).shapes, self.step_tensors(state)
         flat = flat.cpu()
-        state.folds = {"L": int(flat[0]), "R": int(flat[1])}
-        at = 2 + len(names)
+        head = _COUNT_BYTES // self.dtype.itemsize
+        left, right = flat[:head].view(torch.int64).tolist()
+        state.folds = {"L": left, "R": right}
+        at = head + len(names)
         for i, k in enumerate(names):
             size = math.prod(shapes[k])
-            value = flat[at : at + size].to(self.dtype).reshape(shapes[k]) if float(flat[2 + i]) != 0.0 else None
+            value = flat[at : at + size].reshape(shapes[k]).clone() if float(flat[head + i]) != 0.0 else None
             setattr(state, k, value)
             at += size
 

@@ -51,6 +51,7 @@ from fxkfac.planner.problem.problem import (
 )
 from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, weight_gradient_kind
 from fxkfac.planner.problem.step_timeline import (
+    STREAMED_TRANSFERS,
     StepTimeline,
     activation_intervals,
     early_start,
@@ -429,9 +430,10 @@ class _Frame:
                     or (op.kind is OpKind.APPLY and is_streamed(problem, device, op))
                 ):  # F/B, a collective (of no tick: an instant), a streamed layer's APPLY
                     busy += self.wrap(j, a, b)
-                elif op.kind in (OpKind.SEND_LGRAD, OpKind.RECV_PGRAD) and op.layer is not None:  # the owner's hand-off
+                elif op.kind in STREAMED_TRANSFERS and op.layer is not None:  # the owner's hand-off; a message's CPU
                     layer = problem.costs.layer(op.layer)
-                    work = layer.hand_off if op.kind is OpKind.SEND_LGRAD else layer.take_back  # a RECV's wait is idle
+                    own = {OpKind.SEND_LGRAD: layer.hand_off, OpKind.RECV_PGRAD: layer.take_back}.get(op.kind, 0.0)
+                    work = own + problem.costs.message_cpu(op)  # a RECV's wait is idle; a bucket's fixed cost whole
                     busy += self.wrap(j, b - work, b) if work > 0 else []
             begin = step_start_tick(self.offsets, self.leads, j)
             busy += wrap(begin, begin + 1, self.offsets[-1])  # no task spans a boundary ([Note: step barrier])

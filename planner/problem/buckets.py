@@ -94,8 +94,9 @@ def bucketable(programs: Mapping[int, Sequence[Sequence[Op]]]) -> frozenset[tupl
 
 
 def bundles_streams(family: PreconditionerKind) -> bool:
-    """Whether the runtime sends `family`'s streamed transfers in buckets (Muon's; stateful units travel alone)."""
-    return family is PreconditionerKind.MUON
+    """Whether the runtime sends `family`'s streamed transfers in buckets: Muon's cores and Shampoo's and SOAP's
+    packed units (one message each way a unit, fxkfac/runtime/streaming.py `Packing`); K-FAC's travel alone."""
+    return family is not PreconditionerKind.KFAC
 
 
 def send_buckets(

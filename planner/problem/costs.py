@@ -15,7 +15,7 @@ from typing import Any
 from fxkfac.planner.problem.errors import CostModelError
 from fxkfac.planner.problem.hardware import Collective, CommModel
 from fxkfac.planner.problem.hardware import seconds as comm_seconds
-from fxkfac.planner.problem.ir import Op, OpKind
+from fxkfac.planner.problem.ir import LAYER_SENDS, Op, OpKind
 
 SCHEMA_VERSION = 1
 """Version of the cost-table JSON layout; `CostTable.from_json` refuses any other."""
@@ -354,6 +354,18 @@ class CostTable:
             raise CostModelError(f"{op} is not a collective the cost table prices")
         total = sum(comm_seconds(self.comm, kind, n, group_size) for kind, n in messages)
         return math.ceil(total * 1e6 - 1e-6) / 1e6
+
+    def message_cpu(self, op: Op, share: int = 1) -> float:
+        """CPU seconds the streamed transfer `op` (a SEND_LGRAD, SEND_PGRAD or its RECV) costs its rank's process
+        (`CommModel.send_cpu`, `recv_cpu`): its unit's bytes, and a `share`-th of its message's fixed cost (the units
+        of a bucket split it); 0 without a measured model."""
+        if self.comm is None or op.layer is None:
+            return 0.0
+        sends = {recv: send for send, recv in LAYER_SENDS.items()}
+        receiving = op.kind in sends
+        cpu = self.comm.recv_cpu if receiving else self.comm.send_cpu
+        nbytes = streamed_bytes(self.layer(op.layer), sends[op.kind] if receiving else op.kind)
+        return cpu.alpha / share + cpu.beta * nbytes
 
     def bucket_seconds(self, sends: Iterable[Op]) -> float:
         """Seconds of one message carrying the streamed `sends` together (a bucket), rounded as `collective_seconds`."""

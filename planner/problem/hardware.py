@@ -116,6 +116,11 @@ class CommModel:
     inter: LinkCosts
     devices_per_node: int
     source: str
+    send_cpu: AlphaBeta = AlphaBeta(0.0, 0.0)
+    """CPU seconds a point-to-point message costs its sender's process (gloo's threads on a host whose cores the
+    ranks fill), per message and per byte; zero: not measured, or not on the ranks' cores."""
+    recv_cpu: AlphaBeta = AlphaBeta(0.0, 0.0)
+    """The same for its receiver's process."""
 
     def __post_init__(self) -> None:
         n = self.devices_per_node
@@ -123,6 +128,8 @@ class CommModel:
             raise CostModelError(f"CommModel.devices_per_node must be an int >= 1, got {n!r}")
         if not all(isinstance(x, LinkCosts) for x in (self.intra, self.inter)):
             raise CostModelError("CommModel.intra and .inter must be LinkCosts")
+        if not all(isinstance(x, AlphaBeta) for x in (self.send_cpu, self.recv_cpu)):
+            raise CostModelError("CommModel.send_cpu and .recv_cpu must be AlphaBeta")
 
     @classmethod
     def single_link(cls, link: LinkCosts, devices_per_node: int, source: str) -> CommModel:
@@ -153,7 +160,8 @@ class CommModel:
                 name: LinkCosts(**{f.name: AlphaBeta(**data[name][f.name]) for f in fields(LinkCosts)})
                 for name in ("intra", "inter")
             }
-            return cls(links["intra"], links["inter"], data["devices_per_node"], data["source"])
+            cpu = {k: AlphaBeta(**data[k]) for k in ("send_cpu", "recv_cpu") if k in data}  # absent: not measured
+            return cls(links["intra"], links["inter"], data["devices_per_node"], data["source"], **cpu)
         except KeyError as e:
             raise CostModelError(f"the communication model is missing the key {e.args[0]!r}") from e
         except TypeError as e:

@@ -470,9 +470,13 @@ def stage_comm(problem: Problem, stage: int) -> StageComm:
     return StageComm(len(copies), gradient_allreduce_seconds(problem, stage), sync, bcast, share)
 
 
-def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callable[[int, Op], float]:
+def _duration(
+    problem: Problem, fused: frozenset[str], refresh: bool, buckets: Mapping[tuple[int, Op], frozenset[Op]]
+) -> Callable[[int, Op], float]:
     """Op durations in seconds: F/B (a refresh step's with taps and fused curvature, a recomputing BWD with its FWD, a
-    zero-bubble BWD less its W), collectives, per-step work, a streamed hand-off; transfers and OPT_STEP none."""
+    zero-bubble BWD less its W), collectives, per-step work, a streamed hand-off and the CPU of a streamed transfer
+    (`CostTable.message_cpu`, a bucket's fixed cost split among its units: `buckets`); other transfers and OPT_STEP
+    none."""
     stages = problem.costs.stages
     allreduce = [gradient_allreduce_seconds(problem, s) for s in range(len(stages))]
     stats = {(op.layer, op.part): secs for s, stage in enumerate(stages) for op, secs in gradient_stats(stage, s)}
@@ -506,12 +510,26 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool) -> Callabl
             return stats[op.layer, op.part]
         if op.kind is OpKind.ALLREDUCE_GRAD and op.stage is not None:
             return allreduce[op.stage]
-        if op.kind in (OpKind.SEND_LGRAD, OpKind.RECV_PGRAD) and op.layer is not None:  # the owner's hand-off
+        if (
+            op.kind in STREAMED_TRANSFERS and op.layer is not None
+        ):  # the owner's hand-off; either end's CPU of the message
             layer = problem.costs.layer(op.layer)
-            return layer.hand_off if op.kind is OpKind.SEND_LGRAD else layer.take_back
+            own = {OpKind.SEND_LGRAD: layer.hand_off, OpKind.RECV_PGRAD: layer.take_back}.get(op.kind, 0.0)
+            send = (rank, op) if op.kind in LAYER_SENDS else (op.peer_rank, _sent_as(rank, op))
+            return own + problem.costs.message_cpu(op, len(buckets.get(send, (op,))))
         return 0.0
 
     return duration
+
+
+STREAMED_TRANSFERS = frozenset({OpKind.SEND_LGRAD, OpKind.RECV_LGRAD, OpKind.SEND_PGRAD, OpKind.RECV_PGRAD})
+"""A streamed unit's per-step transfers (a REPLICA's, once a refresh, are not priced on either end's CPU)."""
+
+
+def _sent_as(rank: int, recv: Op) -> Op:
+    """The SEND on `recv`'s peer whose message `recv` (on `rank`) takes."""
+    kind = next(send for send, received in LAYER_SENDS.items() if received is recv.kind)
+    return Op(kind, recv.stage_id, peer=rank, layer=recv.layer)
 
 
 def stream_lead(problem: Problem, duration: Callable[[int, Op], float]) -> Callable[[int, Op], float] | None:
@@ -562,8 +580,8 @@ def step_timeline(
     """One simulated step (plain or with the per-step work; `refresh`: a refresh step, F/B with taps and the fused
     layers' curvature): the step a steady run repeats (under agreement sets only where `steps_overlap` is False)."""
     programs = reference_programs(problem) if with_prec else base_programs(problem)
-    duration = _duration(problem, fused, refresh)
     buckets = problem_buckets(problem, as_programs(programs))
+    duration = _duration(problem, fused, refresh, buckets)
     lead, link = stream_lead(problem, duration), stream_link(problem, buckets)
     one = simulate(programs, duration, steps=1, lead=lead, link=link, buckets=buckets)
     ops = {rank: tuple((iv.op, iv.start, iv.end) for iv in one.of_rank(rank)) for rank in one.ranks}
@@ -596,9 +614,10 @@ def steps_overlap(problem: Problem) -> bool:
         return False
     programs = reference_programs(problem)
     barrier = {d: agreement_set(problem, d) for d in problem.devices}
+    buckets = problem_buckets(problem, as_programs(programs))
     for fused, refresh in ((frozenset(), False), (frozenset(problem.costs.layer_names), True)):
         one = step_timeline(problem, fused, refresh=refresh)
-        run = simulate(programs, _duration(problem, fused, refresh), steps=3, barrier=barrier)
+        run = simulate(programs, _duration(problem, fused, refresh, buckets), steps=3, barrier=barrier)
         want = {
             (d, j, n): j * one.length + end
             for d, items in one.ops.items()

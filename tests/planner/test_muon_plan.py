@@ -23,9 +23,9 @@ from fxkfac.planner.problem.analytic import (
     preset,
 )
 from fxkfac.planner.problem.buckets import bucketable, bundles_streams
-from fxkfac.planner.problem.costs import CostTable, PreconditionerKind
+from fxkfac.planner.problem.costs import CostTable, PreconditionerKind, streamed_bytes
 from fxkfac.planner.problem.errors import PlanError
-from fxkfac.planner.problem.hardware import hardware
+from fxkfac.planner.problem.hardware import AlphaBeta, CommModel, hardware
 from fxkfac.planner.problem.ir import Op, OpKind, as_programs, piece_iterations
 from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.problem.step_timeline import plain_step_time, problem_buckets, reference_programs, step_timeline
@@ -274,11 +274,12 @@ def test_small_matrices_stream_in_buckets_each_priced_as_one_message(monkeypatch
         step_timeline.cache_clear()
 
 
-def test_only_a_split_apply_bundles_and_only_where_every_program_allows() -> None:
-    """K-FAC's, Shampoo's and SOAP's streamed units travel alone (each returns its state); a Muon owner whose
-    streamed sends are not in a row sends each alone (the runtime's `bucketable`, the same function)."""
+def test_only_one_message_units_bundle_and_only_where_every_program_allows() -> None:
+    """K-FAC's streamed units travel alone (a result and its <P, G>, two messages); Muon's, Shampoo's and SOAP's
+    (one message each way) in buckets; a Muon owner whose streamed sends are not in a row sends each alone (the
+    runtime's `bucketable`, the same function)."""
     assert [bundles_streams(k) for k in PreconditionerKind] == [
-        k is PreconditionerKind.MUON for k in PreconditionerKind
+        k is not PreconditionerKind.KFAC for k in PreconditionerKind
     ]
     problem = with_streaming(_small_matrices(), whole_backward=True)
     programs = as_programs(reference_programs(problem))
@@ -287,3 +288,35 @@ def test_only_a_split_apply_bundles_and_only_where_every_program_allows() -> Non
     split = [*owner[: at + 1], Op(OpKind.RECV_ACT, 1, 0, peer=1), *owner[at + 1 :]]
     assert (0, 1, 0) in bucketable(programs)
     assert (0, 1, 0) not in bucketable({**programs, 0: [split]})
+
+
+def test_a_streamed_transfer_costs_its_ranks_the_messages_cpu() -> None:
+    """A measured CPU a message costs each end (`CommModel.send_cpu`, `recv_cpu`) prices every streamed transfer on
+    its own rank: its unit's bytes and its bucket's fixed cost split among the bucket's units; the predicted step
+    grows, and the validator, which simulates the same step, accepts the plan."""
+    problem = with_streaming(_small_matrices(), whole_backward=True)
+    assert problem.streaming is not None and problem.costs.comm is not None
+    send_cpu, recv_cpu = AlphaBeta(1e-4, 2e-10), AlphaBeta(3e-5, 5e-10)
+    comm = replace(problem.costs.comm, send_cpu=send_cpu, recv_cpu=recv_cpu)
+    priced = replace(problem, costs=replace(problem.costs, comm=comm))
+    cut = problem_buckets(priced, as_programs(reference_programs(priced)))
+    step = step_timeline(priced)
+    checked = 0
+    for rank, items in step.ops.items():
+        for op, start, end in items:
+            if op.kind not in (OpKind.SEND_LGRAD, OpKind.SEND_PGRAD) or op.layer is None:
+                continue
+            layer = priced.costs.layer(op.layer)
+            own = layer.hand_off if op.kind is OpKind.SEND_LGRAD else 0.0
+            share = len(cut.get((rank, op), {op}))
+            want = own + send_cpu.alpha / share + send_cpu.beta * streamed_bytes(layer, op.kind)
+            assert end - start == pytest.approx(want, rel=1e-9, abs=1e-12), op
+            checked += 1
+    assert checked == 2 * len(problem.streaming.layers)
+    assert step.length > step_timeline(problem).length
+    assert CommModel.from_json(comm.to_json()) == comm
+    assert CommModel.from_dict({k: v for k, v in comm.to_dict().items() if not k.endswith("_cpu")}).send_cpu == (
+        AlphaBeta(0.0, 0.0)
+    ), "a model measured before has no CPU a message"
+    plan = solve(priced, SolverConfig(time_limit_s=5))
+    assert validate(priced, plan) == []

@@ -27,11 +27,25 @@ def test_both_ends_cut_the_same_buckets_in_descending_unit_order() -> None:
     f32 = torch.float32
     units = [(1, 0, "a", 100, f32), (1, 0, "c", 300, f32), (1, 0, "b", 200, f32), (2, 0, "d", 50, f32)]
     cut = buckets(units, order, cap=4 * 400)  # closes once it holds 400 float32 elements
-    assert cut["c"].units == ("c", "b") and cut["c"] is cut["b"]
-    assert cut["c"].spans == {"c": (0, 300), "b": (300, 200)} and cut["c"].numel == 500
-    assert cut["a"].units == ("a",) and cut["d"].units == ("d",) and cut["d"].peer == 2
+    assert cut[1, "c"].units == ("c", "b") and cut[1, "c"] is cut[1, "b"]
+    assert cut[1, "c"].spans == {"c": (0, 300), "b": (300, 200)} and cut[1, "c"].numel == 500
+    assert cut[1, "a"].units == ("a",) and cut[2, "d"].units == ("d",) and cut[2, "d"].peer == 2
+    copies = buckets([*units, (3, 0, "a", 100, f32)], order, cap=4 * 400)  # a stage's copies: one bucket a peer
+    assert copies[3, "a"].peer == 3 and copies[1, "a"].peer == 1 and copies[1, "c"] == cut[1, "c"]
     assert buckets(units[::-1], order, cap=4 * 400) == cut, "both ends list the units in another order"
     assert {b.units for b in buckets(units, order, cap=1).values()} == {("a",), ("b",), ("c",), ("d",)}
+
+
+def test_a_packed_message_returns_each_piece_bit_for_bit() -> None:
+    """A stateful unit's message (`Packing`): pieces of mixed dtypes and odd sizes, each at an aligned offset of one
+    uint8 tensor, come back equal bit for bit (NaN and a denormal included), as views of it."""
+    pieces = [torch.randn(3, 5), torch.tensor([float("nan"), 1e-310], dtype=torch.float64), torch.arange(7.0)]
+    packing = streaming.Packing(tuple((x.numel(), x.dtype) for x in pieces))
+    flat = packing.pack(pieces)
+    assert flat.dtype == torch.uint8 and flat.numel() == packing.nbytes == 64 + 16 + 32
+    out = packing.unpack(flat)
+    assert all(torch.equal(a.reshape(-1).view(torch.uint8), b.view(torch.uint8)) for a, b in zip(pieces, out))
+    assert all(b.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr() for b in out)
 
 
 def _owner(sends: list[Op], tail: list[Op]) -> list[Op]:
