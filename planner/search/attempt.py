@@ -346,7 +346,7 @@ def _first_pass(
             min_k=min_k,
             allowance=allowed,
             meter=clock,
-            cut=method is not Method.GREEDY,
+            cut=False,  # a candidate's first plan comes out whatever the time left (charged, not cut)
         )
     except PlanError:
         g = None

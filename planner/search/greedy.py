@@ -536,7 +536,8 @@ def greedy_group(
     """The paper's rule for one stage group: the least k from the group's lower bound (`group_lower_bound`, kept as
     `k_lower_bound`) to max_period where first-fit places everything with the whole `allowance`, then (`shrink_stretch`)
     the least stretch found; each window, bound and placement tried is charged to `meter`. PlanError when no k does,
-    or (`cut`) when `meter` runs out first; the greedy method runs to its end, as the paper's rule does."""
+    or (`cut`) when `meter` runs out first; a candidate's first plan is never cut (`attempt`), so a short limit
+    still plans."""
     began = time.perf_counter()
     allowance = allowance if allowance is not None else Allowance(problem, fused, None)
 
