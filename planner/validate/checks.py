@@ -560,9 +560,9 @@ def check_memory(c: Context) -> None:
     budget = c.problem.memory_budget
     keeps = defaultdict(list)
     for p in c.plan.placements:
-        if p.op.kind is OpKind.STATS and p.op.mb is not None:
+        if p.op.kind is OpKind.STATS and p.op.mb is not None:  # its capture, from when it is made
             part = c.problem.costs.layer(p.op.layer_name).part(p.op.part_name)
-            keeps[p.device].append((c.end_of(0, 1, p.device, part.after, p.op), p.end, part.capture_bytes))
+            keeps[p.device].append((c.capture_end(p.device, p.op)[1], p.end, part.capture_bytes))
         elif p.op.kind is OpKind.BWD_W:  # a placed W holds its layers' operands from its B's end
             since = c.end_of(p.step, c.period(p.op.stage_id), p.device, OpKind.BWD, p.op)
             keeps[p.device].append((since, p.end, w_operand_bytes(c.problem.costs.stages[p.op.stage_id], p.op.layer)))
