@@ -337,7 +337,7 @@ def _check_factor(c: Context, layer: str, side: str | None, kinds: Mapping[OpKin
             return  # check_placed_once counts them
         _check_snapshot(c, layer, inv[0], curv)
         ready, curv = -math.inf, []  # its per-step STATS are no refresh's curvature
-    elif layer in c.fused:
+    elif layer in c.fused and after is not None:
         kind = capture_kind(c.problem.kind, after)  # made with the W
         ready = max(b for d in copies for op, _, b in c.refresh.fixed(d) if op.stage == stage and op.kind is kind)
         if kind is OpKind.BWD_W and placed_w(c.problem):  # the refresh step's W's, placed
