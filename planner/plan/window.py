@@ -672,7 +672,9 @@ def _chunks(layers: Sequence[LayerCost], size: int) -> list[list[LayerCost]]:
 # first-fit puts it and where CP-SAT keeps it while searching the period and stretch (free W's made those searches
 # slower and some longer); CP-SAT frees them only where that search proves there is no placement, and its
 # least-staleness solve then moves them where that leaves the other tasks more room (a worse placement is not kept).
-# F/B keep their times, so no step grows. A fused layer's decomposition waits for the refresh step's W's of its stage.
+# F/B keep their times, so no step grows. A fused layer's decomposition waits for the refresh step's W's of its stage;
+# a deferred layer's STATS of its output gradient wait for the W making it (`w_makers`; where W's are not placed, the
+# W at its place releases them: `_Frame.released_by`), as the runtime has W make that gradient.
 # W's are placed where `placed_w` holds: a zero-bubble schedule without streaming (a streamed hand-off follows the
 # stage's last backward in the program) of at most `MAX_W_TASKS` W's a window.
 
