@@ -283,9 +283,15 @@ def w_makers(window: Window) -> list[tuple[int, int]]:
     if not made:
         return []
     pairs: dict[tuple[int, int], None] = {}
-    costs = window.problem.costs
+    gradients = {
+        (x.name, p.part)
+        for s in window.problem.costs.stages
+        for x in s.layers
+        for p in x.parts
+        if p.after is OpKind.BWD
+    }
     for c, task in enumerate(window.tasks):
-        if task.kind is not TaskKind.CURV or costs.layer(task.factors[0][0]).part(task.side).after is not OpKind.BWD:
+        if task.kind is not TaskKind.CURV or task.factors[0] not in gradients:
             continue
         for stats in task.ops:
             for i, w in made.get((task.devices[0], stats.stage, stats.mb, stats.pipe), []):
