@@ -318,9 +318,11 @@ def test_an_output_gradients_stats_follows_a_w_at_the_schedules_place(
     assert _read_before_w(p, plan) == []
 
 
-@settings(max_examples=6, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=5, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(ZERO_BUBBLE))
 def test_no_random_zero_bubble_plan_reads_an_output_gradient_before_its_w(p: Problem) -> None:
+    """First-fit and CP-SAT on random ZB-H1, ZB-V and ZB-1P problems (copies, budgets): valid plans that read no
+    output gradient before its W (the golden set holds no zero-bubble problem)."""
     for method in ("greedy", "cpsat"):
         try:
             plan = solve(p, FAST, method)
