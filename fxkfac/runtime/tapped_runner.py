@@ -232,8 +232,8 @@ class TappedRunner(StageRunner):
 # 11 ms against 0.04 ms, a micro-batch's W 10.5 against 21.6 ms), which the profile and the plan price in W; on the
 # other stages B makes G anyway for the input gradient, and W hands the same tensor on. A micro-batch's deferred
 # captures go one way together (two variants of the split at most, not one per layer pattern). The planner places
-# a deferred STATS after its B; where it places it after the layer's W too (W's at their places: B then W at once,
-# the bubbles after), the program reads G after W and B stays as small as on other steps.
+# a STATS of G only after the W that makes it (`planner.plan.window.w_makers`; the validator refuses one before), so
+# a planned program reads G after W and B stays as small as on other steps; B making G is for hand-written programs.
 
 
 def read_before_w(ops: Iterable[Op], stage: int, pipe: int, parts: Iterable[str]) -> set[int]:

@@ -49,7 +49,7 @@ from fxkfac.planner.problem.problem import (
     stages_on_device,
     streamed_stats,
 )
-from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, weight_gradient_kind
+from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, capture_kind
 from fxkfac.planner.problem.step_timeline import (
     STREAMED_TRANSFERS,
     StepTimeline,
@@ -61,6 +61,7 @@ from fxkfac.planner.problem.step_timeline import (
     step_timeline,
     stream_start,
     w_layer_ops,
+    w_makes,
     w_operand_bytes,
     whole_decimal,
 )
@@ -269,6 +270,35 @@ def warm_starts(window: Window) -> list[tuple[int, int]]:
         if task.kind in (TaskKind.INV, TaskKind.BCAST)
         for f in firsts.get(task.factors[0][0], [])
     ]
+
+
+def w_makers(window: Window) -> list[tuple[int, int]]:
+    """Pairs (w, c): CURV task c reads an output-gradient capture that the refresh step's placed W task w makes (its
+    device's, micro-batch's and pipe's W of one of c's layers, or the stage's whole W: `w_makes`), so c starts once w
+    ends ([Note: placed W]). The refresh step's W's are those whose home lies in window step 0."""
+    made: dict[tuple[int, int | None, int | None, int], list[tuple[int, Op]]] = {}
+    for i, task in enumerate(window.tasks):
+        if task.kind is TaskKind.WGRAD and task.home is not None and task.home < window.offsets[1]:
+            for w in task.ops:
+                made.setdefault((task.devices[0], w.stage, w.mb, w.pipe), []).append((i, w))
+    if not made:
+        return []
+    pairs: dict[tuple[int, int], None] = {}
+    gradients = {
+        (x.name, p.part)
+        for s in window.problem.costs.stages
+        for x in s.layers
+        for p in x.parts
+        if p.after is OpKind.BWD
+    }
+    for c, task in enumerate(window.tasks):
+        if task.kind is not TaskKind.CURV or task.factors[0] not in gradients:
+            continue
+        for stats in task.ops:
+            for i, w in made.get((task.devices[0], stats.stage, stats.mb, stats.pipe), []):
+                if w_makes(w, stats.layer_name):
+                    pairs[i, c] = None
+    return list(pairs)
 
 
 def done_by(task: Task) -> int:
@@ -492,9 +522,7 @@ class _Frame:
                     elif after_slot:
                         ready = min(slot.release + slot.ticks for slot in precs if (slot.stage, slot.step) == (s, 0))
                     elif x.name in self.fused:
-                        made = weight_gradient_kind(problem.kind) if p.after is OpKind.BWD else p.after  # with the W
-                        if placed_w(problem) and p.after is OpKind.BWD:  # then the W's tasks ([Note: placed W])
-                            made = OpKind.BWD
+                        made = self.released_by(p.after)  # with the W; placed, its task ([Note: placed W])
                         ready = max(
                             grid.up(e)
                             for d in copies
@@ -505,13 +533,22 @@ class _Frame:
                     tasks += self.refresh_tasks(s, x.name, p, longest / problem.decomp_pieces, ready, after_slot)
         return tasks
 
+    def released_by(self, after: OpKind) -> OpKind:
+        """The kind of the refresh step's fixed op whose end releases the work on a capture taken `after` FWD or BWD:
+        the op that makes it (`capture_kind`: an output gradient's W on zero-bubble schedules), but where W's are
+        placed tasks an output gradient's B, the W tasks preceding that work (`w_makers`, [Note: placed W])."""
+        made = capture_kind(self.problem.kind, after)
+        return OpKind.BWD if made is OpKind.BWD_W and placed_w(self.problem) else made
+
     def curv_tasks(self, stage: int, deferred: list[LayerCost], stats_chunk: int) -> list[Task]:
-        """Per copy of `stage` and F/B of the refresh step, STATS tasks of `stats_chunk` deferred layers each."""
+        """Per copy of `stage` and F/B (or W) of the refresh step, STATS tasks of `stats_chunk` deferred layers each,
+        released by the op that makes their captures (`released_by`)."""
         tasks, copies = [], copies_of_stage(self.problem, stage)
+        taken = {self.released_by(after): after for after in (OpKind.FWD, OpKind.BWD)}  # releasing op: its captures
         for d in copies:
             kept = [x for x in deferred if keeps_statistics(d, copies, self.problem.where(x.name))]
             for op, _, end in self.steps[0].fixed(d):
-                for side in _parts_after(kept, op.kind) if op.stage == stage else ():
+                for side in _parts_after(kept, taken[op.kind]) if op.stage == stage and op.kind in taken else ():
                     for chunk in _chunks(kept, stats_chunk):
                         secs = tuple(x.part(side).stats for x in chunk)
                         ops = tuple(_stats_op(stage, op.mb, op.pipe, x.name, side) for x in chunk)
@@ -599,11 +636,10 @@ class _Frame:
         reduce = next(t for o, t, _ in timeline if o.kind is OpKind.ALLREDUCE_GRAD and o.stage == op.stage)
         due = self.offsets[j] + max(at(reduce), at(end)) if shared(self.problem, s) else self.offsets[j + 1]
         stage = self.problem.costs.stages[s]
-        layers = {w.layer for w in ops}
         feeds = tuple(
             (x.name, p.part)
             for x in stage.layers
-            if j == 0 and x.name in self.fused and (None in layers or x.name in layers)  # a per-layer W: its layer's
+            if j == 0 and x.name in self.fused and any(w_makes(w, x.name) for w in ops)  # a per-layer W: its layer's
             for p in x.parts
             if p.after is OpKind.BWD
         )
@@ -644,7 +680,9 @@ def _chunks(layers: Sequence[LayerCost], size: int) -> list[list[LayerCost]]:
 # first-fit puts it and where CP-SAT keeps it while searching the period and stretch (free W's made those searches
 # slower and some longer); CP-SAT frees them only where that search proves there is no placement, and its
 # least-staleness solve then moves them where that leaves the other tasks more room (a worse placement is not kept).
-# F/B keep their times, so no step grows. A fused layer's decomposition waits for the refresh step's W's of its stage.
+# F/B keep their times, so no step grows. A fused layer's decomposition waits for the refresh step's W's of its stage;
+# a deferred layer's STATS of its output gradient wait for the W making it (`w_makers`; where W's are not placed, the
+# W at its place releases them: `_Frame.released_by`), as the runtime has W make that gradient.
 # W's are placed where `placed_w` holds: a zero-bubble schedule without streaming (a streamed hand-off follows the
 # stage's last backward in the program) of at most `MAX_W_TASKS` W's a window.
 

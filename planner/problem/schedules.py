@@ -33,6 +33,14 @@ def weight_gradient_kind(kind: ScheduleKind | str) -> OpKind:
     return OpKind.BWD_W if _kind(kind) in ZERO_BUBBLE_KINDS else OpKind.BWD
 
 
+def capture_kind(kind: ScheduleKind | str, after: OpKind) -> OpKind:
+    """The op whose end makes a refresh step's capture taken `after` FWD or BWD (`PartCost.after`): an output
+    gradient's is the weight gradient's (`weight_gradient_kind`), fused or deferred, so a STATS of it follows its W
+    (made by B instead, it would cost a zero-bubble stage's backward chain in B: [Note: late captures] in
+    fxkfac/runtime/tapped_runner.py)."""
+    return weight_gradient_kind(kind) if after is OpKind.BWD else after
+
+
 _VIRTUAL_KINDS = frozenset({ScheduleKind.INTERLEAVED, ScheduleKind.ZB_1P})
 """Schedules whose ranks hold v stages, r, r+D, ...; ZB-V holds two, r and 2D-1-r."""
 

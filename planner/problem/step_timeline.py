@@ -700,7 +700,7 @@ def fused_stats(problem: Problem, fused: frozenset[str], rank: int, bwd: Op) -> 
     parts = {
         x.name: [p.part for p in x.parts if p.after is not OpKind.ALLREDUCE_GRAD]
         for x in problem.costs.stages[bwd.stage_id].layers
-        if x.name in fused and bwd.layer in (None, x.name)  # a per-layer W folds its own layer's
+        if x.name in fused and w_makes(bwd, x.name)
     }
     where = {name: problem.where(name) for name in parts}
     return capture_stats(bwd, rank, parts, copies_of_stage(problem, bwd.stage_id), where)
@@ -888,6 +888,12 @@ def w_share(stage: StageCost, layer: str) -> float:
     if total == 0:
         return 1 / len(stage.layers)
     return next(x.grad_bytes for x in stage.layers if x.name == layer) / total
+
+
+def w_makes(w: Op, layer: str) -> bool:
+    """Whether the W (or BWD) `w` makes `layer`'s weight gradient and output-gradient capture: it names the layer or
+    none (a stage's whole W, [Note: per-layer W])."""
+    return w.layer in (None, layer)
 
 
 def w_layer_ops(

@@ -33,7 +33,16 @@ from typing import Any
 from ortools.sat.python import cp_model
 
 from fxkfac.planner.plan.solution import GroupSolution, fits_memory, use_offsets
-from fxkfac.planner.plan.window import Task, TaskKind, Window, build_window, done_by, inv_chains, warm_starts
+from fxkfac.planner.plan.window import (
+    Task,
+    TaskKind,
+    Window,
+    build_window,
+    done_by,
+    inv_chains,
+    w_makers,
+    warm_starts,
+)
 from fxkfac.planner.problem.costs import LayerCost
 from fxkfac.planner.problem.ir import Op, OpKind
 from fxkfac.planner.problem.problem import (
@@ -351,7 +360,8 @@ def add_tasks(v: Vars, w: Window, free_w: bool = True) -> None:
 
 def add_precedences(v: Vars, w: Window) -> None:
     """Per factor curvature (or the W's folding it), sync, decomposition, broadcast in order, all done before the
-    next refresh (L later) needs its buffers."""
+    next refresh (L later) needs its buffers; a deferred output gradient's curvature after the W making it
+    (`w_makers`)."""
     L, m = w.length, v.model
     by_factor: dict[tuple[str, str], dict[TaskKind, list[int]]] = {}
     for i, task in enumerate(w.tasks):
@@ -371,6 +381,8 @@ def add_precedences(v: Vars, w: Window) -> None:
             m.add(v.start[last] + w.tasks[last].ticks <= v.start[c] + L)
         for b in kinds.get(TaskKind.BCAST, []):
             m.add(v.start[b] + 1 <= v.start[first] + L)
+    for i, c in w_makers(w):
+        m.add(v.start[c] >= v.start[i] + w.tasks[i].ticks)
 
 
 def add_piece_chains(v: Vars, w: Window) -> None:

@@ -43,6 +43,7 @@ from fxkfac.planner.plan.window import (
     free_gaps,
     grid_scale,
     idle_regions,
+    w_makers,
     warm_starts,
     wrap,
 )
@@ -491,10 +492,13 @@ def _place(window: Window, gaps: dict[int, _Gaps]) -> GroupSolution | None:
         key=lambda i: (_ORDER[window.tasks[i].kind], rank[window.tasks[i].side], window.tasks[i].release, i),
     )
     inv_device = _inv_devices(window)
+    made: dict[int, int] = {}  # a deferred output gradient's curvature waits for the W's making it
+    for w, c in w_makers(window):
+        made[c] = max(made.get(c, 0), starts[w] + window.tasks[w].ticks)
     for i in order:
         task = window.tasks[i]
         key = task.factors[0]
-        after = 0 if task.kind is TaskKind.CURV else max((done.get(f, 0) for f in task.factors), default=0)
+        after = made.get(i, 0) if task.kind is TaskKind.CURV else max((done.get(f, 0) for f in task.factors), default=0)
         members = [inv_device[key]] if task.kind is TaskKind.INV else list(task.devices)
         earliest = max([after, _slot_release(window, task, members[0])] + [window.earliest(task, d) for d in members])
         need = math.ceil(task.ticks * (1 + MARGIN))

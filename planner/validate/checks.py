@@ -44,7 +44,7 @@ from fxkfac.planner.problem.problem import (
     stage_groups,
     streamed_stats,
 )
-from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, weight_gradient_kind
+from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, capture_kind, weight_gradient_kind
 from fxkfac.planner.problem.step_timeline import (
     StepTimeline,
     activation_intervals,
@@ -63,6 +63,7 @@ from fxkfac.planner.problem.step_timeline import (
     stream_link,
     stream_start,
     tap_extra,
+    w_makes,
     w_operand_bytes,
     w_share,
     window_length,
@@ -132,6 +133,27 @@ class Context:
         for p in self.plan.placements:
             out[p.op.kind].append(p)
         return out
+
+    @cached_property
+    def refresh_ws(self) -> dict[tuple[int, int | None, int | None, int], list[Placement]]:
+        """The refresh step's placed W's by (device, stage, micro-batch, pipe)."""
+        out: dict[tuple[int, int | None, int | None, int], list[Placement]] = {}
+        for p in self.kinds[OpKind.BWD_W]:
+            if p.step == 0:
+                out.setdefault((p.device, p.op.stage, p.op.mb, p.op.pipe), []).append(p)
+        return out
+
+    def capture_end(self, device: int, stats: Op) -> tuple[OpKind, float]:
+        """The kind of op that makes the refresh step's capture a micro-batch's `stats` reads on `device`, and when
+        it ends: its part's `after` op, an output gradient's W on zero-bubble schedules (`capture_kind`), where W's
+        are placed the placed W's of its layer ([Note: placed W] in planner/plan/window.py)."""
+        kind = capture_kind(self.problem.kind, self.problem.costs.layer(stats.layer_name).part(stats.part_name).after)
+        placed = kind is OpKind.BWD_W and placed_w(self.problem)
+        ready = self.end_of(0, 1, device, OpKind.BWD if placed else kind, stats)
+        if placed:  # at the latest of them, not before its B
+            ws = self.refresh_ws.get((device, stats.stage, stats.mb, stats.pipe), [])
+            ready = max([ready] + [q.end for q in ws if w_makes(q.op, stats.layer_name)])
+        return kind, ready
 
     @cached_property
     def made(self) -> dict[str, list[float]]:
@@ -230,9 +252,14 @@ def check_dependencies(c: Context) -> None:
         if p.op.kind is OpKind.STATS and p.op.mb is None:
             _check_gradient_stats(c, p, applies)
         elif p.op.kind is OpKind.STATS:
-            kind = c.problem.costs.layer(p.op.layer_name).part(p.op.part_name).after  # the F/B its capture ends
-            ready = c.end_of(0, 1, p.device, kind, p.op)
-            if p.start < ready - c.tol:
+            kind, ready = c.capture_end(p.device, p.op)  # the F/B (or W) whose end makes its capture
+            if p.start < ready - c.tol and kind is OpKind.BWD_W:
+                c.errors.append(
+                    f"{p.op} on r{p.device} starts at {p.start:.6g} before the W that makes its output gradient ends "
+                    f"({ready:.6g}): place it after that W (read before it, B must make the gradient, running the "
+                    "stage's backward chain, which the plan does not price)"
+                )
+            elif p.start < ready - c.tol:
                 c.errors.append(f"{p.op} on r{p.device} starts at {p.start:.6g} before its {kind} ends ({ready:.6g})")
             if p.end > ready + c.length(c.period(p.op.stage_id)) + c.tol:
                 c.errors.append(f"{p.op} on r{p.device} keeps its a/e longer than one window")
@@ -310,12 +337,12 @@ def _check_factor(c: Context, layer: str, side: str | None, kinds: Mapping[OpKin
             return  # check_placed_once counts them
         _check_snapshot(c, layer, inv[0], curv)
         ready, curv = -math.inf, []  # its per-step STATS are no refresh's curvature
-    elif layer in c.fused:
-        kind = weight_gradient_kind(c.problem.kind) if after is OpKind.BWD else after  # made with the W
+    elif layer in c.fused and after is not None:
+        kind = capture_kind(c.problem.kind, after)  # made with the W
         ready = max(b for d in copies for op, _, b in c.refresh.fixed(d) if op.stage == stage and op.kind is kind)
         if kind is OpKind.BWD_W and placed_w(c.problem):  # the refresh step's W's, placed
             ws = c.kinds[OpKind.BWD_W]  # a per-layer W ([Note: per-layer W]) folds its own layer's
-            ready = max(q.end for q in ws if q.op.stage == stage and q.step == 0 and q.op.layer in (None, layer))
+            ready = max(q.end for q in ws if q.op.stage == stage and q.step == 0 and w_makes(q.op, layer))
     else:
         ready = max((p.end for p in curv), default=0.0)
     for group in (sync, bcast):
@@ -533,9 +560,9 @@ def check_memory(c: Context) -> None:
     budget = c.problem.memory_budget
     keeps = defaultdict(list)
     for p in c.plan.placements:
-        if p.op.kind is OpKind.STATS and p.op.mb is not None:
+        if p.op.kind is OpKind.STATS and p.op.mb is not None:  # its capture, from when it is made
             part = c.problem.costs.layer(p.op.layer_name).part(p.op.part_name)
-            keeps[p.device].append((c.end_of(0, 1, p.device, part.after, p.op), p.end, part.capture_bytes))
+            keeps[p.device].append((c.capture_end(p.device, p.op)[1], p.end, part.capture_bytes))
         elif p.op.kind is OpKind.BWD_W:  # a placed W holds its layers' operands from its B's end
             since = c.end_of(p.step, c.period(p.op.stage_id), p.device, OpKind.BWD, p.op)
             keeps[p.device].append((since, p.end, w_operand_bytes(c.problem.costs.stages[p.op.stage_id], p.op.layer)))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from hypothesis import strategies as st
 
 from fxkfac.planner.problem.costs import CostTable, LayerCost, PartCost, StageCost
@@ -9,7 +11,7 @@ from fxkfac.planner.problem.ir import OpKind
 from fxkfac.planner.problem.problem import Problem
 from fxkfac.planner.problem.schedules import num_stages
 
-__all__ = ["layer", "gradient_layer", "table", "problem", "problems"]
+__all__ = ["CLASSIC", "ZERO_BUBBLE", "layer", "gradient_layer", "table", "problem", "problems"]
 
 
 def layer(
@@ -76,15 +78,19 @@ def problem(schedule: str, D: int, N: int, W: int = 1, v: int = 1, **kw: object)
     return Problem(schedule, D, N, table(num_stages(schedule, D, v), **table_kw), W=W, v=v, **kw)  # type: ignore[arg-type]  # kw mixes Problem's keyword arguments; a test helper
 
 
+CLASSIC = ("gpipe", "1f1b", "interleaved", "chimera")
+ZERO_BUBBLE = ("zb-h1", "zb-v", "zb-1p")
+
+
 @st.composite
-def problems(draw: st.DrawFn) -> Problem:
-    """Random small problems: any schedule, D in {2, 4}, small N, a few layers with random costs, W in
-    {1, 2}, sometimes a memory budget, sometimes warm-started decompositions. Times are multiples of 0.25 s (an
-    exact time grid)."""
-    schedule = draw(st.sampled_from(["gpipe", "1f1b", "interleaved", "chimera"]))
+def problems(draw: st.DrawFn, schedules: Sequence[str] = CLASSIC) -> Problem:
+    """Random small problems: a schedule of `schedules` (`CLASSIC` or `ZERO_BUBBLE`), D in {2, 4}, small N, a few
+    layers with random costs, W in {1, 2}, sometimes a memory budget, sometimes warm-started decompositions. Times
+    are multiples of 0.25 s (an exact time grid)."""
+    schedule = draw(st.sampled_from(list(schedules)))
     D = draw(st.sampled_from([2, 4]))
-    v = 2 if schedule == "interleaved" else 1
-    N = D * draw(st.integers(1, 2)) if schedule in ("interleaved", "chimera") else draw(st.integers(1, 4))
+    v = 2 if schedule in ("interleaved", "zb-v", "zb-1p") else 1
+    N = D * draw(st.integers(1, 2)) if schedule in ("interleaved", "chimera", "zb-1p") else draw(st.integers(1, 4))
     W = draw(st.sampled_from([1, 2]))
     quarter = st.integers(1, 8).map(lambda q: q / 4)
     stages = []

@@ -6,10 +6,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from fxkfac.planner.plan import window
+from fxkfac.planner.plan.plan import Plan
 from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
-from fxkfac.planner.problem.ir import Capture, OpKind
+from fxkfac.planner.problem.errors import PlanError
+from fxkfac.planner.problem.ir import Capture, OpKind, Placement
 from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.problem.schedules import stages_of_rank
 from fxkfac.planner.problem.step_timeline import (
@@ -22,7 +25,7 @@ from fxkfac.planner.problem.step_timeline import (
 )
 from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.validate import validate
-from tests.planner.kfac_cases import problem
+from tests.planner.kfac_cases import ZERO_BUBBLE, problem, problems
 
 FAST = SolverConfig(time_limit_s=4.0, num_workers=2)
 
@@ -234,3 +237,112 @@ def test_measured_per_layer_ws_in_the_parameters_proportion_plan_as_a_table_with
     plans = [solve(p, FAST, "greedy") for p in (old, timed)]
     assert plans[0].programs == plans[1].programs
     assert plans[0].placements == plans[1].placements
+
+
+def _output_gradient(p: Problem, x: Placement) -> bool:
+    """Whether `x` is a micro-batch's STATS of a capture taken after the backward (K-FAC's output gradient G)."""
+    return (
+        x.op.kind is OpKind.STATS
+        and x.op.mb is not None
+        and p.costs.layer(x.op.layer_name).part(x.op.part_name).after is OpKind.BWD
+    )
+
+
+def _deferred_zb_h1(layers: int) -> Problem:
+    """ZB-H1 on 4 ranks, N = 2 (each rank's W's wait), `layers` K-FAC layers a stage, deferred curvature."""
+    return problem(
+        "zb-h1", 4, 2, layers=layers, fwd=1.0, bwd=2.0, curv=0.25, inv=1.0, prec=0.25, max_overhead=0.5, max_period=8
+    )
+
+
+def _read_before_w(p: Problem, plan: Plan) -> list[str]:
+    """The STATS of an output gradient that start before the refresh step's W making it ends (its rank's W of its
+    micro-batch naming its layer or none: placed, else at the schedule's place), or that come between the
+    micro-batch's B and that W in the refresh step's program: each would have B make the gradient, running the
+    stage's backward chain, which no plan prices."""
+    tol = plan.metrics.time_quantum + 1e-9
+    fused = frozenset(n for n, t in plan.layers.items() if t.capture is Capture.FUSED)
+    refresh = step_timeline(p, fused, refresh=True)
+    placed = [(x.device, x.op, x.end) for x in plan.placements if x.op.kind is OpKind.BWD_W and x.step == 0]
+    fixed = [(d, op, end) for d in refresh.ops for op, _, end in refresh.ops[d] if op.kind is OpKind.BWD_W]
+    out = []
+    for x in plan.placements:
+        if not _output_gradient(p, x):
+            continue
+        key = (x.device, x.op.stage, x.op.mb, x.op.pipe)
+        ends = [
+            end for d, w, end in placed or fixed if (d, w.stage, w.mb, w.pipe) == key and w.layer in (None, x.op.layer)
+        ]
+        if not ends or x.start < max(ends) - tol:
+            out.append(f"{x.op} on r{x.device} at {x.start}")
+    for rank, program in plan.programs.items():
+        backward: set[tuple[int | None, int | None, int]] = set()
+        made: set[tuple[int | None, int | None, int, str | None]] = set()
+        for op in program[0]:
+            key = (op.stage, op.mb, op.pipe)
+            if op.kind is OpKind.BWD:
+                backward.add(key)
+            elif op.kind is OpKind.BWD_W:
+                made.add((*key, op.layer))
+            elif op.kind is OpKind.STATS and op.mb is not None and op.part == "B" and key in backward:
+                if not {(*key, None), (*key, op.layer)} & made:
+                    out.append(f"r{rank} program: {op}")
+    return out
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+@pytest.mark.parametrize("method", ["greedy", "cpsat"])
+def test_an_output_gradients_stats_starts_after_the_w_that_makes_it(method: str, layers: int) -> None:
+    """A deferred layer's output gradient is made by its micro-batch's W (of its layer, [Note: per-layer W]): its
+    STATS are placed after that W and follow it in the refresh step's program, never between its B and W (with two
+    layers first-fit placed 4 there, CP-SAT 2, before the rule)."""
+    p = _deferred_zb_h1(layers)
+    plan = solve(p, FAST, method)
+    assert validate(p, plan) == []
+    assert any(_output_gradient(p, x) for x in plan.placements)
+    assert _read_before_w(p, plan) == []
+
+
+@pytest.mark.parametrize("method", ["greedy", "cpsat"])
+def test_an_output_gradients_stats_follows_a_w_at_the_schedules_place(
+    monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    """Where plans do not place W's (too many for the window), each W runs at the schedule's place and the STATS of
+    what it makes are released at its end."""
+    p = _deferred_zb_h1(2)
+    monkeypatch.setattr(window, "MAX_W_TASKS", 0)
+    plan = solve(p, FAST, method)
+    assert not any(x.op.kind is OpKind.BWD_W for x in plan.placements)
+    assert validate(p, plan) == []
+    assert any(_output_gradient(p, x) for x in plan.placements)
+    assert _read_before_w(p, plan) == []
+
+
+@settings(max_examples=5, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(ZERO_BUBBLE))
+def test_no_random_zero_bubble_plan_reads_an_output_gradient_before_its_w(p: Problem) -> None:
+    """First-fit and CP-SAT on random ZB-H1, ZB-V and ZB-1P problems (copies, budgets): valid plans that read no
+    output gradient before its W (the golden set holds no zero-bubble problem)."""
+    for method in ("greedy", "cpsat"):
+        try:
+            plan = solve(p, FAST, method)
+        except PlanError:
+            continue
+        assert validate(p, plan) == []
+        assert _read_before_w(p, plan) == []
+
+
+def test_the_validator_refuses_an_output_gradients_stats_before_its_w() -> None:
+    """A STATS of an output gradient moved to its B's end, before the W making it ends, is refused with what to do."""
+    p = _deferred_zb_h1(2)
+    plan = solve(p, FAST, "cpsat")
+    stats = next(x for x in plan.placements if _output_gradient(p, x) and x.step == 0)
+    fused = frozenset(n for n, t in plan.layers.items() if t.capture is Capture.FUSED)
+    b = f"B s{stats.op.stage} m{stats.op.mb}"
+    b_end = next(end for op, _, end in step_timeline(p, fused, refresh=True).ops[stats.device] if str(op) == b)
+    moved = replace(stats, start=b_end, end=b_end + stats.end - stats.start)
+    errors = validate(
+        p, replace(plan, placements=tuple(moved if x is stats else x for x in plan.placements)), run=False
+    )
+    words = ("before the W that makes its output gradient ends", "place it after that W")
+    assert any(str(stats.op) in e and all(w in e for w in words) for e in errors), errors

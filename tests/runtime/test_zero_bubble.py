@@ -652,3 +652,23 @@ def test_a_program_read_before_w_marks_the_micro_batch_whose_captures_b_makes() 
     }
     for text, want in cases.items():
         assert read_before_w(program(text), 0, 0, ["B"]) == want, text
+
+
+@pytest.mark.parametrize("method", ["greedy", "cpsat"])
+def test_planned_programs_leave_every_output_gradient_to_w(method: str) -> None:
+    """A plan's refresh step never has B make a deferred output gradient (`read_before_w` finds no micro-batch of any
+    stage on any rank): the planner reads G after the W that makes it, as its B is priced (first-fit and CP-SAT
+    read some before their W on this ZB-H1 before the rule)."""
+    from fxkfac.planner.problem.problem import SolverConfig
+    from fxkfac.planner.search.attempt import solve
+    from tests.planner.kfac_cases import problem
+
+    p = problem(
+        "zb-h1", 4, 2, layers=2, fwd=1.0, bwd=2.0, curv=0.25, inv=1.0, prec=0.25, max_overhead=0.5, max_period=8
+    )
+    plan = solve(p, SolverConfig(time_limit_s=4.0), method)
+    assert any(op.kind is OpKind.STATS and op.part == "B" for program in plan.programs.values() for op in program[0])
+    for rank, program in plan.programs.items():
+        held = {(op.stage_id, op.pipe) for op in program[0] if op.kind is OpKind.BWD}
+        for stage, pipe in held:
+            assert read_before_w(program[0], stage, pipe, ["B"]) == set(), (rank, stage, program[0])
