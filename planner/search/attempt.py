@@ -872,7 +872,7 @@ def solve(
     method: Method | str = Method.CPSAT,
     *,
     budget: Budget | None = None,
-    shares: int = 1,
+    shares: float = 1,
     suggest: bool = True,
 ) -> Plan:
     """Plan `problem`'s preconditioner work (CPSAT warm-started by first-fit, or GREEDY) in 1/`shares` of the solver

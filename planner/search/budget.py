@@ -292,7 +292,7 @@ class Budget:
 
     # parts of the whole
 
-    def solving(self, shares: int = 1) -> Budget:
+    def solving(self, shares: float = 1) -> Budget:
         """One candidate's view: an equal share of the CP-SAT time left among the `shares` candidates still to run;
         greedy placement may go on until half the overtime past the end."""
         now = self.now()

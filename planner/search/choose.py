@@ -88,7 +88,7 @@ def candidate_problems(problem: Problem) -> list[Problem]:
     return out + ([mix] if mix is not None else [])
 
 
-Each = Callable[[Problem, Budget, int], Plan]
+Each = Callable[[Problem, Budget, float], Plan]
 """How the outer search plans a candidate as forcing it would, in the budget as one of `shares` still to plan; raises
 PlanError (naming nothing) where it does not plan. `planner.plan` passes the streaming choice around `solve`."""
 
@@ -199,7 +199,7 @@ def solve_outer(
         chosen = solve_joint(problem, config, own() if own else budget)
         return [] if chosen is None else [chosen]
 
-    def plan_one(candidate: Problem, view: Budget, shares: int) -> Plan:
+    def plan_one(candidate: Problem, view: Budget, shares: float) -> Plan:
         if own is not None:
             view, shares = own(), 1
         if each is not None:
@@ -225,19 +225,25 @@ def solve_outer(
     return chosen
 
 
+def shares_of(n: int, total: int) -> float:
+    """Into how many equal shares the time left is cut for candidate `n` of `total`: the first (least reference step,
+    the likely choice) counts each other as half a share, so it gets most of the time, nearly as forcing it would,
+    and a refused first one still leaves the others a part; each later one an equal share."""
+    return 1 + (total - 1) / 2 if n == 0 else total - n
+
+
 def _plan_each(
     candidates: Sequence[Problem], each: Each, budget: Budget, timed: bool, *, after: bool = False
 ) -> list[Plan]:
     """The plans of `candidates` in turn (a refusal left out), until the time is up once one has planned (`after`
-    another plan: once CP-SAT's time is): the first (least reference step) in all the time left, as forcing it would
-    be planned, so the choice is never worse than forcing it (issue 38); each later one in its share of what is left."""
+    another plan: once CP-SAT's time is), each in its `shares_of` the time left."""
     plans: list[Plan] = []
     for n, candidate in enumerate(candidates):
         if timed and ((after and budget.solving().solver_time() <= 0) or (plans and budget.over())):
             log.info("no time left to plan distributions %s", [_words(c) for c in candidates[n:]])
             break
         try:
-            plans.append(each(candidate, budget, 1 if n == 0 else len(candidates) - n))
+            plans.append(each(candidate, budget, shares_of(n, len(candidates))))
         except PlanError as e:
             log.info("distribution %s does not plan: %s", _words(candidate), e)
     return plans

@@ -486,7 +486,7 @@ class Distributions(StrEnum):
     GIVEN = "given"
 
 
-def candidate_part(shares: int) -> float:
+def candidate_part(shares: float) -> float:
     """The part of the time left one candidate distribution takes, `shares` still to plan: half of it and an equal
     share of the other half (all of it, or an equal share, left later candidates short)."""
     return (shares + 1) / (2 * shares)
@@ -590,7 +590,7 @@ def plan(
     def reference(p: Problem) -> float:
         return step_timeline(streaming_of(p)).length
 
-    def candidate(p: Problem, view: Budget, shares: int) -> Plan:
+    def candidate(p: Problem, view: Budget, shares: float) -> Plan:
         """One distribution of the choice, planned as forcing it would be, in its `candidate_part` of the time left;
         its refusal names nothing (the choice's own refusal searches what would plan)."""
         part = view if shares == 1 else view.part(candidate_part(shares))
