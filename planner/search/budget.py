@@ -20,9 +20,9 @@ work, the greedy rule's charge on every stage group of a problem is 0.91-1.12 of
 ZB-H1 D=4 (0.2-0.7 s), 1.04-1.07 on 1F1B D=4 and Chimera D=8 with a stretch (0.04-0.2 s), 0.73-0.74 where they place
 in a few windows (0.01-0.04 s): least-squares fits of relative error over the greedy rule on GPipe, 1F1B,
 interleaved, ZB-H1, ZB-V and Chimera, measured on the 2-core development machine at load ~9. The greedy rule stops
-when its view of the budget runs out (`left`, on the budget's clock): a group's first-fit raises PlanError, the
-packing bound returns the period it reached (still a bound), a stretch bisection keeps what it found; so none runs
-past its cutoff by more than a window.
+when its view of the budget runs out (`left`, on the budget's clock): the paper's metrics' first-fit raises
+PlanError, the packing bound returns the period it reached (still a bound), a stretch bisection keeps what it found;
+a candidate's own first-fit plan runs to its end (charged, not cut: a short limit still plans).
 
 [Note: deterministic budget] With `SolverConfig.deterministic` (the default) no planning decision reads
 the wall clock. CP-SAT runs one thread (its sequential loop over `_FEW_WORKER_SUBSOLVERS`, with a fixed
