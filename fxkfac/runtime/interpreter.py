@@ -364,7 +364,41 @@ class _Program:
     made_of: tuple[Op, ...]
     """Its ops when this was made: a list changed in place since is looked up again."""
     prepares: tuple[tuple[Prepare, Op], ...]
-    steps: tuple[tuple[Handler, Op, str, str], ...]
+    """What runs when the step begins."""
+    head: tuple[tuple[Handler, Op, str, str], ...]
+    """The ops up to the step's first FWD or BWD (all of them where it has none)."""
+    posts: tuple[tuple[Prepare, Op], ...]
+    """The receives of the ops after it, posted once it ends ([Note: when receives are posted])."""
+    tail: tuple[tuple[Handler, Op, str, str], ...]
+    """The ops after it."""
+
+
+_COMPUTE = (OpKind.FWD, OpKind.BWD)
+_RECEIVES = (OpKind.RECV_ACT, OpKind.RECV_GRAD)
+
+# [Note: when receives are posted]
+# Every receive of a step is posted before any of its sends, so that no transport that matches a send with its
+# receive in posting order (NCCL) can wait on a cycle; a posted receive also lets its message land while the rank
+# computes. The receives of the ops after the step's first FWD or BWD are posted once that op ends, not when the
+# step begins: on gloo each post wakes the peer's I/O thread, and on a host with a core per rank the step's first
+# op, which every other rank waits for, then lost a core to those wake-ups. Measured on 1F1B, D=2, N=4, 2 cores
+# (benchmarks/pipeline_vs_torch.py): rank 0's first FWD began 0.4 ms (median; 0.9 ms mean) after the step, torch's
+# 0.13 ms, and rank 1 got its first activation 1.1 ms later than under torch, while the steps' middles matched.
+
+
+def _execute(steps: Sequence[tuple[Handler, Op, str, str]], ctx: StepContext, recorder: Recorder | None) -> None:
+    """Run `steps` in order, each into `recorder` where there is one (wall clock, waits and CPU time per op)."""
+    if recorder is None:
+        for handler, op, _, _ in steps:
+            handler(ctx, op)
+        return
+    cpu = Recorder.cpu_now()
+    for handler, op, text, kind in steps:
+        start, waited = Recorder.now(), ctx.transport.waited_ns
+        handler(ctx, op)
+        end, took = Recorder.now(), -cpu
+        cpu = Recorder.cpu_now()  # one CPU clock read per op: a system call (1-3 us)
+        recorder.record(text, kind, ctx.step, start, end, ctx.transport.waited_ns - waited, took + cpu)
 
 
 def _same_ops(made_of: tuple[Op, ...], ops: Sequence[Op]) -> bool:
@@ -412,33 +446,32 @@ class Interpreter:
                 f"rank {rank} has no handler for '{missing}'; register one with "
                 f"Interpreter.register(OpKind.{missing.kind.name}, fn) (preconditioner ops need the family's runtime)"
             )
-        prepares = tuple((self.prepares[op.kind], op) for op in ops if op.kind in self.prepares)
+        first = next((i for i, op in enumerate(ops) if op.kind in _COMPUTE), len(ops))
+        later = [i > first and op.kind in _RECEIVES for i, op in enumerate(ops)]
+        prepares = tuple(
+            (self.prepares[op.kind], op) for op, late in zip(ops, later) if op.kind in self.prepares and not late
+        )
+        posts = tuple((self.prepares[op.kind], op) for op, late in zip(ops, later) if late and op.kind in self.prepares)
         steps = tuple((self.handlers[op.kind], op, str(op), op.kind.value) for op in ops)
         if len(self._programs) >= _PROGRAMS_KEPT:  # op lists made anew per call (evaluation's) must not pile up
             self._programs.clear()
-        program = self._programs[id(ops)] = _Program(ops, tuple(ops), prepares, steps)
+        program = _Program(ops, tuple(ops), prepares, steps[: first + 1], posts, steps[first + 1 :])
+        self._programs[id(ops)] = program
         return program
 
     def run(self, ops: Sequence[Op], ctx: StepContext, timeline: Recorder | None = None) -> None:
-        """Execute `ops` in order on `ctx`, each op's `prepares` entry run first (every receive of the step is
-        posted up front)."""
+        """Execute `ops` in order on `ctx`, each op's `prepares` entry run first, except the receives after the
+        step's first FWD or BWD, posted once it ends ([Note: when receives are posted])."""
         program = self._program(ops, ctx.rank)
         for listener in self.listeners:
             listener.begin_step(ctx)
         for prepare, op in program.prepares:
             prepare(ctx, op, ops)
         recorder = timeline if timeline is not None and timeline.enabled else None  # no clock read otherwise
-        if recorder is None:
-            for handler, op, _, _ in program.steps:
-                handler(ctx, op)
-        else:
-            cpu = Recorder.cpu_now()
-            for handler, op, text, kind in program.steps:
-                start, waited = Recorder.now(), ctx.transport.waited_ns
-                handler(ctx, op)
-                end, took = Recorder.now(), -cpu
-                cpu = Recorder.cpu_now()  # one CPU clock read per op: a system call (1-3 us)
-                recorder.record(text, kind, ctx.step, start, end, ctx.transport.waited_ns - waited, took + cpu)
+        _execute(program.head, ctx, recorder)
+        for prepare, op in program.posts:
+            prepare(ctx, op, ops)
+        _execute(program.tail, ctx, recorder)
         leftovers = [r for r in ctx.runners.values() if r.pending()]
         if leftovers or ctx.acts or ctx.grads or ctx.to_send or ctx.transport.in_flight():
             raise AssertionError(
