@@ -15,36 +15,17 @@ from fxkfac.config import PlanOptions
 from fxkfac.errors import ConfigError
 from fxkfac.planner import Budget, Plan, Problem, SearchOptions
 from fxkfac.planner import plan as plan_search
-from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.problem.costs import CostTable
 from fxkfac.planner.problem.errors import PlanError, PlanMismatchError
 from fxkfac.planner.problem.schedules import ScheduleKind
 from fxkfac.planner.search import ScheduleCandidate
 from fxkfac.planner.validate import validate
-from tests.support.cost_tables import light_pipeline
-
-MS = 1e-3
+from tests.support.cost_tables import kfac_stages, light_pipeline
 
 
 def _costs(stages: int) -> CostTable:
     """Two layers per stage whose inversions are longer than any bubble of a 2-stage pipeline."""
-    return CostTable(
-        tuple(
-            StageCost(
-                1 * MS,
-                2 * MS,
-                1 << 20,
-                1 << 16,
-                tuple(
-                    LayerCost.kfac(f"s{s}.l{i}", 0.2 * MS, 0.2 * MS, 4 * MS, 4 * MS, 0.05 * MS, 4096, 4096, 4096, 4096)
-                    for i in range(2)
-                ),
-            )
-            for s in range(stages)
-        ),
-        2,
-        "test",
-        "cpu",
-    )
+    return kfac_stages((2,) * stages, 0.2, (4, 4), 0.05, name="s{s}.l{i}")
 
 
 def test_auto_overhead_plans_where_the_bubbles_alone_cannot(caplog: pytest.LogCaptureFixture) -> None:

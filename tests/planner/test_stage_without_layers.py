@@ -10,32 +10,14 @@ import pytest
 
 from fxkfac.planner import SearchOptions, SolverConfig, check_plan, parse_plan, plan, validate
 from fxkfac.planner.plan.plan import Plan
-from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.problem.costs import CostTable
 from fxkfac.planner.problem.problem import Problem
-
-MS = 1e-3
+from tests.support.cost_tables import kfac_stages
 
 
 def _costs() -> CostTable:
     """4 stages, the first without K-FAC layers, the others two each."""
-    return CostTable(
-        tuple(
-            StageCost(
-                1 * MS,
-                2 * MS,
-                1 << 20,
-                1 << 16,
-                tuple(
-                    LayerCost.kfac(f"l{s}_{i}", 0.05 * MS, 0.05 * MS, 0.2 * MS, 0.2 * MS, 0.01 * MS, *[4096] * 4)
-                    for i in range(2 if s else 0)
-                ),
-            )
-            for s in range(4)
-        ),
-        2,
-        "test",
-        "cpu",
-    )
+    return kfac_stages((0, 2, 2, 2), 0.05, (0.2, 0.2), 0.01)
 
 
 def _plan(schedule: str) -> Plan:

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fxkfac.planner.plan.plan import Plan
-from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
+from fxkfac.planner.problem.costs import CostTable
 from fxkfac.planner.problem.errors import Knob, PlanError
 from fxkfac.planner.problem.ir import OpKind
 from fxkfac.planner.problem.problem import Problem, SolverConfig, copies_of_stage
@@ -20,6 +20,7 @@ from fxkfac.planner.validate import validate
 from fxkfac.planner.validate.plan_file import parse_plan
 from tests.planner.brute_force import brute_feasible
 from tests.planner.kfac_cases import problem, problems
+from tests.support.cost_tables import kfac_stages
 
 FAST = SolverConfig(time_limit_s=4.0, num_workers=2)
 MS = 1e-3
@@ -27,26 +28,7 @@ MS = 1e-3
 
 def _chimera_costs(layers: int = 6) -> CostTable:
     """The brief's Chimera D=2 case: 1/2 ms F/B per stage, 0.1 ms curvature, 0.25/0.2 ms inversions."""
-    return CostTable(
-        tuple(
-            StageCost(
-                1 * MS,
-                2 * MS,
-                1 << 20,
-                1 << 16,
-                tuple(
-                    LayerCost.kfac(
-                        f"l{s}_{i}", 0.1 * MS, 0.1 * MS, 0.25 * MS, 0.2 * MS, 0.01 * MS, 4096, 4096, 4096, 4096
-                    )
-                    for i in range(layers)
-                ),
-            )
-            for s in range(2)
-        ),
-        2,
-        "synthetic",
-        "cpu",
-    )
+    return kfac_stages((layers, layers), 0.1, (0.25, 0.2), 0.01, source="synthetic")
 
 
 def _added(plan: Plan) -> float:

@@ -5,30 +5,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 from fxkfac.planner.plan.plan import Plan
-from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.problem.ir import OpKind
 from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.validate import validate
-
-MS = 1e-3
+from tests.support.cost_tables import kfac_stages
 
 
 def _plan() -> Plan:
-    stages = tuple(
-        StageCost(
-            1 * MS,
-            2 * MS,
-            1 << 20,
-            1 << 16,
-            tuple(
-                LayerCost.kfac(f"s{s}.l{i}", 0.1 * MS, 0.1 * MS, 0.25 * MS, 0.2 * MS, 0.01 * MS, 4096, 4096, 4096, 4096)
-                for i in range(3)
-            ),
-        )
-        for s in range(2)
-    )
-    problem = Problem("gpipe", 2, 2, CostTable(stages, 2, "test", "cpu"))
+    problem = Problem("gpipe", 2, 2, kfac_stages((3, 3), 0.1, (0.25, 0.2), 0.01, name="s{s}.l{i}"))
     return solve(problem, SolverConfig(time_limit_s=2))
 
 
