@@ -35,7 +35,6 @@ from fxkfac.planner.problem.errors import (
     Suggestion,
 )
 from fxkfac.planner.problem.hardware import (
-    HARDWARE,
     AlphaBeta,
     Collective,
     CommModel,
@@ -81,16 +80,11 @@ from fxkfac.planner.problem.schedules import (
 from fxkfac.planner.problem.step_timeline import (
     BUSY_KINDS,
     Interval,
-    StepTimeline,
     Timeline,
     plain_step_time,
-    plain_utilization,
     simulate,
     stage_comm,
-    static_bytes,
-    step_begins,
     utilization,
-    window_length,
 )
 from fxkfac.planner.problem.strategy import (
     LayerDistribution,
@@ -104,17 +98,16 @@ from fxkfac.planner.problem.strategy import (
 )
 
 __all__ = [
-    "BUSY_KINDS", "COLLECTIVE_KINDS", "HARDWARE", "PIPEFISHER_COLUMNS", "WORDS", "ZERO_BUBBLE_KINDS", "AlphaBeta",
-    "Assignment", "Capture", "Collective", "CommModel", "ConfigError", "CostModelError", "CostTable", "DeadlockError",
+    "BUSY_KINDS", "COLLECTIVE_KINDS", "PIPEFISHER_COLUMNS", "WORDS", "ZERO_BUBBLE_KINDS", "AlphaBeta", "Assignment",
+    "Capture", "Collective", "CommModel", "ConfigError", "CostModelError", "CostTable", "DeadlockError",
     "InfeasibleBudgetError", "Interval", "InverseMethod", "Knob", "LayerCost", "LayerDistribution", "LayerTiming",
     "LinkCosts", "Op", "OpKind", "PartCost", "PlanError", "PlanFormatError", "PlanMismatchError", "PlannerError",
-    "PreconditionerKind", "Problem", "ProfileLayers", "Program", "Programs", "Sample", "ScheduleError", "ScheduleKind",
-    "SolveProgress", "SolverConfig", "Spread", "StageCost", "StepBarrier", "StepTimeline", "Strategy", "StrategyKind",
-    "Suggestion", "TaskWords", "Timeline", "block_profile_json", "combined_stage", "copies_of_stage",
-    "decomposition_seconds", "describe", "distribute", "fit_alpha_beta", "format_bytes", "grad_workers", "holding",
-    "is_profile", "is_streamed", "keeps_statistics", "kind_of", "linked_classes", "load_cost_table", "median_of",
-    "naive_programs", "num_stages", "ops_at", "parse_strategy", "plain_step_time", "plain_utilization",
+    "PreconditionerKind", "Problem", "ProfileLayers", "Program", "Programs", "Sample", "ScheduleError",
+    "ScheduleKind", "SolveProgress", "SolverConfig", "Spread", "StageCost", "StepBarrier", "Strategy",
+    "StrategyKind", "Suggestion", "TaskWords", "Timeline", "block_profile_json", "combined_stage",
+    "copies_of_stage", "decomposition_seconds", "describe", "distribute", "fit_alpha_beta", "format_bytes",
+    "grad_workers", "holding", "is_profile", "is_streamed", "keeps_statistics", "kind_of", "linked_classes",
+    "load_cost_table", "median_of", "naive_programs", "num_stages", "ops_at", "parse_strategy", "plain_step_time",
     "rank_programs", "ranks_of_stages", "schedule_programs", "simulate", "stage_comm", "stages_of_rank",
-    "stages_on_device", "static_bytes", "step_begins", "tied_owner", "utilization", "validate_schedule_args",
-    "window_length", "words_of",
+    "stages_on_device", "tied_owner", "utilization", "validate_schedule_args", "words_of",
 ]  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -307,23 +307,23 @@ Program = list[list[Op]]
 """One rank's program: one list of ops per step of the period."""
 Programs = dict[int, Program]
 """Programs by rank."""
+P = TypeVar("P", list[Op], Program)
 
 
-def _is_step(body: Sequence[Op] | Program) -> TypeIs[Sequence[Op]]:
-    """One step's ops rather than a period program; an empty body is an (empty) program."""
+def is_period(body: Sequence[Op] | Program) -> TypeIs[Program]:
+    """A period program (steps of ops) rather than one step's ops; an empty body is one (empty) step."""
     items = list(body)
-    return bool(items) and isinstance(items[0], Op)
+    return bool(items) and not isinstance(items[0], Op)
+
+
+def per_step(body: P, lower: Callable[[Sequence[Op]], list[Op]]) -> P:
+    """`lower` of each step of a period program, or of one step's ops."""
+    return [lower(step) for step in body] if is_period(body) else lower(body)
 
 
 def as_programs(ops_by_rank: Mapping[int, Sequence[Op]] | Mapping[int, Program]) -> Programs:
     """Programs from either `{rank: [Op, ...]}` (a period of one step) or `{rank: [[Op, ...], ...]}`."""
-    result: Programs = {}
-    for rank, body in ops_by_rank.items():
-        if _is_step(body):
-            result[rank] = [list(body)]
-        else:
-            result[rank] = [list(step) for step in body]
-    return result
+    return {rank: [list(s) for s in body] if is_period(body) else [list(body)] for rank, body in ops_by_rank.items()}
 
 
 def ops_at(programs: Mapping[int, Program], startup: Mapping[int, Program], rank: int, step: int) -> list[Op]:

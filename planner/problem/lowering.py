@@ -6,72 +6,54 @@ the programs made here and by the planner's placements."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import Enum, auto
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from fxkfac.planner.problem.costs import LayerCost, PreconditionerKind, StageCost
 from fxkfac.planner.problem.errors import PlanFormatError
-from fxkfac.planner.problem.ir import LayerTiming, Op, OpKind, Placement, Program, Programs, cut_apply
-from fxkfac.planner.problem.schedules import ScheduleKind, num_stages, schedule_programs, stage_rank
+from fxkfac.planner.problem.ir import LayerTiming, Op, OpKind, P, Placement, Program, Programs, cut_apply, per_step
+from fxkfac.planner.problem.schedules import ScheduleKind, num_stages, pipes, schedule_programs, stage_rank
 from fxkfac.planner.problem.strategy import COMM_OPT, LayerDistribution, grad_workers, keeps_statistics, receivers
 
 if TYPE_CHECKING:
-    from typing_extensions import TypeIs
-
     from fxkfac.planner.problem.costs import CostTable
-
-P = TypeVar("P", list[Op], Program)
 
 KFAC_PARTS = ("A", "B")
 """K-FAC's parts: the input-side factor A and the output-side factor B (another family names its own)."""
 
 
-def _is_program(body: Sequence[Op] | Program) -> TypeIs[Program]:
-    """A period program (steps of ops) rather than one step's ops; an empty body is one (empty) step."""
-    items = list(body)
-    return bool(items) and not isinstance(items[0], Op)
-
-
-_TRANSFERS = {
-    OpKind.FWD: ((OpKind.RECV_ACT, -1), (OpKind.SEND_ACT, 1)),
-    OpKind.BWD: ((OpKind.RECV_GRAD, 1), (OpKind.SEND_GRAD, -1)),
-}
-"""Per F/B: (the RECV before it, the stage it comes from), (the SEND after it, the stage it goes to), as offsets."""
-
-
-def _transfers(op: Op, kind: ScheduleKind, D: int, v: int, rank: int) -> tuple[list[Op], list[Op]]:
-    """The RECVs to put before `op` and the SENDs to put after it on `rank`."""
-    if op.stage is None or op.kind not in _TRANSFERS:
-        return [], []
-    out: list[list[Op]] = []
-    for transfer, offset in _TRANSFERS[op.kind]:
-        other = op.stage + offset
-        peer = stage_rank(kind, D, other, op.pipe, v=v) if 0 <= other < num_stages(kind, D, v) else rank
-        out.append([Op(transfer, op.stage, op.mb, op.pipe, peer=peer)] if peer != rank else [])
-    return out[0], out[1]
-
-
-def _per_step(body: P, lower: Callable[[Sequence[Op]], list[Op]]) -> P:
-    """`lower` of each step of a period program, or of one step's ops."""
-    return [lower(step) for step in body] if _is_program(body) else lower(body)
+_TRANSFERS = {OpKind.FWD: (OpKind.RECV_ACT, OpKind.SEND_ACT, 1), OpKind.BWD: (OpKind.RECV_GRAD, OpKind.SEND_GRAD, -1)}
+"""Per F/B: the RECV of its input, the SEND of its output, and the stage offset its output goes to."""
 
 
 def add_send_recv(programs: Mapping[int, P], kind: ScheduleKind | str, D: int, v: int = 1) -> dict[int, P]:
     """Each FWD (BWD) between the RECV of its input and the SEND of its output from and to other pp ranks (`peer`;
     apply before `expand_dp`), for one step's ops or a period program per rank."""
-    lower = partial(_lower_step, ScheduleKind(kind), D, v)
-    return {rank: _per_step(body, partial(lower, rank)) for rank, body in programs.items()}
+    kind, S = ScheduleKind(kind), num_stages(kind, D, v)
 
+    def peer(rank: int, stage: int, pipe: int) -> int:
+        """The pp rank of `stage` (`rank` itself beyond the pipeline's ends)."""
+        return stage_rank(kind, D, stage, pipe, v=v) if 0 <= stage < S else rank
 
-def _lower_step(kind: ScheduleKind, D: int, v: int, rank: int, ops: Sequence[Op]) -> list[Op]:
-    out: list[Op] = []
-    for op in ops:
-        before, after = _transfers(op, kind, D, v, rank)
-        out += [*before, op, *after]
-    return out
+    def lower(rank: int, ops: Sequence[Op]) -> list[Op]:
+        out: list[Op] = []
+        for op in ops:
+            if op.kind not in _TRANSFERS or op.stage is None:
+                out.append(op)
+                continue
+            recv, send, offset = _TRANSFERS[op.kind]
+            before, after = peer(rank, op.stage - offset, op.pipe), peer(rank, op.stage + offset, op.pipe)
+            if before != rank:
+                out.append(Op(recv, op.stage, op.mb, op.pipe, peer=before))
+            out.append(op)
+            if after != rank:
+                out.append(Op(send, op.stage, op.mb, op.pipe, peer=after))
+        return out
+
+    return {rank: per_step(body, partial(lower, rank)) for rank, body in programs.items()}
 
 
 def expand_dp(programs_by_pp_rank: Mapping[int, P], W: int) -> dict[int, P]:
@@ -84,7 +66,7 @@ def expand_dp(programs_by_pp_rank: Mapping[int, P], W: int) -> dict[int, P]:
         return [op if op.peer is None else replace(op, peer=op.peer * W + dp) for op in ops]
 
     return {
-        pp * W + dp: _per_step(body, partial(remap, dp)) for pp, body in programs_by_pp_rank.items() for dp in range(W)
+        pp * W + dp: per_step(body, partial(remap, dp)) for pp, body in programs_by_pp_rank.items() for dp in range(W)
     }
 
 
@@ -95,10 +77,8 @@ def rank_programs(kind: ScheduleKind | str, D: int, N: int, W: int, v: int = 1) 
 
 def ranks_of_stages(kind: ScheduleKind | str, D: int, W: int, v: int = 1) -> dict[int, tuple[int, ...]]:
     """Stage -> the sorted global ranks holding a copy of it."""
-    kind = ScheduleKind(kind)
-    pipes = (0, 1) if kind is ScheduleKind.CHIMERA else (0,)
     return {
-        s: tuple(sorted({stage_rank(kind, D, s, p, v=v) * W + w for p in pipes for w in range(W)}))
+        s: tuple(sorted({stage_rank(kind, D, s, p, v=v) * W + w for p in pipes(kind) for w in range(W)}))
         for s in range(num_stages(kind, D, v))
     }
 
@@ -414,11 +394,6 @@ def can_stream(family: PreconditionerKind, layer: LayerCost) -> bool:
         return True
     gradient = [p.after is OpKind.ALLREDUCE_GRAD for p in layer.parts]
     return all(gradient) if any(gradient) else not layer.state_bytes
-
-
-def ready(streaming: Streaming, stage: StageCost) -> dict[str, float]:
-    """The share of the owner's backward done when each layer's gradient is final (`Streaming.whole_backward`: 1)."""
-    return dict.fromkeys((x.name for x in stage.layers), 1.0) if streaming.whole_backward else ready_fractions(stage)
 
 
 def ready_fractions(stage: StageCost) -> dict[str, float]:

@@ -86,7 +86,7 @@ def stage_rank(kind: ScheduleKind | str, D: int, stage: int, pipe: int = 0, *, v
     kind = _kind(kind)
     if not 0 <= stage < num_stages(kind, D, v):
         raise ScheduleError(f"stage {stage} out of range for {kind} with D={D}, v={v}")
-    if pipe not in ((0, 1) if kind is ScheduleKind.CHIMERA else (0,)):
+    if pipe not in pipes(kind):
         raise ScheduleError(f"pipe {pipe} does not exist in {kind}")
     if kind in _VIRTUAL_KINDS:
         return stage % D
@@ -99,14 +99,13 @@ def stage_rank(kind: ScheduleKind | str, D: int, stage: int, pipe: int = 0, *, v
 
 def stages_of_rank(kind: ScheduleKind | str, D: int, rank: int, *, v: int = 1) -> list[tuple[int, int]]:
     """The (stage, pipe) pairs pp rank `rank` holds, stages ascending."""
-    kind = _kind(kind)
-    if kind in _VIRTUAL_KINDS:
-        return [(rank + c * D, 0) for c in range(v)]
-    if kind is ScheduleKind.ZB_V:
-        return [(rank, 0), (2 * D - 1 - rank, 0)]
-    if kind is ScheduleKind.CHIMERA:
-        return sorted([(rank, 0), (D - 1 - rank, 1)])
-    return [(rank, 0)]
+    stages = range(num_stages(kind, D, v))
+    return [(s, p) for s in stages for p in pipes(kind) if stage_rank(kind, D, s, p, v=v) == rank]
+
+
+def pipes(kind: ScheduleKind | str) -> tuple[int, ...]:
+    """The pipelines of a schedule: Chimera's two (0 down, 1 up), one otherwise."""
+    return (0, 1) if _kind(kind) is ScheduleKind.CHIMERA else (0,)
 
 
 def schedule_programs(kind: ScheduleKind | str, D: int, N: int, *, v: int = 1) -> dict[int, list[Op]]:

@@ -26,7 +26,7 @@ from fxkfac.planner.problem.ir import (
     cut_apply,
     piece_share,
 )
-from fxkfac.planner.problem.lowering import capture_stats, rank_programs, ready, step_applies, stream_step
+from fxkfac.planner.problem.lowering import capture_stats, rank_programs, ready_fractions, step_applies, stream_step
 from fxkfac.planner.problem.problem import (
     Problem,
     StageGroup,
@@ -53,6 +53,8 @@ SYNCHRONIZING_KINDS = COLLECTIVE_KINDS | {OpKind.OPT_STEP}
 non-finite flag) over the world or the rank's agreement set (`simulate`'s `barrier`) ends every step."""
 
 Duration = Callable[[int, Op], float]
+Buckets = Mapping[tuple[int, Op], frozenset[Op]]
+"""The SENDs of each (rank, SEND) that travel as one message."""
 
 
 def utilization(busy: float, span: float) -> float:
@@ -132,8 +134,8 @@ class Timeline:
         return gaps
 
     def bubble_time(self, rank: int, kinds: Iterable[OpKind] = COMPUTE_KINDS) -> float:
-        """Total idle time of the rank (the sum of its bubbles)."""
-        return sum(end - start for start, end in self.bubbles(rank, kinds))
+        """Total idle time of the rank (the sum of its bubbles: its ops run one at a time)."""
+        return self.makespan - self.busy(rank, kinds)
 
 
 _Slot = tuple[int, int]  # (rank, index into that rank's flat op list)
@@ -166,23 +168,19 @@ def _producer_rank(rank: int, op: Op, producer: Op, holders: Mapping[Op, list[in
     return candidates[own.index(rank)]
 
 
-_LAYER_RECVS = {recv: send for send, recv in LAYER_SENDS.items()}
+_MESSAGES = {
+    OpKind.SEND_ACT: (OpKind.RECV_ACT, 1),
+    OpKind.SEND_GRAD: (OpKind.RECV_GRAD, -1),
+    **{send: (recv, 0) for send, recv in LAYER_SENDS.items()},
+    **{recv: (recv, 0) for recv in RECV_KINDS},
+}
+"""Per transfer kind: the receive that takes its message, and the offset from its stage to the receiver's."""
 
 
 def _message_key(src: int, dst: int, op: Op) -> tuple:
     """Matches a SEND on src with the RECV on dst of the same tensor (a streamed layer's by stage and layer)."""
-    if op.kind in LAYER_SENDS or op.kind in _LAYER_RECVS:
-        return (src, dst, _LAYER_RECVS.get(op.kind, op.kind), op.stage, op.layer)
-    if op.kind is OpKind.SEND_ACT:
-        return (src, dst, "act", op.stage_id + 1, op.mb, op.pipe)
-    if op.kind is OpKind.SEND_GRAD:
-        return (src, dst, "grad", op.stage_id - 1, op.mb, op.pipe)
-    return (src, dst, "act" if op.kind is OpKind.RECV_ACT else "grad", op.stage, op.mb, op.pipe)
-
-
-def _sync_key(op: Op, rank: int, barrier: Mapping[int, tuple[int, ...]] | None) -> Hashable:
-    """What the members of a synchronizing op share: the op, and for OPT_STEP under `barrier` the agreement set."""
-    return (op, barrier[rank]) if barrier is not None and op.kind is OpKind.OPT_STEP else op
+    recv, offset = _MESSAGES[op.kind]
+    return (src, dst, recv, op.stage_id + offset, op.mb, op.pipe, op.layer)
 
 
 class _Sim:
@@ -197,7 +195,7 @@ class _Sim:
         barrier: Mapping[int, tuple[int, ...]] | None,
         lead: Duration | None,
         link: Duration | None,
-        buckets: Mapping[tuple[int, Op], frozenset[Op]],
+        buckets: Buckets,
     ) -> None:
         self.duration, self.comm, self.lead, self.link, self.buckets = duration, comm, lead, link, buckets
         self.filling: dict[tuple[int, frozenset[Op]], list[tuple[tuple, float]]] = {}
@@ -218,8 +216,8 @@ class _Sim:
                 holders[op].add(r)
                 if op.stage is not None and op.kind in (OpKind.FWD, OpKind.BWD):
                     self.num_stages[op.pipe] = max(self.num_stages[op.pipe], op.stage + 1)
-                if op.kind in SYNCHRONIZING_KINDS:
-                    self.keys[r, i] = _sync_key(op, r, barrier)  # every member runs the same op
+                if op.kind in SYNCHRONIZING_KINDS:  # every member runs the same op, OPT_STEP of one agreement set
+                    self.keys[r, i] = (op, barrier[r]) if barrier is not None and op.kind is OpKind.OPT_STEP else op
                     members[self.keys[r, i]].add(r)
         self.holders = {op: sorted(ranks) for op, ranks in holders.items()}  # ascending ranks whose programs hold it
         self.groups = {key: sorted(ranks) for key, ranks in members.items()}
@@ -326,7 +324,7 @@ def simulate(
     barrier: Mapping[int, tuple[int, ...]] | None = None,
     lead: Duration | None = None,
     link: Duration | None = None,
-    buckets: Mapping[tuple[int, Op], frozenset[Op]] | None = None,
+    buckets: Buckets | None = None,
 ) -> Timeline:
     """Run `programs` (per rank one step's ops or a period) for `steps` steps, each op when its rank is free and its
     inputs are there: a RECV its SEND's message (`comm` later; `lead`: seconds it leaves early; `link`: seconds a
@@ -470,9 +468,7 @@ def stage_comm(problem: Problem, stage: int) -> StageComm:
     return StageComm(len(copies), gradient_allreduce_seconds(problem, stage), sync, bcast, share)
 
 
-def _duration(
-    problem: Problem, fused: frozenset[str], refresh: bool, buckets: Mapping[tuple[int, Op], frozenset[Op]]
-) -> Callable[[int, Op], float]:
+def _duration(problem: Problem, fused: frozenset[str], refresh: bool, buckets: Buckets) -> Duration:
     """Op durations in seconds: F/B (a refresh step's with taps and fused curvature, a recomputing BWD with its FWD, a
     zero-bubble BWD less its W), collectives, per-step work, a streamed hand-off and the CPU of a streamed transfer
     (`CostTable.message_cpu`, a bucket's fixed cost split among its units: `buckets`); other transfers and OPT_STEP
@@ -496,24 +492,18 @@ def _duration(
         for op, secs in prec_work(problem, d, s)
     }
 
+    by_stage = {OpKind.FWD: fwd, OpKind.BWD: bwd, OpKind.BWD_W: wgrad, OpKind.ALLREDUCE_GRAD: allreduce}
+
     def duration(rank: int, op: Op) -> float:
-        if op.kind is OpKind.FWD:
-            return fwd[op.stage_id]
-        if op.kind is OpKind.BWD:
-            return bwd[op.stage_id]
-        if op.kind is OpKind.BWD_W:
-            return wgrad[op.stage_id]
+        if op.kind in by_stage and op.stage is not None:
+            return by_stage[op.kind][op.stage]
         if op.kind in (OpKind.APPLY, OpKind.BCAST_PREC):
             streamed = (rank, op) not in per_step and op.kind is OpKind.APPLY and op.layer is not None
             return streamed_seconds(problem, op) if streamed else per_step[rank, op]
         if op.kind is OpKind.STATS:
             return stats[op.layer, op.part]
-        if op.kind is OpKind.ALLREDUCE_GRAD and op.stage is not None:
-            return allreduce[op.stage]
-        if (
-            op.kind in STREAMED_TRANSFERS and op.layer is not None
-        ):  # the owner's hand-off; either end's CPU of the message
-            layer = problem.costs.layer(op.layer)
+        if op.kind in STREAMED_TRANSFERS:  # the owner's hand-off; either end's CPU of the message
+            layer = problem.costs.layer(op.layer_name)
             own = {OpKind.SEND_LGRAD: layer.hand_off, OpKind.RECV_PGRAD: layer.take_back}.get(op.kind, 0.0)
             send = (rank, op) if op.kind in LAYER_SENDS else (op.peer_rank, _sent_as(rank, op))
             return own + problem.costs.message_cpu(op, len(buckets.get(send, (op,))))
@@ -532,26 +522,28 @@ def _sent_as(rank: int, recv: Op) -> Op:
     return Op(kind, recv.stage_id, peer=rank, layer=recv.layer)
 
 
-def stream_lead(problem: Problem, duration: Callable[[int, Op], float]) -> Callable[[int, Op], float] | None:
+def stream_lead(problem: Problem, duration: Duration) -> Duration | None:
     """`simulate`'s lead of streamed sends: a gradient leaves when the backward (or W) makes it final (`ready`)."""
     streaming = problem.streaming
     if streaming is None:
         return None
-    fractions = ready(streaming, problem.costs.stages[streaming.stage])
+    stage = problem.costs.stages[streaming.stage]  # `Streaming.whole_backward`: every gradient final at its end
+    fractions = (
+        dict.fromkeys((x.name for x in stage.layers), 1.0) if streaming.whole_backward else ready_fractions(stage)
+    )
     made_by = weight_gradient_kind(problem.kind)  # the op whose end makes the gradients: a zero-bubble one's W
     bwd, fwd = Op(made_by, streaming.stage, 0), Op(OpKind.FWD, streaming.stage, 0)
     again = made_by is OpKind.BWD and problem.recomputes(streaming.stage)  # the recomputed forward runs first
 
     def lead(rank: int, op: Op) -> float:
-        if op.kind not in LAYER_SENDS or op.layer is None:
+        if op.kind is not OpKind.SEND_LGRAD:
             return 0.0
-        backward = duration(rank, bwd) - (duration(rank, fwd) if again else 0.0)
-        return (1.0 - fractions[op.layer]) * backward if op.kind is OpKind.SEND_LGRAD else 0.0
+        return (1.0 - fractions[op.layer_name]) * (duration(rank, bwd) - (duration(rank, fwd) if again else 0.0))
 
     return lead
 
 
-def stream_link(problem: Problem, buckets: Mapping[tuple[int, Op], frozenset[Op]]) -> Callable[[int, Op], float] | None:
+def stream_link(problem: Problem, buckets: Buckets) -> Duration | None:
     """`simulate`'s link of streamed transfers: a message (a bucket's once) holds its connection its seconds."""
     if problem.streaming is None:
         return None
@@ -803,12 +795,7 @@ def _streamed_bytes(problem: Problem, device: int) -> int:
 
 def decomposition_bytes(problem: Problem, device: int, layer: str) -> int:
     """Bytes of one decomposition of `layer` on `device` (as large as its statistics), 0 where it keeps none."""
-    x = problem.costs.layer(layer)
-    gradient_fed = all(p.after is OpKind.ALLREDUCE_GRAD for p in x.parts)
-    copies = copies_of_stage(problem, problem.costs.stage_of(layer))
-    if device not in copies or not holding(device, copies, problem.where(layer), gradient_fed).decompositions:
-        return 0
-    return x.factor_bytes
+    return problem.costs.layer(layer).factor_bytes if device in problem.workers(layer) else 0
 
 
 def activation_intervals(
@@ -838,18 +825,12 @@ def activation_intervals(
 def w_operand_bytes(stage: StageCost, layer: str | None = None) -> int:
     """Bytes one micro-batch's deferred W (of `layer` alone, [Note: per-layer W]) keeps: its layers' captures, or
     where they capture none the activations (`w_share` of them)."""
-    captured = sum(p.capture_bytes for x in stage.layers for p in x.parts if p.after is not OpKind.ALLREDUCE_GRAD)
-    if layer is None:
-        return captured if captured else stage.act_bytes
-    if not captured:
-        return round(stage.act_bytes * w_share(stage, layer))
-    return sum(
-        p.capture_bytes
-        for x in stage.layers
-        if x.name == layer
-        for p in x.parts
-        if p.after is not OpKind.ALLREDUCE_GRAD
-    )
+    captured = {
+        x.name: sum(p.capture_bytes for p in x.parts if p.after is not OpKind.ALLREDUCE_GRAD) for x in stage.layers
+    }
+    if not sum(captured.values()):
+        return stage.act_bytes if layer is None else round(stage.act_bytes * w_share(stage, layer))
+    return sum(captured.values()) if layer is None else captured.get(layer, 0)
 
 
 # Note [per-layer W]
