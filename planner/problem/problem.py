@@ -169,6 +169,11 @@ class Problem:
     def _where(self) -> dict[str, LayerDistribution]:
         return dict(self.distributions)
 
+    @cached_property
+    def holders(self) -> dict[int, tuple[int, ...]]:
+        """Stage -> the ranks holding a copy of it, ascending (`copies_of_stage`), computed once."""
+        return ranks_of_stages(self.schedule, self.D, self.W, self.v)
+
     def with_distributions(self, distributions: Mapping[str, LayerDistribution]) -> Problem:
         """The same problem with these layer distributions (COMM-OPT and streamed layers left out: one form)."""
         streamed = set(self.streaming.layers) if self.streaming is not None else set()
@@ -237,10 +242,8 @@ class Problem:
         try:
             where = sorted((str(n), LayerDistribution.parse(str(d))) for n, d in data.get("distributions", {}).items())
             streaming = Streaming.from_dict(data["streaming"]) if data.get("streaming") is not None else None
-            recompute = tuple(data.get("recompute", ()))
             body = {**data, "costs": CostTable.from_dict(data["costs"]), "distributions": tuple(where)}
-            body["recompute"] = recompute
-            return cls(**{**body, "streaming": streaming})
+            return cls(**{**body, "streaming": streaming, "recompute": tuple(data.get("recompute", ()))})
         except (KeyError, TypeError, ConfigError) as e:
             raise PlanFormatError(f"the plan's problem is malformed: {e}") from e
 
@@ -299,22 +302,14 @@ class StageGroup:
     devices: tuple[int, ...]
 
 
-def _holders(problem: Problem) -> dict[int, tuple[int, ...]]:
-    """Stage -> the ranks holding a copy of it, cached by the mesh (cheaper to hash than the problem)."""
-    return _ranks_of_stages(problem.schedule, problem.D, problem.W, problem.v)
-
-
-_ranks_of_stages = lru_cache(maxsize=64)(ranks_of_stages)
-
-
 def copies_of_stage(problem: Problem, stage: int) -> tuple[int, ...]:
     """The global ranks that run `stage` (dp replicas; both Chimera pipelines)."""
-    return _holders(problem)[stage]
+    return problem.holders[stage]
 
 
 def stages_on_device(problem: Problem, device: int) -> tuple[int, ...]:
     """The stages whose F/B run on `device`, ascending."""
-    return tuple(s for s, ranks in _holders(problem).items() if device in ranks)
+    return tuple(s for s, ranks in problem.holders.items() if device in ranks)
 
 
 def streamed_stats(problem: Problem, layer: str) -> bool:

@@ -505,21 +505,18 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool, buckets: B
         if op.kind in STREAMED_TRANSFERS:  # the owner's hand-off; either end's CPU of the message
             layer = problem.costs.layer(op.layer_name)
             own = {OpKind.SEND_LGRAD: layer.hand_off, OpKind.RECV_PGRAD: layer.take_back}.get(op.kind, 0.0)
-            send = (rank, op) if op.kind in LAYER_SENDS else (op.peer_rank, _sent_as(rank, op))
+            send = (rank, op)
+            if op.kind not in LAYER_SENDS:  # a RECV: the SEND on its peer whose message it takes
+                send = (op.peer_rank, Op(_SENT_AS[op.kind], op.stage_id, peer=rank, layer=op.layer))
             return own + problem.costs.message_cpu(op, len(buckets.get(send, (op,))))
         return 0.0
 
     return duration
 
 
+_SENT_AS = {recv: send for send, recv in LAYER_SENDS.items()}
 STREAMED_TRANSFERS = frozenset({OpKind.SEND_LGRAD, OpKind.RECV_LGRAD, OpKind.SEND_PGRAD, OpKind.RECV_PGRAD})
 """A streamed unit's per-step transfers (a REPLICA's, once a refresh, are not priced on either end's CPU)."""
-
-
-def _sent_as(rank: int, recv: Op) -> Op:
-    """The SEND on `recv`'s peer whose message `recv` (on `rank`) takes."""
-    kind = next(send for send, received in LAYER_SENDS.items() if received is recv.kind)
-    return Op(kind, recv.stage_id, peer=rank, layer=recv.layer)
 
 
 def stream_lead(problem: Problem, duration: Duration) -> Duration | None:
@@ -840,7 +837,7 @@ def w_operand_bytes(stage: StageCost, layer: str | None = None) -> int:
 # at its B, due by its stage's update, holding its own layer's operands (`w_operand_bytes`). The schedule's W interval
 # is cut into them in layer order (`w_layer_ops`), each its layer's share (`w_share`: of the measured pieces,
 # `LayerCost.wgrad`, else of the parameters, else even) plus its fused curvature at the refresh step, cut on a
-# decimal grid (`_cut_quantum`). Parameters of no layer (a LayerNorm's) run with the first layer's W.
+# decimal grid (at most 10^-6 s). Parameters of no layer (a LayerNorm's) run with the first layer's W.
 
 
 def whole_decimal(values: Iterable[float], most: int) -> int | None:
@@ -851,13 +848,6 @@ def whole_decimal(values: Iterable[float], most: int) -> int | None:
         if all(abs(t * m - round(t * m)) <= 1e-9 * max(1.0, t * m) for t in values):
             return e
     return None
-
-
-def _cut_quantum(start: float, end: float) -> float | None:
-    """Where per-layer W's cut a W's interval: 1/100 of the decimal unit its ends are whole in (at most 10^-6 s), so
-    an exact time grid stays exact; None where there is none."""
-    e = whole_decimal((start, end), 5)
-    return None if e is None else 10.0 ** -(e + 2)
 
 
 def w_share(stage: StageCost, layer: str) -> float:
@@ -884,7 +874,8 @@ def w_layer_ops(
     `fused` curvature; `w` itself where the stage has no layers."""
     if not stage.layers:
         return [(w, start, end)]
-    quantum = _cut_quantum(start, end)
+    e = whole_decimal((start, end), 5)  # cut at 1/100 of the decimal unit both ends are whole in: exact stays exact
+    quantum = None if e is None else 10.0 ** -(e + 2)
     out, at = [], start
     for i, x in enumerate(stage.layers):
         seconds = w_share(stage, x.name) * stage.weight_grad + stage.fused_curvature({x.name} & fused, OpKind.BWD)
