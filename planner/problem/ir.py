@@ -7,7 +7,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from fxkfac.planner.problem.errors import PlanFormatError
 
@@ -126,6 +126,20 @@ def _peer_prefix(kind: OpKind) -> str:
     return ">" if kind in SEND_KINDS else "<"
 
 
+class _Named(Generic[T]):
+    """A typed accessor of an optional field of an op (`Op.stage_id` of `stage`, ...) for uses that need it: the
+    value, or PlanFormatError where the op names none (a preconditioner's op may cover every layer, part)."""
+
+    def __init__(self, field: str) -> None:
+        self.field = field
+
+    def __get__(self, op: Op, owner: type[Op]) -> T:
+        value = getattr(op, self.field)
+        if value is None:
+            raise PlanFormatError(f"{op} names no {self.field}, which this use of a {op.kind.value} needs")
+        return value
+
+
 @dataclass(frozen=True, slots=True)
 class Op:
     """One instruction: `kind` on global (virtual) `stage`, micro-batch `mb` of pipeline `pipe`, with the fields
@@ -173,30 +187,11 @@ class Op:
         """Whether the op names field `name` (a pipe other than 0, any other field set)."""
         return getattr(self, name) is not None and (name != _PIPE or self.pipe != 0)
 
-    @property
-    def stage_id(self) -> int:
-        """The stage, for kinds that must name one (OP_FIELDS); PlanFormatError when this op names none."""
-        return _required(self, self.stage, _STAGE)
-
-    @property
-    def mb_id(self) -> int:
-        """The micro-batch, for ops that name one; PlanFormatError when this op names none."""
-        return _required(self, self.mb, _MB)
-
-    @property
-    def peer_rank(self) -> int:
-        """The other end of a transfer; PlanFormatError when this op names none."""
-        return _required(self, self.peer, _PEER)
-
-    @property
-    def layer_name(self) -> str:
-        """The layer a preconditioner's op works on; PlanFormatError when this op covers every layer."""
-        return _required(self, self.layer, _LAYER)
-
-    @property
-    def part_name(self) -> str:
-        """The part of a layer (K-FAC's "A" or "B"); PlanFormatError when this op covers every part."""
-        return _required(self, self.part, _PART)
+    stage_id = _Named[int](_STAGE)
+    mb_id = _Named[int](_MB)
+    peer_rank = _Named[int](_PEER)
+    layer_name = _Named[str](_LAYER)
+    part_name = _Named[str](_PART)
 
     def __str__(self) -> str:
         parts = [_SHORT.get(self.kind, self.kind.value)]
@@ -253,13 +248,6 @@ class Placement:
         return cls(
             Op.parse(str(data["op"])), int(data["device"]), int(data["step"]), float(data["start"]), float(data["end"])
         )
-
-
-def _required(op: Op, value: T | None, name: str) -> T:
-    """`value`, the field `name` of `op`; PlanFormatError when a caller needs a field the op does not name."""
-    if value is None:
-        raise PlanFormatError(f"{op} names no {name}, which this use of a {op.kind.value} needs")
-    return value
 
 
 def _check_group(group: object, root: int | None) -> tuple[int, ...]:

@@ -16,7 +16,14 @@ from fxkfac.planner.problem.costs import LayerCost, PreconditionerKind, StageCos
 from fxkfac.planner.problem.errors import PlanFormatError
 from fxkfac.planner.problem.ir import LayerTiming, Op, OpKind, P, Placement, Program, Programs, cut_apply, per_step
 from fxkfac.planner.problem.schedules import ScheduleKind, num_stages, pipes, schedule_programs, stage_rank
-from fxkfac.planner.problem.strategy import COMM_OPT, LayerDistribution, grad_workers, keeps_statistics, receivers
+from fxkfac.planner.problem.strategy import (
+    COMM_OPT,
+    LayerDistribution,
+    grad_workers,
+    keeps_statistics,
+    least_loaded,
+    receivers,
+)
 
 if TYPE_CHECKING:
     from fxkfac.planner.problem.costs import CostTable
@@ -136,37 +143,12 @@ def assign_decompositions(
     missing = [d for d in decomps if d not in seconds]
     if missing:
         raise ValueError(f"no decomposition seconds for {missing[:3]}{' and more' if len(missing) > 3 else ''}")
-    load = dict.fromkeys(ranks, 0.0)
-    out: dict[Decomposition, int] = {}
-    for d in sorted(decomps, key=lambda d: (-seconds[d], d)):
-        rank = min(ranks, key=lambda r: load[r])  # min keeps the first of equals: the lowest rank
-        out[d] = rank
-        load[rank] += seconds[d]
-    return out
+    return least_loaded({d: seconds[d] for d in decomps}, ranks)
 
 
 def decomposition_seconds(costs: CostTable) -> dict[Decomposition, float]:
     """(layer, part) -> seconds of one decomposition of every part in the cost table (what LPT sorts by)."""
     return {(x.name, p.part): p.decomp for stage in costs.stages for x in stage.layers for p in x.parts}
-
-
-def _deal(
-    names: Sequence[str],
-    parts: Sequence[str],
-    holders: tuple[int, ...],
-    distributions: Mapping[str, LayerDistribution],
-    assignment: Assignment,
-    seconds: Mapping[Decomposition, float] | None,
-) -> dict[Decomposition, int]:
-    """The rank that decomposes each (layer, part) a stage refreshes at one step, dealt over each column's workers."""
-    by_column: dict[tuple[int, ...], list[Decomposition]] = {}
-    for name in names:
-        workers = grad_workers(holders, distributions.get(name, LayerDistribution()))
-        by_column.setdefault(workers, []).extend((name, part) for part in parts)
-    roots: dict[Decomposition, int] = {}
-    for workers, decomps in by_column.items():
-        roots.update(assign_decompositions(decomps, workers, assignment, seconds))
-    return roots
 
 
 def step_applies(
@@ -218,16 +200,11 @@ def kfac_tail(
     part) order on every member so that none waits on another."""
     where = dict(distributions or {})
     captured = [part for part in parts if part not in gradient_parts]
-    stats: list[Op] = []
-    syncs: list[Op] = []
-    invs: list[Op] = []
-    bcasts: list[Op] = []
-    precs: list[Op] = []
-    shares: list[Op] = []
+    out: list[Op] = []
     for s in sorted({s for s, _ in copies}):
         ranks, layers = holders[s], stage_layers[s]
         workers = {n: grad_workers(ranks, where.get(n, LayerDistribution())) for n in layers}
-        stats += [
+        out += [
             Op(OpKind.STATS, stage=s, part=part, layer=n)
             for n in layers
             if rank in workers[n]
@@ -235,23 +212,32 @@ def kfac_tail(
             if part in gradient_parts
         ]
         names = refreshing(timings, layers, step)
-        roots = _deal(names, parts, ranks, where, assignment, seconds)
+        by_column: dict[tuple[int, ...], list[Decomposition]] = {}  # each decomposition dealt over its workers
+        for n in names:
+            by_column.setdefault(workers[n], []).extend((n, part) for part in parts)
+        roots = {
+            d: r
+            for column, ds in by_column.items()
+            for d, r in assign_decompositions(ds, column, assignment, seconds).items()
+        }
         if len(ranks) > 1 and captured:  # the holders average what they captured, but DP-KFAC's local factors
             averaged = [n for n in names if not where.get(n, LayerDistribution()).strategy.local_factors]
             sides: Sequence[str | None] = captured if gradient_parts else [None]  # one per captured part, or layer
-            syncs += [Op(OpKind.SYNC_STATS, stage=s, part=side, layer=n) for n in averaged for side in sides]
-        invs += [Op(OpKind.DECOMP, s, part=side, layer=n) for n in names for side in parts if roots[n, side] == rank]
+            out += [Op(OpKind.SYNC_STATS, stage=s, part=side, layer=n) for n in averaged for side in sides]
+        out += [Op(OpKind.DECOMP, s, part=side, layer=n) for n in names for side in parts if roots[n, side] == rank]
         groups = {n: None if w == ranks else w for n, w in workers.items()}  # None: every holder
-        bcasts += [  # each decomposition from its root to the layer's other grad workers
+        out += [  # each decomposition from its root to the layer's other grad workers
             Op(OpKind.BCAST, s, part=side, root=roots[n, side], layer=n, group=groups[n])
             for n in names
             if len(workers[n]) > 1 and rank in workers[n]
             for side in parts
         ]
         applies, shared = step_applies(rank, s, layers, ranks, where, pipe=next(p for st, p in copies if st == s))
-        precs += applies
-        shares += shared
-    return stats + syncs + invs + bcasts + precs + shares
+        out += applies + shared
+    return sorted(out, key=lambda op: _TAIL_ORDER.index(op.kind))  # stable: by kind, then stage by stage
+
+
+_TAIL_ORDER = [OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST, OpKind.APPLY, OpKind.BCAST_PREC]
 
 
 def capture_stats(

@@ -63,22 +63,17 @@ def validate_schedule_args(kind: ScheduleKind | str, D: int, N: int, v: int = 1)
         raise ScheduleError(f"zb-v runs two stages per rank in a V: use v=2, got v={v}")
     if kind not in _VIRTUAL_KINDS | {ScheduleKind.ZB_V} and v != 1:
         raise ScheduleError(f"{kind} runs one stage per rank: use v=1 (virtual stages need 'interleaved' or 'zb-1p')")
-    if kind in _VIRTUAL_KINDS and N % D:
+    if kind is ScheduleKind.CHIMERA and D % 2:
+        raise ScheduleError(f"chimera needs an even number of stages D, got D={D}")
+    if kind in _VIRTUAL_KINDS | {ScheduleKind.CHIMERA} and N % D:
         raise ScheduleError(f"{kind} needs N a multiple of D; got N={N}, D={D} (try N={D * -(-N // D)})")
-    if kind is ScheduleKind.CHIMERA:
-        if D % 2:
-            raise ScheduleError(f"chimera needs an even number of stages D, got D={D}")
-        if N % D:
-            raise ScheduleError(f"chimera needs N a multiple of D; got N={N}, D={D} (try N={D * -(-N // D)})")
     return kind
 
 
 def num_stages(kind: ScheduleKind | str, D: int, v: int = 1) -> int:
     """The number S of global (virtual) stages: v*D for interleaved and zb-1p, 2D for zb-v, D otherwise."""
     kind = _kind(kind)
-    if kind is ScheduleKind.ZB_V:
-        return 2 * D
-    return D * v if kind in _VIRTUAL_KINDS else D
+    return 2 * D if kind is ScheduleKind.ZB_V else D * v if kind in _VIRTUAL_KINDS else D
 
 
 def stage_rank(kind: ScheduleKind | str, D: int, stage: int, pipe: int = 0, *, v: int = 1) -> int:

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from fractions import Fraction
+from typing import TypeVar
 
 from fxkfac.planner.problem.errors import ConfigError
 
@@ -74,6 +75,9 @@ class Strategy:
             )
         return g
 
+
+K = TypeVar("K", str, tuple[str, str])
+B = TypeVar("B")
 
 COMM_OPT = Strategy(StrategyKind.COMM_OPT)
 """Today's default: every copy holds every decomposition (all-reduced statistics, broadcast decompositions)."""
@@ -169,14 +173,14 @@ def holding(rank: int, holders: tuple[int, ...], where: LayerDistribution, gradi
     )
 
 
-def assign_columns(costs: Mapping[str, float], n: int) -> dict[str, int]:
-    """KAISA's greedy: each layer, costliest first (ties by name), to the least loaded column (ties: the lowest)."""
-    load = [0.0] * n
-    out: dict[str, int] = {}
-    for name in sorted(costs, key=lambda name: (-costs[name], name)):
-        column = min(range(n), key=lambda c: load[c])
-        out[name] = column
-        load[column] += costs[name]
+def least_loaded(costs: Mapping[K, float], bins: Sequence[B]) -> dict[K, B]:
+    """LPT (KAISA's greedy, Distributed Shampoo's Alg. 3): each item, costliest first (ties by key), to the least
+    loaded of `bins` (ties: the first), loads from zero."""
+    load = dict.fromkeys(bins, 0.0)
+    out: dict[K, B] = {}
+    for key in sorted(costs, key=lambda key: (-costs[key], key)):
+        out[key] = min(bins, key=lambda b: load[b])
+        load[out[key]] += costs[key]
     return out
 
 
@@ -186,9 +190,9 @@ def distribute(
     holders: Mapping[int, tuple[int, ...]],
     costs: Mapping[str, float],
 ) -> dict[str, LayerDistribution]:
-    """Every layer under `strategy`, each stage's dealt to its columns by `assign_columns` on `costs`."""
+    """Every layer under `strategy`, each stage's dealt to its columns by `least_loaded` on `costs`."""
     out: dict[str, LayerDistribution] = {}
     for stage, names in stage_layers.items():
-        dealt = assign_columns({name: costs[name] for name in names}, columns(holders[stage], strategy))
+        dealt = least_loaded({name: costs[name] for name in names}, range(columns(holders[stage], strategy)))
         out.update({name: LayerDistribution(strategy, column) for name, column in dealt.items()})
     return out

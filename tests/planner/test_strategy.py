@@ -14,9 +14,9 @@ from fxkfac.planner.problem.strategy import (
     LayerDistribution,
     Strategy,
     StrategyKind,
-    assign_columns,
     grad_workers,
     holding,
+    least_loaded,
     parse_strategy,
     receivers,
 )
@@ -56,7 +56,7 @@ def test_kaisas_grid_columns_are_grad_workers_and_rows_receivers() -> None:
 
 def test_lpt_columns_balance_cost() -> None:
     costs = {"a": 8.0, "b": 5.0, "c": 4.0, "d": 3.0, "e": 1.0}
-    assert assign_columns(costs, 2) == {"a": 0, "b": 1, "c": 1, "d": 0, "e": 1}  # loads 11 and 10
+    assert least_loaded(costs, range(2)) == {"a": 0, "b": 1, "c": 1, "d": 0, "e": 1}  # loads 11 and 10
 
 
 def test_holdings_per_strategy() -> None:
