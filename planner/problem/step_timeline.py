@@ -8,7 +8,7 @@ import math
 from collections import Counter, defaultdict
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from typing import TypeVar
 
 from fxkfac.planner.problem.buckets import send_buckets
@@ -352,12 +352,16 @@ _NOT_BUBBLE = frozenset({OpKind.APPLY, OpKind.STATS, OpKind.BCAST_PREC, OpKind.A
 
 @dataclass(frozen=True)
 class StepTimeline:
-    """One step: per device, (op, start, end) of every op in program order; allreduce_end[(device, stage)]: the end
-    of ALLREDUCE_GRAD(stage); length: the step time."""
+    """One step: per device, (op, start, end) of every op in program order; length: the step time."""
 
     ops: Mapping[int, tuple[tuple[Op, float, float], ...]]
-    allreduce_end: Mapping[tuple[int, int], float]
     length: float
+
+    @cached_property
+    def allreduce_end(self) -> dict[tuple[int, int], float]:
+        """(device, stage) -> the end of ALLREDUCE_GRAD(stage) on the device."""
+        ends = ((d, op, end) for d, items in self.ops.items() for op, _, end in items)
+        return {(d, op.stage_id): end for d, op, end in ends if op.kind is OpKind.ALLREDUCE_GRAD}
 
     def fixed(self, device: int) -> list[tuple[Op, float, float]]:
         """The device's F/B ops with their times."""
@@ -552,9 +556,7 @@ def stream_link(problem: Problem, buckets: Buckets) -> Duration | None:
     return link
 
 
-def problem_buckets(
-    problem: Problem, programs: Mapping[int, Sequence[Sequence[Op]]]
-) -> dict[tuple[int, Op], frozenset[Op]]:
+def problem_buckets(problem: Problem, programs: Mapping[int, Sequence[Sequence[Op]]]) -> Buckets:
     """The streamed SENDs of `programs` that travel together, as the runtime cuts them (`send_buckets`)."""
     if problem.streaming is None:
         return {}
@@ -574,13 +576,7 @@ def step_timeline(
     lead, link = stream_lead(problem, duration), stream_link(problem, buckets)
     one = simulate(programs, duration, steps=1, lead=lead, link=link, buckets=buckets)
     ops = {rank: tuple((iv.op, iv.start, iv.end) for iv in one.of_rank(rank)) for rank in one.ranks}
-    allreduce = {
-        (rank, op.stage_id): end
-        for rank, items in ops.items()
-        for op, _, end in items
-        if op.kind is OpKind.ALLREDUCE_GRAD
-    }
-    return StepTimeline(ops, allreduce, one.makespan)
+    return StepTimeline(ops, one.makespan)
 
 
 def plain_step_time(problem: Problem) -> float:
