@@ -50,20 +50,22 @@ mode's does not.
 
 [Note: command budget] `fxkfac plan --time-limit T` bounds the whole command, counted from the process's start
 (`process_start`: /proc/self/stat on Linux; elsewhere from this module's import, which leaves Python's start and the
-imports before it out, and says so). The work around the search is on the same clock, counted, not timed, so the
-deterministic mode stays deterministic: the modules imported (`charge_imports`: the interpreter's start and every
-import the command made, ortools and the analytic costs' sympy included, IMPORT_DTIME_PER_MODULE each), the cost tables
-built (`charge_costs`, per layer), and the work after the search (assembling the plan's output: the summary, and
-with --show, --trace or --export the timeline drawn or written), which the search leaves as a reserve
-(`keeping(after_search(...))`: its view ends that much earlier) and which is then charged (`charge_output`). A module
-count repeats in one environment (an environment that imports more at start is charged more); the rates are CPU
-seconds per unit on the 2-core development machine times DTIME_PER_SECOND. `fxkfac plan bert-large -D 8 -N 8
---schedule auto --costs paper:bert-large/p100 --time-limit 5` spent 0.4 s of CPU importing 691 modules before its
-budget opened and 0.2-0.3 s importing the analytic costs' 474 more with its first cost table, uncounted, and its
-search ran to the limit after them: 6.1 s on a quiet machine (+22%).
+imports before it out, and says so); `fxkfac.cli.main(argv)` called in a running process counts from the call
+(`call_start`) and charges no imports, since what the process loaded before depends on what it ran. The work around
+the search is on the same clock, counted, not timed, so the deterministic mode stays deterministic: the modules
+imported (`charge_imports`: the interpreter's start and every import the command made, ortools and the analytic
+costs' sympy included, IMPORT_DTIME_PER_MODULE each), the cost tables built (`charge_costs`, per layer), and the work
+after the search (assembling the plan it ends with, the summary, and with --show, --trace or --export the timeline
+drawn or written), which the search leaves as a reserve (`keeping(after_search(...))`: its view ends that much
+earlier) and which is then charged (`charge_output`). A module count repeats in one environment (an environment that
+imports more at start is charged more); the rates are CPU seconds per unit on the 2-core development machine times
+DTIME_PER_SECOND. `fxkfac plan bert-large -D 8 -N 8 --schedule auto --costs paper:bert-large/p100 --time-limit 5`
+spent 0.4 s of CPU importing 691 modules before its budget opened and 0.2-0.3 s importing the analytic costs' 474
+more with its first cost table, uncounted, and its search ran to the limit after them: 6.1 s on a quiet machine
+(+22%).
 
 A wall-clock safety net stays: CP-SAT calls also stop at `WALL_CAP` times the time limit (plus
-OVERTIME) after planning began. When that net, and not the deterministic budget, ends a search, the
+OVERTIME) after planning began (a command's start). When that net, and not the deterministic budget, ends a search, the
 plan may differ from another run's; it is logged as a warning (`Budget.capped` says so).
 """
 
@@ -122,6 +124,11 @@ profile: BERT-Large's 147 layers take about 6 ms, its imports aside)."""
 
 SUMMARY_DTIME = 2e-3
 """Deterministic seconds reserved and charged for the plan's summary (about 10 ms of CPU, rich's table included)."""
+
+ASSEMBLE_DTIME_PER_OP = 3e-5
+"""Deterministic seconds reserved and charged per forward or backward op of one plain step of the mesh for assembling
+the plan the search ends with (its programs, memory and metrics; `planner.search.attempt.assemble`, which the search
+does not charge): 0.1-0.35 ms of CPU per op (BERT-Large D=8 N=8: ZB-H1 12 ms, Chimera 42 ms; 1F1B D=8 W=4 109 ms)."""
 
 OUTPUT_DTIME_PER_OP = 1e-4
 """Deterministic seconds reserved and charged per forward or backward op of one plain step of the mesh, for each of
@@ -201,9 +208,9 @@ def call_start() -> Start:
 
 
 def after_search(ops: int, outputs: int) -> float:
-    """Deterministic seconds the work after a command's search takes: its summary, and `outputs` timelines drawn or
-    files written, each by the `ops` forward and backward ops of one plain step of the mesh."""
-    return SUMMARY_DTIME + outputs * ops * OUTPUT_DTIME_PER_OP
+    """Deterministic seconds the work after a command's search takes, by the `ops` forward and backward ops of one
+    plain step of its mesh: the last plan's assembly, the summary, and `outputs` timelines drawn or files written."""
+    return SUMMARY_DTIME + ops * (ASSEMBLE_DTIME_PER_OP + outputs * OUTPUT_DTIME_PER_OP)
 
 
 @dataclass
