@@ -123,8 +123,9 @@ COST_DTIME_PER_LAYER = 4e-6
 """Deterministic seconds charged per layer of each cost table a command builds (a preset's analytic table or a
 profile: BERT-Large's 147 layers take about 6 ms, its imports aside)."""
 
-SUMMARY_DTIME = 2e-3
-"""Deterministic seconds reserved and charged for the plan's summary (about 10 ms of CPU, rich's table included)."""
+SUMMARY_DTIME = 1e-3
+"""Deterministic seconds reserved and charged for the plan's summary (6 ms of CPU for BERT-Large's, rich's table
+drawn; 10 ms at DTIME_PER_SECOND)."""
 
 ASSEMBLE_DTIME_PER_OP = 3e-5
 """Deterministic seconds reserved and charged per forward or backward op of one plain step of the mesh for assembling
