@@ -29,6 +29,7 @@ from fxkfac.cli_show import run_show
 from fxkfac.config import ActivationCheckpointing, KLClipScope
 from fxkfac.planner.problem import PlannerError, PreconditionerKind, ProfileLayers, ScheduleKind
 from fxkfac.planner.search import StreamApply
+from fxkfac.planner.search.budget import call_start, process_start
 
 __all__ = ["main", "build_parser"]
 
@@ -259,7 +260,8 @@ def _one_line(error: BaseException) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    start = process_start() if argv is None else call_start()  # the console script's budget opens at its start
+    args = build_parser().parse_args(argv, argparse.Namespace(start=start))
     console = Console()
     try:
         return _COMMANDS[args.command](args, console)

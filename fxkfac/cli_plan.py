@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import time
 from dataclasses import dataclass, replace
 from decimal import Decimal
@@ -35,11 +36,15 @@ from fxkfac.planner import plan as plan_search
 from fxkfac.planner.problem import PreconditionerKind, plain_step_time, words_of
 from fxkfac.planner.problem.hardware import HARDWARE, hardware
 from fxkfac.planner.search import choose_recompute
+from fxkfac.planner.search.budget import Start, after_search, call_start
 from fxkfac.planner.search.choose import least_overhead
 
 if TYPE_CHECKING:
     from fxkfac.planner.plan import Plan
     from fxkfac.planner.search import BlockChoice
+
+
+log = logging.getLogger(__name__)
 
 
 class RefusedPlan(PlannerError):
@@ -132,6 +137,14 @@ def _refused(error: PlanError, budget: Budget, checkpointing: ActivationCheckpoi
     return RefusedPlan(text)
 
 
+def _costed(args: argparse.Namespace, S: int, budget: TimeBudget, max_dim: int | None = None) -> CostTable:
+    """`cost_table`, its work and the modules it imported charged to the command's budget ([Note: command budget])."""
+    table = cost_table(args, S, max_dim)
+    budget.charge_costs(sum(len(stage.layers) for stage in table.stages))
+    budget.charge_imports()
+    return table
+
+
 def _searches_block_size(args: argparse.Namespace) -> bool:
     """Whether the planner chooses Shampoo's/SOAP's block side: auto on a preset's analytic costs."""
     return (
@@ -152,7 +165,7 @@ def _auto_block(args: argparse.Namespace, S: int, search: SearchOptions, budget:
     auto = args.activation_checkpointing.mode is CheckpointMode.AUTO
 
     def problem(side: int | None) -> Problem:  # under --activation-checkpointing auto, its first choice at each side
-        made = problem_of(args, cost_table(args, S, side))
+        made = problem_of(args, _costed(args, S, budget, side))
         return choose_recompute(made) if auto else made
 
     return choose_block_size(problem, candidates, search, budget)
@@ -213,7 +226,7 @@ def _solved_at(args: argparse.Namespace, S: int, console: Console, budget: TimeB
             explain_comm(choice.plan.problem, console)
             explain_plan_comm(choice.plan, console)
         return choice.plan
-    costs = cost_table(args, S)
+    costs = _costed(args, S, budget)
     problem = problem_of(args, costs)
     if args.explain:
         explain(args, costs, plain_step_time(problem), console)
@@ -234,7 +247,7 @@ def _auto_schedule(args: argparse.Namespace, console: Console, budget: TimeBudge
     above the plan."""
     search = search_options(args)
     try:
-        choice = choose(args, cost_table, problem_of, search, budget)
+        choice = choose(args, lambda at, S: _costed(at, S, budget), problem_of, search, budget)
     except PlanError as e:
         raise _refused(e, memory_budget(args, device(args)), args.activation_checkpointing) from None
     console.print(render_choice(choice))
@@ -248,20 +261,24 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     from fxkfac.plan_view import planned_view, render_plan
     from fxkfac.show import chrome_trace
 
-    began = time.perf_counter()  # --time-limit bounds the whole command
+    start: Start = getattr(args, "start", None) or call_start()  # --time-limit bounds the whole command
     if args.time_limit <= 0:
         raise CliError(f"--time-limit must be > 0 seconds, got {args.time_limit:g}")
     if args.decomp_pieces < 1:
         raise CliError(f"--decomp-pieces must be >= 1 (1: each decomposition one task), got {args.decomp_pieces}")
-    whole = TimeBudget.of(search_options(args).solver, whole=True, began=began)
+    whole = TimeBudget.of(search_options(args).solver, whole=True, start=start)
+    whole.charge_imports()
+    after = after_search(_plain_ops(args), _outputs(args))
+    search = whole.keeping(after)
     if args.schedule == AUTO_SCHEDULE:
-        plan = _auto_schedule(args, console, whole)
+        plan = _auto_schedule(args, console, search)
     else:
         S = check_schedule(args)
         try:
-            plan = _solved(args, S, console, whole)
+            plan = _solved(args, S, console, search)
         except _Refusal as e:
             raise _refused(e, e.budget, args.activation_checkpointing) from None
+    whole.charge_output(after)
     budget = memory_budget(args, plan.problem.costs.hardware)
     title = f"fxkfac plan {args.target} ({args.method}, time limit {args.time_limit:g} s)"
     if args.show:
@@ -279,4 +296,23 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     if args.trace is not None:
         chrome_trace(planned_view(plan).timeline, args.trace, words_of(plan.problem.costs))
         console.print(f"wrote {args.trace}", markup=False)
+    log.info(
+        "fxkfac plan took %.2f s from %s (--time-limit %g s); deterministic seconds charged: %.4g of %.4g",
+        time.perf_counter() - start.at,
+        start.source,
+        args.time_limit,
+        whole.tally.spent,
+        whole.limit,
+    )
     return 0
+
+
+def _outputs(args: argparse.Namespace) -> int:
+    """How many of --show, --trace and --export the command asks for."""
+    return int(args.show) + (args.trace is not None) + (args.export is not None)
+
+
+def _plain_ops(args: argparse.Namespace) -> int:
+    """The forward and backward ops of one plain step of the command's mesh: the count the work after its search is
+    reserved and charged by (`planner.search.budget.after_search`)."""
+    return 2 * args.stages * args.dp * args.microbatches

@@ -9,10 +9,12 @@ import subprocess
 import sys
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 from rich.console import Console
 
+from fxkfac import cli_plan
 from fxkfac.cli import build_parser, main
 from fxkfac.cli_args import parse_block_size, parse_bytes, parse_fraction
 from fxkfac.cli_costs import cost_table
@@ -25,6 +27,14 @@ from fxkfac.planner.problem.errors import PlannerError
 from fxkfac.planner.problem.ir import Op, OpKind
 from fxkfac.planner.problem.step_timeline import Interval, Timeline, min_memory_bytes, plain_step_time
 from fxkfac.planner.search.attempt import solve
+from fxkfac.planner.search.budget import (
+    COST_DTIME_PER_LAYER,
+    IMPORT_DTIME_PER_MODULE,
+    Budget,
+    StartSource,
+    after_search,
+    process_start,
+)
 from fxkfac.planner.validate.plan_file import load_plan
 from fxkfac.show import chrome_trace, render_timeline, timeline_from_trace
 from tests.planner.kfac_cases import problem, table
@@ -698,3 +708,48 @@ def test_a_profile_cuts_each_ranks_blocks_over_its_stages() -> None:
     assert stage_blocks("bert-large", 24, 8, 24) == [1] * 24
     with pytest.raises(CliError, match="not divisible into 10 stages"):
         stage_blocks("bert-base", 12, 5, 10)
+
+
+def _command_budgets(monkeypatch: pytest.MonkeyPatch) -> list[Budget]:
+    """The budgets `fxkfac plan` opens, kept for a look at what was charged to them."""
+    made: list[Budget] = []
+    real = Budget.of
+
+    def of(*args: Any, **kwargs: Any) -> Budget:
+        made.append(real(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(cli_plan.TimeBudget, "of", staticmethod(of))
+    return made
+
+
+def test_time_limit_counts_the_cost_tables_and_keeps_a_reserve_for_the_output(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Called in a running process, `fxkfac plan --time-limit T` opens at the call and charges no imports (what the
+    process loaded before is not the command's); each cost table built, the search, and the output after it (the
+    summary and --export: the reserve the search left) are charged, within T on the deterministic clock."""
+    made = _command_budgets(monkeypatch)
+    argv = ["plan", "bert-base", "-D", "4", "-N", "4", "--schedule", "zb-h1", "--costs", "paper:bert-base/p100"]
+    assert main([*argv, "--time-limit", "1", "--export", str(tmp_path / "plan.json")]) == 0
+    (whole,) = made
+    assert whole.tally.modules is None and whole.tally.setup == pytest.approx(12 * COST_DTIME_PER_LAYER)
+    assert whole.tally.output == after_search(2 * 4 * 4, 1)
+    assert 0 < whole.tally.spent <= whole.limit * 1.1
+
+
+def test_time_limit_of_the_console_script_counts_from_the_process_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The console script (`main()` reading sys.argv) opens its budget at the process's start and charges every module
+    the process loaded: here a test session's thousands, more than the whole limit, so the search has no time left
+    and still plans (first-fit)."""
+    made = _command_budgets(monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["fxkfac", *PLAN[:-2], "--time-limit", "1"])
+    assert main() == 0
+    (whole,) = made
+    assert whole.tally.modules is not None and whole.tally.modules <= len(sys.modules)  # the output may import more
+    assert whole.tally.setup >= whole.tally.modules * IMPORT_DTIME_PER_MODULE > whole.limit
+    start = process_start()  # read again: the same start, to the clock tick of /proc (10 ms) twice over
+    assert start.source is not StartSource.PROCESS or whole.tally.began == pytest.approx(start.at, abs=0.03)
+    assert "GREEDY" in capsys.readouterr().out

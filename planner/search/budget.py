@@ -48,22 +48,45 @@ the CP-SAT part of the limit takes about its wall seconds; the clock never reads
 search began, and the wall cap at the limit ends it. The plan depends on the machine's speed; the deterministic
 mode's does not.
 
+[Note: command budget] `fxkfac plan --time-limit T` bounds the whole command, counted from the process's start
+(`process_start`: /proc/self/stat on Linux; elsewhere from this module's import, which leaves Python's start and the
+imports before it out, and says so); `fxkfac.cli.main(argv)` called in a running process counts from the call
+(`call_start`) and charges no imports, since what the process loaded before depends on what it ran. The work around
+the search is on the same clock, counted, not timed, so the deterministic mode stays deterministic: the modules
+imported (`charge_imports`: the interpreter's start and every import the command made, ortools and the analytic
+costs' sympy included, IMPORT_DTIME_PER_MODULE each), the cost tables built (`charge_costs`, per layer), and the work
+after the search (assembling the plan it ends with, the summary, and with --show, --trace or --export the timeline
+drawn or written), which the search leaves as a reserve (`keeping(after_search(...))`: its view ends that much
+earlier) and which is then charged (`charge_output`). A module count repeats in one environment (an environment that
+imports more at start is charged more); the rates are CPU seconds per unit on the 2-core development machine times
+DTIME_PER_SECOND. `fxkfac plan bert-large -D 8 -N 8 --schedule auto --costs paper:bert-large/p100 --time-limit 5`
+spent 0.4 s of CPU importing 691 modules before its budget opened and 0.2-0.3 s importing the analytic costs' 474
+more with its first cost table, uncounted, and its search ran to the limit after them: 6.1 s on a quiet machine
+(+22%). Counted, the same command takes 5.7 s of CPU where the tree before took 6.8 (same plan; both at load 7-9,
+the wall net lifted), about 5.1 s on a quiet machine.
+
 A wall-clock safety net stays: CP-SAT calls also stop at `WALL_CAP` times the time limit (plus
-OVERTIME) after planning began. When that net, and not the deterministic budget, ends a search, the
+OVERTIME) after planning began (a command's start). When that net, and not the deterministic budget, ends a search, the
 plan may differ from another run's; it is logged as a warning (`Budget.capped` says so).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fxkfac.planner.problem.problem import SolverConfig
 
 log = logging.getLogger(__name__)
+
+_IMPORTED = time.perf_counter()
+"""When this module was imported: where a command's budget opens when the process's start cannot be read."""
 
 DTIME_PER_SECOND = 0.1
 """CP-SAT deterministic seconds per second of `SolverConfig.time_limit_s` (see the module note)."""
@@ -90,6 +113,30 @@ placement of APPLY slots tried; about 0.4 us)."""
 SIMULATED_DTIME_PER_OP = 1e-6
 """Deterministic seconds charged per op of each step a search simulates outside CP-SAT (streaming and distribution
 choices): about 10 us an op at DTIME_PER_SECOND (BERT-Large Chimera D=8: 267 steps of ~2,000 ops in 5.2 s)."""
+
+IMPORT_DTIME_PER_MODULE = 8e-5
+"""Deterministic seconds charged per module a command imported, the interpreter's start included (about 0.8 ms of CPU,
+Python's exit with them loaded included: 691 modules of `fxkfac plan`'s imports, ortools and pandas among them, took
+0.5 s, with the analytic costs' 1,165 1.0 s; [Note: command budget])."""
+
+COST_DTIME_PER_LAYER = 4e-6
+"""Deterministic seconds charged per layer of each cost table a command builds (a preset's analytic table or a
+profile: BERT-Large's 147 layers take about 6 ms, its imports aside)."""
+
+SUMMARY_DTIME = 1e-3
+"""Deterministic seconds reserved and charged for the plan's summary (6 ms of CPU for BERT-Large's, rich's table
+drawn; 10 ms at DTIME_PER_SECOND)."""
+
+ASSEMBLE_DTIME_PER_OP = 3e-5
+"""Deterministic seconds reserved and charged per forward or backward op of one plain step of the mesh for assembling
+the plan the search ends with (its programs, memory and metrics; `planner.search.attempt.assemble`, which the search
+does not charge): 0.1-0.35 ms of CPU per op (BERT-Large D=8 N=8: ZB-H1 12 ms, Chimera 42 ms; 1F1B D=8 W=4 109 ms)."""
+
+OUTPUT_DTIME_PER_OP = 1e-4
+"""Deterministic seconds reserved and charged per forward or backward op of one plain step of the mesh, for each of
+--show, --trace and --export (the timeline of the longest refresh period, drawn or written; the programs written):
+0.1-0.5 ms of CPU per op of the plain step, the sends and collectives among them, about 3 ops per forward or
+backward (BERT-Large Chimera D=8 N=8: 0.06, 0.2 and 0.09 s; 1F1B D=8 W=4 N=8: 0.3, 0.26, 0.19 s)."""
 
 CALIBRATION_WALL = 0.2
 """Wall seconds after CP-SAT's first call in a calibrated budget before its measured rate replaces DTIME_PER_SECOND."""
@@ -118,6 +165,56 @@ CALIBRATED_OVERTIME_SHARE = 0.1
 """OVERTIME_SHARE of a calibrated budget, whose wall cap at the limit ends what runs past it anyway."""
 
 
+class StartSource(StrEnum):
+    """Where a command's budget opens ([Note: command budget])."""
+
+    PROCESS = "the process's start"
+    IMPORT = "the planner's import (Python's start and the imports before it not counted)"
+    CALL = "the call"
+
+
+@dataclass(frozen=True)
+class Start:
+    """When a command began, on the perf_counter clock, what that time is, and the modules loaded then that are not
+    its own (None: imports are not charged)."""
+
+    at: float
+    source: StartSource
+    modules: int | None = 0
+
+
+def started_at(stat: str, uptime: float, ticks_per_second: int, now: float) -> float:
+    """The perf_counter time a process started, from its /proc/<pid>/stat line (`starttime`, the 22nd field: clock
+    ticks since boot), the seconds since boot (/proc/uptime) and perf_counter's `now` read at the same moment."""
+    fields = stat[stat.rindex(")") + 2 :].split()  # the name, in parentheses, may hold spaces
+    age = uptime - int(fields[19]) / ticks_per_second  # field 22 is the 20th after the name
+    return now - max(0.0, age)
+
+
+def process_start() -> Start:
+    """The start of a command that is its process (the console script): /proc/self/stat where there is one (Linux,
+    to its clock tick), else this module's import, which misses the interpreter's start and the imports before it;
+    every module the process loaded is the command's."""
+    try:
+        with open("/proc/self/stat") as f, open("/proc/uptime") as u:
+            stat, uptime, now = f.read(), float(u.read().split()[0]), time.perf_counter()
+        return Start(started_at(stat, uptime, os.sysconf("SC_CLK_TCK"), now), StartSource.PROCESS)
+    except (OSError, ValueError, IndexError, AttributeError):  # no procfs (macOS, Windows), or one unlike Linux's
+        return Start(_IMPORTED, StartSource.IMPORT)
+
+
+def call_start() -> Start:
+    """The start of a command called in a running process (`fxkfac.cli.main(argv)`): now, its imports not charged (what
+    the process loaded before depends on what it ran, and a plan would)."""
+    return Start(time.perf_counter(), StartSource.CALL, None)
+
+
+def after_search(ops: int, outputs: int) -> float:
+    """Deterministic seconds the work after a command's search takes, by the `ops` forward and backward ops of one
+    plain step of its mesh: the last plan's assembly, the summary, and `outputs` timelines drawn or files written."""
+    return SUMMARY_DTIME + ops * (ASSEMBLE_DTIME_PER_OP + outputs * OUTPUT_DTIME_PER_OP)
+
+
 @dataclass
 class _Tally:
     """What every view of one budget shares: the deterministic seconds spent, and whether the wall net ended it."""
@@ -138,6 +235,12 @@ class _Tally:
     """A calibrated budget's clock: CP-SAT's deterministic seconds each at the rate of its call, and the charges."""
     began: float = 0.0
     """The perf_counter time the planning began: a calibrated clock never reads less than the wall time since."""
+    modules: int | None = None
+    """The modules counted so far (`charge_imports`; None: imports are not charged)."""
+    setup: float = 0.0
+    """Of `spent`, what a command's imports and cost tables were charged ([Note: command budget])."""
+    output: float = 0.0
+    """Of `spent`, what the work after a command's search was charged (`charge_output`)."""
 
 
 @dataclass(frozen=True)
@@ -162,12 +265,12 @@ class Budget:
     """Deterministic CP-SAT calls on a whole search's wall-clock budget ([Note: calibrated budget])."""
 
     @staticmethod
-    def of(config: SolverConfig, *, whole: bool = False, began: float | None = None) -> Budget:
+    def of(config: SolverConfig, *, whole: bool = False, start: Start | None = None) -> Budget:
         """A fresh budget of `config.time_limit_s`: CP-SAT until the limit and everything else OVERTIME past it; with
-        `whole` (a limit for the whole search, a command's) everything within the limit from `began` (the command's
-        start; now when None), CP-SAT ending OVERTIME_SHARE of it earlier, and in the wall-clock mode calibrated
-        ([Note: calibrated budget])."""
-        started = time.perf_counter() if began is None else began
+        `whole` (a limit for the whole search, a command's) everything within the limit from `start` (a command's,
+        whose imports it charges, [Note: command budget]; now when None), CP-SAT ending OVERTIME_SHARE of it earlier,
+        and in the wall-clock mode calibrated ([Note: calibrated budget])."""
+        started = time.perf_counter() if start is None else start.at
         limit, calibrated = config.time_limit_s, whole and not config.deterministic
         deterministic = config.deterministic or calibrated
         overtime = limit * (CALIBRATED_OVERTIME_SHARE if calibrated else OVERTIME_SHARE) if whole else OVERTIME
@@ -176,7 +279,7 @@ class Budget:
         units = DTIME_PER_SECOND if deterministic else 1.0
         end = (0.0 if deterministic else started) + solving * units
         overtime *= units
-        tally = _Tally(began=started)
+        tally = _Tally(began=started, modules=None if start is None else start.modules)
         return Budget(deterministic, cap, end, overtime, end, end + overtime, limit * units, tally, {}, calibrated)
 
     @staticmethod
@@ -231,6 +334,44 @@ class Budget:
             self.tally.spent += dtime
             self.tally.calibrated += dtime
             self.tally.greedy += dtime
+
+    def charge_imports(self) -> None:
+        """Count the modules imported since the last count (the first: since the command's `Start`)."""
+        if self.tally.modules is None:
+            return
+        loaded = len(sys.modules)
+        self._charge_setup(max(0, loaded - self.tally.modules) * IMPORT_DTIME_PER_MODULE)
+        self.tally.modules = max(loaded, self.tally.modules)
+
+    def charge_costs(self, layers: int) -> None:
+        """Count building one cost table of `layers` layers."""
+        self._charge_setup(layers * COST_DTIME_PER_LAYER)
+
+    def _charge_setup(self, dtime: float) -> None:
+        if self.deterministic:
+            self.tally.spent += dtime
+            self.tally.calibrated += dtime
+            self.tally.setup += dtime
+
+    def keeping(self, dtime: float) -> Budget:
+        """This view with `dtime` deterministic seconds kept for the work after it (`after_search`): its end, cutoff,
+        limit and wall cap that much earlier."""
+        kept = self.units(dtime / DTIME_PER_SECOND)
+        return replace(
+            self,
+            end=self.end - kept,
+            deadline=self.deadline - kept,
+            cutoff=self.cutoff - kept,
+            limit=self.limit - kept,
+            cap=self.cap - dtime / DTIME_PER_SECOND,
+        )
+
+    def charge_output(self, dtime: float) -> None:
+        """Count the work after the search, `after_search`'s count of it."""
+        if self.deterministic:
+            self.tally.spent += dtime
+            self.tally.calibrated += dtime
+            self.tally.output += dtime
 
     def charge_simulated(self, ops: int) -> None:
         """Count one simulated step of `ops` ops run outside CP-SAT (SIMULATED_DTIME_PER_OP each)."""
