@@ -26,10 +26,10 @@ from fxkfac.cli_args import (
 from fxkfac.cli_plan import run_plan
 from fxkfac.cli_schedule import AUTO_SCHEDULE
 from fxkfac.cli_show import run_show
+from fxkfac.cli_start import call_start, process_start
 from fxkfac.config import ActivationCheckpointing, KLClipScope
 from fxkfac.planner.problem import PlannerError, PreconditionerKind, ProfileLayers, ScheduleKind
 from fxkfac.planner.search import StreamApply
-from fxkfac.planner.search.budget import call_start, process_start
 
 __all__ = ["main", "build_parser"]
 

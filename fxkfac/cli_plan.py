@@ -15,6 +15,7 @@ from fxkfac.cli_args import AUTO, CliError, check_schedule, device, kind, memory
 from fxkfac.cli_costs import cost_table
 from fxkfac.cli_explain import explain, explain_choice, explain_comm, explain_ns, explain_plan_comm
 from fxkfac.cli_schedule import AUTO_SCHEDULE, choose, render_choice
+from fxkfac.cli_start import call_start
 from fxkfac.cli_targets import factory, is_factory
 from fxkfac.config import ActivationCheckpointing, CheckpointMode
 from fxkfac.planner import Budget as TimeBudget
@@ -36,7 +37,7 @@ from fxkfac.planner import plan as plan_search
 from fxkfac.planner.problem import PreconditionerKind, plain_step_time, words_of
 from fxkfac.planner.problem.hardware import HARDWARE, hardware
 from fxkfac.planner.search import choose_recompute
-from fxkfac.planner.search.budget import Start, after_search, call_start
+from fxkfac.planner.search.budget import after_search
 from fxkfac.planner.search.choose import least_overhead
 
 if TYPE_CHECKING:
@@ -261,7 +262,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     from fxkfac.plan_view import planned_view, render_plan
     from fxkfac.show import chrome_trace
 
-    start: Start = getattr(args, "start", None) or call_start()  # --time-limit bounds the whole command
+    start, source = getattr(args, "start", None) or call_start()  # --time-limit bounds the whole command
     if args.time_limit <= 0:
         raise CliError(f"--time-limit must be > 0 seconds, got {args.time_limit:g}")
     if args.decomp_pieces < 1:
@@ -299,7 +300,7 @@ def run_plan(args: argparse.Namespace, console: Console) -> int:
     log.info(
         "fxkfac plan took %.2f s from %s (--time-limit %g s); deterministic seconds charged: %.4g of %.4g",
         time.perf_counter() - start.at,
-        start.source,
+        source,
         args.time_limit,
         whole.tally.spent,
         whole.limit,

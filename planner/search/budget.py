@@ -49,9 +49,8 @@ search began, and the wall cap at the limit ends it. The plan depends on the mac
 mode's does not.
 
 [Note: command budget] `fxkfac plan --time-limit T` bounds the whole command, counted from the process's start
-(`process_start`: /proc/self/stat on Linux; elsewhere from this module's import, which leaves Python's start and the
-imports before it out, and says so); `fxkfac.cli.main(argv)` called in a running process counts from the call
-(`call_start`) and charges no imports, since what the process loaded before depends on what it ran. The work around
+(a `Start` the command reads: fxkfac/cli_start.py); `fxkfac.cli.main(argv)` called in a running process counts
+from the call and charges no imports, since what the process loaded before depends on what it ran. The work around
 the search is on the same clock, counted, not timed, so the deterministic mode stays deterministic: the modules
 imported (`charge_imports`: the interpreter's start and every import the command made, ortools and the analytic
 costs' sympy included, IMPORT_DTIME_PER_MODULE each), the cost tables built (`charge_costs`, per layer), and the work
@@ -73,20 +72,15 @@ plan may differ from another run's; it is logged as a warning (`Budget.capped` s
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from fxkfac.planner.problem.problem import SolverConfig
 
 log = logging.getLogger(__name__)
-
-_IMPORTED = time.perf_counter()
-"""When this module was imported: where a command's budget opens when the process's start cannot be read."""
 
 DTIME_PER_SECOND = 0.1
 """CP-SAT deterministic seconds per second of `SolverConfig.time_limit_s` (see the module note)."""
@@ -165,48 +159,13 @@ CALIBRATED_OVERTIME_SHARE = 0.1
 """OVERTIME_SHARE of a calibrated budget, whose wall cap at the limit ends what runs past it anyway."""
 
 
-class StartSource(StrEnum):
-    """Where a command's budget opens ([Note: command budget])."""
-
-    PROCESS = "the process's start"
-    IMPORT = "the planner's import (Python's start and the imports before it not counted)"
-    CALL = "the call"
-
-
 @dataclass(frozen=True)
 class Start:
-    """When a command began, on the perf_counter clock, what that time is, and the modules loaded then that are not
-    its own (None: imports are not charged)."""
+    """When a command began, on the perf_counter clock, and the modules loaded then that are not its own (None:
+    imports are not charged; [Note: command budget])."""
 
     at: float
-    source: StartSource
     modules: int | None = 0
-
-
-def started_at(stat: str, uptime: float, ticks_per_second: int, now: float) -> float:
-    """The perf_counter time a process started, from its /proc/<pid>/stat line (`starttime`, the 22nd field: clock
-    ticks since boot), the seconds since boot (/proc/uptime) and perf_counter's `now` read at the same moment."""
-    fields = stat[stat.rindex(")") + 2 :].split()  # the name, in parentheses, may hold spaces
-    age = uptime - int(fields[19]) / ticks_per_second  # field 22 is the 20th after the name
-    return now - max(0.0, age)
-
-
-def process_start() -> Start:
-    """The start of a command that is its process (the console script): /proc/self/stat where there is one (Linux,
-    to its clock tick), else this module's import, which misses the interpreter's start and the imports before it;
-    every module the process loaded is the command's."""
-    try:
-        with open("/proc/self/stat") as f, open("/proc/uptime") as u:
-            stat, uptime, now = f.read(), float(u.read().split()[0]), time.perf_counter()
-        return Start(started_at(stat, uptime, os.sysconf("SC_CLK_TCK"), now), StartSource.PROCESS)
-    except (OSError, ValueError, IndexError, AttributeError):  # no procfs (macOS, Windows), or one unlike Linux's
-        return Start(_IMPORTED, StartSource.IMPORT)
-
-
-def call_start() -> Start:
-    """The start of a command called in a running process (`fxkfac.cli.main(argv)`): now, its imports not charged (what
-    the process loaded before depends on what it ran, and a plan would)."""
-    return Start(time.perf_counter(), StartSource.CALL, None)
 
 
 def after_search(ops: int, outputs: int) -> float:

@@ -17,11 +17,7 @@ from fxkfac.planner.search.budget import (
     OVERTIME_SHARE,
     Budget,
     Start,
-    StartSource,
     after_search,
-    call_start,
-    process_start,
-    started_at,
 )
 
 T = 5.0
@@ -50,37 +46,13 @@ def _modules(monkeypatch: pytest.MonkeyPatch, n: int) -> None:
     monkeypatch.setattr(budget_module, "sys", types.SimpleNamespace(modules=dict.fromkeys(range(n))))
 
 
-def test_the_process_start_is_read_from_its_stat_line_name_and_all() -> None:
-    """`starttime`, the 22nd field, counts clock ticks since boot; a process name may hold spaces and parentheses."""
-    fields = ["S"] + ["0"] * 18 + ["12345"] + ["0"] * 10  # state, then fields 4..21, starttime (22), the rest
-    stat = "4242 (fx (kfac) plan) " + " ".join(fields)
-    assert started_at(stat, uptime=130.45, ticks_per_second=100, now=7.0) == pytest.approx(7.0 - 7.0)
-    assert started_at(stat, uptime=123.45, ticks_per_second=100, now=7.0) == 7.0  # read within one tick: no age
-
-
-def test_process_start_says_what_it_measures(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where /proc is there (Linux) the start is the process's and no later than now; where it is not, the planner's
-    import, said so; either way every module loaded is the command's. An in-process call starts now and charges no
-    imports."""
-    start = process_start()
-    if start.source is StartSource.PROCESS:
-        assert start.at <= budget_module.time.perf_counter() and start.modules == 0
-
-    def no_procfs(*_: object, **__: object) -> None:
-        raise FileNotFoundError("/proc/self/stat")
-
-    monkeypatch.setattr(budget_module, "open", no_procfs, raising=False)
-    assert process_start() == Start(budget_module._IMPORTED, StartSource.IMPORT, 0)
-    assert call_start().source is StartSource.CALL and call_start().modules is None
-
-
 def test_a_command_budget_charges_its_imports_by_count(clock: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
     """From the process's start every module loaded is charged once, then only those loaded since; an in-process call
     charges none. The count, not the clock, decides: the same count on a slower clock charges the same."""
     spent = []
     for late in (0.0, 30.0):  # the budget opens 0 or 30 wall seconds after the process started
         _modules(monkeypatch, 700)
-        whole = Budget.of(DETERMINISTIC, whole=True, start=Start(clock.now - late, StartSource.PROCESS))
+        whole = Budget.of(DETERMINISTIC, whole=True, start=Start(clock.now - late))
         whole.charge_imports()
         whole.charge_imports()  # nothing new
         _modules(monkeypatch, 1170)  # the analytic costs' imports, with the first cost table
@@ -89,7 +61,7 @@ def test_a_command_budget_charges_its_imports_by_count(clock: Clock, monkeypatch
         spent.append(whole.tally.spent)
         assert whole.tally.setup == whole.tally.spent
     assert spent[0] == spent[1] == pytest.approx(1170 * IMPORT_DTIME_PER_MODULE + 147 * COST_DTIME_PER_LAYER)
-    called = Budget.of(DETERMINISTIC, whole=True, start=call_start())
+    called = Budget.of(DETERMINISTIC, whole=True, start=Start(clock.now, None))
     called.charge_imports()
     assert called.tally.spent == 0.0
 
@@ -98,7 +70,7 @@ def test_the_search_keeps_a_reserve_for_the_work_after_it(clock: Clock) -> None:
     """`keeping(r)` is the search's view: every end of it r earlier (its wall cap r's seconds earlier); what it spends
     is the whole's, and the work after it, charged by its count, ends within the whole's limit when the search used
     all its view allowed."""
-    whole = Budget.of(DETERMINISTIC, whole=True, start=Start(clock.now, StartSource.PROCESS))
+    whole = Budget.of(DETERMINISTIC, whole=True, start=Start(clock.now))
     reserve = after_search(ops=128, outputs=2)
     search = whole.keeping(reserve)
     assert search.limit == pytest.approx(whole.limit - reserve)
@@ -115,7 +87,7 @@ def test_the_wall_clock_net_counts_from_the_command_start(clock: Clock) -> None:
     """A command that began 2 s before its budget opened (Python's start, its imports): in the wall-clock mode the
     clock already reads those 2 s and the cap lies at T from the start; in the deterministic mode the net lies
     WALL_CAP x T from the start and the clock reads only what was charged."""
-    start = Start(clock.now - 2.0, StartSource.PROCESS)
+    start = Start(clock.now - 2.0)
     calibrated = Budget.of(WALL, whole=True, start=start)
     assert calibrated.now() == pytest.approx(2.0 * DTIME_PER_SECOND)
     assert calibrated.wall_left() == pytest.approx(T - 2.0)
