@@ -390,11 +390,6 @@ def block_ranges(shape: Sequence[int], max_dim: int) -> list[tuple[tuple[int, in
     return list(itertools.product(*chunks))
 
 
-def block_shapes(shape: Sequence[int], max_dim: int) -> list[tuple[int, ...]]:
-    """The side lengths of `block_ranges(shape, max_dim)`, in the same order."""
-    return [tuple(end - start for start, end in ranges) for ranges in block_ranges(shape, max_dim)]
-
-
 def partition(
     shape: Sequence[int], max_dim: int, method: LargeDimMethod, merge: bool = True
 ) -> tuple[tuple[int, ...], list[Block]]:
@@ -408,13 +403,6 @@ def partition(
     if method is LargeDimMethod.ADAGRAD:
         return view, [Block(whole, () if any(d > max_dim for d in view) else (FactorKind.DENSE,) * len(view))]
     raise ValueError(f"unknown large_dim_method {method!r}; use one of {[m.value for m in LargeDimMethod]}")
-
-
-def factor_sides(
-    shape: Sequence[int], max_dim: int, method: LargeDimMethod, merge: bool = True
-) -> list[tuple[int, int]]:
-    """`Block.sides` of each block of a parameter of `shape` (`partition`)."""
-    return [block.sides for block in partition(shape, max_dim, method, merge)[1]]
 
 
 b, s, d_in, d_out, beta, h, d_h, n, p = sympy.symbols("b s d_in d_out beta h d_h n p", positive=True)
