@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from enum import StrEnum
@@ -37,13 +38,19 @@ def _check_number(owner: str, field: str, value: Any, *, integer: bool) -> None:
         raise CostModelError(f"{owner}: {field} must be finite and >= 0, got {value!r}")
 
 
-def _check_fields(obj: Any, owner: str, *skip: str) -> None:
-    """`_check_number` of each field of `obj` (`*_bytes` ints) but `skip` and the unmeasured; spreads checked."""
+def _check_fields(obj: Any, owner: str) -> None:
+    """Refuse a malformed field of a cost object: nested objects of another class, a spread that is not a `Spread`,
+    or a number `_check_number` refuses (`*_bytes` ints; an unmeasured None passes)."""
     for f in fields(obj):
         value = getattr(obj, f.name)
-        if f.name.endswith(_SPREAD) and value is not None and not isinstance(value, Spread):
-            raise CostModelError(f"{owner}: {f.name} must be a Spread or None, got {value!r}")
-        if f.name not in skip and not f.name.endswith(_SPREAD) and not (value is None and f.default is None):
+        if f.name in _NESTED:
+            kind = _NESTED[f.name]
+            if not isinstance(value, tuple) or not all(isinstance(x, kind) for x in value):
+                raise CostModelError(f"{owner}: {f.name} must be a tuple of {kind.__name__}")
+        elif f.name.endswith(_SPREAD):
+            if value is not None and not isinstance(value, Spread):
+                raise CostModelError(f"{owner}: {f.name} must be a Spread or None, got {value!r}")
+        elif (f.name in _SCALES or f.name.endswith("_bytes")) and not (value is None and f.default is None):
             _check_number(owner, f.name, value, integer=f.name.endswith("_bytes"))
 
 
@@ -91,7 +98,7 @@ class PartCost:
             raise CostModelError(f"PartCost.part must be one capital letter, got {self.part!r}")
         if self.after not in (OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD):
             raise CostModelError(f"PartCost.after must be FWD, BWD or ALLREDUCE_GRAD, got {self.after!r}")
-        _check_fields(self, f"part {self.part!r}", "part", "after")
+        _check_fields(self, f"part {self.part!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,11 +125,9 @@ class LayerCost:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise CostModelError(f"LayerCost.name must be a non-empty string, got {self.name!r}")
-        if not isinstance(self.parts, tuple) or not all(isinstance(p, PartCost) for p in self.parts):
-            raise CostModelError(f"layer {self.name!r}: parts must be a tuple of PartCost (empty: Muon's matrices)")
+        _check_fields(self, f"layer {self.name!r}")
         if len({p.part for p in self.parts}) != len(self.parts):
             raise CostModelError(f"layer {self.name!r}: parts {[p.part for p in self.parts]} repeat a name")
-        _check_fields(self, f"layer {self.name!r}", "name", "parts")
 
     @classmethod
     def kfac(
@@ -214,9 +219,7 @@ class StageCost:
     """Seconds of `bwd` computing the weight gradient (a zero-bubble W); None: half the backward."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.layers, tuple) or not all(isinstance(x, LayerCost) for x in self.layers):
-            raise CostModelError("StageCost.layers must be a tuple of LayerCost")
-        _check_fields(self, "stage", "layers")
+        _check_fields(self, "stage")
         if self.wgrad is not None and self.wgrad > self.bwd:
             raise CostModelError(f"StageCost.wgrad ({self.wgrad}) is part of the backward ({self.bwd}): at most bwd")
 
@@ -298,15 +301,13 @@ class CostTable:
             raise CostModelError(f"CostTable.family must be a PreconditionerKind, got {self.family!r}")
         if self.comm is not None and not isinstance(self.comm, CommModel):
             raise CostModelError(f"CostTable.comm must be a CommModel or None, got {type(self.comm).__name__}")
-        if not isinstance(self.stages, tuple) or not self.stages:
+        _check_fields(self, "CostTable")
+        if not self.stages:
             raise CostModelError("CostTable.stages must be a non-empty tuple of StageCost")
-        if not all(isinstance(s, StageCost) for s in self.stages):
-            raise CostModelError("CostTable.stages must hold StageCost objects")
         mbs = self.micro_batch_size
         if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1:
             raise CostModelError(f"CostTable.micro_batch_size must be an int >= 1, got {mbs!r}")
-        names = [layer.name for s in self.stages for layer in s.layers]
-        dupes = sorted({n for n in names if names.count(n) > 1})
+        dupes = sorted(n for n, k in Counter(self.layer_names).items() if k > 1)
         if dupes:
             raise CostModelError(f"CostTable: layer names must be unique across stages; repeated: {dupes}")
 
