@@ -546,12 +546,10 @@ def linear_kernels(
         v = _eval("linear", inverse, n=side)
         return roofline(hw, v["inv_flops"], v["inv_bytes"], hw.peak_flops, hw.factorization_efficiency)
 
-    layer = LayerCost.kfac(
-        lin.name,
-        *(gemm("curv_a"), gemm("curv_b"), inv(lin.d_in + int(lin.bias)), inv(lin.d_out), gemm("prec")),
-        *(round(e[k]) for k in ("a_bytes", "e_bytes", "factor_a_bytes", "factor_b_bytes")),
-        grad_bytes=_F32 * (lin.d_in + int(lin.bias)) * lin.d_out,
-    )
+    side_a = lin.d_in + int(lin.bias)
+    times = (gemm("curv_a"), gemm("curv_b"), inv(side_a), inv(lin.d_out), gemm("prec"))
+    sizes = (round(e["a_bytes"]), round(e["e_bytes"]), round(e["factor_a_bytes"]), round(e["factor_b_bytes"]))
+    layer = LayerCost.kfac(lin.name, *times, *sizes, grad_bytes=_F32 * side_a * lin.d_out)
     return KernelCost(fwd, bwd, layer)
 
 
