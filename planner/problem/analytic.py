@@ -669,26 +669,14 @@ def analytic_cost_table(
     *,
     precision: Precision = Precision.FP32,
     inverse: InverseMethod = InverseMethod.CHOLESKY,
-) -> CostTable:
-    """K-FAC's CostTable from the analytic model: one LayerCost per K-FAC Linear, fp32 weights."""
-    return _cost_table(model_spec, stages, micro_batch_size, seq_len, hardware, precision, inverse=inverse)
-
-
-def _cost_table(
-    model_spec: ModelSpec | str,
-    stages: Stages,
-    micro_batch_size: int,
-    seq_len: int | None,
-    hardware: HardwareSpec | str,
-    precision: Precision,
-    *,
-    inverse: InverseMethod = InverseMethod.CHOLESKY,
     kind: PreconditionerKind = PreconditionerKind.KFAC,
     tag: str | None = None,
     unit: Unit | None = None,
 ) -> CostTable:
-    """The analytic CostTable of family `kind`: K-FAC's Linears, else `unit` of each parameter, per stage; its
-    source "[family:]analytic:<model>:seq<s>:<precision>:<K-FAC's inverse, else tag>"."""
+    """The analytic CostTable of family `kind`, fp32 weights: one LayerCost per K-FAC Linear, or another family's
+    `unit` of each parameter; source "[family:]analytic:<model>:seq<s>:<precision>:<K-FAC's inverse, else tag>"."""
+    if (unit is None) != (kind is PreconditionerKind.KFAC):
+        raise CostModelError(f"analytic_cost_table prices K-FAC's Linears, or {kind}'s parameters by its `unit`")
     spec = preset(model_spec) if isinstance(model_spec, str) else model_spec
     hw = get_hardware(hardware)
     _check_size("micro_batch_size", micro_batch_size)
@@ -851,7 +839,9 @@ def gradient_cost_table(
     def unit(t: TensorSpec, _: BlockSpec) -> LayerCost | None:
         return parameter_cost(t, hw, kind, side, how)
 
-    return _cost_table(spec, stages, micro_batch_size, seq_len, hw, precision, kind=kind, tag=tag, unit=unit)
+    return analytic_cost_table(
+        spec, stages, micro_batch_size, seq_len, hw, precision=precision, kind=kind, tag=tag, unit=unit
+    )
 
 
 ADAMW_PASSES = 12
@@ -914,6 +904,5 @@ def muon_cost_table(
         return matrix_cost(t, hw, ns_steps, ns_precision) if t in muon_matrices(block) else adamw_cost(t, hw)
 
     kind = PreconditionerKind.MUON
-    return _cost_table(
-        model_spec, stages, micro_batch_size, seq_len, hw, precision, kind=kind, tag=f"ns{ns_steps}", unit=unit
-    )
+    args = (model_spec, stages, micro_batch_size, seq_len, hw)
+    return analytic_cost_table(*args, precision=precision, kind=kind, tag=f"ns{ns_steps}", unit=unit)
