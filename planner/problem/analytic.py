@@ -26,8 +26,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from functools import cache, partial
-from typing import Any
+from functools import cache
 
 import sympy
 
@@ -74,11 +73,6 @@ class LinearSpec:
     bias_name: str | None = None  # the bias's FQN when not `<name>.bias` (BERT's decoder: `cls.predictions.bias`)
 
     @property
-    def params(self) -> int:
-        """Parameters this module owns."""
-        return sum(t.numel for t in self.tensors)
-
-    @property
     def tensors(self) -> tuple[TensorSpec, ...]:
         """The parameters this module owns: its weight unless tied, its bias if any."""
         shape = (self.d_in, self.d_out) if self.transposed else (self.d_out, self.d_in)
@@ -114,7 +108,8 @@ class BlockSpec:
 
 @dataclass(frozen=True, slots=True)
 class ModelSpec:
-    """A model as the analytic cost model needs it: embeddings, a list of blocks, a head."""
+    """A model as the analytic cost model needs it: embeddings (costed on the first stage), blocks, a head (the
+    last stage's: final norm, LM / pre-training heads)."""
 
     name: str
     hidden: int
@@ -123,24 +118,28 @@ class ModelSpec:
     vocab: int
     seq_len: int  # the default, the one the model is profiled / trained at
     blocks: tuple[BlockSpec, ...]
-    embed: BlockSpec  # costed on the first stage
-    head: BlockSpec  # costed on the last stage (final norm, LM / pre-training heads)
+    embed: BlockSpec
+    head: BlockSpec
+
+    @property
+    def parts(self) -> tuple[BlockSpec, ...]:
+        """Embeddings, blocks, head, in order."""
+        return (self.embed, *self.blocks, self.head)
 
     @property
     def params(self) -> int:
         """Parameter count (tied weights once)."""
-        return self.embed.params + self.head.params + sum(b.params for b in self.blocks)
+        return sum(b.params for b in self.parts)
 
     @property
     def linears(self) -> tuple[LinearSpec, ...]:
         """Every Linear in order: embeddings, blocks, head."""
-        parts = (self.embed, *self.blocks, self.head)
-        return tuple(x for part in parts for x in part.linears)
+        return tuple(x for part in self.parts for x in part.linears)
 
     @property
     def parameters(self) -> tuple[TensorSpec, ...]:
         """Every parameter (tied weights once) in order: embeddings, blocks, head."""
-        return tuple(t for part in (self.embed, *self.blocks, self.head) for t in part.parameters)
+        return tuple(t for part in self.parts for t in part.parameters)
 
 
 def _norms(names: Sequence[str], width: int, bias: bool = True) -> tuple[TensorSpec, ...]:
@@ -181,6 +180,12 @@ def _block(
     )
 
 
+def _lm_head(h: int, vocab: int, norms: Sequence[str], elementwise: int, bias: bool = True) -> BlockSpec:
+    """A language model's head: final norms and a bias-free vocabulary Linear tied to the token embedding."""
+    lm_head = LinearSpec("lm_head", h, vocab, bias=False, kfac=False, tied=True)
+    return BlockSpec("lm_head", (lm_head,), elementwise_per_token=elementwise + vocab, tensors=_norms(norms, h, bias))
+
+
 def _bert(name: str, h: int, layers: int, heads: int, ffn: int) -> ModelSpec:
     """BertForPreTraining (MLM + NSP heads, decoder tied to the word embedding), vocab 30522."""
     vocab, pre = 30522, "bert.embeddings"
@@ -208,23 +213,12 @@ def _bert(name: str, h: int, layers: int, heads: int, ffn: int) -> ModelSpec:
     return ModelSpec(name, h, ffn, heads, vocab, 128, blocks, embed, head)
 
 
-def _lm_head(h: int, vocab: int, norms: Sequence[str], elementwise: int, bias: bool = True) -> BlockSpec:
-    """A language model's head: final norms and a bias-free vocabulary Linear tied to the token embedding."""
-    return BlockSpec(
-        "lm_head",
-        linears=(LinearSpec("lm_head", h, vocab, bias=False, kfac=False, tied=True),),
-        elementwise_per_token=elementwise + vocab,
-        tensors=_norms(norms, h, bias),
-    )
-
-
 def _gpt2() -> ModelSpec:
     """GPT2LMHeadModel (124M): Conv1D layers (weights stored [d_in, d_out]) costed as Linears, lm_head tied to wte."""
     vocab, h, ffn = 50257, 768, 3072
     rows = [("attn.c_attn", h, 3 * h), ("attn.c_proj", h, h), ("mlp.c_fc", h, ffn), ("mlp.c_proj", ffn, h)]
-    blocks = tuple(
-        _block(f"transformer.h.{i}", rows, ("ln_1", "ln_2"), h=h, ffn=ffn, transposed=True) for i in range(12)
-    )
+    norms = ("ln_1", "ln_2")
+    blocks = tuple(_block(f"transformer.h.{i}", rows, norms, h=h, ffn=ffn, transposed=True) for i in range(12))
     tables = (TensorSpec("transformer.wte.weight", (vocab, h)), TensorSpec("transformer.wpe.weight", (1024, h)))
     embed = BlockSpec("transformer", elementwise_per_token=3 * h, tensors=tables)
     return ModelSpec("gpt2", h, ffn, 12, vocab, 1024, blocks, embed, _lm_head(h, vocab, ["transformer.ln_f"], h))
@@ -236,15 +230,12 @@ def _opt(name: str, h: int, layers: int, heads: int, ffn: int, proj: int) -> Mod
     rows = _rows([f"self_attn.{x}_proj" for x in ("q", "k", "v", "out")], ("fc1", "fc2"), h, ffn)
     norms = ("self_attn_layer_norm", "final_layer_norm")
     blocks = tuple(_block(f"{pre}.layers.{i}", rows, norms, h=h, ffn=ffn) for i in range(layers))
-    embed = BlockSpec(
-        pre,
-        linears=(LinearSpec(f"{pre}.project_in", proj, h, bias=False),) if projected else (),
-        elementwise_per_token=3 * h,
-        tensors=(
-            TensorSpec(f"{pre}.embed_tokens.weight", (vocab, proj)),
-            TensorSpec(f"{pre}.embed_positions.weight", (2048 + 2, h)),  # learned positions: an offset of 2
-        ),
+    tables = (
+        TensorSpec(f"{pre}.embed_tokens.weight", (vocab, proj)),
+        TensorSpec(f"{pre}.embed_positions.weight", (2048 + 2, h)),  # learned positions: an offset of 2
     )
+    project_in = (LinearSpec(f"{pre}.project_in", proj, h, bias=False),) if projected else ()
+    embed = BlockSpec(pre, project_in, elementwise_per_token=3 * h, tensors=tables)
     head = _lm_head(proj, vocab, [] if projected else [f"{pre}.final_layer_norm"], h)
     if projected:
         head = replace(head, linears=(LinearSpec(f"{pre}.project_out", h, proj, bias=False), *head.linears))
@@ -319,14 +310,8 @@ def model_spec_from_layers(
         if not lins:
             raise CostModelError(f"stage {i} has no layers; every stage needs at least one to be costed")
         rows = [(x.tokens if x.tokens is not None else 1) for x in lins]
-        blocks.append(
-            BlockSpec(
-                name=f"stage{i}",
-                linears=lins,
-                elementwise_per_token=sum(t * x.d_out for t, x in zip(rows, lins)),
-                saved_per_token=sum(t * x.d_in for t, x in zip(rows, lins)),
-            )
-        )
+        elementwise = sum(t * x.d_out for t, x in zip(rows, lins))
+        blocks.append(BlockSpec(f"stage{i}", lins, 0, elementwise, sum(t * x.d_in for t, x in zip(rows, lins))))
     widest = max(max(x.d_in, x.d_out) for b in blocks for x in b.linears)
     empty = BlockSpec("none")
     return ModelSpec(name, widest, 0, 0, 0, 1, tuple(blocks), empty, empty)
@@ -405,33 +390,19 @@ def block_ranges(shape: Sequence[int], max_dim: int) -> list[tuple[tuple[int, in
     return list(itertools.product(*chunks))
 
 
-def block_shapes(shape: Sequence[int], max_dim: int) -> list[tuple[int, ...]]:
-    """The side lengths of `block_ranges(shape, max_dim)`, in the same order."""
-    return [tuple(end - start for start, end in ranges) for ranges in block_ranges(shape, max_dim)]
-
-
 def partition(
     shape: Sequence[int], max_dim: int, method: LargeDimMethod, merge: bool = True
 ) -> tuple[tuple[int, ...], list[Block]]:
     """The view of a parameter of `shape` and its blocks under `method` (see the module doc)."""
     view = matrix_view(shape, max_dim, merge)
-    large = any(d > max_dim for d in view)
     whole = tuple((0, d) for d in view)
     if method is LargeDimMethod.BLOCKING:
         return view, [Block(r, (FactorKind.DENSE,) * len(view)) for r in block_ranges(view, max_dim)]
     if method is LargeDimMethod.DIAGONAL:
-        kinds = tuple(FactorKind.DIAGONAL if d > max_dim else FactorKind.DENSE for d in view)
-        return view, [Block(whole, kinds)]
+        return view, [Block(whole, tuple(FactorKind.DIAGONAL if d > max_dim else FactorKind.DENSE for d in view))]
     if method is LargeDimMethod.ADAGRAD:
-        return view, [Block(whole, () if large else (FactorKind.DENSE,) * len(view))]
+        return view, [Block(whole, () if any(d > max_dim for d in view) else (FactorKind.DENSE,) * len(view))]
     raise ValueError(f"unknown large_dim_method {method!r}; use one of {[m.value for m in LargeDimMethod]}")
-
-
-def factor_sides(
-    shape: Sequence[int], max_dim: int, method: LargeDimMethod, merge: bool = True
-) -> list[tuple[int, int]]:
-    """`Block.sides` of each block of a parameter of `shape` (`partition`)."""
-    return [block.sides for block in partition(shape, max_dim, method, merge)[1]]
 
 
 b, s, d_in, d_out, beta, h, d_h, n, p = sympy.symbols("b s d_in d_out beta h d_h n p", positive=True)
@@ -439,7 +410,7 @@ d, f = sympy.symbols("d f", positive=True)
 SYMBOLS = {x.name: x for x in (b, s, d_in, d_out, beta, h, d_h, n, p, d, f)}
 """The symbols the expressions use, by name."""
 
-_FACTOR_BYTES = 4  # factors, inverses and curvature kernels are fp32
+_F32 = 4  # factors, inverses, curvature kernels and optimizer state are fp32
 
 EIGH_FLOPS = 9
 """FLOPs per n^3 of a symmetric eigendecomposition with eigenvectors by the symmetric QR algorithm (Golub & Van Loan,
@@ -454,8 +425,7 @@ def linear_expressions(inverse: InverseMethod = InverseMethod.CHOLESKY) -> dict[
         raise CostModelError(f"inverse must be one of {[m.value for m in InverseMethod]}, got {inverse!r}")
     d_a = d_in + beta
     rows = b * s
-    inv_flops = n**3 if inverse == InverseMethod.CHOLESKY else EIGH_FLOPS * n**3
-    fb = _FACTOR_BYTES
+    fb = _F32
     return {
         "fwd_flops": 2 * rows * d_in * d_out,
         "fwd_bytes": p * (rows * d_in + d_in * d_out + rows * d_out),
@@ -465,7 +435,7 @@ def linear_expressions(inverse: InverseMethod = InverseMethod.CHOLESKY) -> dict[
         "curv_a_bytes": p * rows * d_in + fb * d_a**2,
         "curv_b_flops": 2 * rows * d_out**2,
         "curv_b_bytes": p * rows * d_out + fb * d_out**2,
-        "inv_flops": inv_flops,
+        "inv_flops": n**3 if inverse == InverseMethod.CHOLESKY else EIGH_FLOPS * n**3,
         "inv_bytes": 2 * fb * n**2,
         "prec_flops": 2 * d_out * d_a * (d_a + d_out),
         "prec_bytes": fb * (2 * d_out * d_a + d_a**2 + d_out**2),
@@ -493,9 +463,8 @@ def attention_expressions() -> dict[str, sympy.Expr]:
 @cache
 def transformer_block_expressions() -> dict[str, sympy.Expr]:
     """A BERT-style block (q, k, v, o: d -> d; d -> f -> d; one self-attention, h * d_h = d), summed."""
-    lin = linear_expressions()
+    lin, att = linear_expressions(), attention_expressions()
     widths = [(d, d)] * 4 + [(d, f), (f, d)]
-    att = attention_expressions()
 
     def total(key: str) -> sympy.Expr:
         return sum((lin[key].subs({d_in: i, d_out: o}) for i, o in widths), sympy.Integer(0))
@@ -534,53 +503,9 @@ def _eval(group: str, inverse: InverseMethod = InverseMethod.CHOLESKY, **values:
     return {key: float(fn(*args)) for key, fn in _compiled(group, inverse).items()}
 
 
-@dataclass(frozen=True, slots=True)
-class KernelCost:
-    """Seconds of one Linear's forward and backward per micro-batch, and its K-FAC layer (None: K-FAC skips it)."""
-
-    fwd: float
-    bwd: float
-    layer: LayerCost | None
-
-
 def roofline(hw: HardwareSpec, flops: float, nbytes: float, peak: float, eff: float) -> float:
     """Seconds of one kernel: max(flops / (peak * eff), nbytes / memory bandwidth)."""
     return max(flops / (peak * eff), nbytes / hw.mem_bandwidth)
-
-
-def linear_kernels(
-    lin: LinearSpec, *, batch: int, seq_len: int, hw: HardwareSpec, precision: Precision, inverse: InverseMethod
-) -> KernelCost:
-    """Times of one Linear (fwd, bwd per micro-batch) and its LayerCost (curvature, inversion, ...)."""
-    peak, bpe = _precision(hw, precision)
-    tokens = lin.tokens if lin.tokens is not None else seq_len
-    base = dict(b=batch, s=tokens, d_in=lin.d_in, d_out=lin.d_out, beta=int(lin.bias), p=bpe)
-    e = _eval("linear", inverse, **base)
-    eff = hw.matmul_efficiency
-    fwd = roofline(hw, e["fwd_flops"], e["fwd_bytes"], peak, eff)
-    bwd = roofline(hw, e["bwd_flops"], e["bwd_bytes"], peak, eff)
-    if not lin.kfac:
-        return KernelCost(fwd, bwd, None)
-    fp32 = hw.peak_flops
-
-    def inv(side: int) -> float:
-        v = _eval("linear", inverse, n=side)
-        return roofline(hw, v["inv_flops"], v["inv_bytes"], fp32, hw.factorization_efficiency)
-
-    layer = LayerCost.kfac(
-        lin.name,
-        curv_a=roofline(hw, e["curv_a_flops"], e["curv_a_bytes"], fp32, eff),
-        curv_b=roofline(hw, e["curv_b_flops"], e["curv_b_bytes"], fp32, eff),
-        inv_a=inv(lin.d_in + int(lin.bias)),
-        inv_b=inv(lin.d_out),
-        prec=roofline(hw, e["prec_flops"], e["prec_bytes"], fp32, eff),
-        a_bytes=round(e["a_bytes"]),
-        e_bytes=round(e["e_bytes"]),
-        factor_a_bytes=round(e["factor_a_bytes"]),
-        factor_b_bytes=round(e["factor_b_bytes"]),
-        grad_bytes=4 * (lin.d_in + int(lin.bias)) * lin.d_out,
-    )
-    return KernelCost(fwd, bwd, layer)
 
 
 def _precision(hw: HardwareSpec, precision: Precision) -> tuple[float, int]:
@@ -590,6 +515,42 @@ def _precision(hw: HardwareSpec, precision: Precision) -> tuple[float, int]:
     if precision == Precision.BF16:
         return hw.peak_flops_tensor, 2
     raise CostModelError(f"precision must be one of {[p.value for p in Precision]}, got {precision!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class KernelCost:
+    """Seconds of one Linear's forward and backward per micro-batch, and its K-FAC layer (None: K-FAC skips it)."""
+
+    fwd: float
+    bwd: float
+    layer: LayerCost | None
+
+
+def linear_kernels(
+    lin: LinearSpec, *, batch: int, seq_len: int, hw: HardwareSpec, precision: Precision, inverse: InverseMethod
+) -> KernelCost:
+    """Times of one Linear (fwd, bwd per micro-batch) and its LayerCost (curvature, inversion, ...)."""
+    peak, bpe = _precision(hw, precision)
+    tokens = lin.tokens if lin.tokens is not None else seq_len
+    e = _eval("linear", inverse, b=batch, s=tokens, d_in=lin.d_in, d_out=lin.d_out, beta=int(lin.bias), p=bpe)
+    eff = hw.matmul_efficiency
+    fwd = roofline(hw, e["fwd_flops"], e["fwd_bytes"], peak, eff)
+    bwd = roofline(hw, e["bwd_flops"], e["bwd_bytes"], peak, eff)
+    if not lin.kfac:
+        return KernelCost(fwd, bwd, None)
+
+    def gemm(kernel: str) -> float:  # K-FAC's kernels run in fp32
+        return roofline(hw, e[f"{kernel}_flops"], e[f"{kernel}_bytes"], hw.peak_flops, eff)
+
+    def inv(side: int) -> float:
+        v = _eval("linear", inverse, n=side)
+        return roofline(hw, v["inv_flops"], v["inv_bytes"], hw.peak_flops, hw.factorization_efficiency)
+
+    side_a = lin.d_in + int(lin.bias)
+    times = (gemm("curv_a"), gemm("curv_b"), inv(side_a), inv(lin.d_out), gemm("prec"))
+    sizes = (round(e["a_bytes"]), round(e["e_bytes"]), round(e["factor_a_bytes"]), round(e["factor_b_bytes"]))
+    layer = LayerCost.kfac(lin.name, *times, *sizes, grad_bytes=_F32 * side_a * lin.d_out)
+    return KernelCost(fwd, bwd, layer)
 
 
 @dataclass(frozen=True, slots=True)
@@ -651,11 +612,8 @@ def balanced_stages(costs: Sequence[float], n_stages: int) -> list[range]:
     nb = len(costs)
     if not 1 <= n_stages <= nb:
         raise CostModelError(f"cannot split {nb} blocks into {n_stages} stages; use 1..{nb} stages")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    best = [[inf] * (nb + 1) for _ in range(n_stages + 1)]
+    prefix = list(itertools.accumulate(costs, initial=0.0))
+    best = [[math.inf] * (nb + 1) for _ in range(n_stages + 1)]
     cut = [[0] * (nb + 1) for _ in range(n_stages + 1)]
     best[0][0] = 0.0
     for k in range(1, n_stages + 1):
@@ -689,48 +647,58 @@ def _stage_ranges(stages: int | Sequence[range | tuple[int, int]], block_costs: 
     return ranges
 
 
-Units = Callable[[BlockSpec], tuple[LayerCost, ...]]
-"""A family's preconditioned units of one block, in place of its K-FAC Linears."""
+def _check_size(name: str, value: object, *, none: str = "") -> None:
+    """CostModelError unless `value` is an int >= 1 (a bool is not): a batch, sequence or block size."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CostModelError(f"{name} must be an int >= 1{none}, got {value!r}")
+
+
+Stages = int | Sequence[range | tuple[int, int]]
+"""A stage count (balanced by fwd + bwd) or each stage's block ranges; the embeddings go first, the head last."""
+
+Unit = Callable[[TensorSpec, BlockSpec], LayerCost | None]
+"""A family's LayerCost of one parameter of a block (None: the family has none for it)."""
 
 
 def analytic_cost_table(
     model_spec: ModelSpec | str,
-    stages: int | Sequence[range | tuple[int, int]],
+    stages: Stages,
     micro_batch_size: int,
     seq_len: int | None = None,
     hardware: HardwareSpec | str = "p100",
     *,
     precision: Precision = Precision.FP32,
     inverse: InverseMethod = InverseMethod.CHOLESKY,
-    units: Units | None = None,
+    kind: PreconditionerKind = PreconditionerKind.KFAC,
+    tag: str | None = None,
+    unit: Unit | None = None,
 ) -> CostTable:
-    """A CostTable from the analytic model, one LayerCost per K-FAC Linear or per `units` of each block (another
-    family's), fp32 weights. stages: a count (balanced by fwd+bwd) or block ranges; embeddings first, head last."""
+    """The analytic CostTable of family `kind`, fp32 weights: one LayerCost per K-FAC Linear, or another family's
+    `unit` of each parameter; source "[family:]analytic:<model>:seq<s>:<precision>:<K-FAC's inverse, else tag>"."""
+    if (unit is None) != (kind is PreconditionerKind.KFAC):
+        raise CostModelError(f"analytic_cost_table prices K-FAC's Linears, or {kind}'s parameters by its `unit`")
     spec = preset(model_spec) if isinstance(model_spec, str) else model_spec
     hw = get_hardware(hardware)
     _check_size("micro_batch_size", micro_batch_size)
     seq = spec.seq_len if seq_len is None else seq_len
     _check_size("seq_len", seq)
-
-    def kernels(block: BlockSpec) -> BlockCost:
-        return block_kernels(
-            block, spec, batch=micro_batch_size, seq_len=seq, hw=hw, precision=precision, inverse=inverse
-        )
-
-    parts = [kernels(x) for x in spec.blocks]
-    embed, head = kernels(spec.embed), kernels(spec.head)
-    costs = [x.fwd + x.bwd for x in parts]
-    costs[0] += embed.fwd + embed.bwd
-    costs[-1] += head.fwd + head.bwd
+    parts = [
+        block_kernels(x, spec, batch=micro_batch_size, seq_len=seq, hw=hw, precision=precision, inverse=inverse)
+        for x in spec.parts
+    ]  # embeddings, blocks, head
+    costs = [x.fwd + x.bwd for x in parts[1:-1]]
+    costs[0] += parts[0].fwd + parts[0].bwd
+    costs[-1] += parts[-1].fwd + parts[-1].bwd
     ranges = _stage_ranges(stages, costs)
     out = []
     for i, r in enumerate(ranges):
-        first, last = i == 0, i == len(ranges) - 1
-        members = ([embed] if first else []) + [parts[j] for j in r] + ([head] if last else [])
-        owners = ([spec.embed] if first else []) + [spec.blocks[j] for j in r] + ([spec.head] if last else [])
-        layers = (
-            tuple(x for m in members for x in m.layers) if units is None else tuple(x for o in owners for x in units(o))
-        )
+        lo, hi = 0 if i == 0 else r.start + 1, len(parts) if i == len(ranges) - 1 else r.stop + 1
+        members = parts[lo:hi]
+        if unit is None:
+            layers = tuple(x for m in members for x in m.layers)
+        else:
+            units = (unit(t, owner) for owner in spec.parts[lo:hi] for t in owner.parameters)
+            layers = tuple(x for x in units if x is not None)
         stage = StageCost(
             fwd=sum(x.fwd for x in members),
             bwd=sum(x.bwd for x in members),
@@ -741,30 +709,9 @@ def analytic_cost_table(
             boundary_bytes=members[0].hidden_bytes + members[-1].hidden_bytes,  # the stage's input and output
         )
         out.append(stage)
-    source = f"analytic:{spec.name}:seq{seq}:{precision}:{inverse}"
-    return CostTable(tuple(out), micro_batch_size, source, hw.name, hw.comm)
+    source = tagged_source(kind, f"analytic:{spec.name}:seq{seq}:{precision}:{tag or inverse}")
+    return CostTable(tuple(out), micro_batch_size, source, hw.name, hw.comm, kind)
 
-
-def _check_size(name: str, value: object, *, none: str = "") -> None:
-    """CostModelError unless `value` is an int >= 1 (a bool is not): a batch, sequence or block size."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CostModelError(f"{name} must be an int >= 1{none}, got {value!r}")
-
-
-def _family_table(
-    *args: Any, precision: Precision, kind: PreconditionerKind, tag: str, unit: Callable[..., LayerCost | None]
-) -> CostTable:
-    """`analytic_cost_table(*args)` of family `kind`: `unit` of each parameter and its block (None: none), the
-    source's last field replaced by `tag`."""
-
-    def units(block: BlockSpec) -> tuple[LayerCost, ...]:
-        return tuple(c for c in (unit(t, block) for t in block.parameters) if c is not None)
-
-    table = analytic_cost_table(*args, precision=precision, units=units)
-    return replace(table, source=tagged_source(kind, f"{table.source.rsplit(':', 1)[0]}:{tag}"), family=kind)
-
-
-_F32 = 4
 
 QR_FLOPS = 8 / 3
 """FLOPs per b^3 of a Householder QR of a b x b matrix with Q formed (geqrf 4b^3/3 + orgqr 4b^3/3)."""
@@ -868,7 +815,7 @@ def largest_dim(spec: ModelSpec) -> int:
 
 def gradient_cost_table(
     model_spec: ModelSpec | str,
-    stages: int | Sequence[range | tuple[int, int]],
+    stages: Stages,
     micro_batch_size: int,
     seq_len: int | None = None,
     hardware: HardwareSpec | str = "p100",
@@ -887,10 +834,14 @@ def gradient_cost_table(
     side = largest_dim(spec) if max_dim is None else max_dim
     _check_size("max_dim", side, none=" or None (no blocking)")
     how = _METHODS[kind][0] if method is None else method
-    tag = f"{how.value}:{'unblocked' if max_dim is None else f'block{max_dim}'}"
-    args = (spec, stages, micro_batch_size, seq_len, hw)
-    unit = partial(parameter_cost, hw=hw, kind=kind, max_dim=side, method=how)
-    return _family_table(*args, precision=precision, kind=kind, tag=tag, unit=lambda t, _: unit(t))
+    tag = f"{how}:{'unblocked' if max_dim is None else f'block{max_dim}'}"
+
+    def unit(t: TensorSpec, _: BlockSpec) -> LayerCost | None:
+        return parameter_cost(t, hw, kind, side, how)
+
+    return analytic_cost_table(
+        spec, stages, micro_batch_size, seq_len, hw, precision=precision, kind=kind, tag=tag, unit=unit
+    )
 
 
 ADAMW_PASSES = 12
@@ -935,7 +886,7 @@ def muon_matrices(block: BlockSpec) -> tuple[TensorSpec, ...]:
 
 def muon_cost_table(
     model_spec: ModelSpec | str,
-    stages: int | Sequence[range | tuple[int, int]],
+    stages: Stages,
     micro_batch_size: int,
     seq_len: int | None = None,
     hardware: HardwareSpec | str = "p100",
@@ -954,4 +905,4 @@ def muon_cost_table(
 
     kind = PreconditionerKind.MUON
     args = (model_spec, stages, micro_batch_size, seq_len, hw)
-    return _family_table(*args, precision=precision, kind=kind, tag=f"ns{ns_steps}", unit=unit)
+    return analytic_cost_table(*args, precision=precision, kind=kind, tag=f"ns{ns_steps}", unit=unit)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import asdict, dataclass, fields, replace
 from enum import StrEnum
@@ -37,13 +38,19 @@ def _check_number(owner: str, field: str, value: Any, *, integer: bool) -> None:
         raise CostModelError(f"{owner}: {field} must be finite and >= 0, got {value!r}")
 
 
-def _check_fields(obj: Any, owner: str, *skip: str) -> None:
-    """`_check_number` of each field of `obj` (`*_bytes` ints) but `skip` and the unmeasured; spreads checked."""
+def _check_fields(obj: Any, owner: str) -> None:
+    """Refuse a malformed field of a cost object: nested objects of another class, a spread that is not a `Spread`,
+    or a number `_check_number` refuses (`*_bytes` ints; an unmeasured None passes)."""
     for f in fields(obj):
         value = getattr(obj, f.name)
-        if f.name.endswith(_SPREAD) and value is not None and not isinstance(value, Spread):
-            raise CostModelError(f"{owner}: {f.name} must be a Spread or None, got {value!r}")
-        if f.name not in skip and not f.name.endswith(_SPREAD) and not (value is None and f.default is None):
+        if f.name in _NESTED:
+            kind = _NESTED[f.name]
+            if not isinstance(value, tuple) or not all(isinstance(x, kind) for x in value):
+                raise CostModelError(f"{owner}: {f.name} must be a tuple of {kind.__name__}")
+        elif f.name.endswith(_SPREAD):
+            if value is not None and not isinstance(value, Spread):
+                raise CostModelError(f"{owner}: {f.name} must be a Spread or None, got {value!r}")
+        elif (f.name in _SCALES or f.name.endswith("_bytes")) and not (value is None and f.default is None):
             _check_number(owner, f.name, value, integer=f.name.endswith("_bytes"))
 
 
@@ -91,7 +98,7 @@ class PartCost:
             raise CostModelError(f"PartCost.part must be one capital letter, got {self.part!r}")
         if self.after not in (OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD):
             raise CostModelError(f"PartCost.after must be FWD, BWD or ALLREDUCE_GRAD, got {self.after!r}")
-        _check_fields(self, f"part {self.part!r}", "part", "after")
+        _check_fields(self, f"part {self.part!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,11 +125,9 @@ class LayerCost:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise CostModelError(f"LayerCost.name must be a non-empty string, got {self.name!r}")
-        if not isinstance(self.parts, tuple) or not all(isinstance(p, PartCost) for p in self.parts):
-            raise CostModelError(f"layer {self.name!r}: parts must be a tuple of PartCost (empty: Muon's matrices)")
+        _check_fields(self, f"layer {self.name!r}")
         if len({p.part for p in self.parts}) != len(self.parts):
             raise CostModelError(f"layer {self.name!r}: parts {[p.part for p in self.parts]} repeat a name")
-        _check_fields(self, f"layer {self.name!r}", "name", "parts")
 
     @classmethod
     def kfac(
@@ -214,9 +219,7 @@ class StageCost:
     """Seconds of `bwd` computing the weight gradient (a zero-bubble W); None: half the backward."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.layers, tuple) or not all(isinstance(x, LayerCost) for x in self.layers):
-            raise CostModelError("StageCost.layers must be a tuple of LayerCost")
-        _check_fields(self, "stage", "layers")
+        _check_fields(self, "stage")
         if self.wgrad is not None and self.wgrad > self.bwd:
             raise CostModelError(f"StageCost.wgrad ({self.wgrad}) is part of the backward ({self.bwd}): at most bwd")
 
@@ -298,15 +301,13 @@ class CostTable:
             raise CostModelError(f"CostTable.family must be a PreconditionerKind, got {self.family!r}")
         if self.comm is not None and not isinstance(self.comm, CommModel):
             raise CostModelError(f"CostTable.comm must be a CommModel or None, got {type(self.comm).__name__}")
-        if not isinstance(self.stages, tuple) or not self.stages:
+        _check_fields(self, "CostTable")
+        if not self.stages:
             raise CostModelError("CostTable.stages must be a non-empty tuple of StageCost")
-        if not all(isinstance(s, StageCost) for s in self.stages):
-            raise CostModelError("CostTable.stages must hold StageCost objects")
         mbs = self.micro_batch_size
         if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1:
             raise CostModelError(f"CostTable.micro_batch_size must be an int >= 1, got {mbs!r}")
-        names = [layer.name for s in self.stages for layer in s.layers]
-        dupes = sorted({n for n in names if names.count(n) > 1})
+        dupes = sorted(n for n, k in Counter(self.layer_names).items() if k > 1)
         if dupes:
             raise CostModelError(f"CostTable: layer names must be unique across stages; repeated: {dupes}")
 
@@ -374,19 +375,11 @@ class CostTable:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able form with the schema version; fields not measured left out."""
-        body = asdict(self)
+        body = _plain(self)
         if self.comm is None:
             del body["comm"]
         if self.family is PreconditionerKind.KFAC:
             del body["family"]
-        else:
-            body["family"] = self.family.value
-        for stage in body["stages"]:
-            _drop_unmeasured(stage, StageCost)
-            for layer in stage["layers"]:
-                _drop_unmeasured(layer, LayerCost)
-                for part in layer["parts"]:
-                    _drop_unmeasured(part, PartCost)
         return {"schema_version": SCHEMA_VERSION, **body}
 
     def to_json(self, *, indent: int | None = 1) -> str:
@@ -405,7 +398,7 @@ class CostTable:
                 "re-create it with this version of fxkfac"
             )
         try:
-            stages = tuple(_stage_from_dict(s) for s in data["stages"])
+            stages = tuple(_load(StageCost, s) for s in data["stages"])
             comm = CommModel.from_dict(data["comm"]) if data.get("comm") is not None else None
             family = _family_of_file(data)
             return cls(stages, data["micro_batch_size"], data["source"], data["hardware"], comm, family)
@@ -430,24 +423,20 @@ class CostTable:
     def scale_times(self, factor: float) -> CostTable:
         """Every time multiplied by `factor` (a faster or slower device); bytes unchanged."""
         _check_number("scale_times", "factor", factor, integer=False)
-        return replace(self, stages=tuple(_scale_stage(s, factor, factor, 1.0) for s in self.stages))
+        return _scaled(self, dict.fromkeys((_Scale.PASS, _Scale.STATS, _Scale.STEP), factor))
 
     def scale_kfac_times(self, factor: float) -> CostTable:
         """Preconditioner times multiplied by `factor` (a margin); F/B (a layer's W too) and bytes unchanged."""
         _check_number("scale_kfac_times", "factor", factor, integer=False)
-        stages = tuple(
-            replace(s, layers=tuple(replace(_scale_layer(x, factor, factor, 1.0), wgrad=x.wgrad) for x in s.layers))
-            for s in self.stages
-        )
-        return replace(self, stages=stages)
+        return _scaled(self, dict.fromkeys((_Scale.STATS, _Scale.STEP), factor))
 
     def with_micro_batch_size(self, micro_batch_size: int) -> CostTable:
         """Costs at another micro-batch size: per-micro-batch times and bytes scale by new/old, the rest stay."""
         if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
             raise CostModelError(f"micro_batch_size must be an int >= 1, got {micro_batch_size!r}")
-        r = micro_batch_size / self.micro_batch_size
-        stages = tuple(_scale_stage(s, r, 1.0, r) for s in self.stages)
-        return replace(self, stages=stages, micro_batch_size=micro_batch_size)
+        ratio = micro_batch_size / self.micro_batch_size
+        scaled = _scaled(self, dict.fromkeys((_Scale.PASS, _Scale.STATS, _Scale.BYTES), ratio))
+        return replace(scaled, micro_batch_size=micro_batch_size)
 
 
 def _family_of_file(data: dict[str, Any]) -> PreconditionerKind:
@@ -462,86 +451,95 @@ def _family_of_file(data: dict[str, Any]) -> PreconditionerKind:
     return PreconditionerKind(head) if head in {k.value for k in PreconditionerKind} else PreconditionerKind.KFAC
 
 
-_OPTIONAL = frozenset(
-    {"tap_fwd", "tap_bwd", "boundary_bytes", "fused_fwd", "fused_bwd", "wgrad", "grad_ready", "hand_off", "take_back"}
-)
-"""Fields a cost file leaves out at their default (besides every unprofiled `*_spread`), in any cost class."""
+class _Scale(StrEnum):
+    """How a cost field scales: a forward/backward time per micro-batch (PASS), a statistic's time per micro-batch
+    (STATS), a preconditioner time per step (STEP), or bytes per micro-batch (BYTES); a spread as its time."""
+
+    PASS = "pass"
+    STATS = "stats"
+    STEP = "step"
+    BYTES = "bytes"
 
 
-def _drop_unmeasured(body: dict[str, Any], cls: type) -> None:
-    """Remove from `body` (one `cls` object's `asdict`) each optional field and spread at its default."""
-    for f in fields(cls):
-        if (f.name in _OPTIONAL or f.name.endswith(_SPREAD)) and body[f.name] == f.default:
-            del body[f.name]
+_DIFFERENCES = frozenset({"tap_fwd", "tap_bwd", "fused_fwd", "fused_bwd", "wgrad", "grad_ready"})
+"""Times measured as a difference of two times of one measurement, whose fastest would be too low."""
+
+_SCALES = {
+    **dict.fromkeys(("fwd", "bwd", *_DIFFERENCES), _Scale.PASS),
+    "stats": _Scale.STATS,
+    **dict.fromkeys(("decomp", "prec", "hand_off", "take_back"), _Scale.STEP),
+    **dict.fromkeys(("capture_bytes", "act_bytes", "peak_err_bytes", "boundary_bytes"), _Scale.BYTES),
+}
+"""The `_Scale` of each scaled field of PartCost, LayerCost and StageCost (the rest: names and fixed bytes)."""
+
+_OPTIONAL = _DIFFERENCES | {"boundary_bytes", "hand_off", "take_back"}
+"""Fields a cost file leaves out at their default (besides every unprofiled `*_spread`)."""
+
+_NESTED: dict[str, type] = {"stages": StageCost, "layers": LayerCost, "parts": PartCost}
+"""The fields that hold a tuple of cost objects, and their class."""
 
 
-def _with_spreads(data: dict[str, Any]) -> dict[str, Any]:
-    """`data` (one cost object's JSON) with each `*_spread` object read as a Spread; files without them load."""
-    out = dict(data)
+def _is_time(name: str) -> bool:
+    return _SCALES.get(name) in (_Scale.PASS, _Scale.STATS, _Scale.STEP)
+
+
+def _plain(obj: Any) -> dict[str, Any]:
+    """`obj` (a cost object or table) as JSON-able values, each optional field and spread at its default left out."""
+    out: dict[str, Any] = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if (f.name in _OPTIONAL or f.name.endswith(_SPREAD)) and value == f.default:
+            continue
+        if f.name in _NESTED:
+            value = [_plain(x) for x in value]
+        out[f.name] = asdict(value) if isinstance(value, (Spread, CommModel)) else value
+    return out
+
+
+def _load(cls: type, data: dict[str, Any]) -> Any:
+    """A `cls` cost object from its `_plain` form; a layer of a file from before parts (K-FAC's fields) as K-FAC's."""
+    if cls is LayerCost and "parts" not in data:
+        return LayerCost.kfac(**data)
+    values = dict(data)
     for key, value in data.items():
-        if key.endswith(_SPREAD) and value is not None:
+        if key in _NESTED:
+            values[key] = tuple(_load(_NESTED[key], x) for x in value)
+        elif key.endswith(_SPREAD) and value is not None:
             if not isinstance(value, dict):
                 raise CostModelError(
                     f"{key} must be an object {{'low': seconds, 'high': seconds}} or null, got {value!r}"
                 )
-            out[key] = Spread(**value)
-    return out
+            values[key] = Spread(**value)
+    if "after" in values:
+        values["after"] = OpKind(values["after"])
+    return cls(**values)
 
 
-def _layer_from_dict(data: dict[str, Any]) -> LayerCost:
-    """A layer of `CostTable.to_dict`; the K-FAC fields of cost files from before parts read as K-FAC's parts."""
-    if "parts" not in data:
-        return LayerCost.kfac(**data)
-    parts = tuple(PartCost(**_with_spreads({**p, "after": OpKind(p["after"])})) for p in data["parts"])
-    return LayerCost(**_with_spreads({**data, "parts": parts}))
-
-
-def _stage_from_dict(data: dict[str, Any]) -> StageCost:
-    """A stage of `CostTable.to_dict`."""
-    layers = tuple(_layer_from_dict(layer) for layer in data["layers"])
-    return StageCost(**_with_spreads({**data, "layers": layers}))
-
-
-_SCALES = dict.fromkeys(("stats", "fwd", "bwd", "tap_fwd", "tap_bwd", "fused_fwd", "fused_bwd", "wgrad"), 0)
-_SCALES |= dict.fromkeys(("decomp", "prec", "hand_off", "take_back"), 1)
-_SCALES |= dict.fromkeys(("capture_bytes", "act_bytes", "peak_err_bytes", "boundary_bytes"), 2)
-"""How each cost field scales: 0 a per-micro-batch time, 1 a per-step time, 2 per-micro-batch bytes (spreads too)."""
-
-
-def _scaled_fields(obj: Any, factors: tuple[float, float, float]) -> Any:
-    """`obj` (a PartCost, LayerCost or StageCost) with each field of `_SCALES` measured scaled by its factor."""
+def _scaled(obj: Any, factors: dict[_Scale, float]) -> Any:
+    """`obj` (a cost object or table) with each measured field of a scale in `factors` times its factor, nested."""
     changes: dict[str, Any] = {}
     for f in fields(obj):
-        value, kind = getattr(obj, f.name), _SCALES.get(f.name.removesuffix(_SPREAD))
-        if kind is not None and value is not None:
-            factor = factors[kind]
+        value, scale = getattr(obj, f.name), _SCALES.get(f.name.removesuffix(_SPREAD))
+        if f.name in _NESTED:
+            changes[f.name] = tuple(_scaled(x, factors) for x in value)
+        elif scale in factors and value is not None:
+            factor = factors[scale]
             if isinstance(value, Spread):
                 changes[f.name] = value.scaled(factor)
             else:
-                changes[f.name] = round(value * factor) if kind == 2 else value * factor
+                changes[f.name] = round(value * factor) if scale is _Scale.BYTES else value * factor
     return replace(obj, **changes)
-
-
-def _scale_layer(x: LayerCost, per_mb: float, fixed: float, mem: float) -> LayerCost:
-    """Statistics times by per_mb, decompositions and preconditioning by fixed, captured bytes by mem."""
-    factors = (per_mb, fixed, mem)
-    return replace(_scaled_fields(x, factors), parts=tuple(_scaled_fields(p, factors) for p in x.parts))
-
-
-def _scale_stage(s: StageCost, per_mb: float, fixed: float, mem: float) -> StageCost:
-    """Per-micro-batch times (a layer's `grad_ready` too) by per_mb, per-step times by fixed, bytes by mem."""
-    layers = tuple(
-        replace(_scale_layer(x, per_mb, fixed, mem), grad_ready=None if x.grad_ready is None else x.grad_ready * per_mb)
-        for x in s.layers
-    )
-    return replace(_scaled_fields(s, (per_mb, fixed, mem)), layers=layers)
 
 
 def median_of(tables: Sequence[CostTable]) -> CostTable:
     """The figure-wise median of the ranks' profiles of one split, spreads covering theirs, bytes the first's."""
     first = tables[0]
+
+    def untimed(table: CostTable) -> tuple[Any, ...]:
+        return (table.micro_batch_size, *map(_untimed, table.stages))
+
     for other in tables[1:]:
-        if _untimed(other) != _untimed(first):
+        if untimed(other) != untimed(first):
             raise CostModelError(
                 "the ranks' profiles are of different splits or sizes (stages, layers or bytes differ); every rank "
                 "must compile the same model with the same example inputs"
@@ -550,25 +548,12 @@ def median_of(tables: Sequence[CostTable]) -> CostTable:
     return replace(first, stages=stages)
 
 
-def _untimed(table: CostTable) -> tuple[Any, ...]:
-    """What a table says besides its times: its micro-batch size, and its stages' and layers' names and bytes."""
-    return (table.micro_batch_size,) + tuple(
-        (
-            s.param_bytes,
-            s.act_bytes,
-            s.peak_err_bytes,
-            s.boundary_bytes,
-            tuple(
-                (
-                    x.name,
-                    x.state_bytes,
-                    x.grad_bytes,
-                    tuple((p.part, p.after, p.capture_bytes, p.state_bytes) for p in x.parts),
-                )
-                for x in s.layers
-            ),
-        )
-        for s in table.stages
+def _untimed(obj: Any) -> tuple[Any, ...]:
+    """What a cost object says besides its times and spreads: names and bytes, nested objects' too."""
+    return tuple(
+        tuple(_untimed(x) for x in getattr(obj, f.name)) if f.name in _NESTED else getattr(obj, f.name)
+        for f in fields(obj)
+        if not (_is_time(f.name) or f.name.endswith(_SPREAD))
     )
 
 
@@ -576,40 +561,30 @@ Reduce = Callable[[list[float]], float]
 """How several measurements of one time make the one planned with (`min`: the fastest; `statistics.median`)."""
 
 
-_DIFFERENCES = frozenset({"tap_fwd", "tap_bwd", "fused_fwd", "fused_bwd", "wgrad", "grad_ready"})
-"""Times measured as a difference of two times of one measurement, whose fastest would be too low."""
-
-
 def _combined(objs: Sequence[Any], time: Reduce) -> dict[str, Any]:
     """The combined fields of several measurements of one cost object: times by `time`, `_DIFFERENCES` by the
-    median of those measured, spreads covering theirs."""
+    median of those measured, spreads covering theirs, nested objects so too."""
     out: dict[str, Any] = {}
     for f in fields(objs[0]):
         values = [getattr(x, f.name) for x in objs]
-        if f.name.endswith(_SPREAD):
+        if f.name in _NESTED:
+            out[f.name] = tuple(replace(xs[0], **_combined(xs, time)) for xs in zip(*values, strict=True))
+        elif f.name.endswith(_SPREAD):
             out[f.name] = Spread.covering(values)
         elif f.name in _DIFFERENCES:
             known = [v for v in values if v is not None]
             out[f.name] = statistics.median(known) if known else None
-        elif _SCALES.get(f.name, 2) < 2:
+        elif _is_time(f.name):
             out[f.name] = time(values)
     return out
 
 
 def combined_stage(stages: Sequence[StageCost], time: Reduce) -> StageCost:
     """One stage's costs from several measurements of it (`_combined`; W at most the backward), bytes the first's."""
-    layers = tuple(
-        replace(
-            xs[0],
-            **_combined(xs, time),
-            parts=tuple(replace(ps[0], **_combined(ps, time)) for ps in zip(*(x.parts for x in xs), strict=True)),
-        )
-        for xs in zip(*(s.layers for s in stages), strict=True)
-    )
     combined = _combined(stages, time)
     if combined["wgrad"] is not None:
         combined["wgrad"] = min(combined["wgrad"], combined["bwd"])
-    return replace(stages[0], **combined, layers=layers)
+    return replace(stages[0], **combined)
 
 
 class InverseMethod(StrEnum):

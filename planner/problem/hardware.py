@@ -31,12 +31,17 @@ class Collective(StrEnum):
     SEND = "send"
 
 
+def _check_nonnegative(owner: str, name: str, value: Any) -> None:
+    """CostModelError unless `value` is a finite number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise CostModelError(f"{owner}: {name} must be a finite number >= 0, got {value!r}")
+
+
 def _check_size(nbytes: float, group_size: int) -> None:
     """CostModelError unless `group_size` is an int >= 1 and `nbytes` a finite number >= 0."""
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
         raise CostModelError(f"a group has an int >= 1 of ranks, got {group_size!r}")
-    if not (isinstance(nbytes, (int, float)) and math.isfinite(nbytes) and nbytes >= 0):
-        raise CostModelError(f"a message has a finite number >= 0 of bytes, got {nbytes!r}")
+    _check_nonnegative("a message", "bytes", nbytes)
 
 
 _ALGORITHMS: dict[Collective, tuple[Callable[[int], float], Callable[[int], float]]] = {
@@ -58,11 +63,6 @@ def wire_bytes(kind: Collective, nbytes: float, group_size: int) -> float:
     """How many betas (bytes on each rank's busiest link) `kind` of `nbytes` pays over `group_size` ranks."""
     _check_size(nbytes, group_size)
     return 0.0 if group_size == 1 else _ALGORITHMS[kind][1](group_size) * nbytes
-
-
-def _check_nonnegative(owner: str, name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise CostModelError(f"{owner}: {name} must be a finite number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +191,7 @@ Sample = tuple[int, float, float]
 
 def fit_alpha_beta(kind: Collective, samples: Sequence[Sample]) -> AlphaBeta:
     """The alpha and beta >= 0 of `kind` that best fit `samples` (alpha * latency_steps + beta * wire_bytes) in
-    least squares, a negative one pinned at 0 and the other refitted; CostModelError without two distinct sizes."""
+    least squares (each alone, or both when neither is negative); CostModelError without two distinct sizes."""
     raw = [(latency_steps(kind, p), wire_bytes(kind, n, p), t) for p, n, t in samples]
     if len({(x, y) for x, y, _ in raw}) < 2:
         raise CostModelError(
@@ -201,32 +201,15 @@ def fit_alpha_beta(kind: Collective, samples: Sequence[Sample]) -> AlphaBeta:
         _check_nonnegative(f"a {kind} sample", "seconds", t)
     unit = max(y for _, y, _ in raw) or 1.0  # bytes in units of the largest message: a well-conditioned system
     rows = [(x, y / unit, t) for x, y, t in raw]
-    candidates = [_only(rows, 0), _only(rows, 1)]
-    both = _unconstrained(rows)
-    if both is not None and min(both) >= 0:
-        candidates.append(AlphaBeta(*both))
-    best = min(candidates, key=lambda ab: sum((ab.alpha * x + ab.beta * y - t) ** 2 for x, y, t in rows))
-    return AlphaBeta(best.alpha, best.beta / unit)
-
-
-def _only(rows: Sequence[tuple[float, float, float]], column: int) -> AlphaBeta:
-    """The best fit with the other coefficient at 0 (column 0: alpha alone, 1: beta alone)."""
-    xx = sum(r[column] ** 2 for r in rows)
-    value = max(0.0, sum(r[column] * r[2] for r in rows) / xx) if xx > 0 else 0.0
-    return AlphaBeta(value, 0.0) if column == 0 else AlphaBeta(0.0, value)
-
-
-def _unconstrained(rows: Sequence[tuple[float, float, float]]) -> tuple[float, float] | None:
-    """The ordinary least-squares (alpha, beta) from the 2x2 normal equations; None when they are singular."""
-    sxx = sum(x * x for x, _, _ in rows)
-    sxy = sum(x * y for x, y, _ in rows)
-    syy = sum(y * y for _, y, _ in rows)
-    sxt = sum(x * t for x, _, t in rows)
-    syt = sum(y * t for _, y, t in rows)
+    sxx, sxy, syy = (sum(r[i] * r[j] for r in rows) for i, j in ((0, 0), (0, 1), (1, 1)))
+    sxt, syt = (sum(r[i] * r[2] for r in rows) for i in (0, 1))
+    candidates = [(max(0.0, sxt / sxx) if sxx > 0 else 0.0, 0.0), (0.0, max(0.0, syt / syy) if syy > 0 else 0.0)]
     det = sxx * syy - sxy * sxy
-    if abs(det) <= 1e-12 * max(sxx * syy, 1e-300):
-        return None
-    return (syy * sxt - sxy * syt) / det, (sxx * syt - sxy * sxt) / det
+    if abs(det) > 1e-12 * max(sxx * syy, 1e-300):  # the 2x2 normal equations are regular
+        both = ((syy * sxt - sxy * syt) / det, (sxx * syt - sxy * sxt) / det)
+        candidates += [both] if min(both) >= 0 else []
+    alpha, beta = min(candidates, key=lambda ab: sum((ab[0] * x + ab[1] * y - t) ** 2 for x, y, t in rows))
+    return AlphaBeta(alpha, beta / unit)
 
 
 def describe(model: CommModel | None) -> list[str]:

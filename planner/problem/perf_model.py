@@ -46,8 +46,6 @@ class PerfModel:
     T_kfac: sp.Expr
     M_kfac: sp.Expr
     ratio: sp.Expr
-    stages_per_device: sp.Expr
-    microbatches_per_device: sp.Expr
     peak_inflight: sp.Expr
 
 
@@ -92,8 +90,6 @@ def perf_model(kind: ScheduleKind | str) -> PerfModel:
         T_kfac=fill + per_device * (T_gstat + T_prec),
         M_kfac=per_device * (M_curv + M_inv) + mbs * M_err_save,
         ratio=fill / (T_bubble - per_device * T_gstat),
-        stages_per_device=per_device,
-        microbatches_per_device=mbs,
         peak_inflight=inflight,
     )
 

@@ -71,14 +71,16 @@ def _gpu_profiles_folder() -> Traversable:
     return files("fxkfac.planner") / "data" / "gpu_profiles"
 
 
+def _folder(prefix: str) -> Traversable:
+    """The shipped folder of `paper:` or `gpu:` names."""
+    return _profiles_folder() if prefix == PAPER_PREFIX else _gpu_profiles_folder()
+
+
 def _shipped(prefix: str) -> dict[str, str]:
     """Shipped profile file names by `paper:<model>/<hardware>` or `gpu:<model>/<device>` name, sorted."""
-    paper = prefix == PAPER_PREFIX
-    folder = _profiles_folder() if paper else _gpu_profiles_folder()
-    if not folder.is_dir():
-        return {}
+    paper, folder = prefix == PAPER_PREFIX, _folder(prefix)
     names = {}
-    for entry in folder.iterdir():
+    for entry in folder.iterdir() if folder.is_dir() else ():
         stem = PurePath(entry.name).stem
         model, sep, device = stem.partition(_PROFILE_MARK) if paper else stem.rpartition("_")
         if entry.name.endswith(".csv" if paper else ".json") and sep and model:
@@ -112,23 +114,17 @@ def _shipped_file(name: str) -> str | None:
     )
 
 
-def _is_block_profile_json(path: Path) -> bool:
-    """Whether `path` is a readable per-block profile JSON (`block_profile_json`), not a CostTable JSON."""
-    if path.suffix.lower() != ".json":
-        return False
+def is_profile(source: str | Path) -> bool:
+    """Whether `source` is a per-block profile (.csv, `paper:`, a .json of `block_profile_json`, `gpu:`), not a
+    cost table."""
+    path = Path(source)
+    if str(source).startswith((PAPER_PREFIX, GPU_PREFIX)) or path.suffix.lower() == ".csv":
+        return True
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text()) if path.suffix.lower() == ".json" else None
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and data.get("format") == BLOCK_PROFILE_FORMAT
-
-
-def is_profile(source: str | Path) -> bool:
-    """Whether `source` is a per-block profile (.csv, `paper:`, a profile .json, `gpu:`), not a cost table."""
-    if str(source).startswith((PAPER_PREFIX, GPU_PREFIX)):
-        return True
-    path = Path(source)
-    return path.suffix.lower() == ".csv" or _is_block_profile_json(path)
 
 
 def block_profile_json(rows: Sequence[Mapping[str, float]], *, model: str, device: str, **about: Any) -> str:
@@ -150,59 +146,47 @@ _Rows = dict[int, dict[str, float]]
 
 def _profile_rows(source: str | Path) -> tuple[_Rows, str, str | None]:
     """A per-block profile's rows by micro-batch size, its file name and a GPU profile's device: a shipped one by
-    `paper:` or `gpu:` name, or a .csv or .json file by path."""
+    `paper:` or `gpu:` name, or a .csv (PipeFisher's) or .json (`block_profile_json`) file by path."""
     name, where = _shipped_file(str(source)), str(source)
     if name is not None:
-        paper = where.startswith(PAPER_PREFIX)
-        text = ((_profiles_folder() if paper else _gpu_profiles_folder()) / name).read_text()
+        csv_file = where.startswith(PAPER_PREFIX)
+        text = (_folder(PAPER_PREFIX if csv_file else GPU_PREFIX) / name).read_text()
     else:
         path = Path(source)
-        name, paper = path.name, path.suffix.lower() != ".json"
+        name, csv_file = path.name, path.suffix.lower() != ".json"
         try:
             text = path.read_text()
         except OSError as e:
             raise CostModelError(f"cannot read profile {path}: {e}") from e
-    if paper:
-        return _read_pipefisher_rows(text, where), name, None
-    rows, device = _read_block_profile_json(text, where)
-    return rows, name, device
-
-
-def _read_pipefisher_rows(text: str, where: str) -> _Rows:
-    """Rows of a PipeFisher profile CSV by micro-batch size (`where` names it in errors)."""
-    reader = csv.DictReader(io.StringIO(text))
-    missing = [c for c in PIPEFISHER_COLUMNS if c not in (reader.fieldnames or [])]
-    if missing:
-        raise CostModelError(f"{where}: not a PipeFisher profile CSV, missing columns {missing}")
-    return _numeric_rows(list(reader), where)
-
-
-def _read_block_profile_json(text: str, where: str) -> tuple[_Rows, str]:
-    """Rows of a per-block profile JSON (`block_profile_json`) by micro-batch size, and its device."""
-    try:
-        data = json.loads(text)
-    except ValueError as e:
-        raise CostModelError(f"{where}: not JSON ({e})") from e
-    if not isinstance(data, dict) or data.get("format") != BLOCK_PROFILE_FORMAT:
-        raise CostModelError(f"{where}: not a per-block profile (its 'format' is not {BLOCK_PROFILE_FORMAT!r})")
-    rows = data.get("rows")
-    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-        raise CostModelError(f"{where}: 'rows' must be a list of objects with the columns {list(PIPEFISHER_COLUMNS)}")
-    missing = sorted({c for r in rows for c in PIPEFISHER_COLUMNS if c not in r})
-    if missing:
-        raise CostModelError(f"{where}: rows lack the columns {missing}")
-    return _numeric_rows(rows, where), str(data.get("device", "unknown"))
-
-
-def _numeric_rows(rows: Sequence[Mapping[str, Any]], where: str) -> _Rows:
-    """`rows` (each with every PIPEFISHER_COLUMNS value) as numbers, by micro-batch size."""
+    device = None
+    if csv_file:
+        reader = csv.DictReader(io.StringIO(text))
+        rows: Any = list(reader)
+        missing = [c for c in PIPEFISHER_COLUMNS if c not in (reader.fieldnames or [])]
+        if missing:
+            raise CostModelError(f"{where}: not a PipeFisher profile CSV, missing columns {missing}")
+    else:
+        try:
+            data = json.loads(text)
+        except ValueError as e:
+            raise CostModelError(f"{where}: not JSON ({e})") from e
+        if not isinstance(data, dict) or data.get("format") != BLOCK_PROFILE_FORMAT:
+            raise CostModelError(f"{where}: not a per-block profile (its 'format' is not {BLOCK_PROFILE_FORMAT!r})")
+        rows, device = data.get("rows"), str(data.get("device", "unknown"))
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise CostModelError(
+                f"{where}: 'rows' must be a list of objects with the columns {list(PIPEFISHER_COLUMNS)}"
+            )
+        missing = sorted({c for r in rows for c in PIPEFISHER_COLUMNS if c not in r})
+        if missing:
+            raise CostModelError(f"{where}: rows lack the columns {missing}")
     try:
         numbers = {int(float(r["bs"])): {c: float(r[c]) for c in PIPEFISHER_COLUMNS} for r in rows}
     except (ValueError, TypeError) as e:
         raise CostModelError(f"{where}: a value is not a number ({e})") from e
     if not numbers:
         raise CostModelError(f"{where}: the profile has no rows")
-    return numbers
+    return numbers, name, device
 
 
 def _row_at(rows: dict[int, dict[str, float]], bs: int, where: str) -> dict[str, float]:

@@ -20,6 +20,7 @@ from fxkfac.planner.problem.analytic import (
     preset,
     transformer_block_expressions,
 )
+from fxkfac.planner.problem.costs import PreconditionerKind
 from fxkfac.planner.problem.errors import CostModelError
 from fxkfac.planner.problem.hardware import HARDWARE, HardwareSpec, hardware
 from fxkfac.planner.problem.profiles import cost_table_from_pipefisher_csv
@@ -172,6 +173,8 @@ def test_bad_arguments_get_clear_errors() -> None:
         analytic_cost_table("bert-base", 4, 32, hardware="tpu")
     with pytest.raises(CostModelError, match="precision"):
         analytic_cost_table("bert-base", 4, 32, precision="fp8")  # type: ignore[arg-type]  # a wrong value on purpose: the test checks the error
+    with pytest.raises(CostModelError, match="or shampoo's parameters by its `unit`"):
+        analytic_cost_table("bert-base", 4, 32, kind=PreconditionerKind.SHAMPOO)  # its Linears are K-FAC's
     with pytest.raises(CostModelError, match="inverse must be"):
         linear_expressions("lu")  # type: ignore[arg-type]  # a wrong value on purpose: the test checks the error
     with pytest.raises(CostModelError, match="matmul_efficiency"):

@@ -14,8 +14,6 @@ from fxkfac.planner.problem.analytic import (
     FactorKind,
     LargeDimMethod,
     block_ranges,
-    block_shapes,
-    factor_sides,
     matrix_view,
     merge_dims,
     partition,
@@ -58,8 +56,10 @@ def test_matrix_view(shape: tuple[int, ...], b: int, merge: bool, view: tuple[in
 
 def test_ragged_blocks_cover_the_view_row_major() -> None:
     assert block_ranges((25, 7), 10) == [((0, 10), (0, 7)), ((10, 20), (0, 7)), ((20, 25), (0, 7))]
-    assert block_shapes((12, 12), 5) == [(5, 5), (5, 5), (5, 2), (5, 5), (5, 5), (5, 2), (2, 5), (2, 5), (2, 2)]
-    assert block_shapes((3,), 2) == [(2,), (1,)]
+    assert [Block(r, ()).shape for r in block_ranges((12, 12), 5)] == [
+        (5, 5), (5, 5), (5, 2), (5, 5), (5, 5), (5, 2), (2, 5), (2, 5), (2, 2)
+    ]  # fmt: skip
+    assert [Block(r, ()).shape for r in block_ranges((3,), 2)] == [(2,), (1,)]
     assert block_ranges((0, 4), 2) == []
 
 
@@ -83,6 +83,11 @@ def test_partition_per_method() -> None:
     assert partition((25, 7), 10, LargeDimMethod.DIAGONAL)[1] == [Block(((0, 25), (0, 7)), (G, D))]
     assert partition((25, 7), 10, LargeDimMethod.ADAGRAD)[1] == [Block(((0, 25), (0, 7)), ())]
     assert partition((9, 7), 10, LargeDimMethod.ADAGRAD)[1] == [Block(((0, 9), (0, 7)), (D, D))]
+
+
+def factor_sides(shape: tuple[int, ...], b: int, method: LargeDimMethod, merge: bool = True) -> list[tuple[int, int]]:
+    """The (L, R) factor sides of each block `partition` cuts."""
+    return [block.sides for block in partition(shape, b, method, merge)[1]]
 
 
 def test_factor_sides() -> None:
