@@ -71,8 +71,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able form (programs in the IR's text format, a string per step)."""
-        metrics = asdict(self.metrics)
-        metrics["peak_memory"] = {str(d): b for d, b in self.metrics.peak_memory.items()}
+        metrics = asdict(self.metrics) | {"peak_memory": {str(d): b for d, b in self.metrics.peak_memory.items()}}
         if not self.metrics.stretch:
             del metrics["stretch"]
         return {
@@ -81,7 +80,7 @@ class Plan:
             "problem": self.problem.to_dict(),
             "programs": _programs_dict(self.programs),
             "startup": _programs_dict(self.startup),
-            "layers": {name: _timing_dict(t) for name, t in self.layers.items()},
+            "layers": {name: asdict(t) for name, t in self.layers.items()},
             "placements": [p.to_dict() for p in self.placements],
             "metrics": metrics,
         }
@@ -108,10 +107,6 @@ class Plan:
 
 def _programs_dict(programs: Mapping[int, Program]) -> dict[str, list[str]]:
     return {str(r): [format_program([step]) for step in prog] for r, prog in programs.items()}
-
-
-def _timing_dict(t: LayerTiming) -> dict[str, Any]:
-    return {"period": t.period, "curv_step": t.curv_step, "use_offset": t.use_offset, "capture": t.capture}
 
 
 def rank(plan: Plan) -> tuple[int, float, int, float]:
@@ -145,30 +140,26 @@ class NSTask:
     piece: tuple[int, int] | None = None
 
 
-def _where(problem: Problem, rank: int, op: Op) -> NSWhere:
-    if op.stage not in stages_on_device(problem, rank):
-        return NSWhere.STREAMED
-    if op.layer is not None and problem.where(op.layer) != LayerDistribution():
-        return NSWhere.SHARED
-    return NSWhere.OWN
-
-
 def ns_tasks(plan: Plan) -> list[NSTask]:
     """Every APPLY of the plan's step, by rank and start; an APPLY naming no layer covers all its stage's."""
-    problem = plan.problem
-    out = []
+    problem, out = plan.problem, []
     for rank, ops in step_timeline(problem).ops.items():
         for op, start, end in ops:
             if op.kind is not OpKind.APPLY or op.stage is None:
                 continue
-            everything = tuple(x.name for x in problem.costs.stages[op.stage].layers)
-            names = (op.layer,) if op.layer is not None else everything
-            where = _where(problem, rank, op)
+            layers = problem.costs.stages[op.stage].layers
+            names = (op.layer,) if op.layer is not None else tuple(x.name for x in layers)
+            where = NSWhere.OWN
+            if op.stage not in stages_on_device(problem, rank):
+                where = NSWhere.STREAMED
+            elif op.layer is not None and problem.where(op.layer) != LayerDistribution():
+                where = NSWhere.SHARED
             transfer = 0.0
             if where is NSWhere.STREAMED and op.layer is not None and (op.piece is None or op.piece[0] == 0):
-                sends = [Op(kind, op.stage, peer=rank, layer=op.layer) for kind in LAYER_SENDS]
                 transfer = sum(
-                    problem.costs.collective_seconds(s, 2) for s in sends if s.kind is not OpKind.SEND_REPLICA
+                    problem.costs.collective_seconds(Op(kind, op.stage, peer=rank, layer=op.layer), 2)
+                    for kind in LAYER_SENDS
+                    if kind is not OpKind.SEND_REPLICA
                 )
             out.append(NSTask(op.stage, names, rank, where, start, end, transfer, op.piece))
     return sorted(out, key=lambda t: (t.stage, t.start, t.rank))
@@ -181,10 +172,8 @@ def critical_path_step(problem: Problem) -> float:
 
 def ns_stage_lines(plan: Plan) -> list[str]:
     """Per stage: its units' APPLY seconds, who ran them, and when the last ended against the plain step's end."""
-    problem = plan.problem
+    problem, tasks, lines = plan.problem, ns_tasks(plan), []
     plain = plain_step_time(problem)
-    tasks = ns_tasks(plan)
-    lines = []
     for s, stage in enumerate(problem.costs.stages):
         mine = [t for t in tasks if t.stage == s]
         if not mine:

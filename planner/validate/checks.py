@@ -1,15 +1,11 @@
-"""Checks a plan against its problem, independently of the solvers: every constraint, in seconds.
-
-It recomputes what the plan must contain from the problem alone (the simulated step timelines; the cost table's comm
-model) and shares no code with the search. Times may be off by the plan's `metrics.time_quantum` ([Note: time grid]
-in planner/plan/window.py); every step is followed by `metrics.stretch` idle seconds ([Note: stretch]), and the step
-stays within max_overhead. Each layer's distribution (planner/problem/strategy.py) says which copies take its
-statistics, sync, decompose, receive, apply and broadcast it. Checked: a refresh's order (statistics after the F/B
-they read; sync, decomposition pieces and broadcast after them and before the next refresh; APPLY after the reduced
-gradient; each `use_offset`); the placements (as often as the problem asks, for their cost, inside their window step,
-never over the F/B or each other, within memory and step time); the per-rank programs (the schedule's ops and the
-placed ones in time order, no gradient read early, no deadlock, no slower than planned); and a streamed stage's
-hand-offs and replicas (planner/problem/lowering.py).
+"""Checks a plan against its problem in seconds, recomputing what it must hold from the problem alone (the simulated
+step timelines, the comm model), sharing no code with the search. Times may be off by `metrics.time_quantum` ([Note:
+time grid] in planner/plan/window.py), every step ends with `metrics.stretch` idle seconds ([Note: stretch]). Checked:
+a refresh's order (statistics after the F/B they read; sync, decomposition pieces and broadcast after them and before
+the next refresh; APPLY after the reduced gradient; each `use_offset`); the placements (as often as the problem and
+each layer's distribution ask, for their cost, inside their window step, never over the F/B or each other, within
+memory and step time); the per-rank programs (the schedule's ops and the placed ones in time order, no gradient read
+early, no deadlock, no slower than planned); a streamed stage's hand-offs and replicas (planner/problem/lowering.py).
 """
 
 from __future__ import annotations
@@ -91,8 +87,8 @@ class Context:
     stretch: float = 0.0
 
     def period(self, stage: int) -> int:
-        """The stage's refresh period: its layers' (`check_layers` makes them agree), or for a stage without
-        preconditioned layers (a BERT's embeddings alone) the plan's `refresh_steps`: its group's window."""
+        """The stage's refresh period: its layers' (`check_layers` makes them agree), else (no preconditioned layer)
+        the plan's `refresh_steps`: its group's window."""
         layers = self.problem.costs.stages[stage].layers
         return self.plan.layers[layers[0].name].period if layers else self.plan.metrics.refresh_steps[stage]
 
@@ -135,25 +131,22 @@ class Context:
         return out
 
     @cached_property
-    def refresh_ws(self) -> dict[tuple[int, int | None, int | None, int], list[Placement]]:
+    def refresh_ws(self) -> defaultdict[tuple[int, int | None, int | None, int], list[Placement]]:
         """The refresh step's placed W's by (device, stage, micro-batch, pipe)."""
-        out: dict[tuple[int, int | None, int | None, int], list[Placement]] = {}
-        for p in self.kinds[OpKind.BWD_W]:
-            if p.step == 0:
-                out.setdefault((p.device, p.op.stage, p.op.mb, p.op.pipe), []).append(p)
+        out = defaultdict(list)
+        for p in (p for p in self.kinds[OpKind.BWD_W] if p.step == 0):
+            out[p.device, p.op.stage, p.op.mb, p.op.pipe].append(p)
         return out
 
     def capture_end(self, device: int, stats: Op) -> tuple[OpKind, float]:
-        """The kind of op that makes the refresh step's capture a micro-batch's `stats` reads on `device`, and when
-        it ends: its part's `after` op, an output gradient's W on zero-bubble schedules (`capture_kind`), where W's
-        are placed the placed W's of its layer ([Note: placed W] in planner/plan/window.py)."""
+        """The kind of op that makes the refresh step's capture `stats` reads on `device` (its part's `after`, an
+        output gradient's W on zero-bubble schedules: `capture_kind`), and when it ends (where W's are placed, the
+        latest placed W of its layer, not before its B: [Note: placed W] in planner/plan/window.py)."""
         kind = capture_kind(self.problem.kind, self.problem.costs.layer(stats.layer_name).part(stats.part_name).after)
         placed = kind is OpKind.BWD_W and placed_w(self.problem)
         ready = self.end_of(0, 1, device, OpKind.BWD if placed else kind, stats)
-        if placed:  # at the latest of them, not before its B
-            ws = self.refresh_ws.get((device, stats.stage, stats.mb, stats.pipe), [])
-            ready = max([ready] + [q.end for q in ws if w_makes(q.op, stats.layer_name)])
-        return kind, ready
+        ws = self.refresh_ws[device, stats.stage, stats.mb, stats.pipe] if placed else []
+        return kind, max([ready] + [q.end for q in ws if w_makes(q.op, stats.layer_name)])
 
     @cached_property
     def made(self) -> dict[str, list[float]]:
@@ -173,12 +166,8 @@ class Context:
     def follows_w(self, op: Op) -> bool:
         """Whether `op` is a no-op all-reduce (of a stage without copies) that follows its stage's placed W's wherever
         they are, not the schedule's position."""
-        return (
-            op.kind is OpKind.ALLREDUCE_GRAD
-            and placed_w(self.problem)
-            and op.stage is not None
-            and len(copies_of_stage(self.problem, op.stage)) == 1
-        )
+        placed = op.kind is OpKind.ALLREDUCE_GRAD and op.stage is not None and placed_w(self.problem)
+        return placed and len(copies_of_stage(self.problem, op.stage_id)) == 1
 
     def pipeline(self, op: Op) -> bool:
         """Whether `op` is at the schedule's place in a program: neither placed nor following placed W's."""
@@ -217,9 +206,7 @@ def op_seconds(c: Context, op: Op) -> float:
 
 
 def wrapped(start: float, end: float, length: float) -> list[tuple[float, float]]:
-    s = start % length
-    if length - s < 1e-12:
-        s = 0.0
+    s = start % length if length - start % length >= 1e-12 else 0.0
     e = s + (end - start)
     return [(s, e)] if e <= length + 1e-12 else [(s, length), (0.0, e - length)]
 
@@ -239,15 +226,13 @@ def apply_start(c: Context, layer: str, u: int, device: int) -> float:
 
 
 def check_dependencies(c: Context) -> None:
-    factor_tasks: defaultdict[tuple[str, str | None], defaultdict[OpKind, list[Placement]]] = defaultdict(
-        lambda: defaultdict(list)
-    )
+    """Each placement after what it reads, and each factor's refresh in order (`_check_factor`)."""
+    factor_tasks: defaultdict[tuple[str, str | None], defaultdict[OpKind, list[Placement]]]
+    factor_tasks = defaultdict(lambda: defaultdict(list))
     applies = {(p.op.stage, p.device, p.step): p.start for p in c.kinds[OpKind.APPLY]}
     updates: dict[Key, float] = {}  # the first per-step op's start by stage, device, step
-    for p in c.plan.placements:
-        if per_step(p.op):
-            key = (p.op.stage, p.device, p.step)
-            updates[key] = min(updates.get(key, p.start), p.start)
+    for p in sorted((p for p in c.plan.placements if per_step(p.op)), key=lambda p: -p.start):
+        updates[p.op.stage, p.device, p.step] = p.start
     for p in c.plan.placements:
         if p.op.kind is OpKind.STATS and p.op.mb is None:
             _check_gradient_stats(c, p, applies)

@@ -1,7 +1,6 @@
 """Plan files read back (written by `Plan.save`): parsed, shape-checked and, on `load_plan`, validated. The validator
-assumes a well-formed plan (ops naming its problem's layers, stages and devices; finite numbers); the shape checks
-refuse a file that is not (an op on a rank without its stage, a NaN that makes every comparison pass) with a
-PlanFormatError that says what is wrong, so loading never ends in another exception."""
+assumes a well-formed plan, so the shape checks refuse one that is not (an op on a rank without its stage, a NaN that
+makes every comparison pass) with a PlanFormatError saying what is wrong: loading never ends in another exception."""
 
 from __future__ import annotations
 
@@ -47,7 +46,7 @@ def _need(ok: bool, message: str) -> None:
 def _check_problem(problem: Problem) -> None:
     for name in ("schedule", "hardware", "fingerprint"):
         _need(isinstance(getattr(problem, name), str), f"problem.{name} must be a string")
-    _need(_is_int(problem.N) and _is_int(problem.D) and _is_int(problem.v), "problem.D/N/v must be ints")
+    _need(all(_is_int(v) for v in (problem.N, problem.D, problem.v)), "problem.D/N/v must be ints")
     try:
         hash(problem)
     except TypeError as e:
@@ -64,13 +63,6 @@ def _check_layers(plan: Plan) -> None:
             all(_is_int(v) and v >= 0 for v in (t.period, t.curv_step, t.use_offset)) and t.period >= 1,
             f"layer {name}: period, curv_step and use_offset must be ints (period >= 1)",
         )
-
-
-def _fixed_ops(problem: Problem) -> dict[int, set[tuple[OpKind, int | None, int | None, int]]]:
-    return {
-        d: {(op.kind, op.stage, op.mb, op.pipe) for op in ops if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.BWD_W)}
-        for d, ops in base_programs(problem).items()
-    }
 
 
 def _check_op(problem: Problem, op: Op, device: int, fixed: dict[int, set]) -> None:
@@ -100,9 +92,8 @@ def _check_op(problem: Problem, op: Op, device: int, fixed: dict[int, set]) -> N
             )
 
 
-def _check_placements(plan: Plan) -> None:
+def _check_placements(plan: Plan, fixed: dict[int, set]) -> None:
     problem = plan.problem
-    fixed = _fixed_ops(problem)
     for p in plan.placements:
         _need(_is_int(p.device) and p.device in fixed, f"placement of {p.op}: no rank {p.device}")
         _need(_is_int(p.step) and p.step >= 0, f"placement of {p.op}: step must be an int >= 0")
@@ -121,7 +112,8 @@ def _check_placements(plan: Plan) -> None:
             _check_op(problem, p.op, p.device, fixed)
 
 
-def _check_programs(plan: Plan) -> None:
+def _check_programs(plan: Plan) -> dict[int, set]:
+    """The programs' shape; returns each rank's F/B/W as (kind, stage, micro-batch, pipe)."""
     _need(
         plan.problem.D * plan.problem.W == len(plan.programs),
         f"programs for {len(plan.programs)} ranks, the mesh has D x W = {plan.problem.D * plan.problem.W}",
@@ -134,13 +126,17 @@ def _check_programs(plan: Plan) -> None:
         plan.problem.N <= forwards,
         f"N={plan.problem.N} micro-batches, but the programs' first step runs only {forwards} forwards",
     )  # before the schedule of N is built: a mutated N must not cost gigabytes
-    fixed = _fixed_ops(plan.problem)
+    fixed = {
+        d: {(op.kind, op.stage, op.mb, op.pipe) for op in ops if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.BWD_W)}
+        for d, ops in base_programs(plan.problem).items()
+    }
     for device, steps in plan.programs.items():
         for op in (op for ops in steps for op in ops if op.kind in PRECONDITIONER_KINDS):
             if is_streamed(plan.problem, device, op):
                 _check_streamed_op(plan.problem, op, device)
             else:
                 _check_op(plan.problem, op, device, fixed)  # the same rules as a placed op's
+    return fixed
 
 
 def _check_streamed_op(problem: Problem, op: Op, device: int) -> None:
@@ -208,8 +204,7 @@ def check_structure(plan: Plan) -> None:
     _check_problem(plan.problem)
     _need(isinstance(plan.fingerprint, str), "fingerprint must be a string")
     _check_layers(plan)
-    _check_programs(plan)
-    _check_placements(plan)
+    _check_placements(plan, _check_programs(plan))
     _check_startup(plan)
     _check_metrics(plan)
 
