@@ -13,7 +13,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from fxkfac.planner.problem.ir import LAYER_SENDS, LayerTiming, Op, OpKind, Placement, Program, format_program
+from fxkfac.planner.problem.ir import LayerTiming, Op, OpKind, Placement, Program, format_program, parse_program
 from fxkfac.planner.problem.problem import Problem, stages_on_device
 from fxkfac.planner.problem.step_timeline import plain_step_time, step_timeline
 from fxkfac.planner.problem.strategy import LayerDistribution
@@ -85,6 +85,23 @@ class Plan:
             "metrics": metrics,
         }
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """Inverse of `to_dict`; KeyError, TypeError or ValueError where `data` is malformed (read back and checked
+        by `planner.validate.plan_file.parse_plan`)."""
+        m = _tupled(data["metrics"])  # its lists are tuples, its solver SolverStats, its ranks ints
+        peak_memory = {int(d): b for d, b in m["peak_memory"].items()}
+        return cls(
+            Problem.from_dict(data["problem"]),
+            _programs_of(data["programs"]),
+            {name: LayerTiming(**t) for name, t in data["layers"].items()},
+            tuple(Placement.from_dict(p) for p in data["placements"]),
+            PlanMetrics(**{**m, "solver": SolverStats(**_tupled(m["solver"])), "peak_memory": peak_memory}),
+            data["fingerprint"],
+            data["schema_version"],
+            _programs_of(data["startup"]),
+        )
+
     def to_json(self, *, indent: int | None = 1) -> str:
         """JSON text; `planner.validate.plan_file.parse_plan` reads it back."""
         return json.dumps(self.to_dict(), indent=indent)
@@ -107,6 +124,14 @@ class Plan:
 
 def _programs_dict(programs: Mapping[int, Program]) -> dict[str, list[str]]:
     return {str(r): [format_program([step]) for step in prog] for r, prog in programs.items()}
+
+
+def _programs_of(data: Mapping[str, Any]) -> dict[int, Program]:
+    return {int(r): [parse_program(text)[0] if text.strip() else [] for text in steps] for r, steps in data.items()}
+
+
+def _tupled(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: tuple(value) if isinstance(value, list) else value for key, value in data.items()}
 
 
 def rank(plan: Plan) -> tuple[int, float, int, float]:
@@ -158,8 +183,7 @@ def ns_tasks(plan: Plan) -> list[NSTask]:
             if where is NSWhere.STREAMED and op.layer is not None and (op.piece is None or op.piece[0] == 0):
                 transfer = sum(
                     problem.costs.collective_seconds(Op(kind, op.stage, peer=rank, layer=op.layer), 2)
-                    for kind in LAYER_SENDS
-                    if kind is not OpKind.SEND_REPLICA
+                    for kind in (OpKind.SEND_LGRAD, OpKind.SEND_PGRAD)  # the gradient there and back
                 )
             out.append(NSTask(op.stage, names, rank, where, start, end, transfer, op.piece))
     return sorted(out, key=lambda t: (t.stage, t.start, t.rank))

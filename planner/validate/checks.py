@@ -741,56 +741,40 @@ def check_streaming(c: Context) -> None:
     streaming = c.problem.streaming
     if streaming is None:
         return
-    owners = c.problem.stream_owners
-    for owner in owners:
-        for j, ops in enumerate(c.plan.programs[owner]):
-            _check_owner_step(c, streaming, owner, j, ops)
-    for helper in streaming.ranks:
-        for j, ops in enumerate(c.plan.programs[helper]):
-            _check_helper_step(c, streaming, helper, owners, j, ops)
-    _check_replicas(c, streaming, owners[0])
-
-
-_MAKES = (OpKind.DECOMP, OpKind.BCAST)
-"""The ops after which a refresh is made on the replicas' sender (a copied stage's halves made elsewhere arrive by
-BCAST)."""
-
-
-def _check_owner_step(c: Context, streaming: Streaming, owner: int, j: int, ops: list[Op]) -> None:
-    """The owner's step j sends every streamed layer right after its stage's last BWD, takes each back once, and
-    applies none of them itself."""
-    s, pairs = streaming.stage, list(zip(streaming.layers, streaming.helpers, strict=True))
-    last = max((i for i, op in enumerate(ops) if op.kind in (OpKind.BWD, OpKind.BWD_W) and op.stage == s), default=None)
+    s, owners = streaming.stage, c.problem.stream_owners
+    pairs = list(zip(streaming.layers, streaming.helpers, strict=True))
     sends = [Op(OpKind.SEND_LGRAD, s, peer=h, layer=n) for n, h in pairs]
-    if last is None or ops[last + 1 : last + 1 + len(sends)] != sends:
-        c.errors.append(f"r{owner} step {j}: the streamed layers' SEND_LGRAD do not follow the last BWD of stage {s}")
-    for n, helper in pairs:
-        recv = Op(OpKind.RECV_PGRAD, s, peer=helper, layer=n)
-        if ops.count(recv) != 1:
-            c.errors.append(f"r{owner} step {j}: '{recv}' must run once")
-        if any(op.kind is OpKind.APPLY and op.stage == s and op.layer in (None, n) for op in ops):
-            c.errors.append(f"r{owner} step {j}: applies {n}, which r{helper} preconditions")
-
-
-def _check_helper_step(
-    c: Context, streaming: Streaming, helper: int, owners: tuple[int, ...], j: int, ops: list[Op]
-) -> None:
-    """The helper's step j receives every layer it preconditions from every owner, applies it and returns it to
-    every owner, once each, in that order (a cut APPLY's pieces in order between), and applies no other layer of the
-    stage."""
-    s, mine = streaming.stage, streaming.layers_of(helper)
-    others = sorted({op.layer or "(all)" for op in ops if op.kind is OpKind.APPLY and op.stage == s} - set(mine))
-    if others:
-        c.errors.append(f"r{helper} step {j}: applies {others} of stage {s}, which it does not precondition")
-    for n in mine:
-        chain = [
-            *(Op(OpKind.RECV_LGRAD, s, peer=owner, layer=n) for owner in owners),
-            *cut_apply(Op(OpKind.APPLY, s, layer=n), c.problem.apply_pieces),
-            *(Op(OpKind.SEND_PGRAD, s, peer=owner, layer=n) for owner in owners),
-        ]
-        at = [ops.index(op) if ops.count(op) == 1 else -1 for op in chain]
-        if min(at) < 0 or at != sorted(at):
-            c.errors.append(f"r{helper} step {j}: {n} is not received, applied and returned once, in order")
+    # each owner's step sends every streamed layer right after the stage's last BWD, takes each back once and applies
+    # none of them itself
+    for owner, (j, ops) in ((o, step) for o in owners for step in enumerate(c.plan.programs[o])):
+        backward = [i for i, op in enumerate(ops) if op.kind in (OpKind.BWD, OpKind.BWD_W) and op.stage == s]
+        if not backward or ops[backward[-1] + 1 : backward[-1] + 1 + len(sends)] != sends:
+            c.errors.append(
+                f"r{owner} step {j}: the streamed layers' SEND_LGRAD do not follow the last BWD of stage {s}"
+            )
+        for n, helper in pairs:
+            recv = Op(OpKind.RECV_PGRAD, s, peer=helper, layer=n)
+            if ops.count(recv) != 1:
+                c.errors.append(f"r{owner} step {j}: '{recv}' must run once")
+            if any(op.kind is OpKind.APPLY and op.stage == s and op.layer in (None, n) for op in ops):
+                c.errors.append(f"r{owner} step {j}: applies {n}, which r{helper} preconditions")
+    # each helper's step receives its layers from every owner, applies them (a cut APPLY's pieces in order) and
+    # returns them, once each, in that order, and applies no other layer of the stage
+    for helper, (j, ops) in ((h, step) for h in streaming.ranks for step in enumerate(c.plan.programs[h])):
+        mine = streaming.layers_of(helper)
+        others = sorted({op.layer or "(all)" for op in ops if op.kind is OpKind.APPLY and op.stage == s} - set(mine))
+        if others:
+            c.errors.append(f"r{helper} step {j}: applies {others} of stage {s}, which it does not precondition")
+        for n in mine:
+            chain = [
+                *(Op(OpKind.RECV_LGRAD, s, peer=owner, layer=n) for owner in owners),
+                *cut_apply(Op(OpKind.APPLY, s, layer=n), c.problem.apply_pieces),
+                *(Op(OpKind.SEND_PGRAD, s, peer=owner, layer=n) for owner in owners),
+            ]
+            at = [ops.index(op) if ops.count(op) == 1 else -1 for op in chain]
+            if min(at) < 0 or at != sorted(at):
+                c.errors.append(f"r{helper} step {j}: {n} is not received, applied and returned once, in order")
+    _check_replicas(c, streaming, owners[0])
 
 
 def _check_replicas(c: Context, streaming: Streaming, owner: int) -> None:
@@ -819,7 +803,9 @@ def _check_replicas(c: Context, streaming: Streaming, owner: int) -> None:
                     f"step {t}: r{owner} sends {mine.count(send)} replicas of {n}, r{helper} takes {theirs.count(recv)}"
                 )
                 return
-            if send in mine and not any(op.kind in _MAKES and op.layer == n for op in mine[: mine.index(send)]):
+            # after a DECOMP of the layer, or its BCAST (a copied stage's halves made elsewhere)
+            made = (OpKind.DECOMP, OpKind.BCAST)
+            if send in mine and not any(op.kind in made and op.layer == n for op in mine[: mine.index(send)]):
                 c.errors.append(f"step {t}: r{owner} sends a replica of {n} before any DECOMP or BCAST of it there")
             for op in theirs:
                 received += op == recv

@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from fxkfac.planner.plan.plan import SCHEMA_VERSION, Plan, PlanMetrics, SolverStats
+from fxkfac.planner.plan.plan import SCHEMA_VERSION, Plan
 from fxkfac.planner.plan.solution import plan_born
 from fxkfac.planner.plan.window import placed_w
 from fxkfac.planner.problem.errors import PlanError, PlanFormatError, PlanMismatchError
-from fxkfac.planner.problem.ir import PRECONDITIONER_KINDS, LayerTiming, Op, OpKind, Placement, Program, parse_program
+from fxkfac.planner.problem.ir import PRECONDITIONER_KINDS, Op, OpKind
 from fxkfac.planner.problem.lowering import startup_programs
 from fxkfac.planner.problem.problem import Problem, copies_of_stage, is_streamed
 from fxkfac.planner.problem.step_timeline import base_programs
@@ -41,28 +40,6 @@ def _is_number(value: Any) -> bool:
 def _need(ok: bool, message: str) -> None:
     if not ok:
         raise PlanFormatError(f"the plan file is malformed: {message}; make the plan again (fxkfac plan ... --export)")
-
-
-def _check_problem(problem: Problem) -> None:
-    for name in ("schedule", "hardware", "fingerprint"):
-        _need(isinstance(getattr(problem, name), str), f"problem.{name} must be a string")
-    _need(all(_is_int(v) for v in (problem.N, problem.D, problem.v)), "problem.D/N/v must be ints")
-    try:
-        hash(problem)
-    except TypeError as e:
-        raise PlanFormatError(
-            f"the plan file is malformed: the problem holds a value of the wrong type ({e})"
-        ) from None
-
-
-def _check_layers(plan: Plan) -> None:
-    names = set(plan.problem.costs.layer_names)
-    _need(set(plan.layers) == names, f"layers {sorted(plan.layers)} are not the cost table's {sorted(names)}")
-    for name, t in plan.layers.items():
-        _need(
-            all(_is_int(v) and v >= 0 for v in (t.period, t.curv_step, t.use_offset)) and t.period >= 1,
-            f"layer {name}: period, curv_step and use_offset must be ints (period >= 1)",
-        )
 
 
 def _check_op(problem: Problem, op: Op, device: int, fixed: dict[int, set]) -> None:
@@ -201,9 +178,22 @@ def _check_startup(plan: Plan) -> None:
 
 def check_structure(plan: Plan) -> None:
     """Raise PlanFormatError unless `plan` is well formed for its own problem (see the module doc)."""
-    _check_problem(plan.problem)
+    problem = plan.problem
+    for name in ("schedule", "hardware", "fingerprint"):
+        _need(isinstance(getattr(problem, name), str), f"problem.{name} must be a string")
+    _need(all(_is_int(v) for v in (problem.N, problem.D, problem.v)), "problem.D/N/v must be ints")
+    try:
+        hash(problem)
+    except TypeError as e:
+        raise PlanFormatError(f"the plan file is malformed: a value of the problem has the wrong type ({e})") from None
     _need(isinstance(plan.fingerprint, str), "fingerprint must be a string")
-    _check_layers(plan)
+    names = set(problem.costs.layer_names)
+    _need(set(plan.layers) == names, f"layers {sorted(plan.layers)} are not the cost table's {sorted(names)}")
+    for name, t in plan.layers.items():
+        _need(
+            all(_is_int(v) and v >= 0 for v in (t.period, t.curv_step, t.use_offset)) and t.period >= 1,
+            f"layer {name}: period, curv_step and use_offset must be ints (period >= 1)",
+        )
     _check_placements(plan, _check_programs(plan))
     _check_startup(plan)
     _check_metrics(plan)
@@ -215,7 +205,28 @@ def parse_plan(text: str) -> Plan:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise PlanFormatError(f"the plan file is not valid JSON (corrupt or truncated?): {e}") from e
-    return _plan_from_dict(data)
+    if not isinstance(data, dict):
+        raise PlanFormatError(f"a plan must be a JSON object, got {type(data).__name__}")
+    version = data.get("schema_version")
+    if type(version) is int and version > SCHEMA_VERSION:  # not bool: true is not a version
+        raise PlanFormatError(
+            f"the plan has schema_version {version}, newer than this fxkfac reads ({SCHEMA_VERSION}); upgrade fxkfac"
+        )
+    if type(version) is int and 1 <= version < SCHEMA_VERSION:
+        raise PlanFormatError(
+            f"the plan has schema_version {version}, older than this fxkfac's ({SCHEMA_VERSION}): it may place work "
+            "across a step's closing barrier (1) or lack its start-up steps (2); re-plan it (fxkfac plan ... --export)"
+        )
+    if type(version) is not int or version != SCHEMA_VERSION:
+        raise PlanFormatError(f"unknown plan schema_version {version!r} (expected {SCHEMA_VERSION})")
+    try:
+        plan = Plan.from_dict(data)
+        check_structure(plan)
+        return plan
+    except PlanFormatError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise PlanFormatError(f"the plan file is malformed (missing or bad entry: {e})") from e
 
 
 def read_plan(path: str | Path) -> Plan:
@@ -243,47 +254,3 @@ def load_plan(path: str | Path, *, expect_fingerprint: str | None = None) -> Pla
     except PlanError as e:
         raise PlanError(f"plan file {path}: {e}") from e
     return plan
-
-
-def _programs_of(data: Mapping[str, Any]) -> dict[int, Program]:
-    """Inverse of `_programs_dict`."""
-    return {int(r): [parse_program(text)[0] if text.strip() else [] for text in steps] for r, steps in data.items()}
-
-
-def _tupled(data: Mapping[str, Any]) -> dict[str, Any]:
-    return {key: tuple(value) if isinstance(value, list) else value for key, value in data.items()}
-
-
-def _plan_from_dict(data: Any) -> Plan:
-    """The plan `data` describes (the JSON object of `Plan.to_dict`), structure-checked."""
-    if not isinstance(data, dict):
-        raise PlanFormatError(f"a plan must be a JSON object, got {type(data).__name__}")
-    version = data.get("schema_version")
-    if type(version) is int and version > SCHEMA_VERSION:  # not bool: true is not a version
-        raise PlanFormatError(
-            f"the plan has schema_version {version}, newer than this fxkfac reads ({SCHEMA_VERSION}); upgrade fxkfac"
-        )
-    if type(version) is int and 1 <= version < SCHEMA_VERSION:
-        raise PlanFormatError(
-            f"the plan has schema_version {version}, older than this fxkfac's ({SCHEMA_VERSION}): it may place work "
-            "across a step's closing barrier (1) or lack its start-up steps (2); re-plan it (fxkfac plan ... --export)"
-        )
-    if type(version) is not int or version != SCHEMA_VERSION:
-        raise PlanFormatError(f"unknown plan schema_version {version!r} (expected {SCHEMA_VERSION})")
-    try:
-        m = _tupled(data["metrics"])  # its lists are tuples, its solver SolverStats, its ranks ints
-        peak_memory = {int(d): b for d, b in m["peak_memory"].items()}
-        metrics = PlanMetrics(**{**m, "solver": SolverStats(**_tupled(m["solver"])), "peak_memory": peak_memory})
-        programs = _programs_of(data["programs"])
-        layers = {name: LayerTiming(**t) for name, t in data["layers"].items()}
-        placements = tuple(Placement.from_dict(p) for p in data["placements"])
-        problem = Problem.from_dict(data["problem"])
-        plan = Plan(
-            problem, programs, layers, placements, metrics, data["fingerprint"], version, _programs_of(data["startup"])
-        )
-        check_structure(plan)
-        return plan
-    except PlanFormatError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
-        raise PlanFormatError(f"the plan file is malformed (missing or bad entry: {e})") from e
