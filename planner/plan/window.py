@@ -273,9 +273,8 @@ class Window:
             for s in stages_on_device(problem, d):
                 work = prec_work(problem, d, s)
                 ops, durations = tuple(op for op, _ in work), tuple(secs for _, secs in work)
-                shape = PrecSlot(d, s, 0, 0, 0, 0, 0, ops, durations)
-                lead_s = lead[s] if shape.shares else 0.0
-                seconds = replace(shape, lead=lead_s).seconds
+                lead_s = lead[s] if any(op.kind is OpKind.BCAST_PREC for op in ops) else 0.0
+                seconds = PrecSlot(d, s, 0, 0, 0, 0, 0, ops, durations, lead_s).seconds
                 for j, st in enumerate(self.steps):
                     release = self.offsets[j] + self.at(st.allreduce_end[d, s])
                     # APPLY ends before OPT_STEP ([Note: step barrier])
@@ -419,7 +418,8 @@ class Window:
         b_op = Op(OpKind.BWD, op.stage, op.mb, op.pipe)
         release = self.offsets[j] + at(next(e for o, _, e in timeline if o == b_op))
         reduce = next(t for o, t, _ in timeline if o.kind is OpKind.ALLREDUCE_GRAD and o.stage == op.stage)
-        due = self.offsets[j] + max(at(reduce), at(end)) if shared(self.problem, s) else self.offsets[j + 1]
+        shared = len(copies_of_stage(self.problem, s)) > 1  # else a no-op all-reduce ([Note: placed W])
+        due = self.offsets[j] + max(at(reduce), at(end)) if shared else self.offsets[j + 1]
         stage = self.problem.costs.stages[s]
         feeds = tuple(
             (x.name, p.part)
@@ -483,13 +483,8 @@ def w_makers(window: Window) -> list[tuple[int, int]]:
     if not made:
         return []
     pairs: dict[tuple[int, int], None] = {}
-    gradients = {
-        (x.name, p.part)
-        for s in window.problem.costs.stages
-        for x in s.layers
-        for p in x.parts
-        if p.after is OpKind.BWD
-    }
+    stages = window.problem.costs.stages
+    gradients = {(x.name, p.part) for s in stages for x in s.layers for p in x.parts if p.after is OpKind.BWD}
     for c, task in enumerate(window.tasks):
         if task.kind is not TaskKind.CURV or task.factors[0] not in gradients:
             continue
@@ -648,7 +643,8 @@ def _chunks(layers: Sequence[LayerCost], size: int) -> list[list[LayerCost]]:
 # [Note: placed W] The zero-bubble schedules' W's (OpKind.BWD_W, a backward's weight-gradient half) as planner tasks
 # (issue 37 item 3). A W depends on its own B alone and is needed by its stage's update: in a window each W of each
 # step is a `TaskKind.WGRAD` task on its rank, released at its B's end, due by its stage's ALLREDUCE_GRAD where the
-# stage has copies (else by its per-step slot, the no-op all-reduce following the last W: `shared`), holding its
+# stage has copies (a fixed time of the step; with one copy the all-reduce is a no-op that follows the stage's last W
+# wherever it is placed, so the W's are due by the stage's per-step slot, which reads the gradient), holding its
 # layers' operands (`w_operand_bytes`) until it ends, as a deferred STATS holds its captures. It lasts its interval in
 # the simulated step (at the refresh step, with the fused curvature it runs). Its schedule position (`home`) is where
 # first-fit puts it and where CP-SAT keeps it while searching the period and stretch (free W's made those searches
@@ -682,24 +678,17 @@ def w_by_layer(problem: Problem) -> bool:
     return placed_w(problem) and problem.N * layers * problem.max_period <= MAX_W_TASKS
 
 
-def shared(problem: Problem, stage: int) -> bool:
-    """Whether `stage`'s gradient all-reduce is a collective (the stage has copies): its W's are due by its start,
-    a fixed time of the step; with one copy it is a no-op that follows the stage's last W wherever it is placed, and
-    the W's are due by the stage's per-step slot (its gradient STATS and APPLY, which read the gradient)."""
-    return len(copies_of_stage(problem, stage)) > 1
-
-
 def allreduce_after_w(problem: Problem, items: list[tuple[tuple[int, ...], Op]]) -> list[tuple[tuple[int, ...], Op]]:
     """One step's program items (sort key, op) with each one-copy stage's ALLREDUCE_GRAD keyed right after the
-    stage's last placed W where that W comes later (`shared`): the runtime refuses an all-reduce while a W of its
-    stage waits."""
+    stage's last placed W where that W comes later ([Note: placed W]): the runtime refuses an all-reduce while a W
+    of its stage waits."""
     last: dict[int | None, tuple[int, ...]] = {}
     for key, op in items:
         if op.kind is OpKind.BWD_W:
             last[op.stage] = max(last.get(op.stage, key), key)
     out = []
     for key, op in items:
-        if op.kind is OpKind.ALLREDUCE_GRAD and op.stage in last and not shared(problem, op.stage_id):
+        if op.kind is OpKind.ALLREDUCE_GRAD and op.stage in last and len(copies_of_stage(problem, op.stage_id)) == 1:
             key = max(key, (*last[op.stage][:3], 1 << 30))  # after the W's folds, which share its first 3 keys
         out.append((key, op))
     return out

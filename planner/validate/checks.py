@@ -15,8 +15,8 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import TYPE_CHECKING
 
+from fxkfac.planner.plan.plan import Plan
 from fxkfac.planner.plan.window import placed_w, w_window
 from fxkfac.planner.problem.errors import DeadlockError, PlanError
 from fxkfac.planner.problem.ir import (
@@ -65,9 +65,6 @@ from fxkfac.planner.problem.step_timeline import (
     window_length,
 )
 from fxkfac.planner.problem.strategy import keeps_statistics
-
-if TYPE_CHECKING:
-    from fxkfac.planner.plan.plan import Plan
 
 Key = tuple[int | None, int, int]
 """(stage, device, window step)."""
@@ -514,13 +511,21 @@ def check_placed_once(c: Context) -> None:
             c.errors.append(f"{item[0]} on {item[1:]} placed {got[item]} times, expected {want[item]}")
 
 
-def check_overlap(c: Context) -> None:
+def check_devices(c: Context) -> None:
     """Per device, over its window modulo the window's length: no placed op overlaps another or the F/B (W) and
-    gradient all-reduces, when nothing else may run (an op of no duration occupies nothing)."""
-    by_device = defaultdict(list)
+    gradient all-reduces, when nothing else may run (an op of no duration occupies nothing); the activations, kept
+    captures, W operands and third decompositions within the memory budget and the peak claimed."""
+    by_device, keeps = defaultdict(list), defaultdict(list)
     for p in c.plan.placements:
         by_device[p.device].append(p)
-    fixed_kinds = (OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD, *(() if placed_w(c.problem) else (OpKind.BWD_W,)))
+        if p.op.kind is OpKind.STATS and p.op.mb is not None:  # its capture, from when it is made
+            part = c.problem.costs.layer(p.op.layer_name).part(p.op.part_name)
+            keeps[p.device].append((c.capture_end(p.device, p.op)[1], p.end, part.capture_bytes))
+        elif p.op.kind is OpKind.BWD_W:  # a placed W holds its layers' operands from its B's end
+            since = c.end_of(p.step, c.period(p.op.stage_id), p.device, OpKind.BWD, p.op)
+            keeps[p.device].append((since, p.end, w_operand_bytes(c.problem.costs.stages[p.op.stage_id], p.op.layer)))
+    placed, budget = placed_w(c.problem), c.problem.memory_budget
+    fixed_kinds = (OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD, *(() if placed else (OpKind.BWD_W,)))
     for d in c.problem.devices:
         k = c.device_period(d)
         L = c.length(k)
@@ -539,25 +544,10 @@ def check_overlap(c: Context) -> None:
                     break
                 if min(e1, e2) - s2 > c.tol or (s1 + c.tol < s2 < e1 - c.tol):
                     c.errors.append(f"r{d}: {n1} [{s1:.6g}, {e1:.6g}) overlaps {n2} [{s2:.6g}, {e2:.6g}) (mod {L:.6g})")
-
-
-def check_memory(c: Context) -> None:
-    budget = c.problem.memory_budget
-    keeps = defaultdict(list)
-    for p in c.plan.placements:
-        if p.op.kind is OpKind.STATS and p.op.mb is not None:  # its capture, from when it is made
-            part = c.problem.costs.layer(p.op.layer_name).part(p.op.part_name)
-            keeps[p.device].append((c.capture_end(p.device, p.op)[1], p.end, part.capture_bytes))
-        elif p.op.kind is OpKind.BWD_W:  # a placed W holds its layers' operands from its B's end
-            since = c.end_of(p.step, c.period(p.op.stage_id), p.device, OpKind.BWD, p.op)
-            keeps[p.device].append((since, p.end, w_operand_bytes(c.problem.costs.stages[p.op.stage_id], p.op.layer)))
-    for d in c.problem.devices:
-        k = c.device_period(d)
-        L = c.length(k)
         spans = [
             (c.base(j, k) + a, c.base(j, k) + b, n)
             for j in range(k)
-            for a, b, n in activation_intervals(c.problem, d, c.timeline(j, k), not placed_w(c.problem))
+            for a, b, n in activation_intervals(c.problem, d, c.timeline(j, k), not placed)
         ] + keeps[d]
         for layer, ends in c.made.items():  # a third decomposition: the next refresh's made before this one is used
             nbytes = decomposition_bytes(c.problem, d, layer)
@@ -594,7 +584,7 @@ def check_step_time(c: Context) -> None:
 
 def check_programs(c: Context, run: bool) -> None:
     """Each rank's program: its length, its repetition, the schedule's ops at their places and the placed ones as
-    placed, each step checked by `_check_step`."""
+    placed (`_check_folds`, `_check_interleaving`), and with `run` how it runs (`_check_runs`)."""
     for d in c.problem.devices:
         prog = c.plan.programs.get(d)
         k = c.device_period(d)
@@ -603,7 +593,8 @@ def check_programs(c: Context, run: bool) -> None:
         if prog is None or len(prog) != length:
             c.errors.append(f"r{d}: the program must have {length} steps")
             continue
-        if any(_placed(c, d, prog[j]) != _placed(c, d, prog[j % k]) for j in range(k, length)):
+        placed = [[op for op in ops if not is_streamed(c.problem, d, op)] for ops in prog]  # streamed: check_streaming
+        if any(placed[j] != placed[j % k] for j in range(k, length)):
             c.errors.append(f"r{d}: the program repeats its own {k} steps but for streamed layers' replicas")
         prog = prog[:k]
         for j, ops in enumerate(prog):
@@ -612,9 +603,7 @@ def check_programs(c: Context, run: bool) -> None:
             moved = [op for op, _, _ in c.timeline(j, k).ops[d] if c.follows_w(op)]
             if sorted(map(str, (op for op in ops if c.follows_w(op)))) != sorted(map(str, moved)):
                 c.errors.append(f"r{d} step {j}: the gradient all-reduces differ from the schedule's")
-            for i, op in enumerate(
-                ops
-            ):  # each stage's all-reduce after its W's: the runtime refuses it while one waits
+            for i, op in enumerate(ops):  # a stage's all-reduce after its W's: the runtime refuses it while one waits
                 later = [o for o in ops[i + 1 :] if o.kind is OpKind.BWD_W and o.stage == op.stage]
                 if op.kind is OpKind.ALLREDUCE_GRAD and later:
                     c.errors.append(f"r{d} step {j}: '{op}' comes before '{later[0]}' of its stage")
@@ -638,11 +627,6 @@ def check_programs(c: Context, run: bool) -> None:
         _check_interleaving(c, d, k, prog)
     if run:
         _check_runs(c)
-
-
-def _placed(c: Context, device: int, ops: list[Op]) -> list[Op]:
-    """A step's ops but a streamed layer's (which `check_streaming` checks)."""
-    return [op for op in ops if not is_streamed(c.problem, device, op)]
 
 
 def _check_folds(c: Context, device: int, prog: list[list[Op]]) -> None:
@@ -683,18 +667,16 @@ def _check_interleaving(c: Context, device: int, k: int, prog: list[list[Op]]) -
                 before = b <= t + c.tol and a < t - c.tol
                 if (n > i and before) or (n < i and b > t + c.tol):
                     c.errors.append(
-                        f"r{device} step {j}: '{op}' (placed at {t:.6g} s) and "
-                        f"'{other}' ({a:.6g}-{b:.6g} s)"
-                        " are in the wrong order in the program"
+                        f"r{device} step {j}: '{op}' (placed at {t:.6g} s) and '{other}' ({a:.6g}-{b:.6g} s) are in "
+                        "the wrong order in the program"
                     )
             if not per_step(op):
                 continue
             after = [o for o in ops[i + 1 :] if o.stage == op.stage and o.kind in gradient]  # the gradient is complete
             if after:
                 c.errors.append(f"r{device} step {j}: '{op}' comes before '{after[0]}' of its stage")
-            if op.kind is OpKind.STATS and not any(
-                o.kind is OpKind.APPLY and o.stage == op.stage for o in ops[i + 1 :]
-            ):
+            applied = any(o.kind is OpKind.APPLY and o.stage == op.stage for o in ops[i + 1 :])
+            if op.kind is OpKind.STATS and not applied:
                 c.errors.append(f"r{device} step {j}: '{op}' does not come before the APPLY of its stage")
 
 
@@ -833,9 +815,8 @@ def validate(problem: Problem, plan: Plan, *, run: bool = True) -> list[str]:
     check_layers(c)
     if c.errors:
         return c.errors
-    for check in (check_placed_once, check_overlap, check_dependencies, check_precs_and_offsets, check_memory):
+    for check in (check_placed_once, check_devices, check_dependencies, check_precs_and_offsets, check_step_time):
         check(c)
-    check_step_time(c)
     check_programs(c, run)
     check_streaming(c)
     return c.errors
