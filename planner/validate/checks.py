@@ -146,12 +146,12 @@ class Context:
         return kind, max([ready] + [q.end for q in ws if w_makes(q.op, stats.layer_name)])
 
     @cached_property
-    def made(self) -> dict[str, list[float]]:
-        """Per layer, the ends of its refresh's DECOMP and BCAST placements."""
-        out: dict[str, list[float]] = {}
+    def made(self) -> dict[str, list[Placement]]:
+        """Per layer, its refresh's DECOMP and BCAST placements."""
+        out: dict[str, list[Placement]] = {}
         for p in self.plan.placements:
             if p.op.kind in (OpKind.DECOMP, OpKind.BCAST):
-                out.setdefault(p.op.layer_name, []).append(p.end)
+                out.setdefault(p.op.layer_name, []).append(p)
         return out
 
     @cached_property
@@ -253,7 +253,6 @@ def check_dependencies(c: Context) -> None:
             factor_tasks[p.op.layer_name, p.op.part][p.op.kind].append(p)
     for (layer, side), kinds in factor_tasks.items():
         _check_factor(c, layer, side, kinds)
-    _check_warm_starts(c, factor_tasks)
 
 
 def _check_w(c: Context, p: Placement, updates: Mapping[Key, float]) -> None:
@@ -374,14 +373,11 @@ def _check_snapshot(c: Context, layer: str, decomp: Placement, stats: list[Place
         )
 
 
-def _check_warm_starts(c: Context, factor_tasks: Mapping[tuple[str, str | None], Mapping]) -> None:
+def check_warm_starts(c: Context) -> None:
     """A layer whose decompositions start from its previous preconditioner (pieces, or `Problem.warm_start`) makes
     each refresh before the next one's first DECOMP starts, and starts its broadcasts before it."""
-    layers: dict[str, list[Placement]] = {}
-    for (layer, _), kinds in factor_tasks.items():
-        layers.setdefault(layer, []).extend(kinds.get(OpKind.DECOMP, []) + kinds.get(OpKind.BCAST, []))
-    for layer, refresh in layers.items():
-        warm = c.problem.warm_start
+    warm = c.problem.warm_start
+    for layer, refresh in c.made.items():
         firsts = [
             p.start for p in refresh if p.op.kind is OpKind.DECOMP and (p.op.piece[0] == 0 if p.op.piece else warm)
         ]
@@ -408,8 +404,8 @@ def check_precs_and_offsets(c: Context) -> None:
         lo, hi = c.base(j, k) + c.timeline(j, k).allreduce_end[d, s], c.step_start(d, j + 1, k)
         if p.start < lo - c.tol or p.end > hi + c.tol:
             c.errors.append(f"APPLY s{s} step {j} on r{d} [{p.start:.6g}, {p.end:.6g}) is outside [{lo:.6g}, {hi:.6g})")
-    for layer, ends in c.made.items():
-        t = max(ends)
+    for layer, made in c.made.items():
+        t = max(p.end for p in made)
         k = c.period(c.problem.costs.stage_of(layer))
         workers = c.problem.workers(layer)
         u = next(
@@ -549,9 +545,9 @@ def check_devices(c: Context) -> None:
             for j in range(k)
             for a, b, n in activation_intervals(c.problem, d, c.timeline(j, k), not placed)
         ] + keeps[d]
-        for layer, ends in c.made.items():  # a third decomposition: the next refresh's made before this one is used
+        for layer, made in c.made.items():  # a third decomposition: the next refresh's made before this one is used
             nbytes = decomposition_bytes(c.problem, d, layer)
-            next_made = min(ends) + c.length(c.period(c.problem.costs.stage_of(layer)))
+            next_made = min(p.end for p in made) + c.length(c.period(c.problem.costs.stage_of(layer)))
             used = apply_start(c, layer, c.plan.layers[layer].use_offset, d)
             if nbytes and next_made < used:
                 spans.append((next_made, used, nbytes))
@@ -815,8 +811,9 @@ def validate(problem: Problem, plan: Plan, *, run: bool = True) -> list[str]:
     check_layers(c)
     if c.errors:
         return c.errors
-    for check in (check_placed_once, check_devices, check_dependencies, check_precs_and_offsets, check_step_time):
+    for check in (check_placed_once, check_devices, check_dependencies, check_warm_starts, check_precs_and_offsets):
         check(c)
+    check_step_time(c)
     check_programs(c, run)
     check_streaming(c)
     return c.errors

@@ -145,13 +145,9 @@ def _check_metrics(plan: Plan) -> None:
             f"metrics.{name} must hold ints",
         )
     _need(all(_is_int(d) and _is_int(b) for d, b in m.peak_memory.items()), "metrics.peak_memory maps ranks to bytes")
-    _need(
-        isinstance(m.solver.status, str)
-        and _is_number(m.solver.wall_time)
-        and _is_number(m.solver.gap)
-        and all(_is_int(v) for v in m.solver.objective),
-        "metrics.solver is malformed",
-    )
+    solver = m.solver
+    numbers = _is_number(solver.wall_time) and _is_number(solver.gap) and all(_is_int(v) for v in solver.objective)
+    _need(isinstance(solver.status, str) and numbers, "metrics.solver is malformed")
     _need(
         m.time_quantum <= MAX_QUANTUM_SHARE * max(m.step_time_reference, 0.0),
         f"metrics.time_quantum {m.time_quantum!r} s is coarser than {MAX_QUANTUM_SHARE:.0%} of the step",
@@ -165,13 +161,10 @@ def _check_startup(plan: Plan) -> None:
     born = plan_born(plan.problem, plan.placements, plan.layers)
     _need(set(plan.startup) <= set(plan.programs), "start-up steps for ranks that have no program")
     for rank in plan.programs:
-        last = max(born.get(rank, {}).values(), default=0)
-        _need(
-            len(plan.startup.get(rank, [])) == last,
-            f"rank {rank} has {len(plan.startup.get(rank, []))} start-up steps, its placements call for {last}",
-        )
+        have, last = len(plan.startup.get(rank, [])), max(born.get(rank, {}).values(), default=0)
+        _need(have == last, f"rank {rank} has {have} start-up steps, its placements call for {last}")
     _need(
-        dict(plan.startup) == {r: s for r, s in startup_programs(plan.programs, born).items()},
+        dict(plan.startup) == dict(startup_programs(plan.programs, born)),
         "the start-up steps are not the programs' first steps without the refreshes from before step 0",
     )
 
