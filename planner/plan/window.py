@@ -289,10 +289,7 @@ class Window:
     def _refresh_work(self, precs: tuple[PrecSlot, ...]) -> list[Task]:
         """The refresh's tasks: every deferred STATS, then per part its SYNC, DECOMP pieces and BCAST."""
         problem, refresh = self.problem, self.steps[0]
-        tasks: list[Task] = []
-        for s in self.group.stages:
-            deferred = [x for x in problem.costs.stages[s].layers if x.name not in self.fused]
-            tasks += self._curv_tasks(s, deferred)
+        tasks = [task for s in self.group.stages for task in self._curv_tasks(s)]
         for s in self.group.stages:
             copies = copies_of_stage(problem, s)
             longest = max((p.decomp for x in problem.costs.stages[s].layers for p in x.parts), default=0.0)
@@ -324,10 +321,11 @@ class Window:
         made = capture_kind(self.problem.kind, after)
         return OpKind.BWD if made is OpKind.BWD_W and placed_w(self.problem) else made
 
-    def _curv_tasks(self, stage: int, deferred: list[LayerCost]) -> list[Task]:
-        """Per copy of `stage` and F/B (or W) of the refresh step, STATS tasks of `stats_chunk` deferred layers each,
-        released by the op that makes their captures (`released_by`)."""
+    def _curv_tasks(self, stage: int) -> list[Task]:
+        """Per copy of `stage` and F/B (or W) of the refresh step, STATS tasks of `stats_chunk` deferred (not fused)
+        layers each, released by the op that makes their captures (`_released_by`)."""
         tasks, copies = [], copies_of_stage(self.problem, stage)
+        deferred = [x for x in self.problem.costs.stages[stage].layers if x.name not in self.fused]
         taken = {self._released_by(after): after for after in (OpKind.FWD, OpKind.BWD)}  # releasing op: its captures
         for d in copies:
             kept = [x for x in deferred if keeps_statistics(d, copies, self.problem.where(x.name))]
