@@ -579,8 +579,9 @@ def check_step_time(c: Context) -> None:
 
 
 def check_programs(c: Context, run: bool) -> None:
-    """Each rank's program: its length, its repetition, the schedule's ops at their places and the placed ones as
-    placed (`_check_folds`, `_check_interleaving`), and with `run` how it runs (`_check_runs`)."""
+    """Each rank's program: its length, its repetition, the schedule's ops at their places, the refresh step's folds
+    (`fused_stats`), the placed ones as placed (`_check_interleaving`), and with `run` how it runs (`_check_runs`)."""
+    anchor = weight_gradient_kind(c.problem.kind)  # the op a fused layer's statistics fold after
     for d in c.problem.devices:
         prog = c.plan.programs.get(d)
         k = c.device_period(d)
@@ -603,6 +604,14 @@ def check_programs(c: Context, run: bool) -> None:
                 later = [o for o in ops[i + 1 :] if o.kind is OpKind.BWD_W and o.stage == op.stage]
                 if op.kind is OpKind.ALLREDUCE_GRAD and later:
                     c.errors.append(f"r{d} step {j}: '{op}' comes before '{later[0]}' of its stage")
+                # the refresh step follows each BWD (a zero-bubble schedule's W) with exactly the STATS folding its
+                # fused layers' statistics here, and no other step folds any: else the runtime has none to decompose
+                if j == 0 and op.kind is anchor:
+                    want = fused_stats(c.problem, c.fused, d, op)
+                    if ops[i + 1 : i + 1 + len(want)] != want:
+                        c.errors.append(f"r{d} step 0: '{op}' is not followed by the folds of its fused layers {want}")
+                elif c.fold(op) and (j != 0 or i == 0 or not (ops[i - 1].kind is anchor or c.fold(ops[i - 1]))):
+                    c.errors.append(f"r{d} step {j}: '{op}' is not right after a {anchor} of the refresh step")
         times = {
             (p.step % k, str(p.op)): (p.start - c.length(k) * (p.step // k), p.end - c.length(k) * (p.step // k))
             for p in c.plan.placements
@@ -614,7 +623,6 @@ def check_programs(c: Context, run: bool) -> None:
             for op in ops
             if op.kind in c.placed_kinds and not c.fold(op) and not is_streamed(c.problem, d, op)
         ]
-        _check_folds(c, d, prog)
         if sorted(listed) != sorted(times):
             c.errors.append(f"r{d}: the program's K-FAC ops differ from the placements")
             continue
@@ -623,21 +631,6 @@ def check_programs(c: Context, run: bool) -> None:
         _check_interleaving(c, d, k, prog)
     if run:
         _check_runs(c)
-
-
-def _check_folds(c: Context, device: int, prog: list[list[Op]]) -> None:
-    """The refresh step (step 0) follows each BWD (a zero-bubble schedule's W) with exactly the STATS that fold its
-    fused layers' statistics on this rank (`fused_stats`), and no other step folds any: without them the runtime
-    has no statistic to sync or decompose."""
-    anchor = weight_gradient_kind(c.problem.kind)
-    for j, ops in enumerate(prog):
-        for i, op in enumerate(ops):
-            if j == 0 and op.kind is anchor:
-                want = fused_stats(c.problem, c.fused, device, op)
-                if ops[i + 1 : i + 1 + len(want)] != want:
-                    c.errors.append(f"r{device} step 0: '{op}' is not followed by the folds of its fused layers {want}")
-            elif c.fold(op) and (j != 0 or i == 0 or not (ops[i - 1].kind is anchor or c.fold(ops[i - 1]))):
-                c.errors.append(f"r{device} step {j}: '{op}' is not right after a {anchor} of the refresh step")
 
 
 def _check_interleaving(c: Context, device: int, k: int, prog: list[list[Op]]) -> None:
