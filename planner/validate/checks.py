@@ -475,6 +475,7 @@ def check_layers(c: Context) -> None:
 
 
 def check_placed_once(c: Context) -> None:
+    """Every op the problem asks for placed as often as `_expected` says, for its cost, on a worker, in its step."""
     got: Counter = Counter()
     for p in c.plan.placements:
         k = c.period(p.op.stage_id)
@@ -490,11 +491,8 @@ def check_placed_once(c: Context) -> None:
             cost = op_seconds(c, p.op)
         if abs(p.end - p.start - cost) > c.tol + 1e-9 * max(1.0, p.end):
             c.errors.append(f"{p.op} on r{p.device}: lasts {p.end - p.start:.6g} s, costs {cost:.6g} s")
-        if (
-            not 0 <= p.step < 2 * k
-            or not c.step_start(p.device, p.step, k) - c.tol <= p.start
-            or p.end > c.step_start(p.device, p.step + 1, k) + c.tol
-        ):
+        inside = 0 <= p.step < 2 * k and c.step_start(p.device, p.step, k) - c.tol <= p.start
+        if not inside or p.end > c.step_start(p.device, p.step + 1, k) + c.tol:
             c.errors.append(
                 f"{p.op} on r{p.device} at [{p.start:.6g}, {p.end:.6g}) s is not within window step {p.step} (k={k})"
             )
