@@ -1,11 +1,9 @@
 """fxkfac.planner: pure-Python planning of a preconditioner's work into pipeline bubbles (no torch, no front).
 
-The front door: describe the pipeline and its costs as a `Problem`, say how to search with `SearchOptions`, and
-`plan(problem, options)` returns a `Plan` (or raises a `PlanError` naming what would plan); `check_plan` validates
-one independently, and the plan-file functions read one back. The modules below stay importable for the planner's
-own tests and for what is not planning (cost tables, schedules, the timeline); the sub-packages problem, plan,
-search and validate each export their own surface.
-"""
+Describe the pipeline and its costs as a `Problem` and how to search as `SearchOptions`: `plan(problem, options)`
+returns a `Plan` (or raises a `PlanError` naming what would plan), `check_plan` validates one independently, and the
+plan-file functions read one back. The sub-packages problem, plan, search and validate each export their own surface;
+their modules stay importable for what is not planning (cost tables, schedules, the timeline)."""
 
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import (

@@ -13,7 +13,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from fxkfac.planner.problem.ir import LAYER_SENDS, LayerTiming, Op, OpKind, Placement, Program, format_program
+from fxkfac.planner.problem.ir import LayerTiming, Op, OpKind, Placement, Program, format_program, parse_program
 from fxkfac.planner.problem.problem import Problem, stages_on_device
 from fxkfac.planner.problem.step_timeline import plain_step_time, step_timeline
 from fxkfac.planner.problem.strategy import LayerDistribution
@@ -71,8 +71,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain JSON-able form (programs in the IR's text format, a string per step)."""
-        metrics = asdict(self.metrics)
-        metrics["peak_memory"] = {str(d): b for d, b in self.metrics.peak_memory.items()}
+        metrics = asdict(self.metrics) | {"peak_memory": {str(d): b for d, b in self.metrics.peak_memory.items()}}
         if not self.metrics.stretch:
             del metrics["stretch"]
         return {
@@ -81,10 +80,27 @@ class Plan:
             "problem": self.problem.to_dict(),
             "programs": _programs_dict(self.programs),
             "startup": _programs_dict(self.startup),
-            "layers": {name: _timing_dict(t) for name, t in self.layers.items()},
+            "layers": {name: asdict(t) for name, t in self.layers.items()},
             "placements": [p.to_dict() for p in self.placements],
             "metrics": metrics,
         }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Plan:
+        """Inverse of `to_dict`; KeyError, TypeError or ValueError where `data` is malformed (read back and checked
+        by `planner.validate.plan_file.parse_plan`)."""
+        m = _tupled(data["metrics"])  # its lists are tuples, its solver SolverStats, its ranks ints
+        peak_memory = {int(d): b for d, b in m["peak_memory"].items()}
+        return cls(
+            Problem.from_dict(data["problem"]),
+            _programs_of(data["programs"]),
+            {name: LayerTiming(**t) for name, t in data["layers"].items()},
+            tuple(Placement.from_dict(p) for p in data["placements"]),
+            PlanMetrics(**{**m, "solver": SolverStats(**_tupled(m["solver"])), "peak_memory": peak_memory}),
+            data["fingerprint"],
+            data["schema_version"],
+            _programs_of(data["startup"]),
+        )
 
     def to_json(self, *, indent: int | None = 1) -> str:
         """JSON text; `planner.validate.plan_file.parse_plan` reads it back."""
@@ -110,8 +126,12 @@ def _programs_dict(programs: Mapping[int, Program]) -> dict[str, list[str]]:
     return {str(r): [format_program([step]) for step in prog] for r, prog in programs.items()}
 
 
-def _timing_dict(t: LayerTiming) -> dict[str, Any]:
-    return {"period": t.period, "curv_step": t.curv_step, "use_offset": t.use_offset, "capture": t.capture}
+def _programs_of(data: Mapping[str, Any]) -> dict[int, Program]:
+    return {int(r): [parse_program(text)[0] if text.strip() else [] for text in steps] for r, steps in data.items()}
+
+
+def _tupled(data: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: tuple(value) if isinstance(value, list) else value for key, value in data.items()}
 
 
 def rank(plan: Plan) -> tuple[int, float, int, float]:
@@ -145,30 +165,25 @@ class NSTask:
     piece: tuple[int, int] | None = None
 
 
-def _where(problem: Problem, rank: int, op: Op) -> NSWhere:
-    if op.stage not in stages_on_device(problem, rank):
-        return NSWhere.STREAMED
-    if op.layer is not None and problem.where(op.layer) != LayerDistribution():
-        return NSWhere.SHARED
-    return NSWhere.OWN
-
-
 def ns_tasks(plan: Plan) -> list[NSTask]:
     """Every APPLY of the plan's step, by rank and start; an APPLY naming no layer covers all its stage's."""
-    problem = plan.problem
-    out = []
+    problem, out = plan.problem, []
     for rank, ops in step_timeline(problem).ops.items():
         for op, start, end in ops:
             if op.kind is not OpKind.APPLY or op.stage is None:
                 continue
-            everything = tuple(x.name for x in problem.costs.stages[op.stage].layers)
-            names = (op.layer,) if op.layer is not None else everything
-            where = _where(problem, rank, op)
+            layers = problem.costs.stages[op.stage].layers
+            names = (op.layer,) if op.layer is not None else tuple(x.name for x in layers)
+            where = NSWhere.OWN
+            if op.stage not in stages_on_device(problem, rank):
+                where = NSWhere.STREAMED
+            elif op.layer is not None and problem.where(op.layer) != LayerDistribution():
+                where = NSWhere.SHARED
             transfer = 0.0
             if where is NSWhere.STREAMED and op.layer is not None and (op.piece is None or op.piece[0] == 0):
-                sends = [Op(kind, op.stage, peer=rank, layer=op.layer) for kind in LAYER_SENDS]
                 transfer = sum(
-                    problem.costs.collective_seconds(s, 2) for s in sends if s.kind is not OpKind.SEND_REPLICA
+                    problem.costs.collective_seconds(Op(kind, op.stage, peer=rank, layer=op.layer), 2)
+                    for kind in (OpKind.SEND_LGRAD, OpKind.SEND_PGRAD)  # the gradient there and back
                 )
             out.append(NSTask(op.stage, names, rank, where, start, end, transfer, op.piece))
     return sorted(out, key=lambda t: (t.stage, t.start, t.rank))
@@ -181,10 +196,8 @@ def critical_path_step(problem: Problem) -> float:
 
 def ns_stage_lines(plan: Plan) -> list[str]:
     """Per stage: its units' APPLY seconds, who ran them, and when the last ended against the plain step's end."""
-    problem = plan.problem
+    problem, tasks, lines = plan.problem, ns_tasks(plan), []
     plain = plain_step_time(problem)
-    tasks = ns_tasks(plan)
-    lines = []
     for s, stage in enumerate(problem.costs.stages):
         mine = [t for t in tasks if t.stage == s]
         if not mine:

@@ -7,16 +7,13 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
 
 from fxkfac.planner.plan.window import TaskKind, Window, wrap
 from fxkfac.planner.problem.ir import LayerTiming, Op, OpKind, Placement
 from fxkfac.planner.problem.lowering import made_refreshes, replica_born
+from fxkfac.planner.problem.problem import Problem
 from fxkfac.planner.problem.step_timeline import decomposition_bytes, peak_level, static_bytes
 from fxkfac.planner.problem.strategy import LayerDistribution
-
-if TYPE_CHECKING:
-    from fxkfac.planner.problem.problem import Problem
 
 Born = dict[int, dict[Op, int]]
 """Per device, each op's first window step (`planner.problem.lowering.startup_programs`)."""

@@ -36,7 +36,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
-from functools import lru_cache
+from functools import cached_property, lru_cache
 
 from fxkfac.planner.problem.costs import LayerCost, PartCost
 from fxkfac.planner.problem.ir import Op, OpKind
@@ -151,7 +151,9 @@ class Window:
     """k steps of one stage group, fixed work modulo the window length: fixed[d] busy intervals and instants,
     acts[d] (start, end, bytes), capacity[d] bytes left (None: unlimited), offsets[j] step j's start, leads[j]
     ([Note: step barrier]), stretch ([Note: stretch]), the most layers per STATS task, and per step the tick at which
-    the streamed stage's owner starts its last backward (`stream_use`). Tasks may run until 2*length."""
+    the streamed stage's owner starts its last backward (`stream_use`). Tasks may run until 2*length. `scale` ticks a
+    second ([Note: time grid]): fixed times round to the nearest tick (`at`), durations up (`up`), a task lasts at
+    least one (`span`). Built by `build_window`, whose pieces its private methods make."""
 
     problem: Problem
     group: StageGroup
@@ -188,19 +190,23 @@ class Window:
     def seconds(self, ticks: float) -> float:
         return ticks / self.scale
 
+    def at(self, seconds: float) -> int:
+        return round(seconds * self.scale)
+
     def up(self, seconds: float) -> int:
-        return Grid(self.scale).up(seconds)
+        return math.ceil(seconds * self.scale - 1e-6)
 
     def span(self, seconds: float) -> int:
-        return Grid(self.scale).span(seconds)
+        return max(1, self.up(seconds))
 
     def step_of(self, device: int, t: int) -> int:
         """The window step (0..2k-1) whose program holds an op starting at absolute tick t on device."""
         return next((j for j in range(2 * self.k - 1, 0, -1) if t >= self.step_start(device, j)), 0)
 
     def step_start(self, device: int, j: int) -> int:
-        """Absolute tick at which window step j (0..2k) begins (on the whole group)."""
-        return step_start_tick(self.offsets, self.leads, j)
+        """Absolute tick at which window step j (0..2k) begins (on the whole group): its offset less its lead."""
+        k = self.k
+        return self.offsets[j % k] + self.offsets[k] * (j // k) - self.leads[j % k]
 
     @property
     def horizon(self) -> int:
@@ -214,6 +220,220 @@ class Window:
         """The index in `precs` of stage's slot on `device` at the refresh step."""
         return next(n for n, p in enumerate(self.precs) if (p.device, p.stage, p.step) == (device, stage, 0))
 
+    @cached_property
+    def steps(self) -> tuple[StepTimeline, ...]:
+        """The k steps' simulated timelines: step 0 the refresh step (grown by taps and fused curvature)."""
+        normal = step_timeline(self.problem)
+        return (step_timeline(self.problem, self.fused, refresh=True),) + (normal,) * (self.k - 1)
+
+    def _wrap(self, j: int, start: float, end: float) -> list[Interval]:
+        """[start, end) seconds of window step j, on the grid, modulo the window length."""
+        return wrap(self.offsets[j] + self.at(start), self.offsets[j] + self.at(end), self.offsets[-1])
+
+    def _device_work(self, device: int) -> tuple[tuple[Interval, ...], tuple[tuple[int, int, int], ...]]:
+        """The device's busy ticks, merged (F/B, gradient all-reduces over copies, a streamed layer's APPLY on its
+        helper and hand-off on its owner, every step's first tick), and its activations (start, end, bytes)."""
+        problem, placed = self.problem, placed_w(self.problem)  # W's placed as tasks ([Note: placed W])
+        busy: list[Interval] = []
+        acts: list[tuple[int, int, int]] = []
+        for j, st in enumerate(self.steps):
+            for op, a, b in st.ops[device]:
+                if (
+                    op.kind in (OpKind.FWD, OpKind.BWD)
+                    or (op.kind is OpKind.BWD_W and not placed)
+                    or (op.kind is OpKind.ALLREDUCE_GRAD and len(copies_of_stage(problem, op.stage_id)) > 1)
+                    or (op.kind is OpKind.APPLY and is_streamed(problem, device, op))
+                ):  # F/B, a collective (of no tick: an instant), a streamed layer's APPLY
+                    busy += self._wrap(j, a, b)
+                elif op.kind in STREAMED_TRANSFERS and op.layer is not None:  # the owner's hand-off; a message's CPU
+                    layer = problem.costs.layer(op.layer)
+                    own = {OpKind.SEND_LGRAD: layer.hand_off, OpKind.RECV_PGRAD: layer.take_back}.get(op.kind, 0.0)
+                    work = own + problem.costs.message_cpu(op)  # a RECV's wait is idle; a bucket's fixed cost whole
+                    busy += self._wrap(j, b - work, b) if work > 0 else []
+            begin = self.step_start(0, j)
+            busy += wrap(begin, begin + 1, self.offsets[-1])  # no task spans a boundary ([Note: step barrier])
+            acts += [
+                (s, e, n)
+                for a, b, n in activation_intervals(problem, device, st, not placed)
+                for s, e in self._wrap(j, a, b)
+            ]
+        return _merge(busy), tuple(acts)
+
+    def _prec_slots(self) -> tuple[PrecSlot, ...]:
+        """Every (device, stage, step)'s slot ([Note: gradient parts])."""
+        problem, slots = self.problem, []
+        lead = {
+            s: max(
+                sum(secs for op, secs in prec_work(problem, c, s) if op.kind is not OpKind.BCAST_PREC)
+                for c in copies_of_stage(problem, s)
+            )
+            for s in self.group.stages
+        }
+        for d in self.group.devices:
+            for s in stages_on_device(problem, d):
+                work = prec_work(problem, d, s)
+                ops, durations = tuple(op for op, _ in work), tuple(secs for _, secs in work)
+                lead_s = lead[s] if any(op.kind is OpKind.BCAST_PREC for op in ops) else 0.0
+                seconds = PrecSlot(d, s, 0, 0, 0, 0, 0, ops, durations, lead_s).seconds
+                for j, st in enumerate(self.steps):
+                    release = self.offsets[j] + self.at(st.allreduce_end[d, s])
+                    # APPLY ends before OPT_STEP ([Note: step barrier])
+                    deadline = self.step_start(0, j + 1)
+                    end = st.end_of(d, ops[-1]) if ops else st.allreduce_end[d, s]  # every layer streamed: no work
+                    reference = max(release, self.offsets[j] + self.at(end - seconds))
+                    # the reference's rounded ends, not its rounded-up length: the op after it starts at at(end)
+                    ticks = min(max(1, self.at(end) - self.at(end - seconds)), deadline - release)
+                    slots.append(PrecSlot(d, s, j, release, deadline, reference, ticks, ops, durations, lead_s))
+        return tuple(slots)
+
+    def _refresh_work(self, precs: tuple[PrecSlot, ...]) -> list[Task]:
+        """The refresh's tasks: every deferred STATS, then per part its SYNC, DECOMP pieces and BCAST."""
+        problem, refresh = self.problem, self.steps[0]
+        tasks = [task for s in self.group.stages for task in self._curv_tasks(s)]
+        for s in self.group.stages:
+            copies = copies_of_stage(problem, s)
+            longest = max((p.decomp for x in problem.costs.stages[s].layers for p in x.parts), default=0.0)
+            for x in problem.costs.stages[s].layers:
+                for p in x.parts:
+                    gradient = p.after is OpKind.ALLREDUCE_GRAD
+                    after_slot = gradient and not streamed_stats(problem, x.name)  # a streamed one's: with the return
+                    ready = 0
+                    if gradient and not after_slot:
+                        ready = max(self.up(refresh.end_of(d, returned(problem, x.name))) for d in copies)
+                    elif after_slot:
+                        ready = min(slot.release + slot.ticks for slot in precs if (slot.stage, slot.step) == (s, 0))
+                    elif x.name in self.fused:
+                        made = self._released_by(p.after)  # with the W; placed, its task ([Note: placed W])
+                        ready = max(
+                            self.up(e)
+                            for d in copies
+                            for op, _, e in refresh.fixed(d)
+                            if op.stage == s and op.kind is made
+                        )
+                    # the longest a DECOMP task lasts
+                    tasks += self._refresh_tasks(s, x.name, p, longest / problem.decomp_pieces, ready, after_slot)
+        return tasks
+
+    def _released_by(self, after: OpKind) -> OpKind:
+        """The kind of the refresh step's fixed op whose end releases the work on a capture taken `after` FWD or BWD:
+        the op that makes it (`capture_kind`: an output gradient's W on zero-bubble schedules), but where W's are
+        placed tasks an output gradient's B, the W tasks preceding that work (`w_makers`, [Note: placed W])."""
+        made = capture_kind(self.problem.kind, after)
+        return OpKind.BWD if made is OpKind.BWD_W and placed_w(self.problem) else made
+
+    def _curv_tasks(self, stage: int) -> list[Task]:
+        """Per copy of `stage` and F/B (or W) of the refresh step, STATS tasks of `stats_chunk` deferred (not fused)
+        layers each, released by the op that makes their captures (`_released_by`)."""
+        tasks, copies = [], copies_of_stage(self.problem, stage)
+        deferred = [x for x in self.problem.costs.stages[stage].layers if x.name not in self.fused]
+        taken = {self._released_by(after): after for after in (OpKind.FWD, OpKind.BWD)}  # releasing op: its captures
+        for d in copies:
+            kept = [x for x in deferred if keeps_statistics(d, copies, self.problem.where(x.name))]
+            for op, _, end in self.steps[0].fixed(d):
+                for side in _parts_after(kept, taken[op.kind]) if op.stage == stage and op.kind in taken else ():
+                    for chunk in _chunks(kept, self.stats_chunk):
+                        secs = tuple(x.part(side).stats for x in chunk)
+                        ops = tuple(_stats_op(stage, op.mb, op.pipe, x.name, side) for x in chunk)
+                        keep = sum(x.part(side).capture_bytes for x in chunk)
+                        name = f"curv_{side}_s{stage}_m{op.mb}_p{op.pipe}_r{d}_{chunk[0].name}"
+                        factors = tuple((x.name, side) for x in chunk)
+                        span, release = self.span(sum(secs)), self.up(end)
+                        tasks.append(
+                            Task(name, TaskKind.CURV, stage, side, ops, secs, span, (d,), release, factors, keep)
+                        )
+        return tasks
+
+    def _refresh_tasks(
+        self, stage: int, layer: str, p: PartCost, piece: float, ready: int, after_slot: bool
+    ) -> list[Task]:
+        """A part's refresh once its statistic is complete (tick `ready`): SYNC over the stage's copies (a captured part
+        held more than once), DECOMP on one copy, BCAST to the others; `after_slot`: [Note: gradient parts].
+
+        [Note: piece tasks] The decomposition is one INV task, or `Problem.decomp_pieces` DECOMP ops ("DECOMP s A i/n
+        layer") back to back in tasks no longer than `piece` (as few as that allows, dealt evenly), chained in order
+        on one rank (`inv_chains`), so that no task outlasts the bubbles while small decompositions need fewer tasks
+        than the largest: cut in the same 4 pieces, BERT-Large's d-wide factors made 288 of 1F1B's 432 tasks a stage,
+        and CP-SAT found the streamed plan at the bound only with 30 s; as one task each, within 10 s. The runtime
+        runs the same pieces."""
+        problem, side = self.problem, p.part
+        copies, workers, key = copies_of_stage(problem, stage), problem.workers(layer), ((layer, p.part),)
+
+        def collective(kind: TaskKind, op: Op, devices: tuple[int, ...], release: int) -> Task:
+            secs = problem.costs.collective_seconds(op, len(devices))
+            return Task(
+                f"{kind}_{side}_{layer}", kind, stage, side, (op,), (secs,), self.span(secs), devices, release, key
+            )
+
+        tasks = []
+        gradient = p.after is OpKind.ALLREDUCE_GRAD
+        if len(copies) > 1 and not gradient and not problem.where(layer).strategy.local_factors:
+            tasks.append(collective(TaskKind.SYNC, Op(OpKind.SYNC_STATS, stage, layer=layer, part=side), copies, ready))
+        pieces = problem.decomp_pieces
+        share = p.decomp / pieces
+        most = max(1, math.floor(piece / share + 1e-9)) if share > 0 else pieces  # pieces a task may hold
+        runs = math.ceil(pieces / most)
+        bounds = [pieces * i // runs for i in range(runs + 1)]
+        for a, b in zip(bounds, bounds[1:]):
+            name = f"inv_{side}_{layer}" if pieces == 1 else f"inv_{side}_{layer}_{a}"
+            ops = tuple(
+                Op(OpKind.DECOMP, stage, layer=layer, part=side, piece=None if pieces == 1 else (i, pieces))
+                for i in range(a, b)
+            )
+            span, each = self.span(share * (b - a)), (share,) * (b - a)
+            tasks.append(
+                Task(name, TaskKind.INV, stage, side, ops, each, span, workers, ready, key, after_slot=after_slot)
+            )
+        if len(workers) > 1:
+            group = None if workers == copies else workers
+            op = Op(OpKind.BCAST, stage, layer=layer, part=side, root=workers[0], group=group)
+            tasks.append(collective(TaskKind.BCAST, op, workers, 0))
+        return tasks
+
+    def _w_tasks(self) -> list[Task]:
+        """The WGRAD task of every W of every window step on the group's devices ([Note: placed W]); the refresh
+        step's list, as `factors`, the fused parts their curvature feeds (those parts' decompositions follow them).
+        Per-layer W's ([Note: per-layer W]) are a task each where each spans a tick at home; else one task holds a
+        stage W's layers' W's back to back."""
+        tasks = []
+        for d in self.group.devices:
+            for j, st in enumerate(self.steps):
+                items = w_window(self.problem, st, d, self.fused if j == 0 else frozenset())
+                for _, group in itertools.groupby(items, key=lambda item: (item[0].stage, item[0].mb, item[0].pipe)):
+                    run = list(group)
+                    ws: list[tuple[tuple[Op, ...], tuple[float, ...], float, float]]
+                    ws = [((op,), (b - a,), a, b) for op, a, b in run]
+                    if any(self.at(b) <= self.at(a) for _, a, b in run):
+                        ws = [(tuple(op for op, _, _ in run), tuple(b - a for _, a, b in run), run[0][1], run[-1][2])]
+                    tasks += [self._w_task(d, j, *w) for w in ws]
+        return tasks
+
+    def _w_task(
+        self, device: int, j: int, ops: tuple[Op, ...], seconds: tuple[float, ...], start: float, end: float
+    ) -> Task:
+        """The WGRAD task of `ops` whose home is [start, end) of window step j: released at its B's end, due by its
+        stage's ALLREDUCE_GRAD (with one copy, by the step's end)."""
+        op, s, at, timeline = ops[0], ops[0].stage_id, self.at, self.steps[j].ops[device]
+        b_op = Op(OpKind.BWD, op.stage, op.mb, op.pipe)
+        release = self.offsets[j] + at(next(e for o, _, e in timeline if o == b_op))
+        reduce = next(t for o, t, _ in timeline if o.kind is OpKind.ALLREDUCE_GRAD and o.stage == op.stage)
+        shared = len(copies_of_stage(self.problem, s)) > 1  # else a no-op all-reduce ([Note: placed W])
+        due = self.offsets[j] + max(at(reduce), at(end)) if shared else self.offsets[j + 1]
+        stage = self.problem.costs.stages[s]
+        feeds = tuple(
+            (x.name, p.part)
+            for x in stage.layers
+            if j == 0 and x.name in self.fused and any(w_makes(w, x.name) for w in ops)  # a per-layer W: its layer's
+            for p in x.parts
+            if p.after is OpKind.BWD
+        )
+        suffix = f"_{op.layer}" if len(ops) == 1 and op.layer else ""
+        name = f"w_s{op.stage}_m{op.mb}_p{op.pipe}_r{device}_j{j}{suffix}"
+        ticks, home = max(1, at(end) - at(start)), self.offsets[j] + at(start)
+        keep = sum(w_operand_bytes(stage, w.layer) for w in ops)
+        return Task(
+            name, TaskKind.WGRAD, s, "", ops, seconds, ticks, (device,), release, feeds, keep, deadline=due, home=home
+        )
+
 
 def wrap(start: int, end: int, length: int) -> list[Interval]:
     """[start, end) taken modulo `length`, as pieces inside [0, length)."""
@@ -221,29 +441,6 @@ def wrap(start: int, end: int, length: int) -> list[Interval]:
         return [(0, length)]
     s, e = start % length, start % length + (end - start)
     return [(s, e)] if e <= length else [(s, length), (0, e - length)]
-
-
-@dataclass
-class Grid:
-    """`scale` ticks per second ([Note: time grid]): fixed times (`at`) round to the nearest tick, durations up
-    (`up`), a task lasts at least one tick (`span`)."""
-
-    scale: float
-
-    def at(self, t: float) -> int:
-        return round(t * self.scale)
-
-    def up(self, t: float) -> int:
-        return math.ceil(t * self.scale - 1e-6)
-
-    def span(self, d: float) -> int:
-        return max(1, self.up(d))
-
-
-def step_start_tick(offsets: Sequence[int], leads: Sequence[int], j: int) -> int:
-    """Absolute tick at which window step j (0..2k) begins on a group's devices: its offset less its lead."""
-    k = len(leads)
-    return offsets[j % k] + offsets[k] * (j // k) - leads[j % k]
 
 
 def inv_chains(window: Window) -> list[list[int]]:
@@ -284,13 +481,8 @@ def w_makers(window: Window) -> list[tuple[int, int]]:
     if not made:
         return []
     pairs: dict[tuple[int, int], None] = {}
-    gradients = {
-        (x.name, p.part)
-        for s in window.problem.costs.stages
-        for x in s.layers
-        for p in x.parts
-        if p.after is OpKind.BWD
-    }
+    stages = window.problem.costs.stages
+    gradients = {(x.name, p.part) for s in stages for x in s.layers for p in x.parts if p.after is OpKind.BWD}
     for c, task in enumerate(window.tasks):
         if task.kind is not TaskKind.CURV or task.factors[0] not in gradients:
             continue
@@ -404,252 +596,27 @@ def build_window(
     by `stretch` idle ticks; `scale`: a (ticks per second, exact) grid shared by several groups (else its own)."""
     if stretch < 0:
         raise AssertionError(f"negative stretch {stretch}")
-    refresh, normal = step_timeline(problem, fused, refresh=True), step_timeline(problem)
     scale = scale if scale is not None else grid_scale(problem, group.stages, fused, resolution)
-    grid = Grid(scale[0])
-    steps = (refresh,) + (normal,) * (k - 1)
-    offsets = tuple(step_begins(grid.at(refresh.length), grid.at(normal.length), stretch, j, k) for j in range(k + 1))
-    leads = tuple(
-        grid.at(steps[j - 1].length) - grid.at(steps[j - 1].length - early_start(problem, steps[j - 1], group.devices))
-        for j in range(k)
-    )
-    frame = _Frame(problem, group, fused, grid, steps, offsets, leads)
-    work = {d: frame.device_work(d) for d in group.devices}
     budget = problem.memory_budget
     capacity = {d: None if budget is None else budget - static_bytes(problem, d) for d in group.devices}
-    precs = frame.prec_slots()
-    tasks = (*frame.tasks(stats_chunk, precs), *frame.w_tasks())
+    w = Window(problem, group, k, fused, *scale, (), {}, {}, capacity, (), (), (), stretch, stats_chunk)
+    steps, at = w.steps, w.at
+    offsets = tuple(
+        step_begins(at(steps[0].length), at(step_timeline(problem).length), stretch, j, k) for j in range(k + 1)
+    )
+    leads = tuple(
+        at(st.length) - at(st.length - early_start(problem, st, group.devices)) for st in steps[-1:] + steps[:-1]
+    )
     use: tuple[int, ...] = ()  # per step, when the first of the streamed stage's owners starts its last backward
     if problem.streaming is not None:
-        use = tuple(o + grid.at(stream_start(problem, st)) for o, st in zip(offsets, steps))
-    fixed, acts = {d: w[0] for d, w in work.items()}, {d: w[1] for d, w in work.items()}
-    return Window(
-        problem, group, k, fused, *scale, offsets, fixed, acts, capacity, tasks, precs, leads, stretch, stats_chunk, use
+        use = tuple(o + at(stream_start(problem, st)) for o, st in zip(offsets, steps))
+    w = replace(w, offsets=offsets, leads=leads, stream_use=use)
+    work = {d: w._device_work(d) for d in group.devices}
+    precs = w._prec_slots()
+    tasks = (*w._refresh_work(precs), *w._w_tasks())
+    return replace(
+        w, fixed={d: x[0] for d, x in work.items()}, acts={d: x[1] for d, x in work.items()}, tasks=tasks, precs=precs
     )
-
-
-@dataclass(frozen=True)
-class _Frame:
-    """What a window's pieces are built from: its k steps' timelines (step 0 the refresh step) on a grid, with their
-    offsets and leads."""
-
-    problem: Problem
-    group: StageGroup
-    fused: frozenset[str]
-    grid: Grid
-    steps: tuple[StepTimeline, ...]
-    offsets: tuple[int, ...]
-    leads: tuple[int, ...]
-
-    def wrap(self, j: int, start: float, end: float) -> list[Interval]:
-        """[start, end) seconds of window step j, on the grid, modulo the window length."""
-        return wrap(self.offsets[j] + self.grid.at(start), self.offsets[j] + self.grid.at(end), self.offsets[-1])
-
-    def device_work(self, device: int) -> tuple[tuple[Interval, ...], tuple[tuple[int, int, int], ...]]:
-        """The device's busy ticks, merged (F/B, gradient all-reduces over copies, a streamed layer's APPLY on its
-        helper and hand-off on its owner, every step's first tick), and its activations (start, end, bytes)."""
-        problem, placed = self.problem, placed_w(self.problem)  # W's placed as tasks ([Note: placed W])
-        busy: list[Interval] = []
-        acts: list[tuple[int, int, int]] = []
-        for j, st in enumerate(self.steps):
-            for op, a, b in st.ops[device]:
-                if (
-                    op.kind in (OpKind.FWD, OpKind.BWD)
-                    or (op.kind is OpKind.BWD_W and not placed)
-                    or (op.kind is OpKind.ALLREDUCE_GRAD and len(copies_of_stage(problem, op.stage_id)) > 1)
-                    or (op.kind is OpKind.APPLY and is_streamed(problem, device, op))
-                ):  # F/B, a collective (of no tick: an instant), a streamed layer's APPLY
-                    busy += self.wrap(j, a, b)
-                elif op.kind in STREAMED_TRANSFERS and op.layer is not None:  # the owner's hand-off; a message's CPU
-                    layer = problem.costs.layer(op.layer)
-                    own = {OpKind.SEND_LGRAD: layer.hand_off, OpKind.RECV_PGRAD: layer.take_back}.get(op.kind, 0.0)
-                    work = own + problem.costs.message_cpu(op)  # a RECV's wait is idle; a bucket's fixed cost whole
-                    busy += self.wrap(j, b - work, b) if work > 0 else []
-            begin = step_start_tick(self.offsets, self.leads, j)
-            busy += wrap(begin, begin + 1, self.offsets[-1])  # no task spans a boundary ([Note: step barrier])
-            acts += [
-                (s, e, n)
-                for a, b, n in activation_intervals(problem, device, st, not placed)
-                for s, e in self.wrap(j, a, b)
-            ]
-        return _merge(busy), tuple(acts)
-
-    def prec_slots(self) -> tuple[PrecSlot, ...]:
-        """Every (device, stage, step)'s slot ([Note: gradient parts])."""
-        problem, grid, slots = self.problem, self.grid, []
-        lead = {
-            s: max(
-                sum(secs for op, secs in prec_work(problem, c, s) if op.kind is not OpKind.BCAST_PREC)
-                for c in copies_of_stage(problem, s)
-            )
-            for s in self.group.stages
-        }
-        for d in self.group.devices:
-            for s in stages_on_device(problem, d):
-                work = prec_work(problem, d, s)
-                ops, durations = tuple(op for op, _ in work), tuple(secs for _, secs in work)
-                shape = PrecSlot(d, s, 0, 0, 0, 0, 0, ops, durations)
-                lead_s = lead[s] if shape.shares else 0.0
-                seconds = replace(shape, lead=lead_s).seconds
-                for j, st in enumerate(self.steps):
-                    release = self.offsets[j] + grid.at(st.allreduce_end[d, s])
-                    # APPLY ends before OPT_STEP ([Note: step barrier])
-                    deadline = step_start_tick(self.offsets, self.leads, j + 1)
-                    end = st.end_of(d, ops[-1]) if ops else st.allreduce_end[d, s]  # every layer streamed: no work
-                    reference = max(release, self.offsets[j] + grid.at(end - seconds))
-                    # the reference's rounded ends, not its rounded-up length: the op after it starts at grid.at(end)
-                    ticks = min(max(1, grid.at(end) - grid.at(end - seconds)), deadline - release)
-                    slots.append(PrecSlot(d, s, j, release, deadline, reference, ticks, ops, durations, lead_s))
-        return tuple(slots)
-
-    def tasks(self, stats_chunk: int, precs: tuple[PrecSlot, ...]) -> list[Task]:
-        """The refresh's tasks: every deferred STATS, then per part its SYNC, DECOMP pieces and BCAST."""
-        problem, grid, refresh = self.problem, self.grid, self.steps[0]
-        tasks: list[Task] = []
-        for s in self.group.stages:
-            deferred = [x for x in problem.costs.stages[s].layers if x.name not in self.fused]
-            tasks += self.curv_tasks(s, deferred, stats_chunk)
-        for s in self.group.stages:
-            copies = copies_of_stage(problem, s)
-            longest = max((p.decomp for x in problem.costs.stages[s].layers for p in x.parts), default=0.0)
-            for x in problem.costs.stages[s].layers:
-                for p in x.parts:
-                    gradient = p.after is OpKind.ALLREDUCE_GRAD
-                    after_slot = gradient and not streamed_stats(problem, x.name)  # a streamed one's: with the return
-                    ready = 0
-                    if gradient and not after_slot:
-                        ready = max(grid.up(refresh.end_of(d, returned(problem, x.name))) for d in copies)
-                    elif after_slot:
-                        ready = min(slot.release + slot.ticks for slot in precs if (slot.stage, slot.step) == (s, 0))
-                    elif x.name in self.fused:
-                        made = self.released_by(p.after)  # with the W; placed, its task ([Note: placed W])
-                        ready = max(
-                            grid.up(e)
-                            for d in copies
-                            for op, _, e in refresh.fixed(d)
-                            if op.stage == s and op.kind is made
-                        )
-                    # the longest a DECOMP task lasts
-                    tasks += self.refresh_tasks(s, x.name, p, longest / problem.decomp_pieces, ready, after_slot)
-        return tasks
-
-    def released_by(self, after: OpKind) -> OpKind:
-        """The kind of the refresh step's fixed op whose end releases the work on a capture taken `after` FWD or BWD:
-        the op that makes it (`capture_kind`: an output gradient's W on zero-bubble schedules), but where W's are
-        placed tasks an output gradient's B, the W tasks preceding that work (`w_makers`, [Note: placed W])."""
-        made = capture_kind(self.problem.kind, after)
-        return OpKind.BWD if made is OpKind.BWD_W and placed_w(self.problem) else made
-
-    def curv_tasks(self, stage: int, deferred: list[LayerCost], stats_chunk: int) -> list[Task]:
-        """Per copy of `stage` and F/B (or W) of the refresh step, STATS tasks of `stats_chunk` deferred layers each,
-        released by the op that makes their captures (`released_by`)."""
-        tasks, copies = [], copies_of_stage(self.problem, stage)
-        taken = {self.released_by(after): after for after in (OpKind.FWD, OpKind.BWD)}  # releasing op: its captures
-        for d in copies:
-            kept = [x for x in deferred if keeps_statistics(d, copies, self.problem.where(x.name))]
-            for op, _, end in self.steps[0].fixed(d):
-                for side in _parts_after(kept, taken[op.kind]) if op.stage == stage and op.kind in taken else ():
-                    for chunk in _chunks(kept, stats_chunk):
-                        secs = tuple(x.part(side).stats for x in chunk)
-                        ops = tuple(_stats_op(stage, op.mb, op.pipe, x.name, side) for x in chunk)
-                        keep = sum(x.part(side).capture_bytes for x in chunk)
-                        name = f"curv_{side}_s{stage}_m{op.mb}_p{op.pipe}_r{d}_{chunk[0].name}"
-                        factors = tuple((x.name, side) for x in chunk)
-                        span, release = self.grid.span(sum(secs)), self.grid.up(end)
-                        tasks.append(
-                            Task(name, TaskKind.CURV, stage, side, ops, secs, span, (d,), release, factors, keep)
-                        )
-        return tasks
-
-    def refresh_tasks(
-        self, stage: int, layer: str, p: PartCost, piece: float, ready: int, after_slot: bool
-    ) -> list[Task]:
-        """A part's refresh once its statistic is complete (tick `ready`): SYNC over the stage's copies (a captured part
-        held more than once), DECOMP on one copy, BCAST to the others; `after_slot`: [Note: gradient parts].
-
-        [Note: piece tasks] The decomposition is one INV task, or `Problem.decomp_pieces` DECOMP ops ("DECOMP s A i/n
-        layer") back to back in tasks no longer than `piece` (as few as that allows, dealt evenly), chained in order
-        on one rank (`inv_chains`), so that no task outlasts the bubbles while small decompositions need fewer tasks
-        than the largest: cut in the same 4 pieces, BERT-Large's d-wide factors made 288 of 1F1B's 432 tasks a stage,
-        and CP-SAT found the streamed plan at the bound only with 30 s; as one task each, within 10 s. The runtime
-        runs the same pieces."""
-        problem, side, grid = self.problem, p.part, self.grid
-        copies, workers, key = copies_of_stage(problem, stage), problem.workers(layer), ((layer, p.part),)
-
-        def collective(kind: TaskKind, op: Op, devices: tuple[int, ...], release: int) -> Task:
-            secs = problem.costs.collective_seconds(op, len(devices))
-            return Task(
-                f"{kind}_{side}_{layer}", kind, stage, side, (op,), (secs,), grid.span(secs), devices, release, key
-            )
-
-        tasks = []
-        gradient = p.after is OpKind.ALLREDUCE_GRAD
-        if len(copies) > 1 and not gradient and not problem.where(layer).strategy.local_factors:
-            tasks.append(collective(TaskKind.SYNC, Op(OpKind.SYNC_STATS, stage, layer=layer, part=side), copies, ready))
-        pieces = problem.decomp_pieces
-        share = p.decomp / pieces
-        most = max(1, math.floor(piece / share + 1e-9)) if share > 0 else pieces  # pieces a task may hold
-        runs = math.ceil(pieces / most)
-        bounds = [pieces * i // runs for i in range(runs + 1)]
-        for a, b in zip(bounds, bounds[1:]):
-            name = f"inv_{side}_{layer}" if pieces == 1 else f"inv_{side}_{layer}_{a}"
-            ops = tuple(
-                Op(OpKind.DECOMP, stage, layer=layer, part=side, piece=None if pieces == 1 else (i, pieces))
-                for i in range(a, b)
-            )
-            span, each = grid.span(share * (b - a)), (share,) * (b - a)
-            tasks.append(
-                Task(name, TaskKind.INV, stage, side, ops, each, span, workers, ready, key, after_slot=after_slot)
-            )
-        if len(workers) > 1:
-            group = None if workers == copies else workers
-            op = Op(OpKind.BCAST, stage, layer=layer, part=side, root=workers[0], group=group)
-            tasks.append(collective(TaskKind.BCAST, op, workers, 0))
-        return tasks
-
-    def w_tasks(self) -> list[Task]:
-        """The WGRAD task of every W of every window step on the group's devices ([Note: placed W]); the refresh
-        step's list, as `factors`, the fused parts their curvature feeds (those parts' decompositions follow them).
-        Per-layer W's ([Note: per-layer W]) are a task each where each spans a tick at home; else one task holds a
-        stage W's layers' W's back to back."""
-        tasks = []
-        for d in self.group.devices:
-            for j, st in enumerate(self.steps):
-                items = w_window(self.problem, st, d, self.fused if j == 0 else frozenset())
-                for _, group in itertools.groupby(items, key=lambda item: (item[0].stage, item[0].mb, item[0].pipe)):
-                    run = list(group)
-                    ws: list[tuple[tuple[Op, ...], tuple[float, ...], float, float]]
-                    ws = [((op,), (b - a,), a, b) for op, a, b in run]
-                    if any(self.grid.at(b) <= self.grid.at(a) for _, a, b in run):
-                        ws = [(tuple(op for op, _, _ in run), tuple(b - a for _, a, b in run), run[0][1], run[-1][2])]
-                    tasks += [self.w_task(d, j, *w) for w in ws]
-        return tasks
-
-    def w_task(
-        self, device: int, j: int, ops: tuple[Op, ...], seconds: tuple[float, ...], start: float, end: float
-    ) -> Task:
-        """The WGRAD task of `ops` whose home is [start, end) of window step j: released at its B's end, due by its
-        stage's ALLREDUCE_GRAD (with one copy, by the step's end)."""
-        op, s, at, timeline = ops[0], ops[0].stage_id, self.grid.at, self.steps[j].ops[device]
-        b_op = Op(OpKind.BWD, op.stage, op.mb, op.pipe)
-        release = self.offsets[j] + at(next(e for o, _, e in timeline if o == b_op))
-        reduce = next(t for o, t, _ in timeline if o.kind is OpKind.ALLREDUCE_GRAD and o.stage == op.stage)
-        due = self.offsets[j] + max(at(reduce), at(end)) if shared(self.problem, s) else self.offsets[j + 1]
-        stage = self.problem.costs.stages[s]
-        feeds = tuple(
-            (x.name, p.part)
-            for x in stage.layers
-            if j == 0 and x.name in self.fused and any(w_makes(w, x.name) for w in ops)  # a per-layer W: its layer's
-            for p in x.parts
-            if p.after is OpKind.BWD
-        )
-        suffix = f"_{op.layer}" if len(ops) == 1 and op.layer else ""
-        name = f"w_s{op.stage}_m{op.mb}_p{op.pipe}_r{device}_j{j}{suffix}"
-        ticks, home = max(1, at(end) - at(start)), self.offsets[j] + at(start)
-        keep = sum(w_operand_bytes(stage, w.layer) for w in ops)
-        return Task(
-            name, TaskKind.WGRAD, s, "", ops, seconds, ticks, (device,), release, feeds, keep, deadline=due, home=home
-        )
 
 
 def _parts_after(layers: Iterable[LayerCost], kind: OpKind) -> list[str]:
@@ -674,7 +641,8 @@ def _chunks(layers: Sequence[LayerCost], size: int) -> list[list[LayerCost]]:
 # [Note: placed W] The zero-bubble schedules' W's (OpKind.BWD_W, a backward's weight-gradient half) as planner tasks
 # (issue 37 item 3). A W depends on its own B alone and is needed by its stage's update: in a window each W of each
 # step is a `TaskKind.WGRAD` task on its rank, released at its B's end, due by its stage's ALLREDUCE_GRAD where the
-# stage has copies (else by its per-step slot, the no-op all-reduce following the last W: `shared`), holding its
+# stage has copies (a fixed time of the step; with one copy the all-reduce is a no-op that follows the stage's last W
+# wherever it is placed, so the W's are due by the stage's per-step slot, which reads the gradient), holding its
 # layers' operands (`w_operand_bytes`) until it ends, as a deferred STATS holds its captures. It lasts its interval in
 # the simulated step (at the refresh step, with the fused curvature it runs). Its schedule position (`home`) is where
 # first-fit puts it and where CP-SAT keeps it while searching the period and stretch (free W's made those searches
@@ -682,7 +650,7 @@ def _chunks(layers: Sequence[LayerCost], size: int) -> list[list[LayerCost]]:
 # least-staleness solve then moves them where that leaves the other tasks more room (a worse placement is not kept).
 # F/B keep their times, so no step grows. A fused layer's decomposition waits for the refresh step's W's of its stage;
 # a deferred layer's STATS of its output gradient wait for the W making it (`w_makers`; where W's are not placed, the
-# W at its place releases them: `_Frame.released_by`), as the runtime has W make that gradient.
+# W at its place releases them: `Window._released_by`), as the runtime has W make that gradient.
 # W's are placed where `placed_w` holds: a zero-bubble schedule without streaming (a streamed hand-off follows the
 # stage's last backward in the program) of at most `MAX_W_TASKS` W's a window.
 
@@ -708,24 +676,17 @@ def w_by_layer(problem: Problem) -> bool:
     return placed_w(problem) and problem.N * layers * problem.max_period <= MAX_W_TASKS
 
 
-def shared(problem: Problem, stage: int) -> bool:
-    """Whether `stage`'s gradient all-reduce is a collective (the stage has copies): its W's are due by its start,
-    a fixed time of the step; with one copy it is a no-op that follows the stage's last W wherever it is placed, and
-    the W's are due by the stage's per-step slot (its gradient STATS and APPLY, which read the gradient)."""
-    return len(copies_of_stage(problem, stage)) > 1
-
-
 def allreduce_after_w(problem: Problem, items: list[tuple[tuple[int, ...], Op]]) -> list[tuple[tuple[int, ...], Op]]:
     """One step's program items (sort key, op) with each one-copy stage's ALLREDUCE_GRAD keyed right after the
-    stage's last placed W where that W comes later (`shared`): the runtime refuses an all-reduce while a W of its
-    stage waits."""
+    stage's last placed W where that W comes later ([Note: placed W]): the runtime refuses an all-reduce while a W
+    of its stage waits."""
     last: dict[int | None, tuple[int, ...]] = {}
     for key, op in items:
         if op.kind is OpKind.BWD_W:
             last[op.stage] = max(last.get(op.stage, key), key)
     out = []
     for key, op in items:
-        if op.kind is OpKind.ALLREDUCE_GRAD and op.stage in last and not shared(problem, op.stage_id):
+        if op.kind is OpKind.ALLREDUCE_GRAD and op.stage in last and len(copies_of_stage(problem, op.stage_id)) == 1:
             key = max(key, (*last[op.stage][:3], 1 << 30))  # after the W's folds, which share its first 3 keys
         out.append((key, op))
     return out

@@ -1,15 +1,11 @@
-"""Checks a plan against its problem, independently of the solvers: every constraint, in seconds.
-
-It recomputes what the plan must contain from the problem alone (the simulated step timelines; the cost table's comm
-model) and shares no code with the search. Times may be off by the plan's `metrics.time_quantum` ([Note: time grid]
-in planner/plan/window.py); every step is followed by `metrics.stretch` idle seconds ([Note: stretch]), and the step
-stays within max_overhead. Each layer's distribution (planner/problem/strategy.py) says which copies take its
-statistics, sync, decompose, receive, apply and broadcast it. Checked: a refresh's order (statistics after the F/B
-they read; sync, decomposition pieces and broadcast after them and before the next refresh; APPLY after the reduced
-gradient; each `use_offset`); the placements (as often as the problem asks, for their cost, inside their window step,
-never over the F/B or each other, within memory and step time); the per-rank programs (the schedule's ops and the
-placed ones in time order, no gradient read early, no deadlock, no slower than planned); and a streamed stage's
-hand-offs and replicas (planner/problem/lowering.py).
+"""Checks a plan against its problem in seconds, recomputing what it must hold from the problem alone (the simulated
+step timelines, the comm model), sharing no code with the search. Times may be off by `metrics.time_quantum` ([Note:
+time grid] in planner/plan/window.py), every step ends with `metrics.stretch` idle seconds ([Note: stretch]). Checked:
+a refresh's order (statistics after the F/B they read; sync, decomposition pieces and broadcast after them and before
+the next refresh; APPLY after the reduced gradient; each `use_offset`); the placements (as often as the problem and
+each layer's distribution ask, for their cost, inside their window step, never over the F/B or each other, within
+memory and step time); the per-rank programs (the schedule's ops and the placed ones in time order, no gradient read
+early, no deadlock, no slower than planned); a streamed stage's hand-offs and replicas (planner/problem/lowering.py).
 """
 
 from __future__ import annotations
@@ -19,8 +15,8 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import TYPE_CHECKING
 
+from fxkfac.planner.plan.plan import Plan
 from fxkfac.planner.plan.window import placed_w, w_window
 from fxkfac.planner.problem.errors import DeadlockError, PlanError
 from fxkfac.planner.problem.ir import (
@@ -70,9 +66,6 @@ from fxkfac.planner.problem.step_timeline import (
 )
 from fxkfac.planner.problem.strategy import keeps_statistics
 
-if TYPE_CHECKING:
-    from fxkfac.planner.plan.plan import Plan
-
 Key = tuple[int | None, int, int]
 """(stage, device, window step)."""
 
@@ -91,8 +84,8 @@ class Context:
     stretch: float = 0.0
 
     def period(self, stage: int) -> int:
-        """The stage's refresh period: its layers' (`check_layers` makes them agree), or for a stage without
-        preconditioned layers (a BERT's embeddings alone) the plan's `refresh_steps`: its group's window."""
+        """The stage's refresh period: its layers' (`check_layers` makes them agree), else (no preconditioned layer)
+        the plan's `refresh_steps`: its group's window."""
         layers = self.problem.costs.stages[stage].layers
         return self.plan.layers[layers[0].name].period if layers else self.plan.metrics.refresh_steps[stage]
 
@@ -135,33 +128,30 @@ class Context:
         return out
 
     @cached_property
-    def refresh_ws(self) -> dict[tuple[int, int | None, int | None, int], list[Placement]]:
+    def refresh_ws(self) -> defaultdict[tuple[int, int | None, int | None, int], list[Placement]]:
         """The refresh step's placed W's by (device, stage, micro-batch, pipe)."""
-        out: dict[tuple[int, int | None, int | None, int], list[Placement]] = {}
-        for p in self.kinds[OpKind.BWD_W]:
-            if p.step == 0:
-                out.setdefault((p.device, p.op.stage, p.op.mb, p.op.pipe), []).append(p)
+        out = defaultdict(list)
+        for p in (p for p in self.kinds[OpKind.BWD_W] if p.step == 0):
+            out[p.device, p.op.stage, p.op.mb, p.op.pipe].append(p)
         return out
 
     def capture_end(self, device: int, stats: Op) -> tuple[OpKind, float]:
-        """The kind of op that makes the refresh step's capture a micro-batch's `stats` reads on `device`, and when
-        it ends: its part's `after` op, an output gradient's W on zero-bubble schedules (`capture_kind`), where W's
-        are placed the placed W's of its layer ([Note: placed W] in planner/plan/window.py)."""
+        """The kind of op that makes the refresh step's capture `stats` reads on `device` (its part's `after`, an
+        output gradient's W on zero-bubble schedules: `capture_kind`), and when it ends (where W's are placed, the
+        latest placed W of its layer, not before its B: [Note: placed W] in planner/plan/window.py)."""
         kind = capture_kind(self.problem.kind, self.problem.costs.layer(stats.layer_name).part(stats.part_name).after)
         placed = kind is OpKind.BWD_W and placed_w(self.problem)
         ready = self.end_of(0, 1, device, OpKind.BWD if placed else kind, stats)
-        if placed:  # at the latest of them, not before its B
-            ws = self.refresh_ws.get((device, stats.stage, stats.mb, stats.pipe), [])
-            ready = max([ready] + [q.end for q in ws if w_makes(q.op, stats.layer_name)])
-        return kind, ready
+        ws = self.refresh_ws[device, stats.stage, stats.mb, stats.pipe] if placed else []
+        return kind, max([ready] + [q.end for q in ws if w_makes(q.op, stats.layer_name)])
 
     @cached_property
-    def made(self) -> dict[str, list[float]]:
-        """Per layer, the ends of its refresh's DECOMP and BCAST placements."""
-        out: dict[str, list[float]] = {}
+    def made(self) -> dict[str, list[Placement]]:
+        """Per layer, its refresh's DECOMP and BCAST placements."""
+        out: dict[str, list[Placement]] = {}
         for p in self.plan.placements:
             if p.op.kind in (OpKind.DECOMP, OpKind.BCAST):
-                out.setdefault(p.op.layer_name, []).append(p.end)
+                out.setdefault(p.op.layer_name, []).append(p)
         return out
 
     @cached_property
@@ -173,12 +163,8 @@ class Context:
     def follows_w(self, op: Op) -> bool:
         """Whether `op` is a no-op all-reduce (of a stage without copies) that follows its stage's placed W's wherever
         they are, not the schedule's position."""
-        return (
-            op.kind is OpKind.ALLREDUCE_GRAD
-            and placed_w(self.problem)
-            and op.stage is not None
-            and len(copies_of_stage(self.problem, op.stage)) == 1
-        )
+        placed = op.kind is OpKind.ALLREDUCE_GRAD and op.stage is not None and placed_w(self.problem)
+        return placed and len(copies_of_stage(self.problem, op.stage_id)) == 1
 
     def pipeline(self, op: Op) -> bool:
         """Whether `op` is at the schedule's place in a program: neither placed nor following placed W's."""
@@ -217,9 +203,7 @@ def op_seconds(c: Context, op: Op) -> float:
 
 
 def wrapped(start: float, end: float, length: float) -> list[tuple[float, float]]:
-    s = start % length
-    if length - s < 1e-12:
-        s = 0.0
+    s = start % length if length - start % length >= 1e-12 else 0.0
     e = s + (end - start)
     return [(s, e)] if e <= length + 1e-12 else [(s, length), (0.0, e - length)]
 
@@ -239,15 +223,13 @@ def apply_start(c: Context, layer: str, u: int, device: int) -> float:
 
 
 def check_dependencies(c: Context) -> None:
-    factor_tasks: defaultdict[tuple[str, str | None], defaultdict[OpKind, list[Placement]]] = defaultdict(
-        lambda: defaultdict(list)
-    )
+    """Each placement after what it reads, and each factor's refresh in order (`_check_factor`)."""
+    factor_tasks: defaultdict[tuple[str, str | None], defaultdict[OpKind, list[Placement]]]
+    factor_tasks = defaultdict(lambda: defaultdict(list))
     applies = {(p.op.stage, p.device, p.step): p.start for p in c.kinds[OpKind.APPLY]}
     updates: dict[Key, float] = {}  # the first per-step op's start by stage, device, step
-    for p in c.plan.placements:
-        if per_step(p.op):
-            key = (p.op.stage, p.device, p.step)
-            updates[key] = min(updates.get(key, p.start), p.start)
+    for p in sorted((p for p in c.plan.placements if per_step(p.op)), key=lambda p: -p.start):
+        updates[p.op.stage, p.device, p.step] = p.start
     for p in c.plan.placements:
         if p.op.kind is OpKind.STATS and p.op.mb is None:
             _check_gradient_stats(c, p, applies)
@@ -271,7 +253,6 @@ def check_dependencies(c: Context) -> None:
             factor_tasks[p.op.layer_name, p.op.part][p.op.kind].append(p)
     for (layer, side), kinds in factor_tasks.items():
         _check_factor(c, layer, side, kinds)
-    _check_warm_starts(c, factor_tasks)
 
 
 def _check_w(c: Context, p: Placement, updates: Mapping[Key, float]) -> None:
@@ -392,14 +373,11 @@ def _check_snapshot(c: Context, layer: str, decomp: Placement, stats: list[Place
         )
 
 
-def _check_warm_starts(c: Context, factor_tasks: Mapping[tuple[str, str | None], Mapping]) -> None:
+def check_warm_starts(c: Context) -> None:
     """A layer whose decompositions start from its previous preconditioner (pieces, or `Problem.warm_start`) makes
     each refresh before the next one's first DECOMP starts, and starts its broadcasts before it."""
-    layers: dict[str, list[Placement]] = {}
-    for (layer, _), kinds in factor_tasks.items():
-        layers.setdefault(layer, []).extend(kinds.get(OpKind.DECOMP, []) + kinds.get(OpKind.BCAST, []))
-    for layer, refresh in layers.items():
-        warm = c.problem.warm_start
+    warm = c.problem.warm_start
+    for layer, refresh in c.made.items():
         firsts = [
             p.start for p in refresh if p.op.kind is OpKind.DECOMP and (p.op.piece[0] == 0 if p.op.piece else warm)
         ]
@@ -426,8 +404,8 @@ def check_precs_and_offsets(c: Context) -> None:
         lo, hi = c.base(j, k) + c.timeline(j, k).allreduce_end[d, s], c.step_start(d, j + 1, k)
         if p.start < lo - c.tol or p.end > hi + c.tol:
             c.errors.append(f"APPLY s{s} step {j} on r{d} [{p.start:.6g}, {p.end:.6g}) is outside [{lo:.6g}, {hi:.6g})")
-    for layer, ends in c.made.items():
-        t = max(ends)
+    for layer, made in c.made.items():
+        t = max(p.end for p in made)
         k = c.period(c.problem.costs.stage_of(layer))
         workers = c.problem.workers(layer)
         u = next(
@@ -497,6 +475,7 @@ def check_layers(c: Context) -> None:
 
 
 def check_placed_once(c: Context) -> None:
+    """Every op the problem asks for placed as often as `_expected` says, for its cost, on a worker, in its step."""
     got: Counter = Counter()
     for p in c.plan.placements:
         k = c.period(p.op.stage_id)
@@ -512,11 +491,8 @@ def check_placed_once(c: Context) -> None:
             cost = op_seconds(c, p.op)
         if abs(p.end - p.start - cost) > c.tol + 1e-9 * max(1.0, p.end):
             c.errors.append(f"{p.op} on r{p.device}: lasts {p.end - p.start:.6g} s, costs {cost:.6g} s")
-        if (
-            not 0 <= p.step < 2 * k
-            or not c.step_start(p.device, p.step, k) - c.tol <= p.start
-            or p.end > c.step_start(p.device, p.step + 1, k) + c.tol
-        ):
+        inside = 0 <= p.step < 2 * k and c.step_start(p.device, p.step, k) - c.tol <= p.start
+        if not inside or p.end > c.step_start(p.device, p.step + 1, k) + c.tol:
             c.errors.append(
                 f"{p.op} on r{p.device} at [{p.start:.6g}, {p.end:.6g}) s is not within window step {p.step} (k={k})"
             )
@@ -529,13 +505,21 @@ def check_placed_once(c: Context) -> None:
             c.errors.append(f"{item[0]} on {item[1:]} placed {got[item]} times, expected {want[item]}")
 
 
-def check_overlap(c: Context) -> None:
+def check_devices(c: Context) -> None:
     """Per device, over its window modulo the window's length: no placed op overlaps another or the F/B (W) and
-    gradient all-reduces, when nothing else may run (an op of no duration occupies nothing)."""
-    by_device = defaultdict(list)
+    gradient all-reduces, when nothing else may run (an op of no duration occupies nothing); the activations, kept
+    captures, W operands and third decompositions within the memory budget and the peak claimed."""
+    by_device, keeps = defaultdict(list), defaultdict(list)
     for p in c.plan.placements:
         by_device[p.device].append(p)
-    fixed_kinds = (OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD, *(() if placed_w(c.problem) else (OpKind.BWD_W,)))
+        if p.op.kind is OpKind.STATS and p.op.mb is not None:  # its capture, from when it is made
+            part = c.problem.costs.layer(p.op.layer_name).part(p.op.part_name)
+            keeps[p.device].append((c.capture_end(p.device, p.op)[1], p.end, part.capture_bytes))
+        elif p.op.kind is OpKind.BWD_W:  # a placed W holds its layers' operands from its B's end
+            since = c.end_of(p.step, c.period(p.op.stage_id), p.device, OpKind.BWD, p.op)
+            keeps[p.device].append((since, p.end, w_operand_bytes(c.problem.costs.stages[p.op.stage_id], p.op.layer)))
+    placed, budget = placed_w(c.problem), c.problem.memory_budget
+    fixed_kinds = (OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD, *(() if placed else (OpKind.BWD_W,)))
     for d in c.problem.devices:
         k = c.device_period(d)
         L = c.length(k)
@@ -554,29 +538,14 @@ def check_overlap(c: Context) -> None:
                     break
                 if min(e1, e2) - s2 > c.tol or (s1 + c.tol < s2 < e1 - c.tol):
                     c.errors.append(f"r{d}: {n1} [{s1:.6g}, {e1:.6g}) overlaps {n2} [{s2:.6g}, {e2:.6g}) (mod {L:.6g})")
-
-
-def check_memory(c: Context) -> None:
-    budget = c.problem.memory_budget
-    keeps = defaultdict(list)
-    for p in c.plan.placements:
-        if p.op.kind is OpKind.STATS and p.op.mb is not None:  # its capture, from when it is made
-            part = c.problem.costs.layer(p.op.layer_name).part(p.op.part_name)
-            keeps[p.device].append((c.capture_end(p.device, p.op)[1], p.end, part.capture_bytes))
-        elif p.op.kind is OpKind.BWD_W:  # a placed W holds its layers' operands from its B's end
-            since = c.end_of(p.step, c.period(p.op.stage_id), p.device, OpKind.BWD, p.op)
-            keeps[p.device].append((since, p.end, w_operand_bytes(c.problem.costs.stages[p.op.stage_id], p.op.layer)))
-    for d in c.problem.devices:
-        k = c.device_period(d)
-        L = c.length(k)
         spans = [
             (c.base(j, k) + a, c.base(j, k) + b, n)
             for j in range(k)
-            for a, b, n in activation_intervals(c.problem, d, c.timeline(j, k), not placed_w(c.problem))
+            for a, b, n in activation_intervals(c.problem, d, c.timeline(j, k), not placed)
         ] + keeps[d]
-        for layer, ends in c.made.items():  # a third decomposition: the next refresh's made before this one is used
+        for layer, made in c.made.items():  # a third decomposition: the next refresh's made before this one is used
             nbytes = decomposition_bytes(c.problem, d, layer)
-            next_made = min(ends) + c.length(c.period(c.problem.costs.stage_of(layer)))
+            next_made = min(p.end for p in made) + c.length(c.period(c.problem.costs.stage_of(layer)))
             used = apply_start(c, layer, c.plan.layers[layer].use_offset, d)
             if nbytes and next_made < used:
                 spans.append((next_made, used, nbytes))
@@ -608,8 +577,9 @@ def check_step_time(c: Context) -> None:
 
 
 def check_programs(c: Context, run: bool) -> None:
-    """Each rank's program: its length, its repetition, the schedule's ops at their places and the placed ones as
-    placed, each step checked by `_check_step`."""
+    """Each rank's program: its length, its repetition, the schedule's ops at their places, the refresh step's folds
+    (`fused_stats`), the placed ones as placed (`_check_interleaving`), and with `run` how it runs (`_check_runs`)."""
+    anchor = weight_gradient_kind(c.problem.kind)  # the op a fused layer's statistics fold after
     for d in c.problem.devices:
         prog = c.plan.programs.get(d)
         k = c.device_period(d)
@@ -618,7 +588,8 @@ def check_programs(c: Context, run: bool) -> None:
         if prog is None or len(prog) != length:
             c.errors.append(f"r{d}: the program must have {length} steps")
             continue
-        if any(_placed(c, d, prog[j]) != _placed(c, d, prog[j % k]) for j in range(k, length)):
+        placed = [[op for op in ops if not is_streamed(c.problem, d, op)] for ops in prog]  # streamed: check_streaming
+        if any(placed[j] != placed[j % k] for j in range(k, length)):
             c.errors.append(f"r{d}: the program repeats its own {k} steps but for streamed layers' replicas")
         prog = prog[:k]
         for j, ops in enumerate(prog):
@@ -627,12 +598,18 @@ def check_programs(c: Context, run: bool) -> None:
             moved = [op for op, _, _ in c.timeline(j, k).ops[d] if c.follows_w(op)]
             if sorted(map(str, (op for op in ops if c.follows_w(op)))) != sorted(map(str, moved)):
                 c.errors.append(f"r{d} step {j}: the gradient all-reduces differ from the schedule's")
-            for i, op in enumerate(
-                ops
-            ):  # each stage's all-reduce after its W's: the runtime refuses it while one waits
+            for i, op in enumerate(ops):  # a stage's all-reduce after its W's: the runtime refuses it while one waits
                 later = [o for o in ops[i + 1 :] if o.kind is OpKind.BWD_W and o.stage == op.stage]
                 if op.kind is OpKind.ALLREDUCE_GRAD and later:
                     c.errors.append(f"r{d} step {j}: '{op}' comes before '{later[0]}' of its stage")
+                # the refresh step follows each BWD (a zero-bubble schedule's W) with exactly the STATS folding its
+                # fused layers' statistics here, and no other step folds any: else the runtime has none to decompose
+                if j == 0 and op.kind is anchor:
+                    want = fused_stats(c.problem, c.fused, d, op)
+                    if ops[i + 1 : i + 1 + len(want)] != want:
+                        c.errors.append(f"r{d} step 0: '{op}' is not followed by the folds of its fused layers {want}")
+                elif c.fold(op) and (j != 0 or i == 0 or not (ops[i - 1].kind is anchor or c.fold(ops[i - 1]))):
+                    c.errors.append(f"r{d} step {j}: '{op}' is not right after a {anchor} of the refresh step")
         times = {
             (p.step % k, str(p.op)): (p.start - c.length(k) * (p.step // k), p.end - c.length(k) * (p.step // k))
             for p in c.plan.placements
@@ -644,7 +621,6 @@ def check_programs(c: Context, run: bool) -> None:
             for op in ops
             if op.kind in c.placed_kinds and not c.fold(op) and not is_streamed(c.problem, d, op)
         ]
-        _check_folds(c, d, prog)
         if sorted(listed) != sorted(times):
             c.errors.append(f"r{d}: the program's K-FAC ops differ from the placements")
             continue
@@ -653,26 +629,6 @@ def check_programs(c: Context, run: bool) -> None:
         _check_interleaving(c, d, k, prog)
     if run:
         _check_runs(c)
-
-
-def _placed(c: Context, device: int, ops: list[Op]) -> list[Op]:
-    """A step's ops but a streamed layer's (which `check_streaming` checks)."""
-    return [op for op in ops if not is_streamed(c.problem, device, op)]
-
-
-def _check_folds(c: Context, device: int, prog: list[list[Op]]) -> None:
-    """The refresh step (step 0) follows each BWD (a zero-bubble schedule's W) with exactly the STATS that fold its
-    fused layers' statistics on this rank (`fused_stats`), and no other step folds any: without them the runtime
-    has no statistic to sync or decompose."""
-    anchor = weight_gradient_kind(c.problem.kind)
-    for j, ops in enumerate(prog):
-        for i, op in enumerate(ops):
-            if j == 0 and op.kind is anchor:
-                want = fused_stats(c.problem, c.fused, device, op)
-                if ops[i + 1 : i + 1 + len(want)] != want:
-                    c.errors.append(f"r{device} step 0: '{op}' is not followed by the folds of its fused layers {want}")
-            elif c.fold(op) and (j != 0 or i == 0 or not (ops[i - 1].kind is anchor or c.fold(ops[i - 1]))):
-                c.errors.append(f"r{device} step {j}: '{op}' is not right after a {anchor} of the refresh step")
 
 
 def _check_interleaving(c: Context, device: int, k: int, prog: list[list[Op]]) -> None:
@@ -698,18 +654,16 @@ def _check_interleaving(c: Context, device: int, k: int, prog: list[list[Op]]) -
                 before = b <= t + c.tol and a < t - c.tol
                 if (n > i and before) or (n < i and b > t + c.tol):
                     c.errors.append(
-                        f"r{device} step {j}: '{op}' (placed at {t:.6g} s) and "
-                        f"'{other}' ({a:.6g}-{b:.6g} s)"
-                        " are in the wrong order in the program"
+                        f"r{device} step {j}: '{op}' (placed at {t:.6g} s) and '{other}' ({a:.6g}-{b:.6g} s) are in "
+                        "the wrong order in the program"
                     )
             if not per_step(op):
                 continue
             after = [o for o in ops[i + 1 :] if o.stage == op.stage and o.kind in gradient]  # the gradient is complete
             if after:
                 c.errors.append(f"r{device} step {j}: '{op}' comes before '{after[0]}' of its stage")
-            if op.kind is OpKind.STATS and not any(
-                o.kind is OpKind.APPLY and o.stage == op.stage for o in ops[i + 1 :]
-            ):
+            applied = any(o.kind is OpKind.APPLY and o.stage == op.stage for o in ops[i + 1 :])
+            if op.kind is OpKind.STATS and not applied:
                 c.errors.append(f"r{device} step {j}: '{op}' does not come before the APPLY of its stage")
 
 
@@ -756,56 +710,40 @@ def check_streaming(c: Context) -> None:
     streaming = c.problem.streaming
     if streaming is None:
         return
-    owners = c.problem.stream_owners
-    for owner in owners:
-        for j, ops in enumerate(c.plan.programs[owner]):
-            _check_owner_step(c, streaming, owner, j, ops)
-    for helper in streaming.ranks:
-        for j, ops in enumerate(c.plan.programs[helper]):
-            _check_helper_step(c, streaming, helper, owners, j, ops)
-    _check_replicas(c, streaming, owners[0])
-
-
-_MAKES = (OpKind.DECOMP, OpKind.BCAST)
-"""The ops after which a refresh is made on the replicas' sender (a copied stage's halves made elsewhere arrive by
-BCAST)."""
-
-
-def _check_owner_step(c: Context, streaming: Streaming, owner: int, j: int, ops: list[Op]) -> None:
-    """The owner's step j sends every streamed layer right after its stage's last BWD, takes each back once, and
-    applies none of them itself."""
-    s, pairs = streaming.stage, list(zip(streaming.layers, streaming.helpers, strict=True))
-    last = max((i for i, op in enumerate(ops) if op.kind in (OpKind.BWD, OpKind.BWD_W) and op.stage == s), default=None)
+    s, owners = streaming.stage, c.problem.stream_owners
+    pairs = list(zip(streaming.layers, streaming.helpers, strict=True))
     sends = [Op(OpKind.SEND_LGRAD, s, peer=h, layer=n) for n, h in pairs]
-    if last is None or ops[last + 1 : last + 1 + len(sends)] != sends:
-        c.errors.append(f"r{owner} step {j}: the streamed layers' SEND_LGRAD do not follow the last BWD of stage {s}")
-    for n, helper in pairs:
-        recv = Op(OpKind.RECV_PGRAD, s, peer=helper, layer=n)
-        if ops.count(recv) != 1:
-            c.errors.append(f"r{owner} step {j}: '{recv}' must run once")
-        if any(op.kind is OpKind.APPLY and op.stage == s and op.layer in (None, n) for op in ops):
-            c.errors.append(f"r{owner} step {j}: applies {n}, which r{helper} preconditions")
-
-
-def _check_helper_step(
-    c: Context, streaming: Streaming, helper: int, owners: tuple[int, ...], j: int, ops: list[Op]
-) -> None:
-    """The helper's step j receives every layer it preconditions from every owner, applies it and returns it to
-    every owner, once each, in that order (a cut APPLY's pieces in order between), and applies no other layer of the
-    stage."""
-    s, mine = streaming.stage, streaming.layers_of(helper)
-    others = sorted({op.layer or "(all)" for op in ops if op.kind is OpKind.APPLY and op.stage == s} - set(mine))
-    if others:
-        c.errors.append(f"r{helper} step {j}: applies {others} of stage {s}, which it does not precondition")
-    for n in mine:
-        chain = [
-            *(Op(OpKind.RECV_LGRAD, s, peer=owner, layer=n) for owner in owners),
-            *cut_apply(Op(OpKind.APPLY, s, layer=n), c.problem.apply_pieces),
-            *(Op(OpKind.SEND_PGRAD, s, peer=owner, layer=n) for owner in owners),
-        ]
-        at = [ops.index(op) if ops.count(op) == 1 else -1 for op in chain]
-        if min(at) < 0 or at != sorted(at):
-            c.errors.append(f"r{helper} step {j}: {n} is not received, applied and returned once, in order")
+    # each owner's step sends every streamed layer right after the stage's last BWD, takes each back once and applies
+    # none of them itself
+    for owner, (j, ops) in ((o, step) for o in owners for step in enumerate(c.plan.programs[o])):
+        backward = [i for i, op in enumerate(ops) if op.kind in (OpKind.BWD, OpKind.BWD_W) and op.stage == s]
+        if not backward or ops[backward[-1] + 1 : backward[-1] + 1 + len(sends)] != sends:
+            c.errors.append(
+                f"r{owner} step {j}: the streamed layers' SEND_LGRAD do not follow the last BWD of stage {s}"
+            )
+        for n, helper in pairs:
+            recv = Op(OpKind.RECV_PGRAD, s, peer=helper, layer=n)
+            if ops.count(recv) != 1:
+                c.errors.append(f"r{owner} step {j}: '{recv}' must run once")
+            if any(op.kind is OpKind.APPLY and op.stage == s and op.layer in (None, n) for op in ops):
+                c.errors.append(f"r{owner} step {j}: applies {n}, which r{helper} preconditions")
+    # each helper's step receives its layers from every owner, applies them (a cut APPLY's pieces in order) and
+    # returns them, once each, in that order, and applies no other layer of the stage
+    for helper, (j, ops) in ((h, step) for h in streaming.ranks for step in enumerate(c.plan.programs[h])):
+        mine = streaming.layers_of(helper)
+        others = sorted({op.layer or "(all)" for op in ops if op.kind is OpKind.APPLY and op.stage == s} - set(mine))
+        if others:
+            c.errors.append(f"r{helper} step {j}: applies {others} of stage {s}, which it does not precondition")
+        for n in mine:
+            chain = [
+                *(Op(OpKind.RECV_LGRAD, s, peer=owner, layer=n) for owner in owners),
+                *cut_apply(Op(OpKind.APPLY, s, layer=n), c.problem.apply_pieces),
+                *(Op(OpKind.SEND_PGRAD, s, peer=owner, layer=n) for owner in owners),
+            ]
+            at = [ops.index(op) if ops.count(op) == 1 else -1 for op in chain]
+            if min(at) < 0 or at != sorted(at):
+                c.errors.append(f"r{helper} step {j}: {n} is not received, applied and returned once, in order")
+    _check_replicas(c, streaming, owners[0])
 
 
 def _check_replicas(c: Context, streaming: Streaming, owner: int) -> None:
@@ -834,7 +772,9 @@ def _check_replicas(c: Context, streaming: Streaming, owner: int) -> None:
                     f"step {t}: r{owner} sends {mine.count(send)} replicas of {n}, r{helper} takes {theirs.count(recv)}"
                 )
                 return
-            if send in mine and not any(op.kind in _MAKES and op.layer == n for op in mine[: mine.index(send)]):
+            # after a DECOMP of the layer, or its BCAST (a copied stage's halves made elsewhere)
+            made = (OpKind.DECOMP, OpKind.BCAST)
+            if send in mine and not any(op.kind in made and op.layer == n for op in mine[: mine.index(send)]):
                 c.errors.append(f"step {t}: r{owner} sends a replica of {n} before any DECOMP or BCAST of it there")
             for op in theirs:
                 received += op == recv
@@ -862,7 +802,7 @@ def validate(problem: Problem, plan: Plan, *, run: bool = True) -> list[str]:
     check_layers(c)
     if c.errors:
         return c.errors
-    for check in (check_placed_once, check_overlap, check_dependencies, check_precs_and_offsets, check_memory):
+    for check in (check_placed_once, check_devices, check_dependencies, check_warm_starts, check_precs_and_offsets):
         check(c)
     check_step_time(c)
     check_programs(c, run)

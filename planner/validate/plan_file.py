@@ -1,22 +1,20 @@
 """Plan files read back (written by `Plan.save`): parsed, shape-checked and, on `load_plan`, validated. The validator
-assumes a well-formed plan (ops naming its problem's layers, stages and devices; finite numbers); the shape checks
-refuse a file that is not (an op on a rank without its stage, a NaN that makes every comparison pass) with a
-PlanFormatError that says what is wrong, so loading never ends in another exception."""
+assumes a well-formed plan, so the shape checks refuse one that is not (an op on a rank without its stage, a NaN that
+makes every comparison pass) with a PlanFormatError saying what is wrong: loading never ends in another exception."""
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from fxkfac.planner.plan.plan import SCHEMA_VERSION, Plan, PlanMetrics, SolverStats
+from fxkfac.planner.plan.plan import SCHEMA_VERSION, Plan
 from fxkfac.planner.plan.solution import plan_born
 from fxkfac.planner.plan.window import placed_w
 from fxkfac.planner.problem.errors import PlanError, PlanFormatError, PlanMismatchError
-from fxkfac.planner.problem.ir import PRECONDITIONER_KINDS, LayerTiming, Op, OpKind, Placement, Program, parse_program
+from fxkfac.planner.problem.ir import PRECONDITIONER_KINDS, Op, OpKind
 from fxkfac.planner.problem.lowering import startup_programs
 from fxkfac.planner.problem.problem import Problem, copies_of_stage, is_streamed
 from fxkfac.planner.problem.step_timeline import base_programs
@@ -42,35 +40,6 @@ def _is_number(value: Any) -> bool:
 def _need(ok: bool, message: str) -> None:
     if not ok:
         raise PlanFormatError(f"the plan file is malformed: {message}; make the plan again (fxkfac plan ... --export)")
-
-
-def _check_problem(problem: Problem) -> None:
-    for name in ("schedule", "hardware", "fingerprint"):
-        _need(isinstance(getattr(problem, name), str), f"problem.{name} must be a string")
-    _need(_is_int(problem.N) and _is_int(problem.D) and _is_int(problem.v), "problem.D/N/v must be ints")
-    try:
-        hash(problem)
-    except TypeError as e:
-        raise PlanFormatError(
-            f"the plan file is malformed: the problem holds a value of the wrong type ({e})"
-        ) from None
-
-
-def _check_layers(plan: Plan) -> None:
-    names = set(plan.problem.costs.layer_names)
-    _need(set(plan.layers) == names, f"layers {sorted(plan.layers)} are not the cost table's {sorted(names)}")
-    for name, t in plan.layers.items():
-        _need(
-            all(_is_int(v) and v >= 0 for v in (t.period, t.curv_step, t.use_offset)) and t.period >= 1,
-            f"layer {name}: period, curv_step and use_offset must be ints (period >= 1)",
-        )
-
-
-def _fixed_ops(problem: Problem) -> dict[int, set[tuple[OpKind, int | None, int | None, int]]]:
-    return {
-        d: {(op.kind, op.stage, op.mb, op.pipe) for op in ops if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.BWD_W)}
-        for d, ops in base_programs(problem).items()
-    }
 
 
 def _check_op(problem: Problem, op: Op, device: int, fixed: dict[int, set]) -> None:
@@ -100,9 +69,8 @@ def _check_op(problem: Problem, op: Op, device: int, fixed: dict[int, set]) -> N
             )
 
 
-def _check_placements(plan: Plan) -> None:
+def _check_placements(plan: Plan, fixed: dict[int, set]) -> None:
     problem = plan.problem
-    fixed = _fixed_ops(problem)
     for p in plan.placements:
         _need(_is_int(p.device) and p.device in fixed, f"placement of {p.op}: no rank {p.device}")
         _need(_is_int(p.step) and p.step >= 0, f"placement of {p.op}: step must be an int >= 0")
@@ -121,7 +89,8 @@ def _check_placements(plan: Plan) -> None:
             _check_op(problem, p.op, p.device, fixed)
 
 
-def _check_programs(plan: Plan) -> None:
+def _check_programs(plan: Plan) -> dict[int, set]:
+    """The programs' shape; returns each rank's F/B/W as (kind, stage, micro-batch, pipe)."""
     _need(
         plan.problem.D * plan.problem.W == len(plan.programs),
         f"programs for {len(plan.programs)} ranks, the mesh has D x W = {plan.problem.D * plan.problem.W}",
@@ -134,13 +103,17 @@ def _check_programs(plan: Plan) -> None:
         plan.problem.N <= forwards,
         f"N={plan.problem.N} micro-batches, but the programs' first step runs only {forwards} forwards",
     )  # before the schedule of N is built: a mutated N must not cost gigabytes
-    fixed = _fixed_ops(plan.problem)
+    fixed = {
+        d: {(op.kind, op.stage, op.mb, op.pipe) for op in ops if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.BWD_W)}
+        for d, ops in base_programs(plan.problem).items()
+    }
     for device, steps in plan.programs.items():
         for op in (op for ops in steps for op in ops if op.kind in PRECONDITIONER_KINDS):
             if is_streamed(plan.problem, device, op):
                 _check_streamed_op(plan.problem, op, device)
             else:
                 _check_op(plan.problem, op, device, fixed)  # the same rules as a placed op's
+    return fixed
 
 
 def _check_streamed_op(problem: Problem, op: Op, device: int) -> None:
@@ -172,13 +145,9 @@ def _check_metrics(plan: Plan) -> None:
             f"metrics.{name} must hold ints",
         )
     _need(all(_is_int(d) and _is_int(b) for d, b in m.peak_memory.items()), "metrics.peak_memory maps ranks to bytes")
-    _need(
-        isinstance(m.solver.status, str)
-        and _is_number(m.solver.wall_time)
-        and _is_number(m.solver.gap)
-        and all(_is_int(v) for v in m.solver.objective),
-        "metrics.solver is malformed",
-    )
+    solver = m.solver
+    numbers = _is_number(solver.wall_time) and _is_number(solver.gap) and all(_is_int(v) for v in solver.objective)
+    _need(isinstance(solver.status, str) and numbers, "metrics.solver is malformed")
     _need(
         m.time_quantum <= MAX_QUANTUM_SHARE * max(m.step_time_reference, 0.0),
         f"metrics.time_quantum {m.time_quantum!r} s is coarser than {MAX_QUANTUM_SHARE:.0%} of the step",
@@ -192,24 +161,33 @@ def _check_startup(plan: Plan) -> None:
     born = plan_born(plan.problem, plan.placements, plan.layers)
     _need(set(plan.startup) <= set(plan.programs), "start-up steps for ranks that have no program")
     for rank in plan.programs:
-        last = max(born.get(rank, {}).values(), default=0)
-        _need(
-            len(plan.startup.get(rank, [])) == last,
-            f"rank {rank} has {len(plan.startup.get(rank, []))} start-up steps, its placements call for {last}",
-        )
+        have, last = len(plan.startup.get(rank, [])), max(born.get(rank, {}).values(), default=0)
+        _need(have == last, f"rank {rank} has {have} start-up steps, its placements call for {last}")
     _need(
-        dict(plan.startup) == {r: s for r, s in startup_programs(plan.programs, born).items()},
+        dict(plan.startup) == dict(startup_programs(plan.programs, born)),
         "the start-up steps are not the programs' first steps without the refreshes from before step 0",
     )
 
 
 def check_structure(plan: Plan) -> None:
     """Raise PlanFormatError unless `plan` is well formed for its own problem (see the module doc)."""
-    _check_problem(plan.problem)
+    problem = plan.problem
+    for name in ("schedule", "hardware", "fingerprint"):
+        _need(isinstance(getattr(problem, name), str), f"problem.{name} must be a string")
+    _need(all(_is_int(v) for v in (problem.N, problem.D, problem.v)), "problem.D/N/v must be ints")
+    try:
+        hash(problem)
+    except TypeError as e:
+        raise PlanFormatError(f"the plan file is malformed: a value of the problem has the wrong type ({e})") from None
     _need(isinstance(plan.fingerprint, str), "fingerprint must be a string")
-    _check_layers(plan)
-    _check_programs(plan)
-    _check_placements(plan)
+    names = set(problem.costs.layer_names)
+    _need(set(plan.layers) == names, f"layers {sorted(plan.layers)} are not the cost table's {sorted(names)}")
+    for name, t in plan.layers.items():
+        _need(
+            all(_is_int(v) and v >= 0 for v in (t.period, t.curv_step, t.use_offset)) and t.period >= 1,
+            f"layer {name}: period, curv_step and use_offset must be ints (period >= 1)",
+        )
+    _check_placements(plan, _check_programs(plan))
     _check_startup(plan)
     _check_metrics(plan)
 
@@ -220,7 +198,28 @@ def parse_plan(text: str) -> Plan:
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise PlanFormatError(f"the plan file is not valid JSON (corrupt or truncated?): {e}") from e
-    return _plan_from_dict(data)
+    if not isinstance(data, dict):
+        raise PlanFormatError(f"a plan must be a JSON object, got {type(data).__name__}")
+    version = data.get("schema_version")
+    if type(version) is int and version > SCHEMA_VERSION:  # not bool: true is not a version
+        raise PlanFormatError(
+            f"the plan has schema_version {version}, newer than this fxkfac reads ({SCHEMA_VERSION}); upgrade fxkfac"
+        )
+    if type(version) is int and 1 <= version < SCHEMA_VERSION:
+        raise PlanFormatError(
+            f"the plan has schema_version {version}, older than this fxkfac's ({SCHEMA_VERSION}): it may place work "
+            "across a step's closing barrier (1) or lack its start-up steps (2); re-plan it (fxkfac plan ... --export)"
+        )
+    if type(version) is not int or version != SCHEMA_VERSION:
+        raise PlanFormatError(f"unknown plan schema_version {version!r} (expected {SCHEMA_VERSION})")
+    try:
+        plan = Plan.from_dict(data)
+        check_structure(plan)
+        return plan
+    except PlanFormatError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise PlanFormatError(f"the plan file is malformed (missing or bad entry: {e})") from e
 
 
 def read_plan(path: str | Path) -> Plan:
@@ -248,47 +247,3 @@ def load_plan(path: str | Path, *, expect_fingerprint: str | None = None) -> Pla
     except PlanError as e:
         raise PlanError(f"plan file {path}: {e}") from e
     return plan
-
-
-def _programs_of(data: Mapping[str, Any]) -> dict[int, Program]:
-    """Inverse of `_programs_dict`."""
-    return {int(r): [parse_program(text)[0] if text.strip() else [] for text in steps] for r, steps in data.items()}
-
-
-def _tupled(data: Mapping[str, Any]) -> dict[str, Any]:
-    return {key: tuple(value) if isinstance(value, list) else value for key, value in data.items()}
-
-
-def _plan_from_dict(data: Any) -> Plan:
-    """The plan `data` describes (the JSON object of `Plan.to_dict`), structure-checked."""
-    if not isinstance(data, dict):
-        raise PlanFormatError(f"a plan must be a JSON object, got {type(data).__name__}")
-    version = data.get("schema_version")
-    if type(version) is int and version > SCHEMA_VERSION:  # not bool: true is not a version
-        raise PlanFormatError(
-            f"the plan has schema_version {version}, newer than this fxkfac reads ({SCHEMA_VERSION}); upgrade fxkfac"
-        )
-    if type(version) is int and 1 <= version < SCHEMA_VERSION:
-        raise PlanFormatError(
-            f"the plan has schema_version {version}, older than this fxkfac's ({SCHEMA_VERSION}): it may place work "
-            "across a step's closing barrier (1) or lack its start-up steps (2); re-plan it (fxkfac plan ... --export)"
-        )
-    if type(version) is not int or version != SCHEMA_VERSION:
-        raise PlanFormatError(f"unknown plan schema_version {version!r} (expected {SCHEMA_VERSION})")
-    try:
-        m = _tupled(data["metrics"])  # its lists are tuples, its solver SolverStats, its ranks ints
-        peak_memory = {int(d): b for d, b in m["peak_memory"].items()}
-        metrics = PlanMetrics(**{**m, "solver": SolverStats(**_tupled(m["solver"])), "peak_memory": peak_memory})
-        programs = _programs_of(data["programs"])
-        layers = {name: LayerTiming(**t) for name, t in data["layers"].items()}
-        placements = tuple(Placement.from_dict(p) for p in data["placements"])
-        problem = Problem.from_dict(data["problem"])
-        plan = Plan(
-            problem, programs, layers, placements, metrics, data["fingerprint"], version, _programs_of(data["startup"])
-        )
-        check_structure(plan)
-        return plan
-    except PlanFormatError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
-        raise PlanFormatError(f"the plan file is malformed (missing or bad entry: {e})") from e
