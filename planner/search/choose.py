@@ -13,6 +13,7 @@ user's call).
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -40,7 +41,7 @@ from fxkfac.planner.search.cpsat import (
     transfer,
 )
 from fxkfac.planner.search.greedy import Allowance, allowance, greedy_group
-from fxkfac.planner.search.group_search import solve_joint_group
+from fxkfac.planner.search.group_search import joint_placements
 
 log = logging.getLogger(__name__)
 
@@ -318,7 +319,9 @@ def _joint_plan(
     anchor = anchor.with_distributions({**fixed, **least})
     scale = grid_scale(anchor, range(anchor.num_stages), frozenset(), config.time_resolution, _option_seconds(anchor))
     allowed = Allowance(anchor, frozenset(), scale if config.stretch and anchor.max_overhead > 0 else None)
-    placements = _joint_placements(problem, anchor, free, scale, allowed, config, budget, start + limit)
+    forced = [problem.with_strategy(s) for s in candidate_strategies(problem)]
+    chunk_of = functools.partial(stats_chunk_of, anchor, config=config, allowed=allowed)
+    placements = joint_placements(anchor, free, forced, scale, allowed, chunk_of, config, budget, start + limit)
     if placements is None:
         return None if anchor.memory_budget is None else _fused(problem, anchor, config, budget)
     step_ticks = max(p.step_ticks for p in placements)
@@ -339,45 +342,6 @@ def _joint_plan(
     # the steps stretch for deferred statistics where fusing some costs less: `solve` places those fused too
     again = _planned(plan.problem, config, budget)
     return plan if again is None else min((plan, again), key=rank)
-
-
-def _joint_placements(
-    problem: Problem,
-    anchor: Problem,
-    free: frozenset[int],
-    scale: tuple[float, bool],
-    allowed: Allowance,
-    config: SolverConfig,
-    meter: Budget,
-    deadline: float,
-) -> list[GroupSolution] | None:
-    """Each group's joint placement, warm-started by first-fit of every forced strategy on its free layers, the time
-    to `deadline` shared by the groups left; None when a group is not placed."""
-    groups = stage_groups(anchor)
-    placements: list[GroupSolution] = []
-    forced = [problem.with_strategy(s) for s in candidate_strategies(problem)]
-    for n, group in enumerate(groups):
-        names = [x.name for s in group.stages if s in free for x in anchor.costs.stages[s].layers]
-        candidates = [
-            anchor.with_distributions({**dict(anchor.distributions), **{m: f.where(m) for m in names}}) for f in forced
-        ]
-        placement = solve_joint_group(
-            anchor,
-            group,
-            free,
-            candidates,
-            scale,
-            allowed.ticks,
-            config,
-            max(0.0, deadline - meter.now()) / (len(groups) - n),
-            meter,
-            stats_chunk=stats_chunk_of(anchor, group, config, allowed),
-        )
-        if placement is None:
-            log.info("joint choice: stages %s not placed", list(group.stages))
-            return None
-        placements.append(placement)
-    return placements
 
 
 def _fused(problem: Problem, anchor: Problem, config: SolverConfig, budget: Budget) -> Plan | None:
@@ -427,8 +391,8 @@ def _greedy(problem: Problem, config: SolverConfig, budget: Budget) -> list[Grou
 def _option_seconds(problem: Problem) -> list[float]:
     """Every duration an option may give a task or slot, for an exact grid where the costs allow one."""
     out = [comm_slot_seconds(problem, s) for s in range(problem.num_stages)]
-    for name in problem.costs.layer_names:
-        out += [t for o in options_of(problem, name, True) for t in (o.apply, o.share, *o.bcast.values())]
+    for opts in options_of(problem, range(problem.num_stages), range(problem.num_stages)).values():
+        out += [t for o in opts for t in (o.apply, o.share, *o.bcast.values())]
     return out
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from functools import lru_cache
@@ -99,23 +99,27 @@ Solved = tuple[str, GroupSolution | None]
 """A CP-SAT status and the placement found, if any."""
 
 
-def options_of(problem: Problem, layer: str, free: bool) -> tuple[Option, ...]:
-    """The options of `layer`: every KAISA distribution when `free`, else the problem's own."""
-    stage = problem.costs.stage_of(layer)
-    copies = copies_of_stage(problem, stage)
-    out = []
-    for where in layer_options(problem, layer) if free else (problem.where(layer),):
-        workers = grad_workers(copies, where)
-        group = None if workers == copies else workers
-        bcast = {  # as the window has a BCAST task, however short; none with one worker
-            p.part: problem.costs.collective_seconds(
-                Op(OpKind.BCAST, stage, layer=layer, part=p.part, root=workers[0], group=group), len(workers)
-            )
-            for p in problem.costs.layer(layer).parts
-            if len(workers) > 1
-        }
-        out.append(Option(where, workers, bcast, apply_seconds(problem, layer), share_seconds(problem, layer, where)))
-    return tuple(out)
+def options_of(problem: Problem, stages: Iterable[int], free: Collection[int]) -> dict[str, tuple[Option, ...]]:
+    """The options of every layer of `stages`: every KAISA distribution on the `free` stages, else the problem's own."""
+    out = {}
+    for s in stages:
+        copies = copies_of_stage(problem, s)
+        for layer in (x.name for x in problem.costs.stages[s].layers):
+            opts = []
+            for where in layer_options(problem, layer) if s in free else (problem.where(layer),):
+                workers = grad_workers(copies, where)
+                group = None if workers == copies else workers
+                bcast = {  # as the window has a BCAST task, however short; none with one worker
+                    p.part: problem.costs.collective_seconds(
+                        Op(OpKind.BCAST, s, layer=layer, part=p.part, root=workers[0], group=group), len(workers)
+                    )
+                    for p in problem.costs.layer(layer).parts
+                    if len(workers) > 1
+                }
+                share = share_seconds(problem, layer, where)
+                opts.append(Option(where, workers, bcast, apply_seconds(problem, layer), share))
+            out[layer] = tuple(opts)
+    return out
 
 
 def ns(seconds: float) -> int:
@@ -936,11 +940,7 @@ def least_step(
     rank (KAISA's balance); None when none meets the budget or none was found in time."""
     fixed_end = step_fixed_end(problem, free)
     m = cp_model.CpModel()
-    options = {
-        x.name: options_of(problem, x.name, s in free)
-        for s, stage in enumerate(problem.costs.stages)
-        for x in stage.layers
-    }
+    options = options_of(problem, range(problem.num_stages), free)
     lits = literals(m, options)
     timeline = step_timeline(problem)
     ends: list[tuple[int, cp_model.IntVar | int]] = [(ns(fixed_end), 0)]

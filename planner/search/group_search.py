@@ -2,7 +2,7 @@
 
 The same period search (`least_period`) runs with the group's distributions fixed (`least_group_period`, then
 `refine_group`: `solve` runs the first for every group before the second for any, as periods rank first) or chosen
-with the placement (`solve_joint_group`, [Note: joint strategy] in planner/search/cpsat.py).
+with the placement (`joint_placements`, [Note: joint strategy] in planner/search/cpsat.py).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 from fxkfac.planner.plan.solution import GroupSolution, fits_memory
 from fxkfac.planner.plan.window import Window, too_long
-from fxkfac.planner.problem.problem import Problem, SolverConfig, StageGroup
+from fxkfac.planner.problem.problem import Problem, SolverConfig, StageGroup, stage_groups
 from fxkfac.planner.search.budget import Budget
 from fxkfac.planner.search.cpsat import (
     Options,
@@ -280,30 +280,43 @@ class _Group:
         return None
 
 
-def solve_joint_group(
+def joint_placements(
     anchor: Problem,
-    group: StageGroup,
     free: frozenset[int],
-    candidates: Sequence[Problem],
+    forced: Sequence[Problem],
     scale: tuple[float, bool],
-    cap: Callable[[int], int],
+    allowed: Allowance,
+    chunk_of: Callable[[StageGroup], int],
     config: SolverConfig,
-    time_limit: float,
     meter: Budget,
-    *,
-    stats_chunk: int,
-) -> GroupSolution | None:
-    """The group's distributions and placement: the least period with the whole stretch `cap(k)`, then the least
-    step, then the least staleness, within `time_limit` of `meter`'s clock. `anchor` has the least reference step and
-    keeps its distributions on the stages not `free`; first-fit of `candidates` warm-starts the search and is kept
-    where CP-SAT finds nothing better. None when nothing places it."""
-    began, left = meter.now(), _clock(meter, time_limit)
-    options = {
-        x.name: options_of(anchor, x.name, s in free) for s in group.stages for x in anchor.costs.stages[s].layers
-    }
-    ticks = [round(reference_step(anchor, free, dict(c.distributions)) * scale[0]) for c in candidates]
-    first = ((anchor, reference_ticks(anchor, scale)), *zip(candidates, ticks))
-    g = _Group(anchor, group, options, first, scale, stats_chunk, cap)
+    deadline: float,
+) -> list[GroupSolution] | None:
+    """Each group's distributions and placement (`_joint_group`) on the grid `scale`, warm-started by first-fit of
+    each `forced` strategy on its free layers, the time to `deadline` shared by the groups left; None when a group is
+    not placed. `anchor` has the least reference step and keeps its distributions on the stages not `free`."""
+    groups = stage_groups(anchor)
+    placements = []
+    for n, group in enumerate(groups):
+        names = [x.name for s in group.stages if s in free for x in anchor.costs.stages[s].layers]
+        candidates = [
+            anchor.with_distributions({**dict(anchor.distributions), **{m: f.where(m) for m in names}}) for f in forced
+        ]
+        ticks = [round(reference_step(anchor, free, dict(c.distributions)) * scale[0]) for c in candidates]
+        first = ((anchor, reference_ticks(anchor, scale)), *zip(candidates, ticks))
+        g = _Group(anchor, group, options_of(anchor, group.stages, free), first, scale, chunk_of(group), allowed.ticks)
+        placement = _joint_group(g, config, max(0.0, deadline - meter.now()) / (len(groups) - n), meter)
+        if placement is None:
+            log.info("joint choice: stages %s not placed", list(group.stages))
+            return None
+        placements.append(placement)
+    return placements
+
+
+def _joint_group(g: _Group, config: SolverConfig, time_limit: float, meter: Budget) -> GroupSolution | None:
+    """The least period with the whole stretch `g.cap(k)`, then the least step, then the least staleness, within
+    `time_limit` of `meter`'s clock; first-fit of the candidates warm-starts the search and is kept where CP-SAT finds
+    nothing better. None when nothing places it."""
+    began, left, anchor = meter.now(), _clock(meter, time_limit), g.anchor
     if too_long(g.window(2, g.most(anchor.max_period))):
         return None
     lower = _lower_k(g.window(1, g.most(1)))
@@ -311,8 +324,8 @@ def solve_joint_group(
 
     def probe(k: int, share: float) -> Solved:
         w = g.window(k, g.most(k))
-        status, found = solve_window(w, config, share, meter, optimize=False, options=options)
-        log.info("joint stages %s k=%d step=%d ticks: %s", list(group.stages), k, w.offsets[1], status)
+        status, found = solve_window(w, config, share, meter, optimize=False, options=g.options)
+        log.info("joint stages %s k=%d step=%d ticks: %s", list(g.group.stages), k, w.offsets[1], status)
         return status, found
 
     found, proven = least_period(probe, left, lower, anchor.max_period, fallback)
@@ -321,7 +334,7 @@ def solve_joint_group(
     if found.step_ticks > g.base:
         found = _least_step(g, found, config, meter, began + time_limit)
     w = g.window(found.window.k, found.step_ticks)
-    best = _least_stale(found, w, config, meter, left(1.0), proven == found.window.k, options)
+    best = _least_stale(found, w, config, meter, left(1.0), proven == found.window.k, g.options)
     return replace(best, k_lower_bound=proven)
 
 

@@ -1,5 +1,5 @@
 """CP-SAT choosing each layer's distribution with the placement (planner/search/cpsat.py given options,
-planner/search/group_search.py `solve_joint_group`): the least step against every option set enumerated, and
+planner/search/group_search.py `joint_placements`): the least step against every option set enumerated, and
 joint plans against every forced strategy and the outer search."""
 
 from __future__ import annotations
@@ -213,7 +213,7 @@ def test_the_model_with_one_option_per_layer_is_the_forced_strategys(strategy: s
     problem = _problem(W=2).with_strategy(parse_strategy(strategy))
     w, placed = _first_fit_window(problem)
     group = w.group
-    options = {x.name: options_of(problem, x.name, False) for s in group.stages for x in problem.costs.stages[s].layers}
+    options = options_of(problem, group.stages, ())
     budget = dataclasses.replace(Budget.untimed(), cap=time.perf_counter() + 60)
     forced_status, forced = solve_window(w, QUICK, 60.0, budget, placed)
     joint_status, joint = solve_window(w, QUICK, 60.0, budget, placed, options=options)
