@@ -17,6 +17,7 @@ import functools
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from typing import TypeVar
@@ -288,7 +289,7 @@ def solve_joint(problem: Problem, config: SolverConfig = SolverConfig(), budget:
     plans = []
     for n, fixed in enumerate(sets):
         clock = budget.solving(len(sets) - n)
-        plan = _joint_plan(problem, fixed, config, budget, clock.solver_time(), time.perf_counter())
+        plan = _joint_plan(problem, fixed, config, budget, clock.solver_time())
         if plan is not None:
             plans.append(plan)
         if clock.out():
@@ -301,15 +302,10 @@ def solve_joint(problem: Problem, config: SolverConfig = SolverConfig(), budget:
 
 
 def _joint_plan(
-    problem: Problem,
-    fixed: Mapping[str, LayerDistribution],
-    config: SolverConfig,
-    budget: Budget,
-    limit: float,
-    began: float,
+    problem: Problem, fixed: Mapping[str, LayerDistribution], config: SolverConfig, budget: Budget, limit: float
 ) -> Plan | None:
     """One joint solve with the timeline stages' layers at `fixed`, within `limit` of the budget's clock."""
-    start = budget.now()
+    start, began = budget.now(), time.perf_counter()
     anchor = problem.with_distributions(fixed)
     free = frozenset(range(problem.num_stages)) - timeline_stages(problem)
     least = least_step(anchor, free, config, budget, limit * LEAST_STEP_PART)
@@ -349,11 +345,8 @@ def _fused(problem: Problem, anchor: Problem, config: SolverConfig, budget: Budg
     planned by `solve`, which fuses curvature as needed (MEM-OPT by first-fit where CP-SAT had too little time)."""
     first = _planned(anchor, config, budget)
     mem = problem.with_strategy(Strategy(StrategyKind.MEM_OPT))
-    plans = [
-        p
-        for p in (first, _planned(mem, config, budget) or _planned(mem, config, budget, Method.GREEDY))
-        if p is not None
-    ]
+    second = _planned(mem, config, budget) or _planned(mem, config, budget, Method.GREEDY)
+    plans = [p for p in (first, second) if p is not None]
     return best(plans) if plans else None
 
 
@@ -402,10 +395,7 @@ def strategy_of(plan: Plan) -> str:
 
 
 def _words(problem: Problem) -> str:
-    counts: dict[str, int] = {}
-    for name in problem.costs.layer_names:
-        key = str(problem.where(name).strategy)
-        counts[key] = counts.get(key, 0) + 1
+    counts = Counter(str(problem.where(name).strategy) for name in problem.costs.layer_names)
     if len(counts) == 1:
         return next(iter(counts))
     return ", ".join(f"{key} on {n} layers" for key, n in sorted(counts.items()))
