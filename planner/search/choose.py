@@ -1,20 +1,23 @@
 """The distribution choice: which distribution (planner/problem/strategy.py) each layer takes when the user forces none.
 
 [Note: strategy search] The candidates (`candidate_problems`) are each KAISA strategy the copies allow and one
-per-layer mix. The outer search (`solve_outer`) plans those that can win (`_hopeful_first`: a reference step within
-max_overhead and STEP_TIE of the least) as forcing each would, and CP-SAT's joint choice ([Note: joint strategy] in
-planner/search/cpsat.py) joins them where it `has_choice`: after them at max_overhead 0 (issue 38: run first it spent
-the README snippet's limit on first-fit's 11 30 where forced COMM-OPT reached 11 25), before them above it. `best`
-keeps the least by `rank` within the allowance. Under a caller's budget they share it; without one each gets its own,
-so the choice is never worse than a forced candidate. No joint model with the greedy method, under
-`StepBarrier.AGREEMENT_SET` or with one copy per stage. DP-KFAC is never chosen (another algorithm: the user's call).
+per-layer mix. The outer search (`solve_with_strategy`) plans those that can win (`_hopeful_first`: a reference step
+within max_overhead and STEP_TIE of the least) as forcing each would, and CP-SAT's joint choice
+([Note: joint strategy] in planner/search/cpsat.py) joins them where it `has_choice`: after them at max_overhead 0
+(issue 38: run first it spent the README snippet's limit on first-fit's 11 30 where forced COMM-OPT reached 11 25),
+before them above it. `best` keeps the least by `rank` within the allowance. Under a caller's budget they share it;
+without one each gets its own, so the choice is never worse than a forced candidate. No joint model with the greedy
+method, under `StepBarrier.AGREEMENT_SET` or with one copy per stage. DP-KFAC is never chosen (another algorithm: the
+user's call).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from fractions import Fraction
 from typing import TypeVar
@@ -29,20 +32,17 @@ from fxkfac.planner.problem.strategy import COMM_OPT, LayerDistribution, Strateg
 from fxkfac.planner.search.attempt import Attempt, Method, assemble, cheaper_fused, same_stretch, solve, stats_chunk_of
 from fxkfac.planner.search.budget import Budget
 from fxkfac.planner.search.cpsat import (
-    apply_seconds,
-    bcast_seconds,
     comm_slot_seconds,
     layer_options,
     least_step,
+    options_of,
     reference_step,
     restretch_joint,
-    share_seconds,
-    step_fixed_end,
     timeline_stages,
     transfer,
 )
 from fxkfac.planner.search.greedy import Allowance, allowance, greedy_group
-from fxkfac.planner.search.group_search import solve_joint_group
+from fxkfac.planner.search.group_search import joint_placements
 
 log = logging.getLogger(__name__)
 
@@ -100,92 +100,23 @@ def solve_with_strategy(
     method: Method | str = Method.CPSAT,
     budget: Budget | None = None,
     *,
+    joint: bool | None = None,
     suggest: bool = True,
     each: Each | None = None,
     reference: Callable[[Problem], float] | None = None,
     own: Callable[[], Budget] | None = None,
 ) -> Plan:
-    """`solve` with every layer under `strategy`, or when None the outer search's best ([Note: strategy search]), in
-    `budget`, else each candidate in a budget of its own (`own()`, else a new one of `config`). `suggest` False: a
-    refusal names nothing."""
+    """`solve` with every layer under `strategy`, or when None the best of `candidate_problems` ([Note: strategy
+    search]) planned by `each` (`solve` when None) in `budget`, else each in its own (`own()`, else a new one of
+    `config`): those that can win and, with `joint` (None: where CP-SAT has a choice), the joint choice; the others
+    only where none of those plans. `reference`: a candidate's least reference step, streaming included. When none
+    plans, `_plan_or_least_step_refusal`; `suggest` False: a refusal names nothing."""
     if strategy is not None:
         forced = problem.with_strategy(strategy)
         return solve(forced, config, method, budget=budget or Budget.of(config), suggest=suggest)
     if budget is None:
         own = own or (lambda: Budget.of(config))
-    return solve_outer(
-        problem,
-        config,
-        method,
-        budget or Budget.untimed(config.deterministic),
-        joint=None,
-        suggest=suggest,
-        each=each,
-        reference=reference,
-        own=own,
-    )
-
-
-def least_overhead(planned: Callable[[float], T]) -> tuple[T, float | None]:
-    """The rule of max_overhead None: `planned(0)` (the bubbles alone), else `planned` at the least max_overhead the
-    refusal names; what it made and the value taken (None: the bubbles held the work)."""
-    try:
-        return planned(0.0), None
-    except PlanError as e:
-        if e.max_overhead is None:
-            raise
-        log.info("the bubbles alone cannot hold the work: planning with max_overhead %.4g", e.max_overhead)
-        return planned(e.max_overhead), e.max_overhead
-
-
-def has_choice(problem: Problem, budget: Budget | None = None) -> bool:
-    """Whether some layer of a free stage has another distribution that, switched alone in the candidate of least
-    reference step, keeps its reference step within what `best` keeps; where none has, the joint model is a forced
-    one with more variables (issue 38). Simulations are charged to `budget`."""
-    free = frozenset(range(problem.num_stages)) - timeline_stages(problem)
-    names = [x.name for s in sorted(free) for x in problem.costs.stages[s].layers]
-    if not names:
-        return False
-    candidates = candidate_problems(problem)
-    steps = [step_timeline(c) for c in candidates]
-    ops = sum(len(o) for o in steps[0].ops.values())
-    most = min(t.length for t in steps) * (1 + problem.max_overhead + STEP_TIE)
-    base = candidates[min(range(len(steps)), key=lambda i: steps[i].length)]
-    own = {n: base.where(n) for n in names}
-    simulated = len(steps)
-    found = False
-    for n in names:
-        for where in layer_options(problem, n):
-            if where == own[n]:
-                continue
-            simulated += 1
-            if reference_step(base, free, {**own, n: where}) <= most:
-                found = True
-                break
-        if found:
-            break
-    if budget is not None:
-        budget.charge_simulated(simulated * ops)
-    return found
-
-
-def solve_outer(
-    problem: Problem,
-    config: SolverConfig = SolverConfig(),
-    method: Method | str = Method.CPSAT,
-    budget: Budget | None = None,
-    *,
-    joint: bool | None = False,
-    suggest: bool = True,
-    each: Each | None = None,
-    reference: Callable[[Problem], float] | None = None,
-    own: Callable[[], Budget] | None = None,
-) -> Plan:
-    """The best of `candidate_problems` planned by `each` (`solve` when None) in `budget` (a new one of `config`), or
-    each in its own (`own()`): those that can win and, with `joint` (None: where CP-SAT has a choice), the joint
-    choice ([Note: strategy search]); the others only where none of those plans. `reference`: a candidate's least
-    reference step, streaming included. When none plans, `_plan_or_least_step_refusal` (with `suggest`)."""
-    budget = budget or Budget.of(config)
+        budget = Budget.untimed(config.deterministic)
     candidates, hopeful = _hopeful_first(candidate_problems(problem), reference)
     timed = Method(method) is Method.CPSAT and own is None
 
@@ -223,6 +154,41 @@ def solve_outer(
     chosen = best(plans)
     log.info("distribution %s chosen among %s", strategy_of(chosen), [strategy_of(p) for p in plans])
     return chosen
+
+
+def least_overhead(planned: Callable[[float], T]) -> tuple[T, float | None]:
+    """The rule of max_overhead None: `planned(0)` (the bubbles alone), else `planned` at the least max_overhead the
+    refusal names; what it made and the value taken (None: the bubbles held the work)."""
+    try:
+        return planned(0.0), None
+    except PlanError as e:
+        if e.max_overhead is None:
+            raise
+        log.info("the bubbles alone cannot hold the work: planning with max_overhead %.4g", e.max_overhead)
+        return planned(e.max_overhead), e.max_overhead
+
+
+def has_choice(problem: Problem, budget: Budget | None = None) -> bool:
+    """Whether some layer of a free stage has another distribution that, switched alone in the candidate of least
+    reference step, keeps its reference step within what `best` keeps; where none has, the joint model is a forced
+    one with more variables (issue 38). Simulations are charged to `budget`."""
+    free = frozenset(range(problem.num_stages)) - timeline_stages(problem)
+    names = [x.name for s in sorted(free) for x in problem.costs.stages[s].layers]
+    if not names:
+        return False
+    candidates = candidate_problems(problem)
+    steps = [step_timeline(c) for c in candidates]
+    ops = sum(len(o) for o in steps[0].ops.values())
+    most = min(t.length for t in steps) * (1 + problem.max_overhead + STEP_TIE)
+    base = candidates[min(range(len(steps)), key=lambda i: steps[i].length)]
+    own = {n: base.where(n) for n in names}
+    others = [(n, where) for n in names for where in layer_options(problem, n) if where != own[n]]
+    hit = next(
+        (i for i, (n, where) in enumerate(others) if reference_step(base, free, {**own, n: where}) <= most), None
+    )
+    if budget is not None:
+        budget.charge_simulated((len(steps) + (len(others) if hit is None else hit + 1)) * ops)
+    return hit is not None
 
 
 def shares_of(n: int, total: int) -> float:
@@ -323,7 +289,7 @@ def solve_joint(problem: Problem, config: SolverConfig = SolverConfig(), budget:
     plans = []
     for n, fixed in enumerate(sets):
         clock = budget.solving(len(sets) - n)
-        plan = _joint_plan(problem, fixed, config, budget, clock.solver_time(), time.perf_counter())
+        plan = _joint_plan(problem, fixed, config, budget, clock.solver_time())
         if plan is not None:
             plans.append(plan)
         if clock.out():
@@ -336,25 +302,22 @@ def solve_joint(problem: Problem, config: SolverConfig = SolverConfig(), budget:
 
 
 def _joint_plan(
-    problem: Problem,
-    fixed: Mapping[str, LayerDistribution],
-    config: SolverConfig,
-    budget: Budget,
-    limit: float,
-    began: float,
+    problem: Problem, fixed: Mapping[str, LayerDistribution], config: SolverConfig, budget: Budget, limit: float
 ) -> Plan | None:
     """One joint solve with the timeline stages' layers at `fixed`, within `limit` of the budget's clock."""
-    start = budget.now()
+    start, began = budget.now(), time.perf_counter()
     anchor = problem.with_distributions(fixed)
     free = frozenset(range(problem.num_stages)) - timeline_stages(problem)
-    step = least_step(anchor, free, step_fixed_end(anchor, free), config, budget, limit * LEAST_STEP_PART)
-    if step is None:
+    least = least_step(anchor, free, config, budget, limit * LEAST_STEP_PART)
+    if least is None:
         log.info("joint choice: no distribution of %s meets the memory budget", sorted(free))
         return None
-    anchor = anchor.with_distributions({**fixed, **step.distributions})
+    anchor = anchor.with_distributions({**fixed, **least})
     scale = grid_scale(anchor, range(anchor.num_stages), frozenset(), config.time_resolution, _option_seconds(anchor))
     allowed = Allowance(anchor, frozenset(), scale if config.stretch and anchor.max_overhead > 0 else None)
-    placements = _joint_placements(problem, anchor, free, scale, allowed, config, budget, start + limit)
+    forced = [problem.with_strategy(s) for s in candidate_strategies(problem)]
+    chunk_of = functools.partial(stats_chunk_of, anchor, config=config, allowed=allowed)
+    placements = joint_placements(anchor, free, forced, scale, allowed, chunk_of, config, budget, start + limit)
     if placements is None:
         return None if anchor.memory_budget is None else _fused(problem, anchor, config, budget)
     step_ticks = max(p.step_ticks for p in placements)
@@ -377,55 +340,13 @@ def _joint_plan(
     return plan if again is None else min((plan, again), key=rank)
 
 
-def _joint_placements(
-    problem: Problem,
-    anchor: Problem,
-    free: frozenset[int],
-    scale: tuple[float, bool],
-    allowed: Allowance,
-    config: SolverConfig,
-    meter: Budget,
-    deadline: float,
-) -> list[GroupSolution] | None:
-    """Each group's joint placement, warm-started by first-fit of every forced strategy on its free layers, the time
-    to `deadline` shared by the groups left; None when a group is not placed."""
-    groups = stage_groups(anchor)
-    placements: list[GroupSolution] = []
-    forced = [problem.with_strategy(s) for s in candidate_strategies(problem)]
-    for n, group in enumerate(groups):
-        names = [x.name for s in group.stages if s in free for x in anchor.costs.stages[s].layers]
-        candidates = [
-            anchor.with_distributions({**dict(anchor.distributions), **{m: f.where(m) for m in names}}) for f in forced
-        ]
-        placement = solve_joint_group(
-            anchor,
-            group,
-            free,
-            candidates,
-            scale,
-            allowed.ticks,
-            config,
-            max(0.0, deadline - meter.now()) / (len(groups) - n),
-            meter,
-            stats_chunk=stats_chunk_of(anchor, group, config, allowed),
-        )
-        if placement is None:
-            log.info("joint choice: stages %s not placed", list(group.stages))
-            return None
-        placements.append(placement)
-    return placements
-
-
 def _fused(problem: Problem, anchor: Problem, config: SolverConfig, budget: Budget) -> Plan | None:
     """Under a budget the joint model cannot meet unfused: `best` of the least-step distributions and MEM-OPT, each
     planned by `solve`, which fuses curvature as needed (MEM-OPT by first-fit where CP-SAT had too little time)."""
     first = _planned(anchor, config, budget)
     mem = problem.with_strategy(Strategy(StrategyKind.MEM_OPT))
-    plans = [
-        p
-        for p in (first, _planned(mem, config, budget) or _planned(mem, config, budget, Method.GREEDY))
-        if p is not None
-    ]
+    second = _planned(mem, config, budget) or _planned(mem, config, budget, Method.GREEDY)
+    plans = [p for p in (first, second) if p is not None]
     return best(plans) if plans else None
 
 
@@ -462,14 +383,9 @@ def _greedy(problem: Problem, config: SolverConfig, budget: Budget) -> list[Grou
 
 def _option_seconds(problem: Problem) -> list[float]:
     """Every duration an option may give a task or slot, for an exact grid where the costs allow one."""
-    out = []
-    for s, stage in enumerate(problem.costs.stages):
-        out.append(comm_slot_seconds(problem, s))
-        for x in stage.layers:
-            out.append(apply_seconds(problem, x.name))
-            for where in layer_options(problem, x.name):
-                out.append(share_seconds(problem, x.name, where))
-                out += [bcast_seconds(problem, x.name, p.part, where) for p in x.parts]
+    out = [comm_slot_seconds(problem, s) for s in range(problem.num_stages)]
+    for opts in options_of(problem, range(problem.num_stages), range(problem.num_stages)).values():
+        out += [t for o in opts for t in (o.apply, o.share, *o.bcast.values())]
     return out
 
 
@@ -479,10 +395,7 @@ def strategy_of(plan: Plan) -> str:
 
 
 def _words(problem: Problem) -> str:
-    counts: dict[str, int] = {}
-    for name in problem.costs.layer_names:
-        key = str(problem.where(name).strategy)
-        counts[key] = counts.get(key, 0) + 1
+    counts = Counter(str(problem.where(name).strategy) for name in problem.costs.layer_names)
     if len(counts) == 1:
         return next(iter(counts))
     return ", ".join(f"{key} on {n} layers" for key, n in sorted(counts.items()))

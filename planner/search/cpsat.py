@@ -6,9 +6,9 @@ device beside the fixed F/B; optional intervals choose a decomposition's rank; a
 activations and the a/e deferred curvature keeps. `solve_window` finds any placement or the least staleness.
 
 [Note: joint strategy] Left to the planner, the same model chooses each layer's KAISA distribution while it places
-the work: a `Frame` makes every layer's options Boolean literals (a DECOMP on a rank of the chosen column, each
-option's BCAST an optional interval, each stage's slot and each device's static bytes linear in the literals). The
-literals cannot move the step's fixed work except on `timeline_stages` (Chimera's first stage per device,
+the work: given `options`, it makes every layer's options Boolean literals (a DECOMP on a rank of the chosen column,
+each option's BCAST an optional interval, each stage's slot and each device's static bytes linear in the literals).
+The literals cannot move the step's fixed work except on `timeline_stages` (Chimera's first stage per device,
 interleaved's first chunk), which keep one option set per solve. Elsewhere an option set P moves only the step's end,
 L(P) (`reference_step`, exactly the simulated step); `least_step` finds the least L within static memory and each
 group is placed at it plus the allowed stretch. The chosen distributions become `Problem.with_distributions(...)`
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from functools import lru_cache
@@ -95,17 +95,31 @@ Options = Mapping[str, tuple[Option, ...]]
 Literals = Mapping[str, list[cp_model.IntVar]]
 """One Boolean per option of every layer, by name."""
 
+Solved = tuple[str, GroupSolution | None]
+"""A CP-SAT status and the placement found, if any."""
 
-def options_of(problem: Problem, layer: str, free: bool) -> tuple[Option, ...]:
-    """The options of `layer`: every KAISA distribution when `free`, else the problem's own."""
-    copies = copies_of_stage(problem, problem.costs.stage_of(layer))
-    out = []
-    for where in layer_options(problem, layer) if free else (problem.where(layer),):
-        workers = grad_workers(copies, where)
-        parts = {p.part: bcast_seconds(problem, layer, p.part, where) for p in problem.costs.layer(layer).parts}
-        bcast = parts if len(workers) > 1 else {}  # as the window has a BCAST task, however short
-        out.append(Option(where, workers, bcast, apply_seconds(problem, layer), share_seconds(problem, layer, where)))
-    return tuple(out)
+
+def options_of(problem: Problem, stages: Iterable[int], free: Collection[int]) -> dict[str, tuple[Option, ...]]:
+    """The options of every layer of `stages`: every KAISA distribution on the `free` stages, else the problem's own."""
+    out = {}
+    for s in stages:
+        copies = copies_of_stage(problem, s)
+        for layer in (x.name for x in problem.costs.stages[s].layers):
+            opts = []
+            for where in layer_options(problem, layer) if s in free else (problem.where(layer),):
+                workers = grad_workers(copies, where)
+                group = None if workers == copies else workers
+                bcast = {  # as the window has a BCAST task, however short; none with one worker
+                    p.part: problem.costs.collective_seconds(
+                        Op(OpKind.BCAST, s, layer=layer, part=p.part, root=workers[0], group=group), len(workers)
+                    )
+                    for p in problem.costs.layer(layer).parts
+                    if len(workers) > 1
+                }
+                share = share_seconds(problem, layer, where)
+                opts.append(Option(where, workers, bcast, apply_seconds(problem, layer), share))
+            out[layer] = tuple(opts)
+    return out
 
 
 def ns(seconds: float) -> int:
@@ -163,17 +177,6 @@ def share_seconds(problem: Problem, layer: str, where: LayerDistribution) -> flo
     root, row = rows[0]
     op = Op(OpKind.BCAST_PREC, stage, root=root, layer=layer, group=None if row == copies else row)
     return problem.costs.collective_seconds(op, len(row))
-
-
-def bcast_seconds(problem: Problem, layer: str, part: str, where: LayerDistribution) -> float:
-    """Seconds of the BCAST of `layer`'s `part` within its column under `where` (0: one worker)."""
-    stage = problem.costs.stage_of(layer)
-    copies = copies_of_stage(problem, stage)
-    workers = grad_workers(copies, where)
-    if len(workers) == 1:
-        return 0.0
-    op = Op(OpKind.BCAST, stage, layer=layer, part=part, root=workers[0], group=None if workers == copies else workers)
-    return problem.costs.collective_seconds(op, len(workers))
 
 
 def step_fixed_end(problem: Problem, free: frozenset[int]) -> float:
@@ -287,7 +290,7 @@ FEASIBILITY_PROBING_LEVEL = 0
 
 @dataclass
 class Vars:
-    """The model and its variables by task and slot; with a `Frame` also the option literals, each (layer, part)'s
+    """The model and its variables by task and slot; with options also their literals, each (layer, part)'s
     BCAST (start, pos, has, end), each stage's slot ticks and each device's optional BCASTs (ticks, literal)."""
 
     model: cp_model.CpModel
@@ -413,16 +416,6 @@ def _add_precs(v: Vars, w: Window) -> None:
                 v.model.add(start == v.prec[m])
 
 
-@dataclass(frozen=True)
-class Frame:
-    """A group's joint models' data: every layer's options, each stage's all-reduce end (ns), grid, STATS chunk."""
-
-    options: Options
-    release_ns: Mapping[int, int]
-    scale: tuple[float, bool]
-    stats_chunk: int
-
-
 def placed_tasks(w: Window, options: Options) -> tuple[Task, ...]:
     """The window's tasks but BCAST (placed per option), each DECOMP on any rank an option allows."""
     out = []
@@ -482,19 +475,20 @@ def _add_bcasts(v: Vars, w: Window, options: Options) -> None:
         v.bcast[layer, part] = (start, pos, has, start + sum(ticks * lit for _, ticks, _, lit in chosen))
 
 
-def _add_slots(v: Vars, w: Window, options: Options, release_ns: Mapping[int, int]) -> None:
+def _add_slots(v: Vars, w: Window, options: Options) -> None:
     """Every slot on its device, as long as its stage's options make it (within its room); the reference slot from
     the all-reduce end ends within the window's step; copies start a sharing slot together."""
     m, L = v.model, w.length
     tick_ns = NS / w.scale
     bound = ns((w.offsets[1] + 0.5) / w.scale) - min(1000, round(tick_ns / 4))
+    timeline = step_timeline(w.problem)
     starts: dict[int, cp_model.IntVar] = {}
     for s in w.group.stages:
         slots = [n for n, p in enumerate(w.precs) if p.stage == s]
         room = max(1, min(w.precs[n].deadline - w.precs[n].release for n in slots))
         need, _ = slot_need(m, s, w.problem, v.lits, options, w.up, f"s{s}")
         need_ns, _ = slot_need(m, s, w.problem, v.lits, options, ns, f"ns_s{s}")
-        m.add(release_ns[s] + need_ns <= bound)
+        m.add(ns(timeline.allreduce_end[copies_of_stage(w.problem, s)[0], s]) + need_ns <= bound)
         ticks = m.new_int_var(1, room, f"slot_ticks_s{s}")
         m.add_min_equality(ticks, [need, room])
         v.slot_ticks[s] = ticks
@@ -657,31 +651,31 @@ def break_layer_symmetry(v: Vars, w: Window) -> None:
 
 
 def _build(
-    w: Window, frame: Frame | None, optimize: bool, break_symmetry: bool = True, *, free_w: bool = True
+    w: Window, options: Options | None, optimize: bool, break_symmetry: bool = True, *, free_w: bool = True
 ) -> tuple[Vars, Window]:
-    """The window's model (`optimize`: least staleness) and the window of the tasks it places (`placed_tasks` with a
-    `frame`)."""
+    """The window's model (`optimize`: least staleness) and the window of the tasks it places (`placed_tasks` with
+    `options`)."""
     v = Vars(cp_model.CpModel(), intervals_of_device={d: [] for d in w.group.devices})
-    placed = w if frame is None else replace(w, tasks=placed_tasks(w, frame.options))
+    placed = w if options is None else replace(w, tasks=placed_tasks(w, options))
     for d in placed.group.devices:  # the fixed work: F/B, gradient all-reduces, step boundaries
         for s, e in placed.fixed[d]:
             v.intervals_of_device[d].append(constant_interval(v, s, e - s))
     add_tasks(v, placed, free_w=free_w)
     add_precedences(v, placed)
     add_piece_chains(v, placed)
-    if frame is None:
+    if options is None:
         _add_precs(v, placed)
     else:
-        _add_choices(v, placed, frame.options)
-        _add_bcasts(v, placed, frame.options)
-        _add_slots(v, placed, frame.options, frame.release_ns)
+        _add_choices(v, placed, options)
+        _add_bcasts(v, placed, options)
+        _add_slots(v, placed, options)
     _add_slot_releases(v, placed)
     _add_w_updates(v, placed)
-    if frame is not None:
+    if options is not None:
         _add_energy(v, placed)
     for intervals in v.intervals_of_device.values():
         v.model.add_no_overlap(intervals)
-    _add_memory(v, placed, None if frame is None else frame.options)
+    _add_memory(v, placed, options)
     if break_symmetry:
         break_layer_symmetry(v, placed)
     if optimize:
@@ -721,25 +715,24 @@ def solve_window(
     hint: GroupSolution | None = None,
     *,
     optimize: bool = True,
-    frame: Frame | None = None,
-) -> tuple[str, GroupSolution | None]:
-    """(status, solution) of one window (`optimize`: least staleness, else any placement; `frame`: distributions
+    options: Options | None = None,
+) -> Solved:
+    """(status, solution) of one window (`optimize`: least staleness, else any placement; `options`: distributions
     chosen) within `time_limit` of `meter`'s clock; a feasibility search frees the W's only where placed ones fail."""
-    if frame is None and (
+    if options is None and (
         any(t.ticks > w.length for t in w.tasks) or any(p.deadline - p.release < p.ticks for p in w.precs)
     ):
         return "INFEASIBLE", None
-    where = f"{'' if frame is None else 'joint '}stages {list(w.group.stages)} k={w.k}"
+    where = f"{'' if options is None else 'joint '}stages {list(w.group.stages)} k={w.k}"
     if meter.deterministic and meter.wall_left() <= 0:
         meter.note_capped(f"{where} not searched")
         return "UNKNOWN", None
-    options = None if frame is None else frame.options
     limit = max(meter.units(MIN_CALL), time_limit)
-    probing = None if optimize or frame is not None else FEASIBILITY_PROBING_LEVEL
+    probing = None if optimize or options is not None else FEASIBILITY_PROBING_LEVEL
 
-    def attempt(free_w: bool) -> tuple[str, GroupSolution | None]:
+    def attempt(free_w: bool) -> Solved:
         """One CP-SAT call, the W tasks free or at the schedule's positions."""
-        v, placed = _build(w, frame, optimize, free_w=free_w)
+        v, placed = _build(w, options, optimize, free_w=free_w)
         if hint is not None and hint.window.offsets == w.offsets:
             _hint(v, placed, hint, options)
         reporter = _Reporter(config.progress, w, optimize) if config.progress is not None else None
@@ -849,15 +842,15 @@ def _solve(
     return solver, status
 
 
-def energy_bound(w: Window, frame: Frame, base: int, config: SolverConfig, meter: Budget, limit: float) -> int:
+def energy_bound(w: Window, options: Options, base: int, config: SolverConfig, meter: Budget, limit: float) -> int:
     """The least step (ticks, from `base`) at which some option set's work fits every device's free time in w's k
     steps (`base` when none was proven in time)."""
     k, upper = w.k, w.offsets[1]
     m = cp_model.CpModel()
-    lits = literals(m, frame.options)
+    lits = literals(m, options)
     step = m.new_int_var(base, upper, "step")
     load: dict[int, list[cp_model.LinearExprT]] = {d: [] for d in w.group.devices}
-    for task in placed_tasks(w, frame.options):
+    for task in placed_tasks(w, options):
         if task.kind is not TaskKind.INV:
             for d in task.devices:
                 load[d].append(task.ticks)
@@ -866,15 +859,15 @@ def energy_bound(w: Window, frame: Frame, base: int, config: SolverConfig, meter
         on = {d: m.new_bool_var(f"on_{task.name}_r{d}") for d in task.devices}
         m.add_exactly_one(on.values())
         for d, flag in on.items():
-            m.add_bool_or([~flag, *[lit for o, lit in zip(frame.options[layer], lits[layer]) if d in o.workers]])
+            m.add_bool_or([~flag, *[lit for o, lit in zip(options[layer], lits[layer]) if d in o.workers]])
             load[d].append(task.ticks * flag)
-    for layer, opts in frame.options.items():
+    for layer, opts in options.items():
         for o, lit in zip(opts, lits[layer]):
             for secs in o.bcast.values():
                 for d in o.workers:
                     load[d].append(w.span(secs) * lit)
     for s in w.group.stages:
-        need, _ = slot_need(m, s, w.problem, lits, frame.options, w.up, f"s{s}")
+        need, _ = slot_need(m, s, w.problem, lits, options, w.up, f"s{s}")
         for d in copies_of_stage(w.problem, s):
             load[d] += [need] * k
     per_step = {d: sum(e - s for s, e in w.fixed[d]) // k for d in w.group.devices}
@@ -940,25 +933,14 @@ def static_bytes(
     return base + sum(kept) + largest
 
 
-@dataclass(frozen=True)
-class StepChoice:
-    """The least-step model's answer: the free layers' distributions and the reference step they make (seconds)."""
-
-    distributions: Mapping[str, LayerDistribution]
-    step: float
-
-
 def least_step(
-    problem: Problem, free: frozenset[int], fixed_end: float, config: SolverConfig, meter: Budget, time_limit: float
-) -> StepChoice | None:
+    problem: Problem, free: frozenset[int], config: SolverConfig, meter: Budget, time_limit: float
+) -> dict[str, LayerDistribution] | None:
     """The free stages' distributions of least reference step within memory, then of least DECOMP seconds on any
     rank (KAISA's balance); None when none meets the budget or none was found in time."""
+    fixed_end = step_fixed_end(problem, free)
     m = cp_model.CpModel()
-    options = {
-        x.name: options_of(problem, x.name, s in free)
-        for s, stage in enumerate(problem.costs.stages)
-        for x in stage.layers
-    }
+    options = options_of(problem, range(problem.num_stages), free)
     lits = literals(m, options)
     timeline = step_timeline(problem)
     ends: list[tuple[int, cp_model.IntVar | int]] = [(ns(fixed_end), 0)]
@@ -996,9 +978,8 @@ def least_step(
     balanced, status = _solve(m, config, meter, time_limit / 2)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         solver = balanced
-    chosen = {
+    return {
         n: next(o.where for o, lit in zip(options[n], lits[n]) if solver.boolean_value(lit))
         for s in sorted(free)
         for n in (x.name for x in problem.costs.stages[s].layers)
     }
-    return StepChoice(chosen, least / NS)

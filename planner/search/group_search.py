@@ -2,7 +2,7 @@
 
 The same period search (`least_period`) runs with the group's distributions fixed (`least_group_period`, then
 `refine_group`: `solve` runs the first for every group before the second for any, as periods rank first) or chosen
-with the placement (`solve_joint_group`, [Note: joint strategy] in planner/search/cpsat.py).
+with the placement (`joint_placements`, [Note: joint strategy] in planner/search/cpsat.py).
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ from dataclasses import dataclass, replace
 
 from fxkfac.planner.plan.solution import GroupSolution, fits_memory
 from fxkfac.planner.plan.window import Window, too_long
-from fxkfac.planner.problem.problem import Problem, SolverConfig, StageGroup, copies_of_stage
-from fxkfac.planner.problem.step_timeline import step_timeline
+from fxkfac.planner.problem.problem import Problem, SolverConfig, StageGroup, stage_groups
 from fxkfac.planner.search.budget import Budget
 from fxkfac.planner.search.cpsat import (
-    Frame,
+    Options,
+    Solved,
     energy_bound,
-    ns,
     options_of,
     placed_tasks,
     reference_step,
@@ -43,7 +42,7 @@ from fxkfac.planner.search.greedy import (
 
 log = logging.getLogger(__name__)
 
-Probe = Callable[[int, float], tuple[str, GroupSolution | None]]
+Probe = Callable[[int, float], Solved]
 """Solve a group's window at refresh period k within a share of the clock: (CP-SAT status, placement or None)."""
 Left = Callable[[float], float]
 """The clock a search has left, of the given fraction of its time (1: all of it)."""
@@ -93,7 +92,7 @@ def least_group_period(
 
     lower = group_lower_bound(allowance, group, window_of, min_k)
 
-    def probe(k: int, share: float) -> tuple[str, GroupSolution | None]:
+    def probe(k: int, share: float) -> Solved:
         hint = restretch(greedy, allowance.ticks(k)) if greedy is not None and greedy.window.k == k else None
         w = hint.window if hint is not None else window_of(k)
         status, found = solve_window(w, config, share, meter, hint if config.use_greedy_hint else None, optimize=False)
@@ -134,10 +133,10 @@ def least_period(
     `incumbent` (first-fit's) climbing from `lower`; with one, climbing while each k is proven infeasible (within
     PROOF_SHARE of the time), then descending from the incumbent's ([Note: descending refresh search])."""
     if incumbent is None:
-        return _ascend(probe, left, lower, top)
+        return _climb(probe, left, 1.0, lower, top + 1, give_up=False)
     if incumbent.window.k - lower <= 1:  # the climb would probe the one k the descent probes first
         return _descend(probe, left, lower, incumbent)
-    proven, found = _climb(probe, left, PROOF_SHARE, lower, incumbent.window.k)
+    found, proven = _climb(probe, left, PROOF_SHARE, lower, incumbent.window.k)
     if found is not None:
         return found, proven
     return _descend(probe, left, proven, incumbent)
@@ -149,17 +148,19 @@ DESCENT_SHARE = 0.75
 """The part of a group's time the descent below first-fit's period may take; the rest minimizes staleness."""
 
 
-def _ascend(probe: Probe, left: Left, lower: int, top: int) -> tuple[GroupSolution | None, int]:
-    """The first k from `lower` up found feasible, each k an equal share of the time left by the ks to go, and the
-    least k not proven infeasible."""
+def _climb(
+    probe: Probe, left: Left, share: float, lower: int, end: int, *, give_up: bool = True
+) -> tuple[GroupSolution | None, int]:
+    """The first k in [`lower`, `end`) found feasible, each k an equal part of `share` of the time left by the ks to
+    go, and the least k not proven infeasible (`end` when all are); `give_up`: stop at a k not proven infeasible."""
     proven = lower
-    for k in range(lower, top + 1):
-        if left(1.0) <= 0:
+    for k in range(lower, end):
+        if left(share) <= 0:
             break
-        status, found = probe(k, left(1.0) / (top - k + 1))
+        status, found = probe(k, left(share) / (end - k))
         if status == "INFEASIBLE" and proven == k:
             proven = k + 1
-        if found is not None:
+        if found is not None or (give_up and status != "INFEASIBLE"):
             return found, proven
     return None, proven
 
@@ -182,24 +183,12 @@ def _descend(probe: Probe, left: Left, lower: int, incumbent: GroupSolution) -> 
         if found is not None:
             best = found
             continue
-        if status == "INFEASIBLE" and _climb(probe, left, DESCENT_SHARE, lower, k)[0] == k:
+        if status == "INFEASIBLE" and _climb(probe, left, DESCENT_SHARE, lower, k)[1] == k:
             proven = k + 1
         break
     if best.window.k == lower:
         proven = lower
     return best, proven
-
-
-def _climb(probe: Probe, left: Left, share: float, lower: int, top: int) -> tuple[int, GroupSolution | None]:
-    """Up from `lower` below `top` while each k is proven infeasible, within `share` of the time: the first k not
-    proven infeasible (`top` when all are), and its placement where one was found."""
-    for k in range(lower, top):
-        if left(share) <= 0:
-            return k, None
-        status, found = probe(k, left(share) / (top - k))
-        if found is not None or status != "INFEASIBLE":
-            return k, found
-    return top, None
 
 
 def least_stretch_at(
@@ -210,7 +199,7 @@ def least_stretch_at(
     w = found.window
     until = meter.now() + (deadline - meter.now()) / 2
 
-    def probe(stretch: int) -> tuple[str, GroupSolution | None]:
+    def probe(stretch: int) -> Solved:
         window = allowance.window(w.group, w.k, stretch, stats_chunk=w.stats_chunk, resolution=config.time_resolution)
         if too_long(window):
             return "INFEASIBLE", None
@@ -232,49 +221,48 @@ def _least_stale(
     meter: Budget,
     left: float,
     proven: bool,
-    frame: Frame | None = None,
+    options: Options | None = None,
 ) -> GroupSolution:
-    """The least staleness in `w` (found's k and step; with `frame` the distributions chosen too) within `left`,
+    """The least staleness in `w` (found's k and step; with `options` the distributions chosen too) within `left`,
     warm-started by `found` (kept where the solver does worse); OPTIMAL where proven and the k and step are `proven`."""
     if found.staleness == 0:
         return replace(found, status="OPTIMAL" if proven else "FEASIBLE")
     hint = found if config.use_greedy_hint or found.method != "greedy" else None
-    status, best = solve_window(w, config, left, meter, hint, frame=frame)
+    status, best = solve_window(w, config, left, meter, hint, options=options)
     if best is None or found.staleness < best.staleness:
         best = found
     optimal = proven and (status == "OPTIMAL" or best.staleness == 0)
     return replace(best, status="OPTIMAL" if optimal else "FEASIBLE")
 
 
-def _lower_k(w: Window) -> int:
-    """The least period any option set allows: the work every option has over the free time one step leaves."""
-    work = window_work(w)
-    free = sum(w.length - sum(e - s for s, e in w.fixed[d]) for d in w.group.devices) // w.k
-    return max(1, math.ceil(work / free)) if free > 0 else w.problem.max_period + 1
-
-
 @dataclass(frozen=True)
 class _Group:
-    """One group's joint search: the anchor problem (the distributions of the stages not free), the problems whose
-    first-fit placements warm-start it (each with its reference step in ticks), the options and grid, and the
-    stretch a step of k steps may take."""
+    """One group's joint search: the anchor problem (the distributions of the stages not free) and every layer's
+    options, the problems whose first-fit placements warm-start it (the anchor first, each with its reference step in
+    ticks), the grid, the STATS chunk and the stretch a step of k steps may take."""
 
     anchor: Problem
     group: StageGroup
+    options: Options
     candidates: tuple[tuple[Problem, int], ...]
-    frame: Frame
+    scale: tuple[float, bool]
+    stats_chunk: int
     cap: Callable[[int], int]
 
     def window(self, k: int, step: int) -> Window:
         """The anchor's window at period k with steps of `step` ticks."""
-        w = window_at(self.anchor, self.group, k, step, self.frame.scale, stats_chunk=self.frame.stats_chunk)
+        w = window_at(self.anchor, self.group, k, step, self.scale, stats_chunk=self.stats_chunk)
         assert w is not None, "a joint step is never below the anchor's reference (the least one)"
         return w
+
+    def probe(self, k: int, step: int, config: SolverConfig, share: float, meter: Budget) -> Solved:
+        """A feasibility probe of the anchor's window at period k with steps of `step` ticks."""
+        return solve_window(self.window(k, step), config, share, meter, optimize=False, options=self.options)
 
     @property
     def base(self) -> int:
         """The anchor's reference step in ticks: the least step of any option set."""
-        return reference_ticks(self.anchor, self.frame.scale)
+        return self.candidates[0][1]
 
     def most(self, k: int) -> int:
         """The longest step a window of k steps may have."""
@@ -285,50 +273,59 @@ class _Group:
         for problem, reference in self.candidates:
             if reference > step:
                 continue
-            w = window_at(problem, self.group, k, step, self.frame.scale, stats_chunk=self.frame.stats_chunk)
-            if w is None:
-                continue
-            solution = greedy_window(w, meter)
+            w = window_at(problem, self.group, k, step, self.scale, stats_chunk=self.stats_chunk)
+            solution = None if w is None else greedy_window(w, meter)
             if solution is not None and fits_memory(solution):
                 return solution
         return None
 
 
-def solve_joint_group(
+def joint_placements(
     anchor: Problem,
-    group: StageGroup,
     free: frozenset[int],
-    candidates: Sequence[Problem],
+    forced: Sequence[Problem],
     scale: tuple[float, bool],
-    cap: Callable[[int], int],
+    allowed: Allowance,
+    chunk_of: Callable[[StageGroup], int],
     config: SolverConfig,
-    time_limit: float,
     meter: Budget,
-    *,
-    stats_chunk: int,
-) -> GroupSolution | None:
-    """The group's distributions and placement: the least period with the whole stretch `cap(k)`, then the least
-    step, then the least staleness, within `time_limit` of `meter`'s clock. `anchor` has the least reference step and
-    keeps its distributions on the stages not `free`; first-fit of `candidates` warm-starts the search and is kept
-    where CP-SAT finds nothing better. None when nothing places it."""
-    began, left = meter.now(), _clock(meter, time_limit)
-    timeline = step_timeline(anchor)
-    release = {s: ns(timeline.allreduce_end[copies_of_stage(anchor, s)[0], s]) for s in group.stages}
-    options = {
-        x.name: options_of(anchor, x.name, s in free) for s in group.stages for x in anchor.costs.stages[s].layers
-    }
-    frame = Frame(options, release, scale, stats_chunk)
-    ticks = [round(reference_step(anchor, free, dict(c.distributions)) * scale[0]) for c in candidates]
-    g = _Group(anchor, group, ((anchor, reference_ticks(anchor, scale)), *zip(candidates, ticks)), frame, cap)
+    deadline: float,
+) -> list[GroupSolution] | None:
+    """Each group's distributions and placement (`_joint_group`) on the grid `scale`, warm-started by first-fit of
+    each `forced` strategy on its free layers, the time to `deadline` shared by the groups left; None when a group is
+    not placed. `anchor` has the least reference step and keeps its distributions on the stages not `free`."""
+    groups = stage_groups(anchor)
+    placements = []
+    for n, group in enumerate(groups):
+        names = [x.name for s in group.stages if s in free for x in anchor.costs.stages[s].layers]
+        candidates = [
+            anchor.with_distributions({**dict(anchor.distributions), **{m: f.where(m) for m in names}}) for f in forced
+        ]
+        ticks = [round(reference_step(anchor, free, dict(c.distributions)) * scale[0]) for c in candidates]
+        first = ((anchor, reference_ticks(anchor, scale)), *zip(candidates, ticks))
+        g = _Group(anchor, group, options_of(anchor, group.stages, free), first, scale, chunk_of(group), allowed.ticks)
+        placement = _joint_group(g, config, max(0.0, deadline - meter.now()) / (len(groups) - n), meter)
+        if placement is None:
+            log.info("joint choice: stages %s not placed", list(group.stages))
+            return None
+        placements.append(placement)
+    return placements
+
+
+def _joint_group(g: _Group, config: SolverConfig, time_limit: float, meter: Budget) -> GroupSolution | None:
+    """The least period with the whole stretch `g.cap(k)`, then the least step, then the least staleness, within
+    `time_limit` of `meter`'s clock; first-fit of the candidates warm-starts the search and is kept where CP-SAT finds
+    nothing better. None when nothing places it."""
+    began, left, anchor = meter.now(), _clock(meter, time_limit), g.anchor
     if too_long(g.window(2, g.most(anchor.max_period))):
         return None
     lower = _lower_k(g.window(1, g.most(1)))
     fallback = next((f for k in range(lower, anchor.max_period + 1) if (f := g.first_fit(k, g.most(k), meter))), None)
 
-    def probe(k: int, share: float) -> tuple[str, GroupSolution | None]:
+    def probe(k: int, share: float) -> Solved:
         w = g.window(k, g.most(k))
-        status, found = solve_window(w, config, share, meter, optimize=False, frame=frame)
-        log.info("joint stages %s k=%d step=%d ticks: %s", list(group.stages), k, w.offsets[1], status)
+        status, found = solve_window(w, config, share, meter, optimize=False, options=g.options)
+        log.info("joint stages %s k=%d step=%d ticks: %s", list(g.group.stages), k, w.offsets[1], status)
         return status, found
 
     found, proven = least_period(probe, left, lower, anchor.max_period, fallback)
@@ -337,41 +334,44 @@ def solve_joint_group(
     if found.step_ticks > g.base:
         found = _least_step(g, found, config, meter, began + time_limit)
     w = g.window(found.window.k, found.step_ticks)
-    best = _least_stale(found, w, config, meter, left(1.0), proven == found.window.k, g.frame)
+    best = _least_stale(found, w, config, meter, left(1.0), proven == found.window.k, g.options)
     return replace(best, k_lower_bound=proven)
+
+
+def _lower_k(w: Window) -> int:
+    """The least period any option set allows: the work every option has over the free time one step leaves."""
+    work = window_work(w)
+    free = sum(w.length - sum(e - s for s, e in w.fixed[d]) for d in w.group.devices) // w.k
+    return max(1, math.ceil(work / free)) if free > 0 else w.problem.max_period + 1
 
 
 def _least_step(g: _Group, found: GroupSolution, config: SolverConfig, meter: Budget, deadline: float) -> GroupSolution:
     """The shortest step at found's k: first-fit of the candidates bisected in at most half the time left, then CP-SAT
     feasibility probes (the energy bound first: often the answer) in three quarters of what is left then."""
     k = found.window.k
-    energy = energy_bound(g.window(k, found.step_ticks), g.frame, g.base, config, meter, (deadline - meter.now()) / 8)
+    energy = energy_bound(g.window(k, found.step_ticks), g.options, g.base, config, meter, (deadline - meter.now()) / 8)
     work = g.window(k, g.base)  # stretch any option set needs: slots and broadcasts as nothing
-    work = replace(
-        work, tasks=placed_tasks(work, g.frame.options), precs=tuple(replace(p, ticks=0) for p in work.precs)
-    )
+    work = replace(work, tasks=placed_tasks(work, g.options), precs=tuple(replace(p, ticks=0) for p in work.precs))
     lower = max(g.base + stretch_lower_bound(work), energy)
     cheap_until = meter.now() + (deadline - meter.now()) / 2
 
     def step_of(placement: GroupSolution) -> int:
         return placement.step_ticks
 
-    def cheap(step: int) -> tuple[str, GroupSolution | None]:
+    def cheap(step: int) -> Solved:
         return "UNKNOWN", (g.first_fit(k, step, meter) if meter.now() < cheap_until else None)
 
     best = bisect_least(lower, found, cheap, step_of)[0]
     until = meter.now() + (deadline - meter.now()) * 3 / 4
 
-    def probe(step: int) -> tuple[str, GroupSolution | None]:
+    def probe(step: int) -> Solved:
         left = until - meter.now()
         if left <= 0:
             return "UNKNOWN", None
-        share = left / max(1, math.ceil(math.log2(step - lower + 2)))
-        return solve_window(g.window(k, step), config, share, meter, optimize=False, frame=g.frame)
+        return g.probe(k, step, config, left / max(1, math.ceil(math.log2(step - lower + 2))), meter)
 
     if lower < best.step_ticks:
-        share = (until - meter.now()) / 3
-        _, at_bound = solve_window(g.window(k, lower), config, share, meter, optimize=False, frame=g.frame)
+        _, at_bound = g.probe(k, lower, config, (until - meter.now()) / 3, meter)
         best = at_bound or bisect_least(lower + 1, best, probe, step_of)[0]
     log.info("joint stages %s k=%d: least step %d ticks", list(g.group.stages), k, best.step_ticks)
     return best

@@ -20,7 +20,6 @@ from fxkfac.planner.search.choose import (
     best,
     candidate_problems,
     candidate_strategies,
-    solve_outer,
     solve_with_strategy,
     strategy_of,
 )
@@ -197,7 +196,7 @@ def test_at_max_overhead_0_only_the_distributions_of_the_least_reference_step_ar
         return solve(candidate, *args, **kwargs)
 
     monkeypatch.setattr(choose, "solve", recorded)
-    auto = solve_outer(problem, QUICK, "greedy")
+    auto = solve_with_strategy(problem, None, QUICK, "greedy", Budget.of(QUICK), joint=False)
     assert planned == [s for s, r in refs.items() if r <= least * (1 + STEP_TIE)]
     plans = []
     for c in candidates:

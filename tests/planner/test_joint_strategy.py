@@ -1,5 +1,5 @@
-"""CP-SAT choosing each layer's distribution with the placement (planner/search/cpsat.py, planner/search/cpsat.py with a
-`Frame`, planner/search/group_search.py `solve_joint_group`): the least step against every option set enumerated, and
+"""CP-SAT choosing each layer's distribution with the placement (planner/search/cpsat.py given options,
+planner/search/group_search.py `joint_placements`): the least step against every option set enumerated, and
 joint plans against every forced strategy and the outer search."""
 
 from __future__ import annotations
@@ -15,22 +15,19 @@ from fxkfac.planner.plan.solution import GroupSolution
 from fxkfac.planner.plan.window import TaskKind, Window, grid_scale
 from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.problem.hardware import HARDWARE
-from fxkfac.planner.problem.problem import Problem, SolverConfig, copies_of_stage, stage_groups
+from fxkfac.planner.problem.problem import Problem, SolverConfig, stage_groups
 from fxkfac.planner.problem.step_timeline import activation_peak, min_memory_bytes, static_bytes, step_timeline
 from fxkfac.planner.problem.strategy import parse_strategy
 from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.search.budget import Budget
-from fxkfac.planner.search.choose import solve_outer, solve_with_strategy, strategy_of
+from fxkfac.planner.search.choose import solve_with_strategy, strategy_of
 from fxkfac.planner.search.cpsat import (
-    Frame,
     layer_options,
     least_step,
-    ns,
     options_of,
     reference_step,
     reference_ticks,
     solve_window,
-    step_fixed_end,
     timeline_stages,
     transfer,
     window_at,
@@ -108,7 +105,7 @@ def _enumerated_least(problem: Problem) -> float:
 @pytest.mark.parametrize("budget", [None, "tight"])
 def test_least_step_is_the_least_over_every_option_set(budget: str | None) -> None:
     """Two stages of two copies, 3 options per layer (COMM-OPT, MEM-OPT on either copy): 729 option sets, each
-    simulated; the model's least step and its choice's simulated step are that minimum (to the model's 1 ns)."""
+    simulated; the model's choice's simulated step is that minimum (to the model's 1 ns)."""
     problem = _problem()
     if budget:  # between the least and the most static bytes an option set can hold
         comm = max(static_bytes(problem, d) + activation_peak(problem, d) for d in problem.devices)
@@ -119,14 +116,13 @@ def test_least_step_is_the_least_over_every_option_set(budget: str | None) -> No
     free = frozenset(range(problem.num_stages)) - timeline_stages(problem)
     assert free == {0, 1}  # 1F1B: each stage's slot comes after its copies' fixed work
     meter = dataclasses.replace(Budget.untimed(), cap=time.perf_counter() + 60)
-    choice = least_step(problem, free, step_fixed_end(problem, free), QUICK, meter, 10.0)
+    choice = least_step(problem, free, QUICK, meter, 10.0)
     assert choice is not None
-    chosen = problem.with_distributions(choice.distributions)
+    chosen = problem.with_distributions(choice)
     best = _enumerated_least(problem)
     assert _fits(chosen)
-    assert choice.step == pytest.approx(best, abs=1e-8)
     assert step_timeline(chosen).length == pytest.approx(best, abs=1e-8)
-    assert reference_step(problem, free, choice.distributions) == pytest.approx(best, abs=1e-8)
+    assert reference_step(problem, free, choice) == pytest.approx(best, abs=1e-8)
 
 
 def _checked(plan: Plan) -> Plan:
@@ -156,7 +152,7 @@ def test_the_joint_plan_is_no_worse_than_any_forced_strategy_or_the_outer_search
     for text in ("comm-opt", "mem-opt"):
         forced = _checked(solve(problem.with_strategy(parse_strategy(text)), QUICK))
         assert _no_worse(joint, forced), (text, strategy_of(joint), joint.metrics, forced.metrics)
-    outer = _checked(solve_outer(problem, QUICK))
+    outer = _checked(solve_with_strategy(problem, None, QUICK, budget=Budget.of(QUICK), joint=False))
     assert _no_worse(joint, outer), (strategy_of(joint), strategy_of(outer), joint.metrics, outer.metrics)
 
 
@@ -217,16 +213,10 @@ def test_the_model_with_one_option_per_layer_is_the_forced_strategys(strategy: s
     problem = _problem(W=2).with_strategy(parse_strategy(strategy))
     w, placed = _first_fit_window(problem)
     group = w.group
-    timeline = step_timeline(problem)
-    frame = Frame(
-        {x.name: options_of(problem, x.name, False) for s in group.stages for x in problem.costs.stages[s].layers},
-        {s: ns(timeline.allreduce_end[copies_of_stage(problem, s)[0], s]) for s in group.stages},
-        (w.scale, w.exact),
-        1,
-    )
+    options = options_of(problem, group.stages, ())
     budget = dataclasses.replace(Budget.untimed(), cap=time.perf_counter() + 60)
     forced_status, forced = solve_window(w, QUICK, 60.0, budget, placed)
-    joint_status, joint = solve_window(w, QUICK, 60.0, budget, placed, frame=frame)
+    joint_status, joint = solve_window(w, QUICK, 60.0, budget, placed, options=options)
     assert (forced_status, joint_status) == ("OPTIMAL", "OPTIMAL")
     assert forced is not None and joint is not None
     assert joint.staleness == forced.staleness
