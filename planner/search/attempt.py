@@ -17,7 +17,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, replace
 from decimal import ROUND_CEILING, Decimal
 from enum import StrEnum
@@ -53,7 +53,14 @@ from fxkfac.planner.problem.step_timeline import (
     utilization,
 )
 from fxkfac.planner.search.budget import Budget
-from fxkfac.planner.search.greedy import Allowance, allowance, group_lower_bound, restretch
+from fxkfac.planner.search.greedy import (
+    Allowance,
+    allowance,
+    greedy_group,
+    greedy_overhead,
+    group_lower_bound,
+    restretch,
+)
 
 if TYPE_CHECKING:
     from fxkfac.planner.search.group_search import Period
@@ -278,11 +285,6 @@ class _Placing:
     period: Period | None = None
     solution: GroupSolution | None = None
 
-    def nothing_chunked(self, config: SolverConfig) -> bool:
-        """Nothing placed with the planner's chunked STATS tasks: placed again per layer."""
-        nothing = self.period is None and self.solution is None and self.greedy is None
-        return self.stats_chunk > 1 and config.stats_chunk is None and nothing
-
 
 def _solve_groups(
     problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, min_k: int, clock: Budget
@@ -290,91 +292,66 @@ def _solve_groups(
     """Every group's solution at periods >= min_k in two passes: every group's least period first (sharing the solver
     time left), then each one's stretch and staleness with the time the first left; chunked STATS tasks per
     `stats_chunk_of`, per layer where that places nothing."""
+    from fxkfac.planner.search.group_search import least_group_period, refine_group, within_budget
+
     groups = stage_groups(problem)
     allowed = allowance(problem, fused, config)
-    first = functools.partial(_first_pass, problem, fused, config, method, min_k, clock, allowed)
 
-    def per_layer(group: StageGroup, later: int) -> _Placing:
-        log.info("stages %s: no placement with chunked STATS tasks; placing them per layer", list(group.stages))
-        return first(group, 1, later=later)
+    def first(group: StageGroup, chunk: int, later: int) -> _Placing:
+        """First-fit's placement, then CP-SAT's least period warm-started by it in the group's share of the solver
+        time left; first-fit's alone with the greedy method or no time left."""
+        _check_fits(problem, group, fused, config, allowed, chunk, min_k)
+        try:
+            g = greedy_group(
+                problem,
+                group,
+                fused,
+                stats_chunk=chunk,
+                resolution=config.time_resolution,
+                min_k=min_k,
+                allowance=allowed,
+                meter=clock,
+                cut=False,  # a candidate's first plan comes out whatever the time left (charged, not cut)
+            )
+        except PlanError:
+            g = None
+        share = _share(problem, clock, later, reserve=g is None or not fits_memory(g))
+        if method is Method.GREEDY or share is None:
+            return _Placing(group, chunk, g, solution=g if g is not None and fits_memory(g) else None)
+        period = least_group_period(
+            problem, group, fused, config, share, clock, g, stats_chunk=chunk, min_k=min_k, allowance=allowed
+        )
+        return _Placing(group, chunk, g, period=period)
+
+    def second(placing: _Placing, later: int) -> GroupSolution | None:
+        """The first pass's solution, or its period refined in the group's share of the time left; without time, the
+        period's placement (or first-fit's, where that one breaks the budget)."""
+        if placing.period is None:
+            return placing.solution
+        placed = within_budget(placing.period.found, placing.period.fallback)
+        share = _share(problem, clock, later, reserve=placed is None)
+        return placed if share is None else refine_group(placing.period, allowed, config, share, clock)
+
+    def per_layer(placing: _Placing, later: int) -> _Placing:
+        """Nothing placed with the planner's chunked STATS tasks: placed again per layer."""
+        nothing = placing.period is None and placing.solution is None and placing.greedy is None
+        if placing.stats_chunk == 1 or config.stats_chunk is not None or not nothing:
+            return placing
+        log.info("stages %s: no placement with chunked STATS tasks; placing them per layer", list(placing.group.stages))
+        return first(placing.group, 1, later)
 
     placings = []
     for n, group in enumerate(groups):
         chunk = stats_chunk_of(problem, group, config, allowed)
         try:
-            placing = first(group, chunk, later=len(groups) - n)
+            placing = first(group, chunk, len(groups) - n)
         except Refused:
             if chunk == 1 or config.stats_chunk is not None:
                 raise
             placing = _Placing(group, chunk, None)
-        placings.append(per_layer(group, len(groups) - n) if placing.nothing_chunked(config) else placing)
-    solutions = []
-    for n, placing in enumerate(placings):
-        solution = _second_pass(problem, placing, config, clock, allowed, later=len(groups) - n)
-        if solution is None and placing.nothing_chunked(config):
-            placings[n] = per_layer(placing.group, len(groups) - n)
-            solution = _second_pass(problem, placings[n], config, clock, allowed, later=len(groups) - n)
-        solutions.append(solution)
+        placings.append(per_layer(placing, len(groups) - n))
+    solutions = [second(placing, len(groups) - n) for n, placing in enumerate(placings)]
     return Attempt(same_stretch(solutions), [p.greedy for p in placings], allowed)
-
-
-def _first_pass(
-    problem: Problem,
-    fused: frozenset[str],
-    config: SolverConfig,
-    method: Method,
-    min_k: int,
-    clock: Budget,
-    allowed: Allowance,
-    group: StageGroup,
-    stats_chunk: int,
-    *,
-    later: int,
-) -> _Placing:
-    """First-fit's placement, then CP-SAT's least period warm-started by it in the group's share of the solver time
-    left (`later` groups share it); first-fit's alone with the greedy method or no time left."""
-    from fxkfac.planner.search.greedy import greedy_group
-
-    _check_fits(problem, group, fused, config, allowed, stats_chunk, min_k)
-    try:
-        g = greedy_group(
-            problem,
-            group,
-            fused,
-            stats_chunk=stats_chunk,
-            resolution=config.time_resolution,
-            min_k=min_k,
-            allowance=allowed,
-            meter=clock,
-            cut=False,  # a candidate's first plan comes out whatever the time left (charged, not cut)
-        )
-    except PlanError:
-        g = None
-    share = _share(problem, clock, later, reserve=g is None or not fits_memory(g))
-    if method is Method.GREEDY or share is None:
-        return _Placing(group, stats_chunk, g, solution=g if g is not None and fits_memory(g) else None)
-    from fxkfac.planner.search.group_search import least_group_period
-
-    period = least_group_period(
-        problem, group, fused, config, share, clock, g, stats_chunk=stats_chunk, min_k=min_k, allowance=allowed
-    )
-    return _Placing(group, stats_chunk, g, period=period)
-
-
-def _second_pass(
-    problem: Problem, placing: _Placing, config: SolverConfig, clock: Budget, allowed: Allowance, *, later: int
-) -> GroupSolution | None:
-    """The first pass's solution, or its period refined (`refine_group`) in the group's share of the time left;
-    without time, the period's placement (or first-fit's, where that one breaks the budget)."""
-    if placing.period is None:
-        return placing.solution
-    from fxkfac.planner.search.group_search import refine_group, within_budget
-
-    placed = within_budget(placing.period.found, placing.period.fallback)
-    share = _share(problem, clock, later, reserve=placed is None)
-    if share is None:
-        return placed
-    return refine_group(placing.period, allowed, config, share, clock)
 
 
 def _share(problem: Problem, clock: Budget, later: int, *, reserve: bool) -> float | None:
@@ -441,30 +418,28 @@ def _placed(problem: Problem, config: SolverConfig, method: Method, clock: Budge
     """The work placed (`_fitted`); where fusing some layers costs less than deferring them (`cheaper_fused`), also
     with those fused when the plan stretches its steps or is refused, the better by `rank` kept."""
     cheaper = cheaper_fused(problem)
-    try:
-        plan = _fitted(problem, config, method, clock, began, frozenset())
-    except Refused as refused:
-        if not cheaper:
-            raise
+    plans: list[Plan] = []
+    refusal: Refused | None = None
+    for fused in (frozenset(), cheaper) if cheaper else (frozenset(),):
+        if plans and plans[0].metrics.stretch <= 0:
+            break
         try:
-            return _fitted(problem, config, method, clock, began, cheaper)
-        except Refused:
-            raise refused from None
-    if not cheaper or plan.metrics.stretch <= 0:
-        return plan
-    try:
-        with_fused = _fitted(problem, config, method, clock, began, cheaper)
-    except Refused:
-        return plan
-    best = min((plan, with_fused), key=rank)
-    log.info(
-        "the steps stretch for deferred curvature: %.4g ms per step, %.4g ms with that of %d layers fused; kept %s "
-        "(fresher curvature first, then the shorter step)",
-        plan.metrics.step_time * 1e3,
-        with_fused.metrics.step_time * 1e3,
-        len(cheaper),
-        "fused" if best is with_fused else "deferred",
-    )
+            plans.append(_fitted(problem, config, method, clock, began, fused))
+        except Refused as refused:
+            refusal = refusal or refused
+    if not plans:
+        assert refusal is not None, "no plan means a refusal"
+        raise refusal
+    best = min(plans, key=rank)
+    if len(plans) > 1:
+        log.info(
+            "the steps stretch for deferred curvature: %.4g ms per step, %.4g ms with that of %d layers fused; kept %s "
+            "(fresher curvature first, then the shorter step)",
+            plans[0].metrics.step_time * 1e3,
+            plans[1].metrics.step_time * 1e3,
+            len(cheaper),
+            "fused" if best is plans[1] else "deferred",
+        )
     return best
 
 
@@ -594,15 +569,164 @@ STRETCH_SEARCH_S = 5.0
 """The most seconds of the limit (and at most half the time left) CP-SAT refines the least stretch of one group."""
 
 
-# Suggestions: each refusal searches the knobs that may lift it, upward from the refused value, and
-# names only values it has solved the problem with (everything else unchanged).
+@dataclass(frozen=True)
+class _Hints:
+    """A refusal's search for what plans it: each knob that may lift it, upward from the refused value, naming only
+    values it solved the problem with (everything else unchanged), every plan kept in `until`."""
+
+    config: SolverConfig
+    method: Method
+    until: Budget
+
+    def plan(self, problem: Problem, *, thorough: bool = False) -> Plan | None:
+        """`problem`'s plan: first-fit first (CP-SAT's first pass), then, `thorough` with CP-SAT, CP-SAT itself in the
+        time left; None where neither plans."""
+        until, method = self.until, self.method
+        made = until.made.get((problem, method))
+        if made is not None:
+            return made
+        now = until.now()
+        tries = [now] + (
+            [min(until.cutoff, now + until.units(self.config.time_limit_s))]
+            if thorough and method is Method.CPSAT
+            else []
+        )
+        for deadline in tries:
+            if until.out():
+                return None
+            try:
+                plan = attempt_plan(problem, self.config, method, until.later(deadline), time.perf_counter())
+            except Refused:
+                continue
+            until.made[(problem, method)] = plan
+            return plan
+        return None
+
+    def first(self, knob: Knob, values: Iterable[int], make: Callable[[int], Problem]) -> Suggestion | None:
+        """The first of `values` of `knob` whose problem (`make`) plans (one the schedule refuses skipped), until the
+        time runs out."""
+        for value in values:
+            try:
+                candidate = make(value)
+            except ScheduleError:
+                continue
+            if self.plan(candidate) is not None:
+                return Suggestion(((knob, value),))
+            if self.until.out():
+                return None
+        return None
+
+    def overhead(self, problem: Problem, fused: frozenset[str]) -> Suggestion | None:
+        """A max_overhead that plans: from greedy's stretch estimate doubling, checked by first-fit (then with CP-SAT,
+        by CP-SAT); then while time is left, CP-SAT's least stretch (least where proven) or bisection below it."""
+        estimate, proven = self.estimate(problem, fused, Method.GREEDY)
+        ladder = _ladder(max(estimate or 0.0, problem.max_overhead * 1.01, 1e-4), problem.max_overhead)
+        for thorough in (False, True) if self.method is Method.CPSAT else (False,):
+            failed = problem.max_overhead
+            for candidate in ladder:
+                if self.plan(replace(problem, max_overhead=candidate), thorough=thorough) is not None:
+                    break
+                if self.until.out():
+                    return None
+                failed = candidate
+            else:
+                continue
+            break
+        else:
+            return None
+        if proven and candidate == estimate:
+            return Suggestion(((Knob.MAX_OVERHEAD, candidate),), least=True)
+        if self.method is Method.CPSAT:
+            least, proven = self.estimate(problem, fused, self.method)
+            if (
+                least is not None
+                and failed < least < candidate
+                and self.plan(replace(problem, max_overhead=least), thorough=True) is not None
+            ):
+                return Suggestion(((Knob.MAX_OVERHEAD, least),), least=proven)
+        for _ in range(4):  # a few bisection probes between the last that failed and the one that plans
+            middle = _sig_up((failed + candidate) / 2)
+            if not failed < middle < candidate:
+                break
+            if self.plan(replace(problem, max_overhead=middle)) is not None:
+                candidate = middle
+            elif self.until.out():
+                break
+            else:
+                failed = middle
+        return Suggestion(((Knob.MAX_OVERHEAD, candidate),))
+
+    def memory(self, problem: Problem, fused: frozenset[str]) -> Suggestion | None:
+        """A memory budget that plans at the problem's max_overhead: the peak of the plan made without one, rounded up
+        (raised by a quarter while it does not plan), never above the device's memory."""
+        free = self.plan(replace(problem, memory_budget=None))
+        if free is None:
+            return None
+        peak = max(free.metrics.peak_memory.values())
+        budgets = [_bytes_up(max(peak, min_memory_bytes(problem), (problem.memory_budget or 0) + 1))]
+        for _ in range(3):
+            budgets.append(_bytes_up(budgets[-1] * 1.25))
+        device = device_bytes(problem)
+        budgets = [b for b in budgets if device is None or b <= device]
+        return self.first(Knob.MEMORY_BUDGET, budgets, lambda budget: replace(problem, memory_budget=budget))
+
+    def microbatches(self, problem: Problem, fused: frozenset[str]) -> Suggestion | None:
+        """The nearest N valid for the schedule that plans: fewer first (less work for the same bubbles), then more,
+        up to 4 times this one."""
+        ns = [*range(problem.N - 1, 0, -1), *range(problem.N + 1, 4 * problem.N + 1)]
+        return self.first(Knob.MICROBATCHES, ns, lambda n: replace(problem, N=n))
+
+    def together(self, problem: Problem, fused: frozenset[str]) -> Suggestion | None:
+        """A max_overhead that plans without the budget, and a budget that plans at it."""
+        overhead = self.overhead(replace(problem, memory_budget=None), frozenset())
+        if overhead is None:
+            return None
+        value = overhead.fields()["max_overhead"]
+        memory = self.memory(replace(problem, max_overhead=value), fused)
+        return None if memory is None else Suggestion(((Knob.MAX_OVERHEAD, value),) + memory.changes)
+
+    def estimate(self, problem: Problem, fused: frozenset[str], method: Method) -> tuple[float | None, bool]:
+        """The max_overhead the stretch at max_period needs (3 digits, rounded up) and whether it is proven least
+        (CP-SAT refines first-fit's while time is left); None when stretching is off or no stretch up to 10 steps
+        places it."""
+        config, until = self.config, self.until
+        if not config.stretch:
+            return None, False
+        grid = Allowance(problem, fused, grid_scale(problem, range(problem.num_stages), fused, config.time_resolution))
+        upper, proven = 0, True
+        for group in stage_groups(problem):
+            chunk = stats_chunk_of(problem, group, config, grid)
+            low, found = greedy_overhead(
+                problem, group, grid, stats_chunk=chunk, resolution=config.time_resolution, meter=until
+            )
+            if found is None:
+                return None, False
+            least = found.window.stretch <= low
+            left = until.left()
+            if method is Method.CPSAT and not least and left > 0:
+                from fxkfac.planner.search.group_search import least_stretch_at
+
+                limit = min(until.units(min(STRETCH_SEARCH_S, config.time_limit_s)), left / 2)
+                found, least = least_stretch_at(found, grid, config, until, until.now() + 2 * limit)
+            upper, proven = max(upper, found.window.stretch), proven and least
+        assert grid.scale is not None, "the allowance has a grid"
+        extra = fused_extra(problem, fused) / problem.max_period
+        need = (upper / grid.scale[0] + extra) / step_timeline(problem).length
+        return (_sig_up(need) if need > 0 else None), proven
 
 
-def with_suggestions(
-    refused: Refused, problem: Problem, config: SolverConfig, method: Method, until: Budget
-) -> PlanError:
-    """The refusal's error with the values that plan, searched until `until`: each knob alone; where none does and a
-    budget is set, max_overhead and the budget together; then more micro-batches."""
+_SEARCHES: dict[tuple[Knob, ...], tuple[str, Callable[[_Hints, Problem, frozenset[str]], Suggestion | None]]] = {
+    (Knob.MAX_OVERHEAD,): ("max_overhead below 10", _Hints.overhead),
+    (Knob.MEMORY_BUDGET,): ("memory budget from the peak of a plan made without one", _Hints.memory),
+    (Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET): ("max_overhead with a memory budget", _Hints.together),
+    (Knob.MICROBATCHES,): ("number of micro-batches from 1 to {N}", _Hints.microbatches),
+}
+"""Each knob set's search, and what it tries (for the message that says none of it plans)."""
+
+
+def with_suggestions(refused: Refused, problem: Problem, hints: _Hints) -> PlanError:
+    """The refusal's error with the values that plan, searched until `hints.until`: each knob alone; where none does
+    and a budget is set, max_overhead and the budget together; then more micro-batches."""
     found: list[Suggestion] = []
     searched: list[str] = []
     stages: list[tuple[Knob, ...]] = [(knob,) for knob in refused.knobs if knob is not Knob.MICROBATCHES]
@@ -613,18 +737,18 @@ def with_suggestions(
     if Knob.MICROBATCHES in refused.knobs:
         stages.append((Knob.MICROBATCHES,))
     for knobs in stages:
-        if until.out() or (len(knobs) > 1 or knobs == (Knob.MICROBATCHES,)) and found:
+        if hints.until.out() or (len(knobs) > 1 or knobs == (Knob.MICROBATCHES,)) and found:
             break
         what, search = _SEARCHES[knobs]
         searched.append(what.format(N=4 * problem.N))
-        suggestion = search(problem, refused.fused, config, method, until)
+        suggestion = search(hints, problem, refused.fused)
         if suggestion is not None:
             found.append(suggestion)
     if found:
         text = "Solved with: " + "; or ".join(_describe(problem, s) for s in found)
-    elif until.out():
+    elif hints.until.out():
         text = (
-            f"Nothing that plans it was found before the time ran out (time limit {config.time_limit_s:g} s): "
+            f"Nothing that plans it was found before the time ran out (time limit {hints.config.time_limit_s:g} s): "
             f"searched {'; '.join(searched) or 'nothing'}; a longer time limit searches further"
         )
     else:
@@ -647,84 +771,11 @@ def _describe(problem: Problem, s: Suggestion) -> str:
             words.append(f"N={value} micro-batches (of the same size)")
     text = " with ".join(words)
     if s.least:
-        text += (
-            ", the least max_overhead that places it (rounded up to 3 digits; refresh every "
-            f"{problem.max_period} steps)"
-        )
+        text += ", the least max_overhead that places it (rounded up to 3 digits; refresh every "
+        text += f"{problem.max_period} steps)"
     if [knob for knob, _ in s.changes] == [Knob.MEMORY_BUDGET]:
         text += f" at max_overhead={problem.max_overhead:g}"
     return text
-
-
-def _plan_or_none(
-    problem: Problem, config: SolverConfig, method: Method, until: Budget, *, thorough: bool = False
-) -> Plan | None:
-    """`problem`'s plan (kept in `until`): first-fit first (CP-SAT's first pass), then, `thorough` with CP-SAT, CP-SAT
-    itself in the time left; None where neither plans."""
-    made = until.made.get((problem, method))
-    if made is not None:
-        return made
-    now = until.now()
-    tries = [now] + (
-        [min(until.cutoff, now + until.units(config.time_limit_s))] if thorough and method is Method.CPSAT else []
-    )
-    for deadline in tries:
-        if until.out():
-            return None
-        try:
-            plan = attempt_plan(problem, config, method, until.later(deadline), time.perf_counter())
-        except Refused:
-            continue
-        until.made[(problem, method)] = plan
-        return plan
-    return None
-
-
-def _plans(problem: Problem, config: SolverConfig, method: Method, until: Budget, *, thorough: bool = False) -> bool:
-    return _plan_or_none(problem, config, method, until, thorough=thorough) is not None
-
-
-def _search_overhead(
-    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
-) -> Suggestion | None:
-    """A max_overhead that plans: from greedy's stretch estimate doubling, checked by first-fit (then with CP-SAT, by
-    CP-SAT); then while time is left, CP-SAT's least stretch (least where proven) or bisection probes below it."""
-    estimate, proven = _overhead_estimate(problem, fused, config, Method.GREEDY, until)
-    ladder = _ladder(max(estimate or 0.0, problem.max_overhead * 1.01, 1e-4), problem.max_overhead)
-    for thorough in (False, True) if method is Method.CPSAT else (False,):
-        failed = problem.max_overhead
-        for candidate in ladder:
-            if _plans(replace(problem, max_overhead=candidate), config, method, until, thorough=thorough):
-                break
-            if until.out():
-                return None
-            failed = candidate
-        else:
-            continue
-        break
-    else:
-        return None
-    if proven and candidate == estimate:
-        return Suggestion(((Knob.MAX_OVERHEAD, candidate),), least=True)
-    if method is Method.CPSAT:
-        least, proven = _overhead_estimate(problem, fused, config, method, until)
-        if (
-            least is not None
-            and failed < least < candidate
-            and _plans(replace(problem, max_overhead=least), config, method, until, thorough=True)
-        ):
-            return Suggestion(((Knob.MAX_OVERHEAD, least),), least=proven)
-    for _ in range(4):  # a few bisection probes between the last that failed and the one that plans
-        middle = _sig_up((failed + candidate) / 2)
-        if not failed < middle < candidate:
-            break
-        if _plans(replace(problem, max_overhead=middle), config, method, until):
-            candidate = middle
-        elif until.out():
-            break
-        else:
-            failed = middle
-    return Suggestion(((Knob.MAX_OVERHEAD, candidate),))
 
 
 def _ladder(start: float, above: float) -> list[float]:
@@ -747,101 +798,6 @@ def _at_device(problem: Problem) -> bool:
     """Whether the memory budget is already all the device has: no suggestion may raise it."""
     device = device_bytes(problem)
     return device is not None and problem.memory_budget is not None and problem.memory_budget >= device
-
-
-def _search_memory(
-    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
-) -> Suggestion | None:
-    """A memory budget that plans at the problem's max_overhead: the peak of the plan made without one, rounded up
-    (raised by a quarter while it does not plan), never above the device's memory."""
-    free = _plan_or_none(replace(problem, memory_budget=None), config, method, until)
-    if free is None:
-        return None
-    budget = _bytes_up(
-        max(max(free.metrics.peak_memory.values()), min_memory_bytes(problem), (problem.memory_budget or 0) + 1)
-    )
-    device = device_bytes(problem)
-    for _ in range(4):
-        if device is not None and budget > device:
-            return None
-        if _plans(replace(problem, memory_budget=budget), config, method, until):
-            return Suggestion(((Knob.MEMORY_BUDGET, budget),))
-        budget = _bytes_up(budget * 1.25)
-    return None
-
-
-def _search_microbatches(
-    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
-) -> Suggestion | None:
-    """The nearest N valid for the schedule that plans: fewer first (less work for the same bubbles), then more, up to
-    4 times this one."""
-    for n in [*range(problem.N - 1, 0, -1), *range(problem.N + 1, 4 * problem.N + 1)]:
-        try:
-            candidate = replace(problem, N=n)
-        except ScheduleError:
-            continue
-        if _plans(candidate, config, method, until):
-            return Suggestion(((Knob.MICROBATCHES, n),))
-        if until.out():
-            return None
-    return None
-
-
-def _search_together(
-    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
-) -> Suggestion | None:
-    """A max_overhead that plans without the budget, and a budget that plans at it."""
-    overhead = _search_overhead(replace(problem, memory_budget=None), frozenset(), config, method, until)
-    if overhead is None:
-        return None
-    value = overhead.fields()["max_overhead"]
-    memory = _search_memory(replace(problem, max_overhead=value), fused, config, method, until)
-    return None if memory is None else Suggestion(((Knob.MAX_OVERHEAD, value),) + memory.changes)
-
-
-Search = Callable[[Problem, frozenset[str], SolverConfig, Method, Budget], Suggestion | None]
-_SEARCHES: dict[tuple[Knob, ...], tuple[str, Search]] = {
-    (Knob.MAX_OVERHEAD,): ("max_overhead below 10", _search_overhead),
-    (Knob.MEMORY_BUDGET,): ("memory budget from the peak of a plan made without one", _search_memory),
-    (Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET): ("max_overhead with a memory budget", _search_together),
-    (Knob.MICROBATCHES,): ("number of micro-batches from 1 to {N}", _search_microbatches),
-}
-"""Each knob set's search, and what it tries (for the message that says none of it plans)."""
-
-
-def _overhead_estimate(
-    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
-) -> tuple[float | None, bool]:
-    """The max_overhead the stretch at max_period needs (3 digits, rounded up) and whether it is proven least (CP-SAT
-    refines first-fit's while time is left); None when stretching is off or no stretch up to 10 steps places it."""
-    from fxkfac.planner.search.greedy import greedy_overhead
-
-    if not config.stretch:
-        return None, False
-    grid = Allowance(problem, fused, grid_scale(problem, range(problem.num_stages), fused, config.time_resolution))
-    upper, proven = 0, True
-    for group in stage_groups(problem):
-        low, found = greedy_overhead(
-            problem,
-            group,
-            grid,
-            stats_chunk=stats_chunk_of(problem, group, config, grid),
-            resolution=config.time_resolution,
-            meter=until,
-        )
-        if found is None:
-            return None, False
-        least = found.window.stretch <= low
-        left = until.left()
-        if method is Method.CPSAT and not least and left > 0:
-            from fxkfac.planner.search.group_search import least_stretch_at
-
-            limit = min(until.units(min(STRETCH_SEARCH_S, config.time_limit_s)), left / 2)
-            found, least = least_stretch_at(found, grid, config, until, until.now() + 2 * limit)
-        upper, proven = max(upper, found.window.stretch), proven and least
-    assert grid.scale is not None, "the allowance has a grid"
-    need = (upper / grid.scale[0] + fused_extra(problem, fused) / problem.max_period) / step_timeline(problem).length
-    return (_sig_up(need) if need > 0 else None), proven
 
 
 def _sig_up(x: float, digits: int = 3) -> float:
@@ -897,6 +853,6 @@ def solve(
         budget.made[(REFUSED, problem, how)] = refused
         if not suggest:
             raise refused.error from None
-        raise with_suggestions(refused, problem, config, how, budget.suggesting()) from None
+        raise with_suggestions(refused, problem, _Hints(config, how, budget.suggesting())) from None
     budget.made[(problem, how)] = plan
     return plan

@@ -2,23 +2,21 @@
 allowance, and a lower bound on a group's refresh period.
 
 First-fit follows `assign_workloads_to_bubbles` of kazukiosawa/pipe-fisher (the paper's code): per device, tasks in
-priority order (curvature, sync, decomposition; broadcasts after their decomposition) go into the first gap between
-pipeline ops where `duration * 1.05` fits, after their dependencies; when something does not fit the window grows by one
-step and everything is placed again, so the number of steps is the refresh period. Each stage's decompositions go to its
-copies longest first to the least loaded, APPLY stays right after the gradient all-reduce, and memory is not considered
-(the paper's rule; the planner validates the result). With a stretch allowed ([Note: stretch] in planner/plan/window.py)
-each k is tried with the whole allowance, then the least stretch first-fit still places everything with is bisected
-(first-fit is not monotone in the stretch, so it is feasible, not proven least). `restretch` moves a solution to a
-longer stretch: feasibility only grows with the stretch, which makes bisection with a solver's probe exact
-(`bisect_least`).
+priority order (curvature, sync, decomposition; broadcasts after their decomposition) go into the first gap where
+`duration * 1.05` fits, after their dependencies; when something does not fit the window grows by one step and all is
+placed again, so the number of steps is the refresh period. Decompositions go to a stage's copies longest first to the
+least loaded, APPLY stays after the gradient all-reduce, and memory is not considered (the planner validates). With a
+stretch allowed ([Note: stretch] in planner/plan/window.py) each k is tried with the whole allowance, then the least
+stretch first-fit places everything with is bisected (first-fit is not monotone in the stretch: feasible, not proven
+least). `restretch` moves a solution to a longer stretch, so feasibility only grows with it (`bisect_least` is exact
+with a solver's probe).
 
-The packing bound: `planner.problem.step_timeline.refresh_lower_bound` pours the refresh's work into the bubbles like
-a fluid, but a statistic or decomposition piece runs whole inside one bubble. Here each bubble holds at most the
-longest sum of task lengths that fits in it (`Packer`), the APPLY slots placed where they leave the most, and a
-collective counts as one task on each of its devices (on the README snippet's 2 x 2 mesh the statistics' all-reduces
-are 70% of the refresh's device time). Every simplification only enlarges what a window may hold (releases, memory
-and the collectives' simultaneity ignored, tasks on any device of the group, repeated without limit), so the bound
-stays valid: on the PipeFisher paper's BERT-Base Chimera D=4 profiles it raises the bound from 7 to 8 steps.
+The packing bound: `refresh_lower_bound` pours the refresh's work into the bubbles like a fluid, but a statistic or
+decomposition piece runs whole inside one bubble. Here each bubble holds at most the longest sum of task lengths that
+fits in it (`Packer`), the APPLY slots placed where they leave the most, and a collective counts as one task on each
+of its devices. Every simplification only enlarges what a window may hold (releases, memory and the collectives'
+simultaneity ignored, tasks on any device of the group, repeated without limit), so the bound stays valid: on the
+PipeFisher paper's BERT-Base Chimera D=4 profiles it raises the bound from 7 to 8 steps.
 """
 
 from __future__ import annotations
@@ -81,8 +79,8 @@ class Allowance:
         self, group: StageGroup, k: int, stretch: int, *, stats_chunk: int, resolution: int, meter: Budget | None = None
     ) -> Window:
         """The window of `group` at period k with `stretch` ticks per step on this allowance's grid, its building
-        charged to `meter` (`charge_built`)."""
-        window = build_window(
+        charged to `meter` by its size: its devices' busy intervals and its tasks, a W task twice."""
+        w = build_window(
             self.problem,
             group,
             k,
@@ -92,21 +90,16 @@ class Allowance:
             stretch=stretch,
             scale=self.scale,
         )
-        charge_built(window, meter)
-        return window
+        if meter is not None:
+            w_tasks = sum(1 for task in w.tasks if task.kind is TaskKind.WGRAD)
+            meter.charge_window(sum(len(busy) for busy in w.fixed.values()) + len(w.tasks) + w_tasks)
+        return w
 
     def whole(
         self, group: StageGroup, k: int, *, stats_chunk: int, resolution: int, meter: Budget | None = None
     ) -> Window:
         """The window at period k with the whole allowance of stretch: what a period search solves."""
         return self.window(group, k, self.ticks(k), stats_chunk=stats_chunk, resolution=resolution, meter=meter)
-
-
-def charge_built(window: Window, meter: Budget | None) -> None:
-    """Charge building `window` to `meter` by its size: its devices' busy intervals and its tasks, a W task twice."""
-    if meter is not None:
-        w_tasks = sum(1 for task in window.tasks if task.kind is TaskKind.WGRAD)
-        meter.charge_window(sum(len(busy) for busy in window.fixed.values()) + len(window.tasks) + w_tasks)
 
 
 def allowance(problem: Problem, fused: frozenset[str], config: SolverConfig) -> Allowance:

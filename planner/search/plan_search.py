@@ -15,6 +15,7 @@ the schedule of schedule="auto" (`choose_schedule`), the first stage's layers th
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -565,19 +566,13 @@ def plan(
     config, method = options.solver, options.method
     each_solve = options.time_limit is TimeLimit.EACH_SOLVE
     whole = Budget.untimed(config.deterministic) if each_solve else budget or Budget.of(config, whole=True)
-
-    def own(view: Budget) -> Budget:
-        """The budget a placement runs in: its part of the whole, or under EACH_SOLVE one of its own."""
-        if not each_solve:
-            return view
-        return new_budget() if new_budget is not None else Budget.of(config)
+    fresh = new_budget or functools.partial(Budget.of, config)
 
     def solved(p: Problem, view: Budget, *, suggest: bool = True) -> Plan:
-        return solve(p, config, method, budget=own(view), suggest=suggest)
+        """A placement in its part of the whole, or under EACH_SOLVE in a budget of its own."""
+        return solve(p, config, method, budget=fresh() if each_solve else view, suggest=suggest)
 
-    def quiet(p: Problem, view: Budget, *, suggest: bool = True) -> Plan:
-        return solved(p, view, suggest=False)
-
+    quiet = functools.partial(solved, suggest=False)
     choices: dict[int, tuple[Problem, Problem]] = {}
 
     def streaming_of(p: Problem) -> Problem:
@@ -604,7 +599,7 @@ def plan(
             off = options.stream_apply is StreamApply.OFF
             each, ref = (None, None) if off else (candidate, reference)
             if each_solve:  # each candidate in a budget of its own, as forcing it would be planned
-                return solve_with_strategy(p, None, config, method, each=each, reference=ref, own=lambda: own(whole))
+                return solve_with_strategy(p, None, config, method, each=each, reference=ref, own=fresh)
             return solve_with_strategy(p, None, config, method, budget=whole, each=each, reference=ref)
         given = p.with_strategy(options.strategy) if isinstance(options.strategy, Strategy) else p
         return solve_streamed(given, solved, options.stream_apply, whole_backward=options.whole_backward, budget=whole)
