@@ -17,7 +17,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from decimal import ROUND_CEILING, Decimal
 from enum import StrEnum
@@ -105,9 +105,10 @@ _PLACED_KINDS = frozenset({OpKind.STATS, OpKind.APPLY, OpKind.BCAST_PREC, OpKind
 """Ops of the reference step a plan places itself (the per-step slot) or appends (OPT_STEP)."""
 
 
-def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) -> Program:
+def _device_plan(problem: Problem, w: Window, device: int, placed: list[Placement]) -> tuple[Program, float]:
     """The device's ops per step of the period in time order (compared in ticks, not float seconds): a placed op after
-    every fixed op ending by its start, and at the refresh step each W followed by its fused layers' STATS folds."""
+    every fixed op ending by its start, and at the refresh step each W followed by its fused layers' STATS folds; and
+    its planned utilization: its F/B, placed work and (a helper's) streamed APPLYs over the window."""
     steps: list[list[tuple[tuple[int, ...], Op]]] = [[] for _ in range(w.k)]
     timelines = [step_timeline(problem, w.fused, refresh=True)] + [step_timeline(problem)] * (w.k - 1)
     tasks = placed_w(problem)  # the W's are placed ops ([Note: placed W] in planner/plan/window.py)
@@ -127,12 +128,7 @@ def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) 
         if p.step == 0 and p.op.kind is OpKind.BWD_W and w.fused:
             steps[0].extend(((at, 1, n, i), fold) for i, fold in enumerate(fused_stats(problem, w.fused, device, p.op)))
     steps = [allreduce_after_w(problem, items) for items in steps] if tasks else steps
-    return [[op for _, op in sorted(items, key=lambda item: item[0])] + [Op(OpKind.OPT_STEP)] for items in steps]
-
-
-def _utilization(problem: Problem, w: Window, placed: list[Placement], device: int) -> float:
-    """The device's planned utilization: its F/B, placed work and (a helper's) streamed APPLYs over the window."""
-    timelines = [step_timeline(problem, w.fused, refresh=True)] + [step_timeline(problem)] * (w.k - 1)
+    program = [[op for _, op in sorted(items, key=lambda item: item[0])] + [Op(OpKind.OPT_STEP)] for items in steps]
     busy = sum(b - a for st in timelines for _, a, b in st.fixed(device))
     busy += sum(
         b - a
@@ -140,25 +136,9 @@ def _utilization(problem: Problem, w: Window, placed: list[Placement], device: i
         for op, a, b in st.ops[device]
         if is_streamed(problem, device, op) and op.kind is OpKind.APPLY
     )
-    busy += sum(  # a placed W is in the F/B above
-        p.end - p.start
-        for p in placed
-        if p.device == device and p.op.kind in BUSY_KINDS and p.op.kind is not OpKind.BWD_W
-    )
-    return utilization(busy, w.seconds(w.length))
-
-
-def _solver_stats(
-    sols: list[GroupSolution], wall: float, refresh: list[int], bound: list[int], layers: Mapping[str, LayerTiming]
-) -> SolverStats:
-    """GREEDY when first-fit placed every group, OPTIMAL when CP-SAT proved every one, else FEASIBLE; the objective
-    (refresh steps, staleness) and its gap to the lower bounds."""
-    statuses = {s.status for s in sols}
-    status = (
-        "GREEDY" if all(s.method == "greedy" for s in sols) else "OPTIMAL" if statuses == {"OPTIMAL"} else "FEASIBLE"
-    )
-    objective = (sum(refresh), sum(t.use_offset for t in layers.values()))
-    return SolverStats(status, wall, objective, (sum(refresh) - sum(bound)) / max(1, sum(refresh)))
+    # a placed W is in the F/B above
+    busy += sum(p.end - p.start for p in placed if p.op.kind in BUSY_KINDS and p.op.kind is not OpKind.BWD_W)
+    return program, utilization(busy, w.seconds(w.length))
 
 
 def assemble(problem: Problem, attempt: Attempt, fused: frozenset[str], wall: float) -> Plan:
@@ -176,9 +156,8 @@ def assemble(problem: Problem, attempt: Attempt, fused: frozenset[str], wall: fl
         w, placed = sol.window, placements_of(sol)
         placements += placed
         for d in group.devices:
-            programs[d] = _program(problem, w, d, [p for p in placed if p.device == d])
+            programs[d], per_device[d] = _device_plan(problem, w, d, [p for p in placed if p.device == d])
             peak[d] = peak_bytes(sol, d)
-            per_device[d] = _utilization(problem, w, placed, d)
         for s in group.stages:
             lower = refresh_lower_bound(problem, group, fused, stretch=attempt.allowance.enabled)
             refresh[s], bound[s] = w.k, min(w.k, max(sol.k_lower_bound, lower))  # a bound past a plan bounds another
@@ -188,6 +167,10 @@ def assemble(problem: Problem, attempt: Attempt, fused: frozenset[str], wall: fl
                     w.k, 0, sol.use_offset.get(x.name, 0), Capture.FUSED if x.name in fused else Capture.DEFERRED
                 )
     sols = [s for s in attempt.solutions if s is not None]
+    # GREEDY when first-fit placed every group, OPTIMAL when CP-SAT proved every one, else FEASIBLE
+    status = "OPTIMAL" if {s.status for s in sols} == {"OPTIMAL"} else "FEASIBLE"
+    status = "GREEDY" if all(s.method == "greedy" for s in sols) else status
+    objective = (sum(refresh), sum(t.use_offset for t in layers.values()))  # refresh steps, staleness
     metrics = PlanMetrics(
         utilization_baseline=plain_utilization(problem),
         utilization=sum(per_device.values()) / len(per_device),
@@ -197,7 +180,7 @@ def assemble(problem: Problem, attempt: Attempt, fused: frozenset[str], wall: fl
         step_time_reference=step_timeline(problem).length,
         peak_memory=dict(sorted(peak.items())),
         lower_bound_steps=tuple(bound),
-        solver=_solver_stats(sols, wall, refresh, bound, layers),
+        solver=SolverStats(status, wall, objective, (sum(refresh) - sum(bound)) / max(1, sum(refresh))),
         greedy_refresh_steps=tuple(greedy_k),
         time_quantum=0.0 if all(s.window.exact for s in sols) else max(s.window.tick for s in sols),
         stretch=max(s.window.seconds(s.window.stretch) for s in sols),
@@ -250,31 +233,6 @@ def _overhead_period(problem: Problem, fused: frozenset[str]) -> int:
     return max(1, math.ceil(extra / allowed - 1e-9))
 
 
-def _check_fits(
-    problem: Problem,
-    group: StageGroup,
-    fused: frozenset[str],
-    config: SolverConfig,
-    allowed: Allowance,
-    stats_chunk: int,
-    min_k: int,
-) -> None:
-    """Refuse a group whose work no period holds: a task longer than every bubble, or more work than the idle time of
-    `max_period` steps."""
-    stretched = f", even with the step stretched by max_overhead={problem.max_overhead:g}" if allowed.enabled else ""
-    knobs = (Knob.MAX_OVERHEAD, Knob.MICROBATCHES) if config.stretch else (Knob.MICROBATCHES,)
-    work = words_of(problem.costs).name
-    k, most = max(2, min_k), allowed.ticks(problem.max_period)
-    long = too_long(allowed.window(group, k, most, stats_chunk=stats_chunk, resolution=config.time_resolution))
-    if long:
-        off = "" if config.stretch else ". Stretching the step is off (SolverConfig.stretch=False)"
-        message = f"some {work} work cannot fit any bubble, whatever the refresh period{stretched}: "
-        raise Refused(PlanError(message + "; ".join(long[:5]) + off), knobs, fused)
-    if refresh_lower_bound(problem, group, fused, stretch=allowed.enabled) > problem.max_period:
-        message = f"the {work} work of stages {list(group.stages)} is more than the idle time of {problem.max_period}"
-        raise Refused(PlanError(f"{message} steps holds{stretched}"), knobs, fused)
-
-
 @dataclass
 class _Placing:
     """One group between the passes: first-fit's placement and either its final solution or its least period."""
@@ -296,11 +254,25 @@ def _solve_groups(
 
     groups = stage_groups(problem)
     allowed = allowance(problem, fused, config)
+    stretched = f", even with the step stretched by max_overhead={problem.max_overhead:g}" if allowed.enabled else ""
+    knobs = (Knob.MAX_OVERHEAD, Knob.MICROBATCHES) if config.stretch else (Knob.MICROBATCHES,)
+    work = words_of(problem.costs).name
 
     def first(group: StageGroup, chunk: int, later: int) -> _Placing:
         """First-fit's placement, then CP-SAT's least period warm-started by it in the group's share of the solver
-        time left; first-fit's alone with the greedy method or no time left."""
-        _check_fits(problem, group, fused, config, allowed, chunk, min_k)
+        time left; first-fit's alone with the greedy method or no time left. Refused where no period holds the
+        group's work: a task longer than every bubble, or more work than the idle time of `max_period` steps."""
+        k, most = max(2, min_k), allowed.ticks(problem.max_period)
+        long = too_long(allowed.window(group, k, most, stats_chunk=chunk, resolution=config.time_resolution))
+        if long:
+            off = "" if config.stretch else ". Stretching the step is off (SolverConfig.stretch=False)"
+            message = f"some {work} work cannot fit any bubble, whatever the refresh period{stretched}: "
+            raise Refused(PlanError(message + "; ".join(long[:5]) + off), knobs, fused)
+        if refresh_lower_bound(problem, group, fused, stretch=allowed.enabled) > problem.max_period:
+            message = (
+                f"the {work} work of stages {list(group.stages)} is more than the idle time of {problem.max_period}"
+            )
+            raise Refused(PlanError(f"{message} steps holds{stretched}"), knobs, fused)
         try:
             g = greedy_group(
                 problem,
@@ -400,7 +372,17 @@ def _captures(layer: LayerCost) -> bool:
 def attempt_plan(problem: Problem, config: SolverConfig, method: Method, clock: Budget, began: float) -> Plan:
     """One planning run without suggestions (Refused when it makes none). With CP-SAT and a budget, first-fit fusing
     by its memory excess runs first; its plan is kept when CP-SAT's rounds of fusing find none in time."""
-    _check_budget(problem)
+    if problem.memory_budget is not None and problem.memory_budget < (need := min_memory_bytes(problem)):
+        raise Refused(
+            InfeasibleBudgetError(
+                f"memory budget {problem.memory_budget} bytes ({format_bytes(problem.memory_budget)}) per device is "
+                f"below the least any plan needs: {need} bytes ({format_bytes(need)}) = parameters and gradients, "
+                "factors and inverses, the optimizer state of the preconditioned layers, and the activation peak with "
+                "all curvature fused (which max_overhead must pay for)",
+                need,
+            ),
+            (Knob.MEMORY_BUDGET,),
+        )
     if method is Method.GREEDY or problem.memory_budget is None or clock.solver_time() <= 0:
         return _placed(problem, config, method, clock, began)
     try:
@@ -537,23 +519,6 @@ def _unplaced(
     )
 
 
-def _check_budget(problem: Problem) -> None:
-    if problem.memory_budget is None:
-        return
-    need = min_memory_bytes(problem)
-    if problem.memory_budget < need:
-        raise Refused(
-            InfeasibleBudgetError(
-                f"memory budget {problem.memory_budget} bytes ({format_bytes(problem.memory_budget)}) per device is "
-                f"below the least any plan needs: {need} bytes ({format_bytes(need)}) = parameters and gradients, "
-                "factors and inverses, the optimizer state of the preconditioned layers, and the activation peak with "
-                "all curvature fused (which max_overhead must pay for)",
-                need,
-            ),
-            (Knob.MEMORY_BUDGET,),
-        )
-
-
 def _fusing_refused(problem: Problem, fused: frozenset[str]) -> InfeasibleBudgetError:
     extra = fused_extra(problem, fused)
     names = sorted(fused)
@@ -620,7 +585,11 @@ class _Hints:
         """A max_overhead that plans: from greedy's stretch estimate doubling, checked by first-fit (then with CP-SAT,
         by CP-SAT); then while time is left, CP-SAT's least stretch (least where proven) or bisection below it."""
         estimate, proven = self.estimate(problem, fused, Method.GREEDY)
-        ladder = _ladder(max(estimate or 0.0, problem.max_overhead * 1.01, 1e-4), problem.max_overhead)
+        ladder, x = [], _sig_up(max(estimate or 0.0, problem.max_overhead * 1.01, 1e-4))
+        while x < 10:  # doubling, 3 significant digits, above the refused value and below 10
+            if x > problem.max_overhead:
+                ladder.append(x)
+            x = _sig_up(x * 2)
         for thorough in (False, True) if self.method is Method.CPSAT else (False,):
             failed = problem.max_overhead
             for candidate in ladder:
@@ -730,7 +699,9 @@ def with_suggestions(refused: Refused, problem: Problem, hints: _Hints) -> PlanE
     found: list[Suggestion] = []
     searched: list[str] = []
     stages: list[tuple[Knob, ...]] = [(knob,) for knob in refused.knobs if knob is not Knob.MICROBATCHES]
-    if _at_device(problem) and Knob.MEMORY_BUDGET in refused.knobs:  # no more memory: more time, fusing
+    device, budget = device_bytes(problem), problem.memory_budget
+    if device is not None and budget is not None and budget >= device and Knob.MEMORY_BUDGET in refused.knobs:
+        # the budget is all the device has: no suggestion may raise it, so more time (fusing) first
         stages = [(Knob.MAX_OVERHEAD,)] + [k for k in stages if k not in ((Knob.MAX_OVERHEAD,), (Knob.MEMORY_BUDGET,))]
     if problem.memory_budget is not None and {Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET} & set(refused.knobs):
         stages.append((Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET))
@@ -778,26 +749,10 @@ def _describe(problem: Problem, s: Suggestion) -> str:
     return text
 
 
-def _ladder(start: float, above: float) -> list[float]:
-    """max_overhead values to try: `start` doubling, 3 significant digits, above `above` and below 10."""
-    values, x = [], _sig_up(start)
-    while x < 10:
-        if x > above:
-            values.append(x)
-        x = _sig_up(x * 2)
-    return values
-
-
 def device_bytes(problem: Problem) -> int | None:
     """The memory of the problem's device (`planner.problem.hardware.HARDWARE`), None where it is not a known one."""
     spec = HARDWARE.get(problem.hardware.lower())
     return None if spec is None else spec.memory_bytes
-
-
-def _at_device(problem: Problem) -> bool:
-    """Whether the memory budget is already all the device has: no suggestion may raise it."""
-    device = device_bytes(problem)
-    return device is not None and problem.memory_budget is not None and problem.memory_budget >= device
 
 
 def _sig_up(x: float, digits: int = 3) -> float:

@@ -429,15 +429,6 @@ def _inv_devices(window: Window) -> dict[tuple[str, str], int]:
     return out
 
 
-def _slot_release(window: Window, task: Task, device: int) -> int:
-    """For a gradient-fed part's decomposition, the end of its stage's refresh-step slot on `device` (at its
-    reference place); 0 for other tasks."""
-    if not task.after_slot:
-        return 0
-    slot = window.precs[window.refresh_slot(device, task.stage)]
-    return slot.reference + slot.ticks
-
-
 def greedy_window(window: Window, meter: Budget | None = None) -> GroupSolution | None:
     """Place every task of `window` first-fit in priority order; None when something does not fit. Its work (the
     window's tasks and slots and every gap it examined) is charged to `meter` ([Note: greedy charge])."""
@@ -493,7 +484,9 @@ def _place(window: Window, gaps: dict[int, _Gaps]) -> GroupSolution | None:
         key = task.factors[0]
         after = made.get(i, 0) if task.kind is TaskKind.CURV else max((done.get(f, 0) for f in task.factors), default=0)
         members = [inv_device[key]] if task.kind is TaskKind.INV else list(task.devices)
-        earliest = max([after, _slot_release(window, task, members[0])] + [window.earliest(task, d) for d in members])
+        slot = window.precs[window.refresh_slot(members[0], task.stage)] if task.after_slot else None
+        release = slot.reference + slot.ticks if slot is not None else 0  # a gradient-fed part after its APPLY slot
+        earliest = max([after, release] + [window.earliest(task, d) for d in members])
         need = math.ceil(task.ticks * (1 + MARGIN))
         start = _fit_together([gaps[d] for d in members], earliest, need)
         if start is None:
@@ -554,8 +547,10 @@ def greedy_group(
         solution = greedy_window(window, meter)
         if solution is not None:
             if allowance.ticks(k) > 0 and shrink_stretch:
-                least = stretch_lower_bound(window)
-                solution = _least_stretch(solution, least, allowance, stats_chunk, resolution, meter, cut)
+                at = functools.partial(
+                    allowance.window, group, k, stats_chunk=stats_chunk, resolution=resolution, meter=meter
+                )
+                solution = _least_stretch(solution, stretch_lower_bound(window), at, meter, cut)
             return replace(solution, k_lower_bound=lower, wall_time=time.perf_counter() - began)
     raise PlanError(
         f"the greedy rule cannot place the {words_of(problem.costs).name} work of stages {list(group.stages)} within "
@@ -565,23 +560,15 @@ def greedy_group(
 
 
 def _least_stretch(
-    found: GroupSolution,
-    lower: int,
-    allowance: Allowance,
-    stats_chunk: int,
-    resolution: int,
-    meter: Budget | None,
-    cut: bool,
+    found: GroupSolution, lower: int, window_of: Callable[[int], Window], meter: Budget | None, cut: bool
 ) -> GroupSolution:
-    """Bisect with first-fit between `lower` and found's stretch (the least one it finds; `cut`: until `meter` runs
-    out)."""
-    w = found.window
+    """Bisect with first-fit (windows by stretch: `window_of`) between `lower` and found's stretch (the least one it
+    finds; `cut`: until `meter` runs out)."""
 
     def probe(stretch: int) -> tuple[str, GroupSolution | None]:
         if cut and _spent(meter):
             return "UNKNOWN", None
-        window = allowance.window(w.group, w.k, stretch, stats_chunk=stats_chunk, resolution=resolution, meter=meter)
-        solution = greedy_window(window, meter)
+        solution = greedy_window(window_of(stretch), meter)
         return ("FEASIBLE", solution) if solution is not None else ("UNKNOWN", None)
 
     return least_stretch(found, probe, lower)[0]
@@ -614,6 +601,6 @@ def greedy_overhead(
     while ticks <= most and not _spent(meter):
         found = greedy_window(window(ticks), meter)
         if found is not None:
-            return lower, _least_stretch(found, failed + 1, allowance, stats_chunk, resolution, meter, cut=True)
+            return lower, _least_stretch(found, failed + 1, window, meter, cut=True)
         failed, ticks = ticks, max(ticks + 1, math.ceil(ticks * 1.25))
     return lower, None
