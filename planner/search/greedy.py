@@ -14,7 +14,8 @@ with a solver's probe).
 The packing bound: `refresh_lower_bound` pours the refresh's work into the bubbles like a fluid, but a statistic or
 decomposition piece runs whole inside one bubble. Here each bubble holds at most the longest sum of task lengths that
 fits in it (`Packer`), the APPLY slots placed where they leave the most, and a collective counts as one task on each
-of its devices. Every simplification only enlarges what a window may hold (releases, memory and the collectives'
+of its devices (on the README snippet's 2 x 2 mesh the statistics' all-reduces are 70% of the refresh's device time).
+Every simplification only enlarges what a window may hold (releases, memory and the collectives'
 simultaneity ignored, tasks on any device of the group, repeated without limit), so the bound stays valid: on the
 PipeFisher paper's BERT-Base Chimera D=4 profiles it raises the bound from 7 to 8 steps.
 """
