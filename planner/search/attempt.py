@@ -484,39 +484,29 @@ def _unplaced(
     `clock` (and counts as not exceeding when the time runs out first)."""
     groups = [g for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
     bad, work = [g.stages for g in groups], words_of(problem.costs).name
-    knobs = (Knob.MAX_OVERHEAD, Knob.MICROBATCHES)
     stretched = (
         f", the step stretched by up to max_overhead={problem.max_overhead:g}"
         if config.stretch and problem.max_overhead > 0
         else ""
     )
-
-    def window_at(group: StageGroup, k: int) -> Window:
-        return attempt.allowance.whole(group, k, stats_chunk=1, resolution=config.time_resolution, meter=clock)
-
+    whole = functools.partial(attempt.allowance.whole, stats_chunk=1, resolution=config.time_resolution, meter=clock)
     # one STATS task per layer (what packs best) fits in no window up to max_period: no search could place it
     if all(
-        group_lower_bound(attempt.allowance, g, functools.partial(window_at, g), meter=clock) > problem.max_period
+        group_lower_bound(attempt.allowance, g, functools.partial(whole, g), meter=clock) > problem.max_period
         for g in groups
     ):
-        return Refused(
-            PlanError(
-                f"the {work} work of stages {bad} is more than the idle time of {problem.max_period} steps holds in "
-                f"whole tasks{stretched}: its statistics and decomposition pieces leave part of "
-                "every bubble they cannot fill"
-            ),
-            knobs,
-            fused,
+        message = (
+            f"the {work} work of stages {bad} is more than the idle time of {problem.max_period} steps holds in "
+            f"whole tasks{stretched}: its statistics and decomposition pieces leave part of every bubble they cannot "
+            "fill"
         )
-    timed = f", or the time limit ({config.time_limit_s:g} s) was" if method is Method.CPSAT else ""
-    return Refused(
-        PlanError(
+    else:
+        timed = f", or the time limit ({config.time_limit_s:g} s) was" if method is Method.CPSAT else ""
+        message = (
             f"no placement of the {work} work of stages {bad} within {problem.max_period} steps "
             f"({method.value}{stretched}): the bubbles are too short{timed}"
-        ),
-        knobs,
-        fused,
-    )
+        )
+    return Refused(PlanError(message), (Knob.MAX_OVERHEAD, Knob.MICROBATCHES), fused)
 
 
 def _fusing_refused(problem: Problem, fused: frozenset[str]) -> InfeasibleBudgetError:
