@@ -655,9 +655,7 @@ class _Hints:
         upper, proven = 0, True
         for group in stage_groups(problem):
             chunk = stats_chunk_of(problem, group, config, grid)
-            low, found = greedy_overhead(
-                problem, group, grid, stats_chunk=chunk, resolution=config.time_resolution, meter=until
-            )
+            low, found = greedy_overhead(group, grid, stats_chunk=chunk, resolution=config.time_resolution, meter=until)
             if found is None:
                 return None, False
             least = found.window.stretch <= low

@@ -576,27 +576,17 @@ def _least_stretch(
 
 
 def greedy_overhead(
-    problem: Problem,
-    group: StageGroup,
-    allowance: Allowance,
-    *,
-    stats_chunk: int = 1,
-    resolution: int = 100_000,
-    limit: float = 10.0,
-    meter: Budget | None = None,
+    group: StageGroup, allowance: Allowance, *, stats_chunk: int, resolution: int, meter: Budget
 ) -> tuple[int, GroupSolution | None]:
     """The stretch the group's work needs at max_period whatever max_overhead says, for errors that name the
     max_overhead to ask for: (ticks any plan needs, first-fit's solution with the least stretch found, or None when
-    none up to `limit` reference steps places it before `meter` runs out). `allowance` gives the grid."""
-    scale = allowance.scale
-    if scale is None:
-        raise AssertionError("greedy_overhead needs an allowance with a grid")
-    k = problem.max_period
-    most = math.floor(limit * step_timeline(problem).length * scale[0])
-
-    def window(ticks: int) -> Window:
-        return allowance.window(group, k, ticks, stats_chunk=stats_chunk, resolution=resolution, meter=meter)
-
+    none up to 10 reference steps places it before `meter` runs out). `allowance` gives the grid."""
+    assert allowance.scale is not None, "greedy_overhead needs an allowance with a grid"
+    problem = allowance.problem
+    most = math.floor(10 * step_timeline(problem).length * allowance.scale[0])
+    window = functools.partial(
+        allowance.window, group, problem.max_period, stats_chunk=stats_chunk, resolution=resolution, meter=meter
+    )
     lower = stretch_lower_bound(window(0))
     failed, ticks = lower - 1, lower
     while ticks <= most and not _spent(meter):
