@@ -237,8 +237,10 @@ def _span(region: Sequence[Interval]) -> int:
     return sum(end - start for start, end in region)
 
 
-def _meets(region: Sequence[Interval], allowed: Sequence[Interval]) -> bool:
-    return any(a < d and c < b for a, b in region for c, d in allowed)
+def _may_hold(region: Sequence[Interval], slot: PrecSlot, length: int) -> bool:
+    """Whether the bubble `region` is long enough for `slot` and meets the span the slot may run in."""
+    allowed = wrap(slot.release, max(slot.deadline, slot.release + slot.ticks), length)
+    return _span(region) >= slot.ticks and any(a < d and c < b for a, b in region for c, d in allowed)
 
 
 def _device_capacity(window: Window, device: int, packer: Packer) -> int:
@@ -250,10 +252,7 @@ def _device_capacity(window: Window, device: int, packer: Packer) -> int:
     )
     regions = idle_regions(window.fixed[device] + homes, window.length)
     slots = [s for s in window.precs if s.device == device and s.ticks > 0]
-    candidates = [
-        [i for i, r in enumerate(regions) if _span(r) >= slot.ticks and _meets(r, _allowed(slot, window.length))]
-        for slot in slots
-    ]
+    candidates = [[i for i, r in enumerate(regions) if _may_hold(r, slot, window.length)] for slot in slots]
     packer.work += len(window.tasks) + len(window.fixed[device]) + len(slots) * len(regions)
     total, seen = 0, set()
     for component in _components(candidates):
@@ -262,10 +261,6 @@ def _device_capacity(window: Window, device: int, packer: Packer) -> int:
         chosen = [slots[j] for j in component], [candidates[j] for j in component]
         total += _best_placement(regions, members, *chosen, packer)
     return total + sum(packer.packable(_span(r)) for i, r in enumerate(regions) if i not in seen)
-
-
-def _allowed(slot: PrecSlot, length: int) -> list[Interval]:
-    return wrap(slot.release, max(slot.deadline, slot.release + slot.ticks), length)
 
 
 def _components(candidates: Sequence[Sequence[int]]) -> list[list[int]]:
