@@ -445,7 +445,15 @@ def _fitted(
     while True:
         min_k = _overhead_period(problem, fused)
         if min_k > problem.max_period:
-            raise Refused(_fusing_refused(problem, fused), (Knob.MEMORY_BUDGET, Knob.MAX_OVERHEAD), fused)
+            names = sorted(fused)
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            error = InfeasibleBudgetError(
+                f"the memory budget {format_bytes(problem.memory_budget or 0)} per device does not fit the a and e "
+                f"kept for deferred curvature; fusing the curvature of {len(names)} layers ({shown}) adds "
+                f"{fused_extra(problem, fused):.4g} s to each refresh step, more than "
+                f"max_overhead={problem.max_overhead:g} allows within {problem.max_period} steps"
+            )
+            raise Refused(error, (Knob.MEMORY_BUDGET, Knob.MAX_OVERHEAD), fused)
         attempt = _solve_groups(problem, fused, config, method, min_k, clock)
         while fused and (placed := all_placed(attempt.solutions)) and len({s.window.k for s in placed}) > 1:
             common = max(s.window.k for s in placed)
@@ -507,17 +515,6 @@ def _unplaced(
             f"({method.value}{stretched}): the bubbles are too short{timed}"
         )
     return Refused(PlanError(message), (Knob.MAX_OVERHEAD, Knob.MICROBATCHES), fused)
-
-
-def _fusing_refused(problem: Problem, fused: frozenset[str]) -> InfeasibleBudgetError:
-    extra = fused_extra(problem, fused)
-    names = sorted(fused)
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return InfeasibleBudgetError(
-        f"the memory budget {format_bytes(problem.memory_budget or 0)} per device does not fit the a and e kept "
-        f"for deferred curvature; fusing the curvature of {len(names)} layers ({shown}) adds {extra:.4g} s to each "
-        f"refresh step, more than max_overhead={problem.max_overhead:g} allows within {problem.max_period} steps"
-    )
 
 
 STRETCH_SEARCH_S = 5.0
