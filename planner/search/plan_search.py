@@ -334,8 +334,7 @@ def _helpers(problem: Problem) -> list[int]:
 
 def _assign(layers: list[str], helpers: tuple[int, ...]) -> tuple[int, ...]:
     """A helper for each of `layers`, round robin from the last (the APPLYs that end the step run side by side)."""
-    m = len(helpers)
-    return tuple(helpers[(len(layers) - 1 - i) % m] for i in range(len(layers)))
+    return tuple(helpers[(len(layers) - 1 - i) % len(helpers)] for i in range(len(layers)))
 
 
 def _balanced(problem: Problem, names: list[str], helpers: tuple[int, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -354,12 +353,9 @@ def _balanced(problem: Problem, names: list[str], helpers: tuple[int, ...]) -> t
 def _helper_load(problem: Problem) -> float:
     """The largest share of its bubbles a helper's stage group needs for one refresh per step (inf without bubble)."""
     assert problem.streaming is not None, "only a streaming problem has helpers"
-    loads = []
-    for helper in problem.streaming.ranks:
-        group = next(g for g in stage_groups(problem) if helper in g.devices)
-        work, bubble = group_load(problem, group)
-        loads.append(work / bubble if bubble > 0 else math.inf)
-    return max(loads)
+    groups = stage_groups(problem)
+    loads = [group_load(problem, next(g for g in groups if h in g.devices)) for h in problem.streaming.ranks]
+    return max(work / bubble if bubble > 0 else math.inf for work, bubble in loads)
 
 
 def with_streaming(
