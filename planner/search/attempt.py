@@ -17,7 +17,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from decimal import ROUND_CEILING, Decimal
 from enum import StrEnum
@@ -53,7 +53,14 @@ from fxkfac.planner.problem.step_timeline import (
     utilization,
 )
 from fxkfac.planner.search.budget import Budget
-from fxkfac.planner.search.greedy import Allowance, allowance, group_lower_bound, restretch
+from fxkfac.planner.search.greedy import (
+    Allowance,
+    allowance,
+    greedy_group,
+    greedy_overhead,
+    group_lower_bound,
+    restretch,
+)
 
 if TYPE_CHECKING:
     from fxkfac.planner.search.group_search import Period
@@ -98,9 +105,10 @@ _PLACED_KINDS = frozenset({OpKind.STATS, OpKind.APPLY, OpKind.BCAST_PREC, OpKind
 """Ops of the reference step a plan places itself (the per-step slot) or appends (OPT_STEP)."""
 
 
-def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) -> Program:
+def _device_plan(problem: Problem, w: Window, device: int, placed: list[Placement]) -> tuple[Program, float]:
     """The device's ops per step of the period in time order (compared in ticks, not float seconds): a placed op after
-    every fixed op ending by its start, and at the refresh step each W followed by its fused layers' STATS folds."""
+    every fixed op ending by its start, and at the refresh step each W followed by its fused layers' STATS folds; and
+    its planned utilization: its F/B, placed work and (a helper's) streamed APPLYs over the window."""
     steps: list[list[tuple[tuple[int, ...], Op]]] = [[] for _ in range(w.k)]
     timelines = [step_timeline(problem, w.fused, refresh=True)] + [step_timeline(problem)] * (w.k - 1)
     tasks = placed_w(problem)  # the W's are placed ops ([Note: placed W] in planner/plan/window.py)
@@ -120,12 +128,7 @@ def _program(problem: Problem, w: Window, device: int, placed: list[Placement]) 
         if p.step == 0 and p.op.kind is OpKind.BWD_W and w.fused:
             steps[0].extend(((at, 1, n, i), fold) for i, fold in enumerate(fused_stats(problem, w.fused, device, p.op)))
     steps = [allreduce_after_w(problem, items) for items in steps] if tasks else steps
-    return [[op for _, op in sorted(items, key=lambda item: item[0])] + [Op(OpKind.OPT_STEP)] for items in steps]
-
-
-def _utilization(problem: Problem, w: Window, placed: list[Placement], device: int) -> float:
-    """The device's planned utilization: its F/B, placed work and (a helper's) streamed APPLYs over the window."""
-    timelines = [step_timeline(problem, w.fused, refresh=True)] + [step_timeline(problem)] * (w.k - 1)
+    program = [[op for _, op in sorted(items, key=lambda item: item[0])] + [Op(OpKind.OPT_STEP)] for items in steps]
     busy = sum(b - a for st in timelines for _, a, b in st.fixed(device))
     busy += sum(
         b - a
@@ -133,25 +136,9 @@ def _utilization(problem: Problem, w: Window, placed: list[Placement], device: i
         for op, a, b in st.ops[device]
         if is_streamed(problem, device, op) and op.kind is OpKind.APPLY
     )
-    busy += sum(  # a placed W is in the F/B above
-        p.end - p.start
-        for p in placed
-        if p.device == device and p.op.kind in BUSY_KINDS and p.op.kind is not OpKind.BWD_W
-    )
-    return utilization(busy, w.seconds(w.length))
-
-
-def _solver_stats(
-    sols: list[GroupSolution], wall: float, refresh: list[int], bound: list[int], layers: Mapping[str, LayerTiming]
-) -> SolverStats:
-    """GREEDY when first-fit placed every group, OPTIMAL when CP-SAT proved every one, else FEASIBLE; the objective
-    (refresh steps, staleness) and its gap to the lower bounds."""
-    statuses = {s.status for s in sols}
-    status = (
-        "GREEDY" if all(s.method == "greedy" for s in sols) else "OPTIMAL" if statuses == {"OPTIMAL"} else "FEASIBLE"
-    )
-    objective = (sum(refresh), sum(t.use_offset for t in layers.values()))
-    return SolverStats(status, wall, objective, (sum(refresh) - sum(bound)) / max(1, sum(refresh)))
+    # a placed W is in the F/B above
+    busy += sum(p.end - p.start for p in placed if p.op.kind in BUSY_KINDS and p.op.kind is not OpKind.BWD_W)
+    return program, utilization(busy, w.seconds(w.length))
 
 
 def assemble(problem: Problem, attempt: Attempt, fused: frozenset[str], wall: float) -> Plan:
@@ -169,9 +156,8 @@ def assemble(problem: Problem, attempt: Attempt, fused: frozenset[str], wall: fl
         w, placed = sol.window, placements_of(sol)
         placements += placed
         for d in group.devices:
-            programs[d] = _program(problem, w, d, [p for p in placed if p.device == d])
+            programs[d], per_device[d] = _device_plan(problem, w, d, [p for p in placed if p.device == d])
             peak[d] = peak_bytes(sol, d)
-            per_device[d] = _utilization(problem, w, placed, d)
         for s in group.stages:
             lower = refresh_lower_bound(problem, group, fused, stretch=attempt.allowance.enabled)
             refresh[s], bound[s] = w.k, min(w.k, max(sol.k_lower_bound, lower))  # a bound past a plan bounds another
@@ -181,6 +167,10 @@ def assemble(problem: Problem, attempt: Attempt, fused: frozenset[str], wall: fl
                     w.k, 0, sol.use_offset.get(x.name, 0), Capture.FUSED if x.name in fused else Capture.DEFERRED
                 )
     sols = [s for s in attempt.solutions if s is not None]
+    # GREEDY when first-fit placed every group, OPTIMAL when CP-SAT proved every one, else FEASIBLE
+    status = "OPTIMAL" if {s.status for s in sols} == {"OPTIMAL"} else "FEASIBLE"
+    status = "GREEDY" if all(s.method == "greedy" for s in sols) else status
+    objective = (sum(refresh), sum(t.use_offset for t in layers.values()))  # refresh steps, staleness
     metrics = PlanMetrics(
         utilization_baseline=plain_utilization(problem),
         utilization=sum(per_device.values()) / len(per_device),
@@ -190,7 +180,7 @@ def assemble(problem: Problem, attempt: Attempt, fused: frozenset[str], wall: fl
         step_time_reference=step_timeline(problem).length,
         peak_memory=dict(sorted(peak.items())),
         lower_bound_steps=tuple(bound),
-        solver=_solver_stats(sols, wall, refresh, bound, layers),
+        solver=SolverStats(status, wall, objective, (sum(refresh) - sum(bound)) / max(1, sum(refresh))),
         greedy_refresh_steps=tuple(greedy_k),
         time_quantum=0.0 if all(s.window.exact for s in sols) else max(s.window.tick for s in sols),
         stretch=max(s.window.seconds(s.window.stretch) for s in sols),
@@ -243,31 +233,6 @@ def _overhead_period(problem: Problem, fused: frozenset[str]) -> int:
     return max(1, math.ceil(extra / allowed - 1e-9))
 
 
-def _check_fits(
-    problem: Problem,
-    group: StageGroup,
-    fused: frozenset[str],
-    config: SolverConfig,
-    allowed: Allowance,
-    stats_chunk: int,
-    min_k: int,
-) -> None:
-    """Refuse a group whose work no period holds: a task longer than every bubble, or more work than the idle time of
-    `max_period` steps."""
-    stretched = f", even with the step stretched by max_overhead={problem.max_overhead:g}" if allowed.enabled else ""
-    knobs = (Knob.MAX_OVERHEAD, Knob.MICROBATCHES) if config.stretch else (Knob.MICROBATCHES,)
-    work = words_of(problem.costs).name
-    k, most = max(2, min_k), allowed.ticks(problem.max_period)
-    long = too_long(allowed.window(group, k, most, stats_chunk=stats_chunk, resolution=config.time_resolution))
-    if long:
-        off = "" if config.stretch else ". Stretching the step is off (SolverConfig.stretch=False)"
-        message = f"some {work} work cannot fit any bubble, whatever the refresh period{stretched}: "
-        raise Refused(PlanError(message + "; ".join(long[:5]) + off), knobs, fused)
-    if refresh_lower_bound(problem, group, fused, stretch=allowed.enabled) > problem.max_period:
-        message = f"the {work} work of stages {list(group.stages)} is more than the idle time of {problem.max_period}"
-        raise Refused(PlanError(f"{message} steps holds{stretched}"), knobs, fused)
-
-
 @dataclass
 class _Placing:
     """One group between the passes: first-fit's placement and either its final solution or its least period."""
@@ -278,11 +243,6 @@ class _Placing:
     period: Period | None = None
     solution: GroupSolution | None = None
 
-    def nothing_chunked(self, config: SolverConfig) -> bool:
-        """Nothing placed with the planner's chunked STATS tasks: placed again per layer."""
-        nothing = self.period is None and self.solution is None and self.greedy is None
-        return self.stats_chunk > 1 and config.stats_chunk is None and nothing
-
 
 def _solve_groups(
     problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, min_k: int, clock: Budget
@@ -290,91 +250,80 @@ def _solve_groups(
     """Every group's solution at periods >= min_k in two passes: every group's least period first (sharing the solver
     time left), then each one's stretch and staleness with the time the first left; chunked STATS tasks per
     `stats_chunk_of`, per layer where that places nothing."""
+    from fxkfac.planner.search.group_search import least_group_period, refine_group, within_budget
+
     groups = stage_groups(problem)
     allowed = allowance(problem, fused, config)
-    first = functools.partial(_first_pass, problem, fused, config, method, min_k, clock, allowed)
+    stretched = f", even with the step stretched by max_overhead={problem.max_overhead:g}" if allowed.enabled else ""
+    knobs = (Knob.MAX_OVERHEAD, Knob.MICROBATCHES) if config.stretch else (Knob.MICROBATCHES,)
+    work = words_of(problem.costs).name
 
-    def per_layer(group: StageGroup, later: int) -> _Placing:
-        log.info("stages %s: no placement with chunked STATS tasks; placing them per layer", list(group.stages))
-        return first(group, 1, later=later)
+    def first(group: StageGroup, chunk: int, later: int) -> _Placing:
+        """First-fit's placement, then CP-SAT's least period warm-started by it in the group's share of the solver
+        time left; first-fit's alone with the greedy method or no time left. Refused where no period holds the
+        group's work: a task longer than every bubble, or more work than the idle time of `max_period` steps."""
+        k, most = max(2, min_k), allowed.ticks(problem.max_period)
+        long = too_long(allowed.window(group, k, most, stats_chunk=chunk, resolution=config.time_resolution))
+        if long:
+            off = "" if config.stretch else ". Stretching the step is off (SolverConfig.stretch=False)"
+            message = f"some {work} work cannot fit any bubble, whatever the refresh period{stretched}: "
+            raise Refused(PlanError(message + "; ".join(long[:5]) + off), knobs, fused)
+        if refresh_lower_bound(problem, group, fused, stretch=allowed.enabled) > problem.max_period:
+            message = (
+                f"the {work} work of stages {list(group.stages)} is more than the idle time of {problem.max_period}"
+            )
+            raise Refused(PlanError(f"{message} steps holds{stretched}"), knobs, fused)
+        try:
+            g = greedy_group(
+                problem,
+                group,
+                fused,
+                stats_chunk=chunk,
+                resolution=config.time_resolution,
+                min_k=min_k,
+                allowance=allowed,
+                meter=clock,
+                cut=False,  # a candidate's first plan comes out whatever the time left (charged, not cut)
+            )
+        except PlanError:
+            g = None
+        share = _share(problem, clock, later, reserve=g is None or not fits_memory(g))
+        if method is Method.GREEDY or share is None:
+            return _Placing(group, chunk, g, solution=g if g is not None and fits_memory(g) else None)
+        period = least_group_period(
+            problem, group, fused, config, share, clock, g, stats_chunk=chunk, min_k=min_k, allowance=allowed
+        )
+        return _Placing(group, chunk, g, period=period)
+
+    def second(placing: _Placing, later: int) -> GroupSolution | None:
+        """The first pass's solution, or its period refined in the group's share of the time left; without time, the
+        period's placement (or first-fit's, where that one breaks the budget)."""
+        if placing.period is None:
+            return placing.solution
+        placed = within_budget(placing.period.found, placing.period.fallback)
+        share = _share(problem, clock, later, reserve=placed is None)
+        return placed if share is None else refine_group(placing.period, allowed, config, share, clock)
+
+    def per_layer(placing: _Placing, later: int) -> _Placing:
+        """Nothing placed with the planner's chunked STATS tasks: placed again per layer."""
+        nothing = placing.period is None and placing.solution is None and placing.greedy is None
+        if placing.stats_chunk == 1 or config.stats_chunk is not None or not nothing:
+            return placing
+        log.info("stages %s: no placement with chunked STATS tasks; placing them per layer", list(placing.group.stages))
+        return first(placing.group, 1, later)
 
     placings = []
     for n, group in enumerate(groups):
         chunk = stats_chunk_of(problem, group, config, allowed)
         try:
-            placing = first(group, chunk, later=len(groups) - n)
+            placing = first(group, chunk, len(groups) - n)
         except Refused:
             if chunk == 1 or config.stats_chunk is not None:
                 raise
             placing = _Placing(group, chunk, None)
-        placings.append(per_layer(group, len(groups) - n) if placing.nothing_chunked(config) else placing)
-    solutions = []
-    for n, placing in enumerate(placings):
-        solution = _second_pass(problem, placing, config, clock, allowed, later=len(groups) - n)
-        if solution is None and placing.nothing_chunked(config):
-            placings[n] = per_layer(placing.group, len(groups) - n)
-            solution = _second_pass(problem, placings[n], config, clock, allowed, later=len(groups) - n)
-        solutions.append(solution)
+        placings.append(per_layer(placing, len(groups) - n))
+    solutions = [second(placing, len(groups) - n) for n, placing in enumerate(placings)]
     return Attempt(same_stretch(solutions), [p.greedy for p in placings], allowed)
-
-
-def _first_pass(
-    problem: Problem,
-    fused: frozenset[str],
-    config: SolverConfig,
-    method: Method,
-    min_k: int,
-    clock: Budget,
-    allowed: Allowance,
-    group: StageGroup,
-    stats_chunk: int,
-    *,
-    later: int,
-) -> _Placing:
-    """First-fit's placement, then CP-SAT's least period warm-started by it in the group's share of the solver time
-    left (`later` groups share it); first-fit's alone with the greedy method or no time left."""
-    from fxkfac.planner.search.greedy import greedy_group
-
-    _check_fits(problem, group, fused, config, allowed, stats_chunk, min_k)
-    try:
-        g = greedy_group(
-            problem,
-            group,
-            fused,
-            stats_chunk=stats_chunk,
-            resolution=config.time_resolution,
-            min_k=min_k,
-            allowance=allowed,
-            meter=clock,
-            cut=False,  # a candidate's first plan comes out whatever the time left (charged, not cut)
-        )
-    except PlanError:
-        g = None
-    share = _share(problem, clock, later, reserve=g is None or not fits_memory(g))
-    if method is Method.GREEDY or share is None:
-        return _Placing(group, stats_chunk, g, solution=g if g is not None and fits_memory(g) else None)
-    from fxkfac.planner.search.group_search import least_group_period
-
-    period = least_group_period(
-        problem, group, fused, config, share, clock, g, stats_chunk=stats_chunk, min_k=min_k, allowance=allowed
-    )
-    return _Placing(group, stats_chunk, g, period=period)
-
-
-def _second_pass(
-    problem: Problem, placing: _Placing, config: SolverConfig, clock: Budget, allowed: Allowance, *, later: int
-) -> GroupSolution | None:
-    """The first pass's solution, or its period refined (`refine_group`) in the group's share of the time left;
-    without time, the period's placement (or first-fit's, where that one breaks the budget)."""
-    if placing.period is None:
-        return placing.solution
-    from fxkfac.planner.search.group_search import refine_group, within_budget
-
-    placed = within_budget(placing.period.found, placing.period.fallback)
-    share = _share(problem, clock, later, reserve=placed is None)
-    if share is None:
-        return placed
-    return refine_group(placing.period, allowed, config, share, clock)
 
 
 def _share(problem: Problem, clock: Budget, later: int, *, reserve: bool) -> float | None:
@@ -423,7 +372,17 @@ def _captures(layer: LayerCost) -> bool:
 def attempt_plan(problem: Problem, config: SolverConfig, method: Method, clock: Budget, began: float) -> Plan:
     """One planning run without suggestions (Refused when it makes none). With CP-SAT and a budget, first-fit fusing
     by its memory excess runs first; its plan is kept when CP-SAT's rounds of fusing find none in time."""
-    _check_budget(problem)
+    if problem.memory_budget is not None and problem.memory_budget < (need := min_memory_bytes(problem)):
+        raise Refused(
+            InfeasibleBudgetError(
+                f"memory budget {problem.memory_budget} bytes ({format_bytes(problem.memory_budget)}) per device is "
+                f"below the least any plan needs: {need} bytes ({format_bytes(need)}) = parameters and gradients, "
+                "factors and inverses, the optimizer state of the preconditioned layers, and the activation peak with "
+                "all curvature fused (which max_overhead must pay for)",
+                need,
+            ),
+            (Knob.MEMORY_BUDGET,),
+        )
     if method is Method.GREEDY or problem.memory_budget is None or clock.solver_time() <= 0:
         return _placed(problem, config, method, clock, began)
     try:
@@ -441,30 +400,28 @@ def _placed(problem: Problem, config: SolverConfig, method: Method, clock: Budge
     """The work placed (`_fitted`); where fusing some layers costs less than deferring them (`cheaper_fused`), also
     with those fused when the plan stretches its steps or is refused, the better by `rank` kept."""
     cheaper = cheaper_fused(problem)
-    try:
-        plan = _fitted(problem, config, method, clock, began, frozenset())
-    except Refused as refused:
-        if not cheaper:
-            raise
+    plans: list[Plan] = []
+    refusal: Refused | None = None
+    for fused in (frozenset(), cheaper) if cheaper else (frozenset(),):
+        if plans and plans[0].metrics.stretch <= 0:
+            break
         try:
-            return _fitted(problem, config, method, clock, began, cheaper)
-        except Refused:
-            raise refused from None
-    if not cheaper or plan.metrics.stretch <= 0:
-        return plan
-    try:
-        with_fused = _fitted(problem, config, method, clock, began, cheaper)
-    except Refused:
-        return plan
-    best = min((plan, with_fused), key=rank)
-    log.info(
-        "the steps stretch for deferred curvature: %.4g ms per step, %.4g ms with that of %d layers fused; kept %s "
-        "(fresher curvature first, then the shorter step)",
-        plan.metrics.step_time * 1e3,
-        with_fused.metrics.step_time * 1e3,
-        len(cheaper),
-        "fused" if best is with_fused else "deferred",
-    )
+            plans.append(_fitted(problem, config, method, clock, began, fused))
+        except Refused as refused:
+            refusal = refusal or refused
+    if not plans:
+        assert refusal is not None, "no plan means a refusal"
+        raise refusal
+    best = min(plans, key=rank)
+    if len(plans) > 1:
+        log.info(
+            "the steps stretch for deferred curvature: %.4g ms per step, %.4g ms with that of %d layers fused; kept %s "
+            "(fresher curvature first, then the shorter step)",
+            plans[0].metrics.step_time * 1e3,
+            plans[1].metrics.step_time * 1e3,
+            len(cheaper),
+            "fused" if best is plans[1] else "deferred",
+        )
     return best
 
 
@@ -488,7 +445,15 @@ def _fitted(
     while True:
         min_k = _overhead_period(problem, fused)
         if min_k > problem.max_period:
-            raise Refused(_fusing_refused(problem, fused), (Knob.MEMORY_BUDGET, Knob.MAX_OVERHEAD), fused)
+            names = sorted(fused)
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            error = InfeasibleBudgetError(
+                f"the memory budget {format_bytes(problem.memory_budget or 0)} per device does not fit the a and e "
+                f"kept for deferred curvature; fusing the curvature of {len(names)} layers ({shown}) adds "
+                f"{fused_extra(problem, fused):.4g} s to each refresh step, more than "
+                f"max_overhead={problem.max_overhead:g} allows within {problem.max_period} steps"
+            )
+            raise Refused(error, (Knob.MEMORY_BUDGET, Knob.MAX_OVERHEAD), fused)
         attempt = _solve_groups(problem, fused, config, method, min_k, clock)
         while fused and (placed := all_placed(attempt.solutions)) and len({s.window.k for s in placed}) > 1:
             common = max(s.window.k for s in placed)
@@ -527,104 +492,219 @@ def _unplaced(
     `clock` (and counts as not exceeding when the time runs out first)."""
     groups = [g for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
     bad, work = [g.stages for g in groups], words_of(problem.costs).name
-    knobs = (Knob.MAX_OVERHEAD, Knob.MICROBATCHES)
     stretched = (
         f", the step stretched by up to max_overhead={problem.max_overhead:g}"
         if config.stretch and problem.max_overhead > 0
         else ""
     )
-
-    def window_at(group: StageGroup, k: int) -> Window:
-        return attempt.allowance.whole(group, k, stats_chunk=1, resolution=config.time_resolution, meter=clock)
-
+    whole = functools.partial(attempt.allowance.whole, stats_chunk=1, resolution=config.time_resolution, meter=clock)
     # one STATS task per layer (what packs best) fits in no window up to max_period: no search could place it
     if all(
-        group_lower_bound(attempt.allowance, g, functools.partial(window_at, g), meter=clock) > problem.max_period
+        group_lower_bound(attempt.allowance, g, functools.partial(whole, g), meter=clock) > problem.max_period
         for g in groups
     ):
-        return Refused(
-            PlanError(
-                f"the {work} work of stages {bad} is more than the idle time of {problem.max_period} steps holds in "
-                f"whole tasks{stretched}: its statistics and decomposition pieces leave part of "
-                "every bubble they cannot fill"
-            ),
-            knobs,
-            fused,
+        message = (
+            f"the {work} work of stages {bad} is more than the idle time of {problem.max_period} steps holds in "
+            f"whole tasks{stretched}: its statistics and decomposition pieces leave part of every bubble they cannot "
+            "fill"
         )
-    timed = f", or the time limit ({config.time_limit_s:g} s) was" if method is Method.CPSAT else ""
-    return Refused(
-        PlanError(
+    else:
+        timed = f", or the time limit ({config.time_limit_s:g} s) was" if method is Method.CPSAT else ""
+        message = (
             f"no placement of the {work} work of stages {bad} within {problem.max_period} steps "
             f"({method.value}{stretched}): the bubbles are too short{timed}"
-        ),
-        knobs,
-        fused,
-    )
-
-
-def _check_budget(problem: Problem) -> None:
-    if problem.memory_budget is None:
-        return
-    need = min_memory_bytes(problem)
-    if problem.memory_budget < need:
-        raise Refused(
-            InfeasibleBudgetError(
-                f"memory budget {problem.memory_budget} bytes ({format_bytes(problem.memory_budget)}) per device is "
-                f"below the least any plan needs: {need} bytes ({format_bytes(need)}) = parameters and gradients, "
-                "factors and inverses, the optimizer state of the preconditioned layers, and the activation peak with "
-                "all curvature fused (which max_overhead must pay for)",
-                need,
-            ),
-            (Knob.MEMORY_BUDGET,),
         )
-
-
-def _fusing_refused(problem: Problem, fused: frozenset[str]) -> InfeasibleBudgetError:
-    extra = fused_extra(problem, fused)
-    names = sorted(fused)
-    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-    return InfeasibleBudgetError(
-        f"the memory budget {format_bytes(problem.memory_budget or 0)} per device does not fit the a and e kept "
-        f"for deferred curvature; fusing the curvature of {len(names)} layers ({shown}) adds {extra:.4g} s to each "
-        f"refresh step, more than max_overhead={problem.max_overhead:g} allows within {problem.max_period} steps"
-    )
+    return Refused(PlanError(message), (Knob.MAX_OVERHEAD, Knob.MICROBATCHES), fused)
 
 
 STRETCH_SEARCH_S = 5.0
 """The most seconds of the limit (and at most half the time left) CP-SAT refines the least stretch of one group."""
 
 
-# Suggestions: each refusal searches the knobs that may lift it, upward from the refused value, and
-# names only values it has solved the problem with (everything else unchanged).
+@dataclass(frozen=True)
+class _Hints:
+    """A refusal's search for what plans it: each knob that may lift it, upward from the refused value, naming only
+    values it solved the problem with (everything else unchanged), every plan kept in `until`."""
+
+    config: SolverConfig
+    method: Method
+    until: Budget
+
+    def plan(self, problem: Problem, *, thorough: bool = False) -> Plan | None:
+        """`problem`'s plan: first-fit first (CP-SAT's first pass), then, `thorough` with CP-SAT, CP-SAT itself in the
+        time left; None where neither plans."""
+        until, method = self.until, self.method
+        made = until.made.get((problem, method))
+        if made is not None:
+            return made
+        now = until.now()
+        tries = [now] + (
+            [min(until.cutoff, now + until.units(self.config.time_limit_s))]
+            if thorough and method is Method.CPSAT
+            else []
+        )
+        for deadline in tries:
+            if until.out():
+                return None
+            try:
+                plan = attempt_plan(problem, self.config, method, until.later(deadline), time.perf_counter())
+            except Refused:
+                continue
+            until.made[(problem, method)] = plan
+            return plan
+        return None
+
+    def first(self, knob: Knob, values: Iterable[int], make: Callable[[int], Problem]) -> Suggestion | None:
+        """The first of `values` of `knob` whose problem (`make`) plans (one the schedule refuses skipped), until the
+        time runs out."""
+        for value in values:
+            try:
+                candidate = make(value)
+            except ScheduleError:
+                continue
+            if self.plan(candidate) is not None:
+                return Suggestion(((knob, value),))
+            if self.until.out():
+                return None
+        return None
+
+    def overhead(self, problem: Problem, fused: frozenset[str]) -> Suggestion | None:
+        """A max_overhead that plans: from greedy's stretch estimate doubling, checked by first-fit (then with CP-SAT,
+        by CP-SAT); then while time is left, CP-SAT's least stretch (least where proven) or bisection below it."""
+        estimate, proven = self.estimate(problem, fused, Method.GREEDY)
+        ladder, x = [], _sig_up(max(estimate or 0.0, problem.max_overhead * 1.01, 1e-4))
+        while x < 10:  # doubling, 3 significant digits, above the refused value and below 10
+            if x > problem.max_overhead:
+                ladder.append(x)
+            x = _sig_up(x * 2)
+        for thorough in (False, True) if self.method is Method.CPSAT else (False,):
+            failed = problem.max_overhead
+            for candidate in ladder:
+                if self.plan(replace(problem, max_overhead=candidate), thorough=thorough) is not None:
+                    break
+                if self.until.out():
+                    return None
+                failed = candidate
+            else:
+                continue
+            break
+        else:
+            return None
+        if proven and candidate == estimate:
+            return Suggestion(((Knob.MAX_OVERHEAD, candidate),), least=True)
+        if self.method is Method.CPSAT:
+            least, proven = self.estimate(problem, fused, self.method)
+            if (
+                least is not None
+                and failed < least < candidate
+                and self.plan(replace(problem, max_overhead=least), thorough=True) is not None
+            ):
+                return Suggestion(((Knob.MAX_OVERHEAD, least),), least=proven)
+        for _ in range(4):  # a few bisection probes between the last that failed and the one that plans
+            middle = _sig_up((failed + candidate) / 2)
+            if not failed < middle < candidate:
+                break
+            if self.plan(replace(problem, max_overhead=middle)) is not None:
+                candidate = middle
+            elif self.until.out():
+                break
+            else:
+                failed = middle
+        return Suggestion(((Knob.MAX_OVERHEAD, candidate),))
+
+    def memory(self, problem: Problem, fused: frozenset[str]) -> Suggestion | None:
+        """A memory budget that plans at the problem's max_overhead: the peak of the plan made without one, rounded up
+        (raised by a quarter while it does not plan), never above the device's memory."""
+        free = self.plan(replace(problem, memory_budget=None))
+        if free is None:
+            return None
+        peak = max(free.metrics.peak_memory.values())
+        budgets = [_bytes_up(max(peak, min_memory_bytes(problem), (problem.memory_budget or 0) + 1))]
+        for _ in range(3):
+            budgets.append(_bytes_up(budgets[-1] * 1.25))
+        device = device_bytes(problem)
+        budgets = [b for b in budgets if device is None or b <= device]
+        return self.first(Knob.MEMORY_BUDGET, budgets, lambda budget: replace(problem, memory_budget=budget))
+
+    def microbatches(self, problem: Problem, fused: frozenset[str]) -> Suggestion | None:
+        """The nearest N valid for the schedule that plans: fewer first (less work for the same bubbles), then more,
+        up to 4 times this one."""
+        ns = [*range(problem.N - 1, 0, -1), *range(problem.N + 1, 4 * problem.N + 1)]
+        return self.first(Knob.MICROBATCHES, ns, lambda n: replace(problem, N=n))
+
+    def together(self, problem: Problem, fused: frozenset[str]) -> Suggestion | None:
+        """A max_overhead that plans without the budget, and a budget that plans at it."""
+        overhead = self.overhead(replace(problem, memory_budget=None), frozenset())
+        if overhead is None:
+            return None
+        value = overhead.fields()["max_overhead"]
+        memory = self.memory(replace(problem, max_overhead=value), fused)
+        return None if memory is None else Suggestion(((Knob.MAX_OVERHEAD, value),) + memory.changes)
+
+    def estimate(self, problem: Problem, fused: frozenset[str], method: Method) -> tuple[float | None, bool]:
+        """The max_overhead the stretch at max_period needs (3 digits, rounded up) and whether it is proven least
+        (CP-SAT refines first-fit's while time is left); None when stretching is off or no stretch up to 10 steps
+        places it."""
+        config, until = self.config, self.until
+        if not config.stretch:
+            return None, False
+        grid = Allowance(problem, fused, grid_scale(problem, range(problem.num_stages), fused, config.time_resolution))
+        upper, proven = 0, True
+        for group in stage_groups(problem):
+            chunk = stats_chunk_of(problem, group, config, grid)
+            low, found = greedy_overhead(group, grid, stats_chunk=chunk, resolution=config.time_resolution, meter=until)
+            if found is None:
+                return None, False
+            least = found.window.stretch <= low
+            left = until.left()
+            if method is Method.CPSAT and not least and left > 0:
+                from fxkfac.planner.search.group_search import least_stretch_at
+
+                limit = min(until.units(min(STRETCH_SEARCH_S, config.time_limit_s)), left / 2)
+                found, least = least_stretch_at(found, grid, config, until, until.now() + 2 * limit)
+            upper, proven = max(upper, found.window.stretch), proven and least
+        assert grid.scale is not None, "the allowance has a grid"
+        extra = fused_extra(problem, fused) / problem.max_period
+        need = (upper / grid.scale[0] + extra) / step_timeline(problem).length
+        return (_sig_up(need) if need > 0 else None), proven
 
 
-def with_suggestions(
-    refused: Refused, problem: Problem, config: SolverConfig, method: Method, until: Budget
-) -> PlanError:
-    """The refusal's error with the values that plan, searched until `until`: each knob alone; where none does and a
-    budget is set, max_overhead and the budget together; then more micro-batches."""
+_SEARCHES: dict[tuple[Knob, ...], tuple[str, Callable[[_Hints, Problem, frozenset[str]], Suggestion | None]]] = {
+    (Knob.MAX_OVERHEAD,): ("max_overhead below 10", _Hints.overhead),
+    (Knob.MEMORY_BUDGET,): ("memory budget from the peak of a plan made without one", _Hints.memory),
+    (Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET): ("max_overhead with a memory budget", _Hints.together),
+    (Knob.MICROBATCHES,): ("number of micro-batches from 1 to {N}", _Hints.microbatches),
+}
+"""Each knob set's search, and what it tries (for the message that says none of it plans)."""
+
+
+def with_suggestions(refused: Refused, problem: Problem, hints: _Hints) -> PlanError:
+    """The refusal's error with the values that plan, searched until `hints.until`: each knob alone; where none does
+    and a budget is set, max_overhead and the budget together; then more micro-batches."""
     found: list[Suggestion] = []
     searched: list[str] = []
     stages: list[tuple[Knob, ...]] = [(knob,) for knob in refused.knobs if knob is not Knob.MICROBATCHES]
-    if _at_device(problem) and Knob.MEMORY_BUDGET in refused.knobs:  # no more memory: more time, fusing
+    device, budget = device_bytes(problem), problem.memory_budget
+    if device is not None and budget is not None and budget >= device and Knob.MEMORY_BUDGET in refused.knobs:
+        # the budget is all the device has: no suggestion may raise it, so more time (fusing) first
         stages = [(Knob.MAX_OVERHEAD,)] + [k for k in stages if k not in ((Knob.MAX_OVERHEAD,), (Knob.MEMORY_BUDGET,))]
     if problem.memory_budget is not None and {Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET} & set(refused.knobs):
         stages.append((Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET))
     if Knob.MICROBATCHES in refused.knobs:
         stages.append((Knob.MICROBATCHES,))
     for knobs in stages:
-        if until.out() or (len(knobs) > 1 or knobs == (Knob.MICROBATCHES,)) and found:
+        if hints.until.out() or (len(knobs) > 1 or knobs == (Knob.MICROBATCHES,)) and found:
             break
         what, search = _SEARCHES[knobs]
         searched.append(what.format(N=4 * problem.N))
-        suggestion = search(problem, refused.fused, config, method, until)
+        suggestion = search(hints, problem, refused.fused)
         if suggestion is not None:
             found.append(suggestion)
     if found:
         text = "Solved with: " + "; or ".join(_describe(problem, s) for s in found)
-    elif until.out():
+    elif hints.until.out():
         text = (
-            f"Nothing that plans it was found before the time ran out (time limit {config.time_limit_s:g} s): "
+            f"Nothing that plans it was found before the time ran out (time limit {hints.config.time_limit_s:g} s): "
             f"searched {'; '.join(searched) or 'nothing'}; a longer time limit searches further"
         )
     else:
@@ -647,201 +727,17 @@ def _describe(problem: Problem, s: Suggestion) -> str:
             words.append(f"N={value} micro-batches (of the same size)")
     text = " with ".join(words)
     if s.least:
-        text += (
-            ", the least max_overhead that places it (rounded up to 3 digits; refresh every "
-            f"{problem.max_period} steps)"
-        )
+        text += ", the least max_overhead that places it (rounded up to 3 digits; refresh every "
+        text += f"{problem.max_period} steps)"
     if [knob for knob, _ in s.changes] == [Knob.MEMORY_BUDGET]:
         text += f" at max_overhead={problem.max_overhead:g}"
     return text
-
-
-def _plan_or_none(
-    problem: Problem, config: SolverConfig, method: Method, until: Budget, *, thorough: bool = False
-) -> Plan | None:
-    """`problem`'s plan (kept in `until`): first-fit first (CP-SAT's first pass), then, `thorough` with CP-SAT, CP-SAT
-    itself in the time left; None where neither plans."""
-    made = until.made.get((problem, method))
-    if made is not None:
-        return made
-    now = until.now()
-    tries = [now] + (
-        [min(until.cutoff, now + until.units(config.time_limit_s))] if thorough and method is Method.CPSAT else []
-    )
-    for deadline in tries:
-        if until.out():
-            return None
-        try:
-            plan = attempt_plan(problem, config, method, until.later(deadline), time.perf_counter())
-        except Refused:
-            continue
-        until.made[(problem, method)] = plan
-        return plan
-    return None
-
-
-def _plans(problem: Problem, config: SolverConfig, method: Method, until: Budget, *, thorough: bool = False) -> bool:
-    return _plan_or_none(problem, config, method, until, thorough=thorough) is not None
-
-
-def _search_overhead(
-    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
-) -> Suggestion | None:
-    """A max_overhead that plans: from greedy's stretch estimate doubling, checked by first-fit (then with CP-SAT, by
-    CP-SAT); then while time is left, CP-SAT's least stretch (least where proven) or bisection probes below it."""
-    estimate, proven = _overhead_estimate(problem, fused, config, Method.GREEDY, until)
-    ladder = _ladder(max(estimate or 0.0, problem.max_overhead * 1.01, 1e-4), problem.max_overhead)
-    for thorough in (False, True) if method is Method.CPSAT else (False,):
-        failed = problem.max_overhead
-        for candidate in ladder:
-            if _plans(replace(problem, max_overhead=candidate), config, method, until, thorough=thorough):
-                break
-            if until.out():
-                return None
-            failed = candidate
-        else:
-            continue
-        break
-    else:
-        return None
-    if proven and candidate == estimate:
-        return Suggestion(((Knob.MAX_OVERHEAD, candidate),), least=True)
-    if method is Method.CPSAT:
-        least, proven = _overhead_estimate(problem, fused, config, method, until)
-        if (
-            least is not None
-            and failed < least < candidate
-            and _plans(replace(problem, max_overhead=least), config, method, until, thorough=True)
-        ):
-            return Suggestion(((Knob.MAX_OVERHEAD, least),), least=proven)
-    for _ in range(4):  # a few bisection probes between the last that failed and the one that plans
-        middle = _sig_up((failed + candidate) / 2)
-        if not failed < middle < candidate:
-            break
-        if _plans(replace(problem, max_overhead=middle), config, method, until):
-            candidate = middle
-        elif until.out():
-            break
-        else:
-            failed = middle
-    return Suggestion(((Knob.MAX_OVERHEAD, candidate),))
-
-
-def _ladder(start: float, above: float) -> list[float]:
-    """max_overhead values to try: `start` doubling, 3 significant digits, above `above` and below 10."""
-    values, x = [], _sig_up(start)
-    while x < 10:
-        if x > above:
-            values.append(x)
-        x = _sig_up(x * 2)
-    return values
 
 
 def device_bytes(problem: Problem) -> int | None:
     """The memory of the problem's device (`planner.problem.hardware.HARDWARE`), None where it is not a known one."""
     spec = HARDWARE.get(problem.hardware.lower())
     return None if spec is None else spec.memory_bytes
-
-
-def _at_device(problem: Problem) -> bool:
-    """Whether the memory budget is already all the device has: no suggestion may raise it."""
-    device = device_bytes(problem)
-    return device is not None and problem.memory_budget is not None and problem.memory_budget >= device
-
-
-def _search_memory(
-    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
-) -> Suggestion | None:
-    """A memory budget that plans at the problem's max_overhead: the peak of the plan made without one, rounded up
-    (raised by a quarter while it does not plan), never above the device's memory."""
-    free = _plan_or_none(replace(problem, memory_budget=None), config, method, until)
-    if free is None:
-        return None
-    budget = _bytes_up(
-        max(max(free.metrics.peak_memory.values()), min_memory_bytes(problem), (problem.memory_budget or 0) + 1)
-    )
-    device = device_bytes(problem)
-    for _ in range(4):
-        if device is not None and budget > device:
-            return None
-        if _plans(replace(problem, memory_budget=budget), config, method, until):
-            return Suggestion(((Knob.MEMORY_BUDGET, budget),))
-        budget = _bytes_up(budget * 1.25)
-    return None
-
-
-def _search_microbatches(
-    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
-) -> Suggestion | None:
-    """The nearest N valid for the schedule that plans: fewer first (less work for the same bubbles), then more, up to
-    4 times this one."""
-    for n in [*range(problem.N - 1, 0, -1), *range(problem.N + 1, 4 * problem.N + 1)]:
-        try:
-            candidate = replace(problem, N=n)
-        except ScheduleError:
-            continue
-        if _plans(candidate, config, method, until):
-            return Suggestion(((Knob.MICROBATCHES, n),))
-        if until.out():
-            return None
-    return None
-
-
-def _search_together(
-    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
-) -> Suggestion | None:
-    """A max_overhead that plans without the budget, and a budget that plans at it."""
-    overhead = _search_overhead(replace(problem, memory_budget=None), frozenset(), config, method, until)
-    if overhead is None:
-        return None
-    value = overhead.fields()["max_overhead"]
-    memory = _search_memory(replace(problem, max_overhead=value), fused, config, method, until)
-    return None if memory is None else Suggestion(((Knob.MAX_OVERHEAD, value),) + memory.changes)
-
-
-Search = Callable[[Problem, frozenset[str], SolverConfig, Method, Budget], Suggestion | None]
-_SEARCHES: dict[tuple[Knob, ...], tuple[str, Search]] = {
-    (Knob.MAX_OVERHEAD,): ("max_overhead below 10", _search_overhead),
-    (Knob.MEMORY_BUDGET,): ("memory budget from the peak of a plan made without one", _search_memory),
-    (Knob.MAX_OVERHEAD, Knob.MEMORY_BUDGET): ("max_overhead with a memory budget", _search_together),
-    (Knob.MICROBATCHES,): ("number of micro-batches from 1 to {N}", _search_microbatches),
-}
-"""Each knob set's search, and what it tries (for the message that says none of it plans)."""
-
-
-def _overhead_estimate(
-    problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, until: Budget
-) -> tuple[float | None, bool]:
-    """The max_overhead the stretch at max_period needs (3 digits, rounded up) and whether it is proven least (CP-SAT
-    refines first-fit's while time is left); None when stretching is off or no stretch up to 10 steps places it."""
-    from fxkfac.planner.search.greedy import greedy_overhead
-
-    if not config.stretch:
-        return None, False
-    grid = Allowance(problem, fused, grid_scale(problem, range(problem.num_stages), fused, config.time_resolution))
-    upper, proven = 0, True
-    for group in stage_groups(problem):
-        low, found = greedy_overhead(
-            problem,
-            group,
-            grid,
-            stats_chunk=stats_chunk_of(problem, group, config, grid),
-            resolution=config.time_resolution,
-            meter=until,
-        )
-        if found is None:
-            return None, False
-        least = found.window.stretch <= low
-        left = until.left()
-        if method is Method.CPSAT and not least and left > 0:
-            from fxkfac.planner.search.group_search import least_stretch_at
-
-            limit = min(until.units(min(STRETCH_SEARCH_S, config.time_limit_s)), left / 2)
-            found, least = least_stretch_at(found, grid, config, until, until.now() + 2 * limit)
-        upper, proven = max(upper, found.window.stretch), proven and least
-    assert grid.scale is not None, "the allowance has a grid"
-    need = (upper / grid.scale[0] + fused_extra(problem, fused) / problem.max_period) / step_timeline(problem).length
-    return (_sig_up(need) if need > 0 else None), proven
 
 
 def _sig_up(x: float, digits: int = 3) -> float:
@@ -897,6 +793,6 @@ def solve(
         budget.made[(REFUSED, problem, how)] = refused
         if not suggest:
             raise refused.error from None
-        raise with_suggestions(refused, problem, config, how, budget.suggesting()) from None
+        raise with_suggestions(refused, problem, _Hints(config, how, budget.suggesting())) from None
     budget.made[(problem, how)] = plan
     return plan

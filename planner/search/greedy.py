@@ -2,23 +2,22 @@
 allowance, and a lower bound on a group's refresh period.
 
 First-fit follows `assign_workloads_to_bubbles` of kazukiosawa/pipe-fisher (the paper's code): per device, tasks in
-priority order (curvature, sync, decomposition; broadcasts after their decomposition) go into the first gap between
-pipeline ops where `duration * 1.05` fits, after their dependencies; when something does not fit the window grows by one
-step and everything is placed again, so the number of steps is the refresh period. Each stage's decompositions go to its
-copies longest first to the least loaded, APPLY stays right after the gradient all-reduce, and memory is not considered
-(the paper's rule; the planner validates the result). With a stretch allowed ([Note: stretch] in planner/plan/window.py)
-each k is tried with the whole allowance, then the least stretch first-fit still places everything with is bisected
-(first-fit is not monotone in the stretch, so it is feasible, not proven least). `restretch` moves a solution to a
-longer stretch: feasibility only grows with the stretch, which makes bisection with a solver's probe exact
-(`bisect_least`).
+priority order (curvature, sync, decomposition; broadcasts after their decomposition) go into the first gap where
+`duration * 1.05` fits, after their dependencies; when something does not fit the window grows by one step and all is
+placed again, so the number of steps is the refresh period. Decompositions go to a stage's copies longest first to the
+least loaded, APPLY stays after the gradient all-reduce, and memory is not considered (the planner validates). With a
+stretch allowed ([Note: stretch] in planner/plan/window.py) each k is tried with the whole allowance, then the least
+stretch first-fit places everything with is bisected (first-fit is not monotone in the stretch: feasible, not proven
+least). `restretch` moves a solution to a longer stretch, so feasibility only grows with it (`bisect_least` is exact
+with a solver's probe).
 
-The packing bound: `planner.problem.step_timeline.refresh_lower_bound` pours the refresh's work into the bubbles like
-a fluid, but a statistic or decomposition piece runs whole inside one bubble. Here each bubble holds at most the
-longest sum of task lengths that fits in it (`Packer`), the APPLY slots placed where they leave the most, and a
-collective counts as one task on each of its devices (on the README snippet's 2 x 2 mesh the statistics' all-reduces
-are 70% of the refresh's device time). Every simplification only enlarges what a window may hold (releases, memory
-and the collectives' simultaneity ignored, tasks on any device of the group, repeated without limit), so the bound
-stays valid: on the PipeFisher paper's BERT-Base Chimera D=4 profiles it raises the bound from 7 to 8 steps.
+The packing bound: `refresh_lower_bound` pours the refresh's work into the bubbles like a fluid, but a statistic or
+decomposition piece runs whole inside one bubble. Here each bubble holds at most the longest sum of task lengths that
+fits in it (`Packer`), the APPLY slots placed where they leave the most, and a collective counts as one task on each
+of its devices (on the README snippet's 2 x 2 mesh the statistics' all-reduces are 70% of the refresh's device time).
+Every simplification only enlarges what a window may hold (releases, memory and the collectives'
+simultaneity ignored, tasks on any device of the group, repeated without limit), so the bound stays valid: on the
+PipeFisher paper's BERT-Base Chimera D=4 profiles it raises the bound from 7 to 8 steps.
 """
 
 from __future__ import annotations
@@ -81,8 +80,8 @@ class Allowance:
         self, group: StageGroup, k: int, stretch: int, *, stats_chunk: int, resolution: int, meter: Budget | None = None
     ) -> Window:
         """The window of `group` at period k with `stretch` ticks per step on this allowance's grid, its building
-        charged to `meter` (`charge_built`)."""
-        window = build_window(
+        charged to `meter` by its size: its devices' busy intervals and its tasks, a W task twice."""
+        w = build_window(
             self.problem,
             group,
             k,
@@ -92,21 +91,16 @@ class Allowance:
             stretch=stretch,
             scale=self.scale,
         )
-        charge_built(window, meter)
-        return window
+        if meter is not None:
+            w_tasks = sum(1 for task in w.tasks if task.kind is TaskKind.WGRAD)
+            meter.charge_window(sum(len(busy) for busy in w.fixed.values()) + len(w.tasks) + w_tasks)
+        return w
 
     def whole(
         self, group: StageGroup, k: int, *, stats_chunk: int, resolution: int, meter: Budget | None = None
     ) -> Window:
         """The window at period k with the whole allowance of stretch: what a period search solves."""
         return self.window(group, k, self.ticks(k), stats_chunk=stats_chunk, resolution=resolution, meter=meter)
-
-
-def charge_built(window: Window, meter: Budget | None) -> None:
-    """Charge building `window` to `meter` by its size: its devices' busy intervals and its tasks, a W task twice."""
-    if meter is not None:
-        w_tasks = sum(1 for task in window.tasks if task.kind is TaskKind.WGRAD)
-        meter.charge_window(sum(len(busy) for busy in window.fixed.values()) + len(window.tasks) + w_tasks)
 
 
 def allowance(problem: Problem, fused: frozenset[str], config: SolverConfig) -> Allowance:
@@ -243,8 +237,10 @@ def _span(region: Sequence[Interval]) -> int:
     return sum(end - start for start, end in region)
 
 
-def _meets(region: Sequence[Interval], allowed: Sequence[Interval]) -> bool:
-    return any(a < d and c < b for a, b in region for c, d in allowed)
+def _may_hold(region: Sequence[Interval], slot: PrecSlot, length: int) -> bool:
+    """Whether the bubble `region` is long enough for `slot` and meets the span the slot may run in."""
+    allowed = wrap(slot.release, max(slot.deadline, slot.release + slot.ticks), length)
+    return _span(region) >= slot.ticks and any(a < d and c < b for a, b in region for c, d in allowed)
 
 
 def _device_capacity(window: Window, device: int, packer: Packer) -> int:
@@ -256,10 +252,7 @@ def _device_capacity(window: Window, device: int, packer: Packer) -> int:
     )
     regions = idle_regions(window.fixed[device] + homes, window.length)
     slots = [s for s in window.precs if s.device == device and s.ticks > 0]
-    candidates = [
-        [i for i, r in enumerate(regions) if _span(r) >= slot.ticks and _meets(r, _allowed(slot, window.length))]
-        for slot in slots
-    ]
+    candidates = [[i for i, r in enumerate(regions) if _may_hold(r, slot, window.length)] for slot in slots]
     packer.work += len(window.tasks) + len(window.fixed[device]) + len(slots) * len(regions)
     total, seen = 0, set()
     for component in _components(candidates):
@@ -268,10 +261,6 @@ def _device_capacity(window: Window, device: int, packer: Packer) -> int:
         chosen = [slots[j] for j in component], [candidates[j] for j in component]
         total += _best_placement(regions, members, *chosen, packer)
     return total + sum(packer.packable(_span(r)) for i, r in enumerate(regions) if i not in seen)
-
-
-def _allowed(slot: PrecSlot, length: int) -> list[Interval]:
-    return wrap(slot.release, max(slot.deadline, slot.release + slot.ticks), length)
 
 
 def _components(candidates: Sequence[Sequence[int]]) -> list[list[int]]:
@@ -436,15 +425,6 @@ def _inv_devices(window: Window) -> dict[tuple[str, str], int]:
     return out
 
 
-def _slot_release(window: Window, task: Task, device: int) -> int:
-    """For a gradient-fed part's decomposition, the end of its stage's refresh-step slot on `device` (at its
-    reference place); 0 for other tasks."""
-    if not task.after_slot:
-        return 0
-    slot = window.precs[window.refresh_slot(device, task.stage)]
-    return slot.reference + slot.ticks
-
-
 def greedy_window(window: Window, meter: Budget | None = None) -> GroupSolution | None:
     """Place every task of `window` first-fit in priority order; None when something does not fit. Its work (the
     window's tasks and slots and every gap it examined) is charged to `meter` ([Note: greedy charge])."""
@@ -500,7 +480,9 @@ def _place(window: Window, gaps: dict[int, _Gaps]) -> GroupSolution | None:
         key = task.factors[0]
         after = made.get(i, 0) if task.kind is TaskKind.CURV else max((done.get(f, 0) for f in task.factors), default=0)
         members = [inv_device[key]] if task.kind is TaskKind.INV else list(task.devices)
-        earliest = max([after, _slot_release(window, task, members[0])] + [window.earliest(task, d) for d in members])
+        slot = window.precs[window.refresh_slot(members[0], task.stage)] if task.after_slot else None
+        release = slot.reference + slot.ticks if slot is not None else 0  # a gradient-fed part after its APPLY slot
+        earliest = max([after, release] + [window.earliest(task, d) for d in members])
         need = math.ceil(task.ticks * (1 + MARGIN))
         start = _fit_together([gaps[d] for d in members], earliest, need)
         if start is None:
@@ -561,8 +543,10 @@ def greedy_group(
         solution = greedy_window(window, meter)
         if solution is not None:
             if allowance.ticks(k) > 0 and shrink_stretch:
-                least = stretch_lower_bound(window)
-                solution = _least_stretch(solution, least, allowance, stats_chunk, resolution, meter, cut)
+                at = functools.partial(
+                    allowance.window, group, k, stats_chunk=stats_chunk, resolution=resolution, meter=meter
+                )
+                solution = _least_stretch(solution, stretch_lower_bound(window), at, meter, cut)
             return replace(solution, k_lower_bound=lower, wall_time=time.perf_counter() - began)
     raise PlanError(
         f"the greedy rule cannot place the {words_of(problem.costs).name} work of stages {list(group.stages)} within "
@@ -572,55 +556,37 @@ def greedy_group(
 
 
 def _least_stretch(
-    found: GroupSolution,
-    lower: int,
-    allowance: Allowance,
-    stats_chunk: int,
-    resolution: int,
-    meter: Budget | None,
-    cut: bool,
+    found: GroupSolution, lower: int, window_of: Callable[[int], Window], meter: Budget | None, cut: bool
 ) -> GroupSolution:
-    """Bisect with first-fit between `lower` and found's stretch (the least one it finds; `cut`: until `meter` runs
-    out)."""
-    w = found.window
+    """Bisect with first-fit (windows by stretch: `window_of`) between `lower` and found's stretch (the least one it
+    finds; `cut`: until `meter` runs out)."""
 
     def probe(stretch: int) -> tuple[str, GroupSolution | None]:
         if cut and _spent(meter):
             return "UNKNOWN", None
-        window = allowance.window(w.group, w.k, stretch, stats_chunk=stats_chunk, resolution=resolution, meter=meter)
-        solution = greedy_window(window, meter)
+        solution = greedy_window(window_of(stretch), meter)
         return ("FEASIBLE", solution) if solution is not None else ("UNKNOWN", None)
 
     return least_stretch(found, probe, lower)[0]
 
 
 def greedy_overhead(
-    problem: Problem,
-    group: StageGroup,
-    allowance: Allowance,
-    *,
-    stats_chunk: int = 1,
-    resolution: int = 100_000,
-    limit: float = 10.0,
-    meter: Budget | None = None,
+    group: StageGroup, allowance: Allowance, *, stats_chunk: int, resolution: int, meter: Budget
 ) -> tuple[int, GroupSolution | None]:
     """The stretch the group's work needs at max_period whatever max_overhead says, for errors that name the
     max_overhead to ask for: (ticks any plan needs, first-fit's solution with the least stretch found, or None when
-    none up to `limit` reference steps places it before `meter` runs out). `allowance` gives the grid."""
-    scale = allowance.scale
-    if scale is None:
-        raise AssertionError("greedy_overhead needs an allowance with a grid")
-    k = problem.max_period
-    most = math.floor(limit * step_timeline(problem).length * scale[0])
-
-    def window(ticks: int) -> Window:
-        return allowance.window(group, k, ticks, stats_chunk=stats_chunk, resolution=resolution, meter=meter)
-
+    none up to 10 reference steps places it before `meter` runs out). `allowance` gives the grid."""
+    assert allowance.scale is not None, "greedy_overhead needs an allowance with a grid"
+    problem = allowance.problem
+    most = math.floor(10 * step_timeline(problem).length * allowance.scale[0])
+    window = functools.partial(
+        allowance.window, group, problem.max_period, stats_chunk=stats_chunk, resolution=resolution, meter=meter
+    )
     lower = stretch_lower_bound(window(0))
     failed, ticks = lower - 1, lower
     while ticks <= most and not _spent(meter):
         found = greedy_window(window(ticks), meter)
         if found is not None:
-            return lower, _least_stretch(found, failed + 1, allowance, stats_chunk, resolution, meter, cut=True)
+            return lower, _least_stretch(found, failed + 1, window, meter, cut=True)
         failed, ticks = ticks, max(ticks + 1, math.ceil(ticks * 1.25))
     return lower, None

@@ -6,15 +6,13 @@ outside in: the max_overhead rule (`Overhead`), the recomputing stages (`plan_re
 (`solve_streamed`) around each placement. Each is a candidate of one search in one `Budget` ([Note: one budget]),
 taking a part of what is left. TimeLimit.WHOLE_SEARCH bounds it all; TimeLimit.EACH_SOLVE gives each placement the
 whole limit (as the golden records were planned). A budget keeps every plan it made: a retry takes no more time.
-
-Also here, each a candidate search around `plan`: the recomputing stages under a memory budget (`recompute_choices`),
-the schedule of schedule="auto" (`choose_schedule`), the first stage's layers that stream their APPLY to idle ranks
-(`with_streaming`; never a Muon stage with copies, which the runtime refuses) and Shampoo/SOAP's block side
-(`choose_block_size`: the largest whose plan fits).
+Also candidate searches around `plan`: the schedule of schedule="auto" (`choose_schedule`) and Shampoo/SOAP's block
+side (`choose_block_size`: the largest whose plan fits).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -25,7 +23,7 @@ from typing import Protocol, TypeVar
 
 from fxkfac.planner.plan.plan import Plan, rank
 from fxkfac.planner.problem.costs import LayerCost, PreconditionerKind
-from fxkfac.planner.problem.errors import ConfigError, Knob, PlanError, PlannerError, ScheduleError
+from fxkfac.planner.problem.errors import ConfigError, PlanError, PlannerError, ScheduleError
 from fxkfac.planner.problem.ir import Op, OpKind
 from fxkfac.planner.problem.lowering import Streaming, can_stream, ready_fractions
 from fxkfac.planner.problem.problem import Problem, SolverConfig, copies_of_stage, format_bytes, stage_groups
@@ -144,10 +142,8 @@ def schedule_candidates(D: int, N: int, v: int = 1) -> tuple[ScheduleCandidate, 
 
 @dataclass(frozen=True)
 class Tried:
-    """One candidate: its plain step (the pipeline without preconditioner work, `plain_step_time`: the least step
-    any plan of it has; 0 where its problem could not be made), its plan as asked (`first`), its plan at the
-    freshest curvature (`plan`, None when it cannot refresh that often, cannot beat the best plan, or has no plan at
-    all) and why it is out of the comparison ('' when in)."""
+    """One candidate: its plan as asked (`first`), at the freshest curvature (`plan`, None where out), why it is out
+    ('' when in), and its plain step (`plain_step_time`, the least any plan has; 0 where its problem was not made)."""
 
     candidate: ScheduleCandidate
     first: Plan | None
@@ -165,12 +161,6 @@ class ScheduleChoice:
     period: int
     reason: str
 
-
-ProblemFor = Callable[[ScheduleCandidate], Problem]
-"""The problem of one candidate (its costs cut into its stages); raises a PlannerError where it cannot be made."""
-PlanOf = Callable[[Problem, Budget], Plan]
-"""The caller's planner run of one problem in its part of the choice's budget (`planner.plan` with its SearchOptions
-and `budget=`); raises PlanError when nothing plans."""
 
 FIRST_PLANS_PART = 0.5
 """Of a schedule choice's time, the part the candidates' plans as asked share (each an equal part of what is left of
@@ -193,21 +183,23 @@ def _ms(seconds: float) -> str:
 
 
 def choose_schedule(
-    candidates: Sequence[ScheduleCandidate], problem_for: ProblemFor, plan_of: PlanOf, budget: Budget
+    candidates: Sequence[ScheduleCandidate],
+    problem_for: Callable[[ScheduleCandidate], Problem],
+    plan_of: Callable[[Problem, Budget], Plan],
+    budget: Budget,
 ) -> ScheduleChoice:
-    """The least step at the freshest curvature among `candidates`: each planned as asked (a cut or refusal drops it
-    out with its reason), those refreshing less often than the freshest plan's longest period planned again with that
-    period as `max_period`, and the least step time wins (ties: `candidates`' order); PlanError naming each
-    candidate's reason when none plans. Every plan is a candidate of one `budget` ([Note: one budget]): the plans as
-    asked share FIRST_PLANS_PART of it, the re-plans the rest, each an equal part of what is left to those to run;
-    once the budget is spent (and one has planned), those left are out with NO_TIME.
+    """The least step at the freshest curvature among `candidates` (`problem_for`: a candidate's problem, PlannerError
+    where its cut fails; `plan_of`: the caller's `planner.plan` in a part of `budget`): each planned as asked (a cut
+    or refusal drops it out with its reason), those refreshing less often than the freshest plan's longest period
+    planned again with it as `max_period`, and the least step time wins (ties: `candidates`' order); PlanError with
+    each one's reason when none plans. The plans as asked share FIRST_PLANS_PART of `budget` ([Note: one budget]),
+    the re-plans the rest, each an equal part of what is left; once it is spent (one has planned) the rest are out.
 
-    [Note: schedule order] Both rounds plan the candidates least plain step first (`plain_step_time`: the pipeline
-    without preconditioner work, a lower bound of any plan's step), so a short budget spends itself on the schedules
-    that can reach the least step (on BERT-Large D=8 the zero-bubble ones' plain steps are 25-29% below GPipe's). A
-    re-plan whose plain step cannot beat the best plan at the freshest period (ties: `candidates`' order) is not made:
-    at that period its step could only be longer. The plans as asked are all made while time is left: a schedule
-    with a longer plain step may refresh more often and so set the period every other is compared at."""
+    [Note: schedule order] Both rounds plan the candidates least plain step first (`plain_step_time`, a lower bound of
+    any plan's step), so a short budget spends itself on the schedules that can reach the least step (on BERT-Large
+    D=8 the zero-bubble ones' plain steps are 25-29% below GPipe's). A re-plan whose plain step cannot beat the best
+    plan at the freshest period is not made. The plans as asked are all made while time is left: a schedule with a
+    longer plain step may refresh more often and so set the period every other is compared at."""
     problems: dict[int, Problem] = {}  # by the candidate's index, those whose problem could be made
     first: list[Plan | None] = [None] * len(candidates)
     why_not = [""] * len(candidates)
@@ -342,8 +334,7 @@ def _helpers(problem: Problem) -> list[int]:
 
 def _assign(layers: list[str], helpers: tuple[int, ...]) -> tuple[int, ...]:
     """A helper for each of `layers`, round robin from the last (the APPLYs that end the step run side by side)."""
-    m = len(helpers)
-    return tuple(helpers[(len(layers) - 1 - i) % m] for i in range(len(layers)))
+    return tuple(helpers[(len(layers) - 1 - i) % len(helpers)] for i in range(len(layers)))
 
 
 def _balanced(problem: Problem, names: list[str], helpers: tuple[int, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -362,12 +353,9 @@ def _balanced(problem: Problem, names: list[str], helpers: tuple[int, ...]) -> t
 def _helper_load(problem: Problem) -> float:
     """The largest share of its bubbles a helper's stage group needs for one refresh per step (inf without bubble)."""
     assert problem.streaming is not None, "only a streaming problem has helpers"
-    loads = []
-    for helper in problem.streaming.ranks:
-        group = next(g for g in stage_groups(problem) if helper in g.devices)
-        work, bubble = group_load(problem, group)
-        loads.append(work / bubble if bubble > 0 else math.inf)
-    return max(loads)
+    groups = stage_groups(problem)
+    loads = [group_load(problem, next(g for g in groups if h in g.devices)) for h in problem.streaming.ranks]
+    return max(work / bubble if bubble > 0 else math.inf for work, bubble in loads)
 
 
 def with_streaming(
@@ -380,7 +368,7 @@ def with_streaming(
     if problem.streaming is not None or len(copies_of_stage(problem, STREAMED_STAGE)) == len(problem.devices):
         return problem
     if problem.costs.family is PreconditionerKind.MUON and len(copies_of_stage(problem, STREAMED_STAGE)) > 1:
-        return problem  # the runtime streams a Muon stage with one copy only (module doc)
+        return problem  # the runtime streams a Muon stage with one copy only
     names = _streamable(problem)
     if not names:
         return problem
@@ -433,13 +421,11 @@ def solve_streamed(
     KEEP_REFRESH keeps a streamed plan at the unstreamed bounds, else the better by `rank` of it and the unstreamed
     plan (the streamed try in STREAMED_PART); SHORTEST_STEP keeps it. Only the unstreamed refusal is raised."""
     budget = budget or Budget.of(SolverConfig())
-    if policy is StreamApply.OFF:
-        return solve(problem, budget)
-    if streamed is None:
+    if streamed is None and policy is not StreamApply.OFF:
         streamed = with_streaming(problem, whole_backward, policy is StreamApply.KEEP_REFRESH, budget)
-    if streamed is problem:
+    if policy is StreamApply.OFF or streamed is problem:
         return solve(problem, budget)
-    assert streamed.streaming is not None, "with_streaming returns a streaming problem or the same one"
+    assert streamed is not None and streamed.streaming is not None, "with_streaming: a streaming problem or the same"
     log.info(
         "streaming %d layer(s) of stage %d to rank(s) %s (their APPLY leaves the step's cycle)",
         len(streamed.streaming.layers),
@@ -528,11 +514,10 @@ class SearchOptions:
     def __post_init__(self) -> None:
         if not isinstance(self.solver, SolverConfig):
             raise ConfigError(f"SearchOptions.solver must be a SolverConfig, got {self.solver!r}")
+        kinds = {"method": Method, "stream_apply": StreamApply, "overhead": Overhead, "time_limit": TimeLimit}
         try:
-            object.__setattr__(self, "method", Method(self.method))
-            object.__setattr__(self, "stream_apply", StreamApply(self.stream_apply))
-            object.__setattr__(self, "overhead", Overhead(self.overhead))
-            object.__setattr__(self, "time_limit", TimeLimit(self.time_limit))
+            for name, kind in kinds.items():
+                object.__setattr__(self, name, kind(getattr(self, name)))
         except ValueError as e:
             raise ConfigError(f"SearchOptions: {e}") from None
         if not isinstance(self.strategy, (Strategy, Distributions)):
@@ -565,19 +550,13 @@ def plan(
     config, method = options.solver, options.method
     each_solve = options.time_limit is TimeLimit.EACH_SOLVE
     whole = Budget.untimed(config.deterministic) if each_solve else budget or Budget.of(config, whole=True)
-
-    def own(view: Budget) -> Budget:
-        """The budget a placement runs in: its part of the whole, or under EACH_SOLVE one of its own."""
-        if not each_solve:
-            return view
-        return new_budget() if new_budget is not None else Budget.of(config)
+    fresh = new_budget or functools.partial(Budget.of, config)
 
     def solved(p: Problem, view: Budget, *, suggest: bool = True) -> Plan:
-        return solve(p, config, method, budget=own(view), suggest=suggest)
+        """A placement in its part of the whole, or under EACH_SOLVE in a budget of its own."""
+        return solve(p, config, method, budget=fresh() if each_solve else view, suggest=suggest)
 
-    def quiet(p: Problem, view: Budget, *, suggest: bool = True) -> Plan:
-        return solved(p, view, suggest=False)
-
+    quiet = functools.partial(solved, suggest=False)
     choices: dict[int, tuple[Problem, Problem]] = {}
 
     def streaming_of(p: Problem) -> Problem:
@@ -604,7 +583,7 @@ def plan(
             off = options.stream_apply is StreamApply.OFF
             each, ref = (None, None) if off else (candidate, reference)
             if each_solve:  # each candidate in a budget of its own, as forcing it would be planned
-                return solve_with_strategy(p, None, config, method, each=each, reference=ref, own=lambda: own(whole))
+                return solve_with_strategy(p, None, config, method, each=each, reference=ref, own=fresh)
             return solve_with_strategy(p, None, config, method, budget=whole, each=each, reference=ref)
         given = p.with_strategy(options.strategy) if isinstance(options.strategy, Strategy) else p
         return solve_streamed(given, solved, options.stream_apply, whole_backward=options.whole_backward, budget=whole)
@@ -683,9 +662,8 @@ def choose_block_size(
         try:
             return plan(problem, options, budget=whole.part(1 / left))
         except PlanError as e:
-            values = [s.changes[0][1] for s in e.suggestions if [k for k, _ in s.changes] == [Knob.MAX_OVERHEAD]]
-            if values:
-                overheads[side] = float(min(values))
+            if e.max_overhead is not None:  # one suggestion per knob (`with_suggestions`): the least found
+                overheads[side] = e.max_overhead
             return str(e)
 
     for n, side in enumerate(candidates):
