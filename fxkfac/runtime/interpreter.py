@@ -333,10 +333,16 @@ def forward_only(ops: Iterable[Op]) -> list[Op]:
     return [op for op in ops if op.kind in EVAL_HANDLERS]
 
 
+def _post_step_end(ctx: StepContext, op: Op, _: Sequence[Op]) -> None:
+    """The receives of OPT_STEP's sum (`StepEnd.post`: the core's carries no <P, G> share)."""
+    ctx.step_end.post()
+
+
 CORE_PREPARES: Mapping[OpKind, Prepare] = {
     OpKind.RECV_ACT: _post_act,
     OpKind.RECV_GRAD: _post_grad,
     OpKind.BWD_W: _defer_w,
+    OpKind.OPT_STEP: _post_step_end,
 }
 
 
@@ -374,7 +380,8 @@ class _Program:
 
 
 _COMPUTE = (OpKind.FWD, OpKind.BWD)
-_RECEIVES = (OpKind.RECV_ACT, OpKind.RECV_GRAD)
+_RECEIVES = (OpKind.RECV_ACT, OpKind.RECV_GRAD, OpKind.OPT_STEP)
+"""The ops whose prepare posts receives (OPT_STEP: its sum's, `StepEnd.post`)."""
 
 # [Note: when receives are posted]
 # Every receive of a step is posted before any of its sends, so that no transport that matches a send with its

@@ -228,6 +228,20 @@ class StepEnd:
         """True when no world collective ends a step (STAGE, and STALE after its first step)."""
         return self.scope is not KLClipScope.GLOBAL
 
+    def _ends_global(self) -> bool:
+        """Whether this step ends with the world sum: GLOBAL, and STALE before its first sum stood."""
+        return self.scope is KLClipScope.GLOBAL or (self.scope is KLClipScope.STALE and self.stale is None)
+
+    def post(self, shares: int = 0) -> None:
+        """Post the receives of this step's end sum now (`Transport.post_sum`), so its messages land while the rank
+        computes; `shares` is the number of <P, G> shares a STAGE sum carries besides the flag (one per KL-clip
+        group with a preconditioner, none without: `finish`'s `dots`)."""
+        if self._ends_global():
+            self.transport.post_sum((4,), torch.float64, range(self.transport.world), self.world_root)
+        else:
+            size = 1 + (shares if self.scope is KLClipScope.STAGE else 0)
+            self.transport.post_sum((size,), torch.float64, self.agreement, self.root)
+
     def finish(
         self,
         dots: Mapping[int, torch.Tensor],
@@ -240,7 +254,7 @@ class StepEnd:
         STAGE every group of the model, 0 where the rank holds none of it; else the one group 0), its NaN/Inf
         flag, its share of the step loss and, when clipping, its share of the gradient's squared global norm;
         `scale` turns a group's sum into its nu."""
-        if self.scope is KLClipScope.GLOBAL or (self.scope is KLClipScope.STALE and self.stale is None):
+        if self._ends_global():
             return self._global(dots, nonfinite, loss, scale, sqnorm)
         assert self.max_grad_norm is None, "clipping needs the world sum of a GLOBAL step end (the trainer refuses)"
         groups = sorted(dots)
