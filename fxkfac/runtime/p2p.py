@@ -204,11 +204,13 @@ class Transport:
             for key in self._sum_keys(members, root)
         }
         shares[root] = tensor.detach()
-        tensor.copy_(sum((shares[m] for m in sorted(members)[1:]), shares[min(members)]))  # summed before copied
-        outgoing = tensor.detach().clone()  # one buffer for every send: the caller may change `tensor`
-        for m in members:
+        ordered = sorted(members)
+        # the shares added in rank order into a new tensor (the caller may change `tensor` while the total is sent)
+        total = sum((shares[m] for m in ordered[1:]), shares[ordered[0]])
+        for m in ordered:
             if m != root:
-                self._sends.append((_work(dist.isend(outgoing, dst=m, tag=self.tags.beyond(1))), what))
+                self._sends.append((_work(dist.isend(total, dst=m, tag=self.tags.beyond(1))), what))
+        tensor.copy_(total)  # once the total is on its way
 
     def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None, what: str) -> None:
         """Sum `tensor` in place over `group` (None: the world), waiting for it."""
