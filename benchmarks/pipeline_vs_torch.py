@@ -263,8 +263,10 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
         run: dict[str, list[float]] = {"fxkfac": [], "torch": [], "compiled": []}
         each: dict[str, list[float]] = {"fxkfac": [], "torch": []}
         cpu: dict[str, list[float]] = {"fxkfac": [], "torch": []}
+        trainer.timeline.enabled = False  # timed as torch's side is: without the per-op recorder
+        for warm in (trainer.step, theirs_step):  # an untimed round first: each side's first steps run slower
+            _throughput(warm, batch, args.warmup, args.iters)
         for _ in range(args.rounds):  # alternate so that drift in machine load hits both
-            trainer.timeline.enabled = False  # timed as torch's side is: without the per-op recorder
             run["fxkfac"].append(_throughput(trainer.step, batch, args.warmup, args.iters))
             run["torch"].append(_throughput(theirs_step, batch, args.warmup, args.iters))
             if compiled is not None:
