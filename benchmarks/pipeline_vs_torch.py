@@ -363,7 +363,7 @@ def _report(rows: list[dict], args: argparse.Namespace) -> None:
             f"{1e6 * r['latency_s']:.0f}",
             f"{r['bubble_formula']:.3f}",
         )
-    Console(width=200).print(table)
+    Console(width=280).print(table)
     print(json.dumps({"benchmark": "pipeline_vs_torch", "args": vars(args), "results": rows}))
 
 
