@@ -14,10 +14,10 @@
 These sums are not all-reduces: each meets at the member that ends its step last (`last_to_end`: stage 0's
 rank), which adds the shares the others sent when they got there and sends the total back
 (`Transport.sum_at`; every member posts its receives while the step computes, `StepEnd.post` from OPT_STEP's
-prepare, so the messages have landed when the sum begins). The last rank waits for no message (an all-reduce would cost it a round trip on the
-critical path: 0.59 ms against 0.13 ms between two gloo processes on one host); the others wait for the total
-while they would idle anyway, since their next step starts with the root's next activations. The root adds in
-rank order, and every rank reads the root's total: one value on every rank.
+prepare, so the messages have landed when the sum begins). The last rank waits for no message (an all-reduce
+would cost it a round trip on the critical path: 0.59 ms against 0.13 ms between two gloo processes on one
+host); the others wait for the total while they would idle anyway, since their next step starts with the root's
+next activations. The root adds in rank order, and every rank reads the root's total: one value on every rank.
 One device runs the same code with every collective a no-op, so it implements each scope exactly; its model is
 one stage, so STAGE there needs `clip_groups` naming the pipeline's stages to equal a pipelined run.
 
