@@ -2,7 +2,13 @@
 1 thread each.
 
 Both run the same stage GraphModules (fxkfac's split of the same captured model), the same
-micro-batches and the same SGD step, side by side in one run (alternating rounds). ZB-H1 runs against torch's
+micro-batches and the same SGD step, side by side in one run (alternating rounds). Throughput is that of steps run
+back to back between two barriers, as a training loop runs them (the ratio: torch's seconds per step over fxkfac's,
+the median of the rounds' ratios, with their least and greatest); the step latency ratio is the same of each step
+timed between barriers (from an empty pipeline, every rank's end waited for: it also charges what the last rank does
+after the pipeline drains, which back-to-back steps overlap with the next step's start). fxkfac is timed without its
+per-op recorder, as torch's side has none; one recorded pass of per-step-barrier steps after the rounds gives the
+bubble columns. ZB-H1 runs against torch's
 ScheduleInterleavedZeroBubble with one stage per rank (its order is ZB-H1's), ZB-V against ScheduleZBVZeroBubble;
 torch's side runs eagerly (it refuses compiled stages for a split backward), fxkfac's eagerly and, with
 --compiled, with every stage's forward, B and W compiled by inductor (its own column). Also prints
@@ -100,9 +106,9 @@ def _torch_runner(trainer: Trainer, schedule: str, N: int):
 
 
 def _time(step, batch, warmup: int, iters: int, cpu: list[float]) -> list[float]:
-    """Wall seconds of each step (between barriers); appends the CPU seconds this rank's thread took in each to
-    `cpu` (what a step costs the rank whatever else the host runs: compute and the runtime's own work, not its
-    waits nor gloo's threads)."""
+    """Wall seconds of each step, between barriers (a step's latency from an empty pipeline, its end waited for on
+    every rank); appends the CPU seconds this rank's thread took in each to `cpu` (what a step costs the rank
+    whatever else the host runs: compute and the runtime's own work, not its waits nor gloo's threads)."""
     x, y = batch
     for _ in range(warmup):
         step(x, y)
@@ -116,6 +122,21 @@ def _time(step, batch, warmup: int, iters: int, cpu: list[float]) -> list[float]
         times.append(time.perf_counter() - t0)
         cpu.append(c1 - c0)
     return times
+
+
+def _throughput(step, batch, warmup: int, iters: int) -> float:
+    """Wall seconds per step of `iters` steps run back to back between two barriers, as a training loop runs them:
+    a step's first micro-batches start while the last rank still ends the step before (its update, the step-end
+    sum), which per-step barriers (`_time`) serialize."""
+    x, y = batch
+    for _ in range(warmup):
+        step(x, y)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step(x, y)
+    dist.barrier()
+    return (time.perf_counter() - t0) / iters
 
 
 def _latency(events) -> float:
@@ -239,28 +260,42 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
         trainer = _fxkfac_trainer(args, schedule, batch[0])
         compiled = _fxkfac_trainer(args, schedule, batch[0], "inductor") if args.compiled else None
         theirs_step = _torch_runner(trainer, schedule, args.microbatches)
-        ours, theirs, ours_compiled = [], [], []
-        cpu: dict[str, list[float]] = {"fxkfac": [], "torch": [], "compiled": []}
+        run: dict[str, list[float]] = {"fxkfac": [], "torch": [], "compiled": []}
+        each: dict[str, list[float]] = {"fxkfac": [], "torch": []}
+        cpu: dict[str, list[float]] = {"fxkfac": [], "torch": []}
+        trainer.timeline.enabled = False  # timed as torch's side is: without the per-op recorder
+        for warm in (trainer.step, theirs_step):  # an untimed round first: each side's first steps run slower
+            _throughput(warm, batch, args.warmup, args.iters)
         for _ in range(args.rounds):  # alternate so that drift in machine load hits both
-            trainer.timeline.clear()
-            ours += _time(trainer.step, batch, args.warmup, args.iters, cpu["fxkfac"])
-            theirs += _time(theirs_step, batch, args.warmup, args.iters, cpu["torch"])
+            run["fxkfac"].append(_throughput(trainer.step, batch, args.warmup, args.iters))
+            run["torch"].append(_throughput(theirs_step, batch, args.warmup, args.iters))
             if compiled is not None:
-                ours_compiled += _time(compiled.step, batch, args.warmup, args.iters, cpu["compiled"])
+                compiled.timeline.enabled = False
+                run["compiled"].append(_throughput(compiled.step, batch, args.warmup, args.iters))
+            each["fxkfac"].append(statistics.median(_time(trainer.step, batch, 0, args.iters, cpu["fxkfac"])))
+            each["torch"].append(statistics.median(_time(theirs_step, batch, 0, args.iters, cpu["torch"])))
+        trainer.timeline.enabled = True  # the bubble columns: one recorded pass of per-step-barrier steps
+        trainer.timeline.clear()
+        _time(trainer.step, batch, 0, args.iters * args.rounds, [])
         cpu_medians = [None] * D
         dist.all_gather_object(cpu_medians, {k: statistics.median(v) for k, v in cpu.items() if v})
         events = [e for e in trainer.timeline.events]
         gathered = [None] * D
         dist.all_gather_object(gathered, events)
-        events = [e for part in gathered for e in part if e.step >= args.warmup]
+        events = [e for part in gathered for e in part]
         measured = {r: 1.0 - u for r, u in utilization(events, BUSY).items()}
+        ratios = [t / f for t, f in zip(run["torch"], run["fxkfac"], strict=True)]
+        step_ratios = [t / f for t, f in zip(each["torch"], each["fxkfac"], strict=True)]
         rows.append(
             {
                 "schedule": schedule,
-                "fxkfac_step_s": statistics.median(ours),
-                "fxkfac_compiled_step_s": statistics.median(ours_compiled) if ours_compiled else None,
-                "torch_step_s": statistics.median(theirs),
-                "ratio": statistics.median(theirs) / statistics.median(ours),
+                "fxkfac_step_s": statistics.median(run["fxkfac"]),
+                "fxkfac_compiled_step_s": statistics.median(run["compiled"]) if run["compiled"] else None,
+                "torch_step_s": statistics.median(run["torch"]),
+                "ratio": statistics.median(ratios),
+                "ratio_rounds": ratios,
+                "step_ratio": statistics.median(step_ratios),
+                "step_ratio_rounds": step_ratios,
                 "cpu_s": {side: [m[side] for m in cpu_medians] for side in cpu_medians[0]},
                 "cpu_ratio": sum(m["torch"] for m in cpu_medians) / sum(m["fxkfac"] for m in cpu_medians),
                 "bubble_measured": measured,
@@ -294,7 +329,8 @@ def _report(rows: list[dict], args: argparse.Namespace) -> None:
         "fxkfac s/step",
         "fxkfac compiled s/step",
         "torch s/step",
-        "throughput ratio",
+        "throughput ratio (rounds min-max)",
+        "step latency ratio (rounds min-max)",
         "CPU ms/step fxkfac (r0, r1)",
         "CPU ms/step torch (r0, r1)",
         "CPU ratio",
@@ -314,7 +350,8 @@ def _report(rows: list[dict], args: argparse.Namespace) -> None:
             f"{r['fxkfac_step_s']:.4f}",
             "-" if r["fxkfac_compiled_step_s"] is None else f"{r['fxkfac_compiled_step_s']:.4f}",
             f"{r['torch_step_s']:.4f}",
-            f"{r['ratio']:.3f}",
+            f"{r['ratio']:.3f} ({min(r['ratio_rounds']):.3f}-{max(r['ratio_rounds']):.3f})",
+            f"{r['step_ratio']:.3f} ({min(r['step_ratio_rounds']):.3f}-{max(r['step_ratio_rounds']):.3f})",
             ", ".join(f"{1e3 * v:.2f}" for v in r["cpu_s"]["fxkfac"]),
             ", ".join(f"{1e3 * v:.2f}" for v in r["cpu_s"]["torch"]),
             f"{r['cpu_ratio']:.3f}",
@@ -326,7 +363,7 @@ def _report(rows: list[dict], args: argparse.Namespace) -> None:
             f"{1e6 * r['latency_s']:.0f}",
             f"{r['bubble_formula']:.3f}",
         )
-    Console(width=200).print(table)
+    Console(width=280).print(table)
     print(json.dumps({"benchmark": "pipeline_vs_torch", "args": vars(args), "results": rows}))
 
 

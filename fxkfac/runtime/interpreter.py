@@ -253,14 +253,14 @@ def _nonfinite(tensors: Iterable[torch.Tensor]) -> bool:
     that is not finite (NaN/Inf, or finite values summing past float32's range) each tensor is checked
     exactly. (A float64 sum converts every gradient first: 45x slower, ~2.7 ms per 1M parameters.)"""
     tensors = [t.detach() for t in tensors]
-    if not tensors or bool(torch.isfinite(torch.stack([t.float().sum() for t in tensors]).sum())):
+    if not tensors or bool(torch.isfinite(torch.stack([t.sum(dtype=torch.float32) for t in tensors]).sum())):
         return False
     return not all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 def local_nonfinite(ctx: StepContext) -> bool:
     """This rank's losses or gradients (of every local stage copy) hold NaN/Inf."""
-    grads = [p.grad for r in ctx.runners.values() for p in r.module.parameters() if p.grad is not None]
+    grads = [p.grad for r in ctx.runners.values() for p in r.param_list if p.grad is not None]
     return _nonfinite([*ctx.losses, *grads])
 
 
@@ -280,7 +280,7 @@ def clip_gradients(ctx: StepContext, factor: float) -> None:
     """Multiply every local gradient by the verdict's clip factor (`PipelineOptions.max_grad_norm`), as
     `torch.nn.utils.clip_grad_norm_` does (also by 1: no gradient is left out on one rank and not another)."""
     for runner in ctx.runners.values():
-        for p in runner.module.parameters():
+        for p in runner.param_list:
             if p.grad is not None:
                 p.grad.mul_(factor)
 
@@ -333,10 +333,16 @@ def forward_only(ops: Iterable[Op]) -> list[Op]:
     return [op for op in ops if op.kind in EVAL_HANDLERS]
 
 
+def _post_step_end(ctx: StepContext, op: Op, _: Sequence[Op]) -> None:
+    """The receives of OPT_STEP's sum (`StepEnd.post`: the core's carries no <P, G> share)."""
+    ctx.step_end.post()
+
+
 CORE_PREPARES: Mapping[OpKind, Prepare] = {
     OpKind.RECV_ACT: _post_act,
     OpKind.RECV_GRAD: _post_grad,
     OpKind.BWD_W: _defer_w,
+    OpKind.OPT_STEP: _post_step_end,
 }
 
 
@@ -374,7 +380,8 @@ class _Program:
 
 
 _COMPUTE = (OpKind.FWD, OpKind.BWD)
-_RECEIVES = (OpKind.RECV_ACT, OpKind.RECV_GRAD)
+_RECEIVES = (OpKind.RECV_ACT, OpKind.RECV_GRAD, OpKind.OPT_STEP)
+"""The ops whose prepare posts receives (OPT_STEP: its sum's, `StepEnd.post`)."""
 
 # [Note: when receives are posted]
 # Every receive of a step is posted before any of its sends, so that no transport that matches a send with its
@@ -384,6 +391,10 @@ _RECEIVES = (OpKind.RECV_ACT, OpKind.RECV_GRAD)
 # op, which every other rank waits for, then lost a core to those wake-ups. Measured on 1F1B, D=2, N=4, 2 cores
 # (benchmarks/pipeline_vs_torch.py): rank 0's first FWD began 0.4 ms (median; 0.9 ms mean) after the step, torch's
 # 0.13 ms, and rank 1 got its first activation 1.1 ms later than under torch, while the steps' middles matched.
+# OPT_STEP's receives (the step-end sum's: the shares at its root, the total elsewhere, `StepEnd.post`) are posted
+# with them: gloo moves a message's bytes only once its receive is posted, so a share received when the root's
+# OPT_STEP began cost a round trip through the peer's I/O thread on the step's critical path, where a posted one has
+# landed: the root's sum took 3.7 ms (median wall; 0.2 ms of CPU) on 1F1B, D=2, 2 cores at load 5, 0.26 ms posted.
 
 
 def _execute(steps: Sequence[tuple[Handler, Op, str, str]], ctx: StepContext, recorder: Recorder | None) -> None:

@@ -159,7 +159,7 @@ class PreconditionerRuntime:
         interpreter.register(OpKind.BCAST, self.bcast)
         interpreter.register(OpKind.APPLY, self.apply)
         interpreter.register(OpKind.BCAST_PREC, self.bcast_prec)
-        interpreter.register(OpKind.OPT_STEP, self.opt_step)
+        interpreter.register(OpKind.OPT_STEP, self.opt_step, self.post_step_end)
         self.streams.install(interpreter)
         interpreter.listeners.append(self)
 
@@ -550,6 +550,10 @@ class PreconditionerRuntime:
 
         ctx.transport.defer(("preconditioned", name), pending, _ignore if op.root == self.rank else take)
         self._touched.add(op.stage)
+
+    def post_step_end(self, ctx: StepContext, op: Op, _: Sequence[Op]) -> None:
+        """The receives of OPT_STEP's sum (`StepEnd.post`), a <P, G> share of each KL-clip group under STAGE."""
+        ctx.step_end.post(ctx.step_end.groups if self.scope is KLClipScope.STAGE else 0)
 
     def opt_step(self, ctx: StepContext, op: Op) -> None:
         """Agree on skipping the step and take each KL-clip group's nu (`StepEnd.finish`: by the scope), scale the

@@ -13,10 +13,11 @@
   The sum is part of the runtime's checkpointed state, so a resumed run goes on exactly.
 These sums are not all-reduces: each meets at the member that ends its step last (`last_to_end`: stage 0's
 rank), which adds the shares the others sent when they got there and sends the total back
-(`Transport.sum_at`). The last rank waits for no message (an all-reduce would cost it a round trip on the
-critical path: 0.59 ms against 0.13 ms between two gloo processes on one host); the others wait for the total
-while they would idle anyway, since their next step starts with the root's next activations. The root adds in
-rank order, and every rank reads the root's total: one value on every rank.
+(`Transport.sum_at`; every member posts its receives while the step computes, `StepEnd.post` from OPT_STEP's
+prepare, so the messages have landed when the sum begins). The last rank waits for no message (an all-reduce
+would cost it a round trip on the critical path: 0.59 ms against 0.13 ms between two gloo processes on one
+host); the others wait for the total while they would idle anyway, since their next step starts with the root's
+next activations. The root adds in rank order, and every rank reads the root's total: one value on every rank.
 One device runs the same code with every collective a no-op, so it implements each scope exactly; its model is
 one stage, so STAGE there needs `clip_groups` naming the pipeline's stages to equal a pipelined run.
 
@@ -87,6 +88,15 @@ def last_to_end(members: Iterable[int], ranks_of_stage: Mapping[int, Sequence[in
 def _total(dots: Mapping[int, torch.Tensor]) -> torch.Tensor:
     """This rank's share of the sum <P, G> over every group (float64)."""
     return sum(dots.values(), torch.zeros((), dtype=torch.float64))
+
+
+def _scalars(values: Sequence[torch.Tensor | float], device: torch.device) -> torch.Tensor:
+    """A float64 vector of scalars on `device`: one tensor made of their host values on the CPU (a stack costs a
+    conversion and a copy per scalar, ~80 us on OPT_STEP's critical path), stacked on an accelerator (no host
+    synchronization)."""
+    if device.type == "cpu":
+        return torch.tensor([float(v) for v in values], dtype=torch.float64)
+    return torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in values])
 
 
 def clip_scales(sums: Mapping[int, float], scale: ClipScale) -> dict[int, float]:
@@ -228,6 +238,20 @@ class StepEnd:
         """True when no world collective ends a step (STAGE, and STALE after its first step)."""
         return self.scope is not KLClipScope.GLOBAL
 
+    def _ends_global(self) -> bool:
+        """Whether this step ends with the world sum: GLOBAL, and STALE before its first sum stood."""
+        return self.scope is KLClipScope.GLOBAL or (self.scope is KLClipScope.STALE and self.stale is None)
+
+    def post(self, shares: int = 0) -> None:
+        """Post the receives of this step's end sum now (`Transport.post_sum`), so its messages land while the rank
+        computes; `shares` is the number of <P, G> shares a STAGE sum carries besides the flag (one per KL-clip
+        group with a preconditioner, none without: `finish`'s `dots`)."""
+        if self._ends_global():
+            self.transport.post_sum((4,), torch.float64, range(self.transport.world), self.world_root)
+        else:
+            size = 1 + (shares if self.scope is KLClipScope.STAGE else 0)
+            self.transport.post_sum((size,), torch.float64, self.agreement, self.root)
+
     def finish(
         self,
         dots: Mapping[int, torch.Tensor],
@@ -240,7 +264,7 @@ class StepEnd:
         STAGE every group of the model, 0 where the rank holds none of it; else the one group 0), its NaN/Inf
         flag, its share of the step loss and, when clipping, its share of the gradient's squared global norm;
         `scale` turns a group's sum into its nu."""
-        if self.scope is KLClipScope.GLOBAL or (self.scope is KLClipScope.STALE and self.stale is None):
+        if self._ends_global():
             return self._global(dots, nonfinite, loss, scale, sqnorm)
         assert self.max_grad_norm is None, "clipping needs the world sum of a GLOBAL step end (the trainer refuses)"
         groups = sorted(dots)
@@ -266,10 +290,9 @@ class StepEnd:
         """One world sum of [sum <P, G>, flag, loss, squared gradient norm] at the world's root; under STALE, the
         sum becomes the next step's. With clipping, nu is that of the clipped gradient: <P, G> scales by the
         clip factor squared (P is linear in G)."""
-        device = self.transport.device  # every share moves there: NCCL sums device memory, gloo host memory
-        norm = torch.zeros((), dtype=torch.float64, device=device) if sqnorm is None else sqnorm.to(device)
-        flag = torch.tensor(float(nonfinite), dtype=torch.float64, device=device)
-        flat = torch.stack([_total(dots).to(device), flag, loss.detach().to(device, torch.float64), norm.double()])
+        # every share moves to the transport's device: NCCL sums device memory, gloo host memory
+        norm = 0.0 if sqnorm is None else sqnorm.detach()
+        flat = _scalars([_total(dots), float(nonfinite), loss.detach(), norm], self.transport.device)
         world = range(self.transport.world)
         self.transport.sum_at(
             flat, world, self.world_root, "OPT_STEP (KL-clip <P, G>, non-finite check, loss and gradient norm sums)"
@@ -285,9 +308,7 @@ class StepEnd:
     def _agree(self, nonfinite: bool, shares: Sequence[torch.Tensor]) -> tuple[bool, list[float]]:
         """Sum [flag, shares] over the agreement set: the verdict and the sums of the shares (a stage's copies lie in
         one set, so a stage's sum is whole there)."""
-        device = self.transport.device
-        flag = torch.tensor(float(nonfinite), dtype=torch.float64, device=device)
-        flat = torch.stack([flag, *(share.to(device) for share in shares)])
+        flat = _scalars([float(nonfinite), *shares], self.transport.device)
         self.transport.sum_at(
             flat, self.agreement, self.root, f"OPT_STEP (non-finite check over ranks {list(self.agreement)})"
         )

@@ -103,6 +103,8 @@ class GradSync:
     """This step's local stages whose gradients are complete (their ALLREDUCE_GRAD ran)."""
     _summed: set[str] = field(init=False, default_factory=set)
     """This step's owned tied parameters whose sum has started."""
+    _own: dict[int, list[tuple[Holders, list[str]]]] = field(init=False, default_factory=dict)
+    """Per local stage: its own (not shared) parameters by holder set (`_buckets`), looked up once (`stage`)."""
 
     def __post_init__(self) -> None:
         self._local = Counter(n for r in self.runners for n in r.graph.params)
@@ -146,7 +148,12 @@ class GradSync:
     def _reduce(self, names: Iterable[str], transport: Transport, what: str, key: Hashable | None = None) -> None:
         """Sum the gradients of `names` over their copies: with `key`, the all-reduces are left in flight under it
         (see [Note: collectives in flight] in fxkfac/runtime/p2p.py), else waited for."""
-        for ranks, bucket in self._buckets(names):
+        self._reduce_buckets(self._buckets(names), transport, what, key)
+
+    def _reduce_buckets(
+        self, buckets: list[tuple[Holders, list[str]]], transport: Transport, what: str, key: Hashable | None
+    ) -> None:
+        for ranks, bucket in buckets:
             if len(ranks) == 1 and all(self._local[n] == 1 for n in bucket):
                 if self.sqnorms is not None:
                     self._add_sqnorm(flat_gradient([self._copies(n)[0] for n in bucket]), 1)
@@ -191,9 +198,13 @@ class GradSync:
     def stage(self, stage: int, transport: Transport, what: str) -> None:
         """Start summing the gradients of stage `stage`'s own (not shared) parameters over their copies, in flight
         under `grad_key(stage)` until a reader of them settles it."""
-        runner = next(r for r in self.runners if r.stage == stage)
-        self._reduce([n for n in runner.graph.params if n not in self.shared], transport, what, grad_key(stage))
+        if stage not in self._own:
+            runner = next(r for r in self.runners if r.stage == stage)
+            self._own[stage] = self._buckets(n for n in runner.graph.params if n not in self.shared)
+        self._reduce_buckets(self._own[stage], transport, what, grad_key(stage))
         self._reached.add(stage)
+        if not self.owned:
+            return
         ready = [
             n
             for n in self.owned

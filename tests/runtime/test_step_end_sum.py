@@ -41,6 +41,33 @@ def test_a_sum_at_a_root_gives_every_member_the_rank_ordered_total() -> None:
         assert all(value == expected for value in got.values()), (members, root, got, expected)
 
 
+def _sums_posted_early(rank: int, world: int, posting: tuple[int, ...], rounds: int) -> list[list[float]]:
+    """`rounds` sums over the world through rank 0 in a row, the ranks in `posting` posting each sum's receives
+    (`Transport.post_sum`) before they sleep, as a step posts them before its work; the others when they sum."""
+    transport = Transport(rank, world, TagSpace(2, 4, 3), timedelta(seconds=60))
+    totals = []
+    for k in range(rounds):
+        if rank in posting:
+            transport.post_sum((2,), torch.float64, range(world), 0)
+        time.sleep(0.1 * ((rank + k) % world))  # the members arrive in another order each round
+        tensor = torch.tensor([SHARES[rank] * (k + 1), float(rank + k)], dtype=torch.float64)
+        transport.sum_at(tensor, range(world), 0, f"test sum {k}")
+        transport.flush()
+        totals.append(tensor.tolist())
+    return totals
+
+
+def test_sums_whose_receives_were_posted_early_give_every_member_the_rank_ordered_total() -> None:
+    rounds = 3
+    results = run_distributed(_sums_posted_early, 3, (0, 2), rounds, timeout=120)
+    assert all(r.ok for r in results), [r.traceback for r in results]
+    for k in range(rounds):
+        expected = [0.0, 0.0]
+        for m in range(3):  # the independent reference: shares added in rank order
+            expected = [expected[0] + SHARES[m] * (k + 1), expected[1] + float(m + k)]
+        assert all(r.value[k] == expected for r in results), (k, [r.value[k] for r in results], expected)
+
+
 def test_a_sum_over_one_member_leaves_its_tensor() -> None:
     transport = Transport(0, 1, TagSpace(1, 1, 1), timedelta(seconds=1))
     tensor = torch.tensor([3.0])
