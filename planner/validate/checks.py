@@ -115,9 +115,9 @@ class Context:
         return self.base(j, k) + next(found)
 
     @cached_property
-    def starts(self) -> dict[tuple[Op, int, int], float]:
-        """Each placed op's start by (op, device, window step)."""
-        return {(p.op, p.device, p.step): p.start for p in self.plan.placements}
+    def at(self) -> dict[tuple[Op, int, int], Placement]:
+        """Each placement by (op, device, window step)."""
+        return {(p.op, p.device, p.step): p for p in self.plan.placements}
 
     @cached_property
     def kinds(self) -> defaultdict[OpKind, list[Placement]]:
@@ -127,14 +127,6 @@ class Context:
             out[p.op.kind].append(p)
         return out
 
-    @cached_property
-    def refresh_ws(self) -> defaultdict[tuple[int, int | None, int | None, int], list[Placement]]:
-        """The refresh step's placed W's by (device, stage, micro-batch, pipe)."""
-        out = defaultdict(list)
-        for p in (p for p in self.kinds[OpKind.BWD_W] if p.step == 0):
-            out[p.device, p.op.stage, p.op.mb, p.op.pipe].append(p)
-        return out
-
     def capture_end(self, device: int, stats: Op) -> tuple[OpKind, float]:
         """The kind of op that makes the refresh step's capture `stats` reads on `device` (its part's `after`, an
         output gradient's W on zero-bubble schedules: `capture_kind`), and when it ends (where W's are placed, the
@@ -142,7 +134,10 @@ class Context:
         kind = capture_kind(self.problem.kind, self.problem.costs.layer(stats.layer_name).part(stats.part_name).after)
         placed = kind is OpKind.BWD_W and placed_w(self.problem)
         ready = self.end_of(0, 1, device, OpKind.BWD if placed else kind, stats)
-        ws = self.refresh_ws[device, stats.stage, stats.mb, stats.pipe] if placed else []
+        key = (device, 0, stats.stage, stats.mb, stats.pipe)  # the refresh step's W's of its micro-batch
+        ws = [
+            q for q in self.kinds[OpKind.BWD_W] if placed and (q.device, q.step, q.op.stage, q.op.mb, q.op.pipe) == key
+        ]
         return kind, max([ready] + [q.end for q in ws if w_makes(q.op, stats.layer_name)])
 
     @cached_property
@@ -174,6 +169,10 @@ class Context:
         """Whether `op` folds a fused layer's capture (a STATS of a micro-batch of a fused layer): part of the refresh
         step's F/B, not placed work."""
         return op.kind is OpKind.STATS and op.mb is not None and op.layer in self.fused
+
+    def is_placed(self, device: int, op: Op) -> bool:
+        """Whether `op` in `device`'s program runs where a placement says (not a fold, not a streamed layer's)."""
+        return op.kind in self.placed_kinds and not self.fold(op) and not is_streamed(self.problem, device, op)
 
 
 def placed_key(op: Op) -> Op:
@@ -219,7 +218,8 @@ def apply_start(c: Context, layer: str, u: int, device: int) -> float:
     whole = Op(OpKind.APPLY, s)
     worker = c.problem.workers(layer)[0]
     apply = whole if any(op == whole for op, _ in prec_work(c.problem, worker, s)) else Op(OpKind.APPLY, s, layer=layer)
-    return c.starts.get((apply, device, u % k), 0.0) + c.length(k) * (u // k)
+    placed = c.at.get((apply, device, u % k))
+    return (placed.start if placed else 0.0) + c.length(k) * (u // k)
 
 
 def check_dependencies(c: Context) -> None:
@@ -373,31 +373,13 @@ def _check_snapshot(c: Context, layer: str, decomp: Placement, stats: list[Place
         )
 
 
-def check_warm_starts(c: Context) -> None:
-    """A layer whose decompositions start from its previous preconditioner (pieces, or `Problem.warm_start`) makes
-    each refresh before the next one's first DECOMP starts, and starts its broadcasts before it."""
-    warm = c.problem.warm_start
-    for layer, refresh in c.made.items():
-        firsts = [
-            p.start for p in refresh if p.op.kind is OpKind.DECOMP and (p.op.piece[0] == 0 if p.op.piece else warm)
-        ]
-        if not firsts:
-            continue
-        start = min(firsts) + c.length(c.period(c.problem.costs.stage_of(layer)))
-        for p in refresh:
-            if (p.end if p.op.kind is OpKind.DECOMP else p.start) > start + c.tol:
-                c.errors.append(
-                    f"{p.op} is done after the next refresh of {layer} starts decomposing: that refresh "
-                    "would not start from this one's preconditioner"
-                )
-
-
 def check_precs_and_offsets(c: Context) -> None:
-    prec = {(p.op, p.device, p.step): p for p in c.kinds[OpKind.APPLY]}
-    for p in prec.values():
+    """Each APPLY after its stage's gradient all-reduce and by the next step's start (a cut one's pieces in order);
+    each layer's use offset as its refresh's end makes it, and a warm-started refresh done before the next begins."""
+    for p in c.kinds[OpKind.APPLY]:
         s, d, j = p.op.stage_id, p.device, p.step
         if p.op.piece is not None and p.op.piece[0] > 0:  # a cut APPLY: piece i after piece i-1, on the same rank
-            before = prec.get((replace(p.op, piece=(p.op.piece[0] - 1, p.op.piece[1])), d, j))
+            before = c.at.get((replace(p.op, piece=(p.op.piece[0] - 1, p.op.piece[1])), d, j))
             if before is None or before.end > p.start + c.tol:
                 c.errors.append(f"'{p.op}' on r{d} step {j} does not follow its previous piece there")
         k = c.period(s)
@@ -414,6 +396,19 @@ def check_precs_and_offsets(c: Context) -> None:
         claimed = c.plan.layers[layer].use_offset
         if claimed != u:
             c.errors.append(f"layer {layer}: use_offset {claimed} claimed, but its inverse is first usable at step {u}")
+        # decompositions that start from the previous preconditioner (pieces, or `Problem.warm_start`): each refresh
+        # made, and its broadcasts started, before the next one's first DECOMP starts
+        warm = [
+            p.start
+            for p in made
+            if p.op.kind is OpKind.DECOMP and (p.op.piece[0] == 0 if p.op.piece else c.problem.warm_start)
+        ]
+        for p in made if warm else ():
+            if (p.end if p.op.kind is OpKind.DECOMP else p.start) > min(warm) + c.length(k) + c.tol:
+                c.errors.append(
+                    f"{p.op} is done after the next refresh of {layer} starts decomposing: that refresh "
+                    "would not start from this one's preconditioner"
+                )
 
 
 def _expected(c: Context) -> Counter:
@@ -578,7 +573,7 @@ def check_step_time(c: Context) -> None:
 
 def check_programs(c: Context, run: bool) -> None:
     """Each rank's program: its length, its repetition, the schedule's ops at their places, the refresh step's folds
-    (`fused_stats`), the placed ones as placed (`_check_interleaving`), and with `run` how it runs (`_check_runs`)."""
+    (`fused_stats`), the placed ones as placed (`_check_placed_order`), and with `run` how it runs (`_check_runs`)."""
     anchor = weight_gradient_kind(c.problem.kind)  # the op a fused layer's statistics fold after
     for d in c.problem.devices:
         prog = c.plan.programs.get(d)
@@ -592,16 +587,28 @@ def check_programs(c: Context, run: bool) -> None:
         if any(placed[j] != placed[j % k] for j in range(k, length)):
             c.errors.append(f"r{d}: the program repeats its own {k} steps but for streamed layers' replicas")
         prog = prog[:k]
+        shift = {p: c.length(k) * (p.step // k) for p in c.plan.placements if p.device == d}  # into the window
+        times = {(p.step % k, str(p.op)): (p.start - x, p.end - x) for p, x in shift.items()}
+        listed = [(j, str(op)) for j, ops in enumerate(prog) for op in ops if c.is_placed(d, op)]
+        matched = sorted(listed) == sorted(times)
+        if not matched:
+            c.errors.append(f"r{d}: the program's placed ops differ from the placements")
+        elif any(a[0] == b[0] and times[a] > times[b] for a, b in zip(listed, listed[1:])):
+            c.errors.append(f"r{d}: the program's placed ops are not in time order")
         for j, ops in enumerate(prog):
             if [op for op in ops if c.pipeline(op)] != [op for op, _, _ in c.timeline(j, k).ops[d] if c.pipeline(op)]:
                 c.errors.append(f"r{d} step {j}: the pipeline ops differ from the schedule's")
             moved = [op for op, _, _ in c.timeline(j, k).ops[d] if c.follows_w(op)]
             if sorted(map(str, (op for op in ops if c.follows_w(op)))) != sorted(map(str, moved)):
                 c.errors.append(f"r{d} step {j}: the gradient all-reduces differ from the schedule's")
+            fixed = iter([item for item in c.timeline(j, k).ops[d] if c.pipeline(item[0])])
+            spans = [next(fixed, None) if c.pipeline(op) else None for op in ops]  # each pipeline op's times
             for i, op in enumerate(ops):  # a stage's all-reduce after its W's: the runtime refuses it while one waits
                 later = [o for o in ops[i + 1 :] if o.kind is OpKind.BWD_W and o.stage == op.stage]
                 if op.kind is OpKind.ALLREDUCE_GRAD and later:
                     c.errors.append(f"r{d} step {j}: '{op}' comes before '{later[0]}' of its stage")
+                if op.kind is OpKind.OPT_STEP and i != len(ops) - 1:
+                    c.errors.append(f"r{d} step {j}: OPT_STEP is not the last op")
                 # the refresh step follows each BWD (a zero-bubble schedule's W) with exactly the STATS folding its
                 # fused layers' statistics here, and no other step folds any: else the runtime has none to decompose
                 if j == 0 and op.kind is anchor:
@@ -610,61 +617,37 @@ def check_programs(c: Context, run: bool) -> None:
                         c.errors.append(f"r{d} step 0: '{op}' is not followed by the folds of its fused layers {want}")
                 elif c.fold(op) and (j != 0 or i == 0 or not (ops[i - 1].kind is anchor or c.fold(ops[i - 1]))):
                     c.errors.append(f"r{d} step {j}: '{op}' is not right after a {anchor} of the refresh step")
-        times = {
-            (p.step % k, str(p.op)): (p.start - c.length(k) * (p.step // k), p.end - c.length(k) * (p.step // k))
-            for p in c.plan.placements
-            if p.device == d
-        }
-        listed = [
-            (j, str(op))
-            for j, ops in enumerate(prog)
-            for op in ops
-            if op.kind in c.placed_kinds and not c.fold(op) and not is_streamed(c.problem, d, op)
-        ]
-        if sorted(listed) != sorted(times):
-            c.errors.append(f"r{d}: the program's K-FAC ops differ from the placements")
-            continue
-        if any(a[0] == b[0] and times[a] > times[b] for a, b in zip(listed, listed[1:])):
-            c.errors.append(f"r{d}: the program's K-FAC ops are not in time order")
-        _check_interleaving(c, d, k, prog)
+                if matched and c.is_placed(d, op):
+                    _check_placed_order(c, f"r{d} step {j}", ops, i, times[j, str(op)][0] - c.base(j, k), spans)
     if run:
         _check_runs(c)
 
 
-def _check_interleaving(c: Context, device: int, k: int, prog: list[list[Op]]) -> None:
-    """Within each step, a K-FAC op comes after every pipeline op that ended before it was placed and before every
-    pipeline op that ends after its start (a RECV still waiting included); APPLY and a gradient STATS follow their
-    stage's backwards and gradient all-reduce, a gradient STATS precedes its stage's APPLY; OPT_STEP ends the step.
-    The runtime executes the program in order, so a program that disagrees with its placements runs other semantics."""
-    starts = {(p.step % k, str(p.op)): p.start - c.base(p.step, k) for p in c.plan.placements if p.device == device}
+def _check_placed_order(c: Context, where: str, ops: list[Op], i: int, t: float, spans: list) -> None:
+    """A placed op (`ops[i]`, placed at `t` in its step) comes after every pipeline op (`spans`: their times in the
+    step) that ended before it and before every one that ends after its start (a RECV still waiting included); APPLY
+    and a gradient STATS follow their stage's backwards and gradient all-reduce, a gradient STATS precedes its stage's
+    APPLY. The runtime executes the program in order, so a program that disagrees with its placements runs other
+    semantics."""
+    op = ops[i]
+    for n, item in enumerate(spans):
+        if item is None or item[0].kind is OpKind.OPT_STEP:
+            continue  # OPT_STEP ends the step (the barrier): work placed in the stretch runs before it
+        other, a, b = item
+        before = b <= t + c.tol and a < t - c.tol
+        if (n > i and before) or (n < i and b > t + c.tol):
+            c.errors.append(
+                f"{where}: '{op}' (placed at {t:.6g} s) and '{other}' ({a:.6g}-{b:.6g} s) are in the wrong order in "
+                "the program"
+            )
+    if not per_step(op):
+        return
     gradient = (OpKind.BWD, OpKind.BWD_W, OpKind.ALLREDUCE_GRAD)
-    for j, ops in enumerate(prog):
-        fixed = iter([item for item in c.timeline(j, k).ops[device] if c.pipeline(item[0])])
-        times = [next(fixed, None) if c.pipeline(op) else None for op in ops]
-        for i, op in enumerate(ops):
-            if op.kind is OpKind.OPT_STEP and i != len(ops) - 1:
-                c.errors.append(f"r{device} step {j}: OPT_STEP is not the last op")
-            if op.kind not in c.placed_kinds or c.fold(op) or is_streamed(c.problem, device, op):
-                continue  # a streamed layer's ops: check_streaming
-            t = starts[(j, str(op))]
-            for n, item in enumerate(times):
-                if item is None or item[0].kind is OpKind.OPT_STEP:
-                    continue  # OPT_STEP ends the step (the barrier): work placed in the stretch runs before it
-                other, a, b = item
-                before = b <= t + c.tol and a < t - c.tol
-                if (n > i and before) or (n < i and b > t + c.tol):
-                    c.errors.append(
-                        f"r{device} step {j}: '{op}' (placed at {t:.6g} s) and '{other}' ({a:.6g}-{b:.6g} s) are in "
-                        "the wrong order in the program"
-                    )
-            if not per_step(op):
-                continue
-            after = [o for o in ops[i + 1 :] if o.stage == op.stage and o.kind in gradient]  # the gradient is complete
-            if after:
-                c.errors.append(f"r{device} step {j}: '{op}' comes before '{after[0]}' of its stage")
-            applied = any(o.kind is OpKind.APPLY and o.stage == op.stage for o in ops[i + 1 :])
-            if op.kind is OpKind.STATS and not applied:
-                c.errors.append(f"r{device} step {j}: '{op}' does not come before the APPLY of its stage")
+    after = [o for o in ops[i + 1 :] if o.stage == op.stage and o.kind in gradient]  # the gradient is complete
+    if after:
+        c.errors.append(f"{where}: '{op}' comes before '{after[0]}' of its stage")
+    if op.kind is OpKind.STATS and not any(o.kind is OpKind.APPLY and o.stage == op.stage for o in ops[i + 1 :]):
+        c.errors.append(f"{where}: '{op}' does not come before the APPLY of its stage")
 
 
 def _check_runs(c: Context) -> None:
@@ -802,7 +785,7 @@ def validate(problem: Problem, plan: Plan, *, run: bool = True) -> list[str]:
     check_layers(c)
     if c.errors:
         return c.errors
-    for check in (check_placed_once, check_devices, check_dependencies, check_warm_starts, check_precs_and_offsets):
+    for check in (check_placed_once, check_devices, check_dependencies, check_precs_and_offsets):
         check(c)
     check_step_time(c)
     check_programs(c, run)
