@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from fxkfac.planner.plan.plan import Plan
@@ -82,6 +82,9 @@ class Context:
     normal: StepTimeline
     errors: list[str]
     stretch: float = 0.0
+    held: defaultdict[int, list[tuple[float, float, int]]] = field(default_factory=lambda: defaultdict(list))
+    """Per device, what placed work holds in memory (start, end, bytes): `check_placements` collects, `check_devices`
+    sums."""
 
     def period(self, stage: int) -> int:
         """The stage's refresh period: its layers' (`check_layers` makes them agree), else (no preconditioned layer)
@@ -222,44 +225,13 @@ def apply_start(c: Context, layer: str, u: int, device: int) -> float:
     return (placed.start if placed else 0.0) + c.length(k) * (u // k)
 
 
-def check_dependencies(c: Context) -> None:
-    """Each placement after what it reads, and each factor's refresh in order (`_check_factor`)."""
-    factor_tasks: defaultdict[tuple[str, str | None], defaultdict[OpKind, list[Placement]]]
-    factor_tasks = defaultdict(lambda: defaultdict(list))
-    applies = {(p.op.stage, p.device, p.step): p.start for p in c.kinds[OpKind.APPLY]}
-    updates: dict[Key, float] = {}  # the first per-step op's start by stage, device, step
-    for p in sorted((p for p in c.plan.placements if per_step(p.op)), key=lambda p: -p.start):
-        updates[p.op.stage, p.device, p.step] = p.start
-    for p in c.plan.placements:
-        if p.op.kind is OpKind.STATS and p.op.mb is None:
-            _check_gradient_stats(c, p, applies)
-        elif p.op.kind is OpKind.STATS:
-            kind, ready = c.capture_end(p.device, p.op)  # the F/B (or W) whose end makes its capture
-            if p.start < ready - c.tol and kind is OpKind.BWD_W:
-                c.errors.append(
-                    f"{p.op} on r{p.device} starts at {p.start:.6g} before the W that makes its output gradient ends "
-                    f"({ready:.6g}): place it after that W (read before it, B must make the gradient, running the "
-                    "stage's backward chain, which the plan does not price)"
-                )
-            elif p.start < ready - c.tol:
-                c.errors.append(f"{p.op} on r{p.device} starts at {p.start:.6g} before its {kind} ends ({ready:.6g})")
-            if p.end > ready + c.length(c.period(p.op.stage_id)) + c.tol:
-                c.errors.append(f"{p.op} on r{p.device} keeps its a/e longer than one window")
-        if p.op.kind is OpKind.BWD_W:
-            _check_w(c, p, updates)
-        elif p.op.kind is OpKind.BCAST_PREC:
-            _check_shared_gradient(c, p)
-        elif p.op.kind is not OpKind.APPLY:  # STATS, SYNC_STATS, DECOMP and BCAST name their layer
-            factor_tasks[p.op.layer_name, p.op.part][p.op.kind].append(p)
-    for (layer, side), kinds in factor_tasks.items():
-        _check_factor(c, layer, side, kinds)
-
-
 def _check_w(c: Context, p: Placement, updates: Mapping[Key, float]) -> None:
     """A placed W runs after its B and by its stage's gradient all-reduce in its own step (with one copy, a no-op
-    all-reduce: by its per-step slot; [Note: placed W] in planner/plan/window.py)."""
+    all-reduce: by its per-step slot; [Note: placed W] in planner/plan/window.py), holding its operands from its B's
+    end."""
     k = c.period(p.op.stage_id)
     ready = c.end_of(p.step, k, p.device, OpKind.BWD, p.op)
+    c.held[p.device].append((ready, p.end, w_operand_bytes(c.problem.costs.stages[p.op.stage_id], p.op.layer)))
     due = c.base(p.step, k) + next(
         a
         for op, a, _ in c.timeline(p.step, k).ops[p.device]
@@ -290,7 +262,7 @@ def _check_gradient_stats(c: Context, p: Placement, applies: Mapping[Key, float]
     s = p.op.stage_id
     k = c.period(s)
     if (p.device, s) not in c.refresh.allreduce_end or not 0 <= p.step < k:
-        return  # check_placed_once says where it should be
+        return  # check_placements says where it should be
     ready = c.base(p.step, k) + c.timeline(p.step, k).allreduce_end[p.device, s]
     if p.start < ready - c.tol:
         c.errors.append(
@@ -315,7 +287,7 @@ def _check_factor(c: Context, layer: str, side: str | None, kinds: Mapping[OpKin
     after = None if side is None else c.problem.costs.layer(layer).part(side).after
     if after is OpKind.ALLREDUCE_GRAD:
         if len(inv) != 1:
-            return  # check_placed_once counts them
+            return  # check_placements counts them
         _check_snapshot(c, layer, inv[0], curv)
         ready, curv = -math.inf, []  # its per-step STATS are no refresh's curvature
     elif layer in c.fused and after is not None:
@@ -469,9 +441,16 @@ def check_layers(c: Context) -> None:
         c.errors.append("with fused curvature every layer must share one refresh period")
 
 
-def check_placed_once(c: Context) -> None:
-    """Every op the problem asks for placed as often as `_expected` says, for its cost, on a worker, in its step."""
+def check_placements(c: Context) -> None:
+    """One walk over the placements: every op the problem asks for placed as often as `_expected` says, for its cost,
+    on a worker, in its step, after what it reads; then each factor's refresh in order (`_check_factor`)."""
     got: Counter = Counter()
+    factor_tasks: defaultdict[tuple[str, str | None], defaultdict[OpKind, list[Placement]]]
+    factor_tasks = defaultdict(lambda: defaultdict(list))
+    applies = {(p.op.stage, p.device, p.step): p.start for p in c.kinds[OpKind.APPLY]}
+    updates: dict[Key, float] = {}  # the first per-step op's start by stage, device, step
+    for p in sorted((p for p in c.plan.placements if per_step(p.op)), key=lambda p: -p.start):
+        updates[p.op.stage, p.device, p.step] = p.start
     for p in c.plan.placements:
         k = c.period(p.op.stage_id)
         if per_step(p.op) or p.op.kind is OpKind.BWD_W:
@@ -494,25 +473,41 @@ def check_placed_once(c: Context) -> None:
         workers = c.problem.workers(p.op.layer_name) if p.op.kind is OpKind.DECOMP else (p.device,)
         if p.device not in workers:
             c.errors.append(f"{p.op} runs on r{p.device}, not a grad worker of {p.op.layer} {list(workers)}")
+        if p.op.kind is OpKind.STATS and p.op.mb is None:
+            _check_gradient_stats(c, p, applies)
+        elif p.op.kind is OpKind.STATS:
+            kind, ready = c.capture_end(p.device, p.op)  # the F/B (or W) whose end makes its capture: held since
+            c.held[p.device].append(
+                (ready, p.end, c.problem.costs.layer(p.op.layer_name).part(p.op.part_name).capture_bytes)
+            )
+            if p.start < ready - c.tol and kind is OpKind.BWD_W:
+                c.errors.append(
+                    f"{p.op} on r{p.device} starts at {p.start:.6g} before the W that makes its output gradient ends "
+                    f"({ready:.6g}): place it after that W (read before it, B must make the gradient, running the "
+                    "stage's backward chain, which the plan does not price)"
+                )
+            elif p.start < ready - c.tol:
+                c.errors.append(f"{p.op} on r{p.device} starts at {p.start:.6g} before its {kind} ends ({ready:.6g})")
+            if p.end > ready + c.length(c.period(p.op.stage_id)) + c.tol:
+                c.errors.append(f"{p.op} on r{p.device} keeps its a/e longer than one window")
+        if p.op.kind is OpKind.BWD_W:
+            _check_w(c, p, updates)
+        elif p.op.kind is OpKind.BCAST_PREC:
+            _check_shared_gradient(c, p)
+        elif p.op.kind is not OpKind.APPLY:  # STATS, SYNC_STATS, DECOMP and BCAST name their layer
+            factor_tasks[p.op.layer_name, p.op.part][p.op.kind].append(p)
     want = _expected(c)
     for item in sorted(set(want) | set(got), key=str):
         if want[item] != got[item]:
             c.errors.append(f"{item[0]} on {item[1:]} placed {got[item]} times, expected {want[item]}")
+    for (layer, side), kinds in factor_tasks.items():
+        _check_factor(c, layer, side, kinds)
 
 
 def check_devices(c: Context) -> None:
     """Per device, over its window modulo the window's length: no placed op overlaps another or the F/B (W) and
     gradient all-reduces, when nothing else may run (an op of no duration occupies nothing); the activations, kept
     captures, W operands and third decompositions within the memory budget and the peak claimed."""
-    by_device, keeps = defaultdict(list), defaultdict(list)
-    for p in c.plan.placements:
-        by_device[p.device].append(p)
-        if p.op.kind is OpKind.STATS and p.op.mb is not None:  # its capture, from when it is made
-            part = c.problem.costs.layer(p.op.layer_name).part(p.op.part_name)
-            keeps[p.device].append((c.capture_end(p.device, p.op)[1], p.end, part.capture_bytes))
-        elif p.op.kind is OpKind.BWD_W:  # a placed W holds its layers' operands from its B's end
-            since = c.end_of(p.step, c.period(p.op.stage_id), p.device, OpKind.BWD, p.op)
-            keeps[p.device].append((since, p.end, w_operand_bytes(c.problem.costs.stages[p.op.stage_id], p.op.layer)))
     placed, budget = placed_w(c.problem), c.problem.memory_budget
     fixed_kinds = (OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD, *(() if placed else (OpKind.BWD_W,)))
     for d in c.problem.devices:
@@ -525,7 +520,7 @@ def check_devices(c: Context) -> None:
             if b > a and op.kind in fixed_kinds
             for s, e in wrapped(c.base(j, k) + a, c.base(j, k) + b, L)
         ]
-        items += [(s, e, f"{p.op}") for p in by_device[d] for s, e in wrapped(p.start, p.end, L)]
+        items += [(s, e, f"{p.op}") for p in c.plan.placements if p.device == d for s, e in wrapped(p.start, p.end, L)]
         items.sort()
         for i, (s1, e1, n1) in enumerate(items):
             for s2, e2, n2 in items[i + 1 :]:
@@ -537,7 +532,7 @@ def check_devices(c: Context) -> None:
             (c.base(j, k) + a, c.base(j, k) + b, n)
             for j in range(k)
             for a, b, n in activation_intervals(c.problem, d, c.timeline(j, k), not placed)
-        ] + keeps[d]
+        ] + c.held[d]
         for layer, made in c.made.items():  # a third decomposition: the next refresh's made before this one is used
             nbytes = decomposition_bytes(c.problem, d, layer)
             next_made = min(p.end for p in made) + c.length(c.period(c.problem.costs.stage_of(layer)))
@@ -785,7 +780,7 @@ def validate(problem: Problem, plan: Plan, *, run: bool = True) -> list[str]:
     check_layers(c)
     if c.errors:
         return c.errors
-    for check in (check_placed_once, check_devices, check_dependencies, check_precs_and_offsets):
+    for check in (check_placements, check_devices, check_precs_and_offsets):
         check(c)
     check_step_time(c)
     check_programs(c, run)
