@@ -130,6 +130,22 @@ class Context:
             out[p.op.kind].append(p)
         return out
 
+    @cached_property
+    def on(self) -> defaultdict[int, list[Placement]]:
+        """The placements on each device, in the plan's order."""
+        out = defaultdict(list)
+        for p in self.plan.placements:
+            out[p.device].append(p)
+        return out
+
+    @cached_property
+    def refresh_ws(self) -> defaultdict[tuple[int, int | None, int | None, int], list[Placement]]:
+        """The refresh step's placed W's by (device, stage, micro-batch, pipe)."""
+        out = defaultdict(list)
+        for p in (p for p in self.kinds[OpKind.BWD_W] if p.step == 0):
+            out[p.device, p.op.stage, p.op.mb, p.op.pipe].append(p)
+        return out
+
     def capture_end(self, device: int, stats: Op) -> tuple[OpKind, float]:
         """The kind of op that makes the refresh step's capture `stats` reads on `device` (its part's `after`, an
         output gradient's W on zero-bubble schedules: `capture_kind`), and when it ends (where W's are placed, the
@@ -137,10 +153,7 @@ class Context:
         kind = capture_kind(self.problem.kind, self.problem.costs.layer(stats.layer_name).part(stats.part_name).after)
         placed = kind is OpKind.BWD_W and placed_w(self.problem)
         ready = self.end_of(0, 1, device, OpKind.BWD if placed else kind, stats)
-        key = (device, 0, stats.stage, stats.mb, stats.pipe)  # the refresh step's W's of its micro-batch
-        ws = [
-            q for q in self.kinds[OpKind.BWD_W] if placed and (q.device, q.step, q.op.stage, q.op.mb, q.op.pipe) == key
-        ]
+        ws = self.refresh_ws[device, stats.stage, stats.mb, stats.pipe] if placed else []
         return kind, max([ready] + [q.end for q in ws if w_makes(q.op, stats.layer_name)])
 
     @cached_property
@@ -520,7 +533,7 @@ def check_devices(c: Context) -> None:
             if b > a and op.kind in fixed_kinds
             for s, e in wrapped(c.base(j, k) + a, c.base(j, k) + b, L)
         ]
-        items += [(s, e, f"{p.op}") for p in c.plan.placements if p.device == d for s, e in wrapped(p.start, p.end, L)]
+        items += [(s, e, f"{p.op}") for p in c.on[d] for s, e in wrapped(p.start, p.end, L)]
         items.sort()
         for i, (s1, e1, n1) in enumerate(items):
             for s2, e2, n2 in items[i + 1 :]:
@@ -582,7 +595,7 @@ def check_programs(c: Context, run: bool) -> None:
         if any(placed[j] != placed[j % k] for j in range(k, length)):
             c.errors.append(f"r{d}: the program repeats its own {k} steps but for streamed layers' replicas")
         prog = prog[:k]
-        shift = {p: c.length(k) * (p.step // k) for p in c.plan.placements if p.device == d}  # into the window
+        shift = {p: c.length(k) * (p.step // k) for p in c.on[d]}  # into the window
         times = {(p.step % k, str(p.op)): (p.start - x, p.end - x) for p, x in shift.items()}
         listed = [(j, str(op)) for j, ops in enumerate(prog) for op in ops if c.is_placed(d, op)]
         matched = sorted(listed) == sorted(times)
@@ -618,7 +631,9 @@ def check_programs(c: Context, run: bool) -> None:
         _check_runs(c)
 
 
-def _check_placed_order(c: Context, where: str, ops: list[Op], i: int, t: float, spans: list) -> None:
+def _check_placed_order(
+    c: Context, where: str, ops: list[Op], i: int, t: float, spans: list[tuple[Op, float, float] | None]
+) -> None:
     """A placed op (`ops[i]`, placed at `t` in its step) comes after every pipeline op (`spans`: their times in the
     step) that ended before it and before every one that ends after its start (a RECV still waiting included); APPLY
     and a gradient STATS follow their stage's backwards and gradient all-reduce, a gradient STATS precedes its stage's
@@ -780,9 +795,8 @@ def validate(problem: Problem, plan: Plan, *, run: bool = True) -> list[str]:
     check_layers(c)
     if c.errors:
         return c.errors
-    for check in (check_placements, check_devices, check_precs_and_offsets):
+    for check in (check_placements, check_devices, check_precs_and_offsets, check_step_time):
         check(c)
-    check_step_time(c)
     check_programs(c, run)
     check_streaming(c)
     return c.errors
