@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections import Counter, defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from fxkfac.planner.plan.plan import Plan
@@ -82,6 +82,9 @@ class Context:
     normal: StepTimeline
     errors: list[str]
     stretch: float = 0.0
+    held: defaultdict[int, list[tuple[float, float, int]]] = field(default_factory=lambda: defaultdict(list))
+    """Per device, what placed work holds in memory (start, end, bytes): `check_placements` collects, `check_devices`
+    sums."""
 
     def period(self, stage: int) -> int:
         """The stage's refresh period: its layers' (`check_layers` makes them agree), else (no preconditioned layer)
@@ -115,9 +118,9 @@ class Context:
         return self.base(j, k) + next(found)
 
     @cached_property
-    def starts(self) -> dict[tuple[Op, int, int], float]:
-        """Each placed op's start by (op, device, window step)."""
-        return {(p.op, p.device, p.step): p.start for p in self.plan.placements}
+    def at(self) -> dict[tuple[Op, int, int], Placement]:
+        """Each placement by (op, device, window step)."""
+        return {(p.op, p.device, p.step): p for p in self.plan.placements}
 
     @cached_property
     def kinds(self) -> defaultdict[OpKind, list[Placement]]:
@@ -125,6 +128,14 @@ class Context:
         out = defaultdict(list)
         for p in self.plan.placements:
             out[p.op.kind].append(p)
+        return out
+
+    @cached_property
+    def on(self) -> defaultdict[int, list[Placement]]:
+        """The placements on each device, in the plan's order."""
+        out = defaultdict(list)
+        for p in self.plan.placements:
+            out[p.device].append(p)
         return out
 
     @cached_property
@@ -175,6 +186,10 @@ class Context:
         step's F/B, not placed work."""
         return op.kind is OpKind.STATS and op.mb is not None and op.layer in self.fused
 
+    def is_placed(self, device: int, op: Op) -> bool:
+        """Whether `op` in `device`'s program runs where a placement says (not a fold, not a streamed layer's)."""
+        return op.kind in self.placed_kinds and not self.fold(op) and not is_streamed(self.problem, device, op)
+
 
 def placed_key(op: Op) -> Op:
     """An op without the root of its broadcast (which `_check_factor` checks against the decomposition)."""
@@ -219,47 +234,17 @@ def apply_start(c: Context, layer: str, u: int, device: int) -> float:
     whole = Op(OpKind.APPLY, s)
     worker = c.problem.workers(layer)[0]
     apply = whole if any(op == whole for op, _ in prec_work(c.problem, worker, s)) else Op(OpKind.APPLY, s, layer=layer)
-    return c.starts.get((apply, device, u % k), 0.0) + c.length(k) * (u // k)
-
-
-def check_dependencies(c: Context) -> None:
-    """Each placement after what it reads, and each factor's refresh in order (`_check_factor`)."""
-    factor_tasks: defaultdict[tuple[str, str | None], defaultdict[OpKind, list[Placement]]]
-    factor_tasks = defaultdict(lambda: defaultdict(list))
-    applies = {(p.op.stage, p.device, p.step): p.start for p in c.kinds[OpKind.APPLY]}
-    updates: dict[Key, float] = {}  # the first per-step op's start by stage, device, step
-    for p in sorted((p for p in c.plan.placements if per_step(p.op)), key=lambda p: -p.start):
-        updates[p.op.stage, p.device, p.step] = p.start
-    for p in c.plan.placements:
-        if p.op.kind is OpKind.STATS and p.op.mb is None:
-            _check_gradient_stats(c, p, applies)
-        elif p.op.kind is OpKind.STATS:
-            kind, ready = c.capture_end(p.device, p.op)  # the F/B (or W) whose end makes its capture
-            if p.start < ready - c.tol and kind is OpKind.BWD_W:
-                c.errors.append(
-                    f"{p.op} on r{p.device} starts at {p.start:.6g} before the W that makes its output gradient ends "
-                    f"({ready:.6g}): place it after that W (read before it, B must make the gradient, running the "
-                    "stage's backward chain, which the plan does not price)"
-                )
-            elif p.start < ready - c.tol:
-                c.errors.append(f"{p.op} on r{p.device} starts at {p.start:.6g} before its {kind} ends ({ready:.6g})")
-            if p.end > ready + c.length(c.period(p.op.stage_id)) + c.tol:
-                c.errors.append(f"{p.op} on r{p.device} keeps its a/e longer than one window")
-        if p.op.kind is OpKind.BWD_W:
-            _check_w(c, p, updates)
-        elif p.op.kind is OpKind.BCAST_PREC:
-            _check_shared_gradient(c, p)
-        elif p.op.kind is not OpKind.APPLY:  # STATS, SYNC_STATS, DECOMP and BCAST name their layer
-            factor_tasks[p.op.layer_name, p.op.part][p.op.kind].append(p)
-    for (layer, side), kinds in factor_tasks.items():
-        _check_factor(c, layer, side, kinds)
+    placed = c.at.get((apply, device, u % k))
+    return (placed.start if placed else 0.0) + c.length(k) * (u // k)
 
 
 def _check_w(c: Context, p: Placement, updates: Mapping[Key, float]) -> None:
     """A placed W runs after its B and by its stage's gradient all-reduce in its own step (with one copy, a no-op
-    all-reduce: by its per-step slot; [Note: placed W] in planner/plan/window.py)."""
+    all-reduce: by its per-step slot; [Note: placed W] in planner/plan/window.py), holding its operands from its B's
+    end."""
     k = c.period(p.op.stage_id)
     ready = c.end_of(p.step, k, p.device, OpKind.BWD, p.op)
+    c.held[p.device].append((ready, p.end, w_operand_bytes(c.problem.costs.stages[p.op.stage_id], p.op.layer)))
     due = c.base(p.step, k) + next(
         a
         for op, a, _ in c.timeline(p.step, k).ops[p.device]
@@ -290,7 +275,7 @@ def _check_gradient_stats(c: Context, p: Placement, applies: Mapping[Key, float]
     s = p.op.stage_id
     k = c.period(s)
     if (p.device, s) not in c.refresh.allreduce_end or not 0 <= p.step < k:
-        return  # check_placed_once says where it should be
+        return  # check_placements says where it should be
     ready = c.base(p.step, k) + c.timeline(p.step, k).allreduce_end[p.device, s]
     if p.start < ready - c.tol:
         c.errors.append(
@@ -315,7 +300,7 @@ def _check_factor(c: Context, layer: str, side: str | None, kinds: Mapping[OpKin
     after = None if side is None else c.problem.costs.layer(layer).part(side).after
     if after is OpKind.ALLREDUCE_GRAD:
         if len(inv) != 1:
-            return  # check_placed_once counts them
+            return  # check_placements counts them
         _check_snapshot(c, layer, inv[0], curv)
         ready, curv = -math.inf, []  # its per-step STATS are no refresh's curvature
     elif layer in c.fused and after is not None:
@@ -373,31 +358,13 @@ def _check_snapshot(c: Context, layer: str, decomp: Placement, stats: list[Place
         )
 
 
-def check_warm_starts(c: Context) -> None:
-    """A layer whose decompositions start from its previous preconditioner (pieces, or `Problem.warm_start`) makes
-    each refresh before the next one's first DECOMP starts, and starts its broadcasts before it."""
-    warm = c.problem.warm_start
-    for layer, refresh in c.made.items():
-        firsts = [
-            p.start for p in refresh if p.op.kind is OpKind.DECOMP and (p.op.piece[0] == 0 if p.op.piece else warm)
-        ]
-        if not firsts:
-            continue
-        start = min(firsts) + c.length(c.period(c.problem.costs.stage_of(layer)))
-        for p in refresh:
-            if (p.end if p.op.kind is OpKind.DECOMP else p.start) > start + c.tol:
-                c.errors.append(
-                    f"{p.op} is done after the next refresh of {layer} starts decomposing: that refresh "
-                    "would not start from this one's preconditioner"
-                )
-
-
 def check_precs_and_offsets(c: Context) -> None:
-    prec = {(p.op, p.device, p.step): p for p in c.kinds[OpKind.APPLY]}
-    for p in prec.values():
+    """Each APPLY after its stage's gradient all-reduce and by the next step's start (a cut one's pieces in order);
+    each layer's use offset as its refresh's end makes it, and a warm-started refresh done before the next begins."""
+    for p in c.kinds[OpKind.APPLY]:
         s, d, j = p.op.stage_id, p.device, p.step
         if p.op.piece is not None and p.op.piece[0] > 0:  # a cut APPLY: piece i after piece i-1, on the same rank
-            before = prec.get((replace(p.op, piece=(p.op.piece[0] - 1, p.op.piece[1])), d, j))
+            before = c.at.get((replace(p.op, piece=(p.op.piece[0] - 1, p.op.piece[1])), d, j))
             if before is None or before.end > p.start + c.tol:
                 c.errors.append(f"'{p.op}' on r{d} step {j} does not follow its previous piece there")
         k = c.period(s)
@@ -414,6 +381,19 @@ def check_precs_and_offsets(c: Context) -> None:
         claimed = c.plan.layers[layer].use_offset
         if claimed != u:
             c.errors.append(f"layer {layer}: use_offset {claimed} claimed, but its inverse is first usable at step {u}")
+        # decompositions that start from the previous preconditioner (pieces, or `Problem.warm_start`): each refresh
+        # made, and its broadcasts started, before the next one's first DECOMP starts
+        warm = [
+            p.start
+            for p in made
+            if p.op.kind is OpKind.DECOMP and (p.op.piece[0] == 0 if p.op.piece else c.problem.warm_start)
+        ]
+        for p in made if warm else ():
+            if (p.end if p.op.kind is OpKind.DECOMP else p.start) > min(warm) + c.length(k) + c.tol:
+                c.errors.append(
+                    f"{p.op} is done after the next refresh of {layer} starts decomposing: that refresh "
+                    "would not start from this one's preconditioner"
+                )
 
 
 def _expected(c: Context) -> Counter:
@@ -474,9 +454,16 @@ def check_layers(c: Context) -> None:
         c.errors.append("with fused curvature every layer must share one refresh period")
 
 
-def check_placed_once(c: Context) -> None:
-    """Every op the problem asks for placed as often as `_expected` says, for its cost, on a worker, in its step."""
+def check_placements(c: Context) -> None:
+    """One walk over the placements: every op the problem asks for placed as often as `_expected` says, for its cost,
+    on a worker, in its step, after what it reads; then each factor's refresh in order (`_check_factor`)."""
     got: Counter = Counter()
+    factor_tasks: defaultdict[tuple[str, str | None], defaultdict[OpKind, list[Placement]]]
+    factor_tasks = defaultdict(lambda: defaultdict(list))
+    applies = {(p.op.stage, p.device, p.step): p.start for p in c.kinds[OpKind.APPLY]}
+    updates: dict[Key, float] = {}  # the first per-step op's start by stage, device, step
+    for p in sorted((p for p in c.plan.placements if per_step(p.op)), key=lambda p: -p.start):
+        updates[p.op.stage, p.device, p.step] = p.start
     for p in c.plan.placements:
         k = c.period(p.op.stage_id)
         if per_step(p.op) or p.op.kind is OpKind.BWD_W:
@@ -499,25 +486,41 @@ def check_placed_once(c: Context) -> None:
         workers = c.problem.workers(p.op.layer_name) if p.op.kind is OpKind.DECOMP else (p.device,)
         if p.device not in workers:
             c.errors.append(f"{p.op} runs on r{p.device}, not a grad worker of {p.op.layer} {list(workers)}")
+        if p.op.kind is OpKind.STATS and p.op.mb is None:
+            _check_gradient_stats(c, p, applies)
+        elif p.op.kind is OpKind.STATS:
+            kind, ready = c.capture_end(p.device, p.op)  # the F/B (or W) whose end makes its capture: held since
+            c.held[p.device].append(
+                (ready, p.end, c.problem.costs.layer(p.op.layer_name).part(p.op.part_name).capture_bytes)
+            )
+            if p.start < ready - c.tol and kind is OpKind.BWD_W:
+                c.errors.append(
+                    f"{p.op} on r{p.device} starts at {p.start:.6g} before the W that makes its output gradient ends "
+                    f"({ready:.6g}): place it after that W (read before it, B must make the gradient, running the "
+                    "stage's backward chain, which the plan does not price)"
+                )
+            elif p.start < ready - c.tol:
+                c.errors.append(f"{p.op} on r{p.device} starts at {p.start:.6g} before its {kind} ends ({ready:.6g})")
+            if p.end > ready + c.length(c.period(p.op.stage_id)) + c.tol:
+                c.errors.append(f"{p.op} on r{p.device} keeps its a/e longer than one window")
+        if p.op.kind is OpKind.BWD_W:
+            _check_w(c, p, updates)
+        elif p.op.kind is OpKind.BCAST_PREC:
+            _check_shared_gradient(c, p)
+        elif p.op.kind is not OpKind.APPLY:  # STATS, SYNC_STATS, DECOMP and BCAST name their layer
+            factor_tasks[p.op.layer_name, p.op.part][p.op.kind].append(p)
     want = _expected(c)
     for item in sorted(set(want) | set(got), key=str):
         if want[item] != got[item]:
             c.errors.append(f"{item[0]} on {item[1:]} placed {got[item]} times, expected {want[item]}")
+    for (layer, side), kinds in factor_tasks.items():
+        _check_factor(c, layer, side, kinds)
 
 
 def check_devices(c: Context) -> None:
     """Per device, over its window modulo the window's length: no placed op overlaps another or the F/B (W) and
     gradient all-reduces, when nothing else may run (an op of no duration occupies nothing); the activations, kept
     captures, W operands and third decompositions within the memory budget and the peak claimed."""
-    by_device, keeps = defaultdict(list), defaultdict(list)
-    for p in c.plan.placements:
-        by_device[p.device].append(p)
-        if p.op.kind is OpKind.STATS and p.op.mb is not None:  # its capture, from when it is made
-            part = c.problem.costs.layer(p.op.layer_name).part(p.op.part_name)
-            keeps[p.device].append((c.capture_end(p.device, p.op)[1], p.end, part.capture_bytes))
-        elif p.op.kind is OpKind.BWD_W:  # a placed W holds its layers' operands from its B's end
-            since = c.end_of(p.step, c.period(p.op.stage_id), p.device, OpKind.BWD, p.op)
-            keeps[p.device].append((since, p.end, w_operand_bytes(c.problem.costs.stages[p.op.stage_id], p.op.layer)))
     placed, budget = placed_w(c.problem), c.problem.memory_budget
     fixed_kinds = (OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD, *(() if placed else (OpKind.BWD_W,)))
     for d in c.problem.devices:
@@ -530,7 +533,7 @@ def check_devices(c: Context) -> None:
             if b > a and op.kind in fixed_kinds
             for s, e in wrapped(c.base(j, k) + a, c.base(j, k) + b, L)
         ]
-        items += [(s, e, f"{p.op}") for p in by_device[d] for s, e in wrapped(p.start, p.end, L)]
+        items += [(s, e, f"{p.op}") for p in c.on[d] for s, e in wrapped(p.start, p.end, L)]
         items.sort()
         for i, (s1, e1, n1) in enumerate(items):
             for s2, e2, n2 in items[i + 1 :]:
@@ -542,7 +545,7 @@ def check_devices(c: Context) -> None:
             (c.base(j, k) + a, c.base(j, k) + b, n)
             for j in range(k)
             for a, b, n in activation_intervals(c.problem, d, c.timeline(j, k), not placed)
-        ] + keeps[d]
+        ] + c.held[d]
         for layer, made in c.made.items():  # a third decomposition: the next refresh's made before this one is used
             nbytes = decomposition_bytes(c.problem, d, layer)
             next_made = min(p.end for p in made) + c.length(c.period(c.problem.costs.stage_of(layer)))
@@ -578,7 +581,7 @@ def check_step_time(c: Context) -> None:
 
 def check_programs(c: Context, run: bool) -> None:
     """Each rank's program: its length, its repetition, the schedule's ops at their places, the refresh step's folds
-    (`fused_stats`), the placed ones as placed (`_check_interleaving`), and with `run` how it runs (`_check_runs`)."""
+    (`fused_stats`), the placed ones as placed (`_check_placed_order`), and with `run` how it runs (`_check_runs`)."""
     anchor = weight_gradient_kind(c.problem.kind)  # the op a fused layer's statistics fold after
     for d in c.problem.devices:
         prog = c.plan.programs.get(d)
@@ -592,16 +595,28 @@ def check_programs(c: Context, run: bool) -> None:
         if any(placed[j] != placed[j % k] for j in range(k, length)):
             c.errors.append(f"r{d}: the program repeats its own {k} steps but for streamed layers' replicas")
         prog = prog[:k]
+        shift = {p: c.length(k) * (p.step // k) for p in c.on[d]}  # into the window
+        times = {(p.step % k, str(p.op)): (p.start - x, p.end - x) for p, x in shift.items()}
+        listed = [(j, str(op)) for j, ops in enumerate(prog) for op in ops if c.is_placed(d, op)]
+        matched = sorted(listed) == sorted(times)
+        if not matched:
+            c.errors.append(f"r{d}: the program's placed ops differ from the placements")
+        elif any(a[0] == b[0] and times[a] > times[b] for a, b in zip(listed, listed[1:])):
+            c.errors.append(f"r{d}: the program's placed ops are not in time order")
         for j, ops in enumerate(prog):
             if [op for op in ops if c.pipeline(op)] != [op for op, _, _ in c.timeline(j, k).ops[d] if c.pipeline(op)]:
                 c.errors.append(f"r{d} step {j}: the pipeline ops differ from the schedule's")
             moved = [op for op, _, _ in c.timeline(j, k).ops[d] if c.follows_w(op)]
             if sorted(map(str, (op for op in ops if c.follows_w(op)))) != sorted(map(str, moved)):
                 c.errors.append(f"r{d} step {j}: the gradient all-reduces differ from the schedule's")
+            fixed = iter([item for item in c.timeline(j, k).ops[d] if c.pipeline(item[0])])
+            spans = [next(fixed, None) if c.pipeline(op) else None for op in ops]  # each pipeline op's times
             for i, op in enumerate(ops):  # a stage's all-reduce after its W's: the runtime refuses it while one waits
                 later = [o for o in ops[i + 1 :] if o.kind is OpKind.BWD_W and o.stage == op.stage]
                 if op.kind is OpKind.ALLREDUCE_GRAD and later:
                     c.errors.append(f"r{d} step {j}: '{op}' comes before '{later[0]}' of its stage")
+                if op.kind is OpKind.OPT_STEP and i != len(ops) - 1:
+                    c.errors.append(f"r{d} step {j}: OPT_STEP is not the last op")
                 # the refresh step follows each BWD (a zero-bubble schedule's W) with exactly the STATS folding its
                 # fused layers' statistics here, and no other step folds any: else the runtime has none to decompose
                 if j == 0 and op.kind is anchor:
@@ -610,61 +625,39 @@ def check_programs(c: Context, run: bool) -> None:
                         c.errors.append(f"r{d} step 0: '{op}' is not followed by the folds of its fused layers {want}")
                 elif c.fold(op) and (j != 0 or i == 0 or not (ops[i - 1].kind is anchor or c.fold(ops[i - 1]))):
                     c.errors.append(f"r{d} step {j}: '{op}' is not right after a {anchor} of the refresh step")
-        times = {
-            (p.step % k, str(p.op)): (p.start - c.length(k) * (p.step // k), p.end - c.length(k) * (p.step // k))
-            for p in c.plan.placements
-            if p.device == d
-        }
-        listed = [
-            (j, str(op))
-            for j, ops in enumerate(prog)
-            for op in ops
-            if op.kind in c.placed_kinds and not c.fold(op) and not is_streamed(c.problem, d, op)
-        ]
-        if sorted(listed) != sorted(times):
-            c.errors.append(f"r{d}: the program's K-FAC ops differ from the placements")
-            continue
-        if any(a[0] == b[0] and times[a] > times[b] for a, b in zip(listed, listed[1:])):
-            c.errors.append(f"r{d}: the program's K-FAC ops are not in time order")
-        _check_interleaving(c, d, k, prog)
+                if matched and c.is_placed(d, op):
+                    _check_placed_order(c, f"r{d} step {j}", ops, i, times[j, str(op)][0] - c.base(j, k), spans)
     if run:
         _check_runs(c)
 
 
-def _check_interleaving(c: Context, device: int, k: int, prog: list[list[Op]]) -> None:
-    """Within each step, a K-FAC op comes after every pipeline op that ended before it was placed and before every
-    pipeline op that ends after its start (a RECV still waiting included); APPLY and a gradient STATS follow their
-    stage's backwards and gradient all-reduce, a gradient STATS precedes its stage's APPLY; OPT_STEP ends the step.
-    The runtime executes the program in order, so a program that disagrees with its placements runs other semantics."""
-    starts = {(p.step % k, str(p.op)): p.start - c.base(p.step, k) for p in c.plan.placements if p.device == device}
+def _check_placed_order(
+    c: Context, where: str, ops: list[Op], i: int, t: float, spans: list[tuple[Op, float, float] | None]
+) -> None:
+    """A placed op (`ops[i]`, placed at `t` in its step) comes after every pipeline op (`spans`: their times in the
+    step) that ended before it and before every one that ends after its start (a RECV still waiting included); APPLY
+    and a gradient STATS follow their stage's backwards and gradient all-reduce, a gradient STATS precedes its stage's
+    APPLY. The runtime executes the program in order, so a program that disagrees with its placements runs other
+    semantics."""
+    op = ops[i]
+    for n, item in enumerate(spans):
+        if item is None or item[0].kind is OpKind.OPT_STEP:
+            continue  # OPT_STEP ends the step (the barrier): work placed in the stretch runs before it
+        other, a, b = item
+        before = b <= t + c.tol and a < t - c.tol
+        if (n > i and before) or (n < i and b > t + c.tol):
+            c.errors.append(
+                f"{where}: '{op}' (placed at {t:.6g} s) and '{other}' ({a:.6g}-{b:.6g} s) are in the wrong order in "
+                "the program"
+            )
+    if not per_step(op):
+        return
     gradient = (OpKind.BWD, OpKind.BWD_W, OpKind.ALLREDUCE_GRAD)
-    for j, ops in enumerate(prog):
-        fixed = iter([item for item in c.timeline(j, k).ops[device] if c.pipeline(item[0])])
-        times = [next(fixed, None) if c.pipeline(op) else None for op in ops]
-        for i, op in enumerate(ops):
-            if op.kind is OpKind.OPT_STEP and i != len(ops) - 1:
-                c.errors.append(f"r{device} step {j}: OPT_STEP is not the last op")
-            if op.kind not in c.placed_kinds or c.fold(op) or is_streamed(c.problem, device, op):
-                continue  # a streamed layer's ops: check_streaming
-            t = starts[(j, str(op))]
-            for n, item in enumerate(times):
-                if item is None or item[0].kind is OpKind.OPT_STEP:
-                    continue  # OPT_STEP ends the step (the barrier): work placed in the stretch runs before it
-                other, a, b = item
-                before = b <= t + c.tol and a < t - c.tol
-                if (n > i and before) or (n < i and b > t + c.tol):
-                    c.errors.append(
-                        f"r{device} step {j}: '{op}' (placed at {t:.6g} s) and '{other}' ({a:.6g}-{b:.6g} s) are in "
-                        "the wrong order in the program"
-                    )
-            if not per_step(op):
-                continue
-            after = [o for o in ops[i + 1 :] if o.stage == op.stage and o.kind in gradient]  # the gradient is complete
-            if after:
-                c.errors.append(f"r{device} step {j}: '{op}' comes before '{after[0]}' of its stage")
-            applied = any(o.kind is OpKind.APPLY and o.stage == op.stage for o in ops[i + 1 :])
-            if op.kind is OpKind.STATS and not applied:
-                c.errors.append(f"r{device} step {j}: '{op}' does not come before the APPLY of its stage")
+    after = [o for o in ops[i + 1 :] if o.stage == op.stage and o.kind in gradient]  # the gradient is complete
+    if after:
+        c.errors.append(f"{where}: '{op}' comes before '{after[0]}' of its stage")
+    if op.kind is OpKind.STATS and not any(o.kind is OpKind.APPLY and o.stage == op.stage for o in ops[i + 1 :]):
+        c.errors.append(f"{where}: '{op}' does not come before the APPLY of its stage")
 
 
 def _check_runs(c: Context) -> None:
@@ -802,9 +795,8 @@ def validate(problem: Problem, plan: Plan, *, run: bool = True) -> list[str]:
     check_layers(c)
     if c.errors:
         return c.errors
-    for check in (check_placed_once, check_devices, check_dependencies, check_warm_starts, check_precs_and_offsets):
+    for check in (check_placements, check_devices, check_precs_and_offsets, check_step_time):
         check(c)
-    check_step_time(c)
     check_programs(c, run)
     check_streaming(c)
     return c.errors
