@@ -48,6 +48,10 @@ COMPUTE_KINDS = frozenset(
 BUSY_KINDS = COMPUTE_KINDS - {OpKind.OPT_STEP}
 """What a plan's utilization counts as busy, planned and measured: F/B and the preconditioner's own work."""
 
+_FIXED_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.BWD_W})
+_NOT_BUBBLE = frozenset({OpKind.APPLY, OpKind.STATS, OpKind.BCAST_PREC, OpKind.ALLREDUCE_GRAD})
+"""Ops besides F/B during which a window places no preconditioner work (planner/plan/window.py)."""
+
 SYNCHRONIZING_KINDS = COLLECTIVE_KINDS | {OpKind.OPT_STEP}
 """Ops that start together on every rank holding them: the collectives, and OPT_STEP, whose all-reduce (KL-clip,
 non-finite flag) over the world or the rank's agreement set (`simulate`'s `barrier`) ends every step."""
@@ -75,26 +79,52 @@ class Interval:
 
 @dataclass(frozen=True)
 class Timeline:
-    """Every op's interval; measures of the whole run and per rank."""
+    """Every op's interval (of a simulation, one simulated step, a plan's view or a measured run); measures of the
+    whole run and per rank."""
 
     intervals: tuple[Interval, ...]
     ranks: tuple[int, ...]
     steps: int
 
-    @property
-    def makespan(self) -> float:
-        """End of the last op (the run starts at 0)."""
+    @cached_property
+    def length(self) -> float:
+        """End of the last op (the run starts at 0): one step's step time."""
         return max((iv.end for iv in self.intervals), default=0.0)
 
     @property
     def step_time(self) -> float:
-        """Steady-state period: the lowest rank's last step start less the one before (steps=1: the makespan)."""
+        """Steady-state period: the lowest rank's last step start less the one before (steps=1: the length)."""
         if self.steps == 1:
-            return self.makespan
+            return self.length
         first: dict[int, float] = {}
         for iv in self.of_rank(self.ranks[0]):
             first.setdefault(iv.step, iv.start)
         return first[self.steps - 1] - first[self.steps - 2]
+
+    @cached_property
+    def ops(self) -> Mapping[int, tuple[tuple[Op, float, float], ...]]:
+        """Per rank, (op, start, end) of each op in execution order."""
+        out: dict[int, list[tuple[Op, float, float]]] = {r: [] for r in self.ranks}
+        for iv in self.intervals:
+            out[iv.rank].append((iv.op, iv.start, iv.end))
+        return {r: tuple(items) for r, items in out.items()}
+
+    @cached_property
+    def allreduce_end(self) -> dict[tuple[int, int], float]:
+        """(rank, stage) -> the end of ALLREDUCE_GRAD(stage) on the rank."""
+        ends = ((iv.rank, iv.op, iv.end) for iv in self.intervals)
+        return {(d, op.stage_id): end for d, op, end in ends if op.kind is OpKind.ALLREDUCE_GRAD}
+
+    def fixed(self, rank: int) -> list[tuple[Op, float, float]]:
+        """The rank's F/B ops with their times."""
+        return [item for item in self.ops[rank] if item[0].kind in _FIXED_KINDS]
+
+    def end_of(self, rank: int, op: Op) -> float:
+        """End time of `op` on `rank` (AssertionError when absent)."""
+        for item, _, end in self.ops[rank]:
+            if item == op:
+                return end
+        raise AssertionError(f"{op} is not on rank {rank}")
 
     def of_rank(self, rank: int) -> list[Interval]:
         """The rank's intervals in execution order."""
@@ -115,27 +145,27 @@ class Timeline:
         kinds: Iterable[OpKind] = COMPUTE_KINDS,
         window: tuple[float, float] | None = None,
     ) -> float:
-        """`utilization` of one rank (None: all) over `window` (default: the makespan)."""
+        """`utilization` of one rank (None: all) over `window` (default: the length)."""
         ranks = self.ranks if rank is None else (rank,)
-        span = self.makespan if window is None else window[1] - window[0]
+        span = self.length if window is None else window[1] - window[0]
         clip = (-math.inf, math.inf) if window is None else window
         return utilization(sum(self.busy(r, kinds, clip) for r in ranks), span * len(ranks))
 
     def bubbles(self, rank: int, kinds: Iterable[OpKind] = COMPUTE_KINDS) -> list[tuple[float, float]]:
-        """Idle gaps (start, end) of the rank within [0, makespan]: time in no op of `kinds`."""
+        """Idle gaps (start, end) of the rank within [0, length]: time in no op of `kinds`."""
         wanted = frozenset(kinds)
         gaps, cursor = [], 0.0
         for iv in sorted((iv for iv in self.of_rank(rank) if iv.op.kind in wanted), key=lambda iv: iv.start):
             if iv.start > cursor:
                 gaps.append((cursor, iv.start))
             cursor = max(cursor, iv.end)
-        if self.makespan > cursor:
-            gaps.append((cursor, self.makespan))
+        if self.length > cursor:
+            gaps.append((cursor, self.length))
         return gaps
 
     def bubble_time(self, rank: int, kinds: Iterable[OpKind] = COMPUTE_KINDS) -> float:
         """Total idle time of the rank (the sum of its bubbles: its ops run one at a time)."""
-        return self.makespan - self.busy(rank, kinds)
+        return self.length - self.busy(rank, kinds)
 
 
 _Slot = tuple[int, int]  # (rank, index into that rank's flat op list)
@@ -345,36 +375,6 @@ def simulate(
     return Timeline(intervals, tuple(sorted(sim.pos)), steps)
 
 
-_FIXED_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.BWD_W})
-_NOT_BUBBLE = frozenset({OpKind.APPLY, OpKind.STATS, OpKind.BCAST_PREC, OpKind.ALLREDUCE_GRAD})
-"""Ops besides F/B during which a window places no preconditioner work (planner/plan/window.py)."""
-
-
-@dataclass(frozen=True)
-class StepTimeline:
-    """One step: per device, (op, start, end) of every op in program order; length: the step time."""
-
-    ops: Mapping[int, tuple[tuple[Op, float, float], ...]]
-    length: float
-
-    @cached_property
-    def allreduce_end(self) -> dict[tuple[int, int], float]:
-        """(device, stage) -> the end of ALLREDUCE_GRAD(stage) on the device."""
-        ends = ((d, op, end) for d, items in self.ops.items() for op, _, end in items)
-        return {(d, op.stage_id): end for d, op, end in ends if op.kind is OpKind.ALLREDUCE_GRAD}
-
-    def fixed(self, device: int) -> list[tuple[Op, float, float]]:
-        """The device's F/B ops with their times."""
-        return [item for item in self.ops[device] if item[0].kind in _FIXED_KINDS]
-
-    def end_of(self, device: int, op: Op) -> float:
-        """End time of `op` on `device` (AssertionError when absent)."""
-        for item, _, end in self.ops[device]:
-            if item == op:
-                return end
-        raise AssertionError(f"{op} is not on device {device}")
-
-
 @lru_cache(maxsize=64)
 def base_programs(problem: Problem) -> dict[int, list[Op]]:
     """Per global rank, one step of the plain pipeline with its transfers and collectives."""
@@ -567,16 +567,14 @@ def problem_buckets(problem: Problem, programs: Mapping[int, Sequence[Sequence[O
 @lru_cache(maxsize=256)
 def step_timeline(
     problem: Problem, fused: frozenset[str] = frozenset(), with_prec: bool = True, *, refresh: bool = False
-) -> StepTimeline:
+) -> Timeline:
     """One simulated step (plain or with the per-step work; `refresh`: a refresh step, F/B with taps and the fused
     layers' curvature): the step a steady run repeats (under agreement sets only where `steps_overlap` is False)."""
     programs = reference_programs(problem) if with_prec else base_programs(problem)
     buckets = problem_buckets(problem, as_programs(programs))
     duration = _duration(problem, fused, refresh, buckets)
     lead, link = stream_lead(problem, duration), stream_link(problem, buckets)
-    one = simulate(programs, duration, steps=1, lead=lead, link=link, buckets=buckets)
-    ops = {rank: tuple((iv.op, iv.start, iv.end) for iv in one.of_rank(rank)) for rank in one.ranks}
-    return StepTimeline(ops, one.makespan)
+    return simulate(programs, duration, steps=1, lead=lead, link=link, buckets=buckets)
 
 
 def plain_step_time(problem: Problem) -> float:
@@ -586,9 +584,7 @@ def plain_step_time(problem: Problem) -> float:
 
 def plain_utilization(problem: Problem) -> float:
     """The plain pipeline's utilization (no K-FAC): its F/B over every device's step."""
-    base = step_timeline(problem, frozenset(), False)
-    busy = sum(sum(b - a for _, a, b in base.fixed(d)) for d in problem.devices)
-    return utilization(busy, base.length * len(problem.devices))
+    return step_timeline(problem, frozenset(), False).utilization(kinds=_FIXED_KINDS)
 
 
 @lru_cache(maxsize=64)
@@ -633,7 +629,7 @@ def step_begins(refresh: Time, normal: Time, stretch: Time, j: int, k: int) -> T
     return start + within * stretch + window_length(refresh, normal, stretch, k) * (j // k)
 
 
-def early_start(problem: Problem, step: StepTimeline, devices: Iterable[int]) -> float:
+def early_start(problem: Problem, step: Timeline, devices: Iterable[int]) -> float:
     """Seconds before the end of `step` at which the next may begin on `devices` (an agreement set): once each has
     run its fixed work and per-step slots; 0 under `StepBarrier.WORLD` or where steps overlap."""
     if problem.barrier is StepBarrier.WORLD or steps_overlap(problem):
@@ -665,7 +661,7 @@ def slot_seconds(problem: Problem, device: int, stage: int) -> float:
     return before + sum(shares)
 
 
-def stream_start(problem: Problem, step: StepTimeline) -> float:
+def stream_start(problem: Problem, step: Timeline) -> float:
     """When the first streamed-stage owner starts its last backward (or W): a streamed refresh's deadline."""
     assert problem.streaming is not None, "only a streaming problem has a streamed stage"
     s = problem.streaming.stage
@@ -792,7 +788,7 @@ def decomposition_bytes(problem: Problem, device: int, layer: str) -> int:
 
 
 def activation_intervals(
-    problem: Problem, device: int, step: StepTimeline, w_operands: bool = True
+    problem: Problem, device: int, step: Timeline, w_operands: bool = True
 ) -> list[tuple[float, float, int]]:
     """(start, end, bytes) of each micro-batch's activations on `device`, F start to B end (a recomputing stage's
     boundary so, its activations over its B), and a deferred W's operands from its B to it (`w_operands`)."""

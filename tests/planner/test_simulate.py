@@ -40,7 +40,7 @@ def test_chimera_timeline_matches_the_note() -> None:
         got = {iv.op: iv.start for iv in timeline.of_rank(rank) if iv.op.kind in (OpKind.FWD, OpKind.BWD)}
         assert got == expect
         assert timeline.bubbles(rank) in ([(2.0, 3.0), (8.0, 9.0)], [(0.0, 1.0), (9.0, 10.0)])
-    assert timeline.makespan == 10
+    assert timeline.length == 10
 
 
 def _longest_path_starts(programs: dict[int, list[Op]], dur, comm: float, S: dict[int, int]) -> dict:
@@ -114,7 +114,7 @@ def test_gpipe_two_ranks_by_hand() -> None:
         ("B s0 m0", 5, 7),
         ("B s0 m1", 7, 9),
     ]
-    assert timeline.makespan == 9
+    assert timeline.length == 9
     assert timeline.bubbles(0) == [(2, 5)]
     assert timeline.bubbles(1) == [(0, 1), (7, 9)]
     assert timeline.busy(0) == 6 and timeline.utilization() == pytest.approx(6 / 9)
@@ -125,8 +125,8 @@ def test_gpipe_two_ranks_by_hand() -> None:
 def test_several_steps_repeat_the_flushed_step(kind: str, D: int, N: int) -> None:
     one = simulate(schedule_programs(kind, D, N), fb(1, 2))
     three = simulate(schedule_programs(kind, D, N), fb(1, 2), steps=3)
-    assert three.step_time == pytest.approx(one.makespan)
-    assert three.makespan == pytest.approx(3 * one.makespan)
+    assert three.step_time == pytest.approx(one.length)
+    assert three.length == pytest.approx(3 * one.length)
     assert {iv.step for iv in three.intervals} == {0, 1, 2}
 
 
@@ -157,7 +157,7 @@ def test_opt_step_is_a_barrier_over_all_ranks() -> None:
     # step 0: F s0 0-1, F s1 1-2, APPLY 2-7; every OPT_STEP at 7; step 1 is step 0 moved by 7
     assert at[0, 0, OpKind.OPT_STEP] == at[1, 0, OpKind.OPT_STEP] == (7, 7)
     assert at[0, 1, OpKind.FWD] == (7, 8) and at[1, 1, OpKind.FWD] == (8, 9)
-    assert timeline.makespan == 14 and timeline.step_time == 7
+    assert timeline.length == 14 and timeline.step_time == 7
 
 
 def test_k_fac_ops_follow_program_order_and_group_by_stage() -> None:
