@@ -171,33 +171,6 @@ class Timeline:
 _Slot = tuple[int, int]  # (rank, index into that rank's flat op list)
 
 
-def _producer(op: Op, num_stages: Mapping[int, int]) -> Op | None:
-    """The op whose result `op` consumes from another stage (inferred mode: no SEND/RECV ops)."""
-    if op.kind is OpKind.FWD and op.stage:
-        return Op(OpKind.FWD, op.stage - 1, op.mb, op.pipe)
-    if op.kind is OpKind.BWD and op.stage is not None:
-        if op.stage + 1 < num_stages[op.pipe]:
-            return Op(OpKind.BWD, op.stage + 1, op.mb, op.pipe)
-        return Op(OpKind.FWD, op.stage, op.mb, op.pipe)
-    return None
-
-
-def _producer_rank(rank: int, op: Op, producer: Op, holders: Mapping[Op, list[int]]) -> int:
-    """The producer's rank in the consumer's replica (the same position among each op's `holders`)."""
-    candidates = holders.get(producer)
-    if not candidates:
-        raise DeadlockError(f"rank {rank}: {op} needs {producer}, which no rank's program runs")
-    if len(candidates) == 1:
-        return candidates[0]
-    own = holders[op]
-    if len(own) != len(candidates):
-        raise DeadlockError(
-            f"rank {rank}: {op} cannot tell which copy of {producer} it needs "
-            f"(held by ranks {candidates}); lower the programs with add_send_recv"
-        )
-    return candidates[own.index(rank)]
-
-
 _MESSAGES = {
     OpKind.SEND_ACT: (OpKind.RECV_ACT, 1),
     OpKind.SEND_GRAD: (OpKind.RECV_GRAD, -1),
@@ -213,8 +186,17 @@ def _message_key(src: int, dst: int, op: Op) -> tuple:
     return (src, dst, recv, op.stage_id + offset, op.mb, op.pipe, op.layer)
 
 
+def _check_lowered(ops: Mapping[int, list[tuple[int, Op]]]) -> None:
+    """ValueError where activations pass between ranks with no SEND/RECV: `simulate` waits for messages alone."""
+    if any(op.kind in SEND_KINDS for items in ops.values() for _, op in items):
+        return
+    rank_of = {(op.stage, op.pipe): r for r, items in ops.items() for _, op in items if op.kind is OpKind.FWD}
+    if any(s is not None and rank_of.get((s + 1, p), r) != r for (s, p), r in rank_of.items()):
+        raise ValueError("the programs pass activations between ranks without SEND/RECV: lower them (add_send_recv)")
+
+
 class _Sim:
-    """One simulation's state: the unrolled programs, each op's occurrence, per-rank cursor and free time, messages."""
+    """One simulation's state: the unrolled programs, collectives' members, per-rank cursor and free time, messages."""
 
     def __init__(
         self,
@@ -231,57 +213,37 @@ class _Sim:
         self.filling: dict[tuple[int, frozenset[Op]], list[tuple[tuple, float]]] = {}
         self.link_free: dict[tuple[int, int], float] = {}
         self.ops = {r: [(j, op) for j in range(steps) for op in p[j % len(p)]] for r, p in programs.items()}
-        self.occurrence: dict[_Slot, int] = {}
-        self.where: dict[tuple[int, Op, int], int] = {}  # (rank, op, k) -> index of the k-th occurrence
-        holders: dict[Op, set[int]] = defaultdict(set)
-        self.num_stages: dict[int, int] = defaultdict(int)
-        self.keys: dict[_Slot, Hashable] = {}
+        _check_lowered(self.ops)
+        self.keys: dict[_Slot, tuple[Hashable, int]] = {}  # a synchronizing op's group and occurrence on its rank
         members: dict[Hashable, set[int]] = defaultdict(set)
         for r, ops in self.ops.items():
-            seen: Counter[Op] = Counter()
+            seen: Counter[Hashable] = Counter()
             for i, (_, op) in enumerate(ops):
-                self.occurrence[r, i] = seen[op]
-                self.where[r, op, seen[op]] = i
-                seen[op] += 1
-                holders[op].add(r)
-                if op.stage is not None and op.kind in (OpKind.FWD, OpKind.BWD):
-                    self.num_stages[op.pipe] = max(self.num_stages[op.pipe], op.stage + 1)
                 if op.kind in SYNCHRONIZING_KINDS:  # every member runs the same op, OPT_STEP of one agreement set
-                    self.keys[r, i] = (op, barrier[r]) if barrier is not None and op.kind is OpKind.OPT_STEP else op
-                    members[self.keys[r, i]].add(r)
-        self.holders = {op: sorted(ranks) for op, ranks in holders.items()}  # ascending ranks whose programs hold it
+                    group = (op, barrier[r]) if barrier is not None and op.kind is OpKind.OPT_STEP else op
+                    self.keys[r, i] = (group, seen[group])
+                    seen[group] += 1
+                    members[group].add(r)
         self.groups = {key: sorted(ranks) for key, ranks in members.items()}
-        self.explicit = any(op.kind in SEND_KINDS | RECV_KINDS for ops in self.ops.values() for _, op in ops)
         self.pos = {r: 0 for r in self.ops}
         self.free = {r: 0.0 for r in self.ops}
-        self.ends: dict[_Slot, float] = {}
         self.sent: dict[tuple, list[float]] = defaultdict(list)
         self.recv_count: Counter[tuple] = Counter()
         self.intervals: list[Interval] = []
 
-    def ready_time(self, rank: int, op: Op) -> tuple[float | None, str]:
-        """When `op`'s inputs are there (None: not yet known) and, if unknown, what it waits for."""
-        if op.kind in RECV_KINDS:
-            key = _message_key(op.peer_rank, rank, op)
-            arrivals = self.sent[key]
-            n = self.recv_count[key]
-            return (arrivals[n], "") if n < len(arrivals) else (None, f"a matching send on rank {op.peer}")
-        if self.explicit:
-            return 0.0, ""
-        producer = _producer(op, self.num_stages)
-        if producer is None:
-            return 0.0, ""
-        src = _producer_rank(rank, op, producer, self.holders)
-        k = self.occurrence[rank, self.pos[rank]]
-        slot = (src, self.where.get((src, producer, k), -1))
-        if slot not in self.ends:
-            return None, f"{producer} on rank {src}"
-        return self.ends[slot] + (self.comm if src != rank else 0.0), ""
+    def try_receive(self, rank: int, op: Op) -> str:
+        """Take the RECV's message once sent (its interval includes the wait); else what it waits for."""
+        key = _message_key(op.peer_rank, rank, op)
+        arrivals, n = self.sent[key], self.recv_count[key]
+        if n >= len(arrivals):
+            return f"a matching send on rank {op.peer}"
+        start = self.free[rank]
+        self.record(rank, start, max(start, arrivals[n]) + self.duration(rank, op))
+        return ""
 
     def record(self, rank: int, start: float, end: float) -> None:
         step, op = self.ops[rank][self.pos[rank]]
         self.intervals.append(Interval(rank, step, op, start, end))
-        self.ends[rank, self.pos[rank]] = end
         self.free[rank] = end
         if op.kind in SEND_KINDS:
             early = self.lead(rank, op) if self.lead is not None else 0.0
@@ -318,9 +280,8 @@ class _Sim:
     def try_collective(self, rank: int, op: Op) -> str:
         """Run the collective if every member stands at the same occurrence; else what it waits for."""
         key = self.keys[rank, self.pos[rank]]
-        members = self.groups[key]
-        k = self.occurrence[rank, self.pos[rank]]
-        waiting = [m for m in members if self.keys.get((m, self.pos[m])) != key or self.occurrence[m, self.pos[m]] != k]
+        members = self.groups[key[0]]
+        waiting = [m for m in members if self.keys.get((m, self.pos[m])) != key]
         if waiting:
             return f"ranks {waiting} to reach it"
         start = max(self.free[m] for m in members)
@@ -333,13 +294,13 @@ class _Sim:
         """Run the rank's ops as far as inputs allow; returns what blocks it ('' when done)."""
         while self.pos[rank] < len(self.ops[rank]):
             step, op = self.ops[rank][self.pos[rank]]
+            blocked = ""
             if op.kind in SYNCHRONIZING_KINDS:
                 blocked = self.try_collective(rank, op)
+            elif op.kind in RECV_KINDS:
+                blocked = self.try_receive(rank, op)
             else:
-                ready, blocked = self.ready_time(rank, op)
-                if ready is not None:
-                    start = max(self.free[rank], ready if op.kind not in RECV_KINDS else 0.0)
-                    self.record(rank, start, max(start, ready) + self.duration(rank, op))
+                self.record(rank, self.free[rank], self.free[rank] + self.duration(rank, op))
             if blocked:
                 return f"rank {rank}: {op} (step {step}) waits for {blocked}"
         return ""
@@ -358,9 +319,9 @@ def simulate(
 ) -> Timeline:
     """Run `programs` (per rank one step's ops or a period) for `steps` steps, each op when its rank is free and its
     inputs are there: a RECV its SEND's message (`comm` later; `lead`: seconds it leaves early; `link`: seconds a
-    streamed one holds its connection; `buckets`: SENDs sent as one), else, without transfers, an F/B its neighbour
-    stage's. `SYNCHRONIZING_KINDS` start together on their members (`barrier`: the ranks each OPT_STEP waits for,
-    None: all). DeadlockError names the blocked ops."""
+    streamed one holds its connection; `buckets`: SENDs sent as one); the programs carry their transfers
+    (`add_send_recv`). `SYNCHRONIZING_KINDS` start together on their members (`barrier`: the ranks each OPT_STEP
+    waits for, None: all). DeadlockError names the blocked ops."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     sim = _Sim(as_programs(programs), steps, duration, comm, barrier, lead, link, buckets or {})
