@@ -123,8 +123,8 @@ def costs_of(cfg: Config, layers: ProfileLayers = ProfileLayers.BLOCK, costs: st
 
 
 def base_timeline(cfg: Config, costs: CostTable) -> Timeline:
-    """One step of the plain pipeline (F/B timed, transfers instant; a zero-bubble schedule's BWD less its W, half the backward),
-    simulated independently of the planner."""
+    """One step of the plain pipeline (F/B timed, transfers instant; a zero-bubble schedule's BWD less its W, half
+    the backward), simulated independently of the planner."""
     split = cfg.schedule in ZERO_BUBBLE_KINDS
 
     def duration(rank: int, op: Any) -> float:
