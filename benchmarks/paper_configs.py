@@ -55,7 +55,7 @@ from fxkfac.planner.problem import (
     Timeline,
     load_cost_table,
     num_stages,
-    schedule_programs,
+    rank_programs,
     simulate,
     stages_of_rank,
 )
@@ -123,8 +123,8 @@ def costs_of(cfg: Config, layers: ProfileLayers = ProfileLayers.BLOCK, costs: st
 
 
 def base_timeline(cfg: Config, costs: CostTable) -> Timeline:
-    """One step of the plain pipeline (FWD/BWD only; a zero-bubble schedule's BWD less its W, half the backward),
-    simulated independently of the planner."""
+    """One step of the plain pipeline (F/B timed, transfers instant; a zero-bubble schedule's BWD less its W, half
+    the backward), simulated independently of the planner."""
     split = cfg.schedule in ZERO_BUBBLE_KINDS
 
     def duration(rank: int, op: Any) -> float:
@@ -136,7 +136,7 @@ def base_timeline(cfg: Config, costs: CostTable) -> Timeline:
             return costs.stages[op.stage].bwd / 2
         return 0.0
 
-    return simulate(schedule_programs(cfg.schedule, cfg.D, cfg.N, v=cfg.v), duration)
+    return simulate(rank_programs(cfg.schedule, cfg.D, cfg.N, 1, v=cfg.v), duration)
 
 
 def lower_bounds(cfg: Config, costs: CostTable, base: Timeline) -> list[int]:

@@ -213,9 +213,9 @@ def _theory_per_step(schedule: str, N: int, v: int, events) -> dict[int, float]:
             return took.get((rank, str(op)), 0.0)
 
         tl = simulate(programs, duration, comm=comm)
-        span += tl.makespan
+        span += tl.length
         for r in range(D):
-            idle[r] += tl.makespan * (1.0 - tl.utilization(r, kinds=tuple(OpKind(k) for k in BUSY)))
+            idle[r] += tl.length * (1.0 - tl.utilization(r, kinds=tuple(OpKind(k) for k in BUSY)))
     return {r: idle[r] / span for r in range(D)}
 
 

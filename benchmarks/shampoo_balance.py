@@ -144,7 +144,7 @@ def collective_seconds_per_step(programs: Mapping[int, Program], duration: Calla
 def per_step_seconds(programs: Mapping[int, Program], duration: Callable[[int, Op], float]) -> float:
     """The steady per-step time: the programs simulated over the lcm of their periods, makespan / steps."""
     steps = math.lcm(*(len(p) for p in programs.values()))
-    return simulate(programs, duration, steps=steps).makespan / steps
+    return simulate(programs, duration, steps=steps).length / steps
 
 
 def decomp_seconds_per_refresh(

@@ -40,7 +40,7 @@ def run_show(args: argparse.Namespace, console: Console) -> int:
         )
     )
     planned = planned_utilization(plan)
-    ran = {r: measured.utilization(r, BUSY_KINDS, (0.0, measured.makespan)) for r in measured.ranks}
+    ran = {r: measured.utilization(r, BUSY_KINDS, (0.0, measured.length)) for r in measured.ranks}
     rows = [
         (f"r{r}", f"{planned[r]:.1%}" if r in planned else "-", f"{ran[r]:.1%}" if r in ran else "-")
         for r in sorted(set(planned) | set(ran))

@@ -31,7 +31,6 @@ from fxkfac.planner.problem import (
 from fxkfac.planner.problem.step_timeline import (
     BUSY_KINDS,
     Interval,
-    StepTimeline,
     Timeline,
     plain_step_time,
     plain_utilization,
@@ -74,8 +73,8 @@ class _Steps:
     """Step timelines of a plan and the absolute start of each step of a window of k; every step ends
     with `stretch` idle seconds ([Note: stretch] in planner/plan/window.py)."""
 
-    refresh: StepTimeline
-    normal: StepTimeline
+    refresh: Timeline
+    normal: Timeline
     stretch: float
 
     @property
@@ -88,7 +87,7 @@ class _Steps:
     def base(self, j: int, k: int) -> float:
         return step_begins(self.refresh.length, self.normal.length, self.stretch, j, k)
 
-    def of(self, j: int, k: int) -> StepTimeline:
+    def of(self, j: int, k: int) -> Timeline:
         return self.refresh if j % k == 0 else self.normal
 
 

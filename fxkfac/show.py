@@ -116,7 +116,7 @@ def render_timeline(
 ) -> RenderableType:
     """One row per rank across `window` (default: the whole run), scaled to `width` columns, and a legend that
     names the preconditioner's tasks in its family's `words`."""
-    t0, t1 = window if window is not None else (0.0, timeline.makespan)
+    t0, t1 = window if window is not None else (0.0, timeline.length)
     label_width = len(f"r{max(timeline.ranks, default=0)}") + 1
     cells = max(8, width - label_width - 2)
     lines: list[Text] = []

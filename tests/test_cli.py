@@ -192,7 +192,7 @@ def test_show_measured_prints_utilization_per_rank(
     out = capsys.readouterr().out
     assert "measured:" in out
     planned = planned_utilization(_plan())
-    # busy / makespan (8 ms): r0 4/8, r1 5/8, ranks 2 and 3 ran nothing here
+    # busy / length (8 ms): r0 4/8, r1 5/8, ranks 2 and 3 ran nothing here
     assert _row(out, "r0") == (f"{planned[0]:.1%}", "50.0%")
     assert _row(out, "r1") == (f"{planned[1]:.1%}", "62.5%")
     assert _row(out, "r3") == (f"{planned[3]:.1%}", "-")

@@ -52,7 +52,7 @@ from fxkfac.planner.problem.problem import (
 from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, capture_kind
 from fxkfac.planner.problem.step_timeline import (
     STREAMED_TRANSFERS,
-    StepTimeline,
+    Timeline,
     activation_intervals,
     early_start,
     prec_work,
@@ -221,7 +221,7 @@ class Window:
         return next(n for n, p in enumerate(self.precs) if (p.device, p.stage, p.step) == (device, stage, 0))
 
     @cached_property
-    def steps(self) -> tuple[StepTimeline, ...]:
+    def steps(self) -> tuple[Timeline, ...]:
         """The k steps' simulated timelines: step 0 the refresh step (grown by taps and fused curvature)."""
         normal = step_timeline(self.problem)
         return (step_timeline(self.problem, self.fused, refresh=True),) + (normal,) * (self.k - 1)
@@ -693,7 +693,7 @@ def allreduce_after_w(problem: Problem, items: list[tuple[tuple[int, ...], Op]])
 
 
 def w_window(
-    problem: Problem, step: StepTimeline, device: int, fused: frozenset[str] = frozenset()
+    problem: Problem, step: Timeline, device: int, fused: frozenset[str] = frozenset()
 ) -> list[tuple[Op, float, float]]:
     """The device's W's of `step` that become tasks, each with its home interval in seconds from the step's start:
     one per layer where `w_by_layer` (`fused`: the layers whose curvature the step's W's hold, at a refresh step)."""

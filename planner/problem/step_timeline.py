@@ -48,6 +48,10 @@ COMPUTE_KINDS = frozenset(
 BUSY_KINDS = COMPUTE_KINDS - {OpKind.OPT_STEP}
 """What a plan's utilization counts as busy, planned and measured: F/B and the preconditioner's own work."""
 
+_FIXED_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.BWD_W})
+_NOT_BUBBLE = frozenset({OpKind.APPLY, OpKind.STATS, OpKind.BCAST_PREC, OpKind.ALLREDUCE_GRAD})
+"""Ops besides F/B during which a window places no preconditioner work (planner/plan/window.py)."""
+
 SYNCHRONIZING_KINDS = COLLECTIVE_KINDS | {OpKind.OPT_STEP}
 """Ops that start together on every rank holding them: the collectives, and OPT_STEP, whose all-reduce (KL-clip,
 non-finite flag) over the world or the rank's agreement set (`simulate`'s `barrier`) ends every step."""
@@ -75,26 +79,52 @@ class Interval:
 
 @dataclass(frozen=True)
 class Timeline:
-    """Every op's interval; measures of the whole run and per rank."""
+    """Every op's interval (of a simulation, one simulated step, a plan's view or a measured run); measures of the
+    whole run and per rank."""
 
     intervals: tuple[Interval, ...]
     ranks: tuple[int, ...]
     steps: int
 
-    @property
-    def makespan(self) -> float:
-        """End of the last op (the run starts at 0)."""
+    @cached_property
+    def length(self) -> float:
+        """End of the last op (the run starts at 0): one step's step time."""
         return max((iv.end for iv in self.intervals), default=0.0)
 
     @property
     def step_time(self) -> float:
-        """Steady-state period: the lowest rank's last step start less the one before (steps=1: the makespan)."""
+        """Steady-state period: the lowest rank's last step start less the one before (steps=1: the length)."""
         if self.steps == 1:
-            return self.makespan
+            return self.length
         first: dict[int, float] = {}
         for iv in self.of_rank(self.ranks[0]):
             first.setdefault(iv.step, iv.start)
         return first[self.steps - 1] - first[self.steps - 2]
+
+    @cached_property
+    def ops(self) -> Mapping[int, tuple[tuple[Op, float, float], ...]]:
+        """Per rank, (op, start, end) of each op in execution order."""
+        out: dict[int, list[tuple[Op, float, float]]] = {r: [] for r in self.ranks}
+        for iv in self.intervals:
+            out[iv.rank].append((iv.op, iv.start, iv.end))
+        return {r: tuple(items) for r, items in out.items()}
+
+    @cached_property
+    def allreduce_end(self) -> dict[tuple[int, int], float]:
+        """(rank, stage) -> the end of ALLREDUCE_GRAD(stage) on the rank."""
+        ends = ((iv.rank, iv.op, iv.end) for iv in self.intervals)
+        return {(d, op.stage_id): end for d, op, end in ends if op.kind is OpKind.ALLREDUCE_GRAD}
+
+    def fixed(self, rank: int) -> list[tuple[Op, float, float]]:
+        """The rank's F/B ops with their times."""
+        return [item for item in self.ops[rank] if item[0].kind in _FIXED_KINDS]
+
+    def end_of(self, rank: int, op: Op) -> float:
+        """End time of `op` on `rank` (AssertionError when absent)."""
+        for item, _, end in self.ops[rank]:
+            if item == op:
+                return end
+        raise AssertionError(f"{op} is not on rank {rank}")
 
     def of_rank(self, rank: int) -> list[Interval]:
         """The rank's intervals in execution order."""
@@ -115,57 +145,30 @@ class Timeline:
         kinds: Iterable[OpKind] = COMPUTE_KINDS,
         window: tuple[float, float] | None = None,
     ) -> float:
-        """`utilization` of one rank (None: all) over `window` (default: the makespan)."""
+        """`utilization` of one rank (None: all) over `window` (default: the length)."""
         ranks = self.ranks if rank is None else (rank,)
-        span = self.makespan if window is None else window[1] - window[0]
+        span = self.length if window is None else window[1] - window[0]
         clip = (-math.inf, math.inf) if window is None else window
         return utilization(sum(self.busy(r, kinds, clip) for r in ranks), span * len(ranks))
 
     def bubbles(self, rank: int, kinds: Iterable[OpKind] = COMPUTE_KINDS) -> list[tuple[float, float]]:
-        """Idle gaps (start, end) of the rank within [0, makespan]: time in no op of `kinds`."""
+        """Idle gaps (start, end) of the rank within [0, length]: time in no op of `kinds`."""
         wanted = frozenset(kinds)
         gaps, cursor = [], 0.0
         for iv in sorted((iv for iv in self.of_rank(rank) if iv.op.kind in wanted), key=lambda iv: iv.start):
             if iv.start > cursor:
                 gaps.append((cursor, iv.start))
             cursor = max(cursor, iv.end)
-        if self.makespan > cursor:
-            gaps.append((cursor, self.makespan))
+        if self.length > cursor:
+            gaps.append((cursor, self.length))
         return gaps
 
     def bubble_time(self, rank: int, kinds: Iterable[OpKind] = COMPUTE_KINDS) -> float:
         """Total idle time of the rank (the sum of its bubbles: its ops run one at a time)."""
-        return self.makespan - self.busy(rank, kinds)
+        return self.length - self.busy(rank, kinds)
 
 
 _Slot = tuple[int, int]  # (rank, index into that rank's flat op list)
-
-
-def _producer(op: Op, num_stages: Mapping[int, int]) -> Op | None:
-    """The op whose result `op` consumes from another stage (inferred mode: no SEND/RECV ops)."""
-    if op.kind is OpKind.FWD and op.stage:
-        return Op(OpKind.FWD, op.stage - 1, op.mb, op.pipe)
-    if op.kind is OpKind.BWD and op.stage is not None:
-        if op.stage + 1 < num_stages[op.pipe]:
-            return Op(OpKind.BWD, op.stage + 1, op.mb, op.pipe)
-        return Op(OpKind.FWD, op.stage, op.mb, op.pipe)
-    return None
-
-
-def _producer_rank(rank: int, op: Op, producer: Op, holders: Mapping[Op, list[int]]) -> int:
-    """The producer's rank in the consumer's replica (the same position among each op's `holders`)."""
-    candidates = holders.get(producer)
-    if not candidates:
-        raise DeadlockError(f"rank {rank}: {op} needs {producer}, which no rank's program runs")
-    if len(candidates) == 1:
-        return candidates[0]
-    own = holders[op]
-    if len(own) != len(candidates):
-        raise DeadlockError(
-            f"rank {rank}: {op} cannot tell which copy of {producer} it needs "
-            f"(held by ranks {candidates}); lower the programs with add_send_recv"
-        )
-    return candidates[own.index(rank)]
 
 
 _MESSAGES = {
@@ -183,8 +186,17 @@ def _message_key(src: int, dst: int, op: Op) -> tuple:
     return (src, dst, recv, op.stage_id + offset, op.mb, op.pipe, op.layer)
 
 
+def _check_lowered(ops: Mapping[int, list[tuple[int, Op]]]) -> None:
+    """ValueError where activations pass between ranks with no SEND/RECV: `simulate` waits for messages alone."""
+    if any(op.kind in SEND_KINDS for items in ops.values() for _, op in items):
+        return
+    rank_of = {(op.stage, op.pipe): r for r, items in ops.items() for _, op in items if op.kind is OpKind.FWD}
+    if any(s is not None and rank_of.get((s + 1, p), r) != r for (s, p), r in rank_of.items()):
+        raise ValueError("the programs pass activations between ranks without SEND/RECV: lower them (add_send_recv)")
+
+
 class _Sim:
-    """One simulation's state: the unrolled programs, each op's occurrence, per-rank cursor and free time, messages."""
+    """One simulation's state: the unrolled programs, collectives' members, per-rank cursor and free time, messages."""
 
     def __init__(
         self,
@@ -201,57 +213,37 @@ class _Sim:
         self.filling: dict[tuple[int, frozenset[Op]], list[tuple[tuple, float]]] = {}
         self.link_free: dict[tuple[int, int], float] = {}
         self.ops = {r: [(j, op) for j in range(steps) for op in p[j % len(p)]] for r, p in programs.items()}
-        self.occurrence: dict[_Slot, int] = {}
-        self.where: dict[tuple[int, Op, int], int] = {}  # (rank, op, k) -> index of the k-th occurrence
-        holders: dict[Op, set[int]] = defaultdict(set)
-        self.num_stages: dict[int, int] = defaultdict(int)
-        self.keys: dict[_Slot, Hashable] = {}
+        _check_lowered(self.ops)
+        self.keys: dict[_Slot, tuple[Hashable, int]] = {}  # a synchronizing op's group and occurrence on its rank
         members: dict[Hashable, set[int]] = defaultdict(set)
         for r, ops in self.ops.items():
-            seen: Counter[Op] = Counter()
+            seen: Counter[Hashable] = Counter()
             for i, (_, op) in enumerate(ops):
-                self.occurrence[r, i] = seen[op]
-                self.where[r, op, seen[op]] = i
-                seen[op] += 1
-                holders[op].add(r)
-                if op.stage is not None and op.kind in (OpKind.FWD, OpKind.BWD):
-                    self.num_stages[op.pipe] = max(self.num_stages[op.pipe], op.stage + 1)
                 if op.kind in SYNCHRONIZING_KINDS:  # every member runs the same op, OPT_STEP of one agreement set
-                    self.keys[r, i] = (op, barrier[r]) if barrier is not None and op.kind is OpKind.OPT_STEP else op
-                    members[self.keys[r, i]].add(r)
-        self.holders = {op: sorted(ranks) for op, ranks in holders.items()}  # ascending ranks whose programs hold it
+                    group = (op, barrier[r]) if barrier is not None and op.kind is OpKind.OPT_STEP else op
+                    self.keys[r, i] = (group, seen[group])
+                    seen[group] += 1
+                    members[group].add(r)
         self.groups = {key: sorted(ranks) for key, ranks in members.items()}
-        self.explicit = any(op.kind in SEND_KINDS | RECV_KINDS for ops in self.ops.values() for _, op in ops)
         self.pos = {r: 0 for r in self.ops}
         self.free = {r: 0.0 for r in self.ops}
-        self.ends: dict[_Slot, float] = {}
         self.sent: dict[tuple, list[float]] = defaultdict(list)
         self.recv_count: Counter[tuple] = Counter()
         self.intervals: list[Interval] = []
 
-    def ready_time(self, rank: int, op: Op) -> tuple[float | None, str]:
-        """When `op`'s inputs are there (None: not yet known) and, if unknown, what it waits for."""
-        if op.kind in RECV_KINDS:
-            key = _message_key(op.peer_rank, rank, op)
-            arrivals = self.sent[key]
-            n = self.recv_count[key]
-            return (arrivals[n], "") if n < len(arrivals) else (None, f"a matching send on rank {op.peer}")
-        if self.explicit:
-            return 0.0, ""
-        producer = _producer(op, self.num_stages)
-        if producer is None:
-            return 0.0, ""
-        src = _producer_rank(rank, op, producer, self.holders)
-        k = self.occurrence[rank, self.pos[rank]]
-        slot = (src, self.where.get((src, producer, k), -1))
-        if slot not in self.ends:
-            return None, f"{producer} on rank {src}"
-        return self.ends[slot] + (self.comm if src != rank else 0.0), ""
+    def try_receive(self, rank: int, op: Op) -> str:
+        """Take the RECV's message once sent (its interval includes the wait); else what it waits for."""
+        key = _message_key(op.peer_rank, rank, op)
+        arrivals, n = self.sent[key], self.recv_count[key]
+        if n >= len(arrivals):
+            return f"a matching send on rank {op.peer}"
+        start = self.free[rank]
+        self.record(rank, start, max(start, arrivals[n]) + self.duration(rank, op))
+        return ""
 
     def record(self, rank: int, start: float, end: float) -> None:
         step, op = self.ops[rank][self.pos[rank]]
         self.intervals.append(Interval(rank, step, op, start, end))
-        self.ends[rank, self.pos[rank]] = end
         self.free[rank] = end
         if op.kind in SEND_KINDS:
             early = self.lead(rank, op) if self.lead is not None else 0.0
@@ -288,9 +280,8 @@ class _Sim:
     def try_collective(self, rank: int, op: Op) -> str:
         """Run the collective if every member stands at the same occurrence; else what it waits for."""
         key = self.keys[rank, self.pos[rank]]
-        members = self.groups[key]
-        k = self.occurrence[rank, self.pos[rank]]
-        waiting = [m for m in members if self.keys.get((m, self.pos[m])) != key or self.occurrence[m, self.pos[m]] != k]
+        members = self.groups[key[0]]
+        waiting = [m for m in members if self.keys.get((m, self.pos[m])) != key]
         if waiting:
             return f"ranks {waiting} to reach it"
         start = max(self.free[m] for m in members)
@@ -303,13 +294,13 @@ class _Sim:
         """Run the rank's ops as far as inputs allow; returns what blocks it ('' when done)."""
         while self.pos[rank] < len(self.ops[rank]):
             step, op = self.ops[rank][self.pos[rank]]
+            blocked = ""
             if op.kind in SYNCHRONIZING_KINDS:
                 blocked = self.try_collective(rank, op)
+            elif op.kind in RECV_KINDS:
+                blocked = self.try_receive(rank, op)
             else:
-                ready, blocked = self.ready_time(rank, op)
-                if ready is not None:
-                    start = max(self.free[rank], ready if op.kind not in RECV_KINDS else 0.0)
-                    self.record(rank, start, max(start, ready) + self.duration(rank, op))
+                self.record(rank, self.free[rank], self.free[rank] + self.duration(rank, op))
             if blocked:
                 return f"rank {rank}: {op} (step {step}) waits for {blocked}"
         return ""
@@ -328,9 +319,9 @@ def simulate(
 ) -> Timeline:
     """Run `programs` (per rank one step's ops or a period) for `steps` steps, each op when its rank is free and its
     inputs are there: a RECV its SEND's message (`comm` later; `lead`: seconds it leaves early; `link`: seconds a
-    streamed one holds its connection; `buckets`: SENDs sent as one), else, without transfers, an F/B its neighbour
-    stage's. `SYNCHRONIZING_KINDS` start together on their members (`barrier`: the ranks each OPT_STEP waits for,
-    None: all). DeadlockError names the blocked ops."""
+    streamed one holds its connection; `buckets`: SENDs sent as one); the programs carry their transfers
+    (`add_send_recv`). `SYNCHRONIZING_KINDS` start together on their members (`barrier`: the ranks each OPT_STEP
+    waits for, None: all). DeadlockError names the blocked ops."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     sim = _Sim(as_programs(programs), steps, duration, comm, barrier, lead, link, buckets or {})
@@ -343,36 +334,6 @@ def simulate(
             raise DeadlockError("programs deadlock:\n  " + "\n  ".join(blocked))
     intervals = tuple(sorted(sim.intervals, key=lambda iv: (iv.start, iv.rank)))
     return Timeline(intervals, tuple(sorted(sim.pos)), steps)
-
-
-_FIXED_KINDS = frozenset({OpKind.FWD, OpKind.BWD, OpKind.BWD_W})
-_NOT_BUBBLE = frozenset({OpKind.APPLY, OpKind.STATS, OpKind.BCAST_PREC, OpKind.ALLREDUCE_GRAD})
-"""Ops besides F/B during which a window places no preconditioner work (planner/plan/window.py)."""
-
-
-@dataclass(frozen=True)
-class StepTimeline:
-    """One step: per device, (op, start, end) of every op in program order; length: the step time."""
-
-    ops: Mapping[int, tuple[tuple[Op, float, float], ...]]
-    length: float
-
-    @cached_property
-    def allreduce_end(self) -> dict[tuple[int, int], float]:
-        """(device, stage) -> the end of ALLREDUCE_GRAD(stage) on the device."""
-        ends = ((d, op, end) for d, items in self.ops.items() for op, _, end in items)
-        return {(d, op.stage_id): end for d, op, end in ends if op.kind is OpKind.ALLREDUCE_GRAD}
-
-    def fixed(self, device: int) -> list[tuple[Op, float, float]]:
-        """The device's F/B ops with their times."""
-        return [item for item in self.ops[device] if item[0].kind in _FIXED_KINDS]
-
-    def end_of(self, device: int, op: Op) -> float:
-        """End time of `op` on `device` (AssertionError when absent)."""
-        for item, _, end in self.ops[device]:
-            if item == op:
-                return end
-        raise AssertionError(f"{op} is not on device {device}")
 
 
 @lru_cache(maxsize=64)
@@ -567,16 +528,14 @@ def problem_buckets(problem: Problem, programs: Mapping[int, Sequence[Sequence[O
 @lru_cache(maxsize=256)
 def step_timeline(
     problem: Problem, fused: frozenset[str] = frozenset(), with_prec: bool = True, *, refresh: bool = False
-) -> StepTimeline:
+) -> Timeline:
     """One simulated step (plain or with the per-step work; `refresh`: a refresh step, F/B with taps and the fused
     layers' curvature): the step a steady run repeats (under agreement sets only where `steps_overlap` is False)."""
     programs = reference_programs(problem) if with_prec else base_programs(problem)
     buckets = problem_buckets(problem, as_programs(programs))
     duration = _duration(problem, fused, refresh, buckets)
     lead, link = stream_lead(problem, duration), stream_link(problem, buckets)
-    one = simulate(programs, duration, steps=1, lead=lead, link=link, buckets=buckets)
-    ops = {rank: tuple((iv.op, iv.start, iv.end) for iv in one.of_rank(rank)) for rank in one.ranks}
-    return StepTimeline(ops, one.makespan)
+    return simulate(programs, duration, steps=1, lead=lead, link=link, buckets=buckets)
 
 
 def plain_step_time(problem: Problem) -> float:
@@ -586,9 +545,7 @@ def plain_step_time(problem: Problem) -> float:
 
 def plain_utilization(problem: Problem) -> float:
     """The plain pipeline's utilization (no K-FAC): its F/B over every device's step."""
-    base = step_timeline(problem, frozenset(), False)
-    busy = sum(sum(b - a for _, a, b in base.fixed(d)) for d in problem.devices)
-    return utilization(busy, base.length * len(problem.devices))
+    return step_timeline(problem, frozenset(), False).utilization(kinds=_FIXED_KINDS)
 
 
 @lru_cache(maxsize=64)
@@ -633,7 +590,7 @@ def step_begins(refresh: Time, normal: Time, stretch: Time, j: int, k: int) -> T
     return start + within * stretch + window_length(refresh, normal, stretch, k) * (j // k)
 
 
-def early_start(problem: Problem, step: StepTimeline, devices: Iterable[int]) -> float:
+def early_start(problem: Problem, step: Timeline, devices: Iterable[int]) -> float:
     """Seconds before the end of `step` at which the next may begin on `devices` (an agreement set): once each has
     run its fixed work and per-step slots; 0 under `StepBarrier.WORLD` or where steps overlap."""
     if problem.barrier is StepBarrier.WORLD or steps_overlap(problem):
@@ -665,7 +622,7 @@ def slot_seconds(problem: Problem, device: int, stage: int) -> float:
     return before + sum(shares)
 
 
-def stream_start(problem: Problem, step: StepTimeline) -> float:
+def stream_start(problem: Problem, step: Timeline) -> float:
     """When the first streamed-stage owner starts its last backward (or W): a streamed refresh's deadline."""
     assert problem.streaming is not None, "only a streaming problem has a streamed stage"
     s = problem.streaming.stage
@@ -792,7 +749,7 @@ def decomposition_bytes(problem: Problem, device: int, layer: str) -> int:
 
 
 def activation_intervals(
-    problem: Problem, device: int, step: StepTimeline, w_operands: bool = True
+    problem: Problem, device: int, step: Timeline, w_operands: bool = True
 ) -> list[tuple[float, float, int]]:
     """(start, end, bytes) of each micro-batch's activations on `device`, F start to B end (a recomputing stage's
     boundary so, its activations over its B), and a deferred W's operands from its B to it (`w_operands`)."""

@@ -29,7 +29,7 @@ from fxkfac.planner.problem.lowering import Streaming, can_stream, ready_fractio
 from fxkfac.planner.problem.problem import Problem, SolverConfig, copies_of_stage, format_bytes, stage_groups
 from fxkfac.planner.problem.schedules import ScheduleKind, validate_schedule_args
 from fxkfac.planner.problem.step_timeline import (
-    StepTimeline,
+    Timeline,
     group_load,
     min_memory_bytes,
     refresh_lower_bound,
@@ -404,7 +404,7 @@ def with_streaming(
     return chosen
 
 
-def _simulated_ops(step: StepTimeline) -> int:
+def _simulated_ops(step: Timeline) -> int:
     """The ops of one simulated step, what its simulation is charged by (`Budget.charge_simulated`)."""
     return sum(len(ops) for ops in step.ops.values())
 

@@ -42,7 +42,7 @@ from fxkfac.planner.problem.problem import (
 )
 from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, capture_kind, weight_gradient_kind
 from fxkfac.planner.problem.step_timeline import (
-    StepTimeline,
+    Timeline,
     activation_intervals,
     apply_seconds,
     decomposition_bytes,
@@ -78,8 +78,8 @@ class Context:
     plan: Plan
     tol: float
     fused: frozenset[str]
-    refresh: StepTimeline
-    normal: StepTimeline
+    refresh: Timeline
+    normal: Timeline
     errors: list[str]
     stretch: float = 0.0
     held: defaultdict[int, list[tuple[float, float, int]]] = field(default_factory=lambda: defaultdict(list))
@@ -108,7 +108,7 @@ class Context:
         agreement set can have ended step j-1's F/B, all-reduces and per-step slots (`early_start`)."""
         return self.base(j, k) - early_start(self.problem, self.timeline(j - 1, k), agreement_set(self.problem, device))
 
-    def timeline(self, j: int, k: int) -> StepTimeline:
+    def timeline(self, j: int, k: int) -> Timeline:
         return self.refresh if j % k == 0 else self.normal
 
     def end_of(self, j: int, k: int, device: int, kind: OpKind, op: Op) -> float:
@@ -694,8 +694,8 @@ def _check_runs(c: Context) -> None:
         c.errors.append(f"the programs deadlock: {e}")
         return
     limit = c.plan.metrics.step_time * steps + max(c.length(k) for k in set(periods))
-    if not c.fused and timeline.makespan > limit + c.tol * steps:
-        c.errors.append(f"the simulated programs take {timeline.makespan:.6g} s for {steps} steps, over {limit:.6g}")
+    if not c.fused and timeline.length > limit + c.tol * steps:
+        c.errors.append(f"the simulated programs take {timeline.length:.6g} s for {steps} steps, over {limit:.6g}")
 
 
 def check_streaming(c: Context) -> None:

@@ -152,7 +152,7 @@ def _duration(problem: Problem) -> Callable[[int, Op], float]:
 
 def _per_step(problem: Problem, programs: Mapping[int, Program]) -> float:
     steps = math.lcm(*(len(p) for p in programs.values()))
-    return simulate(programs, _duration(problem), steps=steps).makespan / steps
+    return simulate(programs, _duration(problem), steps=steps).length / steps
 
 
 def _decomps_on(programs: Mapping[int, Program]) -> dict[int, list[tuple[str, str]]]:
@@ -209,14 +209,14 @@ def _as_plan(problem: Problem, programs: dict[int, Program]) -> Plan:
         utilization=0.0,
         refresh_steps=(1,) * S,
         step_time_baseline=plain_step_time(problem),
-        step_time=one.makespan,
+        step_time=one.length,
         step_time_reference=reference.length,
         peak_memory={d: static_bytes(problem, d) + activation_peak(problem, d) for d in problem.devices},
         lower_bound_steps=(1,) * S,
         solver=SolverStats("CRITICAL_PATH", 0.0, (S, 0), 0.0),
         greedy_refresh_steps=(None,) * S,
         time_quantum=0.0,
-        stretch=one.makespan - reference.length,
+        stretch=one.length - reference.length,
     )
     timings = {n: LayerTiming(1, 0, 0, "deferred") for n in problem.costs.layer_names}
     return Plan(problem, programs, timings, placements, metrics, problem.fingerprint)
@@ -246,7 +246,7 @@ def test_critical_path_programs_pass_the_validator_and_the_simulator(case: str, 
             mine = [(p.op.layer, p.op.part) for p in plan.placements if p.device == r and p.op.kind is OpKind.DECOMP]
             assert sorted(mine) == sorted(d for d, root in want.items() if root == r)
     # the simulator runs several steps of them at the one step's time (every step ends with a barrier)
-    assert simulate(programs, _duration(problem), steps=3).makespan == pytest.approx(3 * plan.metrics.step_time)
+    assert simulate(programs, _duration(problem), steps=3).length == pytest.approx(3 * plan.metrics.step_time)
 
 
 def test_lpt_beats_round_robin_on_skewed_costs() -> None:

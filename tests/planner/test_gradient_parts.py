@@ -306,7 +306,7 @@ def test_simulated_step_time_equals_the_planned(case: str) -> None:
 
     periods = 3 * max(len(p) for p in plan.programs.values())
     timeline = simulate(plan.programs, duration, steps=periods)
-    assert timeline.makespan == pytest.approx(periods * plan.metrics.step_time)
+    assert timeline.length == pytest.approx(periods * plan.metrics.step_time)
     assert plan.metrics.step_time == pytest.approx(plan.metrics.step_time_reference)
 
 

@@ -112,11 +112,12 @@ CASES = (
 @pytest.mark.parametrize("kind,D,N,v", CASES)
 @pytest.mark.parametrize("W", [1, 2])
 def test_lowered_programs_are_deadlock_free_and_keep_the_timeline(kind: str, D: int, N: int, v: int, W: int) -> None:
-    """Sends never block, receives do: the lowered programs finish and time like the dataflow."""
-    base = schedule_programs(kind, D, N, v=v)
-    lowered = expand_dp(add_send_recv(base, kind, D, v), W)
+    """Sends never block, receives do: the lowered programs finish, and each dp replica times like the one pipeline
+    (that one times like the dataflow: tests/planner/test_simulate.py's longest-path reference)."""
+    pipeline = add_send_recv(schedule_programs(kind, D, N, v=v), kind, D, v)
+    lowered = expand_dp(pipeline, W)
     comm = 0.25
-    reference = simulate(base, lambda r, op: _durations(op), steps=2, comm=comm)
+    reference = simulate(pipeline, lambda r, op: _durations(op), steps=2, comm=comm)
     actual = simulate(lowered, lambda r, op: _durations(op), steps=2, comm=comm)
     for dp in range(W):
         replica = [(rank * W + dp, *rest) for rank, *rest in _compute(reference)]

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from fxkfac.planner.problem.errors import DeadlockError
 from fxkfac.planner.problem.ir import Op, OpKind
+from fxkfac.planner.problem.lowering import add_send_recv, rank_programs
 from fxkfac.planner.problem.schedules import schedule_programs, stage_rank
 from fxkfac.planner.problem.step_timeline import simulate
 
@@ -29,7 +30,7 @@ CHIMERA_GRID = [
 
 
 def test_chimera_timeline_matches_the_note() -> None:
-    timeline = simulate(schedule_programs("chimera", 4, 4), fb(1, 1))
+    timeline = simulate(rank_programs("chimera", 4, 4, 1), fb(1, 1))
     for rank, row in enumerate(CHIMERA_GRID):
         expect = {}
         for t, token in enumerate(row.split()):
@@ -40,7 +41,7 @@ def test_chimera_timeline_matches_the_note() -> None:
         got = {iv.op: iv.start for iv in timeline.of_rank(rank) if iv.op.kind in (OpKind.FWD, OpKind.BWD)}
         assert got == expect
         assert timeline.bubbles(rank) in ([(2.0, 3.0), (8.0, 9.0)], [(0.0, 1.0), (9.0, 10.0)])
-    assert timeline.makespan == 10
+    assert timeline.length == 10
 
 
 def _longest_path_starts(programs: dict[int, list[Op]], dur, comm: float, S: dict[int, int]) -> dict:
@@ -95,18 +96,19 @@ def test_matches_longest_path_reference(case: tuple, seed: int, comm: float) -> 
     }
     rng = random.Random(seed)
     table = {(r, op): rng.choice([0.5, 1.0, 1.5, 2.0, 3.25]) for r, ops in programs.items() for op in ops}
-    dur = lambda r, op: table[r, op]  # noqa: E731
+    dur = lambda r, op: table.get((r, op), 0.0)  # noqa: E731  # transfers take no time
     S = {
         p: max(op.stage for ops in programs.values() for op in ops if op.pipe == p) + 1
         for p in {op.pipe for ops in programs.values() for op in ops}
     }
     reference = _longest_path_starts(programs, dur, comm, S)
-    timeline = simulate(programs, dur, comm=comm)
-    assert {(iv.rank, iv.op): iv.start for iv in timeline.intervals} == pytest.approx(reference)
+    timeline = simulate(add_send_recv(programs, kind, D, v), dur, comm=comm)
+    fb_starts = {(iv.rank, iv.op): iv.start for iv in timeline.intervals if iv.op.kind in (OpKind.FWD, OpKind.BWD)}
+    assert fb_starts == pytest.approx(reference)
 
 
 def test_gpipe_two_ranks_by_hand() -> None:
-    timeline = simulate(schedule_programs("gpipe", 2, 2), fb(1, 2))
+    timeline = simulate(rank_programs("gpipe", 2, 2, 1), fb(1, 2))
     # r0: F0 0-1, F1 1-2, idle 2-4? r1: F0 1-2, F1 2-3, B0 3-5, B1 5-7; r0: B0 5-7, B1 7-9.
     assert [(str(iv.op), iv.start, iv.end) for iv in timeline.of_rank(0) if iv.op.kind in (OpKind.FWD, OpKind.BWD)] == [
         ("F s0 m0", 0, 1),
@@ -114,7 +116,7 @@ def test_gpipe_two_ranks_by_hand() -> None:
         ("B s0 m0", 5, 7),
         ("B s0 m1", 7, 9),
     ]
-    assert timeline.makespan == 9
+    assert timeline.length == 9
     assert timeline.bubbles(0) == [(2, 5)]
     assert timeline.bubbles(1) == [(0, 1), (7, 9)]
     assert timeline.busy(0) == 6 and timeline.utilization() == pytest.approx(6 / 9)
@@ -123,16 +125,16 @@ def test_gpipe_two_ranks_by_hand() -> None:
 
 @pytest.mark.parametrize("kind,D,N", [("gpipe", 3, 5), ("1f1b", 4, 4), ("chimera", 4, 8)])
 def test_several_steps_repeat_the_flushed_step(kind: str, D: int, N: int) -> None:
-    one = simulate(schedule_programs(kind, D, N), fb(1, 2))
-    three = simulate(schedule_programs(kind, D, N), fb(1, 2), steps=3)
-    assert three.step_time == pytest.approx(one.makespan)
-    assert three.makespan == pytest.approx(3 * one.makespan)
+    one = simulate(rank_programs(kind, D, N, 1), fb(1, 2))
+    three = simulate(rank_programs(kind, D, N, 1), fb(1, 2), steps=3)
+    assert three.step_time == pytest.approx(one.length)
+    assert three.length == pytest.approx(3 * one.length)
     assert {iv.step for iv in three.intervals} == {0, 1, 2}
 
 
 def test_collectives_start_together_after_every_member_arrives() -> None:
     timeline = simulate(
-        schedule_programs("chimera", 4, 4), lambda r, op: 0.5 if op.kind is OpKind.ALLREDUCE_GRAD else fb(1, 2)(r, op)
+        rank_programs("chimera", 4, 4, 1), lambda r, op: 0.5 if op.kind is OpKind.ALLREDUCE_GRAD else fb(1, 2)(r, op)
     )
     syncs: dict[int, set] = {}
     for iv in timeline.intervals:
@@ -152,12 +154,12 @@ def test_opt_step_is_a_barrier_over_all_ranks() -> None:
         1: [Op(OpKind.FWD, 1, 0), Op(OpKind.APPLY, 1), Op(OpKind.OPT_STEP)],
     }
     dur = {OpKind.FWD: 1.0, OpKind.APPLY: 5.0}
-    timeline = simulate(programs, lambda r, op: dur.get(op.kind, 0.0), steps=2)
+    timeline = simulate(add_send_recv(programs, "gpipe", 2), lambda r, op: dur.get(op.kind, 0.0), steps=2)
     at = {(iv.rank, iv.step, iv.op.kind): (iv.start, iv.end) for iv in timeline.intervals}
     # step 0: F s0 0-1, F s1 1-2, APPLY 2-7; every OPT_STEP at 7; step 1 is step 0 moved by 7
     assert at[0, 0, OpKind.OPT_STEP] == at[1, 0, OpKind.OPT_STEP] == (7, 7)
     assert at[0, 1, OpKind.FWD] == (7, 8) and at[1, 1, OpKind.FWD] == (8, 9)
-    assert timeline.makespan == 14 and timeline.step_time == 7
+    assert timeline.length == 14 and timeline.step_time == 7
 
 
 def test_k_fac_ops_follow_program_order_and_group_by_stage() -> None:
@@ -199,9 +201,16 @@ def test_k_fac_ops_follow_program_order_and_group_by_stage() -> None:
 
 def test_deadlock_names_the_blocked_ops() -> None:
     programs = {0: [Op(OpKind.BWD, 0, 0), Op(OpKind.FWD, 0, 0)], 1: [Op(OpKind.FWD, 1, 0), Op(OpKind.BWD, 1, 0)]}
-    with pytest.raises(DeadlockError, match=r"rank 0: B s0 m0 \(step 0\) waits for B s1 m0 on rank 1") as info:
-        simulate(programs, fb(1, 1))
-    assert "rank 1: F s1 m0 (step 0) waits for F s0 m0 on rank 0" in str(info.value)
+    with pytest.raises(DeadlockError, match=r"rank 0: RECV_GRAD s0 m0 <r1 \(step 0\) waits for a matching") as info:
+        simulate(add_send_recv(programs, "gpipe", 2), fb(1, 1))
+    assert "rank 1: RECV_ACT s1 m0 <r0 (step 0) waits for a matching send on rank 0" in str(info.value)
+
+
+def test_unlowered_programs_are_refused() -> None:
+    """Without SEND/RECV an F would not wait for its input on another rank: `simulate` says to lower them."""
+    with pytest.raises(ValueError, match="add_send_recv"):
+        simulate(schedule_programs("1f1b", 2, 2), fb(1, 1))
+    simulate(schedule_programs("1f1b", 1, 2), fb(1, 1))  # one rank: nothing to pass
 
 
 def test_unmatched_receive_and_missing_collective_member_deadlock() -> None:
@@ -211,7 +220,7 @@ def test_unmatched_receive_and_missing_collective_member_deadlock() -> None:
         simulate(
             {
                 0: [Op(OpKind.ALLREDUCE_GRAD, 0)],
-                1: [Op(OpKind.BWD, 0, 0, pipe=1), Op(OpKind.FWD, 0, 0, pipe=1), Op(OpKind.ALLREDUCE_GRAD, 0)],
+                1: [Op(OpKind.RECV_GRAD, 0, 0, peer=0), Op(OpKind.ALLREDUCE_GRAD, 0)],
             },
             fb(1, 1),
         )
