@@ -112,8 +112,9 @@ def allowance(problem: Problem, fused: frozenset[str], config: SolverConfig) -> 
 
 
 def restretch(solution: GroupSolution, stretch: int) -> GroupSolution:
-    """The same placement in a window with `stretch` >= the solution's: a start in window step j moves j * (added
-    ticks) later, keeping its place in its step, so order, overlaps, memory and use offsets, and validity, hold."""
+    """The same placement in a window with `stretch` >= the solution's: a start in window step j (a joint solve's
+    chosen broadcasts too) moves j * (added ticks) later, keeping its place in its step, so order, overlaps, memory
+    and use offsets, and validity, hold; each task keeps its devices (a joint solve's chosen distributions)."""
     w = solution.window
     delta = stretch - w.stretch
     if delta == 0:
@@ -123,15 +124,19 @@ def restretch(solution: GroupSolution, stretch: int) -> GroupSolution:
     new = build_window(
         w.problem, w.group, w.k, w.fused, stats_chunk=w.stats_chunk, stretch=stretch, scale=(w.scale, w.exact)
     )
+    tasks = {task.name: task for task in new.tasks}
     bounds = [w.step_start(w.group.devices[0], j) for j in range(2 * w.k + 1)]  # where each step begins
 
     def move(t: int) -> int:
         return t + max(0, bisect_right(bounds, t) - 1) * delta
 
-    s = solution
-    starts, precs = tuple(move(t) for t in s.starts), tuple(move(t) for t in s.prec_starts)
-    offsets = use_offsets(new, starts, precs)
-    return GroupSolution(new, starts, s.devices, precs, offsets, s.method, s.status, s.k_lower_bound, s.wall_time)
+    return replace(
+        solution,
+        window=replace(new, tasks=tuple(replace(tasks[t.name], devices=t.devices) for t in w.tasks)),
+        starts=tuple(move(t) for t in solution.starts),
+        prec_starts=tuple(move(t) for t in solution.prec_starts),
+        bcasts={name: move(t) for name, t in solution.bcasts.items()},
+    )
 
 
 def _boundary_gaps(window: Window, device: int) -> tuple[int, int]:
