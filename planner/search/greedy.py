@@ -140,22 +140,16 @@ def restretch(solution: GroupSolution, stretch: int) -> GroupSolution:
 
 
 def _boundary_gaps(window: Window, device: int) -> tuple[int, int]:
-    """(longest free stretch away from step boundaries, longest across one) of `device`; only the second grows
+    """(longest idle region of `device` that meets no step boundary, longest that meets one); only the second grows
     with the stretch."""
-    busy, L = window.fixed[device], window.length
-    ends = [e for _, e in busy]
-    across = 0
-    bounds = [window.step_start(device, j) % L for j in range(window.k)]  # each blocked boundary tick
-    for b in bounds:
-        if any(s < b < e for s, e in busy):
-            continue
-        before = max((e for e in ends if e <= b), default=ends[-1] - L)
-        after = min((s for s, _ in busy if s >= b), default=busy[0][0] + L)
-        across = max(across, after - before)
-    inside = 0
-    for (_, e1), (s2, _) in zip(busy, busy[1:] + ((busy[0][0] + L, 0),)):
-        if not any(e1 <= b <= s2 or e1 <= b + L <= s2 for b in bounds):
-            inside = max(inside, s2 - e1)
+    L = window.length
+    bounds = [window.step_start(device, j) % L for j in range(window.k)]  # each boundary tick
+    inside = across = 0
+    for region in idle_regions(window.fixed[device], L):
+        if any(s <= b <= e or s <= b + L <= e for s, e in region for b in bounds):
+            across = max(across, _span(region))
+        else:
+            inside = max(inside, _span(region))
     return inside, across
 
 
@@ -174,13 +168,8 @@ def stretch_lower_bound(window: Window) -> int:
     return max(need, x + math.ceil((work - free) / (k * n)), 0)
 
 
-def least_stretch(found: GroupSolution, probe: Probe, lower: int) -> tuple[GroupSolution, bool]:
-    """`bisect_least` over the stretch."""
-    return bisect_least(max(0, lower), found, probe, lambda solution: solution.window.stretch)
-
-
 def bisect_least(
-    lower: int, found: GroupSolution, probe: Probe, size: Callable[[GroupSolution], int]
+    lower: int, found: GroupSolution, probe: Probe, size: Callable[[GroupSolution], int] = lambda s: s.window.stretch
 ) -> tuple[GroupSolution, bool]:
     """The placement of least `size` (ticks of stretch, or of a step) `probe` finds in [lower, found's] by bisection,
     and whether it is proven least (every smaller size probed was INFEASIBLE)."""
@@ -572,7 +561,7 @@ def _least_stretch(
         solution = greedy_window(window_of(stretch), meter)
         return ("FEASIBLE", solution) if solution is not None else ("UNKNOWN", None)
 
-    return least_stretch(found, probe, lower)[0]
+    return bisect_least(lower, found, probe)[0]
 
 
 def greedy_overhead(

@@ -34,7 +34,6 @@ from fxkfac.planner.search.greedy import (
     bisect_least,
     greedy_window,
     group_lower_bound,
-    least_stretch,
     restretch,
     stretch_lower_bound,
     window_work,
@@ -208,7 +207,7 @@ def least_stretch_at(
             return "UNKNOWN", None
         return solve_window(window, config, left / max(1, math.ceil(math.log2(stretch + 2))), meter, optimize=False)
 
-    best, least = least_stretch(found, probe, stretch_lower_bound(w))
+    best, least = bisect_least(stretch_lower_bound(w), found, probe)
     proof = "proven" if least else "not proven"
     log.info("stages %s k=%d: least stretch %d ticks (%s)", list(w.group.stages), w.k, best.window.stretch, proof)
     return best, least
