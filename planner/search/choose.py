@@ -366,11 +366,10 @@ def _greedy(problem: Problem, config: SolverConfig, budget: Budget) -> list[Grou
         try:
             out.append(
                 greedy_group(
-                    problem,
+                    allowed,
                     group,
                     stats_chunk=stats_chunk_of(problem, group, config, allowed),
                     resolution=config.time_resolution,
-                    allowance=allowed,
                     meter=budget,
                     shrink_stretch=False,
                 )

@@ -77,10 +77,18 @@ class Allowance:
         return max(0, math.floor(stretch_allowance(self.problem, self.fused, k) * self.scale[0] + 1e-6))
 
     def window(
-        self, group: StageGroup, k: int, stretch: int, *, stats_chunk: int, resolution: int, meter: Budget | None = None
+        self,
+        group: StageGroup,
+        k: int,
+        stretch: int | None = None,
+        *,
+        stats_chunk: int,
+        resolution: int,
+        meter: Budget | None = None,
     ) -> Window:
-        """The window of `group` at period k with `stretch` ticks per step on this allowance's grid, its building
-        charged to `meter` by its size: its devices' busy intervals and its tasks, a W task twice."""
+        """The window of `group` at period k with `stretch` ticks per step (None: the whole allowance, what a period
+        search solves) on this allowance's grid, its building charged to `meter` by its size: its devices' busy
+        intervals and its tasks, a W task twice."""
         w = build_window(
             self.problem,
             group,
@@ -88,19 +96,13 @@ class Allowance:
             self.fused,
             stats_chunk=stats_chunk,
             resolution=resolution,
-            stretch=stretch,
+            stretch=self.ticks(k) if stretch is None else stretch,
             scale=self.scale,
         )
         if meter is not None:
             w_tasks = sum(1 for task in w.tasks if task.kind is TaskKind.WGRAD)
             meter.charge_window(sum(len(busy) for busy in w.fixed.values()) + len(w.tasks) + w_tasks)
         return w
-
-    def whole(
-        self, group: StageGroup, k: int, *, stats_chunk: int, resolution: int, meter: Budget | None = None
-    ) -> Window:
-        """The window at period k with the whole allowance of stretch: what a period search solves."""
-        return self.window(group, k, self.ticks(k), stats_chunk=stats_chunk, resolution=resolution, meter=meter)
 
 
 def allowance(problem: Problem, fused: frozenset[str], config: SolverConfig) -> Allowance:
@@ -501,29 +503,28 @@ def _spent(meter: Budget | None) -> bool:
 
 
 def greedy_group(
-    problem: Problem,
+    allowance: Allowance,
     group: StageGroup,
-    fused: frozenset[str] = frozenset(),
     *,
     stats_chunk: int = 1,
     resolution: int = 100_000,
     min_k: int = 1,
-    allowance: Allowance | None = None,
     meter: Budget | None = None,
     shrink_stretch: bool = True,
     cut: bool = True,
 ) -> GroupSolution:
-    """The paper's rule for one stage group: the least k from the group's lower bound (`group_lower_bound`, kept as
-    `k_lower_bound`) to max_period where first-fit places everything with the whole `allowance`, then (`shrink_stretch`)
-    the least stretch found; each window, bound and placement tried is charged to `meter`. PlanError when no k does,
-    or (`cut`) when `meter` runs out first; a candidate's first plan is never cut (`attempt`), so a short limit
-    still plans."""
-    began = time.perf_counter()
-    allowance = allowance if allowance is not None else Allowance(problem, fused, None)
+    """The paper's rule for one stage group of `allowance`'s problem: the least k from the group's lower bound
+    (`group_lower_bound`, kept as `k_lower_bound`) to max_period where first-fit places everything with the whole
+    `allowance`, then (`shrink_stretch`) the least stretch found; each window, bound and placement tried is charged
+    to `meter`. PlanError when no k does, or (`cut`) when `meter` runs out first; a candidate's first plan is never
+    cut (`attempt`), so a short limit still plans."""
+    began, problem = time.perf_counter(), allowance.problem
 
     @functools.cache
     def window_at(k: int) -> Window:
-        return allowance.whole(group, k, stats_chunk=stats_chunk, resolution=resolution, meter=meter)
+        return allowance.window(
+            group, k, allowance.ticks(k), stats_chunk=stats_chunk, resolution=resolution, meter=meter
+        )
 
     lower = group_lower_bound(allowance, group, window_at, min_k, meter)
     for k in range(lower, problem.max_period + 1):

@@ -65,9 +65,8 @@ class Period:
 
 
 def least_group_period(
-    problem: Problem,
+    allowance: Allowance,
     group: StageGroup,
-    fused: frozenset[str],
     config: SolverConfig,
     time_limit: float,
     meter: Budget,
@@ -75,19 +74,20 @@ def least_group_period(
     *,
     stats_chunk: int = 1,
     min_k: int = 1,
-    allowance: Allowance | None = None,
 ) -> Period | None:
-    """The least refresh period >= min_k of `group` (from its lower bounds, descending from first-fit's `greedy`)
-    with the whole stretch allowance, within `time_limit` of `meter`'s clock; None when none is found in time."""
+    """The least refresh period >= min_k of `group` in `allowance`'s problem (from its lower bounds, descending from
+    first-fit's `greedy`) with the whole stretch allowance, within `time_limit` of `meter`'s clock; None when none is
+    found in time."""
     left, wall = _clock(meter, time_limit), time.perf_counter()
-    allowance = allowance if allowance is not None else Allowance(problem, fused, None)
     if greedy is not None and greedy.window.k < min_k:
         greedy = None
     fallback = greedy if greedy is not None and fits_memory(greedy) else None
 
     @functools.cache
     def window_of(k: int) -> Window:  # built once for the packing bound and the probe at the same k
-        return allowance.whole(group, k, stats_chunk=stats_chunk, resolution=config.time_resolution)
+        return allowance.window(
+            group, k, allowance.ticks(k), stats_chunk=stats_chunk, resolution=config.time_resolution
+        )
 
     lower = group_lower_bound(allowance, group, window_of, min_k)
 
@@ -98,7 +98,7 @@ def least_group_period(
         log.info("stages %s k=%d stretch=%d: %s", list(group.stages), k, w.stretch, status)
         return status, found
 
-    found, proven = least_period(probe, left, lower, problem.max_period, fallback)
+    found, proven = least_period(probe, left, lower, allowance.problem.max_period, fallback)
     return None if found is None else Period(found, proven, fallback, time.perf_counter() - wall)
 
 
