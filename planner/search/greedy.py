@@ -187,6 +187,15 @@ def bisect_least(
     return best, proven
 
 
+def first_fits(place: Callable[[int], GroupSolution | None], meter: Budget | None, cut: bool = True) -> Probe:
+    """A probe by first-fit (`place` at a size): never a proof; (`cut`) nothing once `meter` runs out."""
+
+    def probe(size: int) -> tuple[str, GroupSolution | None]:
+        return "UNKNOWN", (None if cut and _spent(meter) else place(size))
+
+    return probe
+
+
 UNITS_PER_STEP = 2000
 """The packing table's units per step (task lengths round down to them, bubbles up: it only over-counts)."""
 
@@ -522,9 +531,7 @@ def greedy_group(
 
     @functools.cache
     def window_at(k: int) -> Window:
-        return allowance.window(
-            group, k, allowance.ticks(k), stats_chunk=stats_chunk, resolution=resolution, meter=meter
-        )
+        return allowance.window(group, k, stats_chunk=stats_chunk, resolution=resolution, meter=meter)
 
     lower = group_lower_bound(allowance, group, window_at, min_k, meter)
     for k in range(lower, problem.max_period + 1):
@@ -555,13 +562,7 @@ def _least_stretch(
 ) -> GroupSolution:
     """Bisect with first-fit (windows by stretch: `window_of`) between `lower` and found's stretch (the least one it
     finds; `cut`: until `meter` runs out)."""
-
-    def probe(stretch: int) -> tuple[str, GroupSolution | None]:
-        if cut and _spent(meter):
-            return "UNKNOWN", None
-        solution = greedy_window(window_of(stretch), meter)
-        return ("FEASIBLE", solution) if solution is not None else ("UNKNOWN", None)
-
+    probe = first_fits(lambda stretch: greedy_window(window_of(stretch), meter), meter, cut)
     return bisect_least(lower, found, probe)[0]
 
 

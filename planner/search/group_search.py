@@ -32,6 +32,7 @@ from fxkfac.planner.search.cpsat import (
 from fxkfac.planner.search.greedy import (
     Allowance,
     bisect_least,
+    first_fits,
     greedy_window,
     group_lower_bound,
     restretch,
@@ -353,14 +354,8 @@ def _least_step(g: _Group, found: GroupSolution, config: SolverConfig, meter: Bu
     work = replace(work, tasks=placed_tasks(work, g.options), precs=tuple(replace(p, ticks=0) for p in work.precs))
     lower = max(g.base + stretch_lower_bound(work), energy)
     cheap_until = meter.now() + (deadline - meter.now()) / 2
-
-    def step_of(placement: GroupSolution) -> int:
-        return placement.step_ticks
-
-    def cheap(step: int) -> Solved:
-        return "UNKNOWN", (g.first_fit(k, step, meter) if meter.now() < cheap_until else None)
-
-    best = bisect_least(lower, found, cheap, step_of)[0]
+    cheap = first_fits(lambda step: g.first_fit(k, step, meter), meter.later(cheap_until, cheap_until))
+    best = bisect_least(lower, found, cheap, lambda s: s.step_ticks)[0]
     until = meter.now() + (deadline - meter.now()) * 3 / 4
 
     def probe(step: int) -> Solved:
@@ -371,6 +366,6 @@ def _least_step(g: _Group, found: GroupSolution, config: SolverConfig, meter: Bu
 
     if lower < best.step_ticks:
         _, at_bound = g.probe(k, lower, config, (until - meter.now()) / 3, meter)
-        best = at_bound or bisect_least(lower + 1, best, probe, step_of)[0]
+        best = at_bound or bisect_least(lower + 1, best, probe, lambda s: s.step_ticks)[0]
     log.info("joint stages %s k=%d: least step %d ticks", list(g.group.stages), k, best.step_ticks)
     return best
