@@ -275,13 +275,11 @@ def _solve_groups(
             raise Refused(PlanError(f"{message} steps holds{stretched}"), knobs, fused)
         try:
             g = greedy_group(
-                problem,
+                allowed,
                 group,
-                fused,
                 stats_chunk=chunk,
                 resolution=config.time_resolution,
                 min_k=min_k,
-                allowance=allowed,
                 meter=clock,
                 cut=False,  # a candidate's first plan comes out whatever the time left (charged, not cut)
             )
@@ -290,9 +288,7 @@ def _solve_groups(
         share = _share(problem, clock, later, reserve=g is None or not fits_memory(g))
         if method is Method.GREEDY or share is None:
             return _Placing(group, chunk, g, solution=g if g is not None and fits_memory(g) else None)
-        period = least_group_period(
-            problem, group, fused, config, share, clock, g, stats_chunk=chunk, min_k=min_k, allowance=allowed
-        )
+        period = least_group_period(allowed, group, config, share, clock, g, stats_chunk=chunk, min_k=min_k)
         return _Placing(group, chunk, g, period=period)
 
     def second(placing: _Placing, later: int) -> GroupSolution | None:
@@ -497,7 +493,7 @@ def _unplaced(
         if config.stretch and problem.max_overhead > 0
         else ""
     )
-    whole = functools.partial(attempt.allowance.whole, stats_chunk=1, resolution=config.time_resolution, meter=clock)
+    whole = functools.partial(attempt.allowance.window, stats_chunk=1, resolution=config.time_resolution, meter=clock)
     # one STATS task per layer (what packs best) fits in no window up to max_period: no search could place it
     if all(
         group_lower_bound(attempt.allowance, g, functools.partial(whole, g), meter=clock) > problem.max_period

@@ -37,11 +37,10 @@ from fxkfac.planner.search.cpsat import (
     least_step,
     options_of,
     reference_step,
-    restretch_joint,
     timeline_stages,
     transfer,
 )
-from fxkfac.planner.search.greedy import Allowance, allowance, greedy_group
+from fxkfac.planner.search.greedy import Allowance, allowance, greedy_group, restretch
 from fxkfac.planner.search.group_search import joint_placements
 
 log = logging.getLogger(__name__)
@@ -321,7 +320,7 @@ def _joint_plan(
     if placements is None:
         return None if anchor.memory_budget is None else _fused(problem, anchor, config, budget)
     step_ticks = max(p.step_ticks for p in placements)
-    placements = [restretch_joint(p, step_ticks) for p in placements]
+    placements = [restretch(p, p.window.stretch + step_ticks - p.step_ticks) for p in placements]
     chosen = anchor.with_distributions({n: d for p in placements for n, d in p.distributions().items()})
     solutions = [transfer(p, chosen) for p in placements]
     if not all(solutions):
@@ -367,11 +366,10 @@ def _greedy(problem: Problem, config: SolverConfig, budget: Budget) -> list[Grou
         try:
             out.append(
                 greedy_group(
-                    problem,
+                    allowed,
                     group,
                     stats_chunk=stats_chunk_of(problem, group, config, allowed),
                     resolution=config.time_resolution,
-                    allowance=allowed,
                     meter=budget,
                     shrink_stretch=False,
                 )

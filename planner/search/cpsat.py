@@ -211,32 +211,6 @@ def reference_step(problem: Problem, free: frozenset[int], distributions: Mappin
     return end
 
 
-def restretch_joint(placement: GroupSolution, step: int) -> GroupSolution:
-    """`placement` (nothing fused) in steps of `step` >= its own ticks: a start in step j moves j times the added
-    ticks later."""
-    w = placement.window
-    before = placement.step_ticks
-    delta = step - before
-    if delta == 0:
-        return placement
-    if delta < 0:
-        raise AssertionError(f"restretch_joint only lengthens: {before} -> {step} ticks per step")
-    scale = (w.scale, w.exact)
-    new = build_window(w.problem, w.group, w.k, stats_chunk=w.stats_chunk, stretch=w.stretch + delta, scale=scale)
-    tasks = {task.name: task for task in new.tasks}
-
-    def move(t: int) -> int:
-        return t + (t // before) * delta
-
-    return replace(
-        placement,
-        window=replace(new, tasks=tuple(replace(tasks[t.name], devices=t.devices) for t in w.tasks)),
-        starts=tuple(move(t) for t in placement.starts),
-        prec_starts=tuple(move(t) for t in placement.prec_starts),
-        bcasts={name: move(t) for name, t in placement.bcasts.items()},
-    )
-
-
 def reference_ticks(problem: Problem, scale: tuple[float, bool]) -> int:
     """`problem`'s reference step on the grid `scale` (nothing fused)."""
     return round(step_timeline(problem).length * scale[0])

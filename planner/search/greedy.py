@@ -77,10 +77,18 @@ class Allowance:
         return max(0, math.floor(stretch_allowance(self.problem, self.fused, k) * self.scale[0] + 1e-6))
 
     def window(
-        self, group: StageGroup, k: int, stretch: int, *, stats_chunk: int, resolution: int, meter: Budget | None = None
+        self,
+        group: StageGroup,
+        k: int,
+        stretch: int | None = None,
+        *,
+        stats_chunk: int,
+        resolution: int,
+        meter: Budget | None = None,
     ) -> Window:
-        """The window of `group` at period k with `stretch` ticks per step on this allowance's grid, its building
-        charged to `meter` by its size: its devices' busy intervals and its tasks, a W task twice."""
+        """The window of `group` at period k with `stretch` ticks per step (None: the whole allowance, what a period
+        search solves) on this allowance's grid, its building charged to `meter` by its size: its devices' busy
+        intervals and its tasks, a W task twice."""
         w = build_window(
             self.problem,
             group,
@@ -88,19 +96,13 @@ class Allowance:
             self.fused,
             stats_chunk=stats_chunk,
             resolution=resolution,
-            stretch=stretch,
+            stretch=self.ticks(k) if stretch is None else stretch,
             scale=self.scale,
         )
         if meter is not None:
             w_tasks = sum(1 for task in w.tasks if task.kind is TaskKind.WGRAD)
             meter.charge_window(sum(len(busy) for busy in w.fixed.values()) + len(w.tasks) + w_tasks)
         return w
-
-    def whole(
-        self, group: StageGroup, k: int, *, stats_chunk: int, resolution: int, meter: Budget | None = None
-    ) -> Window:
-        """The window at period k with the whole allowance of stretch: what a period search solves."""
-        return self.window(group, k, self.ticks(k), stats_chunk=stats_chunk, resolution=resolution, meter=meter)
 
 
 def allowance(problem: Problem, fused: frozenset[str], config: SolverConfig) -> Allowance:
@@ -112,8 +114,9 @@ def allowance(problem: Problem, fused: frozenset[str], config: SolverConfig) -> 
 
 
 def restretch(solution: GroupSolution, stretch: int) -> GroupSolution:
-    """The same placement in a window with `stretch` >= the solution's: a start in window step j moves j * (added
-    ticks) later, keeping its place in its step, so order, overlaps, memory and use offsets, and validity, hold."""
+    """The same placement in a window with `stretch` >= the solution's: a start in window step j (a joint solve's
+    chosen broadcasts too) moves j * (added ticks) later, keeping its place in its step, so order, overlaps, memory
+    and use offsets, and validity, hold; each task keeps its devices (a joint solve's chosen distributions)."""
     w = solution.window
     delta = stretch - w.stretch
     if delta == 0:
@@ -123,34 +126,32 @@ def restretch(solution: GroupSolution, stretch: int) -> GroupSolution:
     new = build_window(
         w.problem, w.group, w.k, w.fused, stats_chunk=w.stats_chunk, stretch=stretch, scale=(w.scale, w.exact)
     )
+    tasks = {task.name: task for task in new.tasks}
     bounds = [w.step_start(w.group.devices[0], j) for j in range(2 * w.k + 1)]  # where each step begins
 
     def move(t: int) -> int:
         return t + max(0, bisect_right(bounds, t) - 1) * delta
 
-    s = solution
-    starts, precs = tuple(move(t) for t in s.starts), tuple(move(t) for t in s.prec_starts)
-    offsets = use_offsets(new, starts, precs)
-    return GroupSolution(new, starts, s.devices, precs, offsets, s.method, s.status, s.k_lower_bound, s.wall_time)
+    return replace(
+        solution,
+        window=replace(new, tasks=tuple(replace(tasks[t.name], devices=t.devices) for t in w.tasks)),
+        starts=tuple(move(t) for t in solution.starts),
+        prec_starts=tuple(move(t) for t in solution.prec_starts),
+        bcasts={name: move(t) for name, t in solution.bcasts.items()},
+    )
 
 
 def _boundary_gaps(window: Window, device: int) -> tuple[int, int]:
-    """(longest free stretch away from step boundaries, longest across one) of `device`; only the second grows
+    """(longest idle region of `device` that meets no step boundary, longest that meets one); only the second grows
     with the stretch."""
-    busy, L = window.fixed[device], window.length
-    ends = [e for _, e in busy]
-    across = 0
-    bounds = [window.step_start(device, j) % L for j in range(window.k)]  # each blocked boundary tick
-    for b in bounds:
-        if any(s < b < e for s, e in busy):
-            continue
-        before = max((e for e in ends if e <= b), default=ends[-1] - L)
-        after = min((s for s, _ in busy if s >= b), default=busy[0][0] + L)
-        across = max(across, after - before)
-    inside = 0
-    for (_, e1), (s2, _) in zip(busy, busy[1:] + ((busy[0][0] + L, 0),)):
-        if not any(e1 <= b <= s2 or e1 <= b + L <= s2 for b in bounds):
-            inside = max(inside, s2 - e1)
+    L = window.length
+    bounds = [window.step_start(device, j) % L for j in range(window.k)]  # each boundary tick
+    inside = across = 0
+    for region in idle_regions(window.fixed[device], L):
+        if any(s <= b <= e or s <= b + L <= e for s, e in region for b in bounds):
+            across = max(across, _span(region))
+        else:
+            inside = max(inside, _span(region))
     return inside, across
 
 
@@ -169,13 +170,8 @@ def stretch_lower_bound(window: Window) -> int:
     return max(need, x + math.ceil((work - free) / (k * n)), 0)
 
 
-def least_stretch(found: GroupSolution, probe: Probe, lower: int) -> tuple[GroupSolution, bool]:
-    """`bisect_least` over the stretch."""
-    return bisect_least(max(0, lower), found, probe, lambda solution: solution.window.stretch)
-
-
 def bisect_least(
-    lower: int, found: GroupSolution, probe: Probe, size: Callable[[GroupSolution], int]
+    lower: int, found: GroupSolution, probe: Probe, size: Callable[[GroupSolution], int] = lambda s: s.window.stretch
 ) -> tuple[GroupSolution, bool]:
     """The placement of least `size` (ticks of stretch, or of a step) `probe` finds in [lower, found's] by bisection,
     and whether it is proven least (every smaller size probed was INFEASIBLE)."""
@@ -189,6 +185,15 @@ def bisect_least(
             proven = proven and status == "INFEASIBLE"
             lo = mid + 1
     return best, proven
+
+
+def first_fits(place: Callable[[int], GroupSolution | None], meter: Budget | None, cut: bool = True) -> Probe:
+    """A probe by first-fit (`place` at a size): never a proof; (`cut`) nothing once `meter` runs out."""
+
+    def probe(size: int) -> tuple[str, GroupSolution | None]:
+        return "UNKNOWN", (None if cut and _spent(meter) else place(size))
+
+    return probe
 
 
 UNITS_PER_STEP = 2000
@@ -507,29 +512,26 @@ def _spent(meter: Budget | None) -> bool:
 
 
 def greedy_group(
-    problem: Problem,
+    allowance: Allowance,
     group: StageGroup,
-    fused: frozenset[str] = frozenset(),
     *,
     stats_chunk: int = 1,
     resolution: int = 100_000,
     min_k: int = 1,
-    allowance: Allowance | None = None,
     meter: Budget | None = None,
     shrink_stretch: bool = True,
     cut: bool = True,
 ) -> GroupSolution:
-    """The paper's rule for one stage group: the least k from the group's lower bound (`group_lower_bound`, kept as
-    `k_lower_bound`) to max_period where first-fit places everything with the whole `allowance`, then (`shrink_stretch`)
-    the least stretch found; each window, bound and placement tried is charged to `meter`. PlanError when no k does,
-    or (`cut`) when `meter` runs out first; a candidate's first plan is never cut (`attempt`), so a short limit
-    still plans."""
-    began = time.perf_counter()
-    allowance = allowance if allowance is not None else Allowance(problem, fused, None)
+    """The paper's rule for one stage group of `allowance`'s problem: the least k from the group's lower bound
+    (`group_lower_bound`, kept as `k_lower_bound`) to max_period where first-fit places everything with the whole
+    `allowance`, then (`shrink_stretch`) the least stretch found; each window, bound and placement tried is charged
+    to `meter`. PlanError when no k does, or (`cut`) when `meter` runs out first; a candidate's first plan is never
+    cut (`attempt`), so a short limit still plans."""
+    began, problem = time.perf_counter(), allowance.problem
 
     @functools.cache
     def window_at(k: int) -> Window:
-        return allowance.whole(group, k, stats_chunk=stats_chunk, resolution=resolution, meter=meter)
+        return allowance.window(group, k, stats_chunk=stats_chunk, resolution=resolution, meter=meter)
 
     lower = group_lower_bound(allowance, group, window_at, min_k, meter)
     for k in range(lower, problem.max_period + 1):
@@ -560,14 +562,8 @@ def _least_stretch(
 ) -> GroupSolution:
     """Bisect with first-fit (windows by stretch: `window_of`) between `lower` and found's stretch (the least one it
     finds; `cut`: until `meter` runs out)."""
-
-    def probe(stretch: int) -> tuple[str, GroupSolution | None]:
-        if cut and _spent(meter):
-            return "UNKNOWN", None
-        solution = greedy_window(window_of(stretch), meter)
-        return ("FEASIBLE", solution) if solution is not None else ("UNKNOWN", None)
-
-    return least_stretch(found, probe, lower)[0]
+    probe = first_fits(lambda stretch: greedy_window(window_of(stretch), meter), meter, cut)
+    return bisect_least(lower, found, probe)[0]
 
 
 def greedy_overhead(

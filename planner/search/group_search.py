@@ -32,9 +32,9 @@ from fxkfac.planner.search.cpsat import (
 from fxkfac.planner.search.greedy import (
     Allowance,
     bisect_least,
+    first_fits,
     greedy_window,
     group_lower_bound,
-    least_stretch,
     restretch,
     stretch_lower_bound,
     window_work,
@@ -66,9 +66,8 @@ class Period:
 
 
 def least_group_period(
-    problem: Problem,
+    allowance: Allowance,
     group: StageGroup,
-    fused: frozenset[str],
     config: SolverConfig,
     time_limit: float,
     meter: Budget,
@@ -76,19 +75,20 @@ def least_group_period(
     *,
     stats_chunk: int = 1,
     min_k: int = 1,
-    allowance: Allowance | None = None,
 ) -> Period | None:
-    """The least refresh period >= min_k of `group` (from its lower bounds, descending from first-fit's `greedy`)
-    with the whole stretch allowance, within `time_limit` of `meter`'s clock; None when none is found in time."""
+    """The least refresh period >= min_k of `group` in `allowance`'s problem (from its lower bounds, descending from
+    first-fit's `greedy`) with the whole stretch allowance, within `time_limit` of `meter`'s clock; None when none is
+    found in time."""
     left, wall = _clock(meter, time_limit), time.perf_counter()
-    allowance = allowance if allowance is not None else Allowance(problem, fused, None)
     if greedy is not None and greedy.window.k < min_k:
         greedy = None
     fallback = greedy if greedy is not None and fits_memory(greedy) else None
 
     @functools.cache
     def window_of(k: int) -> Window:  # built once for the packing bound and the probe at the same k
-        return allowance.whole(group, k, stats_chunk=stats_chunk, resolution=config.time_resolution)
+        return allowance.window(
+            group, k, allowance.ticks(k), stats_chunk=stats_chunk, resolution=config.time_resolution
+        )
 
     lower = group_lower_bound(allowance, group, window_of, min_k)
 
@@ -99,7 +99,7 @@ def least_group_period(
         log.info("stages %s k=%d stretch=%d: %s", list(group.stages), k, w.stretch, status)
         return status, found
 
-    found, proven = least_period(probe, left, lower, problem.max_period, fallback)
+    found, proven = least_period(probe, left, lower, allowance.problem.max_period, fallback)
     return None if found is None else Period(found, proven, fallback, time.perf_counter() - wall)
 
 
@@ -208,7 +208,7 @@ def least_stretch_at(
             return "UNKNOWN", None
         return solve_window(window, config, left / max(1, math.ceil(math.log2(stretch + 2))), meter, optimize=False)
 
-    best, least = least_stretch(found, probe, stretch_lower_bound(w))
+    best, least = bisect_least(stretch_lower_bound(w), found, probe)
     proof = "proven" if least else "not proven"
     log.info("stages %s k=%d: least stretch %d ticks (%s)", list(w.group.stages), w.k, best.window.stretch, proof)
     return best, least
@@ -354,14 +354,8 @@ def _least_step(g: _Group, found: GroupSolution, config: SolverConfig, meter: Bu
     work = replace(work, tasks=placed_tasks(work, g.options), precs=tuple(replace(p, ticks=0) for p in work.precs))
     lower = max(g.base + stretch_lower_bound(work), energy)
     cheap_until = meter.now() + (deadline - meter.now()) / 2
-
-    def step_of(placement: GroupSolution) -> int:
-        return placement.step_ticks
-
-    def cheap(step: int) -> Solved:
-        return "UNKNOWN", (g.first_fit(k, step, meter) if meter.now() < cheap_until else None)
-
-    best = bisect_least(lower, found, cheap, step_of)[0]
+    cheap = first_fits(lambda step: g.first_fit(k, step, meter), meter.later(cheap_until, cheap_until))
+    best = bisect_least(lower, found, cheap, lambda s: s.step_ticks)[0]
     until = meter.now() + (deadline - meter.now()) * 3 / 4
 
     def probe(step: int) -> Solved:
@@ -372,6 +366,6 @@ def _least_step(g: _Group, found: GroupSolution, config: SolverConfig, meter: Bu
 
     if lower < best.step_ticks:
         _, at_bound = g.probe(k, lower, config, (until - meter.now()) / 3, meter)
-        best = at_bound or bisect_least(lower + 1, best, probe, step_of)[0]
+        best = at_bound or bisect_least(lower + 1, best, probe, lambda s: s.step_ticks)[0]
     log.info("joint stages %s k=%d: least step %d ticks", list(g.group.stages), k, best.step_ticks)
     return best

@@ -8,7 +8,7 @@ from fxkfac.planner.plan.window import Window
 from fxkfac.planner.problem.errors import PlanError
 from fxkfac.planner.problem.problem import SolverConfig, stage_groups
 from fxkfac.planner.search.budget import GREEDY_DTIME_PER_SCAN, GREEDY_DTIME_PER_TASK, Budget
-from fxkfac.planner.search.greedy import allowance, greedy_group, greedy_window
+from fxkfac.planner.search.greedy import Allowance, allowance, greedy_group, greedy_window
 from tests.planner.kfac_cases import problem
 
 CONFIG = SolverConfig(time_limit_s=1.0)
@@ -17,7 +17,7 @@ GROUP = stage_groups(PROBLEM)[0]
 
 
 def _window(k: int) -> Window:
-    return allowance(PROBLEM, frozenset(), CONFIG).whole(GROUP, k, stats_chunk=1, resolution=CONFIG.time_resolution)
+    return allowance(PROBLEM, frozenset(), CONFIG).window(GROUP, k, stats_chunk=1, resolution=CONFIG.time_resolution)
 
 
 def _first_fit_charge(window: Window) -> float:
@@ -47,9 +47,9 @@ def test_the_greedy_rule_charges_its_windows_and_bound_and_stops_when_its_time_i
     """greedy_group's charge holds more than its placements' (the windows it built and its packing bound); a view
     whose time is spent gets no placement, but a PlanError that says so."""
     meter = Budget.of(CONFIG)
-    placed = greedy_group(PROBLEM, GROUP, meter=meter, resolution=CONFIG.time_resolution)
+    placed = greedy_group(Allowance(PROBLEM, frozenset(), None), GROUP, meter=meter, resolution=CONFIG.time_resolution)
     assert meter.tally.greedy > _first_fit_charge(placed.window) > 0
     spent = Budget.of(CONFIG)
     spent.charge(spent.cutoff + 1.0)
     with pytest.raises(PlanError, match="time limit ran out while the greedy rule placed"):
-        greedy_group(PROBLEM, GROUP, meter=spent, resolution=CONFIG.time_resolution)
+        greedy_group(Allowance(PROBLEM, frozenset(), None), GROUP, meter=spent, resolution=CONFIG.time_resolution)
