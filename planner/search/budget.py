@@ -287,11 +287,16 @@ class Budget:
         """Count `units` of the packing bound's work (lookups, table cells, slot choices)."""
         self._charge_greedy(units * PACKING_DTIME_PER_UNIT)
 
-    def _charge_greedy(self, dtime: float) -> None:
-        """Count `dtime` deterministic seconds of the greedy rule's work (the wall clock counts itself)."""
+    def _counted(self, dtime: float) -> bool:
+        """Add `dtime` deterministic seconds of work outside CP-SAT to the clock; False in the wall-clock mode, where
+        the wall clock counts itself."""
         if self.deterministic:
             self.tally.spent += dtime
             self.tally.calibrated += dtime
+        return self.deterministic
+
+    def _charge_greedy(self, dtime: float) -> None:
+        if self._counted(dtime):
             self.tally.greedy += dtime
 
     def charge_imports(self) -> None:
@@ -307,9 +312,7 @@ class Budget:
         self._charge_setup(layers * COST_DTIME_PER_LAYER)
 
     def _charge_setup(self, dtime: float) -> None:
-        if self.deterministic:
-            self.tally.spent += dtime
-            self.tally.calibrated += dtime
+        if self._counted(dtime):
             self.tally.setup += dtime
 
     def keeping(self, dtime: float) -> Budget:
@@ -327,16 +330,12 @@ class Budget:
 
     def charge_output(self, dtime: float) -> None:
         """Count the work after the search, `after_search`'s count of it."""
-        if self.deterministic:
-            self.tally.spent += dtime
-            self.tally.calibrated += dtime
+        if self._counted(dtime):
             self.tally.output += dtime
 
     def charge_simulated(self, ops: int) -> None:
         """Count one simulated step of `ops` ops run outside CP-SAT (SIMULATED_DTIME_PER_OP each)."""
-        if self.deterministic:
-            self.tally.spent += ops * SIMULATED_DTIME_PER_OP
-            self.tally.calibrated += ops * SIMULATED_DTIME_PER_OP
+        if self._counted(ops * SIMULATED_DTIME_PER_OP):
             self.tally.simulated += ops * SIMULATED_DTIME_PER_OP
 
     def charge(self, dtime: float, wall: float = 0.0) -> None:
