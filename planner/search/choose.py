@@ -192,9 +192,9 @@ def has_choice(problem: Problem, budget: Budget | None = None) -> bool:
 
 def shares_of(n: int, total: int) -> float:
     """Into how many equal shares the time left is cut for candidate `n` of `total`: the first (least reference step,
-    the likely choice) counts each other as half a share, so it gets most of the time, nearly as forcing it would,
+    the likely choice) counts each other as a quarter share, so it gets most of the time, nearly as forcing it would,
     and a refused first one still leaves the others a part; each later one an equal share."""
-    return 1 + (total - 1) / 2 if n == 0 else total - n
+    return 1 + (total - 1) / 4 if n == 0 else total - n
 
 
 def _plan_each(
