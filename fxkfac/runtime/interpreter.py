@@ -369,10 +369,13 @@ class _Program:
     """The op list this was made of (kept: its id is the cache key)."""
     made_of: tuple[Op, ...]
     """Its ops when this was made: a list changed in place since is looked up again."""
+    sends_first: bool
+    """Whether the sends right after the first FWD or BWD go before the late receives' posts (`_late_from`)."""
     prepares: tuple[tuple[Prepare, Op], ...]
     """What runs when the step begins."""
     head: tuple[tuple[Handler, Op, str, str], ...]
-    """The ops up to the step's first FWD or BWD (all of them where it has none)."""
+    """The ops up to the step's first FWD or BWD (all of them where it has none), and with `sends_first` the sends
+    right after it."""
     posts: tuple[tuple[Prepare, Op], ...]
     """The receives of the ops after it, posted once it ends ([Note: when receives are posted])."""
     tail: tuple[tuple[Handler, Op, str, str], ...]
@@ -380,6 +383,7 @@ class _Program:
 
 
 _COMPUTE = (OpKind.FWD, OpKind.BWD)
+_SENDS = (OpKind.SEND_ACT, OpKind.SEND_GRAD)
 _RECEIVES = (OpKind.RECV_ACT, OpKind.RECV_GRAD, OpKind.OPT_STEP)
 """The ops whose prepare posts receives (OPT_STEP: its sum's, `StepEnd.post`)."""
 
@@ -395,6 +399,12 @@ _RECEIVES = (OpKind.RECV_ACT, OpKind.RECV_GRAD, OpKind.OPT_STEP)
 # with them: gloo moves a message's bytes only once its receive is posted, so a share received when the root's
 # OPT_STEP began cost a round trip through the peer's I/O thread on the step's critical path, where a posted one has
 # landed: the root's sum took 3.7 ms (median wall; 0.2 ms of CPU) on 1F1B, D=2, 2 cores at load 5, 0.26 ms posted.
+# Where a send never waits on its receiver (gloo: `Transport.sends_wait_for_receives` is False) the sends right after
+# that first FWD or BWD go before those posts: they carry what a peer waits for (1F1B's stage 0 sends its first
+# activation after its first FWD), and five posts took 0.17 ms on 1F1B, D=2, on the critical path to rank 1's first
+# FWD; fxkfac's 1F1B went from 0.94x torch's throughput to 1.00x (benchmarks/pipeline_vs_torch.py, 2 quiet cores).
+# Under NCCL each stays behind the posts: two ranks whose first op sends to the other (Chimera's two pipes) would
+# each hold its receive's post behind a send that waits for the other's.
 
 
 def _execute(steps: Sequence[tuple[Handler, Op, str, str]], ctx: StepContext, recorder: Recorder | None) -> None:
@@ -410,6 +420,15 @@ def _execute(steps: Sequence[tuple[Handler, Op, str, str]], ctx: StepContext, re
         end, took = Recorder.now(), -cpu
         cpu = Recorder.cpu_now()  # one CPU clock read per op: a system call (1-3 us)
         recorder.record(text, kind, ctx.step, start, end, ctx.transport.waited_ns - waited, took + cpu)
+
+
+def _late_from(ops: Sequence[Op], sends_first: bool) -> int:
+    """The index of the op after which the step's late receives are posted: its first FWD or BWD, or the last of the
+    sends right after it when `sends_first` ([Note: when receives are posted])."""
+    first = next((i for i, op in enumerate(ops) if op.kind in _COMPUTE), len(ops))
+    while sends_first and first + 1 < len(ops) and ops[first + 1].kind in _SENDS:
+        first += 1
+    return first
 
 
 def _same_ops(made_of: tuple[Op, ...], ops: Sequence[Op]) -> bool:
@@ -445,11 +464,16 @@ class Interpreter:
             self.prepares[kind] = prepare
         self._programs.clear()
 
-    def _program(self, ops: Sequence[Op], rank: int) -> _Program:
+    def _program(self, ops: Sequence[Op], rank: int, sends_first: bool) -> _Program:
         """`ops` with every op's prepare, handler and text looked up (once per op list: the per-op dictionary
         lookups and texts are not paid again each step); PipelineError for an op without a handler."""
         program = self._programs.get(id(ops))
-        if program is not None and program.ops is ops and _same_ops(program.made_of, ops):
+        if (
+            program is not None
+            and program.ops is ops
+            and program.sends_first == sends_first
+            and _same_ops(program.made_of, ops)
+        ):
             return program
         missing = next((op for op in ops if op.kind not in self.handlers), None)
         if missing is not None:
@@ -457,7 +481,7 @@ class Interpreter:
                 f"rank {rank} has no handler for '{missing}'; register one with "
                 f"Interpreter.register(OpKind.{missing.kind.name}, fn) (preconditioner ops need the family's runtime)"
             )
-        first = next((i for i, op in enumerate(ops) if op.kind in _COMPUTE), len(ops))
+        first = _late_from(ops, sends_first)
         later = [i > first and op.kind in _RECEIVES for i, op in enumerate(ops)]
         prepares = tuple(
             (self.prepares[op.kind], op) for op, late in zip(ops, later) if op.kind in self.prepares and not late
@@ -466,14 +490,15 @@ class Interpreter:
         steps = tuple((self.handlers[op.kind], op, str(op), op.kind.value) for op in ops)
         if len(self._programs) >= _PROGRAMS_KEPT:  # op lists made anew per call (evaluation's) must not pile up
             self._programs.clear()
-        program = _Program(ops, tuple(ops), prepares, steps[: first + 1], posts, steps[first + 1 :])
+        program = _Program(ops, tuple(ops), sends_first, prepares, steps[: first + 1], posts, steps[first + 1 :])
         self._programs[id(ops)] = program
         return program
 
     def run(self, ops: Sequence[Op], ctx: StepContext, timeline: Recorder | None = None) -> None:
         """Execute `ops` in order on `ctx`, each op's `prepares` entry run first, except the receives after the
-        step's first FWD or BWD, posted once it ends ([Note: when receives are posted])."""
-        program = self._program(ops, ctx.rank)
+        step's first FWD or BWD, posted once it ends (on gloo, once the sends right after it have started)
+        ([Note: when receives are posted])."""
+        program = self._program(ops, ctx.rank, not ctx.transport.sends_wait_for_receives)
         for listener in self.listeners:
             listener.begin_step(ctx)
         for prepare, op in program.prepares:

@@ -87,6 +87,12 @@ class Transport:
     waited_ns: int = 0
     """Wall-clock ns spent in `wait` so far: what the timeline counts of an op as waiting for peers."""
 
+    @property
+    def sends_wait_for_receives(self) -> bool:
+        """Whether a send started here can hold up this rank's later transfers until its receiver posts the receive:
+        NCCL's (CUDA tensors), run in order on one stream per peer; gloo's (CPU) send only queues its bytes."""
+        return self.device.type == "cuda"
+
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for `work` at most the timeout; a timeout or a dead peer becomes a PipelineError naming `what`."""
         began = time.time_ns()
