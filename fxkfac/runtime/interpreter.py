@@ -482,15 +482,17 @@ class Interpreter:
                 f"Interpreter.register(OpKind.{missing.kind.name}, fn) (preconditioner ops need the family's runtime)"
             )
         first = _late_from(ops, sends_first)
-        later = [i > first and op.kind in _RECEIVES for i, op in enumerate(ops)]
-        prepares = tuple(
-            (self.prepares[op.kind], op) for op, late in zip(ops, later) if op.kind in self.prepares and not late
-        )
-        posts = tuple((self.prepares[op.kind], op) for op, late in zip(ops, later) if late and op.kind in self.prepares)
+        prepares: list[tuple[Prepare, Op]] = []
+        posts: list[tuple[Prepare, Op]] = []
+        for i, op in enumerate(ops):
+            if op.kind in self.prepares:
+                (posts if i > first and op.kind in _RECEIVES else prepares).append((self.prepares[op.kind], op))
         steps = tuple((self.handlers[op.kind], op, str(op), op.kind.value) for op in ops)
         if len(self._programs) >= _PROGRAMS_KEPT:  # op lists made anew per call (evaluation's) must not pile up
             self._programs.clear()
-        program = _Program(ops, tuple(ops), sends_first, prepares, steps[: first + 1], posts, steps[first + 1 :])
+        program = _Program(
+            ops, tuple(ops), sends_first, tuple(prepares), steps[: first + 1], tuple(posts), steps[first + 1 :]
+        )
         self._programs[id(ops)] = program
         return program
 

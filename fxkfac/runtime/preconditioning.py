@@ -552,8 +552,8 @@ class PreconditionerRuntime:
         self._touched.add(op.stage)
 
     def post_step_end(self, ctx: StepContext, op: Op, _: Sequence[Op]) -> None:
-        """The receives of OPT_STEP's sum (`StepEnd.post`), a <P, G> share of each KL-clip group under STAGE."""
-        ctx.step_end.post(ctx.step_end.groups if self.scope is KLClipScope.STAGE else 0)
+        """The receives of OPT_STEP's sum (`StepEnd.post`), with a <P, G> share of each KL-clip group."""
+        ctx.step_end.post(ctx.step_end.groups)
 
     def opt_step(self, ctx: StepContext, op: Op) -> None:
         """Agree on skipping the step and take each KL-clip group's nu (`StepEnd.finish`: by the scope), scale the
