@@ -110,11 +110,11 @@ def schedule_programs(kind: ScheduleKind | str, D: int, N: int, *, v: int = 1) -
     if kind is ScheduleKind.CHIMERA:
         return {r: _chimera_rank(D, N, r) for r in range(D)}
     make = {
-        ScheduleKind.GPIPE: lambda r: _warmup_rank(D, 1, r, N, N),
-        ScheduleKind.ONE_F_ONE_B: lambda r: _warmup_rank(D, 1, r, N, D - r - 1),
-        ScheduleKind.INTERLEAVED: lambda r: _warmup_rank(D, v, r, N * v, (D - r - 1) * 2 + (v - 1) * D),
-        ScheduleKind.ZB_H1: lambda r: _zero_bubble_rank(D, N, 1, r),
-        ScheduleKind.ZB_1P: lambda r: _zero_bubble_rank(D, N, v, r),
+        ScheduleKind.GPIPE: lambda r: _steady_rank(D, 1, r, N, N),
+        ScheduleKind.ONE_F_ONE_B: lambda r: _steady_rank(D, 1, r, N, D - r - 1),
+        ScheduleKind.INTERLEAVED: lambda r: _steady_rank(D, v, r, N * v, (D - r - 1) * 2 + (v - 1) * D),
+        ScheduleKind.ZB_H1: lambda r: _steady_rank(D, 1, r, N, D - 1 - r, w_lag=r),
+        ScheduleKind.ZB_1P: lambda r: _steady_rank(D, v, r, N * v, (v - 1) * D + (D - 1 - r), w_lag=r),
         ScheduleKind.ZB_V: lambda r: _zb_v_rank(D, N, r),
     }[kind]
     programs = {}
@@ -133,29 +133,21 @@ def _unit(D: int, v: int, r: int, k: int, kind: OpKind) -> Op:
     return Op(kind, (chunk if kind is OpKind.FWD else v - 1 - chunk) * D + r, mb)
 
 
-def _warmup_rank(D: int, v: int, r: int, total: int, warmup: int) -> list[Op]:
-    """`warmup` forwards, F/B pairs, the remaining B's of `total` units (`_unit`): GPipe (every forward first), 1F1B
-    with flush (v=1) and Megatron's interleaved 1F1B (stages r, r+D, ...)."""
+def _steady_rank(D: int, v: int, r: int, total: int, warmup: int, w_lag: int | None = None) -> list[Op]:
+    """`warmup` forwards, then per unit k of `total` (`_unit`) the forward k+warmup (while any is left) and backward
+    k: GPipe, 1F1B with flush, Megatron's interleaved 1F1B. With `w_lag` r, the zero-bubble order of torch's
+    ScheduleInterleavedZeroBubble (ZB-1P; ZB-H1 when v=1): the j-th B followed by the W of B j-r (r W's held back)."""
     unit, warmup = partial(_unit, D, v, r), min(warmup, total)
-    ops = [unit(k, OpKind.FWD) for k in range(warmup)]
-    for i in range(total - warmup):
-        ops += [unit(warmup + i, OpKind.FWD), unit(i, OpKind.BWD)]
-    return ops + [unit(k, OpKind.BWD) for k in range(total - warmup, total)]
-
-
-def _zero_bubble_rank(D: int, N: int, v: int, r: int) -> list[Op]:
-    """Interleaved zero bubble (ZB-1P; ZB-H1 when v=1) in the order of torch's ScheduleInterleavedZeroBubble: units
-    as in interleaved 1F1B, one warm-up forward per hop, the j-th B followed by the W of B j-r (r W's held back)."""
-    total, unit = N * v, partial(_unit, D, v, r)
-    warmup = min((v - 1) * D + (D - 1 - r), total)
     ops = [unit(k, OpKind.FWD) for k in range(warmup)]
     for j in range(total):
         if warmup + j < total:
             ops.append(unit(warmup + j, OpKind.FWD))
         ops.append(unit(j, OpKind.BWD))
-        if j >= r:
-            ops.append(unit(j - r, OpKind.BWD_W))
-    return ops + [unit(j, OpKind.BWD_W) for j in range(max(total - r, 0), total)]
+        if w_lag is not None and j >= w_lag:
+            ops.append(unit(j - w_lag, OpKind.BWD_W))
+    if w_lag is None:
+        return ops
+    return ops + [unit(j, OpKind.BWD_W) for j in range(max(total - w_lag, 0), total)]
 
 
 def _zb_v_rank(D: int, N: int, r: int) -> list[Op]:
@@ -165,40 +157,29 @@ def _zb_v_rank(D: int, N: int, r: int) -> list[Op]:
     triples F, B, W high; F, B, W low and high until every forward ran; r pairs B low, B high (W's held); D-r pairs
     B low, W low; the held W's, high then low.
     """
+    F, B, W = OpKind.FWD, OpKind.BWD, OpKind.BWD_W
     low, high = r, 2 * D - 1 - r
     n = max(N, 2 * D - 1)
-    done = {(kind, s): 0 for kind in (OpKind.FWD, OpKind.BWD, OpKind.BWD_W) for s in (low, high)}
+    done = {(kind, s): 0 for kind in (F, B, W) for s in (low, high)}
     ops: list[Op] = []
 
-    def emit(kind: OpKind, stage: int) -> None:
-        ops.append(Op(kind, stage, done[kind, stage]))
-        done[kind, stage] += 1
+    def run(times: int, *pattern: tuple[OpKind, int]) -> None:
+        for _ in range(times):
+            for kind, stage in pattern:
+                ops.append(Op(kind, stage, done[kind, stage]))
+                done[kind, stage] += 1
 
-    def triple(stage: int, forward: bool = True) -> None:
-        if forward:
-            emit(OpKind.FWD, stage)
-        emit(OpKind.BWD, stage)
-        emit(OpKind.BWD_W, stage)
-
-    for _ in range(2 * (D - r) - 1):
-        emit(OpKind.FWD, low)
-    for _ in range(r):
-        emit(OpKind.FWD, high)
-        emit(OpKind.FWD, low)
-    for _ in range(D - r):
-        triple(high)
-    while done[OpKind.FWD, high] < done[OpKind.FWD, low] or done[OpKind.FWD, low] < n:
-        triple(low, forward=done[OpKind.FWD, low] < n)
-        triple(high)
-    for _ in range(r):
-        emit(OpKind.BWD, low)
-        emit(OpKind.BWD, high)
-    for _ in range(D - r):
-        emit(OpKind.BWD, low)
-        emit(OpKind.BWD_W, low)
-    for stage in (high, low):
-        while done[OpKind.BWD_W, stage] < done[OpKind.BWD, stage]:
-            emit(OpKind.BWD_W, stage)
+    run(2 * (D - r) - 1, (F, low))
+    run(r, (F, high), (F, low))
+    run(D - r, (F, high), (B, high), (W, high))
+    while done[F, high] < done[F, low] or done[F, low] < n:
+        if done[F, low] < n:
+            run(1, (F, low))
+        run(1, (B, low), (W, low), (F, high), (B, high), (W, high))
+    run(r, (B, low), (B, high))
+    run(D - r, (B, low), (W, low))
+    run(done[B, high] - done[W, high], (W, high))
+    run(done[B, low] - done[W, low], (W, low))
     return [op for op in ops if op.mb_id < N]
 
 
