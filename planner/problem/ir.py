@@ -267,15 +267,10 @@ def _check_group(group: object, root: int | None) -> tuple[int, ...]:
 
 def _check_piece(piece: object) -> tuple[int, int]:
     """A DECOMP's piece as ``(i, n)`` with ``0 <= i < n`` and ``n >= 2``; PlanFormatError otherwise."""
-    if (
-        not isinstance(piece, (tuple, list))
-        or len(piece) != 2
-        or not all(isinstance(v, int) for v in piece)
-        or not 0 <= piece[0] < piece[1]
-        or piece[1] < 2
-    ):
+    i, n = piece if isinstance(piece, (tuple, list)) and len(piece) == 2 else (None, None)
+    if not (isinstance(i, int) and isinstance(n, int) and 0 <= i < n and n >= 2):
         raise PlanFormatError(f"Op.piece must be (i, n) with 0 <= i < n and n >= 2, got {piece!r}")
-    return (piece[0], piece[1])
+    return (i, n)
 
 
 def _parse_layer(rest: str, text: str) -> str:
@@ -353,19 +348,15 @@ def format_programs(programs: Mapping[int, Iterable[Sequence[Op]]]) -> str:
 
 def parse_programs(text: str) -> Programs:
     """Inverse of `format_programs`."""
-    chunks: dict[int, list[str]] = {}
-    current: list[str] | None = None
-    for line in text.splitlines():
-        if line.startswith(_RANK_MARK):
-            rank_text = line[len(_RANK_MARK) :].strip()
-            if not rank_text.isdigit():
-                raise PlanFormatError(f"bad rank header {line!r}; expected '{_RANK_MARK}<int>'")
-            current = chunks.setdefault(int(rank_text), [])
-        elif current is not None:
-            current.append(line)
-        elif line.strip() and not line.strip().startswith("#"):
-            raise PlanFormatError(f"op {line!r} before any '{_RANK_MARK}R' header")
-    return {rank: parse_program("\n".join(lines)) for rank, lines in chunks.items()}
+    head, *chunks = re.split(f"^{_RANK_MARK}(.*)$", text, flags=re.MULTILINE)
+    if parse_program(head) != [[]]:
+        raise PlanFormatError(f"ops before any '{_RANK_MARK}R' header: {head.strip()!r}")
+    programs: Programs = {}
+    for rank_text, body in zip(chunks[::2], chunks[1::2], strict=True):
+        if not rank_text.strip().isdigit():
+            raise PlanFormatError(f"bad rank header {_RANK_MARK}{rank_text!r}; expected '{_RANK_MARK}<int>'")
+        programs[int(rank_text)] = parse_program(body)
+    return programs
 
 
 @dataclass(frozen=True, slots=True)

@@ -92,21 +92,11 @@ def ranks_of_stages(kind: ScheduleKind | str, D: int, W: int, v: int = 1) -> dic
 
 def linked_classes(sets: Iterable[Sequence[int]], count: int) -> list[tuple[int, ...]]:
     """The classes of 0..count-1 linked transitively by sharing one of `sets`, each ascending, by first member."""
-    parent = list(range(count))
-
-    def root(x: int) -> int:
-        while parent[x] != x:
-            parent[x] = parent[parent[x]]
-            x = parent[x]
-        return x
-
+    classes = [{x} for x in range(count)]
     for members in sets:
-        for x in members[1:]:
-            parent[root(x)] = root(members[0])
-    classes: dict[int, list[int]] = {}
-    for x in range(count):
-        classes.setdefault(root(x), []).append(x)
-    return sorted(tuple(c) for c in classes.values())
+        linked = set(members).union(*(c for c in classes if c & set(members)))
+        classes = [c for c in classes if not c & linked] + [linked]
+    return sorted(tuple(sorted(c)) for c in classes)
 
 
 def refreshing(timings: Mapping[str, LayerTiming], names: Sequence[str], step: int) -> list[str]:

@@ -5,7 +5,7 @@ reference step, its collectives and bubbles), and a problem's memory (held all s
 from __future__ import annotations
 
 import math
-from collections import Counter, defaultdict
+from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -227,18 +227,16 @@ class _Sim:
         self.groups = {key: sorted(ranks) for key, ranks in members.items()}
         self.pos = {r: 0 for r in self.ops}
         self.free = {r: 0.0 for r in self.ops}
-        self.sent: dict[tuple, list[float]] = defaultdict(list)
-        self.recv_count: Counter[tuple] = Counter()
+        self.sent: dict[tuple, deque[float]] = defaultdict(deque)  # arrivals of each message not yet received
         self.intervals: list[Interval] = []
 
     def try_receive(self, rank: int, op: Op) -> str:
         """Take the RECV's message once sent (its interval includes the wait); else what it waits for."""
-        key = _message_key(op.peer_rank, rank, op)
-        arrivals, n = self.sent[key], self.recv_count[key]
-        if n >= len(arrivals):
+        arrivals = self.sent[_message_key(op.peer_rank, rank, op)]
+        if not arrivals:
             return f"a matching send on rank {op.peer}"
         start = self.free[rank]
-        self.record(rank, start, max(start, arrivals[n]) + self.duration(rank, op))
+        self.record(rank, start, max(start, arrivals.popleft()) + self.duration(rank, op))
         return ""
 
     def record(self, rank: int, start: float, end: float) -> None:
@@ -248,8 +246,6 @@ class _Sim:
         if op.kind in SEND_KINDS:
             early = self.lead(rank, op) if self.lead is not None else 0.0
             self.send(rank, op, end + self.comm - early)
-        if op.kind in RECV_KINDS:
-            self.recv_count[_message_key(op.peer_rank, rank, op)] += 1
         self.pos[rank] += 1
 
     def send(self, rank: int, op: Op, depart: float) -> None:
@@ -712,12 +708,8 @@ def static_bytes(problem: Problem, device: int) -> int:
             kept, buffer = held_bytes(problem, device, x.name, problem.where(x.name))
             total += kept
             shared = max(shared, buffer)
-    return (
-        total
-        + shared
-        + max((problem.costs.stages[s].peak_err_bytes for s in stages), default=0)
-        + _streamed_bytes(problem, device)
-    )
+    peak_err = max((problem.costs.stages[s].peak_err_bytes for s in stages), default=0)
+    return total + shared + peak_err + _streamed_bytes(problem, device)
 
 
 def held_bytes(problem: Problem, device: int, layer: str, where: LayerDistribution) -> tuple[int, int]:
