@@ -428,15 +428,13 @@ def made_refreshes(
     streaming: Streaming, placements: Iterable[Placement], timings: Mapping[str, LayerTiming], sender: int
 ) -> Made:
     """Each streamed layer's DECOMP or BCAST on `sender` (the first owner) that its window places last."""
-    decomps: dict[str, list[Placement]] = {}
+    last: dict[str, Placement] = {}
     for p in placements:
         if p.op.kind in (OpKind.DECOMP, OpKind.BCAST) and p.device == sender and p.op.layer in streaming.layers:
-            decomps.setdefault(p.op.layer, []).append(p)
-    out = {}
-    for name, placed in decomps.items():
-        last = max(placed, key=lambda p: (p.step, p.end))
-        out[name] = (last.op, last.step, timings[name].use_offset)
-    return out
+            before = last.get(p.op.layer_name)
+            if before is None or (p.step, p.end) > (before.step, before.end):
+                last[p.op.layer_name] = p
+    return {name: (p.op, p.step, timings[name].use_offset) for name, p in last.items()}
 
 
 def replica_born(streaming: Streaming, owner: int, made: Made) -> dict[int, dict[Op, int]]:

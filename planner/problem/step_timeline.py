@@ -556,17 +556,11 @@ def steps_overlap(problem: Problem) -> bool:
     for fused, refresh in ((frozenset(), False), (frozenset(problem.costs.layer_names), True)):
         one = step_timeline(problem, fused, refresh=refresh)
         run = simulate(programs, _duration(problem, fused, refresh, buckets), steps=3, barrier=barrier)
-        want = {
-            (d, j, n): j * one.length + end
-            for d, items in one.ops.items()
-            for j in range(3)
-            for n, (_, _, end) in enumerate(items)
-        }
-        seen: dict[tuple[int, int], int] = {}
-        for iv in sorted(run.intervals, key=lambda iv: (iv.rank, iv.step, iv.start, iv.end)):
-            n = seen[iv.rank, iv.step] = seen.get((iv.rank, iv.step), -1) + 1
-            if iv.op.kind is not OpKind.OPT_STEP and abs(iv.end - want[iv.rank, iv.step, n]) > 1e-9 * one.length:
-                return True
+        for d, items in run.ops.items():  # each rank's ops in execution order, step by step
+            due = [j * one.length + end for j in range(3) for _, _, end in one.ops[d]]
+            for (op, _, end), want in zip(items, due, strict=True):
+                if op.kind is not OpKind.OPT_STEP and abs(end - want) > 1e-9 * one.length:
+                    return True
     return False
 
 
