@@ -265,8 +265,6 @@ def naive_programs(
     """The preconditioner on the critical path (PipeFisher's "naive K-FAC", "K-FAC+skip" at period k): the plain
     pipeline with curvature after each BWD of a refreshing layer and `kfac_tail` before OPT_STEP, one step per step
     of the periods' lcm (no timings: the plain pipeline); every refresh ends in its step, so no start-up steps."""
-    if assignment is Assignment.LPT and seconds is None:
-        raise ValueError("Assignment.LPT deals by cost: pass the seconds of each (layer, part) decomposition")
     holders = ranks_of_stages(kind, D, W, v)
     period = math.lcm(*(t.period for t in timings.values())) if timings else 1
     where = dict(distributions or {})

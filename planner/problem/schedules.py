@@ -191,14 +191,10 @@ def _chimera_rank(D: int, N: int, r: int) -> list[Op]:
     half = D // 2
     for u in range(N // D):
         for j in range(half):
-            for pipe in (0, 1):
-                mb = u * D + pipe * half + j
-                for stage in range(D):
-                    if stage_rank(ScheduleKind.CHIMERA, D, stage, pipe) != r:
-                        continue
-                    base = 2 * D * u + 2 * j
-                    slotted.append((base + stage, Op(OpKind.FWD, stage, mb, pipe)))
-                    slotted.append((base + 2 * D - 1 - stage, Op(OpKind.BWD, stage, mb, pipe)))
+            for pipe, stage in ((0, r), (1, D - 1 - r)):  # the rank's one stage of each pipe (`stage_rank`)
+                mb, base = u * D + pipe * half + j, 2 * D * u + 2 * j
+                slotted.append((base + stage, Op(OpKind.FWD, stage, mb, pipe)))
+                slotted.append((base + 2 * D - 1 - stage, Op(OpKind.BWD, stage, mb, pipe)))
     slotted.sort(key=lambda item: item[0])
     if len({slot for slot, _ in slotted}) != len(slotted):
         raise AssertionError(f"chimera slot collision on rank {r} (D={D}, N={N})")
