@@ -430,14 +430,11 @@ def stage_comm(problem: Problem, stage: int) -> StageComm:
 
 
 def _duration(problem: Problem, fused: frozenset[str], refresh: bool, buckets: Buckets) -> Duration:
-    """Op durations in seconds: F/B (a refresh step's with taps and fused curvature, a recomputing BWD with its FWD, a
-    zero-bubble BWD less its W), collectives, per-step work, a streamed hand-off and the CPU of a streamed transfer
-    (`CostTable.message_cpu`, a bucket's fixed cost split among its units: `buckets`); other transfers and OPT_STEP
-    none."""
+    """Op durations in seconds of the reference programs: F/B (a refresh step's with taps and fused curvature, a
+    recomputing BWD with its FWD, a zero-bubble BWD less its W), collectives, per-step work (`prec_work`, a helper's
+    streamed APPLY), a streamed hand-off and the CPU of a streamed transfer (`CostTable.message_cpu`, a bucket's fixed
+    cost split among its units: `buckets`); other transfers and OPT_STEP none."""
     stages = problem.costs.stages
-    allreduce = [gradient_allreduce_seconds(problem, s) for s in range(len(stages))]
-    stats = {(op.layer, op.part): secs for s, stage in enumerate(stages) for op, secs in gradient_stats(stage, s)}
-
     fwd = [s.fwd + (s.tap_fwd if refresh else 0.0) + s.fused_curvature(fused, OpKind.FWD) for s in stages]
     split = problem.kind in ZERO_BUBBLE_KINDS
     wgrad = [s.weight_grad + s.fused_curvature(fused, OpKind.BWD) if split else 0.0 for s in stages]
@@ -446,6 +443,8 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool, buckets: B
         for s in stages
     ]
     bwd = [b + (fwd[s] if problem.recomputes(s) else 0.0) for s, b in enumerate(bwd)]  # the same forward again
+    allreduce = [gradient_allreduce_seconds(problem, s) for s in range(len(stages))]
+    by_stage = {OpKind.FWD: fwd, OpKind.BWD: bwd, OpKind.BWD_W: wgrad, OpKind.ALLREDUCE_GRAD: allreduce}
     per_step = {
         (d, op): secs
         for d in problem.devices
@@ -453,16 +452,13 @@ def _duration(problem: Problem, fused: frozenset[str], refresh: bool, buckets: B
         for op, secs in prec_work(problem, d, s)
     }
 
-    by_stage = {OpKind.FWD: fwd, OpKind.BWD: bwd, OpKind.BWD_W: wgrad, OpKind.ALLREDUCE_GRAD: allreduce}
-
     def duration(rank: int, op: Op) -> float:
         if op.kind in by_stage and op.stage is not None:
             return by_stage[op.kind][op.stage]
-        if op.kind in (OpKind.APPLY, OpKind.BCAST_PREC):
-            streamed = (rank, op) not in per_step and op.kind is OpKind.APPLY and op.layer is not None
-            return streamed_seconds(problem, op) if streamed else per_step[rank, op]
-        if op.kind is OpKind.STATS:
-            return stats[op.layer, op.part]
+        if (rank, op) in per_step:
+            return per_step[rank, op]
+        if op.kind is OpKind.APPLY:
+            return streamed_seconds(problem, op)
         if op.kind in STREAMED_TRANSFERS:  # the owner's hand-off; either end's CPU of the message
             layer = problem.costs.layer(op.layer_name)
             own = {OpKind.SEND_LGRAD: layer.hand_off, OpKind.RECV_PGRAD: layer.take_back}.get(op.kind, 0.0)
