@@ -735,22 +735,21 @@ def activation_intervals(
 ) -> list[tuple[float, float, int]]:
     """(start, end, bytes) of each micro-batch's activations on `device`, F start to B end (a recomputing stage's
     boundary so, its activations over its B), and a deferred W's operands from its B to it (`w_operands`)."""
-    starts: dict[tuple[int | None, int | None, int], float] = {}
-    b_ends: dict[tuple[int | None, int | None, int], float] = {}
+    since: dict[tuple[int | None, int | None, int], float] = {}  # a micro-batch's F start, then its B end
     out = []
     for op, start, end in step.ops[device]:
         key = (op.stage, op.mb, op.pipe)
         if op.kind is OpKind.FWD:
-            starts[key] = start
+            since[key] = start
         elif op.kind is OpKind.BWD_W and w_operands:
-            out.append((b_ends[key], end, w_operand_bytes(problem.costs.stages[op.stage_id], op.layer)))
+            out.append((since[key], end, w_operand_bytes(problem.costs.stages[op.stage_id], op.layer)))
         elif op.kind is OpKind.BWD:
-            b_ends[key] = end
             cost = problem.costs.stages[op.stage_id]
             if problem.recomputes(op.stage_id):
-                out += [(starts[key], end, cost.boundary_bytes), (start, end, cost.act_bytes)]
+                out += [(since[key], end, cost.boundary_bytes), (start, end, cost.act_bytes)]
             else:
-                out.append((starts[key], end, cost.act_bytes))
+                out.append((since[key], end, cost.act_bytes))
+            since[key] = end
     return out
 
 
