@@ -4,7 +4,6 @@ interleaved ZB) as per-pp-rank op lists."""
 from __future__ import annotations
 
 from enum import StrEnum
-from functools import partial
 
 from fxkfac.planner.problem.errors import ScheduleError
 from fxkfac.planner.problem.ir import Op, OpKind
@@ -125,19 +124,18 @@ def schedule_programs(kind: ScheduleKind | str, D: int, N: int, *, v: int = 1) -
     return programs
 
 
-def _unit(D: int, v: int, r: int, k: int, kind: OpKind) -> Op:
-    """The k-th `kind` op of rank r in an interleaved order: chunks in groups of D micro-batches, forwards through the
-    chunks r, r+D, ... and backwards back."""
-    chunk = (k // D) % v
-    mb = (k // (D * v)) * D + k % D
-    return Op(kind, (chunk if kind is OpKind.FWD else v - 1 - chunk) * D + r, mb)
-
-
 def _steady_rank(D: int, v: int, r: int, total: int, warmup: int, w_lag: int | None = None) -> list[Op]:
-    """`warmup` forwards, then per unit k of `total` (`_unit`) the forward k+warmup (while any is left) and backward
-    k: GPipe, 1F1B with flush, Megatron's interleaved 1F1B. With `w_lag` r, the zero-bubble order of torch's
+    """`warmup` forwards, then per unit k of `total` the forward k+warmup (while any is left) and backward k: GPipe,
+    1F1B with flush, Megatron's interleaved 1F1B. With `w_lag` r, the zero-bubble order of torch's
     ScheduleInterleavedZeroBubble (ZB-1P; ZB-H1 when v=1): the j-th B followed by the W of B j-r (r W's held back)."""
-    unit, warmup = partial(_unit, D, v, r), min(warmup, total)
+
+    def unit(k: int, kind: OpKind) -> Op:
+        """The k-th `kind` op: chunks in groups of D micro-batches, forwards through the chunks r, r+D, ... and
+        backwards back."""
+        chunk = (k // D) % v
+        return Op(kind, (chunk if kind is OpKind.FWD else v - 1 - chunk) * D + r, (k // (D * v)) * D + k % D)
+
+    warmup = min(warmup, total)
     ops = [unit(k, OpKind.FWD) for k in range(warmup)]
     for j in range(total):
         if warmup + j < total:
