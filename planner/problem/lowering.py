@@ -93,8 +93,8 @@ def ranks_of_stages(kind: ScheduleKind | str, D: int, W: int, v: int = 1) -> dic
 def linked_classes(sets: Iterable[Sequence[int]], count: int) -> list[tuple[int, ...]]:
     """The classes of 0..count-1 linked transitively by sharing one of `sets`, each ascending, by first member."""
     classes = [{x} for x in range(count)]
-    for members in sets:
-        linked = set(members).union(*(c for c in classes if c & set(members)))
+    for members in map(set, sets):
+        linked = members.union(*(c for c in classes if c & members))
         classes = [c for c in classes if not c & linked] + [linked]
     return sorted(tuple(sorted(c)) for c in classes)
 
