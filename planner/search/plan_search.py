@@ -140,14 +140,14 @@ def schedule_candidates(D: int, N: int, v: int = 1) -> tuple[ScheduleCandidate, 
     return tuple(out)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Tried:
     """One candidate: its plan as asked (`first`), at the freshest curvature (`plan`, None where out), why it is out
     ('' when in), and its plain step (`plain_step_time`, the least any plan has; 0 where its problem was not made)."""
 
     candidate: ScheduleCandidate
-    first: Plan | None
-    plan: Plan | None
+    first: Plan | None = None
+    plan: Plan | None = None
     why_not: str = ""
     plain: float = 0.0
 
@@ -174,10 +174,6 @@ def _first_line(error: Exception) -> str:
     return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
-def _stalest(plan: Plan) -> int:
-    return max(plan.metrics.refresh_steps)
-
-
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms"
 
@@ -196,57 +192,62 @@ def choose_schedule(
     the re-plans the rest, each an equal part of what is left; once it is spent (one has planned) the rest are out.
 
     [Note: schedule order] Both rounds plan the candidates least plain step first (`plain_step_time`, a lower bound of
-    any plan's step), so a short budget spends itself on the schedules that can reach the least step (on BERT-Large
-    D=8 the zero-bubble ones' plain steps are 25-29% below GPipe's). A re-plan whose plain step cannot beat the best
-    plan at the freshest period is not made. The plans as asked are all made while time is left: a schedule with a
-    longer plain step may refresh more often and so set the period every other is compared at."""
+    any plan's step), so a short budget spends itself on the schedules that can reach the least step. A re-plan whose
+    plain step cannot beat the best plan at the freshest period is not made. The plans as asked are all made while
+    time is left: a schedule with a longer plain step may refresh more often and so set the period every other is
+    compared at."""
+    tried = [Tried(c) for c in candidates]
     problems: dict[int, Problem] = {}  # by the candidate's index, those whose problem could be made
-    first: list[Plan | None] = [None] * len(candidates)
-    why_not = [""] * len(candidates)
-    plain = [0.0] * len(candidates)
-    for n, c in enumerate(candidates):
+    for n, t in enumerate(tried):
         try:
-            problems[n] = problem_for(c)
+            problems[n] = problem_for(t.candidate)
             step = step_timeline(problems[n], frozenset(), False)  # the plain pipeline, charged as simulated
             budget.charge_simulated(_simulated_ops(step))
-            plain[n] = step.length
+            t.plain = step.length
         except PlannerError as e:  # a cut the costs do not allow: out, with the reason
-            why_not[n] = _first_line(e)
-    order = sorted(problems, key=lambda n: (plain[n], n))
+            t.why_not = _first_line(e)
+    order = sorted(problems, key=lambda n: (tried[n].plain, n))
     firsts = budget.search_part(FIRST_PLANS_PART)
     for left, n in enumerate(order):
-        if any(plan is not None for plan in first) and firsts.over():
-            why_not[n] = NO_TIME
+        if any(t.first is not None for t in tried) and firsts.over():
+            tried[n].why_not = NO_TIME
             continue
         try:
-            first[n] = plan_of(problems[n], firsts.search_part(1 / (len(order) - left)))
+            tried[n].first = plan_of(problems[n], firsts.search_part(1 / (len(order) - left)))
         except PlannerError as e:  # a budget refused: out, with the reason
-            why_not[n] = _first_line(e)
-    planned = [plan for plan in first if plan is not None]
+            tried[n].why_not = _first_line(e)
+    planned = [t.first for t in tried if t.first is not None]
     if not planned:
-        raise PlanError("no schedule plans: " + "; ".join(f"{c}: {why}" for c, why in zip(candidates, why_not)))
-    period = min(_stalest(p) for p in planned)
-    fresh = [plan if plan is not None and _stalest(plan) <= period else None for plan in first]
-    stale = [n for n in order if first[n] is not None and fresh[n] is None]
+        raise PlanError("no schedule plans: " + "; ".join(f"{t.candidate}: {t.why_not}" for t in tried))
+    period = min(max(p.metrics.refresh_steps) for p in planned)
+    for t in tried:
+        t.plan = t.first if t.first is not None and max(t.first.metrics.refresh_steps) <= period else None
+
+    def ranked(n: int) -> tuple[float, int]:
+        """Candidate n's place in the choice: its plan's step time, then its index (ties: `candidates`' order)."""
+        plan = tried[n].plan
+        assert plan is not None, "only planned candidates rank"
+        return plan.metrics.step_time, n
+
+    stale = [n for n in order if tried[n].first is not None and tried[n].plan is None]
     for left, n in enumerate(stale):
-        leader = min((n for n, plan in enumerate(fresh) if plan is not None), key=lambda n: _ranked(fresh, n))
-        if (plain[n], n) > _ranked(fresh, leader):
-            why_not[n] = (
-                f"cannot beat {candidates[leader]}'s {_ms(_ranked(fresh, leader)[0])} at refresh every {period} steps: "
-                f"its plain step is {_ms(plain[n])}"
+        leader = min((m for m, t in enumerate(tried) if t.plan is not None), key=ranked)
+        if (tried[n].plain, n) > ranked(leader):
+            tried[n].why_not = (
+                f"cannot beat {candidates[leader]}'s {_ms(ranked(leader)[0])} at refresh every {period} steps: "
+                f"its plain step is {_ms(tried[n].plain)}"
             )
             continue
         if budget.over():
-            why_not[n] = f"cannot refresh every {period} steps: {NO_TIME}"
+            tried[n].why_not = f"cannot refresh every {period} steps: {NO_TIME}"
             continue
         try:
-            fresh[n] = plan_of(replace(problems[n], max_period=period), budget.search_part(1 / (len(stale) - left)))
+            tried[n].plan = plan_of(
+                replace(problems[n], max_period=period), budget.search_part(1 / (len(stale) - left))
+            )
         except PlanError as e:
-            why_not[n] = f"cannot refresh every {period} steps: {_first_line(e)}"
-    tried = [Tried(c, first[n], fresh[n], why_not[n], plain[n]) for n, c in enumerate(candidates)]
-    compared = [n for n, plan in enumerate(fresh) if plan is not None]
-    winner = min(compared, key=lambda n: _ranked(fresh, n))
-    best = tried[winner]
+            tried[n].why_not = f"cannot refresh every {period} steps: {_first_line(e)}"
+    best = tried[min((n for n, t in enumerate(tried) if t.plan is not None), key=ranked)]
     assert best.plan is not None, "compared candidates have a plan"
     others = ", ".join(
         f"{t.candidate} {_ms(t.plan.metrics.step_time)}" for t in tried if t is not best and t.plan is not None
@@ -257,16 +258,9 @@ def choose_schedule(
         + (f"; {others}" if others else "")
         + "".join(f"; {t.candidate} out: {t.why_not}" for t in tried if t.why_not)
         + "; planned least plain step first: "
-        + ", ".join(f"{candidates[n]} {_ms(plain[n])}" for n in order)
+        + ", ".join(f"{candidates[n]} {_ms(tried[n].plain)}" for n in order)
     )
     return ScheduleChoice(best.plan, tuple(tried), period, reason)
-
-
-def _ranked(plans: Sequence[Plan | None], n: int) -> tuple[float, int]:
-    """Candidate n's place in the choice: its plan's step time, then its index (`choose_schedule`'s ties)."""
-    plan = plans[n]
-    assert plan is not None, "only planned candidates rank"
-    return plan.metrics.step_time, n
 
 
 class StreamApply(StrEnum):
