@@ -528,12 +528,9 @@ class _Hints:
         made = until.made.get((problem, method))
         if made is not None:
             return made
-        now = until.now()
-        tries = [now] + (
-            [min(until.cutoff, now + until.units(self.config.time_limit_s))]
-            if thorough and method is Method.CPSAT
-            else []
-        )
+        tries = [until.now()]
+        if thorough and method is Method.CPSAT:
+            tries.append(min(until.cutoff, tries[0] + until.units(self.config.time_limit_s)))
         for deadline in tries:
             if until.out():
                 return None

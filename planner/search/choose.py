@@ -2,13 +2,12 @@
 
 [Note: strategy search] The candidates (`candidate_problems`) are each KAISA strategy the copies allow and one
 per-layer mix. The outer search (`solve_with_strategy`) plans those that can win (`_hopeful_first`: a reference step
-within max_overhead and STEP_TIE of the least) as forcing each would, and CP-SAT's joint choice
-([Note: joint strategy] in planner/search/cpsat.py) joins them where it `has_choice`: after them at max_overhead 0
-(issue 38: run first it spent the README snippet's limit on first-fit's 11 30 where forced COMM-OPT reached 11 25),
-before them above it. `best` keeps the least by `rank` within the allowance. Under a caller's budget they share it;
-without one each gets its own, so the choice is never worse than a forced candidate. No joint model with the greedy
-method, under `StepBarrier.AGREEMENT_SET` or with one copy per stage. DP-KFAC is never chosen (another algorithm: the
-user's call).
+within max_overhead and STEP_TIE of the least) as forcing each would, and CP-SAT's joint choice ([Note: joint
+strategy] in planner/search/cpsat.py) joins them where it `has_choice`: after them at max_overhead 0 (run first, it
+spent a short limit on first-fit's plan where a forced candidate did better), before them above it. `best` keeps the
+least by `rank` within the allowance. Under a caller's budget they share it; without one each gets its own, so the
+choice is never worse than a forced candidate. No joint model with the greedy method, under
+`StepBarrier.AGREEMENT_SET` or with one copy per stage. DP-KFAC is never chosen (another algorithm: the user's call).
 """
 
 from __future__ import annotations
@@ -227,8 +226,7 @@ def _hopeful_first(
         return step <= most or (reference is not None and reference(c) <= most)  # streamed only where it must be
 
     wins = [win(c, t) for c, t in zip(candidates, steps, strict=True)]
-    first = [c for c, w in zip(candidates, wins, strict=True) if w]
-    return first + [c for c, w in zip(candidates, wins, strict=True) if not w], len(first)
+    return [candidates[i] for i in sorted(range(len(wins)), key=lambda i: not wins[i])], sum(wins)
 
 
 def _plan_or_least_step_refusal(

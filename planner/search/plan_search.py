@@ -368,8 +368,8 @@ def with_streaming(
         return problem
     bounds, length = _bounds(problem) if keep_bounds else None, step_timeline(problem).length
     best: tuple[float, float, int] | None = None
-    chosen = problem
-    stop = None if budget is None else budget.now() + budget.limit * STREAM_CHOICE_PART
+    chosen, budget = problem, budget or Budget.untimed()
+    stop = budget.now() + budget.limit * STREAM_CHOICE_PART
     ranked, dealt = _helpers(problem), problem.costs.family is PreconditionerKind.MUON
     firsts = ranked[:HELPER_CANDIDATES]
     sets = [((h,), True) for h in firsts] + [(tuple(firsts[:m]), True) for m in range(2, len(firsts) + 1)]
@@ -382,17 +382,15 @@ def with_streaming(
         for layers, assigned in tries:
             if not layers:
                 continue
-            if budget is not None and stop is not None and best is not None and budget.now() >= stop:
+            if best is not None and budget.now() >= stop:
                 log.info("streaming choice: its part of the time limit is spent; the best found so far is kept")
                 return chosen
             candidate = replace(problem, streaming=Streaming(STREAMED_STAGE, assigned, layers, whole_backward))
             step = step_timeline(candidate)
-            if budget is not None:
-                budget.charge_simulated(_simulated_ops(step) * (1 + len(stage_groups(candidate)) * bool(bounds)))
-            shorter = step.length
-            if shorter >= length * (1 - 1e-9) or (bounds is not None and _bounds(candidate) != bounds):
+            budget.charge_simulated(_simulated_ops(step) * (1 + len(stage_groups(candidate)) * bool(bounds)))
+            if step.length >= length * (1 - 1e-9) or (bounds is not None and _bounds(candidate) != bounds):
                 continue
-            key = (round(shorter, 12), _helper_load(candidate), len(helpers))
+            key = (round(step.length, 12), _helper_load(candidate), len(helpers))
             if best is None or key < best:
                 best, chosen = key, candidate
     return chosen
@@ -576,9 +574,8 @@ def plan(
         if options.strategy is Distributions.CHOSEN:
             off = options.stream_apply is StreamApply.OFF
             each, ref = (None, None) if off else (candidate, reference)
-            if each_solve:  # each candidate in a budget of its own, as forcing it would be planned
-                return solve_with_strategy(p, None, config, method, each=each, reference=ref, own=fresh)
-            return solve_with_strategy(p, None, config, method, budget=whole, each=each, reference=ref)
+            own = fresh if each_solve else None  # each candidate in a budget of its own, as forcing it would be planned
+            return solve_with_strategy(p, None, config, method, whole, each=each, reference=ref, own=own)
         given = p.with_strategy(options.strategy) if isinstance(options.strategy, Strategy) else p
         return solve_streamed(given, solved, options.stream_apply, whole_backward=options.whole_backward, budget=whole)
 
