@@ -269,10 +269,8 @@ def _solve_groups(
             message = f"some {work} work cannot fit any bubble, whatever the refresh period{stretched}: "
             raise Refused(PlanError(message + "; ".join(long[:5]) + off), knobs, fused)
         if refresh_lower_bound(problem, group, fused, stretch=allowed.enabled) > problem.max_period:
-            message = (
-                f"the {work} work of stages {list(group.stages)} is more than the idle time of {problem.max_period}"
-            )
-            raise Refused(PlanError(f"{message} steps holds{stretched}"), knobs, fused)
+            idle = f"is more than the idle time of {problem.max_period} steps holds{stretched}"
+            raise Refused(PlanError(f"the {work} work of stages {list(group.stages)} {idle}"), knobs, fused)
         try:
             g = greedy_group(
                 allowed,

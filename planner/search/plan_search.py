@@ -61,10 +61,8 @@ def recompute_choices(problem: Problem) -> list[tuple[int, ...]]:
     budget, S = problem.memory_budget, problem.num_stages
     if budget is None:
         return [()]
-    if S <= EXHAUSTIVE_STAGES:
-        candidates = [c for n in range(S + 1) for c in combinations(range(S), n)]
-    else:
-        candidates = [(), *_greedy(problem)]
+    every = S <= EXHAUSTIVE_STAGES
+    candidates = [c for n in range(S + 1) for c in combinations(range(S), n)] if every else [(), *_greedy(problem)]
     priced = {c: recompute_price(problem, c) for c in candidates}
     fitting = sorted((step, len(c), c) for c, (memory, step) in priced.items() if memory <= budget)
     return [c for _, _, c in fitting] or [tuple(range(S))]
