@@ -12,11 +12,11 @@ the packing bound returns the period it reached (still a bound), a stretch bisec
 candidate's own first-fit plan runs to its end (charged, not cut: a short limit still plans).
 
 [Note: deterministic budget] With `SolverConfig.deterministic` (the default) no planning decision reads the wall
-clock: CP-SAT runs one seeded thread and stops at `max_deterministic_time`; each call's limit is what the search has
-left in those units and what it spent is the solver's own `deterministic_time`, so every share and every "time is
-up" is a function of the problem and options alone. Greedy placement is charged by count ([Note: greedy charge]):
-uncharged, rounds of fusing ran on for 25 s at a 1 s limit. `DTIME_PER_SECOND` converts the API's wall seconds to
-about a lightly loaded machine's rate.
+clock: CP-SAT runs one seeded thread (cpsat's `_FEW_WORKER_SUBSOLVERS`) and stops at `max_deterministic_time`; each
+call's limit is what the search has left in those units and what it spent is the solver's own `deterministic_time`,
+so every share and every "time is up" is a function of the problem and options alone. Greedy placement is charged by
+count ([Note: greedy charge]): uncharged, rounds of fusing ran on for 25 s at a 1 s limit. `DTIME_PER_SECOND`
+converts the API's wall seconds to about a lightly loaded machine's rate.
 
 [Note: calibrated budget] A whole search's wall-clock mode (`SolverConfig(deterministic=False)`): CP-SAT calls stay
 as in the deterministic mode, but a share L is converted at the rate CP-SAT measured in this planning (`rate`) rather
