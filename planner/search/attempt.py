@@ -758,9 +758,8 @@ def solve(
     suggest: bool = True,
 ) -> Plan:
     """Plan `problem`'s preconditioner work (CPSAT warm-started by first-fit, or GREEDY) in 1/`shares` of the solver
-    time left in `budget` (a new one of `config` when None) ([Note: time limit]). Raises InfeasibleBudgetError when
-    the memory budget cannot be met, PlanError when nothing places the work; unless `suggest` is False, with
-    `suggestions` of max_overhead, the memory budget or N that it solved with."""
+    time left in `budget` (a new one of `config` when None; [Note: time limit]). Raises InfeasibleBudgetError or
+    PlanError, unless `suggest` is False with the values of max_overhead, memory budget or N that it solved with."""
     try:
         how = Method(method)
     except ValueError:

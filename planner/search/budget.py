@@ -154,11 +154,10 @@ class _Tally:
 
 @dataclass(frozen=True)
 class Budget:
-    """The time of one whole planning and a view of it ([Note: one budget]): `deadline`, when CP-SAT stops (greedy
-    placement goes on); `cutoff`, when planning gives up; `end`, the whole search's CP-SAT end; all on the budget's
-    clock (`now()`: wall seconds, or with `deterministic` the deterministic seconds spent). `cap` is the
-    perf_counter time past which CP-SAT gets no more wall time, whatever the deterministic budget says. `made`
-    keeps the plans made in this planning, by (problem, method), so a retry takes no more time."""
+    """The time of one whole planning and a view of it ([Note: one budget]), on the clock of `now()` (wall seconds, or
+    deterministic seconds spent): `deadline`, when CP-SAT stops (greedy placement goes on); `cutoff`, when planning
+    gives up; `end`, the whole search's CP-SAT end. `cap`: the perf_counter time past which CP-SAT gets no more wall
+    time. `made`: the plans made in this planning, by (problem, method), so a retry takes no more time."""
 
     deterministic: bool
     cap: float
@@ -175,10 +174,9 @@ class Budget:
 
     @staticmethod
     def of(config: SolverConfig, *, whole: bool = False, start: Start | None = None) -> Budget:
-        """A fresh budget of `config.time_limit_s`: CP-SAT until the limit and everything else OVERTIME past it; with
-        `whole` (a limit for the whole search, a command's) everything within the limit from `start` (a command's,
-        whose imports it charges, [Note: command budget]; now when None), CP-SAT ending OVERTIME_SHARE of it earlier,
-        and in the wall-clock mode calibrated ([Note: calibrated budget])."""
+        """A fresh budget of `config.time_limit_s`: CP-SAT until the limit, the rest OVERTIME past it; with `whole` (a
+        whole search's) all within the limit from `start` (now when None; [Note: command budget]), CP-SAT ending
+        OVERTIME_SHARE of it earlier, and in the wall-clock mode calibrated ([Note: calibrated budget])."""
         started = time.perf_counter() if start is None else start.at
         limit, calibrated = config.time_limit_s, whole and not config.deterministic
         deterministic = config.deterministic or calibrated
