@@ -1,14 +1,13 @@
 """`solve()`: one problem's placement within its part of the budget: an attempt, then a refusal's suggestions.
 
 An attempt places every stage group (first-fit, then CP-SAT warm-started by it), fuses the curvature of layers that
-miss the memory budget (largest kept bytes first, as max_overhead allows), gives every group the largest stretch any
-needs ([Note: stretch] in planner/plan/window.py) and assembles the Plan.
+miss the memory budget (largest kept bytes first), gives every group the largest stretch any needs ([Note: stretch]
+in planner/plan/window.py) and assembles the Plan.
 
 [Note: time limit] Every solve runs in a `Budget` ([Note: one budget]): CP-SAT stops at its part's deadline, greedy
 placement goes on to half the overtime past it, and a refusal then searches, to the overtime's end, for values of
-max_overhead, the memory budget or N that plan it, naming only those it solved with (`PlanError.suggestions`). The
-budget keeps every plan made, so planning again at a suggested value takes no more time. On the deterministic clock
-([Note: deterministic budget]) the same inputs give the same plan or refusal on any load.
+max_overhead, the memory budget or N that plan it, naming only those it solved with. The budget keeps every plan, so
+planning again at a suggested value takes no more time.
 """
 
 from __future__ import annotations
@@ -106,9 +105,8 @@ _PLACED_KINDS = frozenset({OpKind.STATS, OpKind.APPLY, OpKind.BCAST_PREC, OpKind
 
 
 def _device_plan(problem: Problem, w: Window, device: int, placed: list[Placement]) -> tuple[Program, float]:
-    """The device's ops per step of the period in time order (compared in ticks, not float seconds): a placed op after
-    every fixed op ending by its start, and at the refresh step each W followed by its fused layers' STATS folds; and
-    its planned utilization: its F/B, placed work and (a helper's) streamed APPLYs over the window."""
+    """The device's ops per step of the period in tick order (a placed op after every fixed op ending by its start; at
+    the refresh step each W followed by its fused layers' STATS folds) and its utilization over the window."""
     steps: list[list[tuple[tuple[int, ...], Op]]] = [[] for _ in range(w.k)]
     timelines = [step_timeline(problem, w.fused, refresh=True)] + [step_timeline(problem)] * (w.k - 1)
     tasks = placed_w(problem)  # the W's are placed ops ([Note: placed W] in planner/plan/window.py)
@@ -243,6 +241,9 @@ class _Placing:
     period: Period | None = None
     solution: GroupSolution | None = None
 
+    def placed_nothing(self) -> bool:
+        return self.period is None and self.solution is None and self.greedy is None
+
 
 def _solve_groups(
     problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, min_k: int, clock: Budget
@@ -260,8 +261,7 @@ def _solve_groups(
 
     def first(group: StageGroup, chunk: int, later: int) -> _Placing:
         """First-fit's placement, then CP-SAT's least period warm-started by it in the group's share of the solver
-        time left; first-fit's alone with the greedy method or no time left. Refused where no period holds the
-        group's work: a task longer than every bubble, or more work than the idle time of `max_period` steps."""
+        time left (first-fit's alone with the greedy method or no time left); Refused where no period holds the work."""
         k, most = max(2, min_k), allowed.ticks(problem.max_period)
         long = too_long(allowed.window(group, k, most, stats_chunk=chunk, resolution=config.time_resolution))
         if long:
@@ -269,10 +269,8 @@ def _solve_groups(
             message = f"some {work} work cannot fit any bubble, whatever the refresh period{stretched}: "
             raise Refused(PlanError(message + "; ".join(long[:5]) + off), knobs, fused)
         if refresh_lower_bound(problem, group, fused, stretch=allowed.enabled) > problem.max_period:
-            message = (
-                f"the {work} work of stages {list(group.stages)} is more than the idle time of {problem.max_period}"
-            )
-            raise Refused(PlanError(f"{message} steps holds{stretched}"), knobs, fused)
+            idle = f"is more than the idle time of {problem.max_period} steps holds{stretched}"
+            raise Refused(PlanError(f"the {work} work of stages {list(group.stages)} {idle}"), knobs, fused)
         try:
             g = greedy_group(
                 allowed,
@@ -292,32 +290,27 @@ def _solve_groups(
         return _Placing(group, chunk, g, period=period)
 
     def second(placing: _Placing, later: int) -> GroupSolution | None:
-        """The first pass's solution, or its period refined in the group's share of the time left; without time, the
-        period's placement (or first-fit's, where that one breaks the budget)."""
+        """The first pass's solution, or its period refined in the group's share of the time left (without time, the
+        period's placement within the budget)."""
         if placing.period is None:
             return placing.solution
         placed = within_budget(placing.period.found, placing.period.fallback)
         share = _share(problem, clock, later, reserve=placed is None)
         return placed if share is None else refine_group(placing.period, allowed, config, share, clock)
 
-    def per_layer(placing: _Placing, later: int) -> _Placing:
-        """Nothing placed with the planner's chunked STATS tasks: placed again per layer."""
-        nothing = placing.period is None and placing.solution is None and placing.greedy is None
-        if placing.stats_chunk == 1 or config.stats_chunk is not None or not nothing:
-            return placing
-        log.info("stages %s: no placement with chunked STATS tasks; placing them per layer", list(placing.group.stages))
-        return first(placing.group, 1, later)
-
     placings = []
     for n, group in enumerate(groups):
-        chunk = stats_chunk_of(problem, group, config, allowed)
+        chunk, chunked = stats_chunk_of(problem, group, config, allowed), config.stats_chunk is None
         try:
             placing = first(group, chunk, len(groups) - n)
         except Refused:
-            if chunk == 1 or config.stats_chunk is not None:
+            if chunk == 1 or not chunked:
                 raise
             placing = _Placing(group, chunk, None)
-        placings.append(per_layer(placing, len(groups) - n))
+        if chunk > 1 and chunked and placing.placed_nothing():
+            log.info("stages %s: no placement with chunked STATS tasks; placing them per layer", list(group.stages))
+            placing = first(group, 1, len(groups) - n)
+        placings.append(placing)
     solutions = [second(placing, len(groups) - n) for n, placing in enumerate(placings)]
     return Attempt(same_stretch(solutions), [p.greedy for p in placings], allowed)
 
@@ -533,12 +526,9 @@ class _Hints:
         made = until.made.get((problem, method))
         if made is not None:
             return made
-        now = until.now()
-        tries = [now] + (
-            [min(until.cutoff, now + until.units(self.config.time_limit_s))]
-            if thorough and method is Method.CPSAT
-            else []
-        )
+        tries = [until.now()]
+        if thorough and method is Method.CPSAT:
+            tries.append(min(until.cutoff, tries[0] + until.units(self.config.time_limit_s)))
         for deadline in tries:
             if until.out():
                 return None
@@ -768,9 +758,8 @@ def solve(
     suggest: bool = True,
 ) -> Plan:
     """Plan `problem`'s preconditioner work (CPSAT warm-started by first-fit, or GREEDY) in 1/`shares` of the solver
-    time left in `budget` (a new one of `config` when None) ([Note: time limit]). Raises InfeasibleBudgetError when
-    the memory budget cannot be met, PlanError when nothing places the work; unless `suggest` is False, with
-    `suggestions` of max_overhead, the memory budget or N that it solved with."""
+    time left in `budget` (a new one of `config` when None; [Note: time limit]). Raises InfeasibleBudgetError or
+    PlanError, unless `suggest` is False with the values of max_overhead, memory budget or N that it solved with."""
     try:
         how = Method(method)
     except ValueError:

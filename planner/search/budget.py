@@ -1,70 +1,37 @@
 """Planning's one budget: the time of a whole search, on wall seconds or CP-SAT's deterministic time (a plan repeats).
 
-[Note: one budget] `Budget` is the one type that slices planning time. A whole search (`planner.plan`: streaming,
-the distribution choice, block size, fusing, recompute, a refusal's suggestions) opens one; every search in it is a
-candidate that takes a `part` of what is left (`solving(shares)`: an equal share among the candidates still to run;
-`part(f)`: a named fraction of the left, for a search that keeps the rest for what follows) and every view shares
-one tally, so a candidate that ends early leaves its time to the next. Work that CP-SAT does not see is charged on
-the same tally: the greedy rule by the work it does ([Note: greedy charge]), step simulations by op
-(`charge_simulated`), so the streaming choice and the distribution choice's checks count against the limit.
+[Note: one budget] `Budget` is the one type that slices planning time. A whole search (`planner.plan`) opens one;
+every search in it is a candidate taking a part of what is left (`solving(shares)`: an equal share among those still
+to run; `part(f)`: a fraction, the rest kept for what follows). Every view shares one tally, so time a candidate
+leaves goes to the next, and work CP-SAT does not see (the greedy rule, step simulations) is charged on it too.
 
-[Note: greedy charge] The greedy rule (planner/search/greedy.py: the windows it builds, the packing bound,
-first-fit) is charged by counts of its work, each at a rate measured as CPU seconds per unit (`time.process_time`)
-times DTIME_PER_SECOND: a window by its size (busy intervals and tasks, a W task twice: WINDOW_DTIME_PER_ITEM), the
-packing bound by `Packer.work` (PACKING_DTIME_PER_UNIT), first-fit by the tasks it places and the gaps it examines
-(GREEDY_DTIME_PER_TASK, GREEDY_DTIME_PER_SCAN). It was charged by task alone, 2e-6 (20 us at DTIME_PER_SECOND),
-where windows, bound and first-fit together take 22-55 us of CPU per task placed (the most on zero-bubble windows,
-whose W tasks each read their stage's ops), and the refusal's whole-task check was not charged: `fxkfac plan
-bert-base -D 4 -N 4 --schedule auto --time-limit 10` counted 2.7 deterministic seconds' worth in 30 s of CPU. By
-work, the greedy rule's charge on every stage group of a problem is 0.91-1.12 of its CPU time on ZB-V D=8 N=8 and
-ZB-H1 D=4 (0.2-0.7 s), 1.04-1.07 on 1F1B D=4 and Chimera D=8 with a stretch (0.04-0.2 s), 0.73-0.74 where they place
-in a few windows (0.01-0.04 s): least-squares fits of relative error over the greedy rule on GPipe, 1F1B,
-interleaved, ZB-H1, ZB-V and Chimera, measured on the 2-core development machine at load ~9. The greedy rule stops
-when its view of the budget runs out (`left`, on the budget's clock): the paper's metrics' first-fit raises
-PlanError, the packing bound returns the period it reached (still a bound), a stretch bisection keeps what it found;
-a candidate's own first-fit plan runs to its end (charged, not cut: a short limit still plans).
+[Note: greedy charge] The greedy rule (planner/search/greedy.py) is charged by counts of its work (window items,
+`Packer.work`, tasks placed and gaps scanned), each at its CPU seconds per unit times DTIME_PER_SECOND (fitted on
+every schedule; docs/RESULTS.md). It stops when its view runs out (`left`): the paper's first-fit raises PlanError,
+the packing bound returns the period it reached (still a bound), a stretch bisection keeps what it found; a
+candidate's own first-fit plan runs to its end (charged, not cut: a short limit still plans).
 
-[Note: deterministic budget] With `SolverConfig.deterministic` (the default) no planning decision reads
-the wall clock. CP-SAT runs one thread (its sequential loop over `_FEW_WORKER_SUBSOLVERS`, with a fixed
-`random_seed`) and stops at `max_deterministic_time`, a weighted count of its operations; the budget of
-each call is what the whole solve has left in those units, and what a call spent is the solver's own
-`deterministic_time`, so every share and every "time is up" between phases is a function of the problem
-and the options alone. Greedy placement, which CP-SAT does not see, is charged by count ([Note: greedy charge];
-without a charge, rounds of fusing curvature ran on for 25 s at a 1 s limit, as no CP-SAT time passed).
+[Note: deterministic budget] With `SolverConfig.deterministic` (the default) no planning decision reads the wall
+clock: CP-SAT runs one seeded thread (cpsat's `_FEW_WORKER_SUBSOLVERS`) and stops at `max_deterministic_time`; each
+call's limit is what the search has left in those units and what it spent is the solver's own `deterministic_time`,
+so every share and every "time is up" is a function of the problem and options alone. Greedy placement is charged by
+count ([Note: greedy charge]): uncharged, rounds of fusing ran on for 25 s at a 1 s limit. `DTIME_PER_SECOND`
+converts the API's wall seconds to about a lightly loaded machine's rate.
 
-`time_limit_s` (and `OVERTIME`) are wall seconds in the API; `DTIME_PER_SECOND` converts them: whole solves at a
-10 s limit on the 2-core development machine (ortools 9.15, load ~1) spent 0.6-1.0 deterministic seconds (CP-SAT and
-the charges) in 5.6-10.6 s, so 0.1 per second keeps about the wall time of a lightly loaded machine; a loaded one
-takes longer for the same plan (single window solves ran at 0.02-0.05 per second at load ~8).
+[Note: calibrated budget] A whole search's wall-clock mode (`SolverConfig(deterministic=False)`): CP-SAT calls stay
+as in the deterministic mode, but a share L is converted at the rate CP-SAT measured in this planning (`rate`) rather
+than DTIME_PER_SECOND, so the CP-SAT part takes about its wall seconds; the clock never reads less than the wall time
+since the search began and the wall cap at the limit ends it. The plan then depends on the machine's speed.
 
-[Note: calibrated budget] A whole search's wall-clock mode (`SolverConfig(deterministic=False)`, `fxkfac plan
---nondeterministic`): the limit is wall seconds, but its CP-SAT calls stay as in the deterministic mode (one seeded
-thread, stopped at `max_deterministic_time`, every share cut as the deterministic budget cuts it), converted at the rate
-measured in this planning, not DTIME_PER_SECOND (CP-SAT runs 0.2-0.45 deterministic seconds per wall second on the
-commands measured, BERT-Large Chimera D=8 0.27: its deterministic budget ended it in 4.4 s of a 10 s limit). `rate` is
-CP-SAT's deterministic seconds per wall second since its first call, everything between the calls included; a call of
-a share L gets L * rate / DTIME_PER_SECOND (`solver_limit`) and advances the clock by what it spent at that rate, so
-the CP-SAT part of the limit takes about its wall seconds; the clock never reads less than the wall time since the
-search began, and the wall cap at the limit ends it. The plan depends on the machine's speed; the deterministic
-mode's does not.
+[Note: command budget] `fxkfac plan --time-limit T` bounds the whole command from the process's start (a `Start`:
+fxkfac/cli_start.py; `fxkfac.cli.main(argv)` in a running process counts from the call, no imports). The work around
+the search is counted, not timed, so the deterministic mode stays deterministic: modules imported (`charge_imports`),
+cost tables built (`charge_costs`), and the work after the search (the plan's assembly, summary and outputs), which
+the search leaves as a reserve (`keeping(after_search(...))`) and which is then charged (`charge_output`). Rates are
+CPU seconds per unit times DTIME_PER_SECOND; uncounted, the imports alone put a 5 s command past T + 10%.
 
-[Note: command budget] `fxkfac plan --time-limit T` bounds the whole command, counted from the process's start
-(a `Start` the command reads: fxkfac/cli_start.py); `fxkfac.cli.main(argv)` called in a running process counts
-from the call and charges no imports, since what the process loaded before depends on what it ran. The work around
-the search is on the same clock, counted, not timed, so the deterministic mode stays deterministic: the modules
-imported (`charge_imports`: the interpreter's start and every import the command made, ortools and the analytic
-costs' sympy included, IMPORT_DTIME_PER_MODULE each), the cost tables built (`charge_costs`, per layer), and the work
-after the search (assembling the plan it ends with, the summary, and with --show, --trace or --export the timeline
-drawn or written), which the search leaves as a reserve (`keeping(after_search(...))`: its view ends that much
-earlier) and which is then charged (`charge_output`). A module count repeats in one environment (an environment that
-imports more at start is charged more); the rates are CPU seconds per unit on the 2-core development machine times
-DTIME_PER_SECOND. Uncounted, the imports (0.4 s of CPU for 691 modules before the budget opened, 0.2-0.3 s for the
-analytic costs' 474 more) put `fxkfac plan bert-large -D 8 -N 8 --schedule auto --time-limit 5` past T + 10%; the
-wall times counted are in docs/RESULTS.md ("Wall time of `fxkfac plan --time-limit T`").
-
-A wall-clock safety net stays: CP-SAT calls also stop at `WALL_CAP` times the time limit (plus
-OVERTIME) after planning began (a command's start). When that net, and not the deterministic budget, ends a search, the
-plan may differ from another run's; it is logged as a warning (`Budget.capped` says so).
+A wall-clock safety net stays: CP-SAT calls also stop at `WALL_CAP` times the limit (plus OVERTIME) after planning
+began. When it ends a search the plan may differ from another run's, which is logged (`Budget.capped`).
 """
 
 from __future__ import annotations
@@ -73,7 +40,7 @@ import logging
 import sys
 import time
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from fxkfac.planner.problem.problem import SolverConfig
@@ -81,54 +48,44 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DTIME_PER_SECOND = 0.1
-"""CP-SAT deterministic seconds per second of `SolverConfig.time_limit_s` (see the module note)."""
+"""CP-SAT deterministic seconds per second of `SolverConfig.time_limit_s` ([Note: deterministic budget])."""
 
 WALL_CAP = 4.0
 """A deterministic solve still stops CP-SAT at this many times its wall-clock limit (safety net)."""
 
+# The charges below are deterministic seconds per unit of work: its CPU seconds times DTIME_PER_SECOND.
 GREEDY_DTIME_PER_TASK = 4e-7
-"""Deterministic seconds charged per task and APPLY slot of each window first-fit places (about 4 us of CPU at
-DTIME_PER_SECOND), besides its scans ([Note: greedy charge])."""
+"""Per task and APPLY slot of each window first-fit places, besides its scans ([Note: greedy charge])."""
 
 GREEDY_DTIME_PER_SCAN = 5e-9
-"""Deterministic seconds charged per gap first-fit examines (a busy interval read, a gap scanned for a start or a
-split: about 0.05 us)."""
+"""Per gap first-fit examines (a busy interval read, a gap scanned for a start or a split)."""
 
 WINDOW_DTIME_PER_ITEM = 1.3e-6
-"""Deterministic seconds charged per item of a window the greedy rule builds: each busy interval of its devices and
-each task, a W task twice (it reads its stage's ops to find its bounds): about 13 us of CPU an item."""
+"""Per item of a window the greedy rule builds: each busy interval of its devices and each task, a W task twice (it
+reads its stage's ops to find its bounds)."""
 
 PACKING_DTIME_PER_UNIT = 4e-8
-"""Deterministic seconds charged per unit of the packing bound's work (`Packer.work`: a lookup, a table cell, a
-placement of APPLY slots tried; about 0.4 us)."""
+"""Per unit of the packing bound's work (`Packer.work`: a lookup, a table cell, a placement of APPLY slots tried)."""
 
 SIMULATED_DTIME_PER_OP = 1e-6
-"""Deterministic seconds charged per op of each step a search simulates outside CP-SAT (streaming and distribution
-choices): about 10 us an op at DTIME_PER_SECOND (BERT-Large Chimera D=8: 267 steps of ~2,000 ops in 5.2 s)."""
+"""Per op of each step a search simulates outside CP-SAT (the streaming and distribution choices)."""
 
 IMPORT_DTIME_PER_MODULE = 8e-5
-"""Deterministic seconds charged per module a command imported, the interpreter's start included (about 0.8 ms of CPU,
-Python's exit with them loaded included: 691 modules of `fxkfac plan`'s imports, ortools and pandas among them, took
-0.5 s, with the analytic costs' 1,165 1.0 s; [Note: command budget])."""
+"""Per module a command imported, the interpreter's start and its exit included ([Note: command budget])."""
 
 COST_DTIME_PER_LAYER = 4e-6
-"""Deterministic seconds charged per layer of each cost table a command builds (a preset's analytic table or a
-profile: BERT-Large's 147 layers take about 6 ms, its imports aside)."""
+"""Per layer of each cost table a command builds (a preset's analytic table or a profile)."""
 
 SUMMARY_DTIME = 1e-3
-"""Deterministic seconds reserved and charged for the plan's summary (6 ms of CPU for BERT-Large's, rich's table
-drawn; 10 ms at DTIME_PER_SECOND)."""
+"""Reserved and charged for the plan's summary (rich's table drawn)."""
 
 ASSEMBLE_DTIME_PER_OP = 3e-5
-"""Deterministic seconds reserved and charged per forward or backward op of one plain step of the mesh for assembling
-the plan the search ends with (its programs, memory and metrics; `planner.search.attempt.assemble`, which the search
-does not charge): 0.1-0.35 ms of CPU per op (BERT-Large D=8 N=8: ZB-H1 12 ms, Chimera 42 ms; 1F1B D=8 W=4 109 ms)."""
+"""Reserved and charged per forward or backward op of one plain step of the mesh for assembling the plan the search
+ends with (`planner.search.attempt.assemble`, which the search does not charge)."""
 
 OUTPUT_DTIME_PER_OP = 1e-4
-"""Deterministic seconds reserved and charged per forward or backward op of one plain step of the mesh, for each of
---show, --trace and --export (the timeline of the longest refresh period, drawn or written; the programs written):
-0.1-0.5 ms of CPU per op of the plain step, the sends and collectives among them, about 3 ops per forward or
-backward (BERT-Large Chimera D=8 N=8: 0.06, 0.2 and 0.09 s; 1F1B D=8 W=4 N=8: 0.3, 0.26, 0.19 s)."""
+"""Reserved and charged per forward or backward op of one plain step of the mesh for each of --show, --trace and
+--export (the longest refresh period's timeline drawn or written; the programs written)."""
 
 CALIBRATION_WALL = 0.2
 """Wall seconds after CP-SAT's first call in a calibrated budget before its measured rate replaces DTIME_PER_SECOND."""
@@ -174,39 +131,33 @@ def after_search(ops: int, outputs: int) -> float:
 
 @dataclass
 class _Tally:
-    """What every view of one budget shares: the deterministic seconds spent, and whether the wall net ended it."""
+    """What every view of one budget shares: the deterministic seconds `spent` and, of them, what the greedy rule's
+    work (`greedy`; its first-fit tasks and slots in `greedy_tasks`), step simulations (`simulated`), a command's
+    imports and cost tables (`setup`) and the work after its search (`output`) were charged; whether the wall net
+    ended it (`capped`); the modules counted so far (None: imports are not charged). A calibrated budget's clock
+    ([Note: calibrated budget]) reads CP-SAT's deterministic seconds (`solver_dtime`) since its `first_call`
+    (perf_counter) and counts each at its call's rate (`calibrated`), never below the wall time since `began`."""
 
     spent: float = 0.0
     capped: bool = False
     greedy: float = 0.0
-    """Of `spent`, what the greedy rule's work was charged ([Note: greedy charge])."""
     greedy_tasks: int = 0
-    """The tasks and slots of the windows first-fit placed, for a comparison that charges by task."""
     simulated: float = 0.0
-    """Of `spent`, what step simulations were charged (`charge_simulated`)."""
     solver_dtime: float = 0.0
     first_call: float | None = None
-    """CP-SAT's deterministic seconds in this planning, and the perf_counter time its first call began: the rate of a
-    calibrated budget ([Note: calibrated budget])."""
     calibrated: float = 0.0
-    """A calibrated budget's clock: CP-SAT's deterministic seconds each at the rate of its call, and the charges."""
     began: float = 0.0
-    """The perf_counter time the planning began: a calibrated clock never reads less than the wall time since."""
     modules: int | None = None
-    """The modules counted so far (`charge_imports`; None: imports are not charged)."""
     setup: float = 0.0
-    """Of `spent`, what a command's imports and cost tables were charged ([Note: command budget])."""
     output: float = 0.0
-    """Of `spent`, what the work after a command's search was charged (`charge_output`)."""
 
 
 @dataclass(frozen=True)
 class Budget:
-    """The time of one whole planning and a view of it ([Note: one budget]): `deadline`, when CP-SAT stops (greedy
-    placement goes on); `cutoff`, when planning gives up; `end`, the whole search's CP-SAT end; all on the budget's
-    clock (`now()`: wall seconds, or with `deterministic` the deterministic seconds spent). `cap` is the
-    perf_counter time past which CP-SAT gets no more wall time, whatever the deterministic budget says. `made`
-    keeps the plans made in this planning, by (problem, method), so a retry takes no more time."""
+    """The time of one whole planning and a view of it ([Note: one budget]), on the clock of `now()` (wall seconds, or
+    deterministic seconds spent): `deadline`, when CP-SAT stops (greedy placement goes on); `cutoff`, when planning
+    gives up; `end`, the whole search's CP-SAT end. `cap`: the perf_counter time past which CP-SAT gets no more wall
+    time. `made`: the plans made in this planning, by (problem, method), so a retry takes no more time."""
 
     deterministic: bool
     cap: float
@@ -223,10 +174,9 @@ class Budget:
 
     @staticmethod
     def of(config: SolverConfig, *, whole: bool = False, start: Start | None = None) -> Budget:
-        """A fresh budget of `config.time_limit_s`: CP-SAT until the limit and everything else OVERTIME past it; with
-        `whole` (a limit for the whole search, a command's) everything within the limit from `start` (a command's,
-        whose imports it charges, [Note: command budget]; now when None), CP-SAT ending OVERTIME_SHARE of it earlier,
-        and in the wall-clock mode calibrated ([Note: calibrated budget])."""
+        """A fresh budget of `config.time_limit_s`: CP-SAT until the limit, the rest OVERTIME past it; with `whole` (a
+        whole search's) all within the limit from `start` (now when None; [Note: command budget]), CP-SAT ending
+        OVERTIME_SHARE of it earlier, and in the wall-clock mode calibrated ([Note: calibrated budget])."""
         started = time.perf_counter() if start is None else start.at
         limit, calibrated = config.time_limit_s, whole and not config.deterministic
         deterministic = config.deterministic or calibrated
@@ -273,45 +223,45 @@ class Budget:
 
     def charge_first_fit(self, tasks: int, scans: int) -> None:
         """Count one first-fit placement of `tasks` tasks and APPLY slots that examined `scans` gaps."""
-        self._charge_greedy(tasks * GREEDY_DTIME_PER_TASK + scans * GREEDY_DTIME_PER_SCAN)
+        self._count("greedy", tasks * GREEDY_DTIME_PER_TASK + scans * GREEDY_DTIME_PER_SCAN)
         if self.deterministic:
             self.tally.greedy_tasks += tasks
 
     def charge_window(self, items: int) -> None:
-        """Count building one window of `items` for the greedy rule (WINDOW_DTIME_PER_ITEM each)."""
-        self._charge_greedy(items * WINDOW_DTIME_PER_ITEM)
+        """Count building one window of `items` for the greedy rule."""
+        self._count("greedy", items * WINDOW_DTIME_PER_ITEM)
 
     def charge_packing(self, units: int) -> None:
         """Count `units` of the packing bound's work (lookups, table cells, slot choices)."""
-        self._charge_greedy(units * PACKING_DTIME_PER_UNIT)
+        self._count("greedy", units * PACKING_DTIME_PER_UNIT)
 
-    def _counted(self, dtime: float) -> bool:
-        """Add `dtime` deterministic seconds of work outside CP-SAT to the clock; False in the wall-clock mode, where
-        the wall clock counts itself."""
-        if self.deterministic:
-            self.tally.spent += dtime
-            self.tally.calibrated += dtime
-        return self.deterministic
-
-    def _charge_greedy(self, dtime: float) -> None:
-        if self._counted(dtime):
-            self.tally.greedy += dtime
+    def charge_simulated(self, ops: int) -> None:
+        """Count one simulated step of `ops` ops run outside CP-SAT."""
+        self._count("simulated", ops * SIMULATED_DTIME_PER_OP)
 
     def charge_imports(self) -> None:
         """Count the modules imported since the last count (the first: since the command's `Start`)."""
         if self.tally.modules is None:
             return
         loaded = len(sys.modules)
-        self._charge_setup(max(0, loaded - self.tally.modules) * IMPORT_DTIME_PER_MODULE)
+        self._count("setup", max(0, loaded - self.tally.modules) * IMPORT_DTIME_PER_MODULE)
         self.tally.modules = max(loaded, self.tally.modules)
 
     def charge_costs(self, layers: int) -> None:
         """Count building one cost table of `layers` layers."""
-        self._charge_setup(layers * COST_DTIME_PER_LAYER)
+        self._count("setup", layers * COST_DTIME_PER_LAYER)
 
-    def _charge_setup(self, dtime: float) -> None:
-        if self._counted(dtime):
-            self.tally.setup += dtime
+    def charge_output(self, dtime: float) -> None:
+        """Count the work after the search, `after_search`'s count of it."""
+        self._count("output", dtime)
+
+    def _count(self, part: Literal["greedy", "simulated", "setup", "output"], dtime: float) -> None:
+        """Add `dtime` deterministic seconds of work outside CP-SAT to the clock and to the tally's `part`; the
+        wall-clock mode's clock counts itself."""
+        if self.deterministic:
+            self.tally.spent += dtime
+            self.tally.calibrated += dtime
+            setattr(self.tally, part, getattr(self.tally, part) + dtime)
 
     def keeping(self, dtime: float) -> Budget:
         """This view with `dtime` deterministic seconds kept for the work after it (`after_search`): its end, cutoff,
@@ -325,16 +275,6 @@ class Budget:
             limit=self.limit - kept,
             cap=self.cap - dtime / DTIME_PER_SECOND,
         )
-
-    def charge_output(self, dtime: float) -> None:
-        """Count the work after the search, `after_search`'s count of it."""
-        if self._counted(dtime):
-            self.tally.output += dtime
-
-    def charge_simulated(self, ops: int) -> None:
-        """Count one simulated step of `ops` ops run outside CP-SAT (SIMULATED_DTIME_PER_OP each)."""
-        if self._counted(ops * SIMULATED_DTIME_PER_OP):
-            self.tally.simulated += ops * SIMULATED_DTIME_PER_OP
 
     def charge(self, dtime: float, wall: float = 0.0) -> None:
         """Count the deterministic seconds one CP-SAT call of `wall` seconds spent (the wall clock counts itself)."""

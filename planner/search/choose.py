@@ -2,13 +2,12 @@
 
 [Note: strategy search] The candidates (`candidate_problems`) are each KAISA strategy the copies allow and one
 per-layer mix. The outer search (`solve_with_strategy`) plans those that can win (`_hopeful_first`: a reference step
-within max_overhead and STEP_TIE of the least) as forcing each would, and CP-SAT's joint choice
-([Note: joint strategy] in planner/search/cpsat.py) joins them where it `has_choice`: after them at max_overhead 0
-(issue 38: run first it spent the README snippet's limit on first-fit's 11 30 where forced COMM-OPT reached 11 25),
-before them above it. `best` keeps the least by `rank` within the allowance. Under a caller's budget they share it;
-without one each gets its own, so the choice is never worse than a forced candidate. No joint model with the greedy
-method, under `StepBarrier.AGREEMENT_SET` or with one copy per stage. DP-KFAC is never chosen (another algorithm: the
-user's call).
+within max_overhead and STEP_TIE of the least) as forcing each would, and CP-SAT's joint choice ([Note: joint
+strategy] in planner/search/cpsat.py) joins them where it `has_choice`: after them at max_overhead 0 (run first, it
+spent a short limit on first-fit's plan where a forced candidate did better), before them above it. `best` keeps the
+least by `rank` within the allowance. Under a caller's budget they share it; without one each gets its own, so the
+choice is never worse than a forced candidate. No joint model with the greedy method, under
+`StepBarrier.AGREEMENT_SET` or with one copy per stage. DP-KFAC is never chosen (another algorithm: the user's call).
 """
 
 from __future__ import annotations
@@ -143,11 +142,11 @@ def solve_with_strategy(
     if plans and hopeful < len(candidates):
         log.info(
             "distributions %s not planned: their reference steps are past the allowance",
-            [_words(c) for c in candidates[hopeful:]],
+            [strategy_of(c) for c in candidates[hopeful:]],
         )
     plans = plans or _plan_each(candidates[hopeful:], plan_one, budget, timed)
     if not plans and not suggest:
-        raise PlanError(f"no distribution of {[_words(c) for c in candidates]} plans")
+        raise PlanError(f"no distribution of {[strategy_of(c) for c in candidates]} plans")
     if not plans:
         return _plan_or_least_step_refusal(candidates, config, method, own() if own else budget)
     chosen = best(plans)
@@ -205,12 +204,12 @@ def _plan_each(
     plans: list[Plan] = []
     for n, candidate in enumerate(candidates):
         if timed and ((after and budget.solving().solver_time() <= 0) or (plans and budget.over())):
-            log.info("no time left to plan distributions %s", [_words(c) for c in candidates[n:]])
+            log.info("no time left to plan distributions %s", [strategy_of(c) for c in candidates[n:]])
             break
         try:
             plans.append(each(candidate, budget, shares_of(n, len(candidates))))
         except PlanError as e:
-            log.info("distribution %s does not plan: %s", _words(candidate), e)
+            log.info("distribution %s does not plan: %s", strategy_of(candidate), e)
     return plans
 
 
@@ -227,8 +226,7 @@ def _hopeful_first(
         return step <= most or (reference is not None and reference(c) <= most)  # streamed only where it must be
 
     wins = [win(c, t) for c, t in zip(candidates, steps, strict=True)]
-    first = [c for c, w in zip(candidates, wins, strict=True) if w]
-    return first + [c for c, w in zip(candidates, wins, strict=True) if not w], len(first)
+    return [candidates[i] for i in sorted(range(len(wins)), key=lambda i: not wins[i])], sum(wins)
 
 
 def _plan_or_least_step_refusal(
@@ -252,7 +250,7 @@ def _plan_or_least_step_refusal(
     step, n, error = min(refusals, key=lambda r: r[:2])
     log.info(
         "distribution %s gives the least step once max_overhead grows (%.4g ms; %d of %d searched)",
-        _words(candidates[n]),
+        strategy_of(candidates[n]),
         step * 1e3,
         len(refusals),
         len(candidates),
@@ -326,7 +324,7 @@ def _joint_plan(
     if not all(solutions):
         log.info(
             "joint choice (%s): its placement does not fit that choice's own windows; planning the choice itself",
-            _words(chosen),
+            strategy_of(chosen),
         )
         return _planned(chosen, config, budget)
     placed = same_stretch(list(solutions))
@@ -354,7 +352,7 @@ def _planned(problem: Problem, config: SolverConfig, budget: Budget, method: Met
     try:
         return solve(problem, config, method, budget=budget, shares=2, suggest=False)
     except PlanError as e:
-        log.info("distribution %s does not plan: %s", _words(problem), e)
+        log.info("distribution %s does not plan: %s", strategy_of(problem), e)
         return None
 
 
@@ -387,12 +385,9 @@ def _option_seconds(problem: Problem) -> list[float]:
     return out
 
 
-def strategy_of(plan: Plan) -> str:
-    """The plan's strategy in words: the one every layer follows, else how many layers follow each."""
-    return _words(plan.problem)
-
-
-def _words(problem: Problem) -> str:
+def strategy_of(of: Plan | Problem) -> str:
+    """A plan's (or problem's) distribution in words: the strategy every layer follows, else how many follow each."""
+    problem = of.problem if isinstance(of, Plan) else of
     counts = Counter(str(problem.where(name).strategy) for name in problem.costs.layer_names)
     if len(counts) == 1:
         return next(iter(counts))

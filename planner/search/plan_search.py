@@ -61,10 +61,8 @@ def recompute_choices(problem: Problem) -> list[tuple[int, ...]]:
     budget, S = problem.memory_budget, problem.num_stages
     if budget is None:
         return [()]
-    if S <= EXHAUSTIVE_STAGES:
-        candidates = [c for n in range(S + 1) for c in combinations(range(S), n)]
-    else:
-        candidates = [(), *_greedy(problem)]
+    every = S <= EXHAUSTIVE_STAGES
+    candidates = [c for n in range(S + 1) for c in combinations(range(S), n)] if every else [(), *_greedy(problem)]
     priced = {c: recompute_price(problem, c) for c in candidates}
     fitting = sorted((step, len(c), c) for c, (memory, step) in priced.items() if memory <= budget)
     return [c for _, _, c in fitting] or [tuple(range(S))]
@@ -140,14 +138,14 @@ def schedule_candidates(D: int, N: int, v: int = 1) -> tuple[ScheduleCandidate, 
     return tuple(out)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Tried:
     """One candidate: its plan as asked (`first`), at the freshest curvature (`plan`, None where out), why it is out
     ('' when in), and its plain step (`plain_step_time`, the least any plan has; 0 where its problem was not made)."""
 
     candidate: ScheduleCandidate
-    first: Plan | None
-    plan: Plan | None
+    first: Plan | None = None
+    plan: Plan | None = None
     why_not: str = ""
     plain: float = 0.0
 
@@ -174,10 +172,6 @@ def _first_line(error: Exception) -> str:
     return str(error).splitlines()[0] if str(error) else type(error).__name__
 
 
-def _stalest(plan: Plan) -> int:
-    return max(plan.metrics.refresh_steps)
-
-
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms"
 
@@ -196,57 +190,62 @@ def choose_schedule(
     the re-plans the rest, each an equal part of what is left; once it is spent (one has planned) the rest are out.
 
     [Note: schedule order] Both rounds plan the candidates least plain step first (`plain_step_time`, a lower bound of
-    any plan's step), so a short budget spends itself on the schedules that can reach the least step (on BERT-Large
-    D=8 the zero-bubble ones' plain steps are 25-29% below GPipe's). A re-plan whose plain step cannot beat the best
-    plan at the freshest period is not made. The plans as asked are all made while time is left: a schedule with a
-    longer plain step may refresh more often and so set the period every other is compared at."""
+    any plan's step), so a short budget spends itself on the schedules that can reach the least step. A re-plan whose
+    plain step cannot beat the best plan at the freshest period is not made. The plans as asked are all made while
+    time is left: a schedule with a longer plain step may refresh more often and so set the period every other is
+    compared at."""
+    tried = [Tried(c) for c in candidates]
     problems: dict[int, Problem] = {}  # by the candidate's index, those whose problem could be made
-    first: list[Plan | None] = [None] * len(candidates)
-    why_not = [""] * len(candidates)
-    plain = [0.0] * len(candidates)
-    for n, c in enumerate(candidates):
+    for n, t in enumerate(tried):
         try:
-            problems[n] = problem_for(c)
+            problems[n] = problem_for(t.candidate)
             step = step_timeline(problems[n], frozenset(), False)  # the plain pipeline, charged as simulated
             budget.charge_simulated(_simulated_ops(step))
-            plain[n] = step.length
+            t.plain = step.length
         except PlannerError as e:  # a cut the costs do not allow: out, with the reason
-            why_not[n] = _first_line(e)
-    order = sorted(problems, key=lambda n: (plain[n], n))
+            t.why_not = _first_line(e)
+    order = sorted(problems, key=lambda n: (tried[n].plain, n))
     firsts = budget.search_part(FIRST_PLANS_PART)
     for left, n in enumerate(order):
-        if any(plan is not None for plan in first) and firsts.over():
-            why_not[n] = NO_TIME
+        if any(t.first is not None for t in tried) and firsts.over():
+            tried[n].why_not = NO_TIME
             continue
         try:
-            first[n] = plan_of(problems[n], firsts.search_part(1 / (len(order) - left)))
+            tried[n].first = plan_of(problems[n], firsts.search_part(1 / (len(order) - left)))
         except PlannerError as e:  # a budget refused: out, with the reason
-            why_not[n] = _first_line(e)
-    planned = [plan for plan in first if plan is not None]
+            tried[n].why_not = _first_line(e)
+    planned = [t.first for t in tried if t.first is not None]
     if not planned:
-        raise PlanError("no schedule plans: " + "; ".join(f"{c}: {why}" for c, why in zip(candidates, why_not)))
-    period = min(_stalest(p) for p in planned)
-    fresh = [plan if plan is not None and _stalest(plan) <= period else None for plan in first]
-    stale = [n for n in order if first[n] is not None and fresh[n] is None]
+        raise PlanError("no schedule plans: " + "; ".join(f"{t.candidate}: {t.why_not}" for t in tried))
+    period = min(max(p.metrics.refresh_steps) for p in planned)
+    for t in tried:
+        t.plan = t.first if t.first is not None and max(t.first.metrics.refresh_steps) <= period else None
+
+    def ranked(n: int) -> tuple[float, int]:
+        """Candidate n's place in the choice: its plan's step time, then its index (ties: `candidates`' order)."""
+        plan = tried[n].plan
+        assert plan is not None, "only planned candidates rank"
+        return plan.metrics.step_time, n
+
+    stale = [n for n in order if tried[n].first is not None and tried[n].plan is None]
     for left, n in enumerate(stale):
-        leader = min((n for n, plan in enumerate(fresh) if plan is not None), key=lambda n: _ranked(fresh, n))
-        if (plain[n], n) > _ranked(fresh, leader):
-            why_not[n] = (
-                f"cannot beat {candidates[leader]}'s {_ms(_ranked(fresh, leader)[0])} at refresh every {period} steps: "
-                f"its plain step is {_ms(plain[n])}"
+        leader = min((m for m, t in enumerate(tried) if t.plan is not None), key=ranked)
+        if (tried[n].plain, n) > ranked(leader):
+            tried[n].why_not = (
+                f"cannot beat {candidates[leader]}'s {_ms(ranked(leader)[0])} at refresh every {period} steps: "
+                f"its plain step is {_ms(tried[n].plain)}"
             )
             continue
         if budget.over():
-            why_not[n] = f"cannot refresh every {period} steps: {NO_TIME}"
+            tried[n].why_not = f"cannot refresh every {period} steps: {NO_TIME}"
             continue
         try:
-            fresh[n] = plan_of(replace(problems[n], max_period=period), budget.search_part(1 / (len(stale) - left)))
+            tried[n].plan = plan_of(
+                replace(problems[n], max_period=period), budget.search_part(1 / (len(stale) - left))
+            )
         except PlanError as e:
-            why_not[n] = f"cannot refresh every {period} steps: {_first_line(e)}"
-    tried = [Tried(c, first[n], fresh[n], why_not[n], plain[n]) for n, c in enumerate(candidates)]
-    compared = [n for n, plan in enumerate(fresh) if plan is not None]
-    winner = min(compared, key=lambda n: _ranked(fresh, n))
-    best = tried[winner]
+            tried[n].why_not = f"cannot refresh every {period} steps: {_first_line(e)}"
+    best = tried[min((n for n, t in enumerate(tried) if t.plan is not None), key=ranked)]
     assert best.plan is not None, "compared candidates have a plan"
     others = ", ".join(
         f"{t.candidate} {_ms(t.plan.metrics.step_time)}" for t in tried if t is not best and t.plan is not None
@@ -257,16 +256,9 @@ def choose_schedule(
         + (f"; {others}" if others else "")
         + "".join(f"; {t.candidate} out: {t.why_not}" for t in tried if t.why_not)
         + "; planned least plain step first: "
-        + ", ".join(f"{candidates[n]} {_ms(plain[n])}" for n in order)
+        + ", ".join(f"{candidates[n]} {_ms(tried[n].plain)}" for n in order)
     )
     return ScheduleChoice(best.plan, tuple(tried), period, reason)
-
-
-def _ranked(plans: Sequence[Plan | None], n: int) -> tuple[float, int]:
-    """Candidate n's place in the choice: its plan's step time, then its index (`choose_schedule`'s ties)."""
-    plan = plans[n]
-    assert plan is not None, "only planned candidates rank"
-    return plan.metrics.step_time, n
 
 
 class StreamApply(StrEnum):
@@ -374,8 +366,8 @@ def with_streaming(
         return problem
     bounds, length = _bounds(problem) if keep_bounds else None, step_timeline(problem).length
     best: tuple[float, float, int] | None = None
-    chosen = problem
-    stop = None if budget is None else budget.now() + budget.limit * STREAM_CHOICE_PART
+    chosen, budget = problem, budget or Budget.untimed()
+    stop = budget.now() + budget.limit * STREAM_CHOICE_PART
     ranked, dealt = _helpers(problem), problem.costs.family is PreconditionerKind.MUON
     firsts = ranked[:HELPER_CANDIDATES]
     sets = [((h,), True) for h in firsts] + [(tuple(firsts[:m]), True) for m in range(2, len(firsts) + 1)]
@@ -388,17 +380,15 @@ def with_streaming(
         for layers, assigned in tries:
             if not layers:
                 continue
-            if budget is not None and stop is not None and best is not None and budget.now() >= stop:
+            if best is not None and budget.now() >= stop:
                 log.info("streaming choice: its part of the time limit is spent; the best found so far is kept")
                 return chosen
             candidate = replace(problem, streaming=Streaming(STREAMED_STAGE, assigned, layers, whole_backward))
             step = step_timeline(candidate)
-            if budget is not None:
-                budget.charge_simulated(_simulated_ops(step) * (1 + len(stage_groups(candidate)) * bool(bounds)))
-            shorter = step.length
-            if shorter >= length * (1 - 1e-9) or (bounds is not None and _bounds(candidate) != bounds):
+            budget.charge_simulated(_simulated_ops(step) * (1 + len(stage_groups(candidate)) * bool(bounds)))
+            if step.length >= length * (1 - 1e-9) or (bounds is not None and _bounds(candidate) != bounds):
                 continue
-            key = (round(shorter, 12), _helper_load(candidate), len(helpers))
+            key = (round(step.length, 12), _helper_load(candidate), len(helpers))
             if best is None or key < best:
                 best, chosen = key, candidate
     return chosen
@@ -582,9 +572,8 @@ def plan(
         if options.strategy is Distributions.CHOSEN:
             off = options.stream_apply is StreamApply.OFF
             each, ref = (None, None) if off else (candidate, reference)
-            if each_solve:  # each candidate in a budget of its own, as forcing it would be planned
-                return solve_with_strategy(p, None, config, method, each=each, reference=ref, own=fresh)
-            return solve_with_strategy(p, None, config, method, budget=whole, each=each, reference=ref)
+            own = fresh if each_solve else None  # each candidate in a budget of its own, as forcing it would be planned
+            return solve_with_strategy(p, None, config, method, whole, each=each, reference=ref, own=own)
         given = p.with_strategy(options.strategy) if isinstance(options.strategy, Strategy) else p
         return solve_streamed(given, solved, options.stream_apply, whole_backward=options.whole_backward, budget=whole)
 
