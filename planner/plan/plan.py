@@ -200,10 +200,8 @@ def ns_stage_lines(plan: Plan) -> list[str]:
         if not mine:
             continue
         parts = []
-        for where in NSWhere:
+        for where in sorted({t.where for t in mine}, key=list(NSWhere).index):
             placed = [t for t in mine if t.where is where]
-            if not placed:
-                continue
             ranks = " ".join(f"r{r}" for r in sorted({t.rank for t in placed}))
             count = len({n for t in placed for n in t.layers})
             busy = sum(t.end - t.start for t in placed) * 1e3
