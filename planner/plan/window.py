@@ -388,17 +388,14 @@ class Window:
                 items = w_window(self.problem, st, d, self.fused if j == 0 else frozenset())
                 for _, group in itertools.groupby(items, key=lambda item: (item[0].stage, item[0].mb, item[0].pipe)):
                     run = list(group)
-                    ws: list[tuple[tuple[Op, ...], tuple[float, ...], float, float]]
-                    ws = [((op,), (b - a,), a, b) for op, a, b in run]
-                    if any(self.at(b) <= self.at(a) for _, a, b in run):
-                        ws = [(tuple(op for op, _, _ in run), tuple(b - a for _, a, b in run), run[0][1], run[-1][2])]
-                    tasks += [self._w_task(d, j, *w) for w in ws]
+                    whole = any(self.at(b) <= self.at(a) for _, a, b in run)
+                    tasks += [self._w_task(d, j, w) for w in ([run] if whole else [[item] for item in run])]
         return tasks
 
-    def _w_task(
-        self, device: int, j: int, ops: tuple[Op, ...], seconds: tuple[float, ...], start: float, end: float
-    ) -> Task:
-        """The WGRAD task of `ops` at home in [start, end) of window step j, from its B's end to its all-reduce."""
+    def _w_task(self, device: int, j: int, run: list[tuple[Op, float, float]]) -> Task:
+        """The WGRAD task of the W's `run` back to back at home in window step j, from its B's end to its all-reduce."""
+        ops, seconds = tuple(op for op, _, _ in run), tuple(b - a for _, a, b in run)
+        start, end = run[0][1], run[-1][2]
         op, s, at, timeline = ops[0], ops[0].stage_id, self.at, self.steps[j].ops[device]
         b_op = Op(OpKind.BWD, op.stage, op.mb, op.pipe)
         release = self.offsets[j] + at(next(e for o, _, e in timeline if o == b_op))
