@@ -11,11 +11,11 @@ device; step j starts at `offsets[j]` and F/B keep their times in it. A plan's g
 at most `max_overhead` times the reference step; planner/search/greedy.py searches the least.
 
 [Note: step barrier] Under `StepBarrier.WORLD` every step ends with collectives over all ranks, so step j+1 begins
-at `offsets[j+1]` everywhere: APPLY of step j ends by then and every step's first tick is blocked, so no task spans
-a boundary. Under `StepBarrier.AGREEMENT_SET` the stage group's step j+1 may begin `Window.leads[j+1]` ticks early,
-once its last device has ended step j's F/B, all-reduces and reference APPLY (`step_timeline.early_start`); leads
-are nonzero only where a steady run repeats the one-step timeline. Only CP-SAT at k = 1 lets a task run past the
-window's end.
+at `offsets[j+1]` everywhere: work in a device's early bubble belongs to step j+1, APPLY of step j ends by then, and
+every step's first tick is blocked, so no task spans a boundary. Under `StepBarrier.AGREEMENT_SET` OPT_STEP waits
+for the stage group alone, whose step j+1 may begin `Window.leads[j+1]` ticks early, once its last device has ended
+step j's F/B, all-reduces and reference APPLY (`step_timeline.early_start`); leads are nonzero only where a steady
+run repeats the one-step timeline. Only CP-SAT at k = 1 lets a task run past the window's end.
 
 [Note: gradient parts] A part fed by the reduced gradient (`PartCost.after` ALLREDUCE_GRAD: Shampoo's and SOAP's L
 and R) takes its statistic every step on every copy (no SYNC_STATS) at the head of the stage's APPLY slot
