@@ -22,8 +22,8 @@ from fxkfac.planner.problem.strategy import (
 
 
 class StepBarrier(StrEnum):
-    """Which ranks a step's end waits for ([Note: step barrier] in planner/plan/window.py): every rank, or the
-    rank's agreement set, the devices of its stage group."""
+    """Which ranks a step's end waits for ([Note: step barrier] in planner/plan/window.py; the runtime's
+    `kl_clip_scope`): every rank, or the rank's agreement set, the devices of its stage group."""
 
     WORLD = "world"
     AGREEMENT_SET = "agreement-set"
@@ -349,7 +349,7 @@ def stage_groups(problem: Problem) -> tuple[StageGroup, ...]:
 
 def agreement_set(problem: Problem, device: int) -> tuple[int, ...]:
     """The ranks whose step ends `device`'s step end waits for: all under `StepBarrier.WORLD`, else its stage group's
-    devices."""
+    devices (tied weights, which may link two groups, are not in the planner's data)."""
     if problem.barrier is StepBarrier.WORLD:
         return problem.devices
     return next(g.devices for g in stage_groups(problem) if device in g.devices)
