@@ -1,6 +1,5 @@
-"""Plans as data: per-rank programs, layer timings, placements and metrics, written as JSON (read back and checked
-by planner/validate/plan_file.py); and where a Muon plan runs each matrix's Newton-Schulz (its APPLY), for the plan
-view and `fxkfac plan --explain`."""
+"""Plans as data: per-rank programs, layer timings, placements and metrics, as JSON (read back and checked by
+planner/validate/plan_file.py); and where a Muon plan runs each matrix's Newton-Schulz (its APPLY), for the views."""
 
 from __future__ import annotations
 
@@ -38,7 +37,7 @@ class SolverStats:
 class PlanMetrics:
     """What a plan achieves: utilization before/after, refresh period and bound per stage, step times (plain, planned,
     with APPLY after the all-reduce), peak memory per device, the greedy periods, the time grid (s) and the idle
-    seconds after every step ([Note: time grid], [Note: stretch] in planner/plan/window.py; 0 left out of the JSON)."""
+    seconds after every step ([Note: stretch] in planner/plan/window.py; 0 left out of the JSON)."""
 
     utilization_baseline: float
     utilization: float
@@ -87,8 +86,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Plan:
-        """Inverse of `to_dict`; KeyError, TypeError or ValueError where `data` is malformed (read back and checked
-        by `planner.validate.plan_file.parse_plan`)."""
+        """Inverse of `to_dict`; KeyError, TypeError or ValueError where `data` is malformed (`parse_plan` checks)."""
         m = _tupled(data["metrics"])  # its lists are tuples, its solver SolverStats, its ranks ints
         peak_memory = {int(d): b for d, b in m["peak_memory"].items()}
         return cls(
@@ -135,8 +133,7 @@ def _tupled(data: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def rank(plan: Plan) -> tuple[int, float, int, float]:
-    """How plans of one problem compare, the least first: sum of refresh periods, step time, peak memory, reference
-    step."""
+    """How plans of one problem compare, the least first: refresh periods' sum, step, peak memory, reference step."""
     m = plan.metrics
     return (sum(m.refresh_steps), m.step_time, max(m.peak_memory.values(), default=0), m.step_time_reference)
 
@@ -203,10 +200,8 @@ def ns_stage_lines(plan: Plan) -> list[str]:
         if not mine:
             continue
         parts = []
-        for where in NSWhere:
+        for where in sorted({t.where for t in mine}, key=list(NSWhere).index):
             placed = [t for t in mine if t.where is where]
-            if not placed:
-                continue
             ranks = " ".join(f"r{r}" for r in sorted({t.rank for t in placed}))
             count = len({n for t in placed for n in t.layers})
             busy = sum(t.end - t.start for t in placed) * 1e3

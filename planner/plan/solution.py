@@ -1,5 +1,4 @@
-"""A window's solution and what it says: its ops' placements, each layer's use offset, a device's memory peak, and
-the step from which each refresh op exists."""
+"""A window's solution and what it says: its placements, use offsets, memory peaks, and each refresh op's first step."""
 
 from __future__ import annotations
 
@@ -21,9 +20,9 @@ Born = dict[int, dict[Op, int]]
 
 @dataclass(frozen=True)
 class GroupSolution:
-    """One window's solution: task starts (absolute ticks) and devices, APPLY starts, use offsets, how it was found
-    (method, status, proven lower bound on k), and what a joint solve chose ([Note: joint strategy] in
-    planner/search/cpsat.py): each layer's distribution, each chosen BCAST's start, each stage's slot ticks."""
+    """One window's solution: task starts (absolute ticks) and devices, APPLY starts, use offsets, how it was found,
+    and what a joint solve chose ([Note: joint strategy] in planner/search/cpsat.py): distributions, BCAST starts,
+    slot ticks."""
 
     window: Window
     starts: tuple[int, ...]
@@ -97,7 +96,7 @@ def use_offsets(
 
 def remade_spans(solution: GroupSolution, device: int) -> list[tuple[int, int, int]]:
     """(start, end, bytes) on `device` of each layer's third decomposition (`static_bytes` counts two): from its next
-    refresh's first DECOMP end until the device's APPLY first uses this refresh, when that comes later."""
+    refresh's first DECOMP end until the device's APPLY first uses this refresh, where that is later."""
     w = solution.window
     k, L = w.k, w.length
     first: dict[str, int] = {}  # each layer's first DECOMP or BCAST op's end (a task may hold several layers')
@@ -126,8 +125,7 @@ def remade_spans(solution: GroupSolution, device: int) -> list[tuple[int, int, i
 
 
 def placements_of(solution: GroupSolution) -> list[Placement]:
-    """The solution's ops with device, window step and times in seconds (collectives on every member, a task's ops
-    back to back)."""
+    """The solution's ops with device, window step and seconds (collectives on every member, a task's back to back)."""
     w = solution.window
     out: list[Placement] = []
     for task, start, device in zip(w.tasks, solution.starts, solution.devices):
@@ -170,8 +168,7 @@ _REFRESH_KINDS = frozenset({OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKi
 
 
 def plan_born(problem: Problem, placements: Iterable[Placement], timings: Mapping[str, LayerTiming]) -> Born:
-    """`born_steps` of a plan's placements, with each streamed layer's replica transfers, first run at the step of
-    the op that makes the refresh they carry (planner/problem/lowering.py `replica_born`)."""
+    """`born_steps` of a plan's placements and each streamed layer's replica transfers (`replica_born`)."""
     placed = list(placements)
     born = born_steps(placed)
     if problem.streaming is not None:
@@ -183,8 +180,8 @@ def plan_born(problem: Problem, placements: Iterable[Placement], timings: Mappin
 
 
 def born_steps(placements: Iterable[Placement]) -> Born:
-    """Per device, each refresh op's latest window step: from that global step on its refresh exists
-    (`planner.problem.lowering.startup_programs`); per-step ops (a gradient STATS, APPLY) run from step 0."""
+    """Per device, each refresh op's latest window step, from which global step on its refresh exists
+    (`startup_programs`); per-step ops (a gradient STATS, APPLY) run from step 0."""
     born: Born = {}
     for p in placements:
         if p.op.kind in _REFRESH_KINDS and not (p.op.kind is OpKind.STATS and p.op.mb is None):

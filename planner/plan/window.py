@@ -1,32 +1,27 @@
 """A stage group's refresh window: k steps on an integer time grid, the fixed F/B and activations in them, the
 per-step APPLY slots and the refresh's tasks with their releases and devices (solved: planner/plan/solution.py).
 
-[Note: time grid] Times are integer ticks: exact when every time of the problem is a whole number of 10^-e s (e <= 6,
-at most 10^7 ticks a step), else `SolverConfig.time_resolution` ticks a step, fixed times rounded to the nearest
-tick and durations up, so a plan is off by at most one tick (`Window.tick`), which the validator allows. SYNC_STATS
-and BCAST last the comm model's time, at least one tick. A blocked gradient all-reduce of no tick is an instant
-(t, t) in `Window.fixed` that no work may span. An APPLY slot spans its reference position's rounded ends.
+[Note: time grid] Times are integer ticks: exact when every time is a whole number of 10^-e s (e <= 6, at most 10^7
+ticks a step), else `SolverConfig.time_resolution` ticks a step, fixed times rounded to the nearest tick and
+durations up, so a plan is off by at most one tick (`Window.tick`), which the validator allows. A task lasts at least
+one tick; a blocked all-reduce of no tick is an instant (t, t) in `Window.fixed` that no work may span.
 
 [Note: stretch] With `Problem.max_overhead > 0` every step may be followed by `Window.stretch` idle ticks on every
-device (each step ends with a global loss all-reduce); step j starts at `offsets[j]` and F/B keep their times in
-it. A plan's groups share one stretch on one grid, and the step time added is at most `max_overhead` times the
-reference step; planner/search/greedy.py searches the least.
+device; step j starts at `offsets[j]` and F/B keep their times in it. A plan's groups share one stretch on one grid,
+at most `max_overhead` times the reference step; planner/search/greedy.py searches the least.
 
 [Note: step barrier] Under `StepBarrier.WORLD` every step ends with collectives over all ranks, so step j+1 begins
-at `offsets[j+1]` everywhere: work in a device's early bubble belongs to step j+1, APPLY of step j ends by then,
-and every step's first tick is blocked, so no task spans a boundary. Under `StepBarrier.AGREEMENT_SET` OPT_STEP waits
-for the stage group alone, so its step j+1 may begin `Window.leads[j+1]` ticks early, once its last device has ended
-step j's F/B, all-reduces and reference APPLY (`planner.problem.step_timeline.early_start`); leads are nonzero only
-where a steady run repeats the one-step timeline (`steps_overlap`). Only CP-SAT at k = 1 lets a task run past the
-window's end (planner/search/cpsat.py `add_tasks`).
+at `offsets[j+1]` everywhere: work in a device's early bubble belongs to step j+1, APPLY of step j ends by then, and
+every step's first tick is blocked, so no task spans a boundary. Under `StepBarrier.AGREEMENT_SET` OPT_STEP waits
+for the stage group alone, whose step j+1 may begin `Window.leads[j+1]` ticks early, once its last device has ended
+step j's F/B, all-reduces and reference APPLY (`step_timeline.early_start`); leads are nonzero only where a steady
+run repeats the one-step timeline. Only CP-SAT at k = 1 lets a task run past the window's end.
 
 [Note: gradient parts] A part fed by the reduced gradient (`PartCost.after` ALLREDUCE_GRAD: Shampoo's and SOAP's L
-and R) takes its statistic at every step on every copy (no SYNC_STATS), after the all-reduce and before APPLY: per-
-step work at the head of the stage's APPLY slot (`PrecSlot.ops`), which the reference step holds too. A refresh
-snapshots it at the refresh step, so the part's DECOMP follows that step's slot on its device (`Task.after_slot`).
-The snapshot, like K-FAC's sums in flight, is not counted in memory; the optimizer state is. Known cost: where a
-device holds several stages with copies (Chimera, interleaved W > 1) CP-SAT may not move a slot across the next
-stage's all-reduce.
+and R) takes its statistic every step on every copy (no SYNC_STATS) at the head of the stage's APPLY slot
+(`PrecSlot.ops`); a refresh snapshots it at the refresh step, so its DECOMP follows that step's slot
+(`Task.after_slot`). The snapshot is not counted in memory. Known cost: where a device holds several stages with
+copies CP-SAT may not move a slot across the next stage's all-reduce.
 """
 
 from __future__ import annotations
@@ -87,8 +82,8 @@ class TaskKind(StrEnum):
 
 @dataclass(frozen=True)
 class Task:
-    """`ops` back to back for `ticks` on one of `devices`, serving the (layer, side) `factors`, holding keep_bytes
-    from `release` to its end; after_slot: [Note: gradient parts]; deadline, home: [Note: placed W]."""
+    """`ops` back to back for `ticks` on one of `devices` for the (layer, side) `factors`, holding keep_bytes from
+    `release` to its end; after_slot: [Note: gradient parts]; deadline, home: [Note: placed W]."""
 
     name: str
     kind: TaskKind
@@ -148,12 +143,10 @@ class PrecSlot:
 
 @dataclass(frozen=True)
 class Window:
-    """k steps of one stage group, fixed work modulo the window length: fixed[d] busy intervals and instants,
-    acts[d] (start, end, bytes), capacity[d] bytes left (None: unlimited), offsets[j] step j's start, leads[j]
-    ([Note: step barrier]), stretch ([Note: stretch]), the most layers per STATS task, and per step the tick at which
-    the streamed stage's owner starts its last backward (`stream_use`). Tasks may run until 2*length. `scale` ticks a
-    second ([Note: time grid]): fixed times round to the nearest tick (`at`), durations up (`up`), a task lasts at
-    least one (`span`). Built by `build_window`, whose pieces its private methods make."""
+    """k steps of one stage group (`build_window`), fixed work modulo the window length: fixed[d] busy intervals,
+    acts[d] (start, end, bytes), capacity[d] bytes left (None: unlimited), offsets[j] step j's start, leads[j],
+    stretch, and per step when the streamed stage's owner starts its last backward; `scale` ticks a second
+    ([Note: time grid]: `at` rounds, `up` rounds up, `span` at least one tick)."""
 
     problem: Problem
     group: StageGroup
@@ -173,7 +166,7 @@ class Window:
     stream_use: tuple[int, ...] = ()
 
     def streamed_use(self, layer: str, u: int) -> int | None:
-        """The tick by which a streamed layer's inverse must be made for window step `u` to use it (else None)."""
+        """The tick by which a streamed layer's inverse is made for window step `u` to use it (else None)."""
         streaming = self.problem.streaming
         if streaming is None or layer not in streaming.layers:
             return None
@@ -315,9 +308,8 @@ class Window:
         return tasks
 
     def _released_by(self, after: OpKind) -> OpKind:
-        """The kind of the refresh step's fixed op whose end releases the work on a capture taken `after` FWD or BWD:
-        the op that makes it (`capture_kind`: an output gradient's W on zero-bubble schedules), but where W's are
-        placed tasks an output gradient's B, the W tasks preceding that work (`w_makers`, [Note: placed W])."""
+        """The refresh step's fixed op kind whose end releases work on a capture taken `after` FWD or BWD: its maker
+        (`capture_kind`), but B where W's are placed tasks, which precede that work (`w_makers`)."""
         made = capture_kind(self.problem.kind, after)
         return OpKind.BWD if made is OpKind.BWD_W and placed_w(self.problem) else made
 
@@ -349,12 +341,10 @@ class Window:
         """A part's refresh once its statistic is complete (tick `ready`): SYNC over the stage's copies (a captured part
         held more than once), DECOMP on one copy, BCAST to the others; `after_slot`: [Note: gradient parts].
 
-        [Note: piece tasks] The decomposition is one INV task, or `Problem.decomp_pieces` DECOMP ops ("DECOMP s A i/n
-        layer") back to back in tasks no longer than `piece` (as few as that allows, dealt evenly), chained in order
-        on one rank (`inv_chains`), so that no task outlasts the bubbles while small decompositions need fewer tasks
-        than the largest: cut in the same 4 pieces, BERT-Large's d-wide factors made 288 of 1F1B's 432 tasks a stage,
-        and CP-SAT found the streamed plan at the bound only with 30 s; as one task each, within 10 s. The runtime
-        runs the same pieces."""
+        [Note: piece tasks] The decomposition is one INV task, or `Problem.decomp_pieces` DECOMP ops back to back in
+        tasks no longer than `piece` (as few as that allows, dealt evenly), chained in order on one rank
+        (`inv_chains`): no task outlasts the bubbles, and small decompositions make few tasks (CP-SAT's model grows
+        with them). The runtime runs the same pieces."""
         problem, side = self.problem, p.part
         copies, workers, key = copies_of_stage(problem, stage), problem.workers(layer), ((layer, p.part),)
 
@@ -390,28 +380,22 @@ class Window:
         return tasks
 
     def _w_tasks(self) -> list[Task]:
-        """The WGRAD task of every W of every window step on the group's devices ([Note: placed W]); the refresh
-        step's list, as `factors`, the fused parts their curvature feeds (those parts' decompositions follow them).
-        Per-layer W's ([Note: per-layer W]) are a task each where each spans a tick at home; else one task holds a
-        stage W's layers' W's back to back."""
+        """The WGRAD task of every W of every window step ([Note: placed W]), a refresh step's with the fused parts it
+        feeds as `factors`; per-layer W's are a task each where each spans a tick at home, else one task for all."""
         tasks = []
         for d in self.group.devices:
             for j, st in enumerate(self.steps):
                 items = w_window(self.problem, st, d, self.fused if j == 0 else frozenset())
                 for _, group in itertools.groupby(items, key=lambda item: (item[0].stage, item[0].mb, item[0].pipe)):
                     run = list(group)
-                    ws: list[tuple[tuple[Op, ...], tuple[float, ...], float, float]]
-                    ws = [((op,), (b - a,), a, b) for op, a, b in run]
-                    if any(self.at(b) <= self.at(a) for _, a, b in run):
-                        ws = [(tuple(op for op, _, _ in run), tuple(b - a for _, a, b in run), run[0][1], run[-1][2])]
-                    tasks += [self._w_task(d, j, *w) for w in ws]
+                    whole = any(self.at(b) <= self.at(a) for _, a, b in run)
+                    tasks += [self._w_task(d, j, w) for w in ([run] if whole else [[item] for item in run])]
         return tasks
 
-    def _w_task(
-        self, device: int, j: int, ops: tuple[Op, ...], seconds: tuple[float, ...], start: float, end: float
-    ) -> Task:
-        """The WGRAD task of `ops` whose home is [start, end) of window step j: released at its B's end, due by its
-        stage's ALLREDUCE_GRAD (with one copy, by the step's end)."""
+    def _w_task(self, device: int, j: int, run: list[tuple[Op, float, float]]) -> Task:
+        """The WGRAD task of the W's `run` back to back at home in window step j, from its B's end to its all-reduce."""
+        ops, seconds = tuple(op for op, _, _ in run), tuple(b - a for _, a, b in run)
+        start, end = run[0][1], run[-1][2]
         op, s, at, timeline = ops[0], ops[0].stage_id, self.at, self.steps[j].ops[device]
         b_op = Op(OpKind.BWD, op.stage, op.mb, op.pipe)
         release = self.offsets[j] + at(next(e for o, _, e in timeline if o == b_op))
@@ -453,9 +437,8 @@ def inv_chains(window: Window) -> list[list[int]]:
 
 
 def warm_starts(window: Window) -> list[tuple[int, int]]:
-    """Pairs (i, f): INV or BCAST task i is done (an INV ends, a BCAST starts: collectives keep their order) before
-    the next refresh's first INV f of its layer starts, L later, as f starts from what i makes
-    (`Problem.chains_refreshes`)."""
+    """Pairs (i, f): INV or BCAST task i is done (`done_by`) before the next refresh's first INV f of its layer, L
+    later, starts from what i makes (`Problem.chains_refreshes`)."""
     if not window.problem.chains_refreshes:
         return []
     firsts: dict[str, list[int]] = {}
@@ -470,9 +453,8 @@ def warm_starts(window: Window) -> list[tuple[int, int]]:
 
 
 def w_makers(window: Window) -> list[tuple[int, int]]:
-    """Pairs (w, c): CURV task c reads an output-gradient capture that the refresh step's placed W task w makes (its
-    device's, micro-batch's and pipe's W of one of c's layers, or the stage's whole W: `w_makes`), so c starts once w
-    ends ([Note: placed W]). The refresh step's W's are those whose home lies in window step 0."""
+    """Pairs (w, c): CURV task c reads an output-gradient capture that the refresh step's (home in step 0) W task w
+    makes on its device, micro-batch and pipe (`w_makes`), so c starts once w ends ([Note: placed W])."""
     made: dict[tuple[int, int | None, int | None, int], list[tuple[int, Op]]] = {}
     for i, task in enumerate(window.tasks):
         if task.kind is TaskKind.WGRAD and task.home is not None and task.home < window.offsets[1]:
@@ -494,7 +476,7 @@ def w_makers(window: Window) -> list[tuple[int, int]]:
 
 
 def done_by(task: Task) -> int:
-    """Ticks after its start by which `task` is done for a warm start (`warm_starts`)."""
+    """Ticks after its start by which `task` is done for a warm start: an INV ends, a BCAST starts (in order)."""
     return task.ticks if task.kind is TaskKind.INV else 1
 
 
@@ -510,8 +492,7 @@ def free_gaps(busy: Iterable[Interval], length: int) -> list[Interval]:
 
 
 def idle_regions(busy: Sequence[Interval], length: int) -> list[list[Interval]]:
-    """A device's maximal idle spans over a window of `length` ticks, each as its pieces in [0, length) (two where
-    it runs over the window's end into its start)."""
+    """A device's maximal idle spans in a window of `length` ticks, as pieces in [0, length) (two across its end)."""
     gaps = free_gaps(busy, length)
     if len(gaps) > 1 and gaps[0][0] == 0 and gaps[-1][1] == length:
         return [[gaps[-1], gaps[0]]] + [[g] for g in gaps[1:-1]]
@@ -539,8 +520,7 @@ def too_long(window: Window) -> list[str]:
 
 
 def _merge(intervals: Iterable[Interval]) -> tuple[Interval, ...]:
-    """The intervals merged, sorted; an empty one (t, t), an instant no work may span, kept where no interval holds
-    t inside."""
+    """The intervals merged, sorted; an instant (t, t) kept where no interval holds t inside."""
     out: list[list[int]] = []
     instants = []
     for s, e in sorted(intervals):
@@ -559,9 +539,8 @@ def _merge(intervals: Iterable[Interval]) -> tuple[Interval, ...]:
 def grid_scale(
     problem: Problem, stages: Iterable[int], fused: frozenset[str], resolution: int, extra: Iterable[float] = ()
 ) -> tuple[float, bool]:
-    """Ticks per second for windows of `stages` and whether the grid is exact ([Note: time grid]): 10^e for the least
-    e that makes every time whole with at most 10^7 ticks a step, else `resolution` ticks a step; `extra`: more
-    durations it must hold exactly (the options of a joint choice, planner/search/cpsat.py)."""
+    """Ticks per second for windows of `stages` and whether the grid is exact ([Note: time grid]); `extra`: more
+    durations it must hold exactly (a joint choice's options)."""
     refresh, normal = step_timeline(problem, fused, refresh=True), step_timeline(problem)
     costs, times = problem.costs, list(extra)
     for s in stages:
@@ -577,7 +556,7 @@ def grid_scale(
         # the per-layer W's cut of each W's interval ([Note: per-layer W])
         times += [t for d in st.ops for _, a, b in w_window(problem, st, d, with_fused) for t in (a, b)]
     most = next((e for e in range(7) if normal.length * 10.0**e > 1e7), 7)
-    e = whole_decimal((t for t in times if t > 0), most)  # within 1e-9: 1e-6 took 519687.5 ticks for whole
+    e = whole_decimal((t for t in times if t > 0), most)
     return (10.0**e, True) if e is not None else (resolution / normal.length, False)
 
 
@@ -592,8 +571,8 @@ def build_window(
     stretch: int = 0,
     scale: tuple[float, bool] | None = None,
 ) -> Window:
-    """The window of `k` steps for `group` (step 0 the refresh step, grown by taps and fused curvature), each followed
-    by `stretch` idle ticks; `scale`: a (ticks per second, exact) grid shared by several groups (else its own)."""
+    """The window of `k` steps for `group` (step 0 the refresh step), each followed by `stretch` idle ticks; `scale`:
+    a (ticks per second, exact) grid shared by several groups (else its own)."""
     if stretch < 0:
         raise AssertionError(f"negative stretch {stretch}")
     scale = scale if scale is not None else grid_scale(problem, group.stages, fused, resolution)
@@ -639,47 +618,39 @@ def _chunks(layers: Sequence[LayerCost], size: int) -> list[list[LayerCost]]:
 
 
 # [Note: placed W] The zero-bubble schedules' W's (OpKind.BWD_W, a backward's weight-gradient half) as planner tasks
-# (issue 37 item 3). A W depends on its own B alone and is needed by its stage's update: in a window each W of each
-# step is a `TaskKind.WGRAD` task on its rank, released at its B's end, due by its stage's ALLREDUCE_GRAD where the
-# stage has copies (a fixed time of the step; with one copy the all-reduce is a no-op that follows the stage's last W
-# wherever it is placed, so the W's are due by the stage's per-step slot, which reads the gradient), holding its
-# layers' operands (`w_operand_bytes`) until it ends, as a deferred STATS holds its captures. It lasts its interval in
-# the simulated step (at the refresh step, with the fused curvature it runs). Its schedule position (`home`) is where
-# first-fit puts it and where CP-SAT keeps it while searching the period and stretch (free W's made those searches
-# slower and some longer); CP-SAT frees them only where that search proves there is no placement, and its
-# least-staleness solve then moves them where that leaves the other tasks more room (a worse placement is not kept).
-# F/B keep their times, so no step grows. A fused layer's decomposition waits for the refresh step's W's of its stage;
-# a deferred layer's STATS of its output gradient wait for the W making it (`w_makers`; where W's are not placed, the
-# W at its place releases them: `Window._released_by`), as the runtime has W make that gradient.
+# (issue 37 item 3): each W of each window step is a `TaskKind.WGRAD` task on its rank, released at its B's end, due
+# by its stage's ALLREDUCE_GRAD where the stage has copies (with one copy that all-reduce is a no-op after the last W,
+# so by the stage's per-step slot), holding its layers' operands (`w_operand_bytes`) until it ends, as a deferred STATS
+# holds its captures. It lasts its interval in the simulated step, and its schedule position (`home`) is where
+# first-fit puts it and CP-SAT keeps it while searching period and stretch (free W's slow those searches); CP-SAT frees
+# them only where that search finds no placement, and its least-staleness solve keeps a move only if it helps. F/B keep
+# their times. A fused layer's decomposition waits for the refresh step's W's of its stage; a deferred layer's STATS
+# of its output gradient wait for the W making it (`w_makers`; unplaced: `Window._released_by`), as in the runtime.
 # W's are placed where `placed_w` holds: a zero-bubble schedule without streaming (a streamed hand-off follows the
-# stage's last backward in the program) of at most `MAX_W_TASKS` W's a window.
+# stage's last backward) of at most `MAX_W_TASKS` W's a window.
 
 
 MAX_W_TASKS = 4096
-"""The most W tasks a problem's longest window may hold (N x S x `Problem.max_period`) for its plans to place W's;
-counted per layer, it decides whether they are one per layer (`w_by_layer`) or one per stage. CP-SAT's model grows
-with them: BERT-Large ZB-H1 D=8 N=32 on the paper's profiles (8192) took 14 s of CP-SAT against 3.6 s with W's in
-place, and refreshed stages 4 and 5 a step later; ZB-V D=8 N=8 (4096) plans better with them."""
+"""The most W tasks (N x S x `Problem.max_period`) a problem's longest window may hold for its plans to place W's,
+counted per layer for one W per layer (`w_by_layer`): CP-SAT's model grows with them (docs/ZERO_BUBBLE.md)."""
 
 
 def placed_w(problem: Problem) -> bool:
-    """Whether the problem's plans place its W's as tasks ([Note: placed W]): a zero-bubble schedule, no streaming,
-    at most `MAX_W_TASKS` W's in its longest window."""
+    """Whether the problem's plans place its W's as tasks ([Note: placed W])."""
     few = problem.N * problem.num_stages * problem.max_period <= MAX_W_TASKS
     return problem.kind in ZERO_BUBBLE_KINDS and problem.streaming is None and few
 
 
 def w_by_layer(problem: Problem) -> bool:
-    """Whether the problem's placed W's are one per layer ([Note: per-layer W] in planner/problem/step_timeline.py):
-    W's placed, and at most `MAX_W_TASKS` per-layer W's in its longest window (beyond it, one W per stage)."""
+    """Whether placed W's are one per layer ([Note: per-layer W] in planner/problem/step_timeline.py): at most
+    `MAX_W_TASKS` in the longest window (beyond it, one per stage)."""
     layers = sum(max(1, len(stage.layers)) for stage in problem.costs.stages)
     return placed_w(problem) and problem.N * layers * problem.max_period <= MAX_W_TASKS
 
 
 def allreduce_after_w(problem: Problem, items: list[tuple[tuple[int, ...], Op]]) -> list[tuple[tuple[int, ...], Op]]:
-    """One step's program items (sort key, op) with each one-copy stage's ALLREDUCE_GRAD keyed right after the
-    stage's last placed W where that W comes later ([Note: placed W]): the runtime refuses an all-reduce while a W
-    of its stage waits."""
+    """One step's program items (sort key, op) with each one-copy stage's ALLREDUCE_GRAD keyed after its last placed
+    W where that comes later: the runtime refuses an all-reduce while a W of its stage waits."""
     last: dict[int | None, tuple[int, ...]] = {}
     for key, op in items:
         if op.kind is OpKind.BWD_W:
@@ -695,8 +666,8 @@ def allreduce_after_w(problem: Problem, items: list[tuple[tuple[int, ...], Op]])
 def w_window(
     problem: Problem, step: Timeline, device: int, fused: frozenset[str] = frozenset()
 ) -> list[tuple[Op, float, float]]:
-    """The device's W's of `step` that become tasks, each with its home interval in seconds from the step's start:
-    one per layer where `w_by_layer` (`fused`: the layers whose curvature the step's W's hold, at a refresh step)."""
+    """The device's W's of `step` that become tasks, with their home intervals (seconds), per layer where
+    `w_by_layer` (`fused`: the layers whose curvature a refresh step's W's hold)."""
     if not placed_w(problem):
         return []
     ws = [(op, a, b) for op, a, b in step.fixed(device) if op.kind is OpKind.BWD_W]

@@ -73,7 +73,6 @@ from fxkfac.planner.problem.schedules import (
     ZERO_BUBBLE_KINDS,
     ScheduleKind,
     num_stages,
-    schedule_programs,
     stages_of_rank,
     validate_schedule_args,
 )
@@ -108,6 +107,6 @@ __all__ = [
     "copies_of_stage", "decomposition_seconds", "describe", "distribute", "fit_alpha_beta", "format_bytes",
     "grad_workers", "holding", "is_profile", "is_streamed", "keeps_statistics", "kind_of", "linked_classes",
     "load_cost_table", "median_of", "naive_programs", "num_stages", "ops_at", "parse_strategy", "plain_step_time",
-    "rank_programs", "ranks_of_stages", "schedule_programs", "simulate", "stage_comm", "stages_of_rank",
+    "rank_programs", "ranks_of_stages", "simulate", "stage_comm", "stages_of_rank",
     "stages_on_device", "tied_owner", "utilization", "validate_schedule_args", "words_of",
 ]  # fmt: skip

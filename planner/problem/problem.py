@@ -1,5 +1,4 @@
-"""The planning problem: schedule, mesh, costs, budget; its stage copies and groups (its step and memory:
-planner/problem/step_timeline.py)."""
+"""The planning problem: schedule, mesh, costs, budget; its stage copies and groups."""
 
 from __future__ import annotations
 
@@ -24,7 +23,7 @@ from fxkfac.planner.problem.strategy import (
 
 class StepBarrier(StrEnum):
     """Which ranks a step's end waits for ([Note: step barrier] in planner/plan/window.py; the runtime's
-    `kl_clip_scope`): every rank (scope global), or the rank's agreement set, the devices of its stage group."""
+    `kl_clip_scope`): every rank, or the rank's agreement set, the devices of its stage group."""
 
     WORLD = "world"
     AGREEMENT_SET = "agreement-set"
@@ -32,10 +31,9 @@ class StepBarrier(StrEnum):
 
 @dataclass(frozen=True)
 class Problem:
-    """What to plan: the pipeline (pp size D, dp size W, N micro-batches, v stages per rank), one StageCost per
-    stage, bytes per device (None: unlimited), max_overhead the fraction the step may grow over the reference step
-    (0.0: bubbles only), the graph's fingerprint, the longest refresh period, and non-COMM-OPT layer distributions
-    sorted by layer (`with_distributions`)."""
+    """What to plan: the pipeline (pp size D, dp size W, N micro-batches, v stages per rank), its costs, bytes per
+    device (None: unlimited), max_overhead the fraction the step may grow over the reference step (0.0: bubbles
+    only), the longest refresh period, and non-COMM-OPT layer distributions sorted by layer (`with_distributions`)."""
 
     schedule: str
     D: int
@@ -50,11 +48,10 @@ class Problem:
     max_period: int = 32
     distributions: tuple[tuple[str, LayerDistribution], ...] = ()
     decomp_pieces: int = 1
-    """How many DECOMP ops each decomposition is cut into, in order on one rank (Muon: its APPLY, `apply_pieces`)."""
+    """How many DECOMP ops each decomposition is cut into (Muon: its APPLY, `apply_pieces`)."""
     warm_start: bool = False
     """Whether each decomposition starts from its layer's newest preconditioner (`chains_refreshes`)."""
     barrier: StepBarrier = StepBarrier.WORLD
-    """Which ranks each step's end synchronizes ([Note: step barrier] in planner/plan/window.py)."""
     streaming: Streaming | None = None
     """Layers whose APPLY a helper rank runs, fed during the owner's last backward."""
     recompute: tuple[int, ...] = ()
@@ -182,10 +179,9 @@ class Problem:
 
     def with_strategy(self, strategy: Strategy) -> Problem:
         """Every layer under `strategy`, dealt to columns by `distribute` on its decomposition (Muon: APPLY) seconds."""
-        holders = {s: copies_of_stage(self, s) for s in range(self.num_stages)}
         layers = {s: [x.name for x in stage.layers] for s, stage in enumerate(self.costs.stages)}
         costs = {x.name: x.inv if x.parts else x.prec for stage in self.costs.stages for x in stage.layers}
-        return self.with_distributions(distribute(strategy, layers, holders, costs))
+        return self.with_distributions(distribute(strategy, layers, self.holders, costs))
 
     def where(self, layer: str) -> LayerDistribution:
         """The distribution of `layer` (COMM-OPT unless `distributions` names it)."""
@@ -215,26 +211,22 @@ class Problem:
         return tuple(range(self.D * self.W))
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able form (the cost table nested in its own schema)."""
-        return {
-            "schedule": self.schedule,
-            "D": self.D,
-            "N": self.N,
-            "W": self.W,
-            "v": self.v,
-            "costs": self.costs.to_dict(),
-            "memory_budget": self.memory_budget,
-            "max_overhead": self.max_overhead,
-            "hardware": self.hardware,
-            "fingerprint": self.fingerprint,
-            "max_period": self.max_period,
-            **({"distributions": {n: str(d) for n, d in self.distributions}} if self.distributions else {}),
-            **({"decomp_pieces": self.decomp_pieces} if self.decomp_pieces > 1 else {}),
-            **({"warm_start": True} if self.warm_start else {}),
-            **({"barrier": self.barrier.value} if self.barrier is not StepBarrier.WORLD else {}),
-            **({"streaming": self.streaming.to_dict()} if self.streaming is not None else {}),
-            **({"recompute": list(self.recompute)} if self.recompute else {}),
+        """Plain JSON-able form (the cost table nested in its own schema; fields from `distributions` on when set)."""
+        every = fields(self)
+        first = next(i for i, f in enumerate(every) if f.name == "distributions")
+        data = {
+            f.name: getattr(self, f.name)
+            for i, f in enumerate(every)
+            if i < first or getattr(self, f.name) != f.default
         }
+        encoded = {
+            "costs": self.costs.to_dict(),
+            "distributions": {n: str(d) for n, d in self.distributions},
+            "barrier": self.barrier.value,
+            "streaming": self.streaming.to_dict() if self.streaming is not None else None,
+            "recompute": list(self.recompute),
+        }
+        return data | {n: v for n, v in encoded.items() if n in data}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Problem:
@@ -250,8 +242,8 @@ class Problem:
 
 @dataclass(frozen=True)
 class SolveProgress:
-    """What CP-SAT reports while it places one window, for a front to render: the window, status, best staleness and
-    its bound (None when searching any placement), wall seconds so far, whether the call ended."""
+    """What CP-SAT reports while it places one window, for a front to render: status, best staleness and its bound
+    (None when searching any placement), wall seconds so far, whether the call ended."""
 
     window: str
     status: str
@@ -270,8 +262,7 @@ class SolveProgress:
 
 @dataclass(frozen=True)
 class SolverConfig:
-    """How hard the CP-SAT planner works. stats_chunk: at most this many layers in one STATS task (None: by
-    `max_stats_tasks`)."""
+    """How hard the CP-SAT planner works."""
 
     time_limit_s: float = 10.0
     """Seconds of planning ([Note: time limit] in planner/search/attempt.py; deterministic: [Note: deterministic
@@ -284,6 +275,7 @@ class SolverConfig:
     """The same plan on any machine (deterministic time, one thread); False: wall-clock on `num_workers` threads."""
     use_greedy_hint: bool = True
     stats_chunk: int | None = None
+    """At most this many layers in one STATS task (None: by `max_stats_tasks`)."""
     max_stats_tasks: int = 1536
     """With `stats_chunk` None, a group's STATS tasks are per layer up to this many, chunked beyond."""
     time_resolution: int = 100_000

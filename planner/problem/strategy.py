@@ -1,15 +1,14 @@
 """Distribution strategies: where a layer's preconditioner work and state live across the copies of its stage.
 
 [Note: strategies] The copies of a stage (its H holders: data-parallel replicas, Chimera's two pipelines) share
-each layer's preconditioner work as distributed K-FAC (Pauloski et al., KAISA) or DP-KFAC (Zhang et al.) do:
+each layer's preconditioner work as KAISA (Pauloski et al.) or DP-KFAC (Zhang et al.) do:
 - KAISA's grad-worker fraction f (`COMM_OPT` f = 1, `MEM_OPT` f = 1/H, `HYBRID` in between): every holder folds the
-  all-reduced statistics; the holders form a grid of n = H / g *columns* ``{c, c + n, ...}`` of g = f * H grad
-  workers and g *rows* ``{j n, ..., j n + n - 1}``. A layer's column decomposes it (broadcast within the column)
-  and preconditions it; when g < H each member broadcasts the preconditioned gradient along its row.
+  all-reduced statistics; the holders form n = H / g *columns* ``{c, c + n, ...}`` of g = f * H grad workers and g
+  *rows* ``{j n, ..., j n + n - 1}``. A layer's column decomposes it (broadcast within the column) and
+  preconditions it; when g < H each member broadcasts the preconditioned gradient along its row.
 - DP-KFAC: one owner keeps *local* factors of its own micro-batches (no statistic all-reduce), decomposes them and
-  broadcasts the preconditioned reduced gradient to every holder: factors from 1/H of the batch.
-The planner chooses each layer's column (`LayerDistribution.column`); the runtime derives the same groups from the
-same data (`grad_workers`, `receivers`).
+  broadcasts the preconditioned reduced gradient to every holder.
+The planner chooses each layer's column; the runtime derives the same groups (`grad_workers`, `receivers`).
 """
 
 from __future__ import annotations
