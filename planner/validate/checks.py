@@ -1,12 +1,7 @@
-"""Checks a plan against its problem in seconds, recomputing what it must hold from the problem alone (the simulated
-step timelines, the comm model), sharing no code with the search. Times may be off by `metrics.time_quantum` ([Note:
-time grid] in planner/plan/window.py), every step ends with `metrics.stretch` idle seconds ([Note: stretch]). Checked:
-a refresh's order (statistics after the F/B they read; sync, decomposition pieces and broadcast after them and before
-the next refresh; APPLY after the reduced gradient; each `use_offset`); the placements (as often as the problem and
-each layer's distribution ask, for their cost, inside their window step, never over the F/B or each other, within
-memory and step time); the per-rank programs (the schedule's ops and the placed ones in time order, no gradient read
-early, no deadlock, no slower than planned); a streamed stage's hand-offs and replicas (planner/problem/lowering.py).
-"""
+"""Checks a plan against its problem, recomputing what it must hold from the problem alone (the simulated step
+timelines, the comm model) and sharing no code with the search, so tests can trust it. Times may be off by
+`metrics.time_quantum` ([Note: time grid] in planner/plan/window.py); every step ends with `metrics.stretch` idle
+seconds ([Note: stretch]). Each `check_*` below says what it checks."""
 
 from __future__ import annotations
 
@@ -72,7 +67,8 @@ Key = tuple[int | None, int, int]
 
 @dataclass
 class Context:
-    """One validation: the problem, the plan, the tolerance, the simulated step timelines and the violations found."""
+    """One validation: the problem, the plan, the tolerance, the simulated step timelines, the placements indexed in
+    one walk (each rule reads the indexes) and the violations found."""
 
     problem: Problem
     plan: Plan
@@ -80,15 +76,34 @@ class Context:
     fused: frozenset[str]
     refresh: Timeline
     normal: Timeline
-    errors: list[str]
     stretch: float = 0.0
+    errors: list[str] = field(default_factory=list)
     held: defaultdict[int, list[tuple[float, float, int]]] = field(default_factory=lambda: defaultdict(list))
     """Per device, what placed work holds in memory (start, end, bytes): `check_placements` collects, `check_devices`
     sums."""
+    at: dict[tuple[Op, int, int], Placement] = field(default_factory=dict)
+    """Each placement by (op, device, window step)."""
+    kinds: defaultdict[OpKind, list[Placement]] = field(default_factory=lambda: defaultdict(list))
+    on: defaultdict[int, list[Placement]] = field(default_factory=lambda: defaultdict(list))
+    made: defaultdict[str, list[Placement]] = field(default_factory=lambda: defaultdict(list))
+    """Per layer, its refresh's DECOMP and BCAST placements."""
+    refresh_ws: defaultdict[tuple[int, int | None, int | None, int], list[Placement]] = field(
+        default_factory=lambda: defaultdict(list)
+    )
+    """The refresh step's placed W's by (device, stage, micro-batch, pipe)."""
+
+    def __post_init__(self) -> None:
+        for p in self.plan.placements:  # in the plan's order
+            self.at[p.op, p.device, p.step] = p
+            self.kinds[p.op.kind].append(p)
+            self.on[p.device].append(p)
+            if p.op.kind in (OpKind.DECOMP, OpKind.BCAST):
+                self.made[p.op.layer_name].append(p)
+            if p.op.kind is OpKind.BWD_W and p.step == 0:
+                self.refresh_ws[p.device, p.op.stage, p.op.mb, p.op.pipe].append(p)
 
     def period(self, stage: int) -> int:
-        """The stage's refresh period: its layers' (`check_layers` makes them agree), else (no preconditioned layer)
-        the plan's `refresh_steps`: its group's window."""
+        """The stage's refresh period: its layers' (`check_layers` makes them agree), else its group's window."""
         layers = self.problem.costs.stages[stage].layers
         return self.plan.layers[layers[0].name].period if layers else self.plan.metrics.refresh_steps[stage]
 
@@ -117,39 +132,9 @@ class Context:
         found = (b for x, _, b in self.timeline(j, k).ops[device] if x.kind is kind and (x.stage, x.mb, x.pipe) == key)
         return self.base(j, k) + next(found)
 
-    @cached_property
-    def at(self) -> dict[tuple[Op, int, int], Placement]:
-        """Each placement by (op, device, window step)."""
-        return {(p.op, p.device, p.step): p for p in self.plan.placements}
-
-    @cached_property
-    def kinds(self) -> defaultdict[OpKind, list[Placement]]:
-        """The placements of each kind, in the plan's order."""
-        out = defaultdict(list)
-        for p in self.plan.placements:
-            out[p.op.kind].append(p)
-        return out
-
-    @cached_property
-    def on(self) -> defaultdict[int, list[Placement]]:
-        """The placements on each device, in the plan's order."""
-        out = defaultdict(list)
-        for p in self.plan.placements:
-            out[p.device].append(p)
-        return out
-
-    @cached_property
-    def refresh_ws(self) -> defaultdict[tuple[int, int | None, int | None, int], list[Placement]]:
-        """The refresh step's placed W's by (device, stage, micro-batch, pipe)."""
-        out = defaultdict(list)
-        for p in (p for p in self.kinds[OpKind.BWD_W] if p.step == 0):
-            out[p.device, p.op.stage, p.op.mb, p.op.pipe].append(p)
-        return out
-
     def capture_end(self, device: int, stats: Op) -> tuple[OpKind, float]:
-        """The kind of op that makes the refresh step's capture `stats` reads on `device` (its part's `after`, an
-        output gradient's W on zero-bubble schedules: `capture_kind`), and when it ends (where W's are placed, the
-        latest placed W of its layer, not before its B: [Note: placed W] in planner/plan/window.py)."""
+        """The kind of op that makes the refresh step's capture `stats` reads on `device` (`capture_kind`), and when
+        it ends (where W's are placed, the latest placed W of its layer: [Note: placed W] in planner/plan/window.py)."""
         kind = capture_kind(self.problem.kind, self.problem.costs.layer(stats.layer_name).part(stats.part_name).after)
         placed = kind is OpKind.BWD_W and placed_w(self.problem)
         ready = self.end_of(0, 1, device, OpKind.BWD if placed else kind, stats)
@@ -157,18 +142,8 @@ class Context:
         return kind, max([ready] + [q.end for q in ws if w_makes(q.op, stats.layer_name)])
 
     @cached_property
-    def made(self) -> dict[str, list[Placement]]:
-        """Per layer, its refresh's DECOMP and BCAST placements."""
-        out: dict[str, list[Placement]] = {}
-        for p in self.plan.placements:
-            if p.op.kind in (OpKind.DECOMP, OpKind.BCAST):
-                out.setdefault(p.op.layer_name, []).append(p)
-        return out
-
-    @cached_property
     def placed_kinds(self) -> frozenset[OpKind]:
-        """The ops a program holds where its placements say: the preconditioner's, and a zero-bubble schedule's W's
-        where plans place them ([Note: placed W] in planner/plan/window.py)."""
+        """The ops a program holds where its placements say: the preconditioner's, and placed W's."""
         return PRECONDITIONER_KINDS | ({OpKind.BWD_W} if placed_w(self.problem) else set())
 
     def follows_w(self, op: Op) -> bool:
@@ -239,9 +214,8 @@ def apply_start(c: Context, layer: str, u: int, device: int) -> float:
 
 
 def _check_w(c: Context, p: Placement, updates: Mapping[Key, float]) -> None:
-    """A placed W runs after its B and by its stage's gradient all-reduce in its own step (with one copy, a no-op
-    all-reduce: by its per-step slot; [Note: placed W] in planner/plan/window.py), holding its operands from its B's
-    end."""
+    """A placed W runs after its B and by its stage's gradient all-reduce in its step (one copy: by its per-step
+    slot; [Note: placed W] in planner/plan/window.py), holding its operands from its B's end."""
     k = c.period(p.op.stage_id)
     ready = c.end_of(p.step, k, p.device, OpKind.BWD, p.op)
     c.held[p.device].append((ready, p.end, w_operand_bytes(c.problem.costs.stages[p.op.stage_id], p.op.layer)))
@@ -431,6 +405,7 @@ def _expected(c: Context) -> Counter:
 
 
 def check_layers(c: Context) -> None:
+    """Every layer timed, one period per stage group (per plan when fused) within max_period, curvature at step 0."""
     p = c.problem
     names = set(p.costs.layer_names)
     if set(c.plan.layers) != names:
@@ -634,11 +609,9 @@ def check_programs(c: Context, run: bool) -> None:
 def _check_placed_order(
     c: Context, where: str, ops: list[Op], i: int, t: float, spans: list[tuple[Op, float, float] | None]
 ) -> None:
-    """A placed op (`ops[i]`, placed at `t` in its step) comes after every pipeline op (`spans`: their times in the
-    step) that ended before it and before every one that ends after its start (a RECV still waiting included); APPLY
-    and a gradient STATS follow their stage's backwards and gradient all-reduce, a gradient STATS precedes its stage's
-    APPLY. The runtime executes the program in order, so a program that disagrees with its placements runs other
-    semantics."""
+    """A placed op (`ops[i]`, placed at `t` in its step) sits among the pipeline ops (`spans`: their times) as its
+    time says; APPLY and a gradient STATS after their stage's gradient, a gradient STATS before its stage's APPLY. The
+    runtime runs the program in order, so a program that disagrees with its placements runs other semantics."""
     op = ops[i]
     for n, item in enumerate(spans):
         if item is None or item[0].kind is OpKind.OPT_STEP:
@@ -741,9 +714,8 @@ def check_streaming(c: Context) -> None:
 
 def _check_replicas(c: Context, streaming: Streaming, owner: int) -> None:
     """Replay the replicas over two periods of every program: the owner sends one after a DECOMP of the layer, the
-    layer's helper takes it in the same step, and each helper APPLY finds the refresh its timing makes due (the n-th
-    replica carries the layer's n-th refresh since step 0). A layer without parts (a Muon matrix) has no refresh, so
-    no replica."""
+    helper takes it in the same step, and each helper APPLY finds the refresh its timing makes due (the n-th replica
+    carries the n-th refresh). A layer without parts (a Muon matrix) has no refresh, so no replica."""
     s = streaming.stage
     for n, helper in zip(streaming.layers, streaming.helpers, strict=True):
         send = Op(OpKind.SEND_REPLICA, s, peer=helper, layer=n)
@@ -787,7 +759,7 @@ def validate(problem: Problem, plan: Plan, *, run: bool = True) -> list[str]:
     tol = plan.metrics.time_quantum + 1e-9 * normal.length
     stretch = plan.metrics.stretch
     finite = stretch if isinstance(stretch, (int, float)) and 0 <= stretch < math.inf else 0.0
-    c = Context(problem, plan, tol, fused, step_timeline(problem, fused, refresh=True), normal, [], finite)
+    c = Context(problem, plan, tol, fused, step_timeline(problem, fused, refresh=True), normal, finite)
     if plan.problem != problem:
         c.errors.append("the plan was made for another problem")
     if c.stretch != stretch:
