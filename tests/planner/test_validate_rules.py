@@ -1,0 +1,142 @@
+"""Each rule of the validator refuses a plan broken its way, with its message: a small valid plan (every K-FAC op of
+a copied stage: statistics, sync, decomposition, broadcast, APPLY) broken one way per case."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import replace
+from functools import lru_cache
+from typing import Any
+
+import pytest
+
+from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.problem.ir import Op, Placement
+from fxkfac.planner.search.attempt import solve
+from fxkfac.planner.validate import validate
+from tests.planner.kfac_cases import problem
+
+
+@lru_cache(maxsize=1)
+def _plan() -> Plan:
+    return solve(problem("1f1b", 2, 2, W=2, layers=2, curv=0.25, inv=0.5), method="greedy")
+
+
+def _first(plan: Plan, text: str, device: int = 0) -> Placement:
+    return next(p for p in plan.placements if str(p.op) == text and p.device == device)
+
+
+def _placements(plan: Plan, old: Placement, *new: Placement) -> Plan:
+    """`plan` with `old` replaced by `new` (none: removed)."""
+    i = plan.placements.index(old)
+    return replace(plan, placements=plan.placements[:i] + new + plan.placements[i + 1 :])
+
+
+def _shifted(plan: Plan, text: str, dt: float, device: int = 0, **fields: Any) -> Plan:
+    p = _first(plan, text, device)
+    return _placements(plan, p, replace(p, start=p.start + dt, end=p.end + dt, **fields))
+
+
+def _step(plan: Plan, device: int, edit: Callable[[list[Op]], None]) -> Plan:
+    """`plan` with `edit` applied to the first step of `device`'s program."""
+    ops = list(plan.programs[device][0])
+    edit(ops)
+    return replace(plan, programs={**plan.programs, device: [ops, *plan.programs[device][1:]]})
+
+
+def _swap(ops: list[Op], a: str, b: str) -> None:
+    i, j = (next(i for i, op in enumerate(ops) if str(op) == t) for t in (a, b))
+    ops[i], ops[j] = ops[j], ops[i]
+
+
+def _metrics(plan: Plan, **fields: Any) -> Plan:
+    return replace(plan, metrics=replace(plan.metrics, **fields))
+
+
+def _layer(plan: Plan, name: str, **fields: Any) -> Plan:
+    return replace(plan, layers={**plan.layers, name: replace(plan.layers[name], **fields)})
+
+
+def _longer(plan: Plan) -> Plan:
+    p = _first(plan, "DECOMP s0 A l0_0")
+    return _placements(plan, p, replace(p, end=p.end + 0.1))
+
+
+def _twice(plan: Plan) -> Plan:
+    p = _first(plan, "APPLY s0")
+    return _placements(plan, p, p, p)
+
+
+def _bcast_root(plan: Plan) -> Plan:
+    for device in (0, 1):
+        p = _first(plan, "BCAST s0 A @r0 l0_0", device)
+        plan = _placements(plan, p, replace(p, op=replace(p.op, root=1)))
+    return plan
+
+
+BROKEN: dict[str, tuple[Callable[[Plan], Plan], str]] = {
+    "cost": (_longer, "DECOMP s0 A l0_0 on r0: lasts 0.6 s, costs 0.5 s"),
+    "count": (_twice, "APPLY s0 on (0, 0) placed 2 times, expected 1"),
+    "window": (lambda plan: _shifted(plan, "APPLY s0", 0.0, step=5), "is not within window step 5 (k=2)"),
+    "dependency": (lambda plan: _shifted(plan, "DECOMP s0 A l0_0", -2.0), "starts before the work it depends on ends"),
+    "copies": (lambda plan: _shifted(plan, "SYNC_STATS s0 A l0_0", 0.005, 1), "the copies start it at different times"),
+    "root": (_bcast_root, "broadcast of l0_0 A does not come from r0, where it was decomposed"),
+    "use_offset": (
+        lambda plan: _layer(plan, "l0_0", use_offset=2),
+        "layer l0_0: use_offset 2 claimed, but its inverse is first usable at step 1",
+    ),
+    "apply": (lambda plan: _shifted(plan, "APPLY s0", -1.0), "APPLY s0 step 0 on r0 [8, 8.5) is outside [9, "),
+    "overlap": (lambda plan: _shifted(plan, "STATS s0 m0 B l0_0", -4.0), "overlaps"),
+    "peak": (lambda plan: _metrics(plan, peak_memory={**plan.metrics.peak_memory, 0: 0}), "r0: peak memory 0 claimed"),
+    "step_time": (lambda plan: _metrics(plan, step_time=1.0), "step time 1 s claimed, 9.5 s found"),
+    "stretch": (lambda plan: _metrics(plan, stretch=math.nan), "the step stretch must be a finite number"),
+    "timing": (lambda plan: _layer(plan, "l1_0", curv_step=1), "layer l1_0: bad timing"),
+    "layers": (
+        lambda plan: replace(plan, layers={n: t for n, t in plan.layers.items() if n != "l1_1"}),
+        "differ from the cost table's",
+    ),
+    "periods": (lambda plan: _metrics(plan, refresh_steps=(2,)), "1 refresh periods in the metrics for 2 stages"),
+    "length": (
+        lambda plan: replace(plan, programs={**plan.programs, 0: plan.programs[0][:1]}),
+        "r0: the program must have 2 steps",
+    ),
+    "placed": (lambda plan: _step(plan, 0, lambda ops: ops.remove(Op.parse("APPLY s0"))), "placed ops differ"),
+    "time_order": (
+        lambda plan: _step(plan, 0, lambda ops: _swap(ops, "STATS s0 m0 A l0_0", "STATS s0 m0 A l0_1")),
+        "r0: the program's placed ops are not in time order",
+    ),
+    "pipeline": (
+        lambda plan: _step(plan, 0, lambda ops: _swap(ops, "SEND_ACT s0 m0 >r2", "SEND_ACT s0 m1 >r2")),
+        "r0 step 0: the pipeline ops differ from the schedule's",
+    ),
+    "opt_step": (
+        lambda plan: _step(plan, 2, lambda ops: _swap(ops, "OPT_STEP", "APPLY s1")),
+        "r2 step 0: OPT_STEP is not the last op",
+    ),
+    "deadlock": (lambda plan: _step(plan, 0, lambda ops: ops.remove(Op.parse("SEND_ACT s0 m1 >r2"))), "deadlock"),
+}
+
+
+def test_the_plan_is_valid() -> None:
+    assert validate(_plan().problem, _plan()) == []
+
+
+@pytest.mark.parametrize("case", sorted(BROKEN))
+def test_a_broken_plan_is_refused_with_its_rule(case: str) -> None:
+    breaking, message = BROKEN[case]
+    plan = breaking(_plan())
+    errors = validate(plan.problem, plan)
+    assert any(message in e for e in errors), errors
+
+
+def test_a_plan_for_another_problem_is_refused() -> None:
+    plan = _plan()
+    assert "the plan was made for another problem" in validate(replace(plan.problem, N=4), plan)
+
+
+def test_memory_over_the_budget_is_refused() -> None:
+    plan = _plan()
+    tight = replace(plan.problem, memory_budget=100)
+    errors = validate(tight, replace(plan, problem=tight))
+    assert any(e.startswith("r0: memory peaks at 3340 bytes, over the budget of 100") for e in errors), errors
