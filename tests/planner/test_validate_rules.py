@@ -6,20 +6,33 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import replace
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import pytest
 
 from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.problem.costs import CostTable, StageCost
 from fxkfac.planner.problem.ir import Op, Placement
+from fxkfac.planner.problem.problem import Problem
+from fxkfac.planner.problem.strategy import parse_strategy
 from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.validate import validate
-from tests.planner.kfac_cases import problem
+from tests.planner.kfac_cases import gradient_layer, problem
 
 
-@lru_cache(maxsize=1)
-def _plan() -> Plan:
+@cache
+def _plan(kind: str = "kfac") -> Plan:
+    """kfac: two stages on two copies each; gradient: Shampoo-like layers (per-step STATS of the reduced gradient);
+    shared: mem-opt rows (BCAST_PREC); zb: zero bubble with placed W's."""
+    if kind == "gradient":
+        stages = tuple(StageCost(1.0, 2.0, 1000, 50, (gradient_layer(f"l{s}_0"),)) for s in range(2))
+        return solve(Problem("1f1b", 2, 2, CostTable(stages, 1, "test", "cpu")), method="greedy")
+    if kind == "shared":
+        mem_opt = parse_strategy("mem-opt")
+        return solve(problem("1f1b", 2, 2, W=2, curv=0.25, inv=0.5).with_strategy(mem_opt), method="greedy")
+    if kind == "zb":
+        return solve(problem("zb-h1", 2, 2, curv=0.25, prec=0.25, max_overhead=0.5, max_period=8), method="greedy")
     return solve(problem("1f1b", 2, 2, W=2, layers=2, curv=0.25, inv=0.5), method="greedy")
 
 
@@ -115,17 +128,56 @@ BROKEN: dict[str, tuple[Callable[[Plan], Plan], str]] = {
         "r2 step 0: OPT_STEP is not the last op",
     ),
     "deadlock": (lambda plan: _step(plan, 0, lambda ops: ops.remove(Op.parse("SEND_ACT s0 m1 >r2"))), "deadlock"),
+    "slower": (lambda plan: _metrics(plan, step_time=1.0), "the simulated programs take"),
+    "late_bcast": (
+        lambda plan: _shifted(plan, "BCAST s0 A @r0 l0_0", 19.0),
+        "BCAST l0_0 A ends after the next refresh's DECOMP starts",
+    ),
+    "kept": (lambda plan: _shifted(plan, "STATS s0 m0 A l0_0", 19.0), "keeps its a/e longer than one window"),
+    "gradient/early": (
+        lambda plan: _shifted(plan, "STATS s0 L l0_0", -5.0),
+        "STATS s0 L l0_0 on r0 at step 0 starts at 4 before the stage's gradient is reduced (9)",
+    ),
+    "gradient/late": (
+        lambda plan: _shifted(plan, "STATS s0 R l0_0", 0.6),
+        "STATS s0 R l0_0 on r0 at step 0 ends at 10.1, after APPLY s0 starts (9.5)",
+    ),
+    "gradient/snapshot": (
+        lambda plan: _placements(plan, _first(plan, "STATS s0 L l0_0")),
+        "DECOMP s0 L l0_0 on r0: no STATS of the refresh step on r0",
+    ),
+    "gradient/program": (
+        lambda plan: _step(plan, 0, lambda ops: _swap(ops, "STATS s0 R l0_0", "APPLY s0")),
+        "r0 step 0: 'STATS s0 R l0_0' does not come before the APPLY of its stage",
+    ),
+    "shared/row": (
+        lambda plan: _shifted(plan, "BCAST_PREC s0 @r0 l0_0", 0.01, 1),
+        "BCAST_PREC s0 @r0 l0_0 at step 0: the row starts it at different times",
+    ),
+    "shared/root": (
+        lambda plan: _shifted(plan, "BCAST_PREC s0 @r0 l0_0", -0.1, 1),
+        "BCAST_PREC s0 @r0 l0_0 on r1 at step 0 starts before r0 applied l0_0",
+    ),
+    "zb/allreduce": (
+        lambda plan: _step(plan, 0, lambda ops: _swap(ops, "W s0 m1 l0_0", "ALLREDUCE_GRAD s0")),
+        "r0 step 0: 'ALLREDUCE_GRAD s0' comes before 'W s0 m1 l0_0' of its stage",
+    ),
+    "zb/moved": (
+        lambda plan: _step(plan, 0, lambda ops: ops.remove(Op.parse("ALLREDUCE_GRAD s0"))),
+        "r0 step 0: the gradient all-reduces differ from the schedule's",
+    ),
 }
 
 
-def test_the_plan_is_valid() -> None:
-    assert validate(_plan().problem, _plan()) == []
+@pytest.mark.parametrize("kind", ["kfac", "gradient", "shared", "zb"])
+def test_the_plans_are_valid(kind: str) -> None:
+    assert validate(_plan(kind).problem, _plan(kind)) == []
 
 
 @pytest.mark.parametrize("case", sorted(BROKEN))
 def test_a_broken_plan_is_refused_with_its_rule(case: str) -> None:
     breaking, message = BROKEN[case]
-    plan = breaking(_plan())
+    plan = breaking(_plan(case.split("/")[0] if "/" in case else "kfac"))
     errors = validate(plan.problem, plan)
     assert any(message in e for e in errors), errors
 
