@@ -265,18 +265,29 @@ def _check_gradient_stats(c: Context, p: Placement, applies: Mapping[Key, float]
 
 def _check_factor(c: Context, layer: str, side: str | None, kinds: Mapping[OpKind, list[Placement]]) -> None:
     """A factor's refresh: statistics, SYNC_STATS, DECOMP pieces and BCAST in order (a gradient-fed part's DECOMP after
-    the refresh step's STATS on its rank, the snapshot), the collectives started together on every copy, the
-    broadcast from the decomposing rank, all done before the next refresh needs the factor's buffers."""
+    the refresh step's STATS on its rank, the snapshot, or where its helper folds them, after they return), the
+    collectives started together on every copy, the broadcast from the decomposing rank, all done before the next
+    refresh needs the factor's buffers."""
     stage = c.problem.costs.stage_of(layer)
     L = c.length(c.period(stage))
     copies = copies_of_stage(c.problem, stage)
     curv, sync, inv, bcast = (kinds.get(k, []) for k in (OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST))
     after = None if side is None else c.problem.costs.layer(layer).part(side).after
+    what = "the work it depends on ends"
     if after is OpKind.ALLREDUCE_GRAD:
         if len(inv) != 1:
             return  # check_placements counts them
-        _check_snapshot(c, layer, inv[0], curv)
-        ready, curv = -math.inf, []  # its per-step STATS are no refresh's curvature
+        d = inv[0].device
+        snapshot = [p for p in curv if (p.device, p.step) == (d, 0)]
+        if streamed_stats(c.problem, layer):
+            ready = c.refresh.end_of(d, returned(c.problem, layer))
+            what = f"the refresh step's statistics of {layer} return from its helper to r{d}"
+        elif snapshot:
+            ready, what = snapshot[0].end, f"the refresh step's {snapshot[0].op} on r{d} ends"
+        else:
+            c.errors.append(f"{inv[0].op} on r{d}: no STATS of the refresh step on r{d}")
+            ready = -math.inf
+        curv = []  # its per-step STATS are no refresh's curvature
     elif layer in c.fused and after is not None:
         kind = capture_kind(c.problem.kind, after)  # made with the W
         ready = max(b for d in copies for op, _, b in c.refresh.fixed(d) if op.stage == stage and op.kind is kind)
@@ -289,8 +300,9 @@ def _check_factor(c: Context, layer: str, side: str | None, kinds: Mapping[OpKin
         if group and max(p.start for p in group) - min(p.start for p in group) > c.tol:
             c.errors.append(f"{group[0].op}: the copies start it at different times")
     for x in (x for x in (sync, inv, bcast) if x):
-        if min(p.start for p in x) < ready - c.tol:
-            c.errors.append(f"{x[0].op} starts before the work it depends on ends ({ready:.6g})")
+        first = min(x, key=lambda p: p.start)
+        if first.start < ready - c.tol:
+            c.errors.append(f"{first.op} starts at {first.start:.6g}, before {what} ({ready:.6g})")
         ready = max(p.end for p in x)
     if inv:
         inv = sorted(inv, key=lambda p: p.op.piece or (0, 1))
@@ -310,26 +322,6 @@ def _check_factor(c: Context, layer: str, side: str | None, kinds: Mapping[OpKin
             c.errors.append(f"DECOMP {layer} {side} ends after the next refresh starts its curvature")
         if any(p.end > inv[0].start + L + c.tol for p in bcast):
             c.errors.append(f"BCAST {layer} {side} ends after the next refresh's DECOMP starts")
-
-
-def _check_snapshot(c: Context, layer: str, decomp: Placement, stats: list[Placement]) -> None:
-    """A gradient-fed part's DECOMP starts after the refresh step's STATS on its rank, or where its helper folds it,
-    after the refresh step's statistics return."""
-    snapshot = [p for p in stats if (p.device, p.step) == (decomp.device, 0)]
-    if streamed_stats(c.problem, layer):
-        landed = c.refresh.end_of(decomp.device, returned(c.problem, layer))
-        if decomp.start < landed - c.tol:
-            c.errors.append(
-                f"{decomp.op} starts at {decomp.start:.6g}, before the refresh step's statistics of {layer} return "
-                f"from its helper to r{decomp.device} ({landed:.6g})"
-            )
-    elif not snapshot:
-        c.errors.append(f"{decomp.op} on r{decomp.device}: no STATS of the refresh step on r{decomp.device}")
-    elif decomp.start < snapshot[0].end - c.tol:
-        c.errors.append(
-            f"{decomp.op} starts at {decomp.start:.6g}, before the refresh step's {snapshot[0].op} "
-            f"on r{decomp.device} ends ({snapshot[0].end:.6g})"
-        )
 
 
 def check_precs_and_offsets(c: Context) -> None:

@@ -92,7 +92,7 @@ BROKEN: dict[str, tuple[Callable[[Plan], Plan], str]] = {
     "cost": (_longer, "DECOMP s0 A l0_0 on r0: lasts 0.6 s, costs 0.5 s"),
     "count": (_twice, "APPLY s0 on (0, 0) placed 2 times, expected 1"),
     "window": (lambda plan: _shifted(plan, "APPLY s0", 0.0, step=5), "is not within window step 5 (k=2)"),
-    "dependency": (lambda plan: _shifted(plan, "DECOMP s0 A l0_0", -2.0), "starts before the work it depends on ends"),
+    "dependency": (lambda plan: _shifted(plan, "DECOMP s0 A l0_0", -2.0), "before the work it depends on ends"),
     "copies": (lambda plan: _shifted(plan, "SYNC_STATS s0 A l0_0", 0.005, 1), "the copies start it at different times"),
     "root": (_bcast_root, "broadcast of l0_0 A does not come from r0, where it was decomposed"),
     "use_offset": (
