@@ -243,26 +243,6 @@ def _check_shared_gradient(c: Context, p: Placement) -> None:
         c.errors.append(f"{p.op} on r{p.device} at step {p.step} starts before r{p.op.root} applied {p.op.layer}")
 
 
-def _check_gradient_stats(c: Context, p: Placement, applies: Mapping[Key, float]) -> None:
-    """A gradient STATS runs after its stage's gradient all-reduce of its step and before the stage's APPLY there
-    (`applies`: APPLY starts by stage, device and step), which overwrites the gradient."""
-    s = p.op.stage_id
-    k = c.period(s)
-    if (p.device, s) not in c.refresh.allreduce_end or not 0 <= p.step < k:
-        return  # check_placements says where it should be
-    ready = c.base(p.step, k) + c.timeline(p.step, k).allreduce_end[p.device, s]
-    if p.start < ready - c.tol:
-        c.errors.append(
-            f"{p.op} on r{p.device} at step {p.step} starts at {p.start:.6g} before the stage's "
-            f"gradient is reduced ({ready:.6g})"
-        )
-    apply = applies.get((s, p.device, p.step))
-    if apply is not None and p.end > apply + c.tol:
-        c.errors.append(
-            f"{p.op} on r{p.device} at step {p.step} ends at {p.end:.6g}, after APPLY s{s} starts ({apply:.6g})"
-        )
-
-
 def _check_factor(c: Context, layer: str, side: str | None, kinds: Mapping[OpKind, list[Placement]]) -> None:
     """A factor's refresh: statistics, SYNC_STATS, DECOMP pieces and BCAST in order (a gradient-fed part's DECOMP after
     the refresh step's STATS on its rank, the snapshot, or where its helper folds them, after they return), the
@@ -325,10 +305,14 @@ def _check_factor(c: Context, layer: str, side: str | None, kinds: Mapping[OpKin
 
 
 def check_precs_and_offsets(c: Context) -> None:
-    """Each APPLY after its stage's gradient all-reduce and by the next step's start (a cut one's pieces in order);
-    each layer's use offset as its refresh's end makes it, and a warm-started refresh done before the next begins."""
-    for p in c.kinds[OpKind.APPLY]:
+    """Each APPLY and gradient STATS after its stage's gradient all-reduce and by the next step's start (a gradient
+    STATS before the stage's APPLY, which overwrites the gradient; a cut APPLY's pieces in order); each layer's use
+    offset as its refresh's end makes it, and a warm-started refresh done before the next begins."""
+    applies = {(p.op.stage, p.device, p.step): p.start for p in c.kinds[OpKind.APPLY]}
+    for p in c.kinds[OpKind.APPLY] + [p for p in c.kinds[OpKind.STATS] if p.op.mb is None]:
         s, d, j = p.op.stage_id, p.device, p.step
+        if (d, s) not in c.refresh.allreduce_end:
+            continue  # check_placements says where it should be
         if p.op.piece is not None and p.op.piece[0] > 0:  # a cut APPLY: piece i after piece i-1, on the same rank
             before = c.at.get((replace(p.op, piece=(p.op.piece[0] - 1, p.op.piece[1])), d, j))
             if before is None or before.end > p.start + c.tol:
@@ -336,7 +320,10 @@ def check_precs_and_offsets(c: Context) -> None:
         k = c.period(s)
         lo, hi = c.base(j, k) + c.timeline(j, k).allreduce_end[d, s], c.step_start(d, j + 1, k)
         if p.start < lo - c.tol or p.end > hi + c.tol:
-            c.errors.append(f"APPLY s{s} step {j} on r{d} [{p.start:.6g}, {p.end:.6g}) is outside [{lo:.6g}, {hi:.6g})")
+            c.errors.append(f"{p.op} step {j} on r{d} [{p.start:.6g}, {p.end:.6g}) is outside [{lo:.6g}, {hi:.6g})")
+        apply = applies.get((s, d, j), math.inf) if p.op.kind is OpKind.STATS else math.inf
+        if p.end > apply + c.tol:
+            c.errors.append(f"{p.op} on r{d} at step {j} ends at {p.end:.6g}, after APPLY s{s} starts ({apply:.6g})")
     for layer, made in c.made.items():
         t = max(p.end for p in made)
         k = c.period(c.problem.costs.stage_of(layer))
@@ -427,7 +414,6 @@ def check_placements(c: Context) -> None:
     got: Counter = Counter()
     factor_tasks: defaultdict[tuple[str, str | None], defaultdict[OpKind, list[Placement]]]
     factor_tasks = defaultdict(lambda: defaultdict(list))
-    applies = {(p.op.stage, p.device, p.step): p.start for p in c.kinds[OpKind.APPLY]}
     updates: dict[Key, float] = {}  # the first per-step op's start by stage, device, step
     for p in sorted((p for p in c.plan.placements if per_step(p.op)), key=lambda p: -p.start):
         updates[p.op.stage, p.device, p.step] = p.start
@@ -453,9 +439,7 @@ def check_placements(c: Context) -> None:
         workers = c.problem.workers(p.op.layer_name) if p.op.kind is OpKind.DECOMP else (p.device,)
         if p.device not in workers:
             c.errors.append(f"{p.op} runs on r{p.device}, not a grad worker of {p.op.layer} {list(workers)}")
-        if p.op.kind is OpKind.STATS and p.op.mb is None:
-            _check_gradient_stats(c, p, applies)
-        elif p.op.kind is OpKind.STATS:
+        if p.op.kind is OpKind.STATS and p.op.mb is not None:
             kind, ready = c.capture_end(p.device, p.op)  # the F/B (or W) whose end makes its capture: held since
             c.held[p.device].append(
                 (ready, p.end, c.problem.costs.layer(p.op.layer_name).part(p.op.part_name).capture_bytes)

@@ -136,7 +136,7 @@ BROKEN: dict[str, tuple[Callable[[Plan], Plan], str]] = {
     "kept": (lambda plan: _shifted(plan, "STATS s0 m0 A l0_0", 19.0), "keeps its a/e longer than one window"),
     "gradient/early": (
         lambda plan: _shifted(plan, "STATS s0 L l0_0", -5.0),
-        "STATS s0 L l0_0 on r0 at step 0 starts at 4 before the stage's gradient is reduced (9)",
+        "STATS s0 L l0_0 step 0 on r0 [4, 4.25) is outside [9, ",
     ),
     "gradient/late": (
         lambda plan: _shifted(plan, "STATS s0 R l0_0", 0.6),
