@@ -61,9 +61,6 @@ from fxkfac.planner.problem.step_timeline import (
 )
 from fxkfac.planner.problem.strategy import keeps_statistics
 
-Key = tuple[int | None, int, int]
-"""(stage, device, window step)."""
-
 
 @dataclass
 class Context:
@@ -91,6 +88,8 @@ class Context:
         default_factory=lambda: defaultdict(list)
     )
     """The refresh step's placed W's by (device, stage, micro-batch, pipe)."""
+    updates: dict[tuple[int | None, int, int], float] = field(default_factory=dict)
+    """Where each stage's update begins (its first per-step op's start) by (stage, device, window step)."""
 
     def __post_init__(self) -> None:
         for p in self.plan.placements:  # in the plan's order
@@ -101,6 +100,9 @@ class Context:
                 self.made[p.op.layer_name].append(p)
             if p.op.kind is OpKind.BWD_W and p.step == 0:
                 self.refresh_ws[p.device, p.op.stage, p.op.mb, p.op.pipe].append(p)
+            if per_step(p.op):
+                key = (p.op.stage, p.device, p.step)
+                self.updates[key] = min(p.start, self.updates.get(key, math.inf))
 
     def period(self, stage: int) -> int:
         """The stage's refresh period: its layers' (`check_layers` makes them agree), else its group's window."""
@@ -213,7 +215,7 @@ def apply_start(c: Context, layer: str, u: int, device: int) -> float:
     return (placed.start if placed else 0.0) + c.length(k) * (u // k)
 
 
-def _check_w(c: Context, p: Placement, updates: Mapping[Key, float]) -> None:
+def _check_w(c: Context, p: Placement) -> None:
     """A placed W runs after its B and by its stage's gradient all-reduce in its step (one copy: by its per-step
     slot; [Note: placed W] in planner/plan/window.py), holding its operands from its B's end."""
     k = c.period(p.op.stage_id)
@@ -225,7 +227,7 @@ def _check_w(c: Context, p: Placement, updates: Mapping[Key, float]) -> None:
         if op.kind is OpKind.ALLREDUCE_GRAD and op.stage == p.op.stage
     )
     if len(copies_of_stage(c.problem, p.op.stage_id)) == 1:  # a no-op all-reduce: due by the stage's update
-        due = min(c.base(p.step + 1, k), updates.get((p.op.stage, p.device, p.step), math.inf))
+        due = min(c.base(p.step + 1, k), c.updates.get((p.op.stage, p.device, p.step), math.inf))
     if p.start < ready - c.tol or p.end > due + c.tol:
         c.errors.append(
             f"{p.op} on r{p.device} at step {p.step} is not between its B ({ready:.6g}) and its "
@@ -414,9 +416,6 @@ def check_placements(c: Context) -> None:
     got: Counter = Counter()
     factor_tasks: defaultdict[tuple[str, str | None], defaultdict[OpKind, list[Placement]]]
     factor_tasks = defaultdict(lambda: defaultdict(list))
-    updates: dict[Key, float] = {}  # the first per-step op's start by stage, device, step
-    for p in sorted((p for p in c.plan.placements if per_step(p.op)), key=lambda p: -p.start):
-        updates[p.op.stage, p.device, p.step] = p.start
     for p in c.plan.placements:
         k = c.period(p.op.stage_id)
         if per_step(p.op) or p.op.kind is OpKind.BWD_W:
@@ -455,7 +454,7 @@ def check_placements(c: Context) -> None:
             if p.end > ready + c.length(c.period(p.op.stage_id)) + c.tol:
                 c.errors.append(f"{p.op} on r{p.device} keeps its a/e longer than one window")
         if p.op.kind is OpKind.BWD_W:
-            _check_w(c, p, updates)
+            _check_w(c, p)
         elif p.op.kind is OpKind.BCAST_PREC:
             _check_shared_gradient(c, p)
         elif p.op.kind is not OpKind.APPLY:  # STATS, SYNC_STATS, DECOMP and BCAST name their layer
