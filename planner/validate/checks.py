@@ -533,6 +533,7 @@ def check_programs(c: Context, run: bool) -> None:
     """Each rank's program: its length, its repetition, the schedule's ops at their places, the refresh step's folds
     (`fused_stats`), the placed ones as placed (`_check_placed_order`), and with `run` how it runs (`_check_runs`)."""
     anchor = weight_gradient_kind(c.problem.kind)  # the op a fused layer's statistics fold after
+    gradient = (OpKind.BWD, OpKind.BWD_W, OpKind.ALLREDUCE_GRAD)  # the ops that make a stage's reduced gradient
     for d in c.problem.devices:
         prog = c.plan.programs.get(d)
         k = c.device_period(d)
@@ -561,10 +562,16 @@ def check_programs(c: Context, run: bool) -> None:
                 c.errors.append(f"r{d} step {j}: the gradient all-reduces differ from the schedule's")
             fixed = iter([item for item in c.timeline(j, k).ops[d] if c.pipeline(item[0])])
             spans = [next(fixed, None) if c.pipeline(op) else None for op in ops]  # each pipeline op's times
-            for i, op in enumerate(ops):  # a stage's all-reduce after its W's: the runtime refuses it while one waits
-                later = [o for o in ops[i + 1 :] if o.kind is OpKind.BWD_W and o.stage == op.stage]
-                if op.kind is OpKind.ALLREDUCE_GRAD and later:
-                    c.errors.append(f"r{d} step {j}: '{op}' comes before '{later[0]}' of its stage")
+            for i, op in enumerate(ops):
+                after = [o for o in ops[i + 1 :] if o.stage == op.stage]  # what of its stage follows it
+                # a per-step op reads the complete gradient, which a gradient STATS reads before APPLY overwrites it; a
+                # stage's all-reduce follows its W's (the runtime refuses it while one waits)
+                kinds = gradient if per_step(op) else (OpKind.BWD_W,) if op.kind is OpKind.ALLREDUCE_GRAD else ()
+                late = [o for o in after if o.kind in kinds]
+                if late:
+                    c.errors.append(f"r{d} step {j}: '{op}' comes before '{late[0]}' of its stage")
+                if per_step(op) and op.kind is OpKind.STATS and all(o.kind is not OpKind.APPLY for o in after):
+                    c.errors.append(f"r{d} step {j}: '{op}' does not come before the APPLY of its stage")
                 if op.kind is OpKind.OPT_STEP and i != len(ops) - 1:
                     c.errors.append(f"r{d} step {j}: OPT_STEP is not the last op")
                 # the refresh step follows each BWD (a zero-bubble schedule's W) with exactly the STATS folding its
@@ -585,8 +592,8 @@ def _check_placed_order(
     c: Context, where: str, ops: list[Op], i: int, t: float, spans: list[tuple[Op, float, float] | None]
 ) -> None:
     """A placed op (`ops[i]`, placed at `t` in its step) sits among the pipeline ops (`spans`: their times) as its
-    time says; APPLY and a gradient STATS after their stage's gradient, a gradient STATS before its stage's APPLY. The
-    runtime runs the program in order, so a program that disagrees with its placements runs other semantics."""
+    time says: the runtime runs the program in order, so a program that disagrees with its placements runs other
+    semantics."""
     op = ops[i]
     for n, item in enumerate(spans):
         if item is None or item[0].kind is OpKind.OPT_STEP:
@@ -598,14 +605,6 @@ def _check_placed_order(
                 f"{where}: '{op}' (placed at {t:.6g} s) and '{other}' ({a:.6g}-{b:.6g} s) are in the wrong order in "
                 "the program"
             )
-    if not per_step(op):
-        return
-    gradient = (OpKind.BWD, OpKind.BWD_W, OpKind.ALLREDUCE_GRAD)
-    after = [o for o in ops[i + 1 :] if o.stage == op.stage and o.kind in gradient]  # the gradient is complete
-    if after:
-        c.errors.append(f"{where}: '{op}' comes before '{after[0]}' of its stage")
-    if op.kind is OpKind.STATS and not any(o.kind is OpKind.APPLY and o.stage == op.stage for o in ops[i + 1 :]):
-        c.errors.append(f"{where}: '{op}' does not come before the APPLY of its stage")
 
 
 def _check_runs(c: Context) -> None:
@@ -613,7 +612,7 @@ def _check_runs(c: Context) -> None:
     no slower than planned (the durations of a non-refresh step are used: exact when nothing is fused)."""
     stages = c.problem.costs.stages
     split = c.problem.kind in ZERO_BUBBLE_KINDS  # a BWD without its W, which runs apart
-    timed = PRECONDITIONER_KINDS | {OpKind.ALLREDUCE_GRAD}
+    timed = (PRECONDITIONER_KINDS - LAYER_TRANSFER_KINDS) | {OpKind.ALLREDUCE_GRAD}  # hand-offs: no time of their own
 
     def duration(rank: int, op: Op) -> float:
         if op.kind is OpKind.FWD:
@@ -624,9 +623,7 @@ def _check_runs(c: Context) -> None:
         if op.kind is OpKind.BWD_W:  # a per-layer W: its layer's share ([Note: per-layer W])
             stage = stages[op.stage_id]
             return stage.weight_grad * (w_share(stage, op.layer) if op.layer is not None else 1.0)
-        if op.kind in LAYER_TRANSFER_KINDS or c.fold(op):
-            return 0.0
-        return op_seconds(c, op) if op.kind in timed else 0.0
+        return op_seconds(c, op) if op.kind in timed and not c.fold(op) else 0.0
 
     periods = [len(p) for p in c.plan.programs.values()]
     steps = max(periods) * 2
