@@ -529,9 +529,9 @@ def check_step_time(c: Context) -> None:
         c.errors.append(f"step time {c.plan.metrics.step_time:.6g} s claimed, {step:.6g} s found")
 
 
-def check_programs(c: Context, run: bool) -> None:
+def check_programs(c: Context) -> None:
     """Each rank's program: its length, its repetition, the schedule's ops at their places, the refresh step's folds
-    (`fused_stats`), the placed ones as placed (`_check_placed_order`), and with `run` how it runs (`_check_runs`)."""
+    (`fused_stats`), the placed ones as placed (`_check_placed_order`)."""
     anchor = weight_gradient_kind(c.problem.kind)  # the op a fused layer's statistics fold after
     gradient = (OpKind.BWD, OpKind.BWD_W, OpKind.ALLREDUCE_GRAD)  # the ops that make a stage's reduced gradient
     for d in c.problem.devices:
@@ -584,8 +584,6 @@ def check_programs(c: Context, run: bool) -> None:
                     c.errors.append(f"r{d} step {j}: '{op}' is not right after a {anchor} of the refresh step")
                 if matched and c.is_placed(d, op):
                     _check_placed_order(c, f"r{d} step {j}", ops, i, times[j, str(op)][0] - c.base(j, k), spans)
-    if run:
-        _check_runs(c)
 
 
 def _check_placed_order(
@@ -607,7 +605,7 @@ def _check_placed_order(
             )
 
 
-def _check_runs(c: Context) -> None:
+def check_runs(c: Context) -> None:
     """Simulate the programs (ops in program order, as soon as possible): no deadlock, and the run is
     no slower than planned (the durations of a non-refresh step are used: exact when nothing is fused)."""
     stages = c.problem.costs.stages
@@ -687,17 +685,12 @@ def check_streaming(c: Context) -> None:
 def _check_replicas(c: Context, streaming: Streaming, owner: int) -> None:
     """Replay the replicas over two periods of every program: the owner sends one after a DECOMP of the layer, the
     helper takes it in the same step, and each helper APPLY finds the refresh its timing makes due (the n-th replica
-    carries the n-th refresh). A layer without parts (a Muon matrix) has no refresh, so no replica."""
+    carries the n-th refresh). A layer without parts (a Muon matrix) has no refresh, so no replica is made or due."""
     s = streaming.stage
     for n, helper in zip(streaming.layers, streaming.helpers, strict=True):
         send = Op(OpKind.SEND_REPLICA, s, peer=helper, layer=n)
         recv = Op(OpKind.RECV_REPLICA, s, peer=owner, layer=n)
-        if not c.problem.costs.layer(n).parts:  # no refresh (a Muon matrix): no replica in any program
-            for rank in (owner, helper):
-                ops = [op for body in (*c.plan.startup.get(rank, []), *c.plan.programs[rank]) for op in body]
-                if send in ops or recv in ops:
-                    c.errors.append(f"r{rank} transfers a replica of {n}, which has no refresh")
-            continue
+        refreshed = bool(c.problem.costs.layer(n).parts)
         periods = [len(c.plan.programs[r]) + len(c.plan.startup.get(r, [])) for r in (owner, helper)]
         timing = c.plan.layers[n]
         received = 0
@@ -715,7 +708,7 @@ def _check_replicas(c: Context, streaming: Streaming, owner: int) -> None:
                 c.errors.append(f"step {t}: r{owner} sends a replica of {n} before any DECOMP or BCAST of it there")
             for op in theirs:
                 received += op == recv
-                if op != Op(OpKind.APPLY, s, layer=n):
+                if op != Op(OpKind.APPLY, s, layer=n) or not refreshed:
                     continue
                 due = t - timing.use_offset
                 if due >= timing.curv_step and received < (due - timing.curv_step) // timing.period + 1:
@@ -739,10 +732,11 @@ def validate(problem: Problem, plan: Plan, *, run: bool = True) -> list[str]:
     check_layers(c)
     if c.errors:
         return c.errors
-    for check in (check_placements, check_devices, check_precs_and_offsets, check_step_time):
+    for check in (check_placements, check_devices, check_precs_and_offsets, check_step_time, check_programs):
         check(c)
-    check_programs(c, run)
     check_streaming(c)
+    if run:
+        check_runs(c)
     return c.errors
 
 
