@@ -10,17 +10,25 @@ from typing import Any
 
 import pytest
 
+from fxkfac.planner.problem.costs import CostTable, StageCost
 from fxkfac.planner.problem.errors import PlanFormatError
+from fxkfac.planner.problem.problem import Problem
 from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.validate import parse_plan
-from tests.planner.kfac_cases import problem
+from tests.planner.kfac_cases import gradient_layer, problem
 
 Tree = dict[str, Any]
 
 
 @cache
-def _text() -> str:
-    """A small plan with every kind of K-FAC op (W=2: curvature sync and inverse broadcast) and start-up steps."""
+def _text(kind: str = "kfac") -> str:
+    """kfac: a small plan with every kind of K-FAC op (W=2: curvature sync and inverse broadcast) and start-up steps;
+    zb: zero bubble with placed W's; gradient: Shampoo-like layers (STATS of the reduced gradient)."""
+    if kind == "zb":
+        return solve(problem("zb-h1", 2, 2, curv=0.25, max_overhead=0.5, max_period=8), method="greedy").to_json()
+    if kind == "gradient":
+        stages = tuple(StageCost(1.0, 2.0, 1000, 50, (gradient_layer(f"l{s}_0"),)) for s in range(2))
+        return solve(Problem("1f1b", 2, 2, CostTable(stages, 1, "test", "cpu")), method="greedy").to_json()
     return solve(problem("1f1b", 2, 2, W=2, layers=2, curv=0.25, inv=0.5), method="greedy").to_json()
 
 
@@ -82,6 +90,11 @@ BROKEN: dict[str, tuple[Callable[[Tree], None], str]] = {
     "mesh": (_set("problem", "N", value=True), "problem.D/N/v must be ints"),
     "layers": (_set("layers", value={}), "are not the cost table's"),
     "timing": (_set("layers", "l0_0", "period", value=0), "layer l0_0: period, curv_step and use_offset must be ints"),
+    "zb/w_layer": (_placed("W s0 m0 BOGUS"), "no layer BOGUS there"),
+    "gradient/fed": (
+        _placed("STATS s0 m0 L l0_0"),
+        "is fed by the reduced gradient, so its STATS names no micro-batch",
+    ),
 }
 
 
@@ -92,7 +105,7 @@ def test_the_plan_parses() -> None:
 @pytest.mark.parametrize("case", sorted(BROKEN))
 def test_a_malformed_plan_file_is_refused_with_its_rule(case: str) -> None:
     edit, message = BROKEN[case]
-    tree = json.loads(_text())
+    tree = json.loads(_text(case.split("/")[0] if "/" in case else "kfac"))
     edit(tree)
     with pytest.raises(PlanFormatError) as refused:
         parse_plan(json.dumps(tree))
