@@ -15,8 +15,10 @@ from fxkfac.planner.plan.plan import Plan
 from fxkfac.planner.problem.costs import CostTable, StageCost
 from fxkfac.planner.problem.ir import Op, Placement
 from fxkfac.planner.problem.problem import Problem
+from fxkfac.planner.problem.profiles import load_cost_table
 from fxkfac.planner.problem.strategy import parse_strategy
 from fxkfac.planner.search.attempt import solve
+from fxkfac.planner.search.plan_search import with_streaming
 from fxkfac.planner.validate import validate
 from tests.planner.kfac_cases import gradient_layer, problem
 
@@ -24,13 +26,17 @@ from tests.planner.kfac_cases import gradient_layer, problem
 @cache
 def _plan(kind: str = "kfac") -> Plan:
     """kfac: two stages on two copies each; gradient: Shampoo-like layers (per-step STATS of the reduced gradient);
-    shared: mem-opt rows (BCAST_PREC); zb: zero bubble with placed W's."""
+    shared: mem-opt rows (BCAST_PREC); zb: zero bubble with placed W's; stream: BERT-Base's stage 0 streams two layers
+    to helpers r2 and r3 (r2's program: 12 steps, its own period repeated, with the owner's replicas)."""
     if kind == "gradient":
         stages = tuple(StageCost(1.0, 2.0, 1000, 50, (gradient_layer(f"l{s}_0"),)) for s in range(2))
         return solve(Problem("1f1b", 2, 2, CostTable(stages, 1, "test", "cpu")), method="greedy")
     if kind == "shared":
         mem_opt = parse_strategy("mem-opt")
         return solve(problem("1f1b", 2, 2, W=2, curv=0.25, inv=0.5).with_strategy(mem_opt), method="greedy")
+    if kind == "stream":
+        costs = load_cost_table("paper:bert-base/p100", blocks_per_stage=3, n_stages=4, micro_batch_size=32)
+        return solve(with_streaming(Problem("1f1b", 4, 4, costs, decomp_pieces=4)), method="greedy")
     if kind == "zb":
         return solve(problem("zb-h1", 2, 2, curv=0.25, prec=0.25, max_overhead=0.5, max_period=8), method="greedy")
     return solve(problem("1f1b", 2, 2, W=2, layers=2, curv=0.25, inv=0.5), method="greedy")
@@ -51,11 +57,15 @@ def _shifted(plan: Plan, text: str, dt: float, device: int = 0, **fields: Any) -
     return _placements(plan, p, replace(p, start=p.start + dt, end=p.end + dt, **fields))
 
 
+def _step_of(plan: Plan, device: int, j: int, edit: Callable[[list[Op]], None]) -> Plan:
+    """`plan` with `edit` applied to step `j` of `device`'s program."""
+    steps = [list(ops) for ops in plan.programs[device]]
+    edit(steps[j])
+    return replace(plan, programs={**plan.programs, device: steps})
+
+
 def _step(plan: Plan, device: int, edit: Callable[[list[Op]], None]) -> Plan:
-    """`plan` with `edit` applied to the first step of `device`'s program."""
-    ops = list(plan.programs[device][0])
-    edit(ops)
-    return replace(plan, programs={**plan.programs, device: [ops, *plan.programs[device][1:]]})
+    return _step_of(plan, device, 0, edit)
 
 
 def _swap(ops: list[Op], a: str, b: str) -> None:
@@ -79,6 +89,17 @@ def _longer(plan: Plan) -> Plan:
 def _twice(plan: Plan) -> Plan:
     p = _first(plan, "APPLY s0")
     return _placements(plan, p, p, p)
+
+
+def _helper_changed(plan: Plan) -> Plan:
+    """r2's last step without its OPT_STEP: no longer a repeat of its own period."""
+    *steps, last = plan.programs[2]
+    return replace(plan, programs={**plan.programs, 2: [*steps, [op for op in last if str(op) != "OPT_STEP"]]})
+
+
+def _replica_first(plan: Plan) -> Plan:
+    """The owner's step 2 sends block1's replica first, before the DECOMP that makes it."""
+    return _step_of(plan, 0, 2, lambda ops: ops.insert(0, ops.pop(ops.index(Op.parse("SEND_REPLICA s0 >r3 block1")))))
 
 
 def _bcast_root(plan: Plan) -> Plan:
@@ -158,6 +179,8 @@ BROKEN: dict[str, tuple[Callable[[Plan], Plan], str]] = {
         lambda plan: _shifted(plan, "BCAST_PREC s0 @r0 l0_0", -0.1, 1),
         "BCAST_PREC s0 @r0 l0_0 on r1 at step 0 starts before r0 applied l0_0",
     ),
+    "stream/repeats": (_helper_changed, "r2: the program repeats its own 4 steps but for streamed layers' replicas"),
+    "stream/replica": (_replica_first, "r0 sends a replica of block1 before any DECOMP or BCAST of it there"),
     "zb/allreduce": (
         lambda plan: _step(plan, 0, lambda ops: _swap(ops, "W s0 m1 l0_0", "ALLREDUCE_GRAD s0")),
         "r0 step 0: 'ALLREDUCE_GRAD s0' comes before 'W s0 m1 l0_0' of its stage",
@@ -169,7 +192,7 @@ BROKEN: dict[str, tuple[Callable[[Plan], Plan], str]] = {
 }
 
 
-@pytest.mark.parametrize("kind", ["kfac", "gradient", "shared", "zb"])
+@pytest.mark.parametrize("kind", ["kfac", "gradient", "shared", "zb", "stream"])
 def test_the_plans_are_valid(kind: str) -> None:
     assert validate(_plan(kind).problem, _plan(kind)) == []
 
