@@ -12,10 +12,12 @@ from typing import Any
 import pytest
 
 from fxkfac.planner.plan.plan import Plan
+from fxkfac.planner.problem.analytic import muon_cost_table
 from fxkfac.planner.problem.costs import CostTable, StageCost
 from fxkfac.planner.problem.ir import Op, Placement
 from fxkfac.planner.problem.problem import Problem
 from fxkfac.planner.problem.profiles import load_cost_table
+from fxkfac.planner.problem.step_timeline import min_memory_bytes
 from fxkfac.planner.problem.strategy import parse_strategy
 from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.search.plan_search import with_streaming
@@ -27,7 +29,8 @@ from tests.planner.kfac_cases import gradient_layer, problem
 def _plan(kind: str = "kfac") -> Plan:
     """kfac: two stages on two copies each; gradient: Shampoo-like layers (per-step STATS of the reduced gradient);
     shared: mem-opt rows (BCAST_PREC); zb: zero bubble with placed W's; stream: BERT-Base's stage 0 streams two layers
-    to helpers r2 and r3 (r2's program: 12 steps, its own period repeated, with the owner's replicas)."""
+    to helpers r2 and r3 (r2's program: 12 steps, its own period repeated, with the owner's replicas); fused: every
+    layer's curvature folded into the refresh step's backwards (memory at the least); muon: APPLYs cut in two pieces."""
     if kind == "gradient":
         stages = tuple(StageCost(1.0, 2.0, 1000, 50, (gradient_layer(f"l{s}_0"),)) for s in range(2))
         return solve(Problem("1f1b", 2, 2, CostTable(stages, 1, "test", "cpu")), method="greedy")
@@ -37,6 +40,11 @@ def _plan(kind: str = "kfac") -> Plan:
     if kind == "stream":
         costs = load_cost_table("paper:bert-base/p100", blocks_per_stage=3, n_stages=4, micro_batch_size=32)
         return solve(with_streaming(Problem("1f1b", 4, 4, costs, decomp_pieces=4)), method="greedy")
+    if kind == "fused":
+        tight = problem("1f1b", 2, 2, keep=40, max_overhead=0.5, max_period=8)
+        return solve(replace(tight, memory_budget=min_memory_bytes(tight)))
+    if kind == "muon":
+        return solve(Problem("1f1b", 2, 4, muon_cost_table("bert-base", 2, 32), decomp_pieces=2), method="greedy")
     if kind == "zb":
         return solve(problem("zb-h1", 2, 2, curv=0.25, prec=0.25, max_overhead=0.5, max_period=8), method="greedy")
     return solve(problem("1f1b", 2, 2, W=2, layers=2, curv=0.25, inv=0.5), method="greedy")
@@ -100,6 +108,11 @@ def _helper_changed(plan: Plan) -> Plan:
 def _replica_first(plan: Plan) -> Plan:
     """The owner's step 2 sends block1's replica first, before the DECOMP that makes it."""
     return _step_of(plan, 0, 2, lambda ops: ops.insert(0, ops.pop(ops.index(Op.parse("SEND_REPLICA s0 >r3 block1")))))
+
+
+def _decomposed_elsewhere(plan: Plan) -> Plan:
+    p = _first(plan, "DECOMP s0 A l0_0")
+    return _placements(plan, p, replace(p, device=1))
 
 
 def _bcast_root(plan: Plan) -> Plan:
@@ -181,6 +194,30 @@ BROKEN: dict[str, tuple[Callable[[Plan], Plan], str]] = {
     ),
     "stream/repeats": (_helper_changed, "r2: the program repeats its own 4 steps but for streamed layers' replicas"),
     "stream/replica": (_replica_first, "r0 sends a replica of block1 before any DECOMP or BCAST of it there"),
+    "curvature": (
+        lambda plan: _shifted(plan, "DECOMP s0 A l0_0", 18.0),
+        "DECOMP l0_0 A ends after the next refresh starts its curvature",
+    ),
+    "shared/worker": (
+        _decomposed_elsewhere,
+        "DECOMP s0 A l0_0 runs on r1, not a grad worker of l0_0 [0]",
+    ),
+    "fused/period": (
+        lambda plan: _layer(plan, "l1_0", period=plan.layers["l1_0"].period + 1),
+        "with fused curvature every layer must share one refresh period",
+    ),
+    "fused/folds": (
+        lambda plan: _step(plan, 0, lambda ops: ops.remove(Op.parse("STATS s0 m0 A l0_0"))),
+        "r0 step 0: 'B s0 m0' is not followed by the folds of its fused layers",
+    ),
+    "fused/fold_elsewhere": (
+        lambda plan: _step(plan, 0, lambda ops: ops.insert(0, ops.pop(ops.index(Op.parse("STATS s0 m1 B l0_0"))))),
+        "r0 step 0: 'STATS s0 m1 B l0_0' is not right after a",
+    ),
+    "muon/piece": (
+        lambda plan: _shifted(plan, "APPLY s0 1/2 bert.embeddings.word_embeddings.weight", -0.0005),
+        "'APPLY s0 1/2 bert.embeddings.word_embeddings.weight' on r0 step 0 does not follow its previous piece there",
+    ),
     "zb/allreduce": (
         lambda plan: _step(plan, 0, lambda ops: _swap(ops, "W s0 m1 l0_0", "ALLREDUCE_GRAD s0")),
         "r0 step 0: 'ALLREDUCE_GRAD s0' comes before 'W s0 m1 l0_0' of its stage",
@@ -192,7 +229,7 @@ BROKEN: dict[str, tuple[Callable[[Plan], Plan], str]] = {
 }
 
 
-@pytest.mark.parametrize("kind", ["kfac", "gradient", "shared", "zb", "stream"])
+@pytest.mark.parametrize("kind", ["kfac", "gradient", "shared", "zb", "stream", "fused", "muon"])
 def test_the_plans_are_valid(kind: str) -> None:
     assert validate(_plan(kind).problem, _plan(kind)) == []
 
