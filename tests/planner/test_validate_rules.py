@@ -167,6 +167,10 @@ BROKEN: dict[str, tuple[Callable[[Plan], Plan], str]] = {
         lambda plan: _shifted(plan, "BCAST s0 A @r0 l0_0", 19.0),
         "BCAST l0_0 A ends after the next refresh's DECOMP starts",
     ),
+    "capture": (
+        lambda plan: _shifted(plan, "STATS s0 m0 A l0_0", -1.5),
+        "STATS s0 m0 A l0_0 on r0 starts at 0.5 before its FWD ends (1)",
+    ),
     "kept": (lambda plan: _shifted(plan, "STATS s0 m0 A l0_0", 19.0), "keeps its a/e longer than one window"),
     "gradient/early": (
         lambda plan: _shifted(plan, "STATS s0 L l0_0", -5.0),
