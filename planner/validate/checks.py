@@ -1,12 +1,7 @@
-"""Checks a plan against its problem in seconds, recomputing what it must hold from the problem alone (the simulated
-step timelines, the comm model), sharing no code with the search. Times may be off by `metrics.time_quantum` ([Note:
-time grid] in planner/plan/window.py), every step ends with `metrics.stretch` idle seconds ([Note: stretch]). Checked:
-a refresh's order (statistics after the F/B they read; sync, decomposition pieces and broadcast after them and before
-the next refresh; APPLY after the reduced gradient; each `use_offset`); the placements (as often as the problem and
-each layer's distribution ask, for their cost, inside their window step, never over the F/B or each other, within
-memory and step time); the per-rank programs (the schedule's ops and the placed ones in time order, no gradient read
-early, no deadlock, no slower than planned); a streamed stage's hand-offs and replicas (planner/problem/lowering.py).
-"""
+"""Checks a plan against its problem, recomputing what it must hold from the problem alone (the simulated step
+timelines, the comm model) and sharing no code with the search, so tests can trust it. Times may be off by
+`metrics.time_quantum` ([Note: time grid] in planner/plan/window.py); every step ends with `metrics.stretch` idle
+seconds ([Note: stretch]). Each `check_*` below says what it checks."""
 
 from __future__ import annotations
 
@@ -66,13 +61,11 @@ from fxkfac.planner.problem.step_timeline import (
 )
 from fxkfac.planner.problem.strategy import keeps_statistics
 
-Key = tuple[int | None, int, int]
-"""(stage, device, window step)."""
-
 
 @dataclass
 class Context:
-    """One validation: the problem, the plan, the tolerance, the simulated step timelines and the violations found."""
+    """One validation: the problem, the plan, the tolerance, the simulated step timelines, the placements indexed in
+    one walk (each rule reads the indexes) and the violations found."""
 
     problem: Problem
     plan: Plan
@@ -80,15 +73,39 @@ class Context:
     fused: frozenset[str]
     refresh: Timeline
     normal: Timeline
-    errors: list[str]
     stretch: float = 0.0
+    errors: list[str] = field(default_factory=list)
     held: defaultdict[int, list[tuple[float, float, int]]] = field(default_factory=lambda: defaultdict(list))
     """Per device, what placed work holds in memory (start, end, bytes): `check_placements` collects, `check_devices`
     sums."""
+    at: dict[tuple[Op, int, int], Placement] = field(default_factory=dict)
+    """Each placement by (op, device, window step)."""
+    kinds: defaultdict[OpKind, list[Placement]] = field(default_factory=lambda: defaultdict(list))
+    on: defaultdict[int, list[Placement]] = field(default_factory=lambda: defaultdict(list))
+    made: defaultdict[str, list[Placement]] = field(default_factory=lambda: defaultdict(list))
+    """Per layer, its refresh's DECOMP and BCAST placements."""
+    refresh_ws: defaultdict[tuple[int, int | None, int | None, int], list[Placement]] = field(
+        default_factory=lambda: defaultdict(list)
+    )
+    """The refresh step's placed W's by (device, stage, micro-batch, pipe)."""
+    updates: dict[tuple[int | None, int, int], float] = field(default_factory=dict)
+    """Where each stage's update begins (its first per-step op's start) by (stage, device, window step)."""
+
+    def __post_init__(self) -> None:
+        for p in self.plan.placements:  # in the plan's order
+            self.at[p.op, p.device, p.step] = p
+            self.kinds[p.op.kind].append(p)
+            self.on[p.device].append(p)
+            if p.op.kind in (OpKind.DECOMP, OpKind.BCAST):
+                self.made[p.op.layer_name].append(p)
+            if p.op.kind is OpKind.BWD_W and p.step == 0:
+                self.refresh_ws[p.device, p.op.stage, p.op.mb, p.op.pipe].append(p)
+            if per_step(p.op):
+                key = (p.op.stage, p.device, p.step)
+                self.updates[key] = min(p.start, self.updates.get(key, math.inf))
 
     def period(self, stage: int) -> int:
-        """The stage's refresh period: its layers' (`check_layers` makes them agree), else (no preconditioned layer)
-        the plan's `refresh_steps`: its group's window."""
+        """The stage's refresh period: its layers' (`check_layers` makes them agree), else its group's window."""
         layers = self.problem.costs.stages[stage].layers
         return self.plan.layers[layers[0].name].period if layers else self.plan.metrics.refresh_steps[stage]
 
@@ -117,39 +134,9 @@ class Context:
         found = (b for x, _, b in self.timeline(j, k).ops[device] if x.kind is kind and (x.stage, x.mb, x.pipe) == key)
         return self.base(j, k) + next(found)
 
-    @cached_property
-    def at(self) -> dict[tuple[Op, int, int], Placement]:
-        """Each placement by (op, device, window step)."""
-        return {(p.op, p.device, p.step): p for p in self.plan.placements}
-
-    @cached_property
-    def kinds(self) -> defaultdict[OpKind, list[Placement]]:
-        """The placements of each kind, in the plan's order."""
-        out = defaultdict(list)
-        for p in self.plan.placements:
-            out[p.op.kind].append(p)
-        return out
-
-    @cached_property
-    def on(self) -> defaultdict[int, list[Placement]]:
-        """The placements on each device, in the plan's order."""
-        out = defaultdict(list)
-        for p in self.plan.placements:
-            out[p.device].append(p)
-        return out
-
-    @cached_property
-    def refresh_ws(self) -> defaultdict[tuple[int, int | None, int | None, int], list[Placement]]:
-        """The refresh step's placed W's by (device, stage, micro-batch, pipe)."""
-        out = defaultdict(list)
-        for p in (p for p in self.kinds[OpKind.BWD_W] if p.step == 0):
-            out[p.device, p.op.stage, p.op.mb, p.op.pipe].append(p)
-        return out
-
     def capture_end(self, device: int, stats: Op) -> tuple[OpKind, float]:
-        """The kind of op that makes the refresh step's capture `stats` reads on `device` (its part's `after`, an
-        output gradient's W on zero-bubble schedules: `capture_kind`), and when it ends (where W's are placed, the
-        latest placed W of its layer, not before its B: [Note: placed W] in planner/plan/window.py)."""
+        """The kind of op that makes the refresh step's capture `stats` reads on `device` (`capture_kind`), and when
+        it ends (where W's are placed, the latest placed W of its layer: [Note: placed W] in planner/plan/window.py)."""
         kind = capture_kind(self.problem.kind, self.problem.costs.layer(stats.layer_name).part(stats.part_name).after)
         placed = kind is OpKind.BWD_W and placed_w(self.problem)
         ready = self.end_of(0, 1, device, OpKind.BWD if placed else kind, stats)
@@ -157,18 +144,8 @@ class Context:
         return kind, max([ready] + [q.end for q in ws if w_makes(q.op, stats.layer_name)])
 
     @cached_property
-    def made(self) -> dict[str, list[Placement]]:
-        """Per layer, its refresh's DECOMP and BCAST placements."""
-        out: dict[str, list[Placement]] = {}
-        for p in self.plan.placements:
-            if p.op.kind in (OpKind.DECOMP, OpKind.BCAST):
-                out.setdefault(p.op.layer_name, []).append(p)
-        return out
-
-    @cached_property
     def placed_kinds(self) -> frozenset[OpKind]:
-        """The ops a program holds where its placements say: the preconditioner's, and a zero-bubble schedule's W's
-        where plans place them ([Note: placed W] in planner/plan/window.py)."""
+        """The ops a program holds where its placements say: the preconditioner's, and placed W's."""
         return PRECONDITIONER_KINDS | ({OpKind.BWD_W} if placed_w(self.problem) else set())
 
     def follows_w(self, op: Op) -> bool:
@@ -238,10 +215,9 @@ def apply_start(c: Context, layer: str, u: int, device: int) -> float:
     return (placed.start if placed else 0.0) + c.length(k) * (u // k)
 
 
-def _check_w(c: Context, p: Placement, updates: Mapping[Key, float]) -> None:
-    """A placed W runs after its B and by its stage's gradient all-reduce in its own step (with one copy, a no-op
-    all-reduce: by its per-step slot; [Note: placed W] in planner/plan/window.py), holding its operands from its B's
-    end."""
+def _check_w(c: Context, p: Placement) -> None:
+    """A placed W runs after its B and by its stage's gradient all-reduce in its step (one copy: by its per-step
+    slot; [Note: placed W] in planner/plan/window.py), holding its operands from its B's end."""
     k = c.period(p.op.stage_id)
     ready = c.end_of(p.step, k, p.device, OpKind.BWD, p.op)
     c.held[p.device].append((ready, p.end, w_operand_bytes(c.problem.costs.stages[p.op.stage_id], p.op.layer)))
@@ -251,7 +227,7 @@ def _check_w(c: Context, p: Placement, updates: Mapping[Key, float]) -> None:
         if op.kind is OpKind.ALLREDUCE_GRAD and op.stage == p.op.stage
     )
     if len(copies_of_stage(c.problem, p.op.stage_id)) == 1:  # a no-op all-reduce: due by the stage's update
-        due = min(c.base(p.step + 1, k), updates.get((p.op.stage, p.device, p.step), math.inf))
+        due = min(c.base(p.step + 1, k), c.updates.get((p.op.stage, p.device, p.step), math.inf))
     if p.start < ready - c.tol or p.end > due + c.tol:
         c.errors.append(
             f"{p.op} on r{p.device} at step {p.step} is not between its B ({ready:.6g}) and its "
@@ -269,40 +245,31 @@ def _check_shared_gradient(c: Context, p: Placement) -> None:
         c.errors.append(f"{p.op} on r{p.device} at step {p.step} starts before r{p.op.root} applied {p.op.layer}")
 
 
-def _check_gradient_stats(c: Context, p: Placement, applies: Mapping[Key, float]) -> None:
-    """A gradient STATS runs after its stage's gradient all-reduce of its step and before the stage's APPLY there
-    (`applies`: APPLY starts by stage, device and step), which overwrites the gradient."""
-    s = p.op.stage_id
-    k = c.period(s)
-    if (p.device, s) not in c.refresh.allreduce_end or not 0 <= p.step < k:
-        return  # check_placements says where it should be
-    ready = c.base(p.step, k) + c.timeline(p.step, k).allreduce_end[p.device, s]
-    if p.start < ready - c.tol:
-        c.errors.append(
-            f"{p.op} on r{p.device} at step {p.step} starts at {p.start:.6g} before the stage's "
-            f"gradient is reduced ({ready:.6g})"
-        )
-    apply = applies.get((s, p.device, p.step))
-    if apply is not None and p.end > apply + c.tol:
-        c.errors.append(
-            f"{p.op} on r{p.device} at step {p.step} ends at {p.end:.6g}, after APPLY s{s} starts ({apply:.6g})"
-        )
-
-
 def _check_factor(c: Context, layer: str, side: str | None, kinds: Mapping[OpKind, list[Placement]]) -> None:
     """A factor's refresh: statistics, SYNC_STATS, DECOMP pieces and BCAST in order (a gradient-fed part's DECOMP after
-    the refresh step's STATS on its rank, the snapshot), the collectives started together on every copy, the
-    broadcast from the decomposing rank, all done before the next refresh needs the factor's buffers."""
+    the refresh step's STATS on its rank, the snapshot, or where its helper folds them, after they return), the
+    collectives started together on every copy, the broadcast from the decomposing rank, all done before the next
+    refresh needs the factor's buffers."""
     stage = c.problem.costs.stage_of(layer)
     L = c.length(c.period(stage))
     copies = copies_of_stage(c.problem, stage)
     curv, sync, inv, bcast = (kinds.get(k, []) for k in (OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST))
     after = None if side is None else c.problem.costs.layer(layer).part(side).after
+    what = "the work it depends on ends"
     if after is OpKind.ALLREDUCE_GRAD:
         if len(inv) != 1:
             return  # check_placements counts them
-        _check_snapshot(c, layer, inv[0], curv)
-        ready, curv = -math.inf, []  # its per-step STATS are no refresh's curvature
+        d = inv[0].device
+        snapshot = [p for p in curv if (p.device, p.step) == (d, 0)]
+        if streamed_stats(c.problem, layer):
+            ready = c.refresh.end_of(d, returned(c.problem, layer))
+            what = f"the refresh step's statistics of {layer} return from its helper to r{d}"
+        elif snapshot:
+            ready, what = snapshot[0].end, f"the refresh step's {snapshot[0].op} on r{d} ends"
+        else:
+            c.errors.append(f"{inv[0].op} on r{d}: no STATS of the refresh step on r{d}")
+            ready = -math.inf
+        curv = []  # its per-step STATS are no refresh's curvature
     elif layer in c.fused and after is not None:
         kind = capture_kind(c.problem.kind, after)  # made with the W
         ready = max(b for d in copies for op, _, b in c.refresh.fixed(d) if op.stage == stage and op.kind is kind)
@@ -315,8 +282,9 @@ def _check_factor(c: Context, layer: str, side: str | None, kinds: Mapping[OpKin
         if group and max(p.start for p in group) - min(p.start for p in group) > c.tol:
             c.errors.append(f"{group[0].op}: the copies start it at different times")
     for x in (x for x in (sync, inv, bcast) if x):
-        if min(p.start for p in x) < ready - c.tol:
-            c.errors.append(f"{x[0].op} starts before the work it depends on ends ({ready:.6g})")
+        first = min(x, key=lambda p: p.start)
+        if first.start < ready - c.tol:
+            c.errors.append(f"{first.op} starts at {first.start:.6g}, before {what} ({ready:.6g})")
         ready = max(p.end for p in x)
     if inv:
         inv = sorted(inv, key=lambda p: p.op.piece or (0, 1))
@@ -338,31 +306,15 @@ def _check_factor(c: Context, layer: str, side: str | None, kinds: Mapping[OpKin
             c.errors.append(f"BCAST {layer} {side} ends after the next refresh's DECOMP starts")
 
 
-def _check_snapshot(c: Context, layer: str, decomp: Placement, stats: list[Placement]) -> None:
-    """A gradient-fed part's DECOMP starts after the refresh step's STATS on its rank, or where its helper folds it,
-    after the refresh step's statistics return."""
-    snapshot = [p for p in stats if (p.device, p.step) == (decomp.device, 0)]
-    if streamed_stats(c.problem, layer):
-        landed = c.refresh.end_of(decomp.device, returned(c.problem, layer))
-        if decomp.start < landed - c.tol:
-            c.errors.append(
-                f"{decomp.op} starts at {decomp.start:.6g}, before the refresh step's statistics of {layer} return "
-                f"from its helper to r{decomp.device} ({landed:.6g})"
-            )
-    elif not snapshot:
-        c.errors.append(f"{decomp.op} on r{decomp.device}: no STATS of the refresh step on r{decomp.device}")
-    elif decomp.start < snapshot[0].end - c.tol:
-        c.errors.append(
-            f"{decomp.op} starts at {decomp.start:.6g}, before the refresh step's {snapshot[0].op} "
-            f"on r{decomp.device} ends ({snapshot[0].end:.6g})"
-        )
-
-
 def check_precs_and_offsets(c: Context) -> None:
-    """Each APPLY after its stage's gradient all-reduce and by the next step's start (a cut one's pieces in order);
-    each layer's use offset as its refresh's end makes it, and a warm-started refresh done before the next begins."""
-    for p in c.kinds[OpKind.APPLY]:
+    """Each APPLY and gradient STATS after its stage's gradient all-reduce and by the next step's start (a gradient
+    STATS before the stage's APPLY, which overwrites the gradient; a cut APPLY's pieces in order); each layer's use
+    offset as its refresh's end makes it, and a warm-started refresh done before the next begins."""
+    applies = {(p.op.stage, p.device, p.step): p.start for p in c.kinds[OpKind.APPLY]}
+    for p in c.kinds[OpKind.APPLY] + [p for p in c.kinds[OpKind.STATS] if p.op.mb is None]:
         s, d, j = p.op.stage_id, p.device, p.step
+        if (d, s) not in c.refresh.allreduce_end:
+            continue  # check_placements says where it should be
         if p.op.piece is not None and p.op.piece[0] > 0:  # a cut APPLY: piece i after piece i-1, on the same rank
             before = c.at.get((replace(p.op, piece=(p.op.piece[0] - 1, p.op.piece[1])), d, j))
             if before is None or before.end > p.start + c.tol:
@@ -370,7 +322,10 @@ def check_precs_and_offsets(c: Context) -> None:
         k = c.period(s)
         lo, hi = c.base(j, k) + c.timeline(j, k).allreduce_end[d, s], c.step_start(d, j + 1, k)
         if p.start < lo - c.tol or p.end > hi + c.tol:
-            c.errors.append(f"APPLY s{s} step {j} on r{d} [{p.start:.6g}, {p.end:.6g}) is outside [{lo:.6g}, {hi:.6g})")
+            c.errors.append(f"{p.op} step {j} on r{d} [{p.start:.6g}, {p.end:.6g}) is outside [{lo:.6g}, {hi:.6g})")
+        apply = applies.get((s, d, j), math.inf) if p.op.kind is OpKind.STATS else math.inf
+        if p.end > apply + c.tol:
+            c.errors.append(f"{p.op} on r{d} at step {j} ends at {p.end:.6g}, after APPLY s{s} starts ({apply:.6g})")
     for layer, made in c.made.items():
         t = max(p.end for p in made)
         k = c.period(c.problem.costs.stage_of(layer))
@@ -431,6 +386,7 @@ def _expected(c: Context) -> Counter:
 
 
 def check_layers(c: Context) -> None:
+    """Every layer timed, one period per stage group (per plan when fused) within max_period, curvature at step 0."""
     p = c.problem
     names = set(p.costs.layer_names)
     if set(c.plan.layers) != names:
@@ -460,10 +416,6 @@ def check_placements(c: Context) -> None:
     got: Counter = Counter()
     factor_tasks: defaultdict[tuple[str, str | None], defaultdict[OpKind, list[Placement]]]
     factor_tasks = defaultdict(lambda: defaultdict(list))
-    applies = {(p.op.stage, p.device, p.step): p.start for p in c.kinds[OpKind.APPLY]}
-    updates: dict[Key, float] = {}  # the first per-step op's start by stage, device, step
-    for p in sorted((p for p in c.plan.placements if per_step(p.op)), key=lambda p: -p.start):
-        updates[p.op.stage, p.device, p.step] = p.start
     for p in c.plan.placements:
         k = c.period(p.op.stage_id)
         if per_step(p.op) or p.op.kind is OpKind.BWD_W:
@@ -486,9 +438,7 @@ def check_placements(c: Context) -> None:
         workers = c.problem.workers(p.op.layer_name) if p.op.kind is OpKind.DECOMP else (p.device,)
         if p.device not in workers:
             c.errors.append(f"{p.op} runs on r{p.device}, not a grad worker of {p.op.layer} {list(workers)}")
-        if p.op.kind is OpKind.STATS and p.op.mb is None:
-            _check_gradient_stats(c, p, applies)
-        elif p.op.kind is OpKind.STATS:
+        if p.op.kind is OpKind.STATS and p.op.mb is not None:
             kind, ready = c.capture_end(p.device, p.op)  # the F/B (or W) whose end makes its capture: held since
             c.held[p.device].append(
                 (ready, p.end, c.problem.costs.layer(p.op.layer_name).part(p.op.part_name).capture_bytes)
@@ -504,7 +454,7 @@ def check_placements(c: Context) -> None:
             if p.end > ready + c.length(c.period(p.op.stage_id)) + c.tol:
                 c.errors.append(f"{p.op} on r{p.device} keeps its a/e longer than one window")
         if p.op.kind is OpKind.BWD_W:
-            _check_w(c, p, updates)
+            _check_w(c, p)
         elif p.op.kind is OpKind.BCAST_PREC:
             _check_shared_gradient(c, p)
         elif p.op.kind is not OpKind.APPLY:  # STATS, SYNC_STATS, DECOMP and BCAST name their layer
@@ -579,10 +529,11 @@ def check_step_time(c: Context) -> None:
         c.errors.append(f"step time {c.plan.metrics.step_time:.6g} s claimed, {step:.6g} s found")
 
 
-def check_programs(c: Context, run: bool) -> None:
+def check_programs(c: Context) -> None:
     """Each rank's program: its length, its repetition, the schedule's ops at their places, the refresh step's folds
-    (`fused_stats`), the placed ones as placed (`_check_placed_order`), and with `run` how it runs (`_check_runs`)."""
+    (`fused_stats`), the placed ones as placed (`_check_placed_order`)."""
     anchor = weight_gradient_kind(c.problem.kind)  # the op a fused layer's statistics fold after
+    gradient = (OpKind.BWD, OpKind.BWD_W, OpKind.ALLREDUCE_GRAD)  # the ops that make a stage's reduced gradient
     for d in c.problem.devices:
         prog = c.plan.programs.get(d)
         k = c.device_period(d)
@@ -611,10 +562,16 @@ def check_programs(c: Context, run: bool) -> None:
                 c.errors.append(f"r{d} step {j}: the gradient all-reduces differ from the schedule's")
             fixed = iter([item for item in c.timeline(j, k).ops[d] if c.pipeline(item[0])])
             spans = [next(fixed, None) if c.pipeline(op) else None for op in ops]  # each pipeline op's times
-            for i, op in enumerate(ops):  # a stage's all-reduce after its W's: the runtime refuses it while one waits
-                later = [o for o in ops[i + 1 :] if o.kind is OpKind.BWD_W and o.stage == op.stage]
-                if op.kind is OpKind.ALLREDUCE_GRAD and later:
-                    c.errors.append(f"r{d} step {j}: '{op}' comes before '{later[0]}' of its stage")
+            for i, op in enumerate(ops):
+                after = [o for o in ops[i + 1 :] if o.stage == op.stage]  # what of its stage follows it
+                # a per-step op reads the complete gradient, which a gradient STATS reads before APPLY overwrites it; a
+                # stage's all-reduce follows its W's (the runtime refuses it while one waits)
+                kinds = gradient if per_step(op) else (OpKind.BWD_W,) if op.kind is OpKind.ALLREDUCE_GRAD else ()
+                late = [o for o in after if o.kind in kinds]
+                if late:
+                    c.errors.append(f"r{d} step {j}: '{op}' comes before '{late[0]}' of its stage")
+                if per_step(op) and op.kind is OpKind.STATS and all(o.kind is not OpKind.APPLY for o in after):
+                    c.errors.append(f"r{d} step {j}: '{op}' does not come before the APPLY of its stage")
                 if op.kind is OpKind.OPT_STEP and i != len(ops) - 1:
                     c.errors.append(f"r{d} step {j}: OPT_STEP is not the last op")
                 # the refresh step follows each BWD (a zero-bubble schedule's W) with exactly the STATS folding its
@@ -627,17 +584,13 @@ def check_programs(c: Context, run: bool) -> None:
                     c.errors.append(f"r{d} step {j}: '{op}' is not right after a {anchor} of the refresh step")
                 if matched and c.is_placed(d, op):
                     _check_placed_order(c, f"r{d} step {j}", ops, i, times[j, str(op)][0] - c.base(j, k), spans)
-    if run:
-        _check_runs(c)
 
 
 def _check_placed_order(
     c: Context, where: str, ops: list[Op], i: int, t: float, spans: list[tuple[Op, float, float] | None]
 ) -> None:
-    """A placed op (`ops[i]`, placed at `t` in its step) comes after every pipeline op (`spans`: their times in the
-    step) that ended before it and before every one that ends after its start (a RECV still waiting included); APPLY
-    and a gradient STATS follow their stage's backwards and gradient all-reduce, a gradient STATS precedes its stage's
-    APPLY. The runtime executes the program in order, so a program that disagrees with its placements runs other
+    """A placed op (`ops[i]`, placed at `t` in its step) sits among the pipeline ops (`spans`: their times) as its
+    time says: the runtime runs the program in order, so a program that disagrees with its placements runs other
     semantics."""
     op = ops[i]
     for n, item in enumerate(spans):
@@ -650,22 +603,14 @@ def _check_placed_order(
                 f"{where}: '{op}' (placed at {t:.6g} s) and '{other}' ({a:.6g}-{b:.6g} s) are in the wrong order in "
                 "the program"
             )
-    if not per_step(op):
-        return
-    gradient = (OpKind.BWD, OpKind.BWD_W, OpKind.ALLREDUCE_GRAD)
-    after = [o for o in ops[i + 1 :] if o.stage == op.stage and o.kind in gradient]  # the gradient is complete
-    if after:
-        c.errors.append(f"{where}: '{op}' comes before '{after[0]}' of its stage")
-    if op.kind is OpKind.STATS and not any(o.kind is OpKind.APPLY and o.stage == op.stage for o in ops[i + 1 :]):
-        c.errors.append(f"{where}: '{op}' does not come before the APPLY of its stage")
 
 
-def _check_runs(c: Context) -> None:
+def check_runs(c: Context) -> None:
     """Simulate the programs (ops in program order, as soon as possible): no deadlock, and the run is
     no slower than planned (the durations of a non-refresh step are used: exact when nothing is fused)."""
     stages = c.problem.costs.stages
     split = c.problem.kind in ZERO_BUBBLE_KINDS  # a BWD without its W, which runs apart
-    timed = PRECONDITIONER_KINDS | {OpKind.ALLREDUCE_GRAD}
+    timed = (PRECONDITIONER_KINDS - LAYER_TRANSFER_KINDS) | {OpKind.ALLREDUCE_GRAD}  # hand-offs: no time of their own
 
     def duration(rank: int, op: Op) -> float:
         if op.kind is OpKind.FWD:
@@ -676,9 +621,7 @@ def _check_runs(c: Context) -> None:
         if op.kind is OpKind.BWD_W:  # a per-layer W: its layer's share ([Note: per-layer W])
             stage = stages[op.stage_id]
             return stage.weight_grad * (w_share(stage, op.layer) if op.layer is not None else 1.0)
-        if op.kind in LAYER_TRANSFER_KINDS or c.fold(op):
-            return 0.0
-        return op_seconds(c, op) if op.kind in timed else 0.0
+        return op_seconds(c, op) if op.kind in timed and not c.fold(op) else 0.0
 
     periods = [len(p) for p in c.plan.programs.values()]
     steps = max(periods) * 2
@@ -741,19 +684,13 @@ def check_streaming(c: Context) -> None:
 
 def _check_replicas(c: Context, streaming: Streaming, owner: int) -> None:
     """Replay the replicas over two periods of every program: the owner sends one after a DECOMP of the layer, the
-    layer's helper takes it in the same step, and each helper APPLY finds the refresh its timing makes due (the n-th
-    replica carries the layer's n-th refresh since step 0). A layer without parts (a Muon matrix) has no refresh, so
-    no replica."""
+    helper takes it in the same step, and each helper APPLY finds the refresh its timing makes due (the n-th replica
+    carries the n-th refresh). A layer without parts (a Muon matrix) has no refresh, so no replica is made or due."""
     s = streaming.stage
     for n, helper in zip(streaming.layers, streaming.helpers, strict=True):
         send = Op(OpKind.SEND_REPLICA, s, peer=helper, layer=n)
         recv = Op(OpKind.RECV_REPLICA, s, peer=owner, layer=n)
-        if not c.problem.costs.layer(n).parts:  # no refresh (a Muon matrix): no replica in any program
-            for rank in (owner, helper):
-                ops = [op for body in (*c.plan.startup.get(rank, []), *c.plan.programs[rank]) for op in body]
-                if send in ops or recv in ops:
-                    c.errors.append(f"r{rank} transfers a replica of {n}, which has no refresh")
-            continue
+        refreshed = bool(c.problem.costs.layer(n).parts)
         periods = [len(c.plan.programs[r]) + len(c.plan.startup.get(r, [])) for r in (owner, helper)]
         timing = c.plan.layers[n]
         received = 0
@@ -771,7 +708,7 @@ def _check_replicas(c: Context, streaming: Streaming, owner: int) -> None:
                 c.errors.append(f"step {t}: r{owner} sends a replica of {n} before any DECOMP or BCAST of it there")
             for op in theirs:
                 received += op == recv
-                if op != Op(OpKind.APPLY, s, layer=n):
+                if op != Op(OpKind.APPLY, s, layer=n) or not refreshed:
                     continue
                 due = t - timing.use_offset
                 if due >= timing.curv_step and received < (due - timing.curv_step) // timing.period + 1:
@@ -787,7 +724,7 @@ def validate(problem: Problem, plan: Plan, *, run: bool = True) -> list[str]:
     tol = plan.metrics.time_quantum + 1e-9 * normal.length
     stretch = plan.metrics.stretch
     finite = stretch if isinstance(stretch, (int, float)) and 0 <= stretch < math.inf else 0.0
-    c = Context(problem, plan, tol, fused, step_timeline(problem, fused, refresh=True), normal, [], finite)
+    c = Context(problem, plan, tol, fused, step_timeline(problem, fused, refresh=True), normal, finite)
     if plan.problem != problem:
         c.errors.append("the plan was made for another problem")
     if c.stretch != stretch:
@@ -795,10 +732,11 @@ def validate(problem: Problem, plan: Plan, *, run: bool = True) -> list[str]:
     check_layers(c)
     if c.errors:
         return c.errors
-    for check in (check_placements, check_devices, check_precs_and_offsets, check_step_time):
+    for check in (check_placements, check_devices, check_precs_and_offsets, check_step_time, check_programs):
         check(c)
-    check_programs(c, run)
     check_streaming(c)
+    if run:
+        check_runs(c)
     return c.errors
 
 

@@ -107,43 +107,34 @@ def _check_programs(plan: Plan) -> dict[int, set]:
         d: {(op.kind, op.stage, op.mb, op.pipe) for op in ops if op.kind in (OpKind.FWD, OpKind.BWD, OpKind.BWD_W)}
         for d, ops in base_programs(plan.problem).items()
     }
+    streaming = plan.problem.streaming
     for device, steps in plan.programs.items():
         for op in (op for ops in steps for op in ops if op.kind in PRECONDITIONER_KINDS):
-            if is_streamed(plan.problem, device, op):
-                _check_streamed_op(plan.problem, op, device)
-            else:
+            if not is_streamed(plan.problem, device, op):
                 _check_op(plan.problem, op, device, fixed)  # the same rules as a placed op's
+                continue
+            # a streamed layer's op: between its stage's owners and the layer's helper
+            on = f"{op} on r{device}"
+            _need(streaming is not None and op.layer in streaming.layers, f"{on}: the problem streams no such layer")
+            assert streaming is not None and op.layer is not None  # _need raised otherwise
+            ends = {*plan.problem.stream_owners, streaming.helper_of(op.layer)}
+            _need(
+                op.stage == streaming.stage and device in ends, f"{on}: not between the stage's owners and its helper"
+            )
+            _need(op.peer is None or op.peer in ends - {device}, f"{on}: its peer is not the other end")
     return fixed
-
-
-def _check_streamed_op(problem: Problem, op: Op, device: int) -> None:
-    """A streamed layer's op names a layer the problem streams, between its stage's owners and the layer's helper."""
-    streaming = problem.streaming
-    _need(
-        streaming is not None and op.layer in streaming.layers, f"{op} on r{device}: the problem streams no such layer"
-    )
-    assert streaming is not None and op.layer is not None  # _need raised otherwise
-    ends = {*problem.stream_owners, streaming.helper_of(op.layer)}
-    _need(
-        op.stage == streaming.stage and device in ends,
-        f"{op} on r{device}: not between the stage's owners and the layer's helper",
-    )
-    _need(op.peer is None or op.peer in ends - {device}, f"{op} on r{device}: its peer is not the other end")
 
 
 def _check_metrics(plan: Plan) -> None:
     m = plan.metrics
-    for f in fields(m):
-        value = getattr(m, f.name)
-        if isinstance(value, float) or f.type in ("float", float):
+    for f in fields(m):  # by the field's type: a float, or a per-stage tuple of ints
+        value, kind = getattr(m, f.name), str(f.type)
+        if isinstance(value, float) or kind in ("float", str(float)):
             _need(_is_number(value) and value >= 0, f"metrics.{f.name} must be a finite number >= 0")
-    for name in ("refresh_steps", "lower_bound_steps", "greedy_refresh_steps"):
-        values = getattr(m, name)
-        _need(len(values) == plan.problem.num_stages, f"metrics.{name} needs one entry per stage")
-        _need(
-            all(_is_int(v) or (v is None and name == "greedy_refresh_steps") for v in values),
-            f"metrics.{name} must hold ints",
-        )
+        if kind.startswith("tuple[int"):
+            _need(len(value) == plan.problem.num_stages, f"metrics.{f.name} needs one entry per stage")
+            ok = all(_is_int(v) or (v is None and "None" in kind) for v in value)
+            _need(ok, f"metrics.{f.name} must hold ints")
     _need(all(_is_int(d) and _is_int(b) for d, b in m.peak_memory.items()), "metrics.peak_memory maps ranks to bytes")
     solver = m.solver
     numbers = _is_number(solver.wall_time) and _is_number(solver.gap) and all(_is_int(v) for v in solver.objective)

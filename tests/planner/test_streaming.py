@@ -475,6 +475,11 @@ def test_shampoo_streams_its_whole_per_step_work_and_decomposes_what_comes_back(
     for p in plan.placements:
         if p.op.kind is OpKind.DECOMP and p.op.layer in names and p.step == 0:
             assert p.start >= timeline.end_of(p.device, returned(streamed, p.op.layer)) - 1e-9
+    decomp = next(p for p in plan.placements if p.op.kind is OpKind.DECOMP and p.op.layer in names)
+    early = replace(decomp, start=0.0, end=decomp.end - decomp.start)  # before the statistics return: refused
+    placements = tuple(early if p is decomp else p for p in plan.placements)
+    errors = validate(streamed, replace(plan, placements=placements), run=False)
+    assert any(f"statistics of {decomp.op.layer} return from its helper" in e for e in errors), errors
     alone = solve(problem, SolverConfig(time_limit_s=10))
     assert plan.metrics.refresh_steps == alone.metrics.refresh_steps
     assert plan.metrics.step_time < alone.metrics.step_time
