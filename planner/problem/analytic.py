@@ -1,22 +1,17 @@
-"""Analytic cost model: FLOP and byte counts over a hardware spec, turned into a CostTable, for K-FAC (sympy
+"""Analytic cost model: FLOP and byte counts over a hardware spec made into a CostTable, for K-FAC (sympy
 expressions over one Linear), Shampoo and SOAP (one LayerCost per parameter, in blocks) and Muon (one per parameter).
 
 Every kernel takes max(flops / (peak * efficiency), bytes / bandwidth) (`roofline`); a multiply-add is 2 FLOPs.
 Symbols: b micro-batch size, s rows per sample (tokens), d_in/d_out Linear widths, beta 1 with a bias (the A factor
 gets a ones column) else 0, h heads, d_h head width, n a factor's side, p bytes per activation element; factors fp32.
 
-Shampoo and SOAP blocks (Shi et al., Distributed Shampoo, §4.2) under ``max_dim`` (b): size-1 dims dropped, then
-(with merging: Shampoo) consecutive dims merged while their product stays <= b, an order > 2 result viewed as
-(d0, d1*...*dk); ``LargeDimMethod`` BLOCKING cuts the view into blocks of side <= b, each side a dense factor,
-DIAGONAL keeps the diagonal of a side longer than b, ADAGRAD no factors then. A block (r, c) costs its statistics
-every step (L += G G^T, 2 r^2 c FLOPs; R += G^T G, 2 r c^2), a decomposition per side and refresh (Shampoo: eigh or
-coupled Newton; SOAP: a power step and QR, re-projecting Adam's first moment), and its APPLY every step (Shampoo
-L^-1/p G R^-1/p, 2 r c (r + c) FLOPs; SOAP twice that) plus ELEMENTWISE_PASSES fp32 passes; SOAP leaves 1-D
-parameters to AdamW.
-
-Muon orthogonalizes each hidden 2-D weight's momentum every step by `ns_steps` quintic Newton-Schulz iterations
-(`ns_iteration_flops` each, BF16 by default) plus ELEMENTWISE_PASSES; every other parameter is stepped by AdamW
-(`adamw_cost`) on its owner.
+Shampoo and SOAP precondition each parameter's view (Shi et al., Distributed Shampoo, §4.2): size-1 dims dropped,
+with merging (Shampoo) consecutive dims merged while their product stays <= max_dim, an order > 2 result viewed as
+(d0, d1*...*dk), cut by `LargeDimMethod`. A block (r, c) costs its statistics every step (L += G G^T, 2 r^2 c FLOPs;
+R += G^T G, 2 r c^2), a `RootMethod` decomposition per side and refresh, and its APPLY every step (Shampoo
+L^-1/p G R^-1/p, 2 r c (r + c) FLOPs; SOAP twice that) plus ELEMENTWISE_PASSES; SOAP leaves 1-D parameters to AdamW.
+Muon orthogonalizes each hidden 2-D weight's momentum every step by `ns_steps` Newton-Schulz iterations; every other
+parameter is stepped by AdamW on its owner.
 """
 
 from __future__ import annotations
@@ -322,7 +317,8 @@ DEFAULT_MAX_DIM = 1024
 
 
 class LargeDimMethod(StrEnum):
-    """What happens to a side of the view longer than ``max_dim`` (see the module doc)."""
+    """What a side of the view longer than ``max_dim`` becomes: BLOCKING cuts the view into blocks of side <= max_dim,
+    each side a dense factor; DIAGONAL keeps that side's diagonal; ADAGRAD keeps no factors."""
 
     BLOCKING = "blocking"
     ADAGRAD = "adagrad"
@@ -656,63 +652,6 @@ def _check_size(name: str, value: object, *, none: str = "") -> None:
 Stages = int | Sequence[range | tuple[int, int]]
 """A stage count (balanced by fwd + bwd) or each stage's block ranges; the embeddings go first, the head last."""
 
-Unit = Callable[[TensorSpec, BlockSpec], LayerCost | None]
-"""A family's LayerCost of one parameter of a block (None: the family has none for it)."""
-
-
-def analytic_cost_table(
-    model_spec: ModelSpec | str,
-    stages: Stages,
-    micro_batch_size: int,
-    seq_len: int | None = None,
-    hardware: HardwareSpec | str = "p100",
-    *,
-    precision: Precision = Precision.FP32,
-    inverse: InverseMethod = InverseMethod.CHOLESKY,
-    kind: PreconditionerKind = PreconditionerKind.KFAC,
-    tag: str | None = None,
-    unit: Unit | None = None,
-) -> CostTable:
-    """The analytic CostTable of family `kind`, fp32 weights: one LayerCost per K-FAC Linear, or another family's
-    `unit` of each parameter; source "[family:]analytic:<model>:seq<s>:<precision>:<K-FAC's inverse, else tag>"."""
-    if (unit is None) != (kind is PreconditionerKind.KFAC):
-        raise CostModelError(f"analytic_cost_table prices K-FAC's Linears, or {kind}'s parameters by its `unit`")
-    spec = preset(model_spec) if isinstance(model_spec, str) else model_spec
-    hw = get_hardware(hardware)
-    _check_size("micro_batch_size", micro_batch_size)
-    seq = spec.seq_len if seq_len is None else seq_len
-    _check_size("seq_len", seq)
-    parts = [
-        block_kernels(x, spec, batch=micro_batch_size, seq_len=seq, hw=hw, precision=precision, inverse=inverse)
-        for x in spec.parts
-    ]  # embeddings, blocks, head
-    costs = [x.fwd + x.bwd for x in parts[1:-1]]
-    costs[0] += parts[0].fwd + parts[0].bwd
-    costs[-1] += parts[-1].fwd + parts[-1].bwd
-    ranges = _stage_ranges(stages, costs)
-    out = []
-    for i, r in enumerate(ranges):
-        lo, hi = 0 if i == 0 else r.start + 1, len(parts) if i == len(ranges) - 1 else r.stop + 1
-        members = parts[lo:hi]
-        if unit is None:
-            layers = tuple(x for m in members for x in m.layers)
-        else:
-            units = (unit(t, owner) for owner in spec.parts[lo:hi] for t in owner.parameters)
-            layers = tuple(x for x in units if x is not None)
-        stage = StageCost(
-            fwd=sum(x.fwd for x in members),
-            bwd=sum(x.bwd for x in members),
-            param_bytes=4 * sum(x.params for x in members),
-            act_bytes=sum(x.act_bytes for x in members),
-            layers=layers,
-            peak_err_bytes=max(x.peak_err_bytes for x in members),
-            boundary_bytes=members[0].hidden_bytes + members[-1].hidden_bytes,  # the stage's input and output
-        )
-        out.append(stage)
-    source = tagged_source(kind, f"analytic:{spec.name}:seq{seq}:{precision}:{tag or inverse}")
-    return CostTable(tuple(out), micro_batch_size, source, hw.name, hw.comm, kind)
-
-
 QR_FLOPS = 8 / 3
 """FLOPs per b^3 of a Householder QR of a b x b matrix with Q formed (geqrf 4b^3/3 + orgqr 4b^3/3)."""
 
@@ -813,37 +752,6 @@ def largest_dim(spec: ModelSpec) -> int:
     return max(max(t.shape) for t in spec.parameters)
 
 
-def gradient_cost_table(
-    model_spec: ModelSpec | str,
-    stages: Stages,
-    micro_batch_size: int,
-    seq_len: int | None = None,
-    hardware: HardwareSpec | str = "p100",
-    *,
-    kind: PreconditionerKind,
-    max_dim: int | None,
-    method: RootMethod | None = None,
-    precision: Precision = Precision.FP32,
-) -> CostTable:
-    """The analytic CostTable of Shampoo or SOAP: one LayerCost per parameter, blocks of side `max_dim` (None:
-    unblocked), source e.g. "shampoo:analytic:bert-base:seq128:fp32:eigh:block1024"."""
-    if kind is PreconditionerKind.KFAC:
-        raise CostModelError("gradient_cost_table costs Shampoo or SOAP; K-FAC's is analytic_cost_table")
-    spec = preset(model_spec) if isinstance(model_spec, str) else model_spec
-    hw = get_hardware(hardware)
-    side = largest_dim(spec) if max_dim is None else max_dim
-    _check_size("max_dim", side, none=" or None (no blocking)")
-    how = _METHODS[kind][0] if method is None else method
-    tag = f"{how}:{'unblocked' if max_dim is None else f'block{max_dim}'}"
-
-    def unit(t: TensorSpec, _: BlockSpec) -> LayerCost | None:
-        return parameter_cost(t, hw, kind, side, how)
-
-    return analytic_cost_table(
-        spec, stages, micro_batch_size, seq_len, hw, precision=precision, kind=kind, tag=tag, unit=unit
-    )
-
-
 ADAMW_PASSES = 12
 """fp32 reads and writes per element of an AdamW step: moments 5, direction 4, update 3."""
 
@@ -884,25 +792,72 @@ def muon_matrices(block: BlockSpec) -> tuple[TensorSpec, ...]:
     return tuple(x.tensors[0] for x in block.linears if x.kfac and not x.tied)
 
 
-def muon_cost_table(
+def analytic_cost_table(
     model_spec: ModelSpec | str,
     stages: Stages,
     micro_batch_size: int,
     seq_len: int | None = None,
     hardware: HardwareSpec | str = "p100",
     *,
-    ns_steps: int = NS_STEPS,
+    kind: PreconditionerKind = PreconditionerKind.KFAC,
     precision: Precision = Precision.FP32,
+    inverse: InverseMethod = InverseMethod.CHOLESKY,
+    max_dim: int | None = None,
+    method: RootMethod | None = None,
+    ns_steps: int = NS_STEPS,
     ns_precision: Precision = Precision.BF16,
 ) -> CostTable:
-    """The analytic CostTable of Muon: one LayerCost per parameter, a matrix's Newton-Schulz at `ns_precision`, the
-    others' AdamW's step; source e.g. "muon:analytic:bert-large:seq128:fp32:ns5"."""
-    _check_size("ns_steps", ns_steps)
+    """The analytic CostTable of family `kind`, fp32 weights: K-FAC's one LayerCost per K-FAC Linear (`inverse`);
+    Shampoo's and SOAP's one per parameter, blocks of side `max_dim` (None: unblocked) decomposed by `method`; Muon's
+    one per parameter, a matrix's `ns_steps` Newton-Schulz at `ns_precision`, the others' AdamW step. Source e.g.
+    "shampoo:analytic:bert-base:seq128:fp32:eigh:block1024"."""
+    spec = preset(model_spec) if isinstance(model_spec, str) else model_spec
     hw = get_hardware(hardware)
+    _check_size("micro_batch_size", micro_batch_size)
+    seq = spec.seq_len if seq_len is None else seq_len
+    _check_size("seq_len", seq)
+    tag: str = inverse
+    if kind is PreconditionerKind.MUON:
+        _check_size("ns_steps", ns_steps)
+        tag = f"ns{ns_steps}"
+    elif kind is not PreconditionerKind.KFAC:
+        side = largest_dim(spec) if max_dim is None else max_dim
+        _check_size("max_dim", side, none=" or None (no blocking)")
+        method = _METHODS[kind][0] if method is None else method
+        tag = f"{method}:{'unblocked' if max_dim is None else f'block{max_dim}'}"
 
-    def unit(t: TensorSpec, block: BlockSpec) -> LayerCost:
-        return matrix_cost(t, hw, ns_steps, ns_precision) if t in muon_matrices(block) else adamw_cost(t, hw)
+    def unit(t: TensorSpec, owner: BlockSpec) -> LayerCost | None:
+        """The family's LayerCost of parameter `t` of block `owner` (None: the family has none for it)."""
+        if kind is PreconditionerKind.MUON:
+            return matrix_cost(t, hw, ns_steps, ns_precision) if t in muon_matrices(owner) else adamw_cost(t, hw)
+        return parameter_cost(t, hw, kind, side, method)
 
-    kind = PreconditionerKind.MUON
-    args = (model_spec, stages, micro_batch_size, seq_len, hw)
-    return analytic_cost_table(*args, precision=precision, kind=kind, tag=f"ns{ns_steps}", unit=unit)
+    parts = [
+        block_kernels(x, spec, batch=micro_batch_size, seq_len=seq, hw=hw, precision=precision, inverse=inverse)
+        for x in spec.parts
+    ]  # embeddings, blocks, head
+    costs = [x.fwd + x.bwd for x in parts[1:-1]]
+    costs[0] += parts[0].fwd + parts[0].bwd
+    costs[-1] += parts[-1].fwd + parts[-1].bwd
+    ranges = _stage_ranges(stages, costs)
+    out = []
+    for i, r in enumerate(ranges):
+        lo, hi = 0 if i == 0 else r.start + 1, len(parts) if i == len(ranges) - 1 else r.stop + 1
+        members = parts[lo:hi]
+        if kind is PreconditionerKind.KFAC:
+            layers = tuple(x for m in members for x in m.layers)
+        else:
+            units = (unit(t, owner) for owner in spec.parts[lo:hi] for t in owner.parameters)
+            layers = tuple(x for x in units if x is not None)
+        stage = StageCost(
+            fwd=sum(x.fwd for x in members),
+            bwd=sum(x.bwd for x in members),
+            param_bytes=4 * sum(x.params for x in members),
+            act_bytes=sum(x.act_bytes for x in members),
+            layers=layers,
+            peak_err_bytes=max(x.peak_err_bytes for x in members),
+            boundary_bytes=members[0].hidden_bytes + members[-1].hidden_bytes,  # the stage's input and output
+        )
+        out.append(stage)
+    source = tagged_source(kind, f"analytic:{spec.name}:seq{seq}:{precision}:{tag}")
+    return CostTable(tuple(out), micro_batch_size, source, hw.name, hw.comm, kind)
