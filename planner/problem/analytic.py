@@ -35,7 +35,7 @@ from fxkfac.planner.problem.costs import (
     tagged_source,
 )
 from fxkfac.planner.problem.errors import CostModelError
-from fxkfac.planner.problem.hardware import HardwareSpec, Precision
+from fxkfac.planner.problem.hardware import HardwareSpec, Precision, check_count
 from fxkfac.planner.problem.hardware import hardware as get_hardware
 from fxkfac.planner.problem.ir import NS_STEPS, OpKind
 
@@ -643,12 +643,6 @@ def _stage_ranges(stages: int | Sequence[range | tuple[int, int]], block_costs: 
     return ranges
 
 
-def _check_size(name: str, value: object, *, none: str = "") -> None:
-    """CostModelError unless `value` is an int >= 1 (a bool is not): a batch, sequence or block size."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CostModelError(f"{name} must be an int >= 1{none}, got {value!r}")
-
-
 Stages = int | Sequence[range | tuple[int, int]]
 """A stage count (balanced by fwd + bwd) or each stage's block ranges; the embeddings go first, the head last."""
 
@@ -813,16 +807,16 @@ def analytic_cost_table(
     "shampoo:analytic:bert-base:seq128:fp32:eigh:block1024"."""
     spec = preset(model_spec) if isinstance(model_spec, str) else model_spec
     hw = get_hardware(hardware)
-    _check_size("micro_batch_size", micro_batch_size)
+    check_count("micro_batch_size", micro_batch_size)
     seq = spec.seq_len if seq_len is None else seq_len
-    _check_size("seq_len", seq)
+    check_count("seq_len", seq)
     tag: str = inverse
     if kind is PreconditionerKind.MUON:
-        _check_size("ns_steps", ns_steps)
+        check_count("ns_steps", ns_steps)
         tag = f"ns{ns_steps}"
     elif kind is not PreconditionerKind.KFAC:
         side = largest_dim(spec) if max_dim is None else max_dim
-        _check_size("max_dim", side, none=" or None (no blocking)")
+        check_count("max_dim", side, " or None (no blocking)")
         method = _METHODS[kind][0] if method is None else method
         tag = f"{method}:{'unblocked' if max_dim is None else f'block{max_dim}'}"
 
