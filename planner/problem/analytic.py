@@ -499,9 +499,17 @@ def _eval(group: str, inverse: InverseMethod = InverseMethod.CHOLESKY, **values:
     return {key: float(fn(*args)) for key, fn in _compiled(group, inverse).items()}
 
 
-def roofline(hw: HardwareSpec, flops: float, nbytes: float, peak: float, eff: float) -> float:
-    """Seconds of one kernel: max(flops / (peak * eff), nbytes / memory bandwidth)."""
-    return max(flops / (peak * eff), nbytes / hw.mem_bandwidth)
+def roofline(
+    hw: HardwareSpec, flops: float, nbytes: float, peak: float | None = None, eff: float | None = None
+) -> float:
+    """Seconds of one kernel: max(flops / (peak * eff), nbytes / memory bandwidth); by default an fp32 GEMM's."""
+    rate = (hw.peak_flops if peak is None else peak) * (hw.matmul_efficiency if eff is None else eff)
+    return max(flops / rate, nbytes / hw.mem_bandwidth)
+
+
+def _factorization(hw: HardwareSpec, flops: float, b: int) -> float:
+    """Seconds of a factorization of `flops` on a b x b fp32 matrix (read and written once)."""
+    return roofline(hw, flops, 2 * _F32 * b * b, eff=hw.factorization_efficiency)
 
 
 def _precision(hw: HardwareSpec, precision: Precision) -> tuple[float, int]:
@@ -529,37 +537,22 @@ def linear_kernels(
     peak, bpe = _precision(hw, precision)
     tokens = lin.tokens if lin.tokens is not None else seq_len
     e = _eval("linear", inverse, b=batch, s=tokens, d_in=lin.d_in, d_out=lin.d_out, beta=int(lin.bias), p=bpe)
-    eff = hw.matmul_efficiency
-    fwd = roofline(hw, e["fwd_flops"], e["fwd_bytes"], peak, eff)
-    bwd = roofline(hw, e["bwd_flops"], e["bwd_bytes"], peak, eff)
+    fwd = roofline(hw, e["fwd_flops"], e["fwd_bytes"], peak)
+    bwd = roofline(hw, e["bwd_flops"], e["bwd_bytes"], peak)
     if not lin.kfac:
         return KernelCost(fwd, bwd, None)
 
     def gemm(kernel: str) -> float:  # K-FAC's kernels run in fp32
-        return roofline(hw, e[f"{kernel}_flops"], e[f"{kernel}_bytes"], hw.peak_flops, eff)
+        return roofline(hw, e[f"{kernel}_flops"], e[f"{kernel}_bytes"])
 
     def inv(side: int) -> float:
-        v = _eval("linear", inverse, n=side)
-        return roofline(hw, v["inv_flops"], v["inv_bytes"], hw.peak_flops, hw.factorization_efficiency)
+        return _factorization(hw, _eval("linear", inverse, n=side)["inv_flops"], side)
 
     side_a = lin.d_in + int(lin.bias)
     times = (gemm("curv_a"), gemm("curv_b"), inv(side_a), inv(lin.d_out), gemm("prec"))
     sizes = (round(e["a_bytes"]), round(e["e_bytes"]), round(e["factor_a_bytes"]), round(e["factor_b_bytes"]))
     layer = LayerCost.kfac(lin.name, *times, *sizes, grad_bytes=_F32 * side_a * lin.d_out)
     return KernelCost(fwd, bwd, layer)
-
-
-@dataclass(frozen=True, slots=True)
-class BlockCost:
-    """Seconds (fwd, bwd per micro-batch), memory and K-FAC layers of one block; `hidden_bytes`: its input's."""
-
-    fwd: float
-    bwd: float
-    params: int
-    act_bytes: int
-    peak_err_bytes: int
-    layers: tuple[LayerCost, ...]
-    hidden_bytes: int = 0
 
 
 def block_kernels(
@@ -571,8 +564,9 @@ def block_kernels(
     hw: HardwareSpec,
     precision: Precision,
     inverse: InverseMethod,
-) -> BlockCost:
-    """Sum of a block's Linears, attention cores and elementwise traffic, and its memory."""
+) -> StageCost:
+    """The costs of a block as if it were a stage (no boundary): its Linears', attention cores' and elementwise
+    traffic's times, its memory and K-FAC layers."""
     peak, bpe = _precision(hw, precision)
     kernels = [
         linear_kernels(x, batch=batch, seq_len=seq_len, hw=hw, precision=precision, inverse=inverse)
@@ -585,21 +579,19 @@ def block_kernels(
     if block.attention:
         a = _eval("attention", b=batch, s=seq_len, h=spec.heads, d_h=spec.hidden / spec.heads, p=bpe)
         ew = block.attention * a["elementwise_bytes"] / hw.mem_bandwidth
-        eff = hw.matmul_efficiency
-        fwd += block.attention * roofline(hw, a["fwd_flops"] / 2, a["fwd_bytes"] / 2, peak, eff) * 2 + ew
-        bwd += block.attention * roofline(hw, a["bwd_flops"] / 2, a["bwd_bytes"] / 2, peak, eff) * 2 + 2 * ew
+        fwd += block.attention * roofline(hw, a["fwd_flops"] / 2, a["fwd_bytes"] / 2, peak) * 2 + ew
+        bwd += block.attention * roofline(hw, a["bwd_flops"] / 2, a["bwd_bytes"] / 2, peak) * 2 + 2 * ew
         act += block.attention * a["saved_bytes"]
         scores = bpe * batch * spec.heads * seq_len * seq_len
     elementwise = 2 * bpe * block.elementwise_per_token * batch * seq_len / hw.mem_bandwidth
     widest = max((x.d_out for x in block.linears), default=0)
-    return BlockCost(
+    return StageCost(
         fwd=fwd + elementwise,
         bwd=bwd + 2 * elementwise,
-        params=block.params,
+        param_bytes=_F32 * block.params,
         act_bytes=round(act),
-        peak_err_bytes=round(bpe * batch * seq_len * 2 * widest + scores),
         layers=tuple(k.layer for k in kernels if k.layer is not None),
-        hidden_bytes=round(bpe * batch * seq_len * spec.hidden),
+        peak_err_bytes=round(bpe * batch * seq_len * 2 * widest + scores),
     )
 
 
@@ -683,23 +675,15 @@ def newton_matmuls(p: int) -> int:
     return p.bit_length() - 1 + p.bit_count() - 1 + 2
 
 
-def _gemm(hw: HardwareSpec, flops: float, nbytes: float) -> float:
-    return roofline(hw, flops, nbytes, hw.peak_flops, hw.matmul_efficiency)
-
-
-def _factorization(hw: HardwareSpec, flops: float, b: int) -> float:
-    return roofline(hw, flops, 2 * _F32 * b * b, hw.peak_flops, hw.factorization_efficiency)
-
-
 def _decomp(hw: HardwareSpec, method: RootMethod, b: int, other: int, order: int) -> float:
     """Seconds to decompose one b x b factor of a block whose other side is `other`, of `order` 1 or 2."""
     square = 3 * _F32 * b * b  # two operands read, one result written
     if method is RootMethod.EIGH:
-        return _factorization(hw, EIGH_FLOPS * b**3, b) + _gemm(hw, 2 * b**3, square)
+        return _factorization(hw, EIGH_FLOPS * b**3, b) + roofline(hw, 2 * b**3, square)
     if method is RootMethod.NEWTON:
-        return NEWTON_ITERATIONS * newton_matmuls(2 * order) * _gemm(hw, 2 * b**3, square)
-    reproject = 2 * _gemm(hw, 2 * b * b * other, _F32 * (b * b + 2 * b * other))
-    return _gemm(hw, 2 * b**3, square) + _factorization(hw, QR_FLOPS * b**3, b) + reproject
+        return NEWTON_ITERATIONS * newton_matmuls(2 * order) * roofline(hw, 2 * b**3, square)
+    reproject = 2 * roofline(hw, 2 * b * b * other, _F32 * (b * b + 2 * b * other))
+    return roofline(hw, 2 * b**3, square) + _factorization(hw, QR_FLOPS * b**3, b) + reproject
 
 
 def _apply_flops(kind: PreconditionerKind, shape: tuple[int, int], sides: tuple[int, int]) -> tuple[int, int]:
@@ -728,10 +712,10 @@ def parameter_cost(
         shape = (block.shape[0], block.shape[1] if len(view) == 2 else 1)
         for part, side, other in (("L", block.sides[0], shape[1]), ("R", block.sides[1], shape[0])):
             if side:  # G G^T (or G^T G) of the factor, and its decomposition
-                stats = _gemm(hw, 2 * side * side * other, _F32 * (side * other + 2 * side * side))
+                stats = roofline(hw, 2 * side * side * other, _F32 * (side * other + 2 * side * side))
                 sides[part].append((stats, _decomp(hw, method, side, other, len(view))))
                 bytes_of[part] += _F32 * side * side
-        prec += _gemm(hw, *_apply_flops(kind, shape, block.sides))
+        prec += roofline(hw, *_apply_flops(kind, shape, block.sides))
     prec += ELEMENTWISE_PASSES[kind] * _F32 * tensor.numel / hw.mem_bandwidth
     parts = tuple(
         PartCost(part, OpKind.ALLREDUCE_GRAD, sum(x for x, _ in costs), sum(y for _, y in costs), 0, bytes_of[part])
@@ -750,27 +734,20 @@ ADAMW_PASSES = 12
 """fp32 reads and writes per element of an AdamW step: moments 5, direction 4, update 3."""
 
 
-def ns_iteration_flops(rows: int, cols: int) -> int:
-    """FLOPs of one Newton-Schulz iteration on a rows x cols matrix: 2 (2 m^2 n + m^3), m <= n its sides."""
-    m, n = sorted((rows, cols))
-    return 2 * (2 * m * m * n + m**3)
-
-
 def matrix_cost(
     tensor: TensorSpec, hw: HardwareSpec, ns_steps: int = NS_STEPS, precision: Precision = Precision.BF16
 ) -> LayerCost:
-    """The LayerCost of one Muon matrix: no parts, `prec` its `ns_steps` iterations at `precision` and elementwise."""
+    """The LayerCost of one Muon matrix: no parts, `prec` its `ns_steps` iterations at `precision` and elementwise.
+    An iteration on the wide orientation X (m x n, m <= n) is three GEMMs: A = X X^T, A A, then (b A + c A A) X."""
     if len(tensor.shape) != 2:
         raise CostModelError(f"Muon orthogonalizes 2-D matrices; {tensor.name} has shape {tensor.shape}")
-    r, c = tensor.shape
-    peak, item = (hw.peak_flops_tensor, 2) if precision is Precision.BF16 else (hw.peak_flops, _F32)
-    m, n = sorted((r, c))
-    gram = roofline(hw, 2 * m * m * n, item * (2 * m * n + m * m), peak, hw.matmul_efficiency)
-    square = roofline(hw, 2 * m**3, item * 3 * m * m, peak, hw.matmul_efficiency)
-    back = roofline(hw, 2 * m * m * n, item * (m * m + 2 * m * n), peak, hw.matmul_efficiency)
-    elementwise = ELEMENTWISE_PASSES[PreconditionerKind.MUON] * _F32 * r * c / hw.mem_bandwidth
-    numel = _F32 * r * c
-    return LayerCost(tensor.name, (), ns_steps * (gram + square + back) + elementwise, numel, numel)
+    peak, item = _precision(hw, precision)
+    m, n = sorted(tensor.shape)
+    gemms = ((m * m * n, 2 * m * n + m * m), (m**3, 3 * m * m), (m * m * n, m * m + 2 * m * n))  # (MACs, elements)
+    iteration = sum(roofline(hw, 2 * macs, item * elements, peak) for macs, elements in gemms)
+    numel = _F32 * tensor.numel
+    elementwise = ELEMENTWISE_PASSES[PreconditionerKind.MUON] * numel / hw.mem_bandwidth
+    return LayerCost(tensor.name, (), ns_steps * iteration + elementwise, numel, numel)
 
 
 def adamw_cost(tensor: TensorSpec, hw: HardwareSpec) -> LayerCost:
@@ -834,6 +811,7 @@ def analytic_cost_table(
     costs[0] += parts[0].fwd + parts[0].bwd
     costs[-1] += parts[-1].fwd + parts[-1].bwd
     ranges = _stage_ranges(stages, costs)
+    hidden = _precision(hw, precision)[1] * micro_batch_size * seq * spec.hidden  # bytes of one block's input
     out = []
     for i, r in enumerate(ranges):
         lo, hi = 0 if i == 0 else r.start + 1, len(parts) if i == len(ranges) - 1 else r.stop + 1
@@ -846,11 +824,11 @@ def analytic_cost_table(
         stage = StageCost(
             fwd=sum(x.fwd for x in members),
             bwd=sum(x.bwd for x in members),
-            param_bytes=4 * sum(x.params for x in members),
+            param_bytes=sum(x.param_bytes for x in members),
             act_bytes=sum(x.act_bytes for x in members),
             layers=layers,
             peak_err_bytes=max(x.peak_err_bytes for x in members),
-            boundary_bytes=members[0].hidden_bytes + members[-1].hidden_bytes,  # the stage's input and output
+            boundary_bytes=2 * hidden,  # the stage's input and output
         )
         out.append(stage)
     source = tagged_source(kind, f"analytic:{spec.name}:seq{seq}:{precision}:{tag}")

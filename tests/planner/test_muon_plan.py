@@ -16,16 +16,17 @@ from fxkfac.planner.plan.plan import NSWhere, Plan, critical_path_step, ns_tasks
 from fxkfac.planner.problem import buckets
 from fxkfac.planner.problem.analytic import (
     Precision,
+    TensorSpec,
     analytic_cost_table,
+    matrix_cost,
     model_spec_from_layers,
     muon_matrices,
-    ns_iteration_flops,
     preset,
 )
 from fxkfac.planner.problem.buckets import bucketable, bundles_streams
 from fxkfac.planner.problem.costs import CostTable, PreconditionerKind, streamed_bytes
 from fxkfac.planner.problem.errors import PlanError
-from fxkfac.planner.problem.hardware import AlphaBeta, CommModel, hardware
+from fxkfac.planner.problem.hardware import AlphaBeta, CommModel, HardwareSpec, hardware
 from fxkfac.planner.problem.ir import Op, OpKind, as_programs, piece_iterations
 from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.problem.step_timeline import plain_step_time, problem_buckets, reference_programs, step_timeline
@@ -47,7 +48,9 @@ def _multiply_adds(rows: int, cols: int) -> int:
 
 @pytest.mark.parametrize("shape", [(1024, 4096), (4096, 1024), (768, 768), (3, 5)])
 def test_an_iteration_costs_two_flops_per_multiply_add_of_its_three_products(shape: tuple[int, int]) -> None:
-    assert ns_iteration_flops(*shape) == 2 * _multiply_adds(*shape)
+    compute_bound = HardwareSpec("test", 1e12, 2e12, 1e30, 1 << 40, matmul_efficiency=1.0)
+    cost = matrix_cost(TensorSpec("w", shape), compute_bound, ns_steps=3)
+    assert cost.prec == pytest.approx(3 * 2 * _multiply_adds(*shape) / 2e12, rel=1e-12)  # at the 16-bit peak
 
 
 def test_pieces_cut_the_iterations_in_order() -> None:
@@ -84,7 +87,7 @@ def test_the_ns_time_grows_with_the_iterations_and_the_flops() -> None:
     """A 1024 x 4096 matrix's 5 iterations at the P100's 16-bit tensor peak and matmul efficiency (compute bound)."""
     hw = hardware("p100")
     x = analytic_cost_table("bert-large", 8, 32, kind=MUON).layer("bert.encoder.layer.0.intermediate.dense.weight")
-    compute = 5 * ns_iteration_flops(1024, 4096) / (hw.peak_flops_tensor * hw.matmul_efficiency)
+    compute = 5 * 2 * _multiply_adds(1024, 4096) / (hw.peak_flops_tensor * hw.matmul_efficiency)
     assert compute < x.prec < compute * 1.05
     longer = analytic_cost_table("bert-large", 8, 32, ns_steps=10, kind=MUON).layer(x.name)
     assert longer.prec == pytest.approx(2 * x.prec, rel=0.05)
