@@ -521,26 +521,17 @@ def _precision(hw: HardwareSpec, precision: Precision) -> tuple[float, int]:
     raise CostModelError(f"precision must be one of {[p.value for p in Precision]}, got {precision!r}")
 
 
-@dataclass(frozen=True, slots=True)
-class KernelCost:
-    """Seconds of one Linear's forward and backward per micro-batch, and its K-FAC layer (None: K-FAC skips it)."""
-
-    fwd: float
-    bwd: float
-    layer: LayerCost | None
-
-
 def linear_kernels(
     lin: LinearSpec, *, batch: int, seq_len: int, hw: HardwareSpec, precision: Precision, inverse: InverseMethod
-) -> KernelCost:
-    """Times of one Linear (fwd, bwd per micro-batch) and its LayerCost (curvature, inversion, ...)."""
+) -> StageCost:
+    """The costs of one Linear as if it were a stage: fwd, bwd per micro-batch, and its K-FAC layer unless skipped."""
     peak, bpe = _precision(hw, precision)
     tokens = lin.tokens if lin.tokens is not None else seq_len
     e = _eval("linear", inverse, b=batch, s=tokens, d_in=lin.d_in, d_out=lin.d_out, beta=int(lin.bias), p=bpe)
     fwd = roofline(hw, e["fwd_flops"], e["fwd_bytes"], peak)
     bwd = roofline(hw, e["bwd_flops"], e["bwd_bytes"], peak)
     if not lin.kfac:
-        return KernelCost(fwd, bwd, None)
+        return StageCost(fwd, bwd, 0, 0, ())
 
     def gemm(kernel: str) -> float:  # K-FAC's kernels run in fp32
         return roofline(hw, e[f"{kernel}_flops"], e[f"{kernel}_bytes"])
@@ -552,7 +543,7 @@ def linear_kernels(
     times = (gemm("curv_a"), gemm("curv_b"), inv(side_a), inv(lin.d_out), gemm("prec"))
     sizes = (round(e["a_bytes"]), round(e["e_bytes"]), round(e["factor_a_bytes"]), round(e["factor_b_bytes"]))
     layer = LayerCost.kfac(lin.name, *times, *sizes, grad_bytes=_F32 * side_a * lin.d_out)
-    return KernelCost(fwd, bwd, layer)
+    return StageCost(fwd, bwd, 0, 0, (layer,))
 
 
 def block_kernels(
@@ -590,7 +581,7 @@ def block_kernels(
         bwd=bwd + 2 * elementwise,
         param_bytes=_F32 * block.params,
         act_bytes=round(act),
-        layers=tuple(k.layer for k in kernels if k.layer is not None),
+        layers=tuple(x for k in kernels for x in k.layers),
         peak_err_bytes=round(bpe * batch * seq_len * 2 * widest + scores),
     )
 
