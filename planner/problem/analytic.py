@@ -32,7 +32,6 @@ from fxkfac.planner.problem.costs import (
     PartCost,
     PreconditionerKind,
     StageCost,
-    tagged_source,
 )
 from fxkfac.planner.problem.errors import CostModelError
 from fxkfac.planner.problem.hardware import HardwareSpec, Precision, check_count
@@ -822,5 +821,6 @@ def analytic_cost_table(
             boundary_bytes=2 * hidden,  # the stage's input and output
         )
         out.append(stage)
-    source = tagged_source(kind, f"analytic:{spec.name}:seq{seq}:{precision}:{tag}")
+    source = f"analytic:{spec.name}:seq{seq}:{precision}:{tag}"  # the family in front, but K-FAC's (as always)
+    source = source if kind is PreconditionerKind.KFAC else f"{kind.value}:{source}"
     return CostTable(tuple(out), micro_batch_size, source, hw.name, hw.comm, kind)

@@ -601,11 +601,6 @@ WORDS: dict[PreconditionerKind, TaskWords] = {
 """The words of every family (the one place they are written)."""
 
 
-def tagged_source(kind: PreconditionerKind, source: str) -> str:
-    """`source` with the family's name in front, for the views (K-FAC's stay unmarked, as they always were)."""
-    return source if kind is PreconditionerKind.KFAC else f"{kind.value}:{source}"
-
-
 def kind_of(costs: CostTable) -> PreconditionerKind:
     """The family a cost table is for."""
     return costs.family
