@@ -277,10 +277,8 @@ def preset(name: str) -> ModelSpec:
     return builder()
 
 
-def _as_linear(item: LinearSpec | Sequence[object], where: str) -> LinearSpec:
-    """`item` as a LinearSpec, checked."""
-    if isinstance(item, LinearSpec):
-        return item
+def _as_linear(item: Sequence[object], where: str) -> LinearSpec:
+    """`item`, a (name, d_in, d_out, tokens[, bias]), as a LinearSpec, checked."""
     if not isinstance(item, (tuple, list)) or len(item) not in (4, 5):
         raise CostModelError(f"{where}: expected (name, d_in, d_out, tokens[, bias]), got {item!r}")
     name, d_in, d_out, tokens, *bias = item
@@ -290,12 +288,10 @@ def _as_linear(item: LinearSpec | Sequence[object], where: str) -> LinearSpec:
     return LinearSpec(name, d_in, d_out, bool(bias[0]) if bias else True, tokens=tokens)
 
 
-def model_spec_from_layers(
-    stages: Sequence[Sequence[LinearSpec | Sequence[object]]], *, name: str = "model"
-) -> ModelSpec:
-    """A ModelSpec for a captured user model: one block per stage of its K-FAC layers, each a LinearSpec or (name,
-    d_in, d_out, tokens[, bias]), tokens the rows per sample; seq_len 1. Only the GEMMs are costed (kept: each
-    input; elementwise: each output), so measured profiles are preferable."""
+def model_spec_from_layers(stages: Sequence[Sequence[Sequence[object]]], *, name: str = "model") -> ModelSpec:
+    """A ModelSpec for a captured user model: one block per stage of its K-FAC layers, each (name, d_in, d_out,
+    tokens[, bias]), tokens the rows per sample; seq_len 1. Only the GEMMs are costed (kept: each input;
+    elementwise: each output), so measured profiles are preferable."""
     if not stages:
         raise CostModelError("model_spec_from_layers needs at least one stage")
     blocks = []
