@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fxkfac.planner.problem.errors import CostModelError
-from fxkfac.planner.problem.hardware import Collective, CommModel, check_count, check_number
+from fxkfac.planner.problem.hardware import Collective, CommModel, check_count, check_number, parse_json
 from fxkfac.planner.problem.hardware import seconds as comm_seconds
 from fxkfac.planner.problem.ir import LAYER_SENDS, Op, OpKind
 
@@ -398,11 +398,7 @@ class CostTable:
     @classmethod
     def from_json(cls, text: str) -> CostTable:
         """Parse `to_json` output."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise CostModelError(f"cost table is not valid JSON: {e}") from e
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(text, "cost table"))
 
     def save(self, path: str | Path) -> None:
         """Write the JSON form to `path`."""

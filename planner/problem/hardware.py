@@ -46,6 +46,14 @@ def check_count(name: str, value: Any, hint: str = "") -> None:
         raise CostModelError(f"{name} must be an int >= 1{hint}, got {value!r}")
 
 
+def parse_json(text: str, what: str) -> Any:
+    """The JSON value `text` holds; CostModelError saying `what` is not valid JSON."""
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise CostModelError(f"{what} is not valid JSON: {e}") from e
+
+
 def _check_size(nbytes: float, group_size: int) -> None:
     """CostModelError unless `group_size` is a count and `nbytes` a finite number >= 0."""
     check_count("a group's size in ranks", group_size)
@@ -176,10 +184,7 @@ class CommModel:
     @classmethod
     def from_json(cls, text: str) -> CommModel:
         """Parse `to_json` output."""
-        try:
-            return cls.from_dict(json.loads(text))
-        except json.JSONDecodeError as e:
-            raise CostModelError(f"the communication model is not valid JSON: {e}") from e
+        return cls.from_dict(parse_json(text, "the communication model"))
 
 
 ZERO = CommModel.single_link(LinkCosts.uniform(AlphaBeta(0.0, 0.0)), 1, "none")

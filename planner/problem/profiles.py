@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.problem.errors import CostModelError
-from fxkfac.planner.problem.hardware import HARDWARE
+from fxkfac.planner.problem.hardware import HARDWARE, parse_json
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -144,10 +144,7 @@ def _profile_rows(source: str | Path) -> tuple[_Rows, str, str | None]:
     if csv_file:
         rows, device = list(csv.DictReader(io.StringIO(text))), None
     else:
-        try:
-            data = json.loads(text)
-        except ValueError as e:
-            raise CostModelError(f"{where}: not JSON ({e})") from e
+        data = parse_json(text, where)
         if not isinstance(data, dict) or data.get("format") != BLOCK_PROFILE_FORMAT:
             raise CostModelError(f"{where}: not a per-block profile (its 'format' is not {BLOCK_PROFILE_FORMAT!r})")
         rows, device = data.get("rows"), str(data.get("device", "unknown"))
