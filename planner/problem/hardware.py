@@ -54,12 +54,6 @@ def parse_json(text: str, what: str) -> Any:
         raise CostModelError(f"{what} is not valid JSON: {e}") from e
 
 
-def _check_size(nbytes: float, group_size: int) -> None:
-    """CostModelError unless `group_size` is a count and `nbytes` a finite number >= 0."""
-    check_count("a group's size in ranks", group_size)
-    check_number("a message", "bytes", nbytes)
-
-
 _ALGORITHMS: dict[Collective, tuple[Callable[[int], float], Callable[[int], float]]] = {
     Collective.ALL_REDUCE: (lambda p: 2.0 * (p - 1), lambda p: 2.0 * (p - 1) / p),
     Collective.BROADCAST: (lambda p: math.ceil(math.log2(p)) + p - 1.0, lambda p: 2.0 * (p - 1) / p),
@@ -71,13 +65,14 @@ _ALGORITHMS: dict[Collective, tuple[Callable[[int], float], Callable[[int], floa
 
 def latency_steps(kind: Collective, group_size: int) -> float:
     """How many alphas `kind` pays over `group_size` ranks."""
-    _check_size(0, group_size)
+    check_count("a group's size in ranks", group_size)
     return 0.0 if group_size == 1 else _ALGORITHMS[kind][0](group_size)
 
 
 def wire_bytes(kind: Collective, nbytes: float, group_size: int) -> float:
     """How many betas (bytes on each rank's busiest link) `kind` of `nbytes` pays over `group_size` ranks."""
-    _check_size(nbytes, group_size)
+    check_count("a group's size in ranks", group_size)
+    check_number("a message", "bytes", nbytes)
     return 0.0 if group_size == 1 else _ALGORITHMS[kind][1](group_size) * nbytes
 
 
