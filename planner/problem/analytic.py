@@ -603,26 +603,24 @@ def balanced_stages(costs: Sequence[float], n_stages: int) -> list[range]:
     return bounds[::-1]
 
 
-def _stage_ranges(stages: int | Sequence[range | tuple[int, int]], block_costs: list[float]) -> list[range]:
+Stages = int | Sequence[range | tuple[int, int]]
+"""A stage count (balanced by fwd + bwd) or each stage's block ranges; the embeddings go first, the head last."""
+
+
+def _stage_ranges(stages: Stages, block_costs: list[float]) -> list[range]:
     """The blocks of each stage: a balanced split into `stages` stages, or the given ranges once checked."""
     if isinstance(stages, int) and not isinstance(stages, bool):
         return balanced_stages(block_costs, stages)
     assert not isinstance(stages, bool), "stages is an int or block ranges, not a bool"
     ranges = [r if isinstance(r, range) else range(*r) for r in stages]
-    expected = 0
-    for r in ranges:
-        if r.step != 1 or r.start != expected or r.stop <= r.start:
-            raise CostModelError(
-                f"stage block ranges must be contiguous, non-empty and start at 0; got {list(map(tuple, ranges))}"
-            )
-        expected = r.stop
-    if expected != len(block_costs):
-        raise CostModelError(f"stage block ranges cover {expected} blocks, the model has {len(block_costs)}")
+    starts = [0, *(r.stop for r in ranges)]  # where each stage must start, then where the last one ends
+    if any(r.step != 1 or r.start != start or r.stop <= start for r, start in zip(ranges, starts)):
+        got = list(map(tuple, ranges))
+        raise CostModelError(f"stage block ranges must be contiguous, non-empty and start at 0; got {got}")
+    if starts[-1] != len(block_costs):
+        raise CostModelError(f"stage block ranges cover {starts[-1]} blocks, the model has {len(block_costs)}")
     return ranges
 
-
-Stages = int | Sequence[range | tuple[int, int]]
-"""A stage count (balanced by fwd + bwd) or each stage's block ranges; the embeddings go first, the head last."""
 
 QR_FLOPS = 8 / 3
 """FLOPs per b^3 of a Householder QR of a b x b matrix with Q formed (geqrf 4b^3/3 + orgqr 4b^3/3)."""
