@@ -172,9 +172,8 @@ class LayerCost:
         """`grad_bytes`, or when unknown (older files) a two-part layer's factor sides' product, fp32."""
         if self.grad_bytes or len(self.parts) != 2:
             return self.grad_bytes
-        item = 4
-        a, b = (math.isqrt(p.state_bytes // item) for p in self.parts)
-        return a * b * item
+        a, b = (math.isqrt(p.state_bytes // 4) for p in self.parts)
+        return a * b * 4
 
     @property
     def capture_bytes(self) -> int:
@@ -362,13 +361,8 @@ class CostTable:
         return math.ceil(comm_seconds(self.comm, Collective.SEND, nbytes, 2) * 1e6 - 1e-6) / 1e6
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able form with the schema version; fields not measured left out."""
-        body = _plain(self)
-        if self.comm is None:
-            del body["comm"]
-        if self.family is PreconditionerKind.KFAC:
-            del body["family"]
-        return {"schema_version": SCHEMA_VERSION, **body}
+        """Plain JSON-able form with the schema version; fields at their default (unmeasured, K-FAC) left out."""
+        return {"schema_version": SCHEMA_VERSION, **_plain(self)}
 
     def to_json(self, *, indent: int | None = 1) -> str:
         """JSON text (`from_json` reads it back to an equal table)."""
@@ -455,7 +449,7 @@ _SCALES = {
 }
 """The `_Scale` of each scaled field of PartCost, LayerCost and StageCost (the rest: names and fixed bytes)."""
 
-_OPTIONAL = _DIFFERENCES | {"boundary_bytes", "hand_off", "take_back"}
+_OPTIONAL = _DIFFERENCES | {"boundary_bytes", "hand_off", "take_back", "comm", "family"}
 """Fields a cost file leaves out at their default (besides every unprofiled `*_spread`)."""
 
 _NESTED: dict[str, type] = {"stages": StageCost, "layers": LayerCost, "parts": PartCost}
