@@ -223,21 +223,18 @@ def describe(model: CommModel | None) -> list[str]:
     if model is None:
         return ["Communication: no model in the cost table; collectives are planned as free"]
     lines = [f"Communication ({model.source}; alpha per message step, bandwidth 1/beta):"]
-    tiers = [("within a node", model.intra)]
+    tiers = [("within a node", "<=", model.intra)]
     if model.inter != model.intra:
-        tiers.append(("across nodes", model.inter))
-    for where, link in tiers:
-        size = f"<= {model.devices_per_node}" if where == "within a node" else f"> {model.devices_per_node}"
+        tiers.append(("across nodes", ">", model.inter))
+    for where, size, link in tiers:
         uniform = len({link.of(kind) for kind in Collective}) == 1
-        lines.append(f"  {where} (groups of {size} ranks):")
+        lines.append(f"  {where} (groups of {size} {model.devices_per_node} ranks):")
         for kind in (Collective.ALL_REDUCE,) if uniform else tuple(Collective):
-            lines.append(f"    {'every kind' if uniform else kind.value:<10} {_pair_text(link.of(kind))}")
+            ab = link.of(kind)
+            bandwidth = f"{1e-9 / ab.beta:.4g} GB/s" if ab.beta > 0 else "unlimited"
+            pair = f"alpha {ab.alpha * 1e6:.3g} us, beta {ab.beta:.3g} s/B ({bandwidth})"
+            lines.append(f"    {'every kind' if uniform else kind.value:<10} {pair}")
     return lines
-
-
-def _pair_text(ab: AlphaBeta) -> str:
-    bandwidth = f"{1e-9 / ab.beta:.4g} GB/s" if ab.beta > 0 else "unlimited"
-    return f"alpha {ab.alpha * 1e6:.3g} us, beta {ab.beta:.3g} s/B ({bandwidth})"
 
 
 _T = 1e12
