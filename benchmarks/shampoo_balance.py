@@ -2,7 +2,7 @@
 own placement (Alg. 3, greedy largest-first) and against round-robin, from the analytic cost model (no torch).
 
 For each preset, hardware and data-parallel size W (pipeline: --schedule, D stages, N micro-batches), on one
-Shampoo cost table (`planner.problem.analytic.gradient_cost_table`, eigh roots, blocks of side --block) and with the
+Shampoo cost table (`planner.problem.analytic.analytic_cost_table`, eigh roots, blocks of side --block) and with the
 same refresh period per stage in every variant:
 
 (a) round-robin   Shampoo on the critical path (`planner.problem.lowering.naive_programs`): at a refresh step each rank
@@ -201,9 +201,9 @@ class _Config:
 
 
 def _table(args: argparse.Namespace, config: _Config, block: int | None) -> CostTable:
-    from fxkfac.planner.problem.analytic import gradient_cost_table
+    from fxkfac.planner.problem.analytic import analytic_cost_table
 
-    return gradient_cost_table(
+    return analytic_cost_table(
         config.model,
         args.stages,
         args.micro_batch_size,

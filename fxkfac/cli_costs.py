@@ -62,19 +62,11 @@ def cost_table(args: argparse.Namespace, S: int, max_dim: int | None = None) -> 
             )
     elif is_factory(args.target):
         table = factory(args, S).costs
-    elif family is PreconditionerKind.KFAC:
+    else:
         from fxkfac.planner.problem.analytic import analytic_cost_table
 
-        table = analytic_cost_table(args.target, S, micro_batch_size(args), args.seq_len, device(args))
-    elif family is PreconditionerKind.MUON:
-        from fxkfac.planner.problem.analytic import muon_cost_table
-
-        table = muon_cost_table(args.target, S, micro_batch_size(args), args.seq_len, device(args))
-    else:
-        from fxkfac.planner.problem.analytic import gradient_cost_table
-
         side = max_dim if args.max_preconditioner_dim == AUTO else args.max_preconditioner_dim
-        table = gradient_cost_table(
+        table = analytic_cost_table(
             args.target, S, micro_batch_size(args), args.seq_len, device(args), kind=family, max_dim=side
         )
     if len(table.stages) != S:

@@ -1,22 +1,17 @@
-"""Analytic cost model: FLOP and byte counts over a hardware spec, turned into a CostTable, for K-FAC (sympy
+"""Analytic cost model: FLOP and byte counts over a hardware spec made into a CostTable, for K-FAC (sympy
 expressions over one Linear), Shampoo and SOAP (one LayerCost per parameter, in blocks) and Muon (one per parameter).
 
 Every kernel takes max(flops / (peak * efficiency), bytes / bandwidth) (`roofline`); a multiply-add is 2 FLOPs.
 Symbols: b micro-batch size, s rows per sample (tokens), d_in/d_out Linear widths, beta 1 with a bias (the A factor
 gets a ones column) else 0, h heads, d_h head width, n a factor's side, p bytes per activation element; factors fp32.
 
-Shampoo and SOAP blocks (Shi et al., Distributed Shampoo, §4.2) under ``max_dim`` (b): size-1 dims dropped, then
-(with merging: Shampoo) consecutive dims merged while their product stays <= b, an order > 2 result viewed as
-(d0, d1*...*dk); ``LargeDimMethod`` BLOCKING cuts the view into blocks of side <= b, each side a dense factor,
-DIAGONAL keeps the diagonal of a side longer than b, ADAGRAD no factors then. A block (r, c) costs its statistics
-every step (L += G G^T, 2 r^2 c FLOPs; R += G^T G, 2 r c^2), a decomposition per side and refresh (Shampoo: eigh or
-coupled Newton; SOAP: a power step and QR, re-projecting Adam's first moment), and its APPLY every step (Shampoo
-L^-1/p G R^-1/p, 2 r c (r + c) FLOPs; SOAP twice that) plus ELEMENTWISE_PASSES fp32 passes; SOAP leaves 1-D
-parameters to AdamW.
-
-Muon orthogonalizes each hidden 2-D weight's momentum every step by `ns_steps` quintic Newton-Schulz iterations
-(`ns_iteration_flops` each, BF16 by default) plus ELEMENTWISE_PASSES; every other parameter is stepped by AdamW
-(`adamw_cost`) on its owner.
+Shampoo and SOAP precondition each parameter's view (Shi et al., Distributed Shampoo, §4.2): size-1 dims dropped,
+with merging (Shampoo) consecutive dims merged while their product stays <= max_dim, an order > 2 result viewed as
+(d0, d1*...*dk), cut by `LargeDimMethod`. A block (r, c) costs its statistics every step (L += G G^T, 2 r^2 c FLOPs;
+R += G^T G, 2 r c^2), a `RootMethod` decomposition per side and refresh, and its APPLY every step (Shampoo
+L^-1/p G R^-1/p, 2 r c (r + c) FLOPs; SOAP twice that) plus ELEMENTWISE_PASSES; SOAP leaves 1-D parameters to AdamW.
+Muon orthogonalizes each hidden 2-D weight's momentum every step by `ns_steps` Newton-Schulz iterations; every other
+parameter is stepped by AdamW on its owner.
 """
 
 from __future__ import annotations
@@ -37,10 +32,9 @@ from fxkfac.planner.problem.costs import (
     PartCost,
     PreconditionerKind,
     StageCost,
-    tagged_source,
 )
 from fxkfac.planner.problem.errors import CostModelError
-from fxkfac.planner.problem.hardware import HardwareSpec, Precision
+from fxkfac.planner.problem.hardware import HardwareSpec, Precision, check_count
 from fxkfac.planner.problem.hardware import hardware as get_hardware
 from fxkfac.planner.problem.ir import NS_STEPS, OpKind
 
@@ -283,10 +277,8 @@ def preset(name: str) -> ModelSpec:
     return builder()
 
 
-def _as_linear(item: LinearSpec | Sequence[object], where: str) -> LinearSpec:
-    """`item` as a LinearSpec, checked."""
-    if isinstance(item, LinearSpec):
-        return item
+def _as_linear(item: Sequence[object], where: str) -> LinearSpec:
+    """`item`, a (name, d_in, d_out, tokens[, bias]), as a LinearSpec, checked."""
     if not isinstance(item, (tuple, list)) or len(item) not in (4, 5):
         raise CostModelError(f"{where}: expected (name, d_in, d_out, tokens[, bias]), got {item!r}")
     name, d_in, d_out, tokens, *bias = item
@@ -296,12 +288,10 @@ def _as_linear(item: LinearSpec | Sequence[object], where: str) -> LinearSpec:
     return LinearSpec(name, d_in, d_out, bool(bias[0]) if bias else True, tokens=tokens)
 
 
-def model_spec_from_layers(
-    stages: Sequence[Sequence[LinearSpec | Sequence[object]]], *, name: str = "model"
-) -> ModelSpec:
-    """A ModelSpec for a captured user model: one block per stage of its K-FAC layers, each a LinearSpec or (name,
-    d_in, d_out, tokens[, bias]), tokens the rows per sample; seq_len 1. Only the GEMMs are costed (kept: each
-    input; elementwise: each output), so measured profiles are preferable."""
+def model_spec_from_layers(stages: Sequence[Sequence[Sequence[object]]], *, name: str = "model") -> ModelSpec:
+    """A ModelSpec for a captured user model: one block per stage of its K-FAC layers, each (name, d_in, d_out,
+    tokens[, bias]), tokens the rows per sample; seq_len 1. Only the GEMMs are costed (kept: each input;
+    elementwise: each output), so measured profiles are preferable."""
     if not stages:
         raise CostModelError("model_spec_from_layers needs at least one stage")
     blocks = []
@@ -322,7 +312,8 @@ DEFAULT_MAX_DIM = 1024
 
 
 class LargeDimMethod(StrEnum):
-    """What happens to a side of the view longer than ``max_dim`` (see the module doc)."""
+    """What a side of the view longer than ``max_dim`` becomes: BLOCKING cuts the view into blocks of side <= max_dim,
+    each side a dense factor; DIAGONAL keeps that side's diagonal; ADAGRAD keeps no factors."""
 
     BLOCKING = "blocking"
     ADAGRAD = "adagrad"
@@ -503,9 +494,17 @@ def _eval(group: str, inverse: InverseMethod = InverseMethod.CHOLESKY, **values:
     return {key: float(fn(*args)) for key, fn in _compiled(group, inverse).items()}
 
 
-def roofline(hw: HardwareSpec, flops: float, nbytes: float, peak: float, eff: float) -> float:
-    """Seconds of one kernel: max(flops / (peak * eff), nbytes / memory bandwidth)."""
-    return max(flops / (peak * eff), nbytes / hw.mem_bandwidth)
+def roofline(
+    hw: HardwareSpec, flops: float, nbytes: float, peak: float | None = None, eff: float | None = None
+) -> float:
+    """Seconds of one kernel: max(flops / (peak * eff), nbytes / memory bandwidth); by default an fp32 GEMM's."""
+    rate = (hw.peak_flops if peak is None else peak) * (hw.matmul_efficiency if eff is None else eff)
+    return max(flops / rate, nbytes / hw.mem_bandwidth)
+
+
+def _factorization(hw: HardwareSpec, flops: float, b: int) -> float:
+    """Seconds of a factorization of `flops` on a b x b fp32 matrix (read and written once)."""
+    return roofline(hw, flops, 2 * _F32 * b * b, eff=hw.factorization_efficiency)
 
 
 def _precision(hw: HardwareSpec, precision: Precision) -> tuple[float, int]:
@@ -517,53 +516,29 @@ def _precision(hw: HardwareSpec, precision: Precision) -> tuple[float, int]:
     raise CostModelError(f"precision must be one of {[p.value for p in Precision]}, got {precision!r}")
 
 
-@dataclass(frozen=True, slots=True)
-class KernelCost:
-    """Seconds of one Linear's forward and backward per micro-batch, and its K-FAC layer (None: K-FAC skips it)."""
-
-    fwd: float
-    bwd: float
-    layer: LayerCost | None
-
-
 def linear_kernels(
     lin: LinearSpec, *, batch: int, seq_len: int, hw: HardwareSpec, precision: Precision, inverse: InverseMethod
-) -> KernelCost:
-    """Times of one Linear (fwd, bwd per micro-batch) and its LayerCost (curvature, inversion, ...)."""
+) -> StageCost:
+    """The costs of one Linear as if it were a stage: fwd, bwd per micro-batch, and its K-FAC layer unless skipped."""
     peak, bpe = _precision(hw, precision)
     tokens = lin.tokens if lin.tokens is not None else seq_len
     e = _eval("linear", inverse, b=batch, s=tokens, d_in=lin.d_in, d_out=lin.d_out, beta=int(lin.bias), p=bpe)
-    eff = hw.matmul_efficiency
-    fwd = roofline(hw, e["fwd_flops"], e["fwd_bytes"], peak, eff)
-    bwd = roofline(hw, e["bwd_flops"], e["bwd_bytes"], peak, eff)
+    fwd = roofline(hw, e["fwd_flops"], e["fwd_bytes"], peak)
+    bwd = roofline(hw, e["bwd_flops"], e["bwd_bytes"], peak)
     if not lin.kfac:
-        return KernelCost(fwd, bwd, None)
+        return StageCost(fwd, bwd, 0, 0, ())
 
     def gemm(kernel: str) -> float:  # K-FAC's kernels run in fp32
-        return roofline(hw, e[f"{kernel}_flops"], e[f"{kernel}_bytes"], hw.peak_flops, eff)
+        return roofline(hw, e[f"{kernel}_flops"], e[f"{kernel}_bytes"])
 
     def inv(side: int) -> float:
-        v = _eval("linear", inverse, n=side)
-        return roofline(hw, v["inv_flops"], v["inv_bytes"], hw.peak_flops, hw.factorization_efficiency)
+        return _factorization(hw, _eval("linear", inverse, n=side)["inv_flops"], side)
 
     side_a = lin.d_in + int(lin.bias)
     times = (gemm("curv_a"), gemm("curv_b"), inv(side_a), inv(lin.d_out), gemm("prec"))
     sizes = (round(e["a_bytes"]), round(e["e_bytes"]), round(e["factor_a_bytes"]), round(e["factor_b_bytes"]))
     layer = LayerCost.kfac(lin.name, *times, *sizes, grad_bytes=_F32 * side_a * lin.d_out)
-    return KernelCost(fwd, bwd, layer)
-
-
-@dataclass(frozen=True, slots=True)
-class BlockCost:
-    """Seconds (fwd, bwd per micro-batch), memory and K-FAC layers of one block; `hidden_bytes`: its input's."""
-
-    fwd: float
-    bwd: float
-    params: int
-    act_bytes: int
-    peak_err_bytes: int
-    layers: tuple[LayerCost, ...]
-    hidden_bytes: int = 0
+    return StageCost(fwd, bwd, 0, 0, (layer,))
 
 
 def block_kernels(
@@ -575,8 +550,9 @@ def block_kernels(
     hw: HardwareSpec,
     precision: Precision,
     inverse: InverseMethod,
-) -> BlockCost:
-    """Sum of a block's Linears, attention cores and elementwise traffic, and its memory."""
+) -> StageCost:
+    """The costs of a block as if it were a stage (no boundary): its Linears', attention cores' and elementwise
+    traffic's times, its memory and K-FAC layers."""
     peak, bpe = _precision(hw, precision)
     kernels = [
         linear_kernels(x, batch=batch, seq_len=seq_len, hw=hw, precision=precision, inverse=inverse)
@@ -589,21 +565,19 @@ def block_kernels(
     if block.attention:
         a = _eval("attention", b=batch, s=seq_len, h=spec.heads, d_h=spec.hidden / spec.heads, p=bpe)
         ew = block.attention * a["elementwise_bytes"] / hw.mem_bandwidth
-        eff = hw.matmul_efficiency
-        fwd += block.attention * roofline(hw, a["fwd_flops"] / 2, a["fwd_bytes"] / 2, peak, eff) * 2 + ew
-        bwd += block.attention * roofline(hw, a["bwd_flops"] / 2, a["bwd_bytes"] / 2, peak, eff) * 2 + 2 * ew
+        fwd += block.attention * roofline(hw, a["fwd_flops"] / 2, a["fwd_bytes"] / 2, peak) * 2 + ew
+        bwd += block.attention * roofline(hw, a["bwd_flops"] / 2, a["bwd_bytes"] / 2, peak) * 2 + 2 * ew
         act += block.attention * a["saved_bytes"]
         scores = bpe * batch * spec.heads * seq_len * seq_len
     elementwise = 2 * bpe * block.elementwise_per_token * batch * seq_len / hw.mem_bandwidth
     widest = max((x.d_out for x in block.linears), default=0)
-    return BlockCost(
+    return StageCost(
         fwd=fwd + elementwise,
         bwd=bwd + 2 * elementwise,
-        params=block.params,
+        param_bytes=_F32 * block.params,
         act_bytes=round(act),
+        layers=tuple(x for k in kernels for x in k.layers),
         peak_err_bytes=round(bpe * batch * seq_len * 2 * widest + scores),
-        layers=tuple(k.layer for k in kernels if k.layer is not None),
-        hidden_bytes=round(bpe * batch * seq_len * spec.hidden),
     )
 
 
@@ -629,88 +603,23 @@ def balanced_stages(costs: Sequence[float], n_stages: int) -> list[range]:
     return bounds[::-1]
 
 
-def _stage_ranges(stages: int | Sequence[range | tuple[int, int]], block_costs: list[float]) -> list[range]:
+Stages = int | Sequence[range | tuple[int, int]]
+"""A stage count (balanced by fwd + bwd) or each stage's block ranges; the embeddings go first, the head last."""
+
+
+def _stage_ranges(stages: Stages, block_costs: list[float]) -> list[range]:
     """The blocks of each stage: a balanced split into `stages` stages, or the given ranges once checked."""
     if isinstance(stages, int) and not isinstance(stages, bool):
         return balanced_stages(block_costs, stages)
     assert not isinstance(stages, bool), "stages is an int or block ranges, not a bool"
     ranges = [r if isinstance(r, range) else range(*r) for r in stages]
-    expected = 0
-    for r in ranges:
-        if r.step != 1 or r.start != expected or r.stop <= r.start:
-            raise CostModelError(
-                f"stage block ranges must be contiguous, non-empty and start at 0; got {list(map(tuple, ranges))}"
-            )
-        expected = r.stop
-    if expected != len(block_costs):
-        raise CostModelError(f"stage block ranges cover {expected} blocks, the model has {len(block_costs)}")
+    starts = [0, *(r.stop for r in ranges)]  # where each stage must start, then where the last one ends
+    if any(r.step != 1 or r.start != start or r.stop <= start for r, start in zip(ranges, starts)):
+        got = list(map(tuple, ranges))
+        raise CostModelError(f"stage block ranges must be contiguous, non-empty and start at 0; got {got}")
+    if starts[-1] != len(block_costs):
+        raise CostModelError(f"stage block ranges cover {starts[-1]} blocks, the model has {len(block_costs)}")
     return ranges
-
-
-def _check_size(name: str, value: object, *, none: str = "") -> None:
-    """CostModelError unless `value` is an int >= 1 (a bool is not): a batch, sequence or block size."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise CostModelError(f"{name} must be an int >= 1{none}, got {value!r}")
-
-
-Stages = int | Sequence[range | tuple[int, int]]
-"""A stage count (balanced by fwd + bwd) or each stage's block ranges; the embeddings go first, the head last."""
-
-Unit = Callable[[TensorSpec, BlockSpec], LayerCost | None]
-"""A family's LayerCost of one parameter of a block (None: the family has none for it)."""
-
-
-def analytic_cost_table(
-    model_spec: ModelSpec | str,
-    stages: Stages,
-    micro_batch_size: int,
-    seq_len: int | None = None,
-    hardware: HardwareSpec | str = "p100",
-    *,
-    precision: Precision = Precision.FP32,
-    inverse: InverseMethod = InverseMethod.CHOLESKY,
-    kind: PreconditionerKind = PreconditionerKind.KFAC,
-    tag: str | None = None,
-    unit: Unit | None = None,
-) -> CostTable:
-    """The analytic CostTable of family `kind`, fp32 weights: one LayerCost per K-FAC Linear, or another family's
-    `unit` of each parameter; source "[family:]analytic:<model>:seq<s>:<precision>:<K-FAC's inverse, else tag>"."""
-    if (unit is None) != (kind is PreconditionerKind.KFAC):
-        raise CostModelError(f"analytic_cost_table prices K-FAC's Linears, or {kind}'s parameters by its `unit`")
-    spec = preset(model_spec) if isinstance(model_spec, str) else model_spec
-    hw = get_hardware(hardware)
-    _check_size("micro_batch_size", micro_batch_size)
-    seq = spec.seq_len if seq_len is None else seq_len
-    _check_size("seq_len", seq)
-    parts = [
-        block_kernels(x, spec, batch=micro_batch_size, seq_len=seq, hw=hw, precision=precision, inverse=inverse)
-        for x in spec.parts
-    ]  # embeddings, blocks, head
-    costs = [x.fwd + x.bwd for x in parts[1:-1]]
-    costs[0] += parts[0].fwd + parts[0].bwd
-    costs[-1] += parts[-1].fwd + parts[-1].bwd
-    ranges = _stage_ranges(stages, costs)
-    out = []
-    for i, r in enumerate(ranges):
-        lo, hi = 0 if i == 0 else r.start + 1, len(parts) if i == len(ranges) - 1 else r.stop + 1
-        members = parts[lo:hi]
-        if unit is None:
-            layers = tuple(x for m in members for x in m.layers)
-        else:
-            units = (unit(t, owner) for owner in spec.parts[lo:hi] for t in owner.parameters)
-            layers = tuple(x for x in units if x is not None)
-        stage = StageCost(
-            fwd=sum(x.fwd for x in members),
-            bwd=sum(x.bwd for x in members),
-            param_bytes=4 * sum(x.params for x in members),
-            act_bytes=sum(x.act_bytes for x in members),
-            layers=layers,
-            peak_err_bytes=max(x.peak_err_bytes for x in members),
-            boundary_bytes=members[0].hidden_bytes + members[-1].hidden_bytes,  # the stage's input and output
-        )
-        out.append(stage)
-    source = tagged_source(kind, f"analytic:{spec.name}:seq{seq}:{precision}:{tag or inverse}")
-    return CostTable(tuple(out), micro_batch_size, source, hw.name, hw.comm, kind)
 
 
 QR_FLOPS = 8 / 3
@@ -750,23 +659,15 @@ def newton_matmuls(p: int) -> int:
     return p.bit_length() - 1 + p.bit_count() - 1 + 2
 
 
-def _gemm(hw: HardwareSpec, flops: float, nbytes: float) -> float:
-    return roofline(hw, flops, nbytes, hw.peak_flops, hw.matmul_efficiency)
-
-
-def _factorization(hw: HardwareSpec, flops: float, b: int) -> float:
-    return roofline(hw, flops, 2 * _F32 * b * b, hw.peak_flops, hw.factorization_efficiency)
-
-
 def _decomp(hw: HardwareSpec, method: RootMethod, b: int, other: int, order: int) -> float:
     """Seconds to decompose one b x b factor of a block whose other side is `other`, of `order` 1 or 2."""
     square = 3 * _F32 * b * b  # two operands read, one result written
     if method is RootMethod.EIGH:
-        return _factorization(hw, EIGH_FLOPS * b**3, b) + _gemm(hw, 2 * b**3, square)
+        return _factorization(hw, EIGH_FLOPS * b**3, b) + roofline(hw, 2 * b**3, square)
     if method is RootMethod.NEWTON:
-        return NEWTON_ITERATIONS * newton_matmuls(2 * order) * _gemm(hw, 2 * b**3, square)
-    reproject = 2 * _gemm(hw, 2 * b * b * other, _F32 * (b * b + 2 * b * other))
-    return _gemm(hw, 2 * b**3, square) + _factorization(hw, QR_FLOPS * b**3, b) + reproject
+        return NEWTON_ITERATIONS * newton_matmuls(2 * order) * roofline(hw, 2 * b**3, square)
+    reproject = 2 * roofline(hw, 2 * b * b * other, _F32 * (b * b + 2 * b * other))
+    return roofline(hw, 2 * b**3, square) + _factorization(hw, QR_FLOPS * b**3, b) + reproject
 
 
 def _apply_flops(kind: PreconditionerKind, shape: tuple[int, int], sides: tuple[int, int]) -> tuple[int, int]:
@@ -795,10 +696,10 @@ def parameter_cost(
         shape = (block.shape[0], block.shape[1] if len(view) == 2 else 1)
         for part, side, other in (("L", block.sides[0], shape[1]), ("R", block.sides[1], shape[0])):
             if side:  # G G^T (or G^T G) of the factor, and its decomposition
-                stats = _gemm(hw, 2 * side * side * other, _F32 * (side * other + 2 * side * side))
+                stats = roofline(hw, 2 * side * side * other, _F32 * (side * other + 2 * side * side))
                 sides[part].append((stats, _decomp(hw, method, side, other, len(view))))
                 bytes_of[part] += _F32 * side * side
-        prec += _gemm(hw, *_apply_flops(kind, shape, block.sides))
+        prec += roofline(hw, *_apply_flops(kind, shape, block.sides))
     prec += ELEMENTWISE_PASSES[kind] * _F32 * tensor.numel / hw.mem_bandwidth
     parts = tuple(
         PartCost(part, OpKind.ALLREDUCE_GRAD, sum(x for x, _ in costs), sum(y for _, y in costs), 0, bytes_of[part])
@@ -813,62 +714,24 @@ def largest_dim(spec: ModelSpec) -> int:
     return max(max(t.shape) for t in spec.parameters)
 
 
-def gradient_cost_table(
-    model_spec: ModelSpec | str,
-    stages: Stages,
-    micro_batch_size: int,
-    seq_len: int | None = None,
-    hardware: HardwareSpec | str = "p100",
-    *,
-    kind: PreconditionerKind,
-    max_dim: int | None,
-    method: RootMethod | None = None,
-    precision: Precision = Precision.FP32,
-) -> CostTable:
-    """The analytic CostTable of Shampoo or SOAP: one LayerCost per parameter, blocks of side `max_dim` (None:
-    unblocked), source e.g. "shampoo:analytic:bert-base:seq128:fp32:eigh:block1024"."""
-    if kind is PreconditionerKind.KFAC:
-        raise CostModelError("gradient_cost_table costs Shampoo or SOAP; K-FAC's is analytic_cost_table")
-    spec = preset(model_spec) if isinstance(model_spec, str) else model_spec
-    hw = get_hardware(hardware)
-    side = largest_dim(spec) if max_dim is None else max_dim
-    _check_size("max_dim", side, none=" or None (no blocking)")
-    how = _METHODS[kind][0] if method is None else method
-    tag = f"{how}:{'unblocked' if max_dim is None else f'block{max_dim}'}"
-
-    def unit(t: TensorSpec, _: BlockSpec) -> LayerCost | None:
-        return parameter_cost(t, hw, kind, side, how)
-
-    return analytic_cost_table(
-        spec, stages, micro_batch_size, seq_len, hw, precision=precision, kind=kind, tag=tag, unit=unit
-    )
-
-
 ADAMW_PASSES = 12
 """fp32 reads and writes per element of an AdamW step: moments 5, direction 4, update 3."""
-
-
-def ns_iteration_flops(rows: int, cols: int) -> int:
-    """FLOPs of one Newton-Schulz iteration on a rows x cols matrix: 2 (2 m^2 n + m^3), m <= n its sides."""
-    m, n = sorted((rows, cols))
-    return 2 * (2 * m * m * n + m**3)
 
 
 def matrix_cost(
     tensor: TensorSpec, hw: HardwareSpec, ns_steps: int = NS_STEPS, precision: Precision = Precision.BF16
 ) -> LayerCost:
-    """The LayerCost of one Muon matrix: no parts, `prec` its `ns_steps` iterations at `precision` and elementwise."""
+    """The LayerCost of one Muon matrix: no parts, `prec` its `ns_steps` iterations at `precision` and elementwise.
+    An iteration on the wide orientation X (m x n, m <= n) is three GEMMs: A = X X^T, A A, then (b A + c A A) X."""
     if len(tensor.shape) != 2:
         raise CostModelError(f"Muon orthogonalizes 2-D matrices; {tensor.name} has shape {tensor.shape}")
-    r, c = tensor.shape
-    peak, item = (hw.peak_flops_tensor, 2) if precision is Precision.BF16 else (hw.peak_flops, _F32)
-    m, n = sorted((r, c))
-    gram = roofline(hw, 2 * m * m * n, item * (2 * m * n + m * m), peak, hw.matmul_efficiency)
-    square = roofline(hw, 2 * m**3, item * 3 * m * m, peak, hw.matmul_efficiency)
-    back = roofline(hw, 2 * m * m * n, item * (m * m + 2 * m * n), peak, hw.matmul_efficiency)
-    elementwise = ELEMENTWISE_PASSES[PreconditionerKind.MUON] * _F32 * r * c / hw.mem_bandwidth
-    numel = _F32 * r * c
-    return LayerCost(tensor.name, (), ns_steps * (gram + square + back) + elementwise, numel, numel)
+    peak, item = _precision(hw, precision)
+    m, n = sorted(tensor.shape)
+    gemms = ((m * m * n, 2 * m * n + m * m), (m**3, 3 * m * m), (m * m * n, m * m + 2 * m * n))  # (MACs, elements)
+    iteration = sum(roofline(hw, 2 * macs, item * elements, peak) for macs, elements in gemms)
+    numel = _F32 * tensor.numel
+    elementwise = ELEMENTWISE_PASSES[PreconditionerKind.MUON] * numel / hw.mem_bandwidth
+    return LayerCost(tensor.name, (), ns_steps * iteration + elementwise, numel, numel)
 
 
 def adamw_cost(tensor: TensorSpec, hw: HardwareSpec) -> LayerCost:
@@ -884,25 +747,74 @@ def muon_matrices(block: BlockSpec) -> tuple[TensorSpec, ...]:
     return tuple(x.tensors[0] for x in block.linears if x.kfac and not x.tied)
 
 
-def muon_cost_table(
+def analytic_cost_table(
     model_spec: ModelSpec | str,
     stages: Stages,
     micro_batch_size: int,
     seq_len: int | None = None,
     hardware: HardwareSpec | str = "p100",
     *,
-    ns_steps: int = NS_STEPS,
+    kind: PreconditionerKind = PreconditionerKind.KFAC,
     precision: Precision = Precision.FP32,
+    inverse: InverseMethod = InverseMethod.CHOLESKY,
+    max_dim: int | None = None,
+    method: RootMethod | None = None,
+    ns_steps: int = NS_STEPS,
     ns_precision: Precision = Precision.BF16,
 ) -> CostTable:
-    """The analytic CostTable of Muon: one LayerCost per parameter, a matrix's Newton-Schulz at `ns_precision`, the
-    others' AdamW's step; source e.g. "muon:analytic:bert-large:seq128:fp32:ns5"."""
-    _check_size("ns_steps", ns_steps)
+    """The analytic CostTable of family `kind`, fp32 weights: K-FAC's one LayerCost per K-FAC Linear (`inverse`);
+    Shampoo's and SOAP's one per parameter, blocks of side `max_dim` (None: unblocked) decomposed by `method`; Muon's
+    one per parameter, a matrix's `ns_steps` Newton-Schulz at `ns_precision`, the others' AdamW step. Source e.g.
+    "shampoo:analytic:bert-base:seq128:fp32:eigh:block1024"."""
+    spec = preset(model_spec) if isinstance(model_spec, str) else model_spec
     hw = get_hardware(hardware)
+    check_count("micro_batch_size", micro_batch_size)
+    seq = spec.seq_len if seq_len is None else seq_len
+    check_count("seq_len", seq)
+    tag: str = inverse
+    if kind is PreconditionerKind.MUON:
+        check_count("ns_steps", ns_steps)
+        tag = f"ns{ns_steps}"
+    elif kind is not PreconditionerKind.KFAC:
+        side = largest_dim(spec) if max_dim is None else max_dim
+        check_count("max_dim", side, " or None (no blocking)")
+        method = _METHODS[kind][0] if method is None else method
+        tag = f"{method}:{'unblocked' if max_dim is None else f'block{max_dim}'}"
 
-    def unit(t: TensorSpec, block: BlockSpec) -> LayerCost:
-        return matrix_cost(t, hw, ns_steps, ns_precision) if t in muon_matrices(block) else adamw_cost(t, hw)
+    def unit(t: TensorSpec, owner: BlockSpec) -> LayerCost | None:
+        """The family's LayerCost of parameter `t` of block `owner` (None: the family has none for it)."""
+        if kind is PreconditionerKind.MUON:
+            return matrix_cost(t, hw, ns_steps, ns_precision) if t in muon_matrices(owner) else adamw_cost(t, hw)
+        return parameter_cost(t, hw, kind, side, method)
 
-    kind = PreconditionerKind.MUON
-    args = (model_spec, stages, micro_batch_size, seq_len, hw)
-    return analytic_cost_table(*args, precision=precision, kind=kind, tag=f"ns{ns_steps}", unit=unit)
+    parts = [
+        block_kernels(x, spec, batch=micro_batch_size, seq_len=seq, hw=hw, precision=precision, inverse=inverse)
+        for x in spec.parts
+    ]  # embeddings, blocks, head
+    costs = [x.fwd + x.bwd for x in parts[1:-1]]
+    costs[0] += parts[0].fwd + parts[0].bwd
+    costs[-1] += parts[-1].fwd + parts[-1].bwd
+    ranges = _stage_ranges(stages, costs)
+    hidden = _precision(hw, precision)[1] * micro_batch_size * seq * spec.hidden  # bytes of one block's input
+    out = []
+    for i, r in enumerate(ranges):
+        lo, hi = 0 if i == 0 else r.start + 1, len(parts) if i == len(ranges) - 1 else r.stop + 1
+        members = parts[lo:hi]
+        if kind is PreconditionerKind.KFAC:
+            layers = tuple(x for m in members for x in m.layers)
+        else:
+            units = (unit(t, owner) for owner in spec.parts[lo:hi] for t in owner.parameters)
+            layers = tuple(x for x in units if x is not None)
+        stage = StageCost(
+            fwd=sum(x.fwd for x in members),
+            bwd=sum(x.bwd for x in members),
+            param_bytes=sum(x.param_bytes for x in members),
+            act_bytes=sum(x.act_bytes for x in members),
+            layers=layers,
+            peak_err_bytes=max(x.peak_err_bytes for x in members),
+            boundary_bytes=2 * hidden,  # the stage's input and output
+        )
+        out.append(stage)
+    source = f"analytic:{spec.name}:seq{seq}:{precision}:{tag}"  # the family in front, but K-FAC's (as always)
+    source = source if kind is PreconditionerKind.KFAC else f"{kind.value}:{source}"
+    return CostTable(tuple(out), micro_batch_size, source, hw.name, hw.comm, kind)

@@ -44,11 +44,6 @@ _BETWEEN_RETURNS = frozenset({OpKind.APPLY, OpKind.SEND_PGRAD, OpKind.RECV_LGRAD
 """What a helper may run between the first and last SEND_PGRAD of one owner's stage for them to travel in buckets."""
 
 
-def _waits(op: Op) -> bool:
-    """Whether `op` waits for a message of another rank (a receive, or the step's end)."""
-    return op.kind.value.startswith("RECV_") or op.kind is OpKind.OPT_STEP
-
-
 def _sends_in_a_row(ops: Sequence[Op], where: Sequence[int], stage: int) -> bool:
     """Whether an owner's SEND_LGRADs of `stage` (at `where`) run in a row, none waiting on a peer since its last B."""
     if where[-1] - where[0] + 1 != len(where):
@@ -57,7 +52,8 @@ def _sends_in_a_row(ops: Sequence[Op], where: Sequence[int], stage: int) -> bool
         (i for i, op in enumerate(ops[: where[0]]) if op.kind in (OpKind.BWD, OpKind.BWD_W) and op.stage == stage),
         default=-1,
     )
-    return not any(_waits(op) for op in ops[last_backward + 1 : where[-1] + 1])
+    since = ops[last_backward + 1 : where[-1] + 1]  # none may wait for another rank: a receive, or the step's end
+    return not any(op.kind.value.startswith("RECV_") or op.kind is OpKind.OPT_STEP for op in since)
 
 
 def bucketable(programs: Mapping[int, Sequence[Sequence[Op]]]) -> frozenset[tuple[int, int, int]]:

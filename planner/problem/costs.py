@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fxkfac.planner.problem.errors import CostModelError
-from fxkfac.planner.problem.hardware import Collective, CommModel
+from fxkfac.planner.problem.hardware import Collective, CommModel, check_count, check_number, parse_json
 from fxkfac.planner.problem.hardware import seconds as comm_seconds
 from fxkfac.planner.problem.ir import LAYER_SENDS, Op, OpKind
 
@@ -28,19 +28,9 @@ _SPREAD = "_spread"
 """Suffix of the field that holds the `Spread` of the time field it follows (`bwd` -> `bwd_spread`)."""
 
 
-def _check_number(owner: str, field: str, value: Any, *, integer: bool) -> None:
-    """Refuse a negative, non-finite or wrongly typed cost, naming where it sits."""
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        want = "an int (bytes)" if integer else "a number (seconds)"
-        raise CostModelError(f"{owner}: {field} must be {want}, got {value!r}")
-    if not math.isfinite(value) or value < 0:
-        raise CostModelError(f"{owner}: {field} must be finite and >= 0, got {value!r}")
-
-
 def _check_fields(obj: Any, owner: str) -> None:
     """Refuse a malformed field of a cost object: nested objects of another class, a spread that is not a `Spread`,
-    or a number `_check_number` refuses (`*_bytes` ints; an unmeasured None passes)."""
+    or a number `check_number` refuses (`*_bytes` ints; an unmeasured None passes)."""
     for f in fields(obj):
         value = getattr(obj, f.name)
         if f.name in _NESTED:
@@ -51,7 +41,7 @@ def _check_fields(obj: Any, owner: str) -> None:
             if value is not None and not isinstance(value, Spread):
                 raise CostModelError(f"{owner}: {f.name} must be a Spread or None, got {value!r}")
         elif (f.name in _SCALES or f.name.endswith("_bytes")) and not (value is None and f.default is None):
-            _check_number(owner, f.name, value, integer=f.name.endswith("_bytes"))
+            check_number(owner, f.name, value, integer=f.name.endswith("_bytes"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,8 +52,8 @@ class Spread:
     high: float
 
     def __post_init__(self) -> None:
-        _check_number("Spread", "low", self.low, integer=False)
-        _check_number("Spread", "high", self.high, integer=False)
+        check_number("Spread", "low", self.low)
+        check_number("Spread", "high", self.high)
         if self.low > self.high:
             raise CostModelError(f"Spread: low {self.low!r} exceeds high {self.high!r}")
 
@@ -182,9 +172,8 @@ class LayerCost:
         """`grad_bytes`, or when unknown (older files) a two-part layer's factor sides' product, fp32."""
         if self.grad_bytes or len(self.parts) != 2:
             return self.grad_bytes
-        item = 4
-        a, b = (math.isqrt(p.state_bytes // item) for p in self.parts)
-        return a * b * item
+        a, b = (math.isqrt(p.state_bytes // 4) for p in self.parts)
+        return a * b * 4
 
     @property
     def capture_bytes(self) -> int:
@@ -304,9 +293,7 @@ class CostTable:
         _check_fields(self, "CostTable")
         if not self.stages:
             raise CostModelError("CostTable.stages must be a non-empty tuple of StageCost")
-        mbs = self.micro_batch_size
-        if isinstance(mbs, bool) or not isinstance(mbs, int) or mbs < 1:
-            raise CostModelError(f"CostTable.micro_batch_size must be an int >= 1, got {mbs!r}")
+        check_count("CostTable.micro_batch_size", self.micro_batch_size)
         dupes = sorted(n for n, k in Counter(self.layer_names).items() if k > 1)
         if dupes:
             raise CostModelError(f"CostTable: layer names must be unique across stages; repeated: {dupes}")
@@ -374,13 +361,8 @@ class CostTable:
         return math.ceil(comm_seconds(self.comm, Collective.SEND, nbytes, 2) * 1e6 - 1e-6) / 1e6
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able form with the schema version; fields not measured left out."""
-        body = _plain(self)
-        if self.comm is None:
-            del body["comm"]
-        if self.family is PreconditionerKind.KFAC:
-            del body["family"]
-        return {"schema_version": SCHEMA_VERSION, **body}
+        """Plain JSON-able form with the schema version; fields at their default (unmeasured, K-FAC) left out."""
+        return {"schema_version": SCHEMA_VERSION, **_plain(self)}
 
     def to_json(self, *, indent: int | None = 1) -> str:
         """JSON text (`from_json` reads it back to an equal table)."""
@@ -410,11 +392,7 @@ class CostTable:
     @classmethod
     def from_json(cls, text: str) -> CostTable:
         """Parse `to_json` output."""
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise CostModelError(f"cost table is not valid JSON: {e}") from e
-        return cls.from_dict(data)
+        return cls.from_dict(parse_json(text, "cost table"))
 
     def save(self, path: str | Path) -> None:
         """Write the JSON form to `path`."""
@@ -422,18 +400,17 @@ class CostTable:
 
     def scale_times(self, factor: float) -> CostTable:
         """Every time multiplied by `factor` (a faster or slower device); bytes unchanged."""
-        _check_number("scale_times", "factor", factor, integer=False)
+        check_number("scale_times", "factor", factor)
         return _scaled(self, dict.fromkeys((_Scale.PASS, _Scale.STATS, _Scale.STEP), factor))
 
     def scale_kfac_times(self, factor: float) -> CostTable:
         """Preconditioner times multiplied by `factor` (a margin); F/B (a layer's W too) and bytes unchanged."""
-        _check_number("scale_kfac_times", "factor", factor, integer=False)
+        check_number("scale_kfac_times", "factor", factor)
         return _scaled(self, dict.fromkeys((_Scale.STATS, _Scale.STEP), factor))
 
     def with_micro_batch_size(self, micro_batch_size: int) -> CostTable:
         """Costs at another micro-batch size: per-micro-batch times and bytes scale by new/old, the rest stay."""
-        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int) or micro_batch_size < 1:
-            raise CostModelError(f"micro_batch_size must be an int >= 1, got {micro_batch_size!r}")
+        check_count("micro_batch_size", micro_batch_size)
         ratio = micro_batch_size / self.micro_batch_size
         scaled = _scaled(self, dict.fromkeys((_Scale.PASS, _Scale.STATS, _Scale.BYTES), ratio))
         return replace(scaled, micro_batch_size=micro_batch_size)
@@ -472,7 +449,7 @@ _SCALES = {
 }
 """The `_Scale` of each scaled field of PartCost, LayerCost and StageCost (the rest: names and fixed bytes)."""
 
-_OPTIONAL = _DIFFERENCES | {"boundary_bytes", "hand_off", "take_back"}
+_OPTIONAL = _DIFFERENCES | {"boundary_bytes", "hand_off", "take_back", "comm", "family"}
 """Fields a cost file leaves out at their default (besides every unprofiled `*_spread`)."""
 
 _NESTED: dict[str, type] = {"stages": StageCost, "layers": LayerCost, "parts": PartCost}
@@ -612,11 +589,6 @@ WORDS: dict[PreconditionerKind, TaskWords] = {
     PreconditionerKind.MUON: TaskWords("Muon", "statistics", "decomposition", "Newton-Schulz", "grad"),
 }
 """The words of every family (the one place they are written)."""
-
-
-def tagged_source(kind: PreconditionerKind, source: str) -> str:
-    """`source` with the family's name in front, for the views (K-FAC's stay unmarked, as they always were)."""
-    return source if kind is PreconditionerKind.KFAC else f"{kind.value}:{source}"
 
 
 def kind_of(costs: CostTable) -> PreconditionerKind:

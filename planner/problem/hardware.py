@@ -31,17 +31,27 @@ class Collective(StrEnum):
     SEND = "send"
 
 
-def _check_nonnegative(owner: str, name: str, value: Any) -> None:
-    """CostModelError unless `value` is a finite number >= 0."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise CostModelError(f"{owner}: {name} must be a finite number >= 0, got {value!r}")
+def check_number(owner: str, name: str, value: Any, *, integer: bool = False) -> None:
+    """CostModelError naming `owner`'s `name` unless `value` is a finite number >= 0 (an int with `integer`)."""
+    kinds = (int,) if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise CostModelError(f"{owner}: {name} must be {'an int (bytes)' if integer else 'a number'}, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise CostModelError(f"{owner}: {name} must be finite and >= 0, got {value!r}")
 
 
-def _check_size(nbytes: float, group_size: int) -> None:
-    """CostModelError unless `group_size` is an int >= 1 and `nbytes` a finite number >= 0."""
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise CostModelError(f"a group has an int >= 1 of ranks, got {group_size!r}")
-    _check_nonnegative("a message", "bytes", nbytes)
+def check_count(name: str, value: Any, hint: str = "") -> None:
+    """CostModelError unless `value` is an int >= 1 (a bool is not): a size, a count of ranks or steps."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise CostModelError(f"{name} must be an int >= 1{hint}, got {value!r}")
+
+
+def parse_json(text: str, what: str) -> Any:
+    """The JSON value `text` holds; CostModelError saying `what` is not valid JSON."""
+    try:
+        return json.loads(text)
+    except ValueError as e:
+        raise CostModelError(f"{what} is not valid JSON: {e}") from e
 
 
 _ALGORITHMS: dict[Collective, tuple[Callable[[int], float], Callable[[int], float]]] = {
@@ -55,13 +65,14 @@ _ALGORITHMS: dict[Collective, tuple[Callable[[int], float], Callable[[int], floa
 
 def latency_steps(kind: Collective, group_size: int) -> float:
     """How many alphas `kind` pays over `group_size` ranks."""
-    _check_size(0, group_size)
+    check_count("a group's size in ranks", group_size)
     return 0.0 if group_size == 1 else _ALGORITHMS[kind][0](group_size)
 
 
 def wire_bytes(kind: Collective, nbytes: float, group_size: int) -> float:
     """How many betas (bytes on each rank's busiest link) `kind` of `nbytes` pays over `group_size` ranks."""
-    _check_size(nbytes, group_size)
+    check_count("a group's size in ranks", group_size)
+    check_number("a message", "bytes", nbytes)
     return 0.0 if group_size == 1 else _ALGORITHMS[kind][1](group_size) * nbytes
 
 
@@ -73,8 +84,8 @@ class AlphaBeta:
     beta: float
 
     def __post_init__(self) -> None:
-        _check_nonnegative("AlphaBeta", "alpha", self.alpha)
-        _check_nonnegative("AlphaBeta", "beta", self.beta)
+        check_number("AlphaBeta", "alpha", self.alpha)
+        check_number("AlphaBeta", "beta", self.beta)
 
     @classmethod
     def of_link(cls, latency_s: float, bandwidth: float) -> AlphaBeta:
@@ -123,9 +134,7 @@ class CommModel:
     """The same for its receiver's process."""
 
     def __post_init__(self) -> None:
-        n = self.devices_per_node
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise CostModelError(f"CommModel.devices_per_node must be an int >= 1, got {n!r}")
+        check_count("CommModel.devices_per_node", self.devices_per_node)
         if not all(isinstance(x, LinkCosts) for x in (self.intra, self.inter)):
             raise CostModelError("CommModel.intra and .inter must be LinkCosts")
         if not all(isinstance(x, AlphaBeta) for x in (self.send_cpu, self.recv_cpu)):
@@ -170,10 +179,7 @@ class CommModel:
     @classmethod
     def from_json(cls, text: str) -> CommModel:
         """Parse `to_json` output."""
-        try:
-            return cls.from_dict(json.loads(text))
-        except json.JSONDecodeError as e:
-            raise CostModelError(f"the communication model is not valid JSON: {e}") from e
+        return cls.from_dict(parse_json(text, "the communication model"))
 
 
 ZERO = CommModel.single_link(LinkCosts.uniform(AlphaBeta(0.0, 0.0)), 1, "none")
@@ -198,7 +204,7 @@ def fit_alpha_beta(kind: Collective, samples: Sequence[Sample]) -> AlphaBeta:
             f"fitting {kind} needs samples at two or more message sizes or group sizes, got {list(samples)}"
         )
     for _, _, t in raw:
-        _check_nonnegative(f"a {kind} sample", "seconds", t)
+        check_number(f"a {kind} sample", "seconds", t)
     unit = max(y for _, y, _ in raw) or 1.0  # bytes in units of the largest message: a well-conditioned system
     rows = [(x, y / unit, t) for x, y, t in raw]
     sxx, sxy, syy = (sum(r[i] * r[j] for r in rows) for i, j in ((0, 0), (0, 1), (1, 1)))
@@ -217,21 +223,18 @@ def describe(model: CommModel | None) -> list[str]:
     if model is None:
         return ["Communication: no model in the cost table; collectives are planned as free"]
     lines = [f"Communication ({model.source}; alpha per message step, bandwidth 1/beta):"]
-    tiers = [("within a node", model.intra)]
+    tiers = [("within a node", "<=", model.intra)]
     if model.inter != model.intra:
-        tiers.append(("across nodes", model.inter))
-    for where, link in tiers:
-        size = f"<= {model.devices_per_node}" if where == "within a node" else f"> {model.devices_per_node}"
+        tiers.append(("across nodes", ">", model.inter))
+    for where, size, link in tiers:
         uniform = len({link.of(kind) for kind in Collective}) == 1
-        lines.append(f"  {where} (groups of {size} ranks):")
+        lines.append(f"  {where} (groups of {size} {model.devices_per_node} ranks):")
         for kind in (Collective.ALL_REDUCE,) if uniform else tuple(Collective):
-            lines.append(f"    {'every kind' if uniform else kind.value:<10} {_pair_text(link.of(kind))}")
+            ab = link.of(kind)
+            bandwidth = f"{1e-9 / ab.beta:.4g} GB/s" if ab.beta > 0 else "unlimited"
+            pair = f"alpha {ab.alpha * 1e6:.3g} us, beta {ab.beta:.3g} s/B ({bandwidth})"
+            lines.append(f"    {'every kind' if uniform else kind.value:<10} {pair}")
     return lines
-
-
-def _pair_text(ab: AlphaBeta) -> str:
-    bandwidth = f"{1e-9 / ab.beta:.4g} GB/s" if ab.beta > 0 else "unlimited"
-    return f"alpha {ab.alpha * 1e6:.3g} us, beta {ab.beta:.3g} s/B ({bandwidth})"
 
 
 _T = 1e12
@@ -262,7 +265,8 @@ class HardwareSpec:
     matmul_efficiency: float = 0.7
     """Fraction of peak a large GEMM reaches (cuBLAS SGEMM: typically 70-80%)."""
     factorization_efficiency: float = 0.1
-    """Fraction of peak a Cholesky + cholesky_inverse of a K-FAC factor (d <= 4096) reaches."""
+    """Fraction of peak a Cholesky + cholesky_inverse of a K-FAC factor (d <= 4096) reaches: latency bound, about
+    0.1 on GPUs as the PipeFisher profiles show."""
     comm: CommModel | None = None
     """The links between devices (within a node, across nodes); None: communication is free."""
 
@@ -300,9 +304,6 @@ _DATASHEETS = {
 """Datasheet figures per GPU: FP32 and 16-bit tensor TFLOP/s, memory GB/s and GiB, then GB/s per direction of all
 its NVLinks together (NCCL runs a ring per link) and of its share of the node's InfiniBand ports."""
 
-# factorization_efficiency 0.1 on GPUs: calibrated from planner/data/pipefisher_profiles, where Cholesky +
-# cholesky_inverse of a BERT-Base block's factors (62.5 GFLOP) takes 71.7 ms on a P100 (8% of peak), BERT-Large's
-# (148 GFLOP) 126.7 ms (11%), and 49 ms on a V100 (8%): small factorizations are latency bound.
 HARDWARE: dict[str, HardwareSpec] = {
     name: HardwareSpec(
         name,
@@ -314,10 +315,8 @@ HARDWARE: dict[str, HardwareSpec] = {
     )
     for name, (fp32, tensor, bandwidth, gib, nvlink, network, links) in _DATASHEETS.items()
 }
-# A nominal 2-core AVX2/FMA CPU, not a datasheet: 2 cores x 2.5 GHz x 32 FP32 FLOP/cycle = 160 GFLOP/s, no faster
-# 16-bit path, ~20 GB/s DDR4, 16 GiB; LAPACK reaches a larger share of a CPU's peak than cuSOLVER of a GPU's. Links:
-# gloo over TCP loopback, fitted per kind by fxkfac.comm_profile.measure_comm on this project's 2-core machine, 2
-# ranks, the median of three runs of `python benchmarks/comm_fit.py` (load average 6; single runs vary by 2-3x).
+# A nominal 2-core AVX2/FMA CPU (2 cores x 2.5 GHz x 32 FP32 FLOP/cycle, no faster 16-bit path, DDR4), LAPACK at a
+# larger share of its peak than cuSOLVER of a GPU's; links: gloo over TCP loopback as benchmarks/comm_fit.py fits them.
 HARDWARE["cpu"] = HardwareSpec(
     "cpu",
     0.16 * _T,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from fxkfac.planner.problem.costs import CostTable, LayerCost, StageCost
 from fxkfac.planner.problem.errors import CostModelError
-from fxkfac.planner.problem.hardware import HARDWARE
+from fxkfac.planner.problem.hardware import HARDWARE, parse_json
 
 if TYPE_CHECKING:
     from importlib.resources.abc import Traversable
@@ -60,25 +60,16 @@ _PROFILE_OPTIONS = ("blocks_per_stage", "micro_batch_size")  # required; `layers
 _MS = 1e-3
 _MIB = 1 << 20
 
-
-def _profiles_folder() -> Traversable:
-    """planner/data/pipefisher_profiles, read through importlib.resources (package data when installed)."""
-    return files("fxkfac.planner") / "data" / "pipefisher_profiles"
-
-
-def _gpu_profiles_folder() -> Traversable:
-    """planner/data/gpu_profiles, read through importlib.resources (package data when installed)."""
-    return files("fxkfac.planner") / "data" / "gpu_profiles"
-
-
-def _folder(prefix: str) -> Traversable:
-    """The shipped folder of `paper:` or `gpu:` names."""
-    return _profiles_folder() if prefix == PAPER_PREFIX else _gpu_profiles_folder()
+SHIPPED: dict[str, Traversable] = {
+    PAPER_PREFIX: files("fxkfac.planner") / "data" / "pipefisher_profiles",
+    GPU_PREFIX: files("fxkfac.planner") / "data" / "gpu_profiles",
+}
+"""The folder of the profiles each prefix names (package data, read through importlib.resources)."""
 
 
 def _shipped(prefix: str) -> dict[str, str]:
     """Shipped profile file names by `paper:<model>/<hardware>` or `gpu:<model>/<device>` name, sorted."""
-    paper, folder = prefix == PAPER_PREFIX, _folder(prefix)
+    paper, folder = prefix == PAPER_PREFIX, SHIPPED[prefix]
     names = {}
     for entry in folder.iterdir() if folder.is_dir() else ():
         stem = PurePath(entry.name).stem
@@ -88,19 +79,9 @@ def _shipped(prefix: str) -> dict[str, str]:
     return dict(sorted(names.items()))
 
 
-def paper_profile_names() -> tuple[str, ...]:
-    """Every `paper:<model>/<hardware>` name of a profile shipped with fxkfac (the PipeFisher paper's)."""
-    return tuple(_shipped(PAPER_PREFIX))
-
-
-def gpu_profile_names() -> tuple[str, ...]:
-    """Every `gpu:<model>/<device>` name of a GPU profile shipped with fxkfac (benchmarks/gpu_check.py's)."""
-    return tuple(_shipped(GPU_PREFIX))
-
-
 def _shipped_file(name: str) -> str | None:
     """The shipped file a `paper:` or `gpu:` name stands for (CostModelError when unknown); None for a path."""
-    prefix = next((x for x in (PAPER_PREFIX, GPU_PREFIX) if name.startswith(x)), None)
+    prefix = next((x for x in SHIPPED if name.startswith(x)), None)
     if prefix is None:
         return None
     known = _shipped(prefix)
@@ -150,7 +131,7 @@ def _profile_rows(source: str | Path) -> tuple[_Rows, str, str | None]:
     name, where = _shipped_file(str(source)), str(source)
     if name is not None:
         csv_file = where.startswith(PAPER_PREFIX)
-        text = (_folder(PAPER_PREFIX if csv_file else GPU_PREFIX) / name).read_text()
+        text = (SHIPPED[PAPER_PREFIX if csv_file else GPU_PREFIX] / name).read_text()
     else:
         path = Path(source)
         name, csv_file = path.name, path.suffix.lower() != ".json"
@@ -158,34 +139,24 @@ def _profile_rows(source: str | Path) -> tuple[_Rows, str, str | None]:
             text = path.read_text()
         except OSError as e:
             raise CostModelError(f"cannot read profile {path}: {e}") from e
-    device = None
+    rows: Any
+    device: str | None
     if csv_file:
-        reader = csv.DictReader(io.StringIO(text))
-        rows: Any = list(reader)
-        missing = [c for c in PIPEFISHER_COLUMNS if c not in (reader.fieldnames or [])]
-        if missing:
-            raise CostModelError(f"{where}: not a PipeFisher profile CSV, missing columns {missing}")
+        rows, device = list(csv.DictReader(io.StringIO(text))), None
     else:
-        try:
-            data = json.loads(text)
-        except ValueError as e:
-            raise CostModelError(f"{where}: not JSON ({e})") from e
+        data = parse_json(text, where)
         if not isinstance(data, dict) or data.get("format") != BLOCK_PROFILE_FORMAT:
             raise CostModelError(f"{where}: not a per-block profile (its 'format' is not {BLOCK_PROFILE_FORMAT!r})")
         rows, device = data.get("rows"), str(data.get("device", "unknown"))
-        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
-            raise CostModelError(
-                f"{where}: 'rows' must be a list of objects with the columns {list(PIPEFISHER_COLUMNS)}"
-            )
-        missing = sorted({c for r in rows for c in PIPEFISHER_COLUMNS if c not in r})
-        if missing:
-            raise CostModelError(f"{where}: rows lack the columns {missing}")
+    if not isinstance(rows, list) or not rows or not all(isinstance(r, dict) for r in rows):
+        raise CostModelError(f"{where}: the profile needs rows (objects) with the columns {list(PIPEFISHER_COLUMNS)}")
+    missing = sorted({c for r in rows for c in PIPEFISHER_COLUMNS if c not in r})
+    if missing:
+        raise CostModelError(f"{where}: rows lack the columns {missing}")
     try:
         numbers = {int(float(r["bs"])): {c: float(r[c]) for c in PIPEFISHER_COLUMNS} for r in rows}
     except (ValueError, TypeError) as e:
         raise CostModelError(f"{where}: a value is not a number ({e})") from e
-    if not numbers:
-        raise CostModelError(f"{where}: the profile has no rows")
     return numbers, name, device
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -19,7 +20,6 @@ from fxkfac.planner.problem.profiles import (
     ProfileLayers,
     cost_table_from_pipefisher_csv,
     load_cost_table,
-    paper_profile_names,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,9 +70,15 @@ def test_every_profile_file_and_row_loads_with_its_hardware() -> None:
 
 
 def test_paper_names_are_the_shipped_files() -> None:
-    model_hw = (path.stem.split("_time_memory_") for path in PROFILES.glob("*.csv"))
-    assert paper_profile_names() == tuple(sorted(f"paper:{model}/{hw}" for model, hw in model_hw))
-    assert len(paper_profile_names()) == 18 and "paper:t5-large/rtx3090" in paper_profile_names()
+    paths = sorted(PROFILES.glob("*.csv"))
+    names = [f"paper:{model}/{hw}" for model, hw in (path.stem.split("_time_memory_") for path in paths)]
+    assert len(names) == 18 and "paper:t5-large/rtx3090" in names
+    for name, path in zip(names, paths, strict=True):  # each file by its paper: name, as by its path
+        options: dict[str, Any] = dict(blocks_per_stage=[1], micro_batch_size=min(_raw_rows(path)))
+        assert load_cost_table(name, **options) == load_cost_table(path, **options)
+    available = re.escape(", ".join(sorted(names)))
+    with pytest.raises(CostModelError, match=f"no shipped PipeFisher profile 'paper:x/y'; available: {available}$"):
+        load_cost_table("paper:x/y", blocks_per_stage=[1], micro_batch_size=1)
 
 
 def test_paper_name_loads_the_shipped_csv_like_its_path() -> None:
@@ -189,7 +195,7 @@ def test_micro_batch_between_measured_sizes_is_interpolated_and_outside_is_refus
 def test_csv_errors_name_the_problem(tmp_path: Path) -> None:
     bad = tmp_path / "x.csv"
     bad.write_text("bs,time_f\n1,2\n")
-    with pytest.raises(CostModelError, match="missing columns"):
+    with pytest.raises(CostModelError, match="rows lack the columns"):
         cost_table_from_pipefisher_csv(bad, blocks_per_stage=[1], micro_batch_size=1)
     with pytest.raises(CostModelError, match="needs n_stages"):
         cost_table_from_pipefisher_csv(BERT_P100, blocks_per_stage=3, micro_batch_size=32)

@@ -12,7 +12,6 @@ from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.problem.profiles import (
     block_profile_json,
     cost_table_from_pipefisher_csv,
-    gpu_profile_names,
     is_profile,
     load_cost_table,
 )
@@ -27,11 +26,10 @@ OPTIONS = {"blocks_per_stage": 3, "n_stages": 4, "micro_batch_size": 32}
 @pytest.fixture
 def shipped(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fixture folder as planner/data/gpu_profiles."""
-    monkeypatch.setattr(profiles, "_gpu_profiles_folder", lambda: FIXTURES)
+    monkeypatch.setitem(profiles.SHIPPED, profiles.GPU_PREFIX, FIXTURES)
 
 
 def test_a_gpu_name_loads_the_shipped_table_and_plans(shipped: None) -> None:
-    assert gpu_profile_names() == ("gpu:bert-base/testgpu",)
     assert is_profile("gpu:bert-base/testgpu")
     table = load_cost_table("gpu:bert-base/testgpu", **OPTIONS)
     # the file's bs-32 row (ms and MiB per block), three blocks a stage, its device the table's hardware

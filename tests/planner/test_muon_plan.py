@@ -16,16 +16,17 @@ from fxkfac.planner.plan.plan import NSWhere, Plan, critical_path_step, ns_tasks
 from fxkfac.planner.problem import buckets
 from fxkfac.planner.problem.analytic import (
     Precision,
+    TensorSpec,
+    analytic_cost_table,
+    matrix_cost,
     model_spec_from_layers,
-    muon_cost_table,
     muon_matrices,
-    ns_iteration_flops,
     preset,
 )
 from fxkfac.planner.problem.buckets import bucketable, bundles_streams
 from fxkfac.planner.problem.costs import CostTable, PreconditionerKind, streamed_bytes
 from fxkfac.planner.problem.errors import PlanError
-from fxkfac.planner.problem.hardware import AlphaBeta, CommModel, hardware
+from fxkfac.planner.problem.hardware import AlphaBeta, CommModel, HardwareSpec, hardware
 from fxkfac.planner.problem.ir import Op, OpKind, as_programs, piece_iterations
 from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.problem.step_timeline import plain_step_time, problem_buckets, reference_programs, step_timeline
@@ -34,6 +35,8 @@ from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.search.plan_search import with_streaming
 from fxkfac.planner.validate import validate
 from fxkfac.planner.validate.plan_file import parse_plan
+
+MUON = PreconditionerKind.MUON
 
 
 def _multiply_adds(rows: int, cols: int) -> int:
@@ -45,7 +48,9 @@ def _multiply_adds(rows: int, cols: int) -> int:
 
 @pytest.mark.parametrize("shape", [(1024, 4096), (4096, 1024), (768, 768), (3, 5)])
 def test_an_iteration_costs_two_flops_per_multiply_add_of_its_three_products(shape: tuple[int, int]) -> None:
-    assert ns_iteration_flops(*shape) == 2 * _multiply_adds(*shape)
+    compute_bound = HardwareSpec("test", 1e12, 2e12, 1e30, 1 << 40, matmul_efficiency=1.0)
+    cost = matrix_cost(TensorSpec("w", shape), compute_bound, ns_steps=3)
+    assert cost.prec == pytest.approx(3 * 2 * _multiply_adds(*shape) / 2e12, rel=1e-12)  # at the 16-bit peak
 
 
 def test_pieces_cut_the_iterations_in_order() -> None:
@@ -60,7 +65,7 @@ def test_muon_covers_the_hidden_matrices_and_the_table_round_trips() -> None:
     """Every Linear weight but the tied decoder: the pooler and the heads' transform are hidden matrices, each a unit
     without parts whose APPLY is its NS and whose state its momentum; the embedding tables, norms and biases are
     units too (as compile makes one of every trainable parameter), AdamW's: an elementwise step, two moments."""
-    table = muon_cost_table("bert-base", 4, 8)
+    table = analytic_cost_table("bert-base", 4, 8, kind=MUON)
     units = [x for s in table.stages for x in s.layers]
     spec = preset("bert-base")
     assert [x.name for x in units] == [t.name for b in (spec.embed, *spec.blocks, spec.head) for t in b.parameters]
@@ -81,17 +86,19 @@ def test_muon_covers_the_hidden_matrices_and_the_table_round_trips() -> None:
 def test_the_ns_time_grows_with_the_iterations_and_the_flops() -> None:
     """A 1024 x 4096 matrix's 5 iterations at the P100's 16-bit tensor peak and matmul efficiency (compute bound)."""
     hw = hardware("p100")
-    x = muon_cost_table("bert-large", 8, 32).layer("bert.encoder.layer.0.intermediate.dense.weight")
-    compute = 5 * ns_iteration_flops(1024, 4096) / (hw.peak_flops_tensor * hw.matmul_efficiency)
+    x = analytic_cost_table("bert-large", 8, 32, kind=MUON).layer("bert.encoder.layer.0.intermediate.dense.weight")
+    compute = 5 * 2 * _multiply_adds(1024, 4096) / (hw.peak_flops_tensor * hw.matmul_efficiency)
     assert compute < x.prec < compute * 1.05
-    longer = muon_cost_table("bert-large", 8, 32, ns_steps=10).layer(x.name)
+    longer = analytic_cost_table("bert-large", 8, 32, ns_steps=10, kind=MUON).layer(x.name)
     assert longer.prec == pytest.approx(2 * x.prec, rel=0.05)
 
 
 @pytest.fixture(scope="module")
 def streamed() -> tuple[Problem, Plan]:
     """BERT-Base 1F1B D=4: stage 0's gradients are final last, its NS streams to the ranks idle at the step's end."""
-    problem = with_streaming(Problem("1f1b", 4, 4, muon_cost_table("bert-base", 4, 32)), whole_backward=True)
+    problem = with_streaming(
+        Problem("1f1b", 4, 4, analytic_cost_table("bert-base", 4, 32, kind=MUON)), whole_backward=True
+    )
     return problem, solve(problem, SolverConfig(time_limit_s=5))
 
 
@@ -134,7 +141,7 @@ def test_the_validator_refuses_a_replica_of_a_matrix_without_refresh(streamed: t
 def test_copies_share_the_matrices_and_broadcast_the_updates_under_mem_opt() -> None:
     """Moonlight's distributed Muon: with two replicas each orthogonalizes about half of its stage's matrices and
     broadcasts the results (BCAST_PREC), and the step is shorter than every copy doing all of them."""
-    costs = muon_cost_table("bert-base", 2, 32)
+    costs = analytic_cost_table("bert-base", 2, 32, kind=MUON)
     problem = Problem("1f1b", 2, 4, costs, W=2).with_strategy(parse_strategy("mem-opt"))
     plan = solve(problem, SolverConfig(time_limit_s=5))
     assert validate(problem, plan) == []
@@ -150,7 +157,7 @@ def test_copies_share_the_matrices_and_broadcast_the_updates_under_mem_opt() -> 
 def test_a_stage_with_copies_does_not_stream_its_matrices() -> None:
     """W=2: the owner's Newton-Schulz input needs the copies' all-reduced gradient, which a streamed send (during the
     backward) precedes, so the runtime refuses it; the planner streams no Muon stage with copies (W=1 streams)."""
-    costs = muon_cost_table("bert-base", 4, 32)
+    costs = analytic_cost_table("bert-base", 4, 32, kind=MUON)
     assert with_streaming(Problem("1f1b", 4, 4, costs), whole_backward=True).streaming is not None
     copies = Problem("1f1b", 4, 4, costs, W=2)
     assert with_streaming(copies, whole_backward=True) is copies
@@ -181,7 +188,7 @@ def test_fxkfac_plan_muon_runs_without_torch_and_shows_the_ns_tasks(tmp_path: Pa
 def test_cut_ns_runs_its_pieces_in_order_on_one_rank_and_takes_the_same_time(pieces: int) -> None:
     """Every matrix's APPLY in pieces (the owner's and a helper's): the validator accepts the plan, each layer's
     pieces follow one another on one rank, and they sum to the uncut APPLY (the step time stays the uncut plan's)."""
-    costs = muon_cost_table("bert-base", 4, 32)
+    costs = analytic_cost_table("bert-base", 4, 32, kind=MUON)
     whole = with_streaming(Problem("1f1b", 4, 4, costs), whole_backward=True)
     cut = replace(whole, decomp_pieces=pieces)
     plan = solve(cut, SolverConfig(time_limit_s=5))
@@ -200,7 +207,7 @@ def test_cut_ns_runs_its_pieces_in_order_on_one_rank_and_takes_the_same_time(pie
 
 
 def test_the_validator_refuses_pieces_out_of_order_and_more_pieces_than_iterations() -> None:
-    costs = muon_cost_table("bert-base", 2, 32)
+    costs = analytic_cost_table("bert-base", 2, 32, kind=MUON)
     problem = Problem("1f1b", 2, 4, costs, decomp_pieces=2)
     plan = solve(problem, SolverConfig(time_limit_s=5))
     assert validate(problem, plan) == []
@@ -227,7 +234,7 @@ def test_the_validator_refuses_pieces_out_of_order_and_more_pieces_than_iteratio
 def test_muon_plans_of_every_schedule_pass_the_validator(schedule: str, D: int, N: int, v: int) -> None:
     """Wherever the planner streams or not, every schedule's Muon plan is valid and no slower than Muon on the
     critical path."""
-    problem = with_streaming(Problem(schedule, D, N, muon_cost_table("bert-base", D * v, 32), v=v), True)
+    problem = with_streaming(Problem(schedule, D, N, analytic_cost_table("bert-base", D * v, 32, kind=MUON), v=v), True)
     plan = solve(problem, SolverConfig(time_limit_s=5))
     assert validate(problem, plan) == []
     assert plan.metrics.step_time <= critical_path_step(problem) + 1e-9
@@ -237,7 +244,9 @@ def _small_matrices() -> Problem:
     """1F1B D=2, twelve 64 x 64 matrices a stage on the measured gloo-loopback links ("cpu"): each one's
     Newton-Schulz is shorter than its own message's fixed cost, far longer than its bytes."""
     spec = model_spec_from_layers([[(f"s{s}.fc{i}", 64, 64, 256, False) for i in range(12)] for s in range(2)])
-    return Problem("1f1b", 2, 4, muon_cost_table(spec, 2, 8, hardware="cpu", ns_precision=Precision.FP32))
+    return Problem(
+        "1f1b", 2, 4, analytic_cost_table(spec, 2, 8, hardware="cpu", ns_precision=Precision.FP32, kind=MUON)
+    )
 
 
 def test_small_matrices_stream_in_buckets_each_priced_as_one_message(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -450,11 +450,11 @@ def test_shampoo_streams_its_whole_per_step_work_and_decomposes_what_comes_back(
     helper's APPLY takes both, each DECOMP of a streamed part starts once the refresh step's return has landed on
     its owner. The plan is valid and the step shorter
     than without streaming, at the same refresh periods."""
-    from fxkfac.planner.problem.analytic import gradient_cost_table
+    from fxkfac.planner.problem.analytic import analytic_cost_table
     from fxkfac.planner.problem.costs import PreconditionerKind
     from fxkfac.planner.problem.problem import returned, streamed_seconds, streamed_stats
 
-    costs = gradient_cost_table("bert-base", 4, 32, hardware="p100", kind=PreconditionerKind.SHAMPOO, max_dim=512)
+    costs = analytic_cost_table("bert-base", 4, 32, hardware="p100", kind=PreconditionerKind.SHAMPOO, max_dim=512)
     problem = Problem("1f1b", 4, 4, costs, max_period=32)
     streamed = with_streaming(problem)
     assert streamed.streaming is not None, "nothing streams"
