@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from fxkfac.planner.plan.plan import Plan
-from fxkfac.planner.problem.analytic import muon_cost_table
-from fxkfac.planner.problem.costs import CostTable, StageCost
+from fxkfac.planner.problem.analytic import analytic_cost_table
+from fxkfac.planner.problem.costs import CostTable, PreconditionerKind, StageCost
 from fxkfac.planner.problem.ir import Op, Placement
 from fxkfac.planner.problem.problem import Problem
 from fxkfac.planner.problem.profiles import load_cost_table
@@ -44,7 +44,12 @@ def _plan(kind: str = "kfac") -> Plan:
         tight = problem("1f1b", 2, 2, keep=40, max_overhead=0.5, max_period=8)
         return solve(replace(tight, memory_budget=min_memory_bytes(tight)))
     if kind == "muon":
-        return solve(Problem("1f1b", 2, 4, muon_cost_table("bert-base", 2, 32), decomp_pieces=2), method="greedy")
+        return solve(
+            Problem(
+                "1f1b", 2, 4, analytic_cost_table("bert-base", 2, 32, kind=PreconditionerKind.MUON), decomp_pieces=2
+            ),
+            method="greedy",
+        )
     if kind == "zb":
         return solve(problem("zb-h1", 2, 2, curv=0.25, prec=0.25, max_overhead=0.5, max_period=8), method="greedy")
     return solve(problem("1f1b", 2, 2, W=2, layers=2, curv=0.25, inv=0.5), method="greedy")
