@@ -370,16 +370,13 @@ class _Program:
     made_of: tuple[Op, ...]
     """Its ops when this was made: a list changed in place since is looked up again."""
     sends_first: bool
-    """Whether the sends right after the first FWD or BWD go before the late receives' posts (`_late_from`)."""
+    """Whether the sends right after a FWD or BWD go before the receives posted after it, and the late receives'
+    posts spread over the step (`_post_points`)."""
     prepares: tuple[tuple[Prepare, Op], ...]
     """What runs when the step begins."""
-    head: tuple[tuple[Handler, Op, str, str], ...]
-    """The ops up to the step's first FWD or BWD (all of them where it has none), and with `sends_first` the sends
-    right after it."""
-    posts: tuple[tuple[Prepare, Op], ...]
-    """The receives of the ops after it, posted once it ends ([Note: when receives are posted])."""
-    tail: tuple[tuple[Handler, Op, str, str], ...]
-    """The ops after it."""
+    parts: tuple[tuple[tuple[tuple[Prepare, Op], ...], tuple[tuple[Handler, Op, str, str], ...]], ...]
+    """The step's ops in order, cut where late receives are posted: each part's posts, then its ops with their
+    handler, text and kind ([Note: when receives are posted])."""
 
 
 _COMPUTE = (OpKind.FWD, OpKind.BWD)
@@ -388,7 +385,7 @@ _RECEIVES = (OpKind.RECV_ACT, OpKind.RECV_GRAD, OpKind.OPT_STEP)
 """The ops whose prepare posts receives (OPT_STEP: its sum's, `StepEnd.post`)."""
 
 # [Note: when receives are posted]
-# Every receive of a step is posted before any of its sends, so that no transport that matches a send with its
+# Under NCCL every receive of a step is posted before any of its sends, so that no transport that matches a send with its
 # receive in posting order (NCCL) can wait on a cycle; a posted receive also lets its message land while the rank
 # computes. The receives of the ops after the step's first FWD or BWD are posted once that op ends, not when the
 # step begins: on gloo each post wakes the peer's I/O thread, and on a host with a core per rank the step's first
@@ -405,6 +402,11 @@ _RECEIVES = (OpKind.RECV_ACT, OpKind.RECV_GRAD, OpKind.OPT_STEP)
 # FWD; fxkfac's 1F1B went from 0.94x torch's throughput to 1.00x (benchmarks/pipeline_vs_torch.py, 2 quiet cores).
 # Under NCCL each stays behind the posts: two ranks whose first op sends to the other (Chimera's two pipes) would
 # each hold its receive's post behind a send that waits for the other's.
+# On gloo the late posts are also spread over the step (`_post_points`): each is posted after the FWD or BWD before
+# the last one ahead of its op (with the sends right after it), so that one FWD or BWD runs while its message lands,
+# and no FWD or BWD waits behind more posts than that. All at once after the first FWD, 1F1B's last stage (D=2, N=4)
+# posted four receives (three activations and the step-end total) between its first FWD and its first BWD, on the
+# critical path: 166 us against torch's 49 us (one post) on the recorded timelines; spread, it posts one there.
 
 
 def _execute(steps: Sequence[tuple[Handler, Op, str, str]], ctx: StepContext, recorder: Recorder | None) -> None:
@@ -422,13 +424,32 @@ def _execute(steps: Sequence[tuple[Handler, Op, str, str]], ctx: StepContext, re
         recorder.record(text, kind, ctx.step, start, end, ctx.transport.waited_ns - waited, took + cpu)
 
 
+def _after_sends(ops: Sequence[Op], i: int, sends_first: bool) -> int:
+    """`i`, or with `sends_first` the index of the last of the sends right after op `i`."""
+    while sends_first and i + 1 < len(ops) and ops[i + 1].kind in _SENDS:
+        i += 1
+    return i
+
+
 def _late_from(ops: Sequence[Op], sends_first: bool) -> int:
     """The index of the op after which the step's late receives are posted: its first FWD or BWD, or the last of the
     sends right after it when `sends_first` ([Note: when receives are posted])."""
     first = next((i for i, op in enumerate(ops) if op.kind in _COMPUTE), len(ops))
-    while sends_first and first + 1 < len(ops) and ops[first + 1].kind in _SENDS:
-        first += 1
-    return first
+    return _after_sends(ops, first, sends_first)
+
+
+def _post_points(ops: Sequence[Op], sends_first: bool) -> list[int]:
+    """Per op, the index of the op after which its receives are posted when they are late (after `_late_from`'s):
+    there, or with `sends_first` (gloo) after the FWD or BWD before the last one ahead of the op, with the sends
+    right after it, when that is later ([Note: when receives are posted])."""
+    first = _late_from(ops, sends_first)
+    points, computes = [], []
+    for i, op in enumerate(ops):
+        ahead = _after_sends(ops, computes[-2], sends_first) if sends_first and len(computes) >= 2 else first
+        points.append(max(first, ahead))
+        if op.kind in _COMPUTE:
+            computes.append(i)
+    return points
 
 
 def _same_ops(made_of: tuple[Op, ...], ops: Sequence[Op]) -> bool:
@@ -481,35 +502,41 @@ class Interpreter:
                 f"rank {rank} has no handler for '{missing}'; register one with "
                 f"Interpreter.register(OpKind.{missing.kind.name}, fn) (preconditioner ops need the family's runtime)"
             )
-        first = _late_from(ops, sends_first)
+        first, points = _late_from(ops, sends_first), _post_points(ops, sends_first)
         prepares: list[tuple[Prepare, Op]] = []
-        posts: list[tuple[Prepare, Op]] = []
+        posts: dict[int, list[tuple[Prepare, Op]]] = {}
         for i, op in enumerate(ops):
             if op.kind in self.prepares:
-                (posts if i > first and op.kind in _RECEIVES else prepares).append((self.prepares[op.kind], op))
+                if i > first and op.kind in _RECEIVES:
+                    posts.setdefault(points[i], []).append((self.prepares[op.kind], op))
+                else:
+                    prepares.append((self.prepares[op.kind], op))
         steps = tuple((self.handlers[op.kind], op, str(op), op.kind.value) for op in ops)
+        parts, start, waiting = [], 0, ()
+        for cut in sorted(posts):
+            parts.append((waiting, steps[start : cut + 1]))
+            start, waiting = cut + 1, tuple(posts[cut])
+        parts.append((waiting, steps[start:]))
         if len(self._programs) >= _PROGRAMS_KEPT:  # op lists made anew per call (evaluation's) must not pile up
             self._programs.clear()
-        program = _Program(
-            ops, tuple(ops), sends_first, tuple(prepares), steps[: first + 1], tuple(posts), steps[first + 1 :]
-        )
+        program = _Program(ops, tuple(ops), sends_first, tuple(prepares), tuple(parts))
         self._programs[id(ops)] = program
         return program
 
     def run(self, ops: Sequence[Op], ctx: StepContext, timeline: Recorder | None = None) -> None:
         """Execute `ops` in order on `ctx`, each op's `prepares` entry run first, except the receives after the
-        step's first FWD or BWD, posted once it ends (on gloo, once the sends right after it have started)
-        ([Note: when receives are posted])."""
+        step's first FWD or BWD, posted once it ends (on gloo, once the sends right after it have started, and
+        spread over the step: `_post_points`) ([Note: when receives are posted])."""
         program = self._program(ops, ctx.rank, not ctx.transport.sends_wait_for_receives)
         for listener in self.listeners:
             listener.begin_step(ctx)
         for prepare, op in program.prepares:
             prepare(ctx, op, ops)
         recorder = timeline if timeline is not None and timeline.enabled else None  # no clock read otherwise
-        _execute(program.head, ctx, recorder)
-        for prepare, op in program.posts:
-            prepare(ctx, op, ops)
-        _execute(program.tail, ctx, recorder)
+        for posts, steps in program.parts:
+            for prepare, op in posts:
+                prepare(ctx, op, ops)
+            _execute(steps, ctx, recorder)
         leftovers = [r for r in ctx.runners.values() if r.pending()]
         if leftovers or ctx.acts or ctx.grads or ctx.to_send or ctx.transport.in_flight():
             raise AssertionError(
