@@ -385,8 +385,8 @@ _RECEIVES = (OpKind.RECV_ACT, OpKind.RECV_GRAD, OpKind.OPT_STEP)
 """The ops whose prepare posts receives (OPT_STEP: its sum's, `StepEnd.post`)."""
 
 # [Note: when receives are posted]
-# Under NCCL every receive of a step is posted before any of its sends, so that no transport that matches a send with its
-# receive in posting order (NCCL) can wait on a cycle; a posted receive also lets its message land while the rank
+# Under NCCL every receive of a step is posted before any of its sends, so that no transport that matches a send with
+# its receive in posting order (NCCL) can wait on a cycle; a posted receive also lets its message land while the rank
 # computes. The receives of the ops after the step's first FWD or BWD are posted once that op ends, not when the
 # step begins: on gloo each post wakes the peer's I/O thread, and on a host with a core per rank the step's first
 # op, which every other rank waits for, then lost a core to those wake-ups. Measured on 1F1B, D=2, N=4, 2 cores
