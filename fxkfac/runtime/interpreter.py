@@ -97,6 +97,8 @@ class StepContext:
 
 
 Handler = Callable[[StepContext, Op], None]
+_Instruction = tuple[Handler, Op, str, str]
+"""An op as a step runs it: its handler, the op, its text and its kind's (the timeline's)."""
 Prepare = Callable[[StepContext, Op, Sequence[Op]], None]
 """What an op needs done when its step begins, before any op of the step runs (given the step's ops): receives
 posted, hooks armed."""
@@ -364,7 +366,7 @@ class _Program:
     posts spread over the step (`_post_points`)."""
     prepares: tuple[tuple[Prepare, Op], ...]
     """What runs when the step begins."""
-    parts: tuple[tuple[tuple[tuple[Prepare, Op], ...], tuple[tuple[Handler, Op, str, str], ...]], ...]
+    parts: tuple[tuple[tuple[tuple[Prepare, Op], ...], tuple[_Instruction, ...]], ...]
     """The step's ops in order, cut where late receives are posted: each part's posts, then its ops with their
     handler, text and kind ([Note: when receives are posted])."""
 
@@ -399,7 +401,7 @@ _RECEIVES = (OpKind.RECV_ACT, OpKind.RECV_GRAD, OpKind.OPT_STEP)
 # critical path: 166 us against torch's 49 us (one post) on the recorded timelines; spread, it posts one there.
 
 
-def _execute(steps: Sequence[tuple[Handler, Op, str, str]], ctx: StepContext, recorder: Recorder | None) -> None:
+def _execute(steps: Sequence[_Instruction], ctx: StepContext, recorder: Recorder | None) -> None:
     """Run `steps` in order, each into `recorder` where there is one (wall clock, waits and CPU time per op)."""
     if recorder is None:
         for handler, op, _, _ in steps:
@@ -433,7 +435,8 @@ def _post_points(ops: Sequence[Op], sends_first: bool) -> list[int]:
     there, or with `sends_first` (gloo) after the FWD or BWD before the last one ahead of the op, with the sends
     right after it, when that is later ([Note: when receives are posted])."""
     first = _late_from(ops, sends_first)
-    points, computes = [], []
+    points: list[int] = []
+    computes: list[int] = []
     for i, op in enumerate(ops):
         ahead = _after_sends(ops, computes[-2], sends_first) if sends_first and len(computes) >= 2 else first
         points.append(max(first, ahead))
@@ -502,7 +505,9 @@ class Interpreter:
                 else:
                     prepares.append((self.prepares[op.kind], op))
         steps = tuple((self.handlers[op.kind], op, str(op), op.kind.value) for op in ops)
-        parts, start, waiting = [], 0, ()
+        parts: list[tuple[tuple[tuple[Prepare, Op], ...], tuple[_Instruction, ...]]] = []
+        waiting: tuple[tuple[Prepare, Op], ...]
+        start, waiting = 0, ()
         for cut in sorted(posts):
             parts.append((waiting, steps[start : cut + 1]))
             start, waiting = cut + 1, tuple(posts[cut])
