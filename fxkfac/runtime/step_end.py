@@ -1,9 +1,9 @@
 """How a step ends on one rank: the NaN/Inf verdict, the KL-clip's nu under each `KLClipScope`, the loss.
 
 [Note: KL-clip scope]
-- GLOBAL: one world sum of [sum <P, G>, non-finite flag, loss], one nu over every layer. Every rank waits
+- GLOBAL: one world sum of [sum <P, G>, non-finite check, loss], one nu over every layer. Every rank waits
   for the slowest one: a world barrier ends every step (the default; the single-device equality tests).
-- STAGE: one sum over the rank's *agreement set* (below) of [flag, sum <P, G> of each stage]; each
+- STAGE: one sum over the rank's *agreement set* (below) of [check, sum <P, G> of each stage]; each
   stage's layers get the nu of their own stage's sum.
 - STALE: the first step of a run (no last sum yet) ends as GLOBAL does. Later steps take the verdict as STAGE
   does, and one nu over every layer from the last step's world sum, whose all-reduce was started without
@@ -23,7 +23,7 @@ one stage, so STAGE there needs `clip_groups` naming the pipeline's stages to eq
 
 Agreement set: the smallest set of ranks closed under holding a copy of one parameter (the copies of a stage:
 dp replicas, Chimera's two pipes; and the stages a tied weight joins). Under STAGE and STALE its ranks agree on
-skipping a step by one sum of the flag, so every copy of every parameter steps or skips together: a
+skipping a step by one sum of the check, so every copy of every parameter steps or skips together: a
 parameter never steps on one rank and skips on another. Two sets may decide differently (one skips: its step
 counter stays and its preconditioner state is restored; the other steps). That is sound because ranks of two
 sets exchange only activations and gradients, whose ops are the same at every step of a program (their tags name
@@ -270,7 +270,7 @@ class StepEnd:
 
     def post(self, shares: int = 0) -> None:
         """Post the receives of this step's end sum now (`Transport.post_sum`), so its messages land while the rank
-        computes; `shares` is the number of <P, G> shares a STAGE sum carries besides the flag (one per KL-clip
+        computes; `shares` is the number of <P, G> shares a STAGE sum carries besides the check (one per KL-clip
         group with a preconditioner, none without: `finish`'s `dots`)."""
         if self._ends_global():
             self.transport.post_sum((4,), torch.float64, range(self.transport.world), self.world_root)
@@ -313,7 +313,7 @@ class StepEnd:
         scale: ClipScale,
         sqnorm: torch.Tensor | None,
     ) -> Verdict:
-        """One world sum of [sum <P, G>, flag, loss, squared gradient norm] at the world's root; under STALE, the
+        """One world sum of [sum <P, G>, check, loss, squared gradient norm] at the world's root; under STALE, the
         sum becomes the next step's. With clipping, nu is that of the clipped gradient: <P, G> scales by the
         clip factor squared (P is linear in G)."""
         # every share moves to the transport's device: NCCL sums device memory, gloo host memory
