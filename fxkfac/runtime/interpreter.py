@@ -97,8 +97,6 @@ class StepContext:
 
 
 Handler = Callable[[StepContext, Op], None]
-_Instruction = tuple[Handler, Op, str, str]
-"""An op as a step runs it: its handler, the op, its text and its kind's (the timeline's)."""
 Prepare = Callable[[StepContext, Op, Sequence[Op]], None]
 """What an op needs done when its step begins, before any op of the step runs (given the step's ops): receives
 posted, hooks armed."""
@@ -362,23 +360,27 @@ class _Program:
     made_of: tuple[Op, ...]
     """Its ops when this was made: a list changed in place since is looked up again."""
     sends_first: bool
-    """Whether the sends right after a FWD or BWD go before the receives posted after it, and the late receives'
-    posts spread over the step (`_post_points`)."""
+    """Whether the sends right after the first FWD or BWD go before the late receives' posts (`_late_from`)."""
     prepares: tuple[tuple[Prepare, Op], ...]
     """What runs when the step begins."""
-    parts: tuple[tuple[tuple[tuple[Prepare, Op], ...], tuple[_Instruction, ...]], ...]
-    """The step's ops in order, cut where late receives are posted: each part's posts, then its ops with their
-    handler, text and kind ([Note: when receives are posted])."""
+    head: tuple[tuple[Handler, Op, str, str], ...]
+    """The ops up to the step's first FWD or BWD (all of them where it has none), and with `sends_first` the sends
+    right after it."""
+    posts: tuple[tuple[Prepare, Op], ...]
+    """The receives of the ops after it, posted once it ends ([Note: when receives are posted])."""
+    tail: tuple[tuple[Handler, Op, str, str], ...]
+    """The ops after it."""
 
 
 _COMPUTE = (OpKind.FWD, OpKind.BWD)
 _SENDS = (OpKind.SEND_ACT, OpKind.SEND_GRAD)
-_RECEIVES = (OpKind.RECV_ACT, OpKind.RECV_GRAD, OpKind.OPT_STEP)
+_TRANSFERS_IN = (OpKind.RECV_ACT, OpKind.RECV_GRAD)
+_RECEIVES = (*_TRANSFERS_IN, OpKind.OPT_STEP)
 """The ops whose prepare posts receives (OPT_STEP: its sum's, `StepEnd.post`)."""
 
 # [Note: when receives are posted]
-# Under NCCL every receive of a step is posted before any of its sends, so that no transport that matches a send with
-# its receive in posting order (NCCL) can wait on a cycle; a posted receive also lets its message land while the rank
+# Every receive of a step is posted before any of its sends, so that no transport that matches a send with its
+# receive in posting order (NCCL) can wait on a cycle; a posted receive also lets its message land while the rank
 # computes. The receives of the ops after the step's first FWD or BWD are posted once that op ends, not when the
 # step begins: on gloo each post wakes the peer's I/O thread, and on a host with a core per rank the step's first
 # op, which every other rank waits for, then lost a core to those wake-ups. Measured on 1F1B, D=2, N=4, 2 cores
@@ -394,14 +396,17 @@ _RECEIVES = (OpKind.RECV_ACT, OpKind.RECV_GRAD, OpKind.OPT_STEP)
 # FWD; fxkfac's 1F1B went from 0.94x torch's throughput to 1.00x (benchmarks/pipeline_vs_torch.py, 2 quiet cores).
 # Under NCCL each stays behind the posts: two ranks whose first op sends to the other (Chimera's two pipes) would
 # each hold its receive's post behind a send that waits for the other's.
-# On gloo the late posts are also spread over the step (`_post_points`): each is posted after the FWD or BWD before
-# the last one ahead of its op (with the sends right after it), so that one FWD or BWD runs while its message lands,
-# and no FWD or BWD waits behind more posts than that. All at once after the first FWD, 1F1B's last stage (D=2, N=4)
-# posted four receives (three activations and the step-end total) between its first FWD and its first BWD, on the
-# critical path: 166 us against torch's 49 us (one post) on the recorded timelines; spread, it posts one there.
+# On gloo a rank whose step begins with a receive (1F1B's and GPipe's later stages) posts every receive when the step
+# begins: it waits for that first message anyway, while the rank before it ends its last step and runs its first FWD
+# (on 2 cores, its peer's I/O thread has the waiting rank's core). Posted after its first FWD, 1F1B's last stage
+# (D=2, N=4) ran four posts between its first FWD and its first BWD, on the critical path: 171 us of CPU (166 us
+# on the quiet timelines, against torch's 49); posted at the step's start, 14 us there, and steps run back to back
+# 1.00-1.10x as fast (median ~1.05x, ten alternating rounds in one run, 2 cores at load ~2.5). Spreading the late
+# posts over the step instead (each one FWD or BWD ahead of its op) cut that gap too, but ran steps 0.80-0.89x as
+# fast: a receive posted after its send moves its bytes through both ranks' gloo threads while they compute.
 
 
-def _execute(steps: Sequence[_Instruction], ctx: StepContext, recorder: Recorder | None) -> None:
+def _execute(steps: Sequence[tuple[Handler, Op, str, str]], ctx: StepContext, recorder: Recorder | None) -> None:
     """Run `steps` in order, each into `recorder` where there is one (wall clock, waits and CPU time per op)."""
     if recorder is None:
         for handler, op, _, _ in steps:
@@ -416,33 +421,16 @@ def _execute(steps: Sequence[_Instruction], ctx: StepContext, recorder: Recorder
         recorder.record(text, kind, ctx.step, start, end, ctx.transport.waited_ns - waited, took + cpu)
 
 
-def _after_sends(ops: Sequence[Op], i: int, sends_first: bool) -> int:
-    """`i`, or with `sends_first` the index of the last of the sends right after op `i`."""
-    while sends_first and i + 1 < len(ops) and ops[i + 1].kind in _SENDS:
-        i += 1
-    return i
-
-
 def _late_from(ops: Sequence[Op], sends_first: bool) -> int:
     """The index of the op after which the step's late receives are posted: its first FWD or BWD, or the last of the
-    sends right after it when `sends_first` ([Note: when receives are posted])."""
+    sends right after it when `sends_first`; with `sends_first`, -1 (every receive posted when the step begins)
+    where the step begins with a receive, which the rank waits for anyway ([Note: when receives are posted])."""
+    if sends_first and ops and ops[0].kind in _TRANSFERS_IN:
+        return -1
     first = next((i for i, op in enumerate(ops) if op.kind in _COMPUTE), len(ops))
-    return _after_sends(ops, first, sends_first)
-
-
-def _post_points(ops: Sequence[Op], sends_first: bool) -> list[int]:
-    """Per op, the index of the op after which its receives are posted when they are late (after `_late_from`'s):
-    there, or with `sends_first` (gloo) after the FWD or BWD before the last one ahead of the op, with the sends
-    right after it, when that is later ([Note: when receives are posted])."""
-    first = _late_from(ops, sends_first)
-    points: list[int] = []
-    computes: list[int] = []
-    for i, op in enumerate(ops):
-        ahead = _after_sends(ops, computes[-2], sends_first) if sends_first and len(computes) >= 2 else first
-        points.append(max(first, ahead))
-        if op.kind in _COMPUTE:
-            computes.append(i)
-    return points
+    while sends_first and first + 1 < len(ops) and ops[first + 1].kind in _SENDS:
+        first += 1
+    return first
 
 
 def _same_ops(made_of: tuple[Op, ...], ops: Sequence[Op]) -> bool:
@@ -495,43 +483,35 @@ class Interpreter:
                 f"rank {rank} has no handler for '{missing}'; register one with "
                 f"Interpreter.register(OpKind.{missing.kind.name}, fn) (preconditioner ops need the family's runtime)"
             )
-        first, points = _late_from(ops, sends_first), _post_points(ops, sends_first)
+        first = _late_from(ops, sends_first)
         prepares: list[tuple[Prepare, Op]] = []
-        posts: dict[int, list[tuple[Prepare, Op]]] = {}
+        posts: list[tuple[Prepare, Op]] = []
         for i, op in enumerate(ops):
             if op.kind in self.prepares:
-                if i > first and op.kind in _RECEIVES:
-                    posts.setdefault(points[i], []).append((self.prepares[op.kind], op))
-                else:
-                    prepares.append((self.prepares[op.kind], op))
+                (posts if i > first and op.kind in _RECEIVES else prepares).append((self.prepares[op.kind], op))
         steps = tuple((self.handlers[op.kind], op, str(op), op.kind.value) for op in ops)
-        parts: list[tuple[tuple[tuple[Prepare, Op], ...], tuple[_Instruction, ...]]] = []
-        waiting: tuple[tuple[Prepare, Op], ...]
-        start, waiting = 0, ()
-        for cut in sorted(posts):
-            parts.append((waiting, steps[start : cut + 1]))
-            start, waiting = cut + 1, tuple(posts[cut])
-        parts.append((waiting, steps[start:]))
         if len(self._programs) >= _PROGRAMS_KEPT:  # op lists made anew per call (evaluation's) must not pile up
             self._programs.clear()
-        program = _Program(ops, tuple(ops), sends_first, tuple(prepares), tuple(parts))
+        program = _Program(
+            ops, tuple(ops), sends_first, tuple(prepares), steps[: first + 1], tuple(posts), steps[first + 1 :]
+        )
         self._programs[id(ops)] = program
         return program
 
     def run(self, ops: Sequence[Op], ctx: StepContext, timeline: Recorder | None = None) -> None:
         """Execute `ops` in order on `ctx`, each op's `prepares` entry run first, except the receives after the
-        step's first FWD or BWD, posted once it ends (on gloo, once the sends right after it have started, and
-        spread over the step: `_post_points`) ([Note: when receives are posted])."""
+        step's first FWD or BWD, posted once it ends (on gloo, once the sends right after it have started, or when
+        the step begins with a receive, all at its start) ([Note: when receives are posted])."""
         program = self._program(ops, ctx.rank, not ctx.transport.sends_wait_for_receives)
         for listener in self.listeners:
             listener.begin_step(ctx)
         for prepare, op in program.prepares:
             prepare(ctx, op, ops)
         recorder = timeline if timeline is not None and timeline.enabled else None  # no clock read otherwise
-        for posts, steps in program.parts:
-            for prepare, op in posts:
-                prepare(ctx, op, ops)
-            _execute(steps, ctx, recorder)
+        _execute(program.head, ctx, recorder)
+        for prepare, op in program.posts:
+            prepare(ctx, op, ops)
+        _execute(program.tail, ctx, recorder)
         leftovers = [r for r in ctx.runners.values() if r.pending()]
         if leftovers or ctx.acts or ctx.grads or ctx.to_send or ctx.transport.in_flight():
             raise AssertionError(
