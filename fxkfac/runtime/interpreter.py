@@ -365,7 +365,7 @@ class _Program:
     """What runs when the step begins."""
     head: tuple[tuple[Handler, Op, str, str], ...]
     """The ops up to the step's first FWD or BWD (all of them where it has none), and with `sends_first` the sends
-    right after it."""
+    right after it; none where the step begins with a receive and `sends_first` (`_late_from`)."""
     posts: tuple[tuple[Prepare, Op], ...]
     """The receives of the ops after it, posted once it ends ([Note: when receives are posted])."""
     tail: tuple[tuple[Handler, Op, str, str], ...]
