@@ -22,7 +22,9 @@ summed over ranks against fxkfac's: what each runtime costs, which the host's lo
 ratios on a loaded host mostly measure who was preempted). "descheduled" is the part of the step spans each rank
 spent neither running nor waiting for its peer in the transport (preempted by other processes, or blocked inside
 gloo's send; `timeline.descheduled`): on a loaded host the measured bubble exceeds the simulated one by about
-that much.
+that much. The tail columns (`_tail`, from the recorded pass) are where fxkfac's step differs from torch's: from
+the last F/B/W to the step's end (the NaN/Inf verdict and the step-end sum before the update), OPT_STEP's CPU, and
+the time between the first F and the first B (the last stage's receives posted there, on the critical path).
 
 Run: python benchmarks/pipeline_vs_torch.py [--width 512] [--depth 8] [--batch 128] [--microbatches 4]
     [--step-agreement world|copies] [--schedules gpipe,1f1b,zb-h1,zb-v] [--compiled]
@@ -219,6 +221,27 @@ def _theory_per_step(schedule: str, N: int, v: int, events) -> dict[int, float]:
     return {r: idle[r] / span for r in range(D)}
 
 
+def _tail(events) -> dict[str, dict[int, float]]:
+    """Per rank, medians over the recorded steps in seconds: "tail", from the step's last F, B or W to its last op's
+    end (OPT_STEP: the NaN/Inf verdict, the step-end sum, the update; what torch's schedule ends with is its update
+    alone); "opt_cpu", OPT_STEP's CPU time (`Event.cpu_ns`); "f_to_b", from the step's first F to its first B
+    (the last stage: what runs between them, receives posted, is on the pipeline's critical path)."""
+    out: dict[str, dict[int, list[float]]] = {"tail": {}, "opt_cpu": {}, "f_to_b": {}}
+    steps: dict[tuple[int, int], list] = {}
+    for e in events:
+        steps.setdefault((e.rank, e.step), []).append(e)
+    for (rank, _), evs in steps.items():
+        busy = [e for e in evs if e.kind in BUSY]
+        if busy:
+            out["tail"].setdefault(rank, []).append((max(e.end_ns for e in evs) - max(e.end_ns for e in busy)) / 1e9)
+        out["opt_cpu"].setdefault(rank, []).extend(e.cpu_ns / 1e9 for e in evs if e.kind == "OPT_STEP")
+        fwd = min((e for e in evs if e.kind == "FWD"), key=lambda e: e.start_ns, default=None)
+        bwd = min((e for e in evs if e.kind == "BWD"), key=lambda e: e.start_ns, default=None)
+        if fwd is not None and bwd is not None:
+            out["f_to_b"].setdefault(rank, []).append((bwd.start_ns - fwd.end_ns) / 1e9)
+    return {k: {r: statistics.median(v) for r, v in sorted(by.items()) if v} for k, by in out.items()}
+
+
 def _virtual(schedule: str) -> int:
     """Stages per rank: two in ZB-V's V, one otherwise."""
     return 2 if schedule == "zb-v" else 1
@@ -304,6 +327,7 @@ def _worker(rank: int, args: argparse.Namespace, port: int, out_path: str) -> No
                 "bubble_formula": (D - 1) / (args.microbatches + D - 1),
                 "latency_s": _latency(events),
                 "descheduled": descheduled(events),
+                **_tail(events),
             }
         )
     base = next((r["fxkfac_step_s"] for r in rows if r["schedule"] == "1f1b"), None)
@@ -339,6 +363,9 @@ def _report(rows: list[dict], args: argparse.Namespace) -> None:
         "bubble simulated (r0, r1)",
         "bubble simulated per step (r0, r1)",
         "descheduled (r0, r1)",
+        "tail after last F/B/W ms (r0, r1)",
+        "OPT_STEP CPU ms (r0, r1)",
+        "first F end to first B us (r0, r1)",
         "link latency us",
         "(D-1)/(N+D-1)",
     ):
@@ -360,6 +387,9 @@ def _report(rows: list[dict], args: argparse.Namespace) -> None:
             fmt(r["bubble_sim"]),
             fmt(r["bubble_sim_steps"]),
             fmt(r["descheduled"]),
+            ", ".join(f"{1e3 * r['tail'][k]:.3f}" for k in sorted(r["tail"], key=int)),
+            ", ".join(f"{1e3 * r['opt_cpu'][k]:.3f}" for k in sorted(r["opt_cpu"], key=int)),
+            ", ".join(f"{1e6 * r['f_to_b'][k]:.0f}" for k in sorted(r["f_to_b"], key=int)),
             f"{1e6 * r['latency_s']:.0f}",
             f"{r['bubble_formula']:.3f}",
         )

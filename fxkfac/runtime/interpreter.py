@@ -19,7 +19,7 @@ from fxkfac.errors import PipelineError
 from fxkfac.planner.problem import Op, OpKind
 from fxkfac.runtime.p2p import Transport
 from fxkfac.runtime.stage import StageRunner
-from fxkfac.runtime.step_end import StepEnd, unclipped
+from fxkfac.runtime.step_end import NonFiniteCheck, StepEnd, unclipped
 from fxkfac.runtime.sync import GradSync
 from fxkfac.runtime.timeline import Recorder
 
@@ -248,20 +248,10 @@ def _allreduce_grad(ctx: StepContext, op: Op) -> None:
         ctx.sync.stage(op.stage, ctx.transport, str(op))
 
 
-def _nonfinite(tensors: Iterable[torch.Tensor]) -> bool:
-    """True when any tensor holds NaN/Inf: one float32 sum per tensor and one host sync; only when
-    that is not finite (NaN/Inf, or finite values summing past float32's range) each tensor is checked
-    exactly. (A float64 sum converts every gradient first: 45x slower, ~2.7 ms per 1M parameters.)"""
-    tensors = [t.detach() for t in tensors]
-    if not tensors or bool(torch.isfinite(torch.stack([t.sum(dtype=torch.float32) for t in tensors]).sum())):
-        return False
-    return not all(bool(torch.isfinite(t).all()) for t in tensors)
-
-
-def local_nonfinite(ctx: StepContext) -> bool:
-    """This rank's losses or gradients (of every local stage copy) hold NaN/Inf."""
+def local_nonfinite(ctx: StepContext) -> NonFiniteCheck:
+    """The NaN/Inf check of this rank's losses and gradients (of every local stage copy)."""
     grads = [p.grad for r in ctx.runners.values() for p in r.param_list if p.grad is not None]
-    return _nonfinite([*ctx.losses, *grads])
+    return NonFiniteCheck.of([*ctx.losses, *grads])
 
 
 def local_loss(ctx: StepContext) -> torch.Tensor:
@@ -375,7 +365,7 @@ class _Program:
     """What runs when the step begins."""
     head: tuple[tuple[Handler, Op, str, str], ...]
     """The ops up to the step's first FWD or BWD (all of them where it has none), and with `sends_first` the sends
-    right after it."""
+    right after it; none where the step begins with a receive and `sends_first` (`_late_from`)."""
     posts: tuple[tuple[Prepare, Op], ...]
     """The receives of the ops after it, posted once it ends ([Note: when receives are posted])."""
     tail: tuple[tuple[Handler, Op, str, str], ...]
@@ -384,7 +374,8 @@ class _Program:
 
 _COMPUTE = (OpKind.FWD, OpKind.BWD)
 _SENDS = (OpKind.SEND_ACT, OpKind.SEND_GRAD)
-_RECEIVES = (OpKind.RECV_ACT, OpKind.RECV_GRAD, OpKind.OPT_STEP)
+_TRANSFERS_IN = (OpKind.RECV_ACT, OpKind.RECV_GRAD)
+_RECEIVES = (*_TRANSFERS_IN, OpKind.OPT_STEP)
 """The ops whose prepare posts receives (OPT_STEP: its sum's, `StepEnd.post`)."""
 
 # [Note: when receives are posted]
@@ -405,6 +396,14 @@ _RECEIVES = (OpKind.RECV_ACT, OpKind.RECV_GRAD, OpKind.OPT_STEP)
 # FWD; fxkfac's 1F1B went from 0.94x torch's throughput to 1.00x (benchmarks/pipeline_vs_torch.py, 2 quiet cores).
 # Under NCCL each stays behind the posts: two ranks whose first op sends to the other (Chimera's two pipes) would
 # each hold its receive's post behind a send that waits for the other's.
+# On gloo a rank whose step begins with a receive (1F1B's and GPipe's later stages) posts every receive when the step
+# begins: it waits for that first message anyway, while the rank before it ends its last step and runs its first FWD
+# (on 2 cores, its peer's I/O thread has the waiting rank's core). Posted after its first FWD, 1F1B's last stage
+# (D=2, N=4) ran four posts between its first FWD and its first BWD, on the critical path: 171 us of CPU (166 us
+# on the quiet timelines, against torch's 49); posted at the step's start, 14 us there, and steps run back to back
+# 1.00-1.10x as fast (median ~1.05x, ten alternating rounds in one run, 2 cores at load ~2.5). Spreading the late
+# posts over the step instead (each one FWD or BWD ahead of its op) cut that gap too, but ran steps 0.80-0.89x as
+# fast: a receive posted after its send moves its bytes through both ranks' gloo threads while they compute.
 
 
 def _execute(steps: Sequence[tuple[Handler, Op, str, str]], ctx: StepContext, recorder: Recorder | None) -> None:
@@ -424,7 +423,10 @@ def _execute(steps: Sequence[tuple[Handler, Op, str, str]], ctx: StepContext, re
 
 def _late_from(ops: Sequence[Op], sends_first: bool) -> int:
     """The index of the op after which the step's late receives are posted: its first FWD or BWD, or the last of the
-    sends right after it when `sends_first` ([Note: when receives are posted])."""
+    sends right after it when `sends_first`; with `sends_first`, -1 (every receive posted when the step begins)
+    where the step begins with a receive, which the rank waits for anyway ([Note: when receives are posted])."""
+    if sends_first and ops and ops[0].kind in _TRANSFERS_IN:
+        return -1
     first = next((i for i, op in enumerate(ops) if op.kind in _COMPUTE), len(ops))
     while sends_first and first + 1 < len(ops) and ops[first + 1].kind in _SENDS:
         first += 1
@@ -498,8 +500,8 @@ class Interpreter:
 
     def run(self, ops: Sequence[Op], ctx: StepContext, timeline: Recorder | None = None) -> None:
         """Execute `ops` in order on `ctx`, each op's `prepares` entry run first, except the receives after the
-        step's first FWD or BWD, posted once it ends (on gloo, once the sends right after it have started)
-        ([Note: when receives are posted])."""
+        step's first FWD or BWD, posted once it ends (on gloo, once the sends right after it have started, or when
+        the step begins with a receive, all at its start) ([Note: when receives are posted])."""
         program = self._program(ops, ctx.rank, not ctx.transport.sends_wait_for_receives)
         for listener in self.listeners:
             listener.begin_step(ctx)

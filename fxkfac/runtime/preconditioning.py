@@ -31,7 +31,7 @@ the same handlers, with every collective a no-op):
   ALLREDUCE_GRAD (PipelineError when it has not started), and OPT_STEP gives its other copies the owner's
   direction (`GradSync.send_directions`) before the verdict, so every copy takes the same step;
 - OPT_STEP is wrapped: once the gradients are final (collectives settled, tied gradients summed), the
-  KL-clip's ``sum <P, G>`` (each stage's share divided by its number of copies) and the NaN/Inf flag of the
+  KL-clip's ``sum <P, G>`` (each stage's share divided by its number of copies) and the NaN/Inf check of the
   step are all-reduced as the family's `KLClipScope` says (GLOBAL: over all ranks; [Note: KL-clip scope] in
   fxkfac/runtime/step_end.py), the K-FAC gradients are scaled by their nu, then the optimizer steps or not.
 - a skipped step (NaN/Inf loss or gradients on some rank) leaves no trace: the runtime is an

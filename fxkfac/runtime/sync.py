@@ -228,9 +228,11 @@ class GradSync:
     def shared_params(self, transport: Transport, what: str) -> None:
         """Sum the gradients of parameters used by several stages (tied weights) over all copies (the owned ones'
         sums, started earlier, are settled by then); a new step begins."""
-        local = {n for r in self.runners for n in r.graph.params if n in self.shared and n not in self._summed}
-        self._reduce(local, transport, what)
-        self._reached, self._summed = set(), set()
+        if self.shared:  # most models tie nothing: no walk over every parameter at each step's end
+            local = {n for r in self.runners for n in r.graph.params if n in self.shared and n not in self._summed}
+            self._reduce(local, transport, what)
+        self._reached.clear()
+        self._summed.clear()
 
     def send_directions(self, transport: Transport, what: str) -> None:
         """Give every copy of each owned tied parameter its owner's direction (the gradient the owner preconditioned):

@@ -25,4 +25,13 @@ def test_on_gloo_the_sends_after_the_first_compute_go_before_the_posts() -> None
     assert programs[0][first].kind is OpKind.FWD
     assert [op.kind for op in programs[0][first + 1 : late + 1]] == [OpKind.SEND_ACT]  # stage 0's first activation
     assert not any(op.kind in RECEIVES for op in programs[0][: late + 1])
-    assert _late_from(programs[1], sends_first=True) == _late_from(programs[1], sends_first=False)  # F then B
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_on_gloo_a_step_that_begins_with_a_receive_posts_every_receive_at_its_start(schedule: str) -> None:
+    """The last stage waits for its first activation anyway: its late receives are posted then (-1: before any op),
+    not between its first FWD and first BWD, on the critical path; under NCCL they wait for the first FWD."""
+    ops = rank_programs(schedule, 2, 4, 1)[1]
+    assert ops[0].kind is OpKind.RECV_ACT
+    assert _late_from(ops, sends_first=True) == -1
+    assert ops[_late_from(ops, sends_first=False)].kind is OpKind.FWD
