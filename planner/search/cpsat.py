@@ -42,7 +42,6 @@ from fxkfac.planner.plan.window import (
     w_makers,
     warm_starts,
 )
-from fxkfac.planner.problem.costs import LayerCost
 from fxkfac.planner.problem.ir import Op, OpKind
 from fxkfac.planner.problem.problem import (
     Problem,
@@ -358,13 +357,13 @@ def add_precedences(v: Vars, w: Window) -> None:
             m.add(v.start[b] + 1 <= v.start[first] + L)
     for i, c in w_makers(w):
         m.add(v.start[c] >= v.start[i] + w.tasks[i].ticks)
-    for chain in inv_chains(w):
-        for a, b in zip(chain, chain[1:]):
-            m.add(v.start[b] >= v.start[a] + w.tasks[a].ticks)
-            for d, present in v.present[a].items():
-                m.add(v.present[b][d] == present)
-    for i, f in warm_starts(w):
-        m.add(v.start[i] + done_by(w.tasks[i]) <= v.start[f] + w.length)
+    for pieces in inv_chains(w):
+        for p, q in zip(pieces, pieces[1:]):
+            m.add(v.start[q] >= v.start[p] + w.tasks[p].ticks)
+            for d, present in v.present[p].items():
+                m.add(v.present[q][d] == present)
+    for i, warmed in warm_starts(w):
+        m.add(v.start[i] + done_by(w.tasks[i]) <= v.start[warmed] + L)
 
 
 def _add_precs(v: Vars, w: Window) -> None:
@@ -578,10 +577,6 @@ def _add_staleness(v: Vars, w: Window) -> list[cp_model.LiteralT]:
 
 def break_layer_symmetry(v: Vars, w: Window) -> None:
     """Interchangeable layers of a stage (equal costs) start their first part's decompositions in layer order."""
-
-    def key(x: LayerCost) -> tuple[object, ...]:
-        return (x.parts, x.prec, x.name in w.fused)
-
     first = {x.name: x.parts[0].part for s in w.group.stages for x in w.problem.costs.stages[s].layers if x.parts}
     inv_a = {
         task.factors[0][0]: i
@@ -591,7 +586,8 @@ def break_layer_symmetry(v: Vars, w: Window) -> None:
     for s in w.group.stages:
         layers = w.problem.costs.stages[s].layers
         for a, b in zip(layers, layers[1:]):
-            if a.name in inv_a and b.name in inv_a and key(a) == key(b):
+            same = (a.parts, a.prec, a.name in w.fused) == (b.parts, b.prec, b.name in w.fused)
+            if same and a.name in inv_a and b.name in inv_a:
                 v.model.add(v.start[inv_a[a.name]] <= v.start[inv_a[b.name]])
 
 
@@ -707,16 +703,16 @@ def _extract(solver: cp_model.CpSolver, v: Vars, w: Window, options: Options | N
         if task.kind is TaskKind.BCAST:
             devices[i] = inv_device[task.factors[0]]
     precs = tuple(solver.value(x) for x in v.prec)
-    choices: dict[str, LayerDistribution] = {}
-    for layer, lits in v.lits.items():
-        assert options is not None, "literals come with options"
-        choices[layer] = next(o.where for o, lit in zip(options[layer], lits) if solver.boolean_value(lit))
+    choices = {
+        n: next(o.where for o, x in zip((options or {})[n], lits) if solver.boolean_value(x))
+        for n, lits in v.lits.items()
+    }
     chosen_bcasts = [(key, start, end) for key, (start, _, has, end) in v.bcast.items() if solver.boolean_value(has)]
     offsets = use_offsets(w, starts, precs, {layer: solver.value(end) for (layer, _), _, end in chosen_bcasts})
     bcasts = {key: solver.value(start) for key, start, _ in chosen_bcasts}
     slots = {s: solver.value(t) for s, t in v.slot_ticks.items()}
-    wall = solver.wall_time
-    return GroupSolution(w, starts, tuple(devices), precs, offsets, "cpsat", status, 1, wall, choices, bcasts, slots)
+    found = (starts, tuple(devices), precs, offsets)
+    return GroupSolution(w, *found, "cpsat", status, 1, solver.wall_time, choices, bcasts, slots)
 
 
 class _Reporter(cp_model.CpSolverSolutionCallback):
@@ -765,16 +761,14 @@ def _solve(
     solver = cp_model.CpSolver()
     params, limit = solver.parameters, max(meter.units(MIN_CALL), limit)
     params.random_seed = config.seed
+    params.num_workers = 1 if meter.deterministic else config.num_workers
+    if params.num_workers <= 2:
+        params.subsolvers.extend(_FEW_WORKER_SUBSOLVERS)
     if meter.deterministic:
         params.max_deterministic_time = meter.solver_limit(limit)
         params.max_time_in_seconds = max(MIN_CALL, meter.wall_left())
-        params.num_workers = 1
-        params.subsolvers.extend(_FEW_WORKER_SUBSOLVERS)
     else:
         params.max_time_in_seconds = limit
-        params.num_workers = config.num_workers
-        if config.num_workers <= 2:
-            params.subsolvers.extend(_FEW_WORKER_SUBSOLVERS)
     if probing is not None:
         params.cp_model_probing_level = probing
     if reporter is not None and reporter.optimize:

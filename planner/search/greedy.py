@@ -30,7 +30,6 @@ from fxkfac.planner.plan.solution import GroupSolution, use_offsets
 from fxkfac.planner.plan.window import (
     Interval,
     PrecSlot,
-    Task,
     TaskKind,
     Window,
     build_window,
@@ -180,13 +179,9 @@ def bisect_least(
     return best, proven
 
 
-def first_fits(place: Callable[[int], GroupSolution | None], meter: Budget | None, cut: bool = True) -> Probe:
-    """A probe by first-fit (`place` at a size): never a proof; (`cut`) nothing once `meter` runs out."""
-
-    def probe(size: int) -> tuple[str, GroupSolution | None]:
-        return "UNKNOWN", (None if cut and _spent(meter) else place(size))
-
-    return probe
+def first_fits(place: Callable[[int], GroupSolution | None], meter: Budget | None) -> Probe:
+    """A probe by first-fit (`place` at a size): never a proof; nothing once `meter` (if any) runs out."""
+    return lambda size: ("UNKNOWN", None if _spent(meter) else place(size))
 
 
 UNITS_PER_STEP = 2000
@@ -297,14 +292,14 @@ def _best_placement(
     return best
 
 
-def _bubble_tasks(window: Window) -> list[Task]:
-    """The refresh's computations that bubbles must hold: its statistics and decomposition pieces."""
-    return [t for t in window.tasks if t.kind in (TaskKind.CURV, TaskKind.INV)]
+def _computations(window: Window) -> list[int]:
+    """Ticks of each of the refresh's computations that bubbles must hold: its statistics and decomposition pieces."""
+    return [t.ticks for t in window.tasks if t.kind in (TaskKind.CURV, TaskKind.INV)]
 
 
 def window_work(window: Window) -> int:
     """Ticks of the refresh's computations (the same under every distribution of a layer)."""
-    return sum(t.ticks for t in _bubble_tasks(window))
+    return sum(_computations(window))
 
 
 def device_loads(window: Window) -> list[int]:
@@ -329,7 +324,7 @@ def packing_lower_bound(window_at: Callable[[int], Window], lower: int, top: int
         loads = device_loads(window)
         if packers is None:
             unit = max(1, window.offsets[1] // UNITS_PER_STEP)
-            packers = Packer((t.ticks for t in _bubble_tasks(window)), unit), Packer(loads, unit)
+            packers = Packer(_computations(window), unit), Packer(loads, unit)
         capacity = [sum(_device_capacity(window, d, packer) for d in window.group.devices) for packer in packers]
         if window_work(window) <= capacity[0] and sum(loads) <= capacity[1] or _spent(meter):
             found = k  # with no time left, k: every smaller period was ruled out, so it still bounds
@@ -551,7 +546,7 @@ def _least_stretch(
 ) -> GroupSolution:
     """The least stretch first-fit finds in `window_of`'s windows from `lower` to found's (`cut`: until `meter` runs
     out)."""
-    probe = first_fits(lambda stretch: greedy_window(window_of(stretch), meter), meter, cut)
+    probe = first_fits(lambda stretch: greedy_window(window_of(stretch), meter), meter if cut else None)
     return bisect_least(lower, found, probe)[0]
 
 

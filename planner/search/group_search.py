@@ -82,9 +82,7 @@ def least_group_period(
 
     @functools.cache
     def window_of(k: int) -> Window:  # built once for the packing bound and the probe at the same k
-        return allowance.window(
-            group, k, allowance.ticks(k), stats_chunk=stats_chunk, resolution=config.time_resolution
-        )
+        return allowance.window(group, k, stats_chunk=stats_chunk, resolution=config.time_resolution)
 
     lower = group_lower_bound(allowance, group, window_of, min_k)
 
