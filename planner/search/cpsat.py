@@ -703,10 +703,7 @@ def _extract(solver: cp_model.CpSolver, v: Vars, w: Window, options: Options | N
         if task.kind is TaskKind.BCAST:
             devices[i] = inv_device[task.factors[0]]
     precs = tuple(solver.value(x) for x in v.prec)
-    choices = {
-        n: next(o.where for o, x in zip((options or {})[n], lits) if solver.boolean_value(x))
-        for n, lits in v.lits.items()
-    }
+    choices = choices_of(solver, options or {}, v.lits)
     chosen_bcasts = [(key, start, end) for key, (start, _, has, end) in v.bcast.items() if solver.boolean_value(has)]
     offsets = use_offsets(w, starts, precs, {layer: solver.value(end) for (layer, _), _, end in chosen_bcasts})
     bcasts = {key: solver.value(start) for key, start, _ in chosen_bcasts}
@@ -814,6 +811,11 @@ def energy_bound(w: Window, options: Options, base: int, config: SolverConfig, m
     return round(solver.best_objective_bound) if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else base
 
 
+def choices_of(solver: cp_model.CpSolver, options: Options, lits: Literals) -> dict[str, LayerDistribution]:
+    """Each layer's distribution the solver's literals chose."""
+    return {n: next(o.where for o, x in zip(options[n], xs) if solver.boolean_value(x)) for n, xs in lits.items()}
+
+
 def literals(m: cp_model.CpModel, options: Options) -> dict[str, list[cp_model.IntVar]]:
     """One Boolean per option of every layer, exactly one true per layer."""
     lits = {}
@@ -879,16 +881,16 @@ def least_step(
     options = options_of(problem, range(problem.num_stages), free)
     lits = literals(m, options)
     timeline = step_timeline(problem)
-    ends: list[tuple[int, cp_model.IntVar | int]] = [(ns(fixed_end), 0)]
+    ends: list[cp_model.LinearExprT] = [ns(fixed_end)]
     top = ns(fixed_end)
     for s in sorted(free):
         need, most = slot_need(m, s, problem, lits, options, ns, f"s{s}")
         release = ns(timeline.allreduce_end[copies_of_stage(problem, s)[0], s])
-        ends.append((release, need))
+        ends.append(release + need)
         top = max(top, release + most)
     step = m.new_int_var(0, top, "step")
-    for release, length in ends:
-        m.add(step >= release + length)
+    for end in ends:
+        m.add(step >= end)
     if problem.memory_budget is not None:
         for d in problem.devices:
             m.add(static_bytes(m, problem, d, lits, options) + activation_peak(problem, d) <= problem.memory_budget)
@@ -914,8 +916,4 @@ def least_step(
     balanced, status = _solve(m, config, meter, time_limit / 2)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         solver = balanced
-    return {
-        n: next(o.where for o, lit in zip(options[n], lits[n]) if solver.boolean_value(lit))
-        for s in sorted(free)
-        for n in (x.name for x in problem.costs.stages[s].layers)
-    }
+    return {n: where for n, where in choices_of(solver, options, lits).items() if problem.costs.stage_of(n) in free}
