@@ -94,8 +94,7 @@ class Allowance:
             scale=self.scale,
         )
         if meter is not None:
-            w_tasks = sum(1 for task in w.tasks if task.kind is TaskKind.WGRAD)
-            meter.charge_window(sum(len(busy) for busy in w.fixed.values()) + len(w.tasks) + w_tasks)
+            meter.charge_window(sum(map(len, w.fixed.values())) + sum(1 + (t.kind is TaskKind.WGRAD) for t in w.tasks))
         return w
 
 
