@@ -513,8 +513,8 @@ def greedy_group(
     began, problem = time.perf_counter(), allowance.problem
 
     @functools.cache
-    def window_at(k: int) -> Window:
-        return allowance.window(group, k, stats_chunk=stats_chunk, resolution=resolution, meter=meter)
+    def window_at(k: int, stretch: int | None = None) -> Window:
+        return allowance.window(group, k, stretch, stats_chunk=stats_chunk, resolution=resolution, meter=meter)
 
     lower = group_lower_bound(allowance, group, window_at, min_k, meter)
     for k in range(lower, problem.max_period + 1):
@@ -528,9 +528,7 @@ def greedy_group(
         solution = greedy_window(window, meter)
         if solution is not None:
             if allowance.ticks(k) > 0 and shrink_stretch:
-                at = functools.partial(
-                    allowance.window, group, k, stats_chunk=stats_chunk, resolution=resolution, meter=meter
-                )
+                at = functools.partial(window_at, k)
                 solution = _least_stretch(solution, stretch_lower_bound(window), at, meter, cut)
             return replace(solution, k_lower_bound=lower, wall_time=time.perf_counter() - began)
     raise PlanError(
