@@ -39,7 +39,7 @@ from fxkfac.planner.search.greedy import (
 
 log = logging.getLogger(__name__)
 
-Probe = Callable[[int, float], Solved]
+PeriodProbe = Callable[[int, float], Solved]
 """Solve a group's window at refresh period k within a share of the clock: (CP-SAT status, placement or None)."""
 Left = Callable[[float], float]
 """The clock a search has left, of the given fraction of its time (1: all of it)."""
@@ -120,7 +120,7 @@ def within_budget(*solutions: GroupSolution | None) -> GroupSolution | None:
 
 
 def least_period(
-    probe: Probe, left: Left, lower: int, top: int, incumbent: GroupSolution | None
+    probe: PeriodProbe, left: Left, lower: int, top: int, incumbent: GroupSolution | None
 ) -> tuple[GroupSolution | None, int]:
     """The least period found feasible in [`lower`, `top`] and the least not proven infeasible: climbing from `lower`;
     with first-fit's `incumbent`, climbing while each k is proven infeasible (within PROOF_SHARE of the time), then
@@ -142,7 +142,7 @@ DESCENT_SHARE = 0.75
 
 
 def _climb(
-    probe: Probe, left: Left, share: float, lower: int, end: int, *, give_up: bool = True
+    probe: PeriodProbe, left: Left, share: float, lower: int, end: int, *, give_up: bool = True
 ) -> tuple[GroupSolution | None, int]:
     """The first k in [`lower`, `end`) found feasible, each an equal part of `share` of the time left among the ks to
     go, and the least k not proven infeasible; `give_up`: stop at a k not proven infeasible."""
@@ -158,7 +158,7 @@ def _climb(
     return None, proven
 
 
-def _descend(probe: Probe, left: Left, lower: int, incumbent: GroupSolution) -> tuple[GroupSolution, int]:
+def _descend(probe: PeriodProbe, left: Left, lower: int, incumbent: GroupSolution) -> tuple[GroupSolution, int]:
     """From the incumbent's k down until one is not found; where that one is proven infeasible, the ks below it are
     checked from `lower` up, all infeasible proving the found k least.
 
