@@ -469,10 +469,8 @@ def _add_slots(v: Vars, w: Window, options: Options) -> None:
             m.add(end == pos + ticks)
             v.intervals_of_device[slot.device].append(m.new_interval_var(pos, ticks, end, name))
             starts[n] = start
-            if slot.step in first:
+            if first.setdefault(slot.step, start) is not start:
                 m.add(start == first[slot.step]).only_enforce_if(shares)
-            else:
-                first[slot.step] = start
     v.prec = [starts[n] for n in range(len(w.precs))]
 
 
