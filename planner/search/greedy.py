@@ -355,10 +355,13 @@ _ORDER = {kind: n for n, kind in enumerate(TaskKind)}
 
 
 class _Gaps:
-    """Free time of one device in [0, length) as sorted [start, end) gaps; `scanned` counts the gaps examined."""
+    """Free time of one device of a window, beside its fixed work and APPLY slots (at their reference), as sorted
+    [start, end) gaps; `scanned` counts the gaps examined."""
 
-    def __init__(self, busy: tuple[tuple[int, int], ...], length: int) -> None:
-        self.gaps = [list(gap) for gap in free_gaps(busy, length)]
+    def __init__(self, window: Window, device: int) -> None:
+        slots = tuple((p.reference, p.reference + p.ticks) for p in window.precs if p.device == device and p.ticks > 0)
+        busy = window.fixed[device] + slots
+        self.gaps = [list(gap) for gap in free_gaps(busy, window.length)]
         self.scanned = len(busy)
 
     def first_fit(self, earliest: int, need: int) -> int | None:
@@ -417,14 +420,7 @@ def _inv_devices(window: Window) -> dict[tuple[str, str], int]:
 def greedy_window(window: Window, meter: Budget | None = None) -> GroupSolution | None:
     """Every task of `window` first-fit in priority order (None when one does not fit), charged to `meter` by its
     tasks, slots and gaps examined ([Note: greedy charge])."""
-    gaps = {
-        d: _Gaps(
-            window.fixed[d]
-            + tuple((p.reference, p.reference + p.ticks) for p in window.precs if p.device == d and p.ticks > 0),
-            window.length,
-        )
-        for d in window.group.devices
-    }
+    gaps = {d: _Gaps(window, d) for d in window.group.devices}
     solution = _place(window, gaps)
     if meter is not None:
         meter.charge_first_fit(len(window.tasks) + len(window.precs), sum(g.scanned for g in gaps.values()))
@@ -445,11 +441,8 @@ def _place(window: Window, gaps: dict[int, _Gaps]) -> GroupSolution | None:
         if task.kind is TaskKind.WGRAD:
             assert task.home is not None and task.deadline is not None, "a W task has a home and a deadline"
             gap = gaps[task.devices[0]]
-            start = (
-                task.home
-                if gap.first_fit(task.home, task.ticks) == task.home
-                else gap.first_fit(task.release, task.ticks)
-            )
+            at_home = gap.first_fit(task.home, task.ticks) == task.home
+            start = task.home if at_home else gap.first_fit(task.release, task.ticks)
             if start is None or start + task.ticks > task.deadline:
                 return None
             gap.occupy(start, task.ticks)
