@@ -801,9 +801,8 @@ def energy_bound(w: Window, options: Options, base: int, config: SolverConfig, m
         need, _ = slot_need(m, s, w.problem, lits, options, w.up, f"s{s}")
         for d in copies_of_stage(w.problem, s):
             load[d] += [need] * k
-    per_step = {d: sum(e - s for s, e in w.fixed[d]) // k for d in w.group.devices}
-    for d, items in load.items():
-        m.add(sum(items) <= k * (step - per_step[d]))
+    for d, items in load.items():  # the fixed work's ticks per step off each step
+        m.add(sum(items) <= k * (step - sum(e - s for s, e in w.fixed[d]) // k))
     m.minimize(step)
     solver, status = _solve(m, config, meter, limit)
     return round(solver.best_objective_bound) if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else base
