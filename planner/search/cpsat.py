@@ -1,23 +1,22 @@
 """The planner's CP-SAT models (the only ortools user) and its one solver call (`_solve`).
 
-`_build` is the window model: a stage group's refresh work in the bubbles of a k-step window (planner.plan.window).
-Each task is an interval at `pos` in [0, L), `late` saying it runs in the next window's early bubbles; NoOverlap per
-device beside the fixed F/B; optional intervals choose a decomposition's rank; a cumulative per device holds the
-activations and the a/e deferred curvature keeps. `solve_window` finds any placement or the least staleness.
+`_build` is the window model (planner.plan.window): each task an interval at `pos` in [0, L), `late` if it runs in the
+next window's early bubbles; NoOverlap per device beside the fixed F/B, optional intervals for a decomposition's rank,
+a cumulative per device for activations and deferred curvature's kept a/e. `solve_window`: any placement, or the
+least staleness.
 
-[Note: joint strategy] Left to the planner, the same model chooses each layer's KAISA distribution while it places
-the work: given `options`, it makes every layer's options Boolean literals (a DECOMP on a rank of the chosen column,
-each option's BCAST an optional interval, each stage's slot and each device's static bytes linear in the literals).
-The literals cannot move the step's fixed work except on `timeline_stages` (Chimera's first stage per device,
-interleaved's first chunk), which keep one option set per solve. Elsewhere an option set P moves only the step's end,
-L(P) (`reference_step`, exactly the simulated step); `least_step` finds the least L within static memory and each
-group is placed at it plus the allowed stretch. The chosen distributions become `Problem.with_distributions(...)`
-and each placement moves into that problem's own window (`transfer`): downstream sees a plan like any other.
+[Note: joint strategy] Given `options`, the same model chooses each layer's KAISA distribution while it places the
+work: one Boolean per option (a DECOMP on a rank of the chosen column, each option's BCAST an optional interval, each
+stage's slot and each device's static bytes linear in them). An option set moves the fixed work only on
+`timeline_stages` (Chimera's first stage per device, interleaved's first chunk), which keep one option set per solve;
+elsewhere it moves only the step's end, L(P) (`reference_step`, exactly the simulated step). `least_step` finds the
+least L within static memory; each group is placed at it plus the allowed stretch, and the placement moves into
+`Problem.with_distributions(...)`'s own window (`transfer`), so downstream sees a plan like any other.
 
 [Note: no twin intervals] A model never holds two interval constraints alike: work seen by several devices is one
 interval in each device's constraint (`constant_interval`, one per BCAST option). OR-Tools 9.15's presolve merges
-twins and, where the merge proves the model infeasible, raises `IndexError: raw_hash_map<>::at` instead of answering
-INFEASIBLE (Chimera D=2, max_period=1: tests/planner/test_cpsat_twins.py).
+twins and, where that proves the model infeasible, raises `IndexError: raw_hash_map<>::at` instead of answering
+INFEASIBLE (tests/planner/test_cpsat_twins.py).
 """
 
 from __future__ import annotations
@@ -43,7 +42,6 @@ from fxkfac.planner.plan.window import (
     w_makers,
     warm_starts,
 )
-from fxkfac.planner.problem.costs import LayerCost
 from fxkfac.planner.problem.ir import Op, OpKind
 from fxkfac.planner.problem.problem import (
     Problem,
@@ -254,18 +252,17 @@ def transfer(placement: GroupSolution, problem: Problem) -> GroupSolution | None
 
 
 _FEW_WORKER_SUBSOLVERS = ("quick_restart_no_lp", "default_lp")
-"""With few workers quick_restart_no_lp first: it places Chimera windows in under a second where default_lp alone
-found none in seconds, and proves the least staleness 5x sooner (planner_scaling D=8)."""
+"""With few workers quick_restart_no_lp first: it places Chimera windows where default_lp alone finds none in time."""
 
 FEASIBILITY_PROBING_LEVEL = 0
-"""CP-SAT's presolve probing (default 2) for a feasibility probe: probing spent the probe's budget before any search
-(BERT-Large Chimera D=8: 17.0 s and +1.8% with it, 8.9 s and +0.9% without); optimizing and joint solves keep it."""
+"""CP-SAT's presolve probing (default 2) for a feasibility probe, whose budget probing spent before any search;
+optimizing and joint solves keep the default."""
 
 
 @dataclass
 class Vars:
-    """The model and its variables by task and slot; with options also their literals, each (layer, part)'s
-    BCAST (start, pos, has, end), each stage's slot ticks and each device's optional BCASTs (ticks, literal)."""
+    """The model and its variables by task and slot; with options also their literals, each (layer, part)'s BCAST
+    (start, pos, has, end), each stage's slot ticks and each device's optional BCASTs (ticks, literal)."""
 
     model: cp_model.CpModel
     start: list[cp_model.IntVar] = field(default_factory=list)
@@ -338,7 +335,7 @@ def add_tasks(v: Vars, w: Window, free_w: bool = True) -> None:
 def add_precedences(v: Vars, w: Window) -> None:
     """Per factor curvature (or the W's folding it), sync, decomposition, broadcast in order, all done before the
     next refresh (L later) needs its buffers; a deferred output gradient's curvature after the W making it
-    (`w_makers`)."""
+    (`w_makers`); a decomposition's pieces in order on one rank; a refresh the next warm-starts from done first."""
     L, m = w.length, v.model
     by_factor: dict[tuple[str, str], dict[TaskKind, list[int]]] = {}
     for i, task in enumerate(w.tasks):
@@ -360,18 +357,13 @@ def add_precedences(v: Vars, w: Window) -> None:
             m.add(v.start[b] + 1 <= v.start[first] + L)
     for i, c in w_makers(w):
         m.add(v.start[c] >= v.start[i] + w.tasks[i].ticks)
-
-
-def add_piece_chains(v: Vars, w: Window) -> None:
-    """A decomposition's pieces in order on one rank; a refresh the next warm-starts from done before it starts."""
-    m = v.model
-    for chain in inv_chains(w):
-        for a, b in zip(chain, chain[1:]):
-            m.add(v.start[b] >= v.start[a] + w.tasks[a].ticks)
-            for d, present in v.present[a].items():
-                m.add(v.present[b][d] == present)
-    for i, f in warm_starts(w):
-        m.add(v.start[i] + done_by(w.tasks[i]) <= v.start[f] + w.length)
+    for pieces in inv_chains(w):
+        for p, q in zip(pieces, pieces[1:]):
+            m.add(v.start[q] >= v.start[p] + w.tasks[p].ticks)
+            for d, present in v.present[p].items():
+                m.add(v.present[q][d] == present)
+    for i, warmed in warm_starts(w):
+        m.add(v.start[i] + done_by(w.tasks[i]) <= v.start[warmed] + L)
 
 
 def _add_precs(v: Vars, w: Window) -> None:
@@ -404,24 +396,17 @@ def placed_tasks(w: Window, options: Options) -> tuple[Task, ...]:
 
 
 def _add_choices(v: Vars, w: Window, options: Options) -> None:
-    """The option literals; a DECOMP runs only on a rank of its layer's chosen column."""
-    v.lits = literals(v.model, options)
+    """The option literals: a DECOMP only on a rank of its layer's chosen column; per (layer, part) one start for the
+    chosen option's BCAST, an optional interval per option on its column's ranks, after the part's DECOMP and before
+    the next refresh's first."""
+    m, L = v.model, w.length
+    v.lits = literals(m, options)
     for i, task in enumerate(w.tasks):
         if task.kind is TaskKind.INV:
             layer = task.factors[0][0]
             for d, present in v.present[i].items():
-                allowed = [lit for o, lit in zip(options[layer], v.lits[layer]) if d in o.workers]
-                v.model.add_bool_or([~present, *allowed])
-
-
-def _add_bcasts(v: Vars, w: Window, options: Options) -> None:
-    """Per (layer, part) one start for the chosen option's BCAST, an optional interval per option on its column's
-    ranks; after the part's DECOMP, before the next refresh's first."""
-    m, L = v.model, w.length
+                m.add_bool_or([~present, *[lit for o, lit in zip(options[layer], v.lits[layer]) if d in o.workers]])
     chains = {w.tasks[c[0]].factors[0]: c for c in inv_chains(w)}
-    firsts: dict[str, set[int]] = {}
-    for (layer, _), chain in chains.items():
-        firsts.setdefault(layer, set()).add(chain[0])
     for (layer, part), chain in chains.items():
         chosen = [
             (n, w.span(o.bcast[part]), o.workers, lit)
@@ -444,7 +429,7 @@ def _add_bcasts(v: Vars, w: Window, options: Options) -> None:
             m.add(start + ticks <= w.horizon).only_enforce_if(lit)
         m.add(start == 0).only_enforce_if(~has)
         m.add(start >= v.start[chain[-1]] + w.tasks[chain[-1]].ticks).only_enforce_if(has)
-        for first in sorted(firsts[layer]):
+        for first in sorted({c[0] for (x, _), c in chains.items() if x == layer}):
             m.add(start + 1 <= v.start[first] + L).only_enforce_if(has)
         v.bcast[layer, part] = (start, pos, has, start + sum(ticks * lit for _, ticks, _, lit in chosen))
 
@@ -452,10 +437,8 @@ def _add_bcasts(v: Vars, w: Window, options: Options) -> None:
 def _add_slots(v: Vars, w: Window, options: Options) -> None:
     """Every slot on its device, as long as its stage's options make it (within its room); the reference slot from
     the all-reduce end ends within the window's step; copies start a sharing slot together."""
-    m, L = v.model, w.length
-    tick_ns = NS / w.scale
-    bound = ns((w.offsets[1] + 0.5) / w.scale) - min(1000, round(tick_ns / 4))
-    timeline = step_timeline(w.problem)
+    m, L, timeline = v.model, w.length, step_timeline(w.problem)
+    bound = ns((w.offsets[1] + 0.5) / w.scale) - min(1000, round(NS / w.scale / 4))
     starts: dict[int, cp_model.IntVar] = {}
     for s in w.group.stages:
         slots = [n for n, p in enumerate(w.precs) if p.stage == s]
@@ -486,10 +469,8 @@ def _add_slots(v: Vars, w: Window, options: Options) -> None:
             m.add(end == pos + ticks)
             v.intervals_of_device[slot.device].append(m.new_interval_var(pos, ticks, end, name))
             starts[n] = start
-            if slot.step in first:
+            if first.setdefault(slot.step, start) is not start:
                 m.add(start == first[slot.step]).only_enforce_if(shares)
-            else:
-                first[slot.step] = start
     v.prec = [starts[n] for n in range(len(w.precs))]
 
 
@@ -506,68 +487,55 @@ def _add_energy(v: Vars, w: Window) -> None:
         m.add(sum(load) <= w.length - sum(e - s for s, e in w.fixed[d]))
 
 
-def _add_w_updates(v: Vars, w: Window) -> None:
-    """A W ends before its stage's slot of its step on its rank ([Note: placed W] in planner/plan/window.py)."""
-    for i, task in enumerate(w.tasks):
-        if task.kind is TaskKind.WGRAD and task.home is not None:
-            d = task.devices[0]
-            j = w.step_of(d, task.home)
-            n = next(n for n, p in enumerate(w.precs) if (p.device, p.stage, p.step) == (d, task.stage, j))
-            v.model.add(v.start[i] + task.ticks <= v.prec[n])
-
-
-def _add_slot_releases(v: Vars, w: Window) -> None:
-    """A gradient-fed part's DECOMP after its refresh-step slot ([Note: gradient parts] in planner/plan/window.py)."""
+def _add_slot_order(v: Vars, w: Window) -> None:
+    """A gradient-fed part's DECOMP after its refresh-step slot ([Note: gradient parts] in planner/plan/window.py); a
+    W before its stage's slot of its step on its rank ([Note: placed W])."""
     for i, task in enumerate(w.tasks):
         if task.after_slot:
             for d, present in v.present[i].items():
                 n = w.refresh_slot(d, task.stage)
                 ticks = v.slot_ticks.get(task.stage, w.precs[n].ticks)
                 v.model.add(v.start[i] >= v.prec[n] + ticks).only_enforce_if(present)
+    for i, task in enumerate(w.tasks):
+        if task.kind is TaskKind.WGRAD and task.home is not None:
+            d, j = task.devices[0], w.step_of(task.devices[0], task.home)
+            n = next(n for n, p in enumerate(w.precs) if (p.device, p.stage, p.step) == (d, task.stage, j))
+            v.model.add(v.start[i] + task.ticks <= v.prec[n])
 
 
 def _add_memory(v: Vars, w: Window, options: Options | None) -> None:
-    """Per device, activations and kept a/e within its capacity (with `options`: the budget less static bytes)."""
-    budget = w.problem.memory_budget
-    caps = [c for c in w.capacity.values() if c is not None]
-    top = budget if options is not None else max(caps, default=None)
+    """Per device, activations and the a/e kept by deferred curvature (or a W) within its capacity (with `options`:
+    the budget less static bytes), in units that keep the largest capacity within 2**30."""
+    budget, m, L = w.problem.memory_budget, v.model, w.length
+    top = budget if options is not None else max((c for c in w.capacity.values() if c is not None), default=None)
     if top is None:
         return
     unit = max(1, math.ceil(top / 2**30))
     for d in w.group.devices:
         cap: int | cp_model.IntVar
         if options is not None and budget is not None:
-            cap = v.model.new_int_var(0, budget // unit, f"cap_r{d}")
-            v.model.add(unit * cap <= budget - static_bytes(v.model, w.problem, d, v.lits, options))
+            cap = m.new_int_var(0, budget // unit, f"cap_r{d}")
+            m.add(unit * cap <= budget - static_bytes(m, w.problem, d, v.lits, options))
         elif (fixed := w.capacity[d]) is not None:
             cap = max(0, fixed // unit)
         else:
             continue
-        v.model.add_cumulative(*memory_items(v, w, d, unit), cap)
-
-
-def memory_items(v: Vars, w: Window, d: int, unit: int) -> tuple[list[cp_model.IntervalVar], list[int]]:
-    """Device d's activations and a/e kept by deferred curvature (or a W), as intervals and demands in `unit`s."""
-    L, m = w.length, v.model
-    intervals, demands = [], []
-    for s, e, nbytes in w.acts[d]:
-        intervals.append(constant_interval(v, s, e - s))
-        demands.append(math.ceil(nbytes / unit))
-    for i, task in enumerate(w.tasks):
-        if task.kind not in (TaskKind.CURV, TaskKind.WGRAD) or task.devices[0] != d or task.keep_bytes == 0:
-            continue
-        t0 = task.release % L
-        room = L - t0
-        held = m.new_int_var(task.ticks, L, f"held_{task.name}")
-        m.add(held == v.start[i] + task.ticks - task.release)
-        first = m.new_int_var(0, room, f"keep1_{task.name}")
-        second = m.new_int_var(0, L, f"keep2_{task.name}")
-        m.add_min_equality(first, [held, room])
-        m.add_max_equality(second, [held - room, 0])
-        intervals.append(m.new_interval_var(t0, first, t0 + first, f"keep_{task.name}"))
-        intervals.append(m.new_interval_var(0, second, second, f"keep_wrap_{task.name}"))
-        demands += [math.ceil(task.keep_bytes / unit)] * 2
-    return intervals, demands
+        intervals = [constant_interval(v, s, e - s) for s, e, _ in w.acts[d]]
+        demands = [math.ceil(nbytes / unit) for _, _, nbytes in w.acts[d]]
+        for i, task in enumerate(w.tasks):
+            if task.kind not in (TaskKind.CURV, TaskKind.WGRAD) or task.devices[0] != d or task.keep_bytes == 0:
+                continue
+            t0 = task.release % L
+            held = m.new_int_var(task.ticks, L, f"held_{task.name}")
+            m.add(held == v.start[i] + task.ticks - task.release)
+            first = m.new_int_var(0, L - t0, f"keep1_{task.name}")
+            second = m.new_int_var(0, L, f"keep2_{task.name}")
+            m.add_min_equality(first, [held, L - t0])
+            m.add_max_equality(second, [held - (L - t0), 0])
+            intervals.append(m.new_interval_var(t0, first, t0 + first, f"keep_{task.name}"))
+            intervals.append(m.new_interval_var(0, second, second, f"keep_wrap_{task.name}"))
+            demands += [math.ceil(task.keep_bytes / unit)] * 2
+        m.add_cumulative(intervals, demands, cap)
 
 
 def _add_staleness(v: Vars, w: Window) -> list[cp_model.LiteralT]:
@@ -607,10 +575,6 @@ def _add_staleness(v: Vars, w: Window) -> list[cp_model.LiteralT]:
 
 def break_layer_symmetry(v: Vars, w: Window) -> None:
     """Interchangeable layers of a stage (equal costs) start their first part's decompositions in layer order."""
-
-    def key(x: LayerCost) -> tuple[object, ...]:
-        return (x.parts, x.prec, x.name in w.fused)
-
     first = {x.name: x.parts[0].part for s in w.group.stages for x in w.problem.costs.stages[s].layers if x.parts}
     inv_a = {
         task.factors[0][0]: i
@@ -620,7 +584,8 @@ def break_layer_symmetry(v: Vars, w: Window) -> None:
     for s in w.group.stages:
         layers = w.problem.costs.stages[s].layers
         for a, b in zip(layers, layers[1:]):
-            if a.name in inv_a and b.name in inv_a and key(a) == key(b):
+            same = (a.parts, a.prec, a.name in w.fused) == (b.parts, b.prec, b.name in w.fused)
+            if same and a.name in inv_a and b.name in inv_a:
                 v.model.add(v.start[inv_a[a.name]] <= v.start[inv_a[b.name]])
 
 
@@ -636,15 +601,12 @@ def _build(
             v.intervals_of_device[d].append(constant_interval(v, s, e - s))
     add_tasks(v, placed, free_w=free_w)
     add_precedences(v, placed)
-    add_piece_chains(v, placed)
     if options is None:
         _add_precs(v, placed)
     else:
         _add_choices(v, placed, options)
-        _add_bcasts(v, placed, options)
         _add_slots(v, placed, options)
-    _add_slot_releases(v, placed)
-    _add_w_updates(v, placed)
+    _add_slot_order(v, placed)
     if options is not None:
         _add_energy(v, placed)
     for intervals in v.intervals_of_device.values():
@@ -739,16 +701,13 @@ def _extract(solver: cp_model.CpSolver, v: Vars, w: Window, options: Options | N
         if task.kind is TaskKind.BCAST:
             devices[i] = inv_device[task.factors[0]]
     precs = tuple(solver.value(x) for x in v.prec)
-    choices: dict[str, LayerDistribution] = {}
-    for layer, lits in v.lits.items():
-        assert options is not None, "literals come with options"
-        choices[layer] = next(o.where for o, lit in zip(options[layer], lits) if solver.boolean_value(lit))
+    choices = choices_of(solver, options or {}, v.lits)
     chosen_bcasts = [(key, start, end) for key, (start, _, has, end) in v.bcast.items() if solver.boolean_value(has)]
     offsets = use_offsets(w, starts, precs, {layer: solver.value(end) for (layer, _), _, end in chosen_bcasts})
     bcasts = {key: solver.value(start) for key, start, _ in chosen_bcasts}
     slots = {s: solver.value(t) for s, t in v.slot_ticks.items()}
-    wall = solver.wall_time
-    return GroupSolution(w, starts, tuple(devices), precs, offsets, "cpsat", status, 1, wall, choices, bcasts, slots)
+    found = (starts, tuple(devices), precs, offsets)
+    return GroupSolution(w, *found, "cpsat", status, 1, solver.wall_time, choices, bcasts, slots)
 
 
 class _Reporter(cp_model.CpSolverSolutionCallback):
@@ -797,16 +756,14 @@ def _solve(
     solver = cp_model.CpSolver()
     params, limit = solver.parameters, max(meter.units(MIN_CALL), limit)
     params.random_seed = config.seed
+    params.num_workers = 1 if meter.deterministic else config.num_workers
+    if params.num_workers <= 2:
+        params.subsolvers.extend(_FEW_WORKER_SUBSOLVERS)
     if meter.deterministic:
         params.max_deterministic_time = meter.solver_limit(limit)
         params.max_time_in_seconds = max(MIN_CALL, meter.wall_left())
-        params.num_workers = 1
-        params.subsolvers.extend(_FEW_WORKER_SUBSOLVERS)
     else:
         params.max_time_in_seconds = limit
-        params.num_workers = config.num_workers
-        if config.num_workers <= 2:
-            params.subsolvers.extend(_FEW_WORKER_SUBSOLVERS)
     if probing is not None:
         params.cp_model_probing_level = probing
     if reporter is not None and reporter.optimize:
@@ -844,12 +801,16 @@ def energy_bound(w: Window, options: Options, base: int, config: SolverConfig, m
         need, _ = slot_need(m, s, w.problem, lits, options, w.up, f"s{s}")
         for d in copies_of_stage(w.problem, s):
             load[d] += [need] * k
-    per_step = {d: sum(e - s for s, e in w.fixed[d]) // k for d in w.group.devices}
-    for d, items in load.items():
-        m.add(sum(items) <= k * (step - per_step[d]))
+    for d, items in load.items():  # the fixed work's ticks per step off each step
+        m.add(sum(items) <= k * (step - sum(e - s for s, e in w.fixed[d]) // k))
     m.minimize(step)
     solver, status = _solve(m, config, meter, limit)
     return round(solver.best_objective_bound) if status in (cp_model.OPTIMAL, cp_model.FEASIBLE) else base
+
+
+def choices_of(solver: cp_model.CpSolver, options: Options, lits: Literals) -> dict[str, LayerDistribution]:
+    """Each layer's distribution the solver's literals chose."""
+    return {n: next(o.where for o, x in zip(options[n], xs) if solver.boolean_value(x)) for n, xs in lits.items()}
 
 
 def literals(m: cp_model.CpModel, options: Options) -> dict[str, list[cp_model.IntVar]]:
@@ -917,16 +878,16 @@ def least_step(
     options = options_of(problem, range(problem.num_stages), free)
     lits = literals(m, options)
     timeline = step_timeline(problem)
-    ends: list[tuple[int, cp_model.IntVar | int]] = [(ns(fixed_end), 0)]
+    ends: list[cp_model.LinearExprT] = [ns(fixed_end)]
     top = ns(fixed_end)
     for s in sorted(free):
         need, most = slot_need(m, s, problem, lits, options, ns, f"s{s}")
         release = ns(timeline.allreduce_end[copies_of_stage(problem, s)[0], s])
-        ends.append((release, need))
+        ends.append(release + need)
         top = max(top, release + most)
     step = m.new_int_var(0, top, "step")
-    for release, length in ends:
-        m.add(step >= release + length)
+    for end in ends:
+        m.add(step >= end)
     if problem.memory_budget is not None:
         for d in problem.devices:
             m.add(static_bytes(m, problem, d, lits, options) + activation_peak(problem, d) <= problem.memory_budget)
@@ -952,8 +913,4 @@ def least_step(
     balanced, status = _solve(m, config, meter, time_limit / 2)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         solver = balanced
-    return {
-        n: next(o.where for o, lit in zip(options[n], lits[n]) if solver.boolean_value(lit))
-        for s in sorted(free)
-        for n in (x.name for x in problem.costs.stages[s].layers)
-    }
+    return {n: where for n, where in choices_of(solver, options, lits).items() if problem.costs.stage_of(n) in free}

@@ -1,23 +1,19 @@
 """The PipeFisher paper's greedy first-fit of K-FAC work into bubbles (the baseline and warm start), the stretch
 allowance, and a lower bound on a group's refresh period.
 
-First-fit follows `assign_workloads_to_bubbles` of kazukiosawa/pipe-fisher (the paper's code): per device, tasks in
-priority order (curvature, sync, decomposition; broadcasts after their decomposition) go into the first gap where
-`duration * 1.05` fits, after their dependencies; when something does not fit the window grows by one step and all is
-placed again, so the number of steps is the refresh period. Decompositions go to a stage's copies longest first to the
-least loaded, APPLY stays after the gradient all-reduce, and memory is not considered (the planner validates). With a
-stretch allowed ([Note: stretch] in planner/plan/window.py) each k is tried with the whole allowance, then the least
-stretch first-fit places everything with is bisected (first-fit is not monotone in the stretch: feasible, not proven
-least). `restretch` moves a solution to a longer stretch, so feasibility only grows with it (`bisect_least` is exact
-with a solver's probe).
+First-fit follows `assign_workloads_to_bubbles` of kazukiosawa/pipe-fisher: per device, tasks in priority order
+(curvature, sync, decomposition; broadcasts after their decomposition) go into the first gap where `duration * 1.05`
+fits, after their dependencies; when something does not fit the window grows by one step, so the number of steps is
+the refresh period. Decompositions go to a stage's copies longest first to the least loaded, APPLY stays after the
+gradient all-reduce, and memory is left to the validator. With a stretch ([Note: stretch] in planner/plan/window.py)
+each k is tried with the whole allowance, then the least stretch first-fit places everything with is bisected
+(feasible, not proven least: first-fit is not monotone in it). `restretch` moves a solution to a longer stretch.
 
-The packing bound: `refresh_lower_bound` pours the refresh's work into the bubbles like a fluid, but a statistic or
-decomposition piece runs whole inside one bubble. Here each bubble holds at most the longest sum of task lengths that
-fits in it (`Packer`), the APPLY slots placed where they leave the most, and a collective counts as one task on each
-of its devices (on the README snippet's 2 x 2 mesh the statistics' all-reduces are 70% of the refresh's device time).
-Every simplification only enlarges what a window may hold (releases, memory and the collectives'
-simultaneity ignored, tasks on any device of the group, repeated without limit), so the bound stays valid: on the
-PipeFisher paper's BERT-Base Chimera D=4 profiles it raises the bound from 7 to 8 steps.
+The packing bound: `refresh_lower_bound` pours the work into the bubbles like a fluid, but a statistic or
+decomposition piece runs whole inside one bubble, so each bubble holds at most the longest sum of task lengths that
+fits in it (`Packer`), the APPLY slots placed where they leave the most, a collective one task on each of its devices.
+Every simplification only enlarges what a window may hold (releases, memory and the collectives' simultaneity
+ignored, tasks on any device of the group, repeated without limit), so the bound stays valid.
 """
 
 from __future__ import annotations
@@ -34,7 +30,6 @@ from fxkfac.planner.plan.solution import GroupSolution, use_offsets
 from fxkfac.planner.plan.window import (
     Interval,
     PrecSlot,
-    Task,
     TaskKind,
     Window,
     build_window,
@@ -60,7 +55,7 @@ Probe = Callable[[int], tuple[str, GroupSolution | None]]
 @dataclass(frozen=True)
 class Allowance:
     """The stretch a problem allows: `ticks(k)` per step at refresh period k on the grid `scale` shared by every
-    stage group (None: stretching is off, and windows keep their groups' own grids)."""
+    stage group (None: off, each window on its group's own grid)."""
 
     problem: Problem
     fused: frozenset[str]
@@ -86,9 +81,8 @@ class Allowance:
         resolution: int,
         meter: Budget | None = None,
     ) -> Window:
-        """The window of `group` at period k with `stretch` ticks per step (None: the whole allowance, what a period
-        search solves) on this allowance's grid, its building charged to `meter` by its size: its devices' busy
-        intervals and its tasks, a W task twice."""
+        """The window of `group` at period k with `stretch` ticks per step (None: the whole allowance) on this grid,
+        charged to `meter` by its size: its devices' busy intervals and its tasks, a W task twice."""
         w = build_window(
             self.problem,
             group,
@@ -100,23 +94,21 @@ class Allowance:
             scale=self.scale,
         )
         if meter is not None:
-            w_tasks = sum(1 for task in w.tasks if task.kind is TaskKind.WGRAD)
-            meter.charge_window(sum(len(busy) for busy in w.fixed.values()) + len(w.tasks) + w_tasks)
+            meter.charge_window(sum(map(len, w.fixed.values())) + sum(1 + (t.kind is TaskKind.WGRAD) for t in w.tasks))
         return w
 
 
 def allowance(problem: Problem, fused: frozenset[str], config: SolverConfig) -> Allowance:
     """The allowance of `problem` with `fused` layers: on when config.stretch and max_overhead > 0, on one grid for
-    all stages (so the groups' stretches are the same seconds)."""
+    all stages so the groups' stretches are the same seconds."""
     if not (config.stretch and problem.max_overhead > 0):
         return Allowance(problem, fused, None)
     return Allowance(problem, fused, grid_scale(problem, range(problem.num_stages), fused, config.time_resolution))
 
 
 def restretch(solution: GroupSolution, stretch: int) -> GroupSolution:
-    """The same placement in a window with `stretch` >= the solution's: a start in window step j (a joint solve's
-    chosen broadcasts too) moves j * (added ticks) later, keeping its place in its step, so order, overlaps, memory
-    and use offsets, and validity, hold; each task keeps its devices (a joint solve's chosen distributions)."""
+    """The same placement in a window with `stretch` >= the solution's: a start in window step j (a chosen broadcast
+    too) moves j * (added ticks) later, so order, overlaps, memory, use offsets and validity hold; devices are kept."""
     w = solution.window
     delta = stretch - w.stretch
     if delta == 0:
@@ -142,8 +134,7 @@ def restretch(solution: GroupSolution, stretch: int) -> GroupSolution:
 
 
 def _boundary_gaps(window: Window, device: int) -> tuple[int, int]:
-    """(longest idle region of `device` that meets no step boundary, longest that meets one); only the second grows
-    with the stretch."""
+    """(longest idle region of `device` meeting no step boundary, longest meeting one: it grows with the stretch)."""
     L = window.length
     bounds = [window.step_start(device, j) % L for j in range(window.k)]  # each boundary tick
     inside = across = 0
@@ -156,8 +147,8 @@ def _boundary_gaps(window: Window, device: int) -> tuple[int, int]:
 
 
 def stretch_lower_bound(window: Window) -> int:
-    """Ticks of stretch per step any placement of `window`'s work needs (valid at every stretch): each task fits one
-    free stretch of its device(s), and all the work (tasks and APPLY) fits the devices' free time."""
+    """Ticks of stretch per step any placement of `window`'s work needs: each task fits one free stretch of its
+    device(s), and all the work (tasks and APPLY) fits the devices' free time."""
     x, k, n = window.stretch, window.k, len(window.group.devices)
     gaps = {d: _boundary_gaps(window, d) for d in window.group.devices}
     need = 0
@@ -174,7 +165,7 @@ def bisect_least(
     lower: int, found: GroupSolution, probe: Probe, size: Callable[[GroupSolution], int] = lambda s: s.window.stretch
 ) -> tuple[GroupSolution, bool]:
     """The placement of least `size` (ticks of stretch, or of a step) `probe` finds in [lower, found's] by bisection,
-    and whether it is proven least (every smaller size probed was INFEASIBLE)."""
+    and whether it is proven least (every smaller size probed INFEASIBLE)."""
     lo, hi, best, proven = lower, size(found), found, True
     while lo < hi:
         mid = (lo + hi) // 2
@@ -187,26 +178,21 @@ def bisect_least(
     return best, proven
 
 
-def first_fits(place: Callable[[int], GroupSolution | None], meter: Budget | None, cut: bool = True) -> Probe:
-    """A probe by first-fit (`place` at a size): never a proof; (`cut`) nothing once `meter` runs out."""
-
-    def probe(size: int) -> tuple[str, GroupSolution | None]:
-        return "UNKNOWN", (None if cut and _spent(meter) else place(size))
-
-    return probe
+def first_fits(place: Callable[[int], GroupSolution | None], meter: Budget | None) -> Probe:
+    """A probe by first-fit (`place` at a size): never a proof; nothing once `meter` (if any) runs out."""
+    return lambda size: ("UNKNOWN", None if _spent(meter) else place(size))
 
 
 UNITS_PER_STEP = 2000
 """The packing table's units per step (task lengths round down to them, bubbles up: it only over-counts)."""
 
 MAX_CHOICES = 4096
-"""The most placements of bubble-sharing APPLY slots one bound tries; beyond, those bubbles count their idle time
-less the slots'."""
+"""The most placements of bubble-sharing APPLY slots one bound tries; beyond, those bubbles count idle less slots."""
 
 
 class Packer:
-    """The most ticks of tasks (lengths `sizes`, each usable any number of times) that fit in a bubble; `work` counts
-    its lookups, table cells and slot placements tried (what `packing_lower_bound` charges)."""
+    """The most ticks of tasks (lengths `sizes`, each any number of times) that fit in a bubble; `work` counts its
+    lookups, table cells and slot placements tried (what `packing_lower_bound` charges)."""
 
     def __init__(self, sizes: Iterable[int], unit: int) -> None:
         if unit < 1:
@@ -285,8 +271,8 @@ def _best_placement(
     candidates: Sequence[Sequence[int]],
     packer: Packer,
 ) -> int:
-    """The most task ticks of the bubbles `members` with `slots` each in one of its candidates (a slot flush with
-    its bubble's end leaves one piece, which holds at least what any split holds)."""
+    """The most task ticks of the bubbles `members` with `slots` each in one of its candidates (flush with its
+    bubble's end: one piece holds at least what any split holds)."""
     spans = {i: _span(regions[i]) for i in members}
     loose = min(
         sum(packer.packable(s) for s in spans.values()),
@@ -305,19 +291,19 @@ def _best_placement(
     return best
 
 
-def _bubble_tasks(window: Window) -> list[Task]:
-    """The refresh's computations that bubbles must hold: its statistics and decomposition pieces."""
-    return [t for t in window.tasks if t.kind in (TaskKind.CURV, TaskKind.INV)]
+def _computations(window: Window) -> list[int]:
+    """Ticks of each of the refresh's computations that bubbles must hold: its statistics and decomposition pieces."""
+    return [t.ticks for t in window.tasks if t.kind in (TaskKind.CURV, TaskKind.INV)]
 
 
 def window_work(window: Window) -> int:
     """Ticks of the refresh's computations (the same under every distribution of a layer)."""
-    return sum(t.ticks for t in _bubble_tasks(window))
+    return sum(_computations(window))
 
 
 def device_loads(window: Window) -> list[int]:
-    """The ticks each task holds a device for: a computation one, a collective one on each of its devices (a W none:
-    it holds its place, `_device_capacity`)."""
+    """The ticks each task holds a device for: a computation one, a collective one per device (a W none: it holds
+    its place, `_device_capacity`)."""
     return [
         t.ticks
         for t in window.tasks
@@ -328,9 +314,8 @@ def device_loads(window: Window) -> list[int]:
 
 def packing_lower_bound(window_at: Callable[[int], Window], lower: int, top: int, meter: Budget | None = None) -> int:
     """The least refresh period from `lower` to `top` (`top + 1`: none) whose window may hold its refresh's
-    computations whole, and all its tasks with them (`device_loads`); each is a necessary condition, counted apart
-    (short collectives would let the bubbles count as full to the computations). Its work is charged to `meter`, and
-    when `meter` runs out the bound stops where it got (a weaker bound, still valid)."""
+    computations whole, and all its tasks (`device_loads`), each counted apart (short collectives would fill the
+    bubbles for the computations). Charged to `meter`; when it runs out, the period reached (still a bound)."""
     packers: tuple[Packer, Packer] | None = None
     found = top + 1
     for k in range(lower, top + 1):
@@ -338,7 +323,7 @@ def packing_lower_bound(window_at: Callable[[int], Window], lower: int, top: int
         loads = device_loads(window)
         if packers is None:
             unit = max(1, window.offsets[1] // UNITS_PER_STEP)
-            packers = Packer((t.ticks for t in _bubble_tasks(window)), unit), Packer(loads, unit)
+            packers = Packer(_computations(window), unit), Packer(loads, unit)
         capacity = [sum(_device_capacity(window, d, packer) for d in window.group.devices) for packer in packers]
         if window_work(window) <= capacity[0] and sum(loads) <= capacity[1] or _spent(meter):
             found = k  # with no time left, k: every smaller period was ruled out, so it still bounds
@@ -355,8 +340,8 @@ def group_lower_bound(
     min_k: int = 1,
     meter: Budget | None = None,
 ) -> int:
-    """The least refresh period `group` may have in `window_at`'s windows (max_period + 1: none): the fluid bound
-    (`refresh_lower_bound`, at least `min_k`) raised by whole tasks (`packing_lower_bound`, charged to `meter`)."""
+    """The least refresh period of `group` in `window_at`'s windows (max_period + 1: none): the fluid bound (at least
+    `min_k`) raised by whole tasks (`packing_lower_bound`, charged to `meter`)."""
     problem = allowance.problem
     fluid = max(min_k, refresh_lower_bound(problem, group, allowance.fused, stretch=allowance.enabled))
     return packing_lower_bound(window_at, fluid, problem.max_period, meter)
@@ -370,10 +355,13 @@ _ORDER = {kind: n for n, kind in enumerate(TaskKind)}
 
 
 class _Gaps:
-    """Free time of one device in [0, length) as sorted [start, end) gaps; `scanned` counts the gaps examined."""
+    """Free time of one device of a window, beside its fixed work and APPLY slots (at their reference), as sorted
+    [start, end) gaps; `scanned` counts the gaps examined."""
 
-    def __init__(self, busy: tuple[tuple[int, int], ...], length: int) -> None:
-        self.gaps = [list(gap) for gap in free_gaps(busy, length)]
+    def __init__(self, window: Window, device: int) -> None:
+        slots = tuple((p.reference, p.reference + p.ticks) for p in window.precs if p.device == device and p.ticks > 0)
+        busy = window.fixed[device] + slots
+        self.gaps = [list(gap) for gap in free_gaps(busy, window.length)]
         self.scanned = len(busy)
 
     def first_fit(self, earliest: int, need: int) -> int | None:
@@ -414,8 +402,7 @@ def _fit_together(gaps: list[_Gaps], earliest: int, need: int) -> int | None:
 
 def _inv_devices(window: Window) -> dict[tuple[str, str], int]:
     """The device of each factor's decomposition: a stage's factors dealt over their grad workers longest first, each
-    to the least loaded (`Assignment.LPT`; the paper's round robin by layer is the same where layers cost the same,
-    and sent every feed-forward to one copy where they did not)."""
+    to the least loaded (`Assignment.LPT`: the paper's round robin by layer sent every feed-forward to one copy)."""
     seconds: dict[tuple[str, str], float] = {}
     dealt: dict[tuple[int, tuple[int, ...]], list[tuple[str, str]]] = {}
     for task in window.tasks:
@@ -431,16 +418,9 @@ def _inv_devices(window: Window) -> dict[tuple[str, str], int]:
 
 
 def greedy_window(window: Window, meter: Budget | None = None) -> GroupSolution | None:
-    """Place every task of `window` first-fit in priority order; None when something does not fit. Its work (the
-    window's tasks and slots and every gap it examined) is charged to `meter` ([Note: greedy charge])."""
-    gaps = {
-        d: _Gaps(
-            window.fixed[d]
-            + tuple((p.reference, p.reference + p.ticks) for p in window.precs if p.device == d and p.ticks > 0),
-            window.length,
-        )
-        for d in window.group.devices
-    }
+    """Every task of `window` first-fit in priority order (None when one does not fit), charged to `meter` by its
+    tasks, slots and gaps examined ([Note: greedy charge])."""
+    gaps = {d: _Gaps(window, d) for d in window.group.devices}
     solution = _place(window, gaps)
     if meter is not None:
         meter.charge_first_fit(len(window.tasks) + len(window.precs), sum(g.scanned for g in gaps.values()))
@@ -461,11 +441,8 @@ def _place(window: Window, gaps: dict[int, _Gaps]) -> GroupSolution | None:
         if task.kind is TaskKind.WGRAD:
             assert task.home is not None and task.deadline is not None, "a W task has a home and a deadline"
             gap = gaps[task.devices[0]]
-            start = (
-                task.home
-                if gap.first_fit(task.home, task.ticks) == task.home
-                else gap.first_fit(task.release, task.ticks)
-            )
+            at_home = gap.first_fit(task.home, task.ticks) == task.home
+            start = task.home if at_home else gap.first_fit(task.release, task.ticks)
             if start is None or start + task.ticks > task.deadline:
                 return None
             gap.occupy(start, task.ticks)
@@ -506,8 +483,8 @@ def _place(window: Window, gaps: dict[int, _Gaps]) -> GroupSolution | None:
 
 
 def _spent(meter: Budget | None) -> bool:
-    """Whether `meter`'s time is up on its clock (not its wall-clock safety net, which stops CP-SAT only): the greedy
-    rule stops searching further ([Note: greedy charge])."""
+    """Whether `meter`'s time is up on its clock (not the wall-clock net, which stops CP-SAT only): the greedy rule
+    searches no further ([Note: greedy charge])."""
     return meter is not None and meter.left() <= 0
 
 
@@ -522,16 +499,15 @@ def greedy_group(
     shrink_stretch: bool = True,
     cut: bool = True,
 ) -> GroupSolution:
-    """The paper's rule for one stage group of `allowance`'s problem: the least k from the group's lower bound
-    (`group_lower_bound`, kept as `k_lower_bound`) to max_period where first-fit places everything with the whole
-    `allowance`, then (`shrink_stretch`) the least stretch found; each window, bound and placement tried is charged
-    to `meter`. PlanError when no k does, or (`cut`) when `meter` runs out first; a candidate's first plan is never
-    cut (`attempt`), so a short limit still plans."""
+    """The paper's rule for one stage group: the least k from the group's lower bound (kept as `k_lower_bound`) to
+    max_period where first-fit places everything with the whole allowance, then (`shrink_stretch`) the least stretch
+    found, all charged to `meter`. PlanError when no k does, or (`cut`) when `meter` runs out first (a candidate's
+    first plan is never cut, so a short limit still plans)."""
     began, problem = time.perf_counter(), allowance.problem
 
     @functools.cache
-    def window_at(k: int) -> Window:
-        return allowance.window(group, k, stats_chunk=stats_chunk, resolution=resolution, meter=meter)
+    def window_at(k: int, stretch: int | None = None) -> Window:
+        return allowance.window(group, k, stretch, stats_chunk=stats_chunk, resolution=resolution, meter=meter)
 
     lower = group_lower_bound(allowance, group, window_at, min_k, meter)
     for k in range(lower, problem.max_period + 1):
@@ -545,9 +521,7 @@ def greedy_group(
         solution = greedy_window(window, meter)
         if solution is not None:
             if allowance.ticks(k) > 0 and shrink_stretch:
-                at = functools.partial(
-                    allowance.window, group, k, stats_chunk=stats_chunk, resolution=resolution, meter=meter
-                )
+                at = functools.partial(window_at, k)
                 solution = _least_stretch(solution, stretch_lower_bound(window), at, meter, cut)
             return replace(solution, k_lower_bound=lower, wall_time=time.perf_counter() - began)
     raise PlanError(
@@ -560,18 +534,18 @@ def greedy_group(
 def _least_stretch(
     found: GroupSolution, lower: int, window_of: Callable[[int], Window], meter: Budget | None, cut: bool
 ) -> GroupSolution:
-    """Bisect with first-fit (windows by stretch: `window_of`) between `lower` and found's stretch (the least one it
-    finds; `cut`: until `meter` runs out)."""
-    probe = first_fits(lambda stretch: greedy_window(window_of(stretch), meter), meter, cut)
+    """The least stretch first-fit finds in `window_of`'s windows from `lower` to found's (`cut`: until `meter` runs
+    out)."""
+    probe = first_fits(lambda stretch: greedy_window(window_of(stretch), meter), meter if cut else None)
     return bisect_least(lower, found, probe)[0]
 
 
 def greedy_overhead(
     group: StageGroup, allowance: Allowance, *, stats_chunk: int, resolution: int, meter: Budget
 ) -> tuple[int, GroupSolution | None]:
-    """The stretch the group's work needs at max_period whatever max_overhead says, for errors that name the
-    max_overhead to ask for: (ticks any plan needs, first-fit's solution with the least stretch found, or None when
-    none up to 10 reference steps places it before `meter` runs out). `allowance` gives the grid."""
+    """The stretch the group's work needs at max_period whatever max_overhead says (for a refusal's hint): (ticks any
+    plan needs, first-fit's solution with the least stretch found, None when none within 10 reference steps does
+    before `meter` runs out), on `allowance`'s grid."""
     assert allowance.scale is not None, "greedy_overhead needs an allowance with a grid"
     problem = allowance.problem
     most = math.floor(10 * step_timeline(problem).length * allowance.scale[0])

@@ -1,9 +1,6 @@
-"""One stage group's placement: the least refresh period, then the least stretch (or step), then the least staleness.
-
-The same period search (`least_period`) runs with the group's distributions fixed (`least_group_period`, then
-`refine_group`: `solve` runs the first for every group before the second for any, as periods rank first) or chosen
-with the placement (`joint_placements`, [Note: joint strategy] in planner/search/cpsat.py).
-"""
+"""One stage group's placement: the least refresh period, then the least stretch (or step), then the least staleness,
+with the distributions fixed (`least_group_period` for every group, as periods rank first, then `refine_group`) or
+chosen with the placement (`joint_placements`, [Note: joint strategy] in planner/search/cpsat.py)."""
 
 from __future__ import annotations
 
@@ -42,7 +39,7 @@ from fxkfac.planner.search.greedy import (
 
 log = logging.getLogger(__name__)
 
-Probe = Callable[[int, float], Solved]
+PeriodProbe = Callable[[int, float], Solved]
 """Solve a group's window at refresh period k within a share of the clock: (CP-SAT status, placement or None)."""
 Left = Callable[[float], float]
 """The clock a search has left, of the given fraction of its time (1: all of it)."""
@@ -76,9 +73,8 @@ def least_group_period(
     stats_chunk: int = 1,
     min_k: int = 1,
 ) -> Period | None:
-    """The least refresh period >= min_k of `group` in `allowance`'s problem (from its lower bounds, descending from
-    first-fit's `greedy`) with the whole stretch allowance, within `time_limit` of `meter`'s clock; None when none is
-    found in time."""
+    """The least refresh period >= min_k of `group` with the whole stretch allowance (from its lower bounds, descending
+    from first-fit's `greedy`) within `time_limit` of `meter`'s clock; None when none is found in time."""
     left, wall = _clock(meter, time_limit), time.perf_counter()
     if greedy is not None and greedy.window.k < min_k:
         greedy = None
@@ -86,9 +82,7 @@ def least_group_period(
 
     @functools.cache
     def window_of(k: int) -> Window:  # built once for the packing bound and the probe at the same k
-        return allowance.window(
-            group, k, allowance.ticks(k), stats_chunk=stats_chunk, resolution=config.time_resolution
-        )
+        return allowance.window(group, k, stats_chunk=stats_chunk, resolution=config.time_resolution)
 
     lower = group_lower_bound(allowance, group, window_of, min_k)
 
@@ -106,8 +100,8 @@ def least_group_period(
 def refine_group(
     period: Period, allowance: Allowance, config: SolverConfig, time_limit: float, meter: Budget
 ) -> GroupSolution | None:
-    """The second pass at the period found: the least stretch, then the least staleness, within `time_limit` of
-    `meter`'s clock; None when neither that placement nor first-fit's fits the memory budget."""
+    """The least stretch, then the least staleness, at the period found within `time_limit` of `meter`'s clock; None
+    when neither that placement nor first-fit's fits the memory budget."""
     began, wall = meter.now(), time.perf_counter()
     found, least = period.found, True
     if found.window.stretch > 0:
@@ -121,17 +115,16 @@ def refine_group(
 
 
 def within_budget(*solutions: GroupSolution | None) -> GroupSolution | None:
-    """The first of `solutions` within the memory budget with third decompositions counted (CP-SAT's model does not
-    count them); None when none is."""
+    """The first of `solutions` within the memory budget with third decompositions counted (CP-SAT's model does not)."""
     return next((s for s in solutions if s is not None and fits_memory(s)), None)
 
 
 def least_period(
-    probe: Probe, left: Left, lower: int, top: int, incumbent: GroupSolution | None
+    probe: PeriodProbe, left: Left, lower: int, top: int, incumbent: GroupSolution | None
 ) -> tuple[GroupSolution | None, int]:
-    """The least period found feasible in [`lower`, `top`] and the least not proven infeasible: without an
-    `incumbent` (first-fit's) climbing from `lower`; with one, climbing while each k is proven infeasible (within
-    PROOF_SHARE of the time), then descending from the incumbent's ([Note: descending refresh search])."""
+    """The least period found feasible in [`lower`, `top`] and the least not proven infeasible: climbing from `lower`;
+    with first-fit's `incumbent`, climbing while each k is proven infeasible (within PROOF_SHARE of the time), then
+    descending from its k ([Note: descending refresh search])."""
     if incumbent is None:
         return _climb(probe, left, 1.0, lower, top + 1, give_up=False)
     if incumbent.window.k - lower <= 1:  # the climb would probe the one k the descent probes first
@@ -149,10 +142,10 @@ DESCENT_SHARE = 0.75
 
 
 def _climb(
-    probe: Probe, left: Left, share: float, lower: int, end: int, *, give_up: bool = True
+    probe: PeriodProbe, left: Left, share: float, lower: int, end: int, *, give_up: bool = True
 ) -> tuple[GroupSolution | None, int]:
-    """The first k in [`lower`, `end`) found feasible, each k an equal part of `share` of the time left by the ks to
-    go, and the least k not proven infeasible (`end` when all are); `give_up`: stop at a k not proven infeasible."""
+    """The first k in [`lower`, `end`) found feasible, each an equal part of `share` of the time left among the ks to
+    go, and the least k not proven infeasible; `give_up`: stop at a k not proven infeasible."""
     proven = lower
     for k in range(lower, end):
         if left(share) <= 0:
@@ -165,15 +158,13 @@ def _climb(
     return None, proven
 
 
-def _descend(probe: Probe, left: Left, lower: int, incumbent: GroupSolution) -> tuple[GroupSolution, int]:
-    """From the incumbent's k down, one less than the last found, until one is not found; where that one is proven
-    infeasible, the ks below it are checked from `lower` up, all infeasible proving the found k least.
+def _descend(probe: PeriodProbe, left: Left, lower: int, incumbent: GroupSolution) -> tuple[GroupSolution, int]:
+    """From the incumbent's k down until one is not found; where that one is proven infeasible, the ks below it are
+    checked from `lower` up, all infeasible proving the found k least.
 
-    [Note: descending refresh search]
-    Near the least feasible k a window is tight and CP-SAT may need long to decide it; far above it a placement is
-    found at once. Climbing from the bound spends the time on undecidable ks and may end at first-fit's k (BERT-Base
-    Chimera D=4, paper profiles, 4 pieces: 8 11 11 8 in 10 s, greedy 9 11 11 9, bound 7); descending keeps an
-    incumbent and spends the time improving it (8 10 10 8).
+    [Note: descending refresh search] Near the least feasible k a window is tight and CP-SAT may need long to decide
+    it; far above it a placement is found at once. Climbing from the bound spends the time on undecidable ks and may
+    end at first-fit's k; descending keeps an incumbent and spends the time improving it.
     """
     best, proven = incumbent, lower
     for k in range(incumbent.window.k - 1, lower - 1, -1):
@@ -194,8 +185,8 @@ def _descend(probe: Probe, left: Left, lower: int, incumbent: GroupSolution) -> 
 def least_stretch_at(
     found: GroupSolution, allowance: Allowance, config: SolverConfig, meter: Budget, deadline: float
 ) -> tuple[GroupSolution, bool]:
-    """The least stretch at found's k, bisected by CP-SAT feasibility probes in half the time to `deadline` on
-    `meter`'s clock, and whether it is proven least."""
+    """The least stretch at found's k by CP-SAT feasibility probes in half the time to `deadline`, and whether it is
+    proven least."""
     w = found.window
     until = meter.now() + (deadline - meter.now()) / 2
 
@@ -223,8 +214,8 @@ def _least_stale(
     proven: bool,
     options: Options | None = None,
 ) -> GroupSolution:
-    """The least staleness in `w` (found's k and step; with `options` the distributions chosen too) within `left`,
-    warm-started by `found` (kept where the solver does worse); OPTIMAL where proven and the k and step are `proven`."""
+    """The least staleness in `w` (with `options`: the distributions chosen too) within `left`, warm-started by `found`
+    (kept where the solver does worse); OPTIMAL where proven and found's k and step are `proven`."""
     if found.staleness == 0:
         return replace(found, status="OPTIMAL" if proven else "FEASIBLE")
     hint = found if config.use_greedy_hint or found.method != "greedy" else None
@@ -237,9 +228,8 @@ def _least_stale(
 
 @dataclass(frozen=True)
 class _Group:
-    """One group's joint search: the anchor problem (the distributions of the stages not free) and every layer's
-    options, the problems whose first-fit placements warm-start it (the anchor first, each with its reference step in
-    ticks), the grid, the STATS chunk and the stretch a step of k steps may take."""
+    """One group's joint search: the anchor problem and every layer's options, the problems whose first-fit warm-starts
+    it (the anchor first, each with its reference step in ticks), the grid, the STATS chunk and the stretch cap by k."""
 
     anchor: Problem
     group: StageGroup
@@ -291,9 +281,9 @@ def joint_placements(
     meter: Budget,
     deadline: float,
 ) -> list[GroupSolution] | None:
-    """Each group's distributions and placement (`_joint_group`) on the grid `scale`, warm-started by first-fit of
-    each `forced` strategy on its free layers, the time to `deadline` shared by the groups left; None when a group is
-    not placed. `anchor` has the least reference step and keeps its distributions on the stages not `free`."""
+    """Each group's distributions and placement (`_joint_group`) on the grid `scale`, warm-started by first-fit of each
+    `forced` strategy on its free layers, the time to `deadline` shared by the groups left; None when one is not placed.
+    `anchor` has the least reference step and keeps its distributions on the stages not `free`."""
     groups = stage_groups(anchor)
     placements = []
     for n, group in enumerate(groups):
@@ -313,9 +303,8 @@ def joint_placements(
 
 
 def _joint_group(g: _Group, config: SolverConfig, time_limit: float, meter: Budget) -> GroupSolution | None:
-    """The least period with the whole stretch `g.cap(k)`, then the least step, then the least staleness, within
-    `time_limit` of `meter`'s clock; first-fit of the candidates warm-starts the search and is kept where CP-SAT finds
-    nothing better. None when nothing places it."""
+    """The least period with the whole stretch `g.cap(k)`, then the least step and staleness within `time_limit`;
+    first-fit of the candidates warm-starts it, kept where CP-SAT finds nothing better (None: nothing places it)."""
     began, left, anchor = meter.now(), _clock(meter, time_limit), g.anchor
     if too_long(g.window(2, g.most(anchor.max_period))):
         return None
@@ -346,7 +335,7 @@ def _lower_k(w: Window) -> int:
 
 
 def _least_step(g: _Group, found: GroupSolution, config: SolverConfig, meter: Budget, deadline: float) -> GroupSolution:
-    """The shortest step at found's k: first-fit of the candidates bisected in at most half the time left, then CP-SAT
+    """The shortest step at found's k: first-fit of the candidates bisected in half the time left, then CP-SAT
     feasibility probes (the energy bound first: often the answer) in three quarters of what is left then."""
     k = found.window.k
     energy = energy_bound(g.window(k, found.step_ticks), g.options, g.base, config, meter, (deadline - meter.now()) / 8)
