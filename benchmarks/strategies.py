@@ -60,7 +60,7 @@ from torch import Tensor
 import fxkfac
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.launch import free_port
-from fxkfac.planner.problem import InverseMethod, OpKind, copies_of_stage, holding, stages_on_device
+from fxkfac.planner.problem import InverseMethod, OpKind, holding, stages_on_device
 from fxkfac.planner.search.choose import candidate_problems, strategy_of
 from fxkfac.runtime.trainer import Trainer
 
@@ -152,7 +152,7 @@ def accounted_bytes(trainer: Trainer) -> int | None:
         return None
     problem, device, total = trainer.plan.problem, dist.get_rank(), 0
     for s in stages_on_device(problem, device):
-        copies = copies_of_stage(problem, s)
+        copies = problem.holders[s]
         for x in problem.costs.stages[s].layers:
             held = holding(
                 device, copies, problem.where(x.name), all(p.after is OpKind.ALLREDUCE_GRAD for p in x.parts)

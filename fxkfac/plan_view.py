@@ -23,7 +23,6 @@ from fxkfac.planner.problem import (
     OpKind,
     PreconditionerKind,
     Problem,
-    copies_of_stage,
     format_bytes,
     is_streamed,
     words_of,
@@ -63,7 +62,7 @@ def _periods(plan: Plan) -> dict[int, int]:
     out: dict[int, int] = {}
     for s, stage in enumerate(problem.costs.stages):
         k = plan.layers[stage.layers[0].name].period if stage.layers else plan.metrics.refresh_steps[s]
-        for d in copies_of_stage(problem, s):
+        for d in problem.holders[s]:
             out[d] = max(out.get(d, 1), k)
     return out
 

@@ -46,7 +46,7 @@ import fxkfac
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.kfac.state import LayerState
 from fxkfac.planner.problem.ir import LayerTiming, OpKind
-from fxkfac.planner.problem.problem import Problem, copies_of_stage, stages_on_device
+from fxkfac.planner.problem.problem import Problem, stages_on_device
 from fxkfac.planner.problem.step_timeline import static_bytes
 from fxkfac.planner.problem.strategy import holding
 from tests.support.distributed import run_distributed
@@ -84,7 +84,7 @@ def accounted_bytes(problem: Problem, device: int) -> dict[str, int]:
     decompositions per layer decomposed here), and the rest of it."""
     stats = decomps = param = shared = 0
     for s in stages_on_device(problem, device):
-        cost, copies = problem.costs.stages[s], copies_of_stage(problem, s)
+        cost, copies = problem.costs.stages[s], problem.holders[s]
         param += 2 * cost.param_bytes
         for x in cost.layers:
             held = holding(
@@ -104,7 +104,7 @@ def third_bytes(problem: Problem, device: int, timings: Mapping[str, LayerTiming
     for s in stages_on_device(problem, device):
         for x in problem.costs.stages[s].layers:
             gradient_fed = all(p.after is OpKind.ALLREDUCE_GRAD for p in x.parts)
-            held = holding(device, copies_of_stage(problem, s), problem.where(x.name), gradient_fed)
+            held = holding(device, problem.holders[s], problem.where(x.name), gradient_fed)
             t = timings[x.name]
             out += x.factor_bytes * (held.decompositions and t.use_offset >= t.period)
     return out

@@ -130,8 +130,9 @@ def placements_of(solution: GroupSolution) -> list[Placement]:
     out: list[Placement] = []
     for task, start, device in zip(w.tasks, solution.starts, solution.devices):
         members = task.devices if task.kind.collective else (device,)
+        step = w.step_of(start)
         for member in members:
-            step, t = w.step_of(member, start), w.seconds(start)
+            t = w.seconds(start)
             for op, secs in zip(task.ops, task.seconds):
                 placed = replace(op, root=device) if task.kind is TaskKind.BCAST else op  # from where it was decomposed
                 out.append(Placement(placed, member, step, t, t + secs))

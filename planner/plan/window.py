@@ -38,7 +38,6 @@ from fxkfac.planner.problem.ir import Op, OpKind
 from fxkfac.planner.problem.problem import (
     Problem,
     StageGroup,
-    copies_of_stage,
     is_streamed,
     returned,
     stages_on_device,
@@ -192,11 +191,11 @@ class Window:
     def span(self, seconds: float) -> int:
         return max(1, self.up(seconds))
 
-    def step_of(self, device: int, t: int) -> int:
-        """The window step (0..2k-1) whose program holds an op starting at absolute tick t on device."""
-        return next((j for j in range(2 * self.k - 1, 0, -1) if t >= self.step_start(device, j)), 0)
+    def step_of(self, t: int) -> int:
+        """The window step (0..2k-1) whose program holds an op starting at absolute tick t."""
+        return next((j for j in range(2 * self.k - 1, 0, -1) if t >= self.step_start(j)), 0)
 
-    def step_start(self, device: int, j: int) -> int:
+    def step_start(self, j: int) -> int:
         """Absolute tick at which window step j (0..2k) begins (on the whole group): its offset less its lead."""
         k = self.k
         return self.offsets[j % k] + self.offsets[k] * (j // k) - self.leads[j % k]
@@ -206,12 +205,12 @@ class Window:
         """The tick by which every task ends: the end of window step 2k-1."""
         return 2 * self.length - self.leads[0]
 
-    def earliest(self, task: Task, device: int) -> int:
-        return max(task.release, self.step_start(device, 0))
+    def earliest(self, task: Task) -> int:
+        return max(task.release, self.step_start(0))
 
-    def refresh_slot(self, device: int, stage: int) -> int:
-        """The index in `precs` of stage's slot on `device` at the refresh step."""
-        return next(n for n, p in enumerate(self.precs) if (p.device, p.stage, p.step) == (device, stage, 0))
+    def slot(self, device: int, stage: int, step: int = 0) -> int:
+        """The index in `precs` of stage's slot on `device` at window step `step` (the refresh step by default)."""
+        return next(n for n, p in enumerate(self.precs) if (p.device, p.stage, p.step) == (device, stage, step))
 
     @cached_property
     def steps(self) -> tuple[Timeline, ...]:
@@ -234,7 +233,7 @@ class Window:
                 if (
                     op.kind in (OpKind.FWD, OpKind.BWD)
                     or (op.kind is OpKind.BWD_W and not placed)
-                    or (op.kind is OpKind.ALLREDUCE_GRAD and len(copies_of_stage(problem, op.stage_id)) > 1)
+                    or (op.kind is OpKind.ALLREDUCE_GRAD and len(problem.holders[op.stage_id]) > 1)
                     or (op.kind is OpKind.APPLY and is_streamed(problem, device, op))
                 ):  # F/B, a collective (of no tick: an instant), a streamed layer's APPLY
                     busy += self._wrap(j, a, b)
@@ -243,7 +242,7 @@ class Window:
                     own = {OpKind.SEND_LGRAD: layer.hand_off, OpKind.RECV_PGRAD: layer.take_back}.get(op.kind, 0.0)
                     work = own + problem.costs.message_cpu(op)  # a RECV's wait is idle; a bucket's fixed cost whole
                     busy += self._wrap(j, b - work, b) if work > 0 else []
-            begin = self.step_start(0, j)
+            begin = self.step_start(j)
             busy += wrap(begin, begin + 1, self.offsets[-1])  # no task spans a boundary ([Note: step barrier])
             acts += [
                 (s, e, n)
@@ -258,7 +257,7 @@ class Window:
         lead = {
             s: max(
                 sum(secs for op, secs in prec_work(problem, c, s) if op.kind is not OpKind.BCAST_PREC)
-                for c in copies_of_stage(problem, s)
+                for c in problem.holders[s]
             )
             for s in self.group.stages
         }
@@ -271,7 +270,7 @@ class Window:
                 for j, st in enumerate(self.steps):
                     release = self.offsets[j] + self.at(st.allreduce_end[d, s])
                     # APPLY ends before OPT_STEP ([Note: step barrier])
-                    deadline = self.step_start(0, j + 1)
+                    deadline = self.step_start(j + 1)
                     end = st.end_of(d, ops[-1]) if ops else st.allreduce_end[d, s]  # every layer streamed: no work
                     reference = max(release, self.offsets[j] + self.at(end - seconds))
                     # the reference's rounded ends, not its rounded-up length: the op after it starts at at(end)
@@ -284,7 +283,7 @@ class Window:
         problem, refresh = self.problem, self.steps[0]
         tasks = [task for s in self.group.stages for task in self._curv_tasks(s)]
         for s in self.group.stages:
-            copies = copies_of_stage(problem, s)
+            copies = problem.holders[s]
             longest = max((p.decomp for x in problem.costs.stages[s].layers for p in x.parts), default=0.0)
             for x in problem.costs.stages[s].layers:
                 for p in x.parts:
@@ -316,7 +315,7 @@ class Window:
     def _curv_tasks(self, stage: int) -> list[Task]:
         """Per copy of `stage` and F/B (or W) of the refresh step, STATS tasks of `stats_chunk` deferred (not fused)
         layers each, released by the op that makes their captures (`_released_by`)."""
-        tasks, copies = [], copies_of_stage(self.problem, stage)
+        tasks, copies = [], self.problem.holders[stage]
         deferred = [x for x in self.problem.costs.stages[stage].layers if x.name not in self.fused]
         taken = {self._released_by(after): after for after in (OpKind.FWD, OpKind.BWD)}  # releasing op: its captures
         for d in copies:
@@ -346,7 +345,7 @@ class Window:
         (`inv_chains`): no task outlasts the bubbles, and small decompositions make few tasks (CP-SAT's model grows
         with them). The runtime runs the same pieces."""
         problem, side = self.problem, p.part
-        copies, workers, key = copies_of_stage(problem, stage), problem.workers(layer), ((layer, p.part),)
+        copies, workers, key = problem.holders[stage], problem.workers(layer), ((layer, p.part),)
 
         def collective(kind: TaskKind, op: Op, devices: tuple[int, ...], release: int) -> Task:
             secs = problem.costs.collective_seconds(op, len(devices))
@@ -400,7 +399,7 @@ class Window:
         b_op = Op(OpKind.BWD, op.stage, op.mb, op.pipe)
         release = self.offsets[j] + at(next(e for o, _, e in timeline if o == b_op))
         reduce = next(t for o, t, _ in timeline if o.kind is OpKind.ALLREDUCE_GRAD and o.stage == op.stage)
-        shared = len(copies_of_stage(self.problem, s)) > 1  # else a no-op all-reduce ([Note: placed W])
+        shared = len(self.problem.holders[s]) > 1  # else a no-op all-reduce ([Note: placed W])
         due = self.offsets[j] + max(at(reduce), at(end)) if shared else self.offsets[j + 1]
         stage = self.problem.costs.stages[s]
         feeds = tuple(
@@ -549,7 +548,7 @@ def grid_scale(
             for p in x.parts:
                 sync = Op(OpKind.SYNC_STATS, s, layer=x.name, part=p.part)
                 bcast = Op(OpKind.BCAST, s, layer=x.name, part=p.part, root=0)
-                n = len(copies_of_stage(problem, s))
+                n = len(problem.holders[s])
                 times += [p.stats, p.decomp, costs.collective_seconds(sync, n), costs.collective_seconds(bcast, n)]
     for st, with_fused in ((refresh, fused), (normal, frozenset[str]())):
         times += [t for items in st.ops.values() for _, a, b in items for t in (a, b)]
@@ -657,7 +656,7 @@ def allreduce_after_w(problem: Problem, items: list[tuple[tuple[int, ...], Op]])
             last[op.stage] = max(last.get(op.stage, key), key)
     out = []
     for key, op in items:
-        if op.kind is OpKind.ALLREDUCE_GRAD and op.stage in last and len(copies_of_stage(problem, op.stage_id)) == 1:
+        if op.kind is OpKind.ALLREDUCE_GRAD and op.stage in last and len(problem.holders[op.stage_id]) == 1:
             key = max(key, (*last[op.stage][:3], 1 << 30))  # after the W's folds, which share its first 3 keys
         out.append((key, op))
     return out

@@ -97,7 +97,7 @@ class Problem:
         if unknown:
             raise PlanError(f"distributions name layers {unknown[:3]} that are not in the cost table")
         for name, where in self.distributions:
-            grad_workers(copies_of_stage(self, self.costs.stage_of(name)), where)  # ConfigError for a bad column
+            grad_workers(self.holders[self.costs.stage_of(name)], where)  # ConfigError for a bad column
             captured = any(p.after is not OpKind.ALLREDUCE_GRAD for p in self.costs.layer(name).parts)
             if where.strategy.local_factors and not captured:
                 raise ConfigError(
@@ -143,7 +143,7 @@ class Problem:
     def stream_owners(self) -> tuple[int, ...]:
         """The ranks holding the streamed stage, ascending (the first also sends the replicas)."""
         assert self.streaming is not None, "only a problem with streaming has owners"
-        return copies_of_stage(self, self.streaming.stage)
+        return self.holders[self.streaming.stage]
 
     @property
     def chains_refreshes(self) -> bool:
@@ -168,7 +168,7 @@ class Problem:
 
     @cached_property
     def holders(self) -> dict[int, tuple[int, ...]]:
-        """Stage -> the ranks holding a copy of it, ascending (`copies_of_stage`), computed once."""
+        """Stage -> the ranks holding a copy of it, ascending (dp replicas; both Chimera pipelines), computed once."""
         return ranks_of_stages(self.schedule, self.D, self.W, self.v)
 
     def with_distributions(self, distributions: Mapping[str, LayerDistribution]) -> Problem:
@@ -189,7 +189,7 @@ class Problem:
 
     def workers(self, layer: str) -> tuple[int, ...]:
         """The ranks that decompose and apply `layer`'s preconditioner (all copies of its stage under COMM-OPT)."""
-        return grad_workers(copies_of_stage(self, self.costs.stage_of(layer)), self.where(layer))
+        return grad_workers(self.holders[self.costs.stage_of(layer)], self.where(layer))
 
     def recomputes(self, stage: int) -> bool:
         """Whether `stage` recomputes its forward in its backward (`recompute`)."""
@@ -294,11 +294,6 @@ class StageGroup:
     devices: tuple[int, ...]
 
 
-def copies_of_stage(problem: Problem, stage: int) -> tuple[int, ...]:
-    """The global ranks that run `stage` (dp replicas; both Chimera pipelines)."""
-    return problem.holders[stage]
-
-
 def stages_on_device(problem: Problem, device: int) -> tuple[int, ...]:
     """The stages whose F/B run on `device`, ascending."""
     return tuple(s for s, ranks in problem.holders.items() if device in ranks)
@@ -320,7 +315,7 @@ def streamed_seconds(problem: Problem, op: Op) -> float:
     packing of what it returns (priced as the owner's `LayerCost.take_back`)."""
     cost = problem.costs.layer(op.layer_name)
     stepped = streamed_stats(problem, op.layer_name)
-    folds = sum(p.stats for p in cost.parts) + cost.take_back if stepped else 0.0
+    folds = cost.curv + cost.take_back if stepped else 0.0
     return cost.prec * piece_share(op.piece) + folds
 
 
@@ -343,7 +338,7 @@ def stage_groups(problem: Problem) -> tuple[StageGroup, ...]:
     """The connected components of 'stage runs on device', ordered by their first stage."""
     linked = linked_classes((stages_on_device(problem, d) for d in problem.devices), problem.num_stages)
     return tuple(
-        StageGroup(stages, tuple(sorted({d for s in stages for d in copies_of_stage(problem, s)}))) for stages in linked
+        StageGroup(stages, tuple(sorted({d for s in stages for d in problem.holders[s]}))) for stages in linked
     )
 
 

@@ -32,7 +32,6 @@ from fxkfac.planner.problem.problem import (
     StageGroup,
     StepBarrier,
     agreement_set,
-    copies_of_stage,
     stages_on_device,
     streamed_seconds,
     streamed_stats,
@@ -350,7 +349,7 @@ def gradient_stats(stage: StageCost, index: int) -> list[tuple[Op, float]]:
 
 def prec_work(problem: Problem, device: int, stage: int) -> list[tuple[Op, float]]:
     """The per-step preconditioner work of `stage` on `device` with seconds: gradient STATS, APPLYs, BCAST_PRECs."""
-    copies = copies_of_stage(problem, stage)
+    copies = problem.holders[stage]
     cost = problem.costs.stages[stage]
     work = [
         (op, secs)
@@ -392,7 +391,7 @@ def reference_programs(problem: Problem) -> dict[int, list[Op]]:
 
 def gradient_allreduce_seconds(problem: Problem, stage: int) -> float:
     """Seconds of ALLREDUCE_GRAD(stage): the stage's gradients all-reduced over its copies (`CostTable.comm`)."""
-    return problem.costs.collective_seconds(Op(OpKind.ALLREDUCE_GRAD, stage), len(copies_of_stage(problem, stage)))
+    return problem.costs.collective_seconds(Op(OpKind.ALLREDUCE_GRAD, stage), len(problem.holders[stage]))
 
 
 @dataclass(frozen=True)
@@ -413,7 +412,7 @@ class StageComm:
 
 def stage_comm(problem: Problem, stage: int) -> StageComm:
     """The collectives of `stage` priced as the step timeline and the window price them."""
-    copies = copies_of_stage(problem, stage)
+    copies = problem.holders[stage]
     if len(copies) == 1:
         return StageComm(1, 0.0, 0.0, 0.0)
     price = problem.costs.collective_seconds
@@ -476,11 +475,12 @@ STREAMED_TRANSFERS = frozenset({OpKind.SEND_LGRAD, OpKind.RECV_LGRAD, OpKind.SEN
 """A streamed unit's per-step transfers (a REPLICA's, once a refresh, are not priced on either end's CPU)."""
 
 
-def stream_lead(problem: Problem, duration: Duration) -> Duration | None:
-    """`simulate`'s lead of streamed sends: a gradient leaves when the backward (or W) makes it final (`ready`)."""
+def stream_timing(problem: Problem, duration: Duration, buckets: Buckets) -> tuple[Duration | None, Duration | None]:
+    """`simulate`'s (lead, link) of streamed transfers: a gradient leaves when the backward (or W) makes it final
+    (`ready`); a message (a bucket's once) holds its connection its seconds."""
     streaming = problem.streaming
     if streaming is None:
-        return None
+        return None, None
     stage = problem.costs.stages[streaming.stage]  # `Streaming.whole_backward`: every gradient final at its end
     fractions = (
         dict.fromkeys((x.name for x in stage.layers), 1.0) if streaming.whole_backward else ready_fractions(stage)
@@ -494,19 +494,11 @@ def stream_lead(problem: Problem, duration: Duration) -> Duration | None:
             return 0.0
         return (1.0 - fractions[op.layer_name]) * (duration(rank, bwd) - (duration(rank, fwd) if again else 0.0))
 
-    return lead
-
-
-def stream_link(problem: Problem, buckets: Buckets) -> Duration | None:
-    """`simulate`'s link of streamed transfers: a message (a bucket's once) holds its connection its seconds."""
-    if problem.streaming is None:
-        return None
-
     def link(rank: int, op: Op) -> float:
         together = buckets.get((rank, op))
         return problem.costs.collective_seconds(op, 2) if together is None else problem.costs.bucket_seconds(together)
 
-    return link
+    return lead, link
 
 
 def problem_buckets(problem: Problem, programs: Mapping[int, Sequence[Sequence[Op]]]) -> Buckets:
@@ -526,7 +518,7 @@ def step_timeline(
     programs = reference_programs(problem) if with_prec else base_programs(problem)
     buckets = problem_buckets(problem, as_programs(programs))
     duration = _duration(problem, fused, refresh, buckets)
-    lead, link = stream_lead(problem, duration), stream_link(problem, buckets)
+    lead, link = stream_timing(problem, duration, buckets)
     return simulate(programs, duration, steps=1, lead=lead, link=link, buckets=buckets)
 
 
@@ -603,7 +595,7 @@ def slot_seconds(problem: Problem, device: int, stage: int) -> float:
         return sum(secs for _, secs in work)
     before = max(
         sum(secs for op, secs in prec_work(problem, c, stage) if op.kind is not OpKind.BCAST_PREC)
-        for c in copies_of_stage(problem, stage)
+        for c in problem.holders[stage]
     )
     return before + sum(shares)
 
@@ -631,7 +623,7 @@ def fused_stats(problem: Problem, fused: frozenset[str], rank: int, bwd: Op) -> 
         if x.name in fused and w_makes(bwd, x.name)
     }
     where = {name: problem.where(name) for name in parts}
-    return capture_stats(bwd, rank, parts, copies_of_stage(problem, bwd.stage_id), where)
+    return capture_stats(bwd, rank, parts, problem.holders[bwd.stage_id], where)
 
 
 def fused_extra(problem: Problem, fused: frozenset[str]) -> float:
@@ -668,7 +660,7 @@ def group_load(problem: Problem, group: StageGroup, fused: frozenset[str] = froz
     work = 0.0
     for device in group.devices:
         for op, _, _ in step.fixed(device):
-            copies = copies_of_stage(problem, op.stage_id)
+            copies = problem.holders[op.stage_id]
             work += sum(
                 p.stats
                 for x in problem.costs.stages[op.stage_id].layers
@@ -706,7 +698,7 @@ def held_bytes(problem: Problem, device: int, layer: str, where: LayerDistributi
     """(bytes `device` keeps of `layer` under `where`: statistics, two decompositions (active and next) and state;
     its BCAST_PREC buffer)."""
     x = problem.costs.layer(layer)
-    copies = copies_of_stage(problem, problem.costs.stage_of(layer))
+    copies = problem.holders[problem.costs.stage_of(layer)]
     held = holding(device, copies, where, all(p.after is OpKind.ALLREDUCE_GRAD for p in x.parts))
     kept = x.factor_bytes * (held.statistics + 2 * held.decompositions) + x.state_bytes * held.decompositions
     return kept, x.gradient_bytes * held.shares_gradient

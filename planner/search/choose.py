@@ -25,7 +25,7 @@ from fxkfac.planner.plan.plan import Plan, rank
 from fxkfac.planner.plan.solution import GroupSolution
 from fxkfac.planner.plan.window import grid_scale
 from fxkfac.planner.problem.errors import PlanError
-from fxkfac.planner.problem.problem import Problem, SolverConfig, StepBarrier, copies_of_stage, stage_groups
+from fxkfac.planner.problem.problem import Problem, SolverConfig, StepBarrier, stage_groups
 from fxkfac.planner.problem.step_timeline import step_timeline
 from fxkfac.planner.problem.strategy import COMM_OPT, LayerDistribution, Strategy, StrategyKind
 from fxkfac.planner.search.attempt import Attempt, Method, assemble, cheaper_fused, same_stretch, solve, stats_chunk_of
@@ -58,7 +58,7 @@ def candidate_strategies(problem: Problem) -> list[Strategy]:
 
 
 def _most_copies(problem: Problem) -> int:
-    return max(len(copies_of_stage(problem, s)) for s in range(problem.num_stages))
+    return max(len(problem.holders[s]) for s in range(problem.num_stages))
 
 
 def mixed(problem: Problem) -> Problem | None:

@@ -48,7 +48,6 @@ from fxkfac.planner.problem.problem import (
     SolveProgress,
     SolverConfig,
     StageGroup,
-    copies_of_stage,
     stages_on_device,
 )
 from fxkfac.planner.problem.step_timeline import (
@@ -101,7 +100,7 @@ def options_of(problem: Problem, stages: Iterable[int], free: Collection[int]) -
     """The options of every layer of `stages`: every KAISA distribution on the `free` stages, else the problem's own."""
     out = {}
     for s in stages:
-        copies = copies_of_stage(problem, s)
+        copies = problem.holders[s]
         for layer in (x.name for x in problem.costs.stages[s].layers):
             opts = []
             for where in layer_options(problem, layer) if s in free else (problem.where(layer),):
@@ -128,7 +127,7 @@ def ns(seconds: float) -> int:
 def layer_options(problem: Problem, layer: str) -> tuple[LayerDistribution, ...]:
     """Every KAISA distribution of `layer` over its stage's H copies: COMM-OPT, HYBRID per grad-worker count dividing
     H and column, MEM-OPT per column; COMM-OPT alone for a streamed layer."""
-    H = len(copies_of_stage(problem, problem.costs.stage_of(layer)))
+    H = len(problem.holders[problem.costs.stage_of(layer)])
     out = [LayerDistribution()]
     if problem.streaming is not None and layer in problem.streaming.layers:
         return tuple(out)
@@ -168,7 +167,7 @@ def comm_slot_seconds(problem: Problem, stage: int) -> float:
 def share_seconds(problem: Problem, layer: str, where: LayerDistribution) -> float:
     """Seconds of `layer`'s BCAST_PREC on every copy under `where` (0 under COMM-OPT)."""
     stage = problem.costs.stage_of(layer)
-    copies = copies_of_stage(problem, stage)
+    copies = problem.holders[stage]
     rows = receivers(copies, where)
     if not rows:
         return 0.0
@@ -197,7 +196,7 @@ def reference_step(problem: Problem, free: frozenset[int], distributions: Mappin
     end = step_fixed_end(problem, free)
     for s in sorted(free):
         where = {x.name: distributions.get(x.name, LayerDistribution()) for x in problem.costs.stages[s].layers}
-        copies = copies_of_stage(problem, s)
+        copies = problem.holders[s]
         if all(w == LayerDistribution() for w in where.values()):
             slot = comm_slot_seconds(problem, s)
         else:
@@ -305,8 +304,7 @@ def add_tasks(v: Vars, w: Window, free_w: bool = True) -> None:
     L = w.length
     wraps = w.k == 1 and w.leads[0] > 0
     for task in w.tasks:
-        earliest = [w.earliest(task, d) for d in task.devices]
-        lo = min(earliest) if task.kind is TaskKind.INV else max(earliest)  # an INV's device is chosen
+        lo = w.earliest(task)
         due = w.horizon if task.deadline is None else task.deadline  # a W's: its stage's update
         if task.kind is TaskKind.WGRAD and not free_w and task.home is not None:
             lo, due = task.home, task.home + task.ticks  # where the schedule runs it
@@ -323,7 +321,6 @@ def add_tasks(v: Vars, w: Window, free_w: bool = True) -> None:
                     v.model.new_optional_fixed_size_interval_var(at, task.ticks, present[d], f"{task.name}_r{d}")
                     for at in laid
                 ]
-                v.model.add(start >= w.earliest(task, d)).only_enforce_if(present[d])
             v.model.add_exactly_one(present.values())
         else:
             ivs = [v.model.new_fixed_size_interval_var(at, task.ticks, task.name) for at in laid]
@@ -390,7 +387,7 @@ def placed_tasks(w: Window, options: Options) -> tuple[Task, ...]:
             continue
         if task.kind is TaskKind.INV:
             ranks = {d for o in options[task.factors[0][0]] for d in o.workers}
-            task = replace(task, devices=tuple(d for d in copies_of_stage(w.problem, task.stage) if d in ranks))
+            task = replace(task, devices=tuple(d for d in w.problem.holders[task.stage] if d in ranks))
         out.append(task)
     return tuple(out)
 
@@ -445,7 +442,7 @@ def _add_slots(v: Vars, w: Window, options: Options) -> None:
         room = max(1, min(w.precs[n].deadline - w.precs[n].release for n in slots))
         need, _ = slot_need(m, s, w.problem, v.lits, options, w.up, f"s{s}")
         need_ns, _ = slot_need(m, s, w.problem, v.lits, options, ns, f"ns_s{s}")
-        m.add(ns(timeline.allreduce_end[copies_of_stage(w.problem, s)[0], s]) + need_ns <= bound)
+        m.add(ns(timeline.allreduce_end[w.problem.holders[s][0], s]) + need_ns <= bound)
         ticks = m.new_int_var(1, room, f"slot_ticks_s{s}")
         m.add_min_equality(ticks, [need, room])
         v.slot_ticks[s] = ticks
@@ -493,13 +490,12 @@ def _add_slot_order(v: Vars, w: Window) -> None:
     for i, task in enumerate(w.tasks):
         if task.after_slot:
             for d, present in v.present[i].items():
-                n = w.refresh_slot(d, task.stage)
+                n = w.slot(d, task.stage)
                 ticks = v.slot_ticks.get(task.stage, w.precs[n].ticks)
                 v.model.add(v.start[i] >= v.prec[n] + ticks).only_enforce_if(present)
     for i, task in enumerate(w.tasks):
         if task.kind is TaskKind.WGRAD and task.home is not None:
-            d, j = task.devices[0], w.step_of(task.devices[0], task.home)
-            n = next(n for n, p in enumerate(w.precs) if (p.device, p.stage, p.step) == (d, task.stage, j))
+            n = w.slot(task.devices[0], task.stage, w.step_of(task.home))
             v.model.add(v.start[i] + task.ticks <= v.prec[n])
 
 
@@ -799,7 +795,7 @@ def energy_bound(w: Window, options: Options, base: int, config: SolverConfig, m
                     load[d].append(w.span(secs) * lit)
     for s in w.group.stages:
         need, _ = slot_need(m, s, w.problem, lits, options, w.up, f"s{s}")
-        for d in copies_of_stage(w.problem, s):
+        for d in w.problem.holders[s]:
             load[d] += [need] * k
     for d, items in load.items():  # the fixed work's ticks per step off each step
         m.add(sum(items) <= k * (step - sum(e - s for s, e in w.fixed[d]) // k))
@@ -838,7 +834,7 @@ def slot_need(
     comm_slot = unit(comm_slot_seconds(problem, stage))
     top = comm_slot + sum(max(unit(o.apply) + unit(o.share) for o in options[n]) for n in layers) + 1
     lead = m.new_int_var(0, top, f"lead_{name}")
-    for c in copies_of_stage(problem, stage):
+    for c in problem.holders[stage]:
         m.add(lead >= sum(unit(o.apply) * x for n in layers for o, x in zip(options[n], lits[n]) if c in o.workers))
     need = m.new_int_var(1, top, f"need_{name}")
     m.add(need >= comm_slot).only_enforce_if(all_comm)
@@ -882,7 +878,7 @@ def least_step(
     top = ns(fixed_end)
     for s in sorted(free):
         need, most = slot_need(m, s, problem, lits, options, ns, f"s{s}")
-        release = ns(timeline.allreduce_end[copies_of_stage(problem, s)[0], s])
+        release = ns(timeline.allreduce_end[problem.holders[s][0], s])
         ends.append(release + need)
         top = max(top, release + most)
     step = m.new_int_var(0, top, "step")

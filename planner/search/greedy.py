@@ -119,7 +119,7 @@ def restretch(solution: GroupSolution, stretch: int) -> GroupSolution:
         w.problem, w.group, w.k, w.fused, stats_chunk=w.stats_chunk, stretch=stretch, scale=(w.scale, w.exact)
     )
     tasks = {task.name: task for task in new.tasks}
-    bounds = [w.step_start(w.group.devices[0], j) for j in range(2 * w.k + 1)]  # where each step begins
+    bounds = [w.step_start(j) for j in range(2 * w.k + 1)]  # where each step begins
 
     def move(t: int) -> int:
         return t + max(0, bisect_right(bounds, t) - 1) * delta
@@ -136,7 +136,7 @@ def restretch(solution: GroupSolution, stretch: int) -> GroupSolution:
 def _boundary_gaps(window: Window, device: int) -> tuple[int, int]:
     """(longest idle region of `device` meeting no step boundary, longest meeting one: it grows with the stretch)."""
     L = window.length
-    bounds = [window.step_start(device, j) % L for j in range(window.k)]  # each boundary tick
+    bounds = [window.step_start(j) % L for j in range(window.k)]  # each boundary tick
     inside = across = 0
     for region in idle_regions(window.fixed[device], L):
         if any(s <= b <= e or s <= b + L <= e for s, e in region for b in bounds):
@@ -462,9 +462,9 @@ def _place(window: Window, gaps: dict[int, _Gaps]) -> GroupSolution | None:
         key = task.factors[0]
         after = made.get(i, 0) if task.kind is TaskKind.CURV else max((done.get(f, 0) for f in task.factors), default=0)
         members = [inv_device[key]] if task.kind is TaskKind.INV else list(task.devices)
-        slot = window.precs[window.refresh_slot(members[0], task.stage)] if task.after_slot else None
+        slot = window.precs[window.slot(members[0], task.stage)] if task.after_slot else None
         release = slot.reference + slot.ticks if slot is not None else 0  # a gradient-fed part after its APPLY slot
-        earliest = max([after, release] + [window.earliest(task, d) for d in members])
+        earliest = max(after, release, window.earliest(task))
         need = math.ceil(task.ticks * (1 + MARGIN))
         start = _fit_together([gaps[d] for d in members], earliest, need)
         if start is None:

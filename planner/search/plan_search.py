@@ -26,7 +26,7 @@ from fxkfac.planner.problem.costs import LayerCost, PreconditionerKind
 from fxkfac.planner.problem.errors import ConfigError, PlanError, PlannerError, ScheduleError
 from fxkfac.planner.problem.ir import Op, OpKind
 from fxkfac.planner.problem.lowering import Streaming, can_stream, ready_fractions
-from fxkfac.planner.problem.problem import Problem, SolverConfig, copies_of_stage, format_bytes, stage_groups
+from fxkfac.planner.problem.problem import Problem, SolverConfig, format_bytes, stage_groups
 from fxkfac.planner.problem.schedules import ScheduleKind, validate_schedule_args
 from fxkfac.planner.problem.step_timeline import (
     Timeline,
@@ -315,7 +315,7 @@ def _worth_a_helper(problem: Problem, layer: LayerCost) -> bool:
 def _helpers(problem: Problem) -> list[int]:
     """Every rank but the streamed stage's copies, those that end their step's work first first (lowest on a tie)."""
     step = step_timeline(problem)
-    owners = copies_of_stage(problem, STREAMED_STAGE)
+    owners = problem.holders[STREAMED_STAGE]
     ends = {
         d: max((end for op, _, end in step.ops[d] if op.kind is not OpKind.OPT_STEP), default=0.0)
         for d in problem.devices
@@ -357,9 +357,9 @@ def with_streaming(
     every idle rank dealt by `_balanced`), the shortest reference step that raises no group's least period (any,
     without `keep_bounds`), then the lowest helper load, then the fewest helpers; unchanged where nothing does.
     Simulations are charged to `budget`; past STREAM_CHOICE_PART of its whole limit the best so far is kept."""
-    if problem.streaming is not None or len(copies_of_stage(problem, STREAMED_STAGE)) == len(problem.devices):
+    if problem.streaming is not None or len(problem.holders[STREAMED_STAGE]) == len(problem.devices):
         return problem
-    if problem.costs.family is PreconditionerKind.MUON and len(copies_of_stage(problem, STREAMED_STAGE)) > 1:
+    if problem.costs.family is PreconditionerKind.MUON and len(problem.holders[STREAMED_STAGE]) > 1:
         return problem  # the runtime streams a Muon stage with one copy only
     names = _streamable(problem)
     if not names:

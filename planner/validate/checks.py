@@ -29,7 +29,6 @@ from fxkfac.planner.problem.problem import (
     Problem,
     StepBarrier,
     agreement_set,
-    copies_of_stage,
     is_streamed,
     returned,
     stage_groups,
@@ -50,9 +49,8 @@ from fxkfac.planner.problem.step_timeline import (
     static_bytes,
     step_begins,
     step_timeline,
-    stream_lead,
-    stream_link,
     stream_start,
+    stream_timing,
     tap_extra,
     w_makes,
     w_operand_bytes,
@@ -111,7 +109,7 @@ class Context:
 
     def device_period(self, device: int) -> int:
         """The longest refresh period of the device's stages: its window."""
-        return max(self.period(s) for s in range(self.problem.num_stages) if device in copies_of_stage(self.problem, s))
+        return max(self.period(s) for s in range(self.problem.num_stages) if device in self.problem.holders[s])
 
     def length(self, k: int) -> float:
         return window_length(self.refresh.length, self.normal.length, self.stretch, k)
@@ -152,7 +150,7 @@ class Context:
         """Whether `op` is a no-op all-reduce (of a stage without copies) that follows its stage's placed W's wherever
         they are, not the schedule's position."""
         placed = op.kind is OpKind.ALLREDUCE_GRAD and op.stage is not None and placed_w(self.problem)
-        return placed and len(copies_of_stage(self.problem, op.stage_id)) == 1
+        return placed and len(self.problem.holders[op.stage_id]) == 1
 
     def pipeline(self, op: Op) -> bool:
         """Whether `op` is at the schedule's place in a program: neither placed nor following placed W's."""
@@ -184,11 +182,11 @@ def op_seconds(c: Context, op: Op) -> float:
         if op.layer is None:
             return stage.prec
         cost = c.problem.costs.layer(op.layer)
-        folds = sum(p.stats for p in cost.parts) if streamed_stats(c.problem, op.layer) else 0.0
+        folds = cost.curv if streamed_stats(c.problem, op.layer) else 0.0
         return apply_seconds(c.problem, op) + folds
     if op.kind in (OpKind.SYNC_STATS, OpKind.BCAST, OpKind.BCAST_PREC, OpKind.ALLREDUCE_GRAD):
         # a collective over the ranks it names, else every copy of its stage, by the comm model
-        group = op.group if op.group is not None else copies_of_stage(c.problem, op.stage_id)
+        group = op.group if op.group is not None else c.problem.holders[op.stage_id]
         return c.problem.costs.collective_seconds(op, len(group))
     part = c.problem.costs.layer(op.layer_name).part(op.part_name)
     return part.stats if op.kind is OpKind.STATS else part.decomp / (1 if op.piece is None else op.piece[1])
@@ -226,7 +224,7 @@ def _check_w(c: Context, p: Placement) -> None:
         for op, a, _ in c.timeline(p.step, k).ops[p.device]
         if op.kind is OpKind.ALLREDUCE_GRAD and op.stage == p.op.stage
     )
-    if len(copies_of_stage(c.problem, p.op.stage_id)) == 1:  # a no-op all-reduce: due by the stage's update
+    if len(c.problem.holders[p.op.stage_id]) == 1:  # a no-op all-reduce: due by the stage's update
         due = min(c.base(p.step + 1, k), c.updates.get((p.op.stage, p.device, p.step), math.inf))
     if p.start < ready - c.tol or p.end > due + c.tol:
         c.errors.append(
@@ -252,7 +250,7 @@ def _check_factor(c: Context, layer: str, side: str | None, kinds: Mapping[OpKin
     refresh needs the factor's buffers."""
     stage = c.problem.costs.stage_of(layer)
     L = c.length(c.period(stage))
-    copies = copies_of_stage(c.problem, stage)
+    copies = c.problem.holders[stage]
     curv, sync, inv, bcast = (kinds.get(k, []) for k in (OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST))
     after = None if side is None else c.problem.costs.layer(layer).part(side).after
     what = "the work it depends on ends"
@@ -357,7 +355,7 @@ def _expected(c: Context) -> Counter:
     want: Counter = Counter()
     p = c.problem
     for s, stage in enumerate(p.costs.stages):
-        copies = copies_of_stage(p, s)
+        copies = p.holders[s]
         for d in copies:
             for op, _, _ in c.refresh.fixed(d):
                 for x in stage.layers if op.stage == s else ():
@@ -629,7 +627,7 @@ def check_runs(c: Context) -> None:
         world = c.problem.barrier is StepBarrier.WORLD
         barrier = None if world else {d: agreement_set(c.problem, d) for d in c.problem.devices}
         buckets = problem_buckets(c.problem, c.plan.programs)
-        lead, link = stream_lead(c.problem, duration), stream_link(c.problem, buckets)
+        lead, link = stream_timing(c.problem, duration, buckets)
         timeline = simulate(
             c.plan.programs, duration, steps=steps, barrier=barrier, lead=lead, link=link, buckets=buckets
         )

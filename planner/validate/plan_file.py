@@ -16,7 +16,7 @@ from fxkfac.planner.plan.window import placed_w
 from fxkfac.planner.problem.errors import PlanError, PlanFormatError, PlanMismatchError
 from fxkfac.planner.problem.ir import PRECONDITIONER_KINDS, Op, OpKind
 from fxkfac.planner.problem.lowering import startup_programs
-from fxkfac.planner.problem.problem import Problem, copies_of_stage, is_streamed
+from fxkfac.planner.problem.problem import Problem, is_streamed
 from fxkfac.planner.problem.step_timeline import base_programs
 from fxkfac.planner.validate.checks import check_plan
 
@@ -46,7 +46,7 @@ def _check_op(problem: Problem, op: Op, device: int, fixed: dict[int, set]) -> N
     _need(op.kind in PRECONDITIONER_KINDS, f"placement of {op}: only the preconditioner's ops are placed")
     _need(op.stage is not None and op.stage < problem.num_stages, f"placement of {op}: no such stage")
     assert op.stage is not None  # _need raised otherwise
-    _need(device in copies_of_stage(problem, op.stage), f"{op} is placed on r{device}, which does not run its stage")
+    _need(device in problem.holders[op.stage], f"{op} is placed on r{device}, which does not run its stage")
     layers = {x.name: x for x in problem.costs.stages[op.stage].layers}
     if op.kind in _LAYER_KINDS:
         parts = {p.part for p in layers[op.layer_name].parts} if op.layer in layers else set()

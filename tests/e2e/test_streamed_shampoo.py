@@ -20,7 +20,7 @@ from fxkfac.config import PipelineOptions, PlanOptions
 from fxkfac.planner.plan.plan import Plan
 from fxkfac.planner.problem.ir import LayerTiming
 from fxkfac.planner.problem.lowering import Streaming, ready_fractions
-from fxkfac.planner.problem.problem import SolverConfig, copies_of_stage
+from fxkfac.planner.problem.problem import SolverConfig
 from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.search.plan_search import StreamApply
 from fxkfac.planner.validate import validate
@@ -73,7 +73,7 @@ def _streamed_plan(trainer: fxkfac.Trainer) -> Plan:
     problem = trainer.plan.problem
     fractions = ready_fractions(problem.costs.stages[0])
     layers = tuple(sorted(fractions, key=lambda n: fractions[n]))
-    helpers = [d for d in problem.devices if d not in copies_of_stage(problem, 0)]
+    helpers = [d for d in problem.devices if d not in problem.holders[0]]
     streaming = Streaming(0, tuple(helpers[i % len(helpers)] for i in range(len(layers))), layers)
     # a streamed unit is COMM-OPT; transfers unpriced (the measured gloo links of a tiny model are mostly noise, and
     # a replica made at a step's tail delays its end by its transfer, which the window does not price: see

@@ -13,7 +13,7 @@ from fxkfac.planner.plan.plan import Plan
 from fxkfac.planner.problem.costs import CostTable
 from fxkfac.planner.problem.errors import Knob, PlanError
 from fxkfac.planner.problem.ir import OpKind
-from fxkfac.planner.problem.problem import Problem, SolverConfig, copies_of_stage
+from fxkfac.planner.problem.problem import Problem, SolverConfig
 from fxkfac.planner.problem.step_timeline import step_timeline
 from fxkfac.planner.search.attempt import solve
 from fxkfac.planner.validate import validate
@@ -50,7 +50,7 @@ def test_chimera_d2_has_no_bubble_and_plans_with_the_least_stretch() -> None:
     # tick (10 us on this grid) per curvature sync and inverse broadcast (24 each, on both devices). The second
     # all-reduce, between the two PRECs, is free (no comm model): an instant, which takes no tick ([Note: time grid]).
     tick = 1e-5
-    assert all(len(copies_of_stage(p, s)) == 2 for s in range(2))
+    assert all(len(p.holders[s]) == 2 for s in range(2))
     work = [
         sum(0.1 * MS * 6 for _ in step_timeline(p).fixed(d)) + (12 * 0.25 * MS + 12 * 0.2 * MS) / 2 + 2 * 24 * tick
         for d in p.devices
