@@ -114,7 +114,7 @@ def options_of(problem: Problem, stages: Iterable[int], free: Collection[int]) -
                     if len(workers) > 1
                 }
                 share = share_seconds(problem, layer, where)
-                opts.append(Option(where, workers, bcast, apply_seconds(problem, layer), share))
+                opts.append(Option(where, workers, bcast, worker_seconds(problem, layer), share))
             out[layer] = tuple(opts)
     return out
 
@@ -151,11 +151,10 @@ def timeline_stages(problem: Problem) -> frozenset[int]:
     return frozenset(out)
 
 
-def apply_seconds(problem: Problem, layer: str) -> float:
+def worker_seconds(problem: Problem, layer: str) -> float:
     """Seconds of `layer`'s per-step work on each grad worker (its gradient STATS and APPLY) off COMM-OPT."""
-    stage = problem.costs.stage_of(layer)
-    stats = sum(secs for op, secs in gradient_stats(problem.costs.stages[stage], stage) if op.layer == layer)
-    return stats + problem.costs.layer(layer).prec
+    cost = problem.costs.layer(layer)
+    return sum(p.stats for p in cost.parts if p.after is OpKind.ALLREDUCE_GRAD) + cost.prec
 
 
 def comm_slot_seconds(problem: Problem, stage: int) -> float:
@@ -201,7 +200,8 @@ def reference_step(problem: Problem, free: frozenset[int], distributions: Mappin
             slot = comm_slot_seconds(problem, s)
         else:
             work = [
-                sum(apply_seconds(problem, n) for n, w in where.items() if c in grad_workers(copies, w)) for c in copies
+                sum(worker_seconds(problem, n) for n, w in where.items() if c in grad_workers(copies, w))
+                for c in copies
             ]
             slot = max(work) + sum(share_seconds(problem, n, w) for n, w in where.items())
         end = max(end, step.allreduce_end[copies[0], s] + slot)
