@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from fxkfac.planner.problem import WORDS, CostTable, OpKind, PreconditionerKind, Problem, StageCost, kind_of
+from fxkfac.planner.problem import WORDS, CostTable, OpKind, PreconditionerKind, Problem, kind_of
 
 if TYPE_CHECKING:
     from fxkfac.planner.plan import Plan
@@ -18,16 +18,11 @@ def _stage_means(costs: CostTable) -> dict[str, float]:
     """Per-stage means of the table, as values of the performance model's symbols."""
     n = len(costs.stages)
     mean = lambda f: sum(f(s) for s in costs.stages) / n  # noqa: E731
-
-    def stats(stage: StageCost, from_gradient: bool) -> float:
-        gradient = OpKind.ALLREDUCE_GRAD
-        return sum(p.stats for x in stage.layers for p in x.parts if (p.after is gradient) == from_gradient)
-
     return {
         "T_f": mean(lambda s: s.fwd),
         "T_b": mean(lambda s: s.bwd),
-        "T_curv": mean(lambda s: stats(s, False)),
-        "T_gstat": mean(lambda s: stats(s, True)),
+        "T_curv": mean(lambda s: s.stats_after(OpKind.FWD, OpKind.BWD)),
+        "T_gstat": mean(lambda s: s.stats_after(OpKind.ALLREDUCE_GRAD)),
         "T_inv": mean(lambda s: s.inv),
         "T_prec": mean(lambda s: s.prec),
         "M_theta": mean(lambda s: s.param_bytes),

@@ -224,7 +224,11 @@ class StageCost:
         measured = self.fused_fwd if after is OpKind.FWD else self.fused_bwd
         if measured is None or priced == 0:
             return priced
-        return measured * priced / sum(p.stats for x in self.layers for p in x.parts if p.after is after)
+        return measured * priced / self.stats_after(after)
+
+    def stats_after(self, *kinds: OpKind) -> float:
+        """Seconds of one micro-batch's statistics of the parts captured after one of `kinds` (`PartCost.after`)."""
+        return sum(p.stats for x in self.layers for p in x.parts if p.after in kinds)
 
     @property
     def curv(self) -> float:
