@@ -303,9 +303,14 @@ class CostTable:
             raise CostModelError(f"CostTable: layer names must be unique across stages; repeated: {dupes}")
 
     @property
+    def layers(self) -> tuple[LayerCost, ...]:
+        """Every layer, stage by stage."""
+        return tuple(x for s in self.stages for x in s.layers)
+
+    @property
     def layer_names(self) -> tuple[str, ...]:
-        """Every K-FAC layer name, stage by stage."""
-        return tuple(layer.name for s in self.stages for layer in s.layers)
+        """Every layer's name, stage by stage."""
+        return tuple(x.name for x in self.layers)
 
     def layer(self, name: str) -> LayerCost:
         """The cost of layer `name`."""

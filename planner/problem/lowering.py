@@ -138,7 +138,7 @@ def assign_decompositions(
 
 def decomposition_seconds(costs: CostTable) -> dict[Decomposition, float]:
     """(layer, part) -> seconds of one decomposition of every part in the cost table (what LPT sorts by)."""
-    return {(x.name, p.part): p.decomp for stage in costs.stages for x in stage.layers for p in x.parts}
+    return {(x.name, p.part): p.decomp for x in costs.layers for p in x.parts}
 
 
 def step_applies(

@@ -180,7 +180,7 @@ class Problem:
     def with_strategy(self, strategy: Strategy) -> Problem:
         """Every layer under `strategy`, dealt to columns by `distribute` on its decomposition (Muon: APPLY) seconds."""
         layers = {s: [x.name for x in stage.layers] for s, stage in enumerate(self.costs.stages)}
-        costs = {x.name: x.inv if x.parts else x.prec for stage in self.costs.stages for x in stage.layers}
+        costs = {x.name: x.inv if x.parts else x.prec for x in self.costs.layers}
         return self.with_distributions(distribute(strategy, layers, self.holders, costs))
 
     def where(self, layer: str) -> LayerDistribution:

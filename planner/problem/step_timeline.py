@@ -505,8 +505,7 @@ def problem_buckets(problem: Problem, programs: Mapping[int, Sequence[Sequence[O
     """The streamed SENDs of `programs` that travel together, as the runtime cuts them (`send_buckets`)."""
     if problem.streaming is None:
         return {}
-    layers = [x for stage in problem.costs.stages for x in stage.layers]
-    return send_buckets(programs, layers, problem.costs.family)
+    return send_buckets(programs, problem.costs.layers, problem.costs.family)
 
 
 @lru_cache(maxsize=256)

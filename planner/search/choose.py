@@ -64,9 +64,7 @@ def _most_copies(problem: Problem) -> int:
 def mixed(problem: Problem) -> Problem | None:
     """MEM-OPT on the layers holding the larger half of the statistics bytes, COMM-OPT on the others; None when that
     is one strategy on every layer."""
-    layers = sorted(
-        (x for stage in problem.costs.stages for x in stage.layers), key=lambda x: (-x.factor_bytes, x.name)
-    )
+    layers = sorted(problem.costs.layers, key=lambda x: (-x.factor_bytes, x.name))
     total, big, held = sum(x.factor_bytes for x in layers), [], 0
     for x in layers:
         if 2 * held >= total:

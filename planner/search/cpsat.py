@@ -896,7 +896,7 @@ def least_step(
     for x in lits.values():
         for lit in x:
             m.add_hint(lit, solver.boolean_value(lit))
-    load = m.new_int_var(0, sum(ns(x.inv) for stage in problem.costs.stages for x in stage.layers), "load")
+    load = m.new_int_var(0, sum(ns(x.inv) for x in problem.costs.layers), "load")
     for d in problem.devices:  # decomposition ns on rank d: each layer's shared by its grad workers
         work = [
             ns(problem.costs.layer(n).inv / len(o.workers)) * lit

@@ -621,7 +621,7 @@ def _quick_refusal(problem: Problem) -> str | None:
     step allowed, a budget below the least memory); None: only solving tells."""
     longest = (1 + problem.max_overhead) * step_timeline(problem).length
     task = max(
-        ((p.decomp, f"{x.name} {p.part}") for s in problem.costs.stages for x in s.layers for p in x.parts),
+        ((p.decomp, f"{x.name} {p.part}") for x in problem.costs.layers for p in x.parts),
         default=(0.0, ""),
     )
     if task[0] > longest:
