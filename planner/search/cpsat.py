@@ -262,8 +262,8 @@ optimizing and joint solves keep the default."""
 
 @dataclass
 class Vars:
-    """The model and its variables by task and slot; with options also their literals, each (layer, part)'s BCAST
-    (start, pos, has, end), each stage's slot ticks and each device's optional BCASTs (ticks, literal)."""
+    """The model and its variables by task and slot, the option literals and, where a layer has several options, each
+    (layer, part)'s BCAST (start, pos, has, end), its stage's slot ticks and each device's optional BCASTs."""
 
     model: cp_model.CpModel
     start: list[cp_model.IntVar] = field(default_factory=list)
