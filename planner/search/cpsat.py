@@ -391,7 +391,7 @@ def _add_choices(v: Vars, w: Window, options: Options) -> None:
     chosen option's BCAST, an optional interval per option on its column's ranks, after the part's DECOMP and before
     the next refresh's first."""
     m, L = v.model, w.length
-    v.lits = literals(m, options)
+    v.lits = literals(m, options) if chooses(options, options) else {}  # a model without a choice has no literal
     for i, task in enumerate(w.tasks):
         if task.kind is TaskKind.INV and chooses(options, [task.factors[0][0]]):
             layer = task.factors[0][0]
