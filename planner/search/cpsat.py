@@ -5,9 +5,10 @@ next window's early bubbles; NoOverlap per device beside the fixed F/B, optional
 a cumulative per device for activations and deferred curvature's kept a/e. `solve_window`: any placement, or the
 least staleness.
 
-[Note: joint strategy] Given `options`, the same model chooses each layer's KAISA distribution while it places the
-work: one Boolean per option (a DECOMP on a rank of the chosen column, each option's BCAST an optional interval, each
-stage's slot and each device's static bytes linear in them). An option set moves the fixed work only on
+[Note: joint strategy] The model is given every layer's options and chooses its KAISA distribution while it places the
+work; a forced strategy is the model with one option per layer (its literal the constant 1: its BCASTs, slots and memory
+the window's own). Per option one Boolean (a DECOMP on a rank of the chosen column, each option's BCAST an optional
+interval, each stage's slot and each device's static bytes linear in them). An option set moves the fixed work only on
 `timeline_stages` (Chimera's first stage per device, interleaved's first chunk), which keep one option set per solve;
 elsewhere it moves only the step's end, L(P) (`reference_step`, exactly the simulated step). `least_step` finds the
 least L within static memory; each group is placed at it plus the allowed stretch, and the placement moves into
@@ -260,8 +261,8 @@ optimizing and joint solves keep the default."""
 
 @dataclass
 class Vars:
-    """The model and its variables by task and slot; with options also their literals, each (layer, part)'s BCAST
-    (start, pos, has, end), each stage's slot ticks and each device's optional BCASTs (ticks, literal)."""
+    """The model and its variables by task and slot, the option literals and, where a layer has several options, each
+    (layer, part)'s BCAST (start, pos, has, end), its stage's slot ticks and each device's optional BCASTs."""
 
     model: cp_model.CpModel
     start: list[cp_model.IntVar] = field(default_factory=list)
@@ -363,27 +364,17 @@ def add_precedences(v: Vars, w: Window) -> None:
         m.add(v.start[i] + done_by(w.tasks[i]) <= v.start[warmed] + L)
 
 
-def _add_precs(v: Vars, w: Window) -> None:
-    """Every APPLY slot on its device, the sharing slots of a stage and step together (`PrecSlot.shares`); an empty
-    slot holds no interval (no-overlap takes a zero interval for a point nothing may hold)."""
-    first: dict[tuple[int, int], int] = {}
-    for n, slot in enumerate(w.precs):
-        name = f"prec_s{slot.stage}_r{slot.device}_j{slot.step}"
-        start, pos, _ = modular(v, name, slot.release, slot.deadline - slot.ticks, slot.ticks, w.length)
-        v.prec.append(start)
-        if slot.ticks > 0:
-            v.intervals_of_device[slot.device].append(v.model.new_fixed_size_interval_var(pos, slot.ticks, name))
-        if slot.shares:
-            m = first.setdefault((slot.stage, slot.step), n)
-            if m != n:
-                v.model.add(start == v.prec[m])
+def chooses(options: Options, layers: Iterable[str]) -> bool:
+    """Whether any of `layers` has several options (the model chooses its distribution)."""
+    return any(len(options[n]) > 1 for n in layers)
 
 
 def placed_tasks(w: Window, options: Options) -> tuple[Task, ...]:
-    """The window's tasks but BCAST (placed per option), each DECOMP on any rank an option allows."""
+    """The window's tasks but the BCAST of a layer with several options (placed per option), each DECOMP on any rank
+    an option allows."""
     out = []
     for task in w.tasks:
-        if task.kind is TaskKind.BCAST:
+        if task.kind is TaskKind.BCAST and chooses(options, [task.factors[0][0]]):
             continue
         if task.kind is TaskKind.INV:
             ranks = {d for o in options[task.factors[0][0]] for d in o.workers}
@@ -397,14 +388,16 @@ def _add_choices(v: Vars, w: Window, options: Options) -> None:
     chosen option's BCAST, an optional interval per option on its column's ranks, after the part's DECOMP and before
     the next refresh's first."""
     m, L = v.model, w.length
-    v.lits = literals(m, options)
+    v.lits = literals(m, options) if chooses(options, options) else {}  # a model without a choice has no literal
     for i, task in enumerate(w.tasks):
-        if task.kind is TaskKind.INV:
+        if task.kind is TaskKind.INV and chooses(options, [task.factors[0][0]]):
             layer = task.factors[0][0]
             for d, present in v.present[i].items():
                 m.add_bool_or([~present, *[lit for o, lit in zip(options[layer], v.lits[layer]) if d in o.workers]])
     chains = {w.tasks[c[0]].factors[0]: c for c in inv_chains(w)}
     for (layer, part), chain in chains.items():
+        if not chooses(options, [layer]):
+            continue  # its BCAST is the window's task
         chosen = [
             (n, w.span(o.bcast[part]), o.workers, lit)
             for n, (o, lit) in enumerate(zip(options[layer], v.lits[layer]))
@@ -432,12 +425,26 @@ def _add_choices(v: Vars, w: Window, options: Options) -> None:
 
 
 def _add_slots(v: Vars, w: Window, options: Options) -> None:
-    """Every slot on its device, as long as its stage's options make it (within its room); the reference slot from
-    the all-reduce end ends within the window's step; copies start a sharing slot together."""
+    """Every slot on its device: the window's own where its stage's distributions are fixed (an empty one holds no
+    interval: no-overlap takes a zero interval for a point nothing may hold), else as long as its stage's options make
+    it (within its room), the reference slot from the all-reduce end within the window's step; copies start a sharing
+    slot together (`PrecSlot.shares`)."""
     m, L, timeline = v.model, w.length, step_timeline(w.problem)
     bound = ns((w.offsets[1] + 0.5) / w.scale) - min(1000, round(NS / w.scale / 4))
     starts: dict[int, cp_model.IntVar] = {}
-    for s in w.group.stages:
+    chosen = [s for s in w.group.stages if chooses(options, [x.name for x in w.problem.costs.stages[s].layers])]
+    fixed: dict[tuple[int, int], cp_model.IntVar] = {}
+    for n, slot in enumerate(w.precs):
+        if slot.stage in chosen:
+            continue
+        name = f"prec_s{slot.stage}_r{slot.device}_j{slot.step}"
+        start, pos, _ = modular(v, name, slot.release, slot.deadline - slot.ticks, slot.ticks, L)
+        starts[n] = start
+        if slot.ticks > 0:
+            v.intervals_of_device[slot.device].append(m.new_fixed_size_interval_var(pos, slot.ticks, name))
+        if slot.shares and fixed.setdefault((slot.stage, slot.step), start) is not start:
+            m.add(start == fixed[slot.stage, slot.step])
+    for s in chosen:
         slots = [n for n, p in enumerate(w.precs) if p.stage == s]
         room = max(1, min(w.precs[n].deadline - w.precs[n].release for n in slots))
         need, _ = slot_need(m, s, w.problem, v.lits, options, w.up, f"s{s}")
@@ -479,7 +486,7 @@ def _add_energy(v: Vars, w: Window) -> None:
         for i, task in enumerate(w.tasks):
             if d in task.devices:
                 load.append(task.ticks * v.present[i][d] if task.kind is TaskKind.INV else task.ticks)
-        load += [v.slot_ticks[p.stage] for p in w.precs if p.device == d]
+        load += [v.slot_ticks.get(p.stage, p.ticks) for p in w.precs if p.device == d]
         load += [ticks * lit for ticks, lit in v.bcast_load.get(d, [])]
         m.add(sum(load) <= w.length - sum(e - s for s, e in w.fixed[d]))
 
@@ -499,23 +506,19 @@ def _add_slot_order(v: Vars, w: Window) -> None:
             v.model.add(v.start[i] + task.ticks <= v.prec[n])
 
 
-def _add_memory(v: Vars, w: Window, options: Options | None) -> None:
-    """Per device, activations and the a/e kept by deferred curvature (or a W) within its capacity (with `options`:
-    the budget less static bytes), in units that keep the largest capacity within 2**30."""
+def _add_memory(v: Vars, w: Window, options: Options) -> None:
+    """Per device, activations and the a/e kept by deferred curvature (or a W) within its capacity (the budget less
+    static bytes, which its layers' options move), in units that keep the largest capacity within 2**30."""
     budget, m, L = w.problem.memory_budget, v.model, w.length
-    top = budget if options is not None else max((c for c in w.capacity.values() if c is not None), default=None)
-    if top is None:
+    top = max((c for c in w.capacity.values() if c is not None), default=None)
+    if top is None or budget is None:
         return
     unit = max(1, math.ceil(top / 2**30))
     for d in w.group.devices:
-        cap: int | cp_model.IntVar
-        if options is not None and budget is not None:
+        cap: int | cp_model.IntVar = max(0, (w.capacity[d] or 0) // unit)
+        if chooses(options, [x.name for s in stages_on_device(w.problem, d) for x in w.problem.costs.stages[s].layers]):
             cap = m.new_int_var(0, budget // unit, f"cap_r{d}")
             m.add(unit * cap <= budget - static_bytes(m, w.problem, d, v.lits, options))
-        elif (fixed := w.capacity[d]) is not None:
-            cap = max(0, fixed // unit)
-        else:
-            continue
         intervals = [constant_interval(v, s, e - s) for s, e, _ in w.acts[d]]
         demands = [math.ceil(nbytes / unit) for _, _, nbytes in w.acts[d]]
         for i, task in enumerate(w.tasks):
@@ -534,14 +537,15 @@ def _add_memory(v: Vars, w: Window, options: Options | None) -> None:
         m.add_cumulative(intervals, demands, cap)
 
 
-def _add_staleness(v: Vars, w: Window) -> list[cp_model.LiteralT]:
-    """The negated flags 'layer ready by its slot in step j' (of 2k, monotone), whose sum is the use offsets."""
+def _add_staleness(v: Vars, w: Window, options: Options) -> list[cp_model.LiteralT]:
+    """The negated flags 'layer ready by its slot in step j' (of 2k, monotone), whose sum is the use offsets; a layer
+    with several options is ready at one variable after its chosen BCASTs."""
     m = v.model
     ends: dict[str, list[cp_model.LinearExprT]] = {}
     for i, task in enumerate(w.tasks):
         if task.kind not in (TaskKind.INV, TaskKind.BCAST):
             continue
-        if not v.lits:
+        if not chooses(options, [task.factors[0][0]]):
             for layer, _ in task.factors:
                 ends.setdefault(layer, []).append(v.start[i] + task.ticks)
             continue
@@ -586,24 +590,21 @@ def break_layer_symmetry(v: Vars, w: Window) -> None:
 
 
 def _build(
-    w: Window, options: Options | None, optimize: bool, break_symmetry: bool = True, *, free_w: bool = True
+    w: Window, options: Options, optimize: bool, break_symmetry: bool = True, *, free_w: bool = True
 ) -> tuple[Vars, Window]:
-    """The window's model (`optimize`: least staleness) and the window of the tasks it places (`placed_tasks` with
-    `options`)."""
+    """The window's model with each layer's `options` (one: the window's own distribution; `optimize`: least
+    staleness) and the window of the tasks it places (`placed_tasks`)."""
     v = Vars(cp_model.CpModel(), intervals_of_device={d: [] for d in w.group.devices})
-    placed = w if options is None else replace(w, tasks=placed_tasks(w, options))
+    placed = replace(w, tasks=placed_tasks(w, options))
     for d in placed.group.devices:  # the fixed work: F/B, gradient all-reduces, step boundaries
         for s, e in placed.fixed[d]:
             v.intervals_of_device[d].append(constant_interval(v, s, e - s))
     add_tasks(v, placed, free_w=free_w)
     add_precedences(v, placed)
-    if options is None:
-        _add_precs(v, placed)
-    else:
-        _add_choices(v, placed, options)
-        _add_slots(v, placed, options)
+    _add_choices(v, placed, options)
+    _add_slots(v, placed, options)
     _add_slot_order(v, placed)
-    if options is not None:
+    if chooses(options, options):
         _add_energy(v, placed)
     for intervals in v.intervals_of_device.values():
         v.model.add_no_overlap(intervals)
@@ -611,11 +612,11 @@ def _build(
     if break_symmetry:
         break_layer_symmetry(v, placed)
     if optimize:
-        v.model.minimize(sum(_add_staleness(v, placed)))
+        v.model.minimize(sum(_add_staleness(v, placed, options)))
     return v, placed
 
 
-def _hint(v: Vars, w: Window, hint: GroupSolution, options: Options | None) -> None:
+def _hint(v: Vars, w: Window, hint: GroupSolution, options: Options) -> None:
     """Warm-start every variable from `hint` (a placement in a window of the same steps), by task name."""
     m, L = v.model, w.length
     named, inv_devices = hint.named_starts(), hint.inv_devices()
@@ -628,8 +629,9 @@ def _hint(v: Vars, w: Window, hint: GroupSolution, options: Options | None) -> N
         for d, flag in v.present[i].items():
             m.add_hint(flag, inv_devices.get(task.factors[0]) == d)
     for layer, lits in v.lits.items():
-        for o, lit in zip(options[layer] if options is not None else (), lits):
-            m.add_hint(lit, hint.choice(layer) == o.where)
+        if chooses(options, [layer]):
+            for o, lit in zip(options[layer], lits):
+                m.add_hint(lit, hint.choice(layer) == o.where)
     for (layer, part), (start, pos, has, _) in v.bcast.items():
         at = named.get(f"bcast_{part}_{layer}", 0)
         m.add_hint(has, f"bcast_{part}_{layer}" in named)
@@ -647,20 +649,22 @@ def solve_window(
     hint: GroupSolution | None = None,
     *,
     optimize: bool = True,
-    options: Options | None = None,
+    options: Options,
 ) -> Solved:
-    """(status, solution) of one window (`optimize`: least staleness, else any placement; `options`: distributions
-    chosen) within `time_limit` of `meter`'s clock; a feasibility search frees the W's only where placed ones fail."""
-    if options is None and (
-        any(t.ticks > w.length for t in w.tasks) or any(p.deadline - p.release < p.ticks for p in w.precs)
-    ):
+    """(status, solution) of one window with each layer's `options` (one each: the forced strategy; `optimize`:
+    least staleness, else any placement) within `time_limit` of `meter`'s clock; a feasibility search frees the W's
+    only where placed ones fail."""
+    joint = chooses(options, options)
+    fixed = [p for p in w.precs if not chooses(options, [x.name for x in w.problem.costs.stages[p.stage].layers])]
+    longer = any(t.ticks > w.length for t in placed_tasks(w, options))
+    if longer or any(p.deadline - p.release < p.ticks for p in fixed):
         return "INFEASIBLE", None
-    where = f"{'' if options is None else 'joint '}stages {list(w.group.stages)} k={w.k}"
+    where = f"{'joint ' if joint else ''}stages {list(w.group.stages)} k={w.k}"
     if meter.deterministic and meter.wall_left() <= 0:
         meter.note_capped(f"{where} not searched")
         return "UNKNOWN", None
     limit = max(meter.units(MIN_CALL), time_limit)
-    probing = None if optimize or options is not None else FEASIBILITY_PROBING_LEVEL
+    probing = None if optimize or joint else FEASIBILITY_PROBING_LEVEL
 
     def attempt(free_w: bool) -> Solved:
         """One CP-SAT call, the W tasks free or at the schedule's positions."""
@@ -685,7 +689,7 @@ def solve_window(
     return status, found
 
 
-def _extract(solver: cp_model.CpSolver, v: Vars, w: Window, options: Options | None, status: str) -> GroupSolution:
+def _extract(solver: cp_model.CpSolver, v: Vars, w: Window, options: Options, status: str) -> GroupSolution:
     """The solver's values as a solution of `w`, with the options chosen (a BCAST on its DECOMP's rank)."""
     starts = tuple(solver.value(x) for x in v.start)
     devices = []
@@ -697,7 +701,7 @@ def _extract(solver: cp_model.CpSolver, v: Vars, w: Window, options: Options | N
         if task.kind is TaskKind.BCAST:
             devices[i] = inv_device[task.factors[0]]
     precs = tuple(solver.value(x) for x in v.prec)
-    choices = choices_of(solver, options or {}, v.lits)
+    choices = choices_of(solver, options, v.lits)
     chosen_bcasts = [(key, start, end) for key, (start, _, has, end) in v.bcast.items() if solver.boolean_value(has)]
     offsets = use_offsets(w, starts, precs, {layer: solver.value(end) for (layer, _), _, end in chosen_bcasts})
     bcasts = {key: solver.value(start) for key, start, _ in chosen_bcasts}
@@ -789,7 +793,7 @@ def energy_bound(w: Window, options: Options, base: int, config: SolverConfig, m
             m.add_bool_or([~flag, *[lit for o, lit in zip(options[layer], lits[layer]) if d in o.workers]])
             load[d].append(task.ticks * flag)
     for layer, opts in options.items():
-        for o, lit in zip(opts, lits[layer]):
+        for o, lit in zip(opts, lits[layer] if len(opts) > 1 else ()):  # a layer's one option: its BCAST a task
             for secs in o.bcast.values():
                 for d in o.workers:
                     load[d].append(w.span(secs) * lit)
@@ -810,9 +814,12 @@ def choices_of(solver: cp_model.CpSolver, options: Options, lits: Literals) -> d
 
 
 def literals(m: cp_model.CpModel, options: Options) -> dict[str, list[cp_model.IntVar]]:
-    """One Boolean per option of every layer, exactly one true per layer."""
+    """One Boolean per option of every layer, exactly one true per layer (a layer's one option: the constant 1)."""
     lits = {}
     for name, opts in options.items():
+        if len(opts) == 1:
+            lits[name] = [m.new_constant(1)]
+            continue
         lits[name] = [m.new_bool_var(f"opt_{name}_{i}") for i in range(len(opts))]
         m.add_exactly_one(lits[name])
     return lits

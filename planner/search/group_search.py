@@ -89,7 +89,8 @@ def least_group_period(
     def probe(k: int, share: float) -> Solved:
         hint = restretch(greedy, allowance.ticks(k)) if greedy is not None and greedy.window.k == k else None
         w = hint.window if hint is not None else window_of(k)
-        status, found = solve_window(w, config, share, meter, hint if config.use_greedy_hint else None, optimize=False)
+        use = hint if config.use_greedy_hint else None
+        status, found = solve_window(w, config, share, meter, use, optimize=False, options=own_options(w))
         log.info("stages %s k=%d stretch=%d: %s", list(group.stages), k, w.stretch, status)
         return status, found
 
@@ -108,10 +109,16 @@ def refine_group(
         found, least = least_stretch_at(found, allowance, config, meter, began + time_limit)
     left = time_limit - (meter.now() - began)
     proven = least and period.proven == found.window.k
-    best = within_budget(_least_stale(found, found.window, config, meter, left, proven), found, period.fallback)
+    stale = _least_stale(found, found.window, config, meter, left, proven, own_options(found.window))
+    best = within_budget(stale, found, period.fallback)
     if best is None:
         return None
     return replace(best, k_lower_bound=period.proven, wall_time=period.wall_s + time.perf_counter() - wall)
+
+
+def own_options(w: Window) -> Options:
+    """Each layer of w's group with its problem's own distribution as its one option (the forced strategy)."""
+    return options_of(w.problem, w.group.stages, ())
 
 
 def within_budget(*solutions: GroupSolution | None) -> GroupSolution | None:
@@ -197,7 +204,8 @@ def least_stretch_at(
         left = until - meter.now()
         if left <= 0:
             return "UNKNOWN", None
-        return solve_window(window, config, left / max(1, math.ceil(math.log2(stretch + 2))), meter, optimize=False)
+        share = left / max(1, math.ceil(math.log2(stretch + 2)))
+        return solve_window(window, config, share, meter, optimize=False, options=own_options(window))
 
     best, least = bisect_least(stretch_lower_bound(w), found, probe)
     proof = "proven" if least else "not proven"
@@ -212,9 +220,9 @@ def _least_stale(
     meter: Budget,
     left: float,
     proven: bool,
-    options: Options | None = None,
+    options: Options,
 ) -> GroupSolution:
-    """The least staleness in `w` (with `options`: the distributions chosen too) within `left`, warm-started by `found`
+    """The least staleness in `w` (with each layer's `options`) within `left`, warm-started by `found`
     (kept where the solver does worse); OPTIMAL where proven and found's k and step are `proven`."""
     if found.staleness == 0:
         return replace(found, status="OPTIMAL" if proven else "FEASIBLE")

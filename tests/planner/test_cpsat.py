@@ -169,7 +169,8 @@ def _accepts_first_fit(problem: Problem, k: int) -> int:
         if placed is None or not fits_memory(placed):
             continue
         placements += 1
-        v, _ = cpsat._build(window, None, optimize=False, break_symmetry=False)
+        options = cpsat.options_of(problem, group.stages, ())
+        v, _ = cpsat._build(window, options, optimize=False, break_symmetry=False)
         for i, (start, device) in enumerate(zip(placed.starts, placed.devices, strict=True)):
             v.model.add(v.start[i] == start)
             for d, present in v.present[i].items():

@@ -207,18 +207,19 @@ def test_a_placement_moves_into_its_own_problems_window_unchanged() -> None:
 
 
 @pytest.mark.parametrize("strategy", ["comm-opt", "mem-opt"])
-def test_the_model_with_one_option_per_layer_is_the_forced_strategys(strategy: str) -> None:
-    """A forced strategy's window and the joint model given each layer's one option (its own; under COMM-OPT with
-    its broadcasts) find the same least staleness, and the joint one's placement moves into the forced window."""
+def test_a_forced_strategy_is_the_model_with_one_option_per_layer(strategy: str) -> None:
+    """A forced strategy's window solves as the joint model given each layer's own distribution as its one option: it
+    places the window's own tasks (under COMM-OPT with its broadcasts), chooses each layer's own, is no staler than
+    first-fit and moves into its own window unchanged."""
     problem = _problem(W=2).with_strategy(parse_strategy(strategy))
     w, placed = _first_fit_window(problem)
-    group = w.group
-    options = options_of(problem, group.stages, ())
+    options = options_of(problem, w.group.stages, ())
+    assert all(len(opts) == 1 for opts in options.values())
     budget = dataclasses.replace(Budget.untimed(), cap=time.perf_counter() + 60)
-    forced_status, forced = solve_window(w, QUICK, 60.0, budget, placed)
-    joint_status, joint = solve_window(w, QUICK, 60.0, budget, placed, options=options)
-    assert (forced_status, joint_status) == ("OPTIMAL", "OPTIMAL")
-    assert forced is not None and joint is not None
-    assert joint.staleness == forced.staleness
-    moved = transfer(joint, problem)
+    status, forced = solve_window(w, QUICK, 60.0, budget, placed, options=options)
+    assert status == "OPTIMAL" and forced is not None
+    assert forced.window.tasks == w.tasks
+    assert all(forced.choice(layer) == problem.where(layer) for layer in options)
+    assert forced.staleness <= placed.staleness
+    moved = transfer(forced, problem)
     assert moved is not None and moved.staleness == forced.staleness
