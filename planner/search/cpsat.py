@@ -369,6 +369,11 @@ def chooses(options: Options, layers: Iterable[str]) -> bool:
     return any(len(options[n]) > 1 for n in layers)
 
 
+def stages_choose(w: Window, options: Options, stages: Iterable[int]) -> bool:
+    """Whether any layer of `stages` has several options."""
+    return chooses(options, (x.name for s in stages for x in w.problem.costs.stages[s].layers))
+
+
 def placed_tasks(w: Window, options: Options) -> tuple[Task, ...]:
     """The window's tasks but the BCAST of a layer with several options (placed per option), each DECOMP on any rank
     an option allows."""
@@ -432,7 +437,7 @@ def _add_slots(v: Vars, w: Window, options: Options) -> None:
     m, L, timeline = v.model, w.length, step_timeline(w.problem)
     bound = ns((w.offsets[1] + 0.5) / w.scale) - min(1000, round(NS / w.scale / 4))
     starts: dict[int, cp_model.IntVar] = {}
-    chosen = [s for s in w.group.stages if chooses(options, [x.name for x in w.problem.costs.stages[s].layers])]
+    chosen = [s for s in w.group.stages if stages_choose(w, options, [s])]
     fixed: dict[tuple[int, int], cp_model.IntVar] = {}
     for n, slot in enumerate(w.precs):
         if slot.stage in chosen:
@@ -516,7 +521,7 @@ def _add_memory(v: Vars, w: Window, options: Options) -> None:
     unit = max(1, math.ceil(top / 2**30))
     for d in w.group.devices:
         cap: int | cp_model.IntVar = max(0, (w.capacity[d] or 0) // unit)
-        if chooses(options, [x.name for s in stages_on_device(w.problem, d) for x in w.problem.costs.stages[s].layers]):
+        if stages_choose(w, options, stages_on_device(w.problem, d)):
             cap = m.new_int_var(0, budget // unit, f"cap_r{d}")
             m.add(unit * cap <= budget - static_bytes(m, w.problem, d, v.lits, options))
         intervals = [constant_interval(v, s, e - s) for s, e, _ in w.acts[d]]
@@ -655,7 +660,7 @@ def solve_window(
     least staleness, else any placement) within `time_limit` of `meter`'s clock; a feasibility search frees the W's
     only where placed ones fail."""
     joint = chooses(options, options)
-    fixed = [p for p in w.precs if not chooses(options, [x.name for x in w.problem.costs.stages[p.stage].layers])]
+    fixed = [p for p in w.precs if not stages_choose(w, options, [p.stage])]
     longer = any(t.ticks > w.length for t in placed_tasks(w, options))
     if longer or any(p.deadline - p.release < p.ticks for p in fixed):
         return "INFEASIBLE", None
