@@ -383,27 +383,19 @@ _RECEIVES = (*_TRANSFERS_IN, OpKind.OPT_STEP)
 # receive in posting order (NCCL) can wait on a cycle; a posted receive also lets its message land while the rank
 # computes. The receives of the ops after the step's first FWD or BWD are posted once that op ends, not when the
 # step begins: on gloo each post wakes the peer's I/O thread, and on a host with a core per rank the step's first
-# op, which every other rank waits for, then lost a core to those wake-ups. Measured on 1F1B, D=2, N=4, 2 cores
-# (benchmarks/pipeline_vs_torch.py): rank 0's first FWD began 0.4 ms (median; 0.9 ms mean) after the step, torch's
-# 0.13 ms, and rank 1 got its first activation 1.1 ms later than under torch, while the steps' middles matched.
+# op, which every other rank waits for, then loses a core to those wake-ups.
 # OPT_STEP's receives (the step-end sum's: the shares at its root, the total elsewhere, `StepEnd.post`) are posted
-# with them: gloo moves a message's bytes only once its receive is posted, so a share received when the root's
-# OPT_STEP began cost a round trip through the peer's I/O thread on the step's critical path, where a posted one has
-# landed: the root's sum took 3.7 ms (median wall; 0.2 ms of CPU) on 1F1B, D=2, 2 cores at load 5, 0.26 ms posted.
+# with them: gloo moves a message's bytes only once its receive is posted, so a share received only when the root's
+# OPT_STEP begins costs a round trip through the peer's I/O thread on the step's critical path.
 # Where a send never waits on its receiver (gloo: `Transport.sends_wait_for_receives` is False) the sends right after
 # that first FWD or BWD go before those posts: they carry what a peer waits for (1F1B's stage 0 sends its first
-# activation after its first FWD), and five posts took 0.17 ms on 1F1B, D=2, on the critical path to rank 1's first
-# FWD; fxkfac's 1F1B went from 0.94x torch's throughput to 1.00x (benchmarks/pipeline_vs_torch.py, 2 quiet cores).
-# Under NCCL each stays behind the posts: two ranks whose first op sends to the other (Chimera's two pipes) would
-# each hold its receive's post behind a send that waits for the other's.
+# activation after its first FWD). Under NCCL each stays behind the posts: two ranks whose first op sends to the
+# other (Chimera's two pipes) would each hold its receive's post behind a send that waits for the other's.
 # On gloo a rank whose step begins with a receive (1F1B's and GPipe's later stages) posts every receive when the step
-# begins: it waits for that first message anyway, while the rank before it ends its last step and runs its first FWD
-# (on 2 cores, its peer's I/O thread has the waiting rank's core). Posted after its first FWD, 1F1B's last stage
-# (D=2, N=4) ran four posts between its first FWD and its first BWD, on the critical path: 171 us of CPU (166 us
-# on the quiet timelines, against torch's 49); posted at the step's start, 14 us there, and steps run back to back
-# 1.00-1.10x as fast (median ~1.05x, ten alternating rounds in one run, 2 cores at load ~2.5). Spreading the late
-# posts over the step instead (each one FWD or BWD ahead of its op) cut that gap too, but ran steps 0.80-0.89x as
-# fast: a receive posted after its send moves its bytes through both ranks' gloo threads while they compute.
+# begins: it waits for that first message anyway, while the posts after its first FWD would sit between its first
+# FWD and BWD, on the critical path. Spreading the late posts over the step (each one op ahead) was slower: a receive
+# posted after its send moves its bytes through both ranks' gloo threads while they compute. The measurements behind
+# each rule are in docs/RESULTS.md ("The runtime against `torch.distributed.pipelining`").
 
 
 def _execute(steps: Sequence[tuple[Handler, Op, str, str]], ctx: StepContext, recorder: Recorder | None) -> None:
