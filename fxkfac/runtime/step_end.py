@@ -320,10 +320,8 @@ class StepEnd:
         norm = 0.0 if sqnorm is None else sqnorm.detach()
         dot = _total(dots) if dots else 0.0
         flat = _scalars([dot, check.total, loss.detach(), norm], self.transport.device)
-        world, what = (
-            range(self.transport.world),
-            "OPT_STEP (KL-clip <P, G>, non-finite check, loss and gradient norm sums)",
-        )
+        world = range(self.transport.world)
+        what = "OPT_STEP (KL-clip <P, G>, non-finite check, loss and gradient norm sums)"
         self.transport.sum_at(flat, world, self.world_root, what)
         dot, checked, total_loss, sqnorm_sum = flat.tolist()  # one read of the four sums
         skip = self._flagged(checked, check, world, self.world_root, what) or not math.isfinite(sqnorm_sum)
