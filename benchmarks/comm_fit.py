@@ -13,7 +13,7 @@ import argparse
 import statistics
 
 from fxkfac.launch import RankContext, launch
-from fxkfac.planner.problem import Collective, CommModel
+from fxkfac.planner.problem.hardware import Collective, CommModel
 
 
 def _measure(ctx: RankContext) -> str:

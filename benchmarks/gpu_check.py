@@ -75,7 +75,7 @@ import fxkfac
 from fxkfac.config import KFACConfig, PipelineOptions
 from fxkfac.models import TinyBertConfig, TinyBertMLM, mlm_loss
 from fxkfac.passes.layers import KFACLayer, LayerKind
-from fxkfac.planner.problem import PIPEFISHER_COLUMNS, block_profile_json
+from fxkfac.planner.problem.profiles import PIPEFISHER_COLUMNS, block_profile_json
 from fxkfac.profiler import kfac_unit_cost
 
 MIB = 1 << 20

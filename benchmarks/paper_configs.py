@@ -44,21 +44,10 @@ from fxkfac.cli_costs import stage_blocks
 from fxkfac.planner import CostTable, Distributions, Method, PlanError, SearchOptions, TimeLimit
 from fxkfac.planner import plan as plan_search
 from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import (
-    ZERO_BUBBLE_KINDS,
-    OpKind,
-    Problem,
-    ProfileLayers,
-    SolverConfig,
-    StepBarrier,
-    Strategy,
-    Timeline,
-    load_cost_table,
-    num_stages,
-    rank_programs,
-    simulate,
-    stages_of_rank,
-)
+from fxkfac.planner.problem import OpKind, Problem, ProfileLayers, SolverConfig, StepBarrier, Strategy, load_cost_table
+from fxkfac.planner.problem.lowering import rank_programs
+from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, num_stages, stages_of_rank
+from fxkfac.planner.problem.step_timeline import Timeline, simulate
 from fxkfac.planner.search import StreamApply
 from fxkfac.planner.search.choose import strategy_of
 

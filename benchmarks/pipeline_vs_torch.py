@@ -50,7 +50,9 @@ from torch import nn
 import fxkfac
 from fxkfac.config import PipelineOptions, StepAgreement
 from fxkfac.launch import free_port
-from fxkfac.planner.problem import Op, OpKind, rank_programs, simulate
+from fxkfac.planner.problem import Op, OpKind
+from fxkfac.planner.problem.lowering import rank_programs
+from fxkfac.planner.problem.step_timeline import simulate
 from fxkfac.runtime.timeline import descheduled, utilization
 from fxkfac.runtime.trainer import Trainer
 

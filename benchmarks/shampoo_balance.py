@@ -51,21 +51,9 @@ from typing import Any
 from fxkfac.planner import CostTable, Distributions, PlanError, SearchOptions, StreamApply, TimeLimit
 from fxkfac.planner import plan as plan_search
 from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import (
-    COLLECTIVE_KINDS,
-    Assignment,
-    Capture,
-    LayerTiming,
-    Op,
-    OpKind,
-    PreconditionerKind,
-    Problem,
-    Program,
-    SolverConfig,
-    decomposition_seconds,
-    naive_programs,
-    ranks_of_stages,
-)
+from fxkfac.planner.problem import Capture, LayerTiming, Op, OpKind, PreconditionerKind, Problem, Program, SolverConfig
+from fxkfac.planner.problem.ir import COLLECTIVE_KINDS
+from fxkfac.planner.problem.lowering import Assignment, decomposition_seconds, naive_programs, ranks_of_stages
 from fxkfac.planner.problem.step_timeline import simulate, step_timeline
 
 __all__ = [

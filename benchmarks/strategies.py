@@ -60,7 +60,9 @@ from torch import Tensor
 import fxkfac
 from fxkfac.config import KFACConfig, PipelineOptions, PlanOptions
 from fxkfac.launch import free_port
-from fxkfac.planner.problem import InverseMethod, OpKind, holding, stages_on_device
+from fxkfac.planner.problem import InverseMethod, OpKind
+from fxkfac.planner.problem.problem import stages_on_device
+from fxkfac.planner.problem.strategy import holding
 from fxkfac.planner.search.choose import candidate_problems, strategy_of
 from fxkfac.runtime.trainer import Trainer
 

@@ -33,7 +33,9 @@ from fxkfac.planner import (
     read_plan,
 )
 from fxkfac.planner import plan as plan_search
-from fxkfac.planner.problem import load_cost_table, median_of, num_stages, words_of
+from fxkfac.planner.problem import load_cost_table
+from fxkfac.planner.problem.costs import median_of, words_of
+from fxkfac.planner.problem.schedules import num_stages
 from fxkfac.planner.search import ScheduleCandidate, StreamApply, choose_schedule
 
 __all__ = [

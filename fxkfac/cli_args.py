@@ -9,15 +9,9 @@ from enum import StrEnum
 from typing import Literal
 
 from fxkfac.config import ActivationCheckpointing, CheckpointMode
-from fxkfac.planner.problem import (
-    ConfigError,
-    PlannerError,
-    PreconditionerKind,
-    Strategy,
-    num_stages,
-    parse_strategy,
-    validate_schedule_args,
-)
+from fxkfac.planner.problem import ConfigError, PlannerError, PreconditionerKind, Strategy
+from fxkfac.planner.problem.schedules import num_stages, validate_schedule_args
+from fxkfac.planner.problem.strategy import parse_strategy
 
 AUTO: Literal["auto"] = "auto"
 """--max-preconditioner-dim auto: the planner chooses the block side (planner.search.plan_search.choose_block_size)."""

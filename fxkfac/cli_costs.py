@@ -6,15 +6,9 @@ import argparse
 
 from fxkfac.cli_args import AUTO, CliError, device, kind, micro_batch_size
 from fxkfac.cli_targets import factory, is_factory
-from fxkfac.planner.problem import (
-    WORDS,
-    CostTable,
-    PreconditionerKind,
-    ProfileLayers,
-    is_profile,
-    kind_of,
-    load_cost_table,
-)
+from fxkfac.planner.problem import CostTable, PreconditionerKind, ProfileLayers, load_cost_table
+from fxkfac.planner.problem.costs import WORDS, kind_of
+from fxkfac.planner.problem.profiles import is_profile
 
 
 def stage_blocks(target: str, blocks: int, D: int, S: int) -> list[int]:

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from fxkfac.planner.problem import WORDS, CostTable, OpKind, PreconditionerKind, Problem, kind_of
+from fxkfac.planner.problem import CostTable, OpKind, PreconditionerKind, Problem
+from fxkfac.planner.problem.costs import WORDS, kind_of
 
 if TYPE_CHECKING:
     from fxkfac.planner.plan import Plan
@@ -52,9 +53,10 @@ def explain(args: argparse.Namespace, costs: CostTable, simulated: float, consol
     """The performance model with these costs, and how its T_pipe relates to the simulated step time
     (`simulated`, the step time before preconditioning that the plan's summary shows); the simulated step alone for
     a zero-bubble schedule."""
-    from fxkfac.planner.problem import ZERO_BUBBLE_KINDS, format_bytes
     from fxkfac.planner.problem.perf_model import evaluate, perf_model, pipe_gap
     from fxkfac.planner.problem.perf_model import explain as model_text
+    from fxkfac.planner.problem.problem import format_bytes
+    from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS
 
     if args.schedule in ZERO_BUBBLE_KINDS:
         console.print(
@@ -87,7 +89,8 @@ def explain(args: argparse.Namespace, costs: CostTable, simulated: float, consol
 def explain_comm(problem: Problem, console: Console) -> None:
     """The cost table's comm model, and what each stage's collectives cost: the gradient all-reduce at every
     step, SYNC_STATS and BCAST at every refresh."""
-    from fxkfac.planner.problem import describe, stage_comm
+    from fxkfac.planner.problem.hardware import describe
+    from fxkfac.planner.problem.step_timeline import stage_comm
 
     for line in describe(problem.costs.comm):
         console.print(line, markup=False, highlight=False)
@@ -106,7 +109,7 @@ def explain_comm(problem: Problem, console: Console) -> None:
 def explain_plan_comm(plan: Plan, console: Console) -> None:
     """The plan's collective seconds per step: each stage's all-reduce plus its refresh collectives over its
     refresh period."""
-    from fxkfac.planner.problem import stage_comm
+    from fxkfac.planner.problem.step_timeline import stage_comm
 
     problem = plan.problem
     per_stage = []

@@ -34,8 +34,10 @@ from fxkfac.planner import (
     TimeLimit,
 )
 from fxkfac.planner import plan as plan_search
-from fxkfac.planner.problem import PreconditionerKind, plain_step_time, words_of
+from fxkfac.planner.problem import PreconditionerKind
+from fxkfac.planner.problem.costs import words_of
 from fxkfac.planner.problem.hardware import HARDWARE, hardware
+from fxkfac.planner.problem.step_timeline import plain_step_time
 from fxkfac.planner.search import choose_recompute
 from fxkfac.planner.search.budget import after_search
 from fxkfac.planner.search.choose import least_overhead

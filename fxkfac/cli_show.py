@@ -10,7 +10,8 @@ from typing import Any
 from rich.console import Console
 
 from fxkfac.cli_args import CliError
-from fxkfac.planner.problem import PlanFormatError, words_of
+from fxkfac.planner.problem import PlanFormatError
+from fxkfac.planner.problem.costs import words_of
 from fxkfac.planner.validate import load_plan
 
 
@@ -18,7 +19,7 @@ def run_show(args: argparse.Namespace, console: Console) -> int:
     """`fxkfac show`: draw a saved plan (validated on load, its summary checked against its placements),
     and a measured trace below it."""
     from fxkfac.plan_view import planned_utilization, render_plan, summary_errors
-    from fxkfac.planner.problem import BUSY_KINDS
+    from fxkfac.planner.problem.step_timeline import BUSY_KINDS
     from fxkfac.show import render_summary, render_timeline, timeline_from_trace
 
     plan = load_plan(args.plan)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from fxkfac.planner.problem import AlphaBeta, Collective, CommModel, LinkCosts, Sample, fit_alpha_beta
+from fxkfac.planner.problem.hardware import AlphaBeta, Collective, CommModel, LinkCosts, Sample, fit_alpha_beta
 from fxkfac.runtime.p2p import collective_device
 
 __all__ = ["DEFAULT_SIZES", "measure_comm"]

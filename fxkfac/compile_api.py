@@ -30,7 +30,6 @@ from fxkfac.fingerprint import graph_fingerprint
 from fxkfac.passes.split_stages import SplitResult, split_stages
 from fxkfac.planner.plan import Plan
 from fxkfac.planner.problem import (
-    ZERO_BUBBLE_KINDS,
     CostTable,
     LayerDistribution,
     LayerTiming,
@@ -38,14 +37,12 @@ from fxkfac.planner.problem import (
     Programs,
     ScheduleKind,
     StepBarrier,
-    distribute,
-    format_bytes,
-    naive_programs,
-    num_stages,
-    ranks_of_stages,
-    stages_of_rank,
-    tied_owner,
 )
+from fxkfac.planner.problem.costs import tied_owner
+from fxkfac.planner.problem.lowering import naive_programs, ranks_of_stages
+from fxkfac.planner.problem.problem import format_bytes
+from fxkfac.planner.problem.schedules import ZERO_BUBBLE_KINDS, num_stages, stages_of_rank
+from fxkfac.planner.problem.strategy import distribute
 from fxkfac.planner.search import ScheduleCandidate
 from fxkfac.planner.validate import load_plan
 from fxkfac.preconditioner import Family, PiecewiseFamily, SteppedFamily, gradient_parts

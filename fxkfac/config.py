@@ -7,7 +7,8 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fxkfac.errors import ConfigError
-from fxkfac.planner.problem import Capture, InverseMethod, StepBarrier, Strategy, parse_strategy
+from fxkfac.planner.problem import Capture, InverseMethod, StepBarrier, Strategy
+from fxkfac.planner.problem.strategy import parse_strategy
 from fxkfac.planner.search import StreamApply
 
 if TYPE_CHECKING:

@@ -18,15 +18,9 @@ from dataclasses import dataclass
 from rich.console import Group, RenderableType
 
 from fxkfac.planner.plan import Plan, ns_stage_lines, ns_summary
-from fxkfac.planner.problem import (
-    Capture,
-    OpKind,
-    PreconditionerKind,
-    Problem,
-    format_bytes,
-    is_streamed,
-    words_of,
-)
+from fxkfac.planner.problem import Capture, OpKind, PreconditionerKind, Problem
+from fxkfac.planner.problem.costs import words_of
+from fxkfac.planner.problem.problem import format_bytes, is_streamed
 from fxkfac.planner.problem.step_timeline import (
     BUSY_KINDS,
     Interval,

@@ -30,17 +30,8 @@ from fxkfac.kfac.state import LayerState
 from fxkfac.passes.factor_capture import FactorTaps, insert_factor_capture, new_probes
 from fxkfac.passes.layers import KFACLayer, LayerKind
 from fxkfac.passes.split_stages import SplitResult
-from fxkfac.planner.problem import (
-    Capture,
-    CostTable,
-    InverseMethod,
-    LayerCost,
-    OpKind,
-    PartCost,
-    Spread,
-    StageCost,
-    combined_stage,
-)
+from fxkfac.planner.problem import Capture, CostTable, InverseMethod, LayerCost, OpKind, PartCost, StageCost
+from fxkfac.planner.problem.costs import Spread, combined_stage
 from fxkfac.preconditioner import Family, SteppedFamily, fold_gradient, gradient_parts
 from fxkfac.runtime.precision import autocast, to_wire
 from fxkfac.runtime.split_backward import ArgGrad, PendingW, split_stage

@@ -12,7 +12,9 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from fxkfac.planner.problem import WORDS, Interval, Op, OpKind, PlanFormatError, PreconditionerKind, TaskWords, Timeline
+from fxkfac.planner.problem import Op, OpKind, PlanFormatError, PreconditionerKind
+from fxkfac.planner.problem.costs import WORDS, TaskWords
+from fxkfac.planner.problem.step_timeline import Interval, Timeline
 
 __all__ = [
     "CATEGORIES",

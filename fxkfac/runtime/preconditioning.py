@@ -51,7 +51,8 @@ from torch import Tensor
 
 from fxkfac.config import KLClipScope
 from fxkfac.errors import CheckpointError, PipelineError
-from fxkfac.planner.problem import Capture, LayerDistribution, LayerTiming, Op, OpKind, grad_workers, keeps_statistics
+from fxkfac.planner.problem import Capture, LayerDistribution, LayerTiming, Op, OpKind
+from fxkfac.planner.problem.strategy import grad_workers, keeps_statistics
 from fxkfac.preconditioner import (
     Family,
     PiecewiseFamily,

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from fxkfac.config import KLClipScope
-from fxkfac.planner.problem import linked_classes
+from fxkfac.planner.problem.lowering import linked_classes
 from fxkfac.runtime.p2p import Pending, Transport
 
 __all__ = [

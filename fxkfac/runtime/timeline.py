@@ -9,8 +9,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fxkfac.planner.problem import Interval, Op, Timeline
-from fxkfac.planner.problem import utilization as simulated_utilization
+from fxkfac.planner.problem import Op
+from fxkfac.planner.problem.step_timeline import Interval, Timeline
+from fxkfac.planner.problem.step_timeline import utilization as simulated_utilization
 
 __all__ = ["Event", "Recorder", "as_timeline", "utilization", "descheduled", "gather_timelines"]
 

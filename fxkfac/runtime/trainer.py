@@ -27,18 +27,11 @@ from fxkfac.config import KLClipScope, PipelineOptions, StepAgreement
 from fxkfac.errors import CheckpointError, ConfigError, NonFiniteError
 from fxkfac.passes.split_stages import SplitResult
 from fxkfac.planner.plan import Plan
-from fxkfac.planner.problem import (
-    LayerDistribution,
-    LayerTiming,
-    Op,
-    OpKind,
-    Programs,
-    ScheduleKind,
-    ops_at,
-    ranks_of_stages,
-    stages_of_rank,
-)
+from fxkfac.planner.problem import LayerDistribution, LayerTiming, Op, OpKind, Programs, ScheduleKind
 from fxkfac.planner.problem.buckets import bucketable
+from fxkfac.planner.problem.ir import ops_at
+from fxkfac.planner.problem.lowering import ranks_of_stages
+from fxkfac.planner.problem.schedules import stages_of_rank
 from fxkfac.preconditioner import Family, RefreshState, gradient_parts
 from fxkfac.progress import Display, training_progress
 from fxkfac.runtime.host_memory import keep_freed_host_memory

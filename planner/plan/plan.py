@@ -1,5 +1,5 @@
-"""Plans as data: per-rank programs, layer timings, placements and metrics, as JSON (read back and checked by
-planner/validate/plan_file.py); and where a Muon plan runs each matrix's Newton-Schulz (its APPLY), for the views."""
+"""Plans as data (programs, timings, placements, metrics; JSON read back by planner/validate/plan_file.py) and
+where a Muon plan runs each matrix's Newton-Schulz, for the views."""
 
 from __future__ import annotations
 
@@ -18,14 +18,13 @@ from fxkfac.planner.problem.step_timeline import plain_step_time, step_timeline
 from fxkfac.planner.problem.strategy import LayerDistribution
 
 SCHEMA_VERSION = 3
-"""Version of the plan JSON layout (a newer file asks to upgrade fxkfac, an older one to re-plan). 2: no task spans a
-step's closing barrier. 3: the plan holds its start-up steps, and its problem may name its step barrier."""
+"""Version of the plan JSON (a newer file asks to upgrade fxkfac, an older one to re-plan); 3: start-up steps."""
 
 
 @dataclass(frozen=True)
 class SolverStats:
-    """How the plan was found: status (OPTIMAL: periods proven minimal, staleness optimal; FEASIBLE; GREEDY), wall
-    time (not compared: deterministic solves differ in it alone), objective (sums of periods, use offsets), gap."""
+    """How the plan was found: status (OPTIMAL, FEASIBLE, GREEDY), wall time (not compared), objective (sums of
+    periods and use offsets), gap."""
 
     status: str
     wall_time: float = field(compare=False)
@@ -35,9 +34,8 @@ class SolverStats:
 
 @dataclass(frozen=True)
 class PlanMetrics:
-    """What a plan achieves: utilization before/after, refresh period and bound per stage, step times (plain, planned,
-    with APPLY after the all-reduce), peak memory per device, the greedy periods, the time grid (s) and the idle
-    seconds after every step ([Note: stretch] in planner/plan/window.py; 0 left out of the JSON)."""
+    """What a plan achieves: utilization, refresh periods and bounds, step times (plain, planned, APPLY after the
+    all-reduce), peak memory per device, greedy periods, time grid (s) and stretch (s; 0 left out of the JSON)."""
 
     utilization_baseline: float
     utilization: float
@@ -55,9 +53,8 @@ class PlanMetrics:
 
 @dataclass(frozen=True)
 class Plan:
-    """A placement of the preconditioner's work: per rank one op list per step of its period, when each layer
-    refreshes, where every placed op runs, and the metrics. `startup[rank]`: the rank's first steps, run once
-    before `programs` take over (`planner.problem.lowering.startup_programs`)."""
+    """A placement of the preconditioner's work: per rank one program step per step of its period, layer timings,
+    placed ops, metrics, and `startup[rank]`, steps run once before `programs` (`lowering.startup_programs`)."""
 
     problem: Problem
     programs: Mapping[int, Program]
@@ -139,8 +136,7 @@ def rank(plan: Plan) -> tuple[int, float, int, float]:
 
 
 class NSWhere(StrEnum):
-    """Where one Newton-Schulz task runs: on each rank of its stage, on a helper rank idle at the step's end (input
-    and update sent), or on one copy that broadcasts the update (mem-opt, Moonlight's distributed Muon)."""
+    """Where a Newton-Schulz task runs: on each copy, on a streaming helper, or on one copy that broadcasts it."""
 
     OWN = "own"
     STREAMED = "streamed"
@@ -149,8 +145,7 @@ class NSWhere(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class NSTask:
-    """One APPLY of a Muon plan's step (or piece (i, n) of one): its stage, matrices, rank, where, when it runs in the
-    step (seconds) and the seconds of its streamed sends (counted on its first piece)."""
+    """One APPLY (or piece) of a Muon plan's step: where and when (s) it runs, and its streamed sends' seconds."""
 
     stage: int
     layers: tuple[str, ...]

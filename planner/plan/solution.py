@@ -1,4 +1,4 @@
-"""A window's solution and what it says: its placements, use offsets, memory peaks, and each refresh op's first step."""
+"""A window's solution and what it says: placements, use offsets, memory peaks, each refresh op's first step."""
 
 from __future__ import annotations
 
@@ -20,9 +20,8 @@ Born = dict[int, dict[Op, int]]
 
 @dataclass(frozen=True)
 class GroupSolution:
-    """One window's solution: task starts (absolute ticks) and devices, APPLY starts, use offsets, how it was found,
-    and what a joint solve chose ([Note: joint strategy] in planner/search/cpsat.py): distributions, BCAST starts,
-    slot ticks."""
+    """One window's solution: task starts (ticks) and devices, APPLY starts, use offsets, how it was found, and a
+    joint solve's choices ([Note: joint strategy] in planner/search/cpsat.py)."""
 
     window: Window
     starts: tuple[int, ...]
@@ -73,9 +72,8 @@ def all_placed(solutions: Iterable[GroupSolution | None]) -> list[GroupSolution]
 def use_offsets(
     window: Window, starts: tuple[int, ...], prec_starts: tuple[int, ...], later: Mapping[str, int] | None = None
 ) -> dict[str, int]:
-    """Per layer, the first window step u (0..2k) whose APPLY of its stage starts on every copy once its
-    decompositions and broadcasts are done (a streamed layer: whose owner's last backward does); `later`: per layer,
-    the end of work placed apart from the window's tasks (a joint solve's chosen broadcasts)."""
+    """Per layer, the first window step u (0..2k) whose APPLY starts on every copy after its decompositions and
+    broadcasts (and `later`: the ends of a joint solve's chosen broadcasts) end."""
     ready: dict[str, int] = dict(later or {})
     for task, start in zip(window.tasks, starts):
         if task.kind in (TaskKind.INV, TaskKind.BCAST):
@@ -96,7 +94,7 @@ def use_offsets(
 
 def remade_spans(solution: GroupSolution, device: int) -> list[tuple[int, int, int]]:
     """(start, end, bytes) on `device` of each layer's third decomposition (`static_bytes` counts two): from its next
-    refresh's first DECOMP end until the device's APPLY first uses this refresh, where that is later."""
+    refresh's first DECOMP end until the device's APPLY first uses this one, where that is later."""
     w = solution.window
     k, L = w.k, w.length
     first: dict[str, int] = {}  # each layer's first DECOMP or BCAST op's end (a task may hold several layers')
@@ -181,8 +179,7 @@ def plan_born(problem: Problem, placements: Iterable[Placement], timings: Mappin
 
 
 def born_steps(placements: Iterable[Placement]) -> Born:
-    """Per device, each refresh op's latest window step, from which global step on its refresh exists
-    (`startup_programs`); per-step ops (a gradient STATS, APPLY) run from step 0."""
+    """Per device, each refresh op's latest window step (`startup_programs`); per-step ops run from step 0."""
     born: Born = {}
     for p in placements:
         if p.op.kind in _REFRESH_KINDS and not (p.op.kind is OpKind.STATS and p.op.mb is None):

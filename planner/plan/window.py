@@ -1,27 +1,20 @@
-"""A stage group's refresh window: k steps on an integer time grid, the fixed F/B and activations in them, the
-per-step APPLY slots and the refresh's tasks with their releases and devices (solved: planner/plan/solution.py).
+"""A stage group's refresh window: k steps on an integer time grid, their fixed F/B and activations, the per-step
+APPLY slots and the refresh's tasks with releases and devices (solved: planner/plan/solution.py).
 
-[Note: time grid] Times are integer ticks: exact when every time is a whole number of 10^-e s (e <= 6, at most 10^7
-ticks a step), else `SolverConfig.time_resolution` ticks a step, fixed times rounded to the nearest tick and
-durations up, so a plan is off by at most one tick (`Window.tick`), which the validator allows. A task lasts at least
-one tick; a blocked all-reduce of no tick is an instant (t, t) in `Window.fixed` that no work may span.
+[Note: time grid] Ticks are whole 10^-e s (e <= 6, at most 10^7 a step) where every time is one, else
+`SolverConfig.time_resolution` a step with times rounded and durations rounded up: a plan is off by at most one
+tick, which the validator allows. A task lasts a tick or more; a no-tick all-reduce is an instant (t, t) in `fixed`.
 
-[Note: stretch] With `Problem.max_overhead > 0` every step may be followed by `Window.stretch` idle ticks on every
-device; step j starts at `offsets[j]` and F/B keep their times in it. A plan's groups share one stretch on one grid,
-at most `max_overhead` times the reference step; planner/search/greedy.py searches the least.
+[Note: stretch] With `Problem.max_overhead > 0` each step may be followed by `Window.stretch` idle ticks on every
+device (F/B keep their times in their step); all groups share one stretch, found least by planner/search/greedy.py.
 
-[Note: step barrier] Under `StepBarrier.WORLD` every step ends with collectives over all ranks, so step j+1 begins
-at `offsets[j+1]` everywhere: work in a device's early bubble belongs to step j+1, APPLY of step j ends by then, and
-every step's first tick is blocked, so no task spans a boundary. Under `StepBarrier.AGREEMENT_SET` OPT_STEP waits
-for the stage group alone, whose step j+1 may begin `Window.leads[j+1]` ticks early, once its last device has ended
-step j's F/B, all-reduces and reference APPLY (`step_timeline.early_start`); leads are nonzero only where a steady
-run repeats the one-step timeline. Only CP-SAT at k = 1 lets a task run past the window's end.
+[Note: step barrier] Under `StepBarrier.WORLD` step j+1 begins at `offsets[j+1]` everywhere and each step's first
+tick is blocked, so no task spans a boundary. Under `AGREEMENT_SET` a group's step j+1 may begin `leads[j+1]` ticks
+early, once its devices end step j (`step_timeline.early_start`). Only CP-SAT at k = 1 runs a task past the window.
 
-[Note: gradient parts] A part fed by the reduced gradient (`PartCost.after` ALLREDUCE_GRAD: Shampoo's and SOAP's L
-and R) takes its statistic every step on every copy (no SYNC_STATS) at the head of the stage's APPLY slot
-(`PrecSlot.ops`); a refresh snapshots it at the refresh step, so its DECOMP follows that step's slot
-(`Task.after_slot`). The snapshot is not counted in memory. Known cost: where a device holds several stages with
-copies CP-SAT may not move a slot across the next stage's all-reduce.
+[Note: gradient parts] A part fed by the reduced gradient (Shampoo's and SOAP's L and R) takes its statistic every
+step on every copy at the head of its stage's APPLY slot (`PrecSlot.ops`); its DECOMP follows the refresh step's
+slot (`Task.after_slot`), the snapshot not counted in memory.
 """
 
 from __future__ import annotations
@@ -29,7 +22,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from functools import cached_property, lru_cache
 
@@ -142,10 +135,9 @@ class PrecSlot:
 
 @dataclass(frozen=True)
 class Window:
-    """k steps of one stage group (`build_window`), fixed work modulo the window length: fixed[d] busy intervals,
-    acts[d] (start, end, bytes), capacity[d] bytes left (None: unlimited), offsets[j] step j's start, leads[j],
-    stretch, and per step when the streamed stage's owner starts its last backward; `scale` ticks a second
-    ([Note: time grid]: `at` rounds, `up` rounds up, `span` at least one tick)."""
+    """k steps of one stage group (`build_window`) on a grid of `scale` ticks a second ([Note: time grid]: `at`
+    rounds, `up` rounds up, `span` at least one tick); modulo its length, fixed[d] busy intervals, acts[d] (start,
+    end, bytes)."""
 
     problem: Problem
     group: StageGroup
@@ -153,23 +145,45 @@ class Window:
     fused: frozenset[str]
     scale: float
     exact: bool
-    offsets: tuple[int, ...]
-    fixed: Mapping[int, tuple[Interval, ...]]
-    acts: Mapping[int, tuple[tuple[int, int, int], ...]]
-    capacity: Mapping[int, int | None]
-    tasks: tuple[Task, ...]
-    precs: tuple[PrecSlot, ...]
-    leads: tuple[int, ...]
     stretch: int = 0
     stats_chunk: int = 1
-    stream_use: tuple[int, ...] = ()
+    fixed: Mapping[int, tuple[Interval, ...]] = field(default_factory=dict)
+    acts: Mapping[int, tuple[tuple[int, int, int], ...]] = field(default_factory=dict)
+    tasks: tuple[Task, ...] = ()
+    precs: tuple[PrecSlot, ...] = ()
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        """Each window step's start (0..k), the last the window's length ([Note: stretch])."""
+        refresh, normal = self.at(self.steps[0].length), self.at(step_timeline(self.problem).length)
+        return tuple(step_begins(refresh, normal, self.stretch, j, self.k) for j in range(self.k + 1))
+
+    @cached_property
+    def leads(self) -> tuple[int, ...]:
+        """Ticks by which each window step may begin early ([Note: step barrier])."""
+        steps, at = self.steps, self.at
+        return tuple(
+            at(st.length) - at(st.length - early_start(self.problem, st, self.group.devices))
+            for st in steps[-1:] + steps[:-1]
+        )
+
+    @cached_property
+    def capacity(self) -> dict[int, int | None]:
+        """Bytes left per device over its static bytes (None: unlimited)."""
+        budget = self.problem.memory_budget
+        return {d: None if budget is None else budget - static_bytes(self.problem, d) for d in self.group.devices}
+
+    @cached_property
+    def _stream_use(self) -> tuple[int, ...]:
+        """Per window step, when the first of the streamed stage's owners starts its last backward."""
+        return tuple(o + self.at(stream_start(self.problem, st)) for o, st in zip(self.offsets, self.steps))
 
     def streamed_use(self, layer: str, u: int) -> int | None:
         """The tick by which a streamed layer's inverse is made for window step `u` to use it (else None)."""
         streaming = self.problem.streaming
         if streaming is None or layer not in streaming.layers:
             return None
-        return self.length * (u // self.k) + self.stream_use[u % self.k]
+        return self.length * (u // self.k) + self._stream_use[u % self.k]
 
     @property
     def length(self) -> int:
@@ -340,10 +354,8 @@ class Window:
         """A part's refresh once its statistic is complete (tick `ready`): SYNC over the stage's copies (a captured part
         held more than once), DECOMP on one copy, BCAST to the others; `after_slot`: [Note: gradient parts].
 
-        [Note: piece tasks] The decomposition is one INV task, or `Problem.decomp_pieces` DECOMP ops back to back in
-        tasks no longer than `piece` (as few as that allows, dealt evenly), chained in order on one rank
-        (`inv_chains`): no task outlasts the bubbles, and small decompositions make few tasks (CP-SAT's model grows
-        with them). The runtime runs the same pieces."""
+        [Note: piece tasks] A decomposition is one INV task, or `Problem.decomp_pieces` DECOMP ops in as few tasks no
+        longer than `piece` as allows, dealt evenly and chained on one rank (`inv_chains`), as the runtime runs them."""
         problem, side = self.problem, p.part
         copies, workers, key = problem.holders[stage], problem.workers(layer), ((layer, p.part),)
 
@@ -575,20 +587,7 @@ def build_window(
     if stretch < 0:
         raise AssertionError(f"negative stretch {stretch}")
     scale = scale if scale is not None else grid_scale(problem, group.stages, fused, resolution)
-    budget = problem.memory_budget
-    capacity = {d: None if budget is None else budget - static_bytes(problem, d) for d in group.devices}
-    w = Window(problem, group, k, fused, *scale, (), {}, {}, capacity, (), (), (), stretch, stats_chunk)
-    steps, at = w.steps, w.at
-    offsets = tuple(
-        step_begins(at(steps[0].length), at(step_timeline(problem).length), stretch, j, k) for j in range(k + 1)
-    )
-    leads = tuple(
-        at(st.length) - at(st.length - early_start(problem, st, group.devices)) for st in steps[-1:] + steps[:-1]
-    )
-    use: tuple[int, ...] = ()  # per step, when the first of the streamed stage's owners starts its last backward
-    if problem.streaming is not None:
-        use = tuple(o + at(stream_start(problem, st)) for o, st in zip(offsets, steps))
-    w = replace(w, offsets=offsets, leads=leads, stream_use=use)
+    w = Window(problem, group, k, fused, *scale, stretch, stats_chunk)
     work = {d: w._device_work(d) for d in group.devices}
     precs = w._prec_slots()
     tasks = (*w._refresh_work(precs), *w._w_tasks())
@@ -616,22 +615,17 @@ def _chunks(layers: Sequence[LayerCost], size: int) -> list[list[LayerCost]]:
     return [list(layers[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
-# [Note: placed W] The zero-bubble schedules' W's (OpKind.BWD_W, a backward's weight-gradient half) as planner tasks
-# (issue 37 item 3): each W of each window step is a `TaskKind.WGRAD` task on its rank, released at its B's end, due
-# by its stage's ALLREDUCE_GRAD where the stage has copies (with one copy that all-reduce is a no-op after the last W,
-# so by the stage's per-step slot), holding its layers' operands (`w_operand_bytes`) until it ends, as a deferred STATS
-# holds its captures. It lasts its interval in the simulated step, and its schedule position (`home`) is where
-# first-fit puts it and CP-SAT keeps it while searching period and stretch (free W's slow those searches); CP-SAT frees
-# them only where that search finds no placement, and its least-staleness solve keeps a move only if it helps. F/B keep
-# their times. A fused layer's decomposition waits for the refresh step's W's of its stage; a deferred layer's STATS
-# of its output gradient wait for the W making it (`w_makers`; unplaced: `Window._released_by`), as in the runtime.
-# W's are placed where `placed_w` holds: a zero-bubble schedule without streaming (a streamed hand-off follows the
-# stage's last backward) of at most `MAX_W_TASKS` W's a window.
+# [Note: placed W] A zero-bubble schedule's W's (BWD_W) are `TaskKind.WGRAD` tasks on their rank, released at their
+# B's end, due by their stage's ALLREDUCE_GRAD (with one copy, that no-op all-reduce: by the stage's slot), holding
+# their operands (`w_operand_bytes`) until they end. First-fit puts each at its schedule position (`home`), which
+# CP-SAT keeps while it searches period and stretch and frees only where that finds nothing. A fused layer's
+# decomposition waits for its stage's refresh-step W's; a deferred STATS of an output gradient for the W making it
+# (`w_makers`). W's are placed (`placed_w`) without streaming and with at most `MAX_W_TASKS` a window.
 
 
 MAX_W_TASKS = 4096
-"""The most W tasks (N x S x `Problem.max_period`) a problem's longest window may hold for its plans to place W's,
-counted per layer for one W per layer (`w_by_layer`): CP-SAT's model grows with them (docs/ZERO_BUBBLE.md)."""
+"""The most W tasks (N x S x `Problem.max_period`, per layer for `w_by_layer`) for a problem to place W's: CP-SAT's
+model grows with them (docs/ZERO_BUBBLE.md)."""
 
 
 def placed_w(problem: Problem) -> bool:

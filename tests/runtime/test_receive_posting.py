@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fxkfac.planner.problem import OpKind, rank_programs
+from fxkfac.planner.problem import OpKind
+from fxkfac.planner.problem.lowering import rank_programs
 from fxkfac.runtime.interpreter import _late_from
 
 SENDS = (OpKind.SEND_ACT, OpKind.SEND_GRAD)
