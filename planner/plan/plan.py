@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
@@ -102,19 +101,14 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent)
 
     def save(self, path: str | Path) -> None:
-        """Write the JSON atomically (a temporary file in the same folder, then os.replace)."""
+        """Write the JSON atomically: to a temporary file of this process in the same folder, then os.replace."""
         path = Path(path)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         try:
-            with os.fdopen(fd, "w") as f:
-                f.write(self.to_json())
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a plan is shared like any file
+            tmp.write_text(self.to_json())
             os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        finally:
+            tmp.unlink(missing_ok=True)
 
 
 def _programs_dict(programs: Mapping[int, Program]) -> dict[str, list[str]]:
@@ -166,11 +160,9 @@ def ns_tasks(plan: Plan) -> list[NSTask]:
                 continue
             layers = problem.costs.stages[op.stage].layers
             names = (op.layer,) if op.layer is not None else tuple(x.name for x in layers)
-            where = NSWhere.OWN
-            if op.stage not in stages_on_device(problem, rank):
-                where = NSWhere.STREAMED
-            elif op.layer is not None and problem.where(op.layer) != LayerDistribution():
-                where = NSWhere.SHARED
+            shared = op.layer is not None and problem.where(op.layer) != LayerDistribution()
+            where = NSWhere.SHARED if shared else NSWhere.OWN
+            where = where if op.stage in stages_on_device(problem, rank) else NSWhere.STREAMED
             transfer = 0.0
             if where is NSWhere.STREAMED and op.layer is not None and (op.piece is None or op.piece[0] == 0):
                 transfer = sum(

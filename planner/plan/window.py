@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from functools import cached_property, lru_cache
+from typing import TypeVar
 
 from fxkfac.planner.problem.costs import LayerCost, PartCost
 from fxkfac.planner.problem.ir import Op, OpKind
@@ -55,6 +56,7 @@ from fxkfac.planner.problem.step_timeline import (
 from fxkfac.planner.problem.strategy import keeps_statistics
 
 Interval = tuple[int, int]
+T = TypeVar("T")
 
 
 class TaskKind(StrEnum):
@@ -372,15 +374,13 @@ class Window:
         pieces = problem.decomp_pieces
         share = p.decomp / pieces
         most = max(1, math.floor(piece / share + 1e-9)) if share > 0 else pieces  # pieces a task may hold
-        runs = math.ceil(pieces / most)
-        bounds = [pieces * i // runs for i in range(runs + 1)]
-        for a, b in zip(bounds, bounds[1:]):
-            name = f"inv_{side}_{layer}" if pieces == 1 else f"inv_{side}_{layer}_{a}"
+        for run in _chunks(range(pieces), most):
+            name = f"inv_{side}_{layer}" if pieces == 1 else f"inv_{side}_{layer}_{run[0]}"
             ops = tuple(
                 Op(OpKind.DECOMP, stage, layer=layer, part=side, piece=None if pieces == 1 else (i, pieces))
-                for i in range(a, b)
+                for i in run
             )
-            span, each = self.span(share * (b - a)), (share,) * (b - a)
+            span, each = self.span(share * len(run)), (share,) * len(run)
             tasks.append(
                 Task(name, TaskKind.INV, stage, side, ops, each, span, workers, ready, key, after_slot=after_slot)
             )
@@ -607,12 +607,12 @@ def _stats_op(stage: int, mb: int | None, pipe: int, layer: str, part: str) -> O
     return Op(OpKind.STATS, stage, mb, pipe, layer=layer, part=part)
 
 
-def _chunks(layers: Sequence[LayerCost], size: int) -> list[list[LayerCost]]:
-    """`layers` in consecutive runs of at most `size`, as even as their number allows (10 by 4: 3, 3, 4)."""
-    n = len(layers)
+def _chunks(items: Sequence[T], size: int) -> list[list[T]]:
+    """`items` in consecutive runs of at most `size`, as even as their number allows (10 by 4: 3, 3, 4)."""
+    n = len(items)
     runs = -(-n // size)
     bounds = [n * i // runs for i in range(runs + 1)] if runs else [0]
-    return [list(layers[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return [list(items[a:b]) for a, b in zip(bounds, bounds[1:])]
 
 
 # [Note: placed W] A zero-bubble schedule's W's (BWD_W) are `TaskKind.WGRAD` tasks on their rank, released at their

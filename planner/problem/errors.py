@@ -1,5 +1,4 @@
-"""The base of every fxkfac error, the planner's exceptions, and ConfigError (also raised by the graph passes,
-which sit below the front); `fxkfac.errors` re-exports them under the common base."""
+"""The base of every fxkfac error, the planner's errors and ConfigError (`fxkfac.errors` re-exports them)."""
 
 from __future__ import annotations
 
@@ -36,8 +35,7 @@ class Suggestion:
 
 
 class PlanError(PlannerError):
-    """A plan could not be made, or a plan is not valid for its problem. `suggestions`: values the
-    planner solved the same problem with (see `Suggestion`), best first; empty when none was found."""
+    """A plan could not be made or is not valid; `suggestions`: values that solved the problem, best first."""
 
     def __init__(self, message: str, *, suggestions: tuple[Suggestion, ...] = ()) -> None:
         super().__init__(message)
@@ -45,7 +43,7 @@ class PlanError(PlannerError):
 
     @property
     def max_overhead(self) -> float | None:
-        """The max_overhead of the first suggestion that changes it alone (what plan="auto" relaxes to), or None."""
+        """The max_overhead of the first suggestion changing it alone (plan="auto" relaxes to it), or None."""
         relaxed = [s for s in self.suggestions if {knob for knob, _ in s.changes} == {Knob.MAX_OVERHEAD}]
         return float(relaxed[0].changes[0][1]) if relaxed else None
 

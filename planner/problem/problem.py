@@ -31,9 +31,8 @@ class StepBarrier(StrEnum):
 
 @dataclass(frozen=True)
 class Problem:
-    """What to plan: the pipeline (pp size D, dp size W, N micro-batches, v stages per rank), its costs, bytes per
-    device (None: unlimited), max_overhead the fraction the step may grow over the reference step (0.0: bubbles
-    only), the longest refresh period, and non-COMM-OPT layer distributions sorted by layer (`with_distributions`)."""
+    """What to plan: the pipeline (pp size D, dp size W, N micro-batches, v stages a rank), its costs, bytes a device
+    (None: unlimited), the fraction the step may grow (0.0: bubbles only), and non-COMM-OPT layer distributions."""
 
     schedule: str
     D: int
@@ -62,19 +61,16 @@ class Problem:
         object.__setattr__(self, "schedule", kind.value)
         if not self.hardware:
             object.__setattr__(self, "hardware", self.costs.hardware)
-        for name in ("W", "max_period", "decomp_pieces"):
+        for name in ("W", "max_period", "decomp_pieces", "memory_budget"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise PlanError(f"{name} must be an int >= 1, got {value!r}")
+            if (name != "memory_budget" or value is not None) and (type(value) is not int or value < 1):
+                raise PlanError(f"{name} must be an int >= 1 (memory_budget: bytes, or None), got {value!r}")
         S = num_stages(kind, self.D, self.v)
         if len(self.costs.stages) != S:
             raise PlanError(
                 f"the cost table has {len(self.costs.stages)} stages but {kind} with D={self.D}, "
                 f"v={self.v} has {S}; make the cost table for {S} stages"
             )
-        budget = self.memory_budget
-        if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int) or budget <= 0):
-            raise PlanError(f"memory_budget must be a positive int (bytes) or None, got {budget!r}")
         if not (isinstance(self.max_overhead, (int, float)) and 0 <= self.max_overhead < 10):
             raise PlanError(f"max_overhead is a fraction in [0, 10), got {self.max_overhead!r}")
         try:
@@ -114,7 +110,7 @@ class Problem:
             raise PlanError(f"recompute names stages {list(stages)}, but this problem has stages 0..{S - 1}")
 
     def _check_streaming(self, streaming: Streaming) -> None:
-        """PlanError unless no helper holds the streamed stage and each streamed layer may stream under COMM-OPT."""
+        """PlanError unless no helper holds the streamed stage and each streamed layer may stream, under COMM-OPT."""
         if not streaming.stage < self.num_stages:
             raise PlanError(f"streaming names stage {streaming.stage}, which this problem does not have")
         for helper in streaming.ranks:
@@ -242,8 +238,7 @@ class Problem:
 
 @dataclass(frozen=True)
 class SolveProgress:
-    """What CP-SAT reports while it places one window, for a front to render: status, best staleness and its bound
-    (None when searching any placement), wall seconds so far, whether the call ended."""
+    """What CP-SAT reports while it places one window, for a front to render (objective None: any placement)."""
 
     window: str
     status: str
@@ -265,14 +260,13 @@ class SolverConfig:
     """How hard the CP-SAT planner works."""
 
     time_limit_s: float = 10.0
-    """Seconds of planning ([Note: time limit] in planner/search/attempt.py; deterministic: [Note: deterministic
-    budget] in planner/search/budget.py)."""
+    """Seconds of planning ([Note: deterministic budget] in planner/search/budget.py)."""
     num_workers: int = 2
     """CP-SAT threads when not deterministic (a deterministic search runs one)."""
     seed: int = 0
     """CP-SAT's random seed."""
     deterministic: bool = True
-    """The same plan on any machine (deterministic time, one thread); False: wall-clock on `num_workers` threads."""
+    """The same plan on any machine (deterministic time, one thread); False: wall-clock, `num_workers` threads."""
     use_greedy_hint: bool = True
     stats_chunk: int | None = None
     """At most this many layers in one STATS task (None: by `max_stats_tasks`)."""
@@ -281,7 +275,7 @@ class SolverConfig:
     time_resolution: int = 100_000
     """Ticks per step when times are not exact in a decimal unit (see `planner.plan.window`)."""
     stretch: bool = True
-    """Let the step grow within `Problem.max_overhead` for refresh work ([Note: stretch] in planner/plan/window.py)."""
+    """Let the step grow within `Problem.max_overhead` ([Note: stretch] in planner/plan/window.py)."""
     progress: Callable[[SolveProgress], None] | None = field(default=None, compare=False)
     """Called with every `SolveProgress` of every CP-SAT call; it only observes."""
 
@@ -300,8 +294,7 @@ def stages_on_device(problem: Problem, device: int) -> tuple[int, ...]:
 
 
 def streamed_stats(problem: Problem, layer: str) -> bool:
-    """Whether `layer` streams with gradient-fed parts (Shampoo, SOAP): its helper folds their statistics with its
-    APPLY and returns them (docs/STREAMED_APPLY.md, "Stateful units")."""
+    """Whether `layer` streams with gradient-fed parts, whose statistics its helper folds (docs/STREAMED_APPLY.md)."""
     streaming = problem.streaming
     return (
         streaming is not None
@@ -311,8 +304,7 @@ def streamed_stats(problem: Problem, layer: str) -> bool:
 
 
 def streamed_seconds(problem: Problem, op: Op) -> float:
-    """Seconds of a streamed layer's APPLY (or piece) on its helper, with `streamed_stats` plus its folds and the
-    packing of what it returns (priced as the owner's `LayerCost.take_back`)."""
+    """Seconds of a streamed layer's APPLY (or piece) on its helper, with `streamed_stats` its folds and packing."""
     cost = problem.costs.layer(op.layer_name)
     stepped = streamed_stats(problem, op.layer_name)
     folds = cost.curv + cost.take_back if stepped else 0.0
@@ -326,8 +318,7 @@ def returned(problem: Problem, layer: str) -> Op:
 
 
 def is_streamed(problem: Problem, device: int, op: Op) -> bool:
-    """Whether `op` on `device` is part of a streamed layer's hand-off (a transfer, or the helper's APPLY): fixed by
-    the step, not placed."""
+    """Whether `op` on `device` is a streamed layer's hand-off (a transfer, the helper's APPLY), fixed by the step."""
     return op.kind in LAYER_TRANSFER_KINDS or (
         op.kind is OpKind.APPLY and op.stage not in stages_on_device(problem, device)
     )
@@ -343,8 +334,7 @@ def stage_groups(problem: Problem) -> tuple[StageGroup, ...]:
 
 
 def agreement_set(problem: Problem, device: int) -> tuple[int, ...]:
-    """The ranks whose step ends `device`'s step end waits for: all under `StepBarrier.WORLD`, else its stage group's
-    devices (tied weights, which may link two groups, are not in the planner's data)."""
+    """The ranks whose step ends `device`'s waits for: all under `StepBarrier.WORLD`, else its stage group's."""
     if problem.barrier is StepBarrier.WORLD:
         return problem.devices
     return next(g.devices for g in stage_groups(problem) if device in g.devices)

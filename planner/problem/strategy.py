@@ -1,14 +1,11 @@
 """Distribution strategies: where a layer's preconditioner work and state live across the copies of its stage.
 
-[Note: strategies] The copies of a stage (its H holders: data-parallel replicas, Chimera's two pipelines) share
-each layer's preconditioner work as KAISA (Pauloski et al.) or DP-KFAC (Zhang et al.) do:
-- KAISA's grad-worker fraction f (`COMM_OPT` f = 1, `MEM_OPT` f = 1/H, `HYBRID` in between): every holder folds the
-  all-reduced statistics; the holders form n = H / g *columns* ``{c, c + n, ...}`` of g = f * H grad workers and g
-  *rows* ``{j n, ..., j n + n - 1}``. A layer's column decomposes it (broadcast within the column) and
-  preconditions it; when g < H each member broadcasts the preconditioned gradient along its row.
-- DP-KFAC: one owner keeps *local* factors of its own micro-batches (no statistic all-reduce), decomposes them and
-  broadcasts the preconditioned reduced gradient to every holder.
-The planner chooses each layer's column; the runtime derives the same groups (`grad_workers`, `receivers`).
+[Note: strategies] A stage's H holders (dp replicas, Chimera's pipelines) share each layer's work as KAISA or DP-KFAC:
+KAISA's grad-worker fraction f (COMM_OPT 1, MEM_OPT 1/H, HYBRID between) makes n = H / g columns {c, c + n, ...} of
+g = f * H grad workers and g rows {j n, ..., j n + n - 1}; every holder folds the all-reduced statistics, a layer's
+column decomposes and preconditions it, and each member broadcasts the result along its row. DP-KFAC: one owner
+keeps local factors of its own micro-batches and broadcasts the preconditioned gradient. The planner picks each
+layer's column; the runtime derives the same groups (`grad_workers`, `receivers`).
 """
 
 from __future__ import annotations
@@ -79,7 +76,7 @@ K = TypeVar("K", str, tuple[str, str])
 B = TypeVar("B")
 
 COMM_OPT = Strategy(StrategyKind.COMM_OPT)
-"""Today's default: every copy holds every decomposition (all-reduced statistics, broadcast decompositions)."""
+"""The default: every copy holds every decomposition."""
 
 _HYBRID = re.compile(r"hybrid:(\d+(?:\.\d+)?|\d+/\d+)")
 
@@ -146,8 +143,7 @@ def receivers(holders: tuple[int, ...], where: LayerDistribution) -> list[tuple[
 
 
 def keeps_statistics(rank: int, holders: tuple[int, ...], where: LayerDistribution, gradient_fed: bool = False) -> bool:
-    """Whether `rank` takes the layer's statistics: every holder, or the grad workers alone when the reduced gradient
-    feeds them or they are local (DP-KFAC)."""
+    """Whether `rank` takes the layer's statistics: every holder, or only grad workers where gradient-fed or local."""
     if gradient_fed or where.strategy.local_factors:
         return rank in grad_workers(holders, where)
     return rank in holders
@@ -173,8 +169,7 @@ def holding(rank: int, holders: tuple[int, ...], where: LayerDistribution, gradi
 
 
 def least_loaded(costs: Mapping[K, float], bins: Sequence[B]) -> dict[K, B]:
-    """LPT (KAISA's greedy, Distributed Shampoo's Alg. 3): each item, costliest first (ties by key), to the least
-    loaded of `bins` (ties: the first), loads from zero."""
+    """LPT (KAISA's greedy): each item, costliest first (ties by key), to the least loaded of `bins` (ties: first)."""
     load = dict.fromkeys(bins, 0.0)
     out: dict[K, B] = {}
     for key in sorted(costs, key=lambda key: (-costs[key], key)):
