@@ -118,15 +118,11 @@ class PrecSlot:
 
     @property
     def offsets(self) -> tuple[float, ...]:
-        """Seconds from the slot's start to each op's start."""
-        out, t, shared = [], 0.0, self.lead
+        """Seconds from the slot's start to each op's start: its own ops from 0, its BCAST_PRECs from `lead`."""
+        out, at = [], {False: 0.0, True: self.lead}
         for op, secs in zip(self.ops, self.durations):
-            if op.kind is OpKind.BCAST_PREC:
-                out.append(shared)
-                shared += secs
-            else:
-                out.append(t)
-                t += secs
+            out.append(at[op.kind is OpKind.BCAST_PREC])
+            at[op.kind is OpKind.BCAST_PREC] += secs
         return tuple(out)
 
     @property
@@ -535,8 +531,6 @@ def _merge(intervals: Iterable[Interval]) -> tuple[Interval, ...]:
     out: list[list[int]] = []
     instants = []
     for s, e in sorted(intervals):
-        if e < s:
-            continue
         if e == s:
             instants.append(s)
         elif out and s <= out[-1][1]:

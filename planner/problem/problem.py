@@ -100,14 +100,12 @@ class Problem:
                     f"{where.strategy} keeps local factors of captures, but {name}'s statistics come "
                     "from the reduced gradient, the same on every copy; use mem-opt for one owner"
                 )
-
         if self.streaming is not None:
             self._check_streaming(self.streaming)
         stages = self.recompute
-        if not isinstance(stages, tuple) or list(stages) != sorted(set(stages)):
-            raise PlanError(f"recompute must be a tuple of distinct stages, ascending, got {stages!r}")
-        if any(isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < S for s in stages):
-            raise PlanError(f"recompute names stages {list(stages)}, but this problem has stages 0..{S - 1}")
+        ints = type(stages) is tuple and all(type(s) is int and 0 <= s < S for s in stages)
+        if not ints or list(stages) != sorted(set(stages)):
+            raise PlanError(f"recompute must be a tuple of distinct stages of 0..{S - 1}, ascending, got {stages!r}")
 
     def _check_streaming(self, streaming: Streaming) -> None:
         """PlanError unless no helper holds the streamed stage and each streamed layer may stream, under COMM-OPT."""

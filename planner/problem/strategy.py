@@ -10,7 +10,6 @@ layer's column; the runtime derives the same groups (`grad_workers`, `receivers`
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -41,7 +40,8 @@ class Strategy:
             object.__setattr__(self, "kind", StrategyKind(self.kind))
         if (self.kind is StrategyKind.HYBRID) != (self.fraction is not None):
             raise ConfigError(
-                f"a grad-worker fraction goes with the hybrid strategy only, got {self.kind.value} with {self.fraction}"
+                f"hybrid takes a grad-worker fraction (hybrid:F, e.g. hybrid:0.5) and no other strategy does, got "
+                f"{self.kind.value} with {self.fraction}"
             )
         if self.fraction is not None and not 0 < self.fraction < 1:
             raise ConfigError(
@@ -78,24 +78,18 @@ B = TypeVar("B")
 COMM_OPT = Strategy(StrategyKind.COMM_OPT)
 """The default: every copy holds every decomposition."""
 
-_HYBRID = re.compile(r"hybrid:(\d+(?:\.\d+)?|\d+/\d+)")
-
 
 def parse_strategy(text: str) -> Strategy:
     """``comm-opt``, ``mem-opt``, ``dp-kfac`` or ``hybrid:F`` (F a fraction like 0.5 or 1/4) as a Strategy."""
-    text = text.strip().lower()
-    match = _HYBRID.fullmatch(text)
-    if match:
-        return Strategy(StrategyKind.HYBRID, Fraction(match.group(1)).limit_denominator(1 << 16))
+    name, colon, fraction = text.strip().lower().partition(":")
     try:
-        kind = StrategyKind(text)
-    except ValueError:
+        kind = StrategyKind(name)
+        value = Fraction(fraction).limit_denominator(1 << 16) if colon else None
+    except (ValueError, ZeroDivisionError):
         raise ConfigError(
             f"unknown strategy {text!r}; use comm-opt, mem-opt, hybrid:F (0 < F < 1, e.g. hybrid:0.5) or dp-kfac"
         ) from None
-    if kind is StrategyKind.HYBRID:
-        raise ConfigError("hybrid needs its grad-worker fraction: hybrid:F, e.g. hybrid:0.5")
-    return Strategy(kind)
+    return Strategy(kind, value)
 
 
 @dataclass(frozen=True, slots=True)
