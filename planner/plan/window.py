@@ -292,30 +292,11 @@ class Window:
 
     def _refresh_work(self, precs: tuple[PrecSlot, ...]) -> list[Task]:
         """The refresh's tasks: every deferred STATS, then per part its SYNC, DECOMP pieces and BCAST."""
-        problem, refresh = self.problem, self.steps[0]
         tasks = [task for s in self.group.stages for task in self._curv_tasks(s)]
         for s in self.group.stages:
-            copies = problem.holders[s]
-            longest = max((p.decomp for x in problem.costs.stages[s].layers for p in x.parts), default=0.0)
-            for x in problem.costs.stages[s].layers:
-                for p in x.parts:
-                    gradient = p.after is OpKind.ALLREDUCE_GRAD
-                    after_slot = gradient and not streamed_stats(problem, x.name)  # a streamed one's: with the return
-                    ready = 0
-                    if gradient and not after_slot:
-                        ready = max(self.up(refresh.end_of(d, returned(problem, x.name))) for d in copies)
-                    elif after_slot:
-                        ready = min(slot.release + slot.ticks for slot in precs if (slot.stage, slot.step) == (s, 0))
-                    elif x.name in self.fused:
-                        made = self._released_by(p.after)  # with the W; placed, its task ([Note: placed W])
-                        ready = max(
-                            self.up(e)
-                            for d in copies
-                            for op, _, e in refresh.fixed(d)
-                            if op.stage == s and op.kind is made
-                        )
-                    # the longest a DECOMP task lasts
-                    tasks += self._refresh_tasks(s, x.name, p, longest / problem.decomp_pieces, ready, after_slot)
+            layers = self.problem.costs.stages[s].layers
+            piece = max((p.decomp for x in layers for p in x.parts), default=0.0) / self.problem.decomp_pieces
+            tasks += [task for x in layers for p in x.parts for task in self._refresh_tasks(s, x.name, p, piece, precs)]
         return tasks
 
     def _released_by(self, after: OpKind) -> OpKind:
@@ -347,15 +328,28 @@ class Window:
         return tasks
 
     def _refresh_tasks(
-        self, stage: int, layer: str, p: PartCost, piece: float, ready: int, after_slot: bool
+        self, stage: int, layer: str, p: PartCost, piece: float, precs: tuple[PrecSlot, ...]
     ) -> list[Task]:
-        """A part's refresh once its statistic is complete (tick `ready`): SYNC over the stage's copies (a captured part
-        held more than once), DECOMP on one copy, BCAST to the others; `after_slot`: [Note: gradient parts].
+        """A part's refresh once its statistic is complete (`ready`): SYNC over the stage's copies (a captured part held
+        more than once), DECOMP on its workers, BCAST to the others; `after_slot`: [Note: gradient parts].
 
         [Note: piece tasks] A decomposition is one INV task, or `Problem.decomp_pieces` DECOMP ops in as few tasks no
-        longer than `piece` as allows, dealt evenly and chained on one rank (`inv_chains`), as the runtime runs them."""
-        problem, side = self.problem, p.part
+        longer than `piece` (the stage's longest decomposition's piece) as allows, dealt evenly and chained on one
+        rank (`inv_chains`), as the runtime runs them."""
+        problem, side, refresh = self.problem, p.part, self.steps[0]
         copies, workers, key = problem.holders[stage], problem.workers(layer), ((layer, p.part),)
+        gradient = p.after is OpKind.ALLREDUCE_GRAD
+        after_slot = gradient and not streamed_stats(problem, layer)  # a streamed one's: with the return
+        ready = 0
+        if gradient and not after_slot:
+            ready = max(self.up(refresh.end_of(d, returned(problem, layer))) for d in copies)
+        elif after_slot:
+            ready = min(slot.release + slot.ticks for slot in precs if (slot.stage, slot.step) == (stage, 0))
+        elif layer in self.fused:
+            made = self._released_by(p.after)  # with the W; placed, its task ([Note: placed W])
+            ready = max(
+                self.up(e) for d in copies for op, _, e in refresh.fixed(d) if op.stage == stage and op.kind is made
+            )
 
         def collective(kind: TaskKind, op: Op, devices: tuple[int, ...], release: int) -> Task:
             secs = problem.costs.collective_seconds(op, len(devices))
@@ -364,7 +358,6 @@ class Window:
             )
 
         tasks = []
-        gradient = p.after is OpKind.ALLREDUCE_GRAD
         if len(copies) > 1 and not gradient and not problem.where(layer).strategy.local_factors:
             tasks.append(collective(TaskKind.SYNC, Op(OpKind.SYNC_STATS, stage, layer=layer, part=side), copies, ready))
         pieces = problem.decomp_pieces
