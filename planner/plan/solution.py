@@ -97,12 +97,11 @@ def remade_spans(solution: GroupSolution, device: int) -> list[tuple[int, int, i
     refresh's first DECOMP end until the device's APPLY first uses this one, where that is later."""
     w = solution.window
     k, L = w.k, w.length
-    first: dict[str, int] = {}  # each layer's first DECOMP or BCAST op's end (a task may hold several layers')
+    first: dict[str, int] = {}  # each layer's first DECOMP or BCAST op's end
     for task, start in zip(w.tasks, solution.starts):
         if task.kind in (TaskKind.INV, TaskKind.BCAST):
-            for op, at in zip(task.ops, itertools.accumulate(task.seconds)):
-                if op.layer is not None and op.kind in (OpKind.DECOMP, OpKind.BCAST):
-                    first[op.layer] = min(first.get(op.layer, start + task.ticks), start + math.ceil(at * w.scale))
+            layer = task.factors[0][0]
+            first[layer] = min(first.get(layer, start + task.ticks), start + math.ceil(task.seconds[0] * w.scale))
     out = []
     for layer, made in first.items():
         nbytes = decomposition_bytes(w.problem, device, layer)
@@ -128,13 +127,11 @@ def placements_of(solution: GroupSolution) -> list[Placement]:
     out: list[Placement] = []
     for task, start, device in zip(w.tasks, solution.starts, solution.devices):
         members = task.devices if task.kind.collective else (device,)
-        step = w.step_of(start)
+        step, begin = w.step_of(start), w.seconds(start)
         for member in members:
-            t = w.seconds(start)
-            for op, secs in zip(task.ops, task.seconds):
+            for op, secs, t in zip(task.ops, task.seconds, itertools.accumulate(task.seconds, initial=begin)):
                 placed = replace(op, root=device) if task.kind is TaskKind.BCAST else op  # from where it was decomposed
                 out.append(Placement(placed, member, step, t, t + secs))
-                t += secs
     for slot, start in zip(w.precs, solution.prec_starts):
         out += [
             Placement(op, slot.device, slot.step, w.seconds(start) + at, w.seconds(start) + at + secs)

@@ -281,8 +281,7 @@ class Window:
                 seconds = PrecSlot(d, s, 0, 0, 0, 0, 0, ops, durations, lead_s).seconds
                 for j, st in enumerate(self.steps):
                     release = self.offsets[j] + self.at(st.allreduce_end[d, s])
-                    # APPLY ends before OPT_STEP ([Note: step barrier])
-                    deadline = self.step_start(j + 1)
+                    deadline = self.step_start(j + 1)  # APPLY ends before OPT_STEP ([Note: step barrier])
                     end = st.end_of(d, ops[-1]) if ops else st.allreduce_end[d, s]  # every layer streamed: no work
                     reference = max(release, self.offsets[j] + self.at(end - seconds))
                     # the reference's rounded ends, not its rounded-up length: the op after it starts at at(end)

@@ -1,8 +1,6 @@
-"""The problem and its costs: the program IR, schedules and strategies, cost tables and the hardware they price,
-the `Problem`, its programs and its simulated step. The bottom of the planner: it imports nothing else of it.
-
-Below, what describes a problem and its errors; the rest (the timeline, lowering, hardware fits, the sympy-backed
-`analytic` and `perf_model`) is imported from its module."""
+"""The problem and its costs (IR, schedules, strategies, cost tables, hardware, programs, the simulated step), the
+bottom of the planner. Exported: what describes a problem, and the errors; the rest (sympy's analytic and
+perf_model among it) is imported from its module."""
 
 from fxkfac.planner.problem.costs import CostTable, InverseMethod, LayerCost, PartCost, PreconditionerKind, StageCost
 from fxkfac.planner.problem.errors import (
