@@ -38,14 +38,11 @@ class Strategy:
     def __post_init__(self) -> None:
         if not isinstance(self.kind, StrategyKind):
             object.__setattr__(self, "kind", StrategyKind(self.kind))
-        if (self.kind is StrategyKind.HYBRID) != (self.fraction is not None):
+        hybrid = self.kind is StrategyKind.HYBRID
+        if hybrid != (self.fraction is not None) or (hybrid and not 0 < (self.fraction or 0) < 1):
             raise ConfigError(
-                f"hybrid takes a grad-worker fraction (hybrid:F, e.g. hybrid:0.5) and no other strategy does, got "
-                f"{self.kind.value} with {self.fraction}"
-            )
-        if self.fraction is not None and not 0 < self.fraction < 1:
-            raise ConfigError(
-                f"the hybrid grad-worker fraction must be in (0, 1), got {self.fraction}; 1 is comm-opt and 1/W mem-opt"
+                "hybrid, and no other strategy, takes a grad-worker fraction F in (0, 1) (hybrid:F, e.g. hybrid:0.5; "
+                f"1 is comm-opt, 1/W mem-opt), got {self.kind.value} with {self.fraction}"
             )
 
     def __str__(self) -> str:
@@ -58,11 +55,8 @@ class Strategy:
 
     def workers(self, holders: int) -> int:
         """g: how many of a stage's `holders` copies precondition each layer (and hold its decomposition)."""
-        if self.kind is StrategyKind.COMM_OPT:
-            return holders
-        if self.kind in (StrategyKind.MEM_OPT, StrategyKind.DP_KFAC):
-            return 1
-        assert self.fraction is not None, "a hybrid strategy has its fraction (checked at construction)"
+        if self.fraction is None:
+            return holders if self.kind is StrategyKind.COMM_OPT else 1
         g = max(1, round(self.fraction * holders))
         if holders % g:
             raise ConfigError(
