@@ -63,7 +63,8 @@ class Problem:
             object.__setattr__(self, "hardware", self.costs.hardware)
         for name in ("W", "max_period", "decomp_pieces", "memory_budget"):
             value = getattr(self, name)
-            if (name != "memory_budget" or value is not None) and (type(value) is not int or value < 1):
+            bad = isinstance(value, bool) or not isinstance(value, int) or value < 1
+            if bad and (name != "memory_budget" or value is not None):
                 raise PlanError(f"{name} must be an int >= 1 (memory_budget: bytes, or None), got {value!r}")
         S = num_stages(kind, self.D, self.v)
         if len(self.costs.stages) != S:
@@ -103,7 +104,7 @@ class Problem:
         if self.streaming is not None:
             self._check_streaming(self.streaming)
         stages = self.recompute
-        ints = type(stages) is tuple and all(type(s) is int and 0 <= s < S for s in stages)
+        ints = isinstance(stages, tuple) and all(type(s) is int and 0 <= s < S for s in stages)
         if not ints or list(stages) != sorted(set(stages)):
             raise PlanError(f"recompute must be a tuple of distinct stages of 0..{S - 1}, ascending, got {stages!r}")
 
