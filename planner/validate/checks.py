@@ -1,7 +1,6 @@
-"""Checks a plan against its problem, recomputing what it must hold from the problem alone (the simulated step
-timelines, the comm model) and sharing no code with the search, so tests can trust it. Times may be off by
-`metrics.time_quantum` ([Note: time grid] in planner/plan/window.py); every step ends with `metrics.stretch` idle
-seconds ([Note: stretch]). Each `check_*` below says what it checks."""
+"""Checks a plan against its problem from the problem alone (simulated step timelines, the comm model), sharing no
+code with the search, so tests can trust it. Times may be off by `metrics.time_quantum` ([Note: time grid] in
+planner/plan/window.py); every step ends with `metrics.stretch` idle seconds ([Note: stretch])."""
 
 from __future__ import annotations
 
@@ -233,9 +232,8 @@ def _check_shared_gradient(c: Context, p: Placement) -> None:
 
 
 def _check_factor(c: Context, layer: str, side: str | None, kinds: Mapping[OpKind, list[Placement]]) -> None:
-    """A factor's refresh: statistics, SYNC_STATS, DECOMP pieces and BCAST in order (a gradient-fed part's DECOMP after
-    the refresh step's STATS on its rank, or their return from its helper), the collectives started together on every
-    copy, the broadcast from the decomposing rank, all done before the next refresh needs the factor's buffers."""
+    """A factor's refresh in order (statistics, SYNC_STATS, DECOMP pieces, BCAST; a gradient-fed part's after its
+    refresh STATS or their return), collectives started together, broadcast from the decomposer, done in time."""
     stage = c.problem.costs.stage_of(layer)
     L = c.length(c.period(stage))
     curv, sync, inv, bcast = (kinds.get(k, []) for k in (OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST))
@@ -292,9 +290,8 @@ def _check_factor(c: Context, layer: str, side: str | None, kinds: Mapping[OpKin
 
 
 def check_precs_and_offsets(c: Context) -> None:
-    """Each APPLY and gradient STATS after its stage's gradient all-reduce and by the next step's start (a gradient
-    STATS before the stage's APPLY, which overwrites the gradient; a cut APPLY's pieces in order); each layer's use
-    offset as its refresh's end makes it, and a warm-started refresh done before the next begins."""
+    """Each APPLY and gradient STATS between its stage's all-reduce and the next step (a STATS before the APPLY that
+    overwrites the gradient, pieces in order); use offsets as made; a warm-started refresh done before the next."""
     applies = {(p.op.stage, p.device, p.step): p.start for p in c.kinds[OpKind.APPLY]}
     for p in c.kinds[OpKind.APPLY] + [p for p in c.kinds[OpKind.STATS] if p.op.mb is None]:
         s, d, j = p.op.stage_id, p.device, p.step
@@ -441,9 +438,8 @@ def check_placements(c: Context) -> None:
 
 
 def check_devices(c: Context) -> None:
-    """Per device, over its window modulo the window's length: no placed op overlaps another or the F/B (W) and
-    gradient all-reduces, when nothing else may run (an op of no duration occupies nothing); the activations, kept
-    captures, W operands and third decompositions within the memory budget and the peak claimed."""
+    """Per device, modulo its window: no placed op overlaps another or the F/B (W) and all-reduces (a zero-length op
+    occupies nothing); activations, captures, W operands and third decompositions within the budget and claimed peak."""
     placed, budget = c.placed_w, c.problem.memory_budget
     fixed_kinds = (OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD, *(() if placed else (OpKind.BWD_W,)))
     for d in c.problem.devices:
@@ -562,9 +558,8 @@ def check_programs(c: Context) -> None:
 def _check_placed_order(
     c: Context, where: str, ops: list[Op], i: int, t: float, spans: list[tuple[Op, float, float] | None]
 ) -> None:
-    """A placed op (`ops[i]`, placed at `t` in its step) sits among the pipeline ops (`spans`: their times) as its
-    time says: the runtime runs the program in order, so a program that disagrees with its placements runs other
-    semantics."""
+    """A placed op (`ops[i]`, at `t` in its step) sits among the pipeline ops (`spans`: their times) as its time says:
+    the runtime runs the program in order, so a program that disagrees with its placements runs other semantics."""
     op = ops[i]
     for n, item in enumerate(spans):
         if item is None or item[0].kind is OpKind.OPT_STEP:
@@ -656,9 +651,8 @@ def check_streaming(c: Context) -> None:
 
 
 def _check_replicas(c: Context, streaming: Streaming, owner: int) -> None:
-    """Replay the replicas over two periods of every program: the owner sends one after a DECOMP of the layer, the
-    helper takes it in the same step, and each helper APPLY finds the refresh its timing makes due (the n-th replica
-    carries the n-th refresh). A layer without parts (a Muon matrix) has no refresh, so no replica is made or due."""
+    """Replay the replicas over two periods: the owner sends one after a DECOMP (or BCAST) of the layer, the helper
+    takes it that step, each helper APPLY finds the refresh due in the replicas (a Muon matrix: none made or due)."""
     s = streaming.stage
     for n, helper in zip(streaming.layers, streaming.helpers, strict=True):
         send = Op(OpKind.SEND_REPLICA, s, peer=helper, layer=n)
