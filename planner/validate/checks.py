@@ -410,9 +410,8 @@ def check_placements(c: Context) -> None:
             c.errors.append(f"{p.op} runs on r{p.device}, not a grad worker of {p.op.layer} {list(workers)}")
         if p.op.kind is OpKind.STATS and p.op.mb is not None:
             kind, ready = c.capture_end(p.device, p.op)  # the F/B (or W) whose end makes its capture: held since
-            c.held[p.device].append(
-                (ready, p.end, c.problem.costs.layer(p.op.layer_name).part(p.op.part_name).capture_bytes)
-            )
+            part = c.problem.costs.layer(p.op.layer_name).part(p.op.part_name)
+            c.held[p.device].append((ready, p.end, part.capture_bytes))
             if p.start < ready - c.tol and kind is OpKind.BWD_W:
                 c.errors.append(
                     f"{p.op} on r{p.device} starts at {p.start:.6g} before the W that makes its output gradient ends "
@@ -524,12 +523,12 @@ def check_programs(c: Context) -> None:
         elif any(a[0] == b[0] and times[a] > times[b] for a, b in zip(listed, listed[1:])):
             c.errors.append(f"r{d}: the program's placed ops are not in time order")
         for j, ops in enumerate(prog):
-            if [op for op in ops if c.pipeline(op)] != [op for op, _, _ in c.timeline(j, k).ops[d] if c.pipeline(op)]:
+            schedule = c.timeline(j, k).ops[d]
+            if [op for op in ops if c.pipeline(op)] != [op for op, _, _ in schedule if c.pipeline(op)]:
                 c.errors.append(f"r{d} step {j}: the pipeline ops differ from the schedule's")
-            moved = [op for op, _, _ in c.timeline(j, k).ops[d] if c.follows_w(op)]
-            if sorted(map(str, (op for op in ops if c.follows_w(op)))) != sorted(map(str, moved)):
+            if Counter(filter(c.follows_w, ops)) != Counter(op for op, _, _ in schedule if c.follows_w(op)):
                 c.errors.append(f"r{d} step {j}: the gradient all-reduces differ from the schedule's")
-            fixed = iter([item for item in c.timeline(j, k).ops[d] if c.pipeline(item[0])])
+            fixed = iter([item for item in schedule if c.pipeline(item[0])])
             spans = [next(fixed, None) if c.pipeline(op) else None for op in ops]  # each pipeline op's times
             for i, op in enumerate(ops):
                 after = [o for o in ops[i + 1 :] if o.stage == op.stage]  # what of its stage follows it
