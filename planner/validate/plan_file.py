@@ -203,8 +203,6 @@ def parse_plan(text: str) -> Plan:
         plan = Plan.from_dict(data)
         check_structure(plan)
         return plan
-    except PlanFormatError:
-        raise
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise PlanFormatError(f"the plan file is malformed (missing or bad entry: {e})") from e
 
