@@ -1,20 +1,19 @@
-"""Checks a plan against its problem, recomputing what it must hold from the problem alone (the simulated step
-timelines, the comm model) and sharing no code with the search, so tests can trust it. Times may be off by
-`metrics.time_quantum` ([Note: time grid] in planner/plan/window.py); every step ends with `metrics.stretch` idle
-seconds ([Note: stretch]). Each `check_*` below says what it checks."""
+"""Checks a plan against its problem from the problem alone (simulated step timelines, the comm model), sharing no
+code with the search, so tests can trust it. Times may be off by `metrics.time_quantum` ([Note: time grid] in
+planner/plan/window.py); every step ends with `metrics.stretch` idle seconds ([Note: stretch])."""
 
 from __future__ import annotations
 
 import math
 from collections import Counter, defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 
 from fxkfac.planner.plan.plan import Plan
 from fxkfac.planner.plan.window import placed_w, w_window
 from fxkfac.planner.problem.errors import DeadlockError, PlanError
 from fxkfac.planner.problem.ir import (
+    COLLECTIVE_KINDS,
     LAYER_TRANSFER_KINDS,
     PRECONDITIONER_KINDS,
     Capture,
@@ -62,35 +61,30 @@ from fxkfac.planner.problem.strategy import keeps_statistics
 
 @dataclass
 class Context:
-    """One validation: the problem, the plan, the tolerance, the simulated step timelines, the placements indexed in
-    one walk (each rule reads the indexes) and the violations found."""
+    """One validation: the problem, the plan, its tolerance and simulated step timelines, the placements indexed in one
+    walk (each rule reads the indexes) and the violations found."""
 
     problem: Problem
     plan: Plan
-    tol: float
-    fused: frozenset[str]
-    refresh: Timeline
-    normal: Timeline
-    stretch: float = 0.0
     errors: list[str] = field(default_factory=list)
-    held: defaultdict[int, list[tuple[float, float, int]]] = field(default_factory=lambda: defaultdict(list))
-    """Per device, what placed work holds in memory (start, end, bytes): `check_placements` collects, `check_devices`
-    sums."""
-    at: dict[tuple[Op, int, int], Placement] = field(default_factory=dict)
-    """Each placement by (op, device, window step)."""
-    kinds: defaultdict[OpKind, list[Placement]] = field(default_factory=lambda: defaultdict(list))
-    on: defaultdict[int, list[Placement]] = field(default_factory=lambda: defaultdict(list))
-    made: defaultdict[str, list[Placement]] = field(default_factory=lambda: defaultdict(list))
-    """Per layer, its refresh's DECOMP and BCAST placements."""
-    refresh_ws: defaultdict[tuple[int, int | None, int | None, int], list[Placement]] = field(
-        default_factory=lambda: defaultdict(list)
-    )
-    """The refresh step's placed W's by (device, stage, micro-batch, pipe)."""
-    updates: dict[tuple[int | None, int, int], float] = field(default_factory=dict)
-    """Where each stage's update begins (its first per-step op's start) by (stage, device, window step)."""
 
     def __post_init__(self) -> None:
-        for p in self.plan.placements:  # in the plan's order
+        problem, plan, stretch = self.problem, self.plan, self.plan.metrics.stretch
+        self.fused = frozenset(n for n, t in plan.layers.items() if t.capture is Capture.FUSED)
+        self.normal, self.refresh = step_timeline(problem), step_timeline(problem, self.fused, refresh=True)
+        self.tol = plan.metrics.time_quantum + 1e-9 * self.normal.length
+        self.stretch = stretch if isinstance(stretch, (int, float)) and 0 <= stretch < math.inf else 0.0
+        self.placed_w = placed_w(problem)  # [Note: placed W] in planner/plan/window.py
+        self.placed_kinds = PRECONDITIONER_KINDS | ({OpKind.BWD_W} if self.placed_w else set())  # where placements say
+        # per device, what placed work holds in memory (start, end, bytes): check_placements adds, check_devices sums
+        self.held: defaultdict[int, list[tuple[float, float, int]]] = defaultdict(list)
+        self.at: dict[tuple[Op, int, int], Placement] = {}  # by (op, device, window step)
+        self.kinds: defaultdict[OpKind, list[Placement]] = defaultdict(list)
+        self.on: defaultdict[int, list[Placement]] = defaultdict(list)
+        self.made: defaultdict[str, list[Placement]] = defaultdict(list)  # per layer, its refresh's DECOMP and BCAST
+        self.refresh_ws: defaultdict[tuple, list[Placement]] = defaultdict(list)  # by (device, stage, mb, pipe)
+        self.updates: dict[tuple, float] = {}  # where a stage's update (per-step ops) begins by (stage, device, step)
+        for p in plan.placements:  # in the plan's order
             self.at[p.op, p.device, p.step] = p
             self.kinds[p.op.kind].append(p)
             self.on[p.device].append(p)
@@ -101,6 +95,10 @@ class Context:
             if per_step(p.op):
                 key = (p.op.stage, p.device, p.step)
                 self.updates[key] = min(p.start, self.updates.get(key, math.inf))
+        if plan.problem != problem:
+            self.errors.append("the plan was made for another problem")
+        if self.stretch != stretch:
+            self.errors.append(f"the step stretch must be a finite number of seconds >= 0, got {stretch!r}")
 
     def period(self, stage: int) -> int:
         """The stage's refresh period: its layers' (`check_layers` makes them agree), else its group's window."""
@@ -133,23 +131,17 @@ class Context:
         return self.base(j, k) + next(found)
 
     def capture_end(self, device: int, stats: Op) -> tuple[OpKind, float]:
-        """The kind of op that makes the refresh step's capture `stats` reads on `device` (`capture_kind`), and when
-        it ends (where W's are placed, the latest placed W of its layer: [Note: placed W] in planner/plan/window.py)."""
+        """The kind of op that makes the refresh step's capture `stats` reads on `device`, and when it ends (placed
+        W's: the latest of its layer, [Note: placed W] in planner/plan/window.py)."""
         kind = capture_kind(self.problem.kind, self.problem.costs.layer(stats.layer_name).part(stats.part_name).after)
-        placed = kind is OpKind.BWD_W and placed_w(self.problem)
+        placed = kind is OpKind.BWD_W and self.placed_w
         ready = self.end_of(0, 1, device, OpKind.BWD if placed else kind, stats)
         ws = self.refresh_ws[device, stats.stage, stats.mb, stats.pipe] if placed else []
         return kind, max([ready] + [q.end for q in ws if w_makes(q.op, stats.layer_name)])
 
-    @cached_property
-    def placed_kinds(self) -> frozenset[OpKind]:
-        """The ops a program holds where its placements say: the preconditioner's, and placed W's."""
-        return PRECONDITIONER_KINDS | ({OpKind.BWD_W} if placed_w(self.problem) else set())
-
     def follows_w(self, op: Op) -> bool:
-        """Whether `op` is a no-op all-reduce (of a stage without copies) that follows its stage's placed W's wherever
-        they are, not the schedule's position."""
-        placed = op.kind is OpKind.ALLREDUCE_GRAD and op.stage is not None and placed_w(self.problem)
+        """Whether `op` is a no-op all-reduce (a stage without copies) that follows its stage's placed W's."""
+        placed = op.kind is OpKind.ALLREDUCE_GRAD and op.stage is not None and self.placed_w
         return placed and len(self.problem.holders[op.stage_id]) == 1
 
     def pipeline(self, op: Op) -> bool:
@@ -157,8 +149,7 @@ class Context:
         return op.kind not in self.placed_kinds and not self.follows_w(op)
 
     def fold(self, op: Op) -> bool:
-        """Whether `op` folds a fused layer's capture (a STATS of a micro-batch of a fused layer): part of the refresh
-        step's F/B, not placed work."""
+        """Whether `op` folds a fused layer's capture (part of the refresh step's F/B, not placed work)."""
         return op.kind is OpKind.STATS and op.mb is not None and op.layer in self.fused
 
     def is_placed(self, device: int, op: Op) -> bool:
@@ -177,17 +168,15 @@ def per_step(op: Op) -> bool:
 
 
 def op_seconds(c: Context, op: Op) -> float:
-    stage = c.problem.costs.stages[op.stage_id]
-    if op.kind is OpKind.APPLY:
-        if op.layer is None:
-            return stage.prec
-        cost = c.problem.costs.layer(op.layer)
-        folds = cost.curv if streamed_stats(c.problem, op.layer) else 0.0
-        return apply_seconds(c.problem, op) + folds
-    if op.kind in (OpKind.SYNC_STATS, OpKind.BCAST, OpKind.BCAST_PREC, OpKind.ALLREDUCE_GRAD):
-        # a collective over the ranks it names, else every copy of its stage, by the comm model
+    """What `op` costs; a collective over the ranks it names, else every copy of its stage, by the comm model."""
+    if op.kind in COLLECTIVE_KINDS:
         group = op.group if op.group is not None else c.problem.holders[op.stage_id]
         return c.problem.costs.collective_seconds(op, len(group))
+    if op.kind is OpKind.APPLY and op.layer is None:
+        return c.problem.costs.stages[op.stage_id].prec
+    if op.kind is OpKind.APPLY:  # a streamed layer's APPLY also folds its gradient-fed statistics
+        folds = c.problem.costs.layer(op.layer_name).curv if streamed_stats(c.problem, op.layer_name) else 0.0
+        return apply_seconds(c.problem, op) + folds
     part = c.problem.costs.layer(op.layer_name).part(op.part_name)
     return part.stats if op.kind is OpKind.STATS else part.decomp / (1 if op.piece is None else op.piece[1])
 
@@ -203,29 +192,28 @@ def apply_start(c: Context, layer: str, u: int, device: int) -> float:
     its owner starts the backward that streams it), from the window's start (0 where there is none)."""
     s = c.problem.costs.stage_of(layer)
     k = c.period(s)
-    streaming = c.problem.streaming
-    if streaming is not None and layer in streaming.layers:  # needed once the owner starts streaming it
-        return c.base(u % k, k) + stream_start(c.problem, c.timeline(u, k)) + c.length(k) * (u // k)
+    shift = c.length(k) * (u // k)
+    if c.problem.streaming is not None and layer in c.problem.streaming.layers:
+        return c.base(u % k, k) + stream_start(c.problem, c.timeline(u, k)) + shift
     whole = Op(OpKind.APPLY, s)
     worker = c.problem.workers(layer)[0]
     apply = whole if any(op == whole for op, _ in prec_work(c.problem, worker, s)) else Op(OpKind.APPLY, s, layer=layer)
     placed = c.at.get((apply, device, u % k))
-    return (placed.start if placed else 0.0) + c.length(k) * (u // k)
+    return (placed.start if placed else 0.0) + shift
 
 
 def _check_w(c: Context, p: Placement) -> None:
     """A placed W runs after its B and by its stage's gradient all-reduce in its step (one copy: by its per-step
-    slot; [Note: placed W] in planner/plan/window.py), holding its operands from its B's end."""
-    k = c.period(p.op.stage_id)
+    slot), holding its operands from its B's end ([Note: placed W] in planner/plan/window.py)."""
+    s, k = p.op.stage_id, c.period(p.op.stage_id)
     ready = c.end_of(p.step, k, p.device, OpKind.BWD, p.op)
-    c.held[p.device].append((ready, p.end, w_operand_bytes(c.problem.costs.stages[p.op.stage_id], p.op.layer)))
-    due = c.base(p.step, k) + next(
-        a
-        for op, a, _ in c.timeline(p.step, k).ops[p.device]
-        if op.kind is OpKind.ALLREDUCE_GRAD and op.stage == p.op.stage
+    c.held[p.device].append((ready, p.end, w_operand_bytes(c.problem.costs.stages[s], p.op.layer)))
+    reduce = (
+        a for op, a, _ in c.timeline(p.step, k).ops[p.device] if op.kind is OpKind.ALLREDUCE_GRAD and op.stage == s
     )
-    if len(c.problem.holders[p.op.stage_id]) == 1:  # a no-op all-reduce: due by the stage's update
-        due = min(c.base(p.step + 1, k), c.updates.get((p.op.stage, p.device, p.step), math.inf))
+    due = c.base(p.step, k) + next(reduce)
+    if len(c.problem.holders[s]) == 1:  # a no-op all-reduce: due by the stage's update
+        due = min(c.base(p.step + 1, k), c.updates.get((s, p.device, p.step), math.inf))
     if p.start < ready - c.tol or p.end > due + c.tol:
         c.errors.append(
             f"{p.op} on r{p.device} at step {p.step} is not between its B ({ready:.6g}) and its "
@@ -244,13 +232,10 @@ def _check_shared_gradient(c: Context, p: Placement) -> None:
 
 
 def _check_factor(c: Context, layer: str, side: str | None, kinds: Mapping[OpKind, list[Placement]]) -> None:
-    """A factor's refresh: statistics, SYNC_STATS, DECOMP pieces and BCAST in order (a gradient-fed part's DECOMP after
-    the refresh step's STATS on its rank, the snapshot, or where its helper folds them, after they return), the
-    collectives started together on every copy, the broadcast from the decomposing rank, all done before the next
-    refresh needs the factor's buffers."""
+    """A factor's refresh in order (statistics, SYNC_STATS, DECOMP pieces, BCAST; a gradient-fed part's after its
+    refresh STATS or their return), collectives started together, broadcast from the decomposer, done in time."""
     stage = c.problem.costs.stage_of(layer)
     L = c.length(c.period(stage))
-    copies = c.problem.holders[stage]
     curv, sync, inv, bcast = (kinds.get(k, []) for k in (OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST))
     after = None if side is None else c.problem.costs.layer(layer).part(side).after
     what = "the work it depends on ends"
@@ -270,9 +255,10 @@ def _check_factor(c: Context, layer: str, side: str | None, kinds: Mapping[OpKin
         curv = []  # its per-step STATS are no refresh's curvature
     elif layer in c.fused and after is not None:
         kind = capture_kind(c.problem.kind, after)  # made with the W
-        ready = max(b for d in copies for op, _, b in c.refresh.fixed(d) if op.stage == stage and op.kind is kind)
-        if kind is OpKind.BWD_W and placed_w(c.problem):  # the refresh step's W's, placed
-            ws = c.kinds[OpKind.BWD_W]  # a per-layer W ([Note: per-layer W]) folds its own layer's
+        fixed = (item for d in c.problem.holders[stage] for item in c.refresh.fixed(d))
+        ready = max(b for op, _, b in fixed if op.stage == stage and op.kind is kind)
+        if kind is OpKind.BWD_W and c.placed_w:  # the refresh step's W's, placed; a per-layer W folds its own layer's
+            ws = c.kinds[OpKind.BWD_W]
             ready = max(q.end for q in ws if q.op.stage == stage and q.step == 0 and w_makes(q.op, layer))
     else:
         ready = max((p.end for p in curv), default=0.0)
@@ -284,30 +270,28 @@ def _check_factor(c: Context, layer: str, side: str | None, kinds: Mapping[OpKin
         if first.start < ready - c.tol:
             c.errors.append(f"{first.op} starts at {first.start:.6g}, before {what} ({ready:.6g})")
         ready = max(p.end for p in x)
-    if inv:
-        inv = sorted(inv, key=lambda p: p.op.piece or (0, 1))
-        for a, b in zip(inv, inv[1:]):  # the pieces of one decomposition run one after another on one rank
-            if b.device != a.device:
-                c.errors.append(
-                    f"{b.op} runs on r{b.device}, piece {a.op.piece} of {layer} {side} on r{a.device}: the "
-                    "pieces of a decomposition run on one rank"
-                )
-            if b.start < a.end - c.tol:
-                c.errors.append(f"{b.op} starts at {b.start:.6g}, before {a.op} ends ({a.end:.6g})")
-        if any(p.op.root != inv[-1].device for p in bcast):
+    if not inv:
+        return
+    inv = sorted(inv, key=lambda p: p.op.piece or (0, 1))
+    for a, b in zip(inv, inv[1:]):  # the pieces of one decomposition run one after another on one rank
+        if b.device != a.device:
             c.errors.append(
-                f"broadcast of {layer} {side} does not come from r{inv[-1].device}, where it was decomposed"
+                f"{b.op} runs on r{b.device}, piece {a.op.piece} of {layer} {side} on r{a.device}: the pieces of a "
+                "decomposition run on one rank"
             )
-        if any(inv[-1].end > p.start + L + c.tol for p in curv):
-            c.errors.append(f"DECOMP {layer} {side} ends after the next refresh starts its curvature")
-        if any(p.end > inv[0].start + L + c.tol for p in bcast):
-            c.errors.append(f"BCAST {layer} {side} ends after the next refresh's DECOMP starts")
+        if b.start < a.end - c.tol:
+            c.errors.append(f"{b.op} starts at {b.start:.6g}, before {a.op} ends ({a.end:.6g})")
+    if any(p.op.root != inv[-1].device for p in bcast):
+        c.errors.append(f"broadcast of {layer} {side} does not come from r{inv[-1].device}, where it was decomposed")
+    if any(inv[-1].end > p.start + L + c.tol for p in curv):
+        c.errors.append(f"DECOMP {layer} {side} ends after the next refresh starts its curvature")
+    if any(p.end > inv[0].start + L + c.tol for p in bcast):
+        c.errors.append(f"BCAST {layer} {side} ends after the next refresh's DECOMP starts")
 
 
 def check_precs_and_offsets(c: Context) -> None:
-    """Each APPLY and gradient STATS after its stage's gradient all-reduce and by the next step's start (a gradient
-    STATS before the stage's APPLY, which overwrites the gradient; a cut APPLY's pieces in order); each layer's use
-    offset as its refresh's end makes it, and a warm-started refresh done before the next begins."""
+    """Each APPLY and gradient STATS between its stage's all-reduce and the next step (a STATS before the APPLY that
+    overwrites the gradient, pieces in order); use offsets as made; a warm-started refresh done before the next."""
     applies = {(p.op.stage, p.device, p.step): p.start for p in c.kinds[OpKind.APPLY]}
     for p in c.kinds[OpKind.APPLY] + [p for p in c.kinds[OpKind.STATS] if p.op.mb is None]:
         s, d, j = p.op.stage_id, p.device, p.step
@@ -325,22 +309,15 @@ def check_precs_and_offsets(c: Context) -> None:
         if p.end > apply + c.tol:
             c.errors.append(f"{p.op} on r{d} at step {j} ends at {p.end:.6g}, after APPLY s{s} starts ({apply:.6g})")
     for layer, made in c.made.items():
-        t = max(p.end for p in made)
-        k = c.period(c.problem.costs.stage_of(layer))
-        workers = c.problem.workers(layer)
-        u = next(
-            (u for u in range(2 * k + 1) if all(apply_start(c, layer, u, d) >= t - c.tol for d in workers)), 2 * k + 1
-        )
-        claimed = c.plan.layers[layer].use_offset
+        t, k, workers = max(p.end for p in made), c.period(c.problem.costs.stage_of(layer)), c.problem.workers(layer)
+        usable = (u for u in range(2 * k + 1) if all(apply_start(c, layer, u, d) >= t - c.tol for d in workers))
+        u, claimed = next(usable, 2 * k + 1), c.plan.layers[layer].use_offset
         if claimed != u:
             c.errors.append(f"layer {layer}: use_offset {claimed} claimed, but its inverse is first usable at step {u}")
         # decompositions that start from the previous preconditioner (pieces, or `Problem.warm_start`): each refresh
         # made, and its broadcasts started, before the next one's first DECOMP starts
-        warm = [
-            p.start
-            for p in made
-            if p.op.kind is OpKind.DECOMP and (p.op.piece[0] == 0 if p.op.piece else c.problem.warm_start)
-        ]
+        decomps = [p for p in made if p.op.kind is OpKind.DECOMP]
+        warm = [p.start for p in decomps if (p.op.piece[0] == 0 if p.op.piece else c.problem.warm_start)]
         for p in made if warm else ():
             if (p.end if p.op.kind is OpKind.DECOMP else p.start) > min(warm) + c.length(k) + c.tol:
                 c.errors.append(
@@ -349,10 +326,9 @@ def check_precs_and_offsets(c: Context) -> None:
                 )
 
 
-def _expected(c: Context) -> Counter:
-    """(op, device) of every op the plan must place, with multiplicity (DECOMP: on any one copy; per-step ops and
+def _expected(c: Context) -> Iterator[tuple]:
+    """(op, device) of every op the plan must place, once per placement (DECOMP: on any one copy; per-step ops and
     W's: (op, device, step))."""
-    want: Counter = Counter()
     p = c.problem
     for s, stage in enumerate(p.costs.stages):
         copies = p.holders[s]
@@ -361,26 +337,22 @@ def _expected(c: Context) -> Counter:
                 for x in stage.layers if op.stage == s else ():
                     for side in (part.part for part in x.parts if part.after is op.kind):
                         if x.name not in c.fused and keeps_statistics(d, copies, p.where(x.name)):
-                            want[Op(OpKind.STATS, s, op.mb, op.pipe, layer=x.name, part=side), d] += 1
-            for j in range(c.period(s)):
-                for op, _ in prec_work(p, d, s):
-                    want[op, d, j] += 1
-                for op, _, _ in w_window(p, c.timeline(j, c.period(s)), d):
-                    if op.stage == s:  # placed W.s ([Note: placed W]), per layer where they are
-                        want[op, d, j] += 1
+                            yield Op(OpKind.STATS, s, op.mb, op.pipe, layer=x.name, part=side), d
+            for j in range(c.period(s)):  # per-step work and placed W's ([Note: placed W]), per layer where they are
+                yield from ((op, d, j) for op, _ in prec_work(p, d, s))
+                yield from ((op, d, j) for op, _, _ in w_window(p, c.timeline(j, c.period(s)), d) if op.stage == s)
         for x in stage.layers:
             workers = p.workers(x.name)
             for side, after in ((part.part, part.after) for part in x.parts):
                 n = p.decomp_pieces
                 for piece in [None] if n == 1 else [(i, n) for i in range(n)]:
-                    want[Op(OpKind.DECOMP, s, layer=x.name, part=side, piece=piece), None] += 1
+                    yield Op(OpKind.DECOMP, s, layer=x.name, part=side, piece=piece), None
                 synced = after is not OpKind.ALLREDUCE_GRAD and not p.where(x.name).strategy.local_factors
                 for d in copies if synced and len(copies) > 1 else ():
-                    want[Op(OpKind.SYNC_STATS, s, layer=x.name, part=side), d] += 1
+                    yield Op(OpKind.SYNC_STATS, s, layer=x.name, part=side), d
                 group = None if workers == copies else workers
                 for d in workers if len(workers) > 1 else ():
-                    want[placed_key(Op(OpKind.BCAST, s, layer=x.name, part=side, root=workers[0], group=group)), d] += 1
-    return want
+                    yield placed_key(Op(OpKind.BCAST, s, layer=x.name, part=side, root=workers[0], group=group)), d
 
 
 def check_layers(c: Context) -> None:
@@ -438,9 +410,8 @@ def check_placements(c: Context) -> None:
             c.errors.append(f"{p.op} runs on r{p.device}, not a grad worker of {p.op.layer} {list(workers)}")
         if p.op.kind is OpKind.STATS and p.op.mb is not None:
             kind, ready = c.capture_end(p.device, p.op)  # the F/B (or W) whose end makes its capture: held since
-            c.held[p.device].append(
-                (ready, p.end, c.problem.costs.layer(p.op.layer_name).part(p.op.part_name).capture_bytes)
-            )
+            part = c.problem.costs.layer(p.op.layer_name).part(p.op.part_name)
+            c.held[p.device].append((ready, p.end, part.capture_bytes))
             if p.start < ready - c.tol and kind is OpKind.BWD_W:
                 c.errors.append(
                     f"{p.op} on r{p.device} starts at {p.start:.6g} before the W that makes its output gradient ends "
@@ -457,7 +428,7 @@ def check_placements(c: Context) -> None:
             _check_shared_gradient(c, p)
         elif p.op.kind is not OpKind.APPLY:  # STATS, SYNC_STATS, DECOMP and BCAST name their layer
             factor_tasks[p.op.layer_name, p.op.part][p.op.kind].append(p)
-    want = _expected(c)
+    want = Counter(_expected(c))
     for item in sorted(set(want) | set(got), key=str):
         if want[item] != got[item]:
             c.errors.append(f"{item[0]} on {item[1:]} placed {got[item]} times, expected {want[item]}")
@@ -466,10 +437,9 @@ def check_placements(c: Context) -> None:
 
 
 def check_devices(c: Context) -> None:
-    """Per device, over its window modulo the window's length: no placed op overlaps another or the F/B (W) and
-    gradient all-reduces, when nothing else may run (an op of no duration occupies nothing); the activations, kept
-    captures, W operands and third decompositions within the memory budget and the peak claimed."""
-    placed, budget = placed_w(c.problem), c.problem.memory_budget
+    """Per device, modulo its window: no placed op overlaps another or the F/B (W) and all-reduces (a zero-length op
+    occupies nothing); activations, captures, W operands and third decompositions within the budget and claimed peak."""
+    placed, budget = c.placed_w, c.problem.memory_budget
     fixed_kinds = (OpKind.FWD, OpKind.BWD, OpKind.ALLREDUCE_GRAD, *(() if placed else (OpKind.BWD_W,)))
     for d in c.problem.devices:
         k = c.device_period(d)
@@ -553,12 +523,12 @@ def check_programs(c: Context) -> None:
         elif any(a[0] == b[0] and times[a] > times[b] for a, b in zip(listed, listed[1:])):
             c.errors.append(f"r{d}: the program's placed ops are not in time order")
         for j, ops in enumerate(prog):
-            if [op for op in ops if c.pipeline(op)] != [op for op, _, _ in c.timeline(j, k).ops[d] if c.pipeline(op)]:
+            schedule = c.timeline(j, k).ops[d]
+            if [op for op in ops if c.pipeline(op)] != [op for op, _, _ in schedule if c.pipeline(op)]:
                 c.errors.append(f"r{d} step {j}: the pipeline ops differ from the schedule's")
-            moved = [op for op, _, _ in c.timeline(j, k).ops[d] if c.follows_w(op)]
-            if sorted(map(str, (op for op in ops if c.follows_w(op)))) != sorted(map(str, moved)):
+            if Counter(filter(c.follows_w, ops)) != Counter(op for op, _, _ in schedule if c.follows_w(op)):
                 c.errors.append(f"r{d} step {j}: the gradient all-reduces differ from the schedule's")
-            fixed = iter([item for item in c.timeline(j, k).ops[d] if c.pipeline(item[0])])
+            fixed = iter([item for item in schedule if c.pipeline(item[0])])
             spans = [next(fixed, None) if c.pipeline(op) else None for op in ops]  # each pipeline op's times
             for i, op in enumerate(ops):
                 after = [o for o in ops[i + 1 :] if o.stage == op.stage]  # what of its stage follows it
@@ -587,9 +557,8 @@ def check_programs(c: Context) -> None:
 def _check_placed_order(
     c: Context, where: str, ops: list[Op], i: int, t: float, spans: list[tuple[Op, float, float] | None]
 ) -> None:
-    """A placed op (`ops[i]`, placed at `t` in its step) sits among the pipeline ops (`spans`: their times) as its
-    time says: the runtime runs the program in order, so a program that disagrees with its placements runs other
-    semantics."""
+    """A placed op (`ops[i]`, at `t` in its step) sits among the pipeline ops (`spans`: their times) as its time says:
+    the runtime runs the program in order, so a program that disagrees with its placements runs other semantics."""
     op = ops[i]
     for n, item in enumerate(spans):
         if item is None or item[0].kind is OpKind.OPT_STEP:
@@ -681,9 +650,8 @@ def check_streaming(c: Context) -> None:
 
 
 def _check_replicas(c: Context, streaming: Streaming, owner: int) -> None:
-    """Replay the replicas over two periods of every program: the owner sends one after a DECOMP of the layer, the
-    helper takes it in the same step, and each helper APPLY finds the refresh its timing makes due (the n-th replica
-    carries the n-th refresh). A layer without parts (a Muon matrix) has no refresh, so no replica is made or due."""
+    """Replay the replicas over two periods: the owner sends one after a DECOMP (or BCAST) of the layer, the helper
+    takes it that step, each helper APPLY finds the refresh due in the replicas (a Muon matrix: none made or due)."""
     s = streaming.stage
     for n, helper in zip(streaming.layers, streaming.helpers, strict=True):
         send = Op(OpKind.SEND_REPLICA, s, peer=helper, layer=n)
@@ -715,26 +683,15 @@ def _check_replicas(c: Context, streaming: Streaming, owner: int) -> None:
 
 
 def validate(problem: Problem, plan: Plan, *, run: bool = True) -> list[str]:
-    """Every way `plan` breaks `problem`'s constraints, as readable lines (empty: valid). `run` also
-    simulates the programs (deadlock, speed)."""
-    fused = frozenset(n for n, t in plan.layers.items() if t.capture is Capture.FUSED)
-    normal = step_timeline(problem)
-    tol = plan.metrics.time_quantum + 1e-9 * normal.length
-    stretch = plan.metrics.stretch
-    finite = stretch if isinstance(stretch, (int, float)) and 0 <= stretch < math.inf else 0.0
-    c = Context(problem, plan, tol, fused, step_timeline(problem, fused, refresh=True), normal, finite)
-    if plan.problem != problem:
-        c.errors.append("the plan was made for another problem")
-    if c.stretch != stretch:
-        c.errors.append(f"the step stretch must be a finite number of seconds >= 0, got {stretch!r}")
+    """Every way `plan` breaks `problem`'s constraints, as readable lines (empty: valid); `run` also simulates the
+    programs (deadlock, speed)."""
+    c = Context(problem, plan)
     check_layers(c)
     if c.errors:
         return c.errors
-    for check in (check_placements, check_devices, check_precs_and_offsets, check_step_time, check_programs):
+    rules = (check_placements, check_devices, check_precs_and_offsets, check_step_time, check_programs, check_streaming)
+    for check in rules + ((check_runs,) if run else ()):
         check(c)
-    check_streaming(c)
-    if run:
-        check_runs(c)
     return c.errors
 
 

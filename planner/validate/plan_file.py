@@ -24,10 +24,6 @@ MAX_QUANTUM_SHARE = 0.01
 """The coarsest time grid a file may claim, as a share of the step (the planner's is 1e-5 or exact): the
 validator's tolerance is the grid, so a coarse claimed grid would let overlaps pass."""
 
-_LAYER_KINDS = frozenset({OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST})
-_NAMED_KINDS = frozenset({OpKind.APPLY, OpKind.BCAST_PREC})
-"""Ops that may (APPLY) or must (BCAST_PREC) name a layer, and no part."""
-
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
@@ -43,15 +39,15 @@ def _need(ok: bool, message: str) -> None:
 
 
 def _check_op(problem: Problem, op: Op, device: int, fixed: dict[int, set]) -> None:
+    """A preconditioner's op (placed or in a program) names a stage `device` runs, and its layer, part, micro-batch."""
     _need(op.kind in PRECONDITIONER_KINDS, f"placement of {op}: only the preconditioner's ops are placed")
     _need(op.stage is not None and op.stage < problem.num_stages, f"placement of {op}: no such stage")
-    assert op.stage is not None  # _need raised otherwise
-    _need(device in problem.holders[op.stage], f"{op} is placed on r{device}, which does not run its stage")
-    layers = {x.name: x for x in problem.costs.stages[op.stage].layers}
-    if op.kind in _LAYER_KINDS:
+    _need(device in problem.holders[op.stage_id], f"{op} is placed on r{device}, which does not run its stage")
+    layers = {x.name: x for x in problem.costs.stages[op.stage_id].layers}
+    if op.kind in (OpKind.STATS, OpKind.SYNC_STATS, OpKind.DECOMP, OpKind.BCAST):  # name a layer and its part
         parts = {p.part for p in layers[op.layer_name].parts} if op.layer in layers else set()
         _need(op.part in parts, f"{op}: stage {op.stage} has no layer {op.layer!r} or the layer has no such part")
-    if op.kind in _NAMED_KINDS and op.layer is not None:
+    if op.kind in (OpKind.APPLY, OpKind.BCAST_PREC) and op.layer is not None:  # may (APPLY) or must name a layer
         _need(op.layer in layers, f"{op}: stage {op.stage} has no layer {op.layer!r}")
     if op.kind is OpKind.STATS:
         kind = problem.costs.layer(op.layer_name).part(op.part_name).after
@@ -207,8 +203,6 @@ def parse_plan(text: str) -> Plan:
         plan = Plan.from_dict(data)
         check_structure(plan)
         return plan
-    except PlanFormatError:
-        raise
     except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise PlanFormatError(f"the plan file is malformed (missing or bad entry: {e})") from e
 
