@@ -1,17 +1,12 @@
-"""Analytic cost model: FLOP and byte counts over a hardware spec made into a CostTable, for K-FAC (sympy
-expressions over one Linear), Shampoo and SOAP (one LayerCost per parameter, in blocks) and Muon (one per parameter).
+"""Analytic cost model: FLOP and byte counts over a hardware spec made into a CostTable for K-FAC (sympy expressions
+over one Linear), Shampoo and SOAP (a LayerCost per parameter, in blocks) and Muon (a LayerCost per parameter).
 
-Every kernel takes max(flops / (peak * efficiency), bytes / bandwidth) (`roofline`); a multiply-add is 2 FLOPs.
-Symbols: b micro-batch size, s rows per sample (tokens), d_in/d_out Linear widths, beta 1 with a bias (the A factor
-gets a ones column) else 0, h heads, d_h head width, n a factor's side, p bytes per activation element; factors fp32.
-
-Shampoo and SOAP precondition each parameter's view (Shi et al., Distributed Shampoo, §4.2): size-1 dims dropped,
-with merging (Shampoo) consecutive dims merged while their product stays <= max_dim, an order > 2 result viewed as
-(d0, d1*...*dk), cut by `LargeDimMethod`. A block (r, c) costs its statistics every step (L += G G^T, 2 r^2 c FLOPs;
-R += G^T G, 2 r c^2), a `RootMethod` decomposition per side and refresh, and its APPLY every step (Shampoo
-L^-1/p G R^-1/p, 2 r c (r + c) FLOPs; SOAP twice that) plus ELEMENTWISE_PASSES; SOAP leaves 1-D parameters to AdamW.
-Muon orthogonalizes each hidden 2-D weight's momentum every step by `ns_steps` Newton-Schulz iterations; every other
-parameter is stepped by AdamW on its owner.
+Each kernel takes `roofline` seconds; a multiply-add is 2 FLOPs. Symbols: b micro-batch size, s rows per sample,
+d_in/d_out Linear widths, beta 1 with a bias (the A factor gets a ones column), h heads, d_h head width, n a factor's
+side, p bytes per activation element; factors fp32. Shampoo and SOAP precondition each parameter's `matrix_view`
+(Distributed Shampoo, §4.2) in blocks: statistics every step (L += G G^T, 2 r^2 c FLOPs; R += G^T G, 2 r c^2), a
+`RootMethod` decomposition per side and refresh, an APPLY every step (L^-1/p G R^-1/p, 2 r c (r + c) FLOPs; SOAP
+twice) plus elementwise passes. Muon orthogonalizes each hidden 2-D weight by `ns_steps` Newton-Schulz iterations.
 """
 
 from __future__ import annotations
@@ -516,13 +511,24 @@ def _precision(hw: HardwareSpec, precision: Precision) -> tuple[float, int]:
     raise CostModelError(f"precision must be one of {[p.value for p in Precision]}, got {precision!r}")
 
 
-def linear_kernels(
-    lin: LinearSpec, *, batch: int, seq_len: int, hw: HardwareSpec, precision: Precision, inverse: InverseMethod
-) -> StageCost:
+@dataclass(frozen=True, slots=True)
+class Run:
+    """What a table's forward and backward kernels run at: the device, micro-batch size, rows per sample, number
+    format, and K-FAC's inverse."""
+
+    hw: HardwareSpec
+    batch: int
+    seq_len: int
+    precision: Precision = Precision.FP32
+    inverse: InverseMethod = InverseMethod.CHOLESKY
+
+
+def linear_kernels(lin: LinearSpec, run: Run) -> StageCost:
     """The costs of one Linear as if it were a stage: fwd, bwd per micro-batch, and its K-FAC layer unless skipped."""
-    peak, bpe = _precision(hw, precision)
-    tokens = lin.tokens if lin.tokens is not None else seq_len
-    e = _eval("linear", inverse, b=batch, s=tokens, d_in=lin.d_in, d_out=lin.d_out, beta=int(lin.bias), p=bpe)
+    hw, inverse = run.hw, run.inverse
+    peak, bpe = _precision(hw, run.precision)
+    tokens = lin.tokens if lin.tokens is not None else run.seq_len
+    e = _eval("linear", inverse, b=run.batch, s=tokens, d_in=lin.d_in, d_out=lin.d_out, beta=int(lin.bias), p=bpe)
     fwd = roofline(hw, e["fwd_flops"], e["fwd_bytes"], peak)
     bwd = roofline(hw, e["bwd_flops"], e["bwd_bytes"], peak)
     if not lin.kfac:
@@ -541,23 +547,12 @@ def linear_kernels(
     return StageCost(fwd, bwd, 0, 0, (layer,))
 
 
-def block_kernels(
-    block: BlockSpec,
-    spec: ModelSpec,
-    *,
-    batch: int,
-    seq_len: int,
-    hw: HardwareSpec,
-    precision: Precision,
-    inverse: InverseMethod,
-) -> StageCost:
+def block_kernels(block: BlockSpec, spec: ModelSpec, run: Run) -> StageCost:
     """The costs of a block as if it were a stage (no boundary): its Linears', attention cores' and elementwise
     traffic's times, its memory and K-FAC layers."""
-    peak, bpe = _precision(hw, precision)
-    kernels = [
-        linear_kernels(x, batch=batch, seq_len=seq_len, hw=hw, precision=precision, inverse=inverse)
-        for x in block.linears
-    ]
+    hw, batch, seq_len = run.hw, run.batch, run.seq_len
+    peak, bpe = _precision(hw, run.precision)
+    kernels = [linear_kernels(x, run) for x in block.linears]
     fwd = sum(k.fwd for k in kernels)
     bwd = sum(k.bwd for k in kernels)
     act: float = block.saved_per_token * bpe * batch * seq_len + block.saved_mask_bytes_per_token * batch * seq_len
@@ -628,30 +623,37 @@ QR_FLOPS = 8 / 3
 NEWTON_ITERATIONS = 20
 """Coupled inverse Newton iterations per root (about 20 to ||M_k - I|| < 1e-6 at float32, condition <= 1e6)."""
 
-ELEMENTWISE_PASSES: dict[PreconditionerKind, int] = {
-    PreconditionerKind.SHAMPOO: 8,  # G and P for the two norms, P and W read + P written (decay), M read + written
-    PreconditionerKind.SOAP: 8,  # rotated G read, m and v read + written, W read, the direction written twice
-    PreconditionerKind.MUON: 10,  # momentum 3, Nesterov 2, normalization 2, update with lr and decay 3
-}
-"""fp32 reads and writes per parameter element of a step's elementwise work (besides the matmuls)."""
-
-STATE_BUFFERS: dict[PreconditionerKind, int] = {PreconditionerKind.SHAMPOO: 1, PreconditionerKind.SOAP: 2}
-"""Parameter-sized fp32 buffers of optimizer state: Shampoo's momentum; SOAP's Adam m and v."""
-
 
 class RootMethod(StrEnum):
-    """How a factor is decomposed at a refresh (the module doc gives each one's cost)."""
+    """How a factor is decomposed at a refresh (`_decomp` prices each)."""
 
     EIGH = "eigh"
     NEWTON = "newton"
     QR = "qr"
 
 
-_METHODS = {
-    PreconditionerKind.SHAMPOO: (RootMethod.EIGH, RootMethod.NEWTON),
-    PreconditionerKind.SOAP: (RootMethod.QR, RootMethod.EIGH),
+@dataclass(frozen=True, slots=True)
+class _Family:
+    """A gradient-fed family's per-parameter terms: its root methods (default first), fp32 reads and writes per
+    element of its elementwise step, parameter-sized fp32 state buffers, its APPLY's matmul passes, whether it merges
+    small dims and whether it preconditions 1-D parameters."""
+
+    methods: tuple[RootMethod, ...]
+    passes: int
+    buffers: int = 0
+    applies: int = 1
+    merge: bool = False
+    vectors: bool = True
+
+
+_FAMILIES = {
+    # G and P for the two norms, P and W read + P written (decay), M read + written; state: the momentum
+    PreconditionerKind.SHAMPOO: _Family((RootMethod.EIGH, RootMethod.NEWTON), 8, 1, merge=True),
+    # rotated G read, m and v read + written, W read, the direction written twice; Adam's m and v; rotates in and out
+    PreconditionerKind.SOAP: _Family((RootMethod.QR, RootMethod.EIGH), 8, 2, applies=2, vectors=False),
+    # momentum 3, Nesterov 2, normalization 2, update with lr and decay 3
+    PreconditionerKind.MUON: _Family((), 10),
 }
-"""The methods each family has, its default first."""
 
 
 def newton_matmuls(p: int) -> int:
@@ -670,43 +672,35 @@ def _decomp(hw: HardwareSpec, method: RootMethod, b: int, other: int, order: int
     return roofline(hw, 2 * b**3, square) + _factorization(hw, QR_FLOPS * b**3, b) + reproject
 
 
-def _apply_flops(kind: PreconditionerKind, shape: tuple[int, int], sides: tuple[int, int]) -> tuple[int, int]:
-    """FLOPs and bytes of a step's preconditioning matmuls of one block of `shape` with factor `sides`."""
-    r, c = shape
-    flops = (2 * r * r * c if sides[0] else 0) + (2 * r * c * c if sides[1] else 0)
-    nbytes = _F32 * (sides[0] ** 2 + sides[1] ** 2 + 3 * r * c)
-    times = 2 if kind is PreconditionerKind.SOAP else 1  # SOAP rotates in and out
-    return times * flops, times * nbytes
-
-
 def parameter_cost(
     tensor: TensorSpec, hw: HardwareSpec, kind: PreconditionerKind, max_dim: int, method: RootMethod | None = None
 ) -> LayerCost | None:
     """The LayerCost of one parameter in blocks of side <= max_dim; None where the family leaves it to AdamW."""
-    method = _METHODS[kind][0] if method is None else method
-    if method not in _METHODS[kind]:
-        raise CostModelError(f"{kind} decomposes by {[m.value for m in _METHODS[kind]]}, not {method.value!r}")
-    view, blocks = partition(tensor.shape, max_dim, LargeDimMethod.BLOCKING, merge=kind is PreconditionerKind.SHAMPOO)
-    if kind is PreconditionerKind.SOAP and len(view) == 1:
+    family = _FAMILIES[kind]
+    method = family.methods[0] if method is None else method
+    if method not in family.methods:
+        raise CostModelError(f"{kind} decomposes by {[m.value for m in family.methods]}, not {method.value!r}")
+    view, blocks = partition(tensor.shape, max_dim, LargeDimMethod.BLOCKING, merge=family.merge)
+    if len(view) == 1 and not family.vectors:
         return None
-    sides: dict[str, list[tuple[float, float]]] = {"L": [], "R": []}  # (statistic, decomposition) per factor
-    bytes_of = {"L": 0, "R": 0}
+    shapes = [(x.shape[0], x.shape[1] if len(view) == 2 else 1) for x in blocks]
+    parts = []
+    for i, part in enumerate("LR"):  # each side's G G^T (or G^T G) every step, its decomposition at a refresh
+        stats, decomp, state = 0.0, 0.0, 0
+        for block, shape in zip(blocks, shapes):
+            side, other = block.sides[i], shape[1 - i]
+            if side:
+                stats += roofline(hw, 2 * side * side * other, _F32 * (side * other + 2 * side * side))
+                decomp += _decomp(hw, method, side, other, len(view))
+                state += _F32 * side * side
+        if state:
+            parts.append(PartCost(part, OpKind.ALLREDUCE_GRAD, stats, decomp, 0, state))
     prec = 0.0
-    for block in blocks:
-        shape = (block.shape[0], block.shape[1] if len(view) == 2 else 1)
-        for part, side, other in (("L", block.sides[0], shape[1]), ("R", block.sides[1], shape[0])):
-            if side:  # G G^T (or G^T G) of the factor, and its decomposition
-                stats = roofline(hw, 2 * side * side * other, _F32 * (side * other + 2 * side * side))
-                sides[part].append((stats, _decomp(hw, method, side, other, len(view))))
-                bytes_of[part] += _F32 * side * side
-        prec += roofline(hw, *_apply_flops(kind, shape, block.sides))
-    prec += ELEMENTWISE_PASSES[kind] * _F32 * tensor.numel / hw.mem_bandwidth
-    parts = tuple(
-        PartCost(part, OpKind.ALLREDUCE_GRAD, sum(x for x, _ in costs), sum(y for _, y in costs), 0, bytes_of[part])
-        for part, costs in sides.items()
-        if costs
-    )
-    return LayerCost(tensor.name, parts, prec, STATE_BUFFERS[kind] * _F32 * tensor.numel, _F32 * tensor.numel)
+    for (m, n), (r, c) in zip((x.sides for x in blocks), shapes):
+        flops = (2 * r * r * c if m else 0) + (2 * r * c * c if n else 0)
+        prec += roofline(hw, family.applies * flops, family.applies * _F32 * (m * m + n * n + 3 * r * c))
+    prec += family.passes * _F32 * tensor.numel / hw.mem_bandwidth
+    return LayerCost(tensor.name, tuple(parts), prec, family.buffers * _F32 * tensor.numel, _F32 * tensor.numel)
 
 
 def largest_dim(spec: ModelSpec) -> int:
@@ -714,8 +708,7 @@ def largest_dim(spec: ModelSpec) -> int:
     return max(max(t.shape) for t in spec.parameters)
 
 
-ADAMW_PASSES = 12
-"""fp32 reads and writes per element of an AdamW step: moments 5, direction 4, update 3."""
+ADAMW_PASSES = 12  # fp32 reads and writes per element of an AdamW step: moments 5, direction 4, update 3
 
 
 def matrix_cost(
@@ -730,7 +723,7 @@ def matrix_cost(
     gemms = ((m * m * n, 2 * m * n + m * m), (m**3, 3 * m * m), (m * m * n, m * m + 2 * m * n))  # (MACs, elements)
     iteration = sum(roofline(hw, 2 * macs, item * elements, peak) for macs, elements in gemms)
     numel = _F32 * tensor.numel
-    elementwise = ELEMENTWISE_PASSES[PreconditionerKind.MUON] * numel / hw.mem_bandwidth
+    elementwise = _FAMILIES[PreconditionerKind.MUON].passes * numel / hw.mem_bandwidth
     return LayerCost(tensor.name, (), ns_steps * iteration + elementwise, numel, numel)
 
 
@@ -778,7 +771,7 @@ def analytic_cost_table(
     elif kind is not PreconditionerKind.KFAC:
         side = largest_dim(spec) if max_dim is None else max_dim
         check_count("max_dim", side, " or None (no blocking)")
-        method = _METHODS[kind][0] if method is None else method
+        method = _FAMILIES[kind].methods[0] if method is None else method
         tag = f"{method}:{'unblocked' if max_dim is None else f'block{max_dim}'}"
 
     def unit(t: TensorSpec, owner: BlockSpec) -> LayerCost | None:
@@ -787,10 +780,8 @@ def analytic_cost_table(
             return matrix_cost(t, hw, ns_steps, ns_precision) if t in muon_matrices(owner) else adamw_cost(t, hw)
         return parameter_cost(t, hw, kind, side, method)
 
-    parts = [
-        block_kernels(x, spec, batch=micro_batch_size, seq_len=seq, hw=hw, precision=precision, inverse=inverse)
-        for x in spec.parts
-    ]  # embeddings, blocks, head
+    run = Run(hw, micro_batch_size, seq, precision, inverse)
+    parts = [block_kernels(x, spec, run) for x in spec.parts]  # embeddings, blocks, head
     costs = [x.fwd + x.bwd for x in parts[1:-1]]
     costs[0] += parts[0].fwd + parts[0].bwd
     costs[-1] += parts[-1].fwd + parts[-1].bwd
