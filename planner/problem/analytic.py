@@ -143,29 +143,21 @@ def _rows(attention: Sequence[str], mlp: Sequence[str], h: int, ffn: int) -> lis
 
 
 def _block(
-    p: str,
-    rows: Sequence[tuple[str, int, int]],
-    norms: Sequence[str],
-    *,
-    h: int,
-    ffn: int,
-    attention: int = 1,
-    bias: bool = True,
-    transposed: bool = False,
-    extra: tuple[TensorSpec, ...] = (),
+    p: str, rows: Sequence[tuple[str, int, int]], norms: Sequence[str], attention: int = 1, bias: bool = True
 ) -> BlockSpec:
-    """A block `p` of `attention` attention sub-layers and an MLP, each with norm + residual (Linears `rows`, norms
-    under `p`). Saved activations per Korthikanti et al. 2022, sec. 4.1: per attention 5h + an h mask, the MLP h + 2f
+    """A block `p` of `attention` attention sub-layers and an MLP (the last two `rows`, h -> f -> h), each with norm +
+    residual. Saved activations per Korthikanti et al. 2022, sec. 4.1: per attention 5h + an h mask, the MLP h + 2f
     + an h mask, h per norm; elementwise forward: dropout, residual and norm over h per sub-layer, activation over f."""
+    _, h, ffn = rows[-2]
     sublayers = attention + 1
     return BlockSpec(
         name=p,
-        linears=tuple(LinearSpec(f"{p}.{x}", i, o, bias, transposed=transposed) for x, i, o in rows),
+        linears=tuple(LinearSpec(f"{p}.{x}", i, o, bias) for x, i, o in rows),
         attention=attention,
         elementwise_per_token=3 * h * sublayers + ffn,
         saved_per_token=5 * h * attention + h + 2 * ffn + h * sublayers,
         saved_mask_bytes_per_token=h * sublayers,
-        tensors=extra + _norms([f"{p}.{x}" for x in norms], h, bias),
+        tensors=_norms([f"{p}.{x}" for x in norms], h, bias),
     )
 
 
@@ -181,7 +173,7 @@ def _bert(name: str, h: int, layers: int, heads: int, ffn: int) -> ModelSpec:
     attention = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense")
     rows = _rows(attention, ("intermediate.dense", "output.dense"), h, ffn)
     norms = ("attention.output.LayerNorm", "output.LayerNorm")
-    blocks = tuple(_block(f"bert.encoder.layer.{i}", rows, norms, h=h, ffn=ffn) for i in range(layers))
+    blocks = tuple(_block(f"bert.encoder.layer.{i}", rows, norms) for i in range(layers))
     tables = (
         TensorSpec(f"{pre}.word_embeddings.weight", (vocab, h)),
         TensorSpec(f"{pre}.position_embeddings.weight", (512, h)),
@@ -206,8 +198,8 @@ def _gpt2() -> ModelSpec:
     """GPT2LMHeadModel (124M): Conv1D layers (weights stored [d_in, d_out]) costed as Linears, lm_head tied to wte."""
     vocab, h, ffn = 50257, 768, 3072
     rows = [("attn.c_attn", h, 3 * h), ("attn.c_proj", h, h), ("mlp.c_fc", h, ffn), ("mlp.c_proj", ffn, h)]
-    norms = ("ln_1", "ln_2")
-    blocks = tuple(_block(f"transformer.h.{i}", rows, norms, h=h, ffn=ffn, transposed=True) for i in range(12))
+    blocks = tuple(_block(f"transformer.h.{i}", rows, ("ln_1", "ln_2")) for i in range(12))
+    blocks = tuple(replace(x, linears=tuple(replace(y, transposed=True) for y in x.linears)) for x in blocks)
     tables = (TensorSpec("transformer.wte.weight", (vocab, h)), TensorSpec("transformer.wpe.weight", (1024, h)))
     embed = BlockSpec("transformer", elementwise_per_token=3 * h, tensors=tables)
     return ModelSpec("gpt2", h, ffn, 12, vocab, 1024, blocks, embed, _lm_head(h, vocab, ["transformer.ln_f"], h))
@@ -218,7 +210,7 @@ def _opt(name: str, h: int, layers: int, heads: int, ffn: int, proj: int) -> Mod
     vocab, pre, projected = 50272, "model.decoder", proj != h
     rows = _rows([f"self_attn.{x}_proj" for x in ("q", "k", "v", "out")], ("fc1", "fc2"), h, ffn)
     norms = ("self_attn_layer_norm", "final_layer_norm")
-    blocks = tuple(_block(f"{pre}.layers.{i}", rows, norms, h=h, ffn=ffn) for i in range(layers))
+    blocks = tuple(_block(f"{pre}.layers.{i}", rows, norms) for i in range(layers))
     tables = (
         TensorSpec(f"{pre}.embed_tokens.weight", (vocab, proj)),
         TensorSpec(f"{pre}.embed_positions.weight", (2048 + 2, h)),  # learned positions: an offset of 2
@@ -244,10 +236,11 @@ def _t5_base() -> ModelSpec:
         rows = _rows(attention, (f"{mlp}.wi", f"{mlp}.wo"), h, ffn)
         norms = [f"layer.{j}.layer_norm" for j in range(n_sub)]
         for i in range(12):
-            p = f"{stack}.block.{i}"
-            bias = (TensorSpec(f"{p}.layer.0.SelfAttention.relative_attention_bias.weight", (32, heads)),)
-            extra = bias if i == 0 else ()
-            blocks.append(_block(p, rows, norms, h=h, ffn=ffn, attention=n_sub - 1, bias=False, extra=extra))
+            block = _block(f"{stack}.block.{i}", rows, norms, n_sub - 1, bias=False)
+            if i == 0:  # the stack's relative position bias
+                bias = TensorSpec(f"{block.name}.layer.0.SelfAttention.relative_attention_bias.weight", (32, heads))
+                block = replace(block, tensors=(bias, *block.tensors))
+            blocks.append(block)
     embed = BlockSpec("shared", elementwise_per_token=2 * h, tensors=(TensorSpec("shared.weight", (vocab, h)),))
     head = _lm_head(h, vocab, ["encoder.final_layer_norm", "decoder.final_layer_norm"], 2 * h, bias=False)
     return ModelSpec("t5-base", h, ffn, heads, vocab, 512, tuple(blocks), embed, head)
@@ -337,8 +330,7 @@ class Block:
     @property
     def sides(self) -> tuple[int, int]:
         """(m, n): the sides of its dense L and R factors, 0 where that side has none."""
-        dense = [d if kind is FactorKind.DENSE else 0 for d, kind in zip(self.shape, self.kinds)]
-        dense += [0] * (2 - len(dense))
+        dense = [d if kind is FactorKind.DENSE else 0 for d, kind in zip(self.shape, self.kinds)] + [0, 0]
         return dense[0], dense[1]
 
 
@@ -393,7 +385,8 @@ def partition(
 
 b, s, d_in, d_out, beta, h, d_h, n, p = sympy.symbols("b s d_in d_out beta h d_h n p", positive=True)
 d, f = sympy.symbols("d f", positive=True)
-SYMBOLS = {x.name: x for x in (b, s, d_in, d_out, beta, h, d_h, n, p, d, f)}
+_ARGS = (b, s, d_in, d_out, beta, h, d_h, n, p)  # what the compiled expressions take, in order
+SYMBOLS = {x.name: x for x in (*_ARGS, d, f)}
 """The symbols the expressions use, by name."""
 
 _F32 = 4  # factors, inverses, curvature kernels and optimizer state are fp32
@@ -479,13 +472,11 @@ def explain() -> str:
 @cache
 def _compiled(group: str, inverse: InverseMethod) -> dict[str, Callable[..., float]]:
     exprs = linear_expressions(inverse) if group == "linear" else attention_expressions()
-    args = (b, s, d_in, d_out, beta, h, d_h, n, p)
-    return {key: sympy.lambdify(args, expr, modules="math") for key, expr in exprs.items()}
+    return {key: sympy.lambdify(_ARGS, expr, modules="math") for key, expr in exprs.items()}
 
 
 def _eval(group: str, inverse: InverseMethod = InverseMethod.CHOLESKY, **values: float) -> dict[str, float]:
-    env = {"b": 0, "s": 0, "d_in": 0, "d_out": 0, "beta": 0, "h": 0, "d_h": 0, "n": 0, "p": 4, **values}
-    args = [env[k] for k in ("b", "s", "d_in", "d_out", "beta", "h", "d_h", "n", "p")]
+    args = [values.get(x.name, 4 if x is p else 0) for x in _ARGS]  # p: fp32 unless given
     return {key: float(fn(*args)) for key, fn in _compiled(group, inverse).items()}
 
 

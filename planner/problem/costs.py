@@ -18,19 +18,14 @@ from fxkfac.planner.problem.hardware import Collective, CommModel, check_count, 
 from fxkfac.planner.problem.hardware import seconds as comm_seconds
 from fxkfac.planner.problem.ir import LAYER_SENDS, Op, OpKind
 
-SCHEMA_VERSION = 1
-"""Version of the cost-table JSON layout; `CostTable.from_json` refuses any other."""
-
-COUNT_BYTES = 4
-"""Bytes of the micro-batch count a SYNC_STATS all-reduces with each statistic (one fp32 element)."""
-
-_SPREAD = "_spread"
-"""Suffix of the field that holds the `Spread` of the time field it follows (`bwd` -> `bwd_spread`)."""
+SCHEMA_VERSION = 1  # of the cost-table JSON layout; `CostTable.from_json` refuses any other
+COUNT_BYTES = 4  # the micro-batch count a SYNC_STATS all-reduces with each statistic (one fp32 element)
+_SPREAD = "_spread"  # suffix of the field that holds the `Spread` of the time field it follows (`bwd_spread`)
 
 
 def _check_fields(obj: Any, owner: str) -> None:
-    """Refuse a malformed field of a cost object: nested objects of another class, a spread that is not a `Spread`,
-    or a number `check_number` refuses (`*_bytes` ints; an unmeasured None passes)."""
+    """Refuse a malformed field of a cost object: nested objects of another class, a spread not a `Spread`, or a
+    number `check_number` refuses (`*_bytes` ints; an unmeasured None passes)."""
     for f in fields(obj):
         value = getattr(obj, f.name)
         if f.name in _NESTED:
@@ -102,15 +97,10 @@ class LayerCost:
     state_bytes: int = 0
     grad_bytes: int = 0
     prec_spread: Spread | None = None
-    grad_ready: float | None = None
-    """Seconds from its stage's backward start until its gradient is final (streaming); None: estimated."""
-    hand_off: float = 0.0
-    """Seconds a streamed layer's owner spends making its message in the last backward's gradient hook."""
-    take_back: float = 0.0
-    """Seconds the owner spends installing what its helper returns (the helper packs it in about as long)."""
-    wgrad: float | None = None
-    """Seconds of one micro-batch's W piece of this layer alone (per-layer W), part of its stage's `wgrad`; None:
-    not measured."""
+    grad_ready: float | None = None  # from its stage's backward start until its gradient is final; None: estimated
+    hand_off: float = 0.0  # a streamed layer's owner making its message in the last backward's gradient hook
+    take_back: float = 0.0  # the owner installing what its helper returns (the helper packs it about as long)
+    wgrad: float | None = None  # one micro-batch's W of this layer alone, part of its stage's `wgrad`; None: unknown
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -194,18 +184,12 @@ class StageCost:
     peak_err_bytes: int = 0
     fwd_spread: Spread | None = None
     bwd_spread: Spread | None = None
-    tap_fwd: float = 0.0
-    """Seconds a refresh step adds to one micro-batch's forward by tapping the captured layers."""
-    tap_bwd: float = 0.0
-    """The same for one micro-batch's backward (the probes' gradients)."""
-    fused_fwd: float | None = None
-    """Seconds a forward takes beyond `tap_fwd` with every captured layer's curvature fused (None: its statistics')."""
-    fused_bwd: float | None = None
-    """The same for one micro-batch's backward."""
-    boundary_bytes: int = 0
-    """Bytes one micro-batch keeps from forward to backward when the stage recomputes its forward."""
-    wgrad: float | None = None
-    """Seconds of `bwd` computing the weight gradient (a zero-bubble W); None: half the backward."""
+    tap_fwd: float = 0.0  # what a refresh step adds to one micro-batch's forward by tapping the captured layers
+    tap_bwd: float = 0.0  # the same for one micro-batch's backward (the probes' gradients)
+    fused_fwd: float | None = None  # a forward beyond `tap_fwd` with all curvature fused (None: its statistics')
+    fused_bwd: float | None = None  # the same for one micro-batch's backward
+    boundary_bytes: int = 0  # what one micro-batch keeps from forward to backward when the stage recomputes
+    wgrad: float | None = None  # of `bwd`, the weight gradient (a zero-bubble W); None: half the backward
 
     def __post_init__(self) -> None:
         _check_fields(self, "stage")
@@ -277,17 +261,15 @@ def streamed_bytes(layer: LayerCost, kind: OpKind) -> int:
 
 @dataclass(frozen=True, slots=True)
 class CostTable:
-    """Costs of every stage of one model at one micro-batch size, and where they came from."""
+    """Costs of every stage of one model at one micro-batch size, where they came from (`source`, e.g.
+    "pipefisher-csv:bert-base_time_memory_p100.csv"), what collectives cost (None: nothing) and the family priced."""
 
     stages: tuple[StageCost, ...]
     micro_batch_size: int
     source: str
-    """How the numbers were made, e.g. "pipefisher-csv:bert-base_time_memory_p100.csv"."""
     hardware: str
     comm: CommModel | None = None
-    """What collectives cost between the devices; None: nothing."""
     family: PreconditionerKind = PreconditionerKind.KFAC
-    """The preconditioner family whose tasks the layers' parts price."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.family, PreconditionerKind):
@@ -329,24 +311,19 @@ class CostTable:
         if op.stage is None:
             raise CostModelError(f"{op} names no stage: its bytes are unknown")
         stage = self.stages[op.stage]
+        layers = [x for x in stage.layers if op.layer in (None, x.name)]
+        parts = [p for x in layers for p in x.parts if op.part in (None, p.part)]
         if op.kind is OpKind.ALLREDUCE_GRAD:
             messages = [(Collective.ALL_REDUCE, stage.param_bytes)]
-        elif op.kind in (OpKind.SYNC_STATS, OpKind.BCAST):
-            sync = op.kind is OpKind.SYNC_STATS
-            kind = Collective.ALL_REDUCE if sync else Collective.BROADCAST
-            messages = [
-                (kind, p.state_bytes + (COUNT_BYTES if sync else 0))
-                for x in stage.layers
-                if op.layer in (None, x.name)
-                for p in x.parts
-                if op.part in (None, p.part)
-            ]
+        elif op.kind is OpKind.SYNC_STATS:
+            messages = [(Collective.ALL_REDUCE, p.state_bytes + COUNT_BYTES) for p in parts]
+        elif op.kind in (OpKind.BCAST, OpKind.SEND_REPLICA):
+            kind = Collective.BROADCAST if op.kind is OpKind.BCAST else Collective.SEND
+            messages = [(kind, p.state_bytes) for p in parts]
         elif op.kind is OpKind.BCAST_PREC:
-            messages = [(Collective.BROADCAST, x.gradient_bytes) for x in stage.layers if x.name == op.layer]
+            messages = [(Collective.BROADCAST, x.gradient_bytes) for x in layers]
         elif op.kind in (OpKind.SEND_LGRAD, OpKind.SEND_PGRAD):
-            messages = [(Collective.SEND, streamed_bytes(x, op.kind)) for x in stage.layers if x.name == op.layer]
-        elif op.kind is OpKind.SEND_REPLICA:
-            messages = [(Collective.SEND, p.state_bytes) for x in stage.layers if x.name == op.layer for p in x.parts]
+            messages = [(Collective.SEND, streamed_bytes(x, op.kind)) for x in layers]
         else:
             raise CostModelError(f"{op} is not a collective the cost table prices")
         total = sum(comm_seconds(self.comm, kind, n, group_size) for kind, n in messages)
