@@ -43,7 +43,6 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        """Elements of the tensor."""
         return math.prod(self.shape)
 
 
@@ -91,7 +90,6 @@ class BlockSpec:
 
     @property
     def params(self) -> int:
-        """Parameters of the block."""
         return sum(t.numel for t in self.parameters)
 
 
@@ -145,9 +143,8 @@ def _rows(attention: Sequence[str], mlp: Sequence[str], h: int, ffn: int) -> lis
 def _block(
     p: str, rows: Sequence[tuple[str, int, int]], norms: Sequence[str], attention: int = 1, bias: bool = True
 ) -> BlockSpec:
-    """A block `p` of `attention` attention sub-layers and an MLP (the last two `rows`, h -> f -> h), each with norm +
-    residual. Saved activations per Korthikanti et al. 2022, sec. 4.1: per attention 5h + an h mask, the MLP h + 2f
-    + an h mask, h per norm; elementwise forward: dropout, residual and norm over h per sub-layer, activation over f."""
+    """A block `p` of `attention` attention sub-layers and an MLP (the last two `rows`, h -> f -> h), each with norm
+    and residual; saved activations per Korthikanti et al. 2022, sec. 4.1 (masks 1 byte an element)."""
     _, h, ffn = rows[-2]
     sublayers = attention + 1
     return BlockSpec(
@@ -277,9 +274,8 @@ def _as_linear(item: Sequence[object], where: str) -> LinearSpec:
 
 
 def model_spec_from_layers(stages: Sequence[Sequence[Sequence[object]]], *, name: str = "model") -> ModelSpec:
-    """A ModelSpec for a captured user model: one block per stage of its K-FAC layers, each (name, d_in, d_out,
-    tokens[, bias]), tokens the rows per sample; seq_len 1. Only the GEMMs are costed (kept: each input;
-    elementwise: each output), so measured profiles are preferable."""
+    """A ModelSpec for a captured user model: a block per stage of its K-FAC layers (name, d_in, d_out, tokens[, bias]);
+    only the GEMMs are costed (kept: each input; elementwise: each output), so measured profiles are preferable."""
     if not stages:
         raise CostModelError("model_spec_from_layers needs at least one stage")
     blocks = []
@@ -324,7 +320,6 @@ class Block:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """Side lengths of the block."""
         return tuple(end - start for start, end in self.ranges)
 
     @property
@@ -392,8 +387,7 @@ SYMBOLS = {x.name: x for x in (*_ARGS, d, f)}
 _F32 = 4  # factors, inverses, curvature kernels and optimizer state are fp32
 
 EIGH_FLOPS = 9
-"""FLOPs per n^3 of a symmetric eigendecomposition with eigenvectors by the symmetric QR algorithm (Golub & Van Loan,
-Matrix Computations, 4th ed., sec. 8.3.6); LAPACK/cuSOLVER syevd does no more."""
+"""FLOPs per n^3 of an eigendecomposition with eigenvectors (symmetric QR; Golub & Van Loan, 4th ed., §8.3.6)."""
 
 
 @cache
@@ -504,8 +498,7 @@ def _precision(hw: HardwareSpec, precision: Precision) -> tuple[float, int]:
 
 @dataclass(frozen=True, slots=True)
 class Run:
-    """What a table's forward and backward kernels run at: the device, micro-batch size, rows per sample, number
-    format, and K-FAC's inverse."""
+    """What a table's kernels run at: the device, micro-batch size, rows per sample, format and K-FAC's inverse."""
 
     hw: HardwareSpec
     batch: int
@@ -539,8 +532,7 @@ def linear_kernels(lin: LinearSpec, run: Run) -> StageCost:
 
 
 def block_kernels(block: BlockSpec, spec: ModelSpec, run: Run) -> StageCost:
-    """The costs of a block as if it were a stage (no boundary): its Linears', attention cores' and elementwise
-    traffic's times, its memory and K-FAC layers."""
+    """A block's costs as if it were a stage (no boundary): Linears, attention cores, elementwise traffic, memory."""
     hw, batch, seq_len = run.hw, run.batch, run.seq_len
     peak, bpe = _precision(hw, run.precision)
     kernels = [linear_kernels(x, run) for x in block.linears]
@@ -625,9 +617,8 @@ class RootMethod(StrEnum):
 
 @dataclass(frozen=True, slots=True)
 class _Family:
-    """A gradient-fed family's per-parameter terms: its root methods (default first), fp32 reads and writes per
-    element of its elementwise step, parameter-sized fp32 state buffers, its APPLY's matmul passes, whether it merges
-    small dims and whether it preconditions 1-D parameters."""
+    """A gradient-fed family's per-parameter terms: root methods (default first), fp32 passes of its elementwise step,
+    parameter-sized state buffers, APPLY passes, whether it merges small dims and preconditions 1-D parameters."""
 
     methods: tuple[RootMethod, ...]
     passes: int
@@ -719,8 +710,7 @@ def matrix_cost(
 
 
 def adamw_cost(tensor: TensorSpec, hw: HardwareSpec) -> LayerCost:
-    """The LayerCost of a parameter AdamW steps: `prec` its elementwise step, state two moments; streamed, its owner
-    still runs the step in the gradient hook (`hand_off`)."""
+    """The LayerCost of a parameter AdamW steps (two moments; streamed, its owner steps it in the gradient hook)."""
     numel = _F32 * tensor.numel
     step = ADAMW_PASSES * numel / hw.mem_bandwidth
     return LayerCost(tensor.name, (), step, 2 * numel, numel, hand_off=step)
@@ -746,10 +736,9 @@ def analytic_cost_table(
     ns_steps: int = NS_STEPS,
     ns_precision: Precision = Precision.BF16,
 ) -> CostTable:
-    """The analytic CostTable of family `kind`, fp32 weights: K-FAC's one LayerCost per K-FAC Linear (`inverse`);
-    Shampoo's and SOAP's one per parameter, blocks of side `max_dim` (None: unblocked) decomposed by `method`; Muon's
-    one per parameter, a matrix's `ns_steps` Newton-Schulz at `ns_precision`, the others' AdamW step. Source e.g.
-    "shampoo:analytic:bert-base:seq128:fp32:eigh:block1024"."""
+    """The analytic CostTable of family `kind`: K-FAC's a LayerCost per K-FAC Linear; Shampoo's and SOAP's one per
+    parameter in blocks of side `max_dim` (None: unblocked) decomposed by `method`; Muon's one per parameter, a
+    matrix's `ns_steps` Newton-Schulz at `ns_precision`. Source e.g. "shampoo:analytic:bert-base:seq128:fp32:eigh"."""
     spec = preset(model_spec) if isinstance(model_spec, str) else model_spec
     hw = get_hardware(hardware)
     check_count("micro_batch_size", micro_batch_size)

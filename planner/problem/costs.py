@@ -56,12 +56,6 @@ class Spread:
         """Both ends multiplied by `factor` (as the time they belong to is)."""
         return Spread(self.low * factor, self.high * factor)
 
-    @staticmethod
-    def covering(spreads: Iterable[Spread | None]) -> Spread | None:
-        """From the fastest to the slowest repeat of any of `spreads` (None when none was measured)."""
-        known = [s for s in spreads if s is not None]
-        return Spread(min(s.low for s in known), max(s.high for s in known)) if known else None
-
 
 @dataclass(frozen=True, slots=True)
 class PartCost:
@@ -291,7 +285,6 @@ class CostTable:
 
     @property
     def layer_names(self) -> tuple[str, ...]:
-        """Every layer's name, stage by stage."""
         return tuple(x.name for x in self.layers)
 
     def layer(self, name: str) -> LayerCost:
@@ -330,9 +323,8 @@ class CostTable:
         return math.ceil(total * 1e6 - 1e-6) / 1e6
 
     def message_cpu(self, op: Op, share: int = 1) -> float:
-        """CPU seconds the streamed transfer `op` (a SEND_LGRAD, SEND_PGRAD or its RECV) costs its rank's process
-        (`CommModel.send_cpu`, `recv_cpu`): its unit's bytes, and a `share`-th of its message's fixed cost (the units
-        of a bucket split it); 0 without a measured model."""
+        """CPU seconds the streamed transfer `op` (a SEND_LGRAD, SEND_PGRAD or its RECV) costs its rank's process: its
+        unit's bytes and a `share`-th of its message's fixed cost (a bucket's units split it); 0 unmeasured."""
         if self.comm is None or op.layer is None:
             return 0.0
         sends = {recv: send for send, recv in LAYER_SENDS.items()}
@@ -377,7 +369,6 @@ class CostTable:
 
     @classmethod
     def from_json(cls, text: str) -> CostTable:
-        """Parse `to_json` output."""
         return cls.from_dict(parse_json(text, "cost table"))
 
     def save(self, path: str | Path) -> None:
@@ -530,12 +521,12 @@ def _combined(objs: Sequence[Any], time: Reduce) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in fields(objs[0]):
         values = [getattr(x, f.name) for x in objs]
+        known = [v for v in values if v is not None]
         if f.name in _NESTED:
             out[f.name] = tuple(replace(xs[0], **_combined(xs, time)) for xs in zip(*values, strict=True))
         elif f.name.endswith(_SPREAD):
-            out[f.name] = Spread.covering(values)
+            out[f.name] = Spread(min(s.low for s in known), max(s.high for s in known)) if known else None
         elif f.name in _DIFFERENCES:
-            known = [v for v in values if v is not None]
             out[f.name] = statistics.median(known) if known else None
         elif _is_time(f.name):
             out[f.name] = time(values)

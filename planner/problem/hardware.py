@@ -104,11 +104,9 @@ class LinkCosts:
 
     @classmethod
     def uniform(cls, link: AlphaBeta) -> LinkCosts:
-        """Every kind over the same link."""
         return cls(link, link, link, link)
 
     def of(self, kind: Collective) -> AlphaBeta:
-        """The alpha-beta pair of `kind`."""
         value: AlphaBeta = getattr(self, kind.value)
         return value
 
@@ -147,7 +145,6 @@ class CommModel:
         return self.link(group_size).of(kind).seconds(kind, nbytes, group_size)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able form."""
         return asdict(self)
 
     def to_json(self) -> str:
@@ -171,7 +168,6 @@ class CommModel:
 
     @classmethod
     def from_json(cls, text: str) -> CommModel:
-        """Parse `to_json` output."""
         return cls.from_dict(parse_json(text, "the communication model"))
 
 
@@ -298,8 +294,7 @@ def _datasheet(name: str, figures: tuple[float, float, float, int, float, float,
 HARDWARE: dict[str, HardwareSpec] = {name: _datasheet(name, figures) for name, figures in _DATASHEETS.items()}
 
 _GLOO = ((441, 1.44), (152, 2.64), (356, 0.44), (318, 3.41))
-"""(alpha us, GB/s) of all-reduce, broadcast, all-gather and send: gloo over TCP loopback as benchmarks/comm_fit.py
-fits them."""
+"""(alpha us, GB/s) of all-reduce, broadcast, all-gather, send: gloo over TCP loopback, benchmarks/comm_fit.py's fit."""
 _LOOPBACK = LinkCosts(*(AlphaBeta.of_link(alpha * _US, bandwidth * _GB) for alpha, bandwidth in _GLOO))
 _CPU_COMM = CommModel.single_link(_LOOPBACK, _NODE, "analytic:cpu gloo loopback (measured)")
 # A nominal 2-core AVX2/FMA CPU (2 cores x 2.5 GHz x 32 FP32 FLOP/cycle, no faster 16-bit path, DDR4), LAPACK at a

@@ -109,8 +109,7 @@ def evaluate(expr: sp.Expr, values: Mapping[str, float]) -> float:
 
 
 def explain(kind: ScheduleKind | str, words: TaskWords = WORDS[PreconditionerKind.KFAC]) -> str:
-    """Printable expressions of the model for `kind` (for `fxkfac plan --explain`), the work named in the
-    preconditioner family's `words`."""
+    """Printable expressions of the model for `kind` (`fxkfac plan --explain`), the work named in the family's words."""
     model = perf_model(kind)
     lines = [f"Performance model for {model.kind} (PipeFisher §3.3; times per micro-batch, per stage):"]
     chimera = "  (for T_b >= T_f)" if model.kind is ScheduleKind.CHIMERA else ""
@@ -136,9 +135,8 @@ def _backward_slower(expr: sp.Expr) -> sp.Expr:
 def pipe_gap(
     at_means: float, at_slowest: float, simulated: float, words: TaskWords = WORDS[PreconditionerKind.KFAC]
 ) -> str:
-    """How T_pipe, written for equal stages, relates to the simulated step of the actual stages (seconds
-    each: T_pipe at the stage means, T_pipe with every stage as slow as the slowest, the simulation), in
-    words for `--explain`."""
+    """How T_pipe, written for equal stages, relates to the simulated step (seconds: T_pipe at the stage means, with
+    every stage as slow as the slowest, the simulation), in words for `--explain`."""
     if abs(simulated - at_means) <= 1e-3 * simulated:
         return (
             f"  T_pipe agrees with the simulated step before {words.name} ({simulated * 1e3:.2f} ms, the "

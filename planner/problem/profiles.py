@@ -92,8 +92,7 @@ def _shipped_file(name: str) -> Traversable | None:
 
 
 def is_profile(source: str | Path) -> bool:
-    """Whether `source` is a per-block profile (.csv, `paper:`, a .json of `block_profile_json`, `gpu:`), not a
-    cost table."""
+    """Whether `source` is a per-block profile (.csv, a .json of `block_profile_json`, a `paper:` or `gpu:` name)."""
     path = Path(source)
     if str(source).startswith((PAPER_PREFIX, GPU_PREFIX)) or path.suffix.lower() == ".csv":
         return True
@@ -219,9 +218,8 @@ def cost_table_from_pipefisher_csv(
     hardware: str | None = None,
     layers: ProfileLayers = ProfileLayers.BLOCK,
 ) -> CostTable:
-    """A CostTable from a per-block profile (a PipeFisher CSV, a GPU profile JSON or a shipped name): a stage of k
-    blocks costs k blocks (peak error one block's), each block's K-FAC layers as `layers` says (`_block_layers`);
-    micro-batch sizes between measured ones interpolated. blocks_per_stage: per stage, or an int with n_stages."""
+    """A CostTable from a per-block profile (`_profile_rows`): a stage of k blocks costs k blocks (peak error one
+    block's), its K-FAC layers as `layers` says; blocks_per_stage: per stage, or an int with n_stages."""
     rows, file_name, device = _profile_rows(path)
     row = _row_at(rows, micro_batch_size, str(path))
     counts = _blocks_per_stage(blocks_per_stage, n_stages)
