@@ -52,10 +52,6 @@ class Spread:
         if self.low > self.high:
             raise CostModelError(f"Spread: low {self.low!r} exceeds high {self.high!r}")
 
-    def scaled(self, factor: float) -> Spread:
-        """Both ends multiplied by `factor` (as the time they belong to is)."""
-        return Spread(self.low * factor, self.high * factor)
-
 
 @dataclass(frozen=True, slots=True)
 class PartCost:
@@ -394,15 +390,14 @@ class CostTable:
 
 
 def _family_of_file(data: dict[str, Any]) -> PreconditionerKind:
-    """A table file's family: its "family" key, else the family its source begins with, else K-FAC."""
-    if "family" in data:
-        try:
-            return PreconditionerKind(data["family"])
-        except ValueError:
-            known = ", ".join(k.value for k in PreconditionerKind)
-            raise CostModelError(f"cost table family {data['family']!r} is not one of {known}") from None
+    """A table file's family: its "family" key, else (an older file) the family its source begins with, else K-FAC."""
     head = str(data["source"]).split(":", 1)[0]
-    return PreconditionerKind(head) if head in {k.value for k in PreconditionerKind} else PreconditionerKind.KFAC
+    family = data.get("family", head if head in {k.value for k in PreconditionerKind} else PreconditionerKind.KFAC)
+    try:
+        return PreconditionerKind(family)
+    except ValueError:
+        known = ", ".join(k.value for k in PreconditionerKind)
+        raise CostModelError(f"cost table family {family!r} is not one of {known}") from None
 
 
 class _Scale(StrEnum):
@@ -479,7 +474,7 @@ def _scaled(obj: Any, factors: dict[_Scale, float]) -> Any:
         elif scale in factors and value is not None:
             factor = factors[scale]
             if isinstance(value, Spread):
-                changes[f.name] = value.scaled(factor)
+                changes[f.name] = Spread(value.low * factor, value.high * factor)
             else:
                 changes[f.name] = round(value * factor) if scale is _Scale.BYTES else value * factor
     return replace(obj, **changes)
