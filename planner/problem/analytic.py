@@ -20,14 +20,7 @@ from functools import cache
 
 import sympy
 
-from fxkfac.planner.problem.costs import (
-    CostTable,
-    InverseMethod,
-    LayerCost,
-    PartCost,
-    PreconditionerKind,
-    StageCost,
-)
+from fxkfac.planner.problem.costs import CostTable, InverseMethod, LayerCost, PartCost, PreconditionerKind, StageCost
 from fxkfac.planner.problem.errors import CostModelError
 from fxkfac.planner.problem.hardware import HardwareSpec, Precision, check_count
 from fxkfac.planner.problem.hardware import hardware as get_hardware
@@ -287,8 +280,7 @@ def model_spec_from_layers(stages: Sequence[Sequence[Sequence[object]]], *, name
         elementwise = sum(t * x.d_out for t, x in zip(rows, lins))
         blocks.append(BlockSpec(f"stage{i}", lins, 0, elementwise, sum(t * x.d_in for t, x in zip(rows, lins))))
     widest = max(max(x.d_in, x.d_out) for b in blocks for x in b.linears)
-    empty = BlockSpec("none")
-    return ModelSpec(name, widest, 0, 0, 0, 1, tuple(blocks), empty, empty)
+    return ModelSpec(name, widest, 0, 0, 0, 1, tuple(blocks), BlockSpec("none"), BlockSpec("none"))
 
 
 DEFAULT_MAX_DIM = 1024
