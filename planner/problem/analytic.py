@@ -373,8 +373,7 @@ def partition(
 b, s, d_in, d_out, beta, h, d_h, n, p = sympy.symbols("b s d_in d_out beta h d_h n p", positive=True)
 d, f = sympy.symbols("d f", positive=True)
 _ARGS = (b, s, d_in, d_out, beta, h, d_h, n, p)  # what the compiled expressions take, in order
-SYMBOLS = {x.name: x for x in (*_ARGS, d, f)}
-"""The symbols the expressions use, by name."""
+SYMBOLS = {x.name: x for x in (*_ARGS, d, f)}  # the symbols the expressions use, by name
 
 _F32 = 4  # factors, inverses, curvature kernels and optimizer state are fp32
 
@@ -592,8 +591,7 @@ def _stage_ranges(stages: Stages, block_costs: list[float]) -> list[range]:
     return ranges
 
 
-QR_FLOPS = 8 / 3
-"""FLOPs per b^3 of a Householder QR of a b x b matrix with Q formed (geqrf 4b^3/3 + orgqr 4b^3/3)."""
+QR_FLOPS = 8 / 3  # FLOPs per b^3 of a Householder QR of a b x b matrix with Q formed (geqrf 4b^3/3 + orgqr 4b^3/3)
 
 NEWTON_ITERATIONS = 20
 """Coupled inverse Newton iterations per root (about 20 to ||M_k - I|| < 1e-6 at float32, condition <= 1e6)."""

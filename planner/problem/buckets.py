@@ -12,8 +12,7 @@ from fxkfac.planner.problem.ir import Op, OpKind
 
 __all__ = ["BUCKET_BYTES", "bucketable", "bundles_streams", "cut", "send_buckets"]
 
-BUCKET_BYTES = 1 << 20
-"""A bucket of streamed units closes once it holds this many bytes (its fixed cost then small)."""
+BUCKET_BYTES = 1 << 20  # a bucket of streamed units closes once it holds this many bytes (its fixed cost then small)
 
 K = TypeVar("K", bound=Hashable)
 

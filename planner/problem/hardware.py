@@ -180,8 +180,7 @@ def seconds(model: CommModel | None, kind: Collective, nbytes: float, group_size
     return (model or ZERO).seconds(kind, nbytes, group_size)
 
 
-Sample = tuple[int, float, float]
-"""One timed collective: (group size, bytes, seconds)."""
+Sample = tuple[int, float, float]  # one timed collective: (group size, bytes, seconds)
 
 
 def fit_alpha_beta(kind: Collective, samples: Sequence[Sample]) -> AlphaBeta:
