@@ -130,10 +130,9 @@ def _profile_rows(source: str | Path) -> tuple[_Rows, str, str | None]:
         text = path.read_text()
     except OSError as e:
         raise CostModelError(f"cannot read profile {path}: {e}") from e
-    rows: Any
-    device: str | None
+    device: str | None = None
     if csv_file:
-        rows, device = list(csv.DictReader(io.StringIO(text))), None
+        rows: Any = list(csv.DictReader(io.StringIO(text)))
     else:
         data = parse_json(text, where)
         if not isinstance(data, dict) or data.get("format") != BLOCK_PROFILE_FORMAT:
