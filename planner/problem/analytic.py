@@ -329,12 +329,12 @@ def _check(shape: Sequence[int], max_dim: int) -> None:
         raise ValueError(f"shape {tuple(shape)} has a negative dimension")
 
 
-def merge_dims(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
-    """Drop size-1 dims, then merge consecutive dims while their product stays <= `max_dim` (a scalar: (1,))."""
+def merge_dims(shape: Sequence[int], max_dim: int, merge: bool = True) -> tuple[int, ...]:
+    """Drop size-1 dims, then (`merge`) merge consecutive dims while their product is <= `max_dim` (a scalar: (1,))."""
     _check(shape, max_dim)
     merged: list[int] = []
     for d in (d for d in shape if d != 1):
-        if merged and merged[-1] * d <= max_dim:
+        if merge and merged and merged[-1] * d <= max_dim:
             merged[-1] *= d
         else:
             merged.append(d)
@@ -342,9 +342,8 @@ def merge_dims(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
 
 
 def matrix_view(shape: Sequence[int], max_dim: int, merge: bool = True) -> tuple[int, ...]:
-    """The 1-D or 2-D shape a parameter is preconditioned as (the module doc)."""
-    _check(shape, max_dim)
-    dims = merge_dims(shape, max_dim) if merge else (tuple(d for d in shape if d != 1) or (1,))
+    """The 1-D or 2-D shape a parameter is preconditioned as: its `merge_dims`, a higher order as (d0, d1*...*dk)."""
+    dims = merge_dims(shape, max_dim, merge)
     return dims if len(dims) <= 2 else (dims[0], math.prod(dims[1:]))
 
 
