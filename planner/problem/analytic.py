@@ -388,24 +388,23 @@ def linear_expressions(inverse: InverseMethod = InverseMethod.CHOLESKY) -> dict[
         raise CostModelError(f"inverse must be one of {[m.value for m in InverseMethod]}, got {inverse!r}")
     d_a = d_in + beta
     rows = b * s
-    fb = _F32
     return {
         "fwd_flops": 2 * rows * d_in * d_out,
         "fwd_bytes": p * (rows * d_in + d_in * d_out + rows * d_out),
         "bwd_flops": 4 * rows * d_in * d_out,  # grad input and grad weight
         "bwd_bytes": p * (2 * rows * d_out + 2 * rows * d_in + 2 * d_in * d_out),
         "curv_a_flops": 2 * rows * d_a**2,
-        "curv_a_bytes": p * rows * d_in + fb * d_a**2,
+        "curv_a_bytes": p * rows * d_in + _F32 * d_a**2,
         "curv_b_flops": 2 * rows * d_out**2,
-        "curv_b_bytes": p * rows * d_out + fb * d_out**2,
+        "curv_b_bytes": p * rows * d_out + _F32 * d_out**2,
         "inv_flops": n**3 if inverse == InverseMethod.CHOLESKY else EIGH_FLOPS * n**3,
-        "inv_bytes": 2 * fb * n**2,
+        "inv_bytes": 2 * _F32 * n**2,
         "prec_flops": 2 * d_out * d_a * (d_a + d_out),
-        "prec_bytes": fb * (2 * d_out * d_a + d_a**2 + d_out**2),
+        "prec_bytes": _F32 * (2 * d_out * d_a + d_a**2 + d_out**2),
         "a_bytes": p * rows * d_in,
         "e_bytes": p * rows * d_out,
-        "factor_a_bytes": fb * d_a**2,
-        "factor_b_bytes": fb * d_out**2,
+        "factor_a_bytes": _F32 * d_a**2,
+        "factor_b_bytes": _F32 * d_out**2,
     }
 
 
