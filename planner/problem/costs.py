@@ -421,15 +421,9 @@ _SCALES = {
 }
 """The `_Scale` of each scaled field of PartCost, LayerCost and StageCost (the rest: names and fixed bytes)."""
 
-_OPTIONAL = _DIFFERENCES | {"boundary_bytes", "hand_off", "take_back", "comm", "family"}
-"""Fields a cost file leaves out at their default (besides every unprofiled `*_spread`)."""
-
-_NESTED: dict[str, type] = {"stages": StageCost, "layers": LayerCost, "parts": PartCost}
-"""The fields that hold a tuple of cost objects, and their class."""
-
-
-def _is_time(name: str) -> bool:
-    return _SCALES.get(name) in (_Scale.PASS, _Scale.STATS, _Scale.STEP)
+_TIMES = frozenset(name for name, scale in _SCALES.items() if scale is not _Scale.BYTES)  # the time fields
+_OPTIONAL = _DIFFERENCES | {"boundary_bytes", "hand_off", "take_back", "comm", "family"}  # files omit at default
+_NESTED: dict[str, type] = {"stages": StageCost, "layers": LayerCost, "parts": PartCost}  # tuples of cost objects
 
 
 def _plain(obj: Any) -> dict[str, Any]:
@@ -502,12 +496,11 @@ def _untimed(obj: Any) -> tuple[Any, ...]:
     return tuple(
         tuple(_untimed(x) for x in getattr(obj, f.name)) if f.name in _NESTED else getattr(obj, f.name)
         for f in fields(obj)
-        if not (_is_time(f.name) or f.name.endswith(_SPREAD))
+        if not (f.name in _TIMES or f.name.endswith(_SPREAD))
     )
 
 
-Reduce = Callable[[list[float]], float]
-"""How several measurements of one time make the one planned with (`min`: the fastest; `statistics.median`)."""
+Reduce = Callable[[list[float]], float]  # how measurements of one time make the planned one (min, median)
 
 
 def _combined(objs: Sequence[Any], time: Reduce) -> dict[str, Any]:
@@ -523,7 +516,7 @@ def _combined(objs: Sequence[Any], time: Reduce) -> dict[str, Any]:
             out[f.name] = Spread(min(s.low for s in known), max(s.high for s in known)) if known else None
         elif f.name in _DIFFERENCES:
             out[f.name] = statistics.median(known) if known else None
-        elif _is_time(f.name):
+        elif f.name in _TIMES:
             out[f.name] = time(values)
     return out
 

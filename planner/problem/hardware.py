@@ -171,8 +171,7 @@ class CommModel:
         return cls.from_dict(parse_json(text, "the communication model"))
 
 
-ZERO = CommModel.single_link(LinkCosts.uniform(AlphaBeta(0.0, 0.0)), 1, "none")
-"""Communication that takes no time (a table without a model: the planner's behaviour before it had one)."""
+ZERO = CommModel.single_link(LinkCosts.uniform(AlphaBeta(0.0, 0.0)), 1, "none")  # communication taking no time
 
 
 def seconds(model: CommModel | None, kind: Collective, nbytes: float, group_size: int) -> float:
