@@ -236,7 +236,7 @@ def _t5_base() -> ModelSpec:
     return ModelSpec("t5-base", h, ffn, heads, vocab, 512, tuple(blocks), embed, head)
 
 
-PRESETS: dict[str, Callable[[], ModelSpec]] = {
+PRESETS: dict[str, Callable[[], ModelSpec]] = {  # preset name -> builder of its ModelSpec
     "bert-base": lambda: _bert("bert-base", 768, 12, 12, 3072),
     "bert-large": lambda: _bert("bert-large", 1024, 24, 16, 4096),
     "gpt2": _gpt2,
@@ -244,7 +244,6 @@ PRESETS: dict[str, Callable[[], ModelSpec]] = {
     "opt-350m": lambda: _opt("opt-350m", 1024, 24, 16, 4096, 512),
     "t5-base": _t5_base,
 }
-"""Preset name -> builder of its ModelSpec."""
 
 
 def preset(name: str) -> ModelSpec:
@@ -283,8 +282,7 @@ def model_spec_from_layers(stages: Sequence[Sequence[Sequence[object]]], *, name
     return ModelSpec(name, widest, 0, 0, 0, 1, tuple(blocks), BlockSpec("none"), BlockSpec("none"))
 
 
-DEFAULT_MAX_DIM = 1024
-"""The block side used when ``max_preconditioner_dim="auto"`` and no plan chooses one (paper: 1024-8192)."""
+DEFAULT_MAX_DIM = 1024  # the block side of max_preconditioner_dim="auto" when no plan chooses one (paper: 1024-8192)
 
 
 class LargeDimMethod(StrEnum):
@@ -376,8 +374,7 @@ SYMBOLS = {x.name: x for x in (*_ARGS, d, f)}  # the symbols the expressions use
 
 _F32 = 4  # factors, inverses, curvature kernels and optimizer state are fp32
 
-EIGH_FLOPS = 9
-"""FLOPs per n^3 of an eigendecomposition with eigenvectors (symmetric QR; Golub & Van Loan, 4th ed., §8.3.6)."""
+EIGH_FLOPS = 9  # FLOPs per n^3 of an eigendecomposition with eigenvectors (symmetric QR; Golub & Van Loan §8.3.6)
 
 
 @cache

@@ -210,10 +210,8 @@ def describe(model: CommModel | None) -> list[str]:
     if model is None:
         return ["Communication: no model in the cost table; collectives are planned as free"]
     lines = [f"Communication ({model.source}; alpha per message step, bandwidth 1/beta):"]
-    tiers = [("within a node", "<=", model.intra)]
-    if model.inter != model.intra:
-        tiers.append(("across nodes", ">", model.inter))
-    for where, size, link in tiers:
+    tiers = [("within a node", "<=", model.intra), ("across nodes", ">", model.inter)]
+    for where, size, link in tiers if model.inter != model.intra else tiers[:1]:
         uniform = len({link.of(kind) for kind in Collective}) == 1
         lines.append(f"  {where} (groups of {size} {model.devices_per_node} ranks):")
         for kind in (Collective.ALL_REDUCE,) if uniform else tuple(Collective):
