@@ -503,17 +503,11 @@ def linear_kernels(lin: LinearSpec, run: Run) -> StageCost:
     bwd = roofline(hw, e["bwd_flops"], e["bwd_bytes"], peak)
     if not lin.kfac:
         return StageCost(fwd, bwd, 0, 0, ())
-
-    def gemm(kernel: str) -> float:  # K-FAC's kernels run in fp32
-        return roofline(hw, e[f"{kernel}_flops"], e[f"{kernel}_bytes"])
-
-    def inv(side: int) -> float:
-        return _factorization(hw, _eval("linear", inverse, n=side)["inv_flops"], side)
-
-    side_a = lin.d_in + int(lin.bias)
-    times = (gemm("curv_a"), gemm("curv_b"), inv(side_a), inv(lin.d_out), gemm("prec"))
+    side_a = lin.d_in + int(lin.bias)  # K-FAC's kernels run in fp32 (roofline's default)
+    curv_a, curv_b, prec = (roofline(hw, e[f"{k}_flops"], e[f"{k}_bytes"]) for k in ("curv_a", "curv_b", "prec"))
+    inv_a, inv_b = (_factorization(hw, _eval("linear", inverse, n=x)["inv_flops"], x) for x in (side_a, lin.d_out))
     sizes = (round(e["a_bytes"]), round(e["e_bytes"]), round(e["factor_a_bytes"]), round(e["factor_b_bytes"]))
-    layer = LayerCost.kfac(lin.name, *times, *sizes, grad_bytes=_F32 * side_a * lin.d_out)
+    layer = LayerCost.kfac(lin.name, curv_a, curv_b, inv_a, inv_b, prec, *sizes, grad_bytes=_F32 * side_a * lin.d_out)
     return StageCost(fwd, bwd, 0, 0, (layer,))
 
 
