@@ -1,17 +1,12 @@
-"""Analytic cost model: FLOP and byte counts over a hardware spec made into a CostTable, for K-FAC (sympy
-expressions over one Linear), Shampoo and SOAP (one LayerCost per parameter, in blocks) and Muon (one per parameter).
+"""Analytic cost model: FLOP and byte counts over a hardware spec made into a CostTable for K-FAC (sympy expressions
+over one Linear), Shampoo and SOAP (a LayerCost per parameter, in blocks) and Muon (a LayerCost per parameter).
 
-Every kernel takes max(flops / (peak * efficiency), bytes / bandwidth) (`roofline`); a multiply-add is 2 FLOPs.
-Symbols: b micro-batch size, s rows per sample (tokens), d_in/d_out Linear widths, beta 1 with a bias (the A factor
-gets a ones column) else 0, h heads, d_h head width, n a factor's side, p bytes per activation element; factors fp32.
-
-Shampoo and SOAP precondition each parameter's view (Shi et al., Distributed Shampoo, §4.2): size-1 dims dropped,
-with merging (Shampoo) consecutive dims merged while their product stays <= max_dim, an order > 2 result viewed as
-(d0, d1*...*dk), cut by `LargeDimMethod`. A block (r, c) costs its statistics every step (L += G G^T, 2 r^2 c FLOPs;
-R += G^T G, 2 r c^2), a `RootMethod` decomposition per side and refresh, and its APPLY every step (Shampoo
-L^-1/p G R^-1/p, 2 r c (r + c) FLOPs; SOAP twice that) plus ELEMENTWISE_PASSES; SOAP leaves 1-D parameters to AdamW.
-Muon orthogonalizes each hidden 2-D weight's momentum every step by `ns_steps` Newton-Schulz iterations; every other
-parameter is stepped by AdamW on its owner.
+Each kernel takes `roofline` seconds; a multiply-add is 2 FLOPs. Symbols: b micro-batch size, s rows per sample,
+d_in/d_out Linear widths, beta 1 with a bias (the A factor gets a ones column), h heads, d_h head width, n a factor's
+side, p bytes per activation element; factors fp32. Shampoo and SOAP precondition each parameter's `matrix_view`
+(Distributed Shampoo, §4.2) in blocks: statistics every step (L += G G^T, 2 r^2 c FLOPs; R += G^T G, 2 r c^2), a
+`RootMethod` decomposition per side and refresh, an APPLY every step (L^-1/p G R^-1/p, 2 r c (r + c) FLOPs; SOAP
+twice) plus elementwise passes. Muon orthogonalizes each hidden 2-D weight by `ns_steps` Newton-Schulz iterations.
 """
 
 from __future__ import annotations
@@ -25,14 +20,7 @@ from functools import cache
 
 import sympy
 
-from fxkfac.planner.problem.costs import (
-    CostTable,
-    InverseMethod,
-    LayerCost,
-    PartCost,
-    PreconditionerKind,
-    StageCost,
-)
+from fxkfac.planner.problem.costs import CostTable, InverseMethod, LayerCost, PartCost, PreconditionerKind, StageCost
 from fxkfac.planner.problem.errors import CostModelError
 from fxkfac.planner.problem.hardware import HardwareSpec, Precision, check_count
 from fxkfac.planner.problem.hardware import hardware as get_hardware
@@ -48,7 +36,6 @@ class TensorSpec:
 
     @property
     def numel(self) -> int:
-        """Elements of the tensor."""
         return math.prod(self.shape)
 
 
@@ -96,7 +83,6 @@ class BlockSpec:
 
     @property
     def params(self) -> int:
-        """Parameters of the block."""
         return sum(t.numel for t in self.parameters)
 
 
@@ -148,29 +134,20 @@ def _rows(attention: Sequence[str], mlp: Sequence[str], h: int, ffn: int) -> lis
 
 
 def _block(
-    p: str,
-    rows: Sequence[tuple[str, int, int]],
-    norms: Sequence[str],
-    *,
-    h: int,
-    ffn: int,
-    attention: int = 1,
-    bias: bool = True,
-    transposed: bool = False,
-    extra: tuple[TensorSpec, ...] = (),
+    p: str, rows: Sequence[tuple[str, int, int]], norms: Sequence[str], attention: int = 1, bias: bool = True
 ) -> BlockSpec:
-    """A block `p` of `attention` attention sub-layers and an MLP, each with norm + residual (Linears `rows`, norms
-    under `p`). Saved activations per Korthikanti et al. 2022, sec. 4.1: per attention 5h + an h mask, the MLP h + 2f
-    + an h mask, h per norm; elementwise forward: dropout, residual and norm over h per sub-layer, activation over f."""
+    """A block `p` of `attention` attention sub-layers and an MLP (the last two `rows`, h -> f -> h), each with norm
+    and residual; saved activations per Korthikanti et al. 2022, sec. 4.1 (masks 1 byte an element)."""
+    _, h, ffn = rows[-2]
     sublayers = attention + 1
     return BlockSpec(
         name=p,
-        linears=tuple(LinearSpec(f"{p}.{x}", i, o, bias, transposed=transposed) for x, i, o in rows),
+        linears=tuple(LinearSpec(f"{p}.{x}", i, o, bias) for x, i, o in rows),
         attention=attention,
         elementwise_per_token=3 * h * sublayers + ffn,
         saved_per_token=5 * h * attention + h + 2 * ffn + h * sublayers,
         saved_mask_bytes_per_token=h * sublayers,
-        tensors=extra + _norms([f"{p}.{x}" for x in norms], h, bias),
+        tensors=_norms([f"{p}.{x}" for x in norms], h, bias),
     )
 
 
@@ -186,7 +163,7 @@ def _bert(name: str, h: int, layers: int, heads: int, ffn: int) -> ModelSpec:
     attention = ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense")
     rows = _rows(attention, ("intermediate.dense", "output.dense"), h, ffn)
     norms = ("attention.output.LayerNorm", "output.LayerNorm")
-    blocks = tuple(_block(f"bert.encoder.layer.{i}", rows, norms, h=h, ffn=ffn) for i in range(layers))
+    blocks = tuple(_block(f"bert.encoder.layer.{i}", rows, norms) for i in range(layers))
     tables = (
         TensorSpec(f"{pre}.word_embeddings.weight", (vocab, h)),
         TensorSpec(f"{pre}.position_embeddings.weight", (512, h)),
@@ -211,8 +188,8 @@ def _gpt2() -> ModelSpec:
     """GPT2LMHeadModel (124M): Conv1D layers (weights stored [d_in, d_out]) costed as Linears, lm_head tied to wte."""
     vocab, h, ffn = 50257, 768, 3072
     rows = [("attn.c_attn", h, 3 * h), ("attn.c_proj", h, h), ("mlp.c_fc", h, ffn), ("mlp.c_proj", ffn, h)]
-    norms = ("ln_1", "ln_2")
-    blocks = tuple(_block(f"transformer.h.{i}", rows, norms, h=h, ffn=ffn, transposed=True) for i in range(12))
+    blocks = tuple(_block(f"transformer.h.{i}", rows, ("ln_1", "ln_2")) for i in range(12))
+    blocks = tuple(replace(x, linears=tuple(replace(y, transposed=True) for y in x.linears)) for x in blocks)
     tables = (TensorSpec("transformer.wte.weight", (vocab, h)), TensorSpec("transformer.wpe.weight", (1024, h)))
     embed = BlockSpec("transformer", elementwise_per_token=3 * h, tensors=tables)
     return ModelSpec("gpt2", h, ffn, 12, vocab, 1024, blocks, embed, _lm_head(h, vocab, ["transformer.ln_f"], h))
@@ -223,7 +200,7 @@ def _opt(name: str, h: int, layers: int, heads: int, ffn: int, proj: int) -> Mod
     vocab, pre, projected = 50272, "model.decoder", proj != h
     rows = _rows([f"self_attn.{x}_proj" for x in ("q", "k", "v", "out")], ("fc1", "fc2"), h, ffn)
     norms = ("self_attn_layer_norm", "final_layer_norm")
-    blocks = tuple(_block(f"{pre}.layers.{i}", rows, norms, h=h, ffn=ffn) for i in range(layers))
+    blocks = tuple(_block(f"{pre}.layers.{i}", rows, norms) for i in range(layers))
     tables = (
         TensorSpec(f"{pre}.embed_tokens.weight", (vocab, proj)),
         TensorSpec(f"{pre}.embed_positions.weight", (2048 + 2, h)),  # learned positions: an offset of 2
@@ -249,16 +226,17 @@ def _t5_base() -> ModelSpec:
         rows = _rows(attention, (f"{mlp}.wi", f"{mlp}.wo"), h, ffn)
         norms = [f"layer.{j}.layer_norm" for j in range(n_sub)]
         for i in range(12):
-            p = f"{stack}.block.{i}"
-            bias = (TensorSpec(f"{p}.layer.0.SelfAttention.relative_attention_bias.weight", (32, heads)),)
-            extra = bias if i == 0 else ()
-            blocks.append(_block(p, rows, norms, h=h, ffn=ffn, attention=n_sub - 1, bias=False, extra=extra))
+            block = _block(f"{stack}.block.{i}", rows, norms, n_sub - 1, bias=False)
+            if i == 0:  # the stack's relative position bias
+                bias = TensorSpec(f"{block.name}.layer.0.SelfAttention.relative_attention_bias.weight", (32, heads))
+                block = replace(block, tensors=(bias, *block.tensors))
+            blocks.append(block)
     embed = BlockSpec("shared", elementwise_per_token=2 * h, tensors=(TensorSpec("shared.weight", (vocab, h)),))
     head = _lm_head(h, vocab, ["encoder.final_layer_norm", "decoder.final_layer_norm"], 2 * h, bias=False)
     return ModelSpec("t5-base", h, ffn, heads, vocab, 512, tuple(blocks), embed, head)
 
 
-PRESETS: dict[str, Callable[[], ModelSpec]] = {
+PRESETS: dict[str, Callable[[], ModelSpec]] = {  # preset name -> builder of its ModelSpec
     "bert-base": lambda: _bert("bert-base", 768, 12, 12, 3072),
     "bert-large": lambda: _bert("bert-large", 1024, 24, 16, 4096),
     "gpt2": _gpt2,
@@ -266,7 +244,6 @@ PRESETS: dict[str, Callable[[], ModelSpec]] = {
     "opt-350m": lambda: _opt("opt-350m", 1024, 24, 16, 4096, 512),
     "t5-base": _t5_base,
 }
-"""Preset name -> builder of its ModelSpec."""
 
 
 def preset(name: str) -> ModelSpec:
@@ -289,9 +266,8 @@ def _as_linear(item: Sequence[object], where: str) -> LinearSpec:
 
 
 def model_spec_from_layers(stages: Sequence[Sequence[Sequence[object]]], *, name: str = "model") -> ModelSpec:
-    """A ModelSpec for a captured user model: one block per stage of its K-FAC layers, each (name, d_in, d_out,
-    tokens[, bias]), tokens the rows per sample; seq_len 1. Only the GEMMs are costed (kept: each input;
-    elementwise: each output), so measured profiles are preferable."""
+    """A ModelSpec for a captured user model: a block per stage of its K-FAC layers (name, d_in, d_out, tokens[, bias]);
+    only the GEMMs are costed (kept: each input; elementwise: each output), so measured profiles are preferable."""
     if not stages:
         raise CostModelError("model_spec_from_layers needs at least one stage")
     blocks = []
@@ -303,12 +279,10 @@ def model_spec_from_layers(stages: Sequence[Sequence[Sequence[object]]], *, name
         elementwise = sum(t * x.d_out for t, x in zip(rows, lins))
         blocks.append(BlockSpec(f"stage{i}", lins, 0, elementwise, sum(t * x.d_in for t, x in zip(rows, lins))))
     widest = max(max(x.d_in, x.d_out) for b in blocks for x in b.linears)
-    empty = BlockSpec("none")
-    return ModelSpec(name, widest, 0, 0, 0, 1, tuple(blocks), empty, empty)
+    return ModelSpec(name, widest, 0, 0, 0, 1, tuple(blocks), BlockSpec("none"), BlockSpec("none"))
 
 
-DEFAULT_MAX_DIM = 1024
-"""The block side used when ``max_preconditioner_dim="auto"`` and no plan chooses one (paper: 1024-8192)."""
+DEFAULT_MAX_DIM = 1024  # the block side of max_preconditioner_dim="auto" when no plan chooses one (paper: 1024-8192)
 
 
 class LargeDimMethod(StrEnum):
@@ -336,14 +310,12 @@ class Block:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """Side lengths of the block."""
         return tuple(end - start for start, end in self.ranges)
 
     @property
     def sides(self) -> tuple[int, int]:
         """(m, n): the sides of its dense L and R factors, 0 where that side has none."""
-        dense = [d if kind is FactorKind.DENSE else 0 for d, kind in zip(self.shape, self.kinds)]
-        dense += [0] * (2 - len(dense))
+        dense = [d if kind is FactorKind.DENSE else 0 for d, kind in zip(self.shape, self.kinds)] + [0, 0]
         return dense[0], dense[1]
 
 
@@ -355,12 +327,12 @@ def _check(shape: Sequence[int], max_dim: int) -> None:
         raise ValueError(f"shape {tuple(shape)} has a negative dimension")
 
 
-def merge_dims(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
-    """Drop size-1 dims, then merge consecutive dims while their product stays <= `max_dim` (a scalar: (1,))."""
+def merge_dims(shape: Sequence[int], max_dim: int, merge: bool = True) -> tuple[int, ...]:
+    """Drop size-1 dims, then (`merge`) merge consecutive dims while their product is <= `max_dim` (a scalar: (1,))."""
     _check(shape, max_dim)
     merged: list[int] = []
     for d in (d for d in shape if d != 1):
-        if merged and merged[-1] * d <= max_dim:
+        if merge and merged and merged[-1] * d <= max_dim:
             merged[-1] *= d
         else:
             merged.append(d)
@@ -368,9 +340,8 @@ def merge_dims(shape: Sequence[int], max_dim: int) -> tuple[int, ...]:
 
 
 def matrix_view(shape: Sequence[int], max_dim: int, merge: bool = True) -> tuple[int, ...]:
-    """The 1-D or 2-D shape a parameter is preconditioned as (the module doc)."""
-    _check(shape, max_dim)
-    dims = merge_dims(shape, max_dim) if merge else (tuple(d for d in shape if d != 1) or (1,))
+    """The 1-D or 2-D shape a parameter is preconditioned as: its `merge_dims`, a higher order as (d0, d1*...*dk)."""
+    dims = merge_dims(shape, max_dim, merge)
     return dims if len(dims) <= 2 else (dims[0], math.prod(dims[1:]))
 
 
@@ -398,14 +369,12 @@ def partition(
 
 b, s, d_in, d_out, beta, h, d_h, n, p = sympy.symbols("b s d_in d_out beta h d_h n p", positive=True)
 d, f = sympy.symbols("d f", positive=True)
-SYMBOLS = {x.name: x for x in (b, s, d_in, d_out, beta, h, d_h, n, p, d, f)}
-"""The symbols the expressions use, by name."""
+_ARGS = (b, s, d_in, d_out, beta, h, d_h, n, p)  # what the compiled expressions take, in order
+SYMBOLS = {x.name: x for x in (*_ARGS, d, f)}  # the symbols the expressions use, by name
 
 _F32 = 4  # factors, inverses, curvature kernels and optimizer state are fp32
 
-EIGH_FLOPS = 9
-"""FLOPs per n^3 of a symmetric eigendecomposition with eigenvectors by the symmetric QR algorithm (Golub & Van Loan,
-Matrix Computations, 4th ed., sec. 8.3.6); LAPACK/cuSOLVER syevd does no more."""
+EIGH_FLOPS = 9  # FLOPs per n^3 of an eigendecomposition with eigenvectors (symmetric QR; Golub & Van Loan §8.3.6)
 
 
 @cache
@@ -416,24 +385,23 @@ def linear_expressions(inverse: InverseMethod = InverseMethod.CHOLESKY) -> dict[
         raise CostModelError(f"inverse must be one of {[m.value for m in InverseMethod]}, got {inverse!r}")
     d_a = d_in + beta
     rows = b * s
-    fb = _F32
     return {
         "fwd_flops": 2 * rows * d_in * d_out,
         "fwd_bytes": p * (rows * d_in + d_in * d_out + rows * d_out),
         "bwd_flops": 4 * rows * d_in * d_out,  # grad input and grad weight
         "bwd_bytes": p * (2 * rows * d_out + 2 * rows * d_in + 2 * d_in * d_out),
         "curv_a_flops": 2 * rows * d_a**2,
-        "curv_a_bytes": p * rows * d_in + fb * d_a**2,
+        "curv_a_bytes": p * rows * d_in + _F32 * d_a**2,
         "curv_b_flops": 2 * rows * d_out**2,
-        "curv_b_bytes": p * rows * d_out + fb * d_out**2,
+        "curv_b_bytes": p * rows * d_out + _F32 * d_out**2,
         "inv_flops": n**3 if inverse == InverseMethod.CHOLESKY else EIGH_FLOPS * n**3,
-        "inv_bytes": 2 * fb * n**2,
+        "inv_bytes": 2 * _F32 * n**2,
         "prec_flops": 2 * d_out * d_a * (d_a + d_out),
-        "prec_bytes": fb * (2 * d_out * d_a + d_a**2 + d_out**2),
+        "prec_bytes": _F32 * (2 * d_out * d_a + d_a**2 + d_out**2),
         "a_bytes": p * rows * d_in,
         "e_bytes": p * rows * d_out,
-        "factor_a_bytes": fb * d_a**2,
-        "factor_b_bytes": fb * d_out**2,
+        "factor_a_bytes": _F32 * d_a**2,
+        "factor_b_bytes": _F32 * d_out**2,
     }
 
 
@@ -484,13 +452,11 @@ def explain() -> str:
 @cache
 def _compiled(group: str, inverse: InverseMethod) -> dict[str, Callable[..., float]]:
     exprs = linear_expressions(inverse) if group == "linear" else attention_expressions()
-    args = (b, s, d_in, d_out, beta, h, d_h, n, p)
-    return {key: sympy.lambdify(args, expr, modules="math") for key, expr in exprs.items()}
+    return {key: sympy.lambdify(_ARGS, expr, modules="math") for key, expr in exprs.items()}
 
 
 def _eval(group: str, inverse: InverseMethod = InverseMethod.CHOLESKY, **values: float) -> dict[str, float]:
-    env = {"b": 0, "s": 0, "d_in": 0, "d_out": 0, "beta": 0, "h": 0, "d_h": 0, "n": 0, "p": 4, **values}
-    args = [env[k] for k in ("b", "s", "d_in", "d_out", "beta", "h", "d_h", "n", "p")]
+    args = [values.get(x.name, 4 if x is p else 0) for x in _ARGS]  # p: fp32 unless given
     return {key: float(fn(*args)) for key, fn in _compiled(group, inverse).items()}
 
 
@@ -516,48 +482,40 @@ def _precision(hw: HardwareSpec, precision: Precision) -> tuple[float, int]:
     raise CostModelError(f"precision must be one of {[p.value for p in Precision]}, got {precision!r}")
 
 
-def linear_kernels(
-    lin: LinearSpec, *, batch: int, seq_len: int, hw: HardwareSpec, precision: Precision, inverse: InverseMethod
-) -> StageCost:
+@dataclass(frozen=True, slots=True)
+class Run:
+    """What a table's kernels run at: the device, micro-batch size, rows per sample, format and K-FAC's inverse."""
+
+    hw: HardwareSpec
+    batch: int
+    seq_len: int
+    precision: Precision = Precision.FP32
+    inverse: InverseMethod = InverseMethod.CHOLESKY
+
+
+def linear_kernels(lin: LinearSpec, run: Run) -> StageCost:
     """The costs of one Linear as if it were a stage: fwd, bwd per micro-batch, and its K-FAC layer unless skipped."""
-    peak, bpe = _precision(hw, precision)
-    tokens = lin.tokens if lin.tokens is not None else seq_len
-    e = _eval("linear", inverse, b=batch, s=tokens, d_in=lin.d_in, d_out=lin.d_out, beta=int(lin.bias), p=bpe)
+    hw, inverse = run.hw, run.inverse
+    peak, bpe = _precision(hw, run.precision)
+    tokens = lin.tokens if lin.tokens is not None else run.seq_len
+    e = _eval("linear", inverse, b=run.batch, s=tokens, d_in=lin.d_in, d_out=lin.d_out, beta=int(lin.bias), p=bpe)
     fwd = roofline(hw, e["fwd_flops"], e["fwd_bytes"], peak)
     bwd = roofline(hw, e["bwd_flops"], e["bwd_bytes"], peak)
     if not lin.kfac:
         return StageCost(fwd, bwd, 0, 0, ())
-
-    def gemm(kernel: str) -> float:  # K-FAC's kernels run in fp32
-        return roofline(hw, e[f"{kernel}_flops"], e[f"{kernel}_bytes"])
-
-    def inv(side: int) -> float:
-        return _factorization(hw, _eval("linear", inverse, n=side)["inv_flops"], side)
-
-    side_a = lin.d_in + int(lin.bias)
-    times = (gemm("curv_a"), gemm("curv_b"), inv(side_a), inv(lin.d_out), gemm("prec"))
+    side_a = lin.d_in + int(lin.bias)  # K-FAC's kernels run in fp32 (roofline's default)
+    curv_a, curv_b, prec = (roofline(hw, e[f"{k}_flops"], e[f"{k}_bytes"]) for k in ("curv_a", "curv_b", "prec"))
+    inv_a, inv_b = (_factorization(hw, _eval("linear", inverse, n=x)["inv_flops"], x) for x in (side_a, lin.d_out))
     sizes = (round(e["a_bytes"]), round(e["e_bytes"]), round(e["factor_a_bytes"]), round(e["factor_b_bytes"]))
-    layer = LayerCost.kfac(lin.name, *times, *sizes, grad_bytes=_F32 * side_a * lin.d_out)
+    layer = LayerCost.kfac(lin.name, curv_a, curv_b, inv_a, inv_b, prec, *sizes, grad_bytes=_F32 * side_a * lin.d_out)
     return StageCost(fwd, bwd, 0, 0, (layer,))
 
 
-def block_kernels(
-    block: BlockSpec,
-    spec: ModelSpec,
-    *,
-    batch: int,
-    seq_len: int,
-    hw: HardwareSpec,
-    precision: Precision,
-    inverse: InverseMethod,
-) -> StageCost:
-    """The costs of a block as if it were a stage (no boundary): its Linears', attention cores' and elementwise
-    traffic's times, its memory and K-FAC layers."""
-    peak, bpe = _precision(hw, precision)
-    kernels = [
-        linear_kernels(x, batch=batch, seq_len=seq_len, hw=hw, precision=precision, inverse=inverse)
-        for x in block.linears
-    ]
+def block_kernels(block: BlockSpec, spec: ModelSpec, run: Run) -> StageCost:
+    """A block's costs as if it were a stage (no boundary): Linears, attention cores, elementwise traffic, memory."""
+    hw, batch, seq_len = run.hw, run.batch, run.seq_len
+    peak, bpe = _precision(hw, run.precision)
+    kernels = [linear_kernels(x, run) for x in block.linears]
     fwd = sum(k.fwd for k in kernels)
     bwd = sum(k.bwd for k in kernels)
     act: float = block.saved_per_token * bpe * batch * seq_len + block.saved_mask_bytes_per_token * batch * seq_len
@@ -622,36 +580,41 @@ def _stage_ranges(stages: Stages, block_costs: list[float]) -> list[range]:
     return ranges
 
 
-QR_FLOPS = 8 / 3
-"""FLOPs per b^3 of a Householder QR of a b x b matrix with Q formed (geqrf 4b^3/3 + orgqr 4b^3/3)."""
+QR_FLOPS = 8 / 3  # FLOPs per b^3 of a Householder QR of a b x b matrix with Q formed (geqrf 4b^3/3 + orgqr 4b^3/3)
 
 NEWTON_ITERATIONS = 20
 """Coupled inverse Newton iterations per root (about 20 to ||M_k - I|| < 1e-6 at float32, condition <= 1e6)."""
 
-ELEMENTWISE_PASSES: dict[PreconditionerKind, int] = {
-    PreconditionerKind.SHAMPOO: 8,  # G and P for the two norms, P and W read + P written (decay), M read + written
-    PreconditionerKind.SOAP: 8,  # rotated G read, m and v read + written, W read, the direction written twice
-    PreconditionerKind.MUON: 10,  # momentum 3, Nesterov 2, normalization 2, update with lr and decay 3
-}
-"""fp32 reads and writes per parameter element of a step's elementwise work (besides the matmuls)."""
-
-STATE_BUFFERS: dict[PreconditionerKind, int] = {PreconditionerKind.SHAMPOO: 1, PreconditionerKind.SOAP: 2}
-"""Parameter-sized fp32 buffers of optimizer state: Shampoo's momentum; SOAP's Adam m and v."""
-
 
 class RootMethod(StrEnum):
-    """How a factor is decomposed at a refresh (the module doc gives each one's cost)."""
+    """How a factor is decomposed at a refresh (`_decomp` prices each)."""
 
     EIGH = "eigh"
     NEWTON = "newton"
     QR = "qr"
 
 
-_METHODS = {
-    PreconditionerKind.SHAMPOO: (RootMethod.EIGH, RootMethod.NEWTON),
-    PreconditionerKind.SOAP: (RootMethod.QR, RootMethod.EIGH),
+@dataclass(frozen=True, slots=True)
+class _Family:
+    """A gradient-fed family's per-parameter terms: root methods (default first), fp32 passes of its elementwise step,
+    parameter-sized state buffers, APPLY passes, whether it merges small dims and preconditions 1-D parameters."""
+
+    methods: tuple[RootMethod, ...]
+    passes: int
+    buffers: int = 0
+    applies: int = 1
+    merge: bool = False
+    vectors: bool = True
+
+
+_FAMILIES = {
+    # G and P for the two norms, P and W read + P written (decay), M read + written; state: the momentum
+    PreconditionerKind.SHAMPOO: _Family((RootMethod.EIGH, RootMethod.NEWTON), 8, 1, merge=True),
+    # rotated G read, m and v read + written, W read, the direction written twice; Adam's m and v; rotates in and out
+    PreconditionerKind.SOAP: _Family((RootMethod.QR, RootMethod.EIGH), 8, 2, applies=2, vectors=False),
+    # momentum 3, Nesterov 2, normalization 2, update with lr and decay 3
+    PreconditionerKind.MUON: _Family((), 10),
 }
-"""The methods each family has, its default first."""
 
 
 def newton_matmuls(p: int) -> int:
@@ -670,43 +633,35 @@ def _decomp(hw: HardwareSpec, method: RootMethod, b: int, other: int, order: int
     return roofline(hw, 2 * b**3, square) + _factorization(hw, QR_FLOPS * b**3, b) + reproject
 
 
-def _apply_flops(kind: PreconditionerKind, shape: tuple[int, int], sides: tuple[int, int]) -> tuple[int, int]:
-    """FLOPs and bytes of a step's preconditioning matmuls of one block of `shape` with factor `sides`."""
-    r, c = shape
-    flops = (2 * r * r * c if sides[0] else 0) + (2 * r * c * c if sides[1] else 0)
-    nbytes = _F32 * (sides[0] ** 2 + sides[1] ** 2 + 3 * r * c)
-    times = 2 if kind is PreconditionerKind.SOAP else 1  # SOAP rotates in and out
-    return times * flops, times * nbytes
-
-
 def parameter_cost(
     tensor: TensorSpec, hw: HardwareSpec, kind: PreconditionerKind, max_dim: int, method: RootMethod | None = None
 ) -> LayerCost | None:
     """The LayerCost of one parameter in blocks of side <= max_dim; None where the family leaves it to AdamW."""
-    method = _METHODS[kind][0] if method is None else method
-    if method not in _METHODS[kind]:
-        raise CostModelError(f"{kind} decomposes by {[m.value for m in _METHODS[kind]]}, not {method.value!r}")
-    view, blocks = partition(tensor.shape, max_dim, LargeDimMethod.BLOCKING, merge=kind is PreconditionerKind.SHAMPOO)
-    if kind is PreconditionerKind.SOAP and len(view) == 1:
+    family = _FAMILIES[kind]
+    method = family.methods[0] if method is None else method
+    if method not in family.methods:
+        raise CostModelError(f"{kind} decomposes by {[m.value for m in family.methods]}, not {method.value!r}")
+    view, blocks = partition(tensor.shape, max_dim, LargeDimMethod.BLOCKING, merge=family.merge)
+    if len(view) == 1 and not family.vectors:
         return None
-    sides: dict[str, list[tuple[float, float]]] = {"L": [], "R": []}  # (statistic, decomposition) per factor
-    bytes_of = {"L": 0, "R": 0}
+    shapes = [(x.shape[0], x.shape[1] if len(view) == 2 else 1) for x in blocks]
+    parts = []
+    for i, part in enumerate("LR"):  # each side's G G^T (or G^T G) every step, its decomposition at a refresh
+        stats, decomp, state = 0.0, 0.0, 0
+        for block, shape in zip(blocks, shapes):
+            side, other = block.sides[i], shape[1 - i]
+            if side:
+                stats += roofline(hw, 2 * side * side * other, _F32 * (side * other + 2 * side * side))
+                decomp += _decomp(hw, method, side, other, len(view))
+                state += _F32 * side * side
+        if state:
+            parts.append(PartCost(part, OpKind.ALLREDUCE_GRAD, stats, decomp, 0, state))
     prec = 0.0
-    for block in blocks:
-        shape = (block.shape[0], block.shape[1] if len(view) == 2 else 1)
-        for part, side, other in (("L", block.sides[0], shape[1]), ("R", block.sides[1], shape[0])):
-            if side:  # G G^T (or G^T G) of the factor, and its decomposition
-                stats = roofline(hw, 2 * side * side * other, _F32 * (side * other + 2 * side * side))
-                sides[part].append((stats, _decomp(hw, method, side, other, len(view))))
-                bytes_of[part] += _F32 * side * side
-        prec += roofline(hw, *_apply_flops(kind, shape, block.sides))
-    prec += ELEMENTWISE_PASSES[kind] * _F32 * tensor.numel / hw.mem_bandwidth
-    parts = tuple(
-        PartCost(part, OpKind.ALLREDUCE_GRAD, sum(x for x, _ in costs), sum(y for _, y in costs), 0, bytes_of[part])
-        for part, costs in sides.items()
-        if costs
-    )
-    return LayerCost(tensor.name, parts, prec, STATE_BUFFERS[kind] * _F32 * tensor.numel, _F32 * tensor.numel)
+    for (m, n), (r, c) in zip((x.sides for x in blocks), shapes):
+        flops = (2 * r * r * c if m else 0) + (2 * r * c * c if n else 0)
+        prec += roofline(hw, family.applies * flops, family.applies * _F32 * (m * m + n * n + 3 * r * c))
+    prec += family.passes * _F32 * tensor.numel / hw.mem_bandwidth
+    return LayerCost(tensor.name, tuple(parts), prec, family.buffers * _F32 * tensor.numel, _F32 * tensor.numel)
 
 
 def largest_dim(spec: ModelSpec) -> int:
@@ -714,8 +669,7 @@ def largest_dim(spec: ModelSpec) -> int:
     return max(max(t.shape) for t in spec.parameters)
 
 
-ADAMW_PASSES = 12
-"""fp32 reads and writes per element of an AdamW step: moments 5, direction 4, update 3."""
+ADAMW_PASSES = 12  # fp32 reads and writes per element of an AdamW step: moments 5, direction 4, update 3
 
 
 def matrix_cost(
@@ -730,13 +684,12 @@ def matrix_cost(
     gemms = ((m * m * n, 2 * m * n + m * m), (m**3, 3 * m * m), (m * m * n, m * m + 2 * m * n))  # (MACs, elements)
     iteration = sum(roofline(hw, 2 * macs, item * elements, peak) for macs, elements in gemms)
     numel = _F32 * tensor.numel
-    elementwise = ELEMENTWISE_PASSES[PreconditionerKind.MUON] * numel / hw.mem_bandwidth
+    elementwise = _FAMILIES[PreconditionerKind.MUON].passes * numel / hw.mem_bandwidth
     return LayerCost(tensor.name, (), ns_steps * iteration + elementwise, numel, numel)
 
 
 def adamw_cost(tensor: TensorSpec, hw: HardwareSpec) -> LayerCost:
-    """The LayerCost of a parameter AdamW steps: `prec` its elementwise step, state two moments; streamed, its owner
-    still runs the step in the gradient hook (`hand_off`)."""
+    """The LayerCost of a parameter AdamW steps (two moments; streamed, its owner steps it in the gradient hook)."""
     numel = _F32 * tensor.numel
     step = ADAMW_PASSES * numel / hw.mem_bandwidth
     return LayerCost(tensor.name, (), step, 2 * numel, numel, hand_off=step)
@@ -762,10 +715,9 @@ def analytic_cost_table(
     ns_steps: int = NS_STEPS,
     ns_precision: Precision = Precision.BF16,
 ) -> CostTable:
-    """The analytic CostTable of family `kind`, fp32 weights: K-FAC's one LayerCost per K-FAC Linear (`inverse`);
-    Shampoo's and SOAP's one per parameter, blocks of side `max_dim` (None: unblocked) decomposed by `method`; Muon's
-    one per parameter, a matrix's `ns_steps` Newton-Schulz at `ns_precision`, the others' AdamW step. Source e.g.
-    "shampoo:analytic:bert-base:seq128:fp32:eigh:block1024"."""
+    """The analytic CostTable of family `kind`: K-FAC's a LayerCost per K-FAC Linear; Shampoo's and SOAP's one per
+    parameter in blocks of side `max_dim` (None: unblocked) decomposed by `method`; Muon's one per parameter, a
+    matrix's `ns_steps` Newton-Schulz at `ns_precision`. Source e.g. "shampoo:analytic:bert-base:seq128:fp32:eigh"."""
     spec = preset(model_spec) if isinstance(model_spec, str) else model_spec
     hw = get_hardware(hardware)
     check_count("micro_batch_size", micro_batch_size)
@@ -778,7 +730,7 @@ def analytic_cost_table(
     elif kind is not PreconditionerKind.KFAC:
         side = largest_dim(spec) if max_dim is None else max_dim
         check_count("max_dim", side, " or None (no blocking)")
-        method = _METHODS[kind][0] if method is None else method
+        method = _FAMILIES[kind].methods[0] if method is None else method
         tag = f"{method}:{'unblocked' if max_dim is None else f'block{max_dim}'}"
 
     def unit(t: TensorSpec, owner: BlockSpec) -> LayerCost | None:
@@ -787,10 +739,8 @@ def analytic_cost_table(
             return matrix_cost(t, hw, ns_steps, ns_precision) if t in muon_matrices(owner) else adamw_cost(t, hw)
         return parameter_cost(t, hw, kind, side, method)
 
-    parts = [
-        block_kernels(x, spec, batch=micro_batch_size, seq_len=seq, hw=hw, precision=precision, inverse=inverse)
-        for x in spec.parts
-    ]  # embeddings, blocks, head
+    run = Run(hw, micro_batch_size, seq, precision, inverse)
+    parts = [block_kernels(x, spec, run) for x in spec.parts]  # embeddings, blocks, head
     costs = [x.fwd + x.bwd for x in parts[1:-1]]
     costs[0] += parts[0].fwd + parts[0].bwd
     costs[-1] += parts[-1].fwd + parts[-1].bwd

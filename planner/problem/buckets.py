@@ -12,8 +12,7 @@ from fxkfac.planner.problem.ir import Op, OpKind
 
 __all__ = ["BUCKET_BYTES", "bucketable", "bundles_streams", "cut", "send_buckets"]
 
-BUCKET_BYTES = 1 << 20
-"""A bucket of streamed units closes once it holds this many bytes (its fixed cost then small)."""
+BUCKET_BYTES = 1 << 20  # a bucket of streamed units closes once it holds this many bytes (its fixed cost then small)
 
 K = TypeVar("K", bound=Hashable)
 
@@ -40,8 +39,7 @@ def cut(
     return out
 
 
-_BETWEEN_RETURNS = frozenset({OpKind.APPLY, OpKind.SEND_PGRAD, OpKind.RECV_LGRAD})
-"""What a helper may run between the first and last SEND_PGRAD of one owner's stage for them to travel in buckets."""
+_BETWEEN_RETURNS = frozenset({OpKind.APPLY, OpKind.SEND_PGRAD, OpKind.RECV_LGRAD})  # between bucketed SEND_PGRADs
 
 
 def _sends_in_a_row(ops: Sequence[Op], where: Sequence[int], stage: int) -> bool:

@@ -18,19 +18,14 @@ from fxkfac.planner.problem.hardware import Collective, CommModel, check_count, 
 from fxkfac.planner.problem.hardware import seconds as comm_seconds
 from fxkfac.planner.problem.ir import LAYER_SENDS, Op, OpKind
 
-SCHEMA_VERSION = 1
-"""Version of the cost-table JSON layout; `CostTable.from_json` refuses any other."""
-
-COUNT_BYTES = 4
-"""Bytes of the micro-batch count a SYNC_STATS all-reduces with each statistic (one fp32 element)."""
-
-_SPREAD = "_spread"
-"""Suffix of the field that holds the `Spread` of the time field it follows (`bwd` -> `bwd_spread`)."""
+SCHEMA_VERSION = 1  # of the cost-table JSON layout; `CostTable.from_json` refuses any other
+COUNT_BYTES = 4  # the micro-batch count a SYNC_STATS all-reduces with each statistic (one fp32 element)
+_SPREAD = "_spread"  # suffix of the field that holds the `Spread` of the time field it follows (`bwd_spread`)
 
 
 def _check_fields(obj: Any, owner: str) -> None:
-    """Refuse a malformed field of a cost object: nested objects of another class, a spread that is not a `Spread`,
-    or a number `check_number` refuses (`*_bytes` ints; an unmeasured None passes)."""
+    """Refuse a malformed field of a cost object: nested objects of another class, a spread not a `Spread`, or a
+    number `check_number` refuses (`*_bytes` ints; an unmeasured None passes)."""
     for f in fields(obj):
         value = getattr(obj, f.name)
         if f.name in _NESTED:
@@ -56,16 +51,6 @@ class Spread:
         check_number("Spread", "high", self.high)
         if self.low > self.high:
             raise CostModelError(f"Spread: low {self.low!r} exceeds high {self.high!r}")
-
-    def scaled(self, factor: float) -> Spread:
-        """Both ends multiplied by `factor` (as the time they belong to is)."""
-        return Spread(self.low * factor, self.high * factor)
-
-    @staticmethod
-    def covering(spreads: Iterable[Spread | None]) -> Spread | None:
-        """From the fastest to the slowest repeat of any of `spreads` (None when none was measured)."""
-        known = [s for s in spreads if s is not None]
-        return Spread(min(s.low for s in known), max(s.high for s in known)) if known else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,15 +87,10 @@ class LayerCost:
     state_bytes: int = 0
     grad_bytes: int = 0
     prec_spread: Spread | None = None
-    grad_ready: float | None = None
-    """Seconds from its stage's backward start until its gradient is final (streaming); None: estimated."""
-    hand_off: float = 0.0
-    """Seconds a streamed layer's owner spends making its message in the last backward's gradient hook."""
-    take_back: float = 0.0
-    """Seconds the owner spends installing what its helper returns (the helper packs it in about as long)."""
-    wgrad: float | None = None
-    """Seconds of one micro-batch's W piece of this layer alone (per-layer W), part of its stage's `wgrad`; None:
-    not measured."""
+    grad_ready: float | None = None  # from its stage's backward start until its gradient is final; None: estimated
+    hand_off: float = 0.0  # a streamed layer's owner making its message in the last backward's gradient hook
+    take_back: float = 0.0  # the owner installing what its helper returns (the helper packs it about as long)
+    wgrad: float | None = None  # one micro-batch's W of this layer alone, part of its stage's `wgrad`; None: unknown
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -194,18 +174,12 @@ class StageCost:
     peak_err_bytes: int = 0
     fwd_spread: Spread | None = None
     bwd_spread: Spread | None = None
-    tap_fwd: float = 0.0
-    """Seconds a refresh step adds to one micro-batch's forward by tapping the captured layers."""
-    tap_bwd: float = 0.0
-    """The same for one micro-batch's backward (the probes' gradients)."""
-    fused_fwd: float | None = None
-    """Seconds a forward takes beyond `tap_fwd` with every captured layer's curvature fused (None: its statistics')."""
-    fused_bwd: float | None = None
-    """The same for one micro-batch's backward."""
-    boundary_bytes: int = 0
-    """Bytes one micro-batch keeps from forward to backward when the stage recomputes its forward."""
-    wgrad: float | None = None
-    """Seconds of `bwd` computing the weight gradient (a zero-bubble W); None: half the backward."""
+    tap_fwd: float = 0.0  # what a refresh step adds to one micro-batch's forward by tapping the captured layers
+    tap_bwd: float = 0.0  # the same for one micro-batch's backward (the probes' gradients)
+    fused_fwd: float | None = None  # a forward beyond `tap_fwd` with all curvature fused (None: its statistics')
+    fused_bwd: float | None = None  # the same for one micro-batch's backward
+    boundary_bytes: int = 0  # what one micro-batch keeps from forward to backward when the stage recomputes
+    wgrad: float | None = None  # of `bwd`, the weight gradient (a zero-bubble W); None: half the backward
 
     def __post_init__(self) -> None:
         _check_fields(self, "stage")
@@ -277,17 +251,15 @@ def streamed_bytes(layer: LayerCost, kind: OpKind) -> int:
 
 @dataclass(frozen=True, slots=True)
 class CostTable:
-    """Costs of every stage of one model at one micro-batch size, and where they came from."""
+    """Costs of every stage of one model at one micro-batch size, where they came from (`source`, e.g.
+    "pipefisher-csv:bert-base_time_memory_p100.csv"), what collectives cost (None: nothing) and the family priced."""
 
     stages: tuple[StageCost, ...]
     micro_batch_size: int
     source: str
-    """How the numbers were made, e.g. "pipefisher-csv:bert-base_time_memory_p100.csv"."""
     hardware: str
     comm: CommModel | None = None
-    """What collectives cost between the devices; None: nothing."""
     family: PreconditionerKind = PreconditionerKind.KFAC
-    """The preconditioner family whose tasks the layers' parts price."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.family, PreconditionerKind):
@@ -309,7 +281,6 @@ class CostTable:
 
     @property
     def layer_names(self) -> tuple[str, ...]:
-        """Every layer's name, stage by stage."""
         return tuple(x.name for x in self.layers)
 
     def layer(self, name: str) -> LayerCost:
@@ -329,33 +300,27 @@ class CostTable:
         if op.stage is None:
             raise CostModelError(f"{op} names no stage: its bytes are unknown")
         stage = self.stages[op.stage]
+        layers = [x for x in stage.layers if op.layer in (None, x.name)]
+        parts = [p for x in layers for p in x.parts if op.part in (None, p.part)]
         if op.kind is OpKind.ALLREDUCE_GRAD:
             messages = [(Collective.ALL_REDUCE, stage.param_bytes)]
-        elif op.kind in (OpKind.SYNC_STATS, OpKind.BCAST):
-            sync = op.kind is OpKind.SYNC_STATS
-            kind = Collective.ALL_REDUCE if sync else Collective.BROADCAST
-            messages = [
-                (kind, p.state_bytes + (COUNT_BYTES if sync else 0))
-                for x in stage.layers
-                if op.layer in (None, x.name)
-                for p in x.parts
-                if op.part in (None, p.part)
-            ]
+        elif op.kind is OpKind.SYNC_STATS:
+            messages = [(Collective.ALL_REDUCE, p.state_bytes + COUNT_BYTES) for p in parts]
+        elif op.kind in (OpKind.BCAST, OpKind.SEND_REPLICA):
+            kind = Collective.BROADCAST if op.kind is OpKind.BCAST else Collective.SEND
+            messages = [(kind, p.state_bytes) for p in parts]
         elif op.kind is OpKind.BCAST_PREC:
-            messages = [(Collective.BROADCAST, x.gradient_bytes) for x in stage.layers if x.name == op.layer]
+            messages = [(Collective.BROADCAST, x.gradient_bytes) for x in layers]
         elif op.kind in (OpKind.SEND_LGRAD, OpKind.SEND_PGRAD):
-            messages = [(Collective.SEND, streamed_bytes(x, op.kind)) for x in stage.layers if x.name == op.layer]
-        elif op.kind is OpKind.SEND_REPLICA:
-            messages = [(Collective.SEND, p.state_bytes) for x in stage.layers if x.name == op.layer for p in x.parts]
+            messages = [(Collective.SEND, streamed_bytes(x, op.kind)) for x in layers]
         else:
             raise CostModelError(f"{op} is not a collective the cost table prices")
         total = sum(comm_seconds(self.comm, kind, n, group_size) for kind, n in messages)
         return math.ceil(total * 1e6 - 1e-6) / 1e6
 
     def message_cpu(self, op: Op, share: int = 1) -> float:
-        """CPU seconds the streamed transfer `op` (a SEND_LGRAD, SEND_PGRAD or its RECV) costs its rank's process
-        (`CommModel.send_cpu`, `recv_cpu`): its unit's bytes, and a `share`-th of its message's fixed cost (the units
-        of a bucket split it); 0 without a measured model."""
+        """CPU seconds the streamed transfer `op` (a SEND_LGRAD, SEND_PGRAD or its RECV) costs its rank's process: its
+        unit's bytes and a `share`-th of its message's fixed cost (a bucket's units split it); 0 unmeasured."""
         if self.comm is None or op.layer is None:
             return 0.0
         sends = {recv: send for send, recv in LAYER_SENDS.items()}
@@ -400,7 +365,6 @@ class CostTable:
 
     @classmethod
     def from_json(cls, text: str) -> CostTable:
-        """Parse `to_json` output."""
         return cls.from_dict(parse_json(text, "cost table"))
 
     def save(self, path: str | Path) -> None:
@@ -426,15 +390,14 @@ class CostTable:
 
 
 def _family_of_file(data: dict[str, Any]) -> PreconditionerKind:
-    """A table file's family: its "family" key, else the family its source begins with, else K-FAC."""
-    if "family" in data:
-        try:
-            return PreconditionerKind(data["family"])
-        except ValueError:
-            known = ", ".join(k.value for k in PreconditionerKind)
-            raise CostModelError(f"cost table family {data['family']!r} is not one of {known}") from None
+    """A table file's family: its "family" key, else (an older file) the family its source begins with, else K-FAC."""
     head = str(data["source"]).split(":", 1)[0]
-    return PreconditionerKind(head) if head in {k.value for k in PreconditionerKind} else PreconditionerKind.KFAC
+    family = data.get("family", head if head in {k.value for k in PreconditionerKind} else PreconditionerKind.KFAC)
+    try:
+        return PreconditionerKind(family)
+    except ValueError:
+        known = ", ".join(k.value for k in PreconditionerKind)
+        raise CostModelError(f"cost table family {family!r} is not one of {known}") from None
 
 
 class _Scale(StrEnum):
@@ -458,15 +421,9 @@ _SCALES = {
 }
 """The `_Scale` of each scaled field of PartCost, LayerCost and StageCost (the rest: names and fixed bytes)."""
 
-_OPTIONAL = _DIFFERENCES | {"boundary_bytes", "hand_off", "take_back", "comm", "family"}
-"""Fields a cost file leaves out at their default (besides every unprofiled `*_spread`)."""
-
-_NESTED: dict[str, type] = {"stages": StageCost, "layers": LayerCost, "parts": PartCost}
-"""The fields that hold a tuple of cost objects, and their class."""
-
-
-def _is_time(name: str) -> bool:
-    return _SCALES.get(name) in (_Scale.PASS, _Scale.STATS, _Scale.STEP)
+_TIMES = frozenset(name for name, scale in _SCALES.items() if scale is not _Scale.BYTES)  # the time fields
+_OPTIONAL = _DIFFERENCES | {"boundary_bytes", "hand_off", "take_back", "comm", "family"}  # files omit at default
+_NESTED: dict[str, type] = {"stages": StageCost, "layers": LayerCost, "parts": PartCost}  # tuples of cost objects
 
 
 def _plain(obj: Any) -> dict[str, Any]:
@@ -511,7 +468,7 @@ def _scaled(obj: Any, factors: dict[_Scale, float]) -> Any:
         elif scale in factors and value is not None:
             factor = factors[scale]
             if isinstance(value, Spread):
-                changes[f.name] = value.scaled(factor)
+                changes[f.name] = Spread(value.low * factor, value.high * factor)
             else:
                 changes[f.name] = round(value * factor) if scale is _Scale.BYTES else value * factor
     return replace(obj, **changes)
@@ -539,12 +496,11 @@ def _untimed(obj: Any) -> tuple[Any, ...]:
     return tuple(
         tuple(_untimed(x) for x in getattr(obj, f.name)) if f.name in _NESTED else getattr(obj, f.name)
         for f in fields(obj)
-        if not (_is_time(f.name) or f.name.endswith(_SPREAD))
+        if not (f.name in _TIMES or f.name.endswith(_SPREAD))
     )
 
 
-Reduce = Callable[[list[float]], float]
-"""How several measurements of one time make the one planned with (`min`: the fastest; `statistics.median`)."""
+Reduce = Callable[[list[float]], float]  # how measurements of one time make the planned one (min, median)
 
 
 def _combined(objs: Sequence[Any], time: Reduce) -> dict[str, Any]:
@@ -553,14 +509,14 @@ def _combined(objs: Sequence[Any], time: Reduce) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in fields(objs[0]):
         values = [getattr(x, f.name) for x in objs]
+        known = [v for v in values if v is not None]
         if f.name in _NESTED:
             out[f.name] = tuple(replace(xs[0], **_combined(xs, time)) for xs in zip(*values, strict=True))
         elif f.name.endswith(_SPREAD):
-            out[f.name] = Spread.covering(values)
+            out[f.name] = Spread(min(s.low for s in known), max(s.high for s in known)) if known else None
         elif f.name in _DIFFERENCES:
-            known = [v for v in values if v is not None]
             out[f.name] = statistics.median(known) if known else None
-        elif _is_time(f.name):
+        elif f.name in _TIMES:
             out[f.name] = time(values)
     return out
 

@@ -1,14 +1,6 @@
-"""Hardware specs (peak FLOP/s, memory bandwidth and size, efficiencies, links) for the analytic cost model, and an
-alpha-beta model of each collective over a group of p ranks: alpha per message step, beta per byte on the wire.
-
-- ALL_REDUCE, ring: 2(p-1) alpha + 2(p-1)/p n beta (Patarasuk & Yuan, JPDC 2009; NCCL's ring).
-- BROADCAST, long messages, scatter + ring all-gather: (ceil(log2 p) + p - 1) alpha + 2(p-1)/p n beta (Thakur,
-  Rabenseifner & Gropp, IJHPCA 2005, §4.1).
-- ALL_GATHER, ring, n the gathered bytes: (p-1) alpha + (p-1)/p n beta (ibid., §3.1).
-- SEND, one point-to-point message: alpha + n beta (Hockney 1994).
-A group of at most `CommModel.devices_per_node` ranks uses the `intra` link, a larger one the `inter` link. A
-measured model (fxkfac.comm_profile) fits alpha and beta per kind, absorbing a backend's own algorithms.
-"""
+"""Hardware specs for the analytic cost model, and an alpha-beta model of each collective over p ranks (alpha per
+message step, beta per byte on the wire; `_ALGORITHMS`): a group within one node uses the `intra` link, a larger one
+the `inter` link; a measured model (fxkfac.comm_profile) fits alpha and beta per kind."""
 
 from __future__ import annotations
 
@@ -55,12 +47,14 @@ def parse_json(text: str, what: str) -> Any:
 
 
 _ALGORITHMS: dict[Collective, tuple[Callable[[int], float], Callable[[int], float]]] = {
+    # ring (Patarasuk & Yuan, JPDC 2009; NCCL's ring)
     Collective.ALL_REDUCE: (lambda p: 2.0 * (p - 1), lambda p: 2.0 * (p - 1) / p),
+    # long messages, scatter + ring all-gather (Thakur, Rabenseifner & Gropp, IJHPCA 2005, §4.1)
     Collective.BROADCAST: (lambda p: math.ceil(math.log2(p)) + p - 1.0, lambda p: 2.0 * (p - 1) / p),
-    Collective.ALL_GATHER: (lambda p: p - 1.0, lambda p: (p - 1) / p),
-    Collective.SEND: (lambda p: 1.0, lambda p: 1.0),
+    Collective.ALL_GATHER: (lambda p: p - 1.0, lambda p: (p - 1) / p),  # ring, of the gathered bytes (ibid., §3.1)
+    Collective.SEND: (lambda p: 1.0, lambda p: 1.0),  # one point-to-point message (Hockney 1994)
 }
-"""Per kind over p > 1 ranks (the module docstring's algorithms): (alphas, the share of the bytes each beta)."""
+"""Per kind over p > 1 ranks: (alphas, the share of the bytes each beta)."""
 
 
 def latency_steps(kind: Collective, group_size: int) -> float:
@@ -110,11 +104,9 @@ class LinkCosts:
 
     @classmethod
     def uniform(cls, link: AlphaBeta) -> LinkCosts:
-        """Every kind over the same link."""
         return cls(link, link, link, link)
 
     def of(self, kind: Collective) -> AlphaBeta:
-        """The alpha-beta pair of `kind`."""
         value: AlphaBeta = getattr(self, kind.value)
         return value
 
@@ -130,8 +122,7 @@ class CommModel:
     send_cpu: AlphaBeta = AlphaBeta(0.0, 0.0)
     """CPU seconds a point-to-point message costs its sender's process (gloo's threads on a host whose cores the
     ranks fill), per message and per byte; zero: not measured, or not on the ranks' cores."""
-    recv_cpu: AlphaBeta = AlphaBeta(0.0, 0.0)
-    """The same for its receiver's process."""
+    recv_cpu: AlphaBeta = AlphaBeta(0.0, 0.0)  # the same for its receiver's process
 
     def __post_init__(self) -> None:
         check_count("CommModel.devices_per_node", self.devices_per_node)
@@ -154,7 +145,6 @@ class CommModel:
         return self.link(group_size).of(kind).seconds(kind, nbytes, group_size)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON-able form."""
         return asdict(self)
 
     def to_json(self) -> str:
@@ -178,12 +168,10 @@ class CommModel:
 
     @classmethod
     def from_json(cls, text: str) -> CommModel:
-        """Parse `to_json` output."""
         return cls.from_dict(parse_json(text, "the communication model"))
 
 
-ZERO = CommModel.single_link(LinkCosts.uniform(AlphaBeta(0.0, 0.0)), 1, "none")
-"""Communication that takes no time (a table without a model: the planner's behaviour before it had one)."""
+ZERO = CommModel.single_link(LinkCosts.uniform(AlphaBeta(0.0, 0.0)), 1, "none")  # communication taking no time
 
 
 def seconds(model: CommModel | None, kind: Collective, nbytes: float, group_size: int) -> float:
@@ -191,8 +179,7 @@ def seconds(model: CommModel | None, kind: Collective, nbytes: float, group_size
     return (model or ZERO).seconds(kind, nbytes, group_size)
 
 
-Sample = tuple[int, float, float]
-"""One timed collective: (group size, bytes, seconds)."""
+Sample = tuple[int, float, float]  # one timed collective: (group size, bytes, seconds)
 
 
 def fit_alpha_beta(kind: Collective, samples: Sequence[Sample]) -> AlphaBeta:
@@ -223,10 +210,8 @@ def describe(model: CommModel | None) -> list[str]:
     if model is None:
         return ["Communication: no model in the cost table; collectives are planned as free"]
     lines = [f"Communication ({model.source}; alpha per message step, bandwidth 1/beta):"]
-    tiers = [("within a node", "<=", model.intra)]
-    if model.inter != model.intra:
-        tiers.append(("across nodes", ">", model.inter))
-    for where, size, link in tiers:
+    tiers = [("within a node", "<=", model.intra), ("across nodes", ">", model.inter)]
+    for where, size, link in tiers if model.inter != model.intra else tiers[:1]:
         uniform = len({link.of(kind) for kind in Collective}) == 1
         lines.append(f"  {where} (groups of {size} {model.devices_per_node} ranks):")
         for kind in (Collective.ALL_REDUCE,) if uniform else tuple(Collective):
@@ -254,21 +239,15 @@ class HardwareSpec:
     """One device as the analytic model sees it: a kernel takes max(flops / (peak * eff), bytes / bw)."""
 
     name: str
-    peak_flops: float
-    """Dense FP32 FLOP/s (no tensor cores)."""
-    peak_flops_tensor: float
-    """Dense tensor-core FLOP/s at 16-bit (FP16 on P100/V100, BF16 on A100/H100), no sparsity."""
-    mem_bandwidth: float
-    """Device-memory bandwidth, bytes/s."""
+    peak_flops: float  # dense FP32 FLOP/s (no tensor cores)
+    peak_flops_tensor: float  # dense tensor-core FLOP/s at 16-bit (FP16 on P100/V100, BF16 on A100/H100)
+    mem_bandwidth: float  # bytes/s
     memory_bytes: int
-    """Device memory, bytes."""
-    matmul_efficiency: float = 0.7
-    """Fraction of peak a large GEMM reaches (cuBLAS SGEMM: typically 70-80%)."""
+    matmul_efficiency: float = 0.7  # the fraction of peak a large GEMM reaches (cuBLAS SGEMM: typically 70-80%)
     factorization_efficiency: float = 0.1
     """Fraction of peak a Cholesky + cholesky_inverse of a K-FAC factor (d <= 4096) reaches: latency bound, about
     0.1 on GPUs as the PipeFisher profiles show."""
-    comm: CommModel | None = None
-    """The links between devices (within a node, across nodes); None: communication is free."""
+    comm: CommModel | None = None  # the links between devices (within a node, across nodes); None: free
 
     def __post_init__(self) -> None:
         for field in ("peak_flops", "peak_flops_tensor", "mem_bandwidth"):
@@ -285,12 +264,6 @@ _NVLINK_US, _NET_US = 3.4 * _US, 9.6 * _US
 """Latency per message step: NCCL's own model (src/graph/tuning.cc `hwLat`, Ring / Simple), NVLink and network."""
 
 
-def _links(intra_bandwidth: float, inter_bandwidth: float, source: str) -> CommModel:
-    """A datasheet comm model: NVLink within a node of 8 GPUs, the network across, one-direction bytes/s."""
-    intra = LinkCosts.uniform(AlphaBeta.of_link(_NVLINK_US, intra_bandwidth))
-    return CommModel(intra, LinkCosts.uniform(AlphaBeta.of_link(_NET_US, inter_bandwidth)), _NODE, source)
-
-
 _DATASHEETS = {
     # NVIDIA Tesla P100 SXM2 16 GB (2016); NVLink 1.0, 4 links x 20 GB/s each way; DGX-1: 4x IB EDR per 8 GPUs.
     "p100": (10.6, 21.2, 732, 16, 80, 6.25, "NVLink 1.0 / IB EDR"),
@@ -304,38 +277,25 @@ _DATASHEETS = {
 """Datasheet figures per GPU: FP32 and 16-bit tensor TFLOP/s, memory GB/s and GiB, then GB/s per direction of all
 its NVLinks together (NCCL runs a ring per link) and of its share of the node's InfiniBand ports."""
 
-HARDWARE: dict[str, HardwareSpec] = {
-    name: HardwareSpec(
-        name,
-        fp32 * _T,
-        tensor * _T,
-        bandwidth * _GB,
-        gib * _GIB,
-        comm=_links(nvlink * _GB, network * _GB, f"analytic:{name} {links}"),
-    )
-    for name, (fp32, tensor, bandwidth, gib, nvlink, network, links) in _DATASHEETS.items()
-}
+
+def _datasheet(name: str, figures: tuple[float, float, float, int, float, float, str]) -> HardwareSpec:
+    """A GPU of `_DATASHEETS`: NVLink within a node of 8 GPUs, the network across."""
+    fp32, tensor, bandwidth, gib, nvlink, network, links = figures
+    intra = LinkCosts.uniform(AlphaBeta.of_link(_NVLINK_US, nvlink * _GB))
+    inter = LinkCosts.uniform(AlphaBeta.of_link(_NET_US, network * _GB))
+    comm = CommModel(intra, inter, _NODE, f"analytic:{name} {links}")
+    return HardwareSpec(name, fp32 * _T, tensor * _T, bandwidth * _GB, gib * _GIB, comm=comm)
+
+
+HARDWARE: dict[str, HardwareSpec] = {name: _datasheet(name, figures) for name, figures in _DATASHEETS.items()}
+
+_GLOO = ((441, 1.44), (152, 2.64), (356, 0.44), (318, 3.41))
+"""(alpha us, GB/s) of all-reduce, broadcast, all-gather, send: gloo over TCP loopback, benchmarks/comm_fit.py's fit."""
+_LOOPBACK = LinkCosts(*(AlphaBeta.of_link(alpha * _US, bandwidth * _GB) for alpha, bandwidth in _GLOO))
+_CPU_COMM = CommModel.single_link(_LOOPBACK, _NODE, "analytic:cpu gloo loopback (measured)")
 # A nominal 2-core AVX2/FMA CPU (2 cores x 2.5 GHz x 32 FP32 FLOP/cycle, no faster 16-bit path, DDR4), LAPACK at a
-# larger share of its peak than cuSOLVER of a GPU's; links: gloo over TCP loopback as benchmarks/comm_fit.py fits them.
-HARDWARE["cpu"] = HardwareSpec(
-    "cpu",
-    0.16 * _T,
-    0.16 * _T,
-    20 * _GB,
-    16 * _GIB,
-    matmul_efficiency=0.6,
-    factorization_efficiency=0.3,
-    comm=CommModel.single_link(
-        LinkCosts(
-            AlphaBeta.of_link(441 * _US, 1.44 * _GB),
-            AlphaBeta.of_link(152 * _US, 2.64 * _GB),
-            AlphaBeta.of_link(356 * _US, 0.44 * _GB),
-            AlphaBeta.of_link(318 * _US, 3.41 * _GB),
-        ),
-        _NODE,
-        "analytic:cpu gloo loopback (measured)",
-    ),
-)
+# larger share of its peak than cuSOLVER of a GPU's.
+HARDWARE["cpu"] = HardwareSpec("cpu", 0.16 * _T, 0.16 * _T, 20 * _GB, 16 * _GIB, 0.6, 0.3, _CPU_COMM)
 
 
 def hardware(name: str | HardwareSpec) -> HardwareSpec:

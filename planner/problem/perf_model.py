@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 import sympy as sp
 
@@ -49,13 +49,6 @@ class PerfModel:
     peak_inflight: sp.Expr
 
 
-def _chimera_t_pipe() -> sp.Expr:
-    """Chimera's critical path (Li & Hoefler, SC 2021): D*T_f + (2D-2)*T_b per unit of D micro-batches when
-    T_b >= T_f (the roles of T_f and T_b swap otherwise), plus D(T_f+T_b) + (D-2)|T_b-T_f| per extra unit."""
-    lo, hi = sp.Min(T_f, T_b), sp.Max(T_f, T_b)
-    return D * lo + (2 * D - 2) * hi + (N / D - 1) * (D * (T_f + T_b) + (D - 2) * sp.Abs(T_b - T_f))
-
-
 def _shape(kind: ScheduleKind) -> tuple[sp.Expr, sp.Expr, sp.Expr, sp.Expr, sp.Expr]:
     """(C_f, C_b, stages per device, F/B pairs per device, worst-device in-flight micro-batches)."""
     if kind in (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B):
@@ -75,10 +68,15 @@ def perf_model(kind: ScheduleKind | str) -> PerfModel:
     if kind in ZERO_BUBBLE_KINDS:
         raise ScheduleError(f"{kind} has no closed form here (its W's fill the bubbles); simulate its programs")
     C_f, C_b, per_device, mbs, inflight = _shape(kind)
-    T_pipe = _chimera_t_pipe() if kind is ScheduleKind.CHIMERA else C_f * T_f + C_b * T_b
-    T_bubble = T_pipe - mbs * (T_f + T_b)
-    if kind is not ScheduleKind.CHIMERA:
-        T_bubble = sp.factor(T_bubble)
+    if kind is ScheduleKind.CHIMERA:
+        # Li & Hoefler, SC 2021: D*T_f + (2D-2)*T_b per unit of D micro-batches when T_b >= T_f (the roles of T_f
+        # and T_b swap otherwise), plus D(T_f+T_b) + (D-2)|T_b-T_f| per extra unit
+        lo, hi = sp.Min(T_f, T_b), sp.Max(T_f, T_b)
+        T_pipe = D * lo + (2 * D - 2) * hi + (N / D - 1) * (D * (T_f + T_b) + (D - 2) * sp.Abs(T_b - T_f))
+        T_bubble = T_pipe - mbs * (T_f + T_b)
+    else:
+        T_pipe = C_f * T_f + C_b * T_b
+        T_bubble = sp.factor(T_pipe - mbs * (T_f + T_b))
     fill = mbs * T_curv + per_device * T_inv
     return PerfModel(
         kind=kind,
@@ -109,36 +107,28 @@ def evaluate(expr: sp.Expr, values: Mapping[str, float]) -> float:
 
 
 def explain(kind: ScheduleKind | str, words: TaskWords = WORDS[PreconditionerKind.KFAC]) -> str:
-    """Printable expressions of the model for `kind` (for `fxkfac plan --explain`), the work named in the
-    preconditioner family's `words`."""
+    """Printable expressions of the model for `kind` (`fxkfac plan --explain`), the work named in the family's words."""
     model = perf_model(kind)
     lines = [f"Performance model for {model.kind} (PipeFisher §3.3; times per micro-batch, per stage):"]
     chimera = "  (for T_b >= T_f)" if model.kind is ScheduleKind.CHIMERA else ""
     lines.append(f"  C_f = {model.C_f},  C_b = {model.C_b}{chimera}")
     for f in fields(model):
         if f.name in _DESCRIPTIONS:
-            text = _DESCRIPTIONS[f.name].format(
-                name=words.name, stats=words.stats, decomp=words.decomp, apply=words.apply
-            )
+            text = _DESCRIPTIONS[f.name].format(**asdict(words))
             lines += [f"  {f.name} = {sp.sstr(getattr(model, f.name))}", f"      {text}"]
     if model.kind is ScheduleKind.CHIMERA:
         lines.append("  for T_b >= T_f (the usual case):")
+        slower_backward = {sp.Max(T_f, T_b): T_b, sp.Min(T_f, T_b): T_f, sp.Abs(T_b - T_f): T_b - T_f}
         for name in ("T_pipe", "T_bubble", "ratio"):
-            lines.append(f"    {name} = {sp.sstr(sp.factor(_backward_slower(getattr(model, name))))}")
+            lines.append(f"    {name} = {sp.sstr(sp.factor(getattr(model, name).subs(slower_backward)))}")
     return "\n".join(lines)
-
-
-def _backward_slower(expr: sp.Expr) -> sp.Expr:
-    """`expr` with Min/Max/Abs of T_f, T_b resolved for T_b >= T_f."""
-    return expr.subs({sp.Max(T_f, T_b): T_b, sp.Min(T_f, T_b): T_f, sp.Abs(T_b - T_f): T_b - T_f})
 
 
 def pipe_gap(
     at_means: float, at_slowest: float, simulated: float, words: TaskWords = WORDS[PreconditionerKind.KFAC]
 ) -> str:
-    """How T_pipe, written for equal stages, relates to the simulated step of the actual stages (seconds
-    each: T_pipe at the stage means, T_pipe with every stage as slow as the slowest, the simulation), in
-    words for `--explain`."""
+    """How T_pipe, written for equal stages, relates to the simulated step (seconds: T_pipe at the stage means, with
+    every stage as slow as the slowest, the simulation), in words for `--explain`."""
     if abs(simulated - at_means) <= 1e-3 * simulated:
         return (
             f"  T_pipe agrees with the simulated step before {words.name} ({simulated * 1e3:.2f} ms, the "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
@@ -25,14 +26,9 @@ PIPEFISHER_COLUMNS = (
 )  # fmt: skip
 """Columns of the PipeFisher profiles (planner/data/pipefisher_profiles/*.csv; ms and MiB per Transformer block)."""
 
-PAPER_PREFIX = "paper:"
-"""`paper:<model>/<hardware>` names a profile shipped in planner/data/pipefisher_profiles/."""
-
-GPU_PREFIX = "gpu:"
-"""`gpu:<model>/<device>` names a profile benchmarks/gpu_check.py measured, in planner/data/gpu_profiles/."""
-
-BLOCK_PROFILE_FORMAT = "fxkfac-block-profile/1"
-"""The `format` field of a per-block profile JSON (PipeFisher's columns, a row per micro-batch size)."""
+PAPER_PREFIX = "paper:"  # `paper:<model>/<hardware>`: a PipeFisher profile shipped in planner/data/
+GPU_PREFIX = "gpu:"  # `gpu:<model>/<device>`: a profile benchmarks/gpu_check.py measured, shipped in planner/data/
+BLOCK_PROFILE_FORMAT = "fxkfac-block-profile/1"  # the `format` of a per-block profile JSON (`block_profile_json`)
 
 
 class ProfileLayers(StrEnum):
@@ -44,13 +40,13 @@ class ProfileLayers(StrEnum):
     LINEAR = "linear"
 
 
-BLOCK_LINEARS = (("q", 1, 1), ("k", 1, 1), ("v", 1, 1), ("o", 1, 1), ("fc1", 1, 4), ("fc2", 4, 1))
-"""The Linears of a profiled block in forward order as (name, d_in / d, d_out / d); every profiled model has f = 4d."""
+_SHAPES = {"q": (1, 1), "k": (1, 1), "v": (1, 1), "o": (1, 1), "fc1": (1, 4), "fc2": (4, 1)}
+"""The Linears of a profiled block in forward order: (d_in / d, d_out / d); every profiled model has f = 4d."""
 
 _GROUPS: dict[ProfileLayers, tuple[tuple[str, tuple[str, ...]], ...]] = {
-    ProfileLayers.BLOCK: (("", tuple(n for n, _, _ in BLOCK_LINEARS)),),
+    ProfileLayers.BLOCK: (("", tuple(_SHAPES)),),
     ProfileLayers.SUBLAYER: ((".attn", ("q", "k", "v", "o")), (".ffn", ("fc1", "fc2"))),
-    ProfileLayers.LINEAR: tuple((f".{n}", (n,)) for n, _, _ in BLOCK_LINEARS),
+    ProfileLayers.LINEAR: tuple((f".{n}", (n,)) for n in _SHAPES),
 }
 """Each granularity's layers of one block, in forward order: the suffix of the layer's name and its Linears."""
 
@@ -67,19 +63,19 @@ SHIPPED: dict[str, Traversable] = {
 """The folder of the profiles each prefix names (package data, read through importlib.resources)."""
 
 
-def _shipped(prefix: str) -> dict[str, str]:
-    """Shipped profile file names by `paper:<model>/<hardware>` or `gpu:<model>/<device>` name, sorted."""
+def _shipped(prefix: str) -> dict[str, Traversable]:
+    """Shipped profile files by `paper:<model>/<hardware>` or `gpu:<model>/<device>` name, sorted."""
     paper, folder = prefix == PAPER_PREFIX, SHIPPED[prefix]
     names = {}
     for entry in folder.iterdir() if folder.is_dir() else ():
         stem = PurePath(entry.name).stem
         model, sep, device = stem.partition(_PROFILE_MARK) if paper else stem.rpartition("_")
         if entry.name.endswith(".csv" if paper else ".json") and sep and model:
-            names[f"{prefix}{model}/{device}"] = entry.name
+            names[f"{prefix}{model}/{device}"] = entry
     return dict(sorted(names.items()))
 
 
-def _shipped_file(name: str) -> str | None:
+def _shipped_file(name: str) -> Traversable | None:
     """The shipped file a `paper:` or `gpu:` name stands for (CostModelError when unknown); None for a path."""
     prefix = next((x for x in SHIPPED if name.startswith(x)), None)
     if prefix is None:
@@ -96,8 +92,7 @@ def _shipped_file(name: str) -> str | None:
 
 
 def is_profile(source: str | Path) -> bool:
-    """Whether `source` is a per-block profile (.csv, `paper:`, a .json of `block_profile_json`, `gpu:`), not a
-    cost table."""
+    """Whether `source` is a per-block profile (.csv, a .json of `block_profile_json`, a `paper:` or `gpu:` name)."""
     path = Path(source)
     if str(source).startswith((PAPER_PREFIX, GPU_PREFIX)) or path.suffix.lower() == ".csv":
         return True
@@ -128,21 +123,16 @@ _Rows = dict[int, dict[str, float]]
 def _profile_rows(source: str | Path) -> tuple[_Rows, str, str | None]:
     """A per-block profile's rows by micro-batch size, its file name and a GPU profile's device: a shipped one by
     `paper:` or `gpu:` name, or a .csv (PipeFisher's) or .json (`block_profile_json`) file by path."""
-    name, where = _shipped_file(str(source)), str(source)
-    if name is not None:
-        csv_file = where.startswith(PAPER_PREFIX)
-        text = (SHIPPED[PAPER_PREFIX if csv_file else GPU_PREFIX] / name).read_text()
-    else:
-        path = Path(source)
-        name, csv_file = path.name, path.suffix.lower() != ".json"
-        try:
-            text = path.read_text()
-        except OSError as e:
-            raise CostModelError(f"cannot read profile {path}: {e}") from e
-    rows: Any
-    device: str | None
+    where = str(source)
+    path = _shipped_file(where) or Path(source)
+    name, csv_file = path.name, not path.name.lower().endswith(".json")
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise CostModelError(f"cannot read profile {path}: {e}") from e
+    device: str | None = None
     if csv_file:
-        rows, device = list(csv.DictReader(io.StringIO(text))), None
+        rows: Any = list(csv.DictReader(io.StringIO(text)))
     else:
         data = parse_json(text, where)
         if not isinstance(data, dict) or data.get("format") != BLOCK_PROFILE_FORMAT:
@@ -191,15 +181,14 @@ def _blocks_per_stage(blocks_per_stage: Sequence[int] | int, n_stages: int | Non
 def _block_layers(row: dict[str, float], block: str, layers: ProfileLayers) -> tuple[LayerCost, ...]:
     """The block's K-FAC layers (`_GROUPS`), each its Linears' share of the block's cost: curvature and factors by
     d^2 a side, inversion d^3, APPLY d_in d_out (d_in + d_out), captures d, gradient d_in d_out."""
-    shape = {n: (i, o) for n, i, o in BLOCK_LINEARS}
-    sides = [d for i, o in shape.values() for d in (i, o)]
+    sides = [d for i, o in _SHAPES.values() for d in (i, o)]
     sq, cube = sum(d**2 for d in sides), sum(d**3 for d in sides)
-    width = sum(i for i, _ in shape.values())
-    apply = sum(i * o * (i + o) for i, o in shape.values())
-    weights = sum(i * o for i, o in shape.values())
+    width = sum(i for i, _ in _SHAPES.values())
+    apply = sum(i * o * (i + o) for i, o in _SHAPES.values())
+    weights = sum(i * o for i, o in _SHAPES.values())
 
     def share(linears: tuple[str, ...], work: Callable[[int, int], int]) -> float:
-        return sum(work(*shape[n]) for n in linears)
+        return sum(work(*_SHAPES[n]) for n in linears)
 
     return tuple(
         LayerCost.kfac(
@@ -228,30 +217,27 @@ def cost_table_from_pipefisher_csv(
     hardware: str | None = None,
     layers: ProfileLayers = ProfileLayers.BLOCK,
 ) -> CostTable:
-    """A CostTable from a per-block profile (a PipeFisher CSV, a GPU profile JSON or a shipped name): a stage of k
-    blocks costs k blocks (peak error one block's), each block's K-FAC layers as `layers` says (`_block_layers`);
-    micro-batch sizes between measured ones interpolated. blocks_per_stage: per stage, or an int with n_stages."""
+    """A CostTable from a per-block profile (`_profile_rows`): a stage of k blocks costs k blocks (peak error one
+    block's), its K-FAC layers as `layers` says; blocks_per_stage: per stage, or an int with n_stages."""
     rows, file_name, device = _profile_rows(path)
     row = _row_at(rows, micro_batch_size, str(path))
     counts = _blocks_per_stage(blocks_per_stage, n_stages)
-    stages, first = [], 0
-    for k in counts:
-        stages.append(
-            StageCost(
-                fwd=k * row["time_f"] * _MS,
-                bwd=k * row["time_b"] * _MS,
-                param_bytes=round(k * row["mem_param"] * _MIB),
-                act_bytes=round(k * row["mem_act"] * _MIB),
-                layers=tuple(x for j in range(k) for x in _block_layers(row, f"block{first + j}", layers)),
-                peak_err_bytes=round(row["mem_peak_err"] * _MIB),
-            )
+    stages = tuple(
+        StageCost(
+            fwd=k * row["time_f"] * _MS,
+            bwd=k * row["time_b"] * _MS,
+            param_bytes=round(k * row["mem_param"] * _MIB),
+            act_bytes=round(k * row["mem_act"] * _MIB),
+            layers=tuple(x for j in range(first, first + k) for x in _block_layers(row, f"block{j}", layers)),
+            peak_err_bytes=round(row["mem_peak_err"] * _MIB),
         )
-        first += k
+        for k, first in zip(counts, itertools.accumulate(counts, initial=0))
+    )
     stem = PurePath(file_name).stem  # the paper's files: <model>_time_memory_<hardware>
     hw = hardware or device or (stem.rsplit("_", 1)[1] if "_time_memory" in stem else "unknown")
     kind = "pipefisher-csv" if device is None else "gpu-profile"
     spec = HARDWARE.get(hw.lower())  # a known preset's analytic links; none for others (rtx3090)
-    return CostTable(tuple(stages), micro_batch_size, f"{kind}:{file_name}", hw, spec.comm if spec else None)
+    return CostTable(stages, micro_batch_size, f"{kind}:{file_name}", hw, spec.comm if spec else None)
 
 
 def load_cost_table(path: str | Path, **csv_options: Any) -> CostTable:

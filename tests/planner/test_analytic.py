@@ -11,6 +11,7 @@ import pytest
 from fxkfac.planner.problem.analytic import (
     SYMBOLS,
     LinearSpec,
+    Run,
     analytic_cost_table,
     balanced_stages,
     explain,
@@ -68,17 +69,11 @@ def test_bert_block_flops_equal_hand_derived_counts() -> None:
 
 def test_kernel_time_is_a_roofline() -> None:
     hw = hardware("p100")
-    big = linear_kernels(
-        LinearSpec("big", 4096, 4096), batch=8, seq_len=512, hw=hw, precision="fp32", inverse="cholesky"
-    )
+    big = linear_kernels(LinearSpec("big", 4096, 4096), Run(hw, batch=8, seq_len=512))
     assert big.fwd == pytest.approx(2 * 8 * 512 * 4096**2 / (hw.peak_flops * hw.matmul_efficiency))
-    thin = linear_kernels(
-        LinearSpec("thin", 1, 1, bias=False), batch=64, seq_len=4096, hw=hw, precision="fp32", inverse="cholesky"
-    )
+    thin = linear_kernels(LinearSpec("thin", 1, 1, bias=False), Run(hw, batch=64, seq_len=4096))
     assert thin.fwd == pytest.approx(4 * (2 * 64 * 4096 + 1) / hw.mem_bandwidth)  # memory bound
-    skipped = linear_kernels(
-        LinearSpec("head", 8, 100, kfac=False), batch=1, seq_len=1, hw=hw, precision="fp32", inverse="cholesky"
-    )
+    skipped = linear_kernels(LinearSpec("head", 8, 100, kfac=False), Run(hw, batch=1, seq_len=1))
     assert skipped.layers == ()
 
 
