@@ -1,6 +1,7 @@
-"""One stage group's placement: the least refresh period, then the least stretch (or step), then the least staleness,
-with the distributions fixed (`least_group_period` for every group, as periods rank first, then `refine_group`) or
-chosen with the placement (`joint_placements`, [Note: joint strategy] in planner/search/cpsat.py)."""
+"""One stage group's placement search: the least refresh period, then the least width at it (the stretch with the
+distributions fixed, the step with them chosen: [Note: joint strategy] in planner/search/cpsat.py), then the least
+staleness. A forced strategy is the joint model with one option per layer (`own_options`): both are one search over
+a `Shape`, every group's period before any refinement with the distributions fixed (`planner.search.attempt`)."""
 
 from __future__ import annotations
 
@@ -45,72 +46,108 @@ Left = Callable[[float], float]
 """The clock a search has left, of the given fraction of its time (1: all of it)."""
 
 
-def _clock(meter: Budget, time_limit: float) -> Left:
-    """What is left of `time_limit` on `meter`'s clock from now, of a fraction of it."""
-    began = meter.now()
+def _clock(meter: Budget, time_limit: float, began: float) -> Left:
+    """What is left of `time_limit` on `meter`'s clock from `began`, of a fraction of it."""
     return lambda fraction: fraction * time_limit - (meter.now() - began)
 
 
 @dataclass(frozen=True)
-class Period:
-    """A group's first pass: the least period found (whole stretch allowance), the least not proven infeasible,
-    first-fit's placement where it fits the memory budget, and the wall seconds spent."""
+class Shape:
+    """One group's search space: each layer's options, the least and most period, first-fit's placement within the
+    budget, the window probed at period k (and its warm start), and the least width at found's k by a deadline
+    (best, proven least). `anchor`: the window staleness is minimized in (None: found's own, whose result is checked
+    against the memory budget with third decompositions counted, which CP-SAT's model does not count)."""
 
+    group: StageGroup
+    options: Options
+    lower: int
+    top: int
+    fallback: GroupSolution | None
+    at: Callable[[int], tuple[Window, GroupSolution | None]]
+    narrow: Callable[[GroupSolution, float], tuple[GroupSolution, bool]]
+    anchor: Callable[[GroupSolution], Window] | None = None
+
+
+@dataclass(frozen=True)
+class Period:
+    """A group's first pass: its shape, the least period found (whole width), the least not proven infeasible, and the
+    wall seconds spent."""
+
+    shape: Shape
     found: GroupSolution
     proven: int
-    fallback: GroupSolution | None
     wall_s: float
 
 
-def least_group_period(
+def fixed_shape(
     allowance: Allowance,
     group: StageGroup,
     config: SolverConfig,
-    time_limit: float,
     meter: Budget,
     greedy: GroupSolution | None = None,
     *,
     stats_chunk: int = 1,
     min_k: int = 1,
-) -> Period | None:
-    """The least refresh period >= min_k of `group` with the whole stretch allowance (from its lower bounds, descending
-    from first-fit's `greedy`) within `time_limit` of `meter`'s clock; None when none is found in time."""
-    left, wall = _clock(meter, time_limit), time.perf_counter()
+) -> Shape:
+    """`group`'s shape with its distributions fixed: windows of the whole stretch allowance at periods >= min_k,
+    first-fit's `greedy` warm-starting the probe at its k; the least stretch by `least_stretch_at`."""
     if greedy is not None and greedy.window.k < min_k:
         greedy = None
-    fallback = greedy if greedy is not None and fits_memory(greedy) else None
 
     @functools.cache
     def window_of(k: int) -> Window:  # built once for the packing bound and the probe at the same k
         return allowance.window(group, k, stats_chunk=stats_chunk, resolution=config.time_resolution)
 
-    lower = group_lower_bound(allowance, group, window_of, min_k)
+    def at(k: int) -> tuple[Window, GroupSolution | None]:
+        hint = restretch(greedy, allowance.ticks(k)) if greedy is not None and greedy.window.k == k else None
+        return (window_of(k) if hint is None else hint.window), hint if config.use_greedy_hint else None
+
+    def narrow(found: GroupSolution, deadline: float) -> tuple[GroupSolution, bool]:
+        if found.window.stretch <= 0:
+            return found, True
+        return least_stretch_at(found, allowance, config, meter, deadline)
+
+    return Shape(
+        group,
+        options_of(allowance.problem, group.stages, ()),
+        group_lower_bound(allowance, group, window_of, min_k),
+        allowance.problem.max_period,
+        greedy if greedy is not None and fits_memory(greedy) else None,
+        at,
+        narrow,
+    )
+
+
+def least_group_period(
+    shape: Shape, config: SolverConfig, time_limit: float, meter: Budget, began: float | None = None
+) -> Period | None:
+    """The least refresh period of `shape` with the whole width, descending from first-fit's (its `fallback`), within
+    `time_limit` of `meter`'s clock from `began` (now when None); None when none is found in time."""
+    left, wall = _clock(meter, time_limit, meter.now() if began is None else began), time.perf_counter()
 
     def probe(k: int, share: float) -> Solved:
-        hint = restretch(greedy, allowance.ticks(k)) if greedy is not None and greedy.window.k == k else None
-        w = hint.window if hint is not None else window_of(k)
-        use = hint if config.use_greedy_hint else None
-        status, found = solve_window(w, config, share, meter, use, optimize=False, options=own_options(w))
-        log.info("stages %s k=%d stretch=%d: %s", list(group.stages), k, w.stretch, status)
+        w, hint = shape.at(k)
+        status, found = solve_window(w, config, share, meter, hint, optimize=False, options=shape.options)
+        log.info("stages %s k=%d width %d ticks: %s", list(shape.group.stages), k, w.offsets[1], status)
         return status, found
 
-    found, proven = least_period(probe, left, lower, allowance.problem.max_period, fallback)
-    return None if found is None else Period(found, proven, fallback, time.perf_counter() - wall)
+    found, proven = least_period(probe, left, shape.lower, shape.top, shape.fallback)
+    return None if found is None else Period(shape, found, proven, time.perf_counter() - wall)
 
 
 def refine_group(
-    period: Period, allowance: Allowance, config: SolverConfig, time_limit: float, meter: Budget
+    period: Period, config: SolverConfig, time_limit: float, meter: Budget, began: float | None = None
 ) -> GroupSolution | None:
-    """The least stretch, then the least staleness, at the period found within `time_limit` of `meter`'s clock; None
-    when neither that placement nor first-fit's fits the memory budget."""
-    began, wall = meter.now(), time.perf_counter()
-    found, least = period.found, True
-    if found.window.stretch > 0:
-        found, least = least_stretch_at(found, allowance, config, meter, began + time_limit)
+    """The least width, then the least staleness, at the period found within `time_limit` of `meter`'s clock from
+    `began` (now when None); None when neither that placement nor first-fit's fits the memory budget."""
+    began, wall, shape = meter.now() if began is None else began, time.perf_counter(), period.shape
+    found, least = shape.narrow(period.found, began + time_limit)
     left = time_limit - (meter.now() - began)
     proven = least and period.proven == found.window.k
-    stale = _least_stale(found, found.window, config, meter, left, proven, own_options(found.window))
-    best = within_budget(stale, found, period.fallback)
+    w = found.window if shape.anchor is None else shape.anchor(found)
+    best = _least_stale(found, w, config, meter, left, proven, shape.options)
+    if shape.anchor is None:
+        best = within_budget(best, found, shape.fallback)
     if best is None:
         return None
     return replace(best, k_lower_bound=period.proven, wall_time=period.wall_s + time.perf_counter() - wall)
@@ -277,6 +314,29 @@ class _Group:
                 return solution
         return None
 
+    def shape(self, config: SolverConfig, meter: Budget) -> Shape | None:
+        """The joint search's shape: windows of the whole step cap, first-fit of the candidates as its fallback, the
+        least step by `_least_step`, staleness in the anchor's window; None where some work fits no step."""
+        anchor = self.anchor
+        if too_long(self.window(2, self.most(anchor.max_period))):
+            return None
+        lower = _lower_k(self.window(1, self.most(1)))
+        first = (self.first_fit(k, self.most(k), meter) for k in range(lower, anchor.max_period + 1))
+        fallback = next((f for f in first if f is not None), None)
+
+        def narrow(found: GroupSolution, deadline: float) -> tuple[GroupSolution, bool]:
+            if found.step_ticks <= self.base:
+                return found, True
+            return _least_step(self, found, config, meter, deadline), True
+
+        def stale(found: GroupSolution) -> Window:
+            return self.window(found.window.k, found.step_ticks)
+
+        def at(k: int) -> tuple[Window, GroupSolution | None]:
+            return self.window(k, self.most(k)), None
+
+        return Shape(self.group, self.options, lower, anchor.max_period, fallback, at, narrow, stale)
+
 
 def joint_placements(
     anchor: Problem,
@@ -289,8 +349,8 @@ def joint_placements(
     meter: Budget,
     deadline: float,
 ) -> list[GroupSolution] | None:
-    """Each group's distributions and placement (`_joint_group`) on the grid `scale`, warm-started by first-fit of each
-    `forced` strategy on its free layers, the time to `deadline` shared by the groups left; None when one is not placed.
+    """Each group's distributions and placement on the grid `scale`, warm-started by first-fit of each `forced`
+    strategy on its free layers, the time to `deadline` shared by the groups left; None when one is not placed.
     `anchor` has the least reference step and keeps its distributions on the stages not `free`."""
     groups = stage_groups(anchor)
     placements = []
@@ -302,37 +362,16 @@ def joint_placements(
         ticks = [round(reference_step(anchor, free, dict(c.distributions)) * scale[0]) for c in candidates]
         first = ((anchor, reference_ticks(anchor, scale)), *zip(candidates, ticks))
         g = _Group(anchor, group, options_of(anchor, group.stages, free), first, scale, chunk_of(group), allowed.ticks)
-        placement = _joint_group(g, config, max(0.0, deadline - meter.now()) / (len(groups) - n), meter)
-        if placement is None:
+        time_limit, began = max(0.0, deadline - meter.now()) / (len(groups) - n), meter.now()
+        shape = g.shape(config, meter)
+        period = None if shape is None else least_group_period(shape, config, time_limit, meter, began)
+        if shape is None or period is None:
             log.info("joint choice: stages %s not placed", list(group.stages))
             return None
+        placement = refine_group(period, config, time_limit, meter, began)
+        assert placement is not None, "the joint choice keeps what it found"
         placements.append(placement)
     return placements
-
-
-def _joint_group(g: _Group, config: SolverConfig, time_limit: float, meter: Budget) -> GroupSolution | None:
-    """The least period with the whole stretch `g.cap(k)`, then the least step and staleness within `time_limit`;
-    first-fit of the candidates warm-starts it, kept where CP-SAT finds nothing better (None: nothing places it)."""
-    began, left, anchor = meter.now(), _clock(meter, time_limit), g.anchor
-    if too_long(g.window(2, g.most(anchor.max_period))):
-        return None
-    lower = _lower_k(g.window(1, g.most(1)))
-    fallback = next((f for k in range(lower, anchor.max_period + 1) if (f := g.first_fit(k, g.most(k), meter))), None)
-
-    def probe(k: int, share: float) -> Solved:
-        w = g.window(k, g.most(k))
-        status, found = solve_window(w, config, share, meter, optimize=False, options=g.options)
-        log.info("joint stages %s k=%d step=%d ticks: %s", list(g.group.stages), k, w.offsets[1], status)
-        return status, found
-
-    found, proven = least_period(probe, left, lower, anchor.max_period, fallback)
-    if found is None:
-        return None
-    if found.step_ticks > g.base:
-        found = _least_step(g, found, config, meter, began + time_limit)
-    w = g.window(found.window.k, found.step_ticks)
-    best = _least_stale(found, w, config, meter, left(1.0), proven == found.window.k, g.options)
-    return replace(best, k_lower_bound=proven)
 
 
 def _lower_k(w: Window) -> int:
