@@ -520,12 +520,12 @@ class _Hints:
             return plan
         return None
 
-    def first(self, knob: Knob, problem: Problem, values: Iterable[int]) -> Suggestion | None:
-        """The first of `values` of `knob` with which `problem` plans (one the schedule refuses skipped), until the time
-        runs out."""
+    def first(self, knob: Knob, values: Iterable[int], make: Callable[[int], Problem]) -> Suggestion | None:
+        """The first of `values` of `knob` whose problem (`make`) plans (one the schedule refuses skipped), until the
+        time runs out."""
         for value in values:
             try:
-                candidate = replace(problem, **{knob.value: value})
+                candidate = make(value)
             except ScheduleError:
                 continue
             if self.plan(candidate) is not None:
@@ -590,13 +590,13 @@ class _Hints:
             budgets.append(_bytes_up(budgets[-1] * 1.25))
         device = device_bytes(problem)
         budgets = [b for b in budgets if device is None or b <= device]
-        return self.first(Knob.MEMORY_BUDGET, problem, budgets)
+        return self.first(Knob.MEMORY_BUDGET, budgets, lambda budget: replace(problem, memory_budget=budget))
 
     def microbatches(self, problem: Problem, fused: frozenset[str]) -> Suggestion | None:
         """The nearest N valid for the schedule that plans: fewer first (less work for the same bubbles), then more,
         up to 4 times this one."""
         ns = [*range(problem.N - 1, 0, -1), *range(problem.N + 1, 4 * problem.N + 1)]
-        return self.first(Knob.MICROBATCHES, problem, ns)
+        return self.first(Knob.MICROBATCHES, ns, lambda n: replace(problem, N=n))
 
     def together(self, problem: Problem, fused: frozenset[str]) -> Suggestion | None:
         """A max_overhead that plans without the budget, and a budget that plans at it."""

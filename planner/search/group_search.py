@@ -145,9 +145,8 @@ def refine_group(
     left = time_limit - (meter.now() - began)
     proven = least and period.proven == found.window.k
     w = found.window if shape.anchor is None else shape.anchor(found)
-    best = _least_stale(found, w, config, meter, left, proven, shape.options)
-    if shape.anchor is None:
-        best = within_budget(best, found, shape.fallback)
+    stale = _least_stale(found, w, config, meter, left, proven, shape.options)
+    best = stale if shape.anchor is not None else within_budget(stale, found, shape.fallback)
     if best is None:
         return None
     return replace(best, k_lower_bound=period.proven, wall_time=period.wall_s + time.perf_counter() - wall)
