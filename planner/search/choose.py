@@ -107,7 +107,12 @@ def solve_with_strategy(
     if budget is None:
         own = own or (lambda: Budget.of(config))
         budget = Budget.untimed(config.deterministic)
-    candidates, hopeful = _hopeful_first(candidate_problems(problem), reference)
+    made = candidate_problems(problem)
+    steps = [step_timeline(c).length for c in made]
+    most = [min(steps) * (1 + c.max_overhead + STEP_TIE) for c in made]
+    # those that can lie within `best`'s allowance first (streamed, with `reference`, only where they must be)
+    wins = [t <= m or (reference is not None and reference(c) <= m) for c, t, m in zip(made, steps, most)]
+    candidates, hopeful = [made[i] for i in sorted(range(len(made)), key=lambda i: not wins[i])], sum(wins)
     timed = Method(method) is Method.CPSAT and own is None
 
     def applies() -> bool:
@@ -201,21 +206,6 @@ def _plan_each(
         except PlanError as e:
             log.info("distribution %s does not plan: %s", strategy_of(candidate), e)
     return plans
-
-
-def _hopeful_first(
-    candidates: Sequence[Problem], reference: Callable[[Problem], float] | None = None
-) -> tuple[list[Problem], int]:
-    """The candidates whose plans can lie within `best`'s allowance, then the others, and how many come first."""
-    steps = [step_timeline(c).length for c in candidates]
-    least = min(steps)
-
-    def win(c: Problem, step: float) -> bool:
-        most = least * (1 + c.max_overhead + STEP_TIE)
-        return step <= most or (reference is not None and reference(c) <= most)  # streamed only where it must be
-
-    wins = [win(c, t) for c, t in zip(candidates, steps, strict=True)]
-    return [candidates[i] for i in sorted(range(len(wins)), key=lambda i: not wins[i])], sum(wins)
 
 
 def _plan_or_least_step_refusal(
@@ -344,22 +334,17 @@ def _planned(problem: Problem, config: SolverConfig, budget: Budget, method: Met
 
 def _greedy(problem: Problem, config: SolverConfig, budget: Budget) -> list[GroupSolution | None]:
     """The paper's refresh period per group, for the plan's metrics (None where it places nothing)."""
-    allowed = allowance(problem, frozenset(), config)
+    allowed, resolution = allowance(problem, frozenset(), config), config.time_resolution
     out: list[GroupSolution | None] = []
     for group in stage_groups(problem):
+        chunk = stats_chunk_of(problem, group, config, allowed)
         try:
-            out.append(
-                greedy_group(
-                    allowed,
-                    group,
-                    stats_chunk=stats_chunk_of(problem, group, config, allowed),
-                    resolution=config.time_resolution,
-                    meter=budget,
-                    shrink_stretch=False,
-                )
+            g = greedy_group(
+                allowed, group, stats_chunk=chunk, resolution=resolution, meter=budget, shrink_stretch=False
             )
         except PlanError:
-            out.append(None)
+            g = None
+        out.append(g)
     return out
 
 

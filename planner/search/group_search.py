@@ -107,15 +107,8 @@ def fixed_shape(
             return found, True
         return least_stretch_at(found, allowance, config, meter, deadline)
 
-    return Shape(
-        group,
-        options_of(allowance.problem, group.stages, ()),
-        group_lower_bound(allowance, group, window_of, min_k),
-        allowance.problem.max_period,
-        greedy if greedy is not None and fits_memory(greedy) else None,
-        at,
-        narrow,
-    )
+    own, lower = options_of(allowance.problem, group.stages, ()), group_lower_bound(allowance, group, window_of, min_k)
+    return Shape(group, own, lower, allowance.problem.max_period, within_budget(greedy), at, narrow)
 
 
 def least_group_period(
@@ -205,10 +198,8 @@ def _descend(probe: PeriodProbe, left: Left, lower: int, incumbent: GroupSolutio
     """From the incumbent's k down until one is not found; where that one is proven infeasible, the ks below it are
     checked from `lower` up, all infeasible proving the found k least.
 
-    [Note: descending refresh search] Near the least feasible k a window is tight and CP-SAT may need long to decide
-    it; far above it a placement is found at once. Climbing from the bound spends the time on undecidable ks and may
-    end at first-fit's k; descending keeps an incumbent and spends the time improving it.
-    """
+    [Note: descending refresh search] Near the least feasible k CP-SAT may need long to decide a tight window; far
+    above it a placement is found at once. Descending keeps an incumbent and spends the time improving it."""
     best, proven = incumbent, lower
     for k in range(incumbent.window.k - 1, lower - 1, -1):
         if left(DESCENT_SHARE) <= 0:
