@@ -437,11 +437,9 @@ def _fitted(
         nxt = _next_fused(problem, attempt, fused, by_excess=greedy or clock.solver_time() <= 0)
         if nxt is None or (clock.out() and not greedy):
             bad = [g.stages for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
-            why = (
-                "even with all their curvature fused"
-                if nxt is None
-                else (f"before the time limit ({config.time_limit_s:g} s) ran out, {len(fused)} layers fused")
-            )
+            why = "even with all their curvature fused"
+            if nxt is not None:
+                why = f"before the time limit ({config.time_limit_s:g} s) ran out, {len(fused)} layers fused"
             raise Refused(
                 InfeasibleBudgetError(
                     f"no placement of stages {bad} within the memory budget {format_bytes(problem.memory_budget)} "
@@ -461,11 +459,8 @@ def _unplaced(
     `clock` (and counts as not exceeding when the time runs out first)."""
     groups = [g for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
     bad, work = [g.stages for g in groups], words_of(problem.costs).name
-    stretched = (
-        f", the step stretched by up to max_overhead={problem.max_overhead:g}"
-        if config.stretch and problem.max_overhead > 0
-        else ""
-    )
+    stretches = config.stretch and problem.max_overhead > 0
+    stretched = f", the step stretched by up to max_overhead={problem.max_overhead:g}" if stretches else ""
     whole = functools.partial(attempt.allowance.window, stats_chunk=1, resolution=config.time_resolution, meter=clock)
     # one STATS task per layer (what packs best) fits in no window up to max_period: no search could place it
     if all(

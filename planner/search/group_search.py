@@ -1,6 +1,6 @@
 """One stage group's placement search: the least refresh period, then the least width at it (the stretch with the
 distributions fixed, the step with them chosen: [Note: joint strategy] in planner/search/cpsat.py), then the least
-staleness. A forced strategy is the joint model with one option per layer (`own_options`): both are one search over
+staleness. A forced strategy is the joint model with one option per layer (`options_of` no stage free): one search over
 a `Shape`, every group's period before any refinement with the distributions fixed (`planner.search.attempt`)."""
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from fxkfac.planner.search.cpsat import (
 )
 from fxkfac.planner.search.greedy import (
     Allowance,
+    Probe,
     bisect_least,
     first_fits,
     greedy_window,
@@ -145,11 +146,6 @@ def refine_group(
     return replace(best, k_lower_bound=period.proven, wall_time=period.wall_s + time.perf_counter() - wall)
 
 
-def own_options(w: Window) -> Options:
-    """Each layer of w's group with its problem's own distribution as its one option (the forced strategy)."""
-    return options_of(w.problem, w.group.stages, ())
-
-
 def within_budget(*solutions: GroupSolution | None) -> GroupSolution | None:
     """The first of `solutions` within the memory budget with third decompositions counted (CP-SAT's model does not)."""
     return next((s for s in solutions if s is not None and fits_memory(s)), None)
@@ -224,20 +220,34 @@ def least_stretch_at(
     w = found.window
     until = meter.now() + (deadline - meter.now()) / 2
 
-    def probe(stretch: int) -> Solved:
+    def window_of(stretch: int) -> Window | None:
         window = allowance.window(w.group, w.k, stretch, stats_chunk=w.stats_chunk, resolution=config.time_resolution)
-        if too_long(window):
-            return "INFEASIBLE", None
-        left = until - meter.now()
-        if left <= 0:
-            return "UNKNOWN", None
-        share = left / max(1, math.ceil(math.log2(stretch + 2)))
-        return solve_window(window, config, share, meter, optimize=False, options=own_options(window))
+        return None if too_long(window) else window
 
+    probe = _width_probe(window_of, 0, until, config, meter, options_of(w.problem, w.group.stages, ()))
     best, least = bisect_least(stretch_lower_bound(w), found, probe)
     proof = "proven" if least else "not proven"
     log.info("stages %s k=%d: least stretch %d ticks (%s)", list(w.group.stages), w.k, best.window.stretch, proof)
     return best, least
+
+
+def _width_probe(
+    at: Callable[[int], Window | None], base: int, until: float, config: SolverConfig, meter: Budget, options: Options
+) -> Probe:
+    """A CP-SAT feasibility probe of the window `at` a width (None: a task fits no gap) in the time left to `until`, a
+    share by the bisection's depth above `base` (the stretch and the step descents share it)."""
+
+    def probe(width: int) -> Solved:
+        w = at(width)
+        if w is None:
+            return "INFEASIBLE", None
+        left = until - meter.now()
+        if left <= 0:
+            return "UNKNOWN", None
+        share = left / max(1, math.ceil(math.log2(width - base + 2)))
+        return solve_window(w, config, share, meter, optimize=False, options=options)
+
+    return probe
 
 
 def _least_stale(
@@ -279,10 +289,6 @@ class _Group:
         w = window_at(self.anchor, self.group, k, step, self.scale, stats_chunk=self.stats_chunk)
         assert w is not None, "a joint step is never below the anchor's reference (the least one)"
         return w
-
-    def probe(self, k: int, step: int, config: SolverConfig, share: float, meter: Budget) -> Solved:
-        """A feasibility probe of the anchor's window at period k with steps of `step` ticks."""
-        return solve_window(self.window(k, step), config, share, meter, optimize=False, options=self.options)
 
     @property
     def base(self) -> int:
@@ -383,15 +389,10 @@ def _least_step(g: _Group, found: GroupSolution, config: SolverConfig, meter: Bu
     cheap = first_fits(lambda step: g.first_fit(k, step, meter), meter.later(cheap_until, cheap_until))
     best = bisect_least(lower, found, cheap, lambda s: s.step_ticks)[0]
     until = meter.now() + (deadline - meter.now()) * 3 / 4
-
-    def probe(step: int) -> Solved:
-        left = until - meter.now()
-        if left <= 0:
-            return "UNKNOWN", None
-        return g.probe(k, step, config, left / max(1, math.ceil(math.log2(step - lower + 2))), meter)
-
+    probe = _width_probe(functools.partial(g.window, k), lower, until, config, meter, g.options)
     if lower < best.step_ticks:
-        _, at_bound = g.probe(k, lower, config, (until - meter.now()) / 3, meter)
+        share = (until - meter.now()) / 3
+        _, at_bound = solve_window(g.window(k, lower), config, share, meter, optimize=False, options=g.options)
         best = at_bound or bisect_least(lower + 1, best, probe, lambda s: s.step_ticks)[0]
     log.info("joint stages %s k=%d: least step %d ticks", list(g.group.stages), k, best.step_ticks)
     return best
