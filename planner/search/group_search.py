@@ -115,9 +115,12 @@ def fixed_shape(
 def least_group_period(
     shape: Shape, config: SolverConfig, time_limit: float, meter: Budget, began: float | None = None
 ) -> Period | None:
-    """The least refresh period of `shape` with the whole width, descending from first-fit's (its `fallback`), within
-    `time_limit` of `meter`'s clock from `began` (now when None); None when none is found in time."""
+    """The least refresh period of `shape` with the whole width within `time_limit` of `meter`'s clock from `began`
+    (now when None), and the least not proven infeasible: climbing from its bound; with first-fit's placement (its
+    `fallback`), climbing while each k is proven infeasible (in PROOF_SHARE of the time), then descending from its k
+    ([Note: descending refresh search]); None when none is found in time."""
     left, wall = _clock(meter, time_limit, meter.now() if began is None else began), time.perf_counter()
+    lower, incumbent = shape.lower, shape.fallback
 
     def probe(k: int, share: float) -> Solved:
         w, hint = shape.at(k)
@@ -125,7 +128,14 @@ def least_group_period(
         log.info("stages %s k=%d width %d ticks: %s", list(shape.group.stages), k, w.offsets[1], status)
         return status, found
 
-    found, proven = least_period(probe, left, shape.lower, shape.top, shape.fallback)
+    if incumbent is None:
+        found, proven = _climb(probe, left, 1.0, lower, shape.top + 1, give_up=False)
+    elif incumbent.window.k - lower <= 1:  # the climb would probe the one k the descent probes first
+        found, proven = _descend(probe, left, lower, incumbent)
+    else:
+        found, proven = _climb(probe, left, PROOF_SHARE, lower, incumbent.window.k)
+        if found is None:
+            found, proven = _descend(probe, left, proven, incumbent)
     return None if found is None else Period(shape, found, proven, time.perf_counter() - wall)
 
 
@@ -149,22 +159,6 @@ def refine_group(
 def within_budget(*solutions: GroupSolution | None) -> GroupSolution | None:
     """The first of `solutions` within the memory budget with third decompositions counted (CP-SAT's model does not)."""
     return next((s for s in solutions if s is not None and fits_memory(s)), None)
-
-
-def least_period(
-    probe: PeriodProbe, left: Left, lower: int, top: int, incumbent: GroupSolution | None
-) -> tuple[GroupSolution | None, int]:
-    """The least period found feasible in [`lower`, `top`] and the least not proven infeasible: climbing from `lower`;
-    with first-fit's `incumbent`, climbing while each k is proven infeasible (within PROOF_SHARE of the time), then
-    descending from its k ([Note: descending refresh search])."""
-    if incumbent is None:
-        return _climb(probe, left, 1.0, lower, top + 1, give_up=False)
-    if incumbent.window.k - lower <= 1:  # the climb would probe the one k the descent probes first
-        return _descend(probe, left, lower, incumbent)
-    found, proven = _climb(probe, left, PROOF_SHARE, lower, incumbent.window.k)
-    if found is not None:
-        return found, proven
-    return _descend(probe, left, proven, incumbent)
 
 
 PROOF_SHARE = 0.25
@@ -316,7 +310,9 @@ class _Group:
         anchor = self.anchor
         if too_long(self.window(2, self.most(anchor.max_period))):
             return None
-        lower = _lower_k(self.window(1, self.most(1)))
+        w = self.window(1, self.most(1))  # the least period any option set allows: all work over one step's free time
+        free = sum(w.length - sum(e - s for s, e in w.fixed[d]) for d in w.group.devices) // w.k
+        lower = max(1, math.ceil(window_work(w) / free)) if free > 0 else anchor.max_period + 1
         first = (self.first_fit(k, self.most(k), meter) for k in range(lower, anchor.max_period + 1))
         fallback = next((f for f in first if f is not None), None)
 
@@ -368,13 +364,6 @@ def joint_placements(
         assert placement is not None, "the joint choice keeps what it found"
         placements.append(placement)
     return placements
-
-
-def _lower_k(w: Window) -> int:
-    """The least period any option set allows: the work every option has over the free time one step leaves."""
-    work = window_work(w)
-    free = sum(w.length - sum(e - s for s, e in w.fixed[d]) for d in w.group.devices) // w.k
-    return max(1, math.ceil(work / free)) if free > 0 else w.problem.max_period + 1
 
 
 def _least_step(g: _Group, found: GroupSolution, config: SolverConfig, meter: Budget, deadline: float) -> GroupSolution:
