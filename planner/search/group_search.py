@@ -8,7 +8,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -71,13 +70,11 @@ class Shape:
 
 @dataclass(frozen=True)
 class Period:
-    """A group's first pass: its shape, the least period found (whole width), the least not proven infeasible, and the
-    wall seconds spent."""
+    """A group's first pass: its shape, the least period found (whole width) and the least not proven infeasible."""
 
     shape: Shape
     found: GroupSolution
     proven: int
-    wall_s: float
 
 
 def fixed_shape(
@@ -119,7 +116,7 @@ def least_group_period(
     (now when None), and the least not proven infeasible: climbing from its bound; with first-fit's placement (its
     `fallback`), climbing while each k is proven infeasible (in PROOF_SHARE of the time), then descending from its k
     ([Note: descending refresh search]); None when none is found in time."""
-    left, wall = _clock(meter, time_limit, meter.now() if began is None else began), time.perf_counter()
+    left = _clock(meter, time_limit, meter.now() if began is None else began)
     lower, incumbent = shape.lower, shape.fallback
 
     def probe(k: int, share: float) -> Solved:
@@ -136,7 +133,7 @@ def least_group_period(
         found, proven = _climb(probe, left, PROOF_SHARE, lower, incumbent.window.k)
         if found is None:
             found, proven = _descend(probe, left, proven, incumbent)
-    return None if found is None else Period(shape, found, proven, time.perf_counter() - wall)
+    return None if found is None else Period(shape, found, proven)
 
 
 def refine_group(
@@ -144,7 +141,7 @@ def refine_group(
 ) -> GroupSolution | None:
     """The least width, then the least staleness, at the period found within `time_limit` of `meter`'s clock from
     `began` (now when None); None when neither that placement nor first-fit's fits the memory budget."""
-    began, wall, shape = meter.now() if began is None else began, time.perf_counter(), period.shape
+    began, shape = meter.now() if began is None else began, period.shape
     found, least = shape.narrow(period.found, began + time_limit)
     left = time_limit - (meter.now() - began)
     proven = least and period.proven == found.window.k
@@ -153,7 +150,7 @@ def refine_group(
     best = stale if shape.anchor is not None else within_budget(stale, found, shape.fallback)
     if best is None:
         return None
-    return replace(best, k_lower_bound=period.proven, wall_time=period.wall_s + time.perf_counter() - wall)
+    return replace(best, k_lower_bound=period.proven)
 
 
 def within_budget(*solutions: GroupSolution | None) -> GroupSolution | None:
