@@ -163,7 +163,7 @@ def least_overhead(planned: Callable[[float], T]) -> tuple[T, float | None]:
         return planned(e.max_overhead), e.max_overhead
 
 
-def has_choice(problem: Problem, budget: Budget | None = None) -> bool:
+def has_choice(problem: Problem, budget: Budget) -> bool:
     """Whether some layer of a free stage has another distribution that, switched alone in the candidate of least
     reference step, keeps it within what `best` keeps (else the joint model is a forced one); charged to `budget`."""
     free = frozenset(range(problem.num_stages)) - timeline_stages(problem)
@@ -180,8 +180,7 @@ def has_choice(problem: Problem, budget: Budget | None = None) -> bool:
     hit = next(
         (i for i, (n, where) in enumerate(others) if reference_step(base, free, {**own, n: where}) <= most), None
     )
-    if budget is not None:
-        budget.charge_simulated((len(steps) + (len(others) if hit is None else hit + 1)) * ops)
+    budget.charge_simulated((len(steps) + (len(others) if hit is None else hit + 1)) * ops)
     return hit is not None
 
 
