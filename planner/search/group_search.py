@@ -54,9 +54,8 @@ def _clock(meter: Budget, time_limit: float, began: float) -> Left:
 @dataclass(frozen=True)
 class Shape:
     """One group's search space: each layer's options, the least and most period, first-fit's placement within the
-    budget, the window probed at period k (and its warm start), and the least width at found's k by a deadline
-    (best, proven least). `anchor`: the window staleness is minimized in (None: found's own, whose result is checked
-    against the memory budget with third decompositions counted, which CP-SAT's model does not count)."""
+    budget, the window probed at period k (and its warm start), the least width at found's k by a deadline (best,
+    proven), and the window staleness is minimized in (None: found's own, checked with third decompositions)."""
 
     group: StageGroup
     options: Options
