@@ -96,8 +96,10 @@ def fixed_shape(
         return allowance.window(group, k, stats_chunk=stats_chunk, resolution=config.time_resolution)
 
     def at(k: int) -> tuple[Window, GroupSolution | None]:
-        hint = restretch(greedy, allowance.ticks(k)) if greedy is not None and greedy.window.k == k else None
-        return (window_of(k) if hint is None else hint.window), hint if config.use_greedy_hint else None
+        if greedy is None or greedy.window.k != k:
+            return window_of(k), None
+        hint = restretch(greedy, allowance.ticks(k))  # first-fit's placement in the probe's window
+        return hint.window, hint if config.use_greedy_hint else None
 
     def narrow(found: GroupSolution, deadline: float) -> tuple[GroupSolution, bool]:
         if found.window.stretch <= 0:
