@@ -236,13 +236,13 @@ def _solve_groups(
     allowed = allowance(problem, fused, config)
     stretched = f", even with the step stretched by max_overhead={problem.max_overhead:g}" if allowed.enabled else ""
     knobs = (Knob.MAX_OVERHEAD, Knob.MICROBATCHES) if config.stretch else (Knob.MICROBATCHES,)
-    work = words_of(problem.costs).name
+    work, resolution = words_of(problem.costs).name, config.time_resolution
 
     def first(group: StageGroup, chunk: int, later: int) -> tuple[GroupSolution | None, Period | GroupSolution | None]:
         """First-fit's placement, and CP-SAT's least period warm-started by it in the group's share of the solver time
         left (else first-fit's within the budget: the greedy method or no time left); Refused where none holds it."""
         k, most = max(2, min_k), allowed.ticks(problem.max_period)
-        long = too_long(allowed.window(group, k, most, stats_chunk=chunk, resolution=config.time_resolution))
+        long = too_long(allowed.window(group, k, most, stats_chunk=chunk, resolution=resolution))
         if long:
             off = "" if config.stretch else ". Stretching the step is off (SolverConfig.stretch=False)"
             message = f"some {work} work cannot fit any bubble, whatever the refresh period{stretched}: "
@@ -250,15 +250,9 @@ def _solve_groups(
         if refresh_lower_bound(problem, group, fused, stretch=allowed.enabled) > problem.max_period:
             idle = f"is more than the idle time of {problem.max_period} steps holds{stretched}"
             raise Refused(PlanError(f"the {work} work of stages {list(group.stages)} {idle}"), knobs, fused)
-        try:
+        try:  # a candidate's first plan comes out whatever the time left (charged, not cut)
             g = greedy_group(
-                allowed,
-                group,
-                stats_chunk=chunk,
-                resolution=config.time_resolution,
-                min_k=min_k,
-                meter=clock,
-                cut=False,  # a candidate's first plan comes out whatever the time left (charged, not cut)
+                allowed, group, stats_chunk=chunk, resolution=resolution, min_k=min_k, meter=clock, cut=False
             )
         except PlanError:
             g = None
