@@ -365,7 +365,7 @@ def test_the_command_budget_leaves_every_distribution_candidate_a_part() -> None
     """`fxkfac plan bert-large -D 8 -N 8 --schedule chimera --costs paper:bert-large/p100 --max-overhead 0`: COMM-OPT,
     the first candidate, is refused (the 16 GiB card needs fused curvature); with the whole --time-limit its streamed
     try and its plan without streaming spent all of it, and the distributions that plan kept first-fit's 5 5 6 4 4 6
-    5 5. Each candidate takes its part of the time left (`candidate_part`), so CP-SAT improves on first-fit
+    5 5. Each candidate takes its part of the time left (`planner.plan`'s `candidate`), so CP-SAT improves on first-fit
     (deterministic)."""
     args = build_parser().parse_args(
         ["plan", "bert-large", "-D", "8", "-N", "8", "--schedule", "chimera", "--costs", "paper:bert-large/p100"]

@@ -1,13 +1,11 @@
 """`solve()`: one problem's placement within its part of the budget: an attempt, then a refusal's suggestions.
 
 An attempt places every stage group (first-fit, then CP-SAT warm-started by it), fuses the curvature of layers that
-miss the memory budget (largest kept bytes first), gives every group the largest stretch any needs ([Note: stretch]
-in planner/plan/window.py) and assembles the Plan.
+miss the memory budget, gives every group the largest stretch any needs ([Note: stretch]) and assembles the Plan.
 
 [Note: time limit] Every solve runs in a `Budget` ([Note: one budget]): CP-SAT stops at its part's deadline, greedy
 placement goes on to half the overtime past it, and a refusal then searches, to the overtime's end, for values of
-max_overhead, the memory budget or N that plan it, naming only those it solved with. The budget keeps every plan, so
-planning again at a suggested value takes no more time.
+max_overhead, the memory budget or N that plan it, naming only those it solved with (every plan kept in the budget).
 """
 
 from __future__ import annotations
@@ -20,7 +18,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from decimal import ROUND_CEILING, Decimal
 from enum import StrEnum
-from typing import TYPE_CHECKING
 
 from fxkfac.planner.plan.plan import Plan, PlanMetrics, SolverStats, rank
 from fxkfac.planner.plan.solution import GroupSolution, all_placed, fits_memory, peak_bytes, placements_of, plan_born
@@ -61,15 +58,12 @@ from fxkfac.planner.search.greedy import (
     restretch,
 )
 
-if TYPE_CHECKING:
-    from fxkfac.planner.search.group_search import Period
-
 log = logging.getLogger(__name__)
 
 
 class Method(StrEnum):
-    """How the work is placed: CP-SAT (least periods, then staleness; warm-started by first-fit, whose plan it keeps
-    when it finds none better) or the PipeFisher paper's greedy first-fit."""
+    """How the work is placed: CP-SAT warm-started by first-fit (kept where it finds none better) or the paper's
+    greedy first-fit."""
 
     CPSAT = "cpsat"
     GREEDY = "greedy"
@@ -85,8 +79,8 @@ class Attempt:
 
 
 def same_stretch(solutions: list[GroupSolution | None]) -> list[GroupSolution | None]:
-    """Every group at the largest stretch any needs (one step for all ranks); a group moved to a longer stretch might
-    be less stale there, so it is no longer proven optimal (unless nothing is stale)."""
+    """Every group at the largest stretch any needs (one step for all ranks); one moved is no longer proven optimal
+    (unless nothing is stale: it might be less stale there)."""
     placed = all_placed(solutions)
     if placed is None:
         return solutions
@@ -193,8 +187,7 @@ def assemble(problem: Problem, attempt: Attempt, fused: frozenset[str], wall: fl
 
 
 class Refused(Exception):
-    """A refusal before suggestions: the user's error, the knobs that may lift it (searched in order), the layers
-    fused by then."""
+    """A refusal before suggestions: the error, the knobs that may lift it (in order), the layers fused by then."""
 
     def __init__(self, error: PlanError, knobs: tuple[Knob, ...], fused: frozenset[str] = frozenset()) -> None:
         super().__init__(str(error))
@@ -202,8 +195,8 @@ class Refused(Exception):
 
 
 def stats_chunk_of(problem: Problem, group: StageGroup, config: SolverConfig, allowed: Allowance) -> int:
-    """Layers per STATS task (`SolverConfig.stats_chunk` when set): the fewest that keep the group within
-    `max_stats_tasks` per-layer tasks, halved while such a task is longer than every bubble (small tasks pack best)."""
+    """Layers per STATS task (`SolverConfig.stats_chunk` when set): the fewest within `max_stats_tasks` tasks, halved
+    while such a task is longer than every bubble (small tasks pack best)."""
     if config.stats_chunk is not None:
         return config.stats_chunk
     stages = [op.stage for d in group.devices for op, _, _ in step_timeline(problem).fixed(d) if op.stage is not None]
@@ -231,39 +224,25 @@ def _overhead_period(problem: Problem, fused: frozenset[str]) -> int:
     return max(1, math.ceil(extra / allowed - 1e-9))
 
 
-@dataclass
-class _Placing:
-    """One group between the passes: first-fit's placement and either its final solution or its least period."""
-
-    group: StageGroup
-    stats_chunk: int
-    greedy: GroupSolution | None
-    period: Period | None = None
-    solution: GroupSolution | None = None
-
-    def placed_nothing(self) -> bool:
-        return self.period is None and self.solution is None and self.greedy is None
-
-
 def _solve_groups(
     problem: Problem, fused: frozenset[str], config: SolverConfig, method: Method, min_k: int, clock: Budget
 ) -> Attempt:
     """Every group's solution at periods >= min_k in two passes: every group's least period first (sharing the solver
     time left), then each one's stretch and staleness with the time the first left; chunked STATS tasks per
     `stats_chunk_of`, per layer where that places nothing."""
-    from fxkfac.planner.search.group_search import least_group_period, refine_group, within_budget
+    from fxkfac.planner.search.group_search import Period, fixed_shape, least_group_period, refine_group, within_budget
 
     groups = stage_groups(problem)
     allowed = allowance(problem, fused, config)
     stretched = f", even with the step stretched by max_overhead={problem.max_overhead:g}" if allowed.enabled else ""
     knobs = (Knob.MAX_OVERHEAD, Knob.MICROBATCHES) if config.stretch else (Knob.MICROBATCHES,)
-    work = words_of(problem.costs).name
+    work, resolution = words_of(problem.costs).name, config.time_resolution
 
-    def first(group: StageGroup, chunk: int, later: int) -> _Placing:
-        """First-fit's placement, then CP-SAT's least period warm-started by it in the group's share of the solver
-        time left (first-fit's alone with the greedy method or no time left); Refused where no period holds the work."""
+    def first(group: StageGroup, chunk: int, later: int) -> tuple[GroupSolution | None, Period | GroupSolution | None]:
+        """First-fit's placement, and CP-SAT's least period warm-started by it in the group's share of the solver time
+        left (else first-fit's within the budget: the greedy method or no time left); Refused where none holds it."""
         k, most = max(2, min_k), allowed.ticks(problem.max_period)
-        long = too_long(allowed.window(group, k, most, stats_chunk=chunk, resolution=config.time_resolution))
+        long = too_long(allowed.window(group, k, most, stats_chunk=chunk, resolution=resolution))
         if long:
             off = "" if config.stretch else ". Stretching the step is off (SolverConfig.stretch=False)"
             message = f"some {work} work cannot fit any bubble, whatever the refresh period{stretched}: "
@@ -271,34 +250,29 @@ def _solve_groups(
         if refresh_lower_bound(problem, group, fused, stretch=allowed.enabled) > problem.max_period:
             idle = f"is more than the idle time of {problem.max_period} steps holds{stretched}"
             raise Refused(PlanError(f"the {work} work of stages {list(group.stages)} {idle}"), knobs, fused)
-        try:
+        try:  # a candidate's first plan comes out whatever the time left (charged, not cut)
             g = greedy_group(
-                allowed,
-                group,
-                stats_chunk=chunk,
-                resolution=config.time_resolution,
-                min_k=min_k,
-                meter=clock,
-                cut=False,  # a candidate's first plan comes out whatever the time left (charged, not cut)
+                allowed, group, stats_chunk=chunk, resolution=resolution, min_k=min_k, meter=clock, cut=False
             )
         except PlanError:
             g = None
         share = _share(problem, clock, later, reserve=g is None or not fits_memory(g))
         if method is Method.GREEDY or share is None:
-            return _Placing(group, chunk, g, solution=g if g is not None and fits_memory(g) else None)
-        period = least_group_period(allowed, group, config, share, clock, g, stats_chunk=chunk, min_k=min_k)
-        return _Placing(group, chunk, g, period=period)
+            return g, within_budget(g)
+        began = clock.now()
+        shape = fixed_shape(allowed, group, config, clock, g, stats_chunk=chunk, min_k=min_k)
+        return g, least_group_period(shape, config, share, clock, began)
 
-    def second(placing: _Placing, later: int) -> GroupSolution | None:
+    def second(first: Period | GroupSolution | None, later: int) -> GroupSolution | None:
         """The first pass's solution, or its period refined in the group's share of the time left (without time, the
         period's placement within the budget)."""
-        if placing.period is None:
-            return placing.solution
-        placed = within_budget(placing.period.found, placing.period.fallback)
+        if not isinstance(first, Period):
+            return first
+        placed = within_budget(first.found, first.shape.fallback)
         share = _share(problem, clock, later, reserve=placed is None)
-        return placed if share is None else refine_group(placing.period, allowed, config, share, clock)
+        return placed if share is None else refine_group(first, config, share, clock)
 
-    placings = []
+    placings: list[tuple[GroupSolution | None, Period | GroupSolution | None]] = []
     for n, group in enumerate(groups):
         chunk, chunked = stats_chunk_of(problem, group, config, allowed), config.stats_chunk is None
         try:
@@ -306,13 +280,13 @@ def _solve_groups(
         except Refused:
             if chunk == 1 or not chunked:
                 raise
-            placing = _Placing(group, chunk, None)
-        if chunk > 1 and chunked and placing.placed_nothing():
+            placing = (None, None)
+        if chunk > 1 and chunked and placing == (None, None):
             log.info("stages %s: no placement with chunked STATS tasks; placing them per layer", list(group.stages))
             placing = first(group, 1, len(groups) - n)
         placings.append(placing)
-    solutions = [second(placing, len(groups) - n) for n, placing in enumerate(placings)]
-    return Attempt(same_stretch(solutions), [p.greedy for p in placings], allowed)
+    solutions = [second(placing, len(groups) - n) for n, (_, placing) in enumerate(placings)]
+    return Attempt(same_stretch(solutions), [g for g, _ in placings], allowed)
 
 
 def _share(problem: Problem, clock: Budget, later: int, *, reserve: bool) -> float | None:
@@ -457,11 +431,9 @@ def _fitted(
         nxt = _next_fused(problem, attempt, fused, by_excess=greedy or clock.solver_time() <= 0)
         if nxt is None or (clock.out() and not greedy):
             bad = [g.stages for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
-            why = (
-                "even with all their curvature fused"
-                if nxt is None
-                else (f"before the time limit ({config.time_limit_s:g} s) ran out, {len(fused)} layers fused")
-            )
+            why = "even with all their curvature fused"
+            if nxt is not None:
+                why = f"before the time limit ({config.time_limit_s:g} s) ran out, {len(fused)} layers fused"
             raise Refused(
                 InfeasibleBudgetError(
                     f"no placement of stages {bad} within the memory budget {format_bytes(problem.memory_budget)} "
@@ -481,11 +453,8 @@ def _unplaced(
     `clock` (and counts as not exceeding when the time runs out first)."""
     groups = [g for g, s in zip(stage_groups(problem), attempt.solutions) if s is None]
     bad, work = [g.stages for g in groups], words_of(problem.costs).name
-    stretched = (
-        f", the step stretched by up to max_overhead={problem.max_overhead:g}"
-        if config.stretch and problem.max_overhead > 0
-        else ""
-    )
+    stretches = config.stretch and problem.max_overhead > 0
+    stretched = f", the step stretched by up to max_overhead={problem.max_overhead:g}" if stretches else ""
     whole = functools.partial(attempt.allowance.window, stats_chunk=1, resolution=config.time_resolution, meter=clock)
     # one STATS task per layer (what packs best) fits in no window up to max_period: no search could place it
     if all(
@@ -703,15 +672,12 @@ def with_suggestions(refused: Refused, problem: Problem, hints: _Hints) -> PlanE
 
 def _describe(problem: Problem, s: Suggestion) -> str:
     """A suggestion in words: every value as `field=value`."""
-    words = []
-    for knob, value in s.changes:
-        if knob is Knob.MAX_OVERHEAD:
-            words.append(f"max_overhead={value:g}")
-        elif knob is Knob.MEMORY_BUDGET:
-            words.append(f"memory_budget={value} bytes ({format_bytes(value)})")
-        else:
-            words.append(f"N={value} micro-batches (of the same size)")
-    text = " with ".join(words)
+    words = {
+        Knob.MAX_OVERHEAD: "max_overhead={:g}",
+        Knob.MEMORY_BUDGET: "memory_budget={} bytes ({})",
+        Knob.MICROBATCHES: "N={} micro-batches (of the same size)",
+    }
+    text = " with ".join(words[knob].format(value, format_bytes(int(value))) for knob, value in s.changes)
     if s.least:
         text += ", the least max_overhead that places it (rounded up to 3 digits; refresh every "
         text += f"{problem.max_period} steps)"

@@ -1,13 +1,11 @@
 """The distribution choice: which distribution (planner/problem/strategy.py) each layer takes when the user forces none.
 
-[Note: strategy search] The candidates (`candidate_problems`) are each KAISA strategy the copies allow and one
-per-layer mix. The outer search (`solve_with_strategy`) plans those that can win (`_hopeful_first`: a reference step
-within max_overhead and STEP_TIE of the least) as forcing each would, and CP-SAT's joint choice ([Note: joint
-strategy] in planner/search/cpsat.py) joins them where it `has_choice`: after them at max_overhead 0 (run first, it
-spent a short limit on first-fit's plan where a forced candidate did better), before them above it. `best` keeps the
-least by `rank` within the allowance. Under a caller's budget they share it; without one each gets its own, so the
-choice is never worse than a forced candidate. No joint model with the greedy method, under
-`StepBarrier.AGREEMENT_SET` or with one copy per stage. DP-KFAC is never chosen (another algorithm: the user's call).
+[Note: strategy search] The candidates are each KAISA strategy the copies allow and one per-layer mix, those that can
+win (a reference step within max_overhead and STEP_TIE of the least) planned as forcing each would, and CP-SAT's joint
+choice ([Note: joint strategy]) where it `has_choice`: after them at max_overhead 0 (first, it spent a short limit on
+first-fit's plan where a forced candidate did better), before them above it. `best` keeps the least by `rank` within
+the allowance; without a caller's budget each gets its own, so the choice is never worse than a forced candidate. No
+joint model with the greedy method, under `StepBarrier.AGREEMENT_SET` or with one copy per stage; never DP-KFAC.
 """
 
 from __future__ import annotations
@@ -48,8 +46,7 @@ T = TypeVar("T")
 
 
 def candidate_strategies(problem: Problem) -> list[Strategy]:
-    """COMM-OPT, HYBRID for each grad-worker count dividing H (the most copies of a stage), MEM-OPT; COMM-OPT alone
-    when no stage has several copies."""
+    """COMM-OPT, HYBRID for each grad-worker count dividing H (the most copies of a stage), MEM-OPT (H > 1)."""
     H = _most_copies(problem)
     if H == 1:
         return [COMM_OPT]
@@ -62,8 +59,7 @@ def _most_copies(problem: Problem) -> int:
 
 
 def mixed(problem: Problem) -> Problem | None:
-    """MEM-OPT on the layers holding the larger half of the statistics bytes, COMM-OPT on the others; None when that
-    is one strategy on every layer."""
+    """MEM-OPT on the layers holding the larger half of the statistics bytes, COMM-OPT on the others (None: one)."""
     layers = sorted(problem.costs.layers, key=lambda x: (-x.factor_bytes, x.name))
     total, big, held = sum(x.factor_bytes for x in layers), [], 0
     for x in layers:
@@ -85,8 +81,7 @@ def candidate_problems(problem: Problem) -> list[Problem]:
 
 
 Each = Callable[[Problem, Budget, float], Plan]
-"""How the outer search plans a candidate as forcing it would, in the budget as one of `shares` still to plan; raises
-PlanError (naming nothing) where it does not plan. `planner.plan` passes the streaming choice around `solve`."""
+"""Plan a candidate as forcing it would, in the budget as one of `shares` still to plan (PlanError naming nothing)."""
 
 
 def solve_with_strategy(
@@ -103,17 +98,21 @@ def solve_with_strategy(
     own: Callable[[], Budget] | None = None,
 ) -> Plan:
     """`solve` with every layer under `strategy`, or when None the best of `candidate_problems` ([Note: strategy
-    search]) planned by `each` (`solve` when None) in `budget`, else each in its own (`own()`, else a new one of
-    `config`): those that can win and, with `joint` (None: where CP-SAT has a choice), the joint choice; the others
-    only where none of those plans. `reference`: a candidate's least reference step, streaming included. When none
-    plans, `_plan_or_least_step_refusal`; `suggest` False: a refusal names nothing."""
+    search]) planned by `each` (else `solve`) in `budget`, else each in its own (`own()`): those that can win and,
+    with `joint` (None: where CP-SAT has a choice), the joint choice; the others only where none of those plans.
+    `reference`: a candidate's least reference step, streaming included; `suggest` False: a refusal names nothing."""
     if strategy is not None:
         forced = problem.with_strategy(strategy)
         return solve(forced, config, method, budget=budget or Budget.of(config), suggest=suggest)
     if budget is None:
         own = own or (lambda: Budget.of(config))
         budget = Budget.untimed(config.deterministic)
-    candidates, hopeful = _hopeful_first(candidate_problems(problem), reference)
+    made = candidate_problems(problem)
+    steps = [step_timeline(c).length for c in made]
+    most = [min(steps) * (1 + c.max_overhead + STEP_TIE) for c in made]
+    # those that can lie within `best`'s allowance first (streamed, with `reference`, only where they must be)
+    wins = [t <= m or (reference is not None and reference(c) <= m) for c, t, m in zip(made, steps, most)]
+    candidates, hopeful = [made[i] for i in sorted(range(len(made)), key=lambda i: not wins[i])], sum(wins)
     timed = Method(method) is Method.CPSAT and own is None
 
     def applies() -> bool:
@@ -154,7 +153,7 @@ def solve_with_strategy(
 
 def least_overhead(planned: Callable[[float], T]) -> tuple[T, float | None]:
     """The rule of max_overhead None: `planned(0)` (the bubbles alone), else `planned` at the least max_overhead the
-    refusal names; what it made and the value taken (None: the bubbles held the work)."""
+    refusal names; what it made and the value taken (None: 0)."""
     try:
         return planned(0.0), None
     except PlanError as e:
@@ -164,10 +163,9 @@ def least_overhead(planned: Callable[[float], T]) -> tuple[T, float | None]:
         return planned(e.max_overhead), e.max_overhead
 
 
-def has_choice(problem: Problem, budget: Budget | None = None) -> bool:
+def has_choice(problem: Problem, budget: Budget) -> bool:
     """Whether some layer of a free stage has another distribution that, switched alone in the candidate of least
-    reference step, keeps its reference step within what `best` keeps; where none has, the joint model is a forced
-    one with more variables (issue 38). Simulations are charged to `budget`."""
+    reference step, keeps it within what `best` keeps (else the joint model is a forced one); charged to `budget`."""
     free = frozenset(range(problem.num_stages)) - timeline_stages(problem)
     names = [x.name for s in sorted(free) for x in problem.costs.stages[s].layers]
     if not names:
@@ -182,23 +180,21 @@ def has_choice(problem: Problem, budget: Budget | None = None) -> bool:
     hit = next(
         (i for i, (n, where) in enumerate(others) if reference_step(base, free, {**own, n: where}) <= most), None
     )
-    if budget is not None:
-        budget.charge_simulated((len(steps) + (len(others) if hit is None else hit + 1)) * ops)
+    budget.charge_simulated((len(steps) + (len(others) if hit is None else hit + 1)) * ops)
     return hit is not None
 
 
 def shares_of(n: int, total: int) -> float:
-    """Into how many equal shares the time left is cut for candidate `n` of `total`: the first (least reference step,
-    the likely choice) counts each other as a quarter share, so it gets most of the time, nearly as forcing it would,
-    and a refused first one still leaves the others a part; each later one an equal share."""
+    """Into how many shares the time left is cut for candidate `n` of `total`: the first (the likely choice) counts
+    each other as a quarter, so it gets most of the time; each later one an equal share."""
     return 1 + (total - 1) / 4 if n == 0 else total - n
 
 
 def _plan_each(
     candidates: Sequence[Problem], each: Each, budget: Budget, timed: bool, *, after: bool = False
 ) -> list[Plan]:
-    """The plans of `candidates` in turn (a refusal left out), until the time is up once one has planned (`after`
-    another plan: once CP-SAT's time is), each in its `shares_of` the time left."""
+    """The plans of `candidates` in turn, each in its `shares_of` the time left, until the time is up once one planned
+    (`after` another plan: once CP-SAT's time is)."""
     plans: list[Plan] = []
     for n, candidate in enumerate(candidates):
         if timed and ((after and budget.solving().solver_time() <= 0) or (plans and budget.over())):
@@ -211,28 +207,11 @@ def _plan_each(
     return plans
 
 
-def _hopeful_first(
-    candidates: Sequence[Problem], reference: Callable[[Problem], float] | None = None
-) -> tuple[list[Problem], int]:
-    """The candidates whose plans can lie within `best`'s allowance (reference step, or streamed with `reference`),
-    then the others, and how many come first."""
-    steps = [step_timeline(c).length for c in candidates]
-    least = min(steps)
-
-    def win(c: Problem, step: float) -> bool:
-        most = least * (1 + c.max_overhead + STEP_TIE)
-        return step <= most or (reference is not None and reference(c) <= most)  # streamed only where it must be
-
-    wins = [win(c, t) for c, t in zip(candidates, steps, strict=True)]
-    return [candidates[i] for i in sorted(range(len(wins)), key=lambda i: not wins[i])], sum(wins)
-
-
 def _plan_or_least_step_refusal(
     candidates: Sequence[Problem], config: SolverConfig, method: Method | str, budget: Budget
 ) -> Plan:
     """Each candidate's refusal searched, least reference step first (the others while time is left), raising the one
-    whose least max_overhead gives the least step (max_overhead is of each one's own reference step); a candidate
-    that plans here (it had more time) is returned."""
+    whose least max_overhead gives the least step; one that plans here (it had more time) is returned."""
     refusals: list[tuple[float, int, PlanError]] = []
     order = sorted(range(len(candidates)), key=lambda n: step_timeline(candidates[n]).length)
     for searched, n in enumerate(order):
@@ -258,15 +237,13 @@ def _plan_or_least_step_refusal(
 
 LEAST_STEP_PART = 0.1
 """Of a joint solve's time, the part its search for the distributions of least step within the memory takes."""
-
 STEP_TIE = 1e-3
-"""Steps within this fraction of the least reference step beyond the allowance count as within it to `best` (far
-below what a cost model resolves: fresher curvature decides there)."""
+"""Steps within this fraction of the least reference step beyond the allowance count as within it to `best`."""
 
 
 def best(plans: Sequence[Plan]) -> Plan:
     """The least by `rank` of the plans whose step lies within max_overhead (and STEP_TIE) of the least reference step
-    of any: the growth the user accepts over the fastest plain step, whichever distribution gives it."""
+    of any (the growth the user accepts over the fastest plain step)."""
     least = min(p.metrics.step_time_reference for p in plans)
     most = least * (1 + plans[0].problem.max_overhead + STEP_TIE)
     within = [p for p in plans if p.metrics.step_time <= most]
@@ -274,8 +251,8 @@ def best(plans: Sequence[Plan]) -> Plan:
 
 
 def solve_joint(problem: Problem, config: SolverConfig = SolverConfig(), budget: Budget | None = None) -> Plan | None:
-    """The joint choice ([Note: joint strategy]), once per option set of the `timeline_stages`, each an equal share of
-    the solver time left; the best plan, or None when none was made."""
+    """The joint choice ([Note: joint strategy]) once per option set of the `timeline_stages`, each an equal share of
+    the solver time left; the best plan (None: none)."""
     budget = budget or Budget.of(config)
     moving = timeline_stages(problem)
     names = [x.name for s in sorted(moving) for x in problem.costs.stages[s].layers]
@@ -336,8 +313,8 @@ def _joint_plan(
 
 
 def _fused(problem: Problem, anchor: Problem, config: SolverConfig, budget: Budget) -> Plan | None:
-    """Under a budget the joint model cannot meet unfused: `best` of the least-step distributions and MEM-OPT, each
-    planned by `solve`, which fuses curvature as needed (MEM-OPT by first-fit where CP-SAT had too little time)."""
+    """Under a budget the joint model cannot meet unfused: `best` of the least-step distributions and MEM-OPT planned
+    by `solve`, which fuses curvature as needed (MEM-OPT by first-fit where CP-SAT had too little time)."""
     first = _planned(anchor, config, budget)
     mem = problem.with_strategy(Strategy(StrategyKind.MEM_OPT))
     second = _planned(mem, config, budget) or _planned(mem, config, budget, Method.GREEDY)
@@ -356,22 +333,17 @@ def _planned(problem: Problem, config: SolverConfig, budget: Budget, method: Met
 
 def _greedy(problem: Problem, config: SolverConfig, budget: Budget) -> list[GroupSolution | None]:
     """The paper's refresh period per group, for the plan's metrics (None where it places nothing)."""
-    allowed = allowance(problem, frozenset(), config)
+    allowed, resolution = allowance(problem, frozenset(), config), config.time_resolution
     out: list[GroupSolution | None] = []
     for group in stage_groups(problem):
+        chunk = stats_chunk_of(problem, group, config, allowed)
         try:
-            out.append(
-                greedy_group(
-                    allowed,
-                    group,
-                    stats_chunk=stats_chunk_of(problem, group, config, allowed),
-                    resolution=config.time_resolution,
-                    meter=budget,
-                    shrink_stretch=False,
-                )
+            g = greedy_group(
+                allowed, group, stats_chunk=chunk, resolution=resolution, meter=budget, shrink_stretch=False
             )
         except PlanError:
-            out.append(None)
+            g = None
+        out.append(g)
     return out
 
 
@@ -384,7 +356,7 @@ def _option_seconds(problem: Problem) -> list[float]:
 
 
 def strategy_of(of: Plan | Problem) -> str:
-    """A plan's (or problem's) distribution in words: the strategy every layer follows, else how many follow each."""
+    """A plan's (or problem's) distribution in words: the strategy of every layer, else how many follow each."""
     problem = of.problem if isinstance(of, Plan) else of
     counts = Counter(str(problem.where(name).strategy) for name in problem.costs.layer_names)
     if len(counts) == 1:

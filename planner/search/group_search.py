@@ -1,13 +1,13 @@
-"""One stage group's placement: the least refresh period, then the least stretch (or step), then the least staleness,
-with the distributions fixed (`least_group_period` for every group, as periods rank first, then `refine_group`) or
-chosen with the placement (`joint_placements`, [Note: joint strategy] in planner/search/cpsat.py)."""
+"""One stage group's placement search: the least refresh period, then the least width at it (the stretch with the
+distributions fixed, the step with them chosen: [Note: joint strategy] in planner/search/cpsat.py), then the least
+staleness. A forced strategy is the joint model with one option per layer (`options_of` no stage free): one search over
+a `Shape`, every group's period before any refinement with the distributions fixed (`planner.search.attempt`)."""
 
 from __future__ import annotations
 
 import functools
 import logging
 import math
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -28,6 +28,7 @@ from fxkfac.planner.search.cpsat import (
 )
 from fxkfac.planner.search.greedy import (
     Allowance,
+    Probe,
     bisect_least,
     first_fits,
     greedy_window,
@@ -45,101 +46,117 @@ Left = Callable[[float], float]
 """The clock a search has left, of the given fraction of its time (1: all of it)."""
 
 
-def _clock(meter: Budget, time_limit: float) -> Left:
-    """What is left of `time_limit` on `meter`'s clock from now, of a fraction of it."""
-    began = meter.now()
+def _clock(meter: Budget, time_limit: float, began: float) -> Left:
+    """What is left of `time_limit` on `meter`'s clock from `began`, of a fraction of it."""
     return lambda fraction: fraction * time_limit - (meter.now() - began)
 
 
 @dataclass(frozen=True)
-class Period:
-    """A group's first pass: the least period found (whole stretch allowance), the least not proven infeasible,
-    first-fit's placement where it fits the memory budget, and the wall seconds spent."""
+class Shape:
+    """One group's search space: each layer's options, the least and most period, first-fit's placement within the
+    budget, the window probed at period k (and its warm start), the least width at found's k by a deadline (best,
+    proven), and the window staleness is minimized in (None: found's own, checked with third decompositions)."""
 
+    group: StageGroup
+    options: Options
+    lower: int
+    top: int
+    fallback: GroupSolution | None
+    at: Callable[[int], tuple[Window, GroupSolution | None]]
+    narrow: Callable[[GroupSolution, float], tuple[GroupSolution, bool]]
+    anchor: Callable[[GroupSolution], Window] | None = None
+
+
+@dataclass(frozen=True)
+class Period:
+    """A group's first pass: its shape, the least period found (whole width) and the least not proven infeasible."""
+
+    shape: Shape
     found: GroupSolution
     proven: int
-    fallback: GroupSolution | None
-    wall_s: float
 
 
-def least_group_period(
+def fixed_shape(
     allowance: Allowance,
     group: StageGroup,
     config: SolverConfig,
-    time_limit: float,
     meter: Budget,
     greedy: GroupSolution | None = None,
     *,
     stats_chunk: int = 1,
     min_k: int = 1,
-) -> Period | None:
-    """The least refresh period >= min_k of `group` with the whole stretch allowance (from its lower bounds, descending
-    from first-fit's `greedy`) within `time_limit` of `meter`'s clock; None when none is found in time."""
-    left, wall = _clock(meter, time_limit), time.perf_counter()
+) -> Shape:
+    """`group`'s shape with its distributions fixed: windows of the whole stretch allowance at periods >= min_k,
+    first-fit's `greedy` warm-starting the probe at its k; the least stretch by `least_stretch_at`."""
     if greedy is not None and greedy.window.k < min_k:
         greedy = None
-    fallback = greedy if greedy is not None and fits_memory(greedy) else None
 
     @functools.cache
     def window_of(k: int) -> Window:  # built once for the packing bound and the probe at the same k
         return allowance.window(group, k, stats_chunk=stats_chunk, resolution=config.time_resolution)
 
-    lower = group_lower_bound(allowance, group, window_of, min_k)
+    def at(k: int) -> tuple[Window, GroupSolution | None]:
+        if greedy is None or greedy.window.k != k:
+            return window_of(k), None
+        hint = restretch(greedy, allowance.ticks(k))  # first-fit's placement in the probe's window
+        return hint.window, hint if config.use_greedy_hint else None
+
+    def narrow(found: GroupSolution, deadline: float) -> tuple[GroupSolution, bool]:
+        if found.window.stretch <= 0:
+            return found, True
+        return least_stretch_at(found, allowance, config, meter, deadline)
+
+    own, lower = options_of(allowance.problem, group.stages, ()), group_lower_bound(allowance, group, window_of, min_k)
+    return Shape(group, own, lower, allowance.problem.max_period, within_budget(greedy), at, narrow)
+
+
+def least_group_period(
+    shape: Shape, config: SolverConfig, time_limit: float, meter: Budget, began: float | None = None
+) -> Period | None:
+    """The least refresh period of `shape` with the whole width within `time_limit` of `meter`'s clock from `began`
+    (now when None), and the least not proven infeasible: climbing from its bound; with first-fit's placement (its
+    `fallback`), climbing while each k is proven infeasible (in PROOF_SHARE of the time), then descending from its k
+    ([Note: descending refresh search]); None when none is found in time."""
+    left = _clock(meter, time_limit, meter.now() if began is None else began)
+    lower, incumbent = shape.lower, shape.fallback
 
     def probe(k: int, share: float) -> Solved:
-        hint = restretch(greedy, allowance.ticks(k)) if greedy is not None and greedy.window.k == k else None
-        w = hint.window if hint is not None else window_of(k)
-        use = hint if config.use_greedy_hint else None
-        status, found = solve_window(w, config, share, meter, use, optimize=False, options=own_options(w))
-        log.info("stages %s k=%d stretch=%d: %s", list(group.stages), k, w.stretch, status)
+        w, hint = shape.at(k)
+        status, found = solve_window(w, config, share, meter, hint, optimize=False, options=shape.options)
+        log.info("stages %s k=%d width %d ticks: %s", list(shape.group.stages), k, w.offsets[1], status)
         return status, found
 
-    found, proven = least_period(probe, left, lower, allowance.problem.max_period, fallback)
-    return None if found is None else Period(found, proven, fallback, time.perf_counter() - wall)
+    if incumbent is None:
+        found, proven = _climb(probe, left, 1.0, lower, shape.top + 1, give_up=False)
+    elif incumbent.window.k - lower <= 1:  # the climb would probe the one k the descent probes first
+        found, proven = _descend(probe, left, lower, incumbent)
+    else:
+        found, proven = _climb(probe, left, PROOF_SHARE, lower, incumbent.window.k)
+        if found is None:
+            found, proven = _descend(probe, left, proven, incumbent)
+    return None if found is None else Period(shape, found, proven)
 
 
 def refine_group(
-    period: Period, allowance: Allowance, config: SolverConfig, time_limit: float, meter: Budget
+    period: Period, config: SolverConfig, time_limit: float, meter: Budget, began: float | None = None
 ) -> GroupSolution | None:
-    """The least stretch, then the least staleness, at the period found within `time_limit` of `meter`'s clock; None
-    when neither that placement nor first-fit's fits the memory budget."""
-    began, wall = meter.now(), time.perf_counter()
-    found, least = period.found, True
-    if found.window.stretch > 0:
-        found, least = least_stretch_at(found, allowance, config, meter, began + time_limit)
+    """The least width, then the least staleness, at the period found within `time_limit` of `meter`'s clock from
+    `began` (now when None); None when neither that placement nor first-fit's fits the memory budget."""
+    began, shape = meter.now() if began is None else began, period.shape
+    found, least = shape.narrow(period.found, began + time_limit)
     left = time_limit - (meter.now() - began)
     proven = least and period.proven == found.window.k
-    stale = _least_stale(found, found.window, config, meter, left, proven, own_options(found.window))
-    best = within_budget(stale, found, period.fallback)
+    w = found.window if shape.anchor is None else shape.anchor(found)
+    stale = _least_stale(found, w, config, meter, left, proven, shape.options)
+    best = stale if shape.anchor is not None else within_budget(stale, found, shape.fallback)
     if best is None:
         return None
-    return replace(best, k_lower_bound=period.proven, wall_time=period.wall_s + time.perf_counter() - wall)
-
-
-def own_options(w: Window) -> Options:
-    """Each layer of w's group with its problem's own distribution as its one option (the forced strategy)."""
-    return options_of(w.problem, w.group.stages, ())
+    return replace(best, k_lower_bound=period.proven)
 
 
 def within_budget(*solutions: GroupSolution | None) -> GroupSolution | None:
     """The first of `solutions` within the memory budget with third decompositions counted (CP-SAT's model does not)."""
     return next((s for s in solutions if s is not None and fits_memory(s)), None)
-
-
-def least_period(
-    probe: PeriodProbe, left: Left, lower: int, top: int, incumbent: GroupSolution | None
-) -> tuple[GroupSolution | None, int]:
-    """The least period found feasible in [`lower`, `top`] and the least not proven infeasible: climbing from `lower`;
-    with first-fit's `incumbent`, climbing while each k is proven infeasible (within PROOF_SHARE of the time), then
-    descending from its k ([Note: descending refresh search])."""
-    if incumbent is None:
-        return _climb(probe, left, 1.0, lower, top + 1, give_up=False)
-    if incumbent.window.k - lower <= 1:  # the climb would probe the one k the descent probes first
-        return _descend(probe, left, lower, incumbent)
-    found, proven = _climb(probe, left, PROOF_SHARE, lower, incumbent.window.k)
-    if found is not None:
-        return found, proven
-    return _descend(probe, left, proven, incumbent)
 
 
 PROOF_SHARE = 0.25
@@ -169,10 +186,8 @@ def _descend(probe: PeriodProbe, left: Left, lower: int, incumbent: GroupSolutio
     """From the incumbent's k down until one is not found; where that one is proven infeasible, the ks below it are
     checked from `lower` up, all infeasible proving the found k least.
 
-    [Note: descending refresh search] Near the least feasible k a window is tight and CP-SAT may need long to decide
-    it; far above it a placement is found at once. Climbing from the bound spends the time on undecidable ks and may
-    end at first-fit's k; descending keeps an incumbent and spends the time improving it.
-    """
+    [Note: descending refresh search] Near the least feasible k CP-SAT may need long to decide a tight window; far
+    above it a placement is found at once. Descending keeps an incumbent and spends the time improving it."""
     best, proven = incumbent, lower
     for k in range(incumbent.window.k - 1, lower - 1, -1):
         if left(DESCENT_SHARE) <= 0:
@@ -197,20 +212,34 @@ def least_stretch_at(
     w = found.window
     until = meter.now() + (deadline - meter.now()) / 2
 
-    def probe(stretch: int) -> Solved:
+    def window_of(stretch: int) -> Window | None:
         window = allowance.window(w.group, w.k, stretch, stats_chunk=w.stats_chunk, resolution=config.time_resolution)
-        if too_long(window):
-            return "INFEASIBLE", None
-        left = until - meter.now()
-        if left <= 0:
-            return "UNKNOWN", None
-        share = left / max(1, math.ceil(math.log2(stretch + 2)))
-        return solve_window(window, config, share, meter, optimize=False, options=own_options(window))
+        return None if too_long(window) else window
 
+    probe = _width_probe(window_of, 0, until, config, meter, options_of(w.problem, w.group.stages, ()))
     best, least = bisect_least(stretch_lower_bound(w), found, probe)
     proof = "proven" if least else "not proven"
     log.info("stages %s k=%d: least stretch %d ticks (%s)", list(w.group.stages), w.k, best.window.stretch, proof)
     return best, least
+
+
+def _width_probe(
+    at: Callable[[int], Window | None], base: int, until: float, config: SolverConfig, meter: Budget, options: Options
+) -> Probe:
+    """A CP-SAT feasibility probe of the window `at` a width (None: a task fits no gap) in the time left to `until`, a
+    share by the bisection's depth above `base` (the stretch and the step descents share it)."""
+
+    def probe(width: int) -> Solved:
+        w = at(width)
+        if w is None:
+            return "INFEASIBLE", None
+        left = until - meter.now()
+        if left <= 0:
+            return "UNKNOWN", None
+        share = left / max(1, math.ceil(math.log2(width - base + 2)))
+        return solve_window(w, config, share, meter, optimize=False, options=options)
+
+    return probe
 
 
 def _least_stale(
@@ -253,10 +282,6 @@ class _Group:
         assert w is not None, "a joint step is never below the anchor's reference (the least one)"
         return w
 
-    def probe(self, k: int, step: int, config: SolverConfig, share: float, meter: Budget) -> Solved:
-        """A feasibility probe of the anchor's window at period k with steps of `step` ticks."""
-        return solve_window(self.window(k, step), config, share, meter, optimize=False, options=self.options)
-
     @property
     def base(self) -> int:
         """The anchor's reference step in ticks: the least step of any option set."""
@@ -277,6 +302,31 @@ class _Group:
                 return solution
         return None
 
+    def shape(self, config: SolverConfig, meter: Budget) -> Shape | None:
+        """The joint search's shape: windows of the whole step cap, first-fit of the candidates as its fallback, the
+        least step by `_least_step`, staleness in the anchor's window; None where some work fits no step."""
+        anchor = self.anchor
+        if too_long(self.window(2, self.most(anchor.max_period))):
+            return None
+        w = self.window(1, self.most(1))  # the least period any option set allows: all work over one step's free time
+        free = sum(w.length - sum(e - s for s, e in w.fixed[d]) for d in w.group.devices) // w.k
+        lower = max(1, math.ceil(window_work(w) / free)) if free > 0 else anchor.max_period + 1
+        first = (self.first_fit(k, self.most(k), meter) for k in range(lower, anchor.max_period + 1))
+        fallback = next((f for f in first if f is not None), None)
+
+        def narrow(found: GroupSolution, deadline: float) -> tuple[GroupSolution, bool]:
+            if found.step_ticks <= self.base:
+                return found, True
+            return _least_step(self, found, config, meter, deadline), True
+
+        def stale(found: GroupSolution) -> Window:
+            return self.window(found.window.k, found.step_ticks)
+
+        def at(k: int) -> tuple[Window, GroupSolution | None]:
+            return self.window(k, self.most(k)), None
+
+        return Shape(self.group, self.options, lower, anchor.max_period, fallback, at, narrow, stale)
+
 
 def joint_placements(
     anchor: Problem,
@@ -289,8 +339,8 @@ def joint_placements(
     meter: Budget,
     deadline: float,
 ) -> list[GroupSolution] | None:
-    """Each group's distributions and placement (`_joint_group`) on the grid `scale`, warm-started by first-fit of each
-    `forced` strategy on its free layers, the time to `deadline` shared by the groups left; None when one is not placed.
+    """Each group's distributions and placement on the grid `scale`, warm-started by first-fit of each `forced`
+    strategy on its free layers, the time to `deadline` shared by the groups left; None when one is not placed.
     `anchor` has the least reference step and keeps its distributions on the stages not `free`."""
     groups = stage_groups(anchor)
     placements = []
@@ -302,44 +352,16 @@ def joint_placements(
         ticks = [round(reference_step(anchor, free, dict(c.distributions)) * scale[0]) for c in candidates]
         first = ((anchor, reference_ticks(anchor, scale)), *zip(candidates, ticks))
         g = _Group(anchor, group, options_of(anchor, group.stages, free), first, scale, chunk_of(group), allowed.ticks)
-        placement = _joint_group(g, config, max(0.0, deadline - meter.now()) / (len(groups) - n), meter)
-        if placement is None:
+        time_limit, began = max(0.0, deadline - meter.now()) / (len(groups) - n), meter.now()
+        shape = g.shape(config, meter)
+        period = None if shape is None else least_group_period(shape, config, time_limit, meter, began)
+        if shape is None or period is None:
             log.info("joint choice: stages %s not placed", list(group.stages))
             return None
+        placement = refine_group(period, config, time_limit, meter, began)
+        assert placement is not None, "the joint choice keeps what it found"
         placements.append(placement)
     return placements
-
-
-def _joint_group(g: _Group, config: SolverConfig, time_limit: float, meter: Budget) -> GroupSolution | None:
-    """The least period with the whole stretch `g.cap(k)`, then the least step and staleness within `time_limit`;
-    first-fit of the candidates warm-starts it, kept where CP-SAT finds nothing better (None: nothing places it)."""
-    began, left, anchor = meter.now(), _clock(meter, time_limit), g.anchor
-    if too_long(g.window(2, g.most(anchor.max_period))):
-        return None
-    lower = _lower_k(g.window(1, g.most(1)))
-    fallback = next((f for k in range(lower, anchor.max_period + 1) if (f := g.first_fit(k, g.most(k), meter))), None)
-
-    def probe(k: int, share: float) -> Solved:
-        w = g.window(k, g.most(k))
-        status, found = solve_window(w, config, share, meter, optimize=False, options=g.options)
-        log.info("joint stages %s k=%d step=%d ticks: %s", list(g.group.stages), k, w.offsets[1], status)
-        return status, found
-
-    found, proven = least_period(probe, left, lower, anchor.max_period, fallback)
-    if found is None:
-        return None
-    if found.step_ticks > g.base:
-        found = _least_step(g, found, config, meter, began + time_limit)
-    w = g.window(found.window.k, found.step_ticks)
-    best = _least_stale(found, w, config, meter, left(1.0), proven == found.window.k, g.options)
-    return replace(best, k_lower_bound=proven)
-
-
-def _lower_k(w: Window) -> int:
-    """The least period any option set allows: the work every option has over the free time one step leaves."""
-    work = window_work(w)
-    free = sum(w.length - sum(e - s for s, e in w.fixed[d]) for d in w.group.devices) // w.k
-    return max(1, math.ceil(work / free)) if free > 0 else w.problem.max_period + 1
 
 
 def _least_step(g: _Group, found: GroupSolution, config: SolverConfig, meter: Budget, deadline: float) -> GroupSolution:
@@ -354,15 +376,10 @@ def _least_step(g: _Group, found: GroupSolution, config: SolverConfig, meter: Bu
     cheap = first_fits(lambda step: g.first_fit(k, step, meter), meter.later(cheap_until, cheap_until))
     best = bisect_least(lower, found, cheap, lambda s: s.step_ticks)[0]
     until = meter.now() + (deadline - meter.now()) * 3 / 4
-
-    def probe(step: int) -> Solved:
-        left = until - meter.now()
-        if left <= 0:
-            return "UNKNOWN", None
-        return g.probe(k, step, config, left / max(1, math.ceil(math.log2(step - lower + 2))), meter)
-
+    probe = _width_probe(functools.partial(g.window, k), lower, until, config, meter, g.options)
     if lower < best.step_ticks:
-        _, at_bound = g.probe(k, lower, config, (until - meter.now()) / 3, meter)
+        share = (until - meter.now()) / 3
+        _, at_bound = solve_window(g.window(k, lower), config, share, meter, optimize=False, options=g.options)
         best = at_bound or bisect_least(lower + 1, best, probe, lambda s: s.step_ticks)[0]
     log.info("joint stages %s k=%d: least step %d ticks", list(g.group.stages), k, best.step_ticks)
     return best

@@ -1,13 +1,10 @@
 """`plan(problem, options)`: the planner's one entry point, the whole search (streaming, strategy, recompute, overhead).
 
-[Note: plan search] Every caller (plan="auto", `fxkfac plan`, the benchmarks) plans through `plan`, which composes,
-outside in: the max_overhead rule (`Overhead`), the recomputing stages (`plan_recomputing`), the distributions
-(forced, given, or chosen by `planner.search.choose.solve_with_strategy`) and streaming the first stage's APPLY
-(`solve_streamed`) around each placement. Each is a candidate of one search in one `Budget` ([Note: one budget]),
-taking a part of what is left. TimeLimit.WHOLE_SEARCH bounds it all; TimeLimit.EACH_SOLVE gives each placement the
-whole limit (as the golden records were planned). A budget keeps every plan it made: a retry takes no more time.
-Also candidate searches around `plan`: the schedule of schedule="auto" (`choose_schedule`) and Shampoo/SOAP's block
-side (`choose_block_size`: the largest whose plan fits).
+[Note: plan search] Every caller plans through `plan`, which composes, outside in: the max_overhead rule (`Overhead`),
+the recomputing stages, the distributions (forced, given, or chosen: planner/search/choose.py) and streaming the first
+stage's APPLY around each placement, each a candidate taking a part of one `Budget` ([Note: one budget]).
+TimeLimit.EACH_SOLVE gives each placement the whole limit instead (as the golden records were planned). Around `plan`:
+the schedule of schedule="auto" (`choose_schedule`) and the block side of Shampoo/SOAP (`choose_block_size`).
 """
 
 from __future__ import annotations
@@ -19,10 +16,10 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from itertools import combinations
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from fxkfac.planner.plan.plan import Plan, rank
-from fxkfac.planner.problem.costs import LayerCost, PreconditionerKind
+from fxkfac.planner.problem.costs import PreconditionerKind
 from fxkfac.planner.problem.errors import ConfigError, PlanError, PlannerError, ScheduleError
 from fxkfac.planner.problem.ir import Op, OpKind
 from fxkfac.planner.problem.lowering import Streaming, can_stream, ready_fractions
@@ -42,9 +39,9 @@ from fxkfac.planner.search.budget import Budget
 log = logging.getLogger(__name__)
 
 EXHAUSTIVE_STAGES = 8
-"""Up to this many stages every subset is priced (256 step simulations at most); beyond, the greedy search."""
+"""Up to this many stages every subset of recomputing stages is priced; beyond, stages are added greedily."""
 MAX_TRIES = 4
-"""`plan_recomputing` solves at most this many choices (each a full solve) before it gives up."""
+"""`plan_recomputing` solves at most this many choices before it gives up."""
 
 T = TypeVar("T")
 
@@ -56,8 +53,8 @@ def recompute_price(problem: Problem, stages: Iterable[int]) -> tuple[int, float
 
 
 def recompute_choices(problem: Problem) -> list[tuple[int, ...]]:
-    """The choices of recomputing stages that fit the budget, shortest reference step (then fewest stages) first:
-    [()] without a budget; every stage alone when none fits (so the refusal names the least memory reached)."""
+    """The recomputing stages that fit the budget, shortest reference step (then fewest stages) first; [()] without
+    a budget, every stage when none fits (its refusal names the least memory reached)."""
     budget, S = problem.memory_budget, problem.num_stages
     if budget is None:
         return [()]
@@ -97,8 +94,7 @@ def plan_recomputing(problem: Problem, solve: Callable[[Problem], T]) -> T:
 
 
 def _greedy(problem: Problem) -> list[tuple[int, ...]]:
-    """Stages added one at a time, each the one saving the most bytes per second of step it adds (any adding none
-    first, by bytes): every choice on the way."""
+    """Stages added one at a time, most bytes saved per second of step added first: every choice on the way."""
     chosen: tuple[int, ...] = ()
     memory, step = recompute_price(problem, chosen)
     out = []
@@ -125,8 +121,8 @@ class ScheduleCandidate:
 
 
 def schedule_candidates(D: int, N: int, v: int = 1) -> tuple[ScheduleCandidate, ...]:
-    """Every schedule that runs D ranks and N micro-batches (`validate_schedule_args`), in `ScheduleKind`'s order:
-    one stage per rank, ZB-V's two, interleaved's and zb-1p's `v` (2 where the mesh names 1, which is 1F1B)."""
+    """Every schedule that runs D ranks and N micro-batches, in `ScheduleKind`'s order, with its stages per rank (ZB-V
+    2; interleaved and zb-1p `v`, at least 2)."""
     out = []
     for kind in ScheduleKind:
         stages = {ScheduleKind.ZB_V: 2, ScheduleKind.INTERLEAVED: max(v, 2), ScheduleKind.ZB_1P: max(v, 2)}.get(kind, 1)
@@ -140,8 +136,8 @@ def schedule_candidates(D: int, N: int, v: int = 1) -> tuple[ScheduleCandidate, 
 
 @dataclass
 class Tried:
-    """One candidate: its plan as asked (`first`), at the freshest curvature (`plan`, None where out), why it is out
-    ('' when in), and its plain step (`plain_step_time`, the least any plan has; 0 where its problem was not made)."""
+    """One schedule: its plan as asked (`first`), at the freshest period (`plan`; None: out), why it is out, and its
+    plain step (the least any plan has)."""
 
     candidate: ScheduleCandidate
     first: Plan | None = None
@@ -161,11 +157,8 @@ class ScheduleChoice:
 
 
 FIRST_PLANS_PART = 0.5
-"""Of a schedule choice's time, the part the candidates' plans as asked share (each an equal part of what is left of
-it); the re-plans at the freshest period share the rest and whatever the first plans left unspent."""
-
+"""Of a schedule choice's time, the part the plans as asked share; the re-plans share the rest."""
 NO_TIME = "no time left to plan it (a longer time limit plans it)"
-"""Why a schedule is out when the choice's budget is spent before its turn (one has planned already)."""
 
 
 def _first_line(error: Exception) -> str:
@@ -182,18 +175,13 @@ def choose_schedule(
     plan_of: Callable[[Problem, Budget], Plan],
     budget: Budget,
 ) -> ScheduleChoice:
-    """The least step at the freshest curvature among `candidates` (`problem_for`: a candidate's problem, PlannerError
-    where its cut fails; `plan_of`: the caller's `planner.plan` in a part of `budget`): each planned as asked (a cut
-    or refusal drops it out with its reason), those refreshing less often than the freshest plan's longest period
-    planned again with it as `max_period`, and the least step time wins (ties: `candidates`' order); PlanError with
-    each one's reason when none plans. The plans as asked share FIRST_PLANS_PART of `budget` ([Note: one budget]),
-    the re-plans the rest, each an equal part of what is left; once it is spent (one has planned) the rest are out.
+    """The least step at the freshest curvature among `candidates` (`problem_for`: its problem; `plan_of`: `plan` in a
+    part of `budget`): each planned as asked, those refreshing less often than the freshest plan planned again at its
+    period, the least step winning (ties: `candidates`' order); PlanError with each one's reason when none plans.
 
-    [Note: schedule order] Both rounds plan the candidates least plain step first (`plain_step_time`, a lower bound of
-    any plan's step), so a short budget spends itself on the schedules that can reach the least step. A re-plan whose
-    plain step cannot beat the best plan at the freshest period is not made. The plans as asked are all made while
-    time is left: a schedule with a longer plain step may refresh more often and so set the period every other is
-    compared at."""
+    [Note: schedule order] Both rounds go least plain step first (a bound of any plan's step), so a short budget goes
+    to schedules that can win; a re-plan whose plain step cannot beat the leader is not made. Every plan as asked is
+    made while time is left: a slower schedule may refresh more often and so set the period all are compared at."""
     tried = [Tried(c) for c in candidates]
     problems: dict[int, Problem] = {}  # by the candidate's index, those whose problem could be made
     for n, t in enumerate(tried):
@@ -205,13 +193,13 @@ def choose_schedule(
         except PlannerError as e:  # a cut the costs do not allow: out, with the reason
             t.why_not = _first_line(e)
     order = sorted(problems, key=lambda n: (tried[n].plain, n))
-    firsts = budget.search_part(FIRST_PLANS_PART)
+    firsts = budget.part(FIRST_PLANS_PART, search=True)
     for left, n in enumerate(order):
         if any(t.first is not None for t in tried) and firsts.over():
             tried[n].why_not = NO_TIME
             continue
         try:
-            tried[n].first = plan_of(problems[n], firsts.search_part(1 / (len(order) - left)))
+            tried[n].first = plan_of(problems[n], firsts.part(1 / (len(order) - left), search=True))
         except PlannerError as e:  # a budget refused: out, with the reason
             tried[n].why_not = _first_line(e)
     planned = [t.first for t in tried if t.first is not None]
@@ -222,7 +210,6 @@ def choose_schedule(
         t.plan = t.first if t.first is not None and max(t.first.metrics.refresh_steps) <= period else None
 
     def ranked(n: int) -> tuple[float, int]:
-        """Candidate n's place in the choice: its plan's step time, then its index (ties: `candidates`' order)."""
         plan = tried[n].plan
         assert plan is not None, "only planned candidates rank"
         return plan.metrics.step_time, n
@@ -241,7 +228,7 @@ def choose_schedule(
             continue
         try:
             tried[n].plan = plan_of(
-                replace(problems[n], max_period=period), budget.search_part(1 / (len(stale) - left))
+                replace(problems[n], max_period=period), budget.part(1 / (len(stale) - left), search=True)
             )
         except PlanError as e:
             tried[n].why_not = f"cannot refresh every {period} steps: {_first_line(e)}"
@@ -262,19 +249,12 @@ def choose_schedule(
 
 
 class StreamApply(StrEnum):
-    """When the first stage's APPLY streams to idle ranks: never; where that costs no refresh; or wherever it shortens
-    the step (a shorter step shortens every rank's bubbles too, so on Chimera it costs refreshes)."""
+    """When the first stage's APPLY streams to idle ranks: never, where it costs no refresh, or wherever it shortens the
+    step (which shortens the bubbles too)."""
 
     OFF = "off"
     KEEP_REFRESH = "keep-refresh"
     SHORTEST_STEP = "shortest-step"
-
-
-class Solver(Protocol):
-    """A solve of one problem within `budget`; `suggest` False where its refusal is only logged (no time goes to
-    searching what would plan it)."""
-
-    def __call__(self, problem: Problem, budget: Budget, /, *, suggest: bool = True) -> Plan: ...
 
 
 STREAMED_PART = 0.5
@@ -282,51 +262,28 @@ STREAMED_PART = 0.5
 STREAMED_STAGE = 0
 """The stage whose APPLY lies on the cycle every step repeats (GPipe, 1F1B): its last backward ends the step."""
 HELPER_CANDIDATES = 4
-"""How many ranks, those ending their step's work first, are tried as helpers: each alone and the first m together;
-for Muon (whose Newton-Schulz tasks all wait for the last backward) also every idle rank, dealt by `_balanced`."""
+"""Ranks, those ending their work first, tried as helpers: each alone and the first m together (Muon: all dealt)."""
 STREAM_CHOICE_PART = 0.05
-"""Of the whole time limit, the most the streaming choice's simulations take before it keeps the best found so far."""
+"""Of the whole time limit, the most the streaming choice's simulations take before it keeps the best so far."""
 
 
 def _streamable(problem: Problem) -> list[str]:
-    """The first stage's COMM-OPT layers a helper may apply (`can_stream`), in the order their gradients get final."""
-    layers = problem.costs.stages[STREAMED_STAGE].layers
-    fractions = ready_fractions(problem.costs.stages[STREAMED_STAGE])
+    """The first stage's COMM-OPT layers a helper may apply, in the order their gradients get final; a Muon unit only
+    where what a helper takes off its owner (APPLY less `hand_off`) outlasts what it adds to its bucket's transfer."""
+    stage, costs = problem.costs.stages[STREAMED_STAGE], problem.costs
+    send = [Op(OpKind.SEND_LGRAD, STREAMED_STAGE, peer=STREAMED_STAGE + 1, layer=x.name) for x in stage.layers]
     ok = [
         x.name
-        for x in layers
-        if can_stream(problem.costs.family, x)
+        for x, sent in zip(stage.layers, send)
+        if can_stream(costs.family, x)
         and problem.where(x.name) == LayerDistribution()
-        and _worth_a_helper(problem, x)
+        and (
+            costs.family is not PreconditionerKind.MUON
+            or x.prec - x.hand_off > costs.bucket_seconds([sent]) - costs.bucket_seconds([])
+        )
     ]
+    fractions = ready_fractions(stage)
     return sorted(ok, key=lambda n: fractions[n])
-
-
-def _worth_a_helper(problem: Problem, layer: LayerCost) -> bool:
-    """Whether what a helper takes off a Muon unit's owner (its APPLY less `hand_off`) outlasts what the unit adds to
-    its bucket's transfer (a bound; the step timeline chooses among the rest); any other family's layer: always."""
-    if problem.costs.family is not PreconditionerKind.MUON:
-        return True
-    send = Op(OpKind.SEND_LGRAD, STREAMED_STAGE, peer=STREAMED_STAGE + 1, layer=layer.name)
-    added = problem.costs.bucket_seconds([send]) - problem.costs.bucket_seconds([])
-    return layer.prec - layer.hand_off > added
-
-
-def _helpers(problem: Problem) -> list[int]:
-    """Every rank but the streamed stage's copies, those that end their step's work first first (lowest on a tie)."""
-    step = step_timeline(problem)
-    owners = problem.holders[STREAMED_STAGE]
-    ends = {
-        d: max((end for op, _, end in step.ops[d] if op.kind is not OpKind.OPT_STEP), default=0.0)
-        for d in problem.devices
-        if d not in owners
-    }
-    return sorted(ends, key=lambda d: (ends[d], d))
-
-
-def _assign(layers: list[str], helpers: tuple[int, ...]) -> tuple[int, ...]:
-    """A helper for each of `layers`, round robin from the last (the APPLYs that end the step run side by side)."""
-    return tuple(helpers[(len(layers) - 1 - i) % len(helpers)] for i in range(len(layers)))
 
 
 def _balanced(problem: Problem, names: list[str], helpers: tuple[int, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -353,10 +310,10 @@ def _helper_load(problem: Problem) -> float:
 def with_streaming(
     problem: Problem, whole_backward: bool = False, keep_bounds: bool = True, budget: Budget | None = None
 ) -> Problem:
-    """`problem` with the first stage's APPLY streamed: of the helper sets and prefixes of its layers (for Muon also
-    every idle rank dealt by `_balanced`), the shortest reference step that raises no group's least period (any,
-    without `keep_bounds`), then the lowest helper load, then the fewest helpers; unchanged where nothing does.
-    Simulations are charged to `budget`; past STREAM_CHOICE_PART of its whole limit the best so far is kept."""
+    """`problem` with the first stage's APPLY streamed: of the helper sets (the ranks ending their work first) and
+    prefixes of its layers (Muon: also every idle rank, `_balanced`), the shortest reference step that raises no
+    group's least period (any, without `keep_bounds`), then the lowest helper load, then the fewest helpers;
+    unchanged where none shortens it. Charged to `budget`; past STREAM_CHOICE_PART of its limit the best is kept."""
     if problem.streaming is not None or len(problem.holders[STREAMED_STAGE]) == len(problem.devices):
         return problem
     if problem.costs.family is PreconditionerKind.MUON and len(problem.holders[STREAMED_STAGE]) > 1:
@@ -364,18 +321,29 @@ def with_streaming(
     names = _streamable(problem)
     if not names:
         return problem
-    bounds, length = _bounds(problem) if keep_bounds else None, step_timeline(problem).length
+    plain = step_timeline(problem)
+    bounds, length = _bounds(problem) if keep_bounds else None, plain.length
     best: tuple[float, float, int] | None = None
     chosen, budget = problem, budget or Budget.untimed()
     stop = budget.now() + budget.limit * STREAM_CHOICE_PART
-    ranked, dealt = _helpers(problem), problem.costs.family is PreconditionerKind.MUON
+    owners = problem.holders[STREAMED_STAGE]
+    ends = {
+        d: max((end for op, _, end in plain.ops[d] if op.kind is not OpKind.OPT_STEP), default=0.0)
+        for d in problem.devices
+        if d not in owners
+    }
+    ranked, dealt = sorted(ends, key=lambda d: (ends[d], d)), problem.costs.family is PreconditionerKind.MUON
     firsts = ranked[:HELPER_CANDIDATES]
     sets = [((h,), True) for h in firsts] + [(tuple(firsts[:m]), True) for m in range(2, len(firsts) + 1)]
     # Muon's matrices dealt over every idle rank first: the streaming choice may stop at its part of the time limit
     dealt_sets = [(tuple(ranked[:m]), False) for m in range(len(ranked), HELPER_CANDIDATES, -1)] if dealt else []
     for helpers, prefixes in dealt_sets + sets:
-        tries = [(tuple(names[:n]), _assign(names[:n], helpers)) for n in range(len(helpers), len(names) + 1)]
-        tries = tries if prefixes else []
+        # round robin from the last layer: the APPLYs that end the step run side by side
+        tries = [
+            (tuple(names[:n]), tuple(helpers[(n - 1 - i) % len(helpers)] for i in range(n)))
+            for n in range(len(helpers), len(names) + 1)
+            if prefixes
+        ]
         tries += [_balanced(problem, names, helpers)] if dealt and len(helpers) > 1 else []
         for layers, assigned in tries:
             if not layers:
@@ -395,19 +363,19 @@ def with_streaming(
 
 
 def _simulated_ops(step: Timeline) -> int:
-    """The ops of one simulated step, what its simulation is charged by (`Budget.charge_simulated`)."""
+    """The ops of one simulated step, what its simulation is charged by."""
     return sum(len(ops) for ops in step.ops.values())
 
 
 def solve_streamed(
     problem: Problem,
-    solve: Solver,
+    solve: Callable[..., Plan],
     policy: StreamApply = StreamApply.KEEP_REFRESH,
     whole_backward: bool = False,
     budget: Budget | None = None,
     streamed: Problem | None = None,
 ) -> Plan:
-    """`solve` with streaming where `with_streaming` finds some (`streamed`: where chosen already), else as given.
+    """`solve(problem, budget, suggest=...)` streamed where `with_streaming` finds it pays (`streamed`: chosen already):
     KEEP_REFRESH keeps a streamed plan at the unstreamed bounds, else the better by `rank` of it and the unstreamed
     plan (the streamed try in STREAMED_PART); SHORTEST_STEP keeps it. Only the unstreamed refusal is raised."""
     budget = budget or Budget.of(SolverConfig())
@@ -445,8 +413,7 @@ def solve_streamed(
 
 
 def _bounds(problem: Problem) -> tuple[int, ...]:
-    """Each stage's least refresh period (`refresh_lower_bound` of its group): a streaming that raises one trades
-    refreshes, which plans value first, for step time."""
+    """Each stage's least refresh period: a streaming that raises one trades refreshes (ranked first) for step time."""
     out = [0] * problem.num_stages
     for group in stage_groups(problem):
         for s in group.stages:
@@ -455,30 +422,23 @@ def _bounds(problem: Problem) -> tuple[int, ...]:
 
 
 class Distributions(StrEnum):
-    """Where each layer's work lives when no Strategy is forced: CHOSEN by the planner ([Note: strategy search] in
-    planner/search/choose.py), or the problem's own `distributions` as GIVEN."""
+    """Where each layer's work lives when no Strategy is forced: CHOSEN by the planner ([Note: strategy search]), or the
+    problem's own `distributions` as GIVEN."""
 
     CHOSEN = "chosen"
     GIVEN = "given"
 
 
-def candidate_part(shares: float) -> float:
-    """The part of the time left one candidate distribution takes, `shares` still to plan: half of it and an equal
-    share of the other half (all of it, or an equal share, left later candidates short)."""
-    return (shares + 1) / (2 * shares)
-
-
 class TimeLimit(StrEnum):
-    """What `SolverConfig.time_limit_s` bounds: the WHOLE_SEARCH (one Budget: what plan="auto" and `fxkfac plan` use),
-    or EACH_SOLVE (a budget per placement, as the golden records were planned)."""
+    """What `SolverConfig.time_limit_s` bounds: the WHOLE_SEARCH (one Budget), or EACH_SOLVE (one per placement)."""
 
     WHOLE_SEARCH = "whole-search"
     EACH_SOLVE = "each-solve"
 
 
 class Overhead(StrEnum):
-    """How max_overhead is read: STRICT, a bound the plan keeps; LEAST (max_overhead None, the default): the bubbles
-    alone first, else the least max_overhead the refusal names (`planner.search.choose.least_overhead`)."""
+    """How max_overhead is read: STRICT, a bound the plan keeps; LEAST (max_overhead None): the bubbles alone, else the
+    least max_overhead the refusal names."""
 
     STRICT = "strict"
     LEAST = "least"
@@ -489,15 +449,13 @@ class SearchOptions:
     """What `plan` searches besides the placement."""
 
     solver: SolverConfig = field(default_factory=SolverConfig)
-    """Time limit (read by `time_limit`), deterministic clock, progress observer."""
     method: Method = Method.CPSAT
     strategy: Strategy | Distributions = Distributions.CHOSEN
-    """A Strategy every layer follows, or `Distributions` (chosen by the planner, or the problem's own)."""
     stream_apply: StreamApply = StreamApply.KEEP_REFRESH
     whole_backward: bool = False
     """The stages run compiled: a backward makes every gradient at its end (`planner.problem.lowering.Streaming`)."""
     choose_recompute: bool = False
-    """Activation checkpointing AUTO: the planner chooses which stages recompute; False: the problem's own."""
+    """The planner chooses which stages recompute (activation checkpointing AUTO)."""
     overhead: Overhead = Overhead.STRICT
     time_limit: TimeLimit = TimeLimit.WHOLE_SEARCH
 
@@ -523,10 +481,8 @@ def plan(
     budget: Budget | None = None,
     new_budget: Callable[[], Budget] | None = None,
 ) -> Plan:
-    """The plan of `problem` by the whole search `options` ask for ([Note: plan search]): under WHOLE_SEARCH all in
-    `budget` (else a new one ending within the time limit), under EACH_SOLVE each placement in its own
-    (`new_budget()`). Raises PlanError (with suggestions) when nothing plans. Under Overhead.LEAST max_overhead must
-    be 0; the plan's `problem.max_overhead` is the value it took."""
+    """The plan of `problem` by the whole search `options` ask for ([Note: plan search]), all in `budget` (a new one
+    when None), or under EACH_SOLVE each placement in its own (`new_budget()`); PlanError with suggestions."""
     if options.overhead is Overhead.LEAST and problem.max_overhead != 0:
         raise ConfigError(
             f"Overhead.LEAST plans at max_overhead 0 first, but the problem has {problem.max_overhead:g}; "
@@ -543,14 +499,12 @@ def plan(
     fresh = new_budget or functools.partial(Budget.of, config)
 
     def solved(p: Problem, view: Budget, *, suggest: bool = True) -> Plan:
-        """A placement in its part of the whole, or under EACH_SOLVE in a budget of its own."""
         return solve(p, config, method, budget=fresh() if each_solve else view, suggest=suggest)
 
     quiet = functools.partial(solved, suggest=False)
     choices: dict[int, tuple[Problem, Problem]] = {}
 
     def streaming_of(p: Problem) -> Problem:
-        """`p` with the streaming a forced planning of it would choose (once per candidate)."""
         if id(p) not in choices:
             keep = options.stream_apply is StreamApply.KEEP_REFRESH
             choices[id(p)] = (p, with_streaming(p, options.whole_backward, keep_bounds=keep, budget=whole))
@@ -560,15 +514,12 @@ def plan(
         return step_timeline(streaming_of(p)).length
 
     def candidate(p: Problem, view: Budget, shares: float) -> Plan:
-        """One distribution of the choice, planned as forcing it would be, in its `candidate_part` of the time left;
-        its refusal names nothing (the choice's own refusal searches what would plan)."""
-        part = view if shares == 1 else view.part(candidate_part(shares))
-        streamed = streaming_of(p)
-        return solve_streamed(p, quiet, options.stream_apply, options.whole_backward, part, streamed)
+        """One distribution planned as forcing it would be, its refusal naming nothing; of the time left it takes half
+        and an equal share of the other half among the `shares` still to plan (all of it left later ones short)."""
+        part = view if shares == 1 else view.part((shares + 1) / (2 * shares))
+        return solve_streamed(p, quiet, options.stream_apply, options.whole_backward, part, streaming_of(p))
 
     def placed(p: Problem) -> Plan:
-        """The distributions chosen (each candidate streamed where it pays, so never worse than forcing it), or `p`'s
-        own (forced: only the layers left COMM-OPT may stream; or given)."""
         if options.strategy is Distributions.CHOSEN:
             off = options.stream_apply is StreamApply.OFF
             each, ref = (None, None) if off else (candidate, reference)

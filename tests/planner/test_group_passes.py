@@ -19,13 +19,13 @@ def test_every_group_gets_its_period_before_any_is_refined(monkeypatch: pytest.M
     calls: list[tuple[str, tuple[int, ...]]] = []
     least, refine = group_search.least_group_period, group_search.refine_group
 
-    def period(p: Problem, group: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(("period", group.stages))
-        return least(p, group, *args, **kwargs)
+    def period(shape: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(("period", shape.group.stages))
+        return least(shape, *args, **kwargs)
 
-    def refined(found: Any, *args: Any, **kwargs: Any) -> Any:
-        calls.append(("refine", found.found.window.group.stages))
-        return refine(found, *args, **kwargs)
+    def refined(period: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(("refine", period.shape.group.stages))
+        return refine(period, *args, **kwargs)
 
     monkeypatch.setattr(group_search, "least_group_period", period)
     monkeypatch.setattr(group_search, "refine_group", refined)
