@@ -1,23 +1,15 @@
-"""The planner's CP-SAT models (the only ortools user) and its one solver call (`_solve`).
+"""The planner's CP-SAT models (the only ortools user) and its one solver call (`_solve`): `_build` places a window's
+tasks (planner.plan.window) modulo its length L, NoOverlap per device beside the fixed work, a cumulative per device for
+activations and kept a/e; `solve_window` finds any placement or the least staleness.
 
-`_build` is the window model (planner.plan.window): each task an interval at `pos` in [0, L), `late` if it runs in the
-next window's early bubbles; NoOverlap per device beside the fixed F/B, optional intervals for a decomposition's rank,
-a cumulative per device for activations and deferred curvature's kept a/e. `solve_window`: any placement, or the
-least staleness.
+[Note: joint strategy] The model gets every layer's options (KAISA distributions) and chooses them while it places:
+one Boolean per option (the constant 1 for a forced strategy's one). Options move the fixed work only on
+`timeline_stages`, which keep one option set per solve; elsewhere only the step's end (`reference_step`). `least_step`
+finds the least step within static memory; each group is placed at it plus the stretch, then `transfer`red into
+`Problem.with_distributions(...)`'s own window.
 
-[Note: joint strategy] The model is given every layer's options and chooses its KAISA distribution while it places the
-work; a forced strategy is the model with one option per layer (its literal the constant 1: its BCASTs, slots and memory
-the window's own). Per option one Boolean (a DECOMP on a rank of the chosen column, each option's BCAST an optional
-interval, each stage's slot and each device's static bytes linear in them). An option set moves the fixed work only on
-`timeline_stages` (Chimera's first stage per device, interleaved's first chunk), which keep one option set per solve;
-elsewhere it moves only the step's end, L(P) (`reference_step`, exactly the simulated step). `least_step` finds the
-least L within static memory; each group is placed at it plus the allowed stretch, and the placement moves into
-`Problem.with_distributions(...)`'s own window (`transfer`), so downstream sees a plan like any other.
-
-[Note: no twin intervals] A model never holds two interval constraints alike: work seen by several devices is one
-interval in each device's constraint (`constant_interval`, one per BCAST option). OR-Tools 9.15's presolve merges
-twins and, where that proves the model infeasible, raises `IndexError: raw_hash_map<>::at` instead of answering
-INFEASIBLE (tests/planner/test_cpsat_twins.py).
+[Note: no twin intervals] A model never holds two equal interval constraints (`constant_interval`): OR-Tools 9.15's
+presolve merges twins and may raise `IndexError: raw_hash_map<>::at` instead of INFEASIBLE (test_cpsat_twins.py).
 """
 
 from __future__ import annotations
@@ -74,7 +66,7 @@ Ticks = Callable[[float], int]
 @dataclass(frozen=True)
 class Option:
     """One distribution of a layer: its DECOMP's ranks, each part's BCAST among them (none with one worker), the
-    per-step work on each worker and the BCAST_PREC on every copy (seconds)."""
+    per-step work on each worker (gradient STATS and APPLY) and the BCAST_PREC on every copy (seconds)."""
 
     where: LayerDistribution
     workers: tuple[int, ...]
@@ -85,6 +77,27 @@ class Option:
     @property
     def comm_opt(self) -> bool:
         return self.where == LayerDistribution()
+
+    @staticmethod
+    def of(problem: Problem, layer: str, where: LayerDistribution) -> Option:
+        stage, cost = problem.costs.stage_of(layer), problem.costs.layer(layer)
+        copies = problem.holders[stage]
+        workers = grad_workers(copies, where)
+        group = None if workers == copies else workers
+        bcast = {  # as the window has a BCAST task, however short; none with one worker
+            p.part: problem.costs.collective_seconds(
+                Op(OpKind.BCAST, stage, layer=layer, part=p.part, root=workers[0], group=group), len(workers)
+            )
+            for p in cost.parts
+            if len(workers) > 1
+        }
+        apply = sum(p.stats for p in cost.parts if p.after is OpKind.ALLREDUCE_GRAD) + cost.prec
+        share = 0.0
+        if rows := receivers(copies, where):
+            root, row = rows[0]
+            op = Op(OpKind.BCAST_PREC, stage, root=root, layer=layer, group=None if row == copies else row)
+            share = problem.costs.collective_seconds(op, len(row))
+        return Option(where, workers, bcast, apply, share)
 
 
 Options = Mapping[str, tuple[Option, ...]]
@@ -99,25 +112,14 @@ Solved = tuple[str, GroupSolution | None]
 
 def options_of(problem: Problem, stages: Iterable[int], free: Collection[int]) -> dict[str, tuple[Option, ...]]:
     """The options of every layer of `stages`: every KAISA distribution on the `free` stages, else the problem's own."""
-    out = {}
-    for s in stages:
-        copies = problem.holders[s]
-        for layer in (x.name for x in problem.costs.stages[s].layers):
-            opts = []
-            for where in layer_options(problem, layer) if s in free else (problem.where(layer),):
-                workers = grad_workers(copies, where)
-                group = None if workers == copies else workers
-                bcast = {  # as the window has a BCAST task, however short; none with one worker
-                    p.part: problem.costs.collective_seconds(
-                        Op(OpKind.BCAST, s, layer=layer, part=p.part, root=workers[0], group=group), len(workers)
-                    )
-                    for p in problem.costs.layer(layer).parts
-                    if len(workers) > 1
-                }
-                share = share_seconds(problem, layer, where)
-                opts.append(Option(where, workers, bcast, worker_seconds(problem, layer), share))
-            out[layer] = tuple(opts)
-    return out
+    return {
+        x.name: tuple(
+            Option.of(problem, x.name, where)
+            for where in (layer_options(problem, x.name) if s in free else (problem.where(x.name),))
+        )
+        for s in stages
+        for x in problem.costs.stages[s].layers
+    }
 
 
 def ns(seconds: float) -> int:
@@ -152,28 +154,10 @@ def timeline_stages(problem: Problem) -> frozenset[int]:
     return frozenset(out)
 
 
-def worker_seconds(problem: Problem, layer: str) -> float:
-    """Seconds of `layer`'s per-step work on each grad worker (its gradient STATS and APPLY) off COMM-OPT."""
-    cost = problem.costs.layer(layer)
-    return sum(p.stats for p in cost.parts if p.after is OpKind.ALLREDUCE_GRAD) + cost.prec
-
-
 def comm_slot_seconds(problem: Problem, stage: int) -> float:
     """Seconds of the stage's slot when every layer is COMM-OPT: all gradient STATS, one APPLY."""
     cost = problem.costs.stages[stage]
     return sum(secs for _, secs in gradient_stats(cost, stage)) + cost.prec
-
-
-def share_seconds(problem: Problem, layer: str, where: LayerDistribution) -> float:
-    """Seconds of `layer`'s BCAST_PREC on every copy under `where` (0 under COMM-OPT)."""
-    stage = problem.costs.stage_of(layer)
-    copies = problem.holders[stage]
-    rows = receivers(copies, where)
-    if not rows:
-        return 0.0
-    root, row = rows[0]
-    op = Op(OpKind.BCAST_PREC, stage, root=root, layer=layer, group=None if row == copies else row)
-    return problem.costs.collective_seconds(op, len(row))
 
 
 def step_fixed_end(problem: Problem, free: frozenset[int]) -> float:
@@ -195,17 +179,14 @@ def reference_step(problem: Problem, free: frozenset[int], distributions: Mappin
     step = step_timeline(problem)
     end = step_fixed_end(problem, free)
     for s in sorted(free):
-        where = {x.name: distributions.get(x.name, LayerDistribution()) for x in problem.costs.stages[s].layers}
-        copies = problem.holders[s]
-        if all(w == LayerDistribution() for w in where.values()):
+        layers = problem.costs.stages[s].layers
+        chosen = [Option.of(problem, x.name, distributions.get(x.name, LayerDistribution())) for x in layers]
+        if all(o.comm_opt for o in chosen):
             slot = comm_slot_seconds(problem, s)
         else:
-            work = [
-                sum(worker_seconds(problem, n) for n, w in where.items() if c in grad_workers(copies, w))
-                for c in copies
-            ]
-            slot = max(work) + sum(share_seconds(problem, n, w) for n, w in where.items())
-        end = max(end, step.allreduce_end[copies[0], s] + slot)
+            work = [sum(o.apply for o in chosen if c in o.workers) for c in problem.holders[s]]
+            slot = max(work) + sum(o.share for o in chosen)
+        end = max(end, step.allreduce_end[problem.holders[s][0], s] + slot)
     return end
 
 
@@ -656,9 +637,8 @@ def solve_window(
     optimize: bool = True,
     options: Options,
 ) -> Solved:
-    """(status, solution) of one window with each layer's `options` (one each: the forced strategy; `optimize`:
-    least staleness, else any placement) within `time_limit` of `meter`'s clock; a feasibility search frees the W's
-    only where placed ones fail."""
+    """(status, solution) of one window with each layer's `options` (`optimize`: least staleness, else any placement)
+    within `time_limit` of `meter`'s clock; a feasibility search frees the W's only where placed ones fail."""
     joint = chooses(options, options)
     fixed = [p for p in w.precs if not stages_choose(w, options, [p.stage])]
     longer = any(t.ticks > w.length for t in placed_tasks(w, options))
@@ -669,42 +649,37 @@ def solve_window(
         meter.note_capped(f"{where} not searched")
         return "UNKNOWN", None
     limit = max(meter.units(MIN_CALL), time_limit)
-    probing = None if optimize or joint else FEASIBILITY_PROBING_LEVEL
-
-    def attempt(free_w: bool) -> Solved:
-        """One CP-SAT call, the W tasks free or at the schedule's positions."""
+    label = f"stages {list(w.group.stages)} k={w.k}" + (f" stretch={w.stretch}" if w.stretch else "")
+    placed_w = not optimize and any(t.kind is TaskKind.WGRAD for t in w.tasks)
+    for free_w in (False, True) if placed_w else (True,):  # W's at the schedule's positions first
         v, placed = _build(w, options, optimize, free_w=free_w)
         if hint is not None and hint.window.offsets == w.offsets:
             _hint(v, placed, hint, options)
-        reporter = _Reporter(config.progress, w, optimize) if config.progress is not None else None
-        solver, status = _solve(v.model, config, meter, limit, probing=probing, reporter=reporter)
-        name = solver.status_name(status)
-        if reporter is not None:
-            reporter.finish(solver, name)
-        unproven = status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
-        if meter.deterministic and unproven and solver.deterministic_time < limit * CAP_SLACK:
+        reporter = _Reporter(config.progress, label, optimize) if config.progress is not None else None
+        probing = None if optimize or joint else FEASIBILITY_PROBING_LEVEL
+        solver, code = _solve(v.model, config, meter, limit, probing=probing, reporter=reporter)
+        status = solver.status_name(code)
+        if (
+            meter.deterministic
+            and status not in ("OPTIMAL", "INFEASIBLE")
+            and solver.deterministic_time < limit * CAP_SLACK
+        ):
             meter.note_capped(where)
-        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return name, None
-        return name, _extract(solver, v, placed, options, name)
-
-    status, found = attempt(free_w=optimize)
-    if status == "INFEASIBLE" and not optimize and any(t.kind is TaskKind.WGRAD for t in w.tasks):
-        status, found = attempt(free_w=True)
-    return status, found
+        if status != "INFEASIBLE":
+            break
+    found = status in ("OPTIMAL", "FEASIBLE")
+    return status, _extract(solver, v, placed, options, status) if found else None
 
 
 def _extract(solver: cp_model.CpSolver, v: Vars, w: Window, options: Options, status: str) -> GroupSolution:
     """The solver's values as a solution of `w`, with the options chosen (a BCAST on its DECOMP's rank)."""
     starts = tuple(solver.value(x) for x in v.start)
-    devices = []
-    for i, task in enumerate(w.tasks):
-        chosen = [d for d, flag in v.present[i].items() if solver.boolean_value(flag)]
-        devices.append(chosen[0] if chosen else task.devices[0])
+    devices = [
+        next((d for d, f in v.present[i].items() if solver.boolean_value(f)), t.devices[0])
+        for i, t in enumerate(w.tasks)
+    ]
     inv_device = {task.factors[0]: devices[i] for i, task in enumerate(w.tasks) if task.kind is TaskKind.INV}
-    for i, task in enumerate(w.tasks):
-        if task.kind is TaskKind.BCAST:
-            devices[i] = inv_device[task.factors[0]]
+    devices = [inv_device[t.factors[0]] if t.kind is TaskKind.BCAST else d for t, d in zip(w.tasks, devices)]
     precs = tuple(solver.value(x) for x in v.prec)
     choices = choices_of(solver, options, v.lits)
     chosen_bcasts = [(key, start, end) for key, (start, _, has, end) in v.bcast.items() if solver.boolean_value(has)]
@@ -718,29 +693,22 @@ def _extract(solver: cp_model.CpSolver, v: Vars, w: Window, options: Options, st
 class _Reporter(cp_model.CpSolverSolutionCallback):
     """Passes each placement, better bound and final status of one CP-SAT call to `SolverConfig.progress`."""
 
-    def __init__(self, report: Callable[[SolveProgress], None], w: Window, optimize: bool) -> None:
+    def __init__(self, report: Callable[[SolveProgress], None], window: str, optimize: bool) -> None:
         super().__init__()
-        self.report, self.optimize = report, optimize
-        self.window = f"stages {list(w.group.stages)} k={w.k}" + (f" stretch={w.stretch}" if w.stretch else "")
+        self.report, self.window, self.optimize = report, window, optimize
         self.objective: float | None = None
         self.began = time.perf_counter()
 
     def on_solution_callback(self) -> None:
         if self.optimize:
             self.objective = self.objective_value
-        self._send("FEASIBLE", self.objective, self.best_objective_bound if self.optimize else None, False)
+        self.send("FEASIBLE", self.best_objective_bound if self.optimize else None)
 
     def on_bound(self, bound: float) -> None:
-        self._send("FEASIBLE" if self.objective is not None else "UNKNOWN", self.objective, bound, False)
+        self.send("FEASIBLE" if self.objective is not None else "UNKNOWN", bound)
 
-    def finish(self, solver: cp_model.CpSolver, status: str) -> None:
-        found = self.optimize and status in ("OPTIMAL", "FEASIBLE")
-        self._send(
-            status, solver.objective_value if found else None, solver.best_objective_bound if found else None, True
-        )
-
-    def _send(self, status: str, objective: float | None, bound: float | None, done: bool) -> None:
-        self.report(SolveProgress(self.window, status, objective, bound, time.perf_counter() - self.began, done))
+    def send(self, status: str, bound: float | None, done: bool = False) -> None:
+        self.report(SolveProgress(self.window, status, self.objective, bound, time.perf_counter() - self.began, done))
 
 
 CAP_SLACK = 0.99
@@ -775,6 +743,10 @@ def _solve(
         solver.best_bound_callback = reporter.on_bound
     status = solver.solve(model, reporter)
     meter.charge(solver.deterministic_time, solver.wall_time)
+    if reporter is not None:
+        found = reporter.optimize and status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+        reporter.objective = solver.objective_value if found else None
+        reporter.send(solver.status_name(status), solver.best_objective_bound if found else None, done=True)
     return solver, status
 
 

@@ -1,19 +1,13 @@
-"""The PipeFisher paper's greedy first-fit of K-FAC work into bubbles (the baseline and warm start), the stretch
-allowance, and a lower bound on a group's refresh period.
+"""The PipeFisher paper's greedy first-fit into bubbles (baseline and warm start), the stretch allowance, and lower
+bounds on a group's refresh period.
 
-First-fit follows `assign_workloads_to_bubbles` of kazukiosawa/pipe-fisher: per device, tasks in priority order
-(curvature, sync, decomposition; broadcasts after their decomposition) go into the first gap where `duration * 1.05`
-fits, after their dependencies; when something does not fit the window grows by one step, so the number of steps is
-the refresh period. Decompositions go to a stage's copies longest first to the least loaded, APPLY stays after the
-gradient all-reduce, and memory is left to the validator. With a stretch ([Note: stretch] in planner/plan/window.py)
-each k is tried with the whole allowance, then the least stretch first-fit places everything with is bisected
-(feasible, not proven least: first-fit is not monotone in it). `restretch` moves a solution to a longer stretch.
+First-fit follows kazukiosawa/pipe-fisher's `assign_workloads_to_bubbles`: per device, tasks in priority order go into
+the first gap where `duration * 1.05` fits, after their dependencies; a window that does not hold them grows a step.
+Decompositions go to a stage's copies longest first to the least loaded; memory is left to the validator.
 
-The packing bound: `refresh_lower_bound` pours the work into the bubbles like a fluid, but a statistic or
-decomposition piece runs whole inside one bubble, so each bubble holds at most the longest sum of task lengths that
-fits in it (`Packer`), the APPLY slots placed where they leave the most, a collective one task on each of its devices.
-Every simplification only enlarges what a window may hold (releases, memory and the collectives' simultaneity
-ignored, tasks on any device of the group, repeated without limit), so the bound stays valid.
+The packing bound (`packing_lower_bound`) raises the fluid `refresh_lower_bound`: a task runs whole inside one bubble,
+so a bubble holds at most the longest sum of task lengths that fits (`Packer`). Each simplification only enlarges what
+a window may hold (releases, memory and simultaneity ignored), so the bound stays valid.
 """
 
 from __future__ import annotations
@@ -54,8 +48,7 @@ Probe = Callable[[int], tuple[str, GroupSolution | None]]
 
 @dataclass(frozen=True)
 class Allowance:
-    """The stretch a problem allows: `ticks(k)` per step at refresh period k on the grid `scale` shared by every
-    stage group (None: off, each window on its group's own grid)."""
+    """The stretch a problem allows: `ticks(k)` per step at period k on the grid `scale` of all groups (None: off)."""
 
     problem: Problem
     fused: frozenset[str]
@@ -81,8 +74,8 @@ class Allowance:
         resolution: int,
         meter: Budget | None = None,
     ) -> Window:
-        """The window of `group` at period k with `stretch` ticks per step (None: the whole allowance) on this grid,
-        charged to `meter` by its size: its devices' busy intervals and its tasks, a W task twice."""
+        """The window of `group` at period k with `stretch` ticks per step (None: the whole allowance), charged to
+        `meter` by its busy intervals and tasks (a W twice)."""
         w = build_window(
             self.problem,
             group,
@@ -99,16 +92,16 @@ class Allowance:
 
 
 def allowance(problem: Problem, fused: frozenset[str], config: SolverConfig) -> Allowance:
-    """The allowance of `problem` with `fused` layers: on when config.stretch and max_overhead > 0, on one grid for
-    all stages so the groups' stretches are the same seconds."""
+    """The allowance of `problem` with `fused` layers: on (one grid for all stages) when config.stretch and
+    max_overhead > 0."""
     if not (config.stretch and problem.max_overhead > 0):
         return Allowance(problem, fused, None)
     return Allowance(problem, fused, grid_scale(problem, range(problem.num_stages), fused, config.time_resolution))
 
 
 def restretch(solution: GroupSolution, stretch: int) -> GroupSolution:
-    """The same placement in a window with `stretch` >= the solution's: a start in window step j (a chosen broadcast
-    too) moves j * (added ticks) later, so order, overlaps, memory, use offsets and validity hold; devices are kept."""
+    """The same placement at a longer `stretch`: a start in window step j moves j * (added ticks) later, so order,
+    overlaps, memory and use offsets hold."""
     w = solution.window
     delta = stretch - w.stretch
     if delta == 0:
@@ -133,39 +126,35 @@ def restretch(solution: GroupSolution, stretch: int) -> GroupSolution:
     )
 
 
-def _boundary_gaps(window: Window, device: int) -> tuple[int, int]:
-    """(longest idle region of `device` meeting no step boundary, longest meeting one: it grows with the stretch)."""
-    L = window.length
-    bounds = [window.step_start(j) % L for j in range(window.k)]  # each boundary tick
-    inside = across = 0
-    for region in idle_regions(window.fixed[device], L):
-        if any(s <= b <= e or s <= b + L <= e for s, e in region for b in bounds):
-            across = max(across, _span(region))
-        else:
-            inside = max(inside, _span(region))
-    return inside, across
-
-
 def stretch_lower_bound(window: Window) -> int:
-    """Ticks of stretch per step any placement of `window`'s work needs: each task fits one free stretch of its
-    device(s), and all the work (tasks and APPLY) fits the devices' free time."""
-    x, k, n = window.stretch, window.k, len(window.group.devices)
-    gaps = {d: _boundary_gaps(window, d) for d in window.group.devices}
+    """Ticks of stretch per step any placement needs: each task fits one idle region of its device(s) (one meeting a
+    step boundary grows with the stretch), and all the work fits the devices' free time."""
+    x, k, n, L = window.stretch, window.k, len(window.group.devices), window.length
+    bounds = [window.step_start(j) % L for j in range(k)]
+    gaps = {}
+    for d in window.group.devices:  # (longest region meeting no step boundary, longest meeting one)
+        inside = across = 0
+        for region in idle_regions(window.fixed[d], L):
+            if any(s <= b <= e or s <= b + L <= e for s, e in region for b in bounds):
+                across = max(across, _span(region))
+            else:
+                inside = max(inside, _span(region))
+        gaps[d] = inside, across
     need = 0
     for task in window.tasks:
         per_device = [0 if task.ticks <= gaps[d][0] else task.ticks - (gaps[d][1] - x) for d in task.devices]
         need = max(need, min(per_device) if task.kind is TaskKind.INV else max(per_device))
     work = sum(t.ticks * (len(t.devices) if t.kind.collective else 1) for t in window.tasks)
     work += sum(p.ticks for p in window.precs)
-    free = n * window.length - sum(e - s for d in window.group.devices for s, e in window.fixed[d])
+    free = n * L - sum(e - s for d in window.group.devices for s, e in window.fixed[d])
     return max(need, x + math.ceil((work - free) / (k * n)), 0)
 
 
 def bisect_least(
     lower: int, found: GroupSolution, probe: Probe, size: Callable[[GroupSolution], int] = lambda s: s.window.stretch
 ) -> tuple[GroupSolution, bool]:
-    """The placement of least `size` (ticks of stretch, or of a step) `probe` finds in [lower, found's] by bisection,
-    and whether it is proven least (every smaller size probed INFEASIBLE)."""
+    """The placement of least `size` (stretch or step ticks) `probe` finds in [lower, found's] by bisection, and whether
+    it is proven least (every smaller size INFEASIBLE)."""
     lo, hi, best, proven = lower, size(found), found, True
     while lo < hi:
         mid = (lo + hi) // 2
@@ -184,15 +173,15 @@ def first_fits(place: Callable[[int], GroupSolution | None], meter: Budget | Non
 
 
 UNITS_PER_STEP = 2000
-"""The packing table's units per step (task lengths round down to them, bubbles up: it only over-counts)."""
+"""The packing table's units per step (task lengths round down, bubbles up: it only over-counts)."""
 
 MAX_CHOICES = 4096
-"""The most placements of bubble-sharing APPLY slots one bound tries; beyond, those bubbles count idle less slots."""
+"""The most placements of bubble-sharing APPLY slots one bound tries; beyond, bubbles count idle less slots."""
 
 
 class Packer:
-    """The most ticks of tasks (lengths `sizes`, each any number of times) that fit in a bubble; `work` counts its
-    lookups, table cells and slot placements tried (what `packing_lower_bound` charges)."""
+    """The most ticks of tasks (lengths `sizes`, each any number of times) that fit in a bubble; `work` counts the
+    lookups, table cells and slot placements `packing_lower_bound` charges."""
 
     def __init__(self, sizes: Iterable[int], unit: int) -> None:
         if unit < 1:
@@ -228,22 +217,24 @@ def _span(region: Sequence[Interval]) -> int:
     return sum(end - start for start, end in region)
 
 
-def _may_hold(region: Sequence[Interval], slot: PrecSlot, length: int) -> bool:
-    """Whether the bubble `region` is long enough for `slot` and meets the span the slot may run in."""
-    allowed = wrap(slot.release, max(slot.deadline, slot.release + slot.ticks), length)
-    return _span(region) >= slot.ticks and any(a < d and c < b for a, b in region for c, d in allowed)
-
-
 def _device_capacity(window: Window, device: int, packer: Packer) -> int:
-    """The most task ticks the device's bubbles may hold, its APPLY slots where they cost the least."""
-    homes = tuple(  # W's where the schedule runs them: the bound is of the search, which keeps them there
+    """The most task ticks the device's bubbles may hold, its APPLY slots where they cost the least (W's at home)."""
+    homes = tuple(
         wrap(t.home, t.home + t.ticks, window.length)[0]
         for t in window.tasks
         if t.kind is TaskKind.WGRAD and t.home is not None and t.devices[0] == device
     )
     regions = idle_regions(window.fixed[device] + homes, window.length)
     slots = [s for s in window.precs if s.device == device and s.ticks > 0]
-    candidates = [[i for i, r in enumerate(regions) if _may_hold(r, slot, window.length)] for slot in slots]
+    allowed = [wrap(p.release, max(p.deadline, p.release + p.ticks), window.length) for p in slots]
+    candidates = [  # the bubbles long enough for each slot that meet the span it may run in
+        [
+            i
+            for i, r in enumerate(regions)
+            if _span(r) >= p.ticks and any(a < d and c < b for a, b in r for c, d in span)
+        ]
+        for p, span in zip(slots, allowed)
+    ]
     packer.work += len(window.tasks) + len(window.fixed[device]) + len(slots) * len(regions)
     total, seen = 0, set()
     for component in _components(candidates):
@@ -271,8 +262,7 @@ def _best_placement(
     candidates: Sequence[Sequence[int]],
     packer: Packer,
 ) -> int:
-    """The most task ticks of the bubbles `members` with `slots` each in one of its candidates (flush with its
-    bubble's end: one piece holds at least what any split holds)."""
+    """The most task ticks of the bubbles `members` with `slots` each in one of its candidates (flush with an end)."""
     spans = {i: _span(regions[i]) for i in members}
     loose = min(
         sum(packer.packable(s) for s in spans.values()),
@@ -292,7 +282,7 @@ def _best_placement(
 
 
 def _computations(window: Window) -> list[int]:
-    """Ticks of each of the refresh's computations that bubbles must hold: its statistics and decomposition pieces."""
+    """Ticks of each of the refresh's statistics and decomposition pieces."""
     return [t.ticks for t in window.tasks if t.kind in (TaskKind.CURV, TaskKind.INV)]
 
 
@@ -302,8 +292,7 @@ def window_work(window: Window) -> int:
 
 
 def device_loads(window: Window) -> list[int]:
-    """The ticks each task holds a device for: a computation one, a collective one per device (a W none: it holds
-    its place, `_device_capacity`)."""
+    """The ticks each task holds a device for: a collective one per device, a W none (it keeps its place)."""
     return [
         t.ticks
         for t in window.tasks
@@ -313,9 +302,8 @@ def device_loads(window: Window) -> list[int]:
 
 
 def packing_lower_bound(window_at: Callable[[int], Window], lower: int, top: int, meter: Budget | None = None) -> int:
-    """The least refresh period from `lower` to `top` (`top + 1`: none) whose window may hold its refresh's
-    computations whole, and all its tasks (`device_loads`), each counted apart (short collectives would fill the
-    bubbles for the computations). Charged to `meter`; when it runs out, the period reached (still a bound)."""
+    """The least period in [`lower`, `top`] (`top + 1`: none) whose window may hold its computations whole, and apart
+    all its tasks (short collectives would fill the bubbles); charged to `meter`, when out the period reached."""
     packers: tuple[Packer, Packer] | None = None
     found = top + 1
     for k in range(lower, top + 1):
@@ -340,8 +328,8 @@ def group_lower_bound(
     min_k: int = 1,
     meter: Budget | None = None,
 ) -> int:
-    """The least refresh period of `group` in `window_at`'s windows (max_period + 1: none): the fluid bound (at least
-    `min_k`) raised by whole tasks (`packing_lower_bound`, charged to `meter`)."""
+    """The least refresh period of `group` (max_period + 1: none): the fluid bound (at least `min_k`) raised by
+    `packing_lower_bound`."""
     problem = allowance.problem
     fluid = max(min_k, refresh_lower_bound(problem, group, allowance.fused, stretch=allowance.enabled))
     return packing_lower_bound(window_at, fluid, problem.max_period, meter)
@@ -355,8 +343,7 @@ _ORDER = {kind: n for n, kind in enumerate(TaskKind)}
 
 
 class _Gaps:
-    """Free time of one device of a window, beside its fixed work and APPLY slots (at their reference), as sorted
-    [start, end) gaps; `scanned` counts the gaps examined."""
+    """A device's free [start, end) gaps beside its fixed work and APPLY slots; `scanned` counts the gaps examined."""
 
     def __init__(self, window: Window, device: int) -> None:
         slots = tuple((p.reference, p.reference + p.ticks) for p in window.precs if p.device == device and p.ticks > 0)
@@ -401,8 +388,8 @@ def _fit_together(gaps: list[_Gaps], earliest: int, need: int) -> int | None:
 
 
 def _inv_devices(window: Window) -> dict[tuple[str, str], int]:
-    """The device of each factor's decomposition: a stage's factors dealt over their grad workers longest first, each
-    to the least loaded (`Assignment.LPT`: the paper's round robin by layer sent every feed-forward to one copy)."""
+    """Each factor's decomposition device: dealt over its grad workers longest first to the least loaded (LPT: the
+    paper's round robin by layer sent every feed-forward to one copy)."""
     seconds: dict[tuple[str, str], float] = {}
     dealt: dict[tuple[int, tuple[int, ...]], list[tuple[str, str]]] = {}
     for task in window.tasks:
@@ -418,8 +405,8 @@ def _inv_devices(window: Window) -> dict[tuple[str, str], int]:
 
 
 def greedy_window(window: Window, meter: Budget | None = None) -> GroupSolution | None:
-    """Every task of `window` first-fit in priority order (None when one does not fit), charged to `meter` by its
-    tasks, slots and gaps examined ([Note: greedy charge])."""
+    """Every task of `window` first-fit in priority order (None when one does not fit), charged to `meter`
+    ([Note: greedy charge])."""
     gaps = {d: _Gaps(window, d) for d in window.group.devices}
     solution = _place(window, gaps)
     if meter is not None:
@@ -483,8 +470,7 @@ def _place(window: Window, gaps: dict[int, _Gaps]) -> GroupSolution | None:
 
 
 def _spent(meter: Budget | None) -> bool:
-    """Whether `meter`'s time is up on its clock (not the wall-clock net, which stops CP-SAT only): the greedy rule
-    searches no further ([Note: greedy charge])."""
+    """Whether `meter`'s clock is out (not the wall net, which stops CP-SAT only)."""
     return meter is not None and meter.left() <= 0
 
 
@@ -499,10 +485,9 @@ def greedy_group(
     shrink_stretch: bool = True,
     cut: bool = True,
 ) -> GroupSolution:
-    """The paper's rule for one stage group: the least k from the group's lower bound (kept as `k_lower_bound`) to
-    max_period where first-fit places everything with the whole allowance, then (`shrink_stretch`) the least stretch
-    found, all charged to `meter`. PlanError when no k does, or (`cut`) when `meter` runs out first (a candidate's
-    first plan is never cut, so a short limit still plans)."""
+    """The paper's rule for one group: the least k from its lower bound where first-fit places everything with the
+    whole allowance, then (`shrink_stretch`) the least stretch found. PlanError when no k does, or (`cut`) when
+    `meter` runs out first (a candidate's first plan is never cut, so a short limit still plans)."""
     began, problem = time.perf_counter(), allowance.problem
 
     @functools.cache
@@ -534,8 +519,7 @@ def greedy_group(
 def _least_stretch(
     found: GroupSolution, lower: int, window_of: Callable[[int], Window], meter: Budget | None, cut: bool
 ) -> GroupSolution:
-    """The least stretch first-fit finds in `window_of`'s windows from `lower` to found's (`cut`: until `meter` runs
-    out)."""
+    """The least stretch first-fit finds from `lower` to found's (`cut`: until `meter` runs out)."""
     probe = first_fits(lambda stretch: greedy_window(window_of(stretch), meter), meter if cut else None)
     return bisect_least(lower, found, probe)[0]
 
@@ -543,9 +527,8 @@ def _least_stretch(
 def greedy_overhead(
     group: StageGroup, allowance: Allowance, *, stats_chunk: int, resolution: int, meter: Budget
 ) -> tuple[int, GroupSolution | None]:
-    """The stretch the group's work needs at max_period whatever max_overhead says (for a refusal's hint): (ticks any
-    plan needs, first-fit's solution with the least stretch found, None when none within 10 reference steps does
-    before `meter` runs out), on `allowance`'s grid."""
+    """For a refusal's hint, the stretch the group needs at max_period whatever max_overhead says: (ticks any plan
+    needs, first-fit's least-stretch solution or None when none within 10 reference steps is found in time)."""
     assert allowance.scale is not None, "greedy_overhead needs an allowance with a grid"
     problem = allowance.problem
     most = math.floor(10 * step_timeline(problem).length * allowance.scale[0])
