@@ -242,8 +242,8 @@ optimizing and joint solves keep the default."""
 
 @dataclass
 class Vars:
-    """The model and its variables by task and slot, the option literals and, where a layer has several options, each
-    (layer, part)'s BCAST (start, pos, has, end), its stage's slot ticks and each device's optional BCASTs."""
+    """The model, its variables by task and slot, the option literals and, where a layer chooses, each (layer, part)'s
+    BCAST (start, pos, has, end), its stage's slot ticks and each device's optional BCASTs."""
 
     model: cp_model.CpModel
     start: list[cp_model.IntVar] = field(default_factory=list)
@@ -312,9 +312,8 @@ def add_tasks(v: Vars, w: Window, free_w: bool = True) -> None:
 
 
 def add_precedences(v: Vars, w: Window) -> None:
-    """Per factor curvature (or the W's folding it), sync, decomposition, broadcast in order, all done before the
-    next refresh (L later) needs its buffers; a deferred output gradient's curvature after the W making it
-    (`w_makers`); a decomposition's pieces in order on one rank; a refresh the next warm-starts from done first."""
+    """Per factor curvature (or its W), sync, decomposition, broadcast in order, done before the next refresh (L later)
+    needs the buffers; a deferred curvature after its W (`w_makers`); pieces in order on one rank; `warm_starts`."""
     L, m = w.length, v.model
     by_factor: dict[tuple[str, str], dict[TaskKind, list[int]]] = {}
     for i, task in enumerate(w.tasks):
@@ -370,11 +369,10 @@ def placed_tasks(w: Window, options: Options) -> tuple[Task, ...]:
 
 
 def _add_choices(v: Vars, w: Window, options: Options) -> None:
-    """The option literals: a DECOMP only on a rank of its layer's chosen column; per (layer, part) one start for the
-    chosen option's BCAST, an optional interval per option on its column's ranks, after the part's DECOMP and before
-    the next refresh's first."""
+    """The option literals: a DECOMP only on a rank of its chosen column; per (layer, part) one start of the chosen
+    BCAST, an optional interval per option on its ranks, after the part's DECOMP, before the next refresh's first."""
     m, L = v.model, w.length
-    v.lits = literals(m, options) if chooses(options, options) else {}  # a model without a choice has no literal
+    v.lits = literals(m, options) if chooses(options, options) else {}
     for i, task in enumerate(w.tasks):
         if task.kind is TaskKind.INV and chooses(options, [task.factors[0][0]]):
             layer = task.factors[0][0]
@@ -411,10 +409,9 @@ def _add_choices(v: Vars, w: Window, options: Options) -> None:
 
 
 def _add_slots(v: Vars, w: Window, options: Options) -> None:
-    """Every slot on its device: the window's own where its stage's distributions are fixed (an empty one holds no
-    interval: no-overlap takes a zero interval for a point nothing may hold), else as long as its stage's options make
-    it (within its room), the reference slot from the all-reduce end within the window's step; copies start a sharing
-    slot together (`PrecSlot.shares`)."""
+    """Every slot on its device: the window's own where its stage's options are fixed (an empty one no interval: a zero
+    interval is a point nothing may hold), else as long as the options make it, within its room and the window's
+    step; copies start a sharing slot together (`PrecSlot.shares`)."""
     m, L, timeline = v.model, w.length, step_timeline(w.problem)
     bound = ns((w.offsets[1] + 0.5) / w.scale) - min(1000, round(NS / w.scale / 4))
     starts: dict[int, cp_model.IntVar] = {}
@@ -794,11 +791,11 @@ def literals(m: cp_model.CpModel, options: Options) -> dict[str, list[cp_model.I
     """One Boolean per option of every layer, exactly one true per layer (a layer's one option: the constant 1)."""
     lits = {}
     for name, opts in options.items():
-        if len(opts) == 1:
-            lits[name] = [m.new_constant(1)]
-            continue
-        lits[name] = [m.new_bool_var(f"opt_{name}_{i}") for i in range(len(opts))]
-        m.add_exactly_one(lits[name])
+        lits[name] = (
+            [m.new_bool_var(f"opt_{name}_{i}") for i in range(len(opts))] if len(opts) > 1 else [m.new_constant(1)]
+        )
+        if len(opts) > 1:
+            m.add_exactly_one(lits[name])
     return lits
 
 
@@ -853,13 +850,10 @@ def least_step(
 ) -> dict[str, LayerDistribution] | None:
     """The free stages' distributions of least reference step within memory, then of least DECOMP seconds on any
     rank (KAISA's balance); None when none meets the budget or none was found in time."""
-    fixed_end = step_fixed_end(problem, free)
-    m = cp_model.CpModel()
+    m, timeline, top = cp_model.CpModel(), step_timeline(problem), ns(step_fixed_end(problem, free))
     options = options_of(problem, range(problem.num_stages), free)
     lits = literals(m, options)
-    timeline = step_timeline(problem)
-    ends: list[cp_model.LinearExprT] = [ns(fixed_end)]
-    top = ns(fixed_end)
+    ends: list[cp_model.LinearExprT] = [top]
     for s in sorted(free):
         need, most = slot_need(m, s, problem, lits, options, ns, f"s{s}")
         release = ns(timeline.allreduce_end[problem.holders[s][0], s])
@@ -877,9 +871,8 @@ def least_step(
         return None
     least = solver.value(step)
     m.add(step <= least)
-    for x in lits.values():
-        for lit in x:
-            m.add_hint(lit, solver.boolean_value(lit))
+    for lit in (x for xs in lits.values() for x in xs):
+        m.add_hint(lit, solver.boolean_value(lit))
     load = m.new_int_var(0, sum(ns(x.inv) for x in problem.costs.layers), "load")
     for d in problem.devices:  # decomposition ns on rank d: each layer's shared by its grad workers
         work = [

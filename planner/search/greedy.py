@@ -422,44 +422,33 @@ def _place(window: Window, gaps: dict[int, _Gaps]) -> GroupSolution | None:
         for x in window.problem.costs.stages[s].layers
         for j, p in enumerate(x.parts)
     }
-    starts, devices = [0] * len(window.tasks), [0] * len(window.tasks)
+    tasks, makers, inv_device = window.tasks, w_makers(window), _inv_devices(window)
+    starts, devices = [0] * len(tasks), [0] * len(tasks)
     done: dict[tuple[str, str], int] = {}  # factor -> end of its latest placed task
-    for i, task in enumerate(window.tasks):  # the W's first, where the schedule runs them ([Note: placed W])
+    ws = [i for i, task in enumerate(tasks) if task.kind is TaskKind.WGRAD]  # first, at home ([Note: placed W])
+    rest = (i for i, task in enumerate(tasks) if task.kind is not TaskKind.WGRAD)
+    for i in ws + sorted(rest, key=lambda i: (_ORDER[tasks[i].kind], rank[tasks[i].side], tasks[i].release, i)):
+        task = tasks[i]
         if task.kind is TaskKind.WGRAD:
             assert task.home is not None and task.deadline is not None, "a W task has a home and a deadline"
-            gap = gaps[task.devices[0]]
-            at_home = gap.first_fit(task.home, task.ticks) == task.home
-            start = task.home if at_home else gap.first_fit(task.release, task.ticks)
-            if start is None or start + task.ticks > task.deadline:
-                return None
-            gap.occupy(start, task.ticks)
-            starts[i], devices[i] = start, task.devices[0]
-            for f in task.factors:
-                done[f] = max(done.get(f, 0), start + task.ticks)
-    order = sorted(
-        (i for i, task in enumerate(window.tasks) if task.kind is not TaskKind.WGRAD),
-        key=lambda i: (_ORDER[window.tasks[i].kind], rank[window.tasks[i].side], window.tasks[i].release, i),
-    )
-    inv_device = _inv_devices(window)
-    made: dict[int, int] = {}  # a deferred output gradient's curvature waits for the W's making it
-    for w, c in w_makers(window):
-        made[c] = max(made.get(c, 0), starts[w] + window.tasks[w].ticks)
-    for i in order:
-        task = window.tasks[i]
-        key = task.factors[0]
-        after = made.get(i, 0) if task.kind is TaskKind.CURV else max((done.get(f, 0) for f in task.factors), default=0)
-        members = [inv_device[key]] if task.kind is TaskKind.INV else list(task.devices)
-        slot = window.precs[window.slot(members[0], task.stage)] if task.after_slot else None
-        release = slot.reference + slot.ticks if slot is not None else 0  # a gradient-fed part after its APPLY slot
-        earliest = max(after, release, window.earliest(task))
-        need = math.ceil(task.ticks * (1 + MARGIN))
-        start = _fit_together([gaps[d] for d in members], earliest, need)
+            members, gap = [task.devices[0]], gaps[task.devices[0]]
+            home = gap.first_fit(task.home, task.ticks) == task.home
+            start = task.home if home else gap.first_fit(task.release, task.ticks)
+            start = None if start is None or start + task.ticks > task.deadline else start
+        else:
+            members = [inv_device[task.factors[0]]] if task.kind is TaskKind.INV else list(task.devices)
+            made = (starts[w] + tasks[w].ticks for w, c in makers if c == i)  # a deferred curvature waits for its W
+            after = max(made if task.kind is TaskKind.CURV else (done.get(f, 0) for f in task.factors), default=0)
+            slot = window.precs[window.slot(members[0], task.stage)] if task.after_slot else None
+            release = slot.reference + slot.ticks if slot is not None else 0  # a gradient-fed part after its slot
+            earliest = max(after, release, window.earliest(task))
+            start = _fit_together([gaps[d] for d in members], earliest, math.ceil(task.ticks * (1 + MARGIN)))
         if start is None:
             return None
         for d in members:
             gaps[d].occupy(start, task.ticks)
         starts[i] = start
-        devices[i] = members[0] if task.kind is not TaskKind.BCAST else inv_device[key]
+        devices[i] = inv_device[task.factors[0]] if task.kind is TaskKind.BCAST else members[0]
         for f in task.factors:
             done[f] = max(done.get(f, 0), start + task.ticks)
     if any(starts[i] + done_by(window.tasks[i]) > starts[f] + window.length for i, f in warm_starts(window)):
