@@ -281,24 +281,9 @@ def _best_placement(
     return best
 
 
-def _computations(window: Window) -> list[int]:
-    """Ticks of each of the refresh's statistics and decomposition pieces."""
-    return [t.ticks for t in window.tasks if t.kind in (TaskKind.CURV, TaskKind.INV)]
-
-
 def window_work(window: Window) -> int:
-    """Ticks of the refresh's computations (the same under every distribution of a layer)."""
-    return sum(_computations(window))
-
-
-def device_loads(window: Window) -> list[int]:
-    """The ticks each task holds a device for: a collective one per device, a W none (it keeps its place)."""
-    return [
-        t.ticks
-        for t in window.tasks
-        if t.kind is not TaskKind.WGRAD
-        for _ in (t.devices if t.kind.collective else (0,))
-    ]
+    """Ticks of the refresh's statistics and decomposition pieces (the same under every distribution of a layer)."""
+    return sum(t.ticks for t in window.tasks if t.kind in (TaskKind.CURV, TaskKind.INV))
 
 
 def packing_lower_bound(window_at: Callable[[int], Window], lower: int, top: int, meter: Budget | None = None) -> int:
@@ -308,10 +293,12 @@ def packing_lower_bound(window_at: Callable[[int], Window], lower: int, top: int
     found = top + 1
     for k in range(lower, top + 1):
         window = window_at(k)
-        loads = device_loads(window)
+        tasks = [t for t in window.tasks if t.kind is not TaskKind.WGRAD]  # a W keeps its place
+        loads = [t.ticks for t in tasks for _ in (t.devices if t.kind.collective else (0,))]  # a collective on each
         if packers is None:
             unit = max(1, window.offsets[1] // UNITS_PER_STEP)
-            packers = Packer(_computations(window), unit), Packer(loads, unit)
+            computations = [t.ticks for t in tasks if t.kind in (TaskKind.CURV, TaskKind.INV)]
+            packers = Packer(computations, unit), Packer(loads, unit)
         capacity = [sum(_device_capacity(window, d, packer) for d in window.group.devices) for packer in packers]
         if window_work(window) <= capacity[0] and sum(loads) <= capacity[1] or _spent(meter):
             found = k  # with no time left, k: every smaller period was ruled out, so it still bounds
