@@ -236,8 +236,7 @@ _FEW_WORKER_SUBSOLVERS = ("quick_restart_no_lp", "default_lp")
 """With few workers quick_restart_no_lp first: it places Chimera windows where default_lp alone finds none in time."""
 
 FEASIBILITY_PROBING_LEVEL = 0
-"""CP-SAT's presolve probing (default 2) for a feasibility probe, whose budget probing spent before any search;
-optimizing and joint solves keep the default."""
+"""CP-SAT's presolve probing (default 2) for a fixed-strategy feasibility probe, whose budget probing spent first."""
 
 
 @dataclass
@@ -355,8 +354,7 @@ def stages_choose(w: Window, options: Options, stages: Iterable[int]) -> bool:
 
 
 def placed_tasks(w: Window, options: Options) -> tuple[Task, ...]:
-    """The window's tasks but the BCAST of a layer with several options (placed per option), each DECOMP on any rank
-    an option allows."""
+    """The window's tasks but a choosing layer's BCASTs (placed per option), each DECOMP on any rank an option has."""
     out = []
     for task in w.tasks:
         if task.kind is TaskKind.BCAST and chooses(options, [task.factors[0][0]]):
@@ -409,9 +407,8 @@ def _add_choices(v: Vars, w: Window, options: Options) -> None:
 
 
 def _add_slots(v: Vars, w: Window, options: Options) -> None:
-    """Every slot on its device: the window's own where its stage's options are fixed (an empty one no interval: a zero
-    interval is a point nothing may hold), else as long as the options make it, within its room and the window's
-    step; copies start a sharing slot together (`PrecSlot.shares`)."""
+    """Every slot on its device: the window's own where its stage's options are fixed (an empty one no interval), else
+    as long as the options make it within its room and the step; copies start a sharing slot together."""
     m, L, timeline = v.model, w.length, step_timeline(w.problem)
     bound = ns((w.offsets[1] + 0.5) / w.scale) - min(1000, round(NS / w.scale / 4))
     starts: dict[int, cp_model.IntVar] = {}
@@ -575,8 +572,7 @@ def break_layer_symmetry(v: Vars, w: Window) -> None:
 def _build(
     w: Window, options: Options, optimize: bool, break_symmetry: bool = True, *, free_w: bool = True
 ) -> tuple[Vars, Window]:
-    """The window's model with each layer's `options` (one: the window's own distribution; `optimize`: least
-    staleness) and the window of the tasks it places (`placed_tasks`)."""
+    """The window's model with each layer's `options` (`optimize`: least staleness) and the window it places."""
     v = Vars(cp_model.CpModel(), intervals_of_device={d: [] for d in w.group.devices})
     placed = replace(w, tasks=placed_tasks(w, options))
     for d in placed.group.devices:  # the fixed work: F/B, gradient all-reduces, step boundaries

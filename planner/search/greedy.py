@@ -92,8 +92,7 @@ class Allowance:
 
 
 def allowance(problem: Problem, fused: frozenset[str], config: SolverConfig) -> Allowance:
-    """The allowance of `problem` with `fused` layers: on (one grid for all stages) when config.stretch and
-    max_overhead > 0."""
+    """`problem`'s allowance: on (one grid for all stages) when config.stretch and max_overhead > 0."""
     if not (config.stretch and problem.max_overhead > 0):
         return Allowance(problem, fused, None)
     return Allowance(problem, fused, grid_scale(problem, range(problem.num_stages), fused, config.time_resolution))
@@ -188,10 +187,8 @@ class Packer:
             raise ValueError(f"a packing unit is at least one tick, got {unit}")
         self.unit = unit
         by_weight: dict[int, int] = {}
-        for size in sizes:
-            if size > 0:
-                weight = size // unit
-                by_weight[weight] = max(by_weight.get(weight, 0), size)
+        for size in (x for x in sizes if x > 0):
+            by_weight[size // unit] = max(by_weight.get(size // unit, 0), size)
         self.free = 0 in by_weight  # some task is shorter than a unit: every bubble counts as full
         self.items = sorted(by_weight.items())
         self._best = [0]
@@ -315,8 +312,7 @@ def group_lower_bound(
     min_k: int = 1,
     meter: Budget | None = None,
 ) -> int:
-    """The least refresh period of `group` (max_period + 1: none): the fluid bound (at least `min_k`) raised by
-    `packing_lower_bound`."""
+    """The least refresh period of `group` (max_period + 1: none): the fluid bound raised by the packing bound."""
     problem = allowance.problem
     fluid = max(min_k, refresh_lower_bound(problem, group, allowance.fused, stretch=allowance.enabled))
     return packing_lower_bound(window_at, fluid, problem.max_period, meter)
@@ -385,15 +381,12 @@ def _inv_devices(window: Window) -> dict[tuple[str, str], int]:
             if key not in seconds:
                 dealt.setdefault((task.stage, task.devices), []).append(key)
             seconds[key] = seconds.get(key, 0.0) + sum(task.seconds)
-    out: dict[tuple[str, str], int] = {}
-    for (_, devices), factors in dealt.items():
-        out |= assign_decompositions(factors, devices, Assignment.LPT, seconds)
-    return out
+    lpt = [assign_decompositions(factors, devices, Assignment.LPT, seconds) for (_, devices), factors in dealt.items()]
+    return {key: device for dealing in lpt for key, device in dealing.items()}
 
 
 def greedy_window(window: Window, meter: Budget | None = None) -> GroupSolution | None:
-    """Every task of `window` first-fit in priority order (None when one does not fit), charged to `meter`
-    ([Note: greedy charge])."""
+    """Every task first-fit in priority order (None: one does not fit), charged to `meter` ([Note: greedy charge])."""
     gaps = {d: _Gaps(window, d) for d in window.group.devices}
     solution = _place(window, gaps)
     if meter is not None:
@@ -461,9 +454,8 @@ def greedy_group(
     shrink_stretch: bool = True,
     cut: bool = True,
 ) -> GroupSolution:
-    """The paper's rule for one group: the least k from its lower bound where first-fit places everything with the
-    whole allowance, then (`shrink_stretch`) the least stretch found. PlanError when no k does, or (`cut`) when
-    `meter` runs out first (a candidate's first plan is never cut, so a short limit still plans)."""
+    """The paper's rule for one group: the least k where first-fit places everything with the whole allowance, then
+    (`shrink_stretch`) the least stretch; PlanError when no k does, or (`cut`) when `meter` runs out first."""
     began, problem = time.perf_counter(), allowance.problem
 
     @functools.cache
