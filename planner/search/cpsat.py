@@ -318,7 +318,6 @@ def add_precedences(v: Vars, w: Window) -> None:
     for i, task in enumerate(w.tasks):
         for f in task.factors:
             by_factor.setdefault(f, {}).setdefault(task.kind, []).append(i)
-    for i, task in enumerate(w.tasks):
         if task.kind is TaskKind.CURV:
             m.add(v.start[i] + task.ticks <= task.release + L)
     for kinds in by_factor.values():
@@ -652,11 +651,8 @@ def solve_window(
         probing = None if optimize or joint else FEASIBILITY_PROBING_LEVEL
         solver, code = _solve(v.model, config, meter, limit, probing=probing, reporter=reporter)
         status = solver.status_name(code)
-        if (
-            meter.deterministic
-            and status not in ("OPTIMAL", "INFEASIBLE")
-            and solver.deterministic_time < limit * CAP_SLACK
-        ):
+        unproven = status not in ("OPTIMAL", "INFEASIBLE")
+        if meter.deterministic and unproven and solver.deterministic_time < limit * CAP_SLACK:
             meter.note_capped(where)
         if status != "INFEASIBLE":
             break
