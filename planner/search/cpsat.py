@@ -866,14 +866,13 @@ def least_step(
     for lit in (x for xs in lits.values() for x in xs):
         m.add_hint(lit, solver.boolean_value(lit))
     load = m.new_int_var(0, sum(ns(x.inv) for x in problem.costs.layers), "load")
+    shares = [
+        (o.workers, ns(problem.costs.layer(n).inv / len(o.workers)) * lit)
+        for n in options
+        for o, lit in zip(options[n], lits[n])
+    ]
     for d in problem.devices:  # decomposition ns on rank d: each layer's shared by its grad workers
-        work = [
-            ns(problem.costs.layer(n).inv / len(o.workers)) * lit
-            for n, opts in options.items()
-            for o, lit in zip(opts, lits[n])
-            if d in o.workers
-        ]
-        m.add(load >= sum(work))
+        m.add(load >= sum(work for workers, work in shares if d in workers))
     m.minimize(load)
     balanced, status = _solve(m, config, meter, time_limit / 2)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):

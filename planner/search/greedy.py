@@ -23,7 +23,6 @@ from dataclasses import dataclass, replace
 from fxkfac.planner.plan.solution import GroupSolution, use_offsets
 from fxkfac.planner.plan.window import (
     Interval,
-    PrecSlot,
     TaskKind,
     Window,
     build_window,
@@ -234,11 +233,27 @@ def _device_capacity(window: Window, device: int, packer: Packer) -> int:
     ]
     packer.work += len(window.tasks) + len(window.fixed[device]) + len(slots) * len(regions)
     total, seen = 0, set()
-    for component in _components(candidates):
+    for component in _components(candidates):  # slots sharing bubbles: each placement tried, flush with an end
         members = {i for j in component for i in candidates[j]}
         seen |= members
-        chosen = [slots[j] for j in component], [candidates[j] for j in component]
-        total += _best_placement(regions, members, *chosen, packer)
+        spans = {i: _span(regions[i]) for i in members}
+        loose = min(
+            sum(packer.packable(s) for s in spans.values()),
+            sum(spans.values()) - sum(slots[j].ticks for j in component),
+        )
+        choices = [candidates[j] for j in component]
+        if not all(choices) or math.prod(map(len, choices)) > MAX_CHOICES:
+            total += max(0, loose)
+            continue
+        best = 0
+        packer.work += math.prod(map(len, choices)) * len(members)
+        for choice in itertools.product(*choices):
+            load = dict.fromkeys(members, 0)
+            for j, i in zip(component, choice):
+                load[i] += slots[j].ticks
+            if all(load[i] <= spans[i] for i in members):
+                best = max(best, sum(packer.packable(spans[i] - load[i]) for i in members))
+        total += best
     return total + sum(packer.packable(_span(r)) for i, r in enumerate(regions) if i not in seen)
 
 
@@ -250,32 +265,6 @@ def _components(candidates: Sequence[Sequence[int]]) -> list[list[int]]:
         merged = (set(regions).union(*(g[0] for g in joined)), [x for g in joined for x in g[1]] + [j])
         groups = [g for g in groups if g not in joined] + [merged]
     return sorted(sorted(slots) for _, slots in groups)
-
-
-def _best_placement(
-    regions: Sequence[Sequence[Interval]],
-    members: set[int],
-    slots: Sequence[PrecSlot],
-    candidates: Sequence[Sequence[int]],
-    packer: Packer,
-) -> int:
-    """The most task ticks of the bubbles `members` with `slots` each in one of its candidates (flush with an end)."""
-    spans = {i: _span(regions[i]) for i in members}
-    loose = min(
-        sum(packer.packable(s) for s in spans.values()),
-        sum(spans.values()) - sum(s.ticks for s in slots),
-    )
-    if not all(candidates) or math.prod(len(c) for c in candidates) > MAX_CHOICES:
-        return max(0, loose)
-    best = 0
-    packer.work += math.prod(len(c) for c in candidates) * len(members)
-    for choice in itertools.product(*candidates):
-        load = dict.fromkeys(members, 0)
-        for slot, i in zip(slots, choice):
-            load[i] += slot.ticks
-        if all(load[i] <= spans[i] for i in members):
-            best = max(best, sum(packer.packable(spans[i] - load[i]) for i in members))
-    return best
 
 
 def window_work(window: Window) -> int:
