@@ -3,10 +3,10 @@ tasks (planner.plan.window) modulo its length L, NoOverlap per device beside the
 activations and kept a/e; `solve_window` finds any placement or the least staleness.
 
 [Note: joint strategy] The model gets every layer's options (KAISA distributions) and chooses them while it places:
-one Boolean per option (the constant 1 for a forced strategy's one). Options move the fixed work only on
-`timeline_stages`, which keep one option set per solve; elsewhere only the step's end (`reference_step`). `least_step`
-finds the least step within static memory; each group is placed at it plus the stretch, then `transfer`red into
-`Problem.with_distributions(...)`'s own window.
+one Boolean per option (a forced strategy: one option, the constant 1). Options move the fixed work only on
+`timeline_stages` (Chimera's first stage per device, interleaved's first chunk), which keep one option set per solve;
+elsewhere only the step's end (`reference_step`). `least_step` finds the least step within static memory; each group
+is placed at it plus the stretch, then `transfer`red into `Problem.with_distributions(...)`'s own window.
 
 [Note: no twin intervals] A model never holds two equal interval constraints (`constant_interval`): OR-Tools 9.15's
 presolve merges twins and may raise `IndexError: raw_hash_map<>::at` instead of INFEASIBLE (test_cpsat_twins.py).
@@ -80,6 +80,7 @@ class Option:
 
     @staticmethod
     def of(problem: Problem, layer: str, where: LayerDistribution) -> Option:
+        """`layer` distributed as `where`."""
         stage, cost = problem.costs.stage_of(layer), problem.costs.layer(layer)
         copies = problem.holders[stage]
         workers = grad_workers(copies, where)

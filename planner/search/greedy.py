@@ -3,7 +3,8 @@ bounds on a group's refresh period.
 
 First-fit follows kazukiosawa/pipe-fisher's `assign_workloads_to_bubbles`: per device, tasks in priority order go into
 the first gap where `duration * 1.05` fits, after their dependencies; a window that does not hold them grows a step.
-Decompositions go to a stage's copies longest first to the least loaded; memory is left to the validator.
+Decompositions go to a stage's copies longest first to the least loaded; memory is left to the validator. The least
+stretch is then bisected (not proven least: first-fit is not monotone in it).
 
 The packing bound (`packing_lower_bound`) raises the fluid `refresh_lower_bound`: a task runs whole inside one bubble,
 so a bubble holds at most the longest sum of task lengths that fits (`Packer`). Each simplification only enlarges what
