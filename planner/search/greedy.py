@@ -339,25 +339,21 @@ class _Gaps:
         for i, (s, e) in enumerate(self.gaps):
             if s <= start and start + ticks <= e:
                 self.scanned += i + 1
-                pieces = [[s, start]] if start > s else []
-                pieces += [[start + ticks, e]] if start + ticks < e else []
-                self.gaps[i : i + 1] = pieces
+                self.gaps[i : i + 1] = [g for g in ([s, start], [start + ticks, e]) if g[0] < g[1]]
                 return
         raise AssertionError(f"[{start}, {start + ticks}) is not free")
 
 
 def _fit_together(gaps: list[_Gaps], earliest: int, need: int) -> int | None:
     """The earliest start where every device in `gaps` has `need` free ticks at once."""
-    t = earliest
-    while True:
+    t: int | None = earliest
+    while t is not None:
         fits = [g.first_fit(t, need) for g in gaps]
-        starts = [s for s in fits if s is not None]
-        if len(starts) < len(fits):
-            return None
-        latest = max(starts)
+        latest = None if None in fits else max(s for s in fits if s is not None)
         if latest == t:
             return t
         t = latest
+    return None
 
 
 def _inv_devices(window: Window) -> dict[tuple[str, str], int]:
