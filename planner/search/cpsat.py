@@ -135,9 +135,7 @@ def layer_options(problem: Problem, layer: str) -> tuple[LayerDistribution, ...]
     out = [LayerDistribution()]
     if problem.streaming is not None and layer in problem.streaming.layers:
         return tuple(out)
-    for g in range(H - 1, 0, -1):
-        if H % g:
-            continue
+    for g in (g for g in range(H - 1, 0, -1) if H % g == 0):  # grad workers per column
         strategy = Strategy(StrategyKind.MEM_OPT) if g == 1 else Strategy(StrategyKind.HYBRID, Fraction(g, H))
         out += [LayerDistribution(strategy, column) for column in range(H // g)]
     return tuple(out)

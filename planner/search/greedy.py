@@ -103,10 +103,9 @@ def restretch(solution: GroupSolution, stretch: int) -> GroupSolution:
     overlaps, memory and use offsets hold."""
     w = solution.window
     delta = stretch - w.stretch
+    assert delta >= 0, f"restretch only lengthens: {w.stretch} -> {stretch}"
     if delta == 0:
         return solution
-    if delta < 0:
-        raise AssertionError(f"restretch only lengthens: {w.stretch} -> {stretch}")
     new = build_window(
         w.problem, w.group, w.k, w.fused, stats_chunk=w.stats_chunk, stretch=stretch, scale=(w.scale, w.exact)
     )
