@@ -431,12 +431,8 @@ def _add_slots(v: Vars, w: Window, options: Options) -> None:
         ticks = m.new_int_var(1, room, f"slot_ticks_s{s}")
         m.add_min_equality(ticks, [need, room])
         v.slot_ticks[s] = ticks
-        sharing = [
-            lit
-            for x in w.problem.costs.stages[s].layers
-            for o, lit in zip(options[x.name], v.lits[x.name])
-            if not o.comm_opt
-        ]
+        layers = [x.name for x in w.problem.costs.stages[s].layers]
+        sharing = [lit for n in layers for o, lit in zip(options[n], v.lits[n]) if not o.comm_opt]
         shares = m.new_bool_var(f"shares_s{s}")
         m.add_bool_or(sharing or [m.new_constant(0)]).only_enforce_if(shares)
         for lit in sharing:
@@ -823,13 +819,12 @@ def static_bytes(
     base = sum(2 * problem.costs.stages[s].param_bytes for s in stages)
     base += max((problem.costs.stages[s].peak_err_bytes for s in stages), default=0)
     kept, buffers = [], []
-    for s in stages:
-        for x in problem.costs.stages[s].layers:
-            for option, lit in zip(options[x.name], lits[x.name]):
-                held, shared = held_bytes(problem, device, x.name, option.where)
-                kept.append(held * lit)
-                if shared:
-                    buffers.append((shared, lit))
+    for layer in (x.name for s in stages for x in problem.costs.stages[s].layers):
+        for option, lit in zip(options[layer], lits[layer]):
+            held, shared = held_bytes(problem, device, layer, option.where)
+            kept.append(held * lit)
+            if shared:
+                buffers.append((shared, lit))
     largest = m.new_int_var(0, max((b for b, _ in buffers), default=0), f"shared_r{device}")
     for nbytes, lit in buffers:
         m.add(largest >= nbytes * lit)
